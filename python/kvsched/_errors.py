@@ -1,0 +1,54 @@
+"""The exception hierarchy shared by the Rust scheduler and the pure-Python reference.
+
+Every error a caller can provoke is a :class:`SchedulerError`. Each subclass also derives from the standard
+exception that fits, so ``except ValueError`` / ``except KeyError`` / ``except TypeError`` work as expected.
+The Rust extension raises these very classes (it imports this module), so there is one hierarchy, not two.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DuplicateRequestError",
+    "InternalError",
+    "InvalidConfigError",
+    "InvalidOutputError",
+    "InvalidRequestError",
+    "SchedulerError",
+    "SchedulerTypeError",
+    "UnknownRequestError",
+]
+
+
+class SchedulerError(Exception):
+    """Base class of every error raised by a kvsched scheduler."""
+
+
+class InvalidConfigError(SchedulerError, ValueError):
+    """A :class:`~kvsched.SchedulerConfig` field has a bad value."""
+
+
+class InvalidRequestError(SchedulerError, ValueError):
+    """``add_request`` got a bad argument (empty or over-long prompt, bad token id, bad sampling limits...)."""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """``add_request`` got an id that the scheduler already knows."""
+
+
+class UnknownRequestError(SchedulerError, KeyError):
+    """An id that the scheduler does not know (never added, or already finished)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidOutputError(SchedulerError, ValueError):
+    """``update_from_output`` got tokens that do not answer the step (misaligned, stale, applied twice...)."""
+
+
+class SchedulerTypeError(SchedulerError, TypeError):
+    """An argument of the wrong type (a float token, a 2-D array, a non-str id...)."""
+
+
+class InternalError(SchedulerError, RuntimeError):
+    """A bug in kvsched itself (an internal invariant failed). Please report it."""

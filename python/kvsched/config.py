@@ -1,0 +1,91 @@
+"""Scheduler configuration, validated on construction.
+
+The same :class:`SchedulerConfig` drives the Rust scheduler and the pure-Python reference; the Rust core checks
+the values again on its side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from ._errors import InvalidConfigError
+
+__all__ = ["POLICIES", "PREFIX_HASH_ALGOS", "SchedulerConfig"]
+
+POLICIES = ("fcfs", "priority")
+PREFIX_HASH_ALGOS = ("xxh3_128", "sha256")
+_I32_MAX = 2**31 - 1
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int = _I32_MAX) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if not minimum <= value <= maximum:
+        raise InvalidConfigError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Configuration of a :class:`~kvsched.Scheduler` (field names follow vLLM).
+
+    See ``docs/semantics.md`` for what each field does.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    num_lookahead_tokens: int = 0
+    prefix_hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
+    prefix_hash_seed: int | str | bytes | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1, 1024)
+        if self.block_size & (self.block_size - 1):
+            raise InvalidConfigError(f"block_size must be a power of two, got {self.block_size}")
+        _check_int("num_blocks", self.num_blocks, 2)
+        if self.num_blocks * self.block_size > _I32_MAX:
+            raise InvalidConfigError(
+                f"num_blocks * block_size must fit in int32 slot ids, got {self.num_blocks} * {self.block_size}"
+            )
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 2)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _check_int("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)
+        if self.policy not in POLICIES:
+            raise InvalidConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.prefix_hash_algo not in PREFIX_HASH_ALGOS:
+            raise InvalidConfigError(
+                f"prefix_hash_algo must be one of {PREFIX_HASH_ALGOS}, got {self.prefix_hash_algo!r}"
+            )
+        seed = self.prefix_hash_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
+            raise InvalidConfigError(f"prefix_hash_seed must be None, an int, a str or bytes, got {seed!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise InvalidConfigError(
+                "with enable_chunked_prefill=False, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}), "
+                "or a long prompt could never be scheduled"
+            )
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that requests can hold (block 0 is the reserved null block)."""
+        return self.num_blocks - 1
+
+    def max_blocks_per_request(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

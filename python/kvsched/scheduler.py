@@ -1,0 +1,104 @@
+"""The public :class:`Scheduler`: the Rust core with a Python-built config.
+
+The hot path (``schedule``, ``update_from_output``, ``prepare_model_inputs``) goes straight to Rust; this
+subclass only builds the config, wraps statuses and stats in Python types, and owns the rate-limited
+preemption warning that the core reports after a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import _core
+from ._errors import SchedulerTypeError
+from ._types import RequestStatus
+from .config import SchedulerConfig
+
+__all__ = ["Scheduler", "SchedulerStats"]
+
+logger = logging.getLogger("kvsched")
+
+# At most one preemption warning per this many seconds (per process), as vLLM does for its operators.
+PREEMPTION_WARNING_INTERVAL_S = 60.0
+_last_warning = [float("-inf"), 0]  # [time of the last warning, preemptions since]
+
+
+def _on_preemption(num_preempted: int, total_preemptions: int) -> None:
+    """Called by the core after a step that preempted requests for lack of KV blocks."""
+    _last_warning[1] += num_preempted
+    now = time.monotonic()
+    if now - _last_warning[0] < PREEMPTION_WARNING_INTERVAL_S:
+        return
+    logger.warning(
+        "%d request(s) preempted for lack of KV cache blocks since the last warning (%d in total for this "
+        "scheduler); preempted requests recompute their KV when resumed, which costs throughput. Consider "
+        "more num_blocks, a smaller max_num_seqs or a smaller max_num_batched_tokens.",
+        _last_warning[1],
+        total_preemptions,
+    )
+    _last_warning[0] = now
+    _last_warning[1] = 0
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's counters (token counts for the prefix cache)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_preempted_queries: int
+    prefix_cache_preempted_hits: int
+    num_preemptions: int
+    num_finished_reqs: int
+    step_id: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Scheduler(_core.Scheduler):
+    """The kvsched scheduler (Rust core). See ``docs/api.md`` and ``docs/semantics.md``.
+
+    >>> from kvsched import Scheduler
+    >>> sched = Scheduler(block_size=4, num_blocks=16, max_model_len=64)
+    >>> sched.add_request("r0", [1, 2, 3, 4, 5], max_tokens=2)
+    >>> out = sched.schedule()
+    >>> out.req_ids, out.num_scheduled_tokens.tolist()
+    (['r0'], [5])
+    >>> res = sched.update_from_output(out, [[9]])
+    >>> sched.get_output_token_ids("r0")
+    [9]
+    """
+
+    def __new__(cls, config: SchedulerConfig | None = None, **fields: Any) -> Scheduler:
+        if config is None:
+            config = SchedulerConfig(**fields)
+        elif fields:
+            raise SchedulerTypeError("pass either a SchedulerConfig or keyword fields, not both")
+        elif not isinstance(config, SchedulerConfig):
+            raise SchedulerTypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        return super().__new__(cls, config)
+
+    def __init__(self, config: SchedulerConfig | None = None, **fields: Any) -> None:
+        # All state is built in __new__ (the Rust constructor).
+        pass
+
+    def get_request_status(self, req_id: str) -> RequestStatus:  # type: ignore[override]
+        return RequestStatus(super().get_request_status(req_id))
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(**self._stats_dict())
+
+    def __repr__(self) -> str:
+        return (
+            f"Scheduler(policy={self.config.policy!r}, num_blocks={self.config.num_blocks}, "
+            f"num_unfinished_requests={self.num_unfinished_requests}, num_free_blocks={self.num_free_blocks})"
+        )

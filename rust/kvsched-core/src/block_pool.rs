@@ -1,0 +1,251 @@
+//! The KV block pool: ref counts, the free queue, and the prefix-cache map.
+//!
+//! Invariants (checked by `check`):
+//! - block 0 is the null block: never free, never allocated, never hashed;
+//! - a usable block is in the free queue iff its `ref_cnt` is 0;
+//! - `cached` maps a hash to the blocks carrying exactly that hash, in insertion order, and every block with a
+//!   hash is in the map once. A free block keeps its hash (it can still be hit) until it is popped for reuse.
+
+use std::collections::HashMap;
+
+use crate::free_queue::FreeBlockQueue;
+use crate::hashing::{BlockHash, PrehashedBuild};
+
+pub const NULL_BLOCK: u32 = 0;
+
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    ref_cnt: Vec<u32>,
+    hash: Vec<Option<BlockHash>>,
+    free: FreeBlockQueue,
+    /// Most hashes map to one block; a Vec keeps the rare duplicates in insertion order.
+    cached: HashMap<BlockHash, Vec<u32>, PrehashedBuild>,
+    enable_caching: bool,
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: u32, enable_caching: bool) -> Self {
+        let n = num_blocks as usize;
+        BlockPool {
+            ref_cnt: vec![0; n],
+            hash: vec![None; n],
+            free: FreeBlockQueue::new(n, 1..num_blocks),
+            cached: HashMap::default(),
+            enable_caching,
+        }
+    }
+
+    pub fn num_blocks(&self) -> u32 {
+        self.ref_cnt.len() as u32
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn num_usable_blocks(&self) -> usize {
+        self.ref_cnt.len() - 1
+    }
+
+    /// Share of usable blocks held by requests, in [0, 1].
+    pub fn usage(&self) -> f64 {
+        1.0 - self.free.len() as f64 / self.num_usable_blocks() as f64
+    }
+
+    pub fn ref_cnt(&self, block: u32) -> u32 {
+        self.ref_cnt[block as usize]
+    }
+
+    pub fn block_hash(&self, block: u32) -> Option<&BlockHash> {
+        self.hash[block as usize].as_ref()
+    }
+
+    pub fn is_free(&self, block: u32) -> bool {
+        self.free.contains(block)
+    }
+
+    /// The first block carrying `hash`, if any.
+    pub fn get_cached_block(&self, hash: &BlockHash) -> Option<u32> {
+        self.cached.get(hash).and_then(|v| v.first().copied())
+    }
+
+    /// Takes `n` blocks from the head of the free queue, evicting their cached hashes. The caller has checked
+    /// that `n <= num_free_blocks()`.
+    pub fn allocate_into(&mut self, n: usize, out: &mut Vec<u32>) {
+        for _ in 0..n {
+            let Some(b) = self.free.pop_front() else {
+                debug_assert!(false, "allocate_into called without enough free blocks");
+                return;
+            };
+            self.evict(b);
+            self.ref_cnt[b as usize] = 1;
+            out.push(b);
+        }
+    }
+
+    fn evict(&mut self, block: u32) {
+        if let Some(h) = self.hash[block as usize].take() {
+            if let Some(v) = self.cached.get_mut(&h) {
+                v.retain(|&x| x != block);
+                if v.is_empty() {
+                    self.cached.remove(&h);
+                }
+            }
+        }
+    }
+
+    /// A prefix hit takes a reference; a block at ref 0 leaves the free queue (O(1)).
+    pub fn touch(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            if self.ref_cnt[b as usize] == 0 {
+                self.free.remove(b);
+            }
+            self.ref_cnt[b as usize] += 1;
+        }
+    }
+
+    /// Releases one request's blocks in reverse order: its deepest blocks become the first eviction candidates.
+    /// Blocks reaching ref 0 go to the tail when hashed (LRU), to the head when not (reused first).
+    pub fn free_blocks(&mut self, blocks: &[u32]) {
+        for &b in blocks.iter().rev() {
+            let rc = &mut self.ref_cnt[b as usize];
+            debug_assert!(*rc > 0, "freeing block {b} with ref_cnt 0");
+            *rc = rc.saturating_sub(1);
+            if *rc == 0 {
+                if self.hash[b as usize].is_some() {
+                    self.free.push_back(b);
+                } else {
+                    self.free.push_front(b);
+                }
+            }
+        }
+    }
+
+    /// Enters a full, allocated block into the prefix cache.
+    pub fn cache_block(&mut self, block: u32, hash: BlockHash) {
+        if !self.enable_caching || block == NULL_BLOCK {
+            return;
+        }
+        debug_assert!(self.hash[block as usize].is_none());
+        self.hash[block as usize] = Some(hash);
+        self.cached.entry(hash).or_default().push(block);
+    }
+
+    /// Drops every cached hash; only allowed when no usable block is in use.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.free.len() != self.num_usable_blocks() {
+            return false;
+        }
+        self.cached.clear();
+        for h in &mut self.hash {
+            *h = None;
+        }
+        true
+    }
+
+    /// Checks the pool against `held`: the number of request block tables holding each block.
+    pub fn check(&self, held: &[u32]) -> Result<(), String> {
+        self.free.check()?;
+        if self.ref_cnt[0] != 0 || self.free.contains(NULL_BLOCK) || self.hash[0].is_some() {
+            return Err("the null block is in use, free or hashed".into());
+        }
+        for b in 1..self.ref_cnt.len() {
+            let rc = self.ref_cnt[b];
+            if rc != held[b] {
+                return Err(format!(
+                    "block {b}: ref_cnt {rc} but {} request(s) hold it",
+                    held[b]
+                ));
+            }
+            if (rc == 0) != self.free.contains(b as u32) {
+                return Err(format!(
+                    "block {b}: ref_cnt {rc} but free={}",
+                    self.free.contains(b as u32)
+                ));
+            }
+            if let Some(h) = &self.hash[b] {
+                let n = self
+                    .cached
+                    .get(h)
+                    .map_or(0, |v| v.iter().filter(|&&x| x == b as u32).count());
+                if n != 1 {
+                    return Err(format!(
+                        "block {b} has a hash but is in the cache map {n} times"
+                    ));
+                }
+            }
+        }
+        let mapped: usize = self.cached.values().map(Vec::len).sum();
+        let hashed = self.hash.iter().filter(|h| h.is_some()).count();
+        if mapped != hashed {
+            return Err(format!(
+                "cache map holds {mapped} blocks but {hashed} blocks have a hash"
+            ));
+        }
+        for (h, v) in &self.cached {
+            if v.is_empty() || v.iter().any(|&b| self.hash[b as usize].as_ref() != Some(h)) {
+                return Err("cache map entry disagrees with block hashes".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(x: u8) -> BlockHash {
+        let mut b = [0u8; 32];
+        b[0] = x;
+        b[9] = x;
+        BlockHash(b)
+    }
+
+    #[test]
+    fn allocate_free_and_lru_order() {
+        let mut p = BlockPool::new(6, true);
+        let mut a = Vec::new();
+        p.allocate_into(3, &mut a);
+        assert_eq!(a, vec![1, 2, 3]);
+        p.cache_block(1, h(1));
+        p.cache_block(2, h(2));
+        p.free_blocks(&a);
+        // Reverse order: 3 (no hash) to the head, then 2, 1 (hashed) to the tail.
+        assert_eq!(p.free.iter().collect::<Vec<_>>(), vec![3, 4, 5, 2, 1]);
+        assert_eq!(p.get_cached_block(&h(2)), Some(2));
+        let mut held = vec![0u32; 6];
+        p.check(&held).unwrap();
+        // A hit revives a free cached block.
+        p.touch(&[2]);
+        held[2] = 1;
+        p.check(&held).unwrap();
+        assert_eq!(p.num_free_blocks(), 4);
+        // Popping a hashed block evicts it.
+        let mut b = Vec::new();
+        p.allocate_into(4, &mut b);
+        assert_eq!(b, vec![3, 4, 5, 1]);
+        assert_eq!(p.get_cached_block(&h(1)), None);
+        for x in &b {
+            held[*x as usize] = 1;
+        }
+        p.check(&held).unwrap();
+        assert!(!p.reset_prefix_cache());
+        p.free_blocks(&b);
+        p.free_blocks(&[2]);
+        assert!(p.reset_prefix_cache());
+        assert_eq!(p.get_cached_block(&h(2)), None);
+        p.check(&[0; 6]).unwrap();
+    }
+
+    #[test]
+    fn duplicate_hashes_are_kept_in_order() {
+        let mut p = BlockPool::new(4, true);
+        let mut a = Vec::new();
+        p.allocate_into(2, &mut a);
+        p.cache_block(1, h(7));
+        p.cache_block(2, h(7));
+        assert_eq!(p.get_cached_block(&h(7)), Some(1));
+        p.check(&[0, 1, 1, 0]).unwrap();
+    }
+}

@@ -1,0 +1,198 @@
+//! Scheduler configuration and its validation. Field names and defaults follow vLLM's `SchedulerConfig` and
+//! `CacheConfig`. A config that passes `validate()` can never make the scheduler divide by zero, overflow an
+//! int32 slot id, or hold a prompt that could never be scheduled.
+
+use crate::error::{Result, SchedError};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// First come, first served: waiting is a deque; the last running request is the preemption victim.
+    Fcfs,
+    /// Lower `priority` first, then earlier `arrival_time`, then request id.
+    Priority,
+}
+
+impl Policy {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "fcfs" => Ok(Policy::Fcfs),
+            "priority" => Ok(Policy::Priority),
+            other => Err(SchedError::InvalidConfig(format!(
+                "policy must be one of ('fcfs', 'priority'), got {other:?}"
+            ))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HashAlgo {
+    Xxh3_128,
+    Sha256,
+}
+
+impl HashAlgo {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "xxh3_128" => Ok(HashAlgo::Xxh3_128),
+            "sha256" => Ok(HashAlgo::Sha256),
+            other => Err(SchedError::InvalidConfig(format!(
+                "prefix_hash_algo must be one of ('xxh3_128', 'sha256'), got {other:?}"
+            ))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    pub block_size: u32,
+    pub num_blocks: u32,
+    pub max_num_seqs: u32,
+    pub max_num_batched_tokens: u32,
+    pub max_model_len: u32,
+    pub enable_prefix_caching: bool,
+    pub enable_chunked_prefill: bool,
+    pub long_prefill_token_threshold: u32,
+    pub policy: Policy,
+    pub num_lookahead_tokens: u32,
+    pub prefix_hash_algo: HashAlgo,
+    /// Seeds the hash chain; `None` draws a random seed per scheduler.
+    pub prefix_hash_seed: Option<Vec<u8>>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            block_size: 16,
+            num_blocks: 4096,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 8192,
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            long_prefill_token_threshold: 0,
+            policy: Policy::Fcfs,
+            num_lookahead_tokens: 0,
+            prefix_hash_algo: HashAlgo::Xxh3_128,
+            prefix_hash_seed: None,
+        }
+    }
+}
+
+const I32_MAX: u64 = i32::MAX as u64;
+
+fn check_range(name: &str, value: u32, min: u32, max: u64) -> Result<()> {
+    if u64::from(value) < u64::from(min) || u64::from(value) > max {
+        return Err(SchedError::InvalidConfig(format!(
+            "{name} must be in [{min}, {max}], got {value}"
+        )));
+    }
+    Ok(())
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<()> {
+        check_range("block_size", self.block_size, 1, 1024)?;
+        if !self.block_size.is_power_of_two() {
+            return Err(SchedError::InvalidConfig(format!(
+                "block_size must be a power of two, got {}",
+                self.block_size
+            )));
+        }
+        check_range("num_blocks", self.num_blocks, 2, I32_MAX)?;
+        if u64::from(self.num_blocks) * u64::from(self.block_size) > I32_MAX {
+            return Err(SchedError::InvalidConfig(format!(
+                "num_blocks * block_size must fit in int32 slot ids, got {} * {}",
+                self.num_blocks, self.block_size
+            )));
+        }
+        check_range("max_num_seqs", self.max_num_seqs, 1, I32_MAX)?;
+        check_range(
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            1,
+            I32_MAX,
+        )?;
+        check_range("max_model_len", self.max_model_len, 2, I32_MAX)?;
+        check_range(
+            "long_prefill_token_threshold",
+            self.long_prefill_token_threshold,
+            0,
+            I32_MAX,
+        )?;
+        check_range("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)?;
+        if !self.enable_chunked_prefill && self.max_num_batched_tokens < self.max_model_len {
+            return Err(SchedError::InvalidConfig(format!(
+                "with enable_chunked_prefill=False, max_num_batched_tokens ({}) must be >= max_model_len ({}), \
+                 or a long prompt could never be scheduled",
+                self.max_num_batched_tokens, self.max_model_len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Blocks that requests can hold: block 0 is the reserved null block.
+    pub fn num_usable_blocks(&self) -> u32 {
+        self.num_blocks - 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        assert_eq!(SchedulerConfig::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        let bad = [
+            SchedulerConfig {
+                block_size: 0,
+                ..Default::default()
+            },
+            SchedulerConfig {
+                block_size: 12,
+                ..Default::default()
+            },
+            SchedulerConfig {
+                num_blocks: 1,
+                ..Default::default()
+            },
+            SchedulerConfig {
+                max_num_seqs: 0,
+                ..Default::default()
+            },
+            SchedulerConfig {
+                max_model_len: 1,
+                ..Default::default()
+            },
+            SchedulerConfig {
+                num_blocks: u32::MAX / 2,
+                block_size: 1024,
+                ..Default::default()
+            },
+            SchedulerConfig {
+                enable_chunked_prefill: false,
+                max_num_batched_tokens: 100,
+                max_model_len: 200,
+                ..Default::default()
+            },
+        ];
+        for cfg in bad {
+            assert!(
+                matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))),
+                "{cfg:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn parses_names() {
+        assert_eq!(Policy::parse("priority"), Ok(Policy::Priority));
+        assert!(Policy::parse("lifo").is_err());
+        assert_eq!(HashAlgo::parse("sha256"), Ok(HashAlgo::Sha256));
+        assert!(HashAlgo::parse("md5").is_err());
+    }
+}

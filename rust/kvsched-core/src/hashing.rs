@@ -1,0 +1,209 @@
+//! Chained block hashes for prefix caching.
+//!
+//! `hash(i) = H(parent, tokens of block i, extra keys)` where `parent` is `hash(i - 1)`, or the scheduler's seed
+//! hash for block 0. Extra keys: the LoRA/adapter name on every block, the cache salt on block 0 only, so
+//! different salts or adapters never share a block. `H` is xxh3-128 (fast, seeded by the random parent so it is
+//! not predictable across schedulers) or SHA-256 (collision resistant, for adversarial multi-tenant use). Every
+//! field is length- or tag-prefixed so distinct inputs can never encode to the same bytes.
+
+use sha2::{Digest, Sha256};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::config::HashAlgo;
+use crate::error::{Result, SchedError};
+
+/// A block hash: 32 bytes for SHA-256; xxh3-128 fills the first 16 and leaves the rest zero.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
+pub struct BlockHash(pub [u8; 32]);
+
+/// The per-request keys mixed into its block hashes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExtraKeys {
+    pub cache_salt: Option<String>,
+    pub lora_name: Option<String>,
+}
+
+#[derive(Clone, Debug)]
+pub struct BlockHasher {
+    algo: HashAlgo,
+    seed_hash: BlockHash,
+}
+
+const TAG_LORA: u8 = 1;
+const TAG_SALT: u8 = 2;
+const TAG_END: u8 = 0xff;
+
+impl BlockHasher {
+    /// `seed`: `None` draws 32 random bytes from the OS, so two schedulers never agree on hashes.
+    pub fn new(algo: HashAlgo, seed: Option<&[u8]>) -> Result<Self> {
+        let seed_hash = match seed {
+            Some(bytes) => {
+                let mut h = Sha256::new();
+                h.update(b"kvsched-prefix-hash-seed");
+                h.update((bytes.len() as u64).to_le_bytes());
+                h.update(bytes);
+                BlockHash(h.finalize().into())
+            }
+            None => {
+                let mut buf = [0u8; 32];
+                getrandom::fill(&mut buf).map_err(|e| {
+                    SchedError::Internal(format!("cannot draw a random hash seed: {e}"))
+                })?;
+                BlockHash(buf)
+            }
+        };
+        Ok(BlockHasher { algo, seed_hash })
+    }
+
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
+
+    fn encode(
+        parent: &BlockHash,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+        first: bool,
+        mut feed: impl FnMut(&[u8]),
+    ) {
+        feed(&parent.0);
+        feed(&(tokens.len() as u32).to_le_bytes());
+        for t in tokens {
+            feed(&t.to_le_bytes());
+        }
+        if let Some(lora) = &extra.lora_name {
+            feed(&[TAG_LORA]);
+            feed(&(lora.len() as u32).to_le_bytes());
+            feed(lora.as_bytes());
+        }
+        if first {
+            if let Some(salt) = &extra.cache_salt {
+                feed(&[TAG_SALT]);
+                feed(&(salt.len() as u32).to_le_bytes());
+                feed(salt.as_bytes());
+            }
+        }
+        feed(&[TAG_END]);
+    }
+
+    /// Hash of one full block. `parent` is `None` for block 0.
+    pub fn hash_block(
+        &self,
+        parent: Option<&BlockHash>,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+    ) -> BlockHash {
+        let first = parent.is_none();
+        let parent = parent.unwrap_or(&self.seed_hash);
+        match self.algo {
+            HashAlgo::Xxh3_128 => {
+                let mut h = Xxh3::new();
+                Self::encode(parent, tokens, extra, first, |b| h.update(b));
+                let mut out = [0u8; 32];
+                out[..16].copy_from_slice(&h.digest128().to_le_bytes());
+                BlockHash(out)
+            }
+            HashAlgo::Sha256 => {
+                let mut h = Sha256::new();
+                Self::encode(parent, tokens, extra, first, |b| h.update(b));
+                BlockHash(h.finalize().into())
+            }
+        }
+    }
+
+    /// Appends to `hashes` the hashes of every full block of `tokens` not hashed yet.
+    pub fn extend_hashes(
+        &self,
+        hashes: &mut Vec<BlockHash>,
+        tokens: &[u32],
+        block_size: usize,
+        extra: &ExtraKeys,
+    ) {
+        let num_full = tokens.len() / block_size;
+        while hashes.len() < num_full {
+            let i = hashes.len();
+            let block = &tokens[i * block_size..(i + 1) * block_size];
+            let h = self.hash_block(hashes.last(), block, extra);
+            hashes.push(h);
+        }
+    }
+}
+
+/// A `HashMap` hasher for keys that are already uniformly distributed hashes: it takes 8 of their bytes.
+#[derive(Default, Clone, Copy)]
+pub struct PrehashedHasher(u64);
+
+impl std::hash::Hasher for PrehashedHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // `[u8; 32]` hashes as its length prefix then its bytes; keep the first 8 content bytes seen.
+        for &b in bytes.iter().take(8) {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+
+    fn write_usize(&mut self, _: usize) {}
+}
+
+pub type PrehashedBuild = std::hash::BuildHasherDefault<PrehashedHasher>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(salt: Option<&str>, lora: Option<&str>) -> ExtraKeys {
+        ExtraKeys {
+            cache_salt: salt.map(Into::into),
+            lora_name: lora.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn chain_depends_on_parent_tokens_and_keys() {
+        for algo in [HashAlgo::Xxh3_128, HashAlgo::Sha256] {
+            let h = BlockHasher::new(algo, Some(b"seed")).unwrap();
+            let none = keys(None, None);
+            let a = h.hash_block(None, &[1, 2, 3, 4], &none);
+            assert_eq!(a, h.hash_block(None, &[1, 2, 3, 4], &none));
+            assert_ne!(a, h.hash_block(None, &[1, 2, 3, 5], &none));
+            assert_ne!(a, h.hash_block(None, &[1, 2, 3, 4], &keys(Some("s"), None)));
+            assert_ne!(a, h.hash_block(None, &[1, 2, 3, 4], &keys(None, Some("l"))));
+            let b = h.hash_block(Some(&a), &[1, 2, 3, 4], &none);
+            assert_ne!(a, b);
+            // The salt only enters block 0.
+            assert_eq!(
+                b,
+                h.hash_block(Some(&a), &[1, 2, 3, 4], &keys(Some("s"), None))
+            );
+        }
+    }
+
+    #[test]
+    fn seeds_decide_the_chain() {
+        let a = BlockHasher::new(HashAlgo::Xxh3_128, Some(b"x")).unwrap();
+        let b = BlockHasher::new(HashAlgo::Xxh3_128, Some(b"x")).unwrap();
+        let c = BlockHasher::new(HashAlgo::Xxh3_128, None).unwrap();
+        let d = BlockHasher::new(HashAlgo::Xxh3_128, None).unwrap();
+        let k = ExtraKeys::default();
+        assert_eq!(a.hash_block(None, &[7], &k), b.hash_block(None, &[7], &k));
+        assert_ne!(c.hash_block(None, &[7], &k), d.hash_block(None, &[7], &k));
+    }
+
+    #[test]
+    fn extend_hashes_is_incremental() {
+        let h = BlockHasher::new(HashAlgo::Sha256, Some(b"s")).unwrap();
+        let k = ExtraKeys::default();
+        let tokens: Vec<u32> = (0..10).collect();
+        let mut v = Vec::new();
+        h.extend_hashes(&mut v, &tokens[..5], 4, &k);
+        assert_eq!(v.len(), 1);
+        h.extend_hashes(&mut v, &tokens, 4, &k);
+        let mut w = Vec::new();
+        h.extend_hashes(&mut w, &tokens, 4, &k);
+        assert_eq!(v, w);
+        assert_eq!(v.len(), 2);
+    }
+}

@@ -1,0 +1,102 @@
+//! Per-request KV block management on top of the pool: prefix-cache lookup, `allocate_slots` (all or nothing),
+//! caching full blocks at allocation time, and freeing. Mirrors vLLM's `KVCacheManager` for a single
+//! full-attention group.
+
+use crate::block_pool::BlockPool;
+use crate::hashing::{BlockHash, BlockHasher};
+use crate::request::Request;
+
+#[derive(Debug, Clone)]
+pub struct KvCacheManager {
+    pub pool: BlockPool,
+    pub hasher: BlockHasher,
+    pub block_size: u32,
+    pub max_model_len: u32,
+    pub enable_caching: bool,
+}
+
+impl KvCacheManager {
+    /// Longest run of cached blocks matching `block_hashes` from the start, capped so that at least the last of
+    /// `num_tokens` tokens is computed. Appends the hit blocks to `out`. Side-effect free on the pool.
+    pub fn find_longest_cache_hit(
+        &self,
+        block_hashes: &[BlockHash],
+        num_tokens: u32,
+        out: &mut Vec<u32>,
+    ) {
+        if !self.enable_caching || num_tokens == 0 {
+            return;
+        }
+        let max_blocks = ((num_tokens - 1) / self.block_size) as usize;
+        for h in block_hashes.iter().take(max_blocks) {
+            match self.pool.get_cached_block(h) {
+                Some(b) => out.push(b),
+                None => break,
+            }
+        }
+    }
+
+    /// Reserves KV slots for `num_new_tokens` more tokens of `req` (plus `num_lookahead_tokens`), taking the
+    /// prefix hits `hits` first. Returns the number of blocks newly popped from the free queue, or `None` when
+    /// the pool cannot supply them, in which case nothing changed.
+    pub fn allocate_slots(
+        &mut self,
+        req: &mut Request,
+        num_new_tokens: u32,
+        hits: &[u32],
+        num_lookahead_tokens: u32,
+    ) -> Option<usize> {
+        let bs = self.block_size;
+        let total_computed = req.num_computed_tokens + hits.len() as u32 * bs;
+        let num_slots =
+            (total_computed + num_new_tokens + num_lookahead_tokens).min(self.max_model_len);
+        let required = num_slots.div_ceil(bs) as usize;
+        let held = req.blocks.len() + hits.len();
+        let need = required.saturating_sub(held);
+        let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+        if need + evictable_hits > self.pool.num_free_blocks() {
+            return None;
+        }
+        self.pool.touch(hits);
+        req.blocks.extend_from_slice(hits);
+        // Hits are cached blocks by definition: count them as cached for this request.
+        req.num_cached_blocks += hits.len() as u32;
+        self.pool.allocate_into(need, &mut req.blocks);
+        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) / bs) as usize;
+        self.cache_full_blocks(req, num_full);
+        Some(need)
+    }
+
+    /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache.
+    fn cache_full_blocks(&mut self, req: &mut Request, num_full: usize) {
+        if !self.enable_caching {
+            return;
+        }
+        let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
+        for i in req.num_cached_blocks as usize..num_full {
+            self.pool.cache_block(req.blocks[i], req.block_hashes[i]);
+        }
+        if num_full > req.num_cached_blocks as usize {
+            req.num_cached_blocks = num_full as u32;
+        }
+    }
+
+    /// Releases every block of `req` (deepest first) and clears its table.
+    pub fn free(&mut self, req: &mut Request) {
+        self.pool.free_blocks(&req.blocks);
+        req.blocks.clear();
+        req.num_cached_blocks = 0;
+    }
+
+    /// Recomputes the request's block hashes for tokens appended since the last call.
+    pub fn extend_hashes(&self, req: &mut Request) {
+        if self.enable_caching {
+            self.hasher.extend_hashes(
+                &mut req.block_hashes,
+                &req.token_ids,
+                self.block_size as usize,
+                &req.extra_keys,
+            );
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! kvsched-core: the scheduler core of an LLM inference engine, in pure Rust.
+//!
+//! It decides, every engine step, which requests run, how many tokens each computes (prefill chunks and
+//! decodes share one token budget), which KV-cache blocks they occupy, which prompt prefixes are reused from the
+//! cache, and whom to preempt when blocks run out. The semantics follow vLLM v1's scheduler; `docs/semantics.md`
+//! in the repository is the contract. No Python types appear here: the `kvsched-py` crate binds this to Python.
+//!
+//! ```
+//! use kvsched_core::{Ragged, RequestParams, Scheduler, SchedulerConfig};
+//!
+//! let mut sched = Scheduler::new(SchedulerConfig { num_blocks: 64, ..Default::default() }).unwrap();
+//! sched.add_request("r0", &[1, 2, 3, 4, 5], RequestParams { max_tokens: Some(2), ..Default::default() }).unwrap();
+//! while sched.has_unfinished_requests() {
+//!     let out = sched.schedule().unwrap();
+//!     let indptr: Vec<i64> = (0..=out.num_reqs() as i64).collect();
+//!     let values = vec![7i64; out.num_reqs()];
+//!     let sampled = Ragged { values: &values, indptr: &indptr };
+//!     sched.update_from_output(out.scheduler_id, out.step_id, sampled, None).unwrap();
+//! }
+//! assert_eq!(sched.num_free_blocks(), 63);
+//! ```
+
+pub mod block_pool;
+pub mod config;
+pub mod error;
+pub mod free_queue;
+pub mod hashing;
+pub mod kv_cache_manager;
+mod model_inputs;
+pub mod output;
+pub mod queue;
+pub mod request;
+pub mod scheduler;
+pub mod slab;
+mod step;
+mod update;
+
+pub use config::{HashAlgo, Policy, SchedulerConfig};
+pub use error::{Result, SchedError};
+pub use hashing::BlockHash;
+pub use output::{ModelInputs, SchedulerOutput, SchedulerStats, UpdateResult};
+pub use request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus};
+pub use scheduler::{Scheduler, MAX_TOKEN_ID};
+pub use update::Ragged;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,90 @@
+//! What one step hands out (`SchedulerOutput`), what applying a step's sampled tokens reports
+//! (`UpdateResult`), and the flat batch layout a paged-attention runner consumes (`ModelInputs`).
+//! Everything is struct-of-arrays: per-request data is aligned with `handles`, ragged data is CSR
+//! (`values` + `_indptr`).
+
+use std::sync::Arc;
+
+use crate::request::{FinishReason, ReqHandle};
+
+#[derive(Clone, Debug, Default)]
+pub struct SchedulerOutput {
+    /// Unique per scheduler instance; outputs carry it so one scheduler never applies another's step.
+    pub scheduler_id: u64,
+    pub step_id: u64,
+    /// Scheduled requests: running ones first (phase A), then admitted ones (phase B).
+    pub handles: Vec<ReqHandle>,
+    pub num_scheduled_tokens: Vec<i32>,
+    /// Tokens already in the KV cache before this step (prefix hits included).
+    pub num_computed_tokens: Vec<i32>,
+    /// Indices into `handles` of requests scheduled for the first time.
+    pub new_reqs: Vec<u32>,
+    /// Indices into `handles` of requests resumed after preemption.
+    pub resumed_reqs: Vec<u32>,
+    /// CSR aligned with `handles`: the whole block table for new/resumed requests, appended blocks otherwise.
+    pub new_block_ids: Vec<i32>,
+    pub new_block_ids_indptr: Vec<i32>,
+    /// CSR aligned with `handles`: draft tokens scheduled for verification.
+    pub spec_token_ids: Vec<i32>,
+    pub spec_token_ids_indptr: Vec<i32>,
+    pub total_num_scheduled_tokens: u64,
+    /// Requests preempted in this step (they are waiting again).
+    pub preempted: Vec<ReqHandle>,
+    /// Ids of requests finished (any reason) since the previous step.
+    pub finished_req_ids: Vec<Arc<str>>,
+}
+
+impl SchedulerOutput {
+    pub fn num_reqs(&self) -> usize {
+        self.handles.len()
+    }
+}
+
+/// The scheduler's own record of an in-flight step, used to validate and apply its output.
+#[derive(Clone, Debug)]
+pub(crate) struct StepRecord {
+    pub step_id: u64,
+    pub handles: Vec<ReqHandle>,
+    pub is_prefill_chunk: Vec<bool>,
+    pub num_spec_tokens: Vec<u32>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct UpdateResult {
+    pub finished_req_ids: Vec<Arc<str>>,
+    pub finish_reasons: Vec<FinishReason>,
+    /// The stop token that ended each finished request, or -1.
+    pub stop_reasons: Vec<i64>,
+    /// Tokens appended per entry of the output (after truncation at a stop).
+    pub num_new_tokens: Vec<i32>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ModelInputs {
+    pub input_token_ids: Vec<i32>,
+    pub input_positions: Vec<i32>,
+    pub slot_mapping: Vec<i32>,
+    pub query_start_loc: Vec<i32>,
+    pub seq_lens: Vec<i32>,
+    /// Row-major `[num_reqs, max_num_blocks]`, padded with the null block 0.
+    pub block_table: Vec<i32>,
+    pub max_num_blocks: usize,
+    pub logits_indices: Vec<i32>,
+    pub max_seq_len: i32,
+    pub max_query_len: i32,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SchedulerStats {
+    pub num_running_reqs: usize,
+    pub num_waiting_reqs: usize,
+    pub kv_cache_usage: f64,
+    pub num_free_blocks: usize,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_preempted_queries: u64,
+    pub prefix_cache_preempted_hits: u64,
+    pub num_preemptions: u64,
+    pub num_finished_reqs: u64,
+    pub step_id: u64,
+}

@@ -1,0 +1,103 @@
+//! A request's scheduling state. Requests live in a slab (`slots`) indexed by dense integers; a slot's
+//! generation changes whenever it is reused, so a `ReqHandle` taken in an old step can never reach a new
+//! request that happens to occupy the same slot.
+
+use std::sync::Arc;
+
+use crate::hashing::{BlockHash, ExtraKeys};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum RequestStatus {
+    Waiting = 0,
+    Running = 1,
+    Preempted = 2,
+    FinishedStopped = 3,
+    FinishedLengthCapped = 4,
+    FinishedAborted = 5,
+}
+
+impl RequestStatus {
+    pub fn is_finished(self) -> bool {
+        self >= RequestStatus::FinishedStopped
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FinishReason {
+    Stop = 1,
+    Length = 2,
+    Abort = 3,
+}
+
+/// A stable reference to a request: slot index plus the slot's generation when it was taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReqHandle {
+    pub slot: u32,
+    pub gen: u32,
+}
+
+/// What `add_request` takes besides the id and the prompt.
+#[derive(Clone, Debug, Default)]
+pub struct RequestParams {
+    pub max_tokens: Option<u32>,
+    pub min_tokens: u32,
+    pub eos_token_id: Option<u32>,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<u32>,
+    pub priority: i64,
+    pub arrival_time: f64,
+    pub cache_salt: Option<String>,
+    pub lora_name: Option<String>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub id: Arc<str>,
+    pub handle: ReqHandle,
+    /// Prompt then output tokens.
+    pub token_ids: Vec<u32>,
+    pub num_prompt_tokens: u32,
+    pub num_computed_tokens: u32,
+    pub status: RequestStatus,
+    pub priority: i64,
+    pub arrival_time: f64,
+    pub num_preemptions: u32,
+    /// Prefix-cache hit at first admission, in tokens; -1 until admitted.
+    pub num_cached_tokens: i64,
+    /// Effective limit: `min(max_tokens, max_model_len - prompt_len)`.
+    pub max_tokens: u32,
+    pub min_tokens: u32,
+    pub eos_token_id: Option<u32>,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<u32>,
+    pub stop_reason: i64,
+    pub extra_keys: ExtraKeys,
+    pub block_hashes: Vec<BlockHash>,
+    /// The block table.
+    pub blocks: Vec<u32>,
+    /// Leading blocks of `blocks` already entered into the prefix cache.
+    pub num_cached_blocks: u32,
+    /// Draft tokens proposed for the next step (speculative decoding).
+    pub spec_token_ids: Vec<u32>,
+    pub is_prefill_chunk: bool,
+}
+
+impl Request {
+    pub fn num_tokens(&self) -> u32 {
+        self.token_ids.len() as u32
+    }
+
+    pub fn num_output_tokens(&self) -> u32 {
+        self.num_tokens() - self.num_prompt_tokens
+    }
+
+    pub fn output_token_ids(&self) -> &[u32] {
+        &self.token_ids[self.num_prompt_tokens as usize..]
+    }
+
+    pub fn num_tokens_with_spec(&self) -> u32 {
+        self.num_tokens() + self.spec_token_ids.len() as u32
+    }
+}

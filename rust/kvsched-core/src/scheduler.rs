@@ -1,0 +1,498 @@
+//! The scheduler: owns the requests, the queues and the KV cache manager. This file holds construction,
+//! request intake, aborts, queries, stats and the invariant check; `step.rs` holds `schedule()`, `update.rs`
+//! holds `update_from_output()`, `model_inputs.rs` the runner-facing batch layout.
+//!
+//! Invariants (see `check_invariants`): every live request is in exactly one of `running` (status RUNNING) or
+//! `waiting` (WAITING/PREEMPTED, no blocks, nothing computed); the id map and the slab agree; each block's
+//! ref count equals the number of block tables holding it; `running` never exceeds `max_num_seqs`.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::block_pool::BlockPool;
+use crate::config::{Policy, SchedulerConfig};
+use crate::error::{Result, SchedError};
+use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
+use crate::kv_cache_manager::KvCacheManager;
+use crate::output::{SchedulerStats, StepRecord};
+use crate::queue::{PriorityKey, WaitingQueue};
+use crate::request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus};
+use crate::slab::Slab;
+
+static NEXT_SCHEDULER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The largest token id accepted (token ids travel as int32).
+pub const MAX_TOKEN_ID: i64 = i32::MAX as i64;
+
+/// What `prepare_model_inputs` needs of the most recent step.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct LastStep {
+    pub step_id: u64,
+    pub epoch: u64,
+    pub handles: Vec<ReqHandle>,
+    pub num_computed_tokens: Vec<i32>,
+    pub num_scheduled_tokens: Vec<i32>,
+    pub spec_token_ids: Vec<i32>,
+    pub spec_token_ids_indptr: Vec<i32>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Counters {
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_preempted_queries: u64,
+    pub prefix_cache_preempted_hits: u64,
+    pub num_preemptions: u64,
+    pub num_finished_reqs: u64,
+    /// Scheduled requests and tokens of the most recent step (for the invariant check).
+    pub last_num_scheduled_reqs: usize,
+    pub last_num_scheduled_tokens: u64,
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    pub(crate) config: SchedulerConfig,
+    pub(crate) kv: KvCacheManager,
+    pub(crate) slab: Slab,
+    pub(crate) ids: HashMap<Arc<str>, u32>,
+    /// Slots of running requests, in admission order.
+    pub(crate) running: Vec<u32>,
+    pub(crate) waiting: WaitingQueue,
+    pub(crate) scheduler_id: u64,
+    pub(crate) next_step_id: u64,
+    pub(crate) in_flight: VecDeque<StepRecord>,
+    pub(crate) finished_since_step: Vec<Arc<str>>,
+    pub(crate) last_step: Option<LastStep>,
+    /// Bumped by every call that changes state; `prepare_model_inputs` requires it unchanged since `schedule()`.
+    pub(crate) epoch: u64,
+    pub(crate) counters: Counters,
+}
+
+fn bad_request(msg: String) -> SchedError {
+    SchedError::InvalidRequest(msg)
+}
+
+fn token_id(what: &str, t: i64) -> Result<u32> {
+    if (0..=MAX_TOKEN_ID).contains(&t) {
+        Ok(t as u32)
+    } else {
+        Err(bad_request(format!(
+            "{what} must be in [0, {MAX_TOKEN_ID}], got {t}"
+        )))
+    }
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        let hasher = BlockHasher::new(config.prefix_hash_algo, config.prefix_hash_seed.as_deref())?;
+        let kv = KvCacheManager {
+            pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching),
+            hasher,
+            block_size: config.block_size,
+            max_model_len: config.max_model_len,
+            enable_caching: config.enable_prefix_caching,
+        };
+        Ok(Scheduler {
+            waiting: WaitingQueue::new(config.policy),
+            config,
+            kv,
+            slab: Slab::default(),
+            ids: HashMap::new(),
+            running: Vec::new(),
+            scheduler_id: NEXT_SCHEDULER_ID.fetch_add(1, Ordering::Relaxed),
+            next_step_id: 0,
+            in_flight: VecDeque::new(),
+            finished_since_step: Vec::new(),
+            last_step: None,
+            epoch: 0,
+            counters: Counters::default(),
+        })
+    }
+
+    /// The slot the next added request will occupy (bindings index their per-request data by it).
+    pub fn next_slot(&self) -> u32 {
+        self.slab.next_handle().slot
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn scheduler_id(&self) -> u64 {
+        self.scheduler_id
+    }
+
+    /// Adds a request to the waiting queue. On error nothing changes.
+    pub fn add_request(
+        &mut self,
+        req_id: &str,
+        prompt_token_ids: &[i64],
+        params: RequestParams,
+    ) -> Result<()> {
+        if req_id.is_empty() {
+            return Err(bad_request("request id must be a non-empty string".into()));
+        }
+        if self.ids.contains_key(req_id) {
+            return Err(SchedError::DuplicateRequest(format!(
+                "request id {req_id:?} is already known"
+            )));
+        }
+        let prompt_len = prompt_token_ids.len();
+        if prompt_len == 0 {
+            return Err(bad_request(format!(
+                "request {req_id:?}: the prompt is empty"
+            )));
+        }
+        let max_model_len = self.config.max_model_len as usize;
+        if prompt_len >= max_model_len {
+            return Err(bad_request(format!(
+                "request {req_id:?}: prompt of {prompt_len} tokens does not fit max_model_len={max_model_len} \
+                 (at least one output token must fit)"
+            )));
+        }
+        let mut token_ids = Vec::with_capacity(prompt_len + 16);
+        for (i, &t) in prompt_token_ids.iter().enumerate() {
+            if !(0..=MAX_TOKEN_ID).contains(&t) {
+                return Err(bad_request(format!(
+                    "request {req_id:?}: prompt token {i} must be in [0, {MAX_TOKEN_ID}], got {t}"
+                )));
+            }
+            token_ids.push(t as u32);
+        }
+        let room = (max_model_len - prompt_len) as u32;
+        let max_tokens = match params.max_tokens {
+            Some(0) => {
+                return Err(bad_request(format!(
+                    "request {req_id:?}: max_tokens must be >= 1, got 0"
+                )))
+            }
+            Some(m) => m.min(room),
+            None => room,
+        };
+        if params.min_tokens > max_tokens {
+            return Err(bad_request(format!(
+                "request {req_id:?}: min_tokens={} exceeds the effective max_tokens={max_tokens}",
+                params.min_tokens
+            )));
+        }
+        if !params.arrival_time.is_finite() {
+            return Err(bad_request(format!(
+                "request {req_id:?}: arrival_time must be finite, got {}",
+                params.arrival_time
+            )));
+        }
+        let handle = self.slab.next_handle();
+        let id: Arc<str> = Arc::from(req_id);
+        let mut req = Request {
+            id: id.clone(),
+            handle,
+            token_ids,
+            num_prompt_tokens: prompt_len as u32,
+            num_computed_tokens: 0,
+            status: RequestStatus::Waiting,
+            priority: params.priority,
+            arrival_time: params.arrival_time,
+            num_preemptions: 0,
+            num_cached_tokens: -1,
+            max_tokens,
+            min_tokens: params.min_tokens,
+            eos_token_id: params.eos_token_id,
+            ignore_eos: params.ignore_eos,
+            stop_token_ids: params.stop_token_ids,
+            stop_reason: -1,
+            extra_keys: ExtraKeys {
+                cache_salt: params.cache_salt,
+                lora_name: params.lora_name,
+            },
+            block_hashes: Vec::new(),
+            blocks: Vec::new(),
+            num_cached_blocks: 0,
+            spec_token_ids: Vec::new(),
+            is_prefill_chunk: false,
+        };
+        self.kv.extend_hashes(&mut req);
+        let key = Self::priority_key(&req);
+        self.slab.insert(req);
+        self.ids.insert(id, handle.slot);
+        self.waiting.push(handle, key);
+        self.epoch += 1;
+        Ok(())
+    }
+
+    /// Validates one token id given as a signed integer (for bindings).
+    pub fn check_token_id(what: &str, t: i64) -> Result<u32> {
+        token_id(what, t)
+    }
+
+    pub(crate) fn priority_key(req: &Request) -> PriorityKey {
+        PriorityKey {
+            priority: req.priority,
+            arrival_time: req.arrival_time,
+            id: req.id.clone(),
+        }
+    }
+
+    fn slot_of(&self, req_id: &str) -> Result<u32> {
+        self.ids
+            .get(req_id)
+            .copied()
+            .ok_or_else(|| SchedError::UnknownRequest(format!("unknown request id {req_id:?}")))
+    }
+
+    pub fn get_request(&self, req_id: &str) -> Result<&Request> {
+        let slot = self.slot_of(req_id)?;
+        self.slab.get(slot)
+    }
+
+    /// Aborts every listed request (each must be known; on error nothing changes).
+    pub fn abort_requests<S: AsRef<str>>(&mut self, req_ids: &[S]) -> Result<()> {
+        let mut slots = Vec::with_capacity(req_ids.len());
+        for id in req_ids {
+            slots.push(self.slot_of(id.as_ref())?);
+        }
+        slots.sort_unstable();
+        slots.dedup();
+        let mut from_waiting = false;
+        let mut from_running = false;
+        for &slot in &slots {
+            let status = self.slab.get(slot)?.status;
+            from_running |= status == RequestStatus::Running;
+            from_waiting |= status != RequestStatus::Running;
+            self.finish(slot, RequestStatus::FinishedAborted)?;
+        }
+        self.remove_finished_from_queues(from_running, from_waiting);
+        self.epoch += 1;
+        Ok(())
+    }
+
+    /// Ends a request: frees its blocks, forgets it, reports it in the next step. The caller removes it from
+    /// `running`/`waiting` (in one pass for many requests) with `remove_finished_from_queues`.
+    pub(crate) fn finish(&mut self, slot: u32, status: RequestStatus) -> Result<Request> {
+        let req = self.slab.get_mut(slot)?;
+        req.status = status;
+        self.kv.free(req);
+        let req = self
+            .slab
+            .remove(slot)
+            .ok_or_else(|| SchedError::Internal(format!("slot {slot} vanished while finishing")))?;
+        self.ids.remove(&req.id);
+        self.finished_since_step.push(req.id.clone());
+        self.counters.num_finished_reqs += 1;
+        Ok(req)
+    }
+
+    pub(crate) fn remove_finished_from_queues(&mut self, running: bool, waiting: bool) {
+        let slab = &self.slab;
+        if running {
+            self.running.retain(|&s| slab.get(s).is_ok());
+        }
+        if waiting {
+            self.waiting.retain(|h| slab.resolve(h).is_some());
+        }
+    }
+
+    pub fn has_unfinished_requests(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    pub fn num_unfinished_requests(&self) -> usize {
+        self.running.len() + self.waiting.len()
+    }
+
+    pub fn num_running_reqs(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting_reqs(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.kv.pool.num_free_blocks()
+    }
+
+    pub fn request_id(&self, h: ReqHandle) -> Option<&Arc<str>> {
+        self.slab.resolve(h).map(|r| &r.id)
+    }
+
+    /// Tokens a new request with this prompt would take from the prefix cache now. Touches nothing.
+    pub fn get_num_cached_tokens(
+        &self,
+        prompt_token_ids: &[i64],
+        cache_salt: Option<&str>,
+        lora_name: Option<&str>,
+    ) -> Result<u32> {
+        let mut tokens = Vec::with_capacity(prompt_token_ids.len());
+        for &t in prompt_token_ids {
+            tokens.push(token_id("prompt token id", t)?);
+        }
+        if !self.config.enable_prefix_caching || tokens.is_empty() {
+            return Ok(0);
+        }
+        let extra = ExtraKeys {
+            cache_salt: cache_salt.map(Into::into),
+            lora_name: lora_name.map(Into::into),
+        };
+        let bs = self.config.block_size as usize;
+        // Hash only as far as a hit can reach.
+        let reach = ((tokens.len() - 1) / bs) * bs;
+        let mut hashes: Vec<BlockHash> = Vec::new();
+        self.kv
+            .hasher
+            .extend_hashes(&mut hashes, &tokens[..reach], bs, &extra);
+        let mut hits = Vec::new();
+        self.kv
+            .find_longest_cache_hit(&hashes, tokens.len() as u32, &mut hits);
+        Ok(hits.len() as u32 * self.config.block_size)
+    }
+
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        let ok = self.kv.pool.reset_prefix_cache();
+        if ok {
+            self.epoch += 1;
+        }
+        ok
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let c = &self.counters;
+        SchedulerStats {
+            num_running_reqs: self.running.len(),
+            num_waiting_reqs: self.waiting.len(),
+            kv_cache_usage: self.kv.pool.usage(),
+            num_free_blocks: self.kv.pool.num_free_blocks(),
+            prefix_cache_queries: c.prefix_cache_queries,
+            prefix_cache_hits: c.prefix_cache_hits,
+            prefix_cache_preempted_queries: c.prefix_cache_preempted_queries,
+            prefix_cache_preempted_hits: c.prefix_cache_preempted_hits,
+            num_preemptions: c.num_preemptions,
+            num_finished_reqs: c.num_finished_reqs,
+            step_id: self.next_step_id,
+        }
+    }
+
+    pub fn block_hash_of(&self, block: u32) -> Option<&BlockHash> {
+        self.kv.pool.block_hash(block)
+    }
+
+    /// Checks every internal invariant; `Err` describes the first violation.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let cfg = &self.config;
+        let mut held = vec![0u32; cfg.num_blocks as usize];
+        let mut where_: HashMap<u32, &str> = HashMap::new();
+        for &s in &self.running {
+            if where_.insert(s, "running").is_some() {
+                return Err(format!("slot {s} appears twice in running"));
+            }
+        }
+        for h in self.waiting.handles() {
+            if self.slab.resolve(h).is_none() {
+                return Err(format!("waiting holds a stale handle {h:?}"));
+            }
+            if let Some(prev) = where_.insert(h.slot, "waiting") {
+                return Err(format!("slot {} is in waiting and in {prev}", h.slot));
+            }
+        }
+        if self.running.len() > cfg.max_num_seqs as usize {
+            return Err(format!(
+                "{} running requests exceed max_num_seqs",
+                self.running.len()
+            ));
+        }
+        if self.ids.len() != self.slab.len() {
+            return Err(format!(
+                "id map has {} entries, slab {}",
+                self.ids.len(),
+                self.slab.len()
+            ));
+        }
+        let bs = cfg.block_size;
+        for r in self.slab.iter() {
+            match self.ids.get(&r.id) {
+                Some(&s) if s == r.handle.slot => {}
+                _ => return Err(format!("request {:?} is not mapped to its slot", r.id)),
+            }
+            let place = where_.get(&r.handle.slot).copied();
+            match (r.status, place) {
+                (RequestStatus::Running, Some("running")) => {}
+                (RequestStatus::Waiting | RequestStatus::Preempted, Some("waiting")) => {
+                    if !r.blocks.is_empty() || r.num_computed_tokens != 0 {
+                        return Err(format!(
+                            "waiting request {:?} holds blocks or computed tokens",
+                            r.id
+                        ));
+                    }
+                }
+                (st, p) => {
+                    return Err(format!(
+                        "request {:?} has status {st:?} but sits in {p:?}",
+                        r.id
+                    ))
+                }
+            }
+            if r.num_computed_tokens > r.num_tokens_with_spec() + cfg.num_lookahead_tokens + bs {
+                return Err(format!(
+                    "request {:?} computed more tokens than it has",
+                    r.id
+                ));
+            }
+            if (r.blocks.len() as u64) * u64::from(bs) < u64::from(r.num_computed_tokens) {
+                return Err(format!(
+                    "request {:?}: blocks do not cover its computed tokens",
+                    r.id
+                ));
+            }
+            if r.num_tokens() > cfg.max_model_len || r.num_output_tokens() > r.max_tokens {
+                return Err(format!("request {:?} is longer than its limits", r.id));
+            }
+            let uniq: HashSet<u32> = r.blocks.iter().copied().collect();
+            if uniq.len() != r.blocks.len() || uniq.contains(&0) {
+                return Err(format!(
+                    "request {:?} holds a block twice or the null block",
+                    r.id
+                ));
+            }
+            for &b in &r.blocks {
+                held[b as usize] += 1;
+            }
+            if r.num_cached_blocks as usize > r.blocks.len() {
+                return Err(format!(
+                    "request {:?}: more cached blocks than blocks",
+                    r.id
+                ));
+            }
+            if cfg.enable_prefix_caching {
+                for i in 0..r.num_cached_blocks as usize {
+                    if self.kv.pool.block_hash(r.blocks[i]) != r.block_hashes.get(i) {
+                        return Err(format!(
+                            "request {:?}: block {i} hash disagrees with the cache",
+                            r.id
+                        ));
+                    }
+                }
+            }
+        }
+        self.kv.pool.check(&held)?;
+        if self.counters.last_num_scheduled_reqs > cfg.max_num_seqs as usize {
+            return Err("the last step scheduled more than max_num_seqs requests".into());
+        }
+        if self.counters.last_num_scheduled_tokens > u64::from(cfg.max_num_batched_tokens) {
+            return Err("the last step exceeded the token budget".into());
+        }
+        if cfg.policy == Policy::Fcfs && !matches!(self.waiting, WaitingQueue::Fcfs(_)) {
+            return Err("queue type does not match the policy".into());
+        }
+        Ok(())
+    }
+
+    /// Frees everything a finished request held and reports it; used by `update.rs`.
+    pub(crate) fn finish_reason(status: RequestStatus) -> FinishReason {
+        match status {
+            RequestStatus::FinishedLengthCapped => FinishReason::Length,
+            RequestStatus::FinishedAborted => FinishReason::Abort,
+            _ => FinishReason::Stop,
+        }
+    }
+}

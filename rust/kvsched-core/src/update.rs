@@ -1,0 +1,213 @@
+//! `update_from_output()`: applies the tokens sampled for one scheduled step.
+//!
+//! Steps are applied in the order they were scheduled, each once (the next may already be scheduled: async
+//! scheduling). Everything is validated before anything changes. Per entry: requests that finished since the
+//! step was scheduled are skipped; partial prefills get no token; otherwise rejected drafts are rolled back,
+//! tokens are appended one at a time with a stop check after each (the rest is discarded after a stop), new
+//! full blocks are hashed, and stopped requests are freed and reported.
+
+use crate::error::{Result, SchedError};
+use crate::output::UpdateResult;
+use crate::request::{Request, RequestStatus};
+use crate::scheduler::{Scheduler, MAX_TOKEN_ID};
+
+/// A ragged batch of token lists in CSR form.
+#[derive(Clone, Copy, Debug)]
+pub struct Ragged<'a> {
+    pub values: &'a [i64],
+    pub indptr: &'a [i64],
+}
+
+impl<'a> Ragged<'a> {
+    fn check(&self, what: &str, n: usize) -> Result<()> {
+        let bad = |m: String| Err(SchedError::InvalidOutput(format!("{what}: {m}")));
+        if self.indptr.len() != n + 1 {
+            return bad(format!(
+                "expected {} offsets (one entry per scheduled request + 1), got {}",
+                n + 1,
+                self.indptr.len()
+            ));
+        }
+        if self.indptr[0] != 0 {
+            return bad(format!("offsets must start at 0, got {}", self.indptr[0]));
+        }
+        if self.indptr.windows(2).any(|w| w[1] < w[0]) {
+            return bad("offsets must be non-decreasing".into());
+        }
+        if self.indptr[n] != self.values.len() as i64 {
+            return bad(format!(
+                "last offset {} does not match the {} values",
+                self.indptr[n],
+                self.values.len()
+            ));
+        }
+        if let Some(t) = self
+            .values
+            .iter()
+            .find(|&&t| !(0..=MAX_TOKEN_ID).contains(&t))
+        {
+            return bad(format!("token ids must be in [0, {MAX_TOKEN_ID}], got {t}"));
+        }
+        Ok(())
+    }
+
+    fn get(&self, i: usize) -> &'a [i64] {
+        &self.values[self.indptr[i] as usize..self.indptr[i + 1] as usize]
+    }
+}
+
+impl Scheduler {
+    pub fn update_from_output(
+        &mut self,
+        scheduler_id: u64,
+        step_id: u64,
+        sampled: Ragged<'_>,
+        drafts: Option<Ragged<'_>>,
+    ) -> Result<UpdateResult> {
+        if scheduler_id != self.scheduler_id {
+            return Err(SchedError::InvalidOutput(
+                "this output was produced by another scheduler".into(),
+            ));
+        }
+        let Some(rec) = self.in_flight.front() else {
+            return Err(SchedError::InvalidOutput(format!(
+                "step {step_id} was already applied (no step is awaiting its output)"
+            )));
+        };
+        if step_id != rec.step_id {
+            let msg = if step_id < rec.step_id {
+                format!("step {step_id} was already applied")
+            } else {
+                format!(
+                    "outputs must be applied in order: step {} comes before step {step_id}",
+                    rec.step_id
+                )
+            };
+            return Err(SchedError::InvalidOutput(msg));
+        }
+        let n = rec.handles.len();
+        sampled.check("sampled_token_ids", n)?;
+        if let Some(d) = &drafts {
+            d.check("draft_token_ids", n)?;
+        }
+        let lookahead = self.config.num_lookahead_tokens as usize;
+        for i in 0..n {
+            let Some(req) = self.slab.resolve(rec.handles[i]) else {
+                continue;
+            };
+            let got = sampled.get(i).len();
+            if rec.is_prefill_chunk[i] {
+                if got != 0 {
+                    return Err(SchedError::InvalidOutput(format!(
+                        "request {:?} ran a partial prefill in step {step_id}; it cannot receive sampled \
+                         tokens (got {got})",
+                        req.id
+                    )));
+                }
+            } else {
+                let max = 1 + rec.num_spec_tokens[i] as usize;
+                if got == 0 || got > max {
+                    return Err(SchedError::InvalidOutput(format!(
+                        "request {:?} must receive between 1 and {max} sampled tokens in step {step_id}, got {got}",
+                        req.id
+                    )));
+                }
+            }
+            if let Some(d) = &drafts {
+                let k = d.get(i).len();
+                let allowed = if rec.is_prefill_chunk[i] {
+                    0
+                } else {
+                    lookahead
+                };
+                if k > allowed {
+                    return Err(SchedError::InvalidOutput(format!(
+                        "request {:?} may receive at most {allowed} draft tokens in step {step_id}, got {k}",
+                        req.id
+                    )));
+                }
+            }
+        }
+
+        // Validated: apply.
+        let Some(rec) = self.in_flight.pop_front() else {
+            return Err(SchedError::Internal("in-flight step vanished".into()));
+        };
+        self.epoch += 1;
+        let max_model_len = self.config.max_model_len;
+        let mut res = UpdateResult {
+            num_new_tokens: vec![0; n],
+            ..Default::default()
+        };
+        let (mut any_running_finished, mut any_waiting_finished) = (false, false);
+        for i in 0..n {
+            if rec.is_prefill_chunk[i] {
+                continue;
+            }
+            let Some(req) = self.slab.resolve_mut(rec.handles[i]) else {
+                continue;
+            };
+            let tokens = sampled.get(i);
+            let rejected = rec.num_spec_tokens[i] as usize - (tokens.len() - 1);
+            if req.status == RequestStatus::Running && rejected > 0 {
+                req.num_computed_tokens = req.num_computed_tokens.saturating_sub(rejected as u32);
+            }
+            let mut stopped = None;
+            let mut appended = 0;
+            for &t in tokens {
+                req.token_ids.push(t as u32);
+                appended += 1;
+                stopped = check_stop(req, max_model_len);
+                if stopped.is_some() {
+                    break;
+                }
+            }
+            res.num_new_tokens[i] = appended;
+            self.kv.extend_hashes(req);
+            match stopped {
+                Some((status, stop_reason)) => {
+                    if req.status == RequestStatus::Running {
+                        any_running_finished = true;
+                    } else {
+                        any_waiting_finished = true;
+                    }
+                    req.stop_reason = stop_reason;
+                    let slot = rec.handles[i].slot;
+                    let done = self.finish(slot, status)?;
+                    res.finished_req_ids.push(done.id);
+                    res.finish_reasons.push(Self::finish_reason(status));
+                    res.stop_reasons.push(stop_reason);
+                }
+                None => {
+                    if let Some(d) = &drafts {
+                        req.spec_token_ids.clear();
+                        req.spec_token_ids
+                            .extend(d.get(i).iter().map(|&t| t as u32));
+                    }
+                }
+            }
+        }
+        self.remove_finished_from_queues(any_running_finished, any_waiting_finished);
+        Ok(res)
+    }
+}
+
+/// The stop check after each appended token, in vLLM's order: min_tokens, EOS (unless ignore_eos), stop token
+/// ids, then the length limits. Returns the final status and the stop reason (stop token or -1).
+fn check_stop(req: &Request, max_model_len: u32) -> Option<(RequestStatus, i64)> {
+    let num_output = req.num_output_tokens();
+    if num_output < req.min_tokens {
+        return None;
+    }
+    let last = *req.token_ids.last()?;
+    if !req.ignore_eos && req.eos_token_id == Some(last) {
+        return Some((RequestStatus::FinishedStopped, -1));
+    }
+    if req.stop_token_ids.contains(&last) {
+        return Some((RequestStatus::FinishedStopped, i64::from(last)));
+    }
+    if req.num_tokens() >= max_model_len || num_output >= req.max_tokens {
+        return Some((RequestStatus::FinishedLengthCapped, -1));
+    }
+    None
+}
