@@ -72,6 +72,12 @@ class SchedulerConfig:
         seed = self.prefix_hash_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
             raise InvalidConfigError(f"prefix_hash_seed must be None, an int, a str or bytes, got {seed!r}")
+        if (self.num_blocks - 1) * self.block_size < self.max_model_len:
+            raise InvalidConfigError(
+                f"the KV cache ({self.num_blocks - 1} usable blocks of {self.block_size} tokens) cannot hold one "
+                f"request of max_model_len={self.max_model_len} tokens; such a request could never finish. "
+                "Raise num_blocks or lower max_model_len"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise InvalidConfigError(
                 "with enable_chunked_prefill=False, max_num_batched_tokens "

@@ -68,7 +68,7 @@ class Scheduler(_core.Scheduler):
     """The kvsched scheduler (Rust core). See ``docs/api.md`` and ``docs/semantics.md``.
 
     >>> from kvsched import Scheduler
-    >>> sched = Scheduler(block_size=4, num_blocks=16, max_model_len=64)
+    >>> sched = Scheduler(block_size=4, num_blocks=16, max_model_len=32)
     >>> sched.add_request("r0", [1, 2, 3, 4, 5], max_tokens=2)
     >>> out = sched.schedule()
     >>> out.req_ids, out.num_scheduled_tokens.tolist()

@@ -18,8 +18,10 @@ pub struct BlockPool {
     ref_cnt: Vec<u32>,
     hash: Vec<Option<BlockHash>>,
     free: FreeBlockQueue,
-    /// Most hashes map to one block; a Vec keeps the rare duplicates in insertion order.
-    cached: HashMap<BlockHash, Vec<u32>, PrehashedBuild>,
+    /// The first block cached under each hash (what a lookup returns).
+    cached: HashMap<BlockHash, u32, PrehashedBuild>,
+    /// Later blocks with the same hash, in insertion order (rare: no allocation on the common path).
+    duplicates: HashMap<BlockHash, Vec<u32>, PrehashedBuild>,
     enable_caching: bool,
 }
 
@@ -31,6 +33,7 @@ impl BlockPool {
             hash: vec![None; n],
             free: FreeBlockQueue::new(n, 1..num_blocks),
             cached: HashMap::default(),
+            duplicates: HashMap::default(),
             enable_caching,
         }
     }
@@ -60,13 +63,18 @@ impl BlockPool {
         self.hash[block as usize].as_ref()
     }
 
+    /// Free blocks in eviction order, head first (O(n): tests and diagnostics).
+    pub fn free_order(&self) -> Vec<u32> {
+        self.free.iter().collect()
+    }
+
     pub fn is_free(&self, block: u32) -> bool {
         self.free.contains(block)
     }
 
     /// The first block carrying `hash`, if any.
     pub fn get_cached_block(&self, hash: &BlockHash) -> Option<u32> {
-        self.cached.get(hash).and_then(|v| v.first().copied())
+        self.cached.get(hash).copied()
     }
 
     /// Takes `n` blocks from the head of the free queue, evicting their cached hashes. The caller has checked
@@ -84,12 +92,25 @@ impl BlockPool {
     }
 
     fn evict(&mut self, block: u32) {
-        if let Some(h) = self.hash[block as usize].take() {
-            if let Some(v) = self.cached.get_mut(&h) {
-                v.retain(|&x| x != block);
-                if v.is_empty() {
+        let Some(h) = self.hash[block as usize].take() else { return };
+        if self.cached.get(&h) == Some(&block) {
+            // Promote the oldest duplicate, if any, so lookups keep returning the earliest cached block.
+            match self.duplicates.get_mut(&h) {
+                Some(dups) if !dups.is_empty() => {
+                    let next = dups.remove(0);
+                    if dups.is_empty() {
+                        self.duplicates.remove(&h);
+                    }
+                    self.cached.insert(h, next);
+                }
+                _ => {
                     self.cached.remove(&h);
                 }
+            }
+        } else if let Some(dups) = self.duplicates.get_mut(&h) {
+            dups.retain(|&x| x != block);
+            if dups.is_empty() {
+                self.duplicates.remove(&h);
             }
         }
     }
@@ -128,7 +149,14 @@ impl BlockPool {
         }
         debug_assert!(self.hash[block as usize].is_none());
         self.hash[block as usize] = Some(hash);
-        self.cached.entry(hash).or_default().push(block);
+        match self.cached.entry(hash) {
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(block);
+            }
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.duplicates.entry(hash).or_default().push(block)
+            }
+        }
     }
 
     /// Drops every cached hash; only allowed when no usable block is in use.
@@ -137,6 +165,7 @@ impl BlockPool {
             return false;
         }
         self.cached.clear();
+        self.duplicates.clear();
         for h in &mut self.hash {
             *h = None;
         }
@@ -144,6 +173,7 @@ impl BlockPool {
     }
 
     /// Checks the pool against `held`: the number of request block tables holding each block.
+    #[allow(clippy::needless_range_loop)]
     pub fn check(&self, held: &[u32]) -> Result<(), String> {
         self.free.check()?;
         if self.ref_cnt[0] != 0 || self.free.contains(NULL_BLOCK) || self.hash[0].is_some() {
@@ -152,39 +182,38 @@ impl BlockPool {
         for b in 1..self.ref_cnt.len() {
             let rc = self.ref_cnt[b];
             if rc != held[b] {
-                return Err(format!(
-                    "block {b}: ref_cnt {rc} but {} request(s) hold it",
-                    held[b]
-                ));
+                return Err(format!("block {b}: ref_cnt {rc} but {} request(s) hold it", held[b]));
             }
             if (rc == 0) != self.free.contains(b as u32) {
-                return Err(format!(
-                    "block {b}: ref_cnt {rc} but free={}",
-                    self.free.contains(b as u32)
-                ));
+                return Err(format!("block {b}: ref_cnt {rc} but free={}", self.free.contains(b as u32)));
             }
             if let Some(h) = &self.hash[b] {
-                let n = self
-                    .cached
-                    .get(h)
-                    .map_or(0, |v| v.iter().filter(|&&x| x == b as u32).count());
-                if n != 1 {
+                let primary = usize::from(self.cached.get(h) == Some(&(b as u32)));
+                let dups = self.duplicates.get(h).map_or(0, |v| v.iter().filter(|&&x| x == b as u32).count());
+                if primary + dups != 1 {
                     return Err(format!(
-                        "block {b} has a hash but is in the cache map {n} times"
+                        "block {b} has a hash but is in the cache map {} times",
+                        primary + dups
                     ));
                 }
             }
         }
-        let mapped: usize = self.cached.values().map(Vec::len).sum();
+        let mapped = self.cached.len() + self.duplicates.values().map(Vec::len).sum::<usize>();
         let hashed = self.hash.iter().filter(|h| h.is_some()).count();
         if mapped != hashed {
-            return Err(format!(
-                "cache map holds {mapped} blocks but {hashed} blocks have a hash"
-            ));
+            return Err(format!("cache map holds {mapped} blocks but {hashed} blocks have a hash"));
         }
-        for (h, v) in &self.cached {
-            if v.is_empty() || v.iter().any(|&b| self.hash[b as usize].as_ref() != Some(h)) {
+        for (h, &b) in &self.cached {
+            if self.hash[b as usize].as_ref() != Some(h) {
                 return Err("cache map entry disagrees with block hashes".into());
+            }
+        }
+        for (h, v) in &self.duplicates {
+            let bad = v.is_empty()
+                || !self.cached.contains_key(h)
+                || v.iter().any(|&b| self.hash[b as usize].as_ref() != Some(h));
+            if bad {
+                return Err("duplicate cache entry disagrees with block hashes".into());
             }
         }
         Ok(())

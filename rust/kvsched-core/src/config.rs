@@ -82,9 +82,7 @@ const I32_MAX: u64 = i32::MAX as u64;
 
 fn check_range(name: &str, value: u32, min: u32, max: u64) -> Result<()> {
     if u64::from(value) < u64::from(min) || u64::from(value) > max {
-        return Err(SchedError::InvalidConfig(format!(
-            "{name} must be in [{min}, {max}], got {value}"
-        )));
+        return Err(SchedError::InvalidConfig(format!("{name} must be in [{min}, {max}], got {value}")));
     }
     Ok(())
 }
@@ -106,20 +104,19 @@ impl SchedulerConfig {
             )));
         }
         check_range("max_num_seqs", self.max_num_seqs, 1, I32_MAX)?;
-        check_range(
-            "max_num_batched_tokens",
-            self.max_num_batched_tokens,
-            1,
-            I32_MAX,
-        )?;
+        check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, I32_MAX)?;
         check_range("max_model_len", self.max_model_len, 2, I32_MAX)?;
-        check_range(
-            "long_prefill_token_threshold",
-            self.long_prefill_token_threshold,
-            0,
-            I32_MAX,
-        )?;
+        check_range("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, I32_MAX)?;
         check_range("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)?;
+        if u64::from(self.num_blocks - 1) * u64::from(self.block_size) < u64::from(self.max_model_len) {
+            return Err(SchedError::InvalidConfig(format!(
+                "the KV cache ({} usable blocks of {} tokens) cannot hold one request of max_model_len={} \
+                 tokens; such a request could never finish. Raise num_blocks or lower max_model_len",
+                self.num_blocks - 1,
+                self.block_size,
+                self.max_model_len
+            )));
+        }
         if !self.enable_chunked_prefill && self.max_num_batched_tokens < self.max_model_len {
             return Err(SchedError::InvalidConfig(format!(
                 "with enable_chunked_prefill=False, max_num_batched_tokens ({}) must be >= max_model_len ({}), \
@@ -148,31 +145,13 @@ mod tests {
     #[test]
     fn rejects_bad_values() {
         let bad = [
-            SchedulerConfig {
-                block_size: 0,
-                ..Default::default()
-            },
-            SchedulerConfig {
-                block_size: 12,
-                ..Default::default()
-            },
-            SchedulerConfig {
-                num_blocks: 1,
-                ..Default::default()
-            },
-            SchedulerConfig {
-                max_num_seqs: 0,
-                ..Default::default()
-            },
-            SchedulerConfig {
-                max_model_len: 1,
-                ..Default::default()
-            },
-            SchedulerConfig {
-                num_blocks: u32::MAX / 2,
-                block_size: 1024,
-                ..Default::default()
-            },
+            SchedulerConfig { block_size: 0, ..Default::default() },
+            SchedulerConfig { block_size: 12, ..Default::default() },
+            SchedulerConfig { num_blocks: 1, ..Default::default() },
+            SchedulerConfig { num_blocks: 100, block_size: 16, max_model_len: 1600, ..Default::default() },
+            SchedulerConfig { max_num_seqs: 0, ..Default::default() },
+            SchedulerConfig { max_model_len: 1, ..Default::default() },
+            SchedulerConfig { num_blocks: u32::MAX / 2, block_size: 1024, ..Default::default() },
             SchedulerConfig {
                 enable_chunked_prefill: false,
                 max_num_batched_tokens: 100,
@@ -181,10 +160,7 @@ mod tests {
             },
         ];
         for cfg in bad {
-            assert!(
-                matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))),
-                "{cfg:?}"
-            );
+            assert!(matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))), "{cfg:?}");
         }
     }
 

@@ -140,17 +140,11 @@ impl FreeBlockQueue {
             return Err("free queue tail does not match the last linked block".into());
         }
         if count != self.len {
-            return Err(format!(
-                "free queue links {count} blocks but len is {}",
-                self.len
-            ));
+            return Err(format!("free queue links {count} blocks but len is {}", self.len));
         }
         let marked = self.in_queue.iter().filter(|&&x| x).count();
         if marked != self.len {
-            return Err(format!(
-                "{marked} blocks marked free but len is {}",
-                self.len
-            ));
+            return Err(format!("{marked} blocks marked free but len is {}", self.len));
         }
         Ok(())
     }

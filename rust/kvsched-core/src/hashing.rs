@@ -7,7 +7,7 @@
 //! field is length- or tag-prefixed so distinct inputs can never encode to the same bytes.
 
 use sha2::{Digest, Sha256};
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::xxh3_128;
 
 use crate::config::HashAlgo;
 use crate::error::{Result, SchedError};
@@ -46,9 +46,8 @@ impl BlockHasher {
             }
             None => {
                 let mut buf = [0u8; 32];
-                getrandom::fill(&mut buf).map_err(|e| {
-                    SchedError::Internal(format!("cannot draw a random hash seed: {e}"))
-                })?;
+                getrandom::fill(&mut buf)
+                    .map_err(|e| SchedError::Internal(format!("cannot draw a random hash seed: {e}")))?;
                 BlockHash(buf)
             }
         };
@@ -59,56 +58,47 @@ impl BlockHasher {
         self.algo
     }
 
-    fn encode(
-        parent: &BlockHash,
-        tokens: &[u32],
-        extra: &ExtraKeys,
-        first: bool,
-        mut feed: impl FnMut(&[u8]),
-    ) {
-        feed(&parent.0);
-        feed(&(tokens.len() as u32).to_le_bytes());
-        for t in tokens {
-            feed(&t.to_le_bytes());
+    /// Serialises one block's hash input into `buf` (cleared first).
+    fn encode(buf: &mut Vec<u8>, parent: &BlockHash, tokens: &[u32], extra: &ExtraKeys, first: bool) {
+        buf.clear();
+        buf.extend_from_slice(&parent.0);
+        buf.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+        let at = buf.len();
+        buf.resize(at + 4 * tokens.len(), 0);
+        for (dst, t) in buf[at..].chunks_exact_mut(4).zip(tokens) {
+            dst.copy_from_slice(&t.to_le_bytes());
         }
         if let Some(lora) = &extra.lora_name {
-            feed(&[TAG_LORA]);
-            feed(&(lora.len() as u32).to_le_bytes());
-            feed(lora.as_bytes());
+            buf.push(TAG_LORA);
+            buf.extend_from_slice(&(lora.len() as u32).to_le_bytes());
+            buf.extend_from_slice(lora.as_bytes());
         }
         if first {
             if let Some(salt) = &extra.cache_salt {
-                feed(&[TAG_SALT]);
-                feed(&(salt.len() as u32).to_le_bytes());
-                feed(salt.as_bytes());
+                buf.push(TAG_SALT);
+                buf.extend_from_slice(&(salt.len() as u32).to_le_bytes());
+                buf.extend_from_slice(salt.as_bytes());
             }
         }
-        feed(&[TAG_END]);
+        buf.push(TAG_END);
+    }
+
+    fn digest(&self, bytes: &[u8]) -> BlockHash {
+        match self.algo {
+            HashAlgo::Xxh3_128 => {
+                let mut out = [0u8; 32];
+                out[..16].copy_from_slice(&xxh3_128(bytes).to_le_bytes());
+                BlockHash(out)
+            }
+            HashAlgo::Sha256 => BlockHash(Sha256::digest(bytes).into()),
+        }
     }
 
     /// Hash of one full block. `parent` is `None` for block 0.
-    pub fn hash_block(
-        &self,
-        parent: Option<&BlockHash>,
-        tokens: &[u32],
-        extra: &ExtraKeys,
-    ) -> BlockHash {
-        let first = parent.is_none();
-        let parent = parent.unwrap_or(&self.seed_hash);
-        match self.algo {
-            HashAlgo::Xxh3_128 => {
-                let mut h = Xxh3::new();
-                Self::encode(parent, tokens, extra, first, |b| h.update(b));
-                let mut out = [0u8; 32];
-                out[..16].copy_from_slice(&h.digest128().to_le_bytes());
-                BlockHash(out)
-            }
-            HashAlgo::Sha256 => {
-                let mut h = Sha256::new();
-                Self::encode(parent, tokens, extra, first, |b| h.update(b));
-                BlockHash(h.finalize().into())
-            }
-        }
+    pub fn hash_block(&self, parent: Option<&BlockHash>, tokens: &[u32], extra: &ExtraKeys) -> BlockHash {
+        let mut buf = Vec::with_capacity(64 + 4 * tokens.len());
+        Self::encode(&mut buf, parent.unwrap_or(&self.seed_hash), tokens, extra, parent.is_none());
+        self.digest(&buf)
     }
 
     /// Appends to `hashes` the hashes of every full block of `tokens` not hashed yet.
@@ -120,10 +110,12 @@ impl BlockHasher {
         extra: &ExtraKeys,
     ) {
         let num_full = tokens.len() / block_size;
+        let mut buf = Vec::new();
         while hashes.len() < num_full {
             let i = hashes.len();
             let block = &tokens[i * block_size..(i + 1) * block_size];
-            let h = self.hash_block(hashes.last(), block, extra);
+            Self::encode(&mut buf, hashes.last().unwrap_or(&self.seed_hash), block, extra, i == 0);
+            let h = self.digest(&buf);
             hashes.push(h);
         }
     }
@@ -155,10 +147,7 @@ mod tests {
     use super::*;
 
     fn keys(salt: Option<&str>, lora: Option<&str>) -> ExtraKeys {
-        ExtraKeys {
-            cache_salt: salt.map(Into::into),
-            lora_name: lora.map(Into::into),
-        }
+        ExtraKeys { cache_salt: salt.map(Into::into), lora_name: lora.map(Into::into) }
     }
 
     #[test]
@@ -174,10 +163,7 @@ mod tests {
             let b = h.hash_block(Some(&a), &[1, 2, 3, 4], &none);
             assert_ne!(a, b);
             // The salt only enters block 0.
-            assert_eq!(
-                b,
-                h.hash_block(Some(&a), &[1, 2, 3, 4], &keys(Some("s"), None))
-            );
+            assert_eq!(b, h.hash_block(Some(&a), &[1, 2, 3, 4], &keys(Some("s"), None)));
         }
     }
 

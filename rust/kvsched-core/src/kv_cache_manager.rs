@@ -18,12 +18,7 @@ pub struct KvCacheManager {
 impl KvCacheManager {
     /// Longest run of cached blocks matching `block_hashes` from the start, capped so that at least the last of
     /// `num_tokens` tokens is computed. Appends the hit blocks to `out`. Side-effect free on the pool.
-    pub fn find_longest_cache_hit(
-        &self,
-        block_hashes: &[BlockHash],
-        num_tokens: u32,
-        out: &mut Vec<u32>,
-    ) {
+    pub fn find_longest_cache_hit(&self, block_hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
         if !self.enable_caching || num_tokens == 0 {
             return;
         }
@@ -39,6 +34,7 @@ impl KvCacheManager {
     /// Reserves KV slots for `num_new_tokens` more tokens of `req` (plus `num_lookahead_tokens`), taking the
     /// prefix hits `hits` first. Returns the number of blocks newly popped from the free queue, or `None` when
     /// the pool cannot supply them, in which case nothing changed.
+    #[inline]
     pub fn allocate_slots(
         &mut self,
         req: &mut Request,
@@ -48,22 +44,29 @@ impl KvCacheManager {
     ) -> Option<usize> {
         let bs = self.block_size;
         let total_computed = req.num_computed_tokens + hits.len() as u32 * bs;
-        let num_slots =
-            (total_computed + num_new_tokens + num_lookahead_tokens).min(self.max_model_len);
+        let num_slots = (total_computed + num_new_tokens + num_lookahead_tokens).min(self.max_model_len);
         let required = num_slots.div_ceil(bs) as usize;
         let held = req.blocks.len() + hits.len();
         let need = required.saturating_sub(held);
-        let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
-        if need + evictable_hits > self.pool.num_free_blocks() {
+        if !hits.is_empty() {
+            let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+            if need + evictable_hits > self.pool.num_free_blocks() {
+                return None;
+            }
+            self.pool.touch(hits);
+            req.blocks.extend_from_slice(hits);
+            // Hits are cached blocks by definition: count them as cached for this request.
+            req.num_cached_blocks += hits.len() as u32;
+        } else if need > self.pool.num_free_blocks() {
             return None;
         }
-        self.pool.touch(hits);
-        req.blocks.extend_from_slice(hits);
-        // Hits are cached blocks by definition: count them as cached for this request.
-        req.num_cached_blocks += hits.len() as u32;
-        self.pool.allocate_into(need, &mut req.blocks);
+        if need > 0 {
+            self.pool.allocate_into(need, &mut req.blocks);
+        }
         let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) / bs) as usize;
-        self.cache_full_blocks(req, num_full);
+        if self.enable_caching && num_full > req.num_cached_blocks as usize {
+            self.cache_full_blocks(req, num_full);
+        }
         Some(need)
     }
 
@@ -88,9 +91,10 @@ impl KvCacheManager {
         req.num_cached_blocks = 0;
     }
 
-    /// Recomputes the request's block hashes for tokens appended since the last call.
+    /// Hashes the request's blocks that became full since the last call.
+    #[inline]
     pub fn extend_hashes(&self, req: &mut Request) {
-        if self.enable_caching {
+        if self.enable_caching && req.token_ids.len() / self.block_size as usize > req.block_hashes.len() {
             self.hasher.extend_hashes(
                 &mut req.block_hashes,
                 &req.token_ids,

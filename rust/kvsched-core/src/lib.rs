@@ -8,7 +8,8 @@
 //! ```
 //! use kvsched_core::{Ragged, RequestParams, Scheduler, SchedulerConfig};
 //!
-//! let mut sched = Scheduler::new(SchedulerConfig { num_blocks: 64, ..Default::default() }).unwrap();
+//! let config = SchedulerConfig { num_blocks: 64, max_model_len: 512, ..Default::default() };
+//! let mut sched = Scheduler::new(config).unwrap();
 //! sched.add_request("r0", &[1, 2, 3, 4, 5], RequestParams { max_tokens: Some(2), ..Default::default() }).unwrap();
 //! while sched.has_unfinished_requests() {
 //!     let out = sched.schedule().unwrap();

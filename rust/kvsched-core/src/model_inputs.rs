@@ -15,11 +15,9 @@ impl Scheduler {
             ))
         };
         if scheduler_id != self.scheduler_id {
-            return Err(SchedError::InvalidOutput(
-                "this output was produced by another scheduler".into(),
-            ));
+            return Err(SchedError::InvalidOutput("this output was produced by another scheduler".into()));
         }
-        let last = self.last_step.as_ref().ok_or_else(stale)?;
+        let last = self.in_flight.back().ok_or_else(stale)?;
         if last.step_id != step_id || last.epoch != self.epoch {
             return Err(stale());
         }
@@ -48,8 +46,8 @@ impl Scheduler {
             let start = last.num_computed_tokens[i] as usize;
             let num = last.num_scheduled_tokens[i] as usize;
             let num_tokens = req.token_ids.len();
-            let spec = &last.spec_token_ids[last.spec_token_ids_indptr[i] as usize
-                ..last.spec_token_ids_indptr[i + 1] as usize];
+            let spec = &last.spec_token_ids
+                [last.spec_token_ids_indptr[i] as usize..last.spec_token_ids_indptr[i + 1] as usize];
             for pos in start..start + num {
                 let token = if pos < num_tokens {
                     req.token_ids[pos] as i32
@@ -63,10 +61,7 @@ impl Scheduler {
                     })?
                 };
                 let block = *req.blocks.get(pos / bs).ok_or_else(|| {
-                    SchedError::Internal(format!(
-                        "request {:?} has no block for position {pos}",
-                        req.id
-                    ))
+                    SchedError::Internal(format!("request {:?} has no block for position {pos}", req.id))
                 })? as usize;
                 mi.input_token_ids.push(token);
                 mi.input_positions.push(pos as i32);

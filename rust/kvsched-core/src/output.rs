@@ -44,9 +44,15 @@ impl SchedulerOutput {
 #[derive(Clone, Debug)]
 pub(crate) struct StepRecord {
     pub step_id: u64,
+    /// `Scheduler::epoch` right after this step was scheduled (`prepare_model_inputs` requires it unchanged).
+    pub epoch: u64,
     pub handles: Vec<ReqHandle>,
     pub is_prefill_chunk: Vec<bool>,
     pub num_spec_tokens: Vec<u32>,
+    pub num_computed_tokens: Vec<i32>,
+    pub num_scheduled_tokens: Vec<i32>,
+    pub spec_token_ids: Vec<i32>,
+    pub spec_token_ids_indptr: Vec<i32>,
 }
 
 #[derive(Clone, Debug, Default)]

@@ -124,11 +124,7 @@ mod tests {
     use super::*;
 
     fn key(p: i64, t: f64, id: &str) -> PriorityKey {
-        PriorityKey {
-            priority: p,
-            arrival_time: t,
-            id: id.into(),
-        }
+        PriorityKey { priority: p, arrival_time: t, id: id.into() }
     }
 
     fn h(slot: u32) -> ReqHandle {

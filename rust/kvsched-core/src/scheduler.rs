@@ -25,18 +25,6 @@ static NEXT_SCHEDULER_ID: AtomicU64 = AtomicU64::new(1);
 /// The largest token id accepted (token ids travel as int32).
 pub const MAX_TOKEN_ID: i64 = i32::MAX as i64;
 
-/// What `prepare_model_inputs` needs of the most recent step.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct LastStep {
-    pub step_id: u64,
-    pub epoch: u64,
-    pub handles: Vec<ReqHandle>,
-    pub num_computed_tokens: Vec<i32>,
-    pub num_scheduled_tokens: Vec<i32>,
-    pub spec_token_ids: Vec<i32>,
-    pub spec_token_ids_indptr: Vec<i32>,
-}
-
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Counters {
     pub prefix_cache_queries: u64,
@@ -63,7 +51,6 @@ pub struct Scheduler {
     pub(crate) next_step_id: u64,
     pub(crate) in_flight: VecDeque<StepRecord>,
     pub(crate) finished_since_step: Vec<Arc<str>>,
-    pub(crate) last_step: Option<LastStep>,
     /// Bumped by every call that changes state; `prepare_model_inputs` requires it unchanged since `schedule()`.
     pub(crate) epoch: u64,
     pub(crate) counters: Counters,
@@ -77,9 +64,7 @@ fn token_id(what: &str, t: i64) -> Result<u32> {
     if (0..=MAX_TOKEN_ID).contains(&t) {
         Ok(t as u32)
     } else {
-        Err(bad_request(format!(
-            "{what} must be in [0, {MAX_TOKEN_ID}], got {t}"
-        )))
+        Err(bad_request(format!("{what} must be in [0, {MAX_TOKEN_ID}], got {t}")))
     }
 }
 
@@ -105,7 +90,6 @@ impl Scheduler {
             next_step_id: 0,
             in_flight: VecDeque::new(),
             finished_since_step: Vec::new(),
-            last_step: None,
             epoch: 0,
             counters: Counters::default(),
         })
@@ -135,15 +119,11 @@ impl Scheduler {
             return Err(bad_request("request id must be a non-empty string".into()));
         }
         if self.ids.contains_key(req_id) {
-            return Err(SchedError::DuplicateRequest(format!(
-                "request id {req_id:?} is already known"
-            )));
+            return Err(SchedError::DuplicateRequest(format!("request id {req_id:?} is already known")));
         }
         let prompt_len = prompt_token_ids.len();
         if prompt_len == 0 {
-            return Err(bad_request(format!(
-                "request {req_id:?}: the prompt is empty"
-            )));
+            return Err(bad_request(format!("request {req_id:?}: the prompt is empty")));
         }
         let max_model_len = self.config.max_model_len as usize;
         if prompt_len >= max_model_len {
@@ -164,9 +144,7 @@ impl Scheduler {
         let room = (max_model_len - prompt_len) as u32;
         let max_tokens = match params.max_tokens {
             Some(0) => {
-                return Err(bad_request(format!(
-                    "request {req_id:?}: max_tokens must be >= 1, got 0"
-                )))
+                return Err(bad_request(format!("request {req_id:?}: max_tokens must be >= 1, got 0")))
             }
             Some(m) => m.min(room),
             None => room,
@@ -202,10 +180,7 @@ impl Scheduler {
             ignore_eos: params.ignore_eos,
             stop_token_ids: params.stop_token_ids,
             stop_reason: -1,
-            extra_keys: ExtraKeys {
-                cache_salt: params.cache_salt,
-                lora_name: params.lora_name,
-            },
+            extra_keys: ExtraKeys { cache_salt: params.cache_salt, lora_name: params.lora_name },
             block_hashes: Vec::new(),
             blocks: Vec::new(),
             num_cached_blocks: 0,
@@ -227,11 +202,7 @@ impl Scheduler {
     }
 
     pub(crate) fn priority_key(req: &Request) -> PriorityKey {
-        PriorityKey {
-            priority: req.priority,
-            arrival_time: req.arrival_time,
-            id: req.id.clone(),
-        }
+        PriorityKey { priority: req.priority, arrival_time: req.arrival_time, id: req.id.clone() }
     }
 
     fn slot_of(&self, req_id: &str) -> Result<u32> {
@@ -331,20 +302,15 @@ impl Scheduler {
         if !self.config.enable_prefix_caching || tokens.is_empty() {
             return Ok(0);
         }
-        let extra = ExtraKeys {
-            cache_salt: cache_salt.map(Into::into),
-            lora_name: lora_name.map(Into::into),
-        };
+        let extra =
+            ExtraKeys { cache_salt: cache_salt.map(Into::into), lora_name: lora_name.map(Into::into) };
         let bs = self.config.block_size as usize;
         // Hash only as far as a hit can reach.
         let reach = ((tokens.len() - 1) / bs) * bs;
         let mut hashes: Vec<BlockHash> = Vec::new();
-        self.kv
-            .hasher
-            .extend_hashes(&mut hashes, &tokens[..reach], bs, &extra);
+        self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra);
         let mut hits = Vec::new();
-        self.kv
-            .find_longest_cache_hit(&hashes, tokens.len() as u32, &mut hits);
+        self.kv.find_longest_cache_hit(&hashes, tokens.len() as u32, &mut hits);
         Ok(hits.len() as u32 * self.config.block_size)
     }
 
@@ -396,17 +362,10 @@ impl Scheduler {
             }
         }
         if self.running.len() > cfg.max_num_seqs as usize {
-            return Err(format!(
-                "{} running requests exceed max_num_seqs",
-                self.running.len()
-            ));
+            return Err(format!("{} running requests exceed max_num_seqs", self.running.len()));
         }
         if self.ids.len() != self.slab.len() {
-            return Err(format!(
-                "id map has {} entries, slab {}",
-                self.ids.len(),
-                self.slab.len()
-            ));
+            return Err(format!("id map has {} entries, slab {}", self.ids.len(), self.slab.len()));
         }
         let bs = cfg.block_size;
         for r in self.slab.iter() {
@@ -419,57 +378,34 @@ impl Scheduler {
                 (RequestStatus::Running, Some("running")) => {}
                 (RequestStatus::Waiting | RequestStatus::Preempted, Some("waiting")) => {
                     if !r.blocks.is_empty() || r.num_computed_tokens != 0 {
-                        return Err(format!(
-                            "waiting request {:?} holds blocks or computed tokens",
-                            r.id
-                        ));
+                        return Err(format!("waiting request {:?} holds blocks or computed tokens", r.id));
                     }
                 }
-                (st, p) => {
-                    return Err(format!(
-                        "request {:?} has status {st:?} but sits in {p:?}",
-                        r.id
-                    ))
-                }
+                (st, p) => return Err(format!("request {:?} has status {st:?} but sits in {p:?}", r.id)),
             }
             if r.num_computed_tokens > r.num_tokens_with_spec() + cfg.num_lookahead_tokens + bs {
-                return Err(format!(
-                    "request {:?} computed more tokens than it has",
-                    r.id
-                ));
+                return Err(format!("request {:?} computed more tokens than it has", r.id));
             }
             if (r.blocks.len() as u64) * u64::from(bs) < u64::from(r.num_computed_tokens) {
-                return Err(format!(
-                    "request {:?}: blocks do not cover its computed tokens",
-                    r.id
-                ));
+                return Err(format!("request {:?}: blocks do not cover its computed tokens", r.id));
             }
             if r.num_tokens() > cfg.max_model_len || r.num_output_tokens() > r.max_tokens {
                 return Err(format!("request {:?} is longer than its limits", r.id));
             }
             let uniq: HashSet<u32> = r.blocks.iter().copied().collect();
             if uniq.len() != r.blocks.len() || uniq.contains(&0) {
-                return Err(format!(
-                    "request {:?} holds a block twice or the null block",
-                    r.id
-                ));
+                return Err(format!("request {:?} holds a block twice or the null block", r.id));
             }
             for &b in &r.blocks {
                 held[b as usize] += 1;
             }
             if r.num_cached_blocks as usize > r.blocks.len() {
-                return Err(format!(
-                    "request {:?}: more cached blocks than blocks",
-                    r.id
-                ));
+                return Err(format!("request {:?}: more cached blocks than blocks", r.id));
             }
             if cfg.enable_prefix_caching {
                 for i in 0..r.num_cached_blocks as usize {
                     if self.kv.pool.block_hash(r.blocks[i]) != r.block_hashes.get(i) {
-                        return Err(format!(
-                            "request {:?}: block {i} hash disagrees with the cache",
-                            r.id
-                        ));
+                        return Err(format!("request {:?}: block {i} hash disagrees with the cache", r.id));
                     }
                 }
             }

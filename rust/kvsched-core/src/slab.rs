@@ -16,14 +16,8 @@ impl Slab {
     /// The handle the next `insert` will use.
     pub fn next_handle(&self) -> ReqHandle {
         match self.free.last() {
-            Some(&slot) => ReqHandle {
-                slot,
-                gen: self.gens[slot as usize],
-            },
-            None => ReqHandle {
-                slot: self.slots.len() as u32,
-                gen: 0,
-            },
+            Some(&slot) => ReqHandle { slot, gen: self.gens[slot as usize] },
+            None => ReqHandle { slot: self.slots.len() as u32, gen: 0 },
         }
     }
 
@@ -72,17 +66,11 @@ impl Slab {
 
     /// The request behind `h`, if it is still the same live request.
     pub fn resolve(&self, h: ReqHandle) -> Option<&Request> {
-        self.slots
-            .get(h.slot as usize)
-            .and_then(Option::as_ref)
-            .filter(|r| r.handle == h)
+        self.slots.get(h.slot as usize).and_then(Option::as_ref).filter(|r| r.handle == h)
     }
 
     pub fn resolve_mut(&mut self, h: ReqHandle) -> Option<&mut Request> {
-        self.slots
-            .get_mut(h.slot as usize)
-            .and_then(Option::as_mut)
-            .filter(|r| r.handle == h)
+        self.slots.get_mut(h.slot as usize).and_then(Option::as_mut).filter(|r| r.handle == h)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Request> {

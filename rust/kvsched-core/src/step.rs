@@ -11,7 +11,7 @@ use crate::config::Policy;
 use crate::error::Result;
 use crate::output::{SchedulerOutput, StepRecord};
 use crate::request::{ReqHandle, RequestStatus};
-use crate::scheduler::{LastStep, Scheduler};
+use crate::scheduler::Scheduler;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -26,10 +26,13 @@ struct Entry {
     /// Index in the request's block table where this step's new blocks start (0 for new/resumed).
     first_new_block: usize,
     kind: Kind,
-    spec: Vec<u32>,
+    /// This request's scheduled drafts: `spec[spec_start..spec_end]` of the step's shared buffer.
+    spec_start: u32,
+    spec_end: u32,
 }
 
 impl Scheduler {
+    #[inline(never)]
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
         let bs = self.config.block_size;
         let threshold = self.config.long_prefill_token_threshold;
@@ -40,6 +43,7 @@ impl Scheduler {
         let mut budget = self.config.max_num_batched_tokens;
         let mut entries: Vec<Entry> = Vec::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<ReqHandle> = Vec::new();
+        let mut spec_buf: Vec<u32> = Vec::new();
 
         // Phase A: running requests.
         let mut i = 0;
@@ -83,17 +87,21 @@ impl Scheduler {
                 break;
             }
             let req = self.slab.get_mut(slot)?;
-            let num_spec = (i64::from(req.num_computed_tokens) + i64::from(n)
-                - i64::from(req.num_tokens()))
-            .clamp(0, req.spec_token_ids.len() as i64) as usize;
-            let mut spec = std::mem::take(&mut req.spec_token_ids);
-            spec.truncate(num_spec);
+            let num_spec = (i64::from(req.num_computed_tokens) + i64::from(n) - i64::from(req.num_tokens()))
+                .clamp(0, req.spec_token_ids.len() as i64) as usize;
+            let spec_start = spec_buf.len() as u32;
+            if !req.spec_token_ids.is_empty() {
+                spec_buf.extend_from_slice(&req.spec_token_ids[..num_spec]);
+                req.spec_token_ids.clear();
+            }
+            let spec_end = spec_buf.len() as u32;
             entries.push(Entry {
                 slot,
                 num_new_tokens: n,
                 first_new_block,
                 kind: Kind::Running,
-                spec,
+                spec_start,
+                spec_end,
             });
             budget -= n;
             i += 1;
@@ -106,8 +114,7 @@ impl Scheduler {
                 let Some(h) = self.waiting.peek() else { break };
                 let req = self.slab.get_mut(h.slot)?;
                 hits.clear();
-                self.kv
-                    .find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
+                self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
                 let num_hit_tokens = hits.len() as u32 * bs;
                 let mut n = req.num_tokens() - num_hit_tokens;
                 if threshold > 0 && n > threshold {
@@ -120,11 +127,7 @@ impl Scheduler {
                 if self.kv.allocate_slots(req, n, &hits, 0).is_none() {
                     break;
                 }
-                let kind = if req.status == RequestStatus::Preempted {
-                    Kind::Resumed
-                } else {
-                    Kind::New
-                };
+                let kind = if req.status == RequestStatus::Preempted { Kind::Resumed } else { Kind::New };
                 req.status = RequestStatus::Running;
                 req.num_computed_tokens = num_hit_tokens;
                 if req.num_cached_tokens < 0 {
@@ -140,18 +143,20 @@ impl Scheduler {
                 }
                 self.waiting.pop();
                 self.running.push(h.slot);
+                let at = spec_buf.len() as u32;
                 entries.push(Entry {
                     slot: h.slot,
                     num_new_tokens: n,
                     first_new_block: 0,
                     kind,
-                    spec: Vec::new(),
+                    spec_start: at,
+                    spec_end: at,
                 });
                 budget -= n;
             }
         }
 
-        self.build_output(entries, preempted)
+        self.build_output(entries, &spec_buf, preempted)
     }
 
     /// Index in `running` of the next preemption victim.
@@ -197,6 +202,7 @@ impl Scheduler {
     fn build_output(
         &mut self,
         entries: Vec<Entry>,
+        spec_buf: &[u32],
         preempted: Vec<ReqHandle>,
     ) -> Result<SchedulerOutput> {
         let n = entries.len();
@@ -229,33 +235,27 @@ impl Scheduler {
                 Kind::Resumed => out.resumed_reqs.push(idx as u32),
                 Kind::Running => {}
             }
-            out.new_block_ids
-                .extend(req.blocks[e.first_new_block..].iter().map(|&b| b as i32));
-            out.new_block_ids_indptr
-                .push(out.new_block_ids.len() as i32);
-            out.spec_token_ids.extend(e.spec.iter().map(|&t| t as i32));
-            out.spec_token_ids_indptr
-                .push(out.spec_token_ids.len() as i32);
+            out.new_block_ids.extend(req.blocks[e.first_new_block..].iter().map(|&b| b as i32));
+            out.new_block_ids_indptr.push(out.new_block_ids.len() as i32);
+            let spec = &spec_buf[e.spec_start as usize..e.spec_end as usize];
+            out.spec_token_ids.extend(spec.iter().map(|&t| t as i32));
+            out.spec_token_ids_indptr.push(out.spec_token_ids.len() as i32);
             req.num_computed_tokens += e.num_new_tokens;
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
             is_chunk.push(req.is_prefill_chunk);
-            num_spec.push(e.spec.len() as u32);
+            num_spec.push(spec.len() as u32);
             total += u64::from(e.num_new_tokens);
         }
         out.total_num_scheduled_tokens = total;
         self.counters.last_num_scheduled_reqs = n;
         self.counters.last_num_scheduled_tokens = total;
-        self.in_flight.push_back(StepRecord {
-            step_id,
-            handles: out.handles.clone(),
-            is_prefill_chunk: is_chunk,
-            num_spec_tokens: num_spec,
-        });
         self.epoch += 1;
-        self.last_step = Some(LastStep {
+        self.in_flight.push_back(StepRecord {
             step_id,
             epoch: self.epoch,
             handles: out.handles.clone(),
+            is_prefill_chunk: is_chunk,
+            num_spec_tokens: num_spec,
             num_computed_tokens: out.num_computed_tokens.clone(),
             num_scheduled_tokens: out.num_scheduled_tokens.clone(),
             spec_token_ids: out.spec_token_ids.clone(),

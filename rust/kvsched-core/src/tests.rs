@@ -1,1 +1,635 @@
+//! Behaviour tests of the whole scheduler, and a proptest of random operation sequences that checks every
+//! invariant after every operation.
 
+use proptest::prelude::*;
+
+use crate::{
+    FinishReason, Policy, Ragged, RequestParams, RequestStatus, SchedError, Scheduler, SchedulerConfig,
+    SchedulerOutput, UpdateResult,
+};
+
+fn cfg(block_size: u32, num_blocks: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size,
+        num_blocks,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 64,
+        max_model_len: ((num_blocks - 1) * block_size).min(256),
+        prefix_hash_seed: Some(b"test".to_vec()),
+        ..Default::default()
+    }
+}
+
+fn params(max_tokens: u32) -> RequestParams {
+    RequestParams { max_tokens: Some(max_tokens), ..Default::default() }
+}
+
+fn add(s: &mut Scheduler, id: &str, prompt: &[i64], p: RequestParams) {
+    s.add_request(id, prompt, p).unwrap();
+    s.check_invariants().unwrap();
+}
+
+fn ids(s: &Scheduler, out: &SchedulerOutput) -> Vec<String> {
+    out.handles.iter().map(|&h| s.request_id(h).map(|x| x.to_string()).unwrap_or_default()).collect()
+}
+
+/// Gives every request whose prompt is complete the token `tok`.
+fn step_with(s: &mut Scheduler, tok: i64) -> (SchedulerOutput, UpdateResult) {
+    let out = s.schedule().unwrap();
+    s.check_invariants().unwrap();
+    let res = feed(s, &out, |_| vec![tok]);
+    (out, res)
+}
+
+fn feed(s: &mut Scheduler, out: &SchedulerOutput, tokens: impl Fn(usize) -> Vec<i64>) -> UpdateResult {
+    let mut values = Vec::new();
+    let mut indptr = vec![0i64];
+    for (i, &h) in out.handles.iter().enumerate() {
+        let live = s.slab.resolve(h);
+        let chunk = live.map_or(true, |r| r.is_prefill_chunk);
+        if !chunk {
+            values.extend(tokens(i));
+        }
+        indptr.push(values.len() as i64);
+    }
+    let res = s.update_from_output(
+        out.scheduler_id,
+        out.step_id,
+        Ragged { values: &values, indptr: &indptr },
+        None,
+    );
+    let res = res.unwrap();
+    s.check_invariants().unwrap();
+    res
+}
+
+fn prompt(start: i64, len: usize) -> Vec<i64> {
+    (start..start + len as i64).collect()
+}
+
+#[test]
+fn chunked_prefill_splits_a_long_prompt_by_budget() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(0, 150), params(2));
+    let (out, res) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![64]);
+    assert_eq!(res.num_new_tokens, vec![0]); // partial prefill: no token
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!((out.num_computed_tokens.clone(), out.num_scheduled_tokens.clone()), (vec![64], vec![64]));
+    let (out, res) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![22]);
+    assert_eq!(res.num_new_tokens, vec![1]);
+    let (out, res) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![1]);
+    assert_eq!(res.finish_reasons, vec![FinishReason::Length]);
+    assert_eq!(s.num_free_blocks(), 63);
+}
+
+#[test]
+fn threshold_caps_tokens_per_request_and_decodes_share_the_budget() {
+    let mut c = cfg(4, 128);
+    c.long_prefill_token_threshold = 16;
+    let mut s = Scheduler::new(c).unwrap();
+    add(&mut s, "a", &prompt(0, 10), params(5));
+    add(&mut s, "b", &prompt(100, 40), params(5));
+    let (out, _) = step_with(&mut s, 7);
+    assert_eq!(ids(&s, &out), vec!["a", "b"]);
+    assert_eq!(out.num_scheduled_tokens, vec![10, 16]);
+    let (out, _) = step_with(&mut s, 7);
+    assert_eq!(out.num_scheduled_tokens, vec![1, 16]);
+    assert!(out.new_reqs.is_empty());
+}
+
+#[test]
+fn chunking_disabled_stops_admission_at_a_prompt_over_budget() {
+    let mut c = cfg(4, 128);
+    c.enable_chunked_prefill = false;
+    c.max_num_batched_tokens = 256;
+    let mut s = Scheduler::new(c).unwrap();
+    add(&mut s, "a", &prompt(0, 200), params(5));
+    add(&mut s, "b", &prompt(500, 100), params(5));
+    add(&mut s, "c", &prompt(900, 10), params(5));
+    let (out, _) = step_with(&mut s, 7);
+    // b does not fit the 56 tokens left; c behind it must wait too (no skipping in FCFS admission).
+    assert_eq!(ids(&s, &out), vec!["a"]);
+}
+
+#[test]
+fn fcfs_preempts_the_last_running_request_and_resumes_it_first() {
+    // 8 usable blocks of 4 tokens.
+    let mut c = cfg(4, 9);
+    c.max_num_batched_tokens = 256;
+    let mut s = Scheduler::new(c).unwrap();
+    add(&mut s, "a", &prompt(0, 12), params(20));
+    add(&mut s, "b", &prompt(100, 12), params(20));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![12, 12]);
+    assert_eq!(s.num_free_blocks(), 2);
+    // Each decode past a block boundary needs a new block; after a few steps b is preempted.
+    let mut preempted_at = None;
+    for step in 0..12 {
+        let (out, _) = step_with(&mut s, 1);
+        if !out.preempted.is_empty() {
+            let victims: Vec<_> = out.preempted.iter().map(|&h| h.slot).collect();
+            assert_eq!(victims, vec![s.ids["b"]]);
+            preempted_at = Some(step);
+            break;
+        }
+    }
+    assert!(preempted_at.is_some());
+    let b = s.get_request("b").unwrap();
+    assert_eq!(b.status, RequestStatus::Preempted);
+    assert_eq!(b.num_computed_tokens, 0);
+    assert!(b.num_output_tokens() > 0, "outputs are kept across preemption");
+    assert_eq!(s.stats().num_preemptions, 1);
+    // Drive to completion: b comes back as resumed with a full block table.
+    let mut resumed = false;
+    while s.has_unfinished_requests() {
+        let (out, _) = step_with(&mut s, 1);
+        if !out.resumed_reqs.is_empty() {
+            resumed = true;
+            let i = out.resumed_reqs[0] as usize;
+            let n_blocks = out.new_block_ids_indptr[i + 1] - out.new_block_ids_indptr[i];
+            assert_eq!(n_blocks as usize, s.slab.resolve(out.handles[i]).unwrap().blocks.len());
+        }
+    }
+    assert!(resumed);
+    assert_eq!(s.num_free_blocks(), 8);
+}
+
+#[test]
+fn priority_preempts_the_lowest_priority_and_refunds_it() {
+    let mut c = cfg(4, 8); // 7 usable blocks
+    c.policy = Policy::Priority;
+    c.max_num_batched_tokens = 256;
+    let mut s = Scheduler::new(c).unwrap();
+    let p = |prio: i64, t: f64| RequestParams {
+        max_tokens: Some(30),
+        priority: prio,
+        arrival_time: t,
+        ..Default::default()
+    };
+    add(&mut s, "low", &prompt(0, 8), p(5, 0.0));
+    add(&mut s, "high", &prompt(100, 8), p(0, 1.0));
+    let (out, _) = step_with(&mut s, 1);
+    // Priority order of admission: high first.
+    assert_eq!(ids(&s, &out), vec!["high", "low"]);
+    let mut saw = false;
+    while s.has_unfinished_requests() {
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        if !out.preempted.is_empty() && !saw {
+            // The first victim is `low`: the largest (priority, arrival_time) among the running.
+            assert_eq!(s.slab.resolve(out.preempted[0]).map(|r| r.id.to_string()), Some("low".into()));
+            assert!(!ids(&s, &out).contains(&"low".to_string()), "the victim is refunded from this step");
+            saw = true;
+        }
+        feed(&mut s, &out, |_| vec![1]);
+    }
+    assert!(saw);
+}
+
+#[test]
+fn priority_victim_scheduled_earlier_is_refunded_and_index_adjusts() {
+    // Running order [low, high]: when high cannot grow, low (already scheduled this step) is the victim.
+    let mut c = cfg(4, 6); // 5 usable
+    c.policy = Policy::Priority;
+    c.max_num_batched_tokens = 256;
+    let mut s = Scheduler::new(c).unwrap();
+    let p = |prio: i64, t: f64| RequestParams {
+        max_tokens: Some(30),
+        priority: prio,
+        arrival_time: t,
+        ..Default::default()
+    };
+    add(&mut s, "low", &prompt(0, 8), p(0, 0.0));
+    let (_, _) = step_with(&mut s, 1);
+    add(&mut s, "high", &prompt(100, 8), p(-1, 1.0));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(ids(&s, &out), vec!["low", "high"]);
+    let mut refunded = false;
+    for _ in 0..20 {
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        if !out.preempted.is_empty() {
+            assert_eq!(ids(&s, &out), vec!["high"]);
+            let total: i32 = out.num_scheduled_tokens.iter().sum();
+            assert_eq!(total as u64, out.total_num_scheduled_tokens);
+            refunded = true;
+            feed(&mut s, &out, |_| vec![1]);
+            break;
+        }
+        feed(&mut s, &out, |_| vec![1]);
+    }
+    assert!(refunded);
+}
+
+#[test]
+fn identical_prompts_in_one_step_share_cached_blocks() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(0, 16), params(3));
+    add(&mut s, "b", &prompt(0, 16), params(3));
+    let out = s.schedule().unwrap();
+    // a caches its 4 full blocks at allocation; b hits 3 (capped at 15 tokens) and computes the last 4.
+    assert_eq!(out.num_computed_tokens, vec![0, 12]);
+    assert_eq!(out.num_scheduled_tokens, vec![16, 4]);
+    let a_blocks = &out.new_block_ids[0..4];
+    let b_blocks = &out.new_block_ids[4..8];
+    assert_eq!(a_blocks[..3], b_blocks[..3]);
+    assert_ne!(a_blocks[3], b_blocks[3]);
+    let st = s.stats();
+    assert_eq!((st.prefix_cache_queries, st.prefix_cache_hits), (32, 12));
+    assert_eq!(s.get_num_cached_tokens(&prompt(0, 16), None, None).unwrap(), 12);
+    assert_eq!(s.get_num_cached_tokens(&prompt(0, 17), None, None).unwrap(), 16);
+    // A different salt never hits.
+    assert_eq!(s.get_num_cached_tokens(&prompt(0, 17), Some("tenant"), None).unwrap(), 0);
+    assert_eq!(s.get_num_cached_tokens(&prompt(0, 17), None, Some("lora")).unwrap(), 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn probe_is_side_effect_free() {
+    let mut s = Scheduler::new(cfg(4, 16)).unwrap();
+    add(&mut s, "a", &prompt(0, 9), params(1));
+    step_with(&mut s, 1);
+    let before = (s.stats(), s.num_free_blocks());
+    let free_order: Vec<u32> = s.kv.pool.free_order();
+    assert_eq!(s.get_num_cached_tokens(&prompt(0, 9), None, None).unwrap(), 8);
+    assert_eq!((s.stats(), s.num_free_blocks()), before);
+    assert_eq!(s.kv.pool.free_order(), free_order);
+}
+
+#[test]
+fn freed_blocks_are_evicted_deepest_first_and_lru_across_requests() {
+    let mut s = Scheduler::new(cfg(4, 9)).unwrap(); // 8 usable
+    add(&mut s, "a", &prompt(0, 8), params(1));
+    step_with(&mut s, 1); // a finishes: its 2 hashed blocks (+1 tail block unhashed) are freed
+    add(&mut s, "b", &prompt(100, 8), params(1));
+    step_with(&mut s, 1);
+    // Free order now: unhashed blocks at the head, then a's blocks deepest first, then b's.
+    let order = s.kv.pool.free_order();
+    let hashed: Vec<u32> = order.iter().copied().filter(|&b| s.block_hash_of(b).is_some()).collect();
+    assert_eq!(hashed.len(), 4);
+    // a was freed first, so a's blocks are older: they come first in eviction order, deepest first.
+    let a2 = hashed[0];
+    let a1 = hashed[1];
+    assert!(a2 > a1, "deepest block of a (allocated second) is evicted first: {hashed:?}");
+    // Allocating everything evicts all cached blocks; a probe then misses.
+    add(&mut s, "c", &prompt(1000, 30), params(1));
+    step_with(&mut s, 1);
+    assert_eq!(s.get_num_cached_tokens(&prompt(0, 8), None, None).unwrap(), 0);
+}
+
+#[test]
+fn stop_conditions_follow_vllm_order() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    let eos =
+        RequestParams { max_tokens: Some(10), eos_token_id: Some(2), min_tokens: 2, ..Default::default() };
+    add(&mut s, "eos", &prompt(10, 4), eos.clone());
+    add(&mut s, "ign", &prompt(20, 4), RequestParams { ignore_eos: true, ..eos.clone() });
+    add(
+        &mut s,
+        "stop",
+        &prompt(30, 4),
+        RequestParams { stop_token_ids: vec![2], max_tokens: Some(10), ..Default::default() },
+    );
+    // Step 1: EOS as the first output: min_tokens=2 keeps eos/ign running; stop finishes with stop_reason 2.
+    let (_, res) = step_with(&mut s, 2);
+    assert_eq!(res.finished_req_ids.iter().map(|x| x.to_string()).collect::<Vec<_>>(), vec!["stop"]);
+    assert_eq!(res.stop_reasons, vec![2]);
+    let (_, res) = step_with(&mut s, 2);
+    assert_eq!(res.finished_req_ids.iter().map(|x| x.to_string()).collect::<Vec<_>>(), vec!["eos"]);
+    assert_eq!(res.finish_reasons, vec![FinishReason::Stop]);
+    assert_eq!(res.stop_reasons, vec![-1]);
+    while s.has_unfinished_requests() {
+        let (_, res) = step_with(&mut s, 2);
+        if !res.finished_req_ids.is_empty() {
+            assert_eq!(res.finish_reasons, vec![FinishReason::Length]);
+        }
+    }
+    assert_eq!(s.stats().num_finished_reqs, 3);
+}
+
+#[test]
+fn max_model_len_caps_generation() {
+    let mut c = cfg(4, 64);
+    c.max_model_len = 10;
+    let mut s = Scheduler::new(c).unwrap();
+    add(&mut s, "a", &prompt(0, 8), RequestParams::default());
+    let mut outs = 0;
+    while s.has_unfinished_requests() {
+        let (_, res) = step_with(&mut s, 5);
+        outs += res.num_new_tokens.iter().sum::<i32>();
+    }
+    assert_eq!(outs, 2);
+    let err = s.add_request("b", &prompt(0, 10), RequestParams::default()).unwrap_err();
+    assert!(matches!(err, SchedError::InvalidRequest(_)));
+}
+
+#[test]
+fn speculative_tokens_roll_back_when_rejected() {
+    let mut c = cfg(4, 64);
+    c.num_lookahead_tokens = 3;
+    let mut s = Scheduler::new(c).unwrap();
+    add(&mut s, "a", &prompt(0, 6), params(20));
+    let out = s.schedule().unwrap();
+    let drafts_v = vec![7i64, 8, 9];
+    let values = vec![5i64];
+    s.update_from_output(
+        out.scheduler_id,
+        out.step_id,
+        Ragged { values: &values, indptr: &[0, 1] },
+        Some(Ragged { values: &drafts_v, indptr: &[0, 3] }),
+    )
+    .unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![4]); // 1 + 3 drafts
+    assert_eq!(out.spec_token_ids, vec![7, 8, 9]);
+    // Lookahead slots: 6 + 1 + 4 + 3 = 14 -> 4 blocks.
+    assert_eq!(s.get_request("a").unwrap().blocks.len(), 4);
+    // Accept one draft (two tokens back): computed rolls back by 2.
+    let values = vec![7i64, 11];
+    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &[0, 2] }, None)
+        .unwrap();
+    let r = s.get_request("a").unwrap();
+    assert_eq!(r.output_token_ids(), &[5, 7, 11]);
+    assert_eq!(r.num_computed_tokens, 8);
+    s.check_invariants().unwrap();
+    // Too many tokens for the drafts scheduled is rejected without changes.
+    let out = s.schedule().unwrap();
+    let values = vec![1i64, 2];
+    let err = s.update_from_output(
+        out.scheduler_id,
+        out.step_id,
+        Ragged { values: &values, indptr: &[0, 2] },
+        None,
+    );
+    assert!(matches!(err, Err(SchedError::InvalidOutput(_))));
+    assert_eq!(s.get_request("a").unwrap().output_token_ids(), &[5, 7, 11]);
+}
+
+#[test]
+fn outputs_apply_in_order_once_and_only_to_their_scheduler() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    let other = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(0, 6), params(5));
+    let o1 = s.schedule().unwrap();
+    let o2 = s.schedule().unwrap(); // async: scheduled before o1 is applied; nothing to do for a
+    assert!(o2.handles.is_empty());
+    let one = Ragged { values: &[3], indptr: &[0, 1] };
+    let empty = Ragged { values: &[], indptr: &[0] };
+    let e = s.update_from_output(other.scheduler_id(), o1.step_id, one, None);
+    assert!(matches!(e, Err(SchedError::InvalidOutput(_))));
+    let e = s.update_from_output(o2.scheduler_id, o2.step_id, empty, None);
+    assert!(matches!(e, Err(SchedError::InvalidOutput(_))), "out of order");
+    s.update_from_output(o1.scheduler_id, o1.step_id, one, None).unwrap();
+    let e = s.update_from_output(o1.scheduler_id, o1.step_id, one, None);
+    assert!(matches!(e, Err(SchedError::InvalidOutput(_))), "applied twice");
+    s.update_from_output(o2.scheduler_id, o2.step_id, empty, None).unwrap();
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn abort_in_every_state_frees_everything_and_reports_it() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "w", &prompt(0, 6), params(5));
+    add(&mut s, "r", &prompt(10, 6), params(5));
+    let out = s.schedule().unwrap();
+    add(&mut s, "w2", &prompt(20, 6), params(5));
+    // r is in flight; abort it and the waiting one.
+    s.abort_requests(&["r", "w2"]).unwrap();
+    s.check_invariants().unwrap();
+    assert!(matches!(s.abort_requests(&["nope"]), Err(SchedError::UnknownRequest(_))));
+    // The in-flight output for r is ignored; w still gets its token.
+    let res = s
+        .update_from_output(
+            out.scheduler_id,
+            out.step_id,
+            Ragged { values: &[1, 1], indptr: &[0, 1, 2] },
+            None,
+        )
+        .unwrap();
+    assert_eq!(res.num_new_tokens, vec![1, 0]);
+    let out = s.schedule().unwrap();
+    let mut finished: Vec<String> = out.finished_req_ids.iter().map(|x| x.to_string()).collect();
+    finished.sort();
+    assert_eq!(finished, vec!["r", "w2"]);
+    s.abort_requests(&["w"]).unwrap();
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.num_free_blocks(), 63);
+    assert!(s.reset_prefix_cache());
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn reset_prefix_cache_only_when_idle() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(0, 9), params(3));
+    step_with(&mut s, 1);
+    assert!(!s.reset_prefix_cache());
+    while s.has_unfinished_requests() {
+        step_with(&mut s, 1);
+    }
+    assert_eq!(s.get_num_cached_tokens(&prompt(0, 9), None, None).unwrap(), 8);
+    assert!(s.reset_prefix_cache());
+    assert_eq!(s.get_num_cached_tokens(&prompt(0, 9), None, None).unwrap(), 0);
+}
+
+#[test]
+fn bad_requests_change_nothing() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(0, 6), params(5));
+    let bad: Vec<(&str, Vec<i64>, RequestParams)> = vec![
+        ("a", prompt(0, 3), params(1)),
+        ("", prompt(0, 3), params(1)),
+        ("b", vec![], params(1)),
+        ("b", vec![-1], params(1)),
+        ("b", vec![1 << 40], params(1)),
+        ("b", prompt(0, 256), params(1)),
+        ("b", prompt(0, 3), RequestParams { max_tokens: Some(0), ..Default::default() }),
+        ("b", prompt(0, 3), RequestParams { max_tokens: Some(2), min_tokens: 3, ..Default::default() }),
+        ("b", prompt(0, 3), RequestParams { arrival_time: f64::NAN, ..Default::default() }),
+    ];
+    for (id, p, params) in bad {
+        assert!(s.add_request(id, &p, params).is_err(), "{id:?} {p:?}");
+        assert_eq!(s.num_unfinished_requests(), 1);
+        s.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn model_inputs_match_the_block_tables() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(0, 6), params(5));
+    add(&mut s, "b", &prompt(50, 3), params(5));
+    let out = s.schedule().unwrap();
+    let mi = s.prepare_model_inputs(out.scheduler_id, out.step_id).unwrap();
+    assert_eq!(mi.query_start_loc, vec![0, 6, 9]);
+    assert_eq!(mi.seq_lens, vec![6, 3]);
+    assert_eq!(mi.logits_indices, vec![5, 8]);
+    assert_eq!(mi.input_positions, vec![0, 1, 2, 3, 4, 5, 0, 1, 2]);
+    assert_eq!(mi.input_token_ids, vec![0, 1, 2, 3, 4, 5, 50, 51, 52]);
+    let a_blocks = &s.get_request("a").unwrap().blocks;
+    assert_eq!(mi.slot_mapping[4], a_blocks[1] as i32 * 4);
+    assert_eq!(mi.max_num_blocks, 2);
+    assert_eq!(mi.block_table[2..4], [s.get_request("b").unwrap().blocks[0] as i32, 0]);
+    // Stale after any change.
+    feed(&mut s, &out, |_| vec![9]);
+    assert!(s.prepare_model_inputs(out.scheduler_id, out.step_id).is_err());
+    let out = s.schedule().unwrap();
+    let mi = s.prepare_model_inputs(out.scheduler_id, out.step_id).unwrap();
+    assert_eq!(mi.input_token_ids, vec![9, 9]);
+    assert_eq!(mi.input_positions, vec![6, 3]);
+}
+
+// --- property test -------------------------------------------------------------------------------------
+
+#[derive(Clone, Debug)]
+enum Op {
+    Add { prefix: u8, len: u16, max_tokens: u8, prio: i8, salt: bool, stop: bool },
+    Step { eos: bool },
+    ScheduleOnly,
+    ApplyPending,
+    Abort(u8),
+    Reset,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0u8..4, 1u16..120, 1u8..40, -2i8..3, any::<bool>(), any::<bool>())
+            .prop_map(|(prefix, len, max_tokens, prio, salt, stop)| Op::Add { prefix, len, max_tokens, prio, salt, stop }),
+        6 => any::<bool>().prop_map(|eos| Op::Step { eos }),
+        1 => Just(Op::ScheduleOnly),
+        1 => Just(Op::ApplyPending),
+        1 => any::<u8>().prop_map(Op::Abort),
+        1 => Just(Op::Reset),
+    ]
+}
+
+fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
+    (
+        prop_oneof![Just(1u32), Just(2), Just(4), Just(16)],
+        3u32..80,
+        1u32..8,
+        prop_oneof![Just(8u32), Just(32), Just(200)],
+        any::<bool>(),
+        any::<bool>(),
+        prop_oneof![Just(0u32), Just(5)],
+        any::<bool>(),
+        prop_oneof![Just(0u32), Just(2)],
+    )
+        .prop_map(|(bs, nb, seqs, budget, caching, chunked, thr, prio, la)| {
+            let max_model_len = ((nb - 1) * bs).min(200);
+            SchedulerConfig {
+                block_size: bs,
+                num_blocks: nb,
+                max_num_seqs: seqs,
+                max_num_batched_tokens: if chunked { budget } else { max_model_len },
+                max_model_len,
+                enable_prefix_caching: caching,
+                enable_chunked_prefill: chunked,
+                long_prefill_token_threshold: thr,
+                policy: if prio { Policy::Priority } else { Policy::Fcfs },
+                num_lookahead_tokens: la,
+                prefix_hash_seed: Some(b"p".to_vec()),
+                ..Default::default()
+            }
+        })
+}
+
+fn apply_pending(s: &mut Scheduler, pending: &mut Vec<SchedulerOutput>, eos: bool, n_drafts: u32) {
+    if pending.is_empty() {
+        return;
+    }
+    let out = pending.remove(0);
+    let rec = s.in_flight.front().cloned().unwrap();
+    let mut values = Vec::new();
+    let mut indptr = vec![0i64];
+    let mut dvals = Vec::new();
+    let mut dptr = vec![0i64];
+    for i in 0..out.handles.len() {
+        if !rec.is_prefill_chunk[i] {
+            let k = 1 + (i as u32 % (rec.num_spec_tokens[i] + 1));
+            for j in 0..k {
+                values.push(if eos && j == 0 && i % 3 == 0 { 2 } else { 10 + i as i64 });
+            }
+            for j in 0..n_drafts {
+                dvals.push(20 + j as i64);
+            }
+        }
+        indptr.push(values.len() as i64);
+        dptr.push(dvals.len() as i64);
+    }
+    let drafts = (n_drafts > 0).then_some(Ragged { values: &dvals, indptr: &dptr });
+    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, drafts)
+        .unwrap();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, .. ProptestConfig::default() })]
+
+    #[test]
+    fn random_operations_keep_every_invariant(config in config_strategy(), ops in prop::collection::vec(op(), 1..120)) {
+        let mut s = Scheduler::new(config.clone()).unwrap();
+        let mut pending: Vec<SchedulerOutput> = Vec::new();
+        let mut next_id = 0u32;
+        let mut added = 0u64;
+        for op in ops {
+            match op {
+                Op::Add { prefix, len, max_tokens, prio, salt, stop } => {
+                    let mut p: Vec<i64> = (0..len as i64).map(|t| (t * 7 + i64::from(prefix) * 1000) % 97).collect();
+                    p.truncate(config.max_model_len as usize - 1);
+                    let params = RequestParams {
+                        max_tokens: Some(u32::from(max_tokens)),
+                        eos_token_id: Some(2),
+                        priority: i64::from(prio),
+                        arrival_time: f64::from(next_id),
+                        cache_salt: salt.then(|| "s".to_string()),
+                        stop_token_ids: if stop { vec![13] } else { vec![] },
+                        ..Default::default()
+                    };
+                    s.add_request(&format!("r{next_id}"), &p, params).unwrap();
+                    next_id += 1;
+                    added += 1;
+                }
+                Op::Step { eos } => {
+                    pending.push(s.schedule().unwrap());
+                    s.check_invariants().map_err(TestCaseError::fail)?;
+                    while !pending.is_empty() {
+                        apply_pending(&mut s, &mut pending, eos, config.num_lookahead_tokens);
+                    }
+                }
+                Op::ScheduleOnly => pending.push(s.schedule().unwrap()),
+                Op::ApplyPending => apply_pending(&mut s, &mut pending, false, 0),
+                Op::Abort(k) => {
+                    let live: Vec<String> = s.slab.iter().map(|r| r.id.to_string()).collect();
+                    if !live.is_empty() {
+                        let id = live[k as usize % live.len()].clone();
+                        s.abort_requests(&[id]).unwrap();
+                    }
+                }
+                Op::Reset => {
+                    let idle = s.num_free_blocks() == config.num_blocks as usize - 1;
+                    prop_assert_eq!(s.reset_prefix_cache(), idle);
+                }
+            }
+            s.check_invariants().map_err(TestCaseError::fail)?;
+            let st = s.stats();
+            prop_assert!(st.num_running_reqs <= config.max_num_seqs as usize);
+        }
+        // Drain: every request finishes, every block comes back.
+        while !pending.is_empty() {
+            apply_pending(&mut s, &mut pending, false, 0);
+        }
+        let mut guard = 0;
+        while s.has_unfinished_requests() {
+            pending.push(s.schedule().unwrap());
+            apply_pending(&mut s, &mut pending, false, 0);
+            s.check_invariants().map_err(TestCaseError::fail)?;
+            guard += 1;
+            prop_assert!(guard < 20_000, "scheduler made no progress");
+        }
+        prop_assert_eq!(s.num_free_blocks(), config.num_blocks as usize - 1);
+        prop_assert_eq!(s.stats().num_finished_reqs, added);
+    }
+}

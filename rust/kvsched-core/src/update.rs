@@ -41,11 +41,7 @@ impl<'a> Ragged<'a> {
                 self.values.len()
             ));
         }
-        if let Some(t) = self
-            .values
-            .iter()
-            .find(|&&t| !(0..=MAX_TOKEN_ID).contains(&t))
-        {
+        if let Some(t) = self.values.iter().find(|&&t| !(0..=MAX_TOKEN_ID).contains(&t)) {
             return bad(format!("token ids must be in [0, {MAX_TOKEN_ID}], got {t}"));
         }
         Ok(())
@@ -57,6 +53,7 @@ impl<'a> Ragged<'a> {
 }
 
 impl Scheduler {
+    #[inline(never)]
     pub fn update_from_output(
         &mut self,
         scheduler_id: u64,
@@ -65,9 +62,7 @@ impl Scheduler {
         drafts: Option<Ragged<'_>>,
     ) -> Result<UpdateResult> {
         if scheduler_id != self.scheduler_id {
-            return Err(SchedError::InvalidOutput(
-                "this output was produced by another scheduler".into(),
-            ));
+            return Err(SchedError::InvalidOutput("this output was produced by another scheduler".into()));
         }
         let Some(rec) = self.in_flight.front() else {
             return Err(SchedError::InvalidOutput(format!(
@@ -78,10 +73,7 @@ impl Scheduler {
             let msg = if step_id < rec.step_id {
                 format!("step {step_id} was already applied")
             } else {
-                format!(
-                    "outputs must be applied in order: step {} comes before step {step_id}",
-                    rec.step_id
-                )
+                format!("outputs must be applied in order: step {} comes before step {step_id}", rec.step_id)
             };
             return Err(SchedError::InvalidOutput(msg));
         }
@@ -115,11 +107,7 @@ impl Scheduler {
             }
             if let Some(d) = &drafts {
                 let k = d.get(i).len();
-                let allowed = if rec.is_prefill_chunk[i] {
-                    0
-                } else {
-                    lookahead
-                };
+                let allowed = if rec.is_prefill_chunk[i] { 0 } else { lookahead };
                 if k > allowed {
                     return Err(SchedError::InvalidOutput(format!(
                         "request {:?} may receive at most {allowed} draft tokens in step {step_id}, got {k}",
@@ -135,10 +123,7 @@ impl Scheduler {
         };
         self.epoch += 1;
         let max_model_len = self.config.max_model_len;
-        let mut res = UpdateResult {
-            num_new_tokens: vec![0; n],
-            ..Default::default()
-        };
+        let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         for i in 0..n {
             if rec.is_prefill_chunk[i] {
@@ -181,8 +166,7 @@ impl Scheduler {
                 None => {
                     if let Some(d) = &drafts {
                         req.spec_token_ids.clear();
-                        req.spec_token_ids
-                            .extend(d.get(i).iter().map(|&t| t as u32));
+                        req.spec_token_ids.extend(d.get(i).iter().map(|&t| t as u32));
                     }
                 }
             }

@@ -12,8 +12,7 @@ use kvsched_core as core;
 use kvsched_core::{Ragged, RequestParams, SchedError};
 use numpy::ndarray::Array2;
 use numpy::{
-    IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray,
-    PyUntypedArrayMethods,
+    IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -60,11 +59,7 @@ fn guard<T>(py: Python<'_>, f: impl FnOnce() -> core::Result<T>) -> PyResult<T> 
                 .map(|s| (*s).to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
-            Err(py_error(
-                py,
-                "InternalError",
-                format!("kvsched core panicked: {what}"),
-            ))
+            Err(py_error(py, "InternalError", format!("kvsched core panicked: {what}")))
         }
     }
 }
@@ -73,10 +68,7 @@ fn guard<T>(py: Python<'_>, f: impl FnOnce() -> core::Result<T>) -> PyResult<T> 
 // Argument conversion
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "?".into())
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
 }
 
 /// An int argument (Python int or numpy integer; not bool). Out-of-range values raise `range_class`.
@@ -87,23 +79,14 @@ fn int_arg(obj: &Bound<'_, PyAny>, name: &str, range_class: &str) -> PyResult<i6
     }
     match obj.extract::<i64>() {
         Ok(v) => Ok(v),
-        Err(_) if obj.is_instance_of::<PyInt>() => Err(py_error(
-            py,
-            range_class,
-            format!("{name} is out of the int64 range: {obj}"),
-        )),
-        Err(_) => Err(type_error(
-            py,
-            format!("{name} must be an int, got {}", type_name(obj)),
-        )),
+        Err(_) if obj.is_instance_of::<PyInt>() => {
+            Err(py_error(py, range_class, format!("{name} is out of the int64 range: {obj}")))
+        }
+        Err(_) => Err(type_error(py, format!("{name} must be an int, got {}", type_name(obj)))),
     }
 }
 
-fn opt_int_arg(
-    obj: Option<&Bound<'_, PyAny>>,
-    name: &str,
-    range_class: &str,
-) -> PyResult<Option<i64>> {
+fn opt_int_arg(obj: Option<&Bound<'_, PyAny>>, name: &str, range_class: &str) -> PyResult<Option<i64>> {
     match obj {
         None => Ok(None),
         Some(o) if o.is_none() => Ok(None),
@@ -123,10 +106,7 @@ fn opt_str_arg(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<St
                     format!("{name} is not valid unicode (lone surrogate)"),
                 )
             }),
-            Err(_) => Err(type_error(
-                o.py(),
-                format!("{name} must be a str or None, got {}", type_name(o)),
-            )),
+            Err(_) => Err(type_error(o.py(), format!("{name} must be a str or None, got {}", type_name(o)))),
         },
     }
 }
@@ -136,58 +116,37 @@ fn id_arg(obj: &Bound<'_, PyAny>, class: &str) -> PyResult<String> {
     let s = str_arg(obj, "req_id")?;
     match s.to_str() {
         Ok(v) => Ok(v.to_owned()),
-        Err(_) => Err(py_error(
-            obj.py(),
-            class,
-            format!("request id {s} is not valid unicode (lone surrogate)"),
-        )),
+        Err(_) => {
+            Err(py_error(obj.py(), class, format!("request id {s} is not valid unicode (lone surrogate)")))
+        }
     }
 }
 
 fn str_arg<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyString>> {
-    obj.downcast::<PyString>().cloned().map_err(|_| {
-        type_error(
-            obj.py(),
-            format!("{name} must be a str, got {}", type_name(obj)),
-        )
-    })
+    obj.downcast::<PyString>()
+        .cloned()
+        .map_err(|_| type_error(obj.py(), format!("{name} must be a str, got {}", type_name(obj))))
 }
 
 /// A 1-D integer numpy array as i64 values (copied; any integer dtype, any strides).
 fn int_array_values(arr: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<Vec<i64>> {
     let py = arr.py();
     if arr.ndim() != 1 {
-        return Err(type_error(
-            py,
-            format!("{name} must be a 1-D array, got {} dimensions", arr.ndim()),
-        ));
+        return Err(type_error(py, format!("{name} must be a 1-D array, got {} dimensions", arr.ndim())));
     }
     let kind = arr.dtype().kind();
     if kind != b'i' && kind != b'u' {
-        return Err(type_error(
-            py,
-            format!("{name} must have an integer dtype, got {}", arr.dtype()),
-        ));
+        return Err(type_error(py, format!("{name} must have an integer dtype, got {}", arr.dtype())));
     }
     if let Ok(a) = arr.downcast::<PyArray1<i64>>() {
         return Ok(a.readonly().as_array().to_vec());
     }
     if let Ok(a) = arr.downcast::<PyArray1<i32>>() {
-        return Ok(a
-            .readonly()
-            .as_array()
-            .iter()
-            .map(|&x| i64::from(x))
-            .collect());
+        return Ok(a.readonly().as_array().iter().map(|&x| i64::from(x)).collect());
     }
     if let Ok(a) = arr.downcast::<PyArray1<u64>>() {
         // Values above i64::MAX become -1: rejected later as out of range.
-        return Ok(a
-            .readonly()
-            .as_array()
-            .iter()
-            .map(|&x| i64::try_from(x).unwrap_or(-1))
-            .collect());
+        return Ok(a.readonly().as_array().iter().map(|&x| i64::try_from(x).unwrap_or(-1)).collect());
     }
     // Other widths: let numpy widen them.
     let wide = arr.call_method1("astype", ("int64",))?;
@@ -202,10 +161,7 @@ fn token_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
         return int_array_values(arr, name);
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(type_error(
-            py,
-            format!("{name} must be a list of ints, got {}", type_name(obj)),
-        ));
+        return Err(type_error(py, format!("{name} must be a list of ints, got {}", type_name(obj))));
     }
     if let Ok(list) = obj.downcast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
@@ -223,10 +179,7 @@ fn token_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
     }
     Err(type_error(
         py,
-        format!(
-            "{name} must be a list/tuple of ints or a 1-D integer array, got {}",
-            type_name(obj)
-        ),
+        format!("{name} must be a list/tuple of ints or a 1-D integer array, got {}", type_name(obj)),
     ))
 }
 
@@ -241,10 +194,7 @@ fn ragged_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<OwnedRagged> {
     if let Ok(t) = obj.downcast::<PyTuple>() {
         if t.len() == 2 {
             let (v, p) = (t.get_item(0)?, t.get_item(1)?);
-            if let (Ok(v), Ok(p)) = (
-                v.downcast::<PyUntypedArray>(),
-                p.downcast::<PyUntypedArray>(),
-            ) {
+            if let (Ok(v), Ok(p)) = (v.downcast::<PyUntypedArray>(), p.downcast::<PyUntypedArray>()) {
                 return Ok(OwnedRagged {
                     values: int_array_values(v, &format!("{name} values"))?,
                     indptr: int_array_values(p, &format!("{name} indptr"))?,
@@ -292,11 +242,7 @@ fn seed_bytes(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u8>>> {
     } else if let Ok(s) = obj.downcast::<PyString>() {
         out.extend_from_slice(b"s:");
         let v = s.to_str().map_err(|_| {
-            py_error(
-                obj.py(),
-                "InvalidConfigError",
-                "prefix_hash_seed is not valid unicode".into(),
-            )
+            py_error(obj.py(), "InvalidConfigError", "prefix_hash_seed is not valid unicode".into())
         })?;
         out.extend_from_slice(v.as_bytes());
     } else if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
@@ -306,10 +252,7 @@ fn seed_bytes(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u8>>> {
         return Err(py_error(
             obj.py(),
             "InvalidConfigError",
-            format!(
-                "prefix_hash_seed must be None, an int, a str or bytes, got {}",
-                type_name(obj)
-            ),
+            format!("prefix_hash_seed must be None, an int, a str or bytes, got {}", type_name(obj)),
         ));
     }
     Ok(Some(out))
@@ -319,37 +262,22 @@ fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::SchedulerConfig> {
     let py = cfg.py();
     let u32_field = |name: &str| -> PyResult<u32> {
         let v = int_arg(&cfg.getattr(name)?, name, "InvalidConfigError")?;
-        u32::try_from(v).map_err(|_| {
-            py_error(
-                py,
-                "InvalidConfigError",
-                format!("{name} must be in [0, 2**32), got {v}"),
-            )
-        })
+        u32::try_from(v)
+            .map_err(|_| py_error(py, "InvalidConfigError", format!("{name} must be in [0, 2**32), got {v}")))
     };
     let bool_field = |name: &str| -> PyResult<bool> {
         let v = cfg.getattr(name)?;
-        v.downcast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
-            py_error(
-                py,
-                "InvalidConfigError",
-                format!("{name} must be a bool, got {v}"),
-            )
-        })
+        v.downcast::<PyBool>()
+            .map(|b| b.is_true())
+            .map_err(|_| py_error(py, "InvalidConfigError", format!("{name} must be a bool, got {v}")))
     };
     let str_field = |name: &str| -> PyResult<String> {
         let v = cfg.getattr(name)?;
-        v.extract::<String>().map_err(|_| {
-            py_error(
-                py,
-                "InvalidConfigError",
-                format!("{name} must be a str, got {v}"),
-            )
-        })
+        v.extract::<String>()
+            .map_err(|_| py_error(py, "InvalidConfigError", format!("{name} must be a str, got {v}")))
     };
     let policy = core::Policy::parse(&str_field("policy")?).map_err(|e| map_err(py, e))?;
-    let algo =
-        core::HashAlgo::parse(&str_field("prefix_hash_algo")?).map_err(|e| map_err(py, e))?;
+    let algo = core::HashAlgo::parse(&str_field("prefix_hash_algo")?).map_err(|e| map_err(py, e))?;
     Ok(core::SchedulerConfig {
         block_size: u32_field("block_size")?,
         num_blocks: u32_field("num_blocks")?,
@@ -432,9 +360,7 @@ impl PySchedulerOutput {
     #[getter]
     fn req_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let ids = &self.ids;
-        cached_list(py, &mut self.req_ids_cache, || {
-            PyList::new(py, ids.iter().map(|s| s.bind(py)))
-        })
+        cached_list(py, &mut self.req_ids_cache, || PyList::new(py, ids.iter().map(|s| s.bind(py))))
     }
 
     #[getter]
@@ -474,20 +400,12 @@ impl PySchedulerOutput {
 
     #[getter]
     fn new_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(
-            py,
-            self.new_reqs.iter().map(|&i| self.ids[i as usize].bind(py)),
-        )
+        PyList::new(py, self.new_reqs.iter().map(|&i| self.ids[i as usize].bind(py)))
     }
 
     #[getter]
     fn resumed_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(
-            py,
-            self.resumed_reqs
-                .iter()
-                .map(|&i| self.ids[i as usize].bind(py)),
-        )
+        PyList::new(py, self.resumed_reqs.iter().map(|&i| self.ids[i as usize].bind(py)))
     }
 
     #[getter]
@@ -624,28 +542,18 @@ struct PyScheduler {
 
 fn borrow_mut<'py>(slf: &Bound<'py, PyScheduler>) -> PyResult<PyRefMut<'py, PyScheduler>> {
     slf.try_borrow_mut().map_err(|_| {
-        py_error(
-            slf.py(),
-            "SchedulerError",
-            "the scheduler is busy: a call re-entered it".into(),
-        )
+        py_error(slf.py(), "SchedulerError", "the scheduler is busy: a call re-entered it".into())
     })
 }
 
 fn borrow<'py>(slf: &Bound<'py, PyScheduler>) -> PyResult<PyRef<'py, PyScheduler>> {
     slf.try_borrow().map_err(|_| {
-        py_error(
-            slf.py(),
-            "SchedulerError",
-            "the scheduler is busy: a call re-entered it".into(),
-        )
+        py_error(slf.py(), "SchedulerError", "the scheduler is busy: a call re-entered it".into())
     })
 }
 
 fn warn_preempted(py: Python<'_>, num: usize, total: u64) -> PyResult<()> {
-    py.import("kvsched.scheduler")?
-        .getattr("_on_preemption")?
-        .call1((num, total))?;
+    py.import("kvsched.scheduler")?.getattr("_on_preemption")?.call1((num, total))?;
     Ok(())
 }
 
@@ -661,11 +569,7 @@ impl PyScheduler {
         let py = config.py();
         let cfg = config_from_py(config)?;
         let core = guard(py, || core::Scheduler::new(cfg))?;
-        Ok(PyScheduler {
-            core,
-            py_ids: Vec::new(),
-            config: config.clone().unbind(),
-        })
+        Ok(PyScheduler { core, py_ids: Vec::new(), config: config.clone().unbind() })
     }
 
     #[getter]
@@ -706,26 +610,20 @@ impl PyScheduler {
         };
         let eos_token_id = match opt_int_arg(eos_token_id, "eos_token_id", "InvalidRequestError")? {
             None => None,
-            Some(t) => Some(guard(py, || {
-                core::Scheduler::check_token_id("eos_token_id", t)
-            })?),
+            Some(t) => Some(guard(py, || core::Scheduler::check_token_id("eos_token_id", t))?),
         };
         let ignore_eos = match ignore_eos {
             None => false,
-            Some(o) => o.downcast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
-                type_error(
-                    py,
-                    format!("ignore_eos must be a bool, got {}", type_name(o)),
-                )
-            })?,
+            Some(o) => o
+                .downcast::<PyBool>()
+                .map(|b| b.is_true())
+                .map_err(|_| type_error(py, format!("ignore_eos must be a bool, got {}", type_name(o))))?,
         };
         let mut stops = Vec::new();
         if let Some(s) = stop_token_ids {
             if !s.is_none() {
                 for t in token_list(s, "stop_token_ids")? {
-                    stops.push(guard(py, || {
-                        core::Scheduler::check_token_id("stop_token_ids", t)
-                    })?);
+                    stops.push(guard(py, || core::Scheduler::check_token_id("stop_token_ids", t))?);
                 }
             }
         }
@@ -733,10 +631,7 @@ impl PyScheduler {
         let arrival_time = match arrival_time {
             Some(t) if !t.is_none() => {
                 if t.is_instance_of::<PyBool>() {
-                    return Err(type_error(
-                        py,
-                        "arrival_time must be a float or None, got bool".into(),
-                    ));
+                    return Err(type_error(py, "arrival_time must be a float or None, got bool".into()));
                 }
                 match t.extract::<f64>() {
                     Ok(v) => v,
@@ -751,10 +646,7 @@ impl PyScheduler {
                     }
                 }
             }
-            _ => py
-                .import("time")?
-                .call_method0("monotonic")?
-                .extract::<f64>()?,
+            _ => py.import("time")?.call_method0("monotonic")?.extract::<f64>()?,
         };
         let params = RequestParams {
             max_tokens,
@@ -789,16 +681,8 @@ impl PyScheduler {
                 .map(|s| s.clone_ref(py))
                 .ok_or_else(|| py_error(py, "InternalError", format!("no id for slot {}", h.slot)))
         };
-        let ids = out
-            .handles
-            .iter()
-            .map(|&h| id_of(h))
-            .collect::<PyResult<Vec<_>>>()?;
-        let preempted_ids = out
-            .preempted
-            .iter()
-            .map(|&h| id_of(h))
-            .collect::<PyResult<Vec<_>>>()?;
+        let ids = out.handles.iter().map(|&h| id_of(h)).collect::<PyResult<Vec<_>>>()?;
+        let preempted_ids = out.preempted.iter().map(|&h| id_of(h)).collect::<PyResult<Vec<_>>>()?;
         let num_preempted = preempted_ids.len();
         let total_preemptions = this.core.stats().num_preemptions;
         drop(this);
@@ -836,15 +720,10 @@ impl PyScheduler {
             let o = out.downcast::<PySchedulerOutput>().map_err(|_| {
                 type_error(
                     py,
-                    format!(
-                        "out must be a SchedulerOutput from schedule(), got {}",
-                        type_name(out)
-                    ),
+                    format!("out must be a SchedulerOutput from schedule(), got {}", type_name(out)),
                 )
             })?;
-            let o = o
-                .try_borrow()
-                .map_err(|_| type_error(py, "out is in use".into()))?;
+            let o = o.try_borrow().map_err(|_| type_error(py, "out is in use".into()))?;
             (o.scheduler_id, o.step_id)
         };
         let sampled = ragged_arg(sampled_token_ids, "sampled_token_ids")?;
@@ -857,14 +736,8 @@ impl PyScheduler {
             this.core.update_from_output(
                 scheduler_id,
                 step_id,
-                Ragged {
-                    values: &sampled.values,
-                    indptr: &sampled.indptr,
-                },
-                drafts.as_ref().map(|d| Ragged {
-                    values: &d.values,
-                    indptr: &d.indptr,
-                }),
+                Ragged { values: &sampled.values, indptr: &sampled.indptr },
+                drafts.as_ref().map(|d| Ragged { values: &d.values, indptr: &d.indptr }),
             )
         })?;
         Ok(PyUpdateResult {
@@ -876,24 +749,16 @@ impl PyScheduler {
         })
     }
 
-    fn prepare_model_inputs(
-        slf: &Bound<'_, Self>,
-        out: &Bound<'_, PyAny>,
-    ) -> PyResult<PyModelInputs> {
+    fn prepare_model_inputs(slf: &Bound<'_, Self>, out: &Bound<'_, PyAny>) -> PyResult<PyModelInputs> {
         let py = slf.py();
         let (scheduler_id, step_id) = {
             let o = out.downcast::<PySchedulerOutput>().map_err(|_| {
                 type_error(
                     py,
-                    format!(
-                        "out must be a SchedulerOutput from schedule(), got {}",
-                        type_name(out)
-                    ),
+                    format!("out must be a SchedulerOutput from schedule(), got {}", type_name(out)),
                 )
             })?;
-            let o = o
-                .try_borrow()
-                .map_err(|_| type_error(py, "out is in use".into()))?;
+            let o = o.try_borrow().map_err(|_| type_error(py, "out is in use".into()))?;
             (o.scheduler_id, o.step_id)
         };
         let this = borrow(slf)?;
@@ -921,19 +786,10 @@ impl PyScheduler {
     fn abort_requests(slf: &Bound<'_, Self>, req_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
         if req_ids.is_instance_of::<PyString>() {
-            return Err(type_error(
-                py,
-                "req_ids must be an iterable of str, not a single str".into(),
-            ));
+            return Err(type_error(py, "req_ids must be an iterable of str, not a single str".into()));
         }
         let iter = req_ids.try_iter().map_err(|_| {
-            type_error(
-                py,
-                format!(
-                    "req_ids must be an iterable of str, got {}",
-                    type_name(req_ids)
-                ),
-            )
+            type_error(py, format!("req_ids must be an iterable of str, got {}", type_name(req_ids)))
         })?;
         let mut ids = Vec::new();
         for item in iter {
@@ -995,20 +851,13 @@ impl PyScheduler {
     fn get_num_computed_tokens(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<u32> {
         let id = id_arg(req_id, "UnknownRequestError")?;
         let this = borrow(slf)?;
-        guard(slf.py(), || {
-            Ok(this.core.get_request(&id)?.num_computed_tokens)
-        })
+        guard(slf.py(), || Ok(this.core.get_request(&id)?.num_computed_tokens))
     }
 
-    fn get_output_token_ids(
-        slf: &Bound<'_, Self>,
-        req_id: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<u32>> {
+    fn get_output_token_ids(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let id = id_arg(req_id, "UnknownRequestError")?;
         let this = borrow(slf)?;
-        guard(slf.py(), || {
-            Ok(this.core.get_request(&id)?.output_token_ids().to_vec())
-        })
+        guard(slf.py(), || Ok(this.core.get_request(&id)?.output_token_ids().to_vec()))
     }
 
     /// `(num_prompt_tokens, num_preemptions, num_cached_tokens, priority, arrival_time)` of a live request.
@@ -1020,13 +869,7 @@ impl PyScheduler {
         let this = borrow(slf)?;
         guard(slf.py(), || {
             let r = this.core.get_request(&id)?;
-            Ok((
-                r.num_prompt_tokens,
-                r.num_preemptions,
-                r.num_cached_tokens,
-                r.priority,
-                r.arrival_time,
-            ))
+            Ok((r.num_prompt_tokens, r.num_preemptions, r.num_cached_tokens, r.priority, r.arrival_time))
         })
     }
 
@@ -1042,10 +885,7 @@ impl PyScheduler {
         let salt = opt_str_arg(cache_salt, "cache_salt")?;
         let lora = opt_str_arg(lora_name, "lora_name")?;
         let this = borrow(slf)?;
-        guard(py, || {
-            this.core
-                .get_num_cached_tokens(&prompt, salt.as_deref(), lora.as_deref())
-        })
+        guard(py, || this.core.get_num_cached_tokens(&prompt, salt.as_deref(), lora.as_deref()))
     }
 
     fn reset_prefix_cache(slf: &Bound<'_, Self>) -> PyResult<bool> {
@@ -1064,10 +904,7 @@ impl PyScheduler {
         d.set_item("num_free_blocks", s.num_free_blocks)?;
         d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
         d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
-        d.set_item(
-            "prefix_cache_preempted_queries",
-            s.prefix_cache_preempted_queries,
-        )?;
+        d.set_item("prefix_cache_preempted_queries", s.prefix_cache_preempted_queries)?;
         d.set_item("prefix_cache_preempted_hits", s.prefix_cache_preempted_hits)?;
         d.set_item("num_preemptions", s.num_preemptions)?;
         d.set_item("num_finished_reqs", s.num_finished_reqs)?;
@@ -1078,9 +915,7 @@ impl PyScheduler {
     fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<()> {
         let py = slf.py();
         let this = borrow(slf)?;
-        guard(py, || {
-            this.core.check_invariants().map_err(SchedError::Internal)
-        })
+        guard(py, || this.core.check_invariants().map_err(SchedError::Internal))
     }
 }
 
