@@ -8,7 +8,8 @@ use kvsched_core::{Ragged, RequestParams, Scheduler, SchedulerConfig};
 
 fn main() {
     let (mut ts, mut tu) = (Vec::new(), Vec::new());
-    for _ in 0..20 {
+    let reps: usize = std::env::var("KV_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    for _ in 0..reps {
         run(&mut ts, &mut tu);
     }
     ts.sort_by(f64::total_cmp);
@@ -32,7 +33,11 @@ fn run(ts: &mut Vec<f64>, tu: &mut Vec<f64>) {
                 (x >> 40) as i64 % 32000
             })
             .collect();
-        let p = RequestParams { max_tokens: Some(256), arrival_time: i as f64, ..Default::default() };
+        let p = RequestParams {
+            max_tokens: Some(std::env::var("KV_MAXTOK").ok().and_then(|v| v.parse().ok()).unwrap_or(256)),
+            arrival_time: i as f64,
+            ..Default::default()
+        };
         s.add_request(&format!("r{i}"), &prompt, p).expect("add");
     }
     while s.has_unfinished_requests() {

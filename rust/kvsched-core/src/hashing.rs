@@ -110,7 +110,12 @@ impl BlockHasher {
         extra: &ExtraKeys,
     ) {
         let num_full = tokens.len() / block_size;
-        let mut buf = Vec::new();
+        if hashes.len() >= num_full {
+            return;
+        }
+        let extra_len = extra.lora_name.as_ref().map_or(0, String::len)
+            + extra.cache_salt.as_ref().map_or(0, String::len);
+        let mut buf = Vec::with_capacity(64 + 4 * block_size + extra_len);
         while hashes.len() < num_full {
             let i = hashes.len();
             let block = &tokens[i * block_size..(i + 1) * block_size];

@@ -13,22 +13,67 @@ use crate::output::{SchedulerOutput, StepRecord};
 use crate::request::{ReqHandle, RequestStatus};
 use crate::scheduler::Scheduler;
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Running,
-    New,
-    Resumed,
+/// The step's output under construction plus what the scheduler records about it.
+struct Builder {
+    out: SchedulerOutput,
+    is_chunk: Vec<bool>,
+    num_spec: Vec<u32>,
 }
 
-struct Entry {
-    slot: u32,
-    num_new_tokens: u32,
-    /// Index in the request's block table where this step's new blocks start (0 for new/resumed).
-    first_new_block: usize,
-    kind: Kind,
-    /// This request's scheduled drafts: `spec[spec_start..spec_end]` of the step's shared buffer.
-    spec_start: u32,
-    spec_end: u32,
+impl Builder {
+    fn with_capacity(n: usize) -> Self {
+        let mut out = SchedulerOutput {
+            handles: Vec::with_capacity(n),
+            num_scheduled_tokens: Vec::with_capacity(n),
+            num_computed_tokens: Vec::with_capacity(n),
+            new_block_ids: Vec::with_capacity(n + 16),
+            new_block_ids_indptr: Vec::with_capacity(n + 1),
+            spec_token_ids_indptr: Vec::with_capacity(n + 1),
+            ..Default::default()
+        };
+        out.new_block_ids_indptr.push(0);
+        out.spec_token_ids_indptr.push(0);
+        Builder { out, is_chunk: Vec::with_capacity(n), num_spec: Vec::with_capacity(n) }
+    }
+
+    /// Appends one scheduled request; `computed` is its count before this step.
+    #[allow(clippy::too_many_arguments)]
+    fn push(&mut self, h: ReqHandle, n: u32, computed: u32, blocks: &[u32], spec: &[u32], is_chunk: bool) {
+        let o = &mut self.out;
+        o.handles.push(h);
+        o.num_scheduled_tokens.push(n as i32);
+        o.num_computed_tokens.push(computed as i32);
+        o.new_block_ids.extend(blocks.iter().map(|&b| b as i32));
+        o.new_block_ids_indptr.push(o.new_block_ids.len() as i32);
+        o.spec_token_ids.extend(spec.iter().map(|&t| t as i32));
+        o.spec_token_ids_indptr.push(o.spec_token_ids.len() as i32);
+        o.total_num_scheduled_tokens += u64::from(n);
+        self.is_chunk.push(is_chunk);
+        self.num_spec.push(spec.len() as u32);
+    }
+
+    /// Removes entry `pos` (a preempted victim refunded from this step; rare, O(n)). Returns its tokens.
+    fn remove(&mut self, pos: usize) -> u32 {
+        let o = &mut self.out;
+        let n = o.num_scheduled_tokens.remove(pos) as u32;
+        o.handles.remove(pos);
+        o.num_computed_tokens.remove(pos);
+        for (ids, indptr) in [
+            (&mut o.new_block_ids, &mut o.new_block_ids_indptr),
+            (&mut o.spec_token_ids, &mut o.spec_token_ids_indptr),
+        ] {
+            let (a, b) = (indptr[pos] as usize, indptr[pos + 1] as usize);
+            ids.drain(a..b);
+            indptr.remove(pos + 1);
+            for x in indptr.iter_mut().skip(pos + 1) {
+                *x -= (b - a) as i32;
+            }
+        }
+        o.total_num_scheduled_tokens -= u64::from(n);
+        self.is_chunk.remove(pos);
+        self.num_spec.remove(pos);
+        n
+    }
 }
 
 impl Scheduler {
@@ -41,68 +86,68 @@ impl Scheduler {
         let max_num_seqs = self.config.max_num_seqs as usize;
         let chunked = self.config.enable_chunked_prefill;
         let mut budget = self.config.max_num_batched_tokens;
-        let mut entries: Vec<Entry> = Vec::with_capacity(self.running.len() + 8);
+        let mut b = Builder::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<ReqHandle> = Vec::new();
-        let mut spec_buf: Vec<u32> = Vec::new();
 
         // Phase A: running requests.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let slot = self.running[i];
-            let req = self.slab.get(slot)?;
-            let mut n = i64::from(req.num_tokens_with_spec()) - i64::from(req.num_computed_tokens);
+            let req = self.slab.get_mut(slot)?;
+            let computed = req.num_computed_tokens;
+            let mut n = i64::from(req.num_tokens_with_spec()) - i64::from(computed);
             if threshold > 0 && n > i64::from(threshold) {
                 n = i64::from(threshold);
             }
             n = n.min(i64::from(budget));
-            n = n.min(i64::from(max_model_len) - 1 - i64::from(req.num_computed_tokens));
+            n = n.min(i64::from(max_model_len) - 1 - i64::from(computed));
             if n <= 0 {
                 i += 1;
                 continue;
             }
             let n = n as u32;
             let first_new_block = req.blocks.len();
-            let mut self_preempted = false;
-            loop {
-                let req = self.slab.get_mut(slot)?;
-                if self.kv.allocate_slots(req, n, &[], lookahead).is_some() {
+            if self.kv.allocate_slots(req, n, &[], lookahead).is_none() {
+                // Preempt until the allocation succeeds or `req` itself is the victim.
+                let mut self_preempted = false;
+                loop {
+                    let j = self.pick_victim()?;
+                    let victim = self.running.remove(j);
+                    if let Some(pos) = b.out.handles.iter().position(|h| h.slot == victim) {
+                        budget += b.remove(pos);
+                    }
+                    if j < i {
+                        i -= 1;
+                    }
+                    preempted.push(self.preempt(victim)?);
+                    if victim == slot {
+                        self_preempted = true;
+                        break;
+                    }
+                    let req = self.slab.get_mut(slot)?;
+                    if self.kv.allocate_slots(req, n, &[], lookahead).is_some() {
+                        break;
+                    }
+                }
+                if self_preempted {
                     break;
                 }
-                let j = self.pick_victim()?;
-                let victim = self.running.remove(j);
-                if let Some(pos) = entries.iter().position(|e| e.slot == victim) {
-                    budget += entries[pos].num_new_tokens;
-                    entries.remove(pos);
-                }
-                if j < i {
-                    i -= 1;
-                }
-                preempted.push(self.preempt(victim)?);
-                if victim == slot {
-                    self_preempted = true;
-                    break;
-                }
-            }
-            if self_preempted {
-                break;
             }
             let req = self.slab.get_mut(slot)?;
-            let num_spec = (i64::from(req.num_computed_tokens) + i64::from(n) - i64::from(req.num_tokens()))
+            req.num_computed_tokens += n;
+            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
+            // Drafts ride along only as far as this step reaches past the known tokens.
+            let num_spec = (i64::from(computed) + i64::from(n) - i64::from(req.num_tokens()))
                 .clamp(0, req.spec_token_ids.len() as i64) as usize;
-            let spec_start = spec_buf.len() as u32;
-            if !req.spec_token_ids.is_empty() {
-                spec_buf.extend_from_slice(&req.spec_token_ids[..num_spec]);
-                req.spec_token_ids.clear();
-            }
-            let spec_end = spec_buf.len() as u32;
-            entries.push(Entry {
-                slot,
-                num_new_tokens: n,
-                first_new_block,
-                kind: Kind::Running,
-                spec_start,
-                spec_end,
-            });
+            b.push(
+                req.handle,
+                n,
+                computed,
+                &req.blocks[first_new_block..],
+                &req.spec_token_ids[..num_spec],
+                req.is_prefill_chunk,
+            );
+            req.spec_token_ids.clear();
             budget -= n;
             i += 1;
         }
@@ -127,9 +172,10 @@ impl Scheduler {
                 if self.kv.allocate_slots(req, n, &hits, 0).is_none() {
                     break;
                 }
-                let kind = if req.status == RequestStatus::Preempted { Kind::Resumed } else { Kind::New };
+                let resumed = req.status == RequestStatus::Preempted;
                 req.status = RequestStatus::Running;
-                req.num_computed_tokens = num_hit_tokens;
+                req.num_computed_tokens = num_hit_tokens + n;
+                req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
                 if req.num_cached_tokens < 0 {
                     req.num_cached_tokens = i64::from(num_hit_tokens);
                 }
@@ -141,22 +187,20 @@ impl Scheduler {
                     c.prefix_cache_queries += u64::from(req.num_tokens());
                     c.prefix_cache_hits += u64::from(num_hit_tokens);
                 }
+                let idx = b.out.handles.len() as u32;
+                if resumed {
+                    b.out.resumed_reqs.push(idx);
+                } else {
+                    b.out.new_reqs.push(idx);
+                }
+                b.push(req.handle, n, num_hit_tokens, &req.blocks, &[], req.is_prefill_chunk);
                 self.waiting.pop();
                 self.running.push(h.slot);
-                let at = spec_buf.len() as u32;
-                entries.push(Entry {
-                    slot: h.slot,
-                    num_new_tokens: n,
-                    first_new_block: 0,
-                    kind,
-                    spec_start: at,
-                    spec_end: at,
-                });
                 budget -= n;
             }
         }
 
-        self.build_output(entries, &spec_buf, preempted)
+        Ok(self.finish_step(b, preempted))
     }
 
     /// Index in `running` of the next preemption victim.
@@ -199,56 +243,16 @@ impl Scheduler {
         Ok(handle)
     }
 
-    fn build_output(
-        &mut self,
-        entries: Vec<Entry>,
-        spec_buf: &[u32],
-        preempted: Vec<ReqHandle>,
-    ) -> Result<SchedulerOutput> {
-        let n = entries.len();
+    fn finish_step(&mut self, b: Builder, preempted: Vec<ReqHandle>) -> SchedulerOutput {
+        let Builder { mut out, is_chunk, num_spec } = b;
         let step_id = self.next_step_id;
         self.next_step_id += 1;
-        let mut out = SchedulerOutput {
-            scheduler_id: self.scheduler_id,
-            step_id,
-            handles: Vec::with_capacity(n),
-            num_scheduled_tokens: Vec::with_capacity(n),
-            num_computed_tokens: Vec::with_capacity(n),
-            new_block_ids_indptr: Vec::with_capacity(n + 1),
-            spec_token_ids_indptr: Vec::with_capacity(n + 1),
-            preempted,
-            finished_req_ids: std::mem::take(&mut self.finished_since_step),
-            ..Default::default()
-        };
-        out.new_block_ids_indptr.push(0);
-        out.spec_token_ids_indptr.push(0);
-        let mut is_chunk = Vec::with_capacity(n);
-        let mut num_spec = Vec::with_capacity(n);
-        let mut total: u64 = 0;
-        for (idx, e) in entries.iter().enumerate() {
-            let req = self.slab.get_mut(e.slot)?;
-            out.handles.push(req.handle);
-            out.num_scheduled_tokens.push(e.num_new_tokens as i32);
-            out.num_computed_tokens.push(req.num_computed_tokens as i32);
-            match e.kind {
-                Kind::New => out.new_reqs.push(idx as u32),
-                Kind::Resumed => out.resumed_reqs.push(idx as u32),
-                Kind::Running => {}
-            }
-            out.new_block_ids.extend(req.blocks[e.first_new_block..].iter().map(|&b| b as i32));
-            out.new_block_ids_indptr.push(out.new_block_ids.len() as i32);
-            let spec = &spec_buf[e.spec_start as usize..e.spec_end as usize];
-            out.spec_token_ids.extend(spec.iter().map(|&t| t as i32));
-            out.spec_token_ids_indptr.push(out.spec_token_ids.len() as i32);
-            req.num_computed_tokens += e.num_new_tokens;
-            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
-            is_chunk.push(req.is_prefill_chunk);
-            num_spec.push(spec.len() as u32);
-            total += u64::from(e.num_new_tokens);
-        }
-        out.total_num_scheduled_tokens = total;
-        self.counters.last_num_scheduled_reqs = n;
-        self.counters.last_num_scheduled_tokens = total;
+        out.scheduler_id = self.scheduler_id;
+        out.step_id = step_id;
+        out.preempted = preempted;
+        out.finished_req_ids = std::mem::take(&mut self.finished_since_step);
+        self.counters.last_num_scheduled_reqs = out.handles.len();
+        self.counters.last_num_scheduled_tokens = out.total_num_scheduled_tokens;
         self.epoch += 1;
         self.in_flight.push_back(StepRecord {
             step_id,
@@ -261,6 +265,6 @@ impl Scheduler {
             spec_token_ids: out.spec_token_ids.clone(),
             spec_token_ids_indptr: out.spec_token_ids_indptr.clone(),
         });
-        Ok(out)
+        out
     }
 }

@@ -183,52 +183,99 @@ fn token_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
     ))
 }
 
-/// Ragged token lists, aligned with a step's scheduled requests: `(values, indptr)` or a list of lists.
-struct OwnedRagged {
-    values: Vec<i64>,
-    indptr: Vec<i64>,
+/// An integer array's values: borrowed straight from numpy when it is aligned, C-contiguous int64 (the hot
+/// path: no copy, no numpy borrow bookkeeping), converted otherwise.
+enum IntVals<'a> {
+    Borrowed(&'a [i64]),
+    Owned(Vec<i64>),
 }
 
-fn ragged_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<OwnedRagged> {
-    let py = obj.py();
-    if let Ok(t) = obj.downcast::<PyTuple>() {
-        if t.len() == 2 {
-            let (v, p) = (t.get_item(0)?, t.get_item(1)?);
-            if let (Ok(v), Ok(p)) = (v.downcast::<PyUntypedArray>(), p.downcast::<PyUntypedArray>()) {
-                return Ok(OwnedRagged {
-                    values: int_array_values(v, &format!("{name} values"))?,
-                    indptr: int_array_values(p, &format!("{name} indptr"))?,
-                });
+impl IntVals<'_> {
+    fn as_slice(&self) -> &[i64] {
+        match self {
+            IntVals::Borrowed(s) => s,
+            IntVals::Owned(v) => v,
+        }
+    }
+}
+
+fn int_vals<'a>(arr: &'a Bound<'_, PyUntypedArray>, name: impl Fn() -> String) -> PyResult<IntVals<'a>> {
+    let dtype = arr.dtype();
+    if arr.ndim() == 1 && dtype.kind() == b'i' && dtype.itemsize() == 8 && arr.is_c_contiguous() {
+        // SAFETY: the array object is alive for 'a (we hold a reference to it), it is one-dimensional,
+        // C-contiguous, of int64 items, and its data pointer is checked for alignment below. The GIL is held
+        // and no Python code runs while the slice is in use, so nothing can resize or free the buffer.
+        unsafe {
+            let raw = &*arr.as_array_ptr();
+            let ptr = raw.data as *const i64;
+            let len = arr.len();
+            if len == 0 {
+                return Ok(IntVals::Borrowed(&[]));
+            }
+            if !ptr.is_null() && (ptr as usize) % std::mem::align_of::<i64>() == 0 {
+                return Ok(IntVals::Borrowed(std::slice::from_raw_parts(ptr, len)));
             }
         }
-        return Err(type_error(
-            py,
-            format!("{name}: a tuple must be (values, indptr), two 1-D integer arrays"),
-        ));
     }
-    if let Ok(list) = obj.downcast::<PyList>() {
-        let mut values = Vec::new();
-        let mut indptr = Vec::with_capacity(list.len() + 1);
-        indptr.push(0);
-        for (i, entry) in list.iter().enumerate() {
-            values.extend(token_list(&entry, &format!("{name}[{i}]")).map_err(|e| {
-                if e.is_instance_of::<PyTypeError>(py) {
-                    e
-                } else {
-                    py_error(py, "InvalidOutputError", e.to_string())
+    int_array_values(arr, &name()).map(IntVals::Owned)
+}
+
+/// Ragged token lists, aligned with a step's scheduled requests: `(values, indptr)` arrays or a list of lists.
+enum RaggedInput<'py> {
+    Arrays(Bound<'py, PyUntypedArray>, Bound<'py, PyUntypedArray>),
+    Lists(Vec<i64>, Vec<i64>),
+}
+
+impl<'py> RaggedInput<'py> {
+    fn parse(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Self> {
+        let py = obj.py();
+        if let Ok(t) = obj.downcast::<PyTuple>() {
+            if t.len() == 2 {
+                let (v, p) = (t.get_item(0)?, t.get_item(1)?);
+                if let (Ok(v), Ok(p)) =
+                    (v.downcast_into::<PyUntypedArray>(), p.downcast_into::<PyUntypedArray>())
+                {
+                    return Ok(RaggedInput::Arrays(v, p));
                 }
-            })?);
-            indptr.push(values.len() as i64);
+            }
+            return Err(type_error(
+                py,
+                format!("{name}: a tuple must be (values, indptr), two 1-D integer arrays"),
+            ));
         }
-        return Ok(OwnedRagged { values, indptr });
+        if let Ok(list) = obj.downcast::<PyList>() {
+            let mut values = Vec::new();
+            let mut indptr = Vec::with_capacity(list.len() + 1);
+            indptr.push(0);
+            for (i, entry) in list.iter().enumerate() {
+                values.extend(token_list(&entry, &format!("{name}[{i}]")).map_err(|e| {
+                    if e.is_instance_of::<PyTypeError>(py) {
+                        e
+                    } else {
+                        py_error(py, "InvalidOutputError", e.to_string())
+                    }
+                })?);
+                indptr.push(values.len() as i64);
+            }
+            return Ok(RaggedInput::Lists(values, indptr));
+        }
+        Err(type_error(
+            py,
+            format!(
+                "{name} must be a (values, indptr) pair of integer arrays or a list of lists, got {}",
+                type_name(obj)
+            ),
+        ))
     }
-    Err(type_error(
-        py,
-        format!(
-            "{name} must be a (values, indptr) pair of integer arrays or a list of lists, got {}",
-            type_name(obj)
-        ),
-    ))
+
+    fn views(&self, name: &'static str) -> PyResult<(IntVals<'_>, IntVals<'_>)> {
+        match self {
+            RaggedInput::Arrays(v, p) => {
+                Ok((int_vals(v, || format!("{name} values"))?, int_vals(p, || format!("{name} indptr"))?))
+            }
+            RaggedInput::Lists(v, p) => Ok((IntVals::Borrowed(v), IntVals::Borrowed(p))),
+        }
+    }
 }
 
 fn seed_bytes(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u8>>> {
@@ -726,18 +773,23 @@ impl PyScheduler {
             let o = o.try_borrow().map_err(|_| type_error(py, "out is in use".into()))?;
             (o.scheduler_id, o.step_id)
         };
-        let sampled = ragged_arg(sampled_token_ids, "sampled_token_ids")?;
+        let sampled = RaggedInput::parse(sampled_token_ids, "sampled_token_ids")?;
         let drafts = match draft_token_ids {
-            Some(d) if !d.is_none() => Some(ragged_arg(d, "draft_token_ids")?),
+            Some(d) if !d.is_none() => Some(RaggedInput::parse(d, "draft_token_ids")?),
             _ => None,
+        };
+        let (sv, sp) = sampled.views("sampled_token_ids")?;
+        let draft_views = match &drafts {
+            Some(d) => Some(d.views("draft_token_ids")?),
+            None => None,
         };
         let mut this = borrow_mut(slf)?;
         let res = guard(py, || {
             this.core.update_from_output(
                 scheduler_id,
                 step_id,
-                Ragged { values: &sampled.values, indptr: &sampled.indptr },
-                drafts.as_ref().map(|d| Ragged { values: &d.values, indptr: &d.indptr }),
+                Ragged { values: sv.as_slice(), indptr: sp.as_slice() },
+                draft_views.as_ref().map(|(v, p)| Ragged { values: v.as_slice(), indptr: p.as_slice() }),
             )
         })?;
         Ok(PyUpdateResult {
