@@ -11,6 +11,8 @@ pub struct KvCacheManager {
     pub pool: BlockPool,
     pub hasher: BlockHasher,
     pub block_size: u32,
+    /// `log2(block_size)`: block arithmetic on the hot path uses shifts, not divisions.
+    pub block_shift: u32,
     pub max_model_len: u32,
     pub enable_caching: bool,
 }
@@ -22,7 +24,7 @@ impl KvCacheManager {
         if !self.enable_caching || num_tokens == 0 {
             return;
         }
-        let max_blocks = ((num_tokens - 1) / self.block_size) as usize;
+        let max_blocks = ((num_tokens - 1) >> self.block_shift) as usize;
         for h in block_hashes.iter().take(max_blocks) {
             match self.pool.get_cached_block(h) {
                 Some(b) => out.push(b),
@@ -45,7 +47,7 @@ impl KvCacheManager {
         let bs = self.block_size;
         let total_computed = req.num_computed_tokens + hits.len() as u32 * bs;
         let num_slots = (total_computed + num_new_tokens + num_lookahead_tokens).min(self.max_model_len);
-        let required = num_slots.div_ceil(bs) as usize;
+        let required = ((num_slots + bs - 1) >> self.block_shift) as usize;
         let held = req.blocks.len() + hits.len();
         let need = required.saturating_sub(held);
         if !hits.is_empty() {
@@ -63,7 +65,7 @@ impl KvCacheManager {
         if need > 0 {
             self.pool.allocate_into(need, &mut req.blocks);
         }
-        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) / bs) as usize;
+        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) >> self.block_shift) as usize;
         if self.enable_caching && num_full > req.num_cached_blocks as usize {
             self.cache_full_blocks(req, num_full);
         }
@@ -94,7 +96,7 @@ impl KvCacheManager {
     /// Hashes the request's blocks that became full since the last call.
     #[inline]
     pub fn extend_hashes(&self, req: &mut Request) {
-        if self.enable_caching && req.token_ids.len() / self.block_size as usize > req.block_hashes.len() {
+        if self.enable_caching && req.token_ids.len() >> self.block_shift > req.block_hashes.len() {
             self.hasher.extend_hashes(
                 &mut req.block_hashes,
                 &req.token_ids,

@@ -76,6 +76,7 @@ impl Scheduler {
             pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching),
             hasher,
             block_size: config.block_size,
+            block_shift: config.block_size.trailing_zeros(),
             max_model_len: config.max_model_len,
             enable_caching: config.enable_prefix_caching,
         };

@@ -43,9 +43,13 @@ impl Builder {
         o.handles.push(h);
         o.num_scheduled_tokens.push(n as i32);
         o.num_computed_tokens.push(computed as i32);
-        o.new_block_ids.extend(blocks.iter().map(|&b| b as i32));
+        if !blocks.is_empty() {
+            o.new_block_ids.extend(blocks.iter().map(|&b| b as i32));
+        }
         o.new_block_ids_indptr.push(o.new_block_ids.len() as i32);
-        o.spec_token_ids.extend(spec.iter().map(|&t| t as i32));
+        if !spec.is_empty() {
+            o.spec_token_ids.extend(spec.iter().map(|&t| t as i32));
+        }
         o.spec_token_ids_indptr.push(o.spec_token_ids.len() as i32);
         o.total_num_scheduled_tokens += u64::from(n);
         self.is_chunk.push(is_chunk);
