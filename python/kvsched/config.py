@@ -17,6 +17,8 @@ __all__ = ["POLICIES", "PREFIX_HASH_ALGOS", "SchedulerConfig"]
 POLICIES = ("fcfs", "priority")
 PREFIX_HASH_ALGOS = ("xxh3_128", "sha256")
 _I32_MAX = 2**31 - 1
+# The pool keeps ~50 bytes of bookkeeping per block; 2**24 blocks (~800 MB) is far above any real GPU's pool.
+MAX_NUM_BLOCKS = 2**24
 
 
 def _check_int(name: str, value: Any, minimum: int, maximum: int = _I32_MAX) -> None:
@@ -50,7 +52,7 @@ class SchedulerConfig:
         _check_int("block_size", self.block_size, 1, 1024)
         if self.block_size & (self.block_size - 1):
             raise InvalidConfigError(f"block_size must be a power of two, got {self.block_size}")
-        _check_int("num_blocks", self.num_blocks, 2)
+        _check_int("num_blocks", self.num_blocks, 2, MAX_NUM_BLOCKS)
         if self.num_blocks * self.block_size > _I32_MAX:
             raise InvalidConfigError(
                 f"num_blocks * block_size must fit in int32 slot ids, got {self.num_blocks} * {self.block_size}"

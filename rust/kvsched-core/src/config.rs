@@ -79,6 +79,8 @@ impl Default for SchedulerConfig {
 }
 
 const I32_MAX: u64 = i32::MAX as u64;
+/// The pool keeps ~50 bytes of bookkeeping per block; 2^24 blocks (~800 MB) is far above any real GPU's pool.
+pub const MAX_NUM_BLOCKS: u32 = 1 << 24;
 
 fn check_range(name: &str, value: u32, min: u32, max: u64) -> Result<()> {
     if u64::from(value) < u64::from(min) || u64::from(value) > max {
@@ -96,7 +98,7 @@ impl SchedulerConfig {
                 self.block_size
             )));
         }
-        check_range("num_blocks", self.num_blocks, 2, I32_MAX)?;
+        check_range("num_blocks", self.num_blocks, 2, u64::from(MAX_NUM_BLOCKS))?;
         if u64::from(self.num_blocks) * u64::from(self.block_size) > I32_MAX {
             return Err(SchedError::InvalidConfig(format!(
                 "num_blocks * block_size must fit in int32 slot ids, got {} * {}",

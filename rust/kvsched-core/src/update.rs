@@ -41,10 +41,18 @@ impl<'a> Ragged<'a> {
                 self.values.len()
             ));
         }
-        if let Some(t) = self.values.iter().find(|&&t| !(0..=MAX_TOKEN_ID).contains(&t)) {
-            return bad(format!("token ids must be in [0, {MAX_TOKEN_ID}], got {t}"));
-        }
         Ok(())
+    }
+
+    /// Entry `i`, checked to hold token ids only (entries of requests gone since the step are never checked).
+    fn checked(&self, what: &str, i: usize) -> Result<&'a [i64]> {
+        let entry = self.get(i);
+        match entry.iter().find(|&&t| !(0..=MAX_TOKEN_ID).contains(&t)) {
+            Some(t) => Err(SchedError::InvalidOutput(format!(
+                "{what}: token ids must be in [0, {MAX_TOKEN_ID}], got {t}"
+            ))),
+            None => Ok(entry),
+        }
     }
 
     fn get(&self, i: usize) -> &'a [i64] {
@@ -87,7 +95,7 @@ impl Scheduler {
             let Some(req) = self.slab.resolve(rec.handles[i]) else {
                 continue;
             };
-            let got = sampled.get(i).len();
+            let got = sampled.checked("sampled_token_ids", i)?.len();
             if rec.is_prefill_chunk[i] {
                 if got != 0 {
                     return Err(SchedError::InvalidOutput(format!(
@@ -106,7 +114,7 @@ impl Scheduler {
                 }
             }
             if let Some(d) = &drafts {
-                let k = d.get(i).len();
+                let k = d.checked("draft_token_ids", i)?.len();
                 let allowed = if rec.is_prefill_chunk[i] { 0 } else { lookahead };
                 if k > allowed {
                     return Err(SchedError::InvalidOutput(format!(

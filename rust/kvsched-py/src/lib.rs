@@ -14,7 +14,6 @@ use numpy::ndarray::Array2;
 use numpy::{
     IntoPyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
@@ -129,7 +128,7 @@ fn str_arg<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PySt
 }
 
 /// A 1-D integer numpy array as i64 values (copied; any integer dtype, any strides).
-fn int_array_values(arr: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<Vec<i64>> {
+fn int_array_values(arr: &Bound<'_, PyUntypedArray>, name: &str, range_class: &str) -> PyResult<Vec<i64>> {
     let py = arr.py();
     if arr.ndim() != 1 {
         return Err(type_error(py, format!("{name} must be a 1-D array, got {} dimensions", arr.ndim())));
@@ -145,8 +144,17 @@ fn int_array_values(arr: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<Vec
         return Ok(a.readonly().as_array().iter().map(|&x| i64::from(x)).collect());
     }
     if let Ok(a) = arr.downcast::<PyArray1<u64>>() {
-        // Values above i64::MAX become -1: rejected later as out of range.
-        return Ok(a.readonly().as_array().iter().map(|&x| i64::try_from(x).unwrap_or(-1)).collect());
+        let a = a.readonly();
+        let mut out = Vec::with_capacity(a.len());
+        for &x in a.as_array().iter() {
+            match i64::try_from(x) {
+                Ok(v) => out.push(v),
+                Err(_) => {
+                    return Err(py_error(py, range_class, format!("{name}: {x} is out of the int64 range")))
+                }
+            }
+        }
+        return Ok(out);
     }
     // Other widths: let numpy widen them.
     let wide = arr.call_method1("astype", ("int64",))?;
@@ -155,10 +163,10 @@ fn int_array_values(arr: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<Vec
 }
 
 /// A sequence of token ids: a 1-D integer numpy array, or a list/tuple of ints.
-fn token_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
+fn token_list(obj: &Bound<'_, PyAny>, name: &str, range_class: &str) -> PyResult<Vec<i64>> {
     let py = obj.py();
     if let Ok(arr) = obj.downcast::<PyUntypedArray>() {
-        return int_array_values(arr, name);
+        return int_array_values(arr, name, range_class);
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error(py, format!("{name} must be a list of ints, got {}", type_name(obj))));
@@ -166,14 +174,14 @@ fn token_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
     if let Ok(list) = obj.downcast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
         for item in list.iter() {
-            out.push(int_arg(&item, name, "InvalidRequestError")?);
+            out.push(int_arg(&item, name, range_class)?);
         }
         return Ok(out);
     }
     if let Ok(tuple) = obj.downcast::<PyTuple>() {
         let mut out = Vec::with_capacity(tuple.len());
         for item in tuple.iter() {
-            out.push(int_arg(&item, name, "InvalidRequestError")?);
+            out.push(int_arg(&item, name, range_class)?);
         }
         return Ok(out);
     }
@@ -217,7 +225,7 @@ fn int_vals<'a>(arr: &'a Bound<'_, PyUntypedArray>, name: impl Fn() -> String) -
             }
         }
     }
-    int_array_values(arr, &name()).map(IntVals::Owned)
+    int_array_values(arr, &name(), "InvalidOutputError").map(IntVals::Owned)
 }
 
 /// Ragged token lists, aligned with a step's scheduled requests: `(values, indptr)` arrays or a list of lists.
@@ -248,13 +256,7 @@ impl<'py> RaggedInput<'py> {
             let mut indptr = Vec::with_capacity(list.len() + 1);
             indptr.push(0);
             for (i, entry) in list.iter().enumerate() {
-                values.extend(token_list(&entry, &format!("{name}[{i}]")).map_err(|e| {
-                    if e.is_instance_of::<PyTypeError>(py) {
-                        e
-                    } else {
-                        py_error(py, "InvalidOutputError", e.to_string())
-                    }
-                })?);
+                values.extend(token_list(&entry, &format!("{name}[{i}]"), "InvalidOutputError")?);
                 indptr.push(values.len() as i64);
             }
             return Ok(RaggedInput::Lists(values, indptr));
@@ -644,16 +646,26 @@ impl PyScheduler {
         let py = slf.py();
         let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
         let id = str_arg(req_id, "req_id")?;
-        let prompt = token_list(prompt_token_ids, "prompt_token_ids")?;
-        let max_tokens = match opt_int_arg(max_tokens, "max_tokens", "InvalidRequestError")? {
-            None => None,
-            Some(m) if m < 1 => return Err(bad(format!("max_tokens must be >= 1, got {m}"))),
-            Some(m) => Some(u32::try_from(m).unwrap_or(u32::MAX)),
+        let prompt = token_list(prompt_token_ids, "prompt_token_ids", "InvalidRequestError")?;
+        // Python ints beyond int64 are still valid limits: a huge max_tokens is capped by max_model_len.
+        let huge_positive = |o: Option<&Bound<'_, PyAny>>| -> bool {
+            o.is_some_and(|o| o.is_instance_of::<PyInt>() && o.gt(i64::MAX).unwrap_or(false))
+        };
+        let max_tokens = if huge_positive(max_tokens) {
+            Some(u32::MAX)
+        } else {
+            match opt_int_arg(max_tokens, "max_tokens", "InvalidRequestError")? {
+                None => None,
+                Some(m) if m < 1 => return Err(bad(format!("max_tokens must be >= 1, got {m}"))),
+                Some(m) => Some(u32::try_from(m).unwrap_or(u32::MAX)),
+            }
         };
         let min_tokens = match opt_int_arg(min_tokens, "min_tokens", "InvalidRequestError")? {
             None => 0,
             Some(m) if m < 0 => return Err(bad(format!("min_tokens must be >= 0, got {m}"))),
-            Some(m) => u32::try_from(m).unwrap_or(u32::MAX),
+            Some(m) => u32::try_from(m).map_err(|_| {
+                bad(format!("min_tokens={m} exceeds what any request can generate (max_model_len)"))
+            })?,
         };
         let eos_token_id = match opt_int_arg(eos_token_id, "eos_token_id", "InvalidRequestError")? {
             None => None,
@@ -669,7 +681,7 @@ impl PyScheduler {
         let mut stops = Vec::new();
         if let Some(s) = stop_token_ids {
             if !s.is_none() {
-                for t in token_list(s, "stop_token_ids")? {
+                for t in token_list(s, "stop_token_ids", "InvalidRequestError")? {
                     stops.push(guard(py, || core::Scheduler::check_token_id("stop_token_ids", t))?);
                 }
             }
@@ -933,7 +945,7 @@ impl PyScheduler {
         lora_name: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u32> {
         let py = slf.py();
-        let prompt = token_list(prompt_token_ids, "prompt_token_ids")?;
+        let prompt = token_list(prompt_token_ids, "prompt_token_ids", "InvalidRequestError")?;
         let salt = opt_str_arg(cache_salt, "cache_salt")?;
         let lora = opt_str_arg(lora_name, "lora_name")?;
         let this = borrow(slf)?;

@@ -1,0 +1,448 @@
+"""Bad input to ``kvsched.Scheduler``: one table, one parametrised test.
+
+Each case builds a scheduler in a known state (a decoding request, a request mid-prefill, a waiting request
+and one step in flight), makes one bad call and checks that:
+
+- the exact exception class is raised (every one a ``kvsched.SchedulerError``, with its stdlib mix-in), never a
+  ``pyo3_runtime.PanicException`` (a ``BaseException``) nor any other type;
+- the message names the bad value;
+- nothing changed: stats, free blocks and every request's status, computed tokens, outputs, block table and
+  hashes are as before, ``check_invariants()`` passes, and the scheduler then runs everything to completion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvsched
+import numpy as np
+import pytest
+from kvsched import (
+    DuplicateRequestError,
+    InvalidConfigError,
+    InvalidOutputError,
+    InvalidRequestError,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerError,
+    SchedulerTypeError,
+    UnknownRequestError,
+)
+
+IDS = ("run", "chunk", "wait", "x")
+CONFIG: dict[str, Any] = {
+    "block_size": 4,
+    "num_blocks": 64,
+    "max_model_len": 64,
+    "max_num_batched_tokens": 16,
+    "max_num_seqs": 2,
+    "prefix_hash_seed": 0,
+}
+
+
+def answer(s: Scheduler, out: Any) -> list[list[int]]:
+    """The right sampled tokens for ``out`` (call right after ``schedule()``)."""
+    res = []
+    for rid in out.req_ids:
+        num_tokens = s._request_info(rid)[0] + len(s.get_output_token_ids(rid))
+        res.append([] if s.get_num_computed_tokens(rid) < num_tokens else [7])
+    return res
+
+
+@dataclass
+class Ctx:
+    s: Scheduler
+    pending: list[tuple[Any, list[list[int]]]] = field(default_factory=list)
+    applied: Any = None
+
+
+def setup_in_flight(**overrides: Any) -> Ctx:
+    """run: decoding; chunk: 15 of 30 prompt tokens scheduled; wait: waiting (max_num_seqs=2); the step
+    that schedules run and chunk is in flight."""
+    s = Scheduler(**{**CONFIG, **overrides})
+    s.add_request("run", [1, 2, 3, 4, 5], max_tokens=20)
+    out = s.schedule()
+    s.update_from_output(out, [[7]])
+    s.add_request("chunk", list(range(100, 130)), max_tokens=5)
+    s.add_request("wait", [9, 9, 9], max_tokens=5)
+    out = s.schedule()
+    assert out.req_ids == ["run", "chunk"]
+    assert out.num_scheduled_tokens.tolist() == [1, 15]
+    return Ctx(s, [(out, answer(s, out))])
+
+
+def setup_applied() -> Ctx:
+    ctx = setup_in_flight()
+    out, ans = ctx.pending.pop()
+    ctx.s.update_from_output(out, ans)
+    ctx.applied = out
+    return ctx
+
+
+def setup_two_in_flight() -> Ctx:
+    ctx = setup_in_flight()
+    out = ctx.s.schedule()
+    ctx.pending.append((out, answer(ctx.s, out)))
+    return ctx
+
+
+def setup_gone() -> Ctx:
+    """A request "gone" that was added and aborted: finished requests are forgotten."""
+    ctx = setup_in_flight()
+    ctx.s.add_request("gone", [5, 6, 7], max_tokens=1)
+    ctx.s.abort_requests(["gone"])
+    return ctx
+
+
+def setup_lookahead() -> Ctx:
+    return setup_in_flight(num_lookahead_tokens=2)
+
+
+def snapshot(s: Scheduler) -> Any:
+    reqs = {}
+    for rid in IDS:
+        with contextlib.suppress(UnknownRequestError):
+            reqs[rid] = (
+                s.get_request_status(rid),
+                s.get_num_computed_tokens(rid),
+                s.get_output_token_ids(rid),
+                s.get_block_ids(rid).tolist(),
+                s.get_block_hashes(rid),
+                s._request_info(rid),
+            )
+    return (s.stats(), s.num_free_blocks, s.num_unfinished_requests, s.has_unfinished_requests(), reqs)
+
+
+def finish_everything(ctx: Ctx) -> None:
+    s = ctx.s
+    for out, ans in ctx.pending:
+        s.update_from_output(out, ans)
+        s.check_invariants()
+    for _ in range(500):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        s.check_invariants()
+        s.update_from_output(out, answer(s, out))
+        s.check_invariants()
+    assert not s.has_unfinished_requests()
+    assert s.num_free_blocks == s.config.num_blocks - 1
+
+
+def bypass(**fields: Any) -> SchedulerConfig:
+    """A valid config whose fields are then overwritten, so that only the Rust core's checks see them."""
+    cfg = SchedulerConfig(**CONFIG)
+    for name, value in fields.items():
+        object.__setattr__(cfg, name, value)
+    return cfg
+
+
+def other_scheduler_output() -> Any:
+    other = Scheduler(**CONFIG)
+    other.add_request("run", [1, 2, 3])
+    return other.schedule()
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    call: Callable[[Ctx], Any]
+    exc: type[SchedulerError]
+    needle: str
+    setup: Callable[[], Ctx] = setup_in_flight
+    xfail: str | None = None  # a known bug, reported to the lead
+
+
+def add(**kw: Any) -> Callable[[Ctx], Any]:
+    req_id = kw.pop("req_id", "x")
+    prompt = kw.pop("prompt", [1, 2, 3])
+    return lambda c: c.s.add_request(req_id, prompt, **kw)
+
+
+def update(sampled: Any, drafts: Any = None) -> Callable[[Ctx], Any]:
+    return lambda c: c.s.update_from_output(c.pending[0][0], sampled, drafts)
+
+
+def new(*args: Any, **fields: Any) -> Callable[[Ctx], Any]:
+    return lambda c: Scheduler(*args, **fields)
+
+
+def cfg(**fields: Any) -> Callable[[Ctx], Any]:
+    return new(**{**CONFIG, **fields})
+
+
+ARR = np.array
+I64 = np.int64
+
+CASES = [
+    # --- add_request -------------------------------------------------------------------------------------
+    Case("duplicate-running-id", add(req_id="run"), DuplicateRequestError, "run"),
+    Case("duplicate-waiting-id", add(req_id="wait"), DuplicateRequestError, "wait"),
+    Case("empty-prompt", add(prompt=[]), InvalidRequestError, "empty"),
+    Case("empty-array-prompt", add(prompt=ARR([], I64)), InvalidRequestError, "empty"),
+    Case("prompt-equal-to-max-model-len", add(prompt=[1] * 64), InvalidRequestError, "64"),
+    Case("prompt-over-max-model-len", add(prompt=[1] * 65), InvalidRequestError, "65"),
+    Case("negative-token", add(prompt=[1, -1]), InvalidRequestError, "-1"),
+    Case("token-2**31", add(prompt=[1, 2**31]), InvalidRequestError, "2147483648"),
+    Case("token-over-int64", add(prompt=[2**64]), InvalidRequestError, "18446744073709551616"),
+    Case("negative-token-in-array", add(prompt=ARR([1, -5])), InvalidRequestError, "-5"),
+    Case(
+        "uint64-token-over-int64",
+        add(prompt=ARR([1, 2**63], np.uint64)),
+        InvalidRequestError,
+        "9223372036854775808",
+    ),
+    Case("float-token", add(prompt=[1, 1.5]), SchedulerTypeError, "float"),
+    Case("numpy-float-token", add(prompt=[1, np.float64(2)]), SchedulerTypeError, "float64"),
+    Case("bool-array-prompt", add(prompt=ARR([True, False])), SchedulerTypeError, "bool"),
+    Case("bool-token", add(prompt=[1, True]), SchedulerTypeError, "bool"),
+    Case("none-token", add(prompt=[1, None]), SchedulerTypeError, "NoneType"),
+    Case("str-prompt", add(prompt="hello"), SchedulerTypeError, "str"),
+    Case("bytes-prompt", add(prompt=b"hello"), SchedulerTypeError, "bytes"),
+    Case("int-prompt", add(prompt=5), SchedulerTypeError, "int"),
+    Case("float-array-prompt", add(prompt=ARR([1.0, 2.0])), SchedulerTypeError, "float64"),
+    Case("2d-array-prompt", add(prompt=ARR([[1, 2]])), SchedulerTypeError, "2 dimensions"),
+    Case("int-id", add(req_id=5), SchedulerTypeError, "int"),
+    Case("none-id", add(req_id=None), SchedulerTypeError, "NoneType"),
+    Case("bytes-id", add(req_id=b"x"), SchedulerTypeError, "bytes"),
+    Case("empty-id", add(req_id=""), InvalidRequestError, "non-empty"),
+    Case("max-tokens-0", add(max_tokens=0), InvalidRequestError, "got 0"),
+    Case("max-tokens-negative", add(max_tokens=-3), InvalidRequestError, "-3"),
+    Case("max-tokens-float", add(max_tokens=2.0), SchedulerTypeError, "float"),
+    Case("min-tokens-negative", add(min_tokens=-1), InvalidRequestError, "-1"),
+    Case(
+        "min-tokens-over-uint32",
+        add(min_tokens=2**40),
+        InvalidRequestError,
+        "1099511627776",
+    ),
+    Case("min-over-max-tokens", add(min_tokens=5, max_tokens=3), InvalidRequestError, "min_tokens=5"),
+    Case(
+        "min-over-effective-max-tokens",
+        add(prompt=[1] * 60, min_tokens=5),
+        InvalidRequestError,
+        "min_tokens=5",
+    ),
+    Case("nan-arrival-time", add(arrival_time=math.nan), InvalidRequestError, "NaN"),
+    Case("inf-arrival-time", add(arrival_time=math.inf), InvalidRequestError, "inf"),
+    Case("str-arrival-time", add(arrival_time="now"), SchedulerTypeError, "str"),
+    Case("bool-arrival-time", add(arrival_time=True), SchedulerTypeError, "bool"),
+    Case("negative-stop-token", add(stop_token_ids=[3, -2]), InvalidRequestError, "-2"),
+    Case("stop-token-2**31", add(stop_token_ids=[2**31]), InvalidRequestError, "2147483648"),
+    Case("str-stop-token", add(stop_token_ids=["a"]), SchedulerTypeError, "str"),
+    Case("int-stop-token-ids", add(stop_token_ids=3), SchedulerTypeError, "int"),
+    Case("negative-eos", add(eos_token_id=-1), InvalidRequestError, "-1"),
+    Case("float-eos", add(eos_token_id=1.0), SchedulerTypeError, "float"),
+    Case("str-ignore-eos", add(ignore_eos="yes"), SchedulerTypeError, "str"),
+    Case("priority-over-int64", add(priority=2**63), InvalidRequestError, "9223372036854775808"),
+    Case("float-priority", add(priority=0.5), SchedulerTypeError, "float"),
+    Case("int-cache-salt", add(cache_salt=5), SchedulerTypeError, "int"),
+    Case("bytes-lora-name", add(lora_name=b"l"), SchedulerTypeError, "bytes"),
+    # --- update_from_output: the form of the tokens ------------------------------------------------------
+    Case("float-values", update((ARR([1.0]), ARR([0, 1, 1]))), SchedulerTypeError, "float64"),
+    Case("2d-values", update((ARR([[1]]), ARR([0, 1, 1]))), SchedulerTypeError, "2 dimensions"),
+    Case("float-indptr", update((ARR([1]), ARR([0.0, 1.0, 1.0]))), SchedulerTypeError, "float64"),
+    Case("indptr-too-short", update((ARR([1]), ARR([0, 1]))), InvalidOutputError, "got 2"),
+    Case("indptr-too-long", update((ARR([1]), ARR([0, 1, 1, 1]))), InvalidOutputError, "got 4"),
+    Case("indptr-not-from-0", update((ARR([1]), ARR([1, 1, 1]))), InvalidOutputError, "got 1"),
+    Case("indptr-decreasing", update((ARR([1, 2]), ARR([0, 2, 1]))), InvalidOutputError, "non-decreasing"),
+    Case("indptr-misaligned", update((ARR([1, 2]), ARR([0, 1, 1]))), InvalidOutputError, "2 values"),
+    Case("tuple-of-three", update((ARR([1]), ARR([0, 1, 1]), ARR([0]))), SchedulerTypeError, "tuple"),
+    Case("tuple-of-lists", update(([1], [0, 1, 1])), SchedulerTypeError, "tuple"),
+    Case("str-tokens", update("7"), SchedulerTypeError, "str"),
+    Case("dict-tokens", update({"run": [7]}), SchedulerTypeError, "dict"),
+    Case("list-too-short", update([[7]]), InvalidOutputError, "got 2"),
+    Case("list-too-long", update([[7], [], []]), InvalidOutputError, "got 4"),
+    Case("float-in-list", update([[7.0], []]), SchedulerTypeError, "float"),
+    Case("none-entry", update([None, []]), SchedulerTypeError, "NoneType"),
+    Case("negative-sampled-token", update([[-1], []]), InvalidOutputError, "-1"),
+    Case("sampled-token-2**31", update([[2**31], []]), InvalidOutputError, "2147483648"),
+    Case(
+        "sampled-token-over-int64",
+        update([[2**64], []]),
+        InvalidOutputError,
+        "18446744073709551616",
+    ),
+    # --- update_from_output: what the tokens answer -------------------------------------------------------
+    Case("tokens-for-a-partial-prefill", update([[7], [8]]), InvalidOutputError, "chunk"),
+    Case("too-many-tokens-for-a-decode", update([[7, 8], []]), InvalidOutputError, "got 2"),
+    Case("zero-tokens-for-a-decode", update([[], []]), InvalidOutputError, "got 0"),
+    Case("drafts-without-lookahead", update([[7], []], [[1], []]), InvalidOutputError, "at most 0"),
+    Case(
+        "too-many-drafts",
+        update([[7], []], [[1, 2, 3], []]),
+        InvalidOutputError,
+        "got 3",
+        setup_lookahead,
+    ),
+    Case(
+        "drafts-for-a-partial-prefill",
+        update([[7], []], [[1], [2]]),
+        InvalidOutputError,
+        "chunk",
+        setup_lookahead,
+    ),
+    Case("negative-draft", update([[7], []], [[-4], []]), InvalidOutputError, "-4", setup_lookahead),
+    Case("drafts-misaligned", update([[7], []], [[1]]), InvalidOutputError, "got 2", setup_lookahead),
+    Case(
+        "applied-twice",
+        lambda c: c.s.update_from_output(c.applied, [[7], []]),
+        InvalidOutputError,
+        "already applied",
+        setup_applied,
+    ),
+    Case(
+        "out-of-order",
+        lambda c: c.s.update_from_output(c.pending[1][0], c.pending[1][1]),
+        InvalidOutputError,
+        "in order",
+        setup_two_in_flight,
+    ),
+    Case(
+        "another-schedulers-output",
+        lambda c: c.s.update_from_output(other_scheduler_output(), [[7]]),
+        InvalidOutputError,
+        "another scheduler",
+    ),
+    Case("not-a-scheduler-output", lambda c: c.s.update_from_output("out", [[7]]), SchedulerTypeError, "str"),
+    Case("none-output", lambda c: c.s.update_from_output(None, []), SchedulerTypeError, "NoneType"),
+    Case(
+        "prepare-not-a-scheduler-output",
+        lambda c: c.s.prepare_model_inputs(object()),
+        SchedulerTypeError,
+        "object",
+    ),
+    Case(
+        "prepare-stale-output",
+        lambda c: c.s.prepare_model_inputs(c.applied),
+        InvalidOutputError,
+        "step 1",
+        setup_applied,
+    ),
+    Case(
+        "prepare-another-schedulers-output",
+        lambda c: c.s.prepare_model_inputs(other_scheduler_output()),
+        InvalidOutputError,
+        "another scheduler",
+    ),
+    # --- unknown ids and abort ---------------------------------------------------------------------------
+    Case("abort-unknown", lambda c: c.s.abort_requests(["nope"]), UnknownRequestError, "nope"),
+    Case(
+        "abort-known-and-unknown",
+        lambda c: c.s.abort_requests(["run", "wait", "nope"]),
+        UnknownRequestError,
+        "nope",
+    ),
+    Case("abort-a-single-string", lambda c: c.s.abort_requests("run"), SchedulerTypeError, "single str"),
+    Case("abort-an-int", lambda c: c.s.abort_requests(5), SchedulerTypeError, "int"),
+    Case("abort-int-ids", lambda c: c.s.abort_requests(["run", 5]), SchedulerTypeError, "int"),
+    Case("abort-finished", lambda c: c.s.abort_requests(["gone"]), UnknownRequestError, "gone", setup_gone),
+    Case("status-of-finished", lambda c: c.s.get_request_status("gone"), UnknownRequestError, "gone", setup_gone),
+    Case("get-block-ids-unknown", lambda c: c.s.get_block_ids("nope"), UnknownRequestError, "nope"),
+    Case("get-block-hashes-unknown", lambda c: c.s.get_block_hashes("nope"), UnknownRequestError, "nope"),
+    Case("get-status-unknown", lambda c: c.s.get_request_status("nope"), UnknownRequestError, "nope"),
+    Case("get-computed-unknown", lambda c: c.s.get_num_computed_tokens("nope"), UnknownRequestError, "nope"),
+    Case("get-outputs-unknown", lambda c: c.s.get_output_token_ids("nope"), UnknownRequestError, "nope"),
+    Case("request-info-unknown", lambda c: c.s._request_info("nope"), UnknownRequestError, "nope"),
+    Case("get-status-int-id", lambda c: c.s.get_request_status(3), SchedulerTypeError, "int"),
+    Case("probe-negative-token", lambda c: c.s.get_num_cached_tokens([1, -1]), InvalidRequestError, "-1"),
+    Case("probe-str", lambda c: c.s.get_num_cached_tokens("abc"), SchedulerTypeError, "str"),
+    # --- configs (the Python checks) ---------------------------------------------------------------------
+    Case("config-block-size-0", cfg(block_size=0), InvalidConfigError, "got 0"),
+    Case("config-block-size-not-power-of-two", cfg(block_size=3), InvalidConfigError, "got 3"),
+    Case("config-block-size-too-big", cfg(block_size=2048), InvalidConfigError, "2048"),
+    Case("config-block-size-str", cfg(block_size="16"), InvalidConfigError, "'16'"),
+    Case("config-num-blocks-1", cfg(num_blocks=1), InvalidConfigError, "got 1"),
+    Case("config-pool-smaller-than-max-model-len", cfg(num_blocks=4), InvalidConfigError, "max_model_len=64"),
+    Case(
+        "config-budget-under-max-model-len-without-chunking",
+        cfg(enable_chunked_prefill=False),
+        InvalidConfigError,
+        "(16)",
+    ),
+    Case("config-max-num-seqs-0", cfg(max_num_seqs=0), InvalidConfigError, "got 0"),
+    Case("config-max-model-len-1", cfg(max_model_len=1), InvalidConfigError, "got 1"),
+    Case("config-unknown-policy", cfg(policy="lifo"), InvalidConfigError, "'lifo'"),
+    Case("config-unknown-hash-algo", cfg(prefix_hash_algo="md5"), InvalidConfigError, "'md5'"),
+    Case("config-float-seed", cfg(prefix_hash_seed=1.5), InvalidConfigError, "1.5"),
+    Case("config-bool-seed", cfg(prefix_hash_seed=True), InvalidConfigError, "True"),
+    Case("config-negative-threshold", cfg(long_prefill_token_threshold=-1), InvalidConfigError, "got -1"),
+    Case("config-negative-lookahead", cfg(num_lookahead_tokens=-1), InvalidConfigError, "got -1"),
+    Case("config-int-caching-flag", cfg(enable_prefix_caching=1), InvalidConfigError, "1"),
+    Case(
+        "config-object-and-fields",
+        new(SchedulerConfig(), block_size=4),
+        SchedulerTypeError,
+        "not both",
+    ),
+    Case("config-a-dict", new({"block_size": 4}), SchedulerTypeError, "dict"),
+    # --- configs that only the Rust core sees ------------------------------------------------------------
+    Case("core-block-size-3", new(bypass(block_size=3)), InvalidConfigError, "got 3"),
+    Case("core-num-blocks-1", new(bypass(num_blocks=1)), InvalidConfigError, "got 1"),
+    Case("core-pool-too-small", new(bypass(num_blocks=4)), InvalidConfigError, "max_model_len=64"),
+    Case("core-policy", new(bypass(policy="lifo")), InvalidConfigError, "lifo"),
+    Case("core-hash-algo", new(bypass(prefix_hash_algo="md5")), InvalidConfigError, "md5"),
+    Case("core-seed", new(bypass(prefix_hash_seed=1.5)), InvalidConfigError, "float"),
+    Case("core-negative-threshold", new(bypass(long_prefill_token_threshold=-1)), InvalidConfigError, "-1"),
+    Case("core-bool-block-size", new(bypass(block_size=True)), SchedulerTypeError, "bool"),
+    Case(
+        "core-budget-without-chunking",
+        new(bypass(enable_chunked_prefill=False)),
+        InvalidConfigError,
+        "(16)",
+    ),
+]
+
+STDLIB = {
+    InvalidConfigError: ValueError,
+    InvalidRequestError: ValueError,
+    DuplicateRequestError: ValueError,
+    InvalidOutputError: ValueError,
+    UnknownRequestError: KeyError,
+    SchedulerTypeError: TypeError,
+}
+
+
+def test_the_table_has_unique_names():
+    names = [c.name for c in CASES]
+    assert len(names) == len(set(names))
+
+
+def test_error_classes_mix_in_the_stdlib_exceptions():
+    for cls, base in STDLIB.items():
+        assert issubclass(cls, SchedulerError)
+        assert issubclass(cls, base)
+    assert issubclass(DuplicateRequestError, InvalidRequestError)
+    assert issubclass(kvsched.InternalError, RuntimeError)
+    assert issubclass(kvsched.InternalError, SchedulerError)
+
+
+PARAMS = [
+    pytest.param(c, id=c.name, marks=[pytest.mark.xfail(strict=True, reason=c.xfail)] if c.xfail else []) for c in CASES
+]
+
+
+@pytest.mark.parametrize("case", PARAMS)
+def test_bad_input_raises_and_changes_nothing(case: Case):
+    ctx = case.setup()
+    before = snapshot(ctx.s)
+    raised: BaseException | None = None
+    try:
+        case.call(ctx)
+    except BaseException as e:
+        raised = e
+    assert raised is not None, "no exception was raised"
+    assert type(raised).__name__ != "PanicException", f"a Rust panic escaped: {raised!r}"
+    assert type(raised) is case.exc, f"expected {case.exc.__name__}, got {type(raised).__name__}: {raised}"
+    assert isinstance(raised, SchedulerError)
+    assert isinstance(raised, STDLIB[case.exc])
+    assert case.needle in str(raised), f"{case.needle!r} not in the message: {raised}"
+    assert not re.match(r"\w+Error: ", str(raised)), f"the message names another error class: {raised}"
+    assert snapshot(ctx.s) == before
+    ctx.s.check_invariants()
+    finish_everything(ctx)
