@@ -47,6 +47,8 @@ pub(crate) struct StepRecord {
     /// `Scheduler::epoch` right after this step was scheduled (`prepare_model_inputs` requires it unchanged).
     pub epoch: u64,
     pub handles: Vec<ReqHandle>,
+    /// `num_finished_reqs` when the step was scheduled: unchanged means every handle is still live.
+    pub num_finished_at_schedule: u64,
     pub is_prefill_chunk: Vec<bool>,
     pub num_spec_tokens: Vec<u32>,
     pub num_computed_tokens: Vec<i32>,

@@ -111,6 +111,7 @@ impl Scheduler {
             }
             let n = n as u32;
             let first_new_block = req.blocks.len();
+            let mut req = req;
             if self.kv.allocate_slots(req, n, &[], lookahead).is_none() {
                 // Preempt until the allocation succeeds or `req` itself is the victim.
                 let mut self_preempted = false;
@@ -136,8 +137,8 @@ impl Scheduler {
                 if self_preempted {
                     break;
                 }
+                req = self.slab.get_mut(slot)?;
             }
-            let req = self.slab.get_mut(slot)?;
             req.num_computed_tokens += n;
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
             // Drafts ride along only as far as this step reaches past the known tokens.
@@ -262,6 +263,7 @@ impl Scheduler {
             step_id,
             epoch: self.epoch,
             handles: out.handles.clone(),
+            num_finished_at_schedule: self.counters.num_finished_reqs,
             is_prefill_chunk: is_chunk,
             num_spec_tokens: num_spec,
             num_computed_tokens: out.num_computed_tokens.clone(),
