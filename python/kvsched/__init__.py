@@ -23,7 +23,7 @@ from .config import SchedulerConfig
 
 if TYPE_CHECKING:
     from ._core import ModelInputs, SchedulerOutput, UpdateResult
-    from .engine import LLM, SamplingParams
+    from .engine import LLM, RequestOutput, SamplingParams
     from .scheduler import Scheduler, SchedulerStats
 
 __version__ = "0.1.0"
@@ -37,6 +37,7 @@ __all__ = [
     "InvalidOutputError",
     "InvalidRequestError",
     "ModelInputs",
+    "RequestOutput",
     "RequestStatus",
     "SamplingParams",
     "Scheduler",
@@ -58,6 +59,7 @@ _LAZY = {
     "ModelInputs": "_core",
     "LLM": "engine",
     "SamplingParams": "engine",
+    "RequestOutput": "engine",
 }
 
 
