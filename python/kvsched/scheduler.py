@@ -91,7 +91,7 @@ class Scheduler(_core.Scheduler):
         # All state is built in __new__ (the Rust constructor).
         pass
 
-    def get_request_status(self, req_id: str) -> RequestStatus:  # type: ignore[override]
+    def get_request_status(self, req_id: str) -> RequestStatus:
         return RequestStatus(super().get_request_status(req_id))
 
     def stats(self) -> SchedulerStats:
