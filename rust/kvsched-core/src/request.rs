@@ -52,36 +52,42 @@ pub struct RequestParams {
     pub lora_name: Option<String>,
 }
 
+/// Field order is deliberate (`repr(C)`): what `schedule()` and `update_from_output()` read for every request
+/// each step sits in the first two cache lines; identity, priority and hashing inputs follow.
 #[derive(Clone, Debug)]
+#[repr(C, align(64))]
 pub struct Request {
-    pub id: Arc<str>,
+    // --- first cache line: read by both halves of every step
     pub handle: ReqHandle,
+    pub num_computed_tokens: u32,
+    pub num_prompt_tokens: u32,
+    /// Effective limit: `min(max_tokens, max_model_len - prompt_len)`.
+    pub max_tokens: u32,
+    pub min_tokens: u32,
+    /// Leading blocks of `blocks` already entered into the prefix cache.
+    pub num_cached_blocks: u32,
+    pub status: RequestStatus,
+    pub ignore_eos: bool,
+    pub is_prefill_chunk: bool,
+    pub eos_token_id: Option<u32>,
     /// Prompt then output tokens.
     pub token_ids: Vec<u32>,
-    pub num_prompt_tokens: u32,
-    pub num_computed_tokens: u32,
-    pub status: RequestStatus,
+    // --- second cache line
+    /// The block table.
+    pub blocks: Vec<u32>,
+    /// Draft tokens proposed for the next step (speculative decoding).
+    pub spec_token_ids: Vec<u32>,
+    pub stop_token_ids: Box<[u32]>,
+    // --- cold: touched on admission, preemption, block boundaries and finish
+    pub block_hashes: Vec<BlockHash>,
+    pub id: Arc<str>,
     pub priority: i64,
     pub arrival_time: f64,
     pub num_preemptions: u32,
     /// Prefix-cache hit at first admission, in tokens; -1 until admitted.
     pub num_cached_tokens: i64,
-    /// Effective limit: `min(max_tokens, max_model_len - prompt_len)`.
-    pub max_tokens: u32,
-    pub min_tokens: u32,
-    pub eos_token_id: Option<u32>,
-    pub ignore_eos: bool,
-    pub stop_token_ids: Vec<u32>,
     pub stop_reason: i64,
     pub extra_keys: ExtraKeys,
-    pub block_hashes: Vec<BlockHash>,
-    /// The block table.
-    pub blocks: Vec<u32>,
-    /// Leading blocks of `blocks` already entered into the prefix cache.
-    pub num_cached_blocks: u32,
-    /// Draft tokens proposed for the next step (speculative decoding).
-    pub spec_token_ids: Vec<u32>,
-    pub is_prefill_chunk: bool,
 }
 
 impl Request {

@@ -145,6 +145,7 @@ impl Scheduler {
         };
         self.epoch += 1;
         let max_model_len = self.config.max_model_len;
+        let block_mask = self.config.block_size as usize - 1;
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         for i in 0..n {
@@ -161,16 +162,21 @@ impl Scheduler {
             }
             let mut stopped = None;
             let mut appended = 0;
+            let mut crossed_block = false;
             for &t in tokens {
                 req.token_ids.push(t as u32);
                 appended += 1;
+                crossed_block |= req.token_ids.len() & block_mask == 0;
                 stopped = check_stop(req, max_model_len);
                 if stopped.is_some() {
                     break;
                 }
             }
             res.num_new_tokens[i] = appended;
-            self.kv.extend_hashes(req);
+            // Hash only when a block just became full: the hash list sits in a colder part of the request.
+            if crossed_block {
+                self.kv.extend_hashes(req);
+            }
             match stopped {
                 Some((status, stop_reason)) => {
                     if req.status == RequestStatus::Running {
