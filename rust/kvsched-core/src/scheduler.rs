@@ -220,12 +220,15 @@ impl Scheduler {
 
     /// Aborts every listed request (each must be known; on error nothing changes).
     pub fn abort_requests<S: AsRef<str>>(&mut self, req_ids: &[S]) -> Result<()> {
+        // In the given order (it decides the free order of their blocks), each id once.
         let mut slots = Vec::with_capacity(req_ids.len());
+        let mut seen = HashSet::with_capacity(req_ids.len());
         for id in req_ids {
-            slots.push(self.slot_of(id.as_ref())?);
+            let slot = self.slot_of(id.as_ref())?;
+            if seen.insert(slot) {
+                slots.push(slot);
+            }
         }
-        slots.sort_unstable();
-        slots.dedup();
         let mut from_waiting = false;
         let mut from_running = false;
         for &slot in &slots {
