@@ -32,7 +32,11 @@ impl BlockPool {
             ref_cnt: vec![0; n],
             hash: vec![None; n],
             free: FreeBlockQueue::new(n, 1..num_blocks),
-            cached: HashMap::default(),
+            // Sized up front (every block can be cached at once): no rehash spike in the middle of a step.
+            cached: HashMap::with_capacity_and_hasher(
+                if enable_caching { n.min(1 << 20) } else { 0 },
+                Default::default(),
+            ),
             duplicates: HashMap::default(),
             enable_caching,
         }

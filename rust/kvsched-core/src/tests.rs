@@ -46,7 +46,7 @@ fn feed(s: &mut Scheduler, out: &SchedulerOutput, tokens: impl Fn(usize) -> Vec<
     let mut indptr = vec![0i64];
     for (i, &h) in out.handles.iter().enumerate() {
         let live = s.slab.resolve(h);
-        let chunk = live.map_or(true, |r| r.is_prefill_chunk);
+        let chunk = live.is_none_or(|r| r.is_prefill_chunk);
         if !chunk {
             values.extend(tokens(i));
         }

@@ -1,0 +1,115 @@
+"""pytest-benchmark cases for the scheduler through its Python API, Rust and reference side by side.
+
+By default (``--benchmark-disable`` is in pyproject's addopts) each case runs once, as a smoke test (a few
+seconds in all). To measure::
+
+    pytest benches --benchmark-enable                       # short workloads + decode steps
+    pytest benches --benchmark-enable -m slow               # the full-size workloads a-e (minutes)
+    pytest benches --benchmark-enable --benchmark-json=bench-results/pytest-bench.json
+
+Each workload case replays a recorded run: the fake model's outputs are computed once, up front (the schedule
+is deterministic), so the timed loop holds only ``add_request``/``schedule``/``update_from_output``. The
+per-step numbers quoted in the README come from ``kvsched bench``, which times each call on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import pytest
+from kvsched.bench.harness import (
+    ImplUnavailableError,
+    RecordedRun,
+    make_driver,
+    make_scheduler,
+    record_run,
+    replay_run,
+)
+from kvsched.bench.workloads import generate, get_scenario, req_id
+from kvsched.config import SchedulerConfig
+
+IMPLS = ("rust", "reference")
+
+# Smoke-sized scales: every workload keeps its shape (a/b: 256 decode steps after the prefill; c-e: Poisson
+# arrivals, shared prefixes, preemption) with few requests.
+SHORT_SCALES = {"a": 0.05, "b": 0.02, "c": 0.01, "d": 0.01, "e": 0.01}
+
+
+def _require(impl: str) -> None:
+    try:
+        make_driver(impl, SchedulerConfig(num_blocks=1024))
+    except ImplUnavailableError as exc:
+        pytest.skip(str(exc))
+
+
+@functools.cache
+def _recorded(impl: str, name: str, scale: float) -> RecordedRun:
+    return record_run(impl, generate(get_scenario(name).scaled(scale)))
+
+
+def _bench_workload(benchmark: Any, impl: str, name: str, scale: float, rounds: int) -> None:
+    _require(impl)
+    recorded = _recorded(impl, name, scale)
+    benchmark.group = f"workload {name} (scale {scale})"
+    benchmark.extra_info["steps"] = recorded.num_steps
+
+    def setup() -> tuple[tuple[Any, RecordedRun], dict[str, Any]]:
+        return (make_driver(impl, recorded.config), recorded), {}
+
+    steps = benchmark.pedantic(replay_run, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
+    assert steps == recorded.num_steps
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", list(SHORT_SCALES))
+def test_workload_short(benchmark: Any, impl: str, name: str) -> None:
+    _bench_workload(benchmark, impl, name, SHORT_SCALES[name], rounds=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", list(SHORT_SCALES))
+def test_workload_full(benchmark: Any, impl: str, name: str) -> None:
+    _bench_workload(benchmark, impl, name, 1.0, rounds=3)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("num_running", [64, 256, 1024])
+def test_decode_step(benchmark: Any, impl: str, num_running: int) -> None:
+    """One schedule() + update_from_output() with ``num_running`` requests all decoding."""
+    _require(impl)
+    prompt_len = 32
+    config = SchedulerConfig(
+        num_blocks=num_running * (8192 // 16) + 1,
+        max_num_seqs=num_running,
+        max_num_batched_tokens=max(8192, num_running),
+        prefix_hash_seed=0,
+    )
+    sched = make_scheduler(impl, config)
+    rng = np.random.Generator(np.random.PCG64(0))
+    for i in range(num_running):
+        sched.add_request(req_id(i), rng.integers(3, 32000, size=prompt_len, dtype=np.int32))
+    # Prefill everything (partial prefill chunks receive no token).
+    values = np.full(num_running, 7, dtype=np.int32)
+    indptr = np.arange(num_running + 1, dtype=np.int32)
+    while True:
+        out = sched.schedule()
+        n = len(out.req_ids)
+        done = (out.num_computed_tokens + out.num_scheduled_tokens) >= prompt_len
+        ptr = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(done, out=ptr[1:])
+        sched.update_from_output(out, (values[: int(ptr[-1])], ptr))
+        if out.total_num_scheduled_tokens == num_running and n == num_running:
+            break
+    sampled = (values, indptr)
+
+    def step() -> None:
+        sched.update_from_output(sched.schedule(), sampled)
+
+    benchmark.group = f"decode step, {num_running} running"
+    # Each round appends a token to every request; max_model_len (8192) leaves room for ~8000 rounds. The
+    # reference is ~100x slower, so it gets fewer rounds.
+    rounds = 2000 if impl == "rust" else 100
+    benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=rounds // 40)

@@ -1,0 +1,240 @@
+"""The ``kvsched`` command line.
+
+Subcommands:
+
+- ``kvsched bench``: per-step scheduling latency on the standard workloads (see ``docs/benchmarks.md``).
+- ``kvsched generate``: provided by :mod:`kvsched.runner.cli` when the runner is installed (optional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_JSON = "bench-results/bench.json"
+DEFAULT_PLOT = "bench-results/bench.png"
+QUICK_SCALE = 0.05
+QUICK_SCALING_SIZES = "16,32,64,128"
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _add_bench_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="per-step scheduling latency on the standard workloads",
+        description=(
+            "Replay seeded workloads through one or more scheduler implementations and time schedule() "
+            "and update_from_output() per step. Workloads: a steady decode, b large batch, c mixed "
+            "prefill+decode with chunked prefill and shared prefixes, d = c under memory pressure, "
+            "e = d with priorities."
+        ),
+    )
+    p.add_argument("--workloads", "-w", default=None, help="comma-separated subset of a,b,c,d,e (default: all)")
+    p.add_argument(
+        "--impl",
+        default="rust",
+        help="comma-separated implementations: rust, reference, vllm (default: rust). With several, the "
+        "same trace runs through each and the ratios to rust are printed",
+    )
+    p.add_argument(
+        "--scale",
+        type=_positive_float,
+        default=None,
+        help=f"multiply request and block counts by this (default 1.0; --quick uses {QUICK_SCALE})",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help=f"a fast smoke run: --scale {QUICK_SCALE}, --repeat 1, short warm-up"
+    )
+    p.add_argument("--trace", type=Path, action="append", help="replay this JSONL trace (repeatable)")
+    p.add_argument("--dump-trace", type=Path, metavar="DIR", help="write each workload's trace to DIR/<name>.jsonl")
+    p.add_argument("--dump-only", action="store_true", help="with --dump-trace: write the traces and stop")
+    p.add_argument("--json", type=Path, default=Path(DEFAULT_JSON), help="where to write results (%(default)s)")
+    p.add_argument("--no-json", action="store_true", help="do not write the JSON file")
+    p.add_argument("--per-step", action="store_true", help="include every step's timings in the JSON")
+    p.add_argument("--markdown", type=Path, default=None, metavar="MD", help="also write the tables as Markdown")
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const=Path(DEFAULT_PLOT),
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help=f"also write a PNG of latency vs running requests (default {DEFAULT_PLOT}; needs matplotlib)",
+    )
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="run the scaling check (pure decode at 64..2048 running); alone unless --workloads is given",
+    )
+    p.add_argument("--scaling-sizes", default=None, help="comma-separated running counts for --scaling")
+    p.add_argument("--scaling-steps", type=int, default=200, help="timed decode steps per size (%(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="warm-up steps per run (default 50; quick 10)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop each run after this many steps")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="run each workload this many times and keep the run with the lowest median (default 3; quick 1)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    p.set_defaults(func=_run_bench)
+
+
+def _add_optional_subcommands(subparsers: Any) -> None:
+    # ---- `kvsched generate` (owned by kvsched.runner; optional) --------------------------------------------
+    # Imported lazily and only if present: the runner pulls in torch, which the scheduler never needs.
+    try:
+        from kvsched.runner.cli import add_generate_parser  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return
+    add_generate_parser(subparsers)
+    # ----------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvsched", description="kvsched: a microsecond LLM scheduler core")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_bench_parser(subparsers)
+    _add_optional_subcommands(subparsers)
+    return parser
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    # BLAS thread pools only add noise on a small machine (the harness does no linear algebra); this takes
+    # effect only if numpy has not been imported yet.
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+    # The scheduler's rate-limited "requests preempted" warning is expected here (workloads d and e).
+    logging.getLogger("kvsched").setLevel(logging.ERROR)
+    # Imported here so that `kvsched --help` stays instant.
+    from kvsched.bench.harness import (
+        ImplUnavailableError,
+        RunResult,
+        ScalingPoint,
+        best_of,
+        run_scaling,
+        run_workload,
+    )
+    from kvsched.bench.progress import Progress
+    from kvsched.bench.report import (
+        build_document,
+        format_markdown,
+        format_ratios,
+        format_scaling,
+        format_table,
+        result_to_dict,
+        write_json,
+    )
+    from kvsched.bench.trace import TraceFormatError, dump_trace, load_trace
+    from kvsched.bench.workloads import SCENARIOS, Workload, generate, get_scenario
+
+    err = sys.stderr
+    scale = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
+    warmup = args.warmup_steps if args.warmup_steps is not None else (10 if args.quick else 50)
+    repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
+    if repeat < 1:
+        print("kvsched bench: --repeat must be >= 1", file=err)
+        return 2
+    impls = _csv(args.impl)
+    if not impls:
+        print("kvsched bench: --impl is empty", file=err)
+        return 2
+    progress = Progress(enabled=not args.no_progress)
+
+    workloads: list[Workload] = []
+    try:
+        if args.trace:
+            workloads = [load_trace(path) for path in args.trace]
+        elif args.workloads is not None or not args.scaling:
+            names = _csv(args.workloads) if args.workloads is not None else list(SCENARIOS)
+            workloads = [generate(get_scenario(n).scaled(scale)) for n in names]
+    except (ValueError, OSError, TraceFormatError) as exc:
+        print(f"kvsched bench: {exc}", file=err)
+        return 2
+
+    if args.dump_trace is not None:
+        for w in workloads:
+            path = dump_trace(w, args.dump_trace / f"{w.name}.jsonl")
+            progress.message(f"wrote {path} ({len(w.requests)} requests)")
+        if args.dump_only:
+            return 0
+
+    results: list[RunResult] = []
+    scaling: list[ScalingPoint] = []
+    try:
+        for w in workloads:
+            for impl in impls:
+                runs = [
+                    run_workload(impl, w, warmup_steps=warmup, max_steps=args.max_steps, progress=progress)
+                    for _ in range(repeat)
+                ]
+                results.append(best_of(runs))
+        if args.scaling:
+            sizes_text = args.scaling_sizes or (QUICK_SCALING_SIZES if args.quick else "64,128,256,512,1024,2048")
+            sizes = [int(s) for s in _csv(sizes_text)]
+            steps = min(args.scaling_steps, 50) if args.quick else args.scaling_steps
+            for impl in impls:
+                scaling.extend(run_scaling(impl, sizes, num_steps=steps, progress=progress))
+    except ImplUnavailableError as exc:
+        print(f"kvsched bench: {exc}", file=err)
+        return 2
+
+    doc = build_document(results, scaling=scaling, per_step=args.per_step, argv=sys.argv)
+    if results:
+        print(format_table([result_to_dict(r) for r in results]))
+        text = format_ratios(doc["ratios"])
+        if text:
+            print()
+            print(text)
+    if doc["scaling"]:
+        print()
+        print(format_scaling(doc["scaling"]))
+    if not args.no_json:
+        path = write_json(doc, args.json)
+        progress.message(f"wrote {path}")
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(format_markdown(doc), encoding="utf-8")
+        progress.message(f"wrote {args.markdown}")
+    if args.plot is not None:
+        from kvsched.bench.plot import MatplotlibMissingError, plot_results
+
+        try:
+            png = plot_results(results, args.plot, scaling=scaling)
+        except MatplotlibMissingError as exc:
+            print(f"kvsched bench: {exc}", file=err)
+            return 2
+        progress.message(f"wrote {png}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    result = func(args)
+    return int(result) if result is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""`kvsched bench` and its parts: workloads, traces, the harness, the JSON report and the plot.
+
+These tests check that the benchmark machinery works and is deterministic; they never assert timings.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvsched.bench.harness import ImplUnavailableError, make_driver, run_scaling, run_workload
+from kvsched.bench.report import build_document, scaling_summary
+from kvsched.bench.trace import TraceFormatError, dump_trace, load_trace
+from kvsched.bench.workloads import (
+    SCENARIOS,
+    Workload,
+    generate,
+    get_scenario,
+    req_id,
+    sampled_token,
+    sampled_tokens,
+)
+from kvsched.cli import main
+from kvsched.config import SchedulerConfig
+
+SMALL = 0.02
+
+
+def _available(impl: str) -> bool:
+    try:
+        make_driver(impl, SchedulerConfig(num_blocks=1024))
+    except ImplUnavailableError:
+        return False
+    return True
+
+
+IMPLS = [
+    pytest.param(name, marks=pytest.mark.skipif(not _available(name), reason=f"{name} scheduler not available"))
+    for name in ("rust", "reference")
+]
+
+
+def _any_impl() -> str:
+    for name in ("rust", "reference"):
+        if _available(name):
+            return name
+    pytest.skip("no scheduler implementation is available")
+
+
+def _same_workload(x: Workload, y: Workload) -> bool:
+    if x.scenario != y.scenario or len(x.requests) != len(y.requests):
+        return False
+    for a, b in zip(x.requests, y.requests, strict=True):
+        if (a.idx, a.arrival_step, a.priority, a.max_tokens) != (
+            b.idx,
+            b.arrival_step,
+            b.priority,
+            b.max_tokens,
+        ):
+            return False
+        if a.prompt_token_ids.dtype != b.prompt_token_ids.dtype:
+            return False
+        if not np.array_equal(a.prompt_token_ids, b.prompt_token_ids):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_workload_generation_is_deterministic(name: str) -> None:
+    scenario = get_scenario(name).scaled(SMALL)
+    assert _same_workload(generate(scenario), generate(scenario))
+
+
+def test_workloads_follow_their_recipe() -> None:
+    a = generate(get_scenario("a"))
+    assert len(a.requests) == 256
+    assert {len(r.prompt_token_ids) for r in a.requests} == {512}
+    assert {r.max_tokens for r in a.requests} == {256}
+    assert {r.arrival_step for r in a.requests} == {0}
+
+    c = generate(get_scenario("c").scaled(0.1))
+    arrivals = [r.arrival_step for r in c.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0
+    # Poisson arrivals at one request per step: about as many steps as requests.
+    assert 0.7 * len(arrivals) < arrivals[-1] < 1.3 * len(arrivals)
+    lens = [len(r.prompt_token_ids) for r in c.requests]
+    assert min(lens) >= 200 and max(lens) <= 4000 + 2048
+    assert all(32 <= r.max_tokens <= 512 for r in c.requests)
+    # Half the prompts start with one of 8 shared prefixes (>= 256 tokens): count distinct 256-token heads.
+    heads = {r.prompt_token_ids[:256].tobytes() for r in c.requests}
+    assert len(heads) < 0.75 * len(c.requests)
+    assert all(r.max_tokens >= 1 for r in c.requests)
+
+
+def test_d_and_e_replay_the_prompts_of_c() -> None:
+    c, d, e = (generate(get_scenario(n).scaled(SMALL)) for n in "cde")
+    for x in (d, e):
+        assert [r.prompt_token_ids.tobytes() for r in x.requests] == [r.prompt_token_ids.tobytes() for r in c.requests]
+    assert d.scenario.num_blocks < c.scenario.num_blocks
+    assert {r.priority for r in e.requests} == {0, 1, 2, 3}
+    assert e.scenario.policy == "priority"
+
+
+def test_scaling_shrinks_counts_but_keeps_progress_possible() -> None:
+    d = get_scenario("d")
+    small = d.scaled(0.01)
+    assert small.num_requests == 20
+    assert small.num_blocks >= small.min_num_blocks()
+    assert small.scale == 0.01 and d.scaled(1.0) == d
+
+
+def test_sampled_tokens_match_the_scalar_formula() -> None:
+    idx = np.array([0, 1, 7, 1999], dtype=np.int64)
+    pos = np.array([0, 5, 255, 511], dtype=np.int64)
+    got = sampled_tokens(idx, pos)
+    assert got.dtype == np.int64
+    assert got.tolist() == [sampled_token(int(i), int(p)) for i, p in zip(idx, pos, strict=True)]
+    assert sampled_token(0, 0) == 3 + 12345 % (32000 - 3)
+
+
+def test_request_ids_sort_like_their_index() -> None:
+    assert sorted([req_id(10), req_id(9), req_id(100)]) == [req_id(9), req_id(10), req_id(100)]
+
+
+@pytest.mark.parametrize("name", ["a", "e"])
+def test_trace_dump_then_load_round_trips(tmp_path: Path, name: str) -> None:
+    workload = generate(get_scenario(name).scaled(SMALL))
+    path = dump_trace(workload, tmp_path / "sub" / f"{name}.jsonl")
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["vocab"] == 32000 and header["scenario"]["name"] == name
+    assert set(json.loads(lines[1])) == {"idx", "arrival_step", "priority", "max_tokens", "prompt_token_ids"}
+    assert _same_workload(load_trace(path), workload)
+
+
+def test_malformed_trace_is_rejected_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    header = json.dumps({"scenario": get_scenario("a").to_dict(), "vocab": 32000})
+    path.write_text(header + '\n{"idx": 0, "arrival_step": 0}\n')
+    with pytest.raises(TraceFormatError, match=r"bad\.jsonl:2"):
+        load_trace(path)
+    path.write_text("not json\n")
+    with pytest.raises(TraceFormatError, match=r"bad\.jsonl:1"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_harness_runs_a_workload_to_completion(impl: str) -> None:
+    workload = generate(get_scenario("d").scaled(SMALL))
+    result = run_workload(impl, workload, warmup_steps=5)
+    assert result.num_steps == len(result.schedule_ns) == len(result.update_ns) == len(result.num_running_reqs)
+    # Every request got every token it asked for.
+    assert result.num_output_tokens == workload.total_output_tokens()
+    assert result.num_scheduled_tokens.sum() >= workload.total_prompt_tokens() - result.counters.prefix_cache_hits
+    assert (result.schedule_ns > 0).all() and (result.update_ns > 0).all()
+    assert len(result.add_request_ns) == len(workload.requests)
+
+
+def test_rust_and_reference_schedule_the_same_trace_identically() -> None:
+    if not (_available("rust") and _available("reference")):
+        pytest.skip("needs both the Rust scheduler and the reference")
+    workload = generate(get_scenario("e").scaled(SMALL))
+    rust = run_workload("rust", workload, warmup_steps=0)
+    ref = run_workload("reference", workload, warmup_steps=0)
+    assert (rust.num_steps, rust.digest) == (ref.num_steps, ref.digest)
+    assert rust.counters == ref.counters
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scaling_harness_runs(impl: str) -> None:
+    points = run_scaling(impl, sizes=[4, 16], num_steps=5)
+    assert [p.num_running for p in points] == [4, 16]
+    assert all(p.num_steps == 5 or p.num_steps >= 5 for p in points)
+    summary = scaling_summary(points)[impl]
+    assert len(summary["points"]) == 2 and "loglog_slope" in summary
+
+
+def test_bench_quick_writes_json_with_every_figure(tmp_path: Path) -> None:
+    impl = _any_impl()
+    out = tmp_path / "bench.json"
+    md = tmp_path / "bench.md"
+    argv = ["bench", "--quick", "--workloads", "a", "--impl", impl, "--json", str(out), "--markdown", str(md)]
+    assert main([*argv, "--no-progress"]) == 0
+    assert "| a | " + impl in md.read_text()
+    doc = json.loads(out.read_text())
+    assert {"schema_version", "machine", "results", "ratios", "scaling"} <= set(doc)
+    assert doc["machine"]["cpu_model"]
+    (res,) = doc["results"]
+    assert res["workload"] == "a" and res["impl"] == impl
+    for key in ("schedule_us", "update_us", "total_us"):
+        assert set(res[key]) >= {"median", "p99", "max"}
+        assert 0 < res[key]["median"] <= res[key]["p99"] <= res[key]["max"]
+    for key in (
+        "steps_per_s",
+        "num_preemptions",
+        "prefix_cache_hit_rate",
+        "peak_rss_mib",
+        "num_steps",
+        "schedule_digest",
+    ):
+        assert key in res
+    assert res["num_steps"] == 256  # prompt in one step (13 x 512 tokens fit the budget), then 255 decodes
+
+
+def test_bench_replays_a_dumped_trace(tmp_path: Path) -> None:
+    impl = _any_impl()
+    traces = tmp_path / "traces"
+    assert main(["bench", "--quick", "-w", "a,c", "--dump-trace", str(traces), "--dump-only", "--no-progress"]) == 0
+    assert sorted(p.name for p in traces.iterdir()) == ["a.jsonl", "c.jsonl"]
+    out = tmp_path / "replay.json"
+    argv = ["bench", "--trace", str(traces / "c.jsonl"), "--impl", impl, "--json", str(out), "--no-progress"]
+    assert main(argv) == 0
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["workload"] == "c" and res["num_requests"] == len(generate(get_scenario("c").scaled(0.05)).requests)
+
+
+def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    impl = _any_impl()
+    png = tmp_path / "bench.png"
+    argv = ["bench", "--quick", "-w", "a", "--impl", impl, "--no-json", "--plot", str(png), "--no-progress"]
+    assert main(argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_unknown_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "-w", "z", "--no-progress", "--no-json"]) == 2
+    assert "unknown workload" in capsys.readouterr().err
+
+
+def test_kvsched_command_line_entry_point_shows_bench() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "bench", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0
+    assert "--workloads" in proc.stdout and "--scaling" in proc.stdout
+
+
+def test_document_has_no_ratios_for_a_single_implementation() -> None:
+    impl = _any_impl()
+    result = run_workload(impl, generate(get_scenario("a").scaled(SMALL)), warmup_steps=0)
+    doc = build_document([result])
+    assert doc["ratios"] == [] and doc["scaling"] is None
+
+
+def test_bench_scaling_alone_writes_a_scaling_summary(tmp_path: Path) -> None:
+    impl = _any_impl()
+    out = tmp_path / "scaling.json"
+    argv = ["bench", "--scaling", "--scaling-sizes", "4,8", "--scaling-steps", "5", "--impl", impl]
+    assert main([*argv, "--json", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["results"] == []  # --scaling alone skips the workloads
+    points = doc["scaling"][impl]["points"]
+    assert [p["num_running"] for p in points] == [4, 8]
+    assert doc["scaling"][impl]["loglog_slope"] is not None
