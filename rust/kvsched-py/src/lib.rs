@@ -7,6 +7,7 @@
 //! arrays are moved into numpy without copying, and list/array views are built lazily on first access.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 
 use kvsched_core as core;
 use kvsched_core::{Ragged, RequestParams, SchedError};
@@ -382,6 +383,9 @@ fn cached_list<'py>(
 // ---------------------------------------------------------------------------------------------------------
 // SchedulerOutput
 
+/// The caller's id strings of one step's scheduled requests, shareable between consecutive outputs.
+type SharedIds = Arc<Vec<Py<PyString>>>;
+
 /// One step's decisions (see docs/semantics.md). Arrays and lists are built on first access.
 #[pyclass(module = "kvsched._core", name = "SchedulerOutput")]
 struct PySchedulerOutput {
@@ -390,11 +394,12 @@ struct PySchedulerOutput {
     #[pyo3(get)]
     total_num_scheduled_tokens: u64,
     scheduler_id: u64,
-    ids: Vec<Py<PyString>>,
+    /// Shared with the next output when the scheduled requests are the same (steady decode).
+    ids: SharedIds,
     new_reqs: Vec<u32>,
     resumed_reqs: Vec<u32>,
     preempted_ids: Vec<Py<PyString>>,
-    finished_ids: Vec<std::sync::Arc<str>>,
+    finished_ids: Vec<Arc<str>>,
     num_scheduled_tokens: LazyArray<i32>,
     num_computed_tokens: LazyArray<i32>,
     new_block_ids: LazyArray<i32>,
@@ -503,7 +508,7 @@ impl PySchedulerOutput {
 /// What applying one step's sampled tokens did.
 #[pyclass(module = "kvsched._core", name = "UpdateResult")]
 struct PyUpdateResult {
-    finished_ids: Vec<std::sync::Arc<str>>,
+    finished_ids: Vec<Arc<str>>,
     finish_reasons: LazyArray<i8>,
     stop_reasons: LazyArray<i64>,
     num_new_tokens: LazyArray<i32>,
@@ -586,6 +591,8 @@ struct PyScheduler {
     core: core::Scheduler,
     /// The caller's id string of each live request, by slot: reused for every step's `req_ids`.
     py_ids: Vec<Option<Py<PyString>>>,
+    /// The previous step's scheduled handles and their ids: reused while the batch does not change.
+    last_ids: Option<(Vec<core::ReqHandle>, SharedIds)>,
     config: Py<PyAny>,
 }
 
@@ -618,7 +625,7 @@ impl PyScheduler {
         let py = config.py();
         let cfg = config_from_py(config)?;
         let core = guard(py, || core::Scheduler::new(cfg))?;
-        Ok(PyScheduler { core, py_ids: Vec::new(), config: config.clone().unbind() })
+        Ok(PyScheduler { core, py_ids: Vec::new(), last_ids: None, config: config.clone().unbind() })
     }
 
     #[getter]
@@ -733,15 +740,29 @@ impl PyScheduler {
         let py = slf.py();
         let mut this = borrow_mut(slf)?;
         let out = guard(py, || this.core.schedule())?;
-        let id_of = |h: core::ReqHandle| -> PyResult<Py<PyString>> {
-            this.py_ids
+        let id_of = |py_ids: &[Option<Py<PyString>>], h: core::ReqHandle| -> PyResult<Py<PyString>> {
+            py_ids
                 .get(h.slot as usize)
                 .and_then(Option::as_ref)
                 .map(|s| s.clone_ref(py))
                 .ok_or_else(|| py_error(py, "InternalError", format!("no id for slot {}", h.slot)))
         };
-        let ids = out.handles.iter().map(|&h| id_of(h)).collect::<PyResult<Vec<_>>>()?;
-        let preempted_ids = out.preempted.iter().map(|&h| id_of(h)).collect::<PyResult<Vec<_>>>()?;
+        let reuse = match &this.last_ids {
+            Some((handles, ids)) if *handles == out.handles => Some(ids.clone()),
+            _ => None,
+        };
+        let ids = match reuse {
+            Some(ids) => ids,
+            None => {
+                let fresh =
+                    out.handles.iter().map(|&h| id_of(&this.py_ids, h)).collect::<PyResult<Vec<_>>>()?;
+                let ids = Arc::new(fresh);
+                this.last_ids = Some((out.handles.clone(), ids.clone()));
+                ids
+            }
+        };
+        let preempted_ids =
+            out.preempted.iter().map(|&h| id_of(&this.py_ids, h)).collect::<PyResult<Vec<_>>>()?;
         let num_preempted = preempted_ids.len();
         let total_preemptions = this.core.stats().num_preemptions;
         drop(this);
