@@ -12,6 +12,20 @@ fn main() {
     for _ in 0..reps {
         run(&mut ts, &mut tu);
     }
+    if std::env::var("KV_MOD").is_ok() {
+        let mut by: Vec<Vec<f64>> = vec![Vec::new(); 16];
+        for (i, (a, b)) in ts.iter().zip(tu.iter()).enumerate() {
+            by[i % 16].push(a + b);
+        }
+        let med: Vec<String> = by
+            .iter_mut()
+            .map(|v| {
+                v.sort_by(f64::total_cmp);
+                format!("{:.1}", v[v.len() / 2])
+            })
+            .collect();
+        println!("by step mod 16 (median total): {}", med.join(" "));
+    }
     ts.sort_by(f64::total_cmp);
     tu.sort_by(f64::total_cmp);
     println!(
@@ -23,7 +37,12 @@ fn main() {
 }
 
 fn run(ts: &mut Vec<f64>, tu: &mut Vec<f64>) {
-    let cfg = SchedulerConfig { num_blocks: 32768, max_num_seqs: 256, ..Default::default() };
+    let cfg = SchedulerConfig {
+        num_blocks: std::env::var("KV_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(32768),
+        max_num_seqs: 256,
+        max_num_batched_tokens: std::env::var("KV_BUDGET").ok().and_then(|v| v.parse().ok()).unwrap_or(8192),
+        ..Default::default()
+    };
     let mut s = Scheduler::new(cfg).expect("config");
     let mut x: u64 = 12345;
     for i in 0..256 {
