@@ -80,7 +80,10 @@ class Scheduler(_core.Scheduler):
 
     def __new__(cls, config: SchedulerConfig | None = None, **fields: Any) -> Scheduler:
         if config is None:
-            config = SchedulerConfig(**fields)
+            try:
+                config = SchedulerConfig(**fields)
+            except TypeError as e:  # an unknown field name
+                raise SchedulerTypeError(f"bad SchedulerConfig field: {e}") from None
         elif fields:
             raise SchedulerTypeError("pass either a SchedulerConfig or keyword fields, not both")
         elif not isinstance(config, SchedulerConfig):

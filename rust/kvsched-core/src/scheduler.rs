@@ -172,7 +172,8 @@ impl Scheduler {
             num_computed_tokens: 0,
             status: RequestStatus::Waiting,
             priority: params.priority,
-            arrival_time: params.arrival_time,
+            // `+ 0.0` turns -0.0 into 0.0: arrival times compare by value (total_cmp would order them).
+            arrival_time: params.arrival_time + 0.0,
             num_preemptions: 0,
             num_cached_tokens: -1,
             max_tokens,

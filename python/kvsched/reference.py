@@ -1,0 +1,1059 @@
+"""A pure-Python reference scheduler: ``docs/semantics.md`` as executable documentation.
+
+:class:`ReferenceScheduler` has the public API of :class:`kvsched.Scheduler` and the same semantics,
+written for clarity rather than speed. The differential tests run both side by side and require identical
+observable behaviour at every step, so every rule below has a line in ``docs/semantics.md``. Hash *values*
+differ from the Rust core (only hash equality is part of the contract); everything else must match.
+
+Data structures (mirroring the Rust core):
+
+* blocks: ``_ref_cnt[b]`` and ``_block_hash[b]`` per block id; block 0 is the null block and never used;
+* :class:`_FreeBlockQueue`: a doubly linked list in two index arrays (O(1) pop, remove, append, prepend);
+* ``_cached``: ``block_hash -> {block_id: None}`` (an insertion-ordered set; lookups take the first block);
+* ``_running``: an ordered list; ``_waiting``: a deque (fcfs) or a heap with lazy deletion (priority).
+
+This module must not import ``kvsched._core``: it is the independent second implementation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import (
+    DuplicateRequestError,
+    InternalError,
+    InvalidOutputError,
+    InvalidRequestError,
+    SchedulerTypeError,
+    UnknownRequestError,
+)
+from ._types import FinishReason, RequestStatus
+from .config import SchedulerConfig
+
+__all__ = ["ModelInputs", "ReferenceScheduler", "SchedulerOutput", "SchedulerStats", "UpdateResult"]
+
+_TOKEN_LIMIT = 2**31  # token ids live in [0, 2**31)
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public result types
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's counters (``stats()``)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_preempted_queries: int
+    prefix_cache_preempted_hits: int
+    num_preemptions: int
+    num_finished_reqs: int
+    step_id: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class SchedulerOutput:
+    """What one ``schedule()`` call decided. Array fields are int32 arrays; CSR pairs end in ``_indptr``.
+
+    ``_owner`` and ``_entries`` are private: they tie the output to its scheduler and to the exact request
+    objects it scheduled (so an id reused after a request finished never receives a stale step's tokens).
+    """
+
+    __slots__ = (
+        "_entries",
+        "_owner",
+        "finished_req_ids",
+        "new_block_ids",
+        "new_block_ids_indptr",
+        "new_req_ids",
+        "num_computed_tokens",
+        "num_scheduled_tokens",
+        "preempted_req_ids",
+        "req_ids",
+        "resumed_req_ids",
+        "spec_token_ids",
+        "spec_token_ids_indptr",
+        "step_id",
+        "total_num_scheduled_tokens",
+    )
+    step_id: int
+    req_ids: list[str]
+    num_scheduled_tokens: np.ndarray
+    num_computed_tokens: np.ndarray
+    new_req_ids: list[str]
+    resumed_req_ids: list[str]
+    new_block_ids: np.ndarray
+    new_block_ids_indptr: np.ndarray
+    spec_token_ids: np.ndarray
+    spec_token_ids_indptr: np.ndarray
+    total_num_scheduled_tokens: int
+    preempted_req_ids: list[str]
+    finished_req_ids: list[str]
+    _owner: object
+    _entries: list[tuple[_Request, bool, int]]  # (request, was a prefill chunk, number of drafts scheduled)
+
+    def __init__(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def num_scheduled_tokens_by_id(self) -> dict[str, int]:
+        return dict(zip(self.req_ids, self.num_scheduled_tokens.tolist(), strict=True))
+
+    def __repr__(self) -> str:
+        return (
+            f"SchedulerOutput(step_id={self.step_id}, req_ids={self.req_ids}, "
+            f"num_scheduled_tokens={self.num_scheduled_tokens.tolist()}, "
+            f"preempted={self.preempted_req_ids}, finished={self.finished_req_ids})"
+        )
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What ``update_from_output`` did: requests that stopped, why, and the tokens each entry added."""
+
+    finished_req_ids: list[str]
+    finish_reasons: np.ndarray  # int8 FinishReason values, aligned with finished_req_ids
+    stop_reasons: np.ndarray  # int64: the stop token id, or -1
+    num_new_tokens: np.ndarray  # int32, aligned with out.req_ids
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """Flat int32 arrays for a paged-attention runner (see docs/api.md)."""
+
+    input_token_ids: np.ndarray
+    input_positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    logits_indices: np.ndarray
+    num_reqs: int
+    num_tokens: int
+    max_seq_len: int
+    max_query_len: int
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Block pool pieces
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _FreeBlockQueue:
+    """The free list: a circular doubly linked list in two arrays, with one sentinel at index ``num_blocks``.
+
+    Every operation is O(1). Membership is ``_linked[b]``; the null block 0 is never linked.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self._sentinel = s = num_blocks
+        self._next = [s] * (num_blocks + 1)
+        self._prev = [s] * (num_blocks + 1)
+        self._linked = [False] * num_blocks
+        self._len = 0
+        for b in range(1, num_blocks):
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, b: int) -> bool:
+        return self._linked[b]
+
+    def __iter__(self) -> Iterator[int]:
+        b = self._next[self._sentinel]
+        while b != self._sentinel:
+            yield b
+            b = self._next[b]
+
+    def _link_after(self, after: int, b: int) -> None:
+        nxt = self._next[after]
+        self._prev[b], self._next[b] = after, nxt
+        self._next[after] = b
+        self._prev[nxt] = b
+        self._linked[b] = True
+        self._len += 1
+
+    def append(self, b: int) -> None:
+        self._link_after(self._prev[self._sentinel], b)
+
+    def appendleft(self, b: int) -> None:
+        self._link_after(self._sentinel, b)
+
+    def remove(self, b: int) -> None:
+        prv, nxt = self._prev[b], self._next[b]
+        self._next[prv] = nxt
+        self._prev[nxt] = prv
+        self._linked[b] = False
+        self._len -= 1
+
+    def popleft(self) -> int:
+        b = self._next[self._sentinel]
+        self.remove(b)
+        return b
+
+
+class _Request:
+    """One request's state. Plain attributes; the scheduler mutates them."""
+
+    __slots__ = (
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "cache_salt",
+        "drafts",
+        "eos_token_id",
+        "ignore_eos",
+        "lora_name",
+        "max_tokens",
+        "min_tokens",
+        "num_cached_blocks",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "priority",
+        "queue_seq",
+        "req_id",
+        "status",
+        "stop_token_ids",
+        "token_ids",
+    )
+    # set from add_request's (validated) arguments:
+    max_tokens: int  # effective: min(max_tokens, max_model_len - len(prompt))
+    min_tokens: int
+    eos_token_id: int | None
+    ignore_eos: bool
+    stop_token_ids: frozenset[int]
+    priority: int
+    arrival_time: float
+    cache_salt: str | None
+    lora_name: str | None
+
+    def __init__(self, req_id: str, prompt: list[int], **params: Any) -> None:
+        self.req_id = req_id
+        self.token_ids = prompt  # prompt then outputs
+        self.num_prompt_tokens = len(prompt)
+        for name, value in params.items():
+            setattr(self, name, value)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.drafts: list[int] = []
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0  # leading blocks of block_ids already entered into the cache map
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prefix-hit tokens at first admission
+        self.queue_seq = -1  # identifies this request's live entry in the priority heap
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def priority_key(self) -> tuple[int, float, str]:
+        return (self.priority, self.arrival_time, self.req_id)
+
+
+class _FcfsQueue:
+    """fcfs waiting queue: new requests at the back, preempted ones at the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[_Request] = deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[_Request]:
+        return iter(self._q)
+
+    def add(self, r: _Request) -> None:
+        self._q.append(r)
+
+    def add_preempted(self, r: _Request) -> None:
+        self._q.appendleft(r)
+
+    def peek(self) -> _Request:
+        return self._q[0]
+
+    def pop(self) -> _Request:
+        return self._q.popleft()
+
+    def remove(self, r: _Request) -> None:
+        self._q.remove(r)  # O(n), but only on abort / stop-while-preempted
+
+
+class _PriorityQueue:
+    """priority waiting queue: a heap on ``(priority, arrival_time, req_id)``; removal is lazy.
+
+    Live requests have distinct ids, so the key orders them totally; the sequence number only keeps heapq from
+    comparing request objects when a stale entry shares a key with a live one.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, float, str], int, _Request]] = []
+        self._seq = itertools.count()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[_Request]:
+        return (r for _, seq, r in self._heap if r.queue_seq == seq)
+
+    def add(self, r: _Request) -> None:
+        r.queue_seq = next(self._seq)
+        heapq.heappush(self._heap, (r.priority_key(), r.queue_seq, r))
+        self._len += 1
+
+    add_preempted = add
+
+    def _drop_stale(self) -> None:
+        while self._heap and self._heap[0][2].queue_seq != self._heap[0][1]:
+            heapq.heappop(self._heap)
+
+    def peek(self) -> _Request:
+        self._drop_stale()
+        return self._heap[0][2]
+
+    def pop(self) -> _Request:
+        self._drop_stale()
+        r = heapq.heappop(self._heap)[2]
+        r.queue_seq = -1
+        self._len -= 1
+        return r
+
+    def remove(self, r: _Request) -> None:
+        r.queue_seq = -1
+        self._len -= 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Input conversion (validate everything before touching state)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _int_array(value: object, what: str, range_error: type[Exception] = InvalidRequestError) -> np.ndarray:
+    """A 1-D int64 array from a list/tuple of ints or a 1-D integer numpy array; SchedulerTypeError else."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "iu":
+            raise SchedulerTypeError(f"{what} must be a 1-D integer array, got {value.dtype}[{value.shape}]")
+        return value.astype(np.int64)
+    if isinstance(value, (list, tuple)):
+        if not all(_is_int(t) for t in value):
+            raise SchedulerTypeError(f"{what} must hold ints")
+        try:
+            return np.array([int(t) for t in value], dtype=np.int64)
+        except OverflowError:  # beyond int64: certainly out of range
+            raise range_error(f"{what} holds an out-of-range token id") from None
+    raise SchedulerTypeError(f"{what} must be a list of ints or a 1-D integer numpy array, got {type(value)}")
+
+
+def _check_tokens(arr: np.ndarray, what: str, error: type[Exception]) -> None:
+    if arr.size and (arr.min() < 0 or arr.max() >= _TOKEN_LIMIT):
+        raise error(f"{what}: token ids must be in [0, 2**31)")
+
+
+def _ragged(value: object, n: int, what: str) -> list[list[int]]:
+    """Parse a ``(values, indptr)`` pair of 1-D integer arrays, or a list of ``n`` lists of ints."""
+    if isinstance(value, tuple):
+        if len(value) != 2 or not all(isinstance(v, np.ndarray) for v in value):
+            raise SchedulerTypeError(f"{what}: a tuple must be (values, indptr), two 1-D integer arrays")
+        values, indptr = (_int_array(v, what, InvalidOutputError) for v in value)
+        if len(indptr) != n + 1 or indptr[0] != 0 or indptr[-1] != len(values) or np.any(np.diff(indptr) < 0):
+            raise InvalidOutputError(f"{what}: indptr must have {n + 1} non-decreasing offsets from 0 to len")
+        return [values[indptr[i] : indptr[i + 1]].tolist() for i in range(n)]
+    if isinstance(value, list):
+        if len(value) != n:
+            raise InvalidOutputError(f"{what} has {len(value)} entries, the step scheduled {n} requests")
+        return [_int_array(entry, what, InvalidOutputError).tolist() for entry in value]
+    raise SchedulerTypeError(f"{what} must be a (values, indptr) pair of arrays or a list of lists")
+
+
+def _opt_str(value: object, what: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise SchedulerTypeError(f"{what} must be None or a str, got {type(value).__name__}")
+    if value is not None and not _is_utf8(value):
+        raise InvalidRequestError(f"{what} is not valid unicode (a lone surrogate)")
+    return value
+
+
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The scheduler
+# ----------------------------------------------------------------------------------------------------------
+
+
+class ReferenceScheduler:
+    """Pure-Python twin of :class:`kvsched.Scheduler` (same constructor, methods, results and errors)."""
+
+    def __init__(self, config: SchedulerConfig | None = None, **fields: Any) -> None:
+        if config is None:
+            try:
+                config = SchedulerConfig(**fields)
+            except TypeError as e:  # an unknown field name
+                raise SchedulerTypeError(str(e)) from None
+        elif fields or not isinstance(config, SchedulerConfig):
+            raise SchedulerTypeError("pass either a SchedulerConfig or keyword fields, not both")
+        self._config = c = config
+        self._bs = c.block_size
+        self._ref_cnt = [0] * c.num_blocks
+        self._block_hash: list[bytes | None] = [None] * c.num_blocks
+        self._free = _FreeBlockQueue(c.num_blocks)
+        self._cached: dict[bytes, dict[int, None]] = {}
+        self._requests: dict[str, _Request] = {}
+        self._running: list[_Request] = []
+        self._waiting: _FcfsQueue | _PriorityQueue = _FcfsQueue() if c.policy == "fcfs" else _PriorityQueue()
+        self._finished_since_schedule: list[str] = []
+        self._owner = object()  # outputs carry it: an output of another scheduler is refused
+        self._next_step_id = 0  # steps are numbered from 0; stats().step_id counts the steps scheduled
+        self._next_update_step = 0
+        self._last_out: SchedulerOutput | None = None
+        self._last_out_fresh = False  # prepare_model_inputs is allowed until the state changes
+        self._stats = dict.fromkeys(
+            ("queries", "hits", "preempted_queries", "preempted_hits", "preemptions", "finished"), 0
+        )
+        self._hash_fn = hashlib.sha256 if c.prefix_hash_algo == "sha256" else _blake2b_128
+        seed = c.prefix_hash_seed
+        seed_bytes = os.urandom(32) if seed is None else _seed_bytes(seed)
+        self._seed_hash = self._hash_fn(b"kvsched-seed\0" + seed_bytes).digest()
+
+    # -- block pool --------------------------------------------------------------------------------------
+
+    def _hash_block(self, parent: bytes, tokens: list[int], lora: str | None, salt: str | None) -> bytes:
+        """``H(parent, tokens, extra keys)``, unambiguously encoded (fixed-width tokens, tagged keys)."""
+        data = [parent, len(tokens).to_bytes(4, "little")]
+        data += [t.to_bytes(4, "little") for t in tokens]
+        for key in (lora, salt):
+            raw = None if key is None else key.encode()
+            data.append(b"\0" if raw is None else b"\1" + len(raw).to_bytes(8, "little") + raw)
+        return self._hash_fn(b"".join(data)).digest()
+
+    def _block_hashes_of(self, tokens: list[int], salt: str | None, lora: str | None, start: int = 0,
+                         prev: list[bytes] | None = None) -> list[bytes]:  # fmt: skip
+        """Hashes of the full blocks of ``tokens`` from block ``start`` on, chained on ``prev``."""
+        hashes = list(prev or [])
+        bs = self._bs
+        for i in range(start, len(tokens) // bs):
+            parent = hashes[i - 1] if i else self._seed_hash
+            block = tokens[i * bs : (i + 1) * bs]
+            hashes.append(self._hash_block(parent, block, lora, salt if i == 0 else None))
+        return hashes
+
+    def _update_block_hashes(self, r: _Request) -> None:
+        if self._config.enable_prefix_caching:
+            r.block_hashes = self._block_hashes_of(
+                r.token_ids, r.cache_salt, r.lora_name, len(r.block_hashes), r.block_hashes
+            )
+
+    def _lookup(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
+        """Longest prefix hit: the first cached block per hash, stopping at the first miss, capped so the last
+        token is always computed."""
+        hits: list[int] = []
+        if not self._config.enable_prefix_caching:
+            return hits
+        for i in range((num_tokens - 1) // self._bs):
+            blocks = self._cached.get(block_hashes[i])
+            if not blocks:
+                break
+            hits.append(next(iter(blocks)))
+        return hits
+
+    def _pop_free_block(self) -> int:
+        b = self._free.popleft()
+        h = self._block_hash[b]
+        if h is not None:  # evict: the block is reused, its cached contents are gone
+            del self._cached[h][b]
+            if not self._cached[h]:
+                del self._cached[h]
+            self._block_hash[b] = None
+        self._ref_cnt[b] = 1
+        return b
+
+    def _free_blocks(self, r: _Request) -> None:
+        """Release ``r``'s blocks in reverse; cached ones go to the tail (LRU), uncached ones to the head."""
+        for b in reversed(r.block_ids):
+            self._ref_cnt[b] -= 1
+            if self._ref_cnt[b] == 0:
+                if self._block_hash[b] is not None:
+                    self._free.append(b)
+                else:
+                    self._free.appendleft(b)
+        r.block_ids = []
+        r.num_cached_blocks = 0
+
+    def _allocate_slots(self, r: _Request, n: int, hits: list[int], lookahead: int) -> list[int] | None:
+        """Reserve KV slots for ``n`` more tokens (+ lookahead): the new blocks, or None (nothing changed)."""
+        c, bs = self._config, self._bs
+        total_computed = r.num_computed_tokens + len(hits) * bs
+        num_slots = min(total_computed + n + lookahead, c.max_model_len)
+        need = max(0, math.ceil(num_slots / bs) - len(r.block_ids) - len(hits))
+        evictable_hits = sum(1 for b in hits if self._ref_cnt[b] == 0)
+        if need + evictable_hits > len(self._free):
+            return None
+        for b in hits:  # touch
+            if self._ref_cnt[b] == 0:
+                self._free.remove(b)
+            self._ref_cnt[b] += 1
+        r.block_ids += hits
+        r.num_cached_blocks += len(hits)
+        new_blocks = [self._pop_free_block() for _ in range(need)]
+        r.block_ids += new_blocks
+        if c.enable_prefix_caching:  # cache full blocks now, before the model writes them
+            for i in range(r.num_cached_blocks, min(total_computed + n, r.num_tokens) // bs):
+                b, h = r.block_ids[i], r.block_hashes[i]
+                self._block_hash[b] = h
+                self._cached.setdefault(h, {})[b] = None
+            r.num_cached_blocks = max(r.num_cached_blocks, min(total_computed + n, r.num_tokens) // bs)
+        return new_blocks
+
+    # -- requests ----------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Any,
+        max_tokens: int | None = None,
+        min_tokens: int | None = 0,
+        eos_token_id: int | None = None,
+        ignore_eos: bool | None = False,
+        stop_token_ids: Iterable[int] | None = (),
+        priority: int | None = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        """Queue a new request (status WAITING). Validates every argument first; on error nothing changes."""
+        c = self._config
+        if not isinstance(req_id, str):
+            raise SchedulerTypeError(f"req_id must be a str, got {type(req_id).__name__}")
+        if not req_id or not _is_utf8(req_id):
+            raise InvalidRequestError("req_id must be a non-empty, valid unicode str")
+        if req_id in self._requests:
+            raise DuplicateRequestError(f"request {req_id!r} already exists")
+        prompt = _int_array(prompt_token_ids, "prompt_token_ids")
+        if len(prompt) == 0:
+            raise InvalidRequestError("prompt_token_ids must not be empty")
+        _check_tokens(prompt, "prompt_token_ids", InvalidRequestError)
+        if len(prompt) >= c.max_model_len:
+            raise InvalidRequestError(f"prompt of {len(prompt)} tokens leaves no room in {c.max_model_len}")
+        min_tokens = 0 if min_tokens is None else min_tokens
+        for name, value, lo in (("max_tokens", max_tokens, 1), ("min_tokens", min_tokens, 0)):
+            if value is not None and not _is_int(value):
+                raise SchedulerTypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value is not None and value < lo:
+                raise InvalidRequestError(f"{name} must be >= {lo}, got {value}")
+        room = c.max_model_len - len(prompt)
+        effective_max = room if max_tokens is None else min(int(max_tokens), room)
+        if int(min_tokens) > effective_max:
+            raise InvalidRequestError(f"min_tokens ({min_tokens}) > effective max_tokens ({effective_max})")
+        if eos_token_id is not None:
+            if not _is_int(eos_token_id):
+                raise SchedulerTypeError("eos_token_id must be None or an int")
+            if not 0 <= eos_token_id < _TOKEN_LIMIT:
+                raise InvalidRequestError(f"eos_token_id {eos_token_id} out of [0, 2**31)")
+        ignore_eos = False if ignore_eos is None else ignore_eos  # None means the default, as in Scheduler
+        priority = 0 if priority is None else priority
+        if not isinstance(ignore_eos, bool):
+            raise SchedulerTypeError("ignore_eos must be a bool")
+        stops = _int_array([] if stop_token_ids is None else stop_token_ids, "stop_token_ids")
+        _check_tokens(stops, "stop_token_ids", InvalidRequestError)
+        if not _is_int(priority):
+            raise SchedulerTypeError(f"priority must be an int, got {type(priority).__name__}")
+        if not _I64_MIN <= priority <= _I64_MAX:
+            raise InvalidRequestError(f"priority {priority} is outside the int64 range")
+        if arrival_time is None:
+            arrival_time = time.monotonic()
+        elif not isinstance(arrival_time, (int, float, np.integer, np.floating)) or isinstance(
+            arrival_time, (bool, np.bool_)
+        ):
+            raise SchedulerTypeError(f"arrival_time must be a float, got {type(arrival_time).__name__}")
+        elif not math.isfinite(_to_float(arrival_time)):
+            raise InvalidRequestError(f"arrival_time must be finite, got {arrival_time}")
+        cache_salt = _opt_str(cache_salt, "cache_salt")
+        lora_name = _opt_str(lora_name, "lora_name")
+
+        r = _Request(
+            req_id,
+            prompt.tolist(),
+            max_tokens=effective_max,
+            min_tokens=int(min_tokens),
+            eos_token_id=None if eos_token_id is None else int(eos_token_id),
+            ignore_eos=bool(ignore_eos),
+            stop_token_ids=frozenset(stops.tolist()),
+            priority=int(priority),
+            arrival_time=_to_float(arrival_time),
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+        )
+        self._update_block_hashes(r)
+        self._requests[req_id] = r
+        self._waiting.add(r)
+        self._last_out_fresh = False
+
+    def _get(self, req_id: object) -> _Request:
+        if not isinstance(req_id, str):
+            raise SchedulerTypeError(f"req_id must be a str, got {type(req_id).__name__}")
+        # (an id that is not valid unicode cannot have been added: it is simply unknown)
+        r = self._requests.get(req_id)
+        if r is None:
+            raise UnknownRequestError(f"unknown request {req_id!r}")
+        return r
+
+    def _finish(self, r: _Request, status: RequestStatus) -> None:
+        """Free ``r``, take it out of its queue, remember it for the next output, and forget it."""
+        if r.status == RequestStatus.RUNNING:
+            self._running.remove(r)
+        else:
+            self._waiting.remove(r)
+        self._free_blocks(r)
+        r.status = status
+        r.drafts = []
+        del self._requests[r.req_id]
+        self._finished_since_schedule.append(r.req_id)
+        self._stats["finished"] += 1
+
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        """Abort requests in any state, in the given order. Every id must be known; duplicates count once.
+
+        A bare ``str`` is refused (it would otherwise be taken as an iterable of one-character ids)."""
+        ids = _as_sequence(req_ids, "req_ids")
+        reqs = {id(r): r for r in (self._get(i) for i in ids)}  # validates all before aborting any
+        for r in reqs.values():
+            self._finish(r, RequestStatus.FINISHED_ABORTED)
+        if reqs:
+            self._last_out_fresh = False
+
+    # -- schedule ----------------------------------------------------------------------------------------
+
+    def _preempt(self, r: _Request) -> None:
+        self._free_blocks(r)
+        r.num_computed_tokens = 0
+        r.drafts = []
+        r.status = RequestStatus.PREEMPTED
+        r.num_preemptions += 1
+        self._stats["preemptions"] += 1
+        self._waiting.add_preempted(r)
+
+    def _pick_victim(self) -> int:
+        """Index in running of the request to preempt: the tail (fcfs) or the lowest-priority one."""
+        if self._config.policy == "fcfs":
+            return len(self._running) - 1
+        keys = [(r.priority, r.arrival_time) for r in self._running]
+        return keys.index(max(keys))  # first in running order on ties
+
+    def schedule(self) -> SchedulerOutput:
+        """One step: continue running requests (phase A, may preempt), then admit waiting ones (phase B)."""
+        c, bs = self._config, self._bs
+        budget = c.max_num_batched_tokens
+        # per scheduled request: [request, num_new_tokens, computed_before, new_blocks, drafts, kind]
+        scheduled: list[list[Any]] = []
+        preempted: list[_Request] = []
+
+        i = 0
+        while i < len(self._running):
+            r = self._running[i]
+            n = r.num_tokens + len(r.drafts) - r.num_computed_tokens
+            if 0 < c.long_prefill_token_threshold < n:
+                n = c.long_prefill_token_threshold
+            n = min(n, budget, c.max_model_len - 1 - r.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while (new_blocks := self._allocate_slots(r, n, [], c.num_lookahead_tokens)) is None:
+                j = self._pick_victim()
+                victim = self._running.pop(j)
+                for k, entry in enumerate(scheduled):
+                    if entry[0] is victim:  # refund the victim's share of this step
+                        budget += entry[1]
+                        del scheduled[k]
+                        break
+                if j < i:
+                    i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is r:
+                    break
+            if new_blocks is None:
+                break
+            num_drafts = max(0, r.num_computed_tokens + n - r.num_tokens)
+            scheduled.append([r, n, r.num_computed_tokens, new_blocks, r.drafts[:num_drafts], "running"])
+            r.drafts = []
+            budget -= n
+            i += 1
+
+        while not preempted and len(self._waiting) and budget > 0 and len(self._running) < c.max_num_seqs:
+            r = self._waiting.peek()
+            hits = self._lookup(r.block_hashes, r.num_tokens)
+            n = r.num_tokens - len(hits) * bs
+            if 0 < c.long_prefill_token_threshold < n:
+                n = c.long_prefill_token_threshold
+            if not c.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            if self._allocate_slots(r, n, hits, 0) is None:
+                break
+            self._waiting.pop()
+            self._running.append(r)
+            kind = "new" if r.status == RequestStatus.WAITING else "resumed"
+            r.status = RequestStatus.RUNNING
+            r.num_computed_tokens = len(hits) * bs
+            if r.num_cached_tokens < 0:
+                r.num_cached_tokens = len(hits) * bs
+            prefix = "preempted_" if r.num_preemptions > 0 else ""
+            self._stats[prefix + "queries"] += r.num_tokens
+            self._stats[prefix + "hits"] += len(hits) * bs
+            scheduled.append([r, n, r.num_computed_tokens, list(r.block_ids), [], kind])
+            budget -= n
+
+        entries = []
+        for r, n, _, _, drafts, _ in scheduled:
+            r.num_computed_tokens += n
+            entries.append((r, r.num_computed_tokens < r.num_tokens, len(drafts)))
+        out = SchedulerOutput(
+            step_id=self._next_step_id,
+            req_ids=[e[0].req_id for e in scheduled],
+            num_scheduled_tokens=np.array([e[1] for e in scheduled], dtype=np.int32),
+            num_computed_tokens=np.array([e[2] for e in scheduled], dtype=np.int32),
+            new_req_ids=[e[0].req_id for e in scheduled if e[5] == "new"],
+            resumed_req_ids=[e[0].req_id for e in scheduled if e[5] == "resumed"],
+            new_block_ids=np.array([b for e in scheduled for b in e[3]], dtype=np.int32),
+            new_block_ids_indptr=_indptr([len(e[3]) for e in scheduled]),
+            spec_token_ids=np.array([t for e in scheduled for t in e[4]], dtype=np.int32),
+            spec_token_ids_indptr=_indptr([len(e[4]) for e in scheduled]),
+            total_num_scheduled_tokens=sum(e[1] for e in scheduled),
+            preempted_req_ids=[r.req_id for r in preempted],
+            finished_req_ids=self._finished_since_schedule,
+            _owner=self._owner,
+            _entries=entries,
+        )
+        self._next_step_id += 1
+        self._finished_since_schedule = []
+        self._last_out, self._last_out_fresh = out, True
+        return out
+
+    # -- update ------------------------------------------------------------------------------------------
+
+    def _check_output(self, out: object) -> SchedulerOutput:
+        if not isinstance(out, SchedulerOutput):
+            raise SchedulerTypeError(f"expected a SchedulerOutput, got {type(out).__name__}")
+        if out._owner is not self._owner:
+            raise InvalidOutputError("this output was produced by another scheduler")
+        return out
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: Any, draft_token_ids: Any = None
+    ) -> UpdateResult:
+        """Apply the sampled tokens (and next drafts) of step ``out``; steps apply in order, once each."""
+        out = self._check_output(out)
+        if out.step_id != self._next_update_step:
+            raise InvalidOutputError(
+                f"step {out.step_id} cannot be applied now (expected step {self._next_update_step})"
+            )
+        n = len(out._entries)
+        sampled = _ragged(sampled_token_ids, n, "sampled_token_ids")
+        drafts = None if draft_token_ids is None else _ragged(draft_token_ids, n, "draft_token_ids")
+        for k, (r, was_prefill_chunk, num_drafts) in enumerate(out._entries):
+            if r.status.is_finished:
+                continue  # gone since it was scheduled: whatever the entry holds is ignored
+            entry, entry_drafts = sampled[k], drafts[k] if drafts is not None else []
+            if was_prefill_chunk:
+                if entry or entry_drafts:
+                    raise InvalidOutputError(f"{r.req_id!r} was a prefill chunk: its entries must be empty")
+            elif not 1 <= len(entry) <= 1 + num_drafts:
+                raise InvalidOutputError(f"{r.req_id!r} needs 1..{1 + num_drafts} tokens, got {len(entry)}")
+            if len(entry_drafts) > self._config.num_lookahead_tokens:
+                raise InvalidOutputError(f"{r.req_id!r}: more drafts than num_lookahead_tokens")
+            for t in itertools.chain(entry, entry_drafts):
+                if not 0 <= t < _TOKEN_LIMIT:
+                    raise InvalidOutputError(f"{r.req_id!r}: token id {t} out of [0, 2**31)")
+
+        self._next_update_step += 1
+        self._last_out_fresh = False
+        finished: list[str] = []
+        reasons: list[int] = []
+        stop_reasons: list[int] = []
+        num_new = np.zeros(n, dtype=np.int32)
+        for k, (r, was_prefill_chunk, num_drafts) in enumerate(out._entries):
+            if r.status.is_finished or was_prefill_chunk:
+                continue
+            entry = sampled[k]
+            if r.status == RequestStatus.RUNNING:  # roll back rejected drafts (never below 0)
+                r.num_computed_tokens = max(0, r.num_computed_tokens - (num_drafts - (len(entry) - 1)))
+            stop: tuple[RequestStatus, FinishReason, int] | None = None
+            for t in entry:
+                r.token_ids.append(t)
+                num_new[k] += 1
+                stop = self._check_stop(r, t)
+                if stop is not None:
+                    break
+            self._update_block_hashes(r)
+            if stop is not None:
+                status, reason, stop_reason = stop
+                self._finish(r, status)
+                finished.append(r.req_id)
+                reasons.append(reason)
+                stop_reasons.append(stop_reason)
+            elif drafts is not None:
+                r.drafts = list(drafts[k])
+        return UpdateResult(
+            finished_req_ids=finished,
+            finish_reasons=np.array(reasons, dtype=np.int8),
+            stop_reasons=np.array(stop_reasons, dtype=np.int64),
+            num_new_tokens=num_new,
+        )
+
+    def _check_stop(self, r: _Request, t: int) -> tuple[RequestStatus, FinishReason, int] | None:
+        """The stop check after appending token ``t`` (order matters: min_tokens, EOS, stop ids, length)."""
+        if r.num_output_tokens < r.min_tokens:
+            return None
+        if not r.ignore_eos and t == r.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED, FinishReason.STOP, -1
+        if t in r.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, FinishReason.STOP, t
+        if r.num_tokens >= self._config.max_model_len or r.num_output_tokens >= r.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED, FinishReason.LENGTH, -1
+        return None
+
+    # -- model inputs ------------------------------------------------------------------------------------
+
+    def prepare_model_inputs(self, out: SchedulerOutput) -> ModelInputs:
+        """Flat runner inputs for the most recent step, valid until the scheduler next changes."""
+        out = self._check_output(out)
+        if out is not self._last_out or not self._last_out_fresh:
+            raise InvalidOutputError("prepare_model_inputs needs the latest output, before other changes")
+        bs = self._bs
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for k, (r, _, _) in enumerate(out._entries):
+            start = int(out.num_computed_tokens[k])
+            end = start + int(out.num_scheduled_tokens[k])
+            drafts = out.spec_token_ids[out.spec_token_ids_indptr[k] : out.spec_token_ids_indptr[k + 1]]
+            seq = r.token_ids + drafts.tolist()
+            for pos in range(start, end):
+                tokens.append(seq[pos])
+                positions.append(pos)
+                slots.append(r.block_ids[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            tables.append(r.block_ids)
+        num_reqs = len(tables)
+        width = max((len(t) for t in tables), default=0)
+        block_table = np.zeros((num_reqs, width), dtype=np.int32)
+        for k, t in enumerate(tables):
+            block_table[k, : len(t)] = t
+        query_start_loc = _indptr(out.num_scheduled_tokens.tolist())
+        return ModelInputs(
+            input_token_ids=np.array(tokens, dtype=np.int32),
+            input_positions=np.array(positions, dtype=np.int32),
+            slot_mapping=np.array(slots, dtype=np.int32),
+            query_start_loc=query_start_loc,
+            seq_lens=np.array(seq_lens, dtype=np.int32),
+            block_table=block_table,
+            logits_indices=(query_start_loc[1:] - 1).astype(np.int32),
+            num_reqs=num_reqs,
+            num_tokens=len(tokens),
+            max_seq_len=max(seq_lens, default=0),
+            max_query_len=int(out.num_scheduled_tokens.max(initial=0)),
+        )
+
+    # -- queries -----------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self._config
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_block_ids(self, req_id: str) -> np.ndarray:
+        return np.array(self._get(req_id).block_ids, dtype=np.int32)
+
+    def get_block_hashes(self, req_id: str) -> list[bytes]:
+        return list(self._get(req_id).block_hashes)
+
+    def get_request_status(self, req_id: str) -> RequestStatus:
+        return self._get(req_id).status
+
+    def get_num_computed_tokens(self, req_id: str) -> int:
+        return self._get(req_id).num_computed_tokens
+
+    def get_output_token_ids(self, req_id: str) -> list[int]:
+        r = self._get(req_id)
+        return r.token_ids[r.num_prompt_tokens :]
+
+    def get_num_cached_tokens(
+        self, prompt_token_ids: Any, cache_salt: str | None = None, lora_name: str | None = None
+    ) -> int:
+        """Tokens a new request with this prompt would hit now; changes nothing (ref counts, LRU, stats)."""
+        prompt = _int_array(prompt_token_ids, "prompt_token_ids")
+        _check_tokens(prompt, "prompt_token_ids", InvalidRequestError)
+        salt, lora = _opt_str(cache_salt, "cache_salt"), _opt_str(lora_name, "lora_name")
+        if not self._config.enable_prefix_caching:
+            return 0
+        tokens = prompt.tolist()
+        return len(self._lookup(self._block_hashes_of(tokens, salt, lora), len(tokens))) * self._bs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, but only when no usable block is in use."""
+        if len(self._free) != self._config.num_usable_blocks:
+            return False
+        self._cached.clear()
+        self._block_hash = [None] * self._config.num_blocks
+        self._last_out_fresh = False
+        return True
+
+    def stats(self) -> SchedulerStats:
+        s, usable = self._stats, self._config.num_usable_blocks
+        return SchedulerStats(
+            num_running_reqs=len(self._running),
+            num_waiting_reqs=len(self._waiting),
+            kv_cache_usage=1.0 - len(self._free) / usable,
+            num_free_blocks=len(self._free),
+            prefix_cache_queries=s["queries"],
+            prefix_cache_hits=s["hits"],
+            prefix_cache_preempted_queries=s["preempted_queries"],
+            prefix_cache_preempted_hits=s["preempted_hits"],
+            num_preemptions=s["preemptions"],
+            num_finished_reqs=s["finished"],
+            step_id=self._next_step_id,
+        )
+
+    # -- invariants --------------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise :class:`InternalError` if any internal invariant is broken. O(state); for tests."""
+
+        def require(cond: bool, what: str) -> None:
+            if not cond:
+                raise InternalError(f"invariant broken: {what}")
+
+        c, bs = self._config, self._bs
+        free = list(self._free)
+        require(len(free) == len(self._free) == len(set(free)), "free queue length / duplicates")
+        require(all(1 <= b < c.num_blocks and b in self._free for b in free), "free queue ids")
+        holders = [0] * c.num_blocks
+        for r in self._running:
+            require(len(set(r.block_ids)) == len(r.block_ids), f"{r.req_id}: a block twice in one table")
+            for b in r.block_ids:
+                holders[b] += 1
+        require(self._ref_cnt == holders, "ref_cnt == number of block tables holding the block")
+        require(holders[0] == 0 and 0 not in self._free and self._block_hash[0] is None, "null block")
+        for b in range(1, c.num_blocks):
+            require((b in self._free) == (self._ref_cnt[b] == 0), f"block {b}: free xor referenced")
+        require(len(free) + sum(1 for h in holders if h) == c.num_usable_blocks, "blocks conserved")
+        hashed = {b for b in range(c.num_blocks) if self._block_hash[b] is not None}
+        in_map = [(h, b) for h, blocks in self._cached.items() for b in blocks]
+        require(all(blocks for blocks in self._cached.values()), "no empty cache-map entries")
+        require(all(self._block_hash[b] == h for h, b in in_map), "cache map entry matches the block's hash")
+        require(len(in_map) == len(hashed) == len({b for _, b in in_map}), "every hashed block is in the map")
+
+        waiting = list(self._waiting)
+        require(len(waiting) == len(self._waiting), "waiting count")
+        placed = [id(r) for r in self._running + waiting]
+        require(len(placed) == len(set(placed)), "a request in two places")
+        require(set(placed) == {id(r) for r in self._requests.values()}, "every request in exactly one place")
+        require(len(self._running) <= c.max_num_seqs, "len(running) <= max_num_seqs")
+        for r in self._running:
+            require(r.status == RequestStatus.RUNNING, f"{r.req_id} in running with status {r.status!r}")
+            require(r.num_computed_tokens <= len(r.block_ids) * bs, f"{r.req_id}: computed tokens without KV")
+            for i in range(r.num_cached_blocks):
+                require(self._block_hash[r.block_ids[i]] == r.block_hashes[i], f"{r.req_id}: block {i} hash")
+        for r in waiting:
+            require(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.req_id}: status")
+            require(not r.block_ids and r.num_computed_tokens == 0, f"{r.req_id} waiting with KV")
+        for r in self._requests.values():
+            expect = r.num_tokens // bs if c.enable_prefix_caching else 0
+            require(len(r.block_hashes) == expect, f"{r.req_id}: one hash per full block")
+        out = self._last_out
+        if out is not None:
+            require(out.total_num_scheduled_tokens <= c.max_num_batched_tokens, "token budget respected")
+            require(len(out.req_ids) <= c.max_num_seqs, "max_num_seqs respected")
+            require(bool(np.all(out.num_scheduled_tokens > 0)), "every scheduled request computes >= 1 token")
+
+
+def _as_sequence(x: object, what: str) -> list[Any]:
+    """An iterable argument as a list; a str, bytes or non-iterable is a SchedulerTypeError."""
+    if isinstance(x, (str, bytes)):
+        raise SchedulerTypeError(f"{what} must be an iterable of ids, not a single {type(x).__name__}")
+    try:
+        return list(x)  # type: ignore[call-overload,no-any-return]
+    except TypeError:
+        raise SchedulerTypeError(f"{what} must be iterable, got {type(x).__name__}") from None
+
+
+def _to_float(x: Any) -> float:
+    try:
+        return float(x)
+    except OverflowError:  # an int beyond the float range
+        return math.inf
+
+
+def _indptr(counts: list[int]) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(counts, dtype=np.int64))).astype(np.int32)
+
+
+def _blake2b_128(data: bytes) -> Any:
+    """Stand-in for xxh3-128 (not in the stdlib): a 16-byte BLAKE2b digest."""
+    return hashlib.blake2b(data, digest_size=16)
+
+
+def _seed_bytes(seed: int | str | bytes) -> bytes:
+    """Type-tagged bytes of a fixed ``prefix_hash_seed``."""
+    if isinstance(seed, bytes):
+        return b"b" + seed
+    if isinstance(seed, str):
+        return b"s" + seed.encode()
+    return b"i" + str(seed).encode()

@@ -1,0 +1,599 @@
+"""Differential tests: the Rust scheduler and the pure-Python reference must agree at every step.
+
+One driver (:class:`Twin`) applies the same operation to both schedulers and compares everything observable:
+outputs (ids, token counts, block ids, drafts, preempted/finished ids), update results, request queries,
+stats, prefix-cache probes, model inputs, and the exception class of every rejected call. Both run
+``check_invariants()`` after every operation. Hash values differ by design, so block hashes are compared by
+their equality pattern. The operations are drawn by hypothesis (shrinks to a minimal failing sequence) or by
+a seeded numpy generator (the soak).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import entry_sizes, requires_rust
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvsched import SchedulerConfig, SchedulerError
+from kvsched.reference import ReferenceScheduler
+
+pytestmark = requires_rust
+
+VOCAB = 12  # small, so sampled tokens often hit EOS / stop ids
+PREFIXES = [[(7 * k + 3 * i) % VOCAB for i in range(64)] for k in range(3)]  # shared-prefix families
+
+
+class Rand:
+    """The choices the driver makes; backed by a numpy generator (soak) or a hypothesis data object."""
+
+    def __init__(self, rng: np.random.Generator | None = None, data: Any = None) -> None:
+        self.rng, self.data = rng, data
+
+    def int(self, lo: int, hi: int) -> int:  # inclusive
+        if self.data is not None:
+            return self.data.draw(st.integers(lo, hi))
+        return int(self.rng.integers(lo, hi + 1))
+
+    def chance(self, p: float) -> bool:
+        return self.int(0, 999) < p * 1000
+
+    def choice(self, seq: list[Any]) -> Any:
+        return seq[self.int(0, len(seq) - 1)]
+
+
+def call_both(fn_ref, fn_rs) -> tuple[Any, Any, bool]:
+    """Run both calls; they must both succeed, or both raise the same SchedulerError subclass.
+
+    Returns both results and whether the calls raised."""
+    res, errs = [], []
+    for fn in (fn_ref, fn_rs):
+        try:
+            res.append(fn())
+            errs.append(None)
+        except SchedulerError as e:
+            res.append(None)
+            errs.append(e)
+    kinds = [type(e) if e is not None else None for e in errs]
+    assert kinds[0] == kinds[1], f"reference raised {errs[0]!r}, Rust raised {errs[1]!r}"
+    return res[0], res[1], errs[0] is not None
+
+
+def assert_arrays_equal(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert isinstance(b, np.ndarray) and b.dtype == a.dtype, f"{what}: dtype {a.dtype} vs {b.dtype}"
+    assert a.shape == b.shape and np.array_equal(a, b), f"{what}: {a.tolist()} != {b.tolist()}"
+
+
+OUT_LISTS = ("req_ids", "new_req_ids", "resumed_req_ids", "preempted_req_ids")
+OUT_ARRAYS = ("num_scheduled_tokens", "num_computed_tokens", "new_block_ids", "new_block_ids_indptr",
+              "spec_token_ids", "spec_token_ids_indptr")  # fmt: skip
+INPUT_FIELDS = ("input_token_ids", "input_positions", "slot_mapping", "query_start_loc", "seq_lens",
+                "block_table", "logits_indices")  # fmt: skip
+
+
+def compare_outputs(a: Any, b: Any) -> None:
+    assert a.step_id == b.step_id
+    for name in OUT_LISTS:
+        assert list(getattr(a, name)) == list(getattr(b, name)), name
+    assert list(a.finished_req_ids) == list(b.finished_req_ids)
+    for name in OUT_ARRAYS:
+        assert_arrays_equal(getattr(a, name), getattr(b, name), name)
+    assert a.total_num_scheduled_tokens == b.total_num_scheduled_tokens
+    assert a.num_scheduled_tokens_by_id() == dict(b.num_scheduled_tokens_by_id())
+
+
+def compare_results(a: Any, b: Any) -> None:
+    assert list(a.finished_req_ids) == list(b.finished_req_ids)
+    assert_arrays_equal(a.finish_reasons, b.finish_reasons, "finish_reasons")
+    assert_arrays_equal(a.stop_reasons, b.stop_reasons, "stop_reasons")
+    assert_arrays_equal(a.num_new_tokens, b.num_new_tokens, "num_new_tokens")
+
+
+def hash_pattern(hashes: list[list[bytes]]) -> list[list[int]]:
+    """Hashes replaced by the index of their first occurrence: equal exactly when the equalities agree."""
+    seen: dict[bytes, int] = {}
+    return [[seen.setdefault(h, len(seen)) for h in row] for row in hashes]
+
+
+class Twin:
+    """The same operations on a ReferenceScheduler and a kvsched.Scheduler, compared after each one."""
+
+    def __init__(self, cfg: SchedulerConfig, rand: Rand, max_in_flight: int = 2) -> None:
+        from kvsched import Scheduler
+
+        self.cfg, self.rand, self.max_in_flight = cfg, rand, max_in_flight
+        self.ref = ReferenceScheduler(cfg)
+        self.rs = Scheduler(cfg)
+        self.prompt_lens: dict[str, int] = {}
+        self.pending: deque[tuple[Any, Any, list[int | None]]] = deque()
+        self.clock = 0.0
+        self.next_id = 0
+        self.log: list[str] = []  # the operations so far, for failure messages
+
+    # -- operations --------------------------------------------------------------------------------------
+
+    def live_ids(self) -> list[str]:
+        return sorted(self.ref._requests)
+
+    def make_prompt(self, max_len: int) -> list[int]:
+        r = self.rand
+        n = r.int(1, max(1, min(max_len, self.cfg.max_model_len - 1)))
+        if r.chance(0.7):  # a shared prefix, then a random tail
+            k = r.int(0, n)
+            base = r.choice(PREFIXES)[:k]
+            return base + [r.int(0, VOCAB - 1) for _ in range(n - len(base))]
+        return [r.int(0, VOCAB - 1) for _ in range(n)]
+
+    def op_add(self) -> None:
+        r = self.rand
+        rid = f"r{r.int(0, 11)}" if r.chance(0.5) else f"q{self.next_id}"
+        self.next_id += 1
+        prompt = self.make_prompt(r.choice([4, 12, 40]))
+        room = self.cfg.max_model_len - len(prompt)
+        kw: dict[str, Any] = {}
+        if r.chance(0.8):
+            kw["max_tokens"] = r.int(1, 24)
+        if r.chance(0.2):
+            kw["min_tokens"] = r.int(0, min(3, room, kw.get("max_tokens", room)))
+        if r.chance(0.6):
+            kw["eos_token_id"] = r.int(0, VOCAB - 1)
+        if r.chance(0.1):
+            kw["ignore_eos"] = True
+        if r.chance(0.3):
+            kw["stop_token_ids"] = [r.int(0, VOCAB - 1) for _ in range(r.int(1, 2))]
+        if self.cfg.policy == "priority" or r.chance(0.1):
+            kw["priority"] = r.int(-2, 2)
+        if r.chance(0.2):
+            kw["cache_salt"] = r.choice(["s1", "s2"])
+        if r.chance(0.1):
+            kw["lora_name"] = "L1"
+        self.clock += r.choice([0.0, 1.0, 0.5])  # ties in arrival time happen
+        kw["arrival_time"] = self.clock
+        if r.chance(0.1):  # one bad argument (and a fresh id): both must reject it the same way
+            kw = self.spoil(kw, prompt)
+            rid = f"bad{self.next_id}"
+        self.log.append(f"add {rid} len={len(prompt)} {kw}")
+        arr = np.array(prompt, np.int64)
+        *_, failed = call_both(lambda: self.ref.add_request(rid, prompt, **kw),
+                               lambda: self.rs.add_request(rid, arr, **kw))  # fmt: skip
+        if not failed:
+            self.prompt_lens[rid] = len(prompt)
+
+    def spoil(self, kw: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+        bad = self.rand.choice([
+            {"max_tokens": 0}, {"min_tokens": -1}, {"eos_token_id": -1}, {"eos_token_id": 2**31},
+            {"stop_token_ids": [2**31]}, {"priority": 2**63}, {"arrival_time": math.nan},
+            {"arrival_time": -math.inf}, {"cache_salt": 5}, {"priority": 1.5}, {"max_tokens": "3"},
+            {"min_tokens": self.cfg.max_model_len},
+        ])  # fmt: skip
+        kw = {**kw, **bad}
+        if "min_tokens" in bad and "max_tokens" in kw and not isinstance(kw["max_tokens"], int):
+            del kw["max_tokens"]
+        return kw
+
+    def op_schedule(self) -> None:
+        if len(self.pending) >= self.max_in_flight:
+            return self.op_update()
+        self.log.append("schedule")
+        a, b = self.ref.schedule(), self.rs.schedule()
+        compare_outputs(a, b)
+        sizes = entry_sizes(self.ref, a, self.prompt_lens)
+        if self.rand.chance(0.3):
+            self.compare_inputs(a, b)
+        self.pending.append((a, b, sizes))
+        return None
+
+    def compare_inputs(self, a: Any, b: Any) -> None:
+        ma, mb, failed = call_both(lambda: self.ref.prepare_model_inputs(a),
+                                   lambda: self.rs.prepare_model_inputs(b))  # fmt: skip
+        if failed:
+            return
+        for name in INPUT_FIELDS:
+            assert_arrays_equal(getattr(ma, name), getattr(mb, name), name)
+        for name in ("num_reqs", "num_tokens", "max_seq_len", "max_query_len"):
+            assert getattr(ma, name) == getattr(mb, name), name
+
+    def op_update(self) -> None:
+        if not self.pending:
+            return self.op_schedule()
+        r = self.rand
+        a, b, sizes = self.pending[0]
+        look = self.cfg.num_lookahead_tokens
+        sampled = [[] if s is None else [r.int(0, VOCAB - 1) for _ in range(r.int(1, s))] for s in sizes]
+        drafts = None
+        if look and r.chance(0.8):
+            drafts = [[] if s is None else [r.int(0, VOCAB - 1) for _ in range(r.int(0, look))] for s in sizes]
+        if sizes and r.chance(0.1) and self.bad_update(a, b, sampled, drafts):
+            return None  # the "malformed" update was valid after all (its request is gone)
+        as_arrays = r.chance(0.5)
+        self.log.append(f"update step {a.step_id} sampled={sampled} drafts={drafts}")
+        ra, rb, _ = call_both(lambda: self.ref.update_from_output(a, sampled, drafts),
+                           lambda: self.rs.update_from_output(b, ragged(sampled, as_arrays),
+                                                              ragged(drafts, as_arrays)))  # fmt: skip
+        compare_results(ra, rb)
+        self.pending.popleft()
+        return None
+
+    def bad_update(self, a: Any, b: Any, sampled: list[list[int]], drafts: Any) -> bool:
+        """A malformed update: both must reject it and change nothing. True if both accepted it."""
+        r = self.rand
+        k = r.int(0, len(sampled) - 1)
+        kind = r.int(0, 3)
+        bad = [list(e) for e in sampled]
+        if kind == 0:
+            bad[k] = [*bad[k], 1, 1]  # too many tokens (or tokens for a prefill chunk)
+        elif kind == 1:
+            bad = bad[:-1]  # misaligned
+        elif kind == 2:
+            bad[k] = []  # a decode without a token (fine only for chunks / gone requests)
+        else:
+            bad[k] = [2**31]  # out of range (ignored if k's request is gone since the step was scheduled)
+        self.log.append(f"bad update step {a.step_id} {bad}")
+        ra, rb, failed = call_both(lambda: self.ref.update_from_output(a, bad, drafts),
+                                   lambda: self.rs.update_from_output(b, bad, drafts))  # fmt: skip
+        if not failed:
+            compare_results(ra, rb)
+            self.pending.popleft()
+        return not failed
+
+    def op_abort(self) -> None:
+        r = self.rand
+        ids = self.live_ids()
+        chosen = [r.choice(ids) for _ in range(r.int(1, 3))] if ids else []  # duplicates count once
+        if r.chance(0.15) or not chosen:
+            chosen.append("nope")  # unknown: nothing is aborted
+        self.log.append(f"abort {chosen}")
+        call_both(lambda: self.ref.abort_requests(chosen), lambda: self.rs.abort_requests(chosen))
+
+    def op_probe(self) -> None:
+        if self.pending and self.rand.chance(0.3):  # model inputs of an older step, maybe stale by now
+            a, b, _ = self.pending[self.rand.int(0, len(self.pending) - 1)]
+            self.compare_inputs(a, b)
+        prompt = self.make_prompt(40)
+        salt = self.rand.choice([None, None, "s1"])
+        lora = self.rand.choice([None, None, None, "L1"])
+        a, b, _ = call_both(lambda: self.ref.get_num_cached_tokens(prompt, salt, lora),
+                         lambda: self.rs.get_num_cached_tokens(prompt, salt, lora))  # fmt: skip
+        assert a == b, f"get_num_cached_tokens({prompt}, {salt}, {lora}): {a} != {b}"
+
+    def op_reset(self) -> None:
+        self.log.append("reset_prefix_cache")
+        assert self.ref.reset_prefix_cache() == self.rs.reset_prefix_cache()
+
+    def step(self) -> None:
+        ops = [self.op_add] * 3 + [self.op_schedule] * 4 + [self.op_update] * 4
+        self.rand.choice([*ops, self.op_abort, self.op_probe, self.op_reset])()
+        self.check()
+
+    # -- comparison of the whole observable state --------------------------------------------------------
+
+    def check(self) -> None:
+        self.ref.check_invariants()
+        self.rs.check_invariants()
+        sa, sb = self.ref.stats(), self.rs.stats()
+        for name in sa.__dataclass_fields__:
+            va, vb = getattr(sa, name), getattr(sb, name)
+            assert va == vb, f"stats.{name}: reference {va} != Rust {vb}"
+        assert self.ref.num_free_blocks == self.rs.num_free_blocks
+        assert self.ref.num_unfinished_requests == self.rs.num_unfinished_requests
+        assert self.ref.has_unfinished_requests() == self.rs.has_unfinished_requests()
+        ids = self.live_ids()
+        hashes_a, hashes_b = [], []
+        for rid in ids:
+            assert self.ref.get_request_status(rid) == self.rs.get_request_status(rid), rid
+            assert self.ref.get_num_computed_tokens(rid) == self.rs.get_num_computed_tokens(rid), rid
+            assert self.ref.get_output_token_ids(rid) == list(self.rs.get_output_token_ids(rid)), rid
+            assert_arrays_equal(self.ref.get_block_ids(rid), self.rs.get_block_ids(rid), f"blocks of {rid}")
+            hashes_a.append(self.ref.get_block_hashes(rid))
+            hashes_b.append(list(self.rs.get_block_hashes(rid)))
+        assert hash_pattern(hashes_a) == hash_pattern(hashes_b)
+        width = 32 if self.cfg.prefix_hash_algo == "sha256" else 16
+        assert all(isinstance(h, bytes) and len(h) == width for row in hashes_b for h in row)
+
+    def drain(self) -> None:
+        """Apply every pending step and run until no request is left (bounded)."""
+        for _ in range(2000):
+            if not self.pending and not self.ref.has_unfinished_requests():
+                return
+            if self.pending:
+                self.op_update()
+            else:
+                self.op_schedule()
+            self.check()
+
+
+def ragged(entries: list[list[int]] | None, as_arrays: bool) -> Any:
+    """The Rust side gets the same tokens, as a list of lists or as a (values, indptr) pair."""
+    if entries is None or not as_arrays:
+        return entries
+    values = np.array([t for e in entries for t in e], dtype=np.int32)
+    indptr = np.concatenate(([0], np.cumsum([len(e) for e in entries]))).astype(np.int64)
+    return values, indptr
+
+
+@st.composite
+def configs(draw: Any) -> SchedulerConfig:
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 16, 64]))
+    num_blocks = draw(st.one_of(st.integers(2, 24), st.integers(25, 400)))
+    # The pool must hold one request of max_model_len (a SchedulerConfig rule).
+    max_model_len = max(2, min(draw(st.integers(8, 96)), (num_blocks - 1) * block_size))
+    num_blocks = max(num_blocks, -(-max_model_len // block_size) + 1)
+    chunked = draw(st.booleans()) if draw(st.integers(0, 3)) == 0 else True
+    budget = draw(st.integers(1, 96))
+    if not chunked:
+        budget = max(budget, max_model_len)
+    return SchedulerConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_prefix_caching=draw(st.booleans()) or draw(st.booleans()),
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 8, 17])),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        num_lookahead_tokens=draw(st.sampled_from([0, 0, 1, 3])),
+        prefix_hash_algo=draw(st.sampled_from(["xxh3_128", "sha256"])),
+        prefix_hash_seed=draw(st.sampled_from([None, 0, "seed"])),
+    )
+
+
+def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
+    twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])))
+    try:
+        for _ in range(num_ops):
+            twin.step()
+        twin.drain()
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nconfig {cfg}\nops:\n" + "\n".join(twin.log[-40:])) from e
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cfg=configs(), data=st.data())
+def test_rust_matches_reference_on_random_operation_sequences(cfg: SchedulerConfig, data: Any) -> None:
+    run_twin(cfg, data, num_ops=60)
+
+
+@pytest.mark.slow
+@settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cfg=configs(), data=st.data())
+def test_rust_matches_reference_on_many_long_sequences(cfg: SchedulerConfig, data: Any) -> None:
+    run_twin(cfg, data, num_ops=200)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Seeded soak: tight KV so preemption is frequent, compared step by step
+# ----------------------------------------------------------------------------------------------------------
+
+SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64,
+                    long_prefill_token_threshold=8, num_lookahead_tokens=2, prefix_hash_seed=1),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    policy="priority", prefix_hash_algo="sha256"),
+    SchedulerConfig(block_size=8, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                    enable_chunked_prefill=False, num_lookahead_tokens=1, policy="priority"),
+]  # fmt: skip
+
+
+def soak(steps: int, seed: int) -> None:
+    for i, cfg in enumerate(SOAK_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=2)
+        for _ in range(steps // len(SOAK_CONFIGS)):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.drain()
+        assert twin.ref.stats().num_preemptions > 0, "the soak should exercise preemption"
+
+
+def test_soak_short_matches_reference_step_by_step() -> None:
+    soak(steps=3000, seed=1234)
+
+
+@pytest.mark.slow
+def test_soak_long_matches_reference_step_by_step() -> None:
+    soak(steps=200_000, seed=98765)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The hand-worked scenarios of test_reference.py, replayed on the Rust core
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _reference_scenarios() -> list[Any]:
+    import inspect
+
+    import test_reference
+
+    skip = {"test_stats_fields_and_values"}  # compares with the reference's own SchedulerStats class
+    cases = []
+    for name, fn in inspect.getmembers(test_reference, inspect.isfunction):
+        if not name.startswith("test_") or name in skip or "._" in inspect.getsource(fn):
+            continue  # tests that poke at the reference's internals
+        marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"]
+        if not marks:
+            cases.append(pytest.param(fn, {}, id=name))
+            continue
+        argnames, values = marks[0].args
+        argnames = [a.strip() for a in argnames] if not isinstance(argnames, str) else argnames.split(",")
+        for k, v in enumerate(values):
+            v = v if len(argnames) > 1 else (v,)
+            cases.append(pytest.param(fn, dict(zip(argnames, v, strict=True)), id=f"{name}[{k}]"))
+    return cases
+
+
+@pytest.mark.parametrize(("fn", "kwargs"), _reference_scenarios())
+def test_reference_scenarios_hold_for_the_rust_core(fn: Any, kwargs: dict[str, Any], monkeypatch) -> None:
+    import test_reference
+    from kvsched import Scheduler
+
+    monkeypatch.setattr(test_reference, "ReferenceScheduler", Scheduler)
+    fn(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Minimal cases for discrepancies found by the tests above (see docs/reliability.md)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["reference", "rust"])
+def test_abort_frees_blocks_in_call_order(impl: str) -> None:
+    """semantics.md: abort_requests handles each request in turn; the free order decides later evictions."""
+    from kvsched import Scheduler
+
+    cls = ReferenceScheduler if impl == "reference" else Scheduler
+    s = cls(block_size=4, num_blocks=8, max_model_len=28)  # 7 usable blocks
+    s.add_request("a", [1, 2, 3, 4], arrival_time=0.0)
+    s.add_request("b", [5, 6, 7, 8], arrival_time=1.0)
+    out = s.schedule()  # a: block 1, b: block 2, both full and cached
+    s.update_from_output(out, [[9], [9]])
+    s.abort_requests(["b", "a"])  # b's block to the tail, then a's: free queue [3, 4, 5, 6, 7, 2, 1]
+    assert s.schedule().finished_req_ids == ["b", "a"]
+    s.add_request("c", list(range(100, 124)), arrival_time=2.0)  # 6 blocks: 3..7, then 2 (evicts b's)
+    out = s.schedule()
+    assert out.new_block_ids.tolist() == [3, 4, 5, 6, 7, 2]
+    assert s.get_num_cached_tokens([1, 2, 3, 4, 9]) == 4  # a's block survived
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", ["reference", "rust"])
+def test_entry_of_a_gone_request_is_ignored_whatever_it_holds(impl: str) -> None:
+    """semantics.md, update_from_output: "r is gone ...: the entry is ignored, whatever it holds"."""
+    from kvsched import Scheduler
+
+    cls = ReferenceScheduler if impl == "reference" else Scheduler
+    s = cls(block_size=4, num_blocks=8, max_model_len=28)
+    s.add_request("a", [1, 2, 3], arrival_time=0.0)
+    s.add_request("b", [1, 2, 3], arrival_time=0.0)
+    out = s.schedule()
+    s.abort_requests(["a"])
+    res = s.update_from_output(out, [[2**31, -1], [5]])
+    assert res.num_new_tokens.tolist() == [0, 1]
+    assert s.get_output_token_ids("b") == [5]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", ["reference", "rust"])
+def test_negative_zero_arrival_time_ties_with_zero(impl: str) -> None:
+    """semantics.md: the heap orders by (priority, arrival_time, req_id); -0.0 == 0.0, so the id decides."""
+    from kvsched import Scheduler
+
+    cls = ReferenceScheduler if impl == "reference" else Scheduler
+    s = cls(block_size=4, num_blocks=32, max_num_seqs=1, policy="priority", max_model_len=64)
+    s.add_request("b", [1, 2, 3], arrival_time=-0.0, max_tokens=1)
+    s.add_request("a", [1, 2, 3], arrival_time=0.0, max_tokens=1)
+    assert s.schedule().req_ids == ["a"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The same bad (and odd but valid) calls raise the same class in both
+# ----------------------------------------------------------------------------------------------------------
+
+_I32 = np.int32
+ODD_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+    ("add_request", ("", [1]), {}),
+    ("add_request", (5, [1]), {}),
+    ("add_request", ("a", [1]), {}),  # duplicate
+    ("add_request", ("\ud800", [1]), {}),
+    ("add_request", ("x", []), {}),
+    ("add_request", ("x", [1, -1]), {}),
+    ("add_request", ("x", [2**31]), {}),
+    ("add_request", ("x", [2**70]), {}),
+    ("add_request", ("x", [True]), {}),
+    ("add_request", ("x", [1.0]), {}),
+    ("add_request", ("x", (1, 2)), {}),
+    ("add_request", ("x", np.arange(6)[::2]), {}),
+    ("add_request", ("x", np.zeros((2, 2), _I32)), {}),
+    ("add_request", ("x", np.zeros(3)), {}),
+    ("add_request", ("x", np.array([1, 2], ">i4")), {}),
+    ("add_request", ("x", "abc"), {}),
+    ("add_request", ("x", None), {}),
+    ("add_request", ("x", list(range(64))), {}),
+    ("add_request", ("x", [1]), {"max_tokens": 0}),
+    ("add_request", ("x", [1]), {"max_tokens": 2**70}),
+    ("add_request", ("x", [1]), {"max_tokens": None, "min_tokens": None}),
+    ("add_request", ("x", [1]), {"min_tokens": -1}),
+    ("add_request", ("x", [1]), {"min_tokens": 64}),
+    ("add_request", ("x", [1]), {"max_tokens": 2, "min_tokens": 3}),
+    ("add_request", ("x", [1]), {"eos_token_id": -1}),
+    ("add_request", ("x", [1]), {"eos_token_id": 2.0}),
+    ("add_request", ("x", [1]), {"ignore_eos": 1}),
+    ("add_request", ("x", [1]), {"ignore_eos": None, "priority": None}),
+    ("add_request", ("x", [1]), {"stop_token_ids": [2**31]}),
+    ("add_request", ("x", [1]), {"stop_token_ids": 5}),
+    ("add_request", ("x", [1]), {"stop_token_ids": {1, 2}}),
+    ("add_request", ("x", [1]), {"stop_token_ids": None}),
+    ("add_request", ("x", [1]), {"priority": 2**63}),
+    ("add_request", ("x", [1]), {"priority": -(2**63)}),
+    ("add_request", ("x", [1]), {"priority": True}),
+    ("add_request", ("x", [1]), {"arrival_time": math.nan}),
+    ("add_request", ("x", [1]), {"arrival_time": 10**400}),
+    ("add_request", ("x", [1]), {"arrival_time": 3}),
+    ("add_request", ("x", [1]), {"arrival_time": "1.0"}),
+    ("add_request", ("x", [1]), {"cache_salt": b"s"}),
+    ("add_request", ("x", [1]), {"cache_salt": ""}),
+    ("add_request", ("x", [1]), {"lora_name": "\udc00"}),
+    ("abort_requests", ("a",), {}),
+    ("abort_requests", (None,), {}),
+    ("abort_requests", ([3],), {}),
+    ("abort_requests", (["a", "zz"],), {}),
+    ("abort_requests", ([],), {}),
+    ("abort_requests", (("a", "a"),), {}),
+    ("get_block_ids", ("zz",), {}),
+    ("get_block_ids", (None,), {}),
+    ("get_request_status", ("\ud800",), {}),
+    ("get_num_cached_tokens", ([],), {}),
+    ("get_num_cached_tokens", ([-1],), {}),
+    ("get_num_cached_tokens", ([1.5],), {}),
+    ("get_num_cached_tokens", (list(range(20)), 3), {}),
+    ("get_num_cached_tokens", (list(range(20)), None, "L"), {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "kwargs"), ODD_CALLS, ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(ODD_CALLS)]
+)
+def test_odd_calls_behave_the_same(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    from kvsched import Scheduler
+
+    pair = [cls(block_size=4, num_blocks=32, max_model_len=64) for cls in (ReferenceScheduler, Scheduler)]
+    for s in pair:
+        s.add_request("a", list(range(20)), arrival_time=0.0)
+        s.update_from_output(s.schedule(), [[1]])
+    a, b, _ = call_both(lambda: getattr(pair[0], method)(*args, **kwargs),
+                        lambda: getattr(pair[1], method)(*args, **kwargs))  # fmt: skip
+    if isinstance(a, np.ndarray):
+        assert_arrays_equal(a, b, method)
+    else:
+        assert a == b
+    for s in pair:
+        s.check_invariants()
+    assert pair[0].stats().__dict__ == pair[1].stats().__dict__
+
+
+def test_rejected_drafts_of_a_request_preempted_and_resumed_in_flight_agree() -> None:
+    """semantics.md rolls back rejected drafts "if r is RUNNING", even when r was preempted and resumed after
+    its step was scheduled (so the rollback hits the resumed computation). Both implementations clamp at 0
+    (the literal rule would give -1 here). Pinned so a change of the rule updates both together."""
+    from kvsched import Scheduler
+
+    seen = []
+    for cls in (ReferenceScheduler, Scheduler):
+        s = cls(block_size=4, num_blocks=4, max_model_len=12, max_num_batched_tokens=6, num_lookahead_tokens=3,
+                policy="priority")  # fmt: skip
+        s.add_request("a", [1], priority=5, arrival_time=0.0)
+        s.update_from_output(s.schedule(), [[2]], [[3, 3, 3]])
+        s.add_request("c", [4, 4, 4, 4, 4], priority=0, arrival_time=1.0)
+        o1 = s.schedule()  # a: 1 token + 3 drafts; c: 2 of 5
+        o2 = s.schedule()  # c needs a block: a (lowest priority) is preempted while o1 is in flight
+        o3 = s.schedule()  # a is resumed: 2 tokens computed
+        assert (o2.preempted_req_ids, o3.resumed_req_ids) == (["a"], ["a"])
+        s.update_from_output(o1, [[7], []])  # all 3 drafts rejected: 2 - 3 -> clamped to 0
+        seen.append((s.get_num_computed_tokens("a"), s.get_output_token_ids("a")))
+        s.check_invariants()
+    assert seen[0] == seen[1] == (0, [2, 7])
