@@ -18,13 +18,13 @@ from ._errors import (
     SchedulerTypeError,
     UnknownRequestError,
 )
-from ._types import FinishReason, RequestStatus
+from ._types import FinishReason, RequestStatus, SchedulerStats
 from .config import SchedulerConfig
 
 if TYPE_CHECKING:
     from ._core import ModelInputs, SchedulerOutput, UpdateResult
     from .engine import LLM, RequestOutput, SamplingParams
-    from .scheduler import Scheduler, SchedulerStats
+    from .scheduler import Scheduler
 
 __version__ = "0.1.0"
 
@@ -53,7 +53,6 @@ __all__ = [
 
 _LAZY = {
     "Scheduler": "scheduler",
-    "SchedulerStats": "scheduler",
     "SchedulerOutput": "_core",
     "UpdateResult": "_core",
     "ModelInputs": "_core",

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
-__all__ = ["FinishReason", "RequestStatus"]
+__all__ = ["FinishReason", "RequestStatus", "SchedulerStats"]
 
 
 class RequestStatus(enum.IntEnum):
@@ -31,3 +32,24 @@ class FinishReason(enum.IntEnum):
 
     def __str__(self) -> str:
         return self.name.lower()
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of a scheduler's counters, as ``stats()`` returns it (token counts for the prefix cache)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_preempted_queries: int
+    prefix_cache_preempted_hits: int
+    num_preemptions: int
+    num_finished_reqs: int
+    step_id: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

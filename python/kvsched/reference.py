@@ -38,7 +38,7 @@ from ._errors import (
     SchedulerTypeError,
     UnknownRequestError,
 )
-from ._types import FinishReason, RequestStatus
+from ._types import FinishReason, RequestStatus, SchedulerStats
 from .config import SchedulerConfig
 
 __all__ = ["ModelInputs", "ReferenceScheduler", "SchedulerOutput", "SchedulerStats", "UpdateResult"]
@@ -50,27 +50,6 @@ _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 # ----------------------------------------------------------------------------------------------------------
 # Public result types
 # ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot of the scheduler's counters (``stats()``)."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prefix_cache_preempted_queries: int
-    prefix_cache_preempted_hits: int
-    num_preemptions: int
-    num_finished_reqs: int
-    step_id: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class SchedulerOutput:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from . import _core
 from ._errors import SchedulerTypeError
-from ._types import RequestStatus
+from ._types import RequestStatus, SchedulerStats
 from .config import SchedulerConfig
 
 __all__ = ["Scheduler", "SchedulerStats"]
@@ -41,27 +40,6 @@ def _on_preemption(num_preempted: int, total_preemptions: int) -> None:
     )
     _last_warning[0] = now
     _last_warning[1] = 0
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot of the scheduler's counters (token counts for the prefix cache)."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prefix_cache_preempted_queries: int
-    prefix_cache_preempted_hits: int
-    num_preemptions: int
-    num_finished_reqs: int
-    step_id: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Scheduler(_core.Scheduler):
