@@ -22,7 +22,6 @@ pub struct BlockPool {
     cached: HashMap<BlockHash, u32, PrehashedBuild>,
     /// Later blocks with the same hash, in insertion order (rare: no allocation on the common path).
     duplicates: HashMap<BlockHash, Vec<u32>, PrehashedBuild>,
-    enable_caching: bool,
 }
 
 impl BlockPool {
@@ -38,7 +37,6 @@ impl BlockPool {
                 Default::default(),
             ),
             duplicates: HashMap::default(),
-            enable_caching,
         }
     }
 
@@ -146,9 +144,9 @@ impl BlockPool {
         }
     }
 
-    /// Enters a full, allocated block into the prefix cache.
+    /// Enters a full, allocated block into the prefix cache (only called with caching on).
     pub fn cache_block(&mut self, block: u32, hash: BlockHash) {
-        if !self.enable_caching || block == NULL_BLOCK {
+        if block == NULL_BLOCK {
             return;
         }
         debug_assert!(self.hash[block as usize].is_none());

@@ -72,11 +72,8 @@ impl KvCacheManager {
         Some(need)
     }
 
-    /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache.
+    /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache (caching is on: the caller checks).
     fn cache_full_blocks(&mut self, req: &mut Request, num_full: usize) {
-        if !self.enable_caching {
-            return;
-        }
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
         for i in req.num_cached_blocks as usize..num_full {
             self.pool.cache_block(req.blocks[i], req.block_hashes[i]);

@@ -60,14 +60,6 @@ fn bad_request(msg: String) -> SchedError {
     SchedError::InvalidRequest(msg)
 }
 
-fn token_id(what: &str, t: i64) -> Result<u32> {
-    if (0..=MAX_TOKEN_ID).contains(&t) {
-        Ok(t as u32)
-    } else {
-        Err(bad_request(format!("{what} must be in [0, {MAX_TOKEN_ID}], got {t}")))
-    }
-}
-
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
@@ -200,7 +192,11 @@ impl Scheduler {
 
     /// Validates one token id given as a signed integer (for bindings).
     pub fn check_token_id(what: &str, t: i64) -> Result<u32> {
-        token_id(what, t)
+        if (0..=MAX_TOKEN_ID).contains(&t) {
+            Ok(t as u32)
+        } else {
+            Err(bad_request(format!("{what} must be in [0, {MAX_TOKEN_ID}], got {t}")))
+        }
     }
 
     pub(crate) fn priority_key(req: &Request) -> PriorityKey {
@@ -302,7 +298,7 @@ impl Scheduler {
     ) -> Result<u32> {
         let mut tokens = Vec::with_capacity(prompt_token_ids.len());
         for &t in prompt_token_ids {
-            tokens.push(token_id("prompt token id", t)?);
+            tokens.push(Self::check_token_id("prompt token id", t)?);
         }
         if !self.config.enable_prefix_caching || tokens.is_empty() {
             return Ok(0);
@@ -428,7 +424,7 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Frees everything a finished request held and reports it; used by `update.rs`.
+    /// The finish reason reported for a final status.
     pub(crate) fn finish_reason(status: RequestStatus) -> FinishReason {
         match status {
             RequestStatus::FinishedLengthCapped => FinishReason::Length,
