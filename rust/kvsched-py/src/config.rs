@@ -1,0 +1,47 @@
+//! Config conversion: a `kvsched.SchedulerConfig` (any object with its attributes) to `core::SchedulerConfig`.
+//!
+//! Each field is read by name and type-checked here; range and consistency checks are the core's
+//! (`SchedulerConfig::validate`), so the Python and Rust sides cannot disagree on what is valid.
+
+use kvsched_core as core;
+use pyo3::prelude::*;
+use pyo3::types::PyBool;
+
+use crate::convert::{int_arg, seed_bytes};
+use crate::errors::{map_err, py_error};
+
+pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::SchedulerConfig> {
+    let py = cfg.py();
+    let u32_field = |name: &str| -> PyResult<u32> {
+        let v = int_arg(&cfg.getattr(name)?, name, "InvalidConfigError")?;
+        u32::try_from(v)
+            .map_err(|_| py_error(py, "InvalidConfigError", format!("{name} must be in [0, 2**32), got {v}")))
+    };
+    let bool_field = |name: &str| -> PyResult<bool> {
+        let v = cfg.getattr(name)?;
+        v.downcast::<PyBool>()
+            .map(|b| b.is_true())
+            .map_err(|_| py_error(py, "InvalidConfigError", format!("{name} must be a bool, got {v}")))
+    };
+    let str_field = |name: &str| -> PyResult<String> {
+        let v = cfg.getattr(name)?;
+        v.extract::<String>()
+            .map_err(|_| py_error(py, "InvalidConfigError", format!("{name} must be a str, got {v}")))
+    };
+    let policy = core::Policy::parse(&str_field("policy")?).map_err(|e| map_err(py, e))?;
+    let algo = core::HashAlgo::parse(&str_field("prefix_hash_algo")?).map_err(|e| map_err(py, e))?;
+    Ok(core::SchedulerConfig {
+        block_size: u32_field("block_size")?,
+        num_blocks: u32_field("num_blocks")?,
+        max_num_seqs: u32_field("max_num_seqs")?,
+        max_num_batched_tokens: u32_field("max_num_batched_tokens")?,
+        max_model_len: u32_field("max_model_len")?,
+        enable_prefix_caching: bool_field("enable_prefix_caching")?,
+        enable_chunked_prefill: bool_field("enable_chunked_prefill")?,
+        long_prefill_token_threshold: u32_field("long_prefill_token_threshold")?,
+        policy,
+        num_lookahead_tokens: u32_field("num_lookahead_tokens")?,
+        prefix_hash_algo: algo,
+        prefix_hash_seed: seed_bytes(&cfg.getattr("prefix_hash_seed")?)?,
+    })
+}

@@ -1,0 +1,247 @@
+//! The per-step result pyclasses: `SchedulerOutput`, `UpdateResult`, `ModelInputs`, and the lazy arrays behind
+//! them.
+//!
+//! Nothing here is built per request on the hot path: arrays stay Rust vectors until Python first asks for one
+//! (then they move into numpy without a copy), id lists are built once and cached, and a step's id list is
+//! shared (`SharedIds`) with the next step's output while the batch does not change.
+
+use std::sync::Arc;
+
+use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString};
+
+/// A Rust vector that becomes a numpy array (moved, not copied) the first time Python asks for it.
+pub(crate) enum LazyArray<T: numpy::Element> {
+    Raw(Vec<T>),
+    Py(Py<PyArray1<T>>),
+}
+
+impl<T: numpy::Element> LazyArray<T> {
+    pub(crate) fn get<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<T>> {
+        if let LazyArray::Raw(v) = self {
+            let arr = std::mem::take(v).into_pyarray(py);
+            *self = LazyArray::Py(arr.clone().unbind());
+            return arr;
+        }
+        match self {
+            LazyArray::Py(a) => a.bind(py).clone(),
+            LazyArray::Raw(_) => PyArray1::from_vec(py, Vec::new()),
+        }
+    }
+}
+
+pub(crate) fn cached_list<'py>(
+    py: Python<'py>,
+    cache: &mut Option<Py<PyList>>,
+    make: impl FnOnce() -> PyResult<Bound<'py, PyList>>,
+) -> PyResult<Bound<'py, PyList>> {
+    if let Some(l) = cache {
+        return Ok(l.bind(py).clone());
+    }
+    let l = make()?;
+    *cache = Some(l.clone().unbind());
+    Ok(l)
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// SchedulerOutput
+
+/// The caller's id strings of one step's scheduled requests, shareable between consecutive outputs.
+pub(crate) type SharedIds = Arc<Vec<Py<PyString>>>;
+
+/// One step's decisions (see docs/semantics.md). Arrays and lists are built on first access.
+#[pyclass(module = "kvsched._core", name = "SchedulerOutput")]
+pub(crate) struct PySchedulerOutput {
+    #[pyo3(get)]
+    pub(crate) step_id: u64,
+    #[pyo3(get)]
+    pub(crate) total_num_scheduled_tokens: u64,
+    pub(crate) scheduler_id: u64,
+    /// Shared with the next output when the scheduled requests are the same (steady decode).
+    pub(crate) ids: SharedIds,
+    pub(crate) new_reqs: Vec<u32>,
+    pub(crate) resumed_reqs: Vec<u32>,
+    pub(crate) preempted_ids: Vec<Py<PyString>>,
+    pub(crate) finished_ids: Vec<Arc<str>>,
+    pub(crate) num_scheduled_tokens: LazyArray<i32>,
+    pub(crate) num_computed_tokens: LazyArray<i32>,
+    pub(crate) new_block_ids: LazyArray<i32>,
+    pub(crate) new_block_ids_indptr: LazyArray<i32>,
+    pub(crate) spec_token_ids: LazyArray<i32>,
+    pub(crate) spec_token_ids_indptr: LazyArray<i32>,
+    pub(crate) req_ids_cache: Option<Py<PyList>>,
+}
+
+#[pymethods]
+impl PySchedulerOutput {
+    #[getter]
+    fn req_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let ids = &self.ids;
+        cached_list(py, &mut self.req_ids_cache, || PyList::new(py, ids.iter().map(|s| s.bind(py))))
+    }
+
+    #[getter]
+    fn num_reqs(&self) -> usize {
+        self.ids.len()
+    }
+
+    #[getter]
+    fn num_scheduled_tokens<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.num_scheduled_tokens.get(py)
+    }
+
+    #[getter]
+    fn num_computed_tokens<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.num_computed_tokens.get(py)
+    }
+
+    #[getter]
+    fn new_block_ids<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.new_block_ids.get(py)
+    }
+
+    #[getter]
+    fn new_block_ids_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.new_block_ids_indptr.get(py)
+    }
+
+    #[getter]
+    fn spec_token_ids<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.spec_token_ids.get(py)
+    }
+
+    #[getter]
+    fn spec_token_ids_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.spec_token_ids_indptr.get(py)
+    }
+
+    #[getter]
+    fn new_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.new_reqs.iter().map(|&i| self.ids[i as usize].bind(py)))
+    }
+
+    #[getter]
+    fn resumed_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.resumed_reqs.iter().map(|&i| self.ids[i as usize].bind(py)))
+    }
+
+    #[getter]
+    fn preempted_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.preempted_ids.iter().map(|s| s.bind(py)))
+    }
+
+    #[getter]
+    fn finished_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.finished_ids.iter().map(|s| PyString::new(py, s)))
+    }
+
+    /// `{req_id: num_scheduled_tokens}`, built on demand (not for the hot path).
+    fn num_scheduled_tokens_by_id<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let counts = self.num_scheduled_tokens.get(py);
+        let counts = counts.readonly();
+        let d = PyDict::new(py);
+        for (id, n) in self.ids.iter().zip(counts.as_array().iter()) {
+            d.set_item(id.bind(py), *n)?;
+        }
+        Ok(d)
+    }
+
+    fn __len__(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerOutput(step_id={}, num_reqs={}, total_num_scheduled_tokens={}, num_new={}, num_resumed={}, \
+             num_preempted={}, num_finished={})",
+            self.step_id,
+            self.ids.len(),
+            self.total_num_scheduled_tokens,
+            self.new_reqs.len(),
+            self.resumed_reqs.len(),
+            self.preempted_ids.len(),
+            self.finished_ids.len()
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// UpdateResult and ModelInputs
+
+/// What applying one step's sampled tokens did.
+#[pyclass(module = "kvsched._core", name = "UpdateResult")]
+pub(crate) struct PyUpdateResult {
+    pub(crate) finished_ids: Vec<Arc<str>>,
+    pub(crate) finish_reasons: LazyArray<i8>,
+    pub(crate) stop_reasons: LazyArray<i64>,
+    pub(crate) num_new_tokens: LazyArray<i32>,
+    pub(crate) finished_cache: Option<Py<PyList>>,
+}
+
+#[pymethods]
+impl PyUpdateResult {
+    #[getter]
+    fn finished_req_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let ids = &self.finished_ids;
+        cached_list(py, &mut self.finished_cache, || {
+            PyList::new(py, ids.iter().map(|s| PyString::new(py, s)))
+        })
+    }
+
+    #[getter]
+    fn finish_reasons<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i8>> {
+        self.finish_reasons.get(py)
+    }
+
+    #[getter]
+    fn stop_reasons<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        self.stop_reasons.get(py)
+    }
+
+    #[getter]
+    fn num_new_tokens<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.num_new_tokens.get(py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("UpdateResult(num_finished={})", self.finished_ids.len())
+    }
+}
+
+/// The flat int32 batch layout of one step for a paged-attention runner.
+#[pyclass(module = "kvsched._core", name = "ModelInputs", frozen)]
+pub(crate) struct PyModelInputs {
+    #[pyo3(get)]
+    pub(crate) input_token_ids: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    pub(crate) input_positions: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    pub(crate) slot_mapping: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    pub(crate) query_start_loc: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    pub(crate) seq_lens: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    pub(crate) block_table: Py<PyAny>,
+    #[pyo3(get)]
+    pub(crate) logits_indices: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    pub(crate) num_reqs: usize,
+    #[pyo3(get)]
+    pub(crate) num_tokens: usize,
+    #[pyo3(get)]
+    pub(crate) max_seq_len: i32,
+    #[pyo3(get)]
+    pub(crate) max_query_len: i32,
+}
+
+#[pymethods]
+impl PyModelInputs {
+    fn __repr__(&self) -> String {
+        format!(
+            "ModelInputs(num_reqs={}, num_tokens={}, max_seq_len={}, max_query_len={})",
+            self.num_reqs, self.num_tokens, self.max_seq_len, self.max_query_len
+        )
+    }
+}

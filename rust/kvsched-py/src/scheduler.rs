@@ -1,0 +1,444 @@
+//! The `Scheduler` pyclass: each method converts its arguments, borrows the core, and calls it through `guard`.
+//!
+//! Arguments are converted before the core is borrowed (a re-entrant call gets `SchedulerError`, not a
+//! panic). Ids are interned once per request (at `add_request`) and reused for every step's `req_ids`; the
+//! previous step's id list is reused while the scheduled handles are unchanged (steady decode).
+
+use std::sync::Arc;
+
+use kvsched_core as core;
+use kvsched_core::{Ragged, RequestParams, SchedError};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
+
+use crate::config::config_from_py;
+use crate::convert::{id_arg, opt_int_arg, opt_str_arg, str_arg, token_list, type_name, RaggedInput};
+use crate::errors::{guard, py_error, type_error};
+use crate::output::{LazyArray, PyModelInputs, PySchedulerOutput, PyUpdateResult, SharedIds};
+
+/// The Rust scheduler. Use `kvsched.Scheduler` (a thin Python subclass that builds the config).
+#[pyclass(module = "kvsched._core", name = "Scheduler", subclass)]
+pub(crate) struct PyScheduler {
+    core: core::Scheduler,
+    /// The caller's id string of each live request, by slot: reused for every step's `req_ids`.
+    py_ids: Vec<Option<Py<PyString>>>,
+    /// The previous step's scheduled handles and their ids: reused while the batch does not change.
+    last_ids: Option<(Vec<core::ReqHandle>, SharedIds)>,
+    config: Py<PyAny>,
+}
+
+fn borrow_mut<'py>(slf: &Bound<'py, PyScheduler>) -> PyResult<PyRefMut<'py, PyScheduler>> {
+    slf.try_borrow_mut().map_err(|_| {
+        py_error(slf.py(), "SchedulerError", "the scheduler is busy: a call re-entered it".into())
+    })
+}
+
+fn borrow<'py>(slf: &Bound<'py, PyScheduler>) -> PyResult<PyRef<'py, PyScheduler>> {
+    slf.try_borrow().map_err(|_| {
+        py_error(slf.py(), "SchedulerError", "the scheduler is busy: a call re-entered it".into())
+    })
+}
+
+fn warn_preempted(py: Python<'_>, num: usize, total: u64) -> PyResult<()> {
+    py.import("kvsched.scheduler")?.getattr("_on_preemption")?.call1((num, total))?;
+    Ok(())
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (config, *_args, **_kwargs))]
+    fn new(
+        config: &Bound<'_, PyAny>,
+        _args: &Bound<'_, PyTuple>,
+        _kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let py = config.py();
+        let cfg = config_from_py(config)?;
+        let core = guard(py, || core::Scheduler::new(cfg))?;
+        Ok(PyScheduler { core, py_ids: Vec::new(), last_ids: None, config: config.clone().unbind() })
+    }
+
+    #[getter]
+    fn config(&self, py: Python<'_>) -> Py<PyAny> {
+        self.config.clone_ref(py)
+    }
+
+    #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, min_tokens=None, eos_token_id=None,
+        ignore_eos=None, stop_token_ids=None, priority=None, arrival_time=None, cache_salt=None, lora_name=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        slf: &Bound<'_, Self>,
+        req_id: &Bound<'_, PyAny>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_tokens: Option<&Bound<'_, PyAny>>,
+        min_tokens: Option<&Bound<'_, PyAny>>,
+        eos_token_id: Option<&Bound<'_, PyAny>>,
+        ignore_eos: Option<&Bound<'_, PyAny>>,
+        stop_token_ids: Option<&Bound<'_, PyAny>>,
+        priority: Option<&Bound<'_, PyAny>>,
+        arrival_time: Option<&Bound<'_, PyAny>>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
+        let id = str_arg(req_id, "req_id")?;
+        let prompt = token_list(prompt_token_ids, "prompt_token_ids", "InvalidRequestError")?;
+        // Python ints beyond int64 are still valid limits: a huge max_tokens is capped by max_model_len.
+        let huge_positive = |o: Option<&Bound<'_, PyAny>>| -> bool {
+            o.is_some_and(|o| o.is_instance_of::<PyInt>() && o.gt(i64::MAX).unwrap_or(false))
+        };
+        let max_tokens = if huge_positive(max_tokens) {
+            Some(u32::MAX)
+        } else {
+            match opt_int_arg(max_tokens, "max_tokens", "InvalidRequestError")? {
+                None => None,
+                Some(m) if m < 1 => return Err(bad(format!("max_tokens must be >= 1, got {m}"))),
+                Some(m) => Some(u32::try_from(m).unwrap_or(u32::MAX)),
+            }
+        };
+        let min_tokens = match opt_int_arg(min_tokens, "min_tokens", "InvalidRequestError")? {
+            None => 0,
+            Some(m) if m < 0 => return Err(bad(format!("min_tokens must be >= 0, got {m}"))),
+            Some(m) => u32::try_from(m).map_err(|_| {
+                bad(format!("min_tokens={m} exceeds what any request can generate (max_model_len)"))
+            })?,
+        };
+        let eos_token_id = match opt_int_arg(eos_token_id, "eos_token_id", "InvalidRequestError")? {
+            None => None,
+            Some(t) => Some(guard(py, || core::Scheduler::check_token_id("eos_token_id", t))?),
+        };
+        let ignore_eos = match ignore_eos {
+            None => false,
+            Some(o) => o
+                .downcast::<PyBool>()
+                .map(|b| b.is_true())
+                .map_err(|_| type_error(py, format!("ignore_eos must be a bool, got {}", type_name(o))))?,
+        };
+        let mut stops = Vec::new();
+        if let Some(s) = stop_token_ids {
+            if !s.is_none() {
+                for t in token_list(s, "stop_token_ids", "InvalidRequestError")? {
+                    stops.push(guard(py, || core::Scheduler::check_token_id("stop_token_ids", t))?);
+                }
+            }
+        }
+        let priority = opt_int_arg(priority, "priority", "InvalidRequestError")?.unwrap_or(0);
+        let arrival_time = match arrival_time {
+            Some(t) if !t.is_none() => {
+                if t.is_instance_of::<PyBool>() {
+                    return Err(type_error(py, "arrival_time must be a float or None, got bool".into()));
+                }
+                match t.extract::<f64>() {
+                    Ok(v) => v,
+                    Err(_) if t.is_instance_of::<PyInt>() => {
+                        return Err(bad(format!("arrival_time is out of range: {t}")))
+                    }
+                    Err(_) => {
+                        return Err(type_error(
+                            py,
+                            format!("arrival_time must be a float or None, got {}", type_name(t)),
+                        ))
+                    }
+                }
+            }
+            _ => py.import("time")?.call_method0("monotonic")?.extract::<f64>()?,
+        };
+        let params = RequestParams {
+            max_tokens,
+            min_tokens,
+            eos_token_id,
+            ignore_eos,
+            stop_token_ids: stops,
+            priority,
+            arrival_time,
+            cache_salt: opt_str_arg(cache_salt, "cache_salt")?,
+            lora_name: opt_str_arg(lora_name, "lora_name")?,
+        };
+        let id_str = id_arg(req_id, "InvalidRequestError")?;
+        let mut this = borrow_mut(slf)?;
+        let slot = this.core_next_slot();
+        guard(py, || this.core.add_request(&id_str, &prompt, params))?;
+        if this.py_ids.len() <= slot {
+            this.py_ids.resize_with(slot + 1, || None);
+        }
+        this.py_ids[slot] = Some(id.unbind());
+        Ok(())
+    }
+
+    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+        let py = slf.py();
+        let mut this = borrow_mut(slf)?;
+        let out = guard(py, || this.core.schedule())?;
+        let id_of = |py_ids: &[Option<Py<PyString>>], h: core::ReqHandle| -> PyResult<Py<PyString>> {
+            py_ids
+                .get(h.slot as usize)
+                .and_then(Option::as_ref)
+                .map(|s| s.clone_ref(py))
+                .ok_or_else(|| py_error(py, "InternalError", format!("no id for slot {}", h.slot)))
+        };
+        let reuse = match &this.last_ids {
+            Some((handles, ids)) if *handles == out.handles => Some(ids.clone()),
+            _ => None,
+        };
+        let ids = match reuse {
+            Some(ids) => ids,
+            None => {
+                let fresh =
+                    out.handles.iter().map(|&h| id_of(&this.py_ids, h)).collect::<PyResult<Vec<_>>>()?;
+                let ids = Arc::new(fresh);
+                this.last_ids = Some((out.handles.clone(), ids.clone()));
+                ids
+            }
+        };
+        let preempted_ids =
+            out.preempted.iter().map(|&h| id_of(&this.py_ids, h)).collect::<PyResult<Vec<_>>>()?;
+        let num_preempted = preempted_ids.len();
+        let total_preemptions = this.core.stats().num_preemptions;
+        drop(this);
+        if num_preempted > 0 {
+            warn_preempted(py, num_preempted, total_preemptions)?;
+        }
+        Ok(PySchedulerOutput {
+            step_id: out.step_id,
+            total_num_scheduled_tokens: out.total_num_scheduled_tokens,
+            scheduler_id: out.scheduler_id,
+            ids,
+            new_reqs: out.new_reqs,
+            resumed_reqs: out.resumed_reqs,
+            preempted_ids,
+            finished_ids: out.finished_req_ids,
+            num_scheduled_tokens: LazyArray::Raw(out.num_scheduled_tokens),
+            num_computed_tokens: LazyArray::Raw(out.num_computed_tokens),
+            new_block_ids: LazyArray::Raw(out.new_block_ids),
+            new_block_ids_indptr: LazyArray::Raw(out.new_block_ids_indptr),
+            spec_token_ids: LazyArray::Raw(out.spec_token_ids),
+            spec_token_ids_indptr: LazyArray::Raw(out.spec_token_ids_indptr),
+            req_ids_cache: None,
+        })
+    }
+
+    #[pyo3(signature = (out, sampled_token_ids, draft_token_ids=None))]
+    fn update_from_output(
+        slf: &Bound<'_, Self>,
+        out: &Bound<'_, PyAny>,
+        sampled_token_ids: &Bound<'_, PyAny>,
+        draft_token_ids: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyUpdateResult> {
+        let py = slf.py();
+        let (scheduler_id, step_id) = {
+            let o = out.downcast::<PySchedulerOutput>().map_err(|_| {
+                type_error(
+                    py,
+                    format!("out must be a SchedulerOutput from schedule(), got {}", type_name(out)),
+                )
+            })?;
+            let o = o.try_borrow().map_err(|_| type_error(py, "out is in use".into()))?;
+            (o.scheduler_id, o.step_id)
+        };
+        let sampled = RaggedInput::parse(sampled_token_ids, "sampled_token_ids")?;
+        let drafts = match draft_token_ids {
+            Some(d) if !d.is_none() => Some(RaggedInput::parse(d, "draft_token_ids")?),
+            _ => None,
+        };
+        let (sv, sp) = sampled.views("sampled_token_ids")?;
+        let draft_views = match &drafts {
+            Some(d) => Some(d.views("draft_token_ids")?),
+            None => None,
+        };
+        let mut this = borrow_mut(slf)?;
+        let res = guard(py, || {
+            this.core.update_from_output(
+                scheduler_id,
+                step_id,
+                Ragged { values: sv.as_slice(), indptr: sp.as_slice() },
+                draft_views.as_ref().map(|(v, p)| Ragged { values: v.as_slice(), indptr: p.as_slice() }),
+            )
+        })?;
+        Ok(PyUpdateResult {
+            finished_ids: res.finished_req_ids,
+            finish_reasons: LazyArray::Raw(res.finish_reasons.iter().map(|&r| r as i8).collect()),
+            stop_reasons: LazyArray::Raw(res.stop_reasons),
+            num_new_tokens: LazyArray::Raw(res.num_new_tokens),
+            finished_cache: None,
+        })
+    }
+
+    fn prepare_model_inputs(slf: &Bound<'_, Self>, out: &Bound<'_, PyAny>) -> PyResult<PyModelInputs> {
+        let py = slf.py();
+        let (scheduler_id, step_id) = {
+            let o = out.downcast::<PySchedulerOutput>().map_err(|_| {
+                type_error(
+                    py,
+                    format!("out must be a SchedulerOutput from schedule(), got {}", type_name(out)),
+                )
+            })?;
+            let o = o.try_borrow().map_err(|_| type_error(py, "out is in use".into()))?;
+            (o.scheduler_id, o.step_id)
+        };
+        let this = borrow(slf)?;
+        let mi = guard(py, || this.core.prepare_model_inputs(scheduler_id, step_id))?;
+        drop(this);
+        let n = mi.seq_lens.len();
+        let num_tokens = mi.input_token_ids.len();
+        let table = Array2::from_shape_vec((n, mi.max_num_blocks), mi.block_table)
+            .map_err(|e| py_error(py, "InternalError", format!("block table shape: {e}")))?;
+        Ok(PyModelInputs {
+            input_token_ids: mi.input_token_ids.into_pyarray(py).unbind(),
+            input_positions: mi.input_positions.into_pyarray(py).unbind(),
+            slot_mapping: mi.slot_mapping.into_pyarray(py).unbind(),
+            query_start_loc: mi.query_start_loc.into_pyarray(py).unbind(),
+            seq_lens: mi.seq_lens.into_pyarray(py).unbind(),
+            block_table: table.into_pyarray(py).into_any().unbind(),
+            logits_indices: mi.logits_indices.into_pyarray(py).unbind(),
+            num_reqs: n,
+            num_tokens,
+            max_seq_len: mi.max_seq_len,
+            max_query_len: mi.max_query_len,
+        })
+    }
+
+    fn abort_requests(slf: &Bound<'_, Self>, req_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        if req_ids.is_instance_of::<PyString>() {
+            return Err(type_error(py, "req_ids must be an iterable of str, not a single str".into()));
+        }
+        let iter = req_ids.try_iter().map_err(|_| {
+            type_error(py, format!("req_ids must be an iterable of str, got {}", type_name(req_ids)))
+        })?;
+        let mut ids = Vec::new();
+        for item in iter {
+            ids.push(id_arg(&item?, "UnknownRequestError")?);
+        }
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.abort_requests(&ids))
+    }
+
+    fn has_unfinished_requests(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(borrow(slf)?.core.has_unfinished_requests())
+    }
+
+    #[getter]
+    fn num_unfinished_requests(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.core.num_unfinished_requests())
+    }
+
+    #[getter]
+    fn num_free_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.core.num_free_blocks())
+    }
+
+    fn get_block_ids<'py>(
+        slf: &Bound<'py, Self>,
+        req_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let py = slf.py();
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        let blocks: Vec<i32> = guard(py, || Ok(this.core.get_request(&id)?.blocks.clone()))?
+            .into_iter()
+            .map(|b| b as i32)
+            .collect();
+        Ok(blocks.into_pyarray(py))
+    }
+
+    fn get_block_hashes<'py>(
+        slf: &Bound<'py, Self>,
+        req_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let py = slf.py();
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        let width = match this.core.config().prefix_hash_algo {
+            core::HashAlgo::Xxh3_128 => 16,
+            core::HashAlgo::Sha256 => 32,
+        };
+        let hashes = guard(py, || Ok(this.core.get_request(&id)?.block_hashes.clone()))?;
+        PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, &h.0[..width])))
+    }
+
+    fn get_request_status(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<u8> {
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        guard(slf.py(), || Ok(this.core.get_request(&id)?.status as u8))
+    }
+
+    fn get_num_computed_tokens(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        guard(slf.py(), || Ok(this.core.get_request(&id)?.num_computed_tokens))
+    }
+
+    fn get_output_token_ids(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        guard(slf.py(), || Ok(this.core.get_request(&id)?.output_token_ids().to_vec()))
+    }
+
+    /// `(num_prompt_tokens, num_preemptions, num_cached_tokens, priority, arrival_time)` of a live request.
+    fn _request_info(
+        slf: &Bound<'_, Self>,
+        req_id: &Bound<'_, PyAny>,
+    ) -> PyResult<(u32, u32, i64, i64, f64)> {
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        guard(slf.py(), || {
+            let r = this.core.get_request(&id)?;
+            Ok((r.num_prompt_tokens, r.num_preemptions, r.num_cached_tokens, r.priority, r.arrival_time))
+        })
+    }
+
+    #[pyo3(signature = (prompt_token_ids, cache_salt=None, lora_name=None))]
+    fn get_num_cached_tokens(
+        slf: &Bound<'_, Self>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u32> {
+        let py = slf.py();
+        let prompt = token_list(prompt_token_ids, "prompt_token_ids", "InvalidRequestError")?;
+        let salt = opt_str_arg(cache_salt, "cache_salt")?;
+        let lora = opt_str_arg(lora_name, "lora_name")?;
+        let this = borrow(slf)?;
+        guard(py, || this.core.get_num_cached_tokens(&prompt, salt.as_deref(), lora.as_deref()))
+    }
+
+    fn reset_prefix_cache(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        let mut this = borrow_mut(slf)?;
+        Ok(this.core.reset_prefix_cache())
+    }
+
+    /// The counters as a dict (`kvsched.Scheduler.stats()` wraps it in a dataclass).
+    fn _stats_dict<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyDict>> {
+        let py = slf.py();
+        let s = borrow(slf)?.core.stats();
+        let d = PyDict::new(py);
+        d.set_item("num_running_reqs", s.num_running_reqs)?;
+        d.set_item("num_waiting_reqs", s.num_waiting_reqs)?;
+        d.set_item("kv_cache_usage", s.kv_cache_usage)?;
+        d.set_item("num_free_blocks", s.num_free_blocks)?;
+        d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
+        d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
+        d.set_item("prefix_cache_preempted_queries", s.prefix_cache_preempted_queries)?;
+        d.set_item("prefix_cache_preempted_hits", s.prefix_cache_preempted_hits)?;
+        d.set_item("num_preemptions", s.num_preemptions)?;
+        d.set_item("num_finished_reqs", s.num_finished_reqs)?;
+        d.set_item("step_id", s.step_id)?;
+        Ok(d)
+    }
+
+    fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
+        let this = borrow(slf)?;
+        guard(py, || this.core.check_invariants().map_err(SchedError::Internal))
+    }
+}
+
+impl PyScheduler {
+    fn core_next_slot(&self) -> usize {
+        self.core.next_slot() as usize
+    }
+}
