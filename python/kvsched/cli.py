@@ -3,6 +3,7 @@
 Subcommands:
 
 - ``kvsched bench``: per-step scheduling latency on the standard workloads (see ``docs/benchmarks.md``).
+- ``kvsched simulate``: a serving simulator driven by the real scheduler (see ``docs/simulator.md``).
 - ``kvsched generate``: provided by :mod:`kvsched.runner.cli` when the runner is installed (optional).
 """
 
@@ -97,6 +98,77 @@ def _add_bench_parser(subparsers: Any) -> None:
     p.set_defaults(func=_run_bench)
 
 
+def _add_simulate_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate serving traffic in simulated time with the real scheduler (policies, SLOs, fairness)",
+        description=(
+            "Requests arrive in simulated time, the real scheduler decides every step, and a linear step-time "
+            "model (a preset, or one calibrated with --calibrate) says how long each step takes. Sweeps every "
+            "combination of --rates, --policies and --set values; prints a table and writes JSON, CSV and "
+            "(with --plot) PNGs to --out. See docs/simulator.md."
+        ),
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--rate", type=_positive_float, default=None, help="requests per second (default 4)")
+    w.add_argument("--rates", default=None, help="comma-separated request rates to sweep (overrides --rate)")
+    w.add_argument("--duration", type=_positive_float, default=60.0, help="seconds of arrivals (%(default)s)")
+    w.add_argument("--num-requests", type=int, default=None, help="this many requests instead of --duration")
+    w.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    w.add_argument("--cv", type=_positive_float, default=1.0, help="gamma arrivals: CV of the gaps (>1: bursty)")
+    w.add_argument("--prompt-len", default="1024", help="N, uniform:LO:HI or lognormal:MEAN:CV (%(default)s)")
+    w.add_argument("--output-len", default="200", help="same forms as --prompt-len (%(default)s)")
+    w.add_argument(
+        "--tenants", default=None, help="name:share[:weight[:priority]],... e.g. a:0.8,b:0.1,c:0.1:2 (default one)"
+    )
+    w.add_argument("--priorities", default=None, help="priority classes value:fraction,... e.g. 0:0.2,1:0.8")
+    w.add_argument("--prefix-groups", type=int, default=0, help="number of shared-prefix groups")
+    w.add_argument("--prefix-len", type=int, default=0, help="tokens of each group's shared prefix")
+    w.add_argument("--prefix-fraction", type=float, default=0.0, help="share of requests in a prefix group")
+    w.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace instead (see docs)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--dump-trace", type=Path, default=None, metavar="JSONL", help="write the generated workload")
+    w.add_argument("--dump-only", action="store_true", help="with --dump-trace: write it and stop")
+    s = p.add_argument_group("scheduler and model")
+    s.add_argument("--policies", default="fcfs", help="comma-separated policies to compare (%(default)s)")
+    s.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=V1[,V2]",
+        help="a scheduler config field, one value or several to sweep (repeatable), e.g. num_blocks=2000,4000",
+    )
+    s.add_argument("--scheduler", choices=("rust", "reference"), default="rust", help="%(default)s")
+    s.add_argument(
+        "--step-model",
+        default=None,
+        help="step-time preset name or JSON file (default llama-3.1-8b-h100); --list-presets shows them",
+    )
+    s.add_argument("--list-presets", action="store_true", help="print the step-time presets and stop")
+    s.add_argument("--horizon", type=_positive_float, default=None, help="stop at this simulated time (s)")
+    m = p.add_argument_group("metrics and output")
+    m.add_argument("--slo-ttft", type=_positive_float, default=None, help="TTFT target for goodput (s)")
+    m.add_argument("--slo-tpot", type=_positive_float, default=None, help="TPOT target for goodput (s)")
+    m.add_argument("--window", type=_positive_float, default=None, help="fairness window (s; default run/20)")
+    m.add_argument("--out", type=Path, default=Path("sim-results"), help="output directory (%(default)s)")
+    m.add_argument("--per-request", action="store_true", help="also write one CSV row per request")
+    m.add_argument("--plot", action="store_true", help="write PNG figures to --out (needs matplotlib)")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    c = p.add_argument_group("calibration (needs the torch extra)")
+    c.add_argument("--calibrate", action="store_true", help="fit a step-time model to the real runner and stop")
+    c.add_argument("--model", default=None, help="with --calibrate: a Hugging Face model directory")
+    c.add_argument("--device", default=None, help="with --calibrate: cpu or cuda (default: cuda if available)")
+    c.add_argument("--calibrate-out", type=Path, default=None, help="with --calibrate: the JSON preset to write")
+    c.add_argument("--calibrate-quick", action="store_true", help="with --calibrate: fewer, smaller timed steps")
+    p.set_defaults(func=_run_simulate)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from kvsched.sim.cli import run_simulate
+
+    return run_simulate(args)
+
+
 def _add_optional_subcommands(subparsers: Any) -> None:
     # ---- `kvsched generate` (owned by kvsched.runner; optional) --------------------------------------------
     # Imported lazily and only if present: the runner pulls in torch, which the scheduler never needs.
@@ -112,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsched", description="kvsched: a microsecond LLM scheduler core")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_bench_parser(subparsers)
+    _add_simulate_parser(subparsers)
     _add_optional_subcommands(subparsers)
     return parser
 

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -92,33 +92,14 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-class _Progress:
-    """A one-line progress bar on stderr (no tqdm needed): shown once a generation has run for a second, then
-    redrawn at most ten times a second."""
+def _progress_bar(total: int, enabled: bool) -> Any:
+    """A tqdm bar on stderr for :meth:`LLM.generate`: only on a terminal, and only once a generation has run
+    for a second (tqdm's ``delay``)."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
 
-    def __init__(self, total: int, enabled: bool, stream: TextIO = sys.stderr) -> None:
-        self.total, self.enabled, self.stream = total, enabled, stream
-        self.start = self.last = time.monotonic()
-        self.drawn = False
-
-    def update(self, done: int, num_output_tokens: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not force and (now - self.last < 0.1 or now - self.start < 1.0)):
-            return
-        self.last = now
-        width = 30
-        filled = width * done // max(1, self.total)
-        rate = num_output_tokens / max(1e-9, now - self.start)
-        bar = "#" * filled + "." * (width - filled)
-        self.stream.write(f"\rgenerate [{bar}] {done}/{self.total} | {rate:,.0f} output tok/s")
-        self.stream.flush()
-        self.drawn = True
-
-    def close(self, done: int, num_output_tokens: int) -> None:
-        if self.drawn:
-            self.update(done, num_output_tokens, force=True)
-            self.stream.write("\n")
-            self.stream.flush()
+    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr, delay=1.0, dynamic_ncols=True)
 
 
 class LLM:
@@ -331,14 +312,22 @@ class LLM:
             self.abort_requests(ids)  # all or nothing
             raise
         done: dict[str, RequestOutput] = {}
-        progress = _Progress(len(ids), use_tqdm)
+        bar = _progress_bar(len(ids), use_tqdm)
         num_output_tokens = 0
-        while self.has_unfinished_requests():
-            for req in self.step():
-                done[req.request_id] = req
-                num_output_tokens += len(req.output_token_ids)
-            progress.update(len(done), num_output_tokens)
-        progress.close(len(done), num_output_tokens)
+        start = time.monotonic()
+        try:
+            while self.has_unfinished_requests():
+                finished = self.step()
+                for req in finished:
+                    done[req.request_id] = req
+                    num_output_tokens += len(req.output_token_ids)
+                if bar is not None and finished:
+                    rate = num_output_tokens / max(1e-9, time.monotonic() - start)
+                    bar.set_postfix_str(f"{rate:,.0f} output tok/s", refresh=False)
+                    bar.update(len(finished))
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
 
 

@@ -1,16 +1,18 @@
-"""A dependency-free progress bar on stderr.
+"""Progress of ``kvsched bench`` on stderr, drawn by tqdm.
 
-On a terminal it redraws one line (at most ten times a second); elsewhere (CI logs, pipes) it prints only a
-line when a task starts and when it ends, so logs stay readable.
+On a terminal each task gets a tqdm bar (0-100 %, with a detail text); elsewhere (CI logs, pipes) only a line
+when a task starts and when it ends is printed, so logs stay readable. tqdm is imported when a bar is drawn.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 __all__ = ["Progress"]
+
+_TOTAL = 1000  # a task's bar counts per-mille of its fraction done
 
 
 class Progress:
@@ -20,46 +22,60 @@ class Progress:
         self._tty = enabled and bool(getattr(self._stream, "isatty", lambda: False)())
         self._width = width
         self._label = ""
-        self._last_draw = 0.0
         self._t0 = 0.0
+        self._bar: Any = None
 
     def start(self, label: str) -> None:
+        self._close_bar()
         self._label = label
         self._t0 = time.monotonic()
-        self._last_draw = 0.0
-        if self._enabled and not self._tty:
+        if not self._enabled:
+            return
+        if not self._tty:
             self._stream.write(f"{label} ...\n")
             self._stream.flush()
-        self.update(0.0, "")
+            return
+        from tqdm import tqdm
+
+        self._bar = tqdm(
+            total=_TOTAL,
+            desc=label,
+            file=self._stream,
+            leave=False,
+            mininterval=0.1,
+            bar_format="{desc} {percentage:5.1f}%|{bar:" + str(self._width) + "}| {postfix} ({elapsed})",
+        )
 
     def update(self, fraction: float, detail: str) -> None:
-        """Redraw if on a terminal and the last redraw is old enough; cheap otherwise."""
-        if not self._tty:
+        """Move the bar (tqdm redraws at most ten times a second); cheap when not on a terminal."""
+        bar = self._bar
+        if bar is None:
             return
-        now = time.monotonic()
-        if now - self._last_draw < 0.1 and fraction < 1.0:
-            return
-        self._last_draw = now
-        fraction = min(max(fraction, 0.0), 1.0)
-        filled = round(fraction * self._width)
-        bar = "#" * filled + "-" * (self._width - filled)
-        line = f"\r{self._label} [{bar}] {fraction * 100:5.1f}% {detail} ({now - self._t0:.1f}s)"
-        self._stream.write(line + "\x1b[K")
-        self._stream.flush()
+        target = round(min(max(fraction, 0.0), 1.0) * _TOTAL)
+        if target > bar.n:
+            bar.set_postfix_str(detail, refresh=False)
+            bar.update(target - bar.n)
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def finish(self, detail: str = "") -> None:
+        self._close_bar()
         if not self._enabled:
             return
         elapsed = time.monotonic() - self._t0
-        if self._tty:
-            self._stream.write("\r\x1b[K")
         self._stream.write(f"{self._label}: done in {elapsed:.1f}s {detail}\n")
         self._stream.flush()
 
     def message(self, text: str) -> None:
         if not self._enabled:
             return
-        if self._tty:
-            self._stream.write("\r\x1b[K")
+        if self._bar is not None:
+            from tqdm import tqdm
+
+            tqdm.write(text, file=self._stream)
+            return
         self._stream.write(text + "\n")
         self._stream.flush()

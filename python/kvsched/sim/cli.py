@@ -1,0 +1,173 @@
+"""``kvsched simulate``: the command behind the parser in :mod:`kvsched.cli`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+__all__ = ["run_simulate"]
+
+
+def _err(msg: str) -> int:
+    print(f"kvsched simulate: {msg}", file=sys.stderr)
+    return 2
+
+
+def _floats(text: str) -> list[float]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        value = float(part)
+        if not value > 0:
+            raise ValueError(f"rates must be > 0, got {part}")
+        out.append(value)
+    if not out:
+        raise ValueError("empty --rates")
+    return out
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from .._errors import SchedulerError
+    from .steptime import DEFAULT_PRESET, PRESETS, load_step_time_model
+    from .workload import (
+        TraceFormatError,
+        Workload,
+        WorkloadSpec,
+        dump_trace,
+        generate_workload,
+        load_trace,
+        parse_length,
+        parse_priorities,
+        parse_tenants,
+    )
+
+    if args.list_presets:
+        for name, preset in PRESETS.items():
+            print(f"{name}: {preset.source}")
+            print("  " + ", ".join(f"{k}={v:.4g}" for k, v in preset.to_dict().items() if k.endswith("_s")))
+        return 0
+    if args.calibrate:
+        return _calibrate(args)
+
+    try:
+        step_model = load_step_time_model(args.step_model or DEFAULT_PRESET)
+    except ValueError as exc:
+        return _err(str(exc))
+    try:
+        rates: list[float | None] = list(_floats(args.rates)) if args.rates else [args.rate]
+        spec_or_trace: WorkloadSpec | Workload
+        if args.trace is not None:
+            spec_or_trace = load_trace(args.trace, seed=args.seed)
+        else:
+            spec_or_trace = WorkloadSpec(
+                rate=rates[0] or 4.0,
+                duration=args.duration,
+                num_requests=args.num_requests,
+                arrival=args.arrival,
+                cv=args.cv,
+                prompt_len=parse_length(args.prompt_len),
+                output_len=parse_length(args.output_len),
+                tenants=parse_tenants(args.tenants) if args.tenants else WorkloadSpec().tenants,
+                priorities=parse_priorities(args.priorities) if args.priorities else ((0, 1.0),),
+                num_prefix_groups=args.prefix_groups,
+                prefix_len=args.prefix_len,
+                prefix_fraction=args.prefix_fraction,
+                seed=args.seed,
+            )
+            if rates == [None]:
+                rates = [spec_or_trace.rate]
+        from .sweep import parse_set, run_sweep, scale_trace
+
+        axes = parse_set(args.set)
+    except (TraceFormatError, ValueError) as exc:
+        return _err(str(exc))
+
+    if args.dump_trace is not None:
+        for rate in rates:
+            if isinstance(spec_or_trace, WorkloadSpec):
+                import dataclasses
+
+                w = generate_workload(spec_or_trace if rate is None else dataclasses.replace(spec_or_trace, rate=rate))
+            else:
+                w = spec_or_trace if rate is None else scale_trace(spec_or_trace, rate)
+            path = args.dump_trace
+            if len(rates) > 1:
+                path = path.with_name(f"{path.stem}_rate{rate:g}{path.suffix}")
+            dump_trace(w, path)
+            print(f"wrote {path} ({len(w)} requests)", file=sys.stderr)
+        if args.dump_only:
+            return 0
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        return _err("--policies is empty")
+    progress = not args.no_progress
+    t0 = time.perf_counter()
+    runs: list[Any] = []
+    try:
+        runs = run_sweep(
+            spec_or_trace,
+            rates=rates,
+            policies=policies,
+            axes=axes,
+            step_model=step_model,
+            scheduler=args.scheduler,
+            horizon=args.horizon,
+            slo_ttft=args.slo_ttft,
+            slo_tpot=args.slo_tpot,
+            window=args.window,
+            progress=progress,
+        )
+    except SchedulerError as exc:
+        return _err(f"bad scheduler config: {exc}")
+    except (ValueError, TypeError) as exc:
+        return _err(str(exc))
+    wall = time.perf_counter() - t0
+
+    from .report import format_table, write_outputs
+
+    print(format_table(runs))
+    meta = {"step_model": step_model.to_dict(), "scheduler": args.scheduler, "wall_s": wall}
+    paths = write_outputs(runs, args.out, per_request=args.per_request, argv=sys.argv, meta=meta)
+    if progress:
+        print(f"wrote {len(paths)} files to {args.out} ({wall:.1f}s)", file=sys.stderr)
+    if args.plot:
+        from .plot import MatplotlibMissingError, plot_sweep
+
+        try:
+            pngs = plot_sweep(runs, args.out)
+        except MatplotlibMissingError as exc:
+            return _err(str(exc))
+        if progress:
+            print("wrote " + ", ".join(str(p) for p in pngs), file=sys.stderr)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    if not args.model:
+        return _err("--calibrate needs --model DIR (a Hugging Face model directory)")
+    try:
+        from .calibrate import calibrate
+    except ImportError as exc:
+        return _err(f"--calibrate needs the torch extra (pip install 'kvsched[torch]'): {exc}")
+    out = args.calibrate_out
+    try:
+        model, fit = calibrate(
+            args.model, device=args.device, quick=args.calibrate_quick, progress=not args.no_progress
+        )
+    except ImportError as exc:
+        return _err(f"--calibrate needs the torch extra (pip install 'kvsched[torch]'): {exc}")
+    except (OSError, ValueError) as exc:
+        return _err(str(exc))
+    path = model.save(out or f"{model.name}.json", extra=fit)
+    print(", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items() if k.endswith("_s")))
+    print(
+        f"fit: {fit['num_steps']} timed steps, R^2 {fit['r2']:.3f}, "
+        f"median abs error {100 * fit['median_rel_error']:.1f}%"
+    )
+    print(f"wrote {path}; use it with: kvsched simulate --step-model {path}")
+    return 0

@@ -1,0 +1,174 @@
+"""The step-time model: how long one engine step takes, from what the scheduler put in it.
+
+A step's duration is linear in its composition::
+
+    t = step_s
+      + prefill_token_s * (tokens of prefill chunks)
+      + decode_req_s    * (decoding requests)
+      + kv_token_s      * (KV tokens the decoding requests attend to: the sum of their context lengths)
+      + prefill_attn_s  * (query-key pairs of the prefill chunks: sum of n * (computed + (n + 1) / 2))
+      + swap_block_s    * (KV blocks swapped in or out)
+
+A request "decodes" in a step when it computes exactly its last known token (``num_computed_tokens ==
+prompt + outputs - 1``); every other scheduled token is a prefill token (first prefill, chunks, and the
+recomputation of a preempted request). kvsched preempts by recomputation and never swaps, so the swap term is
+always zero today; it is kept so that a preset stays meaningful for an engine that does.
+
+The presets are estimates (see ``docs/simulator.md`` for their derivation and sources); calibrate on your own
+hardware with ``kvsched simulate --calibrate --model DIR`` (:func:`kvsched.sim.calibrate.calibrate`), which
+fits these coefficients to timed steps of the real runner and writes a JSON preset.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["FEATURES", "PRESETS", "StepTimeModel", "load_step_time_model", "step_features"]
+
+# Names of the model's inputs, in the order of the coefficient vector.
+FEATURES = ("steps", "prefill_tokens", "decode_reqs", "kv_tokens", "prefill_attn_pairs", "swap_blocks")
+_COEFS = ("step_s", "prefill_token_s", "decode_req_s", "kv_token_s", "prefill_attn_s", "swap_block_s")
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Coefficients in seconds per unit (see the module docstring). ``name`` and ``source`` document it."""
+
+    step_s: float = 0.0
+    prefill_token_s: float = 0.0
+    decode_req_s: float = 0.0
+    kv_token_s: float = 0.0
+    prefill_attn_s: float = 0.0
+    swap_block_s: float = 0.0
+    name: str = "custom"
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for c in _COEFS:
+            v = getattr(self, c)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"step-time coefficient {c} must be a finite number >= 0, got {v!r}")
+        if self.step_s + self.prefill_token_s + self.decode_req_s <= 0:
+            raise ValueError("a step-time model needs step_s, prefill_token_s or decode_req_s > 0")
+
+    @property
+    def coefficients(self) -> npt.NDArray[np.float64]:
+        return np.array([getattr(self, c) for c in _COEFS], dtype=np.float64)
+
+    def step_time(
+        self,
+        prefill_tokens: float,
+        decode_reqs: float,
+        kv_tokens: float,
+        prefill_attn_pairs: float = 0.0,
+        swap_blocks: float = 0.0,
+    ) -> float:
+        return (
+            self.step_s
+            + self.prefill_token_s * prefill_tokens
+            + self.decode_req_s * decode_reqs
+            + self.kv_token_s * kv_tokens
+            + self.prefill_attn_s * prefill_attn_pairs
+            + self.swap_block_s * swap_blocks
+        )
+
+    def predict(self, features: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """Step times for rows of features (columns as :data:`FEATURES`)."""
+        out: npt.NDArray[np.float64] = np.asarray(features, dtype=np.float64) @ self.coefficients
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepTimeModel:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known - {"fit"}
+        if unknown:
+            raise ValueError(f"unknown step-time model fields: {', '.join(sorted(unknown))}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = self.to_dict()
+        if extra:
+            doc["fit"] = extra
+        path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        return path
+
+
+def step_features(
+    num_scheduled: npt.NDArray[Any], num_computed: npt.NDArray[Any], is_decode: npt.NDArray[np.bool_]
+) -> tuple[int, int, int, float]:
+    """(prefill tokens, decode requests, KV tokens of the decodes, prefill query-key pairs) of one step."""
+    nst = num_scheduled.astype(np.int64)
+    nct = num_computed.astype(np.int64)
+    n_dec = int(np.count_nonzero(is_decode))
+    total = int(nst.sum())
+    kv = int(nct[is_decode].sum()) + n_dec
+    pre = ~is_decode
+    pairs = float((nst[pre] * (2 * nct[pre] + nst[pre] + 1)).sum()) / 2.0
+    return total - n_dec, n_dec, kv, pairs
+
+
+# -- presets ----------------------------------------------------------------------------------------------
+# Roofline estimates, not measurements (derivation in docs/simulator.md):
+#   - H100 SXM: 3.35 TB/s HBM3, 989.4 dense BF16 TFLOPS (published spec figures).
+#   - Memory-bound terms (weights read once per step, KV read per decode) at 77% of peak bandwidth: the
+#     share a published vLLM batch-1 decode of Llama-3.1-8B reached on an A100 (an assumption for H100).
+#   - Compute terms (2 * params FLOPs per token, 4 * layers * heads * head_dim FLOPs per query-key pair) at an
+#     assumed 50% of peak (no published figure used).
+_BW = 3.35e12 * 0.77
+_FLOPS = 989.4e12 * 0.5
+
+
+def _roofline(name: str, params: float, layers: int, heads: int, kv_heads: int, head_dim: int) -> StepTimeModel:
+    weights_bytes = 2 * params
+    kv_bytes_per_token = layers * kv_heads * head_dim * 2 * 2
+    per_token = 2 * params / _FLOPS
+    return StepTimeModel(
+        step_s=weights_bytes / _BW,
+        prefill_token_s=per_token,
+        decode_req_s=per_token,
+        kv_token_s=kv_bytes_per_token / _BW,
+        prefill_attn_s=4 * layers * heads * head_dim / _FLOPS,
+        swap_block_s=0.0,
+        name=name,
+        source=(
+            "estimate (roofline): H100 SXM 3.35 TB/s at 77% and 989 BF16 TFLOPS at 50%; "
+            f"{params / 1e9:.2f}B params, {layers} layers, {heads}/{kv_heads} heads, head_dim {head_dim}, BF16. "
+            "See docs/simulator.md"
+        ),
+    )
+
+
+PRESETS: dict[str, StepTimeModel] = {
+    "llama-3.2-1b-h100": _roofline("llama-3.2-1b-h100", 1.236e9, 16, 32, 8, 64),
+    "llama-3.1-8b-h100": _roofline("llama-3.1-8b-h100", 8.03e9, 32, 32, 8, 128),
+}
+DEFAULT_PRESET = "llama-3.1-8b-h100"
+
+
+def load_step_time_model(name_or_path: str | Path) -> StepTimeModel:
+    """A preset by name, or a JSON file written by :meth:`StepTimeModel.save` (e.g. by ``--calibrate``)."""
+    key = str(name_or_path)
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(key)
+    if not path.exists():
+        raise ValueError(f"unknown step-time preset {key!r}: use one of {', '.join(PRESETS)} or a JSON file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read step-time model {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a step-time model is a JSON object")
+    return StepTimeModel.from_dict(data)

@@ -1,0 +1,412 @@
+"""``kvsched.sim``: the simulator finishes or reports every request, conserves tokens, its summaries equal the
+figures recomputed from the per-request records, it is deterministic, and sweeps, traces and the CLI work."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import requires_rust
+from kvsched import InvalidConfigError, SchedulerConfig
+from kvsched.config import POLICIES
+from kvsched.sim import (
+    PRESETS,
+    StepTimeModel,
+    TraceFormatError,
+    WorkloadSpec,
+    dump_trace,
+    generate_workload,
+    jain_index,
+    load_step_time_model,
+    load_trace,
+    make_config,
+    parse_length,
+    parse_priorities,
+    parse_tenants,
+    request_records,
+    simulate,
+    summarize,
+)
+from kvsched.sim.sweep import parse_set, run_sweep
+
+pytestmark = requires_rust
+
+MODEL = PRESETS["llama-3.1-8b-h100"]
+
+
+def _spec(**kw: Any) -> WorkloadSpec:
+    base: dict[str, Any] = {
+        "rate": 10.0,
+        "duration": 20.0,
+        "prompt_len": parse_length("lognormal:300:0.6", max_len=1500),
+        "output_len": parse_length("uniform:5:80"),
+        "tenants": parse_tenants("a:0.6,b:0.3:2,c:0.1:1:0"),
+        "priorities": parse_priorities("0:0.3,1:0.7"),
+        "num_prefix_groups": 3,
+        "prefix_len": 64,
+        "prefix_fraction": 0.5,
+        "seed": 3,
+    }
+    base.update(kw)
+    return WorkloadSpec(**base)
+
+
+# A small pool with a small budget: chunked prefills, prefix hits and preemptions all happen.
+TIGHT = {"num_blocks": 160, "block_size": 16, "max_num_batched_tokens": 256, "max_model_len": 2048}
+
+
+@pytest.fixture(scope="module")
+def tight_run() -> Any:
+    w = generate_workload(_spec())
+    res = simulate(w, {**TIGHT, "policy": "priority"}, MODEL)
+    return w, res, request_records(res)
+
+
+def test_every_request_finishes_and_tokens_are_conserved(tight_run: Any) -> None:
+    w, res, rec = tight_run
+    assert len(w) > 50
+    assert rec.finished.all() and rec.added.all()
+    np.testing.assert_array_equal(rec.num_output_tokens, res.target_output_len)
+    np.testing.assert_array_equal(res.target_output_len, np.minimum(w.output_len, 2048 - w.prompt_len))
+    # Every computed token belongs to one request: what the steps scheduled is what the requests received.
+    assert res.step_num_tokens.sum() == rec.num_scheduled_tokens.sum() == res.sched_num_tokens.sum()
+    assert res.step_num_sampled.sum() == rec.num_output_tokens.sum() == len(res.token_idx)
+    # Per request: prompt + outputs - 1 tokens enter the KV cache once, minus prefix hits, plus recomputation.
+    expected = w.prompt_len + rec.num_output_tokens - 1 - rec.num_cached_tokens + rec.num_recomputed_tokens
+    np.testing.assert_array_equal(rec.num_scheduled_tokens, expected)
+    assert rec.num_preemptions.sum() == res.final_stats["num_preemptions"] > 0
+    assert rec.num_recomputed_tokens.sum() > 0
+    assert rec.num_cached_tokens.sum() > 0  # shared prefixes hit
+    assert res.final_stats["num_running_reqs"] == res.final_stats["num_waiting_reqs"] == 0
+    # Time only moves forward and every token comes after its request's arrival.
+    assert np.all(np.diff(res.step_start) >= 0)
+    assert np.all(rec.first_scheduled_time >= rec.arrival_time)
+    assert np.all(rec.ttft > 0) and np.all(rec.e2e >= rec.ttft)
+    assert np.all(rec.queue_delay >= 0)
+
+
+def test_fast_path_gives_the_same_run_as_full_recording() -> None:
+    w = generate_workload(_spec(duration=10.0))
+    for extra in ({}, TIGHT):
+        fast = simulate(w, extra, MODEL, record_batches=True)
+        full = simulate(w, extra, MODEL, record_batches=True, fast_path=False)
+        assert fast.extra["num_fast_steps"] > 0 and full.extra["num_fast_steps"] == 0
+        assert fast.batches == full.batches
+        for f in dataclasses.fields(fast):
+            a, b = getattr(fast, f.name), getattr(full, f.name)
+            if isinstance(a, np.ndarray):
+                np.testing.assert_array_equal(a, b, err_msg=f.name)
+        assert fast.end_time == full.end_time
+
+
+def test_summary_equals_figures_recomputed_from_records(tight_run: Any) -> None:
+    w, res, rec = tight_run
+    s = summarize(res, rec, slo_ttft=2.0, slo_tpot=0.02)
+    o = s["overall"]
+    duration = res.end_time - w.arrival_time[0]
+    assert o["duration"] == pytest.approx(duration)
+    assert o["num_finished"] == int(rec.finished.sum())
+    assert o["request_throughput"] == pytest.approx(rec.finished.sum() / duration)
+    assert o["output_token_throughput"] == pytest.approx(rec.num_output_tokens.sum() / duration)
+    for key in ("ttft", "e2e", "queue_delay", "tpot"):
+        v = getattr(rec, key)
+        v = v[np.isfinite(v)]
+        assert o[key]["p50"] == pytest.approx(np.percentile(v, 50))
+        assert o[key]["p99"] == pytest.approx(np.percentile(v, 99))
+        assert o[key]["mean"] == pytest.approx(v.mean())
+    # ITLs from the per-request token times: e2e - ttft = sum of that request's ITLs.
+    per_req_itl = np.add.reduceat(rec.itl, rec.itl_indptr[:-1][np.diff(rec.itl_indptr) > 0])
+    multi = np.diff(rec.itl_indptr) > 0
+    np.testing.assert_allclose(per_req_itl, (rec.e2e - rec.ttft)[multi], rtol=1e-9, atol=1e-12)
+    good = [
+        f and t <= 2.0 and not (p > 0.02)
+        for f, t, p in zip(rec.finished.tolist(), rec.ttft.tolist(), rec.tpot.tolist(), strict=True)
+    ]
+    assert o["num_good"] == sum(good)
+    assert o["goodput"] == pytest.approx(sum(good) / duration)
+    assert o["num_preemptions"] == int(rec.num_preemptions.sum())
+    # Per tenant and per priority class: the groups partition the requests.
+    assert sum(t["num_requests"] for t in s["tenants"]) == len(w)
+    assert sum(p["num_requests"] for p in s["priorities"]) == len(w)
+    for i, t in enumerate(s["tenants"]):
+        mask = rec.tenant == i
+        assert t["num_requests"] == int(mask.sum())
+        assert t["ttft"]["p90"] == pytest.approx(np.percentile(rec.ttft[mask], 90))
+        assert t["service_tokens"] == pytest.approx(rec.num_scheduled_tokens[mask].sum())
+    assert sum(t["service_share"] for t in s["tenants"]) == pytest.approx(1.0)
+    for p in s["priorities"]:
+        mask = rec.priority == p["priority"]
+        assert p["e2e"]["p50"] == pytest.approx(np.percentile(rec.e2e[mask], 50))
+    assert 0 < s["fairness"]["jain_min"] <= s["fairness"]["jain_mean"] <= 1.0
+
+
+def test_horizon_reports_unfinished_requests() -> None:
+    w = generate_workload(_spec(rate=20.0, duration=20.0))
+    res = simulate(w, TIGHT, MODEL, horizon=5.0)
+    rec = request_records(res)
+    assert res.end_time >= 5.0
+    assert not rec.added[w.arrival_time > res.end_time].any()
+    unfinished = rec.added & ~rec.finished
+    assert unfinished.sum() > 0 and rec.finished.sum() > 0
+    assert np.isnan(rec.e2e[unfinished]).all() and np.isfinite(rec.e2e[rec.finished]).all()
+    assert (rec.num_output_tokens[unfinished] < res.target_output_len[unfinished]).all()
+    s = summarize(res, rec)
+    assert s["overall"]["num_unfinished"] == int(unfinished.sum())
+    assert s["overall"]["num_requests"] == int(rec.added.sum())
+
+
+def test_deterministic_for_a_seed() -> None:
+    spec = _spec(duration=8.0)
+    runs = [simulate(generate_workload(spec), TIGHT, MODEL) for _ in range(2)]
+    a, b = (summarize(r) for r in runs)
+    for s in (a, b):
+        s["overall"].pop("wall_s")
+        s["overall"].pop("sim_speed")
+    assert a == b
+    np.testing.assert_array_equal(runs[0].token_idx, runs[1].token_idx)
+    other = generate_workload(dataclasses.replace(spec, seed=4))
+    assert not np.array_equal(other.arrival_time[:10], runs[0].workload.arrival_time[:10])
+
+
+def test_same_seed_gives_the_same_requests_at_every_rate() -> None:
+    slow = generate_workload(_spec(num_requests=50, rate=2.0))
+    fast = generate_workload(_spec(num_requests=50, rate=8.0))
+    np.testing.assert_allclose(slow.arrival_time, 4 * fast.arrival_time)
+    np.testing.assert_array_equal(slow.prompt_len, fast.prompt_len)
+    np.testing.assert_array_equal(slow.tenant, fast.tenant)
+
+
+def test_workload_distributions_and_tenant_priority() -> None:
+    w = generate_workload(_spec(rate=50.0, duration=40.0))
+    assert abs(len(w) / 40.0 - 50.0) < 5
+    shares = np.bincount(w.tenant, minlength=3) / len(w)
+    np.testing.assert_allclose(shares, [0.6, 0.3, 0.1], atol=0.04)
+    assert (w.priority[w.tenant == 2] == 0).all()  # tenant c has a fixed priority
+    assert abs(w.prompt_len.mean() - 300) < 30
+    assert w.output_len.min() >= 5 and w.output_len.max() <= 80
+    shared = w.prefix_group >= 0
+    assert 0.4 < shared.mean() < 0.6 and (w.prefix_len[shared] <= w.prompt_len[shared] - 1).all()
+    bursty = generate_workload(_spec(arrival="gamma", cv=3.0, num_requests=4000))
+    gaps = np.diff(bursty.arrival_time)
+    assert gaps.std() / gaps.mean() > 2.0
+
+
+def test_reference_scheduler_makes_the_same_decisions() -> None:
+    w = generate_workload(_spec(duration=4.0))
+    rust = simulate(w, TIGHT, MODEL, record_batches=True)
+    ref = simulate(w, TIGHT, MODEL, scheduler="reference", record_batches=True)
+    assert rust.batches == ref.batches
+    assert rust.end_time == ref.end_time
+    np.testing.assert_array_equal(rust.preempt_idx, ref.preempt_idx)
+
+
+def test_sweep_runs_every_combination_on_the_same_workload() -> None:
+    spec = _spec(duration=5.0)
+    runs = run_sweep(
+        spec,
+        rates=[2.0, 4.0],
+        policies=["fcfs", "priority"],
+        axes=parse_set(["num_blocks=160,400"]),
+        base_config={k: v for k, v in TIGHT.items() if k != "num_blocks"},
+        step_model=MODEL,
+        slo_ttft=1.0,
+    )
+    assert len(runs) == 8
+    assert {(r.rate, r.policy, r.overrides["num_blocks"]) for r in runs} == {
+        (rate, p, nb) for rate in (2.0, 4.0) for p in ("fcfs", "priority") for nb in (160, 400)
+    }
+    for r in runs:
+        assert r.result.config.policy == r.policy and r.result.config.num_blocks == r.overrides["num_blocks"]
+        assert r.records.finished.all()
+    at2 = [r for r in runs if r.rate == 2.0]
+    for r in at2[1:]:
+        np.testing.assert_array_equal(r.result.workload.arrival_time, at2[0].result.workload.arrival_time)
+    assert len({r.run_id for r in runs}) == 8
+
+
+def test_config_errors_are_clear() -> None:
+    with pytest.raises(InvalidConfigError, match="unknown scheduler config field"):
+        make_config({"num_blokcs": 10})
+    with pytest.raises(ValueError, match="--set takes"):
+        parse_set(["num_blocks"])
+    missing = next(p for p in ("fair", "no-such-policy") if p not in POLICIES)
+    with pytest.raises(InvalidConfigError, match="policy"):
+        run_sweep(_spec(duration=1.0), policies=["fcfs", missing], step_model=MODEL)
+    with pytest.raises(ValueError, match="max_model_len"):
+        simulate(generate_workload(_spec(duration=2.0, prompt_len=parse_length("9000"))), {}, MODEL)
+
+
+def test_tenant_reaches_a_scheduler_that_accepts_it() -> None:
+    from kvsched.reference import ReferenceScheduler
+
+    seen: list[str] = []
+
+    class TenantScheduler(ReferenceScheduler):
+        def add_request(self, req_id: str, prompt_token_ids: Any, *, tenant: str = "", **kw: Any) -> None:
+            seen.append(tenant)
+            super().add_request(req_id, prompt_token_ids, **kw)
+
+    w = generate_workload(_spec(duration=2.0))
+    res = simulate(w, {}, MODEL, scheduler=TenantScheduler)
+    assert res.extra["tenant_passed"]
+    assert seen == [w.tenant_names[t] for t in w.tenant.tolist()]
+
+
+def test_trace_roundtrip_and_bad_traces(tmp_path: Path) -> None:
+    w = generate_workload(_spec(duration=3.0))
+    path = dump_trace(w, tmp_path / "t.jsonl")
+    back = load_trace(path)
+    for name in ("prompt_len", "output_len", "tenant", "priority", "prefix_group", "prefix_len"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(w, name), err_msg=name)
+    np.testing.assert_allclose(back.arrival_time, w.arrival_time, atol=1e-6)
+    assert back.tenant_names == w.tenant_names and back.tenant_weights == w.tenant_weights
+    minimal = tmp_path / "m.jsonl"
+    minimal.write_text(
+        '{"arrival_time": 1.5, "prompt_len": 10, "output_len": 3}\n'
+        '{"arrival_time": 0, "prompt_len": 4, "output_len": 1}\n'
+    )
+    m = load_trace(minimal)
+    assert m.arrival_time.tolist() == [0.0, 1.5] and m.tenant_names == ("default",)
+    res = simulate(m, {}, MODEL)
+    assert request_records(res).finished.all()
+    for bad, msg in (
+        ('{"arrival_time": -1, "prompt_len": 4, "output_len": 1}', "arrival_time"),
+        ('{"arrival_time": 0, "prompt_len": 0, "output_len": 1}', ">= 1"),
+        ('{"arrival_time": 0, "output_len": 1}', "prompt_len"),
+        ("[1, 2]", "JSON object"),
+        ("{nope", "not JSON"),
+        ("", "no request"),
+    ):
+        p = tmp_path / "bad.jsonl"
+        p.write_text(bad + "\n")
+        with pytest.raises(TraceFormatError, match=msg):
+            load_trace(p)
+
+
+def test_step_time_model_presets_and_files(tmp_path: Path) -> None:
+    for name, preset in PRESETS.items():
+        assert preset.name == name and "estimate" in preset.source
+        # A 256-request decode step at 1k context is slower than a single decode, and both are positive.
+        assert 0 < preset.step_time(0, 1, 1024) < preset.step_time(0, 256, 256 * 1024)
+    assert PRESETS["llama-3.1-8b-h100"].step_s > PRESETS["llama-3.2-1b-h100"].step_s
+    path = MODEL.save(tmp_path / "m.json", extra={"note": 1})
+    assert load_step_time_model(path) == MODEL
+    assert load_step_time_model("llama-3.2-1b-h100") is PRESETS["llama-3.2-1b-h100"]
+    with pytest.raises(ValueError, match="unknown step-time preset"):
+        load_step_time_model("nope")
+    with pytest.raises(ValueError, match=">= 0"):
+        StepTimeModel(step_s=-1.0)
+    with pytest.raises(ValueError, match="needs"):
+        StepTimeModel()
+
+
+def test_jain_index() -> None:
+    assert jain_index(np.array([1.0, 1.0, 1.0])) == pytest.approx(1.0)
+    assert jain_index(np.array([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)
+    assert math.isnan(jain_index(np.zeros(3)))
+
+
+def test_parsers_reject_bad_input() -> None:
+    for bad in ("uniform:5", "lognormal:a:1", "zipf:3:4", "0", "uniform:9:3"):
+        with pytest.raises(TraceFormatError):
+            parse_length(bad)
+    for bad in ("a:x", "a:1,a:2", "a:-1", ":1"):
+        with pytest.raises(TraceFormatError):
+            parse_tenants(bad)
+    for bad in ("0", "0:0", "x:1"):
+        with pytest.raises(TraceFormatError):
+            parse_priorities(bad)
+
+
+def test_cli_end_to_end(tmp_path: Path) -> None:
+    from kvsched.cli import main
+
+    out = tmp_path / "out"
+    trace = tmp_path / "trace.jsonl"
+    argv = ["simulate", "--rates", "2,6", "--policies", "fcfs,priority", "--duration", "4",
+            "--prompt-len", "uniform:50:400", "--output-len", "lognormal:40:0.5", "--tenants", "a:0.7,b:0.3:2",
+            "--priorities", "0:0.5,1:0.5", "--prefix-groups", "2", "--prefix-len", "32", "--prefix-fraction", "0.5",
+            "--set", "num_blocks=160", "--set", "max_model_len=2048", "--set", "max_num_batched_tokens=512",
+            "--slo-ttft", "0.5",
+            "--slo-tpot", "0.05", "--out", str(out), "--per-request", "--dump-trace", str(trace),
+            "--no-progress"]  # fmt: skip
+    try:
+        import matplotlib  # noqa: F401
+
+        argv.append("--plot")
+        pngs = ["latency.png", "goodput.png", "ttft_cdf.png", "tenant_service.png", "timeseries.png"]
+    except ImportError:
+        pngs = []
+    assert main(argv) == 0
+    for name in ["sim.json", "summary.csv", "tenants.csv", "priorities.csv", "timeseries.csv",
+                 "tenant_service.csv", "ttft_cdf.csv", *pngs]:  # fmt: skip
+        assert (out / name).stat().st_size > 0, name
+    for png in pngs:
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((out / "sim.json").read_text())
+    assert doc["kind"] == "kvsched-simulate" and len(doc["runs"]) == 4
+    with (out / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["rate"], r["policy"]) for r in rows] == [
+        ("2.0", "fcfs"),
+        ("2.0", "priority"),
+        ("6.0", "fcfs"),
+        ("6.0", "priority"),
+    ]
+    assert all(r["num_finished"] == r["num_requests"] for r in rows)
+    reqs = list(out.glob("requests_*.csv"))
+    assert len(reqs) == 4
+    # The dumped trace replays to the same run.
+    dumped = tmp_path / "trace_rate6.jsonl"
+    out2 = tmp_path / "out2"
+    argv2 = ["simulate", "--trace", str(dumped), "--policies", "priority", "--set", "num_blocks=160",
+             "--set", "max_model_len=2048",
+             "--set", "max_num_batched_tokens=512", "--slo-ttft", "0.5", "--slo-tpot", "0.05", "--out", str(out2),
+             "--no-progress"]  # fmt: skip
+    assert main(argv2) == 0
+    doc2 = json.loads((out2 / "sim.json").read_text())
+    a = doc["runs"][3]["overall"]
+    b = doc2["runs"][0]["overall"]
+    assert a["num_requests"] == b["num_requests"] and a["num_output_tokens"] == b["num_output_tokens"]
+    assert a["ttft"]["p50"] == pytest.approx(b["ttft"]["p50"], rel=1e-3)
+
+
+def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvsched.cli import main
+
+    missing = next(p for p in ("fair", "no-such-policy") if p not in POLICIES)
+    assert main(["simulate", "--policies", missing, "--duration", "1", "--no-progress"]) == 2
+    assert "policy" in capsys.readouterr().err
+    assert main(["simulate", "--set", "bogus=1", "--duration", "1", "--no-progress"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert main(["simulate", "--step-model", "nope", "--no-progress"]) == 2
+    assert main(["simulate", "--prompt-len", "zipf:1", "--no-progress"]) == 2
+    assert main(["simulate", "--calibrate", "--no-progress"]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert main(["simulate", "--list-presets"]) == 0
+    assert "llama-3.1-8b-h100" in capsys.readouterr().out
+
+
+def test_import_kvsched_sim_imports_no_matplotlib_tqdm_or_torch() -> None:
+    code = (
+        "import sys, kvsched, kvsched.sim, kvsched.cli\n"
+        "kvsched.cli.build_parser()\n"
+        "bad = [m for m in ('matplotlib', 'torch', 'tqdm') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_config_passes_through_unchanged() -> None:
+    cfg = make_config(SchedulerConfig(num_blocks=1000, policy="priority"), max_num_seqs=7)
+    assert (cfg.num_blocks, cfg.policy, cfg.max_num_seqs, cfg.prefix_hash_seed) == (1000, "priority", 7, 0)
