@@ -241,6 +241,7 @@ def simulate(
     progress: bool = False,
     progress_desc: str = "simulate",
     fast_path: bool = True,
+    prompt_fn: Callable[[int], npt.NDArray[np.int32]] | None = None,
 ) -> SimResult:
     """Run ``workload`` through a real scheduler in simulated time (see the module docstring).
 
@@ -249,6 +250,7 @@ def simulate(
     samples of the scheduler's stats (default: about 400 samples over the arrival window).
     ``record_batches``: keep each step's (request indices, scheduled tokens), for validation.
     ``fast_path=False`` records every step in full (same results, slower; for tests).
+    ``prompt_fn(i)``: the prompt token ids of request ``i`` (default: :class:`PromptFactory`'s).
     """
     cfg = _with_tenant_weights(make_config(config), workload)
     name, sched = _make_scheduler(scheduler, cfg)
@@ -358,7 +360,7 @@ def simulate(
                 kw: dict[str, Any] = {"tenant": tenant_names[tenants[i]]} if tenant_kw else {}
                 add(
                     ids[i],
-                    factory.tokens(i, prompts[i], groups[i], plens[i]),
+                    factory.tokens(i, prompts[i], groups[i], plens[i]) if prompt_fn is None else prompt_fn(i),
                     max_tokens=targets[i],
                     priority=priorities[i],
                     arrival_time=arrival_list[i],

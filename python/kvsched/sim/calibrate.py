@@ -1,0 +1,216 @@
+"""Fit a :class:`StepTimeModel` to the real engine: time steps of :class:`kvsched.LLM` and least-squares fit.
+
+A grid of small workloads (single prefills of growing length, decode batches of growing size and context,
+and a mix with arrivals during decoding) runs through the real scheduler and torch runner; every step is timed
+from ``schedule()`` to the end of ``update_from_output()`` and its composition measured exactly as the
+simulator measures it. The coefficients are a non-negative least-squares fit (terms that would come out
+negative are dropped and the rest refitted). Needs the ``torch`` extra; imports torch only when called.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .steptime import FEATURES, StepTimeModel
+
+__all__ = ["TimedStep", "calibrate", "fit_step_time_model", "run_timed_steps"]
+
+TimedStep = tuple[float, int, int, int, float]  # seconds, prefill tokens, decode requests, kv tokens, pairs
+
+
+def fit_step_time_model(
+    steps: list[TimedStep], *, name: str = "calibrated", source: str = ""
+) -> tuple[StepTimeModel, dict[str, Any]]:
+    """Non-negative least squares of step time on (1, prefill tokens, decode requests, KV tokens, pairs)."""
+    if len(steps) < 8:
+        raise ValueError(f"need at least 8 timed steps to fit, got {len(steps)}")
+    arr = np.asarray(steps, dtype=np.float64)
+    y = arr[:, 0]
+    x = np.column_stack([np.ones(len(arr)), arr[:, 1:5]])
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    pred = x @ coef
+    ss_res = float(((y - pred) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    rel = np.abs(pred - y) / np.maximum(y, 1e-12)
+    model = StepTimeModel(
+        step_s=float(coef[0]),
+        prefill_token_s=float(coef[1]),
+        decode_req_s=float(coef[2]),
+        kv_token_s=float(coef[3]),
+        prefill_attn_s=float(coef[4]),
+        swap_block_s=0.0,
+        name=name,
+        source=source,
+    )
+    fit = {
+        "num_steps": len(steps),
+        "features": list(FEATURES[:5]),
+        "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+        "median_rel_error": float(np.median(rel)),
+        "p90_rel_error": float(np.percentile(rel, 90)),
+        "total_time_rel_error": float(abs(pred.sum() - y.sum()) / y.sum()),
+        "mean_step_s": float(y.mean()),
+    }
+    return model, fit
+
+
+def run_timed_steps(
+    llm: Any,
+    adds: list[tuple[int, list[int], int]],
+    *,
+    on_step: Callable[[], None] | None = None,
+    max_steps: int = 100_000,
+) -> list[TimedStep]:
+    """Drive ``llm`` step by step; ``adds`` = (step number, prompt token ids, output length), added before that
+    step. Returns each step's (duration, prefill tokens, decode requests, KV tokens, prefill pairs)."""
+    from ..engine import SamplingParams
+    from .steptime import step_features
+
+    sched = llm.scheduler
+    known: dict[str, int] = {}
+    out_steps: list[TimedStep] = []
+    pending = sorted(adds, key=lambda a: a[0])
+    k = 0
+    step = 0
+    while (k < len(pending) or llm.has_unfinished_requests()) and step < max_steps:
+        while k < len(pending) and pending[k][0] <= step:
+            _, prompt, out_len = pending[k]
+            rid = llm.add_request(prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
+            known[rid] = len(prompt)
+            k += 1
+        if not llm.has_unfinished_requests():
+            step += 1
+            continue
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        sampled = llm.runner.execute(out, sched.prepare_model_inputs(out))
+        res = sched.update_from_output(out, sampled)
+        llm._postprocess(out, sampled, res)
+        dt = time.perf_counter() - t0
+        rids = out.req_ids
+        if rids:
+            nst = np.asarray(out.num_scheduled_tokens)
+            nct = np.asarray(out.num_computed_tokens)
+            kl = np.fromiter((known[r] for r in rids), np.int64, len(rids))
+            pre, dec, kv, pairs = step_features(nst, nct, nct == kl - 1)
+            out_steps.append((dt, pre, dec, kv, pairs))
+            for rid, n_new in zip(rids, np.asarray(res.num_new_tokens).tolist(), strict=True):
+                known[rid] += int(n_new)
+        step += 1
+        if on_step is not None:
+            on_step()
+    return out_steps
+
+
+def _grid(
+    vocab: int, max_len: int, max_seqs: int, quick: bool, rng: np.random.Generator
+) -> list[list[tuple[int, list[int], int]]]:
+    def prompt(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(3, vocab, size=n)]
+
+    scale = 1 if quick else 2
+    lens = [n for n in (16, 64, 128, 256, 512, 1024, 2048) if n < max_len // 2]
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_seqs]
+    work: list[list[tuple[int, list[int], int]]] = []
+    # Prefill-heavy: a few requests of one length at once, short outputs.
+    for n in lens[:: 2 if quick else 1]:
+        work.append([(0, prompt(n), 2) for _ in range(2)])
+    # Decode-heavy: a batch at two context lengths.
+    for b in batches[:: 2 if quick else 1]:
+        for ctx in (32, min(256, max_len // 4)):
+            work.append([(0, prompt(ctx), 8 * scale) for _ in range(b)])
+    # Mixed: arrivals during decoding, so prefills share steps with decodes.
+    mix = [
+        (4 * i, prompt(int(rng.integers(16, max(17, max_len // 4)))), int(rng.integers(4, 24)))
+        for i in range(12 * scale)
+    ]
+    work.append(mix)
+    return work
+
+
+def calibrate(
+    model: str | os.PathLike[str] | Any,
+    *,
+    device: str | None = None,
+    quick: bool = False,
+    progress: bool = False,
+    block_size: int = 16,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int = 2048,
+    repeats: int = 1,
+    seed: int = 0,
+) -> tuple[StepTimeModel, dict[str, Any]]:
+    """Time the real engine on ``model`` (a model directory, or a runner ``ModelConfig`` for a random-weight
+    model) and fit a step-time model. Returns the model and a dict describing the fit."""
+    import torch
+
+    from ..engine import LLM
+
+    llm = LLM(
+        model,
+        device=device,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,  # every prompt token is computed, so prefill timings are real
+        seed=seed,
+    )
+    rng = np.random.default_rng(seed)
+    vocab = int(llm.model_config.vocab_size)
+    max_len = int(llm.scheduler.config.max_model_len)
+    work = _grid(vocab, max_len, max_num_seqs, quick, rng)
+    # Warm-up (first calls allocate and pick kernels); not timed.
+    run_timed_steps(llm, [(0, rng.integers(3, vocab, size=64).tolist(), 4) for _ in range(4)])
+    bar = None
+    if progress:
+        import sys
+
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(work) * repeats, desc="calibrate", unit="workload", file=sys.stderr, leave=False)
+    steps: list[TimedStep] = []
+    try:
+        for _ in range(repeats):
+            for adds in work:
+                steps.extend(run_timed_steps(llm, adds))
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    where = str(llm.device)
+    label = os.path.basename(os.path.normpath(os.fspath(model))) if isinstance(model, (str, os.PathLike)) else "random"
+    source = (
+        f"calibrated on this machine ({where}, torch {torch.__version__}, dtype {llm.dtype}) from {len(steps)} "
+        f"timed steps of kvsched.LLM on {label}"
+    )
+    fitted, fit = fit_step_time_model(steps, name=f"calibrated-{label}-{llm.device.type}", source=source)
+    fit.update(
+        {"device": where, "model": label, "block_size": block_size, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+    )
+    return fitted, fit
+
+
+def residuals(model: StepTimeModel, steps: list[TimedStep]) -> npt.NDArray[np.float64]:
+    """Predicted minus measured step time for each timed step."""
+    arr = np.asarray(steps, dtype=np.float64)
+    feats = np.column_stack([np.ones(len(arr)), arr[:, 1:5], np.zeros(len(arr))])
+    out: npt.NDArray[np.float64] = model.predict(feats) - arr[:, 0]
+    return out

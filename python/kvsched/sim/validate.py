@@ -1,0 +1,175 @@
+"""Validation: the same trace through the real engine (:class:`kvsched.LLM`, wall-clock time) and through the
+simulator (simulated time), then the scheduled batches and the latency percentiles are compared.
+
+Both sides add a request once its arrival time has passed, at the start of a step, with the same token ids
+and id (``r<index>``), and stop it at its drawn output length (``ignore_eos``). With identical arrival
+interleavings the scheduler makes identical decisions; when the arrival times are spread out, which step a
+request joins depends on how long earlier steps took, so batches match until the first step where the
+simulated and the measured clocks put an arrival on different sides of a step boundary.
+Needs the ``torch`` extra.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..config import SchedulerConfig
+from .metrics import percentiles, request_records
+from .simulator import make_config, simulate
+from .steptime import StepTimeModel
+from .workload import PromptFactory, Workload
+
+__all__ = ["RealRun", "compare", "prompt_fn_for_vocab", "run_real", "validate"]
+
+Batch = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class RealRun:
+    """What the real engine did: per request arrival/first-token/finish times (seconds from the start of the
+    trace), and each step's batch and duration."""
+
+    def __init__(self, n: int) -> None:
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.batches: list[Batch] = []
+        self.step_times: list[float] = []
+        self.wall_s = 0.0
+
+
+def prompt_fn_for_vocab(workload: Workload, vocab_size: int) -> Callable[[int], npt.NDArray[np.int32]]:
+    """The simulator's prompts folded into ``[3, vocab_size)`` (a tiny test model has a tiny vocabulary)."""
+    factory = PromptFactory(workload.seed)
+    span = vocab_size - 3
+
+    def fn(i: int) -> npt.NDArray[np.int32]:
+        toks = factory.tokens(
+            i, int(workload.prompt_len[i]), int(workload.prefix_group[i]), int(workload.prefix_len[i])
+        )
+        out: npt.NDArray[np.int32] = ((toks.astype(np.int64) - 3) % span + 3).astype(np.int32)
+        return out
+
+    return fn
+
+
+def _llm_kwargs(cfg: SchedulerConfig) -> dict[str, Any]:
+    d = cfg.to_dict()
+    d.pop("prefix_hash_seed", None)
+    return d
+
+
+def run_real(
+    llm: Any, workload: Workload, prompt_fn: Callable[[int], npt.NDArray[np.int32]], *, time_scale: float = 1.0
+) -> RealRun:
+    """Replay ``workload`` through ``llm`` in wall-clock time (arrival times multiplied by ``time_scale``)."""
+    from ..engine import SamplingParams
+
+    sched = llm.scheduler
+    n = len(workload)
+    arrival = (workload.arrival_time * time_scale).tolist()
+    prompts = [prompt_fn(i) for i in range(n)]
+    real = RealRun(n)
+    idx_of = {f"r{i}": i for i in range(n)}
+    i = 0
+    t0 = time.monotonic()
+    while i < n or llm.has_unfinished_requests():
+        now = time.monotonic() - t0
+        while i < n and arrival[i] <= now:
+            params = SamplingParams(max_tokens=int(workload.output_len[i]), temperature=0.0, ignore_eos=True)
+            llm.add_request(prompts[i].tolist(), params, request_id=f"r{i}")
+            i += 1
+        if not llm.has_unfinished_requests():
+            time.sleep(max(0.0, arrival[i] - (time.monotonic() - t0)))
+            continue
+        s0 = time.monotonic()
+        out = sched.schedule()
+        sampled = llm.runner.execute(out, sched.prepare_model_inputs(out))
+        res = sched.update_from_output(out, sampled)
+        finished = llm._postprocess(out, sampled, res)
+        s1 = time.monotonic()
+        if out.req_ids:
+            real.batches.append(
+                (tuple(idx_of[r] for r in out.req_ids), tuple(np.asarray(out.num_scheduled_tokens).tolist()))
+            )
+            real.step_times.append(s1 - s0)
+        got = np.asarray(res.num_new_tokens)
+        for k in np.flatnonzero(got).tolist():
+            j = idx_of[out.req_ids[k]]
+            if np.isnan(real.first_token[j]):
+                real.first_token[j] = s1 - t0
+        for req in finished:
+            real.finish[idx_of[req.request_id]] = s1 - t0
+    real.wall_s = time.monotonic() - t0
+    return real
+
+
+def compare(real: RealRun, workload: Workload, sim_res: Any, *, time_scale: float = 1.0) -> dict[str, Any]:
+    """Batches (how many steps agree before the first difference) and TTFT/e2e percentiles, real vs simulated."""
+    sim_batches = sim_res.batches or []
+    same = 0
+    for a, b in zip(real.batches, sim_batches, strict=False):
+        if a != b:
+            break
+        same += 1
+    identical = same == len(real.batches) == len(sim_batches)
+    rec = request_records(sim_res)
+    arrival = workload.arrival_time * time_scale
+    real_ttft = real.first_token - arrival
+    real_e2e = real.finish - arrival
+    out: dict[str, Any] = {
+        "num_requests": len(workload),
+        "real_steps": len(real.batches),
+        "sim_steps": len(sim_batches),
+        "batches_identical": identical,
+        "steps_identical_before_first_difference": same,
+        "real_wall_s": real.wall_s,
+        "real_step_time_mean": float(np.mean(real.step_times)) if real.step_times else float("nan"),
+        "sim_step_time_mean": float(sim_res.step_time.mean()) if sim_res.num_steps else float("nan"),
+    }
+    for name, r, s in (("ttft", real_ttft, rec.ttft), ("e2e", real_e2e, rec.e2e)):
+        pr, ps = percentiles(r), percentiles(s)
+        out[name] = {
+            "real": pr,
+            "sim": ps,
+            "rel_error": {k: (ps[k] - pr[k]) / pr[k] if pr[k] else float("nan") for k in ("mean", "p50", "p90", "p99")},
+        }
+    return out
+
+
+def validate(
+    model: str | os.PathLike[str],
+    workload: Workload,
+    config: SchedulerConfig | dict[str, Any],
+    step_model: StepTimeModel,
+    *,
+    device: str = "cpu",
+    num_threads: int | None = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run ``workload`` through :class:`kvsched.LLM` on ``model`` and through the simulator; compare."""
+    import torch
+
+    from ..engine import LLM, SamplingParams
+
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    cfg = make_config(config)
+    llm = LLM(model, device=device, seed=seed, **_llm_kwargs(cfg))
+    vocab = int(llm.model_config.vocab_size)
+    fn = prompt_fn_for_vocab(workload, vocab)
+    # Warm up (first calls allocate), then drop what the warm-up cached so both runs start from an empty cache.
+    rng = np.random.default_rng(seed + 1)
+    warm = [rng.integers(3, vocab, size=48).tolist() for _ in range(4)]
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    llm.scheduler.reset_prefix_cache()
+    real = run_real(llm, workload, fn)
+    sim = simulate(workload, cfg, step_model, record_batches=True, prompt_fn=fn)
+    report = compare(real, workload, sim)
+    report["device"] = str(llm.device)
+    report["torch_threads"] = torch.get_num_threads()
+    return report

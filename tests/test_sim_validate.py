@@ -1,0 +1,91 @@
+"""The simulator schedules exactly what the real engine schedules: the same trace through ``kvsched.LLM`` (a
+tiny random-weight model on the CPU) and through ``kvsched.sim`` gives the same sequence of batches, through
+chunked prefill, prefix-cache hits and preemption. A calibration fit recovers known coefficients."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+pytest.importorskip("transformers")
+
+from conftest import requires_rust  # noqa: E402
+from kvsched.engine import LLM  # noqa: E402
+from kvsched.runner.testing import save_tiny_hf_model  # noqa: E402
+from kvsched.sim import PRESETS, StepTimeModel, Workload, request_records, simulate  # noqa: E402
+from kvsched.sim.calibrate import fit_step_time_model, run_timed_steps  # noqa: E402
+from kvsched.sim.validate import prompt_fn_for_vocab, run_real  # noqa: E402
+
+pytestmark = [pytest.mark.torch, requires_rust]
+
+CONFIG = {
+    "block_size": 16,
+    "num_blocks": 40,  # 624 tokens: the batch below does not fit, so requests are preempted
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 96,  # long prompts are chunked
+    "max_model_len": 512,
+}
+
+
+def _workload() -> Workload:
+    rng = np.random.default_rng(5)
+    n = 10
+    group = np.where(np.arange(n) % 3 == 0, 0, -1)  # every third request shares a 48-token prefix
+    return Workload(
+        arrival_time=np.zeros(n),
+        prompt_len=rng.integers(20, 200, size=n),
+        output_len=rng.integers(4, 40, size=n),
+        tenant=np.zeros(n, dtype=np.int64),
+        priority=np.zeros(n, dtype=np.int64),
+        prefix_group=group.astype(np.int64),
+        prefix_len=np.where(group >= 0, 48, 0).astype(np.int64),
+        seed=5,
+    )
+
+
+def test_simulated_batches_equal_the_real_engine(tmp_path: Path) -> None:
+    path = tmp_path / "m"
+    save_tiny_hf_model(path, "llama", max_position_embeddings=512)
+    w = _workload()
+    llm = LLM(path, device="cpu", seed=0, **CONFIG)
+    fn = prompt_fn_for_vocab(w, int(llm.model_config.vocab_size))
+    real = run_real(llm, w, fn)
+    sim = simulate(w, CONFIG, PRESETS["llama-3.2-1b-h100"], record_batches=True, prompt_fn=fn)
+    assert sim.batches == real.batches
+    rec = request_records(sim)
+    assert rec.finished.all() and np.isfinite(real.finish).all()
+    assert rec.num_preemptions.sum() > 0  # the comparison covered preemption...
+    assert rec.num_cached_tokens.sum() > 0  # ...prefix hits...
+    assert (sim.step_prefill_tokens > 0).sum() > len(w)  # ...and chunked prefills
+
+
+def test_calibration_fit_recovers_known_coefficients() -> None:
+    truth = StepTimeModel(step_s=2e-3, prefill_token_s=5e-5, decode_req_s=3e-4, kv_token_s=1e-6, name="t")
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(200):
+        pre, dec = int(rng.integers(0, 500)), int(rng.integers(0, 64))
+        kv = dec * int(rng.integers(16, 1024))
+        t = truth.step_time(pre, dec, kv) * (1 + rng.normal(0, 0.01))
+        steps.append((t, pre, dec, kv, 0.0))
+    fitted, fit = fit_step_time_model(steps)
+    assert fit["r2"] > 0.99 and fit["median_rel_error"] < 0.02
+    for name in ("step_s", "prefill_token_s", "decode_req_s", "kv_token_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.1), name
+    assert fitted.prefill_attn_s >= 0 and fitted.swap_block_s == 0
+
+
+def test_timed_steps_of_the_real_engine_have_the_simulator_composition(tmp_path: Path) -> None:
+    path = tmp_path / "m"
+    save_tiny_hf_model(path, "llama", max_position_embeddings=512)
+    llm = LLM(path, device="cpu", seed=0, **CONFIG)
+    steps = run_timed_steps(llm, [(0, list(range(3, 103)), 3), (0, list(range(5, 45)), 5)])
+    # Step 1: both prompts in one 96-token budget? 100 + 40 > 96: 96 prefill tokens, nothing decodes.
+    assert steps[0][1:3] == (96, 0)
+    assert sum(s[1] for s in steps) == 140  # every prompt token once (no prefix cache hit between them)
+    assert sum(s[2] for s in steps) == (3 - 1) + (5 - 1)  # decode steps after each request's first token
+    assert all(s[0] > 0 for s in steps)
