@@ -160,6 +160,12 @@ def _add_simulate_parser(subparsers: Any) -> None:
     c.add_argument("--device", default=None, help="with --calibrate: cpu or cuda (default: cuda if available)")
     c.add_argument("--calibrate-out", type=Path, default=None, help="with --calibrate: the JSON preset to write")
     c.add_argument("--calibrate-quick", action="store_true", help="with --calibrate: fewer, smaller timed steps")
+    c.add_argument(
+        "--validate",
+        action="store_true",
+        help="run the workload through kvsched.LLM on --model and through the simulator (--step-model); "
+        "compare batches and TTFT/e2e percentiles, write --out/validate.json",
+    )
     p.set_defaults(func=_run_simulate)
 
 

@@ -154,10 +154,15 @@ def calibrate(
     max_model_len: int = 2048,
     repeats: int = 1,
     seed: int = 0,
+    num_threads: int | None = 1,
 ) -> tuple[StepTimeModel, dict[str, Any]]:
     """Time the real engine on ``model`` (a model directory, or a runner ``ModelConfig`` for a random-weight
-    model) and fit a step-time model. Returns the model and a dict describing the fit."""
+    model) and fit a step-time model. Returns the model and a dict describing the fit. ``num_threads``: torch's
+    intra-op threads (1 by default: steadier timings on a small shared CPU; None leaves torch's default)."""
     import torch
+
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
 
     from ..engine import LLM
 
@@ -203,7 +208,13 @@ def calibrate(
     )
     fitted, fit = fit_step_time_model(steps, name=f"calibrated-{label}-{llm.device.type}", source=source)
     fit.update(
-        {"device": where, "model": label, "block_size": block_size, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+        {
+            "device": where,
+            "torch_threads": torch.get_num_threads(),
+            "model": label,
+            "block_size": block_size,
+            "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
     )
     return fitted, fit
 

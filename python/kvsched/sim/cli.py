@@ -105,6 +105,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         return _err("--policies is empty")
+    if args.validate:
+        return _validate(args, spec_or_trace, rates[0], policies[0], axes, step_model)
     progress = not args.no_progress
     t0 = time.perf_counter()
     runs: list[Any] = []
@@ -144,6 +146,53 @@ def run_simulate(args: argparse.Namespace) -> int:
             return _err(str(exc))
         if progress:
             print("wrote " + ", ".join(str(p) for p in pngs), file=sys.stderr)
+    return 0
+
+
+def _validate(
+    args: argparse.Namespace,
+    spec_or_trace: Any,
+    rate: float | None,
+    policy: str,
+    axes: dict[str, list[Any]],
+    step_model: Any,
+) -> int:
+    import dataclasses
+    import json
+
+    from .report import _json_safe
+    from .sweep import scale_trace
+    from .workload import WorkloadSpec, generate_workload
+
+    if not args.model:
+        return _err("--validate needs --model DIR")
+    if any(len(v) != 1 for v in axes.values()):
+        return _err("--validate takes one value per --set field")
+    if isinstance(spec_or_trace, WorkloadSpec):
+        w = generate_workload(spec_or_trace if rate is None else dataclasses.replace(spec_or_trace, rate=rate))
+    else:
+        w = spec_or_trace if rate is None else scale_trace(spec_or_trace, rate)
+    config = {k: v[0] for k, v in axes.items()} | {"policy": policy}
+    try:
+        from .validate import validate
+    except ImportError as exc:
+        return _err(f"--validate needs the torch extra (pip install 'kvsched[torch]'): {exc}")
+    report = validate(args.model, w, config, step_model, device=args.device or "cpu")
+    print(f"{report['num_requests']} requests, {report['real_steps']} real steps, {report['sim_steps']} simulated")
+    print(
+        f"batches identical: {report['batches_identical']} "
+        f"({report['steps_identical_before_first_difference']} steps identical before the first difference)"
+    )
+    print(f"{'':10} {'real':>9} {'sim':>9} {'error':>7}")
+    for name in ("ttft", "e2e"):
+        for stat in ("mean", "p50", "p90", "p99"):
+            r, s = report[name]["real"][stat], report[name]["sim"][stat]
+            print(f"{name + ' ' + stat:10} {r:9.4f} {s:9.4f} {100 * report[name]['rel_error'][stat]:+6.1f}%")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "validate.json"
+    doc = {"argv": sys.argv, "step_model": step_model.to_dict(), "config": config, **report}
+    path.write_text(json.dumps(_json_safe(doc), indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
     return 0
 
 
