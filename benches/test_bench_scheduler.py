@@ -14,6 +14,7 @@ per-step numbers quoted in the README come from ``kvsched bench``, which times e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -113,3 +114,42 @@ def test_decode_step(benchmark: Any, impl: str, num_running: int) -> None:
     # reference is ~100x slower, so it gets fewer rounds.
     rounds = 2000 if impl == "rust" else 100
     benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=rounds // 40)
+
+
+def _decoding_scheduler(num_running: int, prompt_len: int) -> Any:
+    """A Rust scheduler of workload a's config with ``num_running`` requests past their prefill, all decoding."""
+    config = dataclasses.replace(get_scenario("a").scheduler_config(), max_num_seqs=num_running)
+    sched = make_scheduler("rust", config)
+    rng = np.random.Generator(np.random.PCG64(1))
+    for i in range(num_running):
+        sched.add_request(req_id(i), rng.integers(3, 32000, size=prompt_len, dtype=np.int32))
+    while True:
+        out = sched.schedule()
+        done = (out.num_computed_tokens + out.num_scheduled_tokens) >= prompt_len
+        ptr = np.zeros(len(out.req_ids) + 1, dtype=np.int64)
+        np.cumsum(done, out=ptr[1:])
+        sched.update_from_output(out, (np.full(int(ptr[-1]), 7, dtype=np.int64), ptr))
+        if out.num_reqs == num_running and out.total_num_scheduled_tokens == num_running:
+            return sched
+
+
+@pytest.mark.parametrize("form", ["numpy", "lists"])
+def test_update_sampled_form(benchmark: Any, form: str) -> None:
+    """``update_from_output`` alone (``schedule()`` runs untimed in the setup) at workload a's shape (256
+    running requests decoding, prompts of 512), with the sampled tokens as the ``(values, indptr)`` numpy pair
+    or as vLLM's ``list[list[int]]``. The inputs are built once; only their conversion and the update are timed."""
+    num_running = 256
+    sched = _decoding_scheduler(num_running, prompt_len=512)
+    sampled: Any
+    if form == "numpy":
+        sampled = (np.full(num_running, 7, dtype=np.int64), np.arange(num_running + 1, dtype=np.int64))
+    else:
+        sampled = [[7] for _ in range(num_running)]
+
+    def setup() -> tuple[tuple[Any, Any], dict[str, Any]]:
+        return (sched.schedule(), sampled), {}
+
+    benchmark.group = f"update_from_output, {num_running} running: sampled tokens as numpy vs lists"
+    # Each round appends a token to every request: 1000 rounds stay well inside max_model_len (8192).
+    benchmark.pedantic(sched.update_from_output, setup=setup, rounds=1000, iterations=1, warmup_rounds=50)
+    assert sched.stats().num_running_reqs == num_running

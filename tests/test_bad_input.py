@@ -260,6 +260,11 @@ CASES = [
     Case("list-too-long", update([[7], [], []]), InvalidOutputError, "got 4"),
     Case("float-in-list", update([[7.0], []]), SchedulerTypeError, "float"),
     Case("none-entry", update([None, []]), SchedulerTypeError, "NoneType"),
+    Case("bool-in-list", update([[True], []]), SchedulerTypeError, "bool"),
+    Case("bool-in-tuple-row", update([(True,), []]), SchedulerTypeError, "bool"),
+    Case("bool-after-a-good-row", update([[7], [False]]), SchedulerTypeError, "sampled_token_ids[1]"),
+    Case("negative-numpy-int-in-list", update([[np.int64(-1)], []]), InvalidOutputError, "-1"),
+    Case("sampled-token-2**63", update([[2**63], []]), InvalidOutputError, "9223372036854775808"),
     Case("negative-sampled-token", update([[-1], []]), InvalidOutputError, "-1"),
     Case("sampled-token-2**31", update([[2**31], []]), InvalidOutputError, "2147483648"),
     Case(
@@ -288,6 +293,7 @@ CASES = [
         setup_lookahead,
     ),
     Case("negative-draft", update([[7], []], [[-4], []]), InvalidOutputError, "-4", setup_lookahead),
+    Case("bool-draft", update([[7], []], [[True], []]), SchedulerTypeError, "bool", setup_lookahead),
     Case("drafts-misaligned", update([[7], []], [[1]]), InvalidOutputError, "got 2", setup_lookahead),
     Case(
         "applied-twice",

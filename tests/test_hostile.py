@@ -89,6 +89,7 @@ def garbage() -> st.SearchStrategy[Any]:
         st.lists(scalars, max_size=4),
         st.lists(st.integers(0, 40), max_size=6),
         st.lists(st.lists(st.integers(-3, 40), max_size=3), max_size=4),
+        st.lists(st.lists(scalars, max_size=3), max_size=4),  # lists of lists off the binding's fast path
         st.tuples(arrays(), arrays()),
         st.tuples(scalars, scalars),
         st.dictionaries(st.text(max_size=2), scalars, max_size=2),

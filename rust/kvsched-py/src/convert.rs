@@ -6,6 +6,7 @@
 //! are aligned, C-contiguous int64 are borrowed from numpy without copying; everything else is converted once.
 
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
@@ -208,13 +209,7 @@ impl<'py> RaggedInput<'py> {
             ));
         }
         if let Ok(list) = obj.downcast::<PyList>() {
-            let mut values = Vec::new();
-            let mut indptr = Vec::with_capacity(list.len() + 1);
-            indptr.push(0);
-            for (i, entry) in list.iter().enumerate() {
-                values.extend(token_list(&entry, &format!("{name}[{i}]"), "InvalidOutputError")?);
-                indptr.push(values.len() as i64);
-            }
+            let (values, indptr) = ragged_from_lists(list, name)?;
             return Ok(RaggedInput::Lists(values, indptr));
         }
         Err(type_error(
@@ -234,6 +229,66 @@ impl<'py> RaggedInput<'py> {
             RaggedInput::Lists(v, p) => Ok((IntVals::Borrowed(v), IntVals::Borrowed(p))),
         }
     }
+}
+
+/// A list of token lists flattened into `(values, indptr)`.
+///
+/// vLLM's `sampled_token_ids` is exact lists of exact ints: `lists_fast` reads those with borrowed list items and
+/// one C call per int, building no per-row object, vector or name string. Anything else in the list (a tuple, a
+/// list subclass, a numpy array, a bool, a numpy integer, an int beyond int64) sends the whole input to the
+/// general conversion, which accepts or rejects it exactly as before, with the same messages.
+fn ragged_from_lists(list: &Bound<'_, PyList>, name: &str) -> PyResult<(Vec<i64>, Vec<i64>)> {
+    if let Some(ragged) = lists_fast(list) {
+        return Ok(ragged);
+    }
+    // The fast path leaves no exception set, but make sure none leaks into the general path.
+    drop(PyErr::take(list.py()));
+    let mut values = Vec::new();
+    let mut indptr = Vec::with_capacity(list.len() + 1);
+    indptr.push(0);
+    for (i, entry) in list.iter().enumerate() {
+        values.extend(token_list(&entry, &format!("{name}[{i}]"), "InvalidOutputError")?);
+        indptr.push(values.len() as i64);
+    }
+    Ok((values, indptr))
+}
+
+/// The fast path of `ragged_from_lists`: `None` as soon as an entry is not an exact list or an item is not an
+/// exact int in the int64 range.
+fn lists_fast(list: &Bound<'_, PyList>) -> Option<(Vec<i64>, Vec<i64>)> {
+    let num_rows = ffi::Py_ssize_t::try_from(list.len()).ok()?;
+    let mut values = Vec::with_capacity(list.len());
+    let mut indptr = Vec::with_capacity(list.len() + 1);
+    indptr.push(0);
+    // SAFETY: the GIL is held (we hold `list`, a live list). Nothing below can run Python code (type checks,
+    // `Py_SIZE`, `PyList_GetItem` within bounds, `PyLong_AsLongLongAndOverflow` on an exact int), so no list
+    // changes while we read it and the borrowed item pointers stay valid: their lists keep them alive.
+    unsafe {
+        let list_type = std::ptr::addr_of_mut!(ffi::PyList_Type);
+        let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
+        for i in 0..num_rows {
+            let row = ffi::PyList_GetItem(list.as_ptr(), i);
+            if row.is_null() || ffi::Py_TYPE(row) != list_type {
+                return None;
+            }
+            // A list's `ob_size` is its length (`Py_SIZE` is inline; `PyList_Size` would be a call per row).
+            for j in 0..ffi::Py_SIZE(row) {
+                let item = ffi::PyList_GetItem(row, j);
+                if item.is_null() || ffi::Py_TYPE(item) != int_type {
+                    return None;
+                }
+                let mut overflow: std::os::raw::c_int = 0;
+                let v = ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow);
+                // Beyond int64 (`overflow` set), or -1 with an error: let the general path raise its error.
+                if overflow != 0 || (v == -1 && !ffi::PyErr_Occurred().is_null()) {
+                    return None;
+                }
+                values.push(v);
+            }
+            indptr.push(values.len() as i64);
+        }
+    }
+    Some((values, indptr))
 }
 
 pub(crate) fn seed_bytes(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u8>>> {
