@@ -380,6 +380,7 @@ CASES = [
     Case("config-negative-threshold", cfg(long_prefill_token_threshold=-1), InvalidConfigError, "got -1"),
     Case("config-negative-lookahead", cfg(num_lookahead_tokens=-1), InvalidConfigError, "got -1"),
     Case("config-int-caching-flag", cfg(enable_prefix_caching=1), InvalidConfigError, "1"),
+    Case("config-str-full-isl-flag", cfg(scheduler_reserve_full_isl="yes"), InvalidConfigError, "'yes'"),
     Case(
         "config-object-and-fields",
         new(SchedulerConfig(), block_size=4),
@@ -396,6 +397,7 @@ CASES = [
     Case("core-seed", new(bypass(prefix_hash_seed=1.5)), InvalidConfigError, "float"),
     Case("core-negative-threshold", new(bypass(long_prefill_token_threshold=-1)), InvalidConfigError, "-1"),
     Case("core-bool-block-size", new(bypass(block_size=True)), SchedulerTypeError, "bool"),
+    Case("core-int-full-isl-flag", new(bypass(scheduler_reserve_full_isl=1)), InvalidConfigError, "1"),
     Case(
         "core-budget-without-chunking",
         new(bypass(enable_chunked_prefill=False)),

@@ -339,6 +339,7 @@ def configs(draw: Any) -> SchedulerConfig:
         num_lookahead_tokens=draw(st.sampled_from([0, 0, 1, 3])),
         prefix_hash_algo=draw(st.sampled_from(["xxh3_128", "sha256"])),
         prefix_hash_seed=draw(st.sampled_from([None, 0, "seed"])),
+        scheduler_reserve_full_isl=draw(st.booleans()),
     )
 
 
@@ -376,6 +377,8 @@ SOAK_CONFIGS = [
                     policy="priority", prefix_hash_algo="sha256"),
     SchedulerConfig(block_size=8, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                     enable_chunked_prefill=False, num_lookahead_tokens=1, policy="priority"),
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    num_lookahead_tokens=1, scheduler_reserve_full_isl=False, prefix_hash_seed=2),
 ]  # fmt: skip
 
 
@@ -584,8 +587,15 @@ def test_rejected_drafts_of_a_request_preempted_and_resumed_in_flight_agree() ->
 
     seen = []
     for cls in (ReferenceScheduler, Scheduler):
-        s = cls(block_size=4, num_blocks=4, max_model_len=12, max_num_batched_tokens=6, num_lookahead_tokens=3,
-                policy="priority")  # fmt: skip
+        s = cls(
+            block_size=4,
+            num_blocks=4,
+            max_model_len=12,
+            max_num_batched_tokens=6,
+            num_lookahead_tokens=3,
+            policy="priority",
+            scheduler_reserve_full_isl=False,
+        )  # c is admitted for a chunk
         s.add_request("a", [1], priority=5, arrival_time=0.0)
         s.update_from_output(s.schedule(), [[2]], [[3, 3, 3]])
         s.add_request("c", [4, 4, 4, 4, 4], priority=0, arrival_time=1.0)

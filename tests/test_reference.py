@@ -147,6 +147,71 @@ def test_request_length_is_capped_by_max_model_len() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
+# Full-prompt admission gate (vLLM 0.33 scheduler_reserve_full_isl)
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_full_prompt_gate_holds_a_prompt_back_until_all_of_it_fits(gate: bool) -> None:
+    """vLLM 0.33 `allocate_slots(full_sequence_must_fit=scheduler_reserve_full_isl)`: a waiting request is
+    admitted only if its whole prompt fits, and a gated request stops admission for the step."""
+    h = Harness(
+        block_size=4, num_blocks=8, max_num_batched_tokens=8, max_model_len=28, scheduler_reserve_full_isl=gate
+    )  # 7 usable blocks
+    h.add("a", prompt(5), max_tokens=3)
+    h.step()  # a: 2 blocks
+    h.add("b", prompt(24, 300), max_tokens=1)  # 6 blocks for the whole prompt; 5 are free
+    h.add("c", prompt(3, 500), max_tokens=1)  # 1 block, but behind b
+    out, _ = h.step()
+    if gate:
+        assert out.req_ids == ["a"]  # b waits; c is not admitted past it
+        out, _ = h.step()  # a's last token: it finishes and frees its 2 blocks
+        assert out.req_ids == ["a"]
+        out, _ = h.step()
+        assert out.req_ids == ["b"] and out.num_scheduled_tokens.tolist() == [8]  # all 7 blocks free now
+    else:
+        assert out.req_ids == ["a", "b"] and out.num_scheduled_tokens.tolist() == [1, 7]  # b's first chunk
+
+
+def test_full_prompt_gate_counts_prefix_hits_as_held() -> None:
+    """The gate needs ceil(num_tokens / bs) blocks minus the prefix hits (hits held by a running request cost
+    nothing; vLLM's `get_num_blocks_to_allocate` with the new computed blocks)."""
+    h = Harness(block_size=4, num_blocks=8, max_num_batched_tokens=64, max_model_len=28)
+    h.add("a", prompt(16), max_tokens=5)
+    h.step()  # a: 4 full, cached blocks; 3 free
+    h.add("b", prompt(16) + prompt(8, 300), max_tokens=1)  # 6 blocks in all, 4 of them hits held by a
+    out = h.schedule()  # a takes a 5th block (2 free); b needs 6 - 4 = 2
+    assert out.req_ids == ["a", "b"] and out.num_computed_tokens.tolist() == [16, 16]
+    assert h.s.num_free_blocks == 0
+    h.update(out)
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_full_prompt_gate_counts_the_outputs_of_a_resumed_request(gate: bool) -> None:
+    """A preempted request is gated on prompt + outputs so far (vLLM: `min(request.num_tokens,
+    max_model_len)`), the tokens it must recompute; without the gate it thrashes (resumed for a chunk,
+    preempted again)."""
+    h = Harness(block_size=4, num_blocks=6, max_num_batched_tokens=6, max_model_len=20,
+                enable_prefix_caching=False, policy="priority", scheduler_reserve_full_isl=gate)  # fmt: skip
+    h.add("lo", prompt(7), max_tokens=10, priority=1)  # 5 usable blocks
+    h.step()
+    h.step()  # lo: 9 tokens (2 computed blocks + the slot of its next token)
+    h.add("hi", prompt(8, 300), max_tokens=10, priority=0)
+    assert h.step()[0].num_scheduled_tokens_by_id() == {"lo": 1, "hi": 5}
+    assert h.step()[0].num_scheduled_tokens_by_id() == {"lo": 1, "hi": 3}  # the pool is full
+    out, _ = h.step()  # hi decodes into a 3rd block: lo is preempted with 10 tokens
+    assert out.preempted_req_ids == ["lo"] and h.s.get_output_token_ids("lo") == [TOK] * 3
+    # lo's 10 tokens need 3 blocks and 2 are free: gated, although a 5-token chunk (2 blocks) would fit.
+    outs = [h.step()[0] for _ in range(3)]
+    if gate:
+        assert [o.req_ids for o in outs] == [["hi"]] * 3
+        assert h.s.get_request_status("lo") == RequestStatus.PREEMPTED
+    else:
+        assert [o.req_ids for o in outs] == [["hi", "lo"], ["hi"], ["hi", "lo"]]
+        assert outs[1].preempted_req_ids == ["lo"]
+
+
+# --------------------------------------------------------------------------------------------------------
 # Preemption
 # --------------------------------------------------------------------------------------------------------
 
@@ -193,7 +258,9 @@ def h_blocks_at(out, k: int) -> list[int]:
 
 
 def test_priority_preemption_refunds_a_victim_scheduled_earlier_in_the_step() -> None:
-    h = Harness(block_size=16, num_blocks=5, max_num_batched_tokens=20, policy="priority")
+    # A tight pool where a long prompt is admitted for its first chunk: the full-prompt gate is off.
+    h = Harness(block_size=16, num_blocks=5, max_num_batched_tokens=20, policy="priority",
+                scheduler_reserve_full_isl=False)  # fmt: skip
     h.add("v", prompt(16), priority=9)
     h.step()  # v: 16 tokens, 1 block; samples -> 17 tokens
     h.add("r", prompt(16, 300), priority=0)
@@ -211,8 +278,14 @@ def test_priority_preemption_refunds_a_victim_scheduled_earlier_in_the_step() ->
 
 def test_priority_victim_skipped_earlier_shifts_the_index_so_no_request_is_passed_over() -> None:
     # semantics.md note (1): the victim sat before r without being scheduled (its decode was in flight).
-    h = Harness(block_size=4, num_blocks=5, max_num_batched_tokens=7, long_prefill_token_threshold=6,
-                policy="priority")  # fmt: skip
+    h = Harness(
+        block_size=4,
+        num_blocks=5,
+        max_num_batched_tokens=7,
+        long_prefill_token_threshold=6,
+        policy="priority",
+        scheduler_reserve_full_isl=False,
+    )  # chunk admission, no gate
     h.add("x", prompt(4), priority=9)
     out1 = h.schedule()  # x: 4 tokens, 1 block; its token is not applied yet
     h.add("r", prompt(15, 200))

@@ -566,7 +566,10 @@ def test_fcfs_preempts_from_the_back_until_it_fits_and_keeps_the_victims_order()
 def test_a_request_preempted_in_flight_still_receives_its_tokens():
     # 3 usable blocks. b (low priority) decodes; c (high priority) prefills in chunks and, in the next step,
     # scheduled before b's step is applied, needs b's block.
-    s = make(num_blocks=4, max_model_len=12, max_num_batched_tokens=8, policy="priority")
+    # c is admitted for its first chunk although its prompt does not fit: the full-prompt gate is off.
+    s = make(
+        num_blocks=4, max_model_len=12, max_num_batched_tokens=8, policy="priority", scheduler_reserve_full_isl=False
+    )
     s.add_request("b", prompt(0, 3), max_tokens=5, priority=9)
     step(s)  # b: 1 block, 4 tokens
     s.add_request("c", prompt(100, 11), max_tokens=1, priority=0)
@@ -615,7 +618,10 @@ def test_priority_preempts_the_largest_priority_and_refunds_it():
 
 def test_priority_refund_frees_budget_for_later_running_requests():
     # 6 usable blocks, budget 6. Running order: low (priority 5), high (0), chunky (1, a 20-token prefill).
-    s = make(num_blocks=7, max_model_len=24, max_num_batched_tokens=6, policy="priority")
+    # chunky is admitted for its first chunk although its prompt does not fit: the full-prompt gate is off.
+    s = make(
+        num_blocks=7, max_model_len=24, max_num_batched_tokens=6, policy="priority", scheduler_reserve_full_isl=False
+    )
     s.add_request("low", prompt(0, 3), max_tokens=20, priority=5)
     step(s)
     s.add_request("high", prompt(100, 7), max_tokens=17, priority=0)
@@ -639,7 +645,12 @@ def test_a_victim_skipped_earlier_in_the_step_does_not_make_the_next_request_ski
     # Differs from vLLM (note 1): the victim sat before r without being scheduled (n = 0, its step in flight);
     # the index still moves back, so the request after r is scheduled in this step.
     s = make(
-        num_blocks=7, max_model_len=24, max_num_batched_tokens=12, long_prefill_token_threshold=4, policy="priority"
+        num_blocks=7,
+        max_model_len=24,
+        max_num_batched_tokens=12,
+        long_prefill_token_threshold=4,
+        policy="priority",
+        scheduler_reserve_full_isl=False,  # high is admitted for its first chunk before the pool can hold it
     )  # 6 usable blocks
     s.add_request("low", prompt(0, 3), max_tokens=10, priority=9)
     step(s)

@@ -47,6 +47,7 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     prefix_hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
     prefix_hash_seed: int | str | bytes | None = None
+    scheduler_reserve_full_isl: bool = True
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -60,7 +61,7 @@ class SchedulerConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 2)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "scheduler_reserve_full_isl"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)

@@ -503,6 +503,13 @@ class ReferenceScheduler:
         r.block_ids = []
         r.num_cached_blocks = 0
 
+    def _full_sequence_fits(self, r: _Request, hits: list[int]) -> bool:
+        """Could the free blocks hold all of ``r``'s tokens (capped at max_model_len) beyond its hits?"""
+        full = min(r.num_tokens, self._config.max_model_len)
+        need = max(0, math.ceil(full / self._bs) - len(r.block_ids) - len(hits))
+        evictable_hits = sum(1 for b in hits if self._ref_cnt[b] == 0)
+        return need + evictable_hits <= len(self._free)
+
     def _allocate_slots(self, r: _Request, n: int, hits: list[int], lookahead: int) -> list[int] | None:
         """Reserve KV slots for ``n`` more tokens (+ lookahead): the new blocks, or None (nothing changed)."""
         c, bs = self._config, self._bs
@@ -712,6 +719,8 @@ class ReferenceScheduler:
             if not c.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
+            if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits):
+                break  # vLLM's full-prompt admission gate: the whole sequence must fit, not just this chunk
             if self._allocate_slots(r, n, hits, 0) is None:
                 break
             self._waiting.pop()

@@ -57,6 +57,9 @@ pub struct SchedulerConfig {
     pub prefix_hash_algo: HashAlgo,
     /// Seeds the hash chain; `None` draws a random seed per scheduler.
     pub prefix_hash_seed: Option<Vec<u8>>,
+    /// vLLM's full-prompt admission gate: a waiting request is admitted only if the KV cache can hold all of
+    /// its tokens (minus prefix hits), not just its first chunk.
+    pub scheduler_reserve_full_isl: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -74,6 +77,7 @@ impl Default for SchedulerConfig {
             num_lookahead_tokens: 0,
             prefix_hash_algo: HashAlgo::Xxh3_128,
             prefix_hash_seed: None,
+            scheduler_reserve_full_isl: true,
         }
     }
 }

@@ -33,6 +33,18 @@ impl KvCacheManager {
         }
     }
 
+    /// vLLM's `full_sequence_must_fit` admission gate (`scheduler_reserve_full_isl`): could the pool hold every
+    /// known token of `req` (prompt, plus outputs for a resumed request; capped at `max_model_len`) on top of
+    /// the prefix hits `hits`? Hits at ref 0 leave the free queue when touched, so they count as needed blocks.
+    /// Lookahead slots are not part of this check (the per-step allocation adds them).
+    pub fn full_sequence_fits(&self, req: &Request, hits: &[u32]) -> bool {
+        let full = req.num_tokens().min(self.max_model_len);
+        let required = ((full + self.block_size - 1) >> self.block_shift) as usize;
+        let need = required.saturating_sub(req.blocks.len() + hits.len());
+        let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+        need + evictable_hits <= self.pool.num_free_blocks()
+    }
+
     /// Reserves KV slots for `num_new_tokens` more tokens of `req` (plus `num_lookahead_tokens`), taking the
     /// prefix hits `hits` first. Returns the number of blocks newly popped from the free queue, or `None` when
     /// the pool cannot supply them, in which case nothing changed.

@@ -5,7 +5,8 @@
 //! PRIORITY: the largest `(priority, arrival_time)`, refunded if it was already scheduled this step) until the
 //! allocation succeeds or the request itself is the victim, which ends phase A. Phase B, only when nothing was
 //! preempted, admits waiting requests in policy order with their prefix-cache hits while `max_num_seqs`, the
-//! budget and the free blocks allow; it never preempts. Requests with nothing to do are skipped, not blocking.
+//! budget and the free blocks allow (with `scheduler_reserve_full_isl`, the free blocks must hold the whole
+//! prompt, not just its first chunk); it never preempts. Requests with nothing to do are skipped, not blocking.
 
 use crate::config::Policy;
 use crate::error::Result;
@@ -89,6 +90,7 @@ impl Scheduler {
         let lookahead = self.config.num_lookahead_tokens;
         let max_num_seqs = self.config.max_num_seqs as usize;
         let chunked = self.config.enable_chunked_prefill;
+        let reserve_full_isl = self.config.scheduler_reserve_full_isl;
         let mut budget = self.config.max_num_batched_tokens;
         let mut b = Builder::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<ReqHandle> = Vec::new();
@@ -174,6 +176,9 @@ impl Scheduler {
                     break;
                 }
                 n = n.min(budget);
+                if reserve_full_isl && !self.kv.full_sequence_fits(req, &hits) {
+                    break;
+                }
                 if self.kv.allocate_slots(req, n, &hits, 0).is_none() {
                     break;
                 }

@@ -86,6 +86,26 @@ fn chunked_prefill_splits_a_long_prompt_by_budget() {
 }
 
 #[test]
+fn full_prompt_gate_waits_until_the_whole_prompt_fits() {
+    // vLLM 0.33 `scheduler_reserve_full_isl`: 7 usable blocks of 4; "a" holds 2, "b" needs 6 for its prompt.
+    for gate in [true, false] {
+        let mut s = Scheduler::new(SchedulerConfig {
+            max_num_batched_tokens: 8,
+            scheduler_reserve_full_isl: gate,
+            ..cfg(4, 8)
+        })
+        .unwrap();
+        add(&mut s, "a", &prompt(0, 5), params(3));
+        step_with(&mut s, 1);
+        add(&mut s, "b", &prompt(100, 24), params(1));
+        let (out, _) = step_with(&mut s, 1);
+        // Without the gate "b" gets a first chunk of 7 tokens (2 blocks); with it, 6 blocks > 5 free: it waits.
+        let expect: Vec<&str> = if gate { vec!["a"] } else { vec!["a", "b"] };
+        assert_eq!(ids(&s, &out), expect, "gate={gate}");
+    }
+}
+
+#[test]
 fn threshold_caps_tokens_per_request_and_decodes_share_the_budget() {
     let mut c = cfg(4, 128);
     c.long_prefill_token_threshold = 16;
@@ -517,8 +537,9 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
         prop_oneof![Just(0u32), Just(5)],
         any::<bool>(),
         prop_oneof![Just(0u32), Just(2)],
+        any::<bool>(),
     )
-        .prop_map(|(bs, nb, seqs, budget, caching, chunked, thr, prio, la)| {
+        .prop_map(|(bs, nb, seqs, budget, caching, chunked, thr, prio, la, full_isl)| {
             let max_model_len = ((nb - 1) * bs).min(200);
             SchedulerConfig {
                 block_size: bs,
@@ -532,6 +553,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 policy: if prio { Policy::Priority } else { Policy::Fcfs },
                 num_lookahead_tokens: la,
                 prefix_hash_seed: Some(b"p".to_vec()),
+                scheduler_reserve_full_isl: full_isl,
                 ..Default::default()
             }
         })

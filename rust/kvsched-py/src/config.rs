@@ -43,5 +43,6 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         num_lookahead_tokens: u32_field("num_lookahead_tokens")?,
         prefix_hash_algo: algo,
         prefix_hash_seed: seed_bytes(&cfg.getattr("prefix_hash_seed")?)?,
+        scheduler_reserve_full_isl: bool_field("scheduler_reserve_full_isl")?,
     })
 }
