@@ -127,6 +127,7 @@ def test_greedy_matches_transformers_under_preemption(tiny_llama: tuple[Path, An
     path, hf = tiny_llama
     prompts = _prompts(1)
     # 15 usable 8-token blocks (120 tokens of KV) for ~200 tokens of prompts: requests must be preempted.
+    # Prompts are admitted for their first chunk (full-prompt gate off), so running requests run out of blocks.
     llm = LLM(
         path,
         dtype="float32",
@@ -134,6 +135,7 @@ def test_greedy_matches_transformers_under_preemption(tiny_llama: tuple[Path, An
         block_size=8,
         num_blocks=16,
         max_num_batched_tokens=48,
+        scheduler_reserve_full_isl=False,
         scheduler_cls=scheduler_cls,
     )
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
