@@ -492,14 +492,18 @@ class ReferenceScheduler:
         return b
 
     def _free_blocks(self, r: _Request) -> None:
-        """Release ``r``'s blocks in reverse; cached ones go to the tail (LRU), uncached ones to the head."""
+        """Release ``r``'s blocks in reverse; cached ones go to the tail (LRU), uncached ones as one group to the
+        head, deepest first (so the head is the deepest freed block)."""
+        to_head: list[int] = []
         for b in reversed(r.block_ids):
             self._ref_cnt[b] -= 1
             if self._ref_cnt[b] == 0:
                 if self._block_hash[b] is not None:
                     self._free.append(b)
                 else:
-                    self._free.appendleft(b)
+                    to_head.append(b)
+        for b in reversed(to_head):
+            self._free.appendleft(b)
         r.block_ids = []
         r.num_cached_blocks = 0
 

@@ -128,8 +128,10 @@ impl BlockPool {
     }
 
     /// Releases one request's blocks in reverse order: its deepest blocks become the first eviction candidates.
-    /// Blocks reaching ref 0 go to the tail when hashed (LRU), to the head when not (reused first).
+    /// Blocks reaching ref 0 go to the tail when hashed (LRU, deepest first), and as one group to the head when
+    /// not (reused first, deepest first): vLLM 0.33's `free_blocks` + `prepend_n`.
     pub fn free_blocks(&mut self, blocks: &[u32]) {
+        let mut any_unhashed = false;
         for &b in blocks.iter().rev() {
             let rc = &mut self.ref_cnt[b as usize];
             debug_assert!(*rc > 0, "freeing block {b} with ref_cnt 0");
@@ -138,6 +140,15 @@ impl BlockPool {
                 if self.hash[b as usize].is_some() {
                     self.free.push_back(b);
                 } else {
+                    any_unhashed = true;
+                }
+            }
+        }
+        if any_unhashed {
+            // Pushing to the front in table order leaves the group at the head deepest block first. A block
+            // appears once per table, so ref 0 + no hash here means it reached 0 in this call.
+            for &b in blocks {
+                if self.ref_cnt[b as usize] == 0 && self.hash[b as usize].is_none() {
                     self.free.push_front(b);
                 }
             }
