@@ -926,6 +926,18 @@ class ReferenceScheduler:
         r = self._get(req_id)
         return r.token_ids[r.num_prompt_tokens :]
 
+    def running_req_ids(self) -> list[str]:
+        return [r.req_id for r in self._running]
+
+    def waiting_req_ids(self) -> list[str]:
+        waiting = list(self._waiting)
+        if isinstance(self._waiting, _PriorityQueue):
+            waiting.sort(key=lambda r: r.priority_key())
+        return [r.req_id for r in waiting]
+
+    def get_num_cached_blocks(self, req_id: str) -> int:
+        return self._get(req_id).num_cached_blocks
+
     def get_num_cached_tokens(
         self, prompt_token_ids: Any, cache_salt: str | None = None, lora_name: str | None = None
     ) -> int:

@@ -26,6 +26,7 @@ pub mod config;
 pub mod error;
 pub mod free_queue;
 pub mod hashing;
+mod introspect;
 pub mod kv_cache_manager;
 mod model_inputs;
 pub mod output;

@@ -117,6 +117,15 @@ impl WaitingQueue {
             WaitingQueue::Priority(h) => h.iter().map(|e| e.handle).collect(),
         }
     }
+
+    /// The handles in pop order (O(n log n) for the heap; introspection only).
+    pub fn handles_in_order(&self) -> Vec<ReqHandle> {
+        match self {
+            WaitingQueue::Fcfs(q) => q.iter().copied().collect(),
+            // Ascending by the reversed `Ord` is descending by key: the pop order reversed.
+            WaitingQueue::Priority(h) => h.clone().into_sorted_vec().iter().rev().map(|e| e.handle).collect(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -435,6 +435,25 @@ impl PyScheduler {
         let this = borrow(slf)?;
         guard(py, || this.core.check_invariants().map_err(SchedError::Internal))
     }
+
+    /// Ids of the running requests, in running order.
+    fn running_req_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<String>> {
+        let this = borrow(slf)?;
+        Ok(this.core.running_req_ids().iter().map(|s| s.to_string()).collect())
+    }
+
+    /// Ids of the waiting requests, in the order admission considers them.
+    fn waiting_req_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<String>> {
+        let this = borrow(slf)?;
+        Ok(this.core.waiting_req_ids().iter().map(|s| s.to_string()).collect())
+    }
+
+    /// Leading blocks of the request that are entered in the prefix cache.
+    fn get_num_cached_blocks(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        guard(slf.py(), || this.core.get_num_cached_blocks(&id))
+    }
 }
 
 impl PyScheduler {

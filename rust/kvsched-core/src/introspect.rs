@@ -1,0 +1,26 @@
+//! Read-only views of the scheduler's queues for hosts that mirror its state (the vLLM adapter) and for tests.
+//! Each call builds a fresh list: none of this is on the per-step hot path.
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::scheduler::Scheduler;
+
+impl Scheduler {
+    /// Ids of the running requests, in running order (admission order; preemption victims come from the end).
+    pub fn running_req_ids(&self) -> Vec<Arc<str>> {
+        self.running.iter().filter_map(|&s| self.slab.get(s).ok().map(|r| r.id.clone())).collect()
+    }
+
+    /// Ids of the waiting requests in the order admission would consider them.
+    pub fn waiting_req_ids(&self) -> Vec<Arc<str>> {
+        self.waiting
+            .handles_in_order()
+            .iter().filter_map(|&h| self.slab.resolve(h).map(|r| r.id.clone())).collect()
+    }
+
+    /// Blocks of the request whose hash is in the prefix cache map for it (its leading full, cached blocks).
+    pub fn get_num_cached_blocks(&self, req_id: &str) -> Result<u32> {
+        Ok(self.get_request(req_id)?.num_cached_blocks)
+    }
+}
