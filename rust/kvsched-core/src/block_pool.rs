@@ -245,6 +245,17 @@ mod tests {
     }
 
     #[test]
+    fn unhashed_blocks_go_to_the_head_as_a_group_deepest_first() {
+        let mut p = BlockPool::new(8, false);
+        let mut a = Vec::new();
+        p.allocate_into(3, &mut a);
+        assert_eq!(a, vec![1, 2, 3]);
+        p.free_blocks(&a);
+        // vLLM 0.33 prepends the group in eviction order: the deepest block (3) is reused first.
+        assert_eq!(p.free.iter().collect::<Vec<_>>(), vec![3, 2, 1, 4, 5, 6, 7]);
+    }
+
+    #[test]
     fn allocate_free_and_lru_order() {
         let mut p = BlockPool::new(6, true);
         let mut a = Vec::new();
