@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 from conftest import requires_rust
-
 from kvsched import SchedulerConfig
 from kvsched.reference import ReferenceScheduler
 

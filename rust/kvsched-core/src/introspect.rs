@@ -16,7 +16,9 @@ impl Scheduler {
     pub fn waiting_req_ids(&self) -> Vec<Arc<str>> {
         self.waiting
             .handles_in_order()
-            .iter().filter_map(|&h| self.slab.resolve(h).map(|r| r.id.clone())).collect()
+            .iter()
+            .filter_map(|&h| self.slab.resolve(h).map(|r| r.id.clone()))
+            .collect()
     }
 
     /// Blocks of the request whose hash is in the prefix cache map for it (its leading full, cached blocks).
