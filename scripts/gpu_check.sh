@@ -47,7 +47,7 @@ fi
 
 step "install kvsched"
 WHEEL="$(ls -t dist/kvsched-*.whl 2>/dev/null | head -1 || true)"
-CHECK='import kvsched, kvsched.runner.triton_attention, kvsched.runner.throughput; from kvsched import Scheduler
+CHECK='import kvsched, kvsched.runner.triton_attention, kvsched.bench.engine_throughput; from kvsched import Scheduler
 print("kvsched", kvsched.__version__, "from", kvsched.__file__)'
 USE_SOURCE=1
 if [ -n "$WHEEL" ] && "$PY" -m pip install --no-deps --no-index --force-reinstall "$WHEEL" >"$OUT/pip.txt" 2>&1 \
@@ -78,20 +78,20 @@ timeout 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs \
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "throughput, Llama-3.2-1B shapes, random weights, bf16"
-timeout 120 "$PY" -m kvsched.runner.throughput "${TP_ARGS[@]}" --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.txt"
+timeout 120 "$PY" -m kvsched.bench.engine_throughput "${TP_ARGS[@]}" --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "throughput, as above, with CUDA graphs for decode-only steps"
 if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "DRY_RUN: skipped (needs CUDA)"
 else
-  timeout 120 "$PY" -m kvsched.runner.throughput "${TP_ARGS[@]}" --cuda-graphs --json "$OUT/throughput_graphs.json" \
+  timeout 120 "$PY" -m kvsched.bench.engine_throughput "${TP_ARGS[@]}" --cuda-graphs --json "$OUT/throughput_graphs.json" \
     2>&1 | tee "$OUT/throughput_graphs.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 step "throughput at batch 256 with the pure-Python reference scheduler (for contrast)"
-timeout 90 "$PY" -m kvsched.runner.throughput "${TP_REF_ARGS[@]}" --scheduler reference --json "$OUT/throughput_reference.json" 2>&1 | tee "$OUT/throughput_reference.txt"
+timeout 90 "$PY" -m kvsched.bench.engine_throughput "${TP_REF_ARGS[@]}" --scheduler reference --json "$OUT/throughput_reference.json" 2>&1 | tee "$OUT/throughput_reference.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "done (status $status, source mode $USE_SOURCE); results in $OUT"

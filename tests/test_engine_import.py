@@ -10,7 +10,7 @@ def test_import_kvsched_and_sampling_params_do_not_import_torch() -> None:
     code = (
         "import sys, argparse, kvsched\n"
         "p = kvsched.SamplingParams(max_tokens=4, temperature=0.0)\n"
-        "from kvsched.runner.cli import add_generate_parser\n"
+        "from kvsched.cli_generate import add_generate_parser\n"
         "add_generate_parser(argparse.ArgumentParser().add_subparsers())\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('ok')\n"

@@ -4,7 +4,8 @@ Subcommands:
 
 - ``kvsched bench``: per-step scheduling latency on the standard workloads (see ``docs/benchmarks.md``).
 - ``kvsched simulate``: a serving simulator driven by the real scheduler (see ``docs/simulator.md``).
-- ``kvsched generate``: provided by :mod:`kvsched.runner.cli` when the runner is installed (optional).
+- ``kvsched generate``: generate with :class:`kvsched.LLM` from a local checkpoint (:mod:`kvsched.cli_generate`;
+  needs the ``torch`` extra when it runs).
 """
 
 from __future__ import annotations
@@ -176,12 +177,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _add_optional_subcommands(subparsers: Any) -> None:
-    # ---- `kvsched generate` (owned by kvsched.runner; optional) --------------------------------------------
-    # Imported lazily and only if present: the runner pulls in torch, which the scheduler never needs.
-    try:
-        from kvsched.runner.cli import add_generate_parser  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return
+    # ---- `kvsched generate` (kvsched.cli_generate) ----------------------------------------------------------
+    # Its module imports torch only when the command runs: the scheduler never needs it.
+    from kvsched.cli_generate import add_generate_parser
+
     add_generate_parser(subparsers)
     # ----------------------------------------------------------------------------------------------------
 

@@ -27,13 +27,14 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvsched.config import SchedulerConfig
 
+from .driver import Counters, Driver, ImplUnavailableError, IntArray
 from .progress import Progress
 from .workloads import VOCAB_SIZE, Scenario, TraceRequest, Workload, req_id, sampled_tokens
 
@@ -55,38 +56,6 @@ __all__ = [
     "run_scaling",
     "run_workload",
 ]
-
-IntArray = npt.NDArray[np.int64]
-
-
-class ImplUnavailableError(RuntimeError):
-    """The requested scheduler implementation cannot be loaded here (the message says why)."""
-
-
-@dataclass
-class Counters:
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_preempted_queries: int = 0
-    prefix_cache_preempted_hits: int = 0
-
-
-class Driver(Protocol):
-    """What the loop needs from an implementation. Only ``schedule_fn``/``update_fn`` results are timed."""
-
-    impl: str
-
-    def add(self, req: TraceRequest, rid: str) -> None: ...
-    def schedule_fn(self) -> Callable[[], Any]: ...
-    def update_fn(self) -> Callable[[Any, Any], Any]: ...
-    def view(self, out: Any) -> tuple[Sequence[str], npt.NDArray[Any], npt.NDArray[Any]]: ...
-    def model_output(self, out: Any, req_ids: Sequence[str], values: IntArray, indptr: IntArray) -> Any: ...
-    def after_update(self, result: Any) -> None: ...
-    def has_unfinished(self) -> bool: ...
-    def num_unfinished(self) -> int: ...
-    def num_running(self) -> int: ...
-    def counters(self) -> Counters: ...
 
 
 class NativeDriver:

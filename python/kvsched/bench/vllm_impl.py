@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from kvsched.config import SchedulerConfig
 
-from .harness import Counters, ImplUnavailableError
+from .driver import Counters, ImplUnavailableError
 from .workloads import VOCAB_SIZE, TraceRequest
 
 __all__ = ["VllmDriver"]

@@ -1,6 +1,6 @@
-"""Offline throughput of the engine on a random-weight model, and where each step's time goes.
+"""Offline throughput of the engine (:class:`kvsched.LLM`) on a random-weight model, and where each step's time goes.
 
-``python -m kvsched.runner.throughput`` builds a model with Llama-3.2-1B shapes and random weights (nothing is
+``python -m kvsched.bench.engine_throughput`` builds a model with Llama-3.2-1B shapes and random weights (nothing is
 downloaded), then for each batch size runs that many requests (random prompts of ``--input-len`` tokens,
 exactly ``--output-len`` output tokens each) through the scheduler + runner step loop and reports output
 tokens/s and the share of step time spent in ``schedule()``, ``prepare_model_inputs()``, the runner's host-
@@ -159,7 +159,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvsched.runner.throughput", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvsched.bench.engine_throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU with small sizes (smoke test)")
     p.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,64,256; --tiny: 1,4,8)")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 128; --tiny: 16)")

@@ -1,4 +1,4 @@
-"""``kvsched generate`` and ``python -m kvsched.runner.throughput --tiny`` run end to end on the CPU."""
+"""``kvsched generate`` and ``python -m kvsched.bench.engine_throughput --tiny`` run end to end on the CPU."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)  # tiny models: intra-op threads only add overhead on small CI machines
 transformers = pytest.importorskip("transformers")
 
-from kvsched.runner.cli import add_generate_parser  # noqa: E402
+from kvsched.cli_generate import add_generate_parser  # noqa: E402
 from kvsched.runner.testing import save_tiny_hf_model  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def test_generate_command_without_prompts_fails(tmp_path: Path) -> None:
 
 
 def test_throughput_tiny_runs_and_reports_shares(tmp_path: Path) -> None:
-    from kvsched.runner.throughput import main
+    from kvsched.bench.engine_throughput import main
 
     out = tmp_path / "tp.json"
     assert main(["--tiny", "--batch-sizes", "1,4", "--json", str(out)]) == 0
@@ -74,7 +74,7 @@ def test_throughput_tiny_runs_and_reports_shares(tmp_path: Path) -> None:
 
 def test_throughput_module_is_runnable() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvsched.runner.throughput", "--help"],
+        [sys.executable, "-m", "kvsched.bench.engine_throughput", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
