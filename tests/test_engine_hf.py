@@ -199,6 +199,34 @@ def test_stop_tokens_min_tokens_and_text(tiny_llama: tuple[Path, Any], tmp_path:
     assert free.text is None  # no tokenizer.json in the directory
 
 
+def _vllm_style(outputs: list[Any]) -> list[tuple[Any, ...]]:
+    """What code written against ``vllm.LLM.generate`` typically reads from its results."""
+    return [
+        (o.request_id, o.prompt, o.prompt_token_ids, o.finished, len(o.outputs), o.outputs[0].index,
+         o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+         o.outputs[0].cumulative_logprob, o.outputs[0].logprobs, o.outputs[0].finished())
+        for o in outputs
+    ]  # fmt: skip
+
+
+def test_outputs_have_vllms_shape(tiny_llama: tuple[Path, Any]) -> None:
+    path, _ = tiny_llama
+    llm = LLM(path, dtype="float32", device="cpu", block_size=8, num_blocks=64, scheduler_cls=SCHEDULER_CLS)
+    prompts = _prompts(5)[:2]
+    free = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+    stop = free[1].output_token_ids[2]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(stop,)), use_tqdm=False)
+    assert [o.finish_reason for o in free] == ["length", "length"]
+    assert outs[1].output_token_ids == free[1].output_token_ids[:3]
+    assert [(o.finish_reason, o.stop_reason) for o in outs][1] == ("stop", stop)
+    assert _vllm_style(outs) == [
+        (o.request_id, None, p, True, 1, 0, "", o.output_token_ids, o.finish_reason, o.stop_reason, None, None, True)
+        for o, p in zip(outs, prompts, strict=True)
+    ]
+    # The view shares the token list: it always says what the flat fields say.
+    assert outs[0].outputs[0].token_ids is outs[0].output_token_ids
+
+
 def test_text_prompts_with_a_tokenizer_json(tiny_llama: tuple[Path, Any], tmp_path: Path) -> None:
     tokenizers = pytest.importorskip("tokenizers")
     import shutil
@@ -216,6 +244,7 @@ def test_text_prompts_with_a_tokenizer_json(tiny_llama: tuple[Path, Any], tmp_pa
     assert out[0].prompt_token_ids == [5, 6, 7, 8]
     assert out[0].prompt == "w5 w6 w7 w8"
     assert out[0].text == " ".join(f"w{t}" for t in out[0].output_token_ids)
+    assert [o.outputs[0].text for o in out] == [o.text for o in out]
 
 
 def test_sampling_params_are_validated() -> None:

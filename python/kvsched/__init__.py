@@ -23,13 +23,14 @@ from .config import SchedulerConfig
 
 if TYPE_CHECKING:
     from ._core import ModelInputs, SchedulerOutput, UpdateResult
-    from .engine import LLM, RequestOutput, SamplingParams
+    from .engine import LLM, CompletionOutput, RequestOutput, SamplingParams
     from .scheduler import Scheduler
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "CompletionOutput",
     "DuplicateRequestError",
     "FinishReason",
     "InternalError",
@@ -59,6 +60,7 @@ _LAZY = {
     "LLM": "engine",
     "SamplingParams": "engine",
     "RequestOutput": "engine",
+    "CompletionOutput": "engine",
 }
 
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .runner.config import ModelConfig
     from .runner.model_runner import ModelRunner
 
-__all__ = ["LLM", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,36 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One generated sequence of a request, with vLLM's field names (``vllm.CompletionOutput``).
+
+    kvsched samples one sequence per request, so ``index`` is always 0. ``text`` is ``""`` when the model
+    directory has no tokenizer (as in vLLM without detokenisation); ``cumulative_logprob`` and ``logprobs`` are
+    not computed (None)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | None = None  # the stop token id, when a stop_token_ids entry ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
+    """One request's result. ``outputs[0]`` gives it in vLLM's shape (``outputs[0].text``, ``.token_ids``,
+    ``.finish_reason``), so code written against ``vllm.LLM.generate`` reads it unchanged; the flat fields
+    (``output_token_ids``, ``text``, ``finish_reason``, ``stop_reason``) say the same."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    text: str | None = None
+    text: str | None = None  # None without a tokenizer
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | None = None  # the stop token id, when a stop_token_ids entry ended it
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
@@ -90,6 +114,20 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The request's one sequence as vLLM's ``outputs`` list, built from the fields above on each access
+        (``outputs[0].token_ids`` is ``output_token_ids`` itself, not a copy)."""
+        return [
+            CompletionOutput(
+                index=0,
+                text=self.text if self.text is not None else "",
+                token_ids=self.output_token_ids,
+                finish_reason=self.finish_reason,
+                stop_reason=self.stop_reason,
+            )
+        ]
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:
