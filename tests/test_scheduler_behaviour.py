@@ -444,6 +444,26 @@ def test_long_prefill_token_threshold_caps_each_request_per_step():
     assert by_id(out) == {"a": 2, "b": 1}
 
 
+@pytest.mark.parametrize("impl", ["rust", "reference"])
+def test_long_prefill_threshold_is_off_for_a_lone_request(impl: str):
+    """vLLM 0.33 schedule(): the cap only protects other requests from a long prefill, so with one request in the
+    scheduler (running + waiting) it is not applied; it comes back as soon as a second request arrives."""
+    cfg = SchedulerConfig(block_size=4, num_blocks=64, max_model_len=64, long_prefill_token_threshold=4)
+    if impl == "rust":
+        s: Any = Scheduler(cfg)
+    else:
+        from kvsched.reference import ReferenceScheduler
+
+        s = ReferenceScheduler(cfg)
+    s.add_request("a", prompt(0, 20), max_tokens=2)
+    out = s.schedule()
+    assert by_id(out) == {"a": 20}
+    s.update_from_output(out, [[7]])
+    s.add_request("b", prompt(100, 10), max_tokens=2)
+    out = s.schedule()
+    assert by_id(out) == {"a": 1, "b": 4}
+
+
 def test_chunking_off_stops_admission_at_a_prompt_over_the_budget():
     s = make(enable_chunked_prefill=False, max_model_len=16, max_num_batched_tokens=16)
     s.add_request("a", prompt(0, 10), max_tokens=2)
@@ -710,9 +730,10 @@ def test_priority_victim_on_a_full_tie_is_the_first_in_running_order():
     s.update_from_output(out, [[7], [7]])
     out = s.schedule()  # p needs a block: the victim is p itself (first on the tie)
     assert out.preempted_req_ids == ["p"]
-    assert out.req_ids == []  # p preempted itself: phase A stops; phase B does not run
-    out = s.schedule()
+    # vLLM 0.33: under priority, a request that preempted itself does not end phase A; q, after it, still runs
+    # in the blocks p freed. Phase B does not run (a preemption happened), so p waits.
     assert out.req_ids == ["q"]
+    assert s.get_request_status("p") == RequestStatus.PREEMPTED
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -682,12 +682,14 @@ class ReferenceScheduler:
         scheduled: list[list[Any]] = []
         preempted: list[_Request] = []
 
+        # The long-prefill cap is off when a single request (running + waiting) is in the scheduler.
+        threshold = c.long_prefill_token_threshold if len(self._running) + len(self._waiting) > 1 else 0
         i = 0
         while i < len(self._running):
             r = self._running[i]
             n = r.num_tokens + len(r.drafts) - r.num_computed_tokens
-            if 0 < c.long_prefill_token_threshold < n:
-                n = c.long_prefill_token_threshold
+            if 0 < threshold < n:
+                n = threshold
             n = min(n, budget, c.max_model_len - 1 - r.num_computed_tokens)
             if n <= 0:
                 i += 1
@@ -707,6 +709,8 @@ class ReferenceScheduler:
                 if victim is r:
                     break
             if new_blocks is None:
+                if c.policy == "priority":
+                    continue  # r preempted itself; the requests after it rank higher and may still fit
                 break
             num_drafts = max(0, r.num_computed_tokens + n - r.num_tokens)
             scheduled.append([r, n, r.num_computed_tokens, new_blocks, r.drafts[:num_drafts], "running"])
@@ -718,8 +722,8 @@ class ReferenceScheduler:
             r = self._waiting.peek()
             hits = self._lookup(r.block_hashes, r.num_tokens)
             n = r.num_tokens - len(hits) * bs
-            if 0 < c.long_prefill_token_threshold < n:
-                n = c.long_prefill_token_threshold
+            if 0 < threshold < n:
+                n = threshold
             if not c.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)

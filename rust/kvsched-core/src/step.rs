@@ -85,7 +85,13 @@ impl Scheduler {
     #[inline(never)]
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
         let bs = self.config.block_size;
-        let threshold = self.config.long_prefill_token_threshold;
+        // vLLM 0.33: the long-prefill cap exists so one long prompt cannot starve the others; with a single
+        // request (running + waiting) there is nobody to starve, and the cap is off for the step.
+        let threshold = if self.running.len() + self.waiting.len() > 1 {
+            self.config.long_prefill_token_threshold
+        } else {
+            0
+        };
         let max_model_len = self.config.max_model_len;
         let lookahead = self.config.num_lookahead_tokens;
         let max_num_seqs = self.config.max_num_seqs as usize;
@@ -137,6 +143,11 @@ impl Scheduler {
                     }
                 }
                 if self_preempted {
+                    if self.config.policy == Policy::Priority {
+                        // vLLM 0.33: the request was the lowest-priority one and freed its own blocks; the
+                        // requests after it rank higher and may still fit. `i` already points at the next one.
+                        continue;
+                    }
                     break;
                 }
                 req = self.slab.get_mut(slot)?;
