@@ -153,3 +153,26 @@ def test_update_sampled_form(benchmark: Any, form: str) -> None:
     # Each round appends a token to every request: 1000 rounds stay well inside max_model_len (8192).
     benchmark.pedantic(sched.update_from_output, setup=setup, rounds=1000, iterations=1, warmup_rounds=50)
     assert sched.stats().num_running_reqs == num_running
+
+
+@pytest.mark.parametrize("cold_mb", [0, 8])
+def test_decode_step_cold(benchmark: Any, cold_mb: int) -> None:
+    """One ``schedule()`` + ``update_from_output()`` at workload a's shape (256 running requests decoding), in
+    the tight loop (0) or with ``cold_mb`` MiB of other memory touched before each step, outside the timed region
+    (``kvsched bench --cold``): in an engine the model runner evicts the scheduler's state between steps."""
+    num_running = 256
+    sched = _decoding_scheduler(num_running, prompt_len=512)
+    sampled = (np.full(num_running, 7, dtype=np.int64), np.arange(num_running + 1, dtype=np.int64))
+    cold_lines = np.zeros(cold_mb * 2**20, dtype=np.uint8)[::64]  # one element per cache line
+
+    def setup() -> tuple[tuple[()], dict[str, Any]]:
+        np.add(cold_lines, 1, out=cold_lines)
+        return (), {}
+
+    def step() -> None:
+        sched.update_from_output(sched.schedule(), sampled)
+
+    benchmark.group = f"decode step, {num_running} running: tight vs cold caches"
+    benchmark.extra_info["cold_mb"] = cold_mb
+    benchmark.pedantic(step, setup=setup, rounds=1000, iterations=1, warmup_rounds=50)
+    assert sched.stats().num_running_reqs == num_running

@@ -206,6 +206,43 @@ def test_bench_quick_writes_json_with_every_figure(tmp_path: Path) -> None:
     assert res["num_steps"] == 256  # prompt in one step (13 x 512 tokens fit the budget), then 255 decodes
 
 
+def test_bench_cold_reports_its_memory_and_schedules_the_same(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    impl = _any_impl()
+    docs = {}
+    for cold in ("0", "2.5"):
+        out = tmp_path / f"cold{cold}.json"
+        md = tmp_path / f"cold{cold}.md"
+        argv = ["bench", "--quick", "-w", "a", "--impl", impl, "--cold", cold, "--json", str(out)]
+        assert main([*argv, "--markdown", str(md), "--no-progress"]) == 0
+        docs[cold] = (json.loads(out.read_text())["results"][0], capsys.readouterr().out, md.read_text())
+    (tight, tight_table, tight_md), (cold_res, cold_table, cold_md) = docs["0"], docs["2.5"]
+    assert (tight["cold_mb"], cold_res["cold_mb"]) == (0.0, 2.5)
+    assert tight["schedule_digest"] == cold_res["schedule_digest"]  # only the caches differ
+    assert "cold MB" not in tight_table and "cold MB" not in tight_md
+    assert "cold MB" in cold_table and "| a | " + impl + " | 2.5 |" in cold_md
+    for bad in ("-1", "inf", "nan", "x"):
+        with pytest.raises(SystemExit):
+            main(["bench", "--cold", bad, "--no-progress", "--no-json"])
+
+
+def test_harness_cold_touches_the_memory_between_steps() -> None:
+    from kvsched.bench.harness import _reset_peak_rss
+
+    if not _reset_peak_rss():
+        pytest.skip("no peak-RSS reset here (Linux /proc/self/clear_refs)")
+    impl = _any_impl()
+    workload = generate(get_scenario("a").scaled(SMALL))
+    tight = run_workload(impl, workload, warmup_steps=0)
+    cold = run_workload(impl, workload, warmup_steps=0, cold_mb=48)
+    # Every page of the 48 MiB buffer was written during the timed run (the tight run grew far less).
+    assert cold.peak_rss_bytes - cold.rss_before_bytes >= 47 * 2**20
+    assert tight.peak_rss_bytes - tight.rss_before_bytes < 47 * 2**20
+    with pytest.raises(ValueError):
+        run_workload(impl, workload, cold_mb=-1)
+
+
 def test_bench_replays_a_dumped_trace(tmp_path: Path) -> None:
     impl = _any_impl()
     traces = tmp_path / "traces"

@@ -37,6 +37,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def _add_bench_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
@@ -89,6 +96,14 @@ def _add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--scaling-steps", type=int, default=200, help="timed decode steps per size (%(default)s)")
     p.add_argument("--warmup-steps", type=int, default=None, help="warm-up steps per run (default 50; quick 10)")
     p.add_argument("--max-steps", type=int, default=None, help="stop each run after this many steps")
+    p.add_argument(
+        "--cold",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="MB",
+        help="touch this many MiB of other memory between steps, outside the timed region, as a model runner "
+        "does in an engine (evicts the scheduler's state from the CPU caches; default 0: the tight loop)",
+    )
     p.add_argument(
         "--repeat",
         type=int,
@@ -260,7 +275,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         for w in workloads:
             for impl in impls:
                 runs = [
-                    run_workload(impl, w, warmup_steps=warmup, max_steps=args.max_steps, progress=progress)
+                    run_workload(
+                        impl, w, warmup_steps=warmup, max_steps=args.max_steps, progress=progress, cold_mb=args.cold
+                    )
                     for _ in range(repeat)
                 ]
                 results.append(best_of(runs))

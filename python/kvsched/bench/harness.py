@@ -13,6 +13,11 @@ the same workload on a throw-away scheduler. The fake model gives one token to e
 prompt is complete (``num_computed + num_scheduled >= prompt + outputs so far``), found with vectorised numpy
 on arrays indexed by the request's own index; requests finish by ``max_tokens`` only.
 
+With ``cold_mb`` (``kvsched bench --cold MB``), a buffer of that many MiB is touched (one write per 64-byte
+cache line) at the start of every step, before its arrivals and ``schedule()``, outside the timed region: in an
+engine the model runner and Python run between two steps and evict the scheduler's state from the CPU caches,
+which a tight loop never does.
+
 An implementation is reached through a small :class:`Driver`; for kvsched's two schedulers (same API) the
 timed calls are the schedulers' own bound methods, with nothing in between.
 """
@@ -231,6 +236,7 @@ class RunResult:
     rss_before_bytes: int
     digest: str
     warmup_steps: int
+    cold_mb: float = 0.0  # memory touched between steps (0: the tight loop)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -250,8 +256,11 @@ def _loop(
     record: bool,
     progress: Progress | None = None,
     recorder: list[tuple[list[TraceRequest], Any]] | None = None,
+    cold_bytes: int = 0,
 ) -> dict[str, Any]:
     requests = workload.requests
+    # One element per cache line of a buffer of cold_bytes, written (outside the timed region) before each step.
+    cold_lines = np.zeros(cold_bytes, dtype=np.uint8)[::64] if cold_bytes > 0 else None
     num_reqs = len(requests)
     size = workload.max_idx() + 1
     known_len = workload.prompt_lens()  # prompt + outputs so far, by request index
@@ -292,6 +301,8 @@ def _loop(
             if nxt >= num_reqs:
                 break
             step = max(step, arrivals[nxt])  # nothing to do until the next arrival: skip idle steps
+        if cold_lines is not None:
+            cold_lines += 1
         first_new = nxt
         while nxt < num_reqs and arrivals[nxt] <= step:
             a0 = perf()
@@ -377,11 +388,16 @@ def run_workload(
     warmup_steps: int = 50,
     max_steps: int | None = None,
     progress: Progress | None = None,
+    cold_mb: float = 0.0,
 ) -> RunResult:
-    """Replay ``workload`` through ``impl`` and time every step (see the module docstring)."""
+    """Replay ``workload`` through ``impl`` and time every step (see the module docstring); ``cold_mb`` MiB of
+    other memory are touched between steps (0: the tight loop)."""
+    if not cold_mb >= 0:
+        raise ValueError(f"cold_mb must be >= 0, got {cold_mb}")
+    cold_bytes = int(cold_mb * 2**20)
     config = workload.scenario.scheduler_config()
     if warmup_steps > 0:
-        _loop(make_driver(impl, config), workload, max_steps=warmup_steps, record=False)
+        _loop(make_driver(impl, config), workload, max_steps=warmup_steps, record=False, cold_bytes=cold_bytes)
     driver = make_driver(impl, config)
 
     gc.collect()
@@ -394,7 +410,7 @@ def run_workload(
         progress.start(f"{workload.name} | {impl}")
     t0 = time.perf_counter()
     try:
-        data = _loop(driver, workload, max_steps=max_steps, record=True, progress=progress)
+        data = _loop(driver, workload, max_steps=max_steps, record=True, progress=progress, cold_bytes=cold_bytes)
     finally:
         gc.unfreeze()
     wall = time.perf_counter() - t0
@@ -412,6 +428,7 @@ def run_workload(
         peak_rss_bytes=peak,
         rss_before_bytes=rss_before,
         warmup_steps=warmup_steps,
+        cold_mb=cold_mb,
         **data,
     )
 
