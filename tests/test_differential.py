@@ -26,6 +26,7 @@ pytestmark = requires_rust
 
 VOCAB = 12  # small, so sampled tokens often hit EOS / stop ids
 PREFIXES = [[(7 * k + 3 * i) % VOCAB for i in range(64)] for k in range(3)]  # shared-prefix families
+TENANTS = ["default", "t1", "t2"]
 
 
 class Rand:
@@ -151,6 +152,8 @@ class Twin:
             kw["cache_salt"] = r.choice(["s1", "s2"])
         if r.chance(0.1):
             kw["lora_name"] = "L1"
+        if self.cfg.policy == "fair" or r.chance(0.2):
+            kw["tenant"] = r.choice(TENANTS)
         self.clock += r.choice([0.0, 1.0, 0.5])  # ties in arrival time happen
         kw["arrival_time"] = self.clock
         if r.chance(0.1):  # one bad argument (and a fresh id): both must reject it the same way
@@ -169,6 +172,7 @@ class Twin:
             {"stop_token_ids": [2**31]}, {"priority": 2**63}, {"arrival_time": math.nan},
             {"arrival_time": -math.inf}, {"cache_salt": 5}, {"priority": 1.5}, {"max_tokens": "3"},
             {"min_tokens": self.cfg.max_model_len},
+            {"tenant": ""}, {"tenant": 3}, {"tenant": b"t"},
         ])  # fmt: skip
         kw = {**kw, **bad}
         if "min_tokens" in bad and "max_tokens" in kw and not isinstance(kw["max_tokens"], int):
@@ -260,13 +264,21 @@ class Twin:
                          lambda: self.rs.get_num_cached_tokens(prompt, salt, lora))  # fmt: skip
         assert a == b, f"get_num_cached_tokens({prompt}, {salt}, {lora}): {a} != {b}"
 
+    def op_weight(self) -> None:
+        r = self.rand
+        tenant = r.choice([*TENANTS, "new"])
+        weight = r.choice([0.5, 1.0, 3.0, 0.25, 0.0, -1.0, math.inf])  # the last three are refused
+        self.log.append(f"set_tenant_weight {tenant} {weight}")
+        call_both(lambda: self.ref.set_tenant_weight(tenant, weight),
+                  lambda: self.rs.set_tenant_weight(tenant, weight))  # fmt: skip
+
     def op_reset(self) -> None:
         self.log.append("reset_prefix_cache")
         assert self.ref.reset_prefix_cache() == self.rs.reset_prefix_cache()
 
     def step(self) -> None:
         ops = [self.op_add] * 3 + [self.op_schedule] * 4 + [self.op_update] * 4
-        self.rand.choice([*ops, self.op_abort, self.op_probe, self.op_reset])()
+        self.rand.choice([*ops, self.op_abort, self.op_probe, self.op_reset, self.op_weight])()
         self.check()
 
     # -- comparison of the whole observable state --------------------------------------------------------
@@ -278,6 +290,11 @@ class Twin:
         for name in sa.__dataclass_fields__:
             va, vb = getattr(sa, name), getattr(sb, name)
             assert va == vb, f"stats.{name}: reference {va} != Rust {vb}"
+        # Counters must agree bit for bit: equal counters tie, and ties decide fair admissions.
+        assert self.ref.tenant_stats() == self.rs.tenant_stats()
+        assert list(self.ref.tenant_stats()) == list(self.rs.tenant_stats())  # registration order
+        assert self.ref.waiting_req_ids() == list(self.rs.waiting_req_ids())  # fair: at the current counters
+        assert self.ref.running_req_ids() == list(self.rs.running_req_ids())
         assert self.ref.num_free_blocks == self.rs.num_free_blocks
         assert self.ref.num_unfinished_requests == self.rs.num_unfinished_requests
         assert self.ref.has_unfinished_requests() == self.rs.has_unfinished_requests()
@@ -326,6 +343,7 @@ def configs(draw: Any) -> SchedulerConfig:
     budget = draw(st.integers(1, 96))
     if not chunked:
         budget = max(budget, max_model_len)
+    policy = draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair"]))
     return SchedulerConfig(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -335,11 +353,17 @@ def configs(draw: Any) -> SchedulerConfig:
         enable_prefix_caching=draw(st.booleans()) or draw(st.booleans()),
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 8, 17])),
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        policy=policy,
         num_lookahead_tokens=draw(st.sampled_from([0, 0, 1, 3])),
         prefix_hash_algo=draw(st.sampled_from(["xxh3_128", "sha256"])),
         prefix_hash_seed=draw(st.sampled_from([None, 0, "seed"])),
         scheduler_reserve_full_isl=draw(st.booleans()),
+        cache_aware_admission_window=draw(st.sampled_from([0, 1, 3, 16])) if policy == "fcfs" else 0,
+        cache_aware_admission_threshold=draw(st.sampled_from([0.0, 0.3, 0.5, 1.0])),
+        tenant_weights=draw(st.sampled_from([{}, {"t1": 3.0}, {"t2": 0.1, "default": 1.5}])),
+        fair_prefill_weight=draw(st.sampled_from([1.0, 0.0, 0.3])),
+        fair_decode_weight=draw(st.sampled_from([2.0, 1.0, 0.7])),
+        priority_aging_steps=draw(st.sampled_from([0, 1, 4])) if policy == "priority" else 0,
     )
 
 
@@ -379,6 +403,12 @@ SOAK_CONFIGS = [
                     enable_chunked_prefill=False, num_lookahead_tokens=1, policy="priority"),
     SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
                     num_lookahead_tokens=1, scheduler_reserve_full_isl=False, prefix_hash_seed=2),
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=40, max_model_len=64,
+                    cache_aware_admission_window=8, cache_aware_admission_threshold=0.3, prefix_hash_seed=2),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48,
+                    policy="fair", tenant_weights={"t1": 3.0}, fair_decode_weight=0.7),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=64,
+                    policy="priority", priority_aging_steps=3, long_prefill_token_threshold=8),
 ]  # fmt: skip
 
 
@@ -555,6 +585,23 @@ ODD_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
     ("get_num_cached_tokens", ([1.5],), {}),
     ("get_num_cached_tokens", (list(range(20)), 3), {}),
     ("get_num_cached_tokens", (list(range(20)), None, "L"), {}),
+    ("add_request", ("x", [1]), {"tenant": ""}),
+    ("add_request", ("x", [1]), {"tenant": 7}),
+    ("add_request", ("x", [1]), {"tenant": "\ud800"}),
+    ("add_request", ("x", [1]), {"tenant": None}),
+    ("add_request", ("x", [1]), {"tenant": "t"}),
+    ("set_tenant_weight", ("t", 2.0), {}),
+    ("set_tenant_weight", ("t", 2), {}),
+    ("set_tenant_weight", ("t", 0.0), {}),
+    ("set_tenant_weight", ("t", -1), {}),
+    ("set_tenant_weight", ("t", math.nan), {}),
+    ("set_tenant_weight", ("t", math.inf), {}),
+    ("set_tenant_weight", ("t", 10**400), {}),
+    ("set_tenant_weight", ("t", True), {}),
+    ("set_tenant_weight", ("t", "2"), {}),
+    ("set_tenant_weight", ("", 1.0), {}),
+    ("set_tenant_weight", (None, 1.0), {}),
+    ("set_tenant_weight", ("\ud800", 1.0), {}),
 ]
 
 
@@ -577,6 +624,7 @@ def test_odd_calls_behave_the_same(method: str, args: tuple[Any, ...], kwargs: d
     for s in pair:
         s.check_invariants()
     assert pair[0].stats().__dict__ == pair[1].stats().__dict__
+    assert pair[0].tenant_stats() == pair[1].tenant_stats()
 
 
 def test_rejected_drafts_of_a_request_preempted_and_resumed_in_flight_agree() -> None:

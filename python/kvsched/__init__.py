@@ -18,7 +18,7 @@ from ._errors import (
     SchedulerTypeError,
     UnknownRequestError,
 )
-from ._types import FinishReason, RequestStatus, SchedulerStats
+from ._types import FinishReason, RequestStatus, SchedulerStats, TenantStats
 from .config import SchedulerConfig
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "SchedulerTypeError",
+    "TenantStats",
     "UnknownRequestError",
     "UpdateResult",
     "__version__",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["FinishReason", "RequestStatus", "SchedulerStats"]
+__all__ = ["FinishReason", "RequestStatus", "SchedulerStats", "TenantStats"]
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,3 +53,18 @@ class SchedulerStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    """One tenant's share, as ``tenant_stats()`` reports it (see docs/semantics.md, "Fair share").
+
+    ``counter`` is the virtual token counter: weighted service received (``fair_prefill_weight`` per prompt token
+    computed for the first time plus ``fair_decode_weight`` per output token, each divided by the weight at the
+    time), raised by lifts when the tenant became active again."""
+
+    weight: float
+    counter: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_waiting_reqs: int

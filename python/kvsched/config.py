@@ -7,14 +7,15 @@ the values again on its side.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ._errors import InvalidConfigError
+from ._errors import InvalidConfigError, SchedulerTypeError
 
 __all__ = ["POLICIES", "PREFIX_HASH_ALGOS", "SchedulerConfig"]
 
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "fair")
 PREFIX_HASH_ALGOS = ("xxh3_128", "sha256")
 _I32_MAX = 2**31 - 1
 # The pool keeps ~50 bytes of bookkeeping per block; 2**24 blocks (~800 MB) is far above any real GPU's pool.
@@ -26,6 +27,32 @@ def _check_int(name: str, value: Any, minimum: int, maximum: int = _I32_MAX) -> 
         raise InvalidConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if not minimum <= value <= maximum:
         raise InvalidConfigError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_tenant_weight(
+    tenant: Any, weight: Any, error: type[Exception], type_error: type[Exception] = SchedulerTypeError
+) -> None:
+    """A tenant is a non-empty str, its weight a finite real > 0; else ``error`` (``type_error`` for types)."""
+    if not isinstance(tenant, str):
+        raise type_error(f"a tenant name must be a str, got {type(tenant).__name__}")
+    if not tenant:
+        raise error("a tenant name must be a non-empty string")
+    try:
+        tenant.encode()
+    except UnicodeEncodeError:
+        raise error("a tenant name must be valid unicode (a lone surrogate)") from None
+    if not _is_real(weight):
+        raise type_error(f"the weight of tenant {tenant!r} must be a float, got {type(weight).__name__}")
+    try:
+        value = float(weight)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise error(f"the weight of tenant {tenant!r} must be finite and > 0, got {weight!r}")
 
 
 @dataclass(frozen=True)
@@ -43,11 +70,17 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: Literal["fcfs", "priority", "fair"] = "fcfs"
     num_lookahead_tokens: int = 0
     prefix_hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
     prefix_hash_seed: int | str | bytes | None = None
     scheduler_reserve_full_isl: bool = True
+    cache_aware_admission_window: int = 0
+    cache_aware_admission_threshold: float = 0.5
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    fair_prefill_weight: float = 1.0
+    fair_decode_weight: float = 2.0
+    priority_aging_steps: int = 0
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -87,6 +120,35 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}), "
                 "or a long prompt could never be scheduled"
             )
+        self._check_policy_fields()
+
+    def _check_policy_fields(self) -> None:
+        """The admission window, fair-share and aging fields (docs/semantics.md, "Admission policies")."""
+        _check_int("cache_aware_admission_window", self.cache_aware_admission_window, 0)
+        t = self.cache_aware_admission_threshold
+        if not _is_real(t) or not 0.0 <= float(t) <= 1.0:
+            raise InvalidConfigError(f"cache_aware_admission_threshold must be a float in [0, 1], got {t!r}")
+        if self.cache_aware_admission_window > 0 and self.policy != "fcfs":
+            raise InvalidConfigError(
+                "cache_aware_admission_window > 0 needs policy 'fcfs' (the window reorders the FCFS queue; "
+                f"policy {self.policy!r} has its own order), got window {self.cache_aware_admission_window}"
+            )
+        object.__setattr__(self, "cache_aware_admission_threshold", float(t))
+        for name in ("fair_prefill_weight", "fair_decode_weight"):
+            w = getattr(self, name)
+            if not _is_real(w) or not (math.isfinite(w) and w >= 0):
+                raise InvalidConfigError(f"{name} must be a finite float >= 0, got {w!r}")
+            object.__setattr__(self, name, float(w))
+        weights = self.tenant_weights
+        if not isinstance(weights, Mapping):
+            raise InvalidConfigError(f"tenant_weights must be a mapping of str to float, got {weights!r}")
+        for tenant, w in weights.items():
+            check_tenant_weight(tenant, w, InvalidConfigError, InvalidConfigError)
+        # Frozen, yet the caller's mapping must not change it afterwards: keep a private copy.
+        object.__setattr__(self, "tenant_weights", {str(k): float(v) for k, v in weights.items()})
+        _check_int("priority_aging_steps", self.priority_aging_steps, 0)
+        if self.priority_aging_steps > 0 and self.policy != "priority":
+            raise InvalidConfigError(f"priority_aging_steps > 0 needs policy 'priority', got {self.policy!r}")
 
     @property
     def num_usable_blocks(self) -> int:

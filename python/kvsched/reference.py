@@ -10,7 +10,9 @@ Data structures (mirroring the Rust core):
 * blocks: ``_ref_cnt[b]`` and ``_block_hash[b]`` per block id; block 0 is the null block and never used;
 * :class:`_FreeBlockQueue`: a doubly linked list in two index arrays (O(1) pop, remove, append, prepend);
 * ``_cached``: ``block_hash -> {block_id: None}`` (an insertion-ordered set; lookups take the first block);
-* ``_running``: an ordered list; ``_waiting``: a deque (fcfs) or a heap with lazy deletion (priority).
+* ``_running``: an ordered list; ``_waiting``: a deque (fcfs), a heap with lazy deletion (priority) or one deque
+  per tenant (fair);
+* ``_tenants``: name -> :class:`_Tenant` (weight, virtual counter, service, waiting count), in registration order.
 
 This module must not import ``kvsched._core``: it is the independent second implementation.
 """
@@ -38,8 +40,8 @@ from ._errors import (
     SchedulerTypeError,
     UnknownRequestError,
 )
-from ._types import FinishReason, RequestStatus, SchedulerStats
-from .config import SchedulerConfig
+from ._types import FinishReason, RequestStatus, SchedulerStats, TenantStats
+from .config import SchedulerConfig, check_tenant_weight
 
 __all__ = ["ModelInputs", "ReferenceScheduler", "SchedulerOutput", "SchedulerStats", "UpdateResult"]
 
@@ -205,10 +207,12 @@ class _Request:
 
     __slots__ = (
         "arrival_time",
+        "arrival_step",
         "block_hashes",
         "block_ids",
         "cache_salt",
         "drafts",
+        "effective_priority",
         "eos_token_id",
         "ignore_eos",
         "lora_name",
@@ -216,6 +220,7 @@ class _Request:
         "min_tokens",
         "num_cached_blocks",
         "num_cached_tokens",
+        "num_charged_prompt_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
@@ -224,6 +229,7 @@ class _Request:
         "req_id",
         "status",
         "stop_token_ids",
+        "tenant",
         "token_ids",
     )
     # set from add_request's (validated) arguments:
@@ -236,6 +242,8 @@ class _Request:
     arrival_time: float
     cache_salt: str | None
     lora_name: str | None
+    tenant: str
+    effective_priority: int  # priority, or priority * priority_aging_steps + arrival_step (see _PriorityQueue)
 
     def __init__(self, req_id: str, prompt: list[int], **params: Any) -> None:
         self.req_id = req_id
@@ -252,6 +260,7 @@ class _Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first admission
         self.queue_seq = -1  # identifies this request's live entry in the priority heap
+        self.num_charged_prompt_tokens = 0  # prompt tokens charged to the tenant (recompute is free)
 
     @property
     def num_tokens(self) -> int:
@@ -262,7 +271,7 @@ class _Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def priority_key(self) -> tuple[int, float, str]:
-        return (self.priority, self.arrival_time, self.req_id)
+        return (self.effective_priority, self.arrival_time, self.req_id)
 
 
 class _FcfsQueue:
@@ -292,9 +301,17 @@ class _FcfsQueue:
     def remove(self, r: _Request) -> None:
         self._q.remove(r)  # O(n), but only on abort / stop-while-preempted
 
+    def replace_front(self, reqs: list[_Request]) -> None:
+        """Overwrite the first ``len(reqs)`` entries (the admission window's reordering)."""
+        for k, r in enumerate(reqs):
+            self._q[k] = r
+
 
 class _PriorityQueue:
-    """priority waiting queue: a heap on ``(priority, arrival_time, req_id)``; removal is lazy.
+    """priority waiting queue: a heap on ``(effective priority, arrival_time, req_id)``; removal is lazy.
+
+    With ``priority_aging_steps = A > 0`` the effective priority is ``priority * A + arrival_step``: ordering by it
+    is ordering by ``priority - age / A`` at any common step (one level per ``A`` steps of age), a static key.
 
     Live requests have distinct ids, so the key orders them totally; the sequence number only keeps heapq from
     comparing request objects when a stale entry shares a key with a live one.
@@ -336,6 +353,63 @@ class _PriorityQueue:
     def remove(self, r: _Request) -> None:
         r.queue_seq = -1
         self._len -= 1
+
+
+class _Tenant:
+    """A tenant's weight, virtual counter (VTC), service received and number of waiting requests."""
+
+    __slots__ = ("counter", "name", "num_decode_tokens", "num_prefill_tokens", "num_waiting", "weight")
+
+    def __init__(self, name: str, weight: float) -> None:
+        self.name, self.weight = name, weight
+        self.counter = 0.0
+        self.num_prefill_tokens = self.num_decode_tokens = self.num_waiting = 0
+
+
+class _FairQueue:
+    """fair waiting queue: one FIFO per tenant; the next request is the head of the tenant with the smallest
+    ``(counter, head arrival_time, name)``. Preempted requests return to the front of their tenant's FIFO."""
+
+    def __init__(self, tenants: dict[str, _Tenant]) -> None:
+        self._tenants = tenants
+        self._queues: dict[str, deque[_Request]] = {}
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[_Request]:
+        return itertools.chain.from_iterable(self._queues.values())
+
+    def add(self, r: _Request) -> None:
+        self._queues.setdefault(r.tenant, deque()).append(r)
+        self._len += 1
+
+    def add_preempted(self, r: _Request) -> None:
+        self._queues.setdefault(r.tenant, deque()).appendleft(r)
+        self._len += 1
+
+    def _pick(self) -> deque[_Request]:
+        keys = [(self._tenants[t].counter, q[0].arrival_time, t) for t, q in self._queues.items() if q]
+        return self._queues[min(keys)[2]]
+
+    def peek(self) -> _Request:
+        return self._pick()[0]
+
+    def pop(self) -> _Request:
+        self._len -= 1
+        return self._pick().popleft()
+
+    def remove(self, r: _Request) -> None:
+        self._queues[r.tenant].remove(r)
+        self._len -= 1
+
+    def in_order(self) -> list[_Request]:
+        """The order of repeated pops if the counters stayed as they are."""
+        copy = _FairQueue(self._tenants)
+        copy._queues = {t: deque(q) for t, q in self._queues.items()}
+        copy._len = self._len
+        return [copy.pop() for _ in range(len(copy))]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -424,7 +498,11 @@ class ReferenceScheduler:
         self._cached: dict[bytes, dict[int, None]] = {}
         self._requests: dict[str, _Request] = {}
         self._running: list[_Request] = []
-        self._waiting: _FcfsQueue | _PriorityQueue = _FcfsQueue() if c.policy == "fcfs" else _PriorityQueue()
+        self._tenants: dict[str, _Tenant] = {t: _Tenant(t, w) for t, w in c.tenant_weights.items()}
+        self._waiting: _FcfsQueue | _PriorityQueue | _FairQueue = (
+            _FcfsQueue() if c.policy == "fcfs" else _PriorityQueue() if c.policy == "priority"
+            else _FairQueue(self._tenants)
+        )  # fmt: skip
         self._finished_since_schedule: list[str] = []
         self._owner = object()  # outputs carry it: an output of another scheduler is refused
         self._next_step_id = 0  # steps are numbered from 0; stats().step_id counts the steps scheduled
@@ -554,6 +632,7 @@ class ReferenceScheduler:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         """Queue a new request (status WAITING). Validates every argument first; on error nothing changes."""
         c = self._config
@@ -604,6 +683,8 @@ class ReferenceScheduler:
             raise InvalidRequestError(f"arrival_time must be finite, got {arrival_time}")
         cache_salt = _opt_str(cache_salt, "cache_salt")
         lora_name = _opt_str(lora_name, "lora_name")
+        tenant = "default" if tenant is None else tenant
+        check_tenant_weight(tenant, 1.0, InvalidRequestError)
 
         r = _Request(
             req_id,
@@ -617,10 +698,15 @@ class ReferenceScheduler:
             arrival_time=_to_float(arrival_time),
             cache_salt=cache_salt,
             lora_name=lora_name,
+            tenant=tenant,
+            arrival_step=self._next_step_id,
         )
+        aging = c.priority_aging_steps
+        r.effective_priority = r.priority * aging + r.arrival_step if aging else r.priority
         self._update_block_hashes(r)
         self._requests[req_id] = r
         self._waiting.add(r)
+        self._on_arrival(self._tenant(tenant))
         self._last_out_fresh = False
 
     def _get(self, req_id: object) -> _Request:
@@ -638,6 +724,7 @@ class ReferenceScheduler:
             self._running.remove(r)
         else:
             self._waiting.remove(r)
+            self._tenants[r.tenant].num_waiting -= 1
         self._free_blocks(r)
         r.status = status
         r.drafts = []
@@ -666,13 +753,104 @@ class ReferenceScheduler:
         r.num_preemptions += 1
         self._stats["preemptions"] += 1
         self._waiting.add_preempted(r)
+        self._tenants[r.tenant].num_waiting += 1  # back in waiting; no lift (the tenant did not arrive)
 
     def _pick_victim(self) -> int:
-        """Index in running of the request to preempt: the tail (fcfs) or the lowest-priority one."""
+        """Index in running of the request to preempt: the tail (fcfs), the lowest-priority one (priority), or
+        the last one whose tenant has the largest virtual counter (fair)."""
         if self._config.policy == "fcfs":
             return len(self._running) - 1
-        keys = [(r.priority, r.arrival_time) for r in self._running]
+        if self._config.policy == "fair":
+            counters = [self._tenants[r.tenant].counter for r in self._running]
+            top = max(counters)
+            return max(j for j, x in enumerate(counters) if x == top)
+        keys = [(r.effective_priority, r.arrival_time) for r in self._running]
         return keys.index(max(keys))  # first in running order on ties
+
+    # -- tenants (virtual token counters) ----------------------------------------------------------------
+
+    def _tenant(self, name: str) -> _Tenant:
+        """The tenant ``name``, registered (weight 1.0, counter 0) on first sight."""
+        t = self._tenants.get(name)
+        if t is None:
+            t = self._tenants[name] = _Tenant(name, 1.0)
+        return t
+
+    def _on_arrival(self, t: _Tenant) -> None:
+        """A new request of ``t`` is waiting: lift an idle tenant to the smallest counter of the others waiting."""
+        if t.num_waiting == 0:
+            others = [u.counter for u in self._tenants.values() if u is not t and u.num_waiting > 0]
+            if others:
+                t.counter = max(t.counter, min(others))
+        t.num_waiting += 1
+
+    def _charge(self, t: _Tenant, tokens: int, decode: bool) -> None:
+        if tokens > 0:
+            c = self._config
+            w = c.fair_decode_weight if decode else c.fair_prefill_weight
+            t.counter += (w * tokens) / t.weight  # the one expression both implementations use
+            if decode:
+                t.num_decode_tokens += tokens
+            else:
+                t.num_prefill_tokens += tokens
+
+    def _charge_prompt(self, r: _Request, start: int, n: int) -> None:
+        """Charge the prompt positions in ``start..start + n`` not charged before (recompute is free)."""
+        end = min(start + n, r.num_prompt_tokens)
+        self._charge(self._tenants[r.tenant], max(0, end - max(start, r.num_charged_prompt_tokens)), False)
+        r.num_charged_prompt_tokens = max(r.num_charged_prompt_tokens, end)
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """Change ``tenant``'s weight from now on (registering it if new); earlier charges stand."""
+        check_tenant_weight(tenant, weight, InvalidRequestError)
+        self._tenant(tenant).weight = float(weight)
+
+    def tenant_stats(self) -> dict[str, TenantStats]:
+        """Every tenant seen so far, in registration order: weight, virtual counter, service received."""
+        return {
+            t.name: TenantStats(t.weight, t.counter, t.num_prefill_tokens, t.num_decode_tokens, t.num_waiting)
+            for t in self._tenants.values()
+        }
+
+    # -- cache-aware admission (fcfs) --------------------------------------------------------------------
+
+    def _begin_admission(self) -> tuple[list[_Request], list[_Request]] | None:
+        """Reorder the first ``window`` waiting requests for this step: warm peers, then cold peers, in the
+        positions peers hold. Returns (original, reordered), or None when nothing moved."""
+        c = self._config
+        usage = 1.0 - len(self._free) / c.num_usable_blocks
+        if not c.cache_aware_admission_window or usage < c.cache_aware_admission_threshold:
+            return None
+        q = self._waiting
+        assert isinstance(q, _FcfsQueue)  # the config allows a window with fcfs only
+        original = list(itertools.islice(q, c.cache_aware_admission_window))
+        peers = [k for k, r in enumerate(original) if r.status == RequestStatus.WAITING]
+        warm = [k for k in peers if self._has_cached_prefix(original[k])]
+        cold = [k for k in peers if k not in warm]
+        source = list(range(len(original)))
+        for slot, k in zip(peers, warm + cold, strict=True):
+            source[slot] = k
+        if source == sorted(source):
+            return None
+        reordered = [original[k] for k in source]
+        q.replace_front(reordered)
+        return original, reordered
+
+    def _has_cached_prefix(self, r: _Request) -> bool:
+        """The admission probe: would at least one block hit? Reads the cache map only."""
+        return bool(self._lookup(r.block_hashes, r.num_tokens)[:1])
+
+    def _end_admission(self, plan: tuple[list[_Request], list[_Request]] | None) -> None:
+        """Put the reordered requests phase B did not take back in their original order."""
+        if plan is None:
+            return
+        original, reordered = plan
+        q = self._waiting
+        assert isinstance(q, _FcfsQueue)
+        front = q.peek() if len(q) else None
+        taken = next((k for k, r in enumerate(reordered) if r is front), len(reordered))
+        gone = {id(r) for r in reordered[:taken]}
+        q.replace_front([r for r in original if id(r) not in gone])
 
     def schedule(self) -> SchedulerOutput:
         """One step: continue running requests (phase A, may preempt), then admit waiting ones (phase B)."""
@@ -718,6 +896,11 @@ class ReferenceScheduler:
             budget -= n
             i += 1
 
+        for r, n, computed, *_ in scheduled:  # phase A is final: charge its prompt chunks, in order
+            if computed < r.num_prompt_tokens:
+                self._charge_prompt(r, computed, n)
+
+        plan = None if preempted else self._begin_admission()
         while not preempted and len(self._waiting) and budget > 0 and len(self._running) < c.max_num_seqs:
             r = self._waiting.peek()
             hits = self._lookup(r.block_hashes, r.num_tokens)
@@ -732,6 +915,8 @@ class ReferenceScheduler:
             if self._allocate_slots(r, n, hits, 0) is None:
                 break
             self._waiting.pop()
+            self._tenants[r.tenant].num_waiting -= 1
+            self._charge_prompt(r, len(hits) * bs, n)
             self._running.append(r)
             kind = "new" if r.status == RequestStatus.WAITING else "resumed"
             r.status = RequestStatus.RUNNING
@@ -743,6 +928,7 @@ class ReferenceScheduler:
             self._stats[prefix + "hits"] += len(hits) * bs
             scheduled.append([r, n, r.num_computed_tokens, list(r.block_ids), [], kind])
             budget -= n
+        self._end_admission(plan)
 
         entries = []
         for r, n, _, _, drafts, _ in scheduled:
@@ -825,6 +1011,7 @@ class ReferenceScheduler:
                 stop = self._check_stop(r, t)
                 if stop is not None:
                     break
+            self._charge(self._tenants[r.tenant], int(num_new[k]), True)
             self._update_block_hashes(r)
             if stop is not None:
                 status, reason, stop_reason = stop
@@ -934,9 +1121,13 @@ class ReferenceScheduler:
         return [r.req_id for r in self._running]
 
     def waiting_req_ids(self) -> list[str]:
+        """Waiting requests in the order admission would consider them (fair: at the current counters, as if
+        admitting charged nothing; fcfs: before the admission window's one-step reordering)."""
         waiting = list(self._waiting)
         if isinstance(self._waiting, _PriorityQueue):
             waiting.sort(key=lambda r: r.priority_key())
+        elif isinstance(self._waiting, _FairQueue):
+            waiting = self._waiting.in_order()
         return [r.req_id for r in waiting]
 
     def get_num_cached_blocks(self, req_id: str) -> int:
@@ -1010,6 +1201,9 @@ class ReferenceScheduler:
 
         waiting = list(self._waiting)
         require(len(waiting) == len(self._waiting), "waiting count")
+        for t in self._tenants.values():
+            require(t.num_waiting == sum(r.tenant == t.name for r in waiting), f"tenant {t.name}: waiting count")
+            require(t.counter >= 0, f"tenant {t.name}: counter")
         placed = [id(r) for r in self._running + waiting]
         require(len(placed) == len(set(placed)), "a request in two places")
         require(set(placed) == {id(r) for r in self._requests.values()}, "every request in exactly one place")

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import _core
 from ._errors import SchedulerTypeError
-from ._types import RequestStatus, SchedulerStats
+from ._types import RequestStatus, SchedulerStats, TenantStats
 from .config import SchedulerConfig
 
 __all__ = ["Scheduler", "SchedulerStats"]
@@ -77,6 +77,10 @@ class Scheduler(_core.Scheduler):
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(**self._stats_dict())
+
+    def tenant_stats(self) -> dict[str, TenantStats]:
+        """Every tenant seen so far, in registration order: weight, virtual counter, service received."""
+        return {name: TenantStats(*fields) for name, fields in self._tenant_stats()}
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,8 @@ pub enum Policy {
     Fcfs,
     /// Lower `priority` first, then earlier `arrival_time`, then request id.
     Priority,
+    /// Weighted fair share across tenants (the Virtual Token Counter; see `fair.rs`).
+    Fair,
 }
 
 impl Policy {
@@ -17,8 +19,9 @@ impl Policy {
         match s {
             "fcfs" => Ok(Policy::Fcfs),
             "priority" => Ok(Policy::Priority),
+            "fair" => Ok(Policy::Fair),
             other => Err(SchedError::InvalidConfig(format!(
-                "policy must be one of ('fcfs', 'priority'), got {other:?}"
+                "policy must be one of ('fcfs', 'priority', 'fair'), got {other:?}"
             ))),
         }
     }
@@ -42,7 +45,7 @@ impl HashAlgo {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
     pub block_size: u32,
     pub num_blocks: u32,
@@ -60,6 +63,18 @@ pub struct SchedulerConfig {
     /// vLLM's full-prompt admission gate: a waiting request is admitted only if the KV cache can hold all of
     /// its tokens (minus prefix hits), not just its first chunk.
     pub scheduler_reserve_full_isl: bool,
+    /// FCFS only: how many waiting requests phase B may reorder warm-before-cold (0 = strict order).
+    pub cache_aware_admission_window: u32,
+    /// KV usage at or above which the admission window applies, in [0, 1].
+    pub cache_aware_admission_threshold: f64,
+    /// Tenant weights (tenants not listed weigh 1.0); each finite and > 0.
+    pub tenant_weights: Vec<(String, f64)>,
+    /// Virtual-counter charge per prompt token computed (divided by the tenant's weight); finite, >= 0.
+    pub fair_prefill_weight: f64,
+    /// Virtual-counter charge per output token (divided by the tenant's weight); finite, >= 0.
+    pub fair_decode_weight: f64,
+    /// PRIORITY only: a waiting request gains one priority level per this many steps of age (0 = off).
+    pub priority_aging_steps: u32,
 }
 
 impl Default for SchedulerConfig {
@@ -78,6 +93,12 @@ impl Default for SchedulerConfig {
             prefix_hash_algo: HashAlgo::Xxh3_128,
             prefix_hash_seed: None,
             scheduler_reserve_full_isl: true,
+            cache_aware_admission_window: 0,
+            cache_aware_admission_threshold: 0.5,
+            tenant_weights: Vec::new(),
+            fair_prefill_weight: 1.0,
+            fair_decode_weight: 2.0,
+            priority_aging_steps: 0,
         }
     }
 }
@@ -130,6 +151,41 @@ impl SchedulerConfig {
                 self.max_num_batched_tokens, self.max_model_len
             )));
         }
+        self.validate_policy_fields()
+    }
+
+    /// The admission-window, fairness and aging fields (see `admission.rs` and `fair.rs`).
+    fn validate_policy_fields(&self) -> Result<()> {
+        check_range("cache_aware_admission_window", self.cache_aware_admission_window, 0, I32_MAX)?;
+        let t = self.cache_aware_admission_threshold;
+        if !(0.0..=1.0).contains(&t) {
+            return Err(SchedError::InvalidConfig(format!(
+                "cache_aware_admission_threshold must be in [0, 1], got {t}"
+            )));
+        }
+        if self.cache_aware_admission_window > 0 && self.policy != Policy::Fcfs {
+            return Err(SchedError::InvalidConfig(format!(
+                "cache_aware_admission_window > 0 needs policy 'fcfs' (the window reorders the FCFS queue; \
+                 policy {:?} has its own order), got window {}",
+                self.policy, self.cache_aware_admission_window
+            )));
+        }
+        for (name, w) in [("fair_prefill_weight", self.fair_prefill_weight), ("fair_decode_weight", self.fair_decode_weight)] {
+            if !(w.is_finite() && w >= 0.0) {
+                return Err(SchedError::InvalidConfig(format!("{name} must be finite and >= 0, got {w}")));
+            }
+        }
+        for (tenant, w) in &self.tenant_weights {
+            check_tenant_name(tenant).map_err(SchedError::InvalidConfig)?;
+            check_tenant_weight(tenant, *w).map_err(SchedError::InvalidConfig)?;
+        }
+        check_range("priority_aging_steps", self.priority_aging_steps, 0, I32_MAX)?;
+        if self.priority_aging_steps > 0 && self.policy != Policy::Priority {
+            return Err(SchedError::InvalidConfig(format!(
+                "priority_aging_steps > 0 needs policy 'priority', got policy {:?}",
+                self.policy
+            )));
+        }
         Ok(())
     }
 
@@ -137,6 +193,22 @@ impl SchedulerConfig {
     pub fn num_usable_blocks(&self) -> u32 {
         self.num_blocks - 1
     }
+}
+
+/// A tenant name is a non-empty string.
+pub fn check_tenant_name(tenant: &str) -> std::result::Result<(), String> {
+    if tenant.is_empty() {
+        return Err("a tenant name must be a non-empty string".into());
+    }
+    Ok(())
+}
+
+/// A tenant weight is finite and > 0.
+pub fn check_tenant_weight(tenant: &str, w: f64) -> std::result::Result<(), String> {
+    if !(w.is_finite() && w > 0.0) {
+        return Err(format!("the weight of tenant {tenant:?} must be finite and > 0, got {w}"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -164,6 +236,16 @@ mod tests {
                 max_model_len: 200,
                 ..Default::default()
             },
+            SchedulerConfig { cache_aware_admission_threshold: 1.5, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_threshold: f64::NAN, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Fair, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Priority, ..Default::default() },
+            SchedulerConfig { tenant_weights: vec![("a".into(), 0.0)], ..Default::default() },
+            SchedulerConfig { tenant_weights: vec![("a".into(), f64::INFINITY)], ..Default::default() },
+            SchedulerConfig { tenant_weights: vec![(String::new(), 1.0)], ..Default::default() },
+            SchedulerConfig { fair_decode_weight: -1.0, ..Default::default() },
+            SchedulerConfig { fair_prefill_weight: f64::NAN, ..Default::default() },
+            SchedulerConfig { priority_aging_steps: 3, ..Default::default() },
         ];
         for cfg in bad {
             assert!(matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))), "{cfg:?}");
@@ -173,6 +255,7 @@ mod tests {
     #[test]
     fn parses_names() {
         assert_eq!(Policy::parse("priority"), Ok(Policy::Priority));
+        assert_eq!(Policy::parse("fair"), Ok(Policy::Fair));
         assert!(Policy::parse("lifo").is_err());
         assert_eq!(HashAlgo::parse("sha256"), Ok(HashAlgo::Sha256));
         assert!(HashAlgo::parse("md5").is_err());

@@ -15,7 +15,7 @@ impl Scheduler {
     /// Ids of the waiting requests in the order admission would consider them.
     pub fn waiting_req_ids(&self) -> Vec<Arc<str>> {
         self.waiting
-            .handles_in_order()
+            .handles_in_order(&self.tenants)
             .iter()
             .filter_map(|&h| self.slab.resolve(h).map(|r| r.id.clone()))
             .collect()

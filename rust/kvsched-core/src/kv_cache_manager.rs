@@ -45,6 +45,16 @@ impl KvCacheManager {
         need + evictable_hits <= self.pool.num_free_blocks()
     }
 
+    /// Whether a new request with these hashes would hit at least one block (the admission probe: the same
+    /// answer as `find_longest_cache_hit` being non-empty, in O(1)). Side-effect free.
+    #[inline]
+    pub fn has_cached_prefix(&self, block_hashes: &[BlockHash], num_tokens: u32) -> bool {
+        self.enable_caching
+            && num_tokens > 0
+            && (num_tokens - 1) >> self.block_shift >= 1
+            && block_hashes.first().is_some_and(|h| self.pool.get_cached_block(h).is_some())
+    }
+
     /// Reserves KV slots for `num_new_tokens` more tokens of `req` (plus `num_lookahead_tokens`), taking the
     /// prefix hits `hits` first. Returns the number of blocks newly popped from the free queue, or `None` when
     /// the pool cannot supply them, in which case nothing changed.

@@ -21,9 +21,11 @@
 //! assert_eq!(sched.num_free_blocks(), 63);
 //! ```
 
+mod admission;
 pub mod block_pool;
 pub mod config;
 pub mod error;
+pub mod fair;
 pub mod free_queue;
 pub mod hashing;
 mod introspect;
@@ -39,11 +41,14 @@ mod update;
 
 pub use config::{HashAlgo, Policy, SchedulerConfig};
 pub use error::{Result, SchedError};
+pub use fair::{Tenant, DEFAULT_TENANT};
 pub use hashing::BlockHash;
 pub use output::{ModelInputs, SchedulerOutput, SchedulerStats, UpdateResult};
 pub use request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus};
 pub use scheduler::{Scheduler, MAX_TOKEN_ID};
 pub use update::Ragged;
 
+#[cfg(test)]
+mod policy_tests;
 #[cfg(test)]
 mod tests;

@@ -50,6 +50,8 @@ pub struct RequestParams {
     pub arrival_time: f64,
     pub cache_salt: Option<String>,
     pub lora_name: Option<String>,
+    /// The tenant the request is served for (`None`: the tenant `"default"`).
+    pub tenant: Option<String>,
 }
 
 /// Field order is deliberate (`repr(C)`): what `schedule()` and `update_from_output()` read for every request
@@ -88,6 +90,14 @@ pub struct Request {
     pub num_cached_tokens: i64,
     pub stop_reason: i64,
     pub extra_keys: ExtraKeys,
+    // --- policy keys and tenant accounting (`fair.rs`)
+    /// The priority the waiting heap and the victim choice compare: `priority`, or with aging
+    /// `priority * priority_aging_steps + arrival_step` (see `queue.rs`).
+    pub effective_priority: i128,
+    /// Index of the request's tenant in `Tenants`.
+    pub tenant: u32,
+    /// Prompt tokens already charged to the tenant: recomputation after a preemption is not charged again.
+    pub num_charged_prompt_tokens: u32,
 }
 
 impl Request {

@@ -13,10 +13,11 @@ use std::sync::Arc;
 use crate::block_pool::BlockPool;
 use crate::config::{Policy, SchedulerConfig};
 use crate::error::{Result, SchedError};
+use crate::fair::{Tenant, Tenants, DEFAULT_TENANT};
 use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::output::{SchedulerStats, StepRecord};
-use crate::queue::{PriorityKey, WaitingQueue};
+use crate::queue::{effective_priority, PriorityKey, WaitingQueue};
 use crate::request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus};
 use crate::slab::Slab;
 
@@ -47,6 +48,8 @@ pub struct Scheduler {
     /// Slots of running requests, in admission order.
     pub(crate) running: Vec<u32>,
     pub(crate) waiting: WaitingQueue,
+    /// Tenant registry, weights and virtual counters (`fair.rs`).
+    pub(crate) tenants: Tenants,
     pub(crate) scheduler_id: u64,
     pub(crate) next_step_id: u64,
     pub(crate) in_flight: VecDeque<StepRecord>,
@@ -74,6 +77,7 @@ impl Scheduler {
         };
         Ok(Scheduler {
             waiting: WaitingQueue::new(config.policy),
+            tenants: Tenants::new(&config),
             config,
             kv,
             slab: Slab::default(),
@@ -154,6 +158,10 @@ impl Scheduler {
                 params.arrival_time
             )));
         }
+        let tenant_name = params.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
+        crate::config::check_tenant_name(tenant_name)
+            .map_err(|m| bad_request(format!("request {req_id:?}: {m}")))?;
+        let tenant = self.tenants.intern(tenant_name);
         let handle = self.slab.next_handle();
         let id: Arc<str> = Arc::from(req_id);
         let mut req = Request {
@@ -180,12 +188,20 @@ impl Scheduler {
             num_cached_blocks: 0,
             spec_token_ids: Vec::new(),
             is_prefill_chunk: false,
+            effective_priority: effective_priority(
+                params.priority,
+                self.next_step_id,
+                self.config.priority_aging_steps,
+            ),
+            tenant,
+            num_charged_prompt_tokens: 0,
         };
         self.kv.extend_hashes(&mut req);
         let key = Self::priority_key(&req);
         self.slab.insert(req);
         self.ids.insert(id, handle.slot);
         self.waiting.push(handle, key);
+        self.tenants.on_arrival(tenant);
         self.epoch += 1;
         Ok(())
     }
@@ -200,7 +216,12 @@ impl Scheduler {
     }
 
     pub(crate) fn priority_key(req: &Request) -> PriorityKey {
-        PriorityKey { priority: req.priority, arrival_time: req.arrival_time, id: req.id.clone() }
+        PriorityKey {
+            priority: req.effective_priority,
+            arrival_time: req.arrival_time,
+            id: req.id.clone(),
+            tenant: req.tenant,
+        }
     }
 
     fn slot_of(&self, req_id: &str) -> Result<u32> {
@@ -243,6 +264,9 @@ impl Scheduler {
     /// `running`/`waiting` (in one pass for many requests) with `remove_finished_from_queues`.
     pub(crate) fn finish(&mut self, slot: u32, status: RequestStatus) -> Result<Request> {
         let req = self.slab.get_mut(slot)?;
+        if req.status != RequestStatus::Running {
+            self.tenants.on_leave_waiting(req.tenant);
+        }
         req.status = status;
         self.kv.free(req);
         let req = self
@@ -340,6 +364,17 @@ impl Scheduler {
         }
     }
 
+    /// Every tenant seen so far (named in `tenant_weights`, in a request, or given a weight), in registration
+    /// order, with its weight, virtual counter and service.
+    pub fn tenant_stats(&self) -> impl Iterator<Item = &Tenant> {
+        self.tenants.iter()
+    }
+
+    /// Changes a tenant's weight from now on (registering the tenant if it is new). On error nothing changes.
+    pub fn set_tenant_weight(&mut self, tenant: &str, weight: f64) -> Result<()> {
+        self.tenants.set_weight(tenant, weight)
+    }
+
     pub fn block_hash_of(&self, block: u32) -> Option<&BlockHash> {
         self.kv.pool.block_hash(block)
     }
@@ -412,6 +447,15 @@ impl Scheduler {
             }
         }
         self.kv.pool.check(&held)?;
+        let mut waiting_per_tenant = vec![0u32; self.tenants.len()];
+        for h in self.waiting.handles() {
+            let t = self.slab.get(h.slot).map_err(|e| e.to_string())?.tenant as usize;
+            match waiting_per_tenant.get_mut(t) {
+                Some(n) => *n += 1,
+                None => return Err(format!("slot {} has an unknown tenant {t}", h.slot)),
+            }
+        }
+        self.tenants.check_waiting(&waiting_per_tenant)?;
         if self.counters.last_num_scheduled_reqs > cfg.max_num_seqs as usize {
             return Err("the last step scheduled more than max_num_seqs requests".into());
         }

@@ -7,6 +7,10 @@
 //! preempted, admits waiting requests in policy order with their prefix-cache hits while `max_num_seqs`, the
 //! budget and the free blocks allow (with `scheduler_reserve_full_isl`, the free blocks must hold the whole
 //! prompt, not just its first chunk); it never preempts. Requests with nothing to do are skipped, not blocking.
+//! The admission order is not decided here: `WaitingQueue::peek` gives the policy's next candidate, and
+//! `admission.rs` may reorder the front of the FCFS queue for the step. Prompt tokens computed are charged to
+//! the tenants (`fair.rs`): phase A's once phase A is final, phase B's at each admission (so the next fair
+//! pick sees them).
 
 use crate::config::Policy;
 use crate::error::Result;
@@ -100,6 +104,9 @@ impl Scheduler {
         let mut budget = self.config.max_num_batched_tokens;
         let mut b = Builder::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<ReqHandle> = Vec::new();
+        // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund
+        // must not have been charged).
+        let mut prompt_chunks: Vec<(u32, u32, u32)> = Vec::new();
 
         // Phase A: running requests.
         let mut i = 0;
@@ -154,6 +161,9 @@ impl Scheduler {
             }
             req.num_computed_tokens += n;
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
+            if computed < req.num_prompt_tokens {
+                prompt_chunks.push((slot, computed, n));
+            }
             // Drafts ride along only as far as this step reaches past the known tokens.
             let num_spec = (i64::from(computed) + i64::from(n) - i64::from(req.num_tokens()))
                 .clamp(0, req.spec_token_ids.len() as i64) as usize;
@@ -170,11 +180,19 @@ impl Scheduler {
             i += 1;
         }
 
+        for (slot, start, n) in prompt_chunks {
+            let req = self.slab.get_mut(slot)?;
+            if req.status == RequestStatus::Running {
+                self.tenants.charge_prompt(req, start, n);
+            }
+        }
+
         // Phase B: waiting requests, only if nobody was preempted.
         if preempted.is_empty() {
+            let plan = self.begin_admission();
             let mut hits: Vec<u32> = Vec::new();
             while budget > 0 && self.running.len() < max_num_seqs {
-                let Some(h) = self.waiting.peek() else { break };
+                let Some(h) = self.waiting.peek(&self.tenants) else { break };
                 let req = self.slab.get_mut(h.slot)?;
                 hits.clear();
                 self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
@@ -215,10 +233,13 @@ impl Scheduler {
                     b.out.new_reqs.push(idx);
                 }
                 b.push(req.handle, n, num_hit_tokens, &req.blocks, &[], req.is_prefill_chunk);
-                self.waiting.pop();
+                self.waiting.pop(&self.tenants);
+                self.tenants.on_leave_waiting(req.tenant);
+                self.tenants.charge_prompt(req, num_hit_tokens, n);
                 self.running.push(h.slot);
                 budget -= n;
             }
+            self.end_admission(plan);
         }
 
         Ok(self.finish_step(b, preempted))
@@ -228,12 +249,13 @@ impl Scheduler {
     fn pick_victim(&self) -> Result<usize> {
         match self.config.policy {
             Policy::Fcfs => Ok(self.running.len() - 1),
+            Policy::Fair => self.tenants.pick_victim(&self.running, &self.slab),
             Policy::Priority => {
                 let mut best = 0;
                 let mut best_key = None;
                 for (j, &s) in self.running.iter().enumerate() {
                     let r = self.slab.get(s)?;
-                    let key = (r.priority, r.arrival_time);
+                    let key = (r.effective_priority, r.arrival_time);
                     let better = match best_key {
                         None => true,
                         Some((p, t)) => key.0 > p || (key.0 == p && key.1.total_cmp(&t).is_gt()),
@@ -260,6 +282,7 @@ impl Scheduler {
         let handle = req.handle;
         let key = Self::priority_key(req);
         self.waiting.push_preempted(handle, key);
+        self.tenants.on_requeue(req.tenant);
         self.counters.num_preemptions += 1;
         Ok(handle)
     }

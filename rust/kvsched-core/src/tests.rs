@@ -535,11 +535,11 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
         any::<bool>(),
         any::<bool>(),
         prop_oneof![Just(0u32), Just(5)],
-        any::<bool>(),
+        0u8..6,
         prop_oneof![Just(0u32), Just(2)],
         any::<bool>(),
     )
-        .prop_map(|(bs, nb, seqs, budget, caching, chunked, thr, prio, la, full_isl)| {
+        .prop_map(|(bs, nb, seqs, budget, caching, chunked, thr, mode, la, full_isl)| {
             let max_model_len = ((nb - 1) * bs).min(200);
             SchedulerConfig {
                 block_size: bs,
@@ -550,7 +550,13 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 enable_prefix_caching: caching,
                 enable_chunked_prefill: chunked,
                 long_prefill_token_threshold: thr,
-                policy: if prio { Policy::Priority } else { Policy::Fcfs },
+                // 0: fcfs, 1: fcfs + admission window, 2: priority, 3: priority + aging, 4-5: fair.
+                policy: [Policy::Fcfs, Policy::Fcfs, Policy::Priority, Policy::Priority, Policy::Fair, Policy::Fair]
+                    [mode as usize],
+                cache_aware_admission_window: if mode == 1 { 3 } else { 0 },
+                cache_aware_admission_threshold: if mode == 1 { 0.2 } else { 0.5 },
+                priority_aging_steps: if mode == 3 { 2 } else { 0 },
+                tenant_weights: if mode == 5 { vec![("t1".into(), 3.0)] } else { vec![] },
                 num_lookahead_tokens: la,
                 prefix_hash_seed: Some(b"p".to_vec()),
                 scheduler_reserve_full_isl: full_isl,
@@ -608,6 +614,7 @@ proptest! {
                         arrival_time: f64::from(next_id),
                         cache_salt: salt.then(|| "s".to_string()),
                         stop_token_ids: if stop { vec![13] } else { vec![] },
+                        tenant: (prefix % 3 != 0).then(|| format!("t{}", prefix % 3)),
                         ..Default::default()
                     };
                     s.add_request(&format!("r{next_id}"), &p, params).unwrap();

@@ -4,7 +4,8 @@
 //! scheduling). Everything is validated before anything changes. Per entry: requests that finished since the
 //! step was scheduled are skipped; partial prefills get no token; otherwise rejected drafts are rolled back,
 //! tokens are appended one at a time with a stop check after each (the rest is discarded after a stop), new
-//! full blocks are hashed, and stopped requests are freed and reported.
+//! full blocks are hashed, appended tokens are charged to the tenant (`fair.rs`), and stopped requests are freed
+//! and reported.
 
 use crate::error::{Result, SchedError};
 use crate::output::UpdateResult;
@@ -173,6 +174,7 @@ impl Scheduler {
                 }
             }
             res.num_new_tokens[i] = appended;
+            self.tenants.charge_decode(req.tenant, appended as u32);
             // Hash only when a block just became full: the hash list sits in a colder part of the request.
             if crossed_block {
                 self.kv.extend_hashes(req);

@@ -28,6 +28,21 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         v.extract::<String>()
             .map_err(|_| py_error(py, "InvalidConfigError", format!("{name} must be a str, got {v}")))
     };
+    let f64_field = |name: &str| -> PyResult<f64> {
+        let v = cfg.getattr(name)?;
+        if v.is_instance_of::<PyBool>() {
+            return Err(py_error(py, "InvalidConfigError", format!("{name} must be a float, got {v}")));
+        }
+        v.extract::<f64>()
+            .map_err(|_| py_error(py, "InvalidConfigError", format!("{name} must be a float, got {v}")))
+    };
+    let mut tenant_weights = Vec::new();
+    for item in cfg.getattr("tenant_weights")?.call_method0("items")?.try_iter()? {
+        let (name, w) = item?.extract::<(String, f64)>().map_err(|_| {
+            py_error(py, "InvalidConfigError", "tenant_weights must map str tenants to float weights".into())
+        })?;
+        tenant_weights.push((name, w));
+    }
     let policy = core::Policy::parse(&str_field("policy")?).map_err(|e| map_err(py, e))?;
     let algo = core::HashAlgo::parse(&str_field("prefix_hash_algo")?).map_err(|e| map_err(py, e))?;
     Ok(core::SchedulerConfig {
@@ -44,5 +59,11 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         prefix_hash_algo: algo,
         prefix_hash_seed: seed_bytes(&cfg.getattr("prefix_hash_seed")?)?,
         scheduler_reserve_full_isl: bool_field("scheduler_reserve_full_isl")?,
+        cache_aware_admission_window: u32_field("cache_aware_admission_window")?,
+        cache_aware_admission_threshold: f64_field("cache_aware_admission_threshold")?,
+        tenant_weights,
+        fair_prefill_weight: f64_field("fair_prefill_weight")?,
+        fair_decode_weight: f64_field("fair_decode_weight")?,
+        priority_aging_steps: u32_field("priority_aging_steps")?,
     })
 }

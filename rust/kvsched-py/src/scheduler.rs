@@ -67,7 +67,8 @@ impl PyScheduler {
     }
 
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, min_tokens=None, eos_token_id=None,
-        ignore_eos=None, stop_token_ids=None, priority=None, arrival_time=None, cache_salt=None, lora_name=None))]
+        ignore_eos=None, stop_token_ids=None, priority=None, arrival_time=None, cache_salt=None, lora_name=None,
+        tenant=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         slf: &Bound<'_, Self>,
@@ -82,6 +83,7 @@ impl PyScheduler {
         arrival_time: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora_name: Option<&Bound<'_, PyAny>>,
+        tenant: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let py = slf.py();
         let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
@@ -157,6 +159,7 @@ impl PyScheduler {
             arrival_time,
             cache_salt: opt_str_arg(cache_salt, "cache_salt")?,
             lora_name: opt_str_arg(lora_name, "lora_name")?,
+            tenant: opt_str_arg(tenant, "tenant")?,
         };
         let id_str = id_arg(req_id, "InvalidRequestError")?;
         let mut this = borrow_mut(slf)?;
@@ -428,6 +431,49 @@ impl PyScheduler {
         d.set_item("num_finished_reqs", s.num_finished_reqs)?;
         d.set_item("step_id", s.step_id)?;
         Ok(d)
+    }
+
+    /// `(tenant, (weight, counter, num_prefill_tokens, num_decode_tokens, num_waiting_reqs))` per tenant, in
+    /// registration order (`kvsched.Scheduler.tenant_stats()` wraps them in dataclasses).
+    #[allow(clippy::type_complexity)]
+    fn _tenant_stats(slf: &Bound<'_, Self>) -> PyResult<Vec<(String, (f64, f64, u64, u64, u32))>> {
+        let this = borrow(slf)?;
+        Ok(this
+            .core
+            .tenant_stats()
+            .map(|t| {
+                let fields = (t.weight, t.counter, t.num_prefill_tokens, t.num_decode_tokens, t.num_waiting);
+                (t.name.to_string(), fields)
+            })
+            .collect())
+    }
+
+    /// Changes a tenant's weight from now on (a new tenant is registered). On error nothing changes.
+    fn set_tenant_weight(
+        slf: &Bound<'_, Self>,
+        tenant: &Bound<'_, PyAny>,
+        weight: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let name = str_arg(tenant, "tenant")?;
+        let name = name.to_str().map_err(|_| {
+            py_error(py, "InvalidRequestError", "a tenant name must be valid unicode (a lone surrogate)".into())
+        })?;
+        if weight.is_instance_of::<PyBool>() {
+            return Err(type_error(py, format!("the weight of tenant {name:?} must be a float, got bool")));
+        }
+        let w = match weight.extract::<f64>() {
+            Ok(w) => w,
+            Err(_) if weight.is_instance_of::<PyInt>() => f64::INFINITY, // beyond the float range: refused below
+            Err(_) => {
+                return Err(type_error(
+                    py,
+                    format!("the weight of tenant {name:?} must be a float, got {}", type_name(weight)),
+                ))
+            }
+        };
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.set_tenant_weight(name, w))
     }
 
     fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<()> {
