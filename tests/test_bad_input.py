@@ -115,7 +115,14 @@ def snapshot(s: Scheduler) -> Any:
                 s.get_block_hashes(rid),
                 s._request_info(rid),
             )
-    return (s.stats(), s.num_free_blocks, s.num_unfinished_requests, s.has_unfinished_requests(), reqs)
+    return (
+        s.stats(),
+        s.tenant_stats(),
+        s.num_free_blocks,
+        s.num_unfinished_requests,
+        s.has_unfinished_requests(),
+        reqs,
+    )
 
 
 def finish_everything(ctx: Ctx) -> None:
@@ -166,6 +173,10 @@ def add(**kw: Any) -> Callable[[Ctx], Any]:
 
 def update(sampled: Any, drafts: Any = None) -> Callable[[Ctx], Any]:
     return lambda c: c.s.update_from_output(c.pending[0][0], sampled, drafts)
+
+
+def weight(tenant: Any, w: Any) -> Callable[[Ctx], Any]:
+    return lambda c: c.s.set_tenant_weight(tenant, w)
 
 
 def new(*args: Any, **fields: Any) -> Callable[[Ctx], Any]:
@@ -243,6 +254,20 @@ CASES = [
     Case("float-priority", add(priority=0.5), SchedulerTypeError, "float"),
     Case("int-cache-salt", add(cache_salt=5), SchedulerTypeError, "int"),
     Case("bytes-lora-name", add(lora_name=b"l"), SchedulerTypeError, "bytes"),
+    Case("empty-tenant", add(tenant=""), InvalidRequestError, "non-empty"),
+    Case("int-tenant", add(tenant=5), SchedulerTypeError, "int"),
+    Case("bytes-tenant", add(tenant=b"t"), SchedulerTypeError, "bytes"),
+    Case("surrogate-tenant", add(tenant="\ud800"), InvalidRequestError, "unicode"),
+    # --- set_tenant_weight -------------------------------------------------------------------------------
+    Case("zero-weight", weight("t", 0.0), InvalidRequestError, "got 0"),
+    Case("negative-weight", weight("default", -2.5), InvalidRequestError, "-2.5"),
+    Case("nan-weight", weight("t", math.nan), InvalidRequestError, "NaN"),
+    Case("inf-weight", weight("t", math.inf), InvalidRequestError, "inf"),
+    Case("huge-int-weight", weight("t", 10**400), InvalidRequestError, "inf"),
+    Case("bool-weight", weight("t", True), SchedulerTypeError, "bool"),
+    Case("str-weight", weight("t", "2"), SchedulerTypeError, "str"),
+    Case("empty-tenant-weight", weight("", 1.0), InvalidRequestError, "non-empty"),
+    Case("none-tenant-weight", weight(None, 1.0), SchedulerTypeError, "NoneType"),
     # --- update_from_output: the form of the tokens ------------------------------------------------------
     Case("float-values", update((ARR([1.0]), ARR([0, 1, 1]))), SchedulerTypeError, "float64"),
     Case("2d-values", update((ARR([[1]]), ARR([0, 1, 1]))), SchedulerTypeError, "2 dimensions"),
@@ -388,6 +413,29 @@ CASES = [
         "not both",
     ),
     Case("config-a-dict", new({"block_size": 4}), SchedulerTypeError, "dict"),
+    # --- admission, fairness and aging fields ------------------------------------------------------------
+    Case("unknown-policy", cfg(policy="fai"), InvalidConfigError, "fai"),
+    Case("negative-window", cfg(cache_aware_admission_window=-1), InvalidConfigError, "-1"),
+    Case("float-window", cfg(cache_aware_admission_window=2.0), InvalidConfigError, "float"),
+    Case("window-with-priority", cfg(cache_aware_admission_window=4, policy="priority"), InvalidConfigError, "fcfs"),
+    Case("window-with-fair", cfg(cache_aware_admission_window=4, policy="fair"), InvalidConfigError, "fcfs"),
+    Case("threshold-over-1", cfg(cache_aware_admission_threshold=1.5), InvalidConfigError, "1.5"),
+    Case("negative-threshold", cfg(cache_aware_admission_threshold=-0.1), InvalidConfigError, "-0.1"),
+    Case("nan-threshold", cfg(cache_aware_admission_threshold=math.nan), InvalidConfigError, "nan"),
+    Case("str-threshold", cfg(cache_aware_admission_threshold="0.5"), InvalidConfigError, "'0.5'"),
+    Case("zero-tenant-weight", cfg(tenant_weights={"a": 0}), InvalidConfigError, "got 0"),
+    Case("negative-tenant-weight", cfg(tenant_weights={"a": -1.0}), InvalidConfigError, "-1.0"),
+    Case("inf-tenant-weight", cfg(tenant_weights={"a": math.inf}), InvalidConfigError, "inf"),
+    Case("empty-tenant-name", cfg(tenant_weights={"": 1.0}), InvalidConfigError, "non-empty"),
+    Case("int-tenant-name", cfg(tenant_weights={3: 1.0}), InvalidConfigError, "int"),
+    Case("str-tenant-weight", cfg(tenant_weights={"a": "x"}), InvalidConfigError, "str"),
+    Case("tenant-weights-a-list", cfg(tenant_weights=[("a", 1.0)]), InvalidConfigError, "mapping"),
+    Case("negative-decode-weight", cfg(fair_decode_weight=-1), InvalidConfigError, "-1"),
+    Case("inf-prefill-weight", cfg(fair_prefill_weight=math.inf), InvalidConfigError, "inf"),
+    Case("bool-decode-weight", cfg(fair_decode_weight=True), InvalidConfigError, "True"),
+    Case("negative-aging", cfg(priority_aging_steps=-1, policy="priority"), InvalidConfigError, "-1"),
+    Case("aging-with-fcfs", cfg(priority_aging_steps=3), InvalidConfigError, "priority"),
+    Case("aging-with-fair", cfg(priority_aging_steps=3, policy="fair"), InvalidConfigError, "priority"),
     # --- configs that only the Rust core sees ------------------------------------------------------------
     Case("core-block-size-3", new(bypass(block_size=3)), InvalidConfigError, "got 3"),
     Case("core-num-blocks-1", new(bypass(num_blocks=1)), InvalidConfigError, "got 1"),
@@ -398,6 +446,17 @@ CASES = [
     Case("core-negative-threshold", new(bypass(long_prefill_token_threshold=-1)), InvalidConfigError, "-1"),
     Case("core-bool-block-size", new(bypass(block_size=True)), SchedulerTypeError, "bool"),
     Case("core-int-full-isl-flag", new(bypass(scheduler_reserve_full_isl=1)), InvalidConfigError, "1"),
+    Case(
+        "core-window-with-fair", new(bypass(cache_aware_admission_window=4, policy="fair")), InvalidConfigError, "fcfs"
+    ),
+    Case("core-threshold", new(bypass(cache_aware_admission_threshold=2.0)), InvalidConfigError, "got 2"),
+    Case("core-nan-threshold", new(bypass(cache_aware_admission_threshold=math.nan)), InvalidConfigError, "NaN"),
+    Case("core-str-threshold", new(bypass(cache_aware_admission_threshold="x")), InvalidConfigError, "x"),
+    Case("core-tenant-weight", new(bypass(tenant_weights={"a": -1.0})), InvalidConfigError, "got -1"),
+    Case("core-tenant-weight-type", new(bypass(tenant_weights={"a": "x"})), InvalidConfigError, "tenant_weights"),
+    Case("core-tenant-weights-list", new(bypass(tenant_weights=[1])), InvalidConfigError, "tenant_weights"),
+    Case("core-decode-weight", new(bypass(fair_decode_weight=math.nan)), InvalidConfigError, "NaN"),
+    Case("core-aging-with-fcfs", new(bypass(priority_aging_steps=2)), InvalidConfigError, "priority"),
     Case(
         "core-budget-without-chunking",
         new(bypass(enable_chunked_prefill=False)),

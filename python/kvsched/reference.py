@@ -206,8 +206,8 @@ class _Request:
     """One request's state. Plain attributes; the scheduler mutates them."""
 
     __slots__ = (
-        "arrival_time",
         "arrival_step",
+        "arrival_time",
         "block_hashes",
         "block_ids",
         "cache_salt",
@@ -243,6 +243,7 @@ class _Request:
     cache_salt: str | None
     lora_name: str | None
     tenant: str
+    arrival_step: int  # schedule() calls before the request was added
     effective_priority: int  # priority, or priority * priority_aging_steps + arrival_step (see _PriorityQueue)
 
     def __init__(self, req_id: str, prompt: list[int], **params: Any) -> None:

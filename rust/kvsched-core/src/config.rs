@@ -170,7 +170,10 @@ impl SchedulerConfig {
                 self.policy, self.cache_aware_admission_window
             )));
         }
-        for (name, w) in [("fair_prefill_weight", self.fair_prefill_weight), ("fair_decode_weight", self.fair_decode_weight)] {
+        for (name, w) in [
+            ("fair_prefill_weight", self.fair_prefill_weight),
+            ("fair_decode_weight", self.fair_decode_weight),
+        ] {
             if !(w.is_finite() && w >= 0.0) {
                 return Err(SchedError::InvalidConfig(format!("{name} must be finite and >= 0, got {w}")));
             }
@@ -239,7 +242,11 @@ mod tests {
             SchedulerConfig { cache_aware_admission_threshold: 1.5, ..Default::default() },
             SchedulerConfig { cache_aware_admission_threshold: f64::NAN, ..Default::default() },
             SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Fair, ..Default::default() },
-            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Priority, ..Default::default() },
+            SchedulerConfig {
+                cache_aware_admission_window: 4,
+                policy: Policy::Priority,
+                ..Default::default()
+            },
             SchedulerConfig { tenant_weights: vec![("a".into(), 0.0)], ..Default::default() },
             SchedulerConfig { tenant_weights: vec![("a".into(), f64::INFINITY)], ..Default::default() },
             SchedulerConfig { tenant_weights: vec![(String::new(), 1.0)], ..Default::default() },

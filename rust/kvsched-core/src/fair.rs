@@ -189,10 +189,13 @@ impl Tenants {
     pub fn check_waiting(&self, expected: &[u32]) -> std::result::Result<(), String> {
         for (t, &n) in self.list.iter().zip(expected) {
             if t.num_waiting != n {
-                return Err(format!("tenant {:?} counts {} waiting requests, holds {n}", t.name, t.num_waiting));
+                return Err(format!(
+                    "tenant {:?} counts {} waiting requests, holds {n}",
+                    t.name, t.num_waiting
+                ));
             }
         }
-        if self.list.iter().any(|t| !(t.counter >= 0.0)) {
+        if self.list.iter().any(|t| t.counter.is_nan() || t.counter < 0.0) {
             return Err("a tenant counter is negative or NaN".into());
         }
         Ok(())
@@ -217,6 +220,10 @@ pub struct FairQueue {
 impl FairQueue {
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     fn queue(&mut self, tenant: u32) -> &mut VecDeque<(ReqHandle, f64)> {

@@ -133,7 +133,8 @@ fn fair_victim_is_the_newest_request_of_the_tenant_with_the_largest_counter() {
     assert_eq!(ids(&s, &out), vec!["a0", "a1", "b0"]);
     feed(&mut s, &out);
     let out = s.schedule().unwrap(); // b0 needs a 3rd block: the victim is a1, not the last request (b0)
-    let victims: Vec<String> = out.preempted.iter().filter_map(|&h| s.request_id(h)).map(|x| x.to_string()).collect();
+    let victims: Vec<String> =
+        out.preempted.iter().filter_map(|&h| s.request_id(h)).map(|x| x.to_string()).collect();
     assert_eq!(victims, vec!["a1"]);
     assert_eq!(ids(&s, &out), vec!["a0", "b0"]);
 }
@@ -145,8 +146,10 @@ fn weights_scale_the_charges() {
     add_for(&mut s, "l", "light", 0.0);
     let out = s.schedule().unwrap();
     feed(&mut s, &out);
-    let st: Vec<(String, f64, u64, u64)> =
-        s.tenant_stats().map(|t| (t.name.to_string(), t.counter, t.num_prefill_tokens, t.num_decode_tokens)).collect();
+    let st: Vec<(String, f64, u64, u64)> = s
+        .tenant_stats()
+        .map(|t| (t.name.to_string(), t.counter, t.num_prefill_tokens, t.num_decode_tokens))
+        .collect();
     assert_eq!(st, vec![("heavy".into(), 8.0 / 4.0 + 2.0 / 4.0, 8, 1), ("light".into(), 8.0 + 2.0, 8, 1)]);
     s.set_tenant_weight("light", 2.0).unwrap();
     assert!(s.set_tenant_weight("light", -1.0).is_err());
@@ -187,6 +190,6 @@ fn low_priority_wait(aging_steps: u32) -> Option<u64> {
 #[test]
 fn aging_bounds_the_wait_of_a_low_priority_request() {
     assert_eq!(low_priority_wait(0), None); // starves for the whole run
-    // Priority 5 at step 0 vs priority 0 at step s: equal keys at s = 5 * 4; earlier arrival wins the tie.
+                                            // Priority 5 at step 0 vs priority 0 at step s: equal keys at s = 5 * 4; earlier arrival wins the tie.
     assert_eq!(low_priority_wait(4), Some(20));
 }

@@ -551,8 +551,14 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 enable_chunked_prefill: chunked,
                 long_prefill_token_threshold: thr,
                 // 0: fcfs, 1: fcfs + admission window, 2: priority, 3: priority + aging, 4-5: fair.
-                policy: [Policy::Fcfs, Policy::Fcfs, Policy::Priority, Policy::Priority, Policy::Fair, Policy::Fair]
-                    [mode as usize],
+                policy: [
+                    Policy::Fcfs,
+                    Policy::Fcfs,
+                    Policy::Priority,
+                    Policy::Priority,
+                    Policy::Fair,
+                    Policy::Fair,
+                ][mode as usize],
                 cache_aware_admission_window: if mode == 1 { 3 } else { 0 },
                 cache_aware_admission_threshold: if mode == 1 { 0.2 } else { 0.5 },
                 priority_aging_steps: if mode == 3 { 2 } else { 0 },

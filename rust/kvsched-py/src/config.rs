@@ -5,7 +5,7 @@
 
 use kvsched_core as core;
 use pyo3::prelude::*;
-use pyo3::types::PyBool;
+use pyo3::types::{PyBool, PyMapping};
 
 use crate::convert::{int_arg, seed_bytes};
 use crate::errors::{map_err, py_error};
@@ -36,11 +36,13 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         v.extract::<f64>()
             .map_err(|_| py_error(py, "InvalidConfigError", format!("{name} must be a float, got {v}")))
     };
+    let bad_weights =
+        || py_error(py, "InvalidConfigError", "tenant_weights must map str tenants to float weights".into());
+    let weights = cfg.getattr("tenant_weights")?;
+    let weights = weights.downcast::<PyMapping>().map_err(|_| bad_weights())?;
     let mut tenant_weights = Vec::new();
-    for item in cfg.getattr("tenant_weights")?.call_method0("items")?.try_iter()? {
-        let (name, w) = item?.extract::<(String, f64)>().map_err(|_| {
-            py_error(py, "InvalidConfigError", "tenant_weights must map str tenants to float weights".into())
-        })?;
+    for item in weights.items().map_err(|_| bad_weights())?.iter() {
+        let (name, w) = item.extract::<(String, f64)>().map_err(|_| bad_weights())?;
         tenant_weights.push((name, w));
     }
     let policy = core::Policy::parse(&str_field("policy")?).map_err(|e| map_err(py, e))?;

@@ -457,7 +457,11 @@ impl PyScheduler {
         let py = slf.py();
         let name = str_arg(tenant, "tenant")?;
         let name = name.to_str().map_err(|_| {
-            py_error(py, "InvalidRequestError", "a tenant name must be valid unicode (a lone surrogate)".into())
+            py_error(
+                py,
+                "InvalidRequestError",
+                "a tenant name must be valid unicode (a lone surrogate)".into(),
+            )
         })?;
         if weight.is_instance_of::<PyBool>() {
             return Err(type_error(py, format!("the weight of tenant {name:?} must be a float, got bool")));
