@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -294,3 +295,44 @@ def test_bench_scaling_alone_writes_a_scaling_summary(tmp_path: Path) -> None:
     points = doc["scaling"][impl]["points"]
     assert [p["num_running"] for p in points] == [4, 8]
     assert doc["scaling"][impl]["loglog_slope"] is not None
+
+
+@pytest.mark.skipif(not _available("rust"), reason="rust scheduler not available")
+def test_admission_window_on_workload_f_raises_the_hit_rate_and_cuts_recomputation() -> None:
+    results = {}
+    for window in (0, 16):
+        scenario = replace(get_scenario("f"), cache_aware_admission_window=window).scaled(0.1)
+        results[window] = run_workload("rust", generate(scenario), warmup_steps=0)
+    for r in results.values():
+        assert r.completed and r.num_prompt_tokens_computed >= r.num_min_prompt_tokens > 0
+    hit = {w: r.counters.prefix_cache_hits / r.counters.prefix_cache_queries for w, r in results.items()}
+    recomputed = {w: r.num_prompt_tokens_computed - r.num_min_prompt_tokens for w, r in results.items()}
+    assert hit[16] > hit[0]
+    assert recomputed[16] < recomputed[0]
+
+
+def test_bench_policy_and_window_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    impl = _any_impl()
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--quick", "-w", "f", "--impl", impl, "--json", str(out), "--no-progress"]
+    assert main([*argv, "--admission-window", "0", "--admission-threshold", "0.25"]) == 0
+    (res,) = json.loads(out.read_text())["results"]
+    assert (res["scenario"]["cache_aware_admission_window"], res["scenario"]["cache_aware_admission_threshold"]) == (
+        0,
+        0.25,
+    )
+    assert res["num_recomputed_prompt_tokens"] >= 0
+    assert main([*argv, "--policy", "fair"]) == 0  # f's window is dropped: fair has its own order
+    (res,) = json.loads(out.read_text())["results"]
+    assert (res["scenario"]["policy"], res["scenario"]["cache_aware_admission_window"]) == ("fair", 0)
+    assert main([*argv, "--policy", "fair", "--admission-window", "4"]) == 2
+    assert "needs policy 'fcfs'" in capsys.readouterr().err
+
+
+def test_policy_experiments_run(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("kvsched._core")
+    from kvsched.bench import policies
+
+    assert policies.main(["--steps", "200", "--window", "50", "--arrival-steps", "100", "--aging-steps", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "Jain" in text and "throughput fair / fcfs" in text and "priority_aging_steps=5" in text

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +53,11 @@ def _add_bench_parser(subparsers: Any) -> None:
             "Replay seeded workloads through one or more scheduler implementations and time schedule() "
             "and update_from_output() per step. Workloads: a steady decode, b large batch, c mixed "
             "prefill+decode with chunked prefill and shared prefixes, d = c under memory pressure, "
-            "e = d with priorities."
+            "e = d with priorities, f shared prefixes in a tight pool with bursty arrivals (cache-aware "
+            "admission window 16)."
         ),
     )
-    p.add_argument("--workloads", "-w", default=None, help="comma-separated subset of a,b,c,d,e (default: all)")
+    p.add_argument("--workloads", "-w", default=None, help="comma-separated subset of a,b,c,d,e,f (default: all)")
     p.add_argument(
         "--impl",
         default="rust",
@@ -111,6 +113,22 @@ def _add_bench_parser(subparsers: Any) -> None:
         help="run each workload this many times and keep the run with the lowest median (default 3; quick 1)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    p.add_argument(
+        "--policy", choices=("fcfs", "priority", "fair"), default=None, help="override the workloads' policy"
+    )
+    p.add_argument(
+        "--admission-window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="override cache_aware_admission_window (fcfs only; workload f uses 16, the others 0)",
+    )
+    p.add_argument(
+        "--tenants", type=int, default=None, metavar="N", help="spread each workload's requests over N tenants"
+    )
+    p.add_argument(
+        "--admission-threshold", type=float, default=None, metavar="X", help="override cache_aware_admission_threshold"
+    )
     p.set_defaults(func=_run_bench)
 
 
@@ -257,8 +275,21 @@ def _run_bench(args: argparse.Namespace) -> int:
             workloads = [load_trace(path) for path in args.trace]
         elif args.workloads is not None or not args.scaling:
             names = _csv(args.workloads) if args.workloads is not None else list(SCENARIOS)
-            workloads = [generate(get_scenario(n).scaled(scale)) for n in names]
-    except (ValueError, OSError, TraceFormatError) as exc:
+            overrides: dict[str, Any] = {}
+            if args.policy is not None:
+                overrides["policy"] = args.policy
+                overrides["cache_aware_admission_window"] = 0  # a window needs fcfs (set it again below)
+            if args.admission_window is not None:
+                overrides["cache_aware_admission_window"] = args.admission_window
+            if args.tenants is not None:
+                overrides["num_tenants"] = args.tenants
+            if args.admission_threshold is not None:
+                overrides["cache_aware_admission_threshold"] = args.admission_threshold
+            scenarios = [replace(get_scenario(n), **overrides).scaled(scale) for n in names]
+            for sc in scenarios:
+                sc.scheduler_config()  # a bad combination fails here, before anything runs
+            workloads = [generate(sc) for sc in scenarios]
+    except (ValueError, OSError, TraceFormatError) as exc:  # InvalidConfigError is a ValueError
         print(f"kvsched bench: {exc}", file=err)
         return 2
 

@@ -77,6 +77,7 @@ class NativeDriver:
             max_tokens=req.max_tokens,
             priority=req.priority,
             arrival_time=float(req.arrival_step),
+            tenant=f"t{req.tenant}",
         )
 
     def schedule_fn(self) -> Callable[[], Any]:
@@ -237,6 +238,9 @@ class RunResult:
     digest: str
     warmup_steps: int
     cold_mb: float = 0.0  # memory touched between steps (0: the tight loop)
+    num_prompt_tokens_computed: int = 0
+    completed: bool = False  # every request arrived and finished (not cut by max_steps)
+    num_min_prompt_tokens: int = 0  # what an infinite prefix cache would compute (0 if not completed)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -264,6 +268,7 @@ def _loop(
     num_reqs = len(requests)
     size = workload.max_idx() + 1
     known_len = workload.prompt_lens()  # prompt + outputs so far, by request index
+    prompt_len = workload.prompt_lens()
     num_out = np.zeros(size, dtype=np.int64)  # outputs so far, by request index
     ids = [req_id(r.idx) for r in requests]
     idx_of = {rid: r.idx for rid, r in zip(ids, requests, strict=True)}
@@ -288,6 +293,7 @@ def _loop(
     add_ns: list[int] = []
     digest = 0
     out_tokens = 0
+    prompt_tokens = 0  # prompt positions computed, recomputation included
     idle_steps = 0
 
     step = 0
@@ -330,6 +336,8 @@ def _loop(
             sampled = model_output(out, rids, values, indptr)
             tok = int(nst.sum())
             if record:
+                pl = prompt_len[idx]
+                prompt_tokens += int((np.minimum(nct + nst, pl) - np.minimum(nct, pl)).sum())
                 # Order-independent within a step: implementations may list the same batch differently.
                 order = np.argsort(idx, kind="stable")
                 digest = zlib.crc32(nst[order].astype(np.int32).tobytes(), zlib.crc32(idx[order].tobytes(), digest))
@@ -378,6 +386,8 @@ def _loop(
         "add_request_ns": np.asarray(add_ns, dtype=np.int64),
         "digest": f"{digest:08x}",
         "num_output_tokens": out_tokens,
+        "num_prompt_tokens_computed": prompt_tokens,
+        "completed": nxt >= num_reqs and not unfinished,
     }
 
 
@@ -429,6 +439,7 @@ def run_workload(
         rss_before_bytes=rss_before,
         warmup_steps=warmup_steps,
         cold_mb=cold_mb,
+        num_min_prompt_tokens=workload.min_prompt_tokens_computed() if data["completed"] else 0,
         **data,
     )
 

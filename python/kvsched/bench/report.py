@@ -128,6 +128,12 @@ def result_to_dict(result: RunResult, *, per_step: bool = False) -> dict[str, An
         "prefix_cache_preempted_queries": c.prefix_cache_preempted_queries,
         "prefix_cache_preempted_hits": c.prefix_cache_preempted_hits,
         "num_output_tokens": result.num_output_tokens,
+        "num_prompt_tokens_computed": result.num_prompt_tokens_computed,
+        # Prompt tokens computed beyond what an infinite prefix cache would compute (evictions, preemptions);
+        # None when the run was cut short.
+        "num_recomputed_prompt_tokens": (
+            result.num_prompt_tokens_computed - result.num_min_prompt_tokens if result.completed else None
+        ),
         "num_scheduled_tokens_total": int(result.num_scheduled_tokens.sum()),
         "max_running_reqs": int(result.num_running_reqs.max()) if len(result.num_running_reqs) else 0,
         "peak_rss_mib": result.peak_rss_bytes / 2**20,
@@ -282,10 +288,11 @@ def format_table(docs: Sequence[dict[str, Any]]) -> str:
         "steps/s",
         "preempt",
         "hit%",
+        "recomp tok",
         "RSS MiB",
         "target",
     )
-    units = ("", "", "", "", "med/p99/max", "med/p99/max", "med/p99/max", "", "", "", "", "")
+    units = ("", "", "", "", "med/p99/max", "med/p99/max", "med/p99/max", "", "", "", "", "", "")
     rows: list[tuple[str, ...]] = [header, units]
     for d in docs:
         t = d.get("target")
@@ -302,6 +309,7 @@ def format_table(docs: Sequence[dict[str, Any]]) -> str:
                 f"{d['steps_per_s']:.0f}",
                 str(d["num_preemptions"]),
                 f"{100 * d['prefix_cache_hit_rate']:.1f}",
+                "-" if d.get("num_recomputed_prompt_tokens") is None else str(d["num_recomputed_prompt_tokens"]),
                 f"{d['peak_rss_mib']:.0f}",
                 target,
             )

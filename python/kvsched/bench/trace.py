@@ -5,6 +5,8 @@ Format: the first line is a header ``{"scenario": {...}, "vocab": 32000}`` (the 
 
     {"idx": 0, "arrival_step": 0, "priority": 0, "max_tokens": 256, "prompt_token_ids": [17, 4242, ...]}
 
+A request line may also carry ``"tenant": k`` (an int, default 0).
+
 The fake model's sampled tokens are not stored: they are a pure function of ``(idx, output position)``.
 """
 
@@ -42,6 +44,8 @@ def dump_trace(workload: Workload, path: str | Path) -> Path:
                 "max_tokens": r.max_tokens,
                 "prompt_token_ids": r.prompt_token_ids.tolist(),
             }
+            if r.tenant:
+                line["tenant"] = r.tenant
             f.write(json.dumps(line, separators=(",", ":")) + "\n")
     return path
 
@@ -59,6 +63,7 @@ def _parse_request(obj: Any, where: str) -> TraceRequest:
             priority=int(obj["priority"]),
             max_tokens=int(obj["max_tokens"]),
             prompt_token_ids=np.asarray(prompt, dtype=np.int32),
+            tenant=int(obj.get("tenant", 0)),
         )
     except (TypeError, ValueError, OverflowError) as exc:
         raise TraceFormatError(f"{where}: {exc}") from exc

@@ -10,6 +10,7 @@ pure function of the request's index and that position, so every implementation 
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -66,18 +67,22 @@ class Scenario:
     max_num_batched_tokens: int
     prompt_len: tuple[int, int]  # inclusive range, uniform
     output_len: tuple[int, int]  # inclusive range, uniform
-    arrival: Literal["all_at_start", "poisson"] = "all_at_start"
-    arrival_rate: float = 1.0  # requests per step (poisson)
+    arrival: Literal["all_at_start", "poisson", "bursty"] = "all_at_start"
+    arrival_rate: float = 1.0  # requests per step (poisson; bursty: on average)
+    burst_size: int = 1  # bursty: this many requests arrive together, every burst_size / arrival_rate steps
     num_prefix_groups: int = 0
     prefix_len: tuple[int, int] = (0, 0)
     prefix_fraction: float = 0.0  # share of requests that start with one of the group prefixes
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: Literal["fcfs", "priority", "fair"] = "fcfs"
     num_priorities: int = 1
     block_size: int = 16
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     seed: int = 0
     scale: float = 1.0
+    cache_aware_admission_window: int = 0
+    cache_aware_admission_threshold: float = 0.5
+    num_tenants: int = 1  # request i belongs to tenant i % num_tenants (named "t<k>")
 
     def scaled(self, scale: float) -> Scenario:
         """Request and block counts multiplied by ``scale`` (enough blocks kept for progress)."""
@@ -104,6 +109,8 @@ class Scenario:
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             policy=self.policy,
+            cache_aware_admission_window=self.cache_aware_admission_window,
+            cache_aware_admission_threshold=self.cache_aware_admission_threshold,
             # A fixed seed makes prefix hashes, and hence the run, reproducible.
             prefix_hash_seed=0,
         )
@@ -171,6 +178,27 @@ SCENARIOS: dict[str, Scenario] = {
         policy="priority",
         num_priorities=4,
     ),
+    # Many requests share a few long prefixes, arrive in bursts, and the pool holds only some of the prefixes
+    # next to the running requests: the case cache-aware admission is for (compare --admission-window 0).
+    "f": Scenario(
+        name="f",
+        description="shared prefixes, tight pool, bursty arrivals; cache-aware admission window 16",
+        num_requests=2000,
+        num_blocks=1500,
+        max_num_seqs=64,
+        max_num_batched_tokens=4096,
+        prompt_len=(600, 1600),
+        output_len=(16, 128),
+        arrival="bursty",
+        arrival_rate=1.0,
+        burst_size=32,
+        num_prefix_groups=24,
+        prefix_len=(512, 1024),
+        prefix_fraction=0.9,
+        max_model_len=4096,
+        cache_aware_admission_window=16,
+        seed=6,
+    ),
 }
 
 
@@ -188,6 +216,7 @@ class TraceRequest:
     priority: int
     max_tokens: int
     prompt_token_ids: npt.NDArray[np.int32]
+    tenant: int = 0
 
     @property
     def req_id(self) -> str:
@@ -202,6 +231,7 @@ class Workload:
     requests: list[TraceRequest]
     vocab: int = VOCAB_SIZE
     source: str = field(default="generated")
+    _min_prompt: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -223,6 +253,31 @@ class Workload:
     def total_output_tokens(self) -> int:
         return sum(r.max_tokens for r in self.requests)
 
+    def min_prompt_tokens_computed(self) -> int:
+        """Prompt tokens an infinite prefix cache would compute: requests in arrival order, each hitting the
+        longest run of full blocks (capped so its last token is computed) seen in any earlier prompt. What a
+        run computes beyond this is recomputation (evicted prefixes, preemptions)."""
+        if self._min_prompt is None:
+            bs = self.scenario.block_size
+            seen: set[bytes] = set()
+            total = 0
+            for r in self.requests:
+                tokens = r.prompt_token_ids.astype(np.int32).tobytes()
+                n = len(r.prompt_token_ids)
+                h = hashlib.blake2b(digest_size=16)
+                hits, hitting = 0, True
+                for i in range(n // bs):
+                    h.update(tokens[4 * i * bs : 4 * (i + 1) * bs])
+                    key = h.digest()
+                    if hitting and i < (n - 1) // bs and key in seen:
+                        hits += 1
+                    else:
+                        hitting = False
+                    seen.add(key)
+                total += n - hits * bs
+            self._min_prompt = total
+        return self._min_prompt
+
 
 def _uniform(rng: np.random.Generator, lo_hi: tuple[int, int], n: int) -> IntArray:
     lo, hi = lo_hi
@@ -240,6 +295,9 @@ def generate(scenario: Scenario) -> Workload:
     if scenario.arrival == "poisson":
         gaps = rng.exponential(1.0 / scenario.arrival_rate, size=n)
         arrival_steps = np.floor(np.cumsum(gaps) - gaps[0]).astype(np.int64)
+    elif scenario.arrival == "bursty":
+        period = scenario.burst_size / scenario.arrival_rate
+        arrival_steps = np.floor(np.arange(n) // scenario.burst_size * period).astype(np.int64)
     else:
         arrival_steps = np.zeros(n, dtype=np.int64)
 
@@ -278,6 +336,7 @@ def generate(scenario: Scenario) -> Workload:
                 priority=int(priorities[i]),
                 max_tokens=max_tokens,
                 prompt_token_ids=np.ascontiguousarray(prompt, dtype=np.int32),
+                tenant=i % max(scenario.num_tenants, 1),
             )
         )
     requests.sort(key=lambda r: (r.arrival_step, r.idx))
