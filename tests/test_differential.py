@@ -403,12 +403,14 @@ SOAK_CONFIGS = [
                     enable_chunked_prefill=False, num_lookahead_tokens=1, policy="priority"),
     SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
                     num_lookahead_tokens=1, scheduler_reserve_full_isl=False, prefix_hash_seed=2),
-    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=40, max_model_len=64,
-                    cache_aware_admission_window=8, cache_aware_admission_threshold=0.3, prefix_hash_seed=2),
+    SchedulerConfig(block_size=4, num_blocks=16, max_num_seqs=6, max_num_batched_tokens=40, max_model_len=48,
+                    cache_aware_admission_window=8, cache_aware_admission_threshold=0.3, prefix_hash_seed=2,
+                    scheduler_reserve_full_isl=False),
     SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48,
                     policy="fair", tenant_weights={"t1": 3.0}, fair_decode_weight=0.7),
-    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=64,
-                    policy="priority", priority_aging_steps=3, long_prefill_token_threshold=8),
+    SchedulerConfig(block_size=4, num_blocks=13, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=48,
+                    policy="priority", priority_aging_steps=3, long_prefill_token_threshold=8,
+                    scheduler_reserve_full_isl=False),
 ]  # fmt: skip
 
 
