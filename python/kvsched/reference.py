@@ -888,7 +888,7 @@ class ReferenceScheduler:
                 if victim is r:
                     break
             if new_blocks is None:
-                if c.policy == "priority":
+                if c.policy != "fcfs":
                     continue  # r preempted itself; the requests after it rank higher and may still fit
                 break
             num_drafts = max(0, r.num_computed_tokens + n - r.num_tokens)

@@ -193,3 +193,25 @@ fn aging_bounds_the_wait_of_a_low_priority_request() {
                                             // Priority 5 at step 0 vs priority 0 at step s: equal keys at s = 5 * 4; earlier arrival wins the tie.
     assert_eq!(low_priority_wait(4), Some(20));
 }
+
+#[test]
+fn fair_self_preemption_lets_the_requests_after_it_run() {
+    let config = SchedulerConfig {
+        num_blocks: 5,
+        max_num_seqs: 4,
+        max_model_len: 16,
+        ..fair_config(vec![("b".into(), 2.0)])
+    };
+    let mut s = Scheduler::new(config).unwrap();
+    add_for(&mut s, "a0", "a", 0.0);
+    add_for(&mut s, "b0", "b", 1.0);
+    let out = s.schedule().unwrap();
+    assert_eq!(ids(&s, &out), vec!["a0", "b0"]); // all 4 blocks held; a's counter 8 + 2, b's (8 + 2) / 2
+    feed(&mut s, &out);
+    // a0 needs a 3rd block: its own tenant has the largest counter, so it preempts itself; b0 then fits.
+    let out = s.schedule().unwrap();
+    let victims: Vec<String> =
+        out.preempted.iter().filter_map(|&h| s.request_id(h)).map(|x| x.to_string()).collect();
+    assert_eq!(victims, vec!["a0"]);
+    assert_eq!(ids(&s, &out), vec!["b0"]);
+}

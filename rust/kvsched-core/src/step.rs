@@ -150,9 +150,10 @@ impl Scheduler {
                     }
                 }
                 if self_preempted {
-                    if self.config.policy == Policy::Priority {
+                    if self.config.policy != Policy::Fcfs {
                         // vLLM 0.33: the request was the lowest-priority one and freed its own blocks; the
                         // requests after it rank higher and may still fit. `i` already points at the next one.
+                        // (FAIR: they belong to tenants with smaller counters.)
                         continue;
                     }
                     break;
