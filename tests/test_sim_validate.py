@@ -64,17 +64,20 @@ def test_simulated_batches_equal_the_real_engine(tmp_path: Path) -> None:
 
 
 def test_calibration_fit_recovers_known_coefficients() -> None:
-    truth = StepTimeModel(step_s=2e-3, prefill_token_s=5e-5, decode_req_s=3e-4, kv_token_s=1e-6, name="t")
+    truth = StepTimeModel(
+        step_s=2e-3, prefill_token_s=5e-5, prefill_req_s=4e-4, decode_req_s=3e-4, kv_token_s=1e-6, name="t"
+    )
     rng = np.random.default_rng(0)
     steps = []
     for _ in range(200):
-        pre, dec = int(rng.integers(0, 500)), int(rng.integers(0, 64))
+        preq, dec = int(rng.integers(0, 4)), int(rng.integers(0, 64))
+        pre = preq * int(rng.integers(1, 200))
         kv = dec * int(rng.integers(16, 1024))
-        t = truth.step_time(pre, dec, kv) * (1 + rng.normal(0, 0.01))
-        steps.append((t, pre, dec, kv, 0.0))
+        t = truth.step_time(pre, dec, kv, prefill_reqs=preq) * (1 + rng.normal(0, 0.01))
+        steps.append((t, pre, preq, dec, kv, 0.0))
     fitted, fit = fit_step_time_model(steps)
     assert fit["r2"] > 0.99 and fit["median_rel_error"] < 0.02
-    for name in ("step_s", "prefill_token_s", "decode_req_s", "kv_token_s"):
+    for name in ("step_s", "prefill_token_s", "prefill_req_s", "decode_req_s", "kv_token_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.1), name
     assert fitted.prefill_attn_s >= 0 and fitted.swap_block_s == 0
 
@@ -84,8 +87,7 @@ def test_timed_steps_of_the_real_engine_have_the_simulator_composition(tmp_path:
     save_tiny_hf_model(path, "llama", max_position_embeddings=512)
     llm = LLM(path, device="cpu", seed=0, **CONFIG)
     steps = run_timed_steps(llm, [(0, list(range(3, 103)), 3), (0, list(range(5, 45)), 5)])
-    # Step 1: both prompts in one 96-token budget? 100 + 40 > 96: 96 prefill tokens, nothing decodes.
-    assert steps[0][1:3] == (96, 0)
+    assert steps[0][1:4] == (96, 1, 0)  # 96 prefill tokens of one request (the budget), nothing decodes
     assert sum(s[1] for s in steps) == 140  # every prompt token once (no prefix cache hit between them)
-    assert sum(s[2] for s in steps) == (3 - 1) + (5 - 1)  # decode steps after each request's first token
+    assert sum(s[3] for s in steps) == (3 - 1) + (5 - 1)  # decode steps after each request's first token
     assert all(s[0] > 0 for s in steps)

@@ -200,6 +200,13 @@ def _add_simulate_parser(subparsers: Any) -> None:
         help="run the workload through kvsched.LLM on --model and through the simulator (--step-model); "
         "compare batches and TTFT/e2e percentiles, write --out/validate.json",
     )
+    c.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default=None,
+        help="with --calibrate/--validate: time steps by wall clock or by this thread's CPU time (immune to other "
+        "processes; default cpu on the CPU, wall on CUDA)",
+    )
     p.set_defaults(func=_run_simulate)
 
 

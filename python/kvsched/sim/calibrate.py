@@ -21,27 +21,41 @@ from .steptime import FEATURES, StepTimeModel
 
 __all__ = ["TimedStep", "calibrate", "fit_step_time_model", "run_timed_steps"]
 
-TimedStep = tuple[float, int, int, int, float]  # seconds, prefill tokens, decode requests, kv tokens, pairs
+# seconds, prefill tokens, prefill requests, decode requests, KV tokens, prefill query-key pairs
+TimedStep = tuple[float, int, int, int, int, float]
 
 
 def fit_step_time_model(
     steps: list[TimedStep], *, name: str = "calibrated", source: str = ""
 ) -> tuple[StepTimeModel, dict[str, Any]]:
-    """Non-negative least squares of step time on (1, prefill tokens, decode requests, KV tokens, pairs)."""
+    """Non-negative least squares of step time on (1, prefill tokens, prefill requests, decode requests, KV tokens,
+    prefill pairs), on relative error (each row divided by its measured time, so short steps count as much as long
+    ones). Steps slowed down by something else on the machine are outliers: after a first fit, steps whose relative
+    residual exceeds five times the median are dropped and the fit is repeated."""
     if len(steps) < 8:
         raise ValueError(f"need at least 8 timed steps to fit, got {len(steps)}")
     arr = np.asarray(steps, dtype=np.float64)
-    y = arr[:, 0]
-    x = np.column_stack([np.ones(len(arr)), arr[:, 1:5]])
-    active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0.0
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
+    y_all = np.maximum(arr[:, 0], 1e-9)
+    x_all = np.column_stack([np.ones(len(arr)), arr[:, 1:6]])
+
+    def nnls(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        xw, yw = x / y[:, None], np.ones(len(y))
+        active = list(range(x.shape[1]))
+        coef = np.zeros(x.shape[1])
+        while active:
+            sol, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
+            if (sol >= 0).all():
+                coef[active] = sol
+                break
+            active.pop(int(np.argmin(sol)))
+        return coef
+
+    coef = nnls(x_all, y_all)
+    rel0 = np.abs(x_all @ coef - y_all) / y_all
+    keep = rel0 <= max(5 * float(np.median(rel0)), 0.05)
+    if keep.sum() >= 8 and not keep.all():
+        coef = nnls(x_all[keep], y_all[keep])
+    x, y = x_all, y_all
     pred = x @ coef
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
@@ -49,16 +63,18 @@ def fit_step_time_model(
     model = StepTimeModel(
         step_s=float(coef[0]),
         prefill_token_s=float(coef[1]),
-        decode_req_s=float(coef[2]),
-        kv_token_s=float(coef[3]),
-        prefill_attn_s=float(coef[4]),
+        prefill_req_s=float(coef[2]),
+        decode_req_s=float(coef[3]),
+        kv_token_s=float(coef[4]),
+        prefill_attn_s=float(coef[5]),
         swap_block_s=0.0,
         name=name,
         source=source,
     )
     fit = {
         "num_steps": len(steps),
-        "features": list(FEATURES[:5]),
+        "num_outliers_dropped": int((~keep).sum()),
+        "features": list(FEATURES[:6]),
         "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
         "median_rel_error": float(np.median(rel)),
         "p90_rel_error": float(np.percentile(rel, 90)),
@@ -68,18 +84,31 @@ def fit_step_time_model(
     return model, fit
 
 
+def clock_fn(clock: str) -> Callable[[], float]:
+    """``"wall"``: ``time.perf_counter``; ``"cpu"``: ``time.thread_time`` (CPU time of the calling thread)."""
+    if clock == "wall":
+        return time.perf_counter
+    if clock == "cpu":
+        return time.thread_time
+    raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+
+
 def run_timed_steps(
     llm: Any,
     adds: list[tuple[int, list[int], int]],
     *,
     on_step: Callable[[], None] | None = None,
     max_steps: int = 100_000,
+    clock: str = "wall",
 ) -> list[TimedStep]:
     """Drive ``llm`` step by step; ``adds`` = (step number, prompt token ids, output length), added before that
-    step. Returns each step's (duration, prefill tokens, decode requests, KV tokens, prefill pairs)."""
+    step. Returns each step's (duration, prefill tokens, prefill requests, decode requests, KV tokens, prefill
+    pairs). ``clock``: ``"wall"`` (``time.perf_counter``) or ``"cpu"`` (this thread's CPU time: immune to other
+    processes on a shared machine; only meaningful on the CPU with torch single-threaded)."""
     from ..engine import SamplingParams
     from .steptime import step_features
 
+    now = clock_fn(clock)
     sched = llm.scheduler
     known: dict[str, int] = {}
     out_steps: list[TimedStep] = []
@@ -95,19 +124,19 @@ def run_timed_steps(
         if not llm.has_unfinished_requests():
             step += 1
             continue
-        t0 = time.perf_counter()
+        t0 = now()
         out = sched.schedule()
         sampled = llm.runner.execute(out, sched.prepare_model_inputs(out))
         res = sched.update_from_output(out, sampled)
         llm._postprocess(out, sampled, res)
-        dt = time.perf_counter() - t0
+        dt = now() - t0
         rids = out.req_ids
         if rids:
             nst = np.asarray(out.num_scheduled_tokens)
             nct = np.asarray(out.num_computed_tokens)
             kl = np.fromiter((known[r] for r in rids), np.int64, len(rids))
-            pre, dec, kv, pairs = step_features(nst, nct, nct == kl - 1)
-            out_steps.append((dt, pre, dec, kv, pairs))
+            pre, preq, dec, kv, pairs = step_features(nst, nct, nct == kl - 1)
+            out_steps.append((dt, pre, preq, dec, kv, pairs))
             for rid, n_new in zip(rids, np.asarray(res.num_new_tokens).tolist(), strict=True):
                 known[rid] += int(n_new)
         step += 1
@@ -133,12 +162,15 @@ def _grid(
     for b in batches[:: 2 if quick else 1]:
         for ctx in (32, min(256, max_len // 4)):
             work.append([(0, prompt(ctx), 8 * scale) for _ in range(b)])
-    # Mixed: arrivals during decoding, so prefills share steps with decodes.
-    mix = [
-        (4 * i, prompt(int(rng.integers(16, max(17, max_len // 4)))), int(rng.integers(4, 24)))
-        for i in range(12 * scale)
-    ]
-    work.append(mix)
+    # Mixed: arrivals during decoding (every 2, 4 or 8 steps), so prefills of all lengths share steps with
+    # decode batches of all sizes: the composition of a served workload.
+    for spacing in (2, 4, 8):
+        work.append(
+            [
+                (spacing * i, prompt(int(rng.integers(16, max(17, max_len // 2)))), int(rng.integers(4, 48)))
+                for i in range(12 * scale)
+            ]
+        )
     return work
 
 
@@ -152,13 +184,16 @@ def calibrate(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 2048,
-    repeats: int = 1,
+    repeats: int = 2,
     seed: int = 0,
     num_threads: int | None = 1,
+    clock: str | None = None,
 ) -> tuple[StepTimeModel, dict[str, Any]]:
     """Time the real engine on ``model`` (a model directory, or a runner ``ModelConfig`` for a random-weight
     model) and fit a step-time model. Returns the model and a dict describing the fit. ``num_threads``: torch's
-    intra-op threads (1 by default: steadier timings on a small shared CPU; None leaves torch's default)."""
+    intra-op threads (1 by default: steadier timings on a small shared CPU; None leaves torch's default).
+    ``clock``: how steps are timed, ``"wall"`` or ``"cpu"`` (thread CPU time, see :func:`run_timed_steps`);
+    default ``"cpu"`` on the CPU with one thread, else ``"wall"``."""
     import torch
 
     if num_threads is not None:
@@ -176,6 +211,8 @@ def calibrate(
         enable_prefix_caching=False,  # every prompt token is computed, so prefill timings are real
         seed=seed,
     )
+    if clock is None:
+        clock = "cpu" if llm.device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
     rng = np.random.default_rng(seed)
     vocab = int(llm.model_config.vocab_size)
     max_len = int(llm.scheduler.config.max_model_len)
@@ -194,7 +231,7 @@ def calibrate(
     try:
         for _ in range(repeats):
             for adds in work:
-                steps.extend(run_timed_steps(llm, adds))
+                steps.extend(run_timed_steps(llm, adds, clock=clock))
                 if bar is not None:
                     bar.update(1)
     finally:
@@ -203,14 +240,15 @@ def calibrate(
     where = str(llm.device)
     label = os.path.basename(os.path.normpath(os.fspath(model))) if isinstance(model, (str, os.PathLike)) else "random"
     source = (
-        f"calibrated on this machine ({where}, torch {torch.__version__}, dtype {llm.dtype}) from {len(steps)} "
-        f"timed steps of kvsched.LLM on {label}"
+        f"calibrated on this machine ({where}, torch {torch.__version__}, dtype {llm.dtype}, {clock} clock) from "
+        f"{len(steps)} timed steps of kvsched.LLM on {label}"
     )
     fitted, fit = fit_step_time_model(steps, name=f"calibrated-{label}-{llm.device.type}", source=source)
     fit.update(
         {
             "device": where,
             "torch_threads": torch.get_num_threads(),
+            "clock": clock,
             "model": label,
             "block_size": block_size,
             "created": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -222,6 +260,6 @@ def calibrate(
 def residuals(model: StepTimeModel, steps: list[TimedStep]) -> npt.NDArray[np.float64]:
     """Predicted minus measured step time for each timed step."""
     arr = np.asarray(steps, dtype=np.float64)
-    feats = np.column_stack([np.ones(len(arr)), arr[:, 1:5], np.zeros(len(arr))])
+    feats = np.column_stack([np.ones(len(arr)), arr[:, 1:6], np.zeros(len(arr))])
     out: npt.NDArray[np.float64] = model.predict(feats) - arr[:, 0]
     return out

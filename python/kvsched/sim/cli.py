@@ -177,7 +177,7 @@ def _validate(
         from .validate import validate
     except ImportError as exc:
         return _err(f"--validate needs the torch extra (pip install 'kvsched[torch]'): {exc}")
-    report = validate(args.model, w, config, step_model, device=args.device or "cpu")
+    report = validate(args.model, w, config, step_model, device=args.device or "cpu", clock=args.clock)
     print(f"{report['num_requests']} requests, {report['real_steps']} real steps, {report['sim_steps']} simulated")
     print(
         f"batches identical: {report['batches_identical']} "
@@ -206,7 +206,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     out = args.calibrate_out
     try:
         model, fit = calibrate(
-            args.model, device=args.device, quick=args.calibrate_quick, progress=not args.no_progress
+            args.model, device=args.device, quick=args.calibrate_quick, progress=not args.no_progress, clock=args.clock
         )
     except ImportError as exc:
         return _err(f"--calibrate needs the torch extra (pip install 'kvsched[torch]'): {exc}")

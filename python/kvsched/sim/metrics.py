@@ -8,7 +8,7 @@ computed again after a preemption), cached tokens (prompt tokens skipped thanks 
 Per run (:func:`summarize`): mean/p50/p90/p99 of each, request and token throughput, goodput under SLOs,
 preemptions, recomputed tokens, prefix-cache hit rate, KV usage; the same per tenant and per priority class;
 per-tenant service (tokens computed for the tenant's requests) over time windows, its share, and Jain's
-fairness index per window over the tenants that had work in the system.
+fairness index of weighted service per window over the tenants that were backlogged (had a request waiting).
 """
 
 from __future__ import annotations
@@ -300,8 +300,10 @@ def summarize(
 
 
 def tenant_service(result: SimResult, window: float, records: RequestRecords) -> dict[str, Any]:
-    """Per window and tenant: tokens computed (``service``), whether the tenant had work in the system
-    (``active``), and Jain's index of ``service / weight`` over the active tenants (``jain``)."""
+    """Per window and tenant: tokens computed (``service``), whether the tenant was backlogged (``active``: one
+    of its requests waited for admission during the window), and Jain's index of ``service / weight`` over the
+    backlogged tenants (``jain``; NaN where fewer than two were backlogged: fairness is only at stake when
+    tenants compete)."""
     w = result.workload
     nt = w.num_tenants
     end_time = max(result.end_time, 1e-12)
@@ -312,9 +314,9 @@ def tenant_service(result: SimResult, window: float, records: RequestRecords) ->
     ten = w.tenant[result.sched_idx.astype(np.int64)]
     flat = np.bincount(win_of * nt + ten, weights=result.sched_num_tokens, minlength=nwin * nt)
     service = flat.reshape(nwin, nt)
-    # A tenant is active in a window if one of its requests was in the system during it (a difference array
-    # over windows: +1 where a request arrives, -1 after the window it finishes in).
-    done = np.where(np.isfinite(records.finish_time), records.finish_time, end_time)
+    # A tenant is backlogged in a window if one of its requests waited for admission during it: a difference
+    # array over windows, +1 in the window it arrives, -1 after the window it is first scheduled in.
+    done = np.where(np.isfinite(records.first_scheduled_time), records.first_scheduled_time, end_time)
     added = records.added
     first_w = np.minimum((w.arrival_time / window).astype(np.int64), nwin - 1)[added]
     last_w = np.minimum((done / window).astype(np.int64), nwin - 1)[added]
@@ -325,6 +327,9 @@ def tenant_service(result: SimResult, window: float, records: RequestRecords) ->
     active = np.cumsum(diff, axis=0)[:nwin] > 0
     weights = np.asarray(w.tenant_weights, dtype=np.float64)
     jain = np.array(
-        [jain_index(service[k, active[k]] / weights[active[k]]) if active[k].any() else math.nan for k in range(nwin)]
+        [
+            jain_index(service[k, active[k]] / weights[active[k]]) if active[k].sum() >= 2 else math.nan
+            for k in range(nwin)
+        ]
     )
     return {"window": window, "time": np.arange(nwin) * window, "service": service, "active": active, "jain": jain}

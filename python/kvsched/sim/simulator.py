@@ -310,9 +310,10 @@ def simulate(
     pre_idx: list[int] = []
     batches: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = [] if record_batches else None
 
-    c0, c_pre, c_dec, c_kv, c_attn = (
+    c0, c_pre, c_preq, c_dec, c_kv, c_attn = (
         step_model.step_s,
         step_model.prefill_token_s,
+        step_model.prefill_req_s,
         step_model.decode_req_s,
         step_model.kv_token_s,
         step_model.prefill_attn_s,
@@ -438,7 +439,7 @@ def simulate(
                 nsp = nst[pre].astype(int64)
                 pairs = float((nsp * (2 * nct[pre].astype(int64) + nsp + 1)).sum()) * 0.5
                 n_pre = n_tok - n_dec
-            dt = c0 + c_pre * n_pre + c_dec * n_dec + c_kv * kv + c_attn * pairs
+            dt = c0 + c_pre * n_pre + c_preq * (m - n_dec) + c_dec * n_dec + c_kv * kv + c_attn * pairs
             sel = idx[complete]
             k = len(sel)
             if k == m:

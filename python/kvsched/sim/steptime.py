@@ -4,6 +4,7 @@ A step's duration is linear in its composition::
 
     t = step_s
       + prefill_token_s * (tokens of prefill chunks)
+      + prefill_req_s   * (requests computing a prefill chunk)
       + decode_req_s    * (decoding requests)
       + kv_token_s      * (KV tokens the decoding requests attend to: the sum of their context lengths)
       + prefill_attn_s  * (query-key pairs of the prefill chunks: sum of n * (computed + (n + 1) / 2))
@@ -33,8 +34,24 @@ import numpy.typing as npt
 __all__ = ["FEATURES", "PRESETS", "StepTimeModel", "load_step_time_model", "step_features"]
 
 # Names of the model's inputs, in the order of the coefficient vector.
-FEATURES = ("steps", "prefill_tokens", "decode_reqs", "kv_tokens", "prefill_attn_pairs", "swap_blocks")
-_COEFS = ("step_s", "prefill_token_s", "decode_req_s", "kv_token_s", "prefill_attn_s", "swap_block_s")
+FEATURES = (
+    "steps",
+    "prefill_tokens",
+    "prefill_reqs",
+    "decode_reqs",
+    "kv_tokens",
+    "prefill_attn_pairs",
+    "swap_blocks",
+)
+_COEFS = (
+    "step_s",
+    "prefill_token_s",
+    "prefill_req_s",
+    "decode_req_s",
+    "kv_token_s",
+    "prefill_attn_s",
+    "swap_block_s",
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,7 @@ class StepTimeModel:
 
     step_s: float = 0.0
     prefill_token_s: float = 0.0
+    prefill_req_s: float = 0.0
     decode_req_s: float = 0.0
     kv_token_s: float = 0.0
     prefill_attn_s: float = 0.0
@@ -64,15 +82,17 @@ class StepTimeModel:
 
     def step_time(
         self,
-        prefill_tokens: float,
-        decode_reqs: float,
-        kv_tokens: float,
+        prefill_tokens: float = 0.0,
+        decode_reqs: float = 0.0,
+        kv_tokens: float = 0.0,
         prefill_attn_pairs: float = 0.0,
         swap_blocks: float = 0.0,
+        prefill_reqs: float = 0.0,
     ) -> float:
         return (
             self.step_s
             + self.prefill_token_s * prefill_tokens
+            + self.prefill_req_s * prefill_reqs
             + self.decode_req_s * decode_reqs
             + self.kv_token_s * kv_tokens
             + self.prefill_attn_s * prefill_attn_pairs
@@ -107,8 +127,8 @@ class StepTimeModel:
 
 def step_features(
     num_scheduled: npt.NDArray[Any], num_computed: npt.NDArray[Any], is_decode: npt.NDArray[np.bool_]
-) -> tuple[int, int, int, float]:
-    """(prefill tokens, decode requests, KV tokens of the decodes, prefill query-key pairs) of one step."""
+) -> tuple[int, int, int, int, float]:
+    """(prefill tokens, prefill requests, decode requests, KV tokens of the decodes, prefill query-key pairs)."""
     nst = num_scheduled.astype(np.int64)
     nct = num_computed.astype(np.int64)
     n_dec = int(np.count_nonzero(is_decode))
@@ -116,7 +136,7 @@ def step_features(
     kv = int(nct[is_decode].sum()) + n_dec
     pre = ~is_decode
     pairs = float((nst[pre] * (2 * nct[pre] + nst[pre] + 1)).sum()) / 2.0
-    return total - n_dec, n_dec, kv, pairs
+    return total - n_dec, len(nst) - n_dec, n_dec, kv, pairs
 
 
 # -- presets ----------------------------------------------------------------------------------------------
@@ -137,6 +157,7 @@ def _roofline(name: str, params: float, layers: int, heads: int, kv_heads: int, 
     return StepTimeModel(
         step_s=weights_bytes / _BW,
         prefill_token_s=per_token,
+        prefill_req_s=0.0,
         decode_req_s=per_token,
         kv_token_s=kv_bytes_per_token / _BW,
         prefill_attn_s=4 * layers * heads * head_dim / _FLOPS,

@@ -64,10 +64,23 @@ def _llm_kwargs(cfg: SchedulerConfig) -> dict[str, Any]:
 
 
 def run_real(
-    llm: Any, workload: Workload, prompt_fn: Callable[[int], npt.NDArray[np.int32]], *, time_scale: float = 1.0
+    llm: Any,
+    workload: Workload,
+    prompt_fn: Callable[[int], npt.NDArray[np.int32]],
+    *,
+    time_scale: float = 1.0,
+    clock: str = "wall",
 ) -> RealRun:
-    """Replay ``workload`` through ``llm`` in wall-clock time (arrival times multiplied by ``time_scale``)."""
+    """Replay ``workload`` through ``llm`` (arrival times multiplied by ``time_scale``).
+
+    ``clock="wall"``: real time; the loop sleeps until the next arrival when idle. ``clock="cpu"``: a clock that
+    advances by the CPU time each step takes on this thread (and jumps to the next arrival when idle), so that
+    other processes on a shared machine do not distort the measurement (CPU device, torch single-threaded)."""
     from ..engine import SamplingParams
+    from .calibrate import clock_fn
+
+    tick = clock_fn(clock)
+    virtual = clock == "cpu"
 
     sched = llm.scheduler
     n = len(workload)
@@ -76,22 +89,27 @@ def run_real(
     real = RealRun(n)
     idx_of = {f"r{i}": i for i in range(n)}
     i = 0
-    t0 = time.monotonic()
+    wall0 = time.monotonic()
+    t0 = tick()
+    offset = 0.0  # virtual clock: idle time skipped to reach the next arrival
     while i < n or llm.has_unfinished_requests():
-        now = time.monotonic() - t0
+        now = tick() - t0 + offset
         while i < n and arrival[i] <= now:
             params = SamplingParams(max_tokens=int(workload.output_len[i]), temperature=0.0, ignore_eos=True)
             llm.add_request(prompts[i].tolist(), params, request_id=f"r{i}")
             i += 1
         if not llm.has_unfinished_requests():
-            time.sleep(max(0.0, arrival[i] - (time.monotonic() - t0)))
+            if virtual:
+                offset += max(0.0, arrival[i] - now)
+            else:
+                time.sleep(max(0.0, arrival[i] - now))
             continue
-        s0 = time.monotonic()
+        s0 = tick() - t0 + offset
         out = sched.schedule()
         sampled = llm.runner.execute(out, sched.prepare_model_inputs(out))
         res = sched.update_from_output(out, sampled)
         finished = llm._postprocess(out, sampled, res)
-        s1 = time.monotonic()
+        s1 = tick() - t0 + offset
         if out.req_ids:
             real.batches.append(
                 (tuple(idx_of[r] for r in out.req_ids), tuple(np.asarray(out.num_scheduled_tokens).tolist()))
@@ -101,10 +119,10 @@ def run_real(
         for k in np.flatnonzero(got).tolist():
             j = idx_of[out.req_ids[k]]
             if np.isnan(real.first_token[j]):
-                real.first_token[j] = s1 - t0
+                real.first_token[j] = s1
         for req in finished:
-            real.finish[idx_of[req.request_id]] = s1 - t0
-    real.wall_s = time.monotonic() - t0
+            real.finish[idx_of[req.request_id]] = s1
+    real.wall_s = time.monotonic() - wall0
     return real
 
 
@@ -150,6 +168,7 @@ def validate(
     device: str = "cpu",
     num_threads: int | None = 1,
     seed: int = 0,
+    clock: str | None = None,
 ) -> dict[str, Any]:
     """Run ``workload`` through :class:`kvsched.LLM` on ``model`` and through the simulator; compare."""
     import torch
@@ -167,9 +186,12 @@ def validate(
     warm = [rng.integers(3, vocab, size=48).tolist() for _ in range(4)]
     llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     llm.scheduler.reset_prefix_cache()
-    real = run_real(llm, workload, fn)
+    if clock is None:
+        clock = "cpu" if llm.device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
+    real = run_real(llm, workload, fn, clock=clock)
     sim = simulate(workload, cfg, step_model, record_batches=True, prompt_fn=fn)
     report = compare(real, workload, sim)
     report["device"] = str(llm.device)
     report["torch_threads"] = torch.get_num_threads()
+    report["clock"] = clock
     return report
