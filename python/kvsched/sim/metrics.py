@@ -8,7 +8,8 @@ computed again after a preemption), cached tokens (prompt tokens skipped thanks 
 Per run (:func:`summarize`): mean/p50/p90/p99 of each, request and token throughput, goodput under SLOs,
 preemptions, recomputed tokens, prefix-cache hit rate, KV usage; the same per tenant and per priority class;
 per-tenant service (tokens computed for the tenant's requests) over time windows, its share, and Jain's
-fairness index of weighted service per window over the tenants that were backlogged (had a request waiting).
+fairness index of weighted service per window over the tenants that were backlogged (on average at least one
+request waiting for admission during the window).
 """
 
 from __future__ import annotations
@@ -300,10 +301,10 @@ def summarize(
 
 
 def tenant_service(result: SimResult, window: float, records: RequestRecords) -> dict[str, Any]:
-    """Per window and tenant: tokens computed (``service``), whether the tenant was backlogged (``active``: one
-    of its requests waited for admission during the window), and Jain's index of ``service / weight`` over the
-    backlogged tenants (``jain``; NaN where fewer than two were backlogged: fairness is only at stake when
-    tenants compete)."""
+    """Per window and tenant: tokens computed (``service``), the mean number of the tenant's requests waiting
+    for admission (``queue``), whether it was backlogged (``backlogged``: ``queue >= 1``, at least one request
+    waiting on average), and Jain's index of ``service / weight`` over the backlogged tenants (``jain``; NaN
+    where fewer than two were backlogged: fairness is only at stake when tenants compete for the engine)."""
     w = result.workload
     nt = w.num_tenants
     end_time = max(result.end_time, 1e-12)
@@ -314,22 +315,32 @@ def tenant_service(result: SimResult, window: float, records: RequestRecords) ->
     ten = w.tenant[result.sched_idx.astype(np.int64)]
     flat = np.bincount(win_of * nt + ten, weights=result.sched_num_tokens, minlength=nwin * nt)
     service = flat.reshape(nwin, nt)
-    # A tenant is backlogged in a window if one of its requests waited for admission during it: a difference
-    # array over windows, +1 in the window it arrives, -1 after the window it is first scheduled in.
-    done = np.where(np.isfinite(records.first_scheduled_time), records.first_scheduled_time, end_time)
+    # Queue-seconds: the integral of "requests waiting" over each window, from each request's wait
+    # [arrival, first scheduled). F(T) = sum over requests of the part of its wait before T.
     added = records.added
-    first_w = np.minimum((w.arrival_time / window).astype(np.int64), nwin - 1)[added]
-    last_w = np.minimum((done / window).astype(np.int64), nwin - 1)[added]
+    start = w.arrival_time[added]
+    stop = np.where(np.isfinite(records.first_scheduled_time), records.first_scheduled_time, end_time)[added]
     ten_a = w.tenant[added]
-    diff = np.zeros((nwin + 1, nt), dtype=np.int64)
-    np.add.at(diff, (first_w, ten_a), 1)
-    np.add.at(diff, (last_w + 1, ten_a), -1)
-    active = np.cumsum(diff, axis=0)[:nwin] > 0
+    bounds = np.arange(nwin + 1, dtype=np.float64) * window
+    queue = np.zeros((nwin, nt))
+    for i in range(nt):
+        mask = ten_a == i
+        a, b = start[mask], stop[mask]
+        f = np.array([float(np.clip(np.minimum(b, t) - a, 0.0, None).sum()) for t in bounds])
+        queue[:, i] = np.diff(f) / window
+    backlogged = queue >= 1.0
     weights = np.asarray(w.tenant_weights, dtype=np.float64)
     jain = np.array(
         [
-            jain_index(service[k, active[k]] / weights[active[k]]) if active[k].sum() >= 2 else math.nan
+            jain_index(service[k, backlogged[k]] / weights[backlogged[k]]) if backlogged[k].sum() >= 2 else math.nan
             for k in range(nwin)
         ]
     )
-    return {"window": window, "time": np.arange(nwin) * window, "service": service, "active": active, "jain": jain}
+    return {
+        "window": window,
+        "time": np.arange(nwin) * window,
+        "service": service,
+        "queue": queue,
+        "backlogged": backlogged,
+        "jain": jain,
+    }

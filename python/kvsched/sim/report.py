@@ -6,7 +6,8 @@ Files written by :func:`write_outputs` into the output directory:
 - ``summary.csv``: one row per run (latency percentiles, throughput, goodput, preemptions, ...);
 - ``tenants.csv`` / ``priorities.csv``: one row per run and tenant / priority class;
 - ``timeseries.csv``: running, waiting, KV usage, preemptions over time, per run;
-- ``tenant_service.csv``: tokens computed per tenant per window, whether it was active, Jain's index;
+- ``tenant_service.csv``: tokens computed per tenant per window, its mean number of waiting requests, whether it
+  was backlogged (>= 1 waiting on average), Jain's index of weighted service over the backlogged tenants;
 - ``ttft_cdf.csv``: TTFT quantiles (the CDF figure), per run;
 - ``requests_<run>.csv`` (``per_request=True``): one row per request.
 """
@@ -266,12 +267,20 @@ def write_outputs(
         for k, t0 in enumerate(np.asarray(svc["time"]).tolist()):
             for i, name in enumerate(names):
                 svc_rows.append(
-                    [r.run_id, t0, name, float(svc["service"][k, i]), bool(svc["active"][k, i]), float(svc["jain"][k])]
+                    [
+                        r.run_id,
+                        t0,
+                        name,
+                        float(svc["service"][k, i]),
+                        float(svc["queue"][k, i]),
+                        bool(svc["backlogged"][k, i]),
+                        float(svc["jain"][k]),
+                    ]
                 )
     paths.append(
         _write_csv(
             out / "tenant_service.csv",
-            ("run_id", "window_start", "tenant", "service_tokens", "active", "jain"),
+            ("run_id", "window_start", "tenant", "service_tokens", "mean_waiting", "backlogged", "jain"),
             svc_rows,
         )
     )
