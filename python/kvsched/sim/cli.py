@@ -188,6 +188,11 @@ def _validate(
         for stat in ("mean", "p50", "p90", "p99"):
             r, s = report[name]["real"][stat], report[name]["sim"][stat]
             print(f"{name + ' ' + stat:10} {r:9.4f} {s:9.4f} {100 * report[name]['rel_error'][stat]:+6.1f}%")
+    for kind, v in report.get("step_model_on_real_steps", {}).items():
+        print(
+            f"real steps ({kind}): {v['num_steps']}, measured mean {1000 * v['measured_mean']:.2f} ms, "
+            f"model on the same steps {1000 * v['predicted_mean']:.2f} ms"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "validate.json"
     doc = {"argv": sys.argv, "step_model": step_model.to_dict(), "config": config, **report}

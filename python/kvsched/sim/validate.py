@@ -39,6 +39,9 @@ class RealRun:
         self.finish = np.full(n, np.nan)
         self.batches: list[Batch] = []
         self.step_times: list[float] = []
+        # Each step's composition as the simulator measures it: prefill tokens, prefill requests, decode
+        # requests, KV tokens, prefill pairs.
+        self.features: list[tuple[int, int, int, int, float]] = []
         self.wall_s = 0.0
 
 
@@ -75,9 +78,12 @@ def run_real(
 
     ``clock="wall"``: real time; the loop sleeps until the next arrival when idle. ``clock="cpu"``: a clock that
     advances by the CPU time each step takes on this thread (and jumps to the next arrival when idle), so that
-    other processes on a shared machine do not distort the measurement (CPU device, torch single-threaded)."""
+    other processes on a shared machine do not distort the measurement (CPU device, torch single-threaded).
+    Adding a request (``LLM.add_request``) is not charged to the virtual clock: a server ingests requests off
+    the step loop, and the simulator does not charge it either."""
     from ..engine import SamplingParams
     from .calibrate import clock_fn
+    from .steptime import step_features
 
     tick = clock_fn(clock)
     virtual = clock == "cpu"
@@ -88,16 +94,21 @@ def run_real(
     prompts = [prompt_fn(i) for i in range(n)]
     real = RealRun(n)
     idx_of = {f"r{i}": i for i in range(n)}
+    known = np.zeros(n, dtype=np.int64)  # prompt + outputs so far
     i = 0
     wall0 = time.monotonic()
     t0 = tick()
     offset = 0.0  # virtual clock: idle time skipped to reach the next arrival
     while i < n or llm.has_unfinished_requests():
         now = tick() - t0 + offset
+        a0 = tick()
         while i < n and arrival[i] <= now:
             params = SamplingParams(max_tokens=int(workload.output_len[i]), temperature=0.0, ignore_eos=True)
             llm.add_request(prompts[i].tolist(), params, request_id=f"r{i}")
+            known[i] = len(prompts[i])
             i += 1
+        if virtual:
+            offset -= tick() - a0
         if not llm.has_unfinished_requests():
             if virtual:
                 offset += max(0.0, arrival[i] - now)
@@ -110,12 +121,15 @@ def run_real(
         res = sched.update_from_output(out, sampled)
         finished = llm._postprocess(out, sampled, res)
         s1 = tick() - t0 + offset
-        if out.req_ids:
-            real.batches.append(
-                (tuple(idx_of[r] for r in out.req_ids), tuple(np.asarray(out.num_scheduled_tokens).tolist()))
-            )
-            real.step_times.append(s1 - s0)
         got = np.asarray(res.num_new_tokens)
+        if out.req_ids:
+            idx = np.fromiter((idx_of[r] for r in out.req_ids), np.int64, len(out.req_ids))
+            nst = np.asarray(out.num_scheduled_tokens)
+            nct = np.asarray(out.num_computed_tokens)
+            real.batches.append((tuple(idx.tolist()), tuple(nst.tolist())))
+            real.step_times.append(s1 - s0)
+            real.features.append(step_features(nst, nct, nct == known[idx] - 1))
+            known[idx] += got
         for k in np.flatnonzero(got).tolist():
             j = idx_of[out.req_ids[k]]
             if np.isnan(real.first_token[j]):
@@ -127,7 +141,8 @@ def run_real(
 
 
 def compare(real: RealRun, workload: Workload, sim_res: Any, *, time_scale: float = 1.0) -> dict[str, Any]:
-    """Batches (how many steps agree before the first difference) and TTFT/e2e percentiles, real vs simulated."""
+    """Batches (how many steps agree before the first difference), TTFT/e2e percentiles real vs simulated, and
+    the step-time model's error on the real run's own steps (their measured composition)."""
     sim_batches = sim_res.batches or []
     same = 0
     for a, b in zip(real.batches, sim_batches, strict=False):
@@ -149,6 +164,21 @@ def compare(real: RealRun, workload: Workload, sim_res: Any, *, time_scale: floa
         "real_step_time_mean": float(np.mean(real.step_times)) if real.step_times else float("nan"),
         "sim_step_time_mean": float(sim_res.step_time.mean()) if sim_res.num_steps else float("nan"),
     }
+    if real.features:
+        f = np.asarray(real.features, dtype=np.float64)
+        feats = np.column_stack([np.ones(len(f)), f, np.zeros(len(f))])
+        pred = sim_res.step_model.predict(feats)
+        meas = np.asarray(real.step_times)
+        has_prefill = f[:, 1] > 0
+        kinds = {"all": np.ones(len(f), dtype=np.bool_), "with_prefill": has_prefill, "decode_only": ~has_prefill}
+        out["step_model_on_real_steps"] = {
+            k: {
+                "num_steps": int(m.sum()),
+                "measured_mean": float(meas[m].mean()) if m.any() else float("nan"),
+                "predicted_mean": float(pred[m].mean()) if m.any() else float("nan"),
+            }
+            for k, m in kinds.items()
+        }
     for name, r, s in (("ttft", real_ttft, rec.ttft), ("e2e", real_e2e, rec.e2e)):
         pr, ps = percentiles(r), percentiles(s)
         out[name] = {
