@@ -91,3 +91,22 @@ def test_timed_steps_of_the_real_engine_have_the_simulator_composition(tmp_path:
     assert sum(s[1] for s in steps) == 140  # every prompt token once (no prefix cache hit between them)
     assert sum(s[3] for s in steps) == (3 - 1) + (5 - 1)  # decode steps after each request's first token
     assert all(s[0] > 0 for s in steps)
+
+
+def test_validate_cli_compares_real_and_simulated(tmp_path: Path) -> None:
+    import json
+
+    from kvsched.cli import main
+
+    path = tmp_path / "m"
+    save_tiny_hf_model(path, "llama", max_position_embeddings=512)
+    out = tmp_path / "out"
+    argv = ["simulate", "--validate", "--model", str(path), "--step-model", "llama-3.2-1b-h100",
+            "--num-requests", "6", "--rate", "50", "--prompt-len", "uniform:8:64", "--output-len", "uniform:2:8",
+            "--set", "max_model_len=512", "--set", "num_blocks=200", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((out / "validate.json").read_text())
+    assert report["num_requests"] == 6 and report["real_steps"] > 0 and report["sim_steps"] > 0
+    assert report["ttft"]["real"]["p50"] > 0 and report["e2e"]["sim"]["p50"] > 0
+    steps = report["step_model_on_real_steps"]["all"]
+    assert steps["num_steps"] == report["real_steps"] and steps["predicted_mean"] > 0

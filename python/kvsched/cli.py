@@ -197,8 +197,9 @@ def _add_simulate_parser(subparsers: Any) -> None:
     c.add_argument(
         "--validate",
         action="store_true",
-        help="run the workload through kvsched.LLM on --model and through the simulator (--step-model); "
-        "compare batches and TTFT/e2e percentiles, write --out/validate.json",
+        help="run the workload through kvsched.LLM on --model and through the simulator (--step-model; "
+        "'--step-model calibrate' calibrates on the same engine first); compare batches and TTFT/e2e "
+        "percentiles, write --out/validate.json",
     )
     c.add_argument(
         "--clock",

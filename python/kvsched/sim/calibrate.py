@@ -211,6 +211,25 @@ def calibrate(
         enable_prefix_caching=False,  # every prompt token is computed, so prefill timings are real
         seed=seed,
     )
+    label = os.path.basename(os.path.normpath(os.fspath(model))) if isinstance(model, (str, os.PathLike)) else "random"
+    return calibrate_llm(llm, quick=quick, progress=progress, repeats=repeats, seed=seed, clock=clock, label=label)
+
+
+def calibrate_llm(
+    llm: Any,
+    *,
+    quick: bool = False,
+    progress: bool = False,
+    repeats: int = 2,
+    seed: int = 0,
+    clock: str | None = None,
+    label: str = "model",
+) -> tuple[StepTimeModel, dict[str, Any]]:
+    """:func:`calibrate` on an existing :class:`kvsched.LLM` (its scheduler config decides batch limits)."""
+    import torch
+
+    block_size = int(llm.scheduler.config.block_size)
+    max_num_seqs = int(llm.scheduler.config.max_num_seqs)
     if clock is None:
         clock = "cpu" if llm.device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
     rng = np.random.default_rng(seed)
@@ -238,7 +257,6 @@ def calibrate(
         if bar is not None:
             bar.close()
     where = str(llm.device)
-    label = os.path.basename(os.path.normpath(os.fspath(model))) if isinstance(model, (str, os.PathLike)) else "random"
     source = (
         f"calibrated on this machine ({where}, torch {torch.__version__}, dtype {llm.dtype}, {clock} clock) from "
         f"{len(steps)} timed steps of kvsched.LLM on {label}"

@@ -54,7 +54,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _calibrate(args)
 
     try:
-        step_model = load_step_time_model(args.step_model or DEFAULT_PRESET)
+        calibrate_first = args.validate and args.step_model == "calibrate"
+        step_model = load_step_time_model(DEFAULT_PRESET if calibrate_first else (args.step_model or DEFAULT_PRESET))
     except ValueError as exc:
         return _err(str(exc))
     try:
@@ -177,7 +178,8 @@ def _validate(
         from .validate import validate
     except ImportError as exc:
         return _err(f"--validate needs the torch extra (pip install 'kvsched[torch]'): {exc}")
-    report = validate(args.model, w, config, step_model, device=args.device or "cpu", clock=args.clock)
+    model = None if args.step_model == "calibrate" else step_model
+    report = validate(args.model, w, config, model, device=args.device or "cpu", clock=args.clock)
     print(f"{report['num_requests']} requests, {report['real_steps']} real steps, {report['sim_steps']} simulated")
     print(
         f"batches identical: {report['batches_identical']} "
@@ -195,7 +197,7 @@ def _validate(
         )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "validate.json"
-    doc = {"argv": sys.argv, "step_model": step_model.to_dict(), "config": config, **report}
+    doc = {"argv": sys.argv, "config": config, **report}
     path.write_text(json.dumps(_json_safe(doc), indent=1) + "\n", encoding="utf-8")
     print(f"wrote {path}")
     return 0

@@ -193,14 +193,17 @@ def validate(
     model: str | os.PathLike[str],
     workload: Workload,
     config: SchedulerConfig | dict[str, Any],
-    step_model: StepTimeModel,
+    step_model: StepTimeModel | None,
     *,
     device: str = "cpu",
     num_threads: int | None = 1,
     seed: int = 0,
     clock: str | None = None,
 ) -> dict[str, Any]:
-    """Run ``workload`` through :class:`kvsched.LLM` on ``model`` and through the simulator; compare."""
+    """Run ``workload`` through :class:`kvsched.LLM` on ``model`` and through the simulator; compare.
+
+    ``step_model=None`` calibrates one first, on the same engine instance just before the real run (so both
+    see the same machine state; see :func:`kvsched.sim.calibrate.calibrate_llm`)."""
     import torch
 
     from ..engine import LLM, SamplingParams
@@ -215,13 +218,21 @@ def validate(
     rng = np.random.default_rng(seed + 1)
     warm = [rng.integers(3, vocab, size=48).tolist() for _ in range(4)]
     llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    llm.scheduler.reset_prefix_cache()
     if clock is None:
         clock = "cpu" if llm.device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
+    fit: dict[str, Any] | None = None
+    if step_model is None:
+        from .calibrate import calibrate_llm
+
+        step_model, fit = calibrate_llm(llm, seed=seed, clock=clock, label=os.path.basename(os.fspath(model)))
+    llm.scheduler.reset_prefix_cache()
     real = run_real(llm, workload, fn, clock=clock)
     sim = simulate(workload, cfg, step_model, record_batches=True, prompt_fn=fn)
     report = compare(real, workload, sim)
     report["device"] = str(llm.device)
     report["torch_threads"] = torch.get_num_threads()
     report["clock"] = clock
+    report["step_model"] = step_model.to_dict()
+    if fit is not None:
+        report["calibration"] = fit
     return report
