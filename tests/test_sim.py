@@ -445,3 +445,18 @@ def test_jain_index_covers_backlogged_tenants_under_overload() -> None:
         assert svc["jain"][k] == pytest.approx(jain_index(svc["service"][k, b] / weights[b]))
     assert s["fairness"]["jain_mean"] == pytest.approx(svc["jain"][finite].mean())
     assert 0 < s["fairness"]["jain_min"] <= s["fairness"]["jain_mean"] <= 1
+
+
+@pytest.mark.skipif("fair" not in POLICIES, reason="this build has no fair-share policy")
+def test_fair_policy_gets_tenants_and_their_weights() -> None:
+    w = generate_workload(_spec(rate=40.0, duration=4.0))
+    res = simulate(w, {**TIGHT, "policy": "fair"}, MODEL)
+    assert res.extra["tenant_passed"]
+    assert dict(res.config.tenant_weights) == {"a": 1.0, "b": 2.0, "c": 1.0}
+    rec = request_records(res)
+    assert rec.finished.all()
+    # The heavy tenant a waits longest under fair share; under FCFS every tenant waits alike.
+    fcfs = request_records(simulate(w, TIGHT, MODEL))
+    fair_a, fair_c = (np.median(rec.queue_delay[rec.tenant == i]) for i in (0, 2))
+    assert fair_a > fair_c
+    assert np.median(fcfs.queue_delay[fcfs.tenant == 2]) > fair_c
