@@ -133,8 +133,12 @@ def plot_sweep(runs: Sequence[RunOutput], out_dir: str | Path, *, title: str = "
     # Per-tenant service over time, one panel per run at the top rate.
     n = len(top)
     if n:
-        fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.2), squeeze=False)
-        for ax, r in zip(axes[0], top, strict=True):
+        ncols = min(n, 3)
+        nrows = -(-n // ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
+        for ax in axes.flat[n:]:
+            ax.set_visible(False)
+        for ax, r in zip(axes.flat, top, strict=False):
             svc = r.service
             t = np.asarray(svc["time"])
             w = float(svc["window"])
