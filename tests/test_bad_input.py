@@ -99,6 +99,14 @@ def setup_gone() -> Ctx:
     return ctx
 
 
+def setup_async() -> Ctx:
+    """Async scheduling with one draft slot: run's prefill step is in flight."""
+    s = Scheduler(**{**CONFIG, "async_scheduling": True, "num_lookahead_tokens": 1})
+    s.add_request("run", [1, 2, 3, 4, 5], max_tokens=20)
+    out = s.schedule()
+    return Ctx(s, [(out, [[7]])])
+
+
 def setup_lookahead() -> Ctx:
     return setup_in_flight(num_lookahead_tokens=2)
 
@@ -382,6 +390,21 @@ CASES = [
     Case("request-info-unknown", lambda c: c.s._request_info("nope"), UnknownRequestError, "nope"),
     Case("get-status-int-id", lambda c: c.s.get_request_status(3), SchedulerTypeError, "int"),
     Case("probe-negative-token", lambda c: c.s.get_num_cached_tokens([1, -1]), InvalidRequestError, "-1"),
+    # --- pause states, grammar wait, placeholders, forced reset, async drafts --------------------------------
+    Case("pause-unknown-state", lambda c: c.s.set_pause_state("paused"), InvalidRequestError, "paused"),
+    Case("pause-int-state", lambda c: c.s.set_pause_state(2), SchedulerTypeError, "int"),
+    Case("set-ready-unknown", lambda c: c.s.set_ready("nope"), UnknownRequestError, "nope"),
+    Case("set-ready-int-id", lambda c: c.s.set_ready(3), SchedulerTypeError, "int"),
+    Case("placeholders-unknown", lambda c: c.s.get_num_output_placeholders("nope"), UnknownRequestError, "nope"),
+    Case("reset-running-str", lambda c: c.s.reset_prefix_cache("yes"), SchedulerTypeError, "str"),
+    Case("add-ready-int", lambda c: c.s.add_request("y", [1], ready=1), SchedulerTypeError, "int"),
+    Case(
+        "async-drafts-refused",
+        lambda c: c.s.update_from_output(c.pending[0][0], c.pending[0][1], [[1]]),
+        InvalidOutputError,
+        "async_scheduling",
+        lambda: setup_async(),
+    ),
     Case("probe-str", lambda c: c.s.get_num_cached_tokens("abc"), SchedulerTypeError, "str"),
     # --- configs (the Python checks) ---------------------------------------------------------------------
     Case("config-block-size-0", cfg(block_size=0), InvalidConfigError, "got 0"),
@@ -406,6 +429,11 @@ CASES = [
     Case("config-negative-lookahead", cfg(num_lookahead_tokens=-1), InvalidConfigError, "got -1"),
     Case("config-int-caching-flag", cfg(enable_prefix_caching=1), InvalidConfigError, "1"),
     Case("config-str-full-isl-flag", cfg(scheduler_reserve_full_isl="yes"), InvalidConfigError, "'yes'"),
+    Case("config-int-async-flag", cfg(async_scheduling=1), InvalidConfigError, "1"),
+    Case("config-negative-max-loras", cfg(max_loras=-1), InvalidConfigError, "got -1"),
+    Case("config-watermark-1", cfg(watermark=1.0), InvalidConfigError, "1.0"),
+    Case("config-watermark-str", cfg(watermark="0.1"), InvalidConfigError, "'0.1'"),
+    Case("config-watermark-nan", cfg(watermark=float("nan")), InvalidConfigError, "nan"),
     Case(
         "config-object-and-fields",
         new(SchedulerConfig(), block_size=4),
@@ -446,6 +474,9 @@ CASES = [
     Case("core-negative-threshold", new(bypass(long_prefill_token_threshold=-1)), InvalidConfigError, "-1"),
     Case("core-bool-block-size", new(bypass(block_size=True)), SchedulerTypeError, "bool"),
     Case("core-int-full-isl-flag", new(bypass(scheduler_reserve_full_isl=1)), InvalidConfigError, "1"),
+    Case("core-watermark-1", new(bypass(watermark=1.0)), InvalidConfigError, "watermark"),
+    Case("core-watermark-bool", new(bypass(watermark=True)), InvalidConfigError, "watermark"),
+    Case("core-negative-max-loras", new(bypass(max_loras=-1)), InvalidConfigError, "-1"),
     Case(
         "core-window-with-fair", new(bypass(cache_aware_admission_window=4, policy="fair")), InvalidConfigError, "fcfs"
     ),

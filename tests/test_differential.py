@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import entry_sizes, requires_rust
+from conftest import requires_rust
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvsched import SchedulerConfig, SchedulerError
+from kvsched import RequestStatus, SchedulerConfig, SchedulerError
 from kvsched.reference import ReferenceScheduler
 
 pytestmark = requires_rust
@@ -150,10 +150,12 @@ class Twin:
             kw["priority"] = r.int(-2, 2)
         if r.chance(0.2):
             kw["cache_salt"] = r.choice(["s1", "s2"])
-        if r.chance(0.1):
-            kw["lora_name"] = "L1"
+        if r.chance(0.15):
+            kw["lora_name"] = r.choice(["L1", "L2", "L3"])
         if self.cfg.policy == "fair" or r.chance(0.2):
             kw["tenant"] = r.choice(TENANTS)
+        if r.chance(0.15):
+            kw["ready"] = False  # waits for its grammar until set_ready
         self.clock += r.choice([0.0, 1.0, 0.5])  # ties in arrival time happen
         kw["arrival_time"] = self.clock
         if r.chance(0.1):  # one bad argument (and a fresh id): both must reject it the same way
@@ -185,7 +187,8 @@ class Twin:
         self.log.append("schedule")
         a, b = self.ref.schedule(), self.rs.schedule()
         compare_outputs(a, b)
-        sizes = entry_sizes(self.ref, a, self.prompt_lens)
+        # None for a prefill chunk (its entry must be empty), else the most tokens it may carry
+        sizes: list[int | None] = [None if chunk else 1 + nd for _, chunk, nd in a._entries]
         if self.rand.chance(0.3):
             self.compare_inputs(a, b)
         self.pending.append((a, b, sizes))
@@ -209,15 +212,18 @@ class Twin:
         look = self.cfg.num_lookahead_tokens
         sampled = [[] if s is None else [r.int(0, VOCAB - 1) for _ in range(r.int(1, s))] for s in sizes]
         drafts = None
-        if look and r.chance(0.8):
+        if look and r.chance(0.8) and (not self.cfg.async_scheduling or r.chance(0.05)):  # async: refused
             drafts = [[] if s is None else [r.int(0, VOCAB - 1) for _ in range(r.int(0, look))] for s in sizes]
         if sizes and r.chance(0.1) and self.bad_update(a, b, sampled, drafts):
             return None  # the "malformed" update was valid after all (its request is gone)
         as_arrays = r.chance(0.5)
         self.log.append(f"update step {a.step_id} sampled={sampled} drafts={drafts}")
-        ra, rb, _ = call_both(lambda: self.ref.update_from_output(a, sampled, drafts),
-                           lambda: self.rs.update_from_output(b, ragged(sampled, as_arrays),
-                                                              ragged(drafts, as_arrays)))  # fmt: skip
+        ra, rb, failed = call_both(lambda: self.ref.update_from_output(a, sampled, drafts),
+                                   lambda: self.rs.update_from_output(b, ragged(sampled, as_arrays),
+                                                                      ragged(drafts, as_arrays)))  # fmt: skip
+        if failed:  # drafts under async scheduling: both refuse, nothing changed; the step stays pending
+            assert self.cfg.async_scheduling and drafts is not None
+            return None
         compare_results(ra, rb)
         self.pending.popleft()
         return None
@@ -273,12 +279,27 @@ class Twin:
                   lambda: self.rs.set_tenant_weight(tenant, weight))  # fmt: skip
 
     def op_reset(self) -> None:
-        self.log.append("reset_prefix_cache")
-        assert self.ref.reset_prefix_cache() == self.rs.reset_prefix_cache()
+        running = self.rand.chance(0.3)
+        self.log.append(f"reset_prefix_cache(reset_running_requests={running})")
+        assert self.ref.reset_prefix_cache(running) == self.rs.reset_prefix_cache(running)
+
+    def op_pause(self) -> None:
+        r = self.rand
+        state = "unpaused" if self.ref.pause_state != "unpaused" and r.chance(0.6) else r.choice(
+            ["unpaused", "paused_new", "paused_all", "paused"]  # the last is refused by both
+        )  # fmt: skip
+        self.log.append(f"set_pause_state({state!r})")
+        call_both(lambda: self.ref.set_pause_state(state), lambda: self.rs.set_pause_state(state))
+
+    def op_ready(self) -> None:
+        ids = self.live_ids()
+        rid = self.rand.choice(ids) if ids and self.rand.chance(0.9) else "nope"
+        self.log.append(f"set_ready({rid!r})")
+        call_both(lambda: self.ref.set_ready(rid), lambda: self.rs.set_ready(rid))
 
     def step(self) -> None:
-        ops = [self.op_add] * 3 + [self.op_schedule] * 4 + [self.op_update] * 4
-        self.rand.choice([*ops, self.op_abort, self.op_probe, self.op_reset, self.op_weight])()
+        ops = [self.op_add] * 3 + [self.op_schedule] * 4 + [self.op_update] * 4 + [self.op_ready] * 2
+        self.rand.choice([*ops, self.op_abort, self.op_probe, self.op_reset, self.op_weight, self.op_pause])()
         self.check()
 
     # -- comparison of the whole observable state --------------------------------------------------------
@@ -296,6 +317,7 @@ class Twin:
         assert self.ref.waiting_req_ids() == list(self.rs.waiting_req_ids())  # fair: at the current counters
         assert self.ref.running_req_ids() == list(self.rs.running_req_ids())
         assert self.ref.num_free_blocks == self.rs.num_free_blocks
+        assert self.ref.pause_state == self.rs.pause_state
         assert self.ref.num_unfinished_requests == self.rs.num_unfinished_requests
         assert self.ref.has_unfinished_requests() == self.rs.has_unfinished_requests()
         ids = self.live_ids()
@@ -303,6 +325,7 @@ class Twin:
         for rid in ids:
             assert self.ref.get_request_status(rid) == self.rs.get_request_status(rid), rid
             assert self.ref.get_num_computed_tokens(rid) == self.rs.get_num_computed_tokens(rid), rid
+            assert self.ref.get_num_output_placeholders(rid) == self.rs.get_num_output_placeholders(rid), rid
             assert self.ref.get_output_token_ids(rid) == list(self.rs.get_output_token_ids(rid)), rid
             assert_arrays_equal(self.ref.get_block_ids(rid), self.rs.get_block_ids(rid), f"blocks of {rid}")
             hashes_a.append(self.ref.get_block_hashes(rid))
@@ -312,7 +335,12 @@ class Twin:
         assert all(isinstance(h, bytes) and len(h) == width for row in hashes_b for h in row)
 
     def drain(self) -> None:
-        """Apply every pending step and run until no request is left (bounded)."""
+        """Unpause, release every grammar, apply every pending step and run until no request is left."""
+        self.ref.set_pause_state("unpaused")
+        self.rs.set_pause_state("unpaused")
+        for rid in self.live_ids():
+            self.ref.set_ready(rid)
+            self.rs.set_ready(rid)
         for _ in range(2000):
             if not self.pending and not self.ref.has_unfinished_requests():
                 return
@@ -364,6 +392,9 @@ def configs(draw: Any) -> SchedulerConfig:
         fair_prefill_weight=draw(st.sampled_from([1.0, 0.0, 0.3])),
         fair_decode_weight=draw(st.sampled_from([2.0, 1.0, 0.7])),
         priority_aging_steps=draw(st.sampled_from([0, 1, 4])) if policy == "priority" else 0,
+        async_scheduling=draw(st.booleans()),
+        max_loras=draw(st.sampled_from([0, 0, 1, 2])),
+        watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
     )
 
 
@@ -411,6 +442,8 @@ SOAK_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=13, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=48,
                     policy="priority", priority_aging_steps=3, long_prefill_token_threshold=8,
                     scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    num_lookahead_tokens=2, async_scheduling=True, max_loras=1, scheduler_reserve_full_isl=False),
 ]  # fmt: skip
 
 
@@ -629,18 +662,18 @@ def test_odd_calls_behave_the_same(method: str, args: tuple[Any, ...], kwargs: d
     assert pair[0].tenant_stats() == pair[1].tenant_stats()
 
 
-def test_rejected_drafts_of_a_request_preempted_and_resumed_in_flight_agree() -> None:
-    """semantics.md rolls back rejected drafts "if r is RUNNING", even when r was preempted and resumed after
-    its step was scheduled (so the rollback hits the resumed computation). Both implementations clamp at 0
-    (the literal rule would give -1 here). Pinned so a change of the rule updates both together."""
+def test_a_request_preempted_with_its_step_in_flight_waits_for_that_output() -> None:
+    """vLLM 0.33: a request preempted while one of its steps is in flight is not resumed until that output is
+    applied (`num_stale_output_tokens`, the skip in the waiting loop); the stale output is appended but rolls
+    nothing back (its rejected drafts predate the preemption). Both implementations agree step by step."""
     from kvsched import Scheduler
 
     seen = []
     for cls in (ReferenceScheduler, Scheduler):
         s = cls(
             block_size=4,
-            num_blocks=4,
-            max_model_len=12,
+            num_blocks=5,
+            max_model_len=16,
             max_num_batched_tokens=6,
             num_lookahead_tokens=3,
             policy="priority",
@@ -648,12 +681,13 @@ def test_rejected_drafts_of_a_request_preempted_and_resumed_in_flight_agree() ->
         )  # c is admitted for a chunk
         s.add_request("a", [1], priority=5, arrival_time=0.0)
         s.update_from_output(s.schedule(), [[2]], [[3, 3, 3]])
-        s.add_request("c", [4, 4, 4, 4, 4], priority=0, arrival_time=1.0)
-        o1 = s.schedule()  # a: 1 token + 3 drafts; c: 2 of 5
-        o2 = s.schedule()  # c needs a block: a (lowest priority) is preempted while o1 is in flight
-        o3 = s.schedule()  # a is resumed: 2 tokens computed
-        assert (o2.preempted_req_ids, o3.resumed_req_ids) == (["a"], ["a"])
-        s.update_from_output(o1, [[7], []])  # all 3 drafts rejected: 2 - 3 -> clamped to 0
-        seen.append((s.get_num_computed_tokens("a"), s.get_output_token_ids("a")))
+        s.add_request("c", [4] * 9, priority=0, arrival_time=1.0)
+        o1 = s.schedule()  # a: 1 token + 3 drafts; c: 2 of 9
+        o2 = s.schedule()  # c needs a 3rd block: a (lowest priority) is preempted while o1 is in flight
+        o3 = s.schedule()  # a is skipped (its o1 output is still in flight): only c
+        assert (o1.req_ids, o2.preempted_req_ids, o3.req_ids) == (["a", "c"], ["a"], ["c"])
+        assert s.stats().num_skipped_waiting_reqs == 1
+        s.update_from_output(o1, [[7], []])  # all 3 drafts rejected: nothing to roll back after the preemption
+        seen.append((s.get_num_computed_tokens("a"), s.get_output_token_ids("a"), s.get_request_status("a")))
         s.check_invariants()
-    assert seen[0] == seen[1] == (0, [2, 7])
+    assert seen[0] == seen[1] == (0, [2, 7], RequestStatus.PREEMPTED)

@@ -504,10 +504,13 @@ def test_hash_seed_fixes_the_chain_and_sha256_digests_are_32_bytes() -> None:
         ({"eos_token_id": 2}, [5, 2], FinishReason.STOP, -1, 2),
         ({"eos_token_id": 2, "ignore_eos": True, "max_tokens": 3}, [2, 2, 2], FinishReason.LENGTH, -1, 3),
         ({"stop_token_ids": [9, 11]}, [5, 11], FinishReason.STOP, 11, 2),
-        ({"eos_token_id": 2, "min_tokens": 3, "stop_token_ids": [9]}, [2, 9, 2], FinishReason.STOP, -1, 3),
+        # vLLM 0.33 check_stop: EOS and stop ids come before min_tokens (the sampler masks them until then)
+        ({"eos_token_id": 2, "min_tokens": 3, "stop_token_ids": [9]}, [2], FinishReason.STOP, -1, 1),
+        ({"eos_token_id": 2, "min_tokens": 3, "stop_token_ids": [9]}, [5, 9], FinishReason.STOP, 9, 2),
         ({"eos_token_id": 9, "stop_token_ids": [9]}, [9], FinishReason.STOP, -1, 1),  # EOS is checked first
         ({"max_tokens": 2}, [5, 5], FinishReason.LENGTH, -1, 2),
-        ({"max_tokens": 2, "min_tokens": 2, "stop_token_ids": [5]}, [5, 5], FinishReason.STOP, 5, 2),
+        ({"max_tokens": 2, "min_tokens": 2, "stop_token_ids": [5]}, [5], FinishReason.STOP, 5, 1),
+        ({"max_tokens": 2, "min_tokens": 2, "stop_token_ids": [5]}, [4, 4], FinishReason.LENGTH, -1, 2),
     ],
 )
 def test_stop_checks_run_in_order_after_each_token(kw, tokens, reason, stop_reason, num_outputs) -> None:
@@ -546,8 +549,8 @@ def test_drafts_are_scheduled_with_lookahead_and_rejected_ones_roll_back() -> No
     h = Harness(block_size=4, num_blocks=32, num_lookahead_tokens=3)
     h.add("a", prompt(3))
     out, _ = h.step(drafts=[[20, 21, 22]])
-    # phase B admits without lookahead: 3 slots -> 1 block
-    assert h_blocks_at(out, 0) == [1]
+    # vLLM 0.33: admissions reserve lookahead slots too: 3 + 3 slots -> 2 blocks
+    assert h_blocks_at(out, 0) == [1, 2]
     out = h.schedule()
     # 1 token + 3 drafts; slots 4 + 4 + 3 lookahead = 11 -> 3 blocks
     assert out.num_scheduled_tokens.tolist() == [4] and out.num_computed_tokens.tolist() == [3]
@@ -700,7 +703,7 @@ def test_stats_fields_and_values() -> None:
     h = Harness(block_size=4, num_blocks=11)
     st = h.s.stats()
     assert isinstance(st, SchedulerStats)
-    assert st == SchedulerStats(0, 0, 0.0, 10, 0, 0, 0, 0, 0, 0, 0)
+    assert st == SchedulerStats(0, 0, 0, 0.0, 10, 0, 0, 0, 0, 0, 0, 0)
     h.add("a", prompt(9))
     h.add("b", prompt(9))
     h.step()
@@ -857,3 +860,182 @@ def test_invariants_hold_through_a_long_tight_random_run() -> None:
             h.s.update_from_output(out, sampled, drafts)
             h.s.check_invariants()
         assert h.s.stats().num_preemptions > 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# vLLM 0.33 parity: async scheduling, in-flight steps, pause states, grammar wait, LoRA limit, watermark,
+# forced prefix-cache reset, spec-decode padding
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_async_scheduling_gives_a_decode_its_next_token_before_the_previous_one_is_applied() -> None:
+    """vLLM 0.33 AsyncScheduler._update_after_schedule: a non-chunk step leaves one output placeholder, so the
+    next schedule() (before update) computes the placeholder's position."""
+    h = Harness(block_size=4, num_blocks=32, max_model_len=64, async_scheduling=True)
+    h.add("a", prompt(5), max_tokens=3)
+    o1 = h.schedule()
+    assert o1.num_scheduled_tokens.tolist() == [5] and h.s.get_num_output_placeholders("a") == 1
+    o2 = h.schedule()  # o1 not applied yet: a still gets a token (position 5)
+    assert o2.num_scheduled_tokens.tolist() == [1] and o2.num_computed_tokens.tolist() == [5]
+    assert h.s.get_num_output_placeholders("a") == 2
+    assert h.s.prepare_model_inputs(o2).input_token_ids.tolist() == [-1]  # still being sampled
+    h.update(o1, {"a": [11]})  # two steps in flight at most, as vLLM's engine keeps them
+    assert h.s.get_num_output_placeholders("a") == 1
+    o3 = h.schedule()  # the steps in flight produce 2 of its 3 tokens: one more
+    assert o3.num_scheduled_tokens.tolist() == [1]
+    h.update(o2, {"a": [12]})
+    assert h.s.get_output_token_ids("a") == [11, 12] and h.s.get_num_output_placeholders("a") == 1
+    assert h.schedule().req_ids == []  # in flight: its last token (computed + 2 - ph >= prompt + max_tokens)
+    res = h.update(o3, {"a": [13]})
+    assert res.finished_req_ids == ["a"]
+
+
+def test_async_scheduling_schedules_placeholder_drafts_and_refuses_draft_ids() -> None:
+    """AsyncScheduler: spec_token_ids become num_spec_tokens placeholders (-1); drafts stay with the runner."""
+    h = Harness(block_size=4, num_blocks=32, max_model_len=64, async_scheduling=True, num_lookahead_tokens=2)
+    h.add("a", prompt(3), max_tokens=10)
+    o1 = h.schedule()
+    o2 = h.schedule()  # 1 token + 2 placeholder drafts
+    assert o2.num_scheduled_tokens.tolist() == [3] and o2.spec_token_ids.tolist() == [-1, -1]
+    assert h.s.get_num_output_placeholders("a") == 1 + 3
+    with pytest.raises(InvalidOutputError):
+        h.s.update_from_output(o1, [[TOK]], [[1, 2]])
+    h.update(o1)
+    h.update(o2, {"a": [TOK, 20]})  # 1 of 2 drafts accepted: computed and placeholders roll back by 1
+    assert h.s.get_num_output_placeholders("a") == 0
+    assert h.s.get_num_computed_tokens("a") == 3 + 3 - 1 and h.s.get_output_token_ids("a") == [TOK, TOK, 20]
+
+
+def test_a_request_preempted_with_a_step_in_flight_is_not_resumed_before_that_output() -> None:
+    """vLLM 0.33 _preempt_request: in-flight output becomes stale; the waiting loop skips the request (and
+    counts it as deferred) while `num_stale_output_tokens` > 0; the stale tokens are still delivered."""
+    h = Harness(block_size=4, num_blocks=5, max_num_batched_tokens=8, max_model_len=16, policy="priority",
+                scheduler_reserve_full_isl=False)  # fmt: skip
+    h.add("lo", prompt(3), max_tokens=8, priority=1)
+    h.step()  # lo: 4 tokens, 1 block
+    h.add("hi", prompt(13, 300), max_tokens=2, priority=0)
+    o1 = h.schedule()  # lo decodes (in flight), hi: 7 of 13 (2 blocks)
+    assert o1.num_scheduled_tokens_by_id() == {"lo": 1, "hi": 7}
+    o2 = h.schedule()  # hi's last 6 need 4 blocks: lo (priority 1) is preempted with o1 in flight
+    assert o2.preempted_req_ids == ["lo"] and o2.req_ids == ["hi"]
+    h.update(o1)  # lo's stale token is delivered: it stays waiting (no rollback, no resume yet)
+    assert h.s.get_output_token_ids("lo") == [TOK, TOK]
+    assert h.s.get_request_status("lo") == RequestStatus.PREEMPTED
+    h.update(o2)
+    resumed = [h.step()[0].resumed_req_ids for _ in range(3)]  # once hi is done, lo comes back
+    assert ["lo"] in resumed
+
+
+def test_stale_entries_skip_admission_and_count_as_skipped_waiting() -> None:
+    """vLLM 0.33 stats: num_skipped_waiting_reqs = len(deferred_waiting), num_waiting_reqs excludes them."""
+    h = Harness(block_size=4, num_blocks=5, max_num_batched_tokens=8, max_model_len=16, policy="priority",
+                scheduler_reserve_full_isl=False)  # fmt: skip
+    h.add("lo", prompt(3), max_tokens=8, priority=1)
+    h.step()
+    h.add("hi", prompt(13, 300), max_tokens=2, priority=0)
+    h.schedule()
+    h.schedule()  # lo preempted with a step in flight
+    out = h.schedule()  # lo is skipped: stale output pending
+    assert "lo" not in out.req_ids
+    st = h.s.stats()
+    assert (st.num_waiting_reqs, st.num_skipped_waiting_reqs) == (0, 1)
+
+
+def test_requests_waiting_for_a_grammar_are_skipped_and_keep_their_place() -> None:
+    """vLLM 0.33 WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR: skipped by the waiting loop (others pass it), deferred
+    from the start, promoted to WAITING only when an admission pass reaches it after the grammar is ready."""
+    h = Harness(block_size=4, num_blocks=32, max_model_len=64, max_num_seqs=2)
+    h.add("g", prompt(4), max_tokens=2, ready=False)
+    h.add("b", prompt(4, 300), max_tokens=2)
+    h.add("c", prompt(4, 400), max_tokens=2)
+    assert h.s.get_request_status("g") == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    assert (h.s.stats().num_waiting_reqs, h.s.stats().num_skipped_waiting_reqs) == (2, 1)
+    out, _ = h.step()
+    assert out.req_ids == ["b", "c"]
+    h.s.set_ready("g")
+    assert h.s.get_request_status("g") == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR  # until reached
+    h.s.set_ready("b")  # not waiting for a grammar: no effect
+    h.step()  # b and c finish (max_tokens=2); max_num_seqs=2 kept g out of this admission pass
+    out, _ = h.step()
+    assert out.new_req_ids == ["g"] and h.s.stats().num_skipped_waiting_reqs == 0
+    with pytest.raises(UnknownRequestError):
+        h.s.set_ready("nope")
+
+
+def test_paused_new_stops_admissions_and_paused_all_schedules_nothing() -> None:
+    """vLLM 0.33 PauseState: PAUSED_NEW admits nothing (the unfinished count is the running requests);
+    PAUSED_ALL schedules nothing (count 0) but the output still reports finished ids."""
+    h = Harness(block_size=4, num_blocks=32, max_model_len=64)
+    h.add("a", prompt(4), max_tokens=5)
+    h.step()
+    h.add("b", prompt(4, 300), max_tokens=5)
+    h.s.set_pause_state("paused_new")
+    assert h.s.pause_state == "paused_new" and h.s.num_unfinished_requests == 1
+    out, _ = h.step()
+    assert out.req_ids == ["a"]
+    h.s.abort_requests(["a"])
+    h.s.set_pause_state("paused_all")
+    assert h.s.num_unfinished_requests == 0 and not h.s.has_unfinished_requests()
+    out = h.schedule()
+    assert out.req_ids == [] and out.finished_req_ids == ["a"] and out.step_id == 2
+    h.update(out)
+    h.s.set_pause_state("unpaused")
+    assert h.step()[0].req_ids == ["b"]
+    with pytest.raises(InvalidRequestError):
+        h.s.set_pause_state("paused")
+    with pytest.raises(SchedulerTypeError):
+        h.s.set_pause_state(1)
+
+
+def test_reset_prefix_cache_with_running_requests_preempts_them_from_the_tail() -> None:
+    """vLLM 0.33 reset_prefix_cache(reset_running_requests=True): pop running from the tail into the front of
+    waiting (they resume in order), drop their in-flight output, then the reset succeeds."""
+    h = Harness(block_size=4, num_blocks=32, max_model_len=64)
+    for rid in ("a", "b", "c"):
+        h.add(rid, prompt(6, 100 * len(h.prompt_lens)), max_tokens=9)
+    h.step()
+    o = h.schedule()  # in flight while the cache is reset
+    assert h.s.reset_prefix_cache() is False
+    assert h.s.reset_prefix_cache(reset_running_requests=True) is True
+    assert h.s.num_free_blocks == 31 and h.s.get_num_cached_tokens(prompt(6)) == 0
+    assert h.s.stats().num_preemptions == 3
+    res = h.update(o)  # the in-flight output is dropped
+    assert res.num_new_tokens.tolist() == [0, 0, 0] and h.s.get_output_token_ids("a") == [TOK]
+    out = h.schedule()
+    assert out.preempted_req_ids == ["c", "b", "a"] and out.resumed_req_ids == ["a", "b", "c"]
+
+
+def test_max_loras_skips_an_admission_that_would_add_an_adapter() -> None:
+    """vLLM 0.33: with max_loras distinct adapters among running requests, a request needing another one is
+    skipped (requests behind it, base model or a present adapter, may pass)."""
+    h = Harness(block_size=4, num_blocks=32, max_model_len=64, max_loras=1)
+    h.add("x", prompt(4), max_tokens=3, lora_name="L1")
+    h.add("y", prompt(4, 300), max_tokens=3, lora_name="L2")
+    h.add("z", prompt(4, 400), max_tokens=3)
+    h.add("w", prompt(4, 500), max_tokens=3, lora_name="L1")
+    out, _ = h.step()
+    assert out.req_ids == ["x", "z", "w"] and h.s.stats().num_skipped_waiting_reqs == 1
+
+
+def test_watermark_keeps_blocks_free_for_admissions_when_something_runs() -> None:
+    """vLLM 0.33 watermark: admissions leave int(watermark * num_blocks) blocks free, once a request runs."""
+    h = Harness(block_size=4, num_blocks=10, max_model_len=32, watermark=0.2)  # 2 blocks of headroom
+    h.add("a", prompt(16), max_tokens=1)  # 4 blocks: admitted (nothing runs yet, no watermark)
+    h.add("b", prompt(13, 300), max_tokens=1)  # 4 blocks: 5 free - 2 reserved = 3: waits
+    out = h.schedule()
+    assert out.req_ids == ["a"]
+
+
+def test_spec_decode_pads_an_admission_with_one_token_left() -> None:
+    """vLLM 0.33 pad_spec_decode: a request admitted with one token left to compute (its prefix all cached),
+    into a batch of decodes, gets num_lookahead_tokens placeholder drafts (1 + k tokens)."""
+    h = Harness(block_size=4, num_blocks=32, max_model_len=64, num_lookahead_tokens=2)
+    h.add("a", prompt(8), max_tokens=20)
+    h.step()  # a's 2 blocks are cached; a decodes from now on
+    h.add("c", [*prompt(8), TOK], max_tokens=5)  # 9 tokens, 8 of them hit: one left
+    out = h.schedule()
+    assert out.num_scheduled_tokens_by_id() == {"a": 1, "c": 3}
+    assert csr(out.spec_token_ids, out.spec_token_ids_indptr) == [[], [-1, -1]]
+    h.update(out, {"c": [TOK, 5]})  # the first placeholder "accepted", the second rejected
+    assert h.s.get_num_computed_tokens("c") == 8 + 3 - 1
+    assert h.s.get_output_token_ids("c") == [TOK, 5]

@@ -730,8 +730,8 @@ def test_priority_victim_on_a_full_tie_is_the_first_in_running_order():
     s.update_from_output(out, [[7], [7]])
     out = s.schedule()  # p needs a block: the victim is p itself (first on the tie)
     assert out.preempted_req_ids == ["p"]
-    # vLLM 0.33: under priority, a request that preempted itself does not end phase A; q, after it, still runs
-    # in the blocks p freed. Phase B does not run (a preemption happened), so p waits.
+    # vLLM 0.33: under PRIORITY the pass goes on after a request preempted itself (the rest rank higher and
+    # may fit in the blocks it freed); phase B does not run in a step that preempted
     assert out.req_ids == ["q"]
     assert s.get_request_status("p") == RequestStatus.PREEMPTED
 
@@ -773,15 +773,18 @@ def test_priority_admission_order_holds_one_at_a_time():
 # update_from_output
 
 
-def test_min_tokens_defers_eos_and_stop_tokens():
+def test_eos_and_stop_tokens_stop_even_before_min_tokens():
+    """vLLM 0.33 check_stop: EOS, then stop ids, then the length limits, and only then min_tokens (which defers
+    repetition detection alone): the sampler keeps EOS and stop ids out until min_tokens (kvsched's runner
+    masks them too)."""
     s = make()
-    s.add_request("r", prompt(0, 3), max_tokens=10, min_tokens=2, eos_token_id=2, stop_token_ids=[3])
-    _, res = step(s, tok=2)
-    assert res.finished_req_ids == []
-    _, res = step(s, tok=3)
-    assert res.finished_req_ids == ["r"]
-    assert res.finish_reasons.tolist() == [FinishReason.STOP]
-    assert res.stop_reasons.tolist() == [3]
+    s.add_request("e", prompt(0, 3), max_tokens=10, min_tokens=2, eos_token_id=2)
+    s.add_request("s", prompt(10, 3), max_tokens=10, min_tokens=2, stop_token_ids=[3])
+    out = s.schedule()
+    res = s.update_from_output(out, [[2], [3]])
+    assert res.finished_req_ids == ["e", "s"]
+    assert res.finish_reasons.tolist() == [FinishReason.STOP, FinishReason.STOP]
+    assert res.stop_reasons.tolist() == [-1, 3]
 
 
 def test_eos_stops_unless_ignore_eos():
@@ -886,11 +889,11 @@ def test_max_tokens_inside_a_speculative_entry_truncates_the_rest():
 def test_running_requests_reserve_lookahead_slots():
     s = make(num_lookahead_tokens=4, max_model_len=16, num_blocks=8)
     s.add_request("r", prompt(0, 4), max_tokens=11)
-    out = s.schedule()  # admission reserves no lookahead: 4 slots, 1 block
-    assert blocks_of(out, "r") == [1]
+    out = s.schedule()  # vLLM 0.33: admission reserves lookahead too: 4 + 4 slots, 2 blocks
+    assert blocks_of(out, "r") == [1, 2]
     s.update_from_output(out, [[7]])
     out = s.schedule()  # computed 4 + 1 new + 4 lookahead = 9 slots: 3 blocks
-    assert blocks_of(out, "r") == [2, 3]
+    assert blocks_of(out, "r") == [3]
     assert s.get_block_ids("r").tolist() == [1, 2, 3]
     for _ in range(8):
         s.update_from_output(out, [[7]])
@@ -1059,6 +1062,7 @@ def test_stats_report_every_counter():
     assert st == kvsched.SchedulerStats(
         num_running_reqs=0,
         num_waiting_reqs=0,
+        num_skipped_waiting_reqs=0,
         kv_cache_usage=0.0,
         num_free_blocks=4,
         prefix_cache_queries=0,

@@ -17,10 +17,12 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    # waiting for its structured-output grammar (vLLM's name); numbered last so the other codes keep their values
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = 6
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
 
 
 class FinishReason(enum.IntEnum):
@@ -39,7 +41,8 @@ class SchedulerStats:
     """A snapshot of a scheduler's counters, as ``stats()`` returns it (token counts for the prefix cache)."""
 
     num_running_reqs: int
-    num_waiting_reqs: int
+    num_waiting_reqs: int  # waiting requests not deferred (vLLM's num_waiting_reqs)
+    num_skipped_waiting_reqs: int  # skipped by an admission pass (or added blocked) and not admitted since
     kv_cache_usage: float
     num_free_blocks: int
     prefix_cache_queries: int

@@ -81,6 +81,9 @@ class SchedulerConfig:
     fair_prefill_weight: float = 1.0
     fair_decode_weight: float = 2.0
     priority_aging_steps: int = 0
+    async_scheduling: bool = False
+    max_loras: int = 0
+    watermark: float = 0.0
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -94,11 +97,21 @@ class SchedulerConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 2)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "scheduler_reserve_full_isl"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "scheduler_reserve_full_isl",
+            "async_scheduling",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)
+        _check_int("max_loras", self.max_loras, 0)
+        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
+            raise InvalidConfigError(f"watermark must be a float, got {self.watermark!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise InvalidConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.policy not in POLICIES:
             raise InvalidConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.prefix_hash_algo not in PREFIX_HASH_ALGOS:

@@ -211,10 +211,14 @@ class _Request:
         "block_hashes",
         "block_ids",
         "cache_salt",
+        "deferred",
         "drafts",
         "effective_priority",
+        "drop_stale_output",
         "eos_token_id",
+        "grammar_ready",
         "ignore_eos",
+        "is_prefill_chunk",
         "lora_name",
         "max_tokens",
         "min_tokens",
@@ -222,8 +226,11 @@ class _Request:
         "num_cached_tokens",
         "num_charged_prompt_tokens",
         "num_computed_tokens",
+        "num_in_flight_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_stale_output_tokens",
         "priority",
         "queue_seq",
         "req_id",
@@ -262,6 +269,14 @@ class _Request:
         self.num_cached_tokens = -1  # prefix-hit tokens at first admission
         self.queue_seq = -1  # identifies this request's live entry in the priority heap
         self.num_charged_prompt_tokens = 0  # prompt tokens charged to the tenant (recompute is free)
+        # in-flight bookkeeping (vLLM's Request fields of the same names)
+        self.num_output_placeholders = 0  # async: tokens in flight to be sampled
+        self.num_in_flight_tokens = 0  # tokens of scheduled steps not yet applied
+        self.num_stale_output_tokens = 0  # in-flight tokens from before a preemption
+        self.drop_stale_output = False
+        self.deferred = False  # skipped by an admission pass (or added blocked), not admitted since
+        self.grammar_ready = False
+        self.is_prefill_chunk = False  # its last scheduled step stopped short of its known tokens
 
     @property
     def num_tokens(self) -> int:
@@ -505,6 +520,8 @@ class ReferenceScheduler:
             else _FairQueue(self._tenants)
         )  # fmt: skip
         self._finished_since_schedule: list[str] = []
+        self._preempted_since_schedule: list[str] = []  # by reset_prefix_cache(reset_running_requests=True)
+        self._pause_state = "unpaused"
         self._owner = object()  # outputs carry it: an output of another scheduler is refused
         self._next_step_id = 0  # steps are numbered from 0; stats().step_id counts the steps scheduled
         self._next_update_step = 0
@@ -586,21 +603,36 @@ class ReferenceScheduler:
         r.block_ids = []
         r.num_cached_blocks = 0
 
-    def _full_sequence_fits(self, r: _Request, hits: list[int]) -> bool:
-        """Could the free blocks hold all of ``r``'s tokens (capped at max_model_len) beyond its hits?"""
+    def _full_sequence_fits(self, r: _Request, hits: list[int], reserved: int) -> bool:
+        """Could the free blocks hold all of ``r``'s tokens (capped at max_model_len) beyond its hits, and still
+        leave ``reserved`` (the watermark) free?"""
         full = min(r.num_tokens, self._config.max_model_len)
         need = max(0, math.ceil(full / self._bs) - len(r.block_ids) - len(hits))
         evictable_hits = sum(1 for b in hits if self._ref_cnt[b] == 0)
-        return need + evictable_hits <= len(self._free)
+        return need + evictable_hits + reserved <= len(self._free)
 
-    def _allocate_slots(self, r: _Request, n: int, hits: list[int], lookahead: int) -> list[int] | None:
-        """Reserve KV slots for ``n`` more tokens (+ lookahead): the new blocks, or None (nothing changed)."""
+    def _cache_blocks(self, r: _Request, num_tokens: int) -> None:
+        """Enter ``r``'s full blocks among its first ``num_tokens`` tokens into the cache map (if caching)."""
+        if not self._config.enable_prefix_caching:
+            return
+        num_full = min(num_tokens // self._bs, len(r.block_hashes), len(r.block_ids))
+        for i in range(r.num_cached_blocks, num_full):
+            b, h = r.block_ids[i], r.block_hashes[i]
+            self._block_hash[b] = h
+            self._cached.setdefault(h, {})[b] = None
+        r.num_cached_blocks = max(r.num_cached_blocks, num_full)
+
+    def _allocate_slots(
+        self, r: _Request, n: int, hits: list[int], lookahead: int, reserved: int = 0
+    ) -> list[int] | None:
+        """Reserve KV slots for ``n`` more tokens (+ lookahead), leaving ``reserved`` blocks free: the new
+        blocks, or None (nothing changed)."""
         c, bs = self._config, self._bs
         total_computed = r.num_computed_tokens + len(hits) * bs
         num_slots = min(total_computed + n + lookahead, c.max_model_len)
         need = max(0, math.ceil(num_slots / bs) - len(r.block_ids) - len(hits))
         evictable_hits = sum(1 for b in hits if self._ref_cnt[b] == 0)
-        if need + evictable_hits > len(self._free):
+        if need + evictable_hits + reserved > len(self._free):
             return None
         for b in hits:  # touch
             if self._ref_cnt[b] == 0:
@@ -610,12 +642,7 @@ class ReferenceScheduler:
         r.num_cached_blocks += len(hits)
         new_blocks = [self._pop_free_block() for _ in range(need)]
         r.block_ids += new_blocks
-        if c.enable_prefix_caching:  # cache full blocks now, before the model writes them
-            for i in range(r.num_cached_blocks, min(total_computed + n, r.num_tokens) // bs):
-                b, h = r.block_ids[i], r.block_hashes[i]
-                self._block_hash[b] = h
-                self._cached.setdefault(h, {})[b] = None
-            r.num_cached_blocks = max(r.num_cached_blocks, min(total_computed + n, r.num_tokens) // bs)
+        self._cache_blocks(r, min(total_computed + n, r.num_tokens))  # now, before the model writes them
         return new_blocks
 
     # -- requests ----------------------------------------------------------------------------------------
@@ -634,8 +661,10 @@ class ReferenceScheduler:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         tenant: str | None = None,
+        ready: bool | None = True,
     ) -> None:
-        """Queue a new request (status WAITING). Validates every argument first; on error nothing changes."""
+        """Queue a new request (status WAITING, or WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR with ``ready=False``
+        until :meth:`set_ready`). Validates every argument first; on error nothing changes."""
         c = self._config
         if not isinstance(req_id, str):
             raise SchedulerTypeError(f"req_id must be a str, got {type(req_id).__name__}")
@@ -686,6 +715,9 @@ class ReferenceScheduler:
         lora_name = _opt_str(lora_name, "lora_name")
         tenant = "default" if tenant is None else tenant
         check_tenant_weight(tenant, 1.0, InvalidRequestError)
+        ready = True if ready is None else ready
+        if not isinstance(ready, bool):
+            raise SchedulerTypeError(f"ready must be a bool, got {type(ready).__name__}")
 
         r = _Request(
             req_id,
@@ -704,6 +736,9 @@ class ReferenceScheduler:
         )
         aging = c.priority_aging_steps
         r.effective_priority = r.priority * aging + r.arrival_step if aging else r.priority
+        if not ready:  # vLLM enqueues a request in a blocked status straight into deferred_waiting
+            r.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            r.deferred = True
         self._update_block_hashes(r)
         self._requests[req_id] = r
         self._waiting.add(r)
@@ -729,6 +764,7 @@ class ReferenceScheduler:
         self._free_blocks(r)
         r.status = status
         r.drafts = []
+        r.deferred = False
         del self._requests[r.req_id]
         self._finished_since_schedule.append(r.req_id)
         self._stats["finished"] += 1
@@ -746,12 +782,18 @@ class ReferenceScheduler:
 
     # -- schedule ----------------------------------------------------------------------------------------
 
-    def _preempt(self, r: _Request) -> None:
+    def _preempt(self, r: _Request, drop_stale_output: bool = False) -> None:
+        """Free ``r``'s KV and send it back to waiting. Output of steps still in flight becomes stale: applied
+        when it arrives (dropped with ``drop_stale_output``), rolling nothing back; ``r`` is not resumed before."""
         self._free_blocks(r)
         r.num_computed_tokens = 0
         r.drafts = []
         r.status = RequestStatus.PREEMPTED
         r.num_preemptions += 1
+        r.drop_stale_output = drop_stale_output or (r.drop_stale_output and r.num_stale_output_tokens > 0)
+        r.num_stale_output_tokens = r.num_in_flight_tokens
+        r.num_output_placeholders = 0
+        r.is_prefill_chunk = False
         self._stats["preemptions"] += 1
         self._waiting.add_preempted(r)
         self._tenants[r.tenant].num_waiting += 1  # back in waiting; no lift (the tenant did not arrive)
@@ -842,38 +884,42 @@ class ReferenceScheduler:
         return bool(self._lookup(r.block_hashes, r.num_tokens)[:1])
 
     def _end_admission(self, plan: tuple[list[_Request], list[_Request]] | None) -> None:
-        """Put the reordered requests phase B did not take back in their original order."""
+        """Put the reordered requests phase B did not take back in their original order (they are still
+        waiting, at the front of the queue: phase B puts the ones it skipped back there)."""
         if plan is None:
             return
-        original, reordered = plan
+        original, _ = plan
         q = self._waiting
         assert isinstance(q, _FcfsQueue)
-        front = q.peek() if len(q) else None
-        taken = next((k for k, r in enumerate(reordered) if r is front), len(reordered))
-        gone = {id(r) for r in reordered[:taken]}
-        q.replace_front([r for r in original if id(r) not in gone])
+        q.replace_front([r for r in original if r.status != RequestStatus.RUNNING])
 
     def schedule(self) -> SchedulerOutput:
         """One step: continue running requests (phase A, may preempt), then admit waiting ones (phase B)."""
-        c, bs = self._config, self._bs
-        budget = c.max_num_batched_tokens
-        # per scheduled request: [request, num_new_tokens, computed_before, new_blocks, drafts, kind]
+        c = self._config
+        look = c.num_lookahead_tokens
+        budget = 0 if self._pause_state == "paused_all" else c.max_num_batched_tokens
+        # the per-request cap applies only when more than one request is running or waiting
+        threshold = c.long_prefill_token_threshold if len(self._running) + len(self._waiting) > 1 else 0
+        # per scheduled request: [request, num_new_tokens, computed_before, new_blocks, drafts, kind, is_chunk]
         scheduled: list[list[Any]] = []
         preempted: list[_Request] = []
+        prefill_scheduled = False  # a request scheduled in phase A is still prefilling
 
-        # The long-prefill cap is off when a single request (running + waiting) is in the scheduler.
-        threshold = c.long_prefill_token_threshold if len(self._running) + len(self._waiting) > 1 else 0
         i = 0
-        while i < len(self._running):
+        while i < len(self._running) and budget > 0:
             r = self._running[i]
-            n = r.num_tokens + len(r.drafts) - r.num_computed_tokens
+            ph = r.num_output_placeholders
+            if ph > 0 and r.num_computed_tokens + 2 - ph >= r.num_prompt_tokens + r.max_tokens:
+                i += 1  # async: the steps in flight already produce its last token
+                continue
+            n = r.num_tokens + len(r.drafts) + ph - r.num_computed_tokens
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, c.max_model_len - 1 - r.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
-            while (new_blocks := self._allocate_slots(r, n, [], c.num_lookahead_tokens)) is None:
+            while (new_blocks := self._allocate_slots(r, n, [], look)) is None:
                 j = self._pick_victim()
                 victim = self._running.pop(j)
                 for k, entry in enumerate(scheduled):
@@ -891,8 +937,13 @@ class ReferenceScheduler:
                 if c.policy != "fcfs":
                     continue  # r preempted itself; the requests after it rank higher and may still fit
                 break
-            num_drafts = max(0, r.num_computed_tokens + n - r.num_tokens)
-            scheduled.append([r, n, r.num_computed_tokens, new_blocks, r.drafts[:num_drafts], "running"])
+            prefill_scheduled |= r.is_prefill_chunk
+            computed = r.num_computed_tokens
+            num_drafts = min(len(r.drafts), max(0, computed + n - r.num_tokens - ph))
+            is_chunk = computed + n < r.num_tokens + ph
+            scheduled.append([r, n, computed, new_blocks, r.drafts[:num_drafts], "running", is_chunk])
+            r.num_computed_tokens += n
+            r.is_prefill_chunk = is_chunk
             r.drafts = []
             budget -= n
             i += 1
@@ -901,40 +952,18 @@ class ReferenceScheduler:
             if computed < r.num_prompt_tokens:
                 self._charge_prompt(r, computed, n)
 
-        plan = None if preempted else self._begin_admission()
-        while not preempted and len(self._waiting) and budget > 0 and len(self._running) < c.max_num_seqs:
-            r = self._waiting.peek()
-            hits = self._lookup(r.block_hashes, r.num_tokens)
-            n = r.num_tokens - len(hits) * bs
-            if 0 < threshold < n:
-                n = threshold
-            if not c.enable_chunked_prefill and n > budget:
-                break
-            n = min(n, budget)
-            if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits):
-                break  # vLLM's full-prompt admission gate: the whole sequence must fit, not just this chunk
-            if self._allocate_slots(r, n, hits, 0) is None:
-                break
-            self._waiting.pop()
-            self._tenants[r.tenant].num_waiting -= 1
-            self._charge_prompt(r, len(hits) * bs, n)
-            self._running.append(r)
-            kind = "new" if r.status == RequestStatus.WAITING else "resumed"
-            r.status = RequestStatus.RUNNING
-            r.num_computed_tokens = len(hits) * bs
-            if r.num_cached_tokens < 0:
-                r.num_cached_tokens = len(hits) * bs
-            prefix = "preempted_" if r.num_preemptions > 0 else ""
-            self._stats[prefix + "queries"] += r.num_tokens
-            self._stats[prefix + "hits"] += len(hits) * bs
-            scheduled.append([r, n, r.num_computed_tokens, list(r.block_ids), [], kind])
-            budget -= n
-        self._end_admission(plan)
+        if not preempted and self._pause_state != "paused_all":
+            plan = self._begin_admission()
+            self._admit_waiting(scheduled, budget, threshold, prefill_scheduled)
+            self._end_admission(plan)
 
         entries = []
-        for r, n, _, _, drafts, _ in scheduled:
-            r.num_computed_tokens += n
-            entries.append((r, r.num_computed_tokens < r.num_tokens, len(drafts)))
+        for r, n, _, _, drafts, _, is_chunk in scheduled:
+            r.num_in_flight_tokens += n
+            if c.async_scheduling and not is_chunk:  # placeholders for the token(s) this step samples
+                r.num_output_placeholders += 1 + len(drafts)
+                r.drafts = [-1] * look
+            entries.append((r, is_chunk, len(drafts)))
         out = SchedulerOutput(
             step_id=self._next_step_id,
             req_ids=[e[0].req_id for e in scheduled],
@@ -947,15 +976,89 @@ class ReferenceScheduler:
             spec_token_ids=np.array([t for e in scheduled for t in e[4]], dtype=np.int32),
             spec_token_ids_indptr=_indptr([len(e[4]) for e in scheduled]),
             total_num_scheduled_tokens=sum(e[1] for e in scheduled),
-            preempted_req_ids=[r.req_id for r in preempted],
+            preempted_req_ids=self._preempted_since_schedule + [r.req_id for r in preempted],
             finished_req_ids=self._finished_since_schedule,
             _owner=self._owner,
             _entries=entries,
         )
         self._next_step_id += 1
         self._finished_since_schedule = []
+        self._preempted_since_schedule = []
         self._last_out, self._last_out_fresh = out, True
         return out
+
+    def _admit_waiting(self, scheduled: list[list[Any]], budget: int, threshold: int, prefill_scheduled: bool) -> None:
+        """Phase B: admit waiting requests in policy order; never preempts. Requests that cannot run yet are
+        skipped and keep their place."""
+        c, bs, look = self._config, self._bs, self._config.num_lookahead_tokens
+        watermark = int(c.watermark * c.num_blocks)
+        any_running_scheduled = bool(scheduled)
+        loras = {r.lora_name for r in self._running if r.lora_name is not None}
+        skipped: list[_Request] = []
+        while budget > 0 and self._pause_state == "unpaused" and len(self._running) < c.max_num_seqs:
+            if not len(self._waiting):
+                break
+            r = self._waiting.peek()
+            if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and r.grammar_ready:
+                r.status = RequestStatus.WAITING
+            lora_blocked = (
+                c.max_loras > 0 and len(loras) >= c.max_loras and r.lora_name is not None and r.lora_name not in loras
+            )
+            if (
+                r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                or (r.num_stale_output_tokens > 0 and not r.drop_stale_output)
+                or lora_blocked
+            ):
+                r.deferred = True
+                skipped.append(self._waiting.pop())
+                continue
+            hits = self._lookup(r.block_hashes, r.num_tokens)
+            hit_tokens = len(hits) * bs
+            n = r.num_tokens - hit_tokens
+            # spec decoding: one token left, admitted into a batch of decodes: pad with placeholder drafts
+            pad = (
+                look > 0
+                and n == 1
+                and not prefill_scheduled
+                and (any_running_scheduled or hit_tokens > 0)
+                and hit_tokens + 1 + look + 1 <= c.max_model_len
+                and (threshold == 0 or threshold >= 1 + look)
+            )
+            if pad:
+                if 1 + look > budget:
+                    break
+                n = 1 + look
+            if 0 < threshold < n:
+                n = threshold
+            if not c.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            reserved = watermark if self._running else 0
+            if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, reserved):
+                break  # vLLM's full-prompt admission gate: the whole sequence must fit, not just this chunk
+            if self._allocate_slots(r, n, hits, look, reserved) is None:
+                break
+            self._waiting.pop()
+            self._tenants[r.tenant].num_waiting -= 1
+            self._charge_prompt(r, hit_tokens, n)
+            self._running.append(r)
+            kind = "new" if r.status == RequestStatus.WAITING else "resumed"
+            r.status = RequestStatus.RUNNING
+            r.deferred = False
+            if r.lora_name is not None:
+                loras.add(r.lora_name)
+            if r.num_cached_tokens < 0:
+                r.num_cached_tokens = hit_tokens
+            prefix = "preempted_" if r.num_preemptions > 0 else ""
+            self._stats[prefix + "queries"] += r.num_tokens
+            self._stats[prefix + "hits"] += hit_tokens
+            is_chunk = hit_tokens + n < r.num_tokens
+            scheduled.append([r, n, hit_tokens, list(r.block_ids), [-1] * look if pad else [], kind, is_chunk])
+            r.num_computed_tokens = hit_tokens + n
+            r.is_prefill_chunk = is_chunk
+            budget -= n
+        for r in reversed(skipped):  # back to the front in their order (fcfs), or by their key (priority)
+            self._waiting.add_preempted(r)
 
     # -- update ------------------------------------------------------------------------------------------
 
@@ -993,18 +1096,37 @@ class ReferenceScheduler:
                 if not 0 <= t < _TOKEN_LIMIT:
                     raise InvalidOutputError(f"{r.req_id!r}: token id {t} out of [0, 2**31)")
 
+        if drafts is not None and self._config.async_scheduling:
+            raise InvalidOutputError("with async_scheduling the drafts stay with the runner: pass None")
+
         self._next_update_step += 1
         self._last_out_fresh = False
+        spec_decoding = self._config.num_lookahead_tokens > 0
         finished: list[str] = []
         reasons: list[int] = []
         stop_reasons: list[int] = []
         num_new = np.zeros(n, dtype=np.int32)
         for k, (r, was_prefill_chunk, num_drafts) in enumerate(out._entries):
-            if r.status.is_finished or was_prefill_chunk:
+            if r.status.is_finished:
+                continue
+            num_scheduled = int(out.num_scheduled_tokens[k])
+            r.num_in_flight_tokens -= num_scheduled
+            stale = r.num_stale_output_tokens > 0  # scheduled before r was preempted
+            if stale:
+                r.num_stale_output_tokens = max(0, r.num_stale_output_tokens - num_scheduled)
+                if r.drop_stale_output:
+                    continue
+            if was_prefill_chunk:
                 continue
             entry = sampled[k]
-            if r.status == RequestStatus.RUNNING:  # roll back rejected drafts (never below 0)
-                r.num_computed_tokens = max(0, r.num_computed_tokens - (num_drafts - (len(entry) - 1)))
+            if num_drafts and not stale:  # roll back rejected drafts (placeholders too)
+                rejected = num_drafts - (len(entry) - 1)
+                if r.num_computed_tokens > 0:
+                    r.num_computed_tokens = max(0, r.num_computed_tokens - rejected)
+                if r.num_output_placeholders > 0:
+                    r.num_output_placeholders = max(0, r.num_output_placeholders - rejected)
+            was_running = r.status == RequestStatus.RUNNING
+            had_placeholders = r.num_output_placeholders > 0
             stop: tuple[RequestStatus, FinishReason, int] | None = None
             for t in entry:
                 r.token_ids.append(t)
@@ -1014,13 +1136,19 @@ class ReferenceScheduler:
                     break
             self._charge(self._tenants[r.tenant], int(num_new[k]), True)
             self._update_block_hashes(r)
+            if not stale:
+                if stop is not None:  # the rest of the entry is cut: computed covers only what was kept
+                    r.num_computed_tokens = max(0, r.num_computed_tokens - (len(entry) - int(num_new[k])))
+                r.num_output_placeholders = max(0, r.num_output_placeholders - len(entry))
+                if was_running and (had_placeholders or spec_decoding):
+                    self._cache_blocks(r, max(0, r.num_computed_tokens - r.num_in_flight_tokens))
             if stop is not None:
                 status, reason, stop_reason = stop
                 self._finish(r, status)
                 finished.append(r.req_id)
                 reasons.append(reason)
                 stop_reasons.append(stop_reason)
-            elif drafts is not None:
+            elif drafts is not None and not stale:
                 r.drafts = list(drafts[k])
         return UpdateResult(
             finished_req_ids=finished,
@@ -1030,9 +1158,8 @@ class ReferenceScheduler:
         )
 
     def _check_stop(self, r: _Request, t: int) -> tuple[RequestStatus, FinishReason, int] | None:
-        """The stop check after appending token ``t`` (order matters: min_tokens, EOS, stop ids, length)."""
-        if r.num_output_tokens < r.min_tokens:
-            return None
+        """The stop check after appending token ``t``, in vLLM 0.33's order: EOS, stop ids, length. min_tokens
+        does not hold EOS or stop ids back here (the sampler masks them until then)."""
         if not r.ignore_eos and t == r.eos_token_id:
             return RequestStatus.FINISHED_STOPPED, FinishReason.STOP, -1
         if t in r.stop_token_ids:
@@ -1060,7 +1187,14 @@ class ReferenceScheduler:
             drafts = out.spec_token_ids[out.spec_token_ids_indptr[k] : out.spec_token_ids_indptr[k + 1]]
             seq = r.token_ids + drafts.tolist()
             for pos in range(start, end):
-                tokens.append(seq[pos])
+                if pos < r.num_tokens:
+                    tokens.append(r.token_ids[pos])
+                elif self._config.async_scheduling:
+                    tokens.append(-1)  # sampled by a step still in flight, or a draft placeholder: the runner's
+                elif pos < len(seq):
+                    tokens.append(seq[pos])
+                else:
+                    raise InvalidOutputError(f"{r.req_id!r}: token at position {pos} is not known yet")
                 positions.append(pos)
                 slots.append(r.block_ids[pos // bs] * bs + pos % bs)
             seq_lens.append(end)
@@ -1093,14 +1227,46 @@ class ReferenceScheduler:
 
     @property
     def num_unfinished_requests(self) -> int:
+        """vLLM's get_num_unfinished_requests: 0 when paused for all, the running requests when paused for new."""
+        if self._pause_state == "paused_all":
+            return 0
+        if self._pause_state == "paused_new":
+            return len(self._running)
         return len(self._requests)
+
+    @property
+    def pause_state(self) -> str:
+        return self._pause_state
+
+    def set_pause_state(self, state: str) -> None:
+        """ "unpaused", "paused_new" (no admissions) or "paused_all" (nothing scheduled), from the next step."""
+        if not isinstance(state, str):
+            raise SchedulerTypeError(f"pause state must be a str, got {type(state).__name__}")
+        if state not in ("unpaused", "paused_new", "paused_all"):
+            raise InvalidRequestError(
+                f"pause state must be one of ('unpaused', 'paused_new', 'paused_all'), got {state!r}"
+            )
+        if state != self._pause_state:
+            self._pause_state = state
+            self._last_out_fresh = False
+
+    def set_ready(self, req_id: str) -> None:
+        """The grammar of a request added with ``ready=False`` is ready; it stays WAITING_FOR_STRUCTURED_OUTPUT_
+        GRAMMAR until an admission pass reaches it. No effect on a request that does not wait for a grammar."""
+        r = self._get(req_id)
+        if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and not r.grammar_ready:
+            r.grammar_ready = True
+            self._last_out_fresh = False
+
+    def get_num_output_placeholders(self, req_id: str) -> int:
+        return self._get(req_id).num_output_placeholders
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return self.num_unfinished_requests > 0
 
     def get_block_ids(self, req_id: str) -> np.ndarray:
         return np.array(self._get(req_id).block_ids, dtype=np.int32)
@@ -1146,9 +1312,24 @@ class ReferenceScheduler:
         tokens = prompt.tolist()
         return len(self._lookup(self._block_hashes_of(tokens, salt, lora), len(tokens))) * self._bs
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block, but only when no usable block is in use."""
+    def reset_prefix_cache(self, reset_running_requests: bool | None = False) -> bool:
+        """Forget every cached block, but only when no usable block is in use. With ``reset_running_requests``
+        every running request is first preempted from the tail (they resume in running order) and its in-flight
+        output is dropped, so the reset succeeds."""
+        reset_running_requests = (
+            bool(reset_running_requests) if reset_running_requests is None else reset_running_requests
+        )
+        if not isinstance(reset_running_requests, bool):
+            raise SchedulerTypeError("reset_running_requests must be a bool")
+        if reset_running_requests and self._running:
+            while self._running:
+                r = self._running.pop()
+                self._preempt(r, drop_stale_output=True)
+                self._preempted_since_schedule.append(r.req_id)
+            self._last_out_fresh = False
         if len(self._free) != self._config.num_usable_blocks:
+            if reset_running_requests:
+                raise InternalError("the prefix cache is in use with no request running")
             return False
         self._cached.clear()
         self._block_hash = [None] * self._config.num_blocks
@@ -1159,7 +1340,8 @@ class ReferenceScheduler:
         s, usable = self._stats, self._config.num_usable_blocks
         return SchedulerStats(
             num_running_reqs=len(self._running),
-            num_waiting_reqs=len(self._waiting),
+            num_waiting_reqs=sum(1 for r in self._waiting if not r.deferred),
+            num_skipped_waiting_reqs=sum(1 for r in self._waiting if r.deferred),
             kv_cache_usage=1.0 - len(self._free) / usable,
             num_free_blocks=len(self._free),
             prefix_cache_queries=s["queries"],
@@ -1214,9 +1396,19 @@ class ReferenceScheduler:
             require(r.num_computed_tokens <= len(r.block_ids) * bs, f"{r.req_id}: computed tokens without KV")
             for i in range(r.num_cached_blocks):
                 require(self._block_hash[r.block_ids[i]] == r.block_hashes[i], f"{r.req_id}: block {i} hash")
+        waiting_statuses = (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+            RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+        )
         for r in waiting:
-            require(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.req_id}: status")
+            require(r.status in waiting_statuses, f"{r.req_id}: status")
             require(not r.block_ids and r.num_computed_tokens == 0, f"{r.req_id} waiting with KV")
+            require(r.num_output_placeholders == 0, f"{r.req_id} waiting with output placeholders")
+        for r in self._running:
+            require(not r.deferred, f"{r.req_id} running but deferred")
+        for r in self._requests.values():
+            require(0 <= r.num_stale_output_tokens <= r.num_in_flight_tokens, f"{r.req_id}: stale tokens")
         for r in self._requests.values():
             expect = r.num_tokens // bs if c.enable_prefix_caching else 0
             require(len(r.block_hashes) == expect, f"{r.req_id}: one hash per full block")

@@ -132,9 +132,8 @@ class VllmDriver:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.policy,
             is_encoder_decoder=False,
-            # Newer vLLM admits a request only if blocks for its whole prompt are free; kvsched does not implement
-            # that gate (docs/semantics.md), so it is turned off to schedule the traces the same way.
-            scheduler_reserve_full_isl=False,
+            scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
+            watermark=config.watermark,
         )
         cache_config = _call(
             CacheConfig,

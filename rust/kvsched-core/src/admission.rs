@@ -12,7 +12,8 @@
 //!
 //! The reordering lasts one step: `end_admission` puts the requests phase B did not take back in their
 //! original relative order, so the queue order is never changed by a step that admitted nothing. It relies on
-//! phase B taking requests only from the front of the queue.
+//! phase B taking requests only from the front of the queue and putting the ones it skipped back at the front:
+//! the window's requests that are still waiting then fill the front of the queue.
 //!
 //! `SchedulerConfig::validate` refuses a window > 0 with the `priority` or `fair` policy: their queues are not
 //! in arrival order, so "warm before cold within the first W" has no single meaning there.
@@ -25,10 +26,6 @@ use crate::scheduler::Scheduler;
 pub(crate) struct AdmissionPlan {
     /// The first `W` entries in their original order.
     original: Vec<ReqHandle>,
-    /// The same entries as phase B sees them.
-    reordered: Vec<ReqHandle>,
-    /// `source[k]`: the index in `original` of `reordered[k]`.
-    source: Vec<u32>,
 }
 
 impl Scheduler {
@@ -70,24 +67,21 @@ impl Scheduler {
         for (k, h) in reordered.iter().enumerate() {
             queue[k] = *h;
         }
-        Some(AdmissionPlan { original, reordered, source })
+        Some(AdmissionPlan { original })
     }
 
     /// Restores the original order of the reordered requests phase B left in the queue.
     pub(crate) fn end_admission(&mut self, plan: Option<AdmissionPlan>) {
         let Some(plan) = plan else { return };
+        // The window's requests phase B did not admit are still waiting, at the front of the queue.
+        let left: Vec<ReqHandle> = plan
+            .original
+            .iter()
+            .copied()
+            .filter(|&h| self.slab.resolve(h).is_some_and(|r| r.status.is_waiting()))
+            .collect();
         let WaitingQueue::Fcfs(queue) = &mut self.waiting else { return };
-        // Phase B took a prefix `reordered[..taken]` from the front.
-        let taken = match queue.front() {
-            Some(front) => plan.reordered.iter().position(|h| h == front).unwrap_or(plan.reordered.len()),
-            None => plan.reordered.len(),
-        };
-        let mut gone = vec![false; plan.original.len()];
-        for &s in &plan.source[..taken] {
-            gone[s as usize] = true;
-        }
-        let left = plan.original.iter().zip(&gone).filter(|(_, &g)| !g).map(|(h, _)| *h);
-        for (k, h) in left.enumerate() {
+        for (k, h) in left.into_iter().enumerate() {
             queue[k] = h;
         }
     }

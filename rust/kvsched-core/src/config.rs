@@ -75,6 +75,45 @@ pub struct SchedulerConfig {
     pub fair_decode_weight: f64,
     /// PRIORITY only: a waiting request gains one priority level per this many steps of age (0 = off).
     pub priority_aging_steps: u32,
+    /// vLLM's `AsyncScheduler`: every scheduled decode leaves output placeholders, so the next step (scheduled
+    /// before this one's output is applied) already gives the request its next token.
+    pub async_scheduling: bool,
+    /// Most distinct LoRA adapters (`lora_name`) among running requests; an admission that would exceed it is
+    /// skipped. 0 = no limit.
+    pub max_loras: u32,
+    /// Share of `num_blocks` kept free when admitting waiting requests (vLLM's `watermark`), in [0, 1).
+    pub watermark: f64,
+}
+
+/// What `schedule()` may do (vLLM's `PauseState`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseState {
+    Unpaused,
+    /// No admissions from the waiting queue; running requests continue.
+    PausedNew,
+    /// Nothing is scheduled.
+    PausedAll,
+}
+
+impl PauseState {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "unpaused" => Ok(PauseState::Unpaused),
+            "paused_new" => Ok(PauseState::PausedNew),
+            "paused_all" => Ok(PauseState::PausedAll),
+            other => Err(SchedError::InvalidRequest(format!(
+                "pause state must be one of ('unpaused', 'paused_new', 'paused_all'), got {other:?}"
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PauseState::Unpaused => "unpaused",
+            PauseState::PausedNew => "paused_new",
+            PauseState::PausedAll => "paused_all",
+        }
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -99,6 +138,9 @@ impl Default for SchedulerConfig {
             fair_prefill_weight: 1.0,
             fair_decode_weight: 2.0,
             priority_aging_steps: 0,
+            async_scheduling: false,
+            max_loras: 0,
+            watermark: 0.0,
         }
     }
 }
@@ -135,6 +177,13 @@ impl SchedulerConfig {
         check_range("max_model_len", self.max_model_len, 2, I32_MAX)?;
         check_range("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, I32_MAX)?;
         check_range("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)?;
+        check_range("max_loras", self.max_loras, 0, I32_MAX)?;
+        if !(0.0..1.0).contains(&self.watermark) {
+            return Err(SchedError::InvalidConfig(format!(
+                "watermark must be in [0, 1), got {}",
+                self.watermark
+            )));
+        }
         if u64::from(self.num_blocks - 1) * u64::from(self.block_size) < u64::from(self.max_model_len) {
             return Err(SchedError::InvalidConfig(format!(
                 "the KV cache ({} usable blocks of {} tokens) cannot hold one request of max_model_len={} \
@@ -196,6 +245,11 @@ impl SchedulerConfig {
     pub fn num_usable_blocks(&self) -> u32 {
         self.num_blocks - 1
     }
+
+    /// Free blocks an admission must leave (vLLM: `int(watermark * num_blocks)`, the null block included).
+    pub fn watermark_blocks(&self) -> usize {
+        (self.watermark * f64::from(self.num_blocks)) as usize
+    }
 }
 
 /// A tenant name is a non-empty string.
@@ -232,6 +286,8 @@ mod tests {
             SchedulerConfig { num_blocks: 100, block_size: 16, max_model_len: 1600, ..Default::default() },
             SchedulerConfig { max_num_seqs: 0, ..Default::default() },
             SchedulerConfig { max_model_len: 1, ..Default::default() },
+            SchedulerConfig { watermark: 1.0, ..Default::default() },
+            SchedulerConfig { watermark: f64::NAN, ..Default::default() },
             SchedulerConfig { num_blocks: u32::MAX / 2, block_size: 1024, ..Default::default() },
             SchedulerConfig {
                 enable_chunked_prefill: false,

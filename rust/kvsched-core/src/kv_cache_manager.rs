@@ -36,13 +36,14 @@ impl KvCacheManager {
     /// vLLM's `full_sequence_must_fit` admission gate (`scheduler_reserve_full_isl`): could the pool hold every
     /// known token of `req` (prompt, plus outputs for a resumed request; capped at `max_model_len`) on top of
     /// the prefix hits `hits`? Hits at ref 0 leave the free queue when touched, so they count as needed blocks.
-    /// Lookahead slots are not part of this check (the per-step allocation adds them).
-    pub fn full_sequence_fits(&self, req: &Request, hits: &[u32]) -> bool {
+    /// Lookahead slots are not part of this check (the per-step allocation adds them). `reserved` blocks must
+    /// stay free (the watermark).
+    pub fn full_sequence_fits(&self, req: &Request, hits: &[u32], reserved: usize) -> bool {
         let full = req.num_tokens().min(self.max_model_len);
         let required = ((full + self.block_size - 1) >> self.block_shift) as usize;
         let need = required.saturating_sub(req.blocks.len() + hits.len());
         let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
-        need + evictable_hits <= self.pool.num_free_blocks()
+        need + evictable_hits + reserved <= self.pool.num_free_blocks()
     }
 
     /// Whether a new request with these hashes would hit at least one block (the admission probe: the same
@@ -56,8 +57,9 @@ impl KvCacheManager {
     }
 
     /// Reserves KV slots for `num_new_tokens` more tokens of `req` (plus `num_lookahead_tokens`), taking the
-    /// prefix hits `hits` first. Returns the number of blocks newly popped from the free queue, or `None` when
-    /// the pool cannot supply them, in which case nothing changed.
+    /// prefix hits `hits` first, leaving `reserved` blocks free (the watermark). Returns the number of blocks
+    /// newly popped from the free queue, or `None` when the pool cannot supply them, in which case nothing
+    /// changed.
     #[inline]
     pub fn allocate_slots(
         &mut self,
@@ -65,6 +67,7 @@ impl KvCacheManager {
         num_new_tokens: u32,
         hits: &[u32],
         num_lookahead_tokens: u32,
+        reserved: usize,
     ) -> Option<usize> {
         let bs = self.block_size;
         let total_computed = req.num_computed_tokens + hits.len() as u32 * bs;
@@ -74,14 +77,14 @@ impl KvCacheManager {
         let need = required.saturating_sub(held);
         if !hits.is_empty() {
             let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
-            if need + evictable_hits > self.pool.num_free_blocks() {
+            if need + evictable_hits + reserved > self.pool.num_free_blocks() {
                 return None;
             }
             self.pool.touch(hits);
             req.blocks.extend_from_slice(hits);
             // Hits are cached blocks by definition: count them as cached for this request.
             req.num_cached_blocks += hits.len() as u32;
-        } else if need > self.pool.num_free_blocks() {
+        } else if need + reserved > self.pool.num_free_blocks() {
             return None;
         }
         if need > 0 {
@@ -92,6 +95,15 @@ impl KvCacheManager {
             self.cache_full_blocks(req, num_full);
         }
         Some(need)
+    }
+
+    /// vLLM's `KVCacheManager.cache_blocks`: enters the full blocks among the first `num_tokens` tokens (and
+    /// the request's known hashes) into the prefix cache, if caching is on.
+    pub fn cache_blocks(&mut self, req: &mut Request, num_tokens: u32) {
+        let num_full = (num_tokens >> self.block_shift) as usize;
+        if self.enable_caching && num_full > req.num_cached_blocks as usize {
+            self.cache_full_blocks(req, num_full);
+        }
     }
 
     /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache (caching is on: the caller checks).

@@ -39,12 +39,12 @@ pub mod slab;
 mod step;
 mod update;
 
-pub use config::{HashAlgo, Policy, SchedulerConfig};
+pub use config::{HashAlgo, PauseState, Policy, SchedulerConfig};
 pub use error::{Result, SchedError};
 pub use fair::{Tenant, DEFAULT_TENANT};
 pub use hashing::BlockHash;
 pub use output::{ModelInputs, SchedulerOutput, SchedulerStats, UpdateResult};
-pub use request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus};
+pub use request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus, SPEC_PLACEHOLDER};
 pub use scheduler::{Scheduler, MAX_TOKEN_ID};
 pub use update::Ragged;
 

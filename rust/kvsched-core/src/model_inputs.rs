@@ -33,6 +33,7 @@ impl Scheduler {
             logits_indices: Vec::with_capacity(n),
             ..Default::default()
         };
+        let async_scheduling = self.config.async_scheduling;
         let mut max_blocks = 0usize;
         for &h in &last.handles {
             let req = self.slab.resolve(h).ok_or_else(stale)?;
@@ -51,6 +52,9 @@ impl Scheduler {
             for pos in start..start + num {
                 let token = if pos < num_tokens {
                     req.token_ids[pos] as i32
+                } else if async_scheduling {
+                    // Sampled by a step still in flight (or a draft placeholder): the runner fills it in.
+                    -1
                 } else {
                     *spec.get(pos - num_tokens).ok_or_else(|| {
                         SchedError::InvalidOutput(format!(

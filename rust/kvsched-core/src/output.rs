@@ -30,6 +30,9 @@ pub struct SchedulerOutput {
     pub total_num_scheduled_tokens: u64,
     /// Requests preempted in this step (they are waiting again).
     pub preempted: Vec<ReqHandle>,
+    /// Ids of requests preempted outside `schedule()` since the previous step (`reset_prefix_cache` with
+    /// `reset_running_requests`), reported before `preempted`, even if they finished since.
+    pub preempted_before_step: Vec<Arc<str>>,
     /// Ids of requests finished (any reason) since the previous step.
     pub finished_req_ids: Vec<Arc<str>>,
 }
@@ -85,7 +88,10 @@ pub struct ModelInputs {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SchedulerStats {
     pub num_running_reqs: usize,
+    /// Waiting requests not deferred (vLLM: `num_waiting_reqs`).
     pub num_waiting_reqs: usize,
+    /// Waiting requests skipped by an admission pass, or added blocked, and not admitted since.
+    pub num_skipped_waiting_reqs: usize,
     pub kv_cache_usage: f64,
     pub num_free_blocks: usize,
     pub prefix_cache_queries: u64,

@@ -15,13 +15,29 @@ pub enum RequestStatus {
     FinishedStopped = 3,
     FinishedLengthCapped = 4,
     FinishedAborted = 5,
+    /// Waiting, but not schedulable until its structured-output grammar is ready (vLLM's
+    /// `WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`). Numbered after the others so existing codes keep their values.
+    WaitingForGrammar = 6,
 }
 
 impl RequestStatus {
     pub fn is_finished(self) -> bool {
-        self >= RequestStatus::FinishedStopped
+        matches!(
+            self,
+            RequestStatus::FinishedStopped
+                | RequestStatus::FinishedLengthCapped
+                | RequestStatus::FinishedAborted
+        )
+    }
+
+    /// Any of the statuses of a request in the waiting queue.
+    pub fn is_waiting(self) -> bool {
+        matches!(self, RequestStatus::Waiting | RequestStatus::Preempted | RequestStatus::WaitingForGrammar)
     }
 }
+
+/// Stands for a draft token the runner fills in (async scheduling, padded spec decodes); `-1` as int32.
+pub const SPEC_PLACEHOLDER: u32 = u32::MAX;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -52,6 +68,8 @@ pub struct RequestParams {
     pub lora_name: Option<String>,
     /// The tenant the request is served for (`None`: the tenant `"default"`).
     pub tenant: Option<String>,
+    /// The request waits for its structured-output grammar (`set_ready` releases it).
+    pub waiting_for_grammar: bool,
 }
 
 /// Field order is deliberate (`repr(C)`): what `schedule()` and `update_from_output()` read for every request
@@ -98,6 +116,19 @@ pub struct Request {
     pub tenant: u32,
     /// Prompt tokens already charged to the tenant: recomputation after a preemption is not charged again.
     pub num_charged_prompt_tokens: u32,
+    // --- in-flight bookkeeping (vLLM's `Request` fields of the same names)
+    /// Async scheduling: tokens the runner will sample in steps scheduled but not yet applied.
+    pub num_output_placeholders: u32,
+    /// Tokens scheduled in steps whose output is not yet applied.
+    pub num_in_flight_tokens: u32,
+    /// In-flight tokens of steps scheduled before the request was preempted: their output is still applied
+    /// (or, with `drop_stale_output`, discarded) but rolls nothing back; the request is not resumed meanwhile.
+    pub num_stale_output_tokens: u32,
+    pub drop_stale_output: bool,
+    /// Skipped by an admission pass (or added blocked) and not admitted since: vLLM's `deferred_waiting`.
+    pub deferred: bool,
+    /// `set_ready` was called while the request waited for its grammar.
+    pub grammar_ready: bool,
 }
 
 impl Request {

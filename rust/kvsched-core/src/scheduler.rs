@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::block_pool::BlockPool;
-use crate::config::{Policy, SchedulerConfig};
+use crate::config::{PauseState, Policy, SchedulerConfig};
 use crate::error::{Result, SchedError};
 use crate::fair::{Tenant, Tenants, DEFAULT_TENANT};
 use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
@@ -57,6 +57,12 @@ pub struct Scheduler {
     /// Bumped by every call that changes state; `prepare_model_inputs` requires it unchanged since `schedule()`.
     pub(crate) epoch: u64,
     pub(crate) counters: Counters,
+    pub(crate) pause_state: PauseState,
+    /// Waiting requests with `deferred` set (vLLM's `len(deferred_waiting)`).
+    pub(crate) num_deferred: usize,
+    /// Requests preempted outside `schedule()` (`reset_prefix_cache(reset_running_requests=True)`), reported in
+    /// the next output's preempted ids.
+    pub(crate) preempted_since_step: Vec<Arc<str>>,
 }
 
 fn bad_request(msg: String) -> SchedError {
@@ -89,6 +95,9 @@ impl Scheduler {
             finished_since_step: Vec::new(),
             epoch: 0,
             counters: Counters::default(),
+            pause_state: PauseState::Unpaused,
+            num_deferred: 0,
+            preempted_since_step: Vec::new(),
         })
     }
 
@@ -170,7 +179,11 @@ impl Scheduler {
             token_ids,
             num_prompt_tokens: prompt_len as u32,
             num_computed_tokens: 0,
-            status: RequestStatus::Waiting,
+            status: if params.waiting_for_grammar {
+                RequestStatus::WaitingForGrammar
+            } else {
+                RequestStatus::Waiting
+            },
             priority: params.priority,
             // `+ 0.0` turns -0.0 into 0.0: arrival times compare by value (total_cmp would order them).
             arrival_time: params.arrival_time + 0.0,
@@ -195,7 +208,15 @@ impl Scheduler {
             ),
             tenant,
             num_charged_prompt_tokens: 0,
+            num_output_placeholders: 0,
+            num_in_flight_tokens: 0,
+            num_stale_output_tokens: 0,
+            drop_stale_output: false,
+            // vLLM enqueues a request in a blocked status straight into `deferred_waiting`.
+            deferred: params.waiting_for_grammar,
+            grammar_ready: false,
         };
+        self.num_deferred += usize::from(params.waiting_for_grammar);
         self.kv.extend_hashes(&mut req);
         let key = Self::priority_key(&req);
         self.slab.insert(req);
@@ -268,6 +289,10 @@ impl Scheduler {
             self.tenants.on_leave_waiting(req.tenant);
         }
         req.status = status;
+        if req.deferred {
+            req.deferred = false;
+            self.num_deferred -= 1;
+        }
         self.kv.free(req);
         let req = self
             .slab
@@ -290,11 +315,47 @@ impl Scheduler {
     }
 
     pub fn has_unfinished_requests(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty()
+        self.num_unfinished_requests() > 0
     }
 
+    /// vLLM's `get_num_unfinished_requests`: 0 while paused for all, only the running requests while paused for
+    /// new ones (waiting requests stay queued but do not count).
     pub fn num_unfinished_requests(&self) -> usize {
-        self.running.len() + self.waiting.len()
+        match self.pause_state {
+            PauseState::PausedAll => 0,
+            PauseState::PausedNew => self.running.len(),
+            PauseState::Unpaused => self.running.len() + self.waiting.len(),
+        }
+    }
+
+    pub fn pause_state(&self) -> PauseState {
+        self.pause_state
+    }
+
+    /// vLLM's `set_pause_state`: takes effect at the next `schedule()`.
+    pub fn set_pause_state(&mut self, state: PauseState) {
+        if state != self.pause_state {
+            self.pause_state = state;
+            self.epoch += 1;
+        }
+    }
+
+    /// The structured-output grammar of `req_id` is ready. The request is still reported as waiting for it
+    /// until an admission pass reaches it (vLLM promotes it there). A request that does not wait for a grammar
+    /// is left alone.
+    pub fn set_ready(&mut self, req_id: &str) -> Result<()> {
+        let slot = self.slot_of(req_id)?;
+        let req = self.slab.get_mut(slot)?;
+        if req.status == RequestStatus::WaitingForGrammar && !req.grammar_ready {
+            req.grammar_ready = true;
+            self.epoch += 1;
+        }
+        Ok(())
+    }
+
+    /// Output placeholders of a live request (async scheduling; vLLM's `Request.num_output_placeholders`).
+    pub fn get_num_output_placeholders(&self, req_id: &str) -> Result<u32> {
+        Ok(self.get_request(req_id)?.num_output_placeholders)
     }
 
     pub fn num_running_reqs(&self) -> usize {
@@ -339,19 +400,33 @@ impl Scheduler {
         Ok(hits.len() as u32 * self.config.block_size)
     }
 
-    pub fn reset_prefix_cache(&mut self) -> bool {
+    /// vLLM's `reset_prefix_cache(reset_running_requests)`: with `reset_running_requests`, first preempts every
+    /// running request from the tail (so they resume in their running order) and drops their in-flight output;
+    /// the reset then cannot fail. Otherwise it succeeds only when no usable block is in use.
+    pub fn reset_prefix_cache(&mut self, reset_running_requests: bool) -> Result<bool> {
+        if reset_running_requests && !self.running.is_empty() {
+            while let Some(slot) = self.running.pop() {
+                self.preempt(slot, true)?;
+                let id = self.slab.get(slot)?.id.clone();
+                self.preempted_since_step.push(id);
+            }
+            self.epoch += 1;
+        }
         let ok = self.kv.pool.reset_prefix_cache();
         if ok {
             self.epoch += 1;
+        } else if reset_running_requests {
+            return Err(SchedError::Internal("the prefix cache is in use with no request running".into()));
         }
-        ok
+        Ok(ok)
     }
 
     pub fn stats(&self) -> SchedulerStats {
         let c = &self.counters;
         SchedulerStats {
             num_running_reqs: self.running.len(),
-            num_waiting_reqs: self.waiting.len(),
+            num_waiting_reqs: self.waiting.len() - self.num_deferred,
+            num_skipped_waiting_reqs: self.num_deferred,
             kv_cache_usage: self.kv.pool.usage(),
             num_free_blocks: self.kv.pool.num_free_blocks(),
             prefix_cache_queries: c.prefix_cache_queries,
@@ -412,14 +487,22 @@ impl Scheduler {
             let place = where_.get(&r.handle.slot).copied();
             match (r.status, place) {
                 (RequestStatus::Running, Some("running")) => {}
-                (RequestStatus::Waiting | RequestStatus::Preempted, Some("waiting")) => {
-                    if !r.blocks.is_empty() || r.num_computed_tokens != 0 {
+                (st, Some("waiting")) if st.is_waiting() => {
+                    if !r.blocks.is_empty() || r.num_computed_tokens != 0 || r.num_output_placeholders != 0 {
                         return Err(format!("waiting request {:?} holds blocks or computed tokens", r.id));
                     }
                 }
                 (st, p) => return Err(format!("request {:?} has status {st:?} but sits in {p:?}", r.id)),
             }
-            if r.num_computed_tokens > r.num_tokens_with_spec() + cfg.num_lookahead_tokens + bs {
+            if r.deferred && !r.status.is_waiting() {
+                return Err(format!("request {:?} is deferred but not waiting", r.id));
+            }
+            if r.num_stale_output_tokens > r.num_in_flight_tokens {
+                return Err(format!("request {:?} has more stale than in-flight tokens", r.id));
+            }
+            if r.num_computed_tokens
+                > r.num_tokens_with_spec() + r.num_output_placeholders + cfg.num_lookahead_tokens + bs
+            {
                 return Err(format!("request {:?} computed more tokens than it has", r.id));
             }
             if (r.blocks.len() as u64) * u64::from(bs) < u64::from(r.num_computed_tokens) {
@@ -456,6 +539,10 @@ impl Scheduler {
             }
         }
         self.tenants.check_waiting(&waiting_per_tenant)?;
+        let deferred = self.slab.iter().filter(|r| r.deferred).count();
+        if deferred != self.num_deferred {
+            return Err(format!("{deferred} deferred requests, counted {}", self.num_deferred));
+        }
         if self.counters.last_num_scheduled_reqs > cfg.max_num_seqs as usize {
             return Err("the last step scheduled more than max_num_seqs requests".into());
         }

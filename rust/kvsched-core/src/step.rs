@@ -1,21 +1,23 @@
-//! `schedule()`: the vLLM v1 token-budget loop.
+//! `schedule()`: vLLM 0.33's token-budget loop.
 //!
 //! Phase A walks `running` in order and gives each request `min(remaining, threshold, budget, model-length
-//! cap)` tokens; when its KV slots cannot be allocated, a victim is preempted (FCFS: the last running request;
-//! PRIORITY: the largest `(priority, arrival_time)`, refunded if it was already scheduled this step) until the
-//! allocation succeeds or the request itself is the victim, which ends phase A. Phase B, only when nothing was
-//! preempted, admits waiting requests in policy order with their prefix-cache hits while `max_num_seqs`, the
+//! cap)` tokens (remaining counts drafts and, with async scheduling, output placeholders); when its KV slots
+//! cannot be allocated, a victim is preempted (FCFS: the last running request; PRIORITY: the largest
+//! `(priority, arrival_time)`, refunded if it was already scheduled this step) until the allocation succeeds or
+//! the request itself is the victim. Phase B, only when nothing was preempted in the step and admissions are
+//! not paused, admits waiting requests in policy order with their prefix-cache hits while `max_num_seqs`, the
 //! budget and the free blocks allow (with `scheduler_reserve_full_isl`, the free blocks must hold the whole
-//! prompt, not just its first chunk); it never preempts. Requests with nothing to do are skipped, not blocking.
+//! prompt, not just its first chunk); it never preempts. Requests with nothing to do are skipped, not
+//! blocking; waiting requests that cannot run yet are skipped and keep their place.
 //! The admission order is not decided here: `WaitingQueue::peek` gives the policy's next candidate, and
 //! `admission.rs` may reorder the front of the FCFS queue for the step. Prompt tokens computed are charged to
 //! the tenants (`fair.rs`): phase A's once phase A is final, phase B's at each admission (so the next fair
 //! pick sees them).
 
-use crate::config::Policy;
+use crate::config::{PauseState, Policy};
 use crate::error::Result;
 use crate::output::{SchedulerOutput, StepRecord};
-use crate::request::{ReqHandle, RequestStatus};
+use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::Scheduler;
 
 /// The step's output under construction plus what the scheduler records about it.
@@ -88,38 +90,70 @@ impl Builder {
 impl Scheduler {
     #[inline(never)]
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
-        let bs = self.config.block_size;
-        // vLLM 0.33: the long-prefill cap exists so one long prompt cannot starve the others; with a single
-        // request (running + waiting) there is nobody to starve, and the cap is off for the step.
+        let paused_all = self.pause_state == PauseState::PausedAll;
+        let mut budget = if paused_all { 0 } else { self.config.max_num_batched_tokens };
+        // vLLM 0.33: the per-request cap guards other requests from starvation, so it applies only when more
+        // than one request is running or waiting.
         let threshold = if self.running.len() + self.waiting.len() > 1 {
             self.config.long_prefill_token_threshold
         } else {
             0
         };
-        let max_model_len = self.config.max_model_len;
-        let lookahead = self.config.num_lookahead_tokens;
-        let max_num_seqs = self.config.max_num_seqs as usize;
-        let chunked = self.config.enable_chunked_prefill;
-        let reserve_full_isl = self.config.scheduler_reserve_full_isl;
-        let mut budget = self.config.max_num_batched_tokens;
         let mut b = Builder::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<ReqHandle> = Vec::new();
         // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund
         // must not have been charged).
         let mut prompt_chunks: Vec<(u32, u32, u32)> = Vec::new();
+        let prefill_scheduled =
+            self.schedule_running(&mut b, &mut budget, threshold, &mut preempted, &mut prompt_chunks)?;
+        for (slot, start, n) in prompt_chunks {
+            let req = self.slab.get_mut(slot)?;
+            if req.status == RequestStatus::Running {
+                self.tenants.charge_prompt(req, start, n);
+            }
+        }
+        // Phase B: waiting requests, only if nobody was preempted in this step and admissions are not paused.
+        if preempted.is_empty() && !paused_all {
+            let plan = self.begin_admission();
+            self.admit_waiting(&mut b, &mut budget, threshold, prefill_scheduled)?;
+            self.end_admission(plan);
+        }
+        self.finish_step(b, preempted)
+    }
 
-        // Phase A: running requests.
+    /// Phase A: the running requests, in order. Returns whether a request scheduled here is still prefilling
+    /// (vLLM's `prefill_scheduled`, which disables spec-decode padding of admissions).
+    fn schedule_running(
+        &mut self,
+        b: &mut Builder,
+        budget: &mut u32,
+        threshold: u32,
+        preempted: &mut Vec<ReqHandle>,
+        prompt_chunks: &mut Vec<(u32, u32, u32)>,
+    ) -> Result<bool> {
+        let max_model_len = i64::from(self.config.max_model_len);
+        let lookahead = self.config.num_lookahead_tokens;
+        let mut prefill_scheduled = false;
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
             let req = self.slab.get_mut(slot)?;
             let computed = req.num_computed_tokens;
-            let mut n = i64::from(req.num_tokens_with_spec()) - i64::from(computed);
+            let ph = i64::from(req.num_output_placeholders);
+            // Async scheduling: the steps in flight already produce the request's last token.
+            if ph > 0
+                && i64::from(computed) + 2 - ph
+                    >= i64::from(req.num_prompt_tokens) + i64::from(req.max_tokens)
+            {
+                i += 1;
+                continue;
+            }
+            let mut n = i64::from(req.num_tokens_with_spec()) + ph - i64::from(computed);
             if threshold > 0 && n > i64::from(threshold) {
                 n = i64::from(threshold);
             }
-            n = n.min(i64::from(budget));
-            n = n.min(i64::from(max_model_len) - 1 - i64::from(computed));
+            n = n.min(i64::from(*budget));
+            n = n.min(max_model_len - 1 - i64::from(computed));
             if n <= 0 {
                 i += 1;
                 continue;
@@ -127,46 +161,47 @@ impl Scheduler {
             let n = n as u32;
             let first_new_block = req.blocks.len();
             let mut req = req;
-            if self.kv.allocate_slots(req, n, &[], lookahead).is_none() {
+            if self.kv.allocate_slots(req, n, &[], lookahead, 0).is_none() {
                 // Preempt until the allocation succeeds or `req` itself is the victim.
                 let mut self_preempted = false;
                 loop {
                     let j = self.pick_victim()?;
                     let victim = self.running.remove(j);
                     if let Some(pos) = b.out.handles.iter().position(|h| h.slot == victim) {
-                        budget += b.remove(pos);
+                        *budget += b.remove(pos);
                     }
                     if j < i {
                         i -= 1;
                     }
-                    preempted.push(self.preempt(victim)?);
+                    preempted.push(self.preempt(victim, false)?);
                     if victim == slot {
                         self_preempted = true;
                         break;
                     }
                     let req = self.slab.get_mut(slot)?;
-                    if self.kv.allocate_slots(req, n, &[], lookahead).is_some() {
+                    if self.kv.allocate_slots(req, n, &[], lookahead, 0).is_some() {
                         break;
                     }
                 }
                 if self_preempted {
+                    // vLLM 0.33: under PRIORITY the requests after it rank higher and may still fit (`i` already
+                    // points at the next one; FAIR: they belong to tenants with smaller counters); under FCFS
+                    // the pass ends.
                     if self.config.policy != Policy::Fcfs {
-                        // vLLM 0.33: the request was the lowest-priority one and freed its own blocks; the
-                        // requests after it rank higher and may still fit. `i` already points at the next one.
-                        // (FAIR: they belong to tenants with smaller counters.)
                         continue;
                     }
                     break;
                 }
                 req = self.slab.get_mut(slot)?;
             }
-            req.num_computed_tokens += n;
-            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
+            prefill_scheduled |= req.is_prefill_chunk;
             if computed < req.num_prompt_tokens {
                 prompt_chunks.push((slot, computed, n));
             }
-            // Drafts ride along only as far as this step reaches past the known tokens.
-            let num_spec = (i64::from(computed) + i64::from(n) - i64::from(req.num_tokens()))
+            req.num_computed_tokens += n;
+            req.is_prefill_chunk = i64::from(req.num_computed_tokens) < i64::from(req.num_tokens()) + ph;
+            // Drafts ride along only as far as this step reaches past the known tokens and placeholders.
+            let num_spec = (i64::from(computed) + i64::from(n) - i64::from(req.num_tokens()) - ph)
                 .clamp(0, req.spec_token_ids.len() as i64) as usize;
             b.push(
                 req.handle,
@@ -177,73 +212,144 @@ impl Scheduler {
                 req.is_prefill_chunk,
             );
             req.spec_token_ids.clear();
-            budget -= n;
+            *budget -= n;
             i += 1;
         }
+        Ok(prefill_scheduled)
+    }
 
-        for (slot, start, n) in prompt_chunks {
-            let req = self.slab.get_mut(slot)?;
-            if req.status == RequestStatus::Running {
-                self.tenants.charge_prompt(req, start, n);
+    /// Phase B: admits waiting requests in policy order while `max_num_seqs`, the budget and the free blocks
+    /// allow; it never preempts. Requests that cannot run yet (grammar not ready, output of a step from before
+    /// their preemption still in flight, a LoRA over `max_loras`) are skipped and keep their place.
+    fn admit_waiting(
+        &mut self,
+        b: &mut Builder,
+        budget: &mut u32,
+        threshold: u32,
+        prefill_scheduled: bool,
+    ) -> Result<()> {
+        let bs = self.config.block_size;
+        let max_model_len = self.config.max_model_len;
+        let lookahead = self.config.num_lookahead_tokens;
+        let max_num_seqs = self.config.max_num_seqs as usize;
+        let chunked = self.config.enable_chunked_prefill;
+        let reserve_full_isl = self.config.scheduler_reserve_full_isl;
+        let max_loras = self.config.max_loras as usize;
+        let watermark = self.config.watermark_blocks();
+        let any_running_scheduled = !b.out.handles.is_empty();
+        // LoRA adapters of all running requests (scheduled this step or not), then of each admission.
+        let mut loras: Vec<String> = Vec::new();
+        if max_loras > 0 {
+            for &s in &self.running {
+                if let Some(l) = &self.slab.get(s)?.extra_keys.lora_name {
+                    if !loras.iter().any(|x| x == l) {
+                        loras.push(l.clone());
+                    }
+                }
             }
         }
-
-        // Phase B: waiting requests, only if nobody was preempted.
-        if preempted.is_empty() {
-            let plan = self.begin_admission();
-            let mut hits: Vec<u32> = Vec::new();
-            while budget > 0 && self.running.len() < max_num_seqs {
-                let Some(h) = self.waiting.peek(&self.tenants) else { break };
-                let req = self.slab.get_mut(h.slot)?;
-                hits.clear();
-                self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
-                let num_hit_tokens = hits.len() as u32 * bs;
-                let mut n = req.num_tokens() - num_hit_tokens;
-                if threshold > 0 && n > threshold {
-                    n = threshold;
+        let mut skipped: Vec<ReqHandle> = Vec::new();
+        let mut hits: Vec<u32> = Vec::new();
+        while *budget > 0 && self.pause_state == PauseState::Unpaused && self.running.len() < max_num_seqs {
+            let Some(h) = self.waiting.peek(&self.tenants) else { break };
+            let req = self.slab.get_mut(h.slot)?;
+            if req.status == RequestStatus::WaitingForGrammar && req.grammar_ready {
+                req.status = RequestStatus::Waiting;
+            }
+            let lora_blocked = max_loras > 0
+                && loras.len() >= max_loras
+                && req.extra_keys.lora_name.as_ref().is_some_and(|l| !loras.contains(l));
+            if req.status == RequestStatus::WaitingForGrammar
+                || (req.num_stale_output_tokens > 0 && !req.drop_stale_output)
+                || lora_blocked
+            {
+                if !req.deferred {
+                    req.deferred = true;
+                    self.num_deferred += 1;
                 }
-                if !chunked && n > budget {
-                    break;
-                }
-                n = n.min(budget);
-                if reserve_full_isl && !self.kv.full_sequence_fits(req, &hits) {
-                    break;
-                }
-                if self.kv.allocate_slots(req, n, &hits, 0).is_none() {
-                    break;
-                }
-                let resumed = req.status == RequestStatus::Preempted;
-                req.status = RequestStatus::Running;
-                req.num_computed_tokens = num_hit_tokens + n;
-                req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
-                if req.num_cached_tokens < 0 {
-                    req.num_cached_tokens = i64::from(num_hit_tokens);
-                }
-                let c = &mut self.counters;
-                if req.num_preemptions > 0 {
-                    c.prefix_cache_preempted_queries += u64::from(req.num_tokens());
-                    c.prefix_cache_preempted_hits += u64::from(num_hit_tokens);
-                } else {
-                    c.prefix_cache_queries += u64::from(req.num_tokens());
-                    c.prefix_cache_hits += u64::from(num_hit_tokens);
-                }
-                let idx = b.out.handles.len() as u32;
-                if resumed {
-                    b.out.resumed_reqs.push(idx);
-                } else {
-                    b.out.new_reqs.push(idx);
-                }
-                b.push(req.handle, n, num_hit_tokens, &req.blocks, &[], req.is_prefill_chunk);
                 self.waiting.pop(&self.tenants);
-                self.tenants.on_leave_waiting(req.tenant);
-                self.tenants.charge_prompt(req, num_hit_tokens, n);
-                self.running.push(h.slot);
-                budget -= n;
+                skipped.push(h);
+                continue;
             }
-            self.end_admission(plan);
+            hits.clear();
+            self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
+            let num_hit_tokens = hits.len() as u32 * bs;
+            let mut n = req.num_tokens() - num_hit_tokens;
+            // Spec decoding: a request with one token to compute, admitted into a batch of decodes, gets
+            // placeholder drafts so that every decode in the batch has the same shape (vLLM 0.33).
+            let padded = 1 + lookahead;
+            let pad = lookahead > 0
+                && n == 1
+                && !prefill_scheduled
+                && (any_running_scheduled || num_hit_tokens > 0)
+                && num_hit_tokens + padded < max_model_len // room for the token this step samples
+                && (threshold == 0 || threshold >= padded);
+            if pad {
+                if padded > *budget {
+                    break;
+                }
+                n = padded;
+            }
+            if threshold > 0 && n > threshold {
+                n = threshold;
+            }
+            if !chunked && n > *budget {
+                break;
+            }
+            n = n.min(*budget);
+            let reserved = if self.running.is_empty() { 0 } else { watermark };
+            if reserve_full_isl && !self.kv.full_sequence_fits(req, &hits, reserved) {
+                break;
+            }
+            if self.kv.allocate_slots(req, n, &hits, lookahead, reserved).is_none() {
+                break;
+            }
+            let resumed = req.status == RequestStatus::Preempted;
+            req.status = RequestStatus::Running;
+            req.num_computed_tokens = num_hit_tokens + n;
+            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
+            if req.num_cached_tokens < 0 {
+                req.num_cached_tokens = i64::from(num_hit_tokens);
+            }
+            if req.deferred {
+                req.deferred = false;
+                self.num_deferred -= 1;
+            }
+            if max_loras > 0 {
+                if let Some(l) = &req.extra_keys.lora_name {
+                    if !loras.contains(l) {
+                        loras.push(l.clone());
+                    }
+                }
+            }
+            let c = &mut self.counters;
+            if req.num_preemptions > 0 {
+                c.prefix_cache_preempted_queries += u64::from(req.num_tokens());
+                c.prefix_cache_preempted_hits += u64::from(num_hit_tokens);
+            } else {
+                c.prefix_cache_queries += u64::from(req.num_tokens());
+                c.prefix_cache_hits += u64::from(num_hit_tokens);
+            }
+            let idx = b.out.handles.len() as u32;
+            if resumed {
+                b.out.resumed_reqs.push(idx);
+            } else {
+                b.out.new_reqs.push(idx);
+            }
+            let spec = if pad { vec![SPEC_PLACEHOLDER; lookahead as usize] } else { Vec::new() };
+            b.push(req.handle, n, num_hit_tokens, &req.blocks, &spec, req.is_prefill_chunk);
+            self.waiting.pop(&self.tenants);
+            self.tenants.on_leave_waiting(req.tenant);
+            self.tenants.charge_prompt(req, num_hit_tokens, n);
+            self.running.push(h.slot);
+            *budget -= n;
         }
-
-        Ok(self.finish_step(b, preempted))
+        // Skipped requests go back to the front in their order (FCFS), or by their key (PRIORITY).
+        for &h in skipped.iter().rev() {
+            let key = Self::priority_key(self.slab.get(h.slot)?);
+            self.waiting.push_preempted(h, key);
+        }
+        Ok(())
     }
 
     /// Index in `running` of the next preemption victim.
@@ -272,7 +378,9 @@ impl Scheduler {
     }
 
     /// Frees the request's KV and sends it back to waiting; its outputs are kept and recomputed on resume.
-    fn preempt(&mut self, slot: u32) -> Result<ReqHandle> {
+    /// The output of steps still in flight becomes stale: applied when it arrives (or dropped, with
+    /// `drop_stale_output`), but it rolls nothing back and the request is not resumed before then.
+    pub(crate) fn preempt(&mut self, slot: u32, drop_stale_output: bool) -> Result<ReqHandle> {
         let req = self.slab.get_mut(slot)?;
         self.kv.free(req);
         req.num_computed_tokens = 0;
@@ -280,6 +388,10 @@ impl Scheduler {
         req.status = RequestStatus::Preempted;
         req.num_preemptions += 1;
         req.is_prefill_chunk = false;
+        req.drop_stale_output =
+            drop_stale_output || (req.drop_stale_output && req.num_stale_output_tokens > 0);
+        req.num_stale_output_tokens = req.num_in_flight_tokens;
+        req.num_output_placeholders = 0;
         let handle = req.handle;
         let key = Self::priority_key(req);
         self.waiting.push_preempted(handle, key);
@@ -288,13 +400,27 @@ impl Scheduler {
         Ok(handle)
     }
 
-    fn finish_step(&mut self, b: Builder, preempted: Vec<ReqHandle>) -> SchedulerOutput {
+    fn finish_step(&mut self, b: Builder, preempted: Vec<ReqHandle>) -> Result<SchedulerOutput> {
         let Builder { mut out, is_chunk, num_spec } = b;
+        // vLLM's `_update_after_schedule` (and `AsyncScheduler`'s): in-flight tokens, then placeholders for
+        // the tokens each decode will sample and its next drafts.
+        let async_scheduling = self.config.async_scheduling;
+        let lookahead = self.config.num_lookahead_tokens as usize;
+        for (k, &h) in out.handles.iter().enumerate() {
+            let req = self.slab.get_mut(h.slot)?;
+            req.num_in_flight_tokens += out.num_scheduled_tokens[k] as u32;
+            if async_scheduling && !is_chunk[k] {
+                req.num_output_placeholders += 1 + num_spec[k];
+                req.spec_token_ids.clear();
+                req.spec_token_ids.resize(lookahead, SPEC_PLACEHOLDER);
+            }
+        }
         let step_id = self.next_step_id;
         self.next_step_id += 1;
         out.scheduler_id = self.scheduler_id;
         out.step_id = step_id;
         out.preempted = preempted;
+        out.preempted_before_step = std::mem::take(&mut self.preempted_since_step);
         out.finished_req_ids = std::mem::take(&mut self.finished_since_step);
         self.counters.last_num_scheduled_reqs = out.handles.len();
         self.counters.last_num_scheduled_tokens = out.total_num_scheduled_tokens;
@@ -311,6 +437,6 @@ impl Scheduler {
             spec_token_ids: out.spec_token_ids.clone(),
             spec_token_ids_indptr: out.spec_token_ids_indptr.clone(),
         });
-        out
+        Ok(out)
     }
 }

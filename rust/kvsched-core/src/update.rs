@@ -89,6 +89,13 @@ impl Scheduler {
         let n = rec.handles.len();
         sampled.check("sampled_token_ids", n)?;
         if let Some(d) = &drafts {
+            if self.config.async_scheduling {
+                return Err(SchedError::InvalidOutput(
+                    "with async_scheduling the drafts stay with the runner (the scheduler schedules placeholders \
+                     for them): pass draft_token_ids=None"
+                        .into(),
+                ));
+            }
             d.check("draft_token_ids", n)?;
         }
         let lookahead = self.config.num_lookahead_tokens as usize;
@@ -147,20 +154,40 @@ impl Scheduler {
         self.epoch += 1;
         let max_model_len = self.config.max_model_len;
         let block_mask = self.config.block_size as usize - 1;
+        let spec_decoding = self.config.num_lookahead_tokens > 0;
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         for i in 0..n {
-            if rec.is_prefill_chunk[i] {
-                continue;
-            }
             let Some(req) = self.slab.resolve_mut(rec.handles[i]) else {
                 continue;
             };
-            let tokens = sampled.get(i);
-            let rejected = rec.num_spec_tokens[i] as usize - (tokens.len() - 1);
-            if req.status == RequestStatus::Running && rejected > 0 {
-                req.num_computed_tokens = req.num_computed_tokens.saturating_sub(rejected as u32);
+            let num_scheduled = rec.num_scheduled_tokens[i] as u32;
+            req.num_in_flight_tokens = req.num_in_flight_tokens.saturating_sub(num_scheduled);
+            // Output of a step scheduled before the request was preempted: delivered, but it rolls nothing
+            // back (or, after a forced reset, it is dropped).
+            let stale = req.num_stale_output_tokens > 0;
+            if stale {
+                req.num_stale_output_tokens = req.num_stale_output_tokens.saturating_sub(num_scheduled);
+                if req.drop_stale_output {
+                    continue;
+                }
             }
+            if rec.is_prefill_chunk[i] {
+                continue;
+            }
+            let tokens = sampled.get(i);
+            let num_spec = rec.num_spec_tokens[i];
+            if num_spec > 0 && !stale {
+                let rejected = num_spec - (tokens.len() as u32 - 1);
+                if req.num_computed_tokens > 0 {
+                    req.num_computed_tokens = req.num_computed_tokens.saturating_sub(rejected);
+                }
+                if req.num_output_placeholders > 0 {
+                    req.num_output_placeholders = req.num_output_placeholders.saturating_sub(rejected);
+                }
+            }
+            let was_running = req.status == RequestStatus::Running;
+            let had_placeholders = req.num_output_placeholders > 0;
             let mut stopped = None;
             let mut appended = 0;
             let mut crossed_block = false;
@@ -179,9 +206,24 @@ impl Scheduler {
             if crossed_block {
                 self.kv.extend_hashes(req);
             }
+            if !stale {
+                // A stop cuts the rest of the entry: its computed count covers only what was kept.
+                if stopped.is_some() {
+                    let cut = (tokens.len() - appended as usize) as u32;
+                    req.num_computed_tokens = req.num_computed_tokens.saturating_sub(cut);
+                }
+                // Every returned token resolves a placeholder, including those cut at a stop.
+                req.num_output_placeholders = req.num_output_placeholders.saturating_sub(tokens.len() as u32);
+                // vLLM caches the blocks this step completed (accepted drafts, placeholder positions) now,
+                // up to what the applied steps computed.
+                if was_running && (had_placeholders || spec_decoding) {
+                    let upto = req.num_computed_tokens.saturating_sub(req.num_in_flight_tokens);
+                    self.kv.cache_blocks(req, upto);
+                }
+            }
             match stopped {
                 Some((status, stop_reason)) => {
-                    if req.status == RequestStatus::Running {
+                    if was_running {
                         any_running_finished = true;
                     } else {
                         any_waiting_finished = true;
@@ -194,7 +236,7 @@ impl Scheduler {
                     res.stop_reasons.push(stop_reason);
                 }
                 None => {
-                    if let Some(d) = &drafts {
+                    if let (Some(d), false) = (&drafts, stale) {
                         req.spec_token_ids.clear();
                         req.spec_token_ids.extend(d.get(i).iter().map(|&t| t as u32));
                     }
@@ -206,13 +248,12 @@ impl Scheduler {
     }
 }
 
-/// The stop check after each appended token, in vLLM's order: min_tokens, EOS (unless ignore_eos), stop token
-/// ids, then the length limits. Returns the final status and the stop reason (stop token or -1).
+/// The stop check after each appended token, in vLLM 0.33's order (`check_stop`): EOS (unless ignore_eos), stop
+/// token ids, then the length limits. `min_tokens` does not hold back EOS or stop ids here: the sampler masks
+/// them until then (in vLLM 0.33 `min_tokens` only defers repetition detection, which kvsched does not do).
+/// Returns the final status and the stop reason (stop token or -1).
 fn check_stop(req: &Request, max_model_len: u32) -> Option<(RequestStatus, i64)> {
     let num_output = req.num_output_tokens();
-    if num_output < req.min_tokens {
-        return None;
-    }
     let last = *req.token_ids.last()?;
     if !req.ignore_eos && req.eos_token_id == Some(last) {
         return Some((RequestStatus::FinishedStopped, -1));

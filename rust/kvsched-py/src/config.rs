@@ -67,5 +67,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         fair_prefill_weight: f64_field("fair_prefill_weight")?,
         fair_decode_weight: f64_field("fair_decode_weight")?,
         priority_aging_steps: u32_field("priority_aging_steps")?,
+        async_scheduling: bool_field("async_scheduling")?,
+        max_loras: u32_field("max_loras")?,
+        watermark: f64_field("watermark")?,
     })
 }

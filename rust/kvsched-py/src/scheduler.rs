@@ -68,7 +68,7 @@ impl PyScheduler {
 
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, min_tokens=None, eos_token_id=None,
         ignore_eos=None, stop_token_ids=None, priority=None, arrival_time=None, cache_salt=None, lora_name=None,
-        tenant=None))]
+        tenant=None, ready=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         slf: &Bound<'_, Self>,
@@ -84,6 +84,7 @@ impl PyScheduler {
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora_name: Option<&Bound<'_, PyAny>>,
         tenant: Option<&Bound<'_, PyAny>>,
+        ready: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let py = slf.py();
         let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
@@ -113,13 +114,17 @@ impl PyScheduler {
             None => None,
             Some(t) => Some(guard(py, || core::Scheduler::check_token_id("eos_token_id", t))?),
         };
-        let ignore_eos = match ignore_eos {
-            None => false,
-            Some(o) => o
-                .downcast::<PyBool>()
-                .map(|b| b.is_true())
-                .map_err(|_| type_error(py, format!("ignore_eos must be a bool, got {}", type_name(o))))?,
+        let flag = |o: Option<&Bound<'_, PyAny>>, name: &str, default: bool| -> PyResult<bool> {
+            match o {
+                Some(o) if !o.is_none() => o
+                    .downcast::<PyBool>()
+                    .map(|b| b.is_true())
+                    .map_err(|_| type_error(py, format!("{name} must be a bool, got {}", type_name(o)))),
+                _ => Ok(default),
+            }
         };
+        let ignore_eos = flag(ignore_eos, "ignore_eos", false)?;
+        let ready = flag(ready, "ready", true)?;
         let mut stops = Vec::new();
         if let Some(s) = stop_token_ids {
             if !s.is_none() {
@@ -160,6 +165,7 @@ impl PyScheduler {
             cache_salt: opt_str_arg(cache_salt, "cache_salt")?,
             lora_name: opt_str_arg(lora_name, "lora_name")?,
             tenant: opt_str_arg(tenant, "tenant")?,
+            waiting_for_grammar: !ready,
         };
         let id_str = id_arg(req_id, "InvalidRequestError")?;
         let mut this = borrow_mut(slf)?;
@@ -197,8 +203,11 @@ impl PyScheduler {
                 ids
             }
         };
-        let preempted_ids =
-            out.preempted.iter().map(|&h| id_of(&this.py_ids, h)).collect::<PyResult<Vec<_>>>()?;
+        let mut preempted_ids: Vec<Py<PyString>> =
+            out.preempted_before_step.iter().map(|id| PyString::new(py, id).unbind()).collect();
+        for &h in &out.preempted {
+            preempted_ids.push(id_of(&this.py_ids, h)?);
+        }
         let num_preempted = preempted_ids.len();
         let total_preemptions = this.core.stats().num_preemptions;
         drop(this);
@@ -409,9 +418,48 @@ impl PyScheduler {
         guard(py, || this.core.get_num_cached_tokens(&prompt, salt.as_deref(), lora.as_deref()))
     }
 
-    fn reset_prefix_cache(slf: &Bound<'_, Self>) -> PyResult<bool> {
+    #[pyo3(signature = (reset_running_requests=None))]
+    fn reset_prefix_cache(
+        slf: &Bound<'_, Self>,
+        reset_running_requests: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let py = slf.py();
+        let reset = match reset_running_requests {
+            None => false,
+            Some(o) => o.downcast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
+                type_error(py, format!("reset_running_requests must be a bool, got {}", type_name(o)))
+            })?,
+        };
         let mut this = borrow_mut(slf)?;
-        Ok(this.core.reset_prefix_cache())
+        guard(py, || this.core.reset_prefix_cache(reset))
+    }
+
+    /// Releases a request added with `ready=False` (its structured-output grammar is compiled).
+    fn set_ready(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let mut this = borrow_mut(slf)?;
+        guard(slf.py(), || this.core.set_ready(&id))
+    }
+
+    #[getter]
+    fn pause_state(slf: &Bound<'_, Self>) -> PyResult<&'static str> {
+        Ok(borrow(slf)?.core.pause_state().name())
+    }
+
+    fn set_pause_state(slf: &Bound<'_, Self>, state: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let name = state
+            .extract::<String>()
+            .map_err(|_| type_error(py, format!("pause state must be a str, got {}", type_name(state))))?;
+        let parsed = guard(py, || core::PauseState::parse(&name))?;
+        borrow_mut(slf)?.core.set_pause_state(parsed);
+        Ok(())
+    }
+
+    fn get_num_output_placeholders(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        guard(slf.py(), || this.core.get_num_output_placeholders(&id))
     }
 
     /// The counters as a dict (`kvsched.Scheduler.stats()` wraps it in a dataclass).
@@ -421,6 +469,7 @@ impl PyScheduler {
         let d = PyDict::new(py);
         d.set_item("num_running_reqs", s.num_running_reqs)?;
         d.set_item("num_waiting_reqs", s.num_waiting_reqs)?;
+        d.set_item("num_skipped_waiting_reqs", s.num_skipped_waiting_reqs)?;
         d.set_item("kv_cache_usage", s.kv_cache_usage)?;
         d.set_item("num_free_blocks", s.num_free_blocks)?;
         d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
