@@ -19,9 +19,12 @@ EOS = 3
 NUM_STEPS = 3000  # arrivals stop here; the loop then drains
 
 
-def answer(s: Scheduler, out: Any, rng: random.Random, lookahead: int) -> tuple[list[list[int]], Any]:
+def answer(
+    s: Scheduler, out: Any, rng: random.Random, lookahead: int, min_tokens: dict[str, int]
+) -> tuple[list[list[int]], Any]:
     """Random tokens (EOS now and then) for each entry that is not a prefill chunk, accepting a random number
-    of its scheduled drafts, and new random drafts (when ``lookahead``); call right after schedule()."""
+    of its scheduled drafts, and new random drafts (when ``lookahead``); call right after schedule(). Like
+    vLLM's sampler, it never emits EOS before ``min_tokens`` outputs (the scheduler does not hold EOS back)."""
     sampled: list[list[int]] = []
     drafts: list[list[int]] = []
     spec = out.spec_token_ids.tolist()
@@ -33,8 +36,12 @@ def answer(s: Scheduler, out: Any, rng: random.Random, lookahead: int) -> tuple[
             sampled.append([])
             drafts.append([])
         else:
-            accepted = scheduled_drafts[: rng.randrange(0, len(scheduled_drafts) + 1)]
-            sampled.append([*accepted, rng.randrange(0, 40)])
+            # a placeholder draft (-1, a padded admission) is verified as whatever the model samples there
+            accepted = [t if t >= 0 else rng.randrange(0, 40) for t in scheduled_drafts]
+            accepted = accepted[: rng.randrange(0, len(scheduled_drafts) + 1)]
+            tokens = [*accepted, rng.randrange(0, 40)]
+            known = len(s.get_output_token_ids(rid))  # a lower bound of the outputs before this entry
+            sampled.append([EOS + 1 if t == EOS and known + i < min_tokens[rid] else t for i, t in enumerate(tokens)])
             drafts.append([rng.randrange(0, 40) for _ in range(rng.randrange(0, lookahead + 1))])
     return sampled, (drafts if lookahead else None)
 
@@ -127,7 +134,7 @@ def test_random_traffic_runs_to_completion_with_every_request_accounted_for(poli
             assert rid in finished or rid in aborted
             assert rid not in reported
             reported.add(rid)
-        pending.append((out, *answer(s, out, rng, lookahead)))
+        pending.append((out, *answer(s, out, rng, lookahead, {r: p["min_tokens"] for r, p in params.items()})))
         if rng.random() < 0.02 and live():  # abort, possibly while its step is in flight
             victim = rng.choice(live())
             s.abort_requests([victim])
