@@ -544,39 +544,41 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
         any::<bool>(),
         (any::<bool>(), prop_oneof![Just(0u32), Just(1), Just(2)], prop_oneof![Just(0.0f64), Just(0.2)]),
     )
-        .prop_map(|(bs, nb, seqs, budget, caching, chunked, thr, mode, la, full_isl, (asy, loras, wm))| {
-            let max_model_len = ((nb - 1) * bs).min(200);
-            SchedulerConfig {
-                block_size: bs,
-                num_blocks: nb,
-                max_num_seqs: seqs,
-                max_num_batched_tokens: if chunked { budget } else { max_model_len },
-                max_model_len,
-                enable_prefix_caching: caching,
-                enable_chunked_prefill: chunked,
-                long_prefill_token_threshold: thr,
-                // 0: fcfs, 1: fcfs + admission window, 2: priority, 3: priority + aging, 4-5: fair.
-                policy: [
-                    Policy::Fcfs,
-                    Policy::Fcfs,
-                    Policy::Priority,
-                    Policy::Priority,
-                    Policy::Fair,
-                    Policy::Fair,
-                ][mode as usize],
-                cache_aware_admission_window: if mode == 1 { 3 } else { 0 },
-                cache_aware_admission_threshold: if mode == 1 { 0.2 } else { 0.5 },
-                priority_aging_steps: if mode == 3 { 2 } else { 0 },
-                tenant_weights: if mode == 5 { vec![("t1".into(), 3.0)] } else { vec![] },
-                num_lookahead_tokens: la,
-                prefix_hash_seed: Some(b"p".to_vec()),
-                scheduler_reserve_full_isl: full_isl,
-                async_scheduling: asy,
-                max_loras: loras,
-                watermark: wm,
-                ..Default::default()
-            }
-        })
+        .prop_map(
+            |(bs, nb, seqs, budget, caching, chunked, thr, mode, la, full_isl, (asy, loras, wm))| {
+                let max_model_len = ((nb - 1) * bs).min(200);
+                SchedulerConfig {
+                    block_size: bs,
+                    num_blocks: nb,
+                    max_num_seqs: seqs,
+                    max_num_batched_tokens: if chunked { budget } else { max_model_len },
+                    max_model_len,
+                    enable_prefix_caching: caching,
+                    enable_chunked_prefill: chunked,
+                    long_prefill_token_threshold: thr,
+                    // 0: fcfs, 1: fcfs + admission window, 2: priority, 3: priority + aging, 4-5: fair.
+                    policy: [
+                        Policy::Fcfs,
+                        Policy::Fcfs,
+                        Policy::Priority,
+                        Policy::Priority,
+                        Policy::Fair,
+                        Policy::Fair,
+                    ][mode as usize],
+                    cache_aware_admission_window: if mode == 1 { 3 } else { 0 },
+                    cache_aware_admission_threshold: if mode == 1 { 0.2 } else { 0.5 },
+                    priority_aging_steps: if mode == 3 { 2 } else { 0 },
+                    tenant_weights: if mode == 5 { vec![("t1".into(), 3.0)] } else { vec![] },
+                    num_lookahead_tokens: la,
+                    prefix_hash_seed: Some(b"p".to_vec()),
+                    scheduler_reserve_full_isl: full_isl,
+                    async_scheduling: asy,
+                    max_loras: loras,
+                    watermark: wm,
+                    ..Default::default()
+                }
+            },
+        )
 }
 
 fn apply_pending(s: &mut Scheduler, pending: &mut Vec<SchedulerOutput>, eos: bool, n_drafts: u32) {
