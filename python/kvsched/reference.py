@@ -374,12 +374,28 @@ class _PriorityQueue:
 class _Tenant:
     """A tenant's weight, virtual counter (VTC), service received and number of waiting requests."""
 
-    __slots__ = ("counter", "name", "num_decode_tokens", "num_prefill_tokens", "num_waiting", "weight")
+    __slots__ = (
+        "counter",
+        "decode_rate",
+        "name",
+        "num_decode_tokens",
+        "num_prefill_tokens",
+        "num_waiting",
+        "prefill_rate",
+        "weight",
+    )
 
-    def __init__(self, name: str, weight: float) -> None:
-        self.name, self.weight = name, weight
+    def __init__(self, name: str, weight: float, config: SchedulerConfig) -> None:
+        self.name = name
         self.counter = 0.0
         self.num_prefill_tokens = self.num_decode_tokens = self.num_waiting = 0
+        self.set_weight(weight, config)
+
+    def set_weight(self, weight: float, config: SchedulerConfig) -> None:
+        """The charge per token is ``rate * tokens`` with ``rate = w / weight`` (the Rust core's expression)."""
+        self.weight = weight
+        self.prefill_rate = config.fair_prefill_weight / weight
+        self.decode_rate = config.fair_decode_weight / weight
 
 
 class _FairQueue:
@@ -514,7 +530,7 @@ class ReferenceScheduler:
         self._cached: dict[bytes, dict[int, None]] = {}
         self._requests: dict[str, _Request] = {}
         self._running: list[_Request] = []
-        self._tenants: dict[str, _Tenant] = {t: _Tenant(t, w) for t, w in c.tenant_weights.items()}
+        self._tenants: dict[str, _Tenant] = {t: _Tenant(t, w, c) for t, w in c.tenant_weights.items()}
         self._waiting: _FcfsQueue | _PriorityQueue | _FairQueue = (
             _FcfsQueue() if c.policy == "fcfs" else _PriorityQueue() if c.policy == "priority"
             else _FairQueue(self._tenants)
@@ -816,7 +832,7 @@ class ReferenceScheduler:
         """The tenant ``name``, registered (weight 1.0, counter 0) on first sight."""
         t = self._tenants.get(name)
         if t is None:
-            t = self._tenants[name] = _Tenant(name, 1.0)
+            t = self._tenants[name] = _Tenant(name, 1.0, self._config)
         return t
 
     def _on_arrival(self, t: _Tenant) -> None:
@@ -829,9 +845,7 @@ class ReferenceScheduler:
 
     def _charge(self, t: _Tenant, tokens: int, decode: bool) -> None:
         if tokens > 0:
-            c = self._config
-            w = c.fair_decode_weight if decode else c.fair_prefill_weight
-            t.counter += (w * tokens) / t.weight  # the one expression both implementations use
+            t.counter += (t.decode_rate if decode else t.prefill_rate) * tokens  # as the Rust core computes it
             if decode:
                 t.num_decode_tokens += tokens
             else:
@@ -846,7 +860,7 @@ class ReferenceScheduler:
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """Change ``tenant``'s weight from now on (registering it if new); earlier charges stand."""
         check_tenant_weight(tenant, weight, InvalidRequestError)
-        self._tenant(tenant).weight = float(weight)
+        self._tenant(tenant).set_weight(float(weight), self._config)
 
     def tenant_stats(self) -> dict[str, TenantStats]:
         """Every tenant seen so far, in registration order: weight, virtual counter, service received."""
@@ -1106,6 +1120,7 @@ class ReferenceScheduler:
         reasons: list[int] = []
         stop_reasons: list[int] = []
         num_new = np.zeros(n, dtype=np.int32)
+        decode_tokens: dict[str, int] = {}  # per tenant, charged once at the end
         for k, (r, was_prefill_chunk, num_drafts) in enumerate(out._entries):
             if r.status.is_finished:
                 continue
@@ -1134,7 +1149,7 @@ class ReferenceScheduler:
                 stop = self._check_stop(r, t)
                 if stop is not None:
                     break
-            self._charge(self._tenants[r.tenant], int(num_new[k]), True)
+            decode_tokens[r.tenant] = decode_tokens.get(r.tenant, 0) + int(num_new[k])
             self._update_block_hashes(r)
             if not stale:
                 if stop is not None:  # the rest of the entry is cut: computed covers only what was kept
@@ -1150,6 +1165,8 @@ class ReferenceScheduler:
                 stop_reasons.append(stop_reason)
             elif drafts is not None and not stale:
                 r.drafts = list(drafts[k])
+        for name, tokens in decode_tokens.items():
+            self._charge(self._tenants[name], tokens, True)
         return UpdateResult(
             finished_req_ids=finished,
             finish_reasons=np.array(reasons, dtype=np.int8),

@@ -2,9 +2,10 @@
 //!
 //! Every request belongs to a tenant (default `"default"`). Each tenant has a weight (config
 //! `tenant_weights`, 1.0 when not listed, changeable at run time) and a *virtual counter* of the weighted
-//! service it received: `fair_prefill_weight * t / weight` per `t` prompt tokens computed for the first time
+//! service it received: `(fair_prefill_weight / weight) * t` per `t` prompt tokens computed for the first time
 //! (cached prefix tokens and recomputation after a preemption are free: the tenant did not ask for them) and
-//! `fair_decode_weight * t / weight` per `t` output tokens appended. A tenant whose waiting queue goes from
+//! `(fair_decode_weight / weight) * t` for the `t` output tokens appended to its requests by one
+//! `update_from_output` (summed over the call, charged once at its end: one multiply-add per tenant per step). A tenant whose waiting queue goes from
 //! empty to non-empty on a new request is lifted to the smallest counter among the *other* tenants with waiting
 //! requests (unchanged if there are none), so idle time banks no credit. The accounting runs under every
 //! policy (it is what `tenant_stats()` reports); only policy `fair` admits by it:
@@ -14,8 +15,9 @@
 //!   when that request does not fit, admission stops for the step (no skipping to another tenant);
 //! - the preemption victim is the last request in `running` among those whose tenant has the largest counter.
 //!
-//! Counters are `f64` and every charge is the one expression `(w * tokens) / weight`, applied in scheduling
-//! order, so the pure-Python reference computes bit-identical counters (ties decide admissions).
+//! Counters are `f64` and every charge is the one expression `rate * tokens` (`rate = w / weight`, computed when
+//! the weight is set), applied in scheduling order, so the pure-Python reference computes bit-identical counters
+//! (ties decide admissions).
 //! Invariants: `num_waiting` of each tenant equals its requests in `waiting`; counters never decrease
 //! (a lift only raises one); tenants are never forgotten (memory grows with the number of distinct names).
 
@@ -41,6 +43,11 @@ pub struct Tenant {
     pub num_decode_tokens: u64,
     /// The tenant's requests in `waiting` (WAITING or PREEMPTED).
     pub num_waiting: u32,
+    /// `fair_prefill_weight / weight` and `fair_decode_weight / weight`.
+    prefill_rate: f64,
+    decode_rate: f64,
+    /// Output tokens appended during the current `update_from_output`, charged by `flush_decode`.
+    pending_decode: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -49,6 +56,8 @@ pub struct Tenants {
     list: Vec<Tenant>,
     prefill_weight: f64,
     decode_weight: f64,
+    /// Tenants with `pending_decode > 0`.
+    pending: Vec<u32>,
 }
 
 impl Tenants {
@@ -59,10 +68,11 @@ impl Tenants {
             list: Vec::new(),
             prefill_weight: config.fair_prefill_weight,
             decode_weight: config.fair_decode_weight,
+            pending: Vec::new(),
         };
         for (name, w) in &config.tenant_weights {
             let id = t.intern(name);
-            t.list[id as usize].weight = *w;
+            t.assign_weight(id, *w);
         }
         t
     }
@@ -82,8 +92,19 @@ impl Tenants {
             num_prefill_tokens: 0,
             num_decode_tokens: 0,
             num_waiting: 0,
+            prefill_rate: self.prefill_weight,
+            decode_rate: self.decode_weight,
+            pending_decode: 0,
         });
         id
+    }
+
+    fn assign_weight(&mut self, id: u32, weight: f64) {
+        let (wp, wd) = (self.prefill_weight, self.decode_weight);
+        let t = &mut self.list[id as usize];
+        t.weight = weight;
+        t.prefill_rate = wp / weight;
+        t.decode_rate = wd / weight;
     }
 
     pub fn get(&self, id: u32) -> Option<&Tenant> {
@@ -99,7 +120,7 @@ impl Tenants {
         check_tenant_name(name).map_err(SchedError::InvalidRequest)?;
         check_tenant_weight(name, weight).map_err(SchedError::InvalidRequest)?;
         let id = self.intern(name);
-        self.list[id as usize].weight = weight;
+        self.assign_weight(id, weight);
         Ok(())
     }
 
@@ -137,21 +158,29 @@ impl Tenants {
     #[inline]
     pub fn charge_prefill(&mut self, id: u32, tokens: u32) {
         if tokens > 0 {
-            let w = self.prefill_weight;
             let t = &mut self.list[id as usize];
-            t.counter += (w * f64::from(tokens)) / t.weight;
+            t.counter += t.prefill_rate * f64::from(tokens);
             t.num_prefill_tokens += u64::from(tokens);
         }
     }
 
-    /// Charges `tokens` output tokens appended.
+    /// Counts `tokens` output tokens appended (charged by `flush_decode`).
     #[inline]
-    pub fn charge_decode(&mut self, id: u32, tokens: u32) {
-        if tokens > 0 {
-            let w = self.decode_weight;
+    pub fn add_decode(&mut self, id: u32, tokens: u32) {
+        let t = &mut self.list[id as usize];
+        if t.pending_decode == 0 && tokens > 0 {
+            self.pending.push(id);
+        }
+        t.pending_decode += tokens;
+    }
+
+    /// Charges the output tokens counted since the last flush, once per tenant.
+    pub fn flush_decode(&mut self) {
+        for id in self.pending.drain(..) {
             let t = &mut self.list[id as usize];
-            t.counter += (w * f64::from(tokens)) / t.weight;
-            t.num_decode_tokens += u64::from(tokens);
+            t.counter += t.decode_rate * f64::from(t.pending_decode);
+            t.num_decode_tokens += u64::from(t.pending_decode);
+            t.pending_decode = 0;
         }
     }
 
@@ -310,7 +339,8 @@ mod tests {
         t.charge_prefill(a, 10); // a: 10
         t.on_arrival(b); // b lifted to 10
         assert_eq!(t.get(b).map(|x| x.counter), Some(10.0));
-        t.charge_decode(b, 1); // b: 12
+        t.add_decode(b, 1);
+        t.flush_decode(); // b: 12
         t.on_leave_waiting(a);
         t.on_arrival(c); // only b waits: c lifted to 12
         assert_eq!(t.get(c).map(|x| x.counter), Some(12.0));
@@ -328,8 +358,12 @@ mod tests {
         let mut t = Tenants::new(&cfg);
         let a = t.intern("a");
         t.charge_prefill(a, 8);
-        t.charge_decode(a, 3);
-        assert_eq!(t.get(a).map(|x| x.counter), Some(4.0 + 3.0));
+        t.add_decode(a, 2);
+        t.add_decode(a, 0);
+        t.add_decode(a, 1);
+        assert_eq!(t.get(a).map(|x| x.counter), Some(4.0));
+        t.flush_decode();
+        assert_eq!(t.get(a).map(|x| (x.counter, x.num_decode_tokens)), Some((4.0 + 3.0, 3)));
         assert_eq!(Tenants::new_prompt_tokens(0, 5, 0, 8), (5, 5));
         assert_eq!(Tenants::new_prompt_tokens(0, 6, 5, 8), (1, 6)); // recompute of 0..5 is free
         assert_eq!(Tenants::new_prompt_tokens(6, 4, 6, 8), (2, 8)); // decode positions are not prompt

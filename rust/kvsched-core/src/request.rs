@@ -47,6 +47,9 @@ pub enum FinishReason {
     Abort = 3,
 }
 
+/// `Request::eos_token_id` of a request without an EOS token.
+pub const NO_EOS: u32 = u32::MAX;
+
 /// A stable reference to a request: slot index plus the slot's generation when it was taken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ReqHandle {
@@ -89,7 +92,10 @@ pub struct Request {
     pub status: RequestStatus,
     pub ignore_eos: bool,
     pub is_prefill_chunk: bool,
-    pub eos_token_id: Option<u32>,
+    /// `NO_EOS` when none (token ids never exceed `i32::MAX`): 4 bytes instead of 8 leave room for `tenant`.
+    pub eos_token_id: u32,
+    /// Index of the request's tenant in `Tenants` (read for every appended token's charge).
+    pub tenant: u32,
     /// Prompt then output tokens.
     pub token_ids: Vec<u32>,
     // --- second cache line
@@ -112,8 +118,6 @@ pub struct Request {
     /// The priority the waiting heap and the victim choice compare: `priority`, or with aging
     /// `priority * priority_aging_steps + arrival_step` (see `queue.rs`).
     pub effective_priority: i128,
-    /// Index of the request's tenant in `Tenants`.
-    pub tenant: u32,
     /// Prompt tokens already charged to the tenant: recomputation after a preemption is not charged again.
     pub num_charged_prompt_tokens: u32,
     // --- in-flight bookkeeping (vLLM's `Request` fields of the same names)

@@ -18,7 +18,7 @@ use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::output::{SchedulerStats, StepRecord};
 use crate::queue::{effective_priority, PriorityKey, WaitingQueue};
-use crate::request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus};
+use crate::request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus, NO_EOS};
 use crate::slab::Slab;
 
 static NEXT_SCHEDULER_ID: AtomicU64 = AtomicU64::new(1);
@@ -191,7 +191,7 @@ impl Scheduler {
             num_cached_tokens: -1,
             max_tokens,
             min_tokens: params.min_tokens,
-            eos_token_id: params.eos_token_id,
+            eos_token_id: params.eos_token_id.unwrap_or(NO_EOS),
             ignore_eos: params.ignore_eos,
             stop_token_ids: params.stop_token_ids.into_boxed_slice(),
             stop_reason: -1,

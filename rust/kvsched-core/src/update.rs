@@ -4,8 +4,8 @@
 //! scheduling). Everything is validated before anything changes. Per entry: requests that finished since the
 //! step was scheduled are skipped; partial prefills get no token; otherwise rejected drafts are rolled back,
 //! tokens are appended one at a time with a stop check after each (the rest is discarded after a stop), new
-//! full blocks are hashed, appended tokens are charged to the tenant (`fair.rs`), and stopped requests are freed
-//! and reported.
+//! full blocks are hashed, appended tokens are counted per tenant (charged once per tenant at the end, see
+//! `fair.rs`), and stopped requests are freed and reported.
 
 use crate::error::{Result, SchedError};
 use crate::output::UpdateResult;
@@ -201,7 +201,7 @@ impl Scheduler {
                 }
             }
             res.num_new_tokens[i] = appended;
-            self.tenants.charge_decode(req.tenant, appended as u32);
+            self.tenants.add_decode(req.tenant, appended as u32);
             // Hash only when a block just became full: the hash list sits in a colder part of the request.
             if crossed_block {
                 self.kv.extend_hashes(req);
@@ -243,6 +243,7 @@ impl Scheduler {
                 }
             }
         }
+        self.tenants.flush_decode();
         self.remove_finished_from_queues(any_running_finished, any_waiting_finished);
         Ok(res)
     }
@@ -255,7 +256,7 @@ impl Scheduler {
 fn check_stop(req: &Request, max_model_len: u32) -> Option<(RequestStatus, i64)> {
     let num_output = req.num_output_tokens();
     let last = *req.token_ids.last()?;
-    if !req.ignore_eos && req.eos_token_id == Some(last) {
+    if !req.ignore_eos && req.eos_token_id == last {
         return Some((RequestStatus::FinishedStopped, -1));
     }
     if req.stop_token_ids.contains(&last) {
