@@ -871,9 +871,9 @@ class ReferenceScheduler:
 
     # -- cache-aware admission (fcfs) --------------------------------------------------------------------
 
-    def _begin_admission(self) -> tuple[list[_Request], list[_Request]] | None:
+    def _begin_admission(self) -> list[_Request] | None:
         """Reorder the first ``window`` waiting requests for this step: warm peers, then cold peers, in the
-        positions peers hold. Returns (original, reordered), or None when nothing moved."""
+        positions peers hold. Returns the original front, or None when nothing moved."""
         c = self._config
         usage = 1.0 - len(self._free) / c.num_usable_blocks
         if not c.cache_aware_admission_window or usage < c.cache_aware_admission_threshold:
@@ -889,23 +889,24 @@ class ReferenceScheduler:
             source[slot] = k
         if source == sorted(source):
             return None
-        reordered = [original[k] for k in source]
-        q.replace_front(reordered)
-        return original, reordered
+        q.replace_front([original[k] for k in source])
+        return original
 
     def _has_cached_prefix(self, r: _Request) -> bool:
         """The admission probe: would at least one block hit? Reads the cache map only."""
         return bool(self._lookup(r.block_hashes, r.num_tokens)[:1])
 
-    def _end_admission(self, plan: tuple[list[_Request], list[_Request]] | None) -> None:
-        """Put the reordered requests phase B did not take back in their original order (they are still
+    def _end_admission(self, original: list[_Request] | None) -> None:
+        """Put the reordered requests phase B did not admit back in their original order (they are still
         waiting, at the front of the queue: phase B puts the ones it skipped back there)."""
-        if plan is None:
+        if original is None:
             return
-        original, _ = plan
         q = self._waiting
         assert isinstance(q, _FcfsQueue)
-        q.replace_front([r for r in original if r.status != RequestStatus.RUNNING])
+        left = [r for r in original if r.status != RequestStatus.RUNNING]
+        if {id(r) for r in itertools.islice(q, len(left))} != {id(r) for r in left}:
+            raise InternalError("the admission window's requests are not at the front of the queue")
+        q.replace_front(left)
 
     def schedule(self) -> SchedulerOutput:
         """One step: continue running requests (phase A, may preempt), then admit waiting ones (phase B)."""
@@ -967,7 +968,9 @@ class ReferenceScheduler:
                 self._charge_prompt(r, computed, n)
 
         if not preempted and self._pause_state != "paused_all":
-            plan = self._begin_admission()
+            # No probing when nobody can be admitted (a full batch or no budget): nothing would move.
+            can_admit = budget > 0 and len(self._running) < c.max_num_seqs
+            plan = self._begin_admission() if can_admit else None
             self._admit_waiting(scheduled, budget, threshold, prefill_scheduled)
             self._end_admission(plan)
 

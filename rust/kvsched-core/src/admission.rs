@@ -22,7 +22,7 @@ use crate::queue::WaitingQueue;
 use crate::request::{ReqHandle, RequestStatus};
 use crate::scheduler::Scheduler;
 
-/// The step's reordering of the front of the FCFS queue, to undo after phase B.
+/// The front of the FCFS queue before the step's reordering, to restore after phase B.
 pub(crate) struct AdmissionPlan {
     /// The first `W` entries in their original order.
     original: Vec<ReqHandle>,
@@ -50,37 +50,41 @@ impl Scheduler {
                 2
             });
         }
-        let peers = (0..w as u32).filter(|&i| class[i as usize] != 0);
-        let order: Vec<u32> = peers
-            .clone()
-            .filter(|&i| class[i as usize] == 1)
-            .chain(peers.clone().filter(|&i| class[i as usize] == 2))
-            .collect();
-        let mut source: Vec<u32> = (0..w as u32).collect();
+        let peers = (0..w).filter(|&i| class[i] != 0);
+        let order: Vec<usize> =
+            peers.clone().filter(|&i| class[i] == 1).chain(peers.clone().filter(|&i| class[i] == 2)).collect();
+        let mut moved = false;
         for (slot, from) in peers.zip(order) {
-            source[slot as usize] = from;
+            queue[slot] = original[from];
+            moved |= slot != from;
         }
-        if source.iter().enumerate().all(|(i, &s)| i as u32 == s) {
-            return None;
-        }
-        let reordered: Vec<ReqHandle> = source.iter().map(|&s| original[s as usize]).collect();
-        for (k, h) in reordered.iter().enumerate() {
-            queue[k] = *h;
-        }
-        Some(AdmissionPlan { original })
+        moved.then_some(AdmissionPlan { original })
     }
 
-    /// Restores the original order of the reordered requests phase B left in the queue.
+    /// Restores the original order of the reordered requests that phase B did not admit. Phase B takes requests
+    /// from the front and puts the ones it skips back at the front, so those left are the first entries of the
+    /// queue, in some order. (Checked: if that ever failed, the queue is left as it is rather than corrupted.)
     pub(crate) fn end_admission(&mut self, plan: Option<AdmissionPlan>) {
         let Some(plan) = plan else { return };
-        // The window's requests phase B did not admit are still waiting, at the front of the queue.
+        let WaitingQueue::Fcfs(queue) = &mut self.waiting else { return };
+        let slab = &self.slab;
         let left: Vec<ReqHandle> = plan
             .original
-            .iter()
-            .copied()
-            .filter(|&h| self.slab.resolve(h).is_some_and(|r| r.status.is_waiting()))
+            .into_iter()
+            .filter(|&h| slab.resolve(h).is_some_and(|r| r.status.is_waiting()))
             .collect();
-        let WaitingQueue::Fcfs(queue) = &mut self.waiting else { return };
+        if left.len() > queue.len() {
+            return;
+        }
+        let key = |h: &ReqHandle| (h.slot, h.gen);
+        let mut front: Vec<ReqHandle> = queue.iter().take(left.len()).copied().collect();
+        let mut expect = left.clone();
+        front.sort_unstable_by_key(key);
+        expect.sort_unstable_by_key(key);
+        if front != expect {
+            debug_assert!(false, "the admission window's requests are not at the front of the queue");
+            return;
+        }
         for (k, h) in left.into_iter().enumerate() {
             queue[k] = h;
         }

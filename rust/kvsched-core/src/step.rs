@@ -114,7 +114,9 @@ impl Scheduler {
         }
         // Phase B: waiting requests, only if nobody was preempted in this step and admissions are not paused.
         if preempted.is_empty() && !paused_all {
-            let plan = self.begin_admission();
+            // No probing when nobody can be admitted (a full batch or no budget): nothing would move.
+            let can_admit = budget > 0 && self.running.len() < self.config.max_num_seqs as usize;
+            let plan = if can_admit { self.begin_admission() } else { None };
             self.admit_waiting(&mut b, &mut budget, threshold, prefill_scheduled)?;
             self.end_admission(plan);
         }
