@@ -51,8 +51,11 @@ impl Scheduler {
             });
         }
         let peers = (0..w).filter(|&i| class[i] != 0);
-        let order: Vec<usize> =
-            peers.clone().filter(|&i| class[i] == 1).chain(peers.clone().filter(|&i| class[i] == 2)).collect();
+        let order: Vec<usize> = peers
+            .clone()
+            .filter(|&i| class[i] == 1)
+            .chain(peers.clone().filter(|&i| class[i] == 2))
+            .collect();
         let mut moved = false;
         for (slot, from) in peers.zip(order) {
             queue[slot] = original[from];
