@@ -19,6 +19,7 @@ import pytest
 from conftest import entry_sizes, requires_rust
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvsched import SchedulerConfig
 from kvsched.bench.policies import PriorityStream, TenantStream, jain_index, run_priority_stream, run_tenant_stream
 from kvsched.reference import ReferenceScheduler
 
@@ -354,3 +355,14 @@ def test_aging_bounds_the_longest_low_priority_wait_on_a_saturating_stream() -> 
     with_aging = run_priority_stream(50, stream, arrival_steps=1000, seed=3)
     assert without.num_not_admitted == with_aging.num_not_admitted == {0: 0, 1: 0}
     assert max(with_aging.waits[1]) < max(without.waits[1]) / 2
+
+
+def test_a_config_with_tenant_weights_is_still_hashable_and_immune_to_the_callers_dict() -> None:
+    weights = {"a": 2.0}
+    cfg = SchedulerConfig(policy="fair", tenant_weights=weights)
+    weights["a"] = 5.0  # the config keeps its own copy
+    assert cfg.tenant_weights == {"a": 2.0}
+    same = SchedulerConfig(policy="fair", tenant_weights={"a": 2})
+    assert cfg == same and hash(cfg) == hash(same)
+    assert hash(SchedulerConfig()) == hash(SchedulerConfig())
+    assert {cfg: 1}[same] == 1

@@ -163,6 +163,11 @@ class SchedulerConfig:
         if self.priority_aging_steps > 0 and self.policy != "priority":
             raise InvalidConfigError(f"priority_aging_steps > 0 needs policy 'priority', got {self.policy!r}")
 
+    def __hash__(self) -> int:
+        # Frozen, so hashable as before tenant_weights (a dict) was added: hash its items instead.
+        fields = [getattr(self, f) for f in self.__dataclass_fields__]
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, Mapping) else v for v in fields))
+
     @property
     def num_usable_blocks(self) -> int:
         """Blocks that requests can hold (block 0 is the reserved null block)."""
