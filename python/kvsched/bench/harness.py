@@ -147,7 +147,14 @@ def _reference_driver(config: SchedulerConfig) -> Driver:
 def _vllm_driver(config: SchedulerConfig) -> Driver:
     from .vllm_impl import VllmDriver
 
-    driver: Driver = VllmDriver(config)
+    driver: Driver = VllmDriver(config, "vllm")
+    return driver
+
+
+def _vllm_adapter_driver(config: SchedulerConfig) -> Driver:
+    from .vllm_impl import VllmDriver
+
+    driver: Driver = VllmDriver(config, "vllm-adapter")
     return driver
 
 
@@ -155,6 +162,7 @@ IMPLS: dict[str, Callable[[SchedulerConfig], Driver]] = {
     "rust": _rust_driver,
     "reference": _reference_driver,
     "vllm": _vllm_driver,
+    "vllm-adapter": _vllm_adapter_driver,
 }
 
 

@@ -1,0 +1,151 @@
+"""Translate a vLLM 0.33 engine configuration into a kvsched :class:`~kvsched.config.SchedulerConfig`.
+
+Everything kvsched's core does not implement yet is refused here, at construction, with an
+:class:`UnsupportedFeatureError` that names the feature and the vLLM setting that turned it on. A refused
+deployment never starts; it is never scheduled wrongly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvsched._errors import InvalidConfigError
+from kvsched.config import SchedulerConfig
+
+__all__ = ["UnsupportedFeatureError", "kvsched_config_from_vllm"]
+
+
+class UnsupportedFeatureError(InvalidConfigError, NotImplementedError):
+    """A vLLM feature that ``kvsched.vllm.Scheduler`` does not support (yet)."""
+
+
+def _refuse(feature: str, setting: str) -> None:
+    raise UnsupportedFeatureError(
+        f"kvsched.vllm.Scheduler does not support {feature} yet ({setting}); run this deployment with vLLM's own "
+        "scheduler (drop --scheduler-cls), or turn the feature off. See docs/vllm.md for what is supported."
+    )
+
+
+def _attr(obj: Any, name: str, default: Any = None) -> Any:
+    return getattr(obj, name, default) if obj is not None else default
+
+
+def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        _refuse(
+            "several KV cache groups (hybrid models: sliding window, Mamba, cross-attention mixed with full attention)",
+            f"{len(groups)} KV cache groups",
+        )
+    spec = groups[0].kv_cache_spec
+    # Only plain full attention: sliding-window, chunked-local and Mamba specs subclass or differ from it.
+    if type(spec) is not FullAttentionSpec:
+        _refuse(f"the KV cache spec {type(spec).__name__}", "only FullAttentionSpec is supported")
+    if getattr(spec, "sliding_window", None):
+        _refuse("sliding-window attention", f"sliding_window={spec.sliding_window}")
+    if spec.block_size != block_size:
+        _refuse(
+            "a KV cache block size that differs from the scheduler block size", f"{spec.block_size} != {block_size}"
+        )
+    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
+        _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
+
+
+def kvsched_config_from_vllm(
+    vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int | None
+) -> tuple[SchedulerConfig, int]:
+    """The kvsched config for ``vllm_config`` and the number of speculative tokens; raises for unsupported ones."""
+    sched = vllm_config.scheduler_config
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+
+    if vllm_config.kv_transfer_config is not None:
+        _refuse("KV connectors (disaggregated prefill, KV offloading)", "kv_transfer_config")
+    if vllm_config.ec_transfer_config is not None:
+        _refuse("encoder-cache connectors", "ec_transfer_config")
+    if _attr(vllm_config.kv_events_config, "enable_kv_cache_events", False):
+        _refuse("KV cache events", "kv_events_config.enable_kv_cache_events")
+    if _attr(model, "runner_type") == "pooling":
+        _refuse("pooling models", "runner_type='pooling'")
+    if _attr(model, "is_diffusion", False):
+        _refuse("diffusion models", "model_config.is_diffusion")
+    if _attr(model, "is_encoder_decoder", False):
+        _refuse("encoder-decoder models", "model_config.is_encoder_decoder")
+    if _attr(model, "supports_multimodal_inputs", False):
+        _refuse("multimodal encoder inputs", f"model {model.model!r} accepts multimodal inputs")
+    if vllm_config.lora_config is not None:
+        _refuse("LoRA adapter slot limits (max_loras)", "lora_config")
+    if parallel.pipeline_parallel_size > 1:
+        _refuse("pipeline parallelism", f"pipeline_parallel_size={parallel.pipeline_parallel_size}")
+    if parallel.data_parallel_size > 1:
+        _refuse("data-parallel prefill balancing", f"data_parallel_size={parallel.data_parallel_size}")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if _attr(parallel, name, 1) > 1:
+            _refuse("context parallelism", f"{name}={getattr(parallel, name)}")
+    if _attr(vllm_config.aux_output_config, "enabled", False):
+        _refuse("auxiliary output connectors", "aux_output_config.enabled")
+    if _attr(vllm_config.observability_config, "kv_cache_metrics", False):
+        _refuse("KV cache eviction metrics", "observability_config.kv_cache_metrics")
+
+    if sched.max_num_scheduled_tokens not in (None, sched.max_num_batched_tokens):
+        _refuse("a token budget that differs from the input budget", "max_num_scheduled_tokens")
+    if sched.max_num_active_seqs not in (None, sched.max_num_seqs):
+        _refuse("max_num_active_seqs", f"max_num_active_seqs={sched.max_num_active_seqs}")
+    if sched.long_prefill_token_threshold_adaptive:
+        _refuse("the adaptive long-prefill threshold", "long_prefill_token_threshold_adaptive=True")
+    if sched.watermark:
+        _refuse("the KV cache admission watermark", f"watermark={sched.watermark}")
+    if sched.prefill_schedule_interval != 1:
+        _refuse("the prefill cadence gate", f"prefill_schedule_interval={sched.prefill_schedule_interval}")
+    if sched.policy not in ("fcfs", "priority"):
+        _refuse(f"the scheduling policy {sched.policy!r}", "policy")
+    if hash_block_size is not None and hash_block_size != block_size:
+        _refuse("a hash block size different from the block size", f"hash_block_size={hash_block_size}")
+    if block_size <= 0 or block_size & (block_size - 1):
+        _refuse("block sizes that are not a power of two", f"block_size={block_size}")
+
+    num_spec_tokens = int(_attr(vllm_config, "num_speculative_tokens", 0) or 0)
+    spec = vllm_config.speculative_config
+    lookahead = int(_attr(vllm_config, "num_lookahead_tokens", 0) or 0)
+    if spec is not None:
+        if spec.max_num_new_slots_for_drafting:
+            _refuse("drafting methods that need extra query slots", f"method={spec.method!r}")
+        if spec.use_eagle_block_drop() or spec.num_speculative_tokens_per_batch_size:
+            _refuse("EAGLE prefix-cache block dropping and dynamic speculation lengths", f"method={spec.method!r}")
+        if _attr(vllm_config, "num_prefill_lookahead_tokens", 0) or _attr(vllm_config, "num_hash_lookahead_tokens", 0):
+            _refuse("multi-module MTP prefill lookahead", f"method={spec.method!r}")
+        if num_spec_tokens:
+            # vLLM pads a new decode right after a full prefix hit to 1 + k tokens of -1 drafts; kvsched does not.
+            _refuse(
+                "speculative decoding inside vLLM's engine (draft padding of new decodes)", f"method={spec.method!r}"
+            )
+
+    algo = str(_attr(cache, "prefix_caching_hash_algo", "sha256"))
+    fields: dict[str, Any] = {
+        "block_size": block_size,
+        "num_blocks": int(kv_cache_config.num_blocks),
+        "max_num_seqs": int(sched.max_num_seqs),
+        "max_num_batched_tokens": int(sched.max_num_batched_tokens),
+        "max_model_len": int(model.max_model_len),
+        "enable_prefix_caching": bool(cache.enable_prefix_caching),
+        "enable_chunked_prefill": bool(sched.enable_chunked_prefill),
+        "long_prefill_token_threshold": int(sched.long_prefill_token_threshold or 0),
+        "policy": str(sched.policy),
+        "num_lookahead_tokens": lookahead,
+        "prefix_hash_algo": "sha256" if algo.startswith("sha256") else "xxh3_128",
+    }
+    known = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    optional = {
+        "scheduler_reserve_full_isl": bool(sched.scheduler_reserve_full_isl),
+        "async_scheduling": bool(sched.async_scheduling),
+    }
+    for name, value in optional.items():
+        if name in known:
+            fields[name] = value
+        elif value:
+            _refuse(f"{name} in this kvsched build", f"{name}=True")
+    return SchedulerConfig(**fields), num_spec_tokens

@@ -1,0 +1,676 @@
+"""``kvsched.vllm.Scheduler``: vLLM 0.33's ``SchedulerInterface`` on top of kvsched's Rust core.
+
+The core decides everything that is a scheduling decision: which requests run, how many tokens each computes,
+which KV blocks they get (the same block ids as vLLM's block pool would hand out), which prefixes hit the cache,
+whom to preempt, and when a request stops. This class keeps vLLM's ``Request`` objects, mirrors onto them the
+bookkeeping vLLM's own scheduler does (computed tokens, in-flight and placeholder counts, status, outputs,
+events), and turns the core's columnar output into vLLM's ``SchedulerOutput`` and ``EngineCoreOutputs``.
+
+The bookkeeping follows ``vllm/v1/core/sched/scheduler.py`` and ``async_scheduler.py`` of vLLM 0.33 field by
+field, so that the differential test (``tests/test_vllm_differential.py``) can compare every field of every
+output and every request's state with vLLM's own scheduler after every call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
+from vllm.v1.core.sched.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
+from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.metrics.stats import KV_FETCH_STAGES, PrefixCacheStats, SchedulerStats
+from vllm.v1.request import Request, RequestStatus
+
+from kvsched._types import FinishReason as KvFinishReason
+from kvsched.scheduler import Scheduler as _CoreScheduler
+
+from ._config import UnsupportedFeatureError, _check_kv_cache_config, kvsched_config_from_vllm
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.structured_output import StructuredOutputManager
+
+__all__ = ["Scheduler"]
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_WAITING = RequestStatus.WAITING
+_WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+# kvsched finish reason -> the vLLM status a stopped request ends in.
+_FINISHED_STATUS = {
+    int(KvFinishReason.STOP): RequestStatus.FINISHED_STOPPED,
+    int(KvFinishReason.LENGTH): RequestStatus.FINISHED_LENGTH_CAPPED,
+}
+_PAUSE_NAMES = {
+    PauseState.UNPAUSED: "unpaused",
+    PauseState.PAUSED_NEW: "paused_new",
+    PauseState.PAUSED_ALL: "paused_all",
+}
+
+
+class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped here
+    """vLLM 0.33's scheduler interface, scheduled by kvsched's Rust core.
+
+    ``vllm serve MODEL --scheduler-cls kvsched.vllm.Scheduler`` or
+    ``vllm.LLM(model, scheduler_cls="kvsched.vllm.Scheduler")``. Synchronous and asynchronous scheduling both
+    work (the engine's ``async_scheduling`` setting picks the behaviour of vLLM's ``Scheduler`` or
+    ``AsyncScheduler``). Unsupported features are refused here with
+    :class:`~kvsched.vllm.UnsupportedFeatureError`.
+    """
+
+    # Read by vLLM's engine core; kvsched hashes prefixes itself and has no connectors.
+    use_eagle_prefix_cache_hashing = False
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        structured_output_manager: StructuredOutputManager,
+        block_size: int,
+        hash_block_size: int | None = None,
+        mm_registry: Any = MULTIMODAL_REGISTRY,
+        include_finished_set: bool = False,
+        log_stats: bool = False,
+    ) -> None:
+        _check_kv_cache_config(kv_cache_config, block_size)
+        config, self.num_spec_tokens = kvsched_config_from_vllm(
+            vllm_config, kv_cache_config, block_size, hash_block_size
+        )
+        self.vllm_config = vllm_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.cache_config = vllm_config.cache_config
+        self.kv_cache_config = kv_cache_config
+        self.structured_output_manager = structured_output_manager
+        self.log_stats = log_stats
+        self.block_size = block_size
+        self.hash_block_size = hash_block_size if hash_block_size is not None else block_size
+        self.max_model_len = config.max_model_len
+        self.max_num_running_reqs = config.max_num_seqs
+        self.max_num_scheduled_tokens = config.max_num_batched_tokens
+        self.use_v2_model_runner = bool(vllm_config.use_v2_model_runner)
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self.model_uses_mrope = bool(vllm_config.model_config.uses_mrope)
+        self.connector = None
+        self.ec_connector = None
+        self.kv_config = config
+        self._core = _CoreScheduler(config)
+
+        self.requests: dict[str, Request] = {}
+        self.finished_req_ids: set[str] = set()
+        self.finished_req_ids_dict: dict[int, set[str]] | None = defaultdict(set) if include_finished_set else None
+        self.prev_step_scheduled_req_ids: set[str] = set()
+        self._reset_preempted_req_ids: set[str] = set()
+        self._blocked: dict[str, Request] = {}  # waiting for their grammar, in arrival order
+        self._deferred: set[str] = set()  # vLLM's deferred_waiting: skipped by admission at least once
+        self._grammar_errors: dict[str, Any] = {}
+        self._pause_state = PauseState.UNPAUSED
+        # Steps scheduled and not yet applied: (vLLM output, core output), oldest first.
+        self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
+        self._prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.current_step = 0
+
+    # ---- requests ---------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        req_id = request.request_id
+        if req_id in self.requests:
+            raise UnsupportedFeatureError(
+                f"request {req_id!r} is already known: streaming-input sessions are not supported by kvsched.vllm"
+            )
+        self._check_request(request)
+        sp = request.sampling_params
+        blocked = request.status == _WAITING_FOR_GRAMMAR
+        self._core.add_request(
+            req_id,
+            request.prompt_token_ids,
+            max_tokens=request.max_tokens,
+            # vLLM 0.33's check_stop lets EOS and stop ids end a request before min_tokens (its sampler masks
+            # them until then); min_tokens only gates repetition detection, which is refused. So the core, which
+            # checks min_tokens first, gets 0 and stops exactly where vLLM's scheduler stops.
+            min_tokens=0,
+            # vLLM's sampling params hold no EOS id when ignore_eos is set.
+            eos_token_id=sp.eos_token_id,
+            stop_token_ids=sp.stop_token_ids or (),
+            priority=request.priority,
+            arrival_time=request.arrival_time,
+            cache_salt=request.cache_salt,
+            **({"ready": False} if blocked else {}),
+        )
+        self.requests[req_id] = request
+        if blocked:
+            self._blocked[req_id] = request
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
+
+    @staticmethod
+    def _check_request(request: Request) -> None:
+        what = None
+        sp = request.sampling_params
+        if request.pooling_params is not None or sp is None:
+            what = "pooling requests"
+        elif request.prompt_token_ids is None or request.prompt_embeds is not None:
+            what = "prompt embeddings"
+        elif request.mm_features:
+            what = "multimodal inputs"
+        elif request.lora_request is not None:
+            what = "LoRA requests"
+        elif request.resumable:
+            what = "streaming-input (resumable) requests"
+        elif request.skip_reading_prefix_cache:
+            what = "requests that skip the prefix cache (prompt logprobs)"
+        elif sp.repetition_detection is not None:
+            what = "repetition detection"
+        if what is not None:
+            raise UnsupportedFeatureError(
+                f"request {request.request_id!r}: kvsched.vllm.Scheduler does not support {what} yet"
+            )
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            ids: Iterable[str] = (request_ids,)
+        elif request_ids is not None:
+            # vLLM frees the requests in the iteration order of this set; so do we (block ids depend on it).
+            ids = set(request_ids)
+        else:
+            ids = list(self.requests)
+        valid: list[Request] = []
+        for req_id in ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            valid.append(request)
+        if not valid:
+            return valid
+        self._core.abort_requests([r.request_id for r in valid])
+        for request in valid:
+            req_id = request.request_id
+            request.status = finished_status
+            self._forget(request)
+        return valid
+
+    def _forget(self, request: Request) -> None:
+        req_id = request.request_id
+        self.finished_req_ids.add(req_id)
+        if self.finished_req_ids_dict is not None:
+            self.finished_req_ids_dict[request.client_index].add(req_id)
+        self._blocked.pop(req_id, None)
+        self._deferred.discard(req_id)
+        del self.requests[req_id]
+
+    # ---- schedule ---------------------------------------------------------------------------------------
+
+    def _promote_ready(self) -> None:
+        """Unblock requests whose grammar finished compiling (vLLM checks them when admission reaches them)."""
+        for req_id, request in list(self._blocked.items()):
+            so_req = request.structured_output_request
+            grammar = so_req.grammar if so_req is not None else None
+            if grammar is None:
+                continue
+            del self._blocked[req_id]
+            if isinstance(grammar, Exception):
+                from vllm.v1.engine import RequestError
+
+                self._grammar_errors[req_id] = RequestError(
+                    code="validation_error", message=f"Invalid structured outputs: {grammar}"
+                )
+                continue
+            request.status = _WAITING
+            self._core.set_ready(req_id)
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        # throttle_prefills is only set by data-parallel engines, which are refused at construction.
+        self.current_step += 1
+        if self._blocked:
+            self._promote_ready()
+        core = self._core
+        out = core.schedule()
+        requests = self.requests
+        log_stats = self.log_stats
+        now = time.monotonic() if log_stats else 0.0
+
+        for req_id in out.preempted_req_ids:
+            self._mirror_preempt(requests[req_id], now)
+        preempted = self._reset_preempted_req_ids
+        preempted.update(out.preempted_req_ids)
+
+        req_ids: list[str] = out.req_ids
+        num_sched: list[int] = out.num_scheduled_tokens.tolist()
+        computed: list[int] = out.num_computed_tokens.tolist()
+        block_ids: list[int] = out.new_block_ids.tolist()
+        block_ptr: list[int] = out.new_block_ids_indptr.tolist()
+        spec_ids = out.spec_token_ids
+        spec_ptr: list[int] | None = out.spec_token_ids_indptr.tolist() if len(spec_ids) else None
+        spec_list: list[int] = spec_ids.tolist() if spec_ptr is not None else []
+        new_set = set(out.new_req_ids)
+        resumed_set = set(out.resumed_req_ids)
+        admitted = new_set or resumed_set
+        v2 = self.use_v2_model_runner
+
+        new_reqs: list[Request] = []
+        new_blocks_of_new: list[list[int]] = []
+        res_v2_reqs: list[Request] = []
+        res_v2_blocks: list[list[int]] = []
+        run_ids: list[str] = []
+        run_blocks: list[tuple[list[int], ...] | None] = []
+        run_computed: list[int] = []
+        run_outputs: list[int] = []
+        res_ids: list[str] = []
+        res_blocks: list[tuple[list[int], ...] | None] = []
+        res_computed: list[int] = []
+        res_outputs: list[int] = []
+        all_token_ids: dict[str, list[int]] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        prev = self.prev_step_scheduled_req_ids
+        prefix_stats = self._prefix_cache_stats
+        enable_caching = self.kv_config.enable_prefix_caching
+
+        for i, req_id in enumerate(req_ids):
+            request = requests[req_id]
+            b0, b1 = block_ptr[i], block_ptr[i + 1]
+            if admitted and (req_id in new_set or req_id in resumed_set):
+                hit = computed[i]
+                request.status = _RUNNING
+                request.num_computed_tokens = hit
+                self._deferred.discard(req_id)
+                if request.prefill_stats is not None and request.num_preemptions <= 0:
+                    request.prefill_stats.set(
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_local_cached_tokens=hit,
+                        num_external_cached_tokens=0,
+                    )
+                if prefix_stats is not None and enable_caching:
+                    prefix_stats.record(
+                        num_tokens=request.num_tokens, num_hits=hit, preempted=request.num_preemptions > 0
+                    )
+                if log_stats:
+                    request.record_event(EngineCoreEventType.SCHEDULED, now)
+                if req_id in new_set:
+                    new_reqs.append(request)
+                    new_blocks_of_new.append(block_ids[b0:b1])
+                    continue
+                if v2:
+                    # Model runner V2 gets a resumed request as a new one, after the new ones.
+                    res_v2_reqs.append(request)
+                    res_v2_blocks.append(block_ids[b0:b1])
+                    continue
+                res_ids.append(req_id)
+                res_blocks.append((block_ids[b0:b1],))
+                res_computed.append(hit)
+                res_outputs.append(len(request._output_token_ids) + request.num_output_placeholders)
+                if not v2 and req_id not in prev:
+                    all_token_ids[req_id] = request._all_token_ids.copy()
+                continue
+            # A running request (phase A).
+            if spec_ptr is not None and spec_ptr[i + 1] > spec_ptr[i]:
+                spec_tokens[req_id] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
+            if request.spec_token_ids:
+                request.spec_token_ids = []
+            run_ids.append(req_id)
+            run_blocks.append((block_ids[b0:b1],) if b1 > b0 else None)
+            run_computed.append(computed[i])
+            run_outputs.append(len(request._output_token_ids) + request.num_output_placeholders)
+            if not v2 and req_id not in prev:
+                all_token_ids[req_id] = request._all_token_ids.copy()
+
+        uses_mrope = self.model_uses_mrope
+        if res_v2_reqs:
+            new_reqs += res_v2_reqs
+            new_blocks_of_new += res_v2_blocks
+        if v2:
+            new_reqs_data = [
+                NewRequestData.from_request(r, (blocks,), r._all_token_ids, uses_mrope=uses_mrope)
+                for r, blocks in zip(new_reqs, new_blocks_of_new, strict=True)
+            ]
+        else:
+            new_reqs_data = [
+                NewRequestData.from_request(r, (blocks,), uses_mrope=uses_mrope)
+                for r, blocks in zip(new_reqs, new_blocks_of_new, strict=True)
+            ]
+        cached = CachedRequestData(
+            req_ids=run_ids + res_ids,
+            resumed_req_ids=set(res_ids),
+            new_token_ids=[],
+            all_token_ids=all_token_ids,
+            new_block_ids=run_blocks + res_blocks,
+            num_computed_tokens=run_computed + res_computed,
+            num_output_tokens=run_outputs + res_outputs,
+        )
+        num_scheduled_tokens = dict(zip(req_ids, num_sched, strict=True))
+        if not v2:
+            prev.clear()
+            prev.update(req_ids)
+        so = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=out.total_num_scheduled_tokens,
+            scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_encoder_inputs={},
+            finished_req_ids=self.finished_req_ids,
+            free_encoder_mm_hashes=[],
+            preempted_req_ids=preempted,
+            num_spec_tokens_to_schedule=self.num_spec_tokens,
+        )
+        self._update_after_schedule(so, req_ids, num_sched)
+        self._in_flight.append((so, out))
+        return so
+
+    def _mirror_preempt(self, request: Request, now: float) -> None:
+        """vLLM's ``_preempt_request``, for the request object (the core already freed its blocks)."""
+        request.status = _PREEMPTED
+        request.num_computed_tokens = 0
+        if request.spec_token_ids:
+            request.spec_token_ids = []
+        request.drop_stale_output = request.drop_stale_output and request.num_stale_output_tokens > 0
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
+        request.num_preemptions += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED, now)
+
+    def _update_after_schedule(self, so: SchedulerOutput, req_ids: list[str], num_sched: list[int]) -> None:
+        requests = self.requests
+        has_so = False
+        if self.async_scheduling:
+            spec = so.scheduled_spec_decode_tokens
+            placeholders: list[int] = [-1] * so.num_spec_tokens_to_schedule
+            for req_id, n in zip(req_ids, num_sched, strict=True):
+                request = requests[req_id]
+                request.num_computed_tokens += n
+                request.num_in_flight_tokens += n
+                chunk = request.num_computed_tokens < len(request._all_token_ids) + request.num_output_placeholders
+                request.is_prefill_chunk = chunk
+                if chunk:
+                    continue
+                if request.structured_output_request is not None:
+                    has_so = True
+                    so.pending_structured_output_tokens |= request.num_output_placeholders > 0
+                request.num_output_placeholders += 1 + len(spec.get(req_id, ()))
+                request.spec_token_ids = placeholders
+        else:
+            for req_id, n in zip(req_ids, num_sched, strict=True):
+                request = requests[req_id]
+                request.num_computed_tokens += n
+                request.num_in_flight_tokens += n
+                chunk = request.num_computed_tokens < len(request._all_token_ids) + request.num_output_placeholders
+                request.is_prefill_chunk = chunk
+                if not chunk and request.structured_output_request is not None:
+                    has_so = True
+        so.has_structured_output_requests = has_so
+        self.finished_req_ids = set()
+        self._reset_preempted_req_ids = set()
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        if not scheduler_output.has_structured_output_requests:
+            return None
+        ids = [
+            req_id
+            for req_id in scheduler_output.num_scheduled_tokens
+            if (r := self.requests.get(req_id)) is not None and r.use_structured_output and not r.is_prefill_chunk
+        ]
+        if not ids:
+            return None
+        bitmask = self.structured_output_manager.grammar_bitmask(
+            self.requests, ids, scheduler_output.scheduled_spec_decode_tokens
+        )
+        return GrammarOutput(ids, bitmask, [0] * len(ids))
+
+    # ---- update -----------------------------------------------------------------------------------------
+
+    def _take_in_flight(self, scheduler_output: SchedulerOutput) -> Any:
+        for i, (so, out) in enumerate(self._in_flight):
+            if so is scheduler_output:
+                del self._in_flight[i]
+                return out
+        raise ValueError("update_from_output got a SchedulerOutput this scheduler did not produce, or got it twice")
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        out = self._take_in_flight(scheduler_output)
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        nans = model_runner_output.num_nans_in_logits
+        req_ids: list[str] = out.req_ids
+        num_sched = scheduler_output.num_scheduled_tokens
+        requests = self.requests
+        rows = [sampled[index[r]] for r in req_ids] if sampled else [[] for _ in req_ids]
+        # vLLM finalises a request's prefill stats at its first output with the tokens its cached blocks cover,
+        # read before a stop frees them: read them now (only requests that have not emitted yet).
+        cached_tokens: dict[str, int] = {}
+        if self.kv_config.enable_prefix_caching:
+            for req_id in req_ids:
+                r = requests.get(req_id)
+                if r is not None and r.prefill_stats is not None and not r.is_finished():
+                    cached_tokens[req_id] = self._core.get_num_cached_blocks(req_id) * self.block_size
+        res = self._core.update_from_output(out, rows)
+        accepted: list[int] = res.num_new_tokens.tolist()
+        finished = dict(zip(res.finished_req_ids, res.finish_reasons.tolist(), strict=True))
+        stop_reasons = dict(zip(res.finished_req_ids, res.stop_reasons.tolist(), strict=True))
+        spec_sched = scheduler_output.scheduled_spec_decode_tokens
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        stopped_ids: list[Request] = []
+        so_manager = self.structured_output_manager
+
+        for i, req_id in enumerate(req_ids):
+            request = requests.get(req_id)
+            stale = False
+            n = num_sched[req_id]
+            if request is not None:
+                request.num_in_flight_tokens -= n
+                if request.num_stale_output_tokens > 0:
+                    stale = True
+                    request.num_stale_output_tokens -= n
+            if request is None or request.is_finished():
+                continue
+            if stale and request.drop_stale_output:
+                continue
+            generated = rows[i]
+            spec = spec_sched.get(req_id)
+            if spec and generated:
+                num_rejected = len(spec) - max(len(generated) - 1, 0)
+                if not stale:
+                    if request.num_computed_tokens > 0:
+                        request.num_computed_tokens -= num_rejected
+                    if request.num_output_placeholders > 0:
+                        request.num_output_placeholders -= num_rejected
+            new_token_ids = generated
+            stopped = False
+            status_before = request.status
+            if generated:
+                num_generated = len(generated)
+                k = accepted[i]
+                if k < num_generated:
+                    new_token_ids = generated[:k]
+                request.append_output_token_ids(new_token_ids)
+                if req_id in finished:
+                    stopped = True
+                    if not stale:
+                        request.num_computed_tokens -= num_generated - k
+                    request.status = _FINISHED_STATUS[finished[req_id]]
+                    stop = stop_reasons[req_id]
+                    if stop >= 0:
+                        request.stop_reason = stop
+                if not stale and request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= num_generated
+            if new_token_ids and request.use_structured_output and not so_manager.accept_tokens(request, new_token_ids):
+                # The grammar refused tokens it masked itself: vLLM ends the request with an error.
+                request.status = RequestStatus.FINISHED_ERROR
+                if not stopped:
+                    self._core.abort_requests([req_id])
+                stopped = True
+            if not (new_token_ids or stopped):
+                continue
+            prefill_stats = request.take_prefill_stats()
+            if prefill_stats is not None:
+                prefill_stats.finalize(cached_tokens.get(req_id, 0))
+            new_logprobs = None
+            if logprobs and request.sampling_params.num_logprobs is not None:
+                new_logprobs = logprobs.slice_request(index[req_id], len(new_token_ids))
+            finish_reason = None
+            if stopped:
+                finish_reason = request.get_finished_reason()
+                stopped_ids.append(request)
+            if nans is not None and req_id in nans:
+                request.num_nans_in_logits = nans[req_id]
+            outputs[request.client_index].append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=finish_reason,
+                    new_logprobs=new_logprobs,
+                    new_prompt_logprobs_tensors=prompt_logprobs.get(req_id),
+                    stop_reason=request.stop_reason,
+                    events=request.take_events(),
+                    prefill_stats=prefill_stats,
+                    spec_decode_metrics=request.spec_decode_metrics if finish_reason is not None else None,
+                    trace_headers=request.trace_headers,
+                    num_nans_in_logits=request.num_nans_in_logits,
+                )
+            )
+            del status_before
+        for request in stopped_ids:
+            self._forget(request)
+
+        if self._grammar_errors:
+            errors, self._grammar_errors = self._grammar_errors, {}
+            for request in self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR):
+                outputs[request.client_index].append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason=request.get_finished_reason(),
+                        events=request.take_events(),
+                        trace_headers=request.trace_headers,
+                        error=errors.get(request.request_id),
+                    )
+                )
+
+        engine_core_outputs = {client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()}
+        finished_sets = self.finished_req_ids_dict
+        if finished_sets:
+            for client, finished_set in finished_sets.items():
+                if (eco := engine_core_outputs.get(client)) is not None:
+                    eco.finished_requests = finished_set
+                else:
+                    engine_core_outputs[client] = EngineCoreOutputs(finished_requests=finished_set)
+            finished_sets.clear()
+        stats = self.make_stats()
+        if stats is not None:
+            if (eco := next(iter(engine_core_outputs.values()), None)) is None:
+                engine_core_outputs[0] = eco = EngineCoreOutputs()
+            eco.scheduler_stats = stats
+        return engine_core_outputs
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        raise UnsupportedFeatureError("speculative decoding is refused at construction; no drafts expected")
+
+    def update_draft_token_ids_in_output(
+        self, draft_token_ids: DraftTokenIds, scheduler_output: SchedulerOutput
+    ) -> None:
+        raise UnsupportedFeatureError("speculative decoding is refused at construction; no drafts expected")
+
+    # ---- queries, pause, reset, stats -------------------------------------------------------------------
+
+    def get_request_counts(self) -> tuple[int, int]:
+        s = self._core.stats()
+        return s.num_running_reqs, s.num_waiting_reqs
+
+    def get_num_unfinished_requests(self) -> int:
+        if self._pause_state == PauseState.PAUSED_ALL:
+            return 0
+        num_running, num_waiting = self.get_request_counts()
+        if self._pause_state == PauseState.PAUSED_NEW:
+            num_waiting = 0
+        return num_running + num_waiting
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def get_kv_cache_usage(self) -> float:
+        return float(self._core.stats().kv_cache_usage)
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause_state
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        self._core.set_pause_state(_PAUSE_NAMES[PauseState(pause_state)])
+        self._pause_state = PauseState(pause_state)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        if reset_running_requests:
+            running = [r for r in self.requests.values() if r.status == _RUNNING]
+            now = time.monotonic() if self.log_stats else 0.0
+            preempted = self._core.reset_prefix_cache(reset_running_requests=True)
+            for req_id in preempted:
+                request = self.requests[req_id]
+                self._mirror_preempt(request, now)
+                request.drop_stale_output = True
+                self._reset_preempted_req_ids.add(req_id)
+            del running
+            self.prev_step_scheduled_req_ids.clear()
+            ok = True
+        else:
+            ok = bool(self._core.reset_prefix_cache())
+        if ok and self._prefix_cache_stats is not None:
+            self._prefix_cache_stats.reset = True
+        return ok
+
+    def reset_encoder_cache(self) -> None:
+        """No encoder cache: multimodal models are refused at construction."""
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        prefix = self._prefix_cache_stats
+        self._prefix_cache_stats = PrefixCacheStats()
+        s = self._core.stats()
+        num_deferred = len(self._deferred)
+        return SchedulerStats(
+            num_running_reqs=s.num_running_reqs,
+            num_waiting_reqs=s.num_waiting_reqs - num_deferred,
+            num_skipped_waiting_reqs=num_deferred,
+            num_kv_fetch_reqs_by_stage=dict.fromkeys(KV_FETCH_STAGES, 0),
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_stats=prefix if prefix is not None else PrefixCacheStats(),
+            spec_decoding_stats=None,
+        )
+
+    def shutdown(self) -> None:
+        """Nothing to release: the core is freed with this object."""
+
+    # ---- helpers for tests and users --------------------------------------------------------------------
+
+    @property
+    def core(self) -> _CoreScheduler:
+        """The kvsched core scheduler (read it; changing it behind this adapter's back breaks the mirror)."""
+        return self._core
+
+    @property
+    def running(self) -> list[Request]:
+        """Running requests in kvsched's running order (built on demand; for tests and introspection)."""
+        return [self.requests[r] for r in self._core.running_req_ids()]
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Waiting requests in admission order (built on demand; for tests and introspection)."""
+        return [self.requests[r] for r in self._core.waiting_req_ids()]
+
+
+_ = (itertools, np)

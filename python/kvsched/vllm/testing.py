@@ -1,0 +1,202 @@
+"""Build vLLM 0.33 schedulers without a GPU, a model or the network: for tests, benchmarks and experiments.
+
+``make_vllm_config`` writes a tiny Llama ``config.json`` (no weights, no tokenizer) to a temporary directory,
+points vLLM's ``ModelConfig`` at it and sets the scheduler and cache fields; ``make_scheduler`` builds vLLM's own
+``Scheduler``/``AsyncScheduler`` or ``kvsched.vllm.Scheduler`` on a hand-built ``KVCacheConfig`` with one
+full-attention group, the way vLLM's engine core constructs its scheduler. Set ``VLLM_TARGET_DEVICE=cpu``
+before vLLM is first imported on a machine without a GPU (importing ``kvsched.vllm`` imports vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["TINY_LLAMA", "make_request", "make_scheduler", "make_vllm_config", "request_block_hasher"]
+
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 1,
+    "vocab_size": 32000,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+_MODEL_DIRS: dict[int, str] = {}
+
+
+def _model_dir(max_model_len: int) -> str:
+    path = _MODEL_DIRS.get(max_model_len)
+    if path is None:
+        path = tempfile.mkdtemp(prefix="kvsched-vllm-model-")
+        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(dict(TINY_LLAMA, max_position_embeddings=max(max_model_len, 8192)), f)
+        _MODEL_DIRS[max_model_len] = path
+    return path
+
+
+def make_vllm_config(
+    *,
+    block_size: int = 16,
+    num_blocks: int = 1024,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int = 1024,
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    long_prefill_token_threshold: int = 0,
+    policy: str = "fcfs",
+    async_scheduling: bool = False,
+    scheduler_reserve_full_isl: bool = True,
+    watermark: float = 0.0,
+) -> Any:
+    """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config)."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.config import SchedulerConfig as VllmSchedulerConfig
+
+    model_dir = _model_dir(max_model_len)
+    model_config = ModelConfig(
+        model=model_dir,
+        tokenizer=model_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=max_model_len,
+    )
+    scheduler_config = VllmSchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        policy=policy,
+        is_encoder_decoder=False,
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl,
+        async_scheduling=async_scheduling,
+        watermark=watermark,
+    )
+    cache_config = CacheConfig(
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
+        prefix_caching_hash_algo="sha256",
+        cache_dtype="auto",
+    )
+    cache_config.num_gpu_blocks = num_blocks
+    vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config)
+    # The CPU platform turns async scheduling off: switch it back on to exercise the async path.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return vllm_config
+
+
+def _kv_cache_config(num_blocks: int, block_size: int) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
+
+
+def make_scheduler(
+    impl: str,
+    vllm_config: Any,
+    *,
+    use_v2_model_runner: bool = False,
+    log_stats: bool = True,
+    include_finished_set: bool = False,
+) -> Any:
+    """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
+
+    ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
+    from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
+    """
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    if impl == "vllm":
+        if vllm_config.scheduler_config.async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as cls
+        else:
+            from vllm.v1.core.sched.scheduler import Scheduler as cls
+    elif impl == "kvsched":
+        from kvsched.vllm import Scheduler as cls
+    else:
+        raise ValueError(f"impl must be 'vllm' or 'kvsched', got {impl!r}")
+    block_size = vllm_config.cache_config.block_size
+    saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if use_v2_model_runner else "0"
+    try:
+        return cls(
+            vllm_config=vllm_config,
+            kv_cache_config=_kv_cache_config(vllm_config.cache_config.num_gpu_blocks, block_size),
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            hash_block_size=block_size,
+            include_finished_set=include_finished_set,
+            log_stats=log_stats,
+        )
+    finally:
+        if saved is None:
+            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+
+
+_HASHERS: dict[int, Callable[[Any], Any]] = {}
+
+
+def request_block_hasher(block_size: int) -> Callable[[Any], Any]:
+    """The request block hasher vLLM's engine core gives each ``Request`` (SHA-256)."""
+    hasher = _HASHERS.get(block_size)
+    if hasher is None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        hasher = _HASHERS[block_size] = get_request_block_hasher(block_size, hash_fn)
+    return hasher
+
+
+def make_request(
+    req_id: str,
+    prompt_token_ids: Sequence[int],
+    *,
+    max_tokens: int = 16,
+    min_tokens: int = 0,
+    eos_token_id: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    priority: int = 0,
+    arrival_time: float = 0.0,
+    cache_salt: str | None = None,
+    block_size: int = 16,
+) -> Any:
+    """A vLLM ``Request`` as the engine core builds it (block hasher attached, EOS set as the frontend does)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, stop_token_ids=list(stop_token_ids))
+    if eos_token_id is not None:
+        params.update_from_generation_config({}, eos_token_id)
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=arrival_time,
+        priority=priority,
+        cache_salt=cache_salt,
+        block_hasher=request_block_hasher(block_size),
+    )

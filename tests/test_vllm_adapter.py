@@ -1,0 +1,175 @@
+"""kvsched.vllm.Scheduler's contract with vLLM 0.33's engine core: construction, refusals, pause, reset, aborts.
+
+Needs vLLM (``pip install 'kvsched[vllm]'``); skipped otherwise. Where a behaviour is vLLM's, the test runs
+vLLM's own scheduler on the same calls and compares (``tests/vllm_driver.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("vllm", reason="vLLM is optional: pip install 'kvsched[vllm]'")
+
+import kvsched.vllm
+from kvsched.vllm import UnsupportedFeatureError
+from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
+from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+from vllm_driver import compare
+
+pytestmark = pytest.mark.vllm
+
+
+def _pair(**fields: object) -> tuple[object, object]:
+    cfg = make_vllm_config(**fields)  # type: ignore[arg-type]
+    return make_scheduler("vllm", cfg), make_scheduler("kvsched", cfg)
+
+
+def _add(scheds: tuple[object, ...], rid: str, prompt: list[int], **kw: object) -> None:
+    for s in scheds:
+        s.add_request(make_request(rid, prompt, **kw))  # type: ignore[attr-defined]
+
+
+def _step(scheds: tuple[object, ...], token: int = 9) -> list[object]:
+    """One synchronous engine step on each scheduler; returns the scheduler outputs after comparing them."""
+    outs = [s.schedule() for s in scheds]  # type: ignore[attr-defined]
+    compare("SchedulerOutput", outs[0], outs[1])
+    results = []
+    for s, so in zip(scheds, outs, strict=True):
+        ids = list(so.num_scheduled_tokens)
+        sampled = [[] if s.requests[r].is_prefill_chunk else [token] for r in ids]  # type: ignore[attr-defined]
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+        results.append(s.update_from_output(so, mro))  # type: ignore[attr-defined]
+    compare("EngineCoreOutputs", results[0], results[1])
+    return outs
+
+
+def test_implements_the_whole_interface_with_engine_core_keywords() -> None:
+    abstract = {name for name, v in vars(SchedulerInterface).items() if getattr(v, "__isabstractmethod__", False)}
+    assert abstract, "vLLM's SchedulerInterface should declare abstract members"
+    missing = {name for name in abstract if getattr(kvsched.vllm.Scheduler, name, None) is None}
+    assert not missing
+    assert not getattr(kvsched.vllm.Scheduler, "__abstractmethods__", frozenset())
+    ours = inspect.signature(kvsched.vllm.Scheduler.__init__).parameters
+    for name in (
+        "vllm_config",
+        "kv_cache_config",
+        "structured_output_manager",
+        "block_size",
+        "hash_block_size",
+        "mm_registry",
+        "include_finished_set",
+        "log_stats",
+    ):
+        assert name in ours
+    # vLLM's test helper does not pass hash_block_size: it must have a default.
+    assert ours["hash_block_size"].default is None
+    s = make_scheduler("kvsched", make_vllm_config())
+    assert s.connector is None and s.ec_connector is None
+    assert s.get_kv_connector() is None
+
+
+@pytest.mark.parametrize(
+    ("attr", "value", "feature"),
+    [
+        ("kv_transfer_config", object(), "KV connectors"),
+        ("ec_transfer_config", object(), "encoder-cache connectors"),
+        ("lora_config", object(), "LoRA"),
+    ],
+)
+def test_unsupported_engine_features_are_refused_by_name(attr: str, value: object, feature: str) -> None:
+    cfg = make_vllm_config()
+    object.__setattr__(cfg, attr, value)
+    with pytest.raises(UnsupportedFeatureError, match=feature):
+        make_scheduler("kvsched", cfg)
+
+
+def test_unsupported_scheduler_settings_are_refused() -> None:
+    cfg = make_vllm_config()
+    cfg.scheduler_config.watermark = 0.1
+    with pytest.raises(UnsupportedFeatureError, match="watermark"):
+        make_scheduler("kvsched", cfg)
+    cfg = make_vllm_config()
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(UnsupportedFeatureError, match="pipeline parallelism"):
+        make_scheduler("kvsched", cfg)
+    # An error is also a ValueError and a NotImplementedError, so either kind of handler catches it.
+    assert issubclass(UnsupportedFeatureError, ValueError)
+    assert issubclass(UnsupportedFeatureError, NotImplementedError)
+
+
+def test_unsupported_request_features_are_refused_and_leave_no_trace() -> None:
+    s = make_scheduler("kvsched", make_vllm_config())
+    req = make_request("r0", [1, 2, 3, 4])
+    req.sampling_params.skip_reading_prefix_cache = True
+    req.skip_reading_prefix_cache = True
+    with pytest.raises(UnsupportedFeatureError, match="skip the prefix cache"):
+        s.add_request(req)
+    assert not s.has_request("r0")
+    assert s.get_num_unfinished_requests() == 0
+    s.add_request(make_request("r0", [1, 2, 3, 4]))
+    assert s.has_request("r0")
+
+
+def test_finish_requests_ignores_unknown_ids_and_none_finishes_everything() -> None:
+    pair = _pair(num_blocks=64, max_model_len=256)
+    for i in range(4):
+        _add(pair, f"r{i}", list(range(10 + i, 40 + i)), max_tokens=5)
+    _step(pair)
+    for s in pair:
+        done = s.finish_requests(["r1", "nope"], RequestStatus.FINISHED_ABORTED)  # type: ignore[attr-defined]
+        assert [r.request_id for r in done] == ["r1"]
+    _step(pair)
+    a, b = (s.finish_requests(None, RequestStatus.FINISHED_ABORTED) for s in pair)  # type: ignore[attr-defined]
+    assert sorted(r.request_id for r in a) == sorted(r.request_id for r in b) == ["r0", "r2", "r3"]
+    out = _step(pair)
+    assert out[1].finished_req_ids == {"r0", "r2", "r3"}  # type: ignore[attr-defined]
+    assert pair[1].core.num_free_blocks == 63  # type: ignore[attr-defined]
+
+
+def test_pause_states_match_vllm() -> None:
+    pair = _pair(num_blocks=64, max_model_len=256)
+    _add(pair, "r0", list(range(10, 50)), max_tokens=20)
+    _step(pair)
+    for s in pair:
+        s.set_pause_state(PauseState.PAUSED_NEW)  # type: ignore[attr-defined]
+    _add(pair, "r1", list(range(60, 90)), max_tokens=20)
+    out = _step(pair)
+    assert list(out[1].num_scheduled_tokens) == ["r0"]  # type: ignore[attr-defined]
+    assert pair[1].get_num_unfinished_requests() == pair[0].get_num_unfinished_requests() == 1  # type: ignore[attr-defined]
+    for s in pair:
+        s.set_pause_state(PauseState.PAUSED_ALL)  # type: ignore[attr-defined]
+    out = _step(pair)
+    assert out[1].total_num_scheduled_tokens == 0  # type: ignore[attr-defined]
+    assert pair[1].get_num_unfinished_requests() == 0  # type: ignore[attr-defined]
+    for s in pair:
+        s.set_pause_state(PauseState.UNPAUSED)  # type: ignore[attr-defined]
+    out = _step(pair)
+    assert list(out[1].num_scheduled_tokens) == ["r0", "r1"]  # type: ignore[attr-defined]
+    assert pair[1].pause_state == PauseState.UNPAUSED  # type: ignore[attr-defined]
+
+
+def test_reset_prefix_cache_with_running_requests_matches_vllm() -> None:
+    pair = _pair(num_blocks=64, max_model_len=256)
+    for i in range(3):
+        _add(pair, f"r{i}", [*list(range(10, 50)), i], max_tokens=20)
+    _step(pair)
+    assert [s.reset_prefix_cache() for s in pair] == [False, False]  # type: ignore[attr-defined]
+    assert [s.reset_prefix_cache(reset_running_requests=True) for s in pair] == [True, True]  # type: ignore[attr-defined]
+    for rid in ("r0", "r1", "r2"):
+        compare(rid, pair[0].requests[rid].status, pair[1].requests[rid].status)  # type: ignore[attr-defined]
+    for _ in range(3):
+        _step(pair)

@@ -1,0 +1,317 @@
+"""Drive vLLM's own scheduler and ``kvsched.vllm.Scheduler`` side by side and compare everything observable.
+
+Used by ``tests/test_vllm_differential.py`` (and runnable by hand for long sweeps:
+``python tests/vllm_driver.py --seeds 200 --steps 300``). Each scheduler gets its own, identical ``Request``
+objects and its own copy of every ``ModelRunnerOutput`` (``update_from_output`` trims the lists it is given).
+After every call the two ``SchedulerOutput``s / ``EngineCoreOutputs`` are compared field by field, and so is the
+state of every live request and the block table of every request that holds blocks.
+
+Not compared, by design: timestamps (events, outputs), object identities, and the opaque connector and
+encoder fields, which are None/empty on both sides in the configurations driven here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import random
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# Before vLLM is imported: no GPU is needed (or used) to schedule.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
+
+# Request fields mirrored by the adapter and compared after every call.
+REQUEST_FIELDS = (
+    "status",
+    "num_computed_tokens",
+    "num_output_placeholders",
+    "num_in_flight_tokens",
+    "num_stale_output_tokens",
+    "drop_stale_output",
+    "spec_token_ids",
+    "num_preemptions",
+    "is_prefill_chunk",
+    "stop_reason",
+    "output_token_ids",
+    "all_token_ids",
+    "block_hashes",
+)
+
+
+class Divergence(AssertionError):
+    pass
+
+
+def _norm(value: Any) -> Any:
+    """A comparable, timestamp-free form of a vLLM output value."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, dict):
+        return [(_norm(k), _norm(v)) for k, v in value.items()]  # insertion order matters (batch order)
+    if isinstance(value, (set, frozenset)):
+        return sorted(_norm(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_norm(v) for v in value]
+    name = type(value).__name__
+    if name == "EngineCoreEvent":
+        return ("event", int(value.type))
+    if name == "SamplingParams":
+        return ("sampling_params", repr(value))
+    if name in ("EngineCoreOutput", "EngineCoreOutputs", "SchedulerStats", "PrefixCacheStats", "PrefillStats"):
+        fields = (
+            value.__struct_fields__
+            if hasattr(value, "__struct_fields__")
+            else [f.name for f in dataclasses.fields(value)]
+        )
+        return (name, [(f, _norm(getattr(value, f))) for f in fields if f != "timestamp"])
+    if dataclasses.is_dataclass(value):
+        return (name, [(f.name, _norm(getattr(value, f.name))) for f in dataclasses.fields(value)])
+    if hasattr(value, "value") and hasattr(value, "name"):  # enums
+        return (name, value.name)
+    return ("opaque", name)
+
+
+def _diff(path: str, a: Any, b: Any) -> str | None:
+    if a == b:
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: length {len(a)} != {len(b)}\n  vllm:    {a}\n  kvsched: {b}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            d = _diff(f"{path}[{i}]", x, y)
+            if d:
+                return d
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            d = _diff(f"{path}.{i}", x, y)
+            if d:
+                return d
+    return f"{path}:\n  vllm:    {a}\n  kvsched: {b}"
+
+
+def compare(what: str, a: Any, b: Any) -> None:
+    d = _diff(what, _norm(a), _norm(b))
+    if d:
+        raise Divergence(d)
+
+
+@dataclasses.dataclass
+class Config:
+    block_size: int = 16
+    num_blocks: int = 64
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 256
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    async_scheduling: bool = False
+    scheduler_reserve_full_isl: bool = True
+    use_v2_model_runner: bool = False
+
+
+def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
+    block_size = rng.choice([4, 8, 16])
+    max_model_len = rng.choice([64, 128, 256])
+    min_blocks = -(-max_model_len // block_size) + 1
+    chunked = rng.random() < 0.8
+    budget = rng.choice([32, 64, 128, 256]) if chunked else max_model_len + rng.choice([0, 64])
+    return Config(
+        block_size=block_size,
+        num_blocks=min_blocks + rng.choice([0, 4, 16, 64]),
+        max_num_seqs=rng.choice([2, 4, 8, 16]),
+        max_num_batched_tokens=max(budget, 1),
+        max_model_len=max_model_len,
+        enable_prefix_caching=rng.random() < 0.8,
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=rng.choice([0, 0, 16, 48]),
+        policy=rng.choice(["fcfs", "priority"]),
+        async_scheduling=async_scheduling,
+        scheduler_reserve_full_isl=rng.random() < 0.7,
+        use_v2_model_runner=v2,
+    )
+
+
+class Pair:
+    """vLLM's scheduler (``a``) and kvsched's (``b``) under identical calls."""
+
+    EOS = 2
+
+    def __init__(self, cfg: Config, seed: int) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(seed)
+        fields = dataclasses.asdict(cfg)
+        v2 = fields.pop("use_v2_model_runner")
+        vcfg = make_vllm_config(**fields)
+        self.a = make_scheduler("vllm", vcfg, use_v2_model_runner=v2, include_finished_set=True)
+        self.b = make_scheduler("kvsched", vcfg, use_v2_model_runner=v2, include_finished_set=True)
+        self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
+        self.next_id = 0
+        self.clock = 0.0
+        self.in_flight: list[tuple[Any, Any]] = []  # (vllm SchedulerOutput, kvsched SchedulerOutput)
+        self.steps = 0
+
+    # ---- operations ------------------------------------------------------------------------------------
+
+    def add_random_request(self) -> None:
+        rng, cfg = self.rng, self.cfg
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        room = cfg.max_model_len - 1
+        prompt = list(rng.choice(self.prefixes)) if rng.random() < 0.6 else []
+        prompt += [rng.randrange(3, 500) for _ in range(rng.randrange(1, 80))]
+        prompt = prompt[: rng.randrange(1, room)] if len(prompt) >= room else prompt
+        max_tokens = rng.randrange(1, 40)
+        kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "min_tokens": rng.choice([0, 0, 0, min(3, max_tokens)]),
+            "eos_token_id": self.EOS if rng.random() < 0.5 else None,
+            "stop_token_ids": [7] if rng.random() < 0.2 else [],
+            "priority": rng.randrange(0, 3) if cfg.policy == "priority" else 0,
+            "arrival_time": self.clock + (rng.choice([0.0, 0.5]) if rng.random() < 0.2 else 0.0),
+            "cache_salt": rng.choice([None, None, None, "salt"]),
+            "block_size": cfg.block_size,
+        }
+        self.clock += 1.0
+        self.a.add_request(make_request(rid, prompt, **kwargs))
+        self.b.add_request(make_request(rid, prompt, **kwargs))
+        self.check_state(f"add_request({rid})")
+
+    def abort_random(self) -> None:
+        live = sorted(self.a.requests)
+        if not live:
+            return
+        ids = self.rng.sample(live, k=min(len(live), self.rng.randrange(1, 3)))
+        if self.rng.random() < 0.2:
+            ids.append("unknown-id")
+        from vllm.v1.request import RequestStatus
+
+        ra = self.a.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        rb = self.b.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        compare("finish_requests", [r.request_id for r in ra], [r.request_id for r in rb])
+        self.check_state(f"finish_requests({ids})")
+
+    def schedule(self) -> None:
+        so_a = self.a.schedule()
+        so_b = self.b.schedule()
+        compare(f"step {self.steps} SchedulerOutput", so_a, so_b)
+        self.in_flight.append((so_a, so_b))
+        self.check_state(f"step {self.steps} schedule")
+
+    def model_output(self, so: Any, sched: Any) -> Any:
+        """Sampled tokens for every scheduled request whose step completes its known tokens."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            req = sched.requests.get(rid)
+            if req is not None and req.is_prefill_chunk:
+                sampled.append([])
+                continue
+            r = self.rng.random()
+            tok = self.EOS if r < 0.06 else (7 if r < 0.09 else self.rng.randrange(3, 500))
+            sampled.append([tok])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+
+    def update_oldest(self) -> None:
+        so_a, so_b = self.in_flight.pop(0)
+        mro = self.model_output(so_a, self.a)
+        out_a = self.a.update_from_output(so_a, copy.deepcopy(mro))
+        out_b = self.b.update_from_output(so_b, copy.deepcopy(mro))
+        compare(f"step {self.steps} EngineCoreOutputs", out_a, out_b)
+        self.check_state(f"step {self.steps} update")
+
+    # ---- state -----------------------------------------------------------------------------------------
+
+    def check_state(self, when: str) -> None:
+        a, b = self.a, self.b
+        compare(f"{when}: live requests", sorted(a.requests), sorted(b.requests))
+        for rid, ra in a.requests.items():
+            rb = b.requests[rid]
+            for f in REQUEST_FIELDS:
+                compare(f"{when}: request {rid}.{f}", getattr(ra, f), getattr(rb, f))
+            blocks_a = list(a.kv_cache_manager.get_block_ids(rid)[0]) if ra.status == ra.status.RUNNING else None
+            if blocks_a is not None:
+                compare(f"{when}: request {rid} block table", blocks_a, b.core.get_block_ids(rid).tolist())
+        compare(f"{when}: get_request_counts", a.get_request_counts(), b.get_request_counts())
+        compare(f"{when}: num unfinished", a.get_num_unfinished_requests(), b.get_num_unfinished_requests())
+        compare(f"{when}: has_finished", a.has_finished_requests(), b.has_finished_requests())
+        compare(f"{when}: kv usage", a.get_kv_cache_usage(), b.get_kv_cache_usage())
+        b.core.check_invariants()
+
+    # ---- a whole run -----------------------------------------------------------------------------------
+
+    def run(self, num_steps: int) -> None:
+        rng = self.rng
+        for _ in range(rng.randrange(1, 6)):
+            self.add_random_request()
+        for _ in range(num_steps):
+            self.steps += 1
+            r = rng.random()
+            if r < 0.35:
+                for _ in range(rng.randrange(1, 4)):
+                    self.add_random_request()
+            if rng.random() < 0.04:
+                self.abort_random()
+            self.schedule()
+            if self.cfg.async_scheduling:
+                # vLLM's batch queue: step N+1 is scheduled before step N's output is applied.
+                if len(self.in_flight) > 1:
+                    self.update_oldest()
+            else:
+                self.update_oldest()
+            if not self.a.has_requests() and rng.random() < 0.5:
+                self.add_random_request()
+        while self.in_flight:
+            self.update_oldest()
+
+
+def run_seed(seed: int, steps: int, *, async_scheduling: bool, v2: bool) -> Config:
+    rng = random.Random(seed * 7919 + 17)
+    cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
+    Pair(cfg, seed).run(steps)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, default=200)
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--modes", default="sync-v1,sync-v2,async-v1,async-v2")
+    args = p.parse_args(argv)
+    failures = 0
+    for mode in args.modes.split(","):
+        sync, runner = mode.split("-")
+        ok = 0
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            try:
+                run_seed(seed, args.steps, async_scheduling=sync == "async", v2=runner == "v2")
+                ok += 1
+            except Divergence as exc:
+                failures += 1
+                print(f"[{mode}] seed {seed}: {str(exc)[:2000]}", file=sys.stderr)
+        print(f"{mode}: {ok}/{args.seeds} seeds x {args.steps} steps without a difference")
+    return 1 if failures else 0
+
+
+_: Callable[..., Any] = main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
