@@ -112,9 +112,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._blocked: dict[str, Request] = {}  # waiting for their grammar, in arrival order
         self._deferred: set[str] = set()  # vLLM's deferred_waiting: skipped by admission at least once
         self._grammar_errors: dict[str, Any] = {}
+        # Requests whose prefill stats are not finalised yet (no output so far): their cached-block count is read
+        # before each update that includes them.
+        self._awaiting_first_output: set[str] = set()
         self._pause_state = PauseState.UNPAUSED
         # Steps scheduled and not yet applied: (vLLM output, core output), oldest first.
-        self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
+        self._in_flight: deque[tuple[SchedulerOutput, Any, list[int]]] = deque()
         self._prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.current_step = 0
 
@@ -146,6 +149,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             **({"ready": False} if blocked else {}),
         )
         self.requests[req_id] = request
+        if request.prefill_stats is not None:
+            self._awaiting_first_output.add(req_id)
         if blocked:
             self._blocked[req_id] = request
         if self.log_stats:
@@ -208,6 +213,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self.finished_req_ids_dict[request.client_index].add(req_id)
         self._blocked.pop(req_id, None)
         self._deferred.discard(req_id)
+        self._awaiting_first_output.discard(req_id)
         del self.requests[req_id]
 
     # ---- schedule ---------------------------------------------------------------------------------------
@@ -235,16 +241,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.current_step += 1
         if self._blocked:
             self._promote_ready()
-        core = self._core
-        out = core.schedule()
+        out = self._core.schedule()
         requests = self.requests
         log_stats = self.log_stats
         now = time.monotonic() if log_stats else 0.0
 
-        for req_id in out.preempted_req_ids:
+        preempted_ids = out.preempted_req_ids
+        for req_id in preempted_ids:
             self._mirror_preempt(requests[req_id], now)
         preempted = self._reset_preempted_req_ids
-        preempted.update(out.preempted_req_ids)
+        preempted.update(preempted_ids)
 
         req_ids: list[str] = out.req_ids
         num_sched: list[int] = out.num_scheduled_tokens.tolist()
@@ -254,15 +260,15 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         spec_ids = out.spec_token_ids
         spec_ptr: list[int] | None = out.spec_token_ids_indptr.tolist() if len(spec_ids) else None
         spec_list: list[int] = spec_ids.tolist() if spec_ptr is not None else []
-        new_set = set(out.new_req_ids)
-        resumed_set = set(out.resumed_req_ids)
-        admitted = new_set or resumed_set
+        new_ids = out.new_req_ids
+        resumed_ids = out.resumed_req_ids
+        admitted = set(new_ids).union(resumed_ids) if new_ids or resumed_ids else None
         v2 = self.use_v2_model_runner
+        async_sched = self.async_scheduling
+        spec_placeholders: list[int] = [-1] * self.num_spec_tokens
 
-        new_reqs: list[Request] = []
-        new_blocks_of_new: list[list[int]] = []
-        res_v2_reqs: list[Request] = []
-        res_v2_blocks: list[list[int]] = []
+        new_reqs_data: list[NewRequestData] = []
+        res_v2_data: list[NewRequestData] = []
         run_ids: list[str] = []
         run_blocks: list[tuple[list[int], ...] | None] = []
         run_computed: list[int] = []
@@ -274,71 +280,61 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         all_token_ids: dict[str, list[int]] = {}
         spec_tokens: dict[str, list[int]] = {}
         prev = self.prev_step_scheduled_req_ids
-        prefix_stats = self._prefix_cache_stats
-        enable_caching = self.kv_config.enable_prefix_caching
+        uses_mrope = self.model_uses_mrope
+        has_so = False
+        pending_so = False
 
         for i, req_id in enumerate(req_ids):
             request = requests[req_id]
-            b0, b1 = block_ptr[i], block_ptr[i + 1]
-            if admitted and (req_id in new_set or req_id in resumed_set):
-                hit = computed[i]
+            n = num_sched[i]
+            c = computed[i]
+            b0 = block_ptr[i]
+            b1 = block_ptr[i + 1]
+            if admitted is not None and req_id in admitted:
+                # Admitted by phase B: new, or resumed after a preemption.
                 request.status = _RUNNING
-                request.num_computed_tokens = hit
-                self._deferred.discard(req_id)
-                if request.prefill_stats is not None and request.num_preemptions <= 0:
-                    request.prefill_stats.set(
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        num_local_cached_tokens=hit,
-                        num_external_cached_tokens=0,
+                request.num_computed_tokens = c
+                self._on_admitted(request, c, now)
+                if req_id in new_ids or v2:
+                    data = NewRequestData.from_request(
+                        request, (block_ids[b0:b1],), request._all_token_ids if v2 else None, uses_mrope=uses_mrope
                     )
-                if prefix_stats is not None and enable_caching:
-                    prefix_stats.record(
-                        num_tokens=request.num_tokens, num_hits=hit, preempted=request.num_preemptions > 0
-                    )
-                if log_stats:
-                    request.record_event(EngineCoreEventType.SCHEDULED, now)
-                if req_id in new_set:
-                    new_reqs.append(request)
-                    new_blocks_of_new.append(block_ids[b0:b1])
-                    continue
-                if v2:
                     # Model runner V2 gets a resumed request as a new one, after the new ones.
-                    res_v2_reqs.append(request)
-                    res_v2_blocks.append(block_ids[b0:b1])
-                    continue
-                res_ids.append(req_id)
-                res_blocks.append((block_ids[b0:b1],))
-                res_computed.append(hit)
-                res_outputs.append(len(request._output_token_ids) + request.num_output_placeholders)
+                    (new_reqs_data if req_id in new_ids else res_v2_data).append(data)
+                else:
+                    res_ids.append(req_id)
+                    res_blocks.append((block_ids[b0:b1],))
+                    res_computed.append(c)
+                    res_outputs.append(len(request._output_token_ids) + request.num_output_placeholders)
+                    if req_id not in prev:
+                        all_token_ids[req_id] = request._all_token_ids.copy()
+            else:
+                # A running request (phase A).
+                if spec_ptr is not None and spec_ptr[i + 1] > spec_ptr[i]:
+                    spec_tokens[req_id] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
+                if request.spec_token_ids:
+                    request.spec_token_ids = []
+                run_ids.append(req_id)
+                run_blocks.append((block_ids[b0:b1],) if b1 > b0 else None)
+                run_computed.append(c)
+                run_outputs.append(len(request._output_token_ids) + request.num_output_placeholders)
                 if not v2 and req_id not in prev:
                     all_token_ids[req_id] = request._all_token_ids.copy()
-                continue
-            # A running request (phase A).
-            if spec_ptr is not None and spec_ptr[i + 1] > spec_ptr[i]:
-                spec_tokens[req_id] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
-            if request.spec_token_ids:
-                request.spec_token_ids = []
-            run_ids.append(req_id)
-            run_blocks.append((block_ids[b0:b1],) if b1 > b0 else None)
-            run_computed.append(computed[i])
-            run_outputs.append(len(request._output_token_ids) + request.num_output_placeholders)
-            if not v2 and req_id not in prev:
-                all_token_ids[req_id] = request._all_token_ids.copy()
+            # vLLM's _update_after_schedule (and AsyncScheduler's), for this request.
+            request.num_computed_tokens = c + n
+            request.num_in_flight_tokens += n
+            chunk = c + n < len(request._all_token_ids) + request.num_output_placeholders
+            request.is_prefill_chunk = chunk
+            if not chunk:
+                if request.structured_output_request is not None:
+                    has_so = True
+                    pending_so = pending_so or (async_sched and request.num_output_placeholders > 0)
+                if async_sched:
+                    request.num_output_placeholders += 1 + len(spec_tokens.get(req_id, ()))
+                    request.spec_token_ids = spec_placeholders
 
-        uses_mrope = self.model_uses_mrope
-        if res_v2_reqs:
-            new_reqs += res_v2_reqs
-            new_blocks_of_new += res_v2_blocks
-        if v2:
-            new_reqs_data = [
-                NewRequestData.from_request(r, (blocks,), r._all_token_ids, uses_mrope=uses_mrope)
-                for r, blocks in zip(new_reqs, new_blocks_of_new, strict=True)
-            ]
-        else:
-            new_reqs_data = [
-                NewRequestData.from_request(r, (blocks,), uses_mrope=uses_mrope)
-                for r, blocks in zip(new_reqs, new_blocks_of_new, strict=True)
-            ]
+        if res_v2_data:
+            new_reqs_data += res_v2_data
         cached = CachedRequestData(
             req_ids=run_ids + res_ids,
             resumed_req_ids=set(res_ids),
@@ -348,25 +344,42 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             num_computed_tokens=run_computed + res_computed,
             num_output_tokens=run_outputs + res_outputs,
         )
-        num_scheduled_tokens = dict(zip(req_ids, num_sched, strict=True))
         if not v2:
             prev.clear()
             prev.update(req_ids)
         so = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled_tokens,
+            num_scheduled_tokens=dict(zip(req_ids, num_sched, strict=True)),
             total_num_scheduled_tokens=out.total_num_scheduled_tokens,
             scheduled_spec_decode_tokens=spec_tokens,
             scheduled_encoder_inputs={},
             finished_req_ids=self.finished_req_ids,
             free_encoder_mm_hashes=[],
             preempted_req_ids=preempted,
+            has_structured_output_requests=has_so,
+            pending_structured_output_tokens=pending_so,
             num_spec_tokens_to_schedule=self.num_spec_tokens,
         )
-        self._update_after_schedule(so, req_ids, num_sched)
-        self._in_flight.append((so, out))
+        self.finished_req_ids = set()
+        self._reset_preempted_req_ids = set()
+        self._in_flight.append((so, out, num_sched))
         return so
+
+    def _on_admitted(self, request: Request, num_hit_tokens: int, now: float) -> None:
+        """vLLM's bookkeeping when phase B admits a request: prefill stats, prefix-cache stats, SCHEDULED event."""
+        self._deferred.discard(request.request_id)
+        if request.prefill_stats is not None and request.num_preemptions <= 0:
+            request.prefill_stats.set(
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_local_cached_tokens=num_hit_tokens,
+                num_external_cached_tokens=0,
+            )
+        stats = self._prefix_cache_stats
+        if stats is not None and self.kv_config.enable_prefix_caching:
+            stats.record(num_tokens=request.num_tokens, num_hits=num_hit_tokens, preempted=request.num_preemptions > 0)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.SCHEDULED, now)
 
     def _mirror_preempt(self, request: Request, now: float) -> None:
         """vLLM's ``_preempt_request``, for the request object (the core already freed its blocks)."""
@@ -380,38 +393,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         request.num_preemptions += 1
         if self.log_stats:
             request.record_event(EngineCoreEventType.PREEMPTED, now)
-
-    def _update_after_schedule(self, so: SchedulerOutput, req_ids: list[str], num_sched: list[int]) -> None:
-        requests = self.requests
-        has_so = False
-        if self.async_scheduling:
-            spec = so.scheduled_spec_decode_tokens
-            placeholders: list[int] = [-1] * so.num_spec_tokens_to_schedule
-            for req_id, n in zip(req_ids, num_sched, strict=True):
-                request = requests[req_id]
-                request.num_computed_tokens += n
-                request.num_in_flight_tokens += n
-                chunk = request.num_computed_tokens < len(request._all_token_ids) + request.num_output_placeholders
-                request.is_prefill_chunk = chunk
-                if chunk:
-                    continue
-                if request.structured_output_request is not None:
-                    has_so = True
-                    so.pending_structured_output_tokens |= request.num_output_placeholders > 0
-                request.num_output_placeholders += 1 + len(spec.get(req_id, ()))
-                request.spec_token_ids = placeholders
-        else:
-            for req_id, n in zip(req_ids, num_sched, strict=True):
-                request = requests[req_id]
-                request.num_computed_tokens += n
-                request.num_in_flight_tokens += n
-                chunk = request.num_computed_tokens < len(request._all_token_ids) + request.num_output_placeholders
-                request.is_prefill_chunk = chunk
-                if not chunk and request.structured_output_request is not None:
-                    has_so = True
-        so.has_structured_output_requests = has_so
-        self.finished_req_ids = set()
-        self._reset_preempted_req_ids = set()
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         if not scheduler_output.has_structured_output_requests:
@@ -430,121 +411,110 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     # ---- update -----------------------------------------------------------------------------------------
 
-    def _take_in_flight(self, scheduler_output: SchedulerOutput) -> Any:
-        for i, (so, out) in enumerate(self._in_flight):
+    def _take_in_flight(self, scheduler_output: SchedulerOutput) -> tuple[Any, list[int]]:
+        in_flight = self._in_flight
+        for i, (so, out, num_sched) in enumerate(in_flight):
             if so is scheduler_output:
-                del self._in_flight[i]
-                return out
+                del in_flight[i]
+                return out, num_sched
         raise ValueError("update_from_output got a SchedulerOutput this scheduler did not produce, or got it twice")
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        out = self._take_in_flight(scheduler_output)
-        sampled = model_runner_output.sampled_token_ids
-        index = model_runner_output.req_id_to_index
-        logprobs = model_runner_output.logprobs
-        prompt_logprobs = model_runner_output.prompt_logprobs_dict
-        nans = model_runner_output.num_nans_in_logits
+        out, num_sched = self._take_in_flight(scheduler_output)
+        mro = model_runner_output
+        sampled = mro.sampled_token_ids
+        index = mro.req_id_to_index
         req_ids: list[str] = out.req_ids
-        num_sched = scheduler_output.num_scheduled_tokens
         requests = self.requests
-        rows = [sampled[index[r]] for r in req_ids] if sampled else [[] for _ in req_ids]
+        rows: list[list[int]] = [sampled[index[r]] for r in req_ids] if sampled else [[] for _ in req_ids]
         # vLLM finalises a request's prefill stats at its first output with the tokens its cached blocks cover,
-        # read before a stop frees them: read them now (only requests that have not emitted yet).
+        # read before a stop frees them: read them now, for the requests that have not emitted yet.
         cached_tokens: dict[str, int] = {}
-        if self.kv_config.enable_prefix_caching:
-            for req_id in req_ids:
-                r = requests.get(req_id)
-                if r is not None and r.prefill_stats is not None and not r.is_finished():
+        if self._awaiting_first_output and self.kv_config.enable_prefix_caching:
+            in_batch = scheduler_output.num_scheduled_tokens
+            for req_id in self._awaiting_first_output:
+                if req_id in in_batch:
                     cached_tokens[req_id] = self._core.get_num_cached_blocks(req_id) * self.block_size
         res = self._core.update_from_output(out, rows)
         accepted: list[int] = res.num_new_tokens.tolist()
-        finished = dict(zip(res.finished_req_ids, res.finish_reasons.tolist(), strict=True))
-        stop_reasons = dict(zip(res.finished_req_ids, res.stop_reasons.tolist(), strict=True))
+        finished_ids = res.finished_req_ids
+        finished: dict[str, tuple[int, int]] = (
+            dict(
+                zip(finished_ids, zip(res.finish_reasons.tolist(), res.stop_reasons.tolist(), strict=True), strict=True)
+            )
+            if finished_ids
+            else {}
+        )
+        # Per-entry work that the common decode entry never needs goes through _update_slow.
         spec_sched = scheduler_output.scheduled_spec_decode_tokens
+        batch_slow = bool(mro.logprobs or mro.prompt_logprobs_dict)
+        nans = mro.num_nans_in_logits
+        hasher_block = self.hash_block_size
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
-        stopped_ids: list[Request] = []
-        so_manager = self.structured_output_manager
+        client0: list[EngineCoreOutput] = []
+        fast_ids: list[str] = []
+        fast_toks: list[list[int]] = []
+        stopped_reqs: list[Request] = []
 
         for i, req_id in enumerate(req_ids):
             request = requests.get(req_id)
-            stale = False
-            n = num_sched[req_id]
-            if request is not None:
-                request.num_in_flight_tokens -= n
-                if request.num_stale_output_tokens > 0:
-                    stale = True
-                    request.num_stale_output_tokens -= n
-            if request is None or request.is_finished():
-                continue
-            if stale and request.drop_stale_output:
-                continue
+            if request is None:
+                continue  # finished (aborted) while the step was in flight
+            request.num_in_flight_tokens -= num_sched[i]
             generated = rows[i]
-            spec = spec_sched.get(req_id)
-            if spec and generated:
-                num_rejected = len(spec) - max(len(generated) - 1, 0)
-                if not stale:
-                    if request.num_computed_tokens > 0:
-                        request.num_computed_tokens -= num_rejected
-                    if request.num_output_placeholders > 0:
-                        request.num_output_placeholders -= num_rejected
-            new_token_ids = generated
-            stopped = False
-            status_before = request.status
-            if generated:
-                num_generated = len(generated)
-                k = accepted[i]
-                if k < num_generated:
-                    new_token_ids = generated[:k]
-                request.append_output_token_ids(new_token_ids)
-                if req_id in finished:
-                    stopped = True
-                    if not stale:
-                        request.num_computed_tokens -= num_generated - k
-                    request.status = _FINISHED_STATUS[finished[req_id]]
-                    stop = stop_reasons[req_id]
-                    if stop >= 0:
-                        request.stop_reason = stop
-                if not stale and request.num_output_placeholders > 0:
-                    request.num_output_placeholders -= num_generated
-            if new_token_ids and request.use_structured_output and not so_manager.accept_tokens(request, new_token_ids):
-                # The grammar refused tokens it masked itself: vLLM ends the request with an error.
-                request.status = RequestStatus.FINISHED_ERROR
-                if not stopped:
-                    self._core.abort_requests([req_id])
-                stopped = True
-            if not (new_token_ids or stopped):
-                continue
-            prefill_stats = request.take_prefill_stats()
-            if prefill_stats is not None:
-                prefill_stats.finalize(cached_tokens.get(req_id, 0))
-            new_logprobs = None
-            if logprobs and request.sampling_params.num_logprobs is not None:
-                new_logprobs = logprobs.slice_request(index[req_id], len(new_token_ids))
-            finish_reason = None
-            if stopped:
-                finish_reason = request.get_finished_reason()
-                stopped_ids.append(request)
-            if nans is not None and req_id in nans:
-                request.num_nans_in_logits = nans[req_id]
-            outputs[request.client_index].append(
-                EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_token_ids,
-                    finish_reason=finish_reason,
-                    new_logprobs=new_logprobs,
-                    new_prompt_logprobs_tensors=prompt_logprobs.get(req_id),
-                    stop_reason=request.stop_reason,
-                    events=request.take_events(),
-                    prefill_stats=prefill_stats,
-                    spec_decode_metrics=request.spec_decode_metrics if finish_reason is not None else None,
-                    trace_headers=request.trace_headers,
-                    num_nans_in_logits=request.num_nans_in_logits,
+            if (
+                batch_slow
+                or request.num_stale_output_tokens > 0
+                or request.status > _PREEMPTED
+                or request.prefill_stats is not None
+                or request.client_index
+                or request.events
+                or request.structured_output_request is not None
+                or (finished and req_id in finished)
+                or (spec_sched and req_id in spec_sched)
+                or (nans and req_id in nans)
+            ):
+                eco = self._update_slow(
+                    request,
+                    num_sched[i],
+                    spec_sched.get(req_id),
+                    generated,
+                    accepted[i],
+                    finished,
+                    cached_tokens,
+                    mro,
+                    stopped_reqs,
                 )
-            )
-            del status_before
-        for request in stopped_ids:
+                if eco is not None:
+                    if request.client_index:
+                        outputs[request.client_index].append(eco)
+                    else:
+                        if fast_ids:
+                            client0 += map(EngineCoreOutput, fast_ids, fast_toks)
+                            fast_ids.clear()
+                            fast_toks.clear()
+                        client0.append(eco)
+                continue
+            if not generated:
+                continue  # a prefill chunk: nothing sampled, nothing emitted
+            # The common case: tokens appended, no stop, nothing else to report.
+            request._output_token_ids.extend(generated)
+            all_tokens = request._all_token_ids
+            all_tokens.extend(generated)
+            hasher = request._block_hasher
+            if hasher is not None and (len(request.block_hashes) + 1) * hasher_block <= len(all_tokens):
+                request.block_hashes.extend(hasher(request))
+            if request.num_output_placeholders > 0:
+                request.num_output_placeholders -= len(generated)
+            fast_ids.append(req_id)
+            fast_toks.append(generated)
+        if fast_ids:
+            client0 += map(EngineCoreOutput, fast_ids, fast_toks)
+        if client0:
+            outputs[0] = client0 + outputs[0] if 0 in outputs else client0
+        for request in stopped_reqs:
             self._forget(request)
 
         if self._grammar_errors:
@@ -576,6 +546,93 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 engine_core_outputs[0] = eco = EngineCoreOutputs()
             eco.scheduler_stats = stats
         return engine_core_outputs
+
+    def _update_slow(
+        self,
+        request: Request,
+        num_scheduled: int,
+        spec: list[int] | None,
+        generated: list[int],
+        num_accepted: int,
+        finished: dict[str, tuple[int, int]],
+        cached_tokens: dict[str, int],
+        mro: ModelRunnerOutput,
+        stopped_reqs: list[Request],
+    ) -> EngineCoreOutput | None:
+        """One entry of ``update_from_output`` with everything vLLM's loop body does (the fast path covers the
+        plain decode entry). ``num_in_flight_tokens`` is already decremented."""
+        req_id = request.request_id
+        stale = False
+        if request.num_stale_output_tokens > 0:
+            stale = True
+            request.num_stale_output_tokens -= num_scheduled
+        if request.is_finished():
+            return None
+        if stale and request.drop_stale_output:
+            return None
+        if spec and generated:
+            num_rejected = len(spec) - max(len(generated) - 1, 0)
+            if not stale:
+                if request.num_computed_tokens > 0:
+                    request.num_computed_tokens -= num_rejected
+                if request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= num_rejected
+        new_token_ids = generated
+        stopped = False
+        if generated:
+            num_generated = len(generated)
+            if num_accepted < num_generated:
+                del generated[num_accepted:]  # vLLM trims the runner's list in place
+            request.append_output_token_ids(new_token_ids)
+            stop = finished.get(req_id)
+            if stop is not None:
+                stopped = True
+                if not stale:
+                    request.num_computed_tokens -= num_generated - num_accepted
+                request.status = _FINISHED_STATUS[stop[0]]
+                if stop[1] >= 0:
+                    request.stop_reason = stop[1]
+            if not stale and request.num_output_placeholders > 0:
+                request.num_output_placeholders -= num_generated
+        if (
+            new_token_ids
+            and request.structured_output_request is not None
+            and not self.structured_output_manager.accept_tokens(request, new_token_ids)
+        ):
+            # The grammar refused tokens it masked itself: vLLM ends the request with an error.
+            request.status = RequestStatus.FINISHED_ERROR
+            if not stopped:
+                self._core.abort_requests([req_id])
+            stopped = True
+        if not (new_token_ids or stopped):
+            return None
+        prefill_stats = request.take_prefill_stats()
+        if prefill_stats is not None:
+            self._awaiting_first_output.discard(req_id)
+            prefill_stats.finalize(cached_tokens.get(req_id, 0))
+        new_logprobs = None
+        if mro.logprobs and request.sampling_params.num_logprobs is not None:
+            new_logprobs = mro.logprobs.slice_request(mro.req_id_to_index[req_id], len(new_token_ids))
+        finish_reason = None
+        if stopped:
+            finish_reason = request.get_finished_reason()
+            stopped_reqs.append(request)
+        nans = mro.num_nans_in_logits
+        if nans is not None and req_id in nans:
+            request.num_nans_in_logits = nans[req_id]
+        return EngineCoreOutput(
+            request_id=req_id,
+            new_token_ids=new_token_ids,
+            finish_reason=finish_reason,
+            new_logprobs=new_logprobs,
+            new_prompt_logprobs_tensors=mro.prompt_logprobs_dict.get(req_id),
+            stop_reason=request.stop_reason,
+            events=request.take_events(),
+            prefill_stats=prefill_stats,
+            spec_decode_metrics=request.spec_decode_metrics if finish_reason is not None else None,
+            trace_headers=request.trace_headers,
+            num_nans_in_logits=request.num_nans_in_logits,
+        )
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         raise UnsupportedFeatureError("speculative decoding is refused at construction; no drafts expected")
