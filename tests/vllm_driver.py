@@ -156,7 +156,8 @@ class Pair:
         self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
         self.next_id = 0
         self.clock = 0.0
-        self.in_flight: list[tuple[Any, Any]] = []  # (vllm SchedulerOutput, kvsched SchedulerOutput)
+        # (vllm SchedulerOutput, kvsched SchedulerOutput, ids whose step is a partial prefill)
+        self.in_flight: list[tuple[Any, Any, set[str]]] = []
         self.steps = 0
 
     # ---- operations ------------------------------------------------------------------------------------
@@ -199,22 +200,40 @@ class Pair:
         compare("finish_requests", [r.request_id for r in ra], [r.request_id for r in rb])
         self.check_state(f"finish_requests({ids})")
 
+    def pause_or_resume(self) -> None:
+        from vllm.v1.core.sched.interface import PauseState
+
+        state = self.rng.choice([PauseState.UNPAUSED, PauseState.UNPAUSED, PauseState.PAUSED_NEW, PauseState.PAUSED_ALL])
+        self.a.set_pause_state(state)
+        self.b.set_pause_state(state)
+        compare("pause_state", self.a.pause_state, self.b.pause_state)
+        self.check_state(f"set_pause_state({state.name})")
+
+    def reset_prefix_cache(self) -> None:
+        reset_running = self.rng.random() < 0.5
+        ra = self.a.reset_prefix_cache(reset_running_requests=reset_running)
+        rb = self.b.reset_prefix_cache(reset_running_requests=reset_running)
+        compare(f"reset_prefix_cache({reset_running})", ra, rb)
+        self.check_state(f"reset_prefix_cache({reset_running})")
+
     def schedule(self) -> None:
         so_a = self.a.schedule()
         so_b = self.b.schedule()
         compare(f"step {self.steps} SchedulerOutput", so_a, so_b)
-        self.in_flight.append((so_a, so_b))
+        # What the runner will sample is decided now: a request whose step is a partial prefill gets nothing
+        # (read right after schedule(), before a later step changes the flag).
+        chunks = {rid for rid in so_a.num_scheduled_tokens if self.a.requests[rid].is_prefill_chunk}
+        self.in_flight.append((so_a, so_b, chunks))
         self.check_state(f"step {self.steps} schedule")
 
-    def model_output(self, so: Any, sched: Any) -> Any:
+    def model_output(self, so: Any, chunks: set[str]) -> Any:
         """Sampled tokens for every scheduled request whose step completes its known tokens."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for rid in req_ids:
-            req = sched.requests.get(rid)
-            if req is not None and req.is_prefill_chunk:
+            if rid in chunks:
                 sampled.append([])
                 continue
             r = self.rng.random()
@@ -230,8 +249,8 @@ class Pair:
         )
 
     def update_oldest(self) -> None:
-        so_a, so_b = self.in_flight.pop(0)
-        mro = self.model_output(so_a, self.a)
+        so_a, so_b, chunks = self.in_flight.pop(0)
+        mro = self.model_output(so_a, chunks)
         out_a = self.a.update_from_output(so_a, copy.deepcopy(mro))
         out_b = self.b.update_from_output(so_b, copy.deepcopy(mro))
         compare(f"step {self.steps} EngineCoreOutputs", out_a, out_b)
@@ -269,6 +288,10 @@ class Pair:
                     self.add_random_request()
             if rng.random() < 0.04:
                 self.abort_random()
+            if rng.random() < 0.03:
+                self.pause_or_resume()
+            if rng.random() < 0.02:
+                self.reset_prefix_cache()
             self.schedule()
             if self.cfg.async_scheduling:
                 # vLLM's batch queue: step N+1 is scheduled before step N's output is applied.
@@ -280,6 +303,21 @@ class Pair:
                 self.add_random_request()
         while self.in_flight:
             self.update_oldest()
+        # Unpause and drain: every request finishes on both sides, and every block comes back.
+        from vllm.v1.core.sched.interface import PauseState
+
+        self.a.set_pause_state(PauseState.UNPAUSED)
+        self.b.set_pause_state(PauseState.UNPAUSED)
+        for _ in range(4 * self.cfg.max_model_len * (len(self.a.requests) + 1)):
+            if not (self.a.has_requests() or self.b.has_requests()):
+                break
+            self.steps += 1
+            self.schedule()
+            while self.in_flight:
+                self.update_oldest()
+        compare("drained", sorted(self.a.requests), [])
+        compare("drained", sorted(self.b.requests), [])
+        compare("free blocks", self.b.core.num_free_blocks, self.cfg.num_blocks - 1)
 
 
 def run_seed(seed: int, steps: int, *, async_scheduling: bool, v2: bool) -> Config:

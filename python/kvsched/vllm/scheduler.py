@@ -146,7 +146,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             priority=request.priority,
             arrival_time=request.arrival_time,
             cache_salt=request.cache_salt,
-            **({"ready": False} if blocked else {}),
+            ready=not blocked,
         )
         self.requests[req_id] = request
         if request.prefill_stats is not None:
@@ -246,11 +246,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         log_stats = self.log_stats
         now = time.monotonic() if log_stats else 0.0
 
-        preempted_ids = out.preempted_req_ids
-        for req_id in preempted_ids:
-            self._mirror_preempt(requests[req_id], now)
+        # The core lists every request preempted since the previous step, including those reset_prefix_cache
+        # preempted (already mirrored there).
         preempted = self._reset_preempted_req_ids
-        preempted.update(preempted_ids)
+        for req_id in out.preempted_req_ids:
+            if req_id not in preempted:
+                self._mirror_preempt(requests[req_id], now)
+                preempted.add(req_id)
 
         req_ids: list[str] = out.req_ids
         num_sched: list[int] = out.num_scheduled_tokens.tolist()
@@ -672,17 +674,17 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         if reset_running_requests:
-            running = [r for r in self.requests.values() if r.status == _RUNNING]
+            # The core preempts every running request from the tail (so they come back in order), dropping
+            # their in-flight output, then resets; mirror that onto the request objects in the same order.
+            running = self._core.running_req_ids()
+            ok = bool(self._core.reset_prefix_cache(reset_running_requests=True))
             now = time.monotonic() if self.log_stats else 0.0
-            preempted = self._core.reset_prefix_cache(reset_running_requests=True)
-            for req_id in preempted:
+            for req_id in reversed(running):
                 request = self.requests[req_id]
                 self._mirror_preempt(request, now)
                 request.drop_stale_output = True
                 self._reset_preempted_req_ids.add(req_id)
-            del running
             self.prev_step_scheduled_req_ids.clear()
-            ok = True
         else:
             ok = bool(self._core.reset_prefix_cache())
         if ok and self._prefix_cache_stats is not None:
