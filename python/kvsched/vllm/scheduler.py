@@ -69,6 +69,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     # Read by vLLM's engine core; kvsched hashes prefixes itself and has no connectors.
     use_eagle_prefix_cache_hashing = False
+    # vLLM's local prefill cadence (prefill_schedule_interval); anything but 1 is refused at construction.
+    local_prefill_interval = 1
 
     def __init__(
         self,
@@ -690,6 +692,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if ok and self._prefix_cache_stats is not None:
             self._prefix_cache_stats.reset = True
         return ok
+
+    def reset_connector_cache(self) -> bool:
+        """No KV connector (refused at construction): nothing to reset, which vLLM counts as success."""
+        return True
 
     def reset_encoder_cache(self) -> None:
         """No encoder cache: multimodal models are refused at construction."""
