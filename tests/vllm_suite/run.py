@@ -1,0 +1,473 @@
+"""Run vLLM 0.33's own scheduler tests (``tests/v1/core/test_scheduler.py``) against ``kvsched.vllm.Scheduler``.
+
+vLLM's test code is never copied into this repository: it is taken, at run time, from vLLM 0.33.0's sdist
+(``vllm-0.33.0.tar.gz``, SHA-256 checked; downloaded from PyPI's files host when no local copy is found) and
+unpacked into a work directory (default ``build/vllm-suite/``, git-ignored), together with a hand-written
+``config.json`` for ``facebook/opt-125m`` in an HF cache the harness creates there (no network for models).
+pytest then runs ``test_scheduler.py`` with ``kvsched_suite_plugin.py``, which substitutes kvsched's class for
+vLLM's ``Scheduler``/``AsyncScheduler`` (``--impl kvsched``) or substitutes nothing (``--impl vllm``: the
+baseline on this machine). With both runs done, ``STATUS.md`` (next to this file) lists every test function of
+``test_scheduler.py`` with its status against kvsched and against vLLM's own scheduler.
+
+Usage (vLLM 0.33 must be importable by ``--python``; build the extension first with ``bash /work/kvdev.sh``)::
+
+    python3 tests/vllm_suite/run.py --python /tmp/vllm-venv/bin/python            # both runs + STATUS.md
+    python3 tests/vllm_suite/run.py --python ... --impl kvsched -k test_schedule  # one run, a subset
+
+Exit status (a kvsched run without ``-k``): 1 when a function fails against kvsched for a reason the harness cannot
+explain (category "fails"), or when a function that ``STATUS.md`` lists as passing does not pass now; else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SDIST_NAME = "vllm-0.33.0.tar.gz"
+SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
+SIMPLE_INDEX = "https://pypi.org/simple/vllm/"
+SDIST_CANDIDATES = (Path("/tmp/vllm-sdist") / SDIST_NAME,)
+TEST_FILE = "tests/v1/core/test_scheduler.py"
+# The files of vLLM's test tree that test_scheduler.py imports (directly or through utils.py).
+SDIST_MEMBERS = (
+    "tests/__init__.py",
+    "tests/v1/__init__.py",
+    "tests/v1/core/__init__.py",
+    "tests/v1/core/utils.py",
+    "tests/v1/core/test_scheduler.py",
+    "tests/v1/core/test_prefix_caching.py",
+    "tests/v1/kv_connector/__init__.py",
+    "tests/v1/kv_connector/unit/__init__.py",
+    "tests/v1/kv_connector/unit/utils.py",
+)
+# facebook/opt-125m's config.json (its public architecture numbers), written by hand: the tests build a
+# ModelConfig for it and read nothing but the architecture; no weights or tokenizer are needed.
+OPT_125M_CONFIG = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "activation_function": "relu",
+    "hidden_size": 768,
+    "ffn_dim": 3072,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "max_position_embeddings": 2048,
+    "vocab_size": 50272,
+    "word_embed_proj_dim": 768,
+    "do_layer_norm_before": True,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+    "torch_dtype": "float16",
+}
+FAKE_REVISION = "0" * 40
+VLLM_MARKERS = (
+    "cpu_test",
+    "slow_test",
+    "skip_global_cleanup",
+    "core_model",
+    "hybrid_model",
+    "cpu_model",
+    "split",
+    "distributed",
+    "optional",
+)
+
+# Failure messages that mean the adapter called a core API another engineer is adding (see the task).
+PENDING_CORE_API = (
+    re.compile(r"unexpected keyword argument 'ready'"),
+    re.compile(r"has no attribute 'set_ready'"),
+    re.compile(r"has no attribute 'set_pause_state'"),
+    re.compile(r"unexpected keyword argument 'reset_running_requests'"),
+    re.compile(r"async_scheduling in this kvsched build"),
+)
+# vLLM internals a test reads that kvsched's scheduler does not have (it has its own block pool and no encoder).
+INTERNALS = re.compile(
+    r"has no attribute '(kv_cache_manager|encoder_cache_manager|_\w+|ec_connector\w*|connector\w*|"
+    r"kv_event_publisher|dcp_world_size|pcp_world_size|hisparse\w*|policy|skipped_waiting\w*|"
+    r"num_waiting_for_remote_kv|max_num_encoder_input_tokens|encoder_compute_budget|mm_\w+|"
+    r"routed_experts\w*|waiting_for_\w+|\w*lora\w*|prev_step\w*|kv_cache_config|\w+_queue)'"
+)
+REFUSED = re.compile(r"does not support ([^\n]+)")
+# Configurations vLLM 0.33's scheduler accepts and kvsched's core refuses at construction (a core difference).
+CORE_DIFFERENCES = (
+    (
+        re.compile(r"cannot hold one request of max_model_len"),
+        "core difference: kvsched refuses a KV cache smaller than one max_model_len request; vLLM's scheduler "
+        "accepts it (its engine checks KV memory at start-up, not the scheduler)",
+    ),
+    (
+        re.compile(r"enable_chunked_prefill=False, max_num_batched_tokens \(\d+\) must be >= max_model_len"),
+        "core difference: without chunked prefill kvsched requires max_num_batched_tokens >= the model's "
+        "max_model_len; vLLM checks SchedulerConfig.max_model_len, which this test sets lower than the model's",
+    ),
+)
+
+# Out of scope by hand: the reason is known from reading the test, and the failure message alone does not say it.
+_THROTTLE = "`schedule(throttle_prefills=True)`: data-parallel prefill balancing, refused (kvsched ignores the flag)"
+_HAND_BUILT = "calls `update_from_output` with a `SchedulerOutput` built by hand (kvsched applies the step it made)"
+CURATED: dict[str, str] = {
+    "test_finish_request": "uses an auxiliary output connector (`aux_output_connector`), refused by kvsched.vllm",
+    "test_pending_hisparse_spill_keeps_scheduler_alive": "HiSparse connector (refused by kvsched.vllm)",
+    "test_schedule_prefills_gating": _THROTTLE,
+    "test_throttle_defers_inflight_prefill_chunk": _THROTTLE,
+    "test_throttle_capacity_bound_guard_admits": _THROTTLE,
+    "test_update_from_output_routes_sampling_masks_by_request": _HAND_BUILT,
+    "test_update_from_output_routes_multi_position_sampling_masks": _HAND_BUILT,
+    "test_scheduler_kv_connector_stats": _HAND_BUILT + "; KV connector stats",
+    "test_scheduler_ec_connector_stats": _HAND_BUILT + "; encoder-cache connector stats",
+    "test_abort_request_when_structured_output_fsm_cannot_advance": (
+        "builds vLLM's class with `object.__new__` and sets its internals (`running` list, `kv_cache_manager`)"
+    ),
+    "test_scheduled_encoder_input_stats_disabled_without_log_stats": (
+        "patches vLLM's private `_make_scheduled_encoder_input_stats` (encoder input stats)"
+    ),
+}
+OFFLINE_MODEL = re.compile(r"Invalid repository ID or local directory specified: '([^']+)'")
+MISSING_FIXTURE = re.compile(r"fixture '(\w+)' not found")
+
+
+@dataclass
+class Verdict:
+    category: str  # "pass", "out of scope", "pending core API", "fails", "skipped"
+    reason: str = ""
+    cases: tuple[int, int] = (0, 0)  # passing cases, all cases
+
+
+@dataclass
+class Function:
+    name: str
+    line: int
+    kvsched: Verdict = field(default_factory=lambda: Verdict("not run"))
+    vllm: Verdict = field(default_factory=lambda: Verdict("not run"))
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        href = dict(attrs).get("href")
+        if tag == "a" and href:
+            self.links.append(href)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _download_sdist(dest: Path) -> None:
+    print(f"downloading {SDIST_NAME} (the link is read from {SIMPLE_INDEX})", flush=True)
+    with urllib.request.urlopen(SIMPLE_INDEX, timeout=60) as response:
+        parser = _Links()
+        parser.feed(response.read().decode("utf-8"))
+    urls = [link for link in parser.links if link.split("#")[0].endswith("/" + SDIST_NAME)]
+    if not urls:
+        raise SystemExit(f"{SDIST_NAME} is not listed on {SIMPLE_INDEX}")
+    url = urllib.parse.urljoin(SIMPLE_INDEX, urls[0].split("#")[0])
+    partial = dest.with_suffix(".part")
+    with urllib.request.urlopen(url, timeout=600) as response, partial.open("wb") as f:
+        shutil.copyfileobj(response, f)
+    partial.replace(dest)
+
+
+def find_sdist(explicit: str | None, workdir: Path, allow_download: bool) -> Path:
+    """A vllm-0.33.0.tar.gz whose SHA-256 is the published one."""
+    candidates: list[Path] = []
+    if explicit:
+        candidates.append(Path(explicit))
+    if os.environ.get("KVSCHED_VLLM_SDIST"):
+        candidates.append(Path(os.environ["KVSCHED_VLLM_SDIST"]))
+    candidates += [*SDIST_CANDIDATES, workdir / SDIST_NAME]
+    for path in candidates:
+        if path.is_file():
+            if _sha256(path) != SDIST_SHA256:
+                raise SystemExit(f"{path}: SHA-256 differs from vLLM 0.33.0's published sdist ({SDIST_SHA256})")
+            return path
+    if explicit:
+        raise SystemExit(f"{explicit}: not found")
+    if not allow_download:
+        raise SystemExit(f"no {SDIST_NAME} found (looked in {', '.join(map(str, candidates))}); allow the download")
+    dest = workdir / SDIST_NAME
+    workdir.mkdir(parents=True, exist_ok=True)
+    _download_sdist(dest)
+    if _sha256(dest) != SDIST_SHA256:
+        dest.unlink()
+        raise SystemExit(f"the downloaded {SDIST_NAME} does not have the published SHA-256; removed")
+    return dest
+
+
+def prepare(sdist: Path, workdir: Path) -> Path:
+    """Unpack the test files into ``workdir/src`` and the fake model config into ``workdir/hf``; the src root."""
+    src = workdir / "src"
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    prefix = SDIST_NAME.removesuffix(".tar.gz") + "/"
+    with tarfile.open(sdist, "r:gz") as tar:
+        for member in SDIST_MEMBERS:
+            info = tar.getmember(prefix + member)
+            data = tar.extractfile(info)
+            if data is None:
+                raise SystemExit(f"{member}: not a file in {sdist}")
+            target = src / member
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data.read())
+    markers = "\n".join(f"    {m}" for m in VLLM_MARKERS)
+    (src / "pytest.ini").write_text(f"[pytest]\nmarkers =\n{markers}\n", encoding="utf-8")
+
+    model = workdir / "hf" / "hub" / "models--facebook--opt-125m"
+    snapshot = model / "snapshots" / FAKE_REVISION
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (model / "refs").mkdir(exist_ok=True)
+    (model / "refs" / "main").write_text(FAKE_REVISION, encoding="utf-8")
+    (snapshot / "config.json").write_text(json.dumps(OPT_125M_CONFIG, indent=1), encoding="utf-8")
+    return src
+
+
+def run_pytest(python: str, src: Path, workdir: Path, impl: str, extra: list[str]) -> dict[str, dict[str, object]]:
+    results = workdir / f"results-{impl}.json"
+    results.unlink(missing_ok=True)
+    env = dict(os.environ)
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(workdir / "hf"),
+        KVSCHED_SUITE_IMPL=impl,
+        KVSCHED_SUITE_ROOT=str(src),
+        KVSCHED_SUITE_RESULTS=str(results),
+        PYTHONPATH=os.pathsep.join([str(REPO / "python"), str(HERE)]),
+    )
+    cmd = [
+        python,
+        "-m",
+        "pytest",
+        str(src / TEST_FILE),
+        "-c",
+        str(src / "pytest.ini"),
+        "--rootdir",
+        str(src),
+        "-p",
+        "kvsched_suite_plugin",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rN",
+        "--tb=line",
+        *extra,
+    ]
+    print(f"[{impl}] {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, cwd=src, env=env, check=False)
+    if not results.exists():
+        raise SystemExit(f"[{impl}] pytest wrote no results ({results}); see its output above")
+    data: dict[str, dict[str, object]] = json.loads(results.read_text(encoding="utf-8"))["results"]
+    return data
+
+
+def test_functions(src: Path) -> list[Function]:
+    tree = ast.parse((src / TEST_FILE).read_text(encoding="utf-8"))
+    return [
+        Function(node.name, node.lineno)
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")
+    ]
+
+
+def _cases(results: dict[str, dict[str, object]], name: str) -> list[dict[str, object]]:
+    return [
+        r
+        for nodeid, r in sorted(results.items())
+        if nodeid.split("::", 1)[-1] == name or nodeid.split("::", 1)[-1].startswith(name + "[")
+    ]
+
+
+def _short(message: str) -> str:
+    line = " ".join(message.split())
+    return line if len(line) <= 160 else line[:157] + "..."
+
+
+def classify_vllm(cases: list[dict[str, object]]) -> Verdict:
+    if not cases:
+        return Verdict("not collected")
+    passed = sum(c["outcome"] == "passed" for c in cases)
+    total = len(cases)
+    if passed == total:
+        return Verdict("pass", cases=(passed, total))
+    bad = next(c for c in cases if c["outcome"] != "passed")
+    category = "fails" if bad["outcome"] == "failed" else "skipped"
+    message = str(bad["message"])
+    if (m := OFFLINE_MODEL.search(message)) is not None:
+        return Verdict(category, f"needs the HF config of `{m.group(1)}` (not available offline)", (passed, total))
+    if (m := MISSING_FIXTURE.search(message)) is not None:
+        return Verdict(category, f"needs the fixture `{m.group(1)}` of vLLM's tests/conftest.py", (passed, total))
+    return Verdict(category, _short(message), (passed, total))
+
+
+def classify_kvsched(name: str, cases: list[dict[str, object]], baseline: list[dict[str, object]]) -> Verdict:
+    if not cases:
+        return Verdict("not collected")
+    total = len(cases)
+    good = [c for c in cases if c["outcome"] == "passed" and "kvsched" in c["built"]]  # type: ignore[operator]
+    if len(good) == total:
+        return Verdict("pass", cases=(total, total))
+    counts = (len(good), total)
+    if name in CURATED:
+        return Verdict("out of scope", CURATED[name], counts)
+    for case in cases:
+        if case["outcome"] == "passed" and "kvsched" in case["built"]:  # type: ignore[operator]
+            continue
+        message = str(case["message"])
+        built = case["built"]
+        if case["outcome"] == "passed":
+            what = ", ".join(str(b) for b in built) or "no scheduler"  # type: ignore[attr-defined]
+            return Verdict("out of scope", f"does not build the substituted class (builds: {what})", counts)
+        if case["outcome"] == "skipped":
+            return Verdict("skipped", _short(message), counts)
+        if (m := OFFLINE_MODEL.search(message)) is not None:
+            return Verdict("out of scope", f"needs the HF config of `{m.group(1)}` (not available offline)", counts)
+        if (m := MISSING_FIXTURE.search(message)) is not None:
+            return Verdict("out of scope", f"needs the fixture `{m.group(1)}` of vLLM's tests/conftest.py", counts)
+        if any(p.search(message) for p in PENDING_CORE_API):
+            return Verdict("pending core API", _short(message), counts)
+        if (m := REFUSED.search(message)) is not None and "UnsupportedFeatureError" in message:
+            feature = m.group(1)
+            feature = feature.split(" yet")[0] if " yet" in feature else feature.split(" (")[0]
+            return Verdict("out of scope", f"refused by kvsched.vllm: {feature.strip()}", counts)
+        for pattern, why in CORE_DIFFERENCES:
+            if pattern.search(message) and "kvsched" in built:  # type: ignore[operator]
+                return Verdict("fails: core difference", why, counts)
+        if (m := INTERNALS.search(message)) is not None and "kvsched" in built:  # type: ignore[operator]
+            return Verdict("out of scope", f"reads vLLM's scheduler internals (`{m.group(1)}`)", counts)
+        if not any(b == "kvsched" for b in built):  # type: ignore[attr-defined]
+            what = ", ".join(str(b) for b in built) or "no scheduler"  # type: ignore[attr-defined]
+            return Verdict("out of scope", f"fails before building kvsched's class ({what}): {_short(message)}", counts)
+        if baseline and all(c["outcome"] == "failed" for c in baseline):
+            return Verdict("out of scope", f"fails with vLLM's own scheduler here too: {_short(message)}", counts)
+        return Verdict("fails", _short(message), counts)
+    return Verdict("fails", "", counts)
+
+
+def _count(functions: Iterable[Function], attr: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for f in functions:
+        category = getattr(f, attr).category
+        counts[category] = counts.get(category, 0) + 1
+    return counts
+
+
+def write_status(functions: list[Function], path: Path, command: str) -> None:
+    kv = _count(functions, "kvsched")
+    vl = _count(functions, "vllm")
+
+    def fmt(counts: dict[str, int]) -> str:
+        return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def cases(attr: str) -> str:
+        passed = sum(getattr(f, attr).cases[0] for f in functions)
+        return f"{passed} of {sum(getattr(f, attr).cases[1] for f in functions)} test cases pass"
+
+    lines = [
+        "# vLLM 0.33's `tests/v1/core/test_scheduler.py` against kvsched.vllm.Scheduler",
+        "",
+        f"Generated by `{command}` (see `README.md` next to this file); do not edit by hand.",
+        "",
+        f"- {len(functions)} test functions.",
+        f"- kvsched.vllm.Scheduler in place of vLLM's `Scheduler`/`AsyncScheduler`: {fmt(kv)} ({cases('kvsched')}).",
+        f"- vLLM's own scheduler, same harness, same machine: {fmt(vl)} ({cases('vllm')}).",
+        "",
+        "A function passes when all its parametrized cases pass and every case built kvsched's class. Cases",
+        "(passing/all) are shown when a function is parametrized or partly passes.",
+        "",
+        "| test function | kvsched | why (kvsched) | vLLM's own | why (vLLM) |",
+        "|---|---|---|---|---|",
+    ]
+
+    def cell(v: Verdict) -> str:
+        n, total = v.cases
+        return v.category + (f" ({n}/{total})" if total > 1 or (total and n != total and v.category != "fails") else "")
+
+    for f in functions:
+        why_kv = f.kvsched.reason.replace("|", "\\|")
+        why_vl = f.vllm.reason.replace("|", "\\|")
+        lines.append(f"| `{f.name}` (l. {f.line}) | {cell(f.kvsched)} | {why_kv} | {cell(f.vllm)} | {why_vl} |")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def passing_in(status: Path) -> set[str]:
+    """The functions a STATUS.md lists as passing against kvsched."""
+    if not status.exists():
+        return set()
+    row = re.compile(r"^\| `(test_\w+)` \(l\. \d+\) \| pass[ |]")
+    return {m.group(1) for line in status.read_text(encoding="utf-8").splitlines() if (m := row.match(line))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--python", default=sys.executable, help="an interpreter with vLLM 0.33 and pytest")
+    parser.add_argument("--impl", choices=("kvsched", "vllm", "both"), default="both")
+    parser.add_argument("--sdist", help=f"path of {SDIST_NAME} (else: $KVSCHED_VLLM_SDIST, /tmp/vllm-sdist, download)")
+    parser.add_argument("--no-download", action="store_true", help="fail rather than download the sdist")
+    parser.add_argument("--workdir", default=str(REPO / "build" / "vllm-suite"))
+    parser.add_argument("--status", default=str(HERE / "STATUS.md"), help="the STATUS.md to check against and write")
+    parser.add_argument("--no-write", action="store_true", help="check against STATUS.md, do not rewrite it")
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression (STATUS.md is neither checked nor written)")
+    args = parser.parse_args(argv)
+
+    workdir = Path(args.workdir).resolve()
+    status = Path(args.status)
+    expected = passing_in(status)
+    sdist = find_sdist(args.sdist, workdir, allow_download=not args.no_download)
+    src = prepare(sdist, workdir)
+    extra = ["-k", args.keyword] if args.keyword else []
+    impls = ("vllm", "kvsched") if args.impl == "both" else (args.impl,)
+    results = {impl: run_pytest(args.python, src, workdir, impl, extra) for impl in impls}
+
+    functions = test_functions(src)
+    for f in functions:
+        baseline = _cases(results["vllm"], f.name) if "vllm" in results else []
+        if "vllm" in results:
+            f.vllm = classify_vllm(baseline)
+        if "kvsched" in results:
+            f.kvsched = classify_kvsched(f.name, _cases(results["kvsched"], f.name), baseline)
+    for f in functions:
+        if "not collected" not in (f.kvsched.category, f.vllm.category):
+            print(f"{f.name}: kvsched={f.kvsched.category} {f.kvsched.reason} | vllm={f.vllm.category} {f.vllm.reason}")
+    if args.impl == "both" and not args.keyword and not args.no_write:
+        write_status(functions, status, "python3 tests/vllm_suite/run.py --python /tmp/vllm-venv/bin/python")
+        print(f"wrote {status}")
+    for impl in impls:
+        print(f"{impl}: {_count(functions, impl)}")
+    if "kvsched" not in results or args.keyword:
+        return 0
+    unexpected = [f.name for f in functions if f.kvsched.category == "fails"]
+    regressed = sorted(expected - {f.name for f in functions if f.kvsched.category == "pass"})
+    if unexpected:
+        print(f"FAIL: unexplained failures against kvsched: {', '.join(unexpected)}")
+    if regressed:
+        print(f"FAIL: passed before ({status}), not now: {', '.join(regressed)}")
+    return 1 if unexpected or regressed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
