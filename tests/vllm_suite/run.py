@@ -122,6 +122,10 @@ CORE_DIFFERENCES = (
 _THROTTLE = "`schedule(throttle_prefills=True)`: data-parallel prefill balancing, refused (kvsched ignores the flag)"
 _HAND_BUILT = "calls `update_from_output` with a `SchedulerOutput` built by hand (kvsched applies the step it made)"
 CURATED: dict[str, str] = {
+    "test_evicted_blocks_release_their_auxiliary_outputs_past_capacity": (
+        "reads vLLM's `kv_cache_manager` (after the core refuses its KV cache of 4 usable blocks, smaller than one "
+        "max_model_len request: see the core differences in README.md)"
+    ),
     "test_finish_request": "uses an auxiliary output connector (`aux_output_connector`), refused by kvsched.vllm",
     "test_pending_hisparse_spill_keeps_scheduler_alive": "HiSparse connector (refused by kvsched.vllm)",
     "test_schedule_prefills_gating": _THROTTLE,
