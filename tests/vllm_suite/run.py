@@ -126,6 +126,14 @@ CURATED: dict[str, str] = {
         "reads vLLM's `kv_cache_manager` (after the core refuses its KV cache of 4 usable blocks, smaller than one "
         "max_model_len request: see the core differences in README.md)"
     ),
+    "test_remote_kv_promotion_drains_before_grammar_prefix": (
+        "a mock KV connector set after construction and WAITING_FOR_REMOTE_KVS requests (KV connectors are refused); "
+        "fails first on the pending core API (`add_request(ready=...)`)"
+    ),
+    "test_fcfs_mixed_blocked_types_remote_load_drains_first": (
+        "mocks vLLM's private `_update_waiting_for_remote_kv`, WAITING_FOR_REMOTE_KVS and streaming requests (KV "
+        "connectors and streaming input are refused); fails first on the pending core API (`add_request(ready=...)`)"
+    ),
     "test_finish_request": "uses an auxiliary output connector (`aux_output_connector`), refused by kvsched.vllm",
     "test_pending_hisparse_spill_keeps_scheduler_alive": "HiSparse connector (refused by kvsched.vllm)",
     "test_schedule_prefills_gating": _THROTTLE,
