@@ -115,6 +115,7 @@ class Config:
     policy: str = "fcfs"
     async_scheduling: bool = False
     scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
     use_v2_model_runner: bool = False
 
 
@@ -136,6 +137,7 @@ def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Co
         policy=rng.choice(["fcfs", "priority"]),
         async_scheduling=async_scheduling,
         scheduler_reserve_full_isl=rng.random() < 0.7,
+        watermark=rng.choice([0.0, 0.0, 0.0, 0.05, 0.2]),
         use_v2_model_runner=v2,
     )
 
@@ -203,7 +205,8 @@ class Pair:
     def pause_or_resume(self) -> None:
         from vllm.v1.core.sched.interface import PauseState
 
-        state = self.rng.choice([PauseState.UNPAUSED, PauseState.UNPAUSED, PauseState.PAUSED_NEW, PauseState.PAUSED_ALL])
+        states = [PauseState.UNPAUSED, PauseState.UNPAUSED, PauseState.PAUSED_NEW, PauseState.PAUSED_ALL]
+        state = self.rng.choice(states)
         self.a.set_pause_state(state)
         self.b.set_pause_state(state)
         compare("pause_state", self.a.pause_state, self.b.pause_state)

@@ -7,7 +7,6 @@ deployment never starts; it is never scheduled wrongly.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from kvsched._errors import InvalidConfigError
@@ -97,8 +96,6 @@ def kvsched_config_from_vllm(
         _refuse("max_num_active_seqs", f"max_num_active_seqs={sched.max_num_active_seqs}")
     if sched.long_prefill_token_threshold_adaptive:
         _refuse("the adaptive long-prefill threshold", "long_prefill_token_threshold_adaptive=True")
-    if sched.watermark:
-        _refuse("the KV cache admission watermark", f"watermark={sched.watermark}")
     if sched.prefill_schedule_interval != 1:
         _refuse("the prefill cadence gate", f"prefill_schedule_interval={sched.prefill_schedule_interval}")
     if sched.policy not in ("fcfs", "priority"):
@@ -138,14 +135,7 @@ def kvsched_config_from_vllm(
         "num_lookahead_tokens": lookahead,
         "prefix_hash_algo": "sha256" if algo.startswith("sha256") else "xxh3_128",
     }
-    known = {f.name for f in dataclasses.fields(SchedulerConfig)}
-    optional = {
-        "scheduler_reserve_full_isl": bool(sched.scheduler_reserve_full_isl),
-        "async_scheduling": bool(sched.async_scheduling),
-    }
-    for name, value in optional.items():
-        if name in known:
-            fields[name] = value
-        elif value:
-            _refuse(f"{name} in this kvsched build", f"{name}=True")
+    fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
+    fields["async_scheduling"] = bool(sched.async_scheduling)
+    fields["watermark"] = float(sched.watermark)
     return SchedulerConfig(**fields), num_spec_tokens
