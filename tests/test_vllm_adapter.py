@@ -173,3 +173,45 @@ def test_reset_prefix_cache_with_running_requests_matches_vllm() -> None:
         compare(rid, pair[0].requests[rid].status, pair[1].requests[rid].status)  # type: ignore[attr-defined]
     for _ in range(3):
         _step(pair)
+
+
+class _FakeGrammar:
+    """Stands for a compiled grammar: the scheduler only needs to know it exists (token acceptance is stubbed)."""
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_requests_wait_for_their_grammar_as_in_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33 _handle_blocked_waiting_request: a request whose grammar is still compiling is skipped by
+    admission (others pass it) and keeps its place; once the grammar exists it is admitted and its status turns
+    WAITING only when admission reaches it."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    pair = _pair(num_blocks=64, max_model_len=256, max_num_batched_tokens=64)
+    for s in pair:
+        monkeypatch.setattr(s.structured_output_manager, "accept_tokens", lambda r, t: True)  # type: ignore[attr-defined]
+    reqs = []
+    for s in pair:
+        req = make_request("g", list(range(10, 30)), max_tokens=4)
+        req.sampling_params.structured_outputs = StructuredOutputsParams(regex="[ab]+")
+        from vllm.v1.structured_output.request import StructuredOutputRequest
+
+        req.structured_output_request = StructuredOutputRequest.from_sampling_params(req.sampling_params)
+        req.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        s.add_request(req)  # type: ignore[attr-defined]
+        reqs.append(req)
+    _add(pair, "plain", list(range(50, 70)), max_tokens=4)
+    out = _step(pair)
+    assert list(out[1].num_scheduled_tokens) == ["plain"]  # type: ignore[attr-defined]
+    compare("stats", pair[0].make_stats(), pair[1].make_stats())  # type: ignore[attr-defined]
+    compare("status", reqs[0].status, reqs[1].status)
+    for req in reqs:
+        req.structured_output_request.grammar = _FakeGrammar()
+    out = _step(pair)
+    assert "g" in out[1].num_scheduled_tokens  # type: ignore[attr-defined]
+    assert out[1].has_structured_output_requests is out[0].has_structured_output_requests  # type: ignore[attr-defined]
+    compare("status", reqs[0].status, reqs[1].status)
+    for _ in range(6):
+        _step(pair)
+    assert not pair[1].has_request("g")  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ from vllm.v1.metrics.stats import KV_FETCH_STAGES, PrefixCacheStats, SchedulerSt
 from vllm.v1.request import Request, RequestStatus
 
 from kvsched._types import FinishReason as KvFinishReason
+from kvsched._types import RequestStatus as KvRequestStatus
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._config import UnsupportedFeatureError, _check_kv_cache_config, kvsched_config_from_vllm
@@ -44,6 +45,7 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+_KV_WAITING_FOR_GRAMMAR = int(KvRequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
 
 # kvsched finish reason -> the vLLM status a stopped request ends in.
 _FINISHED_STATUS = {
@@ -112,7 +114,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.prev_step_scheduled_req_ids: set[str] = set()
         self._reset_preempted_req_ids: set[str] = set()
         self._blocked: dict[str, Request] = {}  # waiting for their grammar, in arrival order
-        self._deferred: set[str] = set()  # vLLM's deferred_waiting: skipped by admission at least once
+        self._ready: set[str] = set()  # blocked, grammar ready, not yet reached by admission
         self._grammar_errors: dict[str, Any] = {}
         # Requests whose prefill stats are not finalised yet (no output so far): their cached-block count is read
         # before each update that includes them.
@@ -214,29 +216,41 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if self.finished_req_ids_dict is not None:
             self.finished_req_ids_dict[request.client_index].add(req_id)
         self._blocked.pop(req_id, None)
-        self._deferred.discard(req_id)
+        self._ready.discard(req_id)
         self._awaiting_first_output.discard(req_id)
         del self.requests[req_id]
 
     # ---- schedule ---------------------------------------------------------------------------------------
 
     def _promote_ready(self) -> None:
-        """Unblock requests whose grammar finished compiling (vLLM checks them when admission reaches them)."""
+        """Tell the core about requests whose grammar finished compiling. Their status turns WAITING only when an
+        admission pass reaches them (``_sync_ready``), as in vLLM's ``_handle_blocked_waiting_request``."""
         for req_id, request in list(self._blocked.items()):
+            if req_id in self._ready:
+                continue
             so_req = request.structured_output_request
             grammar = so_req.grammar if so_req is not None else None
             if grammar is None:
                 continue
-            del self._blocked[req_id]
             if isinstance(grammar, Exception):
                 from vllm.v1.engine import RequestError
 
+                del self._blocked[req_id]
                 self._grammar_errors[req_id] = RequestError(
                     code="validation_error", message=f"Invalid structured outputs: {grammar}"
                 )
                 continue
-            request.status = _WAITING
             self._core.set_ready(req_id)
+            self._ready.add(req_id)
+
+    def _sync_ready(self) -> None:
+        """After a step: ready requests that admission reached are no longer waiting for their grammar."""
+        for req_id in list(self._ready):
+            if self._core.get_request_status(req_id) != _KV_WAITING_FOR_GRAMMAR:
+                self._ready.discard(req_id)
+                request = self._blocked.pop(req_id)
+                if request.status == _WAITING_FOR_GRAMMAR:
+                    request.status = _WAITING
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         # throttle_prefills is only set by data-parallel engines, which are refused at construction.
@@ -244,6 +258,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if self._blocked:
             self._promote_ready()
         out = self._core.schedule()
+        if self._ready:
+            self._sync_ready()
         requests = self.requests
         log_stats = self.log_stats
         now = time.monotonic() if log_stats else 0.0
@@ -372,7 +388,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _on_admitted(self, request: Request, num_hit_tokens: int, now: float) -> None:
         """vLLM's bookkeeping when phase B admits a request: prefill stats, prefix-cache stats, SCHEDULED event."""
-        self._deferred.discard(request.request_id)
         if request.prefill_stats is not None and request.num_preemptions <= 0:
             request.prefill_stats.set(
                 num_prompt_tokens=request.num_prompt_tokens,
@@ -650,7 +665,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def get_request_counts(self) -> tuple[int, int]:
         s = self._core.stats()
-        return s.num_running_reqs, s.num_waiting_reqs
+        # vLLM counts the requests admission skipped (deferred) as waiting too.
+        return s.num_running_reqs, s.num_waiting_reqs + s.num_skipped_waiting_reqs
 
     def get_num_unfinished_requests(self) -> int:
         if self._pause_state == PauseState.PAUSED_ALL:
@@ -706,11 +722,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         prefix = self._prefix_cache_stats
         self._prefix_cache_stats = PrefixCacheStats()
         s = self._core.stats()
-        num_deferred = len(self._deferred)
         return SchedulerStats(
             num_running_reqs=s.num_running_reqs,
-            num_waiting_reqs=s.num_waiting_reqs - num_deferred,
-            num_skipped_waiting_reqs=num_deferred,
+            num_waiting_reqs=s.num_waiting_reqs,
+            num_skipped_waiting_reqs=s.num_skipped_waiting_reqs,
             num_kv_fetch_reqs_by_stage=dict.fromkeys(KV_FETCH_STAGES, 0),
             kv_cache_usage=s.kv_cache_usage,
             prefix_cache_stats=prefix if prefix is not None else PrefixCacheStats(),
