@@ -1,4 +1,5 @@
-"""``import kvsched`` and ``kvsched.SamplingParams`` never import torch; the generate CLI parser neither."""
+"""``import kvsched`` and ``kvsched.SamplingParams`` never import torch (the generate CLI parser neither), and
+nothing but ``kvsched.vllm`` imports vLLM."""
 
 from __future__ import annotations
 
@@ -15,5 +16,12 @@ def test_import_kvsched_and_sampling_params_do_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('ok')\n"
     )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_import_kvsched_does_not_import_vllm() -> None:
+    """kvsched.vllm is the only module that imports vLLM (several GB, optional): plain kvsched stays light."""
+    code = "import sys, kvsched, kvsched.cli\nassert 'vllm' not in sys.modules, 'vllm was imported'\nprint('ok')\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
