@@ -748,6 +748,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         return [self.requests[r] for r in self._core.running_req_ids()]
 
     @property
+    def deferred_waiting(self) -> list[Request]:
+        """Waiting requests blocked on their grammar (introspection). vLLM's set also holds requests skipped for
+        in-flight output of a preemption; ``make_stats().num_skipped_waiting_reqs`` counts both exactly."""
+        return list(self._blocked.values())
+
+    @property
     def waiting(self) -> list[Request]:
         """Waiting requests in admission order (built on demand; for tests and introspection)."""
         return [self.requests[r] for r in self._core.waiting_req_ids()]
