@@ -29,6 +29,15 @@ pub(crate) struct PyScheduler {
     config: Py<PyAny>,
 }
 
+/// The `(scheduler_id, step_id)` an output of `schedule()` stands for (`out` must be one).
+fn step_key(py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    let o = out.downcast::<PySchedulerOutput>().map_err(|_| {
+        type_error(py, format!("out must be a SchedulerOutput from schedule(), got {}", type_name(out)))
+    })?;
+    let o = o.try_borrow().map_err(|_| type_error(py, "out is in use".into()))?;
+    Ok((o.scheduler_id, o.step_id))
+}
+
 fn borrow_mut<'py>(slf: &Bound<'py, PyScheduler>) -> PyResult<PyRefMut<'py, PyScheduler>> {
     slf.try_borrow_mut().map_err(|_| {
         py_error(slf.py(), "SchedulerError", "the scheduler is busy: a call re-entered it".into())
@@ -241,16 +250,7 @@ impl PyScheduler {
         draft_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyUpdateResult> {
         let py = slf.py();
-        let (scheduler_id, step_id) = {
-            let o = out.downcast::<PySchedulerOutput>().map_err(|_| {
-                type_error(
-                    py,
-                    format!("out must be a SchedulerOutput from schedule(), got {}", type_name(out)),
-                )
-            })?;
-            let o = o.try_borrow().map_err(|_| type_error(py, "out is in use".into()))?;
-            (o.scheduler_id, o.step_id)
-        };
+        let (scheduler_id, step_id) = step_key(py, out)?;
         let sampled = RaggedInput::parse(sampled_token_ids, "sampled_token_ids")?;
         let drafts = match draft_token_ids {
             Some(d) if !d.is_none() => Some(RaggedInput::parse(d, "draft_token_ids")?),
@@ -281,16 +281,7 @@ impl PyScheduler {
 
     fn prepare_model_inputs(slf: &Bound<'_, Self>, out: &Bound<'_, PyAny>) -> PyResult<PyModelInputs> {
         let py = slf.py();
-        let (scheduler_id, step_id) = {
-            let o = out.downcast::<PySchedulerOutput>().map_err(|_| {
-                type_error(
-                    py,
-                    format!("out must be a SchedulerOutput from schedule(), got {}", type_name(out)),
-                )
-            })?;
-            let o = o.try_borrow().map_err(|_| type_error(py, "out is in use".into()))?;
-            (o.scheduler_id, o.step_id)
-        };
+        let (scheduler_id, step_id) = step_key(py, out)?;
         let this = borrow(slf)?;
         let mi = guard(py, || this.core.prepare_model_inputs(scheduler_id, step_id))?;
         drop(this);
