@@ -87,7 +87,6 @@ def test_implements_the_whole_interface_with_engine_core_keywords() -> None:
     [
         ("kv_transfer_config", object(), "KV connectors"),
         ("ec_transfer_config", object(), "encoder-cache connectors"),
-        ("lora_config", object(), "LoRA"),
     ],
 )
 def test_unsupported_engine_features_are_refused_by_name(attr: str, value: object, feature: str) -> None:

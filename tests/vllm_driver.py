@@ -116,6 +116,7 @@ class Config:
     async_scheduling: bool = False
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
+    max_loras: int = 0
     use_v2_model_runner: bool = False
 
 
@@ -138,6 +139,7 @@ def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Co
         async_scheduling=async_scheduling,
         scheduler_reserve_full_isl=rng.random() < 0.7,
         watermark=rng.choice([0.0, 0.0, 0.0, 0.05, 0.2]),
+        max_loras=rng.choice([0, 0, 0, 1, 2]),
         use_v2_model_runner=v2,
     )
 
@@ -181,6 +183,7 @@ class Pair:
             "priority": rng.randrange(0, 3) if cfg.policy == "priority" else 0,
             "arrival_time": self.clock + (rng.choice([0.0, 0.5]) if rng.random() < 0.2 else 0.0),
             "cache_salt": rng.choice([None, None, None, "salt"]),
+            "lora_name": rng.choice([None, None, "ada", "bob", "cy"]) if cfg.max_loras else None,
             "block_size": cfg.block_size,
         }
         self.clock += 1.0

@@ -76,8 +76,6 @@ def kvsched_config_from_vllm(
         _refuse("encoder-decoder models", "model_config.is_encoder_decoder")
     if _attr(model, "supports_multimodal_inputs", False):
         _refuse("multimodal encoder inputs", f"model {model.model!r} accepts multimodal inputs")
-    if vllm_config.lora_config is not None:
-        _refuse("LoRA adapter slot limits (max_loras)", "lora_config")
     if parallel.pipeline_parallel_size > 1:
         _refuse("pipeline parallelism", f"pipeline_parallel_size={parallel.pipeline_parallel_size}")
     if parallel.data_parallel_size > 1:
@@ -138,4 +136,6 @@ def kvsched_config_from_vllm(
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
     fields["async_scheduling"] = bool(sched.async_scheduling)
     fields["watermark"] = float(sched.watermark)
+    if vllm_config.lora_config is not None:
+        fields["max_loras"] = int(vllm_config.lora_config.max_loras)
     return SchedulerConfig(**fields), num_spec_tokens

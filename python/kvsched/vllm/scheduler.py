@@ -59,6 +59,14 @@ _PAUSE_NAMES = {
 }
 
 
+def _lora_key(lora_request: Any) -> str | None:
+    """The adapter's identity in the core: vLLM keys prefix-cache blocks by the LoRA's name and path (and counts
+    ``max_loras`` by its id, which names map to one to one), so the core gets both."""
+    if lora_request is None:
+        return None
+    return f"{lora_request.lora_name}\x00{lora_request.lora_path}"
+
+
 class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped here
     """vLLM 0.33's scheduler interface, scheduled by kvsched's Rust core.
 
@@ -150,6 +158,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             priority=request.priority,
             arrival_time=request.arrival_time,
             cache_salt=request.cache_salt,
+            lora_name=_lora_key(request.lora_request),
             ready=not blocked,
         )
         self.requests[req_id] = request
@@ -170,8 +179,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             what = "prompt embeddings"
         elif request.mm_features:
             what = "multimodal inputs"
-        elif request.lora_request is not None:
-            what = "LoRA requests"
         elif request.resumable:
             what = "streaming-input (resumable) requests"
         elif request.skip_reading_prefix_cache:

@@ -60,6 +60,7 @@ def make_vllm_config(
     async_scheduling: bool = False,
     scheduler_reserve_full_isl: bool = True,
     watermark: float = 0.0,
+    max_loras: int = 0,
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config)."""
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
@@ -93,7 +94,14 @@ def make_vllm_config(
         cache_dtype="auto",
     )
     cache_config.num_gpu_blocks = num_blocks
-    vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config)
+    lora_config = None
+    if max_loras:
+        from vllm.config import LoRAConfig
+
+        lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
+    vllm_config = VllmConfig(
+        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config, lora_config=lora_config
+    )
     # The CPU platform turns async scheduling off: switch it back on to exercise the async path.
     vllm_config.scheduler_config.async_scheduling = async_scheduling
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -181,6 +189,7 @@ def make_request(
     priority: int = 0,
     arrival_time: float = 0.0,
     cache_salt: str | None = None,
+    lora_name: str | None = None,
     block_size: int = 16,
 ) -> Any:
     """A vLLM ``Request`` as the engine core builds it (block hasher attached, EOS set as the frontend does)."""
@@ -198,5 +207,15 @@ def make_request(
         arrival_time=arrival_time,
         priority=priority,
         cache_salt=cache_salt,
+        lora_request=_lora_request(lora_name),
         block_hasher=request_block_hasher(block_size),
     )
+
+
+def _lora_request(name: str | None) -> Any:
+    """A LoRA request for ``name`` (ids are stable per name; the path is never read by a scheduler)."""
+    if name is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, 1 + sum(map(ord, name)), f"/nonexistent/{name}")
