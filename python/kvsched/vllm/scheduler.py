@@ -676,12 +676,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         return s.num_running_reqs, s.num_waiting_reqs + s.num_skipped_waiting_reqs
 
     def get_num_unfinished_requests(self) -> int:
-        if self._pause_state == PauseState.PAUSED_ALL:
-            return 0
-        num_running, num_waiting = self.get_request_counts()
-        if self._pause_state == PauseState.PAUSED_NEW:
-            num_waiting = 0
-        return num_running + num_waiting
+        # The core counts as vLLM does: 0 under PAUSED_ALL, only running requests under PAUSED_NEW.
+        return int(self._core.num_unfinished_requests)
 
     def has_finished_requests(self) -> bool:
         return bool(self.finished_req_ids)
