@@ -147,6 +147,17 @@ def test_malformed_trace_is_rejected_with_its_line(tmp_path: Path) -> None:
     path.write_text("not json\n")
     with pytest.raises(TraceFormatError, match=r"bad\.jsonl:1"):
         load_trace(path)
+    path.write_text(header + "\n[1, 2]\n")
+    with pytest.raises(TraceFormatError, match=r"bad\.jsonl:2: each line must be a JSON object"):
+        load_trace(path)
+    with pytest.raises(TraceFormatError, match="cannot read trace"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+def test_bench_and_simulator_traces_share_one_error_type() -> None:
+    from kvsched.sim import TraceFormatError as SimTraceFormatError
+
+    assert SimTraceFormatError is TraceFormatError and issubclass(TraceFormatError, ValueError)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

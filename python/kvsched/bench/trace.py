@@ -13,21 +13,17 @@ The fake model's sampled tokens are not stored: they are a pure function of ``(i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .._jsonl import TraceFormatError, iter_json_objects
 from .workloads import VOCAB_SIZE, Scenario, TraceRequest, Workload
 
 __all__ = ["TraceFormatError", "dump_trace", "load_trace"]
 
 _REQUEST_KEYS = ("idx", "arrival_step", "priority", "max_tokens", "prompt_token_ids")
-
-
-class TraceFormatError(ValueError):
-    """A trace file is malformed (the message names the file and line)."""
 
 
 def dump_trace(workload: Workload, path: str | Path) -> Path:
@@ -72,20 +68,11 @@ def _parse_request(obj: Any, where: str) -> TraceRequest:
 def load_trace(path: str | Path) -> Workload:
     """Read a trace written by :func:`dump_trace` (or by hand, in the same format)."""
     path = Path(path)
-    with path.open(encoding="utf-8") as f:
-        lines: Iterable[str] = f.readlines()
     requests: list[TraceRequest] = []
     header: dict[str, Any] | None = None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"{where}: not JSON ({exc})") from exc
+    for where, obj in iter_json_objects(path):
         if header is None:
-            if not isinstance(obj, dict) or not isinstance(obj.get("scenario"), dict):
+            if not isinstance(obj.get("scenario"), dict):
                 raise TraceFormatError(f"{where}: the first line must be a header with a 'scenario' object")
             header = obj
             continue

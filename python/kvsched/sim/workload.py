@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+
+from .._jsonl import TraceFormatError, iter_json_objects
 
 __all__ = [
     "LengthDist",
@@ -55,10 +57,6 @@ _POOL_SIZE = 1 << 16
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
-
-
-class TraceFormatError(ValueError):
-    """A trace file or a workload option is malformed (the message says where)."""
 
 
 @dataclass(frozen=True)
@@ -420,23 +418,10 @@ def _int_field(obj: dict[str, Any], key: str, default: int | None, where: str) -
 def load_trace(path: str | Path, *, seed: int = 0) -> Workload:
     """Read a JSONL trace (see the module docstring). Requests are sorted by arrival time (stable)."""
     path = Path(path)
-    try:
-        lines: Iterable[str] = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise TraceFormatError(f"cannot read trace {path}: {exc}") from exc
     weights: dict[str, float] = {}
     cols: dict[str, list[Any]] = {k: [] for k in ("t", "p", "o", "ten", "prio", "g", "pl")}
     tenant_idx: dict[str, int] = {}
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"{where}: not JSON ({exc})") from exc
-        if not isinstance(obj, dict):
-            raise TraceFormatError(f"{where}: each line must be a JSON object")
+    for where, obj in iter_json_objects(path):
         if "arrival_time" not in obj and "tenants" in obj:
             tw = obj["tenants"]
             if not isinstance(tw, dict):
