@@ -187,6 +187,10 @@ def weight(tenant: Any, w: Any) -> Callable[[Ctx], Any]:
     return lambda c: c.s.set_tenant_weight(tenant, w)
 
 
+def costs(recompute: Any, swap: Any) -> Callable[[Ctx], Any]:
+    return lambda c: c.s.set_preemption_costs(recompute, swap)
+
+
 def new(*args: Any, **fields: Any) -> Callable[[Ctx], Any]:
     return lambda c: Scheduler(*args, **fields)
 
@@ -276,6 +280,15 @@ CASES = [
     Case("str-weight", weight("t", "2"), SchedulerTypeError, "str"),
     Case("empty-tenant-weight", weight("", 1.0), InvalidRequestError, "non-empty"),
     Case("none-tenant-weight", weight(None, 1.0), SchedulerTypeError, "NoneType"),
+    # --- set_preemption_costs ----------------------------------------------------------------------------
+    Case("negative-recompute-cost", costs(-1.0, 1.0), InvalidRequestError, "-1"),
+    Case("nan-swap-cost", costs(1.0, math.nan), InvalidRequestError, "NaN"),
+    Case("inf-recompute-cost", costs(math.inf, 1.0), InvalidRequestError, "inf"),
+    Case("huge-int-swap-cost", costs(1.0, 10**400), InvalidRequestError, "inf"),
+    Case("bool-swap-cost", costs(1.0, True), SchedulerTypeError, "bool"),
+    Case("str-recompute-cost", costs("1", 1.0), SchedulerTypeError, "str"),
+    Case("none-swap-cost", costs(1.0, None), SchedulerTypeError, "NoneType"),
+    Case("cpu-blocks-of-unknown", lambda c: c.s.get_cpu_block_ids("zz"), UnknownRequestError, "zz"),
     # --- update_from_output: the form of the tokens ------------------------------------------------------
     Case("float-values", update((ARR([1.0]), ARR([0, 1, 1]))), SchedulerTypeError, "float64"),
     Case("2d-values", update((ARR([[1]]), ARR([0, 1, 1]))), SchedulerTypeError, "2 dimensions"),
@@ -464,6 +477,16 @@ CASES = [
     Case("negative-aging", cfg(priority_aging_steps=-1, policy="priority"), InvalidConfigError, "-1"),
     Case("aging-with-fcfs", cfg(priority_aging_steps=3), InvalidConfigError, "priority"),
     Case("aging-with-fair", cfg(priority_aging_steps=3, policy="fair"), InvalidConfigError, "priority"),
+    # --- preemption mode, CPU pool and cost fields -------------------------------------------------------
+    Case("unknown-preemption-mode", cfg(preemption_mode="discard"), InvalidConfigError, "'discard'"),
+    Case("swap-without-cpu-pool", cfg(preemption_mode="swap"), InvalidConfigError, "num_cpu_blocks"),
+    Case("auto-without-cpu-pool", cfg(preemption_mode="auto"), InvalidConfigError, "num_cpu_blocks"),
+    Case("negative-cpu-blocks", cfg(num_cpu_blocks=-1), InvalidConfigError, "got -1"),
+    Case("float-cpu-blocks", cfg(num_cpu_blocks=4.0), InvalidConfigError, "float"),
+    Case("huge-cpu-blocks", cfg(num_cpu_blocks=2**25), InvalidConfigError, str(2**25)),
+    Case("negative-swap-cost", cfg(swap_cost_per_block=-0.5), InvalidConfigError, "-0.5"),
+    Case("nan-recompute-cost-config", cfg(recompute_cost_per_token=math.nan), InvalidConfigError, "nan"),
+    Case("bool-swap-cost-config", cfg(swap_cost_per_block=False), InvalidConfigError, "bool"),
     # --- configs that only the Rust core sees ------------------------------------------------------------
     Case("core-block-size-3", new(bypass(block_size=3)), InvalidConfigError, "got 3"),
     Case("core-num-blocks-1", new(bypass(num_blocks=1)), InvalidConfigError, "got 1"),
@@ -488,6 +511,11 @@ CASES = [
     Case("core-tenant-weights-list", new(bypass(tenant_weights=[1])), InvalidConfigError, "tenant_weights"),
     Case("core-decode-weight", new(bypass(fair_decode_weight=math.nan)), InvalidConfigError, "NaN"),
     Case("core-aging-with-fcfs", new(bypass(priority_aging_steps=2)), InvalidConfigError, "priority"),
+    Case("core-preemption-mode", new(bypass(preemption_mode="discard")), InvalidConfigError, "discard"),
+    Case("core-swap-without-cpu-pool", new(bypass(preemption_mode="swap")), InvalidConfigError, "num_cpu_blocks"),
+    Case("core-cpu-blocks", new(bypass(num_cpu_blocks=2**25)), InvalidConfigError, str(2**25)),
+    Case("core-swap-cost", new(bypass(swap_cost_per_block=-1.0)), InvalidConfigError, "-1"),
+    Case("core-recompute-cost-str", new(bypass(recompute_cost_per_token="x")), InvalidConfigError, "x"),
     Case(
         "core-budget-without-chunking",
         new(bypass(enable_chunked_prefill=False)),

@@ -71,7 +71,7 @@ def assert_arrays_equal(a: np.ndarray, b: np.ndarray, what: str) -> None:
 
 OUT_LISTS = ("req_ids", "new_req_ids", "resumed_req_ids", "preempted_req_ids")
 OUT_ARRAYS = ("num_scheduled_tokens", "num_computed_tokens", "new_block_ids", "new_block_ids_indptr",
-              "spec_token_ids", "spec_token_ids_indptr")  # fmt: skip
+              "spec_token_ids", "spec_token_ids_indptr", "swap_out", "swap_in")  # fmt: skip
 INPUT_FIELDS = ("input_token_ids", "input_positions", "slot_mapping", "query_start_loc", "seq_lens",
                 "block_table", "logits_indices")  # fmt: skip
 
@@ -291,6 +291,15 @@ class Twin:
         self.log.append(f"set_pause_state({state!r})")
         call_both(lambda: self.ref.set_pause_state(state), lambda: self.rs.set_pause_state(state))
 
+    def op_costs(self) -> None:
+        r = self.rand
+        recompute = r.choice([1.0, 0.01, 5.0, 0.0, -1.0, math.nan])  # the last two are refused
+        swap = r.choice([1.0, 8.0, 0.25, 100.0, 0])
+        self.log.append(f"set_preemption_costs({recompute}, {swap})")
+        call_both(lambda: self.ref.set_preemption_costs(recompute, swap),
+                  lambda: self.rs.set_preemption_costs(recompute, swap))  # fmt: skip
+        assert self.ref.preemption_costs == self.rs.preemption_costs
+
     def op_ready(self) -> None:
         ids = self.live_ids()
         rid = self.rand.choice(ids) if ids and self.rand.chance(0.9) else "nope"
@@ -299,7 +308,8 @@ class Twin:
 
     def step(self) -> None:
         ops = [self.op_add] * 3 + [self.op_schedule] * 4 + [self.op_update] * 4 + [self.op_ready] * 2
-        self.rand.choice([*ops, self.op_abort, self.op_probe, self.op_reset, self.op_weight, self.op_pause])()
+        others = [self.op_abort, self.op_probe, self.op_reset, self.op_weight, self.op_pause, self.op_costs]
+        self.rand.choice([*ops, *others])()
         self.check()
 
     # -- comparison of the whole observable state --------------------------------------------------------
@@ -328,6 +338,7 @@ class Twin:
             assert self.ref.get_num_output_placeholders(rid) == self.rs.get_num_output_placeholders(rid), rid
             assert self.ref.get_output_token_ids(rid) == list(self.rs.get_output_token_ids(rid)), rid
             assert_arrays_equal(self.ref.get_block_ids(rid), self.rs.get_block_ids(rid), f"blocks of {rid}")
+            assert_arrays_equal(self.ref.get_cpu_block_ids(rid), self.rs.get_cpu_block_ids(rid), f"CPU blocks of {rid}")
             hashes_a.append(self.ref.get_block_hashes(rid))
             hashes_b.append(list(self.rs.get_block_hashes(rid)))
         assert hash_pattern(hashes_a) == hash_pattern(hashes_b)
@@ -372,6 +383,8 @@ def configs(draw: Any) -> SchedulerConfig:
     if not chunked:
         budget = max(budget, max_model_len)
     policy = draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair"]))
+    mode = draw(st.sampled_from(["recompute", "recompute", "swap", "auto"]))
+    num_cpu_blocks = draw(st.sampled_from([1, 2, 5, 64] if mode != "recompute" else [0, 4]))
     return SchedulerConfig(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -395,6 +408,10 @@ def configs(draw: Any) -> SchedulerConfig:
         async_scheduling=draw(st.booleans()),
         max_loras=draw(st.sampled_from([0, 0, 1, 2])),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
+        preemption_mode=mode,
+        num_cpu_blocks=num_cpu_blocks,
+        recompute_cost_per_token=draw(st.sampled_from([1.0, 0.1, 3.0])),
+        swap_cost_per_block=draw(st.sampled_from([1.0, 4.0, 0.5])),
     )
 
 
@@ -444,6 +461,16 @@ SOAK_CONFIGS = [
                     scheduler_reserve_full_isl=False),
     SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
                     num_lookahead_tokens=2, async_scheduling=True, max_loras=1, scheduler_reserve_full_isl=False),
+    # Preemption by swapping: tight GPU and CPU pools, so swaps, swap-ins after prefix hits and fallbacks to
+    # recompute all happen.
+    SchedulerConfig(block_size=4, num_blocks=16, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
+                    preemption_mode="swap", num_cpu_blocks=10, prefix_hash_seed=3, scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=2, num_blocks=30, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    policy="priority", preemption_mode="auto", num_cpu_blocks=12, swap_cost_per_block=1.5,
+                    num_lookahead_tokens=1),
+    SchedulerConfig(block_size=4, num_blocks=14, max_num_seqs=5, max_num_batched_tokens=20, max_model_len=48,
+                    policy="fair", preemption_mode="swap", num_cpu_blocks=40, enable_prefix_caching=False,
+                    long_prefill_token_threshold=8),
 ]  # fmt: skip
 
 
@@ -456,7 +483,11 @@ def soak(steps: int, seed: int) -> None:
             except AssertionError as e:
                 raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
         twin.drain()
-        assert twin.ref.stats().num_preemptions > 0, "the soak should exercise preemption"
+        st = twin.ref.stats()
+        assert st.num_preemptions > 0, "the soak should exercise preemption"
+        if cfg.preemption_mode != "recompute":
+            assert st.num_swapped_out_reqs > 0 and st.num_swapped_in_blocks > 0, f"no swaps under {cfg}: {st}"
+            assert st.num_free_cpu_blocks == cfg.num_cpu_blocks  # drained: every CPU block back
 
 
 def test_soak_short_matches_reference_step_by_step() -> None:

@@ -7,6 +7,7 @@ fails here before the differential tests compare it with the Rust core.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1039,3 +1040,127 @@ def test_spec_decode_pads_an_admission_with_one_token_left() -> None:
     h.update(out, {"c": [TOK, 5]})  # the first placeholder "accepted", the second rejected
     assert h.s.get_num_computed_tokens("c") == 8 + 3 - 1
     assert h.s.get_output_token_ids("c") == [TOK, 5]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Preemption modes: swap and auto (docs/semantics.md, "Preemption modes")
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _swap_scenario(**cfg: Any) -> tuple[ReferenceScheduler, list[int], Any]:
+    """8 usable blocks of 4. a (8 tokens, 2 blocks) and c (12 tokens, 3 blocks) run; b (13 tokens) shares a's
+    first 2 blocks as prefix hits and adds 2. After one token each, step 2: a takes the last free block, c needs
+    a 4th: the tail b (13 computed tokens, 4 blocks, 2 of them shared with a) is the victim. Returns the
+    scheduler right after step 2 and b's block table before it."""
+    s = ReferenceScheduler(block_size=4, num_blocks=9, max_model_len=32, prefix_hash_seed=0, **cfg)
+    s.add_request("a", list(range(8)), max_tokens=2, arrival_time=0.0)
+    s.add_request("c", list(range(100, 112)), arrival_time=1.0)
+    s.add_request("b", [*range(8), 50, 51, 52, 53, 54], arrival_time=2.0)
+    out = s.schedule()
+    assert out.req_ids == ["a", "c", "b"] and s.num_free_blocks == 1
+    s.update_from_output(out, [[TOK]] * 3)
+    b_blocks = s.get_block_ids("b").tolist()
+    out = s.schedule()
+    assert out.req_ids == ["a", "c"] and out.preempted_req_ids == ["b"]
+    s.check_invariants()
+    s.update_from_output(out, [[TOK]] * 2)  # a reaches max_tokens: its 3 blocks are freed
+    return s, b_blocks, out
+
+
+def test_swap_mode_copies_the_victim_out_and_back_and_looks_up_the_prefix_cache_first() -> None:
+    s, b_blocks, out2 = _swap_scenario(preemption_mode="swap", num_cpu_blocks=8)
+    # step 2 copied all 4 of b's blocks out (the shared ones too: a may free them meanwhile)
+    assert out2.swap_out.tolist() == [[b, k] for k, b in enumerate(b_blocks)]
+    assert out2.swap_in.shape == (0, 2) and out2.swap_in.dtype == np.int32
+    assert s.get_cpu_block_ids("b").tolist() == [0, 1, 2, 3]
+    assert s.get_request_status("b") == RequestStatus.PREEMPTED and s.get_num_computed_tokens("b") == 0
+    out = s.schedule()
+    # b's first 3 blocks are still in the prefix cache (a's two, its own full third): only the 4th comes back
+    # by copy; b resumes with its 13 tokens in KV and computes the 14th
+    assert out.resumed_req_ids == ["b"] and out.swap_out.shape == (0, 2)
+    blocks = s.get_block_ids("b").tolist()
+    assert blocks[:3] == b_blocks[:3]
+    assert out.swap_in.tolist() == [[3, blocks[3]]]
+    k = out.req_ids.index("b")
+    assert (out.num_computed_tokens[k], out.num_scheduled_tokens[k]) == (13, 1)
+    assert s.get_cpu_block_ids("b").tolist() == []
+    st = s.stats()
+    assert (st.num_swapped_out_reqs, st.num_swapped_out_blocks, st.num_swapped_in_reqs) == (1, 4, 1)
+    assert (st.num_swapped_in_blocks, st.num_recomputed_tokens, st.num_swap_fallbacks) == (1, 0, 0)
+    assert (st.num_free_cpu_blocks, st.prefix_cache_preempted_hits) == (8, 12)
+    s.check_invariants()
+    s.update_from_output(out, [[TOK]] * len(out.req_ids))
+    run_to_completion(s, {"a": 8, "b": 13, "c": 12})
+    assert s.num_free_blocks == 8 and s.stats().num_free_cpu_blocks == 8
+
+
+def test_recompute_mode_counts_the_tokens_it_computes_again() -> None:
+    s, _, out2 = _swap_scenario()
+    assert out2.swap_out.shape == (0, 2)
+    out = s.schedule()
+    assert out.resumed_req_ids == ["b"] and out.swap_in.shape == (0, 2)
+    k = out.req_ids.index("b")
+    assert (out.num_computed_tokens[k], out.num_scheduled_tokens[k]) == (12, 2)  # 3 blocks hit
+    assert s.stats().num_recomputed_tokens == 1  # token 13 had been computed before the preemption
+
+
+def test_a_cpu_pool_too_small_for_the_victim_falls_back_to_recompute() -> None:
+    s, _, out2 = _swap_scenario(preemption_mode="swap", num_cpu_blocks=3)
+    assert out2.swap_out.shape == (0, 2)
+    st = s.stats()
+    assert (st.num_swap_fallbacks, st.num_swapped_out_reqs, st.num_preemptions) == (1, 0, 1)
+    s.check_invariants()
+
+
+@pytest.mark.parametrize(("recompute_cost", "swapped"), [(1.0, False), (1.7, True)])
+def test_auto_swaps_when_copying_out_and_back_costs_less_than_recomputing(recompute_cost: float, swapped: bool) -> None:
+    """b: 13 computed tokens in 4 blocks, 2 shared with a (8 tokens stay resident): recomputing costs
+    recompute_cost * (13 - 8), swapping 1.0 * 2 * 4 = 8. 5.0 < 8: recompute; 8.5 > 8: swap."""
+    s = ReferenceScheduler(block_size=4, num_blocks=9, max_model_len=32, prefix_hash_seed=0,
+                           preemption_mode="auto", num_cpu_blocks=8)  # fmt: skip
+    s.set_preemption_costs(recompute_cost, 1.0)
+    assert s.preemption_costs == (recompute_cost, 1.0)
+    s.add_request("a", list(range(8)), max_tokens=2, arrival_time=0.0)
+    s.add_request("c", list(range(100, 112)), arrival_time=1.0)
+    s.add_request("b", [*range(8), 50, 51, 52, 53, 54], arrival_time=2.0)
+    s.update_from_output(s.schedule(), [[TOK]] * 3)
+    out = s.schedule()
+    assert out.preempted_req_ids == ["b"]
+    assert len(out.swap_out) == (4 if swapped else 0)
+    assert s.stats().num_swapped_out_reqs == int(swapped)
+    s.check_invariants()
+
+
+def test_aborting_a_swapped_out_request_frees_its_cpu_blocks() -> None:
+    s, _, _ = _swap_scenario(preemption_mode="swap", num_cpu_blocks=8)
+    assert s.stats().num_free_cpu_blocks == 4
+    s.abort_requests(["b"])
+    assert s.stats().num_free_cpu_blocks == 8
+    s.check_invariants()
+    assert s.schedule().finished_req_ids == ["a", "b"]
+
+
+@pytest.mark.parametrize("apply_first", [False, True])
+def test_a_victim_with_a_step_in_flight_is_recomputed_not_swapped(apply_first: bool) -> None:
+    """Its KV is not final until that step's output is applied (drafts may be rejected, placeholders are
+    unresolved). 4 usable blocks of 4: a (4 tokens) and b (12, in chunks of 4 by the long-prefill cap) run; step 2
+    gives a its 2nd block and b its 2nd chunk; step 3 needs a 3rd block for b, and b (the tail) is the victim:
+    with step 2 still in flight it is recomputed, with step 2 applied it is swapped out (8 tokens, 2 blocks)."""
+    s = ReferenceScheduler(block_size=4, num_blocks=5, max_model_len=16, long_prefill_token_threshold=4,
+                           prefix_hash_seed=0, preemption_mode="swap", num_cpu_blocks=8)  # fmt: skip
+    s.add_request("a", [1, 2, 3, 4], arrival_time=0.0)
+    s.add_request("b", list(range(100, 112)), arrival_time=1.0)
+    out = s.schedule()
+    assert out.num_scheduled_tokens.tolist() == [4, 4]
+    s.update_from_output(out, [[TOK], []])
+    out2 = s.schedule()
+    assert out2.num_scheduled_tokens.tolist() == [1, 4] and s.num_free_blocks == 0
+    if apply_first:
+        s.update_from_output(out2, [[TOK], []])
+    out3 = s.schedule()
+    assert out3.preempted_req_ids == ["b"]
+    assert out3.swap_out.tolist() == ([[int(b), k] for k, b in enumerate(out.new_block_ids[1:2].tolist()
+                                       + out2.new_block_ids[1:].tolist())] if apply_first else [])  # fmt: skip
+    st = s.stats()
+    assert (st.num_swapped_out_reqs, st.num_swap_fallbacks) == (int(apply_first), 0)
+    s.check_invariants()

@@ -52,6 +52,15 @@ class SchedulerStats:
     num_preemptions: int
     num_finished_reqs: int
     step_id: int
+    # preemption by swapping (docs/semantics.md, "Preemption modes"); 0 under recompute
+    num_swapped_out_reqs: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_reqs: int = 0
+    num_swapped_in_blocks: int = 0
+    num_swap_fallbacks: int = 0  # victims to swap that were recomputed: the CPU pool was full
+    num_recomputed_tokens: int = 0  # tokens lost to preemptions and computed again on resume
+    num_free_cpu_blocks: int = 0
+    cpu_kv_cache_usage: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

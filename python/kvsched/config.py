@@ -13,9 +13,10 @@ from typing import Any, Literal
 
 from ._errors import InvalidConfigError, SchedulerTypeError
 
-__all__ = ["POLICIES", "PREFIX_HASH_ALGOS", "SchedulerConfig"]
+__all__ = ["POLICIES", "PREEMPTION_MODES", "PREFIX_HASH_ALGOS", "SchedulerConfig", "check_preemption_costs"]
 
 POLICIES = ("fcfs", "priority", "fair")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 PREFIX_HASH_ALGOS = ("xxh3_128", "sha256")
 _I32_MAX = 2**31 - 1
 # The pool keeps ~50 bytes of bookkeeping per block; 2**24 blocks (~800 MB) is far above any real GPU's pool.
@@ -55,6 +56,25 @@ def check_tenant_weight(
         raise error(f"the weight of tenant {tenant!r} must be finite and > 0, got {weight!r}")
 
 
+def check_preemption_costs(
+    recompute_cost_per_token: Any, swap_cost_per_block: Any, error: type[Exception], type_error: type[Exception]
+) -> tuple[float, float]:
+    """The auto mode's cost constants: finite reals >= 0 (else ``error``; ``type_error`` for types)."""
+    values = []
+    named = (("recompute_cost_per_token", recompute_cost_per_token), ("swap_cost_per_block", swap_cost_per_block))
+    for name, v in named:
+        if not _is_real(v):
+            raise type_error(f"{name} must be a float, got {type(v).__name__}")
+        try:
+            f = float(v)
+        except OverflowError:  # an int beyond the float range
+            f = math.inf
+        if not (math.isfinite(f) and f >= 0):
+            raise error(f"{name} must be finite and >= 0, got {v!r}")
+        values.append(f)
+    return values[0], values[1]
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Configuration of a :class:`~kvsched.Scheduler` (field names follow vLLM).
@@ -84,6 +104,10 @@ class SchedulerConfig:
     async_scheduling: bool = False
     max_loras: int = 0
     watermark: float = 0.0
+    preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
+    num_cpu_blocks: int = 0
+    recompute_cost_per_token: float = 1.0
+    swap_cost_per_block: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -159,6 +183,18 @@ class SchedulerConfig:
             check_tenant_weight(tenant, w, InvalidConfigError, InvalidConfigError)
         # Frozen, yet the caller's mapping must not change it afterwards: keep a private copy.
         object.__setattr__(self, "tenant_weights", {str(k): float(v) for k, v in weights.items()})
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        _check_int("num_cpu_blocks", self.num_cpu_blocks, 0, MAX_NUM_BLOCKS)
+        if self.preemption_mode != "recompute" and self.num_cpu_blocks == 0:
+            raise InvalidConfigError(
+                f"preemption_mode {self.preemption_mode!r} needs a CPU pool: num_cpu_blocks must be > 0, got 0"
+            )
+        costs = check_preemption_costs(
+            self.recompute_cost_per_token, self.swap_cost_per_block, InvalidConfigError, InvalidConfigError
+        )
+        object.__setattr__(self, "recompute_cost_per_token", costs[0])
+        object.__setattr__(self, "swap_cost_per_block", costs[1])
         _check_int("priority_aging_steps", self.priority_aging_steps, 0)
         if self.priority_aging_steps > 0 and self.policy != "priority":
             raise InvalidConfigError(f"priority_aging_steps > 0 needs policy 'priority', got {self.policy!r}")

@@ -41,7 +41,7 @@ from ._errors import (
     UnknownRequestError,
 )
 from ._types import FinishReason, RequestStatus, SchedulerStats, TenantStats
-from .config import SchedulerConfig, check_tenant_weight
+from .config import SchedulerConfig, check_preemption_costs, check_tenant_weight
 
 __all__ = ["ModelInputs", "ReferenceScheduler", "SchedulerOutput", "SchedulerStats", "UpdateResult"]
 
@@ -76,6 +76,8 @@ class SchedulerOutput:
         "spec_token_ids",
         "spec_token_ids_indptr",
         "step_id",
+        "swap_in",
+        "swap_out",
         "total_num_scheduled_tokens",
     )
     step_id: int
@@ -91,6 +93,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: list[str]
     finished_req_ids: list[str]
+    swap_out: np.ndarray  # (m, 2) int32: GPU block -> CPU block, copied before the forward pass
+    swap_in: np.ndarray  # (m, 2) int32: CPU block -> GPU block, copied after swap_out
     _owner: object
     _entries: list[tuple[_Request, bool, int]]  # (request, was a prefill chunk, number of drafts scheduled)
 
@@ -211,6 +215,7 @@ class _Request:
         "block_hashes",
         "block_ids",
         "cache_salt",
+        "cpu_blocks",
         "deferred",
         "drafts",
         "drop_stale_output",
@@ -227,10 +232,12 @@ class _Request:
         "num_charged_prompt_tokens",
         "num_computed_tokens",
         "num_in_flight_tokens",
+        "num_lost_tokens",
         "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "num_stale_output_tokens",
+        "num_swapped_tokens",
         "priority",
         "queue_seq",
         "req_id",
@@ -277,6 +284,10 @@ class _Request:
         self.deferred = False  # skipped by an admission pass (or added blocked), not admitted since
         self.grammar_ready = False
         self.is_prefill_chunk = False  # its last scheduled step stopped short of its known tokens
+        # preemption by swapping
+        self.cpu_blocks: list[int] = []  # CPU blocks holding its KV while swapped out
+        self.num_swapped_tokens = 0  # tokens whose KV they hold
+        self.num_lost_tokens = 0  # computed at its last preemption and not yet recovered
 
     @property
     def num_tokens(self) -> int:
@@ -544,8 +555,12 @@ class ReferenceScheduler:
         self._last_out: SchedulerOutput | None = None
         self._last_out_fresh = False  # prepare_model_inputs is allowed until the state changes
         self._stats = dict.fromkeys(
-            ("queries", "hits", "preempted_queries", "preempted_hits", "preemptions", "finished"), 0
-        )
+            ("queries", "hits", "preempted_queries", "preempted_hits", "preemptions", "finished", "swapped_out_reqs",
+             "swapped_out_blocks", "swapped_in_reqs", "swapped_in_blocks", "swap_fallbacks", "recomputed_tokens"), 0
+        )  # fmt: skip
+        self._cpu_free: deque[int] = deque(range(c.num_cpu_blocks))  # the CPU swap pool: pop left, append right
+        self._recompute_cost_per_token = c.recompute_cost_per_token
+        self._swap_cost_per_block = c.swap_cost_per_block
         self._hash_fn = hashlib.sha256 if c.prefix_hash_algo == "sha256" else _blake2b_128
         seed = c.prefix_hash_seed
         seed_bytes = os.urandom(32) if seed is None else _seed_bytes(seed)
@@ -778,6 +793,8 @@ class ReferenceScheduler:
             self._waiting.remove(r)
             self._tenants[r.tenant].num_waiting -= 1
         self._free_blocks(r)
+        self._cpu_free.extend(r.cpu_blocks)  # a swapped-out request aborted while waiting
+        r.cpu_blocks, r.num_swapped_tokens = [], 0
         r.status = status
         r.drafts = []
         r.deferred = False
@@ -802,6 +819,7 @@ class ReferenceScheduler:
         """Free ``r``'s KV and send it back to waiting. Output of steps still in flight becomes stale: applied
         when it arrives (dropped with ``drop_stale_output``), rolling nothing back; ``r`` is not resumed before."""
         self._free_blocks(r)
+        r.num_lost_tokens = r.num_computed_tokens
         r.num_computed_tokens = 0
         r.drafts = []
         r.status = RequestStatus.PREEMPTED
@@ -813,6 +831,64 @@ class ReferenceScheduler:
         self._stats["preemptions"] += 1
         self._waiting.add_preempted(r)
         self._tenants[r.tenant].num_waiting += 1  # back in waiting; no lift (the tenant did not arrive)
+
+    def _preempt_victim(self, r: _Request, computed_before: int | None, swap_out: list[int]) -> None:
+        """Phase A's preemption: swap ``r``'s KV out (pairs appended to ``swap_out``) when the mode says so and
+        the CPU pool can hold it, else recompute. ``computed_before``: its computed tokens before this step when
+        it had been scheduled earlier in the step."""
+        c, bs = self._config, self._bs
+        computed = r.num_computed_tokens if computed_before is None else computed_before
+        saved = min(computed, r.num_tokens - 1)  # never the last known token: it is computed next
+        k = -(-saved // bs)
+        wants = saved > 0 and r.num_in_flight_tokens == 0 and c.preemption_mode != "recompute"
+        if wants and c.preemption_mode == "auto":
+            # swap when copying out and back costs strictly less than recomputing the uncached context
+            shared = sum(1 for b in r.block_ids[:k] if self._ref_cnt[b] > 1)  # stay resident: come back as hits
+            uncached = max(0, saved - shared * bs)
+            wants = self._swap_cost_per_block * (2 * k) < self._recompute_cost_per_token * uncached
+        cpu: list[int] | None = None
+        if wants:
+            if k <= len(self._cpu_free):
+                cpu = [self._cpu_free.popleft() for _ in range(k)]
+                for g, cb in zip(r.block_ids[:k], cpu, strict=True):
+                    swap_out += [g, cb]
+            else:
+                self._stats["swap_fallbacks"] += 1
+        self._preempt(r)
+        r.num_lost_tokens = computed
+        if cpu is not None:
+            r.cpu_blocks, r.num_swapped_tokens = cpu, saved
+            self._stats["swapped_out_reqs"] += 1
+            self._stats["swapped_out_blocks"] += k
+
+    def _complete_resume(self, r: _Request, num_hits: int, restored: int, swap_in: list[int]) -> None:
+        """After ``r``'s admission: swap-in pairs for its swapped blocks past the prefix hits (when the swapped
+        tokens reach further), CPU blocks released, lost tokens not recovered counted as recomputed."""
+        self._stats["recomputed_tokens"] += max(0, r.num_lost_tokens - restored)
+        r.num_lost_tokens = 0
+        if not r.cpu_blocks:
+            return
+        if r.num_swapped_tokens == restored:
+            for i in range(num_hits, len(r.cpu_blocks)):
+                swap_in += [r.cpu_blocks[i], r.block_ids[i]]
+                self._stats["swapped_in_blocks"] += 1
+        self._stats["swapped_in_reqs"] += 1
+        self._cpu_free.extend(r.cpu_blocks)
+        r.cpu_blocks, r.num_swapped_tokens = [], 0
+
+    def set_preemption_costs(self, recompute_cost_per_token: float, swap_cost_per_block: float) -> None:
+        """The auto mode's cost constants from now on (finite, >= 0). On error nothing changes."""
+        costs = check_preemption_costs(
+            recompute_cost_per_token, swap_cost_per_block, InvalidRequestError, SchedulerTypeError
+        )
+        self._recompute_cost_per_token, self._swap_cost_per_block = costs
+
+    @property
+    def preemption_costs(self) -> tuple[float, float]:
+        return (self._recompute_cost_per_token, self._swap_cost_per_block)
+
+    def get_cpu_block_ids(self, req_id: str) -> np.ndarray:
+        return np.array(self._get(req_id).cpu_blocks, dtype=np.int32)
 
     def _pick_victim(self) -> int:
         """Index in running of the request to preempt: the tail (fcfs), the lowest-priority one (priority), or
@@ -918,6 +994,8 @@ class ReferenceScheduler:
         # per scheduled request: [request, num_new_tokens, computed_before, new_blocks, drafts, kind, is_chunk]
         scheduled: list[list[Any]] = []
         preempted: list[_Request] = []
+        swap_out: list[int] = []  # flattened (GPU block, CPU block) pairs
+        swap_in: list[int] = []  # flattened (CPU block, GPU block) pairs
         prefill_scheduled = False  # a request scheduled in phase A is still prefilling
 
         i = 0
@@ -937,14 +1015,16 @@ class ReferenceScheduler:
             while (new_blocks := self._allocate_slots(r, n, [], look)) is None:
                 j = self._pick_victim()
                 victim = self._running.pop(j)
+                computed_before = None
                 for k, entry in enumerate(scheduled):
                     if entry[0] is victim:  # refund the victim's share of this step
                         budget += entry[1]
+                        computed_before = entry[2]
                         del scheduled[k]
                         break
                 if j < i:
                     i -= 1
-                self._preempt(victim)
+                self._preempt_victim(victim, computed_before, swap_out)
                 preempted.append(victim)
                 if victim is r:
                     break
@@ -971,7 +1051,7 @@ class ReferenceScheduler:
             # No probing when nobody can be admitted (a full batch or no budget): nothing would move.
             can_admit = budget > 0 and len(self._running) < c.max_num_seqs
             plan = self._begin_admission() if can_admit else None
-            self._admit_waiting(scheduled, budget, threshold, prefill_scheduled)
+            self._admit_waiting(scheduled, budget, threshold, prefill_scheduled, swap_in)
             self._end_admission(plan)
 
         entries = []
@@ -995,6 +1075,8 @@ class ReferenceScheduler:
             total_num_scheduled_tokens=sum(e[1] for e in scheduled),
             preempted_req_ids=self._preempted_since_schedule + [r.req_id for r in preempted],
             finished_req_ids=self._finished_since_schedule,
+            swap_out=np.array(swap_out, dtype=np.int32).reshape(-1, 2),
+            swap_in=np.array(swap_in, dtype=np.int32).reshape(-1, 2),
             _owner=self._owner,
             _entries=entries,
         )
@@ -1004,7 +1086,9 @@ class ReferenceScheduler:
         self._last_out, self._last_out_fresh = out, True
         return out
 
-    def _admit_waiting(self, scheduled: list[list[Any]], budget: int, threshold: int, prefill_scheduled: bool) -> None:
+    def _admit_waiting(
+        self, scheduled: list[list[Any]], budget: int, threshold: int, prefill_scheduled: bool, swap_in: list[int]
+    ) -> None:
         """Phase B: admit waiting requests in policy order; never preempts. Requests that cannot run yet are
         skipped and keep their place."""
         c, bs, look = self._config, self._bs, self._config.num_lookahead_tokens
@@ -1031,14 +1115,15 @@ class ReferenceScheduler:
                 continue
             hits = self._lookup(r.block_hashes, r.num_tokens)
             hit_tokens = len(hits) * bs
-            n = r.num_tokens - hit_tokens
+            restored = max(hit_tokens, r.num_swapped_tokens)  # swapped tokens come back by swap_in
+            n = r.num_tokens - restored
             # spec decoding: one token left, admitted into a batch of decodes: pad with placeholder drafts
             pad = (
                 look > 0
                 and n == 1
                 and not prefill_scheduled
-                and (any_running_scheduled or hit_tokens > 0)
-                and hit_tokens + 1 + look + 1 <= c.max_model_len
+                and (any_running_scheduled or restored > 0)
+                and restored + 1 + look + 1 <= c.max_model_len
                 and (threshold == 0 or threshold >= 1 + look)
             )
             if pad:
@@ -1053,11 +1138,14 @@ class ReferenceScheduler:
             reserved = watermark if self._running else 0
             if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, reserved):
                 break  # vLLM's full-prompt admission gate: the whole sequence must fit, not just this chunk
+            r.num_computed_tokens = restored - hit_tokens  # _allocate_slots counts from computed + hits
             if self._allocate_slots(r, n, hits, look, reserved) is None:
+                r.num_computed_tokens = 0
                 break
+            self._complete_resume(r, len(hits), restored, swap_in)
             self._waiting.pop()
             self._tenants[r.tenant].num_waiting -= 1
-            self._charge_prompt(r, hit_tokens, n)
+            self._charge_prompt(r, restored, n)
             self._running.append(r)
             kind = "new" if r.status == RequestStatus.WAITING else "resumed"
             r.status = RequestStatus.RUNNING
@@ -1069,9 +1157,9 @@ class ReferenceScheduler:
             prefix = "preempted_" if r.num_preemptions > 0 else ""
             self._stats[prefix + "queries"] += r.num_tokens
             self._stats[prefix + "hits"] += hit_tokens
-            is_chunk = hit_tokens + n < r.num_tokens
-            scheduled.append([r, n, hit_tokens, list(r.block_ids), [-1] * look if pad else [], kind, is_chunk])
-            r.num_computed_tokens = hit_tokens + n
+            is_chunk = restored + n < r.num_tokens
+            scheduled.append([r, n, restored, list(r.block_ids), [-1] * look if pad else [], kind, is_chunk])
+            r.num_computed_tokens = restored + n
             r.is_prefill_chunk = is_chunk
             budget -= n
         for r in reversed(skipped):  # back to the front in their order (fcfs), or by their key (priority)
@@ -1357,7 +1445,7 @@ class ReferenceScheduler:
         return True
 
     def stats(self) -> SchedulerStats:
-        s, usable = self._stats, self._config.num_usable_blocks
+        s, usable, c = self._stats, self._config.num_usable_blocks, self._config
         return SchedulerStats(
             num_running_reqs=len(self._running),
             num_waiting_reqs=sum(1 for r in self._waiting if not r.deferred),
@@ -1371,6 +1459,14 @@ class ReferenceScheduler:
             num_preemptions=s["preemptions"],
             num_finished_reqs=s["finished"],
             step_id=self._next_step_id,
+            num_swapped_out_reqs=s["swapped_out_reqs"],
+            num_swapped_out_blocks=s["swapped_out_blocks"],
+            num_swapped_in_reqs=s["swapped_in_reqs"],
+            num_swapped_in_blocks=s["swapped_in_blocks"],
+            num_swap_fallbacks=s["swap_fallbacks"],
+            num_recomputed_tokens=s["recomputed_tokens"],
+            num_free_cpu_blocks=len(self._cpu_free),
+            cpu_kv_cache_usage=1.0 - len(self._cpu_free) / c.num_cpu_blocks if c.num_cpu_blocks else 0.0,
         )
 
     # -- invariants --------------------------------------------------------------------------------------
@@ -1427,6 +1523,14 @@ class ReferenceScheduler:
             require(r.num_output_placeholders == 0, f"{r.req_id} waiting with output placeholders")
         for r in self._running:
             require(not r.deferred, f"{r.req_id} running but deferred")
+        cpu_held = [b for r in self._requests.values() for b in r.cpu_blocks]
+        require(sorted(cpu_held + list(self._cpu_free)) == list(range(c.num_cpu_blocks)), "CPU blocks: each once")
+        for r in self._requests.values():
+            require(bool(r.cpu_blocks) == (r.num_swapped_tokens > 0), f"{r.req_id}: CPU blocks vs swapped tokens")
+            if r.cpu_blocks:
+                require(r.status == RequestStatus.PREEMPTED and not r.block_ids, f"{r.req_id}: swapped but not waiting")
+                require(len(r.cpu_blocks) == -(-r.num_swapped_tokens // bs), f"{r.req_id}: CPU blocks cover its KV")
+                require(r.num_swapped_tokens < r.num_tokens, f"{r.req_id}: swapped more than it has")
         for r in self._requests.values():
             require(0 <= r.num_stale_output_tokens <= r.num_in_flight_tokens, f"{r.req_id}: stale tokens")
         for r in self._requests.values():

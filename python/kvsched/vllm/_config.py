@@ -136,6 +136,8 @@ def kvsched_config_from_vllm(
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
     fields["async_scheduling"] = bool(sched.async_scheduling)
     fields["watermark"] = float(sched.watermark)
+    # vLLM's engine has no swap path (its runner never copies KV to a CPU pool): preemption recomputes.
+    fields["preemption_mode"] = "recompute"
     if vllm_config.lora_config is not None:
         fields["max_loras"] = int(vllm_config.lora_config.max_loras)
     return SchedulerConfig(**fields), num_spec_tokens

@@ -27,6 +27,38 @@ impl Policy {
     }
 }
 
+/// What happens to a preempted request's KV (see `swap.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptionMode {
+    /// Drop it and recompute it on resume (vLLM v1; the default).
+    Recompute,
+    /// Copy it to the CPU pool and back on resume; recompute only when the CPU pool is full.
+    Swap,
+    /// Per victim, whichever of the two costs less by the configured cost constants.
+    Auto,
+}
+
+impl PreemptionMode {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "recompute" => Ok(PreemptionMode::Recompute),
+            "swap" => Ok(PreemptionMode::Swap),
+            "auto" => Ok(PreemptionMode::Auto),
+            other => Err(SchedError::InvalidConfig(format!(
+                "preemption_mode must be one of ('recompute', 'swap', 'auto'), got {other:?}"
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PreemptionMode::Recompute => "recompute",
+            PreemptionMode::Swap => "swap",
+            PreemptionMode::Auto => "auto",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HashAlgo {
     Xxh3_128,
@@ -83,6 +115,14 @@ pub struct SchedulerConfig {
     pub max_loras: u32,
     /// Share of `num_blocks` kept free when admitting waiting requests (vLLM's `watermark`), in [0, 1).
     pub watermark: f64,
+    /// What a preemption does with the victim's KV.
+    pub preemption_mode: PreemptionMode,
+    /// Blocks in the CPU swap pool (ids `0..num_cpu_blocks`, no null block); > 0 for swap and auto.
+    pub num_cpu_blocks: u32,
+    /// Auto: the cost of computing one token of a victim's context again (initial value; settable at run time).
+    pub recompute_cost_per_token: f64,
+    /// Auto: the cost of copying one block in one direction, in the same unit (initial value; settable).
+    pub swap_cost_per_block: f64,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -141,6 +181,10 @@ impl Default for SchedulerConfig {
             async_scheduling: false,
             max_loras: 0,
             watermark: 0.0,
+            preemption_mode: PreemptionMode::Recompute,
+            num_cpu_blocks: 0,
+            recompute_cost_per_token: 1.0,
+            swap_cost_per_block: 1.0,
         }
     }
 }
@@ -231,6 +275,7 @@ impl SchedulerConfig {
             check_tenant_name(tenant).map_err(SchedError::InvalidConfig)?;
             check_tenant_weight(tenant, *w).map_err(SchedError::InvalidConfig)?;
         }
+        self.validate_preemption_fields()?;
         check_range("priority_aging_steps", self.priority_aging_steps, 0, I32_MAX)?;
         if self.priority_aging_steps > 0 && self.policy != Policy::Priority {
             return Err(SchedError::InvalidConfig(format!(
@@ -239,6 +284,19 @@ impl SchedulerConfig {
             )));
         }
         Ok(())
+    }
+
+    /// The preemption mode, the CPU pool and the cost constants (see `swap.rs`).
+    fn validate_preemption_fields(&self) -> Result<()> {
+        check_range("num_cpu_blocks", self.num_cpu_blocks, 0, u64::from(MAX_NUM_BLOCKS))?;
+        if self.preemption_mode != PreemptionMode::Recompute && self.num_cpu_blocks == 0 {
+            return Err(SchedError::InvalidConfig(format!(
+                "preemption_mode {:?} needs a CPU pool: num_cpu_blocks must be > 0, got 0",
+                self.preemption_mode.name()
+            )));
+        }
+        check_preemption_costs(self.recompute_cost_per_token, self.swap_cost_per_block)
+            .map_err(SchedError::InvalidConfig)
     }
 
     /// Blocks that requests can hold: block 0 is the reserved null block.
@@ -264,6 +322,21 @@ pub fn check_tenant_name(tenant: &str) -> std::result::Result<(), String> {
 pub fn check_tenant_weight(tenant: &str, w: f64) -> std::result::Result<(), String> {
     if !(w.is_finite() && w > 0.0) {
         return Err(format!("the weight of tenant {tenant:?} must be finite and > 0, got {w}"));
+    }
+    Ok(())
+}
+
+/// The auto mode's cost constants are finite and >= 0.
+pub fn check_preemption_costs(
+    recompute_cost_per_token: f64,
+    swap_cost_per_block: f64,
+) -> std::result::Result<(), String> {
+    for (name, v) in
+        [("recompute_cost_per_token", recompute_cost_per_token), ("swap_cost_per_block", swap_cost_per_block)]
+    {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(format!("{name} must be finite and >= 0, got {v}"));
+        }
     }
     Ok(())
 }
@@ -309,6 +382,11 @@ mod tests {
             SchedulerConfig { fair_decode_weight: -1.0, ..Default::default() },
             SchedulerConfig { fair_prefill_weight: f64::NAN, ..Default::default() },
             SchedulerConfig { priority_aging_steps: 3, ..Default::default() },
+            SchedulerConfig { preemption_mode: PreemptionMode::Swap, ..Default::default() },
+            SchedulerConfig { preemption_mode: PreemptionMode::Auto, ..Default::default() },
+            SchedulerConfig { num_cpu_blocks: MAX_NUM_BLOCKS + 1, ..Default::default() },
+            SchedulerConfig { recompute_cost_per_token: -1.0, ..Default::default() },
+            SchedulerConfig { swap_cost_per_block: f64::NAN, ..Default::default() },
         ];
         for cfg in bad {
             assert!(matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))), "{cfg:?}");
@@ -322,5 +400,7 @@ mod tests {
         assert!(Policy::parse("lifo").is_err());
         assert_eq!(HashAlgo::parse("sha256"), Ok(HashAlgo::Sha256));
         assert!(HashAlgo::parse("md5").is_err());
+        assert_eq!(PreemptionMode::parse("auto"), Ok(PreemptionMode::Auto));
+        assert!(PreemptionMode::parse("discard").is_err());
     }
 }

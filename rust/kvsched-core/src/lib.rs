@@ -37,9 +37,10 @@ pub mod request;
 pub mod scheduler;
 pub mod slab;
 mod step;
+pub mod swap;
 mod update;
 
-pub use config::{HashAlgo, PauseState, Policy, SchedulerConfig};
+pub use config::{HashAlgo, PauseState, Policy, PreemptionMode, SchedulerConfig};
 pub use error::{Result, SchedError};
 pub use fair::{Tenant, DEFAULT_TENANT};
 pub use hashing::BlockHash;

@@ -35,6 +35,10 @@ pub struct SchedulerOutput {
     pub preempted_before_step: Vec<Arc<str>>,
     /// Ids of requests finished (any reason) since the previous step.
     pub finished_req_ids: Vec<Arc<str>>,
+    /// Copies the runner makes before this step's forward pass, first all of `swap_out` (GPU block, CPU
+    /// block), then all of `swap_in` (CPU block, GPU block): flattened pairs.
+    pub swap_out: Vec<i32>,
+    pub swap_in: Vec<i32>,
 }
 
 impl SchedulerOutput {
@@ -101,4 +105,12 @@ pub struct SchedulerStats {
     pub num_preemptions: u64,
     pub num_finished_reqs: u64,
     pub step_id: u64,
+    pub num_swapped_out_reqs: u64,
+    pub num_swapped_out_blocks: u64,
+    pub num_swapped_in_reqs: u64,
+    pub num_swapped_in_blocks: u64,
+    pub num_swap_fallbacks: u64,
+    pub num_recomputed_tokens: u64,
+    pub num_free_cpu_blocks: usize,
+    pub cpu_kv_cache_usage: f64,
 }

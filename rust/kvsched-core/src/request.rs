@@ -133,6 +133,14 @@ pub struct Request {
     pub deferred: bool,
     /// `set_ready` was called while the request waited for its grammar.
     pub grammar_ready: bool,
+    // --- preemption by swapping (`swap.rs`)
+    /// CPU blocks holding the KV of a swapped-out request (empty unless swapped).
+    pub cpu_blocks: Vec<u32>,
+    /// Tokens whose KV the CPU blocks hold (0 unless swapped).
+    pub num_swapped_tokens: u32,
+    /// Tokens computed when the request was last preempted and not yet recovered: what resuming it must
+    /// compute again unless prefix hits or a swap-in restore them (the recomputed-tokens stat).
+    pub num_lost_tokens: u32,
 }
 
 impl Request {

@@ -20,6 +20,7 @@ use crate::output::{SchedulerStats, StepRecord};
 use crate::queue::{effective_priority, PriorityKey, WaitingQueue};
 use crate::request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus, NO_EOS};
 use crate::slab::Slab;
+use crate::swap::CpuBlockPool;
 
 static NEXT_SCHEDULER_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -34,6 +35,16 @@ pub(crate) struct Counters {
     pub prefix_cache_preempted_hits: u64,
     pub num_preemptions: u64,
     pub num_finished_reqs: u64,
+    /// Preemption by swapping (`swap.rs`).
+    pub num_swapped_out_reqs: u64,
+    pub num_swapped_out_blocks: u64,
+    pub num_swapped_in_reqs: u64,
+    pub num_swapped_in_blocks: u64,
+    /// Victims that were to be swapped but were recomputed: the CPU pool could not hold them.
+    pub num_swap_fallbacks: u64,
+    /// Tokens computed before a preemption and lost to it (not restored by prefix hits or a swap-in), counted
+    /// when the request resumes.
+    pub num_recomputed_tokens: u64,
     /// Scheduled requests and tokens of the most recent step (for the invariant check).
     pub last_num_scheduled_reqs: usize,
     pub last_num_scheduled_tokens: u64,
@@ -63,6 +74,11 @@ pub struct Scheduler {
     /// Requests preempted outside `schedule()` (`reset_prefix_cache(reset_running_requests=True)`), reported in
     /// the next output's preempted ids.
     pub(crate) preempted_since_step: Vec<Arc<str>>,
+    /// The CPU swap pool (`swap.rs`; empty under `recompute`).
+    pub(crate) cpu: CpuBlockPool,
+    /// Auto's cost constants now in force (initially from the config; `set_preemption_costs`).
+    pub(crate) recompute_cost_per_token: f64,
+    pub(crate) swap_cost_per_block: f64,
 }
 
 fn bad_request(msg: String) -> SchedError {
@@ -82,6 +98,9 @@ impl Scheduler {
             enable_caching: config.enable_prefix_caching,
         };
         Ok(Scheduler {
+            cpu: CpuBlockPool::new(config.num_cpu_blocks),
+            recompute_cost_per_token: config.recompute_cost_per_token,
+            swap_cost_per_block: config.swap_cost_per_block,
             waiting: WaitingQueue::new(config.policy),
             tenants: Tenants::new(&config),
             config,
@@ -215,6 +234,9 @@ impl Scheduler {
             // vLLM enqueues a request in a blocked status straight into `deferred_waiting`.
             deferred: params.waiting_for_grammar,
             grammar_ready: false,
+            cpu_blocks: Vec::new(),
+            num_swapped_tokens: 0,
+            num_lost_tokens: 0,
         };
         self.num_deferred += usize::from(params.waiting_for_grammar);
         self.kv.extend_hashes(&mut req);
@@ -294,6 +316,7 @@ impl Scheduler {
             self.num_deferred -= 1;
         }
         self.kv.free(req);
+        self.release_cpu_blocks(slot)?;
         let req = self
             .slab
             .remove(slot)
@@ -436,6 +459,14 @@ impl Scheduler {
             num_preemptions: c.num_preemptions,
             num_finished_reqs: c.num_finished_reqs,
             step_id: self.next_step_id,
+            num_swapped_out_reqs: c.num_swapped_out_reqs,
+            num_swapped_out_blocks: c.num_swapped_out_blocks,
+            num_swapped_in_reqs: c.num_swapped_in_reqs,
+            num_swapped_in_blocks: c.num_swapped_in_blocks,
+            num_swap_fallbacks: c.num_swap_fallbacks,
+            num_recomputed_tokens: c.num_recomputed_tokens,
+            num_free_cpu_blocks: self.cpu.num_free_blocks(),
+            cpu_kv_cache_usage: self.cpu.usage(),
         }
     }
 
@@ -530,6 +561,7 @@ impl Scheduler {
             }
         }
         self.kv.pool.check(&held)?;
+        self.check_swap_invariants()?;
         let mut waiting_per_tenant = vec![0u32; self.tenants.len()];
         for h in self.waiting.handles() {
             let t = self.slab.get(h.slot).map_err(|e| e.to_string())?.tenant as usize;

@@ -19,6 +19,7 @@ use crate::error::Result;
 use crate::output::{SchedulerOutput, StepRecord};
 use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::Scheduler;
+use crate::swap::{complete_resume, restored_tokens};
 
 /// The step's output under construction plus what the scheduler records about it.
 struct Builder {
@@ -169,13 +170,15 @@ impl Scheduler {
                 loop {
                     let j = self.pick_victim()?;
                     let victim = self.running.remove(j);
+                    let mut computed_before = None;
                     if let Some(pos) = b.out.handles.iter().position(|h| h.slot == victim) {
+                        computed_before = Some(b.out.num_computed_tokens[pos] as u32);
                         *budget += b.remove(pos);
                     }
                     if j < i {
                         i -= 1;
                     }
-                    preempted.push(self.preempt(victim, false)?);
+                    preempted.push(self.preempt_victim(victim, computed_before, &mut b.out.swap_out)?);
                     if victim == slot {
                         self_preempted = true;
                         break;
@@ -276,15 +279,17 @@ impl Scheduler {
             hits.clear();
             self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
             let num_hit_tokens = hits.len() as u32 * bs;
-            let mut n = req.num_tokens() - num_hit_tokens;
+            // A swapped-out request resumes from its swapped tokens when they reach past the hits.
+            let restored = restored_tokens(req, num_hit_tokens);
+            let mut n = req.num_tokens() - restored;
             // Spec decoding: a request with one token to compute, admitted into a batch of decodes, gets
             // placeholder drafts so that every decode in the batch has the same shape (vLLM 0.33).
             let padded = 1 + lookahead;
             let pad = lookahead > 0
                 && n == 1
                 && !prefill_scheduled
-                && (any_running_scheduled || num_hit_tokens > 0)
-                && num_hit_tokens + padded < max_model_len // room for the token this step samples
+                && (any_running_scheduled || restored > 0)
+                && restored + padded < max_model_len // room for the token this step samples
                 && (threshold == 0 || threshold >= padded);
             if pad {
                 if padded > *budget {
@@ -303,12 +308,23 @@ impl Scheduler {
             if reserve_full_isl && !self.kv.full_sequence_fits(req, &hits, reserved) {
                 break;
             }
+            // `allocate_slots` counts the slots from `computed + hits`: `restored` for a swapped-in request.
+            req.num_computed_tokens = restored - num_hit_tokens;
             if self.kv.allocate_slots(req, n, &hits, lookahead, reserved).is_none() {
+                req.num_computed_tokens = 0;
                 break;
             }
+            complete_resume(
+                &mut self.cpu,
+                &mut self.counters,
+                req,
+                hits.len(),
+                restored,
+                &mut b.out.swap_in,
+            )?;
             let resumed = req.status == RequestStatus::Preempted;
             req.status = RequestStatus::Running;
-            req.num_computed_tokens = num_hit_tokens + n;
+            req.num_computed_tokens = restored + n;
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
             if req.num_cached_tokens < 0 {
                 req.num_cached_tokens = i64::from(num_hit_tokens);
@@ -339,10 +355,10 @@ impl Scheduler {
                 b.out.new_reqs.push(idx);
             }
             let spec = if pad { vec![SPEC_PLACEHOLDER; lookahead as usize] } else { Vec::new() };
-            b.push(req.handle, n, num_hit_tokens, &req.blocks, &spec, req.is_prefill_chunk);
+            b.push(req.handle, n, restored, &req.blocks, &spec, req.is_prefill_chunk);
             self.waiting.pop(&self.tenants);
             self.tenants.on_leave_waiting(req.tenant);
-            self.tenants.charge_prompt(req, num_hit_tokens, n);
+            self.tenants.charge_prompt(req, restored, n);
             self.running.push(h.slot);
             *budget -= n;
         }
@@ -385,6 +401,7 @@ impl Scheduler {
     pub(crate) fn preempt(&mut self, slot: u32, drop_stale_output: bool) -> Result<ReqHandle> {
         let req = self.slab.get_mut(slot)?;
         self.kv.free(req);
+        req.num_lost_tokens = req.num_computed_tokens;
         req.num_computed_tokens = 0;
         req.spec_token_ids.clear();
         req.status = RequestStatus::Preempted;

@@ -4,8 +4,8 @@
 use proptest::prelude::*;
 
 use crate::{
-    FinishReason, PauseState, Policy, Ragged, RequestParams, RequestStatus, SchedError, Scheduler,
-    SchedulerConfig, SchedulerOutput, UpdateResult,
+    FinishReason, PauseState, Policy, PreemptionMode, Ragged, RequestParams, RequestStatus, SchedError,
+    Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult,
 };
 
 fn cfg(block_size: u32, num_blocks: u32) -> SchedulerConfig {
@@ -542,10 +542,27 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
         0u8..6,
         prop_oneof![Just(0u32), Just(2)],
         any::<bool>(),
-        (any::<bool>(), prop_oneof![Just(0u32), Just(1), Just(2)], prop_oneof![Just(0.0f64), Just(0.2)]),
+        (
+            any::<bool>(),
+            prop_oneof![Just(0u32), Just(1), Just(2)],
+            prop_oneof![Just(0.0f64), Just(0.2)],
+            (0u8..3, prop_oneof![Just(1u32), Just(4), Just(64)], prop_oneof![Just(0.5f64), Just(4.0)]),
+        ),
     )
         .prop_map(
-            |(bs, nb, seqs, budget, caching, chunked, thr, mode, la, full_isl, (asy, loras, wm))| {
+            |(
+                bs,
+                nb,
+                seqs,
+                budget,
+                caching,
+                chunked,
+                thr,
+                mode,
+                la,
+                full_isl,
+                (asy, loras, wm, (pm, cpu, cost)),
+            )| {
                 let max_model_len = ((nb - 1) * bs).min(200);
                 SchedulerConfig {
                     block_size: bs,
@@ -575,6 +592,10 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                     async_scheduling: asy,
                     max_loras: loras,
                     watermark: wm,
+                    preemption_mode: [PreemptionMode::Recompute, PreemptionMode::Swap, PreemptionMode::Auto]
+                        [pm as usize],
+                    num_cpu_blocks: cpu,
+                    swap_cost_per_block: cost,
                     ..Default::default()
                 }
             },
@@ -698,6 +719,89 @@ proptest! {
             prop_assert!(guard < 20_000, "scheduler made no progress");
         }
         prop_assert_eq!(s.num_free_blocks(), config.num_blocks as usize - 1);
+        prop_assert_eq!(s.num_free_cpu_blocks(), config.num_cpu_blocks as usize);
         prop_assert_eq!(s.stats().num_finished_reqs, added);
     }
+}
+
+fn one_token_each(s: &mut Scheduler, out: &SchedulerOutput, token: i64) -> UpdateResult {
+    let values = vec![token; out.handles.len()];
+    let indptr: Vec<i64> = (0..=out.handles.len() as i64).collect();
+    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, None)
+        .unwrap()
+}
+
+#[test]
+fn swap_mode_copies_a_victim_out_and_back_instead_of_recomputing() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        preemption_mode: PreemptionMode::Swap,
+        num_cpu_blocks: 8,
+        enable_prefix_caching: false,
+        ..cfg(4, 6) // 5 usable blocks
+    })
+    .unwrap();
+    let p = |t: i64| RequestParams { max_tokens: Some(2), arrival_time: t as f64, ..Default::default() };
+    s.add_request("a", &[1; 8], p(0)).unwrap();
+    s.add_request("b", &[2; 8], p(1)).unwrap();
+    let out = s.schedule().unwrap(); // a: 2 blocks, b: 2 blocks
+    let b_blocks = s.get_request("b").unwrap().blocks.clone();
+    one_token_each(&mut s, &out, 5);
+    let out = s.schedule().unwrap(); // a takes the last free block; b (the tail) must go
+    assert_eq!(out.preempted.len(), 1);
+    assert_eq!(out.swap_out, vec![b_blocks[0] as i32, 0, b_blocks[1] as i32, 1]);
+    assert!(out.swap_in.is_empty());
+    assert_eq!(s.get_cpu_block_ids("b").unwrap(), &[0, 1]);
+    assert_eq!(s.get_request("b").unwrap().status, RequestStatus::Preempted);
+    s.check_invariants().unwrap();
+    one_token_each(&mut s, &out, 5); // a reaches max_tokens and finishes
+    let out = s.schedule().unwrap();
+    assert_eq!(out.resumed_reqs, vec![0]);
+    let b = s.get_request("b").unwrap();
+    assert_eq!((out.num_computed_tokens[0], out.num_scheduled_tokens[0]), (8, 1));
+    assert_eq!(out.swap_in, vec![0, b.blocks[0] as i32, 1, b.blocks[1] as i32]);
+    assert!(b.cpu_blocks.is_empty());
+    let st = s.stats();
+    assert_eq!((st.num_swapped_out_reqs, st.num_swapped_out_blocks), (1, 2));
+    assert_eq!((st.num_swapped_in_reqs, st.num_swapped_in_blocks), (1, 2));
+    assert_eq!((st.num_recomputed_tokens, st.num_free_cpu_blocks), (0, 8));
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_full_cpu_pool_falls_back_to_recompute_and_abort_frees_cpu_blocks() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        preemption_mode: PreemptionMode::Swap,
+        num_cpu_blocks: 1,
+        enable_prefix_caching: false,
+        ..cfg(4, 6)
+    })
+    .unwrap();
+    let p = |t: i64| RequestParams { max_tokens: Some(2), arrival_time: t as f64, ..Default::default() };
+    s.add_request("a", &[1; 8], p(0)).unwrap();
+    s.add_request("b", &[2; 8], p(1)).unwrap();
+    let out = s.schedule().unwrap();
+    one_token_each(&mut s, &out, 5);
+    let out = s.schedule().unwrap(); // b needs 2 CPU blocks, the pool has 1: recomputed
+    assert_eq!(out.preempted.len(), 1);
+    assert!(out.swap_out.is_empty());
+    let st = s.stats();
+    assert_eq!((st.num_swap_fallbacks, st.num_swapped_out_reqs), (1, 0));
+    s.check_invariants().unwrap();
+
+    let mut s = Scheduler::new(SchedulerConfig {
+        preemption_mode: PreemptionMode::Swap,
+        num_cpu_blocks: 4,
+        enable_prefix_caching: false,
+        ..cfg(4, 6)
+    })
+    .unwrap();
+    s.add_request("a", &[1; 8], p(0)).unwrap();
+    s.add_request("b", &[2; 8], p(1)).unwrap();
+    let out = s.schedule().unwrap();
+    one_token_each(&mut s, &out, 5);
+    s.schedule().unwrap();
+    assert_eq!(s.num_free_cpu_blocks(), 2);
+    s.abort_requests(&["b"]).unwrap();
+    assert_eq!(s.num_free_cpu_blocks(), 4);
+    s.check_invariants().unwrap();
 }

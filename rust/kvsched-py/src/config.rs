@@ -47,6 +47,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
     }
     let policy = core::Policy::parse(&str_field("policy")?).map_err(|e| map_err(py, e))?;
     let algo = core::HashAlgo::parse(&str_field("prefix_hash_algo")?).map_err(|e| map_err(py, e))?;
+    let preemption_mode =
+        core::PreemptionMode::parse(&str_field("preemption_mode")?).map_err(|e| map_err(py, e))?;
     Ok(core::SchedulerConfig {
         block_size: u32_field("block_size")?,
         num_blocks: u32_field("num_blocks")?,
@@ -70,5 +72,9 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         async_scheduling: bool_field("async_scheduling")?,
         max_loras: u32_field("max_loras")?,
         watermark: f64_field("watermark")?,
+        preemption_mode,
+        num_cpu_blocks: u32_field("num_cpu_blocks")?,
+        recompute_cost_per_token: f64_field("recompute_cost_per_token")?,
+        swap_cost_per_block: f64_field("swap_cost_per_block")?,
     })
 }

@@ -31,6 +31,20 @@ pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, name: &str, range_class: &str) -> 
     }
 }
 
+/// A float argument (a Python float or int, not bool). An int beyond the float range becomes infinity, which
+/// the core's range check refuses with a clear message.
+pub(crate) fn float_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
+    let py = obj.py();
+    if obj.is_instance_of::<PyBool>() {
+        return Err(type_error(py, format!("{name} must be a float, got bool")));
+    }
+    match obj.extract::<f64>() {
+        Ok(v) => Ok(v),
+        Err(_) if obj.is_instance_of::<PyInt>() => Ok(f64::INFINITY),
+        Err(_) => Err(type_error(py, format!("{name} must be a float, got {}", type_name(obj)))),
+    }
+}
+
 pub(crate) fn opt_int_arg(
     obj: Option<&Bound<'_, PyAny>>,
     name: &str,

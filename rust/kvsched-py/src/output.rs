@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 
@@ -70,7 +70,17 @@ pub(crate) struct PySchedulerOutput {
     pub(crate) new_block_ids_indptr: LazyArray<i32>,
     pub(crate) spec_token_ids: LazyArray<i32>,
     pub(crate) spec_token_ids_indptr: LazyArray<i32>,
+    /// Flattened (GPU block, CPU block) and (CPU block, GPU block) pairs, shown as `(m, 2)` int32 arrays.
+    pub(crate) swap_out: LazyArray<i32>,
+    pub(crate) swap_in: LazyArray<i32>,
     pub(crate) req_ids_cache: Option<Py<PyList>>,
+}
+
+/// A flattened pair list as an `(m, 2)` int32 array (a view of the moved vector, no copy).
+fn pairs<'py>(py: Python<'py>, flat: &mut LazyArray<i32>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    let a = flat.get(py);
+    let m = a.len() / 2;
+    a.reshape([m, 2])
 }
 
 #[pymethods]
@@ -114,6 +124,18 @@ impl PySchedulerOutput {
     #[getter]
     fn spec_token_ids_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
         self.spec_token_ids_indptr.get(py)
+    }
+
+    /// `(m, 2)` int32: (GPU block, CPU block) copies to make before this step's forward pass.
+    #[getter]
+    fn swap_out<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        pairs(py, &mut self.swap_out)
+    }
+
+    /// `(m, 2)` int32: (CPU block, GPU block) copies to make after `swap_out`, before the forward pass.
+    #[getter]
+    fn swap_in<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        pairs(py, &mut self.swap_in)
     }
 
     #[getter]

@@ -14,7 +14,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::config::config_from_py;
-use crate::convert::{id_arg, opt_int_arg, opt_str_arg, str_arg, token_list, type_name, RaggedInput};
+use crate::convert::{
+    float_arg, id_arg, opt_int_arg, opt_str_arg, str_arg, token_list, type_name, RaggedInput,
+};
 use crate::errors::{guard, py_error, type_error};
 use crate::output::{LazyArray, PyModelInputs, PySchedulerOutput, PyUpdateResult, SharedIds};
 
@@ -238,6 +240,8 @@ impl PyScheduler {
             new_block_ids_indptr: LazyArray::Raw(out.new_block_ids_indptr),
             spec_token_ids: LazyArray::Raw(out.spec_token_ids),
             spec_token_ids_indptr: LazyArray::Raw(out.spec_token_ids_indptr),
+            swap_out: LazyArray::Raw(out.swap_out),
+            swap_in: LazyArray::Raw(out.swap_in),
             req_ids_cache: None,
         })
     }
@@ -470,6 +474,14 @@ impl PyScheduler {
         d.set_item("num_preemptions", s.num_preemptions)?;
         d.set_item("num_finished_reqs", s.num_finished_reqs)?;
         d.set_item("step_id", s.step_id)?;
+        d.set_item("num_swapped_out_reqs", s.num_swapped_out_reqs)?;
+        d.set_item("num_swapped_out_blocks", s.num_swapped_out_blocks)?;
+        d.set_item("num_swapped_in_reqs", s.num_swapped_in_reqs)?;
+        d.set_item("num_swapped_in_blocks", s.num_swapped_in_blocks)?;
+        d.set_item("num_swap_fallbacks", s.num_swap_fallbacks)?;
+        d.set_item("num_recomputed_tokens", s.num_recomputed_tokens)?;
+        d.set_item("num_free_cpu_blocks", s.num_free_cpu_blocks)?;
+        d.set_item("cpu_kv_cache_usage", s.cpu_kv_cache_usage)?;
         Ok(d)
     }
 
@@ -536,6 +548,38 @@ impl PyScheduler {
     fn waiting_req_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<String>> {
         let this = borrow(slf)?;
         Ok(this.core.waiting_req_ids().iter().map(|s| s.to_string()).collect())
+    }
+
+    /// Sets the auto preemption mode's cost constants from now on. On error nothing changes.
+    fn set_preemption_costs(
+        slf: &Bound<'_, Self>,
+        recompute_cost_per_token: &Bound<'_, PyAny>,
+        swap_cost_per_block: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let recompute = float_arg(recompute_cost_per_token, "recompute_cost_per_token")?;
+        let swap = float_arg(swap_cost_per_block, "swap_cost_per_block")?;
+        let mut this = borrow_mut(slf)?;
+        guard(slf.py(), || this.core.set_preemption_costs(recompute, swap))
+    }
+
+    /// `(recompute_cost_per_token, swap_cost_per_block)` now in force.
+    #[getter]
+    fn preemption_costs(slf: &Bound<'_, Self>) -> PyResult<(f64, f64)> {
+        Ok(borrow(slf)?.core.preemption_costs())
+    }
+
+    /// CPU blocks holding a swapped-out request's KV (empty unless it is swapped out).
+    fn get_cpu_block_ids<'py>(
+        slf: &Bound<'py, Self>,
+        req_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let py = slf.py();
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        let blocks = guard(py, || {
+            Ok(this.core.get_cpu_block_ids(&id)?.iter().map(|&b| b as i32).collect::<Vec<i32>>())
+        })?;
+        Ok(blocks.into_pyarray(py))
     }
 
     /// Leading blocks of the request that are entered in the prefix cache.
