@@ -143,6 +143,53 @@ def test_greedy_matches_transformers_under_preemption(tiny_llama: tuple[Path, An
     assert [o.output_token_ids for o in outs] == _hf_greedy(hf, prompts, 12)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+@pytest.mark.parametrize("scheduler_cls", ALL_SCHEDULERS, ids=lambda c: c.__name__)
+def test_greedy_matches_transformers_under_each_preemption_mode(
+    tiny_llama: tuple[Path, Any], scheduler_cls: Any, mode: str
+) -> None:
+    """The same tight pool as above: victims' KV goes to the runner's CPU pool and comes back (swap), or each
+    victim is recomputed or swapped by the cost rule (auto, with constants that favour swapping long private
+    contexts), and the greedy tokens are still transformers' own."""
+    path, hf = tiny_llama
+    prompts = _prompts(1)
+    extra: dict[str, Any] = {}
+    if mode != "recompute":
+        extra = {"num_cpu_blocks": 64}
+    if mode == "auto":
+        extra |= {"recompute_cost_per_token": 1.0, "swap_cost_per_block": 2.0}
+    llm = LLM(
+        path,
+        dtype="float32",
+        device="cpu",
+        block_size=8,
+        num_blocks=16,
+        max_num_batched_tokens=48,
+        scheduler_reserve_full_isl=False,
+        scheduler_cls=scheduler_cls,
+        preemption_mode=mode,
+        **extra,
+    )
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    st = llm.scheduler.stats()
+    assert st.num_preemptions > 0
+    if mode == "recompute":
+        assert st.num_swapped_out_reqs == 0 and st.num_recomputed_tokens > 0
+    else:
+        assert st.num_swapped_out_reqs > 0 and st.num_swapped_in_blocks > 0, st
+        assert st.num_free_cpu_blocks == 64
+    assert [o.output_token_ids for o in outs] == _hf_greedy(hf, prompts, 12)
+
+
+def test_auto_measures_its_cost_constants_at_start_up(tiny_llama: tuple[Path, Any]) -> None:
+    path, _ = tiny_llama
+    llm = LLM(path, dtype="float32", device="cpu", block_size=8, num_blocks=64, preemption_mode="auto",
+              num_cpu_blocks=16, scheduler_cls=SCHEDULER_CLS)  # fmt: skip
+    recompute, swap = llm.scheduler.preemption_costs
+    assert 0 < recompute < 1 and 0 < swap < 1  # seconds per token / per block copied one way
+    assert llm.runner.cpu_pool is not None and llm.runner.cpu_pool.num_blocks == 16
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama-tied"])
 def test_other_model_shapes_match_transformers(tmp_path: Path, kind: str) -> None:
     hf = save_tiny_hf_model(tmp_path, kind)

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -148,6 +148,13 @@ class LLM:
     ``num_blocks=None`` sizes the KV cache from ``gpu_memory_fraction`` on CUDA, and from ``cpu_kv_cache_gib``
     (capped at what ``max_num_seqs`` full-length requests need) on the CPU. ``max_model_len=None`` is the
     model's ``max_position_embeddings`` capped at 8192 and at what the KV cache holds.
+
+    ``preemption_mode`` is the scheduler's (``"recompute"``, ``"swap"`` or ``"auto"``). With swap or auto the
+    runner keeps a CPU KV pool of ``swap_space_gib`` GiB (pinned on CUDA; ``num_cpu_blocks=`` gives its size in
+    blocks instead); this is not ``cpu_kv_cache_gib``, the KV cache of a model that runs on the CPU. Under auto
+    the engine measures the scheduler's two cost constants at start-up (``ModelRunner.measure_preemption_costs``:
+    seconds per token of a timed 256-token prefill, seconds per block of a timed copy of 8 blocks out and back)
+    unless both ``recompute_cost_per_token`` and ``swap_cost_per_block`` are given.
     """
 
     def __init__(
@@ -169,6 +176,8 @@ class LLM:
         enable_cuda_graphs: bool = False,
         scheduler_cls: Any = None,
         seed: int | None = None,
+        preemption_mode: Literal["recompute", "swap", "auto"] = "recompute",
+        swap_space_gib: float = 4.0,
         **scheduler_kwargs: Any,
     ) -> None:
         import torch
@@ -204,6 +213,9 @@ class LLM:
         if max_model_len is None:
             # Unless asked for, no request may be longer than the whole KV cache holds.
             max_len = min(max_len, (num_blocks - 1) * block_size)
+        num_cpu_blocks = int(scheduler_kwargs.pop("num_cpu_blocks", 0))
+        if preemption_mode != "recompute" and num_cpu_blocks == 0:
+            num_cpu_blocks = _num_cpu_blocks(config, torch_dtype, block_size, swap_space_gib)
         sched_config = SchedulerConfig(
             block_size=block_size,
             num_blocks=num_blocks,
@@ -212,6 +224,8 @@ class LLM:
             max_model_len=max_len,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
+            preemption_mode=preemption_mode,
+            num_cpu_blocks=num_cpu_blocks,
             **scheduler_kwargs,
         )
         if scheduler_cls is None:
@@ -228,7 +242,11 @@ class LLM:
             attention_backend=attention_backend,
             cuda_graph_max_batch_size=min(max_num_seqs, 512) if enable_cuda_graphs else 0,
             max_model_len=max_len,
+            num_cpu_blocks=num_cpu_blocks,
         )
+        given = {"recompute_cost_per_token", "swap_cost_per_block"} <= scheduler_kwargs.keys()
+        if preemption_mode == "auto" and not given:
+            self.scheduler.set_preemption_costs(*self.runner.measure_preemption_costs())
         self.device = dev
         self.dtype = torch_dtype
         self._requests: dict[str, RequestOutput] = {}
@@ -426,6 +444,22 @@ def _default_num_blocks(
     per_block = kv_cache_bytes_per_block(config.num_hidden_layers, dtype=dtype, **kv)
     needed = max_num_seqs * -(-max_model_len // block_size) + 1
     return max(2, min(needed, int(cpu_kv_cache_gib * 2**30) // per_block))
+
+
+def _num_cpu_blocks(config: ModelConfig, dtype: Any, block_size: int, swap_space_gib: float) -> int:
+    """CPU swap-pool blocks that fit in ``swap_space_gib`` (at least 1)."""
+    from .runner.attention import kv_cache_bytes_per_block
+
+    if not (math.isfinite(swap_space_gib) and swap_space_gib > 0):
+        raise ValueError(f"swap_space_gib must be a finite number > 0, got {swap_space_gib}")
+    per_block = kv_cache_bytes_per_block(
+        config.num_hidden_layers,
+        block_size=block_size,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+    )
+    return max(1, int(swap_space_gib * 2**30) // per_block)
 
 
 def _activation_reserve_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype: Any) -> int:

@@ -21,6 +21,7 @@ from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
 from .model import LlamaForCausalLM
 from .sampler import sample
+from .swap import CpuKvPool
 
 __all__ = ["ModelRunner"]
 
@@ -145,6 +146,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         cuda_graph_max_batch_size: int = 0,
         max_model_len: int | None = None,
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.model = model
         self.config: ModelConfig = model.config
@@ -162,6 +164,8 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
+        # The CPU swap pool (preemption by swapping; ``kvsched.runner.swap``), when the scheduler has one.
+        self.cpu_pool = CpuKvPool(self.kv_caches, num_cpu_blocks) if num_cpu_blocks > 0 else None
         self._requests = _RequestTable()
         # Decode-only steps replay CUDA graphs when enabled (CUDA + Triton backend only).
         self.decode_graphs: DecodeGraphs | None = None
@@ -218,6 +222,7 @@ class ModelRunner:
         """Run one scheduled step; returns the sampled tokens as ragged ``(values, indptr)``, int32."""
         t0 = time.perf_counter()
         self.remove_requests(out.finished_req_ids)
+        self._swap(out)
         n = int(inputs.num_reqs)
         if n == 0:
             self.last_prep_s, self.last_model_s = time.perf_counter() - t0, 0.0
@@ -273,6 +278,81 @@ class ModelRunner:
         indptr = np.zeros(n + 1, np.int32)
         np.cumsum(has_token, out=indptr[1:])
         return tokens.astype(np.int32), indptr
+
+    def _swap(self, out: Any) -> None:
+        """The step's block copies, before its forward pass: every ``swap_out``, then every ``swap_in``."""
+        swap_out = getattr(out, "swap_out", None)
+        swap_in = getattr(out, "swap_in", None)
+        if (swap_out is None or not len(swap_out)) and (swap_in is None or not len(swap_in)):
+            return
+        if self.cpu_pool is None:
+            raise ValueError("the step swaps KV blocks but this runner has no CPU pool (num_cpu_blocks=0)")
+        self.cpu_pool.execute(swap_out, swap_in)
+
+    @torch.inference_mode()
+    def measure_preemption_costs(
+        self, num_tokens: int = 256, num_blocks: int = 8, repeats: int = 3
+    ) -> tuple[float, float]:
+        """Seconds per token of a prefill (a timed forward pass of ``num_tokens`` tokens of one sequence) and
+        seconds per block copied one way (a timed swap-out plus swap-in of ``num_blocks`` blocks, divided by
+        twice their number): the scheduler's ``recompute_cost_per_token`` and ``swap_cost_per_block``. Best of
+        ``repeats`` after one warm-up each. Call it before serving: it writes garbage KV into the first
+        blocks of both pools (no request holds them yet)."""
+        bs = self.block_size
+        num_tokens = max(1, min(num_tokens, (self.num_blocks - 1) * bs))
+        k = -(-num_tokens // bs)
+        pos = np.arange(num_tokens, dtype=np.int64)
+        slots = (1 + pos // bs) * bs + pos % bs
+        dev = self.device
+        qsl = np.array([0, num_tokens], np.int32)
+        seq = np.array([num_tokens], np.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.from_numpy(seq).to(dev),
+            block_table=torch.arange(1, k + 1, dtype=torch.int32, device=dev).view(1, k),
+            num_reqs=1,
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            block_size=bs,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int32, device=dev)
+        positions = torch.from_numpy(pos).to(dev)
+
+        def prefill() -> None:
+            self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+
+        per_token = self._best_time(prefill, repeats) / num_tokens
+        per_block = 0.0
+        pool = self.cpu_pool
+        if pool is not None:
+            m = max(1, min(num_blocks, pool.num_blocks, self.num_blocks - 1))
+            ids = np.arange(m, dtype=np.int32)
+            out_pairs = np.stack([ids + 1, ids], axis=1)
+            in_pairs = np.stack([ids, ids + 1], axis=1)
+
+            def copy() -> None:
+                pool.execute(out_pairs, None)
+                pool.execute(None, in_pairs)
+
+            per_block = self._best_time(copy, repeats) / (2 * m)
+        return per_token, per_block
+
+    def _best_time(self, fn: Any, repeats: int) -> float:
+        sync = self.device.type == "cuda"
+        best = float("inf")
+        for i in range(repeats + 1):
+            if sync:
+                torch.cuda.synchronize(self.device)
+            t = time.perf_counter()
+            fn()
+            if sync:
+                torch.cuda.synchronize(self.device)
+            if i > 0:  # the first run warms up
+                best = min(best, time.perf_counter() - t)
+        return best
 
     def _sample(self, logits: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
         table = self._requests
