@@ -375,12 +375,15 @@ def ragged(entries: list[list[int]] | None, as_arrays: bool) -> Any:
 def configs(draw: Any) -> SchedulerConfig:
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 16, 64]))
     num_blocks = draw(st.one_of(st.integers(2, 24), st.integers(25, 400)))
-    # The pool must hold one request of max_model_len (a SchedulerConfig rule).
-    max_model_len = max(2, min(draw(st.integers(8, 96)), (num_blocks - 1) * block_size))
-    num_blocks = max(num_blocks, -(-max_model_len // block_size) + 1)
+    # Mostly a pool that holds one request of max_model_len; sometimes a smaller one (add_request then refuses
+    # the requests that could never fit, both sides the same way).
+    max_model_len = max(2, draw(st.integers(8, 96)))
+    if draw(st.integers(0, 3)) != 0:
+        max_model_len = max(2, min(max_model_len, (num_blocks - 1) * block_size))
+        num_blocks = max(num_blocks, -(-max_model_len // block_size) + 1)
     chunked = draw(st.booleans()) if draw(st.integers(0, 3)) == 0 else True
     budget = draw(st.integers(1, 96))
-    if not chunked:
+    if not chunked and draw(st.integers(0, 2)) != 0:
         budget = max(budget, max_model_len)
     policy = draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair"]))
     mode = draw(st.sampled_from(["recompute", "recompute", "swap", "auto"]))
@@ -473,11 +476,20 @@ SOAK_CONFIGS = [
                     long_prefill_token_threshold=8),
 ]  # fmt: skip
 
+# A KV cache (40 tokens) below max_model_len, and a budget below it without chunked prefill: add_request refuses
+# the requests that could never fit, the rest run as usual.
+SMALL_CACHE_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=11, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=96,
+                    enable_chunked_prefill=False, num_lookahead_tokens=1, async_scheduling=True),
+    SchedulerConfig(block_size=2, num_blocks=21, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=200,
+                    policy="priority", num_lookahead_tokens=2),
+]  # fmt: skip
 
-def soak(steps: int, seed: int) -> None:
-    for i, cfg in enumerate(SOAK_CONFIGS):
+
+def soak(steps: int, seed: int, configs: list[SchedulerConfig] = SOAK_CONFIGS) -> None:
+    for i, cfg in enumerate(configs):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=2)
-        for _ in range(steps // len(SOAK_CONFIGS)):
+        for _ in range(steps // len(configs)):
             try:
                 twin.step()
             except AssertionError as e:
@@ -492,6 +504,10 @@ def soak(steps: int, seed: int) -> None:
 
 def test_soak_short_matches_reference_step_by_step() -> None:
     soak(steps=3000, seed=1234)
+
+
+def test_soak_small_kv_cache_matches_reference_step_by_step() -> None:
+    soak(steps=800, seed=4321, configs=SMALL_CACHE_CONFIGS)
 
 
 @pytest.mark.slow

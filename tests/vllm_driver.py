@@ -128,7 +128,9 @@ def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Co
     budget = rng.choice([32, 64, 128, 256]) if chunked else max_model_len + rng.choice([0, 64])
     return Config(
         block_size=block_size,
-        num_blocks=min_blocks + rng.choice([0, 4, 16, 64]),
+        # Sometimes a KV cache below one max_model_len request (vLLM's scheduler accepts it; requests are drawn
+        # to fit it, as kvsched refuses those that could never fit).
+        num_blocks=min_blocks + rng.choice([0, 4, 16, 64]) if rng.random() < 0.8 else max(3, min_blocks // 2),
         max_num_seqs=rng.choice([2, 4, 8, 16]),
         max_num_batched_tokens=max(budget, 1),
         max_model_len=max_model_len,
@@ -175,6 +177,10 @@ class Pair:
         prompt += [rng.randrange(3, 500) for _ in range(rng.randrange(1, 80))]
         prompt = prompt[: rng.randrange(1, room)] if len(prompt) >= room else prompt
         max_tokens = rng.randrange(1, 40)
+        # A KV cache smaller than max_model_len: only requests that fit it (prompt + max_tokens - 1 tokens).
+        capacity = (cfg.num_blocks - 1) * cfg.block_size
+        prompt = prompt[:capacity]
+        max_tokens = max(1, min(max_tokens, capacity + 1 - len(prompt)))
         kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
             "min_tokens": rng.choice([0, 0, 0, min(3, max_tokens)]),

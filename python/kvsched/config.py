@@ -145,18 +145,6 @@ class SchedulerConfig:
         seed = self.prefix_hash_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
             raise InvalidConfigError(f"prefix_hash_seed must be None, an int, a str or bytes, got {seed!r}")
-        if (self.num_blocks - 1) * self.block_size < self.max_model_len:
-            raise InvalidConfigError(
-                f"the KV cache ({self.num_blocks - 1} usable blocks of {self.block_size} tokens) cannot hold one "
-                f"request of max_model_len={self.max_model_len} tokens; such a request could never finish. "
-                "Raise num_blocks or lower max_model_len"
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise InvalidConfigError(
-                "with enable_chunked_prefill=False, max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}), "
-                "or a long prompt could never be scheduled"
-            )
         self._check_policy_fields()
 
     def _check_policy_fields(self) -> None:
@@ -208,6 +196,17 @@ class SchedulerConfig:
     def num_usable_blocks(self) -> int:
         """Blocks that requests can hold (block 0 is the reserved null block)."""
         return self.num_blocks - 1
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds. It may be below ``max_model_len`` (vLLM's scheduler allows it):
+        ``add_request`` then refuses each request that could never fit (docs/semantics.md)."""
+        return self.num_usable_blocks * self.block_size
+
+    @property
+    def max_slots_per_request(self) -> int:
+        """The most KV slots one request may hold: ``min(max_model_len, kv_capacity_tokens)``."""
+        return min(self.max_model_len, self.kv_capacity_tokens)
 
     def max_blocks_per_request(self) -> int:
         return math.ceil(self.max_model_len / self.block_size)

@@ -635,9 +635,9 @@ class ReferenceScheduler:
         r.num_cached_blocks = 0
 
     def _full_sequence_fits(self, r: _Request, hits: list[int], reserved: int) -> bool:
-        """Could the free blocks hold all of ``r``'s tokens (capped at max_model_len) beyond its hits, and still
+        """Could the free blocks hold all of ``r``'s tokens (capped at max_slots_per_request) beyond its hits, and still
         leave ``reserved`` (the watermark) free?"""
-        full = min(r.num_tokens, self._config.max_model_len)
+        full = min(r.num_tokens, self._config.max_slots_per_request)
         need = max(0, math.ceil(full / self._bs) - len(r.block_ids) - len(hits))
         evictable_hits = sum(1 for b in hits if self._ref_cnt[b] == 0)
         return need + evictable_hits + reserved <= len(self._free)
@@ -660,7 +660,7 @@ class ReferenceScheduler:
         blocks, or None (nothing changed)."""
         c, bs = self._config, self._bs
         total_computed = r.num_computed_tokens + len(hits) * bs
-        num_slots = min(total_computed + n + lookahead, c.max_model_len)
+        num_slots = min(total_computed + n + lookahead, c.max_slots_per_request)
         need = max(0, math.ceil(num_slots / bs) - len(r.block_ids) - len(hits))
         evictable_hits = sum(1 for b in hits if self._ref_cnt[b] == 0)
         if need + evictable_hits + reserved > len(self._free):
@@ -749,6 +749,19 @@ class ReferenceScheduler:
         ready = True if ready is None else ready
         if not isinstance(ready, bool):
             raise SchedulerTypeError(f"ready must be a bool, got {type(ready).__name__}")
+        # The most KV slots it ever holds (all its tokens but the last sampled one) must fit the whole cache, and,
+        # without chunked prefill, one step's budget (a preempted request recomputes them in one step).
+        longest = len(prompt) + effective_max - 1
+        if longest > c.kv_capacity_tokens:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)}) + max_tokens ({effective_max}) - 1 = {longest} tokens do not fit the KV "
+                f"cache ({c.num_usable_blocks} usable blocks of {c.block_size} tokens = {c.kv_capacity_tokens})"
+            )
+        if not c.enable_chunked_prefill and longest > c.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)}) + max_tokens ({effective_max}) - 1 = {longest} tokens exceed "
+                f"max_num_batched_tokens={c.max_num_batched_tokens} without chunked prefill"
+            )
 
         r = _Request(
             req_id,
@@ -1009,6 +1022,7 @@ class ReferenceScheduler:
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, c.max_model_len - 1 - r.num_computed_tokens)
+            n = min(n, c.max_slots_per_request - r.num_computed_tokens)  # a KV cache below max_model_len
             if n <= 0:
                 i += 1
                 continue
@@ -1124,6 +1138,7 @@ class ReferenceScheduler:
                 and not prefill_scheduled
                 and (any_running_scheduled or restored > 0)
                 and restored + 1 + look + 1 <= c.max_model_len
+                and restored + 1 + look <= c.max_slots_per_request
                 and (threshold == 0 or threshold >= 1 + look)
             )
             if pad:

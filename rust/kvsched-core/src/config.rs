@@ -1,6 +1,6 @@
 //! Scheduler configuration and its validation. Field names and defaults follow vLLM's `SchedulerConfig` and
-//! `CacheConfig`. A config that passes `validate()` can never make the scheduler divide by zero, overflow an
-//! int32 slot id, or hold a prompt that could never be scheduled.
+//! `CacheConfig`. A config that passes `validate()` can never make the scheduler divide by zero or overflow an
+//! int32 slot id; requests that could never be scheduled under it are refused by `add_request`.
 
 use crate::error::{Result, SchedError};
 
@@ -228,22 +228,6 @@ impl SchedulerConfig {
                 self.watermark
             )));
         }
-        if u64::from(self.num_blocks - 1) * u64::from(self.block_size) < u64::from(self.max_model_len) {
-            return Err(SchedError::InvalidConfig(format!(
-                "the KV cache ({} usable blocks of {} tokens) cannot hold one request of max_model_len={} \
-                 tokens; such a request could never finish. Raise num_blocks or lower max_model_len",
-                self.num_blocks - 1,
-                self.block_size,
-                self.max_model_len
-            )));
-        }
-        if !self.enable_chunked_prefill && self.max_num_batched_tokens < self.max_model_len {
-            return Err(SchedError::InvalidConfig(format!(
-                "with enable_chunked_prefill=False, max_num_batched_tokens ({}) must be >= max_model_len ({}), \
-                 or a long prompt could never be scheduled",
-                self.max_num_batched_tokens, self.max_model_len
-            )));
-        }
         self.validate_policy_fields()
     }
 
@@ -304,6 +288,20 @@ impl SchedulerConfig {
         self.num_blocks - 1
     }
 
+    /// Tokens the whole KV cache holds (`(num_blocks - 1) * block_size`; fits in u32: `validate` bounds
+    /// `num_blocks * block_size` by i32::MAX). The cache may be smaller than one `max_model_len` request, as
+    /// vLLM's scheduler allows: `add_request` then refuses each request that could never fit (see
+    /// `Scheduler::add_request`).
+    pub fn kv_capacity_tokens(&self) -> u32 {
+        self.num_usable_blocks() * self.block_size
+    }
+
+    /// The most KV slots a request may ever hold: its positions stop at `max_model_len` and the cache holds
+    /// `kv_capacity_tokens`.
+    pub fn max_slots_per_request(&self) -> u32 {
+        self.max_model_len.min(self.kv_capacity_tokens())
+    }
+
     /// Free blocks an admission must leave (vLLM: `int(watermark * num_blocks)`, the null block included).
     pub fn watermark_blocks(&self) -> usize {
         (self.watermark * f64::from(self.num_blocks)) as usize
@@ -356,18 +354,11 @@ mod tests {
             SchedulerConfig { block_size: 0, ..Default::default() },
             SchedulerConfig { block_size: 12, ..Default::default() },
             SchedulerConfig { num_blocks: 1, ..Default::default() },
-            SchedulerConfig { num_blocks: 100, block_size: 16, max_model_len: 1600, ..Default::default() },
             SchedulerConfig { max_num_seqs: 0, ..Default::default() },
             SchedulerConfig { max_model_len: 1, ..Default::default() },
             SchedulerConfig { watermark: 1.0, ..Default::default() },
             SchedulerConfig { watermark: f64::NAN, ..Default::default() },
             SchedulerConfig { num_blocks: u32::MAX / 2, block_size: 1024, ..Default::default() },
-            SchedulerConfig {
-                enable_chunked_prefill: false,
-                max_num_batched_tokens: 100,
-                max_model_len: 200,
-                ..Default::default()
-            },
             SchedulerConfig { cache_aware_admission_threshold: 1.5, ..Default::default() },
             SchedulerConfig { cache_aware_admission_threshold: f64::NAN, ..Default::default() },
             SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Fair, ..Default::default() },
@@ -391,6 +382,25 @@ mod tests {
         for cfg in bad {
             assert!(matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))), "{cfg:?}");
         }
+    }
+
+    #[test]
+    fn accepts_a_cache_or_budget_below_max_model_len() {
+        // vLLM's scheduler accepts both; add_request refuses the requests that could never fit.
+        for cfg in [
+            SchedulerConfig { num_blocks: 100, block_size: 16, max_model_len: 1600, ..Default::default() },
+            SchedulerConfig {
+                enable_chunked_prefill: false,
+                max_num_batched_tokens: 100,
+                max_model_len: 200,
+                ..Default::default()
+            },
+        ] {
+            assert_eq!(cfg.validate(), Ok(()), "{cfg:?}");
+        }
+        let cfg =
+            SchedulerConfig { num_blocks: 11, block_size: 16, max_model_len: 2048, ..Default::default() };
+        assert_eq!((cfg.kv_capacity_tokens(), cfg.max_slots_per_request()), (160, 160));
     }
 
     #[test]

@@ -13,7 +13,8 @@ pub struct KvCacheManager {
     pub block_size: u32,
     /// `log2(block_size)`: block arithmetic on the hot path uses shifts, not divisions.
     pub block_shift: u32,
-    pub max_model_len: u32,
+    /// The most slots one request holds: `min(max_model_len, the cache's capacity in tokens)`.
+    pub max_slots: u32,
     pub enable_caching: bool,
 }
 
@@ -34,12 +35,12 @@ impl KvCacheManager {
     }
 
     /// vLLM's `full_sequence_must_fit` admission gate (`scheduler_reserve_full_isl`): could the pool hold every
-    /// known token of `req` (prompt, plus outputs for a resumed request; capped at `max_model_len`) on top of
+    /// known token of `req` (prompt, plus outputs for a resumed request; capped at `max_slots`) on top of
     /// the prefix hits `hits`? Hits at ref 0 leave the free queue when touched, so they count as needed blocks.
     /// Lookahead slots are not part of this check (the per-step allocation adds them). `reserved` blocks must
     /// stay free (the watermark).
     pub fn full_sequence_fits(&self, req: &Request, hits: &[u32], reserved: usize) -> bool {
-        let full = req.num_tokens().min(self.max_model_len);
+        let full = req.num_tokens().min(self.max_slots);
         let required = ((full + self.block_size - 1) >> self.block_shift) as usize;
         let need = required.saturating_sub(req.blocks.len() + hits.len());
         let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
@@ -71,7 +72,7 @@ impl KvCacheManager {
     ) -> Option<usize> {
         let bs = self.block_size;
         let total_computed = req.num_computed_tokens + hits.len() as u32 * bs;
-        let num_slots = (total_computed + num_new_tokens + num_lookahead_tokens).min(self.max_model_len);
+        let num_slots = (total_computed + num_new_tokens + num_lookahead_tokens).min(self.max_slots);
         let required = ((num_slots + bs - 1) >> self.block_shift) as usize;
         let held = req.blocks.len() + hits.len();
         let need = required.saturating_sub(held);

@@ -94,7 +94,7 @@ impl Scheduler {
             hasher,
             block_size: config.block_size,
             block_shift: config.block_size.trailing_zeros(),
-            max_model_len: config.max_model_len,
+            max_slots: config.max_slots_per_request(),
             enable_caching: config.enable_prefix_caching,
         };
         Ok(Scheduler {
@@ -174,6 +174,28 @@ impl Scheduler {
             Some(m) => m.min(room),
             None => room,
         };
+        // The most KV slots the request ever holds: all its tokens but the last sampled one. It must fit in the
+        // whole cache (alone, it can then always run: nothing livelocks preempting itself) and, without chunked
+        // prefill, in one step's budget (a preempted request recomputes all its tokens in one step). vLLM's
+        // scheduler accepts such requests and never finishes them; kvsched refuses them here.
+        let longest = prompt_len as u64 + u64::from(max_tokens) - 1;
+        let capacity = self.config.kv_capacity_tokens();
+        if longest > u64::from(capacity) {
+            return Err(bad_request(format!(
+                "request {req_id:?}: prompt ({prompt_len}) + max_tokens ({max_tokens}) - 1 = {longest} tokens do \
+                 not fit the KV cache ({} usable blocks of {} tokens = {capacity}); lower max_tokens",
+                self.config.num_usable_blocks(),
+                self.config.block_size
+            )));
+        }
+        let budget = self.config.max_num_batched_tokens;
+        if !self.config.enable_chunked_prefill && longest > u64::from(budget) {
+            return Err(bad_request(format!(
+                "request {req_id:?}: prompt ({prompt_len}) + max_tokens ({max_tokens}) - 1 = {longest} tokens \
+                 exceed max_num_batched_tokens={budget}; without chunked prefill they could not be (re)computed \
+                 in one step. Lower max_tokens or enable chunked prefill"
+            )));
+        }
         if params.min_tokens > max_tokens {
             return Err(bad_request(format!(
                 "request {req_id:?}: min_tokens={} exceeds the effective max_tokens={max_tokens}",

@@ -135,6 +135,7 @@ impl Scheduler {
         prompt_chunks: &mut Vec<(u32, u32, u32)>,
     ) -> Result<bool> {
         let max_model_len = i64::from(self.config.max_model_len);
+        let max_slots = i64::from(self.kv.max_slots);
         let lookahead = self.config.num_lookahead_tokens;
         let mut prefill_scheduled = false;
         let mut i = 0;
@@ -157,6 +158,9 @@ impl Scheduler {
             }
             n = n.min(i64::from(*budget));
             n = n.min(max_model_len - 1 - i64::from(computed));
+            // A KV cache smaller than max_model_len: never past what the request can hold (no effect for a
+            // request without drafts or placeholders: add_request checked that all its tokens fit).
+            n = n.min(max_slots - i64::from(computed));
             if n <= 0 {
                 i += 1;
                 continue;
@@ -290,6 +294,7 @@ impl Scheduler {
                 && !prefill_scheduled
                 && (any_running_scheduled || restored > 0)
                 && restored + padded < max_model_len // room for the token this step samples
+                && restored + padded <= self.kv.max_slots // and in a KV cache below max_model_len
                 && (threshold == 0 || threshold >= padded);
             if pad {
                 if padded > *budget {

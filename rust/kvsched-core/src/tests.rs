@@ -329,6 +329,70 @@ fn stop_conditions_follow_vllm_order() {
 }
 
 #[test]
+fn kv_cache_below_max_model_len_refuses_only_requests_that_cannot_fit() {
+    // vLLM's test_preempt_during_execution: 10 usable blocks of 16 (160 tokens), max_model_len 2048.
+    let c = SchedulerConfig {
+        block_size: 16,
+        num_blocks: 11,
+        max_model_len: 2048,
+        max_num_batched_tokens: 100,
+        enable_prefix_caching: false,
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(c).unwrap();
+    let p: Vec<i64> = (0..80).collect();
+    // 80 + 81 - 1 = 160 tokens fit exactly; one more does not; no max_tokens means up to max_model_len.
+    let params = |m: Option<u32>| RequestParams { max_tokens: m, ..Default::default() };
+    s.add_request("fits", &p, params(Some(81))).unwrap();
+    for (id, m) in [("over", Some(82)), ("unbounded", None)] {
+        let err = s.add_request(id, &p, params(m)).unwrap_err();
+        assert!(
+            matches!(&err, SchedError::InvalidRequest(m) if m.contains("do not fit the KV cache")),
+            "{err:?}"
+        );
+    }
+    assert_eq!(s.slab.len(), 1);
+    // Alone, it runs to its last token: 79 decodes after the prefill, never preempted.
+    let mut steps = 0;
+    while s.has_unfinished_requests() {
+        let out = s.schedule().unwrap();
+        let n = out.handles.len();
+        let values = vec![7i64; n];
+        let indptr: Vec<i64> = (0..=n as i64).collect();
+        s.update_from_output(
+            out.scheduler_id,
+            out.step_id,
+            Ragged { values: &values, indptr: &indptr },
+            None,
+        )
+        .unwrap();
+        steps += 1;
+        assert!(steps < 200);
+    }
+    assert_eq!(s.stats().num_preemptions, 0);
+    assert_eq!(s.num_free_blocks(), 10);
+}
+
+#[test]
+fn budget_below_max_model_len_without_chunking_refuses_only_requests_that_cannot_fit() {
+    let c = SchedulerConfig {
+        max_num_batched_tokens: 64,
+        max_model_len: 256,
+        enable_chunked_prefill: false,
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(c).unwrap();
+    let p: Vec<i64> = (0..40).collect();
+    s.add_request("a", &p, RequestParams { max_tokens: Some(25), ..Default::default() }).unwrap();
+    let err =
+        s.add_request("b", &p, RequestParams { max_tokens: Some(26), ..Default::default() }).unwrap_err();
+    assert!(
+        matches!(&err, SchedError::InvalidRequest(m) if m.contains("max_num_batched_tokens=64")),
+        "{err:?}"
+    );
+}
+
+#[test]
 fn max_model_len_caps_generation() {
     let mut c = cfg(4, 64);
     c.max_model_len = 10;
@@ -546,7 +610,13 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
             any::<bool>(),
             prop_oneof![Just(0u32), Just(1), Just(2)],
             prop_oneof![Just(0.0f64), Just(0.2)],
-            (0u8..3, prop_oneof![Just(1u32), Just(4), Just(64)], prop_oneof![Just(0.5f64), Just(4.0)]),
+            (
+                0u8..3,
+                prop_oneof![Just(1u32), Just(4), Just(64)],
+                prop_oneof![Just(0.5f64), Just(4.0)],
+                // Whether max_model_len may exceed the KV cache and (without chunked prefill) the budget.
+                any::<bool>(),
+            ),
         ),
     )
         .prop_map(
@@ -561,14 +631,14 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 mode,
                 la,
                 full_isl,
-                (asy, loras, wm, (pm, cpu, cost)),
+                (asy, loras, wm, (pm, cpu, cost, big_len)),
             )| {
-                let max_model_len = ((nb - 1) * bs).min(200);
+                let max_model_len = if big_len { 200 } else { ((nb - 1) * bs).min(200) };
                 SchedulerConfig {
                     block_size: bs,
                     num_blocks: nb,
                     max_num_seqs: seqs,
-                    max_num_batched_tokens: if chunked { budget } else { max_model_len },
+                    max_num_batched_tokens: if chunked || big_len { budget } else { max_model_len },
                     max_model_len,
                     enable_prefix_caching: caching,
                     enable_chunked_prefill: chunked,
@@ -656,9 +726,24 @@ proptest! {
                         waiting_for_grammar: len % 5 == 0,
                         ..Default::default()
                     };
-                    s.add_request(&format!("r{next_id}"), &p, params).unwrap();
+                    // A request that could never fit (the cache or, without chunked prefill, the budget below
+                    // its length) is refused, and nothing changes.
+                    let longest = (p.len() as u32 + u32::from(max_tokens).min(config.max_model_len - p.len() as u32)) - 1;
+                    let fits = longest <= config.kv_capacity_tokens()
+                        && (config.enable_chunked_prefill || longest <= config.max_num_batched_tokens);
+                    let before = s.slab.len();
+                    match s.add_request(&format!("r{next_id}"), &p, params) {
+                        Ok(()) => {
+                            prop_assert!(fits);
+                            added += 1;
+                        }
+                        Err(SchedError::InvalidRequest(_)) => {
+                            prop_assert!(!fits);
+                            prop_assert_eq!(s.slab.len(), before);
+                        }
+                        Err(e) => return Err(TestCaseError::fail(format!("{e:?}"))),
+                    }
                     next_id += 1;
-                    added += 1;
                 }
                 Op::Step { eos } => {
                     pending.push(s.schedule().unwrap());
