@@ -11,6 +11,7 @@ a seeded numpy generator (the soak).
 from __future__ import annotations
 
 import math
+import zlib
 from collections import deque
 from typing import Any
 
@@ -85,10 +86,12 @@ def compare_outputs(a: Any, b: Any) -> None:
         assert_arrays_equal(getattr(a, name), getattr(b, name), name)
     assert a.total_num_scheduled_tokens == b.total_num_scheduled_tokens
     assert a.num_scheduled_tokens_by_id() == dict(b.num_scheduled_tokens_by_id())
+    assert a.kv_connector_metadata == b.kv_connector_metadata
 
 
 def compare_results(a: Any, b: Any) -> None:
     assert list(a.finished_req_ids) == list(b.finished_req_ids)
+    assert a.kv_transfer_params == b.kv_transfer_params
     assert_arrays_equal(a.finish_reasons, b.finish_reasons, "finish_reasons")
     assert_arrays_equal(a.stop_reasons, b.stop_reasons, "stop_reasons")
     assert_arrays_equal(a.num_new_tokens, b.num_new_tokens, "num_new_tokens")
@@ -100,15 +103,60 @@ def hash_pattern(hashes: list[list[bytes]]) -> list[list[int]]:
     return [[seen.setdefault(h, len(seen)) for h in row] for row in hashes]
 
 
+class FakeConnector:
+    """A seeded KV connector: its answers are a function of (seed, request, local hit, how often it was asked
+    about the request), so two instances answer two schedulers identically exactly when the schedulers ask the
+    same questions in the same order. It records every call; the twin compares the two records."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.calls: list[tuple[Any, ...]] = []
+        self.asked: dict[str, int] = {}
+
+    def _draw(self, *key: Any) -> np.random.Generator:
+        return np.random.default_rng([self.seed, zlib.crc32(repr(key).encode())])
+
+    def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> tuple[int | None, bool]:
+        k = self.asked[req_id] = self.asked.get(req_id, 0) + 1
+        self.calls.append(("match", req_id, num_computed_tokens))
+        g = self._draw("match", req_id, num_computed_tokens, k)
+        u = g.random()
+        if u < 0.05:
+            return None, False  # cannot tell yet: skipped this step
+        if u < 0.4:
+            return 0, False
+        return int(g.integers(1, 40)), bool(g.random() < 0.6)  # more than the prompt is capped by the core
+
+    def update_state_after_alloc(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        self.calls.append(("alloc", req_id, list(block_ids), num_external_tokens))
+
+    def request_finished(self, req_id: str, block_ids: list[int]) -> bool | tuple[bool, dict[str, Any] | None]:
+        self.calls.append(("finished", req_id, list(block_ids)))
+        g = self._draw("finished", req_id, len(self.calls))
+        u = g.random()
+        if u < 0.3:
+            return True, {"remote": req_id}  # its KV is being sent: free the blocks later
+        return (False, None) if u < 0.6 else False
+
+    def build_connector_meta(self, out: Any) -> tuple[int, int]:
+        self.calls.append(("meta", out.step_id))
+        return out.step_id, len(self.calls)
+
+
 class Twin:
     """The same operations on a ReferenceScheduler and a kvsched.Scheduler, compared after each one."""
 
-    def __init__(self, cfg: SchedulerConfig, rand: Rand, max_in_flight: int = 2) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, rand: Rand, max_in_flight: int = 2, connector_seed: int | None = None
+    ) -> None:
         from kvsched import Scheduler
 
         self.cfg, self.rand, self.max_in_flight = cfg, rand, max_in_flight
-        self.ref = ReferenceScheduler(cfg)
-        self.rs = Scheduler(cfg)
+        self.conn_ref = self.conn_rs = None
+        if connector_seed is not None:
+            self.conn_ref, self.conn_rs = FakeConnector(connector_seed), FakeConnector(connector_seed)
+        self.ref = ReferenceScheduler(cfg, kv_connector=self.conn_ref)
+        self.rs = Scheduler(cfg, kv_connector=self.conn_rs)
         self.prompt_lens: dict[str, int] = {}
         self.pending: deque[tuple[Any, Any, list[int | None]]] = deque()
         self.clock = 0.0
@@ -306,8 +354,49 @@ class Twin:
         self.log.append(f"set_ready({rid!r})")
         call_both(lambda: self.ref.set_ready(rid), lambda: self.rs.set_ready(rid))
 
+    def end_transfers(self) -> None:
+        recv = [i for i, q in self.ref._requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        recv = [i for i in recv if not self.ref._requests[i].kv_load_done]
+        recv += [h for h, v in self.ref._held.items() if v[1]]
+        send = [h for h, v in self.ref._held.items() if v[2]]
+        assert self.ref.update_kv_transfers(recv, send) == list(self.rs.update_kv_transfers(recv, send))
+
+    def op_kv(self) -> None:
+        """The engine reports KV transfers: loads finished late (or now), failed, blocks invalid, sends over."""
+        if self.conn_ref is None:
+            return self.op_schedule()
+        r = self.rand
+        loading = sorted(i for i, q in self.ref._requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                         and not q.kv_load_done)  # fmt: skip
+        held = sorted(self.ref._held)
+        recv = [i for i in loading + [h for h in held if self.ref._held[h][1]] if r.chance(0.5)]
+        failed = [i for i in loading if r.chance(0.15)]
+        send = [h for h in held if self.ref._held[h][2] and r.chance(0.5)]
+        invalid: list[int] = []
+        for i in loading:
+            blocks = self.ref._requests[i].block_ids
+            if blocks and r.chance(0.15):
+                invalid.append(r.choice(blocks))
+        if r.chance(0.08):  # one bad report: both must refuse it the same way, changing nothing
+            bad = r.int(0, 3)
+            if bad == 0:
+                recv.append("nope")
+            elif bad == 1:
+                send.append(r.choice(sorted(self.ref._requests) or ["nope"]))
+            elif bad == 2:
+                invalid.append(self.cfg.num_blocks)
+            else:
+                failed.append(r.choice(sorted(self.ref._requests) or ["nope"]))
+        self.log.append(f"kv recv={recv} send={send} failed={failed} invalid={invalid}")
+        a, b, _ = call_both(lambda: self.ref.update_kv_transfers(recv, send, failed, invalid),
+                            lambda: self.rs.update_kv_transfers(recv, send, failed, invalid))  # fmt: skip
+        assert a == (None if b is None else list(b))
+        return None
+
     def step(self) -> None:
         ops = [self.op_add] * 3 + [self.op_schedule] * 4 + [self.op_update] * 4 + [self.op_ready] * 2
+        if self.conn_ref is not None:
+            ops += [self.op_kv] * 3
         others = [self.op_abort, self.op_probe, self.op_reset, self.op_weight, self.op_pause, self.op_costs]
         self.rand.choice([*ops, *others])()
         self.check()
@@ -317,6 +406,9 @@ class Twin:
     def check(self) -> None:
         self.ref.check_invariants()
         self.rs.check_invariants()
+        if self.conn_ref is not None:
+            assert self.conn_ref.calls == self.conn_rs.calls, "the connector hooks were called differently"
+            assert self.ref.num_held_kv_requests == self.rs.num_held_kv_requests
         sa, sb = self.ref.stats(), self.rs.stats()
         for name in sa.__dataclass_fields__:
             va, vb = getattr(sa, name), getattr(sb, name)
@@ -353,7 +445,10 @@ class Twin:
             self.ref.set_ready(rid)
             self.rs.set_ready(rid)
         for _ in range(2000):
+            if self.conn_ref is not None:  # every load and send ends
+                self.end_transfers()
             if not self.pending and not self.ref.has_unfinished_requests():
+                assert self.rs.num_held_kv_requests == 0 and self.rs.num_free_blocks == self.cfg.num_usable_blocks
                 return
             if self.pending:
                 self.op_update()
@@ -415,11 +510,13 @@ def configs(draw: Any) -> SchedulerConfig:
         num_cpu_blocks=num_cpu_blocks,
         recompute_cost_per_token=draw(st.sampled_from([1.0, 0.1, 3.0])),
         swap_cost_per_block=draw(st.sampled_from([1.0, 4.0, 0.5])),
+        kv_load_failure_policy=draw(st.sampled_from(["recompute", "recompute", "fail"])),
     )
 
 
 def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
-    twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])))
+    seed = data.draw(st.sampled_from([None, None, 1, 2, 3]))  # a seeded fake KV connector in 3 of 5 runs
+    twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])), connector_seed=seed)
     try:
         for _ in range(num_ops):
             twin.step()
@@ -474,6 +571,8 @@ SOAK_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=14, max_num_seqs=5, max_num_batched_tokens=20, max_model_len=48,
                     policy="fair", preemption_mode="swap", num_cpu_blocks=40, enable_prefix_caching=False,
                     long_prefill_token_threshold=8),
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=48,
+                    kv_load_failure_policy="fail", policy="priority", prefix_hash_seed=3),
 ]  # fmt: skip
 
 # A KV cache (40 tokens) below max_model_len, and a budget below it without chunked prefill: add_request refuses
@@ -488,7 +587,9 @@ SMALL_CACHE_CONFIGS = [
 
 def soak(steps: int, seed: int, configs: list[SchedulerConfig] = SOAK_CONFIGS) -> None:
     for i, cfg in enumerate(configs):
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=2)
+        # every other config with a seeded fake KV connector (async loads that finish late, fail, are aborted)
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=2,
+                    connector_seed=seed + i if i % 2 else None)  # fmt: skip
         for _ in range(steps // len(configs)):
             try:
                 twin.step()

@@ -13,6 +13,7 @@ __all__ = [
     "InvalidConfigError",
     "InvalidOutputError",
     "InvalidRequestError",
+    "KVConnectorError",
     "SchedulerError",
     "SchedulerTypeError",
     "UnknownRequestError",
@@ -48,6 +49,10 @@ class InvalidOutputError(SchedulerError, ValueError):
 
 class SchedulerTypeError(SchedulerError, TypeError):
     """An argument of the wrong type (a float token, a 2-D array, a non-str id...)."""
+
+
+class KVConnectorError(SchedulerError, TypeError):
+    """A KV connector hook returned something that is not what the hook must return (see docs/api.md)."""
 
 
 class InternalError(SchedulerError, RuntimeError):

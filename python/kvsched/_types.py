@@ -19,10 +19,17 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
     # waiting for its structured-output grammar (vLLM's name); numbered last so the other codes keep their values
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = 6
+    # admitted with an asynchronous KV load from the connector, not schedulable until the load is reported over
+    WAITING_FOR_REMOTE_KVS = 7
+    # finished because its KV load failed (kv_load_failure_policy="fail")
+    FINISHED_ERROR = 8
 
     @property
     def is_finished(self) -> bool:
-        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
+        return (
+            RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
+            or self == RequestStatus.FINISHED_ERROR
+        )
 
 
 class FinishReason(enum.IntEnum):
@@ -31,6 +38,7 @@ class FinishReason(enum.IntEnum):
     STOP = 1  # EOS or a stop token id
     LENGTH = 2  # max_tokens or max_model_len
     ABORT = 3  # abort_requests()
+    ERROR = 4  # the KV load failed (kv_load_failure_policy="fail")
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -61,6 +69,9 @@ class SchedulerStats:
     num_recomputed_tokens: int = 0  # tokens lost to preemptions and computed again on resume
     num_free_cpu_blocks: int = 0
     cpu_kv_cache_usage: float = 0.0
+    # KV connector: tokens asked of it at admissions beyond the local prefix hit, and tokens it supplied
+    connector_prefix_cache_queries: int = 0
+    connector_prefix_cache_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

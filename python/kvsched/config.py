@@ -15,6 +15,7 @@ from ._errors import InvalidConfigError, SchedulerTypeError
 
 __all__ = ["POLICIES", "PREEMPTION_MODES", "PREFIX_HASH_ALGOS", "SchedulerConfig", "check_preemption_costs"]
 
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 POLICIES = ("fcfs", "priority", "fair")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 PREFIX_HASH_ALGOS = ("xxh3_128", "sha256")
@@ -108,6 +109,7 @@ class SchedulerConfig:
     num_cpu_blocks: int = 0
     recompute_cost_per_token: float = 1.0
     swap_cost_per_block: float = 1.0
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -136,6 +138,10 @@ class SchedulerConfig:
             raise InvalidConfigError(f"watermark must be a float, got {self.watermark!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise InvalidConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise InvalidConfigError(
+                f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, got {self.kv_load_failure_policy!r}"
+            )
         if self.policy not in POLICIES:
             raise InvalidConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.prefix_hash_algo not in PREFIX_HASH_ALGOS:

@@ -27,7 +27,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from ._errors import (
     InternalError,
     InvalidOutputError,
     InvalidRequestError,
+    KVConnectorError,
     SchedulerTypeError,
     UnknownRequestError,
 )
@@ -65,6 +66,7 @@ class SchedulerOutput:
         "_entries",
         "_owner",
         "finished_req_ids",
+        "kv_connector_metadata",
         "new_block_ids",
         "new_block_ids_indptr",
         "new_req_ids",
@@ -95,6 +97,7 @@ class SchedulerOutput:
     finished_req_ids: list[str]
     swap_out: np.ndarray  # (m, 2) int32: GPU block -> CPU block, copied before the forward pass
     swap_in: np.ndarray  # (m, 2) int32: CPU block -> GPU block, copied after swap_out
+    kv_connector_metadata: Any  # the KV connector's build_connector_meta(out), None without a connector
     _owner: object
     _entries: list[tuple[_Request, bool, int]]  # (request, was a prefill chunk, number of drafts scheduled)
 
@@ -128,6 +131,8 @@ class UpdateResult:
     finish_reasons: np.ndarray  # int8 FinishReason values, aligned with finished_req_ids
     stop_reasons: np.ndarray  # int64: the stop token id, or -1
     num_new_tokens: np.ndarray  # int32, aligned with out.req_ids
+    # the KV connector's request_finished params of the requests this call finished (those that gave some)
+    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,7 @@ class _Request:
     """One request's state. Plain attributes; the scheduler mutates them."""
 
     __slots__ = (
+        "add_seq",
         "arrival_step",
         "arrival_time",
         "block_hashes",
@@ -224,6 +230,8 @@ class _Request:
         "grammar_ready",
         "ignore_eos",
         "is_prefill_chunk",
+        "kv_load_done",
+        "kv_load_failed",
         "lora_name",
         "max_tokens",
         "min_tokens",
@@ -238,6 +246,7 @@ class _Request:
         "num_prompt_tokens",
         "num_stale_output_tokens",
         "num_swapped_tokens",
+        "parked",
         "priority",
         "queue_seq",
         "req_id",
@@ -288,6 +297,10 @@ class _Request:
         self.cpu_blocks: list[int] = []  # CPU blocks holding its KV while swapped out
         self.num_swapped_tokens = 0  # tokens whose KV they hold
         self.num_lost_tokens = 0  # computed at its last preemption and not yet recovered
+        self.add_seq = 0  # order of add_request calls: blocked requests that become ready are queued in it
+        self.parked = False  # in no queue, not running: blocked (grammar, KV load) or ready since the last step
+        self.kv_load_done = False  # its asynchronous KV load was reported over
+        self.kv_load_failed = False  # ... and failed: num_computed_tokens was cut back to the valid prefix
 
     @property
     def num_tokens(self) -> int:
@@ -525,7 +538,7 @@ def _is_utf8(s: str) -> bool:
 class ReferenceScheduler:
     """Pure-Python twin of :class:`kvsched.Scheduler` (same constructor, methods, results and errors)."""
 
-    def __init__(self, config: SchedulerConfig | None = None, **fields: Any) -> None:
+    def __init__(self, config: SchedulerConfig | None = None, *, kv_connector: Any = None, **fields: Any) -> None:
         if config is None:
             try:
                 config = SchedulerConfig(**fields)
@@ -542,10 +555,19 @@ class ReferenceScheduler:
         self._requests: dict[str, _Request] = {}
         self._running: list[_Request] = []
         self._tenants: dict[str, _Tenant] = {t: _Tenant(t, w, c) for t, w in c.tenant_weights.items()}
-        self._waiting: _FcfsQueue | _PriorityQueue | _FairQueue = (
-            _FcfsQueue() if c.policy == "fcfs" else _PriorityQueue() if c.policy == "priority"
-            else _FairQueue(self._tenants)
-        )  # fmt: skip
+        self._waiting: _FcfsQueue | _PriorityQueue | _FairQueue = self._new_queue()
+        # requests whose asynchronous KV load is over, holding blocks (vLLM's kv_holding_waiting): admitted first
+        self._kv_waiting: _FcfsQueue | _PriorityQueue | _FairQueue = self._new_queue()
+        self._newly_ready: list[_Request] = []  # parked requests that became ready, queued at the next step
+        self._held: dict[str, list[Any]] = {}  # finished request -> [blocks, awaiting_recv, awaiting_send]
+        self._next_add_seq = 0
+        if kv_connector is not None:
+            for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished"):
+                if not hasattr(kv_connector, hook):
+                    raise SchedulerTypeError(f"kv_connector must have a {hook}() method")
+        self._connector = kv_connector
+        self._hook_error: BaseException | None = None  # the first exception a hook raised in the current call
+        self._transfer_params: dict[str, Any] = {}
         self._finished_since_schedule: list[str] = []
         self._preempted_since_schedule: list[str] = []  # by reset_prefix_cache(reset_running_requests=True)
         self._pause_state = "unpaused"
@@ -556,7 +578,8 @@ class ReferenceScheduler:
         self._last_out_fresh = False  # prepare_model_inputs is allowed until the state changes
         self._stats = dict.fromkeys(
             ("queries", "hits", "preempted_queries", "preempted_hits", "preemptions", "finished", "swapped_out_reqs",
-             "swapped_out_blocks", "swapped_in_reqs", "swapped_in_blocks", "swap_fallbacks", "recomputed_tokens"), 0
+             "swapped_out_blocks", "swapped_in_reqs", "swapped_in_blocks", "swap_fallbacks", "recomputed_tokens",
+             "connector_queries", "connector_hits"), 0
         )  # fmt: skip
         self._cpu_free: deque[int] = deque(range(c.num_cpu_blocks))  # the CPU swap pool: pop left, append right
         self._recompute_cost_per_token = c.recompute_cost_per_token
@@ -565,6 +588,67 @@ class ReferenceScheduler:
         seed = c.prefix_hash_seed
         seed_bytes = os.urandom(32) if seed is None else _seed_bytes(seed)
         self._seed_hash = self._hash_fn(b"kvsched-seed\0" + seed_bytes).digest()
+
+    def _new_queue(self) -> _FcfsQueue | _PriorityQueue | _FairQueue:
+        p = self._config.policy
+        return _FcfsQueue() if p == "fcfs" else _PriorityQueue() if p == "priority" else _FairQueue(self._tenants)
+
+    @property
+    def kv_connector(self) -> Any:
+        return self._connector
+
+    # -- KV connector hooks (an exception is kept and raised once the call is over; the hook then answers
+    # "nothing external, no delayed free", as the Rust binding does) ---------------------------------------
+
+    def _keep(self, e: BaseException) -> None:
+        if self._hook_error is None:
+            self._hook_error = e
+
+    def _after_hooks(self) -> None:
+        e, self._hook_error = self._hook_error, None
+        if e is not None:
+            raise e
+
+    def _hook_matched(self, r: _Request, num_computed: int) -> tuple[int, bool] | None:
+        try:
+            res = self._connector.get_num_new_matched_tokens(r.req_id, num_computed)
+            what = "kv_connector.get_num_new_matched_tokens"
+            if not isinstance(res, tuple) or len(res) != 2:
+                raise KVConnectorError(f"{what}: must return a pair (int | None, bool), got {res!r}")
+            n, load_async = res
+            if not isinstance(load_async, bool):
+                raise KVConnectorError(f"{what}: async flag must be a bool, got {type(load_async).__name__}")
+            if n is None:
+                return None
+            if not _is_int(n):
+                raise KVConnectorError(f"{what}: token count must be an int or None, got {type(n).__name__}")
+            if not 0 <= n < 2**32:
+                raise KVConnectorError(f"{what}: token count must be >= 0, got {n}")
+            return int(n), load_async
+        except Exception as e:
+            self._keep(e)
+            return None
+
+    def _hook_after_alloc(self, r: _Request, num_external: int) -> None:
+        try:
+            self._connector.update_state_after_alloc(r.req_id, list(r.block_ids), num_external)
+        except Exception as e:
+            self._keep(e)
+
+    def _hook_finished(self, r: _Request, block_ids: list[int]) -> bool:
+        try:
+            res = self._connector.request_finished(r.req_id, list(block_ids))
+            delay, params = res if isinstance(res, tuple) and len(res) == 2 else (res, None)
+            if not isinstance(delay, bool):
+                raise KVConnectorError(
+                    f"kv_connector.request_finished: must return bool or (bool, params), got {res!r}"
+                )
+            if params is not None:
+                self._transfer_params[r.req_id] = params
+            return delay
+        except Exception as e:
+            self._keep(e)
+            return False
 
     # -- block pool --------------------------------------------------------------------------------------
 
@@ -621,8 +705,13 @@ class ReferenceScheduler:
     def _free_blocks(self, r: _Request) -> None:
         """Release ``r``'s blocks in reverse; cached ones go to the tail (LRU), uncached ones as one group to the
         head, deepest first (so the head is the deepest freed block)."""
+        self._free_block_list(r.block_ids)
+        r.block_ids = []
+        r.num_cached_blocks = 0
+
+    def _free_block_list(self, block_ids: list[int]) -> None:
         to_head: list[int] = []
-        for b in reversed(r.block_ids):
+        for b in reversed(block_ids):
             self._ref_cnt[b] -= 1
             if self._ref_cnt[b] == 0:
                 if self._block_hash[b] is not None:
@@ -631,8 +720,6 @@ class ReferenceScheduler:
                     to_head.append(b)
         for b in reversed(to_head):
             self._free.appendleft(b)
-        r.block_ids = []
-        r.num_cached_blocks = 0
 
     def _full_sequence_fits(self, r: _Request, hits: list[int], reserved: int) -> bool:
         """Could the free blocks hold all of ``r``'s tokens (capped at max_slots_per_request) beyond its hits, and still
@@ -654,12 +741,13 @@ class ReferenceScheduler:
         r.num_cached_blocks = max(r.num_cached_blocks, num_full)
 
     def _allocate_slots(
-        self, r: _Request, n: int, hits: list[int], lookahead: int, reserved: int = 0
+        self, r: _Request, n: int, hits: list[int], lookahead: int, reserved: int = 0, ext: int = 0, cache: bool = True
     ) -> list[int] | None:
         """Reserve KV slots for ``n`` more tokens (+ lookahead), leaving ``reserved`` blocks free: the new
-        blocks, or None (nothing changed)."""
+        blocks, or None (nothing changed). ``ext`` tokens after the hits come from the KV connector (they take
+        slots like computed tokens); with ``cache`` False (an asynchronous load) no block enters the cache now."""
         c, bs = self._config, self._bs
-        total_computed = r.num_computed_tokens + len(hits) * bs
+        total_computed = r.num_computed_tokens + len(hits) * bs + ext
         num_slots = min(total_computed + n + lookahead, c.max_slots_per_request)
         need = max(0, math.ceil(num_slots / bs) - len(r.block_ids) - len(hits))
         evictable_hits = sum(1 for b in hits if self._ref_cnt[b] == 0)
@@ -673,7 +761,8 @@ class ReferenceScheduler:
         r.num_cached_blocks += len(hits)
         new_blocks = [self._pop_free_block() for _ in range(need)]
         r.block_ids += new_blocks
-        self._cache_blocks(r, min(total_computed + n, r.num_tokens))  # now, before the model writes them
+        if cache:
+            self._cache_blocks(r, min(total_computed + n, r.num_tokens))  # now, before the model writes them
         return new_blocks
 
     # -- requests ----------------------------------------------------------------------------------------
@@ -701,7 +790,7 @@ class ReferenceScheduler:
             raise SchedulerTypeError(f"req_id must be a str, got {type(req_id).__name__}")
         if not req_id or not _is_utf8(req_id):
             raise InvalidRequestError("req_id must be a non-empty, valid unicode str")
-        if req_id in self._requests:
+        if req_id in self._requests or req_id in self._held:
             raise DuplicateRequestError(f"request {req_id!r} already exists")
         prompt = _int_array(prompt_token_ids, "prompt_token_ids")
         if len(prompt) == 0:
@@ -780,12 +869,16 @@ class ReferenceScheduler:
         )
         aging = c.priority_aging_steps
         r.effective_priority = r.priority * aging + r.arrival_step if aging else r.priority
+        r.add_seq = self._next_add_seq
+        self._next_add_seq += 1
         if not ready:  # vLLM enqueues a request in a blocked status straight into deferred_waiting
             r.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
             r.deferred = True
+            r.parked = True  # in no queue until set_ready
         self._update_block_hashes(r)
         self._requests[req_id] = r
-        self._waiting.add(r)
+        if not r.parked:
+            self._waiting.add(r)
         self._on_arrival(self._tenant(tenant))
         self._last_out_fresh = False
 
@@ -799,16 +892,33 @@ class ReferenceScheduler:
         return r
 
     def _finish(self, r: _Request, status: RequestStatus) -> None:
-        """Free ``r``, take it out of its queue, remember it for the next output, and forget it."""
+        """Free ``r`` (or keep its blocks for a KV transfer in progress), take it out of its queue, remember it
+        for the next output, and forget it."""
+        was_loading = r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not r.kv_load_done
         if r.status == RequestStatus.RUNNING:
             self._running.remove(r)
         else:
-            self._waiting.remove(r)
+            if r.parked:
+                if r in self._newly_ready:
+                    self._newly_ready.remove(r)
+            elif any(x is r for x in self._kv_waiting):
+                self._kv_waiting.remove(r)
+            else:
+                self._waiting.remove(r)
             self._tenants[r.tenant].num_waiting -= 1
-        self._free_blocks(r)
+        r.parked = False
+        r.status = status
+        delay = False
+        if self._connector is not None:
+            delay = self._hook_finished(r, r.block_ids[: math.ceil(r.num_computed_tokens / self._bs)])
+        if delay or was_loading:
+            self._held[r.req_id] = [r.block_ids, was_loading, delay]
+            r.block_ids = []
+            r.num_cached_blocks = 0
+        else:
+            self._free_blocks(r)
         self._cpu_free.extend(r.cpu_blocks)  # a swapped-out request aborted while waiting
         r.cpu_blocks, r.num_swapped_tokens = [], 0
-        r.status = status
         r.drafts = []
         r.deferred = False
         del self._requests[r.req_id]
@@ -825,6 +935,8 @@ class ReferenceScheduler:
             self._finish(r, RequestStatus.FINISHED_ABORTED)
         if reqs:
             self._last_out_fresh = False
+        self._transfer_params = {}  # vLLM returns no transfer parameters for aborted requests either
+        self._after_hooks()
 
     # -- schedule ----------------------------------------------------------------------------------------
 
@@ -1000,10 +1112,12 @@ class ReferenceScheduler:
     def schedule(self) -> SchedulerOutput:
         """One step: continue running requests (phase A, may preempt), then admit waiting ones (phase B)."""
         c = self._config
+        if self._newly_ready:
+            self._queue_newly_ready()
         look = c.num_lookahead_tokens
         budget = 0 if self._pause_state == "paused_all" else c.max_num_batched_tokens
-        # the per-request cap applies only when more than one request is running or waiting
-        threshold = c.long_prefill_token_threshold if len(self._running) + len(self._waiting) > 1 else 0
+        # the per-request cap applies only when more than one request is running or waiting (blocked ones too)
+        threshold = c.long_prefill_token_threshold if len(self._requests) > 1 else 0
         # per scheduled request: [request, num_new_tokens, computed_before, new_blocks, drafts, kind, is_chunk]
         scheduled: list[list[Any]] = []
         preempted: list[_Request] = []
@@ -1091,6 +1205,7 @@ class ReferenceScheduler:
             finished_req_ids=self._finished_since_schedule,
             swap_out=np.array(swap_out, dtype=np.int32).reshape(-1, 2),
             swap_in=np.array(swap_in, dtype=np.int32).reshape(-1, 2),
+            kv_connector_metadata=None,
             _owner=self._owner,
             _entries=entries,
         )
@@ -1098,69 +1213,117 @@ class ReferenceScheduler:
         self._finished_since_schedule = []
         self._preempted_since_schedule = []
         self._last_out, self._last_out_fresh = out, True
+        if self._connector is not None:
+            self._after_hooks()
+            if hasattr(self._connector, "build_connector_meta"):
+                out.kv_connector_metadata = self._connector.build_connector_meta(out)
         return out
 
     def _admit_waiting(
         self, scheduled: list[list[Any]], budget: int, threshold: int, prefill_scheduled: bool, swap_in: list[int]
     ) -> None:
-        """Phase B: admit waiting requests in policy order; never preempts. Requests that cannot run yet are
-        skipped and keep their place."""
+        """Phase B: admit waiting requests in policy order; never preempts. Requests whose KV load is over
+        (``_kv_waiting``) go first, and are the only ones admitted when paused for new requests. Requests that
+        cannot run yet are skipped and keep their place."""
         c, bs, look = self._config, self._bs, self._config.num_lookahead_tokens
         watermark = int(c.watermark * c.num_blocks)
         any_running_scheduled = bool(scheduled)
         loras = {r.lora_name for r in self._running if r.lora_name is not None}
         skipped: list[_Request] = []
-        while budget > 0 and self._pause_state == "unpaused" and len(self._running) < c.max_num_seqs:
-            if not len(self._waiting):
+        skipped_kv: list[_Request] = []
+        while budget > 0 and len(self._running) < c.max_num_seqs:
+            from_kv = len(self._kv_waiting) > 0
+            if not from_kv and self._pause_state != "unpaused":
                 break
-            r = self._waiting.peek()
+            queue = self._kv_waiting if from_kv else self._waiting
+            if not len(queue):
+                break
+            r = queue.peek()
             if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and r.grammar_ready:
                 r.status = RequestStatus.WAITING
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.kv_load_done:
+                self._promote_loaded(r)
             lora_blocked = (
                 c.max_loras > 0 and len(loras) >= c.max_loras and r.lora_name is not None and r.lora_name not in loras
             )
-            if (
-                r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            blocked = (
+                r.status in (RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
                 or (r.num_stale_output_tokens > 0 and not r.drop_stale_output)
                 or lora_blocked
-            ):
+            )
+            ext, load_async = 0, False
+            computed_before = r.num_computed_tokens
+            hits: list[int] = []
+            if not blocked and computed_before == 0:
+                hits = self._lookup(r.block_hashes, r.num_tokens)
+                if self._connector is not None and not r.cpu_blocks:  # a swapped-out request resumes from its copy
+                    matched = self._hook_matched(r, len(hits) * bs)
+                    if matched is None:
+                        blocked = True
+                    else:
+                        room = r.num_tokens - len(hits) * bs
+                        ext = min(matched[0], room)
+                        load_async = matched[1] and ext > 0
+                        if not load_async and ext == room:
+                            ext = room - 1  # a synchronous load leaves at least one token to compute
+            if blocked:
                 r.deferred = True
-                skipped.append(self._waiting.pop())
+                (skipped_kv if from_kv else skipped).append(queue.pop())
                 continue
-            hits = self._lookup(r.block_hashes, r.num_tokens)
             hit_tokens = len(hits) * bs
             restored = max(hit_tokens, r.num_swapped_tokens)  # swapped tokens come back by swap_in
-            n = r.num_tokens - restored
-            # spec decoding: one token left, admitted into a batch of decodes: pad with placeholder drafts
-            pad = (
-                look > 0
-                and n == 1
-                and not prefill_scheduled
-                and (any_running_scheduled or restored > 0)
-                and restored + 1 + look + 1 <= c.max_model_len
-                and restored + 1 + look <= c.max_slots_per_request
-                and (threshold == 0 or threshold >= 1 + look)
-            )
-            if pad:
-                if 1 + look > budget:
+            computed = computed_before if computed_before > 0 else restored + ext
+            n = 0 if load_async else r.num_tokens - computed
+            pad = False
+            if not load_async:
+                # spec decoding: one token left, admitted into a batch of decodes: pad with placeholder drafts
+                pad = (
+                    look > 0
+                    and n == 1
+                    and not prefill_scheduled
+                    and (any_running_scheduled or computed > 0)
+                    and computed + 1 + look + 1 <= c.max_model_len
+                    and computed + 1 + look <= c.max_slots_per_request
+                    and (threshold == 0 or threshold >= 1 + look)
+                )
+                if pad:
+                    if 1 + look > budget:
+                        break
+                    n = 1 + look
+                if 0 < threshold < n:
+                    n = threshold
+                if not c.enable_chunked_prefill and n > budget:
                     break
-                n = 1 + look
-            if 0 < threshold < n:
-                n = threshold
-            if not c.enable_chunked_prefill and n > budget:
-                break
-            n = min(n, budget)
+                n = min(n, budget)
             reserved = watermark if self._running else 0
             if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, reserved):
                 break  # vLLM's full-prompt admission gate: the whole sequence must fit, not just this chunk
-            r.num_computed_tokens = restored - hit_tokens  # _allocate_slots counts from computed + hits
-            if self._allocate_slots(r, n, hits, look, reserved) is None:
-                r.num_computed_tokens = 0
+            if computed_before == 0:
+                r.num_computed_tokens = restored - hit_tokens  # _allocate_slots counts from computed + hits
+            if self._allocate_slots(r, n, hits, 0 if load_async else look, reserved, ext, not load_async) is None:
+                if computed_before == 0:
+                    r.num_computed_tokens = 0
                 break
-            self._complete_resume(r, len(hits), restored, swap_in)
-            self._waiting.pop()
+            self._complete_resume(r, len(hits), computed, swap_in)
+            if self._connector is not None:
+                self._hook_after_alloc(r, ext)
+                if computed_before == 0:
+                    self._stats["connector_queries"] += r.num_tokens - hit_tokens
+                    self._stats["connector_hits"] += ext
+            if computed_before == 0:
+                prefix = "preempted_" if r.num_preemptions > 0 else ""
+                self._stats[prefix + "queries"] += r.num_tokens
+                self._stats[prefix + "hits"] += hit_tokens
+            queue.pop()
+            if load_async:  # parked with its blocks until the engine reports the load over
+                r.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                r.num_computed_tokens = computed
+                r.kv_load_done = False
+                r.parked = True
+                r.deferred = True
+                continue
             self._tenants[r.tenant].num_waiting -= 1
-            self._charge_prompt(r, restored, n)
+            self._charge_prompt(r, computed, n)
             self._running.append(r)
             kind = "new" if r.status == RequestStatus.WAITING else "resumed"
             r.status = RequestStatus.RUNNING
@@ -1168,17 +1331,160 @@ class ReferenceScheduler:
             if r.lora_name is not None:
                 loras.add(r.lora_name)
             if r.num_cached_tokens < 0:
-                r.num_cached_tokens = hit_tokens
-            prefix = "preempted_" if r.num_preemptions > 0 else ""
-            self._stats[prefix + "queries"] += r.num_tokens
-            self._stats[prefix + "hits"] += hit_tokens
-            is_chunk = restored + n < r.num_tokens
-            scheduled.append([r, n, restored, list(r.block_ids), [-1] * look if pad else [], kind, is_chunk])
-            r.num_computed_tokens = restored + n
+                r.num_cached_tokens = computed
+            is_chunk = computed + n < r.num_tokens
+            scheduled.append([r, n, computed, list(r.block_ids), [-1] * look if pad else [], kind, is_chunk])
+            r.num_computed_tokens = computed + n
             r.is_prefill_chunk = is_chunk
             budget -= n
         for r in reversed(skipped):  # back to the front in their order (fcfs), or by their key (priority)
             self._waiting.add_preempted(r)
+        for r in reversed(skipped_kv):
+            self._kv_waiting.add_preempted(r)
+
+    def _promote_loaded(self, r: _Request) -> None:
+        """A request whose asynchronous load is over becomes WAITING (PREEMPTED if it was preempted before): its
+        loaded blocks enter the cache (after a failure only the valid prefix; with nothing valid its blocks are
+        freed and it is admitted afresh), and a fully loaded prompt recomputes its last token."""
+        if r.kv_load_failed and r.num_computed_tokens == 0:
+            self._free_blocks(r)
+        else:
+            self._cache_blocks(r, r.num_computed_tokens)
+        if r.num_computed_tokens == r.num_tokens:
+            r.num_computed_tokens -= 1
+        r.kv_load_done = r.kv_load_failed = False
+        r.status = RequestStatus.PREEMPTED if r.num_preemptions > 0 else RequestStatus.WAITING
+
+    def _queue_newly_ready(self) -> None:
+        """Queue the parked requests that became ready since the last step, in the order they were added:
+        grammar-ready ones at the front of waiting, loaded ones into the loaded queue."""
+        ready = sorted(self._newly_ready, key=lambda r: r.add_seq)
+        self._newly_ready = []
+        for r in reversed(ready):
+            if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and r.parked:
+                r.parked = False
+                self._waiting.add_preempted(r)
+        for r in ready:
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.parked:
+                r.parked = False
+                self._kv_waiting.add(r)
+
+    # -- KV transfers ------------------------------------------------------------------------------------
+
+    def update_kv_transfers(
+        self,
+        finished_recving: Iterable[str] | None = None,
+        finished_sending: Iterable[str] | None = None,
+        failed_recving: Iterable[str] | None = None,
+        invalid_block_ids: Iterable[int] | None = None,
+    ) -> list[str]:
+        """Apply what the engine reports about KV transfers (vLLM's ``KVConnectorOutput``), in vLLM 0.33's
+        order: failed loads, invalid blocks, then finished loads and sends. Validates everything first (nothing
+        changes on error). Returns the requests finished because their load failed (policy ``fail``)."""
+        recv = self._id_list(finished_recving, "finished_recving")
+        send = self._id_list(finished_sending, "finished_sending")
+        failed_ids = self._id_list(failed_recving, "failed_recving")
+        invalid: list[int] = []
+        if invalid_block_ids is not None:
+            for b in _as_sequence(invalid_block_ids, "invalid_block_ids"):
+                if not _is_int(b):
+                    raise SchedulerTypeError(f"invalid_block_ids must hold ints, got {type(b).__name__}")
+                if not 1 <= b < self._config.num_blocks:
+                    raise InvalidRequestError(
+                        f"invalid_block_ids: block ids must be in [1, {self._config.num_blocks}), got {b}"
+                    )
+                invalid.append(int(b))
+
+        def loading(req_id: str, what: str) -> None:
+            r = self._requests.get(req_id)
+            if r is not None:
+                if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS or (what == "finished_recving" and r.kv_load_done):
+                    raise InvalidRequestError(f"{what}: request {req_id!r} has no KV load in progress")
+                return
+            h = self._held.get(req_id)
+            if h is None:
+                raise UnknownRequestError(f"{what}: unknown request id {req_id!r}")
+            if not h[1]:
+                raise InvalidRequestError(f"{what}: finished request {req_id!r} has no such transfer in progress")
+
+        for i in recv:
+            loading(i, "finished_recving")
+        for i in failed_ids:
+            loading(i, "failed_recving")
+        for i in send:
+            h = self._held.get(i)
+            if h is None:
+                if i in self._requests:
+                    raise InvalidRequestError(f"finished_sending: request {i!r} has not finished")
+                raise UnknownRequestError(f"finished_sending: unknown request id {i!r}")
+            if not h[2]:
+                raise InvalidRequestError(f"finished_sending: request {i!r} is not being sent")
+
+        self._last_out_fresh = False
+        fail = self._config.kv_load_failure_policy == "fail"
+        failed: list[_Request] = []
+        for i in failed_ids:
+            r = self._requests.get(i)
+            if r is None:
+                continue
+            if fail:
+                if r not in failed:
+                    failed.append(r)
+            else:
+                r.num_computed_tokens = 0
+                r.kv_load_failed = True
+        if invalid:
+            bad = set(invalid)
+            loading_reqs = [r for r in self._requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+            for r in loading_reqs:
+                n = math.ceil(r.num_computed_tokens / self._bs)
+                idx = next((k for k, b in enumerate(r.block_ids[:n]) if b in bad), None)
+                if idx is None:
+                    continue
+                if fail:
+                    if r not in failed:
+                        failed.append(r)
+                else:
+                    r.num_computed_tokens = idx * self._bs
+                    r.kv_load_failed = True
+        for r in failed:
+            self._finish(r, RequestStatus.FINISHED_ERROR)
+        for i in recv:
+            r = self._requests.get(i)
+            if r is not None:
+                if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not r.kv_load_done:
+                    r.kv_load_done = True
+                    self._newly_ready.append(r)
+            else:
+                self._release_held(i, recv=True)
+        for i in send:
+            self._release_held(i, recv=False)
+        self._transfer_params = {}
+        self._after_hooks()
+        return [r.req_id for r in failed]
+
+    def _id_list(self, ids: Iterable[str] | None, what: str) -> list[str]:
+        if ids is None:
+            return []
+        out = _as_sequence(ids, what)
+        for i in out:
+            if not isinstance(i, str):
+                raise SchedulerTypeError(f"{what} must hold str ids, got {type(i).__name__}")
+        return out
+
+    def _release_held(self, req_id: str, recv: bool) -> None:
+        h = self._held.get(req_id)
+        if h is None:
+            return
+        h[1 if recv else 2] = False
+        if not h[1] and not h[2]:
+            del self._held[req_id]
+            self._free_block_list(h[0])
+
+    @property
+    def num_held_kv_requests(self) -> int:
+        """Finished requests whose blocks are still held for a KV transfer."""
+        return len(self._held)
 
     # -- update ------------------------------------------------------------------------------------------
 
@@ -1273,11 +1579,14 @@ class ReferenceScheduler:
                 r.drafts = list(drafts[k])
         for name, tokens in decode_tokens.items():
             self._charge(self._tenants[name], tokens, True)
+        params, self._transfer_params = self._transfer_params, {}
+        self._after_hooks()
         return UpdateResult(
             finished_req_ids=finished,
             finish_reasons=np.array(reasons, dtype=np.int8),
             stop_reasons=np.array(stop_reasons, dtype=np.int64),
             num_new_tokens=num_new,
+            kv_transfer_params=params,
         )
 
     def _check_stop(self, r: _Request, t: int) -> tuple[RequestStatus, FinishReason, int] | None:
@@ -1353,8 +1662,10 @@ class ReferenceScheduler:
         """vLLM's get_num_unfinished_requests: 0 when paused for all, the running requests when paused for new."""
         if self._pause_state == "paused_all":
             return 0
-        if self._pause_state == "paused_new":
-            return len(self._running)
+        if self._pause_state == "paused_new":  # requests holding KV blocks (loading or loaded) still drain
+            loading = sum(1 for r in self._requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+            loaded = sum(1 for r in self._kv_waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
+            return len(self._running) + loading + loaded
         return len(self._requests)
 
     @property
@@ -1379,6 +1690,8 @@ class ReferenceScheduler:
         r = self._get(req_id)
         if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and not r.grammar_ready:
             r.grammar_ready = True
+            if r.parked:
+                self._newly_ready.append(r)
             self._last_out_fresh = False
 
     def get_num_output_placeholders(self, req_id: str) -> int:
@@ -1411,14 +1724,19 @@ class ReferenceScheduler:
         return [r.req_id for r in self._running]
 
     def waiting_req_ids(self) -> list[str]:
-        """Waiting requests in the order admission would consider them (fair: at the current counters, as if
-        admitting charged nothing; fcfs: before the admission window's one-step reordering)."""
-        waiting = list(self._waiting)
-        if isinstance(self._waiting, _PriorityQueue):
-            waiting.sort(key=lambda r: r.priority_key())
-        elif isinstance(self._waiting, _FairQueue):
-            waiting = self._waiting.in_order()
-        return [r.req_id for r in waiting]
+        """Requests not running in the order admission would consider them (fair: at the current counters, as
+        if admitting charged nothing; fcfs: before the admission window's one-step reordering): loaded requests
+        first, then waiting, then the parked ones (blocked, or ready since the last step) in the order added."""
+        ids: list[str] = []
+        for q in (self._kv_waiting, self._waiting):
+            waiting = list(q)
+            if isinstance(q, _PriorityQueue):
+                waiting.sort(key=lambda r: r.priority_key())
+            elif isinstance(q, _FairQueue):
+                waiting = q.in_order()
+            ids += [r.req_id for r in waiting]
+        parked = sorted((r for r in self._requests.values() if r.parked), key=lambda r: r.add_seq)
+        return ids + [r.req_id for r in parked]
 
     def get_num_cached_blocks(self, req_id: str) -> int:
         return self._get(req_id).num_cached_blocks
@@ -1452,6 +1770,8 @@ class ReferenceScheduler:
             self._last_out_fresh = False
         if len(self._free) != self._config.num_usable_blocks:
             if reset_running_requests:
+                if self._held or any(r.block_ids for r in self._requests.values()):
+                    return False  # KV transfers hold blocks (vLLM raises: not supported yet)
                 raise InternalError("the prefix cache is in use with no request running")
             return False
         self._cached.clear()
@@ -1463,8 +1783,10 @@ class ReferenceScheduler:
         s, usable, c = self._stats, self._config.num_usable_blocks, self._config
         return SchedulerStats(
             num_running_reqs=len(self._running),
-            num_waiting_reqs=sum(1 for r in self._waiting if not r.deferred),
-            num_skipped_waiting_reqs=sum(1 for r in self._waiting if r.deferred),
+            num_waiting_reqs=sum(
+                1 for r in self._requests.values() if r.status != RequestStatus.RUNNING and not r.deferred
+            ),
+            num_skipped_waiting_reqs=sum(1 for r in self._requests.values() if r.deferred),
             kv_cache_usage=1.0 - len(self._free) / usable,
             num_free_blocks=len(self._free),
             prefix_cache_queries=s["queries"],
@@ -1482,6 +1804,8 @@ class ReferenceScheduler:
             num_recomputed_tokens=s["recomputed_tokens"],
             num_free_cpu_blocks=len(self._cpu_free),
             cpu_kv_cache_usage=1.0 - len(self._cpu_free) / c.num_cpu_blocks if c.num_cpu_blocks else 0.0,
+            connector_prefix_cache_queries=s["connector_queries"],
+            connector_prefix_cache_hits=s["connector_hits"],
         )
 
     # -- invariants --------------------------------------------------------------------------------------
@@ -1498,9 +1822,14 @@ class ReferenceScheduler:
         require(len(free) == len(self._free) == len(set(free)), "free queue length / duplicates")
         require(all(1 <= b < c.num_blocks and b in self._free for b in free), "free queue ids")
         holders = [0] * c.num_blocks
-        for r in self._running:
+        for r in self._requests.values():
             require(len(set(r.block_ids)) == len(r.block_ids), f"{r.req_id}: a block twice in one table")
             for b in r.block_ids:
+                holders[b] += 1
+        for req_id, (blocks, awaiting_recv, awaiting_send) in self._held.items():
+            require(awaiting_recv or awaiting_send, f"{req_id}: held blocks for no transfer")
+            require(req_id not in self._requests, f"{req_id}: live and held")
+            for b in blocks:
                 holders[b] += 1
         require(self._ref_cnt == holders, "ref_cnt == number of block tables holding the block")
         require(holders[0] == 0 and 0 not in self._free and self._block_hash[0] is None, "null block")
@@ -1515,10 +1844,23 @@ class ReferenceScheduler:
 
         waiting = list(self._waiting)
         require(len(waiting) == len(self._waiting), "waiting count")
+        kv_waiting = list(self._kv_waiting)
+        require(len(kv_waiting) == len(self._kv_waiting), "kv_waiting count")
+        parked = [r for r in self._requests.values() if r.parked]
+        not_running = [r for r in self._requests.values() if r.status != RequestStatus.RUNNING]
         for t in self._tenants.values():
-            require(t.num_waiting == sum(r.tenant == t.name for r in waiting), f"tenant {t.name}: waiting count")
+            n = sum(r.tenant == t.name for r in not_running)
+            require(t.num_waiting == n, f"tenant {t.name}: waiting count")
             require(t.counter >= 0, f"tenant {t.name}: counter")
-        placed = [id(r) for r in self._running + waiting]
+        require(all(r.parked for r in self._newly_ready), "newly ready requests are parked")
+        for r in parked:
+            blocked = (RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
+            require(r.status in blocked, f"{r.req_id}: parked with status {r.status!r}")
+        for r in kv_waiting:
+            require(r.status != RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, f"{r.req_id}: kv_waiting")
+            require(r.status != RequestStatus.WAITING_FOR_REMOTE_KVS or r.kv_load_done, f"{r.req_id}: loading")
+            require(r.num_computed_tokens <= len(r.block_ids) * bs, f"{r.req_id}: computed tokens without KV")
+        placed = [id(r) for r in self._running + waiting + kv_waiting + parked]
         require(len(placed) == len(set(placed)), "a request in two places")
         require(set(placed) == {id(r) for r in self._requests.values()}, "every request in exactly one place")
         require(len(self._running) <= c.max_num_seqs, "len(running) <= max_num_seqs")

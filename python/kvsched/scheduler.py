@@ -56,7 +56,7 @@ class Scheduler(_core.Scheduler):
     [9]
     """
 
-    def __new__(cls, config: SchedulerConfig | None = None, **fields: Any) -> Scheduler:
+    def __new__(cls, config: SchedulerConfig | None = None, *, kv_connector: Any = None, **fields: Any) -> Scheduler:
         if config is None:
             try:
                 config = SchedulerConfig(**fields)
@@ -66,9 +66,9 @@ class Scheduler(_core.Scheduler):
             raise SchedulerTypeError("pass either a SchedulerConfig or keyword fields, not both")
         elif not isinstance(config, SchedulerConfig):
             raise SchedulerTypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
-        return super().__new__(cls, config)
+        return super().__new__(cls, config, kv_connector)
 
-    def __init__(self, config: SchedulerConfig | None = None, **fields: Any) -> None:
+    def __init__(self, config: SchedulerConfig | None = None, *, kv_connector: Any = None, **fields: Any) -> None:
         # All state is built in __new__ (the Rust constructor).
         pass
 

@@ -77,6 +77,27 @@ impl HashAlgo {
     }
 }
 
+/// What happens to a request whose asynchronous KV load failed (vLLM's `kv_load_failure_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLoadFailurePolicy {
+    /// The request computes the tokens that did not load itself (vLLM's default).
+    Recompute,
+    /// The request finishes with status `FinishedError`.
+    Fail,
+}
+
+impl KvLoadFailurePolicy {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "recompute" => Ok(KvLoadFailurePolicy::Recompute),
+            "fail" => Ok(KvLoadFailurePolicy::Fail),
+            other => Err(SchedError::InvalidConfig(format!(
+                "kv_load_failure_policy must be one of ('recompute', 'fail'), got {other:?}"
+            ))),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
     pub block_size: u32,
@@ -123,6 +144,8 @@ pub struct SchedulerConfig {
     pub recompute_cost_per_token: f64,
     /// Auto: the cost of copying one block in one direction, in the same unit (initial value; settable).
     pub swap_cost_per_block: f64,
+    /// KV connector: what a failed asynchronous load does to its request.
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -185,6 +208,7 @@ impl Default for SchedulerConfig {
             num_cpu_blocks: 0,
             recompute_cost_per_token: 1.0,
             swap_cost_per_block: 1.0,
+            kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
         }
     }
 }
@@ -412,5 +436,7 @@ mod tests {
         assert!(HashAlgo::parse("md5").is_err());
         assert_eq!(PreemptionMode::parse("auto"), Ok(PreemptionMode::Auto));
         assert!(PreemptionMode::parse("discard").is_err());
+        assert_eq!(KvLoadFailurePolicy::parse("fail"), Ok(KvLoadFailurePolicy::Fail));
+        assert!(KvLoadFailurePolicy::parse("retry").is_err());
     }
 }

@@ -12,13 +12,21 @@ impl Scheduler {
         self.running.iter().filter_map(|&s| self.slab.get(s).ok().map(|r| r.id.clone())).collect()
     }
 
-    /// Ids of the waiting requests in the order admission would consider them.
+    /// Ids of the requests that are not running, in the order admission would consider them: loaded requests
+    /// (`kv_waiting`), then `waiting`, then the parked ones (blocked, or ready since the last step) in the
+    /// order they were added.
     pub fn waiting_req_ids(&self) -> Vec<Arc<str>> {
-        self.waiting
-            .handles_in_order(&self.tenants)
+        let mut ids: Vec<Arc<str>> = [&self.kv_waiting, &self.waiting]
             .iter()
-            .filter_map(|&h| self.slab.resolve(h).map(|r| r.id.clone()))
-            .collect()
+            .flat_map(|q| q.handles_in_order(&self.tenants))
+            .filter_map(|h| self.slab.resolve(h).map(|r| r.id.clone()))
+            .collect();
+        if self.num_parked > 0 {
+            let mut parked: Vec<_> = self.slab.iter().filter(|r| r.parked).collect();
+            parked.sort_by_key(|r| r.add_seq);
+            ids.extend(parked.iter().map(|r| r.id.clone()));
+        }
+        ids
     }
 
     /// Blocks of the request whose hash is in the prefix cache map for it (its leading full, cached blocks).

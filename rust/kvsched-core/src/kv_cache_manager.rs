@@ -70,6 +70,40 @@ impl KvCacheManager {
         num_lookahead_tokens: u32,
         reserved: usize,
     ) -> Option<usize> {
+        self.allocate_slots_inner(req, num_new_tokens, hits, num_lookahead_tokens, reserved, true)
+    }
+
+    /// `allocate_slots` for a request with nothing computed yet whose first `num_external_tokens` tokens after
+    /// the hits come from the KV connector: they take slots like computed tokens; with `cache` false (an
+    /// asynchronous load) no block enters the prefix cache now (`cache_blocks` does it once the load is over).
+    #[allow(clippy::too_many_arguments)]
+    pub fn allocate_slots_ext(
+        &mut self,
+        req: &mut Request,
+        num_new_tokens: u32,
+        hits: &[u32],
+        num_external_tokens: u32,
+        num_lookahead_tokens: u32,
+        reserved: usize,
+        cache: bool,
+    ) -> Option<usize> {
+        let before = req.num_computed_tokens;
+        req.num_computed_tokens += num_external_tokens;
+        let r = self.allocate_slots_inner(req, num_new_tokens, hits, num_lookahead_tokens, reserved, cache);
+        req.num_computed_tokens = before;
+        r
+    }
+
+    #[inline(always)]
+    fn allocate_slots_inner(
+        &mut self,
+        req: &mut Request,
+        num_new_tokens: u32,
+        hits: &[u32],
+        num_lookahead_tokens: u32,
+        reserved: usize,
+        cache: bool,
+    ) -> Option<usize> {
         let bs = self.block_size;
         let total_computed = req.num_computed_tokens + hits.len() as u32 * bs;
         let num_slots = (total_computed + num_new_tokens + num_lookahead_tokens).min(self.max_slots);
@@ -92,7 +126,7 @@ impl KvCacheManager {
             self.pool.allocate_into(need, &mut req.blocks);
         }
         let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) >> self.block_shift) as usize;
-        if self.enable_caching && num_full > req.num_cached_blocks as usize {
+        if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
             self.cache_full_blocks(req, num_full);
         }
         Some(need)

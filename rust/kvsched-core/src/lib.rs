@@ -24,6 +24,7 @@
 mod admission;
 pub mod block_pool;
 pub mod config;
+pub mod connector;
 pub mod error;
 pub mod fair;
 pub mod free_queue;
@@ -40,7 +41,8 @@ mod step;
 pub mod swap;
 mod update;
 
-pub use config::{HashAlgo, PauseState, Policy, PreemptionMode, SchedulerConfig};
+pub use config::{HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, SchedulerConfig};
+pub use connector::{KvConnector, KvTransferReport};
 pub use error::{Result, SchedError};
 pub use fair::{Tenant, DEFAULT_TENANT};
 pub use hashing::BlockHash;
@@ -49,6 +51,8 @@ pub use request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus
 pub use scheduler::{Scheduler, MAX_TOKEN_ID};
 pub use update::Ragged;
 
+#[cfg(test)]
+mod connector_tests;
 #[cfg(test)]
 mod policy_tests;
 #[cfg(test)]

@@ -104,6 +104,9 @@ pub struct SchedulerStats {
     pub prefix_cache_preempted_hits: u64,
     pub num_preemptions: u64,
     pub num_finished_reqs: u64,
+    /// KV connector: tokens asked of it at admissions (beyond the local hit), and tokens it supplied.
+    pub connector_prefix_cache_queries: u64,
+    pub connector_prefix_cache_hits: u64,
     pub step_id: u64,
     pub num_swapped_out_reqs: u64,
     pub num_swapped_out_blocks: u64,

@@ -18,6 +18,11 @@ pub enum RequestStatus {
     /// Waiting, but not schedulable until its structured-output grammar is ready (vLLM's
     /// `WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`). Numbered after the others so existing codes keep their values.
     WaitingForGrammar = 6,
+    /// Admitted with an asynchronous KV load from the connector: holds its blocks, not schedulable until the
+    /// engine reports the load finished (vLLM's `WAITING_FOR_REMOTE_KVS`).
+    WaitingForRemoteKvs = 7,
+    /// Finished because its KV load failed and `kv_load_failure_policy` is `"fail"` (vLLM's `FINISHED_ERROR`).
+    FinishedError = 8,
 }
 
 impl RequestStatus {
@@ -27,12 +32,19 @@ impl RequestStatus {
             RequestStatus::FinishedStopped
                 | RequestStatus::FinishedLengthCapped
                 | RequestStatus::FinishedAborted
+                | RequestStatus::FinishedError
         )
     }
 
     /// Any of the statuses of a request in the waiting queue.
     pub fn is_waiting(self) -> bool {
-        matches!(self, RequestStatus::Waiting | RequestStatus::Preempted | RequestStatus::WaitingForGrammar)
+        matches!(
+            self,
+            RequestStatus::Waiting
+                | RequestStatus::Preempted
+                | RequestStatus::WaitingForGrammar
+                | RequestStatus::WaitingForRemoteKvs
+        )
     }
 }
 
@@ -45,6 +57,8 @@ pub enum FinishReason {
     Stop = 1,
     Length = 2,
     Abort = 3,
+    /// The KV load failed (`kv_load_failure_policy = "fail"`).
+    Error = 4,
 }
 
 /// `Request::eos_token_id` of a request without an EOS token.
@@ -141,6 +155,15 @@ pub struct Request {
     /// Tokens computed when the request was last preempted and not yet recovered: what resuming it must
     /// compute again unless prefix hits or a swap-in restore them (the recomputed-tokens stat).
     pub num_lost_tokens: u32,
+    /// Order of `add_request` calls: blocked requests that become ready are queued in this order.
+    pub add_seq: u64,
+    /// KV connector: the asynchronous load of this request was reported finished (or failed).
+    pub kv_load_done: bool,
+    /// KV connector: the load failed; `num_computed_tokens` was cut back to the valid prefix.
+    pub kv_load_failed: bool,
+    /// In no queue and not running: blocked (grammar not ready, KV load in progress), or ready and queued at the
+    /// start of the next `schedule()`.
+    pub parked: bool,
 }
 
 impl Request {

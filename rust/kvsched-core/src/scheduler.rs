@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::block_pool::BlockPool;
 use crate::config::{PauseState, Policy, SchedulerConfig};
+use crate::connector::{Connector, Held};
 use crate::error::{Result, SchedError};
 use crate::fair::{Tenant, Tenants, DEFAULT_TENANT};
 use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
@@ -45,6 +46,9 @@ pub(crate) struct Counters {
     /// Tokens computed before a preemption and lost to it (not restored by prefix hits or a swap-in), counted
     /// when the request resumes.
     pub num_recomputed_tokens: u64,
+    /// KV connector: tokens asked of the connector at admission (beyond the local hit) and tokens it had.
+    pub connector_prefix_cache_queries: u64,
+    pub connector_prefix_cache_hits: u64,
     /// Scheduled requests and tokens of the most recent step (for the invariant check).
     pub last_num_scheduled_reqs: usize,
     pub last_num_scheduled_tokens: u64,
@@ -79,6 +83,20 @@ pub struct Scheduler {
     /// Auto's cost constants now in force (initially from the config; `set_preemption_costs`).
     pub(crate) recompute_cost_per_token: f64,
     pub(crate) swap_cost_per_block: f64,
+    /// The KV connector, if any (`connector.rs`).
+    pub(crate) connector: Option<Connector>,
+    /// Requests whose asynchronous KV load is over, holding their blocks (vLLM's `kv_holding_waiting`): phase
+    /// B takes them before `waiting`, and under `paused_new` only them.
+    pub(crate) kv_waiting: WaitingQueue,
+    /// Parked requests that became ready since the last step, queued at the start of the next `schedule()`.
+    pub(crate) newly_ready: Vec<ReqHandle>,
+    /// Requests with `parked` set (in no queue, not running).
+    pub(crate) num_parked: usize,
+    /// Parked requests in `WaitingForRemoteKvs`.
+    pub(crate) num_loading: usize,
+    /// Blocks of finished requests kept for a KV transfer.
+    pub(crate) held: Held,
+    pub(crate) next_add_seq: u64,
 }
 
 fn bad_request(msg: String) -> SchedError {
@@ -102,6 +120,7 @@ impl Scheduler {
             recompute_cost_per_token: config.recompute_cost_per_token,
             swap_cost_per_block: config.swap_cost_per_block,
             waiting: WaitingQueue::new(config.policy),
+            kv_waiting: WaitingQueue::new(config.policy),
             tenants: Tenants::new(&config),
             config,
             kv,
@@ -117,6 +136,12 @@ impl Scheduler {
             pause_state: PauseState::Unpaused,
             num_deferred: 0,
             preempted_since_step: Vec::new(),
+            connector: None,
+            newly_ready: Vec::new(),
+            num_parked: 0,
+            num_loading: 0,
+            held: Held::default(),
+            next_add_seq: 0,
         })
     }
 
@@ -143,7 +168,7 @@ impl Scheduler {
         if req_id.is_empty() {
             return Err(bad_request("request id must be a non-empty string".into()));
         }
-        if self.ids.contains_key(req_id) {
+        if self.ids.contains_key(req_id) || self.held.contains_key(req_id) {
             return Err(SchedError::DuplicateRequest(format!("request id {req_id:?} is already known")));
         }
         let prompt_len = prompt_token_ids.len();
@@ -259,13 +284,23 @@ impl Scheduler {
             cpu_blocks: Vec::new(),
             num_swapped_tokens: 0,
             num_lost_tokens: 0,
+            add_seq: self.next_add_seq,
+            kv_load_done: false,
+            kv_load_failed: false,
+            // A request waiting for its grammar is parked (in no queue) until `set_ready`.
+            parked: params.waiting_for_grammar,
         };
+        self.next_add_seq += 1;
         self.num_deferred += usize::from(params.waiting_for_grammar);
+        self.num_parked += usize::from(params.waiting_for_grammar);
         self.kv.extend_hashes(&mut req);
         let key = Self::priority_key(&req);
+        let parked = req.parked;
         self.slab.insert(req);
         self.ids.insert(id, handle.slot);
-        self.waiting.push(handle, key);
+        if !parked {
+            self.waiting.push(handle, key);
+        }
         self.tenants.on_arrival(tenant);
         self.epoch += 1;
         Ok(())
@@ -329,15 +364,27 @@ impl Scheduler {
     /// `running`/`waiting` (in one pass for many requests) with `remove_finished_from_queues`.
     pub(crate) fn finish(&mut self, slot: u32, status: RequestStatus) -> Result<Request> {
         let req = self.slab.get_mut(slot)?;
-        if req.status != RequestStatus::Running {
+        let prev = req.status;
+        if prev != RequestStatus::Running {
             self.tenants.on_leave_waiting(req.tenant);
+        }
+        let was_loading = prev == RequestStatus::WaitingForRemoteKvs && !req.kv_load_done;
+        if req.parked {
+            req.parked = false;
+            self.num_parked -= 1;
+            if prev == RequestStatus::WaitingForRemoteKvs {
+                self.num_loading -= 1;
+            }
         }
         req.status = status;
         if req.deferred {
             req.deferred = false;
             self.num_deferred -= 1;
         }
-        self.kv.free(req);
+        if !self.hold_for_transfer(slot, was_loading)? {
+            let req = self.slab.get_mut(slot)?;
+            self.kv.free(req);
+        }
         self.release_cpu_blocks(slot)?;
         let req = self
             .slab
@@ -356,6 +403,12 @@ impl Scheduler {
         }
         if waiting {
             self.waiting.retain(|h| slab.resolve(h).is_some());
+            if !self.kv_waiting.is_empty() {
+                self.kv_waiting.retain(|h| slab.resolve(h).is_some());
+            }
+            if !self.newly_ready.is_empty() {
+                self.newly_ready.retain(|&h| slab.resolve(h).is_some());
+            }
         }
     }
 
@@ -368,9 +421,15 @@ impl Scheduler {
     pub fn num_unfinished_requests(&self) -> usize {
         match self.pause_state {
             PauseState::PausedAll => 0,
-            PauseState::PausedNew => self.running.len(),
-            PauseState::Unpaused => self.running.len() + self.waiting.len(),
+            // Requests holding KV blocks (loading, or loaded and not yet admitted) still drain (vLLM 0.33).
+            PauseState::PausedNew => self.running.len() + self.kv_waiting.len() + self.num_loading,
+            PauseState::Unpaused => self.num_live_requests(),
         }
+    }
+
+    /// Running, waiting, loaded-waiting and parked requests.
+    pub(crate) fn num_live_requests(&self) -> usize {
+        self.running.len() + self.waiting.len() + self.kv_waiting.len() + self.num_parked
     }
 
     pub fn pause_state(&self) -> PauseState {
@@ -393,6 +452,9 @@ impl Scheduler {
         let req = self.slab.get_mut(slot)?;
         if req.status == RequestStatus::WaitingForGrammar && !req.grammar_ready {
             req.grammar_ready = true;
+            if req.parked {
+                self.newly_ready.push(req.handle);
+            }
             self.epoch += 1;
         }
         Ok(())
@@ -407,8 +469,9 @@ impl Scheduler {
         self.running.len()
     }
 
+    /// Requests not running: waiting, loaded-waiting and parked (blocked) ones.
     pub fn num_waiting_reqs(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.kv_waiting.len() + self.num_parked
     }
 
     pub fn num_free_blocks(&self) -> usize {
@@ -461,6 +524,10 @@ impl Scheduler {
         if ok {
             self.epoch += 1;
         } else if reset_running_requests {
+            if !self.held.is_empty() || self.slab.iter().any(|r| !r.blocks.is_empty()) {
+                // KV transfers hold blocks (vLLM raises: not supported yet).
+                return Ok(false);
+            }
             return Err(SchedError::Internal("the prefix cache is in use with no request running".into()));
         }
         Ok(ok)
@@ -470,7 +537,7 @@ impl Scheduler {
         let c = &self.counters;
         SchedulerStats {
             num_running_reqs: self.running.len(),
-            num_waiting_reqs: self.waiting.len() - self.num_deferred,
+            num_waiting_reqs: self.num_waiting_reqs() - self.num_deferred,
             num_skipped_waiting_reqs: self.num_deferred,
             kv_cache_usage: self.kv.pool.usage(),
             num_free_blocks: self.kv.pool.num_free_blocks(),
@@ -480,6 +547,8 @@ impl Scheduler {
             prefix_cache_preempted_hits: c.prefix_cache_preempted_hits,
             num_preemptions: c.num_preemptions,
             num_finished_reqs: c.num_finished_reqs,
+            connector_prefix_cache_queries: c.connector_prefix_cache_queries,
+            connector_prefix_cache_hits: c.connector_prefix_cache_hits,
             step_id: self.next_step_id,
             num_swapped_out_reqs: c.num_swapped_out_reqs,
             num_swapped_out_blocks: c.num_swapped_out_blocks,
@@ -517,12 +586,20 @@ impl Scheduler {
                 return Err(format!("slot {s} appears twice in running"));
             }
         }
-        for h in self.waiting.handles() {
-            if self.slab.resolve(h).is_none() {
-                return Err(format!("waiting holds a stale handle {h:?}"));
+        for (queue, name) in [(&self.waiting, "waiting"), (&self.kv_waiting, "kv_waiting")] {
+            for h in queue.handles() {
+                if self.slab.resolve(h).is_none() {
+                    return Err(format!("{name} holds a stale handle {h:?}"));
+                }
+                if let Some(prev) = where_.insert(h.slot, name) {
+                    return Err(format!("slot {} is in {name} and in {prev}", h.slot));
+                }
             }
-            if let Some(prev) = where_.insert(h.slot, "waiting") {
-                return Err(format!("slot {} is in waiting and in {prev}", h.slot));
+        }
+        for h in &self.newly_ready {
+            match self.slab.resolve(*h) {
+                Some(r) if r.parked => {}
+                _ => return Err(format!("newly_ready holds {h:?}, not a parked request")),
             }
         }
         if self.running.len() > cfg.max_num_seqs as usize {
@@ -540,12 +617,22 @@ impl Scheduler {
             let place = where_.get(&r.handle.slot).copied();
             match (r.status, place) {
                 (RequestStatus::Running, Some("running")) => {}
-                (st, Some("waiting")) if st.is_waiting() => {
+                (st, Some("waiting")) if st.is_waiting() && st != RequestStatus::WaitingForRemoteKvs => {
                     if !r.blocks.is_empty() || r.num_computed_tokens != 0 || r.num_output_placeholders != 0 {
                         return Err(format!("waiting request {:?} holds blocks or computed tokens", r.id));
                     }
                 }
+                (st, Some("kv_waiting")) if st.is_waiting() && st != RequestStatus::WaitingForGrammar => {
+                    if st == RequestStatus::WaitingForRemoteKvs && !r.kv_load_done {
+                        return Err(format!("request {:?} is queued while its KV load is in progress", r.id));
+                    }
+                }
+                (RequestStatus::WaitingForGrammar | RequestStatus::WaitingForRemoteKvs, None) if r.parked => {
+                }
                 (st, p) => return Err(format!("request {:?} has status {st:?} but sits in {p:?}", r.id)),
+            }
+            if r.parked != place.is_none() {
+                return Err(format!("request {:?}: parked flag disagrees with its place", r.id));
             }
             if r.deferred && !r.status.is_waiting() {
                 return Err(format!("request {:?} is deferred but not waiting", r.id));
@@ -582,14 +669,34 @@ impl Scheduler {
                 }
             }
         }
+        for (id, h) in &self.held {
+            if !h.awaiting_recv && !h.awaiting_send {
+                return Err(format!("finished request {id:?} holds blocks for no transfer"));
+            }
+            if self.ids.contains_key(id) {
+                return Err(format!("request {id:?} is live and holds blocks for a finished transfer"));
+            }
+            for &b in &h.blocks {
+                held[b as usize] += 1;
+            }
+        }
         self.kv.pool.check(&held)?;
         self.check_swap_invariants()?;
+        let parked = self.slab.iter().filter(|r| r.parked).count();
+        let loading =
+            self.slab.iter().filter(|r| r.parked && r.status == RequestStatus::WaitingForRemoteKvs).count();
+        if parked != self.num_parked || loading != self.num_loading {
+            return Err(format!(
+                "{parked} parked ({loading} loading) requests, counted {} ({})",
+                self.num_parked, self.num_loading
+            ));
+        }
         let mut waiting_per_tenant = vec![0u32; self.tenants.len()];
-        for h in self.waiting.handles() {
-            let t = self.slab.get(h.slot).map_err(|e| e.to_string())?.tenant as usize;
+        for r in self.slab.iter().filter(|r| r.status != RequestStatus::Running) {
+            let t = r.tenant as usize;
             match waiting_per_tenant.get_mut(t) {
                 Some(n) => *n += 1,
-                None => return Err(format!("slot {} has an unknown tenant {t}", h.slot)),
+                None => return Err(format!("request {:?} has an unknown tenant {t}", r.id)),
             }
         }
         self.tenants.check_waiting(&waiting_per_tenant)?;
@@ -614,6 +721,7 @@ impl Scheduler {
         match status {
             RequestStatus::FinishedLengthCapped => FinishReason::Length,
             RequestStatus::FinishedAborted => FinishReason::Abort,
+            RequestStatus::FinishedError => FinishReason::Error,
             _ => FinishReason::Stop,
         }
     }

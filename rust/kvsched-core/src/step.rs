@@ -91,15 +91,15 @@ impl Builder {
 impl Scheduler {
     #[inline(never)]
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
+        if !self.newly_ready.is_empty() {
+            self.queue_newly_ready()?;
+        }
         let paused_all = self.pause_state == PauseState::PausedAll;
         let mut budget = if paused_all { 0 } else { self.config.max_num_batched_tokens };
         // vLLM 0.33: the per-request cap guards other requests from starvation, so it applies only when more
         // than one request is running or waiting.
-        let threshold = if self.running.len() + self.waiting.len() > 1 {
-            self.config.long_prefill_token_threshold
-        } else {
-            0
-        };
+        let threshold =
+            if self.num_live_requests() > 1 { self.config.long_prefill_token_threshold } else { 0 };
         let mut b = Builder::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<ReqHandle> = Vec::new();
         // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund
@@ -258,65 +258,125 @@ impl Scheduler {
             }
         }
         let mut skipped: Vec<ReqHandle> = Vec::new();
+        let mut skipped_kv: Vec<ReqHandle> = Vec::new();
         let mut hits: Vec<u32> = Vec::new();
-        while *budget > 0 && self.pause_state == PauseState::Unpaused && self.running.len() < max_num_seqs {
-            let Some(h) = self.waiting.peek(&self.tenants) else { break };
+        while *budget > 0 && self.running.len() < max_num_seqs {
+            // Requests holding KV blocks (their asynchronous load is over) go first, and are the only ones
+            // admitted under `paused_new` (vLLM 0.33's `kv_holding_waiting`).
+            let from_kv = !self.kv_waiting.is_empty();
+            if !from_kv && self.pause_state != PauseState::Unpaused {
+                break;
+            }
+            let peeked =
+                if from_kv { self.kv_waiting.peek(&self.tenants) } else { self.waiting.peek(&self.tenants) };
+            let Some(h) = peeked else { break };
             let req = self.slab.get_mut(h.slot)?;
             if req.status == RequestStatus::WaitingForGrammar && req.grammar_ready {
                 req.status = RequestStatus::Waiting;
             }
+            if req.status == RequestStatus::WaitingForRemoteKvs && req.kv_load_done {
+                Self::promote_loaded(&mut self.kv, req);
+            }
             let lora_blocked = max_loras > 0
                 && loras.len() >= max_loras
                 && req.extra_keys.lora_name.as_ref().is_some_and(|l| !loras.contains(l));
-            if req.status == RequestStatus::WaitingForGrammar
+            let mut blocked = req.status == RequestStatus::WaitingForGrammar
+                || req.status == RequestStatus::WaitingForRemoteKvs
                 || (req.num_stale_output_tokens > 0 && !req.drop_stale_output)
-                || lora_blocked
-            {
+                || lora_blocked;
+            // Tokens beyond the local prefix hit that the connector supplies, and whether they load
+            // asynchronously (asked only of requests with nothing computed: a loaded request keeps its count).
+            let mut ext = 0u32;
+            let mut load_async = false;
+            let computed_before = req.num_computed_tokens;
+            hits.clear();
+            if !blocked && computed_before == 0 {
+                self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
+                // A swapped-out request resumes from its CPU copy: the connector is not asked.
+                if let (Some(conn), true) = (self.connector.as_mut(), req.cpu_blocks.is_empty()) {
+                    let local = hits.len() as u32 * bs;
+                    match conn.0.get_num_new_matched_tokens(req, local) {
+                        None => blocked = true,
+                        Some((e, a)) => {
+                            // Never more than the request has; a synchronous load leaves at least one token to
+                            // compute (vLLM asserts both of its connectors).
+                            let room = req.num_tokens() - local;
+                            ext = e.min(room);
+                            load_async = a && ext > 0;
+                            if !load_async && ext == room {
+                                ext = room - 1;
+                            }
+                        }
+                    }
+                }
+            }
+            if blocked {
                 if !req.deferred {
                     req.deferred = true;
                     self.num_deferred += 1;
                 }
-                self.waiting.pop(&self.tenants);
-                skipped.push(h);
+                if from_kv {
+                    self.kv_waiting.pop(&self.tenants);
+                    skipped_kv.push(h);
+                } else {
+                    self.waiting.pop(&self.tenants);
+                    skipped.push(h);
+                }
                 continue;
             }
-            hits.clear();
-            self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
             let num_hit_tokens = hits.len() as u32 * bs;
             // A swapped-out request resumes from its swapped tokens when they reach past the hits.
             let restored = restored_tokens(req, num_hit_tokens);
-            let mut n = req.num_tokens() - restored;
-            // Spec decoding: a request with one token to compute, admitted into a batch of decodes, gets
-            // placeholder drafts so that every decode in the batch has the same shape (vLLM 0.33).
-            let padded = 1 + lookahead;
-            let pad = lookahead > 0
-                && n == 1
-                && !prefill_scheduled
-                && (any_running_scheduled || restored > 0)
-                && restored + padded < max_model_len // room for the token this step samples
-                && restored + padded <= self.kv.max_slots // and in a KV cache below max_model_len
-                && (threshold == 0 || threshold >= padded);
-            if pad {
-                if padded > *budget {
+            // Tokens already in KV (or arriving) before this step: a loaded request's count, else the local hit
+            // (or a swapped-out request's swapped tokens when they reach past it) plus the connector's.
+            let computed = if computed_before > 0 { computed_before } else { restored + ext };
+            let mut n = if load_async { 0 } else { req.num_tokens() - computed };
+            let mut pad = false;
+            if !load_async {
+                // Spec decoding: a request with one token to compute, admitted into a batch of decodes, gets
+                // placeholder drafts so that every decode in the batch has the same shape (vLLM 0.33).
+                let padded = 1 + lookahead;
+                pad = lookahead > 0
+                    && n == 1
+                    && !prefill_scheduled
+                    && (any_running_scheduled || computed > 0)
+                    && computed + padded < max_model_len // room for the token this step samples
+                    && computed + padded <= self.kv.max_slots // and in a KV cache below max_model_len
+                    && (threshold == 0 || threshold >= padded);
+                if pad {
+                    if padded > *budget {
+                        break;
+                    }
+                    n = padded;
+                }
+                if threshold > 0 && n > threshold {
+                    n = threshold;
+                }
+                if !chunked && n > *budget {
                     break;
                 }
-                n = padded;
+                n = n.min(*budget);
             }
-            if threshold > 0 && n > threshold {
-                n = threshold;
-            }
-            if !chunked && n > *budget {
-                break;
-            }
-            n = n.min(*budget);
             let reserved = if self.running.is_empty() { 0 } else { watermark };
             if reserve_full_isl && !self.kv.full_sequence_fits(req, &hits, reserved) {
                 break;
             }
             // `allocate_slots` counts the slots from `computed + hits`: `restored` for a swapped-in request.
-            req.num_computed_tokens = restored - num_hit_tokens;
-            if self.kv.allocate_slots(req, n, &hits, lookahead, reserved).is_none() {
-                req.num_computed_tokens = 0;
+            if computed_before == 0 {
+                req.num_computed_tokens = restored - num_hit_tokens;
+            }
+            let allocated = if ext > 0 {
+                // Loads are allocated like computed tokens; an asynchronous load gets no lookahead slots and its
+                // blocks enter the prefix cache only once it has arrived.
+                let la = if load_async { 0 } else { lookahead };
+                self.kv.allocate_slots_ext(req, n, &hits, ext, la, reserved, !load_async)
+            } else {
+                self.kv.allocate_slots(req, n, &hits, lookahead, reserved)
+            };
+            if allocated.is_none() {
+                if computed_before == 0 {
+                    req.num_computed_tokens = 0;
+                }
                 break;
             }
             complete_resume(
@@ -324,15 +384,52 @@ impl Scheduler {
                 &mut self.counters,
                 req,
                 hits.len(),
-                restored,
+                computed,
                 &mut b.out.swap_in,
             )?;
+            if let Some(conn) = self.connector.as_mut() {
+                conn.0.update_state_after_alloc(req, ext);
+                if computed_before == 0 {
+                    self.counters.connector_prefix_cache_queries +=
+                        u64::from(req.num_tokens() - num_hit_tokens);
+                    self.counters.connector_prefix_cache_hits += u64::from(ext);
+                }
+            }
+            if computed_before == 0 {
+                let c = &mut self.counters;
+                if req.num_preemptions > 0 {
+                    c.prefix_cache_preempted_queries += u64::from(req.num_tokens());
+                    c.prefix_cache_preempted_hits += u64::from(num_hit_tokens);
+                } else {
+                    c.prefix_cache_queries += u64::from(req.num_tokens());
+                    c.prefix_cache_hits += u64::from(num_hit_tokens);
+                }
+            }
+            if load_async {
+                // Parked with its blocks until the engine reports the load finished (`update_kv_transfers`).
+                req.status = RequestStatus::WaitingForRemoteKvs;
+                req.num_computed_tokens = computed;
+                req.kv_load_done = false;
+                req.parked = true;
+                if !req.deferred {
+                    req.deferred = true;
+                    self.num_deferred += 1;
+                }
+                self.num_parked += 1;
+                self.num_loading += 1;
+                if from_kv {
+                    self.kv_waiting.pop(&self.tenants);
+                } else {
+                    self.waiting.pop(&self.tenants);
+                }
+                continue;
+            }
             let resumed = req.status == RequestStatus::Preempted;
             req.status = RequestStatus::Running;
-            req.num_computed_tokens = restored + n;
+            req.num_computed_tokens = computed + n;
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
             if req.num_cached_tokens < 0 {
-                req.num_cached_tokens = i64::from(num_hit_tokens);
+                req.num_cached_tokens = i64::from(computed);
             }
             if req.deferred {
                 req.deferred = false;
@@ -345,14 +442,6 @@ impl Scheduler {
                     }
                 }
             }
-            let c = &mut self.counters;
-            if req.num_preemptions > 0 {
-                c.prefix_cache_preempted_queries += u64::from(req.num_tokens());
-                c.prefix_cache_preempted_hits += u64::from(num_hit_tokens);
-            } else {
-                c.prefix_cache_queries += u64::from(req.num_tokens());
-                c.prefix_cache_hits += u64::from(num_hit_tokens);
-            }
             let idx = b.out.handles.len() as u32;
             if resumed {
                 b.out.resumed_reqs.push(idx);
@@ -360,10 +449,14 @@ impl Scheduler {
                 b.out.new_reqs.push(idx);
             }
             let spec = if pad { vec![SPEC_PLACEHOLDER; lookahead as usize] } else { Vec::new() };
-            b.push(req.handle, n, restored, &req.blocks, &spec, req.is_prefill_chunk);
-            self.waiting.pop(&self.tenants);
+            b.push(req.handle, n, computed, &req.blocks, &spec, req.is_prefill_chunk);
+            if from_kv {
+                self.kv_waiting.pop(&self.tenants);
+            } else {
+                self.waiting.pop(&self.tenants);
+            }
             self.tenants.on_leave_waiting(req.tenant);
-            self.tenants.charge_prompt(req, restored, n);
+            self.tenants.charge_prompt(req, computed, n);
             self.running.push(h.slot);
             *budget -= n;
         }
@@ -372,7 +465,29 @@ impl Scheduler {
             let key = Self::priority_key(self.slab.get(h.slot)?);
             self.waiting.push_preempted(h, key);
         }
+        for &h in skipped_kv.iter().rev() {
+            let key = Self::priority_key(self.slab.get(h.slot)?);
+            self.kv_waiting.push_preempted(h, key);
+        }
         Ok(())
+    }
+
+    /// A request whose asynchronous load is over becomes WAITING (PREEMPTED if it was preempted before): the
+    /// loaded blocks enter the prefix cache (after a failure only the valid prefix; with nothing valid its
+    /// blocks are freed and it is admitted afresh), and a fully loaded prompt recomputes its last token.
+    fn promote_loaded(kv: &mut crate::kv_cache_manager::KvCacheManager, req: &mut crate::request::Request) {
+        if req.kv_load_failed && req.num_computed_tokens == 0 {
+            kv.free(req);
+        } else {
+            let upto = req.num_computed_tokens;
+            kv.cache_blocks(req, upto);
+        }
+        if req.num_computed_tokens == req.num_tokens() {
+            req.num_computed_tokens -= 1;
+        }
+        req.kv_load_done = false;
+        req.kv_load_failed = false;
+        req.status = if req.num_preemptions > 0 { RequestStatus::Preempted } else { RequestStatus::Waiting };
     }
 
     /// Index in `running` of the next preemption victim.

@@ -46,6 +46,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         tenant_weights.push((name, w));
     }
     let policy = core::Policy::parse(&str_field("policy")?).map_err(|e| map_err(py, e))?;
+    let kv_load_failure_policy = core::KvLoadFailurePolicy::parse(&str_field("kv_load_failure_policy")?)
+        .map_err(|e| map_err(py, e))?;
     let algo = core::HashAlgo::parse(&str_field("prefix_hash_algo")?).map_err(|e| map_err(py, e))?;
     let preemption_mode =
         core::PreemptionMode::parse(&str_field("preemption_mode")?).map_err(|e| map_err(py, e))?;
@@ -76,5 +78,6 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         num_cpu_blocks: u32_field("num_cpu_blocks")?,
         recompute_cost_per_token: f64_field("recompute_cost_per_token")?,
         swap_cost_per_block: f64_field("swap_cost_per_block")?,
+        kv_load_failure_policy,
     })
 }

@@ -74,6 +74,9 @@ pub(crate) struct PySchedulerOutput {
     pub(crate) swap_out: LazyArray<i32>,
     pub(crate) swap_in: LazyArray<i32>,
     pub(crate) req_ids_cache: Option<Py<PyList>>,
+    /// What the KV connector's `build_connector_meta(out)` returned (None without a connector).
+    #[pyo3(get)]
+    pub(crate) kv_connector_metadata: Option<Py<PyAny>>,
 }
 
 /// A flattened pair list as an `(m, 2)` int32 array (a view of the moved vector, no copy).
@@ -194,6 +197,8 @@ impl PySchedulerOutput {
 /// What applying one step's sampled tokens did.
 #[pyclass(module = "kvsched._core", name = "UpdateResult")]
 pub(crate) struct PyUpdateResult {
+    /// `{req_id: params}` from the KV connector's `request_finished` for the requests this call finished.
+    pub(crate) kv_transfer_params: Option<Py<PyDict>>,
     pub(crate) finished_ids: Vec<Arc<str>>,
     pub(crate) finish_reasons: LazyArray<i8>,
     pub(crate) stop_reasons: LazyArray<i64>,
@@ -209,6 +214,14 @@ impl PyUpdateResult {
         cached_list(py, &mut self.finished_cache, || {
             PyList::new(py, ids.iter().map(|s| PyString::new(py, s)))
         })
+    }
+
+    #[getter]
+    fn kv_transfer_params<'py>(&self, py: Python<'py>) -> Bound<'py, PyDict> {
+        match &self.kv_transfer_params {
+            Some(d) => d.bind(py).clone(),
+            None => PyDict::new(py),
+        }
     }
 
     #[getter]

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::config::config_from_py;
+use crate::connector::{id_list, int_list, ConnectorHandle};
 use crate::convert::{
     float_arg, id_arg, opt_int_arg, opt_str_arg, str_arg, token_list, type_name, RaggedInput,
 };
@@ -29,6 +30,8 @@ pub(crate) struct PyScheduler {
     /// The previous step's scheduled handles and their ids: reused while the batch does not change.
     last_ids: Option<(Vec<core::ReqHandle>, SharedIds)>,
     config: Py<PyAny>,
+    /// The KV connector, if one was given (`connector.rs`).
+    connector: Option<ConnectorHandle>,
 }
 
 /// The `(scheduler_id, step_id)` an output of `schedule()` stands for (`out` must be one).
@@ -60,16 +63,74 @@ fn warn_preempted(py: Python<'_>, num: usize, total: u64) -> PyResult<()> {
 #[pymethods]
 impl PyScheduler {
     #[new]
-    #[pyo3(signature = (config, *_args, **_kwargs))]
+    #[pyo3(signature = (config, kv_connector=None, *_args, **_kwargs))]
     fn new(
         config: &Bound<'_, PyAny>,
+        kv_connector: Option<&Bound<'_, PyAny>>,
         _args: &Bound<'_, PyTuple>,
         _kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let py = config.py();
         let cfg = config_from_py(config)?;
-        let core = guard(py, || core::Scheduler::new(cfg))?;
-        Ok(PyScheduler { core, py_ids: Vec::new(), last_ids: None, config: config.clone().unbind() })
+        let mut core = guard(py, || core::Scheduler::new(cfg))?;
+        let connector = match kv_connector.filter(|c| !c.is_none()) {
+            Some(obj) => {
+                let (handle, hooks) = ConnectorHandle::new(obj)?;
+                guard(py, || core.set_kv_connector(Some(hooks)))?;
+                Some(handle)
+            }
+            None => None,
+        };
+        Ok(PyScheduler {
+            core,
+            py_ids: Vec::new(),
+            last_ids: None,
+            config: config.clone().unbind(),
+            connector,
+        })
+    }
+
+    /// The KV connector given at construction, or None.
+    #[getter]
+    fn kv_connector(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.connector.as_ref().map(|c| c.obj.clone_ref(py))
+    }
+
+    /// Applies what the engine reports about KV transfers (see docs/api.md). Returns the ids of requests
+    /// finished because their load failed (`kv_load_failure_policy="fail"`).
+    #[pyo3(signature = (finished_recving=None, finished_sending=None, failed_recving=None, invalid_block_ids=None))]
+    fn update_kv_transfers(
+        slf: &Bound<'_, Self>,
+        finished_recving: Option<&Bound<'_, PyAny>>,
+        finished_sending: Option<&Bound<'_, PyAny>>,
+        failed_recving: Option<&Bound<'_, PyAny>>,
+        invalid_block_ids: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<String>> {
+        let py = slf.py();
+        let recv = id_list(finished_recving, "finished_recving")?;
+        let send = id_list(finished_sending, "finished_sending")?;
+        let failed = id_list(failed_recving, "failed_recving")?;
+        let invalid = int_list(invalid_block_ids, "invalid_block_ids")?;
+        let mut this = borrow_mut(slf)?;
+        let report = core::KvTransferReport {
+            finished_recving: &recv,
+            finished_sending: &send,
+            failed_recving: &failed,
+            invalid_block_ids: &invalid,
+        };
+        let errored = guard(py, || this.core.update_kv_transfers(report))?;
+        if let Some(c) = &this.connector {
+            // Requests failed by their load get no transfer parameters (vLLM drops them too).
+            c.take_transfer_params(py)?;
+        }
+        this.after_hooks(py)?;
+        Ok(errored.iter().map(|s| s.to_string()).collect())
+    }
+
+    /// Finished requests whose blocks are still held for a KV transfer (a send, or a load they were aborted in).
+    #[getter]
+    fn num_held_kv_requests(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.core.num_held_kv_requests())
     }
 
     #[getter]
@@ -189,10 +250,13 @@ impl PyScheduler {
         Ok(())
     }
 
-    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+    fn schedule(slf: &Bound<'_, Self>) -> PyResult<Py<PySchedulerOutput>> {
         let py = slf.py();
         let mut this = borrow_mut(slf)?;
         let out = guard(py, || this.core.schedule())?;
+        if this.connector.is_some() {
+            this.after_hooks(py)?;
+        }
         let id_of = |py_ids: &[Option<Py<PyString>>], h: core::ReqHandle| -> PyResult<Py<PyString>> {
             py_ids
                 .get(h.slot as usize)
@@ -221,29 +285,45 @@ impl PyScheduler {
         }
         let num_preempted = preempted_ids.len();
         let total_preemptions = this.core.stats().num_preemptions;
+        let has_connector = this.connector.is_some();
         drop(this);
         if num_preempted > 0 {
             warn_preempted(py, num_preempted, total_preemptions)?;
         }
-        Ok(PySchedulerOutput {
-            step_id: out.step_id,
-            total_num_scheduled_tokens: out.total_num_scheduled_tokens,
-            scheduler_id: out.scheduler_id,
-            ids,
-            new_reqs: out.new_reqs,
-            resumed_reqs: out.resumed_reqs,
-            preempted_ids,
-            finished_ids: out.finished_req_ids,
-            num_scheduled_tokens: LazyArray::Raw(out.num_scheduled_tokens),
-            num_computed_tokens: LazyArray::Raw(out.num_computed_tokens),
-            new_block_ids: LazyArray::Raw(out.new_block_ids),
-            new_block_ids_indptr: LazyArray::Raw(out.new_block_ids_indptr),
-            spec_token_ids: LazyArray::Raw(out.spec_token_ids),
-            spec_token_ids_indptr: LazyArray::Raw(out.spec_token_ids_indptr),
-            swap_out: LazyArray::Raw(out.swap_out),
-            swap_in: LazyArray::Raw(out.swap_in),
-            req_ids_cache: None,
-        })
+        let out = Py::new(
+            py,
+            PySchedulerOutput {
+                step_id: out.step_id,
+                total_num_scheduled_tokens: out.total_num_scheduled_tokens,
+                scheduler_id: out.scheduler_id,
+                ids,
+                new_reqs: out.new_reqs,
+                resumed_reqs: out.resumed_reqs,
+                preempted_ids,
+                finished_ids: out.finished_req_ids,
+                num_scheduled_tokens: LazyArray::Raw(out.num_scheduled_tokens),
+                num_computed_tokens: LazyArray::Raw(out.num_computed_tokens),
+                new_block_ids: LazyArray::Raw(out.new_block_ids),
+                new_block_ids_indptr: LazyArray::Raw(out.new_block_ids_indptr),
+                spec_token_ids: LazyArray::Raw(out.spec_token_ids),
+                spec_token_ids_indptr: LazyArray::Raw(out.spec_token_ids_indptr),
+                swap_out: LazyArray::Raw(out.swap_out),
+                swap_in: LazyArray::Raw(out.swap_in),
+                req_ids_cache: None,
+                kv_connector_metadata: None,
+            },
+        )?;
+        if has_connector {
+            // The connector's metadata for the workers (vLLM's `build_connector_meta`), built once the step is.
+            let this = borrow(slf)?;
+            let meta = match &this.connector {
+                Some(c) => c.build_meta(py, out.bind(py).as_any())?,
+                None => None,
+            };
+            drop(this);
+            out.borrow_mut(py).kv_connector_metadata = meta;
+        }
+        Ok(out)
     }
 
     #[pyo3(signature = (out, sampled_token_ids, draft_token_ids=None))]
@@ -274,7 +354,16 @@ impl PyScheduler {
                 draft_views.as_ref().map(|(v, p)| Ragged { values: v.as_slice(), indptr: p.as_slice() }),
             )
         })?;
+        let kv_transfer_params = match &this.connector {
+            Some(c) => {
+                let params = c.take_transfer_params(py)?;
+                this.after_hooks(py)?;
+                params
+            }
+            None => None,
+        };
         Ok(PyUpdateResult {
+            kv_transfer_params,
             finished_ids: res.finished_req_ids,
             finish_reasons: LazyArray::Raw(res.finish_reasons.iter().map(|&r| r as i8).collect()),
             stop_reasons: LazyArray::Raw(res.stop_reasons),
@@ -321,7 +410,12 @@ impl PyScheduler {
             ids.push(id_arg(&item?, "UnknownRequestError")?);
         }
         let mut this = borrow_mut(slf)?;
-        guard(py, || this.core.abort_requests(&ids))
+        guard(py, || this.core.abort_requests(&ids))?;
+        if let Some(c) = &this.connector {
+            // vLLM returns no transfer parameters for aborted requests either.
+            c.take_transfer_params(py)?;
+        }
+        this.after_hooks(py)
     }
 
     fn has_unfinished_requests(slf: &Bound<'_, Self>) -> PyResult<bool> {
@@ -482,6 +576,8 @@ impl PyScheduler {
         d.set_item("num_recomputed_tokens", s.num_recomputed_tokens)?;
         d.set_item("num_free_cpu_blocks", s.num_free_cpu_blocks)?;
         d.set_item("cpu_kv_cache_usage", s.cpu_kv_cache_usage)?;
+        d.set_item("connector_prefix_cache_queries", s.connector_prefix_cache_queries)?;
+        d.set_item("connector_prefix_cache_hits", s.connector_prefix_cache_hits)?;
         Ok(d)
     }
 
@@ -593,5 +689,14 @@ impl PyScheduler {
 impl PyScheduler {
     fn core_next_slot(&self) -> usize {
         self.core.next_slot() as usize
+    }
+
+    /// Raises the first exception a connector hook raised during the last core call (the core has finished
+    /// the call consistently, taking the hook's answer as "nothing external, no delayed free").
+    fn after_hooks(&self, _py: Python<'_>) -> PyResult<()> {
+        match &self.connector {
+            Some(c) => c.check(),
+            None => Ok(()),
+        }
     }
 }

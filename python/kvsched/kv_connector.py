@@ -1,0 +1,34 @@
+"""The KV connector protocol: what ``Scheduler(config, kv_connector=...)`` calls (scheduler side only).
+
+These are vLLM's ``KVConnectorBase_V1`` scheduler-role hooks, keyed by request id instead of vLLM's ``Request``
+object (``kvsched.vllm`` adapts a real vLLM connector to them). The scheduler calls a hook only when a connector
+is set; see ``docs/api.md`` ("KV connector") for when each hook runs and ``docs/semantics.md`` for the rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["KVConnector"]
+
+
+@runtime_checkable
+class KVConnector(Protocol):
+    """Scheduler-side hooks of a KV connector (duck-typed: any object with these methods will do)."""
+
+    def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """At admission of a request with nothing computed, after its local prefix hit of
+        ``num_computed_tokens`` tokens: how many more tokens the connector can supply, and whether they load
+        asynchronously. ``(None, False)``: cannot tell yet, the request is skipped this step."""
+        ...
+
+    def update_state_after_alloc(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        """The request was admitted: ``block_ids`` is its whole block table; the ``num_external_tokens`` tokens
+        after its local hit are the connector's to load."""
+        ...
+
+    def request_finished(self, req_id: str, block_ids: list[int]) -> bool | tuple[bool, dict[str, Any] | None]:
+        """The request finished; ``block_ids`` hold its computed tokens. True (or ``(True, params)``): the engine
+        is sending them; the scheduler frees them when ``update_kv_transfers(finished_sending=...)`` names the
+        request. ``params`` are handed back in ``UpdateResult.kv_transfer_params``."""
+        ...

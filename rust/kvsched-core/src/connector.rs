@@ -1,0 +1,289 @@
+//! The KV connector, scheduler side (vLLM's `KVConnectorBase_V1` scheduler-role hooks), and the bookkeeping of
+//! KV transfers: asynchronous loads (requests parked in `WaitingForRemoteKvs` while their blocks fill) and
+//! delayed frees (blocks of a finished request kept while the engine still receives into them or sends them).
+//!
+//! The core knows a connector only as a `KvConnector` trait object, so it stays free of Python: the binding
+//! wraps a Python object behind it. With no connector set, the step loop never calls a hook.
+//!
+//! Invariants (checked by `Scheduler::check_invariants`): a request in `WaitingForRemoteKvs` holds blocks
+//! covering its computed tokens and sits in no queue until its load is reported finished; `held` maps the id of
+//! every finished request whose blocks are not yet freed to those blocks and at least one pending transfer;
+//! every held block counts in its ref count like a block table's.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::config::KvLoadFailurePolicy;
+use crate::error::{Result, SchedError};
+use crate::request::{Request, RequestStatus};
+use crate::scheduler::Scheduler;
+
+/// The hooks the scheduler calls (vLLM's `KVConnectorBase_V1`, scheduler role). Called only when a connector
+/// is set. A hook cannot fail from the core's point of view: an implementation that hits an error answers
+/// conservatively (no external tokens, no delayed free) and reports the error its own way.
+pub trait KvConnector: Send + Sync {
+    /// At admission of a request with nothing computed yet, after the local prefix hit (`num_computed_tokens`,
+    /// a multiple of the block size): how many more tokens the connector can supply, and whether they load
+    /// asynchronously. `None`: the connector cannot tell yet; the request is skipped this step.
+    fn get_num_new_matched_tokens(&mut self, req: &Request, num_computed_tokens: u32) -> Option<(u32, bool)>;
+
+    /// After a successful allocation at admission: `req.blocks` is the whole block table; the first
+    /// `num_computed_tokens - num_external_tokens` tokens are local hits, the next `num_external_tokens` are to
+    /// be loaded by the connector.
+    fn update_state_after_alloc(&mut self, req: &Request, num_external_tokens: u32);
+
+    /// When a request finishes (any reason), before its blocks are freed: `block_ids` are the blocks holding its
+    /// computed tokens. `true`: the engine is sending them, free them only when it reports the send finished.
+    fn request_finished(&mut self, req: &Request, block_ids: &[u32]) -> bool;
+}
+
+/// A connector in the scheduler (a newtype so the scheduler can stay `Debug`).
+pub(crate) struct Connector(pub Box<dyn KvConnector>);
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KvConnector")
+    }
+}
+
+/// The blocks of a finished request kept for a transfer still in progress.
+#[derive(Clone, Debug)]
+pub(crate) struct HeldBlocks {
+    pub blocks: Vec<u32>,
+    /// It finished (aborted, or failed with policy `fail`) while its load was in progress.
+    pub awaiting_recv: bool,
+    /// The connector asked to delay the free (`request_finished` returned `true`).
+    pub awaiting_send: bool,
+}
+
+/// What the engine reports about KV transfers (vLLM's `KVConnectorOutput`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KvTransferReport<'a, S: AsRef<str>> {
+    /// Requests whose asynchronous load finished (successfully or not).
+    pub finished_recving: &'a [S],
+    /// Finished requests whose blocks were being sent: free them now.
+    pub finished_sending: &'a [S],
+    /// Requests whose whole load failed.
+    pub failed_recving: &'a [S],
+    /// Blocks whose load failed.
+    pub invalid_block_ids: &'a [i64],
+}
+
+pub(crate) type Held = HashMap<Arc<str>, HeldBlocks>;
+
+impl Scheduler {
+    /// Sets (or with `None` removes) the KV connector. Refused while a transfer is in progress.
+    pub fn set_kv_connector(&mut self, connector: Option<Box<dyn KvConnector>>) -> Result<()> {
+        if self.num_loading > 0 || !self.kv_waiting.is_empty() || !self.held.is_empty() {
+            return Err(SchedError::InvalidRequest(
+                "the KV connector cannot be changed while KV transfers are in progress".into(),
+            ));
+        }
+        self.connector = connector.map(Connector);
+        self.epoch += 1;
+        Ok(())
+    }
+
+    pub fn has_kv_connector(&self) -> bool {
+        self.connector.is_some()
+    }
+
+    /// Finished requests whose blocks are still held for a transfer (vLLM keeps them in `requests`).
+    pub fn num_held_kv_requests(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Applies what the engine reports about KV transfers, in vLLM 0.33's order: failed loads, invalid blocks,
+    /// then finished loads and sends. Everything is validated first; on error nothing changes. Returns the
+    /// requests finished because their load failed (policy `fail`).
+    pub fn update_kv_transfers<S: AsRef<str>>(
+        &mut self,
+        report: KvTransferReport<'_, S>,
+    ) -> Result<Vec<Arc<str>>> {
+        let num_blocks = i64::from(self.config.num_blocks);
+        for &b in report.invalid_block_ids {
+            if !(1..num_blocks).contains(&b) {
+                return Err(SchedError::InvalidRequest(format!(
+                    "invalid_block_ids: block ids must be in [1, {num_blocks}), got {b}"
+                )));
+            }
+        }
+        let loading = |s: &Self, id: &str, what: &str, held_ok: fn(&HeldBlocks) -> bool| -> Result<()> {
+            if let Some(&slot) = s.ids.get(id) {
+                let r = s.slab.get(slot)?;
+                let ok = r.status == RequestStatus::WaitingForRemoteKvs
+                    && !(what == "finished_recving" && r.kv_load_done);
+                return if ok {
+                    Ok(())
+                } else {
+                    Err(SchedError::InvalidRequest(format!(
+                        "{what}: request {id:?} has no KV load in progress (status {:?})",
+                        r.status
+                    )))
+                };
+            }
+            match s.held.get(id) {
+                Some(h) if held_ok(h) => Ok(()),
+                Some(_) => Err(SchedError::InvalidRequest(format!(
+                    "{what}: finished request {id:?} has no such transfer in progress"
+                ))),
+                None => Err(SchedError::UnknownRequest(format!("{what}: unknown request id {id:?}"))),
+            }
+        };
+        for id in report.finished_recving {
+            loading(self, id.as_ref(), "finished_recving", |h| h.awaiting_recv)?;
+        }
+        for id in report.failed_recving {
+            loading(self, id.as_ref(), "failed_recving", |h| h.awaiting_recv)?;
+        }
+        for id in report.finished_sending {
+            let id = id.as_ref();
+            match self.held.get(id) {
+                Some(h) if h.awaiting_send => {}
+                Some(_) => {
+                    return Err(SchedError::InvalidRequest(format!(
+                        "finished_sending: request {id:?} is not being sent"
+                    )))
+                }
+                None if self.ids.contains_key(id) => {
+                    return Err(SchedError::InvalidRequest(format!(
+                        "finished_sending: request {id:?} has not finished"
+                    )))
+                }
+                None => {
+                    return Err(SchedError::UnknownRequest(format!(
+                        "finished_sending: unknown request id {id:?}"
+                    )))
+                }
+            }
+        }
+
+        // Validated: apply.
+        self.epoch += 1;
+        let bs = self.config.block_size;
+        let fail = self.config.kv_load_failure_policy == KvLoadFailurePolicy::Fail;
+        let mut failed: Vec<u32> = Vec::new();
+        for id in report.failed_recving {
+            let Some(&slot) = self.ids.get(id.as_ref()) else { continue };
+            let r = self.slab.get_mut(slot)?;
+            if fail {
+                if !failed.contains(&slot) {
+                    failed.push(slot);
+                }
+            } else {
+                r.num_computed_tokens = 0;
+                r.kv_load_failed = true;
+            }
+        }
+        if !report.invalid_block_ids.is_empty() {
+            let invalid: std::collections::HashSet<u32> =
+                report.invalid_block_ids.iter().map(|&b| b as u32).collect();
+            // In the order the requests were added (it decides the order of `fail` finishes).
+            let mut loading: Vec<(u64, u32)> = self
+                .slab
+                .iter()
+                .filter(|r| r.status == RequestStatus::WaitingForRemoteKvs)
+                .map(|r| (r.add_seq, r.handle.slot))
+                .collect();
+            loading.sort_unstable();
+            for (_, slot) in loading {
+                let r = self.slab.get_mut(slot)?;
+                let n = (r.num_computed_tokens.div_ceil(bs) as usize).min(r.blocks.len());
+                if let Some(idx) = r.blocks[..n].iter().position(|b| invalid.contains(b)) {
+                    if fail {
+                        if !failed.contains(&slot) {
+                            failed.push(slot);
+                        }
+                    } else {
+                        r.num_computed_tokens = idx as u32 * bs;
+                        r.kv_load_failed = true;
+                    }
+                }
+            }
+        }
+        let mut errored = Vec::with_capacity(failed.len());
+        for &slot in &failed {
+            let done = self.finish(slot, RequestStatus::FinishedError)?;
+            errored.push(done.id);
+        }
+        if !failed.is_empty() {
+            self.remove_finished_from_queues(false, true);
+        }
+        for id in report.finished_recving {
+            let id = id.as_ref();
+            if let Some(&slot) = self.ids.get(id) {
+                let r = self.slab.get_mut(slot)?;
+                if r.status == RequestStatus::WaitingForRemoteKvs && !r.kv_load_done {
+                    r.kv_load_done = true;
+                    self.newly_ready.push(r.handle);
+                }
+            } else {
+                self.release_held(id, true);
+            }
+        }
+        for id in report.finished_sending {
+            self.release_held(id.as_ref(), false);
+        }
+        Ok(errored)
+    }
+
+    /// One transfer of a finished request is over; frees its blocks when none is left.
+    fn release_held(&mut self, id: &str, recv: bool) {
+        let Some(h) = self.held.get_mut(id) else { return };
+        if recv {
+            h.awaiting_recv = false;
+        } else {
+            h.awaiting_send = false;
+        }
+        if !h.awaiting_recv && !h.awaiting_send {
+            if let Some(h) = self.held.remove(id) {
+                self.kv.pool.free_blocks(&h.blocks);
+            }
+        }
+    }
+
+    /// At finish: asks the connector whether to delay the free, and keeps the blocks if a transfer is still in
+    /// progress. Returns whether the blocks were kept (the caller frees them otherwise).
+    pub(crate) fn hold_for_transfer(&mut self, slot: u32, was_loading: bool) -> Result<bool> {
+        let Some(conn) = self.connector.as_mut() else { return Ok(false) };
+        let req = self.slab.get_mut(slot)?;
+        let n = (req.num_computed_tokens.div_ceil(self.config.block_size) as usize).min(req.blocks.len());
+        let awaiting_send = conn.0.request_finished(req, &req.blocks[..n]);
+        let awaiting_recv = was_loading;
+        if !awaiting_send && !awaiting_recv {
+            return Ok(false);
+        }
+        let blocks = std::mem::take(&mut req.blocks);
+        req.num_cached_blocks = 0;
+        self.held.insert(req.id.clone(), HeldBlocks { blocks, awaiting_recv, awaiting_send });
+        Ok(true)
+    }
+
+    /// Queues the blocked requests that became ready since the last step, in the order they were added:
+    /// grammar-ready ones at the front of `waiting`, loaded ones at the back of `kv_waiting`.
+    pub(crate) fn queue_newly_ready(&mut self) -> Result<()> {
+        let mut ready = std::mem::take(&mut self.newly_ready);
+        ready.retain(|h| self.slab.resolve(*h).is_some());
+        ready.sort_by_key(|h| self.slab.resolve(*h).map_or(0, |r| r.add_seq));
+        for &h in ready.iter().rev() {
+            let req = self.slab.get_mut(h.slot)?;
+            if req.status == RequestStatus::WaitingForGrammar && req.parked {
+                req.parked = false;
+                self.num_parked -= 1;
+                let key = Self::priority_key(req);
+                self.waiting.push_preempted(h, key);
+            }
+        }
+        for &h in &ready {
+            let req = self.slab.get_mut(h.slot)?;
+            if req.status == RequestStatus::WaitingForRemoteKvs && req.parked {
+                req.parked = false;
+                self.num_parked -= 1;
+                self.num_loading -= 1;
+                let key = Self::priority_key(req);
+                self.kv_waiting.push(h, key);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,186 @@
+//! KV connector behaviour in the core: asynchronous loads, load failures, delayed frees, aborts mid-transfer.
+
+use std::sync::{Arc, Mutex};
+
+use crate::{
+    KvConnector, KvLoadFailurePolicy, KvTransferReport, Ragged, Request, RequestParams, RequestStatus,
+    Scheduler, SchedulerConfig,
+};
+
+/// Answers every admission with `ext` tokens (async or not), delays the free of ids listed in `send`, and logs.
+#[derive(Default)]
+struct Fake {
+    ext: u32,
+    load_async: bool,
+    send: Vec<String>,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl KvConnector for Fake {
+    fn get_num_new_matched_tokens(&mut self, req: &Request, n: u32) -> Option<(u32, bool)> {
+        self.log.lock().unwrap().push(format!("match {} {n}", req.id));
+        Some((self.ext, self.load_async))
+    }
+    fn update_state_after_alloc(&mut self, req: &Request, ext: u32) {
+        self.log.lock().unwrap().push(format!("alloc {} {} {ext}", req.id, req.blocks.len()));
+    }
+    fn request_finished(&mut self, req: &Request, blocks: &[u32]) -> bool {
+        self.log.lock().unwrap().push(format!("finished {} {}", req.id, blocks.len()));
+        self.send.iter().any(|s| **s == *req.id)
+    }
+}
+
+fn sched(fake: Fake, policy: KvLoadFailurePolicy) -> Scheduler {
+    let cfg = SchedulerConfig {
+        block_size: 4,
+        num_blocks: 32,
+        max_model_len: 64,
+        prefix_hash_seed: Some(b"t".to_vec()),
+        kv_load_failure_policy: policy,
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.set_kv_connector(Some(Box::new(fake))).unwrap();
+    s
+}
+
+fn report<'a>(recv: &'a [&'a str], send: &'a [&'a str]) -> KvTransferReport<'a, &'a str> {
+    KvTransferReport {
+        finished_recving: recv,
+        finished_sending: send,
+        failed_recving: &[],
+        invalid_block_ids: &[],
+    }
+}
+
+/// One step in which every scheduled request with a complete prompt samples token 1.
+fn step(s: &mut Scheduler) -> Vec<String> {
+    let out = s.schedule().unwrap();
+    s.check_invariants().unwrap();
+    let mut values = Vec::new();
+    let mut indptr = vec![0i64];
+    for &h in &out.handles {
+        if !s.slab.resolve(h).is_none_or(|r| r.is_prefill_chunk) {
+            values.push(1);
+        }
+        indptr.push(values.len() as i64);
+    }
+    let ids = out.handles.iter().map(|&h| s.request_id(h).unwrap().to_string()).collect();
+    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, None)
+        .unwrap();
+    s.check_invariants().unwrap();
+    ids
+}
+
+fn prompt(n: i64) -> Vec<i64> {
+    (0..n).collect()
+}
+
+/// vLLM: an async load allocates the blocks, parks the request in WAITING_FOR_REMOTE_KVS, and it runs only after
+/// `finished_recving`; a fully loaded prompt recomputes its last token.
+#[test]
+fn async_load_parks_until_the_load_is_reported_finished() {
+    let mut s =
+        sched(Fake { ext: 100, load_async: true, ..Default::default() }, KvLoadFailurePolicy::Recompute);
+    s.add_request("a", &prompt(10), RequestParams { max_tokens: Some(2), ..Default::default() }).unwrap();
+    assert!(step(&mut s).is_empty());
+    let r = s.get_request("a").unwrap();
+    assert_eq!(
+        (r.status, r.num_computed_tokens, r.blocks.len()),
+        (RequestStatus::WaitingForRemoteKvs, 10, 3)
+    );
+    assert!(step(&mut s).is_empty(), "still loading");
+    s.update_kv_transfers(report(&["a"], &[])).unwrap();
+    s.check_invariants().unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![1]);
+    assert_eq!(out.num_computed_tokens, vec![9]);
+    assert_eq!(s.stats().connector_prefix_cache_hits, 10);
+}
+
+/// vLLM `kv_load_failure_policy="recompute"`: computed tokens are cut at the first invalid block, only the valid
+/// prefix enters the prefix cache, the rest is recomputed.
+#[test]
+fn invalid_blocks_cut_the_load_back_to_the_valid_prefix() {
+    let mut s =
+        sched(Fake { ext: 12, load_async: true, ..Default::default() }, KvLoadFailurePolicy::Recompute);
+    s.add_request("a", &prompt(14), RequestParams { max_tokens: Some(1), ..Default::default() }).unwrap();
+    step(&mut s);
+    let bad = i64::from(s.get_request("a").unwrap().blocks[1]);
+    let rep = KvTransferReport {
+        finished_recving: &["a"],
+        finished_sending: &[],
+        failed_recving: &[],
+        invalid_block_ids: &[bad],
+    };
+    s.update_kv_transfers(rep).unwrap();
+    s.check_invariants().unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!((out.num_computed_tokens[0], out.num_scheduled_tokens[0]), (4, 10));
+    assert_eq!(s.get_request("a").unwrap().num_cached_blocks, 3, "block 0 valid, then the recomputed ones");
+}
+
+/// vLLM `kv_load_failure_policy="fail"`: the request finishes with an error; its blocks wait for the receive.
+#[test]
+fn failed_load_with_policy_fail_finishes_the_request() {
+    let mut s = sched(Fake { ext: 8, load_async: true, ..Default::default() }, KvLoadFailurePolicy::Fail);
+    s.add_request("a", &prompt(12), RequestParams::default()).unwrap();
+    step(&mut s);
+    let free = s.num_free_blocks();
+    let rep = KvTransferReport {
+        finished_recving: &[],
+        finished_sending: &[],
+        failed_recving: &["a"],
+        invalid_block_ids: &[],
+    };
+    let failed = s.update_kv_transfers(rep).unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!((s.num_held_kv_requests(), s.num_free_blocks()), (1, free));
+    s.update_kv_transfers(report(&["a"], &[])).unwrap();
+    assert_eq!((s.num_held_kv_requests(), s.num_free_blocks()), (0, 31));
+    s.check_invariants().unwrap();
+}
+
+/// vLLM: aborting a request in WAITING_FOR_REMOTE_KVS delays the free until the receive finishes.
+#[test]
+fn abort_during_a_load_frees_when_the_load_ends() {
+    let mut s =
+        sched(Fake { ext: 8, load_async: true, ..Default::default() }, KvLoadFailurePolicy::Recompute);
+    s.add_request("a", &prompt(12), RequestParams::default()).unwrap();
+    step(&mut s);
+    s.abort_requests(&["a"]).unwrap();
+    s.check_invariants().unwrap();
+    assert!(s.num_free_blocks() < 31);
+    assert!(s.add_request("a", &prompt(3), RequestParams::default()).is_err(), "its id is still in use");
+    s.update_kv_transfers(report(&["a"], &[])).unwrap();
+    assert_eq!(s.num_free_blocks(), 31);
+    s.check_invariants().unwrap();
+}
+
+/// vLLM `request_finished` returning delay_free_blocks: the blocks stay until `finished_sending`.
+#[test]
+fn delayed_free_waits_for_finished_sending() {
+    let fake = Fake { ext: 0, send: vec!["a".into()], ..Default::default() };
+    let log = fake.log.clone();
+    let mut s = sched(fake, KvLoadFailurePolicy::Recompute);
+    s.add_request("a", &prompt(9), RequestParams { max_tokens: Some(1), ..Default::default() }).unwrap();
+    step(&mut s);
+    assert!(s.get_request("a").is_err(), "finished");
+    assert_eq!((s.num_held_kv_requests(), s.num_free_blocks()), (1, 28));
+    assert!(s.update_kv_transfers(report(&[], &["b"])).is_err(), "unknown id refused");
+    s.update_kv_transfers(report(&[], &["a"])).unwrap();
+    assert_eq!((s.num_held_kv_requests(), s.num_free_blocks()), (0, 31));
+    s.check_invariants().unwrap();
+    assert_eq!(*log.lock().unwrap(), vec!["match a 0", "alloc a 3 0", "finished a 3"]);
+}
+
+/// A synchronous external hit is computed like a prefix hit, leaving at least one token to compute.
+#[test]
+fn sync_load_leaves_one_token_to_compute() {
+    let mut s =
+        sched(Fake { ext: 100, load_async: false, ..Default::default() }, KvLoadFailurePolicy::Recompute);
+    s.add_request("a", &prompt(10), RequestParams::default()).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!((out.num_computed_tokens[0], out.num_scheduled_tokens[0]), (9, 1));
+    s.check_invariants().unwrap();
+}
