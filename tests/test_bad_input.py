@@ -120,6 +120,38 @@ def setup_lookahead() -> Ctx:
     return setup_in_flight(num_lookahead_tokens=2)
 
 
+class LoadWait:
+    """A KV connector that loads 4 tokens of "wait" asynchronously and keeps "sent"'s blocks for a send."""
+
+    def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return (4, True) if req_id == "wait" else (0, False)
+
+    def update_state_after_alloc(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        pass
+
+    def request_finished(self, req_id: str, block_ids: list[int]) -> bool:
+        return req_id == "sent"
+
+
+def setup_connector() -> Ctx:
+    """As setup_in_flight with a KV connector: "wait" is loading (WAITING_FOR_REMOTE_KVS), "sent" finished and
+    its blocks are held for a send, and run's decode step is in flight."""
+    s = Scheduler(**{**CONFIG, "max_num_seqs": 3}, kv_connector=LoadWait())
+    s.add_request("run", [1, 2, 3, 4, 5], max_tokens=20)
+    s.add_request("sent", [8, 8, 8, 8, 8], max_tokens=1)
+    out = s.schedule()
+    s.update_from_output(out, [[7], [7]])
+    s.add_request("wait", [9, 9, 9, 9, 9, 9], max_tokens=5)
+    out = s.schedule()
+    assert out.req_ids == ["run"] and s.get_request_status("wait") == kvsched.RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert s.num_held_kv_requests == 1
+    return Ctx(s, [(out, [[7]])])
+
+
+def kv(**report: Any) -> Callable[[Ctx], Any]:
+    return lambda c: c.s.update_kv_transfers(**report)
+
+
 def snapshot(s: Scheduler) -> Any:
     reqs = {}
     for rid in IDS:
@@ -146,6 +178,10 @@ def finish_everything(ctx: Ctx) -> None:
     s = ctx.s
     for out, ans in ctx.pending:
         s.update_from_output(out, ans)
+        s.check_invariants()
+    if s.kv_connector is not None:  # every load and send ends
+        loading = [r for r in IDS if r == "wait" and s.get_request_status(r) == 7]
+        s.update_kv_transfers(finished_recving=loading, finished_sending=["sent"])
         s.check_invariants()
     for _ in range(500):
         if not s.has_unfinished_requests():
@@ -451,6 +487,32 @@ CASES = [
         lambda: setup_async(),
     ),
     Case("probe-str", lambda c: c.s.get_num_cached_tokens("abc"), SchedulerTypeError, "str"),
+    # --- KV connector: update_kv_transfers, the connector object ------------------------------------------
+    Case("kv-recv-unknown", kv(finished_recving=["nope"]), UnknownRequestError, "nope", setup_connector),
+    Case("kv-recv-not-loading", kv(finished_recving=["run"]), InvalidRequestError, "run", setup_connector),
+    Case("kv-recv-one-bad-of-two", kv(finished_recving=["wait", "nope"]), UnknownRequestError, "nope", setup_connector),
+    Case("kv-failed-not-loading", kv(failed_recving=["run"]), InvalidRequestError, "run", setup_connector),
+    Case("kv-send-running", kv(finished_sending=["run"]), InvalidRequestError, "run", setup_connector),
+    Case("kv-send-loading", kv(finished_sending=["wait"]), InvalidRequestError, "wait", setup_connector),
+    Case("kv-send-unknown", kv(finished_sending=["nope"]), UnknownRequestError, "nope", setup_connector),
+    Case("kv-recv-of-a-send", kv(finished_recving=["sent"]), InvalidRequestError, "sent", setup_connector),
+    Case("kv-invalid-block-0", kv(invalid_block_ids=[0]), InvalidRequestError, "got 0", setup_connector),
+    Case("kv-invalid-block-too-big", kv(invalid_block_ids=[64]), InvalidRequestError, "64", setup_connector),
+    Case("kv-invalid-block-str", kv(invalid_block_ids=["1"]), SchedulerTypeError, "str", setup_connector),
+    Case("kv-invalid-block-bool", kv(invalid_block_ids=[True]), SchedulerTypeError, "bool", setup_connector),
+    Case("kv-recv-a-str", kv(finished_recving="wait"), SchedulerTypeError, "str", setup_connector),
+    Case("kv-recv-int-ids", kv(finished_recving=[3]), SchedulerTypeError, "int", setup_connector),
+    Case("kv-recv-without-connector", kv(finished_recving=["wait"]), InvalidRequestError, "wait"),
+    Case("kv-add-held-id", add(req_id="sent"), DuplicateRequestError, "sent", setup_connector),
+    Case("kv-abort-held-id", lambda c: c.s.abort_requests(["sent"]), UnknownRequestError, "sent", setup_connector),
+    Case(
+        "kv-connector-without-hooks",
+        new(SchedulerConfig(**CONFIG), kv_connector=object()),
+        SchedulerTypeError,
+        "get_num_new_matched_tokens",
+    ),  # fmt: skip
+    Case("config-kv-load-failure-policy", cfg(kv_load_failure_policy="retry"), InvalidConfigError, "'retry'"),
+    Case("core-kv-load-failure-policy", new(bypass(kv_load_failure_policy="retry")), InvalidConfigError, "retry"),
     # --- configs (the Python checks) ---------------------------------------------------------------------
     Case("config-block-size-0", cfg(block_size=0), InvalidConfigError, "got 0"),
     Case("config-block-size-not-power-of-two", cfg(block_size=3), InvalidConfigError, "got 3"),
@@ -564,6 +626,8 @@ def test_error_classes_mix_in_the_stdlib_exceptions():
     assert issubclass(DuplicateRequestError, InvalidRequestError)
     assert issubclass(kvsched.InternalError, RuntimeError)
     assert issubclass(kvsched.InternalError, SchedulerError)
+    assert issubclass(kvsched.KVConnectorError, TypeError)
+    assert issubclass(kvsched.KVConnectorError, SchedulerError)
 
 
 PARAMS = [
