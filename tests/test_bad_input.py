@@ -510,7 +510,7 @@ CASES = [
         new(SchedulerConfig(**CONFIG), kv_connector=object()),
         SchedulerTypeError,
         "get_num_new_matched_tokens",
-    ),  # fmt: skip
+    ),
     Case("config-kv-load-failure-policy", cfg(kv_load_failure_policy="retry"), InvalidConfigError, "'retry'"),
     Case("core-kv-load-failure-policy", new(bypass(kv_load_failure_policy="retry")), InvalidConfigError, "retry"),
     # --- configs (the Python checks) ---------------------------------------------------------------------
