@@ -19,11 +19,10 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 pytest.importorskip("transformers")
 
+from conftest import requires_rust  # noqa: E402
 from kvsched import RequestStatus, Scheduler  # noqa: E402
 from kvsched.engine import LLM, SamplingParams  # noqa: E402
 from kvsched.runner.testing import save_tiny_hf_model  # noqa: E402
-
-from conftest import requires_rust  # noqa: E402
 
 pytestmark = requires_rust
 
