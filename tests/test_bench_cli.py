@@ -347,3 +347,32 @@ def test_policy_experiments_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert policies.main(["--steps", "200", "--window", "50", "--arrival-steps", "100", "--aging-steps", "5"]) == 0
     text = capsys.readouterr().out
     assert "Jain" in text and "throughput fair / fcfs" in text and "priority_aging_steps=5" in text
+
+
+@pytest.mark.skipif(not _available("rust"), reason="rust scheduler not available")
+def test_preemption_modes_on_workload_g_swap_instead_of_recomputing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Workload g (long contexts, tight pool) under the three modes: one row per mode, swaps counted, and the
+    tokens recomputed after preemptions drop to what the CPU pool could not hold."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "-w", "g", "--scale", "0.2", "--repeat", "1", "--warmup-steps", "0", "--impl", "rust"]
+    assert main([*argv, "--json", str(out), "--no-progress", "--preemption-mode", "recompute,swap,auto"]) == 0
+    rows = {r["workload"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"g-recompute", "g-swap", "g-auto"}
+    rec, swap = rows["g-recompute"], rows["g-swap"]
+    assert rec["num_preemptions"] > 0 and rec["num_recomputed_tokens"] > 0 and rec["num_swapped_out_blocks"] == 0
+    assert swap["preemption_mode"] == "swap" and swap["num_swapped_out_blocks"] > 0
+    assert swap["num_recomputed_tokens"] < rec["num_recomputed_tokens"]
+    assert swap["num_scheduled_tokens_total"] < rec["num_scheduled_tokens_total"]
+    assert "swap out blk" in capsys.readouterr().out
+
+
+def test_bench_preemption_mode_gives_swap_a_cpu_pool() -> None:
+    from kvsched.cli import _with_mode
+
+    d = get_scenario("d")
+    swap = _with_mode(d, "swap", None)
+    assert (swap.name, swap.num_cpu_blocks, swap.scheduler_config().preemption_mode) == ("d-swap", d.num_blocks, "swap")
+    assert _with_mode(d, "auto", 7).num_cpu_blocks == 7
+    assert _with_mode(d, "recompute", None).num_cpu_blocks == 0

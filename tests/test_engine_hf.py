@@ -188,6 +188,10 @@ def test_auto_measures_its_cost_constants_at_start_up(tiny_llama: tuple[Path, An
     recompute, swap = llm.scheduler.preemption_costs
     assert 0 < recompute < 1 and 0 < swap < 1  # seconds per token / per block copied one way
     assert llm.runner.cpu_pool is not None and llm.runner.cpu_pool.num_blocks == 16
+    # a model shorter than the 256-token timed prefill: it is capped at max_model_len
+    short = LLM(path, dtype="float32", device="cpu", block_size=8, num_blocks=64, max_model_len=40,
+                preemption_mode="auto", num_cpu_blocks=4, scheduler_cls=SCHEDULER_CLS)  # fmt: skip
+    assert all(c > 0 for c in short.scheduler.preemption_costs)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama-tied"])

@@ -72,6 +72,20 @@ def test_throughput_tiny_runs_and_reports_shares(tmp_path: Path) -> None:
         assert abs(sum(r["phase_share"].values()) - 1.0) < 1e-6
 
 
+def test_preemption_e2e_tiny_runs_each_mode_and_swaps(tmp_path: Path) -> None:
+    from kvsched.bench.preemption_e2e import main
+
+    out = tmp_path / "pe.json"
+    argv = ["--tiny", "--modes", "recompute,swap", "--num-requests", "6", "--output-len", "16", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    rec, swap = report["results"]
+    assert (rec["mode"], swap["mode"]) == ("recompute", "swap")
+    assert rec["num_output_tokens"] == swap["num_output_tokens"] == 6 * 16
+    assert rec["num_preemptions"] > 0 and rec["num_swapped_out_blocks"] == 0
+    assert swap["num_swapped_out_blocks"] > 0 and swap["num_recomputed_tokens"] <= rec["num_recomputed_tokens"]
+
+
 def test_throughput_module_is_runnable() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvsched.bench.engine_throughput", "--help"],

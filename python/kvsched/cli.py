@@ -54,10 +54,10 @@ def _add_bench_parser(subparsers: Any) -> None:
             "and update_from_output() per step. Workloads: a steady decode, b large batch, c mixed "
             "prefill+decode with chunked prefill and shared prefixes, d = c under memory pressure, "
             "e = d with priorities, f shared prefixes in a tight pool with bursty arrivals (cache-aware "
-            "admission window 16)."
+            "admission window 16), g long contexts (2-8k-token prompts) in a tight pool, for the preemption modes."
         ),
     )
-    p.add_argument("--workloads", "-w", default=None, help="comma-separated subset of a,b,c,d,e,f (default: all)")
+    p.add_argument("--workloads", "-w", default=None, help="comma-separated subset of a,b,c,d,e,f,g (default: all)")
     p.add_argument(
         "--impl",
         default="rust",
@@ -129,6 +129,22 @@ def _add_bench_parser(subparsers: Any) -> None:
     p.add_argument(
         "--admission-threshold", type=float, default=None, metavar="X", help="override cache_aware_admission_threshold"
     )
+    p.add_argument(
+        "--preemption-mode",
+        default=None,
+        metavar="MODES",
+        help="comma-separated preemption modes (recompute, swap, auto): each workload runs once per mode, named "
+        "<workload>-<mode>, and a preemption table follows (workload g is the long-context case)",
+    )
+    p.add_argument(
+        "--cpu-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU swap-pool blocks for swap/auto (default: the workload's, else as many as its GPU pool)",
+    )
+    p.add_argument("--recompute-cost", type=_non_negative_float, default=None, help="auto: recompute_cost_per_token")
+    p.add_argument("--swap-cost", type=_non_negative_float, default=None, help="auto: swap_cost_per_block")
     p.set_defaults(func=_run_bench)
 
 
@@ -255,6 +271,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from kvsched.bench.report import (
         build_document,
         format_markdown,
+        format_preemption,
         format_ratios,
         format_scaling,
         format_table,
@@ -293,7 +310,16 @@ def _run_bench(args: argparse.Namespace) -> int:
                 overrides["num_tenants"] = args.tenants
             if args.admission_threshold is not None:
                 overrides["cache_aware_admission_threshold"] = args.admission_threshold
-            scenarios = [replace(get_scenario(n), **overrides).scaled(scale) for n in names]
+            if args.recompute_cost is not None:
+                overrides["recompute_cost_per_token"] = args.recompute_cost
+            if args.swap_cost is not None:
+                overrides["swap_cost_per_block"] = args.swap_cost
+            scenarios = [replace(get_scenario(n), **overrides) for n in names]
+            if args.preemption_mode is not None:
+                scenarios = [
+                    _with_mode(sc, mode, args.cpu_blocks) for sc in scenarios for mode in _csv(args.preemption_mode)
+                ]
+            scenarios = [sc.scaled(scale) for sc in scenarios]
             for sc in scenarios:
                 sc.scheduler_config()  # a bad combination fails here, before anything runs
             workloads = [generate(sc) for sc in scenarios]
@@ -337,6 +363,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         if text:
             print()
             print(text)
+        if args.preemption_mode is not None:
+            print()
+            print(format_preemption([result_to_dict(r) for r in results]))
     if doc["scaling"]:
         print()
         print(format_scaling(doc["scaling"]))
@@ -357,6 +386,15 @@ def _run_bench(args: argparse.Namespace) -> int:
             return 2
         progress.message(f"wrote {png}")
     return 0
+
+
+def _with_mode(scenario: Any, mode: str, cpu_blocks: int | None) -> Any:
+    """``scenario`` under preemption mode ``mode``, renamed ``<name>-<mode>``; swap and auto get a CPU pool
+    (``cpu_blocks``, else the scenario's own, else as many blocks as its GPU pool)."""
+    num_cpu = scenario.num_cpu_blocks if cpu_blocks is None else cpu_blocks
+    if mode != "recompute" and num_cpu == 0:
+        num_cpu = scenario.num_blocks
+    return replace(scenario, name=f"{scenario.name}-{mode}", preemption_mode=mode, num_cpu_blocks=num_cpu)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,8 @@ def _on_preemption(num_preempted: int, total_preemptions: int) -> None:
         return
     logger.warning(
         "%d request(s) preempted for lack of KV cache blocks since the last warning (%d in total for this "
-        "scheduler); preempted requests recompute their KV when resumed, which costs throughput. Consider "
+        "scheduler); preempted requests recompute their KV when resumed (or, with preemption_mode 'swap' or "
+        "'auto', copy it out to the CPU pool and back), which costs throughput. Consider "
         "more num_blocks, a smaller max_num_seqs or a smaller max_num_batched_tokens.",
         _last_warning[1],
         total_preemptions,

@@ -32,6 +32,11 @@ class Counters:
     prefix_cache_hits: int = 0
     prefix_cache_preempted_queries: int = 0
     prefix_cache_preempted_hits: int = 0
+    # preemption modes (docs/semantics.md, "Preemption modes"); 0 for implementations without them
+    num_recomputed_tokens: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_swap_fallbacks: int = 0
 
 
 class Driver(Protocol):

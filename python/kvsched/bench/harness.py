@@ -114,6 +114,10 @@ class NativeDriver:
             prefix_cache_hits=int(s.prefix_cache_hits),
             prefix_cache_preempted_queries=int(s.prefix_cache_preempted_queries),
             prefix_cache_preempted_hits=int(s.prefix_cache_preempted_hits),
+            num_recomputed_tokens=int(s.num_recomputed_tokens),
+            num_swapped_out_blocks=int(s.num_swapped_out_blocks),
+            num_swapped_in_blocks=int(s.num_swapped_in_blocks),
+            num_swap_fallbacks=int(s.num_swap_fallbacks),
         )
 
 

@@ -127,6 +127,11 @@ def result_to_dict(result: RunResult, *, per_step: bool = False) -> dict[str, An
         "prefix_cache_hit_rate": hit_rate,
         "prefix_cache_preempted_queries": c.prefix_cache_preempted_queries,
         "prefix_cache_preempted_hits": c.prefix_cache_preempted_hits,
+        "preemption_mode": result.scenario.get("preemption_mode", "recompute"),
+        "num_recomputed_tokens": c.num_recomputed_tokens,
+        "num_swapped_out_blocks": c.num_swapped_out_blocks,
+        "num_swapped_in_blocks": c.num_swapped_in_blocks,
+        "num_swap_fallbacks": c.num_swap_fallbacks,
         "num_output_tokens": result.num_output_tokens,
         "num_prompt_tokens_computed": result.num_prompt_tokens_computed,
         # Prompt tokens computed beyond what an infinite prefix cache would compute (evictions, preemptions);
@@ -328,6 +333,37 @@ def format_table(docs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_preemption(docs: Sequence[dict[str, Any]]) -> str:
+    """What preemption cost each run: blocks swapped, victims recomputed because the CPU pool was full, tokens
+    computed again after a preemption, and every token computed (prefill, recompute and decode)."""
+    header = ("wl", "impl", "mode", "preempt", "swap out blk", "swap in blk", "fallbacks", "recomputed tok",
+              "tokens computed", "steps")  # fmt: skip
+    rows: list[tuple[str, ...]] = [header]
+    for d in docs:
+        rows.append(
+            (
+                d["workload"],
+                d["impl"],
+                str(d.get("preemption_mode", "recompute")),
+                str(d["num_preemptions"]),
+                str(d.get("num_swapped_out_blocks", 0)),
+                str(d.get("num_swapped_in_blocks", 0)),
+                str(d.get("num_swap_fallbacks", 0)),
+                str(d.get("num_recomputed_tokens", 0)),
+                str(d["num_scheduled_tokens_total"]),
+                str(d["num_steps"]),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = []
+    for j, r in enumerate(rows):
+        cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def format_ratios(rows: Sequence[dict[str, Any]]) -> str:
     if not rows:
         return ""
@@ -392,6 +428,20 @@ def format_markdown(doc: dict[str, Any]) -> str:
                 f"| {_md_triple(r['update_us'])} | **{_md_triple(r['total_us'])}** | {r['steps_per_s']:,.0f} "
                 f"| {r['num_preemptions']} | {100 * r['prefix_cache_hit_rate']:.1f}% "
                 f"| {r['peak_rss_mib']:.0f} MiB |"
+            )
+    if any(r.get("preemption_mode", "recompute") != "recompute" for r in doc["results"]):
+        lines += [
+            "",
+            "| workload | impl | mode | preemptions | blocks swapped out / in | fallbacks | recomputed tokens "
+            "| tokens computed | steps |",
+            "|---|---|---|--:|--:|--:|--:|--:|--:|",
+        ]
+        for r in doc["results"]:
+            lines.append(
+                f"| {r['workload']} | {r['impl']} | {r.get('preemption_mode', 'recompute')} | {r['num_preemptions']} "
+                f"| {r.get('num_swapped_out_blocks', 0)} / {r.get('num_swapped_in_blocks', 0)} "
+                f"| {r.get('num_swap_fallbacks', 0)} | {r.get('num_recomputed_tokens', 0)} "
+                f"| {r['num_scheduled_tokens_total']} | {r['num_steps']} |"
             )
     if doc["ratios"]:
         lines += ["", "| workload | ratio (median) | ratio (mean) | same schedule |", "|---|--:|--:|---|"]

@@ -83,6 +83,13 @@ class Scenario:
     cache_aware_admission_window: int = 0
     cache_aware_admission_threshold: float = 0.5
     num_tenants: int = 1  # request i belongs to tenant i % num_tenants (named "t<k>")
+    preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
+    num_cpu_blocks: int = 0  # the CPU swap pool (swap / auto)
+    # auto's constants, in units of one token's recompute: an estimate for a 1B-class model on one modern GPU
+    # (~5 µs to prefill a token; a 16-token block of a 16-layer, 8-KV-head, head-dim-64 bf16 model is 512 KiB,
+    # ~20 µs over PCIe one way), not a measurement.
+    recompute_cost_per_token: float = 1.0
+    swap_cost_per_block: float = 4.0
 
     def scaled(self, scale: float) -> Scenario:
         """Request and block counts multiplied by ``scale`` (enough blocks kept for progress)."""
@@ -92,7 +99,14 @@ class Scenario:
             return self
         num_requests = max(1, round(self.num_requests * scale))
         num_blocks = max(self.min_num_blocks(), round(self.num_blocks * scale))
-        return replace(self, num_requests=num_requests, num_blocks=num_blocks, scale=self.scale * scale)
+        num_cpu_blocks = max(1, round(self.num_cpu_blocks * scale)) if self.num_cpu_blocks else 0
+        return replace(
+            self,
+            num_requests=num_requests,
+            num_blocks=num_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            scale=self.scale * scale,
+        )
 
     def min_num_blocks(self) -> int:
         """Enough blocks for two of the largest possible requests (so the run always makes progress), and for
@@ -113,6 +127,10 @@ class Scenario:
             cache_aware_admission_threshold=self.cache_aware_admission_threshold,
             # A fixed seed makes prefix hashes, and hence the run, reproducible.
             prefix_hash_seed=0,
+            preemption_mode=self.preemption_mode,
+            num_cpu_blocks=self.num_cpu_blocks,
+            recompute_cost_per_token=self.recompute_cost_per_token,
+            swap_cost_per_block=self.swap_cost_per_block,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -198,6 +216,28 @@ SCENARIOS: dict[str, Scenario] = {
         max_model_len=4096,
         cache_aware_admission_window=16,
         seed=6,
+    ),
+    # Long contexts under memory pressure: each victim holds thousands of tokens of KV, the case for keeping
+    # it (compare --preemption-mode recompute,swap,auto). A third of the prompts share one of 4 long prefixes,
+    # which stay resident while their group runs (auto recomputes victims whose context is mostly shared).
+    # The CPU pool holds half of the GPU pool.
+    "g": Scenario(
+        name="g",
+        description="long contexts (2-8k-token prompts) in a tight pool: preemption by recompute vs swap",
+        num_requests=240,
+        num_blocks=3000,
+        max_num_seqs=64,
+        max_num_batched_tokens=8192,
+        prompt_len=(2000, 8000),
+        output_len=(256, 1024),
+        arrival="poisson",
+        arrival_rate=0.5,
+        num_prefix_groups=4,
+        prefix_len=(1024, 2048),
+        prefix_fraction=0.33,
+        max_model_len=8704,
+        num_cpu_blocks=1500,
+        seed=7,
     ),
 }
 

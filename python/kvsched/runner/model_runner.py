@@ -154,6 +154,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # The longest sequence the model's rotary table covers.
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.backend = make_backend(attention_backend, device, block_size, self.config.head_dim)
         self.kv_caches = allocate_kv_cache(
             num_layers=self.config.num_hidden_layers,
@@ -299,7 +301,7 @@ class ModelRunner:
         ``repeats`` after one warm-up each. Call it before serving: it writes garbage KV into the first
         blocks of both pools (no request holds them yet)."""
         bs = self.block_size
-        num_tokens = max(1, min(num_tokens, (self.num_blocks - 1) * bs))
+        num_tokens = max(1, min(num_tokens, (self.num_blocks - 1) * bs, self.max_model_len))
         k = -(-num_tokens // bs)
         pos = np.arange(num_tokens, dtype=np.int64)
         slots = (1 + pos // bs) * bs + pos % bs
