@@ -214,3 +214,11 @@ def test_requests_wait_for_their_grammar_as_in_vllm(monkeypatch: pytest.MonkeyPa
     for _ in range(6):
         _step(pair)
     assert not pair[1].has_request("g")  # type: ignore[attr-defined]
+
+
+def test_preemption_recomputes_as_in_vllm() -> None:
+    """vLLM's engine has no swap path (its runner never copies KV to a CPU pool): the adapter's core always
+    recomputes, whatever kvsched's own default becomes."""
+    s = make_scheduler("kvsched", make_vllm_config())
+    config = s._core.config
+    assert (config.preemption_mode, config.num_cpu_blocks) == ("recompute", 0)
