@@ -204,6 +204,8 @@ class Twin:
             kw["tenant"] = r.choice(TENANTS)
         if r.chance(0.15):
             kw["ready"] = False  # waits for its grammar until set_ready
+        if r.chance(0.1):
+            kw["skip_reading_prefix_cache"] = True  # vLLM: prompt logprobs
         self.clock += r.choice([0.0, 1.0, 0.5])  # ties in arrival time happen
         kw["arrival_time"] = self.clock
         if r.chance(0.1):  # one bad argument (and a fresh id): both must reject it the same way
@@ -222,7 +224,7 @@ class Twin:
             {"stop_token_ids": [2**31]}, {"priority": 2**63}, {"arrival_time": math.nan},
             {"arrival_time": -math.inf}, {"cache_salt": 5}, {"priority": 1.5}, {"max_tokens": "3"},
             {"min_tokens": self.cfg.max_model_len},
-            {"tenant": ""}, {"tenant": 3}, {"tenant": b"t"},
+            {"tenant": ""}, {"tenant": 3}, {"tenant": b"t"}, {"skip_reading_prefix_cache": 1},
         ])  # fmt: skip
         kw = {**kw, **bad}
         if "min_tokens" in bad and "max_tokens" in kw and not isinstance(kw["max_tokens"], int):
@@ -483,10 +485,11 @@ def configs(draw: Any) -> SchedulerConfig:
     policy = draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair"]))
     mode = draw(st.sampled_from(["recompute", "recompute", "swap", "auto"]))
     num_cpu_blocks = draw(st.sampled_from([1, 2, 5, 64] if mode != "recompute" else [0, 4]))
+    max_num_seqs = draw(st.integers(1, 8))
     return SchedulerConfig(
         block_size=block_size,
         num_blocks=num_blocks,
-        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         enable_prefix_caching=draw(st.booleans()) or draw(st.booleans()),
@@ -511,6 +514,8 @@ def configs(draw: Any) -> SchedulerConfig:
         recompute_cost_per_token=draw(st.sampled_from([1.0, 0.1, 3.0])),
         swap_cost_per_block=draw(st.sampled_from([1.0, 4.0, 0.5])),
         kv_load_failure_policy=draw(st.sampled_from(["recompute", "recompute", "fail"])),
+        max_num_active_seqs=draw(st.sampled_from([None, None, 1, max_num_seqs, max(1, max_num_seqs // 2)])),
+        long_prefill_token_threshold_adaptive=draw(st.booleans()),
     )
 
 

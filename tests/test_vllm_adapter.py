@@ -113,14 +113,26 @@ def test_unsupported_scheduler_settings_are_refused() -> None:
 def test_unsupported_request_features_are_refused_and_leave_no_trace() -> None:
     s = make_scheduler("kvsched", make_vllm_config())
     req = make_request("r0", [1, 2, 3, 4])
-    req.sampling_params.skip_reading_prefix_cache = True
-    req.skip_reading_prefix_cache = True
-    with pytest.raises(UnsupportedFeatureError, match="skip the prefix cache"):
+    req.resumable = True
+    with pytest.raises(UnsupportedFeatureError, match="streaming-input"):
         s.add_request(req)
     assert not s.has_request("r0")
     assert s.get_num_unfinished_requests() == 0
     s.add_request(make_request("r0", [1, 2, 3, 4]))
     assert s.has_request("r0")
+
+
+def test_prompt_logprobs_requests_skip_the_prefix_cache_as_in_vllm() -> None:
+    """A request with prompt logprobs never reads the prefix cache (vLLM's skip_reading_prefix_cache): it computes
+    its whole prompt although the blocks are cached, and the prefix-cache stats leave it out."""
+    pair = _pair(num_blocks=64, max_model_len=256, block_size=16)
+    prompt = list(range(100, 150))
+    _add(pair, "warm", prompt, max_tokens=1)
+    _step(pair)
+    _add(pair, "logprobs", prompt, max_tokens=2, prompt_logprobs=1)
+    _add(pair, "plain", prompt, max_tokens=2)
+    out = _step(pair)[-1]  # _step compares every output, the stats included
+    assert out.num_scheduled_tokens == {"logprobs": 50, "plain": 2}  # type: ignore[attr-defined]
 
 
 def test_finish_requests_ignores_unknown_ids_and_none_finishes_everything() -> None:

@@ -117,6 +117,8 @@ class Config:
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
     max_loras: int = 0
+    max_num_active_seqs: int | None = None
+    long_prefill_token_threshold_adaptive: bool = False
     use_v2_model_runner: bool = False
 
 
@@ -126,7 +128,7 @@ def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Co
     min_blocks = -(-max_model_len // block_size) + 1
     chunked = rng.random() < 0.8
     budget = rng.choice([32, 64, 128, 256]) if chunked else max_model_len + rng.choice([0, 64])
-    return Config(
+    cfg = Config(
         block_size=block_size,
         # Sometimes a KV cache below one max_model_len request (vLLM's scheduler accepts it; requests are drawn
         # to fit it, as kvsched refuses those that could never fit).
@@ -144,6 +146,9 @@ def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Co
         max_loras=rng.choice([0, 0, 0, 1, 2]),
         use_v2_model_runner=v2,
     )
+    cfg.max_num_active_seqs = rng.choice([None, None, 1, max(1, cfg.max_num_seqs // 2)])
+    cfg.long_prefill_token_threshold_adaptive = rng.random() < 0.3
+    return cfg
 
 
 class Pair:
@@ -191,6 +196,8 @@ class Pair:
             "cache_salt": rng.choice([None, None, None, "salt"]),
             "lora_name": rng.choice([None, None, "ada", "bob", "cy"]) if cfg.max_loras else None,
             "block_size": cfg.block_size,
+            # Prompt logprobs: vLLM skips reading the prefix cache for the request.
+            "prompt_logprobs": 1 if rng.random() < 0.1 else None,
         }
         self.clock += 1.0
         self.a.add_request(make_request(rid, prompt, **kwargs))

@@ -132,6 +132,7 @@ class Scheduler:
         lora_name: str | None = None,
         tenant: str | None = None,
         ready: bool | None = None,
+        skip_reading_prefix_cache: bool | None = None,
     ) -> None: ...
     def schedule(self) -> SchedulerOutput: ...
     def update_from_output(

@@ -110,6 +110,8 @@ class SchedulerConfig:
     recompute_cost_per_token: float = 1.0
     swap_cost_per_block: float = 1.0
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    max_num_active_seqs: int | None = None
+    long_prefill_token_threshold_adaptive: bool = False
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -123,8 +125,11 @@ class SchedulerConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 2)
+        if self.max_num_active_seqs is not None:
+            _check_int("max_num_active_seqs", self.max_num_active_seqs, 1, self.max_num_seqs)
         for name in (
             "enable_prefix_caching",
+            "long_prefill_token_threshold_adaptive",
             "enable_chunked_prefill",
             "scheduler_reserve_full_isl",
             "async_scheduling",

@@ -250,6 +250,7 @@ class _Request:
         "priority",
         "queue_seq",
         "req_id",
+        "skip_reading_prefix_cache",
         "status",
         "stop_token_ids",
         "tenant",
@@ -266,6 +267,7 @@ class _Request:
     cache_salt: str | None
     lora_name: str | None
     tenant: str
+    skip_reading_prefix_cache: bool  # no prefix-cache hits, not in the prefix-cache stats
     arrival_step: int  # schedule() calls before the request was added
     effective_priority: int  # priority, or priority * priority_aging_steps + arrival_step (see _PriorityQueue)
 
@@ -782,6 +784,7 @@ class ReferenceScheduler:
         lora_name: str | None = None,
         tenant: str | None = None,
         ready: bool | None = True,
+        skip_reading_prefix_cache: bool | None = False,
     ) -> None:
         """Queue a new request (status WAITING, or WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR with ``ready=False``
         until :meth:`set_ready`). Validates every argument first; on error nothing changes."""
@@ -838,6 +841,9 @@ class ReferenceScheduler:
         ready = True if ready is None else ready
         if not isinstance(ready, bool):
             raise SchedulerTypeError(f"ready must be a bool, got {type(ready).__name__}")
+        skip = False if skip_reading_prefix_cache is None else skip_reading_prefix_cache
+        if not isinstance(skip, bool):
+            raise SchedulerTypeError(f"skip_reading_prefix_cache must be a bool, got {type(skip).__name__}")
         # The most KV slots it ever holds (all its tokens but the last sampled one) must fit the whole cache, and,
         # without chunked prefill, one step's budget (a preempted request recomputes them in one step).
         longest = len(prompt) + effective_max - 1
@@ -865,6 +871,7 @@ class ReferenceScheduler:
             cache_salt=cache_salt,
             lora_name=lora_name,
             tenant=tenant,
+            skip_reading_prefix_cache=skip,
             arrival_step=self._next_step_id,
         )
         aging = c.priority_aging_steps
@@ -1095,7 +1102,7 @@ class ReferenceScheduler:
 
     def _has_cached_prefix(self, r: _Request) -> bool:
         """The admission probe: would at least one block hit? Reads the cache map only."""
-        return bool(self._lookup(r.block_hashes, r.num_tokens)[:1])
+        return not r.skip_reading_prefix_cache and bool(self._lookup(r.block_hashes, r.num_tokens)[:1])
 
     def _end_admission(self, original: list[_Request] | None) -> None:
         """Put the reordered requests phase B did not admit back in their original order (they are still
@@ -1117,7 +1124,10 @@ class ReferenceScheduler:
         look = c.num_lookahead_tokens
         budget = 0 if self._pause_state == "paused_all" else c.max_num_batched_tokens
         # the per-request cap applies only when more than one request is running or waiting (blocked ones too)
-        threshold = c.long_prefill_token_threshold if len(self._requests) > 1 else 0
+        num_eligible = len(self._requests)
+        threshold = c.long_prefill_token_threshold if num_eligible > 1 else 0
+        if threshold > 0 and c.long_prefill_token_threshold_adaptive:  # floored at a fair share of the budget
+            threshold = max(threshold, c.max_num_batched_tokens // num_eligible)
         # per scheduled request: [request, num_new_tokens, computed_before, new_blocks, drafts, kind, is_chunk]
         scheduled: list[list[Any]] = []
         preempted: list[_Request] = []
@@ -1177,7 +1187,7 @@ class ReferenceScheduler:
 
         if not preempted and self._pause_state != "paused_all":
             # No probing when nobody can be admitted (a full batch or no budget): nothing would move.
-            can_admit = budget > 0 and len(self._running) < c.max_num_seqs
+            can_admit = budget > 0 and len(self._running) < (c.max_num_active_seqs or c.max_num_seqs)
             plan = self._begin_admission() if can_admit else None
             self._admit_waiting(scheduled, budget, threshold, prefill_scheduled, swap_in)
             self._end_admission(plan)
@@ -1231,7 +1241,8 @@ class ReferenceScheduler:
         loras = {r.lora_name for r in self._running if r.lora_name is not None}
         skipped: list[_Request] = []
         skipped_kv: list[_Request] = []
-        while budget > 0 and len(self._running) < c.max_num_seqs:
+        max_active = c.max_num_active_seqs or c.max_num_seqs
+        while budget > 0 and len(self._running) < max_active:
             from_kv = len(self._kv_waiting) > 0
             if not from_kv and self._pause_state != "unpaused":
                 break
@@ -1255,10 +1266,12 @@ class ReferenceScheduler:
             computed_before = r.num_computed_tokens
             hits: list[int] = []
             if not blocked and computed_before == 0:
-                hits = self._lookup(r.block_hashes, r.num_tokens)
+                hits = [] if r.skip_reading_prefix_cache else self._lookup(r.block_hashes, r.num_tokens)
                 if self._connector is not None and not r.cpu_blocks:  # a swapped-out request resumes from its copy
                     matched = self._hook_matched(r, len(hits) * bs)
-                    if matched is None:
+                    if r.skip_reading_prefix_cache:
+                        pass  # asked, but nothing is loaded for a request that skips reading the cache
+                    elif matched is None:
                         blocked = True
                     else:
                         room = r.num_tokens - len(hits) * bs
@@ -1310,7 +1323,7 @@ class ReferenceScheduler:
                 if computed_before == 0:
                     self._stats["connector_queries"] += r.num_tokens - hit_tokens
                     self._stats["connector_hits"] += ext
-            if computed_before == 0:
+            if computed_before == 0 and not r.skip_reading_prefix_cache:  # no lookup, no query
                 prefix = "preempted_" if r.num_preemptions > 0 else ""
                 self._stats[prefix + "queries"] += r.num_tokens
                 self._stats[prefix + "hits"] += hit_tokens

@@ -90,10 +90,6 @@ def kvsched_config_from_vllm(
 
     if sched.max_num_scheduled_tokens not in (None, sched.max_num_batched_tokens):
         _refuse("a token budget that differs from the input budget", "max_num_scheduled_tokens")
-    if sched.max_num_active_seqs not in (None, sched.max_num_seqs):
-        _refuse("max_num_active_seqs", f"max_num_active_seqs={sched.max_num_active_seqs}")
-    if sched.long_prefill_token_threshold_adaptive:
-        _refuse("the adaptive long-prefill threshold", "long_prefill_token_threshold_adaptive=True")
     if sched.prefill_schedule_interval != 1:
         _refuse("the prefill cadence gate", f"prefill_schedule_interval={sched.prefill_schedule_interval}")
     if sched.policy not in ("fcfs", "priority"):
@@ -136,6 +132,9 @@ def kvsched_config_from_vllm(
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
     fields["async_scheduling"] = bool(sched.async_scheduling)
     fields["watermark"] = float(sched.watermark)
+    if sched.max_num_active_seqs is not None:
+        fields["max_num_active_seqs"] = int(sched.max_num_active_seqs)
+    fields["long_prefill_token_threshold_adaptive"] = bool(sched.long_prefill_token_threshold_adaptive)
     # vLLM's engine has no swap path (its runner never copies KV to a CPU pool): preemption recomputes.
     fields["preemption_mode"] = "recompute"
     if vllm_config.lora_config is not None:

@@ -107,6 +107,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.hash_block_size = hash_block_size if hash_block_size is not None else block_size
         self.max_model_len = config.max_model_len
         self.max_num_running_reqs = config.max_num_seqs
+        self.max_num_active_reqs = config.max_num_active_seqs or config.max_num_seqs
         self.max_num_scheduled_tokens = config.max_num_batched_tokens
         self.use_v2_model_runner = bool(vllm_config.use_v2_model_runner)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
@@ -160,6 +161,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             cache_salt=request.cache_salt,
             lora_name=_lora_key(request.lora_request),
             ready=not blocked,
+            # Prompt logprobs: vLLM never reads the prefix cache for them (and leaves them out of its stats).
+            skip_reading_prefix_cache=bool(request.skip_reading_prefix_cache),
         )
         self.requests[req_id] = request
         if request.prefill_stats is not None:
@@ -181,8 +184,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             what = "multimodal inputs"
         elif request.resumable:
             what = "streaming-input (resumable) requests"
-        elif request.skip_reading_prefix_cache:
-            what = "requests that skip the prefix cache (prompt logprobs)"
         elif sp.repetition_detection is not None:
             what = "repetition detection"
         if what is not None:
@@ -402,7 +403,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 num_external_cached_tokens=0,
             )
         stats = self._prefix_cache_stats
-        if stats is not None and self.kv_config.enable_prefix_caching:
+        # vLLM records no prefix-cache query for a request that skips reading the cache (prompt logprobs).
+        if stats is not None and self.kv_config.enable_prefix_caching and not request.skip_reading_prefix_cache:
             stats.record(num_tokens=request.num_tokens, num_hits=num_hit_tokens, preempted=request.num_preemptions > 0)
         if self.log_stats:
             request.record_event(EngineCoreEventType.SCHEDULED, now)

@@ -61,6 +61,8 @@ def make_vllm_config(
     scheduler_reserve_full_isl: bool = True,
     watermark: float = 0.0,
     max_loras: int = 0,
+    max_num_active_seqs: int | None = None,
+    long_prefill_token_threshold_adaptive: bool = False,
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config)."""
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
@@ -86,6 +88,8 @@ def make_vllm_config(
         scheduler_reserve_full_isl=scheduler_reserve_full_isl,
         async_scheduling=async_scheduling,
         watermark=watermark,
+        max_num_active_seqs=max_num_active_seqs,
+        long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
     )
     cache_config = CacheConfig(
         block_size=block_size,
@@ -191,12 +195,19 @@ def make_request(
     cache_salt: str | None = None,
     lora_name: str | None = None,
     block_size: int = 16,
+    prompt_logprobs: int | None = None,
 ) -> Any:
     """A vLLM ``Request`` as the engine core builds it (block hasher attached, EOS set as the frontend does)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, stop_token_ids=list(stop_token_ids))
+    # Prompt logprobs make vLLM skip reading the prefix cache for the request (SamplingParams sets the flag).
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop_token_ids=list(stop_token_ids),
+        prompt_logprobs=prompt_logprobs,
+    )
     if eos_token_id is not None:
         params.update_from_generation_config({}, eos_token_id)
     return Request(

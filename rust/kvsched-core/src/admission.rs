@@ -44,7 +44,9 @@ impl Scheduler {
             let req = self.slab.resolve(*h)?;
             class.push(if req.status != RequestStatus::Waiting {
                 0u8
-            } else if self.kv.has_cached_prefix(&req.block_hashes, req.num_tokens()) {
+            } else if !req.skip_reading_prefix_cache
+                && self.kv.has_cached_prefix(&req.block_hashes, req.num_tokens())
+            {
                 1
             } else {
                 2

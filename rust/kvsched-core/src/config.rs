@@ -136,6 +136,12 @@ pub struct SchedulerConfig {
     pub max_loras: u32,
     /// Share of `num_blocks` kept free when admitting waiting requests (vLLM's `watermark`), in [0, 1).
     pub watermark: f64,
+    /// Most requests admitted into `running` (vLLM's `max_num_active_seqs`); 0 = `max_num_seqs`. At most
+    /// `max_num_seqs`.
+    pub max_num_active_seqs: u32,
+    /// vLLM's `long_prefill_token_threshold_adaptive`: the per-request cap is floored at a fair share of the
+    /// budget, `max_num_batched_tokens / (running + waiting)`.
+    pub long_prefill_token_threshold_adaptive: bool,
     /// What a preemption does with the victim's KV.
     pub preemption_mode: PreemptionMode,
     /// Blocks in the CPU swap pool (ids `0..num_cpu_blocks`, no null block); > 0 for swap and auto.
@@ -204,6 +210,8 @@ impl Default for SchedulerConfig {
             async_scheduling: false,
             max_loras: 0,
             watermark: 0.0,
+            max_num_active_seqs: 0,
+            long_prefill_token_threshold_adaptive: false,
             preemption_mode: PreemptionMode::Recompute,
             num_cpu_blocks: 0,
             recompute_cost_per_token: 1.0,
@@ -246,6 +254,12 @@ impl SchedulerConfig {
         check_range("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, I32_MAX)?;
         check_range("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)?;
         check_range("max_loras", self.max_loras, 0, I32_MAX)?;
+        if self.max_num_active_seqs > self.max_num_seqs {
+            return Err(SchedError::InvalidConfig(format!(
+                "max_num_active_seqs ({}) cannot be greater than max_num_seqs ({})",
+                self.max_num_active_seqs, self.max_num_seqs
+            )));
+        }
         if !(0.0..1.0).contains(&self.watermark) {
             return Err(SchedError::InvalidConfig(format!(
                 "watermark must be in [0, 1), got {}",
@@ -326,6 +340,15 @@ impl SchedulerConfig {
         self.max_model_len.min(self.kv_capacity_tokens())
     }
 
+    /// Most requests admission lets into `running` (`max_num_active_seqs`, 0 meaning `max_num_seqs`).
+    pub fn max_active_seqs(&self) -> usize {
+        if self.max_num_active_seqs == 0 {
+            self.max_num_seqs as usize
+        } else {
+            self.max_num_active_seqs as usize
+        }
+    }
+
     /// Free blocks an admission must leave (vLLM: `int(watermark * num_blocks)`, the null block included).
     pub fn watermark_blocks(&self) -> usize {
         (self.watermark * f64::from(self.num_blocks)) as usize
@@ -381,6 +404,7 @@ mod tests {
             SchedulerConfig { max_num_seqs: 0, ..Default::default() },
             SchedulerConfig { max_model_len: 1, ..Default::default() },
             SchedulerConfig { watermark: 1.0, ..Default::default() },
+            SchedulerConfig { max_num_seqs: 4, max_num_active_seqs: 5, ..Default::default() },
             SchedulerConfig { watermark: f64::NAN, ..Default::default() },
             SchedulerConfig { num_blocks: u32::MAX / 2, block_size: 1024, ..Default::default() },
             SchedulerConfig { cache_aware_admission_threshold: 1.5, ..Default::default() },

@@ -87,6 +87,9 @@ pub struct RequestParams {
     pub tenant: Option<String>,
     /// The request waits for its structured-output grammar (`set_ready` releases it).
     pub waiting_for_grammar: bool,
+    /// Never reads the prefix cache (vLLM's `skip_reading_prefix_cache`, set for prompt logprobs): admission
+    /// finds no hits and the prefix-cache stats leave it out. Its full blocks are still cached for others.
+    pub skip_reading_prefix_cache: bool,
 }
 
 /// Field order is deliberate (`repr(C)`): what `schedule()` and `update_from_output()` read for every request
@@ -147,6 +150,8 @@ pub struct Request {
     pub deferred: bool,
     /// `set_ready` was called while the request waited for its grammar.
     pub grammar_ready: bool,
+    /// See `RequestParams::skip_reading_prefix_cache`.
+    pub skip_reading_prefix_cache: bool,
     // --- preemption by swapping (`swap.rs`)
     /// CPU blocks holding the KV of a swapped-out request (empty unless swapped).
     pub cpu_blocks: Vec<u32>,

@@ -281,6 +281,7 @@ impl Scheduler {
             // vLLM enqueues a request in a blocked status straight into `deferred_waiting`.
             deferred: params.waiting_for_grammar,
             grammar_ready: false,
+            skip_reading_prefix_cache: params.skip_reading_prefix_cache,
             cpu_blocks: Vec::new(),
             num_swapped_tokens: 0,
             num_lost_tokens: 0,

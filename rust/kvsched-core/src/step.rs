@@ -98,8 +98,13 @@ impl Scheduler {
         let mut budget = if paused_all { 0 } else { self.config.max_num_batched_tokens };
         // vLLM 0.33: the per-request cap guards other requests from starvation, so it applies only when more
         // than one request is running or waiting.
-        let threshold =
-            if self.num_live_requests() > 1 { self.config.long_prefill_token_threshold } else { 0 };
+        // vLLM counts running and waiting requests, blocked ones included.
+        let num_eligible = self.num_live_requests();
+        let mut threshold = if num_eligible > 1 { self.config.long_prefill_token_threshold } else { 0 };
+        if threshold > 0 && self.config.long_prefill_token_threshold_adaptive {
+            // Floored at a fair share of the budget (vLLM's long_prefill_token_threshold_adaptive).
+            threshold = threshold.max((self.config.max_num_batched_tokens as usize / num_eligible) as u32);
+        }
         let mut b = Builder::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<ReqHandle> = Vec::new();
         // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund
@@ -116,7 +121,7 @@ impl Scheduler {
         // Phase B: waiting requests, only if nobody was preempted in this step and admissions are not paused.
         if preempted.is_empty() && !paused_all {
             // No probing when nobody can be admitted (a full batch or no budget): nothing would move.
-            let can_admit = budget > 0 && self.running.len() < self.config.max_num_seqs as usize;
+            let can_admit = budget > 0 && self.running.len() < self.config.max_active_seqs();
             let plan = if can_admit { self.begin_admission() } else { None };
             self.admit_waiting(&mut b, &mut budget, threshold, prefill_scheduled)?;
             self.end_admission(plan);
@@ -240,7 +245,7 @@ impl Scheduler {
         let bs = self.config.block_size;
         let max_model_len = self.config.max_model_len;
         let lookahead = self.config.num_lookahead_tokens;
-        let max_num_seqs = self.config.max_num_seqs as usize;
+        let max_active = self.config.max_active_seqs();
         let chunked = self.config.enable_chunked_prefill;
         let reserve_full_isl = self.config.scheduler_reserve_full_isl;
         let max_loras = self.config.max_loras as usize;
@@ -260,7 +265,7 @@ impl Scheduler {
         let mut skipped: Vec<ReqHandle> = Vec::new();
         let mut skipped_kv: Vec<ReqHandle> = Vec::new();
         let mut hits: Vec<u32> = Vec::new();
-        while *budget > 0 && self.running.len() < max_num_seqs {
+        while *budget > 0 && self.running.len() < max_active {
             // Requests holding KV blocks (their asynchronous load is over) go first, and are the only ones
             // admitted under `paused_new` (vLLM 0.33's `kv_holding_waiting`).
             let from_kv = !self.kv_waiting.is_empty();
@@ -291,11 +296,17 @@ impl Scheduler {
             let computed_before = req.num_computed_tokens;
             hits.clear();
             if !blocked && computed_before == 0 {
-                self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
+                // A request that skips reading the prefix cache (prompt logprobs) gets no hits.
+                if !req.skip_reading_prefix_cache {
+                    self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
+                }
                 // A swapped-out request resumes from its CPU copy: the connector is not asked.
                 if let (Some(conn), true) = (self.connector.as_mut(), req.cpu_blocks.is_empty()) {
                     let local = hits.len() as u32 * bs;
-                    match conn.0.get_num_new_matched_tokens(req, local) {
+                    let matched = conn.0.get_num_new_matched_tokens(req, local);
+                    match matched {
+                        // vLLM asks the connector, then loads nothing for such a request.
+                        _ if req.skip_reading_prefix_cache => {}
                         None => blocked = true,
                         Some((e, a)) => {
                             // Never more than the request has; a synchronous load leaves at least one token to
@@ -395,7 +406,8 @@ impl Scheduler {
                     self.counters.connector_prefix_cache_hits += u64::from(ext);
                 }
             }
-            if computed_before == 0 {
+            // No lookup, no query: vLLM leaves a request that skips reading the cache out of the stats.
+            if computed_before == 0 && !req.skip_reading_prefix_cache {
                 let c = &mut self.counters;
                 if req.num_preemptions > 0 {
                     c.prefix_cache_preempted_queries += u64::from(req.num_tokens());

@@ -392,6 +392,81 @@ fn budget_below_max_model_len_without_chunking_refuses_only_requests_that_cannot
     );
 }
 
+fn add_n(s: &mut Scheduler, id: &str, prompt: &[i64], max_tokens: u32) {
+    s.add_request(id, prompt, RequestParams { max_tokens: Some(max_tokens), ..Default::default() }).unwrap();
+}
+
+fn step_all(s: &mut Scheduler) -> SchedulerOutput {
+    let out = s.schedule().unwrap();
+    let rec = s.in_flight.front().cloned().unwrap();
+    let mut values = Vec::new();
+    let mut indptr = vec![0i64];
+    for &chunk in &rec.is_prefill_chunk {
+        if !chunk {
+            values.push(7);
+        }
+        indptr.push(values.len() as i64);
+    }
+    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, None)
+        .unwrap();
+    out
+}
+
+#[test]
+fn max_num_active_seqs_caps_admission_not_running() {
+    // vLLM's test_max_num_active_seqs_caps_admission: 2 active of 4 slots.
+    let c = SchedulerConfig { max_num_seqs: 4, max_num_active_seqs: 2, ..Default::default() };
+    let mut s = Scheduler::new(c).unwrap();
+    for i in 0..4 {
+        add_n(&mut s, &format!("r{i}"), &[1, 2, 3, i], 5);
+    }
+    let out = step_all(&mut s);
+    assert_eq!(out.handles.len(), 2);
+    assert_eq!(s.num_running_reqs(), 2);
+    s.abort_requests(&["r0".to_string()]).unwrap();
+    let out = step_all(&mut s);
+    assert_eq!(out.new_reqs.len(), 1, "one slot freed, one admission");
+    assert_eq!(s.num_running_reqs(), 2);
+}
+
+#[test]
+fn adaptive_threshold_is_floored_by_the_fair_share() {
+    // Budget 100, threshold 10, 2 requests: the adaptive cap is max(10, 100 / 2) = 50.
+    for (adaptive, want) in [(false, vec![10, 10]), (true, vec![50, 50])] {
+        let c = SchedulerConfig {
+            max_num_batched_tokens: 100,
+            long_prefill_token_threshold: 10,
+            long_prefill_token_threshold_adaptive: adaptive,
+            ..Default::default()
+        };
+        let mut s = Scheduler::new(c).unwrap();
+        let pa: Vec<i64> = (0..80).collect();
+        let pb: Vec<i64> = (100..180).collect();
+        add_n(&mut s, "a", &pa, 5);
+        add_n(&mut s, "b", &pb, 5);
+        let out = step_all(&mut s);
+        assert_eq!(out.num_scheduled_tokens, want, "adaptive={adaptive}");
+    }
+}
+
+#[test]
+fn skip_reading_prefix_cache_gets_no_hits_and_no_stats() {
+    let c = SchedulerConfig { block_size: 4, prefix_hash_seed: Some(b"s".to_vec()), ..Default::default() };
+    let mut s = Scheduler::new(c).unwrap();
+    let p: Vec<i64> = (0..17).collect();
+    add_n(&mut s, "warm", &p, 1);
+    step_all(&mut s);
+    let q0 = s.stats().prefix_cache_queries;
+    let params = RequestParams { max_tokens: Some(1), skip_reading_prefix_cache: true, ..Default::default() };
+    s.add_request("skip", &p, params).unwrap();
+    let out = step_all(&mut s);
+    assert_eq!((out.num_computed_tokens[0], out.num_scheduled_tokens[0]), (0, 17), "no prefix hit");
+    assert_eq!(s.stats().prefix_cache_queries, q0, "not counted as a query");
+    add_n(&mut s, "reader", &p, 1);
+    let out = step_all(&mut s);
+    assert_eq!(out.num_computed_tokens[0], 16, "a normal request still hits the cached blocks");
+}
+
 #[test]
 fn max_model_len_caps_generation() {
     let mut c = cfg(4, 64);
@@ -617,6 +692,8 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 // Whether max_model_len may exceed the KV cache and (without chunked prefill) the budget.
                 any::<bool>(),
             ),
+            // max_num_active_seqs (0: max_num_seqs, else min(it, max_num_seqs)), the adaptive threshold.
+            (prop_oneof![Just(0u32), Just(1), Just(2)], any::<bool>()),
         ),
     )
         .prop_map(
@@ -631,7 +708,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 mode,
                 la,
                 full_isl,
-                (asy, loras, wm, (pm, cpu, cost, big_len)),
+                (asy, loras, wm, (pm, cpu, cost, big_len), (active, adaptive)),
             )| {
                 let max_model_len = if big_len { 200 } else { ((nb - 1) * bs).min(200) };
                 SchedulerConfig {
@@ -662,6 +739,8 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                     async_scheduling: asy,
                     max_loras: loras,
                     watermark: wm,
+                    max_num_active_seqs: active.min(seqs),
+                    long_prefill_token_threshold_adaptive: adaptive,
                     preemption_mode: [PreemptionMode::Recompute, PreemptionMode::Swap, PreemptionMode::Auto]
                         [pm as usize],
                     num_cpu_blocks: cpu,
@@ -724,6 +803,7 @@ proptest! {
                         tenant: (prefix % 3 != 0).then(|| format!("t{}", prefix % 3)),
                         lora_name: (prefix % 3 != 0).then(|| format!("L{}", prefix % 3)),
                         waiting_for_grammar: len % 5 == 0,
+                        skip_reading_prefix_cache: len % 7 == 3,
                         ..Default::default()
                     };
                     // A request that could never fit (the cache or, without chunked prefill, the budget below

@@ -79,5 +79,12 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         recompute_cost_per_token: f64_field("recompute_cost_per_token")?,
         swap_cost_per_block: f64_field("swap_cost_per_block")?,
         kv_load_failure_policy,
+        // None: as many as max_num_seqs (the core's 0).
+        max_num_active_seqs: if cfg.getattr("max_num_active_seqs")?.is_none() {
+            0
+        } else {
+            u32_field("max_num_active_seqs")?
+        },
+        long_prefill_token_threshold_adaptive: bool_field("long_prefill_token_threshold_adaptive")?,
     })
 }

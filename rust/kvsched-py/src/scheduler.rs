@@ -140,7 +140,7 @@ impl PyScheduler {
 
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, min_tokens=None, eos_token_id=None,
         ignore_eos=None, stop_token_ids=None, priority=None, arrival_time=None, cache_salt=None, lora_name=None,
-        tenant=None, ready=None))]
+        tenant=None, ready=None, skip_reading_prefix_cache=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         slf: &Bound<'_, Self>,
@@ -157,6 +157,7 @@ impl PyScheduler {
         lora_name: Option<&Bound<'_, PyAny>>,
         tenant: Option<&Bound<'_, PyAny>>,
         ready: Option<&Bound<'_, PyAny>>,
+        skip_reading_prefix_cache: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let py = slf.py();
         let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
@@ -197,6 +198,7 @@ impl PyScheduler {
         };
         let ignore_eos = flag(ignore_eos, "ignore_eos", false)?;
         let ready = flag(ready, "ready", true)?;
+        let skip_reading_prefix_cache = flag(skip_reading_prefix_cache, "skip_reading_prefix_cache", false)?;
         let mut stops = Vec::new();
         if let Some(s) = stop_token_ids {
             if !s.is_none() {
@@ -238,6 +240,7 @@ impl PyScheduler {
             lora_name: opt_str_arg(lora_name, "lora_name")?,
             tenant: opt_str_arg(tenant, "tenant")?,
             waiting_for_grammar: !ready,
+            skip_reading_prefix_cache,
         };
         let id_str = id_arg(req_id, "InvalidRequestError")?;
         let mut this = borrow_mut(slf)?;
