@@ -290,6 +290,7 @@ CASES = [
         "1099511627776",
     ),
     Case("min-over-max-tokens", add(min_tokens=5, max_tokens=3), InvalidRequestError, "min_tokens=5"),
+    Case("throttle-int", lambda c: c.s.schedule(throttle_prefills=1), SchedulerTypeError, "int"),
     Case("skip-prefix-cache-int", add(skip_reading_prefix_cache=1), SchedulerTypeError, "int"),
     # A KV cache (11 usable blocks of 4 = 44 tokens) or, without chunked prefill, a budget (16) below
     # max_model_len (64): accepted by the config, as vLLM's scheduler does; a request that could never fit is not.
@@ -524,6 +525,7 @@ CASES = [
     Case("config-active-over-max-num-seqs", cfg(max_num_active_seqs=3), InvalidConfigError, "[1, 2], got 3"),
     Case("config-active-0", cfg(max_num_active_seqs=0), InvalidConfigError, "got 0"),
     Case("config-active-str", cfg(max_num_active_seqs="1"), InvalidConfigError, "'1'"),
+    Case("config-interval-0", cfg(prefill_schedule_interval=0), InvalidConfigError, "got 0"),
     Case("config-int-adaptive-flag", cfg(long_prefill_token_threshold_adaptive=1), InvalidConfigError, "1"),
     Case("config-max-model-len-1", cfg(max_model_len=1), InvalidConfigError, "got 1"),
     Case("config-unknown-policy", cfg(policy="lifo"), InvalidConfigError, "'lifo'"),
@@ -603,6 +605,7 @@ CASES = [
     Case("core-decode-weight", new(bypass(fair_decode_weight=math.nan)), InvalidConfigError, "NaN"),
     Case("core-aging-with-fcfs", new(bypass(priority_aging_steps=2)), InvalidConfigError, "priority"),
     Case("core-active-over-max-num-seqs", new(bypass(max_num_active_seqs=3)), InvalidConfigError, "cannot be greater"),
+    Case("core-interval-0", new(bypass(prefill_schedule_interval=0)), InvalidConfigError, "got 0"),
     Case("core-negative-active", new(bypass(max_num_active_seqs=-1)), InvalidConfigError, "-1"),
     Case("core-str-adaptive-flag", new(bypass(long_prefill_token_threshold_adaptive="y")), InvalidConfigError, "y"),
     Case("core-preemption-mode", new(bypass(preemption_mode="discard")), InvalidConfigError, "discard"),

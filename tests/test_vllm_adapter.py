@@ -98,8 +98,8 @@ def test_unsupported_engine_features_are_refused_by_name(attr: str, value: objec
 
 def test_unsupported_scheduler_settings_are_refused() -> None:
     cfg = make_vllm_config()
-    cfg.scheduler_config.prefill_schedule_interval = 4
-    with pytest.raises(UnsupportedFeatureError, match="prefill cadence"):
+    cfg.scheduler_config.max_num_scheduled_tokens = 7
+    with pytest.raises(UnsupportedFeatureError, match="token budget that differs"):
         make_scheduler("kvsched", cfg)
     cfg = make_vllm_config()
     cfg.parallel_config.pipeline_parallel_size = 2

@@ -119,6 +119,7 @@ class Config:
     max_loras: int = 0
     max_num_active_seqs: int | None = None
     long_prefill_token_threshold_adaptive: bool = False
+    prefill_schedule_interval: int = 1
     use_v2_model_runner: bool = False
 
 
@@ -148,6 +149,7 @@ def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Co
     )
     cfg.max_num_active_seqs = rng.choice([None, None, 1, max(1, cfg.max_num_seqs // 2)])
     cfg.long_prefill_token_threshold_adaptive = rng.random() < 0.3
+    cfg.prefill_schedule_interval = rng.choice([1, 1, 1, 2, 4])
     return cfg
 
 
@@ -236,8 +238,10 @@ class Pair:
         self.check_state(f"reset_prefix_cache({reset_running})")
 
     def schedule(self) -> None:
-        so_a = self.a.schedule()
-        so_b = self.b.schedule()
+        # Sometimes a step vLLM's data-parallel coordinator marks throttled (prefill balancing).
+        throttle = self.rng.random() < 0.15
+        so_a = self.a.schedule(throttle_prefills=throttle)
+        so_b = self.b.schedule(throttle_prefills=throttle)
         compare(f"step {self.steps} SchedulerOutput", so_a, so_b)
         # What the runner will sample is decided now: a request whose step is a partial prefill gets nothing
         # (read right after schedule(), before a later step changes the flag).

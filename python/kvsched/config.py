@@ -112,6 +112,7 @@ class SchedulerConfig:
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     max_num_active_seqs: int | None = None
     long_prefill_token_threshold_adaptive: bool = False
+    prefill_schedule_interval: int = 1
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -125,6 +126,7 @@ class SchedulerConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 2)
+        _check_int("prefill_schedule_interval", self.prefill_schedule_interval, 1)
         if self.max_num_active_seqs is not None:
             _check_int("max_num_active_seqs", self.max_num_active_seqs, 1, self.max_num_seqs)
         for name in (

@@ -576,6 +576,10 @@ class ReferenceScheduler:
         self._owner = object()  # outputs carry it: an output of another scheduler is refused
         self._next_step_id = 0  # steps are numbered from 0; stats().step_id counts the steps scheduled
         self._next_update_step = 0
+        # the prefill cadence (vLLM's num_executed_steps, last_prefill_step, prefill_capacity_bound)
+        self._num_executed_steps = 0
+        self._last_prefill_step = -c.prefill_schedule_interval  # a full interval back: the first step is free
+        self._prefill_capacity_bound = False
         self._last_out: SchedulerOutput | None = None
         self._last_out_fresh = False  # prepare_model_inputs is allowed until the state changes
         self._stats = dict.fromkeys(
@@ -1116,8 +1120,17 @@ class ReferenceScheduler:
             raise InternalError("the admission window's requests are not at the front of the queue")
         q.replace_front(left)
 
-    def schedule(self) -> SchedulerOutput:
-        """One step: continue running requests (phase A, may preempt), then admit waiting ones (phase B)."""
+    @property
+    def prefill_cadence(self) -> tuple[int, int, bool]:
+        """``(num_executed_steps, last_prefill_step, prefill_capacity_bound)``."""
+        return self._num_executed_steps, self._last_prefill_step, self._prefill_capacity_bound
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        """One step: continue running requests (phase A, may preempt), then admit waiting ones (phase B).
+        ``throttle_prefills`` (vLLM's data-parallel prefill balancing) and ``prefill_schedule_interval`` defer
+        prefill compute while something decodes."""
+        if not isinstance(throttle_prefills, bool):
+            raise SchedulerTypeError(f"throttle_prefills must be a bool, got {type(throttle_prefills).__name__}")
         c = self._config
         if self._newly_ready:
             self._queue_newly_ready()
@@ -1134,6 +1147,18 @@ class ReferenceScheduler:
         swap_out: list[int] = []  # flattened (GPU block, CPU block) pairs
         swap_in: list[int] = []  # flattened (CPU block, GPU block) pairs
         prefill_scheduled = False  # a request scheduled in phase A is still prefilling
+        interval = c.prefill_schedule_interval
+        decoding = any(not r.is_prefill_chunk for r in self._running)
+        defer = throttle_prefills and not self._prefill_capacity_bound and decoding
+        if (
+            not defer
+            and interval > 1
+            and not self._prefill_capacity_bound
+            and (self._num_executed_steps + 1) - self._last_prefill_step < interval
+            and decoding
+        ):
+            defer = True  # the local cadence: the interval since the last prefill-carrying step has not passed
+        prefill_admitted = False
 
         i = 0
         while i < len(self._running) and budget > 0:
@@ -1141,6 +1166,9 @@ class ReferenceScheduler:
             ph = r.num_output_placeholders
             if ph > 0 and r.num_computed_tokens + 2 - ph >= r.num_prompt_tokens + r.max_tokens:
                 i += 1  # async: the steps in flight already produce its last token
+                continue
+            if defer and r.is_prefill_chunk:
+                i += 1  # deferred prefill: its next chunk waits for a cadence-aligned step
                 continue
             n = r.num_tokens + len(r.drafts) + ph - r.num_computed_tokens
             if 0 < threshold < n:
@@ -1189,8 +1217,15 @@ class ReferenceScheduler:
             # No probing when nobody can be admitted (a full batch or no budget): nothing would move.
             can_admit = budget > 0 and len(self._running) < (c.max_num_active_seqs or c.max_num_seqs)
             plan = self._begin_admission() if can_admit else None
-            self._admit_waiting(scheduled, budget, threshold, prefill_scheduled, swap_in)
+            prefill_admitted = self._admit_waiting(scheduled, budget, threshold, prefill_scheduled, swap_in, defer)
             self._end_admission(plan)
+            if not defer:  # a released step: did it drain the waiting queue (skipped requests aside)?
+                waiting = [r for r in self._requests.values() if r.status != RequestStatus.RUNNING]
+                self._prefill_capacity_bound = len(waiting) > sum(1 for r in waiting if r.deferred)
+        if any(e[1] for e in scheduled):
+            self._num_executed_steps += 1
+        if interval > 1 and (prefill_scheduled or prefill_admitted):
+            self._last_prefill_step = self._num_executed_steps
 
         entries = []
         for r, n, _, _, drafts, _, is_chunk in scheduled:
@@ -1230,11 +1265,19 @@ class ReferenceScheduler:
         return out
 
     def _admit_waiting(
-        self, scheduled: list[list[Any]], budget: int, threshold: int, prefill_scheduled: bool, swap_in: list[int]
-    ) -> None:
+        self,
+        scheduled: list[list[Any]],
+        budget: int,
+        threshold: int,
+        prefill_scheduled: bool,
+        swap_in: list[int],
+        defer: bool = False,
+    ) -> bool:
         """Phase B: admit waiting requests in policy order; never preempts. Requests whose KV load is over
         (``_kv_waiting``) go first, and are the only ones admitted when paused for new requests. Requests that
-        cannot run yet are skipped and keep their place."""
+        cannot run yet are skipped and keep their place. With ``defer`` it stops at a request with prompt to
+        compute. Returns whether it admitted one that has (vLLM's ``prefill_admitted``)."""
+        prefill_admitted = False
         c, bs, look = self._config, self._bs, self._config.num_lookahead_tokens
         watermark = int(c.watermark * c.num_blocks)
         any_running_scheduled = bool(scheduled)
@@ -1286,6 +1329,9 @@ class ReferenceScheduler:
             hit_tokens = len(hits) * bs
             restored = max(hit_tokens, r.num_swapped_tokens)  # swapped tokens come back by swap_in
             computed = computed_before if computed_before > 0 else restored + ext
+            has_prefill = computed + 1 < r.num_tokens
+            if defer and not load_async and has_prefill:
+                break  # deferred prefill (an asynchronous load computes nothing this step)
             n = 0 if load_async else r.num_tokens - computed
             pad = False
             if not load_async:
@@ -1350,10 +1396,12 @@ class ReferenceScheduler:
             r.num_computed_tokens = computed + n
             r.is_prefill_chunk = is_chunk
             budget -= n
+            prefill_admitted |= has_prefill
         for r in reversed(skipped):  # back to the front in their order (fcfs), or by their key (priority)
             self._waiting.add_preempted(r)
         for r in reversed(skipped_kv):
             self._kv_waiting.add_preempted(r)
+        return prefill_admitted
 
     def _promote_loaded(self, r: _Request) -> None:
         """A request whose asynchronous load is over becomes WAITING (PREEMPTED if it was preempted before): its

@@ -112,7 +112,6 @@ REFUSED = re.compile(r"does not support ([^\n]+)")
 CORE_DIFFERENCES: tuple[tuple[re.Pattern[str], str], ...] = ()
 
 # Out of scope by hand: the reason is known from reading the test, and the failure message alone does not say it.
-_THROTTLE = "`schedule(throttle_prefills=True)`: data-parallel prefill balancing, refused (kvsched ignores the flag)"
 _HAND_BUILT = "calls `update_from_output` with a `SchedulerOutput` built by hand (kvsched applies the step it made)"
 CURATED: dict[str, str] = {
     "test_remote_kv_promotion_drains_before_grammar_prefix": (
@@ -125,9 +124,6 @@ CURATED: dict[str, str] = {
     ),
     "test_finish_request": "uses an auxiliary output connector (`aux_output_connector`), refused by kvsched.vllm",
     "test_pending_hisparse_spill_keeps_scheduler_alive": "HiSparse connector (refused by kvsched.vllm)",
-    "test_schedule_prefills_gating": _THROTTLE,
-    "test_throttle_defers_inflight_prefill_chunk": _THROTTLE,
-    "test_throttle_capacity_bound_guard_admits": _THROTTLE,
     "test_update_from_output_routes_sampling_masks_by_request": _HAND_BUILT,
     "test_update_from_output_routes_multi_position_sampling_masks": _HAND_BUILT,
     "test_scheduler_kv_connector_stats": _HAND_BUILT + "; KV connector stats",

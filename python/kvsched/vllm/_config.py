@@ -78,8 +78,6 @@ def kvsched_config_from_vllm(
         _refuse("multimodal encoder inputs", f"model {model.model!r} accepts multimodal inputs")
     if parallel.pipeline_parallel_size > 1:
         _refuse("pipeline parallelism", f"pipeline_parallel_size={parallel.pipeline_parallel_size}")
-    if parallel.data_parallel_size > 1:
-        _refuse("data-parallel prefill balancing", f"data_parallel_size={parallel.data_parallel_size}")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if _attr(parallel, name, 1) > 1:
             _refuse("context parallelism", f"{name}={getattr(parallel, name)}")
@@ -90,8 +88,6 @@ def kvsched_config_from_vllm(
 
     if sched.max_num_scheduled_tokens not in (None, sched.max_num_batched_tokens):
         _refuse("a token budget that differs from the input budget", "max_num_scheduled_tokens")
-    if sched.prefill_schedule_interval != 1:
-        _refuse("the prefill cadence gate", f"prefill_schedule_interval={sched.prefill_schedule_interval}")
     if sched.policy not in ("fcfs", "priority"):
         _refuse(f"the scheduling policy {sched.policy!r}", "policy")
     if hash_block_size is not None and hash_block_size != block_size:
@@ -135,6 +131,11 @@ def kvsched_config_from_vllm(
     if sched.max_num_active_seqs is not None:
         fields["max_num_active_seqs"] = int(sched.max_num_active_seqs)
     fields["long_prefill_token_threshold_adaptive"] = bool(sched.long_prefill_token_threshold_adaptive)
+    # vLLM 0.33 applies the prefill cadence in the scheduler only without data parallelism; a DP engine core
+    # drives it across ranks through schedule(throttle_prefills=...), which the adapter passes to the core.
+    fields["prefill_schedule_interval"] = (
+        int(sched.prefill_schedule_interval) if parallel.data_parallel_size == 1 else 1
+    )
     # vLLM's engine has no swap path (its runner never copies KV to a CPU pool): preemption recomputes.
     fields["preemption_mode"] = "recompute"
     if vllm_config.lora_config is not None:

@@ -79,8 +79,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     # Read by vLLM's engine core; kvsched hashes prefixes itself and has no connectors.
     use_eagle_prefix_cache_hashing = False
-    # vLLM's local prefill cadence (prefill_schedule_interval); anything but 1 is refused at construction.
-    local_prefill_interval = 1
 
     def __init__(
         self,
@@ -108,6 +106,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.max_model_len = config.max_model_len
         self.max_num_running_reqs = config.max_num_seqs
         self.max_num_active_reqs = config.max_num_active_seqs or config.max_num_seqs
+        # vLLM's local prefill cadence: prefill_schedule_interval without data parallelism, else 1 (the DP engine
+        # core throttles through schedule(throttle_prefills=True)).
+        self.local_prefill_interval = config.prefill_schedule_interval
         self.max_num_scheduled_tokens = config.max_num_batched_tokens
         self.use_v2_model_runner = bool(vllm_config.use_v2_model_runner)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
@@ -260,12 +261,28 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 if request.status == _WAITING_FOR_GRAMMAR:
                     request.status = _WAITING
 
+    @property
+    def num_executed_steps(self) -> int:
+        """Steps that scheduled tokens (vLLM's prefill cadence counts these, not ``schedule()`` calls)."""
+        return int(self._core.prefill_cadence[0])
+
+    @property
+    def last_prefill_step(self) -> int:
+        """The executed step that last carried prefill."""
+        return int(self._core.prefill_cadence[1])
+
+    @property
+    def prefill_capacity_bound(self) -> bool:
+        """Whether the last released step left prefills waiting (throttling then stops deferring)."""
+        return bool(self._core.prefill_cadence[2])
+
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        # throttle_prefills is only set by data-parallel engines, which are refused at construction.
+        # throttle_prefills: vLLM's data-parallel prefill balancing (set by its DP engine core); the core defers
+        # prefill on such a step exactly as vLLM's scheduler does.
         self.current_step += 1
         if self._blocked:
             self._promote_ready()
-        out = self._core.schedule()
+        out = self._core.schedule(bool(throttle_prefills))
         if self._ready:
             self._sync_ready()
         requests = self.requests
@@ -443,6 +460,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         in_flight = self._in_flight
         for i, (so, out, num_sched) in enumerate(in_flight):
             if so is scheduler_output:
+                if i and all(not older.total_num_scheduled_tokens for older, _, _ in list(in_flight)[:i]):
+                    # The core applies steps in order. Steps that scheduled nothing carry nothing to apply, and
+                    # vLLM's scheduler does not need their outputs at all (its engine applies them anyway, in
+                    # order): apply them here so a caller may skip them.
+                    for _ in range(i):
+                        _, empty, _ = in_flight.popleft()
+                        self._core.update_from_output(empty, [])
+                    i = 0
                 del in_flight[i]
                 return out, num_sched
         raise ValueError("update_from_output got a SchedulerOutput this scheduler did not produce, or got it twice")

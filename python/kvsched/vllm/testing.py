@@ -63,6 +63,7 @@ def make_vllm_config(
     max_loras: int = 0,
     max_num_active_seqs: int | None = None,
     long_prefill_token_threshold_adaptive: bool = False,
+    prefill_schedule_interval: int = 1,
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config)."""
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
@@ -90,6 +91,7 @@ def make_vllm_config(
         watermark=watermark,
         max_num_active_seqs=max_num_active_seqs,
         long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
+        prefill_schedule_interval=prefill_schedule_interval,
     )
     cache_config = CacheConfig(
         block_size=block_size,

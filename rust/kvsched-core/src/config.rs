@@ -142,6 +142,9 @@ pub struct SchedulerConfig {
     /// vLLM's `long_prefill_token_threshold_adaptive`: the per-request cap is floored at a fair share of the
     /// budget, `max_num_batched_tokens / (running + waiting)`.
     pub long_prefill_token_threshold_adaptive: bool,
+    /// vLLM's local prefill cadence (`prefill_schedule_interval`): while something decodes, prefill runs only
+    /// once this many executed steps have passed since the last step that carried prefill. 1 = every step.
+    pub prefill_schedule_interval: u32,
     /// What a preemption does with the victim's KV.
     pub preemption_mode: PreemptionMode,
     /// Blocks in the CPU swap pool (ids `0..num_cpu_blocks`, no null block); > 0 for swap and auto.
@@ -212,6 +215,7 @@ impl Default for SchedulerConfig {
             watermark: 0.0,
             max_num_active_seqs: 0,
             long_prefill_token_threshold_adaptive: false,
+            prefill_schedule_interval: 1,
             preemption_mode: PreemptionMode::Recompute,
             num_cpu_blocks: 0,
             recompute_cost_per_token: 1.0,
@@ -254,6 +258,7 @@ impl SchedulerConfig {
         check_range("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, I32_MAX)?;
         check_range("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)?;
         check_range("max_loras", self.max_loras, 0, I32_MAX)?;
+        check_range("prefill_schedule_interval", self.prefill_schedule_interval, 1, I32_MAX)?;
         if self.max_num_active_seqs > self.max_num_seqs {
             return Err(SchedError::InvalidConfig(format!(
                 "max_num_active_seqs ({}) cannot be greater than max_num_seqs ({})",
@@ -405,6 +410,7 @@ mod tests {
             SchedulerConfig { max_model_len: 1, ..Default::default() },
             SchedulerConfig { watermark: 1.0, ..Default::default() },
             SchedulerConfig { max_num_seqs: 4, max_num_active_seqs: 5, ..Default::default() },
+            SchedulerConfig { prefill_schedule_interval: 0, ..Default::default() },
             SchedulerConfig { watermark: f64::NAN, ..Default::default() },
             SchedulerConfig { num_blocks: u32::MAX / 2, block_size: 1024, ..Default::default() },
             SchedulerConfig { cache_aware_admission_threshold: 1.5, ..Default::default() },

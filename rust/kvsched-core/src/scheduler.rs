@@ -78,6 +78,12 @@ pub struct Scheduler {
     /// Requests preempted outside `schedule()` (`reset_prefix_cache(reset_running_requests=True)`), reported in
     /// the next output's preempted ids.
     pub(crate) preempted_since_step: Vec<Arc<str>>,
+    /// Steps that scheduled tokens (vLLM's `num_executed_steps`; empty steps do not count).
+    pub(crate) num_executed_steps: u64,
+    /// The executed step that last carried prefill (vLLM's `last_prefill_step`; starts a full interval back).
+    pub(crate) last_prefill_step: i64,
+    /// Whether the last released (not deferred) admission pass left requests waiting that were not skipped.
+    pub(crate) prefill_capacity_bound: bool,
     /// The CPU swap pool (`swap.rs`; empty under `recompute`).
     pub(crate) cpu: CpuBlockPool,
     /// Auto's cost constants now in force (initially from the config; `set_preemption_costs`).
@@ -106,6 +112,8 @@ fn bad_request(msg: String) -> SchedError {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
+        // A full interval back, so the first step is never gated.
+        let last_prefill_step = -i64::from(config.prefill_schedule_interval);
         let hasher = BlockHasher::new(config.prefix_hash_algo, config.prefix_hash_seed.as_deref())?;
         let kv = KvCacheManager {
             pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching),
@@ -142,6 +150,9 @@ impl Scheduler {
             num_loading: 0,
             held: Held::default(),
             next_add_seq: 0,
+            num_executed_steps: 0,
+            last_prefill_step,
+            prefill_capacity_bound: false,
         })
     }
 
@@ -152,6 +163,12 @@ impl Scheduler {
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
+    }
+
+    /// The prefill cadence's state: executed steps (steps that scheduled tokens), the executed step that last
+    /// carried prefill, and whether the last released admission pass left requests waiting (see `schedule_with`).
+    pub fn prefill_cadence(&self) -> (u64, i64, bool) {
+        (self.num_executed_steps, self.last_prefill_step, self.prefill_capacity_bound)
     }
 
     pub fn scheduler_id(&self) -> u64 {

@@ -89,29 +89,59 @@ impl Builder {
 }
 
 impl Scheduler {
-    #[inline(never)]
+    /// One step (`schedule_with(false)`).
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
+        self.schedule_with(false)
+    }
+
+    /// One step. `throttle_prefills` is vLLM's data-parallel prefill balancing: on a step the DP coordinator
+    /// marks as throttled, prefill compute is deferred while something decodes, unless the last released step
+    /// could not drain the waiting queue (`prefill_capacity_bound`). The local cadence gate
+    /// (`prefill_schedule_interval > 1`) defers prefill the same way until the interval since the last
+    /// prefill-carrying step has passed.
+    #[inline(never)]
+    pub fn schedule_with(&mut self, throttle_prefills: bool) -> Result<SchedulerOutput> {
         if !self.newly_ready.is_empty() {
             self.queue_newly_ready()?;
         }
         let paused_all = self.pause_state == PauseState::PausedAll;
         let mut budget = if paused_all { 0 } else { self.config.max_num_batched_tokens };
         // vLLM 0.33: the per-request cap guards other requests from starvation, so it applies only when more
-        // than one request is running or waiting.
-        // vLLM counts running and waiting requests, blocked ones included.
+        // than one request is running or waiting (blocked ones included).
         let num_eligible = self.num_live_requests();
         let mut threshold = if num_eligible > 1 { self.config.long_prefill_token_threshold } else { 0 };
         if threshold > 0 && self.config.long_prefill_token_threshold_adaptive {
             // Floored at a fair share of the budget (vLLM's long_prefill_token_threshold_adaptive).
             threshold = threshold.max((self.config.max_num_batched_tokens as usize / num_eligible) as u32);
         }
+        // Prefill deferral (vLLM 0.33): only while some running request decodes, so the model never idles.
+        let interval = i64::from(self.config.prefill_schedule_interval);
+        let anyone_decoding =
+            || self.running.iter().any(|&s| self.slab.get(s).is_ok_and(|r| !r.is_prefill_chunk));
+        let mut defer_prefills = throttle_prefills && !self.prefill_capacity_bound && anyone_decoding();
+        if !defer_prefills
+            && interval > 1
+            && !self.prefill_capacity_bound
+            // This call becomes executed step num_executed_steps + 1 if it schedules anything.
+            && (self.num_executed_steps as i64 + 1) - self.last_prefill_step < interval
+            && anyone_decoding()
+        {
+            defer_prefills = true;
+        }
         let mut b = Builder::with_capacity(self.running.len() + 8);
         let mut preempted: Vec<ReqHandle> = Vec::new();
         // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund
         // must not have been charged).
         let mut prompt_chunks: Vec<(u32, u32, u32)> = Vec::new();
-        let prefill_scheduled =
-            self.schedule_running(&mut b, &mut budget, threshold, &mut preempted, &mut prompt_chunks)?;
+        let prefill_scheduled = self.schedule_running(
+            &mut b,
+            &mut budget,
+            threshold,
+            defer_prefills,
+            &mut preempted,
+            &mut prompt_chunks,
+        )?;
+        let mut prefill_admitted = false;
         for (slot, start, n) in prompt_chunks {
             let req = self.slab.get_mut(slot)?;
             if req.status == RequestStatus::Running {
@@ -123,8 +153,21 @@ impl Scheduler {
             // No probing when nobody can be admitted (a full batch or no budget): nothing would move.
             let can_admit = budget > 0 && self.running.len() < self.config.max_active_seqs();
             let plan = if can_admit { self.begin_admission() } else { None };
-            self.admit_waiting(&mut b, &mut budget, threshold, prefill_scheduled)?;
+            prefill_admitted =
+                self.admit_waiting(&mut b, &mut budget, threshold, prefill_scheduled, defer_prefills)?;
             self.end_admission(plan);
+            // A released step records whether it drained the waiting queue (vLLM's prefill_capacity_bound):
+            // if it could not, throttling and the cadence stop deferring until a released step drains it.
+            if !defer_prefills {
+                self.prefill_capacity_bound = self.num_waiting_reqs() > self.num_deferred;
+            }
+        }
+        if b.out.total_num_scheduled_tokens > 0 {
+            self.num_executed_steps += 1;
+        }
+        // The cadence restarts from any executed step that carried prefill (a running chunk or an admission).
+        if interval > 1 && (prefill_scheduled || prefill_admitted) {
+            self.last_prefill_step = self.num_executed_steps as i64;
         }
         self.finish_step(b, preempted)
     }
@@ -136,6 +179,7 @@ impl Scheduler {
         b: &mut Builder,
         budget: &mut u32,
         threshold: u32,
+        defer_prefills: bool,
         preempted: &mut Vec<ReqHandle>,
         prompt_chunks: &mut Vec<(u32, u32, u32)>,
     ) -> Result<bool> {
@@ -154,6 +198,11 @@ impl Scheduler {
                 && i64::from(computed) + 2 - ph
                     >= i64::from(req.num_prompt_tokens) + i64::from(req.max_tokens)
             {
+                i += 1;
+                continue;
+            }
+            // Deferred prefill: an unfinished prompt waits for a cadence-aligned step; decodes still run.
+            if defer_prefills && req.is_prefill_chunk {
                 i += 1;
                 continue;
             }
@@ -234,14 +283,18 @@ impl Scheduler {
 
     /// Phase B: admits waiting requests in policy order while `max_num_seqs`, the budget and the free blocks
     /// allow; it never preempts. Requests that cannot run yet (grammar not ready, output of a step from before
-    /// their preemption still in flight, a LoRA over `max_loras`) are skipped and keep their place.
+    /// their preemption still in flight, a LoRA over `max_loras`) are skipped and keep their place. With
+    /// `defer_prefills` admission stops at the first request with more than one token to compute. Returns
+    /// whether it admitted such a request (vLLM's `prefill_admitted`).
     fn admit_waiting(
         &mut self,
         b: &mut Builder,
         budget: &mut u32,
         threshold: u32,
         prefill_scheduled: bool,
-    ) -> Result<()> {
+        defer_prefills: bool,
+    ) -> Result<bool> {
+        let mut prefill_admitted = false;
         let bs = self.config.block_size;
         let max_model_len = self.config.max_model_len;
         let lookahead = self.config.num_lookahead_tokens;
@@ -341,6 +394,12 @@ impl Scheduler {
             // Tokens already in KV (or arriving) before this step: a loaded request's count, else the local hit
             // (or a swapped-out request's swapped tokens when they reach past it) plus the connector's.
             let computed = if computed_before > 0 { computed_before } else { restored + ext };
+            // Deferred prefill: stop at a request with prompt left beyond its last token (an asynchronous load
+            // computes nothing this step, so it is not deferred).
+            let has_prefill = computed + 1 < req.num_tokens();
+            if defer_prefills && !load_async && has_prefill {
+                break;
+            }
             let mut n = if load_async { 0 } else { req.num_tokens() - computed };
             let mut pad = false;
             if !load_async {
@@ -471,6 +530,7 @@ impl Scheduler {
             self.tenants.charge_prompt(req, computed, n);
             self.running.push(h.slot);
             *budget -= n;
+            prefill_admitted |= has_prefill;
         }
         // Skipped requests go back to the front in their order (FCFS), or by their key (PRIORITY).
         for &h in skipped.iter().rev() {
@@ -481,7 +541,7 @@ impl Scheduler {
             let key = Self::priority_key(self.slab.get(h.slot)?);
             self.kv_waiting.push_preempted(h, key);
         }
-        Ok(())
+        Ok(prefill_admitted)
     }
 
     /// A request whose asynchronous load is over becomes WAITING (PREEMPTED if it was preempted before): the

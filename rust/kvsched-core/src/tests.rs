@@ -467,6 +467,60 @@ fn skip_reading_prefix_cache_gets_no_hits_and_no_stats() {
     assert_eq!(out.num_computed_tokens[0], 16, "a normal request still hits the cached blocks");
 }
 
+/// vLLM's test_local_prefill_interval_holds_prefill_between_bursts: with interval k, a waiting prefill is held
+/// for k - 1 executed steps after the last prefill-carrying one while a request decodes, then admitted.
+#[test]
+fn prefill_cadence_holds_prefill_between_bursts() {
+    for interval in [2u32, 4] {
+        let c = SchedulerConfig { prefill_schedule_interval: interval, ..Default::default() };
+        let mut s = Scheduler::new(c).unwrap();
+        add_n(&mut s, "run0", &[1, 2, 3, 4, 5, 6, 7, 8], 100);
+        step_all(&mut s);
+        let (executed, last, _) = s.prefill_cadence();
+        assert_eq!(last, executed as i64);
+        add_n(&mut s, "new0", &[9, 9, 9, 9, 9, 9, 9, 9], 5);
+        for _ in 0..interval - 1 {
+            let out = step_all(&mut s);
+            assert_eq!((out.handles.len(), out.new_reqs.len()), (1, 0), "held (interval {interval})");
+        }
+        // An empty schedule() (everything in flight) does not count as an executed step.
+        let before = s.prefill_cadence().0;
+        let out = s.schedule().unwrap();
+        let empty = s.schedule().unwrap();
+        assert_eq!(empty.total_num_scheduled_tokens, 0);
+        assert_eq!(s.prefill_cadence().0, before + 1);
+        assert_eq!(out.new_reqs.len(), 1, "admitted once the interval has passed");
+        assert_eq!(s.prefill_cadence().1, s.prefill_cadence().0 as i64);
+    }
+}
+
+/// vLLM's test_schedule_prefills_gating and test_throttle_capacity_bound_guard_admits.
+#[test]
+fn throttled_steps_defer_prefill_unless_the_last_release_was_capacity_bound() {
+    let mut s = Scheduler::new(SchedulerConfig::default()).unwrap();
+    add_n(&mut s, "run0", &[1, 2, 3, 4, 5, 6, 7, 8], 100);
+    step_all(&mut s);
+    add_n(&mut s, "new0", &[9; 8], 5);
+    let out = s.schedule_with(true).unwrap();
+    assert_eq!((out.handles.len(), out.new_reqs.len()), (1, 0), "deferred: run0 decodes alone");
+    // Nothing decoding to protect: a throttled step admits.
+    let mut s = Scheduler::new(SchedulerConfig::default()).unwrap();
+    add_n(&mut s, "new0", &[9; 8], 5);
+    assert_eq!(s.schedule_with(true).unwrap().new_reqs.len(), 1);
+    // A release that cannot drain the queue makes the next throttled step admit anyway.
+    let c = SchedulerConfig { max_num_batched_tokens: 200, ..Default::default() };
+    let mut s = Scheduler::new(c).unwrap();
+    let p: Vec<i64> = (0..200).collect();
+    let q: Vec<i64> = (1000..1200).collect();
+    add_n(&mut s, "a", &p, 5);
+    add_n(&mut s, "b", &q, 5);
+    let out = s.schedule().unwrap();
+    assert_eq!(out.handles.len(), 1);
+    assert!(s.prefill_cadence().2, "capacity bound");
+    let out = s.schedule_with(true).unwrap();
+    assert_eq!(out.new_reqs.len(), 1, "b admitted although throttled");
+}
+
 #[test]
 fn max_model_len_caps_generation() {
     let mut c = cfg(4, 64);
@@ -693,7 +747,8 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 any::<bool>(),
             ),
             // max_num_active_seqs (0: max_num_seqs, else min(it, max_num_seqs)), the adaptive threshold.
-            (prop_oneof![Just(0u32), Just(1), Just(2)], any::<bool>()),
+            // ... and the prefill cadence.
+            (prop_oneof![Just(0u32), Just(1), Just(2)], any::<bool>(), prop_oneof![Just(1u32), Just(3)]),
         ),
     )
         .prop_map(
@@ -708,7 +763,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 mode,
                 la,
                 full_isl,
-                (asy, loras, wm, (pm, cpu, cost, big_len), (active, adaptive)),
+                (asy, loras, wm, (pm, cpu, cost, big_len), (active, adaptive, interval)),
             )| {
                 let max_model_len = if big_len { 200 } else { ((nb - 1) * bs).min(200) };
                 SchedulerConfig {
@@ -741,6 +796,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                     watermark: wm,
                     max_num_active_seqs: active.min(seqs),
                     long_prefill_token_threshold_adaptive: adaptive,
+                    prefill_schedule_interval: interval,
                     preemption_mode: [PreemptionMode::Recompute, PreemptionMode::Swap, PreemptionMode::Auto]
                         [pm as usize],
                     num_cpu_blocks: cpu,
@@ -833,7 +889,7 @@ proptest! {
                         apply_pending(&mut s, &mut pending, eos, n_drafts);
                     }
                 }
-                Op::ScheduleOnly => pending.push(s.schedule().unwrap()),
+                Op::ScheduleOnly => pending.push(s.schedule_with(next_id % 2 == 1).unwrap()),
                 Op::ApplyPending => apply_pending(&mut s, &mut pending, false, 0),
                 Op::Abort(k) => {
                     let live: Vec<String> = s.slab.iter().map(|r| r.id.to_string()).collect();

@@ -86,5 +86,6 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
             u32_field("max_num_active_seqs")?
         },
         long_prefill_token_threshold_adaptive: bool_field("long_prefill_token_threshold_adaptive")?,
+        prefill_schedule_interval: u32_field("prefill_schedule_interval")?,
     })
 }

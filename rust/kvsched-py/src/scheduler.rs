@@ -253,10 +253,20 @@ impl PyScheduler {
         Ok(())
     }
 
-    fn schedule(slf: &Bound<'_, Self>) -> PyResult<Py<PySchedulerOutput>> {
+    #[pyo3(signature = (throttle_prefills=None))]
+    fn schedule(
+        slf: &Bound<'_, Self>,
+        throttle_prefills: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PySchedulerOutput>> {
         let py = slf.py();
+        let throttle = match throttle_prefills {
+            None => false,
+            Some(t) => t.downcast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
+                type_error(py, format!("throttle_prefills must be a bool, got {}", type_name(t)))
+            })?,
+        };
         let mut this = borrow_mut(slf)?;
-        let out = guard(py, || this.core.schedule())?;
+        let out = guard(py, || this.core.schedule_with(throttle))?;
         if this.connector.is_some() {
             this.after_hooks(py)?;
         }
@@ -531,6 +541,12 @@ impl PyScheduler {
         let id = id_arg(req_id, "UnknownRequestError")?;
         let mut this = borrow_mut(slf)?;
         guard(slf.py(), || this.core.set_ready(&id))
+    }
+
+    /// `(num_executed_steps, last_prefill_step, prefill_capacity_bound)`: the prefill cadence's state.
+    #[getter]
+    fn prefill_cadence(slf: &Bound<'_, Self>) -> PyResult<(u64, i64, bool)> {
+        Ok(borrow(slf)?.core.prefill_cadence())
     }
 
     #[getter]
