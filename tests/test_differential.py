@@ -157,7 +157,8 @@ class Twin:
         from kvsched import Scheduler
 
         self.cfg, self.rand, self.max_in_flight = cfg, rand, max_in_flight
-        self.throttle = throttle  # sometimes schedule(throttle_prefills=True)
+        # Sometimes schedule(throttle_prefills=True) and requests that skip reading the prefix cache.
+        self.throttle = throttle
         self.conn_ref = self.conn_rs = None
         if connector_seed is not None:
             self.conn_ref, self.conn_rs = FakeConnector(connector_seed), FakeConnector(connector_seed)
@@ -210,7 +211,7 @@ class Twin:
             kw["tenant"] = r.choice(TENANTS)
         if r.chance(0.15):
             kw["ready"] = False  # waits for its grammar until set_ready
-        if r.chance(0.1):
+        if self.throttle and r.chance(0.1):  # (not in the seeded soak: its random stream stays as it was)
             kw["skip_reading_prefix_cache"] = True  # vLLM: prompt logprobs
         self.clock += r.choice([0.0, 1.0, 0.5])  # ties in arrival time happen
         kw["arrival_time"] = self.clock
