@@ -152,6 +152,11 @@ def kv(**report: Any) -> Callable[[Ctx], Any]:
     return lambda c: c.s.update_kv_transfers(**report)
 
 
+def setup_spec() -> Ctx:
+    """n-gram style speculative decoding: 2 drafts per step, no lookahead slots."""
+    return setup_in_flight(num_speculative_tokens=2)
+
+
 def snapshot(s: Scheduler) -> Any:
     reqs = {}
     for rid in IDS:
@@ -488,6 +493,71 @@ CASES = [
         "async_scheduling",
         lambda: setup_async(),
     ),
+    # --- set_draft_token_ids (vLLM's update_draft_token_ids) --------------------------------------------
+    Case(
+        "drafts-unknown-id",
+        lambda c: c.s.set_draft_token_ids(["run", "nope"], [[1], [2]]),
+        UnknownRequestError,
+        "nope",
+        setup_spec,
+    ),
+    Case(
+        "drafts-finished-id",
+        lambda c: c.s.set_draft_token_ids(["gone"], [[1]]),
+        UnknownRequestError,
+        "gone",
+        setup_gone,
+    ),
+    Case(
+        "drafts-too-many",
+        lambda c: c.s.set_draft_token_ids(["run"], [[1, 2, 3]]),
+        InvalidOutputError,
+        "num_spec_tokens=2",
+        setup_spec,
+    ),
+    Case(
+        "drafts-without-spec-decoding",
+        lambda c: c.s.set_draft_token_ids(["run"], [[1]]),
+        InvalidOutputError,
+        "num_spec_tokens=0",
+    ),
+    Case(
+        "drafts-below-minus-one",
+        lambda c: c.s.set_draft_token_ids(["run"], [[5, -2]]),
+        InvalidOutputError,
+        "-2",
+        setup_spec,
+    ),
+    Case(
+        "drafts-out-of-range",
+        lambda c: c.s.set_draft_token_ids(["run"], [[2**31]]),
+        InvalidOutputError,
+        "2147483648",
+        setup_spec,
+    ),
+    Case(
+        "drafts-misaligned",
+        lambda c: c.s.set_draft_token_ids(["run", "chunk"], [[1]]),
+        InvalidOutputError,
+        "draft_token_ids",
+        setup_spec,
+    ),
+    Case(
+        "drafts-single-str",
+        lambda c: c.s.set_draft_token_ids("run", [[1]]),
+        SchedulerTypeError,
+        "single str",
+        setup_spec,
+    ),
+    Case("drafts-int-id", lambda c: c.s.set_draft_token_ids([3], [[1]]), SchedulerTypeError, "int", setup_spec),
+    Case("drafts-not-lists", lambda c: c.s.set_draft_token_ids(["run"], 5), SchedulerTypeError, "int", setup_spec),
+    Case(
+        "drafts-later-entry-bad",
+        lambda c: c.s.set_draft_token_ids(["run", "wait"], [[4, 5], [1, 2, 3]]),
+        InvalidOutputError,
+        "wait",
+        setup_spec,
+    ),
     Case("probe-str", lambda c: c.s.get_num_cached_tokens("abc"), SchedulerTypeError, "str"),
     # --- KV connector: update_kv_transfers, the connector object ------------------------------------------
     Case("kv-recv-unknown", kv(finished_recving=["nope"]), UnknownRequestError, "nope", setup_connector),
@@ -534,6 +604,9 @@ CASES = [
     Case("config-bool-seed", cfg(prefix_hash_seed=True), InvalidConfigError, "True"),
     Case("config-negative-threshold", cfg(long_prefill_token_threshold=-1), InvalidConfigError, "got -1"),
     Case("config-negative-lookahead", cfg(num_lookahead_tokens=-1), InvalidConfigError, "got -1"),
+    Case("config-negative-spec-tokens", cfg(num_speculative_tokens=-1), InvalidConfigError, "got -1"),
+    Case("config-too-many-spec-tokens", cfg(num_speculative_tokens=1025), InvalidConfigError, "1025"),
+    Case("config-float-spec-tokens", cfg(num_speculative_tokens=2.0), InvalidConfigError, "2.0"),
     Case("config-int-caching-flag", cfg(enable_prefix_caching=1), InvalidConfigError, "1"),
     Case("config-str-full-isl-flag", cfg(scheduler_reserve_full_isl="yes"), InvalidConfigError, "'yes'"),
     Case("config-int-async-flag", cfg(async_scheduling=1), InvalidConfigError, "1"),
@@ -593,6 +666,8 @@ CASES = [
     Case("core-watermark-1", new(bypass(watermark=1.0)), InvalidConfigError, "watermark"),
     Case("core-watermark-bool", new(bypass(watermark=True)), InvalidConfigError, "watermark"),
     Case("core-negative-max-loras", new(bypass(max_loras=-1)), InvalidConfigError, "-1"),
+    Case("core-too-many-spec-tokens", new(bypass(num_speculative_tokens=2000)), InvalidConfigError, "2000"),
+    Case("core-str-spec-tokens", new(bypass(num_speculative_tokens="2")), SchedulerTypeError, "str"),
     Case(
         "core-window-with-fair", new(bypass(cache_aware_admission_window=4, policy="fair")), InvalidConfigError, "fcfs"
     ),

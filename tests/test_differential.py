@@ -267,7 +267,7 @@ class Twin:
             return self.op_schedule()
         r = self.rand
         a, b, sizes = self.pending[0]
-        look = self.cfg.num_lookahead_tokens
+        look = self.cfg.num_spec_tokens
         sampled = [[] if s is None else [r.int(0, VOCAB - 1) for _ in range(r.int(1, s))] for s in sizes]
         drafts = None
         if look and r.chance(0.8) and (not self.cfg.async_scheduling or r.chance(0.05)):  # async: refused
@@ -307,6 +307,27 @@ class Twin:
             compare_results(ra, rb)
             self.pending.popleft()
         return not failed
+
+    def op_drafts(self) -> None:
+        """set_draft_token_ids (vLLM's update_draft_token_ids) on live requests, -1 padding included; sometimes
+        an unknown id, too many drafts or a bad token id, which both must refuse without changing anything."""
+        r = self.rand
+        k = self.cfg.num_spec_tokens
+        ids = [x for x in self.live_ids() if r.chance(0.7)]
+        drafts = [[r.choice([r.int(0, VOCAB - 1), -1]) for _ in range(r.int(0, k))] for _ in ids]
+        live = self.live_ids()
+        if r.chance(0.1) and live:
+            kind = r.int(0, 2)
+            if kind == 0:
+                ids, drafts = [*ids, "nope"], [*drafts, [1]]
+            elif kind == 1:
+                ids, drafts = [*ids, r.choice(live)], [*drafts, [1] * (k + 1)]
+            else:
+                ids, drafts = [*ids, r.choice(live)], [*drafts, [-2]]
+        self.log.append(f"set_draft_token_ids {ids} {drafts}")
+        as_arrays = r.chance(0.5)
+        call_both(lambda: self.ref.set_draft_token_ids(ids, drafts),
+                  lambda: self.rs.set_draft_token_ids(ids, ragged(drafts, as_arrays)))  # fmt: skip
 
     def op_abort(self) -> None:
         r = self.rand
@@ -408,6 +429,8 @@ class Twin:
         if self.conn_ref is not None:
             ops += [self.op_kv] * 3
         others = [self.op_abort, self.op_probe, self.op_reset, self.op_weight, self.op_pause, self.op_costs]
+        if self.cfg.num_spec_tokens:
+            others.append(self.op_drafts)
         self.rand.choice([*ops, *others])()
         self.check()
 
@@ -506,6 +529,7 @@ def configs(draw: Any) -> SchedulerConfig:
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 8, 17])),
         policy=policy,
         num_lookahead_tokens=draw(st.sampled_from([0, 0, 1, 3])),
+        num_speculative_tokens=draw(st.sampled_from([None, None, 0, 2, 4])),
         prefix_hash_algo=draw(st.sampled_from(["xxh3_128", "sha256"])),
         prefix_hash_seed=draw(st.sampled_from([None, 0, "seed"])),
         scheduler_reserve_full_isl=draw(st.booleans()),
@@ -588,6 +612,9 @@ SOAK_CONFIGS = [
                     long_prefill_token_threshold=8),
     SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=48,
                     kv_load_failure_policy="fail", policy="priority", prefix_hash_seed=3),
+    # n-gram style speculative decoding: drafts without lookahead slots.
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    num_speculative_tokens=3, prefix_hash_seed=3),
 ]  # fmt: skip
 
 # A KV cache (40 tokens) below max_model_len, and a budget below it without chunked prefill: add_request refuses

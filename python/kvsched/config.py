@@ -93,6 +93,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: Literal["fcfs", "priority", "fair"] = "fcfs"
     num_lookahead_tokens: int = 0
+    num_speculative_tokens: int | None = None
     prefix_hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
     prefix_hash_seed: int | str | bytes | None = None
     scheduler_reserve_full_isl: bool = True
@@ -140,6 +141,8 @@ class SchedulerConfig:
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)
+        if self.num_speculative_tokens is not None:
+            _check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 1024)
         _check_int("max_loras", self.max_loras, 0)
         if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
             raise InvalidConfigError(f"watermark must be a float, got {self.watermark!r}")
@@ -159,6 +162,11 @@ class SchedulerConfig:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
             raise InvalidConfigError(f"prefix_hash_seed must be None, an int, a str or bytes, got {seed!r}")
         self._check_policy_fields()
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens per request per step: ``num_speculative_tokens``, else ``num_lookahead_tokens``."""
+        return self.num_lookahead_tokens if self.num_speculative_tokens is None else self.num_speculative_tokens
 
     def _check_policy_fields(self) -> None:
         """The admission window, fair-share and aging fields (docs/semantics.md, "Admission policies")."""

@@ -963,7 +963,6 @@ class ReferenceScheduler:
         r.drop_stale_output = drop_stale_output or (r.drop_stale_output and r.num_stale_output_tokens > 0)
         r.num_stale_output_tokens = r.num_in_flight_tokens
         r.num_output_placeholders = 0
-        r.is_prefill_chunk = False
         self._stats["preemptions"] += 1
         self._waiting.add_preempted(r)
         self._tenants[r.tenant].num_waiting += 1  # back in waiting; no lift (the tenant did not arrive)
@@ -1134,7 +1133,7 @@ class ReferenceScheduler:
         c = self._config
         if self._newly_ready:
             self._queue_newly_ready()
-        look = c.num_lookahead_tokens
+        look, num_spec = c.num_lookahead_tokens, c.num_spec_tokens
         budget = 0 if self._pause_state == "paused_all" else c.max_num_batched_tokens
         # the per-request cap applies only when more than one request is running or waiting (blocked ones too)
         num_eligible = len(self._requests)
@@ -1232,7 +1231,7 @@ class ReferenceScheduler:
             r.num_in_flight_tokens += n
             if c.async_scheduling and not is_chunk:  # placeholders for the token(s) this step samples
                 r.num_output_placeholders += 1 + len(drafts)
-                r.drafts = [-1] * look
+                r.drafts = [-1] * num_spec
             entries.append((r, is_chunk, len(drafts)))
         out = SchedulerOutput(
             step_id=self._next_step_id,
@@ -1279,6 +1278,7 @@ class ReferenceScheduler:
         compute. Returns whether it admitted one that has (vLLM's ``prefill_admitted``)."""
         prefill_admitted = False
         c, bs, look = self._config, self._bs, self._config.num_lookahead_tokens
+        k = c.num_spec_tokens  # drafts per step: the padding of a new decode
         watermark = int(c.watermark * c.num_blocks)
         any_running_scheduled = bool(scheduled)
         loras = {r.lora_name for r in self._running if r.lora_name is not None}
@@ -1337,18 +1337,18 @@ class ReferenceScheduler:
             if not load_async:
                 # spec decoding: one token left, admitted into a batch of decodes: pad with placeholder drafts
                 pad = (
-                    look > 0
+                    k > 0
                     and n == 1
                     and not prefill_scheduled
                     and (any_running_scheduled or computed > 0)
-                    and computed + 1 + look + 1 <= c.max_model_len
-                    and computed + 1 + look <= c.max_slots_per_request
-                    and (threshold == 0 or threshold >= 1 + look)
+                    and computed + 1 + k + 1 <= c.max_model_len
+                    and computed + 1 + k <= c.max_slots_per_request
+                    and (threshold == 0 or threshold >= 1 + k)
                 )
                 if pad:
-                    if 1 + look > budget:
+                    if 1 + k > budget:
                         break
-                    n = 1 + look
+                    n = 1 + k
                 if 0 < threshold < n:
                     n = threshold
                 if not c.enable_chunked_prefill and n > budget:
@@ -1392,7 +1392,7 @@ class ReferenceScheduler:
             if r.num_cached_tokens < 0:
                 r.num_cached_tokens = computed
             is_chunk = computed + n < r.num_tokens
-            scheduled.append([r, n, computed, list(r.block_ids), [-1] * look if pad else [], kind, is_chunk])
+            scheduled.append([r, n, computed, list(r.block_ids), [-1] * k if pad else [], kind, is_chunk])
             r.num_computed_tokens = computed + n
             r.is_prefill_chunk = is_chunk
             budget -= n
@@ -1577,8 +1577,8 @@ class ReferenceScheduler:
                     raise InvalidOutputError(f"{r.req_id!r} was a prefill chunk: its entries must be empty")
             elif not 1 <= len(entry) <= 1 + num_drafts:
                 raise InvalidOutputError(f"{r.req_id!r} needs 1..{1 + num_drafts} tokens, got {len(entry)}")
-            if len(entry_drafts) > self._config.num_lookahead_tokens:
-                raise InvalidOutputError(f"{r.req_id!r}: more drafts than num_lookahead_tokens")
+            if len(entry_drafts) > self._config.num_spec_tokens:
+                raise InvalidOutputError(f"{r.req_id!r}: more drafts than num_spec_tokens")
             for t in itertools.chain(entry, entry_drafts):
                 if not 0 <= t < _TOKEN_LIMIT:
                     raise InvalidOutputError(f"{r.req_id!r}: token id {t} out of [0, 2**31)")
@@ -1588,7 +1588,7 @@ class ReferenceScheduler:
 
         self._next_update_step += 1
         self._last_out_fresh = False
-        spec_decoding = self._config.num_lookahead_tokens > 0
+        spec_decoding = self._config.num_spec_tokens > 0
         finished: list[str] = []
         reasons: list[int] = []
         stop_reasons: list[int] = []
@@ -1649,6 +1649,26 @@ class ReferenceScheduler:
             num_new_tokens=num_new,
             kv_transfer_params=params,
         )
+
+    def set_draft_token_ids(self, req_ids: Iterable[str], draft_token_ids: Any) -> None:
+        """The drafts each request proposes for its next step (vLLM's ``update_draft_token_ids``): a request whose
+        last step was a partial prefill gets none; -1 is an empty draft position (n-gram padding)."""
+        if isinstance(req_ids, str):
+            raise SchedulerTypeError("req_ids must be an iterable of str, not a single str")
+        ids = _as_sequence(req_ids, "req_ids")
+        drafts = _ragged(draft_token_ids, len(ids), "draft_token_ids")
+        reqs: list[_Request] = []
+        k = self._config.num_spec_tokens
+        for req_id, entry in zip(ids, drafts, strict=True):  # in order: the first bad entry is reported
+            r = self._get(req_id)
+            reqs.append(r)
+            if len(entry) > k:
+                raise InvalidOutputError(f"request {r.req_id!r} may hold at most num_spec_tokens={k} draft tokens")
+            for t in entry:
+                if not -1 <= t < _TOKEN_LIMIT:
+                    raise InvalidOutputError(f"draft token ids must be in [-1, 2**31), got {t}")
+        for r, entry in zip(reqs, drafts, strict=True):
+            r.drafts = [] if r.is_prefill_chunk else list(entry)
 
     def _check_stop(self, r: _Request, t: int) -> tuple[RequestStatus, FinishReason, int] | None:
         """The stop check after appending token ``t``, in vLLM 0.33's order: EOS, stop ids, length. min_tokens

@@ -110,6 +110,11 @@ pub struct SchedulerConfig {
     pub long_prefill_token_threshold: u32,
     pub policy: Policy,
     pub num_lookahead_tokens: u32,
+    /// Draft tokens per request per step (vLLM's `num_speculative_tokens`): the padding of new decodes, the
+    /// placeholder drafts of async scheduling and the most drafts a request may hold. `None`: the same as
+    /// `num_lookahead_tokens` (a drafter that reserves one KV slot per draft, as EAGLE does; an n-gram drafter
+    /// reserves none and sets this alone).
+    pub num_speculative_tokens: Option<u32>,
     pub prefix_hash_algo: HashAlgo,
     /// Seeds the hash chain; `None` draws a random seed per scheduler.
     pub prefix_hash_seed: Option<Vec<u8>>,
@@ -201,6 +206,7 @@ impl Default for SchedulerConfig {
             long_prefill_token_threshold: 0,
             policy: Policy::Fcfs,
             num_lookahead_tokens: 0,
+            num_speculative_tokens: None,
             prefix_hash_algo: HashAlgo::Xxh3_128,
             prefix_hash_seed: None,
             scheduler_reserve_full_isl: true,
@@ -237,6 +243,11 @@ fn check_range(name: &str, value: u32, min: u32, max: u64) -> Result<()> {
 }
 
 impl SchedulerConfig {
+    /// Draft tokens per request per step (`num_speculative_tokens`, else `num_lookahead_tokens`).
+    pub fn num_spec_tokens(&self) -> u32 {
+        self.num_speculative_tokens.unwrap_or(self.num_lookahead_tokens)
+    }
+
     pub fn validate(&self) -> Result<()> {
         check_range("block_size", self.block_size, 1, 1024)?;
         if !self.block_size.is_power_of_two() {
@@ -257,6 +268,9 @@ impl SchedulerConfig {
         check_range("max_model_len", self.max_model_len, 2, I32_MAX)?;
         check_range("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, I32_MAX)?;
         check_range("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)?;
+        if let Some(k) = self.num_speculative_tokens {
+            check_range("num_speculative_tokens", k, 0, 1024)?;
+        }
         check_range("max_loras", self.max_loras, 0, I32_MAX)?;
         check_range("prefill_schedule_interval", self.prefill_schedule_interval, 1, I32_MAX)?;
         if self.max_num_active_seqs > self.max_num_seqs {

@@ -342,7 +342,7 @@ impl Scheduler {
         }
     }
 
-    fn slot_of(&self, req_id: &str) -> Result<u32> {
+    pub(crate) fn slot_of(&self, req_id: &str) -> Result<u32> {
         self.ids
             .get(req_id)
             .copied()
@@ -659,7 +659,11 @@ impl Scheduler {
                 return Err(format!("request {:?} has more stale than in-flight tokens", r.id));
             }
             if r.num_computed_tokens
-                > r.num_tokens_with_spec() + r.num_output_placeholders + cfg.num_lookahead_tokens + bs
+                > r.num_tokens_with_spec()
+                    + r.num_output_placeholders
+                    + cfg.num_lookahead_tokens
+                    + cfg.num_spec_tokens()
+                    + bs
             {
                 return Err(format!("request {:?} computed more tokens than it has", r.id));
             }

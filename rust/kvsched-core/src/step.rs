@@ -299,6 +299,7 @@ impl Scheduler {
         let max_model_len = self.config.max_model_len;
         let lookahead = self.config.num_lookahead_tokens;
         let max_active = self.config.max_active_seqs();
+        let num_spec = self.config.num_spec_tokens();
         let chunked = self.config.enable_chunked_prefill;
         let reserve_full_isl = self.config.scheduler_reserve_full_isl;
         let max_loras = self.config.max_loras as usize;
@@ -405,8 +406,8 @@ impl Scheduler {
             if !load_async {
                 // Spec decoding: a request with one token to compute, admitted into a batch of decodes, gets
                 // placeholder drafts so that every decode in the batch has the same shape (vLLM 0.33).
-                let padded = 1 + lookahead;
-                pad = lookahead > 0
+                let padded = 1 + num_spec;
+                pad = num_spec > 0
                     && n == 1
                     && !prefill_scheduled
                     && (any_running_scheduled || computed > 0)
@@ -519,7 +520,7 @@ impl Scheduler {
             } else {
                 b.out.new_reqs.push(idx);
             }
-            let spec = if pad { vec![SPEC_PLACEHOLDER; lookahead as usize] } else { Vec::new() };
+            let spec = if pad { vec![SPEC_PLACEHOLDER; num_spec as usize] } else { Vec::new() };
             b.push(req.handle, n, computed, &req.blocks, &spec, req.is_prefill_chunk);
             if from_kv {
                 self.kv_waiting.pop(&self.tenants);
@@ -598,7 +599,6 @@ impl Scheduler {
         req.spec_token_ids.clear();
         req.status = RequestStatus::Preempted;
         req.num_preemptions += 1;
-        req.is_prefill_chunk = false;
         req.drop_stale_output =
             drop_stale_output || (req.drop_stale_output && req.num_stale_output_tokens > 0);
         req.num_stale_output_tokens = req.num_in_flight_tokens;
@@ -616,14 +616,14 @@ impl Scheduler {
         // vLLM's `_update_after_schedule` (and `AsyncScheduler`'s): in-flight tokens, then placeholders for
         // the tokens each decode will sample and its next drafts.
         let async_scheduling = self.config.async_scheduling;
-        let lookahead = self.config.num_lookahead_tokens as usize;
+        let num_spec_tokens = self.config.num_spec_tokens() as usize;
         for (k, &h) in out.handles.iter().enumerate() {
             let req = self.slab.get_mut(h.slot)?;
             req.num_in_flight_tokens += out.num_scheduled_tokens[k] as u32;
             if async_scheduling && !is_chunk[k] {
                 req.num_output_placeholders += 1 + num_spec[k];
                 req.spec_token_ids.clear();
-                req.spec_token_ids.resize(lookahead, SPEC_PLACEHOLDER);
+                req.spec_token_ids.resize(num_spec_tokens, SPEC_PLACEHOLDER);
             }
         }
         let step_id = self.next_step_id;

@@ -5,7 +5,7 @@ use proptest::prelude::*;
 
 use crate::{
     FinishReason, PauseState, Policy, PreemptionMode, Ragged, RequestParams, RequestStatus, SchedError,
-    Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult,
+    Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult, SPEC_PLACEHOLDER,
 };
 
 fn cfg(block_size: u32, num_blocks: u32) -> SchedulerConfig {
@@ -577,6 +577,42 @@ fn speculative_tokens_roll_back_when_rejected() {
     );
     assert!(matches!(err, Err(SchedError::InvalidOutput(_))));
     assert_eq!(s.get_request("a").unwrap().output_token_ids(), &[5, 7, 11]);
+}
+
+#[test]
+fn drafts_set_after_the_update_ride_the_next_step_without_lookahead_slots() {
+    // An n-gram drafter: 2 drafts per step, no KV lookahead; drafts arrive after the update (vLLM's engine).
+    let mut c = cfg(4, 64);
+    c.num_speculative_tokens = Some(2);
+    c.max_num_batched_tokens = 8;
+    let mut s = Scheduler::new(c).unwrap();
+    add(&mut s, "a", &prompt(0, 6), params(20));
+    add(&mut s, "b", &prompt(100, 12), params(20));
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![6, 2]); // b is a prefill chunk
+    let values = vec![5i64];
+    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &[0, 1, 1] }, None)
+        .unwrap();
+    let ids = vec!["a".to_string(), "b".to_string()];
+    let drafts = vec![7i64, -1, 9];
+    // Validated first: a third draft for a is refused and b's entry is not applied either.
+    let err = s.set_draft_token_ids(&ids, Ragged { values: &[1, 2, 3, 4], indptr: &[0, 1, 4] });
+    assert!(matches!(err, Err(SchedError::InvalidOutput(_))));
+    assert!(s.get_request("a").unwrap().spec_token_ids.is_empty());
+    s.set_draft_token_ids(&ids, Ragged { values: &drafts, indptr: &[0, 2, 3] }).unwrap();
+    assert_eq!(s.get_request("a").unwrap().spec_token_ids, vec![7, SPEC_PLACEHOLDER]);
+    assert!(s.get_request("b").unwrap().spec_token_ids.is_empty()); // a prefill chunk gets none
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![3, 5]);
+    assert_eq!(out.spec_token_ids, vec![7, -1]);
+    // 6 + 1 + 2 drafts = 9 tokens, no lookahead: 3 blocks.
+    assert_eq!(s.get_request("a").unwrap().blocks.len(), 3);
+    // The first draft accepted, the padding rejected: computed rolls back by one.
+    let values = vec![7i64, 11];
+    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &[0, 2, 2] }, None)
+        .unwrap();
+    assert_eq!(s.get_request("a").unwrap().num_computed_tokens, 8);
+    s.check_invariants().unwrap();
 }
 
 #[test]

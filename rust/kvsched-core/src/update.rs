@@ -9,7 +9,7 @@
 
 use crate::error::{Result, SchedError};
 use crate::output::UpdateResult;
-use crate::request::{Request, RequestStatus};
+use crate::request::{Request, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::{Scheduler, MAX_TOKEN_ID};
 
 /// A ragged batch of token lists in CSR form.
@@ -98,7 +98,7 @@ impl Scheduler {
             }
             d.check("draft_token_ids", n)?;
         }
-        let lookahead = self.config.num_lookahead_tokens as usize;
+        let max_drafts = self.config.num_spec_tokens() as usize;
         // Fast path: if no request finished since this step was scheduled, every entry belongs to a live request
         // and the shape checks need not touch the requests. Any doubt falls through to the precise checks below.
         let all_live = rec.num_finished_at_schedule == self.counters.num_finished_reqs;
@@ -137,7 +137,7 @@ impl Scheduler {
             }
             if let Some(d) = &drafts {
                 let k = d.checked("draft_token_ids", i)?.len();
-                let allowed = if rec.is_prefill_chunk[i] { 0 } else { lookahead };
+                let allowed = if rec.is_prefill_chunk[i] { 0 } else { max_drafts };
                 if k > allowed {
                     return Err(SchedError::InvalidOutput(format!(
                         "request {:?} may receive at most {allowed} draft tokens in step {step_id}, got {k}",
@@ -154,7 +154,7 @@ impl Scheduler {
         self.epoch += 1;
         let max_model_len = self.config.max_model_len;
         let block_mask = self.config.block_size as usize - 1;
-        let spec_decoding = self.config.num_lookahead_tokens > 0;
+        let spec_decoding = self.config.num_spec_tokens() > 0;
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         for i in 0..n {
@@ -246,6 +246,52 @@ impl Scheduler {
         self.tenants.flush_decode();
         self.remove_finished_from_queues(any_running_finished, any_waiting_finished);
         Ok(res)
+    }
+}
+
+impl Scheduler {
+    /// Sets the draft tokens each listed request proposes for its next step (vLLM's `update_draft_token_ids`,
+    /// which its engine calls after `update_from_output`). Entry `i` of `drafts` belongs to `req_ids[i]`; an id
+    /// listed twice keeps its last entry. A request whose last step was a partial prefill gets none (its
+    /// drafts are cleared); any other live request keeps exactly the given drafts, which its next running step
+    /// schedules as far as its budget reaches (they replace async scheduling's placeholders too). `-1` stands
+    /// for a draft position the drafter left empty (n-gram padding): it is scheduled like a draft and always
+    /// rejected by a sampler. Everything is validated first: an unknown id, more than `num_spec_tokens` drafts
+    /// or a token id outside `[-1, MAX_TOKEN_ID]` changes nothing.
+    pub fn set_draft_token_ids(&mut self, req_ids: &[String], drafts: Ragged<'_>) -> Result<()> {
+        drafts.check("draft_token_ids", req_ids.len())?;
+        let max_drafts = self.config.num_spec_tokens() as usize;
+        let mut slots = Vec::with_capacity(req_ids.len());
+        for (i, id) in req_ids.iter().enumerate() {
+            slots.push(self.slot_of(id)?);
+            let entry = drafts.get(i);
+            if entry.len() > max_drafts {
+                return Err(SchedError::InvalidOutput(format!(
+                    "request {id:?} may hold at most num_spec_tokens={max_drafts} draft tokens, got {}",
+                    entry.len()
+                )));
+            }
+            if let Some(t) = entry.iter().find(|&&t| !(-1..=MAX_TOKEN_ID).contains(&t)) {
+                return Err(SchedError::InvalidOutput(format!(
+                    "draft_token_ids: draft token ids must be in [-1, {MAX_TOKEN_ID}], got {t}"
+                )));
+            }
+        }
+        for (i, slot) in slots.into_iter().enumerate() {
+            let req = self.slab.get_mut(slot)?;
+            req.spec_token_ids.clear();
+            if !req.is_prefill_chunk {
+                req.spec_token_ids.extend(drafts.get(i).iter().map(|&t| {
+                    if t < 0 {
+                        SPEC_PLACEHOLDER
+                    } else {
+                        t as u32
+                    }
+                }));
+            }
+        }
+        // The scheduled steps keep their drafts: `prepare_model_inputs` of the last step stays valid.
+        Ok(())
     }
 }
 

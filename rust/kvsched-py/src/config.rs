@@ -62,6 +62,11 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         long_prefill_token_threshold: u32_field("long_prefill_token_threshold")?,
         policy,
         num_lookahead_tokens: u32_field("num_lookahead_tokens")?,
+        num_speculative_tokens: if cfg.getattr("num_speculative_tokens")?.is_none() {
+            None
+        } else {
+            Some(u32_field("num_speculative_tokens")?)
+        },
         prefix_hash_algo: algo,
         prefix_hash_seed: seed_bytes(&cfg.getattr("prefix_hash_seed")?)?,
         scheduler_reserve_full_isl: bool_field("scheduler_reserve_full_isl")?,

@@ -431,6 +431,31 @@ impl PyScheduler {
         this.after_hooks(py)
     }
 
+    /// vLLM's `update_draft_token_ids`: the drafts each request proposes for its next step.
+    fn set_draft_token_ids(
+        slf: &Bound<'_, Self>,
+        req_ids: &Bound<'_, PyAny>,
+        draft_token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        if req_ids.is_instance_of::<PyString>() {
+            return Err(type_error(py, "req_ids must be an iterable of str, not a single str".into()));
+        }
+        let iter = req_ids.try_iter().map_err(|_| {
+            type_error(py, format!("req_ids must be an iterable of str, got {}", type_name(req_ids)))
+        })?;
+        let mut ids = Vec::new();
+        for item in iter {
+            ids.push(id_arg(&item?, "UnknownRequestError")?);
+        }
+        let drafts = RaggedInput::parse(draft_token_ids, "draft_token_ids")?;
+        let (dv, dp) = drafts.views("draft_token_ids")?;
+        let mut this = borrow_mut(slf)?;
+        guard(py, || {
+            this.core.set_draft_token_ids(&ids, Ragged { values: dv.as_slice(), indptr: dp.as_slice() })
+        })
+    }
+
     fn has_unfinished_requests(slf: &Bound<'_, Self>) -> PyResult<bool> {
         Ok(borrow(slf)?.core.has_unfinished_requests())
     }
