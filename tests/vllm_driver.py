@@ -42,6 +42,7 @@ REQUEST_FIELDS = (
     "output_token_ids",
     "all_token_ids",
     "block_hashes",
+    "spec_decode_metrics",
 )
 
 
@@ -120,6 +121,9 @@ class Config:
     max_num_active_seqs: int | None = None
     long_prefill_token_threshold_adaptive: bool = False
     prefill_schedule_interval: int = 1
+    num_speculative_tokens: int = 0
+    speculative_method: str = "ngram"
+    per_request_spec_decode_metrics: str = "none"
     use_v2_model_runner: bool = False
 
 
@@ -145,6 +149,11 @@ def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Co
         scheduler_reserve_full_isl=rng.random() < 0.7,
         watermark=rng.choice([0.0, 0.0, 0.0, 0.05, 0.2]),
         max_loras=rng.choice([0, 0, 0, 1, 2]),
+        # Speculative decoding (n-gram: no lookahead slots) in half the configurations, 1-4 drafts per step.
+        num_speculative_tokens=rng.choice([0, 0, 0, 0, 1, 2, 3, 4]),
+        # vLLM's V1 runner runs async scheduling only with the GPU n-gram drafter.
+        speculative_method="ngram_gpu" if async_scheduling else rng.choice(["ngram", "ngram_gpu"]),
+        per_request_spec_decode_metrics=rng.choice(["none", "summary", "detailed"]),  # reset below without spec
         use_v2_model_runner=v2,
     )
     cfg.max_num_active_seqs = rng.choice([None, None, 1, max(1, cfg.max_num_seqs // 2)])
@@ -249,19 +258,32 @@ class Pair:
         self.in_flight.append((so_a, so_b, chunks))
         self.check_state(f"step {self.steps} schedule")
 
+    def random_token(self) -> int:
+        r = self.rng.random()
+        return self.EOS if r < 0.06 else (7 if r < 0.09 else self.rng.randrange(3, 500))
+
     def model_output(self, so: Any, chunks: set[str]) -> Any:
-        """Sampled tokens for every scheduled request whose step completes its known tokens."""
+        """Sampled tokens for every scheduled request whose step completes its known tokens: with drafts
+        scheduled, a random number of them accepted (a -1 draft never is; a placeholder's value is the
+        runner's, so random), then one more token."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
+        spec = so.scheduled_spec_decode_tokens
         for rid in req_ids:
             if rid in chunks:
                 sampled.append([])
                 continue
-            r = self.rng.random()
-            tok = self.EOS if r < 0.06 else (7 if r < 0.09 else self.rng.randrange(3, 500))
-            sampled.append([tok])
+            drafts = spec.get(rid, ())
+            accepted = self.rng.randrange(0, len(drafts) + 1) if drafts else 0
+            tokens: list[int] = []
+            for d in drafts[:accepted]:
+                if d < 0 and not self.cfg.async_scheduling:
+                    break  # n-gram padding: rejected
+                tokens.append(d if d >= 0 else self.random_token())
+            tokens.append(self.random_token())
+            sampled.append(tokens)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -278,6 +300,30 @@ class Pair:
         out_b = self.b.update_from_output(so_b, copy.deepcopy(mro))
         compare(f"step {self.steps} EngineCoreOutputs", out_a, out_b)
         self.check_state(f"step {self.steps} update")
+        if self.cfg.num_speculative_tokens and not self.cfg.async_scheduling:
+            self.propose_drafts(so_a)
+
+    def propose_drafts(self, so: Any) -> None:
+        """What vLLM's engine does after a synchronous step with a drafter: the runner's drafts for the requests
+        of that step (finished or prefill-chunk ones included, as the runner sends them) via
+        ``update_draft_token_ids``. Drafts are random: k of them, fewer, none, or n-gram's -1 padding."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        rng, k = self.rng, self.cfg.num_speculative_tokens
+        req_ids = list(so.num_scheduled_tokens)
+        drafts: list[list[int]] = []
+        for _ in req_ids:
+            r = rng.random()
+            n = k if r < 0.6 else (0 if r < 0.7 else rng.randrange(0, k + 1))
+            draft = [rng.randrange(3, 500) for _ in range(n)]
+            if r > 0.9 and draft:
+                cut = rng.randrange(0, len(draft))
+                draft[cut:] = [-1] * (len(draft) - cut)
+            drafts.append(draft)
+        ids = DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts)
+        self.a.update_draft_token_ids(copy.deepcopy(ids))
+        self.b.update_draft_token_ids(copy.deepcopy(ids))
+        self.check_state(f"step {self.steps} update_draft_token_ids")
 
     # ---- state -----------------------------------------------------------------------------------------
 
@@ -346,6 +392,8 @@ class Pair:
 def run_seed(seed: int, steps: int, *, async_scheduling: bool, v2: bool) -> Config:
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
+    if not cfg.num_speculative_tokens:
+        cfg.per_request_spec_decode_metrics = "none"  # vLLM refuses it without a drafter
     Pair(cfg, seed).run(steps)
     return cfg
 

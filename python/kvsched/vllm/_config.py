@@ -99,17 +99,27 @@ def kvsched_config_from_vllm(
     spec = vllm_config.speculative_config
     lookahead = int(_attr(vllm_config, "num_lookahead_tokens", 0) or 0)
     if spec is not None:
+        method = f"method={spec.method!r}"
         if spec.max_num_new_slots_for_drafting:
-            _refuse("drafting methods that need extra query slots", f"method={spec.method!r}")
-        if spec.use_eagle_block_drop() or spec.num_speculative_tokens_per_batch_size:
-            _refuse("EAGLE prefix-cache block dropping and dynamic speculation lengths", f"method={spec.method!r}")
-        if _attr(vllm_config, "num_prefill_lookahead_tokens", 0) or _attr(vllm_config, "num_hash_lookahead_tokens", 0):
-            _refuse("multi-module MTP prefill lookahead", f"method={spec.method!r}")
-        if num_spec_tokens:
-            # vLLM pads a new decode right after a full prefix hit to 1 + k tokens of -1 drafts; kvsched does not.
-            _refuse(
-                "speculative decoding inside vLLM's engine (draft padding of new decodes)", f"method={spec.method!r}"
-            )
+            # P-EAGLE, draft models, PARD: each scheduled request also takes draft query slots from the budget.
+            _refuse("drafting methods that need extra query slots (draft_slots)", method)
+        if spec.num_speculative_tokens_per_batch_size:
+            _refuse("dynamic speculation lengths", "num_speculative_tokens_per_batch_size")
+        if spec.use_eagle_block_drop():
+            # vLLM then drops the trailing block of every prefix-cache hit and keys blocks by look-ahead hashes.
+            _refuse("EAGLE/MTP trailing prefix-cache block dropping", f"{method}: set disable_eagle_block_drop=True")
+        if spec.use_dflash() or spec.use_dspark():
+            _refuse("block drafters (DFlash/DSpark: a cap on drafting requests)", method)
+        if _attr(vllm_config, "num_hash_lookahead_tokens", 0):
+            _refuse("look-ahead block hashes", method)
+        if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
+            _refuse("multi-module MTP prefill lookahead", method)
+        if lookahead not in (0, num_spec_tokens):
+            _refuse("drafters whose lookahead slots differ from 0 and num_speculative_tokens", method)
+        if lookahead and sched.policy == "priority" and bool(vllm_config.use_v2_model_runner):
+            # vLLM's skip_drafts counts a request scheduled and then preempted in the same step (only priority
+            # preempts a request already scheduled); the core does not report those.
+            _refuse("EAGLE-style drafters with the priority policy and model runner V2 (skip_drafts)", method)
 
     algo = str(_attr(cache, "prefix_caching_hash_algo", "sha256"))
     fields: dict[str, Any] = {
@@ -123,6 +133,7 @@ def kvsched_config_from_vllm(
         "long_prefill_token_threshold": int(sched.long_prefill_token_threshold or 0),
         "policy": str(sched.policy),
         "num_lookahead_tokens": lookahead,
+        "num_speculative_tokens": num_spec_tokens,
         "prefix_hash_algo": "sha256" if algo.startswith("sha256") else "xxh3_128",
     }
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)

@@ -24,8 +24,10 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
 from vllm.v1.core.sched.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
-from vllm.v1.metrics.stats import KV_FETCH_STAGES, PrefixCacheStats, SchedulerStats
+from vllm.v1.metrics.stats import KV_FETCH_STAGES, PrefixCacheStats, RequestSpecDecodeMetrics, SchedulerStats
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
@@ -115,6 +117,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.model_uses_mrope = bool(vllm_config.model_config.uses_mrope)
         self.connector = None
         self.ec_connector = None
+        self.num_lookahead_tokens = config.num_lookahead_tokens
+        # vLLM's model runner V2 skips drafting in a step whose drafts nobody can use (skip_drafts).
+        self.can_skip_drafts = self.num_lookahead_tokens > 0 and self.use_v2_model_runner
+        self.spec_decode_metrics_level = str(
+            getattr(vllm_config.observability_config, "per_request_spec_decode_metrics", "none") or "none"
+        )
+        # AsyncScheduler's placeholder drafts: one shared, read-only list.
+        self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         self.kv_config = config
         self._core = _CoreScheduler(config)
 
@@ -133,6 +143,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # Steps scheduled and not yet applied: (vLLM output, core output), oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, Any, list[int]]] = deque()
         self._prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        # Spec-decoding stats of the update being applied, and its grammar-invalidated draft counts.
+        self._spec_stats: SpecDecodingStats | None = None
+        self._num_invalid_spec_tokens: dict[str, int] | None = None
         self.current_step = 0
 
     # ---- requests ---------------------------------------------------------------------------------------
@@ -166,6 +179,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             skip_reading_prefix_cache=bool(request.skip_reading_prefix_cache),
         )
         self.requests[req_id] = request
+        if self.spec_decode_metrics_level != "none":
+            request.spec_decode_metrics = RequestSpecDecodeMetrics.new(self.num_spec_tokens)
         if request.prefill_stats is not None:
             self._awaiting_first_output.add(req_id)
         if blocked:
@@ -310,7 +325,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         admitted = set(new_ids).union(resumed_ids) if new_ids or resumed_ids else None
         v2 = self.use_v2_model_runner
         async_sched = self.async_scheduling
-        spec_placeholders: list[int] = [-1] * self.num_spec_tokens
+        spec_placeholders = self._spec_token_placeholders
+        drafts_needed = not self.can_skip_drafts
 
         new_reqs_data: list[NewRequestData] = []
         res_v2_data: list[NewRequestData] = []
@@ -335,6 +351,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             c = computed[i]
             b0 = block_ptr[i]
             b1 = block_ptr[i + 1]
+            if spec_ptr is not None and spec_ptr[i + 1] > spec_ptr[i]:
+                spec_tokens[req_id] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
+            if not drafts_needed and not self._drafts_unused(request, c, n):
+                drafts_needed = True
             if admitted is not None and req_id in admitted:
                 # Admitted by phase B: new, or resumed after a preemption.
                 request.status = _RUNNING
@@ -355,8 +375,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         all_token_ids[req_id] = request._all_token_ids.copy()
             else:
                 # A running request (phase A).
-                if spec_ptr is not None and spec_ptr[i + 1] > spec_ptr[i]:
-                    spec_tokens[req_id] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
                 if request.spec_token_ids:
                     request.spec_token_ids = []
                 run_ids.append(req_id)
@@ -405,11 +423,21 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             has_structured_output_requests=has_so,
             pending_structured_output_tokens=pending_so,
             num_spec_tokens_to_schedule=self.num_spec_tokens,
+            skip_drafts=not drafts_needed,
         )
         self.finished_req_ids = set()
         self._reset_preempted_req_ids = set()
         self._in_flight.append((so, out, num_sched))
         return so
+
+    @staticmethod
+    def _drafts_unused(request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """vLLM's ``_drafts_unused``: the drafts proposed after this step surely go unused (a partial prefill
+        samples nothing; a step that samples the last output token, even with every draft rejected, ends it)."""
+        if num_computed_tokens + num_new_tokens < request.num_tokens:
+            return True
+        min_num_output_tokens = request.num_output_tokens + 1 + (request.num_output_placeholders > 0)
+        return bool(min_num_output_tokens >= request.max_tokens)
 
     def _on_admitted(self, request: Request, num_hit_tokens: int, now: float) -> None:
         """vLLM's bookkeeping when phase B admits a request: prefill stats, prefix-cache stats, SCHEDULED event."""
@@ -452,7 +480,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         bitmask = self.structured_output_manager.grammar_bitmask(
             self.requests, ids, scheduler_output.scheduled_spec_decode_tokens
         )
-        return GrammarOutput(ids, bitmask, [0] * len(ids))
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        # Drafts up to the first -1 (padding) can be accepted.
+        return GrammarOutput(ids, bitmask, [len(strip_speculative_padding(spec_tokens.get(r, []))) for r in ids])
 
     # ---- update -----------------------------------------------------------------------------------------
 
@@ -502,6 +532,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         )
         # Per-entry work that the common decode entry never needs goes through _update_slow.
         spec_sched = scheduler_output.scheduled_spec_decode_tokens
+        if spec_sched:
+            self._spec_stats = None
+            self._num_invalid_spec_tokens = scheduler_output.num_invalid_spec_tokens
         batch_slow = bool(mro.logprobs or mro.prompt_logprobs_dict)
         nans = mro.num_nans_in_logits
         hasher_block = self.hash_block_size
@@ -593,7 +626,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 else:
                     engine_core_outputs[client] = EngineCoreOutputs(finished_requests=finished_set)
             finished_sets.clear()
-        stats = self.make_stats()
+        stats = self.make_stats(self._spec_stats if spec_sched else None)
         if stats is not None:
             if (eco := next(iter(engine_core_outputs.values()), None)) is None:
                 engine_core_outputs[0] = eco = EngineCoreOutputs()
@@ -624,14 +657,36 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if stale and request.drop_stale_output:
             return None
         if spec and generated:
-            num_rejected = len(spec) - max(len(generated) - 1, 0)
+            num_draft_tokens = len(spec)
+            num_accepted_drafts = max(len(generated) - 1, 0)
+            num_rejected = num_draft_tokens - num_accepted_drafts
             if not stale:
                 if request.num_computed_tokens > 0:
                     request.num_computed_tokens -= num_rejected
                 if request.num_output_placeholders > 0:
                     request.num_output_placeholders -= num_rejected
+            # vLLM's SpecDecodingStats and per-request records count the drafts the grammar did not invalidate.
+            invalid = self._num_invalid_spec_tokens
+            num_valid = num_draft_tokens - (invalid.get(req_id, 0) if invalid else 0)
+            if self.log_stats:
+                if self._spec_stats is None:
+                    self._spec_stats = SpecDecodingStats.new(self.num_spec_tokens)
+                self._spec_stats.observe_draft(num_draft_tokens=num_valid, num_accepted_tokens=num_accepted_drafts)
+            if request.spec_decode_metrics is not None:
+                request.spec_decode_metrics.observe(
+                    num_draft_tokens=num_valid,
+                    num_accepted=num_accepted_drafts,
+                    detailed=self.spec_decode_metrics_level == "detailed",
+                )
         new_token_ids = generated
         stopped = False
+        # vLLM caches the blocks this step completed right after the tokens are appended (then reads a first
+        # output's cached tokens): with placeholders or spec decoding, for a running, non-stale entry.
+        caches_now = (
+            not stale
+            and request.status == _RUNNING
+            and (request.num_output_placeholders > 0 or self.num_spec_tokens > 0)
+        )
         if generated:
             num_generated = len(generated)
             if num_accepted < num_generated:
@@ -662,7 +717,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         prefill_stats = request.take_prefill_stats()
         if prefill_stats is not None:
             self._awaiting_first_output.discard(req_id)
-            prefill_stats.finalize(cached_tokens.get(req_id, 0))
+            num_cached = cached_tokens.get(req_id, 0)
+            if caches_now and self.kv_config.enable_prefix_caching:
+                # The blocks the core just cached (it may have freed the request since): full, hashed blocks up
+                # to the tokens computed by the applied steps.
+                upto = request.num_computed_tokens - request.num_in_flight_tokens
+                num_cached = max(num_cached, min(upto // self.block_size, len(request.block_hashes)) * self.block_size)
+            prefill_stats.finalize(num_cached)
         new_logprobs = None
         if mro.logprobs and request.sampling_params.num_logprobs is not None:
             new_logprobs = mro.logprobs.slice_request(mro.req_id_to_index[req_id], len(new_token_ids))
@@ -688,12 +749,52 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         )
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
-        raise UnsupportedFeatureError("speculative decoding is refused at construction; no drafts expected")
+        """The drafts the model runner proposed after the last step (vLLM's engine calls this after
+        ``update_from_output`` in synchronous mode). The core keeps them for each request's next step."""
+        ids: list[str] = []
+        drafts: list[list[int]] = []
+        requests = self.requests
+        validate = self.structured_output_manager.validate_tokens
+        for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=False):
+            request = requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # finished since: vLLM skips it
+            if request.is_prefill_chunk:
+                # Drafts after a partial prefill are dropped.
+                if request.spec_token_ids:
+                    request.spec_token_ids = []
+                spec_token_ids = []
+            else:
+                spec_token_ids = validate(request, spec_token_ids)
+                request.spec_token_ids = spec_token_ids
+            ids.append(req_id)
+            drafts.append(spec_token_ids)
+        if ids:
+            self._core.set_draft_token_ids(ids, drafts)
 
     def update_draft_token_ids_in_output(
         self, draft_token_ids: DraftTokenIds, scheduler_output: SchedulerOutput
     ) -> None:
-        raise UnsupportedFeatureError("speculative decoding is refused at construction; no drafts expected")
+        """Async scheduling with structured output: the runner's drafts replace the placeholders of a deferred
+        step's output, cut to the grammar-valid prefix and padded back with -1 (vLLM's engine calls this before
+        computing that step's bitmask). Only the output changes: the core scheduled placeholders of that count."""
+        num_invalid: dict[str, int] = {}
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=False):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            placeholders = scheduled.get(req_id)
+            if not placeholders:
+                continue
+            num_scheduled = len(placeholders)
+            del spec_token_ids[num_scheduled:]  # vLLM trims the runner's list in place
+            valid = self.structured_output_manager.validate_tokens(request, spec_token_ids)
+            if len(valid) < num_scheduled:
+                num_invalid[req_id] = num_scheduled - len(valid)
+                valid.extend([-1] * (num_scheduled - len(valid)))
+            scheduled[req_id] = valid
+        scheduler_output.num_invalid_spec_tokens = num_invalid
 
     # ---- queries, pause, reset, stats -------------------------------------------------------------------
 
@@ -746,7 +847,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def reset_encoder_cache(self) -> None:
         """No encoder cache: multimodal models are refused at construction."""
 
-    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
+    def make_stats(
+        self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any, **kwargs: Any
+    ) -> SchedulerStats | None:
         if not self.log_stats:
             return None
         prefix = self._prefix_cache_stats
@@ -759,7 +862,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             num_kv_fetch_reqs_by_stage=dict.fromkeys(KV_FETCH_STAGES, 0),
             kv_cache_usage=s.kv_cache_usage,
             prefix_cache_stats=prefix if prefix is not None else PrefixCacheStats(),
-            spec_decoding_stats=None,
+            spec_decoding_stats=spec_decoding_stats,
         )
 
     def shutdown(self) -> None:

@@ -64,9 +64,13 @@ def make_vllm_config(
     max_num_active_seqs: int | None = None,
     long_prefill_token_threshold_adaptive: bool = False,
     prefill_schedule_interval: int = 1,
+    num_speculative_tokens: int = 0,
+    speculative_method: str = "ngram",
+    per_request_spec_decode_metrics: str = "none",
 ) -> Any:
-    """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config)."""
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config). ``num_speculative_tokens``
+    > 0 adds a speculative config of ``speculative_method`` (drafters that need no draft model: n-gram)."""
+    from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
     model_dir = _model_dir(max_model_len)
@@ -105,8 +109,21 @@ def make_vllm_config(
         from vllm.config import LoRAConfig
 
         lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
+    speculative_config = None
+    if num_speculative_tokens:
+        speculative_config = SpeculativeConfig(
+            method=speculative_method,
+            num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_max=num_speculative_tokens,
+            prompt_lookup_min=1,
+        )
     vllm_config = VllmConfig(
-        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config, lora_config=lora_config
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        lora_config=lora_config,
+        speculative_config=speculative_config,
+        observability_config=ObservabilityConfig(per_request_spec_decode_metrics=per_request_spec_decode_metrics),
     )
     # The CPU platform turns async scheduling off: switch it back on to exercise the async path.
     vllm_config.scheduler_config.async_scheduling = async_scheduling
