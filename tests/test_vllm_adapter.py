@@ -234,3 +234,40 @@ def test_preemption_recomputes_as_in_vllm() -> None:
     s = make_scheduler("kvsched", make_vllm_config())
     config = s._core.config
     assert (config.preemption_mode, config.num_cpu_blocks) == ("recompute", 0)
+
+
+def test_speculative_decoding_drafters_that_need_more_than_k_drafts_are_refused_by_name() -> None:
+    # n-gram with k drafts per step is supported: the core gets k and no lookahead slots.
+    s = make_scheduler("kvsched", make_vllm_config(num_speculative_tokens=3))
+    assert (s.kv_config.num_speculative_tokens, s.kv_config.num_lookahead_tokens) == (3, 0)
+    # Parallel drafting takes extra query slots per scheduled request from the budget: refused.
+    cfg = make_vllm_config(num_speculative_tokens=4)
+    object.__setattr__(cfg.speculative_config, "parallel_drafting", True)
+    assert cfg.speculative_config.max_num_new_slots_for_drafting > 0
+    with pytest.raises(UnsupportedFeatureError, match="extra query slots"):
+        make_scheduler("kvsched", cfg)
+    # Dynamic speculation lengths: refused.
+    cfg = make_vllm_config(num_speculative_tokens=4)
+    object.__setattr__(cfg.speculative_config, "num_speculative_tokens_per_batch_size", [(1, 8, 2)])
+    with pytest.raises(UnsupportedFeatureError, match="dynamic speculation lengths"):
+        make_scheduler("kvsched", cfg)
+
+
+def test_drafts_reach_the_core_and_ride_the_next_step() -> None:
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    s = make_scheduler("kvsched", make_vllm_config(num_speculative_tokens=2))
+    s.add_request(make_request("r0", [5, 6, 7, 8, 9], max_tokens=10))
+    out = s.schedule()
+
+    def runner_output(tokens: list[int]) -> ModelRunnerOutput:
+        return ModelRunnerOutput(req_ids=["r0"], req_id_to_index={"r0": 0}, sampled_token_ids=[tokens])
+
+    s.update_from_output(out, runner_output([11]))
+    s.update_draft_token_ids(DraftTokenIds(["r0", "gone"], [[12, -1], [1]]))  # unknown ids are skipped
+    assert s.requests["r0"].spec_token_ids == [12, -1]
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"r0": 3}
+    assert out.scheduled_spec_decode_tokens == {"r0": [12, -1]}
+    s.update_from_output(out, runner_output([12, 13]))  # the first draft accepted, the padding rejected
+    assert s.requests["r0"].num_computed_tokens == 7 == s.core.get_num_computed_tokens("r0")

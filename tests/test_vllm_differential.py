@@ -2,10 +2,11 @@
 
 Needs vLLM (``pip install 'kvsched[vllm]'``); skipped otherwise. The driver (``tests/vllm_driver.py``) gives
 both schedulers identical requests and model outputs (seeded random: shared prefixes, tight pools that preempt,
-EOS and stop ids, min tokens, cache salts, priorities, aborts, the async batch-queue pattern, V1 and V2 runner
-output formats) and compares every field of every ``SchedulerOutput`` and ``EngineCoreOutputs``, every live
-request's state and block table, and the request counts and KV usage. The full sweep (200 seeds x 300 steps per
-mode) is ``-m slow`` or ``python tests/vllm_driver.py``.
+EOS and stop ids, min tokens, cache salts, priorities, aborts, speculative decoding (n-gram and EAGLE drafters,
+drafts, random acceptance), the async batch-queue pattern, V1 and V2 runner output formats) and compares every
+field of every ``SchedulerOutput`` and ``EngineCoreOutputs``, every live request's state and block table, and
+the request counts and KV usage. The full sweep (200 seeds x 300 steps per mode) is ``-m slow`` or
+``python tests/vllm_driver.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ MODES = [("sync", "v1"), ("sync", "v2"), ("async", "v1"), ("async", "v2")]
 @pytest.mark.parametrize("seed", range(12))
 def test_identical_to_vllm(sync: str, runner: str, seed: int) -> None:
     run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2")
+
+
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize(("seed", "k"), [(100, 1), (101, 2), (102, 4)])
+def test_identical_to_vllm_with_speculative_decoding(sync: str, runner: str, seed: int, k: int) -> None:
+    """n-gram drafting with k drafts per step in every run: drafts through update_draft_token_ids (sync),
+    placeholders (async), random acceptance, padded new decodes, spec-decoding stats."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", num_speculative_tokens=k)
+    assert cfg.num_speculative_tokens == k
 
 
 @pytest.mark.slow

@@ -151,8 +151,8 @@ def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Co
         max_loras=rng.choice([0, 0, 0, 1, 2]),
         # Speculative decoding (n-gram: no lookahead slots) in half the configurations, 1-4 drafts per step.
         num_speculative_tokens=rng.choice([0, 0, 0, 0, 1, 2, 3, 4]),
-        # vLLM's V1 runner runs async scheduling only with the GPU n-gram drafter.
-        speculative_method="ngram_gpu" if async_scheduling else rng.choice(["ngram", "ngram_gpu"]),
+        # vLLM's V1 runner runs async scheduling only with the GPU n-gram drafter or EAGLE (k lookahead slots).
+        speculative_method=rng.choice(["ngram_gpu", "eagle"] if async_scheduling else ["ngram", "ngram_gpu", "eagle"]),
         per_request_spec_decode_metrics=rng.choice(["none", "summary", "detailed"]),  # reset below without spec
         use_v2_model_runner=v2,
     )
@@ -195,6 +195,11 @@ class Pair:
         max_tokens = rng.randrange(1, 40)
         # A KV cache smaller than max_model_len: only requests that fit it (prompt + max_tokens - 1 tokens).
         capacity = (cfg.num_blocks - 1) * cfg.block_size
+        if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
+            # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
+            # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
+            # kvsched does not pad it (docs/semantics.md). Requests are drawn clear of that end.
+            capacity -= 2 * (cfg.num_speculative_tokens + 1)
         prompt = prompt[:capacity]
         max_tokens = max(1, min(max_tokens, capacity + 1 - len(prompt)))
         kwargs: dict[str, Any] = {
@@ -389,11 +394,18 @@ class Pair:
         compare("free blocks", self.b.core.num_free_blocks, self.cfg.num_blocks - 1)
 
 
-def run_seed(seed: int, steps: int, *, async_scheduling: bool, v2: bool) -> Config:
+def run_seed(
+    seed: int, steps: int, *, async_scheduling: bool, v2: bool, num_speculative_tokens: int | None = None
+) -> Config:
+    """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none)."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
+    if num_speculative_tokens is not None:
+        cfg.num_speculative_tokens = num_speculative_tokens
     if not cfg.num_speculative_tokens:
         cfg.per_request_spec_decode_metrics = "none"  # vLLM refuses it without a drafter
+    if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2:
+        cfg.speculative_method = "ngram_gpu"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
     Pair(cfg, seed).run(steps)
     return cfg
 

@@ -69,7 +69,8 @@ def make_vllm_config(
     per_request_spec_decode_metrics: str = "none",
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config). ``num_speculative_tokens``
-    > 0 adds a speculative config of ``speculative_method`` (drafters that need no draft model: n-gram)."""
+    > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
+    as its draft model, no trailing-block dropping)."""
     from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
@@ -110,7 +111,19 @@ def make_vllm_config(
 
         lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
     speculative_config = None
-    if num_speculative_tokens:
+    if num_speculative_tokens and speculative_method == "eagle":
+        # An EAGLE drafter (k lookahead slots) on the same tiny config, without trailing-block dropping.
+        from vllm.config import ParallelConfig
+
+        speculative_config = SpeculativeConfig(
+            method="eagle",
+            model=model_dir,
+            num_speculative_tokens=num_speculative_tokens,
+            disable_eagle_block_drop=True,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        )
+    elif num_speculative_tokens:
         speculative_config = SpeculativeConfig(
             method=speculative_method,
             num_speculative_tokens=num_speculative_tokens,
