@@ -41,14 +41,20 @@ def _record_vllm_constructions() -> None:
     VllmScheduler.__init__ = __init__
 
 
-def _kvsched_class() -> type:
+def _kvsched_class(force_async: bool = False) -> type:
     import kvsched.vllm
 
     class Scheduler(kvsched.vllm.Scheduler):  # type: ignore[misc,name-defined]
-        """kvsched.vllm.Scheduler, noting that the current test built it."""
+        """kvsched.vllm.Scheduler, noting that the current test built it. In place of vLLM's ``AsyncScheduler``
+        (``force_async``) it schedules asynchronously whatever the config says, as that class does (the CPU
+        platform turns the config's ``async_scheduling`` off)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             _built.add("kvsched")
+            if force_async:
+                config = kwargs.get("vllm_config", args[0] if args else None)
+                if config is not None:
+                    config.scheduler_config.async_scheduling = True
             super().__init__(*args, **kwargs)
 
     Scheduler.__qualname__ = Scheduler.__name__ = "Scheduler"
@@ -57,10 +63,11 @@ def _kvsched_class() -> type:
 
 
 _SUBSTITUTE: type | None = None
+_ASYNC_SUBSTITUTE: type | None = None
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _SUBSTITUTE
+    global _SUBSTITUTE, _ASYNC_SUBSTITUTE
     root = os.environ["KVSCHED_SUITE_ROOT"]
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -68,12 +75,13 @@ def pytest_configure(config: pytest.Config) -> None:
     if _IMPL != "kvsched":
         return
     _SUBSTITUTE = _kvsched_class()
+    _ASYNC_SUBSTITUTE = _kvsched_class(force_async=True)
     import importlib
 
     for name in ("tests.v1.core.utils", "tests.v1.kv_connector.unit.utils"):
         module = importlib.import_module(name)
         module.Scheduler = _SUBSTITUTE  # type: ignore[attr-defined]
-        module.AsyncScheduler = _SUBSTITUTE  # type: ignore[attr-defined]
+        module.AsyncScheduler = _ASYNC_SUBSTITUTE  # type: ignore[attr-defined]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
