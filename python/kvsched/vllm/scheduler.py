@@ -125,6 +125,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         )
         # AsyncScheduler's placeholder drafts: one shared, read-only list.
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
+        self._drafts_received = False  # update_draft_token_ids gave some request drafts
         self.kv_config = config
         self._core = _CoreScheduler(config)
 
@@ -139,6 +140,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # Requests whose prefill stats are not finalised yet (no output so far): their cached-block count is read
         # before each update that includes them.
         self._awaiting_first_output: set[str] = set()
+        # Requests with structured output (fixed when the request is built): the only ones whose grammar flags
+        # schedule() has to look at.
+        self._so_req_ids: set[str] = set()
+        # Requests whose next update entry needs vLLM's full per-request bookkeeping (_update_slow): pending
+        # events or prefill stats, stale in-flight output, structured output, a client other than 0. A superset
+        # is harmless (the slow path is complete); entries leave it once _update_slow finds nothing pending.
+        self._slow_req_ids: set[str] = set()
         self._pause_state = PauseState.UNPAUSED
         # Steps scheduled and not yet applied: (vLLM output, core output), oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, Any, list[int]]] = deque()
@@ -185,8 +193,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._awaiting_first_output.add(req_id)
         if blocked:
             self._blocked[req_id] = request
+        if request.structured_output_request is not None:
+            self._so_req_ids.add(req_id)
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
+        if self._needs_slow_update(request):
+            self._slow_req_ids.add(req_id)
 
     @staticmethod
     def _check_request(request: Request) -> None:
@@ -206,6 +218,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             raise UnsupportedFeatureError(
                 f"request {request.request_id!r}: kvsched.vllm.Scheduler does not support {what} yet"
             )
+
+    @staticmethod
+    def _needs_slow_update(request: Request) -> bool:
+        """Whether the request's next update entry needs ``_update_slow`` for a reason that outlives one step."""
+        return bool(
+            request.events
+            or request.prefill_stats is not None
+            or request.num_stale_output_tokens > 0
+            or request.structured_output_request is not None
+            or request.client_index
+            or request.status > _PREEMPTED
+        )
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -242,6 +266,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._blocked.pop(req_id, None)
         self._ready.discard(req_id)
         self._awaiting_first_output.discard(req_id)
+        self._so_req_ids.discard(req_id)
+        self._slow_req_ids.discard(req_id)
         del self.requests[req_id]
 
     # ---- schedule ---------------------------------------------------------------------------------------
@@ -315,57 +341,117 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         req_ids: list[str] = out.req_ids
         num_sched: list[int] = out.num_scheduled_tokens.tolist()
         computed: list[int] = out.num_computed_tokens.tolist()
+        block_ptr_arr = out.new_block_ids_indptr
+        block_ptr: list[int] = block_ptr_arr.tolist()
         block_ids: list[int] = out.new_block_ids.tolist()
-        block_ptr: list[int] = out.new_block_ids_indptr.tolist()
         spec_ids = out.spec_token_ids
         spec_ptr: list[int] | None = out.spec_token_ids_indptr.tolist() if len(spec_ids) else None
         spec_list: list[int] = spec_ids.tolist() if spec_ptr is not None else []
         new_ids = out.new_req_ids
         resumed_ids = out.resumed_req_ids
-        admitted = set(new_ids).union(resumed_ids) if new_ids or resumed_ids else None
         v2 = self.use_v2_model_runner
         async_sched = self.async_scheduling
+        num_spec = self.num_spec_tokens
         spec_placeholders = self._spec_token_placeholders
         drafts_needed = not self.can_skip_drafts
+        # Drafts can sit on a running request only with speculative decoding configured (or once the runner sent
+        # some): only then does a running request need its drafts cleared.
+        clear_drafts = bool(num_spec) or self._drafts_received
+        prev = self.prev_step_scheduled_req_ids
+        all_token_ids: dict[str, list[int]] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        has_so = False
+        pending_so = False
 
+        # Phase A: the running requests, which the core lists first. Their columns are slices of the core's
+        # (zips with the full num_sched stop at the last running entry); the per-request Python work is vLLM's
+        # _update_after_schedule (three or four attribute updates).
+        num_run = len(req_ids) - len(new_ids) - len(resumed_ids)
+        run_ids = req_ids[:num_run]
+        run_reqs: list[Request] = list(map(requests.__getitem__, run_ids))
+        run_computed = computed[:num_run]
+        run_outputs = [len(r._output_token_ids) + r.num_output_placeholders for r in run_reqs]
+        run_blocks: list[tuple[list[int], ...] | None] = [None] * num_run
+        if block_ptr[num_run]:  # some running request got new blocks (a block filled up)
+            for i in np.flatnonzero(block_ptr_arr[1 : num_run + 1] != block_ptr_arr[:num_run]).tolist():
+                run_blocks[i] = (block_ids[block_ptr[i] : block_ptr[i + 1]],)
+        if spec_ptr is not None:
+            for i in range(num_run):
+                if spec_ptr[i + 1] > spec_ptr[i]:
+                    spec_tokens[run_ids[i]] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
+        if not drafts_needed:
+            # vLLM's skip_drafts: drafts are needed unless every request's surely go unused (state before the step).
+            for request, c, n in zip(run_reqs, run_computed, num_sched, strict=False):
+                if not self._drafts_unused(request, c, n):
+                    drafts_needed = True
+                    break
+        if clear_drafts:
+            for request in run_reqs:
+                if request.spec_token_ids:
+                    request.spec_token_ids = []
+        if not v2 and not prev.issuperset(run_ids):
+            for req_id, request in zip(run_ids, run_reqs, strict=True):
+                if req_id not in prev:
+                    all_token_ids[req_id] = request._all_token_ids.copy()
+        if self._so_req_ids:
+            # Structured-output flags, from the state before this step's placeholders.
+            so_ids = self._so_req_ids
+            for req_id, request, c, n in zip(run_ids, run_reqs, run_computed, num_sched, strict=False):
+                if req_id in so_ids and c + n >= len(request._all_token_ids) + request.num_output_placeholders:
+                    has_so = True
+                    pending_so = pending_so or (async_sched and request.num_output_placeholders > 0)
+        if async_sched:
+            for request, c, n in zip(run_reqs, run_computed, num_sched, strict=False):
+                c += n
+                request.num_computed_tokens = c
+                request.num_in_flight_tokens += n
+                if c < len(request._all_token_ids) + request.num_output_placeholders:
+                    request.is_prefill_chunk = True
+                else:
+                    request.is_prefill_chunk = False
+                    request.num_output_placeholders += 1
+            if num_spec or clear_drafts:
+                for req_id, request in zip(run_ids, run_reqs, strict=True):
+                    if not request.is_prefill_chunk:
+                        request.num_output_placeholders += len(spec_tokens.get(req_id, ()))
+                        request.spec_token_ids = spec_placeholders
+        else:
+            for request, c, n in zip(run_reqs, run_computed, num_sched, strict=False):
+                c += n
+                request.num_computed_tokens = c
+                request.num_in_flight_tokens += n
+                request.is_prefill_chunk = c < len(request._all_token_ids) + request.num_output_placeholders
+
+        # Phase B: requests admitted in this step, new or resumed after a preemption (few per step).
         new_reqs_data: list[NewRequestData] = []
         res_v2_data: list[NewRequestData] = []
-        run_ids: list[str] = []
-        run_blocks: list[tuple[list[int], ...] | None] = []
-        run_computed: list[int] = []
-        run_outputs: list[int] = []
         res_ids: list[str] = []
         res_blocks: list[tuple[list[int], ...] | None] = []
         res_computed: list[int] = []
         res_outputs: list[int] = []
-        all_token_ids: dict[str, list[int]] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        prev = self.prev_step_scheduled_req_ids
-        uses_mrope = self.model_uses_mrope
-        has_so = False
-        pending_so = False
-
-        for i, req_id in enumerate(req_ids):
-            request = requests[req_id]
-            n = num_sched[i]
-            c = computed[i]
-            b0 = block_ptr[i]
-            b1 = block_ptr[i + 1]
-            if spec_ptr is not None and spec_ptr[i + 1] > spec_ptr[i]:
-                spec_tokens[req_id] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
-            if not drafts_needed and not self._drafts_unused(request, c, n):
-                drafts_needed = True
-            if admitted is not None and req_id in admitted:
-                # Admitted by phase B: new, or resumed after a preemption.
+        if num_run < len(req_ids):
+            new_set = set(new_ids)
+            uses_mrope = self.model_uses_mrope
+            for i in range(num_run, len(req_ids)):
+                req_id = req_ids[i]
+                request = requests[req_id]
+                n = num_sched[i]
+                c = computed[i]
+                b0 = block_ptr[i]
+                b1 = block_ptr[i + 1]
+                if spec_ptr is not None and spec_ptr[i + 1] > spec_ptr[i]:
+                    spec_tokens[req_id] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
+                if not drafts_needed and not self._drafts_unused(request, c, n):
+                    drafts_needed = True
                 request.status = _RUNNING
                 request.num_computed_tokens = c
                 self._on_admitted(request, c, now)
-                if req_id in new_ids or v2:
+                if req_id in new_set or v2:
                     data = NewRequestData.from_request(
                         request, (block_ids[b0:b1],), request._all_token_ids if v2 else None, uses_mrope=uses_mrope
                     )
                     # Model runner V2 gets a resumed request as a new one, after the new ones.
-                    (new_reqs_data if req_id in new_ids else res_v2_data).append(data)
+                    (new_reqs_data if req_id in new_set else res_v2_data).append(data)
                 else:
                     res_ids.append(req_id)
                     res_blocks.append((block_ids[b0:b1],))
@@ -373,39 +459,34 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     res_outputs.append(len(request._output_token_ids) + request.num_output_placeholders)
                     if req_id not in prev:
                         all_token_ids[req_id] = request._all_token_ids.copy()
-            else:
-                # A running request (phase A).
-                if request.spec_token_ids:
-                    request.spec_token_ids = []
-                run_ids.append(req_id)
-                run_blocks.append((block_ids[b0:b1],) if b1 > b0 else None)
-                run_computed.append(c)
-                run_outputs.append(len(request._output_token_ids) + request.num_output_placeholders)
-                if not v2 and req_id not in prev:
-                    all_token_ids[req_id] = request._all_token_ids.copy()
-            # vLLM's _update_after_schedule (and AsyncScheduler's), for this request.
-            request.num_computed_tokens = c + n
-            request.num_in_flight_tokens += n
-            chunk = c + n < len(request._all_token_ids) + request.num_output_placeholders
-            request.is_prefill_chunk = chunk
-            if not chunk:
-                if request.structured_output_request is not None:
-                    has_so = True
-                    pending_so = pending_so or (async_sched and request.num_output_placeholders > 0)
-                if async_sched:
-                    request.num_output_placeholders += 1 + len(spec_tokens.get(req_id, ()))
-                    request.spec_token_ids = spec_placeholders
+                # vLLM's _update_after_schedule (and AsyncScheduler's), for this request.
+                request.num_computed_tokens = c + n
+                request.num_in_flight_tokens += n
+                chunk = c + n < len(request._all_token_ids) + request.num_output_placeholders
+                request.is_prefill_chunk = chunk
+                if not chunk:
+                    if request.structured_output_request is not None:
+                        has_so = True
+                        pending_so = pending_so or (async_sched and request.num_output_placeholders > 0)
+                    if async_sched:
+                        request.num_output_placeholders += 1 + len(spec_tokens.get(req_id, ()))
+                        request.spec_token_ids = spec_placeholders
 
         if res_v2_data:
             new_reqs_data += res_v2_data
+        if res_ids:
+            run_ids += res_ids
+            run_blocks += res_blocks
+            run_computed += res_computed
+            run_outputs += res_outputs
         cached = CachedRequestData(
-            req_ids=run_ids + res_ids,
+            req_ids=run_ids,
             resumed_req_ids=set(res_ids),
             new_token_ids=[],
             all_token_ids=all_token_ids,
-            new_block_ids=run_blocks + res_blocks,
-            num_computed_tokens=run_computed + res_computed,
-            num_output_tokens=run_outputs + res_outputs,
+            new_block_ids=run_blocks,
+            num_computed_tokens=run_computed,
+            num_output_tokens=run_outputs,
         )
         if not v2:
             prev.clear()
@@ -453,6 +534,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             stats.record(num_tokens=request.num_tokens, num_hits=num_hit_tokens, preempted=request.num_preemptions > 0)
         if self.log_stats:
             request.record_event(EngineCoreEventType.SCHEDULED, now)
+            self._slow_req_ids.add(request.request_id)
 
     def _mirror_preempt(self, request: Request, now: float) -> None:
         """vLLM's ``_preempt_request``, for the request object (the core already freed its blocks)."""
@@ -466,6 +548,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         request.num_preemptions += 1
         if self.log_stats:
             request.record_event(EngineCoreEventType.PREEMPTED, now)
+        if self._needs_slow_update(request):
+            self._slow_req_ids.add(request.request_id)
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         if not scheduler_output.has_structured_output_requests:
@@ -537,42 +621,36 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._num_invalid_spec_tokens = scheduler_output.num_invalid_spec_tokens
         batch_slow = bool(mro.logprobs or mro.prompt_logprobs_dict)
         nans = mro.num_nans_in_logits
+        slow = self._slow_req_ids
+        if finished or spec_sched or nans:
+            slow = slow.union(finished, spec_sched, nans or ())
         hasher_block = self.hash_block_size
+        async_sched = self.async_scheduling
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         client0: list[EngineCoreOutput] = []
         fast_ids: list[str] = []
         fast_toks: list[list[int]] = []
         stopped_reqs: list[Request] = []
 
-        for i, req_id in enumerate(req_ids):
+        for req_id, n, generated, num_accepted in zip(req_ids, num_sched, rows, accepted, strict=True):
             request = requests.get(req_id)
             if request is None:
                 continue  # finished (aborted) while the step was in flight
-            request.num_in_flight_tokens -= num_sched[i]
-            generated = rows[i]
-            if (
-                batch_slow
-                or request.num_stale_output_tokens > 0
-                or request.status > _PREEMPTED
-                or request.prefill_stats is not None
-                or request.client_index
-                or request.events
-                or request.structured_output_request is not None
-                or (finished and req_id in finished)
-                or (spec_sched and req_id in spec_sched)
-                or (nans and req_id in nans)
-            ):
+            request.num_in_flight_tokens -= n
+            if batch_slow or req_id in slow:
                 eco = self._update_slow(
                     request,
-                    num_sched[i],
+                    n,
                     spec_sched.get(req_id),
                     generated,
-                    accepted[i],
+                    num_accepted,
                     finished,
                     cached_tokens,
                     mro,
                     stopped_reqs,
                 )
+                if req_id in self._slow_req_ids and not self._needs_slow_update(request):
+                    self._slow_req_ids.discard(req_id)
                 if eco is not None:
                     if request.client_index:
                         outputs[request.client_index].append(eco)
@@ -589,10 +667,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             request._output_token_ids.extend(generated)
             all_tokens = request._all_token_ids
             all_tokens.extend(generated)
-            hasher = request._block_hasher
-            if hasher is not None and (len(request.block_hashes) + 1) * hasher_block <= len(all_tokens):
-                request.block_hashes.extend(hasher(request))
-            if request.num_output_placeholders > 0:
+            # A block filled up: vLLM's hasher appends its hash (the request's hashes always cover its full
+            # blocks, so only a step that crosses a block boundary adds one).
+            if len(all_tokens) % hasher_block < len(generated):
+                hasher = request._block_hasher
+                if hasher is not None:
+                    request.block_hashes.extend(hasher(request))
+            if async_sched and request.num_output_placeholders > 0:
                 request.num_output_placeholders -= len(generated)
             fast_ids.append(req_id)
             fast_toks.append(generated)
@@ -767,6 +848,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             else:
                 spec_token_ids = validate(request, spec_token_ids)
                 request.spec_token_ids = spec_token_ids
+                self._drafts_received = True
             ids.append(req_id)
             drafts.append(spec_token_ids)
         if ids:
@@ -854,13 +936,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             return None
         prefix = self._prefix_cache_stats
         self._prefix_cache_stats = PrefixCacheStats()
-        s = self._core.stats()
+        s = self._core._stats_dict()  # the counters without building kvsched's stats dataclass (every step)
         return SchedulerStats(
-            num_running_reqs=s.num_running_reqs,
-            num_waiting_reqs=s.num_waiting_reqs,
-            num_skipped_waiting_reqs=s.num_skipped_waiting_reqs,
+            num_running_reqs=s["num_running_reqs"],
+            num_waiting_reqs=s["num_waiting_reqs"],
+            num_skipped_waiting_reqs=s["num_skipped_waiting_reqs"],
             num_kv_fetch_reqs_by_stage=dict.fromkeys(KV_FETCH_STAGES, 0),
-            kv_cache_usage=s.kv_cache_usage,
+            kv_cache_usage=s["kv_cache_usage"],
             prefix_cache_stats=prefix if prefix is not None else PrefixCacheStats(),
             spec_decoding_stats=spec_decoding_stats,
         )
