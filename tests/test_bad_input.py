@@ -436,6 +436,28 @@ CASES = [
         InvalidOutputError,
         "another scheduler",
     ),
+    Case("fail-applied-step", lambda c: c.s.fail_step(c.applied), InvalidOutputError, "already applied", setup_applied),
+    Case(
+        "fail-step-with-a-later-step-in-flight",
+        lambda c: c.s.fail_step(c.pending[0][0]),
+        InvalidOutputError,
+        "only step in flight",
+        setup_two_in_flight,
+    ),
+    Case(
+        "fail-a-later-step-first",
+        lambda c: c.s.fail_step(c.pending[1][0]),
+        InvalidOutputError,
+        "apply or fail it first",
+        setup_two_in_flight,
+    ),
+    Case(
+        "fail-another-schedulers-step",
+        lambda c: c.s.fail_step(other_scheduler_output()),
+        InvalidOutputError,
+        "another scheduler",
+    ),
+    Case("fail-not-an-output", lambda c: c.s.fail_step("out"), SchedulerTypeError, "str"),
     Case("not-a-scheduler-output", lambda c: c.s.update_from_output("out", [[7]]), SchedulerTypeError, "str"),
     Case("none-output", lambda c: c.s.update_from_output(None, []), SchedulerTypeError, "NoneType"),
     Case(

@@ -338,6 +338,21 @@ class Twin:
         self.log.append(f"abort {chosen}")
         call_both(lambda: self.ref.abort_requests(chosen), lambda: self.rs.abort_requests(chosen))
 
+    def op_fail(self) -> None:
+        """The runner failed a step: both abort its live requests and uncache what it cached, or both refuse
+        (only the one step in flight can fail)."""
+        if not self.pending:
+            return self.op_schedule()
+        k = self.rand.int(0, len(self.pending) - 1)
+        a, b, _ = self.pending[k]
+        self.log.append(f"fail step {a.step_id}")
+        ra, rb, failed = call_both(lambda: self.ref.fail_step(a), lambda: self.rs.fail_step(b))
+        assert failed == (k > 0 or len(self.pending) > 1)
+        if not failed:
+            assert ra == rb, f"fail_step: reference aborted {ra}, Rust {rb}"
+            self.pending.popleft()
+        return None
+
     def op_probe(self) -> None:
         if self.pending and self.rand.chance(0.3):  # model inputs of an older step, maybe stale by now
             a, b, _ = self.pending[self.rand.int(0, len(self.pending) - 1)]
@@ -431,7 +446,7 @@ class Twin:
         others = [self.op_abort, self.op_probe, self.op_reset, self.op_weight, self.op_pause, self.op_costs]
         if self.cfg.num_spec_tokens:
             others.append(self.op_drafts)
-        self.rand.choice([*ops, *others])()
+        self.rand.choice([*ops, *others, self.op_fail])()
         self.check()
 
     # -- comparison of the whole observable state --------------------------------------------------------

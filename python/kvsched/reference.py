@@ -63,6 +63,7 @@ class SchedulerOutput:
     """
 
     __slots__ = (
+        "_cached_blocks",
         "_entries",
         "_owner",
         "finished_req_ids",
@@ -100,6 +101,7 @@ class SchedulerOutput:
     kv_connector_metadata: Any  # the KV connector's build_connector_meta(out), None without a connector
     _owner: object
     _entries: list[tuple[_Request, bool, int]]  # (request, was a prefill chunk, number of drafts scheduled)
+    _cached_blocks: list[tuple[int, bytes]]  # (block, hash) this step entered into the prefix cache
 
     def __init__(self, **fields: Any) -> None:
         for name, value in fields.items():
@@ -580,6 +582,7 @@ class ReferenceScheduler:
         self._num_executed_steps = 0
         self._last_prefill_step = -c.prefill_schedule_interval  # a full interval back: the first step is free
         self._prefill_capacity_bound = False
+        self._newly_cached: list[tuple[int, bytes]] = []  # (block, hash) cached since schedule() began
         self._last_out: SchedulerOutput | None = None
         self._last_out_fresh = False  # prepare_model_inputs is allowed until the state changes
         self._stats = dict.fromkeys(
@@ -744,6 +747,7 @@ class ReferenceScheduler:
             b, h = r.block_ids[i], r.block_hashes[i]
             self._block_hash[b] = h
             self._cached.setdefault(h, {})[b] = None
+            self._newly_cached.append((b, h))
         r.num_cached_blocks = max(r.num_cached_blocks, num_full)
 
     def _allocate_slots(
@@ -948,6 +952,37 @@ class ReferenceScheduler:
             self._last_out_fresh = False
         self._transfer_params = {}  # vLLM returns no transfer parameters for aborted requests either
         self._after_hooks()
+
+    def fail_step(self, out: SchedulerOutput) -> list[str]:
+        """The runner could not execute step ``out``, which must be the only step in flight. The blocks it entered
+        into the prefix cache leave it (their KV was never computed), its live requests are aborted in step order,
+        and the step counts as applied. Returns the aborted ids."""
+        out = self._check_output(out)
+        if out.step_id < self._next_update_step:
+            raise InvalidOutputError(f"step {out.step_id} was already applied")
+        if out.step_id > self._next_update_step:
+            raise InvalidOutputError(
+                f"step {self._next_update_step} is in flight before step {out.step_id}: apply or fail it first"
+            )
+        if self._next_step_id != out.step_id + 1:
+            raise InvalidOutputError(
+                f"step {out.step_id} can only fail while it is the only step in flight "
+                f"({self._next_step_id - out.step_id} are): the later steps were scheduled on its results"
+            )
+        for b, h in out._cached_blocks:
+            if self._block_hash[b] == h:
+                del self._cached[h][b]
+                if not self._cached[h]:
+                    del self._cached[h]
+                self._block_hash[b] = None
+        failed = [r for r, _, _ in out._entries if not r.status.is_finished]
+        for r in failed:
+            self._finish(r, RequestStatus.FINISHED_ABORTED)
+        self._next_update_step += 1
+        self._last_out_fresh = False
+        self._transfer_params = {}  # aborted, as by abort_requests: no transfer parameters for them
+        self._after_hooks()
+        return [r.req_id for r in failed]
 
     # -- schedule ----------------------------------------------------------------------------------------
 
@@ -1158,6 +1193,7 @@ class ReferenceScheduler:
         ):
             defer = True  # the local cadence: the interval since the last prefill-carrying step has not passed
         prefill_admitted = False
+        self._newly_cached = []  # what updates cached since the previous step is not this step's
 
         i = 0
         while i < len(self._running) and budget > 0:
@@ -1252,7 +1288,9 @@ class ReferenceScheduler:
             kv_connector_metadata=None,
             _owner=self._owner,
             _entries=entries,
+            _cached_blocks=self._newly_cached,
         )
+        self._newly_cached = []
         self._next_step_id += 1
         self._finished_since_schedule = []
         self._preempted_since_schedule = []

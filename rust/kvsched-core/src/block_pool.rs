@@ -117,6 +117,17 @@ impl BlockPool {
         }
     }
 
+    /// Takes `block` out of the prefix cache if it still carries `hash` (its KV was never computed:
+    /// `Scheduler::fail_step`); a free block stays where it is in the free queue. Returns whether it did.
+    pub fn uncache(&mut self, block: u32, hash: &BlockHash) -> bool {
+        let b = block as usize;
+        if b >= self.hash.len() || self.hash[b].as_ref() != Some(hash) {
+            return false;
+        }
+        self.evict(block);
+        true
+    }
+
     /// A prefix hit takes a reference; a block at ref 0 leaves the free queue (O(1)).
     pub fn touch(&mut self, blocks: &[u32]) {
         for &b in blocks {

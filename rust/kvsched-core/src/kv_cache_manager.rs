@@ -16,6 +16,9 @@ pub struct KvCacheManager {
     /// The most slots one request holds: `min(max_model_len, the cache's capacity in tokens)`.
     pub max_slots: u32,
     pub enable_caching: bool,
+    /// `(block, hash)` entered into the prefix cache since `schedule()` began: the step's record keeps them so
+    /// that a failed step can take them out again (`Scheduler::fail_step`).
+    pub newly_cached: Vec<(u32, BlockHash)>,
 }
 
 impl KvCacheManager {
@@ -146,6 +149,7 @@ impl KvCacheManager {
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
         for i in req.num_cached_blocks as usize..num_full {
             self.pool.cache_block(req.blocks[i], req.block_hashes[i]);
+            self.newly_cached.push((req.blocks[i], req.block_hashes[i]));
         }
         if num_full > req.num_cached_blocks as usize {
             req.num_cached_blocks = num_full as u32;

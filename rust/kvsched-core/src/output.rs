@@ -62,6 +62,8 @@ pub(crate) struct StepRecord {
     pub num_scheduled_tokens: Vec<i32>,
     pub spec_token_ids: Vec<i32>,
     pub spec_token_ids_indptr: Vec<i32>,
+    /// `(block, hash)` this step entered into the prefix cache (taken out again if the step fails).
+    pub cached_blocks: Vec<(u32, crate::hashing::BlockHash)>,
 }
 
 #[derive(Clone, Debug, Default)]

@@ -122,6 +122,7 @@ impl Scheduler {
             block_shift: config.block_size.trailing_zeros(),
             max_slots: config.max_slots_per_request(),
             enable_caching: config.enable_prefix_caching,
+            newly_cached: Vec::new(),
         };
         Ok(Scheduler {
             cpu: CpuBlockPool::new(config.num_cpu_blocks),
@@ -376,6 +377,56 @@ impl Scheduler {
         self.remove_finished_from_queues(from_running, from_waiting);
         self.epoch += 1;
         Ok(())
+    }
+
+    /// The runner could not execute step `step_id`, which must be the only step in flight (a step scheduled
+    /// after it was built on its results). The blocks the step entered into the prefix cache leave it (their KV
+    /// was never computed, so no later request may hit them; only requests of this step can hold them), then
+    /// every request of the step that is still live is aborted, in step order (the freed uncached blocks go to
+    /// the head of the free queue, as any unhashed block), and the step counts as applied. Returns the aborted
+    /// ids. On error nothing changes.
+    pub fn fail_step(&mut self, scheduler_id: u64, step_id: u64) -> Result<Vec<Arc<str>>> {
+        if scheduler_id != self.scheduler_id {
+            return Err(SchedError::InvalidOutput("this output was produced by another scheduler".into()));
+        }
+        let Some(rec) = self.in_flight.front() else {
+            return Err(SchedError::InvalidOutput(format!(
+                "step {step_id} was already applied (no step is in flight)"
+            )));
+        };
+        if step_id != rec.step_id {
+            let msg = if step_id < rec.step_id {
+                format!("step {step_id} was already applied")
+            } else {
+                format!("step {} is in flight before step {step_id}: apply or fail it first", rec.step_id)
+            };
+            return Err(SchedError::InvalidOutput(msg));
+        }
+        if self.in_flight.len() > 1 {
+            return Err(SchedError::InvalidOutput(format!(
+                "step {step_id} can only fail while it is the only step in flight ({} are): the later steps \
+                 were scheduled on its results",
+                self.in_flight.len()
+            )));
+        }
+        let Some(rec) = self.in_flight.pop_front() else {
+            return Err(SchedError::Internal("in-flight step vanished".into()));
+        };
+        for (block, hash) in &rec.cached_blocks {
+            self.kv.pool.uncache(*block, hash);
+        }
+        let mut ids = Vec::new();
+        let (mut from_running, mut from_waiting) = (false, false);
+        for &h in &rec.handles {
+            let Some(req) = self.slab.resolve(h) else { continue };
+            from_running |= req.status == RequestStatus::Running;
+            from_waiting |= req.status != RequestStatus::Running;
+            ids.push(req.id.clone());
+            self.finish(h.slot, RequestStatus::FinishedAborted)?;
+        }
+        self.remove_finished_from_queues(from_running, from_waiting);
+        self.epoch += 1;
+        Ok(ids)
     }
 
     /// Ends a request: frees its blocks, forgets it, reports it in the next step. The caller removes it from

@@ -129,6 +129,7 @@ impl Scheduler {
             defer_prefills = true;
         }
         let mut b = Builder::with_capacity(self.running.len() + 8);
+        self.kv.newly_cached.clear(); // what updates cached since the previous step is not this step's
         let mut preempted: Vec<ReqHandle> = Vec::new();
         // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund
         // must not have been charged).
@@ -647,6 +648,7 @@ impl Scheduler {
             num_scheduled_tokens: out.num_scheduled_tokens.clone(),
             spec_token_ids: out.spec_token_ids.clone(),
             spec_token_ids_indptr: out.spec_token_ids_indptr.clone(),
+            cached_blocks: std::mem::take(&mut self.kv.newly_cached),
         });
         Ok(out)
     }

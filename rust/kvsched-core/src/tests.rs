@@ -669,6 +669,60 @@ fn abort_in_every_state_frees_everything_and_reports_it() {
 }
 
 #[test]
+fn a_failed_step_aborts_its_requests_and_uncaches_what_it_cached() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    // "a" decodes in step 2 (its 4-token block was cached and computed in step 1); "b" is admitted in step 2
+    // and its two full prompt blocks are cached at that step's schedule.
+    add(&mut s, "a", &prompt(0, 4), params(5));
+    step_with(&mut s, 1);
+    add(&mut s, "b", &prompt(20, 9), params(5));
+    add(&mut s, "late", &prompt(40, 6), params(5));
+    s.abort_requests(&["late"]).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(ids(&s, &out), vec!["a", "b"]);
+    assert_eq!(s.get_num_cached_tokens(&prompt(20, 9), None, None).unwrap(), 8);
+    // Wrong scheduler, wrong step: refused, nothing changes.
+    assert!(matches!(s.fail_step(out.scheduler_id + 1, out.step_id), Err(SchedError::InvalidOutput(_))));
+    assert!(matches!(s.fail_step(out.scheduler_id, out.step_id + 1), Err(SchedError::InvalidOutput(_))));
+    assert_eq!(s.num_unfinished_requests(), 2);
+    s.abort_requests(&["a"]).unwrap(); // gone before the failure: skipped
+    let failed = s.fail_step(out.scheduler_id, out.step_id).unwrap();
+    assert_eq!(failed.iter().map(|x| x.to_string()).collect::<Vec<_>>(), vec!["b"]);
+    s.check_invariants().unwrap();
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.num_free_blocks(), 63);
+    // b's blocks were never computed: no hit. a's first block was computed in step 1: still a hit.
+    assert_eq!(s.get_num_cached_tokens(&prompt(20, 9), None, None).unwrap(), 0);
+    assert_eq!(s.get_num_cached_tokens(&prompt(0, 9), None, None).unwrap(), 4);
+    // The step counts as applied (once), and reports b as finished.
+    assert!(matches!(s.fail_step(out.scheduler_id, out.step_id), Err(SchedError::InvalidOutput(_))));
+    let empty = Ragged { values: &[], indptr: &[0, 0, 0] };
+    assert!(matches!(
+        s.update_from_output(out.scheduler_id, out.step_id, empty, None),
+        Err(SchedError::InvalidOutput(_))
+    ));
+    let next = s.schedule().unwrap();
+    let mut finished: Vec<String> = next.finished_req_ids.iter().map(|x| x.to_string()).collect();
+    finished.sort();
+    assert_eq!(finished, vec!["a", "b"]);
+}
+
+#[test]
+fn only_the_last_step_in_flight_can_fail() {
+    let mut s = Scheduler::new(SchedulerConfig { async_scheduling: true, ..cfg(4, 64) }).unwrap();
+    add(&mut s, "a", &prompt(0, 6), params(5));
+    let o1 = s.schedule().unwrap();
+    let o2 = s.schedule().unwrap();
+    assert!(matches!(s.fail_step(o1.scheduler_id, o1.step_id), Err(SchedError::InvalidOutput(_))));
+    assert!(matches!(s.fail_step(o2.scheduler_id, o2.step_id), Err(SchedError::InvalidOutput(_))));
+    s.check_invariants().unwrap();
+    feed(&mut s, &o1, |_| vec![1]);
+    assert_eq!(s.fail_step(o2.scheduler_id, o2.step_id).unwrap().len(), usize::from(!o2.handles.is_empty()));
+    s.check_invariants().unwrap();
+    assert_eq!(s.num_free_blocks(), 63);
+}
+
+#[test]
 fn reset_prefix_cache_only_when_idle() {
     let mut s = Scheduler::new(cfg(4, 64)).unwrap();
     add(&mut s, "a", &prompt(0, 9), params(3));

@@ -456,6 +456,21 @@ impl PyScheduler {
         })
     }
 
+    /// The runner could not execute step `out` (the only step in flight): aborts its live requests, takes the
+    /// blocks it cached out of the prefix cache, and returns the aborted ids (see docs/semantics.md).
+    fn fail_step(slf: &Bound<'_, Self>, out: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+        let py = slf.py();
+        let (scheduler_id, step_id) = step_key(py, out)?;
+        let mut this = borrow_mut(slf)?;
+        let ids = guard(py, || this.core.fail_step(scheduler_id, step_id))?;
+        if let Some(c) = &this.connector {
+            // Aborted, as by abort_requests: no transfer parameters for them.
+            c.take_transfer_params(py)?;
+        }
+        this.after_hooks(py)?;
+        Ok(ids.iter().map(|s| s.to_string()).collect())
+    }
+
     fn has_unfinished_requests(slf: &Bound<'_, Self>) -> PyResult<bool> {
         Ok(borrow(slf)?.core.has_unfinished_requests())
     }
