@@ -2,6 +2,8 @@
 
 A step is three calls: ``schedule()``, the runner's ``execute()`` on ``prepare_model_inputs()``, and
 ``update_from_output()``; everything else here is bookkeeping for the caller (texts, finish reasons, timings).
+If the runner raises, the scheduler's ``fail_step()`` takes the step back instead: the requests of that step
+finish with ``finish_reason="error"`` (and the exception's text in ``error``), the others go on.
 torch is imported only when an :class:`LLM` is built, so ``import kvsched`` and :class:`SamplingParams` stay
 torch-free.
 """
@@ -89,7 +91,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | None = None  # the stop token id, when a stop_token_ids entry ended it
 
     def finished(self) -> bool:
@@ -107,9 +109,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     text: str | None = None  # None without a tokenizer
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" (the runner failed its step)
     stop_reason: int | None = None  # the stop token id, when a stop_token_ids entry ended it
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    error: str | None = None  # with finish_reason "error": the runner's exception, as "Type: message"
 
     @property
     def finished(self) -> bool:
@@ -252,6 +255,7 @@ class LLM:
         self._requests: dict[str, RequestOutput] = {}
         self._next_id = 0
         self.num_steps = 0
+        self.num_failed_steps = 0  # steps the runner raised in (their requests finished with "error")
 
     # -- requests ------------------------------------------------------------------------------------------
 
@@ -305,11 +309,39 @@ class LLM:
     # -- the step loop -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the requests that finished in it.
+
+        If the runner raises, the step is failed instead of applied (``Scheduler.fail_step``): its requests
+        finish with ``finish_reason="error"`` and the exception's text in ``error`` (their tokens so far are kept),
+        the blocks they held are freed (the ones this step filled leave the prefix cache), and every other request
+        goes on with the next step."""
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out, self.scheduler.prepare_model_inputs(out))
+        inputs = self.scheduler.prepare_model_inputs(out)
+        try:
+            sampled = self.runner.execute(out, inputs)
+        except Exception as exc:  # the runner's failure ends its step's requests, not the engine
+            return self._fail_step(out, exc)
         result = self.scheduler.update_from_output(out, sampled)
         return self._postprocess(out, sampled, result)
+
+    def _fail_step(self, out: Any, exc: Exception) -> list[RequestOutput]:
+        self.num_steps += 1
+        self.num_failed_steps += 1
+        failed_ids = self.scheduler.fail_step(out)
+        self.runner.remove_requests(failed_ids)
+        now = time.monotonic()
+        error = f"{type(exc).__name__}: {exc}"
+        finished = []
+        for req_id in failed_ids:
+            req = self._requests.pop(req_id)
+            req.finish_reason = "error"
+            req.error = error
+            req.metrics.finish_time = now
+            req.metrics.num_output_tokens = len(req.output_token_ids)
+            if self.tokenizer is not None:
+                req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            finished.append(req)
+        return finished
 
     def _postprocess(self, out: Any, sampled: tuple[np.ndarray, np.ndarray], result: Any) -> list[RequestOutput]:
         self.num_steps += 1
@@ -348,7 +380,9 @@ class LLM:
         """Generate for every prompt (text or token ids); outputs come back in prompt order.
 
         Runs until no request is left, including any added earlier with :meth:`add_request` (their outputs are
-        returned by :meth:`step`, not here)."""
+        returned by :meth:`step`, not here). A runner failure does not raise here: the requests of the failed
+        step come back with ``finish_reason == "error"`` and the exception in ``error`` (see :meth:`step`), the
+        others complete normally."""
         single = isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1)
         if single or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
             prompt_list: list[Any] = [prompts]
