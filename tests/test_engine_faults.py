@@ -39,15 +39,16 @@ class RunnerFault(RuntimeError):
     pass
 
 
-def fail_on_steps(llm: LLM, steps: set[int]) -> list[list[str]]:
-    """Make ``llm``'s runner raise on the given engine steps (1-based); returns, per failed step, the ids it held."""
+def fail_on_steps(llm: LLM, steps: set[int] | Callable[[Any], bool]) -> list[list[str]]:
+    """Make ``llm``'s runner raise on the given engine steps (1-based numbers, or a predicate of the step's
+    ``SchedulerOutput``), before it runs anything; returns, per failed step, the ids it held."""
     execute: Callable[..., Any] = llm.runner.execute
     calls = [0]
     failed: list[list[str]] = []
 
     def flaky(out: Any, inputs: Any) -> Any:
         calls[0] += 1
-        if calls[0] in steps:
+        if calls[0] in steps if isinstance(steps, set) else steps(out):
             failed.append(list(out.req_ids))
             raise RunnerFault(f"injected fault in step {calls[0]}")
         return execute(out, inputs)
@@ -173,3 +174,58 @@ def test_every_step_failing_ends_every_request_with_an_error(tiny_llama: tuple[P
     assert llm.num_failed_steps == 3  # two requests per step
     assert llm.scheduler.num_free_blocks == NUM_BLOCKS - 1
     llm.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("scheduler_cls", SCHEDULERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("copy", ["swap_out", "swap_in"])
+def test_a_fault_with_swaps_in_flight(tiny_llama: tuple[Path, Any], scheduler_cls: Any, copy: str) -> None:
+    """A tight pool that swaps victims to the CPU pool; the runner fails the first step with a ``copy`` to do
+    (before doing it). swap_out: the step's victims give their CPU blocks back and recompute when resumed (their
+    copy never ran). swap_in: the resumed request is in the failed step, so it ends with the error. Every other
+    request still gets transformers' tokens; no GPU or CPU block leaks."""
+    path, hf = tiny_llama
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (30, 26, 34, 22, 28, 18)]
+    llm = LLM(
+        path,
+        dtype="float32",
+        device="cpu",
+        block_size=8,
+        num_blocks=16,
+        max_num_batched_tokens=48,
+        scheduler_reserve_full_isl=False,
+        scheduler_cls=scheduler_cls,
+        preemption_mode="swap",
+        num_cpu_blocks=64,
+    )
+    victims: list[str] = []
+
+    def first_with_copy(out: Any) -> bool:
+        if not victims and len(getattr(out, copy)):
+            victims.extend(out.preempted_req_ids)
+            return True
+        return False
+
+    failed_steps = fail_on_steps(llm, first_with_copy)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    assert len(failed_steps) == 1, "no step had a swap to fail"
+    failed = set(failed_steps[0])
+    expected = _hf_greedy(hf, prompts, 12)
+    for o, want in zip(outs, expected, strict=True):
+        if o.request_id in failed:
+            assert o.finish_reason == "error"
+            assert o.output_token_ids == want[: len(o.output_token_ids)]
+        else:
+            assert o.finish_reason == "length" and o.output_token_ids == want
+    st = llm.scheduler.stats()
+    if copy == "swap_out":
+        # The victims of the failed step went on (recomputed) and got the right tokens.
+        assert victims and not failed.intersection(victims)
+        assert all(o.finish_reason == "length" for o in outs if o.request_id in victims)
+        assert st.num_swapped_out_reqs > 0 and st.num_recomputed_tokens > 0, st
+    else:
+        assert st.num_swapped_in_blocks > 0, st
+    sched = llm.scheduler
+    sched.check_invariants()
+    assert not sched.has_unfinished_requests()
+    assert sched.num_free_blocks == 15 and st.num_free_cpu_blocks == 64

@@ -66,6 +66,7 @@ class SchedulerOutput:
         "_cached_blocks",
         "_entries",
         "_owner",
+        "_swapped_out",
         "finished_req_ids",
         "kv_connector_metadata",
         "new_block_ids",
@@ -102,6 +103,7 @@ class SchedulerOutput:
     _owner: object
     _entries: list[tuple[_Request, bool, int]]  # (request, was a prefill chunk, number of drafts scheduled)
     _cached_blocks: list[tuple[int, bytes]]  # (block, hash) this step entered into the prefix cache
+    _swapped_out: list[_Request]  # victims this step swapped out
 
     def __init__(self, **fields: Any) -> None:
         for name, value in fields.items():
@@ -956,7 +958,8 @@ class ReferenceScheduler:
     def fail_step(self, out: SchedulerOutput) -> list[str]:
         """The runner could not execute step ``out``, which must be the only step in flight. The blocks it entered
         into the prefix cache leave it (their KV was never computed), its live requests are aborted in step order,
-        and the step counts as applied. Returns the aborted ids."""
+        the victims it swapped out give their CPU blocks back (they recompute), and the step counts as applied.
+        Returns the aborted ids."""
         out = self._check_output(out)
         if out.step_id < self._next_update_step:
             raise InvalidOutputError(f"step {out.step_id} was already applied")
@@ -978,6 +981,10 @@ class ReferenceScheduler:
         failed = [r for r, _, _ in out._entries if not r.status.is_finished]
         for r in failed:
             self._finish(r, RequestStatus.FINISHED_ABORTED)
+        for r in out._swapped_out:  # their swap_out copy may never have run: they recompute when resumed
+            if not r.status.is_finished and r.cpu_blocks:
+                self._cpu_free.extend(r.cpu_blocks)
+                r.cpu_blocks, r.num_swapped_tokens = [], 0
         self._next_update_step += 1
         self._last_out_fresh = False
         self._transfer_params = {}  # aborted, as by abort_requests: no transfer parameters for them
@@ -1289,6 +1296,7 @@ class ReferenceScheduler:
             _owner=self._owner,
             _entries=entries,
             _cached_blocks=self._newly_cached,
+            _swapped_out=[r for r in preempted if r.cpu_blocks],
         )
         self._newly_cached = []
         self._next_step_id += 1

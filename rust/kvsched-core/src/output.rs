@@ -64,6 +64,8 @@ pub(crate) struct StepRecord {
     pub spec_token_ids_indptr: Vec<i32>,
     /// `(block, hash)` this step entered into the prefix cache (taken out again if the step fails).
     pub cached_blocks: Vec<(u32, crate::hashing::BlockHash)>,
+    /// Victims this step swapped out (their `swap_out` copies run with the step; if it fails they recompute).
+    pub swapped_out: Vec<ReqHandle>,
 }
 
 #[derive(Clone, Debug, Default)]

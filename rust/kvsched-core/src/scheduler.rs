@@ -383,8 +383,9 @@ impl Scheduler {
     /// after it was built on its results). The blocks the step entered into the prefix cache leave it (their KV
     /// was never computed, so no later request may hit them; only requests of this step can hold them), then
     /// every request of the step that is still live is aborted, in step order (the freed uncached blocks go to
-    /// the head of the free queue, as any unhashed block), and the step counts as applied. Returns the aborted
-    /// ids. On error nothing changes.
+    /// the head of the free queue, as any unhashed block), then the victims the step swapped out give their CPU
+    /// blocks back (the copy may never have run: they recompute when resumed), and the step counts as applied.
+    /// Returns the aborted ids. On error nothing changes.
     pub fn fail_step(&mut self, scheduler_id: u64, step_id: u64) -> Result<Vec<Arc<str>>> {
         if scheduler_id != self.scheduler_id {
             return Err(SchedError::InvalidOutput("this output was produced by another scheduler".into()));
@@ -425,6 +426,11 @@ impl Scheduler {
             self.finish(h.slot, RequestStatus::FinishedAborted)?;
         }
         self.remove_finished_from_queues(from_running, from_waiting);
+        for &h in &rec.swapped_out {
+            if self.slab.resolve(h).is_some() {
+                self.release_cpu_blocks(h.slot)?;
+            }
+        }
         self.epoch += 1;
         Ok(ids)
     }

@@ -614,6 +614,16 @@ impl Scheduler {
 
     fn finish_step(&mut self, b: Builder, preempted: Vec<ReqHandle>) -> Result<SchedulerOutput> {
         let Builder { mut out, is_chunk, num_spec } = b;
+        let swapped_out: Vec<ReqHandle> = if out.swap_out.is_empty() {
+            Vec::new()
+        } else {
+            let slab = &self.slab;
+            preempted
+                .iter()
+                .copied()
+                .filter(|&h| slab.resolve(h).is_some_and(|r| !r.cpu_blocks.is_empty()))
+                .collect()
+        };
         // vLLM's `_update_after_schedule` (and `AsyncScheduler`'s): in-flight tokens, then placeholders for
         // the tokens each decode will sample and its next drafts.
         let async_scheduling = self.config.async_scheduling;
@@ -649,6 +659,7 @@ impl Scheduler {
             spec_token_ids: out.spec_token_ids.clone(),
             spec_token_ids_indptr: out.spec_token_ids_indptr.clone(),
             cached_blocks: std::mem::take(&mut self.kv.newly_cached),
+            swapped_out,
         });
         Ok(out)
     }
