@@ -1,0 +1,130 @@
+"""Where the time of ``kvsched.vllm.Scheduler`` goes on a bench workload (needs vLLM importable).
+
+Replays one ``kvsched bench`` workload through the adapter exactly as ``kvsched bench --impl vllm-adapter`` does
+(same driver, same loop, warm-up, ``gc.freeze``), with timers around the parts that are not the adapter's own
+Python: the Rust core's ``schedule()`` and ``update_from_output()``, and vLLM's block hasher (called for a
+request whose new token fills a block, as vLLM's own scheduler does). Everything else in ``schedule()`` and
+``update_from_output()`` is the adapter's Python (mirroring vLLM's request fields, building vLLM's
+``SchedulerOutput``, ``EngineCoreOutput`` objects and ``SchedulerStats``). Prints per-step medians over the
+steps with the workload's most common number of scheduled requests (the steady state), and over all steps.
+
+    VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONPATH=python python scripts/profile_vllm_adapter.py -w a
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+from kvsched.bench import harness
+from kvsched.bench.workloads import Workload, generate, get_scenario
+
+
+class Timer:
+    """Accumulates the nanoseconds spent in wrapped calls; ``take()`` returns and resets the sum."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.calls = 0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        perf = time.perf_counter_ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = perf()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ns += perf() - t0
+                self.calls += 1
+
+        return timed
+
+    def take(self) -> int:
+        ns, self.ns = self.ns, 0
+        return ns
+
+
+def run_once(config: Any, wl: Workload) -> np.ndarray:
+    """One timed run; rows of (scheduled requests, schedule ns, core schedule ns, update ns, core update ns,
+    hasher ns), one per step."""
+    driver: Any = harness.make_driver("vllm-adapter", config)
+    sched = driver._sched
+    core = sched._core
+    t_core_sched, t_core_upd, t_hash, t_sched, t_upd = Timer(), Timer(), Timer(), Timer(), Timer()
+    core.schedule = t_core_sched.wrap(core.schedule)
+    core.update_from_output = t_core_upd.wrap(core.update_from_output)
+    if driver._block_hasher is not None:
+        driver._block_hasher = t_hash.wrap(driver._block_hasher)
+    rows: list[tuple[int, ...]] = []
+    schedule, update = t_sched.wrap(sched.schedule), t_upd.wrap(sched.update_from_output)
+    num_sched = [0]
+
+    def timed_schedule() -> Any:
+        t_hash.take()  # prompt hashing in add_request is not part of the step
+        out = schedule()
+        num_sched[0] = len(out.num_scheduled_tokens)
+        return out
+
+    def timed_update(out: Any, mro: Any) -> Any:
+        res = update(out, mro)
+        rows.append((num_sched[0], t_sched.take(), t_core_sched.take(), t_upd.take(), t_core_upd.take(), t_hash.take()))
+        return res
+
+    driver.schedule_fn = lambda: timed_schedule
+    driver.update_fn = lambda: timed_update
+    gc.collect()
+    gc.freeze()
+    try:
+        harness._loop(driver, wl, max_steps=None, record=True)
+    finally:
+        gc.unfreeze()
+    return np.array(rows, dtype=np.int64)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-w", "--workload", default="a")
+    ap.add_argument("--repeat", type=int, default=3, help="runs; the one with the lowest median total is shown")
+    args = ap.parse_args()
+
+    wl = generate(get_scenario(args.workload))
+    config = wl.scenario.scheduler_config()
+    harness._loop(harness.make_driver("vllm-adapter", config), wl, max_steps=50, record=False)
+    best: np.ndarray | None = None
+    for _ in range(args.repeat):
+        data = run_once(config, wl)
+        if best is None or np.median(data[:, 1] + data[:, 3]) < np.median(best[:, 1] + best[:, 3]):
+            best = data
+    assert best is not None
+    data = best
+    counts = np.bincount(data[:, 0])
+    steady = data[data[:, 0] == counts.argmax()]
+    for label, sel in ((f"steady state ({counts.argmax()} scheduled, {len(steady)} steps)", steady), ("all", data)):
+        sched_ns, core_s, upd_ns, core_u, hash_ns = (sel[:, i] for i in range(1, 6))
+        parts = [
+            ("schedule(): total", sched_ns),
+            ("  Rust core schedule()", core_s),
+            ("  adapter Python", sched_ns - core_s),
+            ("update_from_output(): total", upd_ns),
+            ("  Rust core update_from_output()", core_u),
+            ("  vLLM block hasher (blocks that filled)", hash_ns),
+            ("  adapter Python", upd_ns - core_u - hash_ns),
+            ("schedule + update", sched_ns + upd_ns),
+        ]
+        print(f"workload {args.workload}, {label}: median µs per step")
+        for name, ns in parts:
+            print(f"  {name:<42} {np.median(ns) / 1e3:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
