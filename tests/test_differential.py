@@ -569,6 +569,7 @@ def configs(draw: Any) -> SchedulerConfig:
         max_num_active_seqs=draw(st.sampled_from([None, None, 1, max_num_seqs, max(1, max_num_seqs // 2)])),
         long_prefill_token_threshold_adaptive=draw(st.booleans()),
         prefill_schedule_interval=draw(st.sampled_from([1, 1, 2, 4])),
+        park_grammar_waits=draw(st.booleans()),
     )
 
 
@@ -642,7 +643,7 @@ SMALL_CACHE_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=11, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=96,
                     enable_chunked_prefill=False, num_lookahead_tokens=1, async_scheduling=True),
     SchedulerConfig(block_size=2, num_blocks=21, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=200,
-                    policy="priority", num_lookahead_tokens=2),
+                    policy="priority", num_lookahead_tokens=2, park_grammar_waits=False),
     # The prefill cadence, an admission cap and the adaptive threshold together.
     SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_active_seqs=4, max_num_batched_tokens=24,
                     max_model_len=64, prefill_schedule_interval=3, long_prefill_token_threshold=4,

@@ -271,3 +271,42 @@ def test_drafts_reach_the_core_and_ride_the_next_step() -> None:
     assert out.scheduled_spec_decode_tokens == {"r0": [12, -1]}
     s.update_from_output(out, runner_output([12, 13]))  # the first draft accepted, the padding rejected
     assert s.requests["r0"].num_computed_tokens == 7 == s.core.get_num_computed_tokens("r0")
+
+
+def _grammar_request(rid: str, prompt: list[int], max_tokens: int) -> object:
+    """A structured-output request whose grammar is still compiling (as vLLM's engine core adds it)."""
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.structured_output.request import StructuredOutputRequest
+
+    req = make_request(rid, prompt, max_tokens=max_tokens)
+    req.sampling_params.structured_outputs = StructuredOutputsParams(regex="[ab]+")
+    req.structured_output_request = StructuredOutputRequest.from_sampling_params(req.sampling_params)
+    req.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    return req
+
+
+def test_a_grammar_wait_keeps_its_place_in_waiting_as_in_vllm_033(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33 keeps a grammar-blocked request in `waiting`: "g", added after "c" and never reached while the
+    slots are full, stays behind "c" once its grammar is ready, so a freed slot goes to "c". (kvsched's parking
+    rule, park_grammar_waits=True, would put "g" at the front and admit it first: tests/test_grammar_wait.py.)"""
+    pair = _pair(num_blocks=64, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=2)
+    for s in pair:
+        monkeypatch.setattr(s.structured_output_manager, "accept_tokens", lambda r, t: True)  # type: ignore[attr-defined]
+    _add(pair, "a", list(range(10, 18)), max_tokens=2)
+    _add(pair, "b", list(range(20, 28)), max_tokens=8)
+    _add(pair, "c", list(range(30, 38)), max_tokens=8)
+    reqs = [_grammar_request("g", list(range(40, 48)), max_tokens=8) for _ in pair]
+    for s, req in zip(pair, reqs, strict=True):
+        s.add_request(req)  # type: ignore[attr-defined]
+    out = _step(pair)
+    assert sorted(out[1].num_scheduled_tokens) == ["a", "b"]  # type: ignore[attr-defined]
+    compare("stats", pair[0].make_stats(), pair[1].make_stats())  # type: ignore[attr-defined]
+    for req in reqs:
+        req.structured_output_request.grammar = _FakeGrammar()  # type: ignore[attr-defined]
+    admitted = []
+    for _ in range(4):
+        out = _step(pair)
+        compare("stats", pair[0].make_stats(), pair[1].make_stats())  # type: ignore[attr-defined]
+        admitted += [r for r in out[1].scheduled_new_reqs]  # type: ignore[attr-defined]
+    assert [r.req_id for r in admitted][:1] == ["c"]
+    compare("status", reqs[0].status, reqs[1].status)  # type: ignore[attr-defined]

@@ -162,6 +162,24 @@ def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Co
     return cfg
 
 
+class _ReadyGrammar:
+    """Stands for a compiled grammar: the schedulers only need to know it exists (acceptance is stubbed)."""
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def _wait_for_grammar(req: Any) -> None:
+    """Make ``req`` a structured-output request whose grammar is not compiled yet."""
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.request import RequestStatus
+    from vllm.v1.structured_output.request import StructuredOutputRequest
+
+    req.sampling_params.structured_outputs = StructuredOutputsParams(regex="[ab]+")
+    req.structured_output_request = StructuredOutputRequest.from_sampling_params(req.sampling_params)
+    req.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+
 class Pair:
     """vLLM's scheduler (``a``) and kvsched's (``b``) under identical calls."""
 
@@ -181,6 +199,11 @@ class Pair:
         # (vllm SchedulerOutput, kvsched SchedulerOutput, ids whose step is a partial prefill)
         self.in_flight: list[tuple[Any, Any, set[str]]] = []
         self.steps = 0
+        # Structured-output requests whose grammar is still compiling: (vLLM's request, kvsched's request).
+        self.compiling: list[tuple[Any, Any]] = []
+        for sched in (self.a, self.b):
+            # The sampled tokens are random: the grammar accepts whatever it is given (no real compiler here).
+            sched.structured_output_manager.accept_tokens = lambda request, tokens: True
 
     # ---- operations ------------------------------------------------------------------------------------
 
@@ -216,9 +239,25 @@ class Pair:
             "prompt_logprobs": 1 if rng.random() < 0.1 else None,
         }
         self.clock += 1.0
-        self.a.add_request(make_request(rid, prompt, **kwargs))
-        self.b.add_request(make_request(rid, prompt, **kwargs))
+        ra, rb = make_request(rid, prompt, **kwargs), make_request(rid, prompt, **kwargs)
+        if rng.random() < 0.15:
+            # A structured-output request whose grammar is still compiling, as vLLM's engine core adds it.
+            for req in (ra, rb):
+                _wait_for_grammar(req)
+            self.compiling.append((ra, rb))
+        self.a.add_request(ra)
+        self.b.add_request(rb)
         self.check_state(f"add_request({rid})")
+
+    def grammar_ready(self, everything: bool = False) -> None:
+        """The grammar of one (or every) compiling request is ready: vLLM's StructuredOutputManager sets it on
+        the request between steps; each scheduler sees it at its next schedule()."""
+        while self.compiling:
+            ra, rb = self.compiling.pop(self.rng.randrange(len(self.compiling)))
+            for req in (ra, rb):
+                req.structured_output_request.grammar = _ReadyGrammar()
+            if not everything:
+                break
 
     def abort_random(self) -> None:
         live = sorted(self.a.requests)
@@ -366,6 +405,8 @@ class Pair:
                 self.pause_or_resume()
             if rng.random() < 0.02:
                 self.reset_prefix_cache()
+            if self.compiling and rng.random() < 0.25:
+                self.grammar_ready()
             self.schedule()
             if self.cfg.async_scheduling:
                 # vLLM's batch queue: step N+1 is scheduled before step N's output is applied.
@@ -377,6 +418,7 @@ class Pair:
                 self.add_random_request()
         while self.in_flight:
             self.update_oldest()
+        self.grammar_ready(everything=True)
         # Unpause and drain: every request finishes on both sides, and every block comes back.
         from vllm.v1.core.sched.interface import PauseState
 

@@ -114,6 +114,10 @@ class SchedulerConfig:
     max_num_active_seqs: int | None = None
     long_prefill_token_threshold_adaptive: bool = False
     prefill_schedule_interval: int = 1
+    # True: a request waiting for its grammar is parked out of `waiting` and queued at its front, in the order
+    # added, once ready (newer vLLM). False: it keeps its place in `waiting` and is skipped by each admission
+    # pass that reaches it (vLLM 0.33, used by kvsched.vllm).
+    park_grammar_waits: bool = True
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -136,6 +140,7 @@ class SchedulerConfig:
             "enable_chunked_prefill",
             "scheduler_reserve_full_isl",
             "async_scheduling",
+            "park_grammar_waits",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -891,7 +891,8 @@ class ReferenceScheduler:
         if not ready:  # vLLM enqueues a request in a blocked status straight into deferred_waiting
             r.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
             r.deferred = True
-            r.parked = True  # in no queue until set_ready
+            # In no queue until set_ready, or (vLLM 0.33) in `waiting`, skipped by admission passes that reach it.
+            r.parked = c.park_grammar_waits
         self._update_block_hashes(r)
         self._requests[req_id] = r
         if not r.parked:

@@ -147,6 +147,8 @@ def kvsched_config_from_vllm(
     fields["prefill_schedule_interval"] = (
         int(sched.prefill_schedule_interval) if parallel.data_parallel_size == 1 else 1
     )
+    # vLLM 0.33 keeps a request waiting for its grammar in `waiting` (skipped where the admission pass reaches it).
+    fields["park_grammar_waits"] = False
     # vLLM's engine has no swap path (its runner never copies KV to a CPU pool): preemption recomputes.
     fields["preemption_mode"] = "recompute"
     if vllm_config.lora_config is not None:

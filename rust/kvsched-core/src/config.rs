@@ -160,6 +160,11 @@ pub struct SchedulerConfig {
     pub swap_cost_per_block: f64,
     /// KV connector: what a failed asynchronous load does to its request.
     pub kv_load_failure_policy: KvLoadFailurePolicy,
+    /// Where a request waiting for its structured-output grammar waits. `true` (the newer vLLM rule): parked
+    /// out of `waiting` until `set_ready`, then queued at the front of `waiting` in the order added. `false`
+    /// (vLLM 0.33): it stays in `waiting` at its place; an admission pass that reaches it while blocked skips
+    /// it and puts it back at the front, in order, at the end of the step.
+    pub park_grammar_waits: bool,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -227,6 +232,7 @@ impl Default for SchedulerConfig {
             recompute_cost_per_token: 1.0,
             swap_cost_per_block: 1.0,
             kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
+            park_grammar_waits: true,
         }
     }
 }

@@ -306,12 +306,13 @@ impl Scheduler {
             add_seq: self.next_add_seq,
             kv_load_done: false,
             kv_load_failed: false,
-            // A request waiting for its grammar is parked (in no queue) until `set_ready`.
-            parked: params.waiting_for_grammar,
+            // A request waiting for its grammar is parked (in no queue) until `set_ready`, unless the config
+            // keeps it in `waiting` (vLLM 0.33's rule: skipped by each admission pass that reaches it).
+            parked: params.waiting_for_grammar && self.config.park_grammar_waits,
         };
         self.next_add_seq += 1;
         self.num_deferred += usize::from(params.waiting_for_grammar);
-        self.num_parked += usize::from(params.waiting_for_grammar);
+        self.num_parked += usize::from(req.parked);
         self.kv.extend_hashes(&mut req);
         let key = Self::priority_key(&req);
         let parked = req.parked;

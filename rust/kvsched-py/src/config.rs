@@ -92,5 +92,6 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         },
         long_prefill_token_threshold_adaptive: bool_field("long_prefill_token_threshold_adaptive")?,
         prefill_schedule_interval: u32_field("prefill_schedule_interval")?,
+        park_grammar_waits: bool_field("park_grammar_waits")?,
     })
 }
