@@ -168,6 +168,9 @@ class _ReadyGrammar:
     def is_terminated(self) -> bool:
         return False
 
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return tokens  # every draft is valid
+
 
 def _wait_for_grammar(req: Any) -> None:
     """Make ``req`` a structured-output request whose grammar is not compiled yet."""
