@@ -55,6 +55,19 @@ fn borrow<'py>(slf: &Bound<'py, PyScheduler>) -> PyResult<PyRef<'py, PyScheduler
     })
 }
 
+/// A request's block ids (GPU or CPU, as `blocks` picks them) as a new int32 array; unknown ids raise.
+fn block_id_array<'py>(
+    slf: &Bound<'py, PyScheduler>,
+    req_id: &Bound<'py, PyAny>,
+    blocks: impl for<'a> FnOnce(&'a core::Scheduler, &str) -> core::Result<&'a [u32]>,
+) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let py = slf.py();
+    let id = id_arg(req_id, "UnknownRequestError")?;
+    let this = borrow(slf)?;
+    let ids: Vec<i32> = guard(py, || Ok(blocks(&this.core, &id)?.iter().map(|&b| b as i32).collect()))?;
+    Ok(ids.into_pyarray(py))
+}
+
 fn warn_preempted(py: Python<'_>, num: usize, total: u64) -> PyResult<()> {
     py.import("kvsched.scheduler")?.getattr("_on_preemption")?.call1((num, total))?;
     Ok(())
@@ -489,14 +502,7 @@ impl PyScheduler {
         slf: &Bound<'py, Self>,
         req_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let py = slf.py();
-        let id = id_arg(req_id, "UnknownRequestError")?;
-        let this = borrow(slf)?;
-        let blocks: Vec<i32> = guard(py, || Ok(this.core.get_request(&id)?.blocks.clone()))?
-            .into_iter()
-            .map(|b| b as i32)
-            .collect();
-        Ok(blocks.into_pyarray(py))
+        block_id_array(slf, req_id, |core, id| Ok(&core.get_request(id)?.blocks))
     }
 
     fn get_block_hashes<'py>(
@@ -728,13 +734,7 @@ impl PyScheduler {
         slf: &Bound<'py, Self>,
         req_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let py = slf.py();
-        let id = id_arg(req_id, "UnknownRequestError")?;
-        let this = borrow(slf)?;
-        let blocks = guard(py, || {
-            Ok(this.core.get_cpu_block_ids(&id)?.iter().map(|&b| b as i32).collect::<Vec<i32>>())
-        })?;
-        Ok(blocks.into_pyarray(py))
+        block_id_array(slf, req_id, |core, id| core.get_cpu_block_ids(id))
     }
 
     /// Leading blocks of the request that are entered in the prefix cache.
