@@ -224,8 +224,12 @@ class Pair:
         if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
             # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
             # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
-            # kvsched does not pad it (docs/semantics.md). Requests are drawn clear of that end.
-            capacity -= 2 * (cfg.num_speculative_tokens + 1)
+            # kvsched does not pad it (docs/semantics.md). With async scheduling, a step in flight adds up to
+            # 1 + k placeholders on top: a request may then ask for up to longest + 3k + 1 slots, where vLLM
+            # preempts it (no 16th block) and kvsched caps its slots at the cache (docs/semantics.md, "Requests
+            # that could never fit"). Requests are drawn clear of that end.
+            k = cfg.num_speculative_tokens
+            capacity -= (3 if cfg.async_scheduling else 2) * (k + 1)
         prompt = prompt[:capacity]
         max_tokens = max(1, min(max_tokens, capacity + 1 - len(prompt)))
         kwargs: dict[str, Any] = {
