@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,52 @@ def rust_available() -> bool:
 
 
 requires_rust = pytest.mark.skipif(not rust_available(), reason="kvsched._core is not built")
+
+
+def default_scheduler_cls() -> Any:
+    """The Rust scheduler when its extension is built, else the pure-Python reference (same semantics)."""
+    if rust_available():
+        from kvsched import Scheduler
+
+        return Scheduler
+    from kvsched.reference import ReferenceScheduler
+
+    return ReferenceScheduler
+
+
+def all_scheduler_classes() -> list[Any]:
+    """Every implementation present (the Rust core when built, and the reference), in a stable order."""
+    from kvsched.reference import ReferenceScheduler
+
+    return sorted({default_scheduler_cls(), ReferenceScheduler}, key=lambda c: c.__name__)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A tiny random-weight Llama saved once per test session (engine tests): its directory and the HF model."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvsched.runner.testing import save_tiny_hf_model
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return path, save_tiny_hf_model(path, "llama")
+
+
+def hf_greedy(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Transformers' greedy ``generate`` continuation of each prompt, one at a time (no padding)."""
+    import torch
+
+    outs = []
+    for p in prompts:
+        with torch.no_grad():
+            seq = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+        outs.append(seq[0, len(p) :].tolist())
+    return outs
 
 
 def entry_sizes(sched: Any, out: Any, prompt_lens: dict[str, int]) -> list[int | None]:

@@ -14,23 +14,11 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 pytest.importorskip("transformers")
 
+from conftest import all_scheduler_classes, default_scheduler_cls, hf_greedy  # noqa: E402
 from kvsched.engine import LLM, SamplingParams  # noqa: E402
-from kvsched.reference import ReferenceScheduler  # noqa: E402
-from kvsched.runner.testing import save_tiny_hf_model  # noqa: E402
 
-
-def _default_scheduler_cls() -> Any:
-    """The Rust scheduler when its extension is built, else the pure-Python reference (same semantics)."""
-    try:
-        from kvsched import Scheduler
-
-        return Scheduler
-    except ImportError:
-        return ReferenceScheduler
-
-
-SCHEDULER_CLS = _default_scheduler_cls()
-SCHEDULERS = sorted({SCHEDULER_CLS, ReferenceScheduler}, key=lambda c: c.__name__)
+SCHEDULER_CLS = default_scheduler_cls()
+SCHEDULERS = all_scheduler_classes()
 NUM_BLOCKS = 64
 MAX_TOKENS = 6
 
@@ -55,26 +43,6 @@ def fail_on_steps(llm: LLM, steps: set[int] | Callable[[Any], bool]) -> list[lis
 
     llm.runner.execute = flaky  # type: ignore[method-assign]
     return failed
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    path = tmp_path_factory.mktemp("tiny_llama_faults")
-    return path, save_tiny_hf_model(path, "llama")
-
-
-def _hf_greedy(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    outs = []
-    for p in prompts:
-        with torch.no_grad():
-            seq = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-            )
-        outs.append(seq[0, len(p) :].tolist())
-    return outs
 
 
 def _prompts() -> list[list[int]]:
@@ -111,7 +79,7 @@ def test_a_runner_fault_ends_its_step_with_an_error_and_the_rest_goes_on(
 ) -> None:
     path, hf = tiny_llama
     prompts = _prompts()
-    expected = _hf_greedy(hf, prompts, MAX_TOKENS)
+    expected = hf_greedy(hf, prompts, MAX_TOKENS)
     llm = _llm(path, scheduler_cls, async_scheduling)
     failed_steps = fail_on_steps(llm, {fail_step})
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
@@ -140,7 +108,7 @@ def test_a_runner_fault_ends_its_step_with_an_error_and_the_rest_goes_on(
     # they are recomputed (or hit only blocks computed by successful steps) and give transformers' tokens.
     retry = [p for p, o in zip(prompts, outs, strict=True) if o.request_id in failed]
     again = llm.generate(retry, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
-    assert [o.output_token_ids for o in again] == _hf_greedy(hf, retry, MAX_TOKENS)
+    assert [o.output_token_ids for o in again] == hf_greedy(hf, retry, MAX_TOKENS)
     sched.check_invariants()
     assert sched.num_free_blocks == NUM_BLOCKS - 1
 
@@ -210,7 +178,7 @@ def test_a_fault_with_swaps_in_flight(tiny_llama: tuple[Path, Any], scheduler_cl
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
     assert len(failed_steps) == 1, "no step had a swap to fail"
     failed = set(failed_steps[0])
-    expected = _hf_greedy(hf, prompts, 12)
+    expected = hf_greedy(hf, prompts, 12)
     for o, want in zip(outs, expected, strict=True):
         if o.request_id in failed:
             assert o.finish_reason == "error"

@@ -3,7 +3,6 @@ chunked prefill, mixed prefill+decode steps and preemption."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -14,26 +13,13 @@ torch = pytest.importorskip("torch")
 torch.set_num_threads(1)  # tiny models: intra-op threads only add overhead on small CI machines
 transformers = pytest.importorskip("transformers")
 
+from conftest import all_scheduler_classes, default_scheduler_cls, hf_greedy  # noqa: E402
 from kvsched.engine import LLM, SamplingParams  # noqa: E402
-from kvsched.reference import ReferenceScheduler  # noqa: E402
 from kvsched.runner.testing import save_tiny_hf_model  # noqa: E402
 
-
-def _default_scheduler_cls() -> Any:
-    """The Rust scheduler when its extension is built, else the pure-Python reference (same semantics)."""
-    try:
-        if importlib.util.find_spec("kvsched._core") is not None:
-            from kvsched import Scheduler
-
-            return Scheduler
-    except ImportError:
-        pass
-    return ReferenceScheduler
-
-
-SCHEDULER_CLS = _default_scheduler_cls()
+SCHEDULER_CLS = default_scheduler_cls()
 # Parity tests run on every implementation present: the Rust core (when built) and the reference.
-ALL_SCHEDULERS = sorted({SCHEDULER_CLS, ReferenceScheduler}, key=lambda c: c.__name__)
+ALL_SCHEDULERS = all_scheduler_classes()
 
 
 class RecordingScheduler:
@@ -69,26 +55,6 @@ def _prompts(seed: int) -> list[list[int]]:
     ]
 
 
-def _hf_greedy(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    outs = []
-    for p in prompts:
-        with torch.no_grad():
-            seq = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-            )
-        outs.append(seq[0, len(p) :].tolist())
-    return outs
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    path = tmp_path_factory.mktemp("tiny_llama")
-    return path, save_tiny_hf_model(path, "llama")
-
-
 @pytest.mark.parametrize("scheduler_cls", ALL_SCHEDULERS, ids=lambda c: c.__name__)
 def test_greedy_matches_transformers_with_prefix_hits_chunking_and_mixed_steps(
     tiny_llama: tuple[Path, Any], scheduler_cls: Any
@@ -105,7 +71,7 @@ def test_greedy_matches_transformers_with_prefix_hits_chunking_and_mixed_steps(
         scheduler_cls=lambda config: RecordingScheduler(config, scheduler_cls),
     )
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)
-    expected = _hf_greedy(hf, prompts, 10)
+    expected = hf_greedy(hf, prompts, 10)
     assert [o.output_token_ids for o in outs] == expected
     assert [o.prompt_token_ids for o in outs] == prompts
     stats = llm.scheduler.stats()
@@ -140,7 +106,7 @@ def test_greedy_matches_transformers_under_preemption(tiny_llama: tuple[Path, An
     )
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
     assert llm.scheduler.stats().num_preemptions > 0
-    assert [o.output_token_ids for o in outs] == _hf_greedy(hf, prompts, 12)
+    assert [o.output_token_ids for o in outs] == hf_greedy(hf, prompts, 12)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
@@ -178,7 +144,7 @@ def test_greedy_matches_transformers_under_each_preemption_mode(
     else:
         assert st.num_swapped_out_reqs > 0 and st.num_swapped_in_blocks > 0, st
         assert st.num_free_cpu_blocks == 64
-    assert [o.output_token_ids for o in outs] == _hf_greedy(hf, prompts, 12)
+    assert [o.output_token_ids for o in outs] == hf_greedy(hf, prompts, 12)
 
 
 def test_auto_measures_its_cost_constants_at_start_up(tiny_llama: tuple[Path, Any]) -> None:
@@ -208,7 +174,7 @@ def test_other_model_shapes_match_transformers(tmp_path: Path, kind: str) -> Non
         scheduler_cls=SCHEDULER_CLS,
     )
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
-    assert [o.output_token_ids for o in outs] == _hf_greedy(hf, prompts, 6)
+    assert [o.output_token_ids for o in outs] == hf_greedy(hf, prompts, 6)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama: tuple[Path, Any]) -> None:
@@ -392,7 +358,7 @@ def test_float32_gpu_engine_matches_transformers(tmp_path: Path, backend: str) -
         vocab_size=1000,
     )
     prompts = _prompts(6)
-    expected = _hf_greedy(hf, prompts, 12)
+    expected = hf_greedy(hf, prompts, 12)
     # A small pool and step budget, so the GPU path also sees prefix hits, chunks, mixed steps and preemption.
     llm = LLM(
         tmp_path,
@@ -422,7 +388,7 @@ llm = LLM({path!r}, dtype="float32", device="cpu", block_size=16, num_blocks=14,
 outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
 assert llm.runner.backend.name == "triton"
 assert llm.scheduler.stats().prefix_cache_hits > 0
-assert [o.output_token_ids for o in outs] == _hf_greedy(hf, prompts, 8)
+assert [o.output_token_ids for o in outs] == hf_greedy(hf, prompts, 8)
 print("ok")
 """
 
@@ -482,7 +448,7 @@ DecodeGraphs.__init__(graphs, r.model, r.kv_caches, r.backend, max_batch_size=4,
 r.decode_graphs = graphs
 outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
 assert 4 in graphs.replays, graphs.replays  # three requests padded to a graph of four
-assert [o.output_token_ids for o in outs] == _hf_greedy(hf, prompts, 6)
+assert [o.output_token_ids for o in outs] == hf_greedy(hf, prompts, 6)
 print("ok", graphs.replays)
 """
 
@@ -527,4 +493,4 @@ def test_cuda_graphs_give_the_same_greedy_tokens(tmp_path: Path) -> None:
     graphed = LLM(tmp_path, enable_cuda_graphs=True, **kw)
     assert graphed.runner.decode_graphs is not None
     outs = graphed.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
-    assert [o.output_token_ids for o in outs] == _hf_greedy(hf, prompts, 12)
+    assert [o.output_token_ids for o in outs] == hf_greedy(hf, prompts, 12)

@@ -22,7 +22,6 @@ pytest.importorskip("transformers")
 from conftest import requires_rust  # noqa: E402
 from kvsched import RequestStatus, Scheduler  # noqa: E402
 from kvsched.engine import LLM, SamplingParams  # noqa: E402
-from kvsched.runner.testing import save_tiny_hf_model  # noqa: E402
 
 pytestmark = requires_rust
 
@@ -135,11 +134,9 @@ def run(llm: LLM, on_step: Any = None) -> dict[str, list[int]]:
     return outs
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_llama_kv")
-    save_tiny_hf_model(path, "llama")
-    return path
+@pytest.fixture
+def tiny(tiny_llama: tuple[Path, Any]) -> Path:
+    return tiny_llama[0]
 
 
 def engine(path: Path, conn: Any) -> LLM:
