@@ -237,6 +237,14 @@ def weight(tenant: Any, w: Any) -> Callable[[Ctx], Any]:
     return lambda c: c.s.set_tenant_weight(tenant, w)
 
 
+def prep(**kw: Any) -> Callable[[Ctx], Any]:
+    return lambda c: c.s.prepare_model_inputs(c.pending[-1][0], **kw)
+
+
+def setup_dcp2() -> Ctx:
+    return setup_in_flight(dcp_world_size=2)
+
+
 def costs(recompute: Any, swap: Any) -> Callable[[Ctx], Any]:
     return lambda c: c.s.set_preemption_costs(recompute, swap)
 
@@ -479,6 +487,13 @@ CASES = [
         InvalidOutputError,
         "another scheduler",
     ),
+    # --- prepare_model_inputs(out, dcp_rank=...) under decode context parallelism ------------------------
+    Case("prepare-dcp-rank-too-big", prep(dcp_rank=2), InvalidRequestError, "got 2", setup_dcp2),
+    Case("prepare-dcp-rank-without-dcp", prep(dcp_rank=1), InvalidRequestError, "dcp_world_size=1"),
+    Case("prepare-dcp-rank-negative", prep(dcp_rank=-1), InvalidRequestError, "-1", setup_dcp2),
+    Case("prepare-dcp-rank-str", prep(dcp_rank="0"), SchedulerTypeError, "str", setup_dcp2),
+    Case("prepare-dcp-rank-bool", prep(dcp_rank=True), SchedulerTypeError, "bool", setup_dcp2),
+    Case("prepare-dcp-rank-huge", prep(dcp_rank=2**40), InvalidRequestError, str(2**40), setup_dcp2),
     # --- unknown ids and abort ---------------------------------------------------------------------------
     Case("abort-unknown", lambda c: c.s.abort_requests(["nope"]), UnknownRequestError, "nope"),
     Case(
@@ -609,6 +624,22 @@ CASES = [
     Case("core-kv-load-failure-policy", new(bypass(kv_load_failure_policy="retry")), InvalidConfigError, "retry"),
     # --- configs (the Python checks) ---------------------------------------------------------------------
     Case("config-block-size-0", cfg(block_size=0), InvalidConfigError, "got 0"),
+    Case("config-dcp-0", cfg(dcp_world_size=0), InvalidConfigError, "got 0"),
+    Case("config-dcp-3", cfg(dcp_world_size=3), InvalidConfigError, "power of two, got 3"),
+    Case("config-dcp-too-big", cfg(dcp_world_size=2048), InvalidConfigError, "2048"),
+    Case("config-dcp-str", cfg(dcp_world_size="2"), InvalidConfigError, "'2'"),
+    Case("config-dcp-bool", cfg(dcp_world_size=True), InvalidConfigError, "True"),
+    Case("config-pcp-0", cfg(pcp_world_size=0), InvalidConfigError, "got 0"),
+    Case("config-pcp-float", cfg(pcp_world_size=2.0), InvalidConfigError, "2.0"),
+    Case("config-dcp-not-multiple-of-pcp", cfg(dcp_world_size=4, pcp_world_size=3), InvalidConfigError, "multiple"),
+    Case(
+        "config-dcp-positions-overflow",
+        cfg(num_blocks=2**24, block_size=64, dcp_world_size=4),
+        InvalidConfigError,
+        "int32",
+    ),
+    Case("config-cp-interleave-over-block-size", cfg(cp_kv_cache_interleave_size=8), InvalidConfigError, "[1, 4]"),
+    Case("config-cp-interleave-0", cfg(cp_kv_cache_interleave_size=0), InvalidConfigError, "got 0"),
     Case("config-block-size-not-power-of-two", cfg(block_size=3), InvalidConfigError, "got 3"),
     Case("config-block-size-too-big", cfg(block_size=2048), InvalidConfigError, "2048"),
     Case("config-block-size-str", cfg(block_size="16"), InvalidConfigError, "'16'"),
@@ -679,6 +710,23 @@ CASES = [
     Case("bool-swap-cost-config", cfg(swap_cost_per_block=False), InvalidConfigError, "bool"),
     # --- configs that only the Rust core sees ------------------------------------------------------------
     Case("core-block-size-3", new(bypass(block_size=3)), InvalidConfigError, "got 3"),
+    Case("core-dcp-0", new(bypass(dcp_world_size=0)), InvalidConfigError, "dcp_world_size"),
+    Case("core-dcp-3", new(bypass(dcp_world_size=3)), InvalidConfigError, "power of two"),
+    Case("core-dcp-negative", new(bypass(dcp_world_size=-2)), InvalidConfigError, "dcp_world_size"),
+    Case("core-dcp-str", new(bypass(dcp_world_size="2")), SchedulerTypeError, "str"),
+    Case("core-pcp-0", new(bypass(pcp_world_size=0)), InvalidConfigError, "pcp_world_size"),
+    Case("core-pcp-too-big", new(bypass(pcp_world_size=4096)), InvalidConfigError, "4096"),
+    Case(
+        "core-dcp-not-multiple-of-pcp", new(bypass(dcp_world_size=2, pcp_world_size=4)), InvalidConfigError, "multiple"
+    ),
+    Case("core-cp-interleave-3", new(bypass(cp_kv_cache_interleave_size=3)), InvalidConfigError, "divide"),
+    Case("core-cp-interleave-0", new(bypass(cp_kv_cache_interleave_size=0)), InvalidConfigError, "got 0"),
+    Case(
+        "core-dcp-positions-overflow",
+        new(bypass(num_blocks=2**24, block_size=64, dcp_world_size=4)),
+        InvalidConfigError,
+        "int32 positions",
+    ),
     Case("core-num-blocks-1", new(bypass(num_blocks=1)), InvalidConfigError, "got 1"),
     Case("core-policy", new(bypass(policy="lifo")), InvalidConfigError, "lifo"),
     Case("core-hash-algo", new(bypass(prefix_hash_algo="md5")), InvalidConfigError, "md5"),

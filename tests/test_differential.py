@@ -255,8 +255,9 @@ class Twin:
         return None
 
     def compare_inputs(self, a: Any, b: Any) -> None:
-        ma, mb, failed = call_both(lambda: self.ref.prepare_model_inputs(a),
-                                   lambda: self.rs.prepare_model_inputs(b))  # fmt: skip
+        rank = self.rand.int(0, self.cfg.dcp_world_size - 1)  # the slot mapping is per DCP rank
+        ma, mb, failed = call_both(lambda: self.ref.prepare_model_inputs(a, dcp_rank=rank),
+                                   lambda: self.rs.prepare_model_inputs(b, dcp_rank=rank))  # fmt: skip
         if failed:
             return
         for name in INPUT_FIELDS:
@@ -522,13 +523,18 @@ def ragged(entries: list[list[int]] | None, as_arrays: bool) -> Any:
 @st.composite
 def configs(draw: Any) -> SchedulerConfig:
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 16, 64]))
+    # Context parallelism: a block id covers block_size * dcp tokens; pcp leaves the unit alone.
+    dcp = draw(st.sampled_from([1, 1, 2, 4]))
+    pcp = draw(st.sampled_from([1, 1, 2]))
+    interleave = draw(st.sampled_from(sorted({1, min(2, block_size), block_size})))
+    kv_block = block_size * dcp
     num_blocks = draw(st.one_of(st.integers(2, 24), st.integers(25, 400)))
     # Mostly a pool that holds one request of max_model_len; sometimes a smaller one (add_request then refuses
     # the requests that could never fit, both sides the same way).
     max_model_len = max(2, draw(st.integers(8, 96)))
     if draw(st.integers(0, 3)) != 0:
-        max_model_len = max(2, min(max_model_len, (num_blocks - 1) * block_size))
-        num_blocks = max(num_blocks, -(-max_model_len // block_size) + 1)
+        max_model_len = max(2, min(max_model_len, (num_blocks - 1) * kv_block))
+        num_blocks = max(num_blocks, -(-max_model_len // kv_block) + 1)
     chunked = draw(st.booleans()) if draw(st.integers(0, 3)) == 0 else True
     budget = draw(st.integers(1, 96))
     if not chunked and draw(st.integers(0, 2)) != 0:
@@ -570,6 +576,9 @@ def configs(draw: Any) -> SchedulerConfig:
         long_prefill_token_threshold_adaptive=draw(st.booleans()),
         prefill_schedule_interval=draw(st.sampled_from([1, 1, 2, 4])),
         park_grammar_waits=draw(st.booleans()),
+        dcp_world_size=dcp,
+        pcp_world_size=pcp,
+        cp_kv_cache_interleave_size=interleave,
     )
 
 
@@ -637,6 +646,16 @@ SOAK_CONFIGS = [
                     num_speculative_tokens=3, prefix_hash_seed=3),
 ]  # fmt: skip
 
+# Decode/prefill context parallelism: blocks of block_size * dcp tokens, so prefix hits, preemption and swaps
+# happen in those units; the inputs are compared for a random DCP rank.
+CP_CONFIGS = [
+    SchedulerConfig(block_size=2, num_blocks=14, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
+                    dcp_world_size=2, prefix_hash_seed=4, scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=2, num_blocks=8, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=48,
+                    dcp_world_size=4, pcp_world_size=2, cp_kv_cache_interleave_size=2, preemption_mode="swap",
+                    num_cpu_blocks=6, prefix_hash_seed=4, num_lookahead_tokens=1),
+]  # fmt: skip
+
 # A KV cache (40 tokens) below max_model_len, and a budget below it without chunked prefill: add_request refuses
 # the requests that could never fit, the rest run as usual.
 SMALL_CACHE_CONFIGS = [
@@ -675,6 +694,10 @@ def soak(steps: int, seed: int, configs: list[SchedulerConfig] = SOAK_CONFIGS, t
 
 def test_soak_short_matches_reference_step_by_step() -> None:
     soak(steps=3000, seed=1234)
+
+
+def test_soak_context_parallel_matches_reference_step_by_step() -> None:
+    soak(steps=800, seed=2468, configs=CP_CONFIGS)
 
 
 def test_soak_small_kv_cache_matches_reference_step_by_step() -> None:

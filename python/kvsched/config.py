@@ -118,6 +118,11 @@ class SchedulerConfig:
     # added, once ready (newer vLLM). False: it keeps its place in `waiting` and is skipped by each admission
     # pass that reaches it (vLLM 0.33, used by kvsched.vllm).
     park_grammar_waits: bool = True
+    # Context parallelism (vLLM's ParallelConfig): DCP shards the KV cache, so a block id covers
+    # block_size * dcp_world_size tokens (kv_block_size); PCP does not change the block unit (vLLM 0.33).
+    dcp_world_size: int = 1
+    pcp_world_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -128,6 +133,7 @@ class SchedulerConfig:
             raise InvalidConfigError(
                 f"num_blocks * block_size must fit in int32 slot ids, got {self.num_blocks} * {self.block_size}"
             )
+        self._check_context_parallel()
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 2)
@@ -167,6 +173,36 @@ class SchedulerConfig:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
             raise InvalidConfigError(f"prefix_hash_seed must be None, an int, a str or bytes, got {seed!r}")
         self._check_policy_fields()
+
+    def _check_context_parallel(self) -> None:
+        """dcp/pcp world sizes and the interleave size (docs/semantics.md, "Context parallelism")."""
+        _check_int("dcp_world_size", self.dcp_world_size, 1, 1024)
+        _check_int("pcp_world_size", self.pcp_world_size, 1, 1024)
+        dcp, pcp = self.dcp_world_size, self.pcp_world_size
+        if dcp & (dcp - 1):
+            raise InvalidConfigError(f"dcp_world_size must be a power of two, got {dcp}")
+        if pcp > 1 and dcp > 1 and dcp % pcp:
+            raise InvalidConfigError(
+                "with pcp_world_size > 1, dcp_world_size must be 1 or a multiple of pcp_world_size (DCP spans the "
+                f"PCP axis), got dcp_world_size={dcp} and pcp_world_size={pcp}"
+            )
+        if self.num_blocks * self.kv_block_size > _I32_MAX:
+            raise InvalidConfigError(
+                "num_blocks * block_size * dcp_world_size must fit in int32 positions, got "
+                f"{self.num_blocks} * {self.block_size} * {dcp}"
+            )
+        _check_int("cp_kv_cache_interleave_size", self.cp_kv_cache_interleave_size, 1, self.block_size)
+        if self.block_size % self.cp_kv_cache_interleave_size:
+            raise InvalidConfigError(
+                f"cp_kv_cache_interleave_size must divide block_size ({self.block_size}), "
+                f"got {self.cp_kv_cache_interleave_size}"
+            )
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens one block id covers: ``block_size`` slots on each of the ``dcp_world_size`` ranks (vLLM's
+        scheduler block size). Allocation, hashing and prefix hits count in these units."""
+        return self.block_size * self.dcp_world_size
 
     @property
     def num_spec_tokens(self) -> int:
@@ -227,7 +263,7 @@ class SchedulerConfig:
     def kv_capacity_tokens(self) -> int:
         """Tokens the whole KV cache holds. It may be below ``max_model_len`` (vLLM's scheduler allows it):
         ``add_request`` then refuses each request that could never fit (docs/semantics.md)."""
-        return self.num_usable_blocks * self.block_size
+        return self.num_usable_blocks * self.kv_block_size
 
     @property
     def max_slots_per_request(self) -> int:
@@ -235,7 +271,7 @@ class SchedulerConfig:
         return min(self.max_model_len, self.kv_capacity_tokens)
 
     def max_blocks_per_request(self) -> int:
-        return math.ceil(self.max_model_len / self.block_size)
+        return math.ceil(self.max_model_len / self.kv_block_size)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -541,6 +541,9 @@ def _is_utf8(s: str) -> bool:
 # ----------------------------------------------------------------------------------------------------------
 
 
+PAD_SLOT_ID = -1  # vLLM's padding slot: this token's K/V is stored on another DCP rank
+
+
 class ReferenceScheduler:
     """Pure-Python twin of :class:`kvsched.Scheduler` (same constructor, methods, results and errors)."""
 
@@ -553,7 +556,8 @@ class ReferenceScheduler:
         elif fields or not isinstance(config, SchedulerConfig):
             raise SchedulerTypeError("pass either a SchedulerConfig or keyword fields, not both")
         self._config = c = config
-        self._bs = c.block_size
+        # Tokens per block id: under DCP a block holds block_size slots on each rank (docs/semantics.md).
+        self._bs = c.kv_block_size
         self._ref_cnt = [0] * c.num_blocks
         self._block_hash: list[bytes | None] = [None] * c.num_blocks
         self._free = _FreeBlockQueue(c.num_blocks)
@@ -860,7 +864,7 @@ class ReferenceScheduler:
         if longest > c.kv_capacity_tokens:
             raise InvalidRequestError(
                 f"prompt ({len(prompt)}) + max_tokens ({effective_max}) - 1 = {longest} tokens do not fit the KV "
-                f"cache ({c.num_usable_blocks} usable blocks of {c.block_size} tokens = {c.kv_capacity_tokens})"
+                f"cache ({c.num_usable_blocks} usable blocks of {c.kv_block_size} tokens = {c.kv_capacity_tokens})"
             )
         if not c.enable_chunked_prefill and longest > c.max_num_batched_tokens:
             raise InvalidRequestError(
@@ -1730,12 +1734,19 @@ class ReferenceScheduler:
 
     # -- model inputs ------------------------------------------------------------------------------------
 
-    def prepare_model_inputs(self, out: SchedulerOutput) -> ModelInputs:
-        """Flat runner inputs for the most recent step, valid until the scheduler next changes."""
+    def prepare_model_inputs(self, out: SchedulerOutput, *, dcp_rank: int | None = None) -> ModelInputs:
+        """Flat runner inputs for the most recent step, valid until the scheduler next changes, as DCP rank
+        ``dcp_rank`` (None: 0) sees them (only ``slot_mapping`` differs between ranks)."""
+        c = self._config
+        dcp_rank = 0 if dcp_rank is None else dcp_rank
+        if isinstance(dcp_rank, bool) or not isinstance(dcp_rank, int):
+            raise SchedulerTypeError(f"dcp_rank must be an int, got {type(dcp_rank).__name__}")
+        if not 0 <= dcp_rank < c.dcp_world_size:
+            raise InvalidRequestError(f"dcp_rank must be in [0, dcp_world_size={c.dcp_world_size}), got {dcp_rank}")
         out = self._check_output(out)
         if out is not self._last_out or not self._last_out_fresh:
             raise InvalidOutputError("prepare_model_inputs needs the latest output, before other changes")
-        bs = self._bs
+        bs, rank_bs, dcp, inter = self._bs, c.block_size, c.dcp_world_size, c.cp_kv_cache_interleave_size
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -1756,7 +1767,12 @@ class ReferenceScheduler:
                 else:
                     raise InvalidOutputError(f"{r.req_id!r}: token at position {pos} is not known yet")
                 positions.append(pos)
-                slots.append(r.block_ids[pos // bs] * bs + pos % bs)
+                # vLLM's worker slot mapping: a block's tokens are dealt to the DCP ranks in runs of `inter`.
+                off = pos % bs
+                if (off // inter) % dcp == dcp_rank:
+                    slots.append(r.block_ids[pos // bs] * rank_bs + off // (dcp * inter) * inter + off % inter)
+                else:
+                    slots.append(PAD_SLOT_ID)
             seq_lens.append(end)
             tables.append(r.block_ids)
         num_reqs = len(tables)

@@ -165,6 +165,18 @@ pub struct SchedulerConfig {
     /// (vLLM 0.33): it stays in `waiting` at its place; an admission pass that reaches it while blocked skips
     /// it and puts it back at the front, in order, at the end of the step.
     pub park_grammar_waits: bool,
+    /// Decode context parallelism (vLLM's `decode_context_parallel_size`): the KV cache is sharded over this
+    /// many ranks, so one block id names `block_size` slots on each of them and covers
+    /// `block_size * dcp_world_size` tokens (`kv_block_size`). A power of two in [1, 1024].
+    pub dcp_world_size: u32,
+    /// Prefill context parallelism (vLLM's `prefill_context_parallel_size`): prefill tokens are split over this
+    /// many ranks, which replicate the KV cache (or share it through DCP spanning them). It does not change the
+    /// scheduler's block unit (vLLM 0.33 builds its KV cache manager with `pcp_world_size=1`). In [1, 1024];
+    /// with both > 1, `dcp_world_size` must be a multiple of it (vLLM: DCP spans the PCP axis or TP x PCP).
+    pub pcp_world_size: u32,
+    /// vLLM's `cp_kv_cache_interleave_size`: consecutive tokens stored on one DCP rank before the next rank's
+    /// turn; divides `block_size`. Used only by the rank-local slot mapping (`prepare_model_inputs`).
+    pub cp_kv_cache_interleave_size: u32,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -233,6 +245,9 @@ impl Default for SchedulerConfig {
             swap_cost_per_block: 1.0,
             kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
             park_grammar_waits: true,
+            dcp_world_size: 1,
+            pcp_world_size: 1,
+            cp_kv_cache_interleave_size: 1,
         }
     }
 }
@@ -269,6 +284,7 @@ impl SchedulerConfig {
                 self.num_blocks, self.block_size
             )));
         }
+        self.validate_context_parallel()?;
         check_range("max_num_seqs", self.max_num_seqs, 1, I32_MAX)?;
         check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, I32_MAX)?;
         check_range("max_model_len", self.max_model_len, 2, I32_MAX)?;
@@ -292,6 +308,51 @@ impl SchedulerConfig {
             )));
         }
         self.validate_policy_fields()
+    }
+
+    /// The context-parallel world sizes (vLLM's `ParallelConfig` rules) and the interleave size.
+    fn validate_context_parallel(&self) -> Result<()> {
+        check_range("dcp_world_size", self.dcp_world_size, 1, 1024)?;
+        check_range("pcp_world_size", self.pcp_world_size, 1, 1024)?;
+        if !self.dcp_world_size.is_power_of_two() {
+            // Block arithmetic on the hot path uses shifts by log2(kv_block_size).
+            return Err(SchedError::InvalidConfig(format!(
+                "dcp_world_size must be a power of two, got {}",
+                self.dcp_world_size
+            )));
+        }
+        if self.pcp_world_size > 1
+            && self.dcp_world_size > 1
+            && self.dcp_world_size % self.pcp_world_size != 0
+        {
+            return Err(SchedError::InvalidConfig(format!(
+                "with pcp_world_size > 1, dcp_world_size must be 1 or a multiple of pcp_world_size (DCP spans the \
+                 PCP axis), got dcp_world_size={} and pcp_world_size={}",
+                self.dcp_world_size, self.pcp_world_size
+            )));
+        }
+        let tokens = u64::from(self.num_blocks) * u64::from(self.kv_block_size());
+        if tokens > I32_MAX {
+            return Err(SchedError::InvalidConfig(format!(
+                "num_blocks * block_size * dcp_world_size must fit in int32 positions, got {} * {} * {}",
+                self.num_blocks, self.block_size, self.dcp_world_size
+            )));
+        }
+        let interleave = self.cp_kv_cache_interleave_size;
+        check_range("cp_kv_cache_interleave_size", interleave, 1, u64::from(self.block_size))?;
+        if self.block_size % interleave != 0 {
+            return Err(SchedError::InvalidConfig(format!(
+                "cp_kv_cache_interleave_size must divide block_size ({}), got {interleave}",
+                self.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Tokens one block id covers: `block_size` on each of the `dcp_world_size` ranks (vLLM's scheduler block
+    /// size). Allocation, hashing and prefix hits count in these units.
+    pub fn kv_block_size(&self) -> u32 {
+        self.block_size * self.dcp_world_size
     }
 
     /// The admission-window, fairness and aging fields (see `admission.rs` and `fair.rs`).
@@ -351,12 +412,12 @@ impl SchedulerConfig {
         self.num_blocks - 1
     }
 
-    /// Tokens the whole KV cache holds (`(num_blocks - 1) * block_size`; fits in u32: `validate` bounds
-    /// `num_blocks * block_size` by i32::MAX). The cache may be smaller than one `max_model_len` request, as
+    /// Tokens the whole KV cache holds (`(num_blocks - 1) * kv_block_size`; fits in u32: `validate` bounds
+    /// `num_blocks * kv_block_size` by i32::MAX). The cache may be smaller than one `max_model_len` request, as
     /// vLLM's scheduler allows: `add_request` then refuses each request that could never fit (see
     /// `Scheduler::add_request`).
     pub fn kv_capacity_tokens(&self) -> u32 {
-        self.num_usable_blocks() * self.block_size
+        self.num_usable_blocks() * self.kv_block_size()
     }
 
     /// The most KV slots a request may ever hold: its positions stop at `max_model_len` and the cache holds
@@ -452,6 +513,17 @@ mod tests {
             SchedulerConfig { num_cpu_blocks: MAX_NUM_BLOCKS + 1, ..Default::default() },
             SchedulerConfig { recompute_cost_per_token: -1.0, ..Default::default() },
             SchedulerConfig { swap_cost_per_block: f64::NAN, ..Default::default() },
+            SchedulerConfig { dcp_world_size: 0, ..Default::default() },
+            SchedulerConfig { dcp_world_size: 3, ..Default::default() },
+            SchedulerConfig { dcp_world_size: 2048, ..Default::default() },
+            SchedulerConfig { pcp_world_size: 0, ..Default::default() },
+            SchedulerConfig { pcp_world_size: 1025, ..Default::default() },
+            SchedulerConfig { dcp_world_size: 2, pcp_world_size: 4, ..Default::default() },
+            SchedulerConfig { dcp_world_size: 4, pcp_world_size: 3, ..Default::default() },
+            SchedulerConfig { num_blocks: 1 << 22, block_size: 256, dcp_world_size: 4, ..Default::default() },
+            SchedulerConfig { cp_kv_cache_interleave_size: 0, ..Default::default() },
+            SchedulerConfig { cp_kv_cache_interleave_size: 32, ..Default::default() },
+            SchedulerConfig { block_size: 16, cp_kv_cache_interleave_size: 3, ..Default::default() },
         ];
         for cfg in bad {
             assert!(matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))), "{cfg:?}");
@@ -475,6 +547,26 @@ mod tests {
         let cfg =
             SchedulerConfig { num_blocks: 11, block_size: 16, max_model_len: 2048, ..Default::default() };
         assert_eq!((cfg.kv_capacity_tokens(), cfg.max_slots_per_request()), (160, 160));
+    }
+
+    #[test]
+    fn context_parallel_block_unit() {
+        // vLLM 0.33: DCP scales the scheduler's block size; PCP does not (KVCacheManager gets pcp_world_size=1).
+        let cfg = SchedulerConfig { block_size: 16, num_blocks: 11, dcp_world_size: 4, ..Default::default() };
+        assert_eq!(cfg.validate(), Ok(()));
+        assert_eq!((cfg.kv_block_size(), cfg.kv_capacity_tokens()), (64, 640));
+        let cfg = SchedulerConfig { dcp_world_size: 2, pcp_world_size: 2, ..Default::default() };
+        assert_eq!(cfg.validate(), Ok(()));
+        assert_eq!(cfg.kv_block_size(), 32);
+        let cfg = SchedulerConfig { pcp_world_size: 3, ..Default::default() };
+        assert_eq!((cfg.validate(), cfg.kv_block_size()), (Ok(()), 16));
+        let cfg = SchedulerConfig {
+            dcp_world_size: 8,
+            pcp_world_size: 4,
+            cp_kv_cache_interleave_size: 16,
+            ..Default::default()
+        };
+        assert_eq!(cfg.validate(), Ok(()));
     }
 
     #[test]

@@ -160,7 +160,7 @@ impl Scheduler {
 
         // Validated: apply.
         self.epoch += 1;
-        let bs = self.config.block_size;
+        let bs = self.config.kv_block_size();
         let fail = self.config.kv_load_failure_policy == KvLoadFailurePolicy::Fail;
         let mut failed: Vec<u32> = Vec::new();
         for id in report.failed_recving {
@@ -247,7 +247,8 @@ impl Scheduler {
     pub(crate) fn hold_for_transfer(&mut self, slot: u32, was_loading: bool) -> Result<bool> {
         let Some(conn) = self.connector.as_mut() else { return Ok(false) };
         let req = self.slab.get_mut(slot)?;
-        let n = (req.num_computed_tokens.div_ceil(self.config.block_size) as usize).min(req.blocks.len());
+        let n =
+            (req.num_computed_tokens.div_ceil(self.config.kv_block_size()) as usize).min(req.blocks.len());
         let awaiting_send = conn.0.request_finished(req, &req.blocks[..n]);
         let awaiting_recv = was_loading;
         if !awaiting_send && !awaiting_recv {

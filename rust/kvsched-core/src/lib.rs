@@ -31,7 +31,7 @@ pub mod free_queue;
 pub mod hashing;
 mod introspect;
 pub mod kv_cache_manager;
-mod model_inputs;
+pub mod model_inputs;
 pub mod output;
 pub mod queue;
 pub mod request;
@@ -53,6 +53,8 @@ pub use update::Ragged;
 
 #[cfg(test)]
 mod connector_tests;
+#[cfg(test)]
+mod cp_tests;
 #[cfg(test)]
 mod policy_tests;
 #[cfg(test)]

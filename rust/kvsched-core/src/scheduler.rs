@@ -118,8 +118,8 @@ impl Scheduler {
         let kv = KvCacheManager {
             pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching),
             hasher,
-            block_size: config.block_size,
-            block_shift: config.block_size.trailing_zeros(),
+            block_size: config.kv_block_size(),
+            block_shift: config.kv_block_size().trailing_zeros(),
             max_slots: config.max_slots_per_request(),
             enable_caching: config.enable_prefix_caching,
             newly_cached: Vec::new(),
@@ -228,7 +228,7 @@ impl Scheduler {
                 "request {req_id:?}: prompt ({prompt_len}) + max_tokens ({max_tokens}) - 1 = {longest} tokens do \
                  not fit the KV cache ({} usable blocks of {} tokens = {capacity}); lower max_tokens",
                 self.config.num_usable_blocks(),
-                self.config.block_size
+                self.config.kv_block_size()
             )));
         }
         let budget = self.config.max_num_batched_tokens;
@@ -574,14 +574,14 @@ impl Scheduler {
         }
         let extra =
             ExtraKeys { cache_salt: cache_salt.map(Into::into), lora_name: lora_name.map(Into::into) };
-        let bs = self.config.block_size as usize;
+        let bs = self.config.kv_block_size() as usize;
         // Hash only as far as a hit can reach.
         let reach = ((tokens.len() - 1) / bs) * bs;
         let mut hashes: Vec<BlockHash> = Vec::new();
         self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra);
         let mut hits = Vec::new();
         self.kv.find_longest_cache_hit(&hashes, tokens.len() as u32, &mut hits);
-        Ok(hits.len() as u32 * self.config.block_size)
+        Ok(hits.len() as u32 * self.config.kv_block_size())
     }
 
     /// vLLM's `reset_prefix_cache(reset_running_requests)`: with `reset_running_requests`, first preempts every
@@ -684,7 +684,7 @@ impl Scheduler {
         if self.ids.len() != self.slab.len() {
             return Err(format!("id map has {} entries, slab {}", self.ids.len(), self.slab.len()));
         }
-        let bs = cfg.block_size;
+        let bs = cfg.kv_block_size();
         for r in self.slab.iter() {
             match self.ids.get(&r.id) {
                 Some(&s) if s == r.handle.slot => {}

@@ -296,7 +296,7 @@ impl Scheduler {
         defer_prefills: bool,
     ) -> Result<bool> {
         let mut prefill_admitted = false;
-        let bs = self.config.block_size;
+        let bs = self.config.kv_block_size();
         let max_model_len = self.config.max_model_len;
         let lookahead = self.config.num_lookahead_tokens;
         let max_active = self.config.max_active_seqs();

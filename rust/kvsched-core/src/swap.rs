@@ -132,7 +132,7 @@ impl Scheduler {
         let computed = computed_before.unwrap_or(req.num_computed_tokens);
         // The KV worth keeping: computed tokens, never the last known token (its KV is computed next step).
         let saved = computed.min(req.num_tokens().saturating_sub(1));
-        let num_blocks = saved.div_ceil(self.config.block_size) as usize;
+        let num_blocks = saved.div_ceil(self.config.kv_block_size()) as usize;
         let wants_swap = saved > 0
             && req.num_in_flight_tokens == 0
             && match self.config.preemption_mode {
@@ -178,7 +178,7 @@ impl Scheduler {
     fn swap_is_cheaper(&self, req: &Request, saved: u32, num_blocks: usize) -> bool {
         let shared =
             req.blocks.iter().take(num_blocks).filter(|&&b| self.kv.pool.ref_cnt(b) > 1).count() as u32;
-        let uncached = saved.saturating_sub(shared * self.config.block_size);
+        let uncached = saved.saturating_sub(shared * self.config.kv_block_size());
         let swap_cost = self.swap_cost_per_block * (2 * num_blocks) as f64;
         let recompute_cost = self.recompute_cost_per_token * f64::from(uncached);
         swap_cost < recompute_cost
@@ -224,7 +224,7 @@ impl Scheduler {
 
     /// The swap part of `check_invariants`.
     pub(crate) fn check_swap_invariants(&self) -> std::result::Result<(), String> {
-        let bs = self.config.block_size;
+        let bs = self.config.kv_block_size();
         let mut held = vec![0u32; self.cpu.num_blocks() as usize];
         for r in self.slab.iter() {
             if r.cpu_blocks.is_empty() != (r.num_swapped_tokens == 0) {

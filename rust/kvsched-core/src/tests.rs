@@ -838,7 +838,13 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
             ),
             // max_num_active_seqs (0: max_num_seqs, else min(it, max_num_seqs)), the adaptive threshold.
             // ... and the prefill cadence.
-            (prop_oneof![Just(0u32), Just(1), Just(2)], any::<bool>(), prop_oneof![Just(1u32), Just(3)]),
+            // ... and the DCP world size (the block unit is block_size * dcp).
+            (
+                prop_oneof![Just(0u32), Just(1), Just(2)],
+                any::<bool>(),
+                prop_oneof![Just(1u32), Just(3)],
+                prop_oneof![3 => Just(1u32), 1 => Just(2), 1 => Just(4)],
+            ),
         ),
     )
         .prop_map(
@@ -853,9 +859,9 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 mode,
                 la,
                 full_isl,
-                (asy, loras, wm, (pm, cpu, cost, big_len), (active, adaptive, interval)),
+                (asy, loras, wm, (pm, cpu, cost, big_len), (active, adaptive, interval, dcp)),
             )| {
-                let max_model_len = if big_len { 200 } else { ((nb - 1) * bs).min(200) };
+                let max_model_len = if big_len { 200 } else { ((nb - 1) * bs * dcp).min(200) };
                 SchedulerConfig {
                     block_size: bs,
                     num_blocks: nb,
@@ -891,6 +897,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                         [pm as usize],
                     num_cpu_blocks: cpu,
                     swap_cost_per_block: cost,
+                    dcp_world_size: dcp,
                     ..Default::default()
                 }
             },

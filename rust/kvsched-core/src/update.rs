@@ -153,7 +153,7 @@ impl Scheduler {
         };
         self.epoch += 1;
         let max_model_len = self.config.max_model_len;
-        let block_mask = self.config.block_size as usize - 1;
+        let block_mask = self.config.kv_block_size() as usize - 1;
         let spec_decoding = self.config.num_spec_tokens() > 0;
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);

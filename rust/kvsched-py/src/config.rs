@@ -93,5 +93,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         long_prefill_token_threshold_adaptive: bool_field("long_prefill_token_threshold_adaptive")?,
         prefill_schedule_interval: u32_field("prefill_schedule_interval")?,
         park_grammar_waits: bool_field("park_grammar_waits")?,
+        dcp_world_size: u32_field("dcp_world_size")?,
+        pcp_world_size: u32_field("pcp_world_size")?,
+        cp_kv_cache_interleave_size: u32_field("cp_kv_cache_interleave_size")?,
     })
 }

@@ -398,11 +398,26 @@ impl PyScheduler {
         })
     }
 
-    fn prepare_model_inputs(slf: &Bound<'_, Self>, out: &Bound<'_, PyAny>) -> PyResult<PyModelInputs> {
+    #[pyo3(signature = (out, *, dcp_rank=None))]
+    fn prepare_model_inputs(
+        slf: &Bound<'_, Self>,
+        out: &Bound<'_, PyAny>,
+        dcp_rank: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyModelInputs> {
         let py = slf.py();
+        let dcp_rank = match opt_int_arg(dcp_rank, "dcp_rank", "InvalidRequestError")? {
+            None => 0,
+            Some(r) => u32::try_from(r).map_err(|_| {
+                py_error(
+                    py,
+                    "InvalidRequestError",
+                    format!("dcp_rank must be in [0, dcp_world_size), got {r}"),
+                )
+            })?,
+        };
         let (scheduler_id, step_id) = step_key(py, out)?;
         let this = borrow(slf)?;
-        let mi = guard(py, || this.core.prepare_model_inputs(scheduler_id, step_id))?;
+        let mi = guard(py, || this.core.prepare_model_inputs_for_rank(scheduler_id, step_id, dcp_rank))?;
         drop(this);
         let n = mi.seq_lens.len();
         let num_tokens = mi.input_token_ids.len();
