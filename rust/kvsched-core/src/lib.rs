@@ -25,6 +25,7 @@ mod admission;
 pub mod block_pool;
 pub mod config;
 pub mod connector;
+pub mod encoder;
 pub mod error;
 pub mod fair;
 pub mod free_queue;
