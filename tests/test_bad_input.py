@@ -152,6 +152,29 @@ def kv(**report: Any) -> Callable[[Ctx], Any]:
     return lambda c: c.s.update_kv_transfers(**report)
 
 
+def setup_encoder() -> Ctx:
+    """setup_in_flight with an encoder budget of 8 tokens and an encoder cache of 12."""
+    return setup_in_flight(max_num_encoder_input_tokens=8, encoder_cache_size=12)
+
+
+def add_enc(inputs: Any, prompt_len: int = 20) -> Callable[[Ctx], Any]:
+    return lambda c: c.s.add_request("x", list(range(prompt_len)), encoder_inputs=inputs)
+
+
+def setup_encoder_held() -> Ctx:
+    """setup_encoder, then the encoder input of "enc" (hash 5, 8 tokens) is cached and referenced."""
+    ctx = setup_encoder()
+    s = ctx.s
+    out, ans = ctx.pending.pop()
+    s.update_from_output(out, ans)
+    s.abort_requests(["chunk", "wait"])  # room for "enc" (max_num_seqs=2)
+    s.add_request("enc", list(range(12)), max_tokens=5, encoder_inputs=[(2, 8, 5)])
+    out = s.schedule()
+    assert out.scheduled_encoder_inputs.tolist() == [0]
+    ctx.pending.append((out, answer(s, out)))
+    return ctx
+
+
 def setup_spec() -> Ctx:
     """n-gram style speculative decoding: 2 drafts per step, no lookahead slots."""
     return setup_in_flight(num_speculative_tokens=2)
@@ -305,6 +328,43 @@ CASES = [
     Case("min-over-max-tokens", add(min_tokens=5, max_tokens=3), InvalidRequestError, "min_tokens=5"),
     Case("throttle-int", lambda c: c.s.schedule(throttle_prefills=1), SchedulerTypeError, "int"),
     Case("skip-prefix-cache-int", add(skip_reading_prefix_cache=1), SchedulerTypeError, "int"),
+    # --- encoder inputs ----------------------------------------------------------------------------------
+    Case("encoder-without-cache", add_enc([(0, 4, 1)]), InvalidRequestError, "encoder_cache_size"),
+    Case("encoder-empty-input", add_enc([(0, 0, 1)]), InvalidRequestError, "no tokens", setup_encoder),
+    Case("encoder-beyond-prompt", add_enc([(16, 5, 1)]), InvalidRequestError, "beyond the prompt", setup_encoder),
+    Case("encoder-overlap", add_enc([(0, 4, 1), (3, 4, 2)]), InvalidRequestError, "overlap", setup_encoder),
+    Case("encoder-unsorted", add_enc([(8, 2, 1), (0, 2, 2)]), InvalidRequestError, "sorted", setup_encoder),
+    Case("encoder-over-budget", add_enc([(0, 9, 1)]), InvalidRequestError, "9 tokens", setup_encoder),
+    Case(
+        "encoder-over-cache",
+        add_enc([(0, 9, 1)]),
+        InvalidRequestError,
+        "encoder_cache_size=8",
+        lambda: setup_in_flight(max_num_encoder_input_tokens=16, encoder_cache_size=8),
+    ),
+    Case(
+        "encoder-unchunked-over-chunk",
+        add_enc([(0, 17, 1)]),
+        InvalidRequestError,
+        "disable_chunked_mm_input",
+        lambda: setup_in_flight(max_num_encoder_input_tokens=20, encoder_cache_size=20, disable_chunked_mm_input=True),
+    ),
+    Case("encoder-same-hash-two-sizes", add_enc([(0, 2, 1), (4, 3, 1)]), InvalidRequestError, "hash 1", setup_encoder),
+    Case("encoder-hash-cached-other-size", add_enc([(0, 3, 5)]), InvalidRequestError, "hash 5", setup_encoder_held),
+    Case("encoder-negative-start", add_enc([(-1, 2, 1)]), InvalidRequestError, "-1", setup_encoder),
+    Case("encoder-negative-hash", add_enc([(0, 2, -1)]), InvalidRequestError, "-1", setup_encoder),
+    Case("encoder-hash-2**64", add_enc([(0, 2, 2**64)]), InvalidRequestError, "18446744073709551616", setup_encoder),
+    Case("encoder-float-hash", add_enc([(0, 2, 1.0)]), SchedulerTypeError, "float", setup_encoder),
+    Case("encoder-bool-start", add_enc([(True, 2, 1)]), SchedulerTypeError, "bool", setup_encoder),
+    Case("encoder-pair", add_enc([(0, 2)]), SchedulerTypeError, "triple", setup_encoder),
+    Case("encoder-not-a-list", add_enc(5), SchedulerTypeError, "int", setup_encoder),
+    Case("encoder-a-set", add_enc({(0, 2, 1)}), SchedulerTypeError, "set", setup_encoder),
+    Case("encoder-a-str", add_enc("abc"), SchedulerTypeError, "str", setup_encoder),
+    Case("encoder-2-column-array", add_enc(ARR([[0, 2]])), SchedulerTypeError, "triple", setup_encoder),
+    Case("encoder-negative-budget", cfg(max_num_encoder_input_tokens=-1), InvalidConfigError, "-1"),
+    Case("encoder-float-cache-size", cfg(encoder_cache_size=8.0), InvalidConfigError, "float"),
+    Case("encoder-int-chunk-flag", cfg(disable_chunked_mm_input=1), InvalidConfigError, "1"),
+    Case("core-encoder-cache-size", new(bypass(encoder_cache_size=-3)), InvalidConfigError, "-3"),
     # A KV cache (11 usable blocks of 4 = 44 tokens) or, without chunked prefill, a budget (16) below
     # max_model_len (64): accepted by the config, as vLLM's scheduler does; a request that could never fit is not.
     Case(

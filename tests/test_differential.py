@@ -72,7 +72,8 @@ def assert_arrays_equal(a: np.ndarray, b: np.ndarray, what: str) -> None:
 
 OUT_LISTS = ("req_ids", "new_req_ids", "resumed_req_ids", "preempted_req_ids")
 OUT_ARRAYS = ("num_scheduled_tokens", "num_computed_tokens", "new_block_ids", "new_block_ids_indptr",
-              "spec_token_ids", "spec_token_ids_indptr", "swap_out", "swap_in")  # fmt: skip
+              "spec_token_ids", "spec_token_ids_indptr", "swap_out", "swap_in", "scheduled_encoder_inputs",
+              "scheduled_encoder_inputs_indptr", "free_encoder_hashes")  # fmt: skip
 INPUT_FIELDS = ("input_token_ids", "input_positions", "slot_mapping", "query_start_loc", "seq_lens",
                 "block_table", "logits_indices")  # fmt: skip
 
@@ -171,6 +172,8 @@ class Twin:
         self.clock = 0.0
         self.next_id = 0
         self.log: list[str] = []  # the operations so far, for failure messages
+        # what the steps exercised (encoder inputs): computed, freed, victims holding encoder inputs
+        self.coverage = {"encoder_computed": 0, "encoder_freed": 0, "encoder_victims": 0, "encoder_cut": 0}
 
     # -- operations --------------------------------------------------------------------------------------
 
@@ -190,7 +193,7 @@ class Twin:
         r = self.rand
         rid = f"r{r.int(0, 11)}" if r.chance(0.5) else f"q{self.next_id}"
         self.next_id += 1
-        prompt = self.make_prompt(r.choice([4, 12, 40]))
+        prompt = self.make_prompt(r.choice([4, 12, 40] if not self.cfg.encoder_cache_size else [12, 40, 40]))
         room = self.cfg.max_model_len - len(prompt)
         kw: dict[str, Any] = {}
         if r.chance(0.8):
@@ -215,6 +218,8 @@ class Twin:
             kw["ready"] = False  # waits for its grammar until set_ready
         if self.throttle and r.chance(0.1):  # (not in the seeded soak: its random stream stays as it was)
             kw["skip_reading_prefix_cache"] = True  # vLLM: prompt logprobs
+        if self.cfg.encoder_cache_size and r.chance(0.8):  # (only with an encoder cache: other streams unchanged)
+            kw["encoder_inputs"] = self.make_encoder_inputs(len(prompt))
         self.clock += r.choice([0.0, 1.0, 0.5])  # ties in arrival time happen
         kw["arrival_time"] = self.clock
         if r.chance(0.1):  # one bad argument (and a fresh id): both must reject it the same way
@@ -226,6 +231,32 @@ class Twin:
                                lambda: self.rs.add_request(rid, arr, **kw))  # fmt: skip
         if not failed:
             self.prompt_lens[rid] = len(prompt)
+
+    def encoder_cap(self) -> int:
+        """The largest encoder input a request may carry under the config."""
+        c = self.cfg
+        cap = min(c.max_num_encoder_input_tokens, c.encoder_cache_size)
+        if c.disable_chunked_mm_input:
+            th = c.long_prefill_token_threshold
+            cap = min(cap, c.max_num_batched_tokens, th if th > 0 else cap)
+        return cap
+
+    def make_encoder_inputs(self, prompt_len: int) -> list[tuple[int, int, int]]:
+        """Encoder inputs inside the prompt, sorted, not overlapping; hashes from a small pool (so entries are
+        shared across requests and within one), each hash always with the same size."""
+        r, cap = self.rand, self.encoder_cap()
+        inputs, pos = [], r.int(0, 3)
+        for _ in range(r.int(1, 4)):
+            h = r.int(1, 10)
+            size = 1 + (h * 5) % cap
+            pos += r.int(0, 4)
+            if pos + size > prompt_len:
+                break
+            inputs.append((pos, size, h))
+            pos += size
+        if r.chance(0.08):  # one bad input, which both must refuse (InvalidRequestError) changing nothing
+            inputs.append(r.choice([(0, 0, 1), (prompt_len, 1, 2), (0, cap + 1, 99), (0, 2, 1 + (cap == 2))]))
+        return inputs
 
     def spoil(self, kw: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
         bad = self.rand.choice([
@@ -247,12 +278,25 @@ class Twin:
         self.log.append(f"schedule throttle={throttle}")
         a, b = self.ref.schedule(throttle_prefills=throttle), self.rs.schedule(throttle_prefills=throttle)
         compare_outputs(a, b)
+        if self.cfg.encoder_cache_size:
+            self.note_encoder(a)
         # None for a prefill chunk (its entry must be empty), else the most tokens it may carry
         sizes: list[int | None] = [None if chunk else 1 + nd for _, chunk, nd in a._entries]
         if self.rand.chance(0.3):
             self.compare_inputs(a, b)
         self.pending.append((a, b, sizes))
         return None
+
+    def note_encoder(self, out: Any) -> None:
+        cov = self.coverage
+        cov["encoder_computed"] += len(out.scheduled_encoder_inputs)
+        cov["encoder_freed"] += len(out.free_encoder_hashes)
+        for rid in out.preempted_req_ids:
+            r = self.ref._requests.get(rid)
+            cov["encoder_victims"] += r is not None and bool(r.encoder_inputs)
+        for r, _, _ in out._entries:  # a chunk that stops right before an encoder input it reaches for
+            end = r.num_computed_tokens
+            cov["encoder_cut"] += r.is_prefill_chunk and any(st == end for st, _, _ in r.encoder_inputs)
 
     def compare_inputs(self, a: Any, b: Any) -> None:
         rank = self.rand.int(0, self.cfg.dcp_world_size - 1)  # the slot mapping is per DCP rank
@@ -579,7 +623,20 @@ def configs(draw: Any) -> SchedulerConfig:
         dcp_world_size=dcp,
         pcp_world_size=pcp,
         cp_kv_cache_interleave_size=interleave,
+        **encoder_fields(draw, budget),
     )
+
+
+def encoder_fields(draw: Any, budget: int) -> dict[str, Any]:
+    """Encoder budget and cache in 2 of 5 configs: tight (inputs cut chunks, evict, wait for space) or roomy."""
+    enc_budget = draw(st.sampled_from([0, 0, 0, 3, 6, 16]))
+    if not enc_budget:
+        return {}
+    return {
+        "max_num_encoder_input_tokens": enc_budget,
+        "encoder_cache_size": draw(st.sampled_from([3, 6, 10, 40])),
+        "disable_chunked_mm_input": draw(st.booleans()) and budget >= 3,
+    }
 
 
 def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
@@ -690,6 +747,60 @@ def soak(steps: int, seed: int, configs: list[SchedulerConfig] = SOAK_CONFIGS, t
         if cfg.preemption_mode != "recompute":
             assert st.num_swapped_out_reqs > 0 and st.num_swapped_in_blocks > 0, f"no swaps under {cfg}: {st}"
             assert st.num_free_cpu_blocks == cfg.num_cpu_blocks  # drained: every CPU block back
+
+
+# Encoder inputs: tight encoder budgets and caches (chunks cut before inputs, evictions, shared hashes across
+# requests and within one), with preemption (priority and fair victims scheduled earlier in their step), prefix
+# caching, async scheduling, disable_chunked_mm_input and swapping.
+ENCODER_SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    max_num_encoder_input_tokens=6, encoder_cache_size=10, prefix_hash_seed=5,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    policy="priority", long_prefill_token_threshold=8, max_num_encoder_input_tokens=8,
+                    encoder_cache_size=8, prefix_hash_algo="sha256", scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    policy="fair", tenant_weights={"t1": 3.0}, max_num_encoder_input_tokens=4,
+                    encoder_cache_size=12, disable_chunked_mm_input=True, prefix_hash_seed=6,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    num_lookahead_tokens=2, async_scheduling=True, max_num_encoder_input_tokens=16,
+                    encoder_cache_size=6, prefix_hash_seed=7, scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=16, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
+                    preemption_mode="swap", num_cpu_blocks=10, policy="priority", max_num_encoder_input_tokens=8,
+                    encoder_cache_size=16, prefix_hash_seed=8, scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=14, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=48,
+                    policy="priority", long_prefill_token_threshold=6, max_num_encoder_input_tokens=16,
+                    encoder_cache_size=24, prefix_hash_seed=9, scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def test_soak_encoder_inputs_match_reference_step_by_step() -> None:
+    """Encoder inputs at chunk boundaries under tight budgets, shared hashes, evictions and preemption: the
+    Rust core and the reference agree at every step (check_invariants on both after every operation), with
+    runner faults (fail_step) among the operations."""
+    total = dict.fromkeys(("encoder_computed", "encoder_freed", "encoder_victims", "encoder_cut"), 0)
+    hits = 0
+    # The last config's seed reaches a priority victim preempted after it was scheduled (with encoder work) in
+    # the same step.
+    seeds = [2468, 2469, 2470, 2471, 2472, 6]
+    for i, (cfg, seed) in enumerate(zip(ENCODER_SOAK_CONFIGS, seeds, strict=True)):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2,
+                    connector_seed=seed if i == 0 else None)  # fmt: skip
+        for _ in range(1000):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.drain()
+        for k, v in twin.coverage.items():
+            total[k] += v
+        st = twin.ref.stats()
+        hits += st.encoder_cache_hits
+        assert st.num_preemptions > 0, f"no preemption under {cfg}"
+        assert st.num_encoder_inputs_computed > 0
+    assert all(v > 0 for v in total.values()), total
+    assert hits > 0
 
 
 def test_soak_short_matches_reference_step_by_step() -> None:

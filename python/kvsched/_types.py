@@ -72,6 +72,13 @@ class SchedulerStats:
     # KV connector: tokens asked of it at admissions beyond the local prefix hit, and tokens it supplied
     connector_prefix_cache_queries: int = 0
     connector_prefix_cache_hits: int = 0
+    # encoder inputs (docs/semantics.md, "Encoder inputs"): the share of encoder_cache_size held by entries
+    # (referenced or freeable), the entries, inputs and tokens scheduled for computation, inputs found cached
+    encoder_cache_usage: float = 0.0
+    num_encoder_cache_entries: int = 0
+    num_encoder_inputs_computed: int = 0
+    num_encoder_tokens_computed: int = 0
+    encoder_cache_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -123,6 +123,12 @@ class SchedulerConfig:
     dcp_world_size: int = 1
     pcp_world_size: int = 1
     cp_kv_cache_interleave_size: int = 1
+    # Encoder inputs (multimodal): the encoder tokens a step may compute and the encoder cache's capacity in
+    # encoder tokens (vLLM's encoder compute budget and encoder_cache_size); 0 accepts no encoder inputs.
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
+    # vLLM's disable_chunked_mm_input: a prefill chunk stops before an encoder input it cannot cover whole.
+    disable_chunked_mm_input: bool = False
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -147,6 +153,7 @@ class SchedulerConfig:
             "scheduler_reserve_full_isl",
             "async_scheduling",
             "park_grammar_waits",
+            "disable_chunked_mm_input",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -155,6 +162,8 @@ class SchedulerConfig:
         if self.num_speculative_tokens is not None:
             _check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 1024)
         _check_int("max_loras", self.max_loras, 0)
+        _check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 0)
+        _check_int("encoder_cache_size", self.encoder_cache_size, 0)
         if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
             raise InvalidConfigError(f"watermark must be a float, got {self.watermark!r}")
         if not 0.0 <= self.watermark < 1.0:

@@ -25,8 +25,8 @@ import itertools
 import math
 import os
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,10 +64,12 @@ class SchedulerOutput:
 
     __slots__ = (
         "_cached_blocks",
+        "_encoder_hashes",
         "_entries",
         "_owner",
         "_swapped_out",
         "finished_req_ids",
+        "free_encoder_hashes",
         "kv_connector_metadata",
         "new_block_ids",
         "new_block_ids_indptr",
@@ -77,6 +79,8 @@ class SchedulerOutput:
         "preempted_req_ids",
         "req_ids",
         "resumed_req_ids",
+        "scheduled_encoder_inputs",
+        "scheduled_encoder_inputs_indptr",
         "spec_token_ids",
         "spec_token_ids_indptr",
         "step_id",
@@ -100,6 +104,10 @@ class SchedulerOutput:
     swap_out: np.ndarray  # (m, 2) int32: GPU block -> CPU block, copied before the forward pass
     swap_in: np.ndarray  # (m, 2) int32: CPU block -> GPU block, copied after swap_out
     kv_connector_metadata: Any  # the KV connector's build_connector_meta(out), None without a connector
+    scheduled_encoder_inputs: np.ndarray  # int32 CSR: indices of the encoder inputs computed this step
+    scheduled_encoder_inputs_indptr: np.ndarray
+    free_encoder_hashes: np.ndarray  # uint64: encoder-cache entries evicted since the previous step
+    _encoder_hashes: list[int]  # hashes this step computes (they leave the cache if it fails)
     _owner: object
     _entries: list[tuple[_Request, bool, int]]  # (request, was a prefill chunk, number of drafts scheduled)
     _cached_blocks: list[tuple[int, bytes]]  # (block, hash) this step entered into the prefix cache
@@ -230,6 +238,8 @@ class _Request:
         "drafts",
         "drop_stale_output",
         "effective_priority",
+        "encoder_held",
+        "encoder_inputs",
         "eos_token_id",
         "grammar_ready",
         "ignore_eos",
@@ -273,6 +283,7 @@ class _Request:
     tenant: str
     skip_reading_prefix_cache: bool  # no prefix-cache hits, not in the prefix-cache stats
     arrival_step: int  # schedule() calls before the request was added
+    encoder_inputs: list[tuple[int, int, int]]  # (start, num_tokens, hash), sorted, inside the prompt
     effective_priority: int  # priority, or priority * priority_aging_steps + arrival_step (see _PriorityQueue)
 
     def __init__(self, req_id: str, prompt: list[int], **params: Any) -> None:
@@ -307,6 +318,7 @@ class _Request:
         self.parked = False  # in no queue, not running: blocked (grammar, KV load) or ready since the last step
         self.kv_load_done = False  # its asynchronous KV load was reported over
         self.kv_load_failed = False  # ... and failed: num_computed_tokens was cut back to the valid prefix
+        self.encoder_held = [False] * len(self.encoder_inputs)  # holds a reference to input i's cache entry
 
     @property
     def num_tokens(self) -> int:
@@ -544,6 +556,81 @@ def _is_utf8(s: str) -> bool:
 PAD_SLOT_ID = -1  # vLLM's padding slot: this token's K/V is stored on another DCP rank
 
 
+class _EncoderCache:
+    """Encoder outputs by content hash, sized in encoder tokens (vLLM's EncoderCacheManager rules).
+
+    ``entries``: hash -> [size, references]; a reference is ``(request, input index)``. An entry without
+    references is *freeable*: still cached (a later input with its hash reuses it), evicted oldest-freeable
+    first (``freeable`` keeps the order) only when an allocation needs the space."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: dict[int, list[Any]] = {}
+        self.freeable: OrderedDict[int, None] = OrderedDict()
+        self.freed: list[int] = []  # evicted since the last step's output
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity - sum(int(e[0]) for e in self.entries.values())
+
+    @property
+    def num_freeable(self) -> int:
+        return self.num_free + sum(int(self.entries[h][0]) for h in self.freeable)
+
+    def reference(self, h: int, ref: tuple[_Request, int]) -> bool:
+        """If ``h`` is cached, reference it (it stops being freeable) and return True."""
+        e = self.entries.get(h)
+        if e is None:
+            return False
+        self.freeable.pop(h, None)
+        if not any(x is ref[0] and i == ref[1] for x, i in e[1]):
+            e[1].append(ref)
+        return True
+
+    def fits(self, size: int, budget: int) -> bool:
+        """Whether ``size`` fits the budget and the cache; evicts freeable entries, oldest first, if needed."""
+        if size > budget or size > self.num_freeable:
+            return False
+        while size > self.num_free:
+            h, _ = self.freeable.popitem(last=False)
+            del self.entries[h]
+            self.freed.append(h)
+        return True
+
+    def release(self, h: int, ref: tuple[_Request, int]) -> None:
+        e = self.entries.get(h)
+        if e is None:
+            return
+        e[1] = [(x, i) for x, i in e[1] if not (x is ref[0] and i == ref[1])]
+        if not e[1]:
+            self.freeable[h] = None
+
+    def drop(self, h: int, report: bool) -> None:
+        """An unreferenced entry whose output was never computed (or whose step failed) leaves at once."""
+        e = self.entries.get(h)
+        if e is not None and not e[1]:
+            del self.entries[h]
+            self.freeable.pop(h, None)
+            if report:
+                self.freed.append(h)
+
+    def take_freed(self) -> list[int]:
+        freed = [h for h in self.freed if h not in self.entries]  # evicted and cached again: kept
+        self.freed = []
+        return freed
+
+
+class _EncoderStep:
+    """One step's encoder bookkeeping: the budget left, the (request, input) pairs computed by requests already
+    scheduled, and the plan of the request being scheduled (inputs it computes, inputs it newly references)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.work: list[tuple[_Request, int]] = []
+        self.pending: list[tuple[_Request, int]] = []
+        self.newly: list[int] = []
+
+
 class ReferenceScheduler:
     """Pure-Python twin of :class:`kvsched.Scheduler` (same constructor, methods, results and errors)."""
 
@@ -594,8 +681,9 @@ class ReferenceScheduler:
         self._stats = dict.fromkeys(
             ("queries", "hits", "preempted_queries", "preempted_hits", "preemptions", "finished", "swapped_out_reqs",
              "swapped_out_blocks", "swapped_in_reqs", "swapped_in_blocks", "swap_fallbacks", "recomputed_tokens",
-             "connector_queries", "connector_hits"), 0
+             "connector_queries", "connector_hits", "encoder_hits", "encoder_inputs", "encoder_tokens"), 0
         )  # fmt: skip
+        self._encoder = _EncoderCache(c.encoder_cache_size)
         self._cpu_free: deque[int] = deque(range(c.num_cpu_blocks))  # the CPU swap pool: pop left, append right
         self._recompute_cost_per_token = c.recompute_cost_per_token
         self._swap_cost_per_block = c.swap_cost_per_block
@@ -667,30 +755,40 @@ class ReferenceScheduler:
 
     # -- block pool --------------------------------------------------------------------------------------
 
-    def _hash_block(self, parent: bytes, tokens: list[int], lora: str | None, salt: str | None) -> bytes:
-        """``H(parent, tokens, extra keys)``, unambiguously encoded (fixed-width tokens, tagged keys)."""
+    def _hash_block(
+        self, parent: bytes, tokens: list[int], lora: str | None, salt: str | None, mm: Sequence[tuple[int, int]] = ()
+    ) -> bytes:
+        """``H(parent, tokens, extra keys)``, unambiguously encoded (fixed-width tokens, tagged keys). ``mm``: the
+        encoder inputs overlapping the block, as (hash, start relative to the block)."""
         data = [parent, len(tokens).to_bytes(4, "little")]
         data += [t.to_bytes(4, "little") for t in tokens]
         for key in (lora, salt):
             raw = None if key is None else key.encode()
             data.append(b"\0" if raw is None else b"\1" + len(raw).to_bytes(8, "little") + raw)
+        for h, offset in mm:
+            data.append(b"\2" + h.to_bytes(8, "little") + offset.to_bytes(8, "little", signed=True))
         return self._hash_fn(b"".join(data)).digest()
 
     def _block_hashes_of(self, tokens: list[int], salt: str | None, lora: str | None, start: int = 0,
-                         prev: list[bytes] | None = None) -> list[bytes]:  # fmt: skip
-        """Hashes of the full blocks of ``tokens`` from block ``start`` on, chained on ``prev``."""
+                         prev: list[bytes] | None = None,
+                         encoder_inputs: Sequence[tuple[int, int, int]] = ()) -> list[bytes]:  # fmt: skip
+        """Hashes of the full blocks of ``tokens`` from block ``start`` on, chained on ``prev``. A block that
+        overlaps encoder inputs also hashes their content hashes and offsets (vLLM's multimodal extra keys), so
+        equal placeholder tokens with different encoder content never share KV."""
         hashes = list(prev or [])
         bs = self._bs
         for i in range(start, len(tokens) // bs):
             parent = hashes[i - 1] if i else self._seed_hash
             block = tokens[i * bs : (i + 1) * bs]
-            hashes.append(self._hash_block(parent, block, lora, salt if i == 0 else None))
+            lo = i * bs
+            mm = [(h, st - lo) for st, n, h in encoder_inputs if st < lo + bs and st + n > lo]
+            hashes.append(self._hash_block(parent, block, lora, salt if i == 0 else None, mm))
         return hashes
 
     def _update_block_hashes(self, r: _Request) -> None:
         if self._config.enable_prefix_caching:
             r.block_hashes = self._block_hashes_of(
-                r.token_ids, r.cache_salt, r.lora_name, len(r.block_hashes), r.block_hashes
+                r.token_ids, r.cache_salt, r.lora_name, len(r.block_hashes), r.block_hashes, r.encoder_inputs
             )
 
     def _lookup(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
@@ -799,6 +897,7 @@ class ReferenceScheduler:
         tenant: str | None = None,
         ready: bool | None = True,
         skip_reading_prefix_cache: bool | None = False,
+        encoder_inputs: Any = None,
     ) -> None:
         """Queue a new request (status WAITING, or WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR with ``ready=False``
         until :meth:`set_ready`). Validates every argument first; on error nothing changes."""
@@ -858,6 +957,8 @@ class ReferenceScheduler:
         skip = False if skip_reading_prefix_cache is None else skip_reading_prefix_cache
         if not isinstance(skip, bool):
             raise SchedulerTypeError(f"skip_reading_prefix_cache must be a bool, got {type(skip).__name__}")
+        inputs = _encoder_inputs(encoder_inputs)
+        self._check_encoder_inputs(req_id, len(prompt), inputs)
         # The most KV slots it ever holds (all its tokens but the last sampled one) must fit the whole cache, and,
         # without chunked prefill, one step's budget (a preempted request recomputes them in one step).
         longest = len(prompt) + effective_max - 1
@@ -887,6 +988,7 @@ class ReferenceScheduler:
             tenant=tenant,
             skip_reading_prefix_cache=skip,
             arrival_step=self._next_step_id,
+            encoder_inputs=inputs,
         )
         aging = c.priority_aging_steps
         r.effective_priority = r.priority * aging + r.arrival_step if aging else r.priority
@@ -939,6 +1041,7 @@ class ReferenceScheduler:
             r.num_cached_blocks = 0
         else:
             self._free_blocks(r)
+        self._release_all_encoder(r)
         self._cpu_free.extend(r.cpu_blocks)  # a swapped-out request aborted while waiting
         r.cpu_blocks, r.num_swapped_tokens = [], 0
         r.drafts = []
@@ -986,6 +1089,8 @@ class ReferenceScheduler:
         failed = [r for r, _, _ in out._entries if not r.status.is_finished]
         for r in failed:
             self._finish(r, RequestStatus.FINISHED_ABORTED)
+        for mm_hash in out._encoder_hashes:  # the encoder outputs it was to compute may not exist
+            self._encoder.drop(mm_hash, True)
         for r in out._swapped_out:  # their swap_out copy may never have run: they recompute when resumed
             if not r.status.is_finished and r.cpu_blocks:
                 self._cpu_free.extend(r.cpu_blocks)
@@ -996,12 +1101,140 @@ class ReferenceScheduler:
         self._after_hooks()
         return [r.req_id for r in failed]
 
+    # -- encoder inputs (docs/semantics.md, "Encoder inputs") ---------------------------------------------
+
+    def _check_encoder_inputs(self, req_id: str, prompt_len: int, inputs: list[tuple[int, int, int]]) -> None:
+        if not inputs:
+            return
+        c = self._config
+        limit = min(c.max_num_encoder_input_tokens, c.encoder_cache_size)
+        if limit == 0:
+            raise InvalidRequestError(
+                f"request {req_id!r} has encoder inputs, but max_num_encoder_input_tokens and encoder_cache_size "
+                "must both be > 0"
+            )
+        known: dict[int, int] = {h: e[0] for h, e in self._encoder.entries.items()}
+        for other in self._requests.values():
+            for _, size, h in other.encoder_inputs:
+                known[h] = size
+        prev_end = 0
+        for i, (start, size, h) in enumerate(inputs):
+            if size < 1:
+                raise InvalidRequestError(f"request {req_id!r}: encoder input {i} has no tokens")
+            if start + size > prompt_len:
+                raise InvalidRequestError(f"request {req_id!r}: encoder input {i} reaches beyond the prompt")
+            if i > 0 and start < prev_end:
+                raise InvalidRequestError(f"request {req_id!r}: encoder inputs must be sorted and not overlap")
+            prev_end = start + size
+            if size > limit:
+                raise InvalidRequestError(f"request {req_id!r}: encoder input {i} exceeds the encoder budget/cache")
+            if c.disable_chunked_mm_input:
+                th = c.long_prefill_token_threshold
+                chunk = min(th, c.max_num_batched_tokens) if th > 0 else c.max_num_batched_tokens
+                if size > chunk:
+                    raise InvalidRequestError(f"request {req_id!r}: encoder input {i} exceeds a chunk")
+            if known.setdefault(h, size) != size:
+                raise InvalidRequestError(f"request {req_id!r}: encoder input {i}: hash {h} known with another size")
+
+    def _release_all_encoder(self, r: _Request) -> None:
+        for i, (_, _, h) in enumerate(r.encoder_inputs):
+            if r.encoder_held[i]:
+                r.encoder_held[i] = False
+                self._encoder.release(h, (r, i))
+
+    def _plan_encoder(self, st: _EncoderStep, r: _Request, computed: int, n: int) -> int:
+        """vLLM's _try_schedule_encoder_inputs: the chunk [computed, computed + n) reuses cached inputs and
+        computes the others that fit the step's budget and the cache; it is cut before the first that does not
+        (to 0 when it starts inside it). With disable_chunked_mm_input it stops before an input it would cover
+        only in part. Entries are allocated (and budget charged) now; the plan is committed or rolled back."""
+        if n == 0 or not r.encoder_inputs:
+            return n
+        end = computed + n
+        for i, (start, size, h) in enumerate(r.encoder_inputs):
+            if start + size <= computed:
+                continue
+            if start >= end:
+                break
+            if self._config.disable_chunked_mm_input and computed <= start and end < start + size:
+                return start - computed
+            if self._encoder.reference(h, (r, i)):
+                if not r.encoder_held[i]:
+                    r.encoder_held[i] = True
+                    st.newly.append(i)
+                continue
+            if not self._encoder.fits(size, st.budget):
+                return min(n, start - computed) if computed < start else 0
+            self._encoder.entries[h] = [size, [(r, i)]]
+            st.budget -= size
+            r.encoder_held[i] = True
+            st.newly.append(i)
+            st.pending.append((r, i))
+        return n
+
+    def _commit_encoder(self, st: _EncoderStep) -> None:
+        self._stats["encoder_hits"] += max(0, len(st.newly) - len(st.pending))
+        st.work += st.pending
+        st.pending, st.newly = [], []
+
+    def _rollback_encoder(self, st: _EncoderStep, r: _Request) -> None:
+        """``r`` is not scheduled: the references its plan took go, its computes are refunded and dropped."""
+        if not st.newly:
+            return
+        for i in st.newly:
+            if r.encoder_held[i]:
+                r.encoder_held[i] = False
+                self._encoder.release(r.encoder_inputs[i][2], (r, i))
+        st.newly = []
+        pending, st.pending = st.pending, []
+        self._settle_uncomputed(st, pending, r, r)
+
+    def _abandon_encoder(self, st: _EncoderStep, victim: _Request, current: _Request) -> None:
+        """``victim`` is preempted in the step: its references go, its budget comes back, and the inputs it was
+        to compute go to the first request still referencing them, or leave the cache."""
+        if victim is current:
+            st.newly = []
+            removed, st.pending = st.pending, []
+        else:
+            removed = [w for w in st.work if w[0] is victim]
+            st.work = [w for w in st.work if w[0] is not victim]
+        self._release_all_encoder(victim)
+        self._settle_uncomputed(st, removed, victim, current)
+
+    def _settle_uncomputed(
+        self, st: _EncoderStep, items: list[tuple[_Request, int]], owner: _Request, current: _Request
+    ) -> None:
+        inputs = [owner.encoder_inputs[i] for _, i in items]
+        st.budget += sum(size for _, size, _ in inputs)
+        for _, size, h in inputs:
+            e = self._encoder.entries.get(h)
+            if e is not None and e[1]:
+                ref = e[1][0]
+                st.budget -= size
+                if ref[0] is current and owner is not current:
+                    st.pending.append(ref)
+                else:
+                    st.work.append(ref)
+            else:
+                self._encoder.drop(h, False)
+
+    def _release_consumed(self, r: _Request) -> None:
+        """vLLM's _free_encoder_inputs: after a step, inputs ending at or before the computed tokens (less
+        output placeholders) are released."""
+        upto = max(0, r.num_computed_tokens - r.num_output_placeholders)
+        for i, (start, size, h) in enumerate(r.encoder_inputs):
+            if start + size > upto:
+                break
+            if r.encoder_held[i]:
+                r.encoder_held[i] = False
+                self._encoder.release(h, (r, i))
+
     # -- schedule ----------------------------------------------------------------------------------------
 
     def _preempt(self, r: _Request, drop_stale_output: bool = False) -> None:
         """Free ``r``'s KV and send it back to waiting. Output of steps still in flight becomes stale: applied
         when it arrives (dropped with ``drop_stale_output``), rolling nothing back; ``r`` is not resumed before."""
         self._free_blocks(r)
+        self._release_all_encoder(r)
         r.num_lost_tokens = r.num_computed_tokens
         r.num_computed_tokens = 0
         r.drafts = []
@@ -1206,6 +1439,7 @@ class ReferenceScheduler:
             defer = True  # the local cadence: the interval since the last prefill-carrying step has not passed
         prefill_admitted = False
         self._newly_cached = []  # what updates cached since the previous step is not this step's
+        enc = _EncoderStep(c.max_num_encoder_input_tokens)
 
         i = 0
         while i < len(self._running) and budget > 0:
@@ -1225,6 +1459,12 @@ class ReferenceScheduler:
             if n <= 0:
                 i += 1
                 continue
+            if r.encoder_inputs:
+                n = self._plan_encoder(enc, r, r.num_computed_tokens, n)
+                if n == 0:
+                    self._rollback_encoder(enc, r)
+                    i += 1
+                    continue
             while (new_blocks := self._allocate_slots(r, n, [], look)) is None:
                 j = self._pick_victim()
                 victim = self._running.pop(j)
@@ -1237,6 +1477,7 @@ class ReferenceScheduler:
                         break
                 if j < i:
                     i -= 1
+                self._abandon_encoder(enc, victim, r)
                 self._preempt_victim(victim, computed_before, swap_out)
                 preempted.append(victim)
                 if victim is r:
@@ -1246,6 +1487,8 @@ class ReferenceScheduler:
                     continue  # r preempted itself; the requests after it rank higher and may still fit
                 break
             prefill_scheduled |= r.is_prefill_chunk
+            if r.encoder_inputs:
+                self._commit_encoder(enc)
             computed = r.num_computed_tokens
             num_drafts = min(len(r.drafts), max(0, computed + n - r.num_tokens - ph))
             is_chunk = computed + n < r.num_tokens + ph
@@ -1264,7 +1507,7 @@ class ReferenceScheduler:
             # No probing when nobody can be admitted (a full batch or no budget): nothing would move.
             can_admit = budget > 0 and len(self._running) < (c.max_num_active_seqs or c.max_num_seqs)
             plan = self._begin_admission() if can_admit else None
-            prefill_admitted = self._admit_waiting(scheduled, budget, threshold, prefill_scheduled, swap_in, defer)
+            prefill_admitted = self._admit_waiting(scheduled, budget, threshold, prefill_scheduled, swap_in, defer, enc)
             self._end_admission(plan)
             if not defer:  # a released step: did it drain the waiting queue (skipped requests aside)?
                 waiting = [r for r in self._requests.values() if r.status != RequestStatus.RUNNING]
@@ -1274,6 +1517,13 @@ class ReferenceScheduler:
         if interval > 1 and (prefill_scheduled or prefill_admitted):
             self._last_prefill_step = self._num_executed_steps
 
+        work = sorted(enc.work, key=lambda w: w[1])
+        enc_ids: list[list[int]] = [[i for x, i in work if x is e[0]] for e in scheduled]
+        enc_hashes = [e[0].encoder_inputs[i][2] for e, ids in zip(scheduled, enc_ids, strict=True) for i in ids]
+        if sum(map(len, enc_ids)) != len(work):
+            raise InternalError("an encoder input is computed by a request not in the step")
+        self._stats["encoder_inputs"] += len(work)
+        self._stats["encoder_tokens"] += sum(x.encoder_inputs[i][1] for x, i in work)
         entries = []
         for r, n, _, _, drafts, _, is_chunk in scheduled:
             r.num_in_flight_tokens += n
@@ -1298,6 +1548,10 @@ class ReferenceScheduler:
             swap_out=np.array(swap_out, dtype=np.int32).reshape(-1, 2),
             swap_in=np.array(swap_in, dtype=np.int32).reshape(-1, 2),
             kv_connector_metadata=None,
+            scheduled_encoder_inputs=np.array([i for ids in enc_ids for i in ids], dtype=np.int32),
+            scheduled_encoder_inputs_indptr=_indptr([len(ids) for ids in enc_ids]),
+            free_encoder_hashes=np.array(self._encoder.take_freed(), dtype=np.uint64),
+            _encoder_hashes=enc_hashes,
             _owner=self._owner,
             _entries=entries,
             _cached_blocks=self._newly_cached,
@@ -1321,7 +1575,8 @@ class ReferenceScheduler:
         threshold: int,
         prefill_scheduled: bool,
         swap_in: list[int],
-        defer: bool = False,
+        defer: bool,
+        enc: _EncoderStep,
     ) -> bool:
         """Phase B: admit waiting requests in policy order; never preempts. Requests whose KV load is over
         (``_kv_waiting``) go first, and are the only ones admitted when paused for new requests. Requests that
@@ -1405,15 +1660,29 @@ class ReferenceScheduler:
                 if not c.enable_chunked_prefill and n > budget:
                     break
                 n = min(n, budget)
+            planned = not load_async and bool(r.encoder_inputs)
+            if planned:
+                n = self._plan_encoder(enc, r, computed, n)
+                if n == 0:  # vLLM 0.33: its first encoder input does not fit: skipped, it keeps its place
+                    self._rollback_encoder(enc, r)
+                    r.deferred = True
+                    (skipped_kv if from_kv else skipped).append(queue.pop())
+                    continue
             reserved = watermark if self._running else 0
             if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, reserved):
+                if planned:
+                    self._rollback_encoder(enc, r)
                 break  # vLLM's full-prompt admission gate: the whole sequence must fit, not just this chunk
             if computed_before == 0:
                 r.num_computed_tokens = restored - hit_tokens  # _allocate_slots counts from computed + hits
             if self._allocate_slots(r, n, hits, 0 if load_async else look, reserved, ext, not load_async) is None:
                 if computed_before == 0:
                     r.num_computed_tokens = 0
+                if planned:
+                    self._rollback_encoder(enc, r)
                 break
+            if planned:
+                self._commit_encoder(enc)
             self._complete_resume(r, len(hits), computed, swap_in)
             if self._connector is not None:
                 self._hook_after_alloc(r, ext)
@@ -1656,6 +1925,7 @@ class ReferenceScheduler:
                 if r.drop_stale_output:
                     continue
             if was_prefill_chunk:
+                self._release_consumed(r)  # vLLM frees consumed encoder inputs once the step has run
                 continue
             entry = sampled[k]
             if num_drafts and not stale:  # roll back rejected drafts (placeholders too)
@@ -1664,6 +1934,7 @@ class ReferenceScheduler:
                     r.num_computed_tokens = max(0, r.num_computed_tokens - rejected)
                 if r.num_output_placeholders > 0:
                     r.num_output_placeholders = max(0, r.num_output_placeholders - rejected)
+            self._release_consumed(r)
             was_running = r.status == RequestStatus.RUNNING
             had_placeholders = r.num_output_placeholders > 0
             stop: tuple[RequestStatus, FinishReason, int] | None = None
@@ -1950,6 +2221,13 @@ class ReferenceScheduler:
             cpu_kv_cache_usage=1.0 - len(self._cpu_free) / c.num_cpu_blocks if c.num_cpu_blocks else 0.0,
             connector_prefix_cache_queries=s["connector_queries"],
             connector_prefix_cache_hits=s["connector_hits"],
+            encoder_cache_usage=(
+                (c.encoder_cache_size - self._encoder.num_free) / c.encoder_cache_size if c.encoder_cache_size else 0.0
+            ),
+            num_encoder_cache_entries=len(self._encoder.entries),
+            num_encoder_inputs_computed=s["encoder_inputs"],
+            num_encoder_tokens_computed=s["encoder_tokens"],
+            encoder_cache_hits=s["encoder_hits"],
         )
 
     # -- invariants --------------------------------------------------------------------------------------
@@ -2037,11 +2315,48 @@ class ReferenceScheduler:
         for r in self._requests.values():
             expect = r.num_tokens // bs if c.enable_prefix_caching else 0
             require(len(r.block_hashes) == expect, f"{r.req_id}: one hash per full block")
+        enc = self._encoder
+        require(0 <= enc.num_free <= enc.capacity, "encoder cache: occupied within the capacity")
+        unreferenced = {h for h, e in enc.entries.items() if not e[1]}
+        require(set(enc.freeable) == unreferenced, "encoder: freeable = unreferenced")
+        refs = sorted((h, x.req_id, i) for h, e in enc.entries.items() for x, i in e[1])
+        held = sorted(
+            (r.encoder_inputs[i][2], r.req_id, i)
+            for r in self._requests.values()
+            for i, f in enumerate(r.encoder_held)
+            if f
+        )
+        require(refs == held, "encoder cache references = the inputs requests hold")
+        for r in self._requests.values():
+            require(r.status == RequestStatus.RUNNING or not any(r.encoder_held), f"{r.req_id}: holds encoder entries")
         out = self._last_out
         if out is not None:
             require(out.total_num_scheduled_tokens <= c.max_num_batched_tokens, "token budget respected")
             require(len(out.req_ids) <= c.max_num_seqs, "max_num_seqs respected")
             require(bool(np.all(out.num_scheduled_tokens > 0)), "every scheduled request computes >= 1 token")
+
+
+def _encoder_inputs(x: object) -> list[tuple[int, int, int]]:
+    """``encoder_inputs``: None, or a list/tuple of (start, num_tokens, hash) lists/tuples, or an (m, 3) int array."""
+    if x is None:
+        return []
+    if isinstance(x, np.ndarray):
+        x = x.tolist()
+    if not isinstance(x, (list, tuple)):
+        raise SchedulerTypeError(f"encoder_inputs must be a list of (start, num_tokens, hash), got {type(x).__name__}")
+    out = []
+    for i, item in enumerate(x):
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise SchedulerTypeError(f"encoder_inputs[{i}] must be a (start, num_tokens, hash) triple")
+        if not all(_is_int(v) for v in item):
+            raise SchedulerTypeError(f"encoder_inputs[{i}] must hold ints")
+        start, size, h = (int(v) for v in item)
+        if not (0 <= start < 2**31 and 0 <= size < 2**31):
+            raise InvalidRequestError(f"encoder_inputs[{i}]: start and num_tokens must be in [0, 2**31)")
+        if not 0 <= h < 2**64:
+            raise InvalidRequestError(f"encoder_inputs[{i}]: hash must be in [0, 2**64)")
+        out.append((start, size, h))
+    return out
 
 
 def _as_sequence(x: object, what: str) -> list[Any]:

@@ -177,6 +177,14 @@ pub struct SchedulerConfig {
     /// vLLM's `cp_kv_cache_interleave_size`: consecutive tokens stored on one DCP rank before the next rank's
     /// turn; divides `block_size`. Used only by the rank-local slot mapping (`prepare_model_inputs`).
     pub cp_kv_cache_interleave_size: u32,
+    /// Encoder tokens a step may compute (vLLM's encoder compute budget); requests with encoder inputs need it
+    /// to be at least their largest input. 0: no encoder inputs accepted.
+    pub max_num_encoder_input_tokens: u32,
+    /// Encoder-cache capacity in encoder tokens (vLLM's `encoder_cache_size`); 0: no encoder inputs accepted.
+    pub encoder_cache_size: u32,
+    /// vLLM's `disable_chunked_mm_input`: a prefill chunk never covers only part of an encoder input; it stops
+    /// before the input instead.
+    pub disable_chunked_mm_input: bool,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -248,6 +256,9 @@ impl Default for SchedulerConfig {
             dcp_world_size: 1,
             pcp_world_size: 1,
             cp_kv_cache_interleave_size: 1,
+            max_num_encoder_input_tokens: 0,
+            encoder_cache_size: 0,
+            disable_chunked_mm_input: false,
         }
     }
 }
@@ -295,6 +306,8 @@ impl SchedulerConfig {
         }
         check_range("max_loras", self.max_loras, 0, I32_MAX)?;
         check_range("prefill_schedule_interval", self.prefill_schedule_interval, 1, I32_MAX)?;
+        check_range("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 0, I32_MAX)?;
+        check_range("encoder_cache_size", self.encoder_cache_size, 0, I32_MAX)?;
         if self.max_num_active_seqs > self.max_num_seqs {
             return Err(SchedError::InvalidConfig(format!(
                 "max_num_active_seqs ({}) cannot be greater than max_num_seqs ({})",

@@ -1,4 +1,4 @@
-//! Encoder cache bookkeeping for multimodal inputs (a building block; not yet wired into the scheduler).
+//! Encoder cache bookkeeping for multimodal inputs (`encoder_sched.rs` drives it from the step loop).
 //!
 //! The rules follow vLLM 0.33's `EncoderCacheManager` (learned from reading it, not copied): the cache holds
 //! encoder outputs by content hash, sized in encoder tokens. An entry is referenced by the (request, input)
@@ -8,6 +8,21 @@
 //! [`EncoderCache::take_freed`] so the workers can drop the tensors.
 
 use std::collections::{BTreeMap, HashMap};
+
+/// One encoder input of a request: it replaces prompt positions `start..start + num_tokens` with encoder
+/// output identified by `hash` (equal hashes mean equal content, so the output is shared).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EncoderInput {
+    pub start: u32,
+    pub num_tokens: u32,
+    pub hash: u64,
+}
+
+impl EncoderInput {
+    pub fn end(&self) -> u32 {
+        self.start + self.num_tokens
+    }
+}
 
 /// One cached encoder output.
 #[derive(Debug, Clone)]
@@ -156,9 +171,67 @@ impl EncoderCache {
         }
     }
 
-    /// Hashes evicted since the last call, in eviction order.
+    /// Hashes evicted since the last call, in eviction order, less those cached again since (vLLM keeps the
+    /// worker's tensor of an entry evicted and allocated again within one step).
     pub fn take_freed(&mut self) -> Vec<u64> {
-        std::mem::take(&mut self.freed)
+        let mut freed = std::mem::take(&mut self.freed);
+        freed.retain(|h| !self.entries.contains_key(h));
+        freed
+    }
+
+    /// Whether any hash is queued for [`EncoderCache::take_freed`].
+    pub fn has_freed(&self) -> bool {
+        !self.freed.is_empty()
+    }
+
+    /// The size of the cached entry for `hash`.
+    pub fn size_of(&self, hash: u64) -> Option<u64> {
+        self.entries.get(&hash).map(|e| e.num_tokens)
+    }
+
+    /// The oldest reference to `hash` still held, if any.
+    pub fn first_referrer(&self, hash: u64) -> Option<(u64, u32)> {
+        self.entries.get(&hash).and_then(|e| e.refs.first().copied())
+    }
+
+    /// Removes the unreferenced entry `hash` at once (its encoder output was never computed, or the step that
+    /// computed it failed): the space is free again and nobody can hit it. `report` queues the hash for
+    /// [`EncoderCache::take_freed`]. Returns false (changing nothing) if the entry is absent or referenced.
+    pub fn remove_unreferenced(&mut self, hash: u64, report: bool) -> bool {
+        match self.entries.get(&hash) {
+            Some(e) if e.refs.is_empty() => {}
+            _ => return false,
+        }
+        let Some(entry) = self.entries.remove(&hash) else {
+            return false;
+        };
+        if let Some(seq) = entry.freeable_seq {
+            self.freeable.remove(&seq);
+        }
+        self.num_free += entry.num_tokens;
+        if report {
+            self.freed.push(hash);
+        }
+        true
+    }
+
+    /// Entries cached (referenced or freeable).
+    pub fn num_entries(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Fraction of the capacity held by entries (referenced or freeable); 0 for an empty cache.
+    pub fn usage(&self) -> f64 {
+        if self.capacity == 0 {
+            0.0
+        } else {
+            (self.capacity - self.num_free) as f64 / self.capacity as f64
+        }
+    }
+
+    /// The (request, input) references held on every entry, for cross-checks.
+    pub fn references(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
+        self.entries.iter().flat_map(|(&h, e)| e.refs.iter().map(move |&(r, i)| (h, r, i)))
     }
 
     /// Check the accounting: free + occupied = capacity, freeable = free + unreferenced, the freeable order holds

@@ -10,6 +10,7 @@ use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
 
 use crate::config::HashAlgo;
+use crate::encoder::EncoderInput;
 use crate::error::{Result, SchedError};
 
 /// A block hash: 32 bytes for SHA-256; xxh3-128 fills the first 16 and leaves the rest zero.
@@ -31,6 +32,7 @@ pub struct BlockHasher {
 
 const TAG_LORA: u8 = 1;
 const TAG_SALT: u8 = 2;
+const TAG_MM: u8 = 3;
 const TAG_END: u8 = 0xff;
 
 impl BlockHasher {
@@ -59,7 +61,18 @@ impl BlockHasher {
     }
 
     /// Serialises one block's hash input into `buf` (cleared first).
-    fn encode(buf: &mut Vec<u8>, parent: &BlockHash, tokens: &[u32], extra: &ExtraKeys, first: bool) {
+    /// `mm`: the encoder inputs of the request; those overlapping the block at `block_start` are encoded as
+    /// (content hash, start relative to the block), as vLLM's multimodal extra keys.
+    #[allow(clippy::too_many_arguments)]
+    fn encode(
+        buf: &mut Vec<u8>,
+        parent: &BlockHash,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+        first: bool,
+        mm: &[EncoderInput],
+        block_start: u32,
+    ) {
         buf.clear();
         buf.extend_from_slice(&parent.0);
         buf.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
@@ -80,6 +93,15 @@ impl BlockHasher {
                 buf.extend_from_slice(salt.as_bytes());
             }
         }
+        let block_end = block_start + tokens.len() as u32;
+        for e in mm.iter().skip(mm.partition_point(|e| e.end() <= block_start)) {
+            if e.start >= block_end {
+                break;
+            }
+            buf.push(TAG_MM);
+            buf.extend_from_slice(&e.hash.to_le_bytes());
+            buf.extend_from_slice(&(i64::from(e.start) - i64::from(block_start)).to_le_bytes());
+        }
         buf.push(TAG_END);
     }
 
@@ -97,7 +119,7 @@ impl BlockHasher {
     /// Hash of one full block. `parent` is `None` for block 0.
     pub fn hash_block(&self, parent: Option<&BlockHash>, tokens: &[u32], extra: &ExtraKeys) -> BlockHash {
         let mut buf = Vec::with_capacity(64 + 4 * tokens.len());
-        Self::encode(&mut buf, parent.unwrap_or(&self.seed_hash), tokens, extra, parent.is_none());
+        Self::encode(&mut buf, parent.unwrap_or(&self.seed_hash), tokens, extra, parent.is_none(), &[], 0);
         self.digest(&buf)
     }
 
@@ -108,6 +130,7 @@ impl BlockHasher {
         tokens: &[u32],
         block_size: usize,
         extra: &ExtraKeys,
+        mm: &[EncoderInput],
     ) {
         let num_full = tokens.len() / block_size;
         if hashes.len() >= num_full {
@@ -119,7 +142,8 @@ impl BlockHasher {
         while hashes.len() < num_full {
             let i = hashes.len();
             let block = &tokens[i * block_size..(i + 1) * block_size];
-            Self::encode(&mut buf, hashes.last().unwrap_or(&self.seed_hash), block, extra, i == 0);
+            let parent = hashes.last().unwrap_or(&self.seed_hash);
+            Self::encode(&mut buf, parent, block, extra, i == 0, mm, (i * block_size) as u32);
             let h = self.digest(&buf);
             hashes.push(h);
         }
@@ -189,11 +213,11 @@ mod tests {
         let k = ExtraKeys::default();
         let tokens: Vec<u32> = (0..10).collect();
         let mut v = Vec::new();
-        h.extend_hashes(&mut v, &tokens[..5], 4, &k);
+        h.extend_hashes(&mut v, &tokens[..5], 4, &k, &[]);
         assert_eq!(v.len(), 1);
-        h.extend_hashes(&mut v, &tokens, 4, &k);
+        h.extend_hashes(&mut v, &tokens, 4, &k, &[]);
         let mut w = Vec::new();
-        h.extend_hashes(&mut w, &tokens, 4, &k);
+        h.extend_hashes(&mut w, &tokens, 4, &k, &[]);
         assert_eq!(v, w);
         assert_eq!(v.len(), 2);
     }

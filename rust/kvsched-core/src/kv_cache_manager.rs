@@ -172,6 +172,7 @@ impl KvCacheManager {
                 &req.token_ids,
                 self.block_size as usize,
                 &req.extra_keys,
+                &req.encoder_inputs,
             );
         }
     }

@@ -26,6 +26,7 @@ pub mod block_pool;
 pub mod config;
 pub mod connector;
 pub mod encoder;
+mod encoder_sched;
 pub mod error;
 pub mod fair;
 pub mod free_queue;
@@ -44,6 +45,7 @@ mod update;
 
 pub use config::{HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, SchedulerConfig};
 pub use connector::{KvConnector, KvTransferReport};
+pub use encoder::EncoderInput;
 pub use error::{Result, SchedError};
 pub use fair::{Tenant, DEFAULT_TENANT};
 pub use hashing::BlockHash;

@@ -39,6 +39,12 @@ pub struct SchedulerOutput {
     /// block), then all of `swap_in` (CPU block, GPU block): flattened pairs.
     pub swap_out: Vec<i32>,
     pub swap_in: Vec<i32>,
+    /// CSR aligned with `handles`: indices (into the request's encoder inputs) of the inputs whose encoder the
+    /// runner computes in this step, ascending per request.
+    pub scheduled_encoder_inputs: Vec<i32>,
+    pub scheduled_encoder_inputs_indptr: Vec<i32>,
+    /// Encoder-cache entries evicted since the previous step: the runner drops their outputs.
+    pub free_encoder_hashes: Vec<u64>,
 }
 
 impl SchedulerOutput {
@@ -66,6 +72,8 @@ pub(crate) struct StepRecord {
     pub cached_blocks: Vec<(u32, crate::hashing::BlockHash)>,
     /// Victims this step swapped out (their `swap_out` copies run with the step; if it fails they recompute).
     pub swapped_out: Vec<ReqHandle>,
+    /// Hashes of the encoder inputs this step computes (they leave the cache if the step fails).
+    pub encoder_hashes: Vec<u64>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -120,4 +128,13 @@ pub struct SchedulerStats {
     pub num_recomputed_tokens: u64,
     pub num_free_cpu_blocks: usize,
     pub cpu_kv_cache_usage: f64,
+    /// Fraction of `encoder_cache_size` held by entries (referenced or freeable); 0 without an encoder cache.
+    pub encoder_cache_usage: f64,
+    /// Entries in the encoder cache (referenced or freeable).
+    pub num_encoder_cache_entries: usize,
+    /// Encoder inputs (and their tokens) scheduled for computation so far.
+    pub num_encoder_inputs_computed: u64,
+    pub num_encoder_tokens_computed: u64,
+    /// Encoder inputs a scheduled request found already cached (counted when it started referencing them).
+    pub encoder_cache_hits: u64,
 }

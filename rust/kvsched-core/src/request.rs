@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use crate::encoder::EncoderInput;
 use crate::hashing::{BlockHash, ExtraKeys};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -90,6 +91,8 @@ pub struct RequestParams {
     /// Never reads the prefix cache (vLLM's `skip_reading_prefix_cache`, set for prompt logprobs): admission
     /// finds no hits and the prefix-cache stats leave it out. Its full blocks are still cached for others.
     pub skip_reading_prefix_cache: bool,
+    /// Encoder inputs (multimodal): sorted by `start`, non-overlapping, inside the prompt.
+    pub encoder_inputs: Vec<EncoderInput>,
 }
 
 /// Field order is deliberate (`repr(C)`): what `schedule()` and `update_from_output()` read for every request
@@ -169,6 +172,12 @@ pub struct Request {
     /// In no queue and not running: blocked (grammar not ready, KV load in progress), or ready and queued at the
     /// start of the next `schedule()`.
     pub parked: bool,
+    // --- encoder inputs (`encoder_sched.rs`)
+    pub encoder_inputs: Box<[EncoderInput]>,
+    /// Per encoder input: this request holds a reference to its encoder-cache entry.
+    pub encoder_held: Box<[bool]>,
+    /// Inputs with `encoder_held` set.
+    pub num_encoder_held: u32,
 }
 
 impl Request {

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use crate::block_pool::BlockPool;
 use crate::config::{PauseState, Policy, SchedulerConfig};
 use crate::connector::{Connector, Held};
+use crate::encoder::EncoderCache;
 use crate::error::{Result, SchedError};
 use crate::fair::{Tenant, Tenants, DEFAULT_TENANT};
 use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
@@ -49,6 +50,10 @@ pub(crate) struct Counters {
     /// KV connector: tokens asked of the connector at admission (beyond the local hit) and tokens it had.
     pub connector_prefix_cache_queries: u64,
     pub connector_prefix_cache_hits: u64,
+    /// Encoder inputs: computed (inputs, tokens) and found cached.
+    pub num_encoder_inputs_computed: u64,
+    pub num_encoder_tokens_computed: u64,
+    pub encoder_cache_hits: u64,
     /// Scheduled requests and tokens of the most recent step (for the invariant check).
     pub last_num_scheduled_reqs: usize,
     pub last_num_scheduled_tokens: u64,
@@ -103,6 +108,10 @@ pub struct Scheduler {
     /// Blocks of finished requests kept for a KV transfer.
     pub(crate) held: Held,
     pub(crate) next_add_seq: u64,
+    /// The encoder cache (`encoder.rs`, driven by `encoder_sched.rs`).
+    pub(crate) encoder: EncoderCache,
+    /// Live requests' encoder-input hashes: (encoder tokens, number of live inputs with the hash).
+    pub(crate) encoder_sizes: HashMap<u64, (u32, u32)>,
 }
 
 fn bad_request(msg: String) -> SchedError {
@@ -126,6 +135,8 @@ impl Scheduler {
         };
         Ok(Scheduler {
             cpu: CpuBlockPool::new(config.num_cpu_blocks),
+            encoder: EncoderCache::new(u64::from(config.encoder_cache_size)),
+            encoder_sizes: HashMap::new(),
             recompute_cost_per_token: config.recompute_cost_per_token,
             swap_cost_per_block: config.swap_cost_per_block,
             waiting: WaitingQueue::new(config.policy),
@@ -251,6 +262,7 @@ impl Scheduler {
                 params.arrival_time
             )));
         }
+        self.check_encoder_inputs(req_id, prompt_len, &params.encoder_inputs).map_err(bad_request)?;
         let tenant_name = params.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
         crate::config::check_tenant_name(tenant_name)
             .map_err(|m| bad_request(format!("request {req_id:?}: {m}")))?;
@@ -309,7 +321,11 @@ impl Scheduler {
             // A request waiting for its grammar is parked (in no queue) until `set_ready`, unless the config
             // keeps it in `waiting` (vLLM 0.33's rule: skipped by each admission pass that reaches it).
             parked: params.waiting_for_grammar && self.config.park_grammar_waits,
+            encoder_held: vec![false; params.encoder_inputs.len()].into_boxed_slice(),
+            encoder_inputs: params.encoder_inputs.into_boxed_slice(),
+            num_encoder_held: 0,
         };
+        self.register_encoder_inputs(&req.encoder_inputs);
         self.next_add_seq += 1;
         self.num_deferred += usize::from(params.waiting_for_grammar);
         self.num_parked += usize::from(req.parked);
@@ -417,6 +433,7 @@ impl Scheduler {
         for (block, hash) in &rec.cached_blocks {
             self.kv.pool.uncache(*block, hash);
         }
+        let failed_encoder = rec.encoder_hashes;
         let mut ids = Vec::new();
         let (mut from_running, mut from_waiting) = (false, false);
         for &h in &rec.handles {
@@ -431,6 +448,11 @@ impl Scheduler {
             if self.slab.resolve(h).is_some() {
                 self.release_cpu_blocks(h.slot)?;
             }
+        }
+        // The encoder outputs this step was to compute may not exist: their entries leave the cache (only the
+        // step's requests, now aborted, referenced them) and are reported freed.
+        for hash in failed_encoder {
+            self.encoder.remove_unreferenced(hash, true);
         }
         self.epoch += 1;
         Ok(ids)
@@ -462,6 +484,7 @@ impl Scheduler {
             self.kv.free(req);
         }
         self.release_cpu_blocks(slot)?;
+        self.forget_encoder_inputs(slot)?;
         let req = self
             .slab
             .remove(slot)
@@ -578,7 +601,7 @@ impl Scheduler {
         // Hash only as far as a hit can reach.
         let reach = ((tokens.len() - 1) / bs) * bs;
         let mut hashes: Vec<BlockHash> = Vec::new();
-        self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra);
+        self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra, &[]);
         let mut hits = Vec::new();
         self.kv.find_longest_cache_hit(&hashes, tokens.len() as u32, &mut hits);
         Ok(hits.len() as u32 * self.config.kv_block_size())
@@ -634,6 +657,11 @@ impl Scheduler {
             num_recomputed_tokens: c.num_recomputed_tokens,
             num_free_cpu_blocks: self.cpu.num_free_blocks(),
             cpu_kv_cache_usage: self.cpu.usage(),
+            encoder_cache_usage: self.encoder.usage(),
+            num_encoder_cache_entries: self.encoder.num_entries(),
+            num_encoder_inputs_computed: c.num_encoder_inputs_computed,
+            num_encoder_tokens_computed: c.num_encoder_tokens_computed,
+            encoder_cache_hits: c.encoder_cache_hits,
         }
     }
 
@@ -762,6 +790,7 @@ impl Scheduler {
         }
         self.kv.pool.check(&held)?;
         self.check_swap_invariants()?;
+        self.check_encoder_invariants()?;
         let parked = self.slab.iter().filter(|r| r.parked).count();
         let loading =
             self.slab.iter().filter(|r| r.parked && r.status == RequestStatus::WaitingForRemoteKvs).count();

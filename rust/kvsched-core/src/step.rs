@@ -15,6 +15,7 @@
 //! pick sees them).
 
 use crate::config::{PauseState, Policy};
+use crate::encoder_sched::{release_encoder_refs, EncoderStep};
 use crate::error::Result;
 use crate::output::{SchedulerOutput, StepRecord};
 use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
@@ -134,6 +135,7 @@ impl Scheduler {
         // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund
         // must not have been charged).
         let mut prompt_chunks: Vec<(u32, u32, u32)> = Vec::new();
+        let mut enc = EncoderStep { budget: self.config.max_num_encoder_input_tokens, ..Default::default() };
         let prefill_scheduled = self.schedule_running(
             &mut b,
             &mut budget,
@@ -141,6 +143,7 @@ impl Scheduler {
             defer_prefills,
             &mut preempted,
             &mut prompt_chunks,
+            &mut enc,
         )?;
         let mut prefill_admitted = false;
         for (slot, start, n) in prompt_chunks {
@@ -154,8 +157,14 @@ impl Scheduler {
             // No probing when nobody can be admitted (a full batch or no budget): nothing would move.
             let can_admit = budget > 0 && self.running.len() < self.config.max_active_seqs();
             let plan = if can_admit { self.begin_admission() } else { None };
-            prefill_admitted =
-                self.admit_waiting(&mut b, &mut budget, threshold, prefill_scheduled, defer_prefills)?;
+            prefill_admitted = self.admit_waiting(
+                &mut b,
+                &mut budget,
+                threshold,
+                prefill_scheduled,
+                defer_prefills,
+                &mut enc,
+            )?;
             self.end_admission(plan);
             // A released step records whether it drained the waiting queue (vLLM's prefill_capacity_bound):
             // if it could not, throttling and the cadence stop deferring until a released step drains it.
@@ -170,11 +179,12 @@ impl Scheduler {
         if interval > 1 && (prefill_scheduled || prefill_admitted) {
             self.last_prefill_step = self.num_executed_steps as i64;
         }
-        self.finish_step(b, preempted)
+        self.finish_step(b, preempted, &enc)
     }
 
     /// Phase A: the running requests, in order. Returns whether a request scheduled here is still prefilling
     /// (vLLM's `prefill_scheduled`, which disables spec-decode padding of admissions).
+    #[allow(clippy::too_many_arguments)]
     fn schedule_running(
         &mut self,
         b: &mut Builder,
@@ -183,6 +193,7 @@ impl Scheduler {
         defer_prefills: bool,
         preempted: &mut Vec<ReqHandle>,
         prompt_chunks: &mut Vec<(u32, u32, u32)>,
+        enc: &mut EncoderStep,
     ) -> Result<bool> {
         let max_model_len = i64::from(self.config.max_model_len);
         let max_slots = i64::from(self.kv.max_slots);
@@ -220,7 +231,17 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let n = n as u32;
+            let mut n = n as u32;
+            // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
+            if !req.encoder_inputs.is_empty() {
+                n = self.plan_encoder(enc, slot, computed, n)?;
+                if n == 0 {
+                    self.rollback_encoder(enc, slot)?;
+                    i += 1;
+                    continue;
+                }
+            }
+            let req = self.slab.get_mut(slot)?;
             let first_new_block = req.blocks.len();
             let mut req = req;
             if self.kv.allocate_slots(req, n, &[], lookahead, 0).is_none() {
@@ -237,6 +258,8 @@ impl Scheduler {
                     if j < i {
                         i -= 1;
                     }
+                    // Its encoder budget of this step comes back; what it was to compute is handed over or dropped.
+                    self.abandon_encoder(enc, victim, slot)?;
                     preempted.push(self.preempt_victim(victim, computed_before, &mut b.out.swap_out)?);
                     if victim == slot {
                         self_preempted = true;
@@ -261,6 +284,9 @@ impl Scheduler {
             prefill_scheduled |= req.is_prefill_chunk;
             if computed < req.num_prompt_tokens {
                 prompt_chunks.push((slot, computed, n));
+            }
+            if !req.encoder_inputs.is_empty() {
+                Self::commit_encoder(&mut self.counters, enc);
             }
             req.num_computed_tokens += n;
             req.is_prefill_chunk = i64::from(req.num_computed_tokens) < i64::from(req.num_tokens()) + ph;
@@ -294,6 +320,7 @@ impl Scheduler {
         threshold: u32,
         prefill_scheduled: bool,
         defer_prefills: bool,
+        enc: &mut EncoderStep,
     ) -> Result<bool> {
         let mut prefill_admitted = false;
         let bs = self.config.kv_block_size();
@@ -429,8 +456,34 @@ impl Scheduler {
                 }
                 n = n.min(*budget);
             }
+            let planned_encoder = !load_async && !req.encoder_inputs.is_empty();
+            if planned_encoder {
+                n = self.plan_encoder(enc, h.slot, computed, n)?;
+                if n == 0 {
+                    // vLLM 0.33: an admission whose first encoder input does not fit is skipped (it keeps its place),
+                    // not a stop of the pass.
+                    self.rollback_encoder(enc, h.slot)?;
+                    let req = self.slab.get_mut(h.slot)?;
+                    if !req.deferred {
+                        req.deferred = true;
+                        self.num_deferred += 1;
+                    }
+                    if from_kv {
+                        self.kv_waiting.pop(&self.tenants);
+                        skipped_kv.push(h);
+                    } else {
+                        self.waiting.pop(&self.tenants);
+                        skipped.push(h);
+                    }
+                    continue;
+                }
+            }
+            let req = self.slab.get_mut(h.slot)?;
             let reserved = if self.running.is_empty() { 0 } else { watermark };
             if reserve_full_isl && !self.kv.full_sequence_fits(req, &hits, reserved) {
+                if planned_encoder {
+                    self.rollback_encoder(enc, h.slot)?;
+                }
                 break;
             }
             // `allocate_slots` counts the slots from `computed + hits`: `restored` for a swapped-in request.
@@ -449,7 +502,13 @@ impl Scheduler {
                 if computed_before == 0 {
                     req.num_computed_tokens = 0;
                 }
+                if planned_encoder {
+                    self.rollback_encoder(enc, h.slot)?;
+                }
                 break;
+            }
+            if planned_encoder {
+                Self::commit_encoder(&mut self.counters, enc);
             }
             complete_resume(
                 &mut self.cpu,
@@ -595,6 +654,7 @@ impl Scheduler {
     pub(crate) fn preempt(&mut self, slot: u32, drop_stale_output: bool) -> Result<ReqHandle> {
         let req = self.slab.get_mut(slot)?;
         self.kv.free(req);
+        release_encoder_refs(&mut self.encoder, req);
         req.num_lost_tokens = req.num_computed_tokens;
         req.num_computed_tokens = 0;
         req.spec_token_ids.clear();
@@ -612,8 +672,26 @@ impl Scheduler {
         Ok(handle)
     }
 
-    fn finish_step(&mut self, b: Builder, preempted: Vec<ReqHandle>) -> Result<SchedulerOutput> {
+    fn finish_step(
+        &mut self,
+        b: Builder,
+        preempted: Vec<ReqHandle>,
+        enc: &EncoderStep,
+    ) -> Result<SchedulerOutput> {
         let Builder { mut out, is_chunk, num_spec } = b;
+        let (enc_ids, enc_indptr, enc_hashes) = self.encoder_output(enc, &out.handles)?;
+        out.scheduled_encoder_inputs = enc_ids;
+        out.scheduled_encoder_inputs_indptr = enc_indptr;
+        if !enc_hashes.is_empty() {
+            self.counters.num_encoder_inputs_computed += enc_hashes.len() as u64;
+            for &(slot, i) in &enc.work {
+                let t = self.slab.get(slot)?.encoder_inputs[i as usize].num_tokens;
+                self.counters.num_encoder_tokens_computed += u64::from(t);
+            }
+        }
+        if self.encoder.has_freed() {
+            out.free_encoder_hashes = self.encoder.take_freed();
+        }
         let swapped_out: Vec<ReqHandle> = if out.swap_out.is_empty() {
             Vec::new()
         } else {
@@ -660,6 +738,7 @@ impl Scheduler {
             spec_token_ids_indptr: out.spec_token_ids_indptr.clone(),
             cached_blocks: std::mem::take(&mut self.kv.newly_cached),
             swapped_out,
+            encoder_hashes: enc_hashes,
         });
         Ok(out)
     }

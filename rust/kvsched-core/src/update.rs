@@ -173,6 +173,10 @@ impl Scheduler {
                 }
             }
             if rec.is_prefill_chunk[i] {
+                // vLLM frees the encoder inputs a request has consumed once the step has run.
+                if req.num_encoder_held > 0 {
+                    Self::release_consumed(&mut self.encoder, req);
+                }
                 continue;
             }
             let tokens = sampled.get(i);
@@ -185,6 +189,9 @@ impl Scheduler {
                 if req.num_output_placeholders > 0 {
                     req.num_output_placeholders = req.num_output_placeholders.saturating_sub(rejected);
                 }
+            }
+            if req.num_encoder_held > 0 {
+                Self::release_consumed(&mut self.encoder, req);
             }
             let was_running = req.status == RequestStatus::Running;
             let had_placeholders = req.num_output_placeholders > 0;

@@ -96,5 +96,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         dcp_world_size: u32_field("dcp_world_size")?,
         pcp_world_size: u32_field("pcp_world_size")?,
         cp_kv_cache_interleave_size: u32_field("cp_kv_cache_interleave_size")?,
+        max_num_encoder_input_tokens: u32_field("max_num_encoder_input_tokens")?,
+        encoder_cache_size: u32_field("encoder_cache_size")?,
+        disable_chunked_mm_input: bool_field("disable_chunked_mm_input")?,
     })
 }

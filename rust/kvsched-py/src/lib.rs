@@ -7,12 +7,13 @@
 //! arrays are moved into numpy without copying, and list/array views are built lazily on first access.
 //!
 //! Module layout: `errors` (error mapping, the panic guard), `convert` (argument conversion), `config` (config
-//! conversion), `connector` (a Python KV connector behind the core's trait), `output` (the per-step result classes), `scheduler` (the `Scheduler` class). This file only
+//! conversion), `encoder` (encoder-input conversion), `connector` (a Python KV connector behind the core's trait), `output` (the per-step result classes), `scheduler` (the `Scheduler` class). This file only
 //! registers them.
 
 mod config;
 mod connector;
 mod convert;
+mod encoder;
 mod errors;
 mod output;
 mod scheduler;

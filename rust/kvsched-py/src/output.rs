@@ -73,6 +73,10 @@ pub(crate) struct PySchedulerOutput {
     /// Flattened (GPU block, CPU block) and (CPU block, GPU block) pairs, shown as `(m, 2)` int32 arrays.
     pub(crate) swap_out: LazyArray<i32>,
     pub(crate) swap_in: LazyArray<i32>,
+    /// CSR aligned with the requests: indices of the encoder inputs computed in this step.
+    pub(crate) scheduled_encoder_inputs: LazyArray<i32>,
+    pub(crate) scheduled_encoder_inputs_indptr: LazyArray<i32>,
+    pub(crate) free_encoder_hashes: LazyArray<u64>,
     pub(crate) req_ids_cache: Option<Py<PyList>>,
     /// What the KV connector's `build_connector_meta(out)` returned (None without a connector).
     #[pyo3(get)]
@@ -139,6 +143,23 @@ impl PySchedulerOutput {
     #[getter]
     fn swap_in<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         pairs(py, &mut self.swap_in)
+    }
+
+    /// int32 CSR values aligned with `req_ids`: indices of the encoder inputs the runner computes this step.
+    #[getter]
+    fn scheduled_encoder_inputs<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.scheduled_encoder_inputs.get(py)
+    }
+
+    #[getter]
+    fn scheduled_encoder_inputs_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.scheduled_encoder_inputs_indptr.get(py)
+    }
+
+    /// uint64: encoder-cache entries evicted since the previous step (the runner drops their outputs).
+    #[getter]
+    fn free_encoder_hashes<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.free_encoder_hashes.get(py)
     }
 
     #[getter]

@@ -153,7 +153,7 @@ impl PyScheduler {
 
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, min_tokens=None, eos_token_id=None,
         ignore_eos=None, stop_token_ids=None, priority=None, arrival_time=None, cache_salt=None, lora_name=None,
-        tenant=None, ready=None, skip_reading_prefix_cache=None))]
+        tenant=None, ready=None, skip_reading_prefix_cache=None, encoder_inputs=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         slf: &Bound<'_, Self>,
@@ -171,6 +171,7 @@ impl PyScheduler {
         tenant: Option<&Bound<'_, PyAny>>,
         ready: Option<&Bound<'_, PyAny>>,
         skip_reading_prefix_cache: Option<&Bound<'_, PyAny>>,
+        encoder_inputs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let py = slf.py();
         let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
@@ -254,6 +255,7 @@ impl PyScheduler {
             tenant: opt_str_arg(tenant, "tenant")?,
             waiting_for_grammar: !ready,
             skip_reading_prefix_cache,
+            encoder_inputs: crate::encoder::encoder_inputs_arg(encoder_inputs)?,
         };
         let id_str = id_arg(req_id, "InvalidRequestError")?;
         let mut this = borrow_mut(slf)?;
@@ -335,6 +337,9 @@ impl PyScheduler {
                 spec_token_ids_indptr: LazyArray::Raw(out.spec_token_ids_indptr),
                 swap_out: LazyArray::Raw(out.swap_out),
                 swap_in: LazyArray::Raw(out.swap_in),
+                scheduled_encoder_inputs: LazyArray::Raw(out.scheduled_encoder_inputs),
+                scheduled_encoder_inputs_indptr: LazyArray::Raw(out.scheduled_encoder_inputs_indptr),
+                free_encoder_hashes: LazyArray::Raw(out.free_encoder_hashes),
                 req_ids_cache: None,
                 kv_connector_metadata: None,
             },
@@ -658,6 +663,11 @@ impl PyScheduler {
         d.set_item("cpu_kv_cache_usage", s.cpu_kv_cache_usage)?;
         d.set_item("connector_prefix_cache_queries", s.connector_prefix_cache_queries)?;
         d.set_item("connector_prefix_cache_hits", s.connector_prefix_cache_hits)?;
+        d.set_item("encoder_cache_usage", s.encoder_cache_usage)?;
+        d.set_item("num_encoder_cache_entries", s.num_encoder_cache_entries)?;
+        d.set_item("num_encoder_inputs_computed", s.num_encoder_inputs_computed)?;
+        d.set_item("num_encoder_tokens_computed", s.num_encoder_tokens_computed)?;
+        d.set_item("encoder_cache_hits", s.encoder_cache_hits)?;
         Ok(d)
     }
 

@@ -1,0 +1,419 @@
+//! Encoder inputs in the step loop: which inputs a step computes, how far a prefill chunk may reach, and when
+//! a request's references to the encoder cache (`encoder.rs`) are taken and dropped.
+//!
+//! The rules follow vLLM 0.33's `_try_schedule_encoder_inputs` (learned from reading it): a step walks the
+//! inputs that overlap the request's chunk `[computed, computed + n)`; an input whose hash is cached only adds a
+//! reference; any other input is computed this step if it fits the step's encoder budget and the cache
+//! (evicting freeable entries, oldest first), else the chunk is cut just before it (to 0 tokens when the chunk
+//! starts inside it). With `disable_chunked_mm_input` a chunk that would cover only part of an input stops
+//! before it. A request drops its reference to an input once its computed tokens (less output placeholders)
+//! pass the input's end, after the step's output is applied; preemption, finishing and aborting drop them all.
+//!
+//! Invariants (checked by `check_encoder_invariants`): the cache's references are exactly the `encoder_held`
+//! flags of live requests; a request holds no reference unless it is running; the cache's accounting holds.
+//!
+//! One deliberate difference from vLLM: here an entry is allocated when a request's plan takes it (vLLM
+//! allocates after the request's KV slots are allocated). So when a request scheduled earlier in the step is
+//! preempted (PRIORITY or FAIR victims), the entries it was to compute are not left cached without anyone
+//! computing them: each goes to the first request still referencing it (whose step output then lists it and
+//! whose encoder budget pays for it), or, with no reference left, leaves the cache at once. vLLM leaves such an
+//! entry cached, so a request sharing its hash would find no encoder output at the runner.
+
+use crate::encoder::EncoderInput;
+use crate::error::{Result, SchedError};
+use crate::request::Request;
+use crate::scheduler::Scheduler;
+
+/// The step's encoder bookkeeping.
+#[derive(Debug, Default)]
+pub(crate) struct EncoderStep {
+    /// Encoder tokens the step may still compute.
+    pub budget: u32,
+    /// Inputs the step computes, of requests already scheduled in it: (slot, input index).
+    pub work: Vec<(u32, u32)>,
+    /// The request being planned: inputs it computes if it is scheduled.
+    pub pending: Vec<(u32, u32)>,
+    /// The request being planned: inputs it started referencing in its plan.
+    pub newly: Vec<u32>,
+}
+
+fn internal(msg: String) -> SchedError {
+    SchedError::Internal(msg)
+}
+
+impl Scheduler {
+    /// Checks a request's encoder inputs against its prompt, the config, and the sizes other live requests and
+    /// the cache give the same hashes.
+    pub(crate) fn check_encoder_inputs(
+        &self,
+        req_id: &str,
+        prompt_len: usize,
+        inputs: &[EncoderInput],
+    ) -> std::result::Result<(), String> {
+        if inputs.is_empty() {
+            return Ok(());
+        }
+        let cfg = &self.config;
+        let limit = cfg.max_num_encoder_input_tokens.min(cfg.encoder_cache_size);
+        if limit == 0 {
+            return Err(format!(
+                "request {req_id:?} has encoder inputs, but max_num_encoder_input_tokens={} and \
+                 encoder_cache_size={} (both must be > 0 for encoder inputs)",
+                cfg.max_num_encoder_input_tokens, cfg.encoder_cache_size
+            ));
+        }
+        let mut prev_end = 0u64;
+        for (i, e) in inputs.iter().enumerate() {
+            let end = u64::from(e.start) + u64::from(e.num_tokens);
+            if e.num_tokens == 0 {
+                return Err(format!(
+                    "request {req_id:?}: encoder input {i} has no tokens (num_tokens must be >= 1)"
+                ));
+            }
+            if end > prompt_len as u64 {
+                return Err(format!(
+                    "request {req_id:?}: encoder input {i} covers prompt positions {}..{end}, beyond the prompt of \
+                     {prompt_len} tokens",
+                    e.start
+                ));
+            }
+            if i > 0 && u64::from(e.start) < prev_end {
+                return Err(format!(
+                    "request {req_id:?}: encoder input {i} starts at {} before the end of input {} ({prev_end}): \
+                     inputs must be sorted by start and must not overlap",
+                    e.start,
+                    i - 1
+                ));
+            }
+            prev_end = end;
+            if e.num_tokens > limit {
+                return Err(format!(
+                    "request {req_id:?}: encoder input {i} has {} tokens, more than a step can compute or the \
+                     encoder cache can hold (max_num_encoder_input_tokens={}, encoder_cache_size={})",
+                    e.num_tokens, cfg.max_num_encoder_input_tokens, cfg.encoder_cache_size
+                ));
+            }
+            if cfg.disable_chunked_mm_input {
+                let threshold = cfg.long_prefill_token_threshold;
+                let chunk = if threshold > 0 {
+                    threshold.min(cfg.max_num_batched_tokens)
+                } else {
+                    cfg.max_num_batched_tokens
+                };
+                if e.num_tokens > chunk {
+                    return Err(format!(
+                        "request {req_id:?}: encoder input {i} has {} tokens; with disable_chunked_mm_input a \
+                         chunk must cover it whole, but chunks stop at {chunk} tokens (max_num_batched_tokens, \
+                         long_prefill_token_threshold)",
+                        e.num_tokens
+                    ));
+                }
+            }
+            let known = inputs[..i]
+                .iter()
+                .find(|o| o.hash == e.hash)
+                .map(|o| u64::from(o.num_tokens))
+                .or_else(|| self.encoder_sizes.get(&e.hash).map(|&(s, _)| u64::from(s)))
+                .or_else(|| self.encoder.size_of(e.hash));
+            if let Some(size) = known {
+                if size != u64::from(e.num_tokens) {
+                    return Err(format!(
+                        "request {req_id:?}: encoder input {i} has hash {} with {} tokens, but that hash is known \
+                         with {size} tokens (equal hashes must mean equal content)",
+                        e.hash, e.num_tokens
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a new live request's input hashes (for the size check of later requests).
+    pub(crate) fn register_encoder_inputs(&mut self, inputs: &[EncoderInput]) {
+        for e in inputs {
+            self.encoder_sizes.entry(e.hash).or_insert((e.num_tokens, 0)).1 += 1;
+        }
+    }
+
+    /// A finished request: drops its references and its hashes' live counts.
+    pub(crate) fn forget_encoder_inputs(&mut self, slot: u32) -> Result<()> {
+        let req = self.slab.get_mut(slot)?;
+        if req.encoder_inputs.is_empty() {
+            return Ok(());
+        }
+        release_all(&mut self.encoder, req);
+        for e in req.encoder_inputs.iter() {
+            if let Some(v) = self.encoder_sizes.get_mut(&e.hash) {
+                v.1 -= 1;
+                if v.1 == 0 {
+                    self.encoder_sizes.remove(&e.hash);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Plans the encoder inputs of `slot`'s chunk of `n` tokens from `computed`: takes references to cached
+    /// inputs, allocates (and charges the budget for) the inputs to compute, and returns the chunk length, cut
+    /// before the first input that does not fit. The plan lives in `st.pending`/`st.newly` until
+    /// `commit_encoder` or `rollback_encoder`.
+    pub(crate) fn plan_encoder(
+        &mut self,
+        st: &mut EncoderStep,
+        slot: u32,
+        computed: u32,
+        n: u32,
+    ) -> Result<u32> {
+        let req = self.slab.get_mut(slot)?;
+        if n == 0 || req.encoder_inputs.is_empty() {
+            return Ok(n);
+        }
+        let mut n = n;
+        let end = computed + n;
+        let first = req.encoder_inputs.partition_point(|e| e.end() <= computed);
+        let key = u64::from(slot);
+        for i in first..req.encoder_inputs.len() {
+            let e = req.encoder_inputs[i];
+            if e.start >= end {
+                break;
+            }
+            if self.config.disable_chunked_mm_input && computed <= e.start && end < e.end() {
+                n = e.start - computed;
+                break;
+            }
+            if self.encoder.check_and_reference(e.hash, key, i as u32) {
+                if !req.encoder_held[i] {
+                    req.encoder_held[i] = true;
+                    req.num_encoder_held += 1;
+                    st.newly.push(i as u32);
+                }
+                continue;
+            }
+            let size = u64::from(e.num_tokens);
+            if !self.encoder.can_allocate(size, u64::from(st.budget), 0) {
+                n = if computed < e.start { n.min(e.start - computed) } else { 0 };
+                break;
+            }
+            if !self.encoder.allocate(e.hash, size, key, i as u32) {
+                return Err(internal(format!(
+                    "encoder input {i} of {:?} fit but could not be allocated",
+                    req.id
+                )));
+            }
+            st.budget -= e.num_tokens;
+            if !req.encoder_held[i] {
+                req.encoder_held[i] = true;
+                req.num_encoder_held += 1;
+            }
+            st.newly.push(i as u32);
+            st.pending.push((slot, i as u32));
+        }
+        Ok(n)
+    }
+
+    /// The planned request is scheduled: its computes join the step's.
+    pub(crate) fn commit_encoder(counters: &mut crate::scheduler::Counters, st: &mut EncoderStep) {
+        let hits = st.newly.len().saturating_sub(st.pending.len());
+        counters.encoder_cache_hits += hits as u64;
+        st.work.append(&mut st.pending);
+        st.newly.clear();
+    }
+
+    /// The planned request `slot` is not scheduled: the references its plan took are dropped, the inputs it was
+    /// to compute are refunded and leave the cache (nobody else can reference them).
+    pub(crate) fn rollback_encoder(&mut self, st: &mut EncoderStep, slot: u32) -> Result<()> {
+        if st.newly.is_empty() {
+            return Ok(());
+        }
+        let req = self.slab.get_mut(slot)?;
+        let key = u64::from(slot);
+        for &i in &st.newly {
+            let i = i as usize;
+            if req.encoder_held[i] {
+                req.encoder_held[i] = false;
+                req.num_encoder_held -= 1;
+                self.encoder.release(req.encoder_inputs[i].hash, key, i as u32);
+            }
+        }
+        st.newly.clear();
+        let pending = std::mem::take(&mut st.pending);
+        self.settle_uncomputed(st, pending, slot, slot)
+    }
+
+    /// Victim `victim` is preempted in the step (`current` is the request whose allocation preempts it, still
+    /// being planned): all its references go, its encoder budget of this step is refunded, and what it was to
+    /// compute this step is handed to another referencing request or leaves the cache.
+    pub(crate) fn abandon_encoder(&mut self, st: &mut EncoderStep, victim: u32, current: u32) -> Result<()> {
+        let removed: Vec<(u32, u32)> = if victim == current {
+            st.newly.clear();
+            std::mem::take(&mut st.pending)
+        } else {
+            let mut removed = Vec::new();
+            st.work.retain(|&w| {
+                if w.0 == victim {
+                    removed.push(w);
+                    false
+                } else {
+                    true
+                }
+            });
+            removed
+        };
+        let req = self.slab.get_mut(victim)?;
+        if req.num_encoder_held > 0 {
+            release_all(&mut self.encoder, req);
+        }
+        self.settle_uncomputed(st, removed, victim, current)
+    }
+
+    /// Inputs (of `owner`) that were to be computed this step but no longer are: the budget is refunded; an
+    /// entry still referenced is computed by its first referrer instead (charged again), an unreferenced one
+    /// leaves the cache.
+    fn settle_uncomputed(
+        &mut self,
+        st: &mut EncoderStep,
+        items: Vec<(u32, u32)>,
+        owner: u32,
+        current: u32,
+    ) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let req = self.slab.get(owner)?;
+        let inputs: Vec<EncoderInput> = items.iter().map(|&(_, i)| req.encoder_inputs[i as usize]).collect();
+        for e in &inputs {
+            st.budget += e.num_tokens;
+        }
+        for e in inputs {
+            match self.encoder.first_referrer(e.hash) {
+                Some((r, ri)) => {
+                    let r = r as u32;
+                    st.budget = st.budget.checked_sub(e.num_tokens).ok_or_else(|| {
+                        internal("encoder budget overdrawn while handing over an input".into())
+                    })?;
+                    if r == current && owner != current {
+                        st.pending.push((r, ri));
+                    } else {
+                        st.work.push((r, ri));
+                    }
+                }
+                None => {
+                    self.encoder.remove_unreferenced(e.hash, false);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After a step's output is applied to `req`: drops its references to inputs it has consumed (vLLM's
+    /// `_free_encoder_inputs`: the input ends at or before its computed tokens less output placeholders).
+    pub(crate) fn release_consumed(encoder: &mut crate::encoder::EncoderCache, req: &mut Request) {
+        let upto = req.num_computed_tokens.saturating_sub(req.num_output_placeholders);
+        let key = u64::from(req.handle.slot);
+        for i in 0..req.encoder_inputs.len() {
+            let e = req.encoder_inputs[i];
+            if e.end() > upto {
+                break;
+            }
+            if req.encoder_held[i] {
+                req.encoder_held[i] = false;
+                req.num_encoder_held -= 1;
+                encoder.release(e.hash, key, i as u32);
+            }
+        }
+    }
+
+    /// The CSR of the step's computed inputs aligned with `handles` (inputs ascending per request), and their
+    /// hashes in that order.
+    pub(crate) fn encoder_output(
+        &self,
+        st: &EncoderStep,
+        handles: &[crate::request::ReqHandle],
+    ) -> Result<(Vec<i32>, Vec<i32>, Vec<u64>)> {
+        let mut indptr = Vec::with_capacity(handles.len() + 1);
+        indptr.push(0i32);
+        if st.work.is_empty() {
+            indptr.resize(handles.len() + 1, 0);
+            return Ok((Vec::new(), indptr, Vec::new()));
+        }
+        let mut work = st.work.clone();
+        work.sort_unstable();
+        let mut ids = Vec::with_capacity(work.len());
+        let mut hashes = Vec::with_capacity(work.len());
+        for h in handles {
+            let a = work.partition_point(|w| w.0 < h.slot);
+            let b = work.partition_point(|w| w.0 <= h.slot);
+            if a < b {
+                let req = self.slab.get(h.slot)?;
+                for &(_, i) in &work[a..b] {
+                    ids.push(i as i32);
+                    hashes.push(req.encoder_inputs[i as usize].hash);
+                }
+            }
+            indptr.push(ids.len() as i32);
+        }
+        if ids.len() != work.len() {
+            return Err(internal("an encoder input is computed by a request not in the step".into()));
+        }
+        Ok((ids, indptr, hashes))
+    }
+
+    /// The encoder cache's references agree with the requests' `encoder_held` flags, and only running requests
+    /// hold any.
+    pub(crate) fn check_encoder_invariants(&self) -> std::result::Result<(), String> {
+        self.encoder.check_invariants()?;
+        let mut n = 0usize;
+        for r in self.slab.iter() {
+            let held = r.encoder_held.iter().filter(|&&h| h).count();
+            if held != r.num_encoder_held as usize {
+                return Err(format!(
+                    "request {:?}: {held} encoder inputs held, counted {}",
+                    r.id, r.num_encoder_held
+                ));
+            }
+            if held > 0 && r.status != crate::request::RequestStatus::Running {
+                return Err(format!(
+                    "request {:?} holds encoder-cache references but is {:?}",
+                    r.id, r.status
+                ));
+            }
+            n += held;
+        }
+        let mut refs = 0usize;
+        for (hash, req, input) in self.encoder.references() {
+            refs += 1;
+            let ok = self.slab.get(req as u32).ok().is_some_and(|r| {
+                r.encoder_held.get(input as usize) == Some(&true)
+                    && r.encoder_inputs.get(input as usize).is_some_and(|e| e.hash == hash)
+            });
+            if !ok {
+                return Err(format!(
+                    "encoder entry {hash} is referenced by slot {req} input {input}, which does not hold it"
+                ));
+            }
+        }
+        if refs != n {
+            return Err(format!("{refs} encoder-cache references, {n} held by requests"));
+        }
+        Ok(())
+    }
+}
+
+/// Drops every reference `req` holds, in input order.
+fn release_all(encoder: &mut crate::encoder::EncoderCache, req: &mut Request) {
+    let key = u64::from(req.handle.slot);
+    for i in 0..req.encoder_inputs.len() {
+        if req.encoder_held[i] {
+            req.encoder_held[i] = false;
+            encoder.release(req.encoder_inputs[i].hash, key, i as u32);
+        }
+    }
+    req.num_encoder_held = 0;
+}
+
+/// `release_all` for callers outside this module (preemption).
+pub(crate) fn release_encoder_refs(encoder: &mut crate::encoder::EncoderCache, req: &mut Request) {
+    if req.num_encoder_held > 0 {
+        release_all(encoder, req);
+    }
+}
