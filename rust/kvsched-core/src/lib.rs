@@ -59,6 +59,8 @@ mod connector_tests;
 #[cfg(test)]
 mod cp_tests;
 #[cfg(test)]
+mod encoder_tests;
+#[cfg(test)]
 mod policy_tests;
 #[cfg(test)]
 mod tests;

@@ -40,7 +40,8 @@ pub struct SchedulerOutput {
     pub swap_out: Vec<i32>,
     pub swap_in: Vec<i32>,
     /// CSR aligned with `handles`: indices (into the request's encoder inputs) of the inputs whose encoder the
-    /// runner computes in this step, ascending per request.
+    /// runner computes in this step, ascending per request. Both vectors are empty when the step computes no
+    /// encoder input (the Python binding then shows `num_reqs + 1` zeros).
     pub scheduled_encoder_inputs: Vec<i32>,
     pub scheduled_encoder_inputs_indptr: Vec<i32>,
     /// Encoder-cache entries evicted since the previous step: the runner drops their outputs.

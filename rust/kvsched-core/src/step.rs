@@ -198,6 +198,8 @@ impl Scheduler {
         let max_model_len = i64::from(self.config.max_model_len);
         let max_slots = i64::from(self.kv.max_slots);
         let lookahead = self.config.num_lookahead_tokens;
+        // Requests carry encoder inputs only with an encoder cache: without one their (cold) field is not read.
+        let has_encoder = self.encoder.capacity() > 0;
         let mut prefill_scheduled = false;
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
@@ -233,7 +235,7 @@ impl Scheduler {
             }
             let mut n = n as u32;
             // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
-            if !req.encoder_inputs.is_empty() {
+            if has_encoder && !req.encoder_inputs.is_empty() {
                 n = self.plan_encoder(enc, slot, computed, n)?;
                 if n == 0 {
                     self.rollback_encoder(enc, slot)?;
@@ -285,7 +287,7 @@ impl Scheduler {
             if computed < req.num_prompt_tokens {
                 prompt_chunks.push((slot, computed, n));
             }
-            if !req.encoder_inputs.is_empty() {
+            if has_encoder && !req.encoder_inputs.is_empty() {
                 Self::commit_encoder(&mut self.counters, enc);
             }
             req.num_computed_tokens += n;
@@ -333,6 +335,7 @@ impl Scheduler {
         let max_loras = self.config.max_loras as usize;
         let watermark = self.config.watermark_blocks();
         let any_running_scheduled = !b.out.handles.is_empty();
+        let has_encoder = self.encoder.capacity() > 0;
         // LoRA adapters of all running requests (scheduled this step or not), then of each admission.
         let mut loras: Vec<String> = Vec::new();
         if max_loras > 0 {
@@ -456,7 +459,7 @@ impl Scheduler {
                 }
                 n = n.min(*budget);
             }
-            let planned_encoder = !load_async && !req.encoder_inputs.is_empty();
+            let planned_encoder = has_encoder && !load_async && !req.encoder_inputs.is_empty();
             if planned_encoder {
                 n = self.plan_encoder(enc, h.slot, computed, n)?;
                 if n == 0 {
@@ -679,10 +682,12 @@ impl Scheduler {
         enc: &EncoderStep,
     ) -> Result<SchedulerOutput> {
         let Builder { mut out, is_chunk, num_spec } = b;
-        let (enc_ids, enc_indptr, enc_hashes) = self.encoder_output(enc, &out.handles)?;
-        out.scheduled_encoder_inputs = enc_ids;
-        out.scheduled_encoder_inputs_indptr = enc_indptr;
-        if !enc_hashes.is_empty() {
+        let mut enc_hashes = Vec::new();
+        if !enc.work.is_empty() {
+            let (enc_ids, enc_indptr, hashes) = self.encoder_output(enc, &out.handles)?;
+            out.scheduled_encoder_inputs = enc_ids;
+            out.scheduled_encoder_inputs_indptr = enc_indptr;
+            enc_hashes = hashes;
             self.counters.num_encoder_inputs_computed += enc_hashes.len() as u64;
             for &(slot, i) in &enc.work {
                 let t = self.slab.get(slot)?.encoder_inputs[i as usize].num_tokens;

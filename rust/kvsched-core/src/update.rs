@@ -155,6 +155,8 @@ impl Scheduler {
         let max_model_len = self.config.max_model_len;
         let block_mask = self.config.kv_block_size() as usize - 1;
         let spec_decoding = self.config.num_spec_tokens() > 0;
+        // Only requests of a scheduler with an encoder cache can hold encoder-cache references.
+        let has_encoder = self.encoder.capacity() > 0;
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         for i in 0..n {
@@ -174,7 +176,7 @@ impl Scheduler {
             }
             if rec.is_prefill_chunk[i] {
                 // vLLM frees the encoder inputs a request has consumed once the step has run.
-                if req.num_encoder_held > 0 {
+                if has_encoder && req.num_encoder_held > 0 {
                     Self::release_consumed(&mut self.encoder, req);
                 }
                 continue;
@@ -190,7 +192,7 @@ impl Scheduler {
                     req.num_output_placeholders = req.num_output_placeholders.saturating_sub(rejected);
                 }
             }
-            if req.num_encoder_held > 0 {
+            if has_encoder && req.num_encoder_held > 0 {
                 Self::release_consumed(&mut self.encoder, req);
             }
             let was_running = req.status == RequestStatus::Running;

@@ -151,8 +151,15 @@ impl PySchedulerOutput {
         self.scheduled_encoder_inputs.get(py)
     }
 
+    /// int32 offsets into `scheduled_encoder_inputs`, `num_reqs + 1` of them.
     #[getter]
     fn scheduled_encoder_inputs_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        // The core leaves the CSR empty for a step without encoder work: zeros, built on first access.
+        if let LazyArray::Raw(v) = &mut self.scheduled_encoder_inputs_indptr {
+            if v.is_empty() {
+                v.resize(self.ids.len() + 1, 0);
+            }
+        }
         self.scheduled_encoder_inputs_indptr.get(py)
     }
 
