@@ -55,7 +55,7 @@ impl SchedulerOutput {
 }
 
 /// The scheduler's own record of an in-flight step, used to validate and apply its output.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct StepRecord {
     pub step_id: u64,
     /// `Scheduler::epoch` right after this step was scheduled (`prepare_model_inputs` requires it unchanged).

@@ -73,6 +73,8 @@ pub struct Scheduler {
     pub(crate) scheduler_id: u64,
     pub(crate) next_step_id: u64,
     pub(crate) in_flight: VecDeque<StepRecord>,
+    /// The record of the last applied step, kept so that the next step's record reuses its buffers.
+    pub(crate) spare_record: Option<StepRecord>,
     pub(crate) finished_since_step: Vec<Arc<str>>,
     /// Bumped by every call that changes state; `prepare_model_inputs` requires it unchanged since `schedule()`.
     pub(crate) epoch: u64,
@@ -150,6 +152,7 @@ impl Scheduler {
             scheduler_id: NEXT_SCHEDULER_ID.fetch_add(1, Ordering::Relaxed),
             next_step_id: 0,
             in_flight: VecDeque::new(),
+            spare_record: None,
             finished_since_step: Vec::new(),
             epoch: 0,
             counters: Counters::default(),

@@ -22,15 +22,25 @@ use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::Scheduler;
 use crate::swap::{complete_resume, restored_tokens};
 
-/// The step's output under construction plus what the scheduler records about it.
+/// The step's output under construction plus what the scheduler records about it. `rec` is the record of an
+/// applied step handed back for reuse (or a new one): its vectors keep their capacity, so recording a step
+/// allocates nothing once the scheduler is warm.
 struct Builder {
     out: SchedulerOutput,
     is_chunk: Vec<bool>,
     num_spec: Vec<u32>,
+    rec: StepRecord,
 }
 
 impl Builder {
-    fn with_capacity(n: usize) -> Self {
+    #[inline(always)]
+    fn with_capacity(n: usize, mut rec: StepRecord) -> Self {
+        let mut is_chunk = std::mem::take(&mut rec.is_prefill_chunk);
+        let mut num_spec = std::mem::take(&mut rec.num_spec_tokens);
+        is_chunk.clear();
+        num_spec.clear();
+        is_chunk.reserve(n);
+        num_spec.reserve(n);
         let mut out = SchedulerOutput {
             handles: Vec::with_capacity(n),
             num_scheduled_tokens: Vec::with_capacity(n),
@@ -42,7 +52,7 @@ impl Builder {
         };
         out.new_block_ids_indptr.push(0);
         out.spec_token_ids_indptr.push(0);
-        Builder { out, is_chunk: Vec::with_capacity(n), num_spec: Vec::with_capacity(n) }
+        Builder { out, is_chunk, num_spec, rec }
     }
 
     /// Appends one scheduled request; `computed` is its count before this step.
@@ -129,7 +139,8 @@ impl Scheduler {
         {
             defer_prefills = true;
         }
-        let mut b = Builder::with_capacity(self.running.len() + 8);
+        let spare = self.spare_record.take().unwrap_or_default();
+        let mut b = Builder::with_capacity(self.running.len() + 8, spare);
         self.kv.newly_cached.clear(); // what updates cached since the previous step is not this step's
         let mut preempted: Vec<ReqHandle> = Vec::new();
         // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund
@@ -681,7 +692,7 @@ impl Scheduler {
         preempted: Vec<ReqHandle>,
         enc: &EncoderStep,
     ) -> Result<SchedulerOutput> {
-        let Builder { mut out, is_chunk, num_spec } = b;
+        let Builder { mut out, is_chunk, num_spec, mut rec } = b;
         let mut enc_hashes = Vec::new();
         if !enc.work.is_empty() {
             let (enc_ids, enc_indptr, hashes) = self.encoder_output(enc, &out.handles)?;
@@ -730,21 +741,27 @@ impl Scheduler {
         self.counters.last_num_scheduled_reqs = out.handles.len();
         self.counters.last_num_scheduled_tokens = out.total_num_scheduled_tokens;
         self.epoch += 1;
-        self.in_flight.push_back(StepRecord {
-            step_id,
-            epoch: self.epoch,
-            handles: out.handles.clone(),
-            num_finished_at_schedule: self.counters.num_finished_reqs,
-            is_prefill_chunk: is_chunk,
-            num_spec_tokens: num_spec,
-            num_computed_tokens: out.num_computed_tokens.clone(),
-            num_scheduled_tokens: out.num_scheduled_tokens.clone(),
-            spec_token_ids: out.spec_token_ids.clone(),
-            spec_token_ids_indptr: out.spec_token_ids_indptr.clone(),
-            cached_blocks: std::mem::take(&mut self.kv.newly_cached),
-            swapped_out,
-            encoder_hashes: enc_hashes,
-        });
+        // The record reuses the buffers of an applied step's record (copies into kept capacity, no allocation).
+        fn refill<T: Copy>(dst: &mut Vec<T>, src: &[T]) {
+            dst.clear();
+            dst.extend_from_slice(src);
+        }
+        rec.step_id = step_id;
+        rec.epoch = self.epoch;
+        refill(&mut rec.handles, &out.handles);
+        rec.num_finished_at_schedule = self.counters.num_finished_reqs;
+        rec.is_prefill_chunk = is_chunk;
+        rec.num_spec_tokens = num_spec;
+        refill(&mut rec.num_computed_tokens, &out.num_computed_tokens);
+        refill(&mut rec.num_scheduled_tokens, &out.num_scheduled_tokens);
+        refill(&mut rec.spec_token_ids, &out.spec_token_ids);
+        refill(&mut rec.spec_token_ids_indptr, &out.spec_token_ids_indptr);
+        // This step's cached blocks go to the record; the kv manager keeps the old record's (emptied) buffer.
+        rec.cached_blocks.clear();
+        std::mem::swap(&mut rec.cached_blocks, &mut self.kv.newly_cached);
+        rec.swapped_out = swapped_out;
+        rec.encoder_hashes = enc_hashes;
+        self.in_flight.push_back(rec);
         Ok(out)
     }
 }

@@ -84,6 +84,8 @@ pub(crate) fn restored_tokens(req: &Request, num_hit_tokens: u32) -> u32 {
 /// Phase B, after `req` was admitted (its table: the `num_hits` hit blocks, then fresh blocks): emits a
 /// `swap_in` pair for each of its swapped blocks past the hits that the hits do not cover, releases its CPU
 /// blocks, and counts the tokens it lost at its last preemption and did not get back.
+/// Runs at every admission, so the swap-in itself is kept out of line (never reached under `recompute`).
+#[inline]
 pub(crate) fn complete_resume(
     cpu: &mut CpuBlockPool,
     counters: &mut Counters,
@@ -97,6 +99,18 @@ pub(crate) fn complete_resume(
     if req.cpu_blocks.is_empty() {
         return Ok(());
     }
+    resume_swapped(cpu, counters, req, num_hits, restored, swap_in)
+}
+
+#[inline(never)]
+fn resume_swapped(
+    cpu: &mut CpuBlockPool,
+    counters: &mut Counters,
+    req: &mut Request,
+    num_hits: usize,
+    restored: u32,
+    swap_in: &mut Vec<i32>,
+) -> Result<()> {
     if req.num_swapped_tokens == restored {
         for i in num_hits..req.cpu_blocks.len() {
             let gpu = req.blocks.get(i).ok_or_else(|| {

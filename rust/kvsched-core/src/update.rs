@@ -252,6 +252,8 @@ impl Scheduler {
                 }
             }
         }
+        // The next step's record reuses this one's buffers.
+        self.spare_record = Some(rec);
         self.tenants.flush_decode();
         self.remove_finished_from_queues(any_running_finished, any_waiting_finished);
         Ok(res)
