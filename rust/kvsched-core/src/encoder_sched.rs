@@ -129,6 +129,8 @@ impl Scheduler {
     }
 
     /// Records a new live request's input hashes (for the size check of later requests).
+    #[cold]
+    #[inline(never)]
     pub(crate) fn register_encoder_inputs(&mut self, inputs: &[EncoderInput]) {
         for e in inputs {
             self.encoder_sizes.entry(e.hash).or_insert((e.num_tokens, 0)).1 += 1;
@@ -136,6 +138,8 @@ impl Scheduler {
     }
 
     /// A finished request: drops its references and its hashes' live counts.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn forget_encoder_inputs(&mut self, slot: u32) -> Result<()> {
         let req = self.slab.get_mut(slot)?;
         if req.encoder_inputs.is_empty() {
@@ -157,6 +161,8 @@ impl Scheduler {
     /// inputs, allocates (and charges the budget for) the inputs to compute, and returns the chunk length, cut
     /// before the first input that does not fit. The plan lives in `st.pending`/`st.newly` until
     /// `commit_encoder` or `rollback_encoder`.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn plan_encoder(
         &mut self,
         st: &mut EncoderStep,
@@ -212,6 +218,8 @@ impl Scheduler {
     }
 
     /// The planned request is scheduled: its computes join the step's.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn commit_encoder(counters: &mut crate::scheduler::Counters, st: &mut EncoderStep) {
         let hits = st.newly.len().saturating_sub(st.pending.len());
         counters.encoder_cache_hits += hits as u64;
@@ -221,6 +229,8 @@ impl Scheduler {
 
     /// The planned request `slot` is not scheduled: the references its plan took are dropped, the inputs it was
     /// to compute are refunded and leave the cache (nobody else can reference them).
+    #[cold]
+    #[inline(never)]
     pub(crate) fn rollback_encoder(&mut self, st: &mut EncoderStep, slot: u32) -> Result<()> {
         if st.newly.is_empty() {
             return Ok(());
@@ -243,6 +253,8 @@ impl Scheduler {
     /// Victim `victim` is preempted in the step (`current` is the request whose allocation preempts it, still
     /// being planned): all its references go, its encoder budget of this step is refunded, and what it was to
     /// compute this step is handed to another referencing request or leaves the cache.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn abandon_encoder(&mut self, st: &mut EncoderStep, victim: u32, current: u32) -> Result<()> {
         let removed: Vec<(u32, u32)> = if victim == current {
             st.newly.clear();
@@ -269,6 +281,8 @@ impl Scheduler {
     /// Inputs (of `owner`) that were to be computed this step but no longer are: the budget is refunded; an
     /// entry still referenced is computed by its first referrer instead (charged again), an unreferenced one
     /// leaves the cache.
+    #[cold]
+    #[inline(never)]
     fn settle_uncomputed(
         &mut self,
         st: &mut EncoderStep,
@@ -307,6 +321,8 @@ impl Scheduler {
 
     /// After a step's output is applied to `req`: drops its references to inputs it has consumed (vLLM's
     /// `_free_encoder_inputs`: the input ends at or before its computed tokens less output placeholders).
+    #[cold]
+    #[inline(never)]
     pub(crate) fn release_consumed(encoder: &mut crate::encoder::EncoderCache, req: &mut Request) {
         let upto = req.num_computed_tokens.saturating_sub(req.num_output_placeholders);
         let key = u64::from(req.handle.slot);
@@ -326,6 +342,8 @@ impl Scheduler {
     /// The CSR of the step's computed inputs aligned with `handles` (inputs ascending per request), and their
     /// hashes in that order. All empty when the step computes no input (the common case costs nothing; the
     /// binding shows an indptr of zeros).
+    #[cold]
+    #[inline(never)]
     pub(crate) fn encoder_output(
         &self,
         st: &EncoderStep,
@@ -412,6 +430,8 @@ fn release_all(encoder: &mut crate::encoder::EncoderCache, req: &mut Request) {
 }
 
 /// `release_all` for callers outside this module (preemption).
+#[cold]
+#[inline(never)]
 pub(crate) fn release_encoder_refs(encoder: &mut crate::encoder::EncoderCache, req: &mut Request) {
     if req.num_encoder_held > 0 {
         release_all(encoder, req);

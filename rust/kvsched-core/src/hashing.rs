@@ -93,7 +93,15 @@ impl BlockHasher {
                 buf.extend_from_slice(salt.as_bytes());
             }
         }
-        let block_end = block_start + tokens.len() as u32;
+        if !mm.is_empty() {
+            Self::encode_mm(buf, mm, block_start, block_start + tokens.len() as u32);
+        }
+        buf.push(TAG_END);
+    }
+
+    /// The encoder inputs overlapping `block_start..block_end`: (content hash, start relative to the block).
+    #[cold]
+    fn encode_mm(buf: &mut Vec<u8>, mm: &[EncoderInput], block_start: u32, block_end: u32) {
         for e in mm.iter().skip(mm.partition_point(|e| e.end() <= block_start)) {
             if e.start >= block_end {
                 break;
@@ -102,7 +110,6 @@ impl BlockHasher {
             buf.extend_from_slice(&e.hash.to_le_bytes());
             buf.extend_from_slice(&(i64::from(e.start) - i64::from(block_start)).to_le_bytes());
         }
-        buf.push(TAG_END);
     }
 
     fn digest(&self, bytes: &[u8]) -> BlockHash {

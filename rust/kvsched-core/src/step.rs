@@ -246,15 +246,19 @@ impl Scheduler {
             }
             let mut n = n as u32;
             // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
-            if has_encoder && !req.encoder_inputs.is_empty() {
+            // (Text-only requests keep their borrow: no second slab lookup on the common path.)
+            let planned = has_encoder && !req.encoder_inputs.is_empty();
+            let req = if planned {
                 n = self.plan_encoder(enc, slot, computed, n)?;
                 if n == 0 {
                     self.rollback_encoder(enc, slot)?;
                     i += 1;
                     continue;
                 }
-            }
-            let req = self.slab.get_mut(slot)?;
+                self.slab.get_mut(slot)?
+            } else {
+                req
+            };
             let first_new_block = req.blocks.len();
             let mut req = req;
             if self.kv.allocate_slots(req, n, &[], lookahead, 0).is_none() {
@@ -298,7 +302,7 @@ impl Scheduler {
             if computed < req.num_prompt_tokens {
                 prompt_chunks.push((slot, computed, n));
             }
-            if has_encoder && !req.encoder_inputs.is_empty() {
+            if planned {
                 Self::commit_encoder(&mut self.counters, enc);
             }
             req.num_computed_tokens += n;
@@ -471,7 +475,7 @@ impl Scheduler {
                 n = n.min(*budget);
             }
             let planned_encoder = has_encoder && !load_async && !req.encoder_inputs.is_empty();
-            if planned_encoder {
+            let req = if planned_encoder {
                 n = self.plan_encoder(enc, h.slot, computed, n)?;
                 if n == 0 {
                     // vLLM 0.33: an admission whose first encoder input does not fit is skipped (it keeps its place),
@@ -491,8 +495,10 @@ impl Scheduler {
                     }
                     continue;
                 }
-            }
-            let req = self.slab.get_mut(h.slot)?;
+                self.slab.get_mut(h.slot)?
+            } else {
+                req
+            };
             let reserved = if self.running.is_empty() { 0 } else { watermark };
             if reserve_full_isl && !self.kv.full_sequence_fits(req, &hits, reserved) {
                 if planned_encoder {
