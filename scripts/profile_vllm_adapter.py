@@ -2,8 +2,9 @@
 
 Replays one ``kvsched bench`` workload through the adapter exactly as ``kvsched bench --impl vllm-adapter`` does
 (same driver, same loop, warm-up, ``gc.freeze``), with timers around the parts that are not the adapter's own
-Python: the Rust core's ``schedule()`` and ``update_from_output()``, and vLLM's block hasher (called for a
-request whose new token fills a block, as vLLM's own scheduler does). Everything else in ``schedule()`` and
+Python: the Rust core's ``schedule()`` and ``update_from_output()``, and the block hashing of a request whose new token
+fills a block (vLLM's own scheduler hashes it too): the core's ``vllm_sha256_block_hashes`` for vLLM's default
+SHA-256 hash of a block without extra keys, vLLM's block hasher otherwise. Everything else in ``schedule()`` and
 ``update_from_output()`` is the adapter's Python (mirroring vLLM's request fields, building vLLM's
 ``SchedulerOutput``, ``EngineCoreOutput`` objects and ``SchedulerStats``). Prints per-step medians over the
 steps with the workload's most common number of scheduled requests (the steady state), and over all steps.
@@ -25,6 +26,7 @@ import numpy as np
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+import kvsched.vllm.scheduler as adapter_module
 from kvsched.bench import harness
 from kvsched.bench.workloads import Workload, generate, get_scenario
 
@@ -54,30 +56,42 @@ class Timer:
         return ns
 
 
+core_hash = adapter_module.vllm_sha256_block_hashes
+
+
 def run_once(config: Any, wl: Workload) -> np.ndarray:
     """One timed run; rows of (scheduled requests, schedule ns, core schedule ns, update ns, core update ns,
-    hasher ns), one per step."""
+    vLLM hasher ns, core block hash ns), one per step."""
     driver: Any = harness.make_driver("vllm-adapter", config)
     sched = driver._sched
     core = sched._core
     t_core_sched, t_core_upd, t_hash, t_sched, t_upd = Timer(), Timer(), Timer(), Timer(), Timer()
+    t_core_hash = Timer()
     core.schedule = t_core_sched.wrap(core.schedule)
     core.update_from_output = t_core_upd.wrap(core.update_from_output)
     if driver._block_hasher is not None:
-        driver._block_hasher = t_hash.wrap(driver._block_hasher)
+        # The timed wrapper is a new object: tell the adapter whether the core may hash for it, as it would have
+        # decided for vLLM's hasher itself.
+        hasher = driver._block_hasher
+        driver._block_hasher = t_hash.wrap(hasher)
+        sched._hasher_in_core[driver._block_hasher] = adapter_module._is_vllm_sha256_hasher(
+            hasher, sched.hash_block_size
+        )
+    adapter_module.vllm_sha256_block_hashes = t_core_hash.wrap(core_hash)
     rows: list[tuple[int, ...]] = []
     schedule, update = t_sched.wrap(sched.schedule), t_upd.wrap(sched.update_from_output)
     num_sched = [0]
 
     def timed_schedule() -> Any:
         t_hash.take()  # prompt hashing in add_request is not part of the step
+        t_core_hash.take()
         out = schedule()
         num_sched[0] = len(out.num_scheduled_tokens)
         return out
 
     def timed_update(out: Any, mro: Any) -> Any:
         res = update(out, mro)
-        rows.append((num_sched[0], t_sched.take(), t_core_sched.take(), t_upd.take(), t_core_upd.take(), t_hash.take()))
+        rows.append((num_sched[0], t_sched.take(), t_core_sched.take(), t_upd.take(), t_core_upd.take(), t_hash.take(), t_core_hash.take()))
         return res
 
     driver.schedule_fn = lambda: timed_schedule
@@ -88,6 +102,7 @@ def run_once(config: Any, wl: Workload) -> np.ndarray:
         harness._loop(driver, wl, max_steps=None, record=True)
     finally:
         gc.unfreeze()
+        adapter_module.vllm_sha256_block_hashes = core_hash
     return np.array(rows, dtype=np.int64)
 
 
@@ -110,7 +125,7 @@ def main() -> None:
     counts = np.bincount(data[:, 0])
     steady = data[data[:, 0] == counts.argmax()]
     for label, sel in ((f"steady state ({counts.argmax()} scheduled, {len(steady)} steps)", steady), ("all", data)):
-        sched_ns, core_s, upd_ns, core_u, hash_ns = (sel[:, i] for i in range(1, 6))
+        sched_ns, core_s, upd_ns, core_u, hash_ns, core_hash_ns = (sel[:, i] for i in range(1, 7))
         parts = [
             ("schedule(): total", sched_ns),
             ("  Rust core schedule()", core_s),
@@ -118,7 +133,8 @@ def main() -> None:
             ("update_from_output(): total", upd_ns),
             ("  Rust core update_from_output()", core_u),
             ("  vLLM block hasher (blocks that filled)", hash_ns),
-            ("  adapter Python", upd_ns - core_u - hash_ns),
+            ("  core's SHA-256 block hashes (same)", core_hash_ns),
+            ("  adapter Python", upd_ns - core_u - hash_ns - core_hash_ns),
             ("schedule + update", sched_ns + upd_ns),
         ]
         print(f"workload {args.workload}, {label}: median µs per step")

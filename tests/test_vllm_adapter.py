@@ -310,3 +310,44 @@ def test_a_grammar_wait_keeps_its_place_in_waiting_as_in_vllm_033(monkeypatch: p
         admitted += [r for r in out[1].scheduled_new_reqs]  # type: ignore[attr-defined]
     assert [r.req_id for r in admitted][:1] == ["c"]
     compare("status", reqs[0].status, reqs[1].status)  # type: ignore[attr-defined]
+
+
+def test_decode_block_hashes_come_from_the_core_and_equal_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block that fills while decoding gets vLLM's SHA-256 hash from kvsched's core; blocks with extra keys (a
+    salted first block, a LoRA adapter) and other hash functions go through vLLM's hasher. Each way the request's
+    ``block_hashes`` equal those vLLM's scheduler leaves."""
+    import kvsched.vllm.scheduler as adapter
+    from vllm.utils.hashing import sha256, sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    calls: list[object] = []
+    real = adapter.vllm_sha256_block_hashes
+
+    def counted(*args: object) -> object:
+        calls.append(args)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adapter, "vllm_sha256_block_hashes", counted)
+    pair = _pair(block_size=4, num_blocks=64, max_loras=1)
+    _add(pair, "plain", [1, 2, 3, 4, 5, 6], max_tokens=12, block_size=4)
+    _add(pair, "salted", [5, 6], cache_salt="s", max_tokens=12, block_size=4)  # block 0 fills while decoding
+    _add(pair, "lora", [7, 8, 9, 10, 11], lora_name="l", max_tokens=12, block_size=4)
+    # Another hash function (an engine uses one for all its requests; this prompt shares no block with the others).
+    cbor = get_request_block_hasher(4, sha256_cbor)
+    for s in pair:
+        request = make_request("cbor", [21, 22, 23, 24, 25], max_tokens=12, block_size=4)
+        request._block_hasher = cbor
+        s.add_request(request)  # type: ignore[attr-defined]
+    requests = [dict(s.requests) for s in pair]  # type: ignore[attr-defined]
+    for _ in range(8):
+        _step(pair)
+    assert calls  # the plain request's decode blocks
+    for rid in ("plain", "salted", "lora", "cbor"):
+        hashes = [r[rid].block_hashes for r in requests]
+        assert len(hashes[0]) >= 2
+        assert hashes[1] == hashes[0], rid
+    assert adapter._is_vllm_sha256_hasher(get_request_block_hasher(4, sha256), 4)
+    assert not adapter._is_vllm_sha256_hasher(get_request_block_hasher(8, sha256), 4)
+    assert not adapter._is_vllm_sha256_hasher(get_request_block_hasher(4, sha256, 1), 4)
+    assert not adapter._is_vllm_sha256_hasher(cbor, 4)
+    assert not adapter._is_vllm_sha256_hasher(len, 4)

@@ -9,12 +9,16 @@ from typing_extensions import Self, disjoint_base
 
 from .config import SchedulerConfig
 
-__all__ = ["MAX_TOKEN_ID", "ModelInputs", "Scheduler", "SchedulerOutput", "UpdateResult"]
+__all__ = ["MAX_TOKEN_ID", "ModelInputs", "Scheduler", "SchedulerOutput", "UpdateResult", "vllm_sha256_block_hashes"]
 
 MAX_TOKEN_ID: int
 
 _TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 _Ragged = tuple[npt.NDArray[np.integer[Any]], npt.NDArray[np.integer[Any]]] | Sequence[_TokenIds]
+
+def vllm_sha256_block_hashes(parent: bytes, token_ids: _TokenIds, block_size: int) -> list[bytes]:
+    """vLLM's SHA-256 hashes (``sha256(pickle((parent, tuple(block), None)))``) of the full blocks of
+    ``token_ids``, chained from ``parent``; only for blocks without extra keys."""
 
 @final
 class SchedulerOutput:

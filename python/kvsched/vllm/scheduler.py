@@ -29,6 +29,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
+from kvsched._core import vllm_sha256_block_hashes
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
 from kvsched.scheduler import Scheduler as _CoreScheduler
@@ -67,6 +68,32 @@ def _lora_key(lora_request: Any) -> str | None:
     if lora_request is None:
         return None
     return f"{lora_request.lora_name}\x00{lora_request.lora_path}"
+
+
+def _is_vllm_sha256_hasher(hasher: Any, hash_block_size: int) -> bool:
+    """Whether ``hasher`` (a ``Request``'s block hasher) is vLLM's ``get_request_block_hasher`` closure with the
+    pickle-based SHA-256 (vLLM's default ``prefix_caching_hash_algo``), no lookahead tokens and this hash block
+    size. Then kvsched's core can compute the hashes of its blocks that have no extra keys
+    (:func:`kvsched._core.vllm_sha256_block_hashes`); one hash is checked against vLLM's own function first, so a
+    Python whose pickle differs falls back to vLLM's hasher."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, hash_block_tokens
+
+    code = getattr(hasher, "__code__", None)
+    if code is None or code is not get_request_block_hasher(hash_block_size, sha256).__code__:
+        return False
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in hasher.__closure__ or ()), strict=False))
+    if (
+        cells.get("caching_hash_fn") is not sha256
+        or cells.get("num_hash_lookahead_tokens") != 0
+        or cells.get("hash_block_size") != hash_block_size
+    ):
+        return False
+    hash_fn: Any = sha256
+    parent = hash_fn(b"kvsched.vllm")
+    tokens = [(i * 7919) % 70001 + (i % 5) * 2**31 - 2**20 for i in range(hash_block_size)]
+    want = hash_block_tokens(hash_fn, parent, tokens, None)
+    return bool(vllm_sha256_block_hashes(parent, tokens, hash_block_size) == [want])
 
 
 class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped here
@@ -154,6 +181,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # Spec-decoding stats of the update being applied, and its grammar-invalidated draft counts.
         self._spec_stats: SpecDecodingStats | None = None
         self._num_invalid_spec_tokens: dict[str, int] | None = None
+        # Block hashers seen on requests -> whether the core can compute their hashes (_is_vllm_sha256_hasher).
+        self._hasher_in_core: dict[Any, bool] = {}
         self.current_step = 0
 
     # ---- requests ---------------------------------------------------------------------------------------
@@ -625,6 +654,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if finished or spec_sched or nans:
             slow = slow.union(finished, spec_sched, nans or ())
         hasher_block = self.hash_block_size
+        hasher_in_core = self._hasher_in_core
         async_sched = self.async_scheduling
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         client0: list[EngineCoreOutput] = []
@@ -667,12 +697,23 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             request._output_token_ids.extend(generated)
             all_tokens = request._all_token_ids
             all_tokens.extend(generated)
-            # A block filled up: vLLM's hasher appends its hash (the request's hashes always cover its full
-            # blocks, so only a step that crosses a block boundary adds one).
+            # A block filled up: its hash joins the request's (they always cover its full blocks, so only a step
+            # that crosses a block boundary adds one). vLLM's default SHA-256 hash of a block without extra keys
+            # (no LoRA; multimodal inputs and prompt embeddings are refused; a cache salt only keys block 0)
+            # comes from the core, every other one from vLLM's hasher.
             if len(all_tokens) % hasher_block < len(generated):
                 hasher = request._block_hasher
                 if hasher is not None:
-                    request.block_hashes.extend(hasher(request))
+                    hashes = request.block_hashes
+                    in_core = hasher_in_core.get(hasher)
+                    if in_core is None:
+                        in_core = hasher_in_core[hasher] = _is_vllm_sha256_hasher(hasher, hasher_block)
+                    if in_core and hashes and request.lora_request is None:
+                        hashes += vllm_sha256_block_hashes(
+                            hashes[-1], all_tokens[len(hashes) * hasher_block :], hasher_block
+                        )
+                    else:
+                        hashes.extend(hasher(request))
             if async_sched and request.num_output_placeholders > 0:
                 request.num_output_placeholders -= len(generated)
             fast_ids.append(req_id)

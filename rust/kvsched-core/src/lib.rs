@@ -35,6 +35,7 @@ mod introspect;
 pub mod kv_cache_manager;
 pub mod model_inputs;
 pub mod output;
+pub mod pickle_hash;
 pub mod queue;
 pub mod request;
 pub mod scheduler;

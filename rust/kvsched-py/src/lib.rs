@@ -7,8 +7,8 @@
 //! arrays are moved into numpy without copying, and list/array views are built lazily on first access.
 //!
 //! Module layout: `errors` (error mapping, the panic guard), `convert` (argument conversion), `config` (config
-//! conversion), `encoder` (encoder-input conversion), `connector` (a Python KV connector behind the core's trait), `output` (the per-step result classes), `scheduler` (the `Scheduler` class). This file only
-//! registers them.
+//! conversion), `encoder` (encoder-input conversion), `connector` (a Python KV connector behind the core's trait), `output` (the per-step result classes), `scheduler` (the `Scheduler` class), `vllm_hash` (vLLM's SHA-256
+//! block hash, for `kvsched.vllm`). This file only registers them.
 
 mod config;
 mod connector;
@@ -17,6 +17,7 @@ mod encoder;
 mod errors;
 mod output;
 mod scheduler;
+mod vllm_hash;
 
 use kvsched_core as core;
 use pyo3::prelude::*;
@@ -30,6 +31,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySchedulerOutput>()?;
     m.add_class::<PyUpdateResult>()?;
     m.add_class::<PyModelInputs>()?;
+    m.add_function(wrap_pyfunction!(vllm_hash::vllm_sha256_block_hashes, m)?)?;
     m.add("MAX_TOKEN_ID", core::MAX_TOKEN_ID)?;
     Ok(())
 }
