@@ -14,10 +14,11 @@ output and every request's state with vLLM's own scheduler after every call.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY
@@ -48,6 +49,7 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+_OUTPUT_TOKEN_IDS = operator.attrgetter("_output_token_ids")
 _KV_WAITING_FOR_GRAMMAR = int(KvRequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
 
 # kvsched finish reason -> the vLLM status a stopped request ends in.
@@ -258,6 +260,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             or request.structured_output_request is not None
             or request.client_index
             or request.status > _PREEMPTED
+            # Every output of the request carries these (a plain entry's output has neither).
+            or request.trace_headers
+            or request.num_nans_in_logits
         )
 
     def has_request(self, request_id: str) -> bool:
@@ -399,7 +404,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         run_ids = req_ids[:num_run]
         run_reqs: list[Request] = list(map(requests.__getitem__, run_ids))
         run_computed = computed[:num_run]
-        run_outputs = [len(r._output_token_ids) + r.num_output_placeholders for r in run_reqs]
+        if async_sched:
+            run_outputs = [len(r._output_token_ids) + r.num_output_placeholders for r in run_reqs]
+        else:  # synchronous scheduling leaves no output placeholders
+            run_outputs = list(map(len, map(_OUTPUT_TOKEN_IDS, run_reqs)))
         run_blocks: list[tuple[list[int], ...] | None] = [None] * num_run
         if block_ptr[num_run]:  # some running request got new blocks (a block filled up)
             for i in np.flatnonzero(block_ptr_arr[1 : num_run + 1] != block_ptr_arr[:num_run]).tolist():
@@ -418,7 +426,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             for request in run_reqs:
                 if request.spec_token_ids:
                     request.spec_token_ids = []
-        if not v2 and not prev.issuperset(run_ids):
+        # Model runner V1 gets the whole token list of a running request it did not see in the previous step.
+        prev_covers_run = v2 or prev.issuperset(run_ids)
+        if not prev_covers_run:
             for req_id, request in zip(run_ids, run_reqs, strict=True):
                 if req_id not in prev:
                     all_token_ids[req_id] = request._all_token_ids.copy()
@@ -449,7 +459,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 c += n
                 request.num_computed_tokens = c
                 request.num_in_flight_tokens += n
-                request.is_prefill_chunk = c < len(request._all_token_ids) + request.num_output_placeholders
+                request.is_prefill_chunk = c < len(request._all_token_ids)
 
         # Phase B: requests admitted in this step, new or resumed after a preemption (few per step).
         new_reqs_data: list[NewRequestData] = []
@@ -517,7 +527,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             num_computed_tokens=run_computed,
             num_output_tokens=run_outputs,
         )
-        if not v2:
+        if not v2 and not (prev_covers_run and num_run == len(req_ids) == len(prev)):
             prev.clear()
             prev.update(req_ids)
         so = SchedulerOutput(
@@ -624,7 +634,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         index = mro.req_id_to_index
         req_ids: list[str] = out.req_ids
         requests = self.requests
-        rows: list[list[int]] = [sampled[index[r]] for r in req_ids] if sampled else [[] for _ in req_ids]
+        rows: list[list[int]]
+        if not sampled:
+            rows = [[] for _ in req_ids]
+        elif mro.req_ids == req_ids:
+            rows = sampled  # the runner kept the scheduled order
+        else:
+            rows = [sampled[index[r]] for r in req_ids]
         # vLLM finalises a request's prefill stats at its first output with the tokens its cached blocks cover,
         # read before a stop frees them: read them now, for the requests that have not emitted yet.
         cached_tokens: dict[str, int] = {}
@@ -654,74 +670,83 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if finished or spec_sched or nans:
             slow = slow.union(finished, spec_sched, nans or ())
         hasher_block = self.hash_block_size
-        hasher_in_core = self._hasher_in_core
+        stopped_reqs: list[Request] = []
         async_sched = self.async_scheduling
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
-        client0: list[EngineCoreOutput] = []
-        fast_ids: list[str] = []
-        fast_toks: list[list[int]] = []
-        stopped_reqs: list[Request] = []
+        # Requests whose appended tokens filled a block: they get its hash after the loop.
+        filled: list[Request] = []
+        reqs: list[Request | None] = list(map(requests.get, req_ids))
 
-        for req_id, n, generated, num_accepted in zip(req_ids, num_sched, rows, accepted, strict=True):
-            request = requests.get(req_id)
-            if request is None:
-                continue  # finished (aborted) while the step was in flight
-            request.num_in_flight_tokens -= n
-            if batch_slow or req_id in slow:
-                eco = self._update_slow(
-                    request,
-                    n,
-                    spec_sched.get(req_id),
-                    generated,
-                    num_accepted,
-                    finished,
-                    cached_tokens,
-                    mro,
-                    stopped_reqs,
-                )
-                if req_id in self._slow_req_ids and not self._needs_slow_update(request):
-                    self._slow_req_ids.discard(req_id)
-                if eco is not None:
-                    if request.client_index:
-                        outputs[request.client_index].append(eco)
+        if not batch_slow and all(reqs) and slow.isdisjoint(req_ids):
+            # The common step: every entry is a plain one (see below), all for client 0.
+            for request, n, generated in zip(cast("list[Request]", reqs), num_sched, rows, strict=True):
+                request.num_in_flight_tokens -= n
+                if generated:
+                    request._output_token_ids.extend(generated)
+                    all_tokens = request._all_token_ids
+                    all_tokens.extend(generated)
+                    if len(all_tokens) % hasher_block < len(generated):
+                        filled.append(request)
+                    if async_sched and request.num_output_placeholders > 0:
+                        request.num_output_placeholders -= len(generated)
+            if all(rows):
+                outputs[0] = list(map(EngineCoreOutput, req_ids, rows))
+            elif any(rows):
+                outputs[0] = [EngineCoreOutput(r, g) for r, g in zip(req_ids, rows, strict=True) if g]
+        else:
+            client0: list[EngineCoreOutput] = []
+            fast_ids: list[str] = []
+            fast_toks: list[list[int]] = []
+            for req_id, entry, n, generated, num_accepted in zip(req_ids, reqs, num_sched, rows, accepted, strict=True):
+                if entry is None:
+                    continue  # finished (aborted) while the step was in flight
+                request = entry
+                request.num_in_flight_tokens -= n
+                if batch_slow or req_id in slow:
+                    eco = self._update_slow(
+                        request,
+                        n,
+                        spec_sched.get(req_id),
+                        generated,
+                        num_accepted,
+                        finished,
+                        cached_tokens,
+                        mro,
+                        stopped_reqs,
+                    )
+                    # It stays slow while something outlives the step (e.g. a NaN count its outputs repeat).
+                    if self._needs_slow_update(request):
+                        self._slow_req_ids.add(req_id)
                     else:
-                        if fast_ids:
-                            client0 += map(EngineCoreOutput, fast_ids, fast_toks)
-                            fast_ids.clear()
-                            fast_toks.clear()
-                        client0.append(eco)
-                continue
-            if not generated:
-                continue  # a prefill chunk: nothing sampled, nothing emitted
-            # The common case: tokens appended, no stop, nothing else to report.
-            request._output_token_ids.extend(generated)
-            all_tokens = request._all_token_ids
-            all_tokens.extend(generated)
-            # A block filled up: its hash joins the request's (they always cover its full blocks, so only a step
-            # that crosses a block boundary adds one). vLLM's default SHA-256 hash of a block without extra keys
-            # (no LoRA; multimodal inputs and prompt embeddings are refused; a cache salt only keys block 0)
-            # comes from the core, every other one from vLLM's hasher.
-            if len(all_tokens) % hasher_block < len(generated):
-                hasher = request._block_hasher
-                if hasher is not None:
-                    hashes = request.block_hashes
-                    in_core = hasher_in_core.get(hasher)
-                    if in_core is None:
-                        in_core = hasher_in_core[hasher] = _is_vllm_sha256_hasher(hasher, hasher_block)
-                    if in_core and hashes and request.lora_request is None:
-                        hashes += vllm_sha256_block_hashes(
-                            hashes[-1], all_tokens[len(hashes) * hasher_block :], hasher_block
-                        )
-                    else:
-                        hashes.extend(hasher(request))
-            if async_sched and request.num_output_placeholders > 0:
-                request.num_output_placeholders -= len(generated)
-            fast_ids.append(req_id)
-            fast_toks.append(generated)
-        if fast_ids:
-            client0 += map(EngineCoreOutput, fast_ids, fast_toks)
-        if client0:
-            outputs[0] = client0 + outputs[0] if 0 in outputs else client0
+                        self._slow_req_ids.discard(req_id)
+                    if eco is not None:
+                        if request.client_index:
+                            outputs[request.client_index].append(eco)
+                        else:
+                            if fast_ids:
+                                client0 += map(EngineCoreOutput, fast_ids, fast_toks)
+                                fast_ids.clear()
+                                fast_toks.clear()
+                            client0.append(eco)
+                    continue
+                if not generated:
+                    continue  # a prefill chunk: nothing sampled, nothing emitted
+                # A plain entry: tokens appended, no stop, nothing else to report.
+                request._output_token_ids.extend(generated)
+                all_tokens = request._all_token_ids
+                all_tokens.extend(generated)
+                if len(all_tokens) % hasher_block < len(generated):
+                    filled.append(request)
+                if async_sched and request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= len(generated)
+                fast_ids.append(req_id)
+                fast_toks.append(generated)
+            if fast_ids:
+                client0 += map(EngineCoreOutput, fast_ids, fast_toks)
+            if client0:
+                outputs[0] = client0 + outputs[0] if 0 in outputs else client0
+        if filled:
+            self._hash_filled_blocks(filled)
         for request in stopped_reqs:
             self._forget(request)
 
@@ -754,6 +779,26 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 engine_core_outputs[0] = eco = EngineCoreOutputs()
             eco.scheduler_stats = stats
         return engine_core_outputs
+
+    def _hash_filled_blocks(self, filled: list[Request]) -> None:
+        """Appends the hashes of the blocks the last tokens filled (a request's hashes always cover its full
+        blocks). vLLM's default SHA-256 hash of a block without extra keys (no LoRA; multimodal inputs and prompt
+        embeddings are refused; a cache salt only keys block 0) comes from the core, every other one from the
+        request's own (vLLM's) hasher."""
+        block = self.hash_block_size
+        in_core_by_hasher = self._hasher_in_core
+        for request in filled:
+            hasher = request._block_hasher
+            if hasher is None:
+                continue
+            hashes = request.block_hashes
+            in_core = in_core_by_hasher.get(hasher)
+            if in_core is None:
+                in_core = in_core_by_hasher[hasher] = _is_vllm_sha256_hasher(hasher, block)
+            if in_core and hashes and request.lora_request is None:
+                hashes += vllm_sha256_block_hashes(hashes[-1], request._all_token_ids[len(hashes) * block :], block)
+            else:
+                hashes.extend(hasher(request))
 
     def _update_slow(
         self,
