@@ -20,7 +20,7 @@ import pytest
 from conftest import requires_rust
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvsched import RequestStatus, SchedulerConfig, SchedulerError
+from kvsched import InternalError, RequestStatus, SchedulerConfig, SchedulerError
 from kvsched.reference import ReferenceScheduler
 
 pytestmark = requires_rust
@@ -624,6 +624,8 @@ def configs(draw: Any) -> SchedulerConfig:
         pcp_world_size=pcp,
         cp_kv_cache_interleave_size=interleave,
         **encoder_fields(draw, budget),
+        park_kv_loads=draw(st.booleans()),
+        reserve_inflight_prefills=draw(st.booleans()),
     )
 
 
@@ -646,7 +648,7 @@ def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
         for _ in range(num_ops):
             twin.step()
         twin.drain()
-    except AssertionError as e:
+    except (AssertionError, InternalError) as e:
         raise AssertionError(f"{e}\nconfig {cfg}\nops:\n" + "\n".join(twin.log[-40:])) from e
 
 
@@ -685,7 +687,8 @@ SOAK_CONFIGS = [
                     policy="priority", priority_aging_steps=3, long_prefill_token_threshold=8,
                     scheduler_reserve_full_isl=False),
     SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
-                    num_lookahead_tokens=2, async_scheduling=True, max_loras=1, scheduler_reserve_full_isl=False),
+                    num_lookahead_tokens=2, async_scheduling=True, max_loras=1, scheduler_reserve_full_isl=False,
+                    park_kv_loads=False, reserve_inflight_prefills=True),
     # Preemption by swapping: tight GPU and CPU pools, so swaps, swap-ins after prefix hits and fallbacks to
     # recompute all happen.
     SchedulerConfig(block_size=4, num_blocks=16, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
@@ -697,7 +700,8 @@ SOAK_CONFIGS = [
                     policy="fair", preemption_mode="swap", num_cpu_blocks=40, enable_prefix_caching=False,
                     long_prefill_token_threshold=8),
     SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=48,
-                    kv_load_failure_policy="fail", policy="priority", prefix_hash_seed=3),
+                    kv_load_failure_policy="fail", policy="priority", prefix_hash_seed=3, park_kv_loads=False,
+                    reserve_inflight_prefills=True),
     # n-gram style speculative decoding: drafts without lookahead slots.
     SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
                     num_speculative_tokens=3, prefix_hash_seed=3),

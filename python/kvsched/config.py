@@ -129,6 +129,13 @@ class SchedulerConfig:
     encoder_cache_size: int = 0
     # vLLM's disable_chunked_mm_input: a prefill chunk stops before an encoder input it cannot cover whole.
     disable_chunked_mm_input: bool = False
+    # True: a request whose asynchronous KV load is in progress is parked out of every queue and joins the back of
+    # the loaded requests once its load is over. False: it keeps its place among the requests holding KV blocks
+    # and is skipped by each admission pass that reaches it while loading (vLLM 0.33, used by kvsched.vllm).
+    park_kv_loads: bool = True
+    # vLLM 0.33's reservation for asynchronous KV loads: one is admitted only if it fits beside what the in-flight
+    # prefills (earlier async loads, admitted requests with prompt left) still need for their whole sequence.
+    reserve_inflight_prefills: bool = False
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -154,6 +161,8 @@ class SchedulerConfig:
             "async_scheduling",
             "park_grammar_waits",
             "disable_chunked_mm_input",
+            "park_kv_loads",
+            "reserve_inflight_prefills",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")

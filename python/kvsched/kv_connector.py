@@ -24,7 +24,8 @@ class KVConnector(Protocol):
 
     def update_state_after_alloc(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
         """The request was admitted: ``block_ids`` is its whole block table; the ``num_external_tokens`` tokens
-        after its local hit are the connector's to load."""
+        after its local hit are the connector's to load. A connector with a true ``wants_num_cached_blocks``
+        attribute gets a fourth argument: how many leading blocks are in the prefix cache after the allocation."""
         ...
 
     def request_finished(self, req_id: str, block_ids: list[int]) -> bool | tuple[bool, dict[str, Any] | None]:

@@ -243,6 +243,7 @@ class _Request:
         "eos_token_id",
         "grammar_ready",
         "ignore_eos",
+        "inflight_prefill",
         "is_prefill_chunk",
         "kv_load_done",
         "kv_load_failed",
@@ -319,6 +320,9 @@ class _Request:
         self.kv_load_done = False  # its asynchronous KV load was reported over
         self.kv_load_failed = False  # ... and failed: num_computed_tokens was cut back to the valid prefix
         self.encoder_held = [False] * len(self.encoder_inputs)  # holds a reference to input i's cache entry
+        # vLLM 0.33's in-flight prefill set: an async load, or an admission with prompt left, until a step leaves
+        # nothing left (or a preemption); read with reserve_inflight_prefills
+        self.inflight_prefill = False
 
     @property
     def num_tokens(self) -> int:
@@ -1238,6 +1242,7 @@ class ReferenceScheduler:
         r.num_lost_tokens = r.num_computed_tokens
         r.num_computed_tokens = 0
         r.drafts = []
+        r.inflight_prefill = False
         r.status = RequestStatus.PREEMPTED
         r.num_preemptions += 1
         r.drop_stale_output = drop_stale_output or (r.drop_stale_output and r.num_stale_output_tokens > 0)
@@ -1527,6 +1532,8 @@ class ReferenceScheduler:
         entries = []
         for r, n, _, _, drafts, _, is_chunk in scheduled:
             r.num_in_flight_tokens += n
+            if not is_chunk:
+                r.inflight_prefill = False
             if c.async_scheduling and not is_chunk:  # placeholders for the token(s) this step samples
                 r.num_output_placeholders += 1 + len(drafts)
                 r.drafts = [-1] * num_spec
@@ -1630,7 +1637,13 @@ class ReferenceScheduler:
                             ext = room - 1  # a synchronous load leaves at least one token to compute
             if blocked:
                 r.deferred = True
-                (skipped_kv if from_kv else skipped).append(queue.pop())
+                queue.pop()
+                # Back among the requests holding KV blocks if it holds some (vLLM's _holds_kv_blocks); a request
+                # whose failed load left nothing goes back to `waiting`.
+                holds_kv = (
+                    r.status == RequestStatus.WAITING_FOR_REMOTE_KVS or r.num_computed_tokens > 0 or bool(r.block_ids)
+                )
+                (skipped_kv if holds_kv else skipped).append(r)
                 continue
             hit_tokens = len(hits) * bs
             restored = max(hit_tokens, r.num_swapped_tokens)  # swapped tokens come back by swap_in
@@ -1673,9 +1686,12 @@ class ReferenceScheduler:
                 if planned:
                     self._rollback_encoder(enc, r)
                 break  # vLLM's full-prompt admission gate: the whole sequence must fit, not just this chunk
+            # vLLM 0.33: an asynchronous load leaves free what the in-flight prefills still need.
+            extra = self._inflight_reserved_blocks() if load_async and c.reserve_inflight_prefills else 0
             if computed_before == 0:
                 r.num_computed_tokens = restored - hit_tokens  # _allocate_slots counts from computed + hits
-            if self._allocate_slots(r, n, hits, 0 if load_async else look, reserved, ext, not load_async) is None:
+            alloc_reserved = reserved + extra
+            if self._allocate_slots(r, n, hits, 0 if load_async else look, alloc_reserved, ext, not load_async) is None:
                 if computed_before == 0:
                     r.num_computed_tokens = 0
                 if planned:
@@ -1694,12 +1710,16 @@ class ReferenceScheduler:
                 self._stats[prefix + "queries"] += r.num_tokens
                 self._stats[prefix + "hits"] += hit_tokens
             queue.pop()
-            if load_async:  # parked with its blocks until the engine reports the load over
+            if load_async:  # holds its blocks until the engine reports the load over
                 r.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 r.num_computed_tokens = computed
                 r.kv_load_done = False
-                r.parked = True
+                r.inflight_prefill = True
                 r.deferred = True
+                # Parked, or (vLLM 0.33's rule) back with the skipped requests that hold KV blocks, at its place.
+                r.parked = c.park_kv_loads
+                if not c.park_kv_loads:
+                    skipped_kv.append(r)
                 continue
             self._tenants[r.tenant].num_waiting -= 1
             self._charge_prompt(r, computed, n)
@@ -1715,6 +1735,7 @@ class ReferenceScheduler:
             scheduled.append([r, n, computed, list(r.block_ids), [-1] * k if pad else [], kind, is_chunk])
             r.num_computed_tokens = computed + n
             r.is_prefill_chunk = is_chunk
+            r.inflight_prefill |= is_chunk  # leaves the set after the step (vLLM's _update_after_schedule)
             budget -= n
             prefill_admitted |= has_prefill
         for r in reversed(skipped):  # back to the front in their order (fcfs), or by their key (priority)
@@ -1722,6 +1743,19 @@ class ReferenceScheduler:
         for r in reversed(skipped_kv):
             self._kv_waiting.add_preempted(r)
         return prefill_admitted
+
+    def _inflight_reserved_blocks(self) -> int:
+        """vLLM 0.33's _inflight_prefill_reserved_blocks + _spec_decode_step_blocks: what the in-flight prefills
+        still need for their whole sequence (with spec decoding, plus a decode step's 1 + k + lookahead slots),
+        plus one decode step's blocks."""
+        c, bs = self._config, self._bs
+        k = c.num_spec_tokens
+        step = 1 + k + c.num_lookahead_tokens if k else 0
+        total = -(-step // bs)
+        for r in self._requests.values():
+            if r.inflight_prefill:
+                total += max(0, -(-(min(r.num_tokens, c.max_model_len) + step) // bs) - len(r.block_ids))
+        return total
 
     def _promote_loaded(self, r: _Request) -> None:
         """A request whose asynchronous load is over becomes WAITING (PREEMPTED if it was preempted before): its
@@ -1733,6 +1767,8 @@ class ReferenceScheduler:
             self._cache_blocks(r, r.num_computed_tokens)
         if r.num_computed_tokens == r.num_tokens:
             r.num_computed_tokens -= 1
+            if r.num_computed_tokens == 0 and r.block_ids:  # a one-token prompt: nothing left, admitted afresh
+                self._free_blocks(r)
         r.kv_load_done = r.kv_load_failed = False
         r.status = RequestStatus.PREEMPTED if r.num_preemptions > 0 else RequestStatus.WAITING
 
@@ -1835,7 +1871,8 @@ class ReferenceScheduler:
             if r is not None:
                 if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not r.kv_load_done:
                     r.kv_load_done = True
-                    self._newly_ready.append(r)
+                    if r.parked:  # in kv_waiting already (park_kv_loads=False): it keeps its place
+                        self._newly_ready.append(r)
             else:
                 self._release_held(i, recv=True)
         for i in send:
@@ -2280,7 +2317,10 @@ class ReferenceScheduler:
             require(r.status in blocked, f"{r.req_id}: parked with status {r.status!r}")
         for r in kv_waiting:
             require(r.status != RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, f"{r.req_id}: kv_waiting")
-            require(r.status != RequestStatus.WAITING_FOR_REMOTE_KVS or r.kv_load_done, f"{r.req_id}: loading")
+            require(
+                r.status != RequestStatus.WAITING_FOR_REMOTE_KVS or r.kv_load_done or not self._config.park_kv_loads,
+                f"{r.req_id}: loading",
+            )
             require(r.num_computed_tokens <= len(r.block_ids) * bs, f"{r.req_id}: computed tokens without KV")
         placed = [id(r) for r in self._running + waiting + kv_waiting + parked]
         require(len(placed) == len(set(placed)), "a request in two places")

@@ -185,6 +185,16 @@ pub struct SchedulerConfig {
     /// vLLM's `disable_chunked_mm_input`: a prefill chunk never covers only part of an encoder input; it stops
     /// before the input instead.
     pub disable_chunked_mm_input: bool,
+    /// Where a request whose asynchronous KV load is in progress waits. `true`: parked out of every queue until
+    /// the load is reported over, then queued at the back of `kv_waiting` (in the order added, among those
+    /// reported between two steps). `false` (vLLM 0.33): it goes to the front of `kv_waiting` with the other
+    /// requests skipped in its step and keeps its place there; admission passes that reach it while it loads skip
+    /// it, and the one that reaches it after its load is over promotes and admits it at that place.
+    pub park_kv_loads: bool,
+    /// vLLM 0.33's reservation for asynchronous loads: such a load is admitted only if its blocks fit beside
+    /// the blocks every in-flight prefill (an earlier asynchronous load, or an admitted request with prompt left)
+    /// still needs for its whole sequence, plus one decode step's blocks with speculative decoding.
+    pub reserve_inflight_prefills: bool,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -259,6 +269,8 @@ impl Default for SchedulerConfig {
             max_num_encoder_input_tokens: 0,
             encoder_cache_size: 0,
             disable_chunked_mm_input: false,
+            park_kv_loads: true,
+            reserve_inflight_prefills: false,
         }
     }
 }

@@ -6,7 +6,8 @@
 //! wraps a Python object behind it. With no connector set, the step loop never calls a hook.
 //!
 //! Invariants (checked by `Scheduler::check_invariants`): a request in `WaitingForRemoteKvs` holds blocks
-//! covering its computed tokens and sits in no queue until its load is reported finished; `held` maps the id of
+//! covering its computed tokens and sits in no queue until its load is reported finished (with `park_kv_loads`;
+//! without it, it sits in `kv_waiting` from its admission step on); `held` maps the id of
 //! every finished request whose blocks are not yet freed to those blocks and at least one pending transfer;
 //! every held block counts in its ref count like a block table's.
 
@@ -215,7 +216,10 @@ impl Scheduler {
                 let r = self.slab.get_mut(slot)?;
                 if r.status == RequestStatus::WaitingForRemoteKvs && !r.kv_load_done {
                     r.kv_load_done = true;
-                    self.newly_ready.push(r.handle);
+                    // A request waiting in `kv_waiting` (`park_kv_loads` false) keeps its place there.
+                    if r.parked {
+                        self.newly_ready.push(r.handle);
+                    }
                 }
             } else {
                 self.release_held(id, true);

@@ -169,6 +169,9 @@ pub struct Request {
     pub kv_load_done: bool,
     /// KV connector: the load failed; `num_computed_tokens` was cut back to the valid prefix.
     pub kv_load_failed: bool,
+    /// vLLM 0.33's in-flight prefill set: an asynchronous load, or an admission with prompt left to compute,
+    /// until a step leaves it with nothing left (or it is preempted). Tracked with `reserve_inflight_prefills`.
+    pub inflight_prefill: bool,
     /// In no queue and not running: blocked (grammar not ready, KV load in progress), or ready and queued at the
     /// start of the next `schedule()`.
     pub parked: bool,

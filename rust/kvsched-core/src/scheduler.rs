@@ -321,6 +321,7 @@ impl Scheduler {
             add_seq: self.next_add_seq,
             kv_load_done: false,
             kv_load_failed: false,
+            inflight_prefill: false,
             // A request waiting for its grammar is parked (in no queue) until `set_ready`, unless the config
             // keeps it in `waiting` (vLLM 0.33's rule: skipped by each admission pass that reaches it).
             parked: params.waiting_for_grammar && self.config.park_grammar_waits,
@@ -730,7 +731,7 @@ impl Scheduler {
                     }
                 }
                 (st, Some("kv_waiting")) if st.is_waiting() && st != RequestStatus::WaitingForGrammar => {
-                    if st == RequestStatus::WaitingForRemoteKvs && !r.kv_load_done {
+                    if st == RequestStatus::WaitingForRemoteKvs && !r.kv_load_done && cfg.park_kv_loads {
                         return Err(format!("request {:?} is queued while its KV load is in progress", r.id));
                     }
                 }

@@ -426,11 +426,19 @@ impl Scheduler {
                     req.deferred = true;
                     self.num_deferred += 1;
                 }
+                // Back among the requests holding KV blocks if it holds some (vLLM's `_holds_kv_blocks`: a
+                // load in progress or over); a request whose failed load left nothing goes back to `waiting`.
+                let holds_kv = req.status == RequestStatus::WaitingForRemoteKvs
+                    || req.num_computed_tokens > 0
+                    || !req.blocks.is_empty();
                 if from_kv {
                     self.kv_waiting.pop(&self.tenants);
-                    skipped_kv.push(h);
                 } else {
                     self.waiting.pop(&self.tenants);
+                }
+                if holds_kv {
+                    skipped_kv.push(h);
+                } else {
                     skipped.push(h);
                 }
                 continue;
@@ -475,7 +483,7 @@ impl Scheduler {
                 n = n.min(*budget);
             }
             let planned_encoder = has_encoder && !load_async && !req.encoder_inputs.is_empty();
-            let req = if planned_encoder {
+            let mut req = if planned_encoder {
                 n = self.plan_encoder(enc, h.slot, computed, n)?;
                 if n == 0 {
                     // vLLM 0.33: an admission whose first encoder input does not fit is skipped (it keeps its place),
@@ -506,6 +514,14 @@ impl Scheduler {
                 }
                 break;
             }
+            // vLLM 0.33: an asynchronous load leaves free what the in-flight prefills still need.
+            let extra = if load_async && self.config.reserve_inflight_prefills {
+                let extra = inflight_reserved_blocks(&self.slab, &self.config);
+                req = self.slab.get_mut(h.slot)?;
+                extra
+            } else {
+                0
+            };
             // `allocate_slots` counts the slots from `computed + hits`: `restored` for a swapped-in request.
             if computed_before == 0 {
                 req.num_computed_tokens = restored - num_hit_tokens;
@@ -514,7 +530,7 @@ impl Scheduler {
                 // Loads are allocated like computed tokens; an asynchronous load gets no lookahead slots and its
                 // blocks enter the prefix cache only once it has arrived.
                 let la = if load_async { 0 } else { lookahead };
-                self.kv.allocate_slots_ext(req, n, &hits, ext, la, reserved, !load_async)
+                self.kv.allocate_slots_ext(req, n, &hits, ext, la, reserved + extra, !load_async)
             } else {
                 self.kv.allocate_slots(req, n, &hits, lookahead, reserved)
             };
@@ -558,21 +574,27 @@ impl Scheduler {
                 }
             }
             if load_async {
-                // Parked with its blocks until the engine reports the load finished (`update_kv_transfers`).
+                // Holds its blocks until the engine reports the load finished (`update_kv_transfers`): parked,
+                // or (vLLM 0.33's rule) back among the skipped requests that hold KV blocks.
                 req.status = RequestStatus::WaitingForRemoteKvs;
                 req.num_computed_tokens = computed;
                 req.kv_load_done = false;
-                req.parked = true;
+                req.inflight_prefill = true;
+                req.parked = self.config.park_kv_loads;
                 if !req.deferred {
                     req.deferred = true;
                     self.num_deferred += 1;
                 }
-                self.num_parked += 1;
-                self.num_loading += 1;
                 if from_kv {
                     self.kv_waiting.pop(&self.tenants);
                 } else {
                     self.waiting.pop(&self.tenants);
+                }
+                if self.config.park_kv_loads {
+                    self.num_parked += 1;
+                    self.num_loading += 1;
+                } else {
+                    skipped_kv.push(h);
                 }
                 continue;
             }
@@ -580,6 +602,8 @@ impl Scheduler {
             req.status = RequestStatus::Running;
             req.num_computed_tokens = computed + n;
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
+            // Leaves vLLM's in-flight prefill set only after the step (finish_step), as vLLM discards it there.
+            req.inflight_prefill |= req.is_prefill_chunk;
             if req.num_cached_tokens < 0 {
                 req.num_cached_tokens = i64::from(computed);
             }
@@ -637,6 +661,10 @@ impl Scheduler {
         }
         if req.num_computed_tokens == req.num_tokens() {
             req.num_computed_tokens -= 1;
+            if req.num_computed_tokens == 0 && !req.blocks.is_empty() {
+                // A one-token prompt keeps nothing computed: it is admitted afresh, like a load with nothing valid.
+                kv.free(req);
+            }
         }
         req.kv_load_done = false;
         req.kv_load_failed = false;
@@ -678,6 +706,7 @@ impl Scheduler {
         req.num_lost_tokens = req.num_computed_tokens;
         req.num_computed_tokens = 0;
         req.spec_token_ids.clear();
+        req.inflight_prefill = false;
         req.status = RequestStatus::Preempted;
         req.num_preemptions += 1;
         req.drop_stale_output =
@@ -731,6 +760,9 @@ impl Scheduler {
         for (k, &h) in out.handles.iter().enumerate() {
             let req = self.slab.get_mut(h.slot)?;
             req.num_in_flight_tokens += out.num_scheduled_tokens[k] as u32;
+            if !is_chunk[k] {
+                req.inflight_prefill = false;
+            }
             if async_scheduling && !is_chunk[k] {
                 req.num_output_placeholders += 1 + num_spec[k];
                 req.spec_token_ids.clear();
@@ -770,4 +802,19 @@ impl Scheduler {
         self.in_flight.push_back(rec);
         Ok(out)
     }
+}
+
+/// vLLM 0.33's `_inflight_prefill_reserved_blocks` (+ `_spec_decode_step_blocks`): the blocks the requests in its
+/// in-flight prefill set still need for their whole sequence (capped at `max_model_len`; with speculative
+/// decoding plus one decode step's `1 + k + lookahead` slots), plus one decode step's blocks.
+fn inflight_reserved_blocks(slab: &crate::slab::Slab, config: &crate::config::SchedulerConfig) -> usize {
+    let bs = config.kv_block_size();
+    let k = config.num_spec_tokens();
+    let step = if k > 0 { 1 + k + config.num_lookahead_tokens } else { 0 };
+    let mut total = step.div_ceil(bs) as usize;
+    for r in slab.iter().filter(|r| r.inflight_prefill) {
+        let tokens = r.num_tokens().min(config.max_model_len) + step;
+        total += (tokens.div_ceil(bs) as usize).saturating_sub(r.blocks.len());
+    }
+    total
 }

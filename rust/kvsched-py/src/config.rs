@@ -99,5 +99,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         max_num_encoder_input_tokens: u32_field("max_num_encoder_input_tokens")?,
         encoder_cache_size: u32_field("encoder_cache_size")?,
         disable_chunked_mm_input: bool_field("disable_chunked_mm_input")?,
+        park_kv_loads: bool_field("park_kv_loads")?,
+        reserve_inflight_prefills: bool_field("reserve_inflight_prefills")?,
     })
 }

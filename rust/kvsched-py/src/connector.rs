@@ -33,6 +33,8 @@ pub(crate) struct ConnectorHandle {
 struct PyKvConnector {
     obj: Py<PyAny>,
     state: Arc<Mutex<HookState>>,
+    /// The object asked for `update_state_after_alloc`'s optional fourth argument (`num_cached_blocks`).
+    pass_cached_blocks: bool,
 }
 
 impl PyKvConnector {
@@ -97,10 +99,14 @@ impl core::KvConnector for PyKvConnector {
 
     fn update_state_after_alloc(&mut self, req: &core::Request, num_external_tokens: u32) {
         Python::with_gil(|py| {
+            let hook = "update_state_after_alloc";
             let r = block_list(py, &req.blocks).and_then(|blocks| {
-                self.obj
-                    .bind(py)
-                    .call_method1("update_state_after_alloc", (&*req.id, blocks, num_external_tokens))
+                let obj = self.obj.bind(py);
+                if self.pass_cached_blocks {
+                    obj.call_method1(hook, (&*req.id, blocks, num_external_tokens, req.num_cached_blocks))
+                } else {
+                    obj.call_method1(hook, (&*req.id, blocks, num_external_tokens))
+                }
             });
             if let Err(e) = r {
                 self.keep(e);
@@ -157,7 +163,12 @@ impl ConnectorHandle {
             }
         }
         let state = Arc::new(Mutex::new(HookState::default()));
-        let inner = PyKvConnector { obj: obj.clone().unbind(), state: state.clone() };
+        // Opt-in (kvsched.vllm's bridge): how many leading blocks are in the prefix cache after the allocation.
+        let pass_cached_blocks = match obj.getattr("wants_num_cached_blocks") {
+            Ok(v) => v.is_truthy()?,
+            Err(_) => false,
+        };
+        let inner = PyKvConnector { obj: obj.clone().unbind(), state: state.clone(), pass_cached_blocks };
         let has_build_meta = obj.hasattr("build_connector_meta")?;
         Ok((ConnectorHandle { obj: obj.clone().unbind(), state, has_build_meta }, Box::new(inner)))
     }
