@@ -25,6 +25,8 @@ from typing import Any
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import contextlib
+
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 
 # Request fields mirrored by the adapter and compared after every call.
@@ -125,6 +127,10 @@ class Config:
     speculative_method: str = "ngram"
     per_request_spec_decode_metrics: str = "none"
     use_v2_model_runner: bool = False
+    # A RandomKVConnector (kvsched.vllm.testing) with this seed: external tokens, async loads finished late,
+    # failed or cut by invalid blocks, delayed frees for sends.
+    kv_connector_seed: int | None = None
+    kv_load_failure_policy: str = "recompute"
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -292,8 +298,12 @@ class Pair:
 
     def reset_prefix_cache(self) -> None:
         reset_running = self.rng.random() < 0.5
-        ra = self.a.reset_prefix_cache(reset_running_requests=reset_running)
-        rb = self.b.reset_prefix_cache(reset_running_requests=reset_running)
+        # With KV transfers holding blocks, a reset that preempts every running request still fails: vLLM raises.
+        ra = rb = "raised"
+        with contextlib.suppress(RuntimeError):
+            ra = self.a.reset_prefix_cache(reset_running_requests=reset_running)
+        with contextlib.suppress(RuntimeError):
+            rb = self.b.reset_prefix_cache(reset_running_requests=reset_running)
         compare(f"reset_prefix_cache({reset_running})", ra, rb)
         self.check_state(f"reset_prefix_cache({reset_running})")
 
@@ -342,6 +352,40 @@ class Pair:
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=[],
+            kv_connector_output=self.transfers() if self.cfg.kv_connector_seed is not None else None,
+        )
+
+    def transfers(self) -> Any:
+        """What the workers report about KV transfers this step: some loads over (a few of them failed whole, or
+        with one invalid block in the loaded range), some sends over. Each connector forgets what is reported
+        when its scheduler hands it the report (in this synchronous driver, within the same update)."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        rng, bs = self.rng, self.cfg.block_size
+        conn_a = self.a.connector
+        recv: set[str] = set()
+        failed: set[str] = set()
+        invalid: set[int] = set()
+        send: set[str] = set()
+        for rid in sorted(conn_a.loads):
+            if rng.random() < 0.35:
+                blocks, first, n = conn_a.loads[rid]
+                recv.add(rid)
+                r = rng.random()
+                if r < 0.1:
+                    failed.add(rid)
+                elif r < 0.2:
+                    invalid.add(blocks[rng.randrange(first // bs, -(-(first + n) // bs))])
+        for rid in sorted(conn_a.sending):
+            if rng.random() < 0.35:
+                send.add(rid)
+        if not (recv or send) and rng.random() < 0.5:
+            return None
+        return KVConnectorOutput(
+            finished_recving=recv or None,
+            finished_sending=send or None,
+            failed_recving=failed,
+            invalid_block_ids=invalid,
         )
 
     def update_oldest(self) -> None:
@@ -392,6 +436,10 @@ class Pair:
         compare(f"{when}: num unfinished", a.get_num_unfinished_requests(), b.get_num_unfinished_requests())
         compare(f"{when}: has_finished", a.has_finished_requests(), b.has_finished_requests())
         compare(f"{when}: kv usage", a.get_kv_cache_usage(), b.get_kv_cache_usage())
+        if a.connector is not None:
+            compare(f"{when}: KV connector calls", a.connector.calls, b.connector.calls)
+            a.connector.calls.clear()
+            b.connector.calls.clear()
         b.core.check_invariants()
 
     # ---- a whole run -----------------------------------------------------------------------------------
@@ -444,11 +492,22 @@ class Pair:
 
 
 def run_seed(
-    seed: int, steps: int, *, async_scheduling: bool, v2: bool, num_speculative_tokens: int | None = None
+    seed: int,
+    steps: int,
+    *,
+    async_scheduling: bool,
+    v2: bool,
+    num_speculative_tokens: int | None = None,
+    connector: bool = False,
 ) -> Config:
-    """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none)."""
+    """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
+    ``connector`` adds a seeded ``RandomKVConnector`` (synchronous scheduling only: kvsched.vllm refuses KV
+    connectors with several batches in flight)."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
+    if connector:
+        cfg.kv_connector_seed = seed
+        cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
     if num_speculative_tokens is not None:
         cfg.num_speculative_tokens = num_speculative_tokens
     if not cfg.num_speculative_tokens:
@@ -465,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--modes", default="sync-v1,sync-v2,async-v1,async-v2")
+    p.add_argument("--connector", action="store_true", help="with a seeded RandomKVConnector (sync modes only)")
     args = p.parse_args(argv)
     failures = 0
     for mode in args.modes.split(","):
@@ -472,7 +532,9 @@ def main(argv: list[str] | None = None) -> int:
         ok = 0
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             try:
-                run_seed(seed, args.steps, async_scheduling=sync == "async", v2=runner == "v2")
+                run_seed(
+                    seed, args.steps, async_scheduling=sync == "async", v2=runner == "v2", connector=args.connector
+                )
                 ok += 1
             except Divergence as exc:
                 failures += 1

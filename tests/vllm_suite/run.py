@@ -122,12 +122,27 @@ CORE_DIFFERENCES: tuple[tuple[re.Pattern[str], str], ...] = (
 _HAND_BUILT = "calls `update_from_output` with a `SchedulerOutput` built by hand (kvsched applies the step it made)"
 CURATED: dict[str, str] = {
     "test_remote_kv_promotion_drains_before_grammar_prefix": (
-        "a mock KV connector set after construction and WAITING_FOR_REMOTE_KVS requests (KV connectors are refused); "
-        "fails first on the pending core API (`add_request(ready=...)`)"
+        "replaces the scheduler's `connector` with a Mock after construction, adds requests already in "
+        "WAITING_FOR_REMOTE_KVS and marks their load over in vLLM's private `finished_recving_kv_req_ids` set (the "
+        "core is told of a load only through the connector hooks and `kv_connector_output`)"
     ),
     "test_fcfs_mixed_blocked_types_remote_load_drains_first": (
-        "mocks vLLM's private `_update_waiting_for_remote_kv`, WAITING_FOR_REMOTE_KVS and streaming requests (KV "
-        "connectors and streaming input are refused); fails first on the pending core API (`add_request(ready=...)`)"
+        "mocks vLLM's private `_update_waiting_for_remote_kv`, adds requests already in WAITING_FOR_REMOTE_KVS with "
+        "no KV connector configured, and streaming-input requests (refused)"
+    ),
+    "test_prepend_skipped_requests_order": (
+        "moves requests into WAITING_FOR_REMOTE_KVS by hand and between vLLM's private queues "
+        "(`waiting.remove_requests`, `kv_holding_waiting.add_request`); the core owns its queues"
+    ),
+    "test_abort_request_waiting_for_remote_kvs": (
+        "sets a waiting request's status to WAITING_FOR_REMOTE_KVS by hand (no load was started through the "
+        "connector), then expects vLLM's delayed free for it"
+    ),
+    "test_abort_request_finished_recving": (
+        "sets WAITING_FOR_REMOTE_KVS by hand and adds to vLLM's private `finished_recving_kv_req_ids` set"
+    ),
+    "test_delayed_kv_connector_free_keeps_scheduler_active": (
+        "puts a finished request into vLLM's `requests` by hand and applies a `SchedulerOutput` built by hand"
     ),
     "test_finish_request": "uses an auxiliary output connector (`aux_output_connector`), refused by kvsched.vllm",
     "test_pending_hisparse_spill_keeps_scheduler_alive": "HiSparse connector (refused by kvsched.vllm)",

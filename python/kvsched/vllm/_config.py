@@ -12,7 +12,7 @@ from typing import Any
 from kvsched._errors import InvalidConfigError
 from kvsched.config import SchedulerConfig
 
-__all__ = ["UnsupportedFeatureError", "kvsched_config_from_vllm"]
+__all__ = ["UnsupportedFeatureError", "check_kv_connector", "kvsched_config_from_vllm"]
 
 
 class UnsupportedFeatureError(InvalidConfigError, NotImplementedError):
@@ -53,6 +53,27 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> None:
         _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
 
 
+def check_kv_connector(vllm_config: Any, connector: Any) -> None:
+    """Refuses a vLLM scheduler-role KV connector that relies on parts of vLLM's scheduler kvsched replaces."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    name = type(connector).__name__
+    for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
+        if getattr(type(connector), method, None) is not getattr(KVConnectorBase_V1, method):
+            _refuse(f"KV connectors that use vLLM's own block pool ({name} overrides {method})", "kv_transfer_config")
+    if type(connector).has_pending_block_frees is not KVConnectorBase_V1.has_pending_block_frees:
+        _refuse(
+            f"KV connectors whose pending frees replace preemption ({name} overrides has_pending_block_frees)",
+            "kv_transfer_config",
+        )
+    if vllm_config.max_concurrent_batches > 1 and connector.requires_kv_delivery:
+        # vLLM then drops the in-flight output of every request it preempts (drop_stale_output).
+        _refuse(
+            f"KV connectors that require KV delivery ({name}) with several batches in flight (async scheduling)",
+            "kv_transfer_config",
+        )
+
+
 def kvsched_config_from_vllm(
     vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int | None
 ) -> tuple[SchedulerConfig, int]:
@@ -62,8 +83,15 @@ def kvsched_config_from_vllm(
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
 
-    if vllm_config.kv_transfer_config is not None:
-        _refuse("KV connectors (disaggregated prefill, KV offloading)", "kv_transfer_config")
+    kv_transfer = vllm_config.kv_transfer_config
+    if kv_transfer is not None and vllm_config.max_concurrent_batches > 1 and kv_transfer.is_kv_consumer:
+        # vLLM then defers freeing a finished request's blocks until the steps in flight that wrote them are
+        # processed (a load could otherwise land in a block a running step still writes).
+        _refuse(
+            "KV consumer connectors with several batches in flight (async scheduling or pipeline parallelism: "
+            "vLLM defers block frees behind the steps in flight)",
+            f"kv_role={kv_transfer.kv_role!r} with max_concurrent_batches={vllm_config.max_concurrent_batches}",
+        )
     if vllm_config.ec_transfer_config is not None:
         _refuse("encoder-cache connectors", "ec_transfer_config")
     if _attr(vllm_config.kv_events_config, "enable_kv_cache_events", False):
@@ -149,8 +177,15 @@ def kvsched_config_from_vllm(
     )
     # vLLM 0.33 keeps a request waiting for its grammar in `waiting` (skipped where the admission pass reaches it).
     fields["park_grammar_waits"] = False
+    # vLLM 0.33 keeps a request whose asynchronous KV load is in progress in `kv_holding_waiting` at its place.
+    fields["park_kv_loads"] = False
+    # ... and admits an asynchronous load only beside what its in-flight prefills still need.
+    fields["reserve_inflight_prefills"] = True
     # vLLM's engine has no swap path (its runner never copies KV to a CPU pool): preemption recomputes.
     fields["preemption_mode"] = "recompute"
+    # A failed asynchronous load: the core cuts the request's computed tokens back to the valid prefix (policy
+    # "recompute"); with vLLM's policy "fail" kvsched.vllm.Scheduler then finishes the request itself, after the
+    # step's outputs, as vLLM's scheduler does.
     if vllm_config.lora_config is not None:
         fields["max_loras"] = int(vllm_config.lora_config.max_loras)
     return SchedulerConfig(**fields), num_spec_tokens

@@ -35,7 +35,8 @@ from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
-from ._config import UnsupportedFeatureError, _check_kv_cache_config, kvsched_config_from_vllm
+from ._config import UnsupportedFeatureError, _check_kv_cache_config, check_kv_connector, kvsched_config_from_vllm
+from ._connector import ConnectorBridge
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,6 +51,8 @@ _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 _OUTPUT_TOKEN_IDS = operator.attrgetter("_output_token_ids")
+_WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
+_KV_WAITING_FOR_REMOTE_KVS = int(KvRequestStatus.WAITING_FOR_REMOTE_KVS)
 _KV_WAITING_FOR_GRAMMAR = int(KvRequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
 
 # kvsched finish reason -> the vLLM status a stopped request ends in.
@@ -108,7 +111,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     :class:`~kvsched.vllm.UnsupportedFeatureError`.
     """
 
-    # Read by vLLM's engine core; kvsched hashes prefixes itself and has no connectors.
+    # Read by vLLM's engine core; kvsched hashes prefixes itself.
     use_eagle_prefix_cache_hashing = False
 
     def __init__(
@@ -144,7 +147,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.use_v2_model_runner = bool(vllm_config.use_v2_model_runner)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.model_uses_mrope = bool(vllm_config.model_config.uses_mrope)
-        self.connector = None
+        self.connector: Any = None
         self.ec_connector = None
         self.num_lookahead_tokens = config.num_lookahead_tokens
         # vLLM's model runner V2 skips drafting in a step whose drafts nobody can use (skip_drafts).
@@ -156,7 +159,33 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         self._drafts_received = False  # update_draft_token_ids gave some request drafts
         self.kv_config = config
-        self._core = _CoreScheduler(config)
+        # KV connector (vLLM's kv_transfer_config): vLLM's own scheduler-role connector, built as vLLM's scheduler
+        # builds it, reached by the core through the bridge's id-keyed hooks.
+        self._bridge: ConnectorBridge | None = None
+        self._connector_prefix_cache_stats: PrefixCacheStats | None = None
+        # Finished requests whose blocks a KV transfer still holds: req_id -> [awaiting recv, awaiting send]. They
+        # stay in `requests` (finished) until the engine reports the transfer, as in vLLM.
+        self._held: dict[str, list[bool]] = {}
+        self._to_release: list[str] = []
+        self._kv_failure_fails = False
+        # vLLM drops the in-flight output of a request it preempts when the connector must deliver KV (producer
+        # roles); only the flag shows with one batch in flight (several are refused with such a connector).
+        self._requires_kv_delivery = False
+        if vllm_config.kv_transfer_config is not None:
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+            from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+            connector = KVConnectorFactory.create_connector(
+                config=vllm_config, role=KVConnectorRole.SCHEDULER, kv_cache_config=kv_cache_config
+            )
+            check_kv_connector(vllm_config, connector)
+            self.connector = connector
+            self._bridge = ConnectorBridge(self, connector)
+            if log_stats:
+                self._connector_prefix_cache_stats = PrefixCacheStats()
+            self._kv_failure_fails = vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
+            self._requires_kv_delivery = bool(connector.requires_kv_delivery)
+        self._core = _CoreScheduler(config, kv_connector=self._bridge)
 
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
@@ -226,6 +255,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._blocked[req_id] = request
         if request.structured_output_request is not None:
             self._so_req_ids.add(req_id)
+        if self._bridge is not None:
+            self.connector.on_new_request(request)
+            params = request.kv_transfer_params
+            if params and params.get("do_remote_prefill"):
+                self._bridge._set_stage(req_id, "waiting_to_start")
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
         if self._needs_slow_update(request):
@@ -287,10 +321,33 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             return valid
         self._core.abort_requests([r.request_id for r in valid])
         for request in valid:
-            req_id = request.request_id
             request.status = finished_status
+            if self._bridge is not None:
+                self._connector_finished(request)
             self._forget(request)
+        if self._bridge is not None:
+            self._release_finished()
         return valid
+
+    def _connector_finished(self, request: Request) -> dict[str, Any] | None:
+        """vLLM's ``request_finished`` hook for a request the core just finished (its status set); returns the
+        transfer parameters. Blocks the connector does not keep are released by ``_release_finished``."""
+        bridge = self._bridge
+        assert bridge is not None
+        req_id = request.request_id
+        loading = req_id in bridge.loading
+        delay, params = bridge.finish(request)
+        if delay or loading:
+            self._held[req_id] = [loading, delay]
+        if not delay:
+            self._to_release.append(req_id)
+        return params
+
+    def _release_finished(self) -> None:
+        """Hand back to the pool, in finish order, the blocks the core held for the connector's answer."""
+        if self._to_release:
+            ids, self._to_release = self._to_release, []
+            self._core.update_kv_transfers(finished_sending=ids)
 
     def _forget(self, request: Request) -> None:
         req_id = request.request_id
@@ -302,7 +359,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._awaiting_first_output.discard(req_id)
         self._so_req_ids.discard(req_id)
         self._slow_req_ids.discard(req_id)
-        del self.requests[req_id]
+        if req_id not in self._held:
+            del self.requests[req_id]
 
     # ---- schedule ---------------------------------------------------------------------------------------
 
@@ -336,6 +394,21 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 if request.status == _WAITING_FOR_GRAMMAR:
                     request.status = _WAITING
 
+    def _sync_loaded(self, bridge: ConnectorBridge, out: Any) -> None:
+        """After a step: requests whose load was reported over and that admission reached are WAITING (PREEMPTED
+        if preempted before) with the core's computed count, as vLLM's ``_update_waiting_for_remote_kv`` leaves
+        them; those it admitted are mirrored as every admission is."""
+        admitted = set(out.new_req_ids)
+        admitted.update(out.resumed_req_ids)
+        for req_id in list(bridge.loaded):
+            if self._core.get_request_status(req_id) == _KV_WAITING_FOR_REMOTE_KVS:
+                continue
+            bridge.loaded.discard(req_id)
+            if req_id not in admitted:
+                request = self.requests[req_id]
+                request.status = _PREEMPTED if request.num_preemptions else _WAITING
+                request.num_computed_tokens = self._core.get_num_computed_tokens(req_id)
+
     @property
     def num_executed_steps(self) -> int:
         """Steps that scheduled tokens (vLLM's prefill cadence counts these, not ``schedule()`` calls)."""
@@ -357,9 +430,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.current_step += 1
         if self._blocked:
             self._promote_ready()
+        bridge = self._bridge
+        if bridge is not None:
+            bridge.begin_step()
         out = self._core.schedule(bool(throttle_prefills))
         if self._ready:
             self._sync_ready()
+        if bridge is not None and bridge.loaded:
+            self._sync_loaded(bridge, out)
         requests = self.requests
         log_stats = self.log_stats
         now = time.monotonic() if log_stats else 0.0
@@ -545,10 +623,27 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             num_spec_tokens_to_schedule=self.num_spec_tokens,
             skip_drafts=not drafts_needed,
         )
+        if bridge is not None:
+            self._connector_meta(bridge, so)
         self.finished_req_ids = set()
         self._reset_preempted_req_ids = set()
         self._in_flight.append((so, out, num_sched))
         return so
+
+    def _connector_meta(self, bridge: ConnectorBridge, so: SchedulerOutput) -> None:
+        """vLLM's connector part of a step's output: sync-load flag, block state, the connector's metadata."""
+        from vllm.v1.core.sched.output import KVConnectorBlockState
+
+        so.has_sync_kv_loads = bridge.has_sync_kv_loads
+        core = self._core
+        so.kv_connector_block_state = KVConnectorBlockState(
+            req_ids=set(so.num_scheduled_tokens),
+            resolve_block_ids=lambda req_id: (core.get_block_ids(req_id).tolist(),),
+            boundary_state_offloads={},
+        )
+        so.kv_connector_metadata = self.connector.build_connector_meta(so)
+        # Connector-only block state is not sent to the workers.
+        so.kv_connector_block_state = None
 
     @staticmethod
     def _drafts_unused(request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
@@ -561,19 +656,27 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _on_admitted(self, request: Request, num_hit_tokens: int, now: float) -> None:
         """vLLM's bookkeeping when phase B admits a request: prefill stats, prefix-cache stats, SCHEDULED event."""
-        if request.prefill_stats is not None and request.num_preemptions <= 0:
-            request.prefill_stats.set(
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_local_cached_tokens=num_hit_tokens,
-                num_external_cached_tokens=0,
-            )
+        if self._bridge is not None:
+            # With a connector the bridge records the stats of every admission that looked the prefix up (the
+            # others, a loaded request's, record none, as in vLLM).
+            self._bridge._set_stage(request.request_id, None)
+        else:
+            if request.prefill_stats is not None and request.num_preemptions <= 0:
+                request.prefill_stats.set(
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_local_cached_tokens=num_hit_tokens,
+                    num_external_cached_tokens=0,
+                )
+            self._record_prefix_lookup(request, num_hit_tokens)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.SCHEDULED, now)
+            self._slow_req_ids.add(request.request_id)
+
+    def _record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         stats = self._prefix_cache_stats
         # vLLM records no prefix-cache query for a request that skips reading the cache (prompt logprobs).
         if stats is not None and self.kv_config.enable_prefix_caching and not request.skip_reading_prefix_cache:
             stats.record(num_tokens=request.num_tokens, num_hits=num_hit_tokens, preempted=request.num_preemptions > 0)
-        if self.log_stats:
-            request.record_event(EngineCoreEventType.SCHEDULED, now)
-            self._slow_req_ids.add(request.request_id)
 
     def _mirror_preempt(self, request: Request, now: float) -> None:
         """vLLM's ``_preempt_request``, for the request object (the core already freed its blocks)."""
@@ -581,7 +684,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         request.num_computed_tokens = 0
         if request.spec_token_ids:
             request.spec_token_ids = []
-        request.drop_stale_output = request.drop_stale_output and request.num_stale_output_tokens > 0
+        request.drop_stale_output = self._requires_kv_delivery or (
+            request.drop_stale_output and request.num_stale_output_tokens > 0
+        )
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_preemptions += 1
@@ -630,6 +735,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     ) -> dict[int, EngineCoreOutputs]:
         out, num_sched = self._take_in_flight(scheduler_output)
         mro = model_runner_output
+        kvo = mro.kv_connector_output if self._bridge is not None else None
+        kv_failed: set[str] = set()
+        if kvo is not None and (kvo.failed_recving or kvo.invalid_block_ids):
+            kv_failed = self._apply_kv_load_failures(kvo)
         sampled = mro.sampled_token_ids
         index = mro.req_id_to_index
         req_ids: list[str] = out.req_ids
@@ -669,6 +778,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         slow = self._slow_req_ids
         if finished or spec_sched or nans:
             slow = slow.union(finished, spec_sched, nans or ())
+        if self._held:
+            slow = slow.union(self._held)  # finished, blocks held for a transfer: vLLM still counts in-flight tokens
         hasher_block = self.hash_block_size
         stopped_reqs: list[Request] = []
         async_sched = self.async_scheduling
@@ -750,9 +861,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         for request in stopped_reqs:
             self._forget(request)
 
-        if self._grammar_errors:
+        if self._bridge is not None:
+            self._release_finished()
+        if self._grammar_errors or kv_failed:
             errors, self._grammar_errors = self._grammar_errors, {}
-            for request in self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR):
+            # vLLM finishes grammar errors and (policy "fail") failed KV loads together.
+            for request in self.finish_requests(list(kv_failed.union(errors)), RequestStatus.FINISHED_ERROR):
                 outputs[request.client_index].append(
                     EngineCoreOutput(
                         request_id=request.request_id,
@@ -764,6 +878,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     )
                 )
 
+        kv_connector_stats = None
+        if self._bridge is not None:
+            kv_connector_stats = self._update_connector(kvo)
         engine_core_outputs = {client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()}
         finished_sets = self.finished_req_ids_dict
         if finished_sets:
@@ -773,7 +890,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 else:
                     engine_core_outputs[client] = EngineCoreOutputs(finished_requests=finished_set)
             finished_sets.clear()
-        stats = self.make_stats(self._spec_stats if spec_sched else None)
+        stats = self.make_stats(self._spec_stats if spec_sched else None, kv_connector_stats)
         if stats is not None:
             if (eco := next(iter(engine_core_outputs.values()), None)) is None:
                 engine_core_outputs[0] = eco = EngineCoreOutputs()
@@ -799,6 +916,72 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 hashes += vllm_sha256_block_hashes(hashes[-1], request._all_token_ids[len(hashes) * block :], block)
             else:
                 hashes.extend(hasher(request))
+
+    def _apply_kv_load_failures(self, kvo: Any) -> set[str]:
+        """vLLM's ``_handle_failed_recving`` / ``_handle_invalid_blocks`` for asynchronous loads. Policy "recompute":
+        the core cuts the computed count of each affected loading request; policy "fail": returns them, to be
+        finished with an error after this update's outputs (as vLLM does)."""
+        bridge = self._bridge
+        assert bridge is not None
+        waiting = [r for r in itertools.chain(bridge.loading, bridge.loaded) if r in self.requests]
+        failed = [r for r in kvo.failed_recving or () if r in waiting]
+        num_blocks = self.kv_config.num_blocks
+        invalid = {b for b in kvo.invalid_block_ids or () if 0 < b < num_blocks}
+        affected: set[str] = set()
+        if self._kv_failure_fails:
+            # Policy "fail": vLLM finishes them after this update's outputs; invalid blocks still cut the computed
+            # tokens first (the blocks handed to the connector at the finish), a failed load changes nothing.
+            affected.update(failed)
+            failed = []
+            if invalid:
+                bs = self.block_size
+                for req_id in waiting:
+                    n = -(-self.requests[req_id].num_computed_tokens // bs)
+                    if not invalid.isdisjoint(self._core.get_block_ids(req_id)[:n].tolist()):
+                        affected.add(req_id)
+        if failed or invalid:
+            self._core.update_kv_transfers(failed_recving=failed, invalid_block_ids=sorted(invalid))
+            for req_id in waiting:
+                self.requests[req_id].num_computed_tokens = self._core.get_num_computed_tokens(req_id)
+        return affected
+
+    def _update_connector(self, kvo: Any) -> Any:
+        """vLLM's ``_update_from_kv_xfer_finished``, connector stats and events, at the end of an update."""
+        bridge = self._bridge
+        assert bridge is not None
+        connector = self.connector
+        recving: list[str] = []
+        sending: list[str] = []
+        if kvo is not None:
+            connector.update_connector_output(kvo)
+            held = self._held
+            for req_id in kvo.finished_recving or ():
+                if req_id in bridge.loading:
+                    recving.append(req_id)
+                    bridge.load_reported(req_id)
+                elif (h := held.pop(req_id, None)) is not None:
+                    # Finished while loading: vLLM frees its blocks at the first transfer reported over.
+                    self._report_held(req_id, h, recving, sending)
+            for req_id in kvo.finished_sending or ():
+                if (h := held.pop(req_id, None)) is not None:
+                    self._report_held(req_id, h, recving, sending)
+            if recving or sending:
+                self._core.update_kv_transfers(finished_recving=recving, finished_sending=sending)
+        stats = kvo.kv_connector_stats if kvo is not None else None
+        own = connector.get_kv_connector_stats()
+        if own is not None and not own.is_empty():
+            stats = stats.aggregate(own) if stats is not None else own
+        connector.take_events()  # KV cache events are refused: nothing publishes them
+        return stats
+
+    def _report_held(self, req_id: str, h: list[bool], recving: list[str], sending: list[str]) -> None:
+        if h[0]:
+            recving.append(req_id)
+        if h[1]:
+            sending.append(req_id)
+        request = self.requests.pop(req_id, None)
+        if request is not None:
+            self._slow_req_ids.discard(req_id)
 
     def _update_slow(
         self,
@@ -895,9 +1078,15 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if mro.logprobs and request.sampling_params.num_logprobs is not None:
             new_logprobs = mro.logprobs.slice_request(mro.req_id_to_index[req_id], len(new_token_ids))
         finish_reason = None
+        kv_transfer_params = None
         if stopped:
             finish_reason = request.get_finished_reason()
             stopped_reqs.append(request)
+            if self._bridge is not None and req_id in self._bridge.finished:
+                kv_transfer_params = self._connector_finished(request)
+                if prefill_stats is not None and kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
+                    # The prefill side's cache hits, for the decode side to report.
+                    kv_transfer_params["remote_prefill_cached_tokens"] = prefill_stats.num_cached_tokens
         nans = mro.num_nans_in_logits
         if nans is not None and req_id in nans:
             request.num_nans_in_logits = nans[req_id]
@@ -911,6 +1100,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             events=request.take_events(),
             prefill_stats=prefill_stats,
             spec_decode_metrics=request.spec_decode_metrics if finish_reason is not None else None,
+            kv_transfer_params=kv_transfer_params,
             trace_headers=request.trace_headers,
             num_nans_in_logits=request.num_nans_in_logits,
         )
@@ -976,7 +1166,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         return int(self._core.num_unfinished_requests)
 
     def has_finished_requests(self) -> bool:
-        return bool(self.finished_req_ids)
+        # With a connector, finished requests whose blocks a transfer holds count too (vLLM keeps them).
+        return bool(self.finished_req_ids) or bool(self._held)
+
+    def has_requests(self) -> bool:
+        return bool(
+            self.has_unfinished_requests()
+            or self.has_finished_requests()
+            or (self.connector is not None and self.connector.has_pending_push_work())
+        )
+
+    def get_kv_connector(self) -> Any:
+        return self.connector
 
     def get_kv_cache_usage(self) -> float:
         return float(self._core.stats().kv_cache_usage)
@@ -1004,37 +1205,64 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self.prev_step_scheduled_req_ids.clear()
         else:
             ok = bool(self._core.reset_prefix_cache())
+        if reset_running_requests and not ok:
+            raise RuntimeError(
+                "Failed to reset KV cache even when all the running requests are preempted: KV transfers in "
+                "progress hold blocks"
+            )
         if ok and self._prefix_cache_stats is not None:
             self._prefix_cache_stats.reset = True
+        if reset_connector:
+            ok = self.reset_connector_cache() and ok
         return ok
 
     def reset_connector_cache(self) -> bool:
-        """No KV connector (refused at construction): nothing to reset, which vLLM counts as success."""
+        """vLLM's ``reset_connector_cache``: no connector counts as success."""
+        if self.connector is None:
+            return True
+        if self.connector.reset_cache() is False:
+            return False
+        if self._connector_prefix_cache_stats is not None:
+            self._connector_prefix_cache_stats.reset = True
         return True
 
     def reset_encoder_cache(self) -> None:
         """No encoder cache: multimodal models are refused at construction."""
 
     def make_stats(
-        self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any, **kwargs: Any
+        self,
+        spec_decoding_stats: SpecDecodingStats | None = None,
+        kv_connector_stats: Any = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> SchedulerStats | None:
         if not self.log_stats:
             return None
         prefix = self._prefix_cache_stats
         self._prefix_cache_stats = PrefixCacheStats()
+        connector_prefix = self._connector_prefix_cache_stats
+        if connector_prefix is not None:
+            self._connector_prefix_cache_stats = PrefixCacheStats()
         s = self._core._stats_dict()  # the counters without building kvsched's stats dataclass (every step)
+        bridge = self._bridge
         return SchedulerStats(
             num_running_reqs=s["num_running_reqs"],
             num_waiting_reqs=s["num_waiting_reqs"],
             num_skipped_waiting_reqs=s["num_skipped_waiting_reqs"],
-            num_kv_fetch_reqs_by_stage=dict.fromkeys(KV_FETCH_STAGES, 0),
+            num_kv_fetch_reqs_by_stage=(
+                bridge.stage_counts() if bridge is not None else dict.fromkeys(KV_FETCH_STAGES, 0)
+            ),
             kv_cache_usage=s["kv_cache_usage"],
             prefix_cache_stats=prefix if prefix is not None else PrefixCacheStats(),
+            connector_prefix_cache_stats=connector_prefix,
             spec_decoding_stats=spec_decoding_stats,
+            kv_connector_stats=kv_connector_stats.to_dict() if kv_connector_stats else None,
         )
 
     def shutdown(self) -> None:
-        """Nothing to release: the core is freed with this object."""
+        """The core is freed with this object; a KV connector is shut down as vLLM's scheduler does."""
+        if self.connector is not None:
+            self.connector.shutdown()
 
     # ---- helpers for tests and users --------------------------------------------------------------------
 
@@ -1056,8 +1284,30 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     @property
     def waiting(self) -> list[Request]:
-        """Waiting requests in admission order (built on demand; for tests and introspection)."""
-        return [self.requests[r] for r in self._core.waiting_req_ids()]
+        """Waiting requests that hold no KV blocks, in admission order (built on demand; for tests and
+        introspection). Without a KV connector that is every waiting request."""
+        reqs = [self.requests[r] for r in self._core.waiting_req_ids()]
+        if self._bridge is None:
+            return reqs
+        return [r for r in reqs if not self._holds_kv_blocks(r)]
+
+    @property
+    def finished_recving_kv_req_ids(self) -> set[str]:
+        """Requests whose asynchronous KV load was reported over and that admission has not reached since
+        (vLLM's set of that name; introspection)."""
+        return set(self._bridge.loaded) if self._bridge is not None else set()
+
+    @property
+    def kv_holding_waiting(self) -> list[Request]:
+        """Waiting requests that hold KV blocks (an asynchronous KV load in progress or over), in admission order
+        (vLLM's ``kv_holding_waiting``; introspection)."""
+        if self._bridge is None:
+            return []
+        return [r for r in map(self.requests.__getitem__, self._core.waiting_req_ids()) if self._holds_kv_blocks(r)]
+
+    @staticmethod
+    def _holds_kv_blocks(request: Request) -> bool:
+        return bool(request.num_computed_tokens > 0 or request.status == _WAITING_FOR_REMOTE_KVS)
 
 
 _ = (itertools, np)

@@ -15,7 +15,16 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["TINY_LLAMA", "make_request", "make_scheduler", "make_vllm_config", "request_block_hasher"]
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+__all__ = [
+    "TINY_LLAMA",
+    "RandomKVConnector",
+    "make_request",
+    "make_scheduler",
+    "make_vllm_config",
+    "request_block_hasher",
+]
 
 TINY_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -67,10 +76,13 @@ def make_vllm_config(
     num_speculative_tokens: int = 0,
     speculative_method: str = "ngram",
     per_request_spec_decode_metrics: str = "none",
+    kv_connector_seed: int | None = None,
+    kv_load_failure_policy: str = "recompute",
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config). ``num_speculative_tokens``
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
-    as its draft model, no trailing-block dropping)."""
+    as its draft model, no trailing-block dropping). ``kv_connector_seed`` adds a ``kv_transfer_config`` for
+    :class:`RandomKVConnector` with that seed (role ``kv_both``)."""
     from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
@@ -130,7 +142,19 @@ def make_vllm_config(
             prompt_lookup_max=num_speculative_tokens,
             prompt_lookup_min=1,
         )
+    kv_transfer_config = None
+    if kv_connector_seed is not None:
+        from vllm.config import KVTransferConfig
+
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="RandomKVConnector",
+            kv_connector_module_path=__name__,
+            kv_role="kv_both",
+            kv_load_failure_policy=kv_load_failure_policy,
+            kv_connector_extra_config={"seed": kv_connector_seed},
+        )
     vllm_config = VllmConfig(
+        kv_transfer_config=kv_transfer_config,
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
@@ -262,3 +286,96 @@ def _lora_request(name: str | None) -> Any:
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(name, 1 + sum(map(ord, name)), f"/nonexistent/{name}")
+
+
+class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped here
+    """A scheduler-role KV connector whose answers are a seeded function of what it is asked: external tokens
+    for some requests (loaded synchronously or asynchronously), "ask again later" for a few, and a delayed free
+    (the blocks are "being sent") for some finished requests. It transfers nothing; whoever drives the scheduler
+    reports the loads and sends over (or failed) through ``ModelRunnerOutput.kv_connector_output``, and reads
+    ``loads`` (request -> blocks and token range to load) and ``sending`` to know what to report; the connector
+    forgets a transfer once the scheduler hands it the report (``update_connector_output``).
+
+    Two instances with the same seed, asked the same things in the same order, answer the same: the differential
+    driver (``tests/vllm_driver.py``) gives one to vLLM's scheduler and one to kvsched's and compares ``calls``, a
+    log of every hook call with the request state and blocks it was called with.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.seed = int(extra.get("seed", 0))
+        self.calls: list[tuple[Any, ...]] = []
+        self.loads: dict[str, tuple[list[int], int, int]] = {}  # req_id -> (blocks, first token, tokens)
+        self.sending: set[str] = set()
+        self._asked: dict[str, int] = {}
+        self._pending: dict[str, tuple[int, int, bool]] = {}  # req_id -> (local tokens, external tokens, async)
+
+    def _rng(self, *key: Any) -> Any:
+        import random
+
+        return random.Random("/".join(map(str, (self.seed, *key))))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        n = self._asked[req_id] = self._asked.get(req_id, 0) + 1
+        self.calls.append(("matched", req_id, num_computed_tokens, request.num_tokens, request.num_preemptions))
+        rng = self._rng(req_id, n, num_computed_tokens)
+        room = request.num_tokens - num_computed_tokens
+        r = rng.random()
+        if r < 0.08:
+            return None, False
+        if r < 0.5 or room <= 1:
+            self._pending[req_id] = (num_computed_tokens, 0, False)
+            return 0, False
+        is_async = rng.random() < 0.6
+        ext = rng.randrange(1, room + 1) if is_async else rng.randrange(1, room)
+        self._pending[req_id] = (num_computed_tokens, ext, is_async)
+        return ext, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        (block_ids,) = blocks.get_block_ids()
+        self.calls.append(
+            ("alloc", req_id, list(block_ids), num_external_tokens, list(blocks.get_unhashed_block_ids()))
+        )
+        local, _ext, is_async = self._pending.pop(req_id, (0, 0, False))
+        if is_async and num_external_tokens > 0:
+            self.loads[req_id] = (list(block_ids), local, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = KVConnectorMetadata()
+        meta.new_req_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]  # type: ignore[attr-defined]
+        meta.loads = sorted(self.loads)  # type: ignore[attr-defined]
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self.calls.append(("finished", req_id, request.status.name, list(block_ids)))
+        rng = self._rng(req_id, "finished")
+        delay = bool(block_ids) and req_id not in self.loads and rng.random() < 0.3
+        if delay:
+            self.sending.add(req_id)
+        params = {"req": req_id, "blocks": len(block_ids)} if rng.random() < 0.5 else None
+        return delay, params
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        recv = sorted(connector_output.finished_recving or ())
+        send = sorted(connector_output.finished_sending or ())
+        self.calls.append(("output", recv, send))
+        for req_id in recv:
+            self.loads.pop(req_id, None)
+        self.sending.difference_update(send)
+
+    # Worker-side hooks: never called on a scheduler-role connector.
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass

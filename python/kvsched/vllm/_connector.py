@@ -1,0 +1,176 @@
+"""A vLLM 0.33 KV connector (scheduler role) behind kvsched's core connector hooks.
+
+The core calls its hooks with request ids and block id lists (``kvsched.kv_connector.KVConnector``); vLLM's
+``KVConnectorBase_V1`` wants vLLM ``Request`` objects and ``KVCacheBlocks``. :class:`ConnectorBridge` translates
+one into the other and keeps the bookkeeping vLLM's scheduler does around those calls (prefill, prefix-cache and
+connector stats, the KV-fetch stages, the status of a request whose load runs asynchronously).
+
+``request_finished`` is the one hook vLLM calls with the request already in its finished state (status set,
+last tokens appended), which the core cannot provide from inside its own call. So the bridge answers the core
+"hold the blocks" for every finished request and remembers its blocks; once the core call has returned and the
+adapter has mirrored the finish onto the request, :meth:`ConnectorBridge.finish` asks vLLM's connector, and the
+adapter releases the blocks at once (``update_kv_transfers(finished_sending=...)``) unless the connector keeps
+them for a send. The blocks of several requests are released in the order they finished, so the free order (and
+with it every later block id) is the one vLLM's scheduler produces.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+from vllm.v1.metrics.stats import KV_FETCH_COMPLETED_WAITING, KV_FETCH_IN_PROGRESS, KV_FETCH_WAITING_TO_START
+from vllm.v1.request import RequestStatus
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+__all__ = ["ConnectorBridge"]
+
+
+class ConnectorBridge:
+    """Core-side KV connector hooks (keyed by request id) calling a vLLM scheduler-role connector."""
+
+    def __init__(self, sched: Scheduler, connector: Any) -> None:
+        self._sched = sched
+        self.connector = connector
+        self._block_size = sched.block_size
+        self._hma = isinstance(connector, SupportsHMA)
+        # Lookups of this step that may end in an admission: req_id -> (local hit tokens, external tokens, async).
+        self._asked: dict[str, tuple[int, int, bool]] = {}
+        # Requests admitted by the step being scheduled whose prefill/prefix stats the bridge already recorded.
+        self.recorded: set[str] = set()
+        # A request of this step loads its external tokens synchronously (SchedulerOutput.has_sync_kv_loads).
+        self.has_sync_kv_loads = False
+        # Requests the core finished inside its last call: req_id -> the blocks of their computed tokens.
+        self.finished: dict[str, list[int]] = {}
+        # Asynchronous loads: not reported over yet / reported over, not admitted yet.
+        self.loading: set[str] = set()
+        self.loaded: set[str] = set()
+        # KV-fetch stage of each request that has one (vLLM's num_kv_fetch_reqs_by_stage), when stats are on.
+        self.stages: dict[str, str] | None = {} if sched.log_stats else None
+
+    # ---- hooks the core calls -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> tuple[int | None, bool]:
+        request = self._sched.requests[req_id]
+        ext, load_async = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        if request.skip_reading_prefix_cache:
+            ext, load_async = 0, False
+        if ext is None:
+            return None, False
+        # The core's cap (docs/semantics.md, KV connector): never more than the request has, and a synchronous
+        # load leaves one token to compute.
+        room = request.num_tokens - num_computed_tokens
+        n = min(int(ext), room)
+        is_async = bool(load_async) and n > 0
+        if not is_async and n == room:
+            n = room - 1
+        self._asked[req_id] = (num_computed_tokens, n, is_async)
+        # vLLM sets the first admission's prefill stats at the lookup (a failed allocation redoes it later).
+        if request.prefill_stats is not None and request.num_preemptions <= 0:
+            request.prefill_stats.set(
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_local_cached_tokens=num_computed_tokens,
+                num_external_cached_tokens=n,
+            )
+        self._set_stage(req_id, KV_FETCH_WAITING_TO_START if is_async else None)
+        return int(ext), bool(load_async)
+
+    # The core passes update_state_after_alloc the number of leading blocks in the prefix cache.
+    wants_num_cached_blocks = True
+
+    def update_state_after_alloc(
+        self, req_id: str, block_ids: list[int], num_external_tokens: int, num_cached_blocks: int = 0
+    ) -> None:
+        sched = self._sched
+        request = sched.requests[req_id]
+        asked = self._asked.pop(req_id, None)
+        local = asked[0] if asked is not None else 0
+        # vLLM hands the connector its block objects: those in the prefix cache carry their hash.
+        blocks = self._blocks(request, block_ids, num_cached_blocks)
+        self.connector.update_state_after_alloc(request, blocks, num_external_tokens)
+        if asked is None:
+            return  # a loaded request admitted for the rest of its prompt: no lookup, no stats
+        _, n, is_async = asked
+        preempted = request.num_preemptions > 0
+        queries = request.num_tokens - local
+        stats = sched._connector_prefix_cache_stats
+        if stats is not None and queries != 0:
+            stats.record(
+                num_tokens=queries,
+                num_hits=num_external_tokens,
+                preempted=preempted,
+                hits_by_source=(
+                    self.connector.get_external_cache_hit_sources(request, num_external_tokens)
+                    if num_external_tokens and not preempted
+                    else None
+                ),
+            )
+        sched._record_prefix_lookup(request, local)
+        self.recorded.add(req_id)
+        if is_async:
+            # vLLM's WAITING_FOR_REMOTE_KVS: blocks allocated, computed count set, nothing scheduled.
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            request.num_computed_tokens = local + n
+            self.loading.add(req_id)
+            self.loaded.discard(req_id)
+            sched._slow_req_ids.add(req_id)
+            self._set_stage(req_id, KV_FETCH_IN_PROGRESS)
+        elif num_external_tokens > 0:
+            self.has_sync_kv_loads = True
+
+    def request_finished(self, req_id: str, block_ids: list[int]) -> bool:
+        # Hold the blocks; finish() asks vLLM's connector once the request is in its finished state.
+        self.finished[req_id] = block_ids
+        return True
+
+    # ---- the adapter's side ---------------------------------------------------------------------------
+
+    def _blocks(self, request: Any, block_ids: list[int], num_hashed: int) -> KVCacheBlocks:
+        blocks = [KVCacheBlock(b) for b in block_ids]
+        hashes = request.block_hashes
+        for i in range(min(num_hashed, len(blocks), len(hashes))):
+            blocks[i]._block_hash = make_block_hash_with_group_id(hashes[i], 0)
+        return KVCacheBlocks((blocks,))
+
+    def _set_stage(self, req_id: str, stage: str | None) -> None:
+        stages = self.stages
+        if stages is None:
+            return
+        if stage is None:
+            stages.pop(req_id, None)
+        else:
+            stages[req_id] = stage
+
+    def stage_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys((KV_FETCH_WAITING_TO_START, KV_FETCH_IN_PROGRESS, KV_FETCH_COMPLETED_WAITING), 0)
+        for stage in (self.stages or {}).values():
+            counts[stage] += 1
+        return counts
+
+    def begin_step(self) -> None:
+        self._asked.clear()
+        self.recorded.clear()
+        self.has_sync_kv_loads = False
+
+    def load_reported(self, req_id: str) -> None:
+        self.loading.discard(req_id)
+        self.loaded.add(req_id)
+        self._set_stage(req_id, KV_FETCH_COMPLETED_WAITING)
+
+    def finish(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``_connector_finished`` for a request the core finished (its status already set): whether the
+        connector keeps its blocks for a send, and the transfer parameters for its output."""
+        req_id = request.request_id
+        block_ids = self.finished.pop(req_id)
+        self.loading.discard(req_id)
+        self.loaded.discard(req_id)
+        self._set_stage(req_id, None)
+        if self._hma:
+            delay, params = self.connector.request_finished_all_groups(request, (block_ids,))
+        else:
+            delay, params = self.connector.request_finished(request, block_ids)
+        return bool(delay), params
