@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from typing import Any
 
 import pytest
 
@@ -85,7 +86,6 @@ def test_implements_the_whole_interface_with_engine_core_keywords() -> None:
 @pytest.mark.parametrize(
     ("attr", "value", "feature"),
     [
-        ("kv_transfer_config", object(), "KV connectors"),
         ("ec_transfer_config", object(), "encoder-cache connectors"),
     ],
 )
@@ -94,6 +94,83 @@ def test_unsupported_engine_features_are_refused_by_name(attr: str, value: objec
     object.__setattr__(cfg, attr, value)
     with pytest.raises(UnsupportedFeatureError, match=feature):
         make_scheduler("kvsched", cfg)
+
+
+def test_kv_connector_is_vllms_own_scheduler_role_connector() -> None:
+    """vLLM builds its scheduler's connector with KVConnectorFactory, role SCHEDULER; kvsched.vllm does the same
+    and exposes it where vLLM's engine core reads it (``connector``, ``get_kv_connector()``)."""
+    from kvsched.vllm.testing import RandomKVConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    s = make_scheduler("kvsched", make_vllm_config(kv_connector_seed=1))
+    assert isinstance(s.connector, RandomKVConnector)
+    assert s.connector.role == KVConnectorRole.SCHEDULER
+    assert s.get_kv_connector() is s.connector
+    assert s.core.config.park_kv_loads is False and s.core.config.reserve_inflight_prefills is True
+
+
+def test_kv_consumer_connector_with_async_scheduling_is_refused() -> None:
+    """vLLM defers a finished request's block frees behind the steps in flight when a consumer connector runs
+    with several batches in flight; kvsched's core does not, so the combination is refused by name."""
+    cfg = make_vllm_config(kv_connector_seed=1, async_scheduling=True)
+    with pytest.raises(UnsupportedFeatureError, match="KV consumer connectors with several batches in flight"):
+        make_scheduler("kvsched", cfg)
+
+
+def test_async_kv_load_waits_in_place_and_delayed_free_holds_blocks() -> None:
+    """vLLM 0.33: an async load leaves the request WAITING_FOR_REMOTE_KVS holding its blocks; once the workers
+    report it over it is admitted for the rest of its prompt; a delayed free keeps a finished request (and its
+    blocks) until finished_sending."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    class Fixed:
+        def __init__(self) -> None:
+            self.finished: list[str] = []
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+            return 32, True
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            pass
+
+        def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any]]:
+            self.finished.append(request.request_id)
+            return True, {"sent": len(block_ids)}
+
+    s = make_scheduler("kvsched", make_vllm_config(kv_connector_seed=1, num_blocks=32, max_model_len=256))
+    fixed = Fixed()
+    for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished"):
+        setattr(s.connector, hook, getattr(fixed, hook))
+    req = make_request("r0", list(range(3, 51)), max_tokens=1)
+    s.add_request(req)
+    free = s.core.num_free_blocks
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {}
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.num_computed_tokens == 32
+    assert s.core.num_free_blocks == free - 2 and s.kv_holding_waiting == [req]
+
+    def mro(ids: list[str], kvo: Any) -> Any:
+        return ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids],
+            kv_connector_output=kvo,
+        )
+
+    s.update_from_output(out, mro([], KVConnectorOutput(finished_recving={"r0"})))
+    assert s.finished_recving_kv_req_ids == {"r0"}
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"r0": 16}
+    eco = s.update_from_output(out, mro(["r0"], None))
+    (output,) = eco[0].outputs
+    assert output.finish_reason is not None and output.kv_transfer_params == {"sent": 3}
+    assert fixed.finished == ["r0"] and s.has_finished_requests() and "r0" in s.requests
+    held = s.core.num_free_blocks
+    out = s.schedule()
+    s.update_from_output(out, mro([], KVConnectorOutput(finished_sending={"r0"})))
+    assert "r0" not in s.requests and not s.has_finished_requests()
+    assert s.core.num_free_blocks > held and s.core.num_held_kv_requests == 0
 
 
 def test_unsupported_scheduler_settings_are_refused() -> None:

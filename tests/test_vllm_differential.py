@@ -3,8 +3,9 @@
 Needs vLLM (``pip install 'kvsched[vllm]'``); skipped otherwise. The driver (``tests/vllm_driver.py``) gives
 both schedulers identical requests and model outputs (seeded random: shared prefixes, tight pools that preempt,
 EOS and stop ids, min tokens, cache salts, priorities, aborts, speculative decoding (n-gram and EAGLE drafters,
-drafts, random acceptance), the async batch-queue pattern, V1 and V2 runner output formats) and compares every
-field of every ``SchedulerOutput`` and ``EngineCoreOutputs``, every live request's state and block table, and
+drafts, random acceptance), the async batch-queue pattern, V1 and V2 runner output formats, a KV connector) and
+compares every field of every ``SchedulerOutput`` and ``EngineCoreOutputs``, every live request's state and block
+table, and
 the request counts and KV usage. The full sweep (200 seeds x 300 steps per mode) is ``-m slow`` or
 ``python tests/vllm_driver.py``.
 """
@@ -35,6 +36,20 @@ def test_identical_to_vllm_with_speculative_decoding(sync: str, runner: str, see
     placeholders (async), random acceptance, padded new decodes, spec-decoding stats."""
     cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", num_speculative_tokens=k)
     assert cfg.num_speculative_tokens == k
+
+
+SYNC_MODES = [("sync", "v1"), ("sync", "v2")]
+
+
+@pytest.mark.parametrize(("sync", "runner"), SYNC_MODES, ids=[f"{s}-{r}" for s, r in SYNC_MODES])
+@pytest.mark.parametrize("seed", range(200, 204))
+def test_identical_to_vllm_with_a_kv_connector(sync: str, runner: str, seed: int) -> None:
+    """A seeded RandomKVConnector on both sides (each scheduler builds its own through vLLM's KVConnectorFactory):
+    sync and async loads, "ask later", loads finished late, failed whole or cut by invalid blocks (policy recompute
+    or fail), aborts mid-load, delayed frees for sends. Every hook call (request state, blocks, unhashed blocks) is
+    compared too."""
+    cfg = run_seed(seed, 120, async_scheduling=False, v2=runner == "v2", connector=True)
+    assert cfg.kv_connector_seed == seed
 
 
 @pytest.mark.slow

@@ -138,9 +138,6 @@ CURATED: dict[str, str] = {
         "sets a waiting request's status to WAITING_FOR_REMOTE_KVS by hand (no load was started through the "
         "connector), then expects vLLM's delayed free for it"
     ),
-    "test_abort_request_finished_recving": (
-        "sets WAITING_FOR_REMOTE_KVS by hand and adds to vLLM's private `finished_recving_kv_req_ids` set"
-    ),
     "test_delayed_kv_connector_free_keeps_scheduler_active": (
         "puts a finished request into vLLM's `requests` by hand and applies a `SchedulerOutput` built by hand"
     ),

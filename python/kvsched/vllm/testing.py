@@ -345,8 +345,8 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = KVConnectorMetadata()
-        meta.new_req_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]  # type: ignore[attr-defined]
-        meta.loads = sorted(self.loads)  # type: ignore[attr-defined]
+        meta.new_req_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+        meta.loads = sorted(self.loads)
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
