@@ -1,5 +1,6 @@
 //! Criterion benchmarks of the core alone (no Python): one decode step at 64/256/1024 running requests,
-//! prefix-cache lookup at 0/50/90% hit rates, and block alloc/free churn.
+//! block-boundary decode steps vs plain ones, a decode step with cold caches, prefix-cache lookup at 0/50/90%
+//! hit rates, and block alloc/free churn.
 //!
 //! Run with `cargo bench -p kvsched-core --bench core` (add `-- --quick` for a fast pass). The same cases
 //! through the Python API live in `benches/` (pytest-benchmark) and `kvsched bench`; the difference between
@@ -128,6 +129,92 @@ fn decode_step(c: &mut Criterion) {
     group.finish();
 }
 
+/// Which step of a lockstep decode (block_size 16) does per-request block work, by the requests' computed
+/// count `c` at schedule time: the update of `c % 16 == 14` fills a block (hashing it), the schedule of
+/// `c % 16 == 15` caches it, the schedule of `c % 16 == 0` allocates the next block.
+fn is_boundary_step(computed: i32) -> bool {
+    matches!(computed % 16, 14 | 15 | 0)
+}
+
+/// `n` requests decoding in lockstep: the mean time of a whole step (schedule + update) over only the steps
+/// that cross a block boundary (`boundary`), or over only the plain steps (`plain`). The other steps run
+/// untimed. The goal is boundary steps costing little more than plain ones.
+fn boundary_step(c: &mut Criterion) {
+    const N: usize = 256;
+    const STEPS_PER_SCHEDULER: u64 = 4000;
+    let mut group = c.benchmark_group("boundary_step");
+    group.throughput(Throughput::Elements(N as u64));
+    for (name, want_boundary) in [("plain", false), ("boundary", true)] {
+        group.bench_function(BenchmarkId::new(name, N), |b| {
+            let values = vec![7i64; N];
+            let indptr: Vec<i64> = (0..=N as i64).collect();
+            let mut sched = decoding_scheduler(N);
+            let mut used: u64 = 0;
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut timed = 0;
+                while timed < iters {
+                    if used >= STEPS_PER_SCHEDULER {
+                        sched = decoding_scheduler(N);
+                        used = 0;
+                    }
+                    let start = Instant::now();
+                    let out = sched.schedule().unwrap();
+                    let sampled = Ragged { values: &values, indptr: &indptr };
+                    black_box(
+                        sched.update_from_output(out.scheduler_id, out.step_id, sampled, None).unwrap(),
+                    );
+                    let elapsed = start.elapsed();
+                    used += 1;
+                    if is_boundary_step(out.num_computed_tokens[0]) == want_boundary {
+                        total += elapsed;
+                        timed += 1;
+                    }
+                }
+                total
+            });
+        });
+    }
+    group.finish();
+}
+
+/// One decode step of 256 requests after 8 MiB of unrelated memory traffic (outside the timed region), as when
+/// the model's forward pass ran between two scheduler steps: the step's data comes from DRAM, not the caches.
+fn decode_step_cold(c: &mut Criterion) {
+    const N: usize = 256;
+    const STEPS_PER_SCHEDULER: u64 = 4000;
+    let mut group = c.benchmark_group("decode_step_cold");
+    group.throughput(Throughput::Elements(N as u64));
+    group.bench_function(BenchmarkId::from_parameter(N), |b| {
+        let values = vec![7i64; N];
+        let indptr: Vec<i64> = (0..=N as i64).collect();
+        let mut sched = decoding_scheduler(N);
+        let mut used: u64 = 0;
+        let mut scratch = vec![0u8; 8 << 20];
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for i in 0..iters {
+                if used >= STEPS_PER_SCHEDULER {
+                    sched = decoding_scheduler(N);
+                    used = 0;
+                }
+                for line in scratch.chunks_mut(64) {
+                    line[0] = line[0].wrapping_add(i as u8 | 1);
+                }
+                black_box(&scratch);
+                let start = Instant::now();
+                let out = sched.schedule().unwrap();
+                let sampled = Ragged { values: &values, indptr: &indptr };
+                black_box(sched.update_from_output(out.scheduler_id, out.step_id, sampled, None).unwrap());
+                total += start.elapsed();
+                used += 1;
+            }
+            total
+        });
+    });
+    group.finish();
+}
+
 fn prefix_lookup(c: &mut Criterion) {
     const PROMPT: usize = 2048;
     let mut group = c.benchmark_group("prefix_lookup");
@@ -188,5 +275,5 @@ fn alloc_free(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode_step, prefix_lookup, alloc_free);
+criterion_group!(benches, decode_step, boundary_step, decode_step_cold, prefix_lookup, alloc_free);
 criterion_main!(benches);

@@ -95,6 +95,12 @@ impl BlockPool {
 
     fn evict(&mut self, block: u32) {
         let Some(h) = self.hash[block as usize].take() else { return };
+        if self.duplicates.is_empty() {
+            // No hash is carried by two blocks, so `block` is the map's entry for `h`: one probe, not two.
+            let removed = self.cached.remove(&h);
+            debug_assert_eq!(removed, Some(block));
+            return;
+        }
         if self.cached.get(&h) == Some(&block) {
             // Promote the oldest duplicate, if any, so lookups keep returning the earliest cached block.
             match self.duplicates.get_mut(&h) {

@@ -130,7 +130,10 @@ impl BlockHasher {
         self.digest(&buf)
     }
 
-    /// Appends to `hashes` the hashes of every full block of `tokens` not hashed yet.
+    /// Appends to `hashes` the hashes of every full block of `tokens` not hashed yet. `buf` is scratch space
+    /// the caller keeps between calls: a block boundary hashes one block for every request in the batch, and
+    /// a buffer allocated and freed per request would cost as much as the hashing itself.
+    #[allow(clippy::too_many_arguments)]
     pub fn extend_hashes(
         &self,
         hashes: &mut Vec<BlockHash>,
@@ -138,20 +141,19 @@ impl BlockHasher {
         block_size: usize,
         extra: &ExtraKeys,
         mm: &[EncoderInput],
+        buf: &mut Vec<u8>,
     ) {
         let num_full = tokens.len() / block_size;
         if hashes.len() >= num_full {
             return;
         }
-        let extra_len = extra.lora_name.as_ref().map_or(0, String::len)
-            + extra.cache_salt.as_ref().map_or(0, String::len);
-        let mut buf = Vec::with_capacity(64 + 4 * block_size + extra_len);
+        hashes.reserve(num_full - hashes.len());
         while hashes.len() < num_full {
             let i = hashes.len();
             let block = &tokens[i * block_size..(i + 1) * block_size];
             let parent = hashes.last().unwrap_or(&self.seed_hash);
-            Self::encode(&mut buf, parent, block, extra, i == 0, mm, (i * block_size) as u32);
-            let h = self.digest(&buf);
+            Self::encode(buf, parent, block, extra, i == 0, mm, (i * block_size) as u32);
+            let h = self.digest(buf);
             hashes.push(h);
         }
     }
@@ -220,11 +222,11 @@ mod tests {
         let k = ExtraKeys::default();
         let tokens: Vec<u32> = (0..10).collect();
         let mut v = Vec::new();
-        h.extend_hashes(&mut v, &tokens[..5], 4, &k, &[]);
+        h.extend_hashes(&mut v, &tokens[..5], 4, &k, &[], &mut Vec::new());
         assert_eq!(v.len(), 1);
-        h.extend_hashes(&mut v, &tokens, 4, &k, &[]);
+        h.extend_hashes(&mut v, &tokens, 4, &k, &[], &mut Vec::new());
         let mut w = Vec::new();
-        h.extend_hashes(&mut w, &tokens, 4, &k, &[]);
+        h.extend_hashes(&mut w, &tokens, 4, &k, &[], &mut Vec::new());
         assert_eq!(v, w);
         assert_eq!(v.len(), 2);
     }

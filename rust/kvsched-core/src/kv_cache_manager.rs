@@ -19,6 +19,8 @@ pub struct KvCacheManager {
     /// `(block, hash)` entered into the prefix cache since `schedule()` began: the step's record keeps them so
     /// that a failed step can take them out again (`Scheduler::fail_step`).
     pub newly_cached: Vec<(u32, BlockHash)>,
+    /// Scratch bytes for block hashing, kept between calls (no allocation per hashed request).
+    pub hash_buf: Vec<u8>,
 }
 
 impl KvCacheManager {
@@ -165,7 +167,7 @@ impl KvCacheManager {
 
     /// Hashes the request's blocks that became full since the last call.
     #[inline]
-    pub fn extend_hashes(&self, req: &mut Request) {
+    pub fn extend_hashes(&mut self, req: &mut Request) {
         if self.enable_caching && req.token_ids.len() >> self.block_shift > req.block_hashes.len() {
             self.hasher.extend_hashes(
                 &mut req.block_hashes,
@@ -173,6 +175,7 @@ impl KvCacheManager {
                 self.block_size as usize,
                 &req.extra_keys,
                 &req.encoder_inputs,
+                &mut self.hash_buf,
             );
         }
     }

@@ -28,6 +28,8 @@ static NEXT_SCHEDULER_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The largest token id accepted (token ids travel as int32).
 pub const MAX_TOKEN_ID: i64 = i32::MAX as i64;
+/// Token, block and hash lists of a new request are reserved for at most this many tokens (`reserve_lists`).
+const RESERVE_MAX_TOKENS: u64 = 2048;
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Counters {
@@ -134,6 +136,7 @@ impl Scheduler {
             max_slots: config.max_slots_per_request(),
             enable_caching: config.enable_prefix_caching,
             newly_cached: Vec::new(),
+            hash_buf: Vec::new(),
         };
         Ok(Scheduler {
             cpu: CpuBlockPool::new(config.num_cpu_blocks),
@@ -333,6 +336,7 @@ impl Scheduler {
         self.next_add_seq += 1;
         self.num_deferred += usize::from(params.waiting_for_grammar);
         self.num_parked += usize::from(req.parked);
+        Self::reserve_lists(&mut req, longest, self.kv.block_size, self.kv.enable_caching);
         self.kv.extend_hashes(&mut req);
         let key = Self::priority_key(&req);
         let parked = req.parked;
@@ -585,6 +589,20 @@ impl Scheduler {
         self.slab.resolve(h).map(|r| &r.id)
     }
 
+    /// Reserves the token, block and hash lists of a new request for the length it can reach (`longest` slots
+    /// plus the last sampled token), up to `RESERVE_MAX_TOKENS`: the requests of a batch tend to reach the same
+    /// lengths in the same step, and growing all their lists there (reallocate and copy) was most of a
+    /// block-boundary step. Longer requests grow by doubling past the cap, rarely.
+    fn reserve_lists(req: &mut Request, longest: u64, block_size: u32, enable_caching: bool) {
+        let max_tokens = (longest + 1).min(RESERVE_MAX_TOKENS) as usize;
+        req.token_ids.reserve(max_tokens.saturating_sub(req.token_ids.len()));
+        let max_blocks = max_tokens.div_ceil(block_size as usize);
+        req.blocks.reserve(max_blocks);
+        if enable_caching {
+            req.block_hashes.reserve(max_blocks);
+        }
+    }
+
     /// Tokens a new request with this prompt would take from the prefix cache now. Touches nothing.
     pub fn get_num_cached_tokens(
         &self,
@@ -605,7 +623,7 @@ impl Scheduler {
         // Hash only as far as a hit can reach.
         let reach = ((tokens.len() - 1) / bs) * bs;
         let mut hashes: Vec<BlockHash> = Vec::new();
-        self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra, &[]);
+        self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra, &[], &mut Vec::new());
         let mut hits = Vec::new();
         self.kv.find_longest_cache_hit(&hashes, tokens.len() as u32, &mut hits);
         Ok(hits.len() as u32 * self.config.kv_block_size())
