@@ -5,21 +5,37 @@
 //! - a usable block is in the free queue iff its `ref_cnt` is 0;
 //! - `cached` maps a hash to the blocks carrying exactly that hash, in insertion order, and every block with a
 //!   hash is in the map once. A free block keeps its hash (it can still be hit) until it is popped for reuse.
+//!
+//! The map's primary table stores block ids only (4 bytes a slot; the key of an entry `b` is `hash[b]`), not
+//! (hash, block) pairs (36 bytes): sized for every block of a large pool it stays within the CPU caches, so the
+//! hundreds of inserts and evictions of a block-boundary step (every request of a decode batch fills a block in
+//! the same step) do not each miss to DRAM.
 
 use std::collections::HashMap;
+
+use hashbrown::hash_table::Entry;
+use hashbrown::HashTable;
 
 use crate::free_queue::FreeBlockQueue;
 use crate::hashing::{BlockHash, PrehashedBuild};
 
 pub const NULL_BLOCK: u32 = 0;
 
+/// Where a block hash lands in the cache table: its first 8 bytes (block hashes are uniform already).
+#[inline]
+fn table_hash(hash: &BlockHash) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&hash.0[..8]);
+    u64::from_le_bytes(b)
+}
+
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     ref_cnt: Vec<u32>,
     hash: Vec<Option<BlockHash>>,
     free: FreeBlockQueue,
-    /// The first block cached under each hash (what a lookup returns).
-    cached: HashMap<BlockHash, u32, PrehashedBuild>,
+    /// The first block cached under each hash (what a lookup returns), as block ids keyed by `hash[b]`.
+    cached: HashTable<u32>,
     /// Later blocks with the same hash, in insertion order (rare: no allocation on the common path).
     duplicates: HashMap<BlockHash, Vec<u32>, PrehashedBuild>,
 }
@@ -32,10 +48,7 @@ impl BlockPool {
             hash: vec![None; n],
             free: FreeBlockQueue::new(n, 1..num_blocks),
             // Sized up front (every block can be cached at once): no rehash spike in the middle of a step.
-            cached: HashMap::with_capacity_and_hasher(
-                if enable_caching { n.min(1 << 20) } else { 0 },
-                Default::default(),
-            ),
+            cached: HashTable::with_capacity(if enable_caching { n.min(1 << 20) } else { 0 }),
             duplicates: HashMap::default(),
         }
     }
@@ -76,7 +89,8 @@ impl BlockPool {
 
     /// The first block carrying `hash`, if any.
     pub fn get_cached_block(&self, hash: &BlockHash) -> Option<u32> {
-        self.cached.get(hash).copied()
+        let hashes = &self.hash;
+        self.cached.find(table_hash(hash), |&b| hashes[b as usize].as_ref() == Some(hash)).copied()
     }
 
     /// Takes `n` blocks from the head of the free queue, evicting their cached hashes. The caller has checked
@@ -95,30 +109,31 @@ impl BlockPool {
 
     fn evict(&mut self, block: u32) {
         let Some(h) = self.hash[block as usize].take() else { return };
-        if self.duplicates.is_empty() {
-            // No hash is carried by two blocks, so `block` is the map's entry for `h`: one probe, not two.
-            let removed = self.cached.remove(&h);
-            debug_assert_eq!(removed, Some(block));
-            return;
-        }
-        if self.cached.get(&h) == Some(&block) {
-            // Promote the oldest duplicate, if any, so lookups keep returning the earliest cached block.
-            match self.duplicates.get_mut(&h) {
-                Some(dups) if !dups.is_empty() => {
-                    let next = dups.remove(0);
+        // Found by block id, not by comparing hashes: one probe, and only the table is read.
+        match self.cached.find_entry(table_hash(&h), |&b| b == block) {
+            Ok(entry) => {
+                // `block` is what lookups return: promote the oldest duplicate, if any, so they keep returning
+                // the earliest cached block.
+                match self.duplicates.get_mut(&h) {
+                    Some(dups) if !dups.is_empty() => {
+                        let next = dups.remove(0);
+                        if dups.is_empty() {
+                            self.duplicates.remove(&h);
+                        }
+                        *entry.into_mut() = next;
+                    }
+                    _ => {
+                        entry.remove();
+                    }
+                }
+            }
+            Err(_) => {
+                if let Some(dups) = self.duplicates.get_mut(&h) {
+                    dups.retain(|&x| x != block);
                     if dups.is_empty() {
                         self.duplicates.remove(&h);
                     }
-                    self.cached.insert(h, next);
                 }
-                _ => {
-                    self.cached.remove(&h);
-                }
-            }
-        } else if let Some(dups) = self.duplicates.get_mut(&h) {
-            dups.retain(|&x| x != block);
-            if dups.is_empty() {
-                self.duplicates.remove(&h);
             }
         }
     }
@@ -179,13 +194,18 @@ impl BlockPool {
         }
         debug_assert!(self.hash[block as usize].is_none());
         self.hash[block as usize] = Some(hash);
-        match self.cached.entry(hash) {
-            std::collections::hash_map::Entry::Vacant(e) => {
+        let hashes = &self.hash;
+        // `block` itself is not in the table yet, so a match is another block with the same hash. The hasher
+        // (for growth only: the table is sized for the pool) re-derives each entry's key from its block.
+        match self.cached.entry(
+            table_hash(&hash),
+            |&b| hashes[b as usize] == Some(hash),
+            |&b| hashes[b as usize].as_ref().map_or(0, table_hash),
+        ) {
+            Entry::Vacant(e) => {
                 e.insert(block);
             }
-            std::collections::hash_map::Entry::Occupied(_) => {
-                self.duplicates.entry(hash).or_default().push(block)
-            }
+            Entry::Occupied(_) => self.duplicates.entry(hash).or_default().push(block),
         }
     }
 
@@ -218,7 +238,7 @@ impl BlockPool {
                 return Err(format!("block {b}: ref_cnt {rc} but free={}", self.free.contains(b as u32)));
             }
             if let Some(h) = &self.hash[b] {
-                let primary = usize::from(self.cached.get(h) == Some(&(b as u32)));
+                let primary = usize::from(self.cached.find(table_hash(h), |&x| x == b as u32).is_some());
                 let dups = self.duplicates.get(h).map_or(0, |v| v.iter().filter(|&&x| x == b as u32).count());
                 if primary + dups != 1 {
                     return Err(format!(
@@ -233,14 +253,17 @@ impl BlockPool {
         if mapped != hashed {
             return Err(format!("cache map holds {mapped} blocks but {hashed} blocks have a hash"));
         }
-        for (h, &b) in &self.cached {
-            if self.hash[b as usize].as_ref() != Some(h) {
-                return Err("cache map entry disagrees with block hashes".into());
+        for &b in self.cached.iter() {
+            // Every entry carries a hash, and a lookup of that hash finds this entry (one entry per hash).
+            let found =
+                self.hash.get(b as usize).and_then(Option::as_ref).and_then(|h| self.get_cached_block(h));
+            if found != Some(b) {
+                return Err(format!("cache map entry {b} disagrees with block hashes"));
             }
         }
         for (h, v) in &self.duplicates {
             let bad = v.is_empty()
-                || !self.cached.contains_key(h)
+                || self.get_cached_block(h).is_none()
                 || v.iter().any(|&b| self.hash[b as usize].as_ref() != Some(h));
             if bad {
                 return Err("duplicate cache entry disagrees with block hashes".into());
