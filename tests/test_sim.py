@@ -342,6 +342,9 @@ def test_parsers_reject_bad_input() -> None:
     for bad in ("0", "0:0", "x:1"):
         with pytest.raises(TraceFormatError):
             parse_priorities(bad)
+    for prios in ((), ((0, 0.0),), ((0, float("nan")),), ((0, -1.0), (1, 2.0))):
+        with pytest.raises(TraceFormatError, match="priorities"):
+            WorkloadSpec(priorities=prios)
 
 
 def test_cli_end_to_end(tmp_path: Path) -> None:
@@ -460,3 +463,29 @@ def test_fair_policy_gets_tenants_and_their_weights() -> None:
     fair_a, fair_c = (np.median(rec.queue_delay[rec.tenant == i]) for i in (0, 2))
     assert fair_a > fair_c
     assert np.median(fcfs.queue_delay[fcfs.tenant == 2]) > fair_c
+
+
+def test_swapped_blocks_are_charged_and_auto_mode_prices_victims_with_the_step_model() -> None:
+    # Everything arrives within the first step, so the schedule does not depend on step times: runs that differ
+    # only in the swap coefficient make the same decisions, and their clocks differ by that coefficient times the
+    # number of blocks copied (an integer).
+    w = generate_workload(_spec(rate=100_000.0, duration=0.0006, tenants=parse_tenants("a:1")))
+    assert len(w) > 30
+    cfg = {**TIGHT, "num_cpu_blocks": 4000}
+
+    def run(mode: str, swap_block_s: float) -> Any:
+        model = dataclasses.replace(MODEL, swap_block_s=swap_block_s)
+        return simulate(w, {**cfg, "preemption_mode": mode}, model, record_batches=True, fast_path=False)
+
+    free, paid = run("swap", 0.0), run("swap", 1e-3)
+    assert free.batches == paid.batches
+    extra = (paid.step_time.sum() - free.step_time.sum()) / 1e-3
+    assert extra > 10 and abs(extra - round(extra)) < 1e-6
+    # Recompute mode never swaps: the coefficient is not charged.
+    rec0, rec1 = run("recompute", 0.0), run("recompute", 1e-3)
+    assert rec0.batches == rec1.batches and rec0.step_time.sum() == pytest.approx(rec1.step_time.sum())
+    # Auto mode: swapping priced far above recomputing recomputes every victim (the recompute mode's schedule);
+    # priced at almost nothing, it swaps them (the swap mode's schedule).
+    assert run("auto", 10.0).batches == rec0.batches
+    assert run("auto", 1e-12).batches == free.batches
+    assert free.batches != rec0.batches

@@ -318,6 +318,11 @@ def simulate(
         step_model.kv_token_s,
         step_model.prefill_attn_s,
     )
+    # Swapped blocks (preemption_mode "swap" or "auto") cost swap_block_s each, out or in. The auto mode picks
+    # recompute or swap per victim by the same model's costs: a recomputed token as a prefill token.
+    c_swap = step_model.swap_block_s if cfg.preemption_mode != "recompute" else 0.0
+    if cfg.preemption_mode == "auto":
+        sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
     cap = max(cfg.max_num_seqs, 1)
     tokens = np.full(cap, _SAMPLED_TOKEN, dtype=np.int64)
     arange = np.arange(cap + 1, dtype=np.int64)
@@ -440,6 +445,8 @@ def simulate(
                 pairs = float((nsp * (2 * nct[pre].astype(int64) + nsp + 1)).sum()) * 0.5
                 n_pre = n_tok - n_dec
             dt = c0 + c_pre * n_pre + c_preq * (m - n_dec) + c_dec * n_dec + c_kv * kv + c_attn * pairs
+            if c_swap:
+                dt += c_swap * (len(out.swap_out) + len(out.swap_in))
             sel = idx[complete]
             k = len(sel)
             if k == m:

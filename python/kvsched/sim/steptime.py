@@ -12,8 +12,10 @@ A step's duration is linear in its composition::
 
 A request "decodes" in a step when it computes exactly its last known token (``num_computed_tokens ==
 prompt + outputs - 1``); every other scheduled token is a prefill token (first prefill, chunks, and the
-recomputation of a preempted request). kvsched preempts by recomputation and never swaps, so the swap term is
-always zero today; it is kept so that a preset stays meaningful for an engine that does.
+recomputation of a preempted request). The swap term counts the blocks a step copies to or from the CPU pool
+(``SchedulerOutput.swap_out`` and ``swap_in``); it is charged only with ``preemption_mode`` ``"swap"`` or
+``"auto"``, and the auto mode's per-victim choice is priced by the same model (``prefill_token_s`` per recomputed
+token against ``swap_block_s`` per block).
 
 The presets are estimates (see ``docs/simulator.md`` for their derivation and sources); calibrate on your own
 hardware with ``kvsched simulate --calibrate --model DIR`` (:func:`kvsched.sim.calibrate.calibrate`), which
@@ -146,8 +148,12 @@ def step_features(
 #     share a published vLLM batch-1 decode of Llama-3.1-8B reached on an A100 (an assumption for H100).
 #   - Compute terms (2 * params FLOPs per token, 4 * layers * heads * head_dim FLOPs per query-key pair) at an
 #     assumed 50% of peak (no published figure used).
+#   - Swap: a 16-token block of KV over the host link, PCIe Gen5 x16 (64 GB/s per direction, spec figure) at an
+#     assumed 50% (block-sized copies).
 _BW = 3.35e12 * 0.77
 _FLOPS = 989.4e12 * 0.5
+_HOST_BW = 64e9 * 0.5
+_SWAP_BLOCK_TOKENS = 16
 
 
 def _roofline(name: str, params: float, layers: int, heads: int, kv_heads: int, head_dim: int) -> StepTimeModel:
@@ -161,10 +167,11 @@ def _roofline(name: str, params: float, layers: int, heads: int, kv_heads: int, 
         decode_req_s=per_token,
         kv_token_s=kv_bytes_per_token / _BW,
         prefill_attn_s=4 * layers * heads * head_dim / _FLOPS,
-        swap_block_s=0.0,
+        swap_block_s=_SWAP_BLOCK_TOKENS * kv_bytes_per_token / _HOST_BW,
         name=name,
         source=(
-            "estimate (roofline): H100 SXM 3.35 TB/s at 77% and 989 BF16 TFLOPS at 50%; "
+            "estimate (roofline): H100 SXM 3.35 TB/s at 77% and 989 BF16 TFLOPS at 50%, PCIe Gen5 x16 at 50% for "
+            "swaps of 16-token blocks; "
             f"{params / 1e9:.2f}B params, {layers} layers, {heads}/{kv_heads} heads, head_dim {head_dim}, BF16. "
             "See docs/simulator.md"
         ),

@@ -212,6 +212,12 @@ class WorkloadSpec:
             raise TraceFormatError("prefix groups: need num_prefix_groups >= 0, prefix_len >= 0, fraction in [0, 1]")
         if not self.tenants:
             raise TraceFormatError("a workload needs at least one tenant")
+        if not self.priorities or any(not (f >= 0 and math.isfinite(f)) for _, f in self.priorities):
+            raise TraceFormatError(
+                f"priorities: need at least one (priority, fraction) pair with fractions >= 0, got {self.priorities!r}"
+            )
+        if sum(f for _, f in self.priorities) <= 0:
+            raise TraceFormatError(f"priorities: the fractions must not all be 0, got {self.priorities!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
