@@ -489,3 +489,17 @@ def test_swapped_blocks_are_charged_and_auto_mode_prices_victims_with_the_step_m
     assert run("auto", 10.0).batches == rec0.batches
     assert run("auto", 1e-12).batches == free.batches
     assert free.batches != rec0.batches
+
+
+def test_attention_hinge_prices_each_chunk_past_its_threshold() -> None:
+    w = generate_workload(_spec(duration=5.0))
+    a = MODEL.prefill_attn_s
+    base = simulate(w, TIGHT, MODEL)
+    # A hinge at 0 pairs charges every pair twice: the same as doubling prefill_attn_s.
+    hinge0 = simulate(w, TIGHT, dataclasses.replace(MODEL, prefill_attn_spill_s=a, attn_spill_pairs=0.0))
+    doubled = simulate(w, TIGHT, dataclasses.replace(MODEL, prefill_attn_s=2 * a))
+    np.testing.assert_allclose(hinge0.step_time, doubled.step_time, rtol=1e-12)
+    assert hinge0.step_time.sum() > base.step_time.sum()
+    # A threshold above every chunk charges nothing.
+    never = simulate(w, TIGHT, dataclasses.replace(MODEL, prefill_attn_spill_s=1.0, attn_spill_pairs=1e12))
+    np.testing.assert_array_equal(never.step_time, base.step_time)

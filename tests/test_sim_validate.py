@@ -17,7 +17,7 @@ from conftest import requires_rust  # noqa: E402
 from kvsched.engine import LLM  # noqa: E402
 from kvsched.runner.testing import save_tiny_hf_model  # noqa: E402
 from kvsched.sim import PRESETS, StepTimeModel, Workload, request_records, simulate  # noqa: E402
-from kvsched.sim.calibrate import fit_step_time_model, run_timed_steps  # noqa: E402
+from kvsched.sim.calibrate import fit_step_time_model, residuals, run_timed_steps  # noqa: E402
 from kvsched.sim.validate import prompt_fn_for_vocab, run_real  # noqa: E402
 
 pytestmark = [pytest.mark.torch, requires_rust]
@@ -80,6 +80,39 @@ def test_calibration_fit_recovers_known_coefficients() -> None:
     for name in ("step_s", "prefill_token_s", "prefill_req_s", "decode_req_s", "kv_token_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.1), name
     assert fitted.prefill_attn_s >= 0 and fitted.swap_block_s == 0
+
+
+def test_calibration_fit_finds_the_attention_hinge() -> None:
+    # Steps whose long prefill chunks cost more per query-key pair past 30,000 pairs: the fit must find a
+    # threshold near it (among the pooled percentiles it tries) and price the steps right; without the per-chunk
+    # pairs it cannot, and its error is larger.
+    truth = StepTimeModel(
+        step_s=1e-3, prefill_token_s=2e-6, decode_req_s=2e-4, prefill_attn_s=5e-8, prefill_attn_spill_s=1.5e-7,
+        attn_spill_pairs=30_000, name="t",
+    )  # fmt: skip
+    rng = np.random.default_rng(1)
+    steps, pairs = [], []
+    for _ in range(400):
+        chunks = rng.integers(16, 600, size=int(rng.integers(0, 3)))
+        dec = int(rng.integers(0, 32))
+        per = chunks * (chunks + 1) / 2.0
+        over = float(np.maximum(per - 30_000, 0).sum())
+        t = truth.step_time(float(chunks.sum()), dec, 0, float(per.sum()), prefill_attn_spill_pairs=over)
+        steps.append((t * (1 + rng.normal(0, 0.01)), int(chunks.sum()), len(chunks), dec, 0, float(per.sum())))
+        pairs.append(per)
+    fitted, fit = fit_step_time_model(steps, request_pairs=pairs)
+    assert "prefill_attn_spill_pairs" in fit["features"]
+    assert 20_000 < fitted.attn_spill_pairs < 40_000 and fitted.prefill_attn_spill_s > 0
+    assert fit["median_rel_error"] < 0.02
+    _, plain = fit_step_time_model(steps)
+    assert plain["median_rel_error"] > fit["median_rel_error"]
+    assert "prefill_attn_spill_pairs" not in plain["features"]
+    resid = residuals(fitted, steps, pairs)
+    assert np.median(np.abs(resid) / np.array([s[0] for s in steps])) < 0.02
+    with pytest.raises(ValueError, match="request_pairs"):
+        fit_step_time_model(steps, request_pairs=pairs[:-1])
+    with pytest.raises(ValueError, match="attn_spill_pairs"):
+        StepTimeModel(step_s=1e-3, attn_spill_pairs=-1.0)
 
 
 def test_timed_steps_of_the_real_engine_have_the_simulator_composition(tmp_path: Path) -> None:

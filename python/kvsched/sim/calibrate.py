@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .steptime import FEATURES, StepTimeModel
+from .steptime import FEATURES, StepTimeModel, spill_pairs
 
 __all__ = ["TimedStep", "calibrate", "fit_step_time_model", "run_timed_steps"]
 
@@ -26,14 +26,25 @@ TimedStep = tuple[float, int, int, int, int, float]
 
 
 def fit_step_time_model(
-    steps: list[TimedStep], *, name: str = "calibrated", source: str = ""
+    steps: list[TimedStep],
+    *,
+    name: str = "calibrated",
+    source: str = "",
+    request_pairs: list[npt.NDArray[np.float64]] | None = None,
 ) -> tuple[StepTimeModel, dict[str, Any]]:
     """Non-negative least squares of step time on (1, prefill tokens, prefill requests, decode requests, KV tokens,
     prefill pairs), on relative error (each row divided by its measured time, so short steps count as much as long
     ones). Steps slowed down by something else on the machine are outliers: after a first fit, steps whose relative
-    residual exceeds five times the median are dropped and the fit is repeated."""
+    residual exceeds five times the median are dropped and the fit is repeated.
+
+    With ``request_pairs`` (each step's per-prefill-chunk query-key pairs, :func:`run_timed_steps`'s
+    ``request_pairs_out``), the attention hinge is fitted too: for each threshold among percentiles 5-99 of the
+    chunks' pair counts, the fit gets a ``prefill_attn_spill_pairs`` column; the threshold with the smallest
+    relative squared error wins, if it beats the fit without a hinge."""
     if len(steps) < 8:
         raise ValueError(f"need at least 8 timed steps to fit, got {len(steps)}")
+    if request_pairs is not None and len(request_pairs) != len(steps):
+        raise ValueError(f"request_pairs has {len(request_pairs)} entries for {len(steps)} steps")
     arr = np.asarray(steps, dtype=np.float64)
     y_all = np.maximum(arr[:, 0], 1e-9)
     x_all = np.column_stack([np.ones(len(arr)), arr[:, 1:6]])
@@ -50,12 +61,30 @@ def fit_step_time_model(
             active.pop(int(np.argmin(sol)))
         return coef
 
+    def rel_sse(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64], coef: npt.NDArray[np.float64]) -> float:
+        return float(((((x @ coef) - y) / y) ** 2).sum())
+
     coef = nnls(x_all, y_all)
     rel0 = np.abs(x_all @ coef - y_all) / y_all
     keep = rel0 <= max(5 * float(np.median(rel0)), 0.05)
-    if keep.sum() >= 8 and not keep.all():
-        coef = nnls(x_all[keep], y_all[keep])
-    x, y = x_all, y_all
+    if keep.sum() < 8:
+        keep[:] = True
+    # The hinge: one more column per candidate threshold (no hinge = a column of zeros).
+    threshold, spill_col = 0.0, np.zeros(len(arr))
+    if request_pairs is not None:
+        pooled = np.concatenate([np.asarray(p, dtype=np.float64) for p in request_pairs] + [np.zeros(0)])
+        pooled = pooled[pooled > 0]
+        best = rel_sse(x_all[keep], y_all[keep], nnls(x_all[keep], y_all[keep]))
+        for th in np.unique(np.percentile(pooled, np.linspace(5, 99, 48)).round()) if pooled.size else ():
+            col = np.array([spill_pairs(np.asarray(p, dtype=np.float64), float(th)) for p in request_pairs])
+            if not col[keep].any():
+                continue
+            x = np.column_stack([x_all, col])
+            err = rel_sse(x[keep], y_all[keep], nnls(x[keep], y_all[keep]))
+            if err < best:
+                best, threshold, spill_col = err, float(th), col
+    x, y = np.column_stack([x_all, spill_col]), y_all
+    coef = nnls(x[keep], y[keep])
     pred = x @ coef
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
@@ -68,13 +97,15 @@ def fit_step_time_model(
         kv_token_s=float(coef[4]),
         prefill_attn_s=float(coef[5]),
         swap_block_s=0.0,
+        prefill_attn_spill_s=float(coef[6]),
+        attn_spill_pairs=threshold if coef[6] > 0 else 0.0,
         name=name,
         source=source,
     )
     fit = {
         "num_steps": len(steps),
         "num_outliers_dropped": int((~keep).sum()),
-        "features": list(FEATURES[:6]),
+        "features": [*FEATURES[:6], *(["prefill_attn_spill_pairs"] if coef[6] > 0 else [])],
         "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
         "median_rel_error": float(np.median(rel)),
         "p90_rel_error": float(np.percentile(rel, 90)),
@@ -100,13 +131,16 @@ def run_timed_steps(
     on_step: Callable[[], None] | None = None,
     max_steps: int = 100_000,
     clock: str = "wall",
+    request_pairs_out: list[npt.NDArray[np.float64]] | None = None,
 ) -> list[TimedStep]:
     """Drive ``llm`` step by step; ``adds`` = (step number, prompt token ids, output length), added before that
     step. Returns each step's (duration, prefill tokens, prefill requests, decode requests, KV tokens, prefill
     pairs). ``clock``: ``"wall"`` (``time.perf_counter``) or ``"cpu"`` (this thread's CPU time: immune to other
-    processes on a shared machine; only meaningful on the CPU with torch single-threaded)."""
+    processes on a shared machine; only meaningful on the CPU with torch single-threaded). With
+    ``request_pairs_out``, each timed step's per-prefill-chunk query-key pairs are appended to it (for the
+    attention hinge of :func:`fit_step_time_model`)."""
     from ..engine import SamplingParams
-    from .steptime import step_features
+    from .steptime import request_pairs, step_features
 
     now = clock_fn(clock)
     sched = llm.scheduler
@@ -137,6 +171,8 @@ def run_timed_steps(
             kl = np.fromiter((known[r] for r in rids), np.int64, len(rids))
             pre, preq, dec, kv, pairs = step_features(nst, nct, nct == kl - 1)
             out_steps.append((dt, pre, preq, dec, kv, pairs))
+            if request_pairs_out is not None:
+                request_pairs_out.append(request_pairs(nst, nct, nct == kl - 1))
             for rid, n_new in zip(rids, np.asarray(res.num_new_tokens).tolist(), strict=True):
                 known[rid] += int(n_new)
         step += 1
@@ -158,6 +194,11 @@ def _grid(
     # Prefill-heavy: a few requests of one length at once, short outputs.
     for n in lens[:: 2 if quick else 1]:
         work.append([(0, prompt(n), 2) for _ in range(2)])
+    # Single prompts alone in the engine (how a prefill runs at low load), across the whole length range: long
+    # chunks cost more per query-key pair than short ones (the attention hinge).
+    for n in (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768, 1024)[:: 2 if quick else 1]:
+        if n <= max_len // 2:
+            work.append([(0, prompt(n), 2)])
     # Decode-heavy: a batch at two context lengths.
     for b in batches[:: 2 if quick else 1]:
         for ctx in (32, min(256, max_len // 4)):
@@ -247,10 +288,11 @@ def calibrate_llm(
 
             bar = tqdm(total=len(work) * repeats, desc="calibrate", unit="workload", file=sys.stderr, leave=False)
     steps: list[TimedStep] = []
+    pairs: list[npt.NDArray[np.float64]] = []
     try:
         for _ in range(repeats):
             for adds in work:
-                steps.extend(run_timed_steps(llm, adds, clock=clock))
+                steps.extend(run_timed_steps(llm, adds, clock=clock, request_pairs_out=pairs))
                 if bar is not None:
                     bar.update(1)
     finally:
@@ -261,7 +303,9 @@ def calibrate_llm(
         f"calibrated on this machine ({where}, torch {torch.__version__}, dtype {llm.dtype}, {clock} clock) from "
         f"{len(steps)} timed steps of kvsched.LLM on {label}"
     )
-    fitted, fit = fit_step_time_model(steps, name=f"calibrated-{label}-{llm.device.type}", source=source)
+    fitted, fit = fit_step_time_model(
+        steps, name=f"calibrated-{label}-{llm.device.type}", source=source, request_pairs=pairs
+    )
     fit.update(
         {
             "device": where,
@@ -275,9 +319,14 @@ def calibrate_llm(
     return fitted, fit
 
 
-def residuals(model: StepTimeModel, steps: list[TimedStep]) -> npt.NDArray[np.float64]:
-    """Predicted minus measured step time for each timed step."""
+def residuals(
+    model: StepTimeModel, steps: list[TimedStep], request_pairs: list[npt.NDArray[np.float64]] | None = None
+) -> npt.NDArray[np.float64]:
+    """Predicted minus measured step time for each timed step (the hinge term needs ``request_pairs``)."""
     arr = np.asarray(steps, dtype=np.float64)
-    feats = np.column_stack([np.ones(len(arr)), arr[:, 1:6], np.zeros(len(arr))])
+    spill = np.zeros(len(arr))
+    if request_pairs is not None:
+        spill = np.array([spill_pairs(np.asarray(p, dtype=np.float64), model.attn_spill_pairs) for p in request_pairs])
+    feats = np.column_stack([np.ones(len(arr)), arr[:, 1:6], np.zeros(len(arr)), spill])
     out: npt.NDArray[np.float64] = model.predict(feats) - arr[:, 0]
     return out

@@ -321,6 +321,8 @@ def simulate(
     # Swapped blocks (preemption_mode "swap" or "auto") cost swap_block_s each, out or in. The auto mode picks
     # recompute or swap per victim by the same model's costs: a recomputed token as a prefill token.
     c_swap = step_model.swap_block_s if cfg.preemption_mode != "recompute" else 0.0
+    # The attention hinge: pairs of each prefill chunk beyond the threshold cost c_spill more.
+    c_spill, spill_at = step_model.prefill_attn_spill_s, step_model.attn_spill_pairs
     if cfg.preemption_mode == "auto":
         sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
     cap = max(cfg.max_num_seqs, 1)
@@ -442,9 +444,14 @@ def simulate(
             else:
                 pre = ~is_dec
                 nsp = nst[pre].astype(int64)
-                pairs = float((nsp * (2 * nct[pre].astype(int64) + nsp + 1)).sum()) * 0.5
+                chunk_pairs = (nsp * (2 * nct[pre].astype(int64) + nsp + 1)) * 0.5
+                pairs = float(chunk_pairs.sum())
                 n_pre = n_tok - n_dec
+                if c_spill:
+                    pairs_over = float(np.maximum(chunk_pairs - spill_at, 0.0).sum())
             dt = c0 + c_pre * n_pre + c_preq * (m - n_dec) + c_dec * n_dec + c_kv * kv + c_attn * pairs
+            if c_spill and n_dec != m:
+                dt += c_spill * pairs_over
             if c_swap:
                 dt += c_swap * (len(out.swap_out) + len(out.swap_in))
             sel = idx[complete]

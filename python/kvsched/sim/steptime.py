@@ -9,6 +9,7 @@ A step's duration is linear in its composition::
       + kv_token_s      * (KV tokens the decoding requests attend to: the sum of their context lengths)
       + prefill_attn_s  * (query-key pairs of the prefill chunks: sum of n * (computed + (n + 1) / 2))
       + swap_block_s    * (KV blocks swapped in or out)
+      + prefill_attn_spill_s * (query-key pairs of each prefill chunk beyond attn_spill_pairs, summed)
 
 A request "decodes" in a step when it computes exactly its last known token (``num_computed_tokens ==
 prompt + outputs - 1``); every other scheduled token is a prefill token (first prefill, chunks, and the
@@ -16,6 +17,10 @@ recomputation of a preempted request). The swap term counts the blocks a step co
 (``SchedulerOutput.swap_out`` and ``swap_in``); it is charged only with ``preemption_mode`` ``"swap"`` or
 ``"auto"``, and the auto mode's per-victim choice is priced by the same model (``prefill_token_s`` per recomputed
 token against ``swap_block_s`` per block).
+
+The last term is a hinge: past a per-request size (``attn_spill_pairs`` query-key pairs), prefill attention
+costs more per pair, because its score matrices no longer fit the CPU's (or GPU's) caches. Calibration fits the
+threshold (it tries a range of them) with the coefficients; the presets leave it off (0).
 
 The presets are estimates (see ``docs/simulator.md`` for their derivation and sources); calibrate on your own
 hardware with ``kvsched simulate --calibrate --model DIR`` (:func:`kvsched.sim.calibrate.calibrate`), which
@@ -33,7 +38,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FEATURES", "PRESETS", "StepTimeModel", "load_step_time_model", "step_features"]
+__all__ = [
+    "FEATURES",
+    "PRESETS",
+    "StepTimeModel",
+    "load_step_time_model",
+    "request_pairs",
+    "spill_pairs",
+    "step_features",
+]
 
 # Names of the model's inputs, in the order of the coefficient vector.
 FEATURES = (
@@ -44,6 +57,7 @@ FEATURES = (
     "kv_tokens",
     "prefill_attn_pairs",
     "swap_blocks",
+    "prefill_attn_spill_pairs",
 )
 _COEFS = (
     "step_s",
@@ -53,6 +67,7 @@ _COEFS = (
     "kv_token_s",
     "prefill_attn_s",
     "swap_block_s",
+    "prefill_attn_spill_s",
 )
 
 
@@ -67,6 +82,8 @@ class StepTimeModel:
     kv_token_s: float = 0.0
     prefill_attn_s: float = 0.0
     swap_block_s: float = 0.0
+    prefill_attn_spill_s: float = 0.0
+    attn_spill_pairs: float = 0.0  # per prefill chunk: the hinge's threshold (pairs past it cost the spill term)
     name: str = "custom"
     source: str = ""
 
@@ -75,6 +92,9 @@ class StepTimeModel:
             v = getattr(self, c)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"step-time coefficient {c} must be a finite number >= 0, got {v!r}")
+        v = self.attn_spill_pairs
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"attn_spill_pairs must be a finite number >= 0, got {v!r}")
         if self.step_s + self.prefill_token_s + self.decode_req_s <= 0:
             raise ValueError("a step-time model needs step_s, prefill_token_s or decode_req_s > 0")
 
@@ -90,6 +110,7 @@ class StepTimeModel:
         prefill_attn_pairs: float = 0.0,
         swap_blocks: float = 0.0,
         prefill_reqs: float = 0.0,
+        prefill_attn_spill_pairs: float = 0.0,
     ) -> float:
         return (
             self.step_s
@@ -99,6 +120,7 @@ class StepTimeModel:
             + self.kv_token_s * kv_tokens
             + self.prefill_attn_s * prefill_attn_pairs
             + self.swap_block_s * swap_blocks
+            + self.prefill_attn_spill_s * prefill_attn_spill_pairs
         )
 
     def predict(self, features: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
@@ -139,6 +161,21 @@ def step_features(
     pre = ~is_decode
     pairs = float((nst[pre] * (2 * nct[pre] + nst[pre] + 1)).sum()) / 2.0
     return total - n_dec, len(nst) - n_dec, n_dec, kv, pairs
+
+
+def request_pairs(
+    num_scheduled: npt.NDArray[Any], num_computed: npt.NDArray[Any], is_decode: npt.NDArray[np.bool_]
+) -> npt.NDArray[np.float64]:
+    """Query-key pairs of each prefill chunk of a step (the per-request terms of ``prefill_attn_pairs``)."""
+    pre = ~is_decode
+    nsp = num_scheduled[pre].astype(np.int64)
+    out: npt.NDArray[np.float64] = (nsp * (2 * num_computed[pre].astype(np.int64) + nsp + 1)) / 2.0
+    return out
+
+
+def spill_pairs(pairs: npt.NDArray[np.float64], threshold: float) -> float:
+    """The hinge feature: pairs of each prefill chunk beyond ``threshold``, summed."""
+    return float(np.maximum(pairs - threshold, 0.0).sum())
 
 
 # -- presets ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from ..config import SchedulerConfig
 from .metrics import percentiles, request_records
 from .simulator import make_config, simulate
-from .steptime import StepTimeModel
+from .steptime import StepTimeModel, spill_pairs
 from .workload import PromptFactory, Workload
 
 __all__ = ["RealRun", "compare", "prompt_fn_for_vocab", "run_real", "validate"]
@@ -42,6 +42,7 @@ class RealRun:
         # Each step's composition as the simulator measures it: prefill tokens, prefill requests, decode
         # requests, KV tokens, prefill pairs.
         self.features: list[tuple[int, int, int, int, float]] = []
+        self.request_pairs: list[npt.NDArray[np.float64]] = []  # each step's per-prefill-chunk pairs
         self.wall_s = 0.0
 
 
@@ -83,7 +84,7 @@ def run_real(
     the step loop, and the simulator does not charge it either."""
     from ..engine import SamplingParams
     from .calibrate import clock_fn
-    from .steptime import step_features
+    from .steptime import request_pairs, step_features
 
     tick = clock_fn(clock)
     virtual = clock == "cpu"
@@ -128,7 +129,9 @@ def run_real(
             nct = np.asarray(out.num_computed_tokens)
             real.batches.append((tuple(idx.tolist()), tuple(nst.tolist())))
             real.step_times.append(s1 - s0)
-            real.features.append(step_features(nst, nct, nct == known[idx] - 1))
+            is_dec = nct == known[idx] - 1
+            real.features.append(step_features(nst, nct, is_dec))
+            real.request_pairs.append(request_pairs(nst, nct, is_dec))
             known[idx] += got
         for k in np.flatnonzero(got).tolist():
             j = idx_of[out.req_ids[k]]
@@ -166,8 +169,10 @@ def compare(real: RealRun, workload: Workload, sim_res: Any, *, time_scale: floa
     }
     if real.features:
         f = np.asarray(real.features, dtype=np.float64)
-        feats = np.column_stack([np.ones(len(f)), f, np.zeros(len(f))])
-        pred = sim_res.step_model.predict(feats)
+        sm = sim_res.step_model
+        spill = np.array([spill_pairs(p, sm.attn_spill_pairs) for p in real.request_pairs], dtype=np.float64)
+        feats = np.column_stack([np.ones(len(f)), f, np.zeros(len(f)), spill])
+        pred = sm.predict(feats)
         meas = np.asarray(real.step_times)
         has_prefill = f[:, 1] > 0
         kinds = {"all": np.ones(len(f), dtype=np.bool_), "with_prefill": has_prefill, "decode_only": ~has_prefill}
