@@ -866,7 +866,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if self._grammar_errors or kv_failed:
             errors, self._grammar_errors = self._grammar_errors, {}
             # vLLM finishes grammar errors and (policy "fail") failed KV loads together.
-            for request in self.finish_requests(list(kv_failed.union(errors)), RequestStatus.FINISHED_ERROR):
+            error_ids = set(errors)
+            error_ids.update(kv_failed)
+            for request in self.finish_requests(error_ids, RequestStatus.FINISHED_ERROR):
                 outputs[request.client_index].append(
                     EngineCoreOutput(
                         request_id=request.request_id,
@@ -931,14 +933,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if self._kv_failure_fails:
             # Policy "fail": vLLM finishes them after this update's outputs; invalid blocks still cut the computed
             # tokens first (the blocks handed to the connector at the finish), a failed load changes nothing.
-            affected.update(failed)
+            # The sets are built in vLLM's order of operations: it finishes them in a set's iteration order,
+            # which for colliding string hashes depends on the order of insertion.
+            affected.update(set(failed))
             failed = []
             if invalid:
                 bs = self.block_size
+                cut: set[str] = set()
                 for req_id in waiting:
                     n = -(-self.requests[req_id].num_computed_tokens // bs)
                     if not invalid.isdisjoint(self._core.get_block_ids(req_id)[:n].tolist()):
-                        affected.add(req_id)
+                        cut.add(req_id)
+                affected.update(cut | set())  # vLLM: async | sync (the synchronous part is not applied)
         if failed or invalid:
             self._core.update_kv_transfers(failed_recving=failed, invalid_block_ids=sorted(invalid))
             for req_id in waiting:
