@@ -68,7 +68,9 @@ def run_one(model_dir: str, scheduler: str, num_prompts: int, max_tokens: int, o
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     n = sum(len(t) for t in tokens)
     with open(out_path, "w", encoding="utf-8") as f:
-        json.dump({"scheduler": scheduler, "seconds": dt, "output_tokens": n, "tokens_per_s": n / dt, "tokens": tokens}, f)
+        json.dump(
+            {"scheduler": scheduler, "seconds": dt, "output_tokens": n, "tokens_per_s": n / dt, "tokens": tokens}, f
+        )
 
 
 def main() -> int:

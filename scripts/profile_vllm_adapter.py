@@ -91,7 +91,17 @@ def run_once(config: Any, wl: Workload) -> np.ndarray:
 
     def timed_update(out: Any, mro: Any) -> Any:
         res = update(out, mro)
-        rows.append((num_sched[0], t_sched.take(), t_core_sched.take(), t_upd.take(), t_core_upd.take(), t_hash.take(), t_core_hash.take()))
+        rows.append(
+            (
+                num_sched[0],
+                t_sched.take(),
+                t_core_sched.take(),
+                t_upd.take(),
+                t_core_upd.take(),
+                t_hash.take(),
+                t_core_hash.take(),
+            )
+        )
         return res
 
     driver.schedule_fn = lambda: timed_schedule
