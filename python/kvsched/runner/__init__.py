@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         num_blocks_for_memory,
     )
     from .config import ModelConfig, llama_3_2_1b_config, tiny_config
+    from .host_memory import keep_freed_memory
     from .loader import load_model, resolve_dtype
     from .model import LlamaForCausalLM
     from .model_runner import ModelRunner
@@ -31,6 +32,7 @@ __all__ = [
     "TorchReferenceBackend",
     "allocate_kv_cache",
     "apply_top_k_top_p",
+    "keep_freed_memory",
     "kv_cache_bytes_per_block",
     "llama_3_2_1b_config",
     "load_model",
@@ -49,6 +51,7 @@ _LAZY = {
     "ModelConfig": "config",
     "llama_3_2_1b_config": "config",
     "tiny_config": "config",
+    "keep_freed_memory": "host_memory",
     "load_model": "loader",
     "resolve_dtype": "loader",
     "LlamaForCausalLM": "model",

@@ -253,7 +253,15 @@ def calibrate(
         seed=seed,
     )
     label = os.path.basename(os.path.normpath(os.fspath(model))) if isinstance(model, (str, os.PathLike)) else "random"
-    return calibrate_llm(llm, quick=quick, progress=progress, repeats=repeats, seed=seed, clock=clock, label=label)
+    # On the CPU, freed memory stays in the process, as in --validate (see kvsched/runner/host_memory.py).
+    from ..runner.host_memory import keep_freed_memory
+
+    kept = keep_freed_memory() if llm.device.type == "cpu" else False
+    fitted, fit = calibrate_llm(
+        llm, quick=quick, progress=progress, repeats=repeats, seed=seed, clock=clock, label=label
+    )
+    fit["keep_freed_memory"] = kept
+    return fitted, fit
 
 
 def calibrate_llm(

@@ -212,10 +212,14 @@ def validate(
     import torch
 
     from ..engine import LLM, SamplingParams
+    from ..runner.host_memory import keep_freed_memory
 
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     cfg = make_config(config)
+    # On the CPU, freed memory stays in the process: otherwise a prefill after a run of decode steps faults its
+    # activations in again and costs 10-50% more, by an amount that varies from run to run (runner/host_memory.py).
+    kept = keep_freed_memory() if torch.device(device).type == "cpu" else False
     llm = LLM(model, device=device, seed=seed, **_llm_kwargs(cfg))
     vocab = int(llm.model_config.vocab_size)
     fn = prompt_fn_for_vocab(workload, vocab)
@@ -237,6 +241,7 @@ def validate(
     report["device"] = str(llm.device)
     report["torch_threads"] = torch.get_num_threads()
     report["clock"] = clock
+    report["keep_freed_memory"] = kept
     report["step_model"] = step_model.to_dict()
     if fit is not None:
         report["calibration"] = fit
