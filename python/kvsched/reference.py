@@ -1393,13 +1393,15 @@ class ReferenceScheduler:
         return not r.skip_reading_prefix_cache and bool(self._lookup(r.block_hashes, r.num_tokens)[:1])
 
     def _end_admission(self, original: list[_Request] | None) -> None:
-        """Put the reordered requests phase B did not admit back in their original order (they are still
-        waiting, at the front of the queue: phase B puts the ones it skipped back there)."""
+        """Put the window's requests that are still in the waiting queue back in their original order (at its
+        front: phase B puts the ones it skipped back there). Those it admitted left the queue, and so did those
+        it admitted with an asynchronous KV load (to the KV-waiting queue, under ``park_kv_loads=False``)."""
         if original is None:
             return
         q = self._waiting
         assert isinstance(q, _FcfsQueue)
-        left = [r for r in original if r.status != RequestStatus.RUNNING]
+        in_queue = {id(r) for r in q}
+        left = [r for r in original if id(r) in in_queue]
         if {id(r) for r in itertools.islice(q, len(left))} != {id(r) for r in left}:
             raise InternalError("the admission window's requests are not at the front of the queue")
         q.replace_front(left)

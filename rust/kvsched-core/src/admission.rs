@@ -72,16 +72,14 @@ impl Scheduler {
     pub(crate) fn end_admission(&mut self, plan: Option<AdmissionPlan>) {
         let Some(plan) = plan else { return };
         let WaitingQueue::Fcfs(queue) = &mut self.waiting else { return };
-        let slab = &self.slab;
-        let left: Vec<ReqHandle> = plan
-            .original
-            .into_iter()
-            .filter(|&h| slab.resolve(h).is_some_and(|r| r.status.is_waiting()))
-            .collect();
-        if left.len() > queue.len() {
-            return;
-        }
+        // The window's requests still in the queue are at its front (phase B puts the ones it skipped back
+        // there); those it admitted left it, and so did those admitted with an asynchronous KV load (to the
+        // KV-waiting queue under park_kv_loads = false). So look for them among the first `window` entries.
         let key = |h: &ReqHandle| (h.slot, h.gen);
+        let mut head: Vec<ReqHandle> = queue.iter().take(plan.original.len()).copied().collect();
+        head.sort_unstable_by_key(key);
+        let left: Vec<ReqHandle> =
+            plan.original.into_iter().filter(|h| head.binary_search_by_key(&key(h), key).is_ok()).collect();
         let mut front: Vec<ReqHandle> = queue.iter().take(left.len()).copied().collect();
         let mut expect = left.clone();
         front.sort_unstable_by_key(key);
