@@ -6,20 +6,40 @@
 //! - `cached` maps a hash to the blocks carrying exactly that hash, in insertion order, and every block with a
 //!   hash is in the map once. A free block keeps its hash (it can still be hit) until it is popped for reuse.
 //!
-//! The map's primary table stores block ids only (4 bytes a slot; the key of an entry `b` is `hash[b]`), not
-//! (hash, block) pairs (36 bytes): sized for every block of a large pool it stays within the CPU caches, so the
-//! hundreds of inserts and evictions of a block-boundary step (every request of a decode batch fills a block in
-//! the same step) do not each miss to DRAM.
+//! The map's primary table (`CacheTable`) stores block ids with a 32-bit tag (8 bytes a slot; the key of an
+//! entry `b` is `hash[b]`), not (hash, block) pairs (36 bytes), so it stays small, and the slot of a key has a
+//! known address: the hundreds of inserts and evictions of a block-boundary step (every request of a decode
+//! batch fills a block in the same step) prefetch it a few requests ahead instead of each missing in turn.
+//! Hashes are stored 32-byte aligned (one cache line each) with their presence in a separate byte array.
 
 use std::collections::HashMap;
 
-use hashbrown::hash_table::Entry;
-use hashbrown::HashTable;
-
+use crate::cache_table::CacheTable;
 use crate::free_queue::FreeBlockQueue;
 use crate::hashing::{BlockHash, PrehashedBuild};
 
 pub const NULL_BLOCK: u32 = 0;
+
+/// A block's hash slot, 32-byte aligned so that reading or writing it touches one cache line (an
+/// `Option<BlockHash>` is 33 bytes: half of them straddled two lines). Whether the slot holds a hash is kept
+/// apart, in `BlockPool::hashed`.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(32))]
+struct HashSlot(BlockHash);
+
+const EMPTY_SLOT: HashSlot = HashSlot(BlockHash([0; 32]));
+
+/// A hint that `p`'s cache line will be read soon (no effect on results; a no-op off x86_64).
+#[inline(always)]
+pub(crate) fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is only a hint: it never faults, whatever the address, and changes no program state.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
 
 /// Where a block hash lands in the cache table: its first 8 bytes (block hashes are uniform already).
 #[inline]
@@ -32,10 +52,12 @@ fn table_hash(hash: &BlockHash) -> u64 {
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     ref_cnt: Vec<u32>,
-    hash: Vec<Option<BlockHash>>,
+    /// `hash[b]` is block `b`'s hash when `hashed[b]` (stale bytes otherwise).
+    hash: Vec<HashSlot>,
+    hashed: Vec<bool>,
     free: FreeBlockQueue,
     /// The first block cached under each hash (what a lookup returns), as block ids keyed by `hash[b]`.
-    cached: HashTable<u32>,
+    cached: CacheTable,
     /// Later blocks with the same hash, in insertion order (rare: no allocation on the common path).
     duplicates: HashMap<BlockHash, Vec<u32>, PrehashedBuild>,
 }
@@ -45,10 +67,11 @@ impl BlockPool {
         let n = num_blocks as usize;
         BlockPool {
             ref_cnt: vec![0; n],
-            hash: vec![None; n],
+            hash: vec![EMPTY_SLOT; n],
+            hashed: vec![false; n],
             free: FreeBlockQueue::new(n, 1..num_blocks),
             // Sized up front (every block can be cached at once): no rehash spike in the middle of a step.
-            cached: HashTable::with_capacity(if enable_caching { n.min(1 << 20) } else { 0 }),
+            cached: CacheTable::with_capacity(if enable_caching { n.min(1 << 20) } else { 0 }),
             duplicates: HashMap::default(),
         }
     }
@@ -75,7 +98,18 @@ impl BlockPool {
     }
 
     pub fn block_hash(&self, block: u32) -> Option<&BlockHash> {
-        self.hash[block as usize].as_ref()
+        let b = block as usize;
+        self.hashed[b].then(|| &self.hash[b].0)
+    }
+
+    /// `block`'s hash if it has one (`b` in range).
+    #[inline(always)]
+    fn hash_of(&self, b: usize) -> Option<&BlockHash> {
+        if self.hashed[b] {
+            Some(&self.hash[b].0)
+        } else {
+            None
+        }
     }
 
     /// Free blocks in eviction order, head first (O(n): tests and diagnostics).
@@ -89,8 +123,16 @@ impl BlockPool {
 
     /// The first block carrying `hash`, if any.
     pub fn get_cached_block(&self, hash: &BlockHash) -> Option<u32> {
+        // Every block in the table is hashed: compare the slot directly.
         let hashes = &self.hash;
-        self.cached.find(table_hash(hash), |&b| hashes[b as usize].as_ref() == Some(hash)).copied()
+        self.cached.find(table_hash(hash), |b| hashes[b as usize].0 == *hash)
+    }
+
+    /// A hint, no effect on results: starts fetching the cache-table slot where `hash` is looked up, inserted
+    /// or evicted.
+    #[inline(always)]
+    pub fn prefetch_cache_slot(&self, hash: &BlockHash) {
+        prefetch(self.cached.slot_addr(table_hash(hash)));
     }
 
     /// Takes `n` blocks from the head of the free queue, evicting their cached hashes. The caller has checked
@@ -101,6 +143,22 @@ impl BlockPool {
                 debug_assert!(false, "allocate_into called without enough free blocks");
                 return;
             };
+            // The next allocations (often the next requests', in a step where every request takes a block) pop
+            // the new head and the block after it, evicting their hashes: start fetching their lines while this
+            // block is handed out (the head's hash and link were prefetched by the previous pop).
+            if let Some(h) = self.free.front() {
+                if self.hashed[h as usize] {
+                    self.prefetch_cache_slot(&self.hash[h as usize].0);
+                }
+                if let Some(n) = self.free.next_of(h) {
+                    if self.hashed[n as usize] {
+                        prefetch((&self.hash[n as usize] as *const HashSlot).cast());
+                    }
+                    if let Some(p) = self.free.next_of(n).and_then(|nn| self.free.link_addr(nn)) {
+                        prefetch(p);
+                    }
+                }
+            }
             self.evict(b);
             self.ref_cnt[b as usize] = 1;
             out.push(b);
@@ -108,10 +166,16 @@ impl BlockPool {
     }
 
     fn evict(&mut self, block: u32) {
-        let Some(h) = self.hash[block as usize].take() else { return };
+        let i = block as usize;
+        if !self.hashed[i] {
+            return;
+        }
+        self.hashed[i] = false;
+        let h = self.hash[i].0;
         // Found by block id, not by comparing hashes: one probe, and only the table is read.
-        match self.cached.find_entry(table_hash(&h), |&b| b == block) {
-            Ok(entry) => {
+        let key = table_hash(&h);
+        match self.cached.contains_block(key, block) {
+            true => {
                 // `block` is what lookups return: promote the oldest duplicate, if any, so they keep returning
                 // the earliest cached block.
                 match self.duplicates.get_mut(&h) {
@@ -120,14 +184,14 @@ impl BlockPool {
                         if dups.is_empty() {
                             self.duplicates.remove(&h);
                         }
-                        *entry.into_mut() = next;
+                        self.cached.replace(key, block, next);
                     }
                     _ => {
-                        entry.remove();
+                        self.cached.remove(key, block);
                     }
                 }
             }
-            Err(_) => {
+            false => {
                 if let Some(dups) = self.duplicates.get_mut(&h) {
                     dups.retain(|&x| x != block);
                     if dups.is_empty() {
@@ -142,7 +206,7 @@ impl BlockPool {
     /// `Scheduler::fail_step`); a free block stays where it is in the free queue. Returns whether it did.
     pub fn uncache(&mut self, block: u32, hash: &BlockHash) -> bool {
         let b = block as usize;
-        if b >= self.hash.len() || self.hash[b].as_ref() != Some(hash) {
+        if b >= self.hash.len() || self.hash_of(b) != Some(hash) {
             return false;
         }
         self.evict(block);
@@ -169,7 +233,7 @@ impl BlockPool {
             debug_assert!(*rc > 0, "freeing block {b} with ref_cnt 0");
             *rc = rc.saturating_sub(1);
             if *rc == 0 {
-                if self.hash[b as usize].is_some() {
+                if self.hashed[b as usize] {
                     self.free.push_back(b);
                 } else {
                     any_unhashed = true;
@@ -180,7 +244,7 @@ impl BlockPool {
             // Pushing to the front in table order leaves the group at the head deepest block first. A block
             // appears once per table, so ref 0 + no hash here means it reached 0 in this call.
             for &b in blocks {
-                if self.ref_cnt[b as usize] == 0 && self.hash[b as usize].is_none() {
+                if self.ref_cnt[b as usize] == 0 && !self.hashed[b as usize] {
                     self.free.push_front(b);
                 }
             }
@@ -192,20 +256,18 @@ impl BlockPool {
         if block == NULL_BLOCK {
             return;
         }
-        debug_assert!(self.hash[block as usize].is_none());
-        self.hash[block as usize] = Some(hash);
+        debug_assert!(!self.hashed[block as usize]);
+        self.hash[block as usize] = HashSlot(hash);
+        self.hashed[block as usize] = true;
         let hashes = &self.hash;
-        // `block` itself is not in the table yet, so a match is another block with the same hash. The hasher
-        // (for growth only: the table is sized for the pool) re-derives each entry's key from its block.
-        match self.cached.entry(
-            table_hash(&hash),
-            |&b| hashes[b as usize] == Some(hash),
-            |&b| hashes[b as usize].as_ref().map_or(0, table_hash),
-        ) {
-            Entry::Vacant(e) => {
-                e.insert(block);
-            }
-            Entry::Occupied(_) => self.duplicates.entry(hash).or_default().push(block),
+        let key = table_hash(&hash);
+        // `block` itself is not in the table yet, so a match is another block with the same hash (every block
+        // in the table is hashed). `key_of` (for growth only: the table is sized for the pool) re-derives an
+        // entry's key from its block.
+        if self.cached.find(key, |b| hashes[b as usize].0 == hash).is_some() {
+            self.duplicates.entry(hash).or_default().push(block);
+        } else {
+            self.cached.insert_new(key, block, |b| table_hash(&hashes[b as usize].0));
         }
     }
 
@@ -216,9 +278,7 @@ impl BlockPool {
         }
         self.cached.clear();
         self.duplicates.clear();
-        for h in &mut self.hash {
-            *h = None;
-        }
+        self.hashed.fill(false);
         true
     }
 
@@ -226,7 +286,7 @@ impl BlockPool {
     #[allow(clippy::needless_range_loop)]
     pub fn check(&self, held: &[u32]) -> Result<(), String> {
         self.free.check()?;
-        if self.ref_cnt[0] != 0 || self.free.contains(NULL_BLOCK) || self.hash[0].is_some() {
+        if self.ref_cnt[0] != 0 || self.free.contains(NULL_BLOCK) || self.hashed[0] {
             return Err("the null block is in use, free or hashed".into());
         }
         for b in 1..self.ref_cnt.len() {
@@ -237,8 +297,8 @@ impl BlockPool {
             if (rc == 0) != self.free.contains(b as u32) {
                 return Err(format!("block {b}: ref_cnt {rc} but free={}", self.free.contains(b as u32)));
             }
-            if let Some(h) = &self.hash[b] {
-                let primary = usize::from(self.cached.find(table_hash(h), |&x| x == b as u32).is_some());
+            if let Some(h) = self.hash_of(b) {
+                let primary = usize::from(self.cached.contains_block(table_hash(h), b as u32));
                 let dups = self.duplicates.get(h).map_or(0, |v| v.iter().filter(|&&x| x == b as u32).count());
                 if primary + dups != 1 {
                     return Err(format!(
@@ -249,14 +309,18 @@ impl BlockPool {
             }
         }
         let mapped = self.cached.len() + self.duplicates.values().map(Vec::len).sum::<usize>();
-        let hashed = self.hash.iter().filter(|h| h.is_some()).count();
+        let hashed = self.hashed.iter().filter(|&&h| h).count();
         if mapped != hashed {
             return Err(format!("cache map holds {mapped} blocks but {hashed} blocks have a hash"));
         }
-        for &b in self.cached.iter() {
+        self.cached.check()?;
+        for b in self.cached.iter() {
             // Every entry carries a hash, and a lookup of that hash finds this entry (one entry per hash).
-            let found =
-                self.hash.get(b as usize).and_then(Option::as_ref).and_then(|h| self.get_cached_block(h));
+            let found = (b as usize)
+                .lt(&self.hash.len())
+                .then(|| self.hash_of(b as usize))
+                .flatten()
+                .and_then(|h| self.get_cached_block(h));
             if found != Some(b) {
                 return Err(format!("cache map entry {b} disagrees with block hashes"));
             }
@@ -264,7 +328,7 @@ impl BlockPool {
         for (h, v) in &self.duplicates {
             let bad = v.is_empty()
                 || self.get_cached_block(h).is_none()
-                || v.iter().any(|&b| self.hash[b as usize].as_ref() != Some(h));
+                || v.iter().any(|&b| self.hash_of(b as usize) != Some(h));
             if bad {
                 return Err("duplicate cache entry disagrees with block hashes".into());
             }

@@ -1,15 +1,23 @@
-//! The free block queue: a doubly linked list over block ids stored in two index arrays, so popping the head,
-//! unlinking any block (a prefix hit reviving a cached free block), appending and prepending are all O(1) and
-//! allocation-free. Invariant: a block is linked iff `in_queue[b]`; following `next` from the head visits
-//! exactly `len` blocks and ends at the tail.
+//! The free block queue: a doubly linked list over block ids stored in one array of `(prev, next)` links, so
+//! popping the head, unlinking any block (a prefix hit reviving a cached free block), appending and prepending
+//! are all O(1) and allocation-free, and each touches one cache line per block (the two links of a block sit
+//! side by side). Invariant: a block is linked iff it is the head or its `prev` is set (an unlinked block has
+//! both links `NIL`); following `next` from the head visits exactly `len` blocks and ends at the tail.
 
 const NIL: u32 = u32::MAX;
 
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(8))]
+struct Link {
+    prev: u32,
+    next: u32,
+}
+
+const UNLINKED: Link = Link { prev: NIL, next: NIL };
+
 #[derive(Debug, Clone)]
 pub struct FreeBlockQueue {
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    in_queue: Vec<bool>,
+    links: Vec<Link>,
     head: u32,
     tail: u32,
     len: usize,
@@ -18,14 +26,7 @@ pub struct FreeBlockQueue {
 impl FreeBlockQueue {
     /// A queue over `capacity` block ids holding `ids` in the given order.
     pub fn new(capacity: usize, ids: impl IntoIterator<Item = u32>) -> Self {
-        let mut q = FreeBlockQueue {
-            prev: vec![NIL; capacity],
-            next: vec![NIL; capacity],
-            in_queue: vec![false; capacity],
-            head: NIL,
-            tail: NIL,
-            len: 0,
-        };
+        let mut q = FreeBlockQueue { links: vec![UNLINKED; capacity], head: NIL, tail: NIL, len: 0 };
         for id in ids {
             q.push_back(id);
         }
@@ -40,8 +41,29 @@ impl FreeBlockQueue {
         self.len == 0
     }
 
+    #[inline]
     pub fn contains(&self, block: u32) -> bool {
-        self.in_queue.get(block as usize).copied().unwrap_or(false)
+        // Only the head has no `prev` among linked blocks (`NIL` itself is never a valid index).
+        self.links.get(block as usize).is_some_and(|l| l.prev != NIL || self.head == block)
+    }
+
+    /// The block `pop_front` would return next, if any.
+    #[inline]
+    pub fn front(&self) -> Option<u32> {
+        (self.head != NIL).then_some(self.head)
+    }
+
+    /// The block after `block` in the queue (`block` must be linked), if any.
+    #[inline]
+    pub fn next_of(&self, block: u32) -> Option<u32> {
+        let n = self.links[block as usize].next;
+        (n != NIL).then_some(n)
+    }
+
+    /// The link entry of `block`, for a prefetch hint.
+    #[inline]
+    pub fn link_addr(&self, block: u32) -> Option<*const u8> {
+        self.links.get(block as usize).map(|l| (l as *const Link).cast())
     }
 
     pub fn pop_front(&mut self) -> Option<u32> {
@@ -59,50 +81,44 @@ impl FreeBlockQueue {
             return;
         }
         let i = block as usize;
-        let (p, n) = (self.prev[i], self.next[i]);
+        let Link { prev: p, next: n } = self.links[i];
         if p == NIL {
             self.head = n;
         } else {
-            self.next[p as usize] = n;
+            self.links[p as usize].next = n;
         }
         if n == NIL {
             self.tail = p;
         } else {
-            self.prev[n as usize] = p;
+            self.links[n as usize].prev = p;
         }
-        self.prev[i] = NIL;
-        self.next[i] = NIL;
-        self.in_queue[i] = false;
+        self.links[i] = UNLINKED;
         self.len -= 1;
     }
 
     pub fn push_back(&mut self, block: u32) {
         let i = block as usize;
-        debug_assert!(!self.in_queue[i]);
-        self.prev[i] = self.tail;
-        self.next[i] = NIL;
+        debug_assert!(!self.contains(block));
+        self.links[i] = Link { prev: self.tail, next: NIL };
         if self.tail == NIL {
             self.head = block;
         } else {
-            self.next[self.tail as usize] = block;
+            self.links[self.tail as usize].next = block;
         }
         self.tail = block;
-        self.in_queue[i] = true;
         self.len += 1;
     }
 
     pub fn push_front(&mut self, block: u32) {
         let i = block as usize;
-        debug_assert!(!self.in_queue[i]);
-        self.next[i] = self.head;
-        self.prev[i] = NIL;
+        debug_assert!(!self.contains(block));
+        self.links[i] = Link { prev: NIL, next: self.head };
         if self.head == NIL {
             self.tail = block;
         } else {
-            self.prev[self.head as usize] = block;
+            self.links[self.head as usize].prev = block;
         }
         self.head = block;
-        self.in_queue[i] = true;
         self.len += 1;
     }
 
@@ -114,20 +130,17 @@ impl FreeBlockQueue {
                 return None;
             }
             let b = cur;
-            cur = self.next[b as usize];
+            cur = self.links[b as usize].next;
             Some(b)
         })
     }
 
-    /// Checks the links against `len` and `in_queue`.
+    /// Checks the links against `len` and `contains`.
     pub fn check(&self) -> Result<(), String> {
         let mut count = 0usize;
         let mut prev = NIL;
         for b in self.iter() {
-            if !self.in_queue[b as usize] {
-                return Err(format!("block {b} is linked but not marked free"));
-            }
-            if self.prev[b as usize] != prev {
+            if self.links[b as usize].prev != prev {
                 return Err(format!("block {b} has a wrong prev link"));
             }
             prev = b;
@@ -142,9 +155,17 @@ impl FreeBlockQueue {
         if count != self.len {
             return Err(format!("free queue links {count} blocks but len is {}", self.len));
         }
-        let marked = self.in_queue.iter().filter(|&&x| x).count();
+        let marked = (0..self.links.len() as u32).filter(|&b| self.contains(b)).count();
         if marked != self.len {
             return Err(format!("{marked} blocks marked free but len is {}", self.len));
+        }
+        let stray = self
+            .links
+            .iter()
+            .enumerate()
+            .any(|(b, l)| !self.contains(b as u32) && (l.prev != NIL || l.next != NIL));
+        if stray {
+            return Err("an unlinked block keeps a link".into());
         }
         Ok(())
     }

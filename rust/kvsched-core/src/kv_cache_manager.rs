@@ -2,7 +2,7 @@
 //! caching full blocks at allocation time, and freeing. Mirrors vLLM's `KVCacheManager` for a single
 //! full-attention group.
 
-use crate::block_pool::BlockPool;
+use crate::block_pool::{prefetch, BlockPool};
 use crate::hashing::{BlockHash, BlockHasher};
 use crate::request::Request;
 
@@ -163,6 +163,47 @@ impl KvCacheManager {
         self.pool.free_blocks(&req.blocks);
         req.blocks.clear();
         req.num_cached_blocks = 0;
+    }
+
+    /// A hint, no effect on results: if `req` is one token before or at a block boundary (a decode step that
+    /// enters its last full block into the prefix cache, or one that allocates its next block), starts fetching
+    /// the lines that step reads: its block table where caching resumes and where the next block goes, and its
+    /// hash list at the same index. Called a few requests ahead of the schedule loop, so that in a lock-step
+    /// batch (every request at a boundary in the same step) these per-request misses overlap instead of
+    /// stalling one after another.
+    #[inline(always)]
+    pub fn prefetch_block_work(&self, req: &Request) {
+        if req.num_computed_tokens.wrapping_add(1) & (self.block_size - 1) > 1 {
+            return;
+        }
+        let k = req.num_cached_blocks as usize;
+        // `wrapping_add`: the addresses may lie past the lists (a prefetch never faults); nothing is read.
+        prefetch(req.blocks.as_ptr().wrapping_add(k).cast());
+        prefetch(req.blocks.as_ptr().wrapping_add(req.blocks.len()).cast());
+        if self.enable_caching {
+            prefetch(req.block_hashes.as_ptr().wrapping_add(k).cast());
+        }
+    }
+
+    /// The second stage of `prefetch_block_work`, a few requests later (when its lines have arrived): starts
+    /// fetching the cache-table slot where `req`'s next full block will be entered.
+    #[inline(always)]
+    pub fn prefetch_cache_slot(&self, req: &Request) {
+        if req.num_computed_tokens.wrapping_add(1) & (self.block_size - 1) != 0 || !self.enable_caching {
+            return;
+        }
+        if let Some(h) = req.block_hashes.get(req.num_cached_blocks as usize) {
+            self.pool.prefetch_cache_slot(h);
+        }
+    }
+
+    /// A hint, no effect on results: if appending one token fills a block of `req`, starts fetching the line
+    /// of its hash list where that block's hash goes (see `prefetch_block_work`).
+    #[inline(always)]
+    pub fn prefetch_hash_tail(&self, req: &Request) {
+        if self.enable_caching && (req.token_ids.len() + 1) & (self.block_size as usize - 1) == 0 {
+            prefetch(req.block_hashes.as_ptr().wrapping_add(req.block_hashes.len()).cast());
+        }
     }
 
     /// Hashes the request's blocks that became full since the last call.

@@ -23,6 +23,7 @@
 
 mod admission;
 pub mod block_pool;
+mod cache_table;
 pub mod config;
 pub mod connector;
 pub mod encoder;

@@ -65,6 +65,12 @@ impl Slab {
     }
 
     /// The request behind `h`, if it is still the same live request.
+    /// The request in `slot`, if any (no error path: for hints such as prefetching).
+    #[inline]
+    pub fn peek(&self, slot: u32) -> Option<&Request> {
+        self.slots.get(slot as usize).and_then(Option::as_ref)
+    }
+
     pub fn resolve(&self, h: ReqHandle) -> Option<&Request> {
         self.slots.get(h.slot as usize).and_then(Option::as_ref).filter(|r| r.handle == h)
     }

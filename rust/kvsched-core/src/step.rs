@@ -22,6 +22,9 @@ use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::Scheduler;
 use crate::swap::{complete_resume, restored_tokens};
 
+/// How many requests ahead of the one being scheduled (or updated) the block-boundary lines are prefetched.
+pub(crate) const PREFETCH_AHEAD: usize = 4;
+
 /// The step's output under construction plus what the scheduler records about it. `rec` is the record of an
 /// applied step handed back for reuse (or a new one): its vectors keep their capacity, so recording a step
 /// allocates nothing once the scheduler is warm.
@@ -215,6 +218,12 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
+            if let Some(ahead) = self.running.get(i + 2 * PREFETCH_AHEAD).and_then(|&s| self.slab.peek(s)) {
+                self.kv.prefetch_block_work(ahead);
+            }
+            if let Some(ahead) = self.running.get(i + PREFETCH_AHEAD).and_then(|&s| self.slab.peek(s)) {
+                self.kv.prefetch_cache_slot(ahead);
+            }
             let req = self.slab.get_mut(slot)?;
             let computed = req.num_computed_tokens;
             let ph = i64::from(req.num_output_placeholders);
