@@ -165,6 +165,13 @@ impl KvCacheManager {
         req.num_cached_blocks = 0;
     }
 
+    /// Whether a decode step of `req` now enters a full block into the prefix cache or allocates a block (it
+    /// has computed one token less than a multiple of the block size, or exactly a multiple).
+    #[inline(always)]
+    pub fn near_block_boundary(&self, req: &Request) -> bool {
+        req.num_computed_tokens.wrapping_add(1) & (self.block_size - 1) <= 1
+    }
+
     /// A hint, no effect on results: if `req` is one token before or at a block boundary (a decode step that
     /// enters its last full block into the prefix cache, or one that allocates its next block), starts fetching
     /// the lines that step reads: its block table where caching resumes and where the next block goes, and its
@@ -173,7 +180,7 @@ impl KvCacheManager {
     /// stalling one after another.
     #[inline(always)]
     pub fn prefetch_block_work(&self, req: &Request) {
-        if req.num_computed_tokens.wrapping_add(1) & (self.block_size - 1) > 1 {
+        if !self.near_block_boundary(req) {
             return;
         }
         let k = req.num_cached_blocks as usize;
@@ -194,15 +201,6 @@ impl KvCacheManager {
         }
         if let Some(h) = req.block_hashes.get(req.num_cached_blocks as usize) {
             self.pool.prefetch_cache_slot(h);
-        }
-    }
-
-    /// A hint, no effect on results: if appending one token fills a block of `req`, starts fetching the line
-    /// of its hash list where that block's hash goes (see `prefetch_block_work`).
-    #[inline(always)]
-    pub fn prefetch_hash_tail(&self, req: &Request) {
-        if self.enable_caching && (req.token_ids.len() + 1) & (self.block_size as usize - 1) == 0 {
-            prefetch(req.block_hashes.as_ptr().wrapping_add(req.block_hashes.len()).cast());
         }
     }
 

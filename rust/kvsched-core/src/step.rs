@@ -22,8 +22,9 @@ use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::Scheduler;
 use crate::swap::{complete_resume, restored_tokens};
 
-/// How many requests ahead of the one being scheduled (or updated) the block-boundary lines are prefetched.
-pub(crate) const PREFETCH_AHEAD: usize = 4;
+/// How many requests ahead of the one being scheduled the table slots of block-boundary work are prefetched
+/// (their block-table and hash-list lines twice as far ahead).
+const PREFETCH_AHEAD: usize = 4;
 
 /// The step's output under construction plus what the scheduler records about it. `rec` is the record of an
 /// applied step handed back for reuse (or a new one): its vectors keep their capacity, so recording a step
@@ -215,14 +216,25 @@ impl Scheduler {
         // Requests carry encoder inputs only with an encoder cache: without one their (cold) field is not read.
         let has_encoder = self.encoder.capacity() > 0;
         let mut prefill_scheduled = false;
+        // Prefetching ahead pays when many requests do block work in this step, as in lock-step decode (they all
+        // reach a block boundary together): the first running request stands for the batch, so a plain step
+        // pays one check, not one per request.
+        let prefetch = self
+            .running
+            .first()
+            .and_then(|&s| self.slab.peek(s))
+            .is_some_and(|r| self.kv.near_block_boundary(r));
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
-            if let Some(ahead) = self.running.get(i + 2 * PREFETCH_AHEAD).and_then(|&s| self.slab.peek(s)) {
-                self.kv.prefetch_block_work(ahead);
-            }
-            if let Some(ahead) = self.running.get(i + PREFETCH_AHEAD).and_then(|&s| self.slab.peek(s)) {
-                self.kv.prefetch_cache_slot(ahead);
+            if prefetch {
+                if let Some(ahead) = self.running.get(i + 2 * PREFETCH_AHEAD).and_then(|&s| self.slab.peek(s))
+                {
+                    self.kv.prefetch_block_work(ahead);
+                }
+                if let Some(ahead) = self.running.get(i + PREFETCH_AHEAD).and_then(|&s| self.slab.peek(s)) {
+                    self.kv.prefetch_cache_slot(ahead);
+                }
             }
             let req = self.slab.get_mut(slot)?;
             let computed = req.num_computed_tokens;

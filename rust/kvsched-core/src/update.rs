@@ -11,7 +11,6 @@ use crate::error::{Result, SchedError};
 use crate::output::UpdateResult;
 use crate::request::{Request, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::{Scheduler, MAX_TOKEN_ID};
-use crate::step::PREFETCH_AHEAD;
 
 /// A ragged batch of token lists in CSR form.
 #[derive(Clone, Copy, Debug)]
@@ -161,9 +160,6 @@ impl Scheduler {
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         for i in 0..n {
-            if let Some(ahead) = rec.handles.get(i + PREFETCH_AHEAD).and_then(|&h| self.slab.peek(h.slot)) {
-                self.kv.prefetch_hash_tail(ahead);
-            }
             let Some(req) = self.slab.resolve_mut(rec.handles[i]) else {
                 continue;
             };
