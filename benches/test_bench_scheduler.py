@@ -155,6 +155,44 @@ def test_update_sampled_form(benchmark: Any, form: str) -> None:
     assert sched.stats().num_running_reqs == num_running
 
 
+@pytest.mark.parametrize("which", ["plain", "boundary"])
+def test_block_boundary_steps(benchmark: Any, which: str) -> None:
+    """Three consecutive steps (``schedule()`` + ``update_from_output()``) of 256 requests decoding in lock-step
+    (64-token prompts, all prefilled in one step): the three at a block boundary (the update that fills a block
+    and hashes it, the schedule that caches it, the schedule that allocates the next one), or three plain ones.
+    Between rounds the scheduler is stepped, untimed, to the same phase of the next block (docs/benchmarks.md,
+    "Block-boundary steps"; the criterion case ``boundary_step`` times the same in Rust)."""
+    n, plen, rounds = 256, 64, 100
+    config = dataclasses.replace(get_scenario("a").scheduler_config(), max_num_seqs=n, max_num_batched_tokens=n * plen)
+    sched = make_scheduler("rust", config)
+    bs = config.block_size
+    rng = np.random.Generator(np.random.PCG64(1))
+    for i in range(n):
+        sched.add_request(req_id(i), rng.integers(3, 32000, size=plen, dtype=np.int32))
+    sampled = (np.full(n, 7, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
+    first = req_id(0)
+    # The step whose update fills a block starts with bs - 2 tokens computed past a block boundary.
+    start = bs - 2 if which == "boundary" else bs // 4
+
+    def step() -> None:
+        sched.update_from_output(sched.schedule(), sampled)
+
+    def setup() -> tuple[tuple[()], dict[str, Any]]:
+        while sched.get_num_computed_tokens(first) % bs != start:
+            step()
+        return (), {}
+
+    def three() -> None:
+        step()
+        step()
+        step()
+
+    benchmark.group = f"block-boundary steps, {n} requests in lock-step (3 steps)"
+    benchmark.pedantic(three, setup=setup, rounds=rounds, iterations=1, warmup_rounds=2)
+    st = sched.stats()
+    assert st.num_running_reqs == n and st.num_preemptions == 0
+
+
 @pytest.mark.parametrize("cold_mb", [0, 8])
 def test_decode_step_cold(benchmark: Any, cold_mb: int) -> None:
     """One ``schedule()`` + ``update_from_output()`` at workload a's shape (256 running requests decoding), in
