@@ -517,6 +517,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 if req_id in so_ids and c + n >= len(request._all_token_ids) + request.num_output_placeholders:
                     has_so = True
                     pending_so = pending_so or (async_sched and request.num_output_placeholders > 0)
+        # With a KV connector: each scheduled request's state as vLLM's build_connector_meta sees it (before its
+        # _update_after_schedule), put back around that call (_connector_meta_before_update).
+        pre_update: list[tuple[Request, int, int, bool, int, list[int]]] | None = None
+        if bridge is not None:
+            pre_update = [
+                (r, c, r.num_in_flight_tokens, r.is_prefill_chunk, r.num_output_placeholders, r.spec_token_ids)
+                for r, c in zip(run_reqs, run_computed, strict=True)
+            ]
         if async_sched:
             for request, c, n in zip(run_reqs, run_computed, num_sched, strict=False):
                 c += n
@@ -576,6 +584,17 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     res_outputs.append(len(request._output_token_ids) + request.num_output_placeholders)
                     if req_id not in prev:
                         all_token_ids[req_id] = request._all_token_ids.copy()
+                if pre_update is not None:
+                    pre_update.append(
+                        (
+                            request,
+                            c,
+                            request.num_in_flight_tokens,
+                            request.is_prefill_chunk,
+                            request.num_output_placeholders,
+                            request.spec_token_ids,
+                        )
+                    )
                 # vLLM's _update_after_schedule (and AsyncScheduler's), for this request.
                 request.num_computed_tokens = c + n
                 request.num_in_flight_tokens += n
@@ -624,11 +643,42 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             skip_drafts=not drafts_needed,
         )
         if bridge is not None:
-            self._connector_meta(bridge, so)
+            assert pre_update is not None
+            self._connector_meta_before_update(bridge, so, pre_update)
         self.finished_req_ids = set()
         self._reset_preempted_req_ids = set()
         self._in_flight.append((so, out, num_sched))
         return so
+
+    def _connector_meta_before_update(
+        self,
+        bridge: ConnectorBridge,
+        so: SchedulerOutput,
+        pre_update: list[tuple[Request, int, int, bool, int, list[int]]],
+    ) -> None:
+        """:meth:`_connector_meta` with the scheduled requests showing their state before this step's update,
+        as vLLM builds the connector's metadata before its ``_update_after_schedule``: a connector that keeps the
+        ``Request`` objects (most do) reads the same counts from both schedulers. Put back afterwards."""
+        post = [
+            (
+                r,
+                r.num_computed_tokens,
+                r.num_in_flight_tokens,
+                r.is_prefill_chunk,
+                r.num_output_placeholders,
+                r.spec_token_ids,
+            )
+            for r, *_ in pre_update
+        ]
+        for r, c, inflight, chunk, placeholders, spec in pre_update:
+            r.num_computed_tokens, r.num_in_flight_tokens, r.is_prefill_chunk = c, inflight, chunk
+            r.num_output_placeholders, r.spec_token_ids = placeholders, spec
+        try:
+            self._connector_meta(bridge, so)
+        finally:
+            for r, c, inflight, chunk, placeholders, spec in post:
+                r.num_computed_tokens, r.num_in_flight_tokens, r.is_prefill_chunk = c, inflight, chunk
+                r.num_output_placeholders, r.spec_token_ids = placeholders, spec
 
     def _connector_meta(self, bridge: ConnectorBridge, so: SchedulerOutput) -> None:
         """vLLM's connector part of a step's output: sync-load flag, block state, the connector's metadata."""

@@ -310,6 +310,9 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
         self.sending: set[str] = set()
         self._asked: dict[str, int] = {}
         self._pending: dict[str, tuple[int, int, bool]] = {}  # req_id -> (local tokens, external tokens, async)
+        # The Request objects it was asked about, as real connectors keep them (their state is read live in
+        # build_connector_meta); forgotten at request_finished.
+        self._requests: dict[str, Any] = {}
 
     def _rng(self, *key: Any) -> Any:
         import random
@@ -319,6 +322,7 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         n = self._asked[req_id] = self._asked.get(req_id, 0) + 1
+        self._requests[req_id] = request
         self.calls.append(("matched", req_id, num_computed_tokens, request.num_tokens, request.num_preemptions))
         rng = self._rng(req_id, n, num_computed_tokens)
         room = request.num_tokens - num_computed_tokens
@@ -344,6 +348,16 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
             self.loads[req_id] = (list(block_ids), local, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
+        # What a real connector may read here: the scheduled requests' state as vLLM has it at this point (before
+        # its _update_after_schedule advances them).
+        state = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            r = self._requests.get(req_id)
+            if r is not None:
+                state.append(
+                    (req_id, r.status.name, r.num_computed_tokens, r.is_prefill_chunk, r.num_output_placeholders)
+                )
+        self.calls.append(("meta", state))
         meta = KVConnectorMetadata()
         meta.new_req_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         meta.loads = sorted(self.loads)
@@ -351,6 +365,7 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._requests.pop(req_id, None)
         self.calls.append(("finished", req_id, request.status.name, list(block_ids)))
         rng = self._rng(req_id, "finished")
         delay = bool(block_ids) and req_id not in self.loads and rng.random() < 0.3
