@@ -1,6 +1,6 @@
 //! Criterion benchmarks of the core alone (no Python): one decode step at 64/256/1024 running requests,
 //! block-boundary decode steps vs plain ones, a decode step with cold caches, prefix-cache lookup at 0/50/90%
-//! hit rates, and block alloc/free churn.
+//! hit rates, block alloc/free churn, and hashing a batch's blocks at a boundary.
 //!
 //! Run with `cargo bench -p kvsched-core --bench core` (add `-- --quick` for a fast pass). The same cases
 //! through the Python API live in `benches/` (pytest-benchmark) and `kvsched bench`; the difference between
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvsched_core::block_pool::BlockPool;
-use kvsched_core::{BlockHash, Ragged, RequestParams, Scheduler, SchedulerConfig};
+use kvsched_core::{BlockHash, HashAlgo, Ragged, RequestParams, Scheduler, SchedulerConfig};
 
 const PROMPT_LEN: usize = 32;
 
@@ -275,5 +275,42 @@ fn alloc_free(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode_step, boundary_step, decode_step_cold, prefix_lookup, alloc_free);
+/// Hashing the blocks of a batch at a block boundary: one 16-token block for each of 256 requests, chained to a
+/// parent hash (what the update that fills a block does per request), with each algorithm.
+fn block_hashing(c: &mut Criterion) {
+    use kvsched_core::hashing::{BlockHasher, ExtraKeys};
+    let mut group = c.benchmark_group("block_hashing");
+    let mut rng = Rng(11);
+    // Each request: 32 tokens, its first block's hash known; the call hashes the second block (scratch buffer
+    // reused across requests, as the core does).
+    let tokens: Vec<Vec<u32>> =
+        (0..256).map(|_| rng.tokens(32).into_iter().map(|t| t as u32).collect()).collect();
+    let extra = ExtraKeys::default();
+    for (name, algo) in [("xxh3_128", HashAlgo::Xxh3_128), ("sha256", HashAlgo::Sha256)] {
+        let hasher = BlockHasher::new(algo, None).unwrap();
+        let mut hashes: Vec<Vec<BlockHash>> = (0..256u64).map(|i| vec![fake_hash(i)]).collect();
+        let mut buf = Vec::new();
+        group.throughput(Throughput::Elements(256));
+        group.bench_function(BenchmarkId::new(name, 256), |b| {
+            b.iter(|| {
+                for (h, t) in hashes.iter_mut().zip(&tokens) {
+                    h.truncate(1);
+                    hasher.extend_hashes(h, t, 16, &extra, &[], &mut buf);
+                    black_box(&h[1]);
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    decode_step,
+    boundary_step,
+    decode_step_cold,
+    prefix_lookup,
+    alloc_free,
+    block_hashing
+);
 criterion_main!(benches);

@@ -76,11 +76,7 @@ impl BlockHasher {
         buf.clear();
         buf.extend_from_slice(&parent.0);
         buf.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
-        let at = buf.len();
-        buf.resize(at + 4 * tokens.len(), 0);
-        for (dst, t) in buf[at..].chunks_exact_mut(4).zip(tokens) {
-            dst.copy_from_slice(&t.to_le_bytes());
-        }
+        Self::encode_tokens(buf, tokens);
         if let Some(lora) = &extra.lora_name {
             buf.push(TAG_LORA);
             buf.extend_from_slice(&(lora.len() as u32).to_le_bytes());
@@ -97,6 +93,24 @@ impl BlockHasher {
             Self::encode_mm(buf, mm, block_start, block_start + tokens.len() as u32);
         }
         buf.push(TAG_END);
+    }
+
+    /// The tokens as little-endian u32s. On a little-endian machine that is their memory: one copy.
+    #[inline]
+    fn encode_tokens(buf: &mut Vec<u8>, tokens: &[u32]) {
+        #[cfg(target_endian = "little")]
+        {
+            // SAFETY: a u32 slice is readable as the bytes of its memory: u32 has no padding, u8 has alignment 1,
+            // and the byte slice covers exactly `tokens` (size_of_val) for the borrow's lifetime.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens))
+            };
+            buf.extend_from_slice(bytes);
+        }
+        #[cfg(not(target_endian = "little"))]
+        for t in tokens {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
     }
 
     /// The encoder inputs overlapping `block_start..block_end`: (content hash, start relative to the block).
