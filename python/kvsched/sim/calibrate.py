@@ -169,10 +169,11 @@ def run_timed_steps(
             nst = np.asarray(out.num_scheduled_tokens)
             nct = np.asarray(out.num_computed_tokens)
             kl = np.fromiter((known[r] for r in rids), np.int64, len(rids))
-            pre, preq, dec, kv, pairs = step_features(nst, nct, nct == kl - 1)
+            is_dec = nct == kl - 1
+            pre, preq, dec, kv, pairs = step_features(nst, nct, is_dec)
             out_steps.append((dt, pre, preq, dec, kv, pairs))
             if request_pairs_out is not None:
-                request_pairs_out.append(request_pairs(nst, nct, nct == kl - 1))
+                request_pairs_out.append(request_pairs(nst, nct, is_dec))
             for rid, n_new in zip(rids, np.asarray(res.num_new_tokens).tolist(), strict=True):
                 known[rid] += int(n_new)
         step += 1

@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import SchedulerConfig
-from .steptime import StepTimeModel
+from .steptime import StepTimeModel, request_pairs, spill_pairs
 from .workload import PromptFactory, Workload
 
 __all__ = ["SimResult", "StalledError", "make_config", "simulate"]
@@ -440,17 +440,14 @@ def simulate(
             n_tok = int(out.total_num_scheduled_tokens)
             kv = int(nct[is_dec].sum()) + n_dec
             if n_dec == m:
-                n_pre, pairs = 0, 0.0
+                n_pre, pairs, pairs_over = 0, 0.0, 0.0
             else:
-                pre = ~is_dec
-                nsp = nst[pre].astype(int64)
-                chunk_pairs = (nsp * (2 * nct[pre].astype(int64) + nsp + 1)) * 0.5
+                chunk_pairs = request_pairs(nst, nct, is_dec)
                 pairs = float(chunk_pairs.sum())
+                pairs_over = spill_pairs(chunk_pairs, spill_at) if c_spill else 0.0
                 n_pre = n_tok - n_dec
-                if c_spill:
-                    pairs_over = float(np.maximum(chunk_pairs - spill_at, 0.0).sum())
             dt = c0 + c_pre * n_pre + c_preq * (m - n_dec) + c_dec * n_dec + c_kv * kv + c_attn * pairs
-            if c_spill and n_dec != m:
+            if pairs_over:
                 dt += c_spill * pairs_over
             if c_swap:
                 dt += c_swap * (len(out.swap_out) + len(out.swap_in))

@@ -88,13 +88,10 @@ class StepTimeModel:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for c in _COEFS:
+        for c in (*_COEFS, "attn_spill_pairs"):
             v = getattr(self, c)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"step-time coefficient {c} must be a finite number >= 0, got {v!r}")
-        v = self.attn_spill_pairs
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
-            raise ValueError(f"attn_spill_pairs must be a finite number >= 0, got {v!r}")
+                raise ValueError(f"step-time model field {c} must be a finite number >= 0, got {v!r}")
         if self.step_s + self.prefill_token_s + self.decode_req_s <= 0:
             raise ValueError("a step-time model needs step_s, prefill_token_s or decode_req_s > 0")
 
@@ -158,8 +155,7 @@ def step_features(
     n_dec = int(np.count_nonzero(is_decode))
     total = int(nst.sum())
     kv = int(nct[is_decode].sum()) + n_dec
-    pre = ~is_decode
-    pairs = float((nst[pre] * (2 * nct[pre] + nst[pre] + 1)).sum()) / 2.0
+    pairs = float(request_pairs(nst, nct, is_decode).sum())
     return total - n_dec, len(nst) - n_dec, n_dec, kv, pairs
 
 

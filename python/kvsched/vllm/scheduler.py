@@ -101,6 +101,28 @@ def _is_vllm_sha256_hasher(hasher: Any, hash_block_size: int) -> bool:
     return bool(vllm_sha256_block_hashes(parent, tokens, hash_block_size) == [want])
 
 
+# The request fields vLLM's _update_after_schedule changes (request, computed tokens, in-flight tokens, prefill-chunk
+# flag, output placeholders, drafts): saved and put back around the connector's metadata call.
+_UpdatedState = tuple[Request, int, int, bool, int, list[int]]
+
+
+def _updated_state(r: Request, num_computed_tokens: int) -> _UpdatedState:
+    return (
+        r,
+        num_computed_tokens,
+        r.num_in_flight_tokens,
+        r.is_prefill_chunk,
+        r.num_output_placeholders,
+        r.spec_token_ids,
+    )
+
+
+def _restore_state(state: _UpdatedState) -> None:
+    r, computed, in_flight, chunk, placeholders, drafts = state
+    r.num_computed_tokens, r.num_in_flight_tokens, r.is_prefill_chunk = computed, in_flight, chunk
+    r.num_output_placeholders, r.spec_token_ids = placeholders, drafts
+
+
 class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped here
     """vLLM 0.33's scheduler interface, scheduled by kvsched's Rust core.
 
@@ -519,12 +541,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     pending_so = pending_so or (async_sched and request.num_output_placeholders > 0)
         # With a KV connector: each scheduled request's state as vLLM's build_connector_meta sees it (before its
         # _update_after_schedule), put back around that call (_connector_meta_before_update).
-        pre_update: list[tuple[Request, int, int, bool, int, list[int]]] | None = None
+        pre_update: list[_UpdatedState] | None = None
         if bridge is not None:
-            pre_update = [
-                (r, c, r.num_in_flight_tokens, r.is_prefill_chunk, r.num_output_placeholders, r.spec_token_ids)
-                for r, c in zip(run_reqs, run_computed, strict=True)
-            ]
+            pre_update = list(map(_updated_state, run_reqs, run_computed))
         if async_sched:
             for request, c, n in zip(run_reqs, run_computed, num_sched, strict=False):
                 c += n
@@ -585,16 +604,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     if req_id not in prev:
                         all_token_ids[req_id] = request._all_token_ids.copy()
                 if pre_update is not None:
-                    pre_update.append(
-                        (
-                            request,
-                            c,
-                            request.num_in_flight_tokens,
-                            request.is_prefill_chunk,
-                            request.num_output_placeholders,
-                            request.spec_token_ids,
-                        )
-                    )
+                    pre_update.append(_updated_state(request, c))
                 # vLLM's _update_after_schedule (and AsyncScheduler's), for this request.
                 request.num_computed_tokens = c + n
                 request.num_in_flight_tokens += n
@@ -654,31 +664,19 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self,
         bridge: ConnectorBridge,
         so: SchedulerOutput,
-        pre_update: list[tuple[Request, int, int, bool, int, list[int]]],
+        pre_update: list[_UpdatedState],
     ) -> None:
         """:meth:`_connector_meta` with the scheduled requests showing their state before this step's update,
         as vLLM builds the connector's metadata before its ``_update_after_schedule``: a connector that keeps the
         ``Request`` objects (most do) reads the same counts from both schedulers. Put back afterwards."""
-        post = [
-            (
-                r,
-                r.num_computed_tokens,
-                r.num_in_flight_tokens,
-                r.is_prefill_chunk,
-                r.num_output_placeholders,
-                r.spec_token_ids,
-            )
-            for r, *_ in pre_update
-        ]
-        for r, c, inflight, chunk, placeholders, spec in pre_update:
-            r.num_computed_tokens, r.num_in_flight_tokens, r.is_prefill_chunk = c, inflight, chunk
-            r.num_output_placeholders, r.spec_token_ids = placeholders, spec
+        post = [_updated_state(r, r.num_computed_tokens) for r, *_ in pre_update]
+        for state in pre_update:
+            _restore_state(state)
         try:
             self._connector_meta(bridge, so)
         finally:
-            for r, c, inflight, chunk, placeholders, spec in post:
-                r.num_computed_tokens, r.num_in_flight_tokens, r.is_prefill_chunk = c, inflight, chunk
-                r.num_output_placeholders, r.spec_token_ids = placeholders, spec
+            for state in post:
+                _restore_state(state)
 
     def _connector_meta(self, bridge: ConnectorBridge, so: SchedulerOutput) -> None:
         """vLLM's connector part of a step's output: sync-load flag, block state, the connector's metadata."""
