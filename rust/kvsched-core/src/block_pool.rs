@@ -98,8 +98,7 @@ impl BlockPool {
     }
 
     pub fn block_hash(&self, block: u32) -> Option<&BlockHash> {
-        let b = block as usize;
-        self.hashed[b].then(|| &self.hash[b].0)
+        self.hash_of(block as usize)
     }
 
     /// `block`'s hash if it has one (`b` in range).
@@ -174,30 +173,25 @@ impl BlockPool {
         let h = self.hash[i].0;
         // Found by block id, not by comparing hashes: one probe, and only the table is read.
         let key = table_hash(&h);
-        match self.cached.contains_block(key, block) {
-            true => {
-                // `block` is what lookups return: promote the oldest duplicate, if any, so they keep returning
-                // the earliest cached block.
-                match self.duplicates.get_mut(&h) {
-                    Some(dups) if !dups.is_empty() => {
-                        let next = dups.remove(0);
-                        if dups.is_empty() {
-                            self.duplicates.remove(&h);
-                        }
-                        self.cached.replace(key, block, next);
-                    }
-                    _ => {
-                        self.cached.remove(key, block);
-                    }
-                }
-            }
-            false => {
-                if let Some(dups) = self.duplicates.get_mut(&h) {
-                    dups.retain(|&x| x != block);
+        if self.cached.contains_block(key, block) {
+            // `block` is what lookups return: promote the oldest duplicate, if any, so they keep returning
+            // the earliest cached block.
+            match self.duplicates.get_mut(&h) {
+                Some(dups) if !dups.is_empty() => {
+                    let next = dups.remove(0);
                     if dups.is_empty() {
                         self.duplicates.remove(&h);
                     }
+                    self.cached.replace(key, block, next);
                 }
+                _ => {
+                    self.cached.remove(key, block);
+                }
+            }
+        } else if let Some(dups) = self.duplicates.get_mut(&h) {
+            dups.retain(|&x| x != block);
+            if dups.is_empty() {
+                self.duplicates.remove(&h);
             }
         }
     }
@@ -316,11 +310,11 @@ impl BlockPool {
         self.cached.check()?;
         for b in self.cached.iter() {
             // Every entry carries a hash, and a lookup of that hash finds this entry (one entry per hash).
-            let found = (b as usize)
-                .lt(&self.hash.len())
-                .then(|| self.hash_of(b as usize))
-                .flatten()
-                .and_then(|h| self.get_cached_block(h));
+            let found = if (b as usize) < self.hash.len() {
+                self.hash_of(b as usize).and_then(|h| self.get_cached_block(h))
+            } else {
+                None
+            };
             if found != Some(b) {
                 return Err(format!("cache map entry {b} disagrees with block hashes"));
             }

@@ -99,12 +99,17 @@ impl CacheTable {
         if (self.len + 1) * 4 > self.slots.len() * 3 {
             self.grow(&key_of);
         }
-        let tag = tag_of(key);
-        let mut i = self.home(tag);
+        self.place(Slot { tag: tag_of(key), block });
+    }
+
+    /// Puts `s` in the first empty slot from its home (the table has room).
+    #[inline]
+    fn place(&mut self, s: Slot) {
+        let mut i = self.home(s.tag);
         while self.slots[i].block != EMPTY {
             i = (i + 1) & self.mask;
         }
-        self.slots[i] = Slot { tag, block };
+        self.slots[i] = s;
         self.len += 1;
     }
 
@@ -163,12 +168,7 @@ impl CacheTable {
         self.len = 0;
         for s in old.into_iter().filter(|s| s.block != EMPTY) {
             debug_assert_eq!(tag_of(key_of(s.block)), s.tag);
-            let mut i = self.home(s.tag);
-            while self.slots[i].block != EMPTY {
-                i = (i + 1) & self.mask;
-            }
-            self.slots[i] = s;
-            self.len += 1;
+            self.place(s);
         }
     }
 

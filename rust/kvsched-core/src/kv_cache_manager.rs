@@ -169,7 +169,14 @@ impl KvCacheManager {
     /// has computed one token less than a multiple of the block size, or exactly a multiple).
     #[inline(always)]
     pub fn near_block_boundary(&self, req: &Request) -> bool {
-        req.num_computed_tokens.wrapping_add(1) & (self.block_size - 1) <= 1
+        self.boundary_phase(req) <= 1
+    }
+
+    /// Where a decode step of `req` sits in its block: 0 when it completes one (one token less than a multiple
+    /// of the block size computed), 1 when it starts the next (block sizes are powers of two).
+    #[inline(always)]
+    fn boundary_phase(&self, req: &Request) -> u32 {
+        req.num_computed_tokens.wrapping_add(1) & (self.block_size - 1)
     }
 
     /// A hint, no effect on results: if `req` is one token before or at a block boundary (a decode step that
@@ -196,7 +203,7 @@ impl KvCacheManager {
     /// fetching the cache-table slot where `req`'s next full block will be entered.
     #[inline(always)]
     pub fn prefetch_cache_slot(&self, req: &Request) {
-        if req.num_computed_tokens.wrapping_add(1) & (self.block_size - 1) != 0 || !self.enable_caching {
+        if self.boundary_phase(req) != 0 || !self.enable_caching {
             return;
         }
         if let Some(h) = req.block_hashes.get(req.num_cached_blocks as usize) {

@@ -64,13 +64,13 @@ impl Slab {
             .ok_or_else(|| SchedError::Internal(format!("no live request in slot {slot}")))
     }
 
-    /// The request behind `h`, if it is still the same live request.
     /// The request in `slot`, if any (no error path: for hints such as prefetching).
     #[inline]
     pub fn peek(&self, slot: u32) -> Option<&Request> {
         self.slots.get(slot as usize).and_then(Option::as_ref)
     }
 
+    /// The request behind `h`, if it is still the same live request.
     pub fn resolve(&self, h: ReqHandle) -> Option<&Request> {
         self.slots.get(h.slot as usize).and_then(Option::as_ref).filter(|r| r.handle == h)
     }
