@@ -19,10 +19,20 @@ import numpy.typing as npt
 
 from .steptime import FEATURES, StepTimeModel, spill_pairs
 
-__all__ = ["TimedStep", "calibrate", "fit_step_time_model", "run_timed_steps"]
+__all__ = ["CalibrationSession", "TimedStep", "calibrate", "calibrate_llm", "fit_step_time_model", "run_timed_steps"]
 
 # seconds, prefill tokens, prefill requests, decode requests, KV tokens, prefill query-key pairs
 TimedStep = tuple[float, int, int, int, int, float]
+
+# Refits of fit_step_time_model weighted by the predicted (not the measured) step time.
+IRLS_ROUNDS = 3
+# fit_step_time_model drops steps more than this many times slower (or faster) than its first fit predicts.
+OUTLIER_FACTOR = 3.0
+
+# The untimed lead-in before each calibration workload: a request of this many prompt tokens decoding for this
+# many steps (see calibrate_llm).
+LEAD_IN_PROMPT = 32
+LEAD_IN_STEPS = 32
 
 
 def fit_step_time_model(
@@ -34,8 +44,11 @@ def fit_step_time_model(
 ) -> tuple[StepTimeModel, dict[str, Any]]:
     """Non-negative least squares of step time on (1, prefill tokens, prefill requests, decode requests, KV tokens,
     prefill pairs), on relative error (each row divided by its measured time, so short steps count as much as long
-    ones). Steps slowed down by something else on the machine are outliers: after a first fit, steps whose relative
-    residual exceeds five times the median are dropped and the fit is repeated.
+    ones). After a first fit, gross outliers (steps more than ``OUTLIER_FACTOR`` times slower or faster than it
+    predicts) are dropped and the fit is repeated; a step slowed by other work on a shared machine is kept, since
+    a real run on that machine is slowed by it too. The final coefficients come from
+    ``IRLS_ROUNDS`` refits with each row divided by the previous fit's predicted time instead of its measured one,
+    so that the model predicts the mean step time of a composition (dividing by the measured time biases it low).
 
     With ``request_pairs`` (each step's per-prefill-chunk query-key pairs, :func:`run_timed_steps`'s
     ``request_pairs_out``), the attention hinge is fitted too: for each threshold among percentiles 5-99 of the
@@ -49,8 +62,12 @@ def fit_step_time_model(
     y_all = np.maximum(arr[:, 0], 1e-9)
     x_all = np.column_stack([np.ones(len(arr)), arr[:, 1:6]])
 
-    def nnls(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-        xw, yw = x / y[:, None], np.ones(len(y))
+    def nnls(
+        x: npt.NDArray[np.float64], y: npt.NDArray[np.float64], scale: npt.NDArray[np.float64] | None = None
+    ) -> npt.NDArray[np.float64]:
+        # Each row divided by ``scale`` (default: the measured time itself).
+        d = y if scale is None else scale
+        xw, yw = x / d[:, None], y / d
         active = list(range(x.shape[1]))
         coef = np.zeros(x.shape[1])
         while active:
@@ -65,8 +82,8 @@ def fit_step_time_model(
         return float(((((x @ coef) - y) / y) ** 2).sum())
 
     coef = nnls(x_all, y_all)
-    rel0 = np.abs(x_all @ coef - y_all) / y_all
-    keep = rel0 <= max(5 * float(np.median(rel0)), 0.05)
+    ratio0 = y_all / np.maximum(x_all @ coef, 1e-12)
+    keep = (ratio0 <= OUTLIER_FACTOR) & (ratio0 >= 1.0 / OUTLIER_FACTOR)
     if keep.sum() < 8:
         keep[:] = True
     # The hinge: one more column per candidate threshold (no hinge = a column of zeros).
@@ -85,6 +102,13 @@ def fit_step_time_model(
                 best, threshold, spill_col = err, float(th), col
     x, y = np.column_stack([x_all, spill_col]), y_all
     coef = nnls(x[keep], y[keep])
+    # Dividing each row by its own measured time biases the fit low: a step that happened to run slow gets less
+    # weight than one that ran fast, so the fitted time of a composition sits below the mean of its timings (for
+    # timings spread by a coefficient of variation c, by about c^2; on a shared machine c is 10-30%). The
+    # simulator adds step times up, so it needs the mean: refit with each row divided by the previous fit's
+    # prediction instead, which does not depend on the row's own noise (iteratively reweighted least squares).
+    for _ in range(IRLS_ROUNDS):
+        coef = nnls(x[keep], y[keep], np.maximum(x[keep] @ coef, 1e-9))
     pred = x @ coef
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
@@ -132,13 +156,15 @@ def run_timed_steps(
     max_steps: int = 100_000,
     clock: str = "wall",
     request_pairs_out: list[npt.NDArray[np.float64]] | None = None,
+    untimed_steps: int = 0,
 ) -> list[TimedStep]:
     """Drive ``llm`` step by step; ``adds`` = (step number, prompt token ids, output length), added before that
     step. Returns each step's (duration, prefill tokens, prefill requests, decode requests, KV tokens, prefill
     pairs). ``clock``: ``"wall"`` (``time.perf_counter``) or ``"cpu"`` (this thread's CPU time: immune to other
     processes on a shared machine; only meaningful on the CPU with torch single-threaded). With
     ``request_pairs_out``, each timed step's per-prefill-chunk query-key pairs are appended to it (for the
-    attention hinge of :func:`fit_step_time_model`)."""
+    attention hinge of :func:`fit_step_time_model`). The steps numbered below ``untimed_steps`` run but are not
+    returned (a lead-in, see :func:`calibrate_llm`)."""
     from ..engine import SamplingParams
     from .steptime import request_pairs, step_features
 
@@ -165,7 +191,7 @@ def run_timed_steps(
         llm._postprocess(out, sampled, res)
         dt = now() - t0
         rids = out.req_ids
-        if rids:
+        if rids and step >= untimed_steps:
             nst = np.asarray(out.num_scheduled_tokens)
             nct = np.asarray(out.num_computed_tokens)
             kl = np.fromiter((known[r] for r in rids), np.int64, len(rids))
@@ -174,8 +200,8 @@ def run_timed_steps(
             out_steps.append((dt, pre, preq, dec, kv, pairs))
             if request_pairs_out is not None:
                 request_pairs_out.append(request_pairs(nst, nct, is_dec))
-            for rid, n_new in zip(rids, np.asarray(res.num_new_tokens).tolist(), strict=True):
-                known[rid] += int(n_new)
+        for rid, n_new in zip(rids, np.asarray(res.num_new_tokens).tolist(), strict=True):
+            known[rid] += int(n_new)
         step += 1
         if on_step is not None:
             on_step()
@@ -265,6 +291,88 @@ def calibrate(
     return fitted, fit
 
 
+class CalibrationSession:
+    """The calibration grid (:func:`calibrate_llm`) on an existing :class:`kvsched.LLM`, one workload at a time, so
+    that a caller can spread it over time (``--validate`` runs one workload at each idle point of the real run).
+
+    Each workload starts the way a request meets the engine at low load: right after another request's run of
+    decode steps (a lead-in of ``LEAD_IN_STEPS`` steps, not timed). A prefill right after a decode run costs more
+    than one right after another prefill (measured on the tiny test model on the CPU: a 192-token lone prompt
+    12-16% more after 10-80 decode steps than after 0-2), and a served engine runs its prefills after decode runs.
+    The workloads (``repeats`` times the grid) run in a shuffled order, so that any stretch of time sees a mix."""
+
+    def __init__(
+        self, llm: Any, *, quick: bool = False, repeats: int = 2, seed: int = 0, clock: str | None = None
+    ) -> None:
+        import torch
+
+        self.llm = llm
+        if clock is None:
+            clock = "cpu" if llm.device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
+        self.clock = clock
+        self.rng = np.random.default_rng(seed)
+        self.vocab = int(llm.model_config.vocab_size)
+        max_len = int(llm.scheduler.config.max_model_len)
+        grid = _grid(self.vocab, max_len, int(llm.scheduler.config.max_num_seqs), quick, self.rng)
+        self.work = [grid[i] for i in self.rng.permutation(len(grid) * repeats) % len(grid)]
+        self.lead_len = max(1, min(LEAD_IN_PROMPT, max_len // 4))
+        self.lead_steps = max(0, min(LEAD_IN_STEPS, max_len - self.lead_len - 1))
+        self.next = 0
+        self.steps: list[TimedStep] = []
+        self.pairs: list[npt.NDArray[np.float64]] = []
+        # Warm-up (first calls allocate and pick kernels); not timed.
+        run_timed_steps(llm, [(0, self.rng.integers(3, self.vocab, size=64).tolist(), 4) for _ in range(4)])
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.work)
+
+    def _decode_run(self) -> tuple[int, list[int], int]:
+        return (0, [int(t) for t in self.rng.integers(3, self.vocab, size=self.lead_len)], self.lead_steps)
+
+    def run_next(self, *, trailer: bool = False) -> bool:
+        """Run the next workload (after its lead-in); False when none is left. ``trailer``: end with one more
+        untimed decode run, so that what the engine runs next finds it as after a decode run."""
+        if self.done:
+            return False
+        adds = self.work[self.next]
+        self.next += 1
+        if self.lead_steps:
+            adds = [self._decode_run(), *((at + self.lead_steps, toks, n) for at, toks, n in adds)]
+        self.steps.extend(
+            run_timed_steps(
+                self.llm, adds, clock=self.clock, request_pairs_out=self.pairs, untimed_steps=self.lead_steps
+            )
+        )
+        if trailer and self.lead_steps:
+            run_timed_steps(self.llm, [self._decode_run()], clock=self.clock, untimed_steps=self.lead_steps)
+        return True
+
+    def fit(self, label: str = "model") -> tuple[StepTimeModel, dict[str, Any]]:
+        import torch
+
+        llm = self.llm
+        where = str(llm.device)
+        source = (
+            f"calibrated on this machine ({where}, torch {torch.__version__}, dtype {llm.dtype}, {self.clock} clock) "
+            f"from {len(self.steps)} timed steps of kvsched.LLM on {label}"
+        )
+        fitted, fit = fit_step_time_model(
+            self.steps, name=f"calibrated-{label}-{llm.device.type}", source=source, request_pairs=self.pairs
+        )
+        fit.update(
+            {
+                "device": where,
+                "torch_threads": torch.get_num_threads(),
+                "clock": self.clock,
+                "model": label,
+                "block_size": int(llm.scheduler.config.block_size),
+                "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+            }
+        )
+        return fitted, fit
+
+
 def calibrate_llm(
     llm: Any,
     *,
@@ -276,18 +384,7 @@ def calibrate_llm(
     label: str = "model",
 ) -> tuple[StepTimeModel, dict[str, Any]]:
     """:func:`calibrate` on an existing :class:`kvsched.LLM` (its scheduler config decides batch limits)."""
-    import torch
-
-    block_size = int(llm.scheduler.config.block_size)
-    max_num_seqs = int(llm.scheduler.config.max_num_seqs)
-    if clock is None:
-        clock = "cpu" if llm.device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
-    rng = np.random.default_rng(seed)
-    vocab = int(llm.model_config.vocab_size)
-    max_len = int(llm.scheduler.config.max_model_len)
-    work = _grid(vocab, max_len, max_num_seqs, quick, rng)
-    # Warm-up (first calls allocate and pick kernels); not timed.
-    run_timed_steps(llm, [(0, rng.integers(3, vocab, size=64).tolist(), 4) for _ in range(4)])
+    session = CalibrationSession(llm, quick=quick, repeats=repeats, seed=seed, clock=clock)
     bar = None
     if progress:
         import sys
@@ -295,37 +392,15 @@ def calibrate_llm(
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            bar = tqdm(total=len(work) * repeats, desc="calibrate", unit="workload", file=sys.stderr, leave=False)
-    steps: list[TimedStep] = []
-    pairs: list[npt.NDArray[np.float64]] = []
+            bar = tqdm(total=len(session.work), desc="calibrate", unit="workload", file=sys.stderr, leave=False)
     try:
-        for _ in range(repeats):
-            for adds in work:
-                steps.extend(run_timed_steps(llm, adds, clock=clock, request_pairs_out=pairs))
-                if bar is not None:
-                    bar.update(1)
+        while session.run_next():
+            if bar is not None:
+                bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-    where = str(llm.device)
-    source = (
-        f"calibrated on this machine ({where}, torch {torch.__version__}, dtype {llm.dtype}, {clock} clock) from "
-        f"{len(steps)} timed steps of kvsched.LLM on {label}"
-    )
-    fitted, fit = fit_step_time_model(
-        steps, name=f"calibrated-{label}-{llm.device.type}", source=source, request_pairs=pairs
-    )
-    fit.update(
-        {
-            "device": where,
-            "torch_threads": torch.get_num_threads(),
-            "clock": clock,
-            "model": label,
-            "block_size": block_size,
-            "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
-    )
-    return fitted, fit
+    return session.fit(label)
 
 
 def residuals(

@@ -11,6 +11,7 @@ Needs the ``torch`` extra.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -44,6 +45,8 @@ class RealRun:
         self.features: list[tuple[int, int, int, int, float]] = []
         self.request_pairs: list[npt.NDArray[np.float64]] = []  # each step's per-prefill-chunk pairs
         self.wall_s = 0.0
+        # Clock time between consecutive steps (the engine loop's work outside a step; idle gaps excluded).
+        self.between_steps_s = 0.0
 
 
 def prompt_fn_for_vocab(workload: Workload, vocab_size: int) -> Callable[[int], npt.NDArray[np.int32]]:
@@ -74,14 +77,23 @@ def run_real(
     *,
     time_scale: float = 1.0,
     clock: str = "wall",
+    idle_work: Callable[[], object] | None = None,
 ) -> RealRun:
     """Replay ``workload`` through ``llm`` (arrival times multiplied by ``time_scale``).
 
     ``clock="wall"``: real time; the loop sleeps until the next arrival when idle. ``clock="cpu"``: a clock that
     advances by the CPU time each step takes on this thread (and jumps to the next arrival when idle), so that
     other processes on a shared machine do not distort the measurement (CPU device, torch single-threaded).
-    Adding a request (``LLM.add_request``) is not charged to the virtual clock: a server ingests requests off
-    the step loop, and the simulator does not charge it either."""
+    The harness's own work is not charged to either clock: adding a request (``LLM.add_request``; a server
+    ingests requests off the step loop, and the simulator does not charge it either) and recording each step
+    (its batch, composition and the requests' token times, about 60 us a step on a 2-core Xeon, 5% of a
+    decode step of the tiny test model). What the clock does count between steps is the engine loop's own work
+    (``has_unfinished_requests``), in ``RealRun.between_steps_s``.
+
+    ``idle_work``: called, off the clock, whenever the engine is idle before an arrival (``--validate`` runs its
+    calibration workloads there; it must leave the engine idle). Only with the virtual clock."""
+    if idle_work is not None and clock != "cpu":
+        raise ValueError("idle_work needs clock='cpu' (the wall clock cannot leave it out)")
     from ..engine import SamplingParams
     from .calibrate import clock_fn
     from .steptime import request_pairs, step_features
@@ -99,7 +111,10 @@ def run_real(
     i = 0
     wall0 = time.monotonic()
     t0 = tick()
-    offset = 0.0  # virtual clock: idle time skipped to reach the next arrival
+    # The run's clock is tick() - t0 + offset: offset takes off the harness's own work and, on the virtual
+    # clock, adds the idle time skipped to reach the next arrival.
+    offset = 0.0
+    last_end: float | None = None  # clock at the end of the previous step (None after an idle gap)
     while i < n or llm.has_unfinished_requests():
         now = tick() - t0 + offset
         a0 = tick()
@@ -108,13 +123,17 @@ def run_real(
             llm.add_request(prompts[i].tolist(), params, request_id=f"r{i}")
             known[i] = len(prompts[i])
             i += 1
-        if virtual:
-            offset -= tick() - a0
+        offset -= tick() - a0
         if not llm.has_unfinished_requests():
+            if idle_work is not None:
+                w0 = tick()
+                idle_work()
+                offset -= tick() - w0
             if virtual:
                 offset += max(0.0, arrival[i] - now)
             else:
                 time.sleep(max(0.0, arrival[i] - now))
+            last_end = None
             continue
         s0 = tick() - t0 + offset
         out = sched.schedule()
@@ -122,6 +141,10 @@ def run_real(
         res = sched.update_from_output(out, sampled)
         finished = llm._postprocess(out, sampled, res)
         s1 = tick() - t0 + offset
+        b0 = tick()  # the harness's recording, off the clock
+        if last_end is not None:
+            real.between_steps_s += s0 - last_end
+        last_end = s1
         got = np.asarray(res.num_new_tokens)
         if out.req_ids:
             idx = np.fromiter((idx_of[r] for r in out.req_ids), np.int64, len(out.req_ids))
@@ -139,6 +162,7 @@ def run_real(
                 real.first_token[j] = s1
         for req in finished:
             real.finish[idx_of[req.request_id]] = s1
+        offset -= tick() - b0
     real.wall_s = time.monotonic() - wall0
     return real
 
@@ -164,6 +188,8 @@ def compare(real: RealRun, workload: Workload, sim_res: Any, *, time_scale: floa
         "batches_identical": identical,
         "steps_identical_before_first_difference": same,
         "real_wall_s": real.wall_s,
+        "real_between_steps_s": real.between_steps_s,
+        "real_step_time_sum": float(np.sum(real.step_times)),
         "real_step_time_mean": float(np.mean(real.step_times)) if real.step_times else float("nan"),
         "sim_step_time_mean": float(sim_res.step_time.mean()) if sim_res.num_steps else float("nan"),
     }
@@ -207,8 +233,9 @@ def validate(
 ) -> dict[str, Any]:
     """Run ``workload`` through :class:`kvsched.LLM` on ``model`` and through the simulator; compare.
 
-    ``step_model=None`` calibrates one first, on the same engine instance just before the real run (so both
-    see the same machine state; see :func:`kvsched.sim.calibrate.calibrate_llm`)."""
+    ``step_model=None`` calibrates one on the same engine instance (:class:`kvsched.sim.calibrate.CalibrationSession`):
+    on the virtual (``"cpu"``) clock its workloads run at the real run's idle points, off the clock, and any left
+    over after it; on the wall clock all of them run just before the real run."""
     import torch
 
     from ..engine import LLM, SamplingParams
@@ -230,12 +257,30 @@ def validate(
     if clock is None:
         clock = "cpu" if llm.device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
     fit: dict[str, Any] | None = None
+    session = None
     if step_model is None:
-        from .calibrate import calibrate_llm
+        from .calibrate import CalibrationSession
 
-        step_model, fit = calibrate_llm(llm, seed=seed, clock=clock, label=os.path.basename(os.fspath(model)))
+        session = CalibrationSession(llm, seed=seed, clock=clock)
+        if clock != "cpu":  # the wall clock cannot leave calibration work out: calibrate first
+            while session.run_next():
+                pass
     llm.scheduler.reset_prefix_cache()
-    real = run_real(llm, workload, fn, clock=clock)
+    idle_work: Callable[[], object] | None = None
+    if session is not None and not session.done:
+        # On the virtual clock the calibration workloads run at the real run's idle points (one each, with a
+        # decode run after it, off the clock), so that both measure the machine over the same stretch of time:
+        # a shared VM's speed changes by up to 1.8x within seconds. What is left runs after the real run.
+        idle_work = functools.partial(session.run_next, trailer=True)
+    real = run_real(llm, workload, fn, clock=clock, idle_work=idle_work)
+    if session is not None:
+        interleaved = session.next
+        while session.run_next():
+            pass
+        step_model, fit = session.fit(os.path.basename(os.fspath(model)))
+        fit["workloads_during_real_run"] = interleaved if idle_work is not None else 0
+        fit["workloads"] = len(session.work)
+    assert step_model is not None
     sim = simulate(workload, cfg, step_model, record_batches=True, prompt_fn=fn)
     report = compare(real, workload, sim)
     report["device"] = str(llm.device)
