@@ -44,7 +44,15 @@ fn main() {
         .unwrap();
     let mut by_phase = vec![Vec::new(); 16];
     let steps: usize = std::env::var("PROBE_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(3200);
+    // PROBE_COLD_MB=8: that much other memory is written between steps (outside the timed calls), as when a
+    // model's forward pass runs between two scheduler steps.
+    let cold_mb: usize = std::env::var("PROBE_COLD_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let mut scratch = vec![0u8; cold_mb << 20];
     for k in 0..steps {
+        for line in scratch.chunks_mut(64) {
+            line[0] = line[0].wrapping_add(k as u8 | 1);
+        }
+        std::hint::black_box(&scratch);
         let t0 = Instant::now();
         let out = sched.schedule().unwrap();
         let t1 = Instant::now();
@@ -58,6 +66,23 @@ fn main() {
             .unwrap();
         let t2 = Instant::now();
         by_phase[k % 16].push(((t1 - t0).as_nanos() as u64, (t2 - t1).as_nanos() as u64));
+    }
+    let mut all: Vec<(u64, u64)> = by_phase.iter().flatten().copied().collect();
+    if !all.is_empty() {
+        let mean = all.iter().map(|x| x.0 + x.1).sum::<u64>() / all.len() as u64;
+        let mut s: Vec<u64> = all.iter().map(|x| x.0).collect();
+        let mut u: Vec<u64> = all.iter().map(|x| x.1).collect();
+        s.sort();
+        u.sort();
+        all.sort_by_key(|x| x.0 + x.1);
+        let (med, p99) = (all[all.len() / 2], all[all.len() * 99 / 100]);
+        println!(
+            "all steps: schedule median {} ns, update median {} ns, step median {} ns, mean {mean} ns, p99 {} ns",
+            s[s.len() / 2],
+            u[u.len() / 2],
+            med.0 + med.1,
+            p99.0 + p99.1
+        );
     }
     for (p, v) in by_phase.iter_mut().enumerate() {
         let mut s: Vec<u64> = v.iter().map(|x| x.0).collect();
