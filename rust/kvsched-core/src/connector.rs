@@ -166,13 +166,13 @@ impl Scheduler {
         let mut failed: Vec<u32> = Vec::new();
         for id in report.failed_recving {
             let Some(&slot) = self.ids.get(id.as_ref()) else { continue };
-            let r = self.slab.get_mut(slot)?;
+            let (r, hot) = self.slab.get_mut_hot(slot)?;
             if fail {
                 if !failed.contains(&slot) {
                     failed.push(slot);
                 }
             } else {
-                r.num_computed_tokens = 0;
+                hot.computed[slot as usize] = 0;
                 r.kv_load_failed = true;
             }
         }
@@ -188,15 +188,15 @@ impl Scheduler {
                 .collect();
             loading.sort_unstable();
             for (_, slot) in loading {
-                let r = self.slab.get_mut(slot)?;
-                let n = (r.num_computed_tokens.div_ceil(bs) as usize).min(r.blocks.len());
+                let (r, hot) = self.slab.get_mut_hot(slot)?;
+                let n = (hot.computed[slot as usize].div_ceil(bs) as usize).min(r.blocks.len());
                 if let Some(idx) = r.blocks[..n].iter().position(|b| invalid.contains(b)) {
                     if fail {
                         if !failed.contains(&slot) {
                             failed.push(slot);
                         }
                     } else {
-                        r.num_computed_tokens = idx as u32 * bs;
+                        hot.computed[slot as usize] = idx as u32 * bs;
                         r.kv_load_failed = true;
                     }
                 }
@@ -250,9 +250,9 @@ impl Scheduler {
     /// progress. Returns whether the blocks were kept (the caller frees them otherwise).
     pub(crate) fn hold_for_transfer(&mut self, slot: u32, was_loading: bool) -> Result<bool> {
         let Some(conn) = self.connector.as_mut() else { return Ok(false) };
-        let req = self.slab.get_mut(slot)?;
-        let n =
-            (req.num_computed_tokens.div_ceil(self.config.kv_block_size()) as usize).min(req.blocks.len());
+        let (req, hot) = self.slab.get_mut_hot(slot)?;
+        let n = (hot.computed[slot as usize].div_ceil(self.config.kv_block_size()) as usize)
+            .min(req.blocks.len());
         let awaiting_send = conn.0.request_finished(req, &req.blocks[..n]);
         let awaiting_recv = was_loading;
         if !awaiting_send && !awaiting_recv {
@@ -261,6 +261,7 @@ impl Scheduler {
         let blocks = std::mem::take(&mut req.blocks);
         req.num_cached_blocks = 0;
         self.held.insert(req.id.clone(), HeldBlocks { blocks, awaiting_recv, awaiting_send });
+        self.slab.sync(slot);
         Ok(true)
     }
 

@@ -86,7 +86,7 @@ fn async_load_parks_until_the_load_is_reported_finished() {
     assert!(step(&mut s).is_empty());
     let r = s.get_request("a").unwrap();
     assert_eq!(
-        (r.status, r.num_computed_tokens, r.blocks.len()),
+        (r.status, s.get_num_computed_tokens("a").unwrap(), r.blocks.len()),
         (RequestStatus::WaitingForRemoteKvs, 10, 3)
     );
     assert!(step(&mut s).is_empty(), "still loading");

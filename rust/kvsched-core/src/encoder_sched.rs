@@ -323,8 +323,12 @@ impl Scheduler {
     /// `_free_encoder_inputs`: the input ends at or before its computed tokens less output placeholders).
     #[cold]
     #[inline(never)]
-    pub(crate) fn release_consumed(encoder: &mut crate::encoder::EncoderCache, req: &mut Request) {
-        let upto = req.num_computed_tokens.saturating_sub(req.num_output_placeholders);
+    pub(crate) fn release_consumed(
+        encoder: &mut crate::encoder::EncoderCache,
+        req: &mut Request,
+        computed: u32,
+    ) {
+        let upto = computed.saturating_sub(req.num_output_placeholders);
         let key = u64::from(req.handle.slot);
         for i in 0..req.encoder_inputs.len() {
             let e = req.encoder_inputs[i];

@@ -62,20 +62,21 @@ impl KvCacheManager {
             && block_hashes.first().is_some_and(|h| self.pool.get_cached_block(h).is_some())
     }
 
-    /// Reserves KV slots for `num_new_tokens` more tokens of `req` (plus `num_lookahead_tokens`), taking the
-    /// prefix hits `hits` first, leaving `reserved` blocks free (the watermark). Returns the number of blocks
-    /// newly popped from the free queue, or `None` when the pool cannot supply them, in which case nothing
-    /// changed.
+    /// Reserves KV slots for `num_new_tokens` more tokens of `req`, which has `computed` tokens computed (plus
+    /// `num_lookahead_tokens`), taking the prefix hits `hits` first, leaving `reserved` blocks free (the
+    /// watermark). Returns the number of blocks newly popped from the free queue, or `None` when the pool cannot
+    /// supply them, in which case nothing changed.
     #[inline]
     pub fn allocate_slots(
         &mut self,
         req: &mut Request,
+        computed: u32,
         num_new_tokens: u32,
         hits: &[u32],
         num_lookahead_tokens: u32,
         reserved: usize,
     ) -> Option<usize> {
-        self.allocate_slots_inner(req, num_new_tokens, hits, num_lookahead_tokens, reserved, true)
+        self.allocate_slots_inner(req, computed, num_new_tokens, hits, num_lookahead_tokens, reserved, true)
     }
 
     /// `allocate_slots` for a request with nothing computed yet whose first `num_external_tokens` tokens after
@@ -85,6 +86,7 @@ impl KvCacheManager {
     pub fn allocate_slots_ext(
         &mut self,
         req: &mut Request,
+        computed: u32,
         num_new_tokens: u32,
         hits: &[u32],
         num_external_tokens: u32,
@@ -92,17 +94,16 @@ impl KvCacheManager {
         reserved: usize,
         cache: bool,
     ) -> Option<usize> {
-        let before = req.num_computed_tokens;
-        req.num_computed_tokens += num_external_tokens;
-        let r = self.allocate_slots_inner(req, num_new_tokens, hits, num_lookahead_tokens, reserved, cache);
-        req.num_computed_tokens = before;
-        r
+        let computed = computed + num_external_tokens;
+        self.allocate_slots_inner(req, computed, num_new_tokens, hits, num_lookahead_tokens, reserved, cache)
     }
 
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn allocate_slots_inner(
         &mut self,
         req: &mut Request,
+        computed: u32,
         num_new_tokens: u32,
         hits: &[u32],
         num_lookahead_tokens: u32,
@@ -110,7 +111,7 @@ impl KvCacheManager {
         cache: bool,
     ) -> Option<usize> {
         let bs = self.block_size;
-        let total_computed = req.num_computed_tokens + hits.len() as u32 * bs;
+        let total_computed = computed + hits.len() as u32 * bs;
         let num_slots = (total_computed + num_new_tokens + num_lookahead_tokens).min(self.max_slots);
         let required = ((num_slots + bs - 1) >> self.block_shift) as usize;
         let held = req.blocks.len() + hits.len();
@@ -165,18 +166,20 @@ impl KvCacheManager {
         req.num_cached_blocks = 0;
     }
 
-    /// Whether a decode step of `req` now enters a full block into the prefix cache or allocates a block (it
-    /// has computed one token less than a multiple of the block size, or exactly a multiple).
+    /// Whether a decode step of a request with `computed` tokens computed now enters a full block into the
+    /// prefix cache or allocates a block (one token less than a multiple of the block size, or exactly a
+    /// multiple).
     #[inline(always)]
-    pub fn near_block_boundary(&self, req: &Request) -> bool {
-        self.boundary_phase(req) <= 1
+    pub fn near_block_boundary(&self, computed: u32) -> bool {
+        self.boundary_phase(computed) <= 1
     }
 
-    /// Where a decode step of `req` sits in its block: 0 when it completes one (one token less than a multiple
-    /// of the block size computed), 1 when it starts the next (block sizes are powers of two).
+    /// Where a decode step of a request with `computed` tokens computed sits in its block: 0 when it completes
+    /// one (one token less than a multiple of the block size computed), 1 when it starts the next (block sizes
+    /// are powers of two).
     #[inline(always)]
-    fn boundary_phase(&self, req: &Request) -> u32 {
-        req.num_computed_tokens.wrapping_add(1) & (self.block_size - 1)
+    fn boundary_phase(&self, computed: u32) -> u32 {
+        computed.wrapping_add(1) & (self.block_size - 1)
     }
 
     /// A hint, no effect on results: if `req` is one token before or at a block boundary (a decode step that
@@ -186,8 +189,8 @@ impl KvCacheManager {
     /// batch (every request at a boundary in the same step) these per-request misses overlap instead of
     /// stalling one after another.
     #[inline(always)]
-    pub fn prefetch_block_work(&self, req: &Request) {
-        if !self.near_block_boundary(req) {
+    pub fn prefetch_block_work(&self, req: &Request, computed: u32) {
+        if !self.near_block_boundary(computed) {
             return;
         }
         let k = req.num_cached_blocks as usize;
@@ -202,8 +205,8 @@ impl KvCacheManager {
     /// The second stage of `prefetch_block_work`, a few requests later (when its lines have arrived): starts
     /// fetching the cache-table slot where `req`'s next full block will be entered.
     #[inline(always)]
-    pub fn prefetch_cache_slot(&self, req: &Request) {
-        if self.boundary_phase(req) != 0 || !self.enable_caching {
+    pub fn prefetch_cache_slot(&self, req: &Request, computed: u32) {
+        if self.boundary_phase(computed) != 0 || !self.enable_caching {
             return;
         }
         if let Some(h) = req.block_hashes.get(req.num_cached_blocks as usize) {

@@ -95,14 +95,16 @@ pub struct RequestParams {
     pub encoder_inputs: Vec<EncoderInput>,
 }
 
-/// Field order is deliberate (`repr(C)`): what `schedule()` and `update_from_output()` read for every request
-/// each step sits in the first two cache lines; identity, priority and hashing inputs follow.
+/// Field order is deliberate (`repr(C)`): what `update_from_output()` reads for a decode sits in the first
+/// cache line (the stop ids' header in the second), what the slower paths of `schedule()` read in the first
+/// two; identity, priority and hashing inputs follow. The computed, in-flight and stale token counts are not
+/// here: they live in the slab's hot columns (`slab::Hot`), from which `schedule()` serves a plain decode
+/// without reading the record at all.
 #[derive(Clone, Debug)]
 #[repr(C, align(64))]
 pub struct Request {
-    // --- first cache line: read by both halves of every step
+    // --- first cache line: read by update_from_output for every request
     pub handle: ReqHandle,
-    pub num_computed_tokens: u32,
     pub num_prompt_tokens: u32,
     /// Effective limit: `min(max_tokens, max_model_len - prompt_len)`.
     pub max_tokens: u32,
@@ -116,6 +118,8 @@ pub struct Request {
     pub eos_token_id: u32,
     /// Index of the request's tenant in `Tenants` (read for every appended token's charge).
     pub tenant: u32,
+    /// Async scheduling: tokens the runner will sample in steps scheduled but not yet applied.
+    pub num_output_placeholders: u32,
     /// Prompt then output tokens.
     pub token_ids: Vec<u32>,
     // --- second cache line
@@ -140,14 +144,9 @@ pub struct Request {
     pub effective_priority: i128,
     /// Prompt tokens already charged to the tenant: recomputation after a preemption is not charged again.
     pub num_charged_prompt_tokens: u32,
-    // --- in-flight bookkeeping (vLLM's `Request` fields of the same names)
-    /// Async scheduling: tokens the runner will sample in steps scheduled but not yet applied.
-    pub num_output_placeholders: u32,
-    /// Tokens scheduled in steps whose output is not yet applied.
-    pub num_in_flight_tokens: u32,
-    /// In-flight tokens of steps scheduled before the request was preempted: their output is still applied
-    /// (or, with `drop_stale_output`, discarded) but rolls nothing back; the request is not resumed meanwhile.
-    pub num_stale_output_tokens: u32,
+    // --- in-flight bookkeeping (vLLM's `Request` fields of the same names; the in-flight and stale token
+    // counts are hot columns, `slab::Hot`)
+    /// Output of steps scheduled before the preemption is dropped, not applied (see `slab::Hot::stale`).
     pub drop_stale_output: bool,
     /// Skipped by an admission pass (or added blocked) and not admitted since: vLLM's `deferred_waiting`.
     pub deferred: bool,

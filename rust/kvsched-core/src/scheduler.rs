@@ -4,7 +4,8 @@
 //!
 //! Invariants (see `check_invariants`): every live request is in exactly one of `running` (status RUNNING) or
 //! `waiting` (WAITING/PREEMPTED, no blocks, nothing computed); the id map and the slab agree; each block's
-//! ref count equals the number of block tables holding it; `running` never exceeds `max_num_seqs`.
+//! ref count equals the number of block tables holding it; `running` never exceeds `max_num_seqs`; the mirror
+//! columns of the slab's hot state (`slab::Hot`) agree with the records of the running requests.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -280,7 +281,6 @@ impl Scheduler {
             handle,
             token_ids,
             num_prompt_tokens: prompt_len as u32,
-            num_computed_tokens: 0,
             status: if params.waiting_for_grammar {
                 RequestStatus::WaitingForGrammar
             } else {
@@ -311,8 +311,6 @@ impl Scheduler {
             tenant,
             num_charged_prompt_tokens: 0,
             num_output_placeholders: 0,
-            num_in_flight_tokens: 0,
-            num_stale_output_tokens: 0,
             drop_stale_output: false,
             // vLLM enqueues a request in a blocked status straight into `deferred_waiting`.
             deferred: params.waiting_for_grammar,
@@ -567,6 +565,16 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Tokens of a live request whose KV is computed (vLLM's `Request.num_computed_tokens`).
+    pub fn get_num_computed_tokens(&self, req_id: &str) -> Result<u32> {
+        Ok(self.slab.computed(self.slot_of(req_id)?))
+    }
+
+    /// Tokens of a live request scheduled in steps whose output is not yet applied.
+    pub fn get_num_in_flight_tokens(&self, req_id: &str) -> Result<u32> {
+        Ok(self.slab.hot.in_flight[self.slot_of(req_id)? as usize])
+    }
+
     /// Output placeholders of a live request (async scheduling; vLLM's `Request.num_output_placeholders`).
     pub fn get_num_output_placeholders(&self, req_id: &str) -> Result<u32> {
         Ok(self.get_request(req_id)?.num_output_placeholders)
@@ -735,7 +743,10 @@ impl Scheduler {
             return Err(format!("id map has {} entries, slab {}", self.ids.len(), self.slab.len()));
         }
         let bs = cfg.kv_block_size();
+        self.slab.check_hot(&self.running)?;
         for r in self.slab.iter() {
+            let computed = self.slab.computed(r.handle.slot);
+            let in_flight = self.slab.hot.in_flight[r.handle.slot as usize];
             match self.ids.get(&r.id) {
                 Some(&s) if s == r.handle.slot => {}
                 _ => return Err(format!("request {:?} is not mapped to its slot", r.id)),
@@ -744,7 +755,7 @@ impl Scheduler {
             match (r.status, place) {
                 (RequestStatus::Running, Some("running")) => {}
                 (st, Some("waiting")) if st.is_waiting() && st != RequestStatus::WaitingForRemoteKvs => {
-                    if !r.blocks.is_empty() || r.num_computed_tokens != 0 || r.num_output_placeholders != 0 {
+                    if !r.blocks.is_empty() || computed != 0 || r.num_output_placeholders != 0 {
                         return Err(format!("waiting request {:?} holds blocks or computed tokens", r.id));
                     }
                 }
@@ -763,10 +774,10 @@ impl Scheduler {
             if r.deferred && !r.status.is_waiting() {
                 return Err(format!("request {:?} is deferred but not waiting", r.id));
             }
-            if r.num_stale_output_tokens > r.num_in_flight_tokens {
+            if self.slab.hot.stale[r.handle.slot as usize] > in_flight {
                 return Err(format!("request {:?} has more stale than in-flight tokens", r.id));
             }
-            if r.num_computed_tokens
+            if computed
                 > r.num_tokens_with_spec()
                     + r.num_output_placeholders
                     + cfg.num_lookahead_tokens
@@ -775,7 +786,7 @@ impl Scheduler {
             {
                 return Err(format!("request {:?} computed more tokens than it has", r.id));
             }
-            if (r.blocks.len() as u64) * u64::from(bs) < u64::from(r.num_computed_tokens) {
+            if (r.blocks.len() as u64) * u64::from(bs) < u64::from(computed) {
                 return Err(format!("request {:?}: blocks do not cover its computed tokens", r.id));
             }
             if r.num_tokens() > cfg.max_model_len || r.num_output_tokens() > r.max_tokens {

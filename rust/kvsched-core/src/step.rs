@@ -34,6 +34,9 @@ struct Builder {
     is_chunk: Vec<bool>,
     num_spec: Vec<u32>,
     rec: StepRecord,
+    /// Plain decodes appended last whose constant entries (one token, no new blocks, no drafts, not a chunk)
+    /// are not written yet: `fill` writes them in bulk before any other change or read of those vectors.
+    unfilled: usize,
 }
 
 impl Builder {
@@ -56,12 +59,35 @@ impl Builder {
         };
         out.new_block_ids_indptr.push(0);
         out.spec_token_ids_indptr.push(0);
-        Builder { out, is_chunk, num_spec, rec }
+        Builder { out, is_chunk, num_spec, rec, unfilled: 0 }
+    }
+
+    /// Writes the constant entries of the plain decodes appended since the last call.
+    #[inline]
+    fn fill(&mut self) {
+        let k = std::mem::take(&mut self.unfilled);
+        if k == 0 {
+            return;
+        }
+        let o = &mut self.out;
+        let n = o.num_scheduled_tokens.len() + k;
+        o.num_scheduled_tokens.resize(n, 1);
+        o.new_block_ids_indptr.resize(n + 1, o.new_block_ids.len() as i32);
+        o.spec_token_ids_indptr.resize(n + 1, o.spec_token_ids.len() as i32);
+        self.is_chunk.resize(n, false);
+        self.num_spec.resize(n, 0);
+    }
+
+    /// The finished output and the step's per-entry flags.
+    fn finish(mut self) -> (SchedulerOutput, Vec<bool>, Vec<u32>, StepRecord) {
+        self.fill();
+        (self.out, self.is_chunk, self.num_spec, self.rec)
     }
 
     /// Appends one scheduled request; `computed` is its count before this step.
     #[allow(clippy::too_many_arguments)]
     fn push(&mut self, h: ReqHandle, n: u32, computed: u32, blocks: &[u32], spec: &[u32], is_chunk: bool) {
+        self.fill();
         let o = &mut self.out;
         o.handles.push(h);
         o.num_scheduled_tokens.push(n as i32);
@@ -79,8 +105,20 @@ impl Builder {
         self.num_spec.push(spec.len() as u32);
     }
 
+    /// Appends one plain decode: one token, no new block, no drafts, not a prefill chunk (only its handle and
+    /// computed count now; `fill` writes the constant entries).
+    #[inline(always)]
+    fn push_decode(&mut self, h: ReqHandle, computed: u32) {
+        let o = &mut self.out;
+        o.handles.push(h);
+        o.num_computed_tokens.push(computed as i32);
+        o.total_num_scheduled_tokens += 1;
+        self.unfilled += 1;
+    }
+
     /// Removes entry `pos` (a preempted victim refunded from this step; rare, O(n)). Returns its tokens.
     fn remove(&mut self, pos: usize) -> u32 {
+        self.fill();
         let o = &mut self.out;
         let n = o.num_scheduled_tokens.remove(pos) as u32;
         o.handles.remove(pos);
@@ -216,28 +254,39 @@ impl Scheduler {
         // Requests carry encoder inputs only with an encoder cache: without one their (cold) field is not read.
         let has_encoder = self.encoder.capacity() > 0;
         let mut prefill_scheduled = false;
+        let (bs, shift, caching) = (self.kv.block_size, self.kv.block_shift, self.kv.enable_caching);
         // Prefetching ahead pays when many requests do block work in this step, as in lock-step decode (they all
         // reach a block boundary together): the first running request stands for the batch, so a plain step
         // pays one check, not one per request.
-        let prefetch = self
-            .running
-            .first()
-            .and_then(|&s| self.slab.peek(s))
-            .is_some_and(|r| self.kv.near_block_boundary(r));
+        let prefetch =
+            self.running.first().is_some_and(|&s| self.kv.near_block_boundary(self.slab.computed(s)));
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
             if prefetch {
-                if let Some(ahead) = self.running.get(i + 2 * PREFETCH_AHEAD).and_then(|&s| self.slab.peek(s))
-                {
-                    self.kv.prefetch_block_work(ahead);
-                }
-                if let Some(ahead) = self.running.get(i + PREFETCH_AHEAD).and_then(|&s| self.slab.peek(s)) {
-                    self.kv.prefetch_cache_slot(ahead);
-                }
+                self.prefetch_ahead(i);
             }
-            let req = self.slab.get_mut(slot)?;
-            let computed = req.num_computed_tokens;
+            // A plain decode that needs no block work (no new block, no full block to cache) is decided and
+            // scheduled from the hot columns alone: its record is not touched. Anything else takes the general
+            // path below, which gives such a request exactly the same result.
+            let s = slot as usize;
+            let hot = &mut self.slab.hot;
+            let computed = hot.computed[s];
+            if hot.plain[s]
+                && computed + 1 == hot.num_tokens[s]
+                && computed >= hot.num_prompt[s]
+                && i64::from(computed) + 2 <= max_model_len
+                && i64::from(computed) < max_slots
+                && (computed + 1 + lookahead).min(self.kv.max_slots).div_ceil(bs) <= hot.num_blocks[s]
+                && (!caching || (computed + 1) >> shift <= hot.num_cached_blocks[s])
+            {
+                hot.computed[s] = computed + 1;
+                b.push_decode(ReqHandle { slot, gen: self.slab.gen(slot) }, computed);
+                *budget -= 1;
+                i += 1;
+                continue;
+            }
+            let (req, hot) = self.slab.get_mut_hot(slot)?;
             let ph = i64::from(req.num_output_placeholders);
             // Async scheduling: the steps in flight already produce the request's last token.
             if ph > 0
@@ -269,20 +318,20 @@ impl Scheduler {
             // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
             // (Text-only requests keep their borrow: no second slab lookup on the common path.)
             let planned = has_encoder && !req.encoder_inputs.is_empty();
-            let req = if planned {
+            let (req, _) = if planned {
                 n = self.plan_encoder(enc, slot, computed, n)?;
                 if n == 0 {
                     self.rollback_encoder(enc, slot)?;
                     i += 1;
                     continue;
                 }
-                self.slab.get_mut(slot)?
+                self.slab.get_mut_hot(slot)?
             } else {
-                req
+                (req, hot)
             };
             let first_new_block = req.blocks.len();
             let mut req = req;
-            if self.kv.allocate_slots(req, n, &[], lookahead, 0).is_none() {
+            if self.kv.allocate_slots(req, computed, n, &[], lookahead, 0).is_none() {
                 // Preempt until the allocation succeeds or `req` itself is the victim.
                 let mut self_preempted = false;
                 loop {
@@ -304,7 +353,7 @@ impl Scheduler {
                         break;
                     }
                     let req = self.slab.get_mut(slot)?;
-                    if self.kv.allocate_slots(req, n, &[], lookahead, 0).is_some() {
+                    if self.kv.allocate_slots(req, computed, n, &[], lookahead, 0).is_some() {
                         break;
                     }
                 }
@@ -326,8 +375,7 @@ impl Scheduler {
             if planned {
                 Self::commit_encoder(&mut self.counters, enc);
             }
-            req.num_computed_tokens += n;
-            req.is_prefill_chunk = i64::from(req.num_computed_tokens) < i64::from(req.num_tokens()) + ph;
+            req.is_prefill_chunk = i64::from(computed + n) < i64::from(req.num_tokens()) + ph;
             // Drafts ride along only as far as this step reaches past the known tokens and placeholders.
             let num_spec = (i64::from(computed) + i64::from(n) - i64::from(req.num_tokens()) - ph)
                 .clamp(0, req.spec_token_ids.len() as i64) as usize;
@@ -340,10 +388,39 @@ impl Scheduler {
                 req.is_prefill_chunk,
             );
             req.spec_token_ids.clear();
+            self.slab.hot.computed[s] = computed + n;
+            self.slab.sync(slot);
             *budget -= n;
             i += 1;
         }
         Ok(prefill_scheduled)
+    }
+
+    /// Prefetching for a step in which many running requests do block work (see `schedule_running`): the
+    /// records of the requests `3 * PREFETCH_AHEAD` after position `i`, their block-table and hash-list lines
+    /// `2 *` after, the cache-table slot of their next full block `1 *` after (each stage reads what the
+    /// previous one fetched). Requests not near a block boundary are left out (their hot columns say so).
+    #[inline(always)]
+    fn prefetch_ahead(&self, i: usize) {
+        let near = |k: usize| {
+            self.running
+                .get(i + k * PREFETCH_AHEAD)
+                .copied()
+                .filter(|&s| self.kv.near_block_boundary(self.slab.computed(s)))
+        };
+        if let Some(s) = near(3) {
+            self.slab.prefetch_record(s);
+        }
+        if let Some(s) = near(2) {
+            if let Some(ahead) = self.slab.peek(s) {
+                self.kv.prefetch_block_work(ahead, self.slab.computed(s));
+            }
+        }
+        if let Some(s) = near(1) {
+            if let Some(ahead) = self.slab.peek(s) {
+                self.kv.prefetch_cache_slot(ahead, self.slab.computed(s));
+            }
+        }
     }
 
     /// Phase B: admits waiting requests in policy order while `max_num_seqs`, the budget and the free blocks
@@ -396,25 +473,26 @@ impl Scheduler {
             let peeked =
                 if from_kv { self.kv_waiting.peek(&self.tenants) } else { self.waiting.peek(&self.tenants) };
             let Some(h) = peeked else { break };
-            let req = self.slab.get_mut(h.slot)?;
+            let hs = h.slot as usize;
+            let (req, hot) = self.slab.get_mut_hot(h.slot)?;
             if req.status == RequestStatus::WaitingForGrammar && req.grammar_ready {
                 req.status = RequestStatus::Waiting;
             }
             if req.status == RequestStatus::WaitingForRemoteKvs && req.kv_load_done {
-                Self::promote_loaded(&mut self.kv, req);
+                Self::promote_loaded(&mut self.kv, req, &mut hot.computed[hs]);
             }
             let lora_blocked = max_loras > 0
                 && loras.len() >= max_loras
                 && req.extra_keys.lora_name.as_ref().is_some_and(|l| !loras.contains(l));
             let mut blocked = req.status == RequestStatus::WaitingForGrammar
                 || req.status == RequestStatus::WaitingForRemoteKvs
-                || (req.num_stale_output_tokens > 0 && !req.drop_stale_output)
+                || (hot.stale[hs] > 0 && !req.drop_stale_output)
                 || lora_blocked;
             // Tokens beyond the local prefix hit that the connector supplies, and whether they load
             // asynchronously (asked only of requests with nothing computed: a loaded request keeps its count).
             let mut ext = 0u32;
             let mut load_async = false;
-            let computed_before = req.num_computed_tokens;
+            let computed_before = hot.computed[hs];
             hits.clear();
             if !blocked && computed_before == 0 {
                 // A request that skips reading the prefix cache (prompt logprobs) gets no hits.
@@ -450,7 +528,7 @@ impl Scheduler {
                 // Back among the requests holding KV blocks if it holds some (vLLM's `_holds_kv_blocks`: a
                 // load in progress or over); a request whose failed load left nothing goes back to `waiting`.
                 let holds_kv = req.status == RequestStatus::WaitingForRemoteKvs
-                    || req.num_computed_tokens > 0
+                    || hot.computed[hs] > 0
                     || !req.blocks.is_empty();
                 if from_kv {
                     self.kv_waiting.pop(&self.tenants);
@@ -504,7 +582,7 @@ impl Scheduler {
                 n = n.min(*budget);
             }
             let planned_encoder = has_encoder && !load_async && !req.encoder_inputs.is_empty();
-            let mut req = if planned_encoder {
+            let (mut req, mut hot) = if planned_encoder {
                 n = self.plan_encoder(enc, h.slot, computed, n)?;
                 if n == 0 {
                     // vLLM 0.33: an admission whose first encoder input does not fit is skipped (it keeps its place),
@@ -524,9 +602,9 @@ impl Scheduler {
                     }
                     continue;
                 }
-                self.slab.get_mut(h.slot)?
+                self.slab.get_mut_hot(h.slot)?
             } else {
-                req
+                (req, hot)
             };
             let reserved = if self.running.is_empty() { 0 } else { watermark };
             if reserve_full_isl && !self.kv.full_sequence_fits(req, &hits, reserved) {
@@ -538,26 +616,27 @@ impl Scheduler {
             // vLLM 0.33: an asynchronous load leaves free what the in-flight prefills still need.
             let extra = if load_async && self.config.reserve_inflight_prefills {
                 let extra = inflight_reserved_blocks(&self.slab, &self.config);
-                req = self.slab.get_mut(h.slot)?;
+                (req, hot) = self.slab.get_mut_hot(h.slot)?;
                 extra
             } else {
                 0
             };
             // `allocate_slots` counts the slots from `computed + hits`: `restored` for a swapped-in request.
             if computed_before == 0 {
-                req.num_computed_tokens = restored - num_hit_tokens;
+                hot.computed[hs] = restored - num_hit_tokens;
             }
+            let at = hot.computed[hs];
             let allocated = if ext > 0 {
                 // Loads are allocated like computed tokens; an asynchronous load gets no lookahead slots and its
                 // blocks enter the prefix cache only once it has arrived.
                 let la = if load_async { 0 } else { lookahead };
-                self.kv.allocate_slots_ext(req, n, &hits, ext, la, reserved + extra, !load_async)
+                self.kv.allocate_slots_ext(req, at, n, &hits, ext, la, reserved + extra, !load_async)
             } else {
-                self.kv.allocate_slots(req, n, &hits, lookahead, reserved)
+                self.kv.allocate_slots(req, at, n, &hits, lookahead, reserved)
             };
             if allocated.is_none() {
                 if computed_before == 0 {
-                    req.num_computed_tokens = 0;
+                    hot.computed[hs] = 0;
                 }
                 if planned_encoder {
                     self.rollback_encoder(enc, h.slot)?;
@@ -598,7 +677,7 @@ impl Scheduler {
                 // Holds its blocks until the engine reports the load finished (`update_kv_transfers`): parked,
                 // or (vLLM 0.33's rule) back among the skipped requests that hold KV blocks.
                 req.status = RequestStatus::WaitingForRemoteKvs;
-                req.num_computed_tokens = computed;
+                hot.computed[hs] = computed;
                 req.kv_load_done = false;
                 req.inflight_prefill = true;
                 req.parked = self.config.park_kv_loads;
@@ -621,8 +700,8 @@ impl Scheduler {
             }
             let resumed = req.status == RequestStatus::Preempted;
             req.status = RequestStatus::Running;
-            req.num_computed_tokens = computed + n;
-            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens();
+            hot.computed[hs] = computed + n;
+            req.is_prefill_chunk = computed + n < req.num_tokens();
             // Leaves vLLM's in-flight prefill set only after the step (finish_step), as vLLM discards it there.
             req.inflight_prefill |= req.is_prefill_chunk;
             if req.num_cached_tokens < 0 {
@@ -655,6 +734,7 @@ impl Scheduler {
             self.tenants.on_leave_waiting(req.tenant);
             self.tenants.charge_prompt(req, computed, n);
             self.running.push(h.slot);
+            self.slab.sync(h.slot);
             *budget -= n;
             prefill_admitted |= has_prefill;
         }
@@ -673,16 +753,19 @@ impl Scheduler {
     /// A request whose asynchronous load is over becomes WAITING (PREEMPTED if it was preempted before): the
     /// loaded blocks enter the prefix cache (after a failure only the valid prefix; with nothing valid its
     /// blocks are freed and it is admitted afresh), and a fully loaded prompt recomputes its last token.
-    fn promote_loaded(kv: &mut crate::kv_cache_manager::KvCacheManager, req: &mut crate::request::Request) {
-        if req.kv_load_failed && req.num_computed_tokens == 0 {
+    fn promote_loaded(
+        kv: &mut crate::kv_cache_manager::KvCacheManager,
+        req: &mut crate::request::Request,
+        computed: &mut u32,
+    ) {
+        if req.kv_load_failed && *computed == 0 {
             kv.free(req);
         } else {
-            let upto = req.num_computed_tokens;
-            kv.cache_blocks(req, upto);
+            kv.cache_blocks(req, *computed);
         }
-        if req.num_computed_tokens == req.num_tokens() {
-            req.num_computed_tokens -= 1;
-            if req.num_computed_tokens == 0 && !req.blocks.is_empty() {
+        if *computed == req.num_tokens() {
+            *computed -= 1;
+            if *computed == 0 && !req.blocks.is_empty() {
                 // A one-token prompt keeps nothing computed: it is admitted afresh, like a load with nothing valid.
                 kv.free(req);
             }
@@ -721,18 +804,16 @@ impl Scheduler {
     /// The output of steps still in flight becomes stale: applied when it arrives (or dropped, with
     /// `drop_stale_output`), but it rolls nothing back and the request is not resumed before then.
     pub(crate) fn preempt(&mut self, slot: u32, drop_stale_output: bool) -> Result<ReqHandle> {
-        let req = self.slab.get_mut(slot)?;
+        let (req, hot) = self.slab.get_mut_hot(slot)?;
         self.kv.free(req);
         release_encoder_refs(&mut self.encoder, req);
-        req.num_lost_tokens = req.num_computed_tokens;
-        req.num_computed_tokens = 0;
+        req.num_lost_tokens = std::mem::take(&mut hot.computed[slot as usize]);
         req.spec_token_ids.clear();
         req.inflight_prefill = false;
         req.status = RequestStatus::Preempted;
         req.num_preemptions += 1;
-        req.drop_stale_output =
-            drop_stale_output || (req.drop_stale_output && req.num_stale_output_tokens > 0);
-        req.num_stale_output_tokens = req.num_in_flight_tokens;
+        req.drop_stale_output = drop_stale_output || (req.drop_stale_output && hot.stale[slot as usize] > 0);
+        hot.stale[slot as usize] = hot.in_flight[slot as usize];
         req.num_output_placeholders = 0;
         let handle = req.handle;
         let key = Self::priority_key(req);
@@ -748,7 +829,7 @@ impl Scheduler {
         preempted: Vec<ReqHandle>,
         enc: &EncoderStep,
     ) -> Result<SchedulerOutput> {
-        let Builder { mut out, is_chunk, num_spec, mut rec } = b;
+        let (mut out, is_chunk, num_spec, mut rec) = b.finish();
         let mut enc_hashes = Vec::new();
         if !enc.work.is_empty() {
             let (enc_ids, enc_indptr, hashes) = self.encoder_output(enc, &out.handles)?;
@@ -779,16 +860,20 @@ impl Scheduler {
         let async_scheduling = self.config.async_scheduling;
         let num_spec_tokens = self.config.num_spec_tokens() as usize;
         for (k, &h) in out.handles.iter().enumerate() {
-            let req = self.slab.get_mut(h.slot)?;
-            req.num_in_flight_tokens += out.num_scheduled_tokens[k] as u32;
-            if !is_chunk[k] {
-                req.inflight_prefill = false;
+            let s = h.slot as usize;
+            self.slab.hot.in_flight[s] += out.num_scheduled_tokens[k] as u32;
+            // A plain decode is not in the in-flight prefill set: without async scheduling nothing to do.
+            if is_chunk[k] || (self.slab.hot.plain[s] && !async_scheduling) {
+                continue;
             }
-            if async_scheduling && !is_chunk[k] {
+            let req = self.slab.get_mut(h.slot)?;
+            req.inflight_prefill = false;
+            if async_scheduling {
                 req.num_output_placeholders += 1 + num_spec[k];
                 req.spec_token_ids.clear();
                 req.spec_token_ids.resize(num_spec_tokens, SPEC_PLACEHOLDER);
             }
+            self.slab.sync(h.slot);
         }
         let step_id = self.next_step_id;
         self.next_step_id += 1;

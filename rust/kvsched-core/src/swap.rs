@@ -143,12 +143,12 @@ impl Scheduler {
         swap_out: &mut Vec<i32>,
     ) -> Result<ReqHandle> {
         let req = self.slab.get(slot)?;
-        let computed = computed_before.unwrap_or(req.num_computed_tokens);
+        let computed = computed_before.unwrap_or(self.slab.computed(slot));
         // The KV worth keeping: computed tokens, never the last known token (its KV is computed next step).
         let saved = computed.min(req.num_tokens().saturating_sub(1));
         let num_blocks = saved.div_ceil(self.config.kv_block_size()) as usize;
         let wants_swap = saved > 0
-            && req.num_in_flight_tokens == 0
+            && self.slab.hot.in_flight[slot as usize] == 0
             && match self.config.preemption_mode {
                 PreemptionMode::Recompute => false,
                 PreemptionMode::Swap => true,

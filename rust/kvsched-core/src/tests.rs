@@ -159,7 +159,7 @@ fn fcfs_preempts_the_last_running_request_and_resumes_it_first() {
     assert!(preempted_at.is_some());
     let b = s.get_request("b").unwrap();
     assert_eq!(b.status, RequestStatus::Preempted);
-    assert_eq!(b.num_computed_tokens, 0);
+    assert_eq!(s.get_num_computed_tokens("b").unwrap(), 0);
     assert!(b.num_output_tokens() > 0, "outputs are kept across preemption");
     assert_eq!(s.stats().num_preemptions, 1);
     // Drive to completion: b comes back as resumed with a full block table.
@@ -564,7 +564,7 @@ fn speculative_tokens_roll_back_when_rejected() {
         .unwrap();
     let r = s.get_request("a").unwrap();
     assert_eq!(r.output_token_ids(), &[5, 7, 11]);
-    assert_eq!(r.num_computed_tokens, 8);
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 8);
     s.check_invariants().unwrap();
     // Too many tokens for the drafts scheduled is rejected without changes.
     let out = s.schedule().unwrap();
@@ -611,7 +611,7 @@ fn drafts_set_after_the_update_ride_the_next_step_without_lookahead_slots() {
     let values = vec![7i64, 11];
     s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &[0, 2, 2] }, None)
         .unwrap();
-    assert_eq!(s.get_request("a").unwrap().num_computed_tokens, 8);
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 8);
     s.check_invariants().unwrap();
 }
 
@@ -1122,4 +1122,33 @@ fn a_full_cpu_pool_falls_back_to_recompute_and_abort_frees_cpu_blocks() {
     s.abort_requests(&["b"]).unwrap();
     assert_eq!(s.num_free_cpu_blocks(), 4);
     s.check_invariants().unwrap();
+}
+
+/// Plain decodes are served from the slab's hot columns; a step that needs block work (a new block, a full block
+/// to cache) goes through the general path. Both must leave the same state: a new block exactly when the step's
+/// token starts one, each block cached once it is full, and the mirror columns checked by `check_invariants`.
+#[test]
+fn decode_steps_from_the_hot_columns_allocate_and_cache_at_block_boundaries() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(1, 4), params(20));
+    add(&mut s, "b", &prompt(100, 6), params(20));
+    step_with(&mut s, 7); // both prompts in one step
+    for _ in 0..16 {
+        let before: Vec<u32> = ["a", "b"].iter().map(|id| s.get_num_computed_tokens(id).unwrap()).collect();
+        let (out, _) = step_with(&mut s, 7);
+        assert_eq!(out.num_scheduled_tokens, vec![1, 1]);
+        for (k, id) in ["a", "b"].iter().enumerate() {
+            let computed = before[k];
+            let new_blocks = (out.new_block_ids_indptr[k + 1] - out.new_block_ids_indptr[k]) as u32;
+            assert_eq!(new_blocks, u32::from(computed % 4 == 0), "{id} at {computed}");
+            let r = s.get_request(id).unwrap();
+            assert_eq!(r.blocks.len() as u32, (computed + 1).div_ceil(4), "{id} at {computed}");
+            assert_eq!(r.num_cached_blocks, (computed + 1) / 4, "{id} at {computed}");
+            assert_eq!(s.get_num_computed_tokens(id).unwrap(), computed + 1);
+        }
+    }
+    // A mirror out of step with its record is reported.
+    let slot = s.slot_of("a").unwrap() as usize;
+    s.slab.hot.num_blocks[slot] += 1;
+    assert!(s.check_invariants().unwrap_err().contains("hot columns"));
 }

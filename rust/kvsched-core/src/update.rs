@@ -160,16 +160,17 @@ impl Scheduler {
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         for i in 0..n {
-            let Some(req) = self.slab.resolve_mut(rec.handles[i]) else {
+            let Some((req, hot)) = self.slab.resolve_mut_hot(rec.handles[i]) else {
                 continue;
             };
+            let s = rec.handles[i].slot as usize;
             let num_scheduled = rec.num_scheduled_tokens[i] as u32;
-            req.num_in_flight_tokens = req.num_in_flight_tokens.saturating_sub(num_scheduled);
+            hot.in_flight[s] = hot.in_flight[s].saturating_sub(num_scheduled);
             // Output of a step scheduled before the request was preempted: delivered, but it rolls nothing
             // back (or, after a forced reset, it is dropped).
-            let stale = req.num_stale_output_tokens > 0;
+            let stale = hot.stale[s] > 0;
             if stale {
-                req.num_stale_output_tokens = req.num_stale_output_tokens.saturating_sub(num_scheduled);
+                hot.stale[s] = hot.stale[s].saturating_sub(num_scheduled);
                 if req.drop_stale_output {
                     continue;
                 }
@@ -177,7 +178,7 @@ impl Scheduler {
             if rec.is_prefill_chunk[i] {
                 // vLLM frees the encoder inputs a request has consumed once the step has run.
                 if has_encoder && req.num_encoder_held > 0 {
-                    Self::release_consumed(&mut self.encoder, req);
+                    Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
                 }
                 continue;
             }
@@ -185,15 +186,15 @@ impl Scheduler {
             let num_spec = rec.num_spec_tokens[i];
             if num_spec > 0 && !stale {
                 let rejected = num_spec - (tokens.len() as u32 - 1);
-                if req.num_computed_tokens > 0 {
-                    req.num_computed_tokens = req.num_computed_tokens.saturating_sub(rejected);
+                if hot.computed[s] > 0 {
+                    hot.computed[s] = hot.computed[s].saturating_sub(rejected);
                 }
                 if req.num_output_placeholders > 0 {
                     req.num_output_placeholders = req.num_output_placeholders.saturating_sub(rejected);
                 }
             }
             if has_encoder && req.num_encoder_held > 0 {
-                Self::release_consumed(&mut self.encoder, req);
+                Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
             }
             let was_running = req.status == RequestStatus::Running;
             let had_placeholders = req.num_output_placeholders > 0;
@@ -219,14 +220,14 @@ impl Scheduler {
                 // A stop cuts the rest of the entry: its computed count covers only what was kept.
                 if stopped.is_some() {
                     let cut = (tokens.len() - appended as usize) as u32;
-                    req.num_computed_tokens = req.num_computed_tokens.saturating_sub(cut);
+                    hot.computed[s] = hot.computed[s].saturating_sub(cut);
                 }
                 // Every returned token resolves a placeholder, including those cut at a stop.
                 req.num_output_placeholders = req.num_output_placeholders.saturating_sub(tokens.len() as u32);
                 // vLLM caches the blocks this step completed (accepted drafts, placeholder positions) now,
                 // up to what the applied steps computed.
                 if was_running && (had_placeholders || spec_decoding) {
-                    let upto = req.num_computed_tokens.saturating_sub(req.num_in_flight_tokens);
+                    let upto = hot.computed[s].saturating_sub(hot.in_flight[s]);
                     self.kv.cache_blocks(req, upto);
                 }
             }
@@ -248,6 +249,14 @@ impl Scheduler {
                     if let (Some(d), false) = (&drafts, stale) {
                         req.spec_token_ids.clear();
                         req.spec_token_ids.extend(d.get(i).iter().map(|&t| t as u32));
+                    }
+                    // The hot columns follow: a plain decode stays plain (no drafts, no placeholders) and only
+                    // its token count and cached blocks move; anything else is refreshed whole.
+                    if hot.plain[s] && drafts.is_none() {
+                        hot.num_tokens[s] = req.token_ids.len() as u32;
+                        hot.num_cached_blocks[s] = req.num_cached_blocks;
+                    } else {
+                        hot.sync(s, req);
                     }
                 }
             }
@@ -300,6 +309,7 @@ impl Scheduler {
                     }
                 }));
             }
+            self.slab.sync(slot);
         }
         // The scheduled steps keep their drafts: `prepare_model_inputs` of the last step stays valid.
         Ok(())

@@ -549,7 +549,7 @@ impl PyScheduler {
     fn get_num_computed_tokens(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<u32> {
         let id = id_arg(req_id, "UnknownRequestError")?;
         let this = borrow(slf)?;
-        guard(slf.py(), || Ok(this.core.get_request(&id)?.num_computed_tokens))
+        guard(slf.py(), || this.core.get_num_computed_tokens(&id))
     }
 
     fn get_output_token_ids(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
