@@ -108,9 +108,6 @@ pub struct Request {
     pub num_prompt_tokens: u32,
     /// Effective limit: `min(max_tokens, max_model_len - prompt_len)`.
     pub max_tokens: u32,
-    pub min_tokens: u32,
-    /// Leading blocks of `blocks` already entered into the prefix cache.
-    pub num_cached_blocks: u32,
     pub status: RequestStatus,
     pub ignore_eos: bool,
     pub is_prefill_chunk: bool,
@@ -120,14 +117,20 @@ pub struct Request {
     pub tenant: u32,
     /// Async scheduling: tokens the runner will sample in steps scheduled but not yet applied.
     pub num_output_placeholders: u32,
+    /// Stop token ids (`None`: none), behind one thin pointer so that the stop check of every appended token
+    /// reads only this line (a `Box<[u32]>` would take 16 bytes and not fit).
+    #[allow(clippy::box_collection)]
+    pub stop_token_ids: Option<Box<Vec<u32>>>,
     /// Prompt then output tokens.
     pub token_ids: Vec<u32>,
-    // --- second cache line
+    // --- second cache line: read by the general path of schedule()
     /// The block table.
     pub blocks: Vec<u32>,
     /// Draft tokens proposed for the next step (speculative decoding).
     pub spec_token_ids: Vec<u32>,
-    pub stop_token_ids: Box<[u32]>,
+    /// Leading blocks of `blocks` already entered into the prefix cache.
+    pub num_cached_blocks: u32,
+    pub min_tokens: u32,
     // --- cold: touched on admission, preemption, block boundaries and finish
     pub block_hashes: Vec<BlockHash>,
     pub id: Arc<str>,

@@ -295,7 +295,11 @@ impl Scheduler {
             min_tokens: params.min_tokens,
             eos_token_id: params.eos_token_id.unwrap_or(NO_EOS),
             ignore_eos: params.ignore_eos,
-            stop_token_ids: params.stop_token_ids.into_boxed_slice(),
+            stop_token_ids: if params.stop_token_ids.is_empty() {
+                None
+            } else {
+                Some(Box::new(params.stop_token_ids))
+            },
             stop_reason: -1,
             extra_keys: ExtraKeys { cache_salt: params.cache_salt, lora_name: params.lora_name },
             block_hashes: Vec::new(),

@@ -201,6 +201,7 @@ impl Scheduler {
             let mut stopped = None;
             let mut appended = 0;
             let mut crossed_block = false;
+            let mut cached = false;
             for &t in tokens {
                 req.token_ids.push(t as u32);
                 appended += 1;
@@ -229,6 +230,7 @@ impl Scheduler {
                 if was_running && (had_placeholders || spec_decoding) {
                     let upto = hot.computed[s].saturating_sub(hot.in_flight[s]);
                     self.kv.cache_blocks(req, upto);
+                    cached = true;
                 }
             }
             match stopped {
@@ -252,9 +254,8 @@ impl Scheduler {
                     }
                     // The hot columns follow: a plain decode stays plain (no drafts, no placeholders) and only
                     // its token count and cached blocks move; anything else is refreshed whole.
-                    if hot.plain[s] && drafts.is_none() {
+                    if hot.plain[s] && drafts.is_none() && !cached {
                         hot.num_tokens[s] = req.token_ids.len() as u32;
-                        hot.num_cached_blocks[s] = req.num_cached_blocks;
                     } else {
                         hot.sync(s, req);
                     }
@@ -326,7 +327,7 @@ fn check_stop(req: &Request, max_model_len: u32) -> Option<(RequestStatus, i64)>
     if !req.ignore_eos && req.eos_token_id == last {
         return Some((RequestStatus::FinishedStopped, -1));
     }
-    if req.stop_token_ids.contains(&last) {
+    if req.stop_token_ids.as_ref().is_some_and(|ids| ids.contains(&last)) {
         return Some((RequestStatus::FinishedStopped, i64::from(last)));
     }
     if req.num_tokens() >= max_model_len || num_output >= req.max_tokens {
