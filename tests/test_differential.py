@@ -829,6 +829,47 @@ def test_admission_window_with_asynchronous_kv_loads() -> None:
         twin.drain()
 
 
+class _LoadsFirstRequest:
+    """A KV connector that loads 8 tokens of request "q" asynchronously and nothing of any other."""
+
+    def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> tuple[int, bool]:
+        return (8, True) if req_id == "q" else (0, False)
+
+    def update_state_after_alloc(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        pass
+
+    def request_finished(self, req_id: str, block_ids: list[int]) -> bool:
+        return False
+
+    def build_connector_meta(self, out: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("impl", ["reference", "rust"])
+def test_fail_step_keeps_the_blocks_of_a_promoted_load_it_did_not_schedule(impl: str) -> None:
+    """A throttled step promotes a request whose asynchronous KV load finished (its loaded blocks enter the prefix
+    cache) and then defers its prefill; when that step fails, the promoted request's blocks stay cached (their
+    KV came from the connector): a later request with the same prompt hits them. Found by hypothesis (the core's
+    invariant check: a request's cached block had lost its hash)."""
+    from kvsched import Scheduler
+
+    cfg = SchedulerConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, park_kv_loads=False)
+    cls: Any = ReferenceScheduler if impl == "reference" else Scheduler
+    s = cls(cfg, kv_connector=_LoadsFirstRequest())
+    s.add_request("q", list(range(100, 112)), max_tokens=4)
+    s.add_request("a", list(range(200, 205)), max_tokens=20)
+    out = s.schedule()  # q: asynchronous load of 8 tokens (parked in the KV-waiting queue); a: its prompt
+    s.update_from_output(out, sampled_token_ids=[[] if i == "q" else [7] for i in out.req_ids])
+    s.update_kv_transfers(["q"], [])
+    out = s.schedule(throttle_prefills=True)  # q promoted (its 2 loaded blocks cached), prefill deferred: a decodes
+    assert list(out.req_ids) == ["a"]
+    assert s.fail_step(out) == ["a"]
+    s.check_invariants()
+    s.add_request("same", list(range(100, 112)), max_tokens=4)
+    out = s.schedule()
+    assert s.stats().prefix_cache_hits == 8  # "same" hits q's two loaded blocks
+
+
 def test_soak_short_matches_reference_step_by_step() -> None:
     soak(steps=3000, seed=1234)
 

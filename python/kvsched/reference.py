@@ -1084,8 +1084,12 @@ class ReferenceScheduler:
                 f"step {out.step_id} can only fail while it is the only step in flight "
                 f"({self._next_step_id - out.step_id} are): the later steps were scheduled on its results"
             )
+        # A live request outside the step holds blocks this step cached only when schedule() promoted its
+        # finished KV load without scheduling it: their KV arrived from the connector, they stay cached.
+        in_step = {id(r) for r, _, _ in out._entries}
+        kept = {b for r in self._requests.values() if id(r) not in in_step for b in r.block_ids}
         for b, h in out._cached_blocks:
-            if self._block_hash[b] == h:
+            if self._block_hash[b] == h and b not in kept:
                 del self._cached[h][b]
                 if not self._cached[h]:
                     del self._cached[h]

@@ -440,8 +440,18 @@ impl Scheduler {
         let Some(rec) = self.in_flight.pop_front() else {
             return Err(SchedError::Internal("in-flight step vanished".into()));
         };
+        // A live request outside the step holds blocks the step's schedule() cached only when it promoted the
+        // request's finished KV load without scheduling it: their KV arrived from the connector, they stay.
+        let mut kept: HashSet<u32> = HashSet::new();
+        if !rec.cached_blocks.is_empty() {
+            for r in self.slab.iter().filter(|r| !rec.handles.contains(&r.handle)) {
+                kept.extend(r.blocks.iter().copied());
+            }
+        }
         for (block, hash) in &rec.cached_blocks {
-            self.kv.pool.uncache(*block, hash);
+            if !kept.contains(block) {
+                self.kv.pool.uncache(*block, hash);
+            }
         }
         let failed_encoder = rec.encoder_hashes;
         let mut ids = Vec::new();
