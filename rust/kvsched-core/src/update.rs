@@ -159,6 +159,8 @@ impl Scheduler {
         let has_encoder = self.encoder.capacity() > 0;
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
+        // Spec decoding caches blocks in every update and drafts change the drafts: the general path for all.
+        let plain_excluded = spec_decoding || drafts.is_some();
         for i in 0..n {
             let Some((req, hot)) = self.slab.resolve_mut_hot(rec.handles[i]) else {
                 continue;
@@ -166,6 +168,37 @@ impl Scheduler {
             let s = rec.handles[i].slot as usize;
             let num_scheduled = rec.num_scheduled_tokens[i] as u32;
             hot.in_flight[s] = hot.in_flight[s].saturating_sub(num_scheduled);
+            // A running plain decode (no drafts, placeholders, encoder inputs or stale output) that sampled one
+            // token: append it, hash a block it completes, check the stop conditions; nothing else of the
+            // general path below applies to it (it would do exactly this).
+            if hot.plain[s]
+                && hot.stale[s] == 0
+                && !plain_excluded
+                && !rec.is_prefill_chunk[i]
+                && rec.num_spec_tokens[i] == 0
+                && req.status == RequestStatus::Running
+            {
+                if let &[t] = sampled.get(i) {
+                    req.token_ids.push(t as u32);
+                    res.num_new_tokens[i] = 1;
+                    self.tenants.add_decode(req.tenant, 1);
+                    if req.token_ids.len() & block_mask == 0 {
+                        self.kv.extend_hashes(req);
+                    }
+                    match check_stop(req, max_model_len) {
+                        None => hot.num_tokens[s] = req.token_ids.len() as u32,
+                        Some((status, stop_reason)) => {
+                            any_running_finished = true;
+                            req.stop_reason = stop_reason;
+                            let done = self.finish(rec.handles[i].slot, status)?;
+                            res.finished_req_ids.push(done.id);
+                            res.finish_reasons.push(Self::finish_reason(status));
+                            res.stop_reasons.push(stop_reason);
+                        }
+                    }
+                    continue;
+                }
+            }
             // Output of a step scheduled before the request was preempted: delivered, but it rolls nothing
             // back (or, after a forced reset, it is dropped).
             let stale = hot.stale[s] > 0;
