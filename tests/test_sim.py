@@ -21,6 +21,7 @@ from kvsched.sim import (
     PRESETS,
     StepTimeModel,
     TraceFormatError,
+    Workload,
     WorkloadSpec,
     dump_trace,
     generate_workload,
@@ -317,6 +318,17 @@ def test_step_time_model_presets_and_files(tmp_path: Path) -> None:
     assert PRESETS["llama-3.1-8b-h100"].step_s > PRESETS["llama-3.2-1b-h100"].step_s
     path = MODEL.save(tmp_path / "m.json", extra={"note": 1})
     assert load_step_time_model(path) == MODEL
+    # A model saved before the lone-prefill term existed loads with it 0; one with it keeps it.
+    assert all(p.lone_prefill_token_s == 0 for p in PRESETS.values())
+    old = MODEL.to_dict()
+    del old["lone_prefill_token_s"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert load_step_time_model(tmp_path / "old.json") == MODEL
+    lone = dataclasses.replace(MODEL, lone_prefill_token_s=2e-6)
+    assert load_step_time_model(lone.save(tmp_path / "lone.json")) == lone
+    assert lone.step_time(100, prefill_reqs=1, lone_prefill_tokens=100) == pytest.approx(
+        MODEL.step_time(100, prefill_reqs=1) + 2e-4
+    )
     assert load_step_time_model("llama-3.2-1b-h100") is PRESETS["llama-3.2-1b-h100"]
     with pytest.raises(ValueError, match="unknown step-time preset"):
         load_step_time_model("nope")
@@ -489,6 +501,35 @@ def test_swapped_blocks_are_charged_and_auto_mode_prices_victims_with_the_step_m
     assert run("auto", 10.0).batches == rec0.batches
     assert run("auto", 1e-12).batches == free.batches
     assert free.batches != rec0.batches
+
+
+def test_lone_prefill_term_prices_lone_prefill_steps_exactly() -> None:
+    # Requests arriving far apart (each runs alone: lone prefill chunks, then lone decodes), then a burst (prefills
+    # sharing steps with each other and with decodes). The arrivals are far enough apart that step times cannot
+    # change the schedule, so the step times differ by exactly the term on the lone prefill steps.
+    n_alone, n_burst = 6, 8
+    rng = np.random.default_rng(4)
+    n = n_alone + n_burst
+    w = Workload(
+        arrival_time=np.concatenate([100.0 * np.arange(n_alone), np.full(n_burst, 100.0 * n_alone)]),
+        prompt_len=rng.integers(20, 600, size=n),
+        output_len=rng.integers(2, 30, size=n),
+        tenant=np.zeros(n, dtype=np.int64),
+        priority=np.zeros(n, dtype=np.int64),
+        prefix_group=np.full(n, -1, dtype=np.int64),
+        prefix_len=np.zeros(n, dtype=np.int64),
+        seed=4,
+    )
+    c = 3e-5
+    base = simulate(w, TIGHT, MODEL, record_batches=True)
+    paid = simulate(w, TIGHT, dataclasses.replace(MODEL, lone_prefill_token_s=c), record_batches=True)
+    assert paid.batches == base.batches
+    lone = (base.step_num_reqs == 1) & (base.step_prefill_tokens > 0)
+    assert lone.sum() >= n_alone and (~lone & (base.step_prefill_tokens > 0)).any()
+    np.testing.assert_allclose(
+        paid.step_time - base.step_time, np.where(lone, c * base.step_prefill_tokens, 0.0), rtol=0, atol=1e-15
+    )
+    assert paid.step_time.sum() == pytest.approx(base.step_time.sum() + c * base.step_prefill_tokens[lone].sum())
 
 
 def test_attention_hinge_prices_each_chunk_past_its_threshold() -> None:

@@ -80,6 +80,8 @@ def test_calibration_fit_recovers_known_coefficients() -> None:
     for name in ("step_s", "prefill_token_s", "prefill_req_s", "decode_req_s", "kv_token_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.1), name
     assert fitted.prefill_attn_s >= 0 and fitted.swap_block_s == 0
+    # No lone-prefill premium in the truth: the fit adds at most a trace of one (lone prefills here are <=200 tokens).
+    assert fitted.lone_prefill_token_s < 0.05 * truth.prefill_token_s
 
 
 @pytest.mark.parametrize("slow_share", [0.4, 0.1])
@@ -103,6 +105,36 @@ def test_calibration_fit_predicts_the_mean_step_time_under_noise(slow_share: flo
     mean_factor = 1 + 0.75 * slow_share
     for name in ("step_s", "prefill_token_s", "decode_req_s"):
         assert getattr(fitted, name) == pytest.approx(mean_factor * getattr(truth, name), rel=0.1), name
+
+
+def test_calibration_fit_recovers_the_lone_prefill_term() -> None:
+    # Steps where a prefill chunk alone in its step costs 1.5e-6 s more per token than the linear terms say: the
+    # fit recovers that price and the others; on steps without it (the test above) it stays near 0.
+    truth = StepTimeModel(
+        step_s=1e-3, prefill_token_s=3e-6, prefill_req_s=3e-4, decode_req_s=2e-4, kv_token_s=5e-7,
+        lone_prefill_token_s=1.5e-6, name="t",
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    steps = []
+    for _ in range(400):
+        kind = rng.integers(0, 3)  # a lone prefill; several prefills; prefills and decodes
+        preq = 1 if kind == 0 else int(rng.integers(1 if kind == 2 else 2, 4))
+        dec = 0 if kind < 2 else int(rng.integers(1, 32))
+        pre = int(rng.integers(16, 512, size=preq).sum())
+        kv = dec * int(rng.integers(16, 512))
+        lone = pre if (preq == 1 and dec == 0) else 0
+        t = truth.step_time(pre, dec, kv, prefill_reqs=preq, lone_prefill_tokens=lone) * (1 + rng.normal(0, 0.01))
+        steps.append((t, pre, preq, dec, kv, 0.0))
+    for _ in range(200):  # decode-only steps
+        dec = int(rng.integers(1, 64))
+        kv = dec * int(rng.integers(16, 1024))
+        steps.append((truth.step_time(0, dec, kv) * (1 + rng.normal(0, 0.01)), 0, 0, dec, kv, 0.0))
+    fitted, fit = fit_step_time_model(steps)
+    assert "lone_prefill_tokens" in fit["features"] and fit["median_rel_error"] < 0.02
+    for name in ("step_s", "prefill_token_s", "decode_req_s", "kv_token_s", "lone_prefill_token_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.1), name
+    resid = residuals(fitted, steps)
+    assert np.median(np.abs(resid) / np.array([s[0] for s in steps])) < 0.02
 
 
 def test_calibration_fit_finds_the_attention_hinge() -> None:

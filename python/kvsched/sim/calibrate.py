@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .steptime import FEATURES, StepTimeModel, spill_pairs
+from .steptime import FEATURES, StepTimeModel, lone_prefill_tokens, spill_pairs
 
 __all__ = ["CalibrationSession", "TimedStep", "calibrate", "calibrate_llm", "fit_step_time_model", "run_timed_steps"]
 
@@ -43,10 +43,11 @@ def fit_step_time_model(
     request_pairs: list[npt.NDArray[np.float64]] | None = None,
 ) -> tuple[StepTimeModel, dict[str, Any]]:
     """Non-negative least squares of step time on (1, prefill tokens, prefill requests, decode requests, KV tokens,
-    prefill pairs), on relative error (each row divided by its measured time, so short steps count as much as long
-    ones). After a first fit, gross outliers (steps more than ``OUTLIER_FACTOR`` times slower or faster than it
-    predicts) are dropped and the fit is repeated; a step slowed by other work on a shared machine is kept, since
-    a real run on that machine is slowed by it too. The final coefficients come from
+    prefill pairs, lone prefill tokens: see :func:`kvsched.sim.steptime.lone_prefill_tokens`), on relative error
+    (each row divided by its measured time, so short steps count as much as long ones). After a first fit, gross
+    outliers (steps more than ``OUTLIER_FACTOR`` times slower or faster than it predicts) are dropped and the fit
+    is repeated; a step slowed by other work on a shared machine is kept, since a real run on that machine is
+    slowed by it too. The final coefficients come from
     ``IRLS_ROUNDS`` refits with each row divided by the previous fit's predicted time instead of its measured one,
     so that the model predicts the mean step time of a composition (dividing by the measured time biases it low).
 
@@ -60,7 +61,9 @@ def fit_step_time_model(
         raise ValueError(f"request_pairs has {len(request_pairs)} entries for {len(steps)} steps")
     arr = np.asarray(steps, dtype=np.float64)
     y_all = np.maximum(arr[:, 0], 1e-9)
-    x_all = np.column_stack([np.ones(len(arr)), arr[:, 1:6]])
+    # Columns: 1, prefill tokens, prefill requests, decode requests, KV tokens, prefill pairs, lone prefill tokens.
+    lone = lone_prefill_tokens(arr[:, 1], arr[:, 2], arr[:, 3]).astype(np.float64)
+    x_all = np.column_stack([np.ones(len(arr)), arr[:, 1:6], lone])
 
     def nnls(
         x: npt.NDArray[np.float64], y: npt.NDArray[np.float64], scale: npt.NDArray[np.float64] | None = None
@@ -121,15 +124,20 @@ def fit_step_time_model(
         kv_token_s=float(coef[4]),
         prefill_attn_s=float(coef[5]),
         swap_block_s=0.0,
-        prefill_attn_spill_s=float(coef[6]),
-        attn_spill_pairs=threshold if coef[6] > 0 else 0.0,
+        prefill_attn_spill_s=float(coef[7]),
+        lone_prefill_token_s=float(coef[6]),
+        attn_spill_pairs=threshold if coef[7] > 0 else 0.0,
         name=name,
         source=source,
     )
     fit = {
         "num_steps": len(steps),
         "num_outliers_dropped": int((~keep).sum()),
-        "features": [*FEATURES[:6], *(["prefill_attn_spill_pairs"] if coef[6] > 0 else [])],
+        "features": [
+            *FEATURES[:6],
+            *(["prefill_attn_spill_pairs"] if coef[7] > 0 else []),
+            *(["lone_prefill_tokens"] if coef[6] > 0 else []),
+        ],
         "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
         "median_rel_error": float(np.median(rel)),
         "p90_rel_error": float(np.percentile(rel, 90)),
@@ -411,6 +419,7 @@ def residuals(
     spill = np.zeros(len(arr))
     if request_pairs is not None:
         spill = np.array([spill_pairs(np.asarray(p, dtype=np.float64), model.attn_spill_pairs) for p in request_pairs])
-    feats = np.column_stack([np.ones(len(arr)), arr[:, 1:6], np.zeros(len(arr)), spill])
+    lone = lone_prefill_tokens(arr[:, 1], arr[:, 2], arr[:, 3])
+    feats = np.column_stack([np.ones(len(arr)), arr[:, 1:6], np.zeros(len(arr)), spill, lone])
     out: npt.NDArray[np.float64] = model.predict(feats) - arr[:, 0]
     return out

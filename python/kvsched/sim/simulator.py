@@ -323,6 +323,8 @@ def simulate(
     c_swap = step_model.swap_block_s if cfg.preemption_mode != "recompute" else 0.0
     # The attention hinge: pairs of each prefill chunk beyond the threshold cost c_spill more.
     c_spill, spill_at = step_model.prefill_attn_spill_s, step_model.attn_spill_pairs
+    # A lone prefill step (one scheduled request, computing a prefill chunk) costs c_lone more per prefill token.
+    c_lone = step_model.lone_prefill_token_s
     if cfg.preemption_mode == "auto":
         sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
     cap = max(cfg.max_num_seqs, 1)
@@ -449,6 +451,8 @@ def simulate(
             dt = c0 + c_pre * n_pre + c_preq * (m - n_dec) + c_dec * n_dec + c_kv * kv + c_attn * pairs
             if pairs_over:
                 dt += c_spill * pairs_over
+            if m == 1 and n_dec == 0:
+                dt += c_lone * n_pre
             if c_swap:
                 dt += c_swap * (len(out.swap_out) + len(out.swap_in))
             sel = idx[complete]

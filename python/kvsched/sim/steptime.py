@@ -10,6 +10,7 @@ A step's duration is linear in its composition::
       + prefill_attn_s  * (query-key pairs of the prefill chunks: sum of n * (computed + (n + 1) / 2))
       + swap_block_s    * (KV blocks swapped in or out)
       + prefill_attn_spill_s * (query-key pairs of each prefill chunk beyond attn_spill_pairs, summed)
+      + lone_prefill_token_s * (prefill tokens of a lone prefill step: one scheduled request, a prefill chunk)
 
 A request "decodes" in a step when it computes exactly its last known token (``num_computed_tokens ==
 prompt + outputs - 1``); every other scheduled token is a prefill token (first prefill, chunks, and the
@@ -21,6 +22,12 @@ token against ``swap_block_s`` per block).
 The last term is a hinge: past a per-request size (``attn_spill_pairs`` query-key pairs), prefill attention
 costs more per pair, because its score matrices no longer fit the CPU's (or GPU's) caches. Calibration fits the
 threshold (it tries a range of them) with the coefficients; the presets leave it off (0).
+
+The lone-prefill term adds a per-token price to a step that schedules exactly one request and computes a prefill
+chunk for it (no decodes): how a request meets the engine at low load, so it decides TTFT there. Such a step
+costs more per token than the linear terms fitted across all step kinds say (without the term, the validation
+runs of the tiny test model on the CPU priced their prefill steps 2-14% low; see ``docs/simulator.md``).
+Calibration fits it; the presets leave it 0, and a JSON model without it loads with it 0.
 
 The presets are estimates (see ``docs/simulator.md`` for their derivation and sources); calibrate on your own
 hardware with ``kvsched simulate --calibrate --model DIR`` (:func:`kvsched.sim.calibrate.calibrate`), which
@@ -43,6 +50,7 @@ __all__ = [
     "PRESETS",
     "StepTimeModel",
     "load_step_time_model",
+    "lone_prefill_tokens",
     "request_pairs",
     "spill_pairs",
     "step_features",
@@ -58,6 +66,7 @@ FEATURES = (
     "prefill_attn_pairs",
     "swap_blocks",
     "prefill_attn_spill_pairs",
+    "lone_prefill_tokens",
 )
 _COEFS = (
     "step_s",
@@ -68,6 +77,7 @@ _COEFS = (
     "prefill_attn_s",
     "swap_block_s",
     "prefill_attn_spill_s",
+    "lone_prefill_token_s",
 )
 
 
@@ -83,6 +93,7 @@ class StepTimeModel:
     prefill_attn_s: float = 0.0
     swap_block_s: float = 0.0
     prefill_attn_spill_s: float = 0.0
+    lone_prefill_token_s: float = 0.0  # per prefill token of a step whose only scheduled request is a prefill
     attn_spill_pairs: float = 0.0  # per prefill chunk: the hinge's threshold (pairs past it cost the spill term)
     name: str = "custom"
     source: str = ""
@@ -108,6 +119,7 @@ class StepTimeModel:
         swap_blocks: float = 0.0,
         prefill_reqs: float = 0.0,
         prefill_attn_spill_pairs: float = 0.0,
+        lone_prefill_tokens: float = 0.0,
     ) -> float:
         return (
             self.step_s
@@ -118,6 +130,7 @@ class StepTimeModel:
             + self.prefill_attn_s * prefill_attn_pairs
             + self.swap_block_s * swap_blocks
             + self.prefill_attn_spill_s * prefill_attn_spill_pairs
+            + self.lone_prefill_token_s * lone_prefill_tokens
         )
 
     def predict(self, features: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
@@ -167,6 +180,12 @@ def request_pairs(
     nsp = num_scheduled[pre].astype(np.int64)
     out: npt.NDArray[np.float64] = (nsp * (2 * num_computed[pre].astype(np.int64) + nsp + 1)) / 2.0
     return out
+
+
+def lone_prefill_tokens(prefill_tokens: Any, prefill_reqs: Any, decode_reqs: Any) -> Any:
+    """The lone-prefill feature: a step's prefill tokens if it schedules exactly one request and that request
+    computes a prefill chunk (no decodes), else 0. Works on scalars and on arrays of steps."""
+    return np.where((np.asarray(prefill_reqs) == 1) & (np.asarray(decode_reqs) == 0), prefill_tokens, 0)
 
 
 def spill_pairs(pairs: npt.NDArray[np.float64], threshold: float) -> float:

@@ -23,7 +23,7 @@ import numpy.typing as npt
 from ..config import SchedulerConfig
 from .metrics import percentiles, request_records
 from .simulator import make_config, simulate
-from .steptime import StepTimeModel, spill_pairs
+from .steptime import StepTimeModel, lone_prefill_tokens, spill_pairs
 from .workload import PromptFactory, Workload
 
 __all__ = ["RealRun", "compare", "prompt_fn_for_vocab", "run_real", "validate"]
@@ -197,11 +197,17 @@ def compare(real: RealRun, workload: Workload, sim_res: Any, *, time_scale: floa
         f = np.asarray(real.features, dtype=np.float64)
         sm = sim_res.step_model
         spill = np.array([spill_pairs(p, sm.attn_spill_pairs) for p in real.request_pairs], dtype=np.float64)
-        feats = np.column_stack([np.ones(len(f)), f, np.zeros(len(f)), spill])
+        lone = lone_prefill_tokens(f[:, 0], f[:, 1], f[:, 2])
+        feats = np.column_stack([np.ones(len(f)), f, np.zeros(len(f)), spill, lone])
         pred = sm.predict(feats)
         meas = np.asarray(real.step_times)
         has_prefill = f[:, 1] > 0
-        kinds = {"all": np.ones(len(f), dtype=np.bool_), "with_prefill": has_prefill, "decode_only": ~has_prefill}
+        kinds = {
+            "all": np.ones(len(f), dtype=np.bool_),
+            "with_prefill": has_prefill,
+            "lone_prefill": (f[:, 1] == 1) & (f[:, 2] == 0),
+            "decode_only": ~has_prefill,
+        }
         out["step_model_on_real_steps"] = {
             k: {
                 "num_steps": int(m.sum()),
