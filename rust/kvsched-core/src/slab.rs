@@ -36,15 +36,36 @@ pub struct Hot {
     pub plain: Vec<bool>,
 }
 
+/// The mirrored values, in column order: tokens, blocks, cached blocks, prompt, plain.
+type Mirrors = (u32, u32, u32, u32, bool);
+
 impl Hot {
+    /// What the mirror columns of a request's slot must hold: read from `req`, its record.
+    #[inline(always)]
+    fn mirrors_of(req: &Request) -> Mirrors {
+        (
+            req.token_ids.len() as u32,
+            req.blocks.len() as u32,
+            req.num_cached_blocks,
+            req.num_prompt_tokens,
+            Slab::is_plain(req),
+        )
+    }
+
     /// Refreshes the mirror columns of slot `s` from `req`, its record.
     #[inline]
     pub fn sync(&mut self, s: usize, req: &Request) {
-        self.num_tokens[s] = req.token_ids.len() as u32;
-        self.num_blocks[s] = req.blocks.len() as u32;
-        self.num_cached_blocks[s] = req.num_cached_blocks;
-        self.num_prompt[s] = req.num_prompt_tokens;
-        self.plain[s] = Slab::is_plain(req);
+        let (tokens, blocks, cached, prompt, plain) = Self::mirrors_of(req);
+        self.num_tokens[s] = tokens;
+        self.num_blocks[s] = blocks;
+        self.num_cached_blocks[s] = cached;
+        self.num_prompt[s] = prompt;
+        self.plain[s] = plain;
+    }
+
+    /// The mirror columns of slot `s`, as `mirrors_of` orders them.
+    fn mirrors_at(&self, s: usize) -> Mirrors {
+        (self.num_tokens[s], self.num_blocks[s], self.num_cached_blocks[s], self.num_prompt[s], self.plain[s])
     }
 }
 
@@ -126,15 +147,7 @@ impl Slab {
         for &slot in running {
             let s = slot as usize;
             let Some(Some(req)) = self.slots.get(s) else { continue };
-            let h = &self.hot;
-            let got = (h.num_tokens[s], h.num_blocks[s], h.num_cached_blocks[s], h.num_prompt[s], h.plain[s]);
-            let want = (
-                req.token_ids.len() as u32,
-                req.blocks.len() as u32,
-                req.num_cached_blocks,
-                req.num_prompt_tokens,
-                Self::is_plain(req),
-            );
+            let (got, want) = (self.hot.mirrors_at(s), Hot::mirrors_of(req));
             if got != want {
                 return Err(format!(
                     "request {:?}: hot columns (tokens, blocks, cached blocks, prompt, plain) {got:?} != record {want:?}",

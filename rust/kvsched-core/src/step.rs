@@ -286,7 +286,7 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let (req, hot) = self.slab.get_mut_hot(slot)?;
+            let req = self.slab.get_mut(slot)?;
             let ph = i64::from(req.num_output_placeholders);
             // Async scheduling: the steps in flight already produce the request's last token.
             if ph > 0
@@ -318,16 +318,16 @@ impl Scheduler {
             // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
             // (Text-only requests keep their borrow: no second slab lookup on the common path.)
             let planned = has_encoder && !req.encoder_inputs.is_empty();
-            let (req, _) = if planned {
+            let req = if planned {
                 n = self.plan_encoder(enc, slot, computed, n)?;
                 if n == 0 {
                     self.rollback_encoder(enc, slot)?;
                     i += 1;
                     continue;
                 }
-                self.slab.get_mut_hot(slot)?
+                self.slab.get_mut(slot)?
             } else {
-                (req, hot)
+                req
             };
             let first_new_block = req.blocks.len();
             let mut req = req;

@@ -190,10 +190,7 @@ impl Scheduler {
                         Some((status, stop_reason)) => {
                             any_running_finished = true;
                             req.stop_reason = stop_reason;
-                            let done = self.finish(rec.handles[i].slot, status)?;
-                            res.finished_req_ids.push(done.id);
-                            res.finish_reasons.push(Self::finish_reason(status));
-                            res.stop_reasons.push(stop_reason);
+                            self.finish_stopped(&mut res, rec.handles[i].slot, status, stop_reason)?;
                         }
                     }
                     continue;
@@ -234,7 +231,6 @@ impl Scheduler {
             let mut stopped = None;
             let mut appended = 0;
             let mut crossed_block = false;
-            let mut cached = false;
             for &t in tokens {
                 req.token_ids.push(t as u32);
                 appended += 1;
@@ -263,7 +259,6 @@ impl Scheduler {
                 if was_running && (had_placeholders || spec_decoding) {
                     let upto = hot.computed[s].saturating_sub(hot.in_flight[s]);
                     self.kv.cache_blocks(req, upto);
-                    cached = true;
                 }
             }
             match stopped {
@@ -274,24 +269,15 @@ impl Scheduler {
                         any_waiting_finished = true;
                     }
                     req.stop_reason = stop_reason;
-                    let slot = rec.handles[i].slot;
-                    let done = self.finish(slot, status)?;
-                    res.finished_req_ids.push(done.id);
-                    res.finish_reasons.push(Self::finish_reason(status));
-                    res.stop_reasons.push(stop_reason);
+                    self.finish_stopped(&mut res, rec.handles[i].slot, status, stop_reason)?;
                 }
                 None => {
                     if let (Some(d), false) = (&drafts, stale) {
                         req.spec_token_ids.clear();
                         req.spec_token_ids.extend(d.get(i).iter().map(|&t| t as u32));
                     }
-                    // The hot columns follow: a plain decode stays plain (no drafts, no placeholders) and only
-                    // its token count and cached blocks move; anything else is refreshed whole.
-                    if hot.plain[s] && drafts.is_none() && !cached {
-                        hot.num_tokens[s] = req.token_ids.len() as u32;
-                    } else {
-                        hot.sync(s, req);
-                    }
+                    // Drafts, placeholders or cached blocks may have changed: the mirrors are refreshed whole.
+                    hot.sync(s, req);
                 }
             }
         }
@@ -304,6 +290,21 @@ impl Scheduler {
 }
 
 impl Scheduler {
+    /// Finishes the request in `slot`, stopped by a token of this update, and reports it in `res`.
+    fn finish_stopped(
+        &mut self,
+        res: &mut UpdateResult,
+        slot: u32,
+        status: RequestStatus,
+        stop_reason: i64,
+    ) -> Result<()> {
+        let done = self.finish(slot, status)?;
+        res.finished_req_ids.push(done.id);
+        res.finish_reasons.push(Self::finish_reason(status));
+        res.stop_reasons.push(stop_reason);
+        Ok(())
+    }
+
     /// Sets the draft tokens each listed request proposes for its next step (vLLM's `update_draft_token_ids`,
     /// which its engine calls after `update_from_output`). Entry `i` of `drafts` belongs to `req_ids[i]`; an id
     /// listed twice keeps its last entry. A request whose last step was a partial prefill gets none (its
