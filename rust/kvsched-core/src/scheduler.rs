@@ -29,7 +29,8 @@ static NEXT_SCHEDULER_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The largest token id accepted (token ids travel as int32).
 pub const MAX_TOKEN_ID: i64 = i32::MAX as i64;
-/// Token, block and hash lists of a new request are reserved for at most this many tokens (`reserve_lists`).
+/// Token, block and hash lists of a new request are reserved for at most this many tokens past its prompt
+/// (`reserve_lists`).
 const RESERVE_MAX_TOKENS: u64 = 2048;
 
 #[derive(Clone, Debug, Default)]
@@ -78,6 +79,8 @@ pub struct Scheduler {
     pub(crate) in_flight: VecDeque<StepRecord>,
     /// The record of the last applied step, kept so that the next step's record reuses its buffers.
     pub(crate) spare_record: Option<StepRecord>,
+    /// `admit_waiting`'s prefix-hit buffer, kept between steps (empty between them).
+    pub(crate) hits_buf: Vec<u32>,
     pub(crate) finished_since_step: Vec<Arc<str>>,
     /// Bumped by every call that changes state; `prepare_model_inputs` requires it unchanged since `schedule()`.
     pub(crate) epoch: u64,
@@ -157,6 +160,7 @@ impl Scheduler {
             next_step_id: 0,
             in_flight: VecDeque::new(),
             spare_record: None,
+            hits_buf: Vec::new(),
             finished_since_step: Vec::new(),
             epoch: 0,
             counters: Counters::default(),
@@ -612,11 +616,13 @@ impl Scheduler {
     }
 
     /// Reserves the token, block and hash lists of a new request for the length it can reach (`longest` slots
-    /// plus the last sampled token), up to `RESERVE_MAX_TOKENS`: the requests of a batch tend to reach the same
-    /// lengths in the same step, and growing all their lists there (reallocate and copy) was most of a
-    /// block-boundary step. Longer requests grow by doubling past the cap, rarely.
+    /// plus the last sampled token), up to `RESERVE_MAX_TOKENS` past its prompt: the requests of a batch tend to
+    /// reach the same lengths in the same step, and growing all their lists there (reallocate and copy) was most
+    /// of a block-boundary step; a prompt's own list would otherwise be exactly full, so its first sampled token
+    /// copied the whole prompt. Longer requests grow by doubling past the cap, rarely.
     fn reserve_lists(req: &mut Request, longest: u64, block_size: u32, enable_caching: bool) {
-        let max_tokens = (longest + 1).min(RESERVE_MAX_TOKENS) as usize;
+        let cap = req.token_ids.len() as u64 + RESERVE_MAX_TOKENS;
+        let max_tokens = (longest + 1).min(cap) as usize;
         req.token_ids.reserve(max_tokens.saturating_sub(req.token_ids.len()));
         let max_blocks = max_tokens.div_ceil(block_size as usize);
         req.blocks.reserve(max_blocks);

@@ -462,7 +462,8 @@ impl Scheduler {
         }
         let mut skipped: Vec<ReqHandle> = Vec::new();
         let mut skipped_kv: Vec<ReqHandle> = Vec::new();
-        let mut hits: Vec<u32> = Vec::new();
+        // The prefix hits of the request being admitted, in a buffer kept across steps (grown once, not per step).
+        let mut hits = std::mem::take(&mut self.hits_buf);
         while *budget > 0 && self.running.len() < max_active {
             // Requests holding KV blocks (their asynchronous load is over) go first, and are the only ones
             // admitted under `paused_new` (vLLM 0.33's `kv_holding_waiting`).
@@ -747,6 +748,8 @@ impl Scheduler {
             let key = Self::priority_key(self.slab.get(h.slot)?);
             self.kv_waiting.push_preempted(h, key);
         }
+        hits.clear();
+        self.hits_buf = hits;
         Ok(prefill_admitted)
     }
 
