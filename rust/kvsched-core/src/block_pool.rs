@@ -173,6 +173,12 @@ impl BlockPool {
         let h = self.hash[i].0;
         // Found by block id, not by comparing hashes: one probe, and only the table is read.
         let key = table_hash(&h);
+        // Without duplicate hashes (the common case) the block is filed in the table: one probe removes it.
+        if self.duplicates.is_empty() {
+            let removed = self.cached.remove(key, block);
+            debug_assert!(removed, "hashed block {block} is not in the prefix-cache table");
+            return;
+        }
         if self.cached.contains_block(key, block) {
             // `block` is what lookups return: promote the oldest duplicate, if any, so they keep returning
             // the earliest cached block.
