@@ -165,7 +165,7 @@ impl Tenants {
     }
 
     /// Counts `tokens` output tokens appended (charged by `flush_decode`).
-    #[inline]
+    #[inline(always)]
     pub fn add_decode(&mut self, id: u32, tokens: u32) {
         let t = &mut self.list[id as usize];
         if t.pending_decode == 0 && tokens > 0 {

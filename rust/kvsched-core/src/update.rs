@@ -56,6 +56,7 @@ impl<'a> Ragged<'a> {
         }
     }
 
+    #[inline(always)]
     fn get(&self, i: usize) -> &'a [i64] {
         &self.values[self.indptr[i] as usize..self.indptr[i + 1] as usize]
     }
@@ -355,6 +356,7 @@ impl Scheduler {
 /// token ids, then the length limits. `min_tokens` does not hold back EOS or stop ids here: the sampler masks
 /// them until then (in vLLM 0.33 `min_tokens` only defers repetition detection, which kvsched does not do).
 /// Returns the final status and the stop reason (stop token or -1).
+#[inline(always)]
 fn check_stop(req: &Request, max_model_len: u32) -> Option<(RequestStatus, i64)> {
     let num_output = req.num_output_tokens();
     let last = *req.token_ids.last()?;
