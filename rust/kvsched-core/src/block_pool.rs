@@ -164,11 +164,17 @@ impl BlockPool {
         }
     }
 
+    /// Takes `block`'s hash (if any) out of the prefix cache; the common case, a block that carries none, is
+    /// one inlined check.
+    #[inline(always)]
     fn evict(&mut self, block: u32) {
-        let i = block as usize;
-        if !self.hashed[i] {
-            return;
+        if self.hashed[block as usize] {
+            self.evict_hashed(block);
         }
+    }
+
+    fn evict_hashed(&mut self, block: u32) {
+        let i = block as usize;
         self.hashed[i] = false;
         let h = self.hash[i].0;
         // Found by block id, not by comparing hashes: one probe, and only the table is read.
@@ -264,10 +270,14 @@ impl BlockPool {
         // `block` itself is not in the table yet, so a match is another block with the same hash (every block
         // in the table is hashed). `key_of` (for growth only: the table is sized for the pool) re-derives an
         // entry's key from its block.
-        if self.cached.find(key, |b| hashes[b as usize].0 == hash).is_some() {
+        let found = self.cached.find_or_insert(
+            key,
+            block,
+            |b| hashes[b as usize].0 == hash,
+            |b| table_hash(&hashes[b as usize].0),
+        );
+        if found.is_some() {
             self.duplicates.entry(hash).or_default().push(block);
-        } else {
-            self.cached.insert_new(key, block, |b| table_hash(&hashes[b as usize].0));
         }
     }
 

@@ -95,15 +95,35 @@ impl CacheTable {
         self.position_of(key, block).is_some()
     }
 
-    /// Files `block` under `key`; the caller has checked that no entry carries the same hash. `key_of` gives
-    /// the key of an entry (only used to grow the table).
+    /// One probe for both: the first entry under `key`'s tag for which `eq(block)` holds, or, when there is
+    /// none, files `block` under `key` in the empty slot that ended the probe (`None`). `key_of` gives the key
+    /// of an entry (only used to grow the table).
     #[inline]
-    pub(crate) fn insert_new(&mut self, key: u64, block: u32, key_of: impl Fn(u32) -> u64) {
+    pub(crate) fn find_or_insert(
+        &mut self,
+        key: u64,
+        block: u32,
+        mut eq: impl FnMut(u32) -> bool,
+        key_of: impl Fn(u32) -> u64,
+    ) -> Option<u32> {
         debug_assert!(block != EMPTY);
         if (self.len + 1) * 4 > self.slots.len() * 3 {
             self.grow(&key_of);
         }
-        self.place(Slot { tag: tag_of(key), block });
+        let tag = tag_of(key);
+        let mut i = self.home(tag);
+        loop {
+            let s = self.slots[i];
+            if s.block == EMPTY {
+                self.slots[i] = Slot { tag, block };
+                self.len += 1;
+                return None;
+            }
+            if s.tag == tag && eq(s.block) {
+                return Some(s.block);
+            }
+            i = (i + 1) & self.mask;
+        }
     }
 
     /// Puts `s` in the first empty slot from its home (the table has room).
@@ -233,8 +253,13 @@ mod tests {
                 if let std::collections::hash_map::Entry::Vacant(e) = m.entry(b) {
                     e.insert(ks[b as usize]);
                     let snapshot = m.clone();
-                    t.insert_new(ks[b as usize], b, |y| key_of(&snapshot, y));
+                    let found = t.find_or_insert(ks[b as usize], b, |y| y == b, |y| key_of(&snapshot, y));
+                    assert_eq!(found, None, "step {step}: block {b} was not filed");
                 } else {
+                    // A lookup that matches an entry returns it and files nothing.
+                    let len = t.len();
+                    assert_eq!(t.find_or_insert(ks[b as usize], 1000, |y| y == b, |y| m[&y]), Some(b));
+                    assert_eq!(t.len(), len);
                     assert!(t.remove(ks[b as usize], b), "step {step}: block {b} not found");
                     m.remove(&b);
                 }
