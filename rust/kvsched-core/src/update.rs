@@ -106,14 +106,16 @@ impl Scheduler {
         let fast_ok = all_live
             && drafts.is_none()
             && sampled.values.iter().all(|t| (0..=MAX_TOKEN_ID).contains(t))
-            && (0..n).all(|i| {
-                let got = sampled.indptr[i + 1] - sampled.indptr[i];
-                if rec.is_prefill_chunk[i] {
-                    got == 0
-                } else {
-                    got >= 1 && got <= 1 + i64::from(rec.num_spec_tokens[i])
-                }
-            });
+            && sampled.indptr.windows(2).zip(&rec.is_prefill_chunk).zip(&rec.num_spec_tokens).all(
+                |((w, &is_chunk), &num_spec)| {
+                    let got = w[1] - w[0];
+                    if is_chunk {
+                        got == 0
+                    } else {
+                        got >= 1 && got <= 1 + i64::from(num_spec)
+                    }
+                },
+            );
         for i in 0..if fast_ok { 0 } else { n } {
             let Some(req) = self.slab.resolve(rec.handles[i]) else {
                 continue;
@@ -162,12 +164,20 @@ impl Scheduler {
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         // Spec decoding caches blocks in every update and drafts change the drafts: the general path for all.
         let plain_excluded = spec_decoding || drafts.is_some();
-        for i in 0..n {
-            let Some((req, hot)) = self.slab.resolve_mut_hot(rec.handles[i]) else {
+        // The entries' columns side by side (no per-entry bounds checks; `check` guaranteed n + 1 offsets).
+        let entries = (rec.handles.iter())
+            .zip(&rec.num_scheduled_tokens)
+            .zip(&rec.is_prefill_chunk)
+            .zip(&rec.num_spec_tokens)
+            .zip(sampled.indptr.windows(2))
+            .enumerate();
+        for (i, ((((&handle, &num_scheduled), &is_chunk), &num_spec), w)) in entries {
+            let Some((req, hot)) = self.slab.resolve_mut_hot(handle) else {
                 continue;
             };
-            let s = rec.handles[i].slot as usize;
-            let num_scheduled = rec.num_scheduled_tokens[i] as u32;
+            let s = handle.slot as usize;
+            let num_scheduled = num_scheduled as u32;
+            let tokens = &sampled.values[w[0] as usize..w[1] as usize];
             hot.in_flight[s] = hot.in_flight[s].saturating_sub(num_scheduled);
             // A running plain decode (no drafts, placeholders, encoder inputs or stale output) that sampled one
             // token: append it, hash a block it completes, check the stop conditions; nothing else of the
@@ -175,23 +185,24 @@ impl Scheduler {
             if hot.plain[s]
                 && hot.stale[s] == 0
                 && !plain_excluded
-                && !rec.is_prefill_chunk[i]
-                && rec.num_spec_tokens[i] == 0
+                && !is_chunk
+                && num_spec == 0
                 && req.status == RequestStatus::Running
             {
-                if let &[t] = sampled.get(i) {
-                    req.token_ids.push(t as u32);
+                if let &[t] = tokens {
+                    let t = t as u32;
+                    req.token_ids.push(t);
                     res.num_new_tokens[i] = 1;
                     self.tenants.add_decode(req.tenant, 1);
                     if req.token_ids.len() & block_mask == 0 {
                         self.kv.extend_hashes(req);
                     }
-                    match check_stop(req, max_model_len) {
+                    match check_stop(req, t, max_model_len) {
                         None => hot.num_tokens[s] = req.token_ids.len() as u32,
                         Some((status, stop_reason)) => {
                             any_running_finished = true;
                             req.stop_reason = stop_reason;
-                            self.finish_stopped(&mut res, rec.handles[i].slot, status, stop_reason)?;
+                            self.finish_stopped(&mut res, handle.slot, status, stop_reason)?;
                         }
                     }
                     continue;
@@ -206,15 +217,13 @@ impl Scheduler {
                     continue;
                 }
             }
-            if rec.is_prefill_chunk[i] {
+            if is_chunk {
                 // vLLM frees the encoder inputs a request has consumed once the step has run.
                 if has_encoder && req.num_encoder_held > 0 {
                     Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
                 }
                 continue;
             }
-            let tokens = sampled.get(i);
-            let num_spec = rec.num_spec_tokens[i];
             if num_spec > 0 && !stale {
                 let rejected = num_spec - (tokens.len() as u32 - 1);
                 if hot.computed[s] > 0 {
@@ -236,7 +245,7 @@ impl Scheduler {
                 req.token_ids.push(t as u32);
                 appended += 1;
                 crossed_block |= req.token_ids.len() & block_mask == 0;
-                stopped = check_stop(req, max_model_len);
+                stopped = check_stop(req, t as u32, max_model_len);
                 if stopped.is_some() {
                     break;
                 }
@@ -270,7 +279,7 @@ impl Scheduler {
                         any_waiting_finished = true;
                     }
                     req.stop_reason = stop_reason;
-                    self.finish_stopped(&mut res, rec.handles[i].slot, status, stop_reason)?;
+                    self.finish_stopped(&mut res, handle.slot, status, stop_reason)?;
                 }
                 None => {
                     if let (Some(d), false) = (&drafts, stale) {
@@ -355,11 +364,10 @@ impl Scheduler {
 /// The stop check after each appended token, in vLLM 0.33's order (`check_stop`): EOS (unless ignore_eos), stop
 /// token ids, then the length limits. `min_tokens` does not hold back EOS or stop ids here: the sampler masks
 /// them until then (in vLLM 0.33 `min_tokens` only defers repetition detection, which kvsched does not do).
-/// Returns the final status and the stop reason (stop token or -1).
+/// `last` is the token just appended. Returns the final status and the stop reason (stop token or -1).
 #[inline(always)]
-fn check_stop(req: &Request, max_model_len: u32) -> Option<(RequestStatus, i64)> {
+fn check_stop(req: &Request, last: u32, max_model_len: u32) -> Option<(RequestStatus, i64)> {
     let num_output = req.num_output_tokens();
-    let last = *req.token_ids.last()?;
     if !req.ignore_eos && req.eos_token_id == last {
         return Some((RequestStatus::FinishedStopped, -1));
     }
