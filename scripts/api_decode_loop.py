@@ -1,0 +1,62 @@
+"""Per-step cost of pure decoding through the Python API, with nothing else between steps.
+
+``n`` requests with distinct ``prompt_len``-token prompts are prefilled, then ``steps`` decode steps are timed:
+``schedule()``, then ``update_from_output()`` with one sampled token per request as an int64 ``(values, indptr)``
+pair. Prints the medians of both calls and of the step, and the step's p99, in µs.
+
+    python scripts/api_decode_loop.py [N] [PROMPT_LEN] [STEPS]      # defaults: 256 32 1500
+
+Pin it for a steadier reading (``taskset -c 1``) and alternate builds run by run when comparing two of them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+from kvsched import Scheduler, SchedulerConfig
+
+
+def main() -> None:
+    args = [int(a) for a in sys.argv[1:4]]
+    n, prompt_len, steps = args + [256, 32, 1500][len(args) :]
+    blocks_per_request = (prompt_len + steps + 2) // 16 + 2
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=16,
+            num_blocks=n * blocks_per_request + 16,
+            max_num_seqs=n,
+            max_model_len=prompt_len + steps + 16,
+            max_num_batched_tokens=8192,
+        )
+    )
+    for i in range(n):
+        base = 1 + i * prompt_len
+        sched.add_request(f"r{i}", list(range(base, base + prompt_len)), max_tokens=steps + 8, ignore_eos=True)
+    values = np.full(n, 7, dtype=np.int64)
+    indptr = np.arange(n + 1, dtype=np.int64)
+    while True:  # prefill (chunked by the token budget) until every request decodes
+        out = sched.schedule()
+        done = (out.num_computed_tokens + out.num_scheduled_tokens) >= prompt_len
+        sched.update_from_output(out, [[7] if d else [] for d in done])
+        if len(out.req_ids) == n and bool((out.num_scheduled_tokens == 1).all()):
+            break
+    clock = time.perf_counter_ns
+    sched_ns, update_ns = np.empty(steps), np.empty(steps)
+    for k in range(steps):
+        t0 = clock()
+        out = sched.schedule()
+        t1 = clock()
+        sched.update_from_output(out, (values, indptr))
+        t2 = clock()
+        sched_ns[k], update_ns[k] = t1 - t0, t2 - t1
+    step = (sched_ns + update_ns) / 1000
+    print(
+        f"n={n} prompt_len={prompt_len} steps={steps}: schedule {np.median(sched_ns) / 1000:.2f} "
+        f"update {np.median(update_ns) / 1000:.2f} step {np.median(step):.2f} p99 {np.percentile(step, 99):.2f} µs"
+    )
+
+
+if __name__ == "__main__":
+    main()
