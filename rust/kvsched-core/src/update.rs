@@ -9,7 +9,7 @@
 
 use crate::error::{Result, SchedError};
 use crate::output::UpdateResult;
-use crate::request::{Request, RequestStatus, SPEC_PLACEHOLDER};
+use crate::request::{ReqHandle, Request, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::{Scheduler, MAX_TOKEN_ID};
 
 /// A ragged batch of token lists in CSR form.
@@ -158,8 +158,6 @@ impl Scheduler {
         let max_model_len = self.config.max_model_len;
         let block_mask = self.config.kv_block_size() as usize - 1;
         let spec_decoding = self.config.num_spec_tokens() > 0;
-        // Only requests of a scheduler with an encoder cache can hold encoder-cache references.
-        let has_encoder = self.encoder.capacity() > 0;
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         // Spec decoding caches blocks in every update and drafts change the drafts: the general path for all.
@@ -208,87 +206,19 @@ impl Scheduler {
                     continue;
                 }
             }
-            // Output of a step scheduled before the request was preempted: delivered, but it rolls nothing
-            // back (or, after a forced reset, it is dropped).
-            let stale = hot.stale[s] > 0;
-            if stale {
-                hot.stale[s] = hot.stale[s].saturating_sub(num_scheduled);
-                if req.drop_stale_output {
-                    continue;
-                }
-            }
-            if is_chunk {
-                // vLLM frees the encoder inputs a request has consumed once the step has run.
-                if has_encoder && req.num_encoder_held > 0 {
-                    Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
-                }
-                continue;
-            }
-            if num_spec > 0 && !stale {
-                let rejected = num_spec - (tokens.len() as u32 - 1);
-                if hot.computed[s] > 0 {
-                    hot.computed[s] = hot.computed[s].saturating_sub(rejected);
-                }
-                if req.num_output_placeholders > 0 {
-                    req.num_output_placeholders = req.num_output_placeholders.saturating_sub(rejected);
-                }
-            }
-            if has_encoder && req.num_encoder_held > 0 {
-                Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
-            }
-            let was_running = req.status == RequestStatus::Running;
-            let had_placeholders = req.num_output_placeholders > 0;
-            let mut stopped = None;
-            let mut appended = 0;
-            let mut crossed_block = false;
-            for &t in tokens {
-                req.token_ids.push(t as u32);
-                appended += 1;
-                crossed_block |= req.token_ids.len() & block_mask == 0;
-                stopped = check_stop(req, t as u32, max_model_len);
-                if stopped.is_some() {
-                    break;
-                }
-            }
-            res.num_new_tokens[i] = appended;
-            self.tenants.add_decode(req.tenant, appended as u32);
-            // Hash only when a block just became full: the hash list sits in a colder part of the request.
-            if crossed_block {
-                self.kv.extend_hashes(req);
-            }
-            if !stale {
-                // A stop cuts the rest of the entry: its computed count covers only what was kept.
-                if stopped.is_some() {
-                    let cut = (tokens.len() - appended as usize) as u32;
-                    hot.computed[s] = hot.computed[s].saturating_sub(cut);
-                }
-                // Every returned token resolves a placeholder, including those cut at a stop.
-                req.num_output_placeholders = req.num_output_placeholders.saturating_sub(tokens.len() as u32);
-                // vLLM caches the blocks this step completed (accepted drafts, placeholder positions) now,
-                // up to what the applied steps computed.
-                if was_running && (had_placeholders || spec_decoding) {
-                    let upto = hot.computed[s].saturating_sub(hot.in_flight[s]);
-                    self.kv.cache_blocks(req, upto);
-                }
-            }
-            match stopped {
-                Some((status, stop_reason)) => {
-                    if was_running {
-                        any_running_finished = true;
-                    } else {
-                        any_waiting_finished = true;
-                    }
-                    req.stop_reason = stop_reason;
-                    self.finish_stopped(&mut res, handle.slot, status, stop_reason)?;
-                }
-                None => {
-                    if let (Some(d), false) = (&drafts, stale) {
-                        req.spec_token_ids.clear();
-                        req.spec_token_ids.extend(d.get(i).iter().map(|&t| t as u32));
-                    }
-                    // Drafts, placeholders or cached blocks may have changed: the mirrors are refreshed whole.
-                    hot.sync(s, req);
-                }
+            match self.apply_general(
+                &mut res,
+                i,
+                handle,
+                num_scheduled,
+                is_chunk,
+                num_spec,
+                tokens,
+                drafts,
+            )? {
+                Some(true) => any_running_finished = true,
+                Some(false) => any_waiting_finished = true,
+                None => {}
             }
         }
         // The next step's record reuses this one's buffers.
@@ -296,6 +226,115 @@ impl Scheduler {
         self.tenants.flush_decode();
         self.remove_finished_from_queues(any_running_finished, any_waiting_finished);
         Ok(res)
+    }
+}
+
+impl Scheduler {
+    /// The general path of `update_from_output` for entry `i` (anything but a running plain decode that sampled
+    /// one token): stale output, prefill chunks, drafts and placeholders, several tokens with a stop check after
+    /// each, block caching. Returns whether a stopped request was running (`Some(true)`) or waiting
+    /// (`Some(false)`); `None` when nothing stopped. Kept out of line so that the plain-decode loop stays small.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(never)]
+    fn apply_general(
+        &mut self,
+        res: &mut UpdateResult,
+        i: usize,
+        handle: ReqHandle,
+        num_scheduled: u32,
+        is_chunk: bool,
+        num_spec: u32,
+        tokens: &[i64],
+        drafts: Option<Ragged<'_>>,
+    ) -> Result<Option<bool>> {
+        let max_model_len = self.config.max_model_len;
+        let block_mask = self.config.kv_block_size() as usize - 1;
+        let spec_decoding = self.config.num_spec_tokens() > 0;
+        // Only requests of a scheduler with an encoder cache can hold encoder-cache references.
+        let has_encoder = self.encoder.capacity() > 0;
+        let Some((req, hot)) = self.slab.resolve_mut_hot(handle) else {
+            return Ok(None);
+        };
+        let s = handle.slot as usize;
+        // Output of a step scheduled before the request was preempted: delivered, but it rolls nothing
+        // back (or, after a forced reset, it is dropped).
+        let stale = hot.stale[s] > 0;
+        if stale {
+            hot.stale[s] = hot.stale[s].saturating_sub(num_scheduled);
+            if req.drop_stale_output {
+                return Ok(None);
+            }
+        }
+        if is_chunk {
+            // vLLM frees the encoder inputs a request has consumed once the step has run.
+            if has_encoder && req.num_encoder_held > 0 {
+                Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
+            }
+            return Ok(None);
+        }
+        if num_spec > 0 && !stale {
+            let rejected = num_spec - (tokens.len() as u32 - 1);
+            if hot.computed[s] > 0 {
+                hot.computed[s] = hot.computed[s].saturating_sub(rejected);
+            }
+            if req.num_output_placeholders > 0 {
+                req.num_output_placeholders = req.num_output_placeholders.saturating_sub(rejected);
+            }
+        }
+        if has_encoder && req.num_encoder_held > 0 {
+            Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
+        }
+        let was_running = req.status == RequestStatus::Running;
+        let had_placeholders = req.num_output_placeholders > 0;
+        let mut stopped = None;
+        let mut appended = 0;
+        let mut crossed_block = false;
+        for &t in tokens {
+            req.token_ids.push(t as u32);
+            appended += 1;
+            crossed_block |= req.token_ids.len() & block_mask == 0;
+            stopped = check_stop(req, t as u32, max_model_len);
+            if stopped.is_some() {
+                break;
+            }
+        }
+        res.num_new_tokens[i] = appended;
+        self.tenants.add_decode(req.tenant, appended as u32);
+        // Hash only when a block just became full: the hash list sits in a colder part of the request.
+        if crossed_block {
+            self.kv.extend_hashes(req);
+        }
+        if !stale {
+            // A stop cuts the rest of the entry: its computed count covers only what was kept.
+            if stopped.is_some() {
+                let cut = (tokens.len() - appended as usize) as u32;
+                hot.computed[s] = hot.computed[s].saturating_sub(cut);
+            }
+            // Every returned token resolves a placeholder, including those cut at a stop.
+            req.num_output_placeholders = req.num_output_placeholders.saturating_sub(tokens.len() as u32);
+            // vLLM caches the blocks this step completed (accepted drafts, placeholder positions) now,
+            // up to what the applied steps computed.
+            if was_running && (had_placeholders || spec_decoding) {
+                let upto = hot.computed[s].saturating_sub(hot.in_flight[s]);
+                self.kv.cache_blocks(req, upto);
+            }
+        }
+        match stopped {
+            Some((status, stop_reason)) => {
+                req.stop_reason = stop_reason;
+                self.finish_stopped(res, handle.slot, status, stop_reason)?;
+                return Ok(Some(was_running));
+            }
+            None => {
+                if let (Some(d), false) = (&drafts, stale) {
+                    req.spec_token_ids.clear();
+                    req.spec_token_ids.extend(d.get(i).iter().map(|&t| t as u32));
+                }
+                // Drafts, placeholders or cached blocks may have changed: the mirrors are refreshed whole.
+                hot.sync(s, req);
+            }
+        }
+        Ok(None)
     }
 }
 
