@@ -254,3 +254,44 @@ def test_validate_cli_compares_real_and_simulated(tmp_path: Path) -> None:
     assert report["ttft"]["real"]["p50"] > 0 and report["e2e"]["sim"]["p50"] > 0
     steps = report["step_model_on_real_steps"]["all"]
     assert steps["num_steps"] == report["real_steps"] and steps["predicted_mean"] > 0
+
+
+def test_validate_warms_up_with_the_workloads_longest_prompt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first request of a trace is the engine's first long prefill unless the warm-up ran one: the warm-up must
+    # include a prompt as long as the workload's longest, run alone (as the first request runs at low load).
+    from kvsched.config import SchedulerConfig
+    from kvsched.sim.validate import validate, warmup_prompts
+
+    calls: list[list[int]] = []
+    generate = LLM.generate
+
+    def recording(self, prompts, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append([len(p) for p in prompts])
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", recording)
+    path = tmp_path / "m"
+    save_tiny_hf_model(path, "llama", max_position_embeddings=512)
+    w = _workload()
+    w.arrival_time = np.arange(len(w)) * 0.01
+    longest = int(w.prompt_len.max())
+    report = validate(path, w, CONFIG, PRESETS["llama-3.2-1b-h100"])
+    assert report["real_steps"] > 0
+    assert [longest] in calls and calls[0] == [48] * 4
+
+    # Capped where such a prompt could not run: below max_model_len, within the KV cache (a warm-up request holds
+    # prompt + 3 slots), within the budget without chunked prefill; none when the workload's prompts are short.
+    rng = np.random.default_rng(0)
+    w.prompt_len[0] = 2000
+    cases = [
+        (SchedulerConfig(max_model_len=1024), 1023),
+        (SchedulerConfig(max_model_len=4096, num_blocks=101, block_size=16), 1597),
+        (SchedulerConfig(max_model_len=4096, enable_chunked_prefill=False, max_num_batched_tokens=4096), 2000),
+        (SchedulerConfig(max_model_len=4096, enable_chunked_prefill=False, max_num_batched_tokens=1500), 1497),
+    ]
+    for cfg, want in cases:
+        batches = warmup_prompts(w, cfg, 300, rng)
+        assert [len(p) for p in batches[-1]] == [want], cfg
+        assert all(3 <= t < 300 for b in batches for p in b for t in p)
+    w.prompt_len[:] = 40
+    assert [[len(p) for p in b] for b in warmup_prompts(w, SchedulerConfig(), 300, rng)] == [[48] * 4]
