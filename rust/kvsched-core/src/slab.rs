@@ -69,6 +69,43 @@ impl Hot {
     }
 }
 
+/// The bounds of the plain-decode check of `schedule()`, fixed for a step.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DecodeLimits {
+    pub max_model_len: i64,
+    pub max_slots: u32,
+    pub lookahead: u32,
+    pub block_size: u32,
+    pub block_shift: u32,
+    pub caching: bool,
+}
+
+impl DecodeLimits {
+    /// Whether a running request with these hot-column values needs exactly its next token and no block work
+    /// (no new block, no full block to cache): a plain decode `schedule()` serves from the columns alone. The
+    /// block count is a shift: block sizes are powers of two (a division here was the slowest instruction of
+    /// the loop).
+    #[inline(always)]
+    pub fn fits(
+        &self,
+        plain: bool,
+        computed: u32,
+        tokens: u32,
+        prompt: u32,
+        blocks: u32,
+        cached: u32,
+    ) -> bool {
+        plain
+            && computed + 1 == tokens
+            && computed >= prompt
+            && i64::from(computed) + 2 <= self.max_model_len
+            && computed < self.max_slots
+            && ((computed + 1 + self.lookahead).min(self.max_slots) + self.block_size - 1) >> self.block_shift
+                <= blocks
+            && (!self.caching || (computed + 1) >> self.block_shift <= cached)
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Slab {
     slots: Vec<Option<Request>>,
@@ -162,6 +199,46 @@ impl Slab {
     #[inline(always)]
     pub fn gen(&self, slot: u32) -> u32 {
         self.gens[slot as usize]
+    }
+
+    /// Schedules the plain decodes (`DecodeLimits::fits`) at `running[i..]` from the hot columns alone, one
+    /// token each, until a request that is not one or the end of `budget`: advances their computed count and
+    /// appends their handle and computed count before the step to `handles` and `computed_before`. Returns the
+    /// position of the first request it left. The columns are sliced to one length up front, so a request
+    /// costs one bounds check instead of one per column.
+    #[inline]
+    pub(crate) fn plain_decode_run(
+        &mut self,
+        running: &[u32],
+        mut i: usize,
+        budget: &mut u32,
+        lim: &DecodeLimits,
+        handles: &mut Vec<ReqHandle>,
+        computed_before: &mut Vec<i32>,
+    ) -> usize {
+        let m = self.gens.len();
+        let gens = &self.gens[..m];
+        let h = &mut self.hot;
+        let computed_col = &mut h.computed[..m];
+        let (plain, tokens, prompt) = (&h.plain[..m], &h.num_tokens[..m], &h.num_prompt[..m]);
+        let (blocks, cached) = (&h.num_blocks[..m], &h.num_cached_blocks[..m]);
+        while *budget > 0 {
+            let Some(&slot) = running.get(i) else { break };
+            let s = slot as usize;
+            if s >= m {
+                break;
+            }
+            let computed = computed_col[s];
+            if !lim.fits(plain[s], computed, tokens[s], prompt[s], blocks[s], cached[s]) {
+                break;
+            }
+            computed_col[s] = computed + 1;
+            handles.push(ReqHandle { slot, gen: gens[s] });
+            computed_before.push(computed as i32);
+            *budget -= 1;
+            i += 1;
+        }
+        i
     }
 
     /// A request's computed tokens.

@@ -20,6 +20,7 @@ use crate::error::Result;
 use crate::output::{SchedulerOutput, StepRecord};
 use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::Scheduler;
+use crate::slab::DecodeLimits;
 use crate::swap::{complete_resume, restored_tokens};
 
 /// How many requests ahead of the one being scheduled the table slots of block-boundary work are prefetched
@@ -103,6 +104,14 @@ impl Builder {
         o.total_num_scheduled_tokens += u64::from(n);
         self.is_chunk.push(is_chunk);
         self.num_spec.push(spec.len() as u32);
+    }
+
+    /// Counts `k` plain decodes whose handle and computed count the caller appended (`Slab::plain_decode_run`);
+    /// `fill` writes their constant entries.
+    #[inline(always)]
+    fn add_decodes(&mut self, k: usize) {
+        self.out.total_num_scheduled_tokens += k as u64;
+        self.unfilled += k;
     }
 
     /// Appends one plain decode: one token, no new block, no drafts, not a prefill chunk (only its handle and
@@ -260,8 +269,33 @@ impl Scheduler {
         // pays one check, not one per request.
         let prefetch =
             self.running.first().is_some_and(|&s| self.kv.near_block_boundary(self.slab.computed(s)));
+        let lim = DecodeLimits {
+            max_model_len,
+            max_slots: self.kv.max_slots,
+            lookahead,
+            block_size: bs,
+            block_shift: shift,
+            caching,
+        };
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
+            if !prefetch {
+                // A run of plain decodes, from the hot columns alone (the check below, batched); it stops at
+                // the first request that takes the general path.
+                let start = i;
+                i = self.slab.plain_decode_run(
+                    &self.running,
+                    i,
+                    budget,
+                    &lim,
+                    &mut b.out.handles,
+                    &mut b.out.num_computed_tokens,
+                );
+                b.add_decodes(i - start);
+                if i == self.running.len() || *budget == 0 {
+                    break;
+                }
+            }
             let slot = self.running[i];
             if prefetch {
                 self.prefetch_ahead(i);
@@ -272,15 +306,16 @@ impl Scheduler {
             let s = slot as usize;
             let hot = &mut self.slab.hot;
             let computed = hot.computed[s];
-            if hot.plain[s]
-                && computed + 1 == hot.num_tokens[s]
-                && computed >= hot.num_prompt[s]
-                && i64::from(computed) + 2 <= max_model_len
-                && i64::from(computed) < max_slots
-                // (blocks the slots need: a shift, block sizes are powers of two; a division here was the
-                // slowest instruction of the loop)
-                && ((computed + 1 + lookahead).min(self.kv.max_slots) + bs - 1) >> shift <= hot.num_blocks[s]
-                && (!caching || (computed + 1) >> shift <= hot.num_cached_blocks[s])
+            // (Without prefetching, the run above has just found that this request is not one.)
+            if prefetch
+                && lim.fits(
+                    hot.plain[s],
+                    computed,
+                    hot.num_tokens[s],
+                    hot.num_prompt[s],
+                    hot.num_blocks[s],
+                    hot.num_cached_blocks[s],
+                )
             {
                 hot.computed[s] = computed + 1;
                 b.push_decode(ReqHandle { slot, gen: self.slab.gen(slot) }, computed);
