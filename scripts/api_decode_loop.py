@@ -4,7 +4,10 @@
 ``schedule()``, then ``update_from_output()`` with one sampled token per request as an int64 ``(values, indptr)``
 pair. Prints the medians of both calls and of the step, and the step's p99, in µs.
 
-    python scripts/api_decode_loop.py [N] [PROMPT_LEN] [STEPS]      # defaults: 256 32 1500
+    python scripts/api_decode_loop.py [N] [PROMPT_LEN] [STEPS] [COLD_MB]      # defaults: 256 32 1500 0
+
+With ``COLD_MB`` > 0 a buffer of that many MB is written (one byte per cache line) before each step, outside the
+timed region, as ``kvsched bench --cold`` does: the engine's other work between two steps.
 
 Pin it for a steadier reading (``taskset -c 1``) and alternate builds run by run when comparing two of them.
 """
@@ -19,21 +22,24 @@ from kvsched import Scheduler, SchedulerConfig
 
 
 def main() -> None:
-    args = [int(a) for a in sys.argv[1:4]]
-    n, prompt_len, steps = args + [256, 32, 1500][len(args) :]
-    blocks_per_request = (prompt_len + steps + 2) // 16 + 2
+    args = [int(a) for a in sys.argv[1:5]]
+    n, prompt_len, steps, cold_mb = args + [256, 32, 1500, 0][len(args) :]
+    cold_lines = np.zeros(cold_mb << 20, dtype=np.uint8)[::64] if cold_mb > 0 else None
+    # Requests prefilled first decode for the steps the others still prefill: room for those tokens too.
+    extra = n * prompt_len // 8192 + 8
+    blocks_per_request = (prompt_len + steps + extra + 2) // 16 + 2
     sched = Scheduler(
         SchedulerConfig(
             block_size=16,
             num_blocks=n * blocks_per_request + 16,
             max_num_seqs=n,
-            max_model_len=prompt_len + steps + 16,
+            max_model_len=prompt_len + steps + extra + 16,
             max_num_batched_tokens=8192,
         )
     )
     for i in range(n):
         base = 1 + i * prompt_len
-        sched.add_request(f"r{i}", list(range(base, base + prompt_len)), max_tokens=steps + 8, ignore_eos=True)
+        sched.add_request(f"r{i}", list(range(base, base + prompt_len)), max_tokens=steps + extra, ignore_eos=True)
     values = np.full(n, 7, dtype=np.int64)
     indptr = np.arange(n + 1, dtype=np.int64)
     while True:  # prefill (chunked by the token budget) until every request decodes
@@ -45,6 +51,8 @@ def main() -> None:
     clock = time.perf_counter_ns
     sched_ns, update_ns = np.empty(steps), np.empty(steps)
     for k in range(steps):
+        if cold_lines is not None:
+            cold_lines += 1
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
@@ -53,7 +61,7 @@ def main() -> None:
         sched_ns[k], update_ns[k] = t1 - t0, t2 - t1
     step = (sched_ns + update_ns) / 1000
     print(
-        f"n={n} prompt_len={prompt_len} steps={steps}: schedule {np.median(sched_ns) / 1000:.2f} "
+        f"n={n} prompt_len={prompt_len} steps={steps} cold_mb={cold_mb}: schedule {np.median(sched_ns) / 1000:.2f} "
         f"update {np.median(update_ns) / 1000:.2f} step {np.median(step):.2f} p99 {np.percentile(step, 99):.2f} µs"
     )
 

@@ -137,6 +137,10 @@ impl BlockPool {
     /// Takes `n` blocks from the head of the free queue, evicting their cached hashes. The caller has checked
     /// that `n <= num_free_blocks()`.
     pub fn allocate_into(&mut self, n: usize, out: &mut Vec<u32>) {
+        if n > 1 {
+            self.allocate_run_into(n, out);
+            return;
+        }
         for _ in 0..n {
             let Some(b) = self.free.pop_front() else {
                 debug_assert!(false, "allocate_into called without enough free blocks");
@@ -161,6 +165,29 @@ impl BlockPool {
             self.evict(b);
             self.ref_cnt[b as usize] = 1;
             out.push(b);
+        }
+    }
+
+    /// `allocate_into` for several blocks (a prefill chunk): the queue hands out its first `n` blocks in one walk,
+    /// the cache-table slots of those that carry a hash are fetched while the rest are marked in use, and then
+    /// their hashes are evicted in allocation order (the same blocks, order and evictions as `n` single pops).
+    fn allocate_run_into(&mut self, n: usize, out: &mut Vec<u32>) {
+        let start = out.len();
+        let got = self.free.pop_front_n(n, out);
+        debug_assert_eq!(got, n, "allocate_into called without enough free blocks");
+        let run = &out[start..];
+        let mut any_hashed = false;
+        for &b in run {
+            self.ref_cnt[b as usize] = 1;
+            if self.hashed[b as usize] {
+                any_hashed = true;
+                self.prefetch_cache_slot(&self.hash[b as usize].0);
+            }
+        }
+        if any_hashed {
+            for &b in run {
+                self.evict(b);
+            }
         }
     }
 
@@ -258,6 +285,7 @@ impl BlockPool {
     }
 
     /// Enters a full, allocated block into the prefix cache (only called with caching on).
+    #[inline]
     pub fn cache_block(&mut self, block: u32, hash: BlockHash) {
         if block == NULL_BLOCK {
             return;
@@ -278,6 +306,23 @@ impl BlockPool {
         );
         if found.is_some() {
             self.duplicates.entry(hash).or_default().push(block);
+        }
+    }
+
+    /// `cache_block` for each of `blocks` with its hash in `hashes` (same length), in order. The table slot a
+    /// few blocks ahead is fetched while this one is entered: a prefill chunk caches dozens of blocks whose
+    /// slots are scattered over the table.
+    pub fn cache_run(&mut self, blocks: &[u32], hashes: &[BlockHash]) {
+        const AHEAD: usize = 4;
+        debug_assert_eq!(blocks.len(), hashes.len());
+        for h in hashes.iter().take(AHEAD) {
+            self.prefetch_cache_slot(h);
+        }
+        for (i, (&b, h)) in blocks.iter().zip(hashes).enumerate() {
+            if let Some(next) = hashes.get(i + AHEAD) {
+                self.prefetch_cache_slot(next);
+            }
+            self.cache_block(b, *h);
         }
     }
 

@@ -75,6 +75,30 @@ impl FreeBlockQueue {
         Some(b)
     }
 
+    /// Pops up to `n` blocks from the head into `out`, in queue order: what `n` calls of `pop_front` return, in
+    /// one walk that relinks only the new head (not each block's neighbour). Returns the number popped.
+    pub fn pop_front_n(&mut self, n: usize, out: &mut Vec<u32>) -> usize {
+        let n = n.min(self.len);
+        out.reserve(n);
+        let mut b = self.head;
+        for _ in 0..n {
+            let l = &mut self.links[b as usize];
+            let next = l.next;
+            *l = UNLINKED;
+            out.push(b);
+            b = next;
+        }
+        // `b` is the first block left (NIL when the queue is now empty).
+        self.head = b;
+        if b == NIL {
+            self.tail = NIL;
+        } else {
+            self.links[b as usize].prev = NIL;
+        }
+        self.len -= n;
+        n
+    }
+
     /// Unlinks `block`; a no-op if it is not in the queue.
     pub fn remove(&mut self, block: u32) {
         if !self.contains(block) {
@@ -197,5 +221,48 @@ mod tests {
         q.push_front(3);
         assert_eq!(q.iter().collect::<Vec<_>>(), vec![3]);
         q.check().unwrap();
+    }
+
+    /// `pop_front_n` pops exactly what as many `pop_front` calls would, and leaves the same queue, through a
+    /// churn of removals, pushes at both ends and pops of every size (past the end included).
+    #[test]
+    fn pop_front_n_matches_pop_front() {
+        const N: u32 = 64;
+        let mut a = FreeBlockQueue::new(N as usize, 0..N);
+        let mut b = a.clone();
+        let mut out = Vec::new();
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d; // xorshift: a fixed, varied sequence of operations
+        for round in 0..2000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let block = (x % u64::from(N)) as u32;
+            match x >> 60 {
+                0..=5 => {
+                    let n = (x >> 8) as usize % 9 + usize::from(round % 97 == 0) * 64;
+                    out.clear();
+                    let got = b.pop_front_n(n, &mut out);
+                    let want: Vec<u32> = std::iter::from_fn(|| a.pop_front()).take(n).collect();
+                    assert_eq!(out, want, "round {round}");
+                    assert_eq!(got, want.len());
+                }
+                6..=8 => {
+                    a.remove(block);
+                    b.remove(block);
+                }
+                9..=12 if !a.contains(block) => {
+                    a.push_back(block);
+                    b.push_back(block);
+                }
+                _ if !a.contains(block) => {
+                    a.push_front(block);
+                    b.push_front(block);
+                }
+                _ => {}
+            }
+            b.check().unwrap();
+            assert_eq!(a.iter().collect::<Vec<_>>(), b.iter().collect::<Vec<_>>(), "round {round}");
+            assert_eq!(a.len(), b.len());
+        }
     }
 }

@@ -150,13 +150,14 @@ impl KvCacheManager {
     /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache (caching is on: the caller checks).
     fn cache_full_blocks(&mut self, req: &mut Request, num_full: usize) {
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
-        for i in req.num_cached_blocks as usize..num_full {
-            self.pool.cache_block(req.blocks[i], req.block_hashes[i]);
-            self.newly_cached.push((req.blocks[i], req.block_hashes[i]));
+        let first = req.num_cached_blocks as usize;
+        if num_full <= first {
+            return;
         }
-        if num_full > req.num_cached_blocks as usize {
-            req.num_cached_blocks = num_full as u32;
-        }
+        let (blocks, hashes) = (&req.blocks[first..num_full], &req.block_hashes[first..num_full]);
+        self.pool.cache_run(blocks, hashes);
+        self.newly_cached.extend(blocks.iter().copied().zip(hashes.iter().copied()));
+        req.num_cached_blocks = num_full as u32;
     }
 
     /// Releases every block of `req` (deepest first) and clears its table.
