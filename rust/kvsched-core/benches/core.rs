@@ -255,17 +255,21 @@ fn alloc_free(c: &mut Criterion) {
             group.bench_with_input(BenchmarkId::new(name, n), &n, |b, &n| {
                 // With `hashed`, every allocated block is entered into the prefix cache before it is freed,
                 // so later allocations evict (remove from the hash map) as they pop the free queue.
+                // The blocks are cached in one run, as a prefill chunk's full blocks are (`cache_run`).
                 let mut pool = BlockPool::new(65_536, true);
                 let mut blocks = Vec::with_capacity(n);
+                let mut hashes = Vec::with_capacity(n);
                 let mut counter: u64 = 0;
                 b.iter(|| {
                     blocks.clear();
                     pool.allocate_into(n, &mut blocks);
                     if hashed {
-                        for &blk in &blocks {
+                        hashes.clear();
+                        hashes.extend((0..n).map(|_| {
                             counter += 1;
-                            pool.cache_block(blk, fake_hash(counter));
-                        }
+                            fake_hash(counter)
+                        }));
+                        pool.cache_run(&blocks, &hashes);
                     }
                     pool.free_blocks(black_box(&blocks));
                 });
