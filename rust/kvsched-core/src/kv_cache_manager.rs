@@ -39,6 +39,42 @@ impl KvCacheManager {
         }
     }
 
+    /// An upper bound on what `find_longest_cache_hit(block_hashes, num_tokens, ..)` would return, from `hint`
+    /// (the hits of an earlier probe) with at most one lookup: the hits reach past `hint` blocks only if the
+    /// hash right after them is cached, whatever was cached or evicted since. `None` when it is cached (look
+    /// the hits up). Side-effect free.
+    #[inline]
+    pub fn cache_hit_upper_bound(
+        &self,
+        block_hashes: &[BlockHash],
+        num_tokens: u32,
+        hint: u32,
+    ) -> Option<usize> {
+        if !self.enable_caching || num_tokens == 0 {
+            return Some(0);
+        }
+        let max_blocks = (((num_tokens - 1) >> self.block_shift) as usize).min(block_hashes.len());
+        let k = (hint as usize).min(max_blocks);
+        if k < max_blocks && self.pool.get_cached_block(&block_hashes[k]).is_some() {
+            return None;
+        }
+        Some(k)
+    }
+
+    /// The fewest blocks `allocate_slots` could pop for `req` (nothing computed, no blocks of a swap to restore)
+    /// if its prefix hits are at most `max_hits` blocks and it computes at most `max_new` tokens after them
+    /// (besides `lookahead` slots). The blocks needed only fall as the hits grow (a hit covers a block the
+    /// chunk would otherwise need, and evictable hits count against the pool too), so `max_hits` gives the
+    /// least.
+    #[inline]
+    pub fn min_blocks_to_admit(&self, req: &Request, max_hits: usize, max_new: u32, lookahead: u32) -> usize {
+        let hit_tokens = (max_hits as u32) << self.block_shift;
+        let n = req.num_tokens().saturating_sub(hit_tokens).min(max_new);
+        let num_slots = (hit_tokens + n + lookahead).min(self.max_slots);
+        let required = ((num_slots + self.block_size - 1) >> self.block_shift) as usize;
+        required.saturating_sub(req.blocks.len() + max_hits)
+    }
+
     /// vLLM's `full_sequence_must_fit` admission gate (`scheduler_reserve_full_isl`): could the pool hold every
     /// known token of `req` (prompt, plus outputs for a resumed request; capped at `max_slots`) on top of
     /// the prefix hits `hits`? Hits at ref 0 leave the free queue when touched, so they count as needed blocks.
@@ -228,5 +264,91 @@ impl KvCacheManager {
                 &mut self.hash_buf,
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::HashAlgo;
+
+    fn chain_hash(i: usize) -> BlockHash {
+        let mut b = [0u8; 32];
+        b[..8].copy_from_slice(&(0x9e37_79b9_7f4a_7c15u64.wrapping_mul(i as u64 + 1)).to_le_bytes());
+        BlockHash(b)
+    }
+
+    /// `cache_hit_upper_bound` never undercounts the hits `find_longest_cache_hit` finds, whatever the hint and
+    /// whatever was cached or evicted since the hint was taken, and with the exact hits as hint it needs no
+    /// further lookup. The chain's blocks are cached, freed, evicted (reallocated) and cached again at random.
+    #[test]
+    fn cache_hit_upper_bound_is_an_upper_bound() {
+        const CHAIN: usize = 12;
+        let mut kv = KvCacheManager {
+            pool: BlockPool::new(24, true),
+            hasher: BlockHasher::new(HashAlgo::Xxh3_128, Some(b"test")).unwrap(),
+            block_size: 16,
+            block_shift: 4,
+            max_slots: 16 * 24,
+            enable_caching: true,
+            newly_cached: Vec::new(),
+            hash_buf: Vec::new(),
+        };
+        let hashes: Vec<BlockHash> = (0..CHAIN).map(chain_hash).collect();
+        let mut x: u64 = 0x1234_5678_9abc_def1;
+        let mut held: Vec<u32> = Vec::new();
+        let mut hits = Vec::new();
+        let mut exact_checked = 0;
+        for round in 0..3000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            match x % 4 {
+                // Cache a chain block in a fresh block (if it is not cached already) and keep it or free it.
+                0 | 1 => {
+                    let i = (x >> 8) as usize % CHAIN;
+                    if kv.pool.get_cached_block(&hashes[i]).is_none() && kv.pool.num_free_blocks() > 0 {
+                        let mut b = Vec::new();
+                        kv.pool.allocate_into(1, &mut b);
+                        kv.pool.cache_block(b[0], hashes[i]);
+                        if (x >> 20) & 1 == 0 {
+                            kv.pool.free_blocks(&b);
+                        } else {
+                            held.push(b[0]);
+                        }
+                    }
+                }
+                // Free what is held, or take free blocks (evicting the hashes they carry).
+                2 => {
+                    kv.pool.free_blocks(&held);
+                    held.clear();
+                }
+                _ => {
+                    let n = ((x >> 8) as usize % 6).min(kv.pool.num_free_blocks());
+                    let mut b = Vec::new();
+                    kv.pool.allocate_into(n, &mut b);
+                    kv.pool.free_blocks(&b);
+                }
+            }
+            for num_tokens in [1u32, 17, 100, (CHAIN as u32) * 16, (CHAIN as u32) * 16 + 1] {
+                hits.clear();
+                kv.find_longest_cache_hit(&hashes, num_tokens, &mut hits);
+                for hint in 0..=CHAIN as u32 + 1 {
+                    if let Some(bound) = kv.cache_hit_upper_bound(&hashes, num_tokens, hint) {
+                        assert!(
+                            bound >= hits.len(),
+                            "round {round}: hint {hint} bound {bound} < {} hits",
+                            hits.len()
+                        );
+                    }
+                }
+                assert_eq!(
+                    kv.cache_hit_upper_bound(&hashes, num_tokens, hits.len() as u32),
+                    Some(hits.len())
+                );
+                exact_checked += usize::from(!hits.is_empty());
+            }
+        }
+        assert!(exact_checked > 1000, "the chain was rarely cached ({exact_checked} probes with hits)");
     }
 }

@@ -165,6 +165,10 @@ pub struct Request {
     /// Tokens computed when the request was last preempted and not yet recovered: what resuming it must
     /// compute again unless prefix hits or a swap-in restore them (the recomputed-tokens stat).
     pub num_lost_tokens: u32,
+    /// Prefix hits the last admission probe of this request found (`find_longest_cache_hit`). Only a hint, for
+    /// `KvCacheManager::cache_hit_upper_bound`: whatever the cache did since, the hits can reach past it only if
+    /// the hash right after them is cached now.
+    pub probe_hits: u32,
     /// Order of `add_request` calls: blocked requests that become ready are queued in this order.
     pub add_seq: u64,
     /// KV connector: the asynchronous load of this request was reported finished (or failed).

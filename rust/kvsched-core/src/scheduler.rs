@@ -327,6 +327,7 @@ impl Scheduler {
             cpu_blocks: Vec::new(),
             num_swapped_tokens: 0,
             num_lost_tokens: 0,
+            probe_hits: 0,
             add_seq: self.next_add_seq,
             kv_load_done: false,
             kv_load_failed: false,
