@@ -4,10 +4,12 @@
 ``schedule()``, then ``update_from_output()`` with one sampled token per request as an int64 ``(values, indptr)``
 pair. Prints the medians of both calls and of the step, and the step's p99, in µs.
 
-    python scripts/api_decode_loop.py [N] [PROMPT_LEN] [STEPS] [COLD_MB]      # defaults: 256 32 1500 0
+    python scripts/api_decode_loop.py [N] [PROMPT_LEN] [STEPS] [COLD_MB] [STAGGER]    # defaults: 256 32 1500 0 0
 
 With ``COLD_MB`` > 0 a buffer of that many MB is written (one byte per cache line) before each step, outside the
-timed region, as ``kvsched bench --cold`` does: the engine's other work between two steps.
+timed region, as ``kvsched bench --cold`` does: the engine's other work between two steps. With ``STAGGER`` 1 the
+prompts are ``PROMPT_LEN + i % 16`` tokens long, so the requests reach their block boundaries in different steps
+(an eighth of them allocate or cache a block in every step, as in a serving mix) instead of all in the same step.
 
 Pin it for a steadier reading (``taskset -c 1``) and alternate builds run by run when comparing two of them.
 """
@@ -22,11 +24,11 @@ from kvsched import Scheduler, SchedulerConfig
 
 
 def main() -> None:
-    args = [int(a) for a in sys.argv[1:5]]
-    n, prompt_len, steps, cold_mb = args + [256, 32, 1500, 0][len(args) :]
+    args = [int(a) for a in sys.argv[1:6]]
+    n, prompt_len, steps, cold_mb, stagger = args + [256, 32, 1500, 0, 0][len(args) :]
     cold_lines = np.zeros(cold_mb << 20, dtype=np.uint8)[::64] if cold_mb > 0 else None
     # Requests prefilled first decode for the steps the others still prefill: room for those tokens too.
-    extra = n * prompt_len // 8192 + 8
+    extra = n * (prompt_len + 16) // 8192 + 8
     blocks_per_request = (prompt_len + steps + extra + 2) // 16 + 2
     sched = Scheduler(
         SchedulerConfig(
@@ -37,14 +39,17 @@ def main() -> None:
             max_num_batched_tokens=8192,
         )
     )
+    prompt_lens = {}
     for i in range(n):
-        base = 1 + i * prompt_len
-        sched.add_request(f"r{i}", list(range(base, base + prompt_len)), max_tokens=steps + extra, ignore_eos=True)
+        base = 1 + i * (prompt_len + 16)
+        prompt_lens[f"r{i}"] = length = prompt_len + (i % 16 if stagger else 0)
+        sched.add_request(f"r{i}", list(range(base, base + length)), max_tokens=steps + extra, ignore_eos=True)
     values = np.full(n, 7, dtype=np.int64)
     indptr = np.arange(n + 1, dtype=np.int64)
     while True:  # prefill (chunked by the token budget) until every request decodes
         out = sched.schedule()
-        done = (out.num_computed_tokens + out.num_scheduled_tokens) >= prompt_len
+        lengths = np.array([prompt_lens[r] for r in out.req_ids], dtype=np.int64)
+        done = (out.num_computed_tokens + out.num_scheduled_tokens) >= lengths
         sched.update_from_output(out, [[7] if d else [] for d in done])
         if len(out.req_ids) == n and bool((out.num_scheduled_tokens == 1).all()):
             break
@@ -61,7 +66,7 @@ def main() -> None:
         sched_ns[k], update_ns[k] = t1 - t0, t2 - t1
     step = (sched_ns + update_ns) / 1000
     print(
-        f"n={n} prompt_len={prompt_len} steps={steps} cold_mb={cold_mb}: schedule {np.median(sched_ns) / 1000:.2f} "
+        f"n={n} prompt_len={prompt_len} steps={steps} cold_mb={cold_mb} stagger={stagger}: schedule {np.median(sched_ns) / 1000:.2f} "
         f"update {np.median(update_ns) / 1000:.2f} step {np.median(step):.2f} p99 {np.percentile(step, 99):.2f} µs"
     )
 
