@@ -66,8 +66,9 @@ def main() -> None:
         sched_ns[k], update_ns[k] = t1 - t0, t2 - t1
     step = (sched_ns + update_ns) / 1000
     print(
-        f"n={n} prompt_len={prompt_len} steps={steps} cold_mb={cold_mb} stagger={stagger}: schedule {np.median(sched_ns) / 1000:.2f} "
-        f"update {np.median(update_ns) / 1000:.2f} step {np.median(step):.2f} p99 {np.percentile(step, 99):.2f} µs"
+        f"n={n} prompt_len={prompt_len} steps={steps} cold_mb={cold_mb} stagger={stagger}: "
+        f"schedule {np.median(sched_ns) / 1000:.2f} update {np.median(update_ns) / 1000:.2f} "
+        f"step {np.median(step):.2f} p99 {np.percentile(step, 99):.2f} µs"
     )
 
 
