@@ -214,3 +214,38 @@ def test_decode_step_cold(benchmark: Any, cold_mb: int) -> None:
     benchmark.extra_info["cold_mb"] = cold_mb
     benchmark.pedantic(step, setup=setup, rounds=1000, iterations=1, warmup_rounds=50)
     assert sched.stats().num_running_reqs == num_running
+
+
+@pytest.mark.parametrize("layout", ["lockstep", "staggered"])
+def test_decode_step_staggered(benchmark: Any, layout: str) -> None:
+    """One ``schedule()`` + ``update_from_output()`` of 256 requests decoding, whose block boundaries fall in
+    the same step (``lockstep``: 64-token prompts; one step in 16 allocates and one caches a block for every
+    request) or spread over the steps (``staggered``: prompts of 64 + i % 16 tokens; every step an eighth of the
+    requests do block work, as in a serving mix). Compare the means: the lock-step median leaves its block work
+    out (docs/benchmarks.md, "Staggered block boundaries"; ``scripts/api_decode_loop.py 256 32 1500 0 1``)."""
+    n, rounds = 256, 800
+    config = dataclasses.replace(get_scenario("a").scheduler_config(), max_num_seqs=n)
+    sched = make_scheduler("rust", config)
+    rng = np.random.Generator(np.random.PCG64(1))
+    lengths = [64 + (i % 16 if layout == "staggered" else 0) for i in range(n)]
+    for i, length in enumerate(lengths):
+        sched.add_request(req_id(i), rng.integers(3, 32000, size=length, dtype=np.int32))
+    prompt_len = {req_id(i): length for i, length in enumerate(lengths)}
+    while True:  # prefill; a request gets its first token once its whole prompt is computed
+        out = sched.schedule()
+        total = np.array([prompt_len[r] for r in out.req_ids], dtype=np.int64)
+        done = (out.num_computed_tokens + out.num_scheduled_tokens) >= total
+        ptr = np.zeros(len(out.req_ids) + 1, dtype=np.int64)
+        np.cumsum(done, out=ptr[1:])
+        sched.update_from_output(out, (np.full(int(ptr[-1]), 7, dtype=np.int64), ptr))
+        if out.num_reqs == n and out.total_num_scheduled_tokens == n:
+            break
+    sampled = (np.full(n, 7, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
+
+    def step() -> None:
+        sched.update_from_output(sched.schedule(), sampled)
+
+    benchmark.group = f"decode step, {n} running: block boundaries in lock-step vs staggered"
+    benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=16)
+    st = sched.stats()
+    assert st.num_running_reqs == n and st.num_preemptions == 0
