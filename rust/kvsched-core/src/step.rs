@@ -534,34 +534,33 @@ impl Scheduler {
             let mut ext = 0u32;
             let mut load_async = false;
             let computed_before = hot.computed[hs];
+            // Blocks the admission must leave free (the watermark), unless nothing runs.
+            let reserved = if self.running.is_empty() { 0 } else { watermark };
             hits.clear();
-            // A request that cannot get the blocks it needs however many prefix hits it finds ends the pass
-            // (every way its admission fails below is a `break`, and none changes anything): one lookup past
-            // its last probe's hits bounds them, instead of a lookup per block. Under memory pressure the head
-            // of the queue is probed in almost every step and does not fit. Only for the plain case: no
-            // connector, encoder inputs, swapped blocks or drafts, where nothing else decides the outcome.
-            if !blocked
-                && computed_before == 0
-                && quick_reject
-                && req.encoder_inputs.is_empty()
-                && req.cpu_blocks.is_empty()
-                && req.num_swapped_tokens == 0
-            {
-                let bound = if req.skip_reading_prefix_cache {
-                    Some(0)
-                } else {
-                    self.kv.cache_hit_upper_bound(&req.block_hashes, req.num_tokens(), req.probe_hits)
-                };
-                if let Some(max_hits) = bound {
-                    let max_new = if threshold > 0 { threshold.min(*budget) } else { *budget };
-                    let least = self.kv.min_blocks_to_admit(req, max_hits, max_new, lookahead);
-                    let reserved = if self.running.is_empty() { 0 } else { watermark };
-                    if least + reserved > self.kv.pool.num_free_blocks() {
-                        break;
+            if !blocked && computed_before == 0 {
+                // A request that cannot get the blocks it needs however many prefix hits it finds ends the pass
+                // (every way its admission fails below is a `break`, and none changes anything): one lookup past
+                // its last probe's hits bounds them, instead of a lookup per block. Under memory pressure the
+                // head of the queue is probed in almost every step and does not fit. Only for the plain case:
+                // no connector, encoder inputs, swapped blocks or drafts, where nothing else decides the outcome.
+                if quick_reject
+                    && req.encoder_inputs.is_empty()
+                    && req.cpu_blocks.is_empty()
+                    && req.num_swapped_tokens == 0
+                {
+                    let bound = if req.skip_reading_prefix_cache {
+                        Some(0)
+                    } else {
+                        self.kv.cache_hit_upper_bound(&req.block_hashes, req.num_tokens(), req.probe_hits)
+                    };
+                    if let Some(max_hits) = bound {
+                        let max_new = if threshold > 0 { threshold.min(*budget) } else { *budget };
+                        let least = self.kv.min_blocks_to_admit(req, max_hits, max_new, lookahead);
+                        if least + reserved > self.kv.pool.num_free_blocks() {
+                            break;
+                        }
                     }
                 }
-            }
-            if !blocked && computed_before == 0 {
                 // A request that skips reading the prefix cache (prompt logprobs) gets no hits.
                 if !req.skip_reading_prefix_cache {
                     self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
@@ -674,7 +673,6 @@ impl Scheduler {
             } else {
                 (req, hot)
             };
-            let reserved = if self.running.is_empty() { 0 } else { watermark };
             if reserve_full_isl && !self.kv.full_sequence_fits(req, &hits, reserved) {
                 if planned_encoder {
                     self.rollback_encoder(enc, h.slot)?;
