@@ -70,9 +70,16 @@ impl KvCacheManager {
     pub fn min_blocks_to_admit(&self, req: &Request, max_hits: usize, max_new: u32, lookahead: u32) -> usize {
         let hit_tokens = (max_hits as u32) << self.block_shift;
         let n = req.num_tokens().saturating_sub(hit_tokens).min(max_new);
-        let num_slots = (hit_tokens + n + lookahead).min(self.max_slots);
+        self.blocks_to_add(req.blocks.len() + max_hits, hit_tokens + n + lookahead)
+    }
+
+    /// Blocks a request holding `held` blocks (its table plus its prefix hits) must add to have `num_slots`
+    /// slots (capped at `max_slots`).
+    #[inline(always)]
+    fn blocks_to_add(&self, held: usize, num_slots: u32) -> usize {
+        let num_slots = num_slots.min(self.max_slots);
         let required = ((num_slots + self.block_size - 1) >> self.block_shift) as usize;
-        required.saturating_sub(req.blocks.len() + max_hits)
+        required.saturating_sub(held)
     }
 
     /// vLLM's `full_sequence_must_fit` admission gate (`scheduler_reserve_full_isl`): could the pool hold every
@@ -81,9 +88,7 @@ impl KvCacheManager {
     /// Lookahead slots are not part of this check (the per-step allocation adds them). `reserved` blocks must
     /// stay free (the watermark).
     pub fn full_sequence_fits(&self, req: &Request, hits: &[u32], reserved: usize) -> bool {
-        let full = req.num_tokens().min(self.max_slots);
-        let required = ((full + self.block_size - 1) >> self.block_shift) as usize;
-        let need = required.saturating_sub(req.blocks.len() + hits.len());
+        let need = self.blocks_to_add(req.blocks.len() + hits.len(), req.num_tokens());
         let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
         need + evictable_hits + reserved <= self.pool.num_free_blocks()
     }
@@ -148,10 +153,10 @@ impl KvCacheManager {
     ) -> Option<usize> {
         let bs = self.block_size;
         let total_computed = computed + hits.len() as u32 * bs;
-        let num_slots = (total_computed + num_new_tokens + num_lookahead_tokens).min(self.max_slots);
-        let required = ((num_slots + bs - 1) >> self.block_shift) as usize;
-        let held = req.blocks.len() + hits.len();
-        let need = required.saturating_sub(held);
+        let need = self.blocks_to_add(
+            req.blocks.len() + hits.len(),
+            total_computed + num_new_tokens + num_lookahead_tokens,
+        );
         if !hits.is_empty() {
             let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
             if need + evictable_hits + reserved > self.pool.num_free_blocks() {
