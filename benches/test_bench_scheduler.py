@@ -116,16 +116,20 @@ def test_decode_step(benchmark: Any, impl: str, num_running: int) -> None:
     benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=rounds // 40)
 
 
-def _decoding_scheduler(num_running: int, prompt_len: int) -> Any:
-    """A Rust scheduler of workload a's config with ``num_running`` requests past their prefill, all decoding."""
+def _decoding_scheduler(num_running: int, prompt_len: int, stagger: bool = False) -> Any:
+    """A Rust scheduler of workload a's config with ``num_running`` requests past their prefill, all decoding.
+    With ``stagger``, request ``i``'s prompt is ``prompt_len + i % 16`` tokens long (block boundaries spread
+    over the steps)."""
     config = dataclasses.replace(get_scenario("a").scheduler_config(), max_num_seqs=num_running)
     sched = make_scheduler("rust", config)
     rng = np.random.Generator(np.random.PCG64(1))
-    for i in range(num_running):
-        sched.add_request(req_id(i), rng.integers(3, 32000, size=prompt_len, dtype=np.int32))
-    while True:
+    lengths = {req_id(i): prompt_len + (i % 16 if stagger else 0) for i in range(num_running)}
+    for rid, length in lengths.items():
+        sched.add_request(rid, rng.integers(3, 32000, size=length, dtype=np.int32))
+    while True:  # a request gets its first token once its whole prompt is computed
         out = sched.schedule()
-        done = (out.num_computed_tokens + out.num_scheduled_tokens) >= prompt_len
+        total = np.array([lengths[r] for r in out.req_ids], dtype=np.int64)
+        done = (out.num_computed_tokens + out.num_scheduled_tokens) >= total
         ptr = np.zeros(len(out.req_ids) + 1, dtype=np.int64)
         np.cumsum(done, out=ptr[1:])
         sched.update_from_output(out, (np.full(int(ptr[-1]), 7, dtype=np.int64), ptr))
@@ -224,22 +228,7 @@ def test_decode_step_staggered(benchmark: Any, layout: str) -> None:
     requests do block work, as in a serving mix). Compare the means: the lock-step median leaves its block work
     out (docs/benchmarks.md, "Staggered block boundaries"; ``scripts/api_decode_loop.py 256 32 1500 0 1``)."""
     n, rounds = 256, 800
-    config = dataclasses.replace(get_scenario("a").scheduler_config(), max_num_seqs=n)
-    sched = make_scheduler("rust", config)
-    rng = np.random.Generator(np.random.PCG64(1))
-    lengths = [64 + (i % 16 if layout == "staggered" else 0) for i in range(n)]
-    for i, length in enumerate(lengths):
-        sched.add_request(req_id(i), rng.integers(3, 32000, size=length, dtype=np.int32))
-    prompt_len = {req_id(i): length for i, length in enumerate(lengths)}
-    while True:  # prefill; a request gets its first token once its whole prompt is computed
-        out = sched.schedule()
-        total = np.array([prompt_len[r] for r in out.req_ids], dtype=np.int64)
-        done = (out.num_computed_tokens + out.num_scheduled_tokens) >= total
-        ptr = np.zeros(len(out.req_ids) + 1, dtype=np.int64)
-        np.cumsum(done, out=ptr[1:])
-        sched.update_from_output(out, (np.full(int(ptr[-1]), 7, dtype=np.int64), ptr))
-        if out.num_reqs == n and out.total_num_scheduled_tokens == n:
-            break
+    sched = _decoding_scheduler(n, prompt_len=64, stagger=layout == "staggered")
     sampled = (np.full(n, 7, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
 
     def step() -> None:
