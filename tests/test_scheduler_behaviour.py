@@ -318,6 +318,35 @@ def test_cached_blocks_are_evicted_lru_across_requests():
 # Requests
 
 
+def test_an_output_names_its_requests_after_they_finish_and_new_requests_take_their_slots():
+    # Ids are kept by slot and an output looks them up when asked: it must see the ids as they were when it was
+    # scheduled, whatever was added since (more than one 64-slot chunk of the id table, slots reused included).
+    s = make(num_blocks=512, max_num_seqs=128)
+    first = [f"first-{i}" for i in range(70)]
+    for i, rid in enumerate(first):
+        s.add_request(rid, prompt(1000 * i, 3), max_tokens=1)
+    old = s.schedule()
+    res = s.update_from_output(old, [[7]] * len(first))
+    assert sorted(res.finished_req_ids) == sorted(first)
+    second = [f"second-{i}" for i in range(80)]
+    for i, rid in enumerate(second):
+        s.add_request(rid, prompt(500_000 + 1000 * i, 3), max_tokens=2)
+    new = s.schedule()
+    # First access of the old output's lists only now, after every one of its slots was taken again.
+    assert old.req_ids == first
+    assert old.new_req_ids == first
+    assert old.num_scheduled_tokens_by_id() == {rid: 3 for rid in first}
+    assert len(old) == old.num_reqs == len(first)
+    assert new.req_ids == second
+    assert new.new_req_ids == second
+    s.update_from_output(new, [[7]] * len(second))
+    out = s.schedule()
+    assert out.req_ids == second
+    assert out.new_req_ids == []
+    assert old.req_ids == first and new.req_ids == second
+    s.check_invariants()
+
+
 def test_status_transitions_and_preemption_count():
     s = make(num_blocks=5, max_model_len=16)  # 4 usable blocks
     s.add_request("a", prompt(0, 7), max_tokens=3)

@@ -76,9 +76,9 @@ pub struct Scheduler {
     pub(crate) tenants: Tenants,
     pub(crate) scheduler_id: u64,
     pub(crate) next_step_id: u64,
-    pub(crate) in_flight: VecDeque<StepRecord>,
+    pub(crate) in_flight: VecDeque<Box<StepRecord>>,
     /// The record of the last applied step, kept so that the next step's record reuses its buffers.
-    pub(crate) spare_record: Option<StepRecord>,
+    pub(crate) spare_record: Option<Box<StepRecord>>,
     /// `admit_waiting`'s prefix-hit buffer, kept between steps (empty between them).
     pub(crate) hits_buf: Vec<u32>,
     pub(crate) finished_since_step: Vec<Arc<str>>,
@@ -681,6 +681,11 @@ impl Scheduler {
             return Err(SchedError::Internal("the prefix cache is in use with no request running".into()));
         }
         Ok(ok)
+    }
+
+    /// The number of preemptions so far (`stats().num_preemptions`, without building the whole snapshot).
+    pub fn num_preemptions(&self) -> u64 {
+        self.counters.num_preemptions
     }
 
     pub fn stats(&self) -> SchedulerStats {

@@ -27,14 +27,14 @@ use crate::swap::{complete_resume, restored_tokens};
 /// (their block-table and hash-list lines twice as far ahead).
 const PREFETCH_AHEAD: usize = 4;
 
-/// The step's output under construction plus what the scheduler records about it. `rec` is the record of an
-/// applied step handed back for reuse (or a new one): its vectors keep their capacity, so recording a step
-/// allocates nothing once the scheduler is warm.
+/// The step's output under construction plus the per-entry flags the scheduler records about it. Its
+/// vectors come from the record of an applied step handed back for reuse (or a new one), which keeps their
+/// capacity, so recording a step allocates nothing once the scheduler is warm. `schedule_with` lends it to
+/// each phase and to `finish_step` by reference: it is ~450 bytes, and each move of it would be a copy.
 struct Builder {
     out: SchedulerOutput,
     is_chunk: Vec<bool>,
     num_spec: Vec<u32>,
-    rec: StepRecord,
     /// Plain decodes appended last whose constant entries (one token, no new blocks, no drafts, not a chunk)
     /// are not written yet: `fill` writes them in bulk before any other change or read of those vectors.
     unfilled: usize,
@@ -42,7 +42,7 @@ struct Builder {
 
 impl Builder {
     #[inline(always)]
-    fn with_capacity(n: usize, mut rec: StepRecord) -> Self {
+    fn with_capacity(n: usize, rec: &mut StepRecord) -> Self {
         let mut is_chunk = std::mem::take(&mut rec.is_prefill_chunk);
         let mut num_spec = std::mem::take(&mut rec.num_spec_tokens);
         is_chunk.clear();
@@ -60,7 +60,7 @@ impl Builder {
         };
         out.new_block_ids_indptr.push(0);
         out.spec_token_ids_indptr.push(0);
-        Builder { out, is_chunk, num_spec, rec, unfilled: 0 }
+        Builder { out, is_chunk, num_spec, unfilled: 0 }
     }
 
     /// Writes the constant entries of the plain decodes appended since the last call.
@@ -77,12 +77,6 @@ impl Builder {
         o.spec_token_ids_indptr.resize(n + 1, o.spec_token_ids.len() as i32);
         self.is_chunk.resize(n, false);
         self.num_spec.resize(n, 0);
-    }
-
-    /// The finished output and the step's per-entry flags.
-    fn finish(mut self) -> (SchedulerOutput, Vec<bool>, Vec<u32>, StepRecord) {
-        self.fill();
-        (self.out, self.is_chunk, self.num_spec, self.rec)
     }
 
     /// Appends one scheduled request; `computed` is its count before this step.
@@ -190,8 +184,8 @@ impl Scheduler {
         {
             defer_prefills = true;
         }
-        let spare = self.spare_record.take().unwrap_or_default();
-        let mut b = Builder::with_capacity(self.running.len() + 8, spare);
+        let mut rec = self.spare_record.take().unwrap_or_default();
+        let mut b = Builder::with_capacity(self.running.len() + 8, &mut rec);
         self.kv.newly_cached.clear(); // what updates cached since the previous step is not this step's
         let mut preempted: Vec<ReqHandle> = Vec::new();
         // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund
@@ -241,7 +235,7 @@ impl Scheduler {
         if interval > 1 && (prefill_scheduled || prefill_admitted) {
             self.last_prefill_step = self.num_executed_steps as i64;
         }
-        self.finish_step(b, preempted, &enc)
+        self.finish_step(&mut b, rec, preempted, &enc)
     }
 
     /// Phase A: the running requests, in order. Returns whether a request scheduled here is still prefilling
@@ -893,11 +887,13 @@ impl Scheduler {
 
     fn finish_step(
         &mut self,
-        b: Builder,
+        b: &mut Builder,
+        mut rec: Box<StepRecord>,
         preempted: Vec<ReqHandle>,
         enc: &EncoderStep,
     ) -> Result<SchedulerOutput> {
-        let (mut out, is_chunk, num_spec, mut rec) = b.finish();
+        b.fill();
+        let Builder { out, is_chunk, num_spec, .. } = b;
         let mut enc_hashes = Vec::new();
         if !enc.work.is_empty() {
             let (enc_ids, enc_indptr, hashes) = self.encoder_output(enc, &out.handles)?;
@@ -962,8 +958,8 @@ impl Scheduler {
         rec.epoch = self.epoch;
         refill(&mut rec.handles, &out.handles);
         rec.num_finished_at_schedule = self.counters.num_finished_reqs;
-        rec.is_prefill_chunk = is_chunk;
-        rec.num_spec_tokens = num_spec;
+        rec.is_prefill_chunk = std::mem::take(is_chunk);
+        rec.num_spec_tokens = std::mem::take(num_spec);
         refill(&mut rec.num_computed_tokens, &out.num_computed_tokens);
         refill(&mut rec.num_scheduled_tokens, &out.num_scheduled_tokens);
         refill(&mut rec.spec_token_ids, &out.spec_token_ids);
@@ -974,7 +970,7 @@ impl Scheduler {
         rec.swapped_out = swapped_out;
         rec.encoder_hashes = enc_hashes;
         self.in_flight.push_back(rec);
-        Ok(out)
+        Ok(std::mem::take(out))
     }
 }
 

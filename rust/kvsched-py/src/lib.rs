@@ -3,18 +3,21 @@
 //! Every Python argument is converted before the scheduler is borrowed, so no Python code (a hostile
 //! `__index__`, a generator) can run while the core is mid-call; every core call goes through `guard`, which
 //! turns a Rust panic into `kvsched.InternalError` instead of letting `PanicException` escape. The step hot
-//! path builds no per-request Python objects: ids are interned once per request (at `add_request`) and reused,
+//! path builds no per-request Python objects: ids are kept once per request (at `add_request`) and looked up,
 //! arrays are moved into numpy without copying, and list/array views are built lazily on first access.
 //!
 //! Module layout: `errors` (error mapping, the panic guard), `convert` (argument conversion), `config` (config
-//! conversion), `encoder` (encoder-input conversion), `connector` (a Python KV connector behind the core's trait), `output` (the per-step result classes), `scheduler` (the `Scheduler` class), `vllm_hash` (vLLM's SHA-256
-//! block hash, for `kvsched.vllm`). This file only registers them.
+//! conversion), `encoder` (encoder-input conversion), `connector` (a Python KV connector behind the core's
+//! trait), `ids` (request ids by slot, shared with the outputs), `output` (the per-step result classes),
+//! `scheduler` (the `Scheduler` class), `vllm_hash` (vLLM's SHA-256 block hash, for `kvsched.vllm`). This
+//! file only registers them.
 
 mod config;
 mod connector;
 mod convert;
 mod encoder;
 mod errors;
+mod ids;
 mod output;
 mod scheduler;
 mod vllm_hash;

@@ -2,14 +2,17 @@
 //! them.
 //!
 //! Nothing here is built per request on the hot path: arrays stay Rust vectors until Python first asks for one
-//! (then they move into numpy without a copy), id lists are built once and cached, and a step's id list is
-//! shared (`SharedIds`) with the next step's output while the batch does not change.
+//! (then they move into numpy without a copy), and id lists are built on first access, from the scheduler's
+//! id table as it was when the step was scheduled (`ids.rs`), then cached.
 
 use std::sync::Arc;
 
+use kvsched_core as core;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
+
+use crate::ids::IdTable;
 
 /// A Rust vector that becomes a numpy array (moved, not copied) the first time Python asks for it.
 pub(crate) enum LazyArray<T: numpy::Element> {
@@ -44,11 +47,20 @@ pub(crate) fn cached_list<'py>(
     Ok(l)
 }
 
+/// The ids of `handles`' requests as a new list (every handle's slot has an id: checked before building).
+fn id_list<'py>(
+    py: Python<'py>,
+    ids: &IdTable,
+    handles: impl ExactSizeIterator<Item = core::ReqHandle> + Clone,
+) -> PyResult<Bound<'py, PyList>> {
+    for h in handles.clone() {
+        ids.id(py, h)?;
+    }
+    PyList::new(py, handles.map(|h| ids.get(h.slot).map(|s| s.bind(py))))
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // SchedulerOutput
-
-/// The caller's id strings of one step's scheduled requests, shareable between consecutive outputs.
-pub(crate) type SharedIds = Arc<Vec<Py<PyString>>>;
 
 /// One step's decisions (see docs/semantics.md). Arrays and lists are built on first access.
 #[pyclass(module = "kvsched._core", name = "SchedulerOutput")]
@@ -58,8 +70,9 @@ pub(crate) struct PySchedulerOutput {
     #[pyo3(get)]
     pub(crate) total_num_scheduled_tokens: u64,
     pub(crate) scheduler_id: u64,
-    /// Shared with the next output when the scheduled requests are the same (steady decode).
-    pub(crate) ids: SharedIds,
+    /// The scheduled requests, and the id table as it was when the step was scheduled (it names them).
+    pub(crate) handles: Vec<core::ReqHandle>,
+    pub(crate) ids: Arc<IdTable>,
     pub(crate) new_reqs: Vec<u32>,
     pub(crate) resumed_reqs: Vec<u32>,
     pub(crate) preempted_ids: Vec<Py<PyString>>,
@@ -94,13 +107,13 @@ fn pairs<'py>(py: Python<'py>, flat: &mut LazyArray<i32>) -> PyResult<Bound<'py,
 impl PySchedulerOutput {
     #[getter]
     fn req_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let ids = &self.ids;
-        cached_list(py, &mut self.req_ids_cache, || PyList::new(py, ids.iter().map(|s| s.bind(py))))
+        let (handles, ids) = (&self.handles, &self.ids);
+        cached_list(py, &mut self.req_ids_cache, || id_list(py, ids, handles.iter().copied()))
     }
 
     #[getter]
     fn num_reqs(&self) -> usize {
-        self.ids.len()
+        self.handles.len()
     }
 
     #[getter]
@@ -157,7 +170,7 @@ impl PySchedulerOutput {
         // The core leaves the CSR empty for a step without encoder work: zeros, built on first access.
         if let LazyArray::Raw(v) = &mut self.scheduled_encoder_inputs_indptr {
             if v.is_empty() {
-                v.resize(self.ids.len() + 1, 0);
+                v.resize(self.handles.len() + 1, 0);
             }
         }
         self.scheduled_encoder_inputs_indptr.get(py)
@@ -171,12 +184,12 @@ impl PySchedulerOutput {
 
     #[getter]
     fn new_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.new_reqs.iter().map(|&i| self.ids[i as usize].bind(py)))
+        id_list(py, &self.ids, self.new_reqs.iter().map(|&i| self.handles[i as usize]))
     }
 
     #[getter]
     fn resumed_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.resumed_reqs.iter().map(|&i| self.ids[i as usize].bind(py)))
+        id_list(py, &self.ids, self.resumed_reqs.iter().map(|&i| self.handles[i as usize]))
     }
 
     #[getter]
@@ -194,14 +207,14 @@ impl PySchedulerOutput {
         let counts = self.num_scheduled_tokens.get(py);
         let counts = counts.readonly();
         let d = PyDict::new(py);
-        for (id, n) in self.ids.iter().zip(counts.as_array().iter()) {
-            d.set_item(id.bind(py), *n)?;
+        for (&h, n) in self.handles.iter().zip(counts.as_array().iter()) {
+            d.set_item(self.ids.id(py, h)?, *n)?;
         }
         Ok(d)
     }
 
     fn __len__(&self) -> usize {
-        self.ids.len()
+        self.handles.len()
     }
 
     fn __repr__(&self) -> String {
@@ -209,7 +222,7 @@ impl PySchedulerOutput {
             "SchedulerOutput(step_id={}, num_reqs={}, total_num_scheduled_tokens={}, num_new={}, num_resumed={}, \
              num_preempted={}, num_finished={})",
             self.step_id,
-            self.ids.len(),
+            self.handles.len(),
             self.total_num_scheduled_tokens,
             self.new_reqs.len(),
             self.resumed_reqs.len(),

@@ -19,16 +19,15 @@ use crate::convert::{
     float_arg, id_arg, opt_int_arg, opt_str_arg, str_arg, token_list, type_name, RaggedInput,
 };
 use crate::errors::{guard, py_error, type_error};
-use crate::output::{LazyArray, PyModelInputs, PySchedulerOutput, PyUpdateResult, SharedIds};
+use crate::ids::IdTable;
+use crate::output::{LazyArray, PyModelInputs, PySchedulerOutput, PyUpdateResult};
 
 /// The Rust scheduler. Use `kvsched.Scheduler` (a thin Python subclass that builds the config).
 #[pyclass(module = "kvsched._core", name = "Scheduler", subclass)]
 pub(crate) struct PyScheduler {
     core: core::Scheduler,
-    /// The caller's id string of each live request, by slot: reused for every step's `req_ids`.
-    py_ids: Vec<Option<Py<PyString>>>,
-    /// The previous step's scheduled handles and their ids: reused while the batch does not change.
-    last_ids: Option<(Vec<core::ReqHandle>, SharedIds)>,
+    /// The caller's id string of each request, by slot, shared with the outputs (`ids.rs`).
+    ids: Arc<IdTable>,
     config: Py<PyAny>,
     /// The KV connector, if one was given (`connector.rs`).
     connector: Option<ConnectorHandle>,
@@ -94,13 +93,7 @@ impl PyScheduler {
             }
             None => None,
         };
-        Ok(PyScheduler {
-            core,
-            py_ids: Vec::new(),
-            last_ids: None,
-            config: config.clone().unbind(),
-            connector,
-        })
+        Ok(PyScheduler { core, ids: Arc::default(), config: config.clone().unbind(), connector })
     }
 
     /// The KV connector given at construction, or None.
@@ -261,10 +254,7 @@ impl PyScheduler {
         let mut this = borrow_mut(slf)?;
         let slot = this.core_next_slot();
         guard(py, || this.core.add_request(&id_str, &prompt, params))?;
-        if this.py_ids.len() <= slot {
-            this.py_ids.resize_with(slot + 1, || None);
-        }
-        this.py_ids[slot] = Some(id.unbind());
+        IdTable::set(py, &mut this.ids, slot, id.unbind());
         Ok(())
     }
 
@@ -285,34 +275,14 @@ impl PyScheduler {
         if this.connector.is_some() {
             this.after_hooks(py)?;
         }
-        let id_of = |py_ids: &[Option<Py<PyString>>], h: core::ReqHandle| -> PyResult<Py<PyString>> {
-            py_ids
-                .get(h.slot as usize)
-                .and_then(Option::as_ref)
-                .map(|s| s.clone_ref(py))
-                .ok_or_else(|| py_error(py, "InternalError", format!("no id for slot {}", h.slot)))
-        };
-        let reuse = match &this.last_ids {
-            Some((handles, ids)) if *handles == out.handles => Some(ids.clone()),
-            _ => None,
-        };
-        let ids = match reuse {
-            Some(ids) => ids,
-            None => {
-                let fresh =
-                    out.handles.iter().map(|&h| id_of(&this.py_ids, h)).collect::<PyResult<Vec<_>>>()?;
-                let ids = Arc::new(fresh);
-                this.last_ids = Some((out.handles.clone(), ids.clone()));
-                ids
-            }
-        };
         let mut preempted_ids: Vec<Py<PyString>> =
             out.preempted_before_step.iter().map(|id| PyString::new(py, id).unbind()).collect();
         for &h in &out.preempted {
-            preempted_ids.push(id_of(&this.py_ids, h)?);
+            preempted_ids.push(this.ids.id(py, h)?.clone().unbind());
         }
+        let ids = this.ids.clone();
         let num_preempted = preempted_ids.len();
-        let total_preemptions = this.core.stats().num_preemptions;
+        let total_preemptions = this.core.num_preemptions();
         let has_connector = this.connector.is_some();
         drop(this);
         if num_preempted > 0 {
@@ -324,6 +294,7 @@ impl PyScheduler {
                 step_id: out.step_id,
                 total_num_scheduled_tokens: out.total_num_scheduled_tokens,
                 scheduler_id: out.scheduler_id,
+                handles: out.handles,
                 ids,
                 new_reqs: out.new_reqs,
                 resumed_reqs: out.resumed_reqs,
