@@ -220,6 +220,41 @@ def test_decode_step_cold(benchmark: Any, cold_mb: int) -> None:
     assert sched.stats().num_running_reqs == num_running
 
 
+@pytest.mark.parametrize("batch", ["same", "one_replaced"])
+def test_decode_step_batch_change(benchmark: Any, batch: str) -> None:
+    """One ``schedule()`` + ``update_from_output()`` of 256 running requests whose batch is the same as the
+    previous step's (``same``: 256 decodes), or changed (``one_replaced``: before the step, untimed, the oldest
+    request is aborted and a new one of 8 prompt tokens added; the step decodes 255 and prefills the new one).
+    Most steps of a serving mix change the batch (c: 1,512 of 2,550); the outputs name their requests through
+    the id table shared with the scheduler, so a changed batch should cost about a steady one
+    (docs/benchmarks.md, "Request ids shared with the outputs")."""
+    n, rounds = 256, 500
+    sched = _decoding_scheduler(n, prompt_len=64, stagger=True)
+    rng = np.random.Generator(np.random.PCG64(2))
+    live = [req_id(i) for i in range(n)]
+    serial = n
+
+    def setup() -> tuple[tuple[()], dict[str, Any]]:
+        nonlocal serial
+        if batch == "one_replaced":
+            sched.abort_requests([live.pop(0)])
+            live.append(req_id(serial))
+            sched.add_request(live[-1], rng.integers(3, 32000, size=8, dtype=np.int32))
+            serial += 1
+        return (), {}
+
+    # Both kinds of step schedule 256 requests, each of which samples a token (the new prompt fits in one step).
+    sampled = (np.full(n, 7, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
+
+    def step() -> None:
+        sched.update_from_output(sched.schedule(), sampled)
+
+    benchmark.group = f"decode step, {n} running: same batch vs one request replaced"
+    benchmark.pedantic(step, setup=setup, rounds=rounds, iterations=1, warmup_rounds=16)
+    st = sched.stats()
+    assert st.num_running_reqs == n and st.num_preemptions == 0
+
+
 @pytest.mark.parametrize("layout", ["lockstep", "staggered"])
 def test_decode_step_staggered(benchmark: Any, layout: str) -> None:
     """One ``schedule()`` + ``update_from_output()`` of 256 requests decoding, whose block boundaries fall in
