@@ -376,3 +376,36 @@ def test_bench_preemption_mode_gives_swap_a_cpu_pool() -> None:
     assert (swap.name, swap.num_cpu_blocks, swap.scheduler_config().preemption_mode) == ("d-swap", d.num_blocks, "swap")
     assert _with_mode(d, "auto", 7).num_cpu_blocks == 7
     assert _with_mode(d, "recompute", None).num_cpu_blocks == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The measuring scripts (scripts/): they run and print their figures (timings are not asserted)
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _run_script(*args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / args[0]), *args[1:]], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_api_decode_loop_script_prints_its_medians() -> None:
+    out = _run_script("api_decode_loop.py", "8", "16", "40", "1", "1")
+    assert out.startswith("n=8 prompt_len=16 steps=40 cold_mb=1 stagger=1:") and "p99" in out
+
+
+@pytest.mark.parametrize("mode", ["alone", "abab"])
+def test_abab_script_times_every_step_of_workload_a(mode: str) -> None:
+    out = _run_script("abab.py", mode, "1")
+    assert out.startswith(f"mode={mode} steps=272:")
+    assert "decode-only steps (255)" in out
+
+
+def test_abab_script_rejects_an_unknown_mode() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "abab.py"), "sometimes"], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode != 0 and "MODE must be abab or alone" in proc.stderr
