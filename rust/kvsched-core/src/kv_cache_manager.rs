@@ -27,16 +27,22 @@ impl KvCacheManager {
     /// Longest run of cached blocks matching `block_hashes` from the start, capped so that at least the last of
     /// `num_tokens` tokens is computed. Appends the hit blocks to `out`. Side-effect free on the pool.
     pub fn find_longest_cache_hit(&self, block_hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
-        if !self.enable_caching || num_tokens == 0 {
-            return;
-        }
-        let max_blocks = ((num_tokens - 1) >> self.block_shift) as usize;
-        for h in block_hashes.iter().take(max_blocks) {
+        for h in &block_hashes[..self.max_hit_blocks(block_hashes, num_tokens)] {
             match self.pool.get_cached_block(h) {
                 Some(b) => out.push(b),
                 None => break,
             }
         }
+    }
+
+    /// The most blocks a prefix lookup of `num_tokens` tokens with these hashes may hit: none without caching,
+    /// and never the block holding the last token (it must be computed).
+    #[inline(always)]
+    fn max_hit_blocks(&self, block_hashes: &[BlockHash], num_tokens: u32) -> usize {
+        if !self.enable_caching || num_tokens == 0 {
+            return 0;
+        }
+        (((num_tokens - 1) >> self.block_shift) as usize).min(block_hashes.len())
     }
 
     /// An upper bound on what `find_longest_cache_hit(block_hashes, num_tokens, ..)` would return, from `hint`
@@ -50,10 +56,7 @@ impl KvCacheManager {
         num_tokens: u32,
         hint: u32,
     ) -> Option<usize> {
-        if !self.enable_caching || num_tokens == 0 {
-            return Some(0);
-        }
-        let max_blocks = (((num_tokens - 1) >> self.block_shift) as usize).min(block_hashes.len());
+        let max_blocks = self.max_hit_blocks(block_hashes, num_tokens);
         let k = (hint as usize).min(max_blocks);
         if k < max_blocks && self.pool.get_cached_block(&block_hashes[k]).is_some() {
             return None;
@@ -97,10 +100,8 @@ impl KvCacheManager {
     /// answer as `find_longest_cache_hit` being non-empty, in O(1)). Side-effect free.
     #[inline]
     pub fn has_cached_prefix(&self, block_hashes: &[BlockHash], num_tokens: u32) -> bool {
-        self.enable_caching
-            && num_tokens > 0
-            && (num_tokens - 1) >> self.block_shift >= 1
-            && block_hashes.first().is_some_and(|h| self.pool.get_cached_block(h).is_some())
+        self.max_hit_blocks(block_hashes, num_tokens) >= 1
+            && self.pool.get_cached_block(&block_hashes[0]).is_some()
     }
 
     /// Reserves KV slots for `num_new_tokens` more tokens of `req`, which has `computed` tokens computed (plus
