@@ -65,6 +65,8 @@ pub(crate) struct StepRecord {
     pub num_finished_at_schedule: u64,
     pub is_prefill_chunk: Vec<bool>,
     pub num_spec_tokens: Vec<u32>,
+    /// No entry is a prefill chunk or carries drafts: each must receive exactly one sampled token.
+    pub one_token_each: bool,
     pub num_computed_tokens: Vec<i32>,
     pub num_scheduled_tokens: Vec<i32>,
     pub spec_token_ids: Vec<i32>,

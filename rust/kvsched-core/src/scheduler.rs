@@ -22,7 +22,7 @@ use crate::kv_cache_manager::KvCacheManager;
 use crate::output::{SchedulerStats, StepRecord};
 use crate::queue::{effective_priority, PriorityKey, WaitingQueue};
 use crate::request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus, NO_EOS};
-use crate::slab::Slab;
+use crate::slab::{DecodeLimits, Slab};
 use crate::swap::CpuBlockPool;
 
 static NEXT_SCHEDULER_ID: AtomicU64 = AtomicU64::new(1);
@@ -142,6 +142,14 @@ impl Scheduler {
             newly_cached: Vec::new(),
             hash_buf: Vec::new(),
         };
+        let limits = DecodeLimits {
+            max_model_len: i64::from(config.max_model_len),
+            max_slots: config.max_slots_per_request(),
+            lookahead: config.num_lookahead_tokens,
+            block_size: config.kv_block_size(),
+            block_shift: config.kv_block_size().trailing_zeros(),
+            caching: config.enable_prefix_caching,
+        };
         Ok(Scheduler {
             cpu: CpuBlockPool::new(config.num_cpu_blocks),
             encoder: EncoderCache::new(u64::from(config.encoder_cache_size)),
@@ -153,7 +161,7 @@ impl Scheduler {
             tenants: Tenants::new(&config),
             config,
             kv,
-            slab: Slab::default(),
+            slab: Slab::new(limits),
             ids: HashMap::new(),
             running: Vec::new(),
             scheduler_id: NEXT_SCHEDULER_ID.fetch_add(1, Ordering::Relaxed),

@@ -10,10 +10,10 @@ use crate::error::{Result, SchedError};
 use crate::request::{ReqHandle, Request};
 
 /// Hot state, one entry per slot. `computed` and `in_flight` are the only copies of the request's computed and
-/// in-flight token counts; the other columns mirror fields of the record (`Slab::sync` refreshes them from
-/// it, `check` verifies them), so the decode path can decide from the columns alone that a running request
-/// needs nothing but one more token: no new block, no block to cache, no drafts, placeholders, encoder input
-/// or pending prefill.
+/// in-flight token counts; the other columns are derived from fields of the record (`Slab::sync` refreshes them
+/// from it, `check_hot` verifies them), so the decode path can decide from the columns alone that a running
+/// request needs nothing but one more token: no new block, no block to cache, no drafts, placeholders, encoder
+/// input or pending prefill.
 #[derive(Clone, Debug, Default)]
 pub struct Hot {
     /// Tokens whose KV is computed (vLLM's `num_computed_tokens`).
@@ -26,52 +26,64 @@ pub struct Hot {
     pub stale: Vec<u32>,
     /// Mirror: `token_ids.len()`.
     pub num_tokens: Vec<u32>,
-    /// Mirror: `blocks.len()`.
-    pub num_blocks: Vec<u32>,
-    /// Mirror: `num_cached_blocks`.
-    pub num_cached_blocks: Vec<u32>,
-    /// Mirror: `num_prompt_tokens`.
-    pub num_prompt: Vec<u32>,
+    /// The computed counts at which a decode of this request needs no block work (`DecodeLimits::span`):
+    /// `decode_lo..=decode_hi`, empty (`1..=0`) for a request that is not plain. Derived from the record's
+    /// prompt length, blocks, cached blocks and plain flag, and the scheduler's fixed limits.
+    pub decode_lo: Vec<u32>,
+    pub decode_hi: Vec<u32>,
     /// Mirror: `Slab::is_plain` of the record.
     pub plain: Vec<bool>,
+    /// The scheduler's bounds the decode spans are derived from (fixed for its lifetime).
+    pub limits: DecodeLimits,
 }
 
-/// The mirrored values, in column order: tokens, blocks, cached blocks, prompt, plain.
-type Mirrors = (u32, u32, u32, u32, bool);
+/// The derived values, in column order: tokens, decode span (lo, hi), plain.
+type Mirrors = (u32, u32, u32, bool);
 
 impl Hot {
-    /// What the mirror columns of a request's slot must hold: read from `req`, its record.
+    /// What the derived columns of a request's slot must hold: computed from `req`, its record.
     #[inline(always)]
-    fn mirrors_of(req: &Request) -> Mirrors {
-        (
-            req.token_ids.len() as u32,
-            req.blocks.len() as u32,
-            req.num_cached_blocks,
-            req.num_prompt_tokens,
-            Slab::is_plain(req),
-        )
+    fn mirrors_of(&self, req: &Request) -> Mirrors {
+        let plain = Slab::is_plain(req);
+        let (lo, hi) = if plain {
+            self.limits.span(req.num_prompt_tokens, req.blocks.len() as u32, req.num_cached_blocks)
+        } else {
+            EMPTY_SPAN
+        };
+        (req.token_ids.len() as u32, lo, hi, plain)
     }
 
-    /// Refreshes the mirror columns of slot `s` from `req`, its record.
+    /// Refreshes the derived columns of slot `s` from `req`, its record.
     #[inline]
     pub fn sync(&mut self, s: usize, req: &Request) {
-        let (tokens, blocks, cached, prompt, plain) = Self::mirrors_of(req);
+        let (tokens, lo, hi, plain) = self.mirrors_of(req);
         self.num_tokens[s] = tokens;
-        self.num_blocks[s] = blocks;
-        self.num_cached_blocks[s] = cached;
-        self.num_prompt[s] = prompt;
+        self.decode_lo[s] = lo;
+        self.decode_hi[s] = hi;
         self.plain[s] = plain;
     }
 
-    /// The mirror columns of slot `s`, as `mirrors_of` orders them.
+    /// The derived columns of slot `s`, as `mirrors_of` orders them.
     fn mirrors_at(&self, s: usize) -> Mirrors {
-        (self.num_tokens[s], self.num_blocks[s], self.num_cached_blocks[s], self.num_prompt[s], self.plain[s])
+        (self.num_tokens[s], self.decode_lo[s], self.decode_hi[s], self.plain[s])
+    }
+
+    /// Whether the running request in slot `s`, with `computed` tokens computed, needs exactly its next token
+    /// and no block work: a plain decode `schedule()` serves from the columns alone (`DecodeLimits::fits` on
+    /// its record's values, precomputed as a span).
+    #[inline(always)]
+    pub fn fits(&self, s: usize, computed: u32) -> bool {
+        computed + 1 == self.num_tokens[s] && computed >= self.decode_lo[s] && computed <= self.decode_hi[s]
     }
 }
 
-/// The bounds of the plain-decode check of `schedule()`, fixed for a step.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct DecodeLimits {
+/// The span of a request that never fits (`lo > hi`).
+const EMPTY_SPAN: (u32, u32) = (1, 0);
+
+/// The bounds of the plain-decode check of `schedule()`, fixed for a scheduler's lifetime. The default fits
+/// nothing (every request takes the general path) until the scheduler sets its own.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DecodeLimits {
     pub max_model_len: i64,
     pub max_slots: u32,
     pub lookahead: u32,
@@ -81,11 +93,10 @@ pub(crate) struct DecodeLimits {
 }
 
 impl DecodeLimits {
-    /// Whether a running request with these hot-column values needs exactly its next token and no block work
-    /// (no new block, no full block to cache): a plain decode `schedule()` serves from the columns alone. The
-    /// block count is a shift: block sizes are powers of two (a division here was the slowest instruction of
-    /// the loop).
-    #[inline(always)]
+    /// Whether a running request with these values needs exactly its next token and no block work (no new
+    /// block, no full block to cache). The reference form of the check: the decode path reads the same
+    /// answer from the span `span` precomputes (`Hot::fits`); a test checks that the two agree.
+    #[cfg(test)]
     pub fn fits(
         &self,
         plain: bool,
@@ -104,6 +115,28 @@ impl DecodeLimits {
                 <= blocks
             && (!self.caching || (computed + 1) >> self.block_shift <= cached)
     }
+
+    /// The computed counts `lo..=hi` at which a plain request with this prompt length, block count and cached
+    /// block count needs no block work for its next token (`fits` with `computed + 1 == tokens`, solved for
+    /// `computed`): at least its prompt; room for the token within `max_model_len` and `max_slots`; its blocks
+    /// hold `computed + 1 + lookahead` slots (capped at `max_slots`); with caching, the token completes no
+    /// block beyond the cached ones. `(1, 0)` when there is none.
+    pub fn span(&self, prompt: u32, blocks: u32, cached: u32) -> (u32, u32) {
+        let bs = i64::from(self.block_size);
+        let mut hi = (self.max_model_len - 2).min(i64::from(self.max_slots) - 1);
+        let room = i64::from(blocks) * bs;
+        if i64::from(self.max_slots) > room {
+            hi = hi.min(room - 1 - i64::from(self.lookahead));
+        }
+        if self.caching {
+            hi = hi.min((i64::from(cached) + 1) * bs - 2);
+        }
+        let lo = i64::from(prompt);
+        if self.block_size == 0 || hi < lo {
+            return EMPTY_SPAN;
+        }
+        (prompt, hi.min(i64::from(u32::MAX - 1)) as u32)
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -116,6 +149,11 @@ pub struct Slab {
 }
 
 impl Slab {
+    /// An empty slab for a scheduler with these decode limits.
+    pub fn new(limits: DecodeLimits) -> Self {
+        Slab { hot: Hot { limits, ..Hot::default() }, ..Slab::default() }
+    }
+
     /// The handle the next `insert` will use.
     pub fn next_handle(&self) -> ReqHandle {
         match self.free.last() {
@@ -135,9 +173,8 @@ impl Slab {
             h.in_flight.push(0);
             h.stale.push(0);
             h.num_tokens.push(0);
-            h.num_blocks.push(0);
-            h.num_cached_blocks.push(0);
-            h.num_prompt.push(0);
+            h.decode_lo.push(EMPTY_SPAN.0);
+            h.decode_hi.push(EMPTY_SPAN.1);
             h.plain.push(false);
         } else {
             self.free.pop();
@@ -184,10 +221,10 @@ impl Slab {
         for &slot in running {
             let s = slot as usize;
             let Some(Some(req)) = self.slots.get(s) else { continue };
-            let (got, want) = (self.hot.mirrors_at(s), Hot::mirrors_of(req));
+            let (got, want) = (self.hot.mirrors_at(s), self.hot.mirrors_of(req));
             if got != want {
                 return Err(format!(
-                    "request {:?}: hot columns (tokens, blocks, cached blocks, prompt, plain) {got:?} != record {want:?}",
+                    "request {:?}: hot columns (tokens, decode span lo and hi, plain) {got:?} != record {want:?}",
                     req.id
                 ));
             }
@@ -212,7 +249,6 @@ impl Slab {
         running: &[u32],
         mut i: usize,
         budget: &mut u32,
-        lim: &DecodeLimits,
         handles: &mut Vec<ReqHandle>,
         computed_before: &mut Vec<i32>,
     ) -> usize {
@@ -220,8 +256,7 @@ impl Slab {
         let gens = &self.gens[..m];
         let h = &mut self.hot;
         let computed_col = &mut h.computed[..m];
-        let (plain, tokens, prompt) = (&h.plain[..m], &h.num_tokens[..m], &h.num_prompt[..m]);
-        let (blocks, cached) = (&h.num_blocks[..m], &h.num_cached_blocks[..m]);
+        let (tokens, lo, hi) = (&h.num_tokens[..m], &h.decode_lo[..m], &h.decode_hi[..m]);
         while *budget > 0 {
             let Some(&slot) = running.get(i) else { break };
             let s = slot as usize;
@@ -229,7 +264,7 @@ impl Slab {
                 break;
             }
             let computed = computed_col[s];
-            if !lim.fits(plain[s], computed, tokens[s], prompt[s], blocks[s], cached[s]) {
+            if !(computed + 1 == tokens[s] && computed >= lo[s] && computed <= hi[s]) {
                 break;
             }
             computed_col[s] = computed + 1;
@@ -310,5 +345,66 @@ impl Slab {
 
     pub fn iter(&self) -> impl Iterator<Item = &Request> {
         self.slots.iter().filter_map(Option::as_ref)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DecodeLimits, EMPTY_SPAN};
+
+    /// The precomputed span answers exactly what the direct check answers, for every computed count, over
+    /// block sizes, lookahead, caching on and off, and a KV cache smaller than `max_model_len`.
+    #[test]
+    fn decode_span_agrees_with_the_direct_check() {
+        let mut checked = 0u64;
+        for block_size in [1u32, 2, 4, 16] {
+            for (max_model_len, max_slots) in [(64i64, 64u32), (64, 40), (40, 64), (1, 64), (2, 64)] {
+                for lookahead in [0u32, 1, 3, 17] {
+                    for caching in [false, true] {
+                        let lim = DecodeLimits {
+                            max_model_len,
+                            max_slots,
+                            lookahead,
+                            block_size,
+                            block_shift: block_size.trailing_zeros(),
+                            caching,
+                        };
+                        for prompt in [0u32, 1, 5, 16, 63] {
+                            for blocks in 0..=(70 / block_size + 1) {
+                                for cached in 0..=blocks {
+                                    let (lo, hi) = lim.span(prompt, blocks, cached);
+                                    for plain in [false, true] {
+                                        let (lo, hi) = if plain { (lo, hi) } else { EMPTY_SPAN };
+                                        for computed in 0..80u32 {
+                                            let want = lim.fits(
+                                                plain,
+                                                computed,
+                                                computed + 1,
+                                                prompt,
+                                                blocks,
+                                                cached,
+                                            );
+                                            let got = computed >= lo && computed <= hi;
+                                            assert_eq!(
+                                                got, want,
+                                                "{lim:?} prompt {prompt} blocks {blocks} cached {cached} \
+                                                 plain {plain} computed {computed}"
+                                            );
+                                            checked += u64::from(want);
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 10_000, "the check must cover many fitting cases, got {checked}");
+    }
+
+    #[test]
+    fn default_limits_fit_nothing() {
+        assert_eq!(DecodeLimits::default().span(0, 100, 100), EMPTY_SPAN);
     }
 }

@@ -20,7 +20,6 @@ use crate::error::Result;
 use crate::output::{SchedulerOutput, StepRecord};
 use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::Scheduler;
-use crate::slab::DecodeLimits;
 use crate::swap::{complete_resume, restored_tokens};
 
 /// How many requests ahead of the one being scheduled the table slots of block-boundary work are prefetched
@@ -38,6 +37,8 @@ struct Builder {
     /// Plain decodes appended last whose constant entries (one token, no new blocks, no drafts, not a chunk)
     /// are not written yet: `fill` writes them in bulk before any other change or read of those vectors.
     unfilled: usize,
+    /// Some entry was pushed as a prefill chunk or with drafts (it stays set if that entry is removed).
+    mixed: bool,
 }
 
 impl Builder {
@@ -60,7 +61,7 @@ impl Builder {
         };
         out.new_block_ids_indptr.push(0);
         out.spec_token_ids_indptr.push(0);
-        Builder { out, is_chunk, num_spec, unfilled: 0 }
+        Builder { out, is_chunk, num_spec, unfilled: 0, mixed: false }
     }
 
     /// Writes the constant entries of the plain decodes appended since the last call.
@@ -96,6 +97,7 @@ impl Builder {
         }
         o.spec_token_ids_indptr.push(o.spec_token_ids.len() as i32);
         o.total_num_scheduled_tokens += u64::from(n);
+        self.mixed |= is_chunk || !spec.is_empty();
         self.is_chunk.push(is_chunk);
         self.num_spec.push(spec.len() as u32);
     }
@@ -257,20 +259,11 @@ impl Scheduler {
         // Requests carry encoder inputs only with an encoder cache: without one their (cold) field is not read.
         let has_encoder = self.encoder.capacity() > 0;
         let mut prefill_scheduled = false;
-        let (bs, shift, caching) = (self.kv.block_size, self.kv.block_shift, self.kv.enable_caching);
         // Prefetching ahead pays when many requests do block work in this step, as in lock-step decode (they all
         // reach a block boundary together): the first running request stands for the batch, so a plain step
         // pays one check, not one per request.
         let prefetch =
             self.running.first().is_some_and(|&s| self.kv.near_block_boundary(self.slab.computed(s)));
-        let lim = DecodeLimits {
-            max_model_len,
-            max_slots: self.kv.max_slots,
-            lookahead,
-            block_size: bs,
-            block_shift: shift,
-            caching,
-        };
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             if !prefetch {
@@ -281,7 +274,6 @@ impl Scheduler {
                     &self.running,
                     i,
                     budget,
-                    &lim,
                     &mut b.out.handles,
                     &mut b.out.num_computed_tokens,
                 );
@@ -301,16 +293,7 @@ impl Scheduler {
             let hot = &mut self.slab.hot;
             let computed = hot.computed[s];
             // (Without prefetching, the run above has just found that this request is not one.)
-            if prefetch
-                && lim.fits(
-                    hot.plain[s],
-                    computed,
-                    hot.num_tokens[s],
-                    hot.num_prompt[s],
-                    hot.num_blocks[s],
-                    hot.num_cached_blocks[s],
-                )
-            {
+            if prefetch && hot.fits(s, computed) {
                 hot.computed[s] = computed + 1;
                 b.push_decode(ReqHandle { slot, gen: self.slab.gen(slot) }, computed);
                 *budget -= 1;
@@ -893,7 +876,7 @@ impl Scheduler {
         enc: &EncoderStep,
     ) -> Result<SchedulerOutput> {
         b.fill();
-        let Builder { out, is_chunk, num_spec, .. } = b;
+        let Builder { out, is_chunk, num_spec, mixed, .. } = b;
         let mut enc_hashes = Vec::new();
         if !enc.work.is_empty() {
             let (enc_ids, enc_indptr, hashes) = self.encoder_output(enc, &out.handles)?;
@@ -960,6 +943,7 @@ impl Scheduler {
         rec.num_finished_at_schedule = self.counters.num_finished_reqs;
         rec.is_prefill_chunk = std::mem::take(is_chunk);
         rec.num_spec_tokens = std::mem::take(num_spec);
+        rec.one_token_each = !*mixed;
         refill(&mut rec.num_computed_tokens, &out.num_computed_tokens);
         refill(&mut rec.num_scheduled_tokens, &out.num_scheduled_tokens);
         refill(&mut rec.spec_token_ids, &out.spec_token_ids);

@@ -1149,6 +1149,6 @@ fn decode_steps_from_the_hot_columns_allocate_and_cache_at_block_boundaries() {
     }
     // A mirror out of step with its record is reported.
     let slot = s.slot_of("a").unwrap() as usize;
-    s.slab.hot.num_blocks[slot] += 1;
+    s.slab.hot.decode_hi[slot] += 1;
     assert!(s.check_invariants().unwrap_err().contains("hot columns"));
 }

@@ -45,6 +45,16 @@ impl<'a> Ragged<'a> {
         Ok(())
     }
 
+    /// Whether the batch is exactly one token id for each of `n` entries (offsets `0, 1, ..., n`): the shape of
+    /// a step of plain decodes. True implies that `check` passes and every entry holds a token id. Branch-free
+    /// folds, so the compiler vectorizes both passes.
+    fn is_one_token_each(&self, n: usize) -> bool {
+        self.values.len() == n
+            && self.indptr.len() == n + 1
+            && self.indptr.iter().zip(0i64..).fold(0, |acc, (&x, i)| acc | (x ^ i)) == 0
+            && self.values.iter().fold(0u64, |acc, &t| acc.max(t as u64)) <= MAX_TOKEN_ID as u64
+    }
+
     /// Entry `i`, checked to hold token ids only (entries of requests gone since the step are never checked).
     fn checked(&self, what: &str, i: usize) -> Result<&'a [i64]> {
         let entry = self.get(i);
@@ -88,64 +98,70 @@ impl Scheduler {
             return Err(SchedError::InvalidOutput(msg));
         }
         let n = rec.handles.len();
-        sampled.check("sampled_token_ids", n)?;
-        if let Some(d) = &drafts {
-            if self.config.async_scheduling {
-                return Err(SchedError::InvalidOutput(
-                    "with async_scheduling the drafts stay with the runner (the scheduler schedules placeholders \
-                     for them): pass draft_token_ids=None"
-                        .into(),
-                ));
-            }
-            d.check("draft_token_ids", n)?;
-        }
-        let max_drafts = self.config.num_spec_tokens() as usize;
-        // Fast path: if no request finished since this step was scheduled, every entry belongs to a live request
-        // and the shape checks need not touch the requests. Any doubt falls through to the precise checks below.
+        // Fast path: a step of plain decodes (no prefill chunk, no drafts), no request finished since it was
+        // scheduled (every entry belongs to a live request), and exactly one token id for each: nothing else to
+        // check. Anything else takes the checks below, in the order their errors are reported.
         let all_live = rec.num_finished_at_schedule == self.counters.num_finished_reqs;
-        let fast_ok = all_live
-            && drafts.is_none()
-            && sampled.values.iter().all(|t| (0..=MAX_TOKEN_ID).contains(t))
-            && sampled.indptr.windows(2).zip(&rec.is_prefill_chunk).zip(&rec.num_spec_tokens).all(
-                |((w, &is_chunk), &num_spec)| {
-                    let got = w[1] - w[0];
-                    if is_chunk {
-                        got == 0
-                    } else {
-                        got >= 1 && got <= 1 + i64::from(num_spec)
-                    }
-                },
-            );
-        for i in 0..if fast_ok { 0 } else { n } {
-            let Some(req) = self.slab.resolve(rec.handles[i]) else {
-                continue;
-            };
-            let got = sampled.checked("sampled_token_ids", i)?.len();
-            if rec.is_prefill_chunk[i] {
-                if got != 0 {
-                    return Err(SchedError::InvalidOutput(format!(
-                        "request {:?} ran a partial prefill in step {step_id}; it cannot receive sampled \
-                         tokens (got {got})",
-                        req.id
-                    )));
-                }
-            } else {
-                let max = 1 + rec.num_spec_tokens[i] as usize;
-                if got == 0 || got > max {
-                    return Err(SchedError::InvalidOutput(format!(
-                        "request {:?} must receive between 1 and {max} sampled tokens in step {step_id}, got {got}",
-                        req.id
-                    )));
-                }
-            }
+        let one_each = rec.one_token_each && all_live && drafts.is_none() && sampled.is_one_token_each(n);
+        if !one_each {
+            sampled.check("sampled_token_ids", n)?;
             if let Some(d) = &drafts {
-                let k = d.checked("draft_token_ids", i)?.len();
-                let allowed = if rec.is_prefill_chunk[i] { 0 } else { max_drafts };
-                if k > allowed {
-                    return Err(SchedError::InvalidOutput(format!(
-                        "request {:?} may receive at most {allowed} draft tokens in step {step_id}, got {k}",
-                        req.id
-                    )));
+                if self.config.async_scheduling {
+                    return Err(SchedError::InvalidOutput(
+                        "with async_scheduling the drafts stay with the runner (the scheduler schedules placeholders \
+                         for them): pass draft_token_ids=None"
+                            .into(),
+                    ));
+                }
+                d.check("draft_token_ids", n)?;
+            }
+            let max_drafts = self.config.num_spec_tokens() as usize;
+            // If no request finished since this step was scheduled, every entry belongs to a live request and
+            // the shape checks need not touch the requests. Any doubt falls through to the precise checks below.
+            let fast_ok = all_live
+                && drafts.is_none()
+                && sampled.values.iter().all(|t| (0..=MAX_TOKEN_ID).contains(t))
+                && sampled.indptr.windows(2).zip(&rec.is_prefill_chunk).zip(&rec.num_spec_tokens).all(
+                    |((w, &is_chunk), &num_spec)| {
+                        let got = w[1] - w[0];
+                        if is_chunk {
+                            got == 0
+                        } else {
+                            got >= 1 && got <= 1 + i64::from(num_spec)
+                        }
+                    },
+                );
+            for i in 0..if fast_ok { 0 } else { n } {
+                let Some(req) = self.slab.resolve(rec.handles[i]) else {
+                    continue;
+                };
+                let got = sampled.checked("sampled_token_ids", i)?.len();
+                if rec.is_prefill_chunk[i] {
+                    if got != 0 {
+                        return Err(SchedError::InvalidOutput(format!(
+                            "request {:?} ran a partial prefill in step {step_id}; it cannot receive sampled \
+                             tokens (got {got})",
+                            req.id
+                        )));
+                    }
+                } else {
+                    let max = 1 + rec.num_spec_tokens[i] as usize;
+                    if got == 0 || got > max {
+                        return Err(SchedError::InvalidOutput(format!(
+                            "request {:?} must receive between 1 and {max} sampled tokens in step {step_id}, got {got}",
+                            req.id
+                        )));
+                    }
+                }
+                if let Some(d) = &drafts {
+                    let k = d.checked("draft_token_ids", i)?.len();
+                    let allowed = if rec.is_prefill_chunk[i] { 0 } else { max_drafts };
+                    if k > allowed {
+                        return Err(SchedError::InvalidOutput(format!(
+                            "request {:?} may receive at most {allowed} draft tokens in step {step_id}, got {k}",
+                            req.id
+                        )));
+                    }
                 }
             }
         }
@@ -156,69 +172,67 @@ impl Scheduler {
         };
         self.epoch += 1;
         let max_model_len = self.config.max_model_len;
-        let block_mask = self.config.kv_block_size() as usize - 1;
         let spec_decoding = self.config.num_spec_tokens() > 0;
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         // Spec decoding caches blocks in every update and drafts change the drafts: the general path for all.
         let plain_excluded = spec_decoding || drafts.is_some();
-        // The entries' columns side by side (no per-entry bounds checks; `check` guaranteed n + 1 offsets).
-        let entries = (rec.handles.iter())
-            .zip(&rec.num_scheduled_tokens)
-            .zip(&rec.is_prefill_chunk)
-            .zip(&rec.num_spec_tokens)
-            .zip(sampled.indptr.windows(2))
-            .enumerate();
-        for (i, ((((&handle, &num_scheduled), &is_chunk), &num_spec), w)) in entries {
-            let Some((req, hot)) = self.slab.resolve_mut_hot(handle) else {
-                continue;
-            };
-            let s = handle.slot as usize;
-            let num_scheduled = num_scheduled as u32;
-            let tokens = &sampled.values[w[0] as usize..w[1] as usize];
-            hot.in_flight[s] = hot.in_flight[s].saturating_sub(num_scheduled);
-            // A running plain decode (no drafts, placeholders, encoder inputs or stale output) that sampled one
-            // token: append it, hash a block it completes, check the stop conditions; nothing else of the
-            // general path below applies to it (it would do exactly this).
-            if hot.plain[s]
-                && hot.stale[s] == 0
-                && !plain_excluded
-                && !is_chunk
-                && num_spec == 0
-                && req.status == RequestStatus::Running
-            {
-                if let &[t] = tokens {
-                    let t = t as u32;
-                    req.token_ids.push(t);
-                    res.num_new_tokens[i] = 1;
-                    self.tenants.add_decode(req.tenant, 1);
-                    if req.token_ids.len() & block_mask == 0 {
-                        self.kv.extend_hashes(req);
-                    }
-                    match check_stop(req, t, max_model_len) {
-                        None => hot.num_tokens[s] = req.token_ids.len() as u32,
-                        Some((status, stop_reason)) => {
-                            any_running_finished = true;
-                            req.stop_reason = stop_reason;
-                            self.finish_stopped(&mut res, handle.slot, status, stop_reason)?;
+        if one_each && !plain_excluded {
+            // A step of plain decodes with one token each: entry `i`'s token is `values[i]`, and no entry is a
+            // prefill chunk or carries drafts (the checks above), so those columns need not be read.
+            let entries =
+                (rec.handles.iter()).zip(&rec.num_scheduled_tokens).zip(sampled.values.chunks_exact(1));
+            for (i, ((&handle, &num_scheduled), tokens)) in entries.enumerate() {
+                let num_scheduled = num_scheduled as u32;
+                let done =
+                    match self.apply_decode(&mut res, i, handle, num_scheduled, tokens, max_model_len)? {
+                        Applied::Decode(stopped) => stopped.then_some(true),
+                        Applied::Gone => None,
+                        Applied::General => {
+                            self.apply_general(&mut res, i, handle, num_scheduled, false, 0, tokens, None)?
                         }
-                    }
-                    continue;
+                    };
+                match done {
+                    Some(true) => any_running_finished = true,
+                    Some(false) => any_waiting_finished = true,
+                    None => {}
                 }
             }
-            match self.apply_general(
-                &mut res,
-                i,
-                handle,
-                num_scheduled,
-                is_chunk,
-                num_spec,
-                tokens,
-                drafts,
-            )? {
-                Some(true) => any_running_finished = true,
-                Some(false) => any_waiting_finished = true,
-                None => {}
+        } else {
+            // The entries' columns side by side (no per-entry bounds checks; `check` guaranteed n + 1 offsets).
+            let entries = (rec.handles.iter())
+                .zip(&rec.num_scheduled_tokens)
+                .zip(&rec.is_prefill_chunk)
+                .zip(&rec.num_spec_tokens)
+                .zip(sampled.indptr.windows(2))
+                .enumerate();
+            for (i, ((((&handle, &num_scheduled), &is_chunk), &num_spec), w)) in entries {
+                let num_scheduled = num_scheduled as u32;
+                let tokens = &sampled.values[w[0] as usize..w[1] as usize];
+                let applied = if !plain_excluded && !is_chunk && num_spec == 0 {
+                    self.apply_decode(&mut res, i, handle, num_scheduled, tokens, max_model_len)?
+                } else {
+                    self.release_in_flight(handle, num_scheduled)
+                };
+                let done = match applied {
+                    Applied::Decode(stopped) => stopped.then_some(true),
+                    Applied::Gone => None,
+                    Applied::General => self.apply_general(
+                        &mut res,
+                        i,
+                        handle,
+                        num_scheduled,
+                        is_chunk,
+                        num_spec,
+                        tokens,
+                        drafts,
+                    )?,
+                };
+                match done {
+                    Some(true) => any_running_finished = true,
+                    Some(false) => any_waiting_finished = true,
+                    None => {}
+                }
             }
         }
         // The next step's record reuses this one's buffers.
@@ -229,7 +243,73 @@ impl Scheduler {
     }
 }
 
+/// What `apply_decode` did with an entry.
+enum Applied {
+    /// Its request is gone (finished since the step was scheduled): nothing to apply.
+    Gone,
+    /// A plain decode: its token was appended; `true` if the request stopped (it was running).
+    Decode(bool),
+    /// Not a plain decode with one token: the entry takes `apply_general` (its in-flight count is released).
+    General,
+}
+
 impl Scheduler {
+    /// Releases entry `handle`'s `num_scheduled` in-flight tokens; `General` unless its request is gone.
+    #[inline(always)]
+    fn release_in_flight(&mut self, handle: ReqHandle, num_scheduled: u32) -> Applied {
+        let Some((_, hot)) = self.slab.resolve_mut_hot(handle) else {
+            return Applied::Gone;
+        };
+        let s = handle.slot as usize;
+        hot.in_flight[s] = hot.in_flight[s].saturating_sub(num_scheduled);
+        Applied::General
+    }
+
+    /// Entry `i` of an update when it is neither a prefill chunk nor carries drafts (and no drafts came back):
+    /// releases its in-flight tokens, then, for a running plain decode (no placeholders, encoder inputs or
+    /// stale output) that sampled one token, appends it, hashes a block it completes and checks the stop
+    /// conditions. Nothing else of the general path applies to such a request (it would do exactly this).
+    #[inline(always)]
+    fn apply_decode(
+        &mut self,
+        res: &mut UpdateResult,
+        i: usize,
+        handle: ReqHandle,
+        num_scheduled: u32,
+        tokens: &[i64],
+        max_model_len: u32,
+    ) -> Result<Applied> {
+        let Some((req, hot)) = self.slab.resolve_mut_hot(handle) else {
+            return Ok(Applied::Gone);
+        };
+        let s = handle.slot as usize;
+        hot.in_flight[s] = hot.in_flight[s].saturating_sub(num_scheduled);
+        let &[t] = tokens else {
+            return Ok(Applied::General);
+        };
+        if !hot.plain[s] || hot.stale[s] != 0 || req.status != RequestStatus::Running {
+            return Ok(Applied::General);
+        }
+        let t = t as u32;
+        req.token_ids.push(t);
+        res.num_new_tokens[i] = 1;
+        self.tenants.add_decode(req.tenant, 1);
+        if req.token_ids.len() & (self.kv.block_size as usize - 1) == 0 {
+            self.kv.extend_hashes(req);
+        }
+        match check_stop(req, t, max_model_len) {
+            None => {
+                hot.num_tokens[s] = req.token_ids.len() as u32;
+                Ok(Applied::Decode(false))
+            }
+            Some((status, stop_reason)) => {
+                req.stop_reason = stop_reason;
+                self.finish_stopped(res, handle.slot, status, stop_reason)?;
+                Ok(Applied::Decode(true))
+            }
+        }
+    }
+
     /// The general path of `update_from_output` for entry `i` (anything but a running plain decode that sampled
     /// one token): stale output, prefill chunks, drafts and placeholders, several tokens with a stop check after
     /// each, block caching. Returns whether a stopped request was running (`Some(true)`) or waiting
