@@ -31,7 +31,8 @@ const PREFETCH_AHEAD: usize = 4;
 /// capacity, so recording a step allocates nothing once the scheduler is warm. `schedule_with` lends it to
 /// each phase and to `finish_step` by reference: it is ~450 bytes, and each move of it would be a copy.
 struct Builder {
-    out: SchedulerOutput,
+    /// Boxed: it goes to the caller as built, and each move of the ~430-byte output would be a copy.
+    out: Box<SchedulerOutput>,
     is_chunk: Vec<bool>,
     num_spec: Vec<u32>,
     /// Plain decodes appended last whose constant entries (one token, no new blocks, no drafts, not a chunk)
@@ -50,15 +51,14 @@ impl Builder {
         num_spec.clear();
         is_chunk.reserve(n);
         num_spec.reserve(n);
-        let mut out = SchedulerOutput {
-            handles: Vec::with_capacity(n),
-            num_scheduled_tokens: Vec::with_capacity(n),
-            num_computed_tokens: Vec::with_capacity(n),
-            new_block_ids: Vec::with_capacity(n + 16),
-            new_block_ids_indptr: Vec::with_capacity(n + 1),
-            spec_token_ids_indptr: Vec::with_capacity(n + 1),
-            ..Default::default()
-        };
+        // Filled in place (`Box::new` of a built value would copy it from the stack).
+        let mut out = Box::<SchedulerOutput>::default();
+        out.handles = Vec::with_capacity(n);
+        out.num_scheduled_tokens = Vec::with_capacity(n);
+        out.num_computed_tokens = Vec::with_capacity(n);
+        out.new_block_ids = Vec::with_capacity(n + 16);
+        out.new_block_ids_indptr = Vec::with_capacity(n + 1);
+        out.spec_token_ids_indptr = Vec::with_capacity(n + 1);
         out.new_block_ids_indptr.push(0);
         out.spec_token_ids_indptr.push(0);
         Builder { out, is_chunk, num_spec, unfilled: 0, mixed: false }
@@ -157,8 +157,13 @@ impl Scheduler {
     /// could not drain the waiting queue (`prefill_capacity_bound`). The local cadence gate
     /// (`prefill_schedule_interval > 1`) defers prefill the same way until the interval since the last
     /// prefill-carrying step has passed.
-    #[inline(never)]
     pub fn schedule_with(&mut self, throttle_prefills: bool) -> Result<SchedulerOutput> {
+        self.schedule_boxed(throttle_prefills).map(|out| *out)
+    }
+
+    /// `schedule_with`, the output boxed as it was built (no copy of it on the way out: the bindings' path).
+    #[inline(never)]
+    pub fn schedule_boxed(&mut self, throttle_prefills: bool) -> Result<Box<SchedulerOutput>> {
         if !self.newly_ready.is_empty() {
             self.queue_newly_ready()?;
         }
@@ -237,7 +242,8 @@ impl Scheduler {
         if interval > 1 && (prefill_scheduled || prefill_admitted) {
             self.last_prefill_step = self.num_executed_steps as i64;
         }
-        self.finish_step(&mut b, rec, preempted, &enc)
+        self.finish_step(&mut b, rec, preempted, &enc)?;
+        Ok(b.out)
     }
 
     /// Phase A: the running requests, in order. Returns whether a request scheduled here is still prefilling
@@ -874,7 +880,7 @@ impl Scheduler {
         mut rec: Box<StepRecord>,
         preempted: Vec<ReqHandle>,
         enc: &EncoderStep,
-    ) -> Result<SchedulerOutput> {
+    ) -> Result<()> {
         b.fill();
         let Builder { out, is_chunk, num_spec, mixed, .. } = b;
         let mut enc_hashes = Vec::new();
@@ -954,7 +960,7 @@ impl Scheduler {
         rec.swapped_out = swapped_out;
         rec.encoder_hashes = enc_hashes;
         self.in_flight.push_back(rec);
-        Ok(std::mem::take(out))
+        Ok(())
     }
 }
 

@@ -65,40 +65,62 @@ fn id_list<'py>(
 /// One step's decisions (see docs/semantics.md). Arrays and lists are built on first access.
 #[pyclass(module = "kvsched._core", name = "SchedulerOutput")]
 pub(crate) struct PySchedulerOutput {
-    #[pyo3(get)]
-    pub(crate) step_id: u64,
-    #[pyo3(get)]
-    pub(crate) total_num_scheduled_tokens: u64,
-    pub(crate) scheduler_id: u64,
-    /// The scheduled requests, and the id table as it was when the step was scheduled (it names them).
-    pub(crate) handles: Vec<core::ReqHandle>,
+    /// The step as the core built it (boxed: handing it over copies a pointer, not ~430 bytes). Its arrays
+    /// move into numpy on first access, each then kept in `arrays`.
+    pub(crate) out: Box<core::SchedulerOutput>,
+    /// The id table as it was when the step was scheduled: it names the step's requests.
     pub(crate) ids: Arc<IdTable>,
-    pub(crate) new_reqs: Vec<u32>,
-    pub(crate) resumed_reqs: Vec<u32>,
     pub(crate) preempted_ids: Vec<Py<PyString>>,
-    pub(crate) finished_ids: Vec<Arc<str>>,
-    pub(crate) num_scheduled_tokens: LazyArray<i32>,
-    pub(crate) num_computed_tokens: LazyArray<i32>,
-    pub(crate) new_block_ids: LazyArray<i32>,
-    pub(crate) new_block_ids_indptr: LazyArray<i32>,
-    pub(crate) spec_token_ids: LazyArray<i32>,
-    pub(crate) spec_token_ids_indptr: LazyArray<i32>,
-    /// Flattened (GPU block, CPU block) and (CPU block, GPU block) pairs, shown as `(m, 2)` int32 arrays.
-    pub(crate) swap_out: LazyArray<i32>,
-    pub(crate) swap_in: LazyArray<i32>,
-    /// CSR aligned with the requests: indices of the encoder inputs computed in this step.
-    pub(crate) scheduled_encoder_inputs: LazyArray<i32>,
-    pub(crate) scheduled_encoder_inputs_indptr: LazyArray<i32>,
-    pub(crate) free_encoder_hashes: LazyArray<u64>,
+    pub(crate) arrays: Arrays,
     pub(crate) req_ids_cache: Option<Py<PyList>>,
     /// What the KV connector's `build_connector_meta(out)` returned (None without a connector).
     #[pyo3(get)]
     pub(crate) kv_connector_metadata: Option<Py<PyAny>>,
 }
 
+/// A numpy array made from a vector of the output on first access (moved, not copied), then kept.
+pub(crate) struct Cached<T: numpy::Element>(Option<Py<PyArray1<T>>>);
+
+impl<T: numpy::Element> Default for Cached<T> {
+    fn default() -> Self {
+        Cached(None)
+    }
+}
+
+impl<T: numpy::Element> Cached<T> {
+    fn get<'py>(&mut self, py: Python<'py>, src: &mut Vec<T>) -> Bound<'py, PyArray1<T>> {
+        if let Some(a) = &self.0 {
+            return a.bind(py).clone();
+        }
+        let a = std::mem::take(src).into_pyarray(py);
+        self.0 = Some(a.clone().unbind());
+        a
+    }
+}
+
+/// The output's arrays handed to numpy so far.
+#[derive(Default)]
+pub(crate) struct Arrays {
+    num_scheduled_tokens: Cached<i32>,
+    num_computed_tokens: Cached<i32>,
+    new_block_ids: Cached<i32>,
+    new_block_ids_indptr: Cached<i32>,
+    spec_token_ids: Cached<i32>,
+    spec_token_ids_indptr: Cached<i32>,
+    swap_out: Cached<i32>,
+    swap_in: Cached<i32>,
+    scheduled_encoder_inputs: Cached<i32>,
+    scheduled_encoder_inputs_indptr: Cached<i32>,
+    free_encoder_hashes: Cached<u64>,
+}
+
 /// A flattened pair list as an `(m, 2)` int32 array (a view of the moved vector, no copy).
-fn pairs<'py>(py: Python<'py>, flat: &mut LazyArray<i32>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-    let a = flat.get(py);
+fn pairs<'py>(
+    py: Python<'py>,
+    cache: &mut Cached<i32>,
+    flat: &mut Vec<i32>,
+) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    let a = cache.get(py, flat);
     let m = a.len() / 2;
     a.reshape([m, 2])
 }
@@ -106,90 +128,103 @@ fn pairs<'py>(py: Python<'py>, flat: &mut LazyArray<i32>) -> PyResult<Bound<'py,
 #[pymethods]
 impl PySchedulerOutput {
     #[getter]
+    fn step_id(&self) -> u64 {
+        self.out.step_id
+    }
+
+    #[getter]
+    fn total_num_scheduled_tokens(&self) -> u64 {
+        self.out.total_num_scheduled_tokens
+    }
+
+    #[getter]
     fn req_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let (handles, ids) = (&self.handles, &self.ids);
+        let (handles, ids) = (&self.out.handles, &self.ids);
         cached_list(py, &mut self.req_ids_cache, || id_list(py, ids, handles.iter().copied()))
     }
 
     #[getter]
     fn num_reqs(&self) -> usize {
-        self.handles.len()
+        self.out.handles.len()
     }
 
     #[getter]
     fn num_scheduled_tokens<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        self.num_scheduled_tokens.get(py)
+        self.arrays.num_scheduled_tokens.get(py, &mut self.out.num_scheduled_tokens)
     }
 
     #[getter]
     fn num_computed_tokens<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        self.num_computed_tokens.get(py)
+        self.arrays.num_computed_tokens.get(py, &mut self.out.num_computed_tokens)
     }
 
     #[getter]
     fn new_block_ids<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        self.new_block_ids.get(py)
+        self.arrays.new_block_ids.get(py, &mut self.out.new_block_ids)
     }
 
     #[getter]
     fn new_block_ids_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        self.new_block_ids_indptr.get(py)
+        self.arrays.new_block_ids_indptr.get(py, &mut self.out.new_block_ids_indptr)
     }
 
     #[getter]
     fn spec_token_ids<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        self.spec_token_ids.get(py)
+        self.arrays.spec_token_ids.get(py, &mut self.out.spec_token_ids)
     }
 
     #[getter]
     fn spec_token_ids_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        self.spec_token_ids_indptr.get(py)
+        self.arrays.spec_token_ids_indptr.get(py, &mut self.out.spec_token_ids_indptr)
     }
 
     /// `(m, 2)` int32: (GPU block, CPU block) copies to make before this step's forward pass.
     #[getter]
     fn swap_out<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        pairs(py, &mut self.swap_out)
+        pairs(py, &mut self.arrays.swap_out, &mut self.out.swap_out)
     }
 
     /// `(m, 2)` int32: (CPU block, GPU block) copies to make after `swap_out`, before the forward pass.
     #[getter]
     fn swap_in<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        pairs(py, &mut self.swap_in)
+        pairs(py, &mut self.arrays.swap_in, &mut self.out.swap_in)
     }
 
     /// int32 CSR values aligned with `req_ids`: indices of the encoder inputs the runner computes this step.
     #[getter]
     fn scheduled_encoder_inputs<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        self.scheduled_encoder_inputs.get(py)
+        self.arrays.scheduled_encoder_inputs.get(py, &mut self.out.scheduled_encoder_inputs)
     }
 
     /// int32 offsets into `scheduled_encoder_inputs`, `num_reqs + 1` of them.
     #[getter]
     fn scheduled_encoder_inputs_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
         // The core leaves the CSR empty for a step without encoder work: zeros, built on first access.
-        if let LazyArray::Raw(v) = &mut self.scheduled_encoder_inputs_indptr {
-            if v.is_empty() {
-                v.resize(self.handles.len() + 1, 0);
-            }
+        let o = &mut self.out;
+        if self.arrays.scheduled_encoder_inputs_indptr.0.is_none()
+            && o.scheduled_encoder_inputs_indptr.is_empty()
+        {
+            o.scheduled_encoder_inputs_indptr.resize(o.handles.len() + 1, 0);
         }
-        self.scheduled_encoder_inputs_indptr.get(py)
+        self.arrays.scheduled_encoder_inputs_indptr.get(py, &mut o.scheduled_encoder_inputs_indptr)
     }
 
     /// uint64: encoder-cache entries evicted since the previous step (the runner drops their outputs).
     #[getter]
     fn free_encoder_hashes<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
-        self.free_encoder_hashes.get(py)
+        self.arrays.free_encoder_hashes.get(py, &mut self.out.free_encoder_hashes)
     }
 
     #[getter]
     fn new_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        id_list(py, &self.ids, self.new_reqs.iter().map(|&i| self.handles[i as usize]))
+        let o = &self.out;
+        id_list(py, &self.ids, o.new_reqs.iter().map(|&i| o.handles[i as usize]))
     }
 
     #[getter]
     fn resumed_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        id_list(py, &self.ids, self.resumed_reqs.iter().map(|&i| self.handles[i as usize]))
+        let o = &self.out;
+        id_list(py, &self.ids, o.resumed_reqs.iter().map(|&i| o.handles[i as usize]))
     }
 
     #[getter]
@@ -199,35 +234,35 @@ impl PySchedulerOutput {
 
     #[getter]
     fn finished_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.finished_ids.iter().map(|s| PyString::new(py, s)))
+        PyList::new(py, self.out.finished_req_ids.iter().map(|s| PyString::new(py, s)))
     }
 
     /// `{req_id: num_scheduled_tokens}`, built on demand (not for the hot path).
     fn num_scheduled_tokens_by_id<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let counts = self.num_scheduled_tokens.get(py);
+        let counts = self.num_scheduled_tokens(py);
         let counts = counts.readonly();
         let d = PyDict::new(py);
-        for (&h, n) in self.handles.iter().zip(counts.as_array().iter()) {
+        for (&h, n) in self.out.handles.iter().zip(counts.as_array().iter()) {
             d.set_item(self.ids.id(py, h)?, *n)?;
         }
         Ok(d)
     }
 
     fn __len__(&self) -> usize {
-        self.handles.len()
+        self.out.handles.len()
     }
 
     fn __repr__(&self) -> String {
         format!(
             "SchedulerOutput(step_id={}, num_reqs={}, total_num_scheduled_tokens={}, num_new={}, num_resumed={}, \
              num_preempted={}, num_finished={})",
-            self.step_id,
-            self.handles.len(),
-            self.total_num_scheduled_tokens,
-            self.new_reqs.len(),
-            self.resumed_reqs.len(),
+            self.out.step_id,
+            self.out.handles.len(),
+            self.out.total_num_scheduled_tokens,
+            self.out.new_reqs.len(),
+            self.out.resumed_reqs.len(),
             self.preempted_ids.len(),
-            self.finished_ids.len()
+            self.out.finished_req_ids.len()
         )
     }
 }

@@ -39,7 +39,7 @@ fn step_key(py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
         type_error(py, format!("out must be a SchedulerOutput from schedule(), got {}", type_name(out)))
     })?;
     let o = o.try_borrow().map_err(|_| type_error(py, "out is in use".into()))?;
-    Ok((o.scheduler_id, o.step_id))
+    Ok((o.out.scheduler_id, o.out.step_id))
 }
 
 fn borrow_mut<'py>(slf: &Bound<'py, PyScheduler>) -> PyResult<PyRefMut<'py, PyScheduler>> {
@@ -271,7 +271,7 @@ impl PyScheduler {
             })?,
         };
         let mut this = borrow_mut(slf)?;
-        let out = guard(py, || this.core.schedule_with(throttle))?;
+        let out = guard(py, || this.core.schedule_boxed(throttle))?;
         if this.connector.is_some() {
             this.after_hooks(py)?;
         }
@@ -291,26 +291,10 @@ impl PyScheduler {
         let out = Py::new(
             py,
             PySchedulerOutput {
-                step_id: out.step_id,
-                total_num_scheduled_tokens: out.total_num_scheduled_tokens,
-                scheduler_id: out.scheduler_id,
-                handles: out.handles,
+                out,
                 ids,
-                new_reqs: out.new_reqs,
-                resumed_reqs: out.resumed_reqs,
                 preempted_ids,
-                finished_ids: out.finished_req_ids,
-                num_scheduled_tokens: LazyArray::Raw(out.num_scheduled_tokens),
-                num_computed_tokens: LazyArray::Raw(out.num_computed_tokens),
-                new_block_ids: LazyArray::Raw(out.new_block_ids),
-                new_block_ids_indptr: LazyArray::Raw(out.new_block_ids_indptr),
-                spec_token_ids: LazyArray::Raw(out.spec_token_ids),
-                spec_token_ids_indptr: LazyArray::Raw(out.spec_token_ids_indptr),
-                swap_out: LazyArray::Raw(out.swap_out),
-                swap_in: LazyArray::Raw(out.swap_in),
-                scheduled_encoder_inputs: LazyArray::Raw(out.scheduled_encoder_inputs),
-                scheduled_encoder_inputs_indptr: LazyArray::Raw(out.scheduled_encoder_inputs_indptr),
-                free_encoder_hashes: LazyArray::Raw(out.free_encoder_hashes),
+                arrays: Default::default(),
                 req_ids_cache: None,
                 kv_connector_metadata: None,
             },
