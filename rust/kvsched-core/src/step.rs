@@ -26,6 +26,9 @@ use crate::swap::{complete_resume, restored_tokens};
 /// (their block-table and hash-list lines twice as far ahead).
 const PREFETCH_AHEAD: usize = 4;
 
+/// From this many running requests `schedule()` prefetches ahead in every step (see `schedule_running`).
+const PREFETCH_MIN_RUNNING: usize = 128;
+
 /// The step's output under construction plus the per-entry flags the scheduler records about it. Its
 /// vectors come from the record of an applied step handed back for reuse (or a new one), which keeps their
 /// capacity, so recording a step allocates nothing once the scheduler is warm. `schedule_with` lends it to
@@ -265,11 +268,12 @@ impl Scheduler {
         // Requests carry encoder inputs only with an encoder cache: without one their (cold) field is not read.
         let has_encoder = self.encoder.capacity() > 0;
         let mut prefill_scheduled = false;
-        // Prefetching ahead pays when many requests do block work in this step, as in lock-step decode (they all
-        // reach a block boundary together): the first running request stands for the batch, so a plain step
-        // pays one check, not one per request.
-        let prefetch =
-            self.running.first().is_some_and(|&s| self.kv.near_block_boundary(self.slab.computed(s)));
+        // Prefetching ahead (the per-request path below) pays when the running requests' state no longer sits in
+        // the nearer CPU caches between steps: with many running requests, every step (those doing block work
+        // are found and fetched ahead); with few, only when the first running request is near a block boundary,
+        // standing for a batch in lock-step (a plain step then pays one check, not one per request).
+        let prefetch = self.running.len() >= PREFETCH_MIN_RUNNING
+            || self.running.first().is_some_and(|&s| self.kv.near_block_boundary(self.slab.computed(s)));
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             if !prefetch {
