@@ -409,3 +409,19 @@ def test_abab_script_rejects_an_unknown_mode() -> None:
         [sys.executable, str(SCRIPTS / "abab.py"), "sometimes"], capture_output=True, text=True, check=False
     )
     assert proc.returncode != 0 and "MODE must be abab or alone" in proc.stderr
+
+
+def test_ab_compare_script_pairs_alternating_runs(tmp_path: Path) -> None:
+    # The same build twice: both get a median and the first one's paired ratio to itself is exactly 1.
+    build = Path(__file__).resolve().parent.parent
+    out = _run_script("ab_compare.py", "a", "2", str(build), str(build), "--", "--scale", "0.05")
+    lines = out.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"a {build}: median ") for line in lines)
+    assert lines[0].endswith("paired ratio 1.000")
+
+
+def test_ab_compare_script_rejects_a_directory_without_a_build(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "ab_compare.py"), "a", "1", str(tmp_path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "has no python/kvsched tree" in proc.stderr
