@@ -26,8 +26,10 @@ use crate::swap::{complete_resume, restored_tokens};
 /// (their block-table and hash-list lines twice as far ahead).
 const PREFETCH_AHEAD: usize = 4;
 
-/// From this many running requests `schedule()` prefetches ahead in every step (see `schedule_running`).
+/// From this many running requests `schedule()` decides whether to prefetch ahead from a sample of
+/// `PREFETCH_SAMPLES` of them, not from the first alone (see `schedule_running`).
 const PREFETCH_MIN_RUNNING: usize = 128;
+const PREFETCH_SAMPLES: usize = 16;
 
 /// The step's output under construction plus the per-entry flags the scheduler records about it. Its
 /// vectors come from the record of an applied step handed back for reuse (or a new one), which keeps their
@@ -268,12 +270,21 @@ impl Scheduler {
         // Requests carry encoder inputs only with an encoder cache: without one their (cold) field is not read.
         let has_encoder = self.encoder.capacity() > 0;
         let mut prefill_scheduled = false;
-        // Prefetching ahead (the per-request path below) pays when the running requests' state no longer sits in
-        // the nearer CPU caches between steps: with many running requests, every step (those doing block work
-        // are found and fetched ahead); with few, only when the first running request is near a block boundary,
-        // standing for a batch in lock-step (a plain step then pays one check, not one per request).
-        let prefetch = self.running.len() >= PREFETCH_MIN_RUNNING
-            || self.running.first().is_some_and(|&s| self.kv.near_block_boundary(self.slab.computed(s)));
+        // Prefetching ahead (the per-request path below) pays when many running requests do block work in this
+        // step and their state no longer sits in the nearer CPU caches. With many running requests, a sample of
+        // `PREFETCH_SAMPLES` evenly spaced ones decides: one near a block boundary turns it on (boundaries
+        // staggered by admission group or at random put an eighth of the batch near one in every step), none
+        // keeps the plain-decode runs (a batch in lock-step between its boundaries). With few, the first
+        // running request stands for the batch (a plain step pays one check, not one per request).
+        let near = |k: usize| {
+            self.running.get(k).is_some_and(|&s| self.kv.near_block_boundary(self.slab.computed(s)))
+        };
+        let n = self.running.len();
+        let prefetch = if n >= PREFETCH_MIN_RUNNING {
+            (0..PREFETCH_SAMPLES).any(|k| near(k * n / PREFETCH_SAMPLES))
+        } else {
+            near(0)
+        };
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             if !prefetch {
