@@ -120,6 +120,20 @@ def setup_lookahead() -> Ctx:
     return setup_in_flight(num_lookahead_tokens=2)
 
 
+def setup_decodes() -> Ctx:
+    """run and run2 decoding; the step that schedules one token of each is in flight: a step of plain decodes,
+    whose update first tries the one-token-each fast path and must fall back to the checks on bad input."""
+    s = Scheduler(**CONFIG)
+    s.add_request("run", [1, 2, 3, 4, 5], max_tokens=20)
+    s.add_request("run2", [6, 7, 8], max_tokens=20)
+    out = s.schedule()
+    s.update_from_output(out, [[7], [7]])
+    out = s.schedule()
+    assert out.req_ids == ["run", "run2"]
+    assert out.num_scheduled_tokens.tolist() == [1, 1]
+    return Ctx(s, [(out, answer(s, out))])
+
+
 class LoadWait:
     """A KV connector that loads 4 tokens of "wait" asynchronously and keeps "sent"'s blocks for a send."""
 
@@ -462,6 +476,22 @@ CASES = [
         InvalidOutputError,
         "18446744073709551616",
     ),
+    # --- update_from_output on a step of plain decodes (its one-token-each fast path falls back) --------------
+    Case("decodes-negative-token", update((ARR([-1, 7]), ARR([0, 1, 2]))), InvalidOutputError, "-1", setup_decodes),
+    Case(
+        "decodes-token-2**31",
+        update((ARR([7, 2**31]), ARR([0, 1, 2]))),
+        InvalidOutputError,
+        "2147483648",
+        setup_decodes,
+    ),
+    Case("decodes-two-tokens", update((ARR([7, 8]), ARR([0, 2, 2]))), InvalidOutputError, "got 2", setup_decodes),
+    Case("decodes-zero-tokens", update((ARR([7]), ARR([0, 0, 1]))), InvalidOutputError, "got 0", setup_decodes),
+    Case("decodes-indptr-short", update((ARR([7, 8]), ARR([0, 1]))), InvalidOutputError, "got 2", setup_decodes),
+    Case(
+        "decodes-values-long", update((ARR([7, 8, 9]), ARR([0, 1, 2]))), InvalidOutputError, "3 values", setup_decodes
+    ),
+    Case("decodes-drafts", update([[7], [7]], [[1], []]), InvalidOutputError, "at most 0", setup_decodes),
     # --- update_from_output: what the tokens answer -------------------------------------------------------
     Case("tokens-for-a-partial-prefill", update([[7], [8]]), InvalidOutputError, "chunk"),
     Case("too-many-tokens-for-a-decode", update([[7, 8], []]), InvalidOutputError, "got 2"),
