@@ -425,3 +425,61 @@ def test_ab_compare_script_rejects_a_directory_without_a_build(tmp_path: Path) -
         [sys.executable, str(SCRIPTS / "ab_compare.py"), "a", "1", str(tmp_path)], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "has no python/kvsched tree" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Runs with vLLM's scheduler: vLLM is imported before anything is timed
+
+_RECORD_VLLM_IMPORTED = """
+import sys
+import kvsched.bench.harness as harness
+from kvsched.cli import main
+
+seen = []
+original = harness.run_workload
+
+
+def recording(impl, *args, **kwargs):
+    seen.append((impl, "vllm" in sys.modules))
+    return original(impl, *args, **kwargs)
+
+
+harness.run_workload = recording
+code = main(["bench", "--impl", "rust,vllm", "-w", "a", "--scale", "0.05", "--repeat", "1", "--no-json",
+             "--no-progress"])
+print("CODE", code)
+print("SEEN", seen)
+"""
+
+
+def _vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.vllm
+def test_bench_with_vllm_imports_it_before_the_first_timed_run() -> None:
+    if not _vllm_importable():
+        pytest.skip("vLLM is optional: pip install 'kvsched[vllm]'")
+    # A fresh interpreter: in this one another test may have imported vLLM already.
+    proc = subprocess.run(
+        [sys.executable, "-c", _RECORD_VLLM_IMPORTED], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "CODE 0" in proc.stdout
+    assert "SEEN [('rust', True), ('vllm', True)]" in proc.stdout
+
+
+def test_bench_without_vllm_stops_before_timing_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if _vllm_importable():
+        pytest.skip("vLLM is importable here")
+    import kvsched.bench.harness as harness
+
+    calls: list[str] = []
+    monkeypatch.setattr(harness, "run_workload", lambda impl, *a, **k: calls.append(impl))
+    code = main(["bench", "--impl", "rust,vllm", "-w", "a", "--scale", "0.05", "--no-json", "--no-progress"])
+    assert code == 2 and calls == []
+    assert "vllm is not importable" in capsys.readouterr().err
