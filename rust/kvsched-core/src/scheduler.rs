@@ -144,11 +144,10 @@ impl Scheduler {
         };
         let limits = DecodeLimits {
             max_model_len: i64::from(config.max_model_len),
-            max_slots: config.max_slots_per_request(),
+            max_slots: kv.max_slots,
             lookahead: config.num_lookahead_tokens,
-            block_size: config.kv_block_size(),
-            block_shift: config.kv_block_size().trailing_zeros(),
-            caching: config.enable_prefix_caching,
+            block_size: kv.block_size,
+            caching: kv.enable_caching,
         };
         Ok(Scheduler {
             cpu: CpuBlockPool::new(config.num_cpu_blocks),

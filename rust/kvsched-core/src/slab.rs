@@ -73,8 +73,15 @@ impl Hot {
     /// its record's values, precomputed as a span).
     #[inline(always)]
     pub fn fits(&self, s: usize, computed: u32) -> bool {
-        computed + 1 == self.num_tokens[s] && computed >= self.decode_lo[s] && computed <= self.decode_hi[s]
+        in_decode_span(computed, self.num_tokens[s], self.decode_lo[s], self.decode_hi[s])
     }
+}
+
+/// The plain-decode check on a slot's columns: the next token is the last known one and `computed` lies in the
+/// decode span (`Hot::fits`, and `Slab::plain_decode_run` on its pre-sliced columns).
+#[inline(always)]
+fn in_decode_span(computed: u32, tokens: u32, lo: u32, hi: u32) -> bool {
+    computed + 1 == tokens && computed >= lo && computed <= hi
 }
 
 /// The span of a request that never fits (`lo > hi`).
@@ -88,7 +95,6 @@ pub struct DecodeLimits {
     pub max_slots: u32,
     pub lookahead: u32,
     pub block_size: u32,
-    pub block_shift: u32,
     pub caching: bool,
 }
 
@@ -106,14 +112,14 @@ impl DecodeLimits {
         blocks: u32,
         cached: u32,
     ) -> bool {
+        let shift = self.block_size.trailing_zeros();
         plain
             && computed + 1 == tokens
             && computed >= prompt
             && i64::from(computed) + 2 <= self.max_model_len
             && computed < self.max_slots
-            && ((computed + 1 + self.lookahead).min(self.max_slots) + self.block_size - 1) >> self.block_shift
-                <= blocks
-            && (!self.caching || (computed + 1) >> self.block_shift <= cached)
+            && ((computed + 1 + self.lookahead).min(self.max_slots) + self.block_size - 1) >> shift <= blocks
+            && (!self.caching || (computed + 1) >> shift <= cached)
     }
 
     /// The computed counts `lo..=hi` at which a plain request with this prompt length, block count and cached
@@ -264,7 +270,7 @@ impl Slab {
                 break;
             }
             let computed = computed_col[s];
-            if !(computed + 1 == tokens[s] && computed >= lo[s] && computed <= hi[s]) {
+            if !in_decode_span(computed, tokens[s], lo[s], hi[s]) {
                 break;
             }
             computed_col[s] = computed + 1;
@@ -361,14 +367,7 @@ mod tests {
             for (max_model_len, max_slots) in [(64i64, 64u32), (64, 40), (40, 64), (1, 64), (2, 64)] {
                 for lookahead in [0u32, 1, 3, 17] {
                     for caching in [false, true] {
-                        let lim = DecodeLimits {
-                            max_model_len,
-                            max_slots,
-                            lookahead,
-                            block_size,
-                            block_shift: block_size.trailing_zeros(),
-                            caching,
-                        };
+                        let lim = DecodeLimits { max_model_len, max_slots, lookahead, block_size, caching };
                         for prompt in [0u32, 1, 5, 16, 63] {
                             for blocks in 0..=(70 / block_size + 1) {
                                 for cached in 0..=blocks {
