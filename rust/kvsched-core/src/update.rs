@@ -177,26 +177,20 @@ impl Scheduler {
         let (mut any_running_finished, mut any_waiting_finished) = (false, false);
         // Spec decoding caches blocks in every update and drafts change the drafts: the general path for all.
         let plain_excluded = spec_decoding || drafts.is_some();
+        let mut tally = |done: Option<bool>| match done {
+            Some(true) => any_running_finished = true,
+            Some(false) => any_waiting_finished = true,
+            None => {}
+        };
         if one_each && !plain_excluded {
             // A step of plain decodes with one token each: entry `i`'s token is `values[i]`, and no entry is a
             // prefill chunk or carries drafts (the checks above), so those columns need not be read.
             let entries =
                 (rec.handles.iter()).zip(&rec.num_scheduled_tokens).zip(sampled.values.chunks_exact(1));
             for (i, ((&handle, &num_scheduled), tokens)) in entries.enumerate() {
-                let num_scheduled = num_scheduled as u32;
-                let done =
-                    match self.apply_decode(&mut res, i, handle, num_scheduled, tokens, max_model_len)? {
-                        Applied::Decode(stopped) => stopped.then_some(true),
-                        Applied::Gone => None,
-                        Applied::General => {
-                            self.apply_general(&mut res, i, handle, num_scheduled, false, 0, tokens, None)?
-                        }
-                    };
-                match done {
-                    Some(true) => any_running_finished = true,
-                    Some(false) => any_waiting_finished = true,
-                    None => {}
-                }
+                let e =
+                    Entry { i, handle, num_scheduled: num_scheduled as u32, is_chunk: false, num_spec: 0 };
+                tally(self.apply_entry(&mut res, e, tokens, None, false, max_model_len)?);
             }
         } else {
             // The entries' columns side by side (no per-entry bounds checks; `check` guaranteed n + 1 offsets).
@@ -207,32 +201,9 @@ impl Scheduler {
                 .zip(sampled.indptr.windows(2))
                 .enumerate();
             for (i, ((((&handle, &num_scheduled), &is_chunk), &num_spec), w)) in entries {
-                let num_scheduled = num_scheduled as u32;
+                let e = Entry { i, handle, num_scheduled: num_scheduled as u32, is_chunk, num_spec };
                 let tokens = &sampled.values[w[0] as usize..w[1] as usize];
-                let applied = if !plain_excluded && !is_chunk && num_spec == 0 {
-                    self.apply_decode(&mut res, i, handle, num_scheduled, tokens, max_model_len)?
-                } else {
-                    self.release_in_flight(handle, num_scheduled)
-                };
-                let done = match applied {
-                    Applied::Decode(stopped) => stopped.then_some(true),
-                    Applied::Gone => None,
-                    Applied::General => self.apply_general(
-                        &mut res,
-                        i,
-                        handle,
-                        num_scheduled,
-                        is_chunk,
-                        num_spec,
-                        tokens,
-                        drafts,
-                    )?,
-                };
-                match done {
-                    Some(true) => any_running_finished = true,
-                    Some(false) => any_waiting_finished = true,
-                    None => {}
-                }
+                tally(self.apply_entry(&mut res, e, tokens, drafts, plain_excluded, max_model_len)?);
             }
         }
         // The next step's record reuses this one's buffers.
@@ -253,7 +224,51 @@ enum Applied {
     General,
 }
 
+/// One entry of the step being applied, as its record has it.
+#[derive(Clone, Copy)]
+struct Entry {
+    i: usize,
+    handle: ReqHandle,
+    num_scheduled: u32,
+    is_chunk: bool,
+    num_spec: u32,
+}
+
 impl Scheduler {
+    /// Applies entry `e` with its sampled `tokens`: a plain decode (`apply_decode`) when it can be one, else the
+    /// general path. Returns what `apply_general` returns: whether a stopped request was running (`Some(true)`)
+    /// or waiting (`Some(false)`).
+    #[inline(always)]
+    fn apply_entry(
+        &mut self,
+        res: &mut UpdateResult,
+        e: Entry,
+        tokens: &[i64],
+        drafts: Option<Ragged<'_>>,
+        plain_excluded: bool,
+        max_model_len: u32,
+    ) -> Result<Option<bool>> {
+        let applied = if !plain_excluded && !e.is_chunk && e.num_spec == 0 {
+            self.apply_decode(res, e.i, e.handle, e.num_scheduled, tokens, max_model_len)?
+        } else {
+            self.release_in_flight(e.handle, e.num_scheduled)
+        };
+        match applied {
+            Applied::Decode(stopped) => Ok(stopped.then_some(true)),
+            Applied::Gone => Ok(None),
+            Applied::General => self.apply_general(
+                res,
+                e.i,
+                e.handle,
+                e.num_scheduled,
+                e.is_chunk,
+                e.num_spec,
+                tokens,
+                drafts,
+            ),
+        }
+    }
+
     /// Releases entry `handle`'s `num_scheduled` in-flight tokens; `General` unless its request is gone.
     #[inline(always)]
     fn release_in_flight(&mut self, handle: ReqHandle, num_scheduled: u32) -> Applied {
