@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use kvsched_core as core;
 use pyo3::prelude::*;
-use pyo3::types::PyString;
+use pyo3::types::{PyList, PyString};
 
 use crate::errors::py_error;
 
@@ -60,5 +60,17 @@ impl IdTable {
         self.get(h.slot)
             .map(|s| s.bind(py))
             .ok_or_else(|| py_error(py, "InternalError", format!("no request id for slot {}", h.slot)))
+    }
+
+    /// The ids of `handles`' requests as a new list (every handle's slot has an id: checked before building).
+    pub(crate) fn list<'py>(
+        &self,
+        py: Python<'py>,
+        handles: impl ExactSizeIterator<Item = core::ReqHandle> + Clone,
+    ) -> PyResult<Bound<'py, PyList>> {
+        for h in handles.clone() {
+            self.id(py, h)?;
+        }
+        PyList::new(py, handles.map(|h| self.get(h.slot).map(|s| s.bind(py))))
     }
 }

@@ -15,22 +15,18 @@ use pyo3::types::{PyDict, PyList, PyString};
 use crate::ids::IdTable;
 
 /// A Rust vector that becomes a numpy array (moved, not copied) the first time Python asks for it.
-pub(crate) enum LazyArray<T: numpy::Element> {
-    Raw(Vec<T>),
-    Py(Py<PyArray1<T>>),
+pub(crate) struct LazyArray<T: numpy::Element> {
+    raw: Vec<T>,
+    array: Cached<T>,
 }
 
 impl<T: numpy::Element> LazyArray<T> {
+    pub(crate) fn new(raw: Vec<T>) -> Self {
+        LazyArray { raw, array: Cached::default() }
+    }
+
     pub(crate) fn get<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<T>> {
-        if let LazyArray::Raw(v) = self {
-            let arr = std::mem::take(v).into_pyarray(py);
-            *self = LazyArray::Py(arr.clone().unbind());
-            return arr;
-        }
-        match self {
-            LazyArray::Py(a) => a.bind(py).clone(),
-            LazyArray::Raw(_) => PyArray1::from_vec(py, Vec::new()),
-        }
+        self.array.get(py, &mut self.raw)
     }
 }
 
@@ -45,18 +41,6 @@ pub(crate) fn cached_list<'py>(
     let l = make()?;
     *cache = Some(l.clone().unbind());
     Ok(l)
-}
-
-/// The ids of `handles`' requests as a new list (every handle's slot has an id: checked before building).
-fn id_list<'py>(
-    py: Python<'py>,
-    ids: &IdTable,
-    handles: impl ExactSizeIterator<Item = core::ReqHandle> + Clone,
-) -> PyResult<Bound<'py, PyList>> {
-    for h in handles.clone() {
-        ids.id(py, h)?;
-    }
-    PyList::new(py, handles.map(|h| ids.get(h.slot).map(|s| s.bind(py))))
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -140,7 +124,7 @@ impl PySchedulerOutput {
     #[getter]
     fn req_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let (handles, ids) = (&self.out.handles, &self.ids);
-        cached_list(py, &mut self.req_ids_cache, || id_list(py, ids, handles.iter().copied()))
+        cached_list(py, &mut self.req_ids_cache, || ids.list(py, handles.iter().copied()))
     }
 
     #[getter]
@@ -218,13 +202,13 @@ impl PySchedulerOutput {
     #[getter]
     fn new_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let o = &self.out;
-        id_list(py, &self.ids, o.new_reqs.iter().map(|&i| o.handles[i as usize]))
+        self.ids.list(py, o.new_reqs.iter().map(|&i| o.handles[i as usize]))
     }
 
     #[getter]
     fn resumed_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let o = &self.out;
-        id_list(py, &self.ids, o.resumed_reqs.iter().map(|&i| o.handles[i as usize]))
+        self.ids.list(py, o.resumed_reqs.iter().map(|&i| o.handles[i as usize]))
     }
 
     #[getter]

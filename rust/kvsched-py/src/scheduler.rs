@@ -1,8 +1,8 @@
 //! The `Scheduler` pyclass: each method converts its arguments, borrows the core, and calls it through `guard`.
 //!
 //! Arguments are converted before the core is borrowed (a re-entrant call gets `SchedulerError`, not a
-//! panic). Ids are interned once per request (at `add_request`) and reused for every step's `req_ids`; the
-//! previous step's id list is reused while the scheduled handles are unchanged (steady decode).
+//! panic). Ids are kept once per request (at `add_request`) in a table by slot that the step outputs share
+//! (`ids.rs`); an output looks its requests' ids up when Python first asks for them.
 
 use std::sync::Arc;
 
@@ -351,9 +351,9 @@ impl PyScheduler {
         Ok(PyUpdateResult {
             kv_transfer_params,
             finished_ids: res.finished_req_ids,
-            finish_reasons: LazyArray::Raw(res.finish_reasons.iter().map(|&r| r as i8).collect()),
-            stop_reasons: LazyArray::Raw(res.stop_reasons),
-            num_new_tokens: LazyArray::Raw(res.num_new_tokens),
+            finish_reasons: LazyArray::new(res.finish_reasons.iter().map(|&r| r as i8).collect()),
+            stop_reasons: LazyArray::new(res.stop_reasons),
+            num_new_tokens: LazyArray::new(res.num_new_tokens),
             finished_cache: None,
         })
     }
