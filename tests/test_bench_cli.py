@@ -6,6 +6,8 @@ These tests check that the benchmark machinery works and is deterministic; they 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -409,6 +411,34 @@ def test_abab_script_rejects_an_unknown_mode() -> None:
         [sys.executable, str(SCRIPTS / "abab.py"), "sometimes"], capture_output=True, text=True, check=False
     )
     assert proc.returncode != 0 and "MODE must be abab or alone" in proc.stderr
+
+
+@pytest.mark.skipif(
+    shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None, reason="needs valgrind"
+)
+def test_step_cache_misses_script_counts_both_methods_per_step() -> None:
+    import kvsched
+
+    package_root = Path(kvsched.__file__).resolve().parent.parent
+    # The script runs `python3`: this interpreter, whatever PATH holds.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(
+        ["bash", str(SCRIPTS / "step_cache_misses.sh"), str(package_root), "8", "5", "0", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("n=8 steps=5 cold_mb=0 stagger=1 ")
+    assert lines[1].split() == ["Ir", "D1mr", "D1mw", "DLmr", "DLmw"]
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in lines[2:]}
+    assert set(rows) == {"schedule", "update_from_output"}
+    # Each method runs instructions every step. (A miss count is a difference of two runs and may dip below
+    # zero by a line or two over so few steps.)
+    assert all(len(v) == 5 and v[0] > 0 for v in rows.values())
 
 
 def test_ab_compare_script_pairs_alternating_runs(tmp_path: Path) -> None:
