@@ -453,7 +453,7 @@ def test_ab_compare_script_pairs_alternating_runs(tmp_path: Path) -> None:
 def test_ab_compare_script_reverses_the_build_order_every_other_round(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The second run of a round reads slower on a busy VM: a fixed order would charge that to one build.
+    # With a fixed order, any penalty (or gain) of running second in a round would land on one build throughout.
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ab_compare", SCRIPTS / "ab_compare.py")
