@@ -49,35 +49,41 @@ fn table_hash(hash: &BlockHash) -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// `BlockPool::meta`'s flag bit: the block carries a hash. The other 31 bits are its reference count.
+const HASHED: u32 = 1 << 31;
+
 #[derive(Debug, Clone)]
 pub struct BlockPool {
-    ref_cnt: Vec<u32>,
-    /// `hash[b]` is block `b`'s hash when `hashed[b]` (stale bytes otherwise).
+    /// Per block: its reference count, with the `HASHED` bit set while it carries a hash. One array, so that
+    /// freeing or allocating a block (both read the two) touches one line of it, not one in each of two.
+    meta: Vec<u32>,
+    /// `hash[b]` is block `b`'s hash while `meta[b]` has `HASHED` (stale bytes otherwise).
     hash: Vec<HashSlot>,
-    hashed: Vec<bool>,
     free: FreeBlockQueue,
     /// The first block cached under each hash (what a lookup returns), as block ids keyed by `hash[b]`.
     cached: CacheTable,
     /// Later blocks with the same hash, in insertion order (rare: no allocation on the common path).
     duplicates: HashMap<BlockHash, Vec<u32>, PrehashedBuild>,
+    /// `free_blocks`' list of the unhashed blocks it frees, kept across calls (empty between them).
+    unhashed_buf: Vec<u32>,
 }
 
 impl BlockPool {
     pub fn new(num_blocks: u32, enable_caching: bool) -> Self {
         let n = num_blocks as usize;
         BlockPool {
-            ref_cnt: vec![0; n],
+            meta: vec![0; n],
             hash: vec![EMPTY_SLOT; n],
-            hashed: vec![false; n],
             free: FreeBlockQueue::new(n, 1..num_blocks),
             // Sized up front (every block can be cached at once): no rehash spike in the middle of a step.
             cached: CacheTable::with_capacity(if enable_caching { n.min(1 << 20) } else { 0 }),
             duplicates: HashMap::default(),
+            unhashed_buf: Vec::new(),
         }
     }
 
     pub fn num_blocks(&self) -> u32 {
-        self.ref_cnt.len() as u32
+        self.meta.len() as u32
     }
 
     pub fn num_free_blocks(&self) -> usize {
@@ -85,7 +91,7 @@ impl BlockPool {
     }
 
     pub fn num_usable_blocks(&self) -> usize {
-        self.ref_cnt.len() - 1
+        self.meta.len() - 1
     }
 
     /// Share of usable blocks held by requests, in [0, 1].
@@ -94,7 +100,13 @@ impl BlockPool {
     }
 
     pub fn ref_cnt(&self, block: u32) -> u32 {
-        self.ref_cnt[block as usize]
+        self.meta[block as usize] & !HASHED
+    }
+
+    /// Whether block `b` (in range) carries a hash.
+    #[inline(always)]
+    fn is_hashed(&self, b: usize) -> bool {
+        self.meta[b] & HASHED != 0
     }
 
     pub fn block_hash(&self, block: u32) -> Option<&BlockHash> {
@@ -104,7 +116,7 @@ impl BlockPool {
     /// `block`'s hash if it has one (`b` in range).
     #[inline(always)]
     fn hash_of(&self, b: usize) -> Option<&BlockHash> {
-        if self.hashed[b] {
+        if self.is_hashed(b) {
             Some(&self.hash[b].0)
         } else {
             None
@@ -150,11 +162,11 @@ impl BlockPool {
             // the new head and the block after it, evicting their hashes: start fetching their lines while this
             // block is handed out (the head's hash and link were prefetched by the previous pop).
             if let Some(h) = self.free.front() {
-                if self.hashed[h as usize] {
+                if self.is_hashed(h as usize) {
                     self.prefetch_cache_slot(&self.hash[h as usize].0);
                 }
                 if let Some(n) = self.free.next_of(h) {
-                    if self.hashed[n as usize] {
+                    if self.is_hashed(n as usize) {
                         prefetch((&self.hash[n as usize] as *const HashSlot).cast());
                     }
                     if let Some(p) = self.free.next_of(n).and_then(|nn| self.free.link_addr(nn)) {
@@ -163,7 +175,7 @@ impl BlockPool {
                 }
             }
             self.evict(b);
-            self.ref_cnt[b as usize] = 1;
+            self.meta[b as usize] = 1;
             out.push(b);
         }
     }
@@ -178,8 +190,10 @@ impl BlockPool {
         let run = &out[start..];
         let mut any_hashed = false;
         for &b in run {
-            self.ref_cnt[b as usize] = 1;
-            if self.hashed[b as usize] {
+            // A count of 1, the hash flag kept until `evict` takes the hash out below.
+            let m = &mut self.meta[b as usize];
+            *m = (*m & HASHED) | 1;
+            if *m & HASHED != 0 {
                 any_hashed = true;
                 self.prefetch_cache_slot(&self.hash[b as usize].0);
             }
@@ -195,14 +209,14 @@ impl BlockPool {
     /// one inlined check.
     #[inline(always)]
     fn evict(&mut self, block: u32) {
-        if self.hashed[block as usize] {
+        if self.is_hashed(block as usize) {
             self.evict_hashed(block);
         }
     }
 
     fn evict_hashed(&mut self, block: u32) {
         let i = block as usize;
-        self.hashed[i] = false;
+        self.meta[i] &= !HASHED;
         let h = self.hash[i].0;
         // Found by block id, not by comparing hashes: one probe, and only the table is read.
         let key = table_hash(&h);
@@ -249,10 +263,11 @@ impl BlockPool {
     /// A prefix hit takes a reference; a block at ref 0 leaves the free queue (O(1)).
     pub fn touch(&mut self, blocks: &[u32]) {
         for &b in blocks {
-            if self.ref_cnt[b as usize] == 0 {
+            let m = &mut self.meta[b as usize];
+            if *m & !HASHED == 0 {
                 self.free.remove(b);
             }
-            self.ref_cnt[b as usize] += 1;
+            *m += 1;
         }
     }
 
@@ -260,28 +275,27 @@ impl BlockPool {
     /// Blocks reaching ref 0 go to the tail when hashed (LRU, deepest first), and as one group to the head when
     /// not (reused first, deepest first): vLLM 0.33's `free_blocks` + `prepend_n`.
     pub fn free_blocks(&mut self, blocks: &[u32]) {
-        let mut any_unhashed = false;
+        // The unhashed blocks that reach ref 0, deepest first (usually one: a request's last, partial block).
+        let mut unhashed = std::mem::take(&mut self.unhashed_buf);
         for &b in blocks.iter().rev() {
-            let rc = &mut self.ref_cnt[b as usize];
-            debug_assert!(*rc > 0, "freeing block {b} with ref_cnt 0");
-            *rc = rc.saturating_sub(1);
-            if *rc == 0 {
-                if self.hashed[b as usize] {
-                    self.free.push_back(b);
-                } else {
-                    any_unhashed = true;
-                }
+            let m = &mut self.meta[b as usize];
+            debug_assert!(*m & !HASHED > 0, "freeing block {b} with ref_cnt 0");
+            if *m & !HASHED == 0 {
+                continue; // freed more often than held: left as it is (`check` reports it)
+            }
+            *m -= 1;
+            if *m == HASHED {
+                self.free.push_back(b);
+            } else if *m == 0 {
+                unhashed.push(b);
             }
         }
-        if any_unhashed {
-            // Pushing to the front in table order leaves the group at the head deepest block first. A block
-            // appears once per table, so ref 0 + no hash here means it reached 0 in this call.
-            for &b in blocks {
-                if self.ref_cnt[b as usize] == 0 && !self.hashed[b as usize] {
-                    self.free.push_front(b);
-                }
-            }
+        // Pushing them to the front in table order leaves the group at the head deepest block first.
+        for &b in unhashed.iter().rev() {
+            self.free.push_front(b);
         }
+        unhashed.clear();
+        self.unhashed_buf = unhashed;
     }
 
     /// Enters a full, allocated block into the prefix cache (only called with caching on).
@@ -290,9 +304,9 @@ impl BlockPool {
         if block == NULL_BLOCK {
             return;
         }
-        debug_assert!(!self.hashed[block as usize]);
+        debug_assert!(!self.is_hashed(block as usize));
         self.hash[block as usize] = HashSlot(hash);
-        self.hashed[block as usize] = true;
+        self.meta[block as usize] |= HASHED;
         let hashes = &self.hash;
         let key = table_hash(&hash);
         // `block` itself is not in the table yet, so a match is another block with the same hash (every block
@@ -333,7 +347,9 @@ impl BlockPool {
         }
         self.cached.clear();
         self.duplicates.clear();
-        self.hashed.fill(false);
+        for m in &mut self.meta {
+            *m &= !HASHED;
+        }
         true
     }
 
@@ -341,11 +357,11 @@ impl BlockPool {
     #[allow(clippy::needless_range_loop)]
     pub fn check(&self, held: &[u32]) -> Result<(), String> {
         self.free.check()?;
-        if self.ref_cnt[0] != 0 || self.free.contains(NULL_BLOCK) || self.hashed[0] {
+        if self.meta[0] != 0 || self.free.contains(NULL_BLOCK) {
             return Err("the null block is in use, free or hashed".into());
         }
-        for b in 1..self.ref_cnt.len() {
-            let rc = self.ref_cnt[b];
+        for b in 1..self.meta.len() {
+            let rc = self.meta[b] & !HASHED;
             if rc != held[b] {
                 return Err(format!("block {b}: ref_cnt {rc} but {} request(s) hold it", held[b]));
             }
@@ -364,7 +380,7 @@ impl BlockPool {
             }
         }
         let mapped = self.cached.len() + self.duplicates.values().map(Vec::len).sum::<usize>();
-        let hashed = self.hashed.iter().filter(|&&h| h).count();
+        let hashed = self.meta.iter().filter(|&&m| m & HASHED != 0).count();
         if mapped != hashed {
             return Err(format!("cache map holds {mapped} blocks but {hashed} blocks have a hash"));
         }
