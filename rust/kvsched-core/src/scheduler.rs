@@ -82,6 +82,9 @@ pub struct Scheduler {
     /// `admit_waiting`'s prefix-hit buffer, kept between steps (empty between them).
     pub(crate) hits_buf: Vec<u32>,
     pub(crate) finished_since_step: Vec<Arc<str>>,
+    /// Slots of running requests `finish` took out of the slab that are still in `running`, until
+    /// `remove_finished_from_queues` removes them (by slot, without reading every running request's record).
+    finished_running: Vec<u32>,
     /// Bumped by every call that changes state; `prepare_model_inputs` requires it unchanged since `schedule()`.
     pub(crate) epoch: u64,
     pub(crate) counters: Counters,
@@ -169,6 +172,7 @@ impl Scheduler {
             spare_record: None,
             hits_buf: Vec::new(),
             finished_since_step: Vec::new(),
+            finished_running: Vec::new(),
             epoch: 0,
             counters: Counters::default(),
             pause_state: PauseState::Unpaused,
@@ -522,15 +526,33 @@ impl Scheduler {
             .remove(slot)
             .ok_or_else(|| SchedError::Internal(format!("slot {slot} vanished while finishing")))?;
         self.ids.remove(&req.id);
+        if prev == RequestStatus::Running {
+            self.finished_running.push(slot);
+        }
         self.finished_since_step.push(req.id.clone());
         self.counters.num_finished_reqs += 1;
         Ok(req)
     }
 
     pub(crate) fn remove_finished_from_queues(&mut self, running: bool, waiting: bool) {
+        /// Up to this many finished running requests are found by slot; more take one pass over the records.
+        const BY_SLOT: usize = 8;
         let slab = &self.slab;
-        if running {
-            self.running.retain(|&s| slab.get(s).is_ok());
+        let gone = &mut self.finished_running;
+        if running || !gone.is_empty() {
+            // Before the slots are reused: `finish` recorded them since the previous call (not one is inserted
+            // into the slab in between).
+            match gone.len() {
+                0 => {}
+                1 => {
+                    if let Some(p) = self.running.iter().position(|&s| s == gone[0]) {
+                        self.running.remove(p);
+                    }
+                }
+                k if k <= BY_SLOT => self.running.retain(|s| !gone.contains(s)),
+                _ => self.running.retain(|&s| slab.get(s).is_ok()),
+            }
+            gone.clear();
         }
         if waiting {
             self.waiting.retain(|h| slab.resolve(h).is_some());
@@ -752,6 +774,12 @@ impl Scheduler {
             if where_.insert(s, "running").is_some() {
                 return Err(format!("slot {s} appears twice in running"));
             }
+            if self.slab.peek(s).is_none() {
+                return Err(format!("running holds slot {s}, which has no live request"));
+            }
+        }
+        if !self.finished_running.is_empty() {
+            return Err(format!("finished slots {:?} are still to leave running", self.finished_running));
         }
         for (queue, name) in [(&self.waiting, "waiting"), (&self.kv_waiting, "kv_waiting")] {
             for h in queue.handles() {
