@@ -478,8 +478,34 @@ def test_ab_compare_script_reverses_the_build_order_every_other_round(
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].endswith("paired ratio 1.000")
     # Per round the ratio is 1.32 or 1.09 (12 * 1.1 / 10, 12 / (10 * 1.1)): their median lies between.
-    ratio = float(lines[1].rsplit(" ", 1)[1])
+    ratio = float(lines[1].split("paired ratio ")[1].split(" ")[0])
     assert 1.09 < ratio < 1.32
+    assert lines[1].endswith("(too few rounds for an interval; faster in 0 of 4 rounds)")
+
+
+def test_ab_compare_interval_for_the_median_ratio() -> None:
+    # Distribution-free: order statistics chosen by the binomial(n, 1/2) tails, at least 95% coverage.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ab_compare", SCRIPTS / "ab_compare.py")
+    assert spec is not None and spec.loader is not None
+    ab_compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_compare)
+    # n = 16: P(B <= 3) = 0.0106 <= 0.025 < P(B <= 4) = 0.0384, so the 4th and 13th smallest values.
+    assert ab_compare.median_interval([float(x) for x in range(16, 0, -1)]) == (4.0, 13.0)
+    # n = 6: only the extremes (P(B = 0) = 1/64); n = 5: P(B = 0) = 1/32 > 0.025, no interval.
+    assert ab_compare.median_interval([3.0, 1.0, 2.0, 6.0, 5.0, 4.0]) == (1.0, 6.0)
+    assert ab_compare.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    # Its coverage over many samples of a skewed distribution is at least 95%.
+    rng = np.random.default_rng(0)
+    samples = rng.lognormal(0.0, 0.5, size=(2000, 16))
+    true_median = 1.0  # exp(0)
+    covered = 0
+    for row in samples:
+        interval = ab_compare.median_interval(list(row))
+        assert interval is not None
+        covered += interval[0] <= true_median <= interval[1]
+    assert covered / len(samples) >= 0.95
 
 
 def test_ab_compare_script_rejects_a_directory_without_a_build(tmp_path: Path) -> None:
