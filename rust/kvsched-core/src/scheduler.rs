@@ -540,17 +540,18 @@ impl Scheduler {
         let slab = &self.slab;
         let gone = &mut self.finished_running;
         if running || !gone.is_empty() {
-            // Before the slots are reused: `finish` recorded them since the previous call (not one is inserted
-            // into the slab in between).
+            // `finish` recorded them since the previous call; a slot a new request took since (possible only
+            // after an error cut a call short) is live again and stays.
+            let dead = |s: u32| slab.peek(s).is_none();
             match gone.len() {
                 0 => {}
                 1 => {
-                    if let Some(p) = self.running.iter().position(|&s| s == gone[0]) {
+                    if let Some(p) = self.running.iter().position(|&s| s == gone[0] && dead(s)) {
                         self.running.remove(p);
                     }
                 }
-                k if k <= BY_SLOT => self.running.retain(|s| !gone.contains(s)),
-                _ => self.running.retain(|&s| slab.get(s).is_ok()),
+                k if k <= BY_SLOT => self.running.retain(|&s| !(gone.contains(&s) && dead(s))),
+                _ => self.running.retain(|&s| !dead(s)),
             }
             gone.clear();
         }
