@@ -2,7 +2,7 @@
 //!
 //! Invariants (checked by `check`):
 //! - block 0 is the null block: never free, never allocated, never hashed;
-//! - a usable block is in the free queue iff its `ref_cnt` is 0;
+//! - a usable block is in the free queue iff its reference count is 0;
 //! - `cached` maps a hash to the blocks carrying exactly that hash, in insertion order, and every block with a
 //!   hash is in the map once. A free block keeps its hash (it can still be hit) until it is popped for reuse.
 //!
@@ -10,7 +10,8 @@
 //! entry `b` is `hash[b]`), not (hash, block) pairs (36 bytes), so it stays small, and the slot of a key has a
 //! known address: the hundreds of inserts and evictions of a block-boundary step (every request of a decode
 //! batch fills a block in the same step) prefetch it a few requests ahead instead of each missing in turn.
-//! Hashes are stored 32-byte aligned (one cache line each) with their presence in a separate byte array.
+//! Hashes are stored 32-byte aligned (one cache line each); whether a block has one is a bit of its word in
+//! `meta`, beside its reference count.
 
 use std::collections::HashMap;
 
@@ -22,7 +23,7 @@ pub const NULL_BLOCK: u32 = 0;
 
 /// A block's hash slot, 32-byte aligned so that reading or writing it touches one cache line (an
 /// `Option<BlockHash>` is 33 bytes: half of them straddled two lines). Whether the slot holds a hash is kept
-/// apart, in `BlockPool::hashed`.
+/// apart, in the block's word in `BlockPool::meta` (`HASHED`).
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(32))]
 struct HashSlot(BlockHash);
