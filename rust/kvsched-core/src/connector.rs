@@ -208,7 +208,7 @@ impl Scheduler {
             errored.push(done.id);
         }
         if !failed.is_empty() {
-            self.remove_finished_from_queues(false, true);
+            self.remove_finished_from_queues(true);
         }
         for id in report.finished_recving {
             let id = id.as_ref();

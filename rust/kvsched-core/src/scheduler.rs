@@ -410,14 +410,11 @@ impl Scheduler {
             }
         }
         let mut from_waiting = false;
-        let mut from_running = false;
         for &slot in &slots {
-            let status = self.slab.get(slot)?.status;
-            from_running |= status == RequestStatus::Running;
-            from_waiting |= status != RequestStatus::Running;
+            from_waiting |= self.slab.get(slot)?.status != RequestStatus::Running;
             self.finish(slot, RequestStatus::FinishedAborted)?;
         }
-        self.remove_finished_from_queues(from_running, from_waiting);
+        self.remove_finished_from_queues(from_waiting);
         self.epoch += 1;
         Ok(())
     }
@@ -471,15 +468,14 @@ impl Scheduler {
         }
         let failed_encoder = rec.encoder_hashes;
         let mut ids = Vec::new();
-        let (mut from_running, mut from_waiting) = (false, false);
+        let mut from_waiting = false;
         for &h in &rec.handles {
             let Some(req) = self.slab.resolve(h) else { continue };
-            from_running |= req.status == RequestStatus::Running;
             from_waiting |= req.status != RequestStatus::Running;
             ids.push(req.id.clone());
             self.finish(h.slot, RequestStatus::FinishedAborted)?;
         }
-        self.remove_finished_from_queues(from_running, from_waiting);
+        self.remove_finished_from_queues(from_waiting);
         for &h in &rec.swapped_out {
             if self.slab.resolve(h).is_some() {
                 self.release_cpu_blocks(h.slot)?;
@@ -534,27 +530,27 @@ impl Scheduler {
         Ok(req)
     }
 
-    pub(crate) fn remove_finished_from_queues(&mut self, running: bool, waiting: bool) {
+    /// Takes the requests `finish` ended out of the queues: the running ones (which `finish` recorded) always,
+    /// the waiting queues when `waiting` (some request that finished was not running).
+    pub(crate) fn remove_finished_from_queues(&mut self, waiting: bool) {
         /// Up to this many finished running requests are found by slot; more take one pass over the records.
         const BY_SLOT: usize = 8;
         let slab = &self.slab;
         let gone = &mut self.finished_running;
-        if running || !gone.is_empty() {
-            // `finish` recorded them since the previous call; a slot a new request took since (possible only
-            // after an error cut a call short) is live again and stays.
-            let dead = |s: u32| slab.peek(s).is_none();
-            match gone.len() {
-                0 => {}
-                1 => {
-                    if let Some(p) = self.running.iter().position(|&s| s == gone[0] && dead(s)) {
-                        self.running.remove(p);
-                    }
+        // `finish` recorded them since the previous call; a slot a new request took since (possible only after an
+        // error cut a call short) is live again and stays.
+        let dead = |s: u32| slab.peek(s).is_none();
+        match gone.len() {
+            0 => {}
+            1 => {
+                if let Some(p) = self.running.iter().position(|&s| s == gone[0] && dead(s)) {
+                    self.running.remove(p);
                 }
-                k if k <= BY_SLOT => self.running.retain(|&s| !(gone.contains(&s) && dead(s))),
-                _ => self.running.retain(|&s| !dead(s)),
             }
-            gone.clear();
+            k if k <= BY_SLOT => self.running.retain(|&s| !(gone.contains(&s) && dead(s))),
+            _ => self.running.retain(|&s| !dead(s)),
         }
+        gone.clear();
         if waiting {
             self.waiting.retain(|h| slab.resolve(h).is_some());
             if !self.kv_waiting.is_empty() {

@@ -174,14 +174,12 @@ impl Scheduler {
         let max_model_len = self.config.max_model_len;
         let spec_decoding = self.config.num_spec_tokens() > 0;
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };
-        let (mut any_running_finished, mut any_waiting_finished) = (false, false);
+        let mut any_waiting_finished = false;
         // Spec decoding caches blocks in every update and drafts change the drafts: the general path for all.
         let plain_excluded = spec_decoding || drafts.is_some();
-        let mut tally = |done: Option<bool>| match done {
-            Some(true) => any_running_finished = true,
-            Some(false) => any_waiting_finished = true,
-            None => {}
-        };
+        // Stopped requests that were running leave `running` by the slots `finish` records; only a waiting one
+        // needs the waiting queues searched.
+        let mut tally = |done: Option<bool>| any_waiting_finished |= done == Some(false);
         if one_each && !plain_excluded {
             // A step of plain decodes with one token each: entry `i`'s token is `values[i]`, and no entry is a
             // prefill chunk or carries drafts (the checks above), so those columns need not be read.
@@ -209,7 +207,7 @@ impl Scheduler {
         // The next step's record reuses this one's buffers.
         self.spare_record = Some(rec);
         self.tenants.flush_decode();
-        self.remove_finished_from_queues(any_running_finished, any_waiting_finished);
+        self.remove_finished_from_queues(any_waiting_finished);
         Ok(res)
     }
 }
