@@ -5,11 +5,13 @@ These tests check that the benchmark machinery works and is deterministic; they 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -394,6 +396,15 @@ def _run_script(*args: str) -> str:
     return proc.stdout
 
 
+def _load_script(name: str) -> types.ModuleType:
+    """A script of scripts/ imported as a module (to call its functions directly)."""
+    spec = importlib.util.spec_from_file_location(Path(name).stem, SCRIPTS / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_api_decode_loop_script_prints_its_medians() -> None:
     out = _run_script("api_decode_loop.py", "8", "16", "40", "1", "1")
     assert out.startswith("n=8 prompt_len=16 steps=40 cold_mb=1 stagger=1:") and "p99" in out
@@ -454,12 +465,7 @@ def test_ab_compare_script_reverses_the_build_order_every_other_round(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # With a fixed order, any penalty (or gain) of running second in a round would land on one build throughout.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ab_compare", SCRIPTS / "ab_compare.py")
-    assert spec is not None and spec.loader is not None
-    ab_compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab_compare)
+    ab_compare = _load_script("ab_compare.py")
     builds = []
     for name in ("old", "new"):
         (tmp_path / name / "python" / "kvsched").mkdir(parents=True)
@@ -485,12 +491,7 @@ def test_ab_compare_script_reverses_the_build_order_every_other_round(
 
 def test_ab_compare_interval_for_the_median_ratio() -> None:
     # Distribution-free: order statistics chosen by the binomial(n, 1/2) tails, at least 95% coverage.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ab_compare", SCRIPTS / "ab_compare.py")
-    assert spec is not None and spec.loader is not None
-    ab_compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab_compare)
+    ab_compare = _load_script("ab_compare.py")
     # n = 16: P(B <= 3) = 0.0106 <= 0.025 < P(B <= 4) = 0.0384, so the 4th and 13th smallest values.
     assert ab_compare.median_interval([float(x) for x in range(16, 0, -1)]) == (4.0, 13.0)
     # n = 6: only the extremes (P(B = 0) = 1/64); n = 5: P(B = 0) = 1/32 > 0.025, no interval.
