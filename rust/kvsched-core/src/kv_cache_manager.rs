@@ -196,6 +196,14 @@ impl KvCacheManager {
         if num_full <= first {
             return;
         }
+        if num_full == first + 1 {
+            // One block (a decode completing it): no run to prefetch along.
+            let (block, hash) = (req.blocks[first], req.block_hashes[first]);
+            self.pool.cache_block(block, hash);
+            self.newly_cached.push((block, hash));
+            req.num_cached_blocks = num_full as u32;
+            return;
+        }
         let (blocks, hashes) = (&req.blocks[first..num_full], &req.block_hashes[first..num_full]);
         self.pool.cache_run(blocks, hashes);
         self.newly_cached.extend(blocks.iter().copied().zip(hashes.iter().copied()));

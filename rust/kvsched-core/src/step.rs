@@ -126,6 +126,22 @@ impl Builder {
         self.unfilled += 1;
     }
 
+    /// Appends one decode that takes one new block: one token, no drafts, not a prefill chunk.
+    #[inline(always)]
+    fn push_decode_with_block(&mut self, h: ReqHandle, computed: u32, block: u32) {
+        self.fill();
+        let o = &mut self.out;
+        o.handles.push(h);
+        o.num_scheduled_tokens.push(1);
+        o.num_computed_tokens.push(computed as i32);
+        o.new_block_ids.push(block as i32);
+        o.new_block_ids_indptr.push(o.new_block_ids.len() as i32);
+        o.spec_token_ids_indptr.push(o.spec_token_ids.len() as i32);
+        o.total_num_scheduled_tokens += 1;
+        self.is_chunk.push(false);
+        self.num_spec.push(0);
+    }
+
     /// Removes entry `pos` (a preempted victim refunded from this step; rare, O(n)). Returns its tokens.
     fn remove(&mut self, pos: usize) -> u32 {
         self.fill();
@@ -322,6 +338,32 @@ impl Scheduler {
                 *budget -= 1;
                 i += 1;
                 continue;
+            }
+            // A plain decode at a block boundary (its token completes a block to cache, or needs a new block):
+            // one token and `allocate_slots`' block work, the general path's result without its other cases
+            // (the mirrors say it is plain and one token behind; the record says it is past its prompt and
+            // the token fits the model length and the KV cache). If the pool cannot supply the block, nothing
+            // changed and the general path preempts.
+            if hot.plain[s] && computed + 1 == hot.num_tokens[s] {
+                let (req, hot) = self.slab.get_mut_hot(slot)?;
+                if computed >= req.num_prompt_tokens
+                    && i64::from(computed) + 2 <= max_model_len
+                    && i64::from(computed) < max_slots
+                {
+                    let first_new_block = req.blocks.len();
+                    if self.kv.allocate_slots(req, computed, 1, &[], lookahead, 0).is_some() {
+                        match req.blocks[first_new_block..] {
+                            [] => b.push_decode(req.handle, computed),
+                            [block] => b.push_decode_with_block(req.handle, computed, block),
+                            ref blocks => b.push(req.handle, 1, computed, blocks, &[], false),
+                        }
+                        hot.computed[s] = computed + 1;
+                        hot.sync(s, req);
+                        *budget -= 1;
+                        i += 1;
+                        continue;
+                    }
+                }
             }
             let req = self.slab.get_mut(slot)?;
             let ph = i64::from(req.num_output_placeholders);
