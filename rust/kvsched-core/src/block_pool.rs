@@ -147,6 +147,13 @@ impl BlockPool {
         prefetch(self.cached.slot_addr(table_hash(hash)));
     }
 
+    /// Starts fetching the hash slot and packed word of `block` (both written when it is cached).
+    #[inline(always)]
+    pub fn prefetch_block(&self, block: u32) {
+        prefetch(self.hash.as_ptr().wrapping_add(block as usize).cast());
+        prefetch(self.meta.as_ptr().wrapping_add(block as usize).cast());
+    }
+
     /// Takes `n` blocks from the head of the free queue, evicting their cached hashes. The caller has checked
     /// that `n <= num_free_blocks()`.
     pub fn allocate_into(&mut self, n: usize, out: &mut Vec<u32>) {

@@ -309,6 +309,7 @@ impl Scheduler {
         self.tenants.add_decode(req.tenant, 1);
         if req.token_ids.len() & (self.kv.block_size as usize - 1) == 0 {
             self.kv.extend_hashes(req);
+            self.kv.prefetch_next_caching(req);
         }
         match check_stop(req, t, max_model_len) {
             None => {
