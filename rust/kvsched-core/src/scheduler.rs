@@ -802,6 +802,23 @@ impl Scheduler {
         }
         let bs = cfg.kv_block_size();
         self.slab.check_hot(&self.running)?;
+        // A request's in-flight count is what the steps awaiting their output scheduled for it.
+        let mut scheduled: HashMap<ReqHandle, u32> = HashMap::new();
+        for rec in &self.in_flight {
+            for (&h, &n) in rec.handles.iter().zip(&rec.num_scheduled_tokens) {
+                *scheduled.entry(h).or_default() += n as u32;
+            }
+        }
+        for r in self.slab.iter() {
+            let want = scheduled.get(&r.handle).copied().unwrap_or(0);
+            let got = self.slab.hot.in_flight[r.handle.slot as usize];
+            if got != want {
+                return Err(format!(
+                    "request {:?}: {got} tokens in flight, but the steps in flight hold {want}",
+                    r.id
+                ));
+            }
+        }
         for r in self.slab.iter() {
             let computed = self.slab.computed(r.handle.slot);
             let in_flight = self.slab.hot.in_flight[r.handle.slot as usize];
