@@ -262,6 +262,7 @@ impl Slab {
         let gens = &self.gens[..m];
         let h = &mut self.hot;
         let computed_col = &mut h.computed[..m];
+        let in_flight = &mut h.in_flight[..m];
         let (tokens, lo, hi) = (&h.num_tokens[..m], &h.decode_lo[..m], &h.decode_hi[..m]);
         while *budget > 0 {
             let Some(&slot) = running.get(i) else { break };
@@ -274,6 +275,7 @@ impl Slab {
                 break;
             }
             computed_col[s] = computed + 1;
+            in_flight[s] += 1;
             handles.push(ReqHandle { slot, gen: gens[s] });
             computed_before.push(computed as i32);
             *budget -= 1;

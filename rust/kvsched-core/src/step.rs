@@ -45,6 +45,9 @@ struct Builder {
     unfilled: usize,
     /// Some entry was pushed as a prefill chunk or with drafts (it stays set if that entry is removed).
     mixed: bool,
+    /// Some entry was pushed by `push` (the general path or an admission), so it may not be a plain decode:
+    /// `finish_step` must look at the entries (it stays set if that entry is removed).
+    general: bool,
 }
 
 impl Builder {
@@ -66,7 +69,7 @@ impl Builder {
         out.spec_token_ids_indptr = Vec::with_capacity(n + 1);
         out.new_block_ids_indptr.push(0);
         out.spec_token_ids_indptr.push(0);
-        Builder { out, is_chunk, num_spec, unfilled: 0, mixed: false }
+        Builder { out, is_chunk, num_spec, unfilled: 0, mixed: false, general: false }
     }
 
     /// Writes the constant entries of the plain decodes appended since the last call.
@@ -103,6 +106,7 @@ impl Builder {
         o.spec_token_ids_indptr.push(o.spec_token_ids.len() as i32);
         o.total_num_scheduled_tokens += u64::from(n);
         self.mixed |= is_chunk || !spec.is_empty();
+        self.general = true;
         self.is_chunk.push(is_chunk);
         self.num_spec.push(spec.len() as u32);
     }
@@ -334,6 +338,7 @@ impl Scheduler {
             // (Without prefetching, the run above has just found that this request is not one.)
             if prefetch && hot.fits(s, computed) {
                 hot.computed[s] = computed + 1;
+                hot.in_flight[s] += 1;
                 b.push_decode(ReqHandle { slot, gen: self.slab.gen(slot) }, computed);
                 *budget -= 1;
                 i += 1;
@@ -358,6 +363,7 @@ impl Scheduler {
                             ref blocks => b.push(req.handle, 1, computed, blocks, &[], false),
                         }
                         hot.computed[s] = computed + 1;
+                        hot.in_flight[s] += 1;
                         hot.sync(s, req);
                         *budget -= 1;
                         i += 1;
@@ -419,7 +425,10 @@ impl Scheduler {
                     let mut computed_before = None;
                     if let Some(pos) = b.out.handles.iter().position(|h| h.slot == victim) {
                         computed_before = Some(b.out.num_computed_tokens[pos] as u32);
-                        *budget += b.remove(pos);
+                        // Its tokens of this step leave the step, and its in-flight count.
+                        let refund = b.remove(pos);
+                        self.slab.hot.in_flight[victim as usize] -= refund;
+                        *budget += refund;
                     }
                     if j < i {
                         i -= 1;
@@ -468,6 +477,7 @@ impl Scheduler {
             );
             req.spec_token_ids.clear();
             self.slab.hot.computed[s] = computed + n;
+            self.slab.hot.in_flight[s] += n;
             self.slab.sync(slot);
             *budget -= n;
             i += 1;
@@ -842,6 +852,7 @@ impl Scheduler {
             self.tenants.on_leave_waiting(req.tenant);
             self.tenants.charge_prompt(req, computed, n);
             self.running.push(h.slot);
+            self.slab.hot.in_flight[h.slot as usize] += n;
             self.slab.sync(h.slot);
             *budget -= n;
             prefill_admitted |= has_prefill;
@@ -941,7 +952,7 @@ impl Scheduler {
         enc: &EncoderStep,
     ) -> Result<()> {
         b.fill();
-        let Builder { out, is_chunk, num_spec, mixed, .. } = b;
+        let Builder { out, is_chunk, num_spec, mixed, general, .. } = b;
         let mut enc_hashes = Vec::new();
         if !enc.work.is_empty() {
             let (enc_ids, enc_indptr, hashes) = self.encoder_output(enc, &out.handles)?;
@@ -971,9 +982,11 @@ impl Scheduler {
         // the tokens each decode will sample and its next drafts.
         let async_scheduling = self.config.async_scheduling;
         let num_spec_tokens = self.config.num_spec_tokens() as usize;
-        for (k, &h) in out.handles.iter().enumerate() {
+        // (The entries' in-flight counts were raised as they were pushed.) Plain decodes only, without async
+        // scheduling: nothing to do.
+        let entries = if *general || async_scheduling { out.handles.len() } else { 0 };
+        for (k, &h) in out.handles[..entries].iter().enumerate() {
             let s = h.slot as usize;
-            self.slab.hot.in_flight[s] += out.num_scheduled_tokens[k] as u32;
             // A plain decode is not in the in-flight prefill set: without async scheduling nothing to do.
             if is_chunk[k] || (self.slab.hot.plain[s] && !async_scheduling) {
                 continue;
