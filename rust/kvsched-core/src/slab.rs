@@ -300,6 +300,12 @@ impl Slab {
         Ok((req, &mut self.hot))
     }
 
+    /// The records (by slot) and the hot columns, borrowed apart (for loops that read and write both).
+    #[inline(always)]
+    pub fn parts_mut(&mut self) -> (&mut [Option<Request>], &mut Hot) {
+        (&mut self.slots, &mut self.hot)
+    }
+
     /// `resolve_mut` with the hot columns.
     pub fn resolve_mut_hot(&mut self, h: ReqHandle) -> Option<(&mut Request, &mut Hot)> {
         let req = self.slots.get_mut(h.slot as usize).and_then(Option::as_mut).filter(|r| r.handle == h)?;

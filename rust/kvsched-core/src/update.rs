@@ -183,12 +183,31 @@ impl Scheduler {
         if one_each && !plain_excluded {
             // A step of plain decodes with one token each: entry `i`'s token is `values[i]`, and no entry is a
             // prefill chunk or carries drafts (the checks above), so those columns need not be read.
-            let entries =
-                (rec.handles.iter()).zip(&rec.num_scheduled_tokens).zip(sampled.values.chunks_exact(1));
-            for (i, ((&handle, &num_scheduled), tokens)) in entries.enumerate() {
-                let e =
-                    Entry { i, handle, num_scheduled: num_scheduled as u32, is_chunk: false, num_spec: 0 };
-                tally(self.apply_entry(&mut res, e, tokens, None, false, max_model_len)?);
+            // Runs of the common case go through `plain_decode_updates`; it stops at the first entry with more
+            // to do (a block to hash, a stop, anything not a live plain decode), which takes `apply_entry`.
+            let (handles, num_scheduled, values) = (&rec.handles, &rec.num_scheduled_tokens, sampled.values);
+            let mut i = 0;
+            while i < n {
+                i = self.plain_decode_updates(
+                    handles,
+                    num_scheduled,
+                    values,
+                    &mut res.num_new_tokens,
+                    i,
+                    max_model_len,
+                );
+                if i == n {
+                    break;
+                }
+                let e = Entry {
+                    i,
+                    handle: handles[i],
+                    num_scheduled: num_scheduled[i] as u32,
+                    is_chunk: false,
+                    num_spec: 0,
+                };
+                tally(self.apply_entry(&mut res, e, &values[i..i + 1], None, false, max_model_len)?);
+                i += 1;
             }
         } else {
             // The entries' columns side by side (no per-entry bounds checks; `check` guaranteed n + 1 offsets).
@@ -322,6 +341,58 @@ impl Scheduler {
                 Ok(Applied::Decode(true))
             }
         }
+    }
+
+    /// From entry `i` of a step of one-token plain decodes, applies the entries whose request is a live, running
+    /// plain decode (no stale output) whose token neither fills a block nor stops it: in-flight count released,
+    /// token appended, one new token, the tenant's decode count, the token-count mirror. That is what
+    /// `apply_decode` does for such an entry, decided before anything changes: the loop stops at the first entry
+    /// that is anything else, untouched, and returns its index (`handles.len()` when none). Its columns and
+    /// records are borrowed once for the run, not per entry.
+    #[inline(never)]
+    fn plain_decode_updates(
+        &mut self,
+        handles: &[ReqHandle],
+        num_scheduled: &[i32],
+        values: &[i64],
+        num_new_tokens: &mut [i32],
+        mut i: usize,
+        max_model_len: u32,
+    ) -> usize {
+        let mask = self.kv.block_size as usize - 1;
+        let (slots, hot) = self.slab.parts_mut();
+        let m = slots.len().min(hot.in_flight.len());
+        let (slots, in_flight) = (&mut slots[..m], &mut hot.in_flight[..m]);
+        let (plain, stale, num_tokens) = (&hot.plain[..m], &hot.stale[..m], &mut hot.num_tokens[..m]);
+        let n = handles.len().min(num_scheduled.len()).min(values.len()).min(num_new_tokens.len());
+        while i < n {
+            let h = handles[i];
+            let s = h.slot as usize;
+            if s >= m || !plain[s] || stale[s] != 0 {
+                break;
+            }
+            let Some(req) = slots[s].as_mut().filter(|r| r.handle == h) else { break };
+            let t = values[i] as u32;
+            // The token count once `t` is appended: `check_stop`'s conditions on it (the model-length one is
+            // implied by the length one, max_tokens being capped at admission, but kept as `check_stop` has it).
+            let len = req.token_ids.len() + 1;
+            if req.status != RequestStatus::Running
+                || len & mask == 0
+                || (!req.ignore_eos && req.eos_token_id == t)
+                || req.stop_token_ids.as_ref().is_some_and(|ids| ids.contains(&t))
+                || len as u32 >= max_model_len
+                || len as u32 - req.num_prompt_tokens >= req.max_tokens
+            {
+                break;
+            }
+            in_flight[s] = in_flight[s].saturating_sub(num_scheduled[i] as u32);
+            req.token_ids.push(t);
+            num_new_tokens[i] = 1;
+            self.tenants.add_decode(req.tenant, 1);
+            num_tokens[s] = len as u32;
+            i += 1;
+        }
+        i
     }
 
     /// The general path of `update_from_output` for entry `i` (anything but a running plain decode that sampled
