@@ -978,12 +978,11 @@ impl Scheduler {
                 .filter(|&h| slab.resolve(h).is_some_and(|r| !r.cpu_blocks.is_empty()))
                 .collect()
         };
-        // vLLM's `_update_after_schedule` (and `AsyncScheduler`'s): in-flight tokens, then placeholders for
-        // the tokens each decode will sample and its next drafts.
+        // vLLM's `_update_after_schedule` (and `AsyncScheduler`'s): in-flight tokens (raised as the entries were
+        // pushed), then placeholders for the tokens each decode will sample and its next drafts. A step of plain
+        // decodes only, without async scheduling, has nothing left to do here.
         let async_scheduling = self.config.async_scheduling;
         let num_spec_tokens = self.config.num_spec_tokens() as usize;
-        // (The entries' in-flight counts were raised as they were pushed.) Plain decodes only, without async
-        // scheduling: nothing to do.
         let entries = if *general || async_scheduling { out.handles.len() } else { 0 };
         for (k, &h) in out.handles[..entries].iter().enumerate() {
             let s = h.slot as usize;
