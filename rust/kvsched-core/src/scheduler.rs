@@ -810,18 +810,15 @@ impl Scheduler {
             }
         }
         for r in self.slab.iter() {
+            let computed = self.slab.computed(r.handle.slot);
+            let in_flight = self.slab.hot.in_flight[r.handle.slot as usize];
             let want = scheduled.get(&r.handle).copied().unwrap_or(0);
-            let got = self.slab.hot.in_flight[r.handle.slot as usize];
-            if got != want {
+            if in_flight != want {
                 return Err(format!(
-                    "request {:?}: {got} tokens in flight, but the steps in flight hold {want}",
+                    "request {:?}: {in_flight} tokens in flight, but the steps in flight hold {want}",
                     r.id
                 ));
             }
-        }
-        for r in self.slab.iter() {
-            let computed = self.slab.computed(r.handle.slot);
-            let in_flight = self.slab.hot.in_flight[r.handle.slot as usize];
             match self.ids.get(&r.id) {
                 Some(&s) if s == r.handle.slot => {}
                 _ => return Err(format!("request {:?} is not mapped to its slot", r.id)),
