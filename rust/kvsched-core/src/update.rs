@@ -373,15 +373,11 @@ impl Scheduler {
             }
             let Some(req) = slots[s].as_mut().filter(|r| r.handle == h) else { break };
             let t = values[i] as u32;
-            // The token count once `t` is appended: `check_stop`'s conditions on it (the model-length one is
-            // implied by the length one, max_tokens being capped at admission, but kept as `check_stop` has it).
+            // The token count once `t` is appended.
             let len = req.token_ids.len() + 1;
             if req.status != RequestStatus::Running
                 || len & mask == 0
-                || (!req.ignore_eos && req.eos_token_id == t)
-                || req.stop_token_ids.as_ref().is_some_and(|ids| ids.contains(&t))
-                || len as u32 >= max_model_len
-                || len as u32 - req.num_prompt_tokens >= req.max_tokens
+                || check_stop_at(req, t, len as u32, max_model_len).is_some()
             {
                 break;
             }
@@ -571,14 +567,25 @@ impl Scheduler {
 /// `last` is the token just appended. Returns the final status and the stop reason (stop token or -1).
 #[inline(always)]
 fn check_stop(req: &Request, last: u32, max_model_len: u32) -> Option<(RequestStatus, i64)> {
-    let num_output = req.num_output_tokens();
+    check_stop_at(req, last, req.num_tokens(), max_model_len)
+}
+
+/// `check_stop` for `req` holding `num_tokens` tokens, `last` the last of them (possibly not appended yet:
+/// `plain_decode_updates` decides before it changes anything).
+#[inline(always)]
+fn check_stop_at(
+    req: &Request,
+    last: u32,
+    num_tokens: u32,
+    max_model_len: u32,
+) -> Option<(RequestStatus, i64)> {
     if !req.ignore_eos && req.eos_token_id == last {
         return Some((RequestStatus::FinishedStopped, -1));
     }
     if req.stop_token_ids.as_ref().is_some_and(|ids| ids.contains(&last)) {
         return Some((RequestStatus::FinishedStopped, i64::from(last)));
     }
-    if req.num_tokens() >= max_model_len || num_output >= req.max_tokens {
+    if num_tokens >= max_model_len || num_tokens - req.num_prompt_tokens >= req.max_tokens {
         return Some((RequestStatus::FinishedLengthCapped, -1));
     }
     None
