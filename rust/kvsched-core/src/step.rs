@@ -40,11 +40,18 @@ struct Builder {
     out: Box<SchedulerOutput>,
     is_chunk: Vec<bool>,
     num_spec: Vec<u32>,
-    /// Plain decodes appended last whose constant entries (one token, no new blocks, no drafts, not a chunk)
-    /// are not written yet: `fill` writes them in bulk before any other change or read of those vectors.
+    /// Plain decodes appended last whose constant entries (one token, no new blocks) are not written yet:
+    /// `fill` writes them in bulk before any other change or read of those vectors.
     unfilled: usize,
     /// Some entry was pushed as a prefill chunk or with drafts (it stays set if that entry is removed).
     mixed: bool,
+    /// `is_chunk`, `num_spec` and `out.spec_token_ids_indptr` are written. They are not until an entry is
+    /// pushed as a prefill chunk or with drafts (every entry before it is `false`, `0`, no drafts): that entry
+    /// writes them for the entries before it, or `finish` does for the whole step.
+    flags_written: bool,
+    /// `out.num_scheduled_tokens` is written. It is not until an entry is pushed with more than one token
+    /// (every entry before it has one): that entry writes it for the entries before it, or `finish` does.
+    counts_written: bool,
     /// Some entry was pushed by `push` (the general path or an admission), so it may not be a plain decode:
     /// `finish_step` must look at the entries (it stays set if that entry is removed).
     general: bool,
@@ -69,10 +76,20 @@ impl Builder {
         out.spec_token_ids_indptr = Vec::with_capacity(n + 1);
         out.new_block_ids_indptr.push(0);
         out.spec_token_ids_indptr.push(0);
-        Builder { out, is_chunk, num_spec, unfilled: 0, mixed: false, general: false }
+        Builder {
+            out,
+            is_chunk,
+            num_spec,
+            unfilled: 0,
+            mixed: false,
+            flags_written: false,
+            counts_written: false,
+            general: false,
+        }
     }
 
-    /// Writes the constant entries of the plain decodes appended since the last call.
+    /// Writes the constant entries of the plain decodes appended since the last call (only the block offsets
+    /// while every entry so far is a one-token decode without drafts: see `flags_written`, `counts_written`).
     #[inline]
     fn fill(&mut self) {
         let k = std::mem::take(&mut self.unfilled);
@@ -80,35 +97,62 @@ impl Builder {
             return;
         }
         let o = &mut self.out;
-        let n = o.num_scheduled_tokens.len() + k;
-        o.num_scheduled_tokens.resize(n, 1);
+        let n = o.handles.len();
         o.new_block_ids_indptr.resize(n + 1, o.new_block_ids.len() as i32);
-        o.spec_token_ids_indptr.resize(n + 1, o.spec_token_ids.len() as i32);
-        self.is_chunk.resize(n, false);
-        self.num_spec.resize(n, 0);
+        if self.counts_written {
+            o.num_scheduled_tokens.resize(n, 1);
+        }
+        if self.flags_written {
+            o.spec_token_ids_indptr.resize(n + 1, o.spec_token_ids.len() as i32);
+            self.is_chunk.resize(n, false);
+            self.num_spec.resize(n, 0);
+        }
+    }
+
+    /// Writes the vectors not written yet (`flags`: `is_chunk`, `num_spec`, the draft offsets; `counts`: the
+    /// token counts) for the current entries (all of them: `fill` has run), as every entry so far reads.
+    fn write_all(&mut self, flags: bool, counts: bool) {
+        let o = &mut self.out;
+        let n = o.handles.len();
+        if counts && !self.counts_written {
+            o.num_scheduled_tokens.resize(n, 1);
+            self.counts_written = true;
+        }
+        if flags && !self.flags_written {
+            o.spec_token_ids_indptr.resize(n + 1, 0);
+            self.is_chunk.resize(n, false);
+            self.num_spec.resize(n, 0);
+            self.flags_written = true;
+        }
     }
 
     /// Appends one scheduled request; `computed` is its count before this step.
     #[allow(clippy::too_many_arguments)]
     fn push(&mut self, h: ReqHandle, n: u32, computed: u32, blocks: &[u32], spec: &[u32], is_chunk: bool) {
         self.fill();
+        let mixed = is_chunk || !spec.is_empty();
+        self.write_all(mixed, n != 1);
+        self.mixed |= mixed;
         let o = &mut self.out;
         o.handles.push(h);
-        o.num_scheduled_tokens.push(n as i32);
+        if self.counts_written {
+            o.num_scheduled_tokens.push(n as i32);
+        }
         o.num_computed_tokens.push(computed as i32);
         if !blocks.is_empty() {
             o.new_block_ids.extend(blocks.iter().map(|&b| b as i32));
         }
         o.new_block_ids_indptr.push(o.new_block_ids.len() as i32);
-        if !spec.is_empty() {
-            o.spec_token_ids.extend(spec.iter().map(|&t| t as i32));
-        }
-        o.spec_token_ids_indptr.push(o.spec_token_ids.len() as i32);
         o.total_num_scheduled_tokens += u64::from(n);
-        self.mixed |= is_chunk || !spec.is_empty();
         self.general = true;
-        self.is_chunk.push(is_chunk);
-        self.num_spec.push(spec.len() as u32);
+        if self.flags_written {
+            if !spec.is_empty() {
+                o.spec_token_ids.extend(spec.iter().map(|&t| t as i32));
+            }
+            o.spec_token_ids_indptr.push(o.spec_token_ids.len() as i32);
+            self.is_chunk.push(is_chunk);
+            self.num_spec.push(spec.len() as u32);
+        }
     }
 
     /// Counts `k` plain decodes whose handle and computed count the caller appended (`Slab::plain_decode_run`);
@@ -136,19 +180,24 @@ impl Builder {
         self.fill();
         let o = &mut self.out;
         o.handles.push(h);
-        o.num_scheduled_tokens.push(1);
+        if self.counts_written {
+            o.num_scheduled_tokens.push(1);
+        }
         o.num_computed_tokens.push(computed as i32);
         o.new_block_ids.push(block as i32);
         o.new_block_ids_indptr.push(o.new_block_ids.len() as i32);
-        o.spec_token_ids_indptr.push(o.spec_token_ids.len() as i32);
         o.total_num_scheduled_tokens += 1;
-        self.is_chunk.push(false);
-        self.num_spec.push(0);
+        if self.flags_written {
+            o.spec_token_ids_indptr.push(o.spec_token_ids.len() as i32);
+            self.is_chunk.push(false);
+            self.num_spec.push(0);
+        }
     }
 
     /// Removes entry `pos` (a preempted victim refunded from this step; rare, O(n)). Returns its tokens.
     fn remove(&mut self, pos: usize) -> u32 {
         self.fill();
+        self.write_all(true, true);
         let o = &mut self.out;
         let n = o.num_scheduled_tokens.remove(pos) as u32;
         o.handles.remove(pos);
@@ -168,6 +217,12 @@ impl Builder {
         self.is_chunk.remove(pos);
         self.num_spec.remove(pos);
         n
+    }
+
+    /// Writes everything not written yet: the step's vectors are complete.
+    fn finish(&mut self) {
+        self.fill();
+        self.write_all(true, true);
     }
 }
 
@@ -951,7 +1006,7 @@ impl Scheduler {
         preempted: Vec<ReqHandle>,
         enc: &EncoderStep,
     ) -> Result<()> {
-        b.fill();
+        b.finish();
         let Builder { out, is_chunk, num_spec, mixed, general, .. } = b;
         let mut enc_hashes = Vec::new();
         if !enc.work.is_empty() {
