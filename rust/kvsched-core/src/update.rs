@@ -47,12 +47,14 @@ impl<'a> Ragged<'a> {
 
     /// Whether the batch is exactly one token id for each of `n` entries (offsets `0, 1, ..., n`): the shape of
     /// a step of plain decodes. True implies that `check` passes and every entry holds a token id. Branch-free
-    /// folds, so the compiler vectorizes both passes.
+    /// folds, so the compiler vectorizes both passes: every value lies in `0..=MAX_TOKEN_ID` exactly when their
+    /// bitwise or does, as `MAX_TOKEN_ID + 1` is a power of two (a negative value sets the top bit).
     fn is_one_token_each(&self, n: usize) -> bool {
+        const { assert!((MAX_TOKEN_ID as u64 + 1).is_power_of_two()) };
         self.values.len() == n
             && self.indptr.len() == n + 1
             && self.indptr.iter().zip(0i64..).fold(0, |acc, (&x, i)| acc | (x ^ i)) == 0
-            && self.values.iter().fold(0u64, |acc, &t| acc.max(t as u64)) <= MAX_TOKEN_ID as u64
+            && self.values.iter().fold(0u64, |acc, &t| acc | t as u64) <= MAX_TOKEN_ID as u64
     }
 
     /// Entry `i`, checked to hold token ids only (entries of requests gone since the step are never checked).
