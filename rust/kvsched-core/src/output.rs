@@ -52,6 +52,55 @@ impl SchedulerOutput {
     pub fn num_reqs(&self) -> usize {
         self.handles.len()
     }
+
+    /// Empties the output as `default()` builds it, keeping its vectors' capacity (`Scheduler::recycle_output`).
+    pub(crate) fn reset(&mut self) {
+        // Every field by name: a new field does not compile until it is reset here too.
+        let SchedulerOutput {
+            scheduler_id,
+            step_id,
+            handles,
+            num_scheduled_tokens,
+            num_computed_tokens,
+            new_reqs,
+            resumed_reqs,
+            new_block_ids,
+            new_block_ids_indptr,
+            spec_token_ids,
+            spec_token_ids_indptr,
+            total_num_scheduled_tokens,
+            preempted,
+            preempted_before_step,
+            finished_req_ids,
+            swap_out,
+            swap_in,
+            scheduled_encoder_inputs,
+            scheduled_encoder_inputs_indptr,
+            free_encoder_hashes,
+        } = self;
+        (*scheduler_id, *step_id, *total_num_scheduled_tokens) = (0, 0, 0);
+        handles.clear();
+        preempted.clear();
+        preempted_before_step.clear();
+        finished_req_ids.clear();
+        free_encoder_hashes.clear();
+        for v in [
+            num_scheduled_tokens,
+            num_computed_tokens,
+            new_block_ids,
+            new_block_ids_indptr,
+            spec_token_ids,
+            spec_token_ids_indptr,
+            swap_out,
+            swap_in,
+            scheduled_encoder_inputs,
+            scheduled_encoder_inputs_indptr,
+        ] {
+            v.clear();
+        }
+        new_reqs.clear();
+        resumed_reqs.clear();
+    }
 }
 
 /// The scheduler's own record of an in-flight step, used to validate and apply its output.

@@ -19,7 +19,7 @@ use crate::error::{Result, SchedError};
 use crate::fair::{Tenant, Tenants, DEFAULT_TENANT};
 use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
 use crate::kv_cache_manager::KvCacheManager;
-use crate::output::{SchedulerStats, StepRecord};
+use crate::output::{SchedulerOutput, SchedulerStats, StepRecord};
 use crate::queue::{effective_priority, PriorityKey, WaitingQueue};
 use crate::request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus, NO_EOS};
 use crate::slab::{DecodeLimits, Slab};
@@ -79,6 +79,9 @@ pub struct Scheduler {
     pub(crate) in_flight: VecDeque<Box<StepRecord>>,
     /// The record of the last applied step, kept so that the next step's record reuses its buffers.
     pub(crate) spare_record: Option<Box<StepRecord>>,
+    /// An output the caller handed back once done with it (`recycle_output`): the next step is built in it,
+    /// reusing its vectors' capacity.
+    pub(crate) spare_output: Option<Box<SchedulerOutput>>,
     /// `admit_waiting`'s prefix-hit buffer, kept between steps (empty between them).
     pub(crate) hits_buf: Vec<u32>,
     pub(crate) finished_since_step: Vec<Arc<str>>,
@@ -170,6 +173,7 @@ impl Scheduler {
             next_step_id: 0,
             in_flight: VecDeque::new(),
             spare_record: None,
+            spare_output: None,
             hits_buf: Vec::new(),
             finished_since_step: Vec::new(),
             finished_running: Vec::new(),

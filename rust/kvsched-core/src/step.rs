@@ -58,8 +58,9 @@ struct Builder {
 }
 
 impl Builder {
+    /// `spare`: an output handed back (`Scheduler::recycle_output`), built in again with its vectors' capacity.
     #[inline(always)]
-    fn with_capacity(n: usize, rec: &mut StepRecord) -> Self {
+    fn with_capacity(n: usize, rec: &mut StepRecord, spare: Option<Box<SchedulerOutput>>) -> Self {
         let mut is_chunk = std::mem::take(&mut rec.is_prefill_chunk);
         let mut num_spec = std::mem::take(&mut rec.num_spec_tokens);
         is_chunk.clear();
@@ -67,13 +68,19 @@ impl Builder {
         is_chunk.reserve(n);
         num_spec.reserve(n);
         // Filled in place (`Box::new` of a built value would copy it from the stack).
-        let mut out = Box::<SchedulerOutput>::default();
-        out.handles = Vec::with_capacity(n);
-        out.num_scheduled_tokens = Vec::with_capacity(n);
-        out.num_computed_tokens = Vec::with_capacity(n);
-        out.new_block_ids = Vec::with_capacity(n + 16);
-        out.new_block_ids_indptr = Vec::with_capacity(n + 1);
-        out.spec_token_ids_indptr = Vec::with_capacity(n + 1);
+        let mut out = match spare {
+            Some(mut out) => {
+                out.reset();
+                out
+            }
+            None => Box::<SchedulerOutput>::default(),
+        };
+        out.handles.reserve(n);
+        out.num_scheduled_tokens.reserve(n);
+        out.num_computed_tokens.reserve(n);
+        out.new_block_ids.reserve(n + 16);
+        out.new_block_ids_indptr.reserve(n + 1);
+        out.spec_token_ids_indptr.reserve(n + 1);
         out.new_block_ids_indptr.push(0);
         out.spec_token_ids_indptr.push(0);
         Builder {
@@ -241,6 +248,14 @@ impl Scheduler {
         self.schedule_boxed(throttle_prefills).map(|out| *out)
     }
 
+    /// Hands back an output of `schedule_boxed` the caller is done with: the next step is built in it, reusing
+    /// its vectors' capacity instead of allocating them again (one is kept; another is dropped).
+    pub fn recycle_output(&mut self, out: Box<SchedulerOutput>) {
+        if self.spare_output.is_none() {
+            self.spare_output = Some(out);
+        }
+    }
+
     /// `schedule_with`, the output boxed as it was built (no copy of it on the way out: the bindings' path).
     #[inline(never)]
     pub fn schedule_boxed(&mut self, throttle_prefills: bool) -> Result<Box<SchedulerOutput>> {
@@ -272,7 +287,7 @@ impl Scheduler {
             defer_prefills = true;
         }
         let mut rec = self.spare_record.take().unwrap_or_default();
-        let mut b = Builder::with_capacity(self.running.len() + 8, &mut rec);
+        let mut b = Builder::with_capacity(self.running.len() + 8, &mut rec, self.spare_output.take());
         self.kv.newly_cached.clear(); // what updates cached since the previous step is not this step's
         let mut preempted: Vec<ReqHandle> = Vec::new();
         // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund

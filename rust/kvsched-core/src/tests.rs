@@ -636,6 +636,47 @@ fn outputs_apply_in_order_once_and_only_to_their_scheduler() {
     s.check_invariants().unwrap();
 }
 
+/// An output handed back with `recycle_output` changes nothing in the steps built in it: two schedulers fed the
+/// same requests and tokens, one recycling every output once it is applied, schedule the same steps (admissions,
+/// chunks, preemptions with swapping, finished and aborted requests).
+#[test]
+fn recycled_outputs_build_the_same_steps() {
+    let config = SchedulerConfig { preemption_mode: PreemptionMode::Swap, num_cpu_blocks: 8, ..cfg(4, 24) };
+    let mut plain = Scheduler::new(config.clone()).unwrap();
+    let mut recycling = Scheduler::new(config).unwrap();
+    let mut preempted = 0;
+    for step in 0..240usize {
+        if step % 3 == 0 && step < 60 {
+            let id = format!("r{step}");
+            let p = RequestParams { eos_token_id: Some(9), ..params(12 + (step % 19) as u32) };
+            for s in [&mut plain, &mut recycling] {
+                add(s, &id, &prompt(step as i64, 5 + step % 13), p.clone());
+            }
+        }
+        if step == 40 {
+            for s in [&mut plain, &mut recycling] {
+                s.abort_requests(&["r36".to_string()]).unwrap();
+            }
+        }
+        let mut shown = Vec::new();
+        for (recycle, s) in [(false, &mut plain), (true, &mut recycling)] {
+            let out = s.schedule_boxed(false).unwrap();
+            s.check_invariants().unwrap();
+            let res =
+                feed(s, &out, |i| vec![if (step + i) % 29 == 0 { 9 } else { 1 + (step + i) as i64 % 5 }]);
+            let view = SchedulerOutput { scheduler_id: 0, ..(*out).clone() };
+            shown.push((format!("{view:?}"), format!("{res:?}"), ids(s, &out)));
+            preempted += out.preempted.len();
+            if recycle {
+                s.recycle_output(out);
+            }
+        }
+        assert_eq!(shown[0], shown[1], "step {step}");
+    }
+    assert!(preempted > 0, "the pool is small enough to preempt");
+    assert!(!plain.has_unfinished_requests() && !recycling.has_unfinished_requests());
+}
+
 #[test]
 fn abort_in_every_state_frees_everything_and_reports_it() {
     let mut s = Scheduler::new(cfg(4, 64)).unwrap();

@@ -5,7 +5,8 @@
 //! (then they move into numpy without a copy), and id lists are built on first access, from the scheduler's
 //! id table as it was when the step was scheduled (`ids.rs`), then cached.
 
-use std::sync::Arc;
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex};
 
 use kvsched_core as core;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
@@ -50,8 +51,12 @@ pub(crate) fn cached_list<'py>(
 #[pyclass(module = "kvsched._core", name = "SchedulerOutput")]
 pub(crate) struct PySchedulerOutput {
     /// The step as the core built it (boxed: handing it over copies a pointer, not ~430 bytes). Its arrays
-    /// move into numpy on first access, each then kept in `arrays`.
-    pub(crate) out: Box<core::SchedulerOutput>,
+    /// move into numpy on first access, each then kept in `arrays`. Taken out only by `Drop`, which leaves it
+    /// in `spare`.
+    pub(crate) out: ManuallyDrop<Box<core::SchedulerOutput>>,
+    /// Shared with the scheduler that built the step: a dropped output leaves its core output here (if the
+    /// slot is free), and the next step is built in its vectors (those numpy has not taken).
+    pub(crate) spare: Arc<SpareOutput>,
     /// The id table as it was when the step was scheduled: it names the step's requests.
     pub(crate) ids: Arc<IdTable>,
     pub(crate) preempted_ids: Vec<Py<PyString>>,
@@ -60,6 +65,30 @@ pub(crate) struct PySchedulerOutput {
     /// What the KV connector's `build_connector_meta(out)` returned (None without a connector).
     #[pyo3(get)]
     pub(crate) kv_connector_metadata: Option<Py<PyAny>>,
+}
+
+/// One core output handed back by a dropped `SchedulerOutput` for the scheduler's next step (no reference to
+/// the scheduler itself, so an output held anywhere keeps no cycle alive).
+#[derive(Default)]
+pub(crate) struct SpareOutput(Mutex<Option<Box<core::SchedulerOutput>>>);
+
+impl SpareOutput {
+    /// The output left here, if any.
+    pub(crate) fn take(&self) -> Option<Box<core::SchedulerOutput>> {
+        self.0.try_lock().ok().and_then(|mut slot| slot.take())
+    }
+}
+
+impl Drop for PySchedulerOutput {
+    fn drop(&mut self) {
+        // SAFETY: `out` is taken once, here, and nothing reads it after: the object is being destroyed.
+        let out = unsafe { ManuallyDrop::take(&mut self.out) };
+        if let Ok(mut slot) = self.spare.0.try_lock() {
+            if slot.is_none() {
+                *slot = Some(out);
+            }
+        }
+    }
 }
 
 /// A numpy array made from a vector of the output on first access (moved, not copied), then kept.
@@ -184,7 +213,7 @@ impl PySchedulerOutput {
     #[getter]
     fn scheduled_encoder_inputs_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
         // The core leaves the CSR empty for a step without encoder work: zeros, built on first access.
-        let o = &mut self.out;
+        let o: &mut core::SchedulerOutput = &mut self.out;
         if self.arrays.scheduled_encoder_inputs_indptr.0.is_none()
             && o.scheduled_encoder_inputs_indptr.is_empty()
         {

@@ -4,6 +4,7 @@
 //! panic). Ids are kept once per request (at `add_request`) in a table by slot that the step outputs share
 //! (`ids.rs`); an output looks its requests' ids up when Python first asks for them.
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use kvsched_core as core;
@@ -20,7 +21,7 @@ use crate::convert::{
 };
 use crate::errors::{guard, py_error, type_error};
 use crate::ids::IdTable;
-use crate::output::{LazyArray, PyModelInputs, PySchedulerOutput, PyUpdateResult};
+use crate::output::{LazyArray, PyModelInputs, PySchedulerOutput, PyUpdateResult, SpareOutput};
 
 /// The Rust scheduler. Use `kvsched.Scheduler` (a thin Python subclass that builds the config).
 #[pyclass(module = "kvsched._core", name = "Scheduler", subclass)]
@@ -31,6 +32,8 @@ pub(crate) struct PyScheduler {
     config: Py<PyAny>,
     /// The KV connector, if one was given (`connector.rs`).
     connector: Option<ConnectorHandle>,
+    /// Where dropped outputs leave their core output for the next step (`output.rs`).
+    spare: Arc<SpareOutput>,
 }
 
 /// The `(scheduler_id, step_id)` an output of `schedule()` stands for (`out` must be one).
@@ -93,7 +96,13 @@ impl PyScheduler {
             }
             None => None,
         };
-        Ok(PyScheduler { core, ids: Arc::default(), config: config.clone().unbind(), connector })
+        Ok(PyScheduler {
+            core,
+            ids: Arc::default(),
+            config: config.clone().unbind(),
+            connector,
+            spare: Arc::default(),
+        })
     }
 
     /// The KV connector given at construction, or None.
@@ -271,6 +280,9 @@ impl PyScheduler {
             })?,
         };
         let mut this = borrow_mut(slf)?;
+        if let Some(spare) = this.spare.take() {
+            this.core.recycle_output(spare);
+        }
         let out = guard(py, || this.core.schedule_boxed(throttle))?;
         if this.connector.is_some() {
             this.after_hooks(py)?;
@@ -284,6 +296,7 @@ impl PyScheduler {
         let num_preempted = preempted_ids.len();
         let total_preemptions = this.core.num_preemptions();
         let has_connector = this.connector.is_some();
+        let spare = this.spare.clone();
         drop(this);
         if num_preempted > 0 {
             warn_preempted(py, num_preempted, total_preemptions)?;
@@ -291,7 +304,8 @@ impl PyScheduler {
         let out = Py::new(
             py,
             PySchedulerOutput {
-                out,
+                out: ManuallyDrop::new(out),
+                spare,
                 ids,
                 preempted_ids,
                 arrays: Default::default(),
