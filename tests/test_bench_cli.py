@@ -572,3 +572,28 @@ def test_bench_without_vllm_stops_before_timing_anything(
     code = main(["bench", "--impl", "rust,vllm", "-w", "a", "--scale", "0.05", "--no-json", "--no-progress"])
     assert code == 2 and calls == []
     assert "vllm is not importable" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not _available("rust"), reason="rust scheduler not available")
+def test_bench_runs_several_implementations_in_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several implementations they take turns run by run (a drift of the machine's speed reaches all of
+    them), and each keeps the best of its own runs."""
+    import kvsched.bench.harness as harness
+
+    calls: list[str] = []
+    real = harness.run_workload
+
+    def spy(impl: str, *args: object, **kwargs: object) -> object:
+        calls.append(impl)
+        return real(impl, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(harness, "run_workload", spy)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--impl", "rust,reference", "-w", "a", "--scale", "0.05", "--repeat", "2", "--warmup-steps", "0"]
+    assert main([*argv, "--json", str(out), "--no-progress"]) == 0
+    assert calls == ["rust", "reference", "rust", "reference"]
+    results = json.loads(out.read_text())["results"]
+    assert [r["impl"] for r in results] == ["rust", "reference"]
+    for r in results:
+        assert len(r["repeats"]) == 2
+        assert r["total_us"]["median"] == pytest.approx(min(x["total_median_us"] for x in r["repeats"]))

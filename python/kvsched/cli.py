@@ -110,7 +110,8 @@ def _add_bench_parser(subparsers: Any) -> None:
         "--repeat",
         type=int,
         default=None,
-        help="run each workload this many times and keep the run with the lowest median (default 3; quick 1)",
+        help="run each workload this many times and keep the run with the lowest median (default 3; quick 1); "
+        "several implementations take turns run by run",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     p.add_argument(
@@ -346,14 +347,17 @@ def _run_bench(args: argparse.Namespace) -> int:
             if impl.startswith("vllm"):
                 make_driver(impl, SchedulerConfig(num_blocks=1024))
         for w in workloads:
-            for impl in impls:
-                runs = [
-                    run_workload(
-                        impl, w, warmup_steps=warmup, max_steps=args.max_steps, progress=progress, cold_mb=args.cold
+            # The implementations take turns, run by run (A B A B ...), so that a drift of the machine's speed
+            # over the minutes of a workload reaches all of them alike, and the ratios between them with it.
+            runs: dict[str, list[RunResult]] = {impl: [] for impl in impls}
+            for _ in range(repeat):
+                for impl in impls:
+                    runs[impl].append(
+                        run_workload(
+                            impl, w, warmup_steps=warmup, max_steps=args.max_steps, progress=progress, cold_mb=args.cold
+                        )
                     )
-                    for _ in range(repeat)
-                ]
-                results.append(best_of(runs))
+            results.extend(best_of(runs[impl]) for impl in impls)
         if args.scaling:
             sizes_text = args.scaling_sizes or (QUICK_SCALING_SIZES if args.quick else "64,128,256,512,1024,2048")
             sizes = [int(s) for s in _csv(sizes_text)]
