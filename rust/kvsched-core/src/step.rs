@@ -31,10 +31,11 @@ const PREFETCH_AHEAD: usize = 4;
 const PREFETCH_MIN_RUNNING: usize = 128;
 const PREFETCH_SAMPLES: usize = 16;
 
-/// The step's output under construction plus the per-entry flags the scheduler records about it. Its
-/// vectors come from the record of an applied step handed back for reuse (or a new one), which keeps their
-/// capacity, so recording a step allocates nothing once the scheduler is warm. `schedule_with` lends it to
-/// each phase and to `finish_step` by reference: it is ~450 bytes, and each move of it would be a copy.
+/// The step's output under construction plus the per-entry flags the scheduler records about it. The flags'
+/// vectors come from the record of an applied step handed back for reuse, and the output from an output the
+/// caller handed back (`Scheduler::recycle_output`), or new ones: both keep their capacity, so a warm scheduler
+/// whose caller recycles its outputs allocates little per step. `schedule_with` lends it to each phase and to
+/// `finish_step` by reference: it is ~450 bytes, and each move of it would be a copy.
 struct Builder {
     /// Boxed: it goes to the caller as built, and each move of the ~430-byte output would be a copy.
     out: Box<SchedulerOutput>,
