@@ -3,7 +3,8 @@
 //!
 //! Nothing here is built per request on the hot path: arrays stay Rust vectors until Python first asks for one
 //! (then they move into numpy without a copy), and id lists are built on first access, from the scheduler's
-//! id table as it was when the step was scheduled (`ids.rs`), then cached.
+//! id table as it was when the step was scheduled (`ids.rs`), then cached. A dropped `SchedulerOutput` hands
+//! the vectors numpy did not take back to its scheduler for a later step (`SpareOutput`).
 
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
