@@ -9,17 +9,19 @@
 #
 #   scripts/step_cache_misses.sh [PYTHONPATH] [N] [STEPS] [COLD_MB] [STAGGER]     # defaults: python 51 200 1 1
 #
-# The simulated caches are this VM's: L1d 48 KiB 12-way, and a last level of 1 MiB 16-way standing for the
-# per-core L2 (callgrind models two levels; L2 misses are the ones that go to the shared L3 or memory). Set
-# D1=... LL=... (callgrind's size,associativity,line) to model another CPU. Compare two builds by running it
-# with each build's python/ directory. Columns: instructions (Ir), L1d read and write misses (D1mr, D1mw), L2
-# read and write misses (DLmr, DLmw).
+# The simulated caches are this VM's: L1i 32 KiB 8-way, L1d 48 KiB 12-way, and a last level of 1 MiB 16-way
+# standing for the per-core L2 (callgrind models two levels; L2 misses are the ones that go to the shared L3 or
+# memory). Set I1=... D1=... LL=... (callgrind's size,associativity,line) to model another CPU. Compare two builds
+# by running it with each build's python/ directory. Columns: instructions (Ir), L1i misses (I1mr: the step's code
+# does not stay in the L1 instruction cache, docs/benchmarks.md "Stop 27"), L1d read and write misses (D1mr,
+# D1mw), L2 read and write misses (DLmr, DLmw).
 set -euo pipefail
 pypath=${1:-python}
 n=${2:-51}
 steps=${3:-200}
 cold=${4:-1}
 stagger=${5:-1}
+i1=${I1:-32768,8,64}
 d1=${D1:-49152,12,64}
 ll=${LL:-1048576,16,64}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -27,19 +29,19 @@ py=$(python3 -c "import sys; print(sys.executable)")  # the interpreter itself, 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for s in "$steps" $((2 * steps)); do
-  PYTHONPATH=$pypath valgrind --tool=callgrind --cache-sim=yes "--D1=$d1" "--LL=$ll" \
+  PYTHONPATH=$pypath valgrind --tool=callgrind --cache-sim=yes "--I1=$i1" "--D1=$d1" "--LL=$ll" \
     --callgrind-out-file="$out/cg.$s" \
     "--toggle-collect=*__pymethod_schedule__" "--toggle-collect=*__pymethod_update_from_output__" \
     "$py" "$here/api_decode_loop.py" "$n" 32 "$s" "$cold" "$stagger" >"$out/log.$s" 2>&1
-  callgrind_annotate --inclusive=yes --threshold=100 --show=Ir,D1mr,D1mw,DLmr,DLmw "$out/cg.$s" \
+  callgrind_annotate --inclusive=yes --threshold=100 --show=Ir,I1mr,D1mr,D1mw,DLmr,DLmw "$out/cg.$s" \
     >"$out/ann.$s" 2>/dev/null
 done
-echo "n=$n steps=$steps cold_mb=$cold stagger=$stagger D1=$d1 LL=$ll, per step:"
+echo "n=$n steps=$steps cold_mb=$cold stagger=$stagger I1=$i1 D1=$d1 LL=$ll, per step:"
 python3 - "$out/ann.$steps" "$out/ann.$((2 * steps))" "$steps" <<'PY'
 import re
 import sys
 
-events = ["Ir", "D1mr", "D1mw", "DLmr", "DLmw"]
+events = ["Ir", "I1mr", "D1mr", "D1mw", "DLmr", "DLmw"]
 
 
 def counts(path: str) -> dict[str, list[int]]:

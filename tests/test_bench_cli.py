@@ -444,12 +444,12 @@ def test_step_cache_misses_script_counts_both_methods_per_step() -> None:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("n=8 steps=5 cold_mb=0 stagger=1 ")
-    assert lines[1].split() == ["Ir", "D1mr", "D1mw", "DLmr", "DLmw"]
+    assert lines[1].split() == ["Ir", "I1mr", "D1mr", "D1mw", "DLmr", "DLmw"]
     rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in lines[2:]}
     assert set(rows) == {"schedule", "update_from_output"}
     # Each method runs instructions every step. (A miss count is a difference of two runs and may dip below
     # zero by a line or two over so few steps.)
-    assert all(len(v) == 5 and v[0] > 0 for v in rows.values())
+    assert all(len(v) == 6 and v[0] > 0 for v in rows.values())
 
 
 def test_ab_compare_script_pairs_alternating_runs(tmp_path: Path) -> None:
