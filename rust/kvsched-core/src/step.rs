@@ -105,8 +105,16 @@ impl Builder {
             return;
         }
         let o = &mut self.out;
+        o.new_block_ids_indptr.resize(o.handles.len() + 1, o.new_block_ids.len() as i32);
+        self.extend_written();
+    }
+
+    /// Brings the vectors written so far (`flags_written`, `counts_written`) up to the current entries: one
+    /// token, no drafts, not a chunk for each entry they do not cover yet.
+    #[inline]
+    fn extend_written(&mut self) {
+        let o = &mut self.out;
         let n = o.handles.len();
-        o.new_block_ids_indptr.resize(n + 1, o.new_block_ids.len() as i32);
         if self.counts_written {
             o.num_scheduled_tokens.resize(n, 1);
         }
@@ -120,18 +128,9 @@ impl Builder {
     /// Writes the vectors not written yet (`flags`: `is_chunk`, `num_spec`, the draft offsets; `counts`: the
     /// token counts) for the current entries (all of them: `fill` has run), as every entry so far reads.
     fn write_all(&mut self, flags: bool, counts: bool) {
-        let o = &mut self.out;
-        let n = o.handles.len();
-        if counts && !self.counts_written {
-            o.num_scheduled_tokens.resize(n, 1);
-            self.counts_written = true;
-        }
-        if flags && !self.flags_written {
-            o.spec_token_ids_indptr.resize(n + 1, 0);
-            self.is_chunk.resize(n, false);
-            self.num_spec.resize(n, 0);
-            self.flags_written = true;
-        }
+        self.flags_written |= flags;
+        self.counts_written |= counts;
+        self.extend_written();
     }
 
     /// Appends one scheduled request; `computed` is its count before this step.
