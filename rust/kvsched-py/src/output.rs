@@ -78,17 +78,22 @@ impl SpareOutput {
     pub(crate) fn take(&self) -> Option<Box<core::SchedulerOutput>> {
         self.0.try_lock().ok().and_then(|mut slot| slot.take())
     }
+
+    /// Leaves `out` here if the slot is free (else it is dropped).
+    fn put(&self, out: Box<core::SchedulerOutput>) {
+        if let Ok(mut slot) = self.0.try_lock() {
+            if slot.is_none() {
+                *slot = Some(out);
+            }
+        }
+    }
 }
 
 impl Drop for PySchedulerOutput {
     fn drop(&mut self) {
         // SAFETY: `out` is taken once, here, and nothing reads it after: the object is being destroyed.
         let out = unsafe { ManuallyDrop::take(&mut self.out) };
-        if let Ok(mut slot) = self.spare.0.try_lock() {
-            if slot.is_none() {
-                *slot = Some(out);
-            }
-        }
+        self.spare.put(out);
     }
 }
 
