@@ -204,8 +204,7 @@ impl Scheduler {
         }
         let mut errored = Vec::with_capacity(failed.len());
         for &slot in &failed {
-            let done = self.finish(slot, RequestStatus::FinishedError)?;
-            errored.push(done.id);
+            errored.push(self.finish(slot, RequestStatus::FinishedError)?);
         }
         if !failed.is_empty() {
             self.remove_finished_from_queues(true);

@@ -494,9 +494,9 @@ impl Scheduler {
         Ok(ids)
     }
 
-    /// Ends a request: frees its blocks, forgets it, reports it in the next step. The caller removes it from
-    /// `running`/`waiting` (in one pass for many requests) with `remove_finished_from_queues`.
-    pub(crate) fn finish(&mut self, slot: u32, status: RequestStatus) -> Result<Request> {
+    /// Ends a request: frees its blocks, forgets it, reports it in the next step; returns its id. The caller
+    /// removes it from `running`/`waiting` (in one pass for many requests) with `remove_finished_from_queues`.
+    pub(crate) fn finish(&mut self, slot: u32, status: RequestStatus) -> Result<Arc<str>> {
         let req = self.slab.get_mut(slot)?;
         let prev = req.status;
         if prev != RequestStatus::Running {
@@ -521,17 +521,17 @@ impl Scheduler {
         }
         self.release_cpu_blocks(slot)?;
         self.forget_encoder_inputs(slot)?;
-        let req = self
+        let id = self
             .slab
             .remove(slot)
             .ok_or_else(|| SchedError::Internal(format!("slot {slot} vanished while finishing")))?;
-        self.ids.remove(&req.id);
+        self.ids.remove(&id);
         if prev == RequestStatus::Running {
             self.finished_running.push(slot);
         }
-        self.finished_since_step.push(req.id.clone());
+        self.finished_since_step.push(id.clone());
         self.counters.num_finished_reqs += 1;
-        Ok(req)
+        Ok(id)
     }
 
     /// Takes the requests `finish` ended out of the queues: the running ones (which `finish` recorded) always,

@@ -510,8 +510,8 @@ impl Scheduler {
         status: RequestStatus,
         stop_reason: i64,
     ) -> Result<()> {
-        let done = self.finish(slot, status)?;
-        res.finished_req_ids.push(done.id);
+        let id = self.finish(slot, status)?;
+        res.finished_req_ids.push(id);
         res.finish_reasons.push(Self::finish_reason(status));
         res.stop_reasons.push(stop_reason);
         Ok(())
