@@ -14,9 +14,15 @@ byte-identical copy of itself read a paired ratio of 1.040 on e, the copy slower
 the page cache was dropped. A copy per run draws a new placement every run, so it spreads over the rounds
 instead of favouring one build throughout.
 
-    python scripts/ab_compare.py WORKLOAD ROUNDS DIR [DIR ...] [-- EXTRA BENCH ARGS]
+    python scripts/ab_compare.py [--steps GROUP] WORKLOAD ROUNDS DIR [DIR ...] [-- EXTRA BENCH ARGS]
     python scripts/ab_compare.py c 10 /tmp/base /tmp/new            # tight loop
     python scripts/ab_compare.py a 8 /tmp/base /tmp/new -- --cold 8  # 8 MiB touched between steps
+    python scripts/ab_compare.py --steps finishing a 16 /tmp/base /tmp/new
+
+``--steps`` compares the median of one group of steps instead of all (the run records every step's timings with
+``--per-step``): ``finishing``, the steps after which fewer requests run (requests finished, or were preempted);
+``prefill``, the steps that schedule more than 4x the tokens of the median step (prompt chunks). These are the
+steps that make a workload's p99; their medians move with changes that the median of all steps cannot show.
 
 Prints, per build, the median over rounds of the run medians and the median of the paired ratios to the first
 build (below 1: faster), with a 95% confidence interval for that median (distribution-free, from the order of
@@ -37,11 +43,29 @@ import sys
 import tempfile
 from pathlib import Path
 
+STEP_GROUPS = ("all", "finishing", "prefill")
 
-def run_once(build: Path, workload: str, extra: list[str], json_path: Path) -> float:
-    """One bench run of `workload` with the build in `build`; its median step in µs."""
+
+def group_median(per_step: dict[str, list[int]], group: str) -> float:
+    """The median step (schedule + update, µs) of `group` in a run's per-step record (see the module docstring);
+    NaN when no step is in the group."""
+    total = [s + u for s, u in zip(per_step["schedule_ns"], per_step["update_ns"], strict=True)]
+    if group == "finishing":
+        running = per_step["num_running_reqs"]
+        chosen = [total[i] for i in range(len(total) - 1) if running[i + 1] < running[i]]
+    elif group == "prefill":
+        tokens = per_step["num_scheduled_tokens"]
+        limit = 4 * statistics.median(tokens)
+        chosen = [t for t, n in zip(total, tokens, strict=True) if n > limit]
+    else:
+        chosen = total
+    return statistics.median(chosen) / 1000.0 if chosen else math.nan
+
+
+def run_once(build: Path, workload: str, extra: list[str], json_path: Path, steps: str = "all") -> float:
+    """One bench run of `workload` with the build in `build`; the median of its steps in `steps`, in µs."""
     cmd = [sys.executable, "-m", "kvsched.cli", "bench", "--impl", "rust", "-w", workload, "--repeat", "1"]
-    cmd += ["--no-progress", "--json", str(json_path), *extra]
+    cmd += ["--no-progress", "--json", str(json_path), *(["--per-step"] if steps != "all" else []), *extra]
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", "1" if (os.cpu_count() or 1) > 1 else "0", *cmd]
     with tempfile.TemporaryDirectory() as tmp:
@@ -52,6 +76,8 @@ def run_once(build: Path, workload: str, extra: list[str], json_path: Path) -> f
     if proc.returncode != 0:
         raise SystemExit(f"bench failed for {build}:\n{proc.stderr}")
     result = json.loads(json_path.read_text())["results"][0]
+    if steps != "all":
+        return group_median(result["per_step"], steps)
     return float(result["total_us"]["median"])
 
 
@@ -84,6 +110,12 @@ def main(argv: list[str]) -> int:
     if "--" in argv:
         extra = argv[argv.index("--") + 1 :]
         argv = argv[: argv.index("--")]
+    steps = "all"
+    if argv[:1] == ["--steps"]:
+        if len(argv) < 2 or argv[1] not in STEP_GROUPS:
+            print(f"--steps takes one of {', '.join(STEP_GROUPS)}", file=sys.stderr)
+            return 2
+        steps, argv = argv[1], argv[2:]
     if len(argv) < 3:
         print(__doc__, file=sys.stderr)
         return 2
@@ -98,14 +130,15 @@ def main(argv: list[str]) -> int:
         json_path = Path(tmp) / "bench.json"
         for r in range(rounds):
             for b in run_order(builds, r):
-                medians[b].append(run_once(b, workload, extra, json_path))
+                medians[b].append(run_once(b, workload, extra, json_path, steps))
             row = "  ".join(f"{medians[b][-1]:.3f}" for b in builds)
             print(f"round {r + 1}/{rounds}: {row}", file=sys.stderr, flush=True)
     first = medians[builds[0]]
     for b in builds:
         ratios = [y / x for x, y in zip(first, medians[b], strict=True)]
         median, ratio = statistics.median(medians[b]), statistics.median(ratios)
-        line = f"{workload} {b}: median {median:.3f} µs, paired ratio {ratio:.3f}"
+        what = "median" if steps == "all" else f"median of the {steps} steps"
+        line = f"{workload} {b}: {what} {median:.3f} µs, paired ratio {ratio:.3f}"
         if b != builds[0]:
             interval = median_interval(ratios)
             spread = (

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -472,7 +473,7 @@ def test_ab_compare_script_reverses_the_build_order_every_other_round(
         builds.append(tmp_path / name)
     calls: list[str] = []
 
-    def fake_run_once(build: Path, workload: str, extra: list[str], json_path: Path) -> float:
+    def fake_run_once(build: Path, workload: str, extra: list[str], json_path: Path, steps: str) -> float:
         calls.append(build.name)
         # The second run of each round pays 10%, whichever build it is.
         second = len(calls) % 2 == 0
@@ -487,6 +488,29 @@ def test_ab_compare_script_reverses_the_build_order_every_other_round(
     ratio = float(lines[1].split("paired ratio ")[1].split(" ")[0])
     assert 1.09 < ratio < 1.32
     assert lines[1].endswith("(too few rounds for an interval; faster in 0 of 4 rounds)")
+
+
+def test_ab_compare_step_groups() -> None:
+    ab_compare = _load_script("ab_compare.py")
+    # Five steps: a prefill (1000 tokens), three decodes of 4 requests, then one after which 2 requests finished.
+    per_step = {
+        "schedule_ns": [9000, 1000, 1200, 1100, 1300],
+        "update_ns": [1000, 1000, 3000, 1000, 500],
+        "num_running_reqs": [4, 4, 4, 2, 2],
+        "num_scheduled_tokens": [1000, 4, 4, 4, 2],
+    }
+    assert ab_compare.group_median(per_step, "all") == pytest.approx(2.1)
+    assert ab_compare.group_median(per_step, "prefill") == pytest.approx(10.0)
+    assert ab_compare.group_median(per_step, "finishing") == pytest.approx(4.2)
+    per_step["num_running_reqs"] = [4, 4, 4, 4, 4]
+    assert math.isnan(ab_compare.group_median(per_step, "finishing"))
+
+
+def test_ab_compare_script_compares_a_group_of_steps(tmp_path: Path) -> None:
+    build = Path(__file__).resolve().parent.parent
+    out = _run_script("ab_compare.py", "--steps", "prefill", "a", "1", str(build), "--", "--scale", "0.05")
+    assert out.startswith(f"a {build}: median of the prefill steps ")
+    assert out.strip().endswith("paired ratio 1.000")
 
 
 def test_ab_compare_interval_for_the_median_ratio() -> None:
