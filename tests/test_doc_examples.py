@@ -1,0 +1,73 @@
+"""The Python examples in README.md and docs/*.md run as written.
+
+Every fenced ``python`` block runs on its own in a fresh interpreter (so an example cannot lean on names another
+one defined), from an empty directory. A block that cannot run here (it needs a model directory, vLLM or a
+download) says so with an HTML comment on the line before its fence, which renders as nothing:
+``<!-- not run: needs a local Hugging Face model directory -->``, and must give a reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import rust_available
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+NOT_RUN = re.compile(r"<!-- not run: (.*?) -->\s*\Z")
+
+
+@dataclass(frozen=True)
+class Example:
+    path: Path
+    line: int
+    code: str
+    not_run: str | None  # the reason given on the line before the fence, if any
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def examples(path: Path) -> list[Example]:
+    """The ``python`` blocks of one Markdown file, with the line of their opening fence."""
+    text = path.read_text(encoding="utf-8")
+    found = []
+    for m in FENCE.finditer(text):
+        before = text[: m.start()]
+        marker = NOT_RUN.search(before.rsplit("\n\n", 1)[-1])
+        found.append(Example(path, before.count("\n") + 1, m.group(1), marker.group(1) if marker else None))
+    return found
+
+
+ALL = [e for p in DOCS for e in examples(p)]
+
+
+def test_the_docs_have_examples_and_the_collector_reads_markers(tmp_path: Path) -> None:
+    assert len([e for e in ALL if e.not_run is None]) >= 6
+    md = tmp_path / "x.md"
+    md.write_text("Intro\n\n```python\nprint(1)\n```\n\n<!-- not run: needs a GPU -->\n```python\nboom()\n```\n")
+    got = examples(md)
+    assert [(e.line, e.code, e.not_run) for e in got] == [(3, "print(1)\n", None), (8, "boom()\n", "needs a GPU")]
+
+
+@pytest.mark.parametrize("example", ALL, ids=lambda e: e.name)
+def test_example_runs(example: Example, tmp_path: Path) -> None:
+    if example.not_run is not None:
+        assert example.not_run.strip(), f"{example.name}: a block that is not run must say why"
+        pytest.skip(f"not run: {example.not_run}")
+    if not rust_available():
+        pytest.skip("kvsched._core is not built")
+    needs_torch = "kvsched.runner" in example.code or "LLM(" in example.code
+    if needs_torch and importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch (the runner)")
+    proc = subprocess.run(
+        [sys.executable, "-c", example.code], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, f"{example.name} failed:\n{proc.stderr[-3000:]}"
