@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -71,3 +72,44 @@ def test_example_runs(example: Example, tmp_path: Path) -> None:
         [sys.executable, "-c", example.code], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
     )
     assert proc.returncode == 0, f"{example.name} failed:\n{proc.stderr[-3000:]}"
+
+
+BASH_FENCE = re.compile(r"^```(?:bash|sh|console)\n(.*?)^```", re.S | re.M)
+
+
+def cli_commands(path: Path) -> list[tuple[str, list[str]]]:
+    """The ``kvsched ...`` command lines of the shell blocks of one Markdown file (continuations joined, comments
+    dropped), each with its line; commands with a ``...`` placeholder are left out."""
+    text = path.read_text(encoding="utf-8")
+    found = []
+    for m in BASH_FENCE.finditer(text):
+        line_no = text[: m.start()].count("\n") + 2  # the block's first line
+        start, command = line_no, ""
+        for line in m.group(1).splitlines():
+            command += line.removesuffix("\\") + " "
+            line_no += 1
+            if line.endswith("\\"):
+                continue  # continued on the next line
+            words = shlex.split(command, comments=True)
+            if words[:1] == ["kvsched"] and "..." not in words:
+                found.append((f"{path.relative_to(ROOT)}:{start}", words[1:]))
+            start, command = line_no, ""
+    return found
+
+
+COMMANDS = [c for p in DOCS for c in cli_commands(p)]
+
+
+def test_the_docs_show_cli_commands() -> None:
+    assert {argv[0] for _, argv in COMMANDS} >= {"bench", "simulate", "generate"}
+
+
+@pytest.mark.parametrize(("where", "argv"), COMMANDS, ids=[w for w, _ in COMMANDS])
+def test_cli_command_in_the_docs_parses(where: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # Only parsed, not run: every flag exists and every value passes its argparse type.
+    from kvsched.cli import build_parser
+
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as exc:
+        pytest.fail(f"{where}: `kvsched {shlex.join(argv)}` does not parse ({exc}): {capsys.readouterr().err}")
