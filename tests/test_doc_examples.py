@@ -113,3 +113,14 @@ def test_cli_command_in_the_docs_parses(where: str, argv: list[str], capsys: pyt
         build_parser().parse_args(argv)
     except SystemExit as exc:
         pytest.fail(f"{where}: `kvsched {shlex.join(argv)}` does not parse ({exc}): {capsys.readouterr().err}")
+
+
+@pytest.mark.skipif(not rust_available(), reason="kvsched._core is not built")
+def test_every_public_scheduler_member_is_in_the_api_table() -> None:
+    from kvsched import Scheduler
+
+    table = (ROOT / "docs" / "api.md").read_text(encoding="utf-8").split("## `Scheduler`", 1)[1].split("\n#", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)", table, re.M))
+    public = {name for name in dir(Scheduler) if not name.startswith("_")}
+    assert public - documented == set(), "members of Scheduler missing from docs/api.md's table"
+    assert documented - public - {"Scheduler"} == set(), "rows of docs/api.md's table that Scheduler lacks"
