@@ -48,10 +48,10 @@ struct Builder {
     mixed: bool,
     /// `is_chunk`, `num_spec` and `out.spec_token_ids_indptr` are written. They are not until an entry is
     /// pushed as a prefill chunk or with drafts (every entry before it is `false`, `0`, no drafts): that entry
-    /// writes them for the entries before it, or `finish` does for the whole step.
+    /// writes them for the entries before it, or `write_everything` does for the whole step.
     flags_written: bool,
     /// `out.num_scheduled_tokens` is written. It is not until an entry is pushed with more than one token
-    /// (every entry before it has one): that entry writes it for the entries before it, or `finish` does.
+    /// (every entry before it has one): that entry writes it for the entries before it, or `write_everything` does.
     counts_written: bool,
     /// Some entry was pushed by `push` (the general path or an admission), so it may not be a plain decode:
     /// `finish_step` must look at the entries (it stays set if that entry is removed).
@@ -203,8 +203,7 @@ impl Builder {
 
     /// Removes entry `pos` (a preempted victim refunded from this step; rare, O(n)). Returns its tokens.
     fn remove(&mut self, pos: usize) -> u32 {
-        self.fill();
-        self.write_all(true, true);
+        self.write_everything();
         let o = &mut self.out;
         let n = o.num_scheduled_tokens.remove(pos) as u32;
         o.handles.remove(pos);
@@ -226,8 +225,9 @@ impl Builder {
         n
     }
 
-    /// Writes everything not written yet: the step's vectors are complete.
-    fn finish(&mut self) {
+    /// Writes everything not written yet: every vector covers every entry (before a removal, or when the step
+    /// is finished).
+    fn write_everything(&mut self) {
         self.fill();
         self.write_all(true, true);
     }
@@ -1021,7 +1021,7 @@ impl Scheduler {
         preempted: Vec<ReqHandle>,
         enc: &EncoderStep,
     ) -> Result<()> {
-        b.finish();
+        b.write_everything();
         let Builder { out, is_chunk, num_spec, mixed, general, .. } = b;
         let mut enc_hashes = Vec::new();
         if !enc.work.is_empty() {
