@@ -18,7 +18,7 @@ import operator
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY
@@ -836,74 +836,73 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         filled: list[Request] = []
         reqs: list[Request | None] = list(map(requests.get, req_ids))
 
-        if not batch_slow and all(reqs) and slow.isdisjoint(req_ids):
-            # The common step: every entry is a plain one (see below), all for client 0.
-            for request, n, generated in zip(cast("list[Request]", reqs), num_sched, rows, strict=True):
-                request.num_in_flight_tokens -= n
-                if generated:
-                    request._output_token_ids.extend(generated)
-                    all_tokens = request._all_token_ids
-                    all_tokens.extend(generated)
-                    if len(all_tokens) % hasher_block < len(generated):
-                        filled.append(request)
-                    if async_sched and request.num_output_placeholders > 0:
-                        request.num_output_placeholders -= len(generated)
+        # vLLM's outputs dict gets a client's key when that client's first output is produced: client 0's list
+        # is created at that moment too (its plain entries are built in bulk, but its place in the dict is
+        # kept), so the scheduler stats later go to the same (first) entry as vLLM's.
+        client0: list[EngineCoreOutput] | None = None
+        # A plain entry: tokens appended, no stop, nothing else to report; its output is built in bulk below.
+        plain_ids: list[str] = []
+        plain_toks: list[list[int]] = []
+        # The common step: every entry is a plain one (or a prefill chunk), all for client 0.
+        all_plain = not batch_slow and all(reqs) and slow.isdisjoint(req_ids)
+        for req_id, entry, n, generated, num_accepted in zip(req_ids, reqs, num_sched, rows, accepted, strict=True):
+            if entry is None:
+                continue  # finished (aborted) while the step was in flight
+            request = entry
+            request.num_in_flight_tokens -= n
+            if not all_plain and (batch_slow or req_id in slow):
+                eco = self._update_slow(
+                    request,
+                    n,
+                    spec_sched.get(req_id),
+                    generated,
+                    num_accepted,
+                    finished,
+                    cached_tokens,
+                    mro,
+                    stopped_reqs,
+                )
+                # It stays slow while something outlives the step (e.g. a NaN count its outputs repeat).
+                if self._needs_slow_update(request):
+                    self._slow_req_ids.add(req_id)
+                else:
+                    self._slow_req_ids.discard(req_id)
+                if eco is not None:
+                    if request.client_index:
+                        outputs[request.client_index].append(eco)
+                    else:
+                        if client0 is None:
+                            client0 = outputs[0]
+                        if plain_ids:
+                            client0 += map(EngineCoreOutput, plain_ids, plain_toks)
+                            plain_ids.clear()
+                            plain_toks.clear()
+                        client0.append(eco)
+                continue
+            if not generated:
+                continue  # a prefill chunk: nothing sampled, nothing emitted
+            request._output_token_ids.extend(generated)
+            all_tokens = request._all_token_ids
+            all_tokens.extend(generated)
+            if len(all_tokens) % hasher_block < len(generated):
+                filled.append(request)
+            if async_sched and request.num_output_placeholders > 0:
+                request.num_output_placeholders -= len(generated)
+            if all_plain:
+                continue  # the step's outputs are built from req_ids and rows at once below
+            if client0 is None:
+                client0 = outputs[0]
+            plain_ids.append(req_id)
+            plain_toks.append(generated)
+        if all_plain:
             if all(rows):
-                outputs[0] = list(map(EngineCoreOutput, req_ids, rows))
+                if rows:
+                    outputs[0] = list(map(EngineCoreOutput, req_ids, rows))
             elif any(rows):
                 outputs[0] = [EngineCoreOutput(r, g) for r, g in zip(req_ids, rows, strict=True) if g]
-        else:
-            client0: list[EngineCoreOutput] = []
-            fast_ids: list[str] = []
-            fast_toks: list[list[int]] = []
-            for req_id, entry, n, generated, num_accepted in zip(req_ids, reqs, num_sched, rows, accepted, strict=True):
-                if entry is None:
-                    continue  # finished (aborted) while the step was in flight
-                request = entry
-                request.num_in_flight_tokens -= n
-                if batch_slow or req_id in slow:
-                    eco = self._update_slow(
-                        request,
-                        n,
-                        spec_sched.get(req_id),
-                        generated,
-                        num_accepted,
-                        finished,
-                        cached_tokens,
-                        mro,
-                        stopped_reqs,
-                    )
-                    # It stays slow while something outlives the step (e.g. a NaN count its outputs repeat).
-                    if self._needs_slow_update(request):
-                        self._slow_req_ids.add(req_id)
-                    else:
-                        self._slow_req_ids.discard(req_id)
-                    if eco is not None:
-                        if request.client_index:
-                            outputs[request.client_index].append(eco)
-                        else:
-                            if fast_ids:
-                                client0 += map(EngineCoreOutput, fast_ids, fast_toks)
-                                fast_ids.clear()
-                                fast_toks.clear()
-                            client0.append(eco)
-                    continue
-                if not generated:
-                    continue  # a prefill chunk: nothing sampled, nothing emitted
-                # A plain entry: tokens appended, no stop, nothing else to report.
-                request._output_token_ids.extend(generated)
-                all_tokens = request._all_token_ids
-                all_tokens.extend(generated)
-                if len(all_tokens) % hasher_block < len(generated):
-                    filled.append(request)
-                if async_sched and request.num_output_placeholders > 0:
-                    request.num_output_placeholders -= len(generated)
-                fast_ids.append(req_id)
-                fast_toks.append(generated)
-            if fast_ids:
-                client0 += map(EngineCoreOutput, fast_ids, fast_toks)
-            if client0:
-                outputs[0] = client0 + outputs[0] if 0 in outputs else client0
+        elif plain_ids:
+            assert client0 is not None
+            client0 += map(EngineCoreOutput, plain_ids, plain_toks)
         if filled:
             self._hash_filled_blocks(filled)
         for request in stopped_reqs:

@@ -252,8 +252,10 @@ def make_request(
     lora_name: str | None = None,
     block_size: int = 16,
     prompt_logprobs: int | None = None,
+    client_index: int = 0,
 ) -> Any:
-    """A vLLM ``Request`` as the engine core builds it (block hasher attached, EOS set as the frontend does)."""
+    """A vLLM ``Request`` as the engine core builds it (block hasher attached, EOS set as the frontend does);
+    ``client_index`` is the front-end process the request came from (its outputs are grouped by it)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -276,6 +278,7 @@ def make_request(
         cache_salt=cache_salt,
         lora_request=_lora_request(lora_name),
         block_hasher=request_block_hasher(block_size),
+        client_index=client_index,
     )
 
 
