@@ -428,3 +428,59 @@ def test_decode_block_hashes_come_from_the_core_and_equal_vllms(monkeypatch: pyt
     assert not adapter._is_vllm_sha256_hasher(get_request_block_hasher(4, sha256, 1), 4)
     assert not adapter._is_vllm_sha256_hasher(cbor, 4)
     assert not adapter._is_vllm_sha256_hasher(len, 4)
+
+
+def _mro(so: Any, token: int) -> ModelRunnerOutput:
+    """One sampled ``token`` for every request of the step (the prompts here fit in one step)."""
+    ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[token] for _ in ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
+def test_outputs_of_two_clients_keep_vllms_order_and_the_stats_go_to_the_first() -> None:
+    """vLLM's outputs dict is ordered by when each client's first output of the step was produced, and the
+    scheduler stats ride on its first entry. Client 0's request is first in the batch, so its entry comes first,
+    although client 1's request (an entry the adapter handles on its slow path) is applied in between."""
+    cfg = make_vllm_config(block_size=4, num_blocks=64, max_model_len=64)
+    pair = (make_scheduler("vllm", cfg), make_scheduler("kvsched", cfg))
+    for s in pair:
+        s.add_request(make_request("c0", [10, 11], max_tokens=8))  # type: ignore[attr-defined]
+        s.add_request(make_request("c1", [5, 6, 7], max_tokens=8, client_index=1))  # type: ignore[attr-defined]
+        s.add_request(make_request("c0-short", [8, 9], max_tokens=2))  # type: ignore[attr-defined]
+    orders = []
+    for _ in range(3):
+        outs = [s.schedule() for s in pair]  # type: ignore[attr-defined]
+        compare("SchedulerOutput", outs[0], outs[1])
+        results = [s.update_from_output(so, _mro(so, 9)) for s, so in zip(pair, outs, strict=True)]  # type: ignore[attr-defined]
+        compare("EngineCoreOutputs", results[0], results[1])
+        assert list(results[1]) == list(results[0])
+        assert next(iter(results[1].values())).scheduler_stats is not None
+        orders.append(list(results[1]))
+    assert orders == [[0, 1]] * 3
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_whose_requests_were_all_aborted_returns_no_outputs_without_stats(async_scheduling: bool) -> None:
+    """The model ran steps whose requests were all aborted meanwhile (a client disconnected), and a step that
+    scheduled nothing: with stats off, vLLM returns an empty dict for each, and so does kvsched (no empty entry
+    for client 0)."""
+    cfg = make_vllm_config(block_size=4, num_blocks=64, max_model_len=64, async_scheduling=async_scheduling)
+    pair = (make_scheduler("vllm", cfg, log_stats=False), make_scheduler("kvsched", cfg, log_stats=False))
+    for s in pair:
+        s.add_request(make_request("r0", [5, 6, 7], max_tokens=8))  # type: ignore[attr-defined]
+    first = [s.schedule() for s in pair]  # type: ignore[attr-defined]
+    second = [s.schedule() for s in pair] if async_scheduling else first  # type: ignore[attr-defined]
+    for s in pair:
+        s.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)  # type: ignore[attr-defined]
+    empty = [s.schedule() for s in pair]  # type: ignore[attr-defined]
+    steps = [first, second, empty] if async_scheduling else [first, empty]
+    for outs in steps:
+        results = [s.update_from_output(so, _mro(so, 9)) for s, so in zip(pair, outs, strict=True)]  # type: ignore[attr-defined]
+        compare("EngineCoreOutputs", results[0], results[1])
+        assert results[1] == {}

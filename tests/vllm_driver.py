@@ -245,11 +245,18 @@ class Pair:
     def __init__(self, cfg: Config, seed: int) -> None:
         self.cfg = cfg
         self.rng = random.Random(seed)
+        # Draws for the output-packaging dimensions (front-end clients, stats, aborts of requests in a step in
+        # flight) come from their own stream, so they leave the scheduling draws of a seed as they are.
+        self.rng_out = random.Random(f"outputs/{seed}")
         fields = dataclasses.asdict(cfg)
         v2 = fields.pop("use_v2_model_runner")
         vcfg = make_vllm_config(**fields)
-        self.a = make_scheduler("vllm", vcfg, use_v2_model_runner=v2, include_finished_set=True)
-        self.b = make_scheduler("kvsched", vcfg, use_v2_model_runner=v2, include_finished_set=True)
+        # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
+        self.num_clients = self.rng_out.choice([1, 1, 2])
+        log_stats = self.rng_out.random() < 0.7
+        kw = {"use_v2_model_runner": v2, "include_finished_set": True, "log_stats": log_stats}
+        self.a = make_scheduler("vllm", vcfg, **kw)
+        self.b = make_scheduler("kvsched", vcfg, **kw)
         self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
         self.next_id = 0
         self.clock = 0.0
@@ -298,6 +305,7 @@ class Pair:
             "block_size": cfg.block_size,
             # Prompt logprobs: vLLM skips reading the prefix cache for the request.
             "prompt_logprobs": 1 if rng.random() < 0.1 else None,
+            "client_index": self.rng_out.randrange(self.num_clients),
         }
         self.clock += 1.0
         ra, rb = make_request(rid, prompt, **kwargs), make_request(rid, prompt, **kwargs)
@@ -333,6 +341,21 @@ class Pair:
         rb = self.b.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         compare("finish_requests", [r.request_id for r in ra], [r.request_id for r in rb])
         self.check_state(f"finish_requests({ids})")
+
+    def abort_in_flight(self) -> None:
+        """Abort requests of the newest step in flight, as the engine does when a client disconnects while the
+        model runs (its output then arrives for requests that are already gone)."""
+        scheduled = sorted(self.in_flight[-1][0].num_scheduled_tokens) if self.in_flight else []
+        if not scheduled:
+            return
+        rng = self.rng_out
+        ids = scheduled if rng.random() < 0.3 else rng.sample(scheduled, k=rng.randrange(1, len(scheduled) + 1))
+        from vllm.v1.request import RequestStatus
+
+        ra = self.a.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        rb = self.b.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        compare("finish_requests (in flight)", [r.request_id for r in ra], [r.request_id for r in rb])
+        self.check_state(f"finish_requests({ids}) in flight")
 
     def pause_or_resume(self) -> None:
         from vllm.v1.core.sched.interface import PauseState
@@ -515,6 +538,8 @@ class Pair:
             if self.compiling and rng.random() < 0.25:
                 self.grammar_ready()
             self.schedule()
+            if self.rng_out.random() < 0.05:
+                self.abort_in_flight()
             if self.cfg.async_scheduling:
                 # vLLM's batch queue: step N+1 is scheduled before step N's output is applied.
                 if len(self.in_flight) > 1:
