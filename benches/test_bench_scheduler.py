@@ -227,7 +227,7 @@ def test_decode_step_batch_change(benchmark: Any, batch: str) -> None:
     request is aborted and a new one of 8 prompt tokens added; the step decodes 255 and prefills the new one).
     Most steps of a serving mix change the batch (c: 1,512 of 2,550); the outputs name their requests through
     the id table shared with the scheduler, so a changed batch should cost about a steady one
-    (docs/benchmarks.md, "Request ids shared with the outputs")."""
+    (docs/benchmarks.md, "Design choices and what they are worth")."""
     n, rounds = 256, 500
     sched = _decoding_scheduler(n, prompt_len=64, stagger=True)
     rng = np.random.Generator(np.random.PCG64(2))
@@ -261,7 +261,7 @@ def test_decode_step_staggered(benchmark: Any, layout: str) -> None:
     the same step (``lockstep``: 64-token prompts; one step in 16 allocates and one caches a block for every
     request) or spread over the steps (``staggered``: prompts of 64 + i % 16 tokens; every step an eighth of the
     requests do block work, as in a serving mix). Compare the means: the lock-step median leaves its block work
-    out (docs/benchmarks.md, "Staggered block boundaries"; ``scripts/api_decode_loop.py 256 32 1500 0 1``)."""
+    out (docs/benchmarks.md, "Block-boundary steps"; ``scripts/dev/api_decode_loop.py 256 32 1500 0 1``)."""
     n, rounds = 256, 800
     sched = _decoding_scheduler(n, prompt_len=64, stagger=layout == "staggered")
     sampled = (np.full(n, 7, dtype=np.int64), np.arange(n + 1, dtype=np.int64))

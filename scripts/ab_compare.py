@@ -15,9 +15,9 @@ the page cache was dropped. A copy per run draws a new placement every run, so i
 instead of favouring one build throughout.
 
     python scripts/ab_compare.py [--steps GROUP] WORKLOAD ROUNDS DIR [DIR ...] [-- EXTRA BENCH ARGS]
-    python scripts/ab_compare.py c 10 /tmp/base /tmp/new            # tight loop
-    python scripts/ab_compare.py a 8 /tmp/base /tmp/new -- --cold 8  # 8 MiB touched between steps
-    python scripts/ab_compare.py --steps finishing a 16 /tmp/base /tmp/new
+    python scripts/ab_compare.py c 10 ../base .                # tight loop
+    python scripts/ab_compare.py a 8 ../base . -- --cold 8     # 8 MiB touched between steps
+    python scripts/ab_compare.py --steps finishing a 16 ../base .
 
 ``--steps`` compares the median of one group of steps instead of all (the run records every step's timings with
 ``--per-step``): ``finishing``, the steps after which fewer requests run (requests finished, or were preempted);

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One prepared GPU check of the torch runner, for a session with a lent CUDA machine (no network there).
+# GPU check of the torch runner on a CUDA machine, which needs no network access:
 #
-#   1. installs the kvsched wheel built on the CPU machine (dist/kvsched-*.whl, maturin abi3 x86-64; carry
-#      `dist` to the device) without dependencies or an index; falls back to the in-tree sources plus the
-#      wheel's (or a carried) native module if pip cannot install it;
+#   1. installs a kvsched wheel built elsewhere (dist/kvsched-*.whl, maturin abi3 x86-64; copy `dist/` along)
+#      without dependencies or an index; falls back to the in-tree sources plus the wheel's (or an already
+#      built) native module if pip cannot install it;
 #   2. runs the gpu-marked tests: the Triton paged-attention kernel vs the torch reference backend
 #      (fp32/bf16/fp16), the engine vs transformers (fp32 exact greedy; bf16 near-argmax);
 #   3. runs the throughput benchmark on a random-weight model with Llama-3.2-1B shapes (nothing downloaded):
@@ -15,8 +15,7 @@
 # Usage (repo root):  OUT=/path/for/results scripts/gpu_check.sh        (default OUT=./gpu-check-out)
 # Results: $OUT/env.txt, $OUT/pytest_gpu.txt, $OUT/throughput{,_graphs,_reference}.{txt,json}
 # DRY_RUN=1 checks the script itself on a CPU machine (gpu tests skip, throughput runs with --tiny).
-# Each phase has its own timeout (240 + 120 + 120 + 90 s), so the whole check fits a 10-minute device call;
-# with the device tool: run(command="scripts/gpu_check.sh", carry=["dist"], timeout_s=600) ($OUT is set there).
+# Each phase has its own timeout (240 + 120 + 120 + 90 s), so the whole check ends within 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-check-out}"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One prepared GPU run of the preemption modes end to end (issue 11), for a session with a lent CUDA machine:
+# The preemption modes end to end on a CUDA GPU:
 # python -m kvsched.bench.preemption_e2e on a random-weight model with Llama-3.2-1B shapes (nothing downloaded),
 # 64 requests of 2000-8000 prompt tokens and 256 outputs, 8000 GPU blocks and 8000 CPU blocks of 16 tokens, under
 # recompute, swap and auto: output tokens/s, preemptions, blocks swapped, tokens recomputed, auto's measured
 # cost constants.
 #
-# Uses the in-tree sources and the native module built on the CPU machine (carry it):
-#   run(command="scripts/gpu_preemption_check.sh", carry=["python/kvsched/_core.abi3.so"], timeout_s=600)
+# Uses the in-tree sources (python/) with the native module already built into python/kvsched (copy
+# python/kvsched/_core.abi3.so along if it was built on another machine); the run ends within 9 minutes.
+#   OUT=/path/for/results scripts/gpu_preemption_check.sh          (default OUT=./gpu-check-out)
 # Results: $OUT/env.txt, $OUT/preemption_e2e.{txt,json}. DRY_RUN=1 checks the script on a CPU machine (--tiny).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -257,7 +257,7 @@ class Case:
     exc: type[SchedulerError]
     needle: str
     setup: Callable[[], Ctx] = setup_in_flight
-    xfail: str | None = None  # a known bug, reported to the lead
+    xfail: str | None = None  # a known bug: the case is expected to fail until it is fixed
 
 
 def add(**kw: Any) -> Callable[[Ctx], Any]:

@@ -384,7 +384,7 @@ def test_bench_preemption_mode_gives_swap_a_cpu_pool() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The measuring scripts (scripts/): they run and print their figures (timings are not asserted)
+# The measuring scripts (scripts/ and scripts/dev/): they run and print their figures (timings are not asserted)
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -398,7 +398,7 @@ def _run_script(*args: str) -> str:
 
 
 def _load_script(name: str) -> types.ModuleType:
-    """A script of scripts/ imported as a module (to call its functions directly)."""
+    """A script of scripts/ (a path below it) imported as a module (to call its functions directly)."""
     spec = importlib.util.spec_from_file_location(Path(name).stem, SCRIPTS / name)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -407,20 +407,20 @@ def _load_script(name: str) -> types.ModuleType:
 
 
 def test_api_decode_loop_script_prints_its_medians() -> None:
-    out = _run_script("api_decode_loop.py", "8", "16", "40", "1", "1")
+    out = _run_script("dev/api_decode_loop.py", "8", "16", "40", "1", "1")
     assert out.startswith("n=8 prompt_len=16 steps=40 cold_mb=1 stagger=1:") and "p99" in out
 
 
 @pytest.mark.parametrize("mode", ["alone", "abab"])
 def test_abab_script_times_every_step_of_workload_a(mode: str) -> None:
-    out = _run_script("abab.py", mode, "1")
+    out = _run_script("dev/abab.py", mode, "1")
     assert out.startswith(f"mode={mode} steps=272:")
     assert "decode-only steps (255)" in out
 
 
 def test_abab_script_rejects_an_unknown_mode() -> None:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "abab.py"), "sometimes"], capture_output=True, text=True, check=False
+        [sys.executable, str(SCRIPTS / "dev" / "abab.py"), "sometimes"], capture_output=True, text=True, check=False
     )
     assert proc.returncode != 0 and "MODE must be abab or alone" in proc.stderr
 
@@ -435,7 +435,7 @@ def test_step_cache_misses_script_counts_both_methods_per_step() -> None:
     # The script runs `python3`: this interpreter, whatever PATH holds.
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.run(
-        ["bash", str(SCRIPTS / "step_cache_misses.sh"), str(package_root), "8", "5", "0", "1"],
+        ["bash", str(SCRIPTS / "dev" / "step_cache_misses.sh"), str(package_root), "8", "5", "0", "1"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -2,9 +2,9 @@
 
 Runs the harness's kvsched run in a subprocess and fails when a test function listed as passing in
 ``tests/vllm_suite/STATUS.md`` no longer passes, or when a function fails for a reason the harness cannot explain
-(see ``tests/vllm_suite/README.md``). Needs vLLM 0.33 in this interpreter and vLLM's sdist
-(``/tmp/vllm-sdist/vllm-0.33.0.tar.gz`` or ``$KVSCHED_VLLM_SDIST``; ``KVSCHED_VLLM_SUITE_DOWNLOAD=1`` lets it
-download the sdist from PyPI); skipped otherwise. A few minutes: marked ``vllm`` and ``slow``, so the default
+(see ``tests/vllm_suite/README.md``). Needs vLLM 0.33 in this interpreter and vLLM's sdist (``$KVSCHED_VLLM_SDIST``,
+or ``vllm-sdist/vllm-0.33.0.tar.gz`` in the temporary directory; ``KVSCHED_VLLM_SUITE_DOWNLOAD=1`` lets it download
+the sdist from PyPI); skipped otherwise. A few minutes: marked ``vllm`` and ``slow``, so the default
 suite never runs it; run it with ``pytest -m vllm tests/test_vllm_suite.py``.
 """
 

@@ -7,7 +7,7 @@ changed. With ``KVSCHED_SUITE_IMPL=vllm`` nothing is substituted (the baseline r
 
 Either way it records, per test case, the outcome, the failure's one-line crash message, and which scheduler
 classes the test constructed (a test that never built kvsched's class does not count as passing against it), and
-writes them as JSON to ``KVSCHED_SUITE_RESULTS`` at the end of the session.
+writes them as JSON to ``KVSCHED_SUITE_RESULTS`` at the end of the pytest run.
 """
 
 from __future__ import annotations

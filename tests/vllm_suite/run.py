@@ -9,9 +9,10 @@ vLLM's ``Scheduler``/``AsyncScheduler`` (``--impl kvsched``) or substitutes noth
 baseline on this machine). With both runs done, ``STATUS.md`` (next to this file) lists every test function of
 ``test_scheduler.py`` with its status against kvsched and against vLLM's own scheduler.
 
-Usage (vLLM 0.33 must be importable by ``--python``; build the extension first with ``bash /work/kvdev.sh``)::
+Usage, from the repository root (vLLM 0.33 must be importable by ``--python``; build the extension into
+``python/kvsched`` first, e.g. with ``maturin develop --release``)::
 
-    python3 tests/vllm_suite/run.py --python /tmp/vllm-venv/bin/python            # both runs + STATUS.md
+    python3 tests/vllm_suite/run.py --python /path/to/vllm-env/bin/python         # both runs + STATUS.md
     python3 tests/vllm_suite/run.py --python ... --impl kvsched -k test_schedule  # one run, a subset
 
 Exit status (a kvsched run without ``-k``): 1 when a function fails against kvsched for a reason the harness cannot
@@ -30,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable
@@ -42,7 +44,8 @@ REPO = HERE.parents[1]
 SDIST_NAME = "vllm-0.33.0.tar.gz"
 SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
 SIMPLE_INDEX = "https://pypi.org/simple/vllm/"
-SDIST_CANDIDATES = (Path("/tmp/vllm-sdist") / SDIST_NAME,)
+# A copy kept in the temporary directory ($TMPDIR, usually /tmp) by an earlier download or by hand.
+SDIST_CANDIDATES = (Path(tempfile.gettempdir()) / "vllm-sdist" / SDIST_NAME,)
 TEST_FILE = "tests/v1/core/test_scheduler.py"
 # The files of vLLM's test tree that test_scheduler.py imports (directly or through utils.py).
 SDIST_MEMBERS = (
@@ -448,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--python", default=sys.executable, help="an interpreter with vLLM 0.33 and pytest")
     parser.add_argument("--impl", choices=("kvsched", "vllm", "both"), default="both")
-    parser.add_argument("--sdist", help=f"path of {SDIST_NAME} (else: $KVSCHED_VLLM_SDIST, /tmp/vllm-sdist, download)")
+    parser.add_argument(
+        "--sdist", help=f"path of {SDIST_NAME} (else: $KVSCHED_VLLM_SDIST, $TMPDIR/vllm-sdist, download)"
+    )
     parser.add_argument("--no-download", action="store_true", help="fail rather than download the sdist")
     parser.add_argument("--workdir", default=str(REPO / "build" / "vllm-suite"))
     parser.add_argument("--status", default=str(HERE / "STATUS.md"), help="the STATUS.md to check against and write")
@@ -476,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         if "not collected" not in (f.kvsched.category, f.vllm.category):
             print(f"{f.name}: kvsched={f.kvsched.category} {f.kvsched.reason} | vllm={f.vllm.category} {f.vllm.reason}")
     if args.impl == "both" and not args.keyword and not args.no_write:
-        write_status(functions, status, "python3 tests/vllm_suite/run.py --python /tmp/vllm-venv/bin/python")
+        write_status(functions, status, "python3 tests/vllm_suite/run.py --python /path/to/vllm-env/bin/python")
         print(f"wrote {status}")
     for impl in impls:
         print(f"{impl}: {_count(functions, impl)}")

@@ -1,11 +1,11 @@
 """Does importing vLLM slow the Rust scheduler down? Workload a through the Rust scheduler, five times in this
-process, after importing nothing, torch, vLLM, or vLLM followed by ``gc.freeze()`` (docs/benchmarks.md, "Is the
-Rust side slower in a process that imported vLLM?"). Prints the median step (schedule + update) of each run.
+process, after importing nothing, torch, vLLM, or vLLM followed by ``gc.freeze()`` (docs/benchmarks.md, "kvsched
+inside vLLM's process"). Prints the median step (schedule + update) of each run.
 
-    PYTHONPATH=python python3 scripts/vllm_import_probe.py plain
-    PYTHONPATH=python python3 scripts/vllm_import_probe.py torch
-    VLLM_TARGET_DEVICE=cpu PYTHONPATH=python /path/to/vllm-env/python scripts/vllm_import_probe.py vllm
-    VLLM_TARGET_DEVICE=cpu PYTHONPATH=python /path/to/vllm-env/python scripts/vllm_import_probe.py vllm-freeze
+    PYTHONPATH=python python3 scripts/dev/vllm_import_probe.py plain
+    PYTHONPATH=python python3 scripts/dev/vllm_import_probe.py torch
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH=python /path/to/vllm-env/python scripts/dev/vllm_import_probe.py vllm
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH=python /path/to/vllm-env/python scripts/dev/vllm_import_probe.py vllm-freeze
 
 Alternate the modes (several rounds) on a shared machine: the spread between runs is larger than the effect.
 """

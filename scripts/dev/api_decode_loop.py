@@ -4,7 +4,7 @@
 ``schedule()``, then ``update_from_output()`` with one sampled token per request as an int64 ``(values, indptr)``
 pair. Prints the medians of both calls and of the step, and the step's p99, in µs.
 
-    python scripts/api_decode_loop.py [N] [PROMPT_LEN] [STEPS] [COLD_MB] [STAGGER]    # defaults: 256 32 1500 0 0
+    python scripts/dev/api_decode_loop.py [N] [PROMPT_LEN] [STEPS] [COLD_MB] [STAGGER]    # defaults: 256 32 1500 0 0
 
 With ``COLD_MB`` > 0 a buffer of that many MB is written (one byte per cache line) before each step, outside the
 timed region, as ``kvsched bench --cold`` does: the engine's other work between two steps. With ``STAGGER`` 1 the

@@ -4,8 +4,8 @@
 # wall-clock medians cannot resolve it. Only the two binding methods are counted (--toggle-collect), not the
 # workload generation or the fake model around them.
 #
-#   scripts/step_instructions.sh [PYTHONPATH] [WORKLOADS] [SCALE]
-#   scripts/step_instructions.sh python a,b,c,d,e 0.1          # this tree (after bash kvdev.sh / maturin develop)
+#   scripts/dev/step_instructions.sh [PYTHONPATH] [WORKLOADS] [SCALE]
+#   scripts/dev/step_instructions.sh python a,b,c,d,e 0.1          # this tree (after maturin develop --release)
 #
 # Prints one line per workload: steps, instructions, instructions per step. Compare two builds by running it with
 # each build's python/ directory (e.g. a `git archive` of the older commit with its own _core.abi3.so).

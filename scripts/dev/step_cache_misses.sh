@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Simulated cache misses per decode step, schedule() and update_from_output() apart: where `perf stat` has no
-# hardware counters (this project's VMs report "not supported"), callgrind's cache simulation counts the misses
-# of the two binding methods instead. It runs scripts/api_decode_loop.py (N decoding requests, COLD_MB of other
+# hardware counters (as in many VMs, which report "not supported"), callgrind's cache simulation counts the misses
+# of the two binding methods instead. It runs scripts/dev/api_decode_loop.py (N decoding requests, COLD_MB of other
 # memory written before each step, STAGGER 1 for requests that reach their block boundaries in different steps)
 # for STEPS and for 2 * STEPS decode steps and prints the difference divided by STEPS, so the prefill and the
 # set-up cancel out: exactly for instructions; the miss counts of the two runs also differ by how their heaps
 # happen to lie, a few lines in all, so give it enough steps (the default 200) for per-step figures.
 #
-#   scripts/step_cache_misses.sh [PYTHONPATH] [N] [STEPS] [COLD_MB] [STAGGER]     # defaults: python 51 200 1 1
+#   scripts/dev/step_cache_misses.sh [PYTHONPATH] [N] [STEPS] [COLD_MB] [STAGGER]     # defaults: python 51 200 1 1
 #
-# The simulated caches are this VM's: L1i 32 KiB 8-way, L1d 48 KiB 12-way, and a last level of 1 MiB 16-way
-# standing for the per-core L2 (callgrind models two levels; L2 misses are the ones that go to the shared L3 or
-# memory). Set I1=... D1=... LL=... (callgrind's size,associativity,line) to model another CPU. Compare two builds
-# by running it with each build's python/ directory. Columns: instructions (Ir), L1i misses (I1mr: the step's code
-# does not stay in the L1 instruction cache, docs/benchmarks.md "Stop 27"), L1d read and write misses (D1mr,
-# D1mw), L2 read and write misses (DLmr, DLmw).
+# The simulated caches default to those of a 2-core AMD EPYC VM: L1i 32 KiB 8-way, L1d 48 KiB 12-way, and a
+# last level of 1 MiB 16-way standing for the per-core L2 (callgrind models two levels; L2 misses are the ones
+# that go to the shared L3 or memory). Set I1=... D1=... LL=... (callgrind's size,associativity,line) to model
+# another CPU. Compare two builds by running it with each build's python/ directory. Columns: instructions (Ir),
+# L1i misses (I1mr: the step's code does not stay in the L1 instruction cache between two steps), L1d read and
+# write misses (D1mr, D1mw), L2 read and write misses (DLmr, DLmw).
 set -euo pipefail
 pypath=${1:-python}
 n=${2:-51}

@@ -7,7 +7,7 @@ between two Rust steps, outside the timed region, as a model runner's Python wou
 not run. Prints the Rust step's median and p99 in µs, over all steps (prefill included) and over decode-only
 steps.
 
-    python scripts/abab.py [MODE] [RUNS]     # MODE: abab (default) or alone; best median of RUNS (default 3)
+    python scripts/dev/abab.py [MODE] [RUNS]     # MODE: abab (default) or alone; best median of RUNS (default 3)
 
 Pin it (``taskset -c 1``) and alternate the modes run by run when comparing them.
 """

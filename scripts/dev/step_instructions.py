@@ -3,7 +3,7 @@
 
     valgrind --tool=callgrind "--toggle-collect=*__pymethod_schedule__" \\
         "--toggle-collect=*__pymethod_update_from_output__" \\
-        $(pyenv which python3) scripts/step_instructions.py recompute 0.1
+        $(pyenv which python3) scripts/dev/step_instructions.py recompute 0.1
 
 Run the real interpreter, not a pyenv shim (valgrind does not follow the shim's exec). With PYTHONPATH pointing at
 the build to measure; swap and auto get a CPU pool as large as the GPU pool.
