@@ -353,6 +353,9 @@ class LLM:
             cuda_graph_max_batch_size=min(sched_config.max_num_seqs, 512) if enable_cuda_graphs else 0,
             max_model_len=sched_config.max_model_len,
             num_cpu_blocks=sched_config.num_cpu_blocks,
+            # The engine removes a request from the runner when it sees it finish (step, abort_requests), not a
+            # step later when the scheduler reports it, so that a new request reusing the id is not dropped.
+            remove_finished_requests=False,
         )
         if measure_costs:
             self.scheduler.set_preemption_costs(*self.runner.measure_preemption_costs())
@@ -644,7 +647,7 @@ def _params_list(sampling_params: Any, num_prompts: int) -> list[SamplingParams]
         return [SamplingParams()] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
-    if not isinstance(sampling_params, Sequence):
+    if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
         raise SchedulerTypeError(
             f"sampling_params must be a SamplingParams or a sequence of them, got {type(sampling_params).__name__}"
         )
