@@ -622,6 +622,17 @@ def test_the_tiny_model_command_writes_a_model_generate_runs_the_same_way_each_t
     assert "not a directory" in capsys.readouterr().err
 
 
+def test_the_tiny_model_command_without_transformers_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvsched.runner.testing import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    assert main([str(tmp_path / "m")]) == 2
+    assert "needs transformers" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
 def test_the_docs_tiny_example_gives_the_same_tokens_on_every_run() -> None:
     text = (ROOT / "docs" / "runner.md").read_text(encoding="utf-8")
     (code,) = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "tiny_config()" in block]
