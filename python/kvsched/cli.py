@@ -343,15 +343,6 @@ def _run_bench(args: argparse.Namespace) -> int:
             sizes_text = args.scaling_sizes or (QUICK_SCALING_SIZES if args.quick else "64,128,256,512,1024,2048")
             sizes = [int(n) for n in parse_csv_numbers(sizes_text, "--scaling-sizes", integer=True, minimum=1,
                                                        inclusive=True)]  # fmt: skip
-        # Every output path is checked before anything runs (a run can take minutes).
-        if not args.no_json:
-            check_output_file(args.json, "--json")
-        if args.markdown is not None:
-            check_output_file(args.markdown, "--markdown")
-        if args.plot is not None:
-            check_output_file(args.plot, "--plot")
-        if args.dump_trace is not None:
-            check_output_dir(args.dump_trace, "--dump-trace")
     except UsageError as exc:
         print(f"kvsched bench: {exc}", file=err)
         return 2
@@ -387,6 +378,20 @@ def _run_bench(args: argparse.Namespace) -> int:
                 sc.scheduler_config()  # a bad combination fails here, before anything runs
             workloads = [generate(sc) for sc in scenarios]
     except (ValueError, OSError, TraceFormatError) as exc:  # InvalidConfigError is a ValueError
+        print(f"kvsched bench: {exc}", file=err)
+        return 2
+    try:
+        # Every output path is checked before anything runs (a run can take minutes).
+        if args.dump_trace is not None:
+            check_output_dir(args.dump_trace, "--dump-trace")
+        if not (args.dump_trace is not None and args.dump_only):
+            if not args.no_json:
+                check_output_file(args.json, "--json")
+            if args.markdown is not None:
+                check_output_file(args.markdown, "--markdown")
+            if args.plot is not None:
+                check_output_file(args.plot, "--plot")
+    except UsageError as exc:
         print(f"kvsched bench: {exc}", file=err)
         return 2
 
