@@ -230,6 +230,20 @@ def missing_package(argv: Sequence[str]) -> str | None:
     return None
 
 
+def test_the_shell_block_collector_reads_markers_indents_and_continuations(tmp_path: Path) -> None:
+    md = tmp_path / "x.md"
+    md.write_text(
+        "```bash\nmaturin develop\nkvsched bench --quick   # fast\nkvsched simulate --step-model x.json ...\n```\n\n"
+        "- item\n\n  <!-- not run: needs a GPU -->\n  ```bash\n  kvsched simulate --rate 4 \\\n"
+        "      --out o\n  ```\n\n```sh\necho no kvsched here\n```\n"
+    )
+    got = shell_blocks(md)
+    assert [(b.line, b.commands, b.not_run) for b in got] == [
+        (1, ((3, ("bench", "--quick")),), None),
+        (10, ((11, ("simulate", "--rate", "4", "--out", "o")),), "needs a GPU"),
+    ]
+
+
 def test_reduced_commands_are_test_sized(tmp_path: Path) -> None:
     argv = ["simulate", "--rates", "4,8,12,16,20", "--duration", "600", "--out", "/abs/sim", "--plot"]
     assert reduced(argv, tmp_path) == [
@@ -262,10 +276,11 @@ def test_cli_commands_in_the_docs_run(block: ShellBlock, tmp_path: Path) -> None
             skipped.append(f"{where} {reason}")
             continue
         model = _option(argv, "--model")
+        hint = ""
         if model is not None and not (tmp_path / model).is_dir():
-            pytest.fail(
-                f"{where}: {shown} needs the model directory {model}: mark its block "
-                "<!-- not run: needs a local Hugging Face model directory --> or make it in an earlier command"
+            hint = (
+                f"\n(the model directory {model} does not exist here: if the command needs one, mark its block "
+                "<!-- not run: needs a local Hugging Face model directory --> or make it in an earlier command)"
             )
         cmd = reduced(argv, tmp_path)
         proc = subprocess.run(
@@ -279,7 +294,7 @@ def test_cli_commands_in_the_docs_run(block: ShellBlock, tmp_path: Path) -> None
         )
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, (
             f"{where}: {shown}, run as `kvsched {shlex.join(cmd)}`, exited with {proc.returncode}:\n"
-            f"{proc.stderr[-3000:]}"
+            f"{proc.stderr[-3000:]}{hint}"
         )
         ran += 1
     if not ran:
