@@ -651,7 +651,7 @@ def test_target_legend_says_what_the_column_checks_and_by_how_much_a_run_missed(
     assert legend[0].startswith("target: median schedule+update per step <= a 10, b 40, c 50, d 50 µs")
     assert "p99 <= 5x the median for c, d" in legend[0]
     assert set(TARGETS) == {"a", "b", "c", "d"}
-    assert "target n/a: the run is not what the targets are for (impl reference)" in legend
+    assert "target n/a: the targets are for rust at scale 1 without --cold; these runs have impl reference" in legend
     assert "target MISS d (rust): p99 17.4 µs is 8.7x the median 2.0 µs (at most 5x)" in legend
     assert "target MISS b (rust): median 55.0 µs > 40 µs" in legend
     assert not any("MISS a" in line for line in legend)
@@ -665,7 +665,7 @@ def test_bench_quick_prints_every_workload_and_explains_the_empty_targets(capsys
     rows = {line.split()[0]: line.split() for line in out[3:] if line and line.split()[0] in SCENARIOS}
     assert sorted(rows) == sorted(SCENARIOS) == list("abcdefg")  # f and g are in the table too
     assert {rows[w][-1] for w in "abcd"} == {"n/a"} and {rows[w][-1] for w in "efg"} == {"-"}
-    assert "target n/a: the run is not what the targets are for (scale 0.05)" in out
+    assert "target n/a: the targets are for rust at scale 1 without --cold; these runs have scale 0.05" in out
 
 
 def test_bench_help_names_every_workload() -> None:

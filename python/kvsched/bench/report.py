@@ -103,7 +103,7 @@ def _target_check(result: RunResult, total: dict[str, float]) -> dict[str, Any] 
     if result.cold_mb:
         why.append(f"--cold {result.cold_mb:g}")
     if why:  # the targets are for the Rust scheduler on the full-size workloads, in the tight loop
-        return {"applies": False, "why": ", ".join(why), "median_max_us": median_max, "p99_max_factor": p99_factor}
+        return {"applies": False, "why": why, "median_max_us": median_max, "p99_max_factor": p99_factor}
     ok = total["median"] <= median_max
     check: dict[str, Any] = {"applies": True, "median_max_us": median_max, "median_ok": ok}
     if p99_factor is not None:
@@ -370,9 +370,10 @@ def format_target_legend(docs: Sequence[dict[str, Any]]) -> list[str]:
         + (f"; p99 <= {'/'.join(f'{f:g}' for f in sorted(factors))}x the median for {tails}" if tails else ""),
         "        (for rust on the full-size workloads in the tight loop; '-': the workload has no target)",
     ]
-    not_applied = sorted({d["target"]["why"] for d in docs if d.get("target") and not d["target"].get("applies", True)})
+    not_applied = [d["target"]["why"] for d in docs if d.get("target") and not d["target"].get("applies", True)]
     if not_applied:
-        lines.append(f"target n/a: the run is not what the targets are for ({'; '.join(not_applied)})")
+        why = ", ".join(dict.fromkeys(w for ws in not_applied for w in ws))
+        lines.append(f"target n/a: the targets are for rust at scale 1 without --cold; these runs have {why}")
     for d in docs:
         t = d.get("target")
         if not t or not t.get("applies", True) or t["ok"]:
