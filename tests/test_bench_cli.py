@@ -15,6 +15,7 @@ import sys
 import types
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -621,3 +622,80 @@ def test_bench_runs_several_implementations_in_turns(tmp_path: Path, monkeypatch
     for r in results:
         assert len(r["repeats"]) == 2
         assert r["total_us"]["median"] == pytest.approx(min(x["total_median_us"] for x in r["repeats"]))
+
+
+# ---- What the printed report explains -------------------------------------------------------------------------
+
+
+def _doc(workload: str, impl: str = "rust", *, median: float, p99: float, scale: float = 1.0) -> dict[str, Any]:
+    """A results entry as result_to_dict builds it, for a run with these total µs."""
+    from kvsched.bench.report import _target_check
+
+    result = types.SimpleNamespace(workload=workload, impl=impl, scenario={"scale": scale}, cold_mb=0.0)
+    total = {"median": median, "p99": p99, "max": p99}
+    return {"workload": workload, "impl": impl, "total_us": total, "target": _target_check(result, total)}  # type: ignore[arg-type]
+
+
+def test_target_legend_says_what_the_column_checks_and_by_how_much_a_run_missed() -> None:
+    from kvsched.bench.report import TARGETS, _target_cell, format_target_legend
+
+    docs = [
+        _doc("a", median=2.0, p99=30.0),  # no p99 target: ok
+        _doc("d", median=2.0, p99=17.4),  # p99 8.7x the median
+        _doc("b", median=55.0, p99=60.0),  # median over 40
+        _doc("g", median=1.0, p99=9.0),  # no target at all
+        _doc("c", "reference", median=90.0, p99=900.0),
+    ]
+    assert [_target_cell(d["target"]) for d in docs] == ["ok", "MISS p99", "MISS median", "-", "n/a"]
+    legend = format_target_legend(docs)
+    assert legend[0].startswith("target: median schedule+update per step <= a 10, b 40, c 50, d 50 µs")
+    assert "p99 <= 5x the median for c, d" in legend[0]
+    assert set(TARGETS) == {"a", "b", "c", "d"}
+    assert "target n/a: the targets are for rust at scale 1 without --cold; these runs have impl reference" in legend
+    assert "target MISS d (rust): p99 17.4 µs is 8.7x the median 2.0 µs (at most 5x)" in legend
+    assert "target MISS b (rust): median 55.0 µs > 40 µs" in legend
+    assert not any("MISS a" in line for line in legend)
+
+
+def test_bench_quick_prints_every_workload_and_explains_the_empty_targets(capsys: pytest.CaptureFixture[str]) -> None:
+    if not _available("rust"):
+        pytest.skip("rust scheduler not available")
+    assert main(["bench", "--quick", "--max-steps", "40", "--no-json", "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in out[3:] if line and line.split()[0] in SCENARIOS}
+    assert sorted(rows) == sorted(SCENARIOS) == list("abcdefg")  # f and g are in the table too
+    assert {rows[w][-1] for w in "abcd"} == {"n/a"} and {rows[w][-1] for w in "efg"} == {"-"}
+    assert "target n/a: the targets are for rust at scale 1 without --cold; these runs have scale 0.05" in out
+
+
+def test_bench_help_names_every_workload() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "bench", "--help"], capture_output=True, text=True, timeout=60
+    )
+    text = " ".join(proc.stdout.split())
+    assert "a,b,c,d,e,f,g" in text and "a-f" not in text
+    for name in SCENARIOS:
+        assert f" {name} " in text or f" {name}=" in text, name
+
+
+@pytest.mark.parametrize(
+    ("slope", "words"),
+    [
+        (0.45, "step time grows as n^0.45 (less than linear: the cost per request falls as n grows)"),
+        (1.02, "step time grows as n^1.02 (about linear: a constant cost per request)"),
+        (1.12, "step time grows as n^1.12 (slightly faster than linear: the cost per request grows with n)"),
+        (1.6, "step time grows as n^1.60 (faster than linear: the cost per request grows with n)"),
+    ],
+)
+def test_scaling_slope_is_named_plainly(slope: float, words: str) -> None:
+    from kvsched.bench.report import format_markdown, format_scaling, scaling_verdict
+
+    assert scaling_verdict(slope) == words
+    point = {"num_running": 64, "num_steps": 5, "us_per_request": 0.1, "growth_vs_previous": None}
+    point |= {k: {"median": 1.0, "p99": 2.0} for k in ("schedule_us", "update_us", "total_us")}
+    summary = {"rust": {"points": [point], "loglog_slope": slope, "at_most_linear": slope <= 1.1}}
+    text = format_scaling(summary)
+    assert words in text and "FASTER" not in text and "log-log" not in text
+    md = format_markdown({"machine": {"cpu_model": "x", "num_cpus": 2, "python": "3", "numpy": "2"},
+                          "results": [], "ratios": [], "scaling": summary})  # fmt: skip
+    assert f"Scaling (rust): {words}" in md

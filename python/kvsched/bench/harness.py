@@ -128,7 +128,8 @@ def make_scheduler(impl: str, config: SchedulerConfig) -> Any:
             from kvsched import Scheduler
         except ImportError as exc:
             raise ImplUnavailableError(
-                f"the Rust scheduler is not built/installed ({exc}); run `maturin develop --release`"
+                f"the Rust scheduler is not built/installed ({exc}); build it with `maturin develop --release` "
+                "(pip install maturin)"
             ) from exc
         return Scheduler(config)
     if impl == "reference":

@@ -6,7 +6,8 @@ queueing delay (start of the first step that schedules it - arrival), preemption
 computed again after a preemption), cached tokens (prompt tokens skipped thanks to prefix-cache hits).
 
 Per run (:func:`summarize`): mean/p50/p90/p99 of each, request and token throughput, goodput under SLOs,
-preemptions, recomputed tokens, prefix-cache hit rate, KV usage; the same per tenant and per priority class;
+preemptions, recomputed tokens, prefix-cache hit rate, KV usage, how many prompt lengths were clipped and output
+lengths capped to fit ``max_model_len``; the same per tenant and per priority class;
 per-tenant service (tokens computed for the tenant's requests) over time windows, its share, and Jain's
 fairness index of weighted service per window over the tenants that were backlogged (on average at least one
 request waiting for admission during the window).
@@ -263,6 +264,10 @@ def summarize(
     }
     overall["batch_size_mean"] = float(result.step_num_reqs.mean()) if result.num_steps else math.nan
     overall["step_time_mean"] = float(result.step_time.mean()) if result.num_steps else math.nan
+    # Lengths cut to fit max_model_len: prompts clipped when the workload was drawn (generate_workload's
+    # max_model_len), outputs capped by the simulator at max_model_len - prompt_len.
+    overall["num_clipped_prompts"] = int(w.num_clipped_prompts)
+    overall["num_capped_outputs"] = int(np.count_nonzero(result.target_output_len < w.output_len))
 
     tenants = []
     win = window if window else max(duration / 20.0, 1e-9)

@@ -1,4 +1,4 @@
-"""PNG figures of a sweep (needs matplotlib: ``pip install 'kvsched[plot]'``; imported only when called).
+"""PNG figures of a sweep (needs matplotlib, kvsched's ``plot`` extra; imported only when called).
 
 - ``latency.png``: TTFT and end-to-end latency (p50, p99) against request rate, one line per policy/config;
 - ``goodput.png``: goodput and SLO attainment against request rate;
@@ -31,7 +31,7 @@ def _pyplot() -> Any:
         import matplotlib
     except ImportError as exc:
         raise MatplotlibMissingError(
-            "plots need matplotlib, which is not installed: pip install 'kvsched[plot]' (or matplotlib)"
+            "--plot needs matplotlib, which is not installed (pip install matplotlib; kvsched's plot extra)"
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import SchedulerConfig
+from .progress import SimProgress
 from .steptime import StepTimeModel, request_pairs, spill_pairs
 from .workload import PromptFactory, Workload
 
@@ -163,16 +163,6 @@ def _make_scheduler(scheduler: str | Callable[[SchedulerConfig], Any], config: S
     raise ValueError(f"scheduler must be 'rust', 'reference' or a factory, got {scheduler!r}")
 
 
-def _progress_bar(enabled: bool, total: float, desc: str) -> Any:
-    if not enabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(
-        total=round(total, 1), desc=desc, unit="sim s", file=sys.stderr, leave=False, dynamic_ncols=True, delay=0.5
-    )
-
-
 def _expand(
     fast: npt.NDArray[np.bool_],
     full: dict[str, IntArray],
@@ -238,7 +228,7 @@ def simulate(
     horizon: float | None = None,
     timeseries_interval: float | None = None,
     record_batches: bool = False,
-    progress: bool = False,
+    progress: bool | SimProgress = False,
     progress_desc: str = "simulate",
     fast_path: bool = True,
     prompt_fn: Callable[[int], npt.NDArray[np.int32]] | None = None,
@@ -251,6 +241,8 @@ def simulate(
     ``record_batches``: keep each step's (request indices, scheduled tokens), for validation.
     ``fast_path=False`` records every step in full (same results, slower; for tests).
     ``prompt_fn(i)``: the prompt token ids of request ``i`` (default: :class:`PromptFactory`'s).
+    ``progress``: True draws a progress bar of this run on stderr (:class:`kvsched.sim.progress.SimProgress`);
+    a ``SimProgress`` (a sweep's) gets this run as its next one, labelled ``progress_desc``.
     """
     cfg = _with_tenant_weights(make_config(config), workload)
     name, sched = _make_scheduler(scheduler, cfg)
@@ -261,7 +253,8 @@ def simulate(
         i = int(too_long[0])
         raise ValueError(
             f"{too_long.size} request(s) have prompt_len >= max_model_len ({cfg.max_model_len}), e.g. request {i} "
-            f"with {int(prompt_len[i])} tokens; raise max_model_len or shorten the prompts"
+            f"with {int(prompt_len[i])} tokens; raise max_model_len, shorten the prompts, or clip drawn ones with "
+            f"generate_workload(spec, max_model_len={cfg.max_model_len})"
         )
     target = np.minimum(workload.output_len, cfg.max_model_len - prompt_len).astype(np.int64)
     final_len = prompt_len + target
@@ -345,8 +338,10 @@ def simulate(
     kv, run, c_fixed = 0, 0, 0.0
     tok_view, ptr_view = tokens[:0], arange[:1]
 
-    bar = _progress_bar(progress, horizon if horizon is not None else span, progress_desc)
-    bar_last = 0.0
+    own_progress = progress is True
+    prog = progress if isinstance(progress, SimProgress) else (SimProgress(1) if progress else None)
+    if prog is not None:
+        prog.start_run(progress_desc, n, horizon)
     logger = logging.getLogger("kvsched")
     old_level = logger.level
     logger.setLevel(logging.ERROR)  # the preemption warning is expected under load; the metrics count them
@@ -415,9 +410,8 @@ def simulate(
                     batches.append((tuple(prev_idx.tolist()), (1,) * m))
                 t += dt
                 step += 1
-                if bar is not None and (step & 1023) == 0:
-                    bar.update(round(min(t, bar.total) - bar_last, 1))
-                    bar_last = min(t, bar.total)
+                if prog is not None and (step & 1023) == 0:
+                    prog.update(t, nxt - unfinished)
                 continue
             if run:
                 known[prev_idx] += run
@@ -491,15 +485,16 @@ def simulate(
             tok_view, ptr_view = tokens[:m], arange[: m + 1]
             t += dt
             step += 1
-            if bar is not None and (step & 1023) == 0:
-                bar.update(round(min(t, bar.total) - bar_last, 1))
-                bar_last = min(t, bar.total)
+            if prog is not None and (step & 1023) == 0:
+                prog.update(t, nxt - unfinished)
         if run:
             known[prev_idx] += run
     finally:
         logger.setLevel(old_level)
-        if bar is not None:
-            bar.close()
+        if prog is not None:
+            prog.finish_run(f"{nxt - unfinished:,}/{n:,} requests finished, {step:,} steps, {t:,.1f} s simulated")
+            if own_progress:
+                prog.close()
     wall = time.perf_counter() - wall0
     added[:nxt] = True
     finished_by_us = added & (known == final_len)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -244,7 +245,11 @@ def load_step_time_model(name_or_path: str | Path) -> StepTimeModel:
         return PRESETS[key]
     path = Path(key)
     if not path.exists():
+        if path.suffix.lower() == ".json" or "/" in key or os.sep in key:
+            raise ValueError(f"step-time model file {key} does not exist")
         raise ValueError(f"unknown step-time preset {key!r}: use one of {', '.join(PRESETS)} or a JSON file")
+    if path.is_dir():
+        raise ValueError(f"step-time model {key} is a directory, not a JSON file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:

@@ -16,6 +16,13 @@ coefficient of variation), and each arrival is assigned a tenant with probabilit
 share. For Poisson arrivals this is exactly independent Poisson streams per tenant. The gaps are drawn for rate 1
 and divided by the rate, so one seed gives the same requests at every rate, only closer together.
 
+Lengths and ``max_model_len``: ``generate_workload(spec, max_model_len=M)`` clips every drawn prompt length to
+``M - 1`` (so that a request has room for at least one output token) and counts the clipped ones
+(:attr:`Workload.num_clipped_prompts`). Clipping changes no other draw: a workload whose prompts all fit is the
+same, request for request, with or without ``max_model_len``. :func:`check_prompt_lengths` refuses a length
+distribution whose mean does not fit at all. ``kvsched simulate`` passes the smallest ``max_model_len`` of the
+sweep; the simulator caps each output length at ``max_model_len - prompt_len``.
+
 Prompt token ids are made when a request is added (see :func:`prompt_tokens`): the group prefix (if any), then
 two tokens that encode the request's index, then filler. Prefix-cache hashes chain from the first block, so no
 two requests share a block unless they share a group prefix.
@@ -41,6 +48,7 @@ __all__ = [
     "TraceFormatError",
     "Workload",
     "WorkloadSpec",
+    "check_prompt_lengths",
     "dump_trace",
     "generate_workload",
     "load_trace",
@@ -94,6 +102,7 @@ class LengthDist:
         return np.clip(out, 1, self.max_len)
 
     def mean(self) -> float:
+        """The mean of the distribution (before clipping)."""
         if self.kind == "uniform":
             return (self.a + self.b) / 2
         return float(self.a)
@@ -241,6 +250,8 @@ class Workload:
     tenant_weights: tuple[float, ...] = (1.0,)
     seed: int = 0
     source: str = "generated"
+    # Prompts drawn longer than max_model_len - 1 and clipped to it (generate_workload(..., max_model_len=)).
+    num_clipped_prompts: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.arrival_time)
@@ -274,8 +285,27 @@ def _gaps(rng: np.random.Generator, n: int, arrival: str, cv: float) -> FloatArr
     return rng.gamma(shape, 1.0 / shape, size=n)
 
 
-def generate_workload(spec: WorkloadSpec) -> Workload:
-    """The requests of ``spec`` (deterministic for a given spec, including its seed)."""
+def check_prompt_lengths(spec: WorkloadSpec, max_model_len: int) -> None:
+    """Raise :class:`TraceFormatError` when ``spec``'s prompt lengths cannot sensibly be clipped to fit
+    ``max_model_len``: their mean is not below it (so a large share of the prompts, all of them for a fixed
+    length, would be cut to ``max_model_len - 1``). The message names both ways out."""
+    dist = spec.prompt_len
+    mean = min(dist.mean(), dist.max_len)
+    if mean >= max_model_len:
+        raise TraceFormatError(
+            f"prompt lengths {dist} do not fit max_model_len {max_model_len}: their mean ({mean:g} tokens) is not "
+            f"below it, so a large share of them would be clipped; raise max_model_len (--set max_model_len=N) "
+            f"above the prompts or draw shorter ones"
+        )
+
+
+def generate_workload(spec: WorkloadSpec, *, max_model_len: int | None = None) -> Workload:
+    """The requests of ``spec`` (deterministic for a given spec, including its seed).
+
+    With ``max_model_len``, prompt lengths drawn longer than ``max_model_len - 1`` are clipped to it, and
+    :attr:`Workload.num_clipped_prompts` says how many were (see the module docstring)."""
+    if max_model_len is not None and max_model_len < 2:
+        raise TraceFormatError(f"max_model_len must be >= 2, got {max_model_len}")
     rng = np.random.default_rng(spec.seed)
     if spec.num_requests is not None:
         n = spec.num_requests
@@ -302,6 +332,12 @@ def generate_workload(spec: WorkloadSpec) -> Workload:
         if t.priority is not None:
             priority[tenant == i] = t.priority
     prompt_len = spec.prompt_len.sample(rng, n)
+    num_clipped = 0
+    if max_model_len is not None:
+        over = prompt_len > max_model_len - 1
+        num_clipped = int(over.sum())
+        if num_clipped:
+            prompt_len[over] = max_model_len - 1
     output_len = spec.output_len.sample(rng, n)
     prefix_group = np.full(n, -1, dtype=np.int64)
     prefix_len = np.zeros(n, dtype=np.int64)
@@ -322,6 +358,7 @@ def generate_workload(spec: WorkloadSpec) -> Workload:
         tenant_weights=tuple(t.weight for t in spec.tenants),
         seed=spec.seed,
         source="generated",
+        num_clipped_prompts=num_clipped,
     )
 
 
