@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.config import SchedulerConfig
+from kvsched.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
 
 from .driver import Counters, Driver, ImplUnavailableError, IntArray
 from .progress import Progress
@@ -539,7 +539,7 @@ def run_scaling(
     *,
     num_steps: int = 200,
     prompt_len: int = 64,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     progress: Progress | None = None,
 ) -> list[ScalingPoint]:
     """Time ``num_steps`` pure-decode steps with exactly ``n`` running requests, for each ``n`` in ``sizes``.
