@@ -13,17 +13,19 @@ import shutil
 import subprocess
 import sys
 import types
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from kvsched import InvalidConfigError
 from kvsched.bench.harness import ImplUnavailableError, make_driver, run_scaling, run_workload
 from kvsched.bench.report import build_document, scaling_summary
 from kvsched.bench.trace import TraceFormatError, dump_trace, load_trace
 from kvsched.bench.workloads import (
     SCENARIOS,
+    Scenario,
     Workload,
     generate,
     get_scenario,
@@ -107,17 +109,44 @@ def test_d_and_e_replay_the_prompts_of_c() -> None:
     c, d, e = (generate(get_scenario(n).scaled(SMALL)) for n in "cde")
     for x in (d, e):
         assert [r.prompt_token_ids.tobytes() for r in x.requests] == [r.prompt_token_ids.tobytes() for r in c.requests]
-    assert d.scenario.num_blocks < c.scenario.num_blocks
+    assert d.scenario.config.num_blocks < c.scenario.config.num_blocks
     assert {r.priority for r in e.requests} == {0, 1, 2, 3}
-    assert e.scenario.policy == "priority"
+    assert e.scenario.config.policy == "priority"
 
 
 def test_scaling_shrinks_counts_but_keeps_progress_possible() -> None:
     d = get_scenario("d")
     small = d.scaled(0.01)
     assert small.num_requests == 20
-    assert small.num_blocks >= small.min_num_blocks()
+    assert small.config.num_blocks >= small.min_num_blocks()
     assert small.scale == 0.01 and d.scaled(1.0) == d
+
+
+def test_a_scenario_holds_a_scheduler_config() -> None:
+    e = get_scenario("e")
+    assert e.scheduler_config() is e.config
+    assert (e.config.policy, e.config.num_blocks, e.config.prefix_hash_seed) == ("priority", 6000, 0)
+    # Config-field keywords override the held config, as `kvsched bench --policy` applies them; the config's
+    # fields read through the scenario too.
+    fcfs = replace(e, name="e2", policy="fcfs")
+    assert fcfs == replace(e.with_config(policy="fcfs"), name="e2") and fcfs.policy == "fcfs"
+    assert fcfs.num_priorities == 4 and fcfs.config.num_blocks == 6000
+    with pytest.raises(TypeError, match="no_such_field"):
+        replace(e, no_such_field=1)
+    with pytest.raises(InvalidConfigError, match="fcfs"):
+        replace(e, cache_aware_admission_window=4)
+    with pytest.raises(AttributeError, match="no_such_field"):
+        _ = e.no_such_field
+
+
+def test_a_scenario_dict_round_trips_with_its_whole_config() -> None:
+    sc = get_scenario("g").with_config(async_scheduling=True, tenant_weights={"t0": 2.0}).scaled(0.1)
+    data = json.loads(json.dumps(sc.to_dict()))
+    assert Scenario.from_dict(data) == sc
+    assert {f.name for f in fields(SchedulerConfig)} <= set(data)
+    # A flat dict of only some config fields (a trace header with fewer fields) takes the rest from BENCH_CONFIG.
+    short = {k: v for k, v in get_scenario("f").to_dict().items() if k not in ("async_scheduling", "watermark")}
+    assert Scenario.from_dict(short) == get_scenario("f")
 
 
 def test_sampled_tokens_match_the_scalar_formula() -> None:
@@ -318,7 +347,7 @@ def test_bench_scaling_alone_writes_a_scaling_summary(tmp_path: Path) -> None:
 def test_admission_window_on_workload_f_raises_the_hit_rate_and_cuts_recomputation() -> None:
     results = {}
     for window in (0, 16):
-        scenario = replace(get_scenario("f"), cache_aware_admission_window=window).scaled(0.1)
+        scenario = get_scenario("f").with_config(cache_aware_admission_window=window).scaled(0.1)
         results[window] = run_workload("rust", generate(scenario), warmup_steps=0)
     for r in results.values():
         assert r.completed and r.num_prompt_tokens_computed >= r.num_min_prompt_tokens > 0

@@ -9,12 +9,28 @@ from typing_extensions import Self, disjoint_base
 
 from .config import SchedulerConfig
 
-__all__ = ["MAX_TOKEN_ID", "ModelInputs", "Scheduler", "SchedulerOutput", "UpdateResult", "vllm_sha256_block_hashes"]
+__all__ = [
+    "MAX_TOKEN_ID",
+    "ModelInputs",
+    "Scheduler",
+    "SchedulerOutput",
+    "UpdateResult",
+    "_default_config",
+    "_validate_config",
+    "vllm_sha256_block_hashes",
+]
 
 MAX_TOKEN_ID: int
 
 _TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 _Ragged = tuple[npt.NDArray[np.integer[Any]], npt.NDArray[np.integer[Any]]] | Sequence[_TokenIds]
+
+def _default_config() -> dict[str, Any]:
+    """The core's ``SchedulerConfig::default()`` as a dict of the Python fields (for tests)."""
+
+def _validate_config(config: Any) -> None:
+    """Convert and validate ``config`` (any object with the config's attributes) as ``Scheduler(config)`` does,
+    without building a scheduler; raises what the core raises (for tests)."""
 
 def vllm_sha256_block_hashes(parent: bytes, token_ids: _TokenIds, block_size: int) -> list[bytes]:
     """vLLM's SHA-256 hashes (``sha256(pickle((parent, tuple(block), None)))``) of the full blocks of

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..config import DEFAULT_BLOCK_SIZE
 from .steptime import FEATURES, StepTimeModel, lone_prefill_tokens, spill_pairs
 
 __all__ = ["CalibrationSession", "TimedStep", "calibrate", "calibrate_llm", "fit_step_time_model", "run_timed_steps"]
@@ -256,7 +257,7 @@ def calibrate(
     device: str | None = None,
     quick: bool = False,
     progress: bool = False,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 2048,

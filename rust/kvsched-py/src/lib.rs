@@ -35,6 +35,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyUpdateResult>()?;
     m.add_class::<PyModelInputs>()?;
     m.add_function(wrap_pyfunction!(vllm_hash::vllm_sha256_block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(config::_default_config, m)?)?;
+    m.add_function(wrap_pyfunction!(config::_validate_config, m)?)?;
     m.add("MAX_TOKEN_ID", core::MAX_TOKEN_ID)?;
     Ok(())
 }
