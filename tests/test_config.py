@@ -168,18 +168,12 @@ def test_float_fields_hold_floats() -> None:
     assert len(floats) == 6 and all(type(getattr(cfg, name)) is float for name in floats)
 
 
-# Modules that still spell the default block size out; their owners switch them to DEFAULT_BLOCK_SIZE.
-_PENDING = {"engine.py", "cli_generate.py"}
-
-
 def test_the_default_block_size_is_written_once() -> None:
     pattern = re.compile(r"block_size\s*(:\s*int\s*)?=\s*16\b|--block-size.*default=16\b")
     package = ROOT / "python" / "kvsched"
     found = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package).as_posix()
-        if rel in _PENDING:
-            continue
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if pattern.search(line):
                 found.append(f"{rel}:{n}: {line.strip()}")
