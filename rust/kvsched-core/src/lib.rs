@@ -26,6 +26,7 @@ pub mod block_pool;
 mod cache_table;
 pub mod config;
 pub mod connector;
+mod connector_sched;
 pub mod encoder;
 mod encoder_sched;
 pub mod error;
@@ -43,6 +44,7 @@ pub mod scheduler;
 pub mod slab;
 mod step;
 pub mod swap;
+mod swap_sched;
 mod update;
 
 pub use config::{HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, SchedulerConfig};

@@ -20,7 +20,7 @@ use crate::error::Result;
 use crate::output::{SchedulerOutput, StepRecord};
 use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
 use crate::scheduler::Scheduler;
-use crate::swap::{complete_resume, restored_tokens};
+use crate::swap_sched::{complete_resume, restored_tokens};
 
 /// How many requests ahead of the one being scheduled the table slots of block-boundary work are prefetched
 /// (their block-table and hash-list lines twice as far ahead).
