@@ -59,12 +59,4 @@ pub use scheduler::{Scheduler, MAX_TOKEN_ID};
 pub use update::Ragged;
 
 #[cfg(test)]
-mod connector_tests;
-#[cfg(test)]
-mod cp_tests;
-#[cfg(test)]
-mod encoder_tests;
-#[cfg(test)]
-mod policy_tests;
-#[cfg(test)]
 mod tests;

@@ -1,0 +1,9 @@
+//! The core's behaviour tests: the scheduler as a whole, one file per subject, with the helpers they share in
+//! `helpers.rs`. Unit tests of a single module stay in that module.
+
+mod connector;
+mod context_parallel;
+mod encoder;
+mod helpers;
+mod policy;
+mod scheduler;
