@@ -138,7 +138,7 @@ fn is_boundary_step(computed: i32) -> bool {
 
 /// `n` requests decoding in lockstep: the mean time of a whole step (schedule + update) over only the steps
 /// that cross a block boundary (`boundary`), or over only the plain steps (`plain`). The other steps run
-/// untimed. The goal is boundary steps costing little more than plain ones.
+/// untimed. A boundary step should cost little more than a plain one.
 fn boundary_step(c: &mut Criterion) {
     const N: usize = 256;
     const STEPS_PER_SCHEDULER: u64 = 4000;

@@ -426,10 +426,10 @@ impl Scheduler {
         // Prefetching ahead (the per-request path below) pays when running requests do their block work in
         // runs of neighbours (a group admitted together, a batch in lock-step), whose misses it overlaps. Where
         // the requests at a block boundary lie scattered among plain decodes (prompts of random lengths) the
-        // plain-decode runs are faster (c 0.91-0.99, d 0.96-0.98, e 0.97 of the step with prefetching on as
-        // soon as any request was near a boundary; a and b unchanged). So three neighbours near a boundary turn
-        // it on: with many running requests at any of `PREFETCH_SAMPLES` evenly spaced places, with few at the
-        // head of the list (a plain step pays a few checks, not one per request).
+        // batched plain-decode runs are faster than the per-request path with prefetching (docs/benchmarks.md
+        // compares the two on the workloads). So three neighbours near a boundary turn it on: with many
+        // running requests at any of `PREFETCH_SAMPLES` evenly spaced places, with few at the head of the list
+        // (a plain step pays a few checks, not one per request).
         let near = |k: usize| {
             self.running.get(k).is_some_and(|&s| self.kv.near_block_boundary(self.slab.computed(s)))
         };
