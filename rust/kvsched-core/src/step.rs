@@ -35,9 +35,9 @@ const PREFETCH_SAMPLES: usize = 16;
 /// vectors come from the record of an applied step handed back for reuse, and the output from an output the
 /// caller handed back (`Scheduler::recycle_output`), or new ones: both keep their capacity, so a warm scheduler
 /// whose caller recycles its outputs allocates little per step. `schedule_with` lends it to each phase and to
-/// `finish_step` by reference: it is ~450 bytes, and each move of it would be a copy.
+/// `finish_step` by reference: it holds many vectors, and each move of it would be a copy.
 struct Builder {
-    /// Boxed: it goes to the caller as built, and each move of the ~430-byte output would be a copy.
+    /// Boxed: it goes to the caller as built, and each move of the (large) output would be a copy.
     out: Box<SchedulerOutput>,
     is_chunk: Vec<bool>,
     num_spec: Vec<u32>,
