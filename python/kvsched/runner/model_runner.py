@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, allocate_kv_cache, make_backend
+from .attention import AttentionMetadata, allocate_kv_cache
+from .attention_factory import make_backend
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
 from .model import LlamaForCausalLM

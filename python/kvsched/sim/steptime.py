@@ -25,8 +25,8 @@ threshold (it tries a range of them) with the coefficients; the presets leave it
 
 The lone-prefill term adds a per-token price to a step that schedules exactly one request and computes a prefill
 chunk for it (no decodes): how a request meets the engine at low load, so it decides TTFT there. Such a step
-costs more per token than the linear terms fitted across all step kinds say (without the term, the validation
-runs of the tiny test model on the CPU priced their prefill steps 2-14% low; see ``docs/simulator.md``).
+costs more per token than the linear terms fitted across all step kinds say (without the term, validation runs
+price such prefill steps low; see ``docs/simulator.md``).
 Calibration fits it; the presets leave it 0, and a JSON model without it loads with it 0.
 
 The presets are estimates (see ``docs/simulator.md`` for their derivation and sources); calibrate on your own

@@ -202,7 +202,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             )
             check_kv_connector(vllm_config, connector)
             self.connector = connector
-            self._bridge = ConnectorBridge(self, connector)
+            self._bridge = ConnectorBridge(
+                connector,
+                get_request=lambda req_id: self.requests[req_id],
+                record_prefix_lookup=self._record_prefix_lookup,
+                connector_prefix_cache_stats=lambda: self._connector_prefix_cache_stats,
+                mark_slow=lambda req_id: self._slow_req_ids.add(req_id),
+                log_stats=self.log_stats,
+            )
             if log_stats:
                 self._connector_prefix_cache_stats = PrefixCacheStats()
             self._kv_failure_fails = vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"

@@ -26,6 +26,7 @@ pub mod block_pool;
 mod cache_table;
 pub mod config;
 pub mod connector;
+mod connector_sched;
 pub mod encoder;
 mod encoder_sched;
 pub mod error;
@@ -43,6 +44,7 @@ pub mod scheduler;
 pub mod slab;
 mod step;
 pub mod swap;
+mod swap_sched;
 mod update;
 
 pub use config::{HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, SchedulerConfig};
@@ -56,13 +58,5 @@ pub use request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus
 pub use scheduler::{Scheduler, MAX_TOKEN_ID};
 pub use update::Ragged;
 
-#[cfg(test)]
-mod connector_tests;
-#[cfg(test)]
-mod cp_tests;
-#[cfg(test)]
-mod encoder_tests;
-#[cfg(test)]
-mod policy_tests;
 #[cfg(test)]
 mod tests;

@@ -157,7 +157,7 @@ pub struct Request {
     pub grammar_ready: bool,
     /// See `RequestParams::skip_reading_prefix_cache`.
     pub skip_reading_prefix_cache: bool,
-    // --- preemption by swapping (`swap.rs`)
+    // --- preemption by swapping (`swap_sched.rs`)
     /// CPU blocks holding the KV of a swapped-out request (empty unless swapped).
     pub cpu_blocks: Vec<u32>,
     /// Tokens whose KV the CPU blocks hold (0 unless swapped).

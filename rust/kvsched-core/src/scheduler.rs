@@ -41,7 +41,7 @@ pub(crate) struct Counters {
     pub prefix_cache_preempted_hits: u64,
     pub num_preemptions: u64,
     pub num_finished_reqs: u64,
-    /// Preemption by swapping (`swap.rs`).
+    /// Preemption by swapping (`swap_sched.rs`).
     pub num_swapped_out_reqs: u64,
     pub num_swapped_out_blocks: u64,
     pub num_swapped_in_reqs: u64,

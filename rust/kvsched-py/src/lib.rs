@@ -42,8 +42,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// The extension's own allocations (request records, token and block lists, the per-step output vectors) come
-/// from mimalloc, as polars' extension takes a dedicated allocator too: a step reads ~10% faster on a, b and c
-/// than with the system allocator, ~16% with 8 MiB touched between steps (docs/benchmarks.md, "mimalloc").
+/// from mimalloc, as polars' extension takes a dedicated allocator too: a step allocates and frees many small
+/// vectors, which mimalloc serves faster than the system allocator (docs/benchmarks.md compares the two).
 /// Python's objects and numpy's buffers keep their own allocators; arrays handed to numpy from Rust vectors are
 /// freed by Rust, through this allocator.
 #[global_allocator]

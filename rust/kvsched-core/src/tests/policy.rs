@@ -1,28 +1,11 @@
 //! Behaviour tests of the admission policies: the cache-aware window, fair share (VTC) and priority aging.
 
-use crate::{Policy, Ragged, RequestParams, Scheduler, SchedulerConfig, SchedulerOutput};
+use super::helpers::{feed, ids, params};
+use crate::{Policy, RequestParams, Scheduler, SchedulerConfig};
 
-fn ids(s: &Scheduler, out: &SchedulerOutput) -> Vec<String> {
-    out.handles.iter().map(|&h| s.request_id(h).map(|x| x.to_string()).unwrap_or_default()).collect()
-}
-
-/// Applies `out` giving every completed prompt one token `7`.
-fn feed(s: &mut Scheduler, out: &SchedulerOutput) {
-    let mut values = Vec::new();
-    let mut indptr = vec![0i64];
-    for &h in &out.handles {
-        if s.slab.resolve(h).is_some_and(|r| !r.is_prefill_chunk) {
-            values.push(7);
-        }
-        indptr.push(values.len() as i64);
-    }
-    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, None)
-        .unwrap();
-    s.check_invariants().unwrap();
-}
-
-fn params(max_tokens: u32, arrival_time: f64) -> RequestParams {
-    RequestParams { max_tokens: Some(max_tokens), arrival_time, ..Default::default() }
+/// `params(max_tokens)` arriving at `arrival_time`.
+fn params_at(max_tokens: u32, arrival_time: f64) -> RequestParams {
+    RequestParams { arrival_time, ..params(max_tokens) }
 }
 
 /// The canonical case: block size 16; 8 usable blocks, 4 held by a running request (KV usage 0.5, the default
@@ -43,13 +26,13 @@ fn canonical(window: u32, threshold: f64) -> (Vec<String>, i64, u32) {
     };
     let mut s = Scheduler::new(config).unwrap();
     let warm: Vec<i64> = (100..148).collect();
-    s.add_request("seed", &warm, params(1, 0.0)).unwrap(); // computes and caches the warm prompt, then ends
-    s.add_request("busy", &(500..560).collect::<Vec<_>>(), params(4, 1.0)).unwrap(); // 4 blocks throughout
+    s.add_request("seed", &warm, params_at(1, 0.0)).unwrap(); // computes and caches the warm prompt, then ends
+    s.add_request("busy", &(500..560).collect::<Vec<_>>(), params_at(4, 1.0)).unwrap(); // 4 blocks throughout
     let out = s.schedule().unwrap();
-    feed(&mut s, &out);
+    feed(&mut s, &out, |_| vec![7]);
     assert_eq!(s.get_num_cached_tokens(&warm, None, None).unwrap(), 32); // a hit never covers the last token
-    s.add_request("cold", &(900..948).collect::<Vec<_>>(), params(1, 2.0)).unwrap();
-    s.add_request("warm", &warm, params(1, 3.0)).unwrap();
+    s.add_request("cold", &(900..948).collect::<Vec<_>>(), params_at(1, 2.0)).unwrap();
+    s.add_request("warm", &warm, params_at(1, 3.0)).unwrap();
     let mut admitted = Vec::new();
     let mut cached_after = 0;
     let mut hit = -1;
@@ -62,7 +45,7 @@ fn canonical(window: u32, threshold: f64) -> (Vec<String>, i64, u32) {
         if let Ok(r) = s.get_request("warm") {
             hit = r.num_cached_tokens;
         }
-        feed(&mut s, &out);
+        feed(&mut s, &out, |_| vec![7]);
     }
     assert!(!s.has_unfinished_requests());
     assert_eq!(s.num_free_blocks(), 8);
@@ -101,7 +84,7 @@ fn fair_config(weights: Vec<(String, f64)>) -> SchedulerConfig {
 
 /// An 8-token request of `tenant` (prompts never share a prefix: no cache hits).
 fn add_for(s: &mut Scheduler, id: &str, tenant: &str, t: f64) {
-    let p = RequestParams { tenant: Some(tenant.into()), ..params(4, t) };
+    let p = RequestParams { tenant: Some(tenant.into()), ..params_at(4, t) };
     let first = 1000 * (s.num_unfinished_requests() as i64 + 1) + (t * 10.0) as i64;
     s.add_request(id, &(first..first + 8).collect::<Vec<_>>(), p).unwrap();
 }
@@ -127,11 +110,11 @@ fn fair_victim_is_the_newest_request_of_the_tenant_with_the_largest_counter() {
     add_for(&mut s, "a0", "a", 0.0);
     add_for(&mut s, "a1", "a", 1.0);
     let out = s.schedule().unwrap();
-    feed(&mut s, &out); // a: 2 * 8 prompt + 2 * 2 decode = 20
+    feed(&mut s, &out, |_| vec![7]); // a: 2 * 8 prompt + 2 * 2 decode = 20
     add_for(&mut s, "b0", "b", 2.0);
     let out = s.schedule().unwrap(); // running [a0, a1, b0]: 3 + 3 + 2 = all 8 blocks
     assert_eq!(ids(&s, &out), vec!["a0", "a1", "b0"]);
-    feed(&mut s, &out);
+    feed(&mut s, &out, |_| vec![7]);
     let out = s.schedule().unwrap(); // b0 needs a 3rd block: the victim is a1, not the last request (b0)
     let victims: Vec<String> =
         out.preempted.iter().filter_map(|&h| s.request_id(h)).map(|x| x.to_string()).collect();
@@ -145,7 +128,7 @@ fn weights_scale_the_charges() {
     add_for(&mut s, "h", "heavy", 0.0);
     add_for(&mut s, "l", "light", 0.0);
     let out = s.schedule().unwrap();
-    feed(&mut s, &out);
+    feed(&mut s, &out, |_| vec![7]);
     let st: Vec<(String, f64, u64, u64)> = s
         .tenant_stats()
         .map(|t| (t.name.to_string(), t.counter, t.num_prefill_tokens, t.num_decode_tokens))
@@ -154,7 +137,7 @@ fn weights_scale_the_charges() {
     s.set_tenant_weight("light", 2.0).unwrap();
     assert!(s.set_tenant_weight("light", -1.0).is_err());
     let out = s.schedule().unwrap();
-    feed(&mut s, &out);
+    feed(&mut s, &out, |_| vec![7]);
     assert_eq!(s.tenant_stats().nth(1).map(|t| t.counter), Some(10.0 + 1.0));
 }
 
@@ -172,17 +155,17 @@ fn low_priority_wait(aging_steps: u32) -> Option<u64> {
         ..Default::default()
     };
     let mut s = Scheduler::new(config).unwrap();
-    let low = RequestParams { priority: 5, ..params(1, 0.0) };
+    let low = RequestParams { priority: 5, ..params_at(1, 0.0) };
     s.add_request("low", &[1, 2, 3], low).unwrap();
     for step in 0..200u64 {
         // A new high-priority request every step: each takes the only slot for one step.
-        let hi = RequestParams { priority: 0, ..params(1, 1.0 + step as f64) };
+        let hi = RequestParams { priority: 0, ..params_at(1, 1.0 + step as f64) };
         s.add_request(&format!("hi{step}"), &[4, 5, 6], hi).unwrap();
         let out = s.schedule().unwrap();
         if ids(&s, &out).iter().any(|x| x == "low") {
             return Some(step);
         }
-        feed(&mut s, &out);
+        feed(&mut s, &out, |_| vec![7]);
     }
     None
 }
@@ -207,7 +190,7 @@ fn fair_self_preemption_lets_the_requests_after_it_run() {
     add_for(&mut s, "b0", "b", 1.0);
     let out = s.schedule().unwrap();
     assert_eq!(ids(&s, &out), vec!["a0", "b0"]); // all 4 blocks held; a's counter 8 + 2, b's (8 + 2) / 2
-    feed(&mut s, &out);
+    feed(&mut s, &out, |_| vec![7]);
     // a0 needs a 3rd block: its own tenant has the largest counter, so it preempts itself; b0 then fits.
     let out = s.schedule().unwrap();
     let victims: Vec<String> =
