@@ -16,12 +16,12 @@ import numpy as np
 from .._errors import InternalError, SchedulerTypeError
 from .._types import RequestStatus
 from .admission import _AdmissionMixin
-from .connector import _ConnectorMixin
+from .connector_sched import _ConnectorMixin
 from .convert import _indptr
 from .encoder_sched import _EncoderSchedMixin, _EncoderStep
 from .output import SchedulerOutput
 from .request import _Request
-from .swap import _SwapMixin
+from .swap_sched import _SwapMixin
 
 
 class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixin):

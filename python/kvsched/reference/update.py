@@ -18,7 +18,7 @@ import numpy as np
 
 from .._errors import InvalidOutputError, SchedulerTypeError
 from .._types import FinishReason, RequestStatus
-from .connector import _ConnectorMixin
+from .connector_sched import _ConnectorMixin
 from .convert import _TOKEN_LIMIT, _as_sequence, _ragged
 from .encoder_sched import _EncoderSchedMixin
 from .kv_cache_manager import _KVCacheManagerMixin

@@ -1,6 +1,7 @@
 """Preemption that keeps work: a victim's KV is copied to the CPU block pool and back on resume, instead of being
 dropped and recomputed (``preemption_mode``: ``recompute``, ``swap``, or ``auto``, which chooses per victim by
-cost). Mirrors ``rust/kvsched-core/src/swap.rs``.
+cost). Mirrors ``rust/kvsched-core/src/swap_sched.rs`` (the CPU pool's type lives in ``swap.rs`` there, its
+state in ``state.py`` here).
 
 The CPU pool is ``_cpu_free`` (a deque: allocate from the left, release to the right). Every CPU block is free
 once or held by exactly one PREEMPTED waiting request, which holds no GPU blocks.

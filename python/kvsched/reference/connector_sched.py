@@ -1,7 +1,8 @@
 """The KV connector, scheduler side (vLLM's ``KVConnectorBase_V1`` scheduler-role hooks), and the bookkeeping of
 KV transfers: asynchronous loads (requests parked in WAITING_FOR_REMOTE_KVS while their blocks fill) and delayed
 frees (blocks of a finished request kept while the engine still receives into them or sends them). Mirrors
-``rust/kvsched-core/src/connector.rs``.
+``rust/kvsched-core/src/connector_sched.rs`` (the held-block types live in ``connector.rs`` there, in ``state.py``
+here).
 
 An exception raised by a hook is kept and raised once the call is over; the hook then answers "nothing external,
 no delayed free", as the Rust binding does.
