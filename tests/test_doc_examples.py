@@ -3,7 +3,8 @@
 Every fenced ``python`` block runs on its own in a fresh interpreter (so an example cannot lean on names another
 one defined), from an empty directory. Every ``kvsched ...`` line of a shell block (``bash``, ``sh``, ``console``)
 parses, and runs: the commands of one block in order, in one empty directory (so one may read what an earlier one
-wrote), at a reduced size where the documented one is long (``REDUCTIONS`` below), and must exit with status 0
+wrote; a ``python -m kvsched...`` line of the block, such as the one that writes a tiny model, runs too, as
+written), at a reduced size where the documented one is long (``REDUCTIONS`` below), and must exit with status 0
 without a traceback.
 
 A block that cannot run here (it needs a model directory, a GPU or the network) says so with an HTML comment on
@@ -92,6 +93,9 @@ class ShellBlock:
     line: int  # the line of its opening fence
     commands: tuple[tuple[int, tuple[str, ...]], ...]  # (line, argv after "kvsched") of each kvsched command
     not_run: str | None
+    # (line, module, argv after it) of each `python -m kvsched...` line, with the index of the kvsched command it
+    # runs before: set-up steps of the block (a tiny model directory, say).
+    modules: tuple[tuple[int, int, str, tuple[str, ...]], ...] = ()
 
     @property
     def name(self) -> str:
@@ -109,6 +113,7 @@ def shell_blocks(path: Path) -> list[ShellBlock]:
         line_no = before.count("\n") + 2  # the block's first line
         indent = len(m.group(1))
         commands = []
+        modules = []
         start, command = line_no, ""
         for line in m.group(2).splitlines():
             line = line[indent:] if line[:indent].isspace() else line.lstrip()
@@ -119,9 +124,12 @@ def shell_blocks(path: Path) -> list[ShellBlock]:
             words = shlex.split(command.removeprefix("$ "), comments=True)
             if words[:1] == ["kvsched"] and "..." not in words:
                 commands.append((start, tuple(words[1:])))
+            elif words[:2] in (["python", "-m"], ["python3", "-m"]) and words[2:3] and words[2].startswith("kvsched."):
+                modules.append((start, len(commands), words[2], tuple(words[3:])))
             start, command = line_no, ""
         if commands:
-            found.append(ShellBlock(path, before.count("\n") + 1, tuple(commands), marker.group(1) if marker else None))
+            marked = marker.group(1) if marker else None
+            found.append(ShellBlock(path, before.count("\n") + 1, tuple(commands), marked, tuple(modules)))
     return found
 
 
@@ -235,12 +243,14 @@ def test_the_shell_block_collector_reads_markers_indents_and_continuations(tmp_p
     md.write_text(
         "```bash\nmaturin develop\nkvsched bench --quick   # fast\nkvsched simulate --step-model x.json ...\n```\n\n"
         "- item\n\n  <!-- not run: needs a GPU -->\n  ```bash\n  kvsched simulate --rate 4 \\\n"
-        "      --out o\n  ```\n\n```sh\necho no kvsched here\n```\n"
+        "      --out o\n  ```\n\n```sh\necho no kvsched here\n```\n\n"
+        "```bash\npython -m kvsched.runner.testing tiny   # set-up\nkvsched generate --model tiny\n```\n"
     )
     got = shell_blocks(md)
-    assert [(b.line, b.commands, b.not_run) for b in got] == [
-        (1, ((3, ("bench", "--quick")),), None),
-        (10, ((11, ("simulate", "--rate", "4", "--out", "o")),), "needs a GPU"),
+    assert [(b.line, b.commands, b.not_run, b.modules) for b in got] == [
+        (1, ((3, ("bench", "--quick")),), None, ()),
+        (10, ((11, ("simulate", "--rate", "4", "--out", "o")),), "needs a GPU", ()),
+        (19, ((21, ("generate", "--model", "tiny")),), None, ((20, 0, "kvsched.runner.testing", ("tiny",)),)),
     ]
 
 
@@ -268,7 +278,33 @@ def test_cli_commands_in_the_docs_run(block: ShellBlock, tmp_path: Path) -> None
         pytest.skip("kvsched._core is not built")
     env = {**os.environ, "MPLBACKEND": "Agg"}
     ran, skipped = 0, []
-    for line, argv in block.commands:
+    setup_missing: str | None = None  # a set-up line that could not run here: the commands after it are skipped
+    for index, (line, argv) in enumerate(block.commands):
+        for m_line, before, module, m_argv in block.modules:
+            if before != index or setup_missing is not None:
+                continue
+            m_where = f"{block.path.relative_to(ROOT)}:{m_line}"
+            if module.startswith("kvsched.runner") and not all(
+                map(importlib.util.find_spec, ("torch", "transformers"))
+            ):
+                setup_missing = f"{m_where} needs torch and transformers"
+                continue
+            proc = subprocess.run(
+                [sys.executable, "-m", module, *m_argv],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            assert proc.returncode == 0 and "Traceback" not in proc.stderr, (
+                f"{m_where}: `python -m {module} {shlex.join(m_argv)}` exited with {proc.returncode}:\n"
+                f"{proc.stderr[-3000:]}"
+            )
+        if setup_missing is not None:
+            skipped.append(setup_missing)
+            continue
         where = f"{block.path.relative_to(ROOT)}:{line}"
         shown = f"`kvsched {shlex.join(argv)}`"
         reason = missing_package(argv)
