@@ -19,6 +19,7 @@ mod encoder;
 mod errors;
 mod ids;
 mod output;
+mod router;
 mod scheduler;
 mod vllm_hash;
 
@@ -34,6 +35,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySchedulerOutput>()?;
     m.add_class::<PyUpdateResult>()?;
     m.add_class::<PyModelInputs>()?;
+    m.add_class::<router::PyRouter>()?;
     m.add_function(wrap_pyfunction!(vllm_hash::vllm_sha256_block_hashes, m)?)?;
     m.add("MAX_TOKEN_ID", core::MAX_TOKEN_ID)?;
     Ok(())
