@@ -94,10 +94,11 @@ class RouterConfig:
     calibrated model (``kvsched simulate --calibrate``) for your hardware. ``max_num_batched_tokens`` is the
     replicas' token budget per step, for the same estimate.
 
-    ``sticky_sessions``: a request with a ``session_id`` goes to the replica the session's previous request went
-    to, while that replica is healthy, among the candidates, and not overloaded by the balance rule (more than
-    ``balance_abs_threshold`` requests over the idlest candidate and more than ``balance_rel_threshold`` times as
-    many); at most ``max_sessions`` sessions are remembered, least recently used forgotten first.
+    ``sticky_sessions``: a request with a ``session_id`` goes to the replica that the previous request with that
+    ``session_id`` went to, while that replica is healthy, among the candidates, and not overloaded by the balance
+    rule (more than ``balance_abs_threshold`` requests over the idlest candidate and more than
+    ``balance_rel_threshold`` times as many); at most ``max_sessions`` ids are remembered, least recently used
+    forgotten first.
 
     ``record_routed_prefixes``: count a routed prompt's full blocks as cached on its replica at once, as routers
     that guess the cache from the requests they routed do; for replicas that publish no block events (evictions

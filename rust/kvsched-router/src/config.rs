@@ -18,8 +18,8 @@ pub struct RouterConfig {
     /// token lookups only match what this router itself records.
     pub prefix_hash_seed: Option<Vec<u8>>,
     pub params: PolicyParams,
-    /// Route a session's requests to its previous replica while that one is healthy and not overloaded by the
-    /// balance rule.
+    /// Route requests sharing a `session_id` to the replica the previous one went to, while that replica is
+    /// healthy and not overloaded by the balance rule.
     pub sticky_sessions: bool,
     pub max_sessions: usize,
     /// Record a routed prompt's full blocks as cached on its replica at once, as routers that guess the cache from

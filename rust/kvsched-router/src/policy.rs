@@ -73,7 +73,7 @@ pub enum Reason {
     Score,
     /// `Predictive`: the lowest estimated time to first token.
     Ttft,
-    /// The session's previous replica.
+    /// The replica the previous request with this `session_id` went to.
     Sticky,
     /// The caller chose the replica (`Router::assign`).
     Assigned,

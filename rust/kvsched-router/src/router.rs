@@ -2,13 +2,13 @@
 //! decisions.
 //!
 //! A decision ranks the healthy candidates with the configured policy (`crate::policy`); with sticky sessions
-//! a session's previous replica goes first while the balance rule does not call it overloaded. Routing a request
+//! the replica of the previous request with the same `session_id` goes first while the balance rule does not call it overloaded. Routing a request
 //! (`route`, or `assign` when the caller chose the replica) keeps it in flight on its replica until the caller
 //! reports it finished, and counts it in that replica's load (`crate::load`). Losing a replica (`remove_replica`)
 //! purges its blocks and sessions and hands back the requests it had in flight. Every call that fails leaves the
 //! router unchanged: arguments are checked before anything is written. Invariants (`check_invariants`): the
 //! index's own; every in-flight request is on a live replica; each replica's pending load adds up from its
-//! in-flight requests; the session table's.
+//! in-flight requests; those of `Sessions`.
 
 use std::collections::HashMap;
 
@@ -455,7 +455,7 @@ impl Router {
             return Err(RouterError::Internal("replica names and slots disagree".into()));
         }
         if !self.sessions.check_invariants() {
-            return Err(RouterError::Internal("the session table is inconsistent".into()));
+            return Err(RouterError::Internal("the sticky-session table is inconsistent".into()));
         }
         Ok(())
     }

@@ -1,8 +1,8 @@
-//! Session stickiness: a session id remembers the replica its last request went to.
+//! Session stickiness: each `session_id` remembers the replica its last request went to.
 //!
 //! At most `max_sessions` sessions are kept; past that the least recently used one is forgotten. Recency is a
 //! stamp per touch; the queue holds (session, stamp) in touch order and entries whose stamp is stale are skipped
-//! when evicting, and dropped in bulk when the queue outgrows twice the map. Invariant: every live session has
+//! when evicting, and dropped in bulk when the queue outgrows twice the map. Invariant: every `session_id` kept has
 //! exactly one queue entry with its current stamp.
 
 use std::collections::{HashMap, VecDeque};
@@ -56,7 +56,7 @@ impl Sessions {
         }
     }
 
-    /// Forgets the sessions pinned to `slot` (its replica is gone).
+    /// Forgets every `session_id` pinned to `slot` (its replica is gone).
     pub fn forget_slot(&mut self, slot: usize) {
         self.map.retain(|_, &mut (s, _)| s != slot);
     }

@@ -245,13 +245,13 @@ fn sticky_sessions_hold_until_the_balance_rule_says_overloaded() {
     let p = Prompt::BlockHashes { block_hashes: &[7], num_tokens: None };
     let first = r.route("s0", &p, Some("chat"), None).unwrap();
     let home = r.replica_name(first.slot).to_owned();
-    // Round robin alone would alternate; the session stays while the load gap is within 2 requests (abs
+    // Round robin alone would alternate; the `session_id` stays while the load gap is within 2 requests (abs
     // threshold 2 in this config).
     for i in 1..3 {
         let d = r.route(&format!("s{i}"), &p, Some("chat"), None).unwrap();
         assert_eq!((r.replica_name(d.slot), d.reason), (home.as_str(), Reason::Sticky));
     }
-    // Now 3 vs 0: 3 - 0 > 2 and 3 > 1.5 * 0: overloaded, so the policy decides and the session moves.
+    // Now 3 vs 0: 3 - 0 > 2 and 3 > 1.5 * 0: overloaded, so the policy decides and the `session_id` moves.
     let d = r.route("s3", &p, Some("chat"), None).unwrap();
     assert_ne!(r.replica_name(d.slot), home);
     assert_eq!(d.reason, Reason::RoundRobin);
