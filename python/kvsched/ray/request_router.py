@@ -14,7 +14,8 @@ publish no block events to Ray, so evictions are not seen. The load is the route
 flight on each replica (sent, not completed).
 
 The prompt of a request is read from its first argument (``prompt_of``): a list of token ids, a dict or object
-with ``prompt_token_ids``; failing those, a text prompt: a str, a ``prompt`` field, or OpenAI-style ``messages``
+with ``prompt_token_ids`` (or the ``request_token_ids`` keyword Ray Serve LLM's ingress adds when it tokenizes);
+failing those, a text prompt: a str, a ``prompt`` field, or OpenAI-style ``messages``
 (Ray Serve LLM's requests). A text prompt is routed by its UTF-8 bytes, ``block_size`` bytes to a block: affinity
 then follows text prefixes (what the router recorded), as Ray's ``PrefixCacheAffinityRouter`` does, since no
 replica's block hash can be computed from text here. A ``session_id`` (in the request, or Ray's own request
@@ -93,7 +94,12 @@ def prompt_of(pending_request: PendingRequest | None) -> RoutedPrompt:
         return RoutedPrompt(None, None)
     args = [*pending_request.args, *pending_request.kwargs.values()]
     arg = args[0] if args else None
-    tokens = _ints(arg) or _ints(_field(arg, "prompt_token_ids")) or _ints(_field(arg, "prompt"))
+    tokens = (
+        _ints(pending_request.kwargs.get("request_token_ids"))  # Ray Serve LLM's ingress, when it tokenizes
+        or _ints(arg)
+        or _ints(_field(arg, "prompt_token_ids"))
+        or _ints(_field(arg, "prompt"))
+    )
     from_text = False
     if tokens is None:
         text = _text_of(arg)
