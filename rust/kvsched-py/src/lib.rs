@@ -9,8 +9,8 @@
 //! Module layout: `errors` (error mapping, the panic guard), `convert` (argument conversion), `config` (config
 //! conversion), `encoder` (encoder-input conversion), `connector` (a Python KV connector behind the core's
 //! trait), `ids` (request ids by slot, shared with the outputs), `output` (the per-step result classes),
-//! `scheduler` (the `Scheduler` class), `vllm_hash` (vLLM's SHA-256 block hash, for `kvsched.vllm`). This
-//! file only registers them.
+//! `scheduler` (the `Scheduler` class), `router` (the `Router` class of `kvsched.router`), `vllm_hash` (vLLM's
+//! SHA-256 block hash, for `kvsched.vllm`). This file only registers them.
 
 mod config;
 mod connector;
