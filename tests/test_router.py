@@ -279,7 +279,7 @@ def play(cfg: RouterConfig, ops: list[tuple[Any, ...]]) -> list[Any]:
             model.report[r], model.epoch[r] = (w, n, wt, 10 * n, kv), model.epoch[r] + 1
         elif kind == "route":
             keys, extra, session = args
-            num_tokens = len(keys) * BS + (extra if keys else extra + 1)
+            num_tokens = len(keys) * BS + (extra if keys else extra % (BS - 1) + 1)
             req = f"q{next_req}"
             next_req += 1
             if not any(model.healthy.values()):
