@@ -12,6 +12,7 @@ from .config import SchedulerConfig
 __all__ = [
     "MAX_TOKEN_ID",
     "ModelInputs",
+    "Router",
     "Scheduler",
     "SchedulerOutput",
     "UpdateResult",
@@ -202,3 +203,90 @@ class Scheduler:
     def running_req_ids(self) -> list[str]: ...
     def waiting_req_ids(self) -> list[str]: ...
     def get_num_cached_blocks(self, req_id: str) -> int: ...
+
+# -- the router (rust/kvsched-py/src/router.rs); use kvsched.router.Router, which normalises the arguments -------
+
+_Decision = tuple[str, str, int, int, int, float]
+_U64 = npt.NDArray[np.uint64]
+
+@final
+class Router:
+    """The native router: prefix index, load and policies of ``kvsched-router``."""
+
+    def __new__(cls, config: Any) -> Self: ...
+    def add_replica(self, replica: str) -> None: ...
+    def remove_replica(self, replica: str) -> list[str]: ...
+    def set_healthy(self, replica: str, healthy: bool) -> None: ...
+    def replicas(self) -> list[tuple[str, bool]]: ...
+    def apply_events(
+        self,
+        replica: str,
+        kinds: npt.NDArray[np.uint8],
+        hashes: _U64,
+        hashes_indptr: npt.NDArray[np.int64],
+        parents: _U64,
+        has_parent: npt.NDArray[np.bool_],
+        token_ids: npt.NDArray[np.int64],
+        token_ids_indptr: npt.NDArray[np.int64],
+        block_sizes: npt.NDArray[np.int64],
+    ) -> None: ...
+    def update_load(
+        self,
+        replica: str,
+        num_waiting: int,
+        num_running: int,
+        num_waiting_tokens: int,
+        num_running_tokens: int,
+        kv_usage: float,
+    ) -> None: ...
+    def rank(
+        self,
+        prompt_token_ids: _TokenIds | None,
+        block_hashes: _U64 | None,
+        num_prompt_tokens: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+        session_id: str | None,
+        candidates: list[str] | None,
+    ) -> tuple[list[str], _Decision]: ...
+    def route(
+        self,
+        req_id: str,
+        prompt_token_ids: _TokenIds | None,
+        block_hashes: _U64 | None,
+        num_prompt_tokens: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+        session_id: str | None,
+        candidates: list[str] | None,
+    ) -> _Decision: ...
+    def assign(
+        self,
+        req_id: str,
+        replica: str,
+        prompt_token_ids: _TokenIds | None,
+        block_hashes: _U64 | None,
+        num_prompt_tokens: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+        session_id: str | None,
+    ) -> _Decision: ...
+    def prefill_done(self, req_id: str) -> None: ...
+    def finish(self, req_id: str) -> None: ...
+    def load(self, replica: str) -> tuple[int, int, int, int, float]: ...
+    def num_cached_blocks(self, replica: str) -> int: ...
+    def overlaps(
+        self,
+        prompt_token_ids: _TokenIds | None,
+        block_hashes: _U64 | None,
+        num_prompt_tokens: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> list[tuple[str, int]]: ...
+    def prompt_keys(self, prompt_token_ids: _TokenIds, lora_name: str | None, cache_salt: str | None) -> _U64: ...
+    def in_flight(self, replica: str) -> list[str]: ...
+    @property
+    def num_in_flight(self) -> int: ...
+    @property
+    def num_sessions(self) -> int: ...
+    def check_invariants(self) -> None: ...

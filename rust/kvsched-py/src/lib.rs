@@ -9,8 +9,8 @@
 //! Module layout: `errors` (error mapping, the panic guard), `convert` (argument conversion), `config` (config
 //! conversion), `encoder` (encoder-input conversion), `connector` (a Python KV connector behind the core's
 //! trait), `ids` (request ids by slot, shared with the outputs), `output` (the per-step result classes),
-//! `scheduler` (the `Scheduler` class), `vllm_hash` (vLLM's SHA-256 block hash, for `kvsched.vllm`). This
-//! file only registers them.
+//! `scheduler` (the `Scheduler` class), `router` (the `Router` class of `kvsched.router`), `vllm_hash` (vLLM's
+//! SHA-256 block hash, for `kvsched.vllm`). This file only registers them.
 
 mod config;
 mod connector;
@@ -19,6 +19,7 @@ mod encoder;
 mod errors;
 mod ids;
 mod output;
+mod router;
 mod scheduler;
 mod vllm_hash;
 
@@ -34,6 +35,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySchedulerOutput>()?;
     m.add_class::<PyUpdateResult>()?;
     m.add_class::<PyModelInputs>()?;
+    m.add_class::<router::PyRouter>()?;
     m.add_function(wrap_pyfunction!(vllm_hash::vllm_sha256_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(config::_default_config, m)?)?;
     m.add_function(wrap_pyfunction!(config::_validate_config, m)?)?;
