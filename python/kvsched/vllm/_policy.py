@@ -118,6 +118,17 @@ ADAPTER_OPTIONS: tuple[str, ...] = ("tenant_stats_interval_s",)
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in CONFIG_FIELDS)
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None if it is not a real number (bools are not) or not finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:  # an int beyond the float range
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _suggest(key: Any, names: Collection[str]) -> str:
     close = difflib.get_close_matches(str(key), list(names), n=3, cutoff=0.6)
     return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
@@ -153,9 +164,10 @@ def read_additional_config(vllm_config: Any) -> tuple[dict[str, Any], AdapterOpt
                 )
             continue
         if key == "tenant_stats_interval_s":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            seconds = _finite(value)
+            if seconds is None or seconds < 0:
                 raise InvalidConfigError(f"{WHERE}: tenant_stats_interval_s must be finite and >= 0, got {value!r}")
-            options.tenant_stats_interval_s = float(value)
+            options.tenant_stats_interval_s = seconds
             continue
         if key not in _FIELD_NAMES:
             raise InvalidConfigError(
@@ -203,46 +215,37 @@ _VLLM_KEYS = frozenset({"kv_transfer_params", "ec_transfer_params"})
 _logger = logging.getLogger("vllm.kvsched")
 
 
-def _check_name(req_id: str, key: str, value: Any) -> str:
+def _check_name(req_id: str, where: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise SchedulerTypeError(
-            f"request {req_id!r}: extra_args[{key!r}] must be a str, got {value!r} ({type(value).__name__})"
-        )
+        raise SchedulerTypeError(f"request {req_id!r}: {where} must be a str, got {value!r} ({type(value).__name__})")
     if not value:
-        raise InvalidRequestError(f"request {req_id!r}: extra_args[{key!r}] must be a non-empty str")
+        raise InvalidRequestError(f"request {req_id!r}: {where} must be a non-empty str")
     try:
         value.encode()
     except UnicodeEncodeError:
-        raise InvalidRequestError(f"request {req_id!r}: extra_args[{key!r}] must be valid unicode") from None
+        raise InvalidRequestError(f"request {req_id!r}: {where} must be valid unicode") from None
     return value
 
 
-def _check_value(req_id: str, key: str, value: Any) -> Any:
-    """One kvsched attribute's value, checked (type, then range) as the core checks it."""
+def _check_value(req_id: str, key: str, where: str, value: Any) -> Any:
+    """One kvsched attribute's value (``where`` names it in messages), checked (type, then range) as the core
+    checks it."""
     if key in ("tenant", "session_id"):
-        return _check_name(req_id, key, value)
+        return _check_name(req_id, where, value)
     if key == "ttft_slo_s":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SchedulerTypeError(
-                f"request {req_id!r}: extra_args['ttft_slo_s'] must be a number of seconds, got {value!r} "
-                f"({type(value).__name__})"
+                f"request {req_id!r}: {where} must be a number of seconds, got {value!r} ({type(value).__name__})"
             )
-        try:
-            f = float(value)
-        except OverflowError:
-            f = math.inf
-        if not (math.isfinite(f) and f > 0):
-            raise InvalidRequestError(
-                f"request {req_id!r}: extra_args['ttft_slo_s'] must be finite and > 0, got {value!r}"
-            )
+        f = _finite(value)
+        if f is None or f <= 0:
+            raise InvalidRequestError(f"request {req_id!r}: {where} must be finite and > 0, got {value!r}")
         return f
     # order_key
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SchedulerTypeError(
-            f"request {req_id!r}: extra_args['order_key'] must be an int, got {value!r} ({type(value).__name__})"
-        )
+        raise SchedulerTypeError(f"request {req_id!r}: {where} must be an int, got {value!r} ({type(value).__name__})")
     if not -_I64 <= value < _I64:
-        raise InvalidRequestError(f"request {req_id!r}: extra_args['order_key'] must fit in int64, got {value}")
+        raise InvalidRequestError(f"request {req_id!r}: {where} must fit in int64, got {value}")
     return value
 
 
@@ -278,11 +281,11 @@ class RequestAttrs:
         if not extra and vllm_session is None:
             return _EMPTY
         req_id = request.request_id
-        found: dict[str, Any] = {}
+        found: dict[str, tuple[str, Any]] = {}  # key -> (where it was given, value)
         if extra:
             for key in extra:
                 if key in REQUEST_KEYS:
-                    found[key] = extra[key]
+                    found[key] = (f"extra_args[{key!r}]", extra[key])
                 elif key != NAMESPACE and key not in _VLLM_KEYS:
                     self._warn_near_miss(key)
             nested = extra.get(NAMESPACE)
@@ -303,15 +306,15 @@ class RequestAttrs:
                             f"request {req_id!r}: {key!r} is given twice, in extra_args and in "
                             f"extra_args[{NAMESPACE!r}]; give it once"
                         )
-                    found[key] = value
+                    found[key] = (f"extra_args[{NAMESPACE!r}][{key!r}]", value)
         attrs: dict[str, Any] = {}
-        for key, value in found.items():
-            value = _check_value(req_id, key, value)
+        for key, (where, value) in found.items():
+            value = _check_value(req_id, key, where, value)
             if key == "session_id" and vllm_session is not None:
                 continue  # vLLM's own session id wins (it resolved body, header and vllm_xargs already)
             attrs[key] = value
         if vllm_session is not None:
-            attrs["session_id"] = _check_name(req_id, "session_id", vllm_session)
+            attrs["session_id"] = _check_name(req_id, "Request.session_id", vllm_session)
         if "session_id" in attrs and "session_id" not in self.supported:
             del attrs["session_id"]
         unsupported = [k for k in attrs if k not in self.supported]
