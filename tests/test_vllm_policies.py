@@ -445,6 +445,50 @@ def test_an_attribute_the_core_refuses_fails_the_request_with_the_cores_message(
     assert "" not in s.core.tenant_stats()
 
 
+def test_vllms_engine_core_keeps_running_past_a_bad_attribute() -> None:
+    """vLLM's own EngineCore.add_request and EngineCore.step (the synchronous engine loop) around the adapter:
+    the request with a bad attribute comes back as an error output, the engine and the other request go on.
+    (The core's model executor is a stand-in that returns one token per decode.)"""
+    import queue
+    from concurrent.futures import Future
+
+    from vllm.v1.engine.core import EngineCore
+
+    class Executor:
+        def execute_model(self, so: Any, non_block: bool = False) -> Future[Any]:
+            ids = list(so.num_scheduled_tokens)
+            done: Future[Any] = Future()
+            done.set_result(
+                ModelRunnerOutput(
+                    req_ids=ids,
+                    req_id_to_index={r: i for i, r in enumerate(ids)},
+                    sampled_token_ids=[[] if sched.requests[r].is_prefill_chunk else [9] for r in ids],
+                    logprobs=None,
+                    prompt_logprobs_dict={},
+                    pooler_output=[],
+                )
+            )
+            return done
+
+    cfg = make_vllm_config()
+    cfg.additional_config = {"kvsched": {"policy": "fair"}}
+    sched = make_scheduler("kvsched", cfg)
+    engine = EngineCore.__new__(EngineCore)  # only what step() reads; no workers, no model
+    engine.scheduler, engine.model_executor, engine.vllm_config = sched, Executor(), cfg
+    engine.log_stats, engine.aborts_queue, engine._weight_version = True, queue.Queue(), None
+    engine.add_request(_req("good", [1, 2, 3], {"tenant": "a"}, max_tokens=3))
+    engine.add_request(_req("bad", [4, 5, 6], {"tenant": "a", "ttft_slo_s": -1}, max_tokens=3))
+    outputs: dict[str, list[Any]] = {}
+    for _ in range(10):
+        eco, _executed = engine.step()
+        for rid, out in _outputs(eco).items():
+            outputs.setdefault(rid, []).append(out)
+    (bad,) = outputs["bad"]
+    assert bad.finish_reason == FinishReason.ERROR and "extra_args['ttft_slo_s']" in bad.error.message
+    assert [t for o in outputs["good"] for t in o.new_token_ids] == [9, 9, 9]
+    assert not sched.has_requests()
+
+
 @pytest.mark.parametrize("name", ["ttft_slo_s", "order_key"])
 def test_an_attribute_the_core_does_not_take_yet_fails_the_request(name: str) -> None:
     if name in CORE_KEYWORDS:
