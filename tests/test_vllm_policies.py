@@ -477,7 +477,11 @@ def test_vllms_engine_core_keeps_running_past_a_bad_attribute() -> None:
     engine.scheduler, engine.model_executor, engine.vllm_config = sched, Executor(), cfg
     engine.log_stats, engine.aborts_queue, engine._weight_version = True, queue.Queue(), None
     engine.add_request(_req("good", [1, 2, 3], {"tenant": "a"}, max_tokens=3))
-    engine.add_request(_req("bad", [4, 5, 6], {"tenant": "a", "ttft_slo_s": -1}, max_tokens=3))
+    with _Records() as logged:
+        engine.add_request(_req("bad", [4, 5, 6], {"tenant": "a", "ttft_slo_s": -1}, max_tokens=3))
+    assert logged == [
+        "Request failed validation: request 'bad': extra_args['ttft_slo_s'] must be finite and > 0, got -1"
+    ]
     outputs: dict[str, list[Any]] = {}
     for _ in range(10):
         eco, _executed = engine.step()

@@ -332,6 +332,16 @@ class RequestAttrs:
         except (InvalidRequestError, SchedulerTypeError) as e:
             return _EMPTY, e
 
+    @staticmethod
+    def request_error(error: Exception) -> Any:
+        """vLLM's ``RequestError`` that fails a request for ``error`` (a validation error: HTTP 400 from the
+        OpenAI server); logged at INFO, as vLLM logs its own validation failures (offline ``LLM.generate`` keeps
+        only the finish reason)."""
+        from vllm.v1.engine import RequestError
+
+        _logger.info("Request failed validation: %s", error)
+        return RequestError(code="validation_error", message=str(error))
+
     def _warn_near_miss(self, key: Any) -> None:
         """A top-level key close to one of ours (``"tennant"``) is logged once: it may be a typo, or another
         library's key, so it cannot be an error."""

@@ -283,9 +283,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             skip_reading_prefix_cache=bool(request.skip_reading_prefix_cache),
         )
         if rejected is not None:
-            from vllm.v1.engine import RequestError
-
-            self._grammar_errors[req_id] = RequestError(code="validation_error", message=str(rejected))
+            self._grammar_errors[req_id] = self._request_attrs.request_error(rejected)
             blocked = False  # never made ready, even once its grammar compiles
         self.requests[req_id] = request
         if self.spec_decode_metrics_level != "none":
