@@ -236,6 +236,19 @@ def test_every_config_field_is_a_knob_or_classified() -> None:
         assert f"`{name}`" in text, f"docs/vllm.md does not mention the knob {name}"
 
 
+@pytest.mark.parametrize("settings", [{"policy": "fair"}, {"policy": "priority"}])
+def test_eagle_on_runner_v2_is_refused_with_a_victim_that_can_be_already_scheduled(settings: dict[str, Any]) -> None:
+    """vLLM's skip_drafts needs the requests preempted after being scheduled in the same step, which the core does
+    not report: every victim rule but FCFS's tail can pick one, so those are refused with EAGLE on runner V2."""
+    cfg = make_vllm_config(num_speculative_tokens=2, speculative_method="eagle")
+    cfg.additional_config = {"kvsched": settings}
+    with pytest.raises(UnsupportedFeatureError, match="victim rule that can preempt a request already scheduled"):
+        make_scheduler("kvsched", cfg, use_v2_model_runner=True)
+    assert make_scheduler("kvsched", cfg).core.config.policy == settings["policy"]  # runner V1: fine
+    cfg.additional_config = {}
+    assert make_scheduler("kvsched", cfg, use_v2_model_runner=True).core.config.policy == "fcfs"
+
+
 @needs_policy("sjf")
 def test_sjf_is_a_knob() -> None:
     assert _sched({"policy": "sjf"}).core.config.policy == "sjf"
