@@ -91,6 +91,8 @@ RULES: list[dict[str, Any]] = [
     {"cp_kv_cache_interleave_size": 3},
     {"cache_aware_admission_window": 4, "policy": "fair"},
     {"cache_aware_admission_window": 4, "policy": "priority"},
+    {"cache_aware_admission_window": 4, "policy": "sjf"},
+    {"cache_aware_admission_window": 4, "policy": "slo"},
     {"preemption_mode": "swap"},
     {"preemption_mode": "auto"},
     {"priority_aging_steps": 3},
@@ -112,6 +114,8 @@ VALID_COMBOS: list[dict[str, Any]] = [
     {"preemption_mode": "swap", "num_cpu_blocks": 1},
     {"priority_aging_steps": 3, "policy": "priority"},
     {"tenant_weights": {"a": 1e-300, "b": 2.0}},
+    {"policy": "sjf", "max_wait_steps": 3, "default_ttft_slo_s": 0.5},
+    {"policy": "slo", "default_ttft_slo_s": 2.0, "session_ttl_steps": 1},
 ]
 
 

@@ -726,6 +726,12 @@ mod tests {
             SchedulerConfig { cp_kv_cache_interleave_size: 0, ..Default::default() },
             SchedulerConfig { cp_kv_cache_interleave_size: 32, ..Default::default() },
             SchedulerConfig { block_size: 16, cp_kv_cache_interleave_size: 3, ..Default::default() },
+            SchedulerConfig { default_ttft_slo_s: Some(0.0), ..Default::default() },
+            SchedulerConfig { default_ttft_slo_s: Some(f64::INFINITY), ..Default::default() },
+            SchedulerConfig { max_wait_steps: Some(0), ..Default::default() },
+            SchedulerConfig { session_ttl_steps: 0, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Sjf, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Slo, ..Default::default() },
         ];
         for cfg in bad {
             assert!(matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))), "{cfg:?}");
@@ -804,6 +810,9 @@ mod tests {
     fn parses_names() {
         assert_eq!(Policy::parse("priority"), Ok(Policy::Priority));
         assert_eq!(Policy::parse("fair"), Ok(Policy::Fair));
+        assert_eq!(Policy::parse("sjf"), Ok(Policy::Sjf));
+        assert_eq!(Policy::parse("slo"), Ok(Policy::Slo));
+        assert!(Policy::Sjf.is_fcfs_family() && !Policy::Priority.is_fcfs_family());
         assert!(Policy::parse("lifo").is_err());
         assert_eq!(HashAlgo::parse("sha256"), Ok(HashAlgo::Sha256));
         assert!(HashAlgo::parse("md5").is_err());
