@@ -213,11 +213,14 @@ impl KeyedHeap {
 pub struct TierQueue<T> {
     tiers: Vec<(i64, VecDeque<T>)>,
     len: usize,
+    /// The deque of the last tier that emptied, kept for the next new tier (a queue that empties and refills
+    /// every step allocates nothing).
+    spare: Option<VecDeque<T>>,
 }
 
 impl<T> Default for TierQueue<T> {
     fn default() -> Self {
-        TierQueue { tiers: Vec::new(), len: 0 }
+        TierQueue { tiers: Vec::new(), len: 0, spare: None }
     }
 }
 
@@ -238,7 +241,7 @@ impl<T: Copy> TierQueue<T> {
             _ => match self.tiers.binary_search_by_key(&tier, |(t, _)| *t) {
                 Ok(k) => k,
                 Err(k) => {
-                    self.tiers.insert(k, (tier, VecDeque::new()));
+                    self.tiers.insert(k, (tier, self.spare.take().unwrap_or_default()));
                     k
                 }
             },
@@ -269,7 +272,7 @@ impl<T: Copy> TierQueue<T> {
         let (_, q) = self.tiers.first_mut()?;
         let x = q.pop_front();
         if q.is_empty() {
-            self.tiers.remove(0);
+            self.spare = Some(self.tiers.remove(0).1);
         }
         self.len -= usize::from(x.is_some());
         x
@@ -282,7 +285,7 @@ impl<T: Copy> TierQueue<T> {
         let Some(i) = q.iter().position(&mut is) else { return false };
         q.remove(i);
         if q.is_empty() {
-            self.tiers.remove(k);
+            self.spare = Some(self.tiers.remove(k).1);
         }
         self.len -= 1;
         true
