@@ -209,7 +209,8 @@ class SchedulerConfig:
         default=0,
         metadata=_spec(
             "`fcfs` only (> 0 with another policy is refused); how many waiting requests phase B may reorder "
-            "warm-before-cold (see [Cache-aware admission window](#cache-aware-admission-window-fcfs))"
+            "warm-before-cold (see [Cache-aware admission window](#cache-aware-admission-window-fcfs)), and among "
+            "which session affinity promotes (see [Session affinity](#session-affinity))"
         ),
     )
     cache_aware_admission_threshold: float = field(
