@@ -21,6 +21,7 @@ from .order import Key, _front_key, _order_key, _TierQueue
 from .request import _Request
 
 _FcfsQueue = _TierQueue  # fcfs: FCFS within tiers
+_QUEUE_SEQ = itertools.count(1)  # entry numbers of every keyed queue (see _KeyedQueue)
 
 
 class _KeyedQueue:
@@ -31,14 +32,15 @@ class _KeyedQueue:
     is ordering by ``priority - age / A`` at any common step (one level per ``A`` steps of age), a static key.
 
     Live requests have distinct ids, so the key orders them totally; the sequence number only keeps heapq from
-    comparing request objects when a stale entry shares a key with a live one.
+    comparing request objects when a stale entry shares a key with a live one. Sequence numbers come from one
+    counter for every queue: a request moves between ``waiting`` and ``kv_waiting``, and a stale entry it left in
+    one queue must never match the number its entry in the other got.
     """
 
     def __init__(self, policy: str) -> None:
         self._policy = policy
         self._fronts = policy != "priority"
         self._heap: list[tuple[Key, int, _Request]] = []
-        self._seq = itertools.count(1)
         self._num_front_pushes = 0
         self._len = 0
 
@@ -51,7 +53,7 @@ class _KeyedQueue:
     def _push(self, r: _Request, key: Key) -> None:
         if r.queue_seq < 0:
             self._len += 1
-        r.queue_seq = next(self._seq)
+        r.queue_seq = next(_QUEUE_SEQ)
         heapq.heappush(self._heap, (key, r.queue_seq, r))
 
     def add(self, r: _Request) -> None:
