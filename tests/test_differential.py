@@ -155,6 +155,7 @@ class Twin:
         connector_seed: int | None = None,
         throttle: bool = True,
         fail_steps: bool = True,
+        order_keywords: bool = True,
     ) -> None:
         from kvsched import Scheduler
 
@@ -162,6 +163,9 @@ class Twin:
         # Sometimes schedule(throttle_prefills=True) and requests that skip reading the prefix cache.
         self.throttle = throttle
         self.fail_steps = fail_steps  # op_fail among the operations (runner faults)
+        # session_id, ttft_slo_s and order_key on new requests (not in the seeded soaks of the other axes: their
+        # random streams stay as they were)
+        self.order_keywords = order_keywords
         self.conn_ref = self.conn_rs = None
         if connector_seed is not None:
             self.conn_ref, self.conn_rs = FakeConnector(connector_seed), FakeConnector(connector_seed)
@@ -220,6 +224,8 @@ class Twin:
             kw["skip_reading_prefix_cache"] = True  # vLLM: prompt logprobs
         if self.cfg.encoder_cache_size and r.chance(0.8):  # (only with an encoder cache: other streams unchanged)
             kw["encoder_inputs"] = self.make_encoder_inputs(len(prompt))
+        if self.order_keywords:
+            kw.update(self.order_keyword_draws())
         self.clock += r.choice([0.0, 1.0, 0.5])  # ties in arrival time happen
         kw["arrival_time"] = self.clock
         if r.chance(0.1):  # one bad argument (and a fresh id): both must reject it the same way
@@ -231,6 +237,18 @@ class Twin:
                                lambda: self.rs.add_request(rid, arr, **kw))  # fmt: skip
         if not failed:
             self.prompt_lens[rid] = len(prompt)
+
+    def order_keyword_draws(self) -> dict[str, Any]:
+        """The ordering keywords of a new request: a `session_id` (a few, so they recur and go warm), a TTFT target
+        (mostly under slo), a tier."""
+        r, kw = self.rand, {}
+        if r.chance(0.4):
+            kw["session_id"] = r.choice(["s1", "s2", "s3"])
+        if r.chance(0.6 if self.cfg.policy == "slo" else 0.1):
+            kw["ttft_slo_s"] = r.choice([0.5, 1.0, 3.0, 10.0])
+        if r.chance(0.25):
+            kw["order_key"] = r.choice([-1, 0, 1, 2])
+        return kw
 
     def encoder_cap(self) -> int:
         """The largest encoder input a request may carry under the config."""
@@ -265,7 +283,10 @@ class Twin:
             {"arrival_time": -math.inf}, {"cache_salt": 5}, {"priority": 1.5}, {"max_tokens": "3"},
             {"min_tokens": self.cfg.max_model_len},
             {"tenant": ""}, {"tenant": 3}, {"tenant": b"t"}, {"skip_reading_prefix_cache": 1},
-        ])  # fmt: skip
+        ] + ([
+            {"session_id": ""}, {"session_id": 3}, {"ttft_slo_s": 0.0}, {"ttft_slo_s": math.nan},
+            {"ttft_slo_s": "1"}, {"order_key": 1.5}, {"order_key": 2**63},
+        ] if self.order_keywords else []))  # fmt: skip
         kw = {**kw, **bad}
         if "min_tokens" in bad and "max_tokens" in kw and not isinstance(kw["max_tokens"], int):
             del kw["max_tokens"]
@@ -583,7 +604,7 @@ def configs(draw: Any) -> SchedulerConfig:
     budget = draw(st.integers(1, 96))
     if not chunked and draw(st.integers(0, 2)) != 0:
         budget = max(budget, max_model_len)
-    policy = draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair"]))
+    policy = draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair", "sjf", "slo"]))
     mode = draw(st.sampled_from(["recompute", "recompute", "swap", "auto"]))
     num_cpu_blocks = draw(st.sampled_from([1, 2, 5, 64] if mode != "recompute" else [0, 4]))
     max_num_seqs = draw(st.integers(1, 8))
@@ -608,6 +629,7 @@ def configs(draw: Any) -> SchedulerConfig:
         fair_prefill_weight=draw(st.sampled_from([1.0, 0.0, 0.3])),
         fair_decode_weight=draw(st.sampled_from([2.0, 1.0, 0.7])),
         priority_aging_steps=draw(st.sampled_from([0, 1, 4])) if policy == "priority" else 0,
+        **order_fields(draw),
         async_scheduling=draw(st.booleans()),
         max_loras=draw(st.sampled_from([0, 0, 1, 2])),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
@@ -627,6 +649,15 @@ def configs(draw: Any) -> SchedulerConfig:
         park_kv_loads=draw(st.booleans()),
         reserve_inflight_prefills=draw(st.booleans()),
     )
+
+
+def order_fields(draw: Any) -> dict[str, Any]:
+    """The waiting-order knobs beyond the policy: a default TTFT target, aging, `session_ttl_steps`."""
+    return {
+        "default_ttft_slo_s": draw(st.sampled_from([None, None, 0.5, 4.0])),
+        "max_wait_steps": draw(st.sampled_from([None, None, 1, 3, 8])),
+        "session_ttl_steps": draw(st.sampled_from([1000, 1, 6])),
+    }
 
 
 def encoder_fields(draw: Any, budget: int) -> dict[str, Any]:
@@ -652,7 +683,11 @@ def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
         raise AssertionError(f"{e}\nconfig {cfg}\nops:\n" + "\n".join(twin.log[-40:])) from e
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
 @given(cfg=configs(), data=st.data())
 def test_rust_matches_reference_on_random_operation_sequences(cfg: SchedulerConfig, data: Any) -> None:
     run_twin(cfg, data, num_ops=60)
@@ -731,7 +766,13 @@ SMALL_CACHE_CONFIGS = [
 ]  # fmt: skip
 
 
-def soak(steps: int, seed: int, configs: list[SchedulerConfig] = SOAK_CONFIGS, throttle: bool = False) -> None:
+def soak(
+    steps: int,
+    seed: int,
+    configs: list[SchedulerConfig] = SOAK_CONFIGS,
+    throttle: bool = False,
+    order_keywords: bool = False,
+) -> None:
     for i, cfg in enumerate(configs):
         # every other config (but the swap ones, which must swap) with a seeded fake KV connector: async loads
         # that finish late, fail, are aborted. No runner faults here: the soaks' seeds are chosen to reach
@@ -739,7 +780,7 @@ def soak(steps: int, seed: int, configs: list[SchedulerConfig] = SOAK_CONFIGS, t
         with_connector = i % 2 and cfg.preemption_mode == "recompute"
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=2,
                     connector_seed=seed + i if with_connector else None, throttle=throttle,
-                    fail_steps=False)  # fmt: skip
+                    fail_steps=False, order_keywords=order_keywords)  # fmt: skip
         for _ in range(steps // len(configs)):
             try:
                 twin.step()
@@ -880,6 +921,34 @@ def test_soak_context_parallel_matches_reference_step_by_step() -> None:
 
 def test_soak_small_kv_cache_matches_reference_step_by_step() -> None:
     soak(steps=900, seed=4321, configs=SMALL_CACHE_CONFIGS, throttle=True)
+
+
+# The waiting orders beyond fcfs/priority/fair under memory pressure (preemption, eviction of warm prefixes):
+# sjf (re-keyed residuals), slo (deadlines, some requests without one), tiers, aging under every policy, and
+# session affinity inside the fcfs window; every request may carry session_id, ttft_slo_s and order_key.
+ORDER_SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=5, max_num_batched_tokens=32, max_model_len=64,
+                    policy="sjf", max_wait_steps=6, prefix_hash_seed=11),
+    SchedulerConfig(block_size=4, num_blocks=28, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    policy="slo", default_ttft_slo_s=2.0, max_wait_steps=4, prefix_hash_seed=12),
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+                    cache_aware_admission_window=6, cache_aware_admission_threshold=0.3, max_wait_steps=5,
+                    session_ttl_steps=8, prefix_hash_seed=13),
+    SchedulerConfig(block_size=4, num_blocks=22, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+                    cache_aware_admission_window=6, cache_aware_admission_threshold=0.0, session_ttl_steps=30,
+                    prefix_hash_seed=17),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48,
+                    policy="priority", priority_aging_steps=4, max_wait_steps=3, prefix_hash_seed=14),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    policy="fair", tenant_weights={"t1": 3.0}, max_wait_steps=2, prefix_hash_seed=15),
+    SchedulerConfig(block_size=4, num_blocks=26, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64,
+                    policy="sjf", async_scheduling=True, num_lookahead_tokens=1, prefix_hash_seed=16,
+                    scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def test_soak_waiting_orders_match_reference_step_by_step() -> None:
+    soak(steps=2400, seed=1357, configs=ORDER_SOAK_CONFIGS, throttle=True, order_keywords=True)
 
 
 @pytest.mark.slow

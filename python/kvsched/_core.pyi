@@ -161,6 +161,9 @@ class Scheduler:
         ready: bool | None = None,
         skip_reading_prefix_cache: bool | None = None,
         encoder_inputs: Sequence[tuple[int, int, int]] | None = None,
+        session_id: str | None = None,
+        ttft_slo_s: float | None = None,
+        order_key: int | None = None,
     ) -> None: ...
     def schedule(self, throttle_prefills: bool | None = None) -> SchedulerOutput: ...
     @property

@@ -28,6 +28,7 @@ from ._cliutil import (
     one_line,
     parse_csv_numbers,
 )
+from .config import POLICIES
 
 __all__ = ["BENCH_IMPLS", "build_parser", "main"]
 
@@ -42,6 +43,47 @@ BENCH_IMPLS = {
     "vllm": "vLLM's own v1 scheduler",
     "vllm-adapter": "kvsched.vllm.Scheduler, kvsched behind vLLM's scheduler interface",
 }
+
+
+def _bench_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` items as scenario overrides (``LO:HI`` for a range field); ValueError names a bad
+    one."""
+    from dataclasses import fields
+
+    from .bench.workloads import Scenario
+    from .config import SchedulerConfig
+
+    scenario_fields = {f.name for f in fields(Scenario)} - {"name", "description", "config", "scale"}
+    config_fields = {f.name for f in fields(SchedulerConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = (part.strip() for part in item.partition("="))
+        if not sep or not key or not text:
+            raise ValueError(f"--set takes FIELD=VALUE, got {item!r}")
+        if key not in scenario_fields | config_fields:
+            raise ValueError(f"--set: unknown field {key!r} (a workload field or a SchedulerConfig field)")
+        if key in ("prompt_len", "output_len", "prefix_len"):
+            lo, colon, hi = text.partition(":")
+            try:
+                out[key] = (int(lo), int(hi if colon else lo))
+            except ValueError:
+                raise ValueError(f"--set {key} takes N or LO:HI, got {text!r}") from None
+            continue
+        low = text.lower()
+        value: Any = text
+        if low in ("true", "false"):
+            value = low == "true"
+        elif low == "none":
+            value = None
+        else:
+            for conv in (int, float):
+                try:
+                    value = conv(text)
+                    break
+                except ValueError:
+                    pass
+        out[key] = value
+    return out
 
 
 def _csv(text: str) -> list[str]:
@@ -137,8 +179,15 @@ def _add_bench_parser(subparsers: Any) -> None:
         "several implementations take turns run by run",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    p.add_argument("--policy", choices=POLICIES, default=None, help="override the workloads' policy")
     p.add_argument(
-        "--policy", choices=("fcfs", "priority", "fair"), default=None, help="override the workloads' policy"
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a workload field (num_requests, prompt_len=LO:HI, output_len=LO:HI, arrival_rate, ...) or "
+        "a scheduler config field (max_num_seqs=256, max_wait_steps=50, ...) in every workload; repeatable, "
+        "applied after the other options",
     )
     p.add_argument(
         "--admission-window",
@@ -368,6 +417,7 @@ def _run_bench(args: argparse.Namespace) -> int:
                 overrides["recompute_cost_per_token"] = args.recompute_cost
             if args.swap_cost is not None:
                 overrides["swap_cost_per_block"] = args.swap_cost
+            overrides.update(_bench_sets(args.set))
             scenarios = [replace(get_scenario(n), **overrides) for n in names]
             if args.preemption_mode is not None:
                 scenarios = [

@@ -173,6 +173,9 @@ class SchedulerProtocol(Protocol[OutputT]):
         ready: bool | None = ...,
         skip_reading_prefix_cache: bool | None = ...,
         encoder_inputs: Sequence[tuple[int, int, int]] | None = ...,
+        session_id: str | None = ...,
+        ttft_slo_s: float | None = ...,
+        order_key: int | None = ...,
     ) -> None: ...
     def set_ready(self, req_id: str) -> None: ...
     def abort_requests(self, req_ids: Iterable[str]) -> None: ...

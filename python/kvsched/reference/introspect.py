@@ -4,12 +4,10 @@ Mirrors ``rust/kvsched-core/src/introspect.rs``. Each call builds a fresh list.
 
 from __future__ import annotations
 
-from .fair import _FairQueue
-from .queue import _PriorityQueue
-from .state import _SchedulerState
+from .admission import _AdmissionMixin
 
 
-class _IntrospectMixin(_SchedulerState):
+class _IntrospectMixin(_AdmissionMixin):
     """The running and waiting ids, and a request's cached blocks."""
 
     def running_req_ids(self) -> list[str]:
@@ -17,16 +15,11 @@ class _IntrospectMixin(_SchedulerState):
 
     def waiting_req_ids(self) -> list[str]:
         """Requests not running in the order admission would consider them (fair: at the current counters, as
-        if admitting charged nothing; fcfs: before the admission window's one-step reordering): loaded requests
-        first, then waiting, then the parked ones (blocked, or ready since the last step) in the order added."""
-        ids: list[str] = []
-        for q in (self._kv_waiting, self._waiting):
-            waiting = list(q)
-            if isinstance(q, _PriorityQueue):
-                waiting.sort(key=lambda r: r.priority_key())
-            elif isinstance(q, _FairQueue):
-                waiting = q.in_order()
-            ids += [r.req_id for r in waiting]
+        if admitting charged nothing; aging included; sjf residuals as they stand; fcfs: before the admission
+        window's one-step reorderings): loaded requests first, then waiting, then the parked ones (blocked, or
+        ready since the last step) in the order added."""
+        ids = [r.req_id for r in self._kv_waiting.in_order()]
+        ids += [r.req_id for r in self._waiting_in_order()]
         parked = sorted((r for r in self._requests.values() if r.parked), key=lambda r: r.add_seq)
         return ids + [r.req_id for r in parked]
 

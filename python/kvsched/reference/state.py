@@ -79,6 +79,13 @@ class _SchedulerState:
         self._recompute_cost_per_token = c.recompute_cost_per_token
         self._swap_cost_per_block = c.swap_cost_per_block
         self._hasher = _BlockHasher(c.prefix_hash_algo, c.prefix_hash_seed, self._bs)
+        # session affinity: session id -> [requests of it running, schedule() calls made when its last running
+        # request left running (None: never)]
+        self._sessions: dict[str, list[Any]] = {}
+        # aging (max_wait_steps): (first step waited in, wait_seq, request) in the order requests entered waiting
+        self._aging: deque[tuple[int, int, _Request]] = deque()
+        self._next_wait_seq = 0
+        self._in_schedule = False  # past the start of schedule(): a request entering waiting waits from the next
 
     def _get(self, req_id: object) -> _Request:
         if not isinstance(req_id, str):
@@ -95,6 +102,22 @@ class _SchedulerState:
         if out._owner is not self._owner:
             raise InvalidOutputError("this output was produced by another scheduler")
         return out
+
+    def _enter_waiting(self, r: _Request) -> None:
+        """``r`` entered ``waiting`` (added, preempted, made ready, or back from ``kv_waiting``): with aging, it
+        joins the aging FIFO, waiting from the first step it waits in."""
+        if self._config.max_wait_steps is None:
+            return
+        self._next_wait_seq += 1
+        r.wait_seq = self._next_wait_seq
+        r.wait_since = self._next_step_id + self._in_schedule
+        self._aging.append((r.wait_since, r.wait_seq, r))
+
+    def _session_leaves_running(self, r: _Request) -> None:
+        if r.session_id is not None:
+            s = self._sessions[r.session_id]
+            s[0] -= 1
+            s[1] = self._next_step_id
 
     # Defined in ``scheduler.py`` and ``step.py`` (where the core has them too) and declared here, so that the
     # modules in between can finish and preempt requests without importing a module above them.

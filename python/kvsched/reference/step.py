@@ -20,6 +20,7 @@ from .connector_sched import _ConnectorMixin
 from .convert import _indptr
 from .encoder_sched import _EncoderSchedMixin, _EncoderStep
 from .output import SchedulerOutput
+from .queue import _WaitingQueue
 from .request import _Request
 from .swap_sched import _SwapMixin
 
@@ -41,14 +42,16 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         r.drop_stale_output = drop_stale_output or (r.drop_stale_output and r.num_stale_output_tokens > 0)
         r.num_stale_output_tokens = r.num_in_flight_tokens
         r.num_output_placeholders = 0
+        self._session_leaves_running(r)
         self._stats["preemptions"] += 1
         self._waiting.add_preempted(r)
         self._tenants[r.tenant].num_waiting += 1  # back in waiting; no lift (the tenant did not arrive)
+        self._enter_waiting(r)
 
     def _pick_victim(self) -> int:
         """Index in running of the request to preempt: the tail (fcfs), the lowest-priority one (priority), or
         the last one whose tenant has the largest virtual counter (fair)."""
-        if self._config.policy == "fcfs":
+        if self._config.policy in ("fcfs", "sjf", "slo"):
             return len(self._running) - 1
         if self._config.policy == "fair":
             counters = [self._tenants[r.tenant].counter for r in self._running]
@@ -71,6 +74,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         c = self._config
         if self._newly_ready:
             self._queue_newly_ready()
+        self._in_schedule = True  # from here on a request entering waiting first waits in the next step
         look, num_spec = c.num_lookahead_tokens, c.num_spec_tokens
         budget = 0 if self._pause_state == "paused_all" else c.max_num_batched_tokens
         # the per-request cap applies only when more than one request is running or waiting (blocked ones too)
@@ -141,7 +145,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if victim is r:
                     break
             if new_blocks is None:
-                if c.policy != "fcfs":
+                if c.policy not in ("fcfs", "sjf", "slo"):
                     continue  # r preempted itself; the requests after it rank higher and may still fit
                 break
             prefill_scheduled |= r.is_prefill_chunk
@@ -222,6 +226,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         self._finished_since_schedule = []
         self._preempted_since_schedule = []
         self._last_out, self._last_out_fresh = out, True
+        self._in_schedule = False
         if self._connector is not None:
             self._after_hooks()
             if hasattr(self._connector, "build_connector_meta"):
@@ -251,6 +256,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         skipped: list[_Request] = []
         skipped_kv: list[_Request] = []
         max_active = c.max_num_active_seqs or c.max_num_seqs
+        rekeys = [0]  # sjf re-keys in this pass
         while budget > 0 and len(self._running) < max_active:
             from_kv = len(self._kv_waiting) > 0
             if not from_kv and self._pause_state != "unpaused":
@@ -258,7 +264,21 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             queue = self._kv_waiting if from_kv else self._waiting
             if not len(queue):
                 break
-            r = queue.peek()
+            if from_kv:
+                r, aged = queue.peek(), False
+            else:
+                picked = self._peek_waiting(skipped, rekeys)
+                if picked is None:
+                    break
+                r, aged = picked
+
+            def take(r: _Request = r, queue: _WaitingQueue = queue, aged: bool = aged) -> _Request:
+                """Take the candidate out of its queue: the head, or its place if aging picked it."""
+                if aged:
+                    queue.remove(r)
+                    return r
+                return queue.pop()
+
             if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and r.grammar_ready:
                 r.status = RequestStatus.WAITING
             if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.kv_load_done:
@@ -290,7 +310,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                             ext = room - 1  # a synchronous load leaves at least one token to compute
             if blocked:
                 r.deferred = True
-                queue.pop()
+                take()
                 # Back among the requests holding KV blocks if it holds some (vLLM's _holds_kv_blocks); a request
                 # whose failed load left nothing goes back to `waiting`.
                 holds_kv = (
@@ -332,7 +352,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if n == 0:  # vLLM 0.33: its first encoder input does not fit: skipped, it keeps its place
                     self._rollback_encoder(enc, r)
                     r.deferred = True
-                    (skipped_kv if from_kv else skipped).append(queue.pop())
+                    (skipped_kv if from_kv else skipped).append(take())
                     continue
             reserved = watermark if self._running else 0
             if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, reserved):
@@ -362,7 +382,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 prefix = "preempted_" if r.num_preemptions > 0 else ""
                 self._stats[prefix + "queries"] += r.num_tokens
                 self._stats[prefix + "hits"] += hit_tokens
-            queue.pop()
+            take()
+            r.wait_seq = 0  # it left waiting
             if load_async:  # holds its blocks until the engine reports the load over
                 r.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 r.num_computed_tokens = computed
@@ -377,6 +398,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             self._tenants[r.tenant].num_waiting -= 1
             self._tenants.charge_prompt(r, computed, n)
             self._running.append(r)
+            if r.session_id is not None:
+                self._sessions[r.session_id][0] += 1
             kind = "new" if r.status == RequestStatus.WAITING else "resumed"
             r.status = RequestStatus.RUNNING
             r.deferred = False
@@ -393,6 +416,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             prefill_admitted |= has_prefill
         for r in reversed(skipped):  # back to the front in their order (fcfs), or by their key (priority)
             self._waiting.add_preempted(r)
+            if r.wait_seq == 0:  # back from kv_waiting (its failed load left nothing): it enters waiting anew
+                self._enter_waiting(r)
         for r in reversed(skipped_kv):
             self._kv_waiting.add_preempted(r)
         return prefill_admitted

@@ -67,6 +67,9 @@ pub struct BlockPool {
     duplicates: HashMap<BlockHash, Vec<u32>, PrehashedBuild>,
     /// `free_blocks`' list of the unhashed blocks it frees, kept across calls (empty between them).
     unhashed_buf: Vec<u32>,
+    /// Cache entries taken out so far (evictions, `uncache`, resets): while it stays the same, no prefix hit
+    /// can have shrunk (the `sjf` order re-probes a request only when it moved).
+    num_removed: u64,
 }
 
 impl BlockPool {
@@ -80,6 +83,7 @@ impl BlockPool {
             cached: CacheTable::with_capacity(if enable_caching { n.min(1 << 20) } else { 0 }),
             duplicates: HashMap::default(),
             unhashed_buf: Vec::new(),
+            num_removed: 0,
         }
     }
 
@@ -98,6 +102,11 @@ impl BlockPool {
     /// Share of usable blocks held by requests, in [0, 1].
     pub fn usage(&self) -> f64 {
         1.0 - self.free.len() as f64 / self.num_usable_blocks() as f64
+    }
+
+    /// Cache entries taken out so far (see the field): unchanged means no prefix hit has shrunk.
+    pub fn num_removed(&self) -> u64 {
+        self.num_removed
     }
 
     pub fn ref_cnt(&self, block: u32) -> u32 {
@@ -223,6 +232,7 @@ impl BlockPool {
     }
 
     fn evict_hashed(&mut self, block: u32) {
+        self.num_removed += 1;
         let i = block as usize;
         self.meta[i] &= !HASHED;
         let h = self.hash[i].0;
@@ -355,6 +365,7 @@ impl BlockPool {
         }
         self.cached.clear();
         self.duplicates.clear();
+        self.num_removed += 1;
         for m in &mut self.meta {
             *m &= !HASHED;
         }

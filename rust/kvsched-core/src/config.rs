@@ -16,6 +16,11 @@ pub enum Policy {
     Priority,
     /// Weighted fair share across tenants (the Virtual Token Counter; see `fair.rs`).
     Fair,
+    /// Shortest (uncached) prompt first: the fewest prompt blocks beyond the request's prefix-cache hit (see
+    /// `order.rs`); preempted requests first, as under FCFS.
+    Sjf,
+    /// Earliest TTFT deadline first (`arrival_time + ttft_slo_s`); preempted requests first, as under FCFS.
+    Slo,
 }
 
 impl Policy {
@@ -24,8 +29,10 @@ impl Policy {
             "fcfs" => Ok(Policy::Fcfs),
             "priority" => Ok(Policy::Priority),
             "fair" => Ok(Policy::Fair),
+            "sjf" => Ok(Policy::Sjf),
+            "slo" => Ok(Policy::Slo),
             other => Err(SchedError::InvalidConfig(format!(
-                "policy must be one of ('fcfs', 'priority', 'fair'), got {}",
+                "policy must be one of ('fcfs', 'priority', 'fair', 'sjf', 'slo'), got {}",
                 py_str(other)
             ))),
         }
@@ -36,7 +43,16 @@ impl Policy {
             Policy::Fcfs => "fcfs",
             Policy::Priority => "priority",
             Policy::Fair => "fair",
+            Policy::Sjf => "sjf",
+            Policy::Slo => "slo",
         }
+    }
+
+    /// The orders built on FCFS (`fcfs`, `sjf`, `slo`): what FCFS puts at the front of the queue (preempted
+    /// requests, requests an admission pass skipped, requests made ready) goes there under them too; they
+    /// order only the requests FCFS appends at the back.
+    pub fn is_fcfs_family(self) -> bool {
+        matches!(self, Policy::Fcfs | Policy::Sjf | Policy::Slo)
     }
 }
 
@@ -163,6 +179,15 @@ pub struct SchedulerConfig {
     pub fair_decode_weight: f64,
     /// PRIORITY only: a waiting request gains one priority level per this many steps of age (0 = off).
     pub priority_aging_steps: u32,
+    /// SLO: the TTFT target of a request added without `ttft_slo_s` (`None`: such a request has no deadline
+    /// and sorts after every request that has one). Finite and > 0.
+    pub default_ttft_slo_s: Option<f64>,
+    /// Aging for every order: a request that has waited this many steps without being admitted goes ahead of
+    /// the policy's order, oldest first (`None`: off). At least 1.
+    pub max_wait_steps: Option<u32>,
+    /// Session affinity (FCFS with an admission window): how many steps after its last request left
+    /// `running` a `session_id` still counts as recently active. At least 1.
+    pub session_ttl_steps: u32,
     /// vLLM's `AsyncScheduler`: every scheduled decode leaves output placeholders, so the next step (scheduled
     /// before this one's output is applied) already gives the request its next token.
     pub async_scheduling: bool,
@@ -281,6 +306,9 @@ impl Default for SchedulerConfig {
             fair_prefill_weight: 1.0,
             fair_decode_weight: 2.0,
             priority_aging_steps: 0,
+            default_ttft_slo_s: None,
+            max_wait_steps: None,
+            session_ttl_steps: 1000,
             async_scheduling: false,
             max_loras: 0,
             watermark: 0.0,
@@ -345,6 +373,8 @@ const INT_FIELDS: &[IntField] = &[
         get: |c| Some(c.cache_aware_admission_window),
     },
     IntField { name: "priority_aging_steps", min: 0, max: I32_MAX, get: |c| Some(c.priority_aging_steps) },
+    IntField { name: "max_wait_steps", min: 1, max: I32_MAX, get: |c| c.max_wait_steps },
+    IntField { name: "session_ttl_steps", min: 1, max: I32_MAX, get: |c| Some(c.session_ttl_steps) },
     IntField { name: "max_loras", min: 0, max: I32_MAX, get: |c| Some(c.max_loras) },
     IntField { name: "num_cpu_blocks", min: 0, max: MAX_NUM_BLOCKS, get: |c| Some(c.num_cpu_blocks) },
     // 0 stands for Python's None (as many as max_num_seqs).
@@ -445,6 +475,9 @@ impl SchedulerConfig {
         }
         check_preemption_costs(self.recompute_cost_per_token, self.swap_cost_per_block)
             .map_err(SchedError::InvalidConfig)?;
+        if let Some(slo) = self.default_ttft_slo_s {
+            check_ttft_slo("default_ttft_slo_s", slo).map_err(SchedError::InvalidConfig)?;
+        }
         for (tenant, w) in &self.tenant_weights {
             check_tenant_name(tenant).map_err(SchedError::InvalidConfig)?;
             check_tenant_weight(tenant, *w).map_err(SchedError::InvalidConfig)?;
@@ -572,6 +605,14 @@ pub fn check_tenant_weight(tenant: &str, w: f64) -> std::result::Result<(), Stri
     Ok(())
 }
 
+/// A TTFT target (`default_ttft_slo_s`, a request's `ttft_slo_s`) is finite and > 0.
+pub fn check_ttft_slo(name: &str, v: f64) -> std::result::Result<(), String> {
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("{name} must be finite and > 0, got {}", py_float(v)));
+    }
+    Ok(())
+}
+
 /// The auto mode's cost constants are finite and >= 0.
 pub fn check_preemption_costs(
     recompute_cost_per_token: f64,
@@ -685,6 +726,12 @@ mod tests {
             SchedulerConfig { cp_kv_cache_interleave_size: 0, ..Default::default() },
             SchedulerConfig { cp_kv_cache_interleave_size: 32, ..Default::default() },
             SchedulerConfig { block_size: 16, cp_kv_cache_interleave_size: 3, ..Default::default() },
+            SchedulerConfig { default_ttft_slo_s: Some(0.0), ..Default::default() },
+            SchedulerConfig { default_ttft_slo_s: Some(f64::INFINITY), ..Default::default() },
+            SchedulerConfig { max_wait_steps: Some(0), ..Default::default() },
+            SchedulerConfig { session_ttl_steps: 0, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Sjf, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Slo, ..Default::default() },
         ];
         for cfg in bad {
             assert!(matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))), "{cfg:?}");
@@ -763,6 +810,9 @@ mod tests {
     fn parses_names() {
         assert_eq!(Policy::parse("priority"), Ok(Policy::Priority));
         assert_eq!(Policy::parse("fair"), Ok(Policy::Fair));
+        assert_eq!(Policy::parse("sjf"), Ok(Policy::Sjf));
+        assert_eq!(Policy::parse("slo"), Ok(Policy::Slo));
+        assert!(Policy::Sjf.is_fcfs_family() && !Policy::Priority.is_fcfs_family());
         assert!(Policy::parse("lifo").is_err());
         assert_eq!(HashAlgo::parse("sha256"), Ok(HashAlgo::Sha256));
         assert!(HashAlgo::parse("md5").is_err());

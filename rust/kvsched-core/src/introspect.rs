@@ -13,12 +13,15 @@ impl Scheduler {
     }
 
     /// Ids of the requests that are not running, in the order admission would consider them: loaded requests
-    /// (`kv_waiting`), then `waiting`, then the parked ones (blocked, or ready since the last step) in the
+    /// (`kv_waiting`), then `waiting` (aging included; `sjf` residuals as they stand; FCFS before the admission
+    /// window's one-step reorderings), then the parked ones (blocked, or ready since the last step) in the
     /// order they were added.
     pub fn waiting_req_ids(&self) -> Vec<Arc<str>> {
-        let mut ids: Vec<Arc<str>> = [&self.kv_waiting, &self.waiting]
-            .iter()
-            .flat_map(|q| q.handles_in_order(&self.tenants))
+        let mut ids: Vec<Arc<str>> = self
+            .kv_waiting
+            .handles_in_order(&self.tenants)
+            .into_iter()
+            .chain(self.waiting_in_order())
             .filter_map(|h| self.slab.resolve(h).map(|r| r.id.clone()))
             .collect();
         if self.num_parked > 0 {

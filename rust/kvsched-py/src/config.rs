@@ -41,6 +41,9 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("fair_prefill_weight", c.fair_prefill_weight)?;
     d.set_item("fair_decode_weight", c.fair_decode_weight)?;
     d.set_item("priority_aging_steps", c.priority_aging_steps)?;
+    d.set_item("default_ttft_slo_s", c.default_ttft_slo_s)?;
+    d.set_item("max_wait_steps", c.max_wait_steps)?;
+    d.set_item("session_ttl_steps", c.session_ttl_steps)?;
     d.set_item("async_scheduling", c.async_scheduling)?;
     d.set_item("max_loras", c.max_loras)?;
     d.set_item("watermark", c.watermark)?;
@@ -143,6 +146,17 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         fair_prefill_weight: f64_field("fair_prefill_weight")?,
         fair_decode_weight: f64_field("fair_decode_weight")?,
         priority_aging_steps: u32_field("priority_aging_steps")?,
+        default_ttft_slo_s: if cfg.getattr("default_ttft_slo_s")?.is_none() {
+            None
+        } else {
+            Some(f64_field("default_ttft_slo_s")?)
+        },
+        max_wait_steps: if cfg.getattr("max_wait_steps")?.is_none() {
+            None
+        } else {
+            Some(u32_field("max_wait_steps")?)
+        },
+        session_ttl_steps: u32_field("session_ttl_steps")?,
         async_scheduling: bool_field("async_scheduling")?,
         max_loras: u32_field("max_loras")?,
         watermark: f64_field("watermark")?,

@@ -155,7 +155,8 @@ impl PyScheduler {
 
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, min_tokens=None, eos_token_id=None,
         ignore_eos=None, stop_token_ids=None, priority=None, arrival_time=None, cache_salt=None, lora_name=None,
-        tenant=None, ready=None, skip_reading_prefix_cache=None, encoder_inputs=None))]
+        tenant=None, ready=None, skip_reading_prefix_cache=None, encoder_inputs=None, session_id=None,
+        ttft_slo_s=None, order_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         slf: &Bound<'_, Self>,
@@ -174,6 +175,9 @@ impl PyScheduler {
         ready: Option<&Bound<'_, PyAny>>,
         skip_reading_prefix_cache: Option<&Bound<'_, PyAny>>,
         encoder_inputs: Option<&Bound<'_, PyAny>>,
+        session_id: Option<&Bound<'_, PyAny>>,
+        ttft_slo_s: Option<&Bound<'_, PyAny>>,
+        order_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let py = slf.py();
         let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
@@ -258,6 +262,12 @@ impl PyScheduler {
             waiting_for_grammar: !ready,
             skip_reading_prefix_cache,
             encoder_inputs: crate::encoder::encoder_inputs_arg(encoder_inputs)?,
+            session_id: opt_str_arg(session_id, "session_id")?,
+            ttft_slo_s: match ttft_slo_s {
+                Some(t) if !t.is_none() => Some(float_arg(t, "ttft_slo_s")?),
+                _ => None,
+            },
+            order_key: opt_int_arg(order_key, "order_key", "InvalidRequestError")?,
         };
         let id_str = id_arg(req_id, "InvalidRequestError")?;
         let mut this = borrow_mut(slf)?;

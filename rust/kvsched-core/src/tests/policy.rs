@@ -1,6 +1,7 @@
-//! Behaviour tests of the admission policies: the cache-aware window, fair share (VTC) and priority aging.
+//! Behaviour tests of the admission policies: the cache-aware window, fair share (VTC), priority aging, and the
+//! waiting orders sjf and slo, `order_key` tiers, `max_wait_steps` aging and session affinity.
 
-use super::helpers::{feed, ids, params};
+use super::helpers::{add, feed, ids, params, prompt};
 use crate::{Policy, RequestParams, Scheduler, SchedulerConfig};
 
 /// `params(max_tokens)` arriving at `arrival_time`.
@@ -197,4 +198,184 @@ fn fair_self_preemption_lets_the_requests_after_it_run() {
         out.preempted.iter().filter_map(|&h| s.request_id(h)).map(|x| x.to_string()).collect();
     assert_eq!(victims, vec!["a0"]);
     assert_eq!(ids(&s, &out), vec!["b0"]);
+}
+
+// ---- the waiting orders: sjf, slo, tiers, aging, session affinity ---------------------------------------
+
+fn order_config(policy: Policy) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: 4,
+        num_blocks: 64,
+        max_num_seqs: 1,
+        max_num_batched_tokens: 64,
+        max_model_len: 64,
+        policy,
+        prefix_hash_seed: Some(b"o".to_vec()),
+        ..Default::default()
+    }
+}
+
+fn with(p: RequestParams, f: impl FnOnce(&mut RequestParams)) -> RequestParams {
+    let mut p = p;
+    f(&mut p);
+    p
+}
+
+/// Steps until nothing is left; the ids admitted (new or resumed), in order.
+fn admissions(s: &mut Scheduler) -> Vec<String> {
+    let mut order = Vec::new();
+    for _ in 0..500 {
+        if !s.has_unfinished_requests() {
+            return order;
+        }
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        let all = ids(s, &out);
+        let fresh: Vec<usize> = out.new_reqs.iter().chain(&out.resumed_reqs).map(|&i| i as usize).collect();
+        order.extend(all.iter().enumerate().filter(|(i, _)| fresh.contains(i)).map(|(_, x)| x.clone()));
+        feed(s, &out, |_| vec![7]);
+    }
+    panic!("requests left after 500 steps");
+}
+
+/// The cached 40-token prompt LONG (10 blocks), then behind a running request: a cold 12-token request and a
+/// 44-token continuation of LONG (1 block beyond its hit).
+fn warm_long_vs_cold_short(policy: Policy) -> Vec<String> {
+    let mut s = Scheduler::new(order_config(policy)).unwrap();
+    let long: Vec<i64> = (100..140).collect();
+    add(&mut s, "seed", &long, params_at(1, 0.0));
+    let out = s.schedule().unwrap();
+    feed(&mut s, &out, |_| vec![7]);
+    add(&mut s, "busy", &prompt(300, 8), params_at(3, 1.0));
+    let out = s.schedule().unwrap();
+    feed(&mut s, &out, |_| vec![7]);
+    add(&mut s, "cold", &prompt(500, 12), params_at(1, 2.0));
+    let warm: Vec<i64> = long.iter().copied().chain([1, 2, 3, 4]).collect();
+    add(&mut s, "warm", &warm, params_at(1, 3.0));
+    admissions(&mut s)
+}
+
+#[test]
+fn sjf_prefers_a_warm_long_prompt_over_a_cold_shorter_one() {
+    assert_eq!(warm_long_vs_cold_short(Policy::Sjf), vec!["warm", "cold"]);
+    assert_eq!(warm_long_vs_cold_short(Policy::Fcfs), vec!["cold", "warm"]);
+}
+
+#[test]
+fn sjf_re_keys_the_head_when_its_prefix_was_evicted() {
+    let mut s = Scheduler::new(order_config(Policy::Sjf)).unwrap();
+    let long: Vec<i64> = (100..140).collect();
+    add(&mut s, "seed", &long, params_at(1, 0.0));
+    let out = s.schedule().unwrap();
+    feed(&mut s, &out, |_| vec![7]);
+    s.set_pause_state(crate::PauseState::PausedNew);
+    let warm: Vec<i64> = long.iter().copied().chain([1, 2, 3, 4]).collect();
+    add(&mut s, "warm", &warm, params_at(1, 1.0));
+    add(&mut s, "cold", &prompt(500, 12), params_at(1, 2.0));
+    assert!(s.reset_prefix_cache(false).unwrap());
+    assert_eq!(s.waiting_req_ids(), vec!["warm".into(), "cold".into()] as Vec<std::sync::Arc<str>>);
+    s.set_pause_state(crate::PauseState::Unpaused);
+    assert_eq!(admissions(&mut s), vec!["cold", "warm"]);
+}
+
+#[test]
+fn slo_admits_by_deadline_then_arrival_and_requests_without_a_target_last() {
+    for (default, want) in [
+        (None, vec!["b", "d", "a", "none"]),
+        (Some(2.5), vec!["none", "b", "d", "a"]), // none: 0.2 + 2.5
+    ] {
+        let config = SchedulerConfig { default_ttft_slo_s: default, ..order_config(Policy::Slo) };
+        let mut s = Scheduler::new(config).unwrap();
+        add(&mut s, "busy", &prompt(1, 4), params_at(2, 0.0));
+        let out = s.schedule().unwrap();
+        feed(&mut s, &out, |_| vec![7]);
+        let slo = |t: f64, slo: Option<f64>| with(params_at(1, t), |p| p.ttft_slo_s = slo);
+        add(&mut s, "a", &prompt(10, 4), slo(0.0, Some(10.0)));
+        add(&mut s, "none", &prompt(20, 4), slo(0.2, None));
+        add(&mut s, "b", &prompt(30, 4), slo(1.0, Some(2.0)));
+        add(&mut s, "d", &prompt(40, 4), slo(2.0, Some(1.0))); // the same deadline as b, a later arrival
+        assert_eq!(admissions(&mut s), want);
+    }
+}
+
+#[test]
+fn order_key_is_a_tier_before_every_policys_order() {
+    for policy in [Policy::Fcfs, Policy::Priority, Policy::Fair, Policy::Sjf, Policy::Slo] {
+        let mut s = Scheduler::new(order_config(policy)).unwrap();
+        add(&mut s, "busy", &prompt(1, 4), params_at(2, 0.0));
+        let out = s.schedule().unwrap();
+        feed(&mut s, &out, |_| vec![7]);
+        for (k, tier) in [Some(1), None, Some(-1), Some(0), Some(1), Some(-1)].into_iter().enumerate() {
+            let p = with(params_at(1, k as f64), |p| p.order_key = tier);
+            add(&mut s, &format!("r{k}"), &prompt(10 * k as i64 + 10, 4), p);
+        }
+        assert_eq!(admissions(&mut s), vec!["r2", "r5", "r1", "r3", "r0", "r4"], "{policy:?}");
+    }
+}
+
+/// sjf, one slot: a 40-token request waits while a 4-token one arrives before every step.
+fn sjf_long_wait(max_wait_steps: Option<u32>) -> Option<u64> {
+    let mut s = Scheduler::new(SchedulerConfig { max_wait_steps, ..order_config(Policy::Sjf) }).unwrap();
+    add(&mut s, "long", &prompt(100, 40), params_at(1, 0.0));
+    for step in 0..60u64 {
+        add(
+            &mut s,
+            &format!("short{step}"),
+            &prompt(step as i64 * 8 % 60, 4),
+            params_at(1, 1.0 + step as f64),
+        );
+        let out = s.schedule().unwrap();
+        if ids(&s, &out).iter().any(|x| x == "long") {
+            return Some(step);
+        }
+        feed(&mut s, &out, |_| vec![7]);
+    }
+    None
+}
+
+#[test]
+fn max_wait_steps_admits_a_starving_request_once_it_has_waited_that_long() {
+    assert_eq!(sjf_long_wait(None), None);
+    for n in [1, 3, 10] {
+        assert_eq!(sjf_long_wait(Some(n)), Some(u64::from(n)));
+    }
+}
+
+#[test]
+fn a_session_promotion_stops_behind_a_preempted_request() {
+    let config = SchedulerConfig {
+        cache_aware_admission_window: 8,
+        cache_aware_admission_threshold: 1.0, // warm-before-cold off: only the promotion moves
+        max_num_seqs: 2,
+        ..order_config(Policy::Fcfs)
+    };
+    let mut s = Scheduler::new(config).unwrap();
+    let turn1 = prompt(200, 16);
+    let session = |t: f64| with(params_at(1, t), |p| p.session_id = Some("s".into()));
+    add(&mut s, "turn1", &turn1, session(0.0));
+    add(&mut s, "victim", &prompt(400, 8), params_at(8, 0.5));
+    let out = s.schedule().unwrap();
+    feed(&mut s, &out, |_| vec![7]); // turn1 finishes: session "s" was active at step 1
+    s.set_pause_state(crate::PauseState::PausedNew);
+    add(&mut s, "c1", &prompt(500, 8), params_at(1, 1.0));
+    add(&mut s, "c2", &prompt(600, 8), params_at(1, 2.0));
+    let turn2: Vec<i64> = turn1.iter().copied().chain([7, 7, 9, 9]).collect();
+    add(&mut s, "turn2", &turn2, session(3.0));
+    let slot = s.slot_of("victim").unwrap();
+    s.running.retain(|&x| x != slot);
+    s.preempt(slot, false).unwrap(); // waiting: [victim (preempted), c1, c2, turn2]
+    s.check_invariants().unwrap();
+    let plan = s.begin_admission();
+    assert!(plan.is_some());
+    let order: Vec<String> = s
+        .waiting
+        .handles_in_order(&s.tenants)
+        .iter()
+        .map(|&h| s.request_id(h).unwrap().to_string())
+        .collect();
+    assert_eq!(order, vec!["victim", "turn2", "c1", "c2"]);
+    s.end_admission(plan, 0);
+    assert_eq!(s.waiting_req_ids(), ["victim", "c1", "c2", "turn2"].map(std::sync::Arc::from).to_vec());
+    s.set_pause_state(crate::PauseState::Unpaused);
+    assert_eq!(admissions(&mut s), vec!["victim", "turn2", "c1", "c2"]);
 }
