@@ -239,6 +239,24 @@ def _add_simulate_parser(subparsers: Any) -> None:
         "--out", type=Path, default=Path("sim-results"), help="output directory, created if needed (%(default)s)"
     )
     m.add_argument("--per-request", action="store_true", help="also write one CSV row per request")
+    m.add_argument(
+        "--jobs",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="run the sweep's points in N worker processes (default: the number of cores; 1: in this process)",
+    )
+    m.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the sweep's points as Ray tasks (a local Ray cluster, or RAY_ADDRESS's; the ray extra)",
+    )
+    m.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --ray: join this Ray cluster (e.g. auto, ray://h:10001)",
+    )
     m.add_argument("--plot", action="store_true", help="write PNG figures to --out (needs matplotlib)")
     m.add_argument(
         "--no-progress",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,8 @@ def _model_problem(args: argparse.Namespace, what: str) -> str | None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from .._errors import InvalidConfigError, SchedulerError
+    from .parallel import RayMissingError
+    from .sketch import SketchMissingError
     from .steptime import DEFAULT_PRESET, PRESETS, load_step_time_model
     from .sweep import check_trace_fits, parse_set, run_sweep, scale_trace, sweep_configs
     from .workload import (
@@ -155,10 +158,14 @@ def run_simulate(args: argparse.Namespace) -> int:
             slo_tpot=args.slo_tpot,
             window=args.window,
             progress=progress,
+            per_request_dir=args.out if args.per_request else None,
+            jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
+            ray=args.ray or args.ray_address is not None,
+            ray_address=args.ray_address,
         )
     except InvalidConfigError as exc:
         return _err(f"bad scheduler config: {exc}")
-    except (SchedulerError, TraceFormatError) as exc:
+    except (SchedulerError, TraceFormatError, RayMissingError, SketchMissingError) as exc:
         return _err(str(exc))
     wall = time.perf_counter() - t0
 
