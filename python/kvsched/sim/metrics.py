@@ -283,6 +283,41 @@ class _Windows:
         self.service = np.zeros((64, num_tenants))
         self.waits = np.zeros((64, num_tenants))  # overlaps of waits with windows they cover only in part
         self.full = np.zeros((65, num_tenants))  # waits covering whole windows: +width from ka+1, -width from kb
+        # Steps and waits not summed yet (summed a batch at a time: a few numpy calls per thousand steps).
+        self._step_ends: list[float] = []
+        self._step_tokens: list[Any] = []
+        self._waits: list[tuple[FloatArray, FloatArray, IntArray]] = []
+        self._num_waits = 0
+
+    def step(self, t_end: float, tokens: npt.NDArray[Any] | float) -> None:
+        """A step ending at ``t_end`` computed ``tokens`` tokens (per tenant: an array, or a float for one)."""
+        self._step_ends.append(t_end)
+        self._step_tokens.append(tokens)
+        if len(self._step_ends) >= 4096:
+            self.flush()
+
+    def wait(self, start: FloatArray, stop: FloatArray, tenant: IntArray) -> None:
+        """Requests waited for admission from ``start`` to ``stop``."""
+        self._waits.append((start, stop, tenant))
+        self._num_waits += len(start)
+        if self._num_waits >= 4096:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._step_ends:
+            ends = np.array(self._step_ends)
+            tokens = np.array(self._step_tokens, dtype=np.float64).reshape(len(ends), -1)
+            self._step_ends, self._step_tokens = [], []
+            self._fit(float(ends.max()))
+            k = (ends / self.width).astype(np.int64)
+            for i in range(self.num_tenants):
+                self.service[: int(k.max()) + 1, i] += np.bincount(k, weights=tokens[:, i])
+        if self._waits:
+            start = np.concatenate([a for a, _, _ in self._waits])
+            stop = np.concatenate([b for _, b, _ in self._waits])
+            tenant = np.concatenate([c for _, _, c in self._waits])
+            self._waits, self._num_waits = [], 0
+            self.add_waits(start, stop, tenant)
 
     def _fit(self, t: float) -> None:
         while int(t / self.width) >= MAX_WINDOWS:
@@ -312,10 +347,6 @@ class _Windows:
         self.full = np.zeros_like(self.full)
         self.width *= 2
 
-    def add_service(self, t_end: float, tokens: npt.NDArray[Any] | float) -> None:
-        self._fit(t_end)
-        self.service[int(t_end / self.width)] += tokens
-
     def add_service_steps(self, t_ends: npt.NDArray[np.float64], tokens: npt.NDArray[Any]) -> None:
         """Steps ending at ``t_ends``, each computing ``tokens`` (per tenant) tokens."""
         self._fit(float(t_ends[-1]))
@@ -341,6 +372,7 @@ class _Windows:
 
     def result(self, end_time: float, weights: Sequence[float]) -> dict[str, Any]:
         """The windows up to ``end_time``, as :func:`tenant_service` returns them."""
+        self.flush()
         while math.ceil(max(end_time, 1e-12) / self.width) > MAX_WINDOWS:
             self._coarsen()
         w = self.width

@@ -409,6 +409,8 @@ def simulate(
     )
     num_prios = len(metrics.prio_values)
     prio_index = {int(p): i for i, p in enumerate(metrics.prio_values.tolist())}
+    num_codes = workload.num_tenants * num_prios
+    zero_code = np.zeros(1, dtype=np.int64)
     nt = workload.num_tenants
     factory = PromptFactory(workload.seed)
     tenant_kw = _accepts_tenant(sched.add_request) and (nt > 1 or cfg.policy not in ("fcfs", "priority"))
@@ -712,17 +714,30 @@ def simulate(
             if new.any():
                 first = idx[new]
                 live.first_scheduled_time[first] = t
-                windows.add_waits(live.arrival_time[first], np.full(len(first), t), live.tenant[first])
+                windows.wait(live.arrival_time[first], np.full(len(first), t), live.tenant[first])
             if nt == 1:
-                windows.add_service(t_end, float(n_tok))
+                windows.step(t_end, float(n_tok))
             else:
-                windows.add_service(t_end, np.bincount(live.tenant[idx], weights=nst, minlength=nt))
+                windows.step(t_end, np.bincount(live.tenant[idx], weights=nst, minlength=nt))
             last = live.last_token_time[sel]
-            had = ~isnan(last)
-            if had.any():
-                metrics.add_itl(t_end - last[had], live.code[sel[had]])
-            if not had.all():
-                live.first_token_time[sel[~had]] = t_end
+            # Most tokens of a step come one step after the request's previous one (it sampled in the previous
+            # step): one value, counted per group code; the others (first tokens aside) one by one.
+            prev_step = last == t
+            num_prev = int(count_nonzero(prev_step))
+            if num_prev:
+                if num_codes == 1:
+                    metrics.add_itl(np.array([t_end - t]), zero_code, np.array([num_prev]))
+                else:
+                    by_code = np.bincount(live.code[sel[prev_step]], minlength=num_codes)
+                    present = np.flatnonzero(by_code)
+                    metrics.add_itl(np.full(len(present), t_end - t), present, by_code[present])
+            if num_prev < k:
+                had = ~isnan(last) & ~prev_step
+                if had.any():
+                    metrics.add_itl(t_end - last[had], live.code[sel[had]])
+                new_tok = isnan(last)
+                if new_tok.any():
+                    live.first_token_time[sel[new_tok]] = t_end
             live.last_token_time[sel] = t_end
             live.num_output_tokens[sel] += 1
             pre_ids = out.preempted_req_ids
@@ -755,9 +770,15 @@ def simulate(
             prev_all_dec = n_dec == m and not pre_ids
             prev_rids, prev_m, prev_idx = rids, m, idx
             if prev_all_dec and fast_path:
-                codes = live.code[idx]
-                prev_codes, prev_code_counts = np.unique(codes, return_counts=True)
-                prev_tenant_tokens = np.bincount(live.tenant[idx], minlength=nt).astype(np.float64)
+                if num_codes == 1:
+                    prev_codes, prev_code_counts = zero_code, np.array([m])
+                else:
+                    by_code = np.bincount(live.code[idx], minlength=num_codes)
+                    prev_codes = np.flatnonzero(by_code)
+                    prev_code_counts = by_code[prev_codes]
+                prev_tenant_tokens = (
+                    np.array([float(m)]) if nt == 1 else np.bincount(live.tenant[idx], minlength=nt).astype(np.float64)
+                )
             c_fixed = c0 + c_dec * m
             tok_view, ptr_view = tokens[:m], arange[: m + 1]
             t = t_end

@@ -115,15 +115,16 @@ class Quantiles:
         if zeros:
             self._sketch.add(0.0, float(zeros))
         keys = np.ceil(np.log(v[positive]) / self._log_gamma).astype(np.int64)
-        if w is None:
-            uniq, counts = np.unique(keys, return_counts=True)
-        else:
-            uniq, inverse = np.unique(keys, return_inverse=True)
-            counts = np.bincount(inverse, weights=w[positive], minlength=len(uniq)).astype(np.int64)
+        if keys.size == 0:
+            return
+        # Keys span log(max / min) / log(gamma) buckets (a few thousand for latencies): count them by offset.
+        lo = int(keys.min())
+        counts = np.bincount(keys - lo, weights=None if w is None else w[positive])
+        present = np.flatnonzero(counts)
         value_of = self._mapping.value
         add = self._sketch.add
-        for key, c in zip(uniq.tolist(), counts.tolist(), strict=True):
-            add(value_of(key), float(c))
+        for off, c in zip(present.tolist(), counts[present].tolist(), strict=True):
+            add(value_of(lo + off), float(c))
 
     def merge(self, other: Quantiles) -> None:
         """Add everything ``other`` has seen."""
