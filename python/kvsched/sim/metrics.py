@@ -97,7 +97,10 @@ def _segment_starts(counts: IntArray) -> IntArray:
 
 
 def request_records(result: SimResult) -> RequestRecords:
-    """Per-request records of a run (vectorised; O(tokens log tokens))."""
+    """Per-request records of a run kept with ``simulate(..., keep_records=True)`` (vectorised; O(tokens log
+    tokens))."""
+    if not result.has_records:
+        raise ValueError("this run kept no raw record: simulate(..., keep_records=True) keeps it")
     w = result.workload
     n = len(w)
     step_end = result.step_start + result.step_time
@@ -607,7 +610,7 @@ def summarize(
     duration = max(result.end_time - m.first_arrival, 1e-12)
     service = m.service if m.service is not None else m.windows.result(result.end_time, m.tenant_weights)
     if window is not None and window != service["window"]:
-        if result.step_start is None:
+        if not result.has_records:
             raise ValueError(
                 f"this run summed service over windows of {service['window']:g} s; for {window:g} s windows pass "
                 "window= to simulate() (or run_sweep), or keep its raw record (keep_records=True)"
@@ -683,7 +686,7 @@ def tenant_service(result: SimResult, window: float, records: RequestRecords) ->
     win_of = np.minimum((t_entry / window).astype(np.int64), nwin - 1)
     ten = w.tenant[result.sched_idx.astype(np.int64)]
     flat = np.bincount(win_of * nt + ten, weights=result.sched_num_tokens, minlength=nwin * nt)
-    service = flat.reshape(nwin, nt)
+    service = flat.reshape(nwin, nt).astype(np.float64)
     # Queue-seconds: the integral of "requests waiting" over each window, from each request's wait
     # [arrival, first scheduled). F(T) = sum over requests of the part of its wait before T.
     added = records.added

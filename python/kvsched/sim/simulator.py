@@ -45,6 +45,8 @@ __all__ = ["SimResult", "StalledError", "defers_arrivals", "make_config", "simul
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
+_EMPTY_INT: IntArray = np.zeros(0, dtype=np.int64)
+_EMPTY_FLOAT: FloatArray = np.zeros(0, dtype=np.float64)
 _SAMPLED_TOKEN = 7  # the token the simulated model emits (no EOS is set, so its value never stops anything)
 
 
@@ -78,7 +80,7 @@ class _Buf:
 class SimResult:
     """One simulated run: its streamed :class:`~kvsched.sim.metrics.RunMetrics` (what
     :func:`~kvsched.sim.metrics.summarize` reads), time series, final scheduler stats, and, with
-    ``keep_records=True``, the raw record (None otherwise):
+    ``keep_records=True`` (``has_records``), the raw record (empty arrays otherwise):
 
     Per step ``s``: ``step_start[s]``, ``step_time[s]``, ``step_num_reqs[s]``, ``step_num_tokens[s]``,
     ``step_prefill_tokens[s]``, ``step_decode_reqs[s]``, ``step_kv_tokens[s]``. Flat per scheduled entry (CSR by
@@ -100,30 +102,27 @@ class SimResult:
     wall_s: float
     batches: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    target_output_len: IntArray | None = None
-    added: npt.NDArray[np.bool_] | None = None
-    step_start: FloatArray | None = None
-    step_time: FloatArray | None = None
-    step_num_reqs: IntArray | None = None
-    step_num_tokens: IntArray | None = None
-    step_prefill_tokens: IntArray | None = None
-    step_decode_reqs: IntArray | None = None
-    step_kv_tokens: IntArray | None = None
-    step_num_sampled: IntArray | None = None
-    sched_idx: npt.NDArray[np.int32] | None = None
-    sched_num_tokens: npt.NDArray[np.int32] | None = None
-    sched_num_computed: npt.NDArray[np.int32] | None = None
-    token_idx: npt.NDArray[np.int32] | None = None
-    preempt_step: IntArray | None = None
-    preempt_idx: IntArray | None = None
+    has_records: bool = False
+    target_output_len: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    added: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    step_start: FloatArray = field(default_factory=lambda: _EMPTY_FLOAT)
+    step_time: FloatArray = field(default_factory=lambda: _EMPTY_FLOAT)
+    step_num_reqs: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    step_num_tokens: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    step_prefill_tokens: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    step_decode_reqs: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    step_kv_tokens: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    step_num_sampled: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    sched_idx: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    sched_num_tokens: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    sched_num_computed: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    token_idx: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    preempt_step: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    preempt_idx: IntArray = field(default_factory=lambda: _EMPTY_INT)
 
     @property
     def num_steps(self) -> int:
         return int(self.extra.get("num_steps", 0))
-
-    @property
-    def has_records(self) -> bool:
-        return self.step_start is not None
 
 
 def make_config(base: SchedulerConfig | dict[str, Any] | None = None, **overrides: Any) -> SchedulerConfig:
@@ -244,6 +243,25 @@ class _Live:
            "num_output_tokens", "num_scheduled_tokens", "high_water", "num_recomputed_tokens", "num_cached_tokens",
            "num_preemptions")  # fmt: skip
     FLOAT = ("arrival_time", "first_scheduled_time", "first_token_time", "last_token_time")
+    idx: IntArray  # the request's index in the workload
+    known: IntArray  # prompt + outputs so far
+    target: IntArray
+    output_len: IntArray
+    prompt_len: IntArray
+    tenant: IntArray
+    priority: IntArray
+    prefix_group: IntArray
+    code: IntArray  # tenant * (number of priority classes) + class index
+    num_output_tokens: IntArray
+    num_scheduled_tokens: IntArray
+    high_water: IntArray  # most tokens computed so far (recomputation below it, prefix hits above it)
+    num_recomputed_tokens: IntArray
+    num_cached_tokens: IntArray
+    num_preemptions: IntArray
+    arrival_time: FloatArray
+    first_scheduled_time: FloatArray
+    first_token_time: FloatArray
+    last_token_time: FloatArray
 
     def __init__(self, capacity: int = 1024) -> None:
         self.cap = capacity
@@ -553,6 +571,7 @@ def simulate(
         load_chunk()
         next_arrival = chunks[0][2][0]
     in_sched = 0  # requests in the scheduler (added, not finished)
+    max_in_sched = 0
     step = 0
     try:
         while True:
@@ -609,6 +628,8 @@ def simulate(
                 live.arrival_time[s] = arr[j]
                 nxt_add += 1
                 in_sched += 1
+                if in_sched > max_in_sched:
+                    max_in_sched = in_sched
             if t >= sample_at:
                 st = sched.stats()
                 ts["time"].append(t)
@@ -846,6 +867,7 @@ def simulate(
             "deferred_arrivals": defer,
             "num_steps": step,
             "num_fast_steps": metrics.num_fast_steps,
+            "max_in_scheduler": max_in_sched,
         },
     )
     if rec:
@@ -901,6 +923,7 @@ def _attach_records(
     result.sched_num_computed = sched_nct
     result.token_idx = token_idx
     result.preempt_step, result.preempt_idx = preempts
+    result.has_records = True
 
 
 def _cumsum_from(carry: float, values: FloatArray) -> FloatArray:

@@ -144,7 +144,8 @@ class Quantiles:
         """The values seen (only while exact)."""
         if self._sketch is not None:
             raise ValueError("the values are no longer kept: this Quantiles passed its exact limit")
-        return self._values[: self._size].copy()
+        out: FloatArray = self._values[: self._size].copy()
+        return out
 
     def quantiles(self, qs: npt.ArrayLike) -> FloatArray:
         """The values at quantiles ``qs`` (fractions in [0, 1]); NaN when empty."""

@@ -509,8 +509,7 @@ class WorkloadStream:
 
 
 def _state(rng: np.random.Generator) -> dict[str, Any]:
-    state: dict[str, Any] = rng.bit_generator.state
-    return state
+    return dict(rng.bit_generator.state)
 
 
 def _generator(state: dict[str, Any]) -> np.random.Generator:
