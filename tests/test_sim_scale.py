@@ -148,7 +148,7 @@ def _within_sketch_error(value: float, exact: np.ndarray, q: float) -> bool:
     """``value`` is within the sketch's relative accuracy of an order statistic next to quantile ``q``."""
     v = np.sort(exact)
     rank = q * (len(v) - 1)
-    lo, hi = v[int(math.floor(rank))], v[int(math.ceil(rank))]
+    lo, hi = v[math.floor(rank)], v[math.ceil(rank)]
     return bool(lo * (1 - RELATIVE_ACCURACY) - 1e-12 <= value <= hi * (1 + RELATIVE_ACCURACY) + 1e-12)
 
 
