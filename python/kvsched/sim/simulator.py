@@ -498,7 +498,8 @@ def simulate(
 
     # The workload, a chunk at a time: chunks hold the requests from the first one not yet in the scheduler.
     chunk_iter = workload.chunks()
-    chunks: list[tuple[int, Workload, list[float], IntArray]] = []
+    chunks: list[tuple[int, Workload, IntArray]] = []
+    scan: list[float] = []  # arrival times of the newest chunk, scanned for arrivals
 
     def load_chunk() -> bool:
         nxt_chunk = next(chunk_iter, None)
@@ -509,14 +510,9 @@ def simulate(
         metrics.num_capped_outputs += int(count_nonzero(target < w.output_len))
         if rec:
             all_target.append(target)
-        chunks.append((start, w, w.arrival_time.tolist(), target))
+        chunks.append((start, w, target))
+        scan[:] = w.arrival_time.tolist()
         return True
-
-    def chunk_of(i: int) -> tuple[int, Workload, list[float], IntArray]:
-        for ch in chunks:
-            if i < ch[0] + len(ch[1]):
-                return ch
-        raise IndexError(i)  # pragma: no cover - callers stay below the arrivals already seen
 
     # State of the fast path: the previous step's batch (slots), whether it was all decodes, and the durations of
     # the fast steps since (folded into the per-request state and the metrics in one go when the run of fast steps
@@ -569,7 +565,7 @@ def simulate(
     next_arrival = math.inf
     if n:
         load_chunk()
-        next_arrival = chunks[0][2][0]
+        next_arrival = scan[0]
     in_sched = 0  # requests in the scheduler (added, not finished)
     max_in_sched = 0
     step = 0
@@ -588,18 +584,19 @@ def simulate(
                 if nxt_arr >= n:
                     next_arrival = math.inf
                     break
-                start, w, arr, _ = chunks[-1]
+                start, w, _ = chunks[-1]
                 if nxt_arr >= start + len(w):
                     load_chunk()
-                    start, w, arr, _ = chunks[-1]
-                next_arrival = arr[nxt_arr - start]
+                    start = chunks[-1][0]
+                next_arrival = scan[nxt_arr - start]
             while nxt_add < nxt_arr and in_sched < room:
                 i = nxt_add
-                start, w, arr, target = chunks[0]
+                start, w, target = chunks[0]
                 if i >= start + len(w):
                     chunks.pop(0)
-                    start, w, arr, target = chunks[0]
+                    start, w, target = chunks[0]
                 j = i - start
+                arrival = float(w.arrival_time[j])
                 prompt_len = int(w.prompt_len[j])
                 group = int(w.prefix_group[j])
                 ten = int(w.tenant[j])
@@ -612,7 +609,7 @@ def simulate(
                     factory.tokens(i, prompt_len, group, int(w.prefix_len[j])) if prompt_fn is None else prompt_fn(i),
                     max_tokens=tgt,
                     priority=prio,
-                    arrival_time=arr[j],
+                    arrival_time=arrival,
                     **kw,
                 )
                 s = live.take()
@@ -625,7 +622,7 @@ def simulate(
                 live.priority[s] = prio
                 live.prefix_group[s] = group
                 live.code[s] = ten * num_prios + prio_index[prio]
-                live.arrival_time[s] = arr[j]
+                live.arrival_time[s] = arrival
                 nxt_add += 1
                 in_sched += 1
                 if in_sched > max_in_sched:
@@ -829,7 +826,7 @@ def simulate(
         windows.add_waits(live.arrival_time[never], np.full(len(never), t), live.tenant[never])
         metrics.add_requests(live.columns(slots, finished=False))
     while True:
-        for start, w, _, target in chunks:
+        for start, w, target in chunks:
             lo = max(nxt_add - start, 0)
             mid = min(max(nxt_arr - start, lo), len(w))
             if mid > lo:

@@ -374,18 +374,28 @@ class WorkloadStream:
             block = int(expected + 6 * math.sqrt(expected) * max(1.0, spec.cv) + 16)
             total = 0.0
             while total < spec.duration * spec.rate:
-                gaps = _gaps(rng, block, spec.arrival, spec.cv)
+                # A block of gaps, drawn in pieces; whether it covers the duration is decided by numpy's sum of the
+                # whole block (pairwise, as one draw of the block would add it), which the pieces' sums match
+                # except in the last bits: only when they land that close to the target is the block drawn whole.
+                block_state = _state(rng)
                 self._gap_blocks.append(block)
-                total += float(gaps.sum())
-                times = _cumsum_from(carry, gaps)
-                carry = float(times[-1])
-                times = times / spec.rate
-                k = int(np.searchsorted(times, spec.duration, side="left"))  # times < duration
-                if k:
-                    first = float(times[0]) if math.isnan(first) else first
-                    last = float(times[k - 1])
-                n += k
-                del gaps, times
+                pieces_sum = 0.0
+                for size in _pieces(block):
+                    sums = _cumsum_from(carry, _gaps(rng, size, spec.arrival, spec.cv))
+                    pieces_sum += float(sums[-1] - carry)
+                    carry = float(sums[-1])
+                    times = sums / spec.rate
+                    k = int(np.searchsorted(times, spec.duration, side="left"))  # times < duration
+                    if k:
+                        first = float(times[0]) if math.isnan(first) else first
+                        last = float(times[k - 1])
+                    n += k
+                    del sums, times
+                target = spec.duration * spec.rate
+                if abs(total + pieces_sum - target) > 1e-9 * target:
+                    total += pieces_sum
+                else:
+                    total += float(_gaps(_generator(block_state), block, spec.arrival, spec.cv).sum())
         self._n = n
         self._t0 = first if n else 0.0
         self.first_arrival = 0.0
