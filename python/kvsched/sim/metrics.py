@@ -238,7 +238,8 @@ REQUEST_COLUMNS = (
     "num_cached_tokens",
 )
 _LATENCIES = ("ttft", "tpot", "itl", "e2e", "queue_delay")
-# ITL values buffered before they are split by group and added (bounded memory, few numpy calls per step).
+# ITL values buffered before they are split by group and added (at most this many values, or 1024 batches of
+# them: bounded memory, few numpy calls per step).
 _ITL_FLUSH = 1 << 16
 # At most this many fairness windows: past it, pairs of windows merge (the window doubles).
 MAX_WINDOWS = 4096
@@ -509,7 +510,7 @@ class RunMetrics:
         if len(values):
             self._itl.append((values, codes, weights))
             self._itl_size += len(values)
-            if self._itl_size >= _ITL_FLUSH:
+            if self._itl_size >= _ITL_FLUSH or len(self._itl) >= 1024:
                 self.flush_itl()
 
     def flush_itl(self) -> None:

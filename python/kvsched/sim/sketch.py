@@ -28,7 +28,7 @@ import numpy.typing as npt
 __all__ = ["EXACT_LIMIT", "RELATIVE_ACCURACY", "Quantiles", "SketchMissingError"]
 
 # Values a Quantiles keeps exactly (8 bytes each) before it moves to a sketch.
-EXACT_LIMIT = 1 << 17
+EXACT_LIMIT = 1 << 16
 # The sketch's relative accuracy (alpha): a returned percentile is within 0.5% of an order statistic.
 RELATIVE_ACCURACY = 0.005
 

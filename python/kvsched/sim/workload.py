@@ -63,8 +63,8 @@ VOCAB_SIZE = 32000
 _FIRST_TOKEN = 3  # ids 0..2 are left out (pad/bos/eos in many vocabularies)
 _RANGE = VOCAB_SIZE - _FIRST_TOKEN
 _POOL_SIZE = 1 << 16
-# Requests drawn per chunk by WorkloadStream (and sliced per chunk from a Workload): a few MB of arrays.
-CHUNK_REQUESTS = 1 << 16
+# Requests drawn per chunk by WorkloadStream (and sliced per chunk from a Workload): about 0.5 MB of arrays.
+CHUNK_REQUESTS = 1 << 13
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
