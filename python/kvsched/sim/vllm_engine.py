@@ -13,7 +13,8 @@ this process so that a step is one call.
 
 **Calibration** (:func:`calibrate_engine`): the calibration grid of ``kvsched simulate --calibrate``
 (:mod:`kvsched.sim.calibrate`: pairs of prefills, lone prompts, decode batches, mixed arrivals), each workload
-after an untimed decode lead-in, twice in a shuffled order, fitted by :func:`~kvsched.sim.calibrate.fit_step_time_model`.
+after an untimed decode lead-in, twice in a shuffled order, fitted by
+:func:`~kvsched.sim.calibrate.fit_step_time_model`.
 
 **Validation** (:func:`validate_engine`): the workload's requests are added when their arrival time has passed on
 the run's clock (``"wall"``: real time, sleeping when the engine is idle; ``"cpu"``: the CPU time the engine's
@@ -95,7 +96,7 @@ def timed_scheduler(base: type, log: StepLog) -> type:
     """A subclass of the scheduler class ``base`` (vLLM's ``Scheduler`` or ``kvsched.vllm.Scheduler``) that notes
     each step's composition in ``log`` (see the module docstring); it changes no decision."""
 
-    class TimedScheduler(base):  # type: ignore[valid-type, misc]
+    class TimedScheduler(base):  # type: ignore[misc]
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             out = super().schedule(*args, **kwargs)
             if out.num_scheduled_tokens:
@@ -393,10 +394,15 @@ def make_vllm_engine(
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor.abstract import Executor
 
+        base: type
         if scheduler == "kvsched":
-            from ..vllm import Scheduler as base
+            from ..vllm import Scheduler as kvsched_scheduler
+
+            base = kvsched_scheduler
         else:
-            from vllm.v1.core.sched.scheduler import Scheduler as base
+            from vllm.v1.core.sched.scheduler import Scheduler as vllm_scheduler
+
+            base = vllm_scheduler
         log = StepLog()
         kwargs: dict[str, Any] = {
             "model": os.fspath(model),
