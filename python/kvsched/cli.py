@@ -277,6 +277,21 @@ def _add_simulate_parser(subparsers: Any) -> None:
         "percentiles, write --out/validate.json",
     )
     c.add_argument(
+        "--engine",
+        choices=("kvsched", "vllm"),
+        default="kvsched",
+        help="with --calibrate/--validate: the engine timed and replayed: kvsched.LLM, or a vLLM engine (vLLM's "
+        "LLMEngine on --model, its scheduler timed by a subclass; --set max_num_seqs, max_num_batched_tokens, "
+        "max_model_len, num_blocks pass to it)",
+    )
+    c.add_argument(
+        "--vllm-scheduler",
+        default="vllm,kvsched",
+        metavar="S",
+        help="with --engine vllm: vllm (its own), kvsched (kvsched.vllm.Scheduler) or both, comma-separated "
+        "(--validate runs each; --calibrate the first) (%(default)s)",
+    )
+    c.add_argument(
         "--clock",
         choices=("wall", "cpu"),
         default=None,
