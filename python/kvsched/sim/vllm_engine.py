@@ -392,7 +392,7 @@ def make_vllm_engine(
     ``max_num_batched_tokens``, ``max_model_len``, ``num_gpu_blocks_override``)."""
     if scheduler not in ("vllm", "kvsched"):
         raise ValueError(f"scheduler must be 'vllm' or 'kvsched', got {scheduler!r}")
-    with engine_env():
+    with engine_env({"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}):
         from vllm import SamplingParams
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -412,6 +412,9 @@ def make_vllm_engine(
             "model": os.fspath(model),
             "dtype": "float32",
             "enforce_eager": True,
+            # On vLLM's CPU backend this is the share of host memory it reserves at start-up (the KV cache itself
+            # is VLLM_CPU_KVCACHE_SPACE GiB, or num_gpu_blocks_override blocks).
+            "gpu_memory_utilization": 0.05,
             "seed": seed,
             "skip_tokenizer_init": True,
             "scheduler_cls": timed_scheduler(base, log),
