@@ -324,3 +324,23 @@ def test_a_sweep_on_a_local_ray_cluster_gives_the_serial_results() -> None:
         ray.shutdown()
     assert [r.run_id for r in on_ray] == [r.run_id for r in serial]
     assert _comparable(on_ray) == _comparable(serial)
+
+
+@requires_rust
+def test_worker_processes_report_every_run_to_the_one_progress_display(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    import kvsched.sim.sweep as sweep
+    from kvsched.sim.progress import SimProgress
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sweep, "SimProgress", lambda n: SimProgress(n, stream=stream))
+    runs = run_sweep(_spec(duration=4.0), rates=[5.0, 15.0], policies=["fcfs", "priority"], base_config=TIGHT,
+                     step_model=MODEL, progress=True, jobs=2)  # fmt: skip
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "simulate: 4 runs"
+    assert sorted(line.split(":")[0].split(" ", 2)[2] for line in lines[1:]) == sorted(r.run_id for r in runs)
+    assert [line.split(" ")[1] for line in lines[1:]] == ["1/4", "2/4", "3/4", "4/4"]
+    for r in runs:
+        line = next(x for x in lines[1:] if f" {r.run_id}:" in x)
+        assert f"{r.summary['overall']['num_requests']}/" in line
