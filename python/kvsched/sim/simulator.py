@@ -825,9 +825,11 @@ def simulate(
         never = slots[np.isnan(live.first_scheduled_time[slots])]
         windows.add_waits(live.arrival_time[never], np.full(len(never), t), live.tenant[never])
         metrics.add_requests(live.columns(slots, finished=False))
+    num_held = nxt_arr - nxt_add  # arrived, waiting outside the scheduler when the run ended
+    done = nxt_add  # requests before this one are folded in
     while True:
         for start, w, target in chunks:
-            lo = max(nxt_add - start, 0)
+            lo = max(done - start, 0)
             mid = min(max(nxt_arr - start, lo), len(w))
             if mid > lo:
                 cols = _waiting_columns(w, lo, mid, start, True, target[lo:mid])
@@ -835,9 +837,9 @@ def simulate(
                 metrics.add_requests(cols)
             if len(w) > mid and request_sink is not None:
                 metrics.add_requests(_waiting_columns(w, mid, len(w), start, False, target[mid:]))
-        nxt_add = max(nxt_add, chunks[-1][0] + len(chunks[-1][1])) if chunks else nxt_add
+        done = max(done, chunks[-1][0] + len(chunks[-1][1])) if chunks else done
         chunks.clear()
-        if nxt_add >= n or (request_sink is None and not rec) or not load_chunk():
+        if done >= n or (request_sink is None and not rec) or not load_chunk():
             break
     metrics.num_steps = step
     metrics.step_time_sum = step_time_sum
@@ -846,7 +848,7 @@ def simulate(
     st = sched.stats()
     final_stats: dict[str, Any] = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
     final_stats["prefix_cache_hit_rate"] = st.prefix_cache_hit_rate
-    final_stats["num_waiting_reqs"] = st.num_waiting_reqs + nxt_arr - min(nxt_add, nxt_arr)
+    final_stats["num_waiting_reqs"] = st.num_waiting_reqs + num_held
     result = SimResult(
         workload=workload,
         config=cfg,
