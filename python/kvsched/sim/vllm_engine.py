@@ -30,6 +30,7 @@ vLLM is imported only by :func:`make_vllm_engine`; the rest works on any engine 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +49,7 @@ from .workload import Workload
 __all__ = [
     "ENGINE_ENV",
     "FIGURES",
+    "EngineCalibration",
     "StepLog",
     "VllmDriver",
     "calibrate_engine",
@@ -190,34 +192,66 @@ def _next_id() -> int:
     return next(_ids)
 
 
+class EngineCalibration:
+    """The calibration grid on ``driver``'s engine, one workload at a time (each after an untimed decode lead-in),
+    so that a replay can run them at its idle points (:func:`validate_engine`); :meth:`fit` fits the model."""
+
+    def __init__(self, driver: VllmDriver, *, quick: bool = False, repeats: int = 2, seed: int = 0) -> None:
+        self.driver = driver
+        self.rng = np.random.default_rng(seed)
+        vocab = driver.vocab_size
+        max_len = int(driver.config["max_model_len"])
+        grid = _grid(vocab, max_len, int(driver.config["max_num_seqs"]), quick, self.rng)
+        self.work = [grid[i] for i in self.rng.permutation(len(grid) * repeats) % len(grid)]
+        self.lead_len = max(1, min(LEAD_IN_PROMPT, max_len // 4))
+        self.lead_steps = max(0, min(LEAD_IN_STEPS, max_len - self.lead_len - 1))
+        self.next = 0
+        self.steps: list[TimedStep] = []
+        self.pairs: list[npt.NDArray[np.float64]] = []
+        # Warm-up: first calls allocate and pick kernels; not timed.
+        driver.timed_steps([(0, self.rng.integers(3, vocab, size=64).tolist(), 4) for _ in range(4)])
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.work)
+
+    def _lead(self) -> tuple[int, list[int], int]:
+        return (0, self.rng.integers(3, self.driver.vocab_size, size=self.lead_len).tolist(), self.lead_steps)
+
+    def run_next(self, *, trailer: bool = False) -> bool:
+        """Run the next workload; False when none is left. ``trailer``: then one more untimed decode run, so that
+        what the engine runs next finds it as after a decode run."""
+        if self.done:
+            return False
+        adds = self.work[self.next]
+        self.next += 1
+        s, p = self.driver.timed_steps(
+            [self._lead(), *((at + self.lead_steps, toks, n) for at, toks, n in adds)], untimed_steps=self.lead_steps
+        )
+        self.steps += s
+        self.pairs += p
+        if trailer and self.lead_steps:
+            self.driver.timed_steps([self._lead()], untimed_steps=self.lead_steps)
+        return True
+
+    def fit(self, label: str = "model") -> tuple[StepTimeModel, dict[str, Any]]:
+        d = self.driver
+        source = f"calibrated on {d.name} ({d.clock_name} clock) from {len(self.steps)} timed engine steps on {label}"
+        model, fit = fit_step_time_model(
+            self.steps, name=f"calibrated-{d.name}-{label}", source=source, request_pairs=self.pairs
+        )
+        fit.update({"engine": d.name, "clock": d.clock_name, "model": label, **d.config})
+        return model, fit
+
+
 def calibrate_engine(
     driver: VllmDriver, *, quick: bool = False, repeats: int = 2, seed: int = 0, label: str = "model"
 ) -> tuple[StepTimeModel, dict[str, Any]]:
     """Fit a step-time model to ``driver``'s engine (see the module docstring)."""
-    rng = np.random.default_rng(seed)
-    vocab = driver.vocab_size
-    max_len = int(driver.config["max_model_len"])
-    grid = _grid(vocab, max_len, int(driver.config["max_num_seqs"]), quick, rng)
-    work = [grid[i] for i in rng.permutation(len(grid) * repeats) % len(grid)]
-    lead_len = max(1, min(LEAD_IN_PROMPT, max_len // 4))
-    lead_steps = max(0, min(LEAD_IN_STEPS, max_len - lead_len - 1))
-    # Warm-up: first calls allocate and pick kernels; not timed.
-    driver.timed_steps([(0, rng.integers(3, vocab, size=64).tolist(), 4) for _ in range(4)])
-    steps: list[TimedStep] = []
-    pairs: list[npt.NDArray[np.float64]] = []
-    for adds in work:
-        lead = (0, rng.integers(3, vocab, size=lead_len).tolist(), lead_steps)
-        s, p = driver.timed_steps(
-            [lead, *((at + lead_steps, toks, n) for at, toks, n in adds)], untimed_steps=lead_steps
-        )
-        steps += s
-        pairs += p
-    source = f"calibrated on {driver.name} ({driver.clock_name} clock) from {len(steps)} timed engine steps on {label}"
-    model, fit = fit_step_time_model(
-        steps, name=f"calibrated-{driver.name}-{label}", source=source, request_pairs=pairs
-    )
-    fit.update({"engine": driver.name, "clock": driver.clock_name, "model": label, **driver.config})
-    return model, fit
+    session = EngineCalibration(driver, quick=quick, repeats=repeats, seed=seed)
+    while session.run_next():
+        pass
+    return session.fit(label)
 
 
 class EngineRun:
@@ -238,11 +272,17 @@ def run_engine(
     workload: Workload,
     prompt_fn: Callable[[int], npt.NDArray[np.int32]],
     target: npt.NDArray[np.int64],
+    *,
+    idle_work: Callable[[], object] | None = None,
 ) -> EngineRun:
     """Replay ``workload`` through ``driver``'s engine: request ``i`` (id ``r<i>``, prompt ``prompt_fn(i)``, run to
     ``target[i]`` tokens) is added once its arrival time has passed on the driver's clock. On the ``"cpu"`` clock
     time moves by the CPU time of the engine's steps and jumps to the next arrival when the engine is idle; on the
-    ``"wall"`` clock it is real time and the loop sleeps. Adding a request is not counted on either."""
+    ``"wall"`` clock it is real time and the loop sleeps. Adding a request is not counted on either.
+    ``idle_work``: called, off the clock, whenever the engine is idle before an arrival (the CPU clock only; it
+    must leave the engine idle)."""
+    if idle_work is not None and driver.clock_name != "cpu":
+        raise ValueError("idle_work needs the cpu clock (the wall clock cannot leave it out)")
     n = len(workload)
     arrival = workload.arrival_time.tolist()
     prompts = [prompt_fn(i).tolist() for i in range(n)]
@@ -265,6 +305,11 @@ def run_engine(
         # AsyncLLM processes inputs in its own process), and the simulator does not charge it either.
         offset -= tick() - a0
         if not driver.has_unfinished():
+            if idle_work is not None:
+                w0 = tick()
+                idle_work()
+                offset -= tick() - w0
+                now = tick() - t0 + offset
             gap = max(0.0, arrival[i] - now)
             if virtual:
                 offset += gap
@@ -324,15 +369,41 @@ def compare_runs(real: dict[str, float], sim: dict[str, float]) -> dict[str, dic
 def validate_engine(
     driver: VllmDriver,
     workload: Workload,
-    step_model: StepTimeModel,
+    step_model: StepTimeModel | None,
     *,
     prompt_fn: Callable[[int], npt.NDArray[np.int32]],
+    quick: bool = False,
+    seed: int = 0,
+    label: str = "model",
 ) -> dict[str, Any]:
     """Replay ``workload`` through the engine (:func:`run_engine`) and through the simulator with ``step_model`` and
-    the engine's scheduler configuration; the figures of both and their relative errors."""
+    the engine's scheduler configuration; the figures of both and their relative errors.
+
+    ``step_model=None`` calibrates on the same engine during the replay: on the CPU clock one calibration workload
+    runs at each point where the engine is idle before an arrival, off the clock, and the rest after it (so that
+    the model and the replay measure the machine over the same stretch of time: a shared VM's speed changes by
+    up to 2x within seconds); on the wall clock all of it runs first."""
     cfg = make_config(driver.config)
     target = np.minimum(workload.output_len, cfg.max_model_len - workload.prompt_len).astype(np.int64)
-    real = run_engine(driver, workload, prompt_fn, target)
+    session = None
+    idle_work: Callable[[], object] | None = None
+    if step_model is None:
+        session = EngineCalibration(driver, quick=quick, seed=seed)
+        if driver.clock_name == "cpu":
+            idle_work = functools.partial(session.run_next, trailer=True)
+        else:
+            while session.run_next():
+                pass
+    real = run_engine(driver, workload, prompt_fn, target, idle_work=idle_work)
+    fit: dict[str, Any] | None = None
+    if session is not None:
+        during = session.next if idle_work is not None else 0
+        while session.run_next():
+            pass
+        step_model, fit = session.fit(label)
+        fit["workloads_during_replay"] = during
+        fit["workloads"] = len(session.work)
+    assert step_model is not None
     sim = simulate(workload, cfg, step_model, keep_records=True, prompt_fn=prompt_fn)
     from .metrics import request_records
 
@@ -356,6 +427,7 @@ def validate_engine(
         "figures": figures,
         "within_15_percent": within,
         "num_figures": len(figures),
+        **({"calibration": fit} if fit is not None else {}),
     }
 
 
