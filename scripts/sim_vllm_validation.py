@@ -117,9 +117,10 @@ def main() -> int:
                 total += len(errs)
                 cells = "  ".join(f"{100 * e:>+9.1f}%" if math.isfinite(e) else f"{'-':>10}" for e in errs)
                 print(f"{name:>9} {rate:>5g} {seed:>4}  {cells}", flush=True)
+                if args.json is not None:  # after every run, so that a long session keeps what it measured
+                    doc = {"argv": sys.argv, "runs": reports}
+                    args.json.write_text(json.dumps(doc, indent=1, default=float) + "\n")
     print(f"{within} of {total} figures within 15%")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"argv": sys.argv, "runs": reports}, indent=1, default=float) + "\n")
     return 0
 
 
