@@ -117,7 +117,7 @@ def main() -> int:
                 total += len(errs)
                 cells = "  ".join(f"{100 * e:>+9.1f}%" if math.isfinite(e) else f"{'-':>10}" for e in errs)
                 print(f"{name:>9} {rate:>5g} {seed:>4}  {cells}", flush=True)
-                if args.json is not None:  # after every run, so that a long session keeps what it measured
+                if args.json is not None:  # after every run, so that an interrupted sweep keeps what it measured
                     doc = {"argv": sys.argv, "runs": reports}
                     args.json.write_text(json.dumps(doc, indent=1, default=float) + "\n")
     print(f"{within} of {total} figures within 15%")
