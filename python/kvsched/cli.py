@@ -288,6 +288,24 @@ def _add_simulate_parser(subparsers: Any) -> None:
         "--out", type=Path, default=Path("sim-results"), help="output directory, created if needed (%(default)s)"
     )
     m.add_argument("--per-request", action="store_true", help="also write one CSV row per request")
+    m.add_argument(
+        "--jobs",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="run the sweep's points in N worker processes (default: the number of cores; 1: in this process)",
+    )
+    m.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the sweep's points as Ray tasks (a local Ray cluster, or RAY_ADDRESS's; the ray extra)",
+    )
+    m.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --ray: join this Ray cluster (e.g. auto, ray://h:10001)",
+    )
     m.add_argument("--plot", action="store_true", help="write PNG figures to --out (needs matplotlib)")
     m.add_argument(
         "--no-progress",
@@ -306,6 +324,21 @@ def _add_simulate_parser(subparsers: Any) -> None:
         help="run the workload through kvsched.LLM on --model and through the simulator (--step-model; "
         "'--step-model calibrate' calibrates on the same engine first); compare batches and TTFT/e2e "
         "percentiles, write --out/validate.json",
+    )
+    c.add_argument(
+        "--engine",
+        choices=("kvsched", "vllm"),
+        default="kvsched",
+        help="with --calibrate/--validate: the engine timed and replayed: kvsched.LLM, or a vLLM engine (vLLM's "
+        "LLMEngine on --model, its scheduler timed by a subclass; --set max_num_seqs, max_num_batched_tokens, "
+        "max_model_len, num_blocks pass to it)",
+    )
+    c.add_argument(
+        "--vllm-scheduler",
+        default="vllm,kvsched",
+        metavar="S",
+        help="with --engine vllm: vllm (its own), kvsched (kvsched.vllm.Scheduler) or both, comma-separated "
+        "(--validate runs each; --calibrate the first) (%(default)s)",
     )
     c.add_argument(
         "--clock",

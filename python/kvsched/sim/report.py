@@ -9,7 +9,9 @@ Files written by :func:`write_outputs` into the output directory:
 - ``tenant_service.csv``: tokens computed per tenant per window, its mean number of waiting requests, whether it
   was backlogged (>= 1 waiting on average), Jain's index of weighted service over the backlogged tenants;
 - ``ttft_cdf.csv``: TTFT quantiles (the CDF figure), per run;
-- ``requests_<run>.csv`` (``per_request=True``): one row per request.
+- ``requests_<run>.csv`` (``run_sweep(per_request_dir=...)``, ``--per-request``): one row per request, written by
+  :class:`RequestCsvWriter` as the run goes (finished requests in the order they finish, then those the run ended
+  with, then those that never arrived before it ended; the ``idx`` column is the request's index).
 """
 
 from __future__ import annotations
@@ -23,9 +25,18 @@ from typing import Any
 
 import numpy as np
 
+from .metrics import REQUEST_COLUMNS
 from .sweep import RunOutput
 
-__all__ = ["SUMMARY_COLUMNS", "format_notes", "format_table", "summary_row", "to_document", "write_outputs"]
+__all__ = [
+    "SUMMARY_COLUMNS",
+    "RequestCsvWriter",
+    "format_notes",
+    "format_table",
+    "summary_row",
+    "to_document",
+    "write_outputs",
+]
 
 _METRICS = ("ttft", "tpot", "itl", "e2e", "queue_delay")
 SUMMARY_COLUMNS = (
@@ -185,12 +196,32 @@ def format_notes(runs: Sequence[RunOutput]) -> list[str]:
     return notes
 
 
-def _ttft_cdf(run: RunOutput, points: int = 200) -> tuple[list[float], list[float]]:
-    v = run.records.ttft[np.isfinite(run.records.ttft)]
-    if v.size == 0:
-        return [], []
-    qs = np.linspace(0.0, 1.0, points)
-    return qs.tolist(), np.quantile(v, qs).tolist()
+def _ttft_cdf(run: RunOutput) -> tuple[list[float], list[float]]:
+    return run.ttft_cdf
+
+
+class RequestCsvWriter:
+    """Writes the per-request rows of a run to ``path`` as the simulator hands them over (its ``request_sink``):
+    the file grows with the run, the process's memory does not."""
+
+    def __init__(self, path: str | Path, tenant_names: Sequence[str]) -> None:
+        self.path = Path(path)
+        self._names = list(tenant_names)
+        self._file = self.path.open("w", newline="", encoding="utf-8")
+        self._writer = csv.writer(self._file)
+        self._writer.writerow(["idx", *REQUEST_COLUMNS])
+
+    def __call__(self, cols: dict[str, Any]) -> None:
+        data = [np.asarray(cols["idx"]).tolist()] + [np.asarray(cols[c]).tolist() for c in REQUEST_COLUMNS]
+        ti = 1 + REQUEST_COLUMNS.index("tenant")
+        data[ti] = [self._names[t] for t in data[ti]]
+        self._writer.writerows(
+            ["" if (isinstance(v, float) and not math.isfinite(v)) else v for v in row]
+            for row in zip(*data, strict=True)
+        )
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def to_document(
@@ -322,18 +353,5 @@ def write_outputs(
     paths.append(_write_csv(out / "ttft_cdf.csv", ("run_id", "quantile", "ttft"), cdf_rows))
 
     if per_request:
-        for r in runs:
-            cols = r.records.columns()
-            col_names = list(cols)
-            tenant_names = r.result.workload.tenant_names
-            data = [np.asarray(cols[c]).tolist() for c in col_names]
-            ti = col_names.index("tenant")
-            data[ti] = [tenant_names[t] for t in data[ti]]
-            paths.append(
-                _write_csv(
-                    out / f"requests_{r.run_id}.csv",
-                    ["idx", *col_names],
-                    ([i, *row] for i, row in enumerate(zip(*data, strict=True))),
-                )
-            )
+        paths.extend(p for r in runs if (p := out / f"requests_{r.run_id}.csv").exists())
     return paths

@@ -315,7 +315,7 @@ def validate(
         fit["workloads_during_real_run"] = interleaved if idle_work is not None else 0
         fit["workloads"] = len(session.work)
     assert step_model is not None
-    sim = simulate(workload, cfg, step_model, record_batches=True, prompt_fn=fn)
+    sim = simulate(workload, cfg, step_model, record_batches=True, keep_records=True, prompt_fn=fn)
     report = compare(real, workload, sim)
     report["device"] = str(llm.device)
     report["torch_threads"] = torch.get_num_threads()
