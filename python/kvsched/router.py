@@ -53,6 +53,7 @@ from ._errors import (
     SchedulerTypeError,
     UnknownReplicaError,
 )
+from .config import DEFAULT_BLOCK_SIZE
 from .sim.steptime import DEFAULT_PRESET, PRESETS, StepTimeModel
 
 __all__ = [
@@ -106,7 +107,7 @@ class RouterConfig:
     """
 
     policy: Policy = "cache_aware"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     prefix_hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
     prefix_hash_seed: int | str | bytes | None = None
     cache_threshold: float = 0.3
