@@ -246,7 +246,7 @@ def test_fairness_windows_stream_the_same_sums_and_coarsen_past_their_limit() ->
 
 @requires_rust
 def test_per_request_rows_stream_to_a_file_and_equal_the_record(tmp_path: Path) -> None:
-    from kvsched.sim.report import RequestCsvWriter
+    from kvsched.sim.point import RequestCsvWriter
 
     w = generate_workload(_spec(rate=30.0, duration=10.0))
     path = tmp_path / "requests.csv"

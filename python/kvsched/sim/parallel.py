@@ -1,7 +1,7 @@
 """A sweep's points in parallel: worker processes (``--jobs N``) or Ray tasks (``--ray``).
 
-Each point is a :class:`~kvsched.sim.sweep.SweepPoint` (a few KB: the workload's recipe, not its requests) and
-:func:`~kvsched.sim.sweep.run_point` runs it the same way wherever it runs, so the outputs equal the serial
+Each point is a :class:`~kvsched.sim.point.SweepPoint` (a few KB: the workload's recipe, not its requests) and
+:func:`~kvsched.sim.point.run_point` runs it the same way wherever it runs, so the outputs equal the serial
 run's. They are returned in the sweep's order.
 
 Worker processes are started with ``spawn`` (no state inherited from the parent, the same on every platform) and
@@ -19,8 +19,8 @@ import queue as queue_mod
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from .point import RunOutput, SweepPoint, run_point
 from .progress import SimProgress
-from .sweep import RunOutput, SweepPoint, run_point
 
 __all__ = ["RayMissingError", "run_points_processes", "run_points_ray"]
 

@@ -25,12 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from .metrics import REQUEST_COLUMNS
-from .sweep import RunOutput
+from .point import RunOutput
 
 __all__ = [
     "SUMMARY_COLUMNS",
-    "RequestCsvWriter",
     "format_notes",
     "format_table",
     "summary_row",
@@ -198,30 +196,6 @@ def format_notes(runs: Sequence[RunOutput]) -> list[str]:
 
 def _ttft_cdf(run: RunOutput) -> tuple[list[float], list[float]]:
     return run.ttft_cdf
-
-
-class RequestCsvWriter:
-    """Writes the per-request rows of a run to ``path`` as the simulator hands them over (its ``request_sink``):
-    the file grows with the run, the process's memory does not."""
-
-    def __init__(self, path: str | Path, tenant_names: Sequence[str]) -> None:
-        self.path = Path(path)
-        self._names = list(tenant_names)
-        self._file = self.path.open("w", newline="", encoding="utf-8")
-        self._writer = csv.writer(self._file)
-        self._writer.writerow(["idx", *REQUEST_COLUMNS])
-
-    def __call__(self, cols: dict[str, Any]) -> None:
-        data = [np.asarray(cols["idx"]).tolist()] + [np.asarray(cols[c]).tolist() for c in REQUEST_COLUMNS]
-        ti = 1 + REQUEST_COLUMNS.index("tenant")
-        data[ti] = [self._names[t] for t in data[ti]]
-        self._writer.writerows(
-            ["" if (isinstance(v, float) and not math.isfinite(v)) else v for v in row]
-            for row in zip(*data, strict=True)
-        )
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def to_document(

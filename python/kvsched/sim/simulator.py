@@ -17,7 +17,7 @@ percentiles exact up to a size and then from a sketch, per-window sums). When a 
 as the previous one and that one was all decodes (the steady state), nothing per request is computed (the "fast
 path"): the run of such steps is applied in one go when it ends. With ``keep_records=True`` the raw per-step
 arrays are kept too (scheduled request indices, scheduled and computed token counts, which requests got a token),
-from which :func:`kvsched.sim.metrics.request_records` rebuilds every per-request and per-token figure.
+from which :func:`kvsched.sim.summary.request_records` rebuilds every per-request and per-token figure.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class _Buf:
 @dataclass
 class SimResult:
     """One simulated run: its streamed :class:`~kvsched.sim.metrics.RunMetrics` (what
-    :func:`~kvsched.sim.metrics.summarize` reads), time series, final scheduler stats, and, with
+    :func:`~kvsched.sim.summary.summarize` reads), time series, final scheduler stats, and, with
     ``keep_records=True`` (``has_records``), the raw record (empty arrays otherwise):
 
     Per step ``s``: ``step_start[s]``, ``step_time[s]``, ``step_num_reqs[s]``, ``step_num_tokens[s]``,
@@ -381,7 +381,7 @@ def simulate(
     run has at most ``exact_limit`` finished requests). ``window``: the fairness window (default: a twentieth of
     the arrival window). ``exact_limit``: values per figure kept exactly before percentiles come from a sketch
     (:mod:`kvsched.sim.sketch`). ``request_sink``: called with the columns of each batch of requests as they
-    finish (and of the rest when the run ends), e.g. :class:`kvsched.sim.report.RequestCsvWriter`.
+    finish (and of the rest when the run ends), e.g. :class:`kvsched.sim.point.RequestCsvWriter`.
     ``record_batches``: keep each step's (request indices, scheduled tokens), for validation.
     ``keep_records``: also keep the raw per-step record (O(tokens) memory) for :func:`request_records`.
     ``fast_path=False`` records every step in full (same results, slower; for tests).
@@ -720,7 +720,7 @@ def simulate(
             live.known[sel] += 1
             t_end = t + dt
 
-            # The per-request figures of this step (see metrics.request_records for the same from the record).
+            # The per-request figures of this step (see summary.request_records for the same from the record).
             end = nct + nst
             hw = live.high_water[idx]
             live.num_recomputed_tokens[idx] += np.maximum(np.minimum(end, hw) - nct, 0)

@@ -21,9 +21,10 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import SchedulerConfig
-from .metrics import percentiles, request_records
+from .metrics import percentiles
 from .simulator import make_config, simulate
 from .steptime import StepTimeModel, lone_prefill_tokens, spill_pairs
+from .summary import request_records
 from .workload import PromptFactory, Workload
 
 __all__ = ["RealRun", "compare", "prompt_fn_for_vocab", "run_real", "validate", "warmup_prompts"]

@@ -405,7 +405,7 @@ def validate_engine(
         fit["workloads"] = len(session.work)
     assert step_model is not None
     sim = simulate(workload, cfg, step_model, keep_records=True, prompt_fn=prompt_fn)
-    from .metrics import request_records
+    from .summary import request_records
 
     rec = request_records(sim)
     arrival = workload.arrival_time
