@@ -124,13 +124,3 @@ pub fn free_order(s: &Scheduler) -> Vec<u32> {
 pub fn oldest_in_flight(s: &Scheduler) -> StepRecord {
     (**s.in_flight.front().unwrap()).clone()
 }
-
-/// The running request phase A would preempt now, before anything is scheduled in the step (`None` when nothing
-/// runs).
-pub fn next_victim(s: &Scheduler) -> Option<String> {
-    if s.running.is_empty() {
-        return None;
-    }
-    let j = s.pick_victim(&[], &[]).unwrap();
-    s.slab.get(s.running[j]).ok().map(|r| r.id.to_string())
-}

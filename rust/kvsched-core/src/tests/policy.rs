@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use proptest::prelude::*;
 
-use super::helpers::{add, feed, ids, live_ids, next_victim, params, prompt, step_ids};
+use super::helpers::{add, feed, ids, live_ids, params, prompt, step_ids};
 use crate::{
     Policy, PreemptionMode, PreemptionVictim, Request, RequestParams, Scheduler, SchedulerConfig,
     SchedulerOutput,
@@ -393,14 +393,14 @@ proptest! {
                 add(&mut s, &format!("r{k}"), &p, params);
                 continue;
             }
-            prop_assert_eq!(next_victim(&s), brute_force_victim(&s));
+            prop_assert_eq!(s.next_victim().unwrap().map(|x| x.to_string()), brute_force_victim(&s));
             step_ids(&mut s, 7);
         }
         for _ in 0..400 {
             if !s.has_unfinished_requests() {
                 break;
             }
-            prop_assert_eq!(next_victim(&s), brute_force_victim(&s));
+            prop_assert_eq!(s.next_victim().unwrap().map(|x| x.to_string()), brute_force_victim(&s));
             step_ids(&mut s, 7);
         }
         prop_assert!(!s.has_unfinished_requests());
