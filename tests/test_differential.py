@@ -178,6 +178,8 @@ class Twin:
         self.log: list[str] = []  # the operations so far, for failure messages
         # what the steps exercised (encoder inputs): computed, freed, victims holding encoder inputs
         self.coverage = {"encoder_computed": 0, "encoder_freed": 0, "encoder_victims": 0, "encoder_cut": 0}
+        # victims that sat before a request phase A scheduled in their step (scheduled earlier, then refunded)
+        self.coverage["victims_before_scheduled"] = 0
 
     # -- operations --------------------------------------------------------------------------------------
 
@@ -297,8 +299,11 @@ class Twin:
             return self.op_update()
         throttle = self.throttle and self.rand.chance(0.2)  # vLLM's data-parallel prefill balancing
         self.log.append(f"schedule throttle={throttle}")
+        running = {rid: k for k, rid in enumerate(self.ref.running_req_ids())}
         a, b = self.ref.schedule(throttle_prefills=throttle), self.rs.schedule(throttle_prefills=throttle)
         compare_outputs(a, b)
+        last = max((running[rid] for rid in a.req_ids if rid in running), default=-1)
+        self.coverage["victims_before_scheduled"] += sum(running.get(v, last) < last for v in a.preempted_req_ids)
         if self.cfg.encoder_cache_size:
             self.note_encoder(a)
         # None for a prefill chunk (its entry must be empty), else the most tokens it may carry
@@ -635,6 +640,7 @@ def configs(draw: Any) -> SchedulerConfig:
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
         preemption_mode=mode,
         num_cpu_blocks=num_cpu_blocks,
+        preemption_victim=draw(st.sampled_from(["default", "default", "lcf", "cost"])),
         recompute_cost_per_token=draw(st.sampled_from([1.0, 0.1, 3.0])),
         swap_cost_per_block=draw(st.sampled_from([1.0, 4.0, 0.5])),
         kv_load_failure_policy=draw(st.sampled_from(["recompute", "recompute", "fail"])),
@@ -838,8 +844,8 @@ def test_soak_encoder_inputs_match_reference_step_by_step() -> None:
             except AssertionError as e:
                 raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
         twin.drain()
-        for k, v in twin.coverage.items():
-            total[k] += v
+        for k in total:
+            total[k] += twin.coverage[k]
         st = twin.ref.stats()
         hits += st.encoder_cache_hits
         assert st.num_preemptions > 0, f"no preemption under {cfg}"
@@ -909,6 +915,56 @@ def test_fail_step_keeps_the_blocks_of_a_promoted_load_it_did_not_schedule(impl:
     s.add_request("same", list(range(100, 112)), max_tokens=4)
     out = s.schedule()
     assert s.stats().prefix_cache_hits == 8  # "same" hits q's two loaded blocks
+
+
+# Victim rules (preemption_victim lcf and cost) under every policy and preemption mode, in tight pools: victims
+# scheduled earlier in their step (refunded), swaps of chosen victims, aging, tenants, async scheduling.
+VICTIM_SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
+                    preemption_victim="lcf", long_prefill_token_threshold=8, prefix_hash_seed=5,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=16, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
+                    preemption_victim="cost", preemption_mode="swap", num_cpu_blocks=10, prefix_hash_seed=5,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=2, num_blocks=28, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    policy="priority", preemption_victim="lcf", preemption_mode="auto", num_cpu_blocks=12,
+                    swap_cost_per_block=0.5, num_lookahead_tokens=1),
+    SchedulerConfig(block_size=4, num_blocks=13, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48,
+                    policy="priority", priority_aging_steps=3, preemption_victim="cost",
+                    long_prefill_token_threshold=8, scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48,
+                    policy="fair", tenant_weights={"t1": 3.0}, preemption_victim="lcf", preemption_mode="swap",
+                    num_cpu_blocks=20),
+    SchedulerConfig(block_size=4, num_blocks=14, max_num_seqs=5, max_num_batched_tokens=20, max_model_len=48,
+                    policy="fair", preemption_victim="cost", preemption_mode="auto", num_cpu_blocks=40,
+                    long_prefill_token_threshold=8),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    preemption_victim="cost", num_lookahead_tokens=2, async_scheduling=True,
+                    scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def test_soak_victim_rules_match_reference_step_by_step() -> None:
+    seen = 0
+    swapped = {"swap": 0, "auto": 0}
+    for i, cfg in enumerate(VICTIM_SOAK_CONFIGS):
+        # Swap and auto with one step in flight at a time: only a victim with no step in flight is swapped.
+        in_flight = 2 if cfg.preemption_mode == "recompute" else 1
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(777 + i)), max_in_flight=in_flight, fail_steps=False)
+        for _ in range(500):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.drain()
+        st = twin.ref.stats()
+        assert st.num_preemptions > 0, f"no preemption under {cfg}"
+        if cfg.preemption_mode != "recompute":
+            assert st.num_free_cpu_blocks == cfg.num_cpu_blocks, f"{cfg}: {st}"
+            swapped[cfg.preemption_mode] += st.num_swapped_out_reqs
+        seen += twin.coverage["victims_before_scheduled"]
+    assert seen > 0, "no victim was taken back out of its step"
+    assert all(n > 0 for n in swapped.values()), swapped
 
 
 def test_soak_short_matches_reference_step_by_step() -> None:

@@ -222,6 +222,12 @@ def _add_bench_parser(subparsers: Any) -> None:
     )
     p.add_argument("--recompute-cost", type=_non_negative_float, default=None, help="auto: recompute_cost_per_token")
     p.add_argument("--swap-cost", type=_non_negative_float, default=None, help="auto: swap_cost_per_block")
+    p.add_argument(
+        "--preemption-victim",
+        choices=("default", "lcf", "cost"),
+        default=None,
+        help="override the victim rule (preemption_victim): vLLM's, least computed first, or the cost score",
+    )
     p.set_defaults(func=_run_bench)
 
 
@@ -450,6 +456,8 @@ def _run_bench(args: argparse.Namespace) -> int:
                 overrides["recompute_cost_per_token"] = args.recompute_cost
             if args.swap_cost is not None:
                 overrides["swap_cost_per_block"] = args.swap_cost
+            if args.preemption_victim is not None:
+                overrides["preemption_victim"] = args.preemption_victim
             overrides.update(_bench_sets(args.set))
             scenarios = [replace(get_scenario(n), **overrides) for n in names]
             if args.preemption_mode is not None:

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "POLICIES",
     "PREEMPTION_MODES",
+    "PREEMPTION_VICTIMS",
     "PREFIX_HASH_ALGOS",
     "ConfigField",
     "FieldSpec",
@@ -34,11 +35,13 @@ Policy = Literal["fcfs", "priority", "fair", "sjf", "slo"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 PrefixHashAlgo = Literal["xxh3_128", "sha256"]
 KvLoadFailurePolicy = Literal["recompute", "fail"]
+PreemptionVictim = Literal["default", "lcf", "cost"]
 
 POLICIES: tuple[str, ...] = get_args(Policy)
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
 PREFIX_HASH_ALGOS: tuple[str, ...] = get_args(PrefixHashAlgo)
 KV_LOAD_FAILURE_POLICIES: tuple[str, ...] = get_args(KvLoadFailurePolicy)
+PREEMPTION_VICTIMS: tuple[str, ...] = get_args(PreemptionVictim)
 
 # vLLM's default block size; every module that needs a default block size reads it from here.
 DEFAULT_BLOCK_SIZE = 16
@@ -292,6 +295,14 @@ class SchedulerConfig:
     swap_cost_per_block: float = field(
         default=1.0,
         metadata=_spec("`auto`: cost of copying one block one way (GPU to CPU or back), same unit; settable likewise"),
+    )
+    preemption_victim: PreemptionVictim = field(
+        default="default",
+        metadata=_spec(
+            "which running request a preemption takes, inside the policy's lowest level: vLLM's choice, the fewest "
+            "computed tokens (least computed first), or the most blocks freed per token to compute again, scaled "
+            "by the share of the output budget left (see [Victim selection](#victim-selection))"
+        ),
     )
     kv_load_failure_policy: KvLoadFailurePolicy = field(
         default="recompute",

@@ -23,6 +23,7 @@ same-named place on both sides:
 * ``admission.py``: cache-aware admission;
 * ``connector.py``: the KV connector's hooks and KV transfers;
 * ``swap.py``: preemption by swapping to the CPU pool;
+* ``victim.py``: the preemption victim;
 * ``step.py``: ``schedule()``;
 * ``update.py``: ``update_from_output()`` and drafts;
 * ``model_inputs.py``: the runner's flat batch layout;

@@ -1,10 +1,11 @@
 """``schedule()``: vLLM 0.33's token-budget loop. Mirrors ``rust/kvsched-core/src/step.rs``.
 
 Phase A walks ``running`` in order and gives each request ``min(remaining, threshold, budget, model-length
-cap)`` tokens; when its KV slots cannot be allocated, a victim is preempted (fcfs: the last running request;
-priority: the largest ``(priority, arrival_time)``; fair: the last of the tenant with the largest counter) until
-the allocation succeeds or the request itself is the victim. Phase B, only when nothing was preempted and
-admissions are not paused, admits waiting requests in policy order with their prefix-cache hits.
+cap)`` tokens; when its KV slots cannot be allocated, a victim is preempted (``victim.py``; vLLM's rule: fcfs:
+the last running request; priority: the largest ``(priority, arrival_time)``; fair: the last of the tenant with
+the largest counter) until the allocation succeeds or the request itself is the victim. Phase B, only when
+nothing was preempted and admissions are not paused, admits waiting requests in policy order with their
+prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from .output import SchedulerOutput
 from .queue import _WaitingQueue
 from .request import _Request
 from .swap_sched import _SwapMixin
+from .victim import _VictimMixin
 
 
-class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixin):
-    """``schedule()`` and what only it uses: victim choice, preemption, promoting finished loads."""
+class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixin, _VictimMixin):
+    """``schedule()`` and what only it uses: preemption, promoting finished loads."""
 
     def _preempt(self, r: _Request, drop_stale_output: bool = False) -> None:
         """Free ``r``'s KV and send it back to waiting. Output of steps still in flight becomes stale: applied
@@ -47,18 +49,6 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         self._waiting.add_preempted(r)
         self._tenants[r.tenant].num_waiting += 1  # back in waiting; no lift (the tenant did not arrive)
         self._enter_waiting(r)
-
-    def _pick_victim(self) -> int:
-        """Index in running of the request to preempt: the tail (fcfs), the lowest-priority one (priority), or
-        the last one whose tenant has the largest virtual counter (fair)."""
-        if self._config.policy in ("fcfs", "sjf", "slo"):
-            return len(self._running) - 1
-        if self._config.policy == "fair":
-            counters = [self._tenants[r.tenant].counter for r in self._running]
-            top = max(counters)
-            return max(j for j, x in enumerate(counters) if x == top)
-        keys = [(r.effective_priority, r.arrival_time) for r in self._running]
-        return keys.index(max(keys))  # first in running order on ties
 
     @property
     def prefill_cadence(self) -> tuple[int, int, bool]:
@@ -128,7 +118,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     i += 1
                     continue
             while (new_blocks := self._allocate_slots(r, n, [], look)) is None:
-                j = self._pick_victim()
+                j = self._pick_victim(scheduled)
                 victim = self._running.pop(j)
                 computed_before = None
                 for k, entry in enumerate(scheduled):
@@ -145,9 +135,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if victim is r:
                     break
             if new_blocks is None:
-                if c.policy not in ("fcfs", "sjf", "slo"):
-                    continue  # r preempted itself; the requests after it rank higher and may still fit
-                break
+                continue  # r preempted itself; the requests after it rank higher and may still fit (none under fcfs)
             prefill_scheduled |= r.is_prefill_chunk
             if r.encoder_inputs:
                 self._commit_encoder(enc)

@@ -89,6 +89,43 @@ impl PreemptionMode {
     }
 }
 
+/// Which running request phase A preempts when a request's KV slots cannot be allocated (see `victim.rs`).
+/// Every rule stays inside the policy's level: the lowest priority under `priority`, the tenants with the
+/// largest counter under `fair`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptionVictim {
+    /// vLLM's rule: the last running request (`fcfs`), the largest `(priority, arrival_time)` (`priority`), the
+    /// last request of the tenant with the largest counter (`fair`).
+    Default,
+    /// Least computed first: the fewest computed tokens, the least work to redo.
+    Lcf,
+    /// The largest `reclaimable blocks / tokens * share of the output budget left` (blocks freed per token
+    /// to redo, far from done).
+    Cost,
+}
+
+impl PreemptionVictim {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "default" => Ok(PreemptionVictim::Default),
+            "lcf" => Ok(PreemptionVictim::Lcf),
+            "cost" => Ok(PreemptionVictim::Cost),
+            other => Err(SchedError::InvalidConfig(format!(
+                "preemption_victim must be one of ('default', 'lcf', 'cost'), got {}",
+                py_str(other)
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PreemptionVictim::Default => "default",
+            PreemptionVictim::Lcf => "lcf",
+            PreemptionVictim::Cost => "cost",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HashAlgo {
     Xxh3_128,
@@ -213,6 +250,8 @@ pub struct SchedulerConfig {
     pub recompute_cost_per_token: f64,
     /// Auto: the cost of copying one block in one direction, in the same unit (initial value; settable).
     pub swap_cost_per_block: f64,
+    /// Which running request a preemption takes (inside the policy's lowest level).
+    pub preemption_victim: PreemptionVictim,
     /// KV connector: what a failed asynchronous load does to its request.
     pub kv_load_failure_policy: KvLoadFailurePolicy,
     /// Where a request waiting for its structured-output grammar waits. `true` (the newer vLLM rule): parked
@@ -319,6 +358,7 @@ impl Default for SchedulerConfig {
             num_cpu_blocks: 0,
             recompute_cost_per_token: 1.0,
             swap_cost_per_block: 1.0,
+            preemption_victim: PreemptionVictim::Default,
             kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
             park_grammar_waits: true,
             dcp_world_size: 1,
@@ -820,5 +860,8 @@ mod tests {
         assert!(PreemptionMode::parse("discard").is_err());
         assert_eq!(KvLoadFailurePolicy::parse("fail"), Ok(KvLoadFailurePolicy::Fail));
         assert!(KvLoadFailurePolicy::parse("retry").is_err());
+        assert_eq!(PreemptionVictim::parse("lcf"), Ok(PreemptionVictim::Lcf));
+        assert_eq!(PreemptionVictim::parse("cost").map(PreemptionVictim::name), Ok("cost"));
+        assert!(PreemptionVictim::parse("lifo").is_err());
     }
 }

@@ -48,8 +48,11 @@ mod step;
 pub mod swap;
 mod swap_sched;
 mod update;
+mod victim;
 
-pub use config::{HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, SchedulerConfig};
+pub use config::{
+    HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, PreemptionVictim, SchedulerConfig,
+};
 pub use connector::{KvConnector, KvTransferReport};
 pub use encoder::EncoderInput;
 pub use error::{Result, SchedError};

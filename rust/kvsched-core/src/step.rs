@@ -2,9 +2,9 @@
 //!
 //! Phase A walks `running` in order and gives each request `min(remaining, threshold, budget, model-length
 //! cap)` tokens (remaining counts drafts and, with async scheduling, output placeholders); when its KV slots
-//! cannot be allocated, a victim is preempted (FCFS: the last running request; PRIORITY: the largest
-//! `(priority, arrival_time)`, refunded if it was already scheduled this step) until the allocation succeeds or
-//! the request itself is the victim. Phase B, only when nothing was preempted in the step and admissions are
+//! cannot be allocated, a victim is preempted (`victim.rs`; vLLM's FCFS: the last running request; PRIORITY:
+//! the largest `(priority, arrival_time)`; refunded if it was already scheduled this step) until the allocation
+//! succeeds or the request itself is the victim. Phase B, only when nothing was preempted in the step and admissions are
 //! not paused, admits waiting requests in policy order with their prefix-cache hits while `max_num_seqs`, the
 //! budget and the free blocks allow (with `scheduler_reserve_full_isl`, the free blocks must hold the whole
 //! prompt, not just its first chunk); it never preempts. Requests with nothing to do are skipped, not
@@ -14,7 +14,7 @@
 //! the tenants (`fair.rs`): phase A's once phase A is final, phase B's at each admission (so the next fair
 //! pick sees them).
 
-use crate::config::{PauseState, Policy};
+use crate::config::PauseState;
 use crate::encoder_sched::{release_encoder_refs, EncoderStep};
 use crate::error::{Result, SchedError};
 use crate::output::{SchedulerOutput, StepRecord};
@@ -560,7 +560,7 @@ impl Scheduler {
                 // Preempt until the allocation succeeds or `req` itself is the victim.
                 let mut self_preempted = false;
                 loop {
-                    let j = self.pick_victim()?;
+                    let j = self.pick_victim(&b.out.handles, &b.out.num_computed_tokens)?;
                     let victim = self.running.remove(j);
                     let mut computed_before = None;
                     if let Some(pos) = b.out.handles.iter().position(|h| h.slot == victim) {
@@ -587,12 +587,9 @@ impl Scheduler {
                 }
                 if self_preempted {
                     // vLLM 0.33: under PRIORITY the requests after it rank higher and may still fit (`i` already
-                    // points at the next one; FAIR: they belong to tenants with smaller counters); under FCFS
-                    // the pass ends.
-                    if !self.config.policy.is_fcfs_family() {
-                        continue;
-                    }
-                    break;
+                    // points at the next one; FAIR: they belong to tenants with smaller counters; `lcf` and
+                    // `cost`: they rank above it). The default victim of FCFS, SJF and SLO is the tail: nothing follows it.
+                    continue;
                 }
                 req = self.slab.get_mut(slot)?;
             }
@@ -1149,31 +1146,6 @@ impl Scheduler {
         req.kv_load_done = false;
         req.kv_load_failed = false;
         req.status = if req.num_preemptions > 0 { RequestStatus::Preempted } else { RequestStatus::Waiting };
-    }
-
-    /// Index in `running` of the next preemption victim.
-    fn pick_victim(&self) -> Result<usize> {
-        match self.config.policy {
-            Policy::Fcfs | Policy::Sjf | Policy::Slo => Ok(self.running.len() - 1),
-            Policy::Fair => self.tenants.pick_victim(&self.running, &self.slab),
-            Policy::Priority => {
-                let mut best = 0;
-                let mut best_key = None;
-                for (j, &s) in self.running.iter().enumerate() {
-                    let r = self.slab.get(s)?;
-                    let key = (r.effective_priority, r.arrival_time);
-                    let better = match best_key {
-                        None => true,
-                        Some((p, t)) => key.0 > p || (key.0 == p && key.1.total_cmp(&t).is_gt()),
-                    };
-                    if better {
-                        best = j;
-                        best_key = Some(key);
-                    }
-                }
-                Ok(best)
-            }
-        }
     }
 
     /// Frees the request's KV and sends it back to waiting; its outputs are kept and recomputed on resume.

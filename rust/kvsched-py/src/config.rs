@@ -51,6 +51,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("num_cpu_blocks", c.num_cpu_blocks)?;
     d.set_item("recompute_cost_per_token", c.recompute_cost_per_token)?;
     d.set_item("swap_cost_per_block", c.swap_cost_per_block)?;
+    d.set_item("preemption_victim", c.preemption_victim.name())?;
     d.set_item("kv_load_failure_policy", c.kv_load_failure_policy.name())?;
     // 0: as many as max_num_seqs (Python's None).
     d.set_item("max_num_active_seqs", Some(c.max_num_active_seqs).filter(|&v| v != 0))?;
@@ -121,6 +122,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
     let algo = core::HashAlgo::parse(&str_field("prefix_hash_algo")?).map_err(|e| map_err(py, e))?;
     let preemption_mode =
         core::PreemptionMode::parse(&str_field("preemption_mode")?).map_err(|e| map_err(py, e))?;
+    let preemption_victim =
+        core::PreemptionVictim::parse(&str_field("preemption_victim")?).map_err(|e| map_err(py, e))?;
     Ok(core::SchedulerConfig {
         block_size: u32_field("block_size")?,
         num_blocks: u32_field("num_blocks")?,
@@ -164,6 +167,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         num_cpu_blocks: u32_field("num_cpu_blocks")?,
         recompute_cost_per_token: f64_field("recompute_cost_per_token")?,
         swap_cost_per_block: f64_field("swap_cost_per_block")?,
+        preemption_victim,
         kv_load_failure_policy,
         // None: as many as max_num_seqs, the core's 0; so a 0 given is out of the field's bounds.
         max_num_active_seqs: if cfg.getattr("max_num_active_seqs")?.is_none() {

@@ -1,8 +1,16 @@
-//! Behaviour tests of the admission policies: the cache-aware window, fair share (VTC), priority aging, and the
-//! waiting orders sjf and slo, `order_key` tiers, `max_wait_steps` aging and session affinity.
+//! Behaviour tests of the admission policies (the cache-aware window, fair share (VTC), priority aging), of the
+//! waiting orders sjf and slo, `order_key` tiers, `max_wait_steps` aging and session affinity, and of the victim
+//! rules (`preemption_victim`).
 
-use super::helpers::{add, feed, ids, params, prompt};
-use crate::{Policy, RequestParams, Scheduler, SchedulerConfig};
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::helpers::{add, feed, ids, live_ids, params, prompt, step_ids};
+use crate::{
+    Policy, PreemptionMode, PreemptionVictim, Request, RequestParams, Scheduler, SchedulerConfig,
+    SchedulerOutput,
+};
 
 /// `params(max_tokens)` arriving at `arrival_time`.
 fn params_at(max_tokens: u32, arrival_time: f64) -> RequestParams {
@@ -378,4 +386,206 @@ fn a_session_promotion_stops_behind_a_preempted_request() {
     assert_eq!(s.waiting_req_ids(), ["victim", "c1", "c2", "turn2"].map(std::sync::Arc::from).to_vec());
     s.set_pause_state(crate::PauseState::Unpaused);
     assert_eq!(admissions(&mut s), vec!["victim", "turn2", "c1", "c2"]);
+}
+
+// ---- victim selection (`preemption_victim`, `victim.rs`) -------------------------------------------------
+
+fn victim_config(rule: PreemptionVictim, num_blocks: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: 4,
+        num_blocks,
+        max_num_seqs: 4,
+        max_num_batched_tokens: 64,
+        max_model_len: 64,
+        preemption_victim: rule,
+        prefix_hash_seed: Some(b"v".to_vec()),
+        ..Default::default()
+    }
+}
+
+/// Steps (token 7 for every sampling entry) until one preempts; that step's output, not applied, and its
+/// victims.
+fn until_preemption(s: &mut Scheduler) -> (SchedulerOutput, Vec<String>) {
+    for _ in 0..40 {
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        if !out.preempted.is_empty() {
+            let victims =
+                out.preempted.iter().filter_map(|&h| s.request_id(h)).map(|x| x.to_string()).collect();
+            return (out, victims);
+        }
+        feed(s, &out, |_| vec![7]);
+    }
+    panic!("no preemption");
+}
+
+fn drain(s: &mut Scheduler, pending: &SchedulerOutput) {
+    feed(s, pending, |_| vec![7]);
+    for _ in 0..400 {
+        if !s.has_unfinished_requests() {
+            return;
+        }
+        step_ids(s, 7);
+    }
+    panic!("the requests did not finish");
+}
+
+/// 10 usable blocks of 4 tokens; a (13-token prompt), b (5) and c (7), 24 tokens each at most. In step 4 a takes
+/// the last free block (its 5th) and b needs its 3rd. Before it a, b, c computed 16, 8, 10 tokens.
+fn three_requests(rule: PreemptionVictim) -> (Vec<String>, Vec<String>, u64) {
+    let mut s = Scheduler::new(victim_config(rule, 11)).unwrap();
+    for (k, (id, n)) in [("a", 13), ("b", 5), ("c", 7)].into_iter().enumerate() {
+        add(&mut s, id, &prompt(100 * k as i64, n), params_at(24, k as f64));
+    }
+    let (out, victims) = until_preemption(&mut s);
+    assert_eq!(out.step_id, 4);
+    let scheduled = ids(&s, &out);
+    let tokens = out.total_num_scheduled_tokens;
+    drain(&mut s, &out);
+    assert_eq!(s.num_free_blocks(), 10);
+    (victims, scheduled, tokens)
+}
+
+#[test]
+fn each_rule_takes_its_own_victim() {
+    let v = |x: &[&str]| x.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    // default: the tail.
+    assert_eq!(three_requests(PreemptionVictim::Default), (v(&["c"]), v(&["a", "b"]), 2));
+    // lcf: b computed the fewest; it preempts itself and c, after it, still runs.
+    assert_eq!(three_requests(PreemptionVictim::Lcf), (v(&["b"]), v(&["a", "c"]), 2));
+    // cost: a frees 5 blocks for 17 tokens (its block of this step counts), b 2/9, c 3/11: a, scheduled earlier
+    // in the step, is taken back out of it with its token, and b and c fit.
+    assert_eq!(three_requests(PreemptionVictim::Cost), (v(&["a"]), v(&["b", "c"]), 2));
+}
+
+#[test]
+fn lcf_counts_the_tokens_before_the_step() {
+    // a runs one token behind b; in step 4 b needs a block and none is free. Before the step a has 11 tokens,
+    // b 12: a (whose token of this step does not count) is the victim, not b (12 and 12 would take the later).
+    let mut s = Scheduler::new(victim_config(PreemptionVictim::Lcf, 7)).unwrap();
+    add(&mut s, "a", &prompt(0, 8), params_at(10, 0.0));
+    add(&mut s, "b", &prompt(100, 9), params_at(10, 1.0));
+    let (out, victims) = until_preemption(&mut s);
+    assert_eq!((victims, ids(&s, &out)), (vec!["a".to_string()], vec!["b".to_string()]));
+    drain(&mut s, &out);
+}
+
+/// The victim a rule names, computed from the requests' public state: the policy's lowest level, then the rule;
+/// a block counts for `cost` when no other live request's table holds it.
+fn brute_force_victim(s: &Scheduler) -> Option<String> {
+    let running: Vec<&Request> = s.running_req_ids().iter().map(|id| s.get_request(id).unwrap()).collect();
+    if running.is_empty() {
+        return None;
+    }
+    let counters: Vec<f64> = s.tenant_stats().map(|t| t.counter).collect();
+    let cfg = s.config();
+    let level: Vec<usize> = match cfg.policy {
+        Policy::Priority => {
+            let top = running.iter().map(|r| r.effective_priority).max()?;
+            (0..running.len()).filter(|&j| running[j].effective_priority == top).collect()
+        }
+        Policy::Fair => {
+            let c = |j: usize| counters[running[j].tenant as usize];
+            let top = (0..running.len()).map(c).fold(f64::NEG_INFINITY, f64::max);
+            (0..running.len()).filter(|&j| c(j) == top).collect()
+        }
+        _ => (0..running.len()).collect(),
+    };
+    let mut holders: HashMap<u32, u32> = HashMap::new();
+    for id in live_ids(s) {
+        for &b in &s.get_request(&id).unwrap().blocks {
+            *holders.entry(b).or_default() += 1;
+        }
+    }
+    // cost as (numerator, denominator); a >= b by cross-multiplication.
+    let score = |r: &Request| {
+        let own = r.blocks.iter().filter(|b| holders[b] == 1).count() as u128;
+        let m = u128::from(r.max_tokens.max(1));
+        let left = m - u128::from(r.num_output_tokens()).min(m);
+        (own * left, u128::from(r.num_tokens().max(1)) * m)
+    };
+    let j = match cfg.preemption_victim {
+        PreemptionVictim::Lcf => {
+            let fewest = level.iter().map(|&j| s.get_num_computed_tokens(&running[j].id).unwrap()).min()?;
+            *level.iter().rev().find(|&&j| s.get_num_computed_tokens(&running[j].id).unwrap() == fewest)?
+        }
+        PreemptionVictim::Cost => {
+            let mut best = level[0];
+            for &j in &level[1..] {
+                let ((a, ad), (b, bd)) = (score(running[j]), score(running[best]));
+                if a * bd >= b * ad {
+                    best = j;
+                }
+            }
+            best
+        }
+        PreemptionVictim::Default if cfg.policy == Policy::Priority => {
+            let key = |j: usize| (running[j].effective_priority, running[j].arrival_time);
+            let mut best = level[0];
+            for &j in &level[1..] {
+                if key(j).0 > key(best).0 || (key(j).0 == key(best).0 && key(j).1 > key(best).1) {
+                    best = j;
+                }
+            }
+            best
+        }
+        PreemptionVictim::Default => *level.last()?,
+    };
+    Some(running[j].id.to_string())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 150, .. ProptestConfig::default() })]
+
+    /// Random arrivals (shared prefixes, priorities, tenants) and steps in a tight pool, under every policy, rule
+    /// and preemption mode: before every step the victim the scheduler would take is the one computed from the
+    /// requests' public state; every invariant holds after each operation and everything drains with every
+    /// block (and CPU block) back.
+    #[test]
+    fn the_victim_is_the_rule_s_choice_and_nothing_leaks(
+        policy in prop_oneof![Just(Policy::Fcfs), Just(Policy::Priority), Just(Policy::Fair)],
+        rule in prop_oneof![Just(PreemptionVictim::Default), Just(PreemptionVictim::Lcf), Just(PreemptionVictim::Cost)],
+        mode in prop_oneof![Just(PreemptionMode::Recompute), Just(PreemptionMode::Swap), Just(PreemptionMode::Auto)],
+        aging in prop_oneof![Just(0u32), Just(2)],
+        ops in prop::collection::vec((0u8..5, 0usize..3, 0usize..13, 1i64..9, 1u32..16), 1..120),
+    ) {
+        let config = SchedulerConfig {
+            num_blocks: 14,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 24,
+            max_model_len: 48,
+            policy,
+            priority_aging_steps: if policy == Policy::Priority { aging } else { 0 },
+            preemption_mode: mode,
+            num_cpu_blocks: if mode == PreemptionMode::Recompute { 0 } else { 8 },
+            swap_cost_per_block: 0.5,
+            ..victim_config(rule, 14)
+        };
+        let mut s = Scheduler::new(config).unwrap();
+        for (k, (op, family, shared, tail, max_tokens)) in ops.into_iter().enumerate() {
+            if op < 2 {
+                let mut p: Vec<i64> = prompt(1000 * family as i64, shared);
+                p.extend(prompt(100_000 + 100 * k as i64, tail as usize));
+                let params = RequestParams {
+                    priority: (k % 3) as i64,
+                    tenant: Some(format!("t{}", k % 3)),
+                    ..params_at(max_tokens, k as f64)
+                };
+                add(&mut s, &format!("r{k}"), &p, params);
+                continue;
+            }
+            prop_assert_eq!(s.next_victim().unwrap().map(|x| x.to_string()), brute_force_victim(&s));
+            step_ids(&mut s, 7);
+        }
+        for _ in 0..400 {
+            if !s.has_unfinished_requests() {
+                break;
+            }
+            prop_assert_eq!(s.next_victim().unwrap().map(|x| x.to_string()), brute_force_victim(&s));
+            step_ids(&mut s, 7);
+        }
+        prop_assert!(!s.has_unfinished_requests());
+        prop_assert_eq!(s.num_free_blocks(), 13);
+        prop_assert_eq!(s.num_free_cpu_blocks(), s.config().num_cpu_blocks as usize);
+    }
 }
