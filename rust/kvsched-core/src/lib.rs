@@ -30,6 +30,7 @@ mod connector_sched;
 pub mod encoder;
 mod encoder_sched;
 pub mod error;
+pub mod events;
 pub mod fair;
 pub mod free_queue;
 pub mod hashing;
@@ -51,6 +52,7 @@ pub use config::{HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMo
 pub use connector::{KvConnector, KvTransferReport};
 pub use encoder::EncoderInput;
 pub use error::{Result, SchedError};
+pub use events::KvCacheEvents;
 pub use fair::{Tenant, DEFAULT_TENANT};
 pub use hashing::BlockHash;
 pub use output::{ModelInputs, SchedulerOutput, SchedulerStats, UpdateResult};
