@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..config import DEFAULT_BLOCK_SIZE
 from ..router import POLICIES
 from ..sim.steptime import load_step_time_model
 
@@ -199,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--concurrency", type=int, default=6, help="clients in the closed loop")
     p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--num-blocks", type=int, default=96, help="KV cache blocks per replica")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the local Ray cluster")
