@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +51,7 @@ REMOVED = 1
 CLEARED = 2
 
 BlockHashLike = int | bytes
+BlockHashes = Sequence[BlockHashLike] | npt.NDArray[np.integer[Any]]
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class BlockStored:
     vLLM's ``BlockStored`` that kvsched fills, plus the storing request's ``cache_salt`` and, from a kvsched
     scheduler, ``num_copies`` (per block, the blocks carrying its hash after the store; None when unknown)."""
 
-    block_hashes: Sequence[BlockHashLike]
+    block_hashes: BlockHashes
     parent_block_hash: BlockHashLike | None
     token_ids: Sequence[int]
     block_size: int
@@ -74,7 +76,7 @@ class BlockRemoved:
     """Blocks left a prefix cache (as vLLM's ``BlockRemoved``); from a kvsched scheduler one block, with
     ``num_copies``: the blocks still carrying its hash (None when unknown)."""
 
-    block_hashes: Sequence[BlockHashLike]
+    block_hashes: BlockHashes
     medium: str | None = None
     num_copies: Sequence[int] | None = None
 

@@ -269,6 +269,7 @@ impl BlockPool {
         }
     }
 
+    #[inline(always)]
     fn evict_hashed_quietly(&mut self, block: u32) {
         let i = block as usize;
         self.meta[i] &= !HASHED;
