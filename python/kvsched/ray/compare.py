@@ -12,7 +12,8 @@ prompt tokens, from the replicas' own counters), the mean, median and p95 time t
 replica (from the request reaching it to its first token), the mean latency the client saw, and how many requests
 each replica got. ``pow2`` is Ray Serve's default (power of two choices); the others are
 :class:`kvsched.ray.KvschedRequestRouter` with that :mod:`kvsched.router` policy, fed by the replicas' KV cache
-events, or, named ``POLICY:routed``, by the prompts it routed (``kv_events=False``: evictions unseen).
+events, or, named ``POLICY:routed``, by the prompts it routed (``kv_events=False``: evictions unseen), or, named
+``POLICY:both``, by both (each routed prompt counts as cached at once, the events correct it).
 
     python -m kvsched.runner.testing tiny-model --max-position-embeddings 2048
     python -m kvsched.ray.compare --model tiny-model
@@ -36,7 +37,7 @@ from ..sim.steptime import load_step_time_model
 
 __all__ = ["RouterResult", "main", "run_comparison", "shared_prefix_requests"]
 
-ROUTERS = ("pow2", *POLICIES, *(f"{p}:routed" for p in POLICIES))
+ROUTERS = ("pow2", *POLICIES, *(f"{p}:{feed}" for feed in ("routed", "both") for p in POLICIES))
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ def run_router(router: str, args: argparse.Namespace, prompts: list[list[int]]) 
             request_router_kwargs={
                 "policy": policy,
                 "kv_events": kv_events,
+                "record_routed_prefixes": feed != "",
                 "block_size": args.block_size,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 **({"step_time": args.step_time.to_dict()} if args.step_time is not None else {}),
