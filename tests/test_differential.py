@@ -10,9 +10,10 @@ a seeded numpy generator (the soak).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from conftest import requires_rust
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvsched import InternalError, RequestStatus, SchedulerConfig, SchedulerError
+from kvsched.kv_events import CLEARED, STORED
 from kvsched.reference import ReferenceScheduler
 
 pytestmark = requires_rust
@@ -180,6 +182,7 @@ class Twin:
         self.coverage = {"encoder_computed": 0, "encoder_freed": 0, "encoder_victims": 0, "encoder_cut": 0}
         # victims that sat before a request phase A scheduled in their step (scheduled earlier, then refunded)
         self.coverage["victims_before_scheduled"] = 0
+        self.kv_events = KvEventTwin()
 
     # -- operations --------------------------------------------------------------------------------------
 
@@ -560,6 +563,7 @@ class Twin:
         assert hash_pattern(hashes_a) == hash_pattern(hashes_b)
         width = 32 if self.cfg.prefix_hash_algo == "sha256" else 16
         assert all(isinstance(h, bytes) and len(h) == width for row in hashes_b for h in row)
+        self.kv_events.check(self.ref, self.rs)
 
     def drain(self) -> None:
         """Unpause, release every grammar, apply every pending step and run until no request is left."""
@@ -579,6 +583,61 @@ class Twin:
             else:
                 self.op_schedule()
             self.check()
+
+
+class KvEventTwin:
+    """Both schedulers' KV cache events, taken after every operation: equal event by event (hashes through one
+    bijection between the two hash functions, kept for the whole run), and each stream, replayed from the start,
+    reproduces its scheduler's prefix cache: as a multiset (every stored block +1, removed -1) the hashes of all
+    cached blocks, and as a set (``set_updates``) the distinct ones."""
+
+    def __init__(self) -> None:
+        self.rs_of: dict[bytes, bytes] = {}  # reference hash -> Rust hash
+        self.ref_of: dict[bytes, bytes] = {}
+        self.counts: list[Counter[bytes]] = [Counter(), Counter()]
+        self.sets: list[set[bytes]] = [set(), set()]
+        # what the events exercised: stores of a hash already cached, removals leaving a copy, resets
+        self.coverage = Counter[str]()
+
+    def same_hash(self, a: bytes, b: bytes) -> None:
+        assert self.rs_of.setdefault(a, b) == b and self.ref_of.setdefault(b, a) == a, "event hashes disagree"
+
+    def check(self, ref: Any, rs: Any) -> None:
+        ea, eb = ref.take_kv_cache_events(), rs.take_kv_cache_events()
+        if not ref.config.enable_kv_cache_events:
+            assert len(ea) == len(eb) == 0
+            return
+        for name in ("kinds", "block_hashes_indptr", "num_copies", "has_parent", "token_ids", "token_ids_indptr"):
+            assert_arrays_equal(getattr(ea, name), getattr(eb, name), f"events.{name}")
+        assert (ea.lora_names, ea.cache_salts, ea.block_size) == (eb.lora_names, eb.cache_salts, eb.block_size)
+        assert ea.block_hashes.shape == eb.block_hashes.shape and eb.block_hashes.dtype == np.uint8
+        for a, b in zip(ea.block_hash_list(), eb.block_hash_list(), strict=True):
+            self.same_hash(a, b)
+        for e in np.flatnonzero(eb.has_parent):
+            self.same_hash(bytes(ea.parent_block_hashes[e]), bytes(eb.parent_block_hashes[e]))
+        per_block = np.repeat(eb.kinds, np.diff(eb.block_hashes_indptr))
+        self.coverage["stored"] += int((per_block == STORED).sum())
+        self.coverage["removed"] += int((per_block != STORED).sum())
+        self.coverage["stored_copy"] += int(((per_block == STORED) & (eb.num_copies > 1)).sum())
+        self.coverage["removed_copy"] += int(((per_block != STORED) & (eb.num_copies > 0)).sum())
+        self.coverage["cleared"] += int((eb.kinds == CLEARED).sum())
+        for i, (sched, ev) in enumerate(((ref, ea), (rs, eb))):
+            counts, cached = self.counts[i], self.sets[i]
+            keep, _ = ev.set_updates()
+            hashes, bi = ev.block_hash_list(), ev.block_hashes_indptr
+            for e, kind in enumerate(ev.kinds.tolist()):
+                if kind == CLEARED:
+                    counts.clear()
+                    cached.clear()
+                for j in range(bi[e], bi[e + 1]):
+                    counts[hashes[j]] += 1 if kind == STORED else -1
+                    assert counts[hashes[j]] == ev.num_copies[j], "num_copies disagrees with the replayed count"
+                    if keep[j]:
+                        (cached.add if kind == STORED else cached.discard)(hashes[j])
+            counts += Counter()  # drop the zero counts
+            truth = Counter(sched.cached_block_hashes())
+            assert counts == truth, f"replayed events {counts} != cached blocks {truth}"
+            assert cached == set(truth)
 
 
 def ragged(entries: list[list[int]] | None, as_arrays: bool) -> Any:
@@ -679,6 +738,7 @@ def encoder_fields(draw: Any, budget: int) -> dict[str, Any]:
 
 
 def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
+    cfg = dataclasses.replace(cfg, enable_kv_cache_events=data.draw(st.booleans()))  # both compare their events
     seed = data.draw(st.sampled_from([None, None, 1, 2, 3]))  # a seeded fake KV connector in 3 of 5 runs
     twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])), connector_seed=seed)
     try:
@@ -784,6 +844,7 @@ def soak(
         # that finish late, fail, are aborted. No runner faults here: the soaks' seeds are chosen to reach
         # preemption and swaps, which the aborts of failed steps would change (the property test injects them).
         with_connector = i % 2 and cfg.preemption_mode == "recompute"
+        cfg = dataclasses.replace(cfg, enable_kv_cache_events=i % 2 == 0)  # (events draw nothing from the stream)
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=2,
                     connector_seed=seed + i if with_connector else None, throttle=throttle,
                     fail_steps=False, order_keywords=order_keywords)  # fmt: skip
@@ -969,6 +1030,25 @@ def test_soak_victim_rules_match_reference_step_by_step() -> None:
 
 def test_soak_short_matches_reference_step_by_step() -> None:
     soak(steps=3000, seed=1234)
+
+
+def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:
+    """Prompts of whole blocks from three shared families and few distinct tokens: a request whose prompt is
+    cached recomputes its last block and caches it again, and equal outputs fill equal blocks, so hashes are
+    cached in two blocks at once, evicted one copy at a time, and reset. Both implementations emit the same
+    events, and each stream replays to its prefix cache after every operation."""
+    cfg = SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
+                          prefix_hash_seed=7, enable_kv_cache_events=True,
+                          scheduler_reserve_full_isl=False)  # fmt: skip
+    total = Counter[str]()
+    for seed in range(3):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2, fail_steps=seed == 2)
+        twin.make_prompt = lambda max_len, twin=twin: twin.rand.choice(PREFIXES)[: 4 * twin.rand.int(1, 6)]
+        for _ in range(500):
+            twin.step()
+        twin.drain()
+        total += twin.kv_events.coverage
+    assert all(total[k] > 0 for k in ("stored", "removed", "stored_copy", "removed_copy", "cleared")), total
 
 
 def test_soak_context_parallel_matches_reference_step_by_step() -> None:

@@ -154,6 +154,13 @@ class SchedulerConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_spec("reuse the full KV blocks of identical prefixes (chained block hashes)")
     )
+    enable_kv_cache_events: bool = field(
+        default=False,
+        metadata=_spec(
+            "record the blocks entering and leaving the prefix cache as vLLM's KV cache events, taken with "
+            "`take_kv_cache_events()` (see [KV cache events](#kv-cache-events)); off, they cost nothing"
+        ),
+    )
     enable_chunked_prefill: bool = field(
         default=True,
         metadata=_spec(

@@ -1,9 +1,11 @@
-"""Read-only views of the scheduler's queues, for hosts that mirror its state (the vLLM adapter) and for tests.
-Mirrors ``rust/kvsched-core/src/introspect.rs``. Each call builds a fresh list.
+"""What hosts that mirror the scheduler's state read of it (the vLLM adapter, a router), and tests: views of its
+queues and of the prefix cache, each a fresh list, and the KV cache events recorded since the last take. Mirrors
+``rust/kvsched-core/src/introspect.rs``.
 """
 
 from __future__ import annotations
 
+from ..kv_events import KVCacheEvents
 from .admission import _AdmissionMixin
 
 
@@ -25,3 +27,15 @@ class _IntrospectMixin(_AdmissionMixin):
 
     def get_num_cached_blocks(self, req_id: str) -> int:
         return self._get(req_id).num_cached_blocks
+
+    def take_kv_cache_events(self) -> KVCacheEvents:
+        """The KV cache events since the last call, in the order they happened (none unless
+        ``enable_kv_cache_events``)."""
+        width = 32 if self._config.prefix_hash_algo == "sha256" else 16
+        if self._events is None:
+            return KVCacheEvents.empty(self._bs, width)
+        return self._events.take(self._bs, width)
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """The hash of every block in the prefix cache, in block id order (one entry per block)."""
+        return [h for h in self._block_hash if h is not None]

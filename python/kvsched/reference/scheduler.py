@@ -280,10 +280,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         kept = {b for r in self._requests.values() if id(r) not in in_step for b in r.block_ids}
         for b, h in out._cached_blocks:
             if self._block_hash[b] == h and b not in kept:
-                del self._cached[h][b]
-                if not self._cached[h]:
-                    del self._cached[h]
-                self._block_hash[b] = None
+                self._uncache(b, h)
         failed = [r for r, _, _ in out._entries if not r.status.is_finished]
         for r in failed:
             self._finish(r, RequestStatus.FINISHED_ABORTED)
@@ -403,6 +400,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             return False
         self._cached.clear()
         self._block_hash = [None] * self._config.num_blocks
+        if self._events is not None:
+            self._events.push_cleared()
         self._last_out_fresh = False
         return True
 

@@ -14,6 +14,7 @@ from .._errors import InvalidOutputError, SchedulerTypeError, UnknownRequestErro
 from .._types import RequestStatus
 from ..config import SchedulerConfig
 from .encoder import _EncoderCache
+from .events import _KvCacheEvents
 from .fair import _Tenants
 from .free_queue import _FreeBlockQueue
 from .hashing import _BlockHasher
@@ -40,6 +41,7 @@ class _SchedulerState:
         self._block_hash: list[bytes | None] = [None] * c.num_blocks
         self._free = _FreeBlockQueue(c.num_blocks)
         self._cached: dict[bytes, dict[int, None]] = {}
+        self._events = _KvCacheEvents() if c.enable_kv_cache_events else None  # KV cache events not taken yet
         self._requests: dict[str, _Request] = {}
         self._running: list[_Request] = []
         self._tenants = _Tenants(c)

@@ -189,6 +189,9 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: u32,
     pub max_model_len: u32,
     pub enable_prefix_caching: bool,
+    /// Record the blocks entering and leaving the prefix cache as vLLM's KV cache events
+    /// (`Scheduler::take_kv_cache_events`).
+    pub enable_kv_cache_events: bool,
     pub enable_chunked_prefill: bool,
     pub long_prefill_token_threshold: u32,
     pub policy: Policy,
@@ -331,6 +334,7 @@ impl Default for SchedulerConfig {
             max_num_batched_tokens: 8192,
             max_model_len: 8192,
             enable_prefix_caching: true,
+            enable_kv_cache_events: false,
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
             policy: Policy::Fcfs,

@@ -30,6 +30,7 @@ mod connector_sched;
 pub mod encoder;
 mod encoder_sched;
 pub mod error;
+pub mod events;
 pub mod fair;
 pub mod free_queue;
 pub mod hashing;
@@ -56,6 +57,7 @@ pub use config::{
 pub use connector::{KvConnector, KvTransferReport};
 pub use encoder::EncoderInput;
 pub use error::{Result, SchedError};
+pub use events::KvCacheEvents;
 pub use fair::{Tenant, DEFAULT_TENANT};
 pub use hashing::BlockHash;
 pub use output::{ModelInputs, SchedulerOutput, SchedulerStats, UpdateResult};

@@ -149,7 +149,8 @@ impl Scheduler {
         let last_prefill_step = -i64::from(config.prefill_schedule_interval);
         let hasher = BlockHasher::new(config.prefix_hash_algo, config.prefix_hash_seed.as_deref())?;
         let kv = KvCacheManager {
-            pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching),
+            pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching)
+                .with_kv_cache_events(config.enable_kv_cache_events),
             hasher,
             block_size: config.kv_block_size(),
             block_shift: config.kv_block_size().trailing_zeros(),

@@ -23,6 +23,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("max_num_batched_tokens", c.max_num_batched_tokens)?;
     d.set_item("max_model_len", c.max_model_len)?;
     d.set_item("enable_prefix_caching", c.enable_prefix_caching)?;
+    d.set_item("enable_kv_cache_events", c.enable_kv_cache_events)?;
     d.set_item("enable_chunked_prefill", c.enable_chunked_prefill)?;
     d.set_item("long_prefill_token_threshold", c.long_prefill_token_threshold)?;
     d.set_item("policy", c.policy.name())?;
@@ -131,6 +132,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         max_num_batched_tokens: u32_field("max_num_batched_tokens")?,
         max_model_len: u32_field("max_model_len")?,
         enable_prefix_caching: bool_field("enable_prefix_caching")?,
+        enable_kv_cache_events: bool_field("enable_kv_cache_events")?,
         enable_chunked_prefill: bool_field("enable_chunked_prefill")?,
         long_prefill_token_threshold: u32_field("long_prefill_token_threshold")?,
         policy,
