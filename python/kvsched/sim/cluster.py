@@ -29,6 +29,7 @@ multi-turn one from :func:`session_workload`: sessions whose every turn resends 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -206,6 +207,8 @@ class ClusterResult:
     replica_of: IntArray
     reasons: dict[str, int]
     computed_tokens: IntArray  # per replica: tokens it computed (prefill, recomputation and decode)
+    estimated_ttft: FloatArray  # per request: the router's predictive estimate on the replica it went to
+    ttft: FloatArray  # per request: its time to first token (NaN if it had none)
     wall_s: float
 
     @property
@@ -359,6 +362,7 @@ def simulate_cluster(
     cached = np.zeros(n, dtype=np.int64)
     preemptions = np.zeros(n, dtype=np.int64)
     replica_of = np.full(n, -1, dtype=np.int64)
+    estimate = np.full(n, np.nan)
     reasons: dict[str, int] = {}
     factory = PromptFactory(w.seed)
 
@@ -394,6 +398,7 @@ def simulate_cluster(
         rep.publish_at = math.inf
         rt.apply_scheduler_events(rep.name, rep.sched.take_kv_cache_events())
         st = rep.sched.stats()
+        rep.kv_samples.append(st.kv_cache_usage)
         if rep.active:
             ids = np.fromiter(rep.active.values(), dtype=np.int64, count=len(rep.active))
             started = ~np.isnan(first_token[ids])
@@ -432,6 +437,7 @@ def simulate_cluster(
             k = names.index(d.replica)
             reason = d.reason
         reasons[reason] = reasons.get(reason, 0) + 1
+        estimate[i] = d.estimated_ttft_s
         replica_of[i] = k
         rep = reps[k]
         kw: dict[str, Any] = {"tenant": w.tenant_names[int(w.tenant[i])]} if tenant_kw else {}
@@ -517,7 +523,6 @@ def simulate_cluster(
         rep.step_time_sum += dt
         rep.num_entries += m
         rep.computed_tokens += int(n_tok)
-        rep.kv_samples.append(sched.stats().kv_cache_usage)
         rep.ready_at = t_end
         rep.publish_at = t_end
         rep.end_time = t_end
@@ -525,22 +530,28 @@ def simulate_cluster(
     wall0 = time.perf_counter()
     nxt = 0
     t = 0.0
-    while True:
-        t_arr = float(w.arrival_time[nxt]) if nxt < n else math.inf
-        rep = min(reps, key=lambda r: r.ready_at)
-        t_rep = rep.ready_at
-        t_next = min(t_arr, t_rep)
-        if t_next == math.inf or (horizon is not None and t_next >= horizon):
-            break
-        t = t_next
-        for r in reps:
-            if r.publish_at <= t:
-                publish(r)
-        if t_arr <= t_rep:
-            arrive(nxt)
-            nxt += 1
-        else:
-            step(rep, t)
+    logger = logging.getLogger("kvsched")
+    old_level = logger.level
+    logger.setLevel(logging.ERROR)  # the preemption warning is expected under load; the metrics count them
+    try:
+        while True:
+            t_arr = float(w.arrival_time[nxt]) if nxt < n else math.inf
+            rep = min(reps, key=lambda r: r.ready_at)
+            t_rep = rep.ready_at
+            t_next = min(t_arr, t_rep)
+            if t_next == math.inf or (horizon is not None and t_next >= horizon):
+                break
+            t = t_next
+            for r in reps:
+                if r.publish_at <= t:
+                    publish(r)
+            if t_arr <= t_rep:
+                arrive(nxt)
+                nxt += 1
+            else:
+                step(rep, t)
+    finally:
+        logger.setLevel(old_level)
     wall = time.perf_counter() - wall0
     if horizon is None and any(r.active for r in reps):
         stuck = sum(len(r.active) for r in reps)
@@ -615,6 +626,8 @@ def simulate_cluster(
         replica_of=replica_of,
         reasons=reasons,
         computed_tokens=np.array([r.computed_tokens for r in reps], dtype=np.int64),
+        estimated_ttft=estimate,
+        ttft=first_token - w.arrival_time,
         wall_s=wall,
     )
 
@@ -637,6 +650,8 @@ def summarize_cluster(
         s["replica"] = result.replica_names[k]
         s["num_routed"] = int(requests[k])
         s["computed_tokens"] = int(result.computed_tokens[k])
+    ok = np.isfinite(result.ttft) & np.isfinite(result.estimated_ttft) & (result.ttft > 0)
+    rel = (result.estimated_ttft[ok] - result.ttft[ok]) / result.ttft[ok]
     return {
         "router": result.router,
         "num_replicas": result.num_replicas,
@@ -647,6 +662,12 @@ def summarize_cluster(
         "request_imbalance": _imbalance(requests),
         "token_imbalance": _imbalance(result.computed_tokens),
         "reasons": dict(sorted(result.reasons.items())),
+        # The predictive estimate against the TTFT each request then had: (estimate - actual) / actual.
+        "ttft_estimate_error": {
+            "median": float(np.median(rel)) if rel.size else math.nan,
+            "median_abs": float(np.median(np.abs(rel))) if rel.size else math.nan,
+            "p90_abs": float(np.quantile(np.abs(rel), 0.9)) if rel.size else math.nan,
+        },
         "wall_s": result.wall_s,
     }
 
