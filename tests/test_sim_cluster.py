@@ -3,7 +3,9 @@ read the cache find more of it than routers that do not."""
 
 from __future__ import annotations
 
+import csv
 import itertools
+import json
 from typing import Any
 
 import kvsched
@@ -197,3 +199,55 @@ def test_bad_arguments_raise_typed_errors() -> None:
         simulate_cluster(w, {}, MODEL, replicas=2, router_config={"no_such_field": 1})
     with pytest.raises(ValueError, match="max_context_len"):
         SessionSpec(system_len=9000, max_context_len=8192)
+
+
+def test_cli_sweeps_routers_and_replica_counts(tmp_path: Any, capsys: Any) -> None:
+    from kvsched.cli import main
+
+    out = tmp_path / "fleet"
+    argv = ["simulate", "--replicas", "1,2", "--routers", "round_robin,cache_aware", "--num-requests", "30",
+            "--rate", "20", "--prompt-len", "600", "--output-len", "8", "--prefix-groups", "3", "--prefix-len",
+            "512", "--prefix-fraction", "1", "--set", "num_blocks=200", "--slo-ttft", "0.1", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert table.count("| 1 | `") == 2 and table.count("| 2 | `") == 2
+    doc = json.loads((out / "cluster.json").read_text())
+    assert [(r["num_replicas"], r["router"]) for r in doc["runs"]] == [
+        (1, "round_robin"), (1, "cache_aware"), (2, "round_robin"), (2, "cache_aware")
+    ]  # fmt: skip
+    assert all(r["fleet"]["overall"]["num_finished"] == 30 for r in doc["runs"])
+    with (out / "cluster_replicas.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 + 1 + 2 + 2
+    # one replica: every router sends everything to it, so both runs are the same run
+    one = [r for r in doc["runs"] if r["num_replicas"] == 1]
+    assert one[0]["fleet"]["overall"]["ttft"] == one[1]["fleet"]["overall"]["ttft"]
+
+
+def test_cli_sessions(tmp_path: Any) -> None:
+    from kvsched.cli import main
+
+    argv = ["simulate", "--replicas", "2", "--routers", "pow2", "--sessions", "--num-requests", "5", "--turns", "3",
+            "--think-time", "1", "--prompt-len", "64", "--output-len", "16", "--prefix-groups", "2",
+            "--prefix-len", "128", "--sticky-sessions", "--out", str(tmp_path), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "cluster.json").read_text())
+    assert doc["runs"][0]["fleet"]["overall"]["num_finished"] == 15
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--routers", "nope"], "unknown router"),
+        (["--replicas", "0"], "--replicas"),
+        (["--rates", "1,2"], "--rates does not apply"),
+        (["--set", "num_blocks=100,200"], "one value per field"),
+    ],
+)
+def test_cli_rejects_bad_fleet_arguments(tmp_path: Any, capsys: Any, extra: list[str], message: str) -> None:
+    from kvsched.cli import main
+
+    argv = ["simulate", "--replicas", "2", "--num-requests", "5", "--out", str(tmp_path), "--no-progress", *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

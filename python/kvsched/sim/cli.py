@@ -76,8 +76,12 @@ def run_simulate(args: argparse.Namespace) -> int:
             print(f"{name}: {preset.source}")
             print("  " + ", ".join(f"{k}={v:.4g}" for k, v in preset.to_dict().items() if k.endswith("_s")))
         return 0
-    if args.calibrate:
+    if args.calibrate and args.replicas is None:
         return _calibrate(args)
+    if args.replicas is not None:
+        from .cluster_cli import run_cluster
+
+        return run_cluster(args)
 
     try:
         calibrate_first = args.validate and args.step_model == "calibrate"
