@@ -6,12 +6,14 @@ stepped as :func:`kvsched.sim.simulate` steps its one engine: a step starts when
 tokens come out at its end. Events are taken in time order; at equal times arrivals go first, so a request
 arriving exactly when a replica's step ends is in that replica's next step, as in :func:`simulate`.
 
-Each arriving request is routed once, at its arrival time, and stays on its replica until it finishes. The router
-sees what a real deployment lets it see, at the time it could see it: each replica publishes the KV cache events
-of a step (``take_kv_cache_events``, applied with :meth:`Router.apply_scheduler_events`) and a load snapshot
-(waiting and running requests, their prompt and context tokens, KV usage) when the step ends; between snapshots
-the router counts the requests it routed, each as waiting until its first token (:meth:`Router.prefill_done`),
-then running, until it finishes. Policies: the router's (:data:`kvsched.router.POLICIES`), plus two that do not
+Each arriving request is routed once, at its arrival time, and stays on its replica until it finishes. Before a
+request is routed, every replica that stepped since the last one publishes to the router what a deployment's
+replicas publish: its KV cache events (``take_kv_cache_events``, applied with
+:meth:`Router.apply_scheduler_events`) and a load snapshot (waiting and running requests, their uncached prompt
+and context tokens, KV usage). Both are the state of its last ``schedule()`` and update, so a step in progress
+counts as done: a scheduler caches a step's blocks, and emits their events, when it schedules the step (as
+vLLM's does). The router also counts the requests it routed since a snapshot, each as waiting until its first
+token (:meth:`Router.prefill_done`), then running, until it finishes. Policies: the router's (:data:`kvsched.router.POLICIES`), plus two that do not
 read the cache: ``random`` (a replica at random) and ``pow2`` (two at random, the one with fewer requests; Ray
 Serve's default), chosen here and recorded with :meth:`Router.assign`.
 
@@ -245,7 +247,7 @@ class _Replica:
         self.sched = sched
         self.metrics = metrics
         self.ready_at = math.inf  # when it next schedules (inf: idle until a request reaches it)
-        self.publish_at = math.inf  # when its last step's events and load reach the router
+        self.changed = False  # it stepped since it last published to the router
         self.active: dict[str, int] = {}  # request id -> workload index, for the requests on it
         self.num_steps = 0
         self.step_time_sum = 0.0
@@ -393,10 +395,14 @@ def simulate_cluster(
         rep.metrics.add_requests({k: v for k, v in cols.items() if k != "replica"})
         fleet.add_requests(cols)
 
+    reads_cache = router not in ("random", "round_robin", "least_loaded", "pow2")
+
     def publish(rep: _Replica) -> None:
-        """The replica's last step ended: its block events and load reach the router."""
-        rep.publish_at = math.inf
-        rt.apply_scheduler_events(rep.name, rep.sched.take_kv_cache_events())
+        """The replica's block events and load reach the router."""
+        rep.changed = False
+        events = rep.sched.take_kv_cache_events()
+        if reads_cache and len(events):
+            rt.apply_scheduler_events(rep.name, events)
         st = rep.sched.stats()
         rep.kv_samples.append(st.kv_cache_usage)
         if rep.active:
@@ -416,6 +422,9 @@ def simulate_cluster(
         )
 
     def arrive(i: int) -> None:
+        for r in reps:
+            if r.changed:
+                publish(r)
         rid = f"r{i}"
         prompt = (
             sessions.prompts[i]
@@ -465,7 +474,7 @@ def simulate_cluster(
             # Every schedule() awaits its update, an empty one too; then nothing happens until a request arrives.
             sched.update_from_output(out, (tokens[:0], empty_indptr))
             rep.ready_at = math.inf
-            rep.publish_at = t
+            rep.changed = True
             return
         idx = np.fromiter((rep.active[r] for r in rids), dtype=np.int64, count=m)
         nst = np.asarray(out.num_scheduled_tokens, dtype=np.int64)
@@ -524,7 +533,7 @@ def simulate_cluster(
         rep.num_entries += m
         rep.computed_tokens += int(n_tok)
         rep.ready_at = t_end
-        rep.publish_at = t_end
+        rep.changed = True
         rep.end_time = t_end
 
     wall0 = time.perf_counter()
@@ -542,9 +551,6 @@ def simulate_cluster(
             if t_next == math.inf or (horizon is not None and t_next >= horizon):
                 break
             t = t_next
-            for r in reps:
-                if r.publish_at <= t:
-                    publish(r)
             if t_arr <= t_rep:
                 arrive(nxt)
                 nxt += 1
