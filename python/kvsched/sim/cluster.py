@@ -10,12 +10,12 @@ Each arriving request is routed once, at its arrival time, and stays on its repl
 request is routed, every replica that stepped since the last one publishes to the router what a deployment's
 replicas publish: its KV cache events (``take_kv_cache_events``, applied with
 :meth:`Router.apply_scheduler_events`) and a load snapshot (waiting and running requests, their uncached prompt
-and context tokens, KV usage). Both are the state of its last ``schedule()`` and update, so a step in progress
-counts as done: a scheduler caches a step's blocks, and emits their events, when it schedules the step (as
-vLLM's does). The router also counts the requests it routed since a snapshot, each as waiting until its first
-token (:meth:`Router.prefill_done`), then running, until it finishes. Policies: the router's (:data:`kvsched.router.POLICIES`), plus two that do not
-read the cache: ``random`` (a replica at random) and ``pow2`` (two at random, the one with fewer requests; Ray
-Serve's default), chosen here and recorded with :meth:`Router.assign`.
+and context tokens, KV usage). Both are the state after its last ``schedule()`` and update, so the router sees a
+step in progress as done (at most one step early). The router also counts the requests it routed since a
+snapshot, each as waiting until its first token (:meth:`Router.prefill_done`), then running, until it finishes.
+Policies: the router's (:data:`kvsched.router.POLICIES`), plus two that do not read the cache: ``random`` (a
+replica at random) and ``pow2`` (two at random, the one with fewer requests; Ray Serve's default), chosen here
+and recorded with :meth:`Router.assign`.
 
 With one replica the fleet is :func:`simulate` on the same workload: the same batches, the same times
 (``tests/test_sim_cluster.py`` compares every request). Metrics stream into one
