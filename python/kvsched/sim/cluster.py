@@ -209,7 +209,8 @@ class ClusterResult:
     replica_of: IntArray
     reasons: dict[str, int]
     computed_tokens: IntArray  # per replica: tokens it computed (prefill, recomputation and decode)
-    estimated_ttft: FloatArray  # per request: the router's predictive estimate on the replica it went to
+    estimated_ttft: FloatArray  # per request: the router's predictive estimate where it went (routers that read
+    # the cache only: NaN for the others, which are not fed the replicas' events)
     ttft: FloatArray  # per request: its time to first token (NaN if it had none)
     wall_s: float
 
@@ -446,7 +447,8 @@ def simulate_cluster(
             k = names.index(d.replica)
             reason = d.reason
         reasons[reason] = reasons.get(reason, 0) + 1
-        estimate[i] = d.estimated_ttft_s
+        if reads_cache:  # the others are not fed the events the estimate needs
+            estimate[i] = d.estimated_ttft_s
         replica_of[i] = k
         rep = reps[k]
         kw: dict[str, Any] = {"tenant": w.tenant_names[int(w.tenant[i])]} if tenant_kw else {}

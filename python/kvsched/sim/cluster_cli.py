@@ -126,6 +126,8 @@ def plot_cluster(summaries: list[dict[str, Any]], out_dir: Path) -> Path:
             ax.bar(range(len(routers)), vals)
             ax.set_xticks(range(len(routers)))
             ax.set_xticklabels(routers, rotation=30, ha="right")
+        if key.startswith("ttft"):
+            ax.set_yscale("log")  # overloaded and idle fleets differ by orders of magnitude
         ax.set_title(label)
         ax.grid(alpha=0.3)
     if len(counts) > 1:
