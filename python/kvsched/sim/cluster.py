@@ -89,7 +89,7 @@ class SessionSpec:
     this turn's user message (``user_len`` tokens); its answer has ``output_len`` tokens. A turn arrives
     ``think_time`` seconds (exponential, this mean) after the previous turn of its session arrived: an open
     loop, so a turn may arrive before the previous answer is done (its prompt then holds the whole answer all
-    the same, as a client that waited would send). A session stops early rather than grow past
+    the same, as a client that waited would send). Sessions stop early rather than grow past
     ``max_context_len`` tokens (prompt and answer)."""
 
     rate: float = 1.0
@@ -125,7 +125,7 @@ class SessionSpec:
 @dataclass
 class SessionWorkload:
     """A multi-turn workload: the requests (turns, in arrival order) as a :class:`Workload` whose
-    ``prefix_group`` is the session's system-prompt group, each turn's prompt token ids, and its session id."""
+    ``prefix_group`` is its conversation's system-prompt group, each turn's prompt token ids, and its session id."""
 
     workload: Workload
     prompts: list[npt.NDArray[np.int32]]
