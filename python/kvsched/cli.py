@@ -279,7 +279,11 @@ def _add_simulate_parser(subparsers: Any) -> None:
         help="with --replicas: routing policies to compare: round_robin, least_loaded, cache_aware, kv_overlap, "
         "predictive, random, pow2 (%(default)s)",
     )
-    f.add_argument("--sticky-sessions", action="store_true", help="with --replicas: send every turn of a conversation to one replica")
+    f.add_argument(
+        "--sticky-sessions",
+        action="store_true",
+        help="with --replicas: send every turn of a conversation to one replica",
+    )
     f.add_argument(
         "--sessions",
         action="store_true",
