@@ -251,3 +251,16 @@ def test_cli_rejects_bad_fleet_arguments(tmp_path: Any, capsys: Any, extra: list
     argv = ["simulate", "--replicas", "2", "--num-requests", "5", "--out", str(tmp_path), "--no-progress", *extra]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_horizon_reports_unfinished_and_unarrived_requests() -> None:
+    w = _shared_prefix_workload(n=120)  # arrivals over about 3 s
+    res = simulate_cluster(w, {"num_blocks": 300, "max_num_seqs": 16}, MODEL, replicas=2, router="cache_aware",
+                           horizon=1.0)  # fmt: skip
+    s = summarize_cluster(res)
+    o = s["fleet"]["overall"]
+    arrived = int((w.arrival_time < 1.0).sum())
+    assert o["num_requests"] == arrived
+    assert 0 < o["num_finished"] < arrived
+    assert (res.replica_of >= 0).sum() == arrived
+    assert sum(r["overall"]["num_requests"] for r in s["replicas"]) == arrived
