@@ -243,6 +243,8 @@ def test_cli_sessions(tmp_path: Any) -> None:
         (["--replicas", "0"], "--replicas"),
         (["--rates", "1,2"], "--rates does not apply"),
         (["--set", "num_blocks=100,200"], "one value per field"),
+        (["--router-set", "no_such_field=1"], "no_such_field"),
+        (["--sessions", "--tenants", "a:0.5,b:0.5"], "--sessions makes its own requests"),
     ],
 )
 def test_cli_rejects_bad_fleet_arguments(tmp_path: Any, capsys: Any, extra: list[str], message: str) -> None:
@@ -264,3 +266,27 @@ def test_horizon_reports_unfinished_and_unarrived_requests() -> None:
     assert 0 < o["num_finished"] < arrived
     assert (res.replica_of >= 0).sum() == arrived
     assert sum(r["overall"]["num_requests"] for r in s["replicas"]) == arrived
+
+
+def test_cli_fleet_flags_need_replicas(tmp_path: Any, capsys: Any) -> None:
+    from kvsched.cli import main
+
+    for extra in (["--sessions"], ["--routers", "pow2"], ["--sticky-sessions"], ["--router-set", "cache_threshold=1"]):
+        argv = ["simulate", "--num-requests", "5", "--out", str(tmp_path), "--no-progress", *extra]
+        assert main(argv) == 2
+        assert "give --replicas N" in capsys.readouterr().err
+
+
+def test_cli_router_set_reaches_the_router(tmp_path: Any) -> None:
+    from kvsched.cli import main
+
+    base = ["simulate", "--replicas", "2", "--routers", "cache_aware", "--num-requests", "40", "--rate", "20",
+            "--prompt-len", "600", "--output-len", "8", "--prefix-groups", "2", "--prefix-len", "512",
+            "--prefix-fraction", "1", "--no-progress"]  # fmt: skip
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    # a threshold no prompt can pass: cache_aware never follows a cached prefix
+    assert main([*base, "--router-set", "cache_threshold=1.0", "--out", str(tmp_path / "b")]) == 0
+    a = json.loads((tmp_path / "a" / "cluster.json").read_text())["runs"][0]["reasons"]
+    b = json.loads((tmp_path / "b" / "cluster.json").read_text())["runs"][0]["reasons"]
+    assert a.get("cache_hit", 0) > 0
+    assert b.get("cache_hit", 0) == 0

@@ -290,6 +290,13 @@ def _add_simulate_parser(subparsers: Any) -> None:
         help="with --replicas: multi-turn sessions (--rate sessions/s, --num-requests sessions, --prompt-len per user "
         "message, --output-len per answer, --prefix-groups/--prefix-len system prompts)",
     )
+    f.add_argument(
+        "--router-set",
+        action="append",
+        default=[],
+        metavar="FIELD=V",
+        help="with --replicas: a RouterConfig field (repeatable), e.g. cache_threshold=0.5, balance_abs_threshold=16",
+    )
     f.add_argument("--turns", default="uniform:1:8", help="with --sessions: turns per session (%(default)s)")
     f.add_argument(
         "--think-time", type=float, default=10.0, help="with --sessions: mean seconds between turns (%(default)s)"

@@ -82,6 +82,18 @@ def run_simulate(args: argparse.Namespace) -> int:
         from .cluster_cli import run_cluster
 
         return run_cluster(args)
+    fleet_only = [
+        flag
+        for flag, given in (
+            ("--sessions", args.sessions),
+            ("--sticky-sessions", args.sticky_sessions),
+            ("--router-set", args.router_set),
+            ("--routers", args.routers != "cache_aware"),
+        )
+        if given
+    ]
+    if fleet_only:
+        return _err(f"{', '.join(fleet_only)} simulate a fleet: give --replicas N")
 
     try:
         calibrate_first = args.validate and args.step_model == "calibrate"

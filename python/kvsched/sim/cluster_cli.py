@@ -145,7 +145,15 @@ def run_cluster(args: argparse.Namespace) -> int:
     from .cluster import ROUTERS, SessionSpec, session_workload, simulate_cluster, summarize_cluster
     from .steptime import DEFAULT_PRESET, load_step_time_model
     from .sweep import parse_set
-    from .workload import TraceFormatError, WorkloadSpec, generate_workload, load_trace, parse_length
+    from .workload import (
+        TraceFormatError,
+        WorkloadSpec,
+        generate_workload,
+        load_trace,
+        parse_length,
+        parse_priorities,
+        parse_tenants,
+    )
 
     try:
         step_model = load_step_time_model(args.step_model or DEFAULT_PRESET)
@@ -173,6 +181,15 @@ def run_cluster(args: argparse.Namespace) -> int:
             raise UsageError("--set: a fleet takes one value per field")
         config: dict[str, Any] = {k: v[0] for k, v in axes.items()}
         config["policy"] = args.policies.strip()
+        router_config: dict[str, Any] = {}
+        for field, values in parse_set(args.router_set).items():
+            if len(values) > 1:
+                raise UsageError("--router-set: one value per field")
+            router_config[field] = values[0]
+        if args.sticky_sessions:
+            router_config["sticky_sessions"] = True
+        if args.sessions and (args.tenants or args.priorities or args.trace is not None):
+            raise UsageError("--sessions makes its own requests: no --tenants, --priorities or --trace with it")
         check_output_dir(args.out, "--out")
         workload: Any
         if args.sessions:
@@ -203,6 +220,8 @@ def run_cluster(args: argparse.Namespace) -> int:
                     cv=args.cv,
                     prompt_len=parse_length(args.prompt_len),
                     output_len=parse_length(args.output_len),
+                    tenants=parse_tenants(args.tenants) if args.tenants else WorkloadSpec().tenants,
+                    priorities=parse_priorities(args.priorities) if args.priorities else ((0, 1.0),),
                     num_prefix_groups=args.prefix_groups,
                     prefix_len=args.prefix_len,
                     prefix_fraction=args.prefix_fraction,
@@ -211,7 +230,6 @@ def run_cluster(args: argparse.Namespace) -> int:
             )
     except (UsageError, TraceFormatError, ValueError) as exc:
         return _err(str(exc))
-    router_config = {"sticky_sessions": True} if args.sticky_sessions else None
     summaries: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     try:
