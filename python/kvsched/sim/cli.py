@@ -78,10 +78,6 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 0
     if args.calibrate and args.replicas is None:
         return _calibrate(args)
-    if args.replicas is not None:
-        from .cluster_cli import run_cluster
-
-        return run_cluster(args)
     fleet_only = [
         flag
         for flag, given in (
@@ -92,7 +88,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         if given
     ]
-    if fleet_only:
+    if fleet_only and args.replicas is None:
         return _err(f"{', '.join(fleet_only)} simulate a fleet: give --replicas N")
 
     try:
@@ -137,6 +133,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _err(f"bad scheduler config: {exc}")
     except (TraceFormatError, UsageError) as exc:
         return _err(str(exc))
+    if args.replicas is not None:
+        from .cluster_cli import run_cluster
+
+        return run_cluster(args, spec_or_trace, step_model)
 
     if args.validate:
         problem = _model_problem(args, "--validate")

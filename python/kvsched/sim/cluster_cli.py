@@ -139,26 +139,15 @@ def plot_cluster(summaries: list[dict[str, Any]], out_dir: Path) -> Path:
     return path
 
 
-def run_cluster(args: argparse.Namespace) -> int:
-    """The fleet sweep of ``kvsched simulate --replicas ...``."""
+def run_cluster(args: argparse.Namespace, spec_or_trace: Any, step_model: Any) -> int:
+    """The fleet sweep of ``kvsched simulate --replicas ...``, on the workload (a ``WorkloadSpec`` or a trace) and
+    step-time model that ``kvsched simulate`` built from the same flags."""
     from .._errors import InvalidConfigError, SchedulerError
     from .cluster import ROUTERS, SessionSpec, session_workload, simulate_cluster, summarize_cluster
-    from .steptime import DEFAULT_PRESET, load_step_time_model
+    from .simulator import make_config
     from .sweep import parse_set
-    from .workload import (
-        TraceFormatError,
-        WorkloadSpec,
-        generate_workload,
-        load_trace,
-        parse_length,
-        parse_priorities,
-        parse_tenants,
-    )
+    from .workload import TraceFormatError, WorkloadSpec, generate_workload, parse_length
 
-    try:
-        step_model = load_step_time_model(args.step_model or DEFAULT_PRESET)
-    except ValueError as exc:
-        return _err(f"--step-model: {exc}")
     try:
         counts = [
             int(c) for c in parse_csv_numbers(args.replicas, "--replicas", integer=True, minimum=1, inclusive=True)
@@ -174,7 +163,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         for flag, value in (("--rates", args.rates), ("--validate", args.validate), ("--calibrate", args.calibrate)):
             if value:
                 raise UsageError(f"{flag} does not apply to a fleet (--replicas)")
-        if args.policies != "fcfs" and "," in args.policies:
+        if "," in args.policies:
             raise UsageError("--policies: a fleet runs one scheduler policy (set it with --policies P)")
         axes = parse_set(args.set)
         if any(len(v) > 1 for v in axes.values()):
@@ -190,6 +179,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             router_config["sticky_sessions"] = True
         if args.sessions and (args.tenants or args.priorities or args.trace is not None):
             raise UsageError("--sessions makes its own requests: no --tenants, --priorities or --trace with it")
+        max_model_len = make_config(config).max_model_len
         check_output_dir(args.out, "--out")
         workload: Any
         if args.sessions:
@@ -204,30 +194,14 @@ def run_cluster(args: argparse.Namespace) -> int:
                     think_time=args.think_time,
                     num_groups=args.prefix_groups,
                     system_len=args.prefix_len,
-                    max_context_len=int(config.get("max_model_len", 8192)),
+                    max_context_len=max_model_len,
                     seed=args.seed,
                 )
             )
-        elif args.trace is not None:
-            workload = load_trace(args.trace, seed=args.seed)
+        elif isinstance(spec_or_trace, WorkloadSpec):
+            workload = generate_workload(spec_or_trace, max_model_len=max_model_len)
         else:
-            workload = generate_workload(
-                WorkloadSpec(
-                    rate=args.rate or 4.0,
-                    duration=args.duration,
-                    num_requests=args.num_requests,
-                    arrival=args.arrival,
-                    cv=args.cv,
-                    prompt_len=parse_length(args.prompt_len),
-                    output_len=parse_length(args.output_len),
-                    tenants=parse_tenants(args.tenants) if args.tenants else WorkloadSpec().tenants,
-                    priorities=parse_priorities(args.priorities) if args.priorities else ((0, 1.0),),
-                    num_prefix_groups=args.prefix_groups,
-                    prefix_len=args.prefix_len,
-                    prefix_fraction=args.prefix_fraction,
-                    seed=args.seed,
-                )
-            )
+            workload = spec_or_trace
     except (UsageError, TraceFormatError, ValueError) as exc:
         return _err(str(exc))
     summaries: list[dict[str, Any]] = []
