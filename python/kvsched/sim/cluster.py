@@ -163,7 +163,7 @@ def session_workload(spec: SessionSpec) -> SessionWorkload:
             ulen = max(1, int(users[k]))
             off = int(rng.integers(0, len(vocab_pool) - ulen)) if len(vocab_pool) > ulen else 0
             user = vocab_pool[off : off + ulen].copy()
-            user[0] = 1 + (s * 31 + k) % 30000  # no two user messages alike from their first token
+            user[0] = 1 + (s * 31 + k) % 30000  # distinct first tokens (below ~1,000 sessions of <= 31 turns)
             prompt = np.concatenate([context, user]).astype(np.int32)
             olen = max(1, int(outs[k]))
             if len(prompt) + olen > spec.max_context_len:
