@@ -175,6 +175,8 @@ REDUCTIONS: dict[tuple[str, str], Callable[[str], str]] = {
     ("simulate", "--duration"): _at_most(10),  # seconds of arrivals
     ("simulate", "--num-requests"): _at_most(100),
     ("simulate", "--rates"): _first_and_last,  # the sweep keeps its lowest and highest rate
+    ("simulate", "--replicas"): _first_and_last,  # a fleet sweep keeps its first and last replica count
+    ("simulate", "--routers"): _first_and_last,  # and its first and last router
     ("bench", "--scale"): _at_most(0.05),  # the --quick scale
     ("bench", "--repeat"): _at_most(1),
     ("bench", "--max-steps"): _at_most(100),

@@ -264,6 +264,43 @@ def _add_simulate_parser(subparsers: Any) -> None:
     w.add_argument("--seed", type=int_at_least(0), default=0)
     w.add_argument("--dump-trace", type=Path, default=None, metavar="JSONL", help="write the generated workload")
     w.add_argument("--dump-only", action="store_true", help="with --dump-trace: write it and stop")
+    f = p.add_argument_group("a fleet of replicas behind a router (docs/routing.md)")
+    f.add_argument(
+        "--replicas",
+        default=None,
+        metavar="N[,N]",
+        help="simulate this many replicas (comma-separated counts to sweep), each the real scheduler, behind a router",
+    )
+    f.add_argument(
+        "--routers",
+        "--router",
+        dest="routers",
+        default="cache_aware",
+        help="with --replicas: routing policies to compare: round_robin, least_loaded, cache_aware, kv_overlap, "
+        "predictive, random, pow2 (%(default)s)",
+    )
+    f.add_argument(
+        "--sticky-sessions",
+        action="store_true",
+        help="with --replicas: send every turn of a conversation to one replica",
+    )
+    f.add_argument(
+        "--sessions",
+        action="store_true",
+        help="with --replicas: multi-turn sessions (--rate sessions/s, --num-requests sessions, --prompt-len per user "
+        "message, --output-len per answer, --prefix-groups/--prefix-len system prompts)",
+    )
+    f.add_argument(
+        "--router-set",
+        action="append",
+        default=[],
+        metavar="FIELD=V",
+        help="with --replicas: a RouterConfig field (repeatable), e.g. cache_threshold=0.5, balance_abs_threshold=16",
+    )
+    f.add_argument("--turns", default="uniform:1:8", help="with --sessions: turns per session (%(default)s)")
+    f.add_argument(
+        "--think-time", type=float, default=10.0, help="with --sessions: mean seconds between turns (%(default)s)"
+    )
     s = p.add_argument_group("scheduler and model")
     s.add_argument("--policies", default="fcfs", help="comma-separated policies to compare (%(default)s)")
     s.add_argument(

@@ -76,8 +76,20 @@ def run_simulate(args: argparse.Namespace) -> int:
             print(f"{name}: {preset.source}")
             print("  " + ", ".join(f"{k}={v:.4g}" for k, v in preset.to_dict().items() if k.endswith("_s")))
         return 0
-    if args.calibrate:
+    if args.calibrate and args.replicas is None:
         return _calibrate(args)
+    fleet_only = [
+        flag
+        for flag, given in (
+            ("--sessions", args.sessions),
+            ("--sticky-sessions", args.sticky_sessions),
+            ("--router-set", args.router_set),
+            ("--routers", args.routers != "cache_aware"),
+        )
+        if given
+    ]
+    if fleet_only and args.replicas is None:
+        return _err(f"{', '.join(fleet_only)} simulate a fleet: give --replicas N")
 
     try:
         calibrate_first = args.validate and args.step_model == "calibrate"
@@ -121,6 +133,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _err(f"bad scheduler config: {exc}")
     except (TraceFormatError, UsageError) as exc:
         return _err(str(exc))
+    if args.replicas is not None:
+        from .cluster_cli import run_cluster
+
+        return run_cluster(args, spec_or_trace, step_model)
 
     if args.validate:
         problem = _model_problem(args, "--validate")
