@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::error::{Result, SchedError};
+use crate::hashing::{BlockHash, ExtraKeys};
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
@@ -32,5 +33,50 @@ impl Scheduler {
     /// Blocks of the request whose hash is in the prefix cache map for it (its leading full, cached blocks).
     pub fn get_num_cached_blocks(&self, req_id: &str) -> Result<u32> {
         Ok(self.get_request(req_id)?.num_cached_blocks)
+    }
+
+    /// The blocks a prefix lookup of these tokens would hit now, in order (vLLM's `get_computed_blocks`): at most
+    /// `max_hit_tokens` tokens' worth of full blocks (default: all but the last token, which must be computed).
+    /// Touches nothing; none without prefix caching.
+    pub fn get_cached_block_ids(
+        &self,
+        token_ids: &[i64],
+        cache_salt: Option<&str>,
+        lora_name: Option<&str>,
+        max_hit_tokens: Option<u32>,
+    ) -> Result<Vec<u32>> {
+        let mut tokens = Vec::with_capacity(token_ids.len());
+        for &t in token_ids {
+            tokens.push(Self::check_token_id("token id", t)?);
+        }
+        let limit = match max_hit_tokens {
+            Some(m) => (m as usize).min(tokens.len()),
+            None => tokens.len().saturating_sub(1),
+        };
+        let mut hits = Vec::new();
+        if !self.config.enable_prefix_caching || limit == 0 {
+            return Ok(hits);
+        }
+        let extra =
+            ExtraKeys { cache_salt: cache_salt.map(Into::into), lora_name: lora_name.map(Into::into) };
+        let bs = self.config.kv_block_size() as usize;
+        let reach = (limit / bs) * bs; // hash only as far as a hit may reach
+        let mut hashes: Vec<BlockHash> = Vec::new();
+        self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra, &[], &mut Vec::new());
+        // find_longest_cache_hit leaves the block of the last of `n` tokens out: n = limit + 1 allows limit / bs.
+        self.kv.find_longest_cache_hit(&hashes, limit as u32 + 1, &mut hits);
+        Ok(hits)
+    }
+
+    /// Block `block`'s reference count: how many requests hold it (0 when free, and always for the null block
+    /// 0). `Err` for an id outside the pool.
+    pub fn get_block_ref_cnt(&self, block: u32) -> Result<u32> {
+        let num_blocks = self.kv.pool.num_blocks();
+        if block >= num_blocks {
+            return Err(SchedError::InvalidRequest(format!(
+                "block id {block} is outside the KV cache pool (block ids 0..{num_blocks})"
+            )));
+        }
+        Ok(self.kv.pool.ref_cnt(block))
     }
 }

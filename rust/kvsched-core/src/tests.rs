@@ -1193,3 +1193,31 @@ fn decode_steps_from_the_hot_columns_allocate_and_cache_at_block_boundaries() {
     s.slab.hot.decode_hi[slot] += 1;
     assert!(s.check_invariants().unwrap_err().contains("hot columns"));
 }
+
+#[test]
+fn cached_block_ids_and_ref_counts_follow_the_pool() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(0, 16), params(3));
+    let out = s.schedule().unwrap();
+    let a_blocks: Vec<u32> = out.new_block_ids[0..4].iter().map(|&b| b as u32).collect();
+    // All but the last token by default: 3 of a's 4 cached blocks; a bound in tokens cuts at a full block.
+    assert_eq!(s.get_cached_block_ids(&prompt(0, 16), None, None, None).unwrap(), a_blocks[..3]);
+    assert_eq!(s.get_cached_block_ids(&prompt(0, 17), None, None, None).unwrap(), a_blocks);
+    assert_eq!(s.get_cached_block_ids(&prompt(0, 17), None, None, Some(11)).unwrap(), a_blocks[..2]);
+    assert_eq!(s.get_cached_block_ids(&prompt(0, 17), None, None, Some(100)).unwrap(), a_blocks);
+    assert!(s.get_cached_block_ids(&prompt(0, 17), Some("salt"), None, None).unwrap().is_empty());
+    assert!(s.get_cached_block_ids(&prompt(1, 17), None, None, None).unwrap().is_empty());
+    assert!(s.get_cached_block_ids(&[-1], None, None, None).is_err());
+    for &b in &a_blocks {
+        assert_eq!(s.get_block_ref_cnt(b).unwrap(), 1);
+    }
+    assert_eq!(s.get_block_ref_cnt(0).unwrap(), 0);
+    assert!(matches!(s.get_block_ref_cnt(64), Err(SchedError::InvalidRequest(_))));
+    s.abort_requests(&["a"]).unwrap();
+    for &b in &a_blocks {
+        assert_eq!(s.get_block_ref_cnt(b).unwrap(), 0);
+    }
+    // Freed blocks keep their hashes until reused: still hit.
+    assert_eq!(s.get_cached_block_ids(&prompt(0, 17), None, None, None).unwrap(), a_blocks);
+    s.check_invariants().unwrap();
+}
