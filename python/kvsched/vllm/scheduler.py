@@ -37,6 +37,7 @@ from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._config import UnsupportedFeatureError, _check_kv_cache_config, check_kv_connector, kvsched_config_from_vllm
 from ._connector import ConnectorBridge
+from ._kv_view import KVCacheManagerView
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -237,6 +238,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # Block hashers seen on requests -> whether the core can compute their hashes (_is_vllm_sha256_hasher).
         self._hasher_in_core: dict[Any, bool] = {}
         self.current_step = 0
+        self._kv_view: KVCacheManagerView | None = None
 
     # ---- requests ---------------------------------------------------------------------------------------
 
@@ -1323,6 +1325,30 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def core(self) -> _CoreScheduler:
         """The kvsched core scheduler (read it; changing it behind this adapter's back breaks the mirror)."""
         return self._core
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Whether the KV connector hands a request's KV off when it completes (producer roles): vLLM then drops
+        the in-flight output of a request it preempts."""
+        return self._requires_kv_delivery
+
+    @property
+    def defer_block_free(self) -> bool:
+        """vLLM's gate for returning freed blocks to the pool only after the steps in flight are applied. Always
+        False: kvsched frees at once and refuses the configurations where vLLM defers (KV consumer connectors with
+        several batches in flight)."""
+        return False
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManagerView:
+        """A read-only view of the core's KV cache with the names of vLLM's ``KVCacheManager`` (a request's
+        blocks, the block pool's free count and usage, prefix lookups, reference counts, the prefix-cache
+        counters), for vLLM's engine core, tests and tools that read the scheduler's; see
+        :mod:`kvsched.vllm._kv_view`."""
+        view = self._kv_view
+        if view is None:
+            view = self._kv_view = KVCacheManagerView(self)
+        return view
 
     @property
     def running(self) -> list[Request]:
