@@ -131,7 +131,8 @@ INTERNALS = re.compile(
     r"has no attribute '(kv_cache_manager|encoder_cache_manager|_\w+|ec_connector\w*|connector\w*|"
     r"kv_event_publisher|dcp_world_size|pcp_world_size|hisparse\w*|policy|skipped_waiting\w*|"
     r"num_waiting_for_remote_kv|max_num_encoder_input_tokens|encoder_compute_budget|mm_\w+|"
-    r"routed_experts\w*|waiting_for_\w+|\w*lora\w*|prev_step\w*|kv_cache_config|\w+_queue)'"
+    r"routed_experts\w*|waiting_for_\w+|\w*lora\w*|prev_step\w*|kv_cache_config|\w+_queue|deferred_frees|"
+    r"\w+_step_seq)'"
 )
 REFUSED = re.compile(r"does not support ([^\n]+)")
 # Configurations vLLM 0.33's scheduler accepts and kvsched's core refuses at construction (a core difference).
@@ -145,6 +146,11 @@ CORE_DIFFERENCES: tuple[tuple[re.Pattern[str], str], ...] = (
         "kvsched refuses an empty sampled-token list for a decode step (`InvalidOutputError`); vLLM accepts it, "
         "appends nothing and keeps the scheduled drafts counted as computed (its model runners send an empty list "
         "only for partial prefills)",
+    ),
+    (
+        re.compile(r"do not fit the KV cache"),
+        "kvsched refuses at `add_request` a request that could never finish (its prompt + max_tokens - 1 tokens "
+        "above the whole KV cache); vLLM accepts it, and it stays waiting or preempted for good",
     ),
 )
 
@@ -230,7 +236,11 @@ HAND_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     ),
 )
 # kvsched.vllm's kv_cache_manager is a read-only view: a test that replaces or patches one of its members.
-READ_ONLY_VIEW = re.compile(r"(?:KVCacheManagerView|BlockPoolView|_Coordinator|_SingleTypeManager)\b[^']*'(\w+)'")
+READ_ONLY_VIEW = re.compile(
+    r"(?:KVCacheManagerView|BlockPoolView|_Coordinator|_SingleTypeManager)"
+    r"(?: is a read-only view of kvsched's KV cache: (?:it has no )?| object at 0x[0-9a-f]+> (?:does not have the "
+    r"attribute|has no attribute) )'(\w+)'"
+)
 OFFLINE_MODEL = re.compile(r"Invalid repository ID or local directory specified: '([^']+)'")
 MISSING_FIXTURE = re.compile(r"fixture '(\w+)' not found")
 
