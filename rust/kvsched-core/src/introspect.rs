@@ -79,4 +79,38 @@ impl Scheduler {
         }
         Ok(self.kv.pool.ref_cnt(block))
     }
+
+    /// vLLM's `num_output_tokens` column (`CachedRequestData`) for each entry of the most recent step: the
+    /// request's output tokens plus its output placeholders, as they were before the step added its own. Only
+    /// right after `schedule()`, before any other call changes the scheduler (as `prepare_model_inputs`).
+    pub fn step_num_output_tokens(&self, scheduler_id: u64, step_id: u64) -> Result<Vec<i32>> {
+        let stale = || {
+            SchedError::InvalidOutput(format!(
+                "step_num_output_tokens needs the most recent step, right after schedule() and before any other \
+                 call changes the scheduler; step {step_id} is not that step"
+            ))
+        };
+        if scheduler_id != self.scheduler_id {
+            return Err(SchedError::InvalidOutput("this output was produced by another scheduler".into()));
+        }
+        let rec = self.in_flight.back().ok_or_else(stale)?;
+        if rec.step_id != step_id || rec.epoch != self.epoch {
+            return Err(stale());
+        }
+        let async_scheduling = self.config.async_scheduling;
+        let mut counts = Vec::with_capacity(rec.handles.len());
+        for (k, &h) in rec.handles.iter().enumerate() {
+            let req = self.slab.resolve(h).ok_or_else(stale)?;
+            let mut placeholders = req.num_output_placeholders;
+            // The step's own placeholders (asynchronous scheduling): one per sampled token and scheduled draft.
+            if async_scheduling && !rec.is_prefill_chunk.get(k).copied().unwrap_or(false) {
+                let added = 1 + rec.num_spec_tokens.get(k).copied().unwrap_or(0);
+                placeholders = placeholders.checked_sub(added).ok_or_else(|| {
+                    SchedError::Internal(format!("entry {k}: fewer output placeholders than the step added"))
+                })?;
+            }
+            counts.push((req.num_output_tokens() + placeholders) as i32);
+        }
+        Ok(counts)
+    }
 }

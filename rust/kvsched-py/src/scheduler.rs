@@ -555,6 +555,18 @@ impl PyScheduler {
         guard(py, || this.core.get_num_cached_tokens(&prompt, salt.as_deref(), lora.as_deref()))
     }
 
+    /// vLLM's `num_output_tokens` column for each entry of `out`, the step just scheduled (see the core).
+    fn step_num_output_tokens<'py>(
+        slf: &Bound<'py, Self>,
+        out: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let py = slf.py();
+        let (scheduler_id, step_id) = step_key(py, out)?;
+        let this = borrow(slf)?;
+        let counts = guard(py, || this.core.step_num_output_tokens(scheduler_id, step_id))?;
+        Ok(counts.into_pyarray(py))
+    }
+
     /// The block ids a prefix lookup of these tokens would hit now (at most `max_hit_tokens` tokens' worth,
     /// default all but the last token); touches nothing.
     #[pyo3(signature = (token_ids, cache_salt=None, lora_name=None, max_hit_tokens=None))]
