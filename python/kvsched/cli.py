@@ -61,8 +61,9 @@ def _add_bench_parser(subparsers: Any) -> None:
     p.add_argument(
         "--impl",
         default="rust",
-        help="comma-separated implementations: rust, reference, vllm (default: rust). With several, the "
-        "same trace runs through each and the ratios to rust are printed",
+        help="comma-separated implementations: rust, reference, vllm, vllm-adapter, vllm-async, "
+        "vllm-adapter-async (default: rust; the vllm ones need vLLM). With several, the same trace runs through "
+        "each and the ratios to rust are printed",
     )
     p.add_argument(
         "--scale",
