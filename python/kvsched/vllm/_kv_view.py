@@ -215,7 +215,8 @@ class _ReqToBlocks(Mapping[str, list[BlockView]]):
 
 class _NumCachedBlock(Mapping[str, int]):
     """Request id -> how many of its leading blocks are in the prefix cache (vLLM's ``num_cached_block``), for
-    the requests holding blocks; empty without prefix caching, as in vLLM."""
+    every request holding blocks (vLLM adds a holder's entry once it hits or caches a block and reads the map
+    with ``.get(req_id, 0)``); empty without prefix caching, as in vLLM."""
 
     __slots__ = ("_holding", "_sched")
 
