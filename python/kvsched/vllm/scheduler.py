@@ -970,7 +970,21 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if filled_reqs:
                 self._hash_filled_blocks(filled_reqs)
         else:
-            if async_sched:
+            if all(rows) and out.total_num_scheduled_tokens == len(reqs):
+                # Steady decoding: one token scheduled and one sampled per entry.
+                if async_sched:
+                    for request, generated in zip(reqs, rows, strict=True):
+                        request.num_in_flight_tokens -= 1
+                        request._output_token_ids.extend(generated)
+                        request._all_token_ids.extend(generated)
+                        if request.num_output_placeholders > 0:
+                            request.num_output_placeholders -= 1
+                else:
+                    for request, generated in zip(reqs, rows, strict=True):
+                        request.num_in_flight_tokens -= 1
+                        request._output_token_ids.extend(generated)
+                        request._all_token_ids.extend(generated)
+            elif async_sched:
                 for request, n, generated in zip(reqs, num_sched, rows, strict=True):
                     request.num_in_flight_tokens -= n
                     if generated:
