@@ -15,7 +15,7 @@ prefix cache by its own hashes of the tokens, not by vLLM's ``BlockHashWithGroup
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, overload
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, overload
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
@@ -23,9 +23,35 @@ if TYPE_CHECKING:
     from vllm.v1.metrics.stats import PrefixCacheStats
     from vllm.v1.request import Request
 
-    from .scheduler import Scheduler
+    from kvsched.config import SchedulerConfig
+    from kvsched.scheduler import Scheduler as CoreScheduler
 
-__all__ = ["BlockPoolView", "BlockView", "KVCacheManagerView"]
+__all__ = ["BlockPoolView", "BlockView", "KVCacheManagerView", "lora_key"]
+
+
+def lora_key(lora_request: Any) -> str | None:
+    """The adapter's identity in the core: vLLM keys prefix-cache blocks by the LoRA's name and path (and counts
+    ``max_loras`` by its id, which names map to one to one), so the core gets both."""
+    if lora_request is None:
+        return None
+    return f"{lora_request.lora_name}\x00{lora_request.lora_path}"
+
+
+class Scheduler(Protocol):
+    """What the view reads of the :class:`kvsched.vllm.Scheduler` it shows (structural, so this module does not
+    import the scheduler's)."""
+
+    requests: dict[str, Request]
+    block_size: int
+    max_model_len: int
+    log_stats: bool
+    kv_config: SchedulerConfig
+    kv_cache_config: Any
+    _prefix_cache_stats: PrefixCacheStats | None
+
+    @property
+    def core(self) -> CoreScheduler: ...
+
 
 # vLLM KVCacheManager/BlockPool/coordinator members that change the cache: named in the error a read raises.
 _MUTATORS = frozenset(
@@ -356,8 +382,6 @@ class KVCacheManagerView(_ReadOnly):
         ``get_computed_blocks``; the third value, a hybrid-model boundary, is always 0). At most
         ``max_cache_hit_length`` tokens (default: all but the last), and no further than the request's own block
         hashes reach, as in vLLM. Changes nothing."""
-        from .scheduler import _lora_key
-
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         block_size = self._sched.block_size
@@ -369,7 +393,7 @@ class KVCacheManagerView(_ReadOnly):
         ids = core.get_cached_block_ids(
             list(request.all_token_ids),
             cache_salt=request.cache_salt,
-            lora_name=_lora_key(request.lora_request),
+            lora_name=lora_key(request.lora_request),
             max_hit_tokens=limit,
         ).tolist()
         return KVCacheBlocks(([BlockView(core, b) for b in ids],)), len(ids) * block_size, 0

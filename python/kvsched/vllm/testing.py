@@ -17,6 +17,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
+from kvsched.config import DEFAULT_BLOCK_SIZE
+
 __all__ = [
     "TINY_LLAMA",
     "RandomKVConnector",
@@ -57,7 +59,7 @@ def _model_dir(max_model_len: int) -> str:
 
 def make_vllm_config(
     *,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     num_blocks: int = 1024,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
@@ -250,7 +252,7 @@ def make_request(
     arrival_time: float = 0.0,
     cache_salt: str | None = None,
     lora_name: str | None = None,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     prompt_logprobs: int | None = None,
     client_index: int = 0,
 ) -> Any:
