@@ -588,10 +588,8 @@ impl PyScheduler {
         let tokens = token_list(token_ids, "token_ids", "InvalidRequestError")?;
         let salt = opt_str_arg(cache_salt, "cache_salt")?;
         let lora = opt_str_arg(lora_name, "lora_name")?;
-        let limit = match opt_int_arg(max_hit_tokens, "max_hit_tokens", "InvalidRequestError")? {
-            None => None,
-            Some(v) => Some(u32::try_from(v.max(0)).unwrap_or(u32::MAX)),
-        };
+        let limit = opt_int_arg(max_hit_tokens, "max_hit_tokens", "InvalidRequestError")?
+            .map(|v| u32::try_from(v.max(0)).unwrap_or(u32::MAX));
         let this = borrow(slf)?;
         let ids =
             guard(py, || this.core.get_cached_block_ids(&tokens, salt.as_deref(), lora.as_deref(), limit))?;
