@@ -1,13 +1,15 @@
 """Where the time of ``kvsched.vllm.Scheduler`` goes on a bench workload (needs vLLM importable).
 
 Replays one ``kvsched bench`` workload through the adapter exactly as ``kvsched bench --impl vllm-adapter`` does
-(same driver, same loop, warm-up, ``gc.freeze``), with timers around the parts that are not the adapter's own
-Python: the Rust core's ``schedule()`` and ``update_from_output()``, and the block hashing of a request whose new token
-fills a block (vLLM's own scheduler hashes it too): the core's ``vllm_sha256_block_hashes`` for vLLM's default
-SHA-256 hash of a block without extra keys, vLLM's block hasher otherwise. Everything else in ``schedule()`` and
-``update_from_output()`` is the adapter's Python (mirroring vLLM's request fields, building vLLM's
-``SchedulerOutput``, ``EngineCoreOutput`` objects and ``SchedulerStats``). Prints per-step medians over the
-steps with the workload's most common number of scheduled requests (the steady state), and over all steps.
+(``--async-scheduling``: ``--impl vllm-adapter-async``; same driver, same loop, warm-up, ``gc.freeze``), with
+timers around the parts that are not the adapter's own Python: the Rust core's calls (``schedule()`` with the
+``num_output_tokens`` column it hands out, ``update_from_output()``), the block hashing of a request whose new
+token fills a block (vLLM's own scheduler hashes it too): the core's ``vllm_sha256_block_hashes`` for vLLM's
+default SHA-256 hash of a block without extra keys, vLLM's block hasher otherwise, and ``make_stats()`` (vLLM's
+``SchedulerStats``, every step with stats on). Everything else in ``schedule()`` and ``update_from_output()`` is
+the adapter's Python (mirroring vLLM's request fields, building vLLM's ``SchedulerOutput`` and one
+``EngineCoreOutput`` per request). Prints per-step medians over the steps with the workload's most common number
+of scheduled requests (the steady state), and over all steps.
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONPATH=python python scripts/profile_vllm_adapter.py -w a
 """
@@ -59,16 +61,18 @@ class Timer:
 core_hash = adapter_module.vllm_sha256_block_hashes
 
 
-def run_once(config: Any, wl: Workload) -> np.ndarray:
+def run_once(config: Any, wl: Workload, impl: str) -> np.ndarray:
     """One timed run; rows of (scheduled requests, schedule ns, core schedule ns, update ns, core update ns,
-    vLLM hasher ns, core block hash ns), one per step."""
-    driver: Any = harness.make_driver("vllm-adapter", config)
+    vLLM hasher ns, core block hash ns, make_stats ns), one per step."""
+    driver: Any = harness.make_driver(impl, config)
     sched = driver._sched
     core = sched._core
     t_core_sched, t_core_upd, t_hash, t_sched, t_upd = Timer(), Timer(), Timer(), Timer(), Timer()
-    t_core_hash = Timer()
+    t_core_hash, t_stats = Timer(), Timer()
     core.schedule = t_core_sched.wrap(core.schedule)
+    core.step_num_output_tokens = t_core_sched.wrap(core.step_num_output_tokens)
     core.update_from_output = t_core_upd.wrap(core.update_from_output)
+    sched.make_stats = t_stats.wrap(sched.make_stats)
     if driver._block_hasher is not None:
         # The timed wrapper is a new object: tell the adapter whether the core may hash for it, as it would have
         # decided for vLLM's hasher itself.
@@ -100,6 +104,7 @@ def run_once(config: Any, wl: Workload) -> np.ndarray:
                 t_core_upd.take(),
                 t_hash.take(),
                 t_core_hash.take(),
+                t_stats.take(),
             )
         )
         return res
@@ -120,14 +125,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-w", "--workload", default="a")
     ap.add_argument("--repeat", type=int, default=3, help="runs; the one with the lowest median total is shown")
+    ap.add_argument("--async-scheduling", action="store_true", help="asynchronous scheduling (vllm-adapter-async)")
     args = ap.parse_args()
 
+    impl = "vllm-adapter-async" if args.async_scheduling else "vllm-adapter"
     wl = generate(get_scenario(args.workload))
     config = wl.scenario.scheduler_config()
-    harness._loop(harness.make_driver("vllm-adapter", config), wl, max_steps=50, record=False)
+    harness._loop(harness.make_driver(impl, config), wl, max_steps=50, record=False)
     best: np.ndarray | None = None
     for _ in range(args.repeat):
-        data = run_once(config, wl)
+        data = run_once(config, wl, impl)
         if best is None or np.median(data[:, 1] + data[:, 3]) < np.median(best[:, 1] + best[:, 3]):
             best = data
     assert best is not None
@@ -135,19 +142,21 @@ def main() -> None:
     counts = np.bincount(data[:, 0])
     steady = data[data[:, 0] == counts.argmax()]
     for label, sel in ((f"steady state ({counts.argmax()} scheduled, {len(steady)} steps)", steady), ("all", data)):
-        sched_ns, core_s, upd_ns, core_u, hash_ns, core_hash_ns = (sel[:, i] for i in range(1, 7))
+        sched_ns, core_s, upd_ns, core_u, hash_ns, core_hash_ns, stats_ns = (sel[:, i] for i in range(1, 8))
         parts = [
             ("schedule(): total", sched_ns),
-            ("  Rust core schedule()", core_s),
+            ("  Rust core (schedule, num_output_tokens)", core_s),
             ("  adapter Python", sched_ns - core_s),
             ("update_from_output(): total", upd_ns),
             ("  Rust core update_from_output()", core_u),
             ("  vLLM block hasher (blocks that filled)", hash_ns),
             ("  core's SHA-256 block hashes (same)", core_hash_ns),
-            ("  adapter Python", upd_ns - core_u - hash_ns - core_hash_ns),
+            ("  make_stats() (SchedulerStats)", stats_ns),
+            ("  adapter Python", upd_ns - core_u - hash_ns - core_hash_ns - stats_ns),
             ("schedule + update", sched_ns + upd_ns),
         ]
-        print(f"workload {args.workload}, {label}: median µs per step")
+        mode = "async" if args.async_scheduling else "sync"
+        print(f"workload {args.workload} ({mode}), {label}: median µs per step")
         for name, ns in parts:
             print(f"  {name:<42} {np.median(ns) / 1e3:8.1f}")
 

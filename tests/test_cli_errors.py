@@ -73,11 +73,12 @@ def test_bad_arguments_get_one_line_and_status_2(
 
 
 def test_bench_help_and_the_unknown_impl_message_name_the_same_implementations(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvsched.bench.harness import IMPLS
 
     assert list(BENCH_IMPLS) == list(IMPLS)
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse would wrap a hyphenated name over two lines
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())

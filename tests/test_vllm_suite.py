@@ -1,4 +1,5 @@
-"""vLLM 0.33's own ``tests/v1/core/test_scheduler.py`` against kvsched.vllm.Scheduler (``tests/vllm_suite/``).
+"""vLLM 0.33's own scheduler tests (``tests/v1/core/test_scheduler.py`` and the other files of ``tests/v1/core/``
+that build a scheduler) against kvsched.vllm.Scheduler (``tests/vllm_suite/``).
 
 Runs the harness's kvsched run in a subprocess and fails when a test function listed as passing in
 ``tests/vllm_suite/STATUS.md`` no longer passes, or when a function fails for a reason the harness cannot explain

@@ -42,6 +42,8 @@ BENCH_IMPLS = {
     "reference": "the pure-Python reference scheduler",
     "vllm": "vLLM's own v1 scheduler",
     "vllm-adapter": "kvsched.vllm.Scheduler, kvsched behind vLLM's scheduler interface",
+    "vllm-async": "vLLM's AsyncScheduler (asynchronous scheduling)",
+    "vllm-adapter-async": "kvsched.vllm.Scheduler with asynchronous scheduling",
 }
 
 
@@ -122,7 +124,7 @@ def _add_bench_parser(subparsers: Any) -> None:
         default="rust",
         help="comma-separated implementations: "
         + "; ".join(f"{name} ({what})" for name, what in BENCH_IMPLS.items())
-        + ". Default rust; vllm and vllm-adapter need vLLM installed. With several, the same trace runs through "
+        + ". Default rust; the vllm ones need vLLM installed. With several, the same trace runs through "
         "each and the ratios to rust are printed",
     )
     p.add_argument(

@@ -1,9 +1,11 @@
 """pytest plugin loaded by ``tests/vllm_suite/run.py`` into a run of vLLM 0.33's own scheduler tests.
 
 With ``KVSCHED_SUITE_IMPL=kvsched`` it puts ``kvsched.vllm.Scheduler`` where vLLM's tests name vLLM's
-``Scheduler``/``AsyncScheduler``: the module globals of ``tests/v1/core/utils.py`` (read by ``create_scheduler``),
-``tests/v1/kv_connector/unit/utils.py`` and ``tests/v1/core/test_scheduler.py``. vLLM's test code itself is not
-changed. With ``KVSCHED_SUITE_IMPL=vllm`` nothing is substituted (the baseline run).
+``Scheduler``/``AsyncScheduler``: every module global of vLLM's test tree (modules ``tests.*``) bound to one of
+those two classes, e.g. in ``tests/v1/core/utils.py`` (read by ``create_scheduler``),
+``tests/v1/kv_connector/unit/utils.py``, ``tests/v1/core/test_scheduler.py`` (``create_scheduler_with_priority``)
+and the test files that import vLLM's class themselves. vLLM's test code itself is not changed. With
+``KVSCHED_SUITE_IMPL=vllm`` nothing is substituted (the baseline run).
 
 Either way it records, per test case, the outcome, the failure's one-line crash message, and which scheduler
 classes the test constructed (a test that never built kvsched's class does not count as passing against it), and
@@ -79,18 +81,29 @@ def pytest_configure(config: pytest.Config) -> None:
     import importlib
 
     for name in ("tests.v1.core.utils", "tests.v1.kv_connector.unit.utils"):
-        module = importlib.import_module(name)
-        module.Scheduler = _SUBSTITUTE  # type: ignore[attr-defined]
-        module.AsyncScheduler = _ASYNC_SUBSTITUTE  # type: ignore[attr-defined]
+        _substitute(importlib.import_module(name))
+
+
+def _substitute(module: Any) -> None:
+    """Rebinds the module's globals that name vLLM's ``Scheduler`` or ``AsyncScheduler`` to kvsched's class."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+    for name, value in list(vars(module).items()):
+        if value is VllmScheduler:
+            setattr(module, name, _SUBSTITUTE)
+        elif value is VllmAsyncScheduler:
+            setattr(module, name, _ASYNC_SUBSTITUTE)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if _SUBSTITUTE is None:
         return
-    for item in items:
-        module = getattr(item, "module", None)
-        if module is not None and module.__name__.endswith("test_scheduler") and hasattr(module, "Scheduler"):
-            module.Scheduler = _SUBSTITUTE
+    # Every module of vLLM's test tree imported by now: the collected test files and what they import (e.g.
+    # test_scheduler.py's create_scheduler_with_priority, used by other files).
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "tests" or name.startswith("tests.")):
+            _substitute(module)
 
 
 @pytest.hookimpl(tryfirst=True)

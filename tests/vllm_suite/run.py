@@ -1,22 +1,25 @@
-"""Run vLLM 0.33's own scheduler tests (``tests/v1/core/test_scheduler.py``) against ``kvsched.vllm.Scheduler``.
+"""Run vLLM 0.33's own scheduler tests (``tests/v1/core/test_scheduler.py`` and the other test files of
+``tests/v1/core/`` that build a scheduler) against ``kvsched.vllm.Scheduler``.
 
 vLLM's test code is never copied into this repository: it is taken, at run time, from vLLM 0.33.0's sdist
 (``vllm-0.33.0.tar.gz``, SHA-256 checked; downloaded from PyPI's files host when no local copy is found) and
 unpacked into a work directory (default ``build/vllm-suite/``, git-ignored), together with a hand-written
 ``config.json`` for ``facebook/opt-125m`` in an HF cache the harness creates there (no network for models).
-pytest then runs ``test_scheduler.py`` with ``kvsched_suite_plugin.py``, which substitutes kvsched's class for
-vLLM's ``Scheduler``/``AsyncScheduler`` (``--impl kvsched``) or substitutes nothing (``--impl vllm``: the
-baseline on this machine). With both runs done, ``STATUS.md`` (next to this file) lists every test function of
-``test_scheduler.py`` with its status against kvsched and against vLLM's own scheduler.
+pytest then runs the test files (``TEST_FILES``) with ``kvsched_suite_plugin.py``, which substitutes kvsched's
+class for vLLM's ``Scheduler``/``AsyncScheduler`` (``--impl kvsched``) or substitutes nothing (``--impl vllm``:
+the baseline on this machine). With both runs done, ``STATUS.md`` (next to this file) lists every test function
+of every file with its status against kvsched and against vLLM's own scheduler.
 
 Usage, from the repository root (vLLM 0.33 must be importable by ``--python``; build the extension into
 ``python/kvsched`` first, e.g. with ``maturin develop --release``)::
 
     python3 tests/vllm_suite/run.py --python /path/to/vllm-env/bin/python         # both runs + STATUS.md
     python3 tests/vllm_suite/run.py --python ... --impl kvsched -k test_schedule  # one run, a subset
+    python3 tests/vllm_suite/run.py --python ... --impl kvsched --files test_async_scheduler.py  # some files
 
 Exit status (a kvsched run without ``-k``): 1 when a function fails against kvsched for a reason the harness cannot
-explain (category "fails"), or when a function that ``STATUS.md`` lists as passing does not pass now; else 0.
+explain (category "fails"), or when a function of the files run that ``STATUS.md`` lists as passing does not pass
+now; else 0.
 """
 
 from __future__ import annotations
@@ -47,17 +50,30 @@ SIMPLE_INDEX = "https://pypi.org/simple/vllm/"
 # A copy kept in the temporary directory ($TMPDIR, usually /tmp) by an earlier download or by hand.
 SDIST_CANDIDATES = (Path(tempfile.gettempdir()) / "vllm-sdist" / SDIST_NAME,)
 TEST_FILE = "tests/v1/core/test_scheduler.py"
-# The files of vLLM's test tree that test_scheduler.py imports (directly or through utils.py).
+# The test files of tests/v1/core/ that build a scheduler (through create_scheduler, create_scheduler_with_priority
+# or vLLM's class), test_scheduler.py first. Not here: test_prefix_caching.py (vLLM's KVCacheManager itself; two of
+# its 124 functions build a scheduler) and the *_e2e.py files (a whole LLM engine with a real model).
+TEST_FILES = (
+    TEST_FILE,
+    "tests/v1/core/test_async_scheduler.py",
+    "tests/v1/core/test_priority_scheduler_random.py",
+    "tests/v1/core/test_priority_preemption_bug.py",
+    "tests/v1/core/test_deferred_block_free.py",
+    "tests/v1/core/test_worker_slot_overflow.py",
+    "tests/v1/core/test_prefix_replay.py",
+    "tests/v1/core/test_swa_inflight_window_free.py",
+)
+# The files of vLLM's test tree that the test files import (directly or through utils.py).
 SDIST_MEMBERS = (
     "tests/__init__.py",
     "tests/v1/__init__.py",
     "tests/v1/core/__init__.py",
     "tests/v1/core/utils.py",
-    "tests/v1/core/test_scheduler.py",
     "tests/v1/core/test_prefix_caching.py",
     "tests/v1/kv_connector/__init__.py",
     "tests/v1/kv_connector/unit/__init__.py",
     "tests/v1/kv_connector/unit/utils.py",
+    *TEST_FILES,
 )
 # facebook/opt-125m's config.json (its public architecture numbers), written by hand: the tests build a
 # ModelConfig for it and read nothing but the architecture; no weights or tokenizer are needed.
@@ -78,6 +94,17 @@ OPT_125M_CONFIG = {
     "pad_token_id": 1,
     "torch_dtype": "float16",
 }
+# facebook/opt-350m's config.json, likewise (test_priority_preemption_bug.py builds a ModelConfig for it).
+OPT_350M_CONFIG = {
+    **OPT_125M_CONFIG,
+    "hidden_size": 1024,
+    "ffn_dim": 4096,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 24,
+    "word_embed_proj_dim": 512,
+    "do_layer_norm_before": False,
+}
+MODEL_CONFIGS = {"facebook/opt-125m": OPT_125M_CONFIG, "facebook/opt-350m": OPT_350M_CONFIG}
 FAKE_REVISION = "0" * 40
 VLLM_MARKERS = (
     "cpu_test",
@@ -104,7 +131,8 @@ INTERNALS = re.compile(
     r"has no attribute '(kv_cache_manager|encoder_cache_manager|_\w+|ec_connector\w*|connector\w*|"
     r"kv_event_publisher|dcp_world_size|pcp_world_size|hisparse\w*|policy|skipped_waiting\w*|"
     r"num_waiting_for_remote_kv|max_num_encoder_input_tokens|encoder_compute_budget|mm_\w+|"
-    r"routed_experts\w*|waiting_for_\w+|\w*lora\w*|prev_step\w*|kv_cache_config|\w+_queue)'"
+    r"routed_experts\w*|waiting_for_\w+|\w*lora\w*|prev_step\w*|kv_cache_config|\w+_queue|deferred_frees|"
+    r"\w+_step_seq)'"
 )
 REFUSED = re.compile(r"does not support ([^\n]+)")
 # Configurations vLLM 0.33's scheduler accepts and kvsched's core refuses at construction (a core difference).
@@ -118,6 +146,11 @@ CORE_DIFFERENCES: tuple[tuple[re.Pattern[str], str], ...] = (
         "kvsched refuses an empty sampled-token list for a decode step (`InvalidOutputError`); vLLM accepts it, "
         "appends nothing and keeps the scheduled drafts counted as computed (its model runners send an empty list "
         "only for partial prefills)",
+    ),
+    (
+        re.compile(r"do not fit the KV cache"),
+        "kvsched refuses at `add_request` a request that could never finish (its prompt + max_tokens - 1 tokens "
+        "above the whole KV cache); vLLM accepts it, and it stays waiting or preempted for good",
     ),
 )
 
@@ -163,6 +196,51 @@ CURATED: dict[str, str] = {
         "patches vLLM's private `_make_scheduled_encoder_input_stats` (encoder input stats)"
     ),
 }
+_AUX = (
+    "sets an auxiliary output connector (`aux_output_connector`: routed-experts capture) on the scheduler after "
+    "construction; kvsched.vllm has none"
+)
+CURATED.update(
+    {
+        "test_routed_experts_prompt_start_at_prompt_end": _AUX,
+        "test_routed_experts_hashes_follow_scheduled_tokens": _AUX,
+        "test_prefix_hit_is_capped_at_retained_auxiliary_outputs": _AUX,
+        "test_evicted_blocks_release_their_auxiliary_outputs_past_capacity": _AUX,
+        "test_scheduler_reset_prefix_cache": _AUX + " (the test checks that a reset resets it)",
+        "test_aux_output_reset_follows_kv_reset_result": _AUX + "; replaces the KV manager's `reset_prefix_cache`",
+        "test_scheduler_publishes_lookahead_blocks_at_allocation": (
+            "gives requests a block hasher with a look-ahead token and no speculative decoding configured: vLLM "
+            "then caches a block only once the token after it exists; kvsched's core caches a block once it is "
+            "computed (kvsched.vllm refuses look-ahead hashing where vLLM's config asks for it)"
+        ),
+        "test_pending_hisparse_reclamation_defers_preemption": (
+            "replaces the KV cache manager's `allocate_slots` and binds a HiSparse connector (refused by kvsched.vllm)"
+        ),
+        "test_async_scheduler.py::test_no_spec_decode_padding_up_to_max_model_len": (
+            "sets a request's `num_computed_tokens` by hand before adding it (a disaggregated decode worker's "
+            "state without a KV connector); kvsched's core counts computed tokens itself, from its prefix cache "
+            "or a KV connector's load"
+        ),
+        "test_async_scheduler.py::test_abort_request_when_structured_output_fsm_cannot_advance": CURATED[
+            "test_abort_request_when_structured_output_fsm_cannot_advance"
+        ],
+    }
+)
+# Failure messages that a hand-written reason explains: (pattern, reason).
+HAND_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"property 'defer_block_free' of '\w+' object has no setter"),
+        "forces vLLM's deferred block freeing on (`scheduler.defer_block_free = True`) and reads its bookkeeping "
+        "(`deferred_frees`, step sequence numbers); kvsched frees blocks at once and refuses the configurations "
+        "where vLLM defers (KV consumer connectors with several batches in flight)",
+    ),
+)
+# kvsched.vllm's kv_cache_manager is a read-only view: a test that replaces or patches one of its members.
+READ_ONLY_VIEW = re.compile(
+    r"(?:KVCacheManagerView|BlockPoolView|_Coordinator|_SingleTypeManager)"
+    r"(?: is a read-only view of kvsched's KV cache: (?:it has no )?| object at 0x[0-9a-f]+> (?:does not have the "
+    r"attribute|has no attribute) )'(\w+)'"
+)
 OFFLINE_MODEL = re.compile(r"Invalid repository ID or local directory specified: '([^']+)'")
 MISSING_FIXTURE = re.compile(r"fixture '(\w+)' not found")
 
@@ -176,6 +254,7 @@ class Verdict:
 
 @dataclass
 class Function:
+    file: str  # path in vLLM's source tree, e.g. tests/v1/core/test_scheduler.py
     name: str
     line: int
     kvsched: Verdict = field(default_factory=lambda: Verdict("not run"))
@@ -261,16 +340,19 @@ def prepare(sdist: Path, workdir: Path) -> Path:
     markers = "\n".join(f"    {m}" for m in VLLM_MARKERS)
     (src / "pytest.ini").write_text(f"[pytest]\nmarkers =\n{markers}\n", encoding="utf-8")
 
-    model = workdir / "hf" / "hub" / "models--facebook--opt-125m"
-    snapshot = model / "snapshots" / FAKE_REVISION
-    snapshot.mkdir(parents=True, exist_ok=True)
-    (model / "refs").mkdir(exist_ok=True)
-    (model / "refs" / "main").write_text(FAKE_REVISION, encoding="utf-8")
-    (snapshot / "config.json").write_text(json.dumps(OPT_125M_CONFIG, indent=1), encoding="utf-8")
+    for name, config in MODEL_CONFIGS.items():
+        model = workdir / "hf" / "hub" / ("models--" + name.replace("/", "--"))
+        snapshot = model / "snapshots" / FAKE_REVISION
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (model / "refs").mkdir(exist_ok=True)
+        (model / "refs" / "main").write_text(FAKE_REVISION, encoding="utf-8")
+        (snapshot / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     return src
 
 
-def run_pytest(python: str, src: Path, workdir: Path, impl: str, extra: list[str]) -> dict[str, dict[str, object]]:
+def run_pytest(
+    python: str, src: Path, workdir: Path, impl: str, files: Iterable[str], extra: list[str]
+) -> dict[str, dict[str, object]]:
     results = workdir / f"results-{impl}.json"
     results.unlink(missing_ok=True)
     env = dict(os.environ)
@@ -288,7 +370,7 @@ def run_pytest(python: str, src: Path, workdir: Path, impl: str, extra: list[str
         python,
         "-m",
         "pytest",
-        str(src / TEST_FILE),
+        *(str(src / f) for f in files),
         "-c",
         str(src / "pytest.ini"),
         "--rootdir",
@@ -310,21 +392,25 @@ def run_pytest(python: str, src: Path, workdir: Path, impl: str, extra: list[str
     return data
 
 
-def test_functions(src: Path) -> list[Function]:
-    tree = ast.parse((src / TEST_FILE).read_text(encoding="utf-8"))
-    return [
-        Function(node.name, node.lineno)
-        for node in tree.body
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")
-    ]
+def test_functions(src: Path, files: Iterable[str]) -> list[Function]:
+    functions = []
+    for file in files:
+        tree = ast.parse((src / file).read_text(encoding="utf-8"))
+        functions += [
+            Function(file, node.name, node.lineno)
+            for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")
+        ]
+    return functions
 
 
-def _cases(results: dict[str, dict[str, object]], name: str) -> list[dict[str, object]]:
-    return [
-        r
-        for nodeid, r in sorted(results.items())
-        if nodeid.split("::", 1)[-1] == name or nodeid.split("::", 1)[-1].startswith(name + "[")
-    ]
+def _cases(results: dict[str, dict[str, object]], file: str, name: str) -> list[dict[str, object]]:
+    cases = []
+    for nodeid, r in sorted(results.items()):
+        path, _, test = nodeid.partition("::")
+        if path == file and (test == name or test.startswith(name + "[")):
+            cases.append(r)
+    return cases
 
 
 def _short(message: str) -> str:
@@ -349,7 +435,15 @@ def classify_vllm(cases: list[dict[str, object]]) -> Verdict:
     return Verdict(category, _short(message), (passed, total))
 
 
-def classify_kvsched(name: str, cases: list[dict[str, object]], baseline: list[dict[str, object]]) -> Verdict:
+def _curated(file: str, name: str) -> str | None:
+    """The hand-written reason for a function: keyed ``name`` in test_scheduler.py, ``file.py::name`` elsewhere."""
+    key = name if file == TEST_FILE else f"{Path(file).name}::{name}"
+    return CURATED.get(key)
+
+
+def classify_kvsched(
+    file: str, name: str, cases: list[dict[str, object]], baseline: list[dict[str, object]]
+) -> Verdict:
     if not cases:
         return Verdict("not collected")
     total = len(cases)
@@ -357,8 +451,9 @@ def classify_kvsched(name: str, cases: list[dict[str, object]], baseline: list[d
     if len(good) == total:
         return Verdict("pass", cases=(total, total))
     counts = (len(good), total)
-    if name in CURATED:
-        return Verdict("out of scope", CURATED[name], counts)
+    curated = _curated(file, name)
+    if curated is not None:
+        return Verdict("out of scope", curated, counts)
     for case in cases:
         if case["outcome"] == "passed" and "kvsched" in case["built"]:  # type: ignore[operator]
             continue
@@ -373,6 +468,16 @@ def classify_kvsched(name: str, cases: list[dict[str, object]], baseline: list[d
             return Verdict("out of scope", f"needs the HF config of `{m.group(1)}` (not available offline)", counts)
         if (m := MISSING_FIXTURE.search(message)) is not None:
             return Verdict("out of scope", f"needs the fixture `{m.group(1)}` of vLLM's tests/conftest.py", counts)
+        hand = next((why for pattern, why in HAND_PATTERNS if pattern.search(message)), None)
+        if hand is not None:
+            return Verdict("out of scope", hand, counts)
+        if (m := READ_ONLY_VIEW.search(message)) is not None:
+            return Verdict(
+                "out of scope",
+                f"replaces or patches the KV cache manager's `{m.group(1)}` (kvsched's `kv_cache_manager` is a "
+                "read-only view of its core, which allocates and frees the blocks)",
+                counts,
+            )
         if any(p.search(message) for p in PENDING_CORE_API):
             return Verdict("pending core API", _short(message), counts)
         if (m := REFUSED.search(message)) is not None and "UnsupportedFeatureError" in message:
@@ -401,50 +506,90 @@ def _count(functions: Iterable[Function], attr: str) -> dict[str, int]:
     return counts
 
 
-def write_status(functions: list[Function], path: Path, command: str) -> None:
-    kv = _count(functions, "kvsched")
-    vl = _count(functions, "vllm")
+def _fmt(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
-    def fmt(counts: dict[str, int]) -> str:
-        return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
-    def cases(attr: str) -> str:
-        passed = sum(getattr(f, attr).cases[0] for f in functions)
-        return f"{passed} of {sum(getattr(f, attr).cases[1] for f in functions)} test cases pass"
+def _num_cases(functions: list[Function], attr: str) -> tuple[int, int]:
+    return sum(getattr(f, attr).cases[0] for f in functions), sum(getattr(f, attr).cases[1] for f in functions)
 
+
+def write_status(functions: list[Function], files: Iterable[str], path: Path, command: str) -> None:
+    by_file = {file: [f for f in functions if f.file == file] for file in files}
     lines = [
-        "# vLLM 0.33's `tests/v1/core/test_scheduler.py` against kvsched.vllm.Scheduler",
+        "# vLLM 0.33's scheduler tests against kvsched.vllm.Scheduler",
         "",
         f"Generated by `{command}` (see `README.md` next to this file); do not edit by hand.",
         "",
-        f"- {len(functions)} test functions.",
-        f"- kvsched.vllm.Scheduler in place of vLLM's `Scheduler`/`AsyncScheduler`: {fmt(kv)} ({cases('kvsched')}).",
-        f"- vLLM's own scheduler, same harness, same machine: {fmt(vl)} ({cases('vllm')}).",
+        "kvsched.vllm.Scheduler runs in place of vLLM's `Scheduler`/`AsyncScheduler`; the baseline is vLLM's own",
+        "scheduler in the same harness on the same machine. A function passes when all its parametrized cases pass",
+        "and every case built kvsched's class. Cases (passing/all) are shown when a function is parametrized or",
+        "partly passes.",
         "",
-        "A function passes when all its parametrized cases pass and every case built kvsched's class. Cases",
-        "(passing/all) are shown when a function is parametrized or partly passes.",
-        "",
-        "| test function | kvsched | why (kvsched) | vLLM's own | why (vLLM) |",
-        "|---|---|---|---|---|",
+        "| test file | functions | pass: kvsched | pass: vLLM's own | cases passing: kvsched | cases: vLLM's own |",
+        "|---|--:|--:|--:|--:|--:|",
     ]
+    for file, fs in [*by_file.items(), ("all", functions)]:
+        name = f"`{Path(file).name}`" if file != "all" else "all"
+        kv_pass = sum(f.kvsched.category == "pass" for f in fs)
+        vl_pass = sum(f.vllm.category == "pass" for f in fs)
+        kv_cases, vl_cases = _num_cases(fs, "kvsched"), _num_cases(fs, "vllm")
+        lines.append(
+            f"| {name} | {len(fs)} | {kv_pass} | {vl_pass} | {kv_cases[0]} of {kv_cases[1]} "
+            f"| {vl_cases[0]} of {vl_cases[1]} |"
+        )
 
     def cell(v: Verdict) -> str:
         n, total = v.cases
         return v.category + (f" ({n}/{total})" if total > 1 or (total and n != total and v.category != "fails") else "")
 
-    for f in functions:
-        why_kv = f.kvsched.reason.replace("|", "\\|")
-        why_vl = f.vllm.reason.replace("|", "\\|")
-        lines.append(f"| `{f.name}` (l. {f.line}) | {cell(f.kvsched)} | {why_kv} | {cell(f.vllm)} | {why_vl} |")
+    for file, fs in by_file.items():
+        lines += [
+            "",
+            f"## {file}",
+            "",
+            f"- {len(fs)} test functions.",
+            f"- kvsched.vllm.Scheduler: {_fmt(_count(fs, 'kvsched'))}.",
+            f"- vLLM's own scheduler: {_fmt(_count(fs, 'vllm'))}.",
+            "",
+            "| test function | kvsched | why (kvsched) | vLLM's own | why (vLLM) |",
+            "|---|---|---|---|---|",
+        ]
+        for f in fs:
+            why_kv = f.kvsched.reason.replace("|", "\\|")
+            why_vl = f.vllm.reason.replace("|", "\\|")
+            lines.append(f"| `{f.name}` (l. {f.line}) | {cell(f.kvsched)} | {why_kv} | {cell(f.vllm)} | {why_vl} |")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def passing_in(status: Path) -> set[str]:
-    """The functions a STATUS.md lists as passing against kvsched."""
+    """The functions a STATUS.md lists as passing against kvsched, as ``file::name``."""
     if not status.exists():
         return set()
+    heading = re.compile(r"^## (tests/\S+\.py)$")
     row = re.compile(r"^\| `(test_\w+)` \(l\. \d+\) \| pass[ |]")
-    return {m.group(1) for line in status.read_text(encoding="utf-8").splitlines() if (m := row.match(line))}
+    passing: set[str] = set()
+    file = TEST_FILE  # a STATUS.md without headings lists test_scheduler.py only
+    for line in status.read_text(encoding="utf-8").splitlines():
+        if (h := heading.match(line)) is not None:
+            file = h.group(1)
+        elif (m := row.match(line)) is not None:
+            passing.add(f"{file}::{m.group(1)}")
+    return passing
+
+
+def _select_files(names: str | None) -> tuple[str, ...]:
+    if not names:
+        return TEST_FILES
+    by_name = {Path(f).name: f for f in TEST_FILES}
+    chosen = []
+    for name in names.split(","):
+        name = name.strip()
+        key = name if name.endswith(".py") else name + ".py"
+        if key not in by_name:
+            raise SystemExit(f"--files: {name!r} is not one of {', '.join(by_name)}")
+        chosen.append(by_name[key])
+    return tuple(chosen)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -458,37 +603,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=str(REPO / "build" / "vllm-suite"))
     parser.add_argument("--status", default=str(HERE / "STATUS.md"), help="the STATUS.md to check against and write")
     parser.add_argument("--no-write", action="store_true", help="check against STATUS.md, do not rewrite it")
+    parser.add_argument(
+        "--files",
+        help="comma-separated test files to run (names such as test_async_scheduler.py; default: all of "
+        "TEST_FILES; STATUS.md is then checked for those files and not written)",
+    )
     parser.add_argument("-k", dest="keyword", help="pytest -k expression (STATUS.md is neither checked nor written)")
     args = parser.parse_args(argv)
 
     workdir = Path(args.workdir).resolve()
     status = Path(args.status)
-    expected = passing_in(status)
+    files = _select_files(args.files)
+    expected = {key for key in passing_in(status) if key.split("::", 1)[0] in files}
     sdist = find_sdist(args.sdist, workdir, allow_download=not args.no_download)
     src = prepare(sdist, workdir)
     extra = ["-k", args.keyword] if args.keyword else []
     impls = ("vllm", "kvsched") if args.impl == "both" else (args.impl,)
-    results = {impl: run_pytest(args.python, src, workdir, impl, extra) for impl in impls}
+    results = {impl: run_pytest(args.python, src, workdir, impl, files, extra) for impl in impls}
 
-    functions = test_functions(src)
+    functions = test_functions(src, files)
     for f in functions:
-        baseline = _cases(results["vllm"], f.name) if "vllm" in results else []
+        baseline = _cases(results["vllm"], f.file, f.name) if "vllm" in results else []
         if "vllm" in results:
             f.vllm = classify_vllm(baseline)
         if "kvsched" in results:
-            f.kvsched = classify_kvsched(f.name, _cases(results["kvsched"], f.name), baseline)
+            f.kvsched = classify_kvsched(f.file, f.name, _cases(results["kvsched"], f.file, f.name), baseline)
     for f in functions:
         if "not collected" not in (f.kvsched.category, f.vllm.category):
-            print(f"{f.name}: kvsched={f.kvsched.category} {f.kvsched.reason} | vllm={f.vllm.category} {f.vllm.reason}")
-    if args.impl == "both" and not args.keyword and not args.no_write:
-        write_status(functions, status, "python3 tests/vllm_suite/run.py --python /path/to/vllm-env/bin/python")
+            print(
+                f"{Path(f.file).name}::{f.name}: kvsched={f.kvsched.category} {f.kvsched.reason} "
+                f"| vllm={f.vllm.category} {f.vllm.reason}"
+            )
+    if args.impl == "both" and not args.keyword and not args.no_write and files == TEST_FILES:
+        write_status(functions, files, status, "python3 tests/vllm_suite/run.py --python /path/to/vllm-env/bin/python")
         print(f"wrote {status}")
     for impl in impls:
-        print(f"{impl}: {_count(functions, impl)}")
+        for file in files:
+            print(f"{impl} {Path(file).name}: {_count((f for f in functions if f.file == file), impl)}")
     if "kvsched" not in results or args.keyword:
         return 0
-    unexpected = [f.name for f in functions if f.kvsched.category == "fails"]
-    regressed = sorted(expected - {f.name for f in functions if f.kvsched.category == "pass"})
+    unexpected = [f"{Path(f.file).name}::{f.name}" for f in functions if f.kvsched.category == "fails"]
+    passing = {f"{f.file}::{f.name}" for f in functions if f.kvsched.category == "pass"}
+    regressed = sorted(expected - passing)
     if unexpected:
         print(f"FAIL: unexplained failures against kvsched: {', '.join(unexpected)}")
     if regressed:

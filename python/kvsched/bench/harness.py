@@ -163,11 +163,27 @@ def _vllm_adapter_driver(config: SchedulerConfig) -> Driver:
     return driver
 
 
+def _vllm_async_driver(config: SchedulerConfig) -> Driver:
+    from .vllm_impl import VllmDriver
+
+    driver: Driver = VllmDriver(config, "vllm-async")
+    return driver
+
+
+def _vllm_adapter_async_driver(config: SchedulerConfig) -> Driver:
+    from .vllm_impl import VllmDriver
+
+    driver: Driver = VllmDriver(config, "vllm-adapter-async")
+    return driver
+
+
 IMPLS: dict[str, Callable[[SchedulerConfig], Driver]] = {
     "rust": _rust_driver,
     "reference": _reference_driver,
     "vllm": _vllm_driver,
     "vllm-adapter": _vllm_adapter_driver,
+    "vllm-async": _vllm_async_driver,
+    "vllm-adapter-async": _vllm_adapter_async_driver,
 }
 
 

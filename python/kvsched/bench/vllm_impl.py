@@ -1,6 +1,9 @@
 """``--impl vllm`` and ``--impl vllm-adapter``: replay a trace through vLLM 0.33's own v1 ``Scheduler``, or through
 ``kvsched.vllm.Scheduler`` (kvsched's core behind vLLM's scheduler interface), with vLLM's own request, output and
-model-runner-output objects (optional; needs ``vllm`` importable).
+model-runner-output objects (optional; needs ``vllm`` importable). ``vllm-async`` and ``vllm-adapter-async`` are
+the same with asynchronous scheduling on (vLLM's ``AsyncScheduler``; kvsched.vllm with ``async_scheduling``): the
+bench loop still applies each step before scheduling the next, so both schedule the same steps as without it,
+with the output placeholders and in-flight bookkeeping of asynchronous scheduling.
 
 No model and no GPU: :mod:`kvsched.vllm.testing` builds the scheduler the way vLLM's engine core does, on a tiny
 Llama ``config.json`` (no weights, no tokenizer) and a hand-built ``KVCacheConfig`` with one full-attention group
@@ -34,6 +37,8 @@ class VllmDriver:
     benchmark loop."""
 
     def __init__(self, config: SchedulerConfig, impl: str = "vllm") -> None:
+        if impl not in ("vllm", "vllm-adapter", "vllm-async", "vllm-adapter-async"):
+            raise ValueError(f"impl must be vllm, vllm-adapter, vllm-async or vllm-adapter-async, got {impl!r}")
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
@@ -64,8 +69,10 @@ class VllmDriver:
             policy=config.policy,
             scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
             watermark=config.watermark,
+            async_scheduling=impl.endswith("-async"),
         )
-        self._sched = make_scheduler("vllm" if impl == "vllm" else "kvsched", vllm_config, log_stats=True)
+        kind = "kvsched" if impl.startswith("vllm-adapter") else "vllm"
+        self._sched = make_scheduler(kind, vllm_config, log_stats=True)
         self._block_hasher: Callable[[Any], Any] | None = (
             request_block_hasher(config.block_size) if config.enable_prefix_caching else None
         )

@@ -14,7 +14,6 @@ output and every request's state with vLLM's own scheduler after every call.
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -38,9 +37,12 @@ from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._config import UnsupportedFeatureError, _check_kv_cache_config, check_kv_connector, kvsched_config_from_vllm
 from ._connector import ConnectorBridge
+from ._kv_view import KVCacheManagerView
+from ._kv_view import lora_key as _lora_key
 from ._policy import RequestAttrs, TenantLog, read_additional_config
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -52,7 +54,6 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
-_OUTPUT_TOKEN_IDS = operator.attrgetter("_output_token_ids")
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 _KV_WAITING_FOR_REMOTE_KVS = int(KvRequestStatus.WAITING_FOR_REMOTE_KVS)
 _KV_WAITING_FOR_GRAMMAR = int(KvRequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
@@ -69,14 +70,6 @@ _PAUSE_NAMES = {
     PauseState.PAUSED_NEW: "paused_new",
     PauseState.PAUSED_ALL: "paused_all",
 }
-
-
-def _lora_key(lora_request: Any) -> str | None:
-    """The adapter's identity in the core: vLLM keys prefix-cache blocks by the LoRA's name and path (and counts
-    ``max_loras`` by its id, which names map to one to one), so the core gets both."""
-    if lora_request is None:
-        return None
-    return f"{lora_request.lora_name}\x00{lora_request.lora_path}"
 
 
 def _is_vllm_sha256_hasher(hasher: Any, hash_block_size: int) -> bool:
@@ -103,6 +96,11 @@ def _is_vllm_sha256_hasher(hasher: Any, hash_block_size: int) -> bool:
     tokens = [(i * 7919) % 70001 + (i % 5) * 2**31 - 2**20 for i in range(hash_block_size)]
     want = hash_block_tokens(hash_fn, parent, tokens, None)
     return bool(vllm_sha256_block_hashes(parent, tokens, hash_block_size) == [want])
+
+
+# A step in flight: vLLM's output, the core's, its token counts, its requests in order (every entry is a
+# request: none had finished when it was scheduled), and Scheduler._num_forgotten then.
+_InFlight = tuple[SchedulerOutput, Any, list[int], list[Request], int, "npt.NDArray[np.int32]"]
 
 
 # The request fields vLLM's _update_after_schedule changes (request, computed tokens, in-flight tokens, prefill-chunk
@@ -242,8 +240,19 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # is harmless (the slow path is complete); entries leave it once _update_slow finds nothing pending.
         self._slow_req_ids: set[str] = set()
         self._pause_state = PauseState.UNPAUSED
-        # Steps scheduled and not yet applied: (vLLM output, core output), oldest first.
-        self._in_flight: deque[tuple[SchedulerOutput, Any, list[int]]] = deque()
+        # Steps scheduled and not yet applied, oldest first (_InFlight).
+        self._in_flight: deque[_InFlight] = deque()
+        # Requests forgotten (finished, aborted) so far: a list of Request objects built for a step stays valid
+        # (every id still names the same object) while this count does not change.
+        self._num_forgotten = 0
+        # The previous step's scheduled ids and requests, and _num_forgotten then: reused by the next step when
+        # the core schedules the same requests in the same order (steady decoding).
+        self._last_req_ids: list[str] = []
+        self._last_reqs: list[Request] = []
+        self._last_num_forgotten = -1
+        # num_scheduled_tokens of the last one-token-each step (a private template) and the ids it was built for.
+        self._ones_template: dict[str, int] | None = None
+        self._ones_template_ids: list[str] | None = None
         self._prefix_cache_stats = PrefixCacheStats() if log_stats else None
         # Spec-decoding stats of the update being applied, and its grammar-invalidated draft counts.
         self._spec_stats: SpecDecodingStats | None = None
@@ -251,6 +260,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # Block hashers seen on requests -> whether the core can compute their hashes (_is_vllm_sha256_hasher).
         self._hasher_in_core: dict[Any, bool] = {}
         self.current_step = 0
+        self._kv_view: KVCacheManagerView | None = None
 
     # ---- requests ---------------------------------------------------------------------------------------
 
@@ -413,6 +423,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _forget(self, request: Request) -> None:
         req_id = request.request_id
+        self._num_forgotten += 1
         self.finished_req_ids.add(req_id)
         if self.finished_req_ids_dict is not None:
             self.finished_req_ids_dict[request.client_index].add(req_id)
@@ -516,7 +527,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         num_sched: list[int] = out.num_scheduled_tokens.tolist()
         computed: list[int] = out.num_computed_tokens.tolist()
         block_ptr_arr = out.new_block_ids_indptr
-        block_ptr: list[int] = block_ptr_arr.tolist()
         block_ids: list[int] = out.new_block_ids.tolist()
         spec_ids = out.spec_token_ids
         spec_ptr: list[int] | None = out.spec_token_ids_indptr.tolist() if len(spec_ids) else None
@@ -541,17 +551,28 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # (zips with the full num_sched stop at the last running entry); the per-request Python work is vLLM's
         # _update_after_schedule (three or four attribute updates).
         num_run = len(req_ids) - len(new_ids) - len(resumed_ids)
-        run_ids = req_ids[:num_run]
-        run_reqs: list[Request] = list(map(requests.__getitem__, run_ids))
+        run_ids = req_ids[:num_run]  # a copy: CachedRequestData gets its own list
+        num_forgotten = self._num_forgotten
+        # Steady decoding schedules the same requests in the same order step after step: then the previous
+        # step's Request list still holds (nothing finished since), and it covers prev_step_scheduled_req_ids.
+        same_as_last = (
+            num_run == len(req_ids) and num_forgotten == self._last_num_forgotten and req_ids == self._last_req_ids
+        )
+        run_reqs: list[Request] = self._last_reqs if same_as_last else list(map(requests.__getitem__, run_ids))
         run_computed = computed[:num_run]
-        if async_sched:
-            run_outputs = [len(r._output_token_ids) + r.num_output_placeholders for r in run_reqs]
-        else:  # synchronous scheduling leaves no output placeholders
-            run_outputs = list(map(len, map(_OUTPUT_TOKEN_IDS, run_reqs)))
+        # No entry is a prefill chunk or carries drafts (the core says so): no per-request chunk test below.
+        one_token_each = bool(out.one_token_each)
+        # Each entry's computed count after this step.
+        after_arr = out.num_computed_tokens + out.num_scheduled_tokens
+        # vLLM's num_output_tokens column (outputs and placeholders before this step's), from the core's counts.
+        num_outputs: list[int] = self._core.step_num_output_tokens(out).tolist()
+        run_outputs = num_outputs[:num_run]
         run_blocks: list[tuple[list[int], ...] | None] = [None] * num_run
-        if block_ptr[num_run]:  # some running request got new blocks (a block filled up)
-            for i in np.flatnonzero(block_ptr_arr[1 : num_run + 1] != block_ptr_arr[:num_run]).tolist():
-                run_blocks[i] = (block_ids[block_ptr[i] : block_ptr[i + 1]],)
+        if block_ptr_arr[num_run]:  # some running request got new blocks (a block filled up)
+            got = np.flatnonzero(block_ptr_arr[1 : num_run + 1] != block_ptr_arr[:num_run])
+            starts, ends = block_ptr_arr[got].tolist(), block_ptr_arr[got + 1].tolist()
+            for i, b0, b1 in zip(got.tolist(), starts, ends, strict=True):
+                run_blocks[i] = (block_ids[b0:b1],)
         if spec_ptr is not None:
             for i in range(num_run):
                 if spec_ptr[i + 1] > spec_ptr[i]:
@@ -567,7 +588,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 if request.spec_token_ids:
                     request.spec_token_ids = []
         # Model runner V1 gets the whole token list of a running request it did not see in the previous step.
-        prev_covers_run = v2 or prev.issuperset(run_ids)
+        # (After every step prev holds exactly that step's ids, unless a reset emptied it since.)
+        prev_covers_run = v2 or (same_as_last and len(prev) == num_run) or prev.issuperset(run_ids)
         if not prev_covers_run:
             for req_id, request in zip(run_ids, run_reqs, strict=True):
                 if req_id not in prev:
@@ -584,7 +606,36 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         pre_update: list[_UpdatedState] | None = None
         if bridge is not None:
             pre_update = list(map(_updated_state, run_reqs, run_computed))
-        if async_sched:
+        if one_token_each:
+            # Every entry samples one token and carries no drafts: none is a prefill chunk.
+            run_after = after_arr[:num_run].tolist()
+            if out.total_num_scheduled_tokens == len(req_ids):  # one token each (steady decoding)
+                if async_sched:
+                    for request, c in zip(run_reqs, run_after, strict=True):
+                        request.num_computed_tokens = c
+                        request.num_in_flight_tokens += 1
+                        request.is_prefill_chunk = False
+                        request.num_output_placeholders += 1
+                else:
+                    for request, c in zip(run_reqs, run_after, strict=True):
+                        request.num_computed_tokens = c
+                        request.num_in_flight_tokens += 1
+                        request.is_prefill_chunk = False
+            elif async_sched:
+                for request, c, n in zip(run_reqs, run_after, num_sched, strict=False):
+                    request.num_computed_tokens = c
+                    request.num_in_flight_tokens += n
+                    request.is_prefill_chunk = False
+                    request.num_output_placeholders += 1
+            else:
+                for request, c, n in zip(run_reqs, run_after, num_sched, strict=False):
+                    request.num_computed_tokens = c
+                    request.num_in_flight_tokens += n
+                    request.is_prefill_chunk = False
+            if async_sched and (num_spec or clear_drafts):
+                for request in run_reqs:
+                    request.spec_token_ids = spec_placeholders
+        elif async_sched:
             for request, c, n in zip(run_reqs, run_computed, num_sched, strict=False):
                 c += n
                 request.num_computed_tokens = c
@@ -613,16 +664,19 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         res_blocks: list[tuple[list[int], ...] | None] = []
         res_computed: list[int] = []
         res_outputs: list[int] = []
+        step_reqs = run_reqs
         if num_run < len(req_ids):
+            step_reqs = run_reqs.copy()
             new_set = set(new_ids)
             uses_mrope = self.model_uses_mrope
             for i in range(num_run, len(req_ids)):
                 req_id = req_ids[i]
                 request = requests[req_id]
+                step_reqs.append(request)
                 n = num_sched[i]
                 c = computed[i]
-                b0 = block_ptr[i]
-                b1 = block_ptr[i + 1]
+                b0 = int(block_ptr_arr[i])
+                b1 = int(block_ptr_arr[i + 1])
                 if spec_ptr is not None and spec_ptr[i + 1] > spec_ptr[i]:
                     spec_tokens[req_id] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
                 if not drafts_needed and not self._drafts_unused(request, c, n):
@@ -640,7 +694,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     res_ids.append(req_id)
                     res_blocks.append((block_ids[b0:b1],))
                     res_computed.append(c)
-                    res_outputs.append(len(request._output_token_ids) + request.num_output_placeholders)
+                    res_outputs.append(num_outputs[i])
                     if req_id not in prev:
                         all_token_ids[req_id] = request._all_token_ids.copy()
                 if pre_update is not None:
@@ -680,7 +734,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         so = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=dict(zip(req_ids, num_sched, strict=True)),
+            num_scheduled_tokens=self._num_scheduled_tokens(req_ids, num_sched, out, same_as_last),
             total_num_scheduled_tokens=out.total_num_scheduled_tokens,
             scheduled_spec_decode_tokens=spec_tokens,
             scheduled_encoder_inputs={},
@@ -697,8 +751,23 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._connector_meta_before_update(bridge, so, pre_update)
         self.finished_req_ids = set()
         self._reset_preempted_req_ids = set()
-        self._in_flight.append((so, out, num_sched))
+        self._in_flight.append((so, out, num_sched, step_reqs, num_forgotten, after_arr))
+        self._last_req_ids, self._last_reqs, self._last_num_forgotten = req_ids, step_reqs, num_forgotten
         return so
+
+    def _num_scheduled_tokens(
+        self, req_ids: list[str], num_sched: list[int], out: Any, same_as_last: bool
+    ) -> dict[str, int]:
+        """The output's ``num_scheduled_tokens`` dict. One token each (steady decoding): a copy of a kept
+        template with the same keys in the same order when the step schedules what the previous one did (a
+        dict copy costs a small fraction of building one)."""
+        if out.total_num_scheduled_tokens != len(req_ids):
+            return dict(zip(req_ids, num_sched, strict=True))
+        template = self._ones_template
+        if template is None or not same_as_last or self._ones_template_ids is not self._last_req_ids:
+            template = dict.fromkeys(req_ids, 1)
+        self._ones_template, self._ones_template_ids = template, req_ids
+        return template.copy()
 
     def _connector_meta_before_update(
         self,
@@ -802,26 +871,26 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     # ---- update -----------------------------------------------------------------------------------------
 
-    def _take_in_flight(self, scheduler_output: SchedulerOutput) -> tuple[Any, list[int]]:
+    def _take_in_flight(self, scheduler_output: SchedulerOutput) -> _InFlight:
         in_flight = self._in_flight
-        for i, (so, out, num_sched) in enumerate(in_flight):
-            if so is scheduler_output:
-                if i and all(not older.total_num_scheduled_tokens for older, _, _ in list(in_flight)[:i]):
+        for i, step in enumerate(in_flight):
+            if step[0] is scheduler_output:
+                if i and all(not older[0].total_num_scheduled_tokens for older in list(in_flight)[:i]):
                     # The core applies steps in order. Steps that scheduled nothing carry nothing to apply, and
                     # vLLM's scheduler does not need their outputs at all (its engine applies them anyway, in
                     # order): apply them here so a caller may skip them.
                     for _ in range(i):
-                        _, empty, _ = in_flight.popleft()
+                        empty = in_flight.popleft()[1]
                         self._core.update_from_output(empty, [])
                     i = 0
                 del in_flight[i]
-                return out, num_sched
+                return step
         raise ValueError("update_from_output got a SchedulerOutput this scheduler did not produce, or got it twice")
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        out, num_sched = self._take_in_flight(scheduler_output)
+        _, out, num_sched, step_reqs, num_forgotten, after = self._take_in_flight(scheduler_output)
         mro = model_runner_output
         kvo = mro.kv_connector_output if self._bridge is not None else None
         kv_failed: set[str] = set()
@@ -830,7 +899,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         sampled = mro.sampled_token_ids
         index = mro.req_id_to_index
         req_ids: list[str] = out.req_ids
-        requests = self.requests
         rows: list[list[int]]
         if not sampled:
             rows = [[] for _ in req_ids]
@@ -847,8 +915,153 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 if req_id in in_batch:
                     cached_tokens[req_id] = self._core.get_num_cached_blocks(req_id) * self.block_size
         res = self._core.update_from_output(out, rows)
-        accepted: list[int] = res.num_new_tokens.tolist()
         finished_ids = res.finished_req_ids
+        spec_sched = scheduler_output.scheduled_spec_decode_tokens
+        batch_slow = bool(mro.logprobs or mro.prompt_logprobs_dict)
+        nans = mro.num_nans_in_logits
+        if (
+            not finished_ids
+            and not spec_sched
+            and not nans
+            and not batch_slow
+            and not self._held
+            and num_forgotten == self._num_forgotten  # no entry finished since the step was scheduled
+            and (not self._slow_req_ids or self._slow_req_ids.isdisjoint(req_ids))
+        ):
+            outputs = self._update_plain(out, step_reqs, num_sched, rows, res, after)
+        else:
+            outputs = self._update_entries(
+                scheduler_output, mro, out, num_sched, rows, res, finished_ids, cached_tokens
+            )
+        if self._bridge is not None:
+            self._release_finished()
+        if self._grammar_errors or kv_failed:
+            errors, self._grammar_errors = self._grammar_errors, {}
+            # vLLM finishes grammar errors and (policy "fail") failed KV loads together.
+            error_ids = set(errors)
+            error_ids.update(kv_failed)
+            for request in self.finish_requests(error_ids, RequestStatus.FINISHED_ERROR):
+                outputs[request.client_index].append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason=request.get_finished_reason(),
+                        events=request.take_events(),
+                        trace_headers=request.trace_headers,
+                        error=errors.get(request.request_id),
+                    )
+                )
+
+        kv_connector_stats = None
+        if self._bridge is not None:
+            kv_connector_stats = self._update_connector(kvo)
+        engine_core_outputs = {client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()}
+        finished_sets = self.finished_req_ids_dict
+        if finished_sets:
+            for client, finished_set in finished_sets.items():
+                if (eco := engine_core_outputs.get(client)) is not None:
+                    eco.finished_requests = finished_set
+                else:
+                    engine_core_outputs[client] = EngineCoreOutputs(finished_requests=finished_set)
+            finished_sets.clear()
+        stats = self.make_stats(self._spec_stats if spec_sched else None, kv_connector_stats)
+        if stats is not None:
+            if (eco := next(iter(engine_core_outputs.values()), None)) is None:
+                engine_core_outputs[0] = eco = EngineCoreOutputs()
+            eco.scheduler_stats = stats
+        return engine_core_outputs
+
+    def _update_plain(
+        self,
+        out: Any,
+        reqs: list[Request],
+        num_sched: list[int],
+        rows: list[list[int]],
+        res: Any,
+        after: npt.NDArray[np.int32],
+    ) -> dict[int, list[EngineCoreOutput]]:
+        """``update_from_output`` for a step whose every entry is plain: still live, no stop, no drafts, nothing
+        else to report (no events, prefill stats, stale output, structured output, logprobs, NaNs, transfers, and
+        all for client 0). Each entry takes its tokens (none for a partial prefill); the outputs are built at
+        once."""
+        async_sched = self.async_scheduling
+        if self.num_spec_tokens or self._drafts_received:
+            # Drafts rejected in an earlier step move where this step's token lands: find the requests whose
+            # appended token filled a block from their token lists.
+            block = self.hash_block_size
+            filled_reqs: list[Request] = []
+            for request, n, generated in zip(reqs, num_sched, rows, strict=True):
+                request.num_in_flight_tokens -= n
+                if generated:
+                    request._output_token_ids.extend(generated)
+                    all_tokens = request._all_token_ids
+                    all_tokens.extend(generated)
+                    if len(all_tokens) % block < len(generated):
+                        filled_reqs.append(request)
+                    if async_sched and request.num_output_placeholders > 0:
+                        request.num_output_placeholders -= len(generated)
+            if filled_reqs:
+                self._hash_filled_blocks(filled_reqs)
+        else:
+            if all(rows) and out.total_num_scheduled_tokens == len(reqs):
+                # Steady decoding: one token scheduled and one sampled per entry.
+                if async_sched:
+                    for request, generated in zip(reqs, rows, strict=True):
+                        request.num_in_flight_tokens -= 1
+                        request._output_token_ids.extend(generated)
+                        request._all_token_ids.extend(generated)
+                        if request.num_output_placeholders > 0:
+                            request.num_output_placeholders -= 1
+                else:
+                    for request, generated in zip(reqs, rows, strict=True):
+                        request.num_in_flight_tokens -= 1
+                        request._output_token_ids.extend(generated)
+                        request._all_token_ids.extend(generated)
+            elif async_sched:
+                for request, n, generated in zip(reqs, num_sched, rows, strict=True):
+                    request.num_in_flight_tokens -= n
+                    if generated:
+                        request._output_token_ids.extend(generated)
+                        request._all_token_ids.extend(generated)
+                        if request.num_output_placeholders > 0:
+                            request.num_output_placeholders -= len(generated)
+            else:
+                for request, n, generated in zip(reqs, num_sched, rows, strict=True):
+                    request.num_in_flight_tokens -= n
+                    if generated:
+                        request._output_token_ids.extend(generated)
+                        request._all_token_ids.extend(generated)
+            # Without drafts an entry that took a token took one, the token right after the positions the step
+            # computed (its earlier steps were all applied, in order): the request now holds `after` + 1 tokens.
+            # Those whose count reached a block boundary filled a block, to be hashed.
+            last = after % self.hash_block_size == self.hash_block_size - 1
+            filled = np.flatnonzero(last if all(rows) else last & (res.num_new_tokens > 0))
+            if len(filled):
+                self._hash_filled_blocks([reqs[i] for i in filled.tolist()])
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        req_ids: list[str] = out.req_ids
+        if all(rows):
+            if rows:
+                outputs[0] = list(map(EngineCoreOutput, req_ids, rows))
+        elif any(rows):
+            outputs[0] = [EngineCoreOutput(r, g) for r, g in zip(req_ids, rows, strict=True) if g]
+        return outputs
+
+    def _update_entries(
+        self,
+        scheduler_output: SchedulerOutput,
+        mro: ModelRunnerOutput,
+        out: Any,
+        num_sched: list[int],
+        rows: list[list[int]],
+        res: Any,
+        finished_ids: list[str],
+        cached_tokens: dict[str, int],
+    ) -> dict[int, list[EngineCoreOutput]]:
+        """``update_from_output`` entry by entry: the plain ones in bulk, the others through ``_update_slow``."""
+        req_ids: list[str] = out.req_ids
+        requests = self.requests
+        accepted: list[int] = res.num_new_tokens.tolist()
         finished: dict[str, tuple[int, int]] = (
             dict(
                 zip(finished_ids, zip(res.finish_reasons.tolist(), res.stop_reasons.tolist(), strict=True), strict=True)
@@ -947,44 +1160,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._hash_filled_blocks(filled)
         for request in stopped_reqs:
             self._forget(request)
-
-        if self._bridge is not None:
-            self._release_finished()
-        if self._grammar_errors or kv_failed:
-            errors, self._grammar_errors = self._grammar_errors, {}
-            # vLLM finishes grammar errors and (policy "fail") failed KV loads together.
-            error_ids = set(errors)
-            error_ids.update(kv_failed)
-            for request in self.finish_requests(error_ids, RequestStatus.FINISHED_ERROR):
-                outputs[request.client_index].append(
-                    EngineCoreOutput(
-                        request_id=request.request_id,
-                        new_token_ids=[],
-                        finish_reason=request.get_finished_reason(),
-                        events=request.take_events(),
-                        trace_headers=request.trace_headers,
-                        error=errors.get(request.request_id),
-                    )
-                )
-
-        kv_connector_stats = None
-        if self._bridge is not None:
-            kv_connector_stats = self._update_connector(kvo)
-        engine_core_outputs = {client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()}
-        finished_sets = self.finished_req_ids_dict
-        if finished_sets:
-            for client, finished_set in finished_sets.items():
-                if (eco := engine_core_outputs.get(client)) is not None:
-                    eco.finished_requests = finished_set
-                else:
-                    engine_core_outputs[client] = EngineCoreOutputs(finished_requests=finished_set)
-            finished_sets.clear()
-        stats = self.make_stats(self._spec_stats if spec_sched else None, kv_connector_stats)
-        if stats is not None:
-            if (eco := next(iter(engine_core_outputs.values()), None)) is None:
-                engine_core_outputs[0] = eco = EngineCoreOutputs()
-            eco.scheduler_stats = stats
-        return engine_core_outputs
+        return outputs
 
     def _hash_filled_blocks(self, filled: list[Request]) -> None:
         """Appends the hashes of the blocks the last tokens filled (a request's hashes always cover its full
@@ -1364,6 +1540,30 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def core(self) -> _CoreScheduler:
         """The kvsched core scheduler (read it; changing it behind this adapter's back breaks the mirror)."""
         return self._core
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Whether the KV connector hands a request's KV off when it completes (producer roles): vLLM then drops
+        the in-flight output of a request it preempts."""
+        return self._requires_kv_delivery
+
+    @property
+    def defer_block_free(self) -> bool:
+        """vLLM's gate for returning freed blocks to the pool only after the steps in flight are applied. Always
+        False: kvsched frees at once and refuses the configurations where vLLM defers (KV consumer connectors with
+        several batches in flight)."""
+        return False
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManagerView:
+        """A read-only view of the core's KV cache with the names of vLLM's ``KVCacheManager`` (a request's
+        blocks, the block pool's free count and usage, prefix lookups, reference counts, the prefix-cache
+        counters), for vLLM's engine core, tests and tools that read the scheduler's; see
+        :mod:`kvsched.vllm._kv_view`."""
+        view = self._kv_view
+        if view is None:
+            view = self._kv_view = KVCacheManagerView(self)
+        return view
 
     @property
     def running(self) -> list[Request]:

@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::error::{Result, SchedError};
 use crate::events::KvCacheEvents;
-use crate::hashing::BlockHash;
+use crate::hashing::{BlockHash, ExtraKeys};
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
@@ -38,6 +38,85 @@ impl Scheduler {
     /// Blocks of the request whose hash is in the prefix cache map for it (its leading full, cached blocks).
     pub fn get_num_cached_blocks(&self, req_id: &str) -> Result<u32> {
         Ok(self.get_request(req_id)?.num_cached_blocks)
+    }
+
+    /// The blocks a prefix lookup of these tokens would hit now, in order (vLLM's `get_computed_blocks`): at most
+    /// `max_hit_tokens` tokens' worth of full blocks (default: all but the last token, which must be computed).
+    /// Touches nothing; none without prefix caching.
+    pub fn get_cached_block_ids(
+        &self,
+        token_ids: &[i64],
+        cache_salt: Option<&str>,
+        lora_name: Option<&str>,
+        max_hit_tokens: Option<u32>,
+    ) -> Result<Vec<u32>> {
+        let mut tokens = Vec::with_capacity(token_ids.len());
+        for &t in token_ids {
+            tokens.push(Self::check_token_id("token id", t)?);
+        }
+        let limit = match max_hit_tokens {
+            Some(m) => (m as usize).min(tokens.len()),
+            None => tokens.len().saturating_sub(1),
+        };
+        let mut hits = Vec::new();
+        if !self.config.enable_prefix_caching || limit == 0 {
+            return Ok(hits);
+        }
+        let extra =
+            ExtraKeys { cache_salt: cache_salt.map(Into::into), lora_name: lora_name.map(Into::into) };
+        let bs = self.config.kv_block_size() as usize;
+        let reach = (limit / bs) * bs; // hash only as far as a hit may reach
+        let mut hashes: Vec<BlockHash> = Vec::new();
+        self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra, &[], &mut Vec::new());
+        // find_longest_cache_hit leaves the block of the last of `n` tokens out: n = limit + 1 allows limit / bs.
+        self.kv.find_longest_cache_hit(&hashes, limit as u32 + 1, &mut hits);
+        Ok(hits)
+    }
+
+    /// Block `block`'s reference count: how many requests hold it (0 when free, and always for the null block
+    /// 0). `Err` for an id outside the pool.
+    pub fn get_block_ref_cnt(&self, block: u32) -> Result<u32> {
+        let num_blocks = self.kv.pool.num_blocks();
+        if block >= num_blocks {
+            return Err(SchedError::InvalidRequest(format!(
+                "block id {block} is outside the KV cache pool (block ids 0..{num_blocks})"
+            )));
+        }
+        Ok(self.kv.pool.ref_cnt(block))
+    }
+
+    /// vLLM's `num_output_tokens` column (`CachedRequestData`) for each entry of the most recent step: the
+    /// request's output tokens plus its output placeholders, as they were before the step added its own. Only
+    /// right after `schedule()`, before any other call changes the scheduler (as `prepare_model_inputs`).
+    pub fn step_num_output_tokens(&self, scheduler_id: u64, step_id: u64) -> Result<Vec<i32>> {
+        let stale = || {
+            SchedError::InvalidOutput(format!(
+                "step_num_output_tokens needs the most recent step, right after schedule() and before any other \
+                 call changes the scheduler; step {step_id} is not that step"
+            ))
+        };
+        if scheduler_id != self.scheduler_id {
+            return Err(SchedError::InvalidOutput("this output was produced by another scheduler".into()));
+        }
+        let rec = self.in_flight.back().ok_or_else(stale)?;
+        if rec.step_id != step_id || rec.epoch != self.epoch {
+            return Err(stale());
+        }
+        let async_scheduling = self.config.async_scheduling;
+        let mut counts = Vec::with_capacity(rec.handles.len());
+        for (k, &h) in rec.handles.iter().enumerate() {
+            let req = self.slab.resolve(h).ok_or_else(stale)?;
+            let mut placeholders = req.num_output_placeholders;
+            // The step's own placeholders (asynchronous scheduling): one per sampled token and scheduled draft.
+            if async_scheduling && !rec.is_prefill_chunk.get(k).copied().unwrap_or(false) {
+                let added = 1 + rec.num_spec_tokens.get(k).copied().unwrap_or(0);
+                placeholders = placeholders.checked_sub(added).ok_or_else(|| {
+                    SchedError::Internal(format!("entry {k}: fewer output placeholders than the step added"))
+                })?;
+            }
+            counts.push((req.num_output_tokens() + placeholders) as i32);
+        }
+        Ok(counts)
     }
 
     /// The KV cache events recorded since the last call, in the order they happened (none unless

@@ -46,6 +46,9 @@ pub struct SchedulerOutput {
     pub scheduled_encoder_inputs_indptr: Vec<i32>,
     /// Encoder-cache entries evicted since the previous step: the runner drops their outputs.
     pub free_encoder_hashes: Vec<u64>,
+    /// No entry is a prefill chunk or carries drafts: each samples exactly one token (a host mirroring the
+    /// requests' state can then skip the per-entry chunk and draft checks).
+    pub one_token_each: bool,
 }
 
 impl SchedulerOutput {
@@ -77,8 +80,10 @@ impl SchedulerOutput {
             scheduled_encoder_inputs,
             scheduled_encoder_inputs_indptr,
             free_encoder_hashes,
+            one_token_each,
         } = self;
         (*scheduler_id, *step_id, *total_num_scheduled_tokens) = (0, 0, 0);
+        *one_token_each = false;
         handles.clear();
         preempted.clear();
         preempted_before_step.clear();

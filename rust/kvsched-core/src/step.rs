@@ -1252,6 +1252,7 @@ impl Scheduler {
         rec.is_prefill_chunk = std::mem::take(is_chunk);
         rec.num_spec_tokens = std::mem::take(num_spec);
         rec.one_token_each = !*mixed;
+        out.one_token_each = !*mixed;
         refill(&mut rec.num_computed_tokens, &out.num_computed_tokens);
         refill(&mut rec.num_scheduled_tokens, &out.num_scheduled_tokens);
         refill(&mut rec.spec_token_ids, &out.spec_token_ids);

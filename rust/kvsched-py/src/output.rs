@@ -156,6 +156,12 @@ impl PySchedulerOutput {
         self.out.total_num_scheduled_tokens
     }
 
+    /// No entry is a prefill chunk or carries drafts: each samples exactly one token.
+    #[getter]
+    fn one_token_each(&self) -> bool {
+        self.out.one_token_each
+    }
+
     #[getter]
     fn req_ids<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let (handles, ids) = (&self.out.handles, &self.ids);

@@ -17,7 +17,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 use crate::config::config_from_py;
 use crate::connector::{id_list, int_list, ConnectorHandle};
 use crate::convert::{
-    float_arg, id_arg, opt_int_arg, opt_str_arg, str_arg, token_list, type_name, RaggedInput,
+    float_arg, id_arg, int_arg, opt_int_arg, opt_str_arg, str_arg, token_list, type_name, RaggedInput,
 };
 use crate::errors::{guard, py_error, type_error};
 use crate::ids::IdTable;
@@ -560,6 +560,51 @@ impl PyScheduler {
         let lora = opt_str_arg(lora_name, "lora_name")?;
         let this = borrow(slf)?;
         guard(py, || this.core.get_num_cached_tokens(&prompt, salt.as_deref(), lora.as_deref()))
+    }
+
+    /// vLLM's `num_output_tokens` column for each entry of `out`, the step just scheduled (see the core).
+    fn step_num_output_tokens<'py>(
+        slf: &Bound<'py, Self>,
+        out: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let py = slf.py();
+        let (scheduler_id, step_id) = step_key(py, out)?;
+        let this = borrow(slf)?;
+        let counts = guard(py, || this.core.step_num_output_tokens(scheduler_id, step_id))?;
+        Ok(counts.into_pyarray(py))
+    }
+
+    /// The block ids a prefix lookup of these tokens would hit now (at most `max_hit_tokens` tokens' worth,
+    /// default all but the last token); touches nothing.
+    #[pyo3(signature = (token_ids, cache_salt=None, lora_name=None, max_hit_tokens=None))]
+    fn get_cached_block_ids<'py>(
+        slf: &Bound<'py, Self>,
+        token_ids: &Bound<'py, PyAny>,
+        cache_salt: Option<&Bound<'py, PyAny>>,
+        lora_name: Option<&Bound<'py, PyAny>>,
+        max_hit_tokens: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let py = slf.py();
+        let tokens = token_list(token_ids, "token_ids", "InvalidRequestError")?;
+        let salt = opt_str_arg(cache_salt, "cache_salt")?;
+        let lora = opt_str_arg(lora_name, "lora_name")?;
+        let limit = opt_int_arg(max_hit_tokens, "max_hit_tokens", "InvalidRequestError")?
+            .map(|v| u32::try_from(v.max(0)).unwrap_or(u32::MAX));
+        let this = borrow(slf)?;
+        let ids =
+            guard(py, || this.core.get_cached_block_ids(&tokens, salt.as_deref(), lora.as_deref(), limit))?;
+        Ok(ids.into_iter().map(|b| b as i32).collect::<Vec<i32>>().into_pyarray(py))
+    }
+
+    /// A block's reference count (requests holding it); `InvalidRequestError` for an id outside the pool.
+    fn get_block_ref_cnt(slf: &Bound<'_, Self>, block_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let py = slf.py();
+        let block = int_arg(block_id, "block_id", "InvalidRequestError")?;
+        let block = u32::try_from(block).map_err(|_| {
+            py_error(py, "InvalidRequestError", format!("block id {block} is outside the KV cache pool"))
+        })?;
+        let this = borrow(slf)?;
+        guard(py, || this.core.get_block_ref_cnt(block))
     }
 
     #[pyo3(signature = (reset_running_requests=None))]

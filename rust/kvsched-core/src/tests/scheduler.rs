@@ -1122,3 +1122,76 @@ fn decode_steps_from_the_hot_columns_allocate_and_cache_at_block_boundaries() {
     s.slab.hot.decode_hi[slot] += 1;
     assert!(s.check_invariants().unwrap_err().contains("hot columns"));
 }
+
+#[test]
+fn cached_block_ids_and_ref_counts_follow_the_pool() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(0, 16), params(3));
+    let out = s.schedule().unwrap();
+    let a_blocks: Vec<u32> = out.new_block_ids[0..4].iter().map(|&b| b as u32).collect();
+    // All but the last token by default: 3 of a's 4 cached blocks; a bound in tokens cuts at a full block.
+    assert_eq!(s.get_cached_block_ids(&prompt(0, 16), None, None, None).unwrap(), a_blocks[..3]);
+    assert_eq!(s.get_cached_block_ids(&prompt(0, 17), None, None, None).unwrap(), a_blocks);
+    assert_eq!(s.get_cached_block_ids(&prompt(0, 17), None, None, Some(11)).unwrap(), a_blocks[..2]);
+    assert_eq!(s.get_cached_block_ids(&prompt(0, 17), None, None, Some(100)).unwrap(), a_blocks);
+    assert!(s.get_cached_block_ids(&prompt(0, 17), Some("salt"), None, None).unwrap().is_empty());
+    assert!(s.get_cached_block_ids(&prompt(1, 17), None, None, None).unwrap().is_empty());
+    assert!(s.get_cached_block_ids(&[-1], None, None, None).is_err());
+    for &b in &a_blocks {
+        assert_eq!(s.get_block_ref_cnt(b).unwrap(), 1);
+    }
+    assert_eq!(s.get_block_ref_cnt(0).unwrap(), 0);
+    assert!(matches!(s.get_block_ref_cnt(64), Err(SchedError::InvalidRequest(_))));
+    s.abort_requests(&["a"]).unwrap();
+    for &b in &a_blocks {
+        assert_eq!(s.get_block_ref_cnt(b).unwrap(), 0);
+    }
+    // Freed blocks keep their hashes until reused: still hit.
+    assert_eq!(s.get_cached_block_ids(&prompt(0, 17), None, None, None).unwrap(), a_blocks);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn one_token_each_marks_steps_without_chunks_or_drafts() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(0, 100), params(4));
+    let (out, _) = step_with(&mut s, 1); // 64 of 100 prompt tokens: a chunk
+    assert!(!out.one_token_each);
+    let (out, _) = step_with(&mut s, 1); // the last 36: complete, samples one token
+    assert_eq!(out.num_scheduled_tokens, vec![36]);
+    assert!(out.one_token_each);
+    add(&mut s, "b", &prompt(200, 8), params(4));
+    let (out, _) = step_with(&mut s, 1); // a decodes, b's whole prompt: one token each
+    assert_eq!(out.num_scheduled_tokens, vec![1, 8]);
+    assert!(out.one_token_each);
+    add(&mut s, "c", &prompt(300, 100), params(4));
+    let (out, _) = step_with(&mut s, 1); // c is chunked by the budget
+    assert!(!out.one_token_each);
+    let (out, _) = step_with(&mut s, 1);
+    assert!(out.one_token_each);
+}
+
+#[test]
+fn step_num_output_tokens_counts_outputs_and_earlier_placeholders() {
+    for async_scheduling in [false, true] {
+        let mut s = Scheduler::new(SchedulerConfig { async_scheduling, ..cfg(4, 64) }).unwrap();
+        add(&mut s, "a", &prompt(0, 8), params(8));
+        let out1 = s.schedule().unwrap();
+        assert_eq!(s.step_num_output_tokens(out1.scheduler_id, out1.step_id).unwrap(), vec![0]);
+        let (out2, expected) = if async_scheduling {
+            // Scheduled before step 1's token is known: its placeholder counts.
+            (s.schedule().unwrap(), vec![1])
+        } else {
+            feed(&mut s, &out1, |_| vec![7]);
+            (s.schedule().unwrap(), vec![1])
+        };
+        assert_eq!(s.step_num_output_tokens(out2.scheduler_id, out2.step_id).unwrap(), expected);
+        // Only for the most recent step, before anything changes the scheduler.
+        assert!(s.step_num_output_tokens(out1.scheduler_id, out1.step_id).is_err());
+        add(&mut s, "b", &prompt(100, 8), params(8));
+        assert!(matches!(
+            s.step_num_output_tokens(out2.scheduler_id, out2.step_id),
+            Err(SchedError::InvalidOutput(_))
+        ));
+    }
+}

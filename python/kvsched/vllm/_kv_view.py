@@ -1,0 +1,403 @@
+"""``kvsched.vllm.Scheduler.kv_cache_manager``: a read-only view of the core's KV cache under vLLM's names.
+
+vLLM's scheduler owns a ``KVCacheManager`` (``vllm/v1/core/kv_cache_manager.py``) that its engine core, its
+tests and tools read: a request's blocks, the block pool's free count and usage, which blocks a prefix lookup
+would hit, each block's reference count, the prefix-cache counters. In kvsched the core owns the blocks, so
+this module answers those reads from the core, with the attribute names vLLM uses (one full-attention KV cache
+group: the adapter refuses hybrid models). Every read asks the core at that moment; nothing is copied ahead.
+
+What is not here is what changes the cache (``allocate_slots``, ``free``, ``cache_blocks``, ``reset_prefix_cache``,
+``take_events``, ...): the core does that inside ``schedule()`` and ``update_from_output()``. Reading such a name,
+or setting any attribute, raises ``AttributeError`` saying so. Block hashes are not shown: the core keys its
+prefix cache by its own hashes of the tokens, not by vLLM's ``BlockHashWithGroupId``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, overload
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+if TYPE_CHECKING:
+    from vllm.v1.metrics.stats import PrefixCacheStats
+    from vllm.v1.request import Request
+
+    from kvsched.config import SchedulerConfig
+    from kvsched.scheduler import Scheduler as CoreScheduler
+
+__all__ = ["BlockPoolView", "BlockView", "KVCacheManagerView", "lora_key"]
+
+
+def lora_key(lora_request: Any) -> str | None:
+    """The adapter's identity in the core: vLLM keys prefix-cache blocks by the LoRA's name and path (and counts
+    ``max_loras`` by its id, which names map to one to one), so the core gets both."""
+    if lora_request is None:
+        return None
+    return f"{lora_request.lora_name}\x00{lora_request.lora_path}"
+
+
+class Scheduler(Protocol):
+    """What the view reads of the :class:`kvsched.vllm.Scheduler` it shows (structural, so this module does not
+    import the scheduler's)."""
+
+    requests: dict[str, Request]
+    block_size: int
+    max_model_len: int
+    log_stats: bool
+    kv_config: SchedulerConfig
+    kv_cache_config: Any
+    _prefix_cache_stats: PrefixCacheStats | None
+
+    @property
+    def core(self) -> CoreScheduler: ...
+
+
+# vLLM KVCacheManager/BlockPool/coordinator members that change the cache: named in the error a read raises.
+_MUTATORS = frozenset(
+    {
+        "allocate_slots",
+        "free",
+        "cache_blocks",
+        "reset_prefix_cache",
+        "take_events",
+        "make_prefix_cache_stats",
+        "record_prefix_cache_stats",
+        "remove_skipped_blocks",
+        "pop_blocks_for_free",
+        "evict_blocks",
+        "free_blocks",
+        "get_new_blocks",
+        "touch",
+        "truncate_computed_blocks",
+        "take_new_block_ids",
+        "record_blocks_for_zeroing",
+        "take_kv_cache_block_copies",
+        "take_boundary_state_offloads",
+        "finalize_partial_tail_offloads",
+        "new_step_starts",
+        "get_computed_blocks_for_connector",
+    }
+)
+
+
+class _ReadOnly:
+    """Attributes are fixed at construction; vLLM's mutating members are named in the error a read raises."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError(
+            f"{type(self).__name__} is a read-only view of kvsched's KV cache: {name!r} cannot be set "
+            "(kvsched's core allocates, caches and frees the blocks itself)"
+        )
+
+    def __delattr__(self, name: str) -> NoReturn:
+        self.__setattr__(name, None)
+
+    def __getattr__(self, name: str) -> NoReturn:
+        if name in _MUTATORS:
+            raise AttributeError(
+                f"{type(self).__name__} is a read-only view of kvsched's KV cache: it has no {name!r} "
+                "(kvsched's core allocates, caches and frees the blocks itself)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+class BlockView(_ReadOnly):
+    """One KV block (vLLM's ``KVCacheBlock``): its id, whether it is the null block, and its current reference
+    count, read from the core at each access."""
+
+    __slots__ = ("_core", "block_id")
+
+    _core: Any
+    block_id: int
+
+    def __init__(self, core: Any, block_id: int) -> None:
+        object.__setattr__(self, "_core", core)
+        object.__setattr__(self, "block_id", block_id)
+
+    @property
+    def ref_cnt(self) -> int:
+        return int(self._core.get_block_ref_cnt(self.block_id))
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockView) and other._core is self._core and other.block_id == self.block_id
+
+    def __hash__(self) -> int:
+        return hash((id(self._core), self.block_id))
+
+    def __repr__(self) -> str:
+        return f"BlockView(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class _Blocks(Sequence[BlockView]):
+    """Every block of the pool by id (vLLM's ``BlockPool.blocks``); block views are made on access."""
+
+    __slots__ = ("_core", "_num_blocks")
+
+    def __init__(self, core: Any, num_blocks: int) -> None:
+        self._core = core
+        self._num_blocks = num_blocks
+
+    def __len__(self) -> int:
+        return self._num_blocks
+
+    @overload
+    def __getitem__(self, index: int) -> BlockView: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[BlockView]: ...
+    def __getitem__(self, index: int | slice) -> BlockView | list[BlockView]:
+        if isinstance(index, slice):
+            return [BlockView(self._core, i) for i in range(*index.indices(self._num_blocks))]
+        i = index + self._num_blocks if index < 0 else index
+        if not 0 <= i < self._num_blocks:
+            raise IndexError(f"block index {index} out of range for a pool of {self._num_blocks} blocks")
+        return BlockView(self._core, i)
+
+    def __iter__(self) -> Iterator[BlockView]:
+        core = self._core
+        return (BlockView(core, i) for i in range(self._num_blocks))
+
+
+class _FreeBlockQueue(_ReadOnly):
+    """vLLM's ``FreeKVCacheBlockQueue``, for its count: free blocks, cached ones that can still be hit included."""
+
+    __slots__ = ("_core",)
+
+    _core: Any
+
+    def __init__(self, core: Any) -> None:
+        object.__setattr__(self, "_core", core)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self._core.num_free_blocks)
+
+
+class BlockPoolView(_ReadOnly):
+    """vLLM's ``BlockPool``, read-only: ``num_gpu_blocks`` (the null block 0 included), ``get_num_free_blocks()``,
+    ``get_usage()``, ``blocks``, ``null_block``, ``free_block_queue.num_free_blocks``."""
+
+    __slots__ = ("_core", "blocks", "enable_caching", "free_block_queue", "null_block", "num_gpu_blocks")
+
+    _core: Any
+    num_gpu_blocks: int
+    enable_caching: bool
+    blocks: Sequence[BlockView]
+    null_block: BlockView
+    free_block_queue: _FreeBlockQueue
+
+    def __init__(self, core: Any, num_blocks: int, enable_caching: bool) -> None:
+        init = object.__setattr__
+        init(self, "_core", core)
+        init(self, "num_gpu_blocks", num_blocks)
+        init(self, "enable_caching", enable_caching)
+        init(self, "blocks", _Blocks(core, num_blocks))
+        init(self, "null_block", BlockView(core, 0))
+        init(self, "free_block_queue", _FreeBlockQueue(core))
+
+    def get_num_free_blocks(self) -> int:
+        return int(self._core.num_free_blocks)
+
+    def get_usage(self) -> float:
+        return float(self._core.stats().kv_cache_usage)
+
+
+class _ReqToBlocks(Mapping[str, list[BlockView]]):
+    """Request id -> its blocks, for the requests holding blocks now (vLLM's ``req_to_blocks``); live."""
+
+    __slots__ = ("_sched",)
+
+    def __init__(self, sched: Scheduler) -> None:
+        self._sched = sched
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        if req_id not in self._sched.requests:
+            return []
+        ids: list[int] = self._sched.core.get_block_ids(req_id).tolist()
+        return ids
+
+    def __getitem__(self, req_id: str) -> list[BlockView]:
+        ids = self._block_ids(req_id)
+        if not ids:
+            raise KeyError(req_id)
+        core = self._sched.core
+        return [BlockView(core, b) for b in ids]
+
+    def __contains__(self, req_id: object) -> bool:
+        return isinstance(req_id, str) and bool(self._block_ids(req_id))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([r for r in list(self._sched.requests) if self._block_ids(r)])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _NumCachedBlock(Mapping[str, int]):
+    """Request id -> how many of its leading blocks are in the prefix cache (vLLM's ``num_cached_block``), for
+    every request holding blocks (vLLM adds a holder's entry once it hits or caches a block and reads the map
+    with ``.get(req_id, 0)``); empty without prefix caching, as in vLLM."""
+
+    __slots__ = ("_holding", "_sched")
+
+    def __init__(self, sched: Scheduler, holding: _ReqToBlocks) -> None:
+        self._sched = sched
+        self._holding = holding
+
+    def __getitem__(self, req_id: str) -> int:
+        if not self._sched.kv_config.enable_prefix_caching or req_id not in self._holding:
+            raise KeyError(req_id)
+        return int(self._sched.core.get_num_cached_blocks(req_id))
+
+    def __iter__(self) -> Iterator[str]:
+        if not self._sched.kv_config.enable_prefix_caching:
+            return iter(())
+        return iter(self._holding)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _SingleTypeManager(_ReadOnly):
+    """vLLM's ``SingleTypeKVCacheManager`` of the one full-attention group."""
+
+    __slots__ = ("block_pool", "block_size", "kv_cache_group_id", "kv_cache_spec", "num_cached_block", "req_to_blocks")
+
+    block_size: int
+    kv_cache_spec: Any
+    kv_cache_group_id: int
+    block_pool: BlockPoolView
+    req_to_blocks: Mapping[str, list[BlockView]]
+    num_cached_block: Mapping[str, int]
+
+    def __init__(self, sched: Scheduler, kv_cache_spec: Any, block_pool: BlockPoolView) -> None:
+        init = object.__setattr__
+        init(self, "block_size", sched.block_size)
+        init(self, "kv_cache_spec", kv_cache_spec)
+        init(self, "kv_cache_group_id", 0)
+        init(self, "block_pool", block_pool)
+        holding = _ReqToBlocks(sched)
+        init(self, "req_to_blocks", holding)
+        init(self, "num_cached_block", _NumCachedBlock(sched, holding))
+
+
+class _Coordinator(_ReadOnly):
+    """vLLM's ``KVCacheCoordinator`` for one group: ``single_type_managers``, ``block_pool``."""
+
+    __slots__ = ("block_pool", "kv_cache_config", "num_single_type_manager", "single_type_managers")
+
+    kv_cache_config: Any
+    block_pool: BlockPoolView
+    single_type_managers: tuple[_SingleTypeManager, ...]
+    num_single_type_manager: int
+
+    def __init__(self, kv_cache_config: Any, manager: _SingleTypeManager) -> None:
+        init = object.__setattr__
+        init(self, "kv_cache_config", kv_cache_config)
+        init(self, "block_pool", manager.block_pool)
+        init(self, "single_type_managers", (manager,))
+        init(self, "num_single_type_manager", 1)
+
+
+class KVCacheManagerView(_ReadOnly):
+    """vLLM's ``KVCacheManager``, read-only, over a :class:`kvsched.vllm.Scheduler`'s core (its
+    ``kv_cache_manager`` attribute). See the module docstring for what it answers."""
+
+    __slots__ = (
+        "_sched",
+        "block_pool",
+        "coordinator",
+        "empty_kv_cache_blocks",
+        "enable_caching",
+        "kv_cache_config",
+        "log_stats",
+        "max_model_len",
+        "num_kv_cache_groups",
+    )
+
+    _sched: Scheduler
+    kv_cache_config: Any
+    max_model_len: int
+    enable_caching: bool
+    log_stats: bool
+    num_kv_cache_groups: int
+    block_pool: BlockPoolView
+    coordinator: _Coordinator
+    empty_kv_cache_blocks: KVCacheBlocks
+
+    def __init__(self, sched: Scheduler) -> None:
+        init = object.__setattr__
+        config = sched.kv_config
+        pool = BlockPoolView(sched.core, config.num_blocks, config.enable_prefix_caching)
+        spec = sched.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        init(self, "_sched", sched)
+        init(self, "kv_cache_config", sched.kv_cache_config)
+        init(self, "max_model_len", sched.max_model_len)
+        init(self, "enable_caching", config.enable_prefix_caching)
+        init(self, "log_stats", sched.log_stats)
+        init(self, "num_kv_cache_groups", 1)
+        init(self, "block_pool", pool)
+        init(self, "coordinator", _Coordinator(sched.kv_cache_config, _SingleTypeManager(sched, spec, pool)))
+        init(self, "empty_kv_cache_blocks", KVCacheBlocks(((),)))
+
+    @property
+    def usage(self) -> float:
+        """Share of the usable blocks held by requests (0.0-1.0)."""
+        return self.block_pool.get_usage()
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix-cache counters since the last ``make_stats()`` (None unless stats are logged)."""
+        return self._sched._prefix_cache_stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks (none for a request that holds none or is unknown, as in vLLM)."""
+        core = self._sched.core
+        return KVCacheBlocks(([BlockView(core, b) for b in self.get_block_ids(request_id)[0]],))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        if request_id not in self._sched.requests:
+            return ([],)
+        ids: list[int] = self._sched.core.get_block_ids(request_id).tolist()
+        return (ids,)
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        """The request's blocks that cover its first ``num_computed_tokens`` tokens."""
+        (ids,) = self.get_block_ids(request_id)
+        return (ids[: -(-num_computed_tokens // self._sched.block_size)],)
+
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The blocks a prefix lookup for ``request`` would hit now and the tokens they cover (vLLM's
+        ``get_computed_blocks``; the third value, a hybrid-model boundary, is always 0). At most
+        ``max_cache_hit_length`` tokens (default: all but the last), and no further than the request's own block
+        hashes reach, as in vLLM. Changes nothing."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        block_size = self._sched.block_size
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        limit = min(limit, len(request.block_hashes) * block_size)
+        if limit <= 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        core = self._sched.core
+        ids = core.get_cached_block_ids(
+            list(request.all_token_ids),
+            cache_salt=request.cache_salt,
+            lora_name=lora_key(request.lora_request),
+            max_hit_tokens=limit,
+        ).tolist()
+        return KVCacheBlocks(([BlockView(core, b) for b in ids],)), len(ids) * block_size, 0
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Always 0 per group, as vLLM's (cascade attention is gone)."""
+        return [0]
