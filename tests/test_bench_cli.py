@@ -403,6 +403,37 @@ def test_preemption_modes_on_workload_g_swap_instead_of_recomputing(
     assert "swap out blk" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(not _available("rust"), reason="rust scheduler not available")
+def test_bench_preemption_victim_sets_the_rule(tmp_path: Path) -> None:
+    """--preemption-victim reaches the scheduler config: the run records it, and on workload d (memory pressure)
+    lcf preempts other requests than the default rule does."""
+    argv = [
+        "bench",
+        "-w",
+        "d",
+        "--scale",
+        "0.05",
+        "--repeat",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--impl",
+        "rust",
+        "--no-progress",
+    ]
+    rows = {}
+    for rule in ("default", "lcf"):
+        out = tmp_path / f"{rule}.json"
+        assert main([*argv, "--json", str(out), "--preemption-victim", rule]) == 0
+        (rows[rule],) = json.loads(out.read_text())["results"]
+    assert [rows[r]["scenario"]["preemption_victim"] for r in ("default", "lcf")] == ["default", "lcf"]
+    assert rows["default"]["num_preemptions"] > 0
+    assert rows["lcf"]["num_recomputed_tokens"] != rows["default"]["num_recomputed_tokens"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--no-json", "--preemption-victim", "lifo"])
+    assert exc.value.code == 2
+
+
 def test_bench_preemption_mode_gives_swap_a_cpu_pool() -> None:
     from kvsched.cli import _with_mode
 
@@ -604,7 +635,7 @@ def _vllm_importable() -> bool:
 @pytest.mark.vllm
 def test_bench_with_vllm_imports_it_before_the_first_timed_run() -> None:
     if not _vllm_importable():
-        pytest.skip("vLLM is optional: pip install 'kvsched[vllm]'")
+        pytest.skip("vLLM is optional: pip install '.[vllm]'")
     # A fresh interpreter: in this one another test may have imported vLLM already.
     proc = subprocess.run(
         [sys.executable, "-c", _RECORD_VLLM_IMPORTED], capture_output=True, text=True, timeout=600, check=False

@@ -55,10 +55,10 @@ def _bad_values(f: ConfigField) -> list[Any]:
         if spec.hi_field is not None:
             values.append(getattr(SchedulerConfig(), spec.hi_field) + 1)
         return values
-    if f.kind == "float":
+    if f.kind in ("float", "optional_float"):
         values = [spec.lo - 0.5, math.nan, -math.inf]
         values += [math.inf] if spec.hi is None else [float(spec.hi) if spec.hi_open else spec.hi + 0.5]
-        return values
+        return values + ([float(spec.lo)] if spec.lo_open else [])
     if f.kind == "choice":
         return ["bogus", "it's"]
     return []  # bool and the two explicit fields: their bad values are bad types, which the binding refuses
@@ -70,8 +70,10 @@ def _good_values(f: ConfigField) -> list[Any]:
     if f.kind in ("int", "optional_int"):
         hi = getattr(SchedulerConfig(), spec.hi_field) if spec.hi_field is not None else f.hi
         return [spec.lo, hi, *([None] if f.kind == "optional_int" else [])]
-    if f.kind == "float":
-        return [float(spec.lo), 1e300 if spec.hi is None else (0.999 if spec.hi_open else float(spec.hi))]
+    if f.kind in ("float", "optional_float"):
+        lo = 1e-300 if spec.lo_open else float(spec.lo)
+        ends = [lo, 1e300 if spec.hi is None else (0.999 if spec.hi_open else float(spec.hi))]
+        return ends + ([None] if f.kind == "optional_float" else [])
     if f.kind == "choice":
         return list(f.choices)
     return []
@@ -89,6 +91,8 @@ RULES: list[dict[str, Any]] = [
     {"cp_kv_cache_interleave_size": 3},
     {"cache_aware_admission_window": 4, "policy": "fair"},
     {"cache_aware_admission_window": 4, "policy": "priority"},
+    {"cache_aware_admission_window": 4, "policy": "sjf"},
+    {"cache_aware_admission_window": 4, "policy": "slo"},
     {"preemption_mode": "swap"},
     {"preemption_mode": "auto"},
     {"priority_aging_steps": 3},
@@ -110,6 +114,8 @@ VALID_COMBOS: list[dict[str, Any]] = [
     {"preemption_mode": "swap", "num_cpu_blocks": 1},
     {"priority_aging_steps": 3, "policy": "priority"},
     {"tenant_weights": {"a": 1e-300, "b": 2.0}},
+    {"policy": "sjf", "max_wait_steps": 3, "default_ttft_slo_s": 0.5},
+    {"policy": "slo", "default_ttft_slo_s": 2.0, "session_ttl_steps": 1},
 ]
 
 

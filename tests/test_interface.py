@@ -49,7 +49,7 @@ IMPLEMENTATIONS = [
 def test_the_member_scan_sees_methods_and_properties() -> None:
     members = protocol_members(SchedulerProtocol)
     assert {"schedule", "update_from_output", "config", "num_free_blocks", "prefill_cadence"} <= members
-    assert len(members) == 36
+    assert len(members) == 38
     assert "num_reqs" in protocol_members(SchedulerOutputProtocol)
 
 
@@ -77,6 +77,18 @@ def test_a_run_through_the_protocol_gets_protocol_results(classes: Any) -> None:
         steps += 1
     assert steps == 2
     assert res.finished_req_ids == ["r0"]
+
+
+@pytest.mark.parametrize("classes", IMPLEMENTATIONS)
+def test_schedule_takes_none_for_throttle_prefills(classes: Any) -> None:
+    """``throttle_prefills=None`` (the stub's default) is False in both schedulers; a non-bool is refused."""
+    from kvsched import SchedulerTypeError
+
+    sched: SchedulerProtocol[Any] = classes()[0](block_size=4, num_blocks=16, max_model_len=32)
+    sched.add_request("r0", [1, 2, 3, 4, 5], max_tokens=2)
+    assert list(sched.schedule(throttle_prefills=None).req_ids) == ["r0"]
+    with pytest.raises(SchedulerTypeError, match="throttle_prefills must be a bool"):
+        sched.schedule(throttle_prefills=0)  # type: ignore[arg-type]
 
 
 def test_isinstance_needs_every_member() -> None:

@@ -356,6 +356,101 @@ def test_token_prompts_hash_to_the_keys_of_the_schedulers_block_hashes(algo: str
         assert router.overlaps(prompt, cache_salt="someone-else") == {"a": 0}
 
 
+def _router_view_is(router: Router, replica: str, hashes: list[bytes]) -> bool:
+    """Whether the router's index of ``replica`` holds exactly the keys of ``hashes``: every one, and no more."""
+    keys = {block_key(h) for h in hashes}
+    if router.num_cached_blocks(replica) != len(keys):
+        return False
+    return all(router.overlaps(block_hashes=[k])[replica] == 1 for k in keys)
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
+def test_the_router_mirrors_each_replicas_prefix_cache_from_its_kv_cache_events(algo: str) -> None:
+    """Two kvsched schedulers behind one router: requests routed by it, both schedulers stepping, each step's
+    KV cache events applied to the router. After every step (and after the run) the router's view of each replica
+    is exactly the set of hashes that replica's prefix cache holds, through evictions (small caches), hashes
+    cached in two blocks at once (prompts of whole blocks, repeated; equal outputs), a reset, and token-prompt
+    lookups find what the replicas cache. The same events as objects (``apply_events``, honouring ``num_copies``)
+    give the same view; without ``num_copies`` (vLLM's events) a hash cached twice and removed once is lost."""
+    from kvsched import Scheduler
+
+    seed = "fleet"
+    replicas = ["r0", "r1"]
+    scheds = {
+        r: Scheduler(block_size=BS, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=64,
+                     prefix_hash_algo=algo, prefix_hash_seed=seed, enable_kv_cache_events=True)
+        for r in replicas
+    }  # fmt: skip
+    cfg = replace(config("cache_aware"), prefix_hash_algo=algo, prefix_hash_seed=seed, balance_abs_threshold=2)
+    router = Router(cfg, replicas=replicas)  # type: ignore[arg-type]
+    as_objects = Router(cfg, replicas=replicas)  # type: ignore[arg-type]
+    per_block = Router(cfg, replicas=replicas)  # type: ignore[arg-type]
+    rng = np.random.default_rng(3)
+    families = [[int(t) for t in rng.integers(3, 40, 40)] for _ in range(3)]
+    pending: dict[str, Any] = {}
+    known: dict[str, int] = {}  # each request's tokens so far
+    stored_twice = lost = 0
+    for step in range(160):
+        if step < 120 and rng.random() < 0.6:
+            fam = families[int(rng.integers(0, 3))]
+            prompt = fam[: BS * int(rng.integers(1, 9))] + ([int(rng.integers(3, 40))] if rng.random() < 0.5 else [])
+            req = f"q{step}"
+            replica = router.route(req, prompt).replica
+            scheds[replica].add_request(req, prompt, max_tokens=int(rng.integers(1, 6)), ignore_eos=True)
+            known[req] = len(prompt)
+        for r, sched in scheds.items():
+            if r in pending:
+                out = pending.pop(r)
+                sampled = []
+                for req, c, k in zip(out.req_ids, out.num_computed_tokens, out.num_scheduled_tokens, strict=True):
+                    done = int(c) + int(k) >= known[req]  # a prefill chunk samples nothing
+                    sampled.append([5] if done else [])  # equal outputs fill equal blocks
+                    known[req] += done
+                for req in sched.update_from_output(out, sampled).finished_req_ids:
+                    router.finish(req)
+            if step == 80:  # a reset: preempts what runs, drops the whole cache
+                assert sched.reset_prefix_cache(reset_running_requests=True)
+            if sched.has_unfinished_requests():
+                pending[r] = sched.schedule()
+            events = sched.take_kv_cache_events()
+            router.apply_scheduler_events(r, events)
+            as_objects.apply_events(r, events.events())
+            per_block.apply_events(r, [replace(e, num_copies=None) if hasattr(e, "num_copies") else e for e in events])
+            stored_twice += int((events.num_copies > 1).sum())
+            cached = sched.cached_block_hashes()
+            assert _router_view_is(router, r, cached), f"step {step}: the router's view of {r} is off"
+            assert _router_view_is(as_objects, r, cached)
+            lost += not _router_view_is(per_block, r, cached)
+    for r, sched in scheds.items():
+        assert not sched.has_unfinished_requests()
+        cached = sched.cached_block_hashes()
+        assert cached and _router_view_is(router, r, cached)
+        for fam in families:  # a token prompt finds exactly the blocks the replica caches
+            want = 0
+            while want < len(fam) // BS and sched.get_num_cached_tokens(fam[: BS * (want + 1) + 1]) > BS * want:
+                want += 1
+            assert router.overlaps(fam)[r] == want
+    router.check_invariants()
+    assert stored_twice > 0 and lost > 0, (stored_twice, lost)
+
+
+def test_apply_scheduler_events_checks_the_batch() -> None:
+    from kvsched import Scheduler
+
+    sched = Scheduler(block_size=8, num_blocks=8, max_model_len=32, enable_kv_cache_events=True)
+    sched.add_request("a", list(range(20)), max_tokens=1)
+    sched.schedule()
+    events = sched.take_kv_cache_events()
+    router = Router(config("kv_overlap"), replicas=["a"])
+    with pytest.raises(InvalidRequestError, match="block_size 8"):
+        router.apply_scheduler_events("a", events)  # the replica's blocks are 8 tokens, the router's 4
+    with pytest.raises(SchedulerTypeError):
+        router.apply_scheduler_events("a", events.events())  # type: ignore[arg-type]
+    with pytest.raises(UnknownReplicaError):
+        router.apply_scheduler_events("nope", events)
+    assert router.num_cached_blocks("a") == 0
+
+
 def test_block_keys_follow_vllms_int_conversion() -> None:
     h = bytes(range(32))
     assert block_key(h) == int.from_bytes(h, "big") & ((1 << 64) - 1)

@@ -91,9 +91,14 @@ def test_a_sweep_clips_to_its_smallest_max_model_len_and_every_run_sees_the_same
     spec = WorkloadSpec(rate=5.0, duration=10.0, prompt_len=parse_length("uniform:100:1500"), seed=4)
     runs = run_sweep(spec, axes={"max_model_len": [2048, 1024], "num_blocks": [4096]}, step_model=MODEL)
     assert [r.result.config.max_model_len for r in runs] == [2048, 1024]
-    np.testing.assert_array_equal(runs[0].result.workload.prompt_len, runs[1].result.workload.prompt_len)
-    assert int(runs[0].result.workload.prompt_len.max()) == 1023
-    assert runs[0].summary["overall"]["num_clipped_prompts"] > 0
+    o0, o1 = (r.summary["overall"] for r in runs)
+    w = generate_workload(spec, max_model_len=1024)  # the requests every run of the sweep sees
+    assert int(w.prompt_len.max()) == 1023
+    assert o0["num_clipped_prompts"] == o1["num_clipped_prompts"] == w.num_clipped_prompts > 0
+    for o, max_model_len in ((o0, 2048), (o1, 1024)):
+        outputs = int(np.minimum(w.output_len, max_model_len - w.prompt_len).sum())
+        assert o["num_finished"] == len(w) and o["num_output_tokens"] == outputs
+        assert o["total_token_throughput"] * o["duration"] == pytest.approx(int(w.prompt_len.sum()) + outputs)
 
 
 @pytest.mark.parametrize("prompt_len", ["9000", "uniform:8192:9000", "lognormal:9000:0.2"])

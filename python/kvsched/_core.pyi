@@ -161,6 +161,9 @@ class Scheduler:
         ready: bool | None = None,
         skip_reading_prefix_cache: bool | None = None,
         encoder_inputs: Sequence[tuple[int, int, int]] | None = None,
+        session_id: str | None = None,
+        ttft_slo_s: float | None = None,
+        order_key: int | None = None,
     ) -> None: ...
     def schedule(self, throttle_prefills: bool | None = None) -> SchedulerOutput: ...
     @property
@@ -205,6 +208,21 @@ class Scheduler:
     def running_req_ids(self) -> list[str]: ...
     def waiting_req_ids(self) -> list[str]: ...
     def get_num_cached_blocks(self, req_id: str) -> int: ...
+    def _take_kv_cache_events(
+        self,
+    ) -> tuple[
+        npt.NDArray[np.uint8],
+        npt.NDArray[np.uint8],
+        npt.NDArray[np.int32],
+        npt.NDArray[np.int32],
+        npt.NDArray[np.uint8],
+        npt.NDArray[np.bool_],
+        npt.NDArray[np.int32],
+        npt.NDArray[np.int32],
+        list[str | None],
+        list[str | None],
+    ]: ...
+    def cached_block_hashes(self) -> list[bytes]: ...
 
 # -- the router (rust/kvsched-py/src/router.rs); use kvsched.router.Router, which normalises the arguments -------
 

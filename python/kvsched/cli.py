@@ -28,6 +28,7 @@ from ._cliutil import (
     one_line,
     parse_csv_numbers,
 )
+from .config import POLICIES
 
 __all__ = ["BENCH_IMPLS", "build_parser", "main"]
 
@@ -42,6 +43,47 @@ BENCH_IMPLS = {
     "vllm": "vLLM's own v1 scheduler",
     "vllm-adapter": "kvsched.vllm.Scheduler, kvsched behind vLLM's scheduler interface",
 }
+
+
+def _bench_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` items as scenario overrides (``LO:HI`` for a range field); ValueError names a bad
+    one."""
+    from dataclasses import fields
+
+    from .bench.workloads import Scenario
+    from .config import SchedulerConfig
+
+    scenario_fields = {f.name for f in fields(Scenario)} - {"name", "description", "config", "scale"}
+    config_fields = {f.name for f in fields(SchedulerConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = (part.strip() for part in item.partition("="))
+        if not sep or not key or not text:
+            raise ValueError(f"--set takes FIELD=VALUE, got {item!r}")
+        if key not in scenario_fields | config_fields:
+            raise ValueError(f"--set: unknown field {key!r} (a workload field or a SchedulerConfig field)")
+        if key in ("prompt_len", "output_len", "prefix_len"):
+            lo, colon, hi = text.partition(":")
+            try:
+                out[key] = (int(lo), int(hi if colon else lo))
+            except ValueError:
+                raise ValueError(f"--set {key} takes N or LO:HI, got {text!r}") from None
+            continue
+        low = text.lower()
+        value: Any = text
+        if low in ("true", "false"):
+            value = low == "true"
+        elif low == "none":
+            value = None
+        else:
+            for conv in (int, float):
+                try:
+                    value = conv(text)
+                    break
+                except ValueError:
+                    pass
+        out[key] = value
+    return out
 
 
 def _csv(text: str) -> list[str]:
@@ -137,8 +179,15 @@ def _add_bench_parser(subparsers: Any) -> None:
         "several implementations take turns run by run",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    p.add_argument("--policy", choices=POLICIES, default=None, help="override the workloads' policy")
     p.add_argument(
-        "--policy", choices=("fcfs", "priority", "fair"), default=None, help="override the workloads' policy"
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a workload field (num_requests, prompt_len=LO:HI, output_len=LO:HI, arrival_rate, ...) or "
+        "a scheduler config field (max_num_seqs=256, max_wait_steps=50, ...) in every workload; repeatable, "
+        "applied after the other options",
     )
     p.add_argument(
         "--admission-window",
@@ -173,6 +222,12 @@ def _add_bench_parser(subparsers: Any) -> None:
     )
     p.add_argument("--recompute-cost", type=_non_negative_float, default=None, help="auto: recompute_cost_per_token")
     p.add_argument("--swap-cost", type=_non_negative_float, default=None, help="auto: swap_cost_per_block")
+    p.add_argument(
+        "--preemption-victim",
+        choices=("default", "lcf", "cost"),
+        default=None,
+        help="override the victim rule (preemption_victim): vLLM's, least computed first, or the cost score",
+    )
     p.set_defaults(func=_run_bench)
 
 
@@ -239,6 +294,24 @@ def _add_simulate_parser(subparsers: Any) -> None:
         "--out", type=Path, default=Path("sim-results"), help="output directory, created if needed (%(default)s)"
     )
     m.add_argument("--per-request", action="store_true", help="also write one CSV row per request")
+    m.add_argument(
+        "--jobs",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="run the sweep's points in N worker processes (default: the number of cores; 1: in this process)",
+    )
+    m.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the sweep's points as Ray tasks (a local Ray cluster, or RAY_ADDRESS's; the ray extra)",
+    )
+    m.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --ray: join this Ray cluster (e.g. auto, ray://h:10001)",
+    )
     m.add_argument("--plot", action="store_true", help="write PNG figures to --out (needs matplotlib)")
     m.add_argument(
         "--no-progress",
@@ -257,6 +330,21 @@ def _add_simulate_parser(subparsers: Any) -> None:
         help="run the workload through kvsched.LLM on --model and through the simulator (--step-model; "
         "'--step-model calibrate' calibrates on the same engine first); compare batches and TTFT/e2e "
         "percentiles, write --out/validate.json",
+    )
+    c.add_argument(
+        "--engine",
+        choices=("kvsched", "vllm"),
+        default="kvsched",
+        help="with --calibrate/--validate: the engine timed and replayed: kvsched.LLM, or a vLLM engine (vLLM's "
+        "LLMEngine on --model, its scheduler timed by a subclass; --set max_num_seqs, max_num_batched_tokens, "
+        "max_model_len, num_blocks pass to it)",
+    )
+    c.add_argument(
+        "--vllm-scheduler",
+        default="vllm,kvsched",
+        metavar="S",
+        help="with --engine vllm: vllm (its own), kvsched (kvsched.vllm.Scheduler) or both, comma-separated "
+        "(--validate runs each; --calibrate the first) (%(default)s)",
     )
     c.add_argument(
         "--clock",
@@ -368,6 +456,9 @@ def _run_bench(args: argparse.Namespace) -> int:
                 overrides["recompute_cost_per_token"] = args.recompute_cost
             if args.swap_cost is not None:
                 overrides["swap_cost_per_block"] = args.swap_cost
+            if args.preemption_victim is not None:
+                overrides["preemption_victim"] = args.preemption_victim
+            overrides.update(_bench_sets(args.set))
             scenarios = [replace(get_scenario(n), **overrides) for n in names]
             if args.preemption_mode is not None:
                 scenarios = [

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "POLICIES",
     "PREEMPTION_MODES",
+    "PREEMPTION_VICTIMS",
     "PREFIX_HASH_ALGOS",
     "ConfigField",
     "FieldSpec",
@@ -30,15 +31,17 @@ __all__ = [
     "fields_markdown",
 ]
 
-Policy = Literal["fcfs", "priority", "fair"]
+Policy = Literal["fcfs", "priority", "fair", "sjf", "slo"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 PrefixHashAlgo = Literal["xxh3_128", "sha256"]
 KvLoadFailurePolicy = Literal["recompute", "fail"]
+PreemptionVictim = Literal["default", "lcf", "cost"]
 
 POLICIES: tuple[str, ...] = get_args(Policy)
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
 PREFIX_HASH_ALGOS: tuple[str, ...] = get_args(PrefixHashAlgo)
 KV_LOAD_FAILURE_POLICIES: tuple[str, ...] = get_args(KvLoadFailurePolicy)
+PREEMPTION_VICTIMS: tuple[str, ...] = get_args(PreemptionVictim)
 
 # vLLM's default block size; every module that needs a default block size reads it from here.
 DEFAULT_BLOCK_SIZE = 16
@@ -59,6 +62,7 @@ class FieldSpec:
     hi_field: str | None = None  # another field whose value bounds this one from above too
     power_of_two: bool = False
     valid: str | None = None  # the valid values in words, for the fields that explicit code checks
+    lo_open: bool = False  # a float field's lower bound is excluded
 
 
 def _spec(
@@ -70,8 +74,9 @@ def _spec(
     hi_field: str | None = None,
     power_of_two: bool = False,
     valid: str | None = None,
+    lo_open: bool = False,
 ) -> dict[str, FieldSpec]:
-    return {"spec": FieldSpec(doc, lo, hi, hi_open, hi_field, power_of_two, valid)}
+    return {"spec": FieldSpec(doc, lo, hi, hi_open, hi_field, power_of_two, valid, lo_open)}
 
 
 def check_tenant_weight(
@@ -149,6 +154,13 @@ class SchedulerConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_spec("reuse the full KV blocks of identical prefixes (chained block hashes)")
     )
+    enable_kv_cache_events: bool = field(
+        default=False,
+        metadata=_spec(
+            "record the blocks entering and leaving the prefix cache as vLLM's KV cache events, taken with "
+            "`take_kv_cache_events()` (see [KV cache events](#kv-cache-events)); off, they cost nothing"
+        ),
+    )
     enable_chunked_prefill: bool = field(
         default=True,
         metadata=_spec(
@@ -163,8 +175,9 @@ class SchedulerConfig:
     policy: Policy = field(
         default="fcfs",
         metadata=_spec(
-            "the order of the waiting queue: first come first served, by priority, or weighted fair share across "
-            "tenants (see [Admission policies](#admission-policies))"
+            "the order of the waiting queue: first come first served, by priority, weighted fair share across "
+            "tenants, shortest uncached prompt first, or earliest TTFT deadline first (see "
+            "[Admission policies](#admission-policies))"
         ),
     )
     num_lookahead_tokens: int = field(
@@ -206,7 +219,8 @@ class SchedulerConfig:
         default=0,
         metadata=_spec(
             "`fcfs` only (> 0 with another policy is refused); how many waiting requests phase B may reorder "
-            "warm-before-cold (see [Cache-aware admission window](#cache-aware-admission-window-fcfs))"
+            "warm-before-cold (see [Cache-aware admission window](#cache-aware-admission-window-fcfs)), and among "
+            "which session affinity promotes (see [Session affinity](#session-affinity))"
         ),
     )
     cache_aware_admission_threshold: float = field(
@@ -226,6 +240,30 @@ class SchedulerConfig:
         metadata=_spec(
             "`priority` only (> 0 with another policy is refused); a waiting request gains one priority level per "
             "this many steps of age (see [Priority aging](#priority-aging))"
+        ),
+    )
+    default_ttft_slo_s: float | None = field(
+        default=None,
+        metadata=_spec(
+            "`slo`: the TTFT target (seconds) of a request added without `ttft_slo_s`; None: such requests have no "
+            "deadline and go after every request that has one (see [SLO order](#slo-order))",
+            lo_open=True,
+        ),
+    )
+    max_wait_steps: int | None = field(
+        default=None,
+        metadata=_spec(
+            "aging for every policy: a request that has waited this many steps without being admitted goes ahead "
+            "of the policy's order, oldest first (see [Aging](#aging-max_wait_steps)); None = off",
+            lo=1,
+        ),
+    )
+    session_ttl_steps: int = field(
+        default=1000,
+        metadata=_spec(
+            "session affinity (`fcfs` with an admission window): for how many steps after its last request left "
+            "`running` a `session_id` counts as recently active (see [Session affinity](#session-affinity))",
+            lo=1,
         ),
     )
     async_scheduling: bool = field(
@@ -264,6 +302,14 @@ class SchedulerConfig:
     swap_cost_per_block: float = field(
         default=1.0,
         metadata=_spec("`auto`: cost of copying one block one way (GPU to CPU or back), same unit; settable likewise"),
+    )
+    preemption_victim: PreemptionVictim = field(
+        default="default",
+        metadata=_spec(
+            "which running request a preemption takes, inside the policy's lowest level: vLLM's choice, the fewest "
+            "computed tokens (least computed first), or the most blocks freed per token to compute again, scaled "
+            "by the share of the output budget left (see [Victim selection](#victim-selection))"
+        ),
     )
     kv_load_failure_policy: KvLoadFailurePolicy = field(
         default="recompute",
@@ -486,7 +532,7 @@ class SchedulerConfig:
         return asdict(self)
 
 
-FieldKind = Literal["bool", "int", "optional_int", "float", "choice", "other"]
+FieldKind = Literal["bool", "int", "optional_int", "float", "optional_float", "choice", "other"]
 
 
 @dataclass(frozen=True)
@@ -515,7 +561,7 @@ class ConfigField:
             _check_int(name, value, spec.lo, self.hi)
             if spec.power_of_two and value & (value - 1):
                 raise InvalidConfigError(f"{name} must be a power of two, got {value}")
-        elif self.kind == "float":
+        elif self.kind == "float" or (self.kind == "optional_float" and value is not None):
             return _check_float(name, value, spec)
         elif self.kind == "choice" and value not in self.choices:
             raise InvalidConfigError(f"{name} must be one of {self.choices}, got {value!r}")
@@ -531,10 +577,12 @@ class ConfigField:
         if self.kind == "choice":
             quoted = [f'`"{c}"`' for c in self.choices]
             return ", ".join(quoted[:-1]) + " or " + quoted[-1]
-        if self.kind == "float":
+        if self.kind in ("float", "optional_float"):
             if spec.hi is None:
-                return f"finite, >= {spec.lo}"
-            return f"[{spec.lo}, {spec.hi}{')' if spec.hi_open else ']'}"
+                text = f"finite, {'>' if spec.lo_open else '>='} {spec.lo}"
+            else:
+                text = f"[{spec.lo}, {spec.hi}{')' if spec.hi_open else ']'}"
+            return "None or " + text if self.kind == "optional_float" else text
         if spec.hi_field is not None:
             text = f"[{spec.lo}, `{spec.hi_field}`]"
         elif spec.hi is None:
@@ -568,8 +616,8 @@ def _check_float(name: str, value: Any, spec: FieldSpec) -> float:
     except OverflowError:  # an int beyond the float range
         f = math.inf
     if spec.hi is None:
-        if not (math.isfinite(f) and f >= spec.lo):
-            raise InvalidConfigError(f"{name} must be finite and >= {spec.lo}, got {f!r}")
+        if not (math.isfinite(f) and (f > spec.lo if spec.lo_open else f >= spec.lo)):
+            raise InvalidConfigError(f"{name} must be finite and {'>' if spec.lo_open else '>='} {spec.lo}, got {f!r}")
     elif not (spec.lo <= f < spec.hi if spec.hi_open else spec.lo <= f <= spec.hi):
         raise InvalidConfigError(f"{name} must be in [{spec.lo}, {spec.hi}{')' if spec.hi_open else ']'}, got {f!r}")
     return f
@@ -590,6 +638,8 @@ def _field_kind(hint: Any) -> tuple[FieldKind, tuple[str, ...]]:
         return "choice", get_args(hint)
     if hint == (int | None):
         return "optional_int", ()
+    if hint == (float | None):
+        return "optional_float", ()
     return "other", ()
 
 

@@ -53,11 +53,14 @@ from ._errors import (
     SchedulerTypeError,
     UnknownReplicaError,
 )
+from .config import DEFAULT_BLOCK_SIZE
+from .kv_events import STORED, AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, KVCacheEvents
 from .sim.steptime import DEFAULT_PRESET, PRESETS, StepTimeModel
 
 __all__ = [
     "POLICIES",
     "AllBlocksCleared",
+    "BlockEvent",
     "BlockRemoved",
     "BlockStored",
     "DuplicateReplicaError",
@@ -106,7 +109,7 @@ class RouterConfig:
     """
 
     policy: Policy = "cache_aware"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     prefix_hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
     prefix_hash_seed: int | str | bytes | None = None
     cache_threshold: float = 0.3
@@ -120,37 +123,6 @@ class RouterConfig:
     sticky_sessions: bool = False
     max_sessions: int = 100_000
     record_routed_prefixes: bool = False
-
-
-@dataclass(frozen=True)
-class BlockStored:
-    """A replica cached full blocks: ``block_hashes`` in order, the first a child of ``parent_block_hash``
-    (None for a prompt's first block); ``token_ids``: the tokens of all of them (may be empty). As vLLM's
-    ``BlockStored``, whose instances :meth:`Router.apply_events` takes as they are."""
-
-    block_hashes: Sequence[BlockHashLike]
-    parent_block_hash: BlockHashLike | None
-    token_ids: Sequence[int]
-    block_size: int
-    medium: str | None = None
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    """A replica evicted blocks from its prefix cache (as vLLM's ``BlockRemoved``)."""
-
-    block_hashes: Sequence[BlockHashLike]
-    medium: str | None = None
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    """A replica dropped its whole prefix cache (as vLLM's ``AllBlocksCleared``)."""
-
-    medium: str | None = None
-
-
-BlockEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True)
@@ -280,9 +252,11 @@ class Router:
         """Applies a replica's block events in order: :class:`BlockStored`, :class:`BlockRemoved`,
         :class:`AllBlocksCleared`, or vLLM's classes of the same names (``KVEventBatch.events``). Events for another
         medium than the GPU (``medium`` not None or ``"GPU"``: offloaded copies) are skipped. Duplicates, removals
-        of blocks never stored and children before parents are all fine (events are set updates). A batch with a
+        of blocks never stored and children before parents are all fine (events are set updates). An event that
+        carries ``num_copies`` (kvsched's) changes the set only where the count says the hash entered (1 copy) or
+        left (0 copies) the cache; one without (vLLM's) stores and removes every block it names. A batch with a
         bad event (a ``block_size`` that is not the router's, token ids that do not fill the blocks) applies
-        none."""
+        none. For a whole :class:`~kvsched.kv_events.KVCacheEvents` batch use :meth:`apply_scheduler_events`."""
         kinds: list[int] = []
         hashes: list[npt.NDArray[np.uint64]] = []
         hashes_indptr = [0]
@@ -304,10 +278,19 @@ class Router:
             has_parent.append(parent is not None)
             parents.append(0 if parent is None else block_key(parent))
             block_sizes.append(_int(ev.block_size, "block_size") if kind == 0 else 0)
-            if kind != 2:
-                hashes.append(_keys(ev.block_hashes))
-            hashes_indptr.append(hashes_indptr[-1] + (len(hashes[-1]) if kind != 2 else 0))
-            if kind == 0 and len(ev.token_ids):
+            keys = _keys(ev.block_hashes) if kind != 2 else np.zeros(0, dtype=np.uint64)
+            copies = getattr(ev, "num_copies", None) if kind != 2 else None
+            whole = True  # every block of the event changes the set (its tokens still match its blocks)
+            if copies is not None:
+                n = np.asarray(copies)
+                if n.shape != keys.shape or n.dtype.kind not in "iu":
+                    raise InvalidRequestError("an event's num_copies must be one int per block")
+                keep = n == 1 if kind == 0 else n == 0
+                whole = bool(keep.all())
+                keys = keys[keep]
+            hashes.append(keys)
+            hashes_indptr.append(hashes_indptr[-1] + len(keys))
+            if kind == 0 and whole and len(ev.token_ids):
                 t = np.asarray(ev.token_ids)
                 if t.ndim != 1 or t.dtype.kind not in "iu":
                     raise SchedulerTypeError(f"an event's token_ids must be ints, got {t.dtype}")
@@ -326,6 +309,29 @@ class Router:
             token_arr,
             np.array(tokens_indptr, dtype=np.int64),
             np.array(block_sizes, dtype=np.int64),
+        )
+
+    def apply_scheduler_events(self, replica: str, events: KVCacheEvents) -> None:
+        """Applies a batch a kvsched scheduler's ``take_kv_cache_events()`` returned: its stored blocks whose hash
+        was not cached before (one copy after the store), its removed blocks whose hash left the cache (no copy
+        after the removal), its clears, in order. The block keys are the scheduler's hashes as
+        :func:`block_key` names them, the keys a token prompt finds when the router's ``block_size``,
+        ``prefix_hash_algo`` and ``prefix_hash_seed`` are the scheduler's. The batch's ``block_size`` must be
+        the router's (:class:`~kvsched.InvalidRequestError` otherwise, nothing applied)."""
+        if not isinstance(events, KVCacheEvents):
+            raise SchedulerTypeError(f"events must be a KVCacheEvents, got {type(events).__name__}")
+        keep, indptr = events.set_updates()
+        n = len(events)
+        self._native.apply_events(
+            replica,
+            np.ascontiguousarray(events.kinds, dtype=np.uint8),
+            np.ascontiguousarray(events.block_keys()[keep]),
+            indptr,
+            events.parent_keys(),
+            np.ascontiguousarray(events.has_parent, dtype=np.bool_),
+            np.zeros(0, dtype=np.int64),
+            np.zeros(n + 1, dtype=np.int64),
+            np.where(events.kinds == STORED, events.block_size, 0).astype(np.int64),
         )
 
     def update_load(

@@ -4,10 +4,12 @@
   ``RequestRouterConfig(request_router_class=KvschedRequestRouter, request_router_kwargs={...})``. It ranks the
   candidate replicas of each request with a :class:`kvsched.router.Router` and tells it where each request went
   and when it finished.
-- :class:`LLMServer`: a :class:`kvsched.LLM` behind an async ``__call__``, for ``serve.deployment``.
+- :class:`LLMServer`: a :class:`kvsched.LLM` behind an async ``__call__``, for ``serve.deployment``; it publishes
+  its scheduler's KV cache events, which the request router pulls (:mod:`kvsched.ray.events`), so the router's
+  index follows each replica's prefix cache, evictions included.
 - ``python -m kvsched.ray.compare``: the shared-prefix comparison of ``docs/routing.md``.
 
-Needs Ray Serve (``pip install 'kvsched[ray]'``); :class:`LLMServer` also needs the torch extra.
+Needs Ray Serve (``pip install '.[ray]'`` in kvsched's repository root); :class:`LLMServer` also needs the torch extra.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 try:
     import ray.serve.request_router  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without ray
-    raise ImportError("kvsched.ray needs Ray Serve: pip install 'kvsched[ray]'") from exc
+    raise ImportError("kvsched.ray needs Ray Serve: pip install '.[ray]' in kvsched's repository root") from exc
 
 from .request_router import KvschedRequestRouter, RoutedPrompt, prompt_of
 from .server import LLMServer

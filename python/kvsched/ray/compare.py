@@ -11,7 +11,9 @@ Reported per router: the prefix cache hit rate (prompt tokens served from the re
 prompt tokens, from the replicas' own counters), the mean, median and p95 time to first token measured on the
 replica (from the request reaching it to its first token), the mean latency the client saw, and how many requests
 each replica got. ``pow2`` is Ray Serve's default (power of two choices); the others are
-:class:`kvsched.ray.KvschedRequestRouter` with that :mod:`kvsched.router` policy.
+:class:`kvsched.ray.KvschedRequestRouter` with that :mod:`kvsched.router` policy, fed by the replicas' KV cache
+events, or, named ``POLICY:routed``, by the prompts it routed (``kv_events=False``: evictions unseen), or, named
+``POLICY:both``, by both (each routed prompt counts as cached at once, the events correct it).
 
     python -m kvsched.runner.testing tiny-model --max-position-embeddings 2048
     python -m kvsched.ray.compare --model tiny-model
@@ -29,12 +31,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..config import DEFAULT_BLOCK_SIZE
 from ..router import POLICIES
 from ..sim.steptime import load_step_time_model
 
 __all__ = ["RouterResult", "main", "run_comparison", "shared_prefix_requests"]
 
-ROUTERS = ("pow2", *POLICIES)
+ROUTERS = ("pow2", *POLICIES, *(f"{p}:{feed}" for feed in ("routed", "both") for p in POLICIES))
 
 
 @dataclass(frozen=True)
@@ -101,11 +104,15 @@ def run_router(router: str, args: argparse.Namespace, prompts: list[list[int]]) 
         "max_ongoing_requests": max(8, args.concurrency),
         "ray_actor_options": {"num_cpus": 0.1},
     }
+    policy, _, feed = router.partition(":")
+    kv_events = router != "pow2" and feed != "routed"
     if router != "pow2":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=KvschedRequestRouter,
             request_router_kwargs={
-                "policy": router,
+                "policy": policy,
+                "kv_events": kv_events,
+                "record_routed_prefixes": feed != "",
                 "block_size": args.block_size,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 **({"step_time": args.step_time.to_dict()} if args.step_time is not None else {}),
@@ -121,16 +128,18 @@ def run_router(router: str, args: argparse.Namespace, prompts: list[list[int]]) 
             block_size=args.block_size,
             num_blocks=args.num_blocks,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            publish_kv_events=kv_events,
         )
     )
-    handle = serve.run(app, name=f"routing-{router}", route_prefix=None)
+    app_name = f"routing-{router.replace(':', '-')}"
+    handle = serve.run(app, name=app_name, route_prefix=None)
     # Warm every replica up (torch's first passes) with prompts shorter than a block: nothing enters the caches.
     warm = [[5 + i] * (args.block_size // 2) for i in range(4 * args.replicas)]
     baseline = _counters(asyncio.run(_drive(handle, warm, 2, args.replicas)))
     t0 = time.perf_counter()
     results = asyncio.run(_drive(handle, prompts, args.max_tokens, args.concurrency))
     wall = time.perf_counter() - t0
-    serve.delete(f"routing-{router}")
+    serve.delete(app_name)
     bad = [r for r in results if r.get("finish_reason") not in ("length", "stop")]
     if bad:
         raise RuntimeError(f"{len(bad)} request(s) failed under {router}: {bad[0]}")
@@ -199,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--concurrency", type=int, default=6, help="clients in the closed loop")
     p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--num-blocks", type=int, default=96, help="KV cache blocks per replica")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the local Ray cluster")

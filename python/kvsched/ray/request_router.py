@@ -8,10 +8,15 @@ Ray's rejection protocol (strict ``max_ongoing_requests``) Ray also confirms the
 and a request that landed elsewhere is moved there. Ranking the same request again (Ray retries when no rank had
 room) records it anew. Completion finishes it. Replicas that join or leave Ray's set join or leave the index.
 
-What the index knows of each replica's cache: with ``record_routed_prefixes=True`` (the default here) the router
-counts a routed prompt's blocks as cached on its replica, as routers that guess from request history do; replicas
-publish no block events to Ray, so evictions are not seen. The load is the router's own count of requests in
-flight on each replica (sent, not completed).
+What the index knows of each replica's cache: with ``kv_events=True`` (the default) the replicas' own KV cache
+events, stores and evictions alike: each :class:`~kvsched.ray.LLMServer` publishes its scheduler's events to a log
+of its own and the router pulls every replica's log before it ranks a request (:mod:`kvsched.ray.events`;
+concurrent requests share one pull). The router hashes token prompts as the replicas do: give both the same
+``block_size``, ``prefix_hash_algo`` and ``prefix_hash_seed`` (when neither gets a seed both use
+:func:`~kvsched.ray.events.default_hash_seed` of the deployment). With ``kv_events=False`` (replicas that publish
+no events) the router falls back to ``record_routed_prefixes=True``: it counts a routed prompt's blocks as cached
+on its replica, as routers that guess from request history do, and does not see evictions. The load is the
+router's own count of requests in flight on each replica (sent, not completed).
 
 The prompt of a request is read from its first argument (``prompt_of``): a list of token ids, a dict or object
 with ``prompt_token_ids`` (or the ``request_token_ids`` keyword Ray Serve LLM's ingress adds when it tokenizes);
@@ -25,7 +30,7 @@ or a callable) replaces ``prompt_of``: it takes the ``PendingRequest`` and retur
 
 ``request_router_kwargs`` are the fields of :class:`kvsched.router.RouterConfig`, with ``step_time`` given as a
 preset name, a JSON file written by ``kvsched simulate --calibrate``, or a dict of coefficients (kwargs travel as
-plain data), and ``prompt_extractor``.
+plain data), ``prompt_extractor`` and ``kv_events``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from .._errors import SchedulerError
 from ..router import Router, RouterConfig
 from ..sim.steptime import StepTimeModel, load_step_time_model
+from .events import KvEventSubscriber, default_hash_seed, log_name
 
 __all__ = ["KvschedRequestRouter", "RoutedPrompt", "prompt_of"]
 
@@ -111,9 +117,13 @@ def prompt_of(pending_request: PendingRequest | None) -> RoutedPrompt:
     return RoutedPrompt(tokens, s if isinstance(s, str) and s else None, from_text)
 
 
-def _config(kwargs: dict[str, Any]) -> RouterConfig:
-    fields = {"record_routed_prefixes": True, **kwargs}
+def _config(kwargs: dict[str, Any], default_seed: str | None) -> RouterConfig:
+    fields = dict(kwargs)
     fields.pop("prompt_extractor", None)
+    kv_events = fields.pop("kv_events", True)
+    fields.setdefault("record_routed_prefixes", not kv_events)
+    if kv_events and default_seed is not None:
+        fields.setdefault("prefix_hash_seed", default_seed)
     step_time = fields.get("step_time")
     if isinstance(step_time, str):
         fields["step_time"] = load_step_time_model(step_time)
@@ -126,13 +136,17 @@ class KvschedRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
     """Ranks replicas with :class:`kvsched.router.Router` (see the module docstring)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self.kv_router = Router(_config(kwargs))
+        deployment = getattr(self, "_deployment_id", None)
+        seed = None if deployment is None else default_hash_seed(deployment.app_name, deployment.name)
+        self.kv_router = Router(_config(kwargs, seed))
+        self._kv_events = KvEventSubscriber(self.kv_router) if kwargs.get("kv_events", True) else None
         extractor = kwargs.get("prompt_extractor", prompt_of)
         if isinstance(extractor, str):
             module, _, name = extractor.partition(":")
             extractor = getattr(importlib.import_module(module), name)
         self._prompt_of: Callable[[PendingRequest | None], RoutedPrompt] = extractor
         self._known: set[str] = set()
+        self._ids: dict[str, ReplicaID] = {}  # the known replicas' ids, by name
         self._where: dict[str, str] = {}  # request -> the replica it is recorded on
 
     def _router(self) -> Router:
@@ -141,33 +155,56 @@ class KvschedRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
             self.initialize_state()
         return self.kv_router
 
-    def _sync(self, names: set[str]) -> None:
+    def _sync(self, replicas: dict[str, ReplicaID]) -> None:
+        """Makes the router's replicas those of ``replicas`` (by name: the replica's unique id)."""
         router = self._router()
-        for gone in sorted(self._known - names):
+        for gone in sorted(self._known - set(replicas)):
             moved = router.remove_replica(gone)
+            if self._kv_events is not None:
+                self._kv_events.remove(gone)
             for req_id in moved:
                 self._where.pop(req_id, None)
             if moved:
                 logger.info("replica %s left with %d request(s) in flight", gone, len(moved))
-        for new in sorted(names - self._known):
+        for new in sorted(set(replicas) - self._known):
             router.add_replica(new)
-        self._known = set(names)
+            if self._kv_events is not None:
+                self._kv_events.add(new, log_name(replicas[new].to_full_id_str()))
+        self._known = set(replicas)
+        self._ids = dict(replicas)
+
+    def _sync_adding(self, replicas: dict[str, ReplicaID]) -> None:
+        self._sync({**self._ids, **replicas})
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self._sync({r.replica_id.unique_id for r in replicas})
+        self._sync({r.replica_id.unique_id: r.replica_id for r in replicas})
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._sync(self._known - {replica_id.unique_id})
+        self._sync({k: v for k, v in self._ids.items() if k != replica_id.unique_id})
+
+    async def pull_kv_events(self) -> None:
+        """Applies the replicas' KV cache events published since the last pull (nothing with
+        ``kv_events=False``). :meth:`choose_replicas` calls it before each ranking."""
+        self._router()
+        if self._kv_events is None:
+            return
+        try:
+            await self._kv_events.pull()
+        except Exception as exc:  # a routing decision never fails for want of fresh events
+            logger.warning("kvsched router could not pull KV events: %s", exc)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
-        self._sync(self._known | set(by_name))
+        self._sync_adding({name: r.replica_id for name, r in by_name.items()})
         if not by_name:
             return []
+        await self.pull_kv_events()
+        by_name = {name: r for name, r in by_name.items() if name in self._known} or by_name  # (left meanwhile)
+        self._sync_adding({name: r.replica_id for name, r in by_name.items()})
         prompt = self._prompt_of(pending_request)
         try:
             ranked = self._rank(prompt, sorted(by_name))
@@ -202,7 +239,7 @@ class KvschedRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
         req_id = pending_request.metadata.internal_request_id
         try:
             if replica_id.unique_id not in self._known:
-                self._sync(self._known | {replica_id.unique_id})
+                self._sync_adding({replica_id.unique_id: replica_id})
             self._record(req_id, replica_id.unique_id, self._prompt_of(pending_request))
         except SchedulerError as exc:
             logger.warning("kvsched router could not record request %s: %s", req_id, exc)

@@ -8,6 +8,13 @@ the replica to its first token (waiting for the engine thread included). ``stats
 counters (the prefix cache's queries and hits among them); ``record_routing_stats()`` is Ray's hook for
 replica-reported routing stats and returns the load of the last step.
 
+Inside Serve the replica publishes its scheduler's KV cache events (``publish_kv_events=True``, the default): it
+runs the scheduler with ``enable_kv_cache_events`` and, with no ``prefix_hash_seed`` given, the deployment's
+:func:`~kvsched.ray.events.default_hash_seed` (the one :class:`~kvsched.ray.KvschedRequestRouter` uses), and after
+every step that changed its prefix cache sends the step's events to its :class:`~kvsched.ray.events.KvEventLog`,
+which the request routers read. A request with ``"return_cached_block_keys": True`` also gets, in its answer, the
+router keys of every hash the replica's prefix cache holds when it finishes (a diagnostic: it walks the pool).
+
 .. code-block:: python
 
     from ray import serve
@@ -28,35 +35,58 @@ import time
 import uuid
 from typing import Any
 
+from ..router import block_key
+from .events import SERVE_NAMESPACE, KvEventLog, default_hash_seed, log_name
+
 __all__ = ["LLMServer"]
 
 
-def _replica_name() -> str | None:
-    """This replica's id in Serve (what the request router names it by), or None outside Serve."""
+def _replica_id() -> Any:
+    """This replica's ``ReplicaID`` in Serve (its ``unique_id`` is what the request router names it by), or None
+    outside Serve."""
     try:
         from ray import serve
 
-        name: str = serve.get_replica_context().replica_id.unique_id
+        return serve.get_replica_context().replica_id
     except Exception:  # not inside a Serve replica
         return None
-    return name
 
 
 class LLMServer:
     """Serves :class:`kvsched.LLM` (``model`` and ``llm_kwargs`` as ``LLM`` takes them). ``num_threads`` caps
-    torch's intra-op threads (replicas sharing a machine should not each take all its cores; None leaves it)."""
+    torch's intra-op threads (replicas sharing a machine should not each take all its cores; None leaves it).
+    ``publish_kv_events``: publish the scheduler's KV cache events for the request routers (inside Serve)."""
 
-    def __init__(self, model: Any, *, num_threads: int | None = 1, **llm_kwargs: Any) -> None:
+    def __init__(
+        self, model: Any, *, num_threads: int | None = 1, publish_kv_events: bool = True, **llm_kwargs: Any
+    ) -> None:
         import torch
 
         from ..engine import LLM
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        replica_id = _replica_id()
+        publish = publish_kv_events and replica_id is not None
+        if publish:
+            llm_kwargs.setdefault("enable_kv_cache_events", True)
+            deployment = replica_id.deployment_id
+            llm_kwargs.setdefault("prefix_hash_seed", default_hash_seed(deployment.app_name, deployment.name))
         self._llm = LLM(model, **llm_kwargs)
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._load: dict[str, Any] = {"num_waiting": 0, "num_running": 0, "kv_usage": 0.0}
-        self._replica = _replica_name()
+        self._replica = None if replica_id is None else replica_id.unique_id
+        self._kv_log: Any = None
+        self._kv_seq = 0
+        if publish and self._llm.scheduler.config.enable_kv_cache_events:
+            import ray
+
+            # Owned by this replica: the log dies with it.
+            self._kv_log = (
+                ray.remote(KvEventLog)
+                .options(name=log_name(replica_id.to_full_id_str()), namespace=SERVE_NAMESPACE, num_cpus=0)
+                .remote(self._llm.scheduler.config.kv_block_size)
+            )
         self._thread = threading.Thread(target=self._run, name="kvsched-engine", daemon=True)
         self._thread.start()
 
@@ -65,9 +95,10 @@ class LLMServer:
 
         received = time.monotonic()
         params = SamplingParams(max_tokens=int(request.get("max_tokens", 16)), temperature=0.0)
-        out, (queries, hits) = await self._submit("generate", list(request["prompt_token_ids"]), params)
+        keys = bool(request.get("return_cached_block_keys", False))
+        out, (queries, hits), cached = await self._submit("generate", list(request["prompt_token_ids"]), params, keys)
         first = out.metrics.first_token_time
-        return {
+        answer = {
             "output_token_ids": list(out.output_token_ids),
             "finish_reason": out.finish_reason,
             "error": out.error,
@@ -77,6 +108,9 @@ class LLMServer:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
         }
+        if keys:
+            answer["cached_block_keys"] = cached
+        return answer
 
     async def stats(self) -> dict[str, Any]:
         """The scheduler's counters (``SchedulerStats`` as a dict)."""
@@ -108,7 +142,7 @@ class LLMServer:
 
     def _run(self) -> None:
         llm = self._llm
-        waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
+        waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], bool]] = {}
         while True:
             block = not llm.has_unfinished_requests()
             while True:
@@ -126,10 +160,11 @@ class LLMServer:
                 except Exception as exc:
                     self._resolve(loop, fut, None, exc)
                     continue
-                waiting[req_id] = (loop, fut)
+                waiting[req_id] = (loop, fut, args[2])
             if not llm.has_unfinished_requests():
                 continue
             finished = llm.step()
+            self._publish_kv_events()
             s = llm.scheduler.stats()
             self._load = {
                 "num_waiting": s.num_waiting_reqs,
@@ -137,5 +172,15 @@ class LLMServer:
                 "kv_usage": s.kv_cache_usage,
             }
             for out in finished:
-                loop, fut = waiting.pop(out.request_id)
-                self._resolve(loop, fut, (out, (s.prefix_cache_queries, s.prefix_cache_hits)), None)
+                loop, fut, keys = waiting.pop(out.request_id)
+                cached = sorted({block_key(h) for h in llm.scheduler.cached_block_hashes()}) if keys else None
+                self._resolve(loop, fut, (out, (s.prefix_cache_queries, s.prefix_cache_hits), cached), None)
+
+    def _publish_kv_events(self) -> None:
+        """Sends the step's KV cache events, if any, to this replica's log (in order: one sender, numbered)."""
+        if self._kv_log is None:
+            return
+        events = self._llm.scheduler.take_kv_cache_events()
+        if len(events):
+            self._kv_log.publish.remote(self._kv_seq, events)
+            self._kv_seq += 1

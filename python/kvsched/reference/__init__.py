@@ -15,6 +15,7 @@ same-named place on both sides:
 * ``queue.py``: the waiting queues (fcfs, priority);
 * ``hashing.py``: chained block hashes;
 * ``encoder.py``: the encoder cache;
+* ``events.py``: the prefix cache's block events (KV cache events);
 * ``convert.py``: argument conversion (the binding's ``convert.rs``);
 * ``state.py``: the scheduler's fields and their construction (the ``Scheduler`` struct of ``scheduler.rs``);
 * ``block_pool.py``: reference counts, the free queue and the prefix-cache map;
@@ -23,6 +24,7 @@ same-named place on both sides:
 * ``admission.py``: cache-aware admission;
 * ``connector.py``: the KV connector's hooks and KV transfers;
 * ``swap.py``: preemption by swapping to the CPU pool;
+* ``victim.py``: the preemption victim;
 * ``step.py``: ``schedule()``;
 * ``update.py``: ``update_from_output()`` and drafts;
 * ``model_inputs.py``: the runner's flat batch layout;

@@ -5,7 +5,8 @@ The pool's fields live on the scheduler (``state.py``): ``_ref_cnt[b]`` and ``_b
 ``_free`` (a :class:`_FreeBlockQueue`) and ``_cached`` (``block_hash -> {block_id: None}``, an insertion-ordered
 set; lookups take its first block). Block 0 is the null block: never free, never allocated, never hashed. A
 usable block is in the free queue iff its reference count is 0; a free block keeps its hash (it can still be
-hit) until it is popped for reuse.
+hit) until it is popped for reuse. With KV cache events on (``_events``), a block leaving the map is recorded as
+removed, with the blocks still carrying its hash.
 """
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ class _BlockPoolMixin(_SchedulerState):
         b = self._free.popleft()
         h = self._block_hash[b]
         if h is not None:  # evict: the block is reused, its cached contents are gone
-            del self._cached[h][b]
-            if not self._cached[h]:
-                del self._cached[h]
-            self._block_hash[b] = None
+            self._uncache(b, h)
         self._ref_cnt[b] = 1
         return b
+
+    def _uncache(self, b: int, h: bytes) -> None:
+        """Takes block ``b``, cached under ``h``, out of the cache map (it keeps its place in the free queue)."""
+        del self._cached[h][b]
+        if not self._cached[h]:
+            del self._cached[h]
+        self._block_hash[b] = None
+        if self._events is not None:
+            self._events.push_removed(h, len(self._cached.get(h, ())))
 
     def _free_block_list(self, block_ids: list[int]) -> None:
         to_head: list[int] = []

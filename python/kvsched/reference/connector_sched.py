@@ -90,6 +90,7 @@ class _ConnectorMixin(_BlockPoolMixin):
             if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and r.parked:
                 r.parked = False
                 self._waiting.add_preempted(r)
+                self._enter_waiting(r)
         for r in ready:
             if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.parked:
                 r.parked = False

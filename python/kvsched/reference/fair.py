@@ -4,16 +4,17 @@ Each tenant has a weight and a virtual counter of the weighted service it receiv
 weight`` per prompt token computed for the first time (cached prefix tokens and recomputation after a preemption
 are free) and ``fair_decode_weight / weight`` per output token. A tenant whose waiting queue goes from empty to
 non-empty is lifted to the smallest counter among the other tenants with waiting requests, so idling earns no
-credit. The fair waiting queue keeps one FIFO per tenant and serves the tenant with the smallest counter.
+credit. The fair waiting queue keeps one FIFO per tenant (per tier within it) and serves the tenant whose head
+has the smallest tier, then the smallest counter.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Iterator
 
 from ..config import SchedulerConfig
+from .order import _TierQueue
 from .request import _Request
 
 
@@ -84,12 +85,13 @@ class _Tenants(dict[str, _Tenant]):
 
 
 class _FairQueue:
-    """fair waiting queue: one FIFO per tenant; the next request is the head of the tenant with the smallest
-    ``(counter, head arrival_time, name)``. Preempted requests return to the front of their tenant's FIFO."""
+    """fair waiting queue: one tiered FIFO per tenant (``order._TierQueue``); the next request is the head of the
+    tenant with the smallest ``(head tier, counter, head arrival_time, name)``. Preempted requests return to the
+    front of their tenant's tier."""
 
     def __init__(self, tenants: dict[str, _Tenant]) -> None:
         self._tenants = tenants
-        self._queues: dict[str, deque[_Request]] = {}
+        self._queues: dict[str, _TierQueue] = {}
         self._len = 0
 
     def __len__(self) -> int:
@@ -99,23 +101,27 @@ class _FairQueue:
         return itertools.chain.from_iterable(self._queues.values())
 
     def add(self, r: _Request) -> None:
-        self._queues.setdefault(r.tenant, deque()).append(r)
+        self._queues.setdefault(r.tenant, _TierQueue()).add(r)
         self._len += 1
 
     def add_preempted(self, r: _Request) -> None:
-        self._queues.setdefault(r.tenant, deque()).appendleft(r)
+        self._queues.setdefault(r.tenant, _TierQueue()).add_preempted(r)
         self._len += 1
 
-    def _pick(self) -> deque[_Request]:
-        keys = [(self._tenants[t].counter, q[0].arrival_time, t) for t, q in self._queues.items() if q]
-        return self._queues[min(keys)[2]]
+    def _pick(self) -> _TierQueue:
+        keys = []
+        for t, q in self._queues.items():
+            if len(q):
+                head = q.peek()
+                keys.append((head.order_key, self._tenants[t].counter, head.arrival_time, t))
+        return self._queues[min(keys)[3]]
 
     def peek(self) -> _Request:
-        return self._pick()[0]
+        return self._pick().peek()
 
     def pop(self) -> _Request:
         self._len -= 1
-        return self._pick().popleft()
+        return self._pick().pop()
 
     def remove(self, r: _Request) -> None:
         self._queues[r.tenant].remove(r)
@@ -123,7 +129,11 @@ class _FairQueue:
 
     def in_order(self) -> list[_Request]:
         """The order of repeated pops if the counters stayed as they are."""
-        copy = _FairQueue(self._tenants)
-        copy._queues = {t: deque(q) for t, q in self._queues.items()}
-        copy._len = self._len
+        copy = self.copy()
         return [copy.pop() for _ in range(len(copy))]
+
+    def copy(self) -> _FairQueue:
+        copy = _FairQueue(self._tenants)
+        copy._queues = {t: q.copy() for t, q in self._queues.items()}
+        copy._len = self._len
+        return copy

@@ -53,12 +53,22 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if not self._config.enable_prefix_caching:
             return
         num_full = min(num_tokens // self._bs, len(r.block_hashes), len(r.block_ids))
-        for i in range(r.num_cached_blocks, num_full):
+        first = r.num_cached_blocks
+        for i in range(first, num_full):
             b, h = r.block_ids[i], r.block_hashes[i]
             self._block_hash[b] = h
             self._cached.setdefault(h, {})[b] = None
             self._newly_cached.append((b, h))
         r.num_cached_blocks = max(r.num_cached_blocks, num_full)
+        if self._events is not None and num_full > first:  # one stored event for the run, after its evictions
+            hashes = r.block_hashes[first:num_full]
+            self._events.push_stored(
+                [(h, len(self._cached[h])) for h in hashes],
+                r.block_hashes[first - 1] if first else None,
+                r.token_ids[first * self._bs : num_full * self._bs],
+                r.lora_name,
+                r.cache_salt,
+            )
 
     def _allocate_slots(
         self, r: _Request, n: int, hits: list[int], lookahead: int, reserved: int = 0, ext: int = 0, cache: bool = True

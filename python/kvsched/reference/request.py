@@ -22,6 +22,7 @@ class _Request:
         "block_ids",
         "cache_salt",
         "cpu_blocks",
+        "deadline",
         "deferred",
         "drafts",
         "drop_stale_output",
@@ -50,15 +51,21 @@ class _Request:
         "num_prompt_tokens",
         "num_stale_output_tokens",
         "num_swapped_tokens",
+        "order_key",
         "parked",
         "priority",
         "queue_seq",
         "req_id",
+        "session_id",
+        "sjf_residual",
         "skip_reading_prefix_cache",
         "status",
         "stop_token_ids",
         "tenant",
         "token_ids",
+        "ttft_slo_s",
+        "wait_seq",
+        "wait_since",
     )
     # set from add_request's (validated) arguments:
     max_tokens: int  # effective: min(max_tokens, max_model_len - len(prompt))
@@ -74,7 +81,11 @@ class _Request:
     skip_reading_prefix_cache: bool  # no prefix-cache hits, not in the prefix-cache stats
     arrival_step: int  # schedule() calls before the request was added
     encoder_inputs: list[tuple[int, int, int]]  # (start, num_tokens, hash), sorted, inside the prompt
-    effective_priority: int  # priority, or priority * priority_aging_steps + arrival_step (see _PriorityQueue)
+    effective_priority: int  # priority, or priority * priority_aging_steps + arrival_step (see queue.py)
+    session_id: str | None  # the conversation it continues (session affinity, admission.py)
+    ttft_slo_s: float | None  # its TTFT target (policy slo)
+    order_key: int  # its tier: smaller first under every policy (0 when not given)
+    deadline: float  # slo: arrival_time + (ttft_slo_s or default_ttft_slo_s), inf without a target
 
     def __init__(self, req_id: str, prompt: list[int], **params: Any) -> None:
         self.req_id = req_id
@@ -113,6 +124,9 @@ class _Request:
         # vLLM 0.33's in-flight prefill set: an async load, or an admission with prompt left, until a step leaves
         # nothing left (or a preemption); read with reserve_inflight_prefills
         self.inflight_prefill = False
+        self.sjf_residual = 0  # sjf: the residual it is queued by (prompt blocks beyond its prefix hit)
+        self.wait_seq = 0  # aging: nonzero while in `waiting` (its entry in the aging FIFO)
+        self.wait_since = 0  # aging: the first step it waits in
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +135,3 @@ class _Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    def priority_key(self) -> tuple[int, float, str]:
-        return (self.effective_priority, self.arrival_time, self.req_id)

@@ -70,6 +70,9 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         ready: bool | None = True,
         skip_reading_prefix_cache: bool | None = False,
         encoder_inputs: Any = None,
+        session_id: str | None = None,
+        ttft_slo_s: float | None = None,
+        order_key: int | None = None,
     ) -> None:
         """Queue a new request (status WAITING, or WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR with ``ready=False``
         until :meth:`set_ready`). Validates every argument first; on error nothing changes."""
@@ -129,6 +132,22 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         skip = False if skip_reading_prefix_cache is None else skip_reading_prefix_cache
         if not isinstance(skip, bool):
             raise SchedulerTypeError(f"skip_reading_prefix_cache must be a bool, got {type(skip).__name__}")
+        session_id = _opt_str(session_id, "session_id")
+        if session_id == "":
+            raise InvalidRequestError("session_id must be a non-empty string")
+        if ttft_slo_s is not None:
+            if not isinstance(ttft_slo_s, (int, float, np.integer, np.floating)) or isinstance(
+                ttft_slo_s, (bool, np.bool_)
+            ):
+                raise SchedulerTypeError(f"ttft_slo_s must be a float, got {type(ttft_slo_s).__name__}")
+            ttft_slo_s = _to_float(ttft_slo_s)
+            if not (math.isfinite(ttft_slo_s) and ttft_slo_s > 0):
+                raise InvalidRequestError(f"ttft_slo_s must be finite and > 0, got {ttft_slo_s!r}")
+        if order_key is not None:
+            if not _is_int(order_key):
+                raise SchedulerTypeError(f"order_key must be an int, got {type(order_key).__name__}")
+            if not _I64_MIN <= order_key <= _I64_MAX:
+                raise InvalidRequestError(f"order_key {order_key} is outside the int64 range")
         inputs = _encoder_inputs(encoder_inputs)
         self._check_encoder_inputs(req_id, len(prompt), inputs)
         # The most KV slots it ever holds (all its tokens but the last sampled one) must fit the whole cache, and,
@@ -161,7 +180,12 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             skip_reading_prefix_cache=skip,
             arrival_step=self._next_step_id,
             encoder_inputs=inputs,
+            session_id=session_id,
+            ttft_slo_s=ttft_slo_s,
+            order_key=0 if order_key is None else int(order_key),
         )
+        slo = c.default_ttft_slo_s if ttft_slo_s is None else ttft_slo_s
+        r.deadline = math.inf if slo is None else r.arrival_time + slo
         aging = c.priority_aging_steps
         r.effective_priority = r.priority * aging + r.arrival_step if aging else r.priority
         r.add_seq = self._next_add_seq
@@ -172,9 +196,14 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             # In no queue until set_ready, or (vLLM 0.33) in `waiting`, skipped by admission passes that reach it.
             r.parked = c.park_grammar_waits
         self._update_block_hashes(r)
+        if c.policy == "sjf":
+            r.sjf_residual = self._sjf_residual(r)
+        if session_id is not None:
+            self._sessions.setdefault(session_id, [0, None])
         self._requests[req_id] = r
         if not r.parked:
             self._waiting.add(r)
+            self._enter_waiting(r)
         self._tenants.on_arrival(self._tenants.intern(tenant))
         self._last_out_fresh = False
 
@@ -182,8 +211,10 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         """Free ``r`` (or keep its blocks for a KV transfer in progress), take it out of its queue, remember it
         for the next output, and forget it."""
         was_loading = r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not r.kv_load_done
+        r.wait_seq = 0
         if r.status == RequestStatus.RUNNING:
             self._running.remove(r)
+            self._session_leaves_running(r)
         else:
             if r.parked:
                 if r in self._newly_ready:
@@ -249,10 +280,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         kept = {b for r in self._requests.values() if id(r) not in in_step for b in r.block_ids}
         for b, h in out._cached_blocks:
             if self._block_hash[b] == h and b not in kept:
-                del self._cached[h][b]
-                if not self._cached[h]:
-                    del self._cached[h]
-                self._block_hash[b] = None
+                self._uncache(b, h)
         if out._entries:  # nothing runs any more: frees deferred behind the step go back
             self._step_applied()
         failed = [r for r, _, _ in out._entries if not r.status.is_finished]
@@ -374,6 +402,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             return False
         self._cached.clear()
         self._block_hash = [None] * self._config.num_blocks
+        if self._events is not None:
+            self._events.push_cleared()
         self._last_out_fresh = False
         return True
 

@@ -14,6 +14,7 @@ from .._errors import InvalidOutputError, SchedulerTypeError, UnknownRequestErro
 from .._types import RequestStatus
 from ..config import SchedulerConfig
 from .encoder import _EncoderCache
+from .events import _KvCacheEvents
 from .fair import _Tenants
 from .free_queue import _FreeBlockQueue
 from .hashing import _BlockHasher
@@ -40,6 +41,7 @@ class _SchedulerState:
         self._block_hash: list[bytes | None] = [None] * c.num_blocks
         self._free = _FreeBlockQueue(c.num_blocks)
         self._cached: dict[bytes, dict[int, None]] = {}
+        self._events = _KvCacheEvents() if c.enable_kv_cache_events else None  # KV cache events not taken yet
         self._requests: dict[str, _Request] = {}
         self._running: list[_Request] = []
         self._tenants = _Tenants(c)
@@ -85,6 +87,13 @@ class _SchedulerState:
         self._recompute_cost_per_token = c.recompute_cost_per_token
         self._swap_cost_per_block = c.swap_cost_per_block
         self._hasher = _BlockHasher(c.prefix_hash_algo, c.prefix_hash_seed, self._bs)
+        # session affinity: session id -> [requests of it running, schedule() calls made when its last running
+        # request left running (None: never)]
+        self._sessions: dict[str, list[Any]] = {}
+        # aging (max_wait_steps): (first step waited in, wait_seq, request) in the order requests entered waiting
+        self._aging: deque[tuple[int, int, _Request]] = deque()
+        self._next_wait_seq = 0
+        self._in_schedule = False  # past the start of schedule(): a request entering waiting waits from the next
 
     def _get(self, req_id: object) -> _Request:
         if not isinstance(req_id, str):
@@ -101,6 +110,22 @@ class _SchedulerState:
         if out._owner is not self._owner:
             raise InvalidOutputError("this output was produced by another scheduler")
         return out
+
+    def _enter_waiting(self, r: _Request) -> None:
+        """``r`` entered ``waiting`` (added, preempted, made ready, or back from ``kv_waiting``): with aging, it
+        joins the aging FIFO, waiting from the first step it waits in."""
+        if self._config.max_wait_steps is None:
+            return
+        self._next_wait_seq += 1
+        r.wait_seq = self._next_wait_seq
+        r.wait_since = self._next_step_id + self._in_schedule
+        self._aging.append((r.wait_since, r.wait_seq, r))
+
+    def _session_leaves_running(self, r: _Request) -> None:
+        if r.session_id is not None:
+            s = self._sessions[r.session_id]
+            s[0] -= 1
+            s[1] = self._next_step_id
 
     # Defined in ``scheduler.py`` and ``step.py`` (where the core has them too) and declared here, so that the
     # modules in between can finish and preempt requests without importing a module above them.

@@ -1,10 +1,11 @@
 """``schedule()``: vLLM 0.33's token-budget loop. Mirrors ``rust/kvsched-core/src/step.rs``.
 
 Phase A walks ``running`` in order and gives each request ``min(remaining, threshold, budget, model-length
-cap)`` tokens; when its KV slots cannot be allocated, a victim is preempted (fcfs: the last running request;
-priority: the largest ``(priority, arrival_time)``; fair: the last of the tenant with the largest counter) until
-the allocation succeeds or the request itself is the victim. Phase B, only when nothing was preempted and
-admissions are not paused, admits waiting requests in policy order with their prefix-cache hits.
+cap)`` tokens; when its KV slots cannot be allocated, a victim is preempted (``victim.py``; vLLM's rule: fcfs:
+the last running request; priority: the largest ``(priority, arrival_time)``; fair: the last of the tenant with
+the largest counter) until the allocation succeeds or the request itself is the victim. Phase B, only when
+nothing was preempted and admissions are not paused, admits waiting requests in policy order with their
+prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from .connector_sched import _ConnectorMixin
 from .convert import _indptr
 from .encoder_sched import _EncoderSchedMixin, _EncoderStep
 from .output import SchedulerOutput
+from .queue import _WaitingQueue
 from .request import _Request
 from .swap_sched import _SwapMixin
+from .victim import _VictimMixin
 
 
-class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixin):
-    """``schedule()`` and what only it uses: victim choice, preemption, promoting finished loads."""
+class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixin, _VictimMixin):
+    """``schedule()`` and what only it uses: preemption, promoting finished loads."""
 
     def _preempt(self, r: _Request, drop_stale_output: bool = False) -> None:
         """Free ``r``'s KV and send it back to waiting. Output of steps still in flight becomes stale: applied
@@ -44,36 +47,29 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         r.drop_stale_output = drop_stale_output or (r.drop_stale_output and r.num_stale_output_tokens > 0)
         r.num_stale_output_tokens = r.num_in_flight_tokens
         r.num_output_placeholders = 0
+        self._session_leaves_running(r)
         self._stats["preemptions"] += 1
         self._waiting.add_preempted(r)
         self._tenants[r.tenant].num_waiting += 1  # back in waiting; no lift (the tenant did not arrive)
-
-    def _pick_victim(self) -> int:
-        """Index in running of the request to preempt: the tail (fcfs), the lowest-priority one (priority), or
-        the last one whose tenant has the largest virtual counter (fair)."""
-        if self._config.policy == "fcfs":
-            return len(self._running) - 1
-        if self._config.policy == "fair":
-            counters = [self._tenants[r.tenant].counter for r in self._running]
-            top = max(counters)
-            return max(j for j, x in enumerate(counters) if x == top)
-        keys = [(r.effective_priority, r.arrival_time) for r in self._running]
-        return keys.index(max(keys))  # first in running order on ties
+        self._enter_waiting(r)
 
     @property
     def prefill_cadence(self) -> tuple[int, int, bool]:
         """``(num_executed_steps, last_prefill_step, prefill_capacity_bound)``."""
         return self._num_executed_steps, self._last_prefill_step, self._prefill_capacity_bound
 
-    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+    def schedule(self, throttle_prefills: bool | None = None) -> SchedulerOutput:
         """One step: continue running requests (phase A, may preempt), then admit waiting ones (phase B).
         ``throttle_prefills`` (vLLM's data-parallel prefill balancing) and ``prefill_schedule_interval`` defer
-        prefill compute while something decodes."""
+        prefill compute while something decodes; None is False."""
+        if throttle_prefills is None:
+            throttle_prefills = False
         if not isinstance(throttle_prefills, bool):
             raise SchedulerTypeError(f"throttle_prefills must be a bool, got {type(throttle_prefills).__name__}")
         c = self._config
         if self._newly_ready:
             self._queue_newly_ready()
+        self._in_schedule = True  # from here on a request entering waiting first waits in the next step
         look, num_spec = c.num_lookahead_tokens, c.num_spec_tokens
         budget = 0 if self._pause_state == "paused_all" else c.max_num_batched_tokens
         # the per-request cap applies only when more than one request is running or waiting (blocked ones too)
@@ -131,7 +127,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if self._connector is not None and self._connector_has_pending_block_frees():
                     gave_up = True  # the connector's transfers will release blocks: no preemption
                     break
-                j = self._pick_victim()
+                j = self._pick_victim(scheduled)
                 if not self._request_blocks_can_be_freed(self._running[j]):
                     gave_up = True  # a step in flight still writes the victim's blocks: freeing them comes late
                     break
@@ -151,9 +147,11 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if victim is r:
                     break
             if new_blocks is None:
-                if c.policy != "fcfs" and not gave_up:
-                    continue  # r preempted itself; the requests after it rank higher and may still fit
-                break
+                if gave_up:  # r was not preempted: its encoder plan goes, and the pass ends
+                    if r.encoder_inputs:
+                        self._rollback_encoder(enc, r)
+                    break
+                continue  # r preempted itself; the requests after it rank higher and may still fit (none under fcfs)
             prefill_scheduled |= r.is_prefill_chunk
             if r.encoder_inputs:
                 self._commit_encoder(enc)
@@ -235,6 +233,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         self._finished_since_schedule = []
         self._preempted_since_schedule = []
         self._last_out, self._last_out_fresh = out, True
+        self._in_schedule = False
         if self._connector is not None:
             self._after_hooks()
             if hasattr(self._connector, "build_connector_meta"):
@@ -264,6 +263,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         skipped: list[_Request] = []
         skipped_kv: list[_Request] = []
         max_active = c.max_num_active_seqs or c.max_num_seqs
+        rekeys = [0]  # sjf re-keys in this pass
         while budget > 0 and len(self._running) < max_active:
             from_kv = len(self._kv_waiting) > 0
             if not from_kv and self._pause_state != "unpaused":
@@ -271,7 +271,21 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             queue = self._kv_waiting if from_kv else self._waiting
             if not len(queue):
                 break
-            r = queue.peek()
+            if from_kv:
+                r, aged = queue.peek(), False
+            else:
+                picked = self._peek_waiting(skipped, rekeys)
+                if picked is None:
+                    break
+                r, aged = picked
+
+            def take(r: _Request = r, queue: _WaitingQueue = queue, aged: bool = aged) -> _Request:
+                """Take the candidate out of its queue: the head, or its place if aging picked it."""
+                if aged:
+                    queue.remove(r)
+                    return r
+                return queue.pop()
+
             if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and r.grammar_ready:
                 r.status = RequestStatus.WAITING
             if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.kv_load_done:
@@ -303,7 +317,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                             ext = room - 1  # a synchronous load leaves at least one token to compute
             if blocked:
                 r.deferred = True
-                queue.pop()
+                take()
                 # Back among the requests holding KV blocks if it holds some (vLLM's _holds_kv_blocks); a request
                 # whose failed load left nothing goes back to `waiting`.
                 holds_kv = (
@@ -345,7 +359,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if n == 0:  # vLLM 0.33: its first encoder input does not fit: skipped, it keeps its place
                     self._rollback_encoder(enc, r)
                     r.deferred = True
-                    (skipped_kv if from_kv else skipped).append(queue.pop())
+                    (skipped_kv if from_kv else skipped).append(take())
                     continue
             reserved = watermark if self._running else 0
             if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, reserved):
@@ -375,7 +389,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 prefix = "preempted_" if r.num_preemptions > 0 else ""
                 self._stats[prefix + "queries"] += r.num_tokens
                 self._stats[prefix + "hits"] += hit_tokens
-            queue.pop()
+            take()
+            r.wait_seq = 0  # it left waiting
             if load_async:  # holds its blocks until the engine reports the load over
                 r.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 r.num_computed_tokens = computed
@@ -390,6 +405,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             self._tenants[r.tenant].num_waiting -= 1
             self._tenants.charge_prompt(r, computed, n)
             self._running.append(r)
+            if r.session_id is not None:
+                self._sessions[r.session_id][0] += 1
             kind = "new" if r.status == RequestStatus.WAITING else "resumed"
             r.status = RequestStatus.RUNNING
             r.deferred = False
@@ -406,6 +423,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             prefill_admitted |= has_prefill
         for r in reversed(skipped):  # back to the front in their order (fcfs), or by their key (priority)
             self._waiting.add_preempted(r)
+            if r.wait_seq == 0:  # back from kv_waiting (its failed load left nothing): it enters waiting anew
+                self._enter_waiting(r)
         for r in reversed(skipped_kv):
             self._kv_waiting.add_preempted(r)
         return prefill_admitted

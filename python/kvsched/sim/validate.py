@@ -21,9 +21,10 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import SchedulerConfig
-from .metrics import percentiles, request_records
+from .metrics import percentiles
 from .simulator import make_config, simulate
 from .steptime import StepTimeModel, lone_prefill_tokens, spill_pairs
+from .summary import request_records
 from .workload import PromptFactory, Workload
 
 __all__ = ["RealRun", "compare", "prompt_fn_for_vocab", "run_real", "validate", "warmup_prompts"]
@@ -315,7 +316,7 @@ def validate(
         fit["workloads_during_real_run"] = interleaved if idle_work is not None else 0
         fit["workloads"] = len(session.work)
     assert step_model is not None
-    sim = simulate(workload, cfg, step_model, record_batches=True, prompt_fn=fn)
+    sim = simulate(workload, cfg, step_model, record_batches=True, keep_records=True, prompt_fn=fn)
     report = compare(real, workload, sim)
     report["device"] = str(llm.device)
     report["torch_threads"] = torch.get_num_threads()

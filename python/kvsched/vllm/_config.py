@@ -10,16 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvsched._errors import InvalidConfigError
 from kvsched.config import SchedulerConfig
 
+from ._errors import UnsupportedFeatureError
 from ._policy import build_config, effective_policy, read_additional_config
 
 __all__ = ["UnsupportedFeatureError", "check_kv_connector", "kvsched_config_from_vllm"]
-
-
-class UnsupportedFeatureError(InvalidConfigError, NotImplementedError):
-    """A vLLM feature that ``kvsched.vllm.Scheduler`` does not support (yet)."""
 
 
 def _refuse(feature: str, setting: str) -> None:

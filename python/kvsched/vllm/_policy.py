@@ -35,6 +35,8 @@ from typing import Any
 from kvsched._errors import InvalidConfigError, InvalidRequestError, SchedulerTypeError
 from kvsched.config import CONFIG_FIELDS, SchedulerConfig
 
+from ._errors import UnsupportedFeatureError
+
 __all__ = [
     "ADAPTER_FIXED",
     "ADAPTER_OPTIONS",
@@ -141,7 +143,6 @@ def read_additional_config(vllm_config: Any) -> tuple[dict[str, Any], AdapterOpt
     vLLM's own settings decide (naming the vLLM flag), or a bad adapter option; and
     :class:`~kvsched.vllm.UnsupportedFeatureError` for a fixed field with another value. Field values are checked
     by :func:`build_config`. ``additional_config`` that is not a dict (a platform's own object) holds none."""
-    from ._config import UnsupportedFeatureError
 
     extra = getattr(vllm_config, "additional_config", None)
     settings = extra.get(NAMESPACE) if isinstance(extra, Mapping) else None

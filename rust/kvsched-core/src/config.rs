@@ -16,6 +16,11 @@ pub enum Policy {
     Priority,
     /// Weighted fair share across tenants (the Virtual Token Counter; see `fair.rs`).
     Fair,
+    /// Shortest (uncached) prompt first: the fewest prompt blocks beyond the request's prefix-cache hit (see
+    /// `order.rs`); preempted requests first, as under FCFS.
+    Sjf,
+    /// Earliest TTFT deadline first (`arrival_time + ttft_slo_s`); preempted requests first, as under FCFS.
+    Slo,
 }
 
 impl Policy {
@@ -24,8 +29,10 @@ impl Policy {
             "fcfs" => Ok(Policy::Fcfs),
             "priority" => Ok(Policy::Priority),
             "fair" => Ok(Policy::Fair),
+            "sjf" => Ok(Policy::Sjf),
+            "slo" => Ok(Policy::Slo),
             other => Err(SchedError::InvalidConfig(format!(
-                "policy must be one of ('fcfs', 'priority', 'fair'), got {}",
+                "policy must be one of ('fcfs', 'priority', 'fair', 'sjf', 'slo'), got {}",
                 py_str(other)
             ))),
         }
@@ -36,7 +43,16 @@ impl Policy {
             Policy::Fcfs => "fcfs",
             Policy::Priority => "priority",
             Policy::Fair => "fair",
+            Policy::Sjf => "sjf",
+            Policy::Slo => "slo",
         }
+    }
+
+    /// The orders built on FCFS (`fcfs`, `sjf`, `slo`): what FCFS puts at the front of the queue (preempted
+    /// requests, requests an admission pass skipped, requests made ready) goes there under them too; they
+    /// order only the requests FCFS appends at the back.
+    pub fn is_fcfs_family(self) -> bool {
+        matches!(self, Policy::Fcfs | Policy::Sjf | Policy::Slo)
     }
 }
 
@@ -69,6 +85,43 @@ impl PreemptionMode {
             PreemptionMode::Recompute => "recompute",
             PreemptionMode::Swap => "swap",
             PreemptionMode::Auto => "auto",
+        }
+    }
+}
+
+/// Which running request phase A preempts when a request's KV slots cannot be allocated (see `victim.rs`).
+/// Every rule stays inside the policy's level: the lowest priority under `priority`, the tenants with the
+/// largest counter under `fair`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptionVictim {
+    /// vLLM's rule: the last running request (`fcfs`), the largest `(priority, arrival_time)` (`priority`), the
+    /// last request of the tenant with the largest counter (`fair`).
+    Default,
+    /// Least computed first: the fewest computed tokens, the least work to redo.
+    Lcf,
+    /// The largest `reclaimable blocks / tokens * share of the output budget left` (blocks freed per token
+    /// to redo, far from done).
+    Cost,
+}
+
+impl PreemptionVictim {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "default" => Ok(PreemptionVictim::Default),
+            "lcf" => Ok(PreemptionVictim::Lcf),
+            "cost" => Ok(PreemptionVictim::Cost),
+            other => Err(SchedError::InvalidConfig(format!(
+                "preemption_victim must be one of ('default', 'lcf', 'cost'), got {}",
+                py_str(other)
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PreemptionVictim::Default => "default",
+            PreemptionVictim::Lcf => "lcf",
+            PreemptionVictim::Cost => "cost",
         }
     }
 }
@@ -136,6 +189,9 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: u32,
     pub max_model_len: u32,
     pub enable_prefix_caching: bool,
+    /// Record the blocks entering and leaving the prefix cache as vLLM's KV cache events
+    /// (`Scheduler::take_kv_cache_events`).
+    pub enable_kv_cache_events: bool,
     pub enable_chunked_prefill: bool,
     pub long_prefill_token_threshold: u32,
     pub policy: Policy,
@@ -163,6 +219,15 @@ pub struct SchedulerConfig {
     pub fair_decode_weight: f64,
     /// PRIORITY only: a waiting request gains one priority level per this many steps of age (0 = off).
     pub priority_aging_steps: u32,
+    /// SLO: the TTFT target of a request added without `ttft_slo_s` (`None`: such a request has no deadline
+    /// and sorts after every request that has one). Finite and > 0.
+    pub default_ttft_slo_s: Option<f64>,
+    /// Aging for every order: a request that has waited this many steps without being admitted goes ahead of
+    /// the policy's order, oldest first (`None`: off). At least 1.
+    pub max_wait_steps: Option<u32>,
+    /// Session affinity (FCFS with an admission window): how many steps after its last request left
+    /// `running` a `session_id` still counts as recently active. At least 1.
+    pub session_ttl_steps: u32,
     /// vLLM's `AsyncScheduler`: every scheduled decode leaves output placeholders, so the next step (scheduled
     /// before this one's output is applied) already gives the request its next token.
     pub async_scheduling: bool,
@@ -188,6 +253,8 @@ pub struct SchedulerConfig {
     pub recompute_cost_per_token: f64,
     /// Auto: the cost of copying one block in one direction, in the same unit (initial value; settable).
     pub swap_cost_per_block: f64,
+    /// Which running request a preemption takes (inside the policy's lowest level).
+    pub preemption_victim: PreemptionVictim,
     /// KV connector: what a failed asynchronous load does to its request.
     pub kv_load_failure_policy: KvLoadFailurePolicy,
     /// Where a request waiting for its structured-output grammar waits. `true` (the newer vLLM rule): parked
@@ -277,6 +344,7 @@ impl Default for SchedulerConfig {
             max_num_batched_tokens: 8192,
             max_model_len: 8192,
             enable_prefix_caching: true,
+            enable_kv_cache_events: false,
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
             policy: Policy::Fcfs,
@@ -291,6 +359,9 @@ impl Default for SchedulerConfig {
             fair_prefill_weight: 1.0,
             fair_decode_weight: 2.0,
             priority_aging_steps: 0,
+            default_ttft_slo_s: None,
+            max_wait_steps: None,
+            session_ttl_steps: 1000,
             async_scheduling: false,
             max_loras: 0,
             watermark: 0.0,
@@ -301,6 +372,7 @@ impl Default for SchedulerConfig {
             num_cpu_blocks: 0,
             recompute_cost_per_token: 1.0,
             swap_cost_per_block: 1.0,
+            preemption_victim: PreemptionVictim::Default,
             kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
             park_grammar_waits: true,
             dcp_world_size: 1,
@@ -357,6 +429,8 @@ const INT_FIELDS: &[IntField] = &[
         get: |c| Some(c.cache_aware_admission_window),
     },
     IntField { name: "priority_aging_steps", min: 0, max: I32_MAX, get: |c| Some(c.priority_aging_steps) },
+    IntField { name: "max_wait_steps", min: 1, max: I32_MAX, get: |c| c.max_wait_steps },
+    IntField { name: "session_ttl_steps", min: 1, max: I32_MAX, get: |c| Some(c.session_ttl_steps) },
     IntField { name: "max_loras", min: 0, max: I32_MAX, get: |c| Some(c.max_loras) },
     IntField { name: "num_cpu_blocks", min: 0, max: MAX_NUM_BLOCKS, get: |c| Some(c.num_cpu_blocks) },
     // 0 stands for Python's None (as many as max_num_seqs).
@@ -457,6 +531,9 @@ impl SchedulerConfig {
         }
         check_preemption_costs(self.recompute_cost_per_token, self.swap_cost_per_block)
             .map_err(SchedError::InvalidConfig)?;
+        if let Some(slo) = self.default_ttft_slo_s {
+            check_ttft_slo("default_ttft_slo_s", slo).map_err(SchedError::InvalidConfig)?;
+        }
         for (tenant, w) in &self.tenant_weights {
             check_tenant_name(tenant).map_err(SchedError::InvalidConfig)?;
             check_tenant_weight(tenant, *w).map_err(SchedError::InvalidConfig)?;
@@ -584,6 +661,14 @@ pub fn check_tenant_weight(tenant: &str, w: f64) -> std::result::Result<(), Stri
     Ok(())
 }
 
+/// A TTFT target (`default_ttft_slo_s`, a request's `ttft_slo_s`) is finite and > 0.
+pub fn check_ttft_slo(name: &str, v: f64) -> std::result::Result<(), String> {
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("{name} must be finite and > 0, got {}", py_float(v)));
+    }
+    Ok(())
+}
+
 /// The auto mode's cost constants are finite and >= 0.
 pub fn check_preemption_costs(
     recompute_cost_per_token: f64,
@@ -697,6 +782,12 @@ mod tests {
             SchedulerConfig { cp_kv_cache_interleave_size: 0, ..Default::default() },
             SchedulerConfig { cp_kv_cache_interleave_size: 32, ..Default::default() },
             SchedulerConfig { block_size: 16, cp_kv_cache_interleave_size: 3, ..Default::default() },
+            SchedulerConfig { default_ttft_slo_s: Some(0.0), ..Default::default() },
+            SchedulerConfig { default_ttft_slo_s: Some(f64::INFINITY), ..Default::default() },
+            SchedulerConfig { max_wait_steps: Some(0), ..Default::default() },
+            SchedulerConfig { session_ttl_steps: 0, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Sjf, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Slo, ..Default::default() },
         ];
         for cfg in bad {
             assert!(matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))), "{cfg:?}");
@@ -775,6 +866,9 @@ mod tests {
     fn parses_names() {
         assert_eq!(Policy::parse("priority"), Ok(Policy::Priority));
         assert_eq!(Policy::parse("fair"), Ok(Policy::Fair));
+        assert_eq!(Policy::parse("sjf"), Ok(Policy::Sjf));
+        assert_eq!(Policy::parse("slo"), Ok(Policy::Slo));
+        assert!(Policy::Sjf.is_fcfs_family() && !Policy::Priority.is_fcfs_family());
         assert!(Policy::parse("lifo").is_err());
         assert_eq!(HashAlgo::parse("sha256"), Ok(HashAlgo::Sha256));
         assert!(HashAlgo::parse("md5").is_err());
@@ -782,5 +876,8 @@ mod tests {
         assert!(PreemptionMode::parse("discard").is_err());
         assert_eq!(KvLoadFailurePolicy::parse("fail"), Ok(KvLoadFailurePolicy::Fail));
         assert!(KvLoadFailurePolicy::parse("retry").is_err());
+        assert_eq!(PreemptionVictim::parse("lcf"), Ok(PreemptionVictim::Lcf));
+        assert_eq!(PreemptionVictim::parse("cost").map(PreemptionVictim::name), Ok("cost"));
+        assert!(PreemptionVictim::parse("lifo").is_err());
     }
 }

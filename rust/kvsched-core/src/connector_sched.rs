@@ -299,8 +299,9 @@ impl Scheduler {
             if req.status == RequestStatus::WaitingForGrammar && req.parked {
                 req.parked = false;
                 self.num_parked -= 1;
-                let key = Self::priority_key(req);
+                let key = Self::order_key(self.config.policy, req);
                 self.waiting.push_preempted(h, key);
+                self.enter_waiting(h.slot)?;
             }
         }
         for &h in &ready {
@@ -309,7 +310,7 @@ impl Scheduler {
                 req.parked = false;
                 self.num_parked -= 1;
                 self.num_loading -= 1;
-                let key = Self::priority_key(req);
+                let key = Self::order_key(self.config.policy, req);
                 self.kv_waiting.push(h, key);
             }
         }

@@ -2,9 +2,9 @@
 //!
 //! Phase A walks `running` in order and gives each request `min(remaining, threshold, budget, model-length
 //! cap)` tokens (remaining counts drafts and, with async scheduling, output placeholders); when its KV slots
-//! cannot be allocated, a victim is preempted (FCFS: the last running request; PRIORITY: the largest
-//! `(priority, arrival_time)`, refunded if it was already scheduled this step) until the allocation succeeds or
-//! the request itself is the victim. Phase B, only when nothing was preempted in the step and admissions are
+//! cannot be allocated, a victim is preempted (`victim.rs`; vLLM's FCFS: the last running request; PRIORITY:
+//! the largest `(priority, arrival_time)`; refunded if it was already scheduled this step) until the allocation
+//! succeeds or the request itself is the victim. Phase B, only when nothing was preempted in the step and admissions are
 //! not paused, admits waiting requests in policy order with their prefix-cache hits while `max_num_seqs`, the
 //! budget and the free blocks allow (with `scheduler_reserve_full_isl`, the free blocks must hold the whole
 //! prompt, not just its first chunk); it never preempts. Requests with nothing to do are skipped, not
@@ -14,11 +14,11 @@
 //! the tenants (`fair.rs`): phase A's once phase A is final, phase B's at each admission (so the next fair
 //! pick sees them).
 
-use crate::config::{PauseState, Policy};
+use crate::config::PauseState;
 use crate::encoder_sched::{release_encoder_refs, EncoderStep};
-use crate::error::Result;
+use crate::error::{Result, SchedError};
 use crate::output::{SchedulerOutput, StepRecord};
-use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
+use crate::request::{ReqHandle, RequestStatus, NO_SESSION, SPEC_PLACEHOLDER};
 use crate::scheduler::Scheduler;
 use crate::swap_sched::{complete_resume, restored_tokens};
 
@@ -256,6 +256,10 @@ struct AdmissionPass {
     skipped_kv: Vec<ReqHandle>,
     /// The candidate's prefix hits (the scheduler's buffer, kept across steps: grown once, not per step).
     hits: Vec<u32>,
+    /// Aging picked the current candidate out of its place in `waiting` (it is taken out with `remove`).
+    aged: bool,
+    /// `sjf`: requests re-keyed in this pass (at most `SJF_MAX_REKEYS_PER_PASS`).
+    sjf_rekeys: u32,
 }
 
 /// A waiting request that phase B admits if its blocks can be allocated (`Scheduler::admission_candidate`).
@@ -325,6 +329,8 @@ impl Scheduler {
         if !self.newly_ready.is_empty() {
             self.queue_newly_ready()?;
         }
+        // From here on a request entering `waiting` first waits in the next step (aging).
+        self.in_schedule = true;
         let paused_all = self.pause_state == PauseState::PausedAll;
         let mut budget = if paused_all { 0 } else { self.config.max_num_batched_tokens };
         // vLLM 0.33: the per-request cap guards other requests from starvation, so it applies only when more
@@ -378,7 +384,8 @@ impl Scheduler {
             // No probing when nobody can be admitted (a full batch or no budget): nothing would move.
             let can_admit = budget > 0 && self.running.len() < self.config.max_active_seqs();
             let plan = if can_admit { self.begin_admission() } else { None };
-            prefill_admitted = self.admit_waiting(
+            let num_skipped;
+            (prefill_admitted, num_skipped) = self.admit_waiting(
                 &mut b,
                 &mut budget,
                 threshold,
@@ -386,7 +393,7 @@ impl Scheduler {
                 defer_prefills,
                 &mut enc,
             )?;
-            self.end_admission(plan);
+            self.end_admission(plan, num_skipped);
             // A released step records whether it drained the waiting queue (vLLM's prefill_capacity_bound):
             // if it could not, throttling and the cadence stop deferring until a released step drains it.
             if !defer_prefills {
@@ -559,7 +566,7 @@ impl Scheduler {
                         gave_up = true;
                         break;
                     }
-                    let j = self.pick_victim()?;
+                    let j = self.pick_victim(&b.out.handles, &b.out.num_computed_tokens)?;
                     if self.config.defer_block_free {
                         // A victim whose blocks a step in flight still writes would free them too late.
                         let victim = self.running[j];
@@ -600,16 +607,18 @@ impl Scheduler {
                     }
                 }
                 if gave_up {
+                    // `req` was not preempted: its encoder plan goes, and the pass ends under every policy
+                    // (vLLM 0.33).
+                    if planned {
+                        self.rollback_encoder(enc, slot)?;
+                    }
                     break;
                 }
                 if self_preempted {
                     // vLLM 0.33: under PRIORITY the requests after it rank higher and may still fit (`i` already
-                    // points at the next one; FAIR: they belong to tenants with smaller counters); under FCFS
-                    // the pass ends.
-                    if self.config.policy != Policy::Fcfs {
-                        continue;
-                    }
-                    break;
+                    // points at the next one; FAIR: they belong to tenants with smaller counters; `lcf` and
+                    // `cost`: they rank above it). The default victim of FCFS, SJF and SLO is the tail: nothing follows it.
+                    continue;
                 }
                 req = self.slab.get_mut(slot)?;
             }
@@ -679,6 +688,7 @@ impl Scheduler {
     /// queue can run now and with how many tokens, `allocate_admission` gets its blocks, and
     /// `commit_admission` makes it running (or parks it while its KV loads). The pass ends at the first
     /// candidate that cannot be admitted and is not skipped; the skipped requests then go back to the front.
+    /// Also returns how many went back to the front of `waiting`.
     fn admit_waiting(
         &mut self,
         b: &mut Builder,
@@ -687,7 +697,7 @@ impl Scheduler {
         prefill_scheduled: bool,
         defer_prefills: bool,
         enc: &mut EncoderStep,
-    ) -> Result<bool> {
+    ) -> Result<(bool, usize)> {
         let max_active = self.config.max_active_seqs();
         let mut pass = AdmissionPass {
             threshold,
@@ -700,6 +710,8 @@ impl Scheduler {
             skipped: Vec::new(),
             skipped_kv: Vec::new(),
             hits: std::mem::take(&mut self.hits_buf),
+            aged: false,
+            sjf_rekeys: 0,
         };
         let mut prefill_admitted = false;
         while *budget > 0 && self.running.len() < max_active {
@@ -709,9 +721,14 @@ impl Scheduler {
             if !from_kv && self.pause_state != PauseState::Unpaused {
                 break;
             }
-            let peeked =
-                if from_kv { self.kv_waiting.peek(&self.tenants) } else { self.waiting.peek(&self.tenants) };
-            let Some(h) = peeked else { break };
+            // `waiting`: the policy's order, with aging and the `sjf` re-keying (`admission.rs`).
+            let peeked = if from_kv {
+                self.kv_waiting.peek(&self.tenants).map(|h| (h, false))
+            } else {
+                self.peek_waiting(&pass.skipped, &mut pass.sjf_rekeys, &mut pass.hits)?
+            };
+            let Some((h, aged)) = peeked else { break };
+            pass.aged = aged;
             let a = match self.admission_candidate(&mut pass, h, from_kv, *budget, enc)? {
                 Candidate::Admit(a) => a,
                 Candidate::Skip => continue,
@@ -723,17 +740,23 @@ impl Scheduler {
             prefill_admitted |= self.commit_admission(b, &mut pass, &a, budget, enc)?;
         }
         // Skipped requests go back to the front in their order (FCFS), or by their key (PRIORITY).
+        // A request that comes back from `kv_waiting` (its failed load left nothing) enters `waiting` anew.
+        let policy = self.config.policy;
         for &h in pass.skipped.iter().rev() {
-            let key = Self::priority_key(self.slab.get(h.slot)?);
+            let req = self.slab.get(h.slot)?;
+            let (key, entering) = (Self::order_key(policy, req), req.wait_seq == 0);
             self.waiting.push_preempted(h, key);
+            if entering {
+                self.enter_waiting(h.slot)?;
+            }
         }
         for &h in pass.skipped_kv.iter().rev() {
-            let key = Self::priority_key(self.slab.get(h.slot)?);
+            let key = Self::order_key(policy, self.slab.get(h.slot)?);
             self.kv_waiting.push_preempted(h, key);
         }
         pass.hits.clear();
         self.hits_buf = pass.hits;
-        Ok(prefill_admitted)
+        Ok((prefill_admitted, pass.skipped.len()))
     }
 
     /// The LoRA adapters of all running requests, scheduled this step or not (none asked for without
@@ -851,7 +874,7 @@ impl Scheduler {
             let holds_kv = req.status == RequestStatus::WaitingForRemoteKvs
                 || hot.computed[hs] > 0
                 || !req.blocks.is_empty();
-            self.pop_candidate(from_kv);
+            self.pop_candidate(h, from_kv, pass.aged)?;
             if holds_kv {
                 pass.skipped_kv.push(h);
             } else {
@@ -888,7 +911,7 @@ impl Scheduler {
                 // place), not a stop of the pass.
                 self.rollback_encoder(enc, h.slot)?;
                 mark_deferred(self.slab.get_mut(h.slot)?, &mut self.num_deferred);
-                self.pop_candidate(from_kv);
+                self.pop_candidate(h, from_kv, pass.aged)?;
                 if from_kv {
                     pass.skipped_kv.push(h);
                 } else {
@@ -1056,8 +1079,9 @@ impl Scheduler {
             req.kv_load_done = false;
             req.inflight_prefill = true;
             req.parked = self.config.park_kv_loads;
+            req.wait_seq = 0;
             mark_deferred(req, &mut self.num_deferred);
-            self.pop_candidate(a.from_kv);
+            self.pop_candidate(h, a.from_kv, pass.aged)?;
             if self.config.park_kv_loads {
                 self.num_parked += 1;
                 self.num_loading += 1;
@@ -1086,6 +1110,10 @@ impl Scheduler {
                 }
             }
         }
+        req.wait_seq = 0;
+        if req.session != NO_SESSION {
+            self.sessions.on_run(req.session);
+        }
         let idx = b.out.handles.len() as u32;
         if resumed {
             b.out.resumed_reqs.push(idx);
@@ -1095,12 +1123,10 @@ impl Scheduler {
         let spec =
             if a.pad { vec![SPEC_PLACEHOLDER; self.config.num_spec_tokens() as usize] } else { Vec::new() };
         b.push(req.handle, n, computed, &req.blocks, &spec, req.is_prefill_chunk);
-        if a.from_kv {
-            self.kv_waiting.pop(&self.tenants);
-        } else {
-            self.waiting.pop(&self.tenants);
-        }
-        self.tenants.on_leave_waiting(req.tenant);
+        let tenant = req.tenant;
+        self.pop_candidate(h, a.from_kv, pass.aged)?;
+        let req = self.slab.get_mut(h.slot)?;
+        self.tenants.on_leave_waiting(tenant);
         self.tenants.charge_prompt(req, computed, n);
         self.running.push(h.slot);
         self.slab.hot.in_flight[hs] += n;
@@ -1109,13 +1135,21 @@ impl Scheduler {
         Ok(a.has_prefill)
     }
 
-    /// Takes the candidate off the head of the queue it came from (`kv_waiting` if `from_kv`).
-    fn pop_candidate(&mut self, from_kv: bool) {
+    /// Takes the candidate `h` out of the queue it came from: the head of `kv_waiting` if `from_kv`, else of
+    /// `waiting`, or its place in `waiting` if aging picked it (`aged`).
+    fn pop_candidate(&mut self, h: ReqHandle, from_kv: bool, aged: bool) -> Result<()> {
         if from_kv {
             self.kv_waiting.pop(&self.tenants);
+        } else if aged {
+            let req = self.slab.get(h.slot)?;
+            let (tier, tenant) = (req.order_key, req.tenant);
+            if !self.waiting.remove(h, tier, tenant) {
+                return Err(SchedError::Internal(format!("aged request {:?} is not in waiting", req.id)));
+            }
         } else {
             self.waiting.pop(&self.tenants);
         }
+        Ok(())
     }
 
     /// A request whose asynchronous load is over becomes WAITING (PREEMPTED if it was preempted before): the
@@ -1143,31 +1177,6 @@ impl Scheduler {
         req.status = if req.num_preemptions > 0 { RequestStatus::Preempted } else { RequestStatus::Waiting };
     }
 
-    /// Index in `running` of the next preemption victim.
-    fn pick_victim(&self) -> Result<usize> {
-        match self.config.policy {
-            Policy::Fcfs => Ok(self.running.len() - 1),
-            Policy::Fair => self.tenants.pick_victim(&self.running, &self.slab),
-            Policy::Priority => {
-                let mut best = 0;
-                let mut best_key = None;
-                for (j, &s) in self.running.iter().enumerate() {
-                    let r = self.slab.get(s)?;
-                    let key = (r.effective_priority, r.arrival_time);
-                    let better = match best_key {
-                        None => true,
-                        Some((p, t)) => key.0 > p || (key.0 == p && key.1.total_cmp(&t).is_gt()),
-                    };
-                    if better {
-                        best = j;
-                        best_key = Some(key);
-                    }
-                }
-                Ok(best)
-            }
-        }
-    }
-
     /// Frees the request's KV and sends it back to waiting; its outputs are kept and recomputed on resume.
     /// The output of steps still in flight becomes stale: applied when it arrives (or dropped, with
     /// `drop_stale_output`), but it rolls nothing back and the request is not resumed before then.
@@ -1187,9 +1196,13 @@ impl Scheduler {
         hot.stale[slot as usize] = hot.in_flight[slot as usize];
         req.num_output_placeholders = 0;
         let handle = req.handle;
-        let key = Self::priority_key(req);
+        if req.session != NO_SESSION {
+            self.sessions.on_leave_running(req.session, self.next_step_id);
+        }
+        let key = Self::order_key(self.config.policy, req);
         self.waiting.push_preempted(handle, key);
         self.tenants.on_requeue(req.tenant);
+        self.enter_waiting(slot)?;
         self.counters.num_preemptions += 1;
         Ok(handle)
     }
@@ -1284,6 +1297,7 @@ impl Scheduler {
         rec.swapped_out = swapped_out;
         rec.encoder_hashes = enc_hashes;
         self.in_flight.push_back(rec);
+        self.in_schedule = false;
         Ok(())
     }
 }

@@ -23,6 +23,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("max_num_batched_tokens", c.max_num_batched_tokens)?;
     d.set_item("max_model_len", c.max_model_len)?;
     d.set_item("enable_prefix_caching", c.enable_prefix_caching)?;
+    d.set_item("enable_kv_cache_events", c.enable_kv_cache_events)?;
     d.set_item("enable_chunked_prefill", c.enable_chunked_prefill)?;
     d.set_item("long_prefill_token_threshold", c.long_prefill_token_threshold)?;
     d.set_item("policy", c.policy.name())?;
@@ -41,6 +42,9 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("fair_prefill_weight", c.fair_prefill_weight)?;
     d.set_item("fair_decode_weight", c.fair_decode_weight)?;
     d.set_item("priority_aging_steps", c.priority_aging_steps)?;
+    d.set_item("default_ttft_slo_s", c.default_ttft_slo_s)?;
+    d.set_item("max_wait_steps", c.max_wait_steps)?;
+    d.set_item("session_ttl_steps", c.session_ttl_steps)?;
     d.set_item("async_scheduling", c.async_scheduling)?;
     d.set_item("max_loras", c.max_loras)?;
     d.set_item("watermark", c.watermark)?;
@@ -48,6 +52,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("num_cpu_blocks", c.num_cpu_blocks)?;
     d.set_item("recompute_cost_per_token", c.recompute_cost_per_token)?;
     d.set_item("swap_cost_per_block", c.swap_cost_per_block)?;
+    d.set_item("preemption_victim", c.preemption_victim.name())?;
     d.set_item("kv_load_failure_policy", c.kv_load_failure_policy.name())?;
     // 0: as many as max_num_seqs (Python's None).
     d.set_item("max_num_active_seqs", Some(c.max_num_active_seqs).filter(|&v| v != 0))?;
@@ -120,6 +125,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
     let algo = core::HashAlgo::parse(&str_field("prefix_hash_algo")?).map_err(|e| map_err(py, e))?;
     let preemption_mode =
         core::PreemptionMode::parse(&str_field("preemption_mode")?).map_err(|e| map_err(py, e))?;
+    let preemption_victim =
+        core::PreemptionVictim::parse(&str_field("preemption_victim")?).map_err(|e| map_err(py, e))?;
     Ok(core::SchedulerConfig {
         block_size: u32_field("block_size")?,
         num_blocks: u32_field("num_blocks")?,
@@ -127,6 +134,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         max_num_batched_tokens: u32_field("max_num_batched_tokens")?,
         max_model_len: u32_field("max_model_len")?,
         enable_prefix_caching: bool_field("enable_prefix_caching")?,
+        enable_kv_cache_events: bool_field("enable_kv_cache_events")?,
         enable_chunked_prefill: bool_field("enable_chunked_prefill")?,
         long_prefill_token_threshold: u32_field("long_prefill_token_threshold")?,
         policy,
@@ -145,6 +153,17 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         fair_prefill_weight: f64_field("fair_prefill_weight")?,
         fair_decode_weight: f64_field("fair_decode_weight")?,
         priority_aging_steps: u32_field("priority_aging_steps")?,
+        default_ttft_slo_s: if cfg.getattr("default_ttft_slo_s")?.is_none() {
+            None
+        } else {
+            Some(f64_field("default_ttft_slo_s")?)
+        },
+        max_wait_steps: if cfg.getattr("max_wait_steps")?.is_none() {
+            None
+        } else {
+            Some(u32_field("max_wait_steps")?)
+        },
+        session_ttl_steps: u32_field("session_ttl_steps")?,
         async_scheduling: bool_field("async_scheduling")?,
         max_loras: u32_field("max_loras")?,
         watermark: f64_field("watermark")?,
@@ -152,6 +171,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         num_cpu_blocks: u32_field("num_cpu_blocks")?,
         recompute_cost_per_token: f64_field("recompute_cost_per_token")?,
         swap_cost_per_block: f64_field("swap_cost_per_block")?,
+        preemption_victim,
         kv_load_failure_policy,
         // None: as many as max_num_seqs, the core's 0; so a 0 given is out of the field's bounds.
         max_num_active_seqs: if cfg.getattr("max_num_active_seqs")?.is_none() {

@@ -5,6 +5,7 @@
 mod connector;
 mod context_parallel;
 mod encoder;
+mod events;
 mod helpers;
 mod module_graph;
 mod policy;
