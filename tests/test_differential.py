@@ -145,6 +145,11 @@ class FakeConnector:
         self.calls.append(("meta", out.step_id))
         return out.step_id, len(self.calls)
 
+    def has_pending_block_frees(self) -> bool:
+        # Asked only when a preemption would follow; sometimes "transfers will free blocks": no preemption.
+        self.calls.append(("pending_frees",))
+        return bool(self._draw("pending", len(self.calls)).random() < 0.2)
+
 
 class Twin:
     """The same operations on a ReferenceScheduler and a kvsched.Scheduler, compared after each one."""
@@ -470,6 +475,14 @@ class Twin:
                   lambda: self.rs.set_preemption_costs(recompute, swap))  # fmt: skip
         assert self.ref.preemption_costs == self.rs.preemption_costs
 
+    def op_defer(self) -> None:
+        """defer_block_free switched on or off at run time (vLLM's tests set the flag on a built scheduler)."""
+        on = self.rand.chance(0.5)
+        self.log.append(f"set_defer_block_free({on})")
+        self.ref.set_defer_block_free(on)
+        self.rs.set_defer_block_free(on)
+        assert self.ref.config == self.rs.config
+
     def op_ready(self) -> None:
         ids = self.live_ids()
         rid = self.rand.choice(ids) if ids and self.rand.chance(0.9) else "nope"
@@ -524,6 +537,8 @@ class Twin:
             others.append(self.op_drafts)
         if self.fail_steps:
             others.append(self.op_fail)
+        if self.cfg.async_scheduling and self.throttle:  # (not in the seeded soaks: their streams stay as they were)
+            others.append(self.op_defer)
         self.rand.choice([*ops, *others])()
         self.check()
 
@@ -545,6 +560,7 @@ class Twin:
         assert self.ref.waiting_req_ids() == list(self.rs.waiting_req_ids())  # fair: at the current counters
         assert self.ref.running_req_ids() == list(self.rs.running_req_ids())
         assert self.ref.num_free_blocks == self.rs.num_free_blocks
+        assert_arrays_equal(self.ref.deferred_free_block_ids(), self.rs.deferred_free_block_ids(), "deferred frees")
         assert self.ref.pause_state == self.rs.pause_state
         assert self.ref.prefill_cadence == self.rs.prefill_cadence
         assert self.ref.num_unfinished_requests == self.rs.num_unfinished_requests
@@ -713,6 +729,8 @@ def configs(draw: Any) -> SchedulerConfig:
         **encoder_fields(draw, budget),
         park_kv_loads=draw(st.booleans()),
         reserve_inflight_prefills=draw(st.booleans()),
+        defer_block_free=draw(st.booleans()),
+        drop_preempted_output=draw(st.booleans()),
     )
 
 
@@ -1030,6 +1048,42 @@ def test_soak_victim_rules_match_reference_step_by_step() -> None:
 
 def test_soak_short_matches_reference_step_by_step() -> None:
     soak(steps=3000, seed=1234)
+
+
+# Deferred block frees (vLLM 0.33 with a KV consumer connector and several batches in flight), with and without
+# dropping a preempted request's in-flight output (a connector that requires KV delivery): tight pools, async
+# scheduling, two or three steps in flight, a seeded connector whose pending frees sometimes stop preemption.
+DEFER_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=18, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
+                    async_scheduling=True, defer_block_free=True, park_kv_loads=False,
+                    reserve_inflight_prefills=True, prefix_hash_seed=5),
+    SchedulerConfig(block_size=2, num_blocks=30, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    policy="priority", async_scheduling=True, defer_block_free=True, drop_preempted_output=True,
+                    park_kv_loads=False, reserve_inflight_prefills=True, num_lookahead_tokens=1),
+    SchedulerConfig(block_size=4, num_blocks=14, max_num_seqs=5, max_num_batched_tokens=20, max_model_len=40,
+                    async_scheduling=True, drop_preempted_output=True, kv_load_failure_policy="fail",
+                    park_kv_loads=False, reserve_inflight_prefills=True, scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def test_soak_deferred_frees_match_reference_step_by_step() -> None:
+    """defer_block_free and drop_preempted_output under KV pressure with steps in flight: the core (which tells a
+    step in flight by its in-flight token counts) and the reference (vLLM's step sequence numbers) agree at
+    every step, frees are deferred, and preemptions still happen once the victims' steps are applied."""
+    deferred = dropped = 0
+    for i, cfg in enumerate(DEFER_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(777 + i)), max_in_flight=2 + i % 2,
+                    connector_seed=777 + i, fail_steps=False)  # fmt: skip
+        for _ in range(1200):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+            deferred += len(twin.ref._deferred_frees) > 0
+            dropped += sum(r.drop_stale_output for r in twin.ref._requests.values())
+        twin.drain()
+        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+    assert deferred > 0 and dropped > 0, (deferred, dropped)
 
 
 def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:

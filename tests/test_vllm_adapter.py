@@ -109,12 +109,22 @@ def test_kv_connector_is_vllms_own_scheduler_role_connector() -> None:
     assert s.core.config.park_kv_loads is False and s.core.config.reserve_inflight_prefills is True
 
 
-def test_kv_consumer_connector_with_async_scheduling_is_refused() -> None:
-    """vLLM defers a finished request's block frees behind the steps in flight when a consumer connector runs
-    with several batches in flight; kvsched's core does not, so the combination is refused by name."""
-    cfg = make_vllm_config(kv_connector_seed=1, async_scheduling=True)
-    with pytest.raises(UnsupportedFeatureError, match="KV consumer connectors with several batches in flight"):
-        make_scheduler("kvsched", cfg)
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_kv_connector_roles_with_async_scheduling_take_vllms_gates(kv_role: str) -> None:
+    """vLLM 0.33 with several batches in flight defers block frees for consumer roles and drops a preempted
+    request's in-flight output for connectors that require KV delivery (producer roles); the adapter sets the
+    core's defer_block_free and drop_preempted_output to the same gates, and vLLM's tests may set the first on a
+    built scheduler."""
+    s = make_scheduler("kvsched", make_vllm_config(kv_connector_seed=1, async_scheduling=True, kv_role=kv_role))
+    consumer = kv_role != "kv_producer"
+    producer = kv_role != "kv_consumer"
+    assert s.requires_kv_delivery is producer
+    assert s.core.config.drop_preempted_output is producer
+    assert s.defer_block_free is consumer and s.core.config.defer_block_free is consumer
+    s.defer_block_free = not consumer
+    assert s.core.config.defer_block_free is (not consumer)
+    sync = make_scheduler("kvsched", make_vllm_config(kv_connector_seed=1, kv_role=kv_role))
+    assert sync.defer_block_free is False and sync.requires_kv_delivery is producer
 
 
 def test_async_kv_load_waits_in_place_and_delayed_free_holds_blocks() -> None:

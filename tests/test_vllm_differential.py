@@ -52,6 +52,23 @@ def test_identical_to_vllm_with_a_kv_connector(sync: str, runner: str, seed: int
     assert cfg.kv_connector_seed == seed
 
 
+ASYNC_MODES = [("async", "v1"), ("async", "v2")]
+ROLES = ["kv_producer", "kv_consumer", "kv_both"]
+
+
+@pytest.mark.parametrize(("sync", "runner"), ASYNC_MODES, ids=[f"{s}-{r}" for s, r in ASYNC_MODES])
+@pytest.mark.parametrize("kv_role", ROLES)
+@pytest.mark.parametrize("seed", range(210, 212))
+def test_identical_to_vllm_with_a_kv_connector_and_batches_in_flight(
+    sync: str, runner: str, kv_role: str, seed: int
+) -> None:
+    """The seeded RandomKVConnector in each role with async scheduling: block frees deferred behind the steps in
+    flight (consumer roles), a preempted request's in-flight output dropped (producer roles), loads reported with
+    the output of the step whose metadata started them or a later one."""
+    cfg = run_seed(seed, 120, async_scheduling=True, v2=runner == "v2", connector=True, kv_role=kv_role)
+    assert cfg.kv_role == kv_role
+
+
 def test_failed_loads_finish_in_vllms_set_order() -> None:
     """Requests failed by a KV load (policy "fail") are finished, and their outputs listed, in the iteration order
     of the set vLLM builds them in; with colliding string hashes that order depends on the order of insertion,

@@ -175,10 +175,12 @@ class Config:
     speculative_method: str = "ngram"
     per_request_spec_decode_metrics: str = "none"
     use_v2_model_runner: bool = False
-    # A RandomKVConnector (kvsched.vllm.testing) with this seed: external tokens, async loads finished late,
-    # failed or cut by invalid blocks, delayed frees for sends.
+    # A RandomKVConnector (kvsched.vllm.testing) with this seed, in the role kv_role: external tokens, async
+    # loads finished late, failed or cut by invalid blocks (consumer roles), delayed frees for sends (producer
+    # roles).
     kv_connector_seed: int | None = None
     kv_load_failure_policy: str = "recompute"
+    kv_role: str = "kv_both"
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -423,41 +425,15 @@ class Pair:
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=[],
-            kv_connector_output=self.transfers() if self.cfg.kv_connector_seed is not None else None,
+            kv_connector_output=self.transfers(so) if self.cfg.kv_connector_seed is not None else None,
         )
 
-    def transfers(self) -> Any:
-        """What the workers report about KV transfers this step: some loads over (a few of them failed whole, or
-        with one invalid block in the loaded range), some sends over. Each connector forgets what is reported
-        when its scheduler hands it the report (in this synchronous driver, within the same update)."""
-        from vllm.v1.outputs import KVConnectorOutput
-
-        rng, bs = self.rng, self.cfg.block_size
-        conn_a = self.a.connector
-        recv: set[str] = set()
-        failed: set[str] = set()
-        invalid: set[int] = set()
-        send: set[str] = set()
-        for rid in sorted(conn_a.loads):
-            if rng.random() < 0.35:
-                blocks, first, n = conn_a.loads[rid]
-                recv.add(rid)
-                r = rng.random()
-                if r < 0.1:
-                    failed.add(rid)
-                elif r < 0.2:
-                    invalid.add(blocks[rng.randrange(first // bs, -(-(first + n) // bs))])
-        for rid in sorted(conn_a.sending):
-            if rng.random() < 0.35:
-                send.add(rid)
-        if not (recv or send) and rng.random() < 0.5:
-            return None
-        return KVConnectorOutput(
-            finished_recving=recv or None,
-            finished_sending=send or None,
-            failed_recving=failed,
-            invalid_block_ids=invalid,
-        )
+    def transfers(self, so: Any) -> Any:
+        """What the workers report about KV transfers with the output of step ``so``
+        (``RandomKVConnector.report``: loads started by that step or earlier over, failed whole or with an
+        invalid block; sends over). Each connector forgets what is reported when its scheduler hands it the
+        report."""
+        return self.a.connector.report(self.rng, so.kv_connector_metadata, self.cfg.block_size)
 
     def update_oldest(self) -> None:
         so_a, so_b, chunks = self.in_flight.pop(0)
@@ -576,15 +552,16 @@ def run_seed(
     v2: bool,
     num_speculative_tokens: int | None = None,
     connector: bool = False,
+    kv_role: str = "kv_both",
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
-    ``connector`` adds a seeded ``RandomKVConnector`` (synchronous scheduling only: kvsched.vllm refuses KV
-    connectors with several batches in flight)."""
+    ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role``."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if connector:
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
+        cfg.kv_role = kv_role
     if num_speculative_tokens is not None:
         cfg.num_speculative_tokens = num_speculative_tokens
     if not cfg.num_speculative_tokens:
@@ -601,33 +578,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--modes", default="sync-v1,sync-v2,async-v1,async-v2")
-    p.add_argument("--connector", action="store_true", help="with a seeded RandomKVConnector (sync modes only)")
+    p.add_argument("--connector", action="store_true", help="with a seeded RandomKVConnector")
+    p.add_argument(
+        "--kv-roles",
+        default="kv_both",
+        help="with --connector: the connector's roles, comma-separated (kv_producer, kv_consumer, kv_both); each "
+        "mode runs every seed once per role",
+    )
     args = p.parse_args(argv)
     failures = 0
+    roles = args.kv_roles.split(",") if args.connector else [None]
     for mode in args.modes.split(","):
         sync, runner = mode.split("-")
-        ok = 0
-        seeds = range(args.first_seed, args.first_seed + args.seeds)
-        bar = None
-        if sys.stderr.isatty():  # a progress bar on a terminal; logs get the per-mode totals only
-            with contextlib.suppress(ImportError):
-                from tqdm import tqdm
+        for role in roles:
+            name = mode if role is None else f"{mode} {role}"
+            ok = 0
+            seeds = range(args.first_seed, args.first_seed + args.seeds)
+            bar = None
+            if sys.stderr.isatty():  # a progress bar on a terminal; logs get the per-mode totals only
+                with contextlib.suppress(ImportError):
+                    from tqdm import tqdm
 
-                bar = tqdm(total=len(seeds), desc=mode, unit="seed", leave=False)
-        for seed in seeds:
-            try:
-                run_seed(
-                    seed, args.steps, async_scheduling=sync == "async", v2=runner == "v2", connector=args.connector
-                )
-                ok += 1
-            except Divergence as exc:
-                failures += 1
-                print(f"[{mode}] seed {seed}: {str(exc)[:2000]}", file=sys.stderr, flush=True)
+                    bar = tqdm(total=len(seeds), desc=name, unit="seed", leave=False)
+            for seed in seeds:
+                try:
+                    run_seed(
+                        seed,
+                        args.steps,
+                        async_scheduling=sync == "async",
+                        v2=runner == "v2",
+                        connector=role is not None,
+                        kv_role=role or "kv_both",
+                    )
+                    ok += 1
+                except Divergence as exc:
+                    failures += 1
+                    print(f"[{name}] seed {seed}: {str(exc)[:2000]}", file=sys.stderr, flush=True)
+                if bar is not None:
+                    bar.update(1)
             if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-        print(f"{mode}: {ok}/{args.seeds} seeds x {args.steps} steps without a difference")
+                bar.close()
+            print(f"{name}: {ok}/{args.seeds} seeds x {args.steps} steps without a difference", flush=True)
     return 1 if failures else 0
 
 

@@ -415,6 +415,23 @@ class SchedulerConfig:
             "[KV connector](#kv-connector)"
         ),
     )
+    defer_block_free: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM 0.33 with a KV consumer connector and several batches in flight: blocks freed while a step in "
+            "flight scheduled their request go back to the pool only once the steps scheduled before the free are "
+            "applied, and a preemption victim with a step in flight is not preempted (`kvsched.vllm` sets it for "
+            "such deployments). See [Deferred block frees](#deferred-block-frees)"
+        ),
+    )
+    drop_preempted_output: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM 0.33 with a KV connector that requires KV delivery (producer roles): a preempted request's "
+            "output of steps in flight is dropped instead of delivered (`kvsched.vllm` sets it from the "
+            "connector's `requires_kv_delivery`). See [In-flight steps](#in-flight-steps)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in CONFIG_FIELDS:

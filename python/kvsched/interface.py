@@ -231,6 +231,10 @@ class SchedulerProtocol(Protocol[OutputT]):
     @property
     def preemption_costs(self) -> tuple[float, float]: ...
 
+    # -- deferred block frees (KV connectors with steps in flight)
+    def set_defer_block_free(self, on: bool) -> None: ...
+    def deferred_free_block_ids(self) -> npt.NDArray[np.int32]: ...
+
 
 if TYPE_CHECKING:
     # Checked by mypy, never run: both schedulers (and their result types) satisfy the protocols.

@@ -10,9 +10,12 @@ no delayed free", as the Rust binding does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 from .._errors import InvalidRequestError, KVConnectorError, SchedulerTypeError, UnknownRequestError
 from .._types import RequestStatus
@@ -202,7 +205,59 @@ class _ConnectorMixin(_BlockPoolMixin):
         h[1 if recv else 2] = False
         if not h[1] and not h[2]:
             del self._held[req_id]
-            self._free_block_list(h[0])
+            if self._config.defer_block_free and h[3] > self._processed_step_seq:
+                self._defer_free(h[0])
+            else:
+                self._free_block_list(h[0])
+
+    # -- deferred block frees (defer_block_free; vLLM 0.33's names) -------------------------------------------
+
+    def _request_blocks_can_be_freed(self, r: _Request) -> bool:
+        return not self._config.defer_block_free or r.last_sched_seq <= self._processed_step_seq
+
+    def _free_request_blocks(self, r: _Request) -> None:
+        """Free ``r``'s blocks now, or (``defer_block_free``, a step in flight scheduled it) once every step
+        scheduled so far is applied."""
+        if self._request_blocks_can_be_freed(r):
+            self._free_block_list(r.block_ids)
+        else:
+            self._defer_free(r.block_ids)
+        r.block_ids = []
+        r.num_cached_blocks = 0
+
+    def _defer_free(self, blocks: list[int]) -> None:
+        if blocks:
+            self._deferred_frees.append((self._sched_step_seq, blocks))
+
+    def _step_applied(self) -> None:
+        """A non-empty step was applied: deferred frees whose fence it reaches go back, in order."""
+        self._processed_step_seq += 1
+        while self._deferred_frees and self._deferred_frees[0][0] <= self._processed_step_seq:
+            self._free_block_list(self._deferred_frees.popleft()[1])
+
+    def _connector_has_pending_block_frees(self) -> bool:
+        hook = getattr(self._connector, "has_pending_block_frees", None)
+        if hook is None:
+            return False
+        try:
+            res = hook()
+            if not isinstance(res, bool):
+                raise KVConnectorError(f"kv_connector.has_pending_block_frees: must return a bool, got {res!r}")
+            return res
+        except Exception as e:
+            self._keep(e)
+            return False
+
+    def set_defer_block_free(self, on: bool) -> None:
+        """Turn ``defer_block_free`` on or off from now on (frees already deferred keep their fence)."""
+        if not isinstance(on, bool):
+            raise SchedulerTypeError(f"defer_block_free must be a bool, got {type(on).__name__}")
+        self._config = dataclasses.replace(self._config, defer_block_free=on)
+        self._last_out_fresh = False
+
+    def deferred_free_block_ids(self) -> np.ndarray:
+        """Blocks whose free waits for steps in flight, in the order they go back to the pool."""
+        return np.array([b for _, blocks in self._deferred_frees for b in reversed(blocks)], dtype=np.int32)
 
     @property
     def num_held_kv_requests(self) -> int:

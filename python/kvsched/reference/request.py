@@ -36,6 +36,7 @@ class _Request:
         "is_prefill_chunk",
         "kv_load_done",
         "kv_load_failed",
+        "last_sched_seq",
         "lora_name",
         "max_tokens",
         "min_tokens",
@@ -118,6 +119,7 @@ class _Request:
         self.parked = False  # in no queue, not running: blocked (grammar, KV load) or ready since the last step
         self.kv_load_done = False  # its asynchronous KV load was reported over
         self.kv_load_failed = False  # ... and failed: num_computed_tokens was cut back to the valid prefix
+        self.last_sched_seq = 0  # the last non-empty step that scheduled it (defer_block_free's fence)
         self.encoder_held = [False] * len(self.encoder_inputs)  # holds a reference to input i's cache entry
         # vLLM 0.33's in-flight prefill set: an async load, or an admission with prompt left, until a step leaves
         # nothing left (or a preemption); read with reserve_inflight_prefills

@@ -230,11 +230,11 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         if self._connector is not None:
             delay = self._hook_finished(r, r.block_ids[: math.ceil(r.num_computed_tokens / self._bs)])
         if delay or was_loading:
-            self._held[r.req_id] = [r.block_ids, was_loading, delay]
+            self._held[r.req_id] = [r.block_ids, was_loading, delay, r.last_sched_seq]
             r.block_ids = []
             r.num_cached_blocks = 0
         else:
-            self._free_blocks(r)
+            self._free_request_blocks(r)
         self._release_all_encoder(r)
         self._cpu_free.extend(r.cpu_blocks)  # a swapped-out request aborted while waiting
         r.cpu_blocks, r.num_swapped_tokens = [], 0
@@ -281,6 +281,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         for b, h in out._cached_blocks:
             if self._block_hash[b] == h and b not in kept:
                 self._uncache(b, h)
+        if out._entries:  # nothing runs any more: frees deferred behind the step go back
+            self._step_applied()
         failed = [r for r, _, _ in out._entries if not r.status.is_finished]
         for r in failed:
             self._finish(r, RequestStatus.FINISHED_ABORTED)
@@ -394,8 +396,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             self._last_out_fresh = False
         if len(self._free) != self._config.num_usable_blocks:
             if reset_running_requests:
-                if self._held or any(r.block_ids for r in self._requests.values()):
-                    return False  # KV transfers hold blocks (vLLM raises: not supported yet)
+                if self._held or self._deferred_frees or any(r.block_ids for r in self._requests.values()):
+                    return False  # KV transfers hold blocks (vLLM raises: not supported yet), or deferred frees
                 raise InternalError("the prefix cache is in use with no request running")
             return False
         self._cached.clear()
@@ -473,9 +475,14 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             require(len(set(r.block_ids)) == len(r.block_ids), f"{r.req_id}: a block twice in one table")
             for b in r.block_ids:
                 holders[b] += 1
-        for req_id, (blocks, awaiting_recv, awaiting_send) in self._held.items():
+        for req_id, (blocks, awaiting_recv, awaiting_send, _) in self._held.items():
             require(awaiting_recv or awaiting_send, f"{req_id}: held blocks for no transfer")
             require(req_id not in self._requests, f"{req_id}: live and held")
+            for b in blocks:
+                holders[b] += 1
+        fences = [fence for fence, _ in self._deferred_frees]
+        require(fences == sorted(fences) and all(f <= self._sched_step_seq for f in fences), "deferred fences")
+        for _, blocks in self._deferred_frees:
             for b in blocks:
                 holders[b] += 1
         require(self._ref_cnt == holders, "ref_cnt == number of block tables holding the block")

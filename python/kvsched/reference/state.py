@@ -49,7 +49,13 @@ class _SchedulerState:
         # requests whose asynchronous KV load is over, holding blocks (vLLM's kv_holding_waiting): admitted first
         self._kv_waiting: _WaitingQueue = _new_waiting_queue(c.policy, self._tenants)
         self._newly_ready: list[_Request] = []  # parked requests that became ready, queued at the next step
-        self._held: dict[str, list[Any]] = {}  # finished request -> [blocks, awaiting_recv, awaiting_send]
+        # finished request -> [blocks, awaiting_recv, awaiting_send, last_sched_seq]
+        self._held: dict[str, list[Any]] = {}
+        # defer_block_free (vLLM's names): non-empty steps scheduled / applied, and the frees waiting for them as
+        # (fence, blocks), oldest first
+        self._sched_step_seq = 0
+        self._processed_step_seq = 0
+        self._deferred_frees: deque[tuple[int, list[int]]] = deque()
         self._next_add_seq = 0
         if kv_connector is not None:
             for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished"):

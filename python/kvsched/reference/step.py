@@ -32,8 +32,11 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
 
     def _preempt(self, r: _Request, drop_stale_output: bool = False) -> None:
         """Free ``r``'s KV and send it back to waiting. Output of steps still in flight becomes stale: applied
-        when it arrives (dropped with ``drop_stale_output``), rolling nothing back; ``r`` is not resumed before."""
-        self._free_blocks(r)
+        when it arrives (dropped with ``drop_stale_output``, always with ``drop_preempted_output``), rolling
+        nothing back; ``r`` is not resumed before. With ``defer_block_free`` its blocks wait for the steps in
+        flight."""
+        drop_stale_output = drop_stale_output or self._config.drop_preempted_output
+        self._free_request_blocks(r)
         self._release_all_encoder(r)
         r.num_lost_tokens = r.num_computed_tokens
         r.num_computed_tokens = 0
@@ -119,8 +122,15 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     self._rollback_encoder(enc, r)
                     i += 1
                     continue
+            gave_up = False
             while (new_blocks := self._allocate_slots(r, n, [], look)) is None:
+                if self._connector is not None and self._connector_has_pending_block_frees():
+                    gave_up = True  # the connector's transfers will release blocks: no preemption
+                    break
                 j = self._pick_victim(scheduled)
+                if not self._request_blocks_can_be_freed(self._running[j]):
+                    gave_up = True  # a step in flight still writes the victim's blocks: freeing them comes late
+                    break
                 victim = self._running.pop(j)
                 computed_before = None
                 for k, entry in enumerate(scheduled):
@@ -137,6 +147,10 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if victim is r:
                     break
             if new_blocks is None:
+                if gave_up:  # r was not preempted: its encoder plan goes, and the pass ends
+                    if r.encoder_inputs:
+                        self._rollback_encoder(enc, r)
+                    break
                 continue  # r preempted itself; the requests after it rank higher and may still fit (none under fcfs)
             prefill_scheduled |= r.is_prefill_chunk
             if r.encoder_inputs:
@@ -177,7 +191,10 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         self._stats["encoder_inputs"] += len(work)
         self._stats["encoder_tokens"] += sum(x.encoder_inputs[i][1] for x, i in work)
         entries = []
+        if scheduled:  # a non-empty step: its requests' blocks are written until it is applied
+            self._sched_step_seq += 1
         for r, n, _, _, drafts, _, is_chunk in scheduled:
+            r.last_sched_seq = self._sched_step_seq
             r.num_in_flight_tokens += n
             if not is_chunk:
                 r.inflight_prefill = False

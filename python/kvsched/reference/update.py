@@ -61,6 +61,8 @@ class _UpdateMixin(_KVCacheManagerMixin, _ConnectorMixin, _EncoderSchedMixin):
 
         self._next_update_step += 1
         self._last_out_fresh = False
+        if n:  # every write of this step is done: deferred frees fenced by it go back
+            self._step_applied()
         spec_decoding = self._config.num_spec_tokens > 0
         finished: list[str] = []
         reasons: list[int] = []

@@ -60,17 +60,6 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> None:
     for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
         if getattr(type(connector), method, None) is not getattr(KVConnectorBase_V1, method):
             _refuse(f"KV connectors that use vLLM's own block pool ({name} overrides {method})", "kv_transfer_config")
-    if type(connector).has_pending_block_frees is not KVConnectorBase_V1.has_pending_block_frees:
-        _refuse(
-            f"KV connectors whose pending frees replace preemption ({name} overrides has_pending_block_frees)",
-            "kv_transfer_config",
-        )
-    if vllm_config.max_concurrent_batches > 1 and connector.requires_kv_delivery:
-        # vLLM then drops the in-flight output of every request it preempts (drop_stale_output).
-        _refuse(
-            f"KV connectors that require KV delivery ({name}) with several batches in flight (async scheduling)",
-            "kv_transfer_config",
-        )
 
 
 def kvsched_config_from_vllm(
@@ -87,14 +76,6 @@ def kvsched_config_from_vllm(
     parallel = vllm_config.parallel_config
 
     kv_transfer = vllm_config.kv_transfer_config
-    if kv_transfer is not None and vllm_config.max_concurrent_batches > 1 and kv_transfer.is_kv_consumer:
-        # vLLM then defers freeing a finished request's blocks until the steps in flight that wrote them are
-        # processed (a load could otherwise land in a block a running step still writes).
-        _refuse(
-            "KV consumer connectors with several batches in flight (async scheduling or pipeline parallelism: "
-            "vLLM defers block frees behind the steps in flight)",
-            f"kv_role={kv_transfer.kv_role!r} with max_concurrent_batches={vllm_config.max_concurrent_batches}",
-        )
     if vllm_config.ec_transfer_config is not None:
         _refuse("encoder-cache connectors", "ec_transfer_config")
     if _attr(vllm_config.kv_events_config, "enable_kv_cache_events", False):
@@ -192,6 +173,11 @@ def kvsched_config_from_vllm(
     fields["park_kv_loads"] = False
     # ... and admits an asynchronous load only beside what its in-flight prefills still need.
     fields["reserve_inflight_prefills"] = True
+    # vLLM 0.33 with a consumer connector and several batches in flight frees the blocks of a request a step in
+    # flight still writes only once that step is processed (a load could land in them meanwhile).
+    fields["defer_block_free"] = bool(
+        kv_transfer is not None and kv_transfer.is_kv_consumer and vllm_config.max_concurrent_batches > 1
+    )
     # vLLM's engine has no swap path (its runner never copies KV to a CPU pool): preemption recomputes.
     fields["preemption_mode"] = "recompute"
     # A failed asynchronous load: the core cuts the request's computed tokens back to the valid prefix (policy

@@ -147,6 +147,10 @@ class ConnectorBridge:
         self.finished[req_id] = block_ids
         return True
 
+    def has_pending_block_frees(self) -> bool:
+        # Asked before a preemption: transfers that will free blocks make vLLM give up the allocation instead.
+        return bool(self.connector.has_pending_block_frees())
+
     # ---- the adapter's side ---------------------------------------------------------------------------
 
     def _blocks(self, request: Request, block_ids: list[int], num_hashed: int) -> KVCacheBlocks:

@@ -82,6 +82,8 @@ ENGINE_FIELDS: dict[str, str] = {
     "max_num_encoder_input_tokens": "vLLM's encoder budget (multimodal models are refused)",
     "encoder_cache_size": "vLLM's encoder cache (multimodal models are refused)",
     "disable_chunked_mm_input": "--disable-chunked-mm-input",
+    "defer_block_free": "--kv-transfer-config's kv_role (a consumer role) with --async-scheduling",
+    "drop_preempted_output": "--kv-transfer-config (the connector's requires_kv_delivery)",
 }
 
 _NO_SWAP = (

@@ -13,6 +13,7 @@ output and every request's state with vLLM's own scheduler after every call.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import defaultdict, deque
@@ -193,7 +194,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._to_release: list[str] = []
         self._kv_failure_fails = False
         # vLLM drops the in-flight output of a request it preempts when the connector must deliver KV (producer
-        # roles); only the flag shows with one batch in flight (several are refused with such a connector).
+        # roles): the core's drop_preempted_output.
         self._requires_kv_delivery = False
         if vllm_config.kv_transfer_config is not None:
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -216,6 +217,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 self._connector_prefix_cache_stats = PrefixCacheStats()
             self._kv_failure_fails = vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
             self._requires_kv_delivery = bool(connector.requires_kv_delivery)
+            config = dataclasses.replace(config, drop_preempted_output=self._requires_kv_delivery)
         self._core = _CoreScheduler(config, kv_connector=self._bridge)
         # kvsched's per-request attributes from extra_args, and the periodic per-tenant log line (docs/vllm.md).
         self._request_attrs = RequestAttrs.for_core(self._core.add_request)
@@ -1543,16 +1545,20 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     @property
     def requires_kv_delivery(self) -> bool:
-        """Whether the KV connector hands a request's KV off when it completes (producer roles): vLLM then drops
-        the in-flight output of a request it preempts."""
+        """Whether the KV connector hands a request's KV off when it completes (vLLM's flag, producer roles by
+        default): a preempted request's in-flight output is then dropped, not delivered."""
         return self._requires_kv_delivery
 
     @property
     def defer_block_free(self) -> bool:
-        """vLLM's gate for returning freed blocks to the pool only after the steps in flight are applied. Always
-        False: kvsched frees at once and refuses the configurations where vLLM defers (KV consumer connectors with
-        several batches in flight)."""
-        return False
+        """vLLM's gate for returning a request's blocks to the pool only after the steps in flight that may write
+        them are applied (on with a KV consumer connector and several batches in flight)."""
+        return bool(self._core.config.defer_block_free)
+
+    @defer_block_free.setter
+    def defer_block_free(self, on: bool) -> None:
+        # vLLM's own tests set the flag on a built scheduler; the core takes it from now on.
+        self._core.set_defer_block_free(bool(on))
 
     @property
     def kv_cache_manager(self) -> KVCacheManagerView:

@@ -80,11 +80,13 @@ def make_vllm_config(
     per_request_spec_decode_metrics: str = "none",
     kv_connector_seed: int | None = None,
     kv_load_failure_policy: str = "recompute",
+    kv_role: str = "kv_both",
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config). ``num_speculative_tokens``
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
     as its draft model, no trailing-block dropping). ``kv_connector_seed`` adds a ``kv_transfer_config`` for
-    :class:`RandomKVConnector` with that seed (role ``kv_both``)."""
+    :class:`RandomKVConnector` with that seed and role ``kv_role`` (``kv_producer``, ``kv_consumer``,
+    ``kv_both``)."""
     from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
@@ -151,7 +153,7 @@ def make_vllm_config(
         kv_transfer_config = KVTransferConfig(
             kv_connector="RandomKVConnector",
             kv_connector_module_path=__name__,
-            kv_role="kv_both",
+            kv_role=kv_role,
             kv_load_failure_policy=kv_load_failure_policy,
             kv_connector_extra_config={"seed": kv_connector_seed},
         )
@@ -294,22 +296,29 @@ def _lora_request(name: str | None) -> Any:
 
 
 class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped here
-    """A scheduler-role KV connector whose answers are a seeded function of what it is asked: external tokens
-    for some requests (loaded synchronously or asynchronously), "ask again later" for a few, and a delayed free
-    (the blocks are "being sent") for some finished requests. It transfers nothing; whoever drives the scheduler
-    reports the loads and sends over (or failed) through ``ModelRunnerOutput.kv_connector_output``, and reads
-    ``loads`` (request -> blocks and token range to load) and ``sending`` to know what to report; the connector
-    forgets a transfer once the scheduler hands it the report (``update_connector_output``).
+    """A scheduler-role KV connector whose answers are a seeded function of what it is asked, in the role of its
+    ``kv_transfer_config``: a consumer (``kv_consumer``, a decode engine) finds external tokens for some requests
+    (loaded synchronously or asynchronously) and "ask again later" for a few; a producer (``kv_producer``, a
+    prefill engine) finds none and delays the free of some finished requests (their blocks are "being sent");
+    ``kv_both`` does both. It transfers nothing. :meth:`report` plays the workers: it draws what a step's
+    ``ModelRunnerOutput.kv_connector_output`` says (loads over, some failed whole or with an invalid block among
+    the loaded ones, sends over), among the transfers the steps applied so far started; the connector forgets a
+    transfer once its scheduler hands it the report (``update_connector_output``).
 
-    Two instances with the same seed, asked the same things in the same order, answer the same: the differential
-    driver (``tests/vllm_driver.py``) gives one to vLLM's scheduler and one to kvsched's and compares ``calls``, a
-    log of every hook call with the request state and blocks it was called with.
+    vLLM derives from the role whether a preempted request's in-flight output is dropped
+    (``requires_kv_delivery``: producer roles) and, with several batches in flight, whether block frees wait for
+    the steps in flight (consumer roles). Two instances with the same seed, asked the same things in the same
+    order, answer the same: the differential driver (``tests/vllm_driver.py``) gives one to vLLM's scheduler and
+    one to kvsched's and compares ``calls``, a log of every hook call with the request state and blocks it was
+    called with.
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.seed = int(extra.get("seed", 0))
+        self.loads_external = bool(self._kv_transfer_config.is_kv_consumer)
+        self.sends = bool(self._kv_transfer_config.is_kv_producer)
         self.calls: list[tuple[Any, ...]] = []
         self.loads: dict[str, tuple[list[int], int, int]] = {}  # req_id -> (blocks, first token, tokens)
         self.sending: set[str] = set()
@@ -318,6 +327,8 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
         # The Request objects it was asked about, as real connectors keep them (their state is read live in
         # build_connector_meta); forgotten at request_finished.
         self._requests: dict[str, Any] = {}
+        # Loads a step's metadata started (the workers begin them when they run that step).
+        self._started: set[str] = set()
 
     def _rng(self, *key: Any) -> Any:
         import random
@@ -329,6 +340,8 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
         n = self._asked[req_id] = self._asked.get(req_id, 0) + 1
         self._requests[req_id] = request
         self.calls.append(("matched", req_id, num_computed_tokens, request.num_tokens, request.num_preemptions))
+        if not self.loads_external:
+            return 0, False
         rng = self._rng(req_id, n, num_computed_tokens)
         room = request.num_tokens - num_computed_tokens
         r = rng.random()
@@ -373,7 +386,7 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
         self._requests.pop(req_id, None)
         self.calls.append(("finished", req_id, request.status.name, list(block_ids)))
         rng = self._rng(req_id, "finished")
-        delay = bool(block_ids) and req_id not in self.loads and rng.random() < 0.3
+        delay = self.sends and bool(block_ids) and req_id not in self.loads and rng.random() < 0.3
         if delay:
             self.sending.add(req_id)
         params = {"req": req_id, "blocks": len(block_ids)} if rng.random() < 0.5 else None
@@ -385,7 +398,43 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
         self.calls.append(("output", recv, send))
         for req_id in recv:
             self.loads.pop(req_id, None)
+            self._started.discard(req_id)
         self.sending.difference_update(send)
+
+    def report(self, rng: Any, metadata: Any, block_size: int) -> Any:
+        """What the workers report with the output of the step whose connector metadata is ``metadata``: each
+        load started by then (listed in the metadata of this step or an earlier one) ends with probability 0.35
+        (of those, one in ten failed whole and one in ten with one invalid block among its loaded ones), each send
+        with probability 0.35; None about half the time nothing ended. ``rng`` (a ``random.Random``) makes the
+        draws, so a driver that gives both schedulers the same report keeps them in step."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        if metadata is not None:
+            self._started.update(getattr(metadata, "loads", ()))
+        recv: set[str] = set()
+        failed: set[str] = set()
+        invalid: set[int] = set()
+        send: set[str] = set()
+        for rid in sorted(self._started & set(self.loads)):
+            if rng.random() < 0.35:
+                blocks, first, n = self.loads[rid]
+                recv.add(rid)
+                r = rng.random()
+                if r < 0.1:
+                    failed.add(rid)
+                elif r < 0.2:
+                    invalid.add(blocks[rng.randrange(first // block_size, -(-(first + n) // block_size))])
+        for rid in sorted(self.sending):
+            if rng.random() < 0.35:
+                send.add(rid)
+        if not (recv or send) and rng.random() < 0.5:
+            return None
+        return KVConnectorOutput(
+            finished_recving=recv or None,
+            finished_sending=send or None,
+            failed_recving=failed,
+            invalid_block_ids=invalid,
+        )
 
     # Worker-side hooks: never called on a scheduler-role connector.
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

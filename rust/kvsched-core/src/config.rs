@@ -292,6 +292,16 @@ pub struct SchedulerConfig {
     /// the blocks every in-flight prefill (an earlier asynchronous load, or an admitted request with prompt left)
     /// still needs for its whole sequence, plus one decode step's blocks with speculative decoding.
     pub reserve_inflight_prefills: bool,
+    /// vLLM 0.33 with a KV consumer connector and several batches in flight: the blocks of a request freed
+    /// (finished, preempted, released after a transfer) while a step that scheduled it is still in flight go back
+    /// to the pool only once every step scheduled before the free is applied (a load into a reused block could
+    /// otherwise race the step still writing it); a preemption victim with a step in flight is not preempted
+    /// (the allocation gives up instead).
+    pub defer_block_free: bool,
+    /// vLLM 0.33 with a KV connector that requires KV delivery (producer roles): a preempted request's output
+    /// of steps still in flight is dropped, not delivered (delivering it could finish the request and hand off
+    /// blocks the preemption already freed).
+    pub drop_preempted_output: bool,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -373,6 +383,8 @@ impl Default for SchedulerConfig {
             disable_chunked_mm_input: false,
             park_kv_loads: true,
             reserve_inflight_prefills: false,
+            defer_block_free: false,
+            drop_preempted_output: false,
         }
     }
 }

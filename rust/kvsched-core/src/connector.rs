@@ -27,6 +27,13 @@ pub trait KvConnector: Send + Sync {
     /// When a request finishes (any reason), before its blocks are freed: `block_ids` are the blocks holding its
     /// computed tokens. `true`: the engine is sending them, free them only when it reports the send finished.
     fn request_finished(&mut self, req: &Request, block_ids: &[u32]) -> bool;
+
+    /// When a running request's allocation fails and a victim would be preempted: `true` when transfers in
+    /// progress will release blocks, so the scheduler gives up on the allocation for this step instead of
+    /// preempting (vLLM's `has_pending_block_frees`).
+    fn has_pending_block_frees(&mut self) -> bool {
+        false
+    }
 }
 
 /// A connector in the scheduler (a newtype so the scheduler can stay `Debug`).
@@ -46,6 +53,9 @@ pub(crate) struct HeldBlocks {
     pub awaiting_recv: bool,
     /// The connector asked to delay the free (`request_finished` returned `true`).
     pub awaiting_send: bool,
+    /// The newest step in flight that scheduled the request when it finished (with `defer_block_free` at the
+    /// release, its blocks wait in the deferred frees until that step is applied); `None` when none was.
+    pub last_step: Option<u64>,
 }
 
 /// What the engine reports about KV transfers (vLLM's `KVConnectorOutput`).

@@ -2,11 +2,17 @@
 //! in `WaitingForRemoteKvs` while their blocks fill) and delayed frees (blocks of a finished request kept while
 //! the engine still receives into them or sends them).
 //!
+//! It also holds the free path of a request's blocks with `defer_block_free` (vLLM 0.33 with a KV consumer
+//! connector and several batches in flight): blocks freed while a step in flight may still write them wait in
+//! `deferred_frees` until every step scheduled before the free is applied, so a load never lands in a block a
+//! running step still writes.
+//!
 //! Invariants (checked by `Scheduler::check_invariants`): a request in `WaitingForRemoteKvs` holds blocks
 //! covering its computed tokens and sits in no queue until its load is reported finished (with `park_kv_loads`;
 //! without it, it sits in `kv_waiting` from its admission step on); `held` maps the id of
 //! every finished request whose blocks are not yet freed to those blocks and at least one pending transfer;
-//! every held block counts in its ref count like a block table's.
+//! `deferred_frees` are in fence order, no fence past the steps scheduled; every held or deferred block counts
+//! in its ref count like a block table's.
 
 use std::sync::Arc;
 
@@ -174,7 +180,8 @@ impl Scheduler {
         Ok(errored)
     }
 
-    /// One transfer of a finished request is over; frees its blocks when none is left.
+    /// One transfer of a finished request is over; frees its blocks when none is left (deferred while the
+    /// newest step that scheduled the request is in flight).
     fn release_held(&mut self, id: &str, recv: bool) {
         let Some(h) = self.held.get_mut(id) else { return };
         if recv {
@@ -184,9 +191,76 @@ impl Scheduler {
         }
         if !h.awaiting_recv && !h.awaiting_send {
             if let Some(h) = self.held.remove(id) {
-                self.kv.pool.free_blocks(&h.blocks);
+                let in_flight = self.config.defer_block_free
+                    && h.last_step
+                        .is_some_and(|step| self.in_flight.front().is_some_and(|f| f.step_id <= step));
+                if in_flight {
+                    self.defer_free(h.blocks);
+                } else {
+                    self.kv.pool.free_blocks(&h.blocks);
+                }
             }
         }
+    }
+
+    /// Frees the blocks of the live request in `slot` (vLLM's `_free_request_blocks`): now, or with
+    /// `defer_block_free` while a step in flight scheduled it, once every step scheduled so far is applied.
+    pub(crate) fn free_request_blocks(&mut self, slot: u32) -> Result<()> {
+        let defer = self.config.defer_block_free && self.slab.hot.in_flight[slot as usize] > 0;
+        let req = self.slab.get_mut(slot)?;
+        if defer {
+            let blocks = std::mem::take(&mut req.blocks);
+            req.num_cached_blocks = 0;
+            self.defer_free(blocks);
+        } else {
+            self.kv.free(req);
+        }
+        Ok(())
+    }
+
+    /// Queues `blocks` (a table, freed deepest first when their turn comes) behind the steps scheduled so far.
+    fn defer_free(&mut self, blocks: Vec<u32>) {
+        if !blocks.is_empty() {
+            self.deferred_frees.push_back((self.sched_step_seq, blocks));
+        }
+    }
+
+    /// A step was applied (or failed): with tokens scheduled it counts, and the deferred frees whose fence it
+    /// reaches go back to the pool, in the order they were deferred (vLLM's `_drain_deferred_frees`).
+    pub(crate) fn on_step_applied(&mut self, num_entries: usize) {
+        if num_entries == 0 {
+            return;
+        }
+        self.processed_step_seq += 1;
+        while self.deferred_frees.front().is_some_and(|(fence, _)| *fence <= self.processed_step_seq) {
+            if let Some((_, blocks)) = self.deferred_frees.pop_front() {
+                self.kv.pool.free_blocks(&blocks);
+            }
+        }
+    }
+
+    /// vLLM's `_request_blocks_can_be_freed` for a preemption victim: with `defer_block_free`, not while a step
+    /// in flight scheduled it (`in_step` of its in-flight tokens belong to the step being built, not in flight
+    /// yet), since its blocks would come back only once that step is applied and the allocation would still
+    /// fail. The allocation then gives up for this step instead of preempting.
+    pub(crate) fn victim_blocks_can_be_freed(&self, victim: u32, in_step: u32) -> bool {
+        !self.config.defer_block_free || self.slab.hot.in_flight[victim as usize] <= in_step
+    }
+
+    /// vLLM's `has_pending_block_frees` of the connector (false without one).
+    pub(crate) fn connector_has_pending_block_frees(&mut self) -> bool {
+        self.connector.as_mut().is_some_and(|c| c.0.has_pending_block_frees())
+    }
+
+    /// Turns `defer_block_free` on or off from now on (frees already deferred keep their fence).
+    pub fn set_defer_block_free(&mut self, on: bool) {
+        self.config.defer_block_free = on;
+        self.epoch += 1;
+    }
+
+    /// Blocks whose free waits for steps in flight (`defer_block_free`), in the order they go back.
+    pub fn deferred_free_block_ids(&self) -> Vec<u32> {
+        self.deferred_frees.iter().flat_map(|(_, blocks)| blocks.iter().rev().copied()).collect()
     }
 
     /// At finish: asks the connector whether to delay the free, and keeps the blocks if a transfer is still in
@@ -203,7 +277,13 @@ impl Scheduler {
         }
         let blocks = std::mem::take(&mut req.blocks);
         req.num_cached_blocks = 0;
-        self.held.insert(req.id.clone(), HeldBlocks { blocks, awaiting_recv, awaiting_send });
+        let handle = req.handle;
+        let last_step = if hot.in_flight[slot as usize] > 0 {
+            self.in_flight.iter().rev().find(|r| r.handles.contains(&handle)).map(|r| r.step_id)
+        } else {
+            None
+        };
+        self.held.insert(req.id.clone(), HeldBlocks { blocks, awaiting_recv, awaiting_send, last_step });
         self.slab.sync(slot);
         Ok(true)
     }

@@ -123,6 +123,13 @@ pub struct Scheduler {
     pub(crate) num_loading: usize,
     /// Blocks of finished requests kept for a KV transfer.
     pub(crate) held: Held,
+    /// Non-empty steps scheduled and applied (vLLM's `sched_step_seq` and `processed_step_seq`).
+    pub(crate) sched_step_seq: u64,
+    pub(crate) processed_step_seq: u64,
+    /// `defer_block_free`: blocks freed while a step in flight may still write them, each with its fence (the
+    /// non-empty steps scheduled at the free), oldest first. They go back to the pool once `processed_step_seq`
+    /// reaches the fence (`connector_sched.rs`).
+    pub(crate) deferred_frees: VecDeque<(u64, Vec<u32>)>,
     pub(crate) next_add_seq: u64,
     /// The encoder cache (`encoder.rs`, driven by `encoder_sched.rs`).
     pub(crate) encoder: EncoderCache,
@@ -198,6 +205,9 @@ impl Scheduler {
             num_parked: 0,
             num_loading: 0,
             held: Held::default(),
+            sched_step_seq: 0,
+            processed_step_seq: 0,
+            deferred_frees: VecDeque::new(),
             next_add_seq: 0,
             num_executed_steps: 0,
             last_prefill_step,
@@ -519,7 +529,18 @@ impl Scheduler {
                 self.kv.pool.uncache(*block, hash);
             }
         }
+        // Nothing runs any more: frees deferred behind the step go back (after the uncaching above, as blocks
+        // with no KV), and the aborts below free at once.
+        self.on_step_applied(rec.handles.len());
         let failed_encoder = rec.encoder_hashes;
+        // The step's tokens are no longer in flight (nothing writes its requests' blocks now).
+        for (&h, &n) in rec.handles.iter().zip(&rec.num_scheduled_tokens) {
+            if let Some((_, hot)) = self.slab.resolve_mut_hot(h) {
+                let s = h.slot as usize;
+                hot.in_flight[s] = hot.in_flight[s].saturating_sub(n as u32);
+                hot.stale[s] = hot.stale[s].min(hot.in_flight[s]);
+            }
+        }
         let mut ids = Vec::new();
         let mut from_waiting = false;
         for &h in &rec.handles {
@@ -572,8 +593,7 @@ impl Scheduler {
             self.num_deferred -= 1;
         }
         if !self.hold_for_transfer(slot, was_loading)? {
-            let req = self.slab.get_mut(slot)?;
-            self.kv.free(req);
+            self.free_request_blocks(slot)?;
         }
         self.release_cpu_blocks(slot)?;
         self.forget_encoder_inputs(slot)?;
@@ -760,8 +780,11 @@ impl Scheduler {
         if ok {
             self.epoch += 1;
         } else if reset_running_requests {
-            if !self.held.is_empty() || self.slab.iter().any(|r| !r.blocks.is_empty()) {
-                // KV transfers hold blocks (vLLM raises: not supported yet).
+            if !self.held.is_empty()
+                || !self.deferred_frees.is_empty()
+                || self.slab.iter().any(|r| !r.blocks.is_empty())
+            {
+                // KV transfers hold blocks (vLLM raises: not supported yet), or frees wait for steps in flight.
                 return Ok(false);
             }
             return Err(SchedError::Internal("the prefix cache is in use with no request running".into()));
@@ -952,6 +975,19 @@ impl Scheduler {
             for &b in &h.blocks {
                 held[b as usize] += 1;
             }
+        }
+        let mut last_fence = 0;
+        for (fence, blocks) in &self.deferred_frees {
+            if *fence > self.sched_step_seq || *fence < last_fence {
+                return Err(format!("deferred free fenced at step {fence} out of order"));
+            }
+            last_fence = *fence;
+            for &b in blocks {
+                held[b as usize] += 1;
+            }
+        }
+        if self.processed_step_seq > self.sched_step_seq {
+            return Err("more non-empty steps applied than scheduled".into());
         }
         self.kv.pool.check(&held)?;
         self.check_swap_invariants()?;

@@ -559,8 +559,29 @@ impl Scheduler {
             if self.kv.allocate_slots(req, computed, n, &[], lookahead, 0).is_none() {
                 // Preempt until the allocation succeeds or `req` itself is the victim.
                 let mut self_preempted = false;
+                let mut gave_up = false;
                 loop {
+                    // A connector whose transfers will release blocks stops the preemptions (vLLM 0.33).
+                    if self.connector.is_some() && self.connector_has_pending_block_frees() {
+                        gave_up = true;
+                        break;
+                    }
                     let j = self.pick_victim(&b.out.handles, &b.out.num_computed_tokens)?;
+                    if self.config.defer_block_free {
+                        // A victim whose blocks a step in flight still writes would free them too late.
+                        let victim = self.running[j];
+                        let in_step = match b.out.handles.iter().position(|h| h.slot == victim) {
+                            Some(pos) => {
+                                b.write_everything();
+                                b.out.num_scheduled_tokens[pos] as u32
+                            }
+                            None => 0,
+                        };
+                        if !self.victim_blocks_can_be_freed(victim, in_step) {
+                            gave_up = true;
+                            break;
+                        }
+                    }
                     let victim = self.running.remove(j);
                     let mut computed_before = None;
                     if let Some(pos) = b.out.handles.iter().position(|h| h.slot == victim) {
@@ -584,6 +605,14 @@ impl Scheduler {
                     if self.kv.allocate_slots(req, computed, n, &[], lookahead, 0).is_some() {
                         break;
                     }
+                }
+                if gave_up {
+                    // `req` was not preempted: its encoder plan goes, and the pass ends under every policy
+                    // (vLLM 0.33).
+                    if planned {
+                        self.rollback_encoder(enc, slot)?;
+                    }
+                    break;
                 }
                 if self_preempted {
                     // vLLM 0.33: under PRIORITY the requests after it rank higher and may still fit (`i` already
@@ -1151,9 +1180,12 @@ impl Scheduler {
     /// Frees the request's KV and sends it back to waiting; its outputs are kept and recomputed on resume.
     /// The output of steps still in flight becomes stale: applied when it arrives (or dropped, with
     /// `drop_stale_output`), but it rolls nothing back and the request is not resumed before then.
+    /// With `drop_preempted_output` (vLLM's `requires_kv_delivery`) the output of steps in flight is always
+    /// dropped. With `defer_block_free` the blocks wait for the steps in flight (`free_request_blocks`).
     pub(crate) fn preempt(&mut self, slot: u32, drop_stale_output: bool) -> Result<ReqHandle> {
+        let drop_stale_output = drop_stale_output || self.config.drop_preempted_output;
+        self.free_request_blocks(slot)?;
         let (req, hot) = self.slab.get_mut_hot(slot)?;
-        self.kv.free(req);
         release_encoder_refs(&mut self.encoder, req);
         req.num_lost_tokens = std::mem::take(&mut hot.computed[slot as usize]);
         req.spec_token_ids.clear();
@@ -1232,6 +1264,9 @@ impl Scheduler {
         }
         let step_id = self.next_step_id;
         self.next_step_id += 1;
+        if !out.handles.is_empty() {
+            self.sched_step_seq += 1;
+        }
         out.scheduler_id = self.scheduler_id;
         out.step_id = step_id;
         out.preempted = preempted;

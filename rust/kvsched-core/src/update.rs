@@ -173,6 +173,8 @@ impl Scheduler {
             return Err(SchedError::Internal("in-flight step vanished".into()));
         };
         self.epoch += 1;
+        // Every write of this step (and of the steps before it) is done: deferred frees fenced by it go back.
+        self.on_step_applied(n);
         let max_model_len = self.config.max_model_len;
         let spec_decoding = self.config.num_spec_tokens() > 0;
         let mut res = UpdateResult { num_new_tokens: vec![0; n], ..Default::default() };

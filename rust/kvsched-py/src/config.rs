@@ -67,6 +67,8 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("disable_chunked_mm_input", c.disable_chunked_mm_input)?;
     d.set_item("park_kv_loads", c.park_kv_loads)?;
     d.set_item("reserve_inflight_prefills", c.reserve_inflight_prefills)?;
+    d.set_item("defer_block_free", c.defer_block_free)?;
+    d.set_item("drop_preempted_output", c.drop_preempted_output)?;
     Ok(d)
 }
 
@@ -191,5 +193,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         disable_chunked_mm_input: bool_field("disable_chunked_mm_input")?,
         park_kv_loads: bool_field("park_kv_loads")?,
         reserve_inflight_prefills: bool_field("reserve_inflight_prefills")?,
+        defer_block_free: bool_field("defer_block_free")?,
+        drop_preempted_output: bool_field("drop_preempted_output")?,
     })
 }

@@ -35,6 +35,8 @@ struct PyKvConnector {
     state: Arc<Mutex<HookState>>,
     /// The object asked for `update_state_after_alloc`'s optional fourth argument (`num_cached_blocks`).
     pass_cached_blocks: bool,
+    /// The object has the optional `has_pending_block_frees()` hook.
+    has_pending_frees_hook: bool,
 }
 
 impl PyKvConnector {
@@ -147,6 +149,24 @@ impl core::KvConnector for PyKvConnector {
             }
         })
     }
+
+    fn has_pending_block_frees(&mut self) -> bool {
+        if !self.has_pending_frees_hook {
+            return false;
+        }
+        Python::with_gil(|py| {
+            let hook = "has_pending_block_frees";
+            let res = self.obj.bind(py).call_method0(hook).and_then(|r| {
+                r.downcast::<PyBool>()
+                    .map(|b| b.is_true())
+                    .map_err(|_| bad_answer(py, hook, format!("must return a bool, got {}", type_name(&r))))
+            });
+            res.unwrap_or_else(|e| {
+                self.keep(e);
+                false
+            })
+        })
+    }
 }
 
 impl ConnectorHandle {
@@ -168,7 +188,13 @@ impl ConnectorHandle {
             Ok(v) => v.is_truthy()?,
             Err(_) => false,
         };
-        let inner = PyKvConnector { obj: obj.clone().unbind(), state: state.clone(), pass_cached_blocks };
+        let has_pending_frees_hook = obj.hasattr("has_pending_block_frees")?;
+        let inner = PyKvConnector {
+            obj: obj.clone().unbind(),
+            state: state.clone(),
+            pass_cached_blocks,
+            has_pending_frees_hook,
+        };
         let has_build_meta = obj.hasattr("build_connector_meta")?;
         Ok((ConnectorHandle { obj: obj.clone().unbind(), state, has_build_meta }, Box::new(inner)))
     }

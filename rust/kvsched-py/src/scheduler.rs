@@ -769,6 +769,31 @@ impl PyScheduler {
         guard(slf.py(), || this.core.set_preemption_costs(recompute, swap))
     }
 
+    /// Turns `defer_block_free` on or off from now on (frees already deferred keep their fence); `config`
+    /// shows the new value.
+    fn set_defer_block_free(slf: &Bound<'_, Self>, on: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let on = on
+            .downcast::<PyBool>()
+            .map_err(|_| type_error(py, format!("defer_block_free must be a bool, got {}", type_name(on))))?
+            .is_true();
+        let mut this = borrow_mut(slf)?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("defer_block_free", on)?;
+        let config =
+            py.import("dataclasses")?.getattr("replace")?.call((this.config.bind(py),), Some(&kwargs))?;
+        this.core.set_defer_block_free(on);
+        this.config = config.unbind();
+        Ok(())
+    }
+
+    /// Blocks whose free waits for steps in flight (`defer_block_free`), in the order they go back to the pool.
+    fn deferred_free_block_ids<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let ids: Vec<i32> =
+            borrow(slf)?.core.deferred_free_block_ids().into_iter().map(|b| b as i32).collect();
+        Ok(ids.into_pyarray(slf.py()))
+    }
+
     /// `(recompute_cost_per_token, swap_cost_per_block)` now in force.
     #[getter]
     fn preemption_costs(slf: &Bound<'_, Self>) -> PyResult<(f64, f64)> {
