@@ -291,6 +291,13 @@ def _add_simulate_parser(subparsers: Any) -> None:
     )
     m.add_argument("--window", type=_positive_float, default=None, help="fairness window (s; default run/20)")
     m.add_argument(
+        "--prompt-buckets",
+        default=None,
+        metavar="N1,N2,...",
+        help="upper edges (tokens, inclusive) of the prompt-length buckets TTFT is reported by "
+        "(default 128,256,512,1024,2048,4096,8192; one more bucket holds the longer prompts)",
+    )
+    m.add_argument(
         "--out", type=Path, default=Path("sim-results"), help="output directory, created if needed (%(default)s)"
     )
     m.add_argument("--per-request", action="store_true", help="also write one CSV row per request")

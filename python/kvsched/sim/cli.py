@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import time
@@ -50,6 +51,15 @@ def _model_problem(args: argparse.Namespace, what: str) -> str | None:
         if device.type == "cuda" and not torch.cuda.is_available():
             return f"--device {args.device}: torch sees no CUDA device on this machine (use --device cpu)"
     return None
+
+
+def _prompt_buckets(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    edges = [int(e) for e in parse_csv_numbers(text, "--prompt-buckets", integer=True)]
+    if not edges or any(b <= a for a, b in itertools.pairwise(edges)):
+        raise UsageError(f"--prompt-buckets takes increasing token counts >= 1, got {text!r}")
+    return tuple(edges)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -111,6 +121,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             if rates == [None]:
                 rates = [spec_or_trace.rate]
         axes = parse_set(args.set)
+        buckets = _prompt_buckets(args.prompt_buckets)
         # Every config of the sweep, and whether the workload fits the smallest max_model_len: before any work.
         max_model_len = min(c.max_model_len for c in sweep_configs(policies, axes))
         if isinstance(spec_or_trace, WorkloadSpec):
@@ -166,6 +177,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             slo_ttft=args.slo_ttft,
             slo_tpot=args.slo_tpot,
             window=args.window,
+            prompt_buckets=buckets,
             progress=progress,
             per_request_dir=args.out if args.per_request else None,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
@@ -178,11 +190,14 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _err(str(exc))
     wall = time.perf_counter() - t0
 
-    from .report import format_notes, format_table, write_outputs
+    from .report import format_buckets, format_notes, format_table, write_outputs
 
     print(format_table(runs))
     for note in format_notes(runs):
         print(note)
+    by_length = format_buckets(runs)
+    if by_length:
+        print(by_length)
     meta = {"step_model": step_model.to_dict(), "scheduler": args.scheduler, "wall_s": wall}
     paths = write_outputs(runs, args.out, per_request=args.per_request, argv=sys.argv, meta=meta)
     if progress:

@@ -27,7 +27,7 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import SchedulerConfig
-from .metrics import RunMetrics
+from .metrics import PROMPT_BUCKETS, RunMetrics
 from .progress import SimProgress
 from .sketch import EXACT_LIMIT
 from .steptime import StepTimeModel, request_pairs, spill_pairs
@@ -370,6 +370,7 @@ def simulate(
     exact_limit: int = EXACT_LIMIT,
     request_sink: Callable[[dict[str, npt.NDArray[Any]]], None] | None = None,
     defer_arrivals: bool | None = None,
+    prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
 ) -> SimResult:
     """Run ``workload`` through a real scheduler in simulated time (see the module docstring).
 
@@ -382,6 +383,7 @@ def simulate(
     the arrival window). ``exact_limit``: values per figure kept exactly before percentiles come from a sketch
     (:mod:`kvsched.sim.sketch`). ``request_sink``: called with the columns of each batch of requests as they
     finish (and of the rest when the run ends), e.g. :class:`kvsched.sim.point.RequestCsvWriter`.
+    ``prompt_buckets``: the upper edges (tokens) of the prompt-length buckets TTFT is reported by.
     ``record_batches``: keep each step's (request indices, scheduled tokens), for validation.
     ``keep_records``: also keep the raw per-step record (O(tokens) memory) for :func:`request_records`.
     ``fast_path=False`` records every step in full (same results, slower; for tests).
@@ -424,6 +426,7 @@ def simulate(
         slo_tpot=slo_tpot,
         exact_limit=exact_limit,
         request_sink=request_sink,
+        prompt_buckets=prompt_buckets,
     )
     num_prios = len(metrics.prio_values)
     prio_index = {int(p): i for i, p in enumerate(metrics.prio_values.tolist())}
