@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 from pathlib import Path
@@ -130,3 +131,122 @@ def test_cli_reports_both_in_the_table_csv_and_json(tmp_path: Path, capsys: pyte
     assert float(rows[1]["ttft_p50"]) == pytest.approx(run["ttft_by_prompt_len"][1]["ttft"]["p50"])
     assert main([*argv[:-7], "--prompt-buckets", "512,256", "--out", str(tmp_path / "x"), "--no-progress"]) == 2
     assert "--prompt-buckets" in capsys.readouterr().err
+
+
+# ---- Multi-turn sessions and per-class TTFT targets -------------------------------------------------------
+
+
+def _session_spec(**kw: Any) -> WorkloadSpec:
+    base: dict[str, Any] = {
+        "rate": 8.0,
+        "duration": 20.0,
+        "prompt_len": parse_length("uniform:40:200"),
+        "output_len": parse_length("uniform:10:120"),
+        "priorities": ((0, 0.3), (1, 0.7)),
+        "num_prefix_groups": 2,
+        "prefix_len": 32,
+        "prefix_fraction": 0.5,
+        "session_slots": 5,
+        "session_turns": 3,
+        "seed": 2,
+    }
+    return WorkloadSpec(**{**base, **kw})
+
+
+def test_session_contexts_grow_turn_by_turn() -> None:
+    from kvsched.sim.workload import WorkloadStream
+
+    w = generate_workload(_session_spec(), max_model_len=1024)
+    plain = generate_workload(_session_spec(session_slots=0), max_model_len=1024)
+    assert w.sessions and not plain.sessions
+    # The same arrivals, tenants and classes; new prompt material is drawn as without sessions.
+    np.testing.assert_array_equal(w.arrival_time, plain.arrival_time)
+    np.testing.assert_array_equal(w.priority, plain.priority)
+    assert (w.prefix_group >= 2).all()  # conversations are groups of their own, after the shared ones
+    np.testing.assert_array_equal(w.prefix_len, w.prompt_len - 1)
+    turns = 0
+    for g in np.unique(w.prefix_group):
+        idx = np.flatnonzero(w.prefix_group == g)
+        assert 1 <= len(idx) <= 3
+        assert 40 <= w.prompt_len[idx[0]] <= 200
+        for a, b in itertools.pairwise(idx.tolist()):
+            new = w.prompt_len[b] - w.prompt_len[a] - w.output_len[a]
+            assert 40 <= new <= 200  # the previous prompt and answer, plus the next message
+            turns += 1
+    assert turns > len(w) // 2
+    assert w.max_prompt_len < 1024
+    # Drawn a chunk at a time: the same requests.
+    stream = WorkloadStream(_session_spec(), max_model_len=1024)
+    parts = [c for _, c in stream.chunks(size=17)]
+    assert all(c.sessions for c in parts)
+    np.testing.assert_array_equal(np.concatenate([c.prompt_len for c in parts]), w.prompt_len)
+    np.testing.assert_array_equal(np.concatenate([c.prefix_group for c in parts]), w.prefix_group)
+    with pytest.raises(ValueError, match="session"):
+        _session_spec(session_turns=0)
+
+
+def test_session_flag_survives_a_trace(tmp_path: Path) -> None:
+    from kvsched.sim import dump_trace, load_trace
+
+    w = generate_workload(_session_spec(duration=5.0), max_model_len=1024)
+    back = load_trace(dump_trace(w, tmp_path / "t.jsonl"))
+    assert back.sessions
+    np.testing.assert_array_equal(back.prompt_len, w.prompt_len)
+    np.testing.assert_array_equal(back.prefix_len, w.prefix_len)
+    assert not load_trace(dump_trace(generate_workload(_session_spec(session_slots=0)), tmp_path / "u.jsonl")).sessions
+
+
+class _Recording:
+    """A Rust scheduler that notes the keywords of every add_request."""
+
+    def __init__(self, config: Any) -> None:
+        from kvsched import Scheduler
+
+        self.inner = Scheduler(config)
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def add_request(self, req_id: str, *args: Any, **kw: Any) -> Any:
+        self.calls.append((req_id, kw))
+        return self.inner.add_request(req_id, *args, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_simulator_passes_session_ids_and_class_targets_and_counts_goodput_by_them() -> None:
+    w = generate_workload(_session_spec(rate=30.0, duration=10.0), max_model_len=1024)
+    made: list[_Recording] = []
+
+    def factory(config: Any) -> _Recording:
+        made.append(_Recording(config))
+        return made[-1]
+
+    targets = {0: 0.3}
+    res = simulate(
+        w, {"num_blocks": 300, "max_model_len": 1024, "max_num_batched_tokens": 512, "policy": "slo"}, MODEL,
+        scheduler=factory, keep_records=True, class_ttft_slo=targets, slo_ttft=2.0,
+    )  # fmt: skip
+    (sched,) = made
+    assert len(sched.calls) == len(w)
+    for req_id, kw in sched.calls:
+        i = int(req_id[1:])
+        assert kw["session_id"] == f"s{w.prefix_group[i]}"
+        assert kw.get("ttft_slo_s") == targets.get(int(w.priority[i]))
+    rec = request_records(res)
+    limit = np.where(rec.priority == 0, 0.3, 2.0)
+    good = rec.finished & (rec.ttft <= limit)
+    assert 0 < good.sum() < len(w)
+    s = summarize(res, rec, slo_ttft=2.0)
+    assert s["overall"]["num_good"] == int(good.sum())
+    assert s["class_ttft_slo"] == {"0": 0.3}
+    by_class = {p["priority"]: p["num_good"] for p in s["priorities"]}
+    assert by_class == {0: int(good[rec.priority == 0].sum()), 1: int(good[rec.priority == 1].sum())}
+    # Other SLOs, counted afterwards from the kept (TTFT, TPOT) pairs, keep the class target.
+    assert summarize(res, rec, slo_ttft=None)["overall"]["num_good"] == int(
+        (rec.finished & ~(rec.ttft > np.where(rec.priority == 0, 0.3, np.inf))).sum()
+    )
+    # Without sessions or targets nothing extra reaches the scheduler.
+    made.clear()
+    simulate(generate_workload(_session_spec(session_slots=0, duration=3.0)), {"max_model_len": 1024}, MODEL,
+             scheduler=factory)  # fmt: skip
+    assert all("session_id" not in kw and "ttft_slo_s" not in kw for _, kw in made[0].calls)

@@ -260,6 +260,13 @@ def _add_simulate_parser(subparsers: Any) -> None:
     w.add_argument("--prefix-groups", type=int_at_least(0), default=0, help="number of shared-prefix groups")
     w.add_argument("--prefix-len", type=int_at_least(0), default=0, help="tokens of each group's shared prefix")
     w.add_argument("--prefix-fraction", type=float, default=0.0, help="share of requests in a prefix group")
+    w.add_argument(
+        "--sessions",
+        default=None,
+        metavar="N[:TURNS]",
+        help="multi-turn conversations: N open at a time, each arrival the next turn of one of them, TURNS turns "
+        "each (default 4); a turn's prompt is the previous turn's prompt and output plus a drawn --prompt-len",
+    )
     w.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace instead (see docs)")
     w.add_argument("--seed", type=int_at_least(0), default=0)
     w.add_argument("--dump-trace", type=Path, default=None, metavar="JSONL", help="write the generated workload")
@@ -288,6 +295,13 @@ def _add_simulate_parser(subparsers: Any) -> None:
         type=_positive_float,
         default=None,
         help="TPOT target for goodput and SLO %% (s); without either, the table shows '-' for both",
+    )
+    m.add_argument(
+        "--class-ttft-slo",
+        default=None,
+        metavar="PRIO:S,...",
+        help="a TTFT target (s) per priority class: passed to the scheduler as each request's ttft_slo_s (the "
+        "deadlines of policy slo), and goodput counts each request of the class against it (others: --slo-ttft)",
     )
     m.add_argument("--window", type=_positive_float, default=None, help="fairness window (s; default run/20)")
     m.add_argument(

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -339,7 +339,8 @@ class RunMetrics:
     (seconds of simulated time). ``slo_ttft``/``slo_tpot``: the SLOs goodput is counted for. ``request_sink``:
     called with the columns (:data:`REQUEST_COLUMNS` and ``idx``) of each batch of requests folded in, e.g. to
     write them to a file. ``prompt_buckets``: the upper edges of the prompt-length buckets TTFT is counted by
-    (increasing, inclusive; one more bucket holds the longer prompts)."""
+    (increasing, inclusive; one more bucket holds the longer prompts). ``class_ttft_slo``: a TTFT target per
+    priority value, which goodput counts the requests of that class against instead of ``slo_ttft``."""
 
     def __init__(
         self,
@@ -354,6 +355,7 @@ class RunMetrics:
         exact_limit: int = EXACT_LIMIT,
         request_sink: Callable[[dict[str, npt.NDArray[Any]]], None] | None = None,
         prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
+        class_ttft_slo: Mapping[int, float] | None = None,
     ) -> None:
         if not (window > 0 and math.isfinite(window)):
             raise ValueError(f"window must be > 0, got {window}")
@@ -361,6 +363,7 @@ class RunMetrics:
         if any(e < 1 for e in edges) or any(b <= a for a, b in itertools.pairwise(edges)):
             raise ValueError(f"prompt_buckets must be increasing token counts >= 1, got {list(prompt_buckets)}")
         self.prompt_buckets = tuple(edges)
+        self.class_ttft_slo = {int(k): float(v) for k, v in (class_ttft_slo or {}).items()}
         # Per prompt-length bucket: the requests added, and the TTFT of those that got a first token.
         self.bucket_requests = np.zeros(len(edges) + 1, dtype=np.int64)
         self.bucket_ttft = [Quantiles(exact_limit) for _ in range(len(edges) + 1)]
@@ -371,6 +374,10 @@ class RunMetrics:
             self.prio_values = np.zeros(1, dtype=np.int64)
         self.first_arrival = first_arrival
         self.slo = (slo_ttft, slo_tpot)
+        # The TTFT target of each priority class index (inf: none), where class_ttft_slo sets one.
+        self._class_ttft = np.array(
+            [self.class_ttft_slo.get(int(p), math.inf) for p in self.prio_values], dtype=np.float64
+        )
         self.exact_limit = exact_limit
         self.request_sink = request_sink
         self.overall = _Group(exact_limit)
@@ -418,7 +425,8 @@ class RunMetrics:
         if self.request_sink is not None:
             self.request_sink(c)
         added = c["added"]
-        good = _good(finished & added, c["ttft"], c["tpot"], self.slo)
+        prio = self.priority_index(c["priority"])
+        good = _good(finished & added, c["ttft"], c["tpot"], self.slo, self._class_limit(prio))
         self.overall.add(c, added, good)
         if len(self.tenants) > 1:
             for i, g in enumerate(self.tenants):
@@ -429,7 +437,6 @@ class RunMetrics:
         has = np.isfinite(ttft)
         for b in np.unique(bucket[has]).tolist():
             self.bucket_ttft[b].add(ttft[has & (bucket == b)])
-        prio = self.priority_index(c["priority"])
         if len(self.priorities) > 1:
             for i, g in enumerate(self.priorities):
                 g.add(c, added & (prio == i), good)
@@ -477,6 +484,13 @@ class RunMetrics:
         self.end_time = end_time
         self.service = self.windows.result(end_time, self.tenant_weights)
 
+    def _class_limit(self, prio_index: IntArray) -> FloatArray | None:
+        """Each request's TTFT target from ``class_ttft_slo`` (NaN where its class has none), or None."""
+        if not self.class_ttft_slo:
+            return None
+        limit: FloatArray = self._class_ttft[prio_index]
+        return np.where(np.isinf(limit), np.nan, limit)
+
     def num_good(self, slo_ttft: float | None, slo_tpot: float | None) -> tuple[int, list[int], list[int]]:
         """Finished requests within the SLOs: overall, per tenant, per priority class."""
         if (slo_ttft, slo_tpot) == self.slo:
@@ -491,7 +505,8 @@ class RunMetrics:
                 f"than {self.exact_limit:,} requests, so other SLOs need them given to simulate() (or run_sweep)"
             )
         pairs = np.concatenate(self._pairs, axis=1) if self._pairs else np.zeros((4, 0))
-        good = _good(np.ones(pairs.shape[1], dtype=np.bool_), pairs[0], pairs[1], (slo_ttft, slo_tpot))
+        limit = self._class_limit(pairs[3].astype(np.int64))
+        good = _good(np.ones(pairs.shape[1], dtype=np.bool_), pairs[0], pairs[1], (slo_ttft, slo_tpot), limit)
         nt, npr = self.num_tenants, len(self.prio_values)
         return (
             int(good.sum()),
@@ -501,11 +516,19 @@ class RunMetrics:
 
 
 def _good(
-    fin: npt.NDArray[np.bool_], ttft: FloatArray, tpot: FloatArray, slo: tuple[float | None, float | None]
+    fin: npt.NDArray[np.bool_],
+    ttft: FloatArray,
+    tpot: FloatArray,
+    slo: tuple[float | None, float | None],
+    class_limit: FloatArray | None = None,
 ) -> npt.NDArray[np.bool_]:
+    """Finished and within the SLOs; ``class_limit``: each request's own TTFT target (NaN: ``slo[0]``)."""
     good: npt.NDArray[np.bool_] = fin.copy()
     slo_ttft, slo_tpot = slo
-    if slo_ttft is not None:
+    if class_limit is not None:
+        own = ~np.isnan(class_limit)
+        good &= np.where(own, ttft <= class_limit, True if slo_ttft is None else ttft <= slo_ttft)
+    elif slo_ttft is not None:
         good &= ttft <= slo_ttft
     if slo_tpot is not None:
         # A one-token output has no TPOT; it meets any TPOT target.

@@ -123,7 +123,8 @@ def _fmt_s(x: float) -> str:
 
 
 def _has_slo(run: RunOutput) -> bool:
-    return run.summary.get("slo_ttft") is not None or run.summary.get("slo_tpot") is not None
+    s = run.summary
+    return s.get("slo_ttft") is not None or s.get("slo_tpot") is not None or bool(s.get("class_ttft_slo"))
 
 
 def format_table(runs: Sequence[RunOutput]) -> str:

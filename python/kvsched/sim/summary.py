@@ -237,6 +237,7 @@ def summarize(
         "step_model": result.step_model.name,
         "slo_ttft": slo_ttft,
         "slo_tpot": slo_tpot,
+        "class_ttft_slo": {str(k): v for k, v in m.class_ttft_slo.items()} or None,
         "overall": overall,
         "tenants": tenants,
         "priorities": prios,

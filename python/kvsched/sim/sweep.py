@@ -129,6 +129,7 @@ def sweep_points(
     slo_tpot: float | None = None,
     window: float | None = None,
     prompt_buckets: Sequence[int] | None = None,
+    class_ttft_slo: dict[int, float] | None = None,
     per_request_dir: str | Path | None = None,
 ) -> list[SweepPoint]:
     """Every (rate, policy, axis values) combination as a :class:`SweepPoint`, in run order. Config errors (an
@@ -176,6 +177,7 @@ def sweep_points(
                         slo_tpot=slo_tpot,
                         window=window,
                         prompt_buckets=tuple(prompt_buckets) if prompt_buckets is not None else None,
+                        class_ttft_slo=class_ttft_slo,
                         per_request_csv=csv_path,
                     )
                 )
@@ -196,6 +198,7 @@ def run_sweep(
     slo_tpot: float | None = None,
     window: float | None = None,
     prompt_buckets: Sequence[int] | None = None,
+    class_ttft_slo: dict[int, float] | None = None,
     progress: bool = False,
     on_run: Callable[[RunOutput], None] | None = None,
     per_request_dir: str | Path | None = None,
@@ -226,6 +229,7 @@ def run_sweep(
         slo_tpot=slo_tpot,
         window=window,
         prompt_buckets=prompt_buckets,
+        class_ttft_slo=class_ttft_slo,
         per_request_dir=per_request_dir,
     )
     if jobs < 1:
