@@ -113,10 +113,17 @@ def _add_bench_parser(subparsers: Any) -> None:
             "and update_from_output() per step. Workloads: a steady decode, b large batch, c mixed "
             "prefill+decode with chunked prefill and shared prefixes, d = c under memory pressure, "
             "e = d with priorities, f shared prefixes in a tight pool with bursty arrivals (cache-aware "
-            "admission window 16), g long contexts (2-8k-token prompts) in a tight pool, for the preemption modes."
+            "admission window 16), g long contexts (2-8k-token prompts) in a tight pool, for the preemption modes; "
+            "h (only when named) 256 running with about 1,000 waiting, for the cost of each policy."
         ),
     )
-    p.add_argument("--workloads", "-w", default=None, help="comma-separated subset of a,b,c,d,e,f,g (default: all)")
+    p.add_argument(
+        "--workloads",
+        "-w",
+        default=None,
+        help="comma-separated subset of a,b,c,d,e,f,g (default: all), or h (policy step cost: 256 running, about "
+        "1,000 waiting; run only when named)",
+    )
     p.add_argument(
         "--impl",
         default="rust",
