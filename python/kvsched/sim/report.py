@@ -50,7 +50,7 @@ SUMMARY_COLUMNS = (
     "request_throughput",
     "output_token_throughput",
     "total_token_throughput",
-    *(f"{m}_{s}" for m in _METRICS for s in ("mean", "p50", "p90", "p99")),
+    *(f"{m}_{s}" for m in _METRICS for s in ("mean", "p50", "p90", "p99", "max")),
     "goodput",
     "slo_attainment",
     "num_preemptions",
@@ -97,7 +97,7 @@ def summary_row(run: RunOutput) -> dict[str, Any]:
         row[key] = o[key]
     row["total_token_throughput"] = o["total_token_throughput"]
     for m in _METRICS:
-        for stat in ("mean", "p50", "p90", "p99"):
+        for stat in ("mean", "p50", "p90", "p99", "max"):
             row[f"{m}_{stat}"] = o[m][stat]
     for key in ("goodput", "slo_attainment", "num_preemptions", "num_recomputed_tokens", "recompute_tax",
                 "recomputed_tokens_per_preemption", "prefix_cache_hit_rate", "num_clipped_prompts",
@@ -309,7 +309,9 @@ def write_outputs(
 
     group_cols = ("num_requests", "num_finished", "request_throughput", "output_token_throughput", "goodput",
                   "slo_attainment", "num_preemptions")  # fmt: skip
-    lat_cols = tuple(f"{m}_{s}" for m in ("ttft", "tpot", "e2e", "queue_delay") for s in ("mean", "p50", "p90", "p99"))
+    lat_cols = tuple(
+        f"{m}_{s}" for m in ("ttft", "tpot", "e2e", "queue_delay") for s in ("mean", "p50", "p90", "p99", "max")
+    )
 
     def group_row(run: RunOutput, g: dict[str, Any], key: str) -> list[Any]:
         return (
