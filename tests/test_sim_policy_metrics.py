@@ -1,4 +1,5 @@
-"""The simulator's recompute tax and TTFT by prompt-length bucket, checked against the raw record of the run."""
+"""The simulator's recompute tax, TTFT by prompt-length bucket, conversations and per-class TTFT targets, checked
+against the raw record of the run; the figures of docs/policies.md."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import csv
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +252,23 @@ def test_simulator_passes_session_ids_and_class_targets_and_counts_goodput_by_th
     simulate(generate_workload(_session_spec(session_slots=0, duration=3.0)), {"max_model_len": 1024}, MODEL,
              scheduler=factory)  # fmt: skip
     assert all("session_id" not in kw and "ttft_slo_s" not in kw for _, kw in made[0].calls)
+
+
+@pytest.mark.parametrize("study", ["victim", "sjf", "slo", "fair", "session"])
+def test_the_policy_study_figures_are_drawn_from_the_committed_tables(study: str, tmp_path: Path) -> None:
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("needs matplotlib")
+    root = Path(__file__).resolve().parent.parent
+    png = tmp_path / f"{study}.png"
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "policy_plots.py"), study, str(root / "docs/sim/policies" / study),
+         str(png)],
+        capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "MPLBACKEND": "Agg"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (root / "docs/img" / f"policies_{study}.png").exists()

@@ -392,7 +392,7 @@ def simulate(
     ``prompt_buckets``: the upper edges (tokens) of the prompt-length buckets TTFT is reported by.
     ``class_ttft_slo``: a TTFT target (seconds) per priority value: each request of such a class is added with
     ``ttft_slo_s=`` its target (the deadline of ``policy="slo"``), and goodput counts it against that target instead
-    of ``slo_ttft``. A session workload (:attr:`Workload.sessions`) adds each request with ``session_id=`` its
+    of ``slo_ttft``. A workload of conversations (:attr:`Workload.sessions`) adds each request with ``session_id=`` its
     conversation. Both only when the scheduler's ``add_request`` takes the keyword.
     ``record_batches``: keep each step's (request indices, scheduled tokens), for validation.
     ``keep_records``: also keep the raw per-step record (O(tokens) memory) for :func:`request_records`.

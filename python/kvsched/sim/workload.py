@@ -458,9 +458,9 @@ class WorkloadStream:
             self._session = self._draw_sessions()
 
     def _draw_sessions(self) -> dict[str, IntArray]:
-        """Prompt lengths, output lengths, groups and prefix lengths of every request of a session workload (see
-        the module docstring): the drawn lengths grown per conversation; each arrival's slot comes from a stream
-        of its own (the seed's), so no other draw changes."""
+        """Prompt lengths, output lengths, groups and prefix lengths of every request of a workload of
+        conversations (see the module docstring): the drawn lengths grown per conversation; each arrival's slot
+        comes from a stream of its own (the seed's), so no other draw changes."""
         spec, n = self.spec, self._n
         prompt_rng, out_rng = _generator(self._prompt_state), _generator(self._output_state)
         new = np.concatenate([spec.prompt_len.sample(prompt_rng, m) for m in _pieces(n)] or [np.zeros(0, np.int64)])
