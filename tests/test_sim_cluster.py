@@ -241,8 +241,8 @@ def test_cli_sweeps_routers_and_replica_counts(tmp_path: Any, capsys: Any) -> No
 def test_cli_sessions(tmp_path: Any) -> None:
     from kvsched.cli import main
 
-    argv = ["simulate", "--replicas", "2", "--routers", "pow2", "--sessions", "--num-requests", "5", "--turns", "3",
-            "--think-time", "1", "--prompt-len", "64", "--output-len", "16", "--prefix-groups", "2",
+    argv = ["simulate", "--replicas", "2", "--routers", "pow2", "--conversations", "--num-requests", "5",
+            "--turns", "3", "--think-time", "1", "--prompt-len", "64", "--output-len", "16", "--prefix-groups", "2",
             "--prefix-len", "128", "--sticky-sessions", "--out", str(tmp_path), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     doc = json.loads((tmp_path / "cluster.json").read_text())
@@ -257,7 +257,7 @@ def test_cli_sessions(tmp_path: Any) -> None:
         (["--rates", "1,2"], "--rates does not apply"),
         (["--set", "num_blocks=100,200"], "one value per field"),
         (["--router-set", "no_such_field=1"], "no_such_field"),
-        (["--sessions", "--tenants", "a:0.5,b:0.5"], "--sessions makes its own requests"),
+        (["--conversations", "--tenants", "a:0.5,b:0.5"], "--conversations makes its own requests"),
     ],
 )
 def test_cli_rejects_bad_fleet_arguments(tmp_path: Any, capsys: Any, extra: list[str], message: str) -> None:
@@ -284,7 +284,13 @@ def test_horizon_reports_unfinished_and_unarrived_requests() -> None:
 def test_cli_fleet_flags_need_replicas(tmp_path: Any, capsys: Any) -> None:
     from kvsched.cli import main
 
-    for extra in (["--sessions"], ["--routers", "pow2"], ["--sticky-sessions"], ["--router-set", "cache_threshold=1"]):
+    fleet_flags = (
+        ["--conversations"],
+        ["--routers", "pow2"],
+        ["--sticky-sessions"],
+        ["--router-set", "cache_threshold=1"],
+    )
+    for extra in fleet_flags:
         argv = ["simulate", "--num-requests", "5", "--out", str(tmp_path), "--no-progress", *extra]
         assert main(argv) == 2
         assert "give --replicas N" in capsys.readouterr().err

@@ -115,10 +115,17 @@ def _add_bench_parser(subparsers: Any) -> None:
             "and update_from_output() per step. Workloads: a steady decode, b large batch, c mixed "
             "prefill+decode with chunked prefill and shared prefixes, d = c under memory pressure, "
             "e = d with priorities, f shared prefixes in a tight pool with bursty arrivals (cache-aware "
-            "admission window 16), g long contexts (2-8k-token prompts) in a tight pool, for the preemption modes."
+            "admission window 16), g long contexts (2-8k-token prompts) in a tight pool, for the preemption modes; "
+            "h (only when named) 256 running with about 1,000 waiting, for the cost of each policy."
         ),
     )
-    p.add_argument("--workloads", "-w", default=None, help="comma-separated subset of a,b,c,d,e,f,g (default: all)")
+    p.add_argument(
+        "--workloads",
+        "-w",
+        default=None,
+        help="comma-separated subset of a,b,c,d,e,f,g (default: all), or h (policy step cost: 256 running, about "
+        "1,000 waiting; run only when named)",
+    )
     p.add_argument(
         "--impl",
         default="rust",
@@ -262,6 +269,13 @@ def _add_simulate_parser(subparsers: Any) -> None:
     w.add_argument("--prefix-groups", type=int_at_least(0), default=0, help="number of shared-prefix groups")
     w.add_argument("--prefix-len", type=int_at_least(0), default=0, help="tokens of each group's shared prefix")
     w.add_argument("--prefix-fraction", type=float, default=0.0, help="share of requests in a prefix group")
+    w.add_argument(
+        "--sessions",
+        default=None,
+        metavar="N[:TURNS]",
+        help="multi-turn conversations: N open at a time, each arrival the next turn of one of them, TURNS turns "
+        "each (default 4); a turn's prompt is the previous turn's prompt and output plus a drawn --prompt-len",
+    )
     w.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace instead (see docs)")
     w.add_argument("--seed", type=int_at_least(0), default=0)
     w.add_argument("--dump-trace", type=Path, default=None, metavar="JSONL", help="write the generated workload")
@@ -287,10 +301,11 @@ def _add_simulate_parser(subparsers: Any) -> None:
         help="with --replicas: send every turn of a conversation to one replica",
     )
     f.add_argument(
-        "--sessions",
+        "--conversations",
         action="store_true",
-        help="with --replicas: multi-turn sessions (--rate sessions/s, --num-requests sessions, --prompt-len per user "
-        "message, --output-len per answer, --prefix-groups/--prefix-len system prompts)",
+        help="with --replicas: multi-turn conversations with think times (--rate conversations/s, --num-requests "
+        "conversations, --prompt-len per user message, --output-len per answer, --prefix-groups/--prefix-len system "
+        "prompts)",
     )
     f.add_argument(
         "--router-set",
@@ -299,9 +314,9 @@ def _add_simulate_parser(subparsers: Any) -> None:
         metavar="FIELD=V",
         help="with --replicas: a RouterConfig field (repeatable), e.g. cache_threshold=0.5, balance_abs_threshold=16",
     )
-    f.add_argument("--turns", default="uniform:1:8", help="with --sessions: turns per session (%(default)s)")
+    f.add_argument("--turns", default="uniform:1:8", help="with --conversations: turns per conversation (%(default)s)")
     f.add_argument(
-        "--think-time", type=float, default=10.0, help="with --sessions: mean seconds between turns (%(default)s)"
+        "--think-time", type=float, default=10.0, help="with --conversations: mean seconds between turns (%(default)s)"
     )
     s = p.add_argument_group("scheduler and model")
     s.add_argument("--policies", default="fcfs", help="comma-separated policies to compare (%(default)s)")
@@ -328,7 +343,21 @@ def _add_simulate_parser(subparsers: Any) -> None:
         default=None,
         help="TPOT target for goodput and SLO %% (s); without either, the table shows '-' for both",
     )
+    m.add_argument(
+        "--class-ttft-slo",
+        default=None,
+        metavar="PRIO:S,...",
+        help="a TTFT target (s) per priority class: passed to the scheduler as each request's ttft_slo_s (the "
+        "deadlines of policy slo), and goodput counts each request of the class against it (others: --slo-ttft)",
+    )
     m.add_argument("--window", type=_positive_float, default=None, help="fairness window (s; default run/20)")
+    m.add_argument(
+        "--prompt-buckets",
+        default=None,
+        metavar="N1,N2,...",
+        help="upper edges (tokens, inclusive) of the prompt-length buckets TTFT is reported by "
+        "(default 128,256,512,1024,2048,4096,8192; one more bucket holds the longer prompts)",
+    )
     m.add_argument(
         "--out", type=Path, default=Path("sim-results"), help="output directory, created if needed (%(default)s)"
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+import math
 import os
 import sys
 import time
@@ -52,6 +54,47 @@ def _model_problem(args: argparse.Namespace, what: str) -> str | None:
     return None
 
 
+def _prompt_buckets(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    edges = [int(e) for e in parse_csv_numbers(text, "--prompt-buckets", integer=True)]
+    if not edges or any(b <= a for a, b in itertools.pairwise(edges)):
+        raise UsageError(f"--prompt-buckets takes increasing token counts >= 1, got {text!r}")
+    return tuple(edges)
+
+
+def _sessions(text: str | None) -> dict[str, int]:
+    if text is None:
+        return {}
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or values[0] < 1 or (len(values) == 2 and values[1] < 1):
+        raise UsageError(f"--sessions takes N[:TURNS], integers >= 1, got {text!r}")
+    return {"session_slots": values[0], **({"session_turns": values[1]} if len(values) == 2 else {})}
+
+
+def _class_slos(text: str | None) -> dict[int, float] | None:
+    if text is None:
+        return None
+    out: dict[int, float] = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        prio, sep, value = item.partition(":")
+        try:
+            out[int(prio)] = float(value)
+        except ValueError:
+            raise UsageError(f"--class-ttft-slo takes PRIO:SECONDS,..., got {item!r}") from None
+        if not sep or not (out[int(prio)] > 0 and math.isfinite(out[int(prio)])):
+            raise UsageError(f"--class-ttft-slo: a target must be a finite number of seconds > 0, got {item!r}")
+    if not out:
+        raise UsageError("--class-ttft-slo is empty")
+    return out
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from .._errors import InvalidConfigError, SchedulerError
     from .parallel import RayMissingError
@@ -81,7 +124,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     fleet_only = [
         flag
         for flag, given in (
-            ("--sessions", args.sessions),
+            ("--conversations", args.conversations),
             ("--sticky-sessions", args.sticky_sessions),
             ("--router-set", args.router_set),
             ("--routers", args.routers != "cache_aware"),
@@ -118,11 +161,14 @@ def run_simulate(args: argparse.Namespace) -> int:
                 num_prefix_groups=args.prefix_groups,
                 prefix_len=args.prefix_len,
                 prefix_fraction=args.prefix_fraction,
+                **_sessions(args.sessions),
                 seed=args.seed,
             )
             if rates == [None]:
                 rates = [spec_or_trace.rate]
         axes = parse_set(args.set)
+        buckets = _prompt_buckets(args.prompt_buckets)
+        class_slos = _class_slos(args.class_ttft_slo)
         # Every config of the sweep, and whether the workload fits the smallest max_model_len: before any work.
         max_model_len = min(c.max_model_len for c in sweep_configs(policies, axes))
         if isinstance(spec_or_trace, WorkloadSpec):
@@ -182,6 +228,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             slo_ttft=args.slo_ttft,
             slo_tpot=args.slo_tpot,
             window=args.window,
+            prompt_buckets=buckets,
+            class_ttft_slo=class_slos,
             progress=progress,
             per_request_dir=args.out if args.per_request else None,
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
@@ -194,11 +242,14 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _err(str(exc))
     wall = time.perf_counter() - t0
 
-    from .report import format_notes, format_table, write_outputs
+    from .report import format_buckets, format_notes, format_table, write_outputs
 
     print(format_table(runs))
     for note in format_notes(runs):
         print(note)
+    by_length = format_buckets(runs)
+    if by_length:
+        print(by_length)
     meta = {"step_model": step_model.to_dict(), "scheduler": args.scheduler, "wall_s": wall}
     paths = write_outputs(runs, args.out, per_request=args.per_request, argv=sys.argv, meta=meta)
     if progress:

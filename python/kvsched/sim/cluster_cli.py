@@ -177,12 +177,12 @@ def run_cluster(args: argparse.Namespace, spec_or_trace: Any, step_model: Any) -
             router_config[field] = values[0]
         if args.sticky_sessions:
             router_config["sticky_sessions"] = True
-        if args.sessions and (args.tenants or args.priorities or args.trace is not None):
-            raise UsageError("--sessions makes its own requests: no --tenants, --priorities or --trace with it")
+        if args.conversations and (args.tenants or args.priorities or args.trace is not None):
+            raise UsageError("--conversations makes its own requests: no --tenants, --priorities or --trace with it")
         max_model_len = make_config(config).max_model_len
         check_output_dir(args.out, "--out")
         workload: Any
-        if args.sessions:
+        if args.conversations:
             workload = session_workload(
                 SessionSpec(
                     rate=args.rate or 1.0,

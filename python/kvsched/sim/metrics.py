@@ -6,10 +6,12 @@ it - arrival), preemptions, recomputed tokens (tokens computed again after a pre
 skipped thanks to prefix-cache hits).
 
 Per run (:func:`~kvsched.sim.summary.summarize`): mean/p50/p90/p99 of each, request and token throughput, goodput under
-SLOs, preemptions, recomputed tokens, prefix-cache hit rate, KV usage, how many prompt lengths were clipped and output
-lengths capped to fit ``max_model_len``; the same per tenant and per priority class; per-tenant service (tokens computed
-for the tenant's requests) over time windows, its share, and Jain's fairness index of weighted service per window over
-the tenants that were backlogged (on average at least one request waiting for admission during the window).
+SLOs, preemptions, recomputed tokens and the recompute tax (recomputed tokens / all tokens computed, recomputation
+included), TTFT per prompt-length bucket (:data:`PROMPT_BUCKETS`), prefix-cache hit rate, KV usage, how many prompt
+lengths were clipped and output lengths capped to fit ``max_model_len``; the same per tenant and per priority class;
+per-tenant service (tokens computed for the tenant's requests) over time windows, its share, and Jain's fairness index
+of weighted service per window over the tenants that were backlogged (on average at least one request waiting for
+admission during the window).
 
 The simulator streams every figure into a :class:`RunMetrics` as the run goes, in memory that does not grow with its
 length: a request's figures are folded in when it finishes (or when the run ends), counts and sums are exact,
@@ -24,8 +26,9 @@ validation and tests use it to check the streamed figures).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,14 +39,20 @@ from .sketch import EXACT_LIMIT, Quantiles
 
 __all__ = [
     "PERCENTILES",
+    "PROMPT_BUCKETS",
     "REQUEST_COLUMNS",
     "RequestRecords",
     "RunMetrics",
+    "bucket_labels",
     "jain_index",
     "percentiles",
+    "prompt_bucket",
+    "recompute_tax",
 ]
 
 PERCENTILES = (50, 90, 99)
+# Upper edges (tokens, inclusive) of the prompt-length buckets TTFT is reported by: 1-128, 129-256, ..., 8193+.
+PROMPT_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
@@ -100,6 +109,24 @@ def percentiles(values: FloatArray) -> dict[str, float]:
         **{f"p{p}": float(q) for p, q in zip(PERCENTILES, qs, strict=True)},
         "max": float(v.max()),
     }
+
+
+def bucket_labels(edges: Sequence[int]) -> list[tuple[int, int | None]]:
+    """``(lo, hi)`` token bounds (inclusive; ``hi`` None: no upper bound) of the buckets of upper ``edges``."""
+    los = [1, *(e + 1 for e in edges)]
+    his: list[int | None] = [*edges, None]
+    return list(zip(los, his, strict=True))
+
+
+def prompt_bucket(prompt_len: npt.NDArray[Any], edges: Sequence[int]) -> IntArray:
+    """The bucket of each prompt length: ``i`` for ``edges[i - 1] < len <= edges[i]``, ``len(edges)`` past them."""
+    out: IntArray = np.searchsorted(np.asarray(edges, dtype=np.int64), prompt_len, side="left").astype(np.int64)
+    return out
+
+
+def recompute_tax(num_recomputed_tokens: int, num_scheduled_tokens: int) -> float:
+    """Recomputed tokens over all tokens computed (recomputation included); NaN when nothing was computed."""
+    return num_recomputed_tokens / num_scheduled_tokens if num_scheduled_tokens > 0 else math.nan
 
 
 def jain_index(x: FloatArray) -> float:
@@ -311,7 +338,9 @@ class RunMetrics:
     ``priorities``: the priority values the workload can have. ``window``: the width of the fairness windows
     (seconds of simulated time). ``slo_ttft``/``slo_tpot``: the SLOs goodput is counted for. ``request_sink``:
     called with the columns (:data:`REQUEST_COLUMNS` and ``idx``) of each batch of requests folded in, e.g. to
-    write them to a file."""
+    write them to a file. ``prompt_buckets``: the upper edges of the prompt-length buckets TTFT is counted by
+    (increasing, inclusive; one more bucket holds the longer prompts). ``class_ttft_slo``: a TTFT target per
+    priority value, which goodput counts the requests of that class against instead of ``slo_ttft``."""
 
     def __init__(
         self,
@@ -325,9 +354,19 @@ class RunMetrics:
         slo_tpot: float | None = None,
         exact_limit: int = EXACT_LIMIT,
         request_sink: Callable[[dict[str, npt.NDArray[Any]]], None] | None = None,
+        prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
+        class_ttft_slo: Mapping[int, float] | None = None,
     ) -> None:
         if not (window > 0 and math.isfinite(window)):
             raise ValueError(f"window must be > 0, got {window}")
+        edges = [int(e) for e in prompt_buckets]
+        if any(e < 1 for e in edges) or any(b <= a for a, b in itertools.pairwise(edges)):
+            raise ValueError(f"prompt_buckets must be increasing token counts >= 1, got {list(prompt_buckets)}")
+        self.prompt_buckets = tuple(edges)
+        self.class_ttft_slo = {int(k): float(v) for k, v in (class_ttft_slo or {}).items()}
+        # Per prompt-length bucket: the requests added, and the TTFT of those that got a first token.
+        self.bucket_requests = np.zeros(len(edges) + 1, dtype=np.int64)
+        self.bucket_ttft = [Quantiles(exact_limit) for _ in range(len(edges) + 1)]
         self.tenant_names = tuple(tenant_names)
         self.tenant_weights = tuple(tenant_weights)
         self.prio_values = np.array(sorted(set(int(p) for p in priorities)), dtype=np.int64)
@@ -335,6 +374,10 @@ class RunMetrics:
             self.prio_values = np.zeros(1, dtype=np.int64)
         self.first_arrival = first_arrival
         self.slo = (slo_ttft, slo_tpot)
+        # The TTFT target of each priority class index (inf: none), where class_ttft_slo sets one.
+        self._class_ttft = np.array(
+            [self.class_ttft_slo.get(int(p), math.inf) for p in self.prio_values], dtype=np.float64
+        )
         self.exact_limit = exact_limit
         self.request_sink = request_sink
         self.overall = _Group(exact_limit)
@@ -382,12 +425,18 @@ class RunMetrics:
         if self.request_sink is not None:
             self.request_sink(c)
         added = c["added"]
-        good = _good(finished & added, c["ttft"], c["tpot"], self.slo)
+        prio = self.priority_index(c["priority"])
+        good = _good(finished & added, c["ttft"], c["tpot"], self.slo, self._class_limit(prio))
         self.overall.add(c, added, good)
         if len(self.tenants) > 1:
             for i, g in enumerate(self.tenants):
                 g.add(c, added & (c["tenant"] == i), good)
-        prio = self.priority_index(c["priority"])
+        bucket = prompt_bucket(c["prompt_len"][added], self.prompt_buckets)
+        self.bucket_requests += np.bincount(bucket, minlength=len(self.bucket_requests))
+        ttft = c["ttft"][added]
+        has = np.isfinite(ttft)
+        for b in np.unique(bucket[has]).tolist():
+            self.bucket_ttft[b].add(ttft[has & (bucket == b)])
         if len(self.priorities) > 1:
             for i, g in enumerate(self.priorities):
                 g.add(c, added & (prio == i), good)
@@ -435,6 +484,13 @@ class RunMetrics:
         self.end_time = end_time
         self.service = self.windows.result(end_time, self.tenant_weights)
 
+    def _class_limit(self, prio_index: IntArray) -> FloatArray | None:
+        """Each request's TTFT target from ``class_ttft_slo`` (NaN where its class has none), or None."""
+        if not self.class_ttft_slo:
+            return None
+        limit: FloatArray = self._class_ttft[prio_index]
+        return np.where(np.isinf(limit), np.nan, limit)
+
     def num_good(self, slo_ttft: float | None, slo_tpot: float | None) -> tuple[int, list[int], list[int]]:
         """Finished requests within the SLOs: overall, per tenant, per priority class."""
         if (slo_ttft, slo_tpot) == self.slo:
@@ -449,7 +505,8 @@ class RunMetrics:
                 f"than {self.exact_limit:,} requests, so other SLOs need them given to simulate() (or run_sweep)"
             )
         pairs = np.concatenate(self._pairs, axis=1) if self._pairs else np.zeros((4, 0))
-        good = _good(np.ones(pairs.shape[1], dtype=np.bool_), pairs[0], pairs[1], (slo_ttft, slo_tpot))
+        limit = self._class_limit(pairs[3].astype(np.int64))
+        good = _good(np.ones(pairs.shape[1], dtype=np.bool_), pairs[0], pairs[1], (slo_ttft, slo_tpot), limit)
         nt, npr = self.num_tenants, len(self.prio_values)
         return (
             int(good.sum()),
@@ -459,11 +516,19 @@ class RunMetrics:
 
 
 def _good(
-    fin: npt.NDArray[np.bool_], ttft: FloatArray, tpot: FloatArray, slo: tuple[float | None, float | None]
+    fin: npt.NDArray[np.bool_],
+    ttft: FloatArray,
+    tpot: FloatArray,
+    slo: tuple[float | None, float | None],
+    class_limit: FloatArray | None = None,
 ) -> npt.NDArray[np.bool_]:
+    """Finished and within the SLOs; ``class_limit``: each request's own TTFT target (NaN: ``slo[0]``)."""
     good: npt.NDArray[np.bool_] = fin.copy()
     slo_ttft, slo_tpot = slo
-    if slo_ttft is not None:
+    if class_limit is not None:
+        own = ~np.isnan(class_limit)
+        good &= np.where(own, ttft <= class_limit, True if slo_ttft is None else ttft <= slo_ttft)
+    elif slo_ttft is not None:
         good &= ttft <= slo_ttft
     if slo_tpot is not None:
         # A one-token output has no TPOT; it meets any TPOT target.

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .metrics import REQUEST_COLUMNS
+from .metrics import PROMPT_BUCKETS, REQUEST_COLUMNS
 from .progress import SimProgress
 from .simulator import SimResult, simulate
 from .steptime import StepTimeModel
@@ -86,6 +86,8 @@ class SweepPoint:
     slo_ttft: float | None = None
     slo_tpot: float | None = None
     window: float | None = None
+    prompt_buckets: tuple[int, ...] | None = None  # None: metrics.PROMPT_BUCKETS
+    class_ttft_slo: dict[int, float] | None = None  # a TTFT target per priority class
     per_request_csv: str | None = None  # write the per-request rows here
 
 
@@ -113,6 +115,8 @@ def run_point(point: SweepPoint, progress: SimProgress | None = None) -> RunOutp
             slo_ttft=point.slo_ttft,
             slo_tpot=point.slo_tpot,
             window=point.window,
+            prompt_buckets=point.prompt_buckets if point.prompt_buckets is not None else PROMPT_BUCKETS,
+            class_ttft_slo=point.class_ttft_slo,
             request_sink=sink,
             progress=progress or False,
             progress_desc=point.run_id,

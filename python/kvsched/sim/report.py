@@ -9,6 +9,7 @@ Files written by :func:`write_outputs` into the output directory:
 - ``tenant_service.csv``: tokens computed per tenant per window, its mean number of waiting requests, whether it
   was backlogged (>= 1 waiting on average), Jain's index of weighted service over the backlogged tenants;
 - ``ttft_cdf.csv``: TTFT quantiles (the CDF figure), per run;
+- ``prompt_buckets.csv``: TTFT per prompt-length bucket, one row per run and bucket;
 - ``requests_<run>.csv`` (``run_sweep(per_request_dir=...)``, ``--per-request``): one row per request, written by
   :class:`RequestCsvWriter` as the run goes (finished requests in the order they finish, then those the run ended
   with, then those that never arrived before it ended; the ``idx`` column is the request's index).
@@ -29,6 +30,7 @@ from .point import RunOutput
 
 __all__ = [
     "SUMMARY_COLUMNS",
+    "format_buckets",
     "format_notes",
     "format_table",
     "summary_row",
@@ -48,11 +50,13 @@ SUMMARY_COLUMNS = (
     "request_throughput",
     "output_token_throughput",
     "total_token_throughput",
-    *(f"{m}_{s}" for m in _METRICS for s in ("mean", "p50", "p90", "p99")),
+    *(f"{m}_{s}" for m in _METRICS for s in ("mean", "p50", "p90", "p99", "max")),
     "goodput",
     "slo_attainment",
     "num_preemptions",
     "num_recomputed_tokens",
+    "recompute_tax",
+    "recomputed_tokens_per_preemption",
     "prefix_cache_hit_rate",
     "num_clipped_prompts",
     "num_capped_outputs",
@@ -93,10 +97,11 @@ def summary_row(run: RunOutput) -> dict[str, Any]:
         row[key] = o[key]
     row["total_token_throughput"] = o["total_token_throughput"]
     for m in _METRICS:
-        for stat in ("mean", "p50", "p90", "p99"):
+        for stat in ("mean", "p50", "p90", "p99", "max"):
             row[f"{m}_{stat}"] = o[m][stat]
-    for key in ("goodput", "slo_attainment", "num_preemptions", "num_recomputed_tokens", "prefix_cache_hit_rate",
-                "num_clipped_prompts", "num_capped_outputs"):  # fmt: skip
+    for key in ("goodput", "slo_attainment", "num_preemptions", "num_recomputed_tokens", "recompute_tax",
+                "recomputed_tokens_per_preemption", "prefix_cache_hit_rate", "num_clipped_prompts",
+                "num_capped_outputs"):  # fmt: skip
         row[key] = o[key]
     row["kv_cache_usage_mean"] = o["kv_cache_usage"]["mean"]
     row["kv_cache_usage_max"] = o["kv_cache_usage"]["max"]
@@ -118,7 +123,8 @@ def _fmt_s(x: float) -> str:
 
 
 def _has_slo(run: RunOutput) -> bool:
-    return run.summary.get("slo_ttft") is not None or run.summary.get("slo_tpot") is not None
+    s = run.summary
+    return s.get("slo_ttft") is not None or s.get("slo_tpot") is not None or bool(s.get("class_ttft_slo"))
 
 
 def format_table(runs: Sequence[RunOutput]) -> str:
@@ -140,6 +146,7 @@ def format_table(runs: Sequence[RunOutput]) -> str:
         "goodput",
         "SLO %",
         "preempt",
+        "recomp %",
         "wall",
     ]
     rows = []
@@ -163,11 +170,48 @@ def format_table(runs: Sequence[RunOutput]) -> str:
                 f"{o['goodput']:.2f}" if slo and math.isfinite(o["goodput"]) else "-",
                 f"{100 * o['slo_attainment']:.0f}" if slo and math.isfinite(o["slo_attainment"]) else "-",
                 str(o["num_preemptions"]),
+                f"{100 * o['recompute_tax']:.1f}" if math.isfinite(o["recompute_tax"]) else "-",
                 f"{o['wall_s']:.1f}s",
             ]
         )
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(lines)
+
+
+def _bucket_name(b: dict[str, Any]) -> str:
+    return f"{b['lo']}-{b['hi']}" if b["hi"] is not None else f"{b['lo']}+"
+
+
+def format_buckets(runs: Sequence[RunOutput]) -> str:
+    """TTFT p50 / p99 per prompt-length bucket, one line per run (the buckets no run has a request in are left
+    out); empty when no run has a request."""
+    if not runs:
+        return ""
+    buckets = runs[0].summary["overall"]["ttft_by_prompt_len"]
+    used = [
+        i
+        for i in range(len(buckets))
+        if any(r.summary["overall"]["ttft_by_prompt_len"][i]["num_requests"] for r in runs)
+    ]
+    if not used:
+        return ""
+    head = ["rate", "policy", "config", *(_bucket_name(buckets[i]) for i in used)]
+    rows = []
+    for r in runs:
+        b = r.summary["overall"]["ttft_by_prompt_len"]
+        rows.append(
+            [
+                f"{r.rate:g}" if r.rate is not None else "-",
+                r.policy,
+                " ".join(f"{k}={v}" for k, v in r.overrides.items()) or "-",
+                *(f"{_fmt_s(b[i]['ttft']['p50'])}/{_fmt_s(b[i]['ttft']['p99'])}" for i in used),
+            ]
+        )
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    lines = ["TTFT p50/p99 by prompt length (tokens):"]
+    lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(lines)
 
@@ -265,7 +309,9 @@ def write_outputs(
 
     group_cols = ("num_requests", "num_finished", "request_throughput", "output_token_throughput", "goodput",
                   "slo_attainment", "num_preemptions")  # fmt: skip
-    lat_cols = tuple(f"{m}_{s}" for m in ("ttft", "tpot", "e2e", "queue_delay") for s in ("mean", "p50", "p90", "p99"))
+    lat_cols = tuple(
+        f"{m}_{s}" for m in ("ttft", "tpot", "e2e", "queue_delay") for s in ("mean", "p50", "p90", "p99", "max")
+    )
 
     def group_row(run: RunOutput, g: dict[str, Any], key: str) -> list[Any]:
         return (
@@ -325,6 +371,27 @@ def write_outputs(
         q, v = _ttft_cdf(r)
         cdf_rows.extend([r.run_id, qq, vv] for qq, vv in zip(q, v, strict=True))
     paths.append(_write_csv(out / "ttft_cdf.csv", ("run_id", "quantile", "ttft"), cdf_rows))
+    stats = ("mean", "p50", "p90", "p99", "max")
+    bucket_rows = [
+        [
+            r.run_id,
+            _bucket_name(b),
+            b["lo"],
+            "" if b["hi"] is None else b["hi"],
+            b["num_requests"],
+            b["num_first_token"],
+        ]
+        + [b["ttft"][k] for k in stats]
+        for r in runs
+        for b in r.summary["overall"]["ttft_by_prompt_len"]
+    ]
+    paths.append(
+        _write_csv(
+            out / "prompt_buckets.csv",
+            ("run_id", "bucket", "lo", "hi", "num_requests", "num_first_token", *(f"ttft_{k}" for k in stats)),
+            bucket_rows,
+        )
+    )
 
     if per_request:
         paths.extend(p for r in runs if (p := out / f"requests_{r.run_id}.csv").exists())

@@ -27,7 +27,7 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import SchedulerConfig
-from .metrics import RunMetrics
+from .metrics import PROMPT_BUCKETS, RunMetrics
 from .progress import SimProgress
 from .sketch import EXACT_LIMIT
 from .steptime import StepTimeModel, request_pairs, spill_pairs
@@ -157,12 +157,17 @@ def _with_tenant_weights(config: SchedulerConfig, workload: Workload | WorkloadS
     return dataclasses.replace(config, tenant_weights=weights)  # type: ignore[call-arg, unused-ignore]
 
 
-def _accepts_tenant(add_request: Callable[..., Any]) -> bool:
+def _accepts(add_request: Callable[..., Any], name: str) -> bool:
+    """Whether ``add_request`` takes the keyword ``name``."""
     try:
         params = inspect.signature(add_request).parameters
     except (TypeError, ValueError):
         return False
-    return "tenant" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _accepts_tenant(add_request: Callable[..., Any]) -> bool:
+    return _accepts(add_request, "tenant")
 
 
 def _make_scheduler(scheduler: str | Callable[[SchedulerConfig], Any], config: SchedulerConfig) -> tuple[str, Any]:
@@ -370,6 +375,8 @@ def simulate(
     exact_limit: int = EXACT_LIMIT,
     request_sink: Callable[[dict[str, npt.NDArray[Any]]], None] | None = None,
     defer_arrivals: bool | None = None,
+    prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
+    class_ttft_slo: Mapping[int, float] | None = None,
 ) -> SimResult:
     """Run ``workload`` through a real scheduler in simulated time (see the module docstring).
 
@@ -382,6 +389,11 @@ def simulate(
     the arrival window). ``exact_limit``: values per figure kept exactly before percentiles come from a sketch
     (:mod:`kvsched.sim.sketch`). ``request_sink``: called with the columns of each batch of requests as they
     finish (and of the rest when the run ends), e.g. :class:`kvsched.sim.point.RequestCsvWriter`.
+    ``prompt_buckets``: the upper edges (tokens) of the prompt-length buckets TTFT is reported by.
+    ``class_ttft_slo``: a TTFT target (seconds) per priority value: each request of such a class is added with
+    ``ttft_slo_s=`` its target (the deadline of ``policy="slo"``), and goodput counts it against that target instead
+    of ``slo_ttft``. A workload of conversations (:attr:`Workload.sessions`) adds each request with ``session_id=`` its
+    conversation. Both only when the scheduler's ``add_request`` takes the keyword.
     ``record_batches``: keep each step's (request indices, scheduled tokens), for validation.
     ``keep_records``: also keep the raw per-step record (O(tokens) memory) for :func:`request_records`.
     ``fast_path=False`` records every step in full (same results, slower; for tests).
@@ -424,6 +436,8 @@ def simulate(
         slo_tpot=slo_tpot,
         exact_limit=exact_limit,
         request_sink=request_sink,
+        prompt_buckets=prompt_buckets,
+        class_ttft_slo=class_ttft_slo,
     )
     num_prios = len(metrics.prio_values)
     prio_index = {int(p): i for i, p in enumerate(metrics.prio_values.tolist())}
@@ -432,6 +446,8 @@ def simulate(
     nt = workload.num_tenants
     factory = PromptFactory(workload.seed)
     tenant_kw = _accepts_tenant(sched.add_request) and (nt > 1 or cfg.policy not in ("fcfs", "priority"))
+    class_slo = dict(class_ttft_slo or {}) if _accepts(sched.add_request, "ttft_slo_s") else {}
+    session_kw = bool(getattr(workload, "sessions", False)) and _accepts(sched.add_request, "session_id")
     tenant_names = workload.tenant_names
     max_model_len = cfg.max_model_len
     live = _Live()
@@ -604,6 +620,10 @@ def simulate(
                 tgt = int(target[j])
                 rid = f"r{i}"
                 kw: dict[str, Any] = {"tenant": tenant_names[ten]} if tenant_kw else {}
+                if class_slo and prio in class_slo:
+                    kw["ttft_slo_s"] = class_slo[prio]
+                if session_kw and group >= 0:
+                    kw["session_id"] = f"s{group}"
                 add(
                     rid,
                     factory.tokens(i, prompt_len, group, int(w.prefix_len[j])) if prompt_fn is None else prompt_fn(i),

@@ -232,6 +232,7 @@ def _roofline(name: str, params: float, layers: int, heads: int, kv_heads: int, 
 
 
 PRESETS: dict[str, StepTimeModel] = {
+    "qwen2.5-0.5b-h100": _roofline("qwen2.5-0.5b-h100", 0.494e9, 24, 14, 2, 64),
     "llama-3.2-1b-h100": _roofline("llama-3.2-1b-h100", 1.236e9, 16, 32, 8, 64),
     "llama-3.1-8b-h100": _roofline("llama-3.1-8b-h100", 8.03e9, 32, 32, 8, 128),
 }

@@ -13,12 +13,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .metrics import _LATENCIES, PERCENTILES, RequestRecords, _fairness, _Group, _segment_starts
+from .metrics import (
+    _LATENCIES,
+    PERCENTILES,
+    RequestRecords,
+    RunMetrics,
+    _fairness,
+    _Group,
+    _segment_starts,
+    bucket_labels,
+    recompute_tax,
+)
 
 if TYPE_CHECKING:
     from .simulator import SimResult
 
-__all__ = ["request_records", "summarize", "tenant_service"]
+__all__ = ["request_records", "summarize", "tenant_service", "ttft_by_prompt_len"]
 
 
 def request_records(result: SimResult) -> RequestRecords:
@@ -131,8 +141,29 @@ def _group_summary(g: _Group, num_good: int, duration: float) -> dict[str, Any]:
         "slo_attainment": num_good / g.num_requests if g.num_requests else math.nan,
         "num_preemptions": g.num_preemptions,
         "num_recomputed_tokens": g.num_recomputed_tokens,
+        "num_scheduled_tokens": g.num_scheduled_tokens,
+        "recompute_tax": recompute_tax(g.num_recomputed_tokens, g.num_scheduled_tokens),
+        "recomputed_tokens_per_preemption": (
+            g.num_recomputed_tokens / g.num_preemptions if g.num_preemptions else math.nan
+        ),
         "num_output_tokens": g.num_output_tokens,
     }
+
+
+def ttft_by_prompt_len(m: RunMetrics) -> list[dict[str, Any]]:
+    """TTFT per prompt-length bucket of a run's streamed metrics: one entry per bucket, ``lo``/``hi`` its bounds
+    in tokens (inclusive; ``hi`` None for the last), ``num_requests`` the requests of the run in it,
+    ``num_first_token`` those that got a first token, ``ttft`` their mean/percentiles/max."""
+    return [
+        {
+            "lo": lo,
+            "hi": hi,
+            "num_requests": int(m.bucket_requests[i]),
+            "num_first_token": m.bucket_ttft[i].count,
+            "ttft": m.bucket_ttft[i].summary(PERCENTILES),
+        }
+        for i, (lo, hi) in enumerate(bucket_labels(m.prompt_buckets))
+    ]
 
 
 def summarize(
@@ -181,6 +212,7 @@ def summarize(
     # max_model_len), outputs capped by the simulator at max_model_len - prompt_len.
     overall["num_clipped_prompts"] = int(w.num_clipped_prompts)
     overall["num_capped_outputs"] = m.num_capped_outputs
+    overall["ttft_by_prompt_len"] = ttft_by_prompt_len(m)
 
     tenants = []
     share_total = float(service["service"].sum())
@@ -205,6 +237,7 @@ def summarize(
         "step_model": result.step_model.name,
         "slo_ttft": slo_ttft,
         "slo_tpot": slo_tpot,
+        "class_ttft_slo": {str(k): v for k, v in m.class_ttft_slo.items()} or None,
         "overall": overall,
         "tenants": tenants,
         "priorities": prios,

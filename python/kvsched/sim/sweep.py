@@ -128,6 +128,8 @@ def sweep_points(
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
     window: float | None = None,
+    prompt_buckets: Sequence[int] | None = None,
+    class_ttft_slo: dict[int, float] | None = None,
     per_request_dir: str | Path | None = None,
 ) -> list[SweepPoint]:
     """Every (rate, policy, axis values) combination as a :class:`SweepPoint`, in run order. Config errors (an
@@ -174,6 +176,8 @@ def sweep_points(
                         slo_ttft=slo_ttft,
                         slo_tpot=slo_tpot,
                         window=window,
+                        prompt_buckets=tuple(prompt_buckets) if prompt_buckets is not None else None,
+                        class_ttft_slo=class_ttft_slo,
                         per_request_csv=csv_path,
                     )
                 )
@@ -193,6 +197,8 @@ def run_sweep(
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
     window: float | None = None,
+    prompt_buckets: Sequence[int] | None = None,
+    class_ttft_slo: dict[int, float] | None = None,
     progress: bool = False,
     on_run: Callable[[RunOutput], None] | None = None,
     per_request_dir: str | Path | None = None,
@@ -222,6 +228,8 @@ def run_sweep(
         slo_ttft=slo_ttft,
         slo_tpot=slo_tpot,
         window=window,
+        prompt_buckets=prompt_buckets,
+        class_ttft_slo=class_ttft_slo,
         per_request_dir=per_request_dir,
     )
     if jobs < 1:

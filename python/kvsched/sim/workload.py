@@ -9,7 +9,8 @@ line::
 
 Only ``arrival_time``, ``prompt_len`` and ``output_len`` are required; ``tenant`` defaults to ``"default"``,
 ``priority`` to 0, ``prefix_group`` to -1 (none), ``prefix_len`` (tokens shared by the group) to 0. A first line
-``{"tenants": {"a": 1.0, ...}}`` may give tenant weights. :func:`dump_trace` writes this format.
+``{"tenants": {"a": 1.0, ...}}`` may give tenant weights (and ``"sessions": true``: the prefix groups are
+conversations, see below). :func:`dump_trace` writes this format.
 
 Arrivals are one renewal process at the total rate (Poisson: exponential gaps; gamma: gaps with the given
 coefficient of variation), and each arrival is assigned a tenant with probability proportional to the tenant's
@@ -26,6 +27,18 @@ sweep; the simulator caps each output length at ``max_model_len - prompt_len``.
 Prompt token ids are made when a request is added (see :func:`prompt_tokens`): the group prefix (if any), then
 two tokens that encode the request's index, then filler. Prefix-cache hashes chain from the first block, so no
 two requests share a block unless they share a group prefix.
+
+Multi-turn sessions (``WorkloadSpec.session_slots`` > 0): ``session_slots`` conversations are open at any time,
+and each arrival is the next turn of one of them, drawn uniformly. A conversation's first prompt is a drawn prompt
+length; turn ``k + 1``'s prompt is turn ``k``'s prompt, plus turn ``k``'s output length, plus a newly drawn prompt
+length (the user's next message): the context grows. After ``session_turns`` turns, or when the next prompt would
+not fit ``max_model_len`` (or the length distribution's ``max_len``), the slot's next arrival opens a new
+conversation. Each conversation is a prefix group of its own (numbered after the shared-prefix groups) whose
+prefix is all of the prompt but its last token, so turn ``k + 1`` starts with turn ``k``'s prompt and finds it in
+the prefix cache if it is still there (the simulator's sampled tokens are not the group's, so the hit covers the
+previous prompt, not its answer). :attr:`Workload.sessions` is True, and the simulator passes each request's
+conversation as ``session_id``. Session workloads are drawn whole (memory O(requests)); the draws before them are
+unchanged, so the same seed gives the same arrivals, tenants and priority classes with and without sessions.
 """
 
 from __future__ import annotations
@@ -207,6 +220,8 @@ class WorkloadSpec:
     num_prefix_groups: int = 0
     prefix_len: int = 0
     prefix_fraction: float = 0.0
+    session_slots: int = 0  # open conversations (0: no sessions; see the module docstring)
+    session_turns: int = 4  # turns per conversation
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -227,6 +242,11 @@ class WorkloadSpec:
         if not self.priorities or any(not (f >= 0 and math.isfinite(f)) for _, f in self.priorities):
             raise TraceFormatError(
                 f"priorities: need at least one (priority, fraction) pair with fractions >= 0, got {self.priorities!r}"
+            )
+        if self.session_slots < 0 or self.session_turns < 1:
+            raise TraceFormatError(
+                f"sessions: need session_slots >= 0 and session_turns >= 1, got {self.session_slots}, "
+                f"{self.session_turns}"
             )
         if sum(f for _, f in self.priorities) <= 0:
             raise TraceFormatError(f"priorities: the fractions must not all be 0, got {self.priorities!r}")
@@ -255,6 +275,8 @@ class Workload:
     source: str = "generated"
     # Prompts drawn longer than max_model_len - 1 and clipped to it (generate_workload(..., max_model_len=)).
     num_clipped_prompts: int = 0
+    # Prefix groups are conversations (multi-turn sessions): the simulator passes session_id per group.
+    sessions: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.arrival_time)
@@ -301,7 +323,7 @@ class Workload:
         for start in range(0, len(self), size):
             cols = {k: getattr(self, k)[start : start + size] for k in names}
             yield start, Workload(**cols, tenant_names=self.tenant_names, tenant_weights=self.tenant_weights,
-                                  seed=self.seed, source=self.source)  # fmt: skip
+                                  seed=self.seed, source=self.source, sessions=self.sessions)  # fmt: skip
 
 
 def _gaps(rng: np.random.Generator, n: int, arrival: str, cv: float) -> FloatArray:
@@ -430,6 +452,39 @@ class WorkloadStream:
             for size in _pieces(n):
                 num_shared += int(np.count_nonzero(rng.random(size) < spec.prefix_fraction))
         self._group_state = _state(rng)
+        self.sessions = spec.session_slots > 0
+        self._session: dict[str, IntArray] | None = None
+        if self.sessions:
+            self._session = self._draw_sessions()
+
+    def _draw_sessions(self) -> dict[str, IntArray]:
+        """Prompt lengths, output lengths, groups and prefix lengths of every request of a workload of
+        conversations (see the module docstring): the drawn lengths grown per conversation; each arrival's slot
+        comes from a stream of its own (the seed's), so no other draw changes."""
+        spec, n = self.spec, self._n
+        prompt_rng, out_rng = _generator(self._prompt_state), _generator(self._output_state)
+        new = np.concatenate([spec.prompt_len.sample(prompt_rng, m) for m in _pieces(n)] or [np.zeros(0, np.int64)])
+        out = np.concatenate([spec.output_len.sample(out_rng, m) for m in _pieces(n)] or [np.zeros(0, np.int64)])
+        if self.max_model_len is not None:
+            np.minimum(new, self.max_model_len - 1, out=new)
+        slot = np.random.default_rng([spec.seed, 11]).integers(0, spec.session_slots, size=n)
+        limit = min(spec.prompt_len.max_len, (self.max_model_len or (1 << 30)) - 1)
+        prompt = np.empty(n, dtype=np.int64)
+        group = np.empty(n, dtype=np.int64)
+        context = [0] * spec.session_slots  # the slot's next prompt starts with this many tokens
+        turns = [spec.session_turns] * spec.session_slots  # turns taken by the slot's conversation: all, at first
+        current = [-1] * spec.session_slots
+        next_group = spec.num_prefix_groups
+        for i, (s, m, o) in enumerate(zip(slot.tolist(), new.tolist(), out.tolist(), strict=True)):
+            if turns[s] >= spec.session_turns or context[s] + m > limit:
+                context[s], turns[s], current[s] = 0, 0, next_group
+                next_group += 1
+            p = context[s] + m
+            prompt[i], group[i] = p, current[s]
+            context[s] = p + o
+            turns[s] += 1
+        self.max_prompt_len = int(prompt.max()) if n else 0
+        return {"prompt_len": prompt, "output_len": out, "prefix_group": group, "prefix_len": prompt - 1}
 
     def __len__(self) -> int:
         return self._n
@@ -478,7 +533,11 @@ class WorkloadStream:
             output_len = spec.output_len.sample(out_rng, m)
             prefix_group = np.full(m, -1, dtype=np.int64)
             prefix_len = np.zeros(m, dtype=np.int64)
-            if self._shared:
+            if self._session is not None:
+                cut = slice(start, start + m)
+                prompt_len, output_len = self._session["prompt_len"][cut], self._session["output_len"][cut]
+                prefix_group, prefix_len = self._session["prefix_group"][cut], self._session["prefix_len"][cut]
+            elif self._shared:
                 shared = shared_rng.random(m) < spec.prefix_fraction
                 prefix_group[shared] = group_rng.integers(0, spec.num_prefix_groups, size=int(shared.sum()))
                 # The prompt keeps its drawn length; the shared prefix is at most all but one of its tokens.
@@ -497,6 +556,7 @@ class WorkloadStream:
                     tenant_weights=self.tenant_weights,
                     seed=self.seed,
                     source=self.source,
+                    sessions=self.sessions,
                 ),
             )
 
@@ -515,6 +575,7 @@ class WorkloadStream:
             seed=self.seed,
             source=self.source,
             num_clipped_prompts=self.num_clipped_prompts,
+            sessions=self.sessions,
         )
 
 
@@ -606,7 +667,12 @@ def dump_trace(workload: Workload, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     names = workload.tenant_names
     with path.open("w", encoding="utf-8") as f:
-        header = {"tenants": dict(zip(names, workload.tenant_weights, strict=True)), "seed": workload.seed}
+        header: dict[str, Any] = {
+            "tenants": dict(zip(names, workload.tenant_weights, strict=True)),
+            "seed": workload.seed,
+        }
+        if workload.sessions:
+            header["sessions"] = True
         f.write(json.dumps(header) + "\n")
         cols = zip(
             workload.arrival_time.tolist(),
@@ -648,6 +714,7 @@ def load_trace(path: str | Path, *, seed: int = 0) -> Workload:
     weights: dict[str, float] = {}
     cols: dict[str, list[Any]] = {k: [] for k in ("t", "p", "o", "ten", "prio", "g", "pl")}
     tenant_idx: dict[str, int] = {}
+    sessions = False
     for where, obj in iter_json_objects(path):
         if "arrival_time" not in obj and "tenants" in obj:
             tw = obj["tenants"]
@@ -657,6 +724,7 @@ def load_trace(path: str | Path, *, seed: int = 0) -> Workload:
                 weights[str(name)] = float(w)
                 tenant_idx.setdefault(str(name), len(tenant_idx))
             seed = int(obj.get("seed", seed))
+            sessions = bool(obj.get("sessions", False))
             continue
         t = obj.get("arrival_time")
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
@@ -698,6 +766,7 @@ def load_trace(path: str | Path, *, seed: int = 0) -> Workload:
         tenant_weights=tuple(weights.get(n, 1.0) for n in names),
         seed=seed,
         source=str(path),
+        sessions=sessions,
     )
 
 
