@@ -635,7 +635,7 @@ def _vllm_importable() -> bool:
 @pytest.mark.vllm
 def test_bench_with_vllm_imports_it_before_the_first_timed_run() -> None:
     if not _vllm_importable():
-        pytest.skip("vLLM is optional: pip install 'kvsched[vllm]'")
+        pytest.skip("vLLM is optional: pip install '.[vllm]'")
     # A fresh interpreter: in this one another test may have imported vLLM already.
     proc = subprocess.run(
         [sys.executable, "-c", _RECORD_VLLM_IMPORTED], capture_output=True, text=True, timeout=600, check=False

@@ -79,6 +79,18 @@ def test_a_run_through_the_protocol_gets_protocol_results(classes: Any) -> None:
     assert res.finished_req_ids == ["r0"]
 
 
+@pytest.mark.parametrize("classes", IMPLEMENTATIONS)
+def test_schedule_takes_none_for_throttle_prefills(classes: Any) -> None:
+    """``throttle_prefills=None`` (the stub's default) is False in both schedulers; a non-bool is refused."""
+    from kvsched import SchedulerTypeError
+
+    sched: SchedulerProtocol[Any] = classes()[0](block_size=4, num_blocks=16, max_model_len=32)
+    sched.add_request("r0", [1, 2, 3, 4, 5], max_tokens=2)
+    assert list(sched.schedule(throttle_prefills=None).req_ids) == ["r0"]
+    with pytest.raises(SchedulerTypeError, match="throttle_prefills must be a bool"):
+        sched.schedule(throttle_prefills=0)  # type: ignore[arg-type]
+
+
 def test_isinstance_needs_every_member() -> None:
     members = protocol_members(SchedulerProtocol)
     complete = type("Complete", (), dict.fromkeys(members, 0))

@@ -1,6 +1,6 @@
 """``kvsched.ray``: the Ray Serve request router, alone and in front of a local Serve deployment of ``kvsched.LLM``.
 
-Needs Ray Serve (``pip install 'kvsched[ray]'``); skipped without it. The end-to-end case also needs torch and
+Needs Ray Serve (``pip install '.[ray]'``); skipped without it. The end-to-end case also needs torch and
 transformers (for the tiny model) and starts a local Ray cluster (about a minute on two cores).
 """
 

@@ -1,6 +1,6 @@
 """kvsched.vllm.Scheduler's contract with vLLM 0.33's engine core: construction, refusals, pause, reset, aborts.
 
-Needs vLLM (``pip install 'kvsched[vllm]'``); skipped otherwise. Where a behaviour is vLLM's, the test runs
+Needs vLLM (``pip install '.[vllm]'``); skipped otherwise. Where a behaviour is vLLM's, the test runs
 vLLM's own scheduler on the same calls and compares (``tests/vllm_driver.py``).
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytest.importorskip("vllm", reason="vLLM is optional: pip install 'kvsched[vllm]'")
+pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
 
 import kvsched.vllm
 from kvsched.vllm import UnsupportedFeatureError

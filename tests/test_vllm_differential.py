@@ -1,6 +1,6 @@
 """kvsched.vllm.Scheduler against vLLM 0.33's own Scheduler / AsyncScheduler, field by field, after every call.
 
-Needs vLLM (``pip install 'kvsched[vllm]'``); skipped otherwise. The driver (``tests/vllm_driver.py``) gives
+Needs vLLM (``pip install '.[vllm]'``); skipped otherwise. The driver (``tests/vllm_driver.py``) gives
 both schedulers identical requests and model outputs (seeded random: shared prefixes, tight pools that preempt,
 EOS and stop ids, min tokens, cache salts, priorities, aborts, speculative decoding (n-gram and EAGLE drafters,
 drafts, random acceptance), the async batch-queue pattern, V1 and V2 runner output formats, a KV connector) and
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is optional: pip install 'kvsched[vllm]'")
+pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
 
 from vllm_driver import run_seed
 

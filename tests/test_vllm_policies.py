@@ -1,7 +1,7 @@
 """kvsched's policies inside vLLM: knobs from ``additional_config["kvsched"]``, per-request attributes from
 ``SamplingParams.extra_args`` (the OpenAI server's ``vllm_xargs``), refusals, and the per-tenant log line.
 
-Needs vLLM (``pip install 'kvsched[vllm]'``); skipped otherwise. Tests of policies and attributes that the core
+Needs vLLM (``pip install '.[vllm]'``); skipped otherwise. Tests of policies and attributes that the core
 does not have yet skip until it does (they key on ``kvsched.config.POLICIES``, the config's fields and the core's
 ``add_request`` keywords).
 """
@@ -19,7 +19,7 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytest.importorskip("vllm", reason="vLLM is optional: pip install 'kvsched[vllm]'")
+pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
 
 import kvsched
 from kvsched.config import CONFIG_FIELDS, POLICIES, SchedulerConfig

@@ -33,7 +33,7 @@ def _harness() -> object:
 
 def test_vllm_scheduler_suite_against_kvsched(tmp_path: Path) -> None:
     if importlib.util.find_spec("vllm") is None:  # find_spec: importing vLLM here would cost the suite seconds
-        pytest.skip("vLLM is optional: pip install 'kvsched[vllm]'")
+        pytest.skip("vLLM is optional: pip install '.[vllm]'")
     run = _harness()
     download = os.environ.get("KVSCHED_VLLM_SUITE_DOWNLOAD") == "1"
     try:

@@ -68,7 +68,10 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         from kvsched.engine import LLM, SamplingParams
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        print(f"kvsched generate: {exc}; install the torch extra: pip install 'kvsched[torch]'", file=sys.stderr)
+        print(
+            f"kvsched generate: {exc}; install the torch extra: pip install '.[torch]' in kvsched's repository root",
+            file=sys.stderr,
+        )
         return 2
     from kvsched._errors import SchedulerError
 
@@ -94,7 +97,10 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts: list[Any] = [*args.prompt, *args.prompt_ids]
         outputs = llm.generate(prompts, params)
     except ImportError as exc:
-        print(f"kvsched generate: {exc}; install the torch extra: pip install 'kvsched[torch]'", file=sys.stderr)
+        print(
+            f"kvsched generate: {exc}; install the torch extra: pip install '.[torch]' in kvsched's repository root",
+            file=sys.stderr,
+        )
         return 2
     except (SchedulerError, ValueError, OSError) as exc:  # a bad option or model directory: no traceback
         print(f"kvsched generate: {exc}", file=sys.stderr)

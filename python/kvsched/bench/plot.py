@@ -27,7 +27,8 @@ def _pyplot() -> Any:
         import matplotlib
     except ImportError as exc:
         raise MatplotlibMissingError(
-            "--plot needs matplotlib, which is not installed: pip install 'kvsched[plot]' (or matplotlib)"
+            "--plot needs matplotlib, which is not installed: pip install matplotlib (or pip install '.[plot]' in "
+            "kvsched's repository root)"
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -9,7 +9,7 @@
   index follows each replica's prefix cache, evictions included.
 - ``python -m kvsched.ray.compare``: the shared-prefix comparison of ``docs/routing.md``.
 
-Needs Ray Serve (``pip install 'kvsched[ray]'``); :class:`LLMServer` also needs the torch extra.
+Needs Ray Serve (``pip install '.[ray]'`` in kvsched's repository root); :class:`LLMServer` also needs the torch extra.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 try:
     import ray.serve.request_router  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without ray
-    raise ImportError("kvsched.ray needs Ray Serve: pip install 'kvsched[ray]'") from exc
+    raise ImportError("kvsched.ray needs Ray Serve: pip install '.[ray]' in kvsched's repository root") from exc
 
 from .request_router import KvschedRequestRouter, RoutedPrompt, prompt_of
 from .server import LLMServer

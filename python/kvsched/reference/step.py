@@ -57,10 +57,12 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         """``(num_executed_steps, last_prefill_step, prefill_capacity_bound)``."""
         return self._num_executed_steps, self._last_prefill_step, self._prefill_capacity_bound
 
-    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+    def schedule(self, throttle_prefills: bool | None = None) -> SchedulerOutput:
         """One step: continue running requests (phase A, may preempt), then admit waiting ones (phase B).
         ``throttle_prefills`` (vLLM's data-parallel prefill balancing) and ``prefill_schedule_interval`` defer
-        prefill compute while something decodes."""
+        prefill compute while something decodes; None is False."""
+        if throttle_prefills is None:
+            throttle_prefills = False
         if not isinstance(throttle_prefills, bool):
             raise SchedulerTypeError(f"throttle_prefills must be a bool, got {type(throttle_prefills).__name__}")
         c = self._config

@@ -1,8 +1,8 @@
 """A torch model runner for kvsched: a Llama-family decoder over a paged KV cache.
 
-Needs the ``torch`` extra (``pip install kvsched[torch]``). Names are loaded lazily, so importing the package
-does not import torch. The runner sits below the engine: nothing here imports :mod:`kvsched.engine`, the CLI,
-the benchmarks or the simulator (``tests/test_layering.py`` checks it).
+Needs the ``torch`` extra (``pip install '.[torch]'`` in kvsched's repository root). Names are loaded lazily, so
+importing the package does not import torch. The runner sits below the engine: nothing here imports
+:mod:`kvsched.engine`, the CLI, the benchmarks or the simulator (``tests/test_layering.py`` checks it).
 """
 
 from __future__ import annotations

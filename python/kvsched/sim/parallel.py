@@ -114,7 +114,7 @@ def _ray() -> Any:
         import ray
     except ImportError as exc:
         raise RayMissingError(
-            f"--ray needs Ray, which is not installed here (pip install 'kvsched[ray]'): {exc}"
+            f"--ray needs Ray, which is not installed here (pip install '.[ray]' in kvsched's repository root): {exc}"
         ) from exc
     return ray
 

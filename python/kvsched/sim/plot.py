@@ -31,7 +31,7 @@ def _pyplot() -> Any:
         import matplotlib
     except ImportError as exc:
         raise MatplotlibMissingError(
-            "--plot needs matplotlib, which is not installed (pip install matplotlib; kvsched's plot extra)"
+            "--plot needs matplotlib, which is not installed (pip install matplotlib)"
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
