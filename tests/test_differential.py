@@ -441,9 +441,11 @@ class Twin:
         prompt = self.make_prompt(40)
         salt = self.rand.choice([None, None, "s1"])
         lora = self.rand.choice([None, None, None, "L1"])
-        a, b, _ = call_both(lambda: self.ref.get_num_cached_tokens(prompt, salt, lora),
-                         lambda: self.rs.get_num_cached_tokens(prompt, salt, lora))  # fmt: skip
-        assert a == b, f"get_num_cached_tokens({prompt}, {salt}, {lora}): {a} != {b}"
+        # A tenant only where it keys the lookup (the seeded soaks' random streams stay as they were).
+        tenant = self.rand.choice([None, *TENANTS]) if self.cfg.isolate_tenant_cache else None
+        a, b, _ = call_both(lambda: self.ref.get_num_cached_tokens(prompt, salt, lora, tenant),
+                         lambda: self.rs.get_num_cached_tokens(prompt, salt, lora, tenant))  # fmt: skip
+        assert a == b, f"get_num_cached_tokens({prompt}, {salt}, {lora}, {tenant}): {a} != {b}"
 
     def op_weight(self) -> None:
         r = self.rand
@@ -755,8 +757,21 @@ def encoder_fields(draw: Any, budget: int) -> dict[str, Any]:
     }
 
 
+def tenant_fields(data: Any) -> dict[str, Any]:
+    """Tenant cache isolation and per-tenant limits in some runs: a default running / waiting limit, per-tenant
+    overrides, or both (tight, so that admission skips tenants and add_request refuses)."""
+    return {
+        "isolate_tenant_cache": data.draw(st.booleans()),
+        "max_running_per_tenant": data.draw(st.sampled_from([None, None, 1, 2])),
+        "tenant_max_running": data.draw(st.sampled_from([{}, {}, {"t1": 1}, {"default": 2, "t2": 1}])),
+        "max_waiting_per_tenant": data.draw(st.sampled_from([None, None, 1, 3])),
+        "tenant_max_waiting": data.draw(st.sampled_from([{}, {}, {"t2": 1}, {"default": 2, "t1": 4}])),
+    }
+
+
 def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
-    cfg = dataclasses.replace(cfg, enable_kv_cache_events=data.draw(st.booleans()))  # both compare their events
+    # both compare their events
+    cfg = dataclasses.replace(cfg, enable_kv_cache_events=data.draw(st.booleans()), **tenant_fields(data))
     seed = data.draw(st.sampled_from([None, None, 1, 2, 3]))  # a seeded fake KV connector in 3 of 5 runs
     twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])), connector_seed=seed)
     try:

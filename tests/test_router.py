@@ -356,6 +356,34 @@ def test_token_prompts_hash_to_the_keys_of_the_schedulers_block_hashes(algo: str
         assert router.overlaps(prompt, cache_salt="someone-else") == {"a": 0}
 
 
+def test_with_tenant_isolation_the_router_matches_only_the_requests_own_tenants_blocks() -> None:
+    from kvsched import Scheduler
+
+    sched = Scheduler(block_size=BS, num_blocks=64, max_model_len=256, prefix_hash_seed=7, isolate_tenant_cache=True)
+    router = Router(replace(config("cache_aware"), prefix_hash_seed=7, isolate_tenant_cache=True), replicas=["a", "b"])
+    prompt = list(range(3, 17))
+    for tenant, salt in [("t1", None), ("t2", "s")]:
+        req = f"r-{tenant}"
+        sched.add_request(req, prompt, max_tokens=1, tenant=tenant, cache_salt=salt)
+        want = [block_key(h) for h in sched.get_block_hashes(req)]
+        assert router.prompt_keys(prompt, tenant=tenant, cache_salt=salt).tolist() == want
+    router.apply_events("b", [BlockStored(sched.get_block_hashes("r-t1"), None, prompt[:12], BS)])
+    assert router.overlaps(prompt, tenant="t1") == {"a": 0, "b": 3}
+    assert router.overlaps(prompt, tenant="t3") == {"a": 0, "b": 0}
+    assert router.overlaps(prompt) == {"a": 0, "b": 0}  # the tenant "default"
+    # A client salt that spells t1's key reaches nothing either.
+    assert router.overlaps(prompt, tenant="t3", cache_salt="kvsched-tenant:2:t1") == {"a": 0, "b": 0}
+    assert router.route("q1", prompt, tenant="t1").replica == "b"
+    assert router.route("q2", prompt, tenant="t3").reason != "cache_hit"
+    with pytest.raises(InvalidRequestError):
+        router.overlaps(prompt, tenant="")
+    with pytest.raises(SchedulerTypeError):
+        router.overlaps(prompt, tenant=3)  # type: ignore[arg-type]
+    # Without isolation the tenant changes nothing.
+    plain = Router(replace(config("cache_aware"), prefix_hash_seed=7), replicas=["a"])
+    assert plain.prompt_keys(prompt, tenant="t1").tolist() == plain.prompt_keys(prompt).tolist()
+
+
 def _router_view_is(router: Router, replica: str, hashes: list[bytes]) -> bool:
     """Whether the router's index of ``replica`` holds exactly the keys of ``hashes``: every one, and no more."""
     keys = {block_key(h) for h in hashes}

@@ -225,6 +225,12 @@ def test_every_config_field_is_a_knob_or_classified() -> None:
         "default_ttft_slo_s",
         "session_ttl_steps",
         "preemption_victim",
+        # Tenant isolation and limits (docs/vllm.md, docs/security.md).
+        "isolate_tenant_cache",
+        "max_running_per_tenant",
+        "tenant_max_running",
+        "max_waiting_per_tenant",
+        "tenant_max_waiting",
     }
     assert knobs <= documented, f"classify the new fields {sorted(knobs - documented)} in kvsched/vllm/_policy.py"
     # The adapter's fixed values are the ones kvsched_config_from_vllm uses, and valid defaults of the config.
@@ -395,11 +401,11 @@ def test_the_tenant_reaches_the_core_flat_or_in_the_kvsched_mapping() -> None:
     assert {name: t.num_waiting_reqs for name, t in stats.items()} == {"a": 1, "b": 1, "default": 1}
 
 
-def _rejected_once(s: Any, req: Any) -> Any:
-    """Adds ``req`` (with a bad attribute) beside a good request and runs steps until it finished; returns its
-    error output after checking that it finished with an error, took no part in any step, and that the good
-    request went on."""
-    s.add_request(_req("good", [1, 2, 3, 4], {"tenant": "a"}, max_tokens=2))
+def _rejected_once(s: Any, req: Any, good_extra_args: Any = None) -> Any:
+    """Adds ``req`` (with a bad attribute) beside a good request (of tenant ``a`` unless ``good_extra_args`` are
+    given) and runs steps until it finished; returns its error output after checking that it finished with an
+    error, took no part in any step, and that the good request went on."""
+    s.add_request(_req("good", [1, 2, 3, 4], good_extra_args or {"tenant": "a"}, max_tokens=2))
     s.add_request(req)  # never raises: an exception here would kill vLLM's engine core
     assert s.has_request(req.request_id) and s.has_requests()
     so, eco = _step(s)
@@ -458,10 +464,9 @@ def test_an_attribute_the_core_refuses_fails_the_request_with_the_cores_message(
     assert "" not in s.core.tenant_stats()
 
 
-def test_vllms_engine_core_keeps_running_past_a_bad_attribute() -> None:
-    """vLLM's own EngineCore.add_request and EngineCore.step (the synchronous engine loop) around the adapter:
-    the request with a bad attribute comes back as an error output, the engine and the other request go on.
-    (The core's model executor is a stand-in that returns one token per decode.)"""
+def _engine(kvsched_settings: dict[str, Any]) -> tuple[Any, Any]:
+    """vLLM's own EngineCore (only what ``step()`` reads; no workers, no model) around the adapter, with a model
+    executor that returns one token (9) per decode; returns (engine, scheduler)."""
     import queue
     from concurrent.futures import Future
 
@@ -484,11 +489,19 @@ def test_vllms_engine_core_keeps_running_past_a_bad_attribute() -> None:
             return done
 
     cfg = make_vllm_config()
-    cfg.additional_config = {"kvsched": {"policy": "fair"}}
+    cfg.additional_config = {"kvsched": kvsched_settings}
     sched = make_scheduler("kvsched", cfg)
-    engine = EngineCore.__new__(EngineCore)  # only what step() reads; no workers, no model
+    engine = EngineCore.__new__(EngineCore)
     engine.scheduler, engine.model_executor, engine.vllm_config = sched, Executor(), cfg
     engine.log_stats, engine.aborts_queue, engine._weight_version = True, queue.Queue(), None
+    return engine, sched
+
+
+def test_vllms_engine_core_keeps_running_past_a_bad_attribute() -> None:
+    """vLLM's own EngineCore.add_request and EngineCore.step (the synchronous engine loop) around the adapter:
+    the request with a bad attribute comes back as an error output, the engine and the other request go on.
+    (The core's model executor is a stand-in that returns one token per decode.)"""
+    engine, sched = _engine({"policy": "fair"})
     engine.add_request(_req("good", [1, 2, 3], {"tenant": "a"}, max_tokens=3))
     with _Records() as logged:
         engine.add_request(_req("bad", [4, 5, 6], {"tenant": "a", "ttft_slo_s": -1}, max_tokens=3))
@@ -625,3 +638,188 @@ def test_the_settings_do_not_leak_into_the_config_object() -> None:
     weights["a"] = 5.0
     assert s.core.config.tenant_weights == {"a": 2.0}
     assert isinstance(s.core.config, SchedulerConfig)
+
+
+# ---- trust boundary, tenant cache isolation, per-tenant limits (docs/security.md) -------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "kw", "extra_args", "attribute", "message"),
+    [
+        ({"client_attributes": ["ttft_slo_s"]}, {}, {"tenant": "b"}, "tenant", "may not be set by clients"),
+        ({"client_attributes": []}, {}, {"kvsched": {"order_key": 1}}, "order_key", "may not be set by clients"),
+        ({"client_attributes": ["tenant"]}, {"priority": 3}, None, "priority", "may not be set by clients"),
+        ({"min_ttft_slo_s": 2.0}, {}, {"ttft_slo_s": 0.5}, "ttft_slo_s", "below min_ttft_slo_s 2.0"),
+        ({"order_key_range": [0, 9]}, {}, {"order_key": -1}, "order_key", r"out of order_key_range \[0, 9\]"),
+        ({"priority_range": [-1, 1]}, {"priority": 5}, None, "priority", r"out of priority_range \[-1, 1\]"),
+    ],
+)
+def test_an_attribute_outside_the_trust_boundary_fails_that_request_naming_it(
+    settings: dict[str, Any], kw: dict[str, Any], extra_args: Any, attribute: str, message: str
+) -> None:
+    if attribute in ("ttft_slo_s", "order_key") and attribute not in CORE_KEYWORDS:
+        pytest.skip(f"the core takes no {attribute!r}")
+    s = _sched({"policy": "fair", **settings})
+    read = s._request_attrs.read
+    with pytest.raises(kvsched.ClientAttributeError) as e:
+        read(_req("x", [5, 6, 7], extra_args, **kw))
+    assert e.value.attribute == attribute
+    out = _rejected_once(s, _req("bad", [5, 6, 7], extra_args, **kw), {"some_other_library": 1})
+    assert attribute in out.error.message
+    assert re.search(message, out.error.message), out.error.message
+    assert "b" not in s.core.tenant_stats()
+
+
+def test_the_trust_boundary_lets_allowed_attributes_and_bounded_values_through() -> None:
+    s = _sched({"policy": "fair", "client_attributes": ["tenant"], "priority_range": [0, 0]})
+    s.add_request(_req("r0", [1, 2, 3], {"tenant": "a"}, max_tokens=1))
+    _step(s)
+    assert s.core.tenant_stats()["a"].num_prefill_tokens == 3
+    assert s.get_num_unfinished_requests() == 0
+
+
+def test_a_gateway_token_lets_the_gateway_set_what_clients_may_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSCHED_TEST_GATEWAY_TOKEN", "s3cret")
+    s = _sched({"policy": "fair", "client_attributes": [], "gateway_token_env": "KVSCHED_TEST_GATEWAY_TOKEN"})
+    s.add_request(_req("g", [1, 2, 3], {"tenant": "a", "kvsched_gateway_token": "s3cret"}, max_tokens=1))
+    assert s.core.tenant_stats()["a"].num_waiting_reqs == 1
+    gateway = {"tenant": "a", "kvsched_gateway_token": "s3cret"}
+    out = _rejected_once(s, _req("forged", [1, 2, 3], {"tenant": "a", "kvsched_gateway_token": "guess"}), gateway)
+    assert "wrong kvsched_gateway_token" in out.error.message
+    out = _rejected_once(s, _req("client", [1, 2, 3], {"tenant": "a"}), gateway)
+    assert "'tenant' may not be set by clients" in out.error.message
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"client_attributes": "tenant"}, "client_attributes must be a list"),
+        ({"client_attributes": ["tennant"]}, "unknown attribute 'tennant' .*'tenant'"),
+        ({"min_ttft_slo_s": 0}, "min_ttft_slo_s must be finite and > 0"),
+        ({"order_key_range": [3, 1]}, "order_key_range must be a list"),
+        ({"priority_range": [0, 1.5]}, "priority_range must be a list"),
+        ({"gateway_token_env": "KVSCHED_NO_SUCH_VARIABLE"}, "unset or empty"),
+        ({"max_waiting_per_tenant": 0}, "max_waiting_per_tenant"),
+        ({"tenant_max_running": {"a": 0}}, "tenant_max_running of tenant 'a'"),
+    ],
+)
+def test_a_bad_trust_or_limit_setting_is_refused_at_construction(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(kvsched.InvalidConfigError, match=message):
+        _sched(settings)
+
+
+def test_isolation_salts_vllms_hashes_as_cache_salt_and_no_tenant_hits_anothers_prefix() -> None:
+    from kvsched.config import tenant_cache_salt
+
+    prompt = list(range(1, 40))
+    s = _sched({"isolate_tenant_cache": True})
+    a = _req("a", prompt, {"tenant": "a"}, max_tokens=1)
+    unsalted = list(a.block_hashes)
+    s.add_request(a)
+    # vLLM's own hashes, keyed by the tenant the way cache_salt keys block 0.
+    assert a.cache_salt == tenant_cache_salt("a", None)
+    assert a.block_hashes == _req("x", prompt, cache_salt=a.cache_salt).block_hashes
+    assert a.block_hashes[0] != unsalted[0] and len(a.block_hashes) == len(unsalted)
+    _step(s)
+    b = _req("b", prompt, {"tenant": "b"}, max_tokens=1)
+    a2 = _req("a2", prompt, {"tenant": "a"}, max_tokens=1)
+    s.add_request(b)
+    s.add_request(a2)
+    so, _eco = _step(s)
+    computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    assert computed == {"b": 0, "a2": 32}  # the tenant's own prefix hits; another tenant's does not
+    assert b.block_hashes[0] != a2.block_hashes[0]
+
+
+def test_without_isolation_the_hashes_are_vllms() -> None:
+    s = _sched()
+    r = _req("a", list(range(1, 40)), {"tenant": "a"}, cache_salt="c")
+    before = list(r.block_hashes)
+    s.add_request(r)
+    assert r.cache_salt == "c" and r.block_hashes == before
+
+
+def test_a_tenant_at_its_running_limit_waits_inside_vllm() -> None:
+    s = _sched({"tenant_max_running": {"a": 2}})
+    for i in range(4):
+        s.add_request(_req(f"a{i}", [1, 2, 3], {"tenant": "a"}, max_tokens=3))
+    s.add_request(_req("b0", [4, 5, 6], {"tenant": "b"}, max_tokens=3))
+    so, _eco = _step(s)
+    assert sorted(so.num_scheduled_tokens) == ["a0", "a1", "b0"]
+    assert s.core.tenant_stats()["a"].num_running_reqs == 2
+    for _ in range(20):
+        _step(s)
+    assert s.get_num_unfinished_requests() == 0 and s.requests == {}
+
+
+@pytest.mark.parametrize("limit", [{"max_waiting_per_tenant": 2}, {"tenant_max_waiting": {"a": 2, "default": 1}}])
+def test_a_full_waiting_queue_finishes_the_request_with_a_retryable_error(limit: dict[str, Any]) -> None:
+    s = _sched(limit)
+    for i in range(2):
+        s.add_request(_req(f"a{i}", [1, 2, 3], {"tenant": "a"}, max_tokens=2))
+    s.add_request(_req("default0", [1, 2], max_tokens=2))
+    with _Records() as logged:
+        s.add_request(_req("flood", [1, 2, 3], {"tenant": "a"}, max_tokens=2))  # never raises
+        # A bad attribute falls back to the default tenant, whose queue is full too: refused all the same.
+        s.add_request(_req("bad", [1, 2, 3], {"tenant": ""}, max_tokens=2))
+    assert any("waiting queue of tenant 'a' is full" in m for m in logged)
+    assert s.has_request("flood") and s.get_num_unfinished_requests() == 5
+    assert s.core.tenant_stats()["a"].num_waiting_reqs == 2  # the core never saw it
+    so, eco = _step(s)
+    assert "flood" not in so.num_scheduled_tokens
+    out = _outputs(eco)
+    assert out["flood"].finish_reason == FinishReason.ERROR
+    assert out["flood"].error.code == "queue_full" and out["flood"].error.retryable
+    assert out["bad"].finish_reason == FinishReason.ERROR
+    for _ in range(10):
+        _step(s)
+    assert s.get_num_unfinished_requests() == 0 and s.requests == {} and not s._refused
+    assert s.core.num_free_blocks == s.core.config.num_usable_blocks
+
+
+def test_a_refused_request_aborted_before_its_error_is_reported_just_ends() -> None:
+    s = _sched({"max_waiting_per_tenant": 1})
+    s.add_request(_req("r0", [1, 2, 3]))
+    s.add_request(_req("r1", [1, 2, 3]))
+    assert [r.request_id for r in s.finish_requests(None, RequestStatus.FINISHED_ABORTED)] == ["r0", "r1"]
+    _so, eco = _step(s)
+    assert _outputs(eco) == {} and s.requests == {} and not s._refused
+
+
+def test_vllms_engine_core_survives_a_hostile_client() -> None:
+    """vLLM's engine loop with an honest tenant and a hostile client that claims another tenant, asks for an out
+    of bounds TTFT target and order key, and floods 10x its waiting limit: every hostile request comes back as an
+    error output naming why, the honest requests all complete, nothing leaks."""
+    limit = 4
+    engine, sched = _engine(
+        {
+            "policy": "fair",
+            "isolate_tenant_cache": True,
+            "client_attributes": ["tenant", "ttft_slo_s", "order_key"],
+            "min_ttft_slo_s": 1.0,
+            "order_key_range": [0, 9],
+            "max_waiting_per_tenant": limit,
+        }
+    )
+    for i in range(3):
+        engine.add_request(_req(f"honest{i}", [1, 2, 3, 4, 5], {"tenant": "a"}, max_tokens=3))
+    engine.add_request(_req("slo", [6, 7], {"tenant": "evil", "ttft_slo_s": 0.01}, max_tokens=3))
+    engine.add_request(_req("key", [6, 7], {"tenant": "evil", "order_key": -5}, max_tokens=3))
+    for i in range(10 * limit):
+        engine.add_request(_req(f"flood{i}", [6, 7, 8], {"tenant": "evil"}, max_tokens=3))
+    outputs: dict[str, list[Any]] = {}
+    for _ in range(40):
+        eco, _executed = engine.step()
+        for rid, out in _outputs(eco).items():
+            outputs.setdefault(rid, []).append(out)
+    assert outputs["slo"][-1].error is not None and "below min_ttft_slo_s" in outputs["slo"][-1].error.message
+    assert "out of order_key_range" in outputs["key"][-1].error.message
+    refused = [r for r in outputs if r.startswith("flood") and outputs[r][-1].error is not None]
+    assert len(refused) == 10 * limit - limit
+    assert all(outputs[r][-1].error.code == "queue_full" for r in refused)
+    served = [r for r in outputs if r.startswith("flood") and outputs[r][-1].error is None]
+    assert len(served) == limit and all(len([t for o in outputs[r] for t in o.new_token_ids]) == 3 for r in served)
+    for i in range(3):
+        assert [t for o in outputs[f"honest{i}"] for t in o.new_token_ids] == [9, 9, 9]
+    assert not sched.has_requests() and sched.requests == {} and not sched._refused
+    assert sched.core.num_free_blocks == sched.core.config.num_usable_blocks

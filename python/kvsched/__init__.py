@@ -9,12 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._errors import (
+    ClientAttributeError,
     DuplicateRequestError,
     InternalError,
     InvalidConfigError,
     InvalidOutputError,
     InvalidRequestError,
     KVConnectorError,
+    QueueFullError,
     SchedulerError,
     SchedulerTypeError,
     UnknownRequestError,
@@ -31,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "ClientAttributeError",
     "CompletionOutput",
     "DuplicateRequestError",
     "FinishReason",
@@ -40,6 +43,7 @@ __all__ = [
     "InvalidRequestError",
     "KVConnectorError",
     "ModelInputs",
+    "QueueFullError",
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",

@@ -8,6 +8,7 @@ The Rust extension raises these very classes (it imports this module), so there 
 from __future__ import annotations
 
 __all__ = [
+    "ClientAttributeError",
     "DuplicateReplicaError",
     "DuplicateRequestError",
     "InternalError",
@@ -16,6 +17,7 @@ __all__ = [
     "InvalidRequestError",
     "KVConnectorError",
     "NoReplicaAvailableError",
+    "QueueFullError",
     "SchedulerError",
     "SchedulerTypeError",
     "UnknownReplicaError",
@@ -38,6 +40,22 @@ class InvalidRequestError(SchedulerError, ValueError):
 
 class DuplicateRequestError(InvalidRequestError):
     """``add_request`` got an id that the scheduler already knows."""
+
+
+class ClientAttributeError(InvalidRequestError):
+    """A request set a per-request attribute (``tenant``, ``session_id``, ``ttft_slo_s``, ``order_key``,
+    ``priority``) that the operator does not take from clients, or set it outside the operator's bounds
+    (``kvsched.vllm``'s ``client_attributes``, ``min_ttft_slo_s``, ``order_key_range``, ``priority_range``; see
+    docs/security.md). ``attribute`` names it."""
+
+    def __init__(self, message: str, attribute: str = "") -> None:
+        super().__init__(message)
+        self.attribute = attribute
+
+
+class QueueFullError(SchedulerError, RuntimeError):
+    """``add_request`` refused a request because its tenant already has as many waiting requests as it may
+    (``max_waiting_per_tenant`` / ``tenant_max_waiting``). Nothing changed; the request may be retried later."""
 
 
 class UnknownRequestError(SchedulerError, KeyError):

@@ -98,3 +98,5 @@ class TenantStats:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_waiting_reqs: int
+    #: The tenant's running requests (``max_running_per_tenant`` / ``tenant_max_running`` bound it).
+    num_running_reqs: int = 0

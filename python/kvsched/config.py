@@ -28,7 +28,9 @@ __all__ = [
     "FieldSpec",
     "SchedulerConfig",
     "check_preemption_costs",
+    "check_tenant_limits",
     "fields_markdown",
+    "tenant_cache_salt",
 ]
 
 Policy = Literal["fcfs", "priority", "fair", "sjf", "slo"]
@@ -99,6 +101,34 @@ def check_tenant_weight(
         value = math.inf
     if not (math.isfinite(value) and value > 0):
         raise error(f"the weight of tenant {tenant!r} must be finite and > 0, got {weight!r}")
+
+
+def tenant_cache_salt(tenant: str, cache_salt: str | None) -> str:
+    """The block-0 salt of a request of ``tenant`` with ``cache_salt`` under ``isolate_tenant_cache``:
+    ``kvsched-tenant:<n>:<tenant>``, then ``:<cache_salt>`` if one is given (``<n>``: the tenant's length in UTF-8
+    bytes). Distinct pairs give distinct salts, so tenants never share a cached block whatever salts their
+    clients choose; the Rust core builds the same string (``hashing.rs``)."""
+    salt = f"kvsched-tenant:{len(tenant.encode())}:{tenant}"
+    return salt if cache_salt is None else f"{salt}:{cache_salt}"
+
+
+def check_tenant_limits(name: str, limits: Any) -> dict[str, int]:
+    """A per-tenant limit field (``tenant_max_running``, ``tenant_max_waiting``): a mapping of tenant (non-empty
+    str) to an int in [1, 2**31 - 1]; returns a private copy, else raises ``InvalidConfigError``."""
+    if not isinstance(limits, Mapping):
+        raise InvalidConfigError(f"{name} must be a mapping of str to int, got {limits!r}")
+    out = {}
+    for tenant, limit in limits.items():
+        if not isinstance(tenant, str):
+            raise InvalidConfigError(f"{name} must map str tenants to int limits, got the key {tenant!r}")
+        if not tenant:
+            raise InvalidConfigError("a tenant name must be a non-empty string")
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise InvalidConfigError(f"{name} must map str tenants to int limits, got {limit!r} for {tenant!r}")
+        if not 1 <= limit <= I32_MAX:
+            raise InvalidConfigError(f"the {name} of tenant {tenant!r} must be in [1, {I32_MAX}], got {limit}")
+        out[tenant] = limit
+    return out
 
 
 def check_preemption_costs(
@@ -235,6 +265,44 @@ class SchedulerConfig:
     )
     fair_prefill_weight: float = field(default=1.0, metadata=_spec("virtual-counter charge per prompt token computed"))
     fair_decode_weight: float = field(default=2.0, metadata=_spec("virtual-counter charge per output token"))
+    isolate_tenant_cache: bool = field(
+        default=False,
+        metadata=_spec(
+            "key every request's cached blocks by its tenant (the tenant salts block 0, with the `cache_salt` if "
+            "any), so no request hits another tenant's cached prefix (see "
+            "[Tenant isolation and limits](#tenant-isolation-and-limits))"
+        ),
+    )
+    max_running_per_tenant: int | None = field(
+        default=None,
+        metadata=_spec(
+            "most running requests of a tenant not in `tenant_max_running`: admission skips the requests of a "
+            "tenant at its limit; None = no limit",
+            lo=1,
+        ),
+    )
+    tenant_max_running: Mapping[str, int] = field(
+        default_factory=dict,
+        metadata=_spec(
+            "running limit per tenant, overriding `max_running_per_tenant`",
+            valid="a mapping of tenant (non-empty str) to an int in [1, 2147483647]",
+        ),
+    )
+    max_waiting_per_tenant: int | None = field(
+        default=None,
+        metadata=_spec(
+            "most waiting (not running) requests of a tenant not in `tenant_max_waiting`: `add_request` refuses a "
+            "request of a tenant at its limit with `QueueFullError`; None = no limit",
+            lo=1,
+        ),
+    )
+    tenant_max_waiting: Mapping[str, int] = field(
+        default_factory=dict,
+        metadata=_spec(
+            "waiting limit per tenant, overriding `max_waiting_per_tenant`",
+            valid="a mapping of tenant (non-empty str) to an int in [1, 2147483647]",
+        ),
+    )
     priority_aging_steps: int = field(
         default=0,
         metadata=_spec(
@@ -442,7 +510,7 @@ class SchedulerConfig:
         self._check_rules()
 
     def _check_other_fields(self) -> None:
-        """The fields whose type the table cannot state: the hash seed and the tenant weights."""
+        """The fields whose type the table cannot state: the hash seed, the tenant weights and limits."""
         seed = self.prefix_hash_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
             raise InvalidConfigError(f"prefix_hash_seed must be None, an int, a str or bytes, got {seed!r}")
@@ -453,6 +521,8 @@ class SchedulerConfig:
             check_tenant_weight(tenant, w, InvalidConfigError, InvalidConfigError)
         # Frozen, yet the caller's mapping must not change it afterwards: keep a private copy.
         object.__setattr__(self, "tenant_weights", {str(k): float(v) for k, v in weights.items()})
+        for name in ("tenant_max_running", "tenant_max_waiting"):
+            object.__setattr__(self, name, check_tenant_limits(name, getattr(self, name)))
 
     def _check_rules(self) -> None:
         """The rules that tie fields together (the Rust core applies them in the same order)."""

@@ -53,7 +53,7 @@ from ._errors import (
     SchedulerTypeError,
     UnknownReplicaError,
 )
-from .config import DEFAULT_BLOCK_SIZE
+from .config import DEFAULT_BLOCK_SIZE, tenant_cache_salt
 from .kv_events import STORED, AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, KVCacheEvents
 from .sim.steptime import DEFAULT_PRESET, PRESETS, StepTimeModel
 
@@ -106,6 +106,12 @@ class RouterConfig:
     ``record_routed_prefixes``: count a routed prompt's full blocks as cached on its replica at once, as routers
     that guess the cache from the requests they routed do; for replicas that publish no block events (evictions
     are then unknown to the router).
+
+    ``isolate_tenant_cache``: the replicas' own setting (``SchedulerConfig.isolate_tenant_cache``). A token prompt
+    is then hashed with its ``tenant`` (``"default"`` when None) as the replicas hash it
+    (:func:`kvsched.config.tenant_cache_salt`), so it matches only blocks that requests of its own tenant cached:
+    the router never sends a request toward another tenant's prefix. Caller-given ``block_hashes`` must be
+    computed the same way.
     """
 
     policy: Policy = "cache_aware"
@@ -123,6 +129,7 @@ class RouterConfig:
     sticky_sessions: bool = False
     max_sessions: int = 100_000
     record_routed_prefixes: bool = False
+    isolate_tenant_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -221,6 +228,19 @@ class Router:
 
     def __repr__(self) -> str:
         return repr(self._native)
+
+    def _salt(self, tenant: Any, cache_salt: Any) -> Any:
+        """The cache salt a replica hashes a request of ``tenant`` with (the tenant counts only under
+        ``isolate_tenant_cache``)."""
+        if tenant is not None and not isinstance(tenant, str):
+            raise SchedulerTypeError(f"tenant must be None or a str, got {type(tenant).__name__}")
+        if tenant == "":
+            raise InvalidRequestError("a tenant name must be a non-empty string")
+        if not self._config.isolate_tenant_cache:
+            return cache_salt
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise SchedulerTypeError(f"cache_salt must be None or a str, got {type(cache_salt).__name__}")
+        return tenant_cache_salt("default" if tenant is None else tenant, cache_salt)
 
     # -- replicas ----------------------------------------------------------------------------------------------
 
@@ -362,11 +382,13 @@ class Router:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         candidates: Sequence[str] | None = None,
+        tenant: str | None = None,
     ) -> RouteDecision:
         """Chooses a healthy replica (among ``candidates`` if given) and keeps the request in flight there until
         :meth:`finish`. The prompt is ``prompt_token_ids`` (hashed with ``lora_name`` / ``cache_salt`` as the
-        replicas' scheduler would) or ``block_hashes`` (its full blocks; ``num_prompt_tokens`` defaults to their
-        token count)."""
+        replicas' scheduler would, with ``tenant`` under ``isolate_tenant_cache``) or ``block_hashes`` (its full
+        blocks; ``num_prompt_tokens`` defaults to their token count)."""
+        cache_salt = self._salt(tenant, cache_salt)
         hashes = None if block_hashes is None else _keys(block_hashes)
         cands = None if candidates is None else list(candidates)
         return _decision(
@@ -385,9 +407,11 @@ class Router:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         candidates: Sequence[str] | None = None,
+        tenant: str | None = None,
     ) -> list[str]:
         """The healthy candidates, most preferred first, without routing anything (for a caller that sends the
         request itself and then reports where with :meth:`assign`)."""
+        cache_salt = self._salt(tenant, cache_salt)
         hashes = None if block_hashes is None else _keys(block_hashes)
         cands = None if candidates is None else list(candidates)
         names, _ = self._native.rank(
@@ -406,9 +430,11 @@ class Router:
         session_id: str | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> RouteDecision:
         """Records that the request was sent to ``replica`` (chosen from :meth:`rank` or otherwise): as
         :meth:`route` without the choice."""
+        cache_salt = self._salt(tenant, cache_salt)
         hashes = None if block_hashes is None else _keys(block_hashes)
         return _decision(
             self._native.assign(
@@ -440,8 +466,10 @@ class Router:
         num_prompt_tokens: int | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> dict[str, int]:
         """The longest cached prefix of the prompt, in blocks, on every registered replica."""
+        cache_salt = self._salt(tenant, cache_salt)
         hashes = None if block_hashes is None else _keys(block_hashes)
         return dict(self._native.overlaps(prompt_token_ids, hashes, num_prompt_tokens, lora_name, cache_salt))
 
@@ -451,8 +479,10 @@ class Router:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> npt.NDArray[np.uint64]:
         """The block keys of a token prompt's full blocks, as the router hashes them."""
+        cache_salt = self._salt(tenant, cache_salt)
         return self._native.prompt_keys(prompt_token_ids, lora_name, cache_salt)
 
     def in_flight(self, replica: str) -> list[str]:

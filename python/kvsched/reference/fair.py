@@ -6,11 +6,15 @@ are free) and ``fair_decode_weight / weight`` per output token. A tenant whose w
 non-empty is lifted to the smallest counter among the other tenants with waiting requests, so idling earns no
 credit. The fair waiting queue keeps one FIFO per tenant (per tier within it) and serves the tenant whose head
 has the smallest tier, then the smallest counter.
+
+Per-tenant limits (every policy): admission skips a request of a tenant running ``max_running`` requests, and
+``add_request`` refuses one of a tenant with ``max_waiting`` requests waiting.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 
 from ..config import SchedulerConfig
@@ -24,9 +28,12 @@ class _Tenant:
     __slots__ = (
         "counter",
         "decode_rate",
+        "max_running",
+        "max_waiting",
         "name",
         "num_decode_tokens",
         "num_prefill_tokens",
+        "num_running",
         "num_waiting",
         "prefill_rate",
         "weight",
@@ -35,7 +42,11 @@ class _Tenant:
     def __init__(self, name: str, weight: float, config: SchedulerConfig) -> None:
         self.name = name
         self.counter = 0.0
-        self.num_prefill_tokens = self.num_decode_tokens = self.num_waiting = 0
+        self.num_prefill_tokens = self.num_decode_tokens = self.num_waiting = self.num_running = 0
+        # inf: no limit
+        running, waiting = config.max_running_per_tenant, config.max_waiting_per_tenant
+        self.max_running: float = config.tenant_max_running.get(name, math.inf if running is None else running)
+        self.max_waiting: float = config.tenant_max_waiting.get(name, math.inf if waiting is None else waiting)
         self.set_weight(weight, config)
 
     def set_weight(self, weight: float, config: SchedulerConfig) -> None:

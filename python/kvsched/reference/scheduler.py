@@ -21,10 +21,11 @@ from .._errors import (
     InternalError,
     InvalidOutputError,
     InvalidRequestError,
+    QueueFullError,
     SchedulerTypeError,
 )
 from .._types import RequestStatus, SchedulerStats, TenantStats
-from ..config import SchedulerConfig, check_tenant_weight
+from ..config import SchedulerConfig, check_tenant_weight, tenant_cache_salt
 from .convert import (
     _I64_MAX,
     _I64_MIN,
@@ -163,6 +164,15 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
                 f"prompt ({len(prompt)}) + max_tokens ({effective_max}) - 1 = {longest} tokens exceed "
                 f"max_num_batched_tokens={c.max_num_batched_tokens} without chunked prefill"
             )
+        # Last of the checks: a valid request of a tenant at its waiting limit is refused, changing nothing.
+        t = self._tenants.get(tenant)
+        if t is not None and t.num_waiting >= t.max_waiting:
+            raise QueueFullError(
+                f"request {req_id!r}: the waiting queue of tenant {tenant!r} is full: {t.num_waiting} requests "
+                "waiting, its limit (tenant_max_waiting, else max_waiting_per_tenant)"
+            )
+        if c.isolate_tenant_cache:
+            cache_salt = tenant_cache_salt(tenant, cache_salt)
 
         r = _Request(
             req_id,
@@ -215,6 +225,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         if r.status == RequestStatus.RUNNING:
             self._running.remove(r)
             self._session_leaves_running(r)
+            self._tenants[r.tenant].num_running -= 1
         else:
             if r.parked:
                 if r in self._newly_ready:
@@ -368,14 +379,24 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         return r.token_ids[r.num_prompt_tokens :]
 
     def get_num_cached_tokens(
-        self, prompt_token_ids: Any, cache_salt: str | None = None, lora_name: str | None = None
+        self,
+        prompt_token_ids: Any,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        tenant: str | None = None,
     ) -> int:
-        """Tokens a new request with this prompt would hit now; changes nothing (ref counts, LRU, stats)."""
+        """Tokens a new request of ``tenant`` (None: ``"default"``) with this prompt would hit now; changes nothing
+        (ref counts, LRU, stats). The tenant keys the lookup under ``isolate_tenant_cache`` only."""
         prompt = _int_array(prompt_token_ids, "prompt_token_ids")
         _check_tokens(prompt, "prompt_token_ids", InvalidRequestError)
         salt, lora = _opt_str(cache_salt, "cache_salt"), _opt_str(lora_name, "lora_name")
+        tenant = _opt_str(tenant, "tenant")
+        if tenant == "":
+            raise InvalidRequestError("a tenant name must be a non-empty string")
         if not self._config.enable_prefix_caching:
             return 0
+        if self._config.isolate_tenant_cache:
+            salt = tenant_cache_salt("default" if tenant is None else tenant, salt)
         tokens = prompt.tolist()
         return len(self._lookup(self._hasher.block_hashes_of(tokens, salt, lora), len(tokens))) * self._bs
 
@@ -453,7 +474,9 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
     def tenant_stats(self) -> dict[str, TenantStats]:
         """Every tenant seen so far, in registration order: weight, virtual counter, service received."""
         return {
-            t.name: TenantStats(t.weight, t.counter, t.num_prefill_tokens, t.num_decode_tokens, t.num_waiting)
+            t.name: TenantStats(
+                t.weight, t.counter, t.num_prefill_tokens, t.num_decode_tokens, t.num_waiting, t.num_running
+            )
             for t in self._tenants.values()
         }
 
@@ -505,6 +528,9 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         for t in self._tenants.values():
             n = sum(r.tenant == t.name for r in not_running)
             require(t.num_waiting == n, f"tenant {t.name}: waiting count")
+            n = sum(r.tenant == t.name for r in self._running)
+            require(t.num_running == n, f"tenant {t.name}: running count")
+            require(n <= t.max_running, f"tenant {t.name}: above its running limit")
             require(t.counter >= 0, f"tenant {t.name}: counter")
         require(all(r.parked for r in self._newly_ready), "newly ready requests are parked")
         for r in parked:

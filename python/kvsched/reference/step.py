@@ -50,7 +50,9 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         self._session_leaves_running(r)
         self._stats["preemptions"] += 1
         self._waiting.add_preempted(r)
-        self._tenants[r.tenant].num_waiting += 1  # back in waiting; no lift (the tenant did not arrive)
+        t = self._tenants[r.tenant]
+        t.num_waiting += 1  # back in waiting; no lift (the tenant did not arrive)
+        t.num_running -= 1
         self._enter_waiting(r)
 
     @property
@@ -293,10 +295,12 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             lora_blocked = (
                 c.max_loras > 0 and len(loras) >= c.max_loras and r.lora_name is not None and r.lora_name not in loras
             )
+            tenant = self._tenants[r.tenant]
             blocked = (
                 r.status in (RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
                 or (r.num_stale_output_tokens > 0 and not r.drop_stale_output)
                 or lora_blocked
+                or tenant.num_running >= tenant.max_running  # the per-tenant admission filter
             )
             ext, load_async = 0, False
             computed_before = r.num_computed_tokens
@@ -402,7 +406,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if not c.park_kv_loads:
                     skipped_kv.append(r)
                 continue
-            self._tenants[r.tenant].num_waiting -= 1
+            tenant.num_waiting -= 1
+            tenant.num_running += 1
             self._tenants.charge_prompt(r, computed, n)
             self._running.append(r)
             if r.session_id is not None:

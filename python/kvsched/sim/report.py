@@ -323,11 +323,19 @@ def write_outputs(
     ten_rows = []
     for r in runs:
         for g in r.summary["tenants"]:
-            ten_rows.append([*group_row(r, g, "tenant"), g["weight"], g["service_tokens"], g["service_share"]])
+            ten_rows.append(
+                [
+                    *group_row(r, g, "tenant"),
+                    g["weight"],
+                    g["service_tokens"],
+                    g["service_share"],
+                    g.get("num_refused", 0),
+                ]
+            )
     paths.append(
         _write_csv(
             out / "tenants.csv",
-            ("run_id", "tenant", *group_cols, *lat_cols, "weight", "service_tokens", "service_share"),
+            ("run_id", "tenant", *group_cols, *lat_cols, "weight", "service_tokens", "service_share", "num_refused"),
             ten_rows,
         )
     )

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._errors import QueueFullError
 from ..config import SchedulerConfig
 from .metrics import PROMPT_BUCKETS, RunMetrics
 from .progress import SimProgress
@@ -87,7 +88,8 @@ class SimResult:
     ``step_num_reqs``): ``sched_idx``, ``sched_num_tokens``, ``sched_num_computed``. Flat per sampled token (CSR
     by ``step_num_sampled``): ``token_idx``. ``preempt_step``/``preempt_idx``: one entry per preemption. Per
     request: ``target_output_len`` (output tokens it runs to: the drawn length, capped by ``max_model_len``) and
-    ``added`` (it arrived before the run ended).
+    ``added`` (it arrived before the run ended and ``add_request`` took it: a request refused with
+    ``QueueFullError`` was not added).
     """
 
     workload: Any  # Workload | WorkloadStream (a Workload when the record is kept)
@@ -352,6 +354,11 @@ def defers_arrivals(scheduler: str | Callable[[SchedulerConfig], Any], config: S
         scheduler in ("rust", "reference")
         and config.policy == "fcfs"
         and not config.long_prefill_token_threshold_adaptive
+        # per-tenant limits count the requests in the scheduler
+        and config.max_running_per_tenant is None
+        and not config.tenant_max_running
+        and config.max_waiting_per_tenant is None
+        and not config.tenant_max_waiting
     )
 
 
@@ -511,6 +518,8 @@ def simulate(
     int64 = np.int64
     isnan = np.isnan
     windows = metrics.windows
+    refused = [0] * workload.num_tenants  # requests add_request refused (QueueFullError), per tenant
+    refused_idx: list[int] = []  # with records: which
 
     # The workload, a chunk at a time: chunks hold the requests from the first one not yet in the scheduler.
     chunk_iter = workload.chunks()
@@ -624,14 +633,25 @@ def simulate(
                     kw["ttft_slo_s"] = class_slo[prio]
                 if session_kw and group >= 0:
                     kw["session_id"] = f"s{group}"
-                add(
-                    rid,
-                    factory.tokens(i, prompt_len, group, int(w.prefix_len[j])) if prompt_fn is None else prompt_fn(i),
-                    max_tokens=tgt,
-                    priority=prio,
-                    arrival_time=arrival,
-                    **kw,
-                )
+                try:
+                    add(
+                        rid,
+                        factory.tokens(i, prompt_len, group, int(w.prefix_len[j]))
+                        if prompt_fn is None
+                        else prompt_fn(i),
+                        max_tokens=tgt,
+                        priority=prio,
+                        arrival_time=arrival,
+                        **kw,
+                    )
+                except QueueFullError:
+                    # Its tenant's waiting queue is full (tenant_max_waiting): refused at once, never added.
+                    refused[ten] += 1
+                    if rec:
+                        refused_idx.append(i)
+                    metrics.add_requests(_waiting_columns(w, j, j + 1, start, False, target[j : j + 1]))
+                    nxt_add += 1
+                    continue
                 s = live.take()
                 slot_of[rid] = s
                 live.idx[s] = i
@@ -831,7 +851,10 @@ def simulate(
     finally:
         logger.setLevel(old_level)
         if prog is not None:
-            prog.finish_run(f"{nxt_add - in_sched:,}/{n:,} requests finished, {step:,} steps, {t:,.1f} s simulated")
+            done_msg = f"{nxt_add - in_sched - sum(refused):,}/{n:,} requests finished"
+            if any(refused):
+                done_msg += f" ({sum(refused):,} refused: waiting queue full)"
+            prog.finish_run(f"{done_msg}, {step:,} steps, {t:,.1f} s simulated")
             if own_progress:
                 prog.close()
     wall = time.perf_counter() - wall0
@@ -887,6 +910,7 @@ def simulate(
             "num_steps": step,
             "num_fast_steps": metrics.num_fast_steps,
             "max_in_scheduler": max_in_sched,
+            "num_refused": dict(zip(workload.tenant_names, refused, strict=True)),
         },
     )
     if rec:
@@ -906,6 +930,7 @@ def simulate(
             (np.asarray(pre_step, dtype=np.int64), np.asarray(pre_idx, dtype=np.int64)),
             np.concatenate(all_target) if all_target else np.zeros(0, dtype=np.int64),
             min(nxt_arr, n),
+            np.asarray(refused_idx, dtype=np.int64),
         )
     return result
 
@@ -920,11 +945,13 @@ def _attach_records(
     preempts: tuple[IntArray, IntArray],
     target: IntArray,
     num_added: int,
+    refused_idx: IntArray,
 ) -> None:
     per_step, sched_idx, sched_nst, sched_nct, token_idx = _expand(fast, full, *bufs)
     n = len(result.workload)
     added = np.zeros(n, dtype=np.bool_)
     added[:num_added] = True
+    added[refused_idx] = False  # refused by add_request: never in the scheduler
     if isinstance(result.workload, WorkloadStream):
         result.workload = result.workload.materialize()
     result.target_output_len = target

@@ -213,6 +213,9 @@ def summarize(
     overall["num_clipped_prompts"] = int(w.num_clipped_prompts)
     overall["num_capped_outputs"] = m.num_capped_outputs
     overall["ttft_by_prompt_len"] = ttft_by_prompt_len(m)
+    # Requests add_request refused because their tenant's waiting queue was full (tenant_max_waiting).
+    refused = result.extra.get("num_refused", {})
+    overall["num_refused"] = int(sum(refused.values()))
 
     tenants = []
     share_total = float(service["service"].sum())
@@ -220,6 +223,7 @@ def summarize(
         g = _group_summary(m.tenants[i], good_tenants[i], duration)
         g["tenant"] = name
         g["weight"] = w.tenant_weights[i]
+        g["num_refused"] = int(refused.get(name, 0))
         g["service_tokens"] = float(service["service"][:, i].sum())
         g["service_share"] = g["service_tokens"] / share_total if share_total > 0 else math.nan
         tenants.append(g)

@@ -23,16 +23,24 @@ running requests).
 from __future__ import annotations
 
 import difflib
+import hmac
 import inspect
 import logging
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvsched._errors import InvalidConfigError, InvalidRequestError, SchedulerTypeError
+from kvsched._errors import (
+    ClientAttributeError,
+    InvalidConfigError,
+    InvalidRequestError,
+    QueueFullError,
+    SchedulerTypeError,
+)
 from kvsched.config import CONFIG_FIELDS, SchedulerConfig
 
 from ._errors import UnsupportedFeatureError
@@ -40,7 +48,9 @@ from ._errors import UnsupportedFeatureError
 __all__ = [
     "ADAPTER_FIXED",
     "ADAPTER_OPTIONS",
+    "CLIENT_ATTRIBUTES",
     "ENGINE_FIELDS",
+    "GATEWAY_TOKEN_KEY",
     "NAMESPACE",
     "REQUEST_KEYS",
     "AdapterOptions",
@@ -107,6 +117,11 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
     "park_grammar_waits": (False, "vLLM 0.33 keeps a request waiting for its grammar at its place in `waiting`"),
     "park_kv_loads": (False, "vLLM 0.33 keeps a request whose KV load is in progress at its place"),
     "reserve_inflight_prefills": (True, "vLLM 0.33 admits a KV load only beside its in-flight prefills"),
+    "enable_kv_cache_events": (
+        False,
+        "the adapter publishes no KV cache events (vLLM's kv_events_config is refused), so the core's would reach "
+        "no one",
+    ),
 }
 
 
@@ -116,9 +131,33 @@ class AdapterOptions:
 
     #: Seconds between two ``kvsched tenants`` log lines (INFO, logger ``vllm.kvsched``); 0 turns them off.
     tenant_stats_interval_s: float = 10.0
+    #: The per-request attributes (of :data:`CLIENT_ATTRIBUTES`) taken from any request; None: all of them. A
+    #: request that sets another one is refused with :class:`~kvsched.ClientAttributeError` naming it, unless it
+    #: carries the gateway token (``gateway_token_env``).
+    client_attributes: frozenset[str] | None = None
+    #: The smallest ``ttft_slo_s`` a request may ask for (None: any).
+    min_ttft_slo_s: float | None = None
+    #: The inclusive range of ``order_key`` (None: any int64).
+    order_key_range: tuple[int, int] | None = None
+    #: The inclusive range of vLLM's ``priority`` (None: any).
+    priority_range: tuple[int, int] | None = None
+    #: The name of an environment variable of the engine that holds the gateway's token: a request whose
+    #: ``extra_args["kvsched_gateway_token"]`` equals it may set every attribute (bounds still apply).
+    gateway_token_env: str | None = None
 
 
-ADAPTER_OPTIONS: tuple[str, ...] = ("tenant_stats_interval_s",)
+ADAPTER_OPTIONS: tuple[str, ...] = (
+    "tenant_stats_interval_s",
+    "client_attributes",
+    "min_ttft_slo_s",
+    "order_key_range",
+    "priority_range",
+    "gateway_token_env",
+)
+# The attributes a request may carry that ``client_attributes`` can restrict: kvsched's and vLLM's ``priority``.
+CLIENT_ATTRIBUTES: tuple[str, ...] = ("tenant", "session_id", "ttft_slo_s", "order_key", "priority")
+# The top-level extra_args key of the gateway's token.
+GATEWAY_TOKEN_KEY = "kvsched_gateway_token"
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in CONFIG_FIELDS)
 
 
@@ -172,6 +211,9 @@ def read_additional_config(vllm_config: Any) -> tuple[dict[str, Any], AdapterOpt
                 raise InvalidConfigError(f"{WHERE}: tenant_stats_interval_s must be finite and >= 0, got {value!r}")
             options.tenant_stats_interval_s = seconds
             continue
+        if key in ADAPTER_OPTIONS:
+            _read_trust_option(options, key, value)
+            continue
         if key not in _FIELD_NAMES:
             raise InvalidConfigError(
                 f"{WHERE}: unknown setting {key!r}{_suggest(key, _FIELD_NAMES + ADAPTER_OPTIONS)}; the settings are "
@@ -180,6 +222,50 @@ def read_additional_config(vllm_config: Any) -> tuple[dict[str, Any], AdapterOpt
             )
         fields[key] = value
     return fields, options
+
+
+def _int_range(key: str, value: Any) -> tuple[int, int]:
+    ok = isinstance(value, (list, tuple)) and len(value) == 2
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and -_I64 <= v < _I64 for v in value)
+    if not ok or value[0] > value[1]:
+        raise InvalidConfigError(f"{WHERE}: {key} must be a list [lo, hi] of two int64s with lo <= hi, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _read_trust_option(options: AdapterOptions, key: str, value: Any) -> None:
+    """One of the trust-boundary options (docs/security.md) into ``options``; a bad value raises
+    :class:`~kvsched.InvalidConfigError`."""
+    if key == "client_attributes":
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise InvalidConfigError(
+                f"{WHERE}: client_attributes must be a list of attribute names ({', '.join(CLIENT_ATTRIBUTES)}), "
+                f"got {value!r}"
+            )
+        for name in value:
+            if name not in CLIENT_ATTRIBUTES:
+                raise InvalidConfigError(
+                    f"{WHERE}: client_attributes: unknown attribute {name!r}{_suggest(name, CLIENT_ATTRIBUTES)}; "
+                    f"the attributes are {', '.join(CLIENT_ATTRIBUTES)}"
+                )
+        options.client_attributes = frozenset(value)
+    elif key == "min_ttft_slo_s":
+        seconds = _finite(value)
+        if seconds is None or seconds <= 0:
+            raise InvalidConfigError(f"{WHERE}: min_ttft_slo_s must be finite and > 0, got {value!r}")
+        options.min_ttft_slo_s = seconds
+    elif key == "order_key_range":
+        options.order_key_range = _int_range(key, value)
+    elif key == "priority_range":
+        options.priority_range = _int_range(key, value)
+    else:  # gateway_token_env
+        if not isinstance(value, str) or not value:
+            raise InvalidConfigError(f"{WHERE}: gateway_token_env must name an environment variable, got {value!r}")
+        if not os.environ.get(value):
+            raise InvalidConfigError(
+                f"{WHERE}: gateway_token_env names the environment variable {value!r}, which is unset or empty in "
+                "the engine's environment"
+            )
+        options.gateway_token_env = value
 
 
 def effective_policy(vllm_policy: str, kvsched_policy: Any) -> Any:
@@ -215,6 +301,7 @@ _EMPTY: dict[str, Any] = {}
 _I64 = 2**63
 # Top-level extra_args keys vLLM itself puts there.
 _VLLM_KEYS = frozenset({"kv_transfer_params", "ec_transfer_params"})
+_OWN_KEYS = frozenset({NAMESPACE, GATEWAY_TOKEN_KEY})
 _logger = logging.getLogger("vllm.kvsched")
 
 
@@ -259,18 +346,25 @@ class RequestAttrs:
     behaviour this build cannot give), except ``session_id``, which vLLM also fills from its own request fields
     for other uses: without session affinity in the core it is ignored."""
 
-    def __init__(self, core_keywords: Collection[str]) -> None:
+    def __init__(self, core_keywords: Collection[str], options: AdapterOptions | None = None) -> None:
         self.supported = frozenset(k for k in REQUEST_KEYS if k in core_keywords)
         self._near_misses: set[str] = set()
+        options = options or AdapterOptions()
+        self._allowed = options.client_attributes
+        self._min_ttft = options.min_ttft_slo_s
+        self._ranges = {"order_key": options.order_key_range, "priority": options.priority_range}
+        env = options.gateway_token_env
+        self._token = os.environ[env].encode() if env is not None else None
+        self._bounded = self._allowed is not None or self._min_ttft is not None or any(self._ranges.values())
 
     @classmethod
-    def for_core(cls, add_request: Any) -> RequestAttrs:
+    def for_core(cls, add_request: Any, options: AdapterOptions | None = None) -> RequestAttrs:
         """For the core whose ``add_request`` is given (its keyword names are read from its signature)."""
         try:
             names: Collection[str] = inspect.signature(add_request).parameters
         except (TypeError, ValueError):  # no signature: assume the attributes kvsched has always taken
             names = ("tenant",)
-        return cls(names)
+        return cls(names, options)
 
     def read(self, request: Any) -> dict[str, Any]:
         """The core's ``add_request`` keywords for ``request`` (a vLLM ``Request``): only the attributes it sets.
@@ -282,6 +376,8 @@ class RequestAttrs:
         extra = sp.extra_args if sp is not None else None
         vllm_session = getattr(request, "session_id", None)
         if not extra and vllm_session is None:
+            if self._bounded:
+                self._enforce(request, _EMPTY, None)
             return _EMPTY
         req_id = request.request_id
         found: dict[str, tuple[str, Any]] = {}  # key -> (where it was given, value)
@@ -289,7 +385,7 @@ class RequestAttrs:
             for key in extra:
                 if key in REQUEST_KEYS:
                     found[key] = (f"extra_args[{key!r}]", extra[key])
-                elif key != NAMESPACE and key not in _VLLM_KEYS:
+                elif key not in _OWN_KEYS and key not in _VLLM_KEYS:
                     self._warn_near_miss(key)
             nested = extra.get(NAMESPACE)
             if nested is not None:
@@ -320,6 +416,8 @@ class RequestAttrs:
             attrs["session_id"] = _check_name(req_id, "Request.session_id", vllm_session)
         if "session_id" in attrs and "session_id" not in self.supported:
             del attrs["session_id"]
+        if self._bounded:
+            self._enforce(request, attrs, extra)
         unsupported = [k for k in attrs if k not in self.supported]
         if unsupported:
             raise InvalidRequestError(
@@ -327,6 +425,47 @@ class RequestAttrs:
                 "yet (docs/vllm.md)"
             )
         return attrs
+
+    def _enforce(self, request: Any, attrs: Mapping[str, Any], extra: Mapping[str, Any] | None) -> None:
+        """The trust boundary (docs/security.md): an attribute the request may not set, or a value out of the
+        operator's bounds, raises :class:`~kvsched.ClientAttributeError` naming it. vLLM's ``priority`` counts as
+        set when it is not 0 (its default)."""
+        req_id = request.request_id
+        given = dict(attrs)
+        priority = getattr(request, "priority", 0)
+        if priority:
+            given["priority"] = priority
+        if self._allowed is not None and not self._from_gateway(req_id, extra):
+            for key in given:
+                if key not in self._allowed:
+                    allowed = ", ".join(sorted(self._allowed)) or "none"
+                    raise ClientAttributeError(
+                        f"request {req_id!r}: the attribute {key!r} may not be set by clients (client_attributes: "
+                        f"{allowed}); a gateway sets it (docs/security.md)",
+                        attribute=key,
+                    )
+        slo = given.get("ttft_slo_s")
+        if slo is not None and self._min_ttft is not None and slo < self._min_ttft:
+            raise ClientAttributeError(
+                f"request {req_id!r}: ttft_slo_s {slo!r} is below min_ttft_slo_s {self._min_ttft!r}",
+                attribute="ttft_slo_s",
+            )
+        for key in ("order_key", "priority"):
+            bounds, value = self._ranges[key], given.get(key)
+            if bounds is not None and value is not None and not bounds[0] <= value <= bounds[1]:
+                raise ClientAttributeError(
+                    f"request {req_id!r}: {key} {value} is out of {key}_range [{bounds[0]}, {bounds[1]}]",
+                    attribute=key,
+                )
+
+    def _from_gateway(self, req_id: str, extra: Mapping[str, Any] | None) -> bool:
+        """Whether the request carries the gateway's token; a wrong one is refused, naming the key."""
+        if self._token is None or not extra or GATEWAY_TOKEN_KEY not in extra:
+            return False
+        token = extra[GATEWAY_TOKEN_KEY]
+        if isinstance(token, str) and hmac.compare_digest(token.encode(errors="replace"), self._token):
+            return True
+        raise ClientAttributeError(f"request {req_id!r}: wrong {GATEWAY_TOKEN_KEY}", attribute=GATEWAY_TOKEN_KEY)
 
     def check(self, request: Any) -> tuple[dict[str, Any], Exception | None]:
         """:meth:`read` that never raises: (the keywords, None), or ({}, the error)."""
@@ -337,11 +476,14 @@ class RequestAttrs:
 
     @staticmethod
     def request_error(error: Exception) -> Any:
-        """vLLM's ``RequestError`` that fails a request for ``error`` (a validation error: HTTP 400 from the
-        OpenAI server); logged at INFO, as vLLM logs its own validation failures (offline ``LLM.generate`` keeps
-        only the finish reason)."""
+        """vLLM's ``RequestError`` that fails a request for ``error``: a validation error (HTTP 400 from the
+        OpenAI server), or for :class:`~kvsched.QueueFullError` a retryable one (HTTP 503); logged at INFO, as
+        vLLM logs its own validation failures (offline ``LLM.generate`` keeps only the finish reason)."""
         from vllm.v1.engine import RequestError
 
+        if isinstance(error, QueueFullError):
+            _logger.info("Request refused: %s", error)
+            return RequestError(code="queue_full", message=str(error), retryable=True)
         _logger.info("Request failed validation: %s", error)
         return RequestError(code="validation_error", message=str(error))
 

@@ -31,9 +31,10 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from kvsched._core import vllm_sha256_block_hashes
-from kvsched._errors import InvalidRequestError, SchedulerTypeError
+from kvsched._errors import InvalidRequestError, QueueFullError, SchedulerTypeError
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
+from kvsched.config import tenant_cache_salt
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._config import UnsupportedFeatureError, _check_kv_cache_config, check_kv_connector, kvsched_config_from_vllm
@@ -220,8 +221,15 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             config = dataclasses.replace(config, drop_preempted_output=self._requires_kv_delivery)
         self._core = _CoreScheduler(config, kv_connector=self._bridge)
         # kvsched's per-request attributes from extra_args, and the periodic per-tenant log line (docs/vllm.md).
-        self._request_attrs = RequestAttrs.for_core(self._core.add_request)
-        self._tenant_log = TenantLog(read_additional_config(vllm_config)[1].tenant_stats_interval_s)
+        options = read_additional_config(vllm_config)[1]
+        self._request_attrs = RequestAttrs.for_core(self._core.add_request, options)
+        self._tenant_log = TenantLog(options.tenant_stats_interval_s)
+        # isolate_tenant_cache: vLLM's own block hashes of a request get its tenant as a salt too (connectors and
+        # KV cache events see them).
+        self._isolate = config.isolate_tenant_cache
+        # Requests refused before the core took them (their tenant's waiting queue was full): they finish with
+        # an error output at the next update_from_output and never reach the core.
+        self._refused: set[str] = set()
 
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
@@ -280,7 +288,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # without them, never admitted (not ready), and finishes with FINISHED_ERROR and a validation error at
         # the next update_from_output, the way a grammar that fails to compile does (docs/vllm.md).
         attrs, rejected = self._request_attrs.check(request)
-        rejected = self._add_to_core(
+        client_salt = request.cache_salt
+        if self._isolate and rejected is None:
+            self._salt_block_hashes(request, attrs.get("tenant", "default"))
+        rejected, in_core = self._add_to_core(
             rejected,
             attrs,
             req_id,
@@ -295,7 +306,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             stop_token_ids=sp.stop_token_ids or (),
             priority=request.priority,
             arrival_time=request.arrival_time,
-            cache_salt=request.cache_salt,
+            cache_salt=client_salt,  # the core adds the tenant itself under isolate_tenant_cache
             lora_name=_lora_key(request.lora_request),
             ready=not blocked,
             # Prompt logprobs: vLLM never reads the prefix cache for them (and leaves them out of its stats).
@@ -305,6 +316,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._grammar_errors[req_id] = self._request_attrs.request_error(rejected)
             blocked = False  # never made ready, even once its grammar compiles
         self.requests[req_id] = request
+        if not in_core:
+            self._refused.add(req_id)
+            return
         if self.spec_decode_metrics_level != "none":
             request.spec_decode_metrics = RequestSpecDecodeMetrics.new(self.num_spec_tokens)
         if request.prefill_stats is not None:
@@ -325,19 +339,34 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _add_to_core(
         self, rejected: Exception | None, attrs: dict[str, Any], *args: Any, ready: bool, **kwargs: Any
-    ) -> Exception | None:
+    ) -> tuple[Exception | None, bool]:
         """The core's ``add_request`` with the request's kvsched attributes ``attrs``; returns why the request is
-        rejected (``rejected``, or the core's refusal of an attribute), and then adds it without them, not ready.
-        An error that remains without the attributes is the request's own and propagates."""
+        rejected (``rejected``, or the core's refusal of an attribute) and whether the core holds it. A rejected
+        request is added without its attributes, not ready; an error that remains without them is the request's
+        own and propagates. A request its tenant's full waiting queue refuses (``QueueFullError``, with or
+        without the attributes) stays out of the core."""
         add: Any = self._core.add_request
-        if rejected is None and attrs:
-            try:
-                add(*args, ready=ready, **kwargs, **attrs)
-                return None
-            except _BAD_REQUEST as e:
-                rejected = e  # a rule only the core knows
-        add(*args, ready=ready and rejected is None, **kwargs)
-        return rejected
+        try:
+            if rejected is None:
+                try:
+                    add(*args, ready=ready, **kwargs, **attrs)
+                    return None, True
+                except _BAD_REQUEST as e:
+                    if not attrs:
+                        raise
+                    rejected = e  # a rule only the core knows
+            add(*args, ready=False, **kwargs)
+            return rejected, True
+        except QueueFullError as e:
+            return e, False
+
+    def _salt_block_hashes(self, request: Request, tenant: str) -> None:
+        """Under ``isolate_tenant_cache``: the tenant joins the request's cache salt, which keys block 0 of vLLM's
+        hashes, and the hashes vLLM computed with the client's salt alone are computed again."""
+        request.cache_salt = tenant_cache_salt(tenant, request.cache_salt)
+        if request._block_hasher is not None:
+            request.block_hashes.clear()
+            request.update_block_hashes()
 
     @staticmethod
     def _check_request(request: Request) -> None:
@@ -393,10 +422,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             valid.append(request)
         if not valid:
             return valid
-        self._core.abort_requests([r.request_id for r in valid])
+        refused = self._refused
+        self._core.abort_requests([r.request_id for r in valid if r.request_id not in refused])
         for request in valid:
             request.status = finished_status
-            if self._bridge is not None:
+            if request.request_id in refused:
+                refused.discard(request.request_id)
+            elif self._bridge is not None:
                 self._connector_finished(request)
             self._forget(request)
         if self._bridge is not None:
@@ -1434,7 +1466,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def get_num_unfinished_requests(self) -> int:
         # The core counts as vLLM does: 0 under PAUSED_ALL, only running requests under PAUSED_NEW.
-        return int(self._core.num_unfinished_requests)
+        return int(self._core.num_unfinished_requests) + len(self._refused)
 
     def has_finished_requests(self) -> bool:
         # With a connector, finished requests whose blocks a transfer holds count too (vLLM keeps them).

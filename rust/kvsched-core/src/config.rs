@@ -217,6 +217,18 @@ pub struct SchedulerConfig {
     pub fair_prefill_weight: f64,
     /// Virtual-counter charge per output token (divided by the tenant's weight); finite, >= 0.
     pub fair_decode_weight: f64,
+    /// Tenant cache isolation: every request's blocks are keyed by its tenant (`hashing::tenant_cache_salt`
+    /// salts block 0), so no request hits a block cached for another tenant.
+    pub isolate_tenant_cache: bool,
+    /// The most running requests of a tenant not named in `tenant_max_running` (`None`: no limit). At least 1.
+    pub max_running_per_tenant: Option<u32>,
+    /// Per-tenant running limits, overriding `max_running_per_tenant`; each in [1, i32::MAX].
+    pub tenant_max_running: Vec<(String, u32)>,
+    /// The most waiting (live, not running) requests of a tenant not named in `tenant_max_waiting` (`None`: no
+    /// limit): `add_request` refuses a request of a tenant at its limit with `QueueFull`. At least 1.
+    pub max_waiting_per_tenant: Option<u32>,
+    /// Per-tenant waiting limits, overriding `max_waiting_per_tenant`; each in [1, i32::MAX].
+    pub tenant_max_waiting: Vec<(String, u32)>,
     /// PRIORITY only: a waiting request gains one priority level per this many steps of age (0 = off).
     pub priority_aging_steps: u32,
     /// SLO: the TTFT target of a request added without `ttft_slo_s` (`None`: such a request has no deadline
@@ -358,6 +370,11 @@ impl Default for SchedulerConfig {
             tenant_weights: Vec::new(),
             fair_prefill_weight: 1.0,
             fair_decode_weight: 2.0,
+            isolate_tenant_cache: false,
+            max_running_per_tenant: None,
+            tenant_max_running: Vec::new(),
+            max_waiting_per_tenant: None,
+            tenant_max_waiting: Vec::new(),
             priority_aging_steps: 0,
             default_ttft_slo_s: None,
             max_wait_steps: None,
@@ -428,6 +445,8 @@ const INT_FIELDS: &[IntField] = &[
         max: I32_MAX,
         get: |c| Some(c.cache_aware_admission_window),
     },
+    IntField { name: "max_running_per_tenant", min: 1, max: I32_MAX, get: |c| c.max_running_per_tenant },
+    IntField { name: "max_waiting_per_tenant", min: 1, max: I32_MAX, get: |c| c.max_waiting_per_tenant },
     IntField { name: "priority_aging_steps", min: 0, max: I32_MAX, get: |c| Some(c.priority_aging_steps) },
     IntField { name: "max_wait_steps", min: 1, max: I32_MAX, get: |c| c.max_wait_steps },
     IntField { name: "session_ttl_steps", min: 1, max: I32_MAX, get: |c| Some(c.session_ttl_steps) },
@@ -537,6 +556,15 @@ impl SchedulerConfig {
         for (tenant, w) in &self.tenant_weights {
             check_tenant_name(tenant).map_err(SchedError::InvalidConfig)?;
             check_tenant_weight(tenant, *w).map_err(SchedError::InvalidConfig)?;
+        }
+        for (field, limits) in [
+            ("tenant_max_running", &self.tenant_max_running),
+            ("tenant_max_waiting", &self.tenant_max_waiting),
+        ] {
+            for (tenant, limit) in limits {
+                check_tenant_name(tenant).map_err(SchedError::InvalidConfig)?;
+                check_tenant_limit(field, tenant, i64::from(*limit)).map_err(SchedError::InvalidConfig)?;
+            }
         }
         self.validate_rules()
     }
@@ -661,6 +689,14 @@ pub fn check_tenant_weight(tenant: &str, w: f64) -> std::result::Result<(), Stri
     Ok(())
 }
 
+/// A per-tenant limit (`field` is `tenant_max_running` or `tenant_max_waiting`) is in [1, i32::MAX]; returns it.
+pub fn check_tenant_limit(field: &str, tenant: &str, limit: i64) -> std::result::Result<u32, String> {
+    match u32::try_from(limit) {
+        Ok(v) if (1..=I32_MAX).contains(&v) => Ok(v),
+        _ => Err(format!("the {field} of tenant {} must be in [1, {I32_MAX}], got {limit}", py_str(tenant))),
+    }
+}
+
 /// A TTFT target (`default_ttft_slo_s`, a request's `ttft_slo_s`) is finite and > 0.
 pub fn check_ttft_slo(name: &str, v: f64) -> std::result::Result<(), String> {
     if !(v.is_finite() && v > 0.0) {
@@ -763,6 +799,11 @@ mod tests {
             SchedulerConfig { tenant_weights: vec![("a".into(), 0.0)], ..Default::default() },
             SchedulerConfig { tenant_weights: vec![("a".into(), f64::INFINITY)], ..Default::default() },
             SchedulerConfig { tenant_weights: vec![(String::new(), 1.0)], ..Default::default() },
+            SchedulerConfig { max_running_per_tenant: Some(0), ..Default::default() },
+            SchedulerConfig { max_waiting_per_tenant: Some(I32_MAX + 1), ..Default::default() },
+            SchedulerConfig { tenant_max_running: vec![("a".into(), 0)], ..Default::default() },
+            SchedulerConfig { tenant_max_waiting: vec![(String::new(), 3)], ..Default::default() },
+            SchedulerConfig { tenant_max_waiting: vec![("a".into(), I32_MAX + 1)], ..Default::default() },
             SchedulerConfig { fair_decode_weight: -1.0, ..Default::default() },
             SchedulerConfig { fair_prefill_weight: f64::NAN, ..Default::default() },
             SchedulerConfig { priority_aging_steps: 3, ..Default::default() },

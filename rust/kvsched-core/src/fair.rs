@@ -20,8 +20,14 @@
 //! Counters are `f64` and every charge is the one expression `rate * tokens` (`rate = w / weight`, computed when
 //! the weight is set), applied in scheduling order, so the pure-Python reference computes bit-identical counters
 //! (ties decide admissions).
-//! Invariants: `num_waiting` of each tenant equals its requests in `waiting`; counters never decrease
-//! (a lift only raises one); tenants are never forgotten (memory grows with the number of distinct names).
+//! Per-tenant limits (every policy): a tenant's `max_running` (`tenant_max_running`, else
+//! `max_running_per_tenant`) is an admission filter (phase B skips a request of a tenant that has that many
+//! running, as it skips a blocked one), and its `max_waiting` (`tenant_max_waiting`, else
+//! `max_waiting_per_tenant`) makes `add_request` refuse a request of a tenant that has that many waiting.
+//!
+//! Invariants: `num_waiting` of each tenant equals its live requests that are not running, `num_running` its
+//! running ones, never above `max_running`; counters never decrease (a lift only raises one); tenants are never
+//! forgotten (memory grows with the number of distinct names).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -44,8 +50,14 @@ pub struct Tenant {
     pub num_prefill_tokens: u64,
     /// Output tokens appended to the tenant's requests.
     pub num_decode_tokens: u64,
-    /// The tenant's requests in `waiting` (WAITING or PREEMPTED).
+    /// The tenant's live requests that are not running (waiting, loading or parked).
     pub num_waiting: u32,
+    /// The tenant's running requests.
+    pub num_running: u32,
+    /// Admission keeps `num_running` at most this (`u32::MAX`: no limit).
+    pub max_running: u32,
+    /// `add_request` refuses a request while `num_waiting` is this (`u32::MAX`: no limit).
+    pub max_waiting: u32,
     /// `fair_prefill_weight / weight` and `fair_decode_weight / weight`.
     prefill_rate: f64,
     decode_rate: f64,
@@ -61,6 +73,11 @@ pub struct Tenants {
     decode_weight: f64,
     /// Tenants with `pending_decode > 0`.
     pending: Vec<u32>,
+    /// The configured limits: per tenant, and the default for the tenants not listed (`u32::MAX`: none).
+    running_limits: HashMap<String, u32>,
+    waiting_limits: HashMap<String, u32>,
+    default_max_running: u32,
+    default_max_waiting: u32,
 }
 
 impl Tenants {
@@ -72,6 +89,10 @@ impl Tenants {
             prefill_weight: config.fair_prefill_weight,
             decode_weight: config.fair_decode_weight,
             pending: Vec::new(),
+            running_limits: config.tenant_max_running.iter().cloned().collect(),
+            waiting_limits: config.tenant_max_waiting.iter().cloned().collect(),
+            default_max_running: config.max_running_per_tenant.unwrap_or(u32::MAX),
+            default_max_waiting: config.max_waiting_per_tenant.unwrap_or(u32::MAX),
         };
         for (name, w) in &config.tenant_weights {
             let id = t.intern(name);
@@ -86,6 +107,8 @@ impl Tenants {
             return id;
         }
         let id = self.list.len() as u32;
+        let max_running = self.running_limits.get(name).copied().unwrap_or(self.default_max_running);
+        let max_waiting = self.waiting_limits.get(name).copied().unwrap_or(self.default_max_waiting);
         let name: Arc<str> = Arc::from(name);
         self.by_name.insert(name.clone(), id);
         self.list.push(Tenant {
@@ -95,6 +118,9 @@ impl Tenants {
             num_prefill_tokens: 0,
             num_decode_tokens: 0,
             num_waiting: 0,
+            num_running: 0,
+            max_running,
+            max_waiting,
             prefill_rate: self.prefill_weight,
             decode_rate: self.decode_weight,
             pending_decode: 0,
@@ -112,6 +138,27 @@ impl Tenants {
 
     pub fn get(&self, id: u32) -> Option<&Tenant> {
         self.list.get(id as usize)
+    }
+
+    /// `Err(message)` when a new request of tenant `name` must be refused: the tenant has `max_waiting`
+    /// requests waiting. A tenant not registered yet has none. Changes nothing.
+    pub fn check_waiting_room(&self, name: &str) -> std::result::Result<(), String> {
+        let Some(t) = self.by_name.get(name).map(|&id| &self.list[id as usize]) else { return Ok(()) };
+        if t.num_waiting >= t.max_waiting {
+            return Err(format!(
+                "the waiting queue of tenant {} is full: {} requests waiting, its limit (tenant_max_waiting, else \
+                 max_waiting_per_tenant)",
+                crate::config::py_str(name),
+                t.num_waiting
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether tenant `id` runs as many requests as it may (phase B then skips its requests).
+    #[inline]
+    pub fn at_running_limit(&self, id: u32) -> bool {
+        self.list.get(id as usize).is_some_and(|t| t.num_running >= t.max_running)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Tenant> {
@@ -146,9 +193,24 @@ impl Tenants {
         self.list[i].num_waiting += 1;
     }
 
-    /// A preempted request of tenant `id` went back to `waiting` (no lift: the tenant did not arrive).
+    /// A running request of tenant `id` was preempted back to `waiting` (no lift: the tenant did not arrive).
     pub fn on_requeue(&mut self, id: u32) {
-        self.list[id as usize].num_waiting += 1;
+        let t = &mut self.list[id as usize];
+        t.num_waiting += 1;
+        t.num_running = t.num_running.saturating_sub(1);
+    }
+
+    /// A waiting request of tenant `id` was admitted into `running`.
+    pub fn on_admit(&mut self, id: u32) {
+        let t = &mut self.list[id as usize];
+        t.num_waiting = t.num_waiting.saturating_sub(1);
+        t.num_running += 1;
+    }
+
+    /// A running request of tenant `id` finished (or was aborted).
+    pub fn on_leave_running(&mut self, id: u32) {
+        let t = &mut self.list[id as usize];
+        t.num_running = t.num_running.saturating_sub(1);
     }
 
     /// A request of tenant `id` left `waiting` (admitted, aborted or finished while waiting).
@@ -217,13 +279,26 @@ impl Tenants {
         best.map(|b| b.0).ok_or_else(|| SchedError::Internal("no running request to preempt".into()))
     }
 
-    /// `check_invariants` helper: `num_waiting` per tenant must equal `expected`.
-    pub fn check_waiting(&self, expected: &[u32]) -> std::result::Result<(), String> {
-        for (t, &n) in self.list.iter().zip(expected) {
+    /// `check_invariants` helper: `num_waiting` and `num_running` per tenant must equal `expected` (waiting,
+    /// running), and no tenant may run more than its limit.
+    pub fn check_counts(&self, expected: &[(u32, u32)]) -> std::result::Result<(), String> {
+        for (t, &(n, r)) in self.list.iter().zip(expected) {
             if t.num_waiting != n {
                 return Err(format!(
                     "tenant {:?} counts {} waiting requests, holds {n}",
                     t.name, t.num_waiting
+                ));
+            }
+            if t.num_running != r {
+                return Err(format!(
+                    "tenant {:?} counts {} running requests, holds {r}",
+                    t.name, t.num_running
+                ));
+            }
+            if r > t.max_running {
+                return Err(format!(
+                    "tenant {:?} runs {r} requests, above its limit {}",
+                    t.name, t.max_running
                 ));
             }
         }

@@ -5,6 +5,12 @@
 //! different salts or adapters never share a block. `H` is xxh3-128 (fast, seeded by the random parent so it is
 //! not predictable across schedulers) or SHA-256 (collision resistant, for adversarial multi-tenant use). Every
 //! field is length- or tag-prefixed so distinct inputs can never encode to the same bytes.
+//!
+//! Tenant cache isolation (`isolate_tenant_cache`) keys block 0 by the tenant the same way: the request's salt
+//! becomes `tenant_cache_salt(tenant, cache_salt)`, a string that is distinct for every distinct pair, so two
+//! tenants never share a chain whatever salts their clients pick. The string (not a separate hash field) is the
+//! salt so that a caller outside the core, e.g. vLLM's hasher through `Request.cache_salt`, keys its own hashes
+//! the same way.
 
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
@@ -173,6 +179,18 @@ impl BlockHasher {
     }
 }
 
+/// The block-0 salt of a request of `tenant` with `cache_salt` under tenant cache isolation:
+/// `kvsched-tenant:<n>:<tenant>`, then `:<cache_salt>` if one is given, where `<n>` is the tenant's length in
+/// UTF-8 bytes. Injective: the length delimits the tenant, and a salt (even an empty one) adds a `:`.
+pub fn tenant_cache_salt(tenant: &str, cache_salt: Option<&str>) -> String {
+    let mut out = format!("kvsched-tenant:{}:{tenant}", tenant.len());
+    if let Some(salt) = cache_salt {
+        out.push(':');
+        out.push_str(salt);
+    }
+    out
+}
+
 /// A `HashMap` hasher for keys that are already uniformly distributed hashes: it takes 8 of their bytes.
 #[derive(Default, Clone, Copy)]
 pub struct PrehashedHasher(u64);
@@ -217,6 +235,31 @@ mod tests {
             // The salt only enters block 0.
             assert_eq!(b, h.hash_block(Some(&a), &[1, 2, 3, 4], &keys(Some("s"), None)));
         }
+    }
+
+    #[test]
+    fn tenant_salts_are_distinct_for_distinct_pairs() {
+        let pairs = [
+            ("a", None),
+            ("a", Some("")),
+            ("a", Some("b")),
+            ("a:b", None),
+            ("a:1:b", None),
+            ("ab", None),
+            ("b", Some("a")),
+            ("\u{e9}", None),
+            ("e", Some("")),
+        ];
+        let salts: Vec<String> = pairs.iter().map(|(t, s)| tenant_cache_salt(t, *s)).collect();
+        for i in 0..salts.len() {
+            for j in 0..i {
+                assert_ne!(salts[i], salts[j], "{:?} vs {:?}", pairs[i], pairs[j]);
+            }
+        }
+        assert_eq!(tenant_cache_salt("\u{e9}", Some("x")), "kvsched-tenant:2:\u{e9}:x");
+        // A client-chosen salt cannot forge another tenant's: the tenant prefix comes first.
+        let forged = tenant_cache_salt("b", None);
+        assert_ne!(tenant_cache_salt("a", Some(&forged)), forged);
     }
 
     #[test]

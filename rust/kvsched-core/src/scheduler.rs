@@ -12,12 +12,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::block_pool::BlockPool;
-use crate::config::{check_ttft_slo, PauseState, Policy, SchedulerConfig};
+use crate::config::{check_ttft_slo, py_str, PauseState, Policy, SchedulerConfig};
 use crate::connector::{Connector, Held};
 use crate::encoder::EncoderCache;
 use crate::error::{Result, SchedError};
 use crate::fair::{Tenant, Tenants, DEFAULT_TENANT};
-use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
+use crate::hashing::{tenant_cache_salt, BlockHash, BlockHasher, ExtraKeys};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::order::OrderKey;
 use crate::output::{SchedulerOutput, SchedulerStats, StepRecord};
@@ -323,6 +323,15 @@ impl Scheduler {
         let tenant_name = params.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
         crate::config::check_tenant_name(tenant_name)
             .map_err(|m| bad_request(format!("request {req_id:?}: {m}")))?;
+        // Last of the checks: a valid request of a tenant at its waiting limit is refused, changing nothing.
+        self.tenants
+            .check_waiting_room(tenant_name)
+            .map_err(|m| SchedError::QueueFull(format!("request {}: {m}", py_str(req_id))))?;
+        let cache_salt = if self.config.isolate_tenant_cache {
+            Some(tenant_cache_salt(tenant_name, params.cache_salt.as_deref()))
+        } else {
+            params.cache_salt
+        };
         let tenant = self.tenants.intern(tenant_name);
         let handle = self.slab.next_handle();
         let id: Arc<str> = Arc::from(req_id);
@@ -351,7 +360,7 @@ impl Scheduler {
                 Some(Box::new(params.stop_token_ids))
             },
             stop_reason: -1,
-            extra_keys: ExtraKeys { cache_salt: params.cache_salt, lora_name: params.lora_name },
+            extra_keys: ExtraKeys { cache_salt, lora_name: params.lora_name },
             block_hashes: Vec::new(),
             blocks: Vec::new(),
             num_cached_blocks: 0,
@@ -571,6 +580,8 @@ impl Scheduler {
         let prev = req.status;
         if prev != RequestStatus::Running {
             self.tenants.on_leave_waiting(req.tenant);
+        } else {
+            self.tenants.on_leave_running(req.tenant);
         }
         req.wait_seq = 0;
         if req.session != NO_SESSION {
@@ -738,12 +749,25 @@ impl Scheduler {
         }
     }
 
-    /// Tokens a new request with this prompt would take from the prefix cache now. Touches nothing.
+    /// Tokens a new request of the tenant `"default"` with this prompt would take from the prefix cache now.
+    /// Touches nothing.
     pub fn get_num_cached_tokens(
         &self,
         prompt_token_ids: &[i64],
         cache_salt: Option<&str>,
         lora_name: Option<&str>,
+    ) -> Result<u32> {
+        self.get_num_cached_tokens_of(prompt_token_ids, cache_salt, lora_name, None)
+    }
+
+    /// `get_num_cached_tokens` for a request of `tenant` (`None`: `"default"`), which keys the lookup under
+    /// `isolate_tenant_cache` and changes nothing otherwise.
+    pub fn get_num_cached_tokens_of(
+        &self,
+        prompt_token_ids: &[i64],
+        cache_salt: Option<&str>,
+        lora_name: Option<&str>,
+        tenant: Option<&str>,
     ) -> Result<u32> {
         let mut tokens = Vec::with_capacity(prompt_token_ids.len());
         for &t in prompt_token_ids {
@@ -752,8 +776,12 @@ impl Scheduler {
         if !self.config.enable_prefix_caching || tokens.is_empty() {
             return Ok(0);
         }
-        let extra =
-            ExtraKeys { cache_salt: cache_salt.map(Into::into), lora_name: lora_name.map(Into::into) };
+        let cache_salt = if self.config.isolate_tenant_cache {
+            Some(tenant_cache_salt(tenant.unwrap_or(DEFAULT_TENANT), cache_salt))
+        } else {
+            cache_salt.map(Into::into)
+        };
+        let extra = ExtraKeys { cache_salt, lora_name: lora_name.map(Into::into) };
         let bs = self.config.kv_block_size() as usize;
         // Hash only as far as a hit can reach.
         let reach = ((tokens.len() - 1) / bs) * bs;
@@ -1001,15 +1029,16 @@ impl Scheduler {
                 self.num_parked, self.num_loading
             ));
         }
-        let mut waiting_per_tenant = vec![0u32; self.tenants.len()];
-        for r in self.slab.iter().filter(|r| r.status != RequestStatus::Running) {
+        let mut per_tenant = vec![(0u32, 0u32); self.tenants.len()];
+        for r in self.slab.iter() {
             let t = r.tenant as usize;
-            match waiting_per_tenant.get_mut(t) {
-                Some(n) => *n += 1,
+            match per_tenant.get_mut(t) {
+                Some((_, n)) if r.status == RequestStatus::Running => *n += 1,
+                Some((n, _)) => *n += 1,
                 None => return Err(format!("request {:?} has an unknown tenant {t}", r.id)),
             }
         }
-        self.tenants.check_waiting(&waiting_per_tenant)?;
+        self.tenants.check_counts(&per_tenant)?;
         let mut per_session: HashMap<u32, (u32, u32)> = HashMap::new();
         for r in self.slab.iter().filter(|r| r.session != NO_SESSION) {
             let e = per_session.entry(r.session).or_default();

@@ -807,7 +807,9 @@ impl Scheduler {
         let mut blocked = req.status == RequestStatus::WaitingForGrammar
             || req.status == RequestStatus::WaitingForRemoteKvs
             || (hot.stale[hs] > 0 && !req.drop_stale_output)
-            || lora_blocked;
+            || lora_blocked
+            // Per-tenant admission filter: a tenant at its running limit waits, the others go past it.
+            || self.tenants.at_running_limit(req.tenant);
         // Tokens beyond the local prefix hit that the connector supplies, and whether they load
         // asynchronously (asked only of requests with nothing computed: a loaded request keeps its count).
         let mut ext = 0u32;
@@ -1126,7 +1128,7 @@ impl Scheduler {
         let tenant = req.tenant;
         self.pop_candidate(h, a.from_kv, pass.aged)?;
         let req = self.slab.get_mut(h.slot)?;
-        self.tenants.on_leave_waiting(tenant);
+        self.tenants.on_admit(tenant);
         self.tenants.charge_prompt(req, computed, n);
         self.running.push(h.slot);
         self.slab.hot.in_flight[hs] += n;

@@ -41,6 +41,11 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("tenant_weights", weights)?;
     d.set_item("fair_prefill_weight", c.fair_prefill_weight)?;
     d.set_item("fair_decode_weight", c.fair_decode_weight)?;
+    d.set_item("isolate_tenant_cache", c.isolate_tenant_cache)?;
+    d.set_item("max_running_per_tenant", c.max_running_per_tenant)?;
+    d.set_item("tenant_max_running", limits_dict(py, &c.tenant_max_running)?)?;
+    d.set_item("max_waiting_per_tenant", c.max_waiting_per_tenant)?;
+    d.set_item("tenant_max_waiting", limits_dict(py, &c.tenant_max_waiting)?)?;
     d.set_item("priority_aging_steps", c.priority_aging_steps)?;
     d.set_item("default_ttft_slo_s", c.default_ttft_slo_s)?;
     d.set_item("max_wait_steps", c.max_wait_steps)?;
@@ -70,6 +75,42 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("defer_block_free", c.defer_block_free)?;
     d.set_item("drop_preempted_output", c.drop_preempted_output)?;
     Ok(d)
+}
+
+fn limits_dict<'py>(py: Python<'py>, limits: &[(String, u32)]) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (tenant, limit) in limits {
+        d.set_item(tenant, limit)?;
+    }
+    Ok(d)
+}
+
+/// A per-tenant limit mapping (`tenant_max_running`, `tenant_max_waiting`): str tenants to ints; a value
+/// outside the core's range gets the core's message.
+fn tenant_limits(cfg: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<(String, u32)>> {
+    let py = cfg.py();
+    let bad = || py_error(py, "InvalidConfigError", format!("{name} must map str tenants to int limits"));
+    let value = cfg.getattr(name)?;
+    let mapping = value.downcast::<PyMapping>().map_err(|_| bad())?;
+    let mut out = Vec::new();
+    for item in mapping.items().map_err(|_| bad())?.iter() {
+        let (tenant, limit) = item.extract::<(String, Bound<'_, PyAny>)>().map_err(|_| bad())?;
+        if limit.is_instance_of::<PyBool>() {
+            return Err(bad());
+        }
+        // Beyond int64: the core's message with the bound it exceeds.
+        let v = limit.extract::<i64>().or_else(|_| {
+            if limit.is_instance_of::<pyo3::types::PyInt>() {
+                Ok(i64::MAX)
+            } else {
+                Err(bad())
+            }
+        })?;
+        let v = core::config::check_tenant_limit(name, &tenant, v)
+            .map_err(|m| py_error(py, "InvalidConfigError", m))?;
+        out.push((tenant, v));
+    }
+    Ok(out)
 }
 
 /// Convert and validate `config` as `Scheduler(config)` does, without building a scheduler: the core's checks
@@ -152,6 +193,19 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         tenant_weights,
         fair_prefill_weight: f64_field("fair_prefill_weight")?,
         fair_decode_weight: f64_field("fair_decode_weight")?,
+        isolate_tenant_cache: bool_field("isolate_tenant_cache")?,
+        max_running_per_tenant: if cfg.getattr("max_running_per_tenant")?.is_none() {
+            None
+        } else {
+            Some(u32_field("max_running_per_tenant")?)
+        },
+        tenant_max_running: tenant_limits(cfg, "tenant_max_running")?,
+        max_waiting_per_tenant: if cfg.getattr("max_waiting_per_tenant")?.is_none() {
+            None
+        } else {
+            Some(u32_field("max_waiting_per_tenant")?)
+        },
+        tenant_max_waiting: tenant_limits(cfg, "tenant_max_waiting")?,
         priority_aging_steps: u32_field("priority_aging_steps")?,
         default_ttft_slo_s: if cfg.getattr("default_ttft_slo_s")?.is_none() {
             None

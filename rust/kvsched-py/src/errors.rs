@@ -29,6 +29,7 @@ pub(crate) fn map_err(py: Python<'_>, e: SchedError) -> PyErr {
         SchedError::DuplicateRequest(_) => "DuplicateRequestError",
         SchedError::UnknownRequest(_) => "UnknownRequestError",
         SchedError::InvalidOutput(_) => "InvalidOutputError",
+        SchedError::QueueFull(_) => "QueueFullError",
         SchedError::Internal(_) => "InternalError",
     };
     py_error(py, class, e.to_string())

@@ -547,19 +547,30 @@ impl PyScheduler {
         })
     }
 
-    #[pyo3(signature = (prompt_token_ids, cache_salt=None, lora_name=None))]
+    #[pyo3(signature = (prompt_token_ids, cache_salt=None, lora_name=None, tenant=None))]
     fn get_num_cached_tokens(
         slf: &Bound<'_, Self>,
         prompt_token_ids: &Bound<'_, PyAny>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora_name: Option<&Bound<'_, PyAny>>,
+        tenant: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u32> {
         let py = slf.py();
         let prompt = token_list(prompt_token_ids, "prompt_token_ids", "InvalidRequestError")?;
         let salt = opt_str_arg(cache_salt, "cache_salt")?;
         let lora = opt_str_arg(lora_name, "lora_name")?;
+        let tenant = opt_str_arg(tenant, "tenant")?;
+        if tenant.as_deref() == Some("") {
+            return Err(py_error(
+                py,
+                "InvalidRequestError",
+                "a tenant name must be a non-empty string".into(),
+            ));
+        }
         let this = borrow(slf)?;
-        guard(py, || this.core.get_num_cached_tokens(&prompt, salt.as_deref(), lora.as_deref()))
+        guard(py, || {
+            this.core.get_num_cached_tokens_of(&prompt, salt.as_deref(), lora.as_deref(), tenant.as_deref())
+        })
     }
 
     /// vLLM's `num_output_tokens` column for each entry of `out`, the step just scheduled (see the core).
@@ -692,16 +703,23 @@ impl PyScheduler {
         Ok(d)
     }
 
-    /// `(tenant, (weight, counter, num_prefill_tokens, num_decode_tokens, num_waiting_reqs))` per tenant, in
-    /// registration order (`kvsched.Scheduler.tenant_stats()` wraps them in dataclasses).
+    /// `(tenant, (weight, counter, num_prefill_tokens, num_decode_tokens, num_waiting_reqs, num_running_reqs))`
+    /// per tenant, in registration order (`kvsched.Scheduler.tenant_stats()` wraps them in dataclasses).
     #[allow(clippy::type_complexity)]
-    fn _tenant_stats(slf: &Bound<'_, Self>) -> PyResult<Vec<(String, (f64, f64, u64, u64, u32))>> {
+    fn _tenant_stats(slf: &Bound<'_, Self>) -> PyResult<Vec<(String, (f64, f64, u64, u64, u32, u32))>> {
         let this = borrow(slf)?;
         Ok(this
             .core
             .tenant_stats()
             .map(|t| {
-                let fields = (t.weight, t.counter, t.num_prefill_tokens, t.num_decode_tokens, t.num_waiting);
+                let fields = (
+                    t.weight,
+                    t.counter,
+                    t.num_prefill_tokens,
+                    t.num_decode_tokens,
+                    t.num_waiting,
+                    t.num_running,
+                );
                 (t.name.to_string(), fields)
             })
             .collect())
