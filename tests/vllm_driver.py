@@ -179,6 +179,8 @@ class Config:
     # failed or cut by invalid blocks, delayed frees for sends.
     kv_connector_seed: int | None = None
     kv_load_failure_policy: str = "recompute"
+    # KV cache events on (vLLM's kv_events_config): the published batches are compared event by event.
+    kv_events: bool = False
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -237,6 +239,23 @@ def _wait_for_grammar(req: Any) -> None:
     req.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 
 
+class _RecordingPublisher:
+    """Stands for vLLM's event publisher: keeps every ``KVEventBatch``'s events."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Any]] = []
+
+    def publish(self, batch: Any) -> None:
+        self.batches.append(list(batch.events))
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _event_fields(event: Any) -> tuple[str, list[tuple[str, Any]]]:
+    return (type(event).__name__, [(f, _norm(getattr(event, f))) for f in event.__struct_fields__])
+
+
 class Pair:
     """vLLM's scheduler (``a``) and kvsched's (``b``) under identical calls."""
 
@@ -265,6 +284,12 @@ class Pair:
         self.steps = 0
         # Structured-output requests whose grammar is still compiling: (vLLM's request, kvsched's request).
         self.compiling: list[tuple[Any, Any]] = []
+        self.publishers: list[_RecordingPublisher] = []
+        self.num_events = 0
+        if cfg.kv_events:
+            for sched in (self.a, self.b):
+                sched.kv_event_publisher = _RecordingPublisher()
+                self.publishers.append(sched.kv_event_publisher)
         for sched in (self.a, self.b):
             # The sampled tokens are random: the grammar accepts whatever it is given (no real compiler here).
             sched.structured_output_manager.accept_tokens = lambda request, tokens: True
@@ -465,6 +490,15 @@ class Pair:
         out_a = self.a.update_from_output(so_a, copy.deepcopy(mro))
         out_b = self.b.update_from_output(so_b, copy.deepcopy(mro))
         compare(f"step {self.steps} EngineCoreOutputs", out_a, out_b)
+        if self.publishers:
+            pa, pb = self.publishers
+            compare(f"step {self.steps} KV event batches", len(pa.batches), len(pb.batches))
+            if pa.batches:
+                self.num_events += len(pa.batches[-1])
+                batch_a, batch_b = pa.batches.pop(), pb.batches.pop()
+                compare(
+                    f"step {self.steps} KV events", list(map(_event_fields, batch_a)), list(map(_event_fields, batch_b))
+                )
         self.check_state(f"step {self.steps} update")
         if self.cfg.num_speculative_tokens and not self.cfg.async_scheduling:
             self.propose_drafts(so_a)
@@ -576,10 +610,12 @@ def run_seed(
     v2: bool,
     num_speculative_tokens: int | None = None,
     connector: bool = False,
+    kv_events: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` (synchronous scheduling only: kvsched.vllm refuses KV
-    connectors with several batches in flight)."""
+    connectors with several batches in flight); ``kv_events`` turns KV cache events on and compares the published
+    batches."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if connector:
@@ -591,6 +627,7 @@ def run_seed(
         cfg.per_request_spec_decode_metrics = "none"  # vLLM refuses it without a drafter
     if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2:
         cfg.speculative_method = "ngram_gpu"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
+    cfg.kv_events = kv_events
     Pair(cfg, seed).run(steps)
     return cfg
 
@@ -602,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--modes", default="sync-v1,sync-v2,async-v1,async-v2")
     p.add_argument("--connector", action="store_true", help="with a seeded RandomKVConnector (sync modes only)")
+    p.add_argument("--kv-events", action="store_true", help="KV cache events on, published batches compared")
     args = p.parse_args(argv)
     failures = 0
     for mode in args.modes.split(","):
@@ -617,7 +655,12 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             try:
                 run_seed(
-                    seed, args.steps, async_scheduling=sync == "async", v2=runner == "v2", connector=args.connector
+                    seed,
+                    args.steps,
+                    async_scheduling=sync == "async",
+                    v2=runner == "v2",
+                    connector=args.connector,
+                    kv_events=args.kv_events,
                 )
                 ok += 1
             except Divergence as exc:

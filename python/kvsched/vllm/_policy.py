@@ -82,6 +82,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "max_num_encoder_input_tokens": "vLLM's encoder budget (multimodal models are refused)",
     "encoder_cache_size": "vLLM's encoder cache (multimodal models are refused)",
     "disable_chunked_mm_input": "--disable-chunked-mm-input",
+    "enable_kv_cache_events": "--kv-events-config",
 }
 
 _NO_SWAP = (
