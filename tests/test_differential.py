@@ -625,9 +625,11 @@ class KvEventTwin:
         if not ref.config.enable_kv_cache_events:
             assert len(ea) == len(eb) == 0
             return
-        for name in ("kinds", "block_hashes_indptr", "num_copies", "has_parent", "token_ids", "token_ids_indptr"):
+        names = ("kinds", "block_hashes_indptr", "num_copies", "has_parent", "token_ids", "token_ids_indptr")
+        for name in (*names, "num_cached_blocks"):
             assert_arrays_equal(getattr(ea, name), getattr(eb, name), f"events.{name}")
-        assert (ea.lora_names, ea.cache_salts, ea.block_size) == (eb.lora_names, eb.cache_salts, eb.block_size)
+        assert (ea.lora_names, ea.cache_salts, ea.req_ids) == (eb.lora_names, eb.cache_salts, eb.req_ids)
+        assert ea.block_size == eb.block_size
         assert ea.block_hashes.shape == eb.block_hashes.shape and eb.block_hashes.dtype == np.uint8
         for a, b in zip(ea.block_hash_list(), eb.block_hash_list(), strict=True):
             self.same_hash(a, b)

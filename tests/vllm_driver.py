@@ -181,6 +181,8 @@ class Config:
     kv_connector_seed: int | None = None
     kv_load_failure_policy: str = "recompute"
     kv_role: str = "kv_both"
+    # KV cache events on (vLLM's kv_events_config): the published batches are compared event by event.
+    kv_events: bool = False
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -239,6 +241,23 @@ def _wait_for_grammar(req: Any) -> None:
     req.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 
 
+class _RecordingPublisher:
+    """Stands for vLLM's event publisher: keeps every ``KVEventBatch``'s events."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Any]] = []
+
+    def publish(self, batch: Any) -> None:
+        self.batches.append(list(batch.events))
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _event_fields(event: Any) -> tuple[str, list[tuple[str, Any]]]:
+    return (type(event).__name__, [(f, _norm(getattr(event, f))) for f in event.__struct_fields__])
+
+
 class Pair:
     """vLLM's scheduler (``a``) and kvsched's (``b``) under identical calls."""
 
@@ -267,6 +286,12 @@ class Pair:
         self.steps = 0
         # Structured-output requests whose grammar is still compiling: (vLLM's request, kvsched's request).
         self.compiling: list[tuple[Any, Any]] = []
+        self.publishers: list[_RecordingPublisher] = []
+        self.num_events = 0
+        if cfg.kv_events:
+            for sched in (self.a, self.b):
+                sched.kv_event_publisher = _RecordingPublisher()
+                self.publishers.append(sched.kv_event_publisher)
         for sched in (self.a, self.b):
             # The sampled tokens are random: the grammar accepts whatever it is given (no real compiler here).
             sched.structured_output_manager.accept_tokens = lambda request, tokens: True
@@ -441,6 +466,15 @@ class Pair:
         out_a = self.a.update_from_output(so_a, copy.deepcopy(mro))
         out_b = self.b.update_from_output(so_b, copy.deepcopy(mro))
         compare(f"step {self.steps} EngineCoreOutputs", out_a, out_b)
+        if self.publishers:
+            pa, pb = self.publishers
+            compare(f"step {self.steps} KV event batches", len(pa.batches), len(pb.batches))
+            if pa.batches:
+                self.num_events += len(pa.batches[-1])
+                batch_a, batch_b = pa.batches.pop(), pb.batches.pop()
+                compare(
+                    f"step {self.steps} KV events", list(map(_event_fields, batch_a)), list(map(_event_fields, batch_b))
+                )
         self.check_state(f"step {self.steps} update")
         if self.cfg.num_speculative_tokens and not self.cfg.async_scheduling:
             self.propose_drafts(so_a)
@@ -553,9 +587,11 @@ def run_seed(
     num_speculative_tokens: int | None = None,
     connector: bool = False,
     kv_role: str = "kv_both",
+    kv_events: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
-    ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role``."""
+    ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role``; ``kv_events`` turns KV cache
+    events on and compares the published batches."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if connector:
@@ -568,6 +604,7 @@ def run_seed(
         cfg.per_request_spec_decode_metrics = "none"  # vLLM refuses it without a drafter
     if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2:
         cfg.speculative_method = "ngram_gpu"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
+    cfg.kv_events = kv_events
     Pair(cfg, seed).run(steps)
     return cfg
 
@@ -585,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with --connector: the connector's roles, comma-separated (kv_producer, kv_consumer, kv_both); each "
         "mode runs every seed once per role",
     )
+    p.add_argument("--kv-events", action="store_true", help="KV cache events on, published batches compared")
     args = p.parse_args(argv)
     failures = 0
     roles = args.kv_roles.split(",") if args.connector else [None]
@@ -609,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
                         v2=runner == "v2",
                         connector=role is not None,
                         kv_role=role or "kv_both",
+                        kv_events=args.kv_events,
                     )
                     ok += 1
                 except Divergence as exc:

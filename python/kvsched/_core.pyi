@@ -236,6 +236,8 @@ class Scheduler:
         npt.NDArray[np.int32],
         list[str | None],
         list[str | None],
+        list[str | None],
+        npt.NDArray[np.int32],
     ]: ...
     def cached_block_hashes(self) -> list[bytes]: ...
 

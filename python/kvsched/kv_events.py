@@ -113,6 +113,9 @@ class KVCacheEvents:
     - ``token_ids`` (int32) and ``token_ids_indptr`` (int32, events + 1): a stored run's tokens, ``block_size``
       per block;
     - ``lora_names``, ``cache_salts`` (one per event): the storing request's, None for the others;
+    - ``req_ids`` (one per event): the storing request, None for the others;
+    - ``num_cached_blocks`` (int32, one per event): the index of a stored run's first block in its request's block
+      table (the request's blocks cached before it), 0 for the others;
     - ``block_size``: tokens per block.
     """
 
@@ -126,6 +129,8 @@ class KVCacheEvents:
     token_ids_indptr: npt.NDArray[np.int32]
     lora_names: list[str | None]
     cache_salts: list[str | None]
+    req_ids: list[str | None]
+    num_cached_blocks: npt.NDArray[np.int32]
     block_size: int
 
     @classmethod
@@ -143,6 +148,8 @@ class KVCacheEvents:
             token_ids_indptr=zero.copy(),
             lora_names=[],
             cache_salts=[],
+            req_ids=[],
+            num_cached_blocks=np.zeros(0, dtype=np.int32),
             block_size=block_size,
         )
 

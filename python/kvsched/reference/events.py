@@ -2,7 +2,8 @@
 ``rust/kvsched-core/src/events.rs``.
 
 Stored: a run of one request's full blocks entered the cache (hashes, the number of blocks carrying each hash
-after the store, the parent hash, their tokens, the request's LoRA name and cache salt). Removed: one block left it
+after the store, the parent hash, their tokens, the request's LoRA name and cache salt, the request and the index
+of the run's first block in its table). Removed: one block left it
 (the blocks still carrying its hash). Cleared: the whole cache was dropped. Taken as a
 :class:`kvsched.kv_events.KVCacheEvents`, in the order they happened.
 """
@@ -16,22 +17,25 @@ from ..kv_events import CLEARED, REMOVED, STORED, KVCacheEvents
 
 
 class _KvCacheEvents:
-    """The events not taken yet, one tuple each: (kind, [(hash, copies)], parent, tokens, lora, salt)."""
+    """The events not taken yet, one tuple each: (kind, [(hash, copies)], parent, tokens, lora, salt,
+    req_id, first block)."""
 
     def __init__(self) -> None:
-        self.events: list[tuple[int, list[tuple[bytes, int]], bytes | None, list[int], str | None, str | None]] = []
+        self.events: list[
+            tuple[int, list[tuple[bytes, int]], bytes | None, list[int], str | None, str | None, str | None, int]
+        ] = []
 
     def push_stored(
         self, blocks: list[tuple[bytes, int]], parent: bytes | None, tokens: list[int], lora: str | None,
-        salt: str | None,
+        salt: str | None, req_id: str, first: int,
     ) -> None:  # fmt: skip
-        self.events.append((STORED, blocks, parent, tokens, lora, salt))
+        self.events.append((STORED, blocks, parent, tokens, lora, salt, req_id, first))
 
     def push_removed(self, h: bytes, copies: int) -> None:
-        self.events.append((REMOVED, [(h, copies)], None, [], None, None))
+        self.events.append((REMOVED, [(h, copies)], None, [], None, None, None, 0))
 
     def push_cleared(self) -> None:
-        self.events.append((CLEARED, [], None, [], None, None))
+        self.events.append((CLEARED, [], None, [], None, None, None, 0))
 
     def take(self, block_size: int, hash_width: int) -> KVCacheEvents:
         events, self.events = self.events, []
@@ -54,5 +58,7 @@ class _KvCacheEvents:
             token_ids_indptr=np.cumsum([0] + [len(e[3]) for e in events], dtype=np.int32),
             lora_names=[e[4] for e in events],
             cache_salts=[e[5] if e[0] == STORED else None for e in events],
+            req_ids=[e[6] for e in events],
+            num_cached_blocks=np.array([e[7] for e in events], dtype=np.int32),
             block_size=block_size,
         )

@@ -68,6 +68,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 r.token_ids[first * self._bs : num_full * self._bs],
                 r.lora_name,
                 r.cache_salt,
+                r.req_id,
+                first,
             )
 
     def _allocate_slots(

@@ -13,6 +13,7 @@ from typing import Any
 from kvsched.config import SchedulerConfig
 
 from ._errors import UnsupportedFeatureError
+from ._kv_events import kv_events_enabled
 from ._policy import build_config, effective_policy, read_additional_config
 
 __all__ = ["UnsupportedFeatureError", "check_kv_connector", "kvsched_config_from_vllm"]
@@ -78,8 +79,6 @@ def kvsched_config_from_vllm(
     kv_transfer = vllm_config.kv_transfer_config
     if vllm_config.ec_transfer_config is not None:
         _refuse("encoder-cache connectors", "ec_transfer_config")
-    if _attr(vllm_config.kv_events_config, "enable_kv_cache_events", False):
-        _refuse("KV cache events", "kv_events_config.enable_kv_cache_events")
     if _attr(model, "runner_type") == "pooling":
         _refuse("pooling models", "runner_type='pooling'")
     if _attr(model, "is_diffusion", False):
@@ -156,6 +155,8 @@ def kvsched_config_from_vllm(
         "num_speculative_tokens": num_spec_tokens,
         "prefix_hash_algo": "sha256" if algo.startswith("sha256") else "xxh3_128",
     }
+    # vLLM's KV cache events (kv_events_config): the core records them, the adapter publishes them in vLLM's form.
+    fields["enable_kv_cache_events"] = kv_events_enabled(vllm_config)
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
     fields["async_scheduling"] = bool(sched.async_scheduling)
     fields["watermark"] = float(sched.watermark)

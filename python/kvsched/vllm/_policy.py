@@ -94,6 +94,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "disable_chunked_mm_input": "--disable-chunked-mm-input",
     "defer_block_free": "--kv-transfer-config's kv_role (a consumer role) with --async-scheduling",
     "drop_preempted_output": "--kv-transfer-config (the connector's requires_kv_delivery)",
+    "enable_kv_cache_events": "--kv-events-config",
 }
 
 _NO_SWAP = (
@@ -117,11 +118,6 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
     "park_grammar_waits": (False, "vLLM 0.33 keeps a request waiting for its grammar at its place in `waiting`"),
     "park_kv_loads": (False, "vLLM 0.33 keeps a request whose KV load is in progress at its place"),
     "reserve_inflight_prefills": (True, "vLLM 0.33 admits a KV load only beside its in-flight prefills"),
-    "enable_kv_cache_events": (
-        False,
-        "the adapter publishes no KV cache events (vLLM's kv_events_config is refused), so the core's would reach "
-        "no one",
-    ),
 }
 
 

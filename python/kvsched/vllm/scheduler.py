@@ -39,6 +39,7 @@ from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._config import UnsupportedFeatureError, _check_kv_cache_config, check_kv_connector, kvsched_config_from_vllm
 from ._connector import ConnectorBridge
+from ._kv_events import KVEventTranslator, make_publisher
 from ._kv_view import KVCacheManagerView
 from ._kv_view import lora_key as _lora_key
 from ._policy import RequestAttrs, TenantLog, read_additional_config
@@ -220,6 +221,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._requires_kv_delivery = bool(connector.requires_kv_delivery)
             config = dataclasses.replace(config, drop_preempted_output=self._requires_kv_delivery)
         self._core = _CoreScheduler(config, kv_connector=self._bridge)
+        # vLLM's KV cache events (kv_events_config), published as vLLM's scheduler publishes them.
+        self._kv_events = KVEventTranslator(vllm_config, kv_cache_config, lambda req_id: self.requests[req_id])
+        self.kv_event_publisher = make_publisher(vllm_config)
         # kvsched's per-request attributes from extra_args, and the periodic per-tenant log line (docs/vllm.md).
         options = read_additional_config(vllm_config)[1]
         self._request_attrs = RequestAttrs.for_core(self._core.add_request, options)
@@ -288,6 +292,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # without them, never admitted (not ready), and finishes with FINISHED_ERROR and a validation error at
         # the next update_from_output, the way a grammar that fails to compile does (docs/vllm.md).
         attrs, rejected = self._request_attrs.check(request)
+        if rejected is None and self._kv_events.enabled and request.kv_cache_report_mode == "full":
+            # vLLM then also publishes the blocks of every prefix-cache lookup that hits, admitted or not.
+            rejected = UnsupportedFeatureError(
+                f"request {req_id!r}: kvsched.vllm.Scheduler does not support extra_args['kv_cache_report_mode'] "
+                "'full' (KV cache events for prefix-cache hits) yet; leave it at 'incremental'"
+            )
         client_salt = request.cache_salt
         if self._isolate and rejected is None:
             self._salt_block_hashes(request, attrs.get("tenant", "default"))
@@ -424,6 +434,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             return valid
         refused = self._refused
         self._core.abort_requests([r.request_id for r in valid if r.request_id not in refused])
+        if self._kv_events.enabled:
+            self._kv_events.collect(self._core)  # while the requests its stored events name are known
         for request in valid:
             request.status = finished_status
             if request.request_id in refused:
@@ -787,6 +799,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._reset_preempted_req_ids = set()
         self._in_flight.append((so, out, num_sched, step_reqs, num_forgotten, after_arr))
         self._last_req_ids, self._last_reqs, self._last_num_forgotten = req_ids, step_reqs, num_forgotten
+        if self._kv_events.enabled:
+            self._kv_events.collect(self._core)
         return so
 
     def _num_scheduled_tokens(
@@ -989,6 +1003,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         kv_connector_stats = None
         if self._bridge is not None:
             kv_connector_stats = self._update_connector(kvo)
+        self._kv_events.publish(self.kv_event_publisher, self._core, self.connector)
         engine_core_outputs = {client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()}
         finished_sets = self.finished_req_ids_dict
         if finished_sets:
@@ -1192,6 +1207,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             client0 += map(EngineCoreOutput, plain_ids, plain_toks)
         if filled:
             self._hash_filled_blocks(filled)
+        if self._kv_events.enabled:
+            self._kv_events.collect(self._core)  # with the blocks' vLLM hashes, before stopped requests go
         for request in stopped_reqs:
             self._forget(request)
         return outputs
@@ -1274,7 +1291,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         own = connector.get_kv_connector_stats()
         if own is not None and not own.is_empty():
             stats = stats.aggregate(own) if stats is not None else own
-        connector.take_events()  # KV cache events are refused: nothing publishes them
         return stats
 
     def _report_held(self, req_id: str, h: list[bool], recving: list[str], sending: list[str]) -> None:
@@ -1482,6 +1498,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def get_kv_connector(self) -> Any:
         return self.connector
 
+    def get_kv_event_publisher_config(self) -> Any:
+        return self.kv_event_publisher.get_publisher_config()
+
     def get_kv_cache_usage(self) -> float:
         return float(self._core.stats().kv_cache_usage)
 
@@ -1564,7 +1583,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         )
 
     def shutdown(self) -> None:
-        """The core is freed with this object; a KV connector is shut down as vLLM's scheduler does."""
+        """The core is freed with this object; the KV event publisher and a KV connector are shut down as vLLM's
+        scheduler does."""
+        self.kv_event_publisher.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
 

@@ -81,12 +81,14 @@ def make_vllm_config(
     kv_connector_seed: int | None = None,
     kv_load_failure_policy: str = "recompute",
     kv_role: str = "kv_both",
+    kv_events: bool = False,
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config). ``num_speculative_tokens``
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
     as its draft model, no trailing-block dropping). ``kv_connector_seed`` adds a ``kv_transfer_config`` for
     :class:`RandomKVConnector` with that seed and role ``kv_role`` (``kv_producer``, ``kv_consumer``,
-    ``kv_both``)."""
+    ``kv_both``). ``kv_events`` turns KV cache events on with vLLM's ``null`` publisher (replace the scheduler's
+    ``kv_event_publisher`` to see the batches)."""
     from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
@@ -157,7 +159,13 @@ def make_vllm_config(
             kv_load_failure_policy=kv_load_failure_policy,
             kv_connector_extra_config={"seed": kv_connector_seed},
         )
+    kv_events_config = None
+    if kv_events:
+        from vllm.config import KVEventsConfig
+
+        kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     vllm_config = VllmConfig(
+        kv_events_config=kv_events_config,
         kv_transfer_config=kv_transfer_config,
         model_config=model_config,
         scheduler_config=scheduler_config,

@@ -13,10 +13,16 @@
 //! block `i`'s hash right after its event (>= 1 after a store, >= 0 after a removal), so a consumer that keeps a
 //! set of hashes adds a hash when a store leaves 1 copy and drops it when a removal leaves 0.
 //!
+//! A stored event also names the storing request and the index of the run's first block in its block table (the
+//! request's blocks cached before it), so that a host which keys blocks by hashes of its own (vLLM's adapter)
+//! can translate the run from the request's hashes.
+//!
 //! Struct of arrays, ragged data as values plus offsets: event `e`'s blocks are
 //! `block_hashes[block_indptr[e]..block_indptr[e + 1]]` and its tokens `token_ids[token_indptr[e]..
 //! token_indptr[e + 1]]`. Invariant (`check`): every offset list starts at 0, has one entry per event plus one
 //! and never decreases; removed events hold one block and no tokens, cleared events neither.
+
+use std::sync::Arc;
 
 use crate::hashing::{BlockHash, ExtraKeys};
 
@@ -44,6 +50,10 @@ pub struct KvCacheEvents {
     pub token_ids: Vec<u32>,
     /// Per event: the storing request's LoRA name and cache salt (empty for removed and cleared events).
     pub extra_keys: Vec<ExtraKeys>,
+    /// Per event: the storing request (`None` for removed and cleared events).
+    pub req_ids: Vec<Option<Arc<str>>>,
+    /// Per event: the index of a stored run's first block in its request's block table (0 for the others).
+    pub num_cached_blocks: Vec<u32>,
 }
 
 impl Default for KvCacheEvents {
@@ -57,6 +67,8 @@ impl Default for KvCacheEvents {
             token_indptr: vec![0],
             token_ids: Vec::new(),
             extra_keys: Vec::new(),
+            req_ids: Vec::new(),
+            num_cached_blocks: Vec::new(),
         }
     }
 }
@@ -71,40 +83,46 @@ impl KvCacheEvents {
     }
 
     /// Ends an event: closes its block and token ranges.
-    fn close(&mut self, kind: u8, parent: Option<BlockHash>, extra: ExtraKeys) {
+    fn close(&mut self, kind: u8, parent: Option<BlockHash>, extra: ExtraKeys, req: Option<(Arc<str>, u32)>) {
         self.kinds.push(kind);
+        let (req_id, first) = req.map_or((None, 0), |(id, first)| (Some(id), first));
+        self.req_ids.push(req_id);
+        self.num_cached_blocks.push(first);
         self.block_indptr.push(self.block_hashes.len() as u32);
         self.token_indptr.push(self.token_ids.len() as u32);
         self.parents.push(parent);
         self.extra_keys.push(extra);
     }
 
-    /// A run of blocks entered the cache: `blocks` pairs each hash with its number of copies after the store;
-    /// `tokens` are the tokens of all of them.
+    /// A run of blocks of request `req_id`, from its block `first` on, entered the cache: `blocks` pairs each
+    /// hash with its number of copies after the store; `tokens` are the tokens of all of them.
+    #[allow(clippy::too_many_arguments)]
     pub fn push_stored(
         &mut self,
         blocks: impl Iterator<Item = (BlockHash, u32)>,
         parent: Option<BlockHash>,
         tokens: &[u32],
         extra: &ExtraKeys,
+        req_id: &Arc<str>,
+        first: u32,
     ) {
         for (h, n) in blocks {
             self.block_hashes.push(h);
             self.num_copies.push(n);
         }
         self.token_ids.extend_from_slice(tokens);
-        self.close(STORED, parent, extra.clone());
+        self.close(STORED, parent, extra.clone(), Some((req_id.clone(), first)));
     }
 
     /// One block carrying `hash` left the cache; `num_copies` blocks still carry it.
     pub fn push_removed(&mut self, hash: BlockHash, num_copies: u32) {
         self.block_hashes.push(hash);
         self.num_copies.push(num_copies);
-        self.close(REMOVED, None, ExtraKeys::default());
+        self.close(REMOVED, None, ExtraKeys::default(), None);
     }
 
     pub fn push_cleared(&mut self) {
-        self.close(CLEARED, None, ExtraKeys::default());
+        self.close(CLEARED, None, ExtraKeys::default(), None);
     }
 
     /// The events recorded so far, leaving none.
@@ -116,7 +134,9 @@ impl KvCacheEvents {
     pub fn check(&self) -> Result<(), String> {
         let n = self.kinds.len();
         let lens = [self.block_indptr.len(), self.token_indptr.len()];
-        if lens != [n + 1, n + 1] || self.parents.len() != n || self.extra_keys.len() != n {
+        let per_event =
+            [self.parents.len(), self.extra_keys.len(), self.req_ids.len(), self.num_cached_blocks.len()];
+        if lens != [n + 1, n + 1] || per_event != [n; 4] {
             return Err(format!("{n} events but offsets / per-event lists of lengths {lens:?}"));
         }
         if self.num_copies.len() != self.block_hashes.len() {
@@ -133,9 +153,13 @@ impl KvCacheEvents {
             let blocks = self.block_indptr[e + 1] - self.block_indptr[e];
             let tokens = self.token_indptr[e + 1] - self.token_indptr[e];
             let ok = match self.kinds[e] {
-                STORED => blocks > 0,
-                REMOVED => blocks == 1 && tokens == 0 && self.parents[e].is_none(),
-                CLEARED => blocks == 0 && tokens == 0 && self.parents[e].is_none(),
+                STORED => blocks > 0 && self.req_ids[e].is_some(),
+                REMOVED => {
+                    blocks == 1 && tokens == 0 && self.parents[e].is_none() && self.req_ids[e].is_none()
+                }
+                CLEARED => {
+                    blocks == 0 && tokens == 0 && self.parents[e].is_none() && self.req_ids[e].is_none()
+                }
                 _ => false,
             };
             if !ok {
@@ -161,10 +185,11 @@ mod tests {
     fn events_keep_their_order_and_layout() {
         let mut ev = KvCacheEvents::default();
         let salt = ExtraKeys { cache_salt: Some("s".into()), lora_name: None };
-        ev.push_stored([(h(1), 1), (h(2), 2)].into_iter(), None, &[5, 6, 7, 8], &salt);
+        let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
+        ev.push_stored([(h(1), 1), (h(2), 2)].into_iter(), None, &[5, 6, 7, 8], &salt, &a, 0);
         ev.push_removed(h(2), 1);
         ev.push_cleared();
-        ev.push_stored([(h(3), 1)].into_iter(), Some(h(2)), &[9, 9], &ExtraKeys::default());
+        ev.push_stored([(h(3), 1)].into_iter(), Some(h(2)), &[9, 9], &ExtraKeys::default(), &b, 2);
         ev.check().unwrap();
         assert_eq!(ev.kinds, vec![STORED, REMOVED, CLEARED, STORED]);
         assert_eq!(ev.block_indptr, vec![0, 2, 3, 3, 4]);
@@ -172,6 +197,8 @@ mod tests {
         assert_eq!(ev.num_copies, vec![1, 2, 1, 1]);
         assert_eq!(ev.parents, vec![None, None, None, Some(h(2))]);
         assert_eq!(ev.extra_keys[0], salt);
+        assert_eq!(ev.req_ids, vec![Some(a), None, None, Some(b)]);
+        assert_eq!(ev.num_cached_blocks, vec![0, 0, 0, 2]);
         let taken = ev.take();
         assert_eq!(taken.len(), 4);
         assert!(ev.is_empty());

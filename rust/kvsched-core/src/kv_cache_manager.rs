@@ -224,7 +224,14 @@ impl KvCacheManager {
         debug_assert_eq!(tokens.len(), (num_full - first) * bs);
         let parent = first.checked_sub(1).map(|p| req.block_hashes[p]);
         if let Some(ev) = self.pool.events_mut() {
-            ev.push_stored(hashes.iter().copied().zip(copies), parent, tokens, &req.extra_keys);
+            ev.push_stored(
+                hashes.iter().copied().zip(copies),
+                parent,
+                tokens,
+                &req.extra_keys,
+                &req.id,
+                first as u32,
+            );
         }
     }
 

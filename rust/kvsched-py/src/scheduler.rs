@@ -828,7 +828,8 @@ impl PyScheduler {
 
     /// The KV cache events since the last call, as arrays that `kvsched.Scheduler.take_kv_cache_events` wraps in
     /// a `KVCacheEvents`: `(kinds, block_hashes, block_hashes_indptr, num_copies, parent_block_hashes, has_parent,
-    /// token_ids, token_ids_indptr, lora_names, cache_salts)`; hashes are rows of `width` bytes.
+    /// token_ids, token_ids_indptr, lora_names, cache_salts, req_ids, num_cached_blocks)`; hashes are rows of
+    /// `width` bytes.
     fn _take_kv_cache_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
         let mut this = borrow_mut(slf)?;
@@ -849,6 +850,7 @@ impl PyScheduler {
         let has_parent: Vec<bool> = ev.parents.iter().map(Option::is_some).collect();
         let loras = PyList::new(py, ev.extra_keys.iter().map(|k| k.lora_name.as_deref()))?;
         let salts = PyList::new(py, ev.extra_keys.iter().map(|k| k.cache_salt.as_deref()))?;
+        let req_ids = PyList::new(py, ev.req_ids.iter().map(Option::as_deref))?;
         let items: Vec<Bound<'py, PyAny>> = vec![
             ev.kinds.into_pyarray(py).into_any(),
             hashes.into_pyarray(py).into_any(),
@@ -860,6 +862,8 @@ impl PyScheduler {
             i32s(&ev.token_indptr).into_pyarray(py).into_any(),
             loras.into_any(),
             salts.into_any(),
+            req_ids.into_any(),
+            i32s(&ev.num_cached_blocks).into_pyarray(py).into_any(),
         ];
         PyTuple::new(py, items)
     }

@@ -1,0 +1,135 @@
+"""vLLM's KV cache events (``kv_events_config``) from kvsched's core.
+
+The core records what enters and leaves its prefix cache (:mod:`kvsched.kv_events`) in the same places and order
+as vLLM 0.33's block pool, keyed by its own block hashes. :class:`KVEventTranslator` turns each batch into vLLM's
+``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` with vLLM's own block hashes; the adapter publishes them
+the way vLLM's scheduler does: one ``KVEventBatch`` per ``update_from_output`` that has events, the KV
+connector's events after the cache's, through the publisher ``EventPublisherFactory`` builds from
+``kv_events_config`` (:func:`make_publisher`).
+
+A stored run names its request and the index of its first block, so its vLLM hashes are that request's
+``block_hashes`` (vLLM's values, kept on the ``Request`` by the adapter), and so are its parent, tokens and extra
+keys. A removed block carries no request: the core's hash of a block and vLLM's are both functions of the same
+content (parent, tokens, LoRA, cache salt), so the hash a block was stored under is looked up in a map from the
+core's hash to vLLM's, kept while some block carries it. Events must therefore be taken from the core
+(:meth:`KVEventTranslator.collect`) while the requests they name are still known: after each ``schedule()`` and
+before ``update_from_output`` or ``finish_requests`` forgets a finished request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.distributed.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventPublisherFactory,
+    KVCacheEvent,
+    KVEventBatch,
+)
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+from kvsched.kv_events import CLEARED, STORED
+
+__all__ = ["KVEventTranslator", "kv_events_enabled", "make_publisher"]
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM's ``kv_events_config`` turns KV cache events on (vLLM's scheduler's own test)."""
+    config = vllm_config.kv_events_config
+    return config is not None and bool(config.enable_kv_cache_events)
+
+
+def make_publisher(vllm_config: Any) -> Any:
+    """vLLM's event publisher, built as vLLM's scheduler builds it (``NullEventPublisher`` when events are off)."""
+    return EventPublisherFactory.create(vllm_config.kv_events_config, vllm_config.parallel_config.data_parallel_index)
+
+
+class KVEventTranslator:
+    """Translates the core's KV cache events into vLLM's (see the module docstring); ``get_request`` finds a live
+    ``Request`` by id."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, get_request: Callable[[str], Any]) -> None:
+        self.enabled = kv_events_enabled(vllm_config)
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        # vLLM's KVCacheManager annotates every stored event with its group's spec (one group here).
+        self._spec_kind = get_kv_cache_spec_kind(spec).value
+        self._sliding_window = get_kv_cache_spec_sliding_window(spec)
+        self._get_request = get_request
+        # The core's hash of a cached block -> the vLLM hash (as published) it was stored under.
+        self._vllm_hash: dict[bytes, Any] = {}
+        self._pending: list[KVCacheEvent] = []
+
+    def collect(self, core: Any) -> None:
+        """Takes the core's events since the last call and translates them (the requests they name are live)."""
+        ev = core.take_kv_cache_events()
+        if not len(ev):
+            return
+        kinds = ev.kinds.tolist()
+        indptr = ev.block_hashes_indptr.tolist()
+        copies = ev.num_copies.tolist()
+        firsts = ev.num_cached_blocks.tolist()
+        rows = ev.block_hash_list()
+        block_size = ev.block_size
+        vllm_hash = self._vllm_hash
+        pending = self._pending
+        for e, kind in enumerate(kinds):
+            if kind == STORED:
+                req_id = ev.req_ids[e]
+                assert req_id is not None
+                request = self._get_request(req_id)
+                first, end = firsts[e], firsts[e] + indptr[e + 1] - indptr[e]
+                hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[first:end]]
+                for core_hash, h in zip(rows[indptr[e] : indptr[e + 1]], hashes, strict=True):
+                    vllm_hash[core_hash] = h
+                pending.append(self._stored(request, hashes, first, end, block_size))
+            elif kind == CLEARED:
+                vllm_hash.clear()
+                pending.append(AllBlocksCleared())
+            else:
+                core_hash = rows[indptr[e]]
+                h = vllm_hash[core_hash] if copies[indptr[e]] else vllm_hash.pop(core_hash)
+                pending.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU, group_idx=0))
+
+    def _stored(self, request: Any, hashes: list[Any], first: int, end: int, block_size: int) -> BlockStored:
+        """vLLM's ``BlockStored`` for the request's blocks ``first .. end``, as its block pool builds it."""
+        bh = request.block_hashes
+        extra_keys: list[tuple[Any, ...] | None] = []
+        mm_idx = 0
+        for i in range(first, end):
+            keys, mm_idx = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
+            extra_keys.append(keys)
+        lora = request.lora_request
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=maybe_convert_block_hash(bh[first - 1]) if first else None,
+            token_ids=request.all_token_ids[first * block_size : end * block_size],
+            block_size=block_size,
+            lora_id=lora.adapter_id if lora else None,
+            medium=MEDIUM_GPU,
+            lora_name=lora.name if lora else None,
+            extra_keys=to_event_extra_keys(extra_keys),
+            group_idx=0,
+            kv_cache_spec_kind=self._spec_kind,
+            kv_cache_spec_sliding_window=self._sliding_window,
+            session_id=request.session_id,
+            lookahead_token_ids=None,
+        )
+
+    def publish(self, publisher: Any, core: Any, connector: Any) -> None:
+        """vLLM's end of ``update_from_output``: the cache's events, then the connector's (taken whether or not
+        events are on, as vLLM does), in one ``KVEventBatch`` to ``publisher`` if there are any."""
+        if self.enabled:
+            self.collect(core)
+        events, self._pending = self._pending, []
+        if connector is not None:
+            connector_events = connector.take_events()
+            if connector_events:
+                events.extend(connector_events)
+        if events:
+            publisher.publish(KVEventBatch(ts=time.time(), events=events))

@@ -1,0 +1,138 @@
+"""KV cache events inside vLLM: with ``kv_events_config`` on, kvsched.vllm.Scheduler publishes vLLM's
+``KVEventBatch`` (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, vLLM's own block hashes), batch for
+batch and event for event as vLLM 0.33's scheduler does (``tests/vllm_driver.py`` compares every field).
+
+Needs vLLM (``pip install 'kvsched[vllm]'``); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("vllm", reason="vLLM is optional: pip install 'kvsched[vllm]'")
+
+from kvsched import InvalidConfigError
+from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, NullEventPublisher
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+from vllm_driver import Pair, _RecordingPublisher, random_config, run_seed
+
+pytestmark = pytest.mark.vllm
+
+MODES = [("sync", "v1"), ("sync", "v2"), ("async", "v1"), ("async", "v2")]
+
+
+def _step(s: Any, token: int = 9) -> Any:
+    so = s.schedule()
+    ids = list(so.num_scheduled_tokens)
+    sampled = [[] if s.requests[r].is_prefill_chunk else [token] for r in ids]
+    mro = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+    return s.update_from_output(so, mro)
+
+
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", range(300, 306))
+def test_published_events_are_identical_to_vllms(sync: str, runner: str, seed: int) -> None:
+    """The differential driver with events on: every published batch compared field by field (hashes, parents,
+    tokens, extra keys, LoRA, medium, group, spec kind, session) after every update."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", kv_events=True)
+    assert cfg.kv_events
+
+
+@pytest.mark.parametrize("seed", range(310, 312))
+def test_published_events_are_identical_to_vllms_with_a_kv_connector(seed: int) -> None:
+    """Asynchronous loads promote their blocks into the cache, failed loads take them out again."""
+    run_seed(seed, 120, async_scheduling=False, v2=False, connector=True, kv_events=True)
+
+
+def test_the_differential_sees_every_kind_of_event() -> None:
+    """A run long enough to store, evict and clear: the comparison above is not vacuous."""
+    import random
+
+    cfg = random_config(random.Random(2 * 7919 + 17), async_scheduling=False, v2=False)
+    cfg.kv_events, cfg.enable_prefix_caching, cfg.num_speculative_tokens = True, True, 0
+    cfg.per_request_spec_decode_metrics = "none"
+    pair = Pair(cfg, 2)
+    seen: list[Any] = []
+    recorder = pair.publishers[0]
+    publish = recorder.publish
+    recorder.publish = lambda batch: (seen.extend(batch.events), publish(batch))  # type: ignore[method-assign]
+    pair.run(150)
+    kinds = {type(e) for e in seen}
+    assert {BlockStored, BlockRemoved, AllBlocksCleared} <= kinds
+    assert pair.num_events == len(seen)
+    assert any(e.parent_block_hash is not None for e in seen if isinstance(e, BlockStored))
+
+
+def test_stored_blocks_carry_vllms_block_hashes() -> None:
+    bs = 4
+    s = make_scheduler("kvsched", make_vllm_config(block_size=bs, num_blocks=16, kv_events=True))
+    assert s.core.config.enable_kv_cache_events
+    pub = s.kv_event_publisher = _RecordingPublisher()
+    req = make_request("a", list(range(10, 21)), max_tokens=8, block_size=bs, cache_salt="salt")
+    s.add_request(req)
+    _step(s)
+    (stored,) = pub.batches.pop()
+    assert isinstance(stored, BlockStored)
+    # As vLLM publishes them: 64-bit ints by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), else the bytes.
+    vllm_hashes = [maybe_convert_block_hash(h) for h in req.block_hashes]
+    assert stored.block_hashes == vllm_hashes[:2] and stored.parent_block_hash is None
+    assert stored.token_ids == list(range(10, 18)) and stored.block_size == bs
+    assert stored.extra_keys == [("salt",), None] and stored.medium == "GPU" and stored.group_idx == 0
+    assert stored.kv_cache_spec_kind is not None
+    assert pub.batches == []
+    _step(s)  # the decode of the 12th token completes block 2: stored by schedule(), published by the update
+    (stored,) = pub.batches.pop()
+    assert stored.block_hashes == [vllm_hashes[2]] and stored.parent_block_hash == vllm_hashes[1]
+    assert s.reset_prefix_cache() is False  # the request holds blocks
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert s.reset_prefix_cache() is True
+    _step(s)
+    assert pub.batches == [[AllBlocksCleared()]]
+
+
+def test_events_off_publish_nothing_and_cost_the_core_nothing() -> None:
+    s = make_scheduler("kvsched", make_vllm_config(block_size=4, num_blocks=16))
+    assert isinstance(s.kv_event_publisher, NullEventPublisher)
+    assert s.get_kv_event_publisher_config() is None
+    assert s.core.config.enable_kv_cache_events is False
+    pub = s.kv_event_publisher = _RecordingPublisher()
+    s.add_request(make_request("a", list(range(10, 21)), max_tokens=4, block_size=4))
+    for _ in range(5):
+        _step(s)
+    assert pub.batches == []
+
+
+def test_full_report_mode_fails_the_request_with_a_validation_error() -> None:
+    """vLLM's ``kv_cache_report_mode='full'`` also publishes every prefix-cache lookup that hits (admitted or not),
+    which the core does not report: such a request fails alone, as a bad kvsched attribute does."""
+    s = make_scheduler("kvsched", make_vllm_config(block_size=4, num_blocks=16, kv_events=True))
+    req = make_request("a", list(range(10, 21)), max_tokens=4, block_size=4)
+    req.kv_cache_report_mode = "full"
+    s.add_request(req)
+    s.add_request(make_request("b", list(range(10, 21)), max_tokens=4, block_size=4))
+    outs = _step(s)
+    (failed,) = [o for o in outs[0].outputs if o.request_id == "a"]
+    assert failed.error is not None and "kv_cache_report_mode" in failed.error.message
+    assert "b" in s.requests and "a" not in s.requests
+
+
+def test_events_are_vllms_setting_not_a_kvsched_knob() -> None:
+    cfg = make_vllm_config()
+    cfg.additional_config = {"kvsched": {"enable_kv_cache_events": True}}
+    with pytest.raises(InvalidConfigError, match="kv-events-config"):
+        make_scheduler("kvsched", cfg)
