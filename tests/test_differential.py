@@ -626,6 +626,10 @@ def configs(draw: Any) -> SchedulerConfig:
         **encoder_fields(draw, budget),
         park_kv_loads=draw(st.booleans()),
         reserve_inflight_prefills=draw(st.booleans()),
+        max_loras_counts_unscheduled=draw(st.booleans()),
+        continue_after_self_preemption=draw(st.booleans()),
+        cache_drafts_at_update=draw(st.booleans()),
+        trim_computed_on_stop=draw(st.booleans()),
     )
 
 

@@ -136,6 +136,19 @@ class SchedulerConfig:
     # vLLM 0.33's reservation for asynchronous KV loads: one is admitted only if it fits beside what the in-flight
     # prefills (earlier async loads, admitted requests with prompt left) still need for their whole sequence.
     reserve_inflight_prefills: bool = False
+    # Rules where vLLM releases differ (docs/semantics.md; True is vLLM 0.33, False vLLM 0.32). Which LoRA
+    # adapters count against max_loras at admission: every running request's (True) or only those of the running
+    # requests scheduled in this step (False).
+    max_loras_counts_unscheduled: bool = True
+    # Under policy "priority", a running request that preempts itself for lack of blocks: the pass over the
+    # running requests goes on with the next one (True) or ends there, as under "fcfs" (False).
+    continue_after_self_preemption: bool = True
+    # With speculative decoding, the blocks a step's accepted tokens complete are cached when its output is
+    # applied (True) or at the request's next allocation (False; with output placeholders they always are).
+    cache_drafts_at_update: bool = True
+    # A stop inside a step's tokens cuts the request's computed count back to the tokens kept (True) or leaves it
+    # (False: the blocks a KV connector gets at the finish also cover the cut tokens).
+    trim_computed_on_stop: bool = True
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -163,6 +176,10 @@ class SchedulerConfig:
             "disable_chunked_mm_input",
             "park_kv_loads",
             "reserve_inflight_prefills",
+            "max_loras_counts_unscheduled",
+            "continue_after_self_preemption",
+            "cache_drafts_at_update",
+            "trim_computed_on_stop",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -1494,8 +1494,9 @@ class ReferenceScheduler:
                 if victim is r:
                     break
             if new_blocks is None:
-                if c.policy != "fcfs":
-                    continue  # r preempted itself; the requests after it rank higher and may still fit
+                # r preempted itself; the requests after it rank higher and may still fit
+                if c.policy == "fair" or (c.policy == "priority" and c.continue_after_self_preemption):
+                    continue
                 break
             prefill_scheduled |= r.is_prefill_chunk
             if r.encoder_inputs:
@@ -1600,7 +1601,8 @@ class ReferenceScheduler:
         k = c.num_spec_tokens  # drafts per step: the padding of a new decode
         watermark = int(c.watermark * c.num_blocks)
         any_running_scheduled = bool(scheduled)
-        loras = {r.lora_name for r in self._running if r.lora_name is not None}
+        counted = self._running if c.max_loras_counts_unscheduled else [e[0] for e in scheduled]
+        loras = {r.lora_name for r in counted if r.lora_name is not None}
         skipped: list[_Request] = []
         skipped_kv: list[_Request] = []
         max_active = c.max_num_active_seqs or c.max_num_seqs
@@ -1990,11 +1992,15 @@ class ReferenceScheduler:
             decode_tokens[r.tenant] = decode_tokens.get(r.tenant, 0) + int(num_new[k])
             self._update_block_hashes(r)
             if not stale:
-                if stop is not None:  # the rest of the entry is cut: computed covers only what was kept
-                    r.num_computed_tokens = max(0, r.num_computed_tokens - (len(entry) - int(num_new[k])))
+                # A stop cuts the rest of the entry: computed covers only what was kept (with trim_computed_on_stop;
+                # the blocks cached now never cover the cut tokens).
+                cut = len(entry) - int(num_new[k]) if stop is not None else 0
+                if self._config.trim_computed_on_stop:
+                    r.num_computed_tokens = max(0, r.num_computed_tokens - cut)
+                    cut = 0
                 r.num_output_placeholders = max(0, r.num_output_placeholders - len(entry))
-                if was_running and (had_placeholders or spec_decoding):
-                    self._cache_blocks(r, max(0, r.num_computed_tokens - r.num_in_flight_tokens))
+                if was_running and (had_placeholders or (spec_decoding and self._config.cache_drafts_at_update)):
+                    self._cache_blocks(r, max(0, r.num_computed_tokens - cut - r.num_in_flight_tokens))
             if stop is not None:
                 status, reason, stop_reason = stop
                 self._finish(r, status)

@@ -516,10 +516,15 @@ impl Scheduler {
                     }
                 }
                 if self_preempted {
-                    // vLLM 0.33: under PRIORITY the requests after it rank higher and may still fit (`i` already
-                    // points at the next one; FAIR: they belong to tenants with smaller counters); under FCFS
-                    // the pass ends.
-                    if self.config.policy != Policy::Fcfs {
+                    // Under PRIORITY the requests after it rank higher and may still fit (`i` already points at
+                    // the next one; FAIR: they belong to tenants with smaller counters); under FCFS, and under
+                    // PRIORITY without `continue_after_self_preemption`, the pass ends.
+                    let goes_on = match self.config.policy {
+                        Policy::Fcfs => false,
+                        Policy::Priority => self.config.continue_after_self_preemption,
+                        Policy::Fair => true,
+                    };
+                    if goes_on {
                         continue;
                     }
                     break;
@@ -608,10 +613,18 @@ impl Scheduler {
         let watermark = self.config.watermark_blocks();
         let any_running_scheduled = !b.out.handles.is_empty();
         let has_encoder = self.encoder.capacity() > 0;
-        // LoRA adapters of all running requests (scheduled this step or not), then of each admission.
+        // LoRA adapters of the running requests (all of them, or those scheduled in this step), then of each
+        // admission.
         let mut loras: Vec<String> = Vec::new();
         if max_loras > 0 {
-            for &s in &self.running {
+            let scheduled: Vec<u32>;
+            let counted: &[u32] = if self.config.max_loras_counts_unscheduled {
+                &self.running
+            } else {
+                scheduled = b.out.handles.iter().map(|h| h.slot).collect();
+                &scheduled
+            };
+            for &s in counted {
                 if let Some(l) = &self.slab.get(s)?.extra_keys.lora_name {
                     if !loras.iter().any(|x| x == l) {
                         loras.push(l.clone());

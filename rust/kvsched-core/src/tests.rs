@@ -880,11 +880,13 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
             // max_num_active_seqs (0: max_num_seqs, else min(it, max_num_seqs)), the adaptive threshold.
             // ... and the prefill cadence.
             // ... and the DCP world size (the block unit is block_size * dcp).
+            // ... and vLLM 0.32's rules where they differ from 0.33's (the four flags off).
             (
                 prop_oneof![Just(0u32), Just(1), Just(2)],
                 any::<bool>(),
                 prop_oneof![Just(1u32), Just(3)],
                 prop_oneof![3 => Just(1u32), 1 => Just(2), 1 => Just(4)],
+                any::<bool>(),
             ),
         ),
     )
@@ -900,7 +902,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 mode,
                 la,
                 full_isl,
-                (asy, loras, wm, (pm, cpu, cost, big_len), (active, adaptive, interval, dcp)),
+                (asy, loras, wm, (pm, cpu, cost, big_len), (active, adaptive, interval, dcp, v032)),
             )| {
                 let max_model_len = if big_len { 200 } else { ((nb - 1) * bs * dcp).min(200) };
                 SchedulerConfig {
@@ -939,6 +941,10 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                     num_cpu_blocks: cpu,
                     swap_cost_per_block: cost,
                     dcp_world_size: dcp,
+                    max_loras_counts_unscheduled: !v032,
+                    continue_after_self_preemption: !v032,
+                    cache_drafts_at_update: !v032,
+                    trim_computed_on_stop: !v032,
                     ..Default::default()
                 }
             },

@@ -101,5 +101,9 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         disable_chunked_mm_input: bool_field("disable_chunked_mm_input")?,
         park_kv_loads: bool_field("park_kv_loads")?,
         reserve_inflight_prefills: bool_field("reserve_inflight_prefills")?,
+        max_loras_counts_unscheduled: bool_field("max_loras_counts_unscheduled")?,
+        continue_after_self_preemption: bool_field("continue_after_self_preemption")?,
+        cache_drafts_at_update: bool_field("cache_drafts_at_update")?,
+        trim_computed_on_stop: bool_field("trim_computed_on_stop")?,
     })
 }
