@@ -1,5 +1,8 @@
 """Drive vLLM's own scheduler and ``kvsched.vllm.Scheduler`` side by side and compare everything observable.
 
+vLLM's side is the installed release's own ``Scheduler``/``AsyncScheduler`` (0.32 or 0.33: run the driver in an
+environment with each to check both); kvsched's adapter follows that release's rules.
+
 Used by ``tests/test_vllm_differential.py`` (and runnable by hand for long sweeps:
 ``python tests/vllm_driver.py --seeds 200 --steps 300``). Each scheduler gets its own, identical ``Request``
 objects and its own copy of every ``ModelRunnerOutput`` (``update_from_output`` trims the lists it is given).
@@ -29,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import contextlib
 
+from kvsched.vllm import RULES
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 
 # Request fields mirrored by the adapter and compared after every call.
@@ -589,7 +593,7 @@ def run_seed(
         cfg.num_speculative_tokens = num_speculative_tokens
     if not cfg.num_speculative_tokens:
         cfg.per_request_spec_decode_metrics = "none"  # vLLM refuses it without a drafter
-    if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2:
+    if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2 and RULES.skip_drafts:
         cfg.speculative_method = "ngram_gpu"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
     Pair(cfg, seed).run(steps)
     return cfg
@@ -603,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="sync-v1,sync-v2,async-v1,async-v2")
     p.add_argument("--connector", action="store_true", help="with a seeded RandomKVConnector (sync modes only)")
     args = p.parse_args(argv)
+    import vllm
+
+    print(f"vLLM {vllm.__version__}: its Scheduler/AsyncScheduler against kvsched.vllm.Scheduler", flush=True)
     failures = 0
     for mode in args.modes.split(","):
         sync, runner = mode.split("-")
