@@ -506,8 +506,8 @@ class DeterministicExecutor(Executor):  # type: ignore[misc]  # vLLM is untyped 
     def get_supported_kv_cache_layouts(self) -> list[list[str]]:
         return [["LBNHC"]]
 
-    def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: int) -> None:
-        pass
+    def set_kv_cache_layout(self, layout_name: str, *args: Any) -> None:
+        pass  # one token id per slot: any layout
 
     def determine_available_memory(self) -> list[int]:
         return [1 << 30]
