@@ -392,6 +392,66 @@ fn budget_below_max_model_len_without_chunking_refuses_only_requests_that_cannot
     );
 }
 
+#[test]
+fn a_priority_request_that_preempts_itself_ends_the_pass_only_without_continue_after_self_preemption() {
+    for goes_on in [true, false] {
+        let mut c = cfg(4, 5); // 4 usable blocks
+        c.policy = Policy::Priority;
+        c.max_num_batched_tokens = 256;
+        c.continue_after_self_preemption = goes_on;
+        let mut s = Scheduler::new(c).unwrap();
+        let p = |prio: i64, t: f64| RequestParams {
+            max_tokens: Some(5),
+            priority: prio,
+            arrival_time: t,
+            ..Default::default()
+        };
+        // Running order [low, high], all four blocks in use, both one token into a new block.
+        add(&mut s, "low", &prompt(0, 7), p(5, 0.0));
+        step_with(&mut s, 1);
+        add(&mut s, "high", &prompt(100, 8), p(0, 1.0));
+        let (out, _) = step_with(&mut s, 1);
+        assert_eq!(ids(&s, &out), vec!["low", "high"]);
+        // `low` cannot get a block and ranks lowest: it preempts itself. `high` fits in the blocks it freed, but
+        // is scheduled in the same step only when the pass goes on (vLLM 0.33), not when it ends there (0.32).
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        assert_eq!(
+            out.preempted.iter().map(|&h| s.request_id(h).unwrap().to_string()).collect::<Vec<_>>(),
+            ["low"]
+        );
+        let want: Vec<String> = if goes_on { vec!["high".into()] } else { vec![] };
+        assert_eq!(ids(&s, &out), want, "continue_after_self_preemption={goes_on}");
+        feed(&mut s, &out, |_| vec![1]);
+    }
+}
+
+#[test]
+fn max_loras_counts_a_running_request_not_scheduled_in_the_step_only_with_max_loras_counts_unscheduled() {
+    for counts_unscheduled in [true, false] {
+        let mut c = cfg(4, 32);
+        c.async_scheduling = true;
+        c.max_loras = 1;
+        c.max_loras_counts_unscheduled = counts_unscheduled;
+        let mut s = Scheduler::new(c).unwrap();
+        let lora = |name: &str, max_tokens: u32| RequestParams {
+            max_tokens: Some(max_tokens),
+            lora_name: Some(name.into()),
+            ..Default::default()
+        };
+        add(&mut s, "a", &prompt(0, 6), lora("x", 1));
+        let first = s.schedule().unwrap();
+        assert_eq!(ids(&s, &first), vec!["a"]);
+        // `a` is running, but the step in flight already produces its only token: it is not scheduled again.
+        add(&mut s, "b", &prompt(100, 6), lora("y", 4));
+        let second = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        // With one LoRA slot, `b` (another adapter) is admitted only when `a`'s adapter does not count (vLLM 0.32).
+        let want: Vec<String> = if counts_unscheduled { vec![] } else { vec!["b".into()] };
+        assert_eq!(ids(&s, &second), want, "max_loras_counts_unscheduled={counts_unscheduled}");
+    }
+}
+
 fn add_n(s: &mut Scheduler, id: &str, prompt: &[i64], max_tokens: u32) {
     s.add_request(id, prompt, RequestParams { max_tokens: Some(max_tokens), ..Default::default() }).unwrap();
 }
