@@ -13,16 +13,19 @@ import shutil
 import subprocess
 import sys
 import types
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from kvsched import InvalidConfigError
 from kvsched.bench.harness import ImplUnavailableError, make_driver, run_scaling, run_workload
 from kvsched.bench.report import build_document, scaling_summary
 from kvsched.bench.trace import TraceFormatError, dump_trace, load_trace
 from kvsched.bench.workloads import (
     SCENARIOS,
+    Scenario,
     Workload,
     generate,
     get_scenario,
@@ -106,17 +109,44 @@ def test_d_and_e_replay_the_prompts_of_c() -> None:
     c, d, e = (generate(get_scenario(n).scaled(SMALL)) for n in "cde")
     for x in (d, e):
         assert [r.prompt_token_ids.tobytes() for r in x.requests] == [r.prompt_token_ids.tobytes() for r in c.requests]
-    assert d.scenario.num_blocks < c.scenario.num_blocks
+    assert d.scenario.config.num_blocks < c.scenario.config.num_blocks
     assert {r.priority for r in e.requests} == {0, 1, 2, 3}
-    assert e.scenario.policy == "priority"
+    assert e.scenario.config.policy == "priority"
 
 
 def test_scaling_shrinks_counts_but_keeps_progress_possible() -> None:
     d = get_scenario("d")
     small = d.scaled(0.01)
     assert small.num_requests == 20
-    assert small.num_blocks >= small.min_num_blocks()
+    assert small.config.num_blocks >= small.min_num_blocks()
     assert small.scale == 0.01 and d.scaled(1.0) == d
+
+
+def test_a_scenario_holds_a_scheduler_config() -> None:
+    e = get_scenario("e")
+    assert e.scheduler_config() is e.config
+    assert (e.config.policy, e.config.num_blocks, e.config.prefix_hash_seed) == ("priority", 6000, 0)
+    # Config-field keywords override the held config, as `kvsched bench --policy` applies them; the config's
+    # fields read through the scenario too.
+    fcfs = replace(e, name="e2", policy="fcfs")
+    assert fcfs == replace(e.with_config(policy="fcfs"), name="e2") and fcfs.policy == "fcfs"
+    assert fcfs.num_priorities == 4 and fcfs.config.num_blocks == 6000
+    with pytest.raises(TypeError, match="no_such_field"):
+        replace(e, no_such_field=1)
+    with pytest.raises(InvalidConfigError, match="fcfs"):
+        replace(e, cache_aware_admission_window=4)
+    with pytest.raises(AttributeError, match="no_such_field"):
+        _ = e.no_such_field
+
+
+def test_a_scenario_dict_round_trips_with_its_whole_config() -> None:
+    sc = get_scenario("g").with_config(async_scheduling=True, tenant_weights={"t0": 2.0}).scaled(0.1)
+    data = json.loads(json.dumps(sc.to_dict()))
+    assert Scenario.from_dict(data) == sc
+    assert {f.name for f in fields(SchedulerConfig)} <= set(data)
+    # A flat dict of only some config fields (a trace header with fewer fields) takes the rest from BENCH_CONFIG.
+    short = {k: v for k, v in get_scenario("f").to_dict().items() if k not in ("async_scheduling", "watermark")}
+    assert Scenario.from_dict(short) == get_scenario("f")
 
 
 def test_sampled_tokens_match_the_scalar_formula() -> None:
@@ -317,7 +347,7 @@ def test_bench_scaling_alone_writes_a_scaling_summary(tmp_path: Path) -> None:
 def test_admission_window_on_workload_f_raises_the_hit_rate_and_cuts_recomputation() -> None:
     results = {}
     for window in (0, 16):
-        scenario = replace(get_scenario("f"), cache_aware_admission_window=window).scaled(0.1)
+        scenario = get_scenario("f").with_config(cache_aware_admission_window=window).scaled(0.1)
         results[window] = run_workload("rust", generate(scenario), warmup_steps=0)
     for r in results.values():
         assert r.completed and r.num_prompt_tokens_computed >= r.num_min_prompt_tokens > 0
@@ -371,6 +401,37 @@ def test_preemption_modes_on_workload_g_swap_instead_of_recomputing(
     assert swap["num_recomputed_tokens"] < rec["num_recomputed_tokens"]
     assert swap["num_scheduled_tokens_total"] < rec["num_scheduled_tokens_total"]
     assert "swap out blk" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not _available("rust"), reason="rust scheduler not available")
+def test_bench_preemption_victim_sets_the_rule(tmp_path: Path) -> None:
+    """--preemption-victim reaches the scheduler config: the run records it, and on workload d (memory pressure)
+    lcf preempts other requests than the default rule does."""
+    argv = [
+        "bench",
+        "-w",
+        "d",
+        "--scale",
+        "0.05",
+        "--repeat",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--impl",
+        "rust",
+        "--no-progress",
+    ]
+    rows = {}
+    for rule in ("default", "lcf"):
+        out = tmp_path / f"{rule}.json"
+        assert main([*argv, "--json", str(out), "--preemption-victim", rule]) == 0
+        (rows[rule],) = json.loads(out.read_text())["results"]
+    assert [rows[r]["scenario"]["preemption_victim"] for r in ("default", "lcf")] == ["default", "lcf"]
+    assert rows["default"]["num_preemptions"] > 0
+    assert rows["lcf"]["num_recomputed_tokens"] != rows["default"]["num_recomputed_tokens"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--no-json", "--preemption-victim", "lifo"])
+    assert exc.value.code == 2
 
 
 def test_bench_preemption_mode_gives_swap_a_cpu_pool() -> None:
@@ -621,3 +682,80 @@ def test_bench_runs_several_implementations_in_turns(tmp_path: Path, monkeypatch
     for r in results:
         assert len(r["repeats"]) == 2
         assert r["total_us"]["median"] == pytest.approx(min(x["total_median_us"] for x in r["repeats"]))
+
+
+# ---- What the printed report explains -------------------------------------------------------------------------
+
+
+def _doc(workload: str, impl: str = "rust", *, median: float, p99: float, scale: float = 1.0) -> dict[str, Any]:
+    """A results entry as result_to_dict builds it, for a run with these total µs."""
+    from kvsched.bench.report import _target_check
+
+    result = types.SimpleNamespace(workload=workload, impl=impl, scenario={"scale": scale}, cold_mb=0.0)
+    total = {"median": median, "p99": p99, "max": p99}
+    return {"workload": workload, "impl": impl, "total_us": total, "target": _target_check(result, total)}  # type: ignore[arg-type]
+
+
+def test_target_legend_says_what_the_column_checks_and_by_how_much_a_run_missed() -> None:
+    from kvsched.bench.report import TARGETS, _target_cell, format_target_legend
+
+    docs = [
+        _doc("a", median=2.0, p99=30.0),  # no p99 target: ok
+        _doc("d", median=2.0, p99=17.4),  # p99 8.7x the median
+        _doc("b", median=55.0, p99=60.0),  # median over 40
+        _doc("g", median=1.0, p99=9.0),  # no target at all
+        _doc("c", "reference", median=90.0, p99=900.0),
+    ]
+    assert [_target_cell(d["target"]) for d in docs] == ["ok", "MISS p99", "MISS median", "-", "n/a"]
+    legend = format_target_legend(docs)
+    assert legend[0].startswith("target: median schedule+update per step <= a 10, b 40, c 50, d 50 µs")
+    assert "p99 <= 5x the median for c, d" in legend[0]
+    assert set(TARGETS) == {"a", "b", "c", "d"}
+    assert "target n/a: the targets are for rust at scale 1 without --cold; these runs have impl reference" in legend
+    assert "target MISS d (rust): p99 17.4 µs is 8.7x the median 2.0 µs (at most 5x)" in legend
+    assert "target MISS b (rust): median 55.0 µs > 40 µs" in legend
+    assert not any("MISS a" in line for line in legend)
+
+
+def test_bench_quick_prints_every_workload_and_explains_the_empty_targets(capsys: pytest.CaptureFixture[str]) -> None:
+    if not _available("rust"):
+        pytest.skip("rust scheduler not available")
+    assert main(["bench", "--quick", "--max-steps", "40", "--no-json", "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in out[3:] if line and line.split()[0] in SCENARIOS}
+    assert sorted(rows) == sorted(SCENARIOS) == list("abcdefg")  # f and g are in the table too
+    assert {rows[w][-1] for w in "abcd"} == {"n/a"} and {rows[w][-1] for w in "efg"} == {"-"}
+    assert "target n/a: the targets are for rust at scale 1 without --cold; these runs have scale 0.05" in out
+
+
+def test_bench_help_names_every_workload() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvsched.cli", "bench", "--help"], capture_output=True, text=True, timeout=60
+    )
+    text = " ".join(proc.stdout.split())
+    assert "a,b,c,d,e,f,g" in text and "a-f" not in text
+    for name in SCENARIOS:
+        assert f" {name} " in text or f" {name}=" in text, name
+
+
+@pytest.mark.parametrize(
+    ("slope", "words"),
+    [
+        (0.45, "step time grows as n^0.45 (less than linear: the cost per request falls as n grows)"),
+        (1.02, "step time grows as n^1.02 (about linear: a constant cost per request)"),
+        (1.12, "step time grows as n^1.12 (slightly faster than linear: the cost per request grows with n)"),
+        (1.6, "step time grows as n^1.60 (faster than linear: the cost per request grows with n)"),
+    ],
+)
+def test_scaling_slope_is_named_plainly(slope: float, words: str) -> None:
+    from kvsched.bench.report import format_markdown, format_scaling, scaling_verdict
+
+    assert scaling_verdict(slope) == words
+    point = {"num_running": 64, "num_steps": 5, "us_per_request": 0.1, "growth_vs_previous": None}
+    point |= {k: {"median": 1.0, "p99": 2.0} for k in ("schedule_us", "update_us", "total_us")}
+    summary = {"rust": {"points": [point], "loglog_slope": slope, "at_most_linear": slope <= 1.1}}
+    text = format_scaling(summary)
+    assert words in text and "FASTER" not in text and "log-log" not in text
+    md = format_markdown({"machine": {"cpu_model": "x", "num_cpus": 2, "python": "3", "numpy": "2"},
+                          "results": [], "ratios": [], "scaling": summary})  # fmt: skip
+    assert f"Scaling (rust): {words}" in md

@@ -10,9 +10,10 @@ a seeded numpy generator (the soak).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from conftest import requires_rust
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvsched import InternalError, RequestStatus, SchedulerConfig, SchedulerError
+from kvsched.kv_events import CLEARED, STORED
 from kvsched.reference import ReferenceScheduler
 
 pytestmark = requires_rust
@@ -155,6 +157,7 @@ class Twin:
         connector_seed: int | None = None,
         throttle: bool = True,
         fail_steps: bool = True,
+        order_keywords: bool = True,
     ) -> None:
         from kvsched import Scheduler
 
@@ -162,6 +165,9 @@ class Twin:
         # Sometimes schedule(throttle_prefills=True) and requests that skip reading the prefix cache.
         self.throttle = throttle
         self.fail_steps = fail_steps  # op_fail among the operations (runner faults)
+        # session_id, ttft_slo_s and order_key on new requests (not in the seeded soaks of the other axes: their
+        # random streams stay as they were)
+        self.order_keywords = order_keywords
         self.conn_ref = self.conn_rs = None
         if connector_seed is not None:
             self.conn_ref, self.conn_rs = FakeConnector(connector_seed), FakeConnector(connector_seed)
@@ -174,6 +180,9 @@ class Twin:
         self.log: list[str] = []  # the operations so far, for failure messages
         # what the steps exercised (encoder inputs): computed, freed, victims holding encoder inputs
         self.coverage = {"encoder_computed": 0, "encoder_freed": 0, "encoder_victims": 0, "encoder_cut": 0}
+        # victims that sat before a request phase A scheduled in their step (scheduled earlier, then refunded)
+        self.coverage["victims_before_scheduled"] = 0
+        self.kv_events = KvEventTwin()
 
     # -- operations --------------------------------------------------------------------------------------
 
@@ -220,6 +229,8 @@ class Twin:
             kw["skip_reading_prefix_cache"] = True  # vLLM: prompt logprobs
         if self.cfg.encoder_cache_size and r.chance(0.8):  # (only with an encoder cache: other streams unchanged)
             kw["encoder_inputs"] = self.make_encoder_inputs(len(prompt))
+        if self.order_keywords:
+            kw.update(self.order_keyword_draws())
         self.clock += r.choice([0.0, 1.0, 0.5])  # ties in arrival time happen
         kw["arrival_time"] = self.clock
         if r.chance(0.1):  # one bad argument (and a fresh id): both must reject it the same way
@@ -231,6 +242,18 @@ class Twin:
                                lambda: self.rs.add_request(rid, arr, **kw))  # fmt: skip
         if not failed:
             self.prompt_lens[rid] = len(prompt)
+
+    def order_keyword_draws(self) -> dict[str, Any]:
+        """The ordering keywords of a new request: a `session_id` (a few, so they recur and go warm), a TTFT target
+        (mostly under slo), a tier."""
+        r, kw = self.rand, {}
+        if r.chance(0.4):
+            kw["session_id"] = r.choice(["s1", "s2", "s3"])
+        if r.chance(0.6 if self.cfg.policy == "slo" else 0.1):
+            kw["ttft_slo_s"] = r.choice([0.5, 1.0, 3.0, 10.0])
+        if r.chance(0.25):
+            kw["order_key"] = r.choice([-1, 0, 1, 2])
+        return kw
 
     def encoder_cap(self) -> int:
         """The largest encoder input a request may carry under the config."""
@@ -265,7 +288,10 @@ class Twin:
             {"arrival_time": -math.inf}, {"cache_salt": 5}, {"priority": 1.5}, {"max_tokens": "3"},
             {"min_tokens": self.cfg.max_model_len},
             {"tenant": ""}, {"tenant": 3}, {"tenant": b"t"}, {"skip_reading_prefix_cache": 1},
-        ])  # fmt: skip
+        ] + ([
+            {"session_id": ""}, {"session_id": 3}, {"ttft_slo_s": 0.0}, {"ttft_slo_s": math.nan},
+            {"ttft_slo_s": "1"}, {"order_key": 1.5}, {"order_key": 2**63},
+        ] if self.order_keywords else []))  # fmt: skip
         kw = {**kw, **bad}
         if "min_tokens" in bad and "max_tokens" in kw and not isinstance(kw["max_tokens"], int):
             del kw["max_tokens"]
@@ -276,8 +302,11 @@ class Twin:
             return self.op_update()
         throttle = self.throttle and self.rand.chance(0.2)  # vLLM's data-parallel prefill balancing
         self.log.append(f"schedule throttle={throttle}")
+        running = {rid: k for k, rid in enumerate(self.ref.running_req_ids())}
         a, b = self.ref.schedule(throttle_prefills=throttle), self.rs.schedule(throttle_prefills=throttle)
         compare_outputs(a, b)
+        last = max((running[rid] for rid in a.req_ids if rid in running), default=-1)
+        self.coverage["victims_before_scheduled"] += sum(running.get(v, last) < last for v in a.preempted_req_ids)
         if self.cfg.encoder_cache_size:
             self.note_encoder(a)
         # None for a prefill chunk (its entry must be empty), else the most tokens it may carry
@@ -534,6 +563,7 @@ class Twin:
         assert hash_pattern(hashes_a) == hash_pattern(hashes_b)
         width = 32 if self.cfg.prefix_hash_algo == "sha256" else 16
         assert all(isinstance(h, bytes) and len(h) == width for row in hashes_b for h in row)
+        self.kv_events.check(self.ref, self.rs)
 
     def drain(self) -> None:
         """Unpause, release every grammar, apply every pending step and run until no request is left."""
@@ -553,6 +583,61 @@ class Twin:
             else:
                 self.op_schedule()
             self.check()
+
+
+class KvEventTwin:
+    """Both schedulers' KV cache events, taken after every operation: equal event by event (hashes through one
+    bijection between the two hash functions, kept for the whole run), and each stream, replayed from the start,
+    reproduces its scheduler's prefix cache: as a multiset (every stored block +1, removed -1) the hashes of all
+    cached blocks, and as a set (``set_updates``) the distinct ones."""
+
+    def __init__(self) -> None:
+        self.rs_of: dict[bytes, bytes] = {}  # reference hash -> Rust hash
+        self.ref_of: dict[bytes, bytes] = {}
+        self.counts: list[Counter[bytes]] = [Counter(), Counter()]
+        self.sets: list[set[bytes]] = [set(), set()]
+        # what the events exercised: stores of a hash already cached, removals leaving a copy, resets
+        self.coverage = Counter[str]()
+
+    def same_hash(self, a: bytes, b: bytes) -> None:
+        assert self.rs_of.setdefault(a, b) == b and self.ref_of.setdefault(b, a) == a, "event hashes disagree"
+
+    def check(self, ref: Any, rs: Any) -> None:
+        ea, eb = ref.take_kv_cache_events(), rs.take_kv_cache_events()
+        if not ref.config.enable_kv_cache_events:
+            assert len(ea) == len(eb) == 0
+            return
+        for name in ("kinds", "block_hashes_indptr", "num_copies", "has_parent", "token_ids", "token_ids_indptr"):
+            assert_arrays_equal(getattr(ea, name), getattr(eb, name), f"events.{name}")
+        assert (ea.lora_names, ea.cache_salts, ea.block_size) == (eb.lora_names, eb.cache_salts, eb.block_size)
+        assert ea.block_hashes.shape == eb.block_hashes.shape and eb.block_hashes.dtype == np.uint8
+        for a, b in zip(ea.block_hash_list(), eb.block_hash_list(), strict=True):
+            self.same_hash(a, b)
+        for e in np.flatnonzero(eb.has_parent):
+            self.same_hash(bytes(ea.parent_block_hashes[e]), bytes(eb.parent_block_hashes[e]))
+        per_block = np.repeat(eb.kinds, np.diff(eb.block_hashes_indptr))
+        self.coverage["stored"] += int((per_block == STORED).sum())
+        self.coverage["removed"] += int((per_block != STORED).sum())
+        self.coverage["stored_copy"] += int(((per_block == STORED) & (eb.num_copies > 1)).sum())
+        self.coverage["removed_copy"] += int(((per_block != STORED) & (eb.num_copies > 0)).sum())
+        self.coverage["cleared"] += int((eb.kinds == CLEARED).sum())
+        for i, (sched, ev) in enumerate(((ref, ea), (rs, eb))):
+            counts, cached = self.counts[i], self.sets[i]
+            keep, _ = ev.set_updates()
+            hashes, bi = ev.block_hash_list(), ev.block_hashes_indptr
+            for e, kind in enumerate(ev.kinds.tolist()):
+                if kind == CLEARED:
+                    counts.clear()
+                    cached.clear()
+                for j in range(bi[e], bi[e + 1]):
+                    counts[hashes[j]] += 1 if kind == STORED else -1
+                    assert counts[hashes[j]] == ev.num_copies[j], "num_copies disagrees with the replayed count"
+                    if keep[j]:
+                        (cached.add if kind == STORED else cached.discard)(hashes[j])
+            counts += Counter()  # drop the zero counts
+            truth = Counter(sched.cached_block_hashes())
+            assert counts == truth, f"replayed events {counts} != cached blocks {truth}"
+            assert cached == set(truth)
 
 
 def ragged(entries: list[list[int]] | None, as_arrays: bool) -> Any:
@@ -583,7 +668,7 @@ def configs(draw: Any) -> SchedulerConfig:
     budget = draw(st.integers(1, 96))
     if not chunked and draw(st.integers(0, 2)) != 0:
         budget = max(budget, max_model_len)
-    policy = draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair"]))
+    policy = draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair", "sjf", "slo"]))
     mode = draw(st.sampled_from(["recompute", "recompute", "swap", "auto"]))
     num_cpu_blocks = draw(st.sampled_from([1, 2, 5, 64] if mode != "recompute" else [0, 4]))
     max_num_seqs = draw(st.integers(1, 8))
@@ -608,11 +693,13 @@ def configs(draw: Any) -> SchedulerConfig:
         fair_prefill_weight=draw(st.sampled_from([1.0, 0.0, 0.3])),
         fair_decode_weight=draw(st.sampled_from([2.0, 1.0, 0.7])),
         priority_aging_steps=draw(st.sampled_from([0, 1, 4])) if policy == "priority" else 0,
+        **order_fields(draw),
         async_scheduling=draw(st.booleans()),
         max_loras=draw(st.sampled_from([0, 0, 1, 2])),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
         preemption_mode=mode,
         num_cpu_blocks=num_cpu_blocks,
+        preemption_victim=draw(st.sampled_from(["default", "default", "lcf", "cost"])),
         recompute_cost_per_token=draw(st.sampled_from([1.0, 0.1, 3.0])),
         swap_cost_per_block=draw(st.sampled_from([1.0, 4.0, 0.5])),
         kv_load_failure_policy=draw(st.sampled_from(["recompute", "recompute", "fail"])),
@@ -633,6 +720,15 @@ def configs(draw: Any) -> SchedulerConfig:
     )
 
 
+def order_fields(draw: Any) -> dict[str, Any]:
+    """The waiting-order knobs beyond the policy: a default TTFT target, aging, `session_ttl_steps`."""
+    return {
+        "default_ttft_slo_s": draw(st.sampled_from([None, None, 0.5, 4.0])),
+        "max_wait_steps": draw(st.sampled_from([None, None, 1, 3, 8])),
+        "session_ttl_steps": draw(st.sampled_from([1000, 1, 6])),
+    }
+
+
 def encoder_fields(draw: Any, budget: int) -> dict[str, Any]:
     """Encoder budget and cache in 2 of 5 configs: tight (inputs cut chunks, evict, wait for space) or roomy."""
     enc_budget = draw(st.sampled_from([0, 0, 0, 3, 6, 16]))
@@ -646,6 +742,7 @@ def encoder_fields(draw: Any, budget: int) -> dict[str, Any]:
 
 
 def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
+    cfg = dataclasses.replace(cfg, enable_kv_cache_events=data.draw(st.booleans()))  # both compare their events
     seed = data.draw(st.sampled_from([None, None, 1, 2, 3]))  # a seeded fake KV connector in 3 of 5 runs
     twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])), connector_seed=seed)
     try:
@@ -656,7 +753,11 @@ def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
         raise AssertionError(f"{e}\nconfig {cfg}\nops:\n" + "\n".join(twin.log[-40:])) from e
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
 @given(cfg=configs(), data=st.data())
 def test_rust_matches_reference_on_random_operation_sequences(cfg: SchedulerConfig, data: Any) -> None:
     run_twin(cfg, data, num_ops=60)
@@ -735,15 +836,22 @@ SMALL_CACHE_CONFIGS = [
 ]  # fmt: skip
 
 
-def soak(steps: int, seed: int, configs: list[SchedulerConfig] = SOAK_CONFIGS, throttle: bool = False) -> None:
+def soak(
+    steps: int,
+    seed: int,
+    configs: list[SchedulerConfig] = SOAK_CONFIGS,
+    throttle: bool = False,
+    order_keywords: bool = False,
+) -> None:
     for i, cfg in enumerate(configs):
         # every other config (but the swap ones, which must swap) with a seeded fake KV connector: async loads
         # that finish late, fail, are aborted. No runner faults here: the soaks' seeds are chosen to reach
         # preemption and swaps, which the aborts of failed steps would change (the property test injects them).
         with_connector = i % 2 and cfg.preemption_mode == "recompute"
+        cfg = dataclasses.replace(cfg, enable_kv_cache_events=i % 2 == 0)  # (events draw nothing from the stream)
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=2,
                     connector_seed=seed + i if with_connector else None, throttle=throttle,
-                    fail_steps=False)  # fmt: skip
+                    fail_steps=False, order_keywords=order_keywords)  # fmt: skip
         for _ in range(steps // len(configs)):
             try:
                 twin.step()
@@ -801,8 +909,8 @@ def test_soak_encoder_inputs_match_reference_step_by_step() -> None:
             except AssertionError as e:
                 raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
         twin.drain()
-        for k, v in twin.coverage.items():
-            total[k] += v
+        for k in total:
+            total[k] += twin.coverage[k]
         st = twin.ref.stats()
         hits += st.encoder_cache_hits
         assert st.num_preemptions > 0, f"no preemption under {cfg}"
@@ -874,8 +982,77 @@ def test_fail_step_keeps_the_blocks_of_a_promoted_load_it_did_not_schedule(impl:
     assert s.stats().prefix_cache_hits == 8  # "same" hits q's two loaded blocks
 
 
+# Victim rules (preemption_victim lcf and cost) under every policy and preemption mode, in tight pools: victims
+# scheduled earlier in their step (refunded), swaps of chosen victims, aging, tenants, async scheduling.
+VICTIM_SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
+                    preemption_victim="lcf", long_prefill_token_threshold=8, prefix_hash_seed=5,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=16, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
+                    preemption_victim="cost", preemption_mode="swap", num_cpu_blocks=10, prefix_hash_seed=5,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=2, num_blocks=28, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    policy="priority", preemption_victim="lcf", preemption_mode="auto", num_cpu_blocks=12,
+                    swap_cost_per_block=0.5, num_lookahead_tokens=1),
+    SchedulerConfig(block_size=4, num_blocks=13, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48,
+                    policy="priority", priority_aging_steps=3, preemption_victim="cost",
+                    long_prefill_token_threshold=8, scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48,
+                    policy="fair", tenant_weights={"t1": 3.0}, preemption_victim="lcf", preemption_mode="swap",
+                    num_cpu_blocks=20),
+    SchedulerConfig(block_size=4, num_blocks=14, max_num_seqs=5, max_num_batched_tokens=20, max_model_len=48,
+                    policy="fair", preemption_victim="cost", preemption_mode="auto", num_cpu_blocks=40,
+                    long_prefill_token_threshold=8),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    preemption_victim="cost", num_lookahead_tokens=2, async_scheduling=True,
+                    scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def test_soak_victim_rules_match_reference_step_by_step() -> None:
+    seen = 0
+    swapped = {"swap": 0, "auto": 0}
+    for i, cfg in enumerate(VICTIM_SOAK_CONFIGS):
+        # Swap and auto with one step in flight at a time: only a victim with no step in flight is swapped.
+        in_flight = 2 if cfg.preemption_mode == "recompute" else 1
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(777 + i)), max_in_flight=in_flight, fail_steps=False)
+        for _ in range(500):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.drain()
+        st = twin.ref.stats()
+        assert st.num_preemptions > 0, f"no preemption under {cfg}"
+        if cfg.preemption_mode != "recompute":
+            assert st.num_free_cpu_blocks == cfg.num_cpu_blocks, f"{cfg}: {st}"
+            swapped[cfg.preemption_mode] += st.num_swapped_out_reqs
+        seen += twin.coverage["victims_before_scheduled"]
+    assert seen > 0, "no victim was taken back out of its step"
+    assert all(n > 0 for n in swapped.values()), swapped
+
+
 def test_soak_short_matches_reference_step_by_step() -> None:
     soak(steps=3000, seed=1234)
+
+
+def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:
+    """Prompts of whole blocks from three shared families and few distinct tokens: a request whose prompt is
+    cached recomputes its last block and caches it again, and equal outputs fill equal blocks, so hashes are
+    cached in two blocks at once, evicted one copy at a time, and reset. Both implementations emit the same
+    events, and each stream replays to its prefix cache after every operation."""
+    cfg = SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
+                          prefix_hash_seed=7, enable_kv_cache_events=True,
+                          scheduler_reserve_full_isl=False)  # fmt: skip
+    total = Counter[str]()
+    for seed in range(3):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2, fail_steps=seed == 2)
+        twin.make_prompt = lambda max_len, twin=twin: twin.rand.choice(PREFIXES)[: 4 * twin.rand.int(1, 6)]
+        for _ in range(500):
+            twin.step()
+        twin.drain()
+        total += twin.kv_events.coverage
+    assert all(total[k] > 0 for k in ("stored", "removed", "stored_copy", "removed_copy", "cleared")), total
 
 
 def test_soak_context_parallel_matches_reference_step_by_step() -> None:
@@ -884,6 +1061,34 @@ def test_soak_context_parallel_matches_reference_step_by_step() -> None:
 
 def test_soak_small_kv_cache_matches_reference_step_by_step() -> None:
     soak(steps=900, seed=4321, configs=SMALL_CACHE_CONFIGS, throttle=True)
+
+
+# The waiting orders beyond fcfs/priority/fair under memory pressure (preemption, eviction of warm prefixes):
+# sjf (re-keyed residuals), slo (deadlines, some requests without one), tiers, aging under every policy, and
+# session affinity inside the fcfs window; every request may carry session_id, ttft_slo_s and order_key.
+ORDER_SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=5, max_num_batched_tokens=32, max_model_len=64,
+                    policy="sjf", max_wait_steps=6, prefix_hash_seed=11),
+    SchedulerConfig(block_size=4, num_blocks=28, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    policy="slo", default_ttft_slo_s=2.0, max_wait_steps=4, prefix_hash_seed=12),
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+                    cache_aware_admission_window=6, cache_aware_admission_threshold=0.3, max_wait_steps=5,
+                    session_ttl_steps=8, prefix_hash_seed=13),
+    SchedulerConfig(block_size=4, num_blocks=22, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+                    cache_aware_admission_window=6, cache_aware_admission_threshold=0.0, session_ttl_steps=30,
+                    prefix_hash_seed=17),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48,
+                    policy="priority", priority_aging_steps=4, max_wait_steps=3, prefix_hash_seed=14),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    policy="fair", tenant_weights={"t1": 3.0}, max_wait_steps=2, prefix_hash_seed=15),
+    SchedulerConfig(block_size=4, num_blocks=26, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64,
+                    policy="sjf", async_scheduling=True, num_lookahead_tokens=1, prefix_hash_seed=16,
+                    scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def test_soak_waiting_orders_match_reference_step_by_step() -> None:
+    soak(steps=2400, seed=1357, configs=ORDER_SOAK_CONFIGS, throttle=True, order_keywords=True)
 
 
 @pytest.mark.slow

@@ -410,8 +410,13 @@ def test_engine_with_triton_kernel_in_interpreter_matches_transformers(tmp_path:
 def test_a_bad_prompt_adds_nothing(tiny_llama: tuple[Path, Any]) -> None:
     path, _ = tiny_llama
     llm = LLM(path, dtype="float32", device="cpu", block_size=8, num_blocks=64, max_model_len=64)
-    with pytest.raises(ValueError):
-        llm.generate([[5, 6, 7], list(range(3, 100))], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        llm.add_request(list(range(3, 100)), SamplingParams(max_tokens=2))
+    assert not llm.has_unfinished_requests() and llm.runner.num_requests == 0
+    # generate() fails it alone: the good prompt beside it runs.
+    good, bad = llm.generate([[5, 6, 7], list(range(3, 100))], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert good.finish_reason == "length" and len(good.output_token_ids) == 2
+    assert bad.finish_reason == "error" and bad.error is not None and "max_model_len=64" in bad.error
     assert not llm.has_unfinished_requests() and llm.runner.num_requests == 0
     outs = llm.generate(np.array([5, 6, 7]), SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
     assert len(outs) == 1 and len(outs[0].output_token_ids) == 2

@@ -4,7 +4,16 @@ Layers, lowest first: the scheduler, the runner (``kvsched.runner``), the engine
 the command line, the benchmarks and the simulator. A module may import what is below it, never what is above:
 nothing under ``python/kvsched/runner/`` imports the engine, the CLI, the benchmarks or the simulator, in any
 form (absolute, relative, lazily inside a function, under ``TYPE_CHECKING``, or through a lazy name of
-``kvsched/__init__``). And the benchmark modules import each other without cycles.
+``kvsched/__init__``).
+
+And no two modules of the package import each other, directly or through others. Every import counts, wherever it
+stands: at module level, under ``TYPE_CHECKING``, or inside a function. A lazy import changes when the import
+runs, not that the two modules depend on each other, so it does not break a cycle; the package's lazy imports are
+there for optional dependencies (triton, vLLM) or to keep ``import kvsched`` from importing torch. A package counts
+as its ``__init__``; importing a submodule is not counted as importing its parent package (Python runs the
+parent's ``__init__`` first, but that only closes a cycle if the ``__init__`` imports back, which is counted). Names
+a package loads lazily through its ``_LAZY`` table count as imports of the module that defines them. Imports done
+with ``importlib`` at run time (the lazy tables' loader) are not seen.
 """
 
 from __future__ import annotations
@@ -128,4 +137,118 @@ def test_the_benchmark_modules_import_each_other_without_cycles() -> None:
         for name, path in modules.items()
     }
     assert "kvsched.bench.harness" in graph
+    assert find_cycle(graph) is None
+
+
+# ---- no import cycles in the package --------------------------------------------------------------------------
+
+
+def package_modules(root: Path, package: str = "kvsched") -> dict[str, Path]:
+    """Every module of the package under ``root``, by dotted name: each ``.py`` file (a package is its
+    ``__init__.py``) and each ``.pyi`` stub with no ``.py`` beside it (a native module such as ``_core``)."""
+    modules: dict[str, Path] = {}
+    for path in sorted(root.rglob("*.py*")):
+        if path.suffix == ".py" or (path.suffix == ".pyi" and not path.with_suffix(".py").exists()):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def lazy_tables(modules: dict[str, Path]) -> dict[str, dict[str, str]]:
+    """Each package's ``_LAZY`` table (public name -> submodule that defines it), read from its ``__init__``."""
+    tables: dict[str, dict[str, str]] = {}
+    for name, path in modules.items():
+        if path.name != "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            if any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in targets):
+                tables[name] = ast.literal_eval(value)
+    return tables
+
+
+def module_imports(
+    source: str, module: str, is_package: bool, modules: dict[str, Path], lazy: dict[str, dict[str, str]]
+) -> set[str]:
+    """The modules of the package that ``source`` (the text of ``module``) imports, anywhere in the file.
+
+    ``import a.b.c`` is the deepest of ``a.b.c``, ``a.b``, ``a`` that is a module of the package; ``from X import
+    n`` is ``X.n`` when that is a module (a submodule), else ``X`` (a name defined in ``X``), plus the submodule
+    that ``X``'s ``_LAZY`` table names for ``n``."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def deepest(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(m for alias in node.names if (m := deepest(alias.name)))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - (node.level - 1)], *([node.module] if node.module else [])])
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    found.add(f"{base}.{alias.name}")
+                    continue
+                if (m := deepest(base)) is not None:
+                    found.add(m)
+                if alias.name in lazy.get(base, {}):
+                    found.add(f"{base}.{lazy[base][alias.name]}")
+    found.discard(module)
+    return found
+
+
+def import_graph(root: Path, package: str = "kvsched") -> dict[str, set[str]]:
+    modules = package_modules(root, package)
+    lazy = lazy_tables(modules)
+    return {
+        name: module_imports(path.read_text(), name, path.name == "__init__.py", modules, lazy)
+        for name, path in modules.items()
+    }
+
+
+def test_the_import_graph_sees_every_form_of_an_import(tmp_path: Path) -> None:
+    files = {
+        "__init__.py": "import typing\nif typing.TYPE_CHECKING:\n    from .a import A\n_LAZY = {'A': 'a'}\n",
+        "_native.pyi": "def f() -> int: ...\n",
+        "a.py": "import pkg.sub.deep as d\nfrom . import _native\n",
+        "b.py": "def f():\n    from pkg import A\n",
+        "sub/__init__.py": "from .. import b\n",
+        "sub/deep.py": "from pkg.sub import thing\nimport os\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, "pkg")
+    assert graph == {
+        "pkg": {"pkg.a"},
+        "pkg._native": set(),
+        "pkg.a": {"pkg.sub.deep", "pkg._native"},
+        "pkg.b": {"pkg", "pkg.a"},  # a function-level import, of a lazy name
+        "pkg.sub": {"pkg.b"},
+        "pkg.sub.deep": {"pkg.sub"},
+    }
+    assert find_cycle(graph) == ["pkg", "pkg.a", "pkg.sub.deep", "pkg.sub", "pkg.b", "pkg"]
+    # Without the function-level import there is none.
+    (tmp_path / "b.py").write_text("def f():\n    pass\n")
+    assert find_cycle(import_graph(tmp_path, "pkg")) is None
+
+
+def test_the_package_has_no_import_cycles() -> None:
+    graph = import_graph(PKG_DIR)
+    # The graph is the real one: the stubbed native module, subpackages and their edges are in it.
+    assert "kvsched._core" in graph["kvsched.scheduler"]
+    assert "kvsched.runner.attention" in graph["kvsched.runner.triton_attention"]
+    assert "kvsched.vllm._connector" in graph["kvsched.vllm.scheduler"]
     assert find_cycle(graph) is None

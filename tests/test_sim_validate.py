@@ -54,7 +54,7 @@ def test_simulated_batches_equal_the_real_engine(tmp_path: Path) -> None:
     llm = LLM(path, device="cpu", seed=0, **CONFIG)
     fn = prompt_fn_for_vocab(w, int(llm.model_config.vocab_size))
     real = run_real(llm, w, fn)
-    sim = simulate(w, CONFIG, PRESETS["llama-3.2-1b-h100"], record_batches=True, prompt_fn=fn)
+    sim = simulate(w, CONFIG, PRESETS["llama-3.2-1b-h100"], record_batches=True, keep_records=True, prompt_fn=fn)
     assert sim.batches == real.batches
     rec = request_records(sim)
     assert rec.finished.all() and np.isfinite(real.finish).all()
@@ -228,7 +228,9 @@ def test_real_run_clock_counts_the_engine_not_the_harness(tmp_path: Path, monkey
     n = len(real.step_times)
     assert n > len(w) and real.step_times == pytest.approx([1e-3] * n)
     assert real.between_steps_s == pytest.approx(0.0, abs=1e-12) and len(idle_calls) > 1
-    sim = simulate(w, CONFIG, StepTimeModel(step_s=1e-3, name="1ms"), record_batches=True, prompt_fn=fn)
+    sim = simulate(
+        w, CONFIG, StepTimeModel(step_s=1e-3, name="1ms"), record_batches=True, keep_records=True, prompt_fn=fn
+    )
     assert sim.batches == real.batches
     rec = request_records(sim)
     np.testing.assert_allclose(real.first_token - w.arrival_time, rec.ttft, atol=1e-9)

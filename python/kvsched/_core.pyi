@@ -9,12 +9,29 @@ from typing_extensions import Self, disjoint_base
 
 from .config import SchedulerConfig
 
-__all__ = ["MAX_TOKEN_ID", "ModelInputs", "Scheduler", "SchedulerOutput", "UpdateResult", "vllm_sha256_block_hashes"]
+__all__ = [
+    "MAX_TOKEN_ID",
+    "ModelInputs",
+    "Router",
+    "Scheduler",
+    "SchedulerOutput",
+    "UpdateResult",
+    "_default_config",
+    "_validate_config",
+    "vllm_sha256_block_hashes",
+]
 
 MAX_TOKEN_ID: int
 
 _TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 _Ragged = tuple[npt.NDArray[np.integer[Any]], npt.NDArray[np.integer[Any]]] | Sequence[_TokenIds]
+
+def _default_config() -> dict[str, Any]:
+    """The core's ``SchedulerConfig::default()`` as a dict of the Python fields (for tests)."""
+
+def _validate_config(config: Any) -> None:
+    """Convert and validate ``config`` (any object with the config's attributes) as ``Scheduler(config)`` does,
+    without building a scheduler; raises what the core raises (for tests)."""
 
 def vllm_sha256_block_hashes(parent: bytes, token_ids: _TokenIds, block_size: int) -> list[bytes]:
     """vLLM's SHA-256 hashes (``sha256(pickle((parent, tuple(block), None)))``) of the full blocks of
@@ -144,6 +161,9 @@ class Scheduler:
         ready: bool | None = None,
         skip_reading_prefix_cache: bool | None = None,
         encoder_inputs: Sequence[tuple[int, int, int]] | None = None,
+        session_id: str | None = None,
+        ttft_slo_s: float | None = None,
+        order_key: int | None = None,
     ) -> None: ...
     def schedule(self, throttle_prefills: bool | None = None) -> SchedulerOutput: ...
     @property
@@ -186,3 +206,105 @@ class Scheduler:
     def running_req_ids(self) -> list[str]: ...
     def waiting_req_ids(self) -> list[str]: ...
     def get_num_cached_blocks(self, req_id: str) -> int: ...
+    def _take_kv_cache_events(
+        self,
+    ) -> tuple[
+        npt.NDArray[np.uint8],
+        npt.NDArray[np.uint8],
+        npt.NDArray[np.int32],
+        npt.NDArray[np.int32],
+        npt.NDArray[np.uint8],
+        npt.NDArray[np.bool_],
+        npt.NDArray[np.int32],
+        npt.NDArray[np.int32],
+        list[str | None],
+        list[str | None],
+    ]: ...
+    def cached_block_hashes(self) -> list[bytes]: ...
+
+# -- the router (rust/kvsched-py/src/router.rs); use kvsched.router.Router, which normalises the arguments -------
+
+_Decision = tuple[str, str, int, int, int, float]
+_U64 = npt.NDArray[np.uint64]
+
+@final
+class Router:
+    """The native router: prefix index, load and policies of ``kvsched-router``."""
+
+    def __new__(cls, config: Any) -> Self: ...
+    def add_replica(self, replica: str) -> None: ...
+    def remove_replica(self, replica: str) -> list[str]: ...
+    def set_healthy(self, replica: str, healthy: bool) -> None: ...
+    def replicas(self) -> list[tuple[str, bool]]: ...
+    def apply_events(
+        self,
+        replica: str,
+        kinds: npt.NDArray[np.uint8],
+        hashes: _U64,
+        hashes_indptr: npt.NDArray[np.int64],
+        parents: _U64,
+        has_parent: npt.NDArray[np.bool_],
+        token_ids: npt.NDArray[np.int64],
+        token_ids_indptr: npt.NDArray[np.int64],
+        block_sizes: npt.NDArray[np.int64],
+    ) -> None: ...
+    def update_load(
+        self,
+        replica: str,
+        num_waiting: int,
+        num_running: int,
+        num_waiting_tokens: int,
+        num_running_tokens: int,
+        kv_usage: float,
+    ) -> None: ...
+    def rank(
+        self,
+        prompt_token_ids: _TokenIds | None,
+        block_hashes: _U64 | None,
+        num_prompt_tokens: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+        session_id: str | None,
+        candidates: list[str] | None,
+    ) -> tuple[list[str], _Decision]: ...
+    def route(
+        self,
+        req_id: str,
+        prompt_token_ids: _TokenIds | None,
+        block_hashes: _U64 | None,
+        num_prompt_tokens: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+        session_id: str | None,
+        candidates: list[str] | None,
+    ) -> _Decision: ...
+    def assign(
+        self,
+        req_id: str,
+        replica: str,
+        prompt_token_ids: _TokenIds | None,
+        block_hashes: _U64 | None,
+        num_prompt_tokens: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+        session_id: str | None,
+    ) -> _Decision: ...
+    def prefill_done(self, req_id: str) -> None: ...
+    def finish(self, req_id: str) -> None: ...
+    def load(self, replica: str) -> tuple[int, int, int, int, float]: ...
+    def num_cached_blocks(self, replica: str) -> int: ...
+    def overlaps(
+        self,
+        prompt_token_ids: _TokenIds | None,
+        block_hashes: _U64 | None,
+        num_prompt_tokens: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> list[tuple[str, int]]: ...
+    def prompt_keys(self, prompt_token_ids: _TokenIds, lora_name: str | None, cache_salt: str | None) -> _U64: ...
+    def in_flight(self, replica: str) -> list[str]: ...
+    @property
+    def num_in_flight(self) -> int: ...
+    @property
+    def num_sessions(self) -> int: ...
+    def check_invariants(self) -> None: ...

@@ -8,14 +8,17 @@ The Rust extension raises these very classes (it imports this module), so there 
 from __future__ import annotations
 
 __all__ = [
+    "DuplicateReplicaError",
     "DuplicateRequestError",
     "InternalError",
     "InvalidConfigError",
     "InvalidOutputError",
     "InvalidRequestError",
     "KVConnectorError",
+    "NoReplicaAvailableError",
     "SchedulerError",
     "SchedulerTypeError",
+    "UnknownReplicaError",
     "UnknownRequestError",
 ]
 
@@ -29,7 +32,8 @@ class InvalidConfigError(SchedulerError, ValueError):
 
 
 class InvalidRequestError(SchedulerError, ValueError):
-    """``add_request`` got a bad argument (empty or over-long prompt, bad token id, bad sampling limits...)."""
+    """``add_request`` got a bad argument (empty or over-long prompt, bad token id, bad sampling limits...), or a
+    :class:`kvsched.router.Router` call did (a bad prompt or block event)."""
 
 
 class DuplicateRequestError(InvalidRequestError):
@@ -57,3 +61,18 @@ class KVConnectorError(SchedulerError, TypeError):
 
 class InternalError(SchedulerError, RuntimeError):
     """A bug in kvsched itself (an internal invariant failed). Please report it."""
+
+
+class UnknownReplicaError(SchedulerError, KeyError):
+    """A replica name that the :class:`kvsched.router.Router` does not know (never added, or removed)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateReplicaError(SchedulerError, ValueError):
+    """``Router.add_replica`` got a name that is already registered."""
+
+
+class NoReplicaAvailableError(SchedulerError, RuntimeError):
+    """The router has no healthy replica (among the candidates given) to send a request to."""

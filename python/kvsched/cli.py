@@ -19,12 +19,71 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_parser", "main"]
+from ._cliutil import (
+    OneLineArgumentParser,
+    UsageError,
+    check_output_dir,
+    check_output_file,
+    int_at_least,
+    one_line,
+    parse_csv_numbers,
+)
+from .config import POLICIES
+
+__all__ = ["BENCH_IMPLS", "build_parser", "main"]
 
 DEFAULT_JSON = "bench-results/bench.json"
 DEFAULT_PLOT = "bench-results/bench.png"
 QUICK_SCALE = 0.05
 QUICK_SCALING_SIZES = "16,32,64,128"
+# What `kvsched bench --impl` accepts (kvsched.bench.harness.IMPLS; a test keeps the two the same).
+BENCH_IMPLS = {
+    "rust": "kvsched.Scheduler",
+    "reference": "the pure-Python reference scheduler",
+    "vllm": "vLLM's own v1 scheduler",
+    "vllm-adapter": "kvsched.vllm.Scheduler, kvsched behind vLLM's scheduler interface",
+}
+
+
+def _bench_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` items as scenario overrides (``LO:HI`` for a range field); ValueError names a bad
+    one."""
+    from dataclasses import fields
+
+    from .bench.workloads import Scenario
+    from .config import SchedulerConfig
+
+    scenario_fields = {f.name for f in fields(Scenario)} - {"name", "description", "config", "scale"}
+    config_fields = {f.name for f in fields(SchedulerConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = (part.strip() for part in item.partition("="))
+        if not sep or not key or not text:
+            raise ValueError(f"--set takes FIELD=VALUE, got {item!r}")
+        if key not in scenario_fields | config_fields:
+            raise ValueError(f"--set: unknown field {key!r} (a workload field or a SchedulerConfig field)")
+        if key in ("prompt_len", "output_len", "prefix_len"):
+            lo, colon, hi = text.partition(":")
+            try:
+                out[key] = (int(lo), int(hi if colon else lo))
+            except ValueError:
+                raise ValueError(f"--set {key} takes N or LO:HI, got {text!r}") from None
+            continue
+        low = text.lower()
+        value: Any = text
+        if low in ("true", "false"):
+            value = low == "true"
+        elif low == "none":
+            value = None
+        else:
+            for conv in (int, float):
+                try:
+                    value = conv(text)
+                    break
+                except ValueError:
+                    pass
+        out[key] = value
+    return out
 
 
 def _csv(text: str) -> list[str]:
@@ -61,8 +120,10 @@ def _add_bench_parser(subparsers: Any) -> None:
     p.add_argument(
         "--impl",
         default="rust",
-        help="comma-separated implementations: rust, reference, vllm (default: rust). With several, the "
-        "same trace runs through each and the ratios to rust are printed",
+        help="comma-separated implementations: "
+        + "; ".join(f"{name} ({what})" for name, what in BENCH_IMPLS.items())
+        + ". Default rust; vllm and vllm-adapter need vLLM installed. With several, the same trace runs through "
+        "each and the ratios to rust are printed",
     )
     p.add_argument(
         "--scale",
@@ -95,9 +156,13 @@ def _add_bench_parser(subparsers: Any) -> None:
         help="run the scaling check (pure decode at 64..2048 running); alone unless --workloads is given",
     )
     p.add_argument("--scaling-sizes", default=None, help="comma-separated running counts for --scaling")
-    p.add_argument("--scaling-steps", type=int, default=200, help="timed decode steps per size (%(default)s)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="warm-up steps per run (default 50; quick 10)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop each run after this many steps")
+    p.add_argument(
+        "--scaling-steps", type=int_at_least(1), default=200, help="timed decode steps per size (%(default)s)"
+    )
+    p.add_argument(
+        "--warmup-steps", type=int_at_least(0), default=None, help="warm-up steps per run (default 50; quick 10)"
+    )
+    p.add_argument("--max-steps", type=int_at_least(1), default=None, help="stop each run after this many steps")
     p.add_argument(
         "--cold",
         type=_non_negative_float,
@@ -108,24 +173,35 @@ def _add_bench_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--repeat",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="run each workload this many times and keep the run with the lowest median (default 3; quick 1); "
         "several implementations take turns run by run",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    p.add_argument("--policy", choices=POLICIES, default=None, help="override the workloads' policy")
     p.add_argument(
-        "--policy", choices=("fcfs", "priority", "fair"), default=None, help="override the workloads' policy"
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a workload field (num_requests, prompt_len=LO:HI, output_len=LO:HI, arrival_rate, ...) or "
+        "a scheduler config field (max_num_seqs=256, max_wait_steps=50, ...) in every workload; repeatable, "
+        "applied after the other options",
     )
     p.add_argument(
         "--admission-window",
-        type=int,
+        type=int_at_least(0),
         default=None,
         metavar="N",
         help="override cache_aware_admission_window (fcfs only; workload f uses 16, the others 0)",
     )
     p.add_argument(
-        "--tenants", type=int, default=None, metavar="N", help="spread each workload's requests over N tenants"
+        "--tenants",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="spread each workload's requests over N tenants",
     )
     p.add_argument(
         "--admission-threshold", type=float, default=None, metavar="X", help="override cache_aware_admission_threshold"
@@ -139,13 +215,19 @@ def _add_bench_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--cpu-blocks",
-        type=int,
+        type=int_at_least(0),
         default=None,
         metavar="N",
         help="CPU swap-pool blocks for swap/auto (default: the workload's, else as many as its GPU pool)",
     )
     p.add_argument("--recompute-cost", type=_non_negative_float, default=None, help="auto: recompute_cost_per_token")
     p.add_argument("--swap-cost", type=_non_negative_float, default=None, help="auto: swap_cost_per_block")
+    p.add_argument(
+        "--preemption-victim",
+        choices=("default", "lcf", "cost"),
+        default=None,
+        help="override the victim rule (preemption_victim): vLLM's, least computed first, or the cost score",
+    )
     p.set_defaults(func=_run_bench)
 
 
@@ -164,7 +246,9 @@ def _add_simulate_parser(subparsers: Any) -> None:
     w.add_argument("--rate", type=_positive_float, default=None, help="requests per second (default 4)")
     w.add_argument("--rates", default=None, help="comma-separated request rates to sweep (overrides --rate)")
     w.add_argument("--duration", type=_positive_float, default=60.0, help="seconds of arrivals (%(default)s)")
-    w.add_argument("--num-requests", type=int, default=None, help="this many requests instead of --duration")
+    w.add_argument(
+        "--num-requests", type=int_at_least(1), default=None, help="this many requests instead of --duration"
+    )
     w.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
     w.add_argument("--cv", type=_positive_float, default=1.0, help="gamma arrivals: CV of the gaps (>1: bursty)")
     w.add_argument("--prompt-len", default="1024", help="N, uniform:LO:HI or lognormal:MEAN:CV (%(default)s)")
@@ -173,11 +257,11 @@ def _add_simulate_parser(subparsers: Any) -> None:
         "--tenants", default=None, help="name:share[:weight[:priority]],... e.g. a:0.8,b:0.1,c:0.1:2 (default one)"
     )
     w.add_argument("--priorities", default=None, help="priority classes value:fraction,... e.g. 0:0.2,1:0.8")
-    w.add_argument("--prefix-groups", type=int, default=0, help="number of shared-prefix groups")
-    w.add_argument("--prefix-len", type=int, default=0, help="tokens of each group's shared prefix")
+    w.add_argument("--prefix-groups", type=int_at_least(0), default=0, help="number of shared-prefix groups")
+    w.add_argument("--prefix-len", type=int_at_least(0), default=0, help="tokens of each group's shared prefix")
     w.add_argument("--prefix-fraction", type=float, default=0.0, help="share of requests in a prefix group")
     w.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace instead (see docs)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int_at_least(0), default=0)
     w.add_argument("--dump-trace", type=Path, default=None, metavar="JSONL", help="write the generated workload")
     w.add_argument("--dump-only", action="store_true", help="with --dump-trace: write it and stop")
     s = p.add_argument_group("scheduler and model")
@@ -198,13 +282,42 @@ def _add_simulate_parser(subparsers: Any) -> None:
     s.add_argument("--list-presets", action="store_true", help="print the step-time presets and stop")
     s.add_argument("--horizon", type=_positive_float, default=None, help="stop at this simulated time (s)")
     m = p.add_argument_group("metrics and output")
-    m.add_argument("--slo-ttft", type=_positive_float, default=None, help="TTFT target for goodput (s)")
-    m.add_argument("--slo-tpot", type=_positive_float, default=None, help="TPOT target for goodput (s)")
+    m.add_argument("--slo-ttft", type=_positive_float, default=None, help="TTFT target for goodput and SLO %% (s)")
+    m.add_argument(
+        "--slo-tpot",
+        type=_positive_float,
+        default=None,
+        help="TPOT target for goodput and SLO %% (s); without either, the table shows '-' for both",
+    )
     m.add_argument("--window", type=_positive_float, default=None, help="fairness window (s; default run/20)")
-    m.add_argument("--out", type=Path, default=Path("sim-results"), help="output directory (%(default)s)")
+    m.add_argument(
+        "--out", type=Path, default=Path("sim-results"), help="output directory, created if needed (%(default)s)"
+    )
     m.add_argument("--per-request", action="store_true", help="also write one CSV row per request")
+    m.add_argument(
+        "--jobs",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="run the sweep's points in N worker processes (default: the number of cores; 1: in this process)",
+    )
+    m.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the sweep's points as Ray tasks (a local Ray cluster, or RAY_ADDRESS's; the ray extra)",
+    )
+    m.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --ray: join this Ray cluster (e.g. auto, ray://h:10001)",
+    )
     m.add_argument("--plot", action="store_true", help="write PNG figures to --out (needs matplotlib)")
-    m.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    m.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress on stderr (default: one bar over all the runs on a terminal, a line per run elsewhere)",
+    )
     c = p.add_argument_group("calibration (needs the torch extra)")
     c.add_argument("--calibrate", action="store_true", help="fit a step-time model to the real runner and stop")
     c.add_argument("--model", default=None, help="with --calibrate: a Hugging Face model directory")
@@ -217,6 +330,21 @@ def _add_simulate_parser(subparsers: Any) -> None:
         help="run the workload through kvsched.LLM on --model and through the simulator (--step-model; "
         "'--step-model calibrate' calibrates on the same engine first); compare batches and TTFT/e2e "
         "percentiles, write --out/validate.json",
+    )
+    c.add_argument(
+        "--engine",
+        choices=("kvsched", "vllm"),
+        default="kvsched",
+        help="with --calibrate/--validate: the engine timed and replayed: kvsched.LLM, or a vLLM engine (vLLM's "
+        "LLMEngine on --model, its scheduler timed by a subclass; --set max_num_seqs, max_num_batched_tokens, "
+        "max_model_len, num_blocks pass to it)",
+    )
+    c.add_argument(
+        "--vllm-scheduler",
+        default="vllm,kvsched",
+        metavar="S",
+        help="with --engine vllm: vllm (its own), kvsched (kvsched.vllm.Scheduler) or both, comma-separated "
+        "(--validate runs each; --calibrate the first) (%(default)s)",
     )
     c.add_argument(
         "--clock",
@@ -244,7 +372,7 @@ def _add_optional_subcommands(subparsers: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvsched", description="kvsched: a microsecond LLM scheduler core")
+    parser = OneLineArgumentParser(prog="kvsched", description="kvsched: a microsecond LLM scheduler core")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_bench_parser(subparsers)
     _add_simulate_parser(subparsers)
@@ -277,7 +405,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         format_ratios,
         format_scaling,
         format_table,
-        result_to_dict,
+        format_target_legend,
         write_json,
     )
     from kvsched.bench.trace import TraceFormatError, dump_trace, load_trace
@@ -288,12 +416,23 @@ def _run_bench(args: argparse.Namespace) -> int:
     scale = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
     warmup = args.warmup_steps if args.warmup_steps is not None else (10 if args.quick else 50)
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
-    if repeat < 1:
-        print("kvsched bench: --repeat must be >= 1", file=err)
-        return 2
     impls = _csv(args.impl)
     if not impls:
         print("kvsched bench: --impl is empty", file=err)
+        return 2
+    for impl in impls:
+        if impl not in BENCH_IMPLS:
+            print(f"kvsched bench: --impl: unknown implementation {impl!r}; choose from {', '.join(BENCH_IMPLS)}",
+                  file=err)  # fmt: skip
+            return 2
+    sizes: list[int] = []
+    try:
+        if args.scaling:
+            sizes_text = args.scaling_sizes or (QUICK_SCALING_SIZES if args.quick else "64,128,256,512,1024,2048")
+            sizes = [int(n) for n in parse_csv_numbers(sizes_text, "--scaling-sizes", integer=True, minimum=1,
+                                                       inclusive=True)]  # fmt: skip
+    except UsageError as exc:
+        print(f"kvsched bench: {exc}", file=err)
         return 2
     progress = Progress(enabled=not args.no_progress)
 
@@ -317,6 +456,9 @@ def _run_bench(args: argparse.Namespace) -> int:
                 overrides["recompute_cost_per_token"] = args.recompute_cost
             if args.swap_cost is not None:
                 overrides["swap_cost_per_block"] = args.swap_cost
+            if args.preemption_victim is not None:
+                overrides["preemption_victim"] = args.preemption_victim
+            overrides.update(_bench_sets(args.set))
             scenarios = [replace(get_scenario(n), **overrides) for n in names]
             if args.preemption_mode is not None:
                 scenarios = [
@@ -327,6 +469,20 @@ def _run_bench(args: argparse.Namespace) -> int:
                 sc.scheduler_config()  # a bad combination fails here, before anything runs
             workloads = [generate(sc) for sc in scenarios]
     except (ValueError, OSError, TraceFormatError) as exc:  # InvalidConfigError is a ValueError
+        print(f"kvsched bench: {exc}", file=err)
+        return 2
+    try:
+        # Every output path is checked before anything runs (a run can take minutes).
+        if args.dump_trace is not None:
+            check_output_dir(args.dump_trace, "--dump-trace")
+        if not (args.dump_trace is not None and args.dump_only):
+            if not args.no_json:
+                check_output_file(args.json, "--json")
+            if args.markdown is not None:
+                check_output_file(args.markdown, "--markdown")
+            if args.plot is not None:
+                check_output_file(args.plot, "--plot")
+    except UsageError as exc:
         print(f"kvsched bench: {exc}", file=err)
         return 2
 
@@ -359,8 +515,6 @@ def _run_bench(args: argparse.Namespace) -> int:
                     )
             results.extend(best_of(runs[impl]) for impl in impls)
         if args.scaling:
-            sizes_text = args.scaling_sizes or (QUICK_SCALING_SIZES if args.quick else "64,128,256,512,1024,2048")
-            sizes = [int(s) for s in _csv(sizes_text)]
             steps = min(args.scaling_steps, 50) if args.quick else args.scaling_steps
             for impl in impls:
                 scaling.extend(run_scaling(impl, sizes, num_steps=steps, progress=progress))
@@ -370,14 +524,16 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     doc = build_document(results, scaling=scaling, per_step=args.per_step, argv=sys.argv)
     if results:
-        print(format_table([result_to_dict(r) for r in results]))
+        print(format_table(doc["results"]))
+        for line in format_target_legend(doc["results"]):
+            print(line)
         text = format_ratios(doc["ratios"])
         if text:
             print()
             print(text)
         if args.preemption_mode is not None:
             print()
-            print(format_preemption([result_to_dict(r) for r in results]))
+            print(format_preemption(doc["results"]))
     if doc["scaling"]:
         print()
         print(format_scaling(doc["scaling"]))
@@ -409,6 +565,24 @@ def _with_mode(scenario: Any, mode: str, cpu_blocks: int | None) -> Any:
     return replace(scenario, name=f"{scenario.name}-{mode}", preemption_mode=mode, num_cpu_blocks=num_cpu)
 
 
+def _is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a mistake in what the user asked for (printed on one line, exit status 2) rather than a
+    bug in kvsched (which keeps its traceback): kvsched's typed errors other than ``InternalError``, a bad trace
+    or workload option, a bad argument, an implementation that is not installed."""
+    from ._errors import InternalError, SchedulerError
+    from ._jsonl import TraceFormatError
+
+    if isinstance(exc, (UsageError, TraceFormatError)):
+        return True
+    if isinstance(exc, SchedulerError):
+        return not isinstance(exc, InternalError)
+    if type(exc).__name__ == "ImplUnavailableError":
+        from kvsched.bench.driver import ImplUnavailableError
+
+        return isinstance(exc, ImplUnavailableError)
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -416,7 +590,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    result = func(args)
+    try:
+        result = func(args)
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
+        print(f"kvsched {args.command}: {one_line(str(exc))}", file=sys.stderr)
+        return 2
     return int(result) if result is not None else 0
 
 

@@ -1,5 +1,9 @@
 """``kvsched generate``: generate from a local Hugging Face model directory with :class:`kvsched.LLM`.
 
+Exit status: 0 when every request finished; 1 when any request finished with an error (its message is on
+stderr, and under ``--json`` in its record's ``error``; the other requests' outputs are printed as usual); 2 for
+a bad command line, option or model directory (a one-line message on stderr, no traceback).
+
 Nothing here imports torch until the command runs, so the ``kvsched`` parser stays fast and works without the
 ``torch`` extra.
 """
@@ -33,7 +37,11 @@ def add_generate_parser(subparsers: Any) -> None:
         "tokenizer.json for text prompts) with the kvsched scheduler and its torch runner. "
         "No network access.",
     )
-    p.add_argument("--model", required=True, help="model directory")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="model directory (a tiny random-weight one for trying things: python -m kvsched.runner.testing DIR)",
+    )
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], type=_token_ids, help='token ids "1,2,3" (repeatable)')
     p.add_argument("--max-tokens", type=int, default=16)
@@ -45,7 +53,7 @@ def add_generate_parser(subparsers: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (auto: float32 on cpu)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (default: SchedulerConfig's)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-fraction", type=float, default=0.85)
@@ -62,6 +70,8 @@ def run_generate(args: argparse.Namespace) -> int:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         print(f"kvsched generate: {exc}; install the torch extra: pip install 'kvsched[torch]'", file=sys.stderr)
         return 2
+    from kvsched._errors import SchedulerError
+
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -82,15 +92,19 @@ def run_generate(args: argparse.Namespace) -> int:
             gpu_memory_fraction=args.gpu_memory_fraction,
         )
         prompts: list[Any] = [*args.prompt, *args.prompt_ids]
-        outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+        outputs = llm.generate(prompts, params)
     except ImportError as exc:
         print(f"kvsched generate: {exc}; install the torch extra: pip install 'kvsched[torch]'", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as exc:
+    except (SchedulerError, ValueError, OSError) as exc:  # a bad option or model directory: no traceback
         print(f"kvsched generate: {exc}", file=sys.stderr)
         return 2
-    for o in outputs:
+    num_errors = 0
+    for i, o in enumerate(outputs):
         ttft, tpot = o.metrics.time_to_first_token, o.metrics.time_per_output_token
+        if o.error is not None:
+            num_errors += 1
+            print(f"kvsched generate: request {i} failed: {o.error}", file=sys.stderr)
         if args.json:
             record = {
                 "prompt": o.prompt,
@@ -98,6 +112,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 "output_token_ids": o.output_token_ids,
                 "text": o.text,
                 "finish_reason": o.finish_reason,
+                "error": o.error,
                 "time_to_first_token_s": ttft,
                 "time_per_output_token_s": tpot,
             }
@@ -110,4 +125,4 @@ def run_generate(args: argparse.Namespace) -> int:
         if tpot is not None:
             timing += f", {1e3 * tpot:.1f} ms/token"
         print(f"  [{o.finish_reason}, {len(o.output_token_ids)} tokens, {timing}]")
-    return 0
+    return 1 if num_errors else 0

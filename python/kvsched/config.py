@@ -1,38 +1,82 @@
-"""Scheduler configuration, validated on construction.
+"""Scheduler configuration: one table of fields, from which the dataclass, its validation and the docs come.
 
-The same :class:`SchedulerConfig` drives the Rust scheduler and the pure-Python reference; the Rust core checks
-the values again on its side.
+:class:`SchedulerConfig` is declared once: each field carries its type (the annotation), its default, and in its
+metadata a :class:`FieldSpec` with the valid range or choices and a one-line doc. Validation walks that table
+(type, fixed range, power of two), then applies the rules that tie fields together (explicit code below);
+:func:`fields_markdown` renders the same table for ``docs/semantics.md``. The same config drives the Rust
+scheduler and the pure-Python reference; the Rust core checks the values again with the same rules and the same
+messages (``tests/test_config.py`` holds the two sides together, defaults included).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from ._errors import InvalidConfigError, SchedulerTypeError
 
-__all__ = ["POLICIES", "PREEMPTION_MODES", "PREFIX_HASH_ALGOS", "SchedulerConfig", "check_preemption_costs"]
+__all__ = [
+    "CONFIG_FIELDS",
+    "DEFAULT_BLOCK_SIZE",
+    "POLICIES",
+    "PREEMPTION_MODES",
+    "PREEMPTION_VICTIMS",
+    "PREFIX_HASH_ALGOS",
+    "ConfigField",
+    "FieldSpec",
+    "SchedulerConfig",
+    "check_preemption_costs",
+    "fields_markdown",
+]
 
-KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
-POLICIES = ("fcfs", "priority", "fair")
-PREEMPTION_MODES = ("recompute", "swap", "auto")
-PREFIX_HASH_ALGOS = ("xxh3_128", "sha256")
-_I32_MAX = 2**31 - 1
+Policy = Literal["fcfs", "priority", "fair", "sjf", "slo"]
+PreemptionMode = Literal["recompute", "swap", "auto"]
+PrefixHashAlgo = Literal["xxh3_128", "sha256"]
+KvLoadFailurePolicy = Literal["recompute", "fail"]
+PreemptionVictim = Literal["default", "lcf", "cost"]
+
+POLICIES: tuple[str, ...] = get_args(Policy)
+PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
+PREFIX_HASH_ALGOS: tuple[str, ...] = get_args(PrefixHashAlgo)
+KV_LOAD_FAILURE_POLICIES: tuple[str, ...] = get_args(KvLoadFailurePolicy)
+PREEMPTION_VICTIMS: tuple[str, ...] = get_args(PreemptionVictim)
+
+# vLLM's default block size; every module that needs a default block size reads it from here.
+DEFAULT_BLOCK_SIZE = 16
+I32_MAX = 2**31 - 1
 # The pool keeps ~50 bytes of bookkeeping per block; 2**24 blocks (~800 MB) is far above any real GPU's pool.
 MAX_NUM_BLOCKS = 2**24
 
 
-def _check_int(name: str, value: Any, minimum: int, maximum: int = _I32_MAX) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if not minimum <= value <= maximum:
-        raise InvalidConfigError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+@dataclass(frozen=True)
+class FieldSpec:
+    """What the table says about a field beyond its name, type and default: its valid values and its doc."""
+
+    doc: str
+    lo: int = 0
+    # The upper bound: for an int field, None means int32's maximum; for a float field, None means "finite".
+    hi: int | None = None
+    hi_open: bool = False  # a float field's upper bound is excluded
+    hi_field: str | None = None  # another field whose value bounds this one from above too
+    power_of_two: bool = False
+    valid: str | None = None  # the valid values in words, for the fields that explicit code checks
+    lo_open: bool = False  # a float field's lower bound is excluded
 
 
-def _is_real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _spec(
+    doc: str,
+    *,
+    lo: int = 0,
+    hi: int | None = None,
+    hi_open: bool = False,
+    hi_field: str | None = None,
+    power_of_two: bool = False,
+    valid: str | None = None,
+    lo_open: bool = False,
+) -> dict[str, FieldSpec]:
+    return {"spec": FieldSpec(doc, lo, hi, hi_open, hi_field, power_of_two, valid, lo_open)}
 
 
 def check_tenant_weight(
@@ -78,160 +122,393 @@ def check_preemption_costs(
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Configuration of a :class:`~kvsched.Scheduler` (field names follow vLLM).
+    """Configuration of a :class:`~kvsched.Scheduler` (field names and defaults follow vLLM).
 
-    See ``docs/semantics.md`` for what each field does.
+    The table of fields, with what each does and its valid values, is in ``docs/semantics.md``
+    ("Configuration"), generated from the field metadata here. A bad value raises ``InvalidConfigError``.
     """
 
-    block_size: int = 16
-    num_blocks: int = 4096
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 8192
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: Literal["fcfs", "priority", "fair"] = "fcfs"
-    num_lookahead_tokens: int = 0
-    num_speculative_tokens: int | None = None
-    prefix_hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
-    prefix_hash_seed: int | str | bytes | None = None
-    scheduler_reserve_full_isl: bool = True
-    cache_aware_admission_window: int = 0
-    cache_aware_admission_threshold: float = 0.5
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)
-    fair_prefill_weight: float = 1.0
-    fair_decode_weight: float = 2.0
-    priority_aging_steps: int = 0
-    async_scheduling: bool = False
-    max_loras: int = 0
-    watermark: float = 0.0
-    preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
-    num_cpu_blocks: int = 0
-    recompute_cost_per_token: float = 1.0
-    swap_cost_per_block: float = 1.0
-    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
-    max_num_active_seqs: int | None = None
-    long_prefill_token_threshold_adaptive: bool = False
-    prefill_schedule_interval: int = 1
-    # True: a request waiting for its grammar is parked out of `waiting` and queued at its front, in the order
-    # added, once ready (newer vLLM). False: it keeps its place in `waiting` and is skipped by each admission
-    # pass that reaches it (vLLM 0.33, used by kvsched.vllm).
-    park_grammar_waits: bool = True
-    # Context parallelism (vLLM's ParallelConfig): DCP shards the KV cache, so a block id covers
-    # block_size * dcp_world_size tokens (kv_block_size); PCP does not change the block unit (vLLM 0.33).
-    dcp_world_size: int = 1
-    pcp_world_size: int = 1
-    cp_kv_cache_interleave_size: int = 1
-    # Encoder inputs (multimodal): the encoder tokens a step may compute and the encoder cache's capacity in
-    # encoder tokens (vLLM's encoder compute budget and encoder_cache_size); 0 accepts no encoder inputs.
-    max_num_encoder_input_tokens: int = 0
-    encoder_cache_size: int = 0
-    # vLLM's disable_chunked_mm_input: a prefill chunk stops before an encoder input it cannot cover whole.
-    disable_chunked_mm_input: bool = False
-    # True: a request whose asynchronous KV load is in progress is parked out of every queue and joins the back of
-    # the loaded requests once its load is over. False: it keeps its place among the requests holding KV blocks
-    # and is skipped by each admission pass that reaches it while loading (vLLM 0.33, used by kvsched.vllm).
-    park_kv_loads: bool = True
-    # vLLM 0.33's reservation for asynchronous KV loads: one is admitted only if it fits beside what the in-flight
-    # prefills (earlier async loads, admitted requests with prompt left) still need for their whole sequence.
-    reserve_inflight_prefills: bool = False
-    # Rules where vLLM releases differ (docs/semantics.md; True is vLLM 0.33, False vLLM 0.32). Which LoRA
-    # adapters count against max_loras at admission: every running request's (True) or only those of the running
-    # requests scheduled in this step (False).
-    max_loras_counts_unscheduled: bool = True
-    # Under policy "priority", a running request that preempts itself for lack of blocks: the pass over the
-    # running requests goes on with the next one (True) or ends there, as under "fcfs" (False).
-    continue_after_self_preemption: bool = True
-    # With speculative decoding, the blocks a step's accepted tokens complete are cached when its output is
-    # applied (True) or at the request's next allocation (False; with output placeholders they always are).
-    cache_drafts_at_update: bool = True
-    # A stop inside a step's tokens cuts the request's computed count back to the tokens kept (True) or leaves it
-    # (False: the blocks a KV connector gets at the finish also cover the cut tokens).
-    trim_computed_on_stop: bool = True
+    block_size: int = field(
+        default=DEFAULT_BLOCK_SIZE, metadata=_spec("tokens per KV block", lo=1, hi=1024, power_of_two=True)
+    )
+    num_blocks: int = field(
+        default=4096,
+        metadata=_spec(
+            "blocks in the pool, including the null block 0; `num_blocks * block_size * dcp_world_size` must fit "
+            "in int32 slot ids",
+            lo=2,
+            hi=MAX_NUM_BLOCKS,
+        ),
+    )
+    max_num_seqs: int = field(default=256, metadata=_spec("most requests in `running`", lo=1))
+    max_num_batched_tokens: int = field(default=8192, metadata=_spec("token budget per step", lo=1))
+    max_model_len: int = field(
+        default=8192,
+        metadata=_spec(
+            "most tokens (prompt + output) of one request. The KV cache may hold fewer tokens than `max_model_len`, "
+            "as vLLM's scheduler allows (its engine sizes the cache, not the scheduler): `add_request` then refuses "
+            "every request that could never fit (see [Requests that could never fit](#requests-that-could-never-fit))",
+            lo=2,
+        ),
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_spec("reuse the full KV blocks of identical prefixes (chained block hashes)")
+    )
+    enable_kv_cache_events: bool = field(
+        default=False,
+        metadata=_spec(
+            "record the blocks entering and leaving the prefix cache as vLLM's KV cache events, taken with "
+            "`take_kv_cache_events()` (see [KV cache events](#kv-cache-events)); off, they cost nothing"
+        ),
+    )
+    enable_chunked_prefill: bool = field(
+        default=True,
+        metadata=_spec(
+            "if False, a prompt is computed in one step; `max_num_batched_tokens` may be below `max_model_len` (as "
+            "in vLLM's scheduler): `add_request` refuses the requests that could not be recomputed in one step (see "
+            "[Requests that could never fit](#requests-that-could-never-fit))"
+        ),
+    )
+    long_prefill_token_threshold: int = field(
+        default=0, metadata=_spec("if > 0, caps the tokens one request gets per step")
+    )
+    policy: Policy = field(
+        default="fcfs",
+        metadata=_spec(
+            "the order of the waiting queue: first come first served, by priority, weighted fair share across "
+            "tenants, shortest uncached prompt first, or earliest TTFT deadline first (see "
+            "[Admission policies](#admission-policies))"
+        ),
+    )
+    num_lookahead_tokens: int = field(
+        default=0,
+        metadata=_spec(
+            "extra KV slots reserved for running requests (speculative decoding, vLLM's `num_lookahead_tokens`)",
+            hi=1024,
+        ),
+    )
+    num_speculative_tokens: int | None = field(
+        default=None,
+        metadata=_spec(
+            "draft tokens per request per step, `k` below (vLLM's `num_speculative_tokens`): the padding of new "
+            "decodes, the placeholder drafts of async scheduling, the most drafts a request holds. None: "
+            "`num_lookahead_tokens` (EAGLE-style drafters reserve one KV slot per draft; an n-gram drafter reserves "
+            "none and sets only this)",
+            hi=1024,
+        ),
+    )
+    prefix_hash_algo: PrefixHashAlgo = field(
+        default="xxh3_128",
+        metadata=_spec("the block hash: fast, or collision resistant (for adversarial multi-tenant use)"),
+    )
+    prefix_hash_seed: int | str | bytes | None = field(
+        default=None,
+        metadata=_spec(
+            "seeds the hash chain; None draws a random seed per scheduler", valid="None, an int, a str or bytes"
+        ),
+    )
+    scheduler_reserve_full_isl: bool = field(
+        default=True,
+        metadata=_spec(
+            "vLLM's full-prompt admission gate (vLLM 0.33 default: on): a waiting request is admitted only if the "
+            "free blocks can hold **all** of its tokens beyond its prefix hits, not just its first chunk (see "
+            "phase B)"
+        ),
+    )
+    cache_aware_admission_window: int = field(
+        default=0,
+        metadata=_spec(
+            "`fcfs` only (> 0 with another policy is refused); how many waiting requests phase B may reorder "
+            "warm-before-cold (see [Cache-aware admission window](#cache-aware-admission-window-fcfs)), and among "
+            "which session affinity promotes (see [Session affinity](#session-affinity))"
+        ),
+    )
+    cache_aware_admission_threshold: float = field(
+        default=0.5, metadata=_spec("KV usage at or above which the admission window applies", hi=1)
+    )
+    tenant_weights: Mapping[str, float] = field(
+        default_factory=dict,
+        metadata=_spec(
+            "`fair`: weight per tenant; tenants not listed weigh 1.0 (`set_tenant_weight` changes it at run time)",
+            valid="a mapping of tenant (non-empty str) to weight (finite, > 0)",
+        ),
+    )
+    fair_prefill_weight: float = field(default=1.0, metadata=_spec("virtual-counter charge per prompt token computed"))
+    fair_decode_weight: float = field(default=2.0, metadata=_spec("virtual-counter charge per output token"))
+    priority_aging_steps: int = field(
+        default=0,
+        metadata=_spec(
+            "`priority` only (> 0 with another policy is refused); a waiting request gains one priority level per "
+            "this many steps of age (see [Priority aging](#priority-aging))"
+        ),
+    )
+    default_ttft_slo_s: float | None = field(
+        default=None,
+        metadata=_spec(
+            "`slo`: the TTFT target (seconds) of a request added without `ttft_slo_s`; None: such requests have no "
+            "deadline and go after every request that has one (see [SLO order](#slo-order))",
+            lo_open=True,
+        ),
+    )
+    max_wait_steps: int | None = field(
+        default=None,
+        metadata=_spec(
+            "aging for every policy: a request that has waited this many steps without being admitted goes ahead "
+            "of the policy's order, oldest first (see [Aging](#aging-max_wait_steps)); None = off",
+            lo=1,
+        ),
+    )
+    session_ttl_steps: int = field(
+        default=1000,
+        metadata=_spec(
+            "session affinity (`fcfs` with an admission window): for how many steps after its last request left "
+            "`running` a `session_id` counts as recently active (see [Session affinity](#session-affinity))",
+            lo=1,
+        ),
+    )
+    async_scheduling: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM's `AsyncScheduler`: every scheduled decode leaves output placeholders, so a step scheduled before "
+            "the previous one's output is applied already gives each decoding request its next token (see "
+            "[Async scheduling](#async-scheduling))"
+        ),
+    )
+    max_loras: int = field(
+        default=0,
+        metadata=_spec("most distinct `lora_name`s among running requests (vLLM's `max_loras`); 0 = no limit"),
+    )
+    watermark: float = field(
+        default=0.0,
+        metadata=_spec(
+            "share of `num_blocks` kept free when admitting waiting requests (vLLM's `watermark`)", hi=1, hi_open=True
+        ),
+    )
+    preemption_mode: PreemptionMode = field(
+        default="recompute",
+        metadata=_spec(
+            "what a preemption does with the victim's KV: drop it (vLLM v1), copy it to the CPU pool, or whichever "
+            "costs less (see [Preemption modes](#preemption-modes)); `swap` and `auto` need `num_cpu_blocks` > 0"
+        ),
+    )
+    num_cpu_blocks: int = field(default=0, metadata=_spec("blocks in the CPU swap pool", hi=MAX_NUM_BLOCKS))
+    recompute_cost_per_token: float = field(
+        default=1.0,
+        metadata=_spec(
+            "`auto`: cost of computing one token of a victim's context again; changed at run time by "
+            "`set_preemption_costs`"
+        ),
+    )
+    swap_cost_per_block: float = field(
+        default=1.0,
+        metadata=_spec("`auto`: cost of copying one block one way (GPU to CPU or back), same unit; settable likewise"),
+    )
+    preemption_victim: PreemptionVictim = field(
+        default="default",
+        metadata=_spec(
+            "which running request a preemption takes, inside the policy's lowest level: vLLM's choice, the fewest "
+            "computed tokens (least computed first), or the most blocks freed per token to compute again, scaled "
+            "by the share of the output budget left (see [Victim selection](#victim-selection))"
+        ),
+    )
+    kv_load_failure_policy: KvLoadFailurePolicy = field(
+        default="recompute",
+        metadata=_spec(
+            "KV connector: what a failed asynchronous load does to its request: its tokens are recomputed, or it "
+            "finishes with an error (see [KV connector](#kv-connector))"
+        ),
+    )
+    max_num_active_seqs: int | None = field(
+        default=None,
+        metadata=_spec(
+            "most requests admission lets into `running` (vLLM's `max_num_active_seqs`); None = `max_num_seqs`, "
+            "which still bounds `running`",
+            lo=1,
+            hi_field="max_num_seqs",
+        ),
+    )
+    long_prefill_token_threshold_adaptive: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM's adaptive threshold: a positive per-request cap is floored at "
+            "`max_num_batched_tokens // (len(running) + len(waiting))` (see phase A)"
+        ),
+    )
+    prefill_schedule_interval: int = field(
+        default=1,
+        metadata=_spec(
+            "vLLM's local prefill cadence: while some running request decodes, prefill (admissions with prompt "
+            "left and running prompt chunks) runs only on executed steps at least this many after the last one "
+            "that carried prefill; 1 = every step (see [Prefill deferral](#prefill-deferral))",
+            lo=1,
+        ),
+    )
+    park_grammar_waits: bool = field(
+        default=True,
+        metadata=_spec(
+            "where a request waiting for its grammar waits: True parks it out of `waiting` and queues it at the "
+            "front, in the order added, once ready (newer vLLM); False keeps it in `waiting` at its place, skipped "
+            "by the admission passes that reach it (vLLM 0.33; `kvsched.vllm` sets False). See [Requests](#requests)"
+        ),
+    )
+    dcp_world_size: int = field(
+        default=1,
+        metadata=_spec(
+            "decode context parallelism (vLLM's `decode_context_parallel_size`): the KV cache is sharded over this "
+            "many ranks and a block id covers `block_size * dcp_world_size` tokens (see "
+            "[Context parallelism](#context-parallelism))",
+            lo=1,
+            hi=1024,
+            power_of_two=True,
+        ),
+    )
+    pcp_world_size: int = field(
+        default=1,
+        metadata=_spec(
+            "prefill context parallelism (vLLM's `prefill_context_parallel_size`); does not change the block unit; "
+            "with both > 1, `dcp_world_size` must be a multiple of it",
+            lo=1,
+            hi=1024,
+        ),
+    )
+    cp_kv_cache_interleave_size: int = field(
+        default=1,
+        metadata=_spec(
+            "vLLM's `cp_kv_cache_interleave_size`: tokens stored on one DCP rank before the next rank's turn; "
+            "divides `block_size`; used by the per-rank slot mapping only",
+            lo=1,
+            hi=1024,
+            hi_field="block_size",
+        ),
+    )
+    max_num_encoder_input_tokens: int = field(
+        default=0,
+        metadata=_spec(
+            "encoder tokens a step may compute (vLLM's encoder compute budget). Requests with encoder inputs need "
+            "it and `encoder_cache_size` > 0 (see [Encoder inputs](#encoder-inputs))"
+        ),
+    )
+    encoder_cache_size: int = field(
+        default=0, metadata=_spec("encoder-cache capacity in encoder tokens (vLLM's `encoder_cache_size`)")
+    )
+    disable_chunked_mm_input: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM's `disable_chunked_mm_input`: a prefill chunk never covers only part of an encoder input, it "
+            "stops before it"
+        ),
+    )
+    park_kv_loads: bool = field(
+        default=True,
+        metadata=_spec(
+            "where a request whose asynchronous KV load is in progress waits: True parks it and queues it at the "
+            "back of `kv_waiting` once its load is reported over; False puts it back at the front of `kv_waiting` "
+            "with the requests skipped in its step and keeps it there at its place, skipped by the admission passes "
+            "that reach it while it loads (vLLM 0.33; `kvsched.vllm` sets False). See [KV connector](#kv-connector)"
+        ),
+    )
+    reserve_inflight_prefills: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM 0.33's reservation for asynchronous KV loads: such a load is admitted only if its blocks fit "
+            "beside what the in-flight prefills still need (`kvsched.vllm` sets True). See "
+            "[KV connector](#kv-connector)"
+        ),
+    )
+    max_loras_counts_unscheduled: bool = field(
+        default=True,
+        metadata=_spec(
+            "which LoRA adapters count against `max_loras` when a waiting request is admitted: every running "
+            "request's (vLLM 0.33), or with False only those of the running requests scheduled in this step "
+            "(vLLM 0.32)"
+        ),
+    )
+    continue_after_self_preemption: bool = field(
+        default=True,
+        metadata=_spec(
+            "`priority`: when the running request being scheduled cannot get blocks and is itself the lowest-ranked "
+            "victim, it is preempted and the pass goes on with the next running request, which ranks higher and may "
+            "fit in the blocks it freed (vLLM 0.33); with False the pass over the running requests ends there "
+            "(vLLM 0.32)"
+        ),
+    )
+    cache_drafts_at_update: bool = field(
+        default=True,
+        metadata=_spec(
+            "with speculative decoding, the blocks a step's accepted tokens complete are cached when its output is "
+            "applied (vLLM 0.33); with False only requests with output placeholders (async scheduling) cache then, "
+            "the others at their next allocation (vLLM 0.32)"
+        ),
+    )
+    trim_computed_on_stop: bool = field(
+        default=True,
+        metadata=_spec(
+            "a stop inside a step's tokens (a draft accepted past EOS or `max_tokens`) cuts the request's computed "
+            "count back to the tokens kept (vLLM 0.33); with False the count stays, so the blocks a KV connector "
+            "gets at the finish also cover the cut tokens (vLLM 0.32). The blocks cached at that update never "
+            "cover them"
+        ),
+    )
 
     def __post_init__(self) -> None:
-        _check_int("block_size", self.block_size, 1, 1024)
-        if self.block_size & (self.block_size - 1):
-            raise InvalidConfigError(f"block_size must be a power of two, got {self.block_size}")
-        _check_int("num_blocks", self.num_blocks, 2, MAX_NUM_BLOCKS)
-        if self.num_blocks * self.block_size > _I32_MAX:
-            raise InvalidConfigError(
-                f"num_blocks * block_size must fit in int32 slot ids, got {self.num_blocks} * {self.block_size}"
-            )
-        self._check_context_parallel()
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_int("max_model_len", self.max_model_len, 2)
-        _check_int("prefill_schedule_interval", self.prefill_schedule_interval, 1)
-        if self.max_num_active_seqs is not None:
-            _check_int("max_num_active_seqs", self.max_num_active_seqs, 1, self.max_num_seqs)
-        for name in (
-            "enable_prefix_caching",
-            "long_prefill_token_threshold_adaptive",
-            "enable_chunked_prefill",
-            "scheduler_reserve_full_isl",
-            "async_scheduling",
-            "park_grammar_waits",
-            "disable_chunked_mm_input",
-            "park_kv_loads",
-            "reserve_inflight_prefills",
-            "max_loras_counts_unscheduled",
-            "continue_after_self_preemption",
-            "cache_drafts_at_update",
-            "trim_computed_on_stop",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
-        _check_int("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)
-        if self.num_speculative_tokens is not None:
-            _check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 1024)
-        _check_int("max_loras", self.max_loras, 0)
-        _check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 0)
-        _check_int("encoder_cache_size", self.encoder_cache_size, 0)
-        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
-            raise InvalidConfigError(f"watermark must be a float, got {self.watermark!r}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise InvalidConfigError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise InvalidConfigError(
-                f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, got {self.kv_load_failure_policy!r}"
-            )
-        if self.policy not in POLICIES:
-            raise InvalidConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.prefix_hash_algo not in PREFIX_HASH_ALGOS:
-            raise InvalidConfigError(
-                f"prefix_hash_algo must be one of {PREFIX_HASH_ALGOS}, got {self.prefix_hash_algo!r}"
-            )
+        for f in CONFIG_FIELDS:
+            value = f.check(getattr(self, f.name))
+            if value is not getattr(self, f.name):
+                object.__setattr__(self, f.name, value)
+        self._check_other_fields()
+        self._check_rules()
+
+    def _check_other_fields(self) -> None:
+        """The fields whose type the table cannot state: the hash seed and the tenant weights."""
         seed = self.prefix_hash_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
             raise InvalidConfigError(f"prefix_hash_seed must be None, an int, a str or bytes, got {seed!r}")
-        self._check_policy_fields()
+        weights = self.tenant_weights
+        if not isinstance(weights, Mapping):
+            raise InvalidConfigError(f"tenant_weights must be a mapping of str to float, got {weights!r}")
+        for tenant, w in weights.items():
+            check_tenant_weight(tenant, w, InvalidConfigError, InvalidConfigError)
+        # Frozen, yet the caller's mapping must not change it afterwards: keep a private copy.
+        object.__setattr__(self, "tenant_weights", {str(k): float(v) for k, v in weights.items()})
 
-    def _check_context_parallel(self) -> None:
-        """dcp/pcp world sizes and the interleave size (docs/semantics.md, "Context parallelism")."""
-        _check_int("dcp_world_size", self.dcp_world_size, 1, 1024)
-        _check_int("pcp_world_size", self.pcp_world_size, 1, 1024)
+    def _check_rules(self) -> None:
+        """The rules that tie fields together (the Rust core applies them in the same order)."""
+        if self.num_blocks * self.block_size > I32_MAX:
+            raise InvalidConfigError(
+                f"num_blocks * block_size must fit in int32 slot ids, got {self.num_blocks} * {self.block_size}"
+            )
         dcp, pcp = self.dcp_world_size, self.pcp_world_size
-        if dcp & (dcp - 1):
-            raise InvalidConfigError(f"dcp_world_size must be a power of two, got {dcp}")
         if pcp > 1 and dcp > 1 and dcp % pcp:
             raise InvalidConfigError(
                 "with pcp_world_size > 1, dcp_world_size must be 1 or a multiple of pcp_world_size (DCP spans the "
                 f"PCP axis), got dcp_world_size={dcp} and pcp_world_size={pcp}"
             )
-        if self.num_blocks * self.kv_block_size > _I32_MAX:
+        if self.num_blocks * self.kv_block_size > I32_MAX:
             raise InvalidConfigError(
                 "num_blocks * block_size * dcp_world_size must fit in int32 positions, got "
                 f"{self.num_blocks} * {self.block_size} * {dcp}"
             )
-        _check_int("cp_kv_cache_interleave_size", self.cp_kv_cache_interleave_size, 1, self.block_size)
+        for f in CONFIG_FIELDS:
+            if f.spec.hi_field is not None:
+                value, bound = getattr(self, f.name), getattr(self, f.spec.hi_field)
+                if value is not None and value > bound:
+                    raise InvalidConfigError(f"{f.name} must be in [{f.spec.lo}, {bound}], got {value}")
         if self.block_size % self.cp_kv_cache_interleave_size:
             raise InvalidConfigError(
                 f"cp_kv_cache_interleave_size must divide block_size ({self.block_size}), "
                 f"got {self.cp_kv_cache_interleave_size}"
             )
+        if self.cache_aware_admission_window > 0 and self.policy != "fcfs":
+            raise InvalidConfigError(
+                "cache_aware_admission_window > 0 needs policy 'fcfs' (the window reorders the FCFS queue; "
+                f"policy {self.policy!r} has its own order), got window {self.cache_aware_admission_window}"
+            )
+        if self.preemption_mode != "recompute" and self.num_cpu_blocks == 0:
+            raise InvalidConfigError(
+                f"preemption_mode {self.preemption_mode!r} needs a CPU pool: num_cpu_blocks must be > 0, got 0"
+            )
+        if self.priority_aging_steps > 0 and self.policy != "priority":
+            raise InvalidConfigError(f"priority_aging_steps > 0 needs policy 'priority', got {self.policy!r}")
 
     @property
     def kv_block_size(self) -> int:
@@ -244,50 +521,10 @@ class SchedulerConfig:
         """Draft tokens per request per step: ``num_speculative_tokens``, else ``num_lookahead_tokens``."""
         return self.num_lookahead_tokens if self.num_speculative_tokens is None else self.num_speculative_tokens
 
-    def _check_policy_fields(self) -> None:
-        """The admission window, fair-share and aging fields (docs/semantics.md, "Admission policies")."""
-        _check_int("cache_aware_admission_window", self.cache_aware_admission_window, 0)
-        t = self.cache_aware_admission_threshold
-        if not _is_real(t) or not 0.0 <= float(t) <= 1.0:
-            raise InvalidConfigError(f"cache_aware_admission_threshold must be a float in [0, 1], got {t!r}")
-        if self.cache_aware_admission_window > 0 and self.policy != "fcfs":
-            raise InvalidConfigError(
-                "cache_aware_admission_window > 0 needs policy 'fcfs' (the window reorders the FCFS queue; "
-                f"policy {self.policy!r} has its own order), got window {self.cache_aware_admission_window}"
-            )
-        object.__setattr__(self, "cache_aware_admission_threshold", float(t))
-        for name in ("fair_prefill_weight", "fair_decode_weight"):
-            w = getattr(self, name)
-            if not _is_real(w) or not (math.isfinite(w) and w >= 0):
-                raise InvalidConfigError(f"{name} must be a finite float >= 0, got {w!r}")
-            object.__setattr__(self, name, float(w))
-        weights = self.tenant_weights
-        if not isinstance(weights, Mapping):
-            raise InvalidConfigError(f"tenant_weights must be a mapping of str to float, got {weights!r}")
-        for tenant, w in weights.items():
-            check_tenant_weight(tenant, w, InvalidConfigError, InvalidConfigError)
-        # Frozen, yet the caller's mapping must not change it afterwards: keep a private copy.
-        object.__setattr__(self, "tenant_weights", {str(k): float(v) for k, v in weights.items()})
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise InvalidConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        _check_int("num_cpu_blocks", self.num_cpu_blocks, 0, MAX_NUM_BLOCKS)
-        if self.preemption_mode != "recompute" and self.num_cpu_blocks == 0:
-            raise InvalidConfigError(
-                f"preemption_mode {self.preemption_mode!r} needs a CPU pool: num_cpu_blocks must be > 0, got 0"
-            )
-        costs = check_preemption_costs(
-            self.recompute_cost_per_token, self.swap_cost_per_block, InvalidConfigError, InvalidConfigError
-        )
-        object.__setattr__(self, "recompute_cost_per_token", costs[0])
-        object.__setattr__(self, "swap_cost_per_block", costs[1])
-        _check_int("priority_aging_steps", self.priority_aging_steps, 0)
-        if self.priority_aging_steps > 0 and self.policy != "priority":
-            raise InvalidConfigError(f"priority_aging_steps > 0 needs policy 'priority', got {self.policy!r}")
-
     def __hash__(self) -> int:
-        # Frozen, so hashable as before tenant_weights (a dict) was added: hash its items instead.
-        fields = [getattr(self, f) for f in self.__dataclass_fields__]
-        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, Mapping) else v for v in fields))
+        # Frozen, so hashable; tenant_weights is a dict: hash its items instead.
+        values = [getattr(self, f) for f in self.__dataclass_fields__]
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, Mapping) else v for v in values))
 
     @property
     def num_usable_blocks(self) -> int:
@@ -310,3 +547,137 @@ class SchedulerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+FieldKind = Literal["bool", "int", "optional_int", "float", "optional_float", "choice", "other"]
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """One row of the table of :class:`SchedulerConfig` fields."""
+
+    name: str
+    kind: FieldKind
+    default: Any
+    spec: FieldSpec
+    choices: tuple[str, ...] = ()
+
+    @property
+    def hi(self) -> int:
+        """An int field's fixed upper bound."""
+        return I32_MAX if self.spec.hi is None else self.spec.hi
+
+    def check(self, value: Any) -> Any:
+        """``value``'s type and fixed range (the rules that involve other fields are the config's); returns the
+        value to store: a float field holds a float."""
+        name, spec = self.name, self.spec
+        if self.kind == "bool":
+            if not isinstance(value, bool):
+                raise InvalidConfigError(f"{name} must be a bool, got {value!r}")
+        elif self.kind == "int" or (self.kind == "optional_int" and value is not None):
+            _check_int(name, value, spec.lo, self.hi)
+            if spec.power_of_two and value & (value - 1):
+                raise InvalidConfigError(f"{name} must be a power of two, got {value}")
+        elif self.kind == "float" or (self.kind == "optional_float" and value is not None):
+            return _check_float(name, value, spec)
+        elif self.kind == "choice" and value not in self.choices:
+            raise InvalidConfigError(f"{name} must be one of {self.choices}, got {value!r}")
+        return value
+
+    def valid_values(self) -> str:
+        """The valid values, in the words of the docs table."""
+        spec = self.spec
+        if spec.valid is not None:
+            return spec.valid
+        if self.kind == "bool":
+            return "True or False"
+        if self.kind == "choice":
+            quoted = [f'`"{c}"`' for c in self.choices]
+            return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+        if self.kind in ("float", "optional_float"):
+            if spec.hi is None:
+                text = f"finite, {'>' if spec.lo_open else '>='} {spec.lo}"
+            else:
+                text = f"[{spec.lo}, {spec.hi}{')' if spec.hi_open else ']'}"
+            return "None or " + text if self.kind == "optional_float" else text
+        if spec.hi_field is not None:
+            text = f"[{spec.lo}, `{spec.hi_field}`]"
+        elif spec.hi is None:
+            text = f">= {spec.lo}"
+        else:
+            text = f"[{spec.lo}, {_power_text(spec.hi)}]"
+        if spec.power_of_two:
+            text = "a power of two in " + text
+        return "None or " + text if self.kind == "optional_int" else text
+
+
+def _power_text(n: int) -> str:
+    """Large powers of two as ``2**k``."""
+    k = n.bit_length() - 1
+    return f"2**{k}" if n > 65536 and n == 1 << k else str(n)
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int = I32_MAX) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if not minimum <= value <= maximum:
+        raise InvalidConfigError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+
+
+def _check_float(name: str, value: Any, spec: FieldSpec) -> float:
+    # The message shows the value as the float stored (as the Rust core, which sees only floats, shows it).
+    if not _is_real(value):
+        raise InvalidConfigError(f"{name} must be a float, got {value!r} ({type(value).__name__})")
+    try:
+        f = float(value)
+    except OverflowError:  # an int beyond the float range
+        f = math.inf
+    if spec.hi is None:
+        if not (math.isfinite(f) and (f > spec.lo if spec.lo_open else f >= spec.lo)):
+            raise InvalidConfigError(f"{name} must be finite and {'>' if spec.lo_open else '>='} {spec.lo}, got {f!r}")
+    elif not (spec.lo <= f < spec.hi if spec.hi_open else spec.lo <= f <= spec.hi):
+        raise InvalidConfigError(f"{name} must be in [{spec.lo}, {spec.hi}{')' if spec.hi_open else ']'}, got {f!r}")
+    return f
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _field_kind(hint: Any) -> tuple[FieldKind, tuple[str, ...]]:
+    if hint is bool:
+        return "bool", ()
+    if hint is int:
+        return "int", ()
+    if hint is float:
+        return "float", ()
+    if get_origin(hint) is Literal:
+        return "choice", get_args(hint)
+    if hint == (int | None):
+        return "optional_int", ()
+    if hint == (float | None):
+        return "optional_float", ()
+    return "other", ()
+
+
+def _config_fields() -> tuple[ConfigField, ...]:
+    hints = get_type_hints(SchedulerConfig)
+    table = []
+    for f in fields(SchedulerConfig):
+        kind, choices = _field_kind(hints[f.name])
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        table.append(ConfigField(f.name, kind, default, f.metadata["spec"], choices))
+    return tuple(table)
+
+
+#: The table of fields, in declaration order.
+CONFIG_FIELDS = _config_fields()
+
+
+def fields_markdown() -> str:
+    """The table of fields as the Markdown table of ``docs/semantics.md`` ("Configuration")."""
+    lines = ["| field | default | valid values | meaning |", "|---|---|---|---|"]
+    for f in CONFIG_FIELDS:
+        default = f'"{f.default}"' if isinstance(f.default, str) else repr(f.default)
+        lines.append(f"| `{f.name}` | `{default}` | {f.valid_values()} | {f.spec.doc} |")
+    return "\n".join(lines) + "\n"

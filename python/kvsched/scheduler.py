@@ -15,6 +15,7 @@ from . import _core
 from ._errors import SchedulerTypeError
 from ._types import RequestStatus, SchedulerStats, TenantStats
 from .config import SchedulerConfig
+from .kv_events import KVCacheEvents
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
@@ -75,6 +76,11 @@ class Scheduler(_core.Scheduler):
 
     def get_request_status(self, req_id: str) -> RequestStatus:
         return RequestStatus(super().get_request_status(req_id))
+
+    def take_kv_cache_events(self) -> KVCacheEvents:
+        """The KV cache events since the last call, in the order they happened (none unless
+        ``enable_kv_cache_events``; see :mod:`kvsched.kv_events`)."""
+        return KVCacheEvents(*self._take_kv_cache_events(), block_size=self.config.kv_block_size)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(**self._stats_dict())

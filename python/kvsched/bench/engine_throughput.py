@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from kvsched.config import DEFAULT_BLOCK_SIZE
+
 __all__ = ["main", "run_throughput"]
 
 PHASES = ("schedule", "prepare_inputs", "input_staging", "model", "update", "postprocess")
@@ -166,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=None, help="output tokens (default 128; --tiny: 8)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available; --tiny: cpu)")
     p.add_argument("--dtype", default=None, help="bfloat16, float16, float32 (default bfloat16; cpu: float32)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--attention-backend", default="auto", help="auto, triton or torch")
     p.add_argument("--scheduler", default="rust", choices=("rust", "reference"))
     p.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs for decode-only steps")

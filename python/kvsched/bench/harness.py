@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvsched.config import SchedulerConfig
+from kvsched.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
 
 from .driver import Counters, Driver, ImplUnavailableError, IntArray
 from .progress import Progress
@@ -128,7 +128,8 @@ def make_scheduler(impl: str, config: SchedulerConfig) -> Any:
             from kvsched import Scheduler
         except ImportError as exc:
             raise ImplUnavailableError(
-                f"the Rust scheduler is not built/installed ({exc}); run `maturin develop --release`"
+                f"the Rust scheduler is not built/installed ({exc}); build it with `maturin develop --release` "
+                "(pip install maturin)"
             ) from exc
         return Scheduler(config)
     if impl == "reference":
@@ -417,7 +418,7 @@ def run_workload(
     if not cold_mb >= 0:
         raise ValueError(f"cold_mb must be >= 0, got {cold_mb}")
     cold_bytes = int(cold_mb * 2**20)
-    config = workload.scenario.scheduler_config()
+    config = workload.scenario.config
     if warmup_steps > 0:
         _loop(make_driver(impl, config), workload, max_steps=warmup_steps, record=False, cold_bytes=cold_bytes)
     driver = make_driver(impl, config)
@@ -492,7 +493,7 @@ class RecordedRun:
 
 def record_run(impl: str, workload: Workload) -> RecordedRun:
     """Run ``workload`` once through ``impl`` and keep, per step, the arrivals and the fake model's output."""
-    config = workload.scenario.scheduler_config()
+    config = workload.scenario.config
     steps: list[tuple[list[TraceRequest], Any]] = []
     _loop(make_driver(impl, config), workload, max_steps=None, record=False, recorder=steps)
     return RecordedRun(impl=impl, config=config, steps=steps)
@@ -539,7 +540,7 @@ def run_scaling(
     *,
     num_steps: int = 200,
     prompt_len: int = 64,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     progress: Progress | None = None,
 ) -> list[ScalingPoint]:
     """Time ``num_steps`` pure-decode steps with exactly ``n`` running requests, for each ``n`` in ``sizes``.
@@ -577,12 +578,9 @@ def run_scaling(
             name=f"scaling-{n}",
             description="pure decode",
             num_requests=n,
-            num_blocks=config.num_blocks,
-            max_num_seqs=n,
-            max_num_batched_tokens=config.max_num_batched_tokens,
             prompt_len=(prompt_len, prompt_len),
             output_len=(num_steps, num_steps),
-            max_model_len=config.max_model_len,
+            config=config,
         )
         workload = Workload(scenario=scenario, requests=reqs)
         if progress is not None:

@@ -57,7 +57,7 @@ class TenantStream:
     output_len: tuple[int, int] = (16, 64)
     config: SchedulerConfig = field(
         default_factory=lambda: SchedulerConfig(
-            block_size=16, num_blocks=2048, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=512,
+            num_blocks=2048, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=512,
             prefix_hash_seed=0,
         )
     )  # fmt: skip
@@ -156,7 +156,7 @@ class PriorityStream:
     output_len: tuple[int, int] = (8, 24)
     config: SchedulerConfig = field(
         default_factory=lambda: SchedulerConfig(
-            block_size=16, num_blocks=1024, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+            num_blocks=1024, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
             policy="priority", prefix_hash_seed=0,
         )
     )  # fmt: skip

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from kvsched.config import DEFAULT_BLOCK_SIZE
+
 __all__ = ["main", "run_modes"]
 
 
@@ -35,7 +37,7 @@ def run_modes(
     num_cpu_blocks: int,
     device: str | None,
     dtype: str,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     max_num_batched_tokens: int = 8192,
     seed: int = 0,
 ) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,7 @@ import numpy.typing as npt
 from kvsched.config import SchedulerConfig
 
 __all__ = [
+    "BENCH_CONFIG",
     "SCENARIOS",
     "VOCAB_SIZE",
     "Scenario",
@@ -55,41 +56,81 @@ def req_id(idx: int) -> str:
     return f"r{idx:06d}"
 
 
-@dataclass(frozen=True)
+# What every scenario's scheduler starts from: a fixed hash seed makes prefix hashes, and hence the run,
+# reproducible; auto's constants are in units of one token's recompute: an estimate for a 1B-class model on one
+# modern GPU (~5 µs to prefill a token; a 16-token block of a 16-layer, 8-KV-head, head-dim-64 bf16 model is
+# 512 KiB, ~20 µs over PCIe one way), not a measurement.
+BENCH_CONFIG = SchedulerConfig(prefix_hash_seed=0, swap_cost_per_block=4.0)
+_CONFIG_FIELDS = frozenset(f.name for f in fields(SchedulerConfig))
+
+
+@dataclass(frozen=True, init=False)
 class Scenario:
-    """The recipe of a workload: request stream plus scheduler settings. Sizes are before scaling."""
+    """The recipe of a workload: request stream plus scheduler config. Sizes are before scaling.
+
+    Keywords named after :class:`SchedulerConfig` fields override those of ``config`` (which defaults to
+    :data:`BENCH_CONFIG`), so ``dataclasses.replace(scenario, policy="priority")`` works, and so does a flat
+    dict of both (:meth:`from_dict`, trace headers). The config's fields read through the scenario too
+    (``scenario.num_blocks``); typed code reads ``scenario.config``.
+    """
 
     name: str
     description: str
     num_requests: int
-    num_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
     prompt_len: tuple[int, int]  # inclusive range, uniform
     output_len: tuple[int, int]  # inclusive range, uniform
-    arrival: Literal["all_at_start", "poisson", "bursty"] = "all_at_start"
-    arrival_rate: float = 1.0  # requests per step (poisson; bursty: on average)
-    burst_size: int = 1  # bursty: this many requests arrive together, every burst_size / arrival_rate steps
-    num_prefix_groups: int = 0
-    prefix_len: tuple[int, int] = (0, 0)
-    prefix_fraction: float = 0.0  # share of requests that start with one of the group prefixes
-    policy: Literal["fcfs", "priority", "fair"] = "fcfs"
-    num_priorities: int = 1
-    block_size: int = 16
-    max_model_len: int = 8192
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    scale: float = 1.0
-    cache_aware_admission_window: int = 0
-    cache_aware_admission_threshold: float = 0.5
-    num_tenants: int = 1  # request i belongs to tenant i % num_tenants (named "t<k>")
-    preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
-    num_cpu_blocks: int = 0  # the CPU swap pool (swap / auto)
-    # auto's constants, in units of one token's recompute: an estimate for a 1B-class model on one modern GPU
-    # (~5 µs to prefill a token; a 16-token block of a 16-layer, 8-KV-head, head-dim-64 bf16 model is 512 KiB,
-    # ~20 µs over PCIe one way), not a measurement.
-    recompute_cost_per_token: float = 1.0
-    swap_cost_per_block: float = 4.0
+    arrival: Literal["all_at_start", "poisson", "bursty"]
+    arrival_rate: float  # requests per step (poisson; bursty: on average)
+    burst_size: int  # bursty: this many requests arrive together, every burst_size / arrival_rate steps
+    num_prefix_groups: int
+    prefix_len: tuple[int, int]
+    prefix_fraction: float  # share of requests that start with one of the group prefixes
+    num_priorities: int
+    seed: int
+    scale: float
+    num_tenants: int  # request i belongs to tenant i % num_tenants (named "t<k>")
+    config: SchedulerConfig
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        num_requests: int,
+        prompt_len: tuple[int, int],
+        output_len: tuple[int, int],
+        arrival: Literal["all_at_start", "poisson", "bursty"] = "all_at_start",
+        arrival_rate: float = 1.0,
+        burst_size: int = 1,
+        num_prefix_groups: int = 0,
+        prefix_len: tuple[int, int] = (0, 0),
+        prefix_fraction: float = 0.0,
+        num_priorities: int = 1,
+        seed: int = 0,
+        scale: float = 1.0,
+        num_tenants: int = 1,
+        config: SchedulerConfig = BENCH_CONFIG,
+        **config_fields: Any,
+    ) -> None:
+        unknown = sorted(set(config_fields) - _CONFIG_FIELDS)
+        if unknown:
+            raise TypeError(f"Scenario got unexpected keyword arguments: {', '.join(unknown)}")
+        values = dict(locals())
+        for f in fields(self):
+            object.__setattr__(self, f.name, values[f.name])
+        if config_fields:
+            object.__setattr__(self, "config", replace(config, **config_fields))
+
+    if not TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            # Only reached for names that are not attributes: a config field reads through to the config.
+            if name in _CONFIG_FIELDS:
+                return getattr(self.config, name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def with_config(self, **changes: Any) -> Scenario:
+        """This scenario with ``changes`` applied to its config."""
+        return replace(self, config=replace(self.config, **changes))
 
     def scaled(self, scale: float) -> Scenario:
         """Request and block counts multiplied by ``scale`` (enough blocks kept for progress)."""
@@ -98,60 +139,44 @@ class Scenario:
         if scale == 1.0:
             return self
         num_requests = max(1, round(self.num_requests * scale))
-        num_blocks = max(self.min_num_blocks(), round(self.num_blocks * scale))
-        num_cpu_blocks = max(1, round(self.num_cpu_blocks * scale)) if self.num_cpu_blocks else 0
+        num_blocks = max(self.min_num_blocks(), round(self.config.num_blocks * scale))
+        num_cpu_blocks = self.config.num_cpu_blocks
+        num_cpu_blocks = max(1, round(num_cpu_blocks * scale)) if num_cpu_blocks else 0
         return replace(
             self,
             num_requests=num_requests,
-            num_blocks=num_blocks,
-            num_cpu_blocks=num_cpu_blocks,
             scale=self.scale * scale,
+            config=replace(self.config, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks),
         )
 
     def min_num_blocks(self) -> int:
         """Enough blocks for two of the largest possible requests (so the run always makes progress), and for
         one request of ``max_model_len`` tokens (the config requires it)."""
-        longest = min(self.prompt_len[1] + self.output_len[1], self.max_model_len)
-        return max(2 * math.ceil(longest / self.block_size), math.ceil(self.max_model_len / self.block_size)) + 1
+        block_size, max_model_len = self.config.block_size, self.config.max_model_len
+        longest = min(self.prompt_len[1] + self.output_len[1], max_model_len)
+        return max(2 * math.ceil(longest / block_size), math.ceil(max_model_len / block_size)) + 1
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_prefix_caching=self.enable_prefix_caching,
-            policy=self.policy,
-            cache_aware_admission_window=self.cache_aware_admission_window,
-            cache_aware_admission_threshold=self.cache_aware_admission_threshold,
-            # A fixed seed makes prefix hashes, and hence the run, reproducible.
-            prefix_hash_seed=0,
-            preemption_mode=self.preemption_mode,
-            num_cpu_blocks=self.num_cpu_blocks,
-            recompute_cost_per_token=self.recompute_cost_per_token,
-            swap_cost_per_block=self.swap_cost_per_block,
-        )
+        return self.config
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The scenario's fields and its config's, in one flat dict (what :meth:`from_dict` reads)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config"}
+        return {**own, **self.config.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Scenario:
-        fields = dict(data)
+        values = dict(data)
         for key in ("prompt_len", "output_len", "prefix_len"):
-            if key in fields:
-                fields[key] = tuple(fields[key])
-        return cls(**fields)
+            if key in values:
+                values[key] = tuple(values[key])
+        return cls(**values)
 
 
 _C = Scenario(
     name="c",
     description="mixed prefill + decode, chunked prefill, Poisson arrivals, shared prefixes",
     num_requests=2000,
-    num_blocks=80000,
-    max_num_seqs=256,
-    max_num_batched_tokens=8192,
     prompt_len=(200, 4000),
     output_len=(32, 512),
     arrival="poisson",
@@ -160,6 +185,7 @@ _C = Scenario(
     prefix_len=(256, 2048),
     prefix_fraction=0.5,
     seed=3,
+    config=replace(BENCH_CONFIG, num_blocks=80000, max_num_seqs=256, max_num_batched_tokens=8192),
 )
 
 SCENARIOS: dict[str, Scenario] = {
@@ -167,34 +193,27 @@ SCENARIOS: dict[str, Scenario] = {
         name="a",
         description="steady decode",
         num_requests=256,
-        num_blocks=32768,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
         prompt_len=(512, 512),
         output_len=(256, 256),
         seed=1,
+        config=replace(BENCH_CONFIG, num_blocks=32768, max_num_seqs=256, max_num_batched_tokens=8192),
     ),
     "b": Scenario(
         name="b",
         description="large batch",
         num_requests=1024,
-        num_blocks=65536,
-        max_num_seqs=1024,
-        max_num_batched_tokens=16384,
         prompt_len=(512, 512),
         output_len=(256, 256),
         seed=2,
+        config=replace(BENCH_CONFIG, num_blocks=65536, max_num_seqs=1024, max_num_batched_tokens=16384),
     ),
     "c": _C,
     # d and e replay c's request stream (same seed), so the effect of memory pressure / priority is isolated.
-    "d": replace(_C, name="d", description="c under memory pressure (frequent preemption)", num_blocks=6000),
-    "e": replace(
-        _C,
-        name="e",
-        description="d with priority scheduling, 4 levels",
-        num_blocks=6000,
-        policy="priority",
-        num_priorities=4,
+    "d": replace(_C, name="d", description="c under memory pressure (frequent preemption)").with_config(
+        num_blocks=6000
+    ),
+    "e": replace(_C, name="e", description="d with priority scheduling, 4 levels", num_priorities=4).with_config(
+        num_blocks=6000, policy="priority"
     ),
     # Many requests share a few long prefixes, arrive in bursts, and the pool holds only some of the prefixes
     # next to the running requests: the case cache-aware admission is for (compare --admission-window 0).
@@ -202,9 +221,6 @@ SCENARIOS: dict[str, Scenario] = {
         name="f",
         description="shared prefixes, tight pool, bursty arrivals; cache-aware admission window 16",
         num_requests=2000,
-        num_blocks=1500,
-        max_num_seqs=64,
-        max_num_batched_tokens=4096,
         prompt_len=(600, 1600),
         output_len=(16, 128),
         arrival="bursty",
@@ -213,9 +229,15 @@ SCENARIOS: dict[str, Scenario] = {
         num_prefix_groups=24,
         prefix_len=(512, 1024),
         prefix_fraction=0.9,
-        max_model_len=4096,
-        cache_aware_admission_window=16,
         seed=6,
+        config=replace(
+            BENCH_CONFIG,
+            num_blocks=1500,
+            max_num_seqs=64,
+            max_num_batched_tokens=4096,
+            max_model_len=4096,
+            cache_aware_admission_window=16,
+        ),
     ),
     # Long contexts under memory pressure: each victim holds thousands of tokens of KV, the case for keeping
     # it (compare --preemption-mode recompute,swap,auto). A third of the prompts share one of 4 long prefixes,
@@ -225,9 +247,6 @@ SCENARIOS: dict[str, Scenario] = {
         name="g",
         description="long contexts (2-8k-token prompts) in a tight pool: preemption by recompute vs swap",
         num_requests=240,
-        num_blocks=3000,
-        max_num_seqs=64,
-        max_num_batched_tokens=8192,
         prompt_len=(2000, 8000),
         output_len=(256, 1024),
         arrival="poisson",
@@ -235,9 +254,15 @@ SCENARIOS: dict[str, Scenario] = {
         num_prefix_groups=4,
         prefix_len=(1024, 2048),
         prefix_fraction=0.33,
-        max_model_len=8704,
-        num_cpu_blocks=1500,
         seed=7,
+        config=replace(
+            BENCH_CONFIG,
+            num_blocks=3000,
+            max_num_seqs=64,
+            max_num_batched_tokens=8192,
+            max_model_len=8704,
+            num_cpu_blocks=1500,
+        ),
     ),
 }
 
@@ -298,7 +323,7 @@ class Workload:
         longest run of full blocks (capped so its last token is computed) seen in any earlier prompt. What a
         run computes beyond this is recomputation (evicted prefixes, preemptions)."""
         if self._min_prompt is None:
-            bs = self.scenario.block_size
+            bs = self.scenario.config.block_size
             seen: set[bytes] = set()
             total = 0
             for r in self.requests:
@@ -357,7 +382,7 @@ def generate(scenario: Scenario) -> Workload:
         else np.zeros(n, dtype=np.int64)
     )
 
-    max_prompt = scenario.max_model_len - 1
+    max_prompt = scenario.config.max_model_len - 1
     requests: list[TraceRequest] = []
     for i in range(n):
         g = int(group[i])
@@ -368,7 +393,7 @@ def generate(scenario: Scenario) -> Workload:
             prompt = np.concatenate([prefix, suffix])[:max_prompt]
         else:
             prompt = rng.integers(vocab_lo, vocab_hi, size=int(prompt_lens[i]), dtype=np.int32)[:max_prompt]
-        max_tokens = min(int(output_lens[i]), scenario.max_model_len - len(prompt))
+        max_tokens = min(int(output_lens[i]), scenario.config.max_model_len - len(prompt))
         requests.append(
             TraceRequest(
                 idx=i,

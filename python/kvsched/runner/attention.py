@@ -11,11 +11,12 @@ Backends:
   softmax in float32, one request at a time. Works anywhere; it is the ground truth for the others.
 * :class:`TritonPagedBackend` (``kvsched.runner.triton_attention``) reads the paged cache directly in one
   kernel launch per layer for the whole batch; GPU (or ``TRITON_INTERPRET=1`` on the CPU for tests).
+
+``kvsched.runner.attention_factory.make_backend`` chooses one by name.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,7 +29,6 @@ __all__ = [
     "TorchReferenceBackend",
     "allocate_kv_cache",
     "kv_cache_bytes_per_block",
-    "make_backend",
     "num_blocks_for_memory",
 ]
 
@@ -103,28 +103,6 @@ class TorchReferenceBackend:
             probs = torch.softmax(scores, dim=-1)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         return out
-
-
-def make_backend(name: str, device: torch.device, block_size: int, head_dim: int) -> AttentionBackend:
-    """``"auto"`` picks the Triton kernel on CUDA when it applies, else the reference."""
-    if name == "auto":
-        usable = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        name = "triton" if usable and block_size >= 16 and _triton_available() else "torch"
-    if name == "torch":
-        return TorchReferenceBackend()
-    if name == "triton":
-        from .triton_attention import TritonPagedBackend
-
-        return TritonPagedBackend()
-    raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton)")
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def kv_cache_bytes_per_block(

@@ -4,8 +4,8 @@ By default glibc's malloc returns freed memory to the operating system: blocks o
 threshold grows with use, up to 32 MiB) are mapped and unmapped one by one, and the top of the heap is trimmed
 once more than 128 KiB of it is free. A CPU engine alternates long runs of small decode steps with prefills whose
 activations and attention scores take megabytes, so each prefill after a decode run faults its memory in
-again: measured here on a tiny Llama, prefill steps ran 10-50% slower than the same steps right after another
-prefill, varying from run to run. :func:`keep_freed_memory` raises both thresholds so that the memory stays
+again, and runs slower than the same step right after another prefill, by an amount that varies from run to
+run. :func:`keep_freed_memory` raises both thresholds so that the memory stays
 mapped. It changes the whole process's allocator, so kvsched calls it only where steady timing is the point
 (``kvsched simulate --calibrate`` and ``--validate`` on the CPU); call it yourself for a CPU engine.
 """

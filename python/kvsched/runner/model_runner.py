@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, allocate_kv_cache, make_backend
+from .attention import AttentionMetadata, allocate_kv_cache
+from .attention_factory import make_backend
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
 from .model import LlamaForCausalLM
@@ -147,8 +148,13 @@ class ModelRunner:
         cuda_graph_max_batch_size: int = 0,
         max_model_len: int | None = None,
         num_cpu_blocks: int = 0,
+        remove_finished_requests: bool = True,
     ) -> None:
         self.model = model
+        # execute() forgets the step's finished_req_ids, as vLLM's worker does. An owner that removes each
+        # request itself when it finishes (kvsched.LLM) turns this off: the scheduler reports a finish one step
+        # later, and by then the id may belong to a new request.
+        self.remove_finished_requests = remove_finished_requests
         self.config: ModelConfig = model.config
         self.device = device
         self.dtype = dtype
@@ -223,7 +229,8 @@ class ModelRunner:
     def execute(self, out: Any, inputs: Any) -> tuple[np.ndarray, np.ndarray]:
         """Run one scheduled step; returns the sampled tokens as ragged ``(values, indptr)``, int32."""
         t0 = time.perf_counter()
-        self.remove_requests(out.finished_req_ids)
+        if self.remove_finished_requests:
+            self.remove_requests(out.finished_req_ids)
         self._swap(out)
         n = int(inputs.num_reqs)
         if n == 0:

@@ -1,11 +1,19 @@
-"""Tiny random-weight Hugging Face checkpoints for tests and device checks (needs ``transformers``)."""
+"""Tiny random-weight Hugging Face checkpoints for tests, device checks and trying kvsched (needs ``transformers``).
+
+As a command, ``python -m kvsched.runner.testing DIR`` writes one to ``DIR``: ``config.json``,
+``model.safetensors`` and a word-level ``tokenizer.json`` (token ``i`` is the word ``wi``), ready for
+``kvsched generate --model DIR``. The same ``--seed`` gives the same weights, hence the same greedy tokens.
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["TINY_KINDS", "prefill_logits", "save_tiny_hf_model"]
+__all__ = ["TINY_KINDS", "main", "prefill_logits", "save_tiny_hf_model", "save_word_tokenizer"]
 
 TINY_KINDS = ("llama", "llama-tied", "llama3-rope", "qwen2", "mistral")
 
@@ -64,6 +72,61 @@ def save_tiny_hf_model(path: str | os.PathLike[str], kind: str = "llama", *, see
     return model
 
 
+def save_word_tokenizer(path: str | os.PathLike[str], vocab_size: int) -> None:
+    """Write a word-level ``tokenizer.json`` to ``path``: token ``i`` is the word ``wi``, words are split on
+    whitespace and an unknown word is ``w0``, so ``"w5 w6 w7"`` encodes to ``[5, 6, 7]`` (needs ``tokenizers``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment, unused-ignore]
+    tok.decoder = decoders.WordPiece()  # type: ignore[assignment, unused-ignore]
+    tok.save(os.path.join(os.fspath(path), "tokenizer.json"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvsched.runner.testing DIR``: write a tiny random-weight model to ``DIR``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvsched.runner.testing",
+        description="Write a tiny random-weight Hugging Face model to DIR (config.json, model.safetensors and a "
+        "word-level tokenizer.json whose token i is the word 'wi'), to try kvsched generate and kvsched.LLM "
+        "without a download. The same seed gives the same weights. Needs torch and transformers.",
+    )
+    parser.add_argument("dir", help="the directory to write (created if missing)")
+    parser.add_argument("--kind", choices=TINY_KINDS, default="llama", help="architecture (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default %(default)s)")
+    parser.add_argument(
+        "--max-position-embeddings", type=int, default=512, help="the model's positions (default %(default)s)"
+    )
+    parser.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer.json (token-id prompts only)")
+    args = parser.parse_args(argv)
+    prog = parser.prog
+    if args.max_position_embeddings < 2:
+        print(f"{prog}: --max-position-embeddings must be >= 2, got {args.max_position_embeddings}", file=sys.stderr)
+        return 2
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        print(f"{prog}: {args.dir!r} exists and is not a directory", file=sys.stderr)
+        return 2
+    try:
+        import transformers
+    except ImportError:
+        print(f"{prog}: needs transformers and torch: pip install transformers torch", file=sys.stderr)
+        return 2
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call, unused-ignore]
+    try:
+        model = save_tiny_hf_model(
+            args.dir, args.kind, seed=args.seed, max_position_embeddings=args.max_position_embeddings
+        )
+        if not args.no_tokenizer:
+            save_word_tokenizer(args.dir, int(model.config.vocab_size))
+    except OSError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    prompt = "--prompt-ids 5,6,7" if args.no_tokenizer else "--prompt 'w5 w6 w7'"
+    print(f"wrote a tiny {args.kind} model to {args.dir}; try:")
+    print(f"  kvsched generate --model {args.dir} {prompt} --max-tokens 8 --temperature 0")
+    return 0
+
+
 def prefill_logits(model: Any, token_ids: list[int], *, block_size: int = 8, backend: Any = None) -> Any:
     """Float32 logits at every position of one prompt, run as a single prefill through our paged path."""
     import numpy as np
@@ -107,3 +170,7 @@ def prefill_logits(model: Any, token_ids: list[int], *, block_size: int = 8, bac
         ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         hidden = model(ids, torch.arange(n, device=device), caches, meta, backend or TorchReferenceBackend())
         return model.compute_logits(hidden)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,9 +14,10 @@ Nothing here imports torch or matplotlib; calibration (:mod:`kvsched.sim.calibra
 
 from __future__ import annotations
 
-from .metrics import RequestRecords, jain_index, request_records, summarize, tenant_service
+from .metrics import RequestRecords, jain_index
 from .simulator import SimResult, StalledError, make_config, simulate
 from .steptime import DEFAULT_PRESET, FEATURES, PRESETS, StepTimeModel, load_step_time_model
+from .summary import request_records, summarize, tenant_service
 from .workload import (
     LengthDist,
     TenantSpec,

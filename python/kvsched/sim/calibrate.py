@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..config import DEFAULT_BLOCK_SIZE
 from .steptime import FEATURES, StepTimeModel, lone_prefill_tokens, spill_pairs
 
 __all__ = ["CalibrationSession", "TimedStep", "calibrate", "calibrate_llm", "fit_step_time_model", "run_timed_steps"]
@@ -107,7 +108,7 @@ def fit_step_time_model(
     coef = nnls(x[keep], y[keep])
     # Dividing each row by its own measured time biases the fit low: a step that happened to run slow gets less
     # weight than one that ran fast, so the fitted time of a composition sits below the mean of its timings (for
-    # timings spread by a coefficient of variation c, by about c^2; on a shared machine c is 10-30%). The
+    # timings spread by a coefficient of variation c, by about c^2, which a shared machine makes large). The
     # simulator adds step times up, so it needs the mean: refit with each row divided by the previous fit's
     # prediction instead, which does not depend on the row's own noise (iteratively reweighted least squares).
     for _ in range(IRLS_ROUNDS):
@@ -256,7 +257,7 @@ def calibrate(
     device: str | None = None,
     quick: bool = False,
     progress: bool = False,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 2048,
@@ -305,8 +306,8 @@ class CalibrationSession:
 
     Each workload starts the way a request meets the engine at low load: right after another request's run of
     decode steps (a lead-in of ``LEAD_IN_STEPS`` steps, not timed). A prefill right after a decode run costs more
-    than one right after another prefill (measured on the tiny test model on the CPU: a 192-token lone prompt
-    12-16% more after 10-80 decode steps than after 0-2), and a served engine runs its prefills after decode runs.
+    than one right after another prefill (the tiny test model on the CPU shows it for a lone prompt), and a served
+    engine runs its prefills after decode runs.
     The workloads (``repeats`` times the grid) run in a shuffled order, so that any stretch of time sees a mix."""
 
     def __init__(

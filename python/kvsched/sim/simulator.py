@@ -10,9 +10,14 @@ Simulated time ``t`` only moves forward. Each iteration:
    ``max_tokens`` = its drawn output length and no EOS, so it stops exactly at that length (the scheduler's
    own LENGTH stop, like an EOS at that position).
 
-The loop keeps its per-step Python work O(1) numpy calls on the batch: it records the raw per-step arrays
-(scheduled request indices, scheduled and computed token counts, which requests got a token) in growable
-buffers, and :mod:`kvsched.sim.metrics` derives every per-request and per-token figure from them afterwards.
+The loop keeps its per-step Python work O(1) numpy calls on the batch, and its memory flat in the length of the
+run: the workload is read a chunk at a time, per-request state lives in slots only while the request is in the
+scheduler, and every figure streams into a :class:`~kvsched.sim.metrics.RunMetrics` (exact counts and sums,
+percentiles exact up to a size and then from a sketch, per-window sums). When a step schedules the same requests
+as the previous one and that one was all decodes (the steady state), nothing per request is computed (the "fast
+path"): the run of such steps is applied in one go when it ends. With ``keep_records=True`` the raw per-step
+arrays are kept too (scheduled request indices, scheduled and computed token counts, which requests got a token),
+from which :func:`kvsched.sim.summary.request_records` rebuilds every per-request and per-token figure.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import sys
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,13 +35,18 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import SchedulerConfig
+from .metrics import RunMetrics
+from .progress import SimProgress
+from .sketch import EXACT_LIMIT
 from .steptime import StepTimeModel, request_pairs, spill_pairs
-from .workload import PromptFactory, Workload
+from .workload import PromptFactory, Workload, WorkloadStream
 
-__all__ = ["SimResult", "StalledError", "make_config", "simulate"]
+__all__ = ["SimResult", "StalledError", "defers_arrivals", "make_config", "simulate"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
+_EMPTY_INT: IntArray = np.zeros(0, dtype=np.int64)
+_EMPTY_FLOAT: FloatArray = np.zeros(0, dtype=np.float64)
 _SAMPLED_TOKEN = 7  # the token the simulated model emits (no EOS is set, so its value never stops anything)
 
 
@@ -68,45 +78,51 @@ class _Buf:
 
 @dataclass
 class SimResult:
-    """Raw record of one simulated run; :func:`kvsched.sim.metrics.summarize` turns it into metrics.
+    """One simulated run: its streamed :class:`~kvsched.sim.metrics.RunMetrics` (what
+    :func:`~kvsched.sim.summary.summarize` reads), time series, final scheduler stats, and, with
+    ``keep_records=True`` (``has_records``), the raw record (empty arrays otherwise):
 
     Per step ``s``: ``step_start[s]``, ``step_time[s]``, ``step_num_reqs[s]``, ``step_num_tokens[s]``,
     ``step_prefill_tokens[s]``, ``step_decode_reqs[s]``, ``step_kv_tokens[s]``. Flat per scheduled entry (CSR by
     ``step_num_reqs``): ``sched_idx``, ``sched_num_tokens``, ``sched_num_computed``. Flat per sampled token (CSR
-    by ``step_num_sampled``): ``token_idx``. ``preempt_step``/``preempt_idx``: one entry per preemption.
+    by ``step_num_sampled``): ``token_idx``. ``preempt_step``/``preempt_idx``: one entry per preemption. Per
+    request: ``target_output_len`` (output tokens it runs to: the drawn length, capped by ``max_model_len``) and
+    ``added`` (it arrived before the run ended).
     """
 
-    workload: Workload
+    workload: Any  # Workload | WorkloadStream (a Workload when the record is kept)
     config: SchedulerConfig
     step_model: StepTimeModel
     scheduler: str
     horizon: float | None
-    target_output_len: IntArray  # output tokens each request runs to (drawn length, capped by max_model_len)
-    added: npt.NDArray[np.bool_]  # request was added to the scheduler before the run ended
-    step_start: FloatArray
-    step_time: FloatArray
-    step_num_reqs: IntArray
-    step_num_tokens: IntArray
-    step_prefill_tokens: IntArray
-    step_decode_reqs: IntArray
-    step_kv_tokens: IntArray
-    step_num_sampled: IntArray
-    sched_idx: npt.NDArray[np.int32]
-    sched_num_tokens: npt.NDArray[np.int32]
-    sched_num_computed: npt.NDArray[np.int32]
-    token_idx: npt.NDArray[np.int32]
-    preempt_step: IntArray
-    preempt_idx: IntArray
+    metrics: RunMetrics | None  # None once a sweep has summarized it (RunOutput)
     timeseries: dict[str, FloatArray]
     final_stats: dict[str, Any]
     end_time: float
     wall_s: float
     batches: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    has_records: bool = False
+    target_output_len: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    added: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    step_start: FloatArray = field(default_factory=lambda: _EMPTY_FLOAT)
+    step_time: FloatArray = field(default_factory=lambda: _EMPTY_FLOAT)
+    step_num_reqs: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    step_num_tokens: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    step_prefill_tokens: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    step_decode_reqs: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    step_kv_tokens: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    step_num_sampled: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    sched_idx: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    sched_num_tokens: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    sched_num_computed: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    token_idx: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    preempt_step: IntArray = field(default_factory=lambda: _EMPTY_INT)
+    preempt_idx: IntArray = field(default_factory=lambda: _EMPTY_INT)
 
     @property
     def num_steps(self) -> int:
-        return len(self.step_start)
+        return int(self.extra.get("num_steps", 0))
 
 
 def make_config(base: SchedulerConfig | dict[str, Any] | None = None, **overrides: Any) -> SchedulerConfig:
@@ -130,7 +146,7 @@ def make_config(base: SchedulerConfig | dict[str, Any] | None = None, **override
     return SchedulerConfig(**fields)
 
 
-def _with_tenant_weights(config: SchedulerConfig, workload: Workload) -> SchedulerConfig:
+def _with_tenant_weights(config: SchedulerConfig, workload: Workload | WorkloadStream) -> SchedulerConfig:
     """Fill a ``tenant_weights`` config field (when the scheduler has one) from the workload, unless set."""
     names = {f.name for f in dataclasses.fields(SchedulerConfig)}
     if "tenant_weights" not in names or getattr(config, "tenant_weights", None):
@@ -161,16 +177,6 @@ def _make_scheduler(scheduler: str | Callable[[SchedulerConfig], Any], config: S
 
         return "reference", ReferenceScheduler(config)
     raise ValueError(f"scheduler must be 'rust', 'reference' or a factory, got {scheduler!r}")
-
-
-def _progress_bar(enabled: bool, total: float, desc: str) -> Any:
-    if not enabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(
-        total=round(total, 1), desc=desc, unit="sim s", file=sys.stderr, leave=False, dynamic_ncols=True, delay=0.5
-    )
 
 
 def _expand(
@@ -229,8 +235,123 @@ def _expand(
     return per_step, sched_idx, sched_nst, sched_nct, token_idx
 
 
+class _Live:
+    """Per-request state of the requests in the scheduler, in slots that finished requests free (struct of
+    arrays; grows by doubling, never shrinks below the most requests in the scheduler at once)."""
+
+    INT = ("idx", "known", "target", "output_len", "prompt_len", "tenant", "priority", "prefix_group", "code",
+           "num_output_tokens", "num_scheduled_tokens", "high_water", "num_recomputed_tokens", "num_cached_tokens",
+           "num_preemptions")  # fmt: skip
+    FLOAT = ("arrival_time", "first_scheduled_time", "first_token_time", "last_token_time")
+    idx: IntArray  # the request's index in the workload
+    known: IntArray  # prompt + outputs so far
+    target: IntArray
+    output_len: IntArray
+    prompt_len: IntArray
+    tenant: IntArray
+    priority: IntArray
+    prefix_group: IntArray
+    code: IntArray  # tenant * (number of priority classes) + class index
+    num_output_tokens: IntArray
+    num_scheduled_tokens: IntArray
+    high_water: IntArray  # most tokens computed so far (recomputation below it, prefix hits above it)
+    num_recomputed_tokens: IntArray
+    num_cached_tokens: IntArray
+    num_preemptions: IntArray
+    arrival_time: FloatArray
+    first_scheduled_time: FloatArray
+    first_token_time: FloatArray
+    last_token_time: FloatArray
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.cap = capacity
+        for k in self.INT:
+            setattr(self, k, np.zeros(capacity, dtype=np.int64))
+        for k in self.FLOAT:
+            setattr(self, k, np.full(capacity, np.nan))
+        self.free: list[int] = list(range(capacity - 1, -1, -1))
+
+    def take(self) -> int:
+        if not self.free:
+            old = self.cap
+            self.cap *= 2
+            for k in self.INT + self.FLOAT:
+                a = getattr(self, k)
+                b = np.zeros(self.cap, dtype=a.dtype) if a.dtype == np.int64 else np.full(self.cap, np.nan)
+                b[:old] = a
+                setattr(self, k, b)
+            self.free = list(range(self.cap - 1, old - 1, -1))
+        return self.free.pop()
+
+    def release(self, slots: npt.NDArray[np.int64]) -> None:
+        for k in self.FLOAT:
+            getattr(self, k)[slots] = np.nan
+        for k in ("num_output_tokens", "num_scheduled_tokens", "high_water", "num_recomputed_tokens",
+                  "num_cached_tokens", "num_preemptions"):  # fmt: skip
+            getattr(self, k)[slots] = 0
+        self.free.extend(slots.tolist())
+
+    def columns(self, slots: npt.NDArray[np.int64], finished: bool) -> dict[str, npt.NDArray[Any]]:
+        c: dict[str, npt.NDArray[Any]] = {
+            "idx": self.idx[slots],
+            "arrival_time": self.arrival_time[slots],
+            "prompt_len": self.prompt_len[slots],
+            "output_len": self.target[slots],
+            "tenant": self.tenant[slots],
+            "priority": self.priority[slots],
+            "prefix_group": self.prefix_group[slots],
+            "added": np.ones(len(slots), dtype=np.bool_),
+            "finished": np.full(len(slots), finished),
+            "num_output_tokens": self.num_output_tokens[slots],
+            "first_scheduled_time": self.first_scheduled_time[slots],
+            "first_token_time": self.first_token_time[slots],
+            "finish_time": self.last_token_time[slots] if finished else np.full(len(slots), np.nan),
+            "num_preemptions": self.num_preemptions[slots],
+            "num_scheduled_tokens": self.num_scheduled_tokens[slots],
+            "num_recomputed_tokens": self.num_recomputed_tokens[slots],
+            "num_cached_tokens": self.num_cached_tokens[slots],
+        }
+        return c
+
+
+def _waiting_columns(w: Workload, lo: int, hi: int, start: int, added: bool, target: IntArray) -> dict[str, Any]:
+    """Columns of requests ``[lo, hi)`` of chunk ``w`` (starting at request ``start``) that never ran."""
+    n = hi - lo
+    nan = np.full(n, np.nan)
+    zeros = np.zeros(n, dtype=np.int64)
+    return {
+        "idx": np.arange(start + lo, start + hi, dtype=np.int64),
+        "arrival_time": w.arrival_time[lo:hi],
+        "prompt_len": w.prompt_len[lo:hi],
+        "output_len": target,
+        "tenant": w.tenant[lo:hi],
+        "priority": w.priority[lo:hi],
+        "prefix_group": w.prefix_group[lo:hi],
+        "added": np.full(n, added),
+        "finished": np.zeros(n, dtype=np.bool_),
+        "num_output_tokens": zeros,
+        "first_scheduled_time": nan,
+        "first_token_time": nan,
+        "finish_time": nan,
+        "num_preemptions": zeros,
+        "num_scheduled_tokens": zeros,
+        "num_recomputed_tokens": zeros,
+        "num_cached_tokens": zeros,
+    }
+
+
+def defers_arrivals(scheduler: str | Callable[[SchedulerConfig], Any], config: SchedulerConfig) -> bool:
+    """Whether :func:`simulate` may keep arrived requests out of the scheduler until they can matter (see
+    :func:`simulate`): the built-in schedulers under FCFS, without the options that read the whole queue."""
+    return (
+        scheduler in ("rust", "reference")
+        and config.policy == "fcfs"
+        and not config.long_prefill_token_threshold_adaptive
+    )
+
+
 def simulate(
-    workload: Workload,
+    workload: Workload | WorkloadStream,
     config: SchedulerConfig | dict[str, Any] | None,
     step_model: StepTimeModel,
     *,
@@ -238,62 +359,96 @@ def simulate(
     horizon: float | None = None,
     timeseries_interval: float | None = None,
     record_batches: bool = False,
-    progress: bool = False,
+    keep_records: bool = False,
+    progress: bool | SimProgress = False,
     progress_desc: str = "simulate",
     fast_path: bool = True,
     prompt_fn: Callable[[int], npt.NDArray[np.int32]] | None = None,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+    window: float | None = None,
+    exact_limit: int = EXACT_LIMIT,
+    request_sink: Callable[[dict[str, npt.NDArray[Any]]], None] | None = None,
+    defer_arrivals: bool | None = None,
 ) -> SimResult:
     """Run ``workload`` through a real scheduler in simulated time (see the module docstring).
 
-    ``horizon``: stop at this simulated time (requests not finished by then are reported as unfinished);
-    None runs until every request has finished. ``timeseries_interval``: seconds of simulated time between
-    samples of the scheduler's stats (default: about 400 samples over the arrival window).
+    ``workload``: a :class:`Workload`, or a :class:`WorkloadStream` (drawn a chunk at a time: memory that does not
+    grow with the number of requests). ``horizon``: stop at this simulated time (requests not finished by then
+    are reported as unfinished); None runs until every request has finished. ``timeseries_interval``: seconds of
+    simulated time between samples of the scheduler's stats (default: about 400 samples over the arrival window).
+    ``slo_ttft``/``slo_tpot``: the SLOs goodput is counted for (any SLO works in :func:`summarize` while the
+    run has at most ``exact_limit`` finished requests). ``window``: the fairness window (default: a twentieth of
+    the arrival window). ``exact_limit``: values per figure kept exactly before percentiles come from a sketch
+    (:mod:`kvsched.sim.sketch`). ``request_sink``: called with the columns of each batch of requests as they
+    finish (and of the rest when the run ends), e.g. :class:`kvsched.sim.point.RequestCsvWriter`.
     ``record_batches``: keep each step's (request indices, scheduled tokens), for validation.
+    ``keep_records``: also keep the raw per-step record (O(tokens) memory) for :func:`request_records`.
     ``fast_path=False`` records every step in full (same results, slower; for tests).
     ``prompt_fn(i)``: the prompt token ids of request ``i`` (default: :class:`PromptFactory`'s).
+    ``progress``: True draws a progress bar of this run on stderr (:class:`kvsched.sim.progress.SimProgress`);
+    a ``SimProgress`` (a sweep's) gets this run as its next one, labelled ``progress_desc``.
+
+    ``defer_arrivals`` (default: :func:`defers_arrivals`): an FCFS scheduler only ever looks at the head of its
+    waiting queue (at most ``max_num_seqs`` admissions a step, plus the cache-aware admission window), so
+    requests that arrive behind a long queue are added only once fewer than ``2 * max_num_seqs + window + 1``
+    requests are in the scheduler: the same decisions (a test compares the batches), without the scheduler
+    holding the prompts of a backlog that grows for as long as the engine is overloaded. They count as waiting
+    in the time series and the metrics from their arrival.
     """
     cfg = _with_tenant_weights(make_config(config), workload)
     name, sched = _make_scheduler(scheduler, cfg)
     n = len(workload)
-    prompt_len = workload.prompt_len
-    too_long = np.flatnonzero(prompt_len >= cfg.max_model_len)
-    if too_long.size:
-        i = int(too_long[0])
+    if workload.max_prompt_len >= cfg.max_model_len:
         raise ValueError(
-            f"{too_long.size} request(s) have prompt_len >= max_model_len ({cfg.max_model_len}), e.g. request {i} "
-            f"with {int(prompt_len[i])} tokens; raise max_model_len or shorten the prompts"
+            f"the workload has prompts of up to {workload.max_prompt_len} tokens, not below max_model_len "
+            f"({cfg.max_model_len}); raise max_model_len, shorten the prompts, or clip drawn ones with "
+            f"generate_workload(spec, max_model_len={cfg.max_model_len})"
         )
-    target = np.minimum(workload.output_len, cfg.max_model_len - prompt_len).astype(np.int64)
-    final_len = prompt_len + target
-    known = prompt_len.astype(np.int64).copy()  # prompt + outputs so far, by request index
-    arrival = workload.arrival_time
-    arrival_list = arrival.tolist()
-    ids = [f"r{i}" for i in range(n)]
-    idx_of = {rid: i for i, rid in enumerate(ids)}
-    get_idx = idx_of.__getitem__
-    factory = PromptFactory(workload.seed)
-    tenant_kw = _accepts_tenant(sched.add_request) and (
-        workload.num_tenants > 1 or cfg.policy not in ("fcfs", "priority")
-    )
-    tenant_names = workload.tenant_names
-    tenants = workload.tenant.tolist()
-    priorities = workload.priority.tolist()
-    groups = workload.prefix_group.tolist()
-    plens = workload.prefix_len.tolist()
-    prompts = prompt_len.tolist()
-    targets = target.tolist()
-    added = np.zeros(n, dtype=np.bool_)
-
-    span = float(arrival[-1]) if n else 0.0
+    defer = defers_arrivals(scheduler, cfg) if defer_arrivals is None else defer_arrivals
+    max_active = max(cfg.max_num_seqs, cfg.max_num_active_seqs or 0)
+    room = (2 * max_active + cfg.cache_aware_admission_window + 1) if defer else n + 1
+    first_arrival = workload.first_arrival
+    span = workload.last_arrival
     interval = timeseries_interval if timeseries_interval else max(span / 400.0, 0.05)
+    if window is None:
+        window = (span - first_arrival) / 20.0 if span > first_arrival else 1.0
+    prio_values = workload.priority_values()
+    metrics = RunMetrics(
+        tenant_names=workload.tenant_names,
+        tenant_weights=workload.tenant_weights,
+        priorities=prio_values,
+        window=window,
+        first_arrival=first_arrival,
+        slo_ttft=slo_ttft,
+        slo_tpot=slo_tpot,
+        exact_limit=exact_limit,
+        request_sink=request_sink,
+    )
+    num_prios = len(metrics.prio_values)
+    prio_index = {int(p): i for i, p in enumerate(metrics.prio_values.tolist())}
+    num_codes = workload.num_tenants * num_prios
+    zero_code = np.zeros(1, dtype=np.int64)
+    nt = workload.num_tenants
+    factory = PromptFactory(workload.seed)
+    tenant_kw = _accepts_tenant(sched.add_request) and (nt > 1 or cfg.policy not in ("fcfs", "priority"))
+    tenant_names = workload.tenant_names
+    max_model_len = cfg.max_model_len
+    live = _Live()
+    slot_of: dict[str, int] = {}
+    get_slot = slot_of.__getitem__
+    pending: list[int] = []  # finished requests' slots, folded into the metrics in batches
+
     sample_at = 0.0
     ts: dict[str, list[float]] = {
         k: []
         for k in ("time", "num_running", "num_waiting", "kv_cache_usage", "num_preemptions", "prefix_cache_hit_rate")
     }
 
-    # Per step: start, duration, whether it took the fast path. Per recorded ("full") step: its composition,
-    # and its entries in the buffers. A fast step is rebuilt from the full step it repeats (see _expand).
+    # The raw record (keep_records): per step start, duration, whether it took the fast path; per recorded
+    # ("full") step its composition and its entries in the buffers. A fast step is rebuilt from the full step it
+    # repeats (see _expand).
+    rec = keep_records
     step_start: list[float] = []
     step_time: list[float] = []
     step_fast: list[bool] = []
@@ -309,6 +464,7 @@ def simulate(
     pre_step: list[int] = []
     pre_idx: list[int] = []
     batches: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = [] if record_batches else None
+    all_target: list[IntArray] = []
 
     c0, c_pre, c_preq, c_dec, c_kv, c_attn = (
         step_model.step_s,
@@ -337,52 +493,145 @@ def simulate(
     cumsum = np.cumsum
     fromiter = np.fromiter
     int64 = np.int64
-    append_start, append_time, append_fast = step_start.append, step_time.append, step_fast.append
+    isnan = np.isnan
+    windows = metrics.windows
 
-    # State of the fast path: the previous step's batch, whether it was all decodes, and how many fast steps
-    # have run since (their tokens are added to ``known`` in one go when the run ends).
+    # The workload, a chunk at a time: chunks hold the requests from the first one not yet in the scheduler.
+    chunk_iter = workload.chunks()
+    chunks: list[tuple[int, Workload, IntArray]] = []
+    scan: list[float] = []  # arrival times of the newest chunk, scanned for arrivals
+
+    def load_chunk() -> bool:
+        nxt_chunk = next(chunk_iter, None)
+        if nxt_chunk is None:
+            return False
+        start, w = nxt_chunk
+        target = np.minimum(w.output_len, max_model_len - w.prompt_len).astype(np.int64)
+        metrics.num_capped_outputs += int(count_nonzero(target < w.output_len))
+        if rec:
+            all_target.append(target)
+        chunks.append((start, w, target))
+        scan[:] = w.arrival_time.tolist()
+        return True
+
+    # State of the fast path: the previous step's batch (slots), whether it was all decodes, and the durations of
+    # the fast steps since (folded into the per-request state and the metrics in one go when the run of fast steps
+    # ends, see fold_run).
     prev_all_dec, prev_rids, prev_m, prev_idx = False, None, -1, np.zeros(0, dtype=np.int64)
-    kv, run, c_fixed = 0, 0, 0.0
+    prev_codes, prev_code_counts, prev_tenant_tokens = np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(nt)
+    run_dts: list[float] = []
+    run_t0 = 0.0
+    kv, c_fixed = 0, 0.0
     tok_view, ptr_view = tokens[:0], arange[:1]
+    num_entries = 0  # scheduled entries over all steps
+    step_time_sum = 0.0
 
-    bar = _progress_bar(progress, horizon if horizon is not None else span, progress_desc)
-    bar_last = 0.0
+    def fold_run() -> None:
+        """Apply the fast steps since the last full step: each request of its batch decoded one more token per
+        step, and every one of those tokens came one step time after the previous."""
+        k = len(run_dts)
+        dts = np.array(run_dts)
+        ends = _cumsum_from(run_t0, dts)
+        idx = prev_idx
+        live.known[idx] += k
+        live.num_output_tokens[idx] += k
+        live.num_scheduled_tokens[idx] += k
+        live.high_water[idx] += k
+        live.last_token_time[idx] = ends[-1]
+        gaps = np.diff(ends, prepend=run_t0)  # each token came one step after the previous (as the clock adds up)
+        metrics.add_itl(np.repeat(gaps, len(prev_codes)), np.tile(prev_codes, k), np.tile(prev_code_counts, k))
+        metrics.num_fast_steps += k
+        windows.add_service_steps(ends, prev_tenant_tokens)
+        run_dts.clear()
+
+    def fold_finished(force: bool = False) -> None:
+        if pending and (force or len(pending) >= 512):
+            slots = np.array(pending, dtype=np.int64)
+            metrics.add_requests(live.columns(slots, finished=True))
+            live.release(slots)
+            pending.clear()
+
+    own_progress = progress is True
+    prog = progress if isinstance(progress, SimProgress) else (SimProgress(1) if progress else None)
+    if prog is not None:
+        prog.start_run(progress_desc, n, horizon)
     logger = logging.getLogger("kvsched")
     old_level = logger.level
     logger.setLevel(logging.ERROR)  # the preemption warning is expected under load; the metrics count them
     wall0 = time.perf_counter()
     t = 0.0
-    nxt = 0
-    unfinished = 0
+    nxt_add = 0  # requests [0, nxt_add) were added to the scheduler
+    nxt_arr = 0  # requests [0, nxt_arr) have arrived; [nxt_add, nxt_arr) wait outside it (deferred)
+    next_arrival = math.inf
+    if n:
+        load_chunk()
+        next_arrival = scan[0]
+    in_sched = 0  # requests in the scheduler (added, not finished)
+    max_in_sched = 0
     step = 0
     try:
         while True:
             if horizon is not None and t >= horizon:
                 break
-            if unfinished == 0:
-                if nxt >= n:
+            if in_sched == 0 and nxt_add == nxt_arr:
+                if nxt_arr >= n:
                     break
-                t = max(t, arrival_list[nxt])
+                t = max(t, next_arrival)
                 if horizon is not None and t >= horizon:
                     break
-            while nxt < n and arrival_list[nxt] <= t:
-                i = nxt
-                kw: dict[str, Any] = {"tenant": tenant_names[tenants[i]]} if tenant_kw else {}
+            while next_arrival <= t:
+                nxt_arr += 1
+                if nxt_arr >= n:
+                    next_arrival = math.inf
+                    break
+                start, w, _ = chunks[-1]
+                if nxt_arr >= start + len(w):
+                    load_chunk()
+                    start = chunks[-1][0]
+                next_arrival = scan[nxt_arr - start]
+            while nxt_add < nxt_arr and in_sched < room:
+                i = nxt_add
+                start, w, target = chunks[0]
+                if i >= start + len(w):
+                    chunks.pop(0)
+                    start, w, target = chunks[0]
+                j = i - start
+                arrival = float(w.arrival_time[j])
+                prompt_len = int(w.prompt_len[j])
+                group = int(w.prefix_group[j])
+                ten = int(w.tenant[j])
+                prio = int(w.priority[j])
+                tgt = int(target[j])
+                rid = f"r{i}"
+                kw: dict[str, Any] = {"tenant": tenant_names[ten]} if tenant_kw else {}
                 add(
-                    ids[i],
-                    factory.tokens(i, prompts[i], groups[i], plens[i]) if prompt_fn is None else prompt_fn(i),
-                    max_tokens=targets[i],
-                    priority=priorities[i],
-                    arrival_time=arrival_list[i],
+                    rid,
+                    factory.tokens(i, prompt_len, group, int(w.prefix_len[j])) if prompt_fn is None else prompt_fn(i),
+                    max_tokens=tgt,
+                    priority=prio,
+                    arrival_time=arrival,
                     **kw,
                 )
-                nxt += 1
-                unfinished += 1
+                s = live.take()
+                slot_of[rid] = s
+                live.idx[s] = i
+                live.known[s] = prompt_len
+                live.target[s] = tgt
+                live.prompt_len[s] = prompt_len
+                live.tenant[s] = ten
+                live.priority[s] = prio
+                live.prefix_group[s] = group
+                live.code[s] = ten * num_prios + prio_index[prio]
+                live.arrival_time[s] = arrival
+                nxt_add += 1
+                in_sched += 1
+                if in_sched > max_in_sched:
+                    max_in_sched = in_sched
             if t >= sample_at:
                 st = sched.stats()
                 ts["time"].append(t)
                 ts["num_running"].append(st.num_running_reqs)
-                ts["num_waiting"].append(st.num_waiting_reqs)
+                ts["num_waiting"].append(st.num_waiting_reqs + nxt_arr - nxt_add)
                 ts["kv_cache_usage"].append(st.kv_cache_usage)
                 ts["num_preemptions"].append(st.num_preemptions)
                 ts["prefix_cache_hit_rate"].append(st.prefix_cache_hit_rate)
@@ -401,41 +650,46 @@ def simulate(
             ):
                 # Fast path: the same requests as the previous all-decode step, one token each, none preempted:
                 # all decode again, every one samples, each context one token longer. Nothing per request is
-                # recorded here; _expand rebuilds it and ``known`` catches up when the run ends.
-                run += 1
+                # computed here; fold_run applies these steps when the run of them ends.
                 kv += m
                 dt = c_fixed + c_kv * kv
                 fin = update(out, (tok_view, ptr_view)).finished_req_ids
-                if fin:
-                    unfinished -= len(fin)
-                append_start(t)
-                append_time(dt)
-                append_fast(True)
+                run_dts.append(dt)
+                if rec:
+                    step_start.append(t)
+                    step_time.append(dt)
+                    step_fast.append(True)
                 if batches is not None:
-                    batches.append((tuple(prev_idx.tolist()), (1,) * m))
+                    batches.append((tuple(live.idx[prev_idx].tolist()), (1,) * m))
                 t += dt
                 step += 1
-                if bar is not None and (step & 1023) == 0:
-                    bar.update(round(min(t, bar.total) - bar_last, 1))
-                    bar_last = min(t, bar.total)
+                step_time_sum += dt
+                num_entries += m
+                if fin:
+                    fold_run()
+                    run_t0 = t
+                    in_sched -= len(fin)
+                    pending.extend(slot_of.pop(r) for r in fin)
+                    fold_finished()
+                if prog is not None and (step & 1023) == 0:
+                    prog.update(t, nxt_add - in_sched)
                 continue
-            if run:
-                known[prev_idx] += run
-                run = 0
+            if run_dts:
+                fold_run()
             if m == 0:
                 pre_ids = out.preempted_req_ids
                 prev_all_dec = False
-                if nxt < n:
-                    t = max(t, arrival_list[nxt])
+                if nxt_arr < n:
+                    t = max(t, next_arrival)
                     continue
                 raise StalledError(
-                    f"{name} scheduled nothing at t={t:.3f}s with {unfinished} request(s) unfinished"
+                    f"{name} scheduled nothing at t={t:.3f}s with {in_sched} request(s) unfinished"
                     + (f" (preempted: {pre_ids})" if pre_ids else "")
                 )
-            idx = fromiter(map(get_idx, rids), int64, m)
+            idx = fromiter(map(get_slot, rids), int64, m)
             nst = out.num_scheduled_tokens
             nct = out.num_computed_tokens
-            kl = known[idx]
+            kl = live.known[idx]
             complete = (nct + nst) >= kl
             is_dec = nct == kl - 1
             n_dec = int(count_nonzero(is_dec))
@@ -463,92 +717,215 @@ def simulate(
                 indptr = np.zeros(m + 1, dtype=int64)
                 cumsum(complete, out=indptr[1:])
                 res = update(out, (tokens[:k], indptr))
-            known[sel] += 1
-            unfinished -= len(res.finished_req_ids)
+            live.known[sel] += 1
+            t_end = t + dt
 
-            append_start(t)
-            append_time(dt)
-            append_fast(False)
-            f_m.append(m)
-            f_tok.append(n_tok)
-            f_pre.append(n_pre)
-            f_kv.append(kv)
-            f_nsel.append(k)
-            b_idx.extend(idx)
-            b_nst.extend(nst)
-            b_nct.extend(nct)
-            b_sel.extend(sel)
+            # The per-request figures of this step (see summary.request_records for the same from the record).
+            end = nct + nst
+            hw = live.high_water[idx]
+            live.num_recomputed_tokens[idx] += np.maximum(np.minimum(end, hw) - nct, 0)
+            live.num_cached_tokens[idx] += np.maximum(nct - hw, 0)
+            live.high_water[idx] = np.maximum(hw, end)
+            live.num_scheduled_tokens[idx] += nst
+            fs = live.first_scheduled_time[idx]
+            new = isnan(fs)
+            if new.any():
+                first = idx[new]
+                live.first_scheduled_time[first] = t
+                windows.wait(live.arrival_time[first], np.full(len(first), t), live.tenant[first])
+            if nt == 1:
+                windows.step(t_end, float(n_tok))
+            else:
+                windows.step(t_end, np.bincount(live.tenant[idx], weights=nst, minlength=nt))
+            last = live.last_token_time[sel]
+            # Most tokens of a step come one step after the request's previous one (it sampled in the previous
+            # step): one value, counted per group code; the others (first tokens aside) one by one.
+            prev_step = last == t
+            num_prev = int(count_nonzero(prev_step))
+            if num_prev:
+                if num_codes == 1:
+                    metrics.add_itl(np.array([t_end - t]), zero_code, np.array([num_prev]))
+                else:
+                    by_code = np.bincount(live.code[sel[prev_step]], minlength=num_codes)
+                    present = np.flatnonzero(by_code)
+                    metrics.add_itl(np.full(len(present), t_end - t), present, by_code[present])
+            if num_prev < k:
+                had = ~isnan(last) & ~prev_step
+                if had.any():
+                    metrics.add_itl(t_end - last[had], live.code[sel[had]])
+                new_tok = isnan(last)
+                if new_tok.any():
+                    live.first_token_time[sel[new_tok]] = t_end
+            live.last_token_time[sel] = t_end
+            live.num_output_tokens[sel] += 1
             pre_ids = out.preempted_req_ids
             if pre_ids:
                 for rid in pre_ids:
-                    pre_step.append(step)
-                    pre_idx.append(idx_of[rid])
+                    live.num_preemptions[slot_of[rid]] += 1
+                    if rec:
+                        pre_step.append(step)
+                        pre_idx.append(int(live.idx[slot_of[rid]]))
+            if rec:
+                step_start.append(t)
+                step_time.append(dt)
+                step_fast.append(False)
+                f_m.append(m)
+                f_tok.append(n_tok)
+                f_pre.append(n_pre)
+                f_kv.append(kv)
+                f_nsel.append(k)
+                b_idx.extend(live.idx[idx])
+                b_nst.extend(nst)
+                b_nct.extend(nct)
+                b_sel.extend(live.idx[sel])
             if batches is not None:
-                batches.append((tuple(idx.tolist()), tuple(nst.tolist())))
+                batches.append((tuple(live.idx[idx].tolist()), tuple(nst.tolist())))
+            fin = res.finished_req_ids
+            if fin:
+                in_sched -= len(fin)
+                pending.extend(slot_of.pop(r) for r in fin)
+                fold_finished()
             prev_all_dec = n_dec == m and not pre_ids
             prev_rids, prev_m, prev_idx = rids, m, idx
+            if prev_all_dec and fast_path:
+                if num_codes == 1:
+                    prev_codes, prev_code_counts = zero_code, np.array([m])
+                else:
+                    by_code = np.bincount(live.code[idx], minlength=num_codes)
+                    prev_codes = np.flatnonzero(by_code)
+                    prev_code_counts = by_code[prev_codes]
+                prev_tenant_tokens = (
+                    np.array([float(m)]) if nt == 1 else np.bincount(live.tenant[idx], minlength=nt).astype(np.float64)
+                )
             c_fixed = c0 + c_dec * m
             tok_view, ptr_view = tokens[:m], arange[: m + 1]
-            t += dt
+            t = t_end
+            run_t0 = t
             step += 1
-            if bar is not None and (step & 1023) == 0:
-                bar.update(round(min(t, bar.total) - bar_last, 1))
-                bar_last = min(t, bar.total)
-        if run:
-            known[prev_idx] += run
+            step_time_sum += dt
+            num_entries += m
+            if prog is not None and (step & 1023) == 0:
+                prog.update(t, nxt_add - in_sched)
+        if run_dts:
+            fold_run()
     finally:
         logger.setLevel(old_level)
-        if bar is not None:
-            bar.close()
+        if prog is not None:
+            prog.finish_run(f"{nxt_add - in_sched:,}/{n:,} requests finished, {step:,} steps, {t:,.1f} s simulated")
+            if own_progress:
+                prog.close()
     wall = time.perf_counter() - wall0
-    added[:nxt] = True
-    finished_by_us = added & (known == final_len)
-    if horizon is None and int(finished_by_us.sum()) != n:
-        raise StalledError(f"{n - int(finished_by_us.sum())} request(s) did not finish although the run drained")
-    fast = np.asarray(step_fast, dtype=np.bool_)
-    per_step, sched_idx, sched_nst, sched_nct, token_idx = _expand(
-        fast,
-        {
-            "m": np.asarray(f_m, dtype=np.int64),
-            "tok": np.asarray(f_tok, dtype=np.int64),
-            "pre": np.asarray(f_pre, dtype=np.int64),
-            "kv": np.asarray(f_kv, dtype=np.int64),
-            "nsel": np.asarray(f_nsel, dtype=np.int64),
-        },
-        b_idx.array(),
-        b_nst.array(),
-        b_nct.array(),
-        b_sel.array(),
-    )
+    if horizon is None and (in_sched or nxt_add < n):
+        raise StalledError(f"{n - nxt_add + in_sched} request(s) did not finish although the run drained")
+    # Fold in what is left: finished requests not folded yet, requests still in the scheduler (unfinished), those
+    # that arrived but waited outside it, and (for the per-request rows) those that never arrived.
+    fold_finished(force=True)
+    if slot_of:
+        slots = np.array(sorted(slot_of.values()), dtype=np.int64)
+        never = slots[np.isnan(live.first_scheduled_time[slots])]
+        windows.add_waits(live.arrival_time[never], np.full(len(never), t), live.tenant[never])
+        metrics.add_requests(live.columns(slots, finished=False))
+    num_held = nxt_arr - nxt_add  # arrived, waiting outside the scheduler when the run ended
+    done = nxt_add  # requests before this one are folded in
+    while True:
+        for start, w, target in chunks:
+            lo = max(done - start, 0)
+            mid = min(max(nxt_arr - start, lo), len(w))
+            if mid > lo:
+                cols = _waiting_columns(w, lo, mid, start, True, target[lo:mid])
+                windows.add_waits(cols["arrival_time"], np.full(mid - lo, t), cols["tenant"])
+                metrics.add_requests(cols)
+            if len(w) > mid and request_sink is not None:
+                metrics.add_requests(_waiting_columns(w, mid, len(w), start, False, target[mid:]))
+        done = max(done, chunks[-1][0] + len(chunks[-1][1])) if chunks else done
+        chunks.clear()
+        if done >= n or (request_sink is None and not rec) or not load_chunk():
+            break
+    metrics.num_steps = step
+    metrics.step_time_sum = step_time_sum
+    metrics.num_scheduled_entries = num_entries
+    metrics.finish(t)
     st = sched.stats()
     final_stats: dict[str, Any] = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
     final_stats["prefix_cache_hit_rate"] = st.prefix_cache_hit_rate
-    return SimResult(
+    final_stats["num_waiting_reqs"] = st.num_waiting_reqs + num_held
+    result = SimResult(
         workload=workload,
         config=cfg,
         step_model=step_model,
         scheduler=name,
         horizon=horizon,
-        target_output_len=target,
-        added=added,
-        step_start=np.asarray(step_start, dtype=np.float64),
-        step_time=np.asarray(step_time, dtype=np.float64),
-        step_num_reqs=per_step["m"],
-        step_num_tokens=per_step["tok"],
-        step_prefill_tokens=per_step["pre"],
-        step_decode_reqs=per_step["tok"] - per_step["pre"],
-        step_kv_tokens=per_step["kv"],
-        step_num_sampled=per_step["nsel"],
-        sched_idx=sched_idx,
-        sched_num_tokens=sched_nst,
-        sched_num_computed=sched_nct,
-        token_idx=token_idx,
-        preempt_step=np.asarray(pre_step, dtype=np.int64),
-        preempt_idx=np.asarray(pre_idx, dtype=np.int64),
+        metrics=metrics,
         timeseries={k: np.asarray(v, dtype=np.float64) for k, v in ts.items()},
         final_stats=final_stats,
         end_time=t,
         wall_s=wall,
         batches=batches,
-        extra={"tenant_passed": tenant_kw, "num_fast_steps": int(fast.sum())},
+        extra={
+            "tenant_passed": tenant_kw,
+            "deferred_arrivals": defer,
+            "num_steps": step,
+            "num_fast_steps": metrics.num_fast_steps,
+            "max_in_scheduler": max_in_sched,
+        },
     )
+    if rec:
+        _attach_records(
+            result,
+            np.asarray(step_fast, dtype=np.bool_),
+            {
+                "m": np.asarray(f_m, dtype=np.int64),
+                "tok": np.asarray(f_tok, dtype=np.int64),
+                "pre": np.asarray(f_pre, dtype=np.int64),
+                "kv": np.asarray(f_kv, dtype=np.int64),
+                "nsel": np.asarray(f_nsel, dtype=np.int64),
+            },
+            (b_idx.array(), b_nst.array(), b_nct.array(), b_sel.array()),
+            np.asarray(step_start, dtype=np.float64),
+            np.asarray(step_time, dtype=np.float64),
+            (np.asarray(pre_step, dtype=np.int64), np.asarray(pre_idx, dtype=np.int64)),
+            np.concatenate(all_target) if all_target else np.zeros(0, dtype=np.int64),
+            min(nxt_arr, n),
+        )
+    return result
+
+
+def _attach_records(
+    result: SimResult,
+    fast: npt.NDArray[np.bool_],
+    full: dict[str, IntArray],
+    bufs: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]],
+    step_start: FloatArray,
+    step_time: FloatArray,
+    preempts: tuple[IntArray, IntArray],
+    target: IntArray,
+    num_added: int,
+) -> None:
+    per_step, sched_idx, sched_nst, sched_nct, token_idx = _expand(fast, full, *bufs)
+    n = len(result.workload)
+    added = np.zeros(n, dtype=np.bool_)
+    added[:num_added] = True
+    if isinstance(result.workload, WorkloadStream):
+        result.workload = result.workload.materialize()
+    result.target_output_len = target
+    result.added = added
+    result.step_start = step_start
+    result.step_time = step_time
+    result.step_num_reqs = per_step["m"]
+    result.step_num_tokens = per_step["tok"]
+    result.step_prefill_tokens = per_step["pre"]
+    result.step_decode_reqs = per_step["tok"] - per_step["pre"]
+    result.step_kv_tokens = per_step["kv"]
+    result.step_num_sampled = per_step["nsel"]
+    result.sched_idx = sched_idx
+    result.sched_num_tokens = sched_nst
+    result.sched_num_computed = sched_nct
+    result.token_idx = token_idx
+    result.preempt_step, result.preempt_idx = preempts
+    result.has_records = True
+
+
+def _cumsum_from(carry: float, values: FloatArray) -> FloatArray:
+    """``carry + values[0], carry + values[0] + values[1], ...`` in the order the loop adds them."""
+    out: FloatArray = np.cumsum(np.concatenate(([carry], values)))[1:]
+    return out

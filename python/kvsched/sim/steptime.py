@@ -25,8 +25,8 @@ threshold (it tries a range of them) with the coefficients; the presets leave it
 
 The lone-prefill term adds a per-token price to a step that schedules exactly one request and computes a prefill
 chunk for it (no decodes): how a request meets the engine at low load, so it decides TTFT there. Such a step
-costs more per token than the linear terms fitted across all step kinds say (without the term, the validation
-runs of the tiny test model on the CPU priced their prefill steps 2-14% low; see ``docs/simulator.md``).
+costs more per token than the linear terms fitted across all step kinds say (without the term, validation runs
+price such prefill steps low; see ``docs/simulator.md``).
 Calibration fits it; the presets leave it 0, and a JSON model without it loads with it 0.
 
 The presets are estimates (see ``docs/simulator.md`` for their derivation and sources); calibrate on your own
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -244,7 +245,11 @@ def load_step_time_model(name_or_path: str | Path) -> StepTimeModel:
         return PRESETS[key]
     path = Path(key)
     if not path.exists():
+        if path.suffix.lower() == ".json" or "/" in key or os.sep in key:
+            raise ValueError(f"step-time model file {key} does not exist")
         raise ValueError(f"unknown step-time preset {key!r}: use one of {', '.join(PRESETS)} or a JSON file")
+    if path.is_dir():
+        raise ValueError(f"step-time model {key} is a directory, not a JSON file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:

@@ -3,6 +3,19 @@
 For each rate one workload is generated (same seed: the same requests, only their arrival times scaled) or the
 trace is replayed with its arrival times scaled to that rate; every policy and config combination then runs
 on that same workload, so differences between runs come from the scheduler's decisions alone.
+
+Lengths must fit ``max_model_len``, checked before anything runs: a generated workload is drawn with its prompt
+lengths clipped to the smallest ``max_model_len`` of the sweep minus one (so every run sees the same requests),
+and refused when the mean prompt length does not fit at all (:func:`~kvsched.sim.workload.check_prompt_lengths`);
+a trace with a prompt that does not fit is refused. The simulator caps each output length at
+``max_model_len - prompt_len``. Each run's summary counts both (``num_clipped_prompts``, ``num_capped_outputs``).
+
+Every run is one :class:`SweepPoint`, a small picklable description (the workload recipe at its rate, or the
+scaled trace; the config; the step model) that :func:`run_point` turns into a :class:`RunOutput` (the summary and
+the series of the figures; no per-request data). Points are independent and deterministic, so they run the same
+anywhere: one after another here (``jobs=1``), in ``jobs`` worker processes, or as Ray tasks on a local or
+existing Ray cluster (``ray=True``; the ``ray`` extra). The results are the same, run for run, in the sweep's
+order; one progress bar follows all of them.
 """
 
 from __future__ import annotations
@@ -11,35 +24,30 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .metrics import RequestRecords, request_records, summarize, tenant_service
-from .simulator import SimResult, make_config, simulate
+from ..config import SchedulerConfig
+from .point import RunOutput, SweepPoint, WorkloadInfo, run_point
+from .progress import SimProgress
+from .simulator import make_config
 from .steptime import StepTimeModel
-from .workload import Workload, WorkloadSpec, generate_workload
+from .workload import TraceFormatError, Workload, WorkloadSpec, check_prompt_lengths
 
-__all__ = ["RunOutput", "parse_set", "run_sweep", "scale_trace"]
-
-
-@dataclass
-class RunOutput:
-    """One run of a sweep: its coordinates, summary, and the series the plots and CSV files need."""
-
-    run_id: str
-    rate: float | None
-    policy: str
-    overrides: dict[str, Any]
-    summary: dict[str, Any]
-    result: SimResult
-    records: RequestRecords
-    service: dict[str, Any] = field(default_factory=dict)
-
-    def label(self) -> str:
-        parts = [self.policy] + [f"{k}={v}" for k, v in self.overrides.items()]
-        return " ".join(parts)
+__all__ = [
+    "RunOutput",
+    "SweepPoint",
+    "WorkloadInfo",
+    "check_trace_fits",
+    "parse_set",
+    "run_point",
+    "run_sweep",
+    "scale_trace",
+    "sweep_configs",
+    "sweep_points",
+]
 
 
 def _parse_value(text: str) -> Any:
@@ -80,6 +88,98 @@ def scale_trace(workload: Workload, rate: float) -> Workload:
     return dataclasses.replace(workload, arrival_time=workload.arrival_time * factor)
 
 
+def _combos(axes: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    keys = list(axes)
+    return [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*(axes[k] for k in keys))]
+
+
+def sweep_configs(
+    policies: Sequence[str], axes: dict[str, list[Any]] | None = None, base_config: dict[str, Any] | None = None
+) -> list[SchedulerConfig]:
+    """The scheduler config of every (policy, axis values) combination of a sweep, in run order; a bad field or
+    value raises the config's own error (``InvalidConfigError``)."""
+    base = dict(base_config or {})
+    return [make_config({**base, **combo, "policy": policy}) for policy in policies for combo in _combos(axes or {})]
+
+
+def check_trace_fits(workload: Workload, max_model_len: int) -> None:
+    """Raise :class:`TraceFormatError` if a request of ``workload`` has no room for an output token within
+    ``max_model_len`` (its prompt has ``max_model_len`` tokens or more); the message says how to fix it."""
+    too_long = workload.prompt_len >= max_model_len
+    if too_long.any():
+        longest = int(workload.prompt_len.max())
+        raise TraceFormatError(
+            f"{int(too_long.sum())} request(s) of {workload.source} have prompt_len >= max_model_len "
+            f"({max_model_len}), the longest {longest} tokens; raise it (--set max_model_len={longest + 1} or "
+            f"more) or leave those requests out"
+        )
+
+
+def sweep_points(
+    workload: WorkloadSpec | Workload,
+    *,
+    rates: Sequence[float | None] = (None,),
+    policies: Sequence[str] = ("fcfs",),
+    axes: dict[str, list[Any]] | None = None,
+    base_config: dict[str, Any] | None = None,
+    step_model: StepTimeModel,
+    scheduler: str | Callable[..., Any] = "rust",
+    horizon: float | None = None,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+    window: float | None = None,
+    per_request_dir: str | Path | None = None,
+) -> list[SweepPoint]:
+    """Every (rate, policy, axis values) combination as a :class:`SweepPoint`, in run order. Config errors (an
+    unknown field, an unknown policy such as one this build does not have) and lengths that cannot fit
+    ``max_model_len`` (see the module docstring) are raised here, before anything runs."""
+    axes = axes or {}
+    base = dict(base_config or {})
+    combos = _combos(axes)
+    # Validate every config up front: a bad policy or field fails fast, with the config's own message.
+    configs = sweep_configs(policies, axes, base)
+    max_model_len = min(cfg.max_model_len for cfg in configs)
+    if isinstance(workload, WorkloadSpec):
+        check_prompt_lengths(workload, max_model_len)
+    else:
+        check_trace_fits(workload, max_model_len)
+    points = []
+    for rate in rates:
+        w: WorkloadSpec | Workload
+        if isinstance(workload, WorkloadSpec):
+            w = workload if rate is None else dataclasses.replace(workload, rate=rate)
+            run_rate: float | None = w.rate
+        else:
+            w = workload if rate is None else scale_trace(workload, rate)
+            run_rate = rate if rate is not None else _mean_rate(w)
+        for policy in policies:
+            for combo in combos:
+                run_id = "_".join(
+                    [f"rate{run_rate:g}" if run_rate is not None else "trace", policy]
+                    + [f"{k}{v}" for k, v in combo.items()]
+                )
+                csv_path = None if per_request_dir is None else str(Path(per_request_dir) / f"requests_{run_id}.csv")
+                points.append(
+                    SweepPoint(
+                        run_id=run_id,
+                        rate=run_rate,
+                        policy=policy,
+                        overrides=combo,
+                        config={**base, **combo, "policy": policy},
+                        workload=w,
+                        max_model_len=max_model_len,
+                        step_model=step_model,
+                        scheduler=scheduler,
+                        horizon=horizon,
+                        slo_ttft=slo_ttft,
+                        slo_tpot=slo_tpot,
+                        window=window,
+                        per_request_csv=csv_path,
+                    )
+                )
+    return points
+
+
 def run_sweep(
     workload: WorkloadSpec | Workload,
     *,
@@ -95,56 +195,59 @@ def run_sweep(
     window: float | None = None,
     progress: bool = False,
     on_run: Callable[[RunOutput], None] | None = None,
+    per_request_dir: str | Path | None = None,
+    jobs: int = 1,
+    ray: bool = False,
+    ray_address: str | None = None,
 ) -> list[RunOutput]:
     """Run every (rate, policy, axis values) combination; see the module docstring.
 
-    ``rates`` entries of None mean "the workload's own rate". Config errors (an unknown field, an unknown
-    policy such as one this build does not have) are raised before anything runs.
+    ``rates`` entries of None mean "the workload's own rate". Errors in the configs or lengths are raised before
+    anything runs (:func:`sweep_points`). ``progress``: one bar (or, off a terminal, one line per run) on stderr
+    over all the runs (:class:`~kvsched.sim.progress.SimProgress`). ``per_request_dir``: write each run's
+    per-request rows to ``requests_<run_id>.csv`` there, as its requests finish. ``jobs``: worker processes
+    (1: in this process). ``ray``: run the points as Ray tasks (``ray.init(address=ray_address)`` unless Ray is
+    initialised already; None starts a local cluster or joins the one ``RAY_ADDRESS`` names). The outputs come
+    back in the sweep's order either way; ``on_run`` is called with each as it completes.
     """
-    axes = axes or {}
-    base = dict(base_config or {})
-    keys = list(axes)
-    combos = [dict(zip(keys, vals, strict=True)) for vals in itertools.product(*(axes[k] for k in keys))]
-    # Validate every config up front: a bad policy or field fails fast, with the config's own message.
-    for policy in policies:
-        for combo in combos:
-            make_config({**base, **combo, "policy": policy})
-    outputs: list[RunOutput] = []
-    for rate in rates:
-        if isinstance(workload, WorkloadSpec):
-            spec = workload if rate is None else dataclasses.replace(workload, rate=rate)
-            w = generate_workload(spec)
-            run_rate: float | None = spec.rate
-        else:
-            w = workload if rate is None else scale_trace(workload, rate)
-            run_rate = rate if rate is not None else _mean_rate(w)
-        for policy in policies:
-            for combo in combos:
-                cfg = make_config({**base, **combo, "policy": policy})
-                run_id = "_".join(
-                    [f"rate{run_rate:g}" if run_rate is not None else "trace", policy]
-                    + [f"{k}{v}" for k, v in combo.items()]
-                )
-                res = simulate(
-                    w,
-                    cfg,
-                    step_model,
-                    scheduler=scheduler,
-                    horizon=horizon,
-                    progress=progress,
-                    progress_desc=run_id,
-                )
-                rec = request_records(res)
-                summary = summarize(res, rec, slo_ttft=slo_ttft, slo_tpot=slo_tpot, window=window)
-                summary["rate"] = run_rate
-                summary["overrides"] = combo
-                summary["run_id"] = run_id
-                out = RunOutput(run_id, run_rate, policy, combo, summary, res, rec)
-                out.service = tenant_service(res, summary["fairness"]["window"], rec)
-                outputs.append(out)
-                if on_run is not None:
-                    on_run(out)
-    return outputs
+    points = sweep_points(
+        workload,
+        rates=rates,
+        policies=policies,
+        axes=axes,
+        base_config=base_config,
+        step_model=step_model,
+        scheduler=scheduler,
+        horizon=horizon,
+        slo_ttft=slo_ttft,
+        slo_tpot=slo_tpot,
+        window=window,
+        per_request_dir=per_request_dir,
+    )
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if per_request_dir is not None:
+        Path(per_request_dir).mkdir(parents=True, exist_ok=True)
+    prog = SimProgress(len(points)) if progress else None
+    try:
+        if ray:
+            from .parallel import run_points_ray
+
+            return run_points_ray(points, progress=prog, on_run=on_run, address=ray_address)
+        if jobs > 1 and len(points) > 1:
+            from .parallel import run_points_processes
+
+            return run_points_processes(points, jobs=jobs, progress=prog, on_run=on_run)
+        outputs: list[RunOutput] = []
+        for point in points:
+            out = run_point(point, prog)
+            outputs.append(out)
+            if on_run is not None:
+                on_run(out)
+        return outputs
+    finally:
+        if prog is not None:
+            prog.close()
 
 
 def _mean_rate(w: Workload) -> float | None:

@@ -21,9 +21,10 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import SchedulerConfig
-from .metrics import percentiles, request_records
+from .metrics import percentiles
 from .simulator import make_config, simulate
 from .steptime import StepTimeModel, lone_prefill_tokens, spill_pairs
+from .summary import request_records
 from .workload import PromptFactory, Workload
 
 __all__ = ["RealRun", "compare", "prompt_fn_for_vocab", "run_real", "validate", "warmup_prompts"]
@@ -74,9 +75,9 @@ def warmup_prompts(
     four 48-token prompts together, then one prompt alone as long as the workload's longest (capped so that it
     fits: below ``max_model_len``, within the KV cache, and within the token budget without chunked prefill).
 
-    The first request of a trace arrives at time 0, right after the warm-ups, so with only 48- and 64-token
-    warm-up prompts it was the process's first long prefill and paid for that: its measured TTFT was 1.39x the
-    simulated one (median of 48 runs, docs/simulator.md), 0.95x with this warm-up."""
+    The first request of a trace arrives at time 0, right after the warm-ups. Without a warm-up prompt as long as
+    the workload's longest, it could be the process's first long prefill and pay for that, so that its measured
+    TTFT would sit above the simulated one for a reason the simulator does not model."""
     batches = [[rng.integers(3, vocab_size, size=48).tolist() for _ in range(4)]]
     longest = int(workload.prompt_len.max()) if len(workload) else 0
     # A request holds at most prompt + max_tokens - 1 KV slots (add_request refuses it beyond the cache, or beyond
@@ -113,8 +114,8 @@ def run_real(
     other processes on a shared machine do not distort the measurement (CPU device, torch single-threaded).
     The harness's own work is not charged to either clock: adding a request (``LLM.add_request``; a server
     ingests requests off the step loop, and the simulator does not charge it either) and recording each step
-    (its batch, composition and the requests' token times, about 60 us a step on a 2-core Xeon, 5% of a
-    decode step of the tiny test model). What the clock does count between steps is the engine loop's own work
+    (its batch, composition and the requests' token times, a small fraction of a decode step of the tiny test
+    model). What the clock does count between steps is the engine loop's own work
     (``has_unfinished_requests``), in ``RealRun.between_steps_s``.
 
     ``idle_work``: called, off the clock, whenever the engine is idle before an arrival (``--validate`` runs its
@@ -278,7 +279,7 @@ def validate(
         torch.set_num_threads(num_threads)
     cfg = make_config(config)
     # On the CPU, freed memory stays in the process: otherwise a prefill after a run of decode steps faults its
-    # activations in again and costs 10-50% more, by an amount that varies from run to run (runner/host_memory.py).
+    # activations in again and costs more, by an amount that varies from run to run (runner/host_memory.py).
     kept = keep_freed_memory() if torch.device(device).type == "cpu" else False
     llm = LLM(model, device=device, seed=seed, **_llm_kwargs(cfg))
     vocab = int(llm.model_config.vocab_size)
@@ -304,7 +305,7 @@ def validate(
     if session is not None and not session.done:
         # On the virtual clock the calibration workloads run at the real run's idle points (one each, with a
         # decode run after it, off the clock), so that both measure the machine over the same stretch of time:
-        # a shared VM's speed changes by up to 1.8x within seconds. What is left runs after the real run.
+        # a shared VM's speed can change markedly within seconds. What is left runs after the real run.
         idle_work = functools.partial(session.run_next, trailer=True)
     real = run_real(llm, workload, fn, clock=clock, idle_work=idle_work)
     if session is not None:
@@ -315,7 +316,7 @@ def validate(
         fit["workloads_during_real_run"] = interleaved if idle_work is not None else 0
         fit["workloads"] = len(session.work)
     assert step_model is not None
-    sim = simulate(workload, cfg, step_model, record_batches=True, prompt_fn=fn)
+    sim = simulate(workload, cfg, step_model, record_batches=True, keep_records=True, prompt_fn=fn)
     report = compare(real, workload, sim)
     report["device"] = str(llm.device)
     report["torch_threads"] = torch.get_num_threads()

@@ -16,6 +16,13 @@ coefficient of variation), and each arrival is assigned a tenant with probabilit
 share. For Poisson arrivals this is exactly independent Poisson streams per tenant. The gaps are drawn for rate 1
 and divided by the rate, so one seed gives the same requests at every rate, only closer together.
 
+Lengths and ``max_model_len``: ``generate_workload(spec, max_model_len=M)`` clips every drawn prompt length to
+``M - 1`` (so that a request has room for at least one output token) and counts the clipped ones
+(:attr:`Workload.num_clipped_prompts`). Clipping changes no other draw: a workload whose prompts all fit is the
+same, request for request, with or without ``max_model_len``. :func:`check_prompt_lengths` refuses a length
+distribution whose mean does not fit at all. ``kvsched simulate`` passes the smallest ``max_model_len`` of the
+sweep; the simulator caps each output length at ``max_model_len - prompt_len``.
+
 Prompt token ids are made when a request is added (see :func:`prompt_tokens`): the group prefix (if any), then
 two tokens that encode the request's index, then filler. Prefix-cache hashes chain from the first block, so no
 two requests share a block unless they share a group prefix.
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -41,6 +48,8 @@ __all__ = [
     "TraceFormatError",
     "Workload",
     "WorkloadSpec",
+    "WorkloadStream",
+    "check_prompt_lengths",
     "dump_trace",
     "generate_workload",
     "load_trace",
@@ -54,6 +63,8 @@ VOCAB_SIZE = 32000
 _FIRST_TOKEN = 3  # ids 0..2 are left out (pad/bos/eos in many vocabularies)
 _RANGE = VOCAB_SIZE - _FIRST_TOKEN
 _POOL_SIZE = 1 << 16
+# Requests drawn per chunk by WorkloadStream (and sliced per chunk from a Workload): about 0.5 MB of arrays.
+CHUNK_REQUESTS = 1 << 13
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -94,6 +105,7 @@ class LengthDist:
         return np.clip(out, 1, self.max_len)
 
     def mean(self) -> float:
+        """The mean of the distribution (before clipping)."""
         if self.kind == "uniform":
             return (self.a + self.b) / 2
         return float(self.a)
@@ -241,6 +253,8 @@ class Workload:
     tenant_weights: tuple[float, ...] = (1.0,)
     seed: int = 0
     source: str = "generated"
+    # Prompts drawn longer than max_model_len - 1 and clipped to it (generate_workload(..., max_model_len=)).
+    num_clipped_prompts: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.arrival_time)
@@ -265,6 +279,30 @@ class Workload:
     def num_tenants(self) -> int:
         return len(self.tenant_names)
 
+    @property
+    def first_arrival(self) -> float:
+        return float(self.arrival_time[0]) if len(self) else 0.0
+
+    @property
+    def last_arrival(self) -> float:
+        return float(self.arrival_time[-1]) if len(self) else 0.0
+
+    @property
+    def max_prompt_len(self) -> int:
+        return int(self.prompt_len.max()) if len(self) else 0
+
+    def priority_values(self) -> tuple[int, ...]:
+        """The priority values of its requests."""
+        return tuple(int(p) for p in np.unique(self.priority))
+
+    def chunks(self, size: int = CHUNK_REQUESTS) -> Iterator[tuple[int, Workload]]:
+        """``(index of the chunk's first request, the chunk)`` for consecutive slices of ``size`` requests."""
+        names = ("arrival_time", "prompt_len", "output_len", "tenant", "priority", "prefix_group", "prefix_len")
+        for start in range(0, len(self), size):
+            cols = {k: getattr(self, k)[start : start + size] for k in names}
+            yield start, Workload(**cols, tenant_names=self.tenant_names, tenant_weights=self.tenant_weights,
+                                  seed=self.seed, source=self.source)  # fmt: skip
+
 
 def _gaps(rng: np.random.Generator, n: int, arrival: str, cv: float) -> FloatArray:
     """n inter-arrival gaps of mean 1."""
@@ -274,55 +312,238 @@ def _gaps(rng: np.random.Generator, n: int, arrival: str, cv: float) -> FloatArr
     return rng.gamma(shape, 1.0 / shape, size=n)
 
 
-def generate_workload(spec: WorkloadSpec) -> Workload:
-    """The requests of ``spec`` (deterministic for a given spec, including its seed)."""
-    rng = np.random.default_rng(spec.seed)
-    if spec.num_requests is not None:
-        n = spec.num_requests
-        times = np.cumsum(_gaps(rng, n, spec.arrival, spec.cv)) / spec.rate
-    else:
-        # Enough gaps for the duration with a wide margin, then cut; more if the margin ran out.
-        expected = spec.duration * spec.rate
-        chunks: list[FloatArray] = []
-        total = 0.0
-        while total < spec.duration * spec.rate:
-            gaps = _gaps(rng, int(expected + 6 * math.sqrt(expected) * max(1.0, spec.cv) + 16), spec.arrival, spec.cv)
-            chunks.append(gaps)
-            total += float(gaps.sum())
-        times = np.cumsum(np.concatenate(chunks)) / spec.rate
-        times = times[times < spec.duration]
-        n = len(times)
-    times = times - times[0] if n else times  # the first request arrives at t = 0
-    shares = np.array([t.share for t in spec.tenants], dtype=np.float64)
-    tenant = rng.choice(len(spec.tenants), size=n, p=shares / shares.sum()).astype(np.int64)
-    values = np.array([v for v, _ in spec.priorities], dtype=np.int64)
-    fracs = np.array([f for _, f in spec.priorities], dtype=np.float64)
-    priority = values[rng.choice(len(values), size=n, p=fracs / fracs.sum())]
-    for i, t in enumerate(spec.tenants):
-        if t.priority is not None:
-            priority[tenant == i] = t.priority
-    prompt_len = spec.prompt_len.sample(rng, n)
-    output_len = spec.output_len.sample(rng, n)
-    prefix_group = np.full(n, -1, dtype=np.int64)
-    prefix_len = np.zeros(n, dtype=np.int64)
-    if spec.num_prefix_groups > 0 and spec.prefix_len > 0 and spec.prefix_fraction > 0:
-        shared = rng.random(n) < spec.prefix_fraction
-        prefix_group[shared] = rng.integers(0, spec.num_prefix_groups, size=int(shared.sum()))
-        # The prompt keeps its drawn length; the shared prefix is at most all but one of its tokens.
-        prefix_len[shared] = np.minimum(spec.prefix_len, prompt_len[shared] - 1)
-    return Workload(
-        arrival_time=times.astype(np.float64),
-        prompt_len=prompt_len,
-        output_len=output_len,
-        tenant=tenant,
-        priority=priority,
-        prefix_group=prefix_group,
-        prefix_len=prefix_len,
-        tenant_names=tuple(t.name for t in spec.tenants),
-        tenant_weights=tuple(t.weight for t in spec.tenants),
-        seed=spec.seed,
-        source="generated",
-    )
+def check_prompt_lengths(spec: WorkloadSpec, max_model_len: int) -> None:
+    """Raise :class:`TraceFormatError` when ``spec``'s prompt lengths cannot sensibly be clipped to fit
+    ``max_model_len``: their mean is not below it (so a large share of the prompts, all of them for a fixed
+    length, would be cut to ``max_model_len - 1``). The message names both ways out."""
+    dist = spec.prompt_len
+    mean = min(dist.mean(), dist.max_len)
+    if mean >= max_model_len:
+        raise TraceFormatError(
+            f"prompt lengths {dist} do not fit max_model_len {max_model_len}: their mean ({mean:g} tokens) is not "
+            f"below it, so a large share of them would be clipped; raise max_model_len (--set max_model_len=N) "
+            f"above the prompts or draw shorter ones"
+        )
+
+
+def generate_workload(spec: WorkloadSpec, *, max_model_len: int | None = None) -> Workload:
+    """The requests of ``spec`` (deterministic for a given spec, including its seed).
+
+    With ``max_model_len``, prompt lengths drawn longer than ``max_model_len - 1`` are clipped to it, and
+    :attr:`Workload.num_clipped_prompts` says how many were (see the module docstring). The same requests, a
+    chunk at a time: :class:`WorkloadStream`."""
+    return WorkloadStream(spec, max_model_len=max_model_len).materialize()
+
+
+class WorkloadStream:
+    """The workload of ``spec`` drawn a chunk at a time, in O(chunk) memory: request for request the same as
+    :func:`generate_workload` (which concatenates these chunks).
+
+    The seeded random stream is consumed in segments, each for all requests: the arrival gaps, then the tenants,
+    the priority classes, the prompt lengths, the output lengths, and the shared-prefix draws. Construction walks
+    the stream once, drawing and discarding, to find where each segment starts (and the number of requests, how
+    many prompts are clipped, the longest prompt); :meth:`chunks` then draws every segment from its own copy of
+    the generator, a chunk at a time. numpy's generators give the same values for one call of size ``a + b`` as
+    for calls of sizes ``a`` then ``b`` (``tests/test_sim_scale.py`` checks the result against one draw per
+    segment), and a cumulative sum carried across chunks adds in the same order as one over the whole array."""
+
+    def __init__(self, spec: WorkloadSpec, *, max_model_len: int | None = None) -> None:
+        if max_model_len is not None and max_model_len < 2:
+            raise TraceFormatError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self.tenant_names = tuple(t.name for t in spec.tenants)
+        self.tenant_weights = tuple(t.weight for t in spec.tenants)
+        self.seed = spec.seed
+        self.source = "generated"
+        rng = np.random.default_rng(spec.seed)
+        self._gap_state = _state(rng)
+        # The gaps: one draw of n (num_requests), or draws of ``block`` until their sum covers the duration.
+        self._gap_blocks: list[int] = []
+        first, last, carry, n = math.nan, math.nan, 0.0, 0
+        if spec.num_requests is not None:
+            n = spec.num_requests
+            self._gap_blocks = [n]
+            for size in _pieces(n):
+                sums = _cumsum_from(carry, _gaps(rng, size, spec.arrival, spec.cv))
+                carry = float(sums[-1])
+                first = float(sums[0] / spec.rate) if math.isnan(first) else first
+                last = float(sums[-1] / spec.rate)
+        else:
+            expected = spec.duration * spec.rate
+            block = int(expected + 6 * math.sqrt(expected) * max(1.0, spec.cv) + 16)
+            total = 0.0
+            while total < spec.duration * spec.rate:
+                # A block of gaps, drawn in pieces; whether it covers the duration is decided by numpy's sum of the
+                # whole block (pairwise, as one draw of the block would add it), which the pieces' sums match
+                # except in the last bits: only when they land that close to the target is the block drawn whole.
+                block_state = _state(rng)
+                self._gap_blocks.append(block)
+                pieces_sum = 0.0
+                for size in _pieces(block):
+                    sums = _cumsum_from(carry, _gaps(rng, size, spec.arrival, spec.cv))
+                    pieces_sum += float(sums[-1] - carry)
+                    carry = float(sums[-1])
+                    times = sums / spec.rate
+                    k = int(np.searchsorted(times, spec.duration, side="left"))  # times < duration
+                    if k:
+                        first = float(times[0]) if math.isnan(first) else first
+                        last = float(times[k - 1])
+                    n += k
+                    del sums, times
+                target = spec.duration * spec.rate
+                if abs(total + pieces_sum - target) > 1e-9 * target:
+                    total += pieces_sum
+                else:
+                    total += float(_gaps(_generator(block_state), block, spec.arrival, spec.cv).sum())
+        self._n = n
+        self._t0 = first if n else 0.0
+        self.first_arrival = 0.0
+        self.last_arrival = (last - self._t0) if n else 0.0
+        # The other segments, each over all n requests.
+        self._tenant_state = _state(rng)
+        self._tenant_p = _probabilities([t.share for t in spec.tenants])
+        for size in _pieces(n):
+            rng.choice(len(spec.tenants), size=size, p=self._tenant_p)
+        self._prio_state = _state(rng)
+        self._prio_values = np.array([v for v, _ in spec.priorities], dtype=np.int64)
+        self._prio_p = _probabilities([f for _, f in spec.priorities])
+        for size in _pieces(n):
+            rng.choice(len(self._prio_values), size=size, p=self._prio_p)
+        self._prompt_state = _state(rng)
+        clipped, longest = 0, 0
+        for size in _pieces(n):
+            p = spec.prompt_len.sample(rng, size)
+            if max_model_len is not None:
+                clipped += int(np.count_nonzero(p > max_model_len - 1))
+                p = np.minimum(p, max_model_len - 1)
+            longest = max(longest, int(p.max()))
+        self.num_clipped_prompts = clipped
+        self.max_prompt_len = longest
+        self._output_state = _state(rng)
+        for size in _pieces(n):
+            spec.output_len.sample(rng, size)
+        self._shared = spec.num_prefix_groups > 0 and spec.prefix_len > 0 and spec.prefix_fraction > 0
+        self._shared_state = _state(rng)
+        num_shared = 0
+        if self._shared:
+            for size in _pieces(n):
+                num_shared += int(np.count_nonzero(rng.random(size) < spec.prefix_fraction))
+        self._group_state = _state(rng)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def num_tenants(self) -> int:
+        return len(self.tenant_names)
+
+    def priority_values(self) -> tuple[int, ...]:
+        """The priority values its requests can have."""
+        values = {v for v, f in self.spec.priorities if f > 0} | {
+            t.priority for t in self.spec.tenants if t.priority is not None
+        }
+        return tuple(sorted(values))
+
+    def chunks(self, size: int = CHUNK_REQUESTS) -> Iterator[tuple[int, Workload]]:
+        """``(index of the chunk's first request, the chunk)`` for consecutive chunks of ``size`` requests."""
+        spec, n = self.spec, self._n
+        gap_rng, ten_rng, prio_rng, prompt_rng, out_rng, shared_rng, group_rng = (
+            _generator(s)
+            for s in (
+                self._gap_state,
+                self._tenant_state,
+                self._prio_state,
+                self._prompt_state,
+                self._output_state,
+                self._shared_state,
+                self._group_state,
+            )
+        )
+        fixed = [(i, t.priority) for i, t in enumerate(spec.tenants) if t.priority is not None]
+        carry = 0.0
+        for start in range(0, n, size):
+            m = min(size, n - start)
+            # Gaps are drawn in the same stream order as the blocks of construction; only the first n are used.
+            times = _cumsum_from(carry, _gaps(gap_rng, m, spec.arrival, spec.cv))
+            carry = float(times[-1])
+            times = times / spec.rate - self._t0
+            tenant = ten_rng.choice(len(spec.tenants), size=m, p=self._tenant_p).astype(np.int64)
+            priority = self._prio_values[prio_rng.choice(len(self._prio_values), size=m, p=self._prio_p)]
+            for i, prio in fixed:
+                priority[tenant == i] = prio
+            prompt_len = spec.prompt_len.sample(prompt_rng, m)
+            if self.max_model_len is not None:
+                np.minimum(prompt_len, self.max_model_len - 1, out=prompt_len)
+            output_len = spec.output_len.sample(out_rng, m)
+            prefix_group = np.full(m, -1, dtype=np.int64)
+            prefix_len = np.zeros(m, dtype=np.int64)
+            if self._shared:
+                shared = shared_rng.random(m) < spec.prefix_fraction
+                prefix_group[shared] = group_rng.integers(0, spec.num_prefix_groups, size=int(shared.sum()))
+                # The prompt keeps its drawn length; the shared prefix is at most all but one of its tokens.
+                prefix_len[shared] = np.minimum(spec.prefix_len, prompt_len[shared] - 1)
+            yield (
+                start,
+                Workload(
+                    arrival_time=times.astype(np.float64),
+                    prompt_len=prompt_len,
+                    output_len=output_len,
+                    tenant=tenant,
+                    priority=priority,
+                    prefix_group=prefix_group,
+                    prefix_len=prefix_len,
+                    tenant_names=self.tenant_names,
+                    tenant_weights=self.tenant_weights,
+                    seed=self.seed,
+                    source=self.source,
+                ),
+            )
+
+    def materialize(self) -> Workload:
+        """All the requests as one :class:`Workload`."""
+        parts = [w for _, w in self.chunks()]
+        names = ("arrival_time", "prompt_len", "output_len", "tenant", "priority", "prefix_group", "prefix_len")
+        cols: dict[str, Any] = {}
+        for name in names:
+            dtype = np.float64 if name == "arrival_time" else np.int64
+            cols[name] = np.concatenate([getattr(w, name) for w in parts]) if parts else np.zeros(0, dtype=dtype)
+        return Workload(
+            **cols,
+            tenant_names=self.tenant_names,
+            tenant_weights=self.tenant_weights,
+            seed=self.seed,
+            source=self.source,
+            num_clipped_prompts=self.num_clipped_prompts,
+        )
+
+
+def _state(rng: np.random.Generator) -> dict[str, Any]:
+    return dict(rng.bit_generator.state)
+
+
+def _generator(state: dict[str, Any]) -> np.random.Generator:
+    rng = np.random.default_rng(0)
+    rng.bit_generator.state = state
+    return rng
+
+
+def _probabilities(weights: Sequence[float]) -> FloatArray:
+    w = np.array(weights, dtype=np.float64)
+    out: FloatArray = w / w.sum()
+    return out
+
+
+def _pieces(n: int, size: int = CHUNK_REQUESTS) -> Iterator[int]:
+    for start in range(0, n, size):
+        yield min(size, n - start)
+
+
+def _cumsum_from(carry: float, values: FloatArray) -> FloatArray:
+    """``carry + values[0], carry + values[0] + values[1], ...``, added in the same order as one cumulative sum
+    over the values before ``values`` would add them."""
+    out: FloatArray = np.cumsum(np.concatenate(([carry], values)))[1:]
+    return out
 
 
 class PromptFactory:

@@ -2,23 +2,21 @@
 
 Everything kvsched's core does not implement yet is refused here, at construction, with an
 :class:`UnsupportedFeatureError` that names the feature and the vLLM setting that turned it on. A refused
-deployment never starts; it is never scheduled wrongly.
+deployment never starts; it is never scheduled wrongly. kvsched's own knobs come from
+``--additional-config '{"kvsched": {...}}'`` (read and checked in ``_policy.py``) on top of what vLLM decides.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvsched._errors import InvalidConfigError
 from kvsched.config import SchedulerConfig
 
 from ._compat import RULES
+from ._errors import UnsupportedFeatureError
+from ._policy import build_config, effective_policy, read_additional_config
 
 __all__ = ["UnsupportedFeatureError", "check_kv_connector", "kvsched_config_from_vllm"]
-
-
-class UnsupportedFeatureError(InvalidConfigError, NotImplementedError):
-    """A vLLM feature that ``kvsched.vllm.Scheduler`` does not support (yet)."""
 
 
 def _refuse(feature: str, setting: str) -> None:
@@ -79,7 +77,11 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> None:
 def kvsched_config_from_vllm(
     vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int | None
 ) -> tuple[SchedulerConfig, int]:
-    """The kvsched config for ``vllm_config`` and the number of speculative tokens; raises for unsupported ones."""
+    """The kvsched config for ``vllm_config`` and the number of speculative tokens; raises for unsupported ones.
+
+    The fields vLLM decides come from its config; the kvsched settings of ``additional_config`` are added on top
+    (a setting vLLM decides is refused there, see ``_policy.py``)."""
+    knobs, _ = read_additional_config(vllm_config)
     sched = vllm_config.scheduler_config
     cache = vllm_config.cache_config
     model = vllm_config.model_config
@@ -120,6 +122,9 @@ def kvsched_config_from_vllm(
         _refuse("a token budget that differs from the input budget", "max_num_scheduled_tokens")
     if sched.policy not in ("fcfs", "priority"):
         _refuse(f"the scheduling policy {sched.policy!r}", "policy")
+    # The effective policy (vLLM's, or the kvsched setting's where vLLM's allows it) stays a knob: a bad value
+    # is then reported as the kvsched settings'.
+    policy = effective_policy(str(sched.policy), knobs.get("policy"))
     if hash_block_size is not None and hash_block_size != block_size:
         _refuse("a hash block size different from the block size", f"hash_block_size={hash_block_size}")
     if block_size <= 0 or block_size & (block_size - 1):
@@ -146,10 +151,21 @@ def kvsched_config_from_vllm(
             _refuse("multi-module MTP prefill lookahead", method)
         if lookahead not in (0, num_spec_tokens):
             _refuse("drafters whose lookahead slots differ from 0 and num_speculative_tokens", method)
-        if RULES.skip_drafts and lookahead and sched.policy == "priority" and bool(vllm_config.use_v2_model_runner):
-            # vLLM's skip_drafts counts a request scheduled and then preempted in the same step (only priority
-            # preempts a request already scheduled); the core does not report those.
-            _refuse("EAGLE-style drafters with the priority policy and model runner V2 (skip_drafts)", method)
+        victim = knobs.get("preemption_victim", "default")
+        if (
+            RULES.skip_drafts
+            and lookahead
+            and (policy != "fcfs" or victim != "default")
+            and bool(vllm_config.use_v2_model_runner)
+        ):
+            # vLLM's skip_drafts counts a request scheduled and then preempted in the same step; only the FCFS
+            # victim (the tail of `running`) is never one, and the core does not report the others. (vLLM 0.32 has
+            # no skip_drafts.)
+            _refuse(
+                "EAGLE-style drafters on model runner V2 (skip_drafts) with a victim rule that can preempt a request "
+                "already scheduled in the step (a policy other than fcfs, or preemption_victim other than default)",
+                f"{method}, policy={policy!r}, preemption_victim={victim!r}",
+            )
 
     algo = str(_attr(cache, "prefix_caching_hash_algo", "sha256"))
     fields: dict[str, Any] = {
@@ -195,4 +211,4 @@ def kvsched_config_from_vllm(
     # step's outputs, as vLLM's scheduler does.
     if vllm_config.lora_config is not None:
         fields["max_loras"] = int(vllm_config.lora_config.max_loras)
-    return SchedulerConfig(**fields), num_spec_tokens
+    return build_config(fields, knobs), num_spec_tokens

@@ -16,16 +16,19 @@ with it every later block id) is the one vLLM's scheduler produces.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
-from vllm.v1.metrics.stats import KV_FETCH_COMPLETED_WAITING, KV_FETCH_IN_PROGRESS, KV_FETCH_WAITING_TO_START
-from vllm.v1.request import RequestStatus
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from vllm.v1.metrics.stats import (
+    KV_FETCH_COMPLETED_WAITING,
+    KV_FETCH_IN_PROGRESS,
+    KV_FETCH_WAITING_TO_START,
+    PrefixCacheStats,
+)
+from vllm.v1.request import Request, RequestStatus
 
 __all__ = ["ConnectorBridge"]
 
@@ -33,10 +36,28 @@ __all__ = ["ConnectorBridge"]
 class ConnectorBridge:
     """Core-side KV connector hooks (keyed by request id) calling a vLLM scheduler-role connector."""
 
-    def __init__(self, sched: Scheduler, connector: Any) -> None:
-        self._sched = sched
+    def __init__(
+        self,
+        connector: Any,
+        *,
+        get_request: Callable[[str], Request],
+        record_prefix_lookup: Callable[[Request, int], None],
+        connector_prefix_cache_stats: Callable[[], PrefixCacheStats | None],
+        mark_slow: Callable[[str], None],
+        log_stats: bool,
+    ) -> None:
+        """``connector``: vLLM's scheduler-role connector. What the bridge needs of the adapter, all reading its
+        state when called: ``get_request``, the vLLM request of a live id; ``record_prefix_lookup(request,
+        num_local_hit_tokens)``, the adapter's prefix-cache stats of an admission's lookup;
+        ``connector_prefix_cache_stats()``, the connector's prefix-cache stats being collected (None without
+        stats; the adapter starts new ones each time it reports them); ``mark_slow(req_id)``, the request's state
+        is no longer a plain decode's (the adapter's update takes its general path for it); ``log_stats``,
+        whether stats are collected."""
         self.connector = connector
-        self._block_size = sched.block_size
+        self._get_request = get_request
+        self._record_prefix_lookup = record_prefix_lookup
+        self._connector_prefix_cache_stats = connector_prefix_cache_stats
+        self._mark_slow = mark_slow
         self._hma = isinstance(connector, SupportsHMA)
         # Lookups of this step that may end in an admission: req_id -> (local hit tokens, external tokens, async).
         self._asked: dict[str, tuple[int, int, bool]] = {}
@@ -50,12 +71,12 @@ class ConnectorBridge:
         self.loading: set[str] = set()
         self.loaded: set[str] = set()
         # KV-fetch stage of each request that has one (vLLM's num_kv_fetch_reqs_by_stage), when stats are on.
-        self.stages: dict[str, str] | None = {} if sched.log_stats else None
+        self.stages: dict[str, str] | None = {} if log_stats else None
 
     # ---- hooks the core calls -----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> tuple[int | None, bool]:
-        request = self._sched.requests[req_id]
+        request = self._get_request(req_id)
         ext, load_async = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
         if request.skip_reading_prefix_cache:
             ext, load_async = 0, False
@@ -85,8 +106,7 @@ class ConnectorBridge:
     def update_state_after_alloc(
         self, req_id: str, block_ids: list[int], num_external_tokens: int, num_cached_blocks: int = 0
     ) -> None:
-        sched = self._sched
-        request = sched.requests[req_id]
+        request = self._get_request(req_id)
         asked = self._asked.pop(req_id, None)
         local = asked[0] if asked is not None else 0
         # vLLM hands the connector its block objects: those in the prefix cache carry their hash.
@@ -97,7 +117,7 @@ class ConnectorBridge:
         _, n, is_async = asked
         preempted = request.num_preemptions > 0
         queries = request.num_tokens - local
-        stats = sched._connector_prefix_cache_stats
+        stats = self._connector_prefix_cache_stats()
         if stats is not None and queries != 0:
             stats.record(
                 num_tokens=queries,
@@ -109,7 +129,7 @@ class ConnectorBridge:
                     else None
                 ),
             )
-        sched._record_prefix_lookup(request, local)
+        self._record_prefix_lookup(request, local)
         self.recorded.add(req_id)
         if is_async:
             # vLLM's WAITING_FOR_REMOTE_KVS: blocks allocated, computed count set, nothing scheduled.
@@ -117,7 +137,7 @@ class ConnectorBridge:
             request.num_computed_tokens = local + n
             self.loading.add(req_id)
             self.loaded.discard(req_id)
-            sched._slow_req_ids.add(req_id)
+            self._mark_slow(req_id)
             self._set_stage(req_id, KV_FETCH_IN_PROGRESS)
         elif num_external_tokens > 0:
             self.has_sync_kv_loads = True
@@ -129,7 +149,7 @@ class ConnectorBridge:
 
     # ---- the adapter's side ---------------------------------------------------------------------------
 
-    def _blocks(self, request: Any, block_ids: list[int], num_hashed: int) -> KVCacheBlocks:
+    def _blocks(self, request: Request, block_ids: list[int], num_hashed: int) -> KVCacheBlocks:
         blocks = [KVCacheBlock(b) for b in block_ids]
         hashes = request.block_hashes
         for i in range(min(num_hashed, len(blocks), len(hashes))):

@@ -32,6 +32,7 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from kvsched._core import vllm_sha256_block_hashes
+from kvsched._errors import InvalidRequestError, SchedulerTypeError
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
 from kvsched.scheduler import Scheduler as _CoreScheduler
@@ -39,6 +40,7 @@ from kvsched.scheduler import Scheduler as _CoreScheduler
 from ._compat import RULES
 from ._config import UnsupportedFeatureError, _check_kv_cache_config, check_kv_connector, kvsched_config_from_vllm
 from ._connector import ConnectorBridge
+from ._policy import RequestAttrs, TenantLog, read_additional_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,6 +64,8 @@ _FINISHED_STATUS = {
     int(KvFinishReason.STOP): RequestStatus.FINISHED_STOPPED,
     int(KvFinishReason.LENGTH): RequestStatus.FINISHED_LENGTH_CAPPED,
 }
+# What a bad kvsched attribute of a request raises (the adapter's check, or the core's).
+_BAD_REQUEST = (InvalidRequestError, SchedulerTypeError)
 _PAUSE_NAMES = {
     PauseState.UNPAUSED: "unpaused",
     PauseState.PAUSED_NEW: "paused_new",
@@ -204,12 +208,22 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             )
             check_kv_connector(vllm_config, connector)
             self.connector = connector
-            self._bridge = ConnectorBridge(self, connector)
+            self._bridge = ConnectorBridge(
+                connector,
+                get_request=lambda req_id: self.requests[req_id],
+                record_prefix_lookup=self._record_prefix_lookup,
+                connector_prefix_cache_stats=lambda: self._connector_prefix_cache_stats,
+                mark_slow=lambda req_id: self._slow_req_ids.add(req_id),
+                log_stats=self.log_stats,
+            )
             if log_stats:
                 self._connector_prefix_cache_stats = PrefixCacheStats()
             self._kv_failure_fails = vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
             self._requires_kv_delivery = bool(connector.requires_kv_delivery)
         self._core = _CoreScheduler(config, kv_connector=self._bridge)
+        # kvsched's per-request attributes from extra_args, and the periodic per-tenant log line (docs/vllm.md).
+        self._request_attrs = RequestAttrs.for_core(self._core.add_request)
+        self._tenant_log = TenantLog(read_additional_config(vllm_config)[1].tenant_stats_interval_s)
 
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
@@ -251,7 +265,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._check_request(request)
         sp = request.sampling_params
         blocked = request.status == _WAITING_FOR_GRAMMAR
-        self._core.add_request(
+        # kvsched's per-request attributes (tenant, session, TTFT target, order key) from extra_args. A bad one
+        # must not raise here: vLLM's engine core dies on an exception from add_request. The request is added
+        # without them, never admitted (not ready), and finishes with FINISHED_ERROR and a validation error at
+        # the next update_from_output, the way a grammar that fails to compile does (docs/vllm.md).
+        attrs, rejected = self._request_attrs.check(request)
+        rejected = self._add_to_core(
+            rejected,
+            attrs,
             req_id,
             request.prompt_token_ids,
             max_tokens=request.max_tokens,
@@ -270,6 +291,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             # Prompt logprobs: vLLM never reads the prefix cache for them (and leaves them out of its stats).
             skip_reading_prefix_cache=bool(request.skip_reading_prefix_cache),
         )
+        if rejected is not None:
+            self._grammar_errors[req_id] = self._request_attrs.request_error(rejected)
+            blocked = False  # never made ready, even once its grammar compiles
         self.requests[req_id] = request
         if self.spec_decode_metrics_level != "none":
             request.spec_decode_metrics = RequestSpecDecodeMetrics.new(self.num_spec_tokens)
@@ -288,6 +312,22 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             request.record_event(EngineCoreEventType.QUEUED)
         if self._needs_slow_update(request):
             self._slow_req_ids.add(req_id)
+
+    def _add_to_core(
+        self, rejected: Exception | None, attrs: dict[str, Any], *args: Any, ready: bool, **kwargs: Any
+    ) -> Exception | None:
+        """The core's ``add_request`` with the request's kvsched attributes ``attrs``; returns why the request is
+        rejected (``rejected``, or the core's refusal of an attribute), and then adds it without them, not ready.
+        An error that remains without the attributes is the request's own and propagates."""
+        add: Any = self._core.add_request
+        if rejected is None and attrs:
+            try:
+                add(*args, ready=ready, **kwargs, **attrs)
+                return None
+            except _BAD_REQUEST as e:
+                rejected = e  # a rule only the core knows
+        add(*args, ready=ready and rejected is None, **kwargs)
+        return rejected
 
     @staticmethod
     def _check_request(request: Request) -> None:
@@ -1294,6 +1334,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     ) -> SchedulerStats | None:
         if not self.log_stats:
             return None
+        self._tenant_log.maybe_log(self)
         prefix = self._prefix_cache_stats
         self._prefix_cache_stats = PrefixCacheStats()
         connector_prefix = self._connector_prefix_cache_stats

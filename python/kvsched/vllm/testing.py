@@ -20,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
+from kvsched.config import DEFAULT_BLOCK_SIZE
+
 __all__ = [
     "TINY_LLAMA",
     "TINY_VOCAB_SIZE",
@@ -64,7 +66,7 @@ def _model_dir(max_model_len: int) -> str:
 
 def make_vllm_config(
     *,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     num_blocks: int = 1024,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
@@ -257,7 +259,7 @@ def make_request(
     arrival_time: float = 0.0,
     cache_salt: str | None = None,
     lora_name: str | None = None,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     prompt_logprobs: int | None = None,
     client_index: int = 0,
 ) -> Any:

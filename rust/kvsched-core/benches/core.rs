@@ -1,6 +1,7 @@
 //! Criterion benchmarks of the core alone (no Python): one decode step at 64/256/1024 running requests,
-//! block-boundary decode steps vs plain ones, a decode step with cold caches, prefix-cache lookup at 0/50/90%
-//! hit rates, block alloc/free churn, and hashing a batch's blocks at a boundary.
+//! block-boundary decode steps vs plain ones, a decode step with cold caches, choosing a preemption victim (per
+//! policy and victim rule), prefix-cache lookup at 0/50/90% hit rates, block alloc/free churn, and hashing a batch's blocks
+//! at a boundary.
 //!
 //! Run with `cargo bench -p kvsched-core --bench core` (add `-- --quick` for a fast pass). The same cases
 //! through the Python API live in `benches/` (pytest-benchmark) and `kvsched bench`; the difference between
@@ -14,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvsched_core::block_pool::BlockPool;
-use kvsched_core::{BlockHash, HashAlgo, Ragged, RequestParams, Scheduler, SchedulerConfig};
+use kvsched_core::{
+    BlockHash, HashAlgo, Policy, PreemptionVictim, Ragged, RequestParams, Scheduler, SchedulerConfig,
+};
 
 const PROMPT_LEN: usize = 32;
 
@@ -308,11 +311,74 @@ fn block_hashing(c: &mut Criterion) {
     group.finish();
 }
 
+/// `n` requests of 1023 prompt tokens (1024 for the first) with one output token each, decoding in a pool with
+/// no free block (64 blocks of 16 each): the next step's first decode needs a 65th block, so that step preempts
+/// one request, chosen by `rule`. `max_tokens` differs by request (distinct cost scores), or is the same for
+/// all (`uniform`: every cost score ties, the most work for the bounded search).
+fn full_pool_scheduler(n: usize, policy: Policy, rule: PreemptionVictim, uniform: bool) -> Scheduler {
+    let config = SchedulerConfig {
+        num_blocks: (n * 64 + 1) as u32,
+        max_num_seqs: n as u32,
+        max_num_batched_tokens: (n * 1024) as u32,
+        policy,
+        preemption_victim: rule,
+        prefix_hash_seed: Some(b"bench".to_vec()),
+        ..Default::default()
+    };
+    let mut sched = Scheduler::new(config).unwrap();
+    let mut rng = Rng(0x2545_F491_4F6C_DD1D);
+    for i in 0..n {
+        let max_tokens = if uniform { 500 } else { 100 + (i as u32 * 7919) % 1000 };
+        let p = RequestParams {
+            max_tokens: Some(max_tokens),
+            arrival_time: i as f64,
+            tenant: Some(format!("t{}", i % 4)),
+            ..Default::default()
+        };
+        sched.add_request(&format!("r{i:06}"), &rng.tokens(if i == 0 { 1024 } else { 1023 }), p).unwrap();
+    }
+    let out = sched.schedule().unwrap(); // every prompt in one step
+    assert_eq!((out.num_reqs(), sched.num_free_blocks()), (n, 0));
+    let values = vec![7i64; n];
+    let indptr: Vec<i64> = (0..=n as i64).collect();
+    let sampled = Ragged { values: &values, indptr: &indptr };
+    sched.update_from_output(out.scheduler_id, out.step_id, sampled, None).unwrap();
+    sched
+}
+
+/// Choosing the victim of the step that would preempt in a `full_pool_scheduler` of 256 requests, per policy
+/// and victim rule (`Scheduler::next_victim`, the same choice without preempting: it is called again and again
+/// on one state). What a preempting step adds for the choice; steps that do not preempt never make it.
+fn victim_choice(c: &mut Criterion) {
+    const N: usize = 256;
+    let mut group = c.benchmark_group("victim_choice");
+    let cases = [
+        ("fcfs-default", Policy::Fcfs, PreemptionVictim::Default, false),
+        ("fcfs-lcf", Policy::Fcfs, PreemptionVictim::Lcf, false),
+        ("fcfs-cost", Policy::Fcfs, PreemptionVictim::Cost, false),
+        ("fcfs-cost-uniform", Policy::Fcfs, PreemptionVictim::Cost, true),
+        ("priority-default", Policy::Priority, PreemptionVictim::Default, false),
+        ("priority-lcf", Policy::Priority, PreemptionVictim::Lcf, false),
+        ("priority-cost", Policy::Priority, PreemptionVictim::Cost, false),
+        ("fair-default", Policy::Fair, PreemptionVictim::Default, false),
+        ("fair-lcf", Policy::Fair, PreemptionVictim::Lcf, false),
+        ("fair-cost", Policy::Fair, PreemptionVictim::Cost, false),
+    ];
+    for (name, policy, rule, uniform) in cases {
+        let sched = full_pool_scheduler(N, policy, rule, uniform);
+        group.bench_function(BenchmarkId::new(name, N), |b| {
+            b.iter(|| black_box(sched.next_victim().unwrap()))
+        });
+    }
+    group.finish();
+}
+
 criterion_group!(
     benches,
     decode_step,
     boundary_step,
     decode_step_cold,
+    victim_choice,
     prefix_lookup,
     alloc_free,
     block_hashing

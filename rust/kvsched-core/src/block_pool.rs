@@ -12,10 +12,15 @@
 //! batch fills a block in the same step) prefetch it a few requests ahead instead of each missing in turn.
 //! Hashes are stored 32-byte aligned (one cache line each); whether a block has one is a bit of its word in
 //! `meta`, beside its reference count.
+//!
+//! With KV cache events on (`events`), every block leaving the map (evicted for reuse, or `uncache`d) and every
+//! reset is recorded; the caller records the blocks it enters (`KvCacheManager`, which knows their request).
+//! Off, the only cost is one branch per eviction.
 
 use std::collections::HashMap;
 
 use crate::cache_table::CacheTable;
+use crate::events::KvCacheEvents;
 use crate::free_queue::FreeBlockQueue;
 use crate::hashing::{BlockHash, PrehashedBuild};
 
@@ -67,6 +72,11 @@ pub struct BlockPool {
     duplicates: HashMap<BlockHash, Vec<u32>, PrehashedBuild>,
     /// `free_blocks`' list of the unhashed blocks it frees, kept across calls (empty between them).
     unhashed_buf: Vec<u32>,
+    /// Cache entries taken out so far (evictions, `uncache`, resets): while it stays the same, no prefix hit
+    /// can have shrunk (the `sjf` order re-probes a request only when it moved).
+    num_removed: u64,
+    /// The KV cache events not yet taken; `None` when they are off.
+    events: Option<Box<KvCacheEvents>>,
 }
 
 impl BlockPool {
@@ -80,7 +90,37 @@ impl BlockPool {
             cached: CacheTable::with_capacity(if enable_caching { n.min(1 << 20) } else { 0 }),
             duplicates: HashMap::default(),
             unhashed_buf: Vec::new(),
+            num_removed: 0,
+            events: None,
         }
+    }
+
+    /// The pool with KV cache events recorded (`enable_kv_cache_events`) or not.
+    pub fn with_kv_cache_events(mut self, on: bool) -> Self {
+        self.events = on.then(Box::default);
+        self
+    }
+
+    /// The events recorded and not taken yet, if events are on (for the caller's stored events).
+    #[inline(always)]
+    pub fn events_mut(&mut self) -> Option<&mut KvCacheEvents> {
+        self.events.as_deref_mut()
+    }
+
+    /// Takes the events recorded so far (none when events are off).
+    pub fn take_events(&mut self) -> KvCacheEvents {
+        self.events.as_deref_mut().map(KvCacheEvents::take).unwrap_or_default()
+    }
+
+    /// How many blocks carry `hash` in the prefix cache.
+    pub fn num_copies(&self, hash: &BlockHash) -> u32 {
+        let first = u32::from(self.get_cached_block(hash).is_some());
+        first + self.duplicates.get(hash).map_or(0, |v| v.len() as u32)
+    }
+
+    /// Every block carrying a hash, with it, in block id order (O(num_blocks): tests and diagnostics).
+    pub fn cached_blocks(&self) -> impl Iterator<Item = (u32, &BlockHash)> + '_ {
+        (1..self.meta.len()).filter_map(|b| self.hash_of(b).map(|h| (b as u32, h)))
     }
 
     pub fn num_blocks(&self) -> u32 {
@@ -98,6 +138,11 @@ impl BlockPool {
     /// Share of usable blocks held by requests, in [0, 1].
     pub fn usage(&self) -> f64 {
         1.0 - self.free.len() as f64 / self.num_usable_blocks() as f64
+    }
+
+    /// Cache entries taken out so far (see the field): unchanged means no prefix hit has shrunk.
+    pub fn num_removed(&self) -> u64 {
+        self.num_removed
     }
 
     pub fn ref_cnt(&self, block: u32) -> u32 {
@@ -223,6 +268,19 @@ impl BlockPool {
     }
 
     fn evict_hashed(&mut self, block: u32) {
+        self.evict_hashed_quietly(block);
+        if self.events.is_some() {
+            let h = self.hash[block as usize].0;
+            let n = self.num_copies(&h);
+            if let Some(ev) = self.events.as_deref_mut() {
+                ev.push_removed(h, n);
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn evict_hashed_quietly(&mut self, block: u32) {
+        self.num_removed += 1;
         let i = block as usize;
         self.meta[i] &= !HASHED;
         let h = self.hash[i].0;
@@ -355,8 +413,12 @@ impl BlockPool {
         }
         self.cached.clear();
         self.duplicates.clear();
+        self.num_removed += 1;
         for m in &mut self.meta {
             *m &= !HASHED;
+        }
+        if let Some(ev) = self.events.as_deref_mut() {
+            ev.push_cleared();
         }
         true
     }
@@ -393,6 +455,9 @@ impl BlockPool {
             return Err(format!("cache map holds {mapped} blocks but {hashed} blocks have a hash"));
         }
         self.cached.check()?;
+        if let Some(ev) = &self.events {
+            ev.check()?;
+        }
         for b in self.cached.iter() {
             // Every entry carries a hash, and a lookup of that hash finds this entry (one entry per hash).
             let found = if (b as usize) < self.hash.len() {

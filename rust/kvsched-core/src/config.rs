@@ -1,6 +1,10 @@
 //! Scheduler configuration and its validation. Field names and defaults follow vLLM's `SchedulerConfig` and
 //! `CacheConfig`. A config that passes `validate()` can never make the scheduler divide by zero or overflow an
 //! int32 slot id; requests that could never be scheduled under it are refused by `add_request`.
+//!
+//! The Python package declares the same fields once, in the table of `kvsched.config.SchedulerConfig`; its
+//! tests hold this file to that table: the same defaults, the same bounds, the same rules applied in the same
+//! order, and the same messages (numbers and names printed as Python prints them, see `py_float`/`py_str`).
 
 use crate::error::{Result, SchedError};
 
@@ -12,6 +16,11 @@ pub enum Policy {
     Priority,
     /// Weighted fair share across tenants (the Virtual Token Counter; see `fair.rs`).
     Fair,
+    /// Shortest (uncached) prompt first: the fewest prompt blocks beyond the request's prefix-cache hit (see
+    /// `order.rs`); preempted requests first, as under FCFS.
+    Sjf,
+    /// Earliest TTFT deadline first (`arrival_time + ttft_slo_s`); preempted requests first, as under FCFS.
+    Slo,
 }
 
 impl Policy {
@@ -20,10 +29,30 @@ impl Policy {
             "fcfs" => Ok(Policy::Fcfs),
             "priority" => Ok(Policy::Priority),
             "fair" => Ok(Policy::Fair),
+            "sjf" => Ok(Policy::Sjf),
+            "slo" => Ok(Policy::Slo),
             other => Err(SchedError::InvalidConfig(format!(
-                "policy must be one of ('fcfs', 'priority', 'fair'), got {other:?}"
+                "policy must be one of ('fcfs', 'priority', 'fair', 'sjf', 'slo'), got {}",
+                py_str(other)
             ))),
         }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Fcfs => "fcfs",
+            Policy::Priority => "priority",
+            Policy::Fair => "fair",
+            Policy::Sjf => "sjf",
+            Policy::Slo => "slo",
+        }
+    }
+
+    /// The orders built on FCFS (`fcfs`, `sjf`, `slo`): what FCFS puts at the front of the queue (preempted
+    /// requests, requests an admission pass skipped, requests made ready) goes there under them too; they
+    /// order only the requests FCFS appends at the back.
+    pub fn is_fcfs_family(self) -> bool {
+        matches!(self, Policy::Fcfs | Policy::Sjf | Policy::Slo)
     }
 }
 
@@ -45,7 +74,8 @@ impl PreemptionMode {
             "swap" => Ok(PreemptionMode::Swap),
             "auto" => Ok(PreemptionMode::Auto),
             other => Err(SchedError::InvalidConfig(format!(
-                "preemption_mode must be one of ('recompute', 'swap', 'auto'), got {other:?}"
+                "preemption_mode must be one of ('recompute', 'swap', 'auto'), got {}",
+                py_str(other)
             ))),
         }
     }
@@ -55,6 +85,43 @@ impl PreemptionMode {
             PreemptionMode::Recompute => "recompute",
             PreemptionMode::Swap => "swap",
             PreemptionMode::Auto => "auto",
+        }
+    }
+}
+
+/// Which running request phase A preempts when a request's KV slots cannot be allocated (see `victim.rs`).
+/// Every rule stays inside the policy's level: the lowest priority under `priority`, the tenants with the
+/// largest counter under `fair`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptionVictim {
+    /// vLLM's rule: the last running request (`fcfs`), the largest `(priority, arrival_time)` (`priority`), the
+    /// last request of the tenant with the largest counter (`fair`).
+    Default,
+    /// Least computed first: the fewest computed tokens, the least work to redo.
+    Lcf,
+    /// The largest `reclaimable blocks / tokens * share of the output budget left` (blocks freed per token
+    /// to redo, far from done).
+    Cost,
+}
+
+impl PreemptionVictim {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "default" => Ok(PreemptionVictim::Default),
+            "lcf" => Ok(PreemptionVictim::Lcf),
+            "cost" => Ok(PreemptionVictim::Cost),
+            other => Err(SchedError::InvalidConfig(format!(
+                "preemption_victim must be one of ('default', 'lcf', 'cost'), got {}",
+                py_str(other)
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PreemptionVictim::Default => "default",
+            PreemptionVictim::Lcf => "lcf",
+            PreemptionVictim::Cost => "cost",
         }
     }
 }
@@ -71,8 +138,16 @@ impl HashAlgo {
             "xxh3_128" => Ok(HashAlgo::Xxh3_128),
             "sha256" => Ok(HashAlgo::Sha256),
             other => Err(SchedError::InvalidConfig(format!(
-                "prefix_hash_algo must be one of ('xxh3_128', 'sha256'), got {other:?}"
+                "prefix_hash_algo must be one of ('xxh3_128', 'sha256'), got {}",
+                py_str(other)
             ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HashAlgo::Xxh3_128 => "xxh3_128",
+            HashAlgo::Sha256 => "sha256",
         }
     }
 }
@@ -92,8 +167,16 @@ impl KvLoadFailurePolicy {
             "recompute" => Ok(KvLoadFailurePolicy::Recompute),
             "fail" => Ok(KvLoadFailurePolicy::Fail),
             other => Err(SchedError::InvalidConfig(format!(
-                "kv_load_failure_policy must be one of ('recompute', 'fail'), got {other:?}"
+                "kv_load_failure_policy must be one of ('recompute', 'fail'), got {}",
+                py_str(other)
             ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvLoadFailurePolicy::Recompute => "recompute",
+            KvLoadFailurePolicy::Fail => "fail",
         }
     }
 }
@@ -106,6 +189,9 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: u32,
     pub max_model_len: u32,
     pub enable_prefix_caching: bool,
+    /// Record the blocks entering and leaving the prefix cache as vLLM's KV cache events
+    /// (`Scheduler::take_kv_cache_events`).
+    pub enable_kv_cache_events: bool,
     pub enable_chunked_prefill: bool,
     pub long_prefill_token_threshold: u32,
     pub policy: Policy,
@@ -133,6 +219,15 @@ pub struct SchedulerConfig {
     pub fair_decode_weight: f64,
     /// PRIORITY only: a waiting request gains one priority level per this many steps of age (0 = off).
     pub priority_aging_steps: u32,
+    /// SLO: the TTFT target of a request added without `ttft_slo_s` (`None`: such a request has no deadline
+    /// and sorts after every request that has one). Finite and > 0.
+    pub default_ttft_slo_s: Option<f64>,
+    /// Aging for every order: a request that has waited this many steps without being admitted goes ahead of
+    /// the policy's order, oldest first (`None`: off). At least 1.
+    pub max_wait_steps: Option<u32>,
+    /// Session affinity (FCFS with an admission window): how many steps after its last request left
+    /// `running` a `session_id` still counts as recently active. At least 1.
+    pub session_ttl_steps: u32,
     /// vLLM's `AsyncScheduler`: every scheduled decode leaves output placeholders, so the next step (scheduled
     /// before this one's output is applied) already gives the request its next token.
     pub async_scheduling: bool,
@@ -158,6 +253,8 @@ pub struct SchedulerConfig {
     pub recompute_cost_per_token: f64,
     /// Auto: the cost of copying one block in one direction, in the same unit (initial value; settable).
     pub swap_cost_per_block: f64,
+    /// Which running request a preemption takes (inside the policy's lowest level).
+    pub preemption_victim: PreemptionVictim,
     /// KV connector: what a failed asynchronous load does to its request.
     pub kv_load_failure_policy: KvLoadFailurePolicy,
     /// Where a request waiting for its structured-output grammar waits. `true` (the newer vLLM rule): parked
@@ -255,6 +352,7 @@ impl Default for SchedulerConfig {
             max_num_batched_tokens: 8192,
             max_model_len: 8192,
             enable_prefix_caching: true,
+            enable_kv_cache_events: false,
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
             policy: Policy::Fcfs,
@@ -269,6 +367,9 @@ impl Default for SchedulerConfig {
             fair_prefill_weight: 1.0,
             fair_decode_weight: 2.0,
             priority_aging_steps: 0,
+            default_ttft_slo_s: None,
+            max_wait_steps: None,
+            session_ttl_steps: 1000,
             async_scheduling: false,
             max_loras: 0,
             watermark: 0.0,
@@ -279,6 +380,7 @@ impl Default for SchedulerConfig {
             num_cpu_blocks: 0,
             recompute_cost_per_token: 1.0,
             swap_cost_per_block: 1.0,
+            preemption_victim: PreemptionVictim::Default,
             kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
             park_grammar_waits: true,
             dcp_world_size: 1,
@@ -297,13 +399,114 @@ impl Default for SchedulerConfig {
     }
 }
 
-const I32_MAX: u64 = i32::MAX as u64;
+const I32_MAX: u32 = i32::MAX as u32;
 /// The pool keeps ~50 bytes of bookkeeping per block; 2^24 blocks (~800 MB) is far above any real GPU's pool.
 pub const MAX_NUM_BLOCKS: u32 = 1 << 24;
 
-fn check_range(name: &str, value: u32, min: u32, max: u64) -> Result<()> {
-    if u64::from(value) < u64::from(min) || u64::from(value) > max {
-        return Err(SchedError::InvalidConfig(format!("{name} must be in [{min}, {max}], got {value}")));
+/// An integer field's fixed bounds (inclusive), and how to read it (`None`: unset, not checked).
+struct IntField {
+    name: &'static str,
+    min: u32,
+    max: u32,
+    get: fn(&SchedulerConfig) -> Option<u32>,
+}
+
+/// The integer fields and their fixed bounds (the Python table's), checked first. Bounds set by another field (`max_num_active_seqs <= max_num_seqs`, `cp_kv_cache_interleave_size <= block_size`)
+/// are rules, checked later.
+const INT_FIELDS: &[IntField] = &[
+    IntField { name: "block_size", min: 1, max: 1024, get: |c| Some(c.block_size) },
+    IntField { name: "num_blocks", min: 2, max: MAX_NUM_BLOCKS, get: |c| Some(c.num_blocks) },
+    IntField { name: "max_num_seqs", min: 1, max: I32_MAX, get: |c| Some(c.max_num_seqs) },
+    IntField {
+        name: "max_num_batched_tokens",
+        min: 1,
+        max: I32_MAX,
+        get: |c| Some(c.max_num_batched_tokens),
+    },
+    IntField { name: "max_model_len", min: 2, max: I32_MAX, get: |c| Some(c.max_model_len) },
+    IntField {
+        name: "long_prefill_token_threshold",
+        min: 0,
+        max: I32_MAX,
+        get: |c| Some(c.long_prefill_token_threshold),
+    },
+    IntField { name: "num_lookahead_tokens", min: 0, max: 1024, get: |c| Some(c.num_lookahead_tokens) },
+    IntField { name: "num_speculative_tokens", min: 0, max: 1024, get: |c| c.num_speculative_tokens },
+    IntField {
+        name: "cache_aware_admission_window",
+        min: 0,
+        max: I32_MAX,
+        get: |c| Some(c.cache_aware_admission_window),
+    },
+    IntField { name: "priority_aging_steps", min: 0, max: I32_MAX, get: |c| Some(c.priority_aging_steps) },
+    IntField { name: "max_wait_steps", min: 1, max: I32_MAX, get: |c| c.max_wait_steps },
+    IntField { name: "session_ttl_steps", min: 1, max: I32_MAX, get: |c| Some(c.session_ttl_steps) },
+    IntField { name: "max_loras", min: 0, max: I32_MAX, get: |c| Some(c.max_loras) },
+    IntField { name: "num_cpu_blocks", min: 0, max: MAX_NUM_BLOCKS, get: |c| Some(c.num_cpu_blocks) },
+    // 0 stands for Python's None (as many as max_num_seqs).
+    IntField {
+        name: "max_num_active_seqs",
+        min: 1,
+        max: I32_MAX,
+        get: |c| Some(c.max_num_active_seqs).filter(|&v| v != 0),
+    },
+    IntField {
+        name: "prefill_schedule_interval",
+        min: 1,
+        max: I32_MAX,
+        get: |c| Some(c.prefill_schedule_interval),
+    },
+    IntField { name: "dcp_world_size", min: 1, max: 1024, get: |c| Some(c.dcp_world_size) },
+    IntField { name: "pcp_world_size", min: 1, max: 1024, get: |c| Some(c.pcp_world_size) },
+    IntField {
+        name: "cp_kv_cache_interleave_size",
+        min: 1,
+        max: 1024,
+        get: |c| Some(c.cp_kv_cache_interleave_size),
+    },
+    IntField {
+        name: "max_num_encoder_input_tokens",
+        min: 0,
+        max: I32_MAX,
+        get: |c| Some(c.max_num_encoder_input_tokens),
+    },
+    IntField { name: "encoder_cache_size", min: 0, max: I32_MAX, get: |c| Some(c.encoder_cache_size) },
+];
+
+/// The fixed bounds of integer field `name`, if it has any (for messages about values outside `u32`).
+pub fn int_field_bounds(name: &str) -> Option<(u32, u32)> {
+    INT_FIELDS.iter().find(|f| f.name == name).map(|f| (f.min, f.max))
+}
+
+/// The error for integer field `name` holding `value`, outside its bounds `[min, max]`.
+pub fn int_out_of_range(name: &str, value: impl std::fmt::Display, min: u32, max: u32) -> SchedError {
+    SchedError::InvalidConfig(format!("{name} must be in [{min}, {max}], got {value}"))
+}
+
+fn check_range(name: &str, value: u32, min: u32, max: u32) -> Result<()> {
+    if value < min || value > max {
+        return Err(int_out_of_range(name, value, min, max));
+    }
+    Ok(())
+}
+
+/// A float field in `[min, max]` (or `[min, max)`), as the Python table states it.
+fn check_unit_interval(name: &str, value: f64, open: bool) -> Result<()> {
+    let inside = if open { (0.0..1.0).contains(&value) } else { (0.0..=1.0).contains(&value) };
+    if !inside {
+        let close = if open { ')' } else { ']' };
+        return Err(SchedError::InvalidConfig(format!(
+            "{name} must be in [0, 1{close}, got {}",
+            py_float(value)
+        )));
+    }
+    Ok(())
+}
+
+/// A float field that is finite and >= 0.
+fn check_finite_non_negative(name: &str, value: f64) -> std::result::Result<(), String> {
+    if !(value.is_finite() && value >= 0.0) {
+        return Err(format!("{name} must be finite and >= 0, got {}", py_float(value)));
     }
     Ok(())
 }
@@ -314,60 +517,50 @@ impl SchedulerConfig {
         self.num_speculative_tokens.unwrap_or(self.num_lookahead_tokens)
     }
 
+    /// Each field on its own (bounds, powers of two, finite floats), then the rules that tie fields together
+    /// in the Python table's order: one bad value gets the same message on both sides.
     pub fn validate(&self) -> Result<()> {
-        check_range("block_size", self.block_size, 1, 1024)?;
-        if !self.block_size.is_power_of_two() {
-            return Err(SchedError::InvalidConfig(format!(
-                "block_size must be a power of two, got {}",
-                self.block_size
-            )));
+        for f in INT_FIELDS {
+            if let Some(value) = (f.get)(self) {
+                check_range(f.name, value, f.min, f.max)?;
+            }
         }
-        check_range("num_blocks", self.num_blocks, 2, u64::from(MAX_NUM_BLOCKS))?;
-        if u64::from(self.num_blocks) * u64::from(self.block_size) > I32_MAX {
+        // Block arithmetic on the hot path uses shifts by log2(kv_block_size).
+        for (name, value) in [("block_size", self.block_size), ("dcp_world_size", self.dcp_world_size)] {
+            if !value.is_power_of_two() {
+                return Err(SchedError::InvalidConfig(format!("{name} must be a power of two, got {value}")));
+            }
+        }
+        check_unit_interval("cache_aware_admission_threshold", self.cache_aware_admission_threshold, false)?;
+        check_unit_interval("watermark", self.watermark, true)?;
+        for (name, w) in [
+            ("fair_prefill_weight", self.fair_prefill_weight),
+            ("fair_decode_weight", self.fair_decode_weight),
+        ] {
+            check_finite_non_negative(name, w).map_err(SchedError::InvalidConfig)?;
+        }
+        check_preemption_costs(self.recompute_cost_per_token, self.swap_cost_per_block)
+            .map_err(SchedError::InvalidConfig)?;
+        if let Some(slo) = self.default_ttft_slo_s {
+            check_ttft_slo("default_ttft_slo_s", slo).map_err(SchedError::InvalidConfig)?;
+        }
+        for (tenant, w) in &self.tenant_weights {
+            check_tenant_name(tenant).map_err(SchedError::InvalidConfig)?;
+            check_tenant_weight(tenant, *w).map_err(SchedError::InvalidConfig)?;
+        }
+        self.validate_rules()
+    }
+
+    /// The rules between fields: int32 slot ids and positions, the context-parallel sizes, the bounds set by
+    /// another field, and what the admission window, the preemption modes and aging need.
+    fn validate_rules(&self) -> Result<()> {
+        if u64::from(self.num_blocks) * u64::from(self.block_size) > u64::from(I32_MAX) {
             return Err(SchedError::InvalidConfig(format!(
                 "num_blocks * block_size must fit in int32 slot ids, got {} * {}",
                 self.num_blocks, self.block_size
             )));
         }
-        self.validate_context_parallel()?;
-        check_range("max_num_seqs", self.max_num_seqs, 1, I32_MAX)?;
-        check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1, I32_MAX)?;
-        check_range("max_model_len", self.max_model_len, 2, I32_MAX)?;
-        check_range("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, I32_MAX)?;
-        check_range("num_lookahead_tokens", self.num_lookahead_tokens, 0, 1024)?;
-        if let Some(k) = self.num_speculative_tokens {
-            check_range("num_speculative_tokens", k, 0, 1024)?;
-        }
-        check_range("max_loras", self.max_loras, 0, I32_MAX)?;
-        check_range("prefill_schedule_interval", self.prefill_schedule_interval, 1, I32_MAX)?;
-        check_range("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 0, I32_MAX)?;
-        check_range("encoder_cache_size", self.encoder_cache_size, 0, I32_MAX)?;
-        if self.max_num_active_seqs > self.max_num_seqs {
-            return Err(SchedError::InvalidConfig(format!(
-                "max_num_active_seqs ({}) cannot be greater than max_num_seqs ({})",
-                self.max_num_active_seqs, self.max_num_seqs
-            )));
-        }
-        if !(0.0..1.0).contains(&self.watermark) {
-            return Err(SchedError::InvalidConfig(format!(
-                "watermark must be in [0, 1), got {}",
-                self.watermark
-            )));
-        }
-        self.validate_policy_fields()
-    }
-
-    /// The context-parallel world sizes (vLLM's `ParallelConfig` rules) and the interleave size.
-    fn validate_context_parallel(&self) -> Result<()> {
-        check_range("dcp_world_size", self.dcp_world_size, 1, 1024)?;
-        check_range("pcp_world_size", self.pcp_world_size, 1, 1024)?;
-        if !self.dcp_world_size.is_power_of_two() {
-            // Block arithmetic on the hot path uses shifts by log2(kv_block_size).
-            return Err(SchedError::InvalidConfig(format!(
-                "dcp_world_size must be a power of two, got {}",
-                self.dcp_world_size
-            )));
-        }
+        // vLLM's ParallelConfig: DCP spans the PCP axis.
         if self.pcp_world_size > 1
             && self.dcp_world_size > 1
             && self.dcp_world_size % self.pcp_world_size != 0
@@ -378,19 +571,41 @@ impl SchedulerConfig {
                 self.dcp_world_size, self.pcp_world_size
             )));
         }
-        let tokens = u64::from(self.num_blocks) * u64::from(self.kv_block_size());
-        if tokens > I32_MAX {
+        let tokens = u64::from(self.num_blocks) * u64::from(self.block_size) * u64::from(self.dcp_world_size);
+        if tokens > u64::from(I32_MAX) {
             return Err(SchedError::InvalidConfig(format!(
                 "num_blocks * block_size * dcp_world_size must fit in int32 positions, got {} * {} * {}",
                 self.num_blocks, self.block_size, self.dcp_world_size
             )));
         }
-        let interleave = self.cp_kv_cache_interleave_size;
-        check_range("cp_kv_cache_interleave_size", interleave, 1, u64::from(self.block_size))?;
-        if self.block_size % interleave != 0 {
+        if self.max_num_active_seqs != 0 {
+            check_range("max_num_active_seqs", self.max_num_active_seqs, 1, self.max_num_seqs)?;
+        }
+        check_range("cp_kv_cache_interleave_size", self.cp_kv_cache_interleave_size, 1, self.block_size)?;
+        if self.block_size % self.cp_kv_cache_interleave_size != 0 {
             return Err(SchedError::InvalidConfig(format!(
-                "cp_kv_cache_interleave_size must divide block_size ({}), got {interleave}",
-                self.block_size
+                "cp_kv_cache_interleave_size must divide block_size ({}), got {}",
+                self.block_size, self.cp_kv_cache_interleave_size
+            )));
+        }
+        if self.cache_aware_admission_window > 0 && self.policy != Policy::Fcfs {
+            return Err(SchedError::InvalidConfig(format!(
+                "cache_aware_admission_window > 0 needs policy 'fcfs' (the window reorders the FCFS queue; \
+                 policy {} has its own order), got window {}",
+                py_str(self.policy.name()),
+                self.cache_aware_admission_window
+            )));
+        }
+        if self.preemption_mode != PreemptionMode::Recompute && self.num_cpu_blocks == 0 {
+            return Err(SchedError::InvalidConfig(format!(
+                "preemption_mode {} needs a CPU pool: num_cpu_blocks must be > 0, got 0",
+                py_str(self.preemption_mode.name())
+            )));
+        }
+        if self.priority_aging_steps > 0 && self.policy != Policy::Priority {
+            return Err(SchedError::InvalidConfig(format!(
+                "priority_aging_steps > 0 needs policy 'priority', got {}",
+                py_str(self.policy.name())
             )));
         }
         Ok(())
@@ -400,58 +615,6 @@ impl SchedulerConfig {
     /// size). Allocation, hashing and prefix hits count in these units.
     pub fn kv_block_size(&self) -> u32 {
         self.block_size * self.dcp_world_size
-    }
-
-    /// The admission-window, fairness and aging fields (see `admission.rs` and `fair.rs`).
-    fn validate_policy_fields(&self) -> Result<()> {
-        check_range("cache_aware_admission_window", self.cache_aware_admission_window, 0, I32_MAX)?;
-        let t = self.cache_aware_admission_threshold;
-        if !(0.0..=1.0).contains(&t) {
-            return Err(SchedError::InvalidConfig(format!(
-                "cache_aware_admission_threshold must be in [0, 1], got {t}"
-            )));
-        }
-        if self.cache_aware_admission_window > 0 && self.policy != Policy::Fcfs {
-            return Err(SchedError::InvalidConfig(format!(
-                "cache_aware_admission_window > 0 needs policy 'fcfs' (the window reorders the FCFS queue; \
-                 policy {:?} has its own order), got window {}",
-                self.policy, self.cache_aware_admission_window
-            )));
-        }
-        for (name, w) in [
-            ("fair_prefill_weight", self.fair_prefill_weight),
-            ("fair_decode_weight", self.fair_decode_weight),
-        ] {
-            if !(w.is_finite() && w >= 0.0) {
-                return Err(SchedError::InvalidConfig(format!("{name} must be finite and >= 0, got {w}")));
-            }
-        }
-        for (tenant, w) in &self.tenant_weights {
-            check_tenant_name(tenant).map_err(SchedError::InvalidConfig)?;
-            check_tenant_weight(tenant, *w).map_err(SchedError::InvalidConfig)?;
-        }
-        self.validate_preemption_fields()?;
-        check_range("priority_aging_steps", self.priority_aging_steps, 0, I32_MAX)?;
-        if self.priority_aging_steps > 0 && self.policy != Policy::Priority {
-            return Err(SchedError::InvalidConfig(format!(
-                "priority_aging_steps > 0 needs policy 'priority', got policy {:?}",
-                self.policy
-            )));
-        }
-        Ok(())
-    }
-
-    /// The preemption mode, the CPU pool and the cost constants (see `swap.rs`).
-    fn validate_preemption_fields(&self) -> Result<()> {
-        check_range("num_cpu_blocks", self.num_cpu_blocks, 0, u64::from(MAX_NUM_BLOCKS))?;
-        if self.preemption_mode != PreemptionMode::Recompute && self.num_cpu_blocks == 0 {
-            return Err(SchedError::InvalidConfig(format!(
-                "preemption_mode {:?} needs a CPU pool: num_cpu_blocks must be > 0, got 0",
-                self.preemption_mode.name()
-            )));
-        }
-        check_preemption_costs(self.recompute_cost_per_token, self.swap_cost_per_block)
-            .map_err(SchedError::InvalidConfig)
     }
 
     /// Blocks that requests can hold: block 0 is the reserved null block.
@@ -499,7 +662,19 @@ pub fn check_tenant_name(tenant: &str) -> std::result::Result<(), String> {
 /// A tenant weight is finite and > 0.
 pub fn check_tenant_weight(tenant: &str, w: f64) -> std::result::Result<(), String> {
     if !(w.is_finite() && w > 0.0) {
-        return Err(format!("the weight of tenant {tenant:?} must be finite and > 0, got {w}"));
+        return Err(format!(
+            "the weight of tenant {} must be finite and > 0, got {}",
+            py_str(tenant),
+            py_float(w)
+        ));
+    }
+    Ok(())
+}
+
+/// A TTFT target (`default_ttft_slo_s`, a request's `ttft_slo_s`) is finite and > 0.
+pub fn check_ttft_slo(name: &str, v: f64) -> std::result::Result<(), String> {
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("{name} must be finite and > 0, got {}", py_float(v)));
     }
     Ok(())
 }
@@ -509,14 +684,60 @@ pub fn check_preemption_costs(
     recompute_cost_per_token: f64,
     swap_cost_per_block: f64,
 ) -> std::result::Result<(), String> {
-    for (name, v) in
-        [("recompute_cost_per_token", recompute_cost_per_token), ("swap_cost_per_block", swap_cost_per_block)]
-    {
-        if !(v.is_finite() && v >= 0.0) {
-            return Err(format!("{name} must be finite and >= 0, got {v}"));
+    check_finite_non_negative("recompute_cost_per_token", recompute_cost_per_token)?;
+    check_finite_non_negative("swap_cost_per_block", swap_cost_per_block)
+}
+
+/// `v` as Python's `repr(float)` prints it (`1.0`, `nan`, `1e-05`, `1e+16`), so that a message reads the same
+/// whichever side raised it.
+pub fn py_float(v: f64) -> String {
+    if v.is_nan() {
+        return "nan".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "inf".into() } else { "-inf".into() };
+    }
+    let a = v.abs();
+    if a == 0.0 || (1e-4..1e16).contains(&a) {
+        // Display prints the shortest digits that round-trip, without an exponent; Python adds ".0".
+        let s = format!("{v}");
+        return if s.contains('.') { s } else { s + ".0" };
+    }
+    // Python's exponent has a sign and at least two digits.
+    let s = format!("{v:e}");
+    match s.split_once('e') {
+        Some((mantissa, exp)) => {
+            let (sign, digits) = exp.strip_prefix('-').map_or(("+", exp), |d| ("-", d));
+            format!("{mantissa}e{sign}{digits:0>2}")
+        }
+        None => s,
+    }
+}
+
+/// `s` as Python's `repr(str)` prints it for printable text: single quotes unless `s` holds one and no double
+/// quote, backslashes and control characters escaped.
+pub fn py_str(s: &str) -> String {
+    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if u32::from(c) < 0x20 || (0x7f..=0xa0).contains(&u32::from(c)) || c == '\u{ad}' => {
+                out.push_str(&format!("\\x{:02x}", u32::from(c)));
+            }
+            c => out.push(c),
         }
     }
-    Ok(())
+    out.push(quote);
+    out
 }
 
 #[cfg(test)]
@@ -571,6 +792,12 @@ mod tests {
             SchedulerConfig { cp_kv_cache_interleave_size: 0, ..Default::default() },
             SchedulerConfig { cp_kv_cache_interleave_size: 32, ..Default::default() },
             SchedulerConfig { block_size: 16, cp_kv_cache_interleave_size: 3, ..Default::default() },
+            SchedulerConfig { default_ttft_slo_s: Some(0.0), ..Default::default() },
+            SchedulerConfig { default_ttft_slo_s: Some(f64::INFINITY), ..Default::default() },
+            SchedulerConfig { max_wait_steps: Some(0), ..Default::default() },
+            SchedulerConfig { session_ttl_steps: 0, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Sjf, ..Default::default() },
+            SchedulerConfig { cache_aware_admission_window: 4, policy: Policy::Slo, ..Default::default() },
         ];
         for cfg in bad {
             assert!(matches!(cfg.validate(), Err(SchedError::InvalidConfig(_))), "{cfg:?}");
@@ -617,9 +844,41 @@ mod tests {
     }
 
     #[test]
+    fn prints_numbers_and_names_as_python_does() {
+        let floats = [
+            (1.0, "1.0"),
+            (-0.5, "-0.5"),
+            (0.1, "0.1"),
+            (f64::NAN, "nan"),
+            (f64::NEG_INFINITY, "-inf"),
+            (1e-4, "0.0001"),
+            (1e-5, "1e-05"),
+            (1.5e16, "1.5e+16"),
+            (1e15, "1000000000000000.0"),
+            (-0.0, "-0.0"),
+        ];
+        for (v, text) in floats {
+            assert_eq!(py_float(v), text);
+        }
+        assert_eq!(py_str("fair"), "'fair'");
+        assert_eq!(py_str("it's"), "\"it's\"");
+        assert_eq!(py_str("a'\"\\\n"), "'a\\'\"\\\\\\n'");
+        let cfg = SchedulerConfig { priority_aging_steps: 2, policy: Policy::Fair, ..Default::default() };
+        assert_eq!(
+            cfg.validate(),
+            Err(SchedError::InvalidConfig(
+                "priority_aging_steps > 0 needs policy 'priority', got 'fair'".into()
+            ))
+        );
+    }
+
+    #[test]
     fn parses_names() {
         assert_eq!(Policy::parse("priority"), Ok(Policy::Priority));
         assert_eq!(Policy::parse("fair"), Ok(Policy::Fair));
+        assert_eq!(Policy::parse("sjf"), Ok(Policy::Sjf));
+        assert_eq!(Policy::parse("slo"), Ok(Policy::Slo));
+        assert!(Policy::Sjf.is_fcfs_family() && !Policy::Priority.is_fcfs_family());
         assert!(Policy::parse("lifo").is_err());
         assert_eq!(HashAlgo::parse("sha256"), Ok(HashAlgo::Sha256));
         assert!(HashAlgo::parse("md5").is_err());
@@ -627,5 +886,8 @@ mod tests {
         assert!(PreemptionMode::parse("discard").is_err());
         assert_eq!(KvLoadFailurePolicy::parse("fail"), Ok(KvLoadFailurePolicy::Fail));
         assert!(KvLoadFailurePolicy::parse("retry").is_err());
+        assert_eq!(PreemptionVictim::parse("lcf"), Ok(PreemptionVictim::Lcf));
+        assert_eq!(PreemptionVictim::parse("cost").map(PreemptionVictim::name), Ok("cost"));
+        assert!(PreemptionVictim::parse("lifo").is_err());
     }
 }

@@ -10,8 +10,10 @@
 //! requests (unchanged if there are none), so idle time banks no credit. The accounting runs under every
 //! policy (it is what `tenant_stats()` reports); only policy `fair` admits by it:
 //!
-//! - waiting requests sit in one FIFO per tenant (a preempted request returns to the front of its tenant's);
-//! - phase B tries the head of the tenant with the smallest `(counter, head arrival_time, tenant name)`;
+//! - waiting requests sit in one FIFO per tenant (a preempted request returns to the front of its tenant's;
+//!   with `order_key`s, one FIFO per tier within the tenant's);
+//! - phase B tries the head of the tenant with the smallest `(head tier, counter, head arrival_time, tenant
+//!   name)`;
 //!   when that request does not fit, admission stops for the step (no skipping to another tenant);
 //! - the preemption victim is the last request in `running` among those whose tenant has the largest counter.
 //!
@@ -21,11 +23,12 @@
 //! Invariants: `num_waiting` of each tenant equals its requests in `waiting`; counters never decrease
 //! (a lift only raises one); tenants are never forgotten (memory grows with the number of distinct names).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::config::{check_tenant_name, check_tenant_weight, SchedulerConfig};
 use crate::error::{Result, SchedError};
+use crate::order::TierQueue;
 use crate::request::{ReqHandle, Request};
 use crate::slab::Slab;
 
@@ -239,10 +242,11 @@ impl Tenants {
     }
 }
 
-/// The `fair` waiting queue: one FIFO per tenant, entries `(handle, arrival_time)`.
+/// The `fair` waiting queue: one tiered FIFO per tenant (`order::TierQueue`: tiers by `order_key`, new requests
+/// at the back of their tier, preempted ones at its front), entries `(handle, arrival_time)`.
 #[derive(Clone, Debug, Default)]
 pub struct FairQueue {
-    queues: Vec<VecDeque<(ReqHandle, f64)>>,
+    queues: Vec<TierQueue<(ReqHandle, f64)>>,
     len: usize,
 }
 
@@ -255,41 +259,45 @@ impl FairQueue {
         self.len == 0
     }
 
-    fn queue(&mut self, tenant: u32) -> &mut VecDeque<(ReqHandle, f64)> {
+    fn queue(&mut self, tenant: u32) -> &mut TierQueue<(ReqHandle, f64)> {
         let i = tenant as usize;
         if self.queues.len() <= i {
-            self.queues.resize_with(i + 1, VecDeque::new);
+            self.queues.resize_with(i + 1, TierQueue::default);
         }
         &mut self.queues[i]
     }
 
-    pub fn push_back(&mut self, tenant: u32, h: ReqHandle, arrival_time: f64) {
-        self.queue(tenant).push_back((h, arrival_time));
+    pub fn push_back(&mut self, tenant: u32, tier: i64, h: ReqHandle, arrival_time: f64) {
+        self.queue(tenant).push_back(tier, (h, arrival_time));
         self.len += 1;
     }
 
-    pub fn push_front(&mut self, tenant: u32, h: ReqHandle, arrival_time: f64) {
-        self.queue(tenant).push_front((h, arrival_time));
+    pub fn push_front(&mut self, tenant: u32, tier: i64, h: ReqHandle, arrival_time: f64) {
+        self.queue(tenant).push_front(tier, (h, arrival_time));
         self.len += 1;
     }
 
-    /// The tenant phase B serves next: smallest `(counter, head arrival_time, name)` among non-empty queues.
-    /// O(number of tenants).
+    /// The tenant phase B serves next: smallest `(head tier, counter, head arrival_time, name)` among non-empty
+    /// queues (the tier first: `order_key` comes before the policy's order). O(number of tenants).
     pub fn pick(&self, tenants: &Tenants) -> Option<u32> {
-        let mut best: Option<(u32, f64, f64, &str)> = None;
+        let mut best: Option<(u32, i64, f64, f64, &str)> = None;
         for (i, q) in self.queues.iter().enumerate() {
-            let (Some(&(_, arrival)), Some(t)) = (q.front(), tenants.get(i as u32)) else { continue };
+            let (Some(&(_, arrival)), Some(tier), Some(t)) =
+                (q.front(), q.first_tier(), tenants.get(i as u32))
+            else {
+                continue;
+            };
             let better = match best {
                 None => true,
-                Some((_, c, a, name)) => t
-                    .counter
-                    .total_cmp(&c)
+                Some((_, bt, c, a, name)) => tier
+                    .cmp(&bt)
+                    .then(t.counter.total_cmp(&c))
                     .then(arrival.total_cmp(&a))
                     .then_with(|| (*t.name).cmp(name))
                     .is_lt(),
             };
             if better {
-                best = Some((i as u32, t.counter, arrival, &t.name));
+                best = Some((i as u32, tier, t.counter, arrival, &t.name));
             }
         }
         best.map(|b| b.0)
@@ -307,6 +315,13 @@ impl FairQueue {
             self.len -= 1;
         }
         h
+    }
+
+    /// Takes `h` out of tenant `tenant`'s tier `tier` (a scan of that tier). Returns whether it was there.
+    pub fn remove(&mut self, tenant: u32, tier: i64, h: ReqHandle) -> bool {
+        let removed = self.queues.get_mut(tenant as usize).is_some_and(|q| q.remove(tier, |e| e.0 == h));
+        self.len -= usize::from(removed);
+        removed
     }
 
     pub fn retain(&mut self, mut keep: impl FnMut(ReqHandle) -> bool) {
@@ -377,17 +392,21 @@ mod tests {
         let mut t = Tenants::new(&SchedulerConfig::default());
         let (a, b) = (t.intern("b-tenant"), t.intern("a-tenant"));
         let mut q = FairQueue::default();
-        q.push_back(a, h(0), 1.0);
-        q.push_back(b, h(1), 1.0);
-        q.push_back(b, h(2), 0.0);
+        q.push_back(a, 0, h(0), 1.0);
+        q.push_back(b, 0, h(1), 1.0);
+        q.push_back(b, 0, h(2), 0.0);
         assert_eq!(q.peek(&t), Some(h(1))); // equal counters and head arrivals: name order
         t.charge_prefill(b, 1);
         assert_eq!(q.pop(&t), Some(h(0)));
-        q.push_front(a, h(3), 5.0);
+        q.push_front(a, 0, h(3), 5.0);
         t.charge_prefill(a, 1); // equal counters: earlier head arrival (b's 1.0) first
         assert_eq!(q.pop(&t), Some(h(1)));
         assert_eq!(q.len(), 2);
         q.retain(|x| x.slot != 2);
         assert_eq!(q.handles().collect::<Vec<_>>(), vec![h(3)]);
+        q.push_back(b, -1, h(4), 9.0); // a smaller tier goes first, whatever the counters
+        assert_eq!(q.peek(&t), Some(h(4)));
+        assert!(q.remove(b, -1, h(4)) && !q.remove(b, -1, h(4)));
+        assert_eq!((q.peek(&t), q.len()), (Some(h(3)), 1));
     }
 }

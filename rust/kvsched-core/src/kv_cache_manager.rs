@@ -1,6 +1,7 @@
 //! Per-request KV block management on top of the pool: prefix-cache lookup, `allocate_slots` (all or nothing),
 //! caching full blocks at allocation time, and freeing. Mirrors vLLM's `KVCacheManager` for a single
-//! full-attention group.
+//! full-attention group. With KV cache events on, each call that enters blocks into the prefix cache records
+//! them as one stored event (`events.rs`), after the evictions its allocation caused, as vLLM's block pool does.
 
 use crate::block_pool::{prefetch, BlockPool};
 use crate::hashing::{BlockHash, BlockHasher};
@@ -201,13 +202,30 @@ impl KvCacheManager {
             let (block, hash) = (req.blocks[first], req.block_hashes[first]);
             self.pool.cache_block(block, hash);
             self.newly_cached.push((block, hash));
-            req.num_cached_blocks = num_full as u32;
-            return;
+        } else {
+            let (blocks, hashes) = (&req.blocks[first..num_full], &req.block_hashes[first..num_full]);
+            self.pool.cache_run(blocks, hashes);
+            self.newly_cached.extend(blocks.iter().copied().zip(hashes.iter().copied()));
         }
-        let (blocks, hashes) = (&req.blocks[first..num_full], &req.block_hashes[first..num_full]);
-        self.pool.cache_run(blocks, hashes);
-        self.newly_cached.extend(blocks.iter().copied().zip(hashes.iter().copied()));
         req.num_cached_blocks = num_full as u32;
+        if self.pool.events_mut().is_some() {
+            self.record_stored(req, first, num_full);
+        }
+    }
+
+    /// Records the stored event of `req`'s blocks `first..num_full`, just entered into the prefix cache.
+    #[cold]
+    fn record_stored(&mut self, req: &Request, first: usize, num_full: usize) {
+        let hashes = &req.block_hashes[first..num_full];
+        let copies: Vec<u32> = hashes.iter().map(|h| self.pool.num_copies(h)).collect();
+        let bs = self.block_size as usize;
+        // Hashed blocks are full: their tokens are known.
+        let tokens = req.token_ids.get(first * bs..num_full * bs).unwrap_or_default();
+        debug_assert_eq!(tokens.len(), (num_full - first) * bs);
+        let parent = first.checked_sub(1).map(|p| req.block_hashes[p]);
+        if let Some(ev) = self.pool.events_mut() {
+            ev.push_stored(hashes.iter().copied().zip(copies), parent, tokens, &req.extra_keys);
+        }
     }
 
     /// Releases every block of `req` (deepest first) and clears its table.

@@ -26,29 +26,38 @@ pub mod block_pool;
 mod cache_table;
 pub mod config;
 pub mod connector;
+mod connector_sched;
 pub mod encoder;
 mod encoder_sched;
 pub mod error;
+pub mod events;
 pub mod fair;
 pub mod free_queue;
 pub mod hashing;
 mod introspect;
 pub mod kv_cache_manager;
 pub mod model_inputs;
+pub mod order;
 pub mod output;
 pub mod pickle_hash;
 pub mod queue;
 pub mod request;
 pub mod scheduler;
+pub mod session;
 pub mod slab;
 mod step;
 pub mod swap;
+mod swap_sched;
 mod update;
+mod victim;
 
-pub use config::{HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, SchedulerConfig};
+pub use config::{
+    HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, PreemptionVictim, SchedulerConfig,
+};
 pub use connector::{KvConnector, KvTransferReport};
 pub use encoder::EncoderInput;
 pub use error::{Result, SchedError};
+pub use events::KvCacheEvents;
 pub use fair::{Tenant, DEFAULT_TENANT};
 pub use hashing::BlockHash;
 pub use output::{ModelInputs, SchedulerOutput, SchedulerStats, UpdateResult};
@@ -56,13 +65,5 @@ pub use request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus
 pub use scheduler::{Scheduler, MAX_TOKEN_ID};
 pub use update::Ragged;
 
-#[cfg(test)]
-mod connector_tests;
-#[cfg(test)]
-mod cp_tests;
-#[cfg(test)]
-mod encoder_tests;
-#[cfg(test)]
-mod policy_tests;
 #[cfg(test)]
 mod tests;

@@ -1,28 +1,24 @@
-//! The waiting queue, in policy order. FCFS is a deque (preempted requests go back to the front); PRIORITY is
-//! a binary heap on `(effective priority, arrival_time, request id)`, lowest first; FAIR is one FIFO per tenant
-//! (`fair.rs`), served by virtual counter. FCFS and PRIORITY never scan on the hot path; FAIR scans the tenants.
+//! The waiting queue, in policy order.
+//!
+//! - FCFS: one deque per tier (`order_key`, 0 when not given), the tiers in ascending order; new requests at
+//!   the back of their tier's deque, preempted ones (and those an admission pass skipped, or made ready) at its
+//!   front. With every request in tier 0 (the default) this is exactly vLLM's FCFS deque. O(1) per operation
+//!   with one tier, O(log tiers) to find a tier.
+//! - PRIORITY, SJF and SLO: a heap with lazy removal on `OrderKey` (`order.rs`): `(tier, effective priority,
+//!   arrival_time, id)`, `(tier, residual blocks, arrival_time, id)`, `(tier, deadline, arrival_time, id)`.
+//!   Under PRIORITY a preempted request is pushed by its key (vLLM); under SJF and SLO it gets a front key (the
+//!   front of its tier, as FCFS). O(log n) per operation.
+//! - FAIR: one tiered deque per tenant (`fair.rs`), served by virtual counter (a scan of the tenants).
 //!
 //! Priority aging: with `priority_aging_steps = A > 0` the effective priority is `priority * A + arrival_step`
 //! (`arrival_step`: the number of `schedule()` calls before the request was added). Comparing these is exactly
 //! comparing `priority - age / A` at any common step, i.e. one level gained per `A` steps of age, so the key is
 //! static and the heap stays a heap. Computed in `i128`: no overflow for any `i64` priority.
 
-use std::cmp::Ordering;
-use std::collections::{BinaryHeap, VecDeque};
-use std::sync::Arc;
-
 use crate::config::Policy;
 use crate::fair::{FairQueue, Tenants};
+use crate::order::{front_rank, KeyedHeap, OrderKey, TierQueue};
 use crate::request::ReqHandle;
-
-#[derive(Clone, Debug)]
-pub struct PriorityKey {
-    /// The effective priority (see the module doc).
-    pub priority: i128,
-    pub arrival_time: f64,
-    pub id: Arc<str>,
-    pub tenant: u32,
-}
 
 /// The effective priority of a request of `priority` added after `arrival_step` steps.
 pub fn effective_priority(priority: i64, arrival_step: u64, aging_steps: u32) -> i128 {
@@ -33,51 +29,30 @@ pub fn effective_priority(priority: i64, arrival_step: u64, aging_steps: u32) ->
     }
 }
 
-impl PriorityKey {
-    fn cmp_key(&self, other: &Self) -> Ordering {
-        self.priority
-            .cmp(&other.priority)
-            .then(self.arrival_time.total_cmp(&other.arrival_time))
-            .then_with(|| self.id.cmp(&other.id))
-    }
-}
-
+/// PRIORITY, SJF and SLO: the keyed heap; `fronts` (SJF, SLO) gives pushes to the front a front key.
 #[derive(Clone, Debug)]
-pub struct HeapEntry {
-    key: PriorityKey,
-    handle: ReqHandle,
-}
-
-impl PartialEq for HeapEntry {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-impl Eq for HeapEntry {}
-impl PartialOrd for HeapEntry {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for HeapEntry {
-    // BinaryHeap is a max-heap: reverse so the smallest key is on top.
-    fn cmp(&self, other: &Self) -> Ordering {
-        other.key.cmp_key(&self.key)
-    }
+pub struct KeyedQueue {
+    pub heap: KeyedHeap,
+    fronts: bool,
+    num_front_pushes: u64,
 }
 
 #[derive(Clone, Debug)]
 pub enum WaitingQueue {
-    Fcfs(VecDeque<ReqHandle>),
-    Priority(BinaryHeap<HeapEntry>),
+    Fcfs(TierQueue<ReqHandle>),
+    Keyed(KeyedQueue),
     Fair(FairQueue),
 }
 
 impl WaitingQueue {
     pub fn new(policy: Policy) -> Self {
+        let keyed = |fronts| {
+            WaitingQueue::Keyed(KeyedQueue { heap: KeyedHeap::default(), fronts, num_front_pushes: 0 })
+        };
         match policy {
-            Policy::Fcfs => WaitingQueue::Fcfs(VecDeque::new()),
-            Policy::Priority => WaitingQueue::Priority(BinaryHeap::new()),
+            Policy::Fcfs => WaitingQueue::Fcfs(TierQueue::default()),
+            Policy::Priority => keyed(false),
+            Policy::Sjf | Policy::Slo => keyed(true),
             Policy::Fair => WaitingQueue::Fair(FairQueue::default()),
         }
     }
@@ -85,7 +60,7 @@ impl WaitingQueue {
     pub fn len(&self) -> usize {
         match self {
             WaitingQueue::Fcfs(q) => q.len(),
-            WaitingQueue::Priority(h) => h.len(),
+            WaitingQueue::Keyed(k) => k.heap.len(),
             WaitingQueue::Fair(f) => f.len(),
         }
     }
@@ -94,30 +69,38 @@ impl WaitingQueue {
         self.len() == 0
     }
 
-    /// A new request.
-    pub fn push(&mut self, handle: ReqHandle, key: PriorityKey) {
+    /// A new request: at the back of its tier (FCFS, of its tenant's tier under FAIR), by its key otherwise.
+    pub fn push(&mut self, handle: ReqHandle, key: OrderKey) {
         match self {
-            WaitingQueue::Fcfs(q) => q.push_back(handle),
-            WaitingQueue::Priority(h) => h.push(HeapEntry { key, handle }),
-            WaitingQueue::Fair(f) => f.push_back(key.tenant, handle, key.arrival_time),
+            WaitingQueue::Fcfs(q) => q.push_back(key.tier, handle),
+            WaitingQueue::Keyed(k) => k.heap.push(handle, key),
+            WaitingQueue::Fair(f) => f.push_back(key.tenant, key.tier, handle, key.arrival_time),
         }
     }
 
-    /// A preempted request: to the front under FCFS (of its tenant's FIFO under FAIR), by its key under
-    /// PRIORITY.
-    pub fn push_preempted(&mut self, handle: ReqHandle, key: PriorityKey) {
+    /// A preempted request (or one skipped by an admission pass, or made ready): to the front of its tier under
+    /// FCFS, SJF and SLO (of its tenant's tier under FAIR), by its key under PRIORITY.
+    pub fn push_preempted(&mut self, handle: ReqHandle, key: OrderKey) {
         match self {
-            WaitingQueue::Fcfs(q) => q.push_front(handle),
-            WaitingQueue::Priority(h) => h.push(HeapEntry { key, handle }),
-            WaitingQueue::Fair(f) => f.push_front(key.tenant, handle, key.arrival_time),
+            WaitingQueue::Fcfs(q) => q.push_front(key.tier, handle),
+            WaitingQueue::Keyed(k) => {
+                let key = if k.fronts {
+                    k.num_front_pushes += 1;
+                    OrderKey { rank: front_rank(k.num_front_pushes), deadline: 0.0, arrival_time: 0.0, ..key }
+                } else {
+                    key
+                };
+                k.heap.push(handle, key)
+            }
+            WaitingQueue::Fair(f) => f.push_front(key.tenant, key.tier, handle, key.arrival_time),
         }
     }
 
     /// The request phase B tries next (FAIR reads the tenants' counters).
-    pub fn peek(&self, tenants: &Tenants) -> Option<ReqHandle> {
+    pub fn peek(&mut self, tenants: &Tenants) -> Option<ReqHandle> {
         match self {
             WaitingQueue::Fcfs(q) => q.front().copied(),
-            WaitingQueue::Priority(h) => h.peek().map(|e| e.handle),
+            WaitingQueue::Keyed(k) => k.heap.peek().map(|(h, _)| h),
             WaitingQueue::Fair(f) => f.peek(tenants),
         }
     }
@@ -126,8 +109,18 @@ impl WaitingQueue {
     pub fn pop(&mut self, tenants: &Tenants) -> Option<ReqHandle> {
         match self {
             WaitingQueue::Fcfs(q) => q.pop_front(),
-            WaitingQueue::Priority(h) => h.pop().map(|e| e.handle),
+            WaitingQueue::Keyed(k) => k.heap.pop(),
             WaitingQueue::Fair(f) => f.pop(tenants),
+        }
+    }
+
+    /// Takes `h` (of tier `tier` and tenant `tenant`) out from anywhere in the queue (aging): a scan of its tier
+    /// (FCFS, FAIR), O(1) for the heap. Returns whether it was in.
+    pub fn remove(&mut self, h: ReqHandle, tier: i64, tenant: u32) -> bool {
+        match self {
+            WaitingQueue::Fcfs(q) => q.remove(tier, |&x| x == h),
+            WaitingQueue::Keyed(k) => k.heap.remove(h),
+            WaitingQueue::Fair(f) => f.remove(tenant, tier, h),
         }
     }
 
@@ -135,7 +128,7 @@ impl WaitingQueue {
     pub fn retain(&mut self, mut keep: impl FnMut(ReqHandle) -> bool) {
         match self {
             WaitingQueue::Fcfs(q) => q.retain(|h| keep(*h)),
-            WaitingQueue::Priority(h) => h.retain(|e| keep(e.handle)),
+            WaitingQueue::Keyed(k) => k.heap.retain(keep),
             WaitingQueue::Fair(f) => f.retain(keep),
         }
     }
@@ -143,7 +136,7 @@ impl WaitingQueue {
     pub fn handles(&self) -> Vec<ReqHandle> {
         match self {
             WaitingQueue::Fcfs(q) => q.iter().copied().collect(),
-            WaitingQueue::Priority(h) => h.iter().map(|e| e.handle).collect(),
+            WaitingQueue::Keyed(k) => k.heap.handles().collect(),
             WaitingQueue::Fair(f) => f.handles().collect(),
         }
     }
@@ -153,11 +146,9 @@ impl WaitingQueue {
     pub fn handles_in_order(&self, tenants: &Tenants) -> Vec<ReqHandle> {
         match self {
             WaitingQueue::Fcfs(q) => q.iter().copied().collect(),
-            // Ascending by the reversed `Ord` is descending by key: the pop order reversed.
-            WaitingQueue::Priority(h) => h.clone().into_sorted_vec().iter().rev().map(|e| e.handle).collect(),
-            WaitingQueue::Fair(f) => {
-                let mut f = f.clone();
-                std::iter::from_fn(|| f.pop(tenants)).collect()
+            _ => {
+                let mut q = self.clone();
+                std::iter::from_fn(|| q.pop(tenants)).collect()
             }
         }
     }
@@ -167,8 +158,8 @@ impl WaitingQueue {
 mod tests {
     use super::*;
 
-    fn key(p: i128, t: f64, id: &str) -> PriorityKey {
-        PriorityKey { priority: p, arrival_time: t, id: id.into(), tenant: 0 }
+    fn key(p: i128, t: f64, id: &str) -> OrderKey {
+        OrderKey { tier: 0, rank: p, deadline: 0.0, arrival_time: t, id: id.into(), tenant: 0 }
     }
 
     fn h(slot: u32) -> ReqHandle {
@@ -207,5 +198,36 @@ mod tests {
         q.retain(|x| x.slot != 1);
         assert_eq!(q.pop(&t), Some(h(0)));
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn fcfs_tiers_come_first_and_preempted_go_to_the_front_of_their_tier() {
+        let t = Tenants::new(&Default::default());
+        let mut q = WaitingQueue::new(Policy::Fcfs);
+        let tiered = |tier: i64, id: &str| OrderKey { tier, ..key(0, 0.0, id) };
+        q.push(h(0), tiered(0, "a"));
+        q.push(h(1), tiered(1, "b"));
+        q.push(h(2), tiered(-1, "c"));
+        q.push(h(3), tiered(0, "d"));
+        q.push_preempted(h(4), tiered(1, "e")); // the front of tier 1, not of the queue
+        q.push_preempted(h(5), tiered(0, "f"));
+        assert!(q.remove(h(3), 0, 0));
+        assert!(!q.remove(h(3), 0, 0));
+        let order: Vec<u32> = std::iter::from_fn(|| q.pop(&t)).map(|x| x.slot).collect();
+        assert_eq!(order, vec![2, 5, 0, 4, 1]);
+    }
+
+    #[test]
+    fn sjf_and_slo_put_what_fcfs_puts_at_the_front_there_priority_by_key() {
+        let t = Tenants::new(&Default::default());
+        for (policy, want) in [(Policy::Slo, vec![2, 1, 0]), (Policy::Priority, vec![1, 0, 2])] {
+            let mut q = WaitingQueue::new(policy);
+            q.push(h(0), key(5, 0.0, "a"));
+            q.push_preempted(h(1), key(1, 0.0, "b"));
+            q.push_preempted(h(2), key(9, 0.0, "c"));
+            let order: Vec<u32> = q.handles_in_order(&t).iter().map(|x| x.slot).collect();
+            assert_eq!(order, want);
+            assert_eq!(q.len(), 3);
+        }
     }
 }

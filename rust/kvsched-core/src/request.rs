@@ -93,7 +93,16 @@ pub struct RequestParams {
     pub skip_reading_prefix_cache: bool,
     /// Encoder inputs (multimodal): sorted by `start`, non-overlapping, inside the prompt.
     pub encoder_inputs: Vec<EncoderInput>,
+    /// Its `session_id`: the conversation it continues (session affinity, see `admission.rs`); `None`: none.
+    pub session_id: Option<String>,
+    /// Its TTFT target in seconds (policy `slo`: deadline `arrival_time + ttft_slo_s`); finite and > 0.
+    pub ttft_slo_s: Option<f64>,
+    /// A static tier: smaller first, under every policy (`None`: tier 0).
+    pub order_key: Option<i64>,
 }
+
+/// `Request::session` of a request without a `session_id`.
+pub const NO_SESSION: u32 = u32::MAX;
 
 /// Field order is deliberate (`repr(C)`): what `update_from_output()` reads for a decode sits in the first
 /// cache line (the stop ids' header in the second), what the slower paths of `schedule()` read in the first
@@ -147,6 +156,20 @@ pub struct Request {
     pub effective_priority: i128,
     /// Prompt tokens already charged to the tenant: recomputation after a preemption is not charged again.
     pub num_charged_prompt_tokens: u32,
+    /// The tier (`order_key`, 0 when not given) and the `slo` deadline (`arrival_time + ttft_slo_s`, infinite
+    /// without a target) the waiting queue orders by (`order.rs`).
+    pub order_key: i64,
+    pub deadline: f64,
+    /// `sjf`: the residual (prompt blocks beyond the prefix hit) the waiting queue holds it by, and the pool's
+    /// count of removed cache entries when it was last probed (`admission.rs`).
+    pub sjf_residual: u32,
+    pub sjf_probe_stamp: u64,
+    /// Aging: nonzero while the request is in `waiting` (its entry in the aging FIFO), and the first step it
+    /// waits in there (`admission.rs`).
+    pub wait_seq: u64,
+    pub wait_since: u64,
+    /// Index of its session in `Sessions` (`NO_SESSION`: none).
+    pub session: u32,
     // --- in-flight bookkeeping (vLLM's `Request` fields of the same names; the in-flight and stale token
     // counts are hot columns, `slab::Hot`)
     /// Output of steps scheduled before the preemption is dropped, not applied (see `slab::Hot::stale`).
@@ -157,7 +180,7 @@ pub struct Request {
     pub grammar_ready: bool,
     /// See `RequestParams::skip_reading_prefix_cache`.
     pub skip_reading_prefix_cache: bool,
-    // --- preemption by swapping (`swap.rs`)
+    // --- preemption by swapping (`swap_sched.rs`)
     /// CPU blocks holding the KV of a swapped-out request (empty unless swapped).
     pub cpu_blocks: Vec<u32>,
     /// Tokens whose KV the CPU blocks hold (0 unless swapped).

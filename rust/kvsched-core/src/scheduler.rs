@@ -12,16 +12,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::block_pool::BlockPool;
-use crate::config::{PauseState, Policy, SchedulerConfig};
+use crate::config::{check_ttft_slo, PauseState, Policy, SchedulerConfig};
 use crate::connector::{Connector, Held};
 use crate::encoder::EncoderCache;
 use crate::error::{Result, SchedError};
 use crate::fair::{Tenant, Tenants, DEFAULT_TENANT};
 use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
 use crate::kv_cache_manager::KvCacheManager;
+use crate::order::OrderKey;
 use crate::output::{SchedulerOutput, SchedulerStats, StepRecord};
-use crate::queue::{effective_priority, PriorityKey, WaitingQueue};
-use crate::request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus, NO_EOS};
+use crate::queue::{effective_priority, WaitingQueue};
+use crate::request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus, NO_EOS, NO_SESSION};
+use crate::session::Sessions;
 use crate::slab::{DecodeLimits, Slab};
 use crate::swap::CpuBlockPool;
 
@@ -41,7 +43,7 @@ pub(crate) struct Counters {
     pub prefix_cache_preempted_hits: u64,
     pub num_preemptions: u64,
     pub num_finished_reqs: u64,
-    /// Preemption by swapping (`swap.rs`).
+    /// Preemption by swapping (`swap_sched.rs`).
     pub num_swapped_out_reqs: u64,
     pub num_swapped_out_blocks: u64,
     pub num_swapped_in_reqs: u64,
@@ -126,6 +128,14 @@ pub struct Scheduler {
     pub(crate) encoder: EncoderCache,
     /// Live requests' encoder-input hashes: (encoder tokens, number of live inputs with the hash).
     pub(crate) encoder_sizes: HashMap<u64, (u32, u32)>,
+    /// Session affinity: which sessions ran recently (`session.rs`).
+    pub(crate) sessions: Sessions,
+    /// Aging (`max_wait_steps`): the requests of `waiting` in the order they entered it, as `(first step
+    /// waited in, wait_seq, handle)`; entries whose request left are dropped lazily (`admission.rs`).
+    pub(crate) aging: VecDeque<(u64, u64, ReqHandle)>,
+    pub(crate) next_wait_seq: u64,
+    /// Inside `schedule()` past its start: a request entering `waiting` now first waits in the next step.
+    pub(crate) in_schedule: bool,
 }
 
 fn bad_request(msg: String) -> SchedError {
@@ -139,7 +149,8 @@ impl Scheduler {
         let last_prefill_step = -i64::from(config.prefill_schedule_interval);
         let hasher = BlockHasher::new(config.prefix_hash_algo, config.prefix_hash_seed.as_deref())?;
         let kv = KvCacheManager {
-            pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching),
+            pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching)
+                .with_kv_cache_events(config.enable_kv_cache_events),
             hasher,
             block_size: config.kv_block_size(),
             block_shift: config.kv_block_size().trailing_zeros(),
@@ -191,6 +202,10 @@ impl Scheduler {
             num_executed_steps: 0,
             last_prefill_step,
             prefill_capacity_bound: false,
+            sessions: Sessions::default(),
+            aging: VecDeque::new(),
+            next_wait_seq: 0,
+            in_schedule: false,
         })
     }
 
@@ -288,6 +303,12 @@ impl Scheduler {
                 params.arrival_time
             )));
         }
+        if let Some(slo) = params.ttft_slo_s {
+            check_ttft_slo("ttft_slo_s", slo).map_err(|m| bad_request(format!("request {req_id:?}: {m}")))?;
+        }
+        if params.session_id.as_deref() == Some("") {
+            return Err(bad_request(format!("request {req_id:?}: session_id must be a non-empty string")));
+        }
         self.check_encoder_inputs(req_id, prompt_len, &params.encoder_inputs).map_err(bad_request)?;
         let tenant_name = params.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
         crate::config::check_tenant_name(tenant_name)
@@ -333,6 +354,17 @@ impl Scheduler {
             ),
             tenant,
             num_charged_prompt_tokens: 0,
+            order_key: params.order_key.unwrap_or(0),
+            deadline: match params.ttft_slo_s.or(self.config.default_ttft_slo_s) {
+                // `+ 0.0` as above; a sum past the f64 range is infinite: no deadline, in effect.
+                Some(slo) => params.arrival_time + 0.0 + slo,
+                None => f64::INFINITY,
+            },
+            sjf_residual: 0,
+            sjf_probe_stamp: self.kv.pool.num_removed(),
+            wait_seq: 0,
+            wait_since: 0,
+            session: NO_SESSION,
             num_output_placeholders: 0,
             drop_stale_output: false,
             // vLLM enqueues a request in a blocked status straight into `deferred_waiting`.
@@ -360,12 +392,21 @@ impl Scheduler {
         self.num_parked += usize::from(req.parked);
         Self::reserve_lists(&mut req, longest, self.kv.block_size, self.kv.enable_caching);
         self.kv.extend_hashes(&mut req);
-        let key = Self::priority_key(&req);
+        if self.config.policy == Policy::Sjf {
+            let mut buf = std::mem::take(&mut self.hits_buf);
+            req.sjf_residual = crate::order::sjf_residual(&self.kv, &req, &mut buf);
+            self.hits_buf = buf;
+        }
+        if let Some(name) = params.session_id.as_deref() {
+            req.session = self.sessions.add_request(name, self.next_step_id, self.config.session_ttl_steps);
+        }
+        let key = Self::order_key(self.config.policy, &req);
         let parked = req.parked;
         self.slab.insert(req);
         self.ids.insert(id, handle.slot);
         if !parked {
             self.waiting.push(handle, key);
+            self.enter_waiting(handle.slot)?;
         }
         self.tenants.on_arrival(tenant);
         self.epoch += 1;
@@ -381,9 +422,17 @@ impl Scheduler {
         }
     }
 
-    pub(crate) fn priority_key(req: &Request) -> PriorityKey {
-        PriorityKey {
-            priority: req.effective_priority,
+    /// The key `req` is queued by under `policy` (`order.rs`): its tier, then the policy's rank (the effective
+    /// priority, the `sjf` residual), the `slo` deadline, arrival time and id.
+    pub(crate) fn order_key(policy: Policy, req: &Request) -> OrderKey {
+        OrderKey {
+            tier: req.order_key,
+            rank: match policy {
+                Policy::Priority => req.effective_priority,
+                Policy::Sjf => i128::from(req.sjf_residual),
+                _ => 0,
+            },
+            deadline: if policy == Policy::Slo { req.deadline } else { 0.0 },
             arrival_time: req.arrival_time,
             id: req.id.clone(),
             tenant: req.tenant,
@@ -501,6 +550,13 @@ impl Scheduler {
         let prev = req.status;
         if prev != RequestStatus::Running {
             self.tenants.on_leave_waiting(req.tenant);
+        }
+        req.wait_seq = 0;
+        if req.session != NO_SESSION {
+            if prev == RequestStatus::Running {
+                self.sessions.on_leave_running(req.session, self.next_step_id);
+            }
+            self.sessions.remove_request(req.session);
         }
         let was_loading = prev == RequestStatus::WaitingForRemoteKvs && !req.kv_load_done;
         if req.parked {
@@ -918,6 +974,14 @@ impl Scheduler {
             }
         }
         self.tenants.check_waiting(&waiting_per_tenant)?;
+        let mut per_session: HashMap<u32, (u32, u32)> = HashMap::new();
+        for r in self.slab.iter().filter(|r| r.session != NO_SESSION) {
+            let e = per_session.entry(r.session).or_default();
+            e.0 += 1;
+            e.1 += u32::from(r.status == RequestStatus::Running);
+        }
+        self.sessions.check(&per_session)?;
+        self.check_aging()?;
         let deferred = self.slab.iter().filter(|r| r.deferred).count();
         if deferred != self.num_deferred {
             return Err(format!("{deferred} deferred requests, counted {}", self.num_deferred));

@@ -2,9 +2,9 @@
 //!
 //! Phase A walks `running` in order and gives each request `min(remaining, threshold, budget, model-length
 //! cap)` tokens (remaining counts drafts and, with async scheduling, output placeholders); when its KV slots
-//! cannot be allocated, a victim is preempted (FCFS: the last running request; PRIORITY: the largest
-//! `(priority, arrival_time)`, refunded if it was already scheduled this step) until the allocation succeeds or
-//! the request itself is the victim. Phase B, only when nothing was preempted in the step and admissions are
+//! cannot be allocated, a victim is preempted (`victim.rs`; vLLM's FCFS: the last running request; PRIORITY:
+//! the largest `(priority, arrival_time)`; refunded if it was already scheduled this step) until the allocation
+//! succeeds or the request itself is the victim. Phase B, only when nothing was preempted in the step and admissions are
 //! not paused, admits waiting requests in policy order with their prefix-cache hits while `max_num_seqs`, the
 //! budget and the free blocks allow (with `scheduler_reserve_full_isl`, the free blocks must hold the whole
 //! prompt, not just its first chunk); it never preempts. Requests with nothing to do are skipped, not
@@ -16,11 +16,11 @@
 
 use crate::config::{PauseState, Policy};
 use crate::encoder_sched::{release_encoder_refs, EncoderStep};
-use crate::error::Result;
+use crate::error::{Result, SchedError};
 use crate::output::{SchedulerOutput, StepRecord};
-use crate::request::{ReqHandle, RequestStatus, SPEC_PLACEHOLDER};
+use crate::request::{ReqHandle, RequestStatus, NO_SESSION, SPEC_PLACEHOLDER};
 use crate::scheduler::Scheduler;
-use crate::swap::{complete_resume, restored_tokens};
+use crate::swap_sched::{complete_resume, restored_tokens};
 
 /// How many requests ahead of the one being scheduled the table slots of block-boundary work are prefetched
 /// (their block-table and hash-list lines twice as far ahead).
@@ -35,9 +35,9 @@ const PREFETCH_SAMPLES: usize = 16;
 /// vectors come from the record of an applied step handed back for reuse, and the output from an output the
 /// caller handed back (`Scheduler::recycle_output`), or new ones: both keep their capacity, so a warm scheduler
 /// whose caller recycles its outputs allocates little per step. `schedule_with` lends it to each phase and to
-/// `finish_step` by reference: it is ~450 bytes, and each move of it would be a copy.
+/// `finish_step` by reference: it holds many vectors, and each move of it would be a copy.
 struct Builder {
-    /// Boxed: it goes to the caller as built, and each move of the ~430-byte output would be a copy.
+    /// Boxed: it goes to the caller as built, and each move of the (large) output would be a copy.
     out: Box<SchedulerOutput>,
     is_chunk: Vec<bool>,
     num_spec: Vec<u32>,
@@ -233,6 +233,73 @@ impl Builder {
     }
 }
 
+/// Phase B's state for one admission pass (`admit_waiting`).
+struct AdmissionPass {
+    /// The per-request token cap of the step (0: none).
+    threshold: u32,
+    /// A request scheduled in phase A is still prefilling (vLLM's `prefill_scheduled`): no admission is padded
+    /// with placeholder drafts.
+    prefill_scheduled: bool,
+    /// Prefill is deferred this step: the pass stops at the first request with prompt left to compute.
+    defer_prefills: bool,
+    /// Phase A scheduled some running request.
+    any_running_scheduled: bool,
+    /// A request that cannot fit however many prefix hits it finds may end the pass before its lookup: not
+    /// with a connector (it is asked about every request) or drafts (admissions may be padded with them).
+    quick_reject: bool,
+    /// The watermark: blocks an admission leaves free while anything runs.
+    watermark: usize,
+    /// LoRA adapters of the running requests, then of each admission.
+    loras: Vec<String>,
+    /// Requests taken out of `waiting` / `kv_waiting` for the pass; they go back to the front at its end.
+    skipped: Vec<ReqHandle>,
+    skipped_kv: Vec<ReqHandle>,
+    /// The candidate's prefix hits (the scheduler's buffer, kept across steps: grown once, not per step).
+    hits: Vec<u32>,
+    /// Aging picked the current candidate out of its place in `waiting` (it is taken out with `remove`).
+    aged: bool,
+    /// `sjf`: requests re-keyed in this pass (at most `SJF_MAX_REKEYS_PER_PASS`).
+    sjf_rekeys: u32,
+}
+
+/// A waiting request that phase B admits if its blocks can be allocated (`Scheduler::admission_candidate`).
+/// Invariant: `computed = computed_before` if that is nonzero (a loaded request keeps its count), else
+/// `restored + ext` with `restored >= num_hit_tokens`; `n` is 0 exactly for an asynchronous load.
+struct Admission {
+    h: ReqHandle,
+    /// It is the head of `kv_waiting` (it holds KV blocks), not of `waiting`.
+    from_kv: bool,
+    /// Its computed tokens before the step (nonzero only for a request whose load is over).
+    computed_before: u32,
+    /// The local prefix hit, in tokens.
+    num_hit_tokens: u32,
+    /// Tokens in KV from the hits, or from its swapped-out copy when that reaches further.
+    restored: u32,
+    /// Tokens in KV (or arriving) before this step.
+    computed: u32,
+    /// Tokens the connector supplies beyond the local hit, and whether they load asynchronously.
+    ext: u32,
+    load_async: bool,
+    /// Prompt left beyond its last token.
+    has_prefill: bool,
+    /// Tokens it computes this step, with placeholder drafts if `pad`.
+    n: u32,
+    pad: bool,
+    /// Its encoder inputs are planned in the step's encoder budget (rolled back if it is not admitted).
+    planned_encoder: bool,
+    /// Free blocks its allocation must leave.
+    reserved: usize,
+}
+
+/// What phase B does with the request at the head of its queue.
+enum Candidate {
+    Admit(Admission),
+    /// It cannot run yet: taken out of its queue for the pass, it keeps its place.
+    Skip,
+    /// It cannot be admitted now: the pass ends.
+    Stop,
+}
+
 impl Scheduler {
     /// One step (`schedule_with(false)`).
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
@@ -262,6 +329,8 @@ impl Scheduler {
         if !self.newly_ready.is_empty() {
             self.queue_newly_ready()?;
         }
+        // From here on a request entering `waiting` first waits in the next step (aging).
+        self.in_schedule = true;
         let paused_all = self.pause_state == PauseState::PausedAll;
         let mut budget = if paused_all { 0 } else { self.config.max_num_batched_tokens };
         // vLLM 0.33: the per-request cap guards other requests from starvation, so it applies only when more
@@ -315,7 +384,8 @@ impl Scheduler {
             // No probing when nobody can be admitted (a full batch or no budget): nothing would move.
             let can_admit = budget > 0 && self.running.len() < self.config.max_active_seqs();
             let plan = if can_admit { self.begin_admission() } else { None };
-            prefill_admitted = self.admit_waiting(
+            let num_skipped;
+            (prefill_admitted, num_skipped) = self.admit_waiting(
                 &mut b,
                 &mut budget,
                 threshold,
@@ -323,7 +393,7 @@ impl Scheduler {
                 defer_prefills,
                 &mut enc,
             )?;
-            self.end_admission(plan);
+            self.end_admission(plan, num_skipped);
             // A released step records whether it drained the waiting queue (vLLM's prefill_capacity_bound):
             // if it could not, throttling and the cadence stop deferring until a released step drains it.
             if !defer_prefills {
@@ -363,10 +433,10 @@ impl Scheduler {
         // Prefetching ahead (the per-request path below) pays when running requests do their block work in
         // runs of neighbours (a group admitted together, a batch in lock-step), whose misses it overlaps. Where
         // the requests at a block boundary lie scattered among plain decodes (prompts of random lengths) the
-        // plain-decode runs are faster (c 0.91-0.99, d 0.96-0.98, e 0.97 of the step with prefetching on as
-        // soon as any request was near a boundary; a and b unchanged). So three neighbours near a boundary turn
-        // it on: with many running requests at any of `PREFETCH_SAMPLES` evenly spaced places, with few at the
-        // head of the list (a plain step pays a few checks, not one per request).
+        // batched plain-decode runs are faster than the per-request path with prefetching (docs/benchmarks.md
+        // compares the two on the workloads). So three neighbours near a boundary turn it on: with many
+        // running requests at any of `PREFETCH_SAMPLES` evenly spaced places, with few at the head of the list
+        // (a plain step pays a few checks, not one per request).
         let near = |k: usize| {
             self.running.get(k).is_some_and(|&s| self.kv.near_block_boundary(self.slab.computed(s)))
         };
@@ -490,7 +560,7 @@ impl Scheduler {
                 // Preempt until the allocation succeeds or `req` itself is the victim.
                 let mut self_preempted = false;
                 loop {
-                    let j = self.pick_victim()?;
+                    let j = self.pick_victim(&b.out.handles, &b.out.num_computed_tokens)?;
                     let victim = self.running.remove(j);
                     let mut computed_before = None;
                     if let Some(pos) = b.out.handles.iter().position(|h| h.slot == victim) {
@@ -516,18 +586,14 @@ impl Scheduler {
                     }
                 }
                 if self_preempted {
-                    // Under PRIORITY the requests after it rank higher and may still fit (`i` already points at
-                    // the next one; FAIR: they belong to tenants with smaller counters); under FCFS, and under
-                    // PRIORITY without `continue_after_self_preemption`, the pass ends.
-                    let goes_on = match self.config.policy {
-                        Policy::Fcfs => false,
-                        Policy::Priority => self.config.continue_after_self_preemption,
-                        Policy::Fair => true,
-                    };
-                    if goes_on {
-                        continue;
+                    // vLLM 0.33: under PRIORITY the requests after it rank higher and may still fit (`i` already
+                    // points at the next one; FAIR: they belong to tenants with smaller counters; `lcf` and
+                    // `cost`: they rank above it). The default victim of FCFS, SJF and SLO is the tail: nothing
+                    // follows it. vLLM 0.32 ends the pass under PRIORITY (`continue_after_self_preemption`).
+                    if self.config.policy == Policy::Priority && !self.config.continue_after_self_preemption {
+                        break;
                     }
-                    break;
+                    continue;
                 }
                 req = self.slab.get_mut(slot)?;
             }
@@ -592,6 +658,12 @@ impl Scheduler {
     /// their preemption still in flight, a LoRA over `max_loras`) are skipped and keep their place. With
     /// `defer_prefills` admission stops at the first request with more than one token to compute. Returns
     /// whether it admitted such a request (vLLM's `prefill_admitted`).
+    ///
+    /// Each admission is three steps: `admission_candidate` decides whether the request at the head of its
+    /// queue can run now and with how many tokens, `allocate_admission` gets its blocks, and
+    /// `commit_admission` makes it running (or parks it while its KV loads). The pass ends at the first
+    /// candidate that cannot be admitted and is not skipped; the skipped requests then go back to the front.
+    /// Also returns how many went back to the front of `waiting`.
     fn admit_waiting(
         &mut self,
         b: &mut Builder,
@@ -600,29 +672,80 @@ impl Scheduler {
         prefill_scheduled: bool,
         defer_prefills: bool,
         enc: &mut EncoderStep,
-    ) -> Result<bool> {
-        let mut prefill_admitted = false;
-        let bs = self.config.kv_block_size();
-        let max_model_len = self.config.max_model_len;
-        let lookahead = self.config.num_lookahead_tokens;
+    ) -> Result<(bool, usize)> {
         let max_active = self.config.max_active_seqs();
-        let num_spec = self.config.num_spec_tokens();
-        let chunked = self.config.enable_chunked_prefill;
-        let reserve_full_isl = self.config.scheduler_reserve_full_isl;
-        let max_loras = self.config.max_loras as usize;
-        let watermark = self.config.watermark_blocks();
-        let any_running_scheduled = !b.out.handles.is_empty();
-        let has_encoder = self.encoder.capacity() > 0;
-        // LoRA adapters of the running requests (all of them, or those scheduled in this step), then of each
-        // admission.
+        let mut pass = AdmissionPass {
+            threshold,
+            prefill_scheduled,
+            defer_prefills,
+            any_running_scheduled: !b.out.handles.is_empty(),
+            quick_reject: self.connector.is_none() && self.config.num_spec_tokens() == 0,
+            watermark: self.config.watermark_blocks(),
+            loras: self.running_loras(&b.out.handles)?,
+            skipped: Vec::new(),
+            skipped_kv: Vec::new(),
+            hits: std::mem::take(&mut self.hits_buf),
+            aged: false,
+            sjf_rekeys: 0,
+        };
+        let mut prefill_admitted = false;
+        while *budget > 0 && self.running.len() < max_active {
+            // Requests holding KV blocks (their asynchronous load is over) go first, and are the only ones
+            // admitted under `paused_new` (vLLM 0.33's `kv_holding_waiting`).
+            let from_kv = !self.kv_waiting.is_empty();
+            if !from_kv && self.pause_state != PauseState::Unpaused {
+                break;
+            }
+            // `waiting`: the policy's order, with aging and the `sjf` re-keying (`admission.rs`).
+            let peeked = if from_kv {
+                self.kv_waiting.peek(&self.tenants).map(|h| (h, false))
+            } else {
+                self.peek_waiting(&pass.skipped, &mut pass.sjf_rekeys, &mut pass.hits)?
+            };
+            let Some((h, aged)) = peeked else { break };
+            pass.aged = aged;
+            let a = match self.admission_candidate(&mut pass, h, from_kv, *budget, enc)? {
+                Candidate::Admit(a) => a,
+                Candidate::Skip => continue,
+                Candidate::Stop => break,
+            };
+            if !self.allocate_admission(&pass, &a, enc)? {
+                break;
+            }
+            prefill_admitted |= self.commit_admission(b, &mut pass, &a, budget, enc)?;
+        }
+        // Skipped requests go back to the front in their order (FCFS), or by their key (PRIORITY).
+        // A request that comes back from `kv_waiting` (its failed load left nothing) enters `waiting` anew.
+        let policy = self.config.policy;
+        for &h in pass.skipped.iter().rev() {
+            let req = self.slab.get(h.slot)?;
+            let (key, entering) = (Self::order_key(policy, req), req.wait_seq == 0);
+            self.waiting.push_preempted(h, key);
+            if entering {
+                self.enter_waiting(h.slot)?;
+            }
+        }
+        for &h in pass.skipped_kv.iter().rev() {
+            let key = Self::order_key(policy, self.slab.get(h.slot)?);
+            self.kv_waiting.push_preempted(h, key);
+        }
+        pass.hits.clear();
+        self.hits_buf = pass.hits;
+        Ok((prefill_admitted, pass.skipped.len()))
+    }
+
+    /// The LoRA adapters counted against `max_loras` at admission (none asked for without `max_loras`): those
+    /// of all running requests, scheduled this step or not, or with `max_loras_counts_unscheduled` off only
+    /// those of the requests `scheduled` so far in this step (vLLM 0.32).
+    fn running_loras(&self, scheduled: &[ReqHandle]) -> Result<Vec<String>> {
         let mut loras: Vec<String> = Vec::new();
-        if max_loras > 0 {
-            let scheduled: Vec<u32>;
+        if self.config.max_loras > 0 {
+            let scheduled_slots: Vec<u32>;
             let counted: &[u32] = if self.config.max_loras_counts_unscheduled {
                 &self.running
             } else {
-                scheduled = b.out.handles.iter().map(|h| h.slot).collect();
-                &scheduled
+                scheduled_slots = scheduled.iter().map(|h| h.slot).collect();
+                &scheduled_slots
             };
             for &s in counted {
                 if let Some(l) = &self.slab.get(s)?.extra_keys.lora_name {
@@ -632,326 +755,384 @@ impl Scheduler {
                 }
             }
         }
-        let mut skipped: Vec<ReqHandle> = Vec::new();
-        let mut skipped_kv: Vec<ReqHandle> = Vec::new();
-        // The early end of the pass below for a request that cannot fit: not with a connector (it is asked about
-        // every request) or drafts (admissions may be padded with placeholder drafts).
-        let quick_reject = self.connector.is_none() && num_spec == 0;
-        // The prefix hits of the request being admitted, in a buffer kept across steps (grown once, not per step).
-        let mut hits = std::mem::take(&mut self.hits_buf);
-        while *budget > 0 && self.running.len() < max_active {
-            // Requests holding KV blocks (their asynchronous load is over) go first, and are the only ones
-            // admitted under `paused_new` (vLLM 0.33's `kv_holding_waiting`).
-            let from_kv = !self.kv_waiting.is_empty();
-            if !from_kv && self.pause_state != PauseState::Unpaused {
-                break;
-            }
-            let peeked =
-                if from_kv { self.kv_waiting.peek(&self.tenants) } else { self.waiting.peek(&self.tenants) };
-            let Some(h) = peeked else { break };
-            let hs = h.slot as usize;
-            let (req, hot) = self.slab.get_mut_hot(h.slot)?;
-            if req.status == RequestStatus::WaitingForGrammar && req.grammar_ready {
-                req.status = RequestStatus::Waiting;
-            }
-            if req.status == RequestStatus::WaitingForRemoteKvs && req.kv_load_done {
-                Self::promote_loaded(&mut self.kv, req, &mut hot.computed[hs]);
-            }
-            let lora_blocked = max_loras > 0
-                && loras.len() >= max_loras
-                && req.extra_keys.lora_name.as_ref().is_some_and(|l| !loras.contains(l));
-            let mut blocked = req.status == RequestStatus::WaitingForGrammar
-                || req.status == RequestStatus::WaitingForRemoteKvs
-                || (hot.stale[hs] > 0 && !req.drop_stale_output)
-                || lora_blocked;
-            // Tokens beyond the local prefix hit that the connector supplies, and whether they load
-            // asynchronously (asked only of requests with nothing computed: a loaded request keeps its count).
-            let mut ext = 0u32;
-            let mut load_async = false;
-            let computed_before = hot.computed[hs];
-            // Blocks the admission must leave free (the watermark), unless nothing runs.
-            let reserved = if self.running.is_empty() { 0 } else { watermark };
-            hits.clear();
-            if !blocked && computed_before == 0 {
-                // A request that cannot get the blocks it needs however many prefix hits it finds ends the pass
-                // (every way its admission fails below is a `break`, and none changes anything): one lookup past
-                // its last probe's hits bounds them, instead of a lookup per block. Under memory pressure the
-                // head of the queue is probed in almost every step and does not fit. Only for the plain case:
-                // no connector, encoder inputs, swapped blocks or drafts, where nothing else decides the outcome.
-                if quick_reject
-                    && req.encoder_inputs.is_empty()
-                    && req.cpu_blocks.is_empty()
-                    && req.num_swapped_tokens == 0
-                {
-                    let bound = if req.skip_reading_prefix_cache {
-                        Some(0)
-                    } else {
-                        self.kv.cache_hit_upper_bound(&req.block_hashes, req.num_tokens(), req.probe_hits)
-                    };
-                    if let Some(max_hits) = bound {
-                        let max_new = if threshold > 0 { threshold.min(*budget) } else { *budget };
-                        let least = self.kv.min_blocks_to_admit(req, max_hits, max_new, lookahead);
-                        if least + reserved > self.kv.pool.num_free_blocks() {
-                            break;
-                        }
-                    }
-                }
-                // A request that skips reading the prefix cache (prompt logprobs) gets no hits.
-                if !req.skip_reading_prefix_cache {
-                    self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), &mut hits);
-                    req.probe_hits = hits.len() as u32;
-                }
-                // A swapped-out request resumes from its CPU copy: the connector is not asked.
-                if let (Some(conn), true) = (self.connector.as_mut(), req.cpu_blocks.is_empty()) {
-                    let local = hits.len() as u32 * bs;
-                    let matched = conn.0.get_num_new_matched_tokens(req, local);
-                    match matched {
-                        // vLLM asks the connector, then loads nothing for such a request.
-                        _ if req.skip_reading_prefix_cache => {}
-                        None => blocked = true,
-                        Some((e, a)) => {
-                            // Never more than the request has; a synchronous load leaves at least one token to
-                            // compute (vLLM asserts both of its connectors).
-                            let room = req.num_tokens() - local;
-                            ext = e.min(room);
-                            load_async = a && ext > 0;
-                            if !load_async && ext == room {
-                                ext = room - 1;
-                            }
-                        }
-                    }
-                }
-            }
-            if blocked {
-                if !req.deferred {
-                    req.deferred = true;
-                    self.num_deferred += 1;
-                }
-                // Back among the requests holding KV blocks if it holds some (vLLM's `_holds_kv_blocks`: a
-                // load in progress or over); a request whose failed load left nothing goes back to `waiting`.
-                let holds_kv = req.status == RequestStatus::WaitingForRemoteKvs
-                    || hot.computed[hs] > 0
-                    || !req.blocks.is_empty();
-                if from_kv {
-                    self.kv_waiting.pop(&self.tenants);
-                } else {
-                    self.waiting.pop(&self.tenants);
-                }
-                if holds_kv {
-                    skipped_kv.push(h);
-                } else {
-                    skipped.push(h);
-                }
-                continue;
-            }
-            let num_hit_tokens = hits.len() as u32 * bs;
-            // A swapped-out request resumes from its swapped tokens when they reach past the hits.
-            let restored = restored_tokens(req, num_hit_tokens);
-            // Tokens already in KV (or arriving) before this step: a loaded request's count, else the local hit
-            // (or a swapped-out request's swapped tokens when they reach past it) plus the connector's.
-            let computed = if computed_before > 0 { computed_before } else { restored + ext };
-            // Deferred prefill: stop at a request with prompt left beyond its last token (an asynchronous load
-            // computes nothing this step, so it is not deferred).
-            let has_prefill = computed + 1 < req.num_tokens();
-            if defer_prefills && !load_async && has_prefill {
-                break;
-            }
-            let mut n = if load_async { 0 } else { req.num_tokens() - computed };
-            let mut pad = false;
-            if !load_async {
-                // Spec decoding: a request with one token to compute, admitted into a batch of decodes, gets
-                // placeholder drafts so that every decode in the batch has the same shape (vLLM 0.33).
-                let padded = 1 + num_spec;
-                pad = num_spec > 0
-                    && n == 1
-                    && !prefill_scheduled
-                    && (any_running_scheduled || computed > 0)
-                    && computed + padded < max_model_len // room for the token this step samples
-                    && computed + padded <= self.kv.max_slots // and in a KV cache below max_model_len
-                    && (threshold == 0 || threshold >= padded);
-                if pad {
-                    if padded > *budget {
-                        break;
-                    }
-                    n = padded;
-                }
-                if threshold > 0 && n > threshold {
-                    n = threshold;
-                }
-                if !chunked && n > *budget {
-                    break;
-                }
-                n = n.min(*budget);
-            }
-            let planned_encoder = has_encoder && !load_async && !req.encoder_inputs.is_empty();
-            let (mut req, mut hot) = if planned_encoder {
-                n = self.plan_encoder(enc, h.slot, computed, n)?;
-                if n == 0 {
-                    // vLLM 0.33: an admission whose first encoder input does not fit is skipped (it keeps its place),
-                    // not a stop of the pass.
-                    self.rollback_encoder(enc, h.slot)?;
-                    let req = self.slab.get_mut(h.slot)?;
-                    if !req.deferred {
-                        req.deferred = true;
-                        self.num_deferred += 1;
-                    }
-                    if from_kv {
-                        self.kv_waiting.pop(&self.tenants);
-                        skipped_kv.push(h);
-                    } else {
-                        self.waiting.pop(&self.tenants);
-                        skipped.push(h);
-                    }
-                    continue;
-                }
-                self.slab.get_mut_hot(h.slot)?
-            } else {
-                (req, hot)
-            };
-            if reserve_full_isl && !self.kv.full_sequence_fits(req, &hits, reserved) {
-                if planned_encoder {
-                    self.rollback_encoder(enc, h.slot)?;
-                }
-                break;
-            }
-            // vLLM 0.33: an asynchronous load leaves free what the in-flight prefills still need.
-            let extra = if load_async && self.config.reserve_inflight_prefills {
-                let extra = inflight_reserved_blocks(&self.slab, &self.config);
-                (req, hot) = self.slab.get_mut_hot(h.slot)?;
-                extra
-            } else {
-                0
-            };
-            // `allocate_slots` counts the slots from `computed + hits`: `restored` for a swapped-in request.
-            if computed_before == 0 {
-                hot.computed[hs] = restored - num_hit_tokens;
-            }
-            let at = hot.computed[hs];
-            let allocated = if ext > 0 {
-                // Loads are allocated like computed tokens; an asynchronous load gets no lookahead slots and its
-                // blocks enter the prefix cache only once it has arrived.
-                let la = if load_async { 0 } else { lookahead };
-                self.kv.allocate_slots_ext(req, at, n, &hits, ext, la, reserved + extra, !load_async)
-            } else {
-                self.kv.allocate_slots(req, at, n, &hits, lookahead, reserved)
-            };
-            if allocated.is_none() {
-                if computed_before == 0 {
-                    hot.computed[hs] = 0;
-                }
-                if planned_encoder {
-                    self.rollback_encoder(enc, h.slot)?;
-                }
-                break;
-            }
-            if planned_encoder {
-                Self::commit_encoder(&mut self.counters, enc);
-            }
-            complete_resume(
-                &mut self.cpu,
-                &mut self.counters,
-                req,
-                hits.len(),
-                computed,
-                &mut b.out.swap_in,
-            )?;
-            if let Some(conn) = self.connector.as_mut() {
-                conn.0.update_state_after_alloc(req, ext);
-                if computed_before == 0 {
-                    self.counters.connector_prefix_cache_queries +=
-                        u64::from(req.num_tokens() - num_hit_tokens);
-                    self.counters.connector_prefix_cache_hits += u64::from(ext);
-                }
-            }
-            // No lookup, no query: vLLM leaves a request that skips reading the cache out of the stats.
-            if computed_before == 0 && !req.skip_reading_prefix_cache {
-                let c = &mut self.counters;
-                if req.num_preemptions > 0 {
-                    c.prefix_cache_preempted_queries += u64::from(req.num_tokens());
-                    c.prefix_cache_preempted_hits += u64::from(num_hit_tokens);
-                } else {
-                    c.prefix_cache_queries += u64::from(req.num_tokens());
-                    c.prefix_cache_hits += u64::from(num_hit_tokens);
-                }
-            }
-            if load_async {
-                // Holds its blocks until the engine reports the load finished (`update_kv_transfers`): parked,
-                // or (vLLM 0.33's rule) back among the skipped requests that hold KV blocks.
-                req.status = RequestStatus::WaitingForRemoteKvs;
-                hot.computed[hs] = computed;
-                req.kv_load_done = false;
-                req.inflight_prefill = true;
-                req.parked = self.config.park_kv_loads;
-                if !req.deferred {
-                    req.deferred = true;
-                    self.num_deferred += 1;
-                }
-                if from_kv {
-                    self.kv_waiting.pop(&self.tenants);
-                } else {
-                    self.waiting.pop(&self.tenants);
-                }
-                if self.config.park_kv_loads {
-                    self.num_parked += 1;
-                    self.num_loading += 1;
-                } else {
-                    skipped_kv.push(h);
-                }
-                continue;
-            }
-            let resumed = req.status == RequestStatus::Preempted;
-            req.status = RequestStatus::Running;
-            hot.computed[hs] = computed + n;
-            req.is_prefill_chunk = computed + n < req.num_tokens();
-            // Leaves vLLM's in-flight prefill set only after the step (finish_step), as vLLM discards it there.
-            req.inflight_prefill |= req.is_prefill_chunk;
-            if req.num_cached_tokens < 0 {
-                req.num_cached_tokens = i64::from(computed);
-            }
-            if req.deferred {
-                req.deferred = false;
-                self.num_deferred -= 1;
-            }
-            if max_loras > 0 {
-                if let Some(l) = &req.extra_keys.lora_name {
-                    if !loras.contains(l) {
-                        loras.push(l.clone());
-                    }
-                }
-            }
-            let idx = b.out.handles.len() as u32;
-            if resumed {
-                b.out.resumed_reqs.push(idx);
-            } else {
-                b.out.new_reqs.push(idx);
-            }
-            let spec = if pad { vec![SPEC_PLACEHOLDER; num_spec as usize] } else { Vec::new() };
-            b.push(req.handle, n, computed, &req.blocks, &spec, req.is_prefill_chunk);
-            if from_kv {
-                self.kv_waiting.pop(&self.tenants);
-            } else {
-                self.waiting.pop(&self.tenants);
-            }
-            self.tenants.on_leave_waiting(req.tenant);
-            self.tenants.charge_prompt(req, computed, n);
-            self.running.push(h.slot);
-            self.slab.hot.in_flight[h.slot as usize] += n;
-            self.slab.sync(h.slot);
-            *budget -= n;
-            prefill_admitted |= has_prefill;
+        Ok(loras)
+    }
+
+    /// Phase B's first step for the request `h` at the head of its queue (`kv_waiting` if `from_kv`): whether
+    /// it can run now, and with how many tokens. Finds its prefix hits (into `pass.hits`) and asks the connector
+    /// about it. `Skip`: it cannot run yet; it is out of its queue until the end of the pass and counts as
+    /// deferred. `Stop`: the pass ends. Neither leaves anything to undo (what may have changed stands either
+    /// way: a status moved on, grammar ready or load over, and the probe's hit count). `Admit` may have planned
+    /// its encoder inputs in `enc`, which `allocate_admission` rolls back if the allocation fails.
+    fn admission_candidate(
+        &mut self,
+        pass: &mut AdmissionPass,
+        h: ReqHandle,
+        from_kv: bool,
+        budget: u32,
+        enc: &mut EncoderStep,
+    ) -> Result<Candidate> {
+        let bs = self.config.kv_block_size();
+        let lookahead = self.config.num_lookahead_tokens;
+        let max_loras = self.config.max_loras as usize;
+        let threshold = pass.threshold;
+        let hs = h.slot as usize;
+        let (req, hot) = self.slab.get_mut_hot(h.slot)?;
+        if req.status == RequestStatus::WaitingForGrammar && req.grammar_ready {
+            req.status = RequestStatus::Waiting;
         }
-        // Skipped requests go back to the front in their order (FCFS), or by their key (PRIORITY).
-        for &h in skipped.iter().rev() {
-            let key = Self::priority_key(self.slab.get(h.slot)?);
-            self.waiting.push_preempted(h, key);
+        if req.status == RequestStatus::WaitingForRemoteKvs && req.kv_load_done {
+            Self::promote_loaded(&mut self.kv, req, &mut hot.computed[hs]);
         }
-        for &h in skipped_kv.iter().rev() {
-            let key = Self::priority_key(self.slab.get(h.slot)?);
-            self.kv_waiting.push_preempted(h, key);
-        }
+        let lora_blocked = max_loras > 0
+            && pass.loras.len() >= max_loras
+            && req.extra_keys.lora_name.as_ref().is_some_and(|l| !pass.loras.contains(l));
+        let mut blocked = req.status == RequestStatus::WaitingForGrammar
+            || req.status == RequestStatus::WaitingForRemoteKvs
+            || (hot.stale[hs] > 0 && !req.drop_stale_output)
+            || lora_blocked;
+        // Tokens beyond the local prefix hit that the connector supplies, and whether they load
+        // asynchronously (asked only of requests with nothing computed: a loaded request keeps its count).
+        let mut ext = 0u32;
+        let mut load_async = false;
+        let computed_before = hot.computed[hs];
+        // Blocks the admission must leave free (the watermark), unless nothing runs.
+        let reserved = if self.running.is_empty() { 0 } else { pass.watermark };
+        let hits = &mut pass.hits;
         hits.clear();
-        self.hits_buf = hits;
-        Ok(prefill_admitted)
+        if !blocked && computed_before == 0 {
+            // A request that cannot get the blocks it needs however many prefix hits it finds ends the pass
+            // (every way its admission can fail ends the pass, and none changes anything): one lookup past
+            // its last probe's hits bounds them, instead of a lookup per block. Under memory pressure the
+            // head of the queue is probed in almost every step and does not fit. Only for the plain case:
+            // no connector, encoder inputs, swapped blocks or drafts, where nothing else decides the outcome.
+            if pass.quick_reject
+                && req.encoder_inputs.is_empty()
+                && req.cpu_blocks.is_empty()
+                && req.num_swapped_tokens == 0
+            {
+                let bound = if req.skip_reading_prefix_cache {
+                    Some(0)
+                } else {
+                    self.kv.cache_hit_upper_bound(&req.block_hashes, req.num_tokens(), req.probe_hits)
+                };
+                if let Some(max_hits) = bound {
+                    let max_new = if threshold > 0 { threshold.min(budget) } else { budget };
+                    let least = self.kv.min_blocks_to_admit(req, max_hits, max_new, lookahead);
+                    if least + reserved > self.kv.pool.num_free_blocks() {
+                        return Ok(Candidate::Stop);
+                    }
+                }
+            }
+            // A request that skips reading the prefix cache (prompt logprobs) gets no hits.
+            if !req.skip_reading_prefix_cache {
+                self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), hits);
+                req.probe_hits = hits.len() as u32;
+            }
+            // A swapped-out request resumes from its CPU copy: the connector is not asked.
+            if let (Some(conn), true) = (self.connector.as_mut(), req.cpu_blocks.is_empty()) {
+                let local = hits.len() as u32 * bs;
+                let matched = conn.0.get_num_new_matched_tokens(req, local);
+                match matched {
+                    // vLLM asks the connector, then loads nothing for such a request.
+                    _ if req.skip_reading_prefix_cache => {}
+                    None => blocked = true,
+                    Some((e, a)) => {
+                        // Never more than the request has; a synchronous load leaves at least one token to
+                        // compute (vLLM asserts both of its connectors).
+                        let room = req.num_tokens() - local;
+                        ext = e.min(room);
+                        load_async = a && ext > 0;
+                        if !load_async && ext == room {
+                            ext = room - 1;
+                        }
+                    }
+                }
+            }
+        }
+        if blocked {
+            mark_deferred(req, &mut self.num_deferred);
+            // Back among the requests holding KV blocks if it holds some (vLLM's `_holds_kv_blocks`: a
+            // load in progress or over); a request whose failed load left nothing goes back to `waiting`.
+            let holds_kv = req.status == RequestStatus::WaitingForRemoteKvs
+                || hot.computed[hs] > 0
+                || !req.blocks.is_empty();
+            self.pop_candidate(h, from_kv, pass.aged)?;
+            if holds_kv {
+                pass.skipped_kv.push(h);
+            } else {
+                pass.skipped.push(h);
+            }
+            return Ok(Candidate::Skip);
+        }
+        let num_hit_tokens = hits.len() as u32 * bs;
+        // A swapped-out request resumes from its swapped tokens when they reach past the hits.
+        let restored = restored_tokens(req, num_hit_tokens);
+        // Tokens already in KV (or arriving) before this step: a loaded request's count, else the local hit
+        // (or a swapped-out request's swapped tokens when they reach past it) plus the connector's.
+        let computed = if computed_before > 0 { computed_before } else { restored + ext };
+        // Deferred prefill: stop at a request with prompt left beyond its last token (an asynchronous load
+        // computes nothing this step, so it is not deferred).
+        let has_prefill = computed + 1 < req.num_tokens();
+        if pass.defer_prefills && !load_async && has_prefill {
+            return Ok(Candidate::Stop);
+        }
+        let planned_encoder = self.encoder.capacity() > 0 && !load_async && !req.encoder_inputs.is_empty();
+        let num_tokens = req.num_tokens();
+        let (mut n, pad) = if load_async {
+            (0, false)
+        } else {
+            match self.admission_tokens(pass, computed, num_tokens, budget) {
+                Some(tokens) => tokens,
+                None => return Ok(Candidate::Stop),
+            }
+        };
+        if planned_encoder {
+            n = self.plan_encoder(enc, h.slot, computed, n)?;
+            if n == 0 {
+                // vLLM 0.33: an admission whose first encoder input does not fit is skipped (it keeps its
+                // place), not a stop of the pass.
+                self.rollback_encoder(enc, h.slot)?;
+                mark_deferred(self.slab.get_mut(h.slot)?, &mut self.num_deferred);
+                self.pop_candidate(h, from_kv, pass.aged)?;
+                if from_kv {
+                    pass.skipped_kv.push(h);
+                } else {
+                    pass.skipped.push(h);
+                }
+                return Ok(Candidate::Skip);
+            }
+        }
+        Ok(Candidate::Admit(Admission {
+            h,
+            from_kv,
+            computed_before,
+            num_hit_tokens,
+            restored,
+            computed,
+            ext,
+            load_async,
+            has_prefill,
+            n,
+            pad,
+            planned_encoder,
+            reserved,
+        }))
+    }
+
+    /// The tokens an admission with `computed` of its `num_tokens` tokens in KV computes this step (it loads
+    /// nothing asynchronously), and whether they are padded with placeholder drafts; `None` when they do not
+    /// fit `budget` and the pass must end.
+    fn admission_tokens(
+        &self,
+        pass: &AdmissionPass,
+        computed: u32,
+        num_tokens: u32,
+        budget: u32,
+    ) -> Option<(u32, bool)> {
+        let threshold = pass.threshold;
+        let num_spec = self.config.num_spec_tokens();
+        let mut n = num_tokens - computed;
+        // Spec decoding: a request with one token to compute, admitted into a batch of decodes, gets
+        // placeholder drafts so that every decode in the batch has the same shape (vLLM 0.33).
+        let padded = 1 + num_spec;
+        let pad = num_spec > 0
+            && n == 1
+            && !pass.prefill_scheduled
+            && (pass.any_running_scheduled || computed > 0)
+            && computed + padded < self.config.max_model_len // room for the token this step samples
+            && computed + padded <= self.kv.max_slots // and in a KV cache below max_model_len
+            && (threshold == 0 || threshold >= padded);
+        if pad {
+            if padded > budget {
+                return None;
+            }
+            n = padded;
+        }
+        if threshold > 0 && n > threshold {
+            n = threshold;
+        }
+        if !self.config.enable_chunked_prefill && n > budget {
+            return None;
+        }
+        Some((n.min(budget), pad))
+    }
+
+    /// Phase B's second step: the candidate's blocks (its prefix hits, then fresh blocks for what it loads
+    /// and computes), leaving `a.reserved` free. Returns whether it got them; if not, nothing changed (its
+    /// planned encoder inputs are rolled back) and the pass ends.
+    fn allocate_admission(
+        &mut self,
+        pass: &AdmissionPass,
+        a: &Admission,
+        enc: &mut EncoderStep,
+    ) -> Result<bool> {
+        let hs = a.h.slot as usize;
+        let lookahead = self.config.num_lookahead_tokens;
+        if self.config.scheduler_reserve_full_isl
+            && !self.kv.full_sequence_fits(self.slab.get(a.h.slot)?, &pass.hits, a.reserved)
+        {
+            if a.planned_encoder {
+                self.rollback_encoder(enc, a.h.slot)?;
+            }
+            return Ok(false);
+        }
+        // vLLM 0.33: an asynchronous load leaves free what the in-flight prefills still need.
+        let extra = if a.load_async && self.config.reserve_inflight_prefills {
+            inflight_reserved_blocks(&self.slab, &self.config)
+        } else {
+            0
+        };
+        let (req, hot) = self.slab.get_mut_hot(a.h.slot)?;
+        // `allocate_slots` counts the slots from `computed + hits`: `restored` for a swapped-in request.
+        if a.computed_before == 0 {
+            hot.computed[hs] = a.restored - a.num_hit_tokens;
+        }
+        let at = hot.computed[hs];
+        let allocated = if a.ext > 0 {
+            // Loads are allocated like computed tokens; an asynchronous load gets no lookahead slots and its
+            // blocks enter the prefix cache only once it has arrived.
+            let la = if a.load_async { 0 } else { lookahead };
+            let reserved = a.reserved + extra;
+            self.kv.allocate_slots_ext(req, at, a.n, &pass.hits, a.ext, la, reserved, !a.load_async)
+        } else {
+            self.kv.allocate_slots(req, at, a.n, &pass.hits, lookahead, a.reserved)
+        };
+        if allocated.is_none() {
+            if a.computed_before == 0 {
+                hot.computed[hs] = 0;
+            }
+            if a.planned_encoder {
+                self.rollback_encoder(enc, a.h.slot)?;
+            }
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// Phase B's last step, once the candidate holds its blocks: its encoder plan, swap-in, connector state
+    /// and prefix-cache stats are committed, and it leaves its queue, either running (its tokens pushed to the
+    /// step and charged to its tenant) or, for an asynchronous load, waiting for the load. Returns whether it
+    /// was admitted with prompt left to compute (vLLM's `prefill_admitted`).
+    fn commit_admission(
+        &mut self,
+        b: &mut Builder,
+        pass: &mut AdmissionPass,
+        a: &Admission,
+        budget: &mut u32,
+        enc: &mut EncoderStep,
+    ) -> Result<bool> {
+        let (h, hs, computed, n) = (a.h, a.h.slot as usize, a.computed, a.n);
+        if a.planned_encoder {
+            Self::commit_encoder(&mut self.counters, enc);
+        }
+        let (req, hot) = self.slab.get_mut_hot(h.slot)?;
+        complete_resume(
+            &mut self.cpu,
+            &mut self.counters,
+            req,
+            pass.hits.len(),
+            computed,
+            &mut b.out.swap_in,
+        )?;
+        if let Some(conn) = self.connector.as_mut() {
+            conn.0.update_state_after_alloc(req, a.ext);
+            if a.computed_before == 0 {
+                self.counters.connector_prefix_cache_queries +=
+                    u64::from(req.num_tokens() - a.num_hit_tokens);
+                self.counters.connector_prefix_cache_hits += u64::from(a.ext);
+            }
+        }
+        // No lookup, no query: vLLM leaves a request that skips reading the cache out of the stats.
+        if a.computed_before == 0 && !req.skip_reading_prefix_cache {
+            let c = &mut self.counters;
+            if req.num_preemptions > 0 {
+                c.prefix_cache_preempted_queries += u64::from(req.num_tokens());
+                c.prefix_cache_preempted_hits += u64::from(a.num_hit_tokens);
+            } else {
+                c.prefix_cache_queries += u64::from(req.num_tokens());
+                c.prefix_cache_hits += u64::from(a.num_hit_tokens);
+            }
+        }
+        if a.load_async {
+            // Holds its blocks until the engine reports the load finished (`update_kv_transfers`): parked,
+            // or (vLLM 0.33's rule) back among the skipped requests that hold KV blocks.
+            req.status = RequestStatus::WaitingForRemoteKvs;
+            hot.computed[hs] = computed;
+            req.kv_load_done = false;
+            req.inflight_prefill = true;
+            req.parked = self.config.park_kv_loads;
+            req.wait_seq = 0;
+            mark_deferred(req, &mut self.num_deferred);
+            self.pop_candidate(h, a.from_kv, pass.aged)?;
+            if self.config.park_kv_loads {
+                self.num_parked += 1;
+                self.num_loading += 1;
+            } else {
+                pass.skipped_kv.push(h);
+            }
+            return Ok(false);
+        }
+        let resumed = req.status == RequestStatus::Preempted;
+        req.status = RequestStatus::Running;
+        hot.computed[hs] = computed + n;
+        req.is_prefill_chunk = computed + n < req.num_tokens();
+        // Leaves vLLM's in-flight prefill set only after the step (finish_step), as vLLM discards it there.
+        req.inflight_prefill |= req.is_prefill_chunk;
+        if req.num_cached_tokens < 0 {
+            req.num_cached_tokens = i64::from(computed);
+        }
+        if req.deferred {
+            req.deferred = false;
+            self.num_deferred -= 1;
+        }
+        if self.config.max_loras > 0 {
+            if let Some(l) = &req.extra_keys.lora_name {
+                if !pass.loras.contains(l) {
+                    pass.loras.push(l.clone());
+                }
+            }
+        }
+        req.wait_seq = 0;
+        if req.session != NO_SESSION {
+            self.sessions.on_run(req.session);
+        }
+        let idx = b.out.handles.len() as u32;
+        if resumed {
+            b.out.resumed_reqs.push(idx);
+        } else {
+            b.out.new_reqs.push(idx);
+        }
+        let spec =
+            if a.pad { vec![SPEC_PLACEHOLDER; self.config.num_spec_tokens() as usize] } else { Vec::new() };
+        b.push(req.handle, n, computed, &req.blocks, &spec, req.is_prefill_chunk);
+        let tenant = req.tenant;
+        self.pop_candidate(h, a.from_kv, pass.aged)?;
+        let req = self.slab.get_mut(h.slot)?;
+        self.tenants.on_leave_waiting(tenant);
+        self.tenants.charge_prompt(req, computed, n);
+        self.running.push(h.slot);
+        self.slab.hot.in_flight[hs] += n;
+        self.slab.sync(h.slot);
+        *budget -= n;
+        Ok(a.has_prefill)
+    }
+
+    /// Takes the candidate `h` out of the queue it came from: the head of `kv_waiting` if `from_kv`, else of
+    /// `waiting`, or its place in `waiting` if aging picked it (`aged`).
+    fn pop_candidate(&mut self, h: ReqHandle, from_kv: bool, aged: bool) -> Result<()> {
+        if from_kv {
+            self.kv_waiting.pop(&self.tenants);
+        } else if aged {
+            let req = self.slab.get(h.slot)?;
+            let (tier, tenant) = (req.order_key, req.tenant);
+            if !self.waiting.remove(h, tier, tenant) {
+                return Err(SchedError::Internal(format!("aged request {:?} is not in waiting", req.id)));
+            }
+        } else {
+            self.waiting.pop(&self.tenants);
+        }
+        Ok(())
     }
 
     /// A request whose asynchronous load is over becomes WAITING (PREEMPTED if it was preempted before): the
@@ -979,31 +1160,6 @@ impl Scheduler {
         req.status = if req.num_preemptions > 0 { RequestStatus::Preempted } else { RequestStatus::Waiting };
     }
 
-    /// Index in `running` of the next preemption victim.
-    fn pick_victim(&self) -> Result<usize> {
-        match self.config.policy {
-            Policy::Fcfs => Ok(self.running.len() - 1),
-            Policy::Fair => self.tenants.pick_victim(&self.running, &self.slab),
-            Policy::Priority => {
-                let mut best = 0;
-                let mut best_key = None;
-                for (j, &s) in self.running.iter().enumerate() {
-                    let r = self.slab.get(s)?;
-                    let key = (r.effective_priority, r.arrival_time);
-                    let better = match best_key {
-                        None => true,
-                        Some((p, t)) => key.0 > p || (key.0 == p && key.1.total_cmp(&t).is_gt()),
-                    };
-                    if better {
-                        best = j;
-                        best_key = Some(key);
-                    }
-                }
-                Ok(best)
-            }
-        }
-    }
-
     /// Frees the request's KV and sends it back to waiting; its outputs are kept and recomputed on resume.
     /// The output of steps still in flight becomes stale: applied when it arrives (or dropped, with
     /// `drop_stale_output`), but it rolls nothing back and the request is not resumed before then.
@@ -1020,9 +1176,13 @@ impl Scheduler {
         hot.stale[slot as usize] = hot.in_flight[slot as usize];
         req.num_output_placeholders = 0;
         let handle = req.handle;
-        let key = Self::priority_key(req);
+        if req.session != NO_SESSION {
+            self.sessions.on_leave_running(req.session, self.next_step_id);
+        }
+        let key = Self::order_key(self.config.policy, req);
         self.waiting.push_preempted(handle, key);
         self.tenants.on_requeue(req.tenant);
+        self.enter_waiting(slot)?;
         self.counters.num_preemptions += 1;
         Ok(handle)
     }
@@ -1114,7 +1274,16 @@ impl Scheduler {
         rec.swapped_out = swapped_out;
         rec.encoder_hashes = enc_hashes;
         self.in_flight.push_back(rec);
+        self.in_schedule = false;
         Ok(())
+    }
+}
+
+/// Counts a waiting request among the deferred ones (vLLM's `deferred_waiting`), once.
+fn mark_deferred(req: &mut crate::request::Request, num_deferred: &mut usize) {
+    if !req.deferred {
+        req.deferred = true;
+        *num_deferred += 1;
     }
 }
 

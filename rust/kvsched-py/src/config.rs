@@ -1,21 +1,97 @@
-//! Config conversion: a `kvsched.SchedulerConfig` (any object with its attributes) to `core::SchedulerConfig`.
+//! Config conversion: a `kvsched.SchedulerConfig` (any object with its attributes) to `core::SchedulerConfig`,
+//! and the core's default config back to a dict (for the tests that hold the two sides together).
 //!
 //! Each field is read by name and type-checked here; range and consistency checks are the core's
-//! (`SchedulerConfig::validate`), so the Python and Rust sides cannot disagree on what is valid.
+//! (`SchedulerConfig::validate`), so the Python and Rust sides cannot disagree on what is valid. An int that
+//! does not fit the core's `u32` gets the core's message for the field's bounds.
 
 use kvsched_core as core;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyMapping};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyMapping};
 
 use crate::convert::{int_arg, seed_bytes};
-use crate::errors::{map_err, py_error};
+use crate::errors::{guard, map_err, py_error};
+
+/// The core's `SchedulerConfig::default()` as a dict of the Python fields (names as strings, `None` for unset).
+#[pyfunction]
+pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = core::SchedulerConfig::default();
+    let d = PyDict::new(py);
+    d.set_item("block_size", c.block_size)?;
+    d.set_item("num_blocks", c.num_blocks)?;
+    d.set_item("max_num_seqs", c.max_num_seqs)?;
+    d.set_item("max_num_batched_tokens", c.max_num_batched_tokens)?;
+    d.set_item("max_model_len", c.max_model_len)?;
+    d.set_item("enable_prefix_caching", c.enable_prefix_caching)?;
+    d.set_item("enable_kv_cache_events", c.enable_kv_cache_events)?;
+    d.set_item("enable_chunked_prefill", c.enable_chunked_prefill)?;
+    d.set_item("long_prefill_token_threshold", c.long_prefill_token_threshold)?;
+    d.set_item("policy", c.policy.name())?;
+    d.set_item("num_lookahead_tokens", c.num_lookahead_tokens)?;
+    d.set_item("num_speculative_tokens", c.num_speculative_tokens)?;
+    d.set_item("prefix_hash_algo", c.prefix_hash_algo.name())?;
+    d.set_item("prefix_hash_seed", c.prefix_hash_seed.as_deref().map(|b| PyBytes::new(py, b)))?;
+    d.set_item("scheduler_reserve_full_isl", c.scheduler_reserve_full_isl)?;
+    d.set_item("cache_aware_admission_window", c.cache_aware_admission_window)?;
+    d.set_item("cache_aware_admission_threshold", c.cache_aware_admission_threshold)?;
+    let weights = PyDict::new(py);
+    for (tenant, w) in &c.tenant_weights {
+        weights.set_item(tenant, w)?;
+    }
+    d.set_item("tenant_weights", weights)?;
+    d.set_item("fair_prefill_weight", c.fair_prefill_weight)?;
+    d.set_item("fair_decode_weight", c.fair_decode_weight)?;
+    d.set_item("priority_aging_steps", c.priority_aging_steps)?;
+    d.set_item("default_ttft_slo_s", c.default_ttft_slo_s)?;
+    d.set_item("max_wait_steps", c.max_wait_steps)?;
+    d.set_item("session_ttl_steps", c.session_ttl_steps)?;
+    d.set_item("async_scheduling", c.async_scheduling)?;
+    d.set_item("max_loras", c.max_loras)?;
+    d.set_item("watermark", c.watermark)?;
+    d.set_item("preemption_mode", c.preemption_mode.name())?;
+    d.set_item("num_cpu_blocks", c.num_cpu_blocks)?;
+    d.set_item("recompute_cost_per_token", c.recompute_cost_per_token)?;
+    d.set_item("swap_cost_per_block", c.swap_cost_per_block)?;
+    d.set_item("preemption_victim", c.preemption_victim.name())?;
+    d.set_item("kv_load_failure_policy", c.kv_load_failure_policy.name())?;
+    // 0: as many as max_num_seqs (Python's None).
+    d.set_item("max_num_active_seqs", Some(c.max_num_active_seqs).filter(|&v| v != 0))?;
+    d.set_item("long_prefill_token_threshold_adaptive", c.long_prefill_token_threshold_adaptive)?;
+    d.set_item("prefill_schedule_interval", c.prefill_schedule_interval)?;
+    d.set_item("park_grammar_waits", c.park_grammar_waits)?;
+    d.set_item("dcp_world_size", c.dcp_world_size)?;
+    d.set_item("pcp_world_size", c.pcp_world_size)?;
+    d.set_item("cp_kv_cache_interleave_size", c.cp_kv_cache_interleave_size)?;
+    d.set_item("max_num_encoder_input_tokens", c.max_num_encoder_input_tokens)?;
+    d.set_item("encoder_cache_size", c.encoder_cache_size)?;
+    d.set_item("disable_chunked_mm_input", c.disable_chunked_mm_input)?;
+    d.set_item("park_kv_loads", c.park_kv_loads)?;
+    d.set_item("reserve_inflight_prefills", c.reserve_inflight_prefills)?;
+    d.set_item("max_loras_counts_unscheduled", c.max_loras_counts_unscheduled)?;
+    d.set_item("continue_after_self_preemption", c.continue_after_self_preemption)?;
+    d.set_item("cache_drafts_at_update", c.cache_drafts_at_update)?;
+    d.set_item("trim_computed_on_stop", c.trim_computed_on_stop)?;
+    Ok(d)
+}
+
+/// Convert and validate `config` as `Scheduler(config)` does, without building a scheduler: the core's checks
+/// alone, for tests that compare them with the Python table's.
+#[pyfunction]
+pub(crate) fn _validate_config(config: &Bound<'_, PyAny>) -> PyResult<()> {
+    let cfg = config_from_py(config)?;
+    guard(config.py(), || cfg.validate())
+}
 
 pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::SchedulerConfig> {
     let py = cfg.py();
+    // An int outside the core's u32 (or the core's 0 standing for None) gets the field's bounds in the message.
+    let out_of_bounds = |name: &str, v: i64| match core::config::int_field_bounds(name) {
+        Some((min, max)) => map_err(py, core::config::int_out_of_range(name, v, min, max)),
+        None => py_error(py, "InvalidConfigError", format!("{name} must be in [0, 2**32), got {v}")),
+    };
     let u32_field = |name: &str| -> PyResult<u32> {
         let v = int_arg(&cfg.getattr(name)?, name, "InvalidConfigError")?;
-        u32::try_from(v)
-            .map_err(|_| py_error(py, "InvalidConfigError", format!("{name} must be in [0, 2**32), got {v}")))
+        u32::try_from(v).map_err(|_| out_of_bounds(name, v))
     };
     let bool_field = |name: &str| -> PyResult<bool> {
         let v = cfg.getattr(name)?;
@@ -51,6 +127,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
     let algo = core::HashAlgo::parse(&str_field("prefix_hash_algo")?).map_err(|e| map_err(py, e))?;
     let preemption_mode =
         core::PreemptionMode::parse(&str_field("preemption_mode")?).map_err(|e| map_err(py, e))?;
+    let preemption_victim =
+        core::PreemptionVictim::parse(&str_field("preemption_victim")?).map_err(|e| map_err(py, e))?;
     Ok(core::SchedulerConfig {
         block_size: u32_field("block_size")?,
         num_blocks: u32_field("num_blocks")?,
@@ -58,6 +136,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         max_num_batched_tokens: u32_field("max_num_batched_tokens")?,
         max_model_len: u32_field("max_model_len")?,
         enable_prefix_caching: bool_field("enable_prefix_caching")?,
+        enable_kv_cache_events: bool_field("enable_kv_cache_events")?,
         enable_chunked_prefill: bool_field("enable_chunked_prefill")?,
         long_prefill_token_threshold: u32_field("long_prefill_token_threshold")?,
         policy,
@@ -76,6 +155,17 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         fair_prefill_weight: f64_field("fair_prefill_weight")?,
         fair_decode_weight: f64_field("fair_decode_weight")?,
         priority_aging_steps: u32_field("priority_aging_steps")?,
+        default_ttft_slo_s: if cfg.getattr("default_ttft_slo_s")?.is_none() {
+            None
+        } else {
+            Some(f64_field("default_ttft_slo_s")?)
+        },
+        max_wait_steps: if cfg.getattr("max_wait_steps")?.is_none() {
+            None
+        } else {
+            Some(u32_field("max_wait_steps")?)
+        },
+        session_ttl_steps: u32_field("session_ttl_steps")?,
         async_scheduling: bool_field("async_scheduling")?,
         max_loras: u32_field("max_loras")?,
         watermark: f64_field("watermark")?,
@@ -83,12 +173,16 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         num_cpu_blocks: u32_field("num_cpu_blocks")?,
         recompute_cost_per_token: f64_field("recompute_cost_per_token")?,
         swap_cost_per_block: f64_field("swap_cost_per_block")?,
+        preemption_victim,
         kv_load_failure_policy,
-        // None: as many as max_num_seqs (the core's 0).
+        // None: as many as max_num_seqs, the core's 0; so a 0 given is out of the field's bounds.
         max_num_active_seqs: if cfg.getattr("max_num_active_seqs")?.is_none() {
             0
         } else {
-            u32_field("max_num_active_seqs")?
+            match u32_field("max_num_active_seqs")? {
+                0 => return Err(out_of_bounds("max_num_active_seqs", 0)),
+                v => v,
+            }
         },
         long_prefill_token_threshold_adaptive: bool_field("long_prefill_token_threshold_adaptive")?,
         prefill_schedule_interval: u32_field("prefill_schedule_interval")?,

@@ -40,9 +40,18 @@ pub(crate) fn type_error(py: Python<'_>, msg: String) -> PyErr {
 
 /// Runs a core call, mapping its error and catching any panic.
 pub(crate) fn guard<T>(py: Python<'_>, f: impl FnOnce() -> core::Result<T>) -> PyResult<T> {
+    guard_with(py, f, map_err)
+}
+
+/// Runs a call whose errors `map` turns into exceptions (the core's, the router's), catching any panic.
+pub(crate) fn guard_with<T, E>(
+    py: Python<'_>,
+    f: impl FnOnce() -> Result<T, E>,
+    map: impl FnOnce(Python<'_>, E) -> PyErr,
+) -> PyResult<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(map_err(py, e)),
+        Ok(Err(e)) => Err(map(py, e)),
         Err(panic) => {
             let what = panic
                 .downcast_ref::<&str>()

@@ -9,8 +9,8 @@
 //! Module layout: `errors` (error mapping, the panic guard), `convert` (argument conversion), `config` (config
 //! conversion), `encoder` (encoder-input conversion), `connector` (a Python KV connector behind the core's
 //! trait), `ids` (request ids by slot, shared with the outputs), `output` (the per-step result classes),
-//! `scheduler` (the `Scheduler` class), `vllm_hash` (vLLM's SHA-256 block hash, for `kvsched.vllm`). This
-//! file only registers them.
+//! `scheduler` (the `Scheduler` class), `router` (the `Router` class of `kvsched.router`), `vllm_hash` (vLLM's
+//! SHA-256 block hash, for `kvsched.vllm`). This file only registers them.
 
 mod config;
 mod connector;
@@ -19,6 +19,7 @@ mod encoder;
 mod errors;
 mod ids;
 mod output;
+mod router;
 mod scheduler;
 mod vllm_hash;
 
@@ -34,14 +35,17 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySchedulerOutput>()?;
     m.add_class::<PyUpdateResult>()?;
     m.add_class::<PyModelInputs>()?;
+    m.add_class::<router::PyRouter>()?;
     m.add_function(wrap_pyfunction!(vllm_hash::vllm_sha256_block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(config::_default_config, m)?)?;
+    m.add_function(wrap_pyfunction!(config::_validate_config, m)?)?;
     m.add("MAX_TOKEN_ID", core::MAX_TOKEN_ID)?;
     Ok(())
 }
 
 /// The extension's own allocations (request records, token and block lists, the per-step output vectors) come
-/// from mimalloc, as polars' extension takes a dedicated allocator too: a step reads ~10% faster on a, b and c
-/// than with the system allocator, ~16% with 8 MiB touched between steps (docs/benchmarks.md, "mimalloc").
+/// from mimalloc, as polars' extension takes a dedicated allocator too: a step allocates and frees many small
+/// vectors, which mimalloc serves faster than the system allocator (docs/benchmarks.md compares the two).
 /// Python's objects and numpy's buffers keep their own allocators; arrays handed to numpy from Rust vectors are
 /// freed by Rust, through this allocator.
 #[global_allocator]

@@ -155,7 +155,8 @@ impl PyScheduler {
 
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, min_tokens=None, eos_token_id=None,
         ignore_eos=None, stop_token_ids=None, priority=None, arrival_time=None, cache_salt=None, lora_name=None,
-        tenant=None, ready=None, skip_reading_prefix_cache=None, encoder_inputs=None))]
+        tenant=None, ready=None, skip_reading_prefix_cache=None, encoder_inputs=None, session_id=None,
+        ttft_slo_s=None, order_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         slf: &Bound<'_, Self>,
@@ -174,6 +175,9 @@ impl PyScheduler {
         ready: Option<&Bound<'_, PyAny>>,
         skip_reading_prefix_cache: Option<&Bound<'_, PyAny>>,
         encoder_inputs: Option<&Bound<'_, PyAny>>,
+        session_id: Option<&Bound<'_, PyAny>>,
+        ttft_slo_s: Option<&Bound<'_, PyAny>>,
+        order_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let py = slf.py();
         let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
@@ -258,6 +262,12 @@ impl PyScheduler {
             waiting_for_grammar: !ready,
             skip_reading_prefix_cache,
             encoder_inputs: crate::encoder::encoder_inputs_arg(encoder_inputs)?,
+            session_id: opt_str_arg(session_id, "session_id")?,
+            ttft_slo_s: match ttft_slo_s {
+                Some(t) if !t.is_none() => Some(float_arg(t, "ttft_slo_s")?),
+                _ => None,
+            },
+            order_key: opt_int_arg(order_key, "order_key", "InvalidRequestError")?,
         };
         let id_str = id_arg(req_id, "InvalidRequestError")?;
         let mut this = borrow_mut(slf)?;
@@ -501,10 +511,7 @@ impl PyScheduler {
         let py = slf.py();
         let id = id_arg(req_id, "UnknownRequestError")?;
         let this = borrow(slf)?;
-        let width = match this.core.config().prefix_hash_algo {
-            core::HashAlgo::Xxh3_128 => 16,
-            core::HashAlgo::Sha256 => 32,
-        };
+        let width = hash_width(this.core.config());
         let hashes = guard(py, || Ok(this.core.get_request(&id)?.block_hashes.clone()))?;
         PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, &h.0[..width])))
     }
@@ -731,11 +738,66 @@ impl PyScheduler {
         block_id_array(slf, req_id, |core, id| core.get_cpu_block_ids(id))
     }
 
+    /// The KV cache events since the last call, as arrays that `kvsched.Scheduler.take_kv_cache_events` wraps in
+    /// a `KVCacheEvents`: `(kinds, block_hashes, block_hashes_indptr, num_copies, parent_block_hashes, has_parent,
+    /// token_ids, token_ids_indptr, lora_names, cache_salts)`; hashes are rows of `width` bytes.
+    fn _take_kv_cache_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let mut this = borrow_mut(slf)?;
+        let width = hash_width(this.core.config());
+        let ev = guard(py, || Ok(this.core.take_kv_cache_events()))?;
+        drop(this);
+        let rows = |hashes: &mut dyn Iterator<Item = Option<&core::BlockHash>>, n: usize| {
+            let mut flat = Vec::with_capacity(n * width);
+            for h in hashes {
+                flat.extend_from_slice(h.map_or(&[0u8; 32][..width], |h| &h.0[..width]));
+            }
+            Array2::from_shape_vec((n, width), flat)
+                .map_err(|e| py_error(py, "InternalError", format!("event hash rows: {e}")))
+        };
+        let hashes = rows(&mut ev.block_hashes.iter().map(Some), ev.block_hashes.len())?;
+        let parents = rows(&mut ev.parents.iter().map(Option::as_ref), ev.parents.len())?;
+        let i32s = |v: &[u32]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
+        let has_parent: Vec<bool> = ev.parents.iter().map(Option::is_some).collect();
+        let loras = PyList::new(py, ev.extra_keys.iter().map(|k| k.lora_name.as_deref()))?;
+        let salts = PyList::new(py, ev.extra_keys.iter().map(|k| k.cache_salt.as_deref()))?;
+        let items: Vec<Bound<'py, PyAny>> = vec![
+            ev.kinds.into_pyarray(py).into_any(),
+            hashes.into_pyarray(py).into_any(),
+            i32s(&ev.block_indptr).into_pyarray(py).into_any(),
+            i32s(&ev.num_copies).into_pyarray(py).into_any(),
+            parents.into_pyarray(py).into_any(),
+            has_parent.into_pyarray(py).into_any(),
+            i32s(&ev.token_ids).into_pyarray(py).into_any(),
+            i32s(&ev.token_indptr).into_pyarray(py).into_any(),
+            loras.into_any(),
+            salts.into_any(),
+        ];
+        PyTuple::new(py, items)
+    }
+
+    /// The hash of every block in the prefix cache, in block id order (one entry per block).
+    fn cached_block_hashes<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+        let py = slf.py();
+        let this = borrow(slf)?;
+        let width = hash_width(this.core.config());
+        let hashes = guard(py, || Ok(this.core.cached_block_hashes()))?;
+        PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, &h.0[..width])))
+    }
+
     /// Leading blocks of the request that are entered in the prefix cache.
     fn get_num_cached_blocks(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<u32> {
         let id = id_arg(req_id, "UnknownRequestError")?;
         let this = borrow(slf)?;
         guard(slf.py(), || this.core.get_num_cached_blocks(&id))
+    }
+}
+
+/// The bytes of a block hash Python sees: xxh3-128 fills 16 of the core's 32.
+fn hash_width(config: &core::SchedulerConfig) -> usize {
+    match config.prefix_hash_algo {
+        core::HashAlgo::Xxh3_128 => 16,
+        core::HashAlgo::Sha256 => 32,
     }
 }
 

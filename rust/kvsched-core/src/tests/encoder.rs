@@ -4,9 +4,8 @@
 
 use proptest::prelude::*;
 
-use crate::{
-    EncoderInput, Policy, Ragged, RequestParams, SchedError, Scheduler, SchedulerConfig, SchedulerOutput,
-};
+use super::helpers::{add, apply, live_ids, prompt, schedule, step_with, Pending};
+use crate::{EncoderInput, Policy, RequestParams, SchedError, Scheduler, SchedulerConfig};
 
 fn cfg(budget: u32, cache: u32) -> SchedulerConfig {
     SchedulerConfig {
@@ -25,57 +24,20 @@ fn inp(start: u32, num_tokens: u32, hash: u64) -> EncoderInput {
     EncoderInput { start, num_tokens, hash }
 }
 
-fn add(s: &mut Scheduler, id: &str, len: i64, inputs: Vec<EncoderInput>, arrival: f64) {
-    let prompt: Vec<i64> = (0..len).collect();
-    let p = RequestParams {
-        max_tokens: Some(2),
-        arrival_time: arrival,
-        encoder_inputs: inputs,
-        ..Default::default()
-    };
-    s.add_request(id, &prompt, p).unwrap();
-    s.check_invariants().unwrap();
-}
-
-/// A step and, per scheduled request, whether it samples in that step (its prompt is then complete).
-fn sched(s: &mut Scheduler) -> (SchedulerOutput, Vec<bool>) {
-    let out = s.schedule().unwrap();
-    s.check_invariants().unwrap();
-    let samples =
-        out.handles.iter().map(|&h| s.slab.resolve(h).is_some_and(|r| !r.is_prefill_chunk)).collect();
-    (out, samples)
-}
-
-/// Applies a step: one token for every request that samples in it.
-fn apply(s: &mut Scheduler, (out, samples): &(SchedulerOutput, Vec<bool>)) {
-    let mut values = Vec::new();
-    let mut indptr = vec![0i64];
-    for &sample in samples {
-        if sample {
-            values.push(5);
-        }
-        indptr.push(values.len() as i64);
-    }
-    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, None)
-        .unwrap();
-    s.check_invariants().unwrap();
-}
-
-fn step(s: &mut Scheduler) -> SchedulerOutput {
-    let st = sched(s);
-    apply(s, &st);
-    st.0
+/// A request with encoder inputs `inputs` (up to 2 tokens).
+fn with_inputs(inputs: Vec<EncoderInput>, arrival_time: f64) -> RequestParams {
+    RequestParams { max_tokens: Some(2), arrival_time, encoder_inputs: inputs, ..Default::default() }
 }
 
 /// vLLM `_try_schedule_encoder_inputs`: an input beyond the remaining encoder budget cuts the chunk before it.
 #[test]
 fn chunk_stops_before_an_input_over_the_budget() {
     let mut s = Scheduler::new(cfg(8, 12)).unwrap();
-    add(&mut s, "a", 30, vec![inp(2, 6, 11), inp(10, 6, 12)], 0.0);
-    let out = step(&mut s);
+    add(&mut s, "a", &prompt(0, 30), with_inputs(vec![inp(2, 6, 11), inp(10, 6, 12)], 0.0));
+    let out = step_with(&mut s, 5).0;
     assert_eq!(out.num_scheduled_tokens, vec![10]);
     assert_eq!((out.scheduled_encoder_inputs, out.scheduled_encoder_inputs_indptr), (vec![0], vec![0, 1]));
-    let out = step(&mut s);
+    let out = step_with(&mut s, 5).0;
     assert_eq!(out.scheduled_encoder_inputs, vec![1]);
 }
 
@@ -83,8 +45,8 @@ fn chunk_stops_before_an_input_over_the_budget() {
 #[test]
 fn a_step_without_encoder_work_leaves_the_csr_empty() {
     let mut s = Scheduler::new(cfg(8, 12)).unwrap();
-    add(&mut s, "a", 10, vec![], 0.0);
-    let out = step(&mut s);
+    add(&mut s, "a", &prompt(0, 10), with_inputs(vec![], 0.0));
+    let out = step_with(&mut s, 5).0;
     assert!(out.scheduled_encoder_inputs.is_empty() && out.scheduled_encoder_inputs_indptr.is_empty());
     assert!(out.free_encoder_hashes.is_empty());
 }
@@ -94,9 +56,9 @@ fn a_step_without_encoder_work_leaves_the_csr_empty() {
 #[test]
 fn shared_hashes_are_computed_once() {
     let mut s = Scheduler::new(SchedulerConfig { max_num_batched_tokens: 64, ..cfg(8, 8) }).unwrap();
-    add(&mut s, "a", 12, vec![inp(0, 4, 42), inp(6, 4, 42)], 0.0);
-    add(&mut s, "b", 12, vec![inp(1, 4, 42)], 1.0);
-    let out = step(&mut s);
+    add(&mut s, "a", &prompt(0, 12), with_inputs(vec![inp(0, 4, 42), inp(6, 4, 42)], 0.0));
+    add(&mut s, "b", &prompt(0, 12), with_inputs(vec![inp(1, 4, 42)], 1.0));
+    let out = step_with(&mut s, 5).0;
     assert_eq!(out.scheduled_encoder_inputs, vec![0]);
     assert_eq!(out.scheduled_encoder_inputs_indptr, vec![0, 1, 1]);
     let st = s.stats();
@@ -111,13 +73,13 @@ fn shared_hashes_are_computed_once() {
 #[test]
 fn consumed_entries_become_freeable_and_are_evicted_for_space() {
     let mut s = Scheduler::new(cfg(8, 8)).unwrap();
-    add(&mut s, "a", 10, vec![inp(0, 8, 1)], 0.0);
-    let o1 = sched(&mut s);
-    add(&mut s, "b", 10, vec![inp(0, 8, 2)], 1.0);
-    let o2 = sched(&mut s); // a still references 1 (its step is in flight): b gets nothing
-    assert!(o2.0.handles.is_empty() && o2.0.free_encoder_hashes.is_empty());
-    apply(&mut s, &o1);
-    apply(&mut s, &o2);
+    add(&mut s, "a", &prompt(0, 10), with_inputs(vec![inp(0, 8, 1)], 0.0));
+    let o1 = schedule(&mut s);
+    add(&mut s, "b", &prompt(0, 10), with_inputs(vec![inp(0, 8, 2)], 1.0));
+    let o2 = schedule(&mut s); // a still references 1 (its step is in flight): b gets nothing
+    assert!(o2.out.handles.is_empty() && o2.out.free_encoder_hashes.is_empty());
+    apply(&mut s, &o1, |_| vec![5]);
+    apply(&mut s, &o2, |_| vec![5]);
     let o3 = s.schedule().unwrap();
     assert_eq!(o3.free_encoder_hashes, vec![1]);
     assert_eq!(o3.scheduled_encoder_inputs_indptr, vec![0, 0, 1]);
@@ -148,11 +110,11 @@ fn in_step_victim_hands_its_encoder_work_to_the_sharer() {
     };
     s.add_request("v", &(0..80).collect::<Vec<i64>>(), p(5, 0.0, vec![inp(40, 8, 7)], true)).unwrap();
     s.add_request("d", &[1, 2, 3], p(0, 0.5, vec![], false)).unwrap();
-    assert_eq!(step(&mut s).num_scheduled_tokens, vec![20]);
+    assert_eq!(step_with(&mut s, 5).0.num_scheduled_tokens, vec![20]);
     s.add_request("r", &(200..240).collect::<Vec<i64>>(), p(0, 1.0, vec![inp(20, 8, 7)], true)).unwrap();
-    assert_eq!(step(&mut s).num_scheduled_tokens, vec![20, 20]);
-    let st = sched(&mut s);
-    let out = &st.0;
+    assert_eq!(step_with(&mut s, 5).0.num_scheduled_tokens, vec![20, 20]);
+    let st = schedule(&mut s);
+    let out = &st.out;
     assert_eq!(out.preempted.len(), 1);
     assert_eq!(out.handles.len(), 1);
     assert_eq!(s.request_id(out.handles[0]).map(|x| x.to_string()), Some("r".to_string()));
@@ -160,14 +122,14 @@ fn in_step_victim_hands_its_encoder_work_to_the_sharer() {
         (out.scheduled_encoder_inputs.clone(), out.scheduled_encoder_inputs_indptr.clone()),
         (vec![0], vec![0, 1])
     );
-    apply(&mut s, &st);
+    apply(&mut s, &st, |_| vec![5]);
 }
 
 /// A failed step's entries leave the cache and are reported freed.
 #[test]
 fn a_failed_step_drops_its_entries() {
     let mut s = Scheduler::new(cfg(8, 8)).unwrap();
-    add(&mut s, "a", 10, vec![inp(0, 4, 1)], 0.0);
+    add(&mut s, "a", &prompt(0, 10), with_inputs(vec![inp(0, 4, 1)], 0.0));
     let out = s.schedule().unwrap();
     s.fail_step(out.scheduler_id, out.step_id).unwrap();
     s.check_invariants().unwrap();
@@ -179,7 +141,7 @@ fn a_failed_step_drops_its_entries() {
 #[test]
 fn bad_encoder_inputs_are_refused() {
     let mut s = Scheduler::new(cfg(8, 12)).unwrap();
-    add(&mut s, "a", 20, vec![inp(0, 4, 1)], 0.0);
+    add(&mut s, "a", &prompt(0, 20), with_inputs(vec![inp(0, 4, 1)], 0.0));
     for bad in [
         vec![inp(0, 0, 2)],
         vec![inp(18, 4, 2)],
@@ -231,7 +193,7 @@ proptest! {
         };
         let cap = budget.min(cache);
         let mut s = Scheduler::new(config).unwrap();
-        let mut pending: Vec<(SchedulerOutput, Vec<bool>)> = Vec::new();
+        let mut pending: Vec<Pending> = Vec::new();
         for (k, (op, x, len)) in ops.into_iter().enumerate() {
             match op {
                 0 | 1 => {
@@ -258,24 +220,24 @@ proptest! {
                 }
                 2 | 3 => {
                     if pending.len() < 2 {
-                        pending.push(sched(&mut s));
+                        pending.push(schedule(&mut s));
                     } else {
                         let out = pending.remove(0);
-                        apply(&mut s, &out);
+                        apply(&mut s, &out, |_| vec![5]);
                     }
                 }
                 4 => {
                     if !pending.is_empty() {
                         let out = pending.remove(0);
-                        apply(&mut s, &out);
+                        apply(&mut s, &out, |_| vec![5]);
                     }
                 }
                 _ => {
                     if pending.len() == 1 && x % 2 == 0 {
-                        let (out, _) = pending.remove(0);
+                        let out = pending.remove(0).out;
                         s.fail_step(out.scheduler_id, out.step_id).unwrap();
                     } else {
-                        let live: Vec<String> = s.slab.iter().map(|r| r.id.to_string()).collect();
+                        let live = live_ids(&s);
                         if !live.is_empty() {
                             s.abort_requests(&[live[x as usize % live.len()].clone()]).unwrap();
                         }
@@ -285,13 +247,13 @@ proptest! {
             s.check_invariants().map_err(TestCaseError::fail)?;
         }
         for out in std::mem::take(&mut pending) {
-            apply(&mut s, &out);
+            apply(&mut s, &out, |_| vec![5]);
         }
         for _ in 0..500 {
             if !s.has_unfinished_requests() {
                 break;
             }
-            step(&mut s);
+            step_with(&mut s, 5);
         }
         prop_assert!(!s.has_unfinished_requests());
         prop_assert_eq!(s.stats().encoder_cache_usage <= 1.0, true);

@@ -1,7 +1,8 @@
 //! Decode/prefill context parallelism: the block unit (`kv_block_size`), prefix hits in that unit, and the
 //! per-rank slot mapping of `prepare_model_inputs_for_rank`, each checked against vLLM 0.33's rule.
 
-use crate::{Ragged, RequestParams, SchedError, Scheduler, SchedulerConfig, SchedulerOutput};
+use super::helpers::{add, one_token_each, params, prompt};
+use crate::{SchedError, Scheduler, SchedulerConfig};
 
 fn cp_cfg(dcp: u32, pcp: u32, interleave: u32) -> SchedulerConfig {
     SchedulerConfig {
@@ -18,31 +19,13 @@ fn cp_cfg(dcp: u32, pcp: u32, interleave: u32) -> SchedulerConfig {
     }
 }
 
-fn prompt(n: usize) -> Vec<i64> {
-    (0..n as i64).map(|i| 100 + i).collect()
-}
-
-fn add(s: &mut Scheduler, id: &str, n: usize) {
-    s.add_request(id, &prompt(n), RequestParams { max_tokens: Some(4), ..Default::default() }).unwrap();
-    s.check_invariants().unwrap();
-}
-
-fn finish_prefill(s: &mut Scheduler, out: &SchedulerOutput) {
-    let n = out.num_reqs() as i64;
-    let values = vec![7i64; n as usize];
-    let indptr: Vec<i64> = (0..=n).collect();
-    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, None)
-        .unwrap();
-    s.check_invariants().unwrap();
-}
-
 /// vLLM 0.33 `SingleTypeKVCacheManager.__init__`: `block_size = spec.block_size * dcp_world_size`; a request
 /// of n tokens holds `ceil(n / (block_size * dcp))` blocks.
 #[test]
 fn dcp_allocates_blocks_of_block_size_times_dcp_tokens() {
     for (dcp, expect) in [(1u32, 5usize), (2, 3), (4, 2)] {
         let mut s = Scheduler::new(cp_cfg(dcp, 1, 1)).unwrap();
-        add(&mut s, "a", 17);
+        add(&mut s, "a", &prompt(100, 17), params(4));
         let out = s.schedule().unwrap();
         s.check_invariants().unwrap();
         assert_eq!(out.num_scheduled_tokens, vec![17]);
@@ -56,11 +39,11 @@ fn dcp_allocates_blocks_of_block_size_times_dcp_tokens() {
 #[test]
 fn pcp_does_not_change_the_block_unit() {
     let mut s = Scheduler::new(cp_cfg(1, 4, 1)).unwrap();
-    add(&mut s, "a", 17);
+    add(&mut s, "a", &prompt(100, 17), params(4));
     let out = s.schedule().unwrap();
     assert_eq!(out.new_block_ids.len(), 5);
     let mut s = Scheduler::new(cp_cfg(2, 2, 1)).unwrap();
-    add(&mut s, "a", 17);
+    add(&mut s, "a", &prompt(100, 17), params(4));
     assert_eq!(s.schedule().unwrap().new_block_ids.len(), 3);
 }
 
@@ -70,15 +53,15 @@ fn pcp_does_not_change_the_block_unit() {
 fn dcp_prefix_hits_count_in_kv_block_units() {
     for (dcp, hit) in [(1u32, 16u32), (2, 16), (4, 16)] {
         let mut s = Scheduler::new(cp_cfg(dcp, 1, 1)).unwrap();
-        add(&mut s, "a", 20);
+        add(&mut s, "a", &prompt(100, 20), params(4));
         let out = s.schedule().unwrap();
-        finish_prefill(&mut s, &out);
+        one_token_each(&mut s, &out, 7);
         // 20 tokens: full units below the last token are 4x4 (dcp 1), 2x8 (dcp 2), 1x16 (dcp 4).
-        assert_eq!(s.get_num_cached_tokens(&prompt(20), None, None).unwrap(), hit, "dcp {dcp}");
+        assert_eq!(s.get_num_cached_tokens(&prompt(100, 20), None, None).unwrap(), hit, "dcp {dcp}");
         // 16 tokens: the hit must leave the last token to compute.
-        let hit16 = s.get_num_cached_tokens(&prompt(16), None, None).unwrap();
-        assert_eq!(hit16, 16 - s.config.kv_block_size(), "dcp {dcp}");
-        add(&mut s, "b", 20);
+        let hit16 = s.get_num_cached_tokens(&prompt(100, 16), None, None).unwrap();
+        assert_eq!(hit16, 16 - s.config().kv_block_size(), "dcp {dcp}");
+        add(&mut s, "b", &prompt(100, 20), params(4));
         let out = s.schedule().unwrap();
         s.check_invariants().unwrap();
         let k = out.num_reqs() - 1;
@@ -92,9 +75,9 @@ fn dcp_scales_the_cache_capacity() {
     let cfg = SchedulerConfig { max_model_len: 512, ..cp_cfg(4, 1, 1) };
     assert_eq!(cfg.kv_capacity_tokens(), 16 * 16);
     let mut s = Scheduler::new(cfg).unwrap();
-    let p = RequestParams { max_tokens: Some(1), ..Default::default() };
-    assert!(s.add_request("fits", &prompt(256), p.clone()).is_ok());
-    assert!(matches!(s.add_request("too long", &prompt(257), p), Err(SchedError::InvalidRequest(_))));
+    let p = params(1);
+    assert!(s.add_request("fits", &prompt(100, 256), p.clone()).is_ok());
+    assert!(matches!(s.add_request("too long", &prompt(100, 257), p), Err(SchedError::InvalidRequest(_))));
 }
 
 /// vLLM 0.33 `BlockTable.compute_slot_mapping` (worker side): position p is in block `p // (bs * dcp)` at
@@ -104,7 +87,7 @@ fn dcp_scales_the_cache_capacity() {
 fn slot_mapping_per_dcp_rank() {
     for (dcp, interleave) in [(1u32, 1u32), (2, 1), (2, 2), (4, 1), (4, 4), (2, 4)] {
         let mut s = Scheduler::new(cp_cfg(dcp, 1, interleave)).unwrap();
-        add(&mut s, "a", 37);
+        add(&mut s, "a", &prompt(100, 37), params(4));
         let out = s.schedule().unwrap();
         let blocks: Vec<usize> = out.new_block_ids.iter().map(|&b| b as usize).collect();
         let (bs, kv_bs) = (4usize, 4 * dcp as usize);
@@ -141,7 +124,7 @@ fn slot_mapping_per_dcp_rank() {
 #[test]
 fn bad_dcp_rank_is_refused() {
     let mut s = Scheduler::new(cp_cfg(2, 1, 1)).unwrap();
-    add(&mut s, "a", 9);
+    add(&mut s, "a", &prompt(100, 9), params(4));
     let out = s.schedule().unwrap();
     let e = s.prepare_model_inputs_for_rank(out.scheduler_id, out.step_id, 2);
     assert!(matches!(e, Err(SchedError::InvalidRequest(_))), "{e:?}");

@@ -3,9 +3,13 @@
 
 use proptest::prelude::*;
 
+use super::helpers::{
+    add, feed, free_order, ids, live_ids, oldest_in_flight, one_token_each, params, prompt, resolve,
+    step_with,
+};
 use crate::{
     FinishReason, PauseState, Policy, PreemptionMode, Ragged, RequestParams, RequestStatus, SchedError,
-    Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult, SPEC_PLACEHOLDER,
+    Scheduler, SchedulerConfig, SchedulerOutput, SPEC_PLACEHOLDER,
 };
 
 fn cfg(block_size: u32, num_blocks: u32) -> SchedulerConfig {
@@ -18,53 +22,6 @@ fn cfg(block_size: u32, num_blocks: u32) -> SchedulerConfig {
         prefix_hash_seed: Some(b"test".to_vec()),
         ..Default::default()
     }
-}
-
-fn params(max_tokens: u32) -> RequestParams {
-    RequestParams { max_tokens: Some(max_tokens), ..Default::default() }
-}
-
-fn add(s: &mut Scheduler, id: &str, prompt: &[i64], p: RequestParams) {
-    s.add_request(id, prompt, p).unwrap();
-    s.check_invariants().unwrap();
-}
-
-fn ids(s: &Scheduler, out: &SchedulerOutput) -> Vec<String> {
-    out.handles.iter().map(|&h| s.request_id(h).map(|x| x.to_string()).unwrap_or_default()).collect()
-}
-
-/// Gives every request whose prompt is complete the token `tok`.
-fn step_with(s: &mut Scheduler, tok: i64) -> (SchedulerOutput, UpdateResult) {
-    let out = s.schedule().unwrap();
-    s.check_invariants().unwrap();
-    let res = feed(s, &out, |_| vec![tok]);
-    (out, res)
-}
-
-fn feed(s: &mut Scheduler, out: &SchedulerOutput, tokens: impl Fn(usize) -> Vec<i64>) -> UpdateResult {
-    let mut values = Vec::new();
-    let mut indptr = vec![0i64];
-    for (i, &h) in out.handles.iter().enumerate() {
-        let live = s.slab.resolve(h);
-        let chunk = live.is_none_or(|r| r.is_prefill_chunk);
-        if !chunk {
-            values.extend(tokens(i));
-        }
-        indptr.push(values.len() as i64);
-    }
-    let res = s.update_from_output(
-        out.scheduler_id,
-        out.step_id,
-        Ragged { values: &values, indptr: &indptr },
-        None,
-    );
-    let res = res.unwrap();
-    s.check_invariants().unwrap();
-    res
-}
-
-fn prompt(start: i64, len: usize) -> Vec<i64> {
-    (start..start + len as i64).collect()
 }
 
 #[test]
@@ -151,7 +108,7 @@ fn fcfs_preempts_the_last_running_request_and_resumes_it_first() {
         let (out, _) = step_with(&mut s, 1);
         if !out.preempted.is_empty() {
             let victims: Vec<_> = out.preempted.iter().map(|&h| h.slot).collect();
-            assert_eq!(victims, vec![s.ids["b"]]);
+            assert_eq!(victims, vec![s.slot_of("b").unwrap()]);
             preempted_at = Some(step);
             break;
         }
@@ -170,7 +127,7 @@ fn fcfs_preempts_the_last_running_request_and_resumes_it_first() {
             resumed = true;
             let i = out.resumed_reqs[0] as usize;
             let n_blocks = out.new_block_ids_indptr[i + 1] - out.new_block_ids_indptr[i];
-            assert_eq!(n_blocks as usize, s.slab.resolve(out.handles[i]).unwrap().blocks.len());
+            assert_eq!(n_blocks as usize, resolve(&s, out.handles[i]).unwrap().blocks.len());
         }
     }
     assert!(resumed);
@@ -200,7 +157,7 @@ fn priority_preempts_the_lowest_priority_and_refunds_it() {
         s.check_invariants().unwrap();
         if !out.preempted.is_empty() && !saw {
             // The first victim is `low`: the largest (priority, arrival_time) among the running.
-            assert_eq!(s.slab.resolve(out.preempted[0]).map(|r| r.id.to_string()), Some("low".into()));
+            assert_eq!(resolve(&s, out.preempted[0]).map(|r| r.id.to_string()), Some("low".into()));
             assert!(!ids(&s, &out).contains(&"low".to_string()), "the victim is refunded from this step");
             saw = true;
         }
@@ -273,10 +230,10 @@ fn probe_is_side_effect_free() {
     add(&mut s, "a", &prompt(0, 9), params(1));
     step_with(&mut s, 1);
     let before = (s.stats(), s.num_free_blocks());
-    let free_order: Vec<u32> = s.kv.pool.free_order();
+    let order = free_order(&s);
     assert_eq!(s.get_num_cached_tokens(&prompt(0, 9), None, None).unwrap(), 8);
     assert_eq!((s.stats(), s.num_free_blocks()), before);
-    assert_eq!(s.kv.pool.free_order(), free_order);
+    assert_eq!(free_order(&s), order);
 }
 
 #[test]
@@ -287,7 +244,7 @@ fn freed_blocks_are_evicted_deepest_first_and_lru_across_requests() {
     add(&mut s, "b", &prompt(100, 8), params(1));
     step_with(&mut s, 1);
     // Free order now: unhashed blocks at the head, then a's blocks deepest first, then b's.
-    let order = s.kv.pool.free_order();
+    let order = free_order(&s);
     let hashed: Vec<u32> = order.iter().copied().filter(|&b| s.block_hash_of(b).is_some()).collect();
     assert_eq!(hashed.len(), 4);
     // a was freed first, so a's blocks are older: they come first in eviction order, deepest first.
@@ -342,16 +299,16 @@ fn kv_cache_below_max_model_len_refuses_only_requests_that_cannot_fit() {
     let mut s = Scheduler::new(c).unwrap();
     let p: Vec<i64> = (0..80).collect();
     // 80 + 81 - 1 = 160 tokens fit exactly; one more does not; no max_tokens means up to max_model_len.
-    let params = |m: Option<u32>| RequestParams { max_tokens: m, ..Default::default() };
-    s.add_request("fits", &p, params(Some(81))).unwrap();
+    let up_to = |m: Option<u32>| RequestParams { max_tokens: m, ..Default::default() };
+    s.add_request("fits", &p, up_to(Some(81))).unwrap();
     for (id, m) in [("over", Some(82)), ("unbounded", None)] {
-        let err = s.add_request(id, &p, params(m)).unwrap_err();
+        let err = s.add_request(id, &p, up_to(m)).unwrap_err();
         assert!(
             matches!(&err, SchedError::InvalidRequest(m) if m.contains("do not fit the KV cache")),
             "{err:?}"
         );
     }
-    assert_eq!(s.slab.len(), 1);
+    assert_eq!(live_ids(&s).len(), 1);
     // Alone, it runs to its last token: 79 decodes after the prefill, never preempted.
     let mut steps = 0;
     while s.has_unfinished_requests() {
@@ -383,9 +340,8 @@ fn budget_below_max_model_len_without_chunking_refuses_only_requests_that_cannot
     };
     let mut s = Scheduler::new(c).unwrap();
     let p: Vec<i64> = (0..40).collect();
-    s.add_request("a", &p, RequestParams { max_tokens: Some(25), ..Default::default() }).unwrap();
-    let err =
-        s.add_request("b", &p, RequestParams { max_tokens: Some(26), ..Default::default() }).unwrap_err();
+    s.add_request("a", &p, params(25)).unwrap();
+    let err = s.add_request("b", &p, params(26)).unwrap_err();
     assert!(
         matches!(&err, SchedError::InvalidRequest(m) if m.contains("max_num_batched_tokens=64")),
         "{err:?}"
@@ -452,39 +408,19 @@ fn max_loras_counts_a_running_request_not_scheduled_in_the_step_only_with_max_lo
     }
 }
 
-fn add_n(s: &mut Scheduler, id: &str, prompt: &[i64], max_tokens: u32) {
-    s.add_request(id, prompt, RequestParams { max_tokens: Some(max_tokens), ..Default::default() }).unwrap();
-}
-
-fn step_all(s: &mut Scheduler) -> SchedulerOutput {
-    let out = s.schedule().unwrap();
-    let rec = s.in_flight.front().cloned().unwrap();
-    let mut values = Vec::new();
-    let mut indptr = vec![0i64];
-    for &chunk in &rec.is_prefill_chunk {
-        if !chunk {
-            values.push(7);
-        }
-        indptr.push(values.len() as i64);
-    }
-    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, None)
-        .unwrap();
-    out
-}
-
 #[test]
 fn max_num_active_seqs_caps_admission_not_running() {
     // vLLM's test_max_num_active_seqs_caps_admission: 2 active of 4 slots.
     let c = SchedulerConfig { max_num_seqs: 4, max_num_active_seqs: 2, ..Default::default() };
     let mut s = Scheduler::new(c).unwrap();
     for i in 0..4 {
-        add_n(&mut s, &format!("r{i}"), &[1, 2, 3, i], 5);
+        add(&mut s, &format!("r{i}"), &[1, 2, 3, i], params(5));
     }
-    let out = step_all(&mut s);
+    let out = step_with(&mut s, 7).0;
     assert_eq!(out.handles.len(), 2);
     assert_eq!(s.num_running_reqs(), 2);
     s.abort_requests(&["r0".to_string()]).unwrap();
-    let out = step_all(&mut s);
+    let out = step_with(&mut s, 7).0;
     assert_eq!(out.new_reqs.len(), 1, "one slot freed, one admission");
     assert_eq!(s.num_running_reqs(), 2);
 }
@@ -502,9 +438,9 @@ fn adaptive_threshold_is_floored_by_the_fair_share() {
         let mut s = Scheduler::new(c).unwrap();
         let pa: Vec<i64> = (0..80).collect();
         let pb: Vec<i64> = (100..180).collect();
-        add_n(&mut s, "a", &pa, 5);
-        add_n(&mut s, "b", &pb, 5);
-        let out = step_all(&mut s);
+        add(&mut s, "a", &pa, params(5));
+        add(&mut s, "b", &pb, params(5));
+        let out = step_with(&mut s, 7).0;
         assert_eq!(out.num_scheduled_tokens, want, "adaptive={adaptive}");
     }
 }
@@ -514,16 +450,16 @@ fn skip_reading_prefix_cache_gets_no_hits_and_no_stats() {
     let c = SchedulerConfig { block_size: 4, prefix_hash_seed: Some(b"s".to_vec()), ..Default::default() };
     let mut s = Scheduler::new(c).unwrap();
     let p: Vec<i64> = (0..17).collect();
-    add_n(&mut s, "warm", &p, 1);
-    step_all(&mut s);
+    add(&mut s, "warm", &p, params(1));
+    step_with(&mut s, 7);
     let q0 = s.stats().prefix_cache_queries;
-    let params = RequestParams { max_tokens: Some(1), skip_reading_prefix_cache: true, ..Default::default() };
-    s.add_request("skip", &p, params).unwrap();
-    let out = step_all(&mut s);
+    let skip = RequestParams { skip_reading_prefix_cache: true, ..params(1) };
+    s.add_request("skip", &p, skip).unwrap();
+    let out = step_with(&mut s, 7).0;
     assert_eq!((out.num_computed_tokens[0], out.num_scheduled_tokens[0]), (0, 17), "no prefix hit");
     assert_eq!(s.stats().prefix_cache_queries, q0, "not counted as a query");
-    add_n(&mut s, "reader", &p, 1);
-    let out = step_all(&mut s);
+    add(&mut s, "reader", &p, params(1));
+    let out = step_with(&mut s, 7).0;
     assert_eq!(out.num_computed_tokens[0], 16, "a normal request still hits the cached blocks");
 }
 
@@ -534,13 +470,13 @@ fn prefill_cadence_holds_prefill_between_bursts() {
     for interval in [2u32, 4] {
         let c = SchedulerConfig { prefill_schedule_interval: interval, ..Default::default() };
         let mut s = Scheduler::new(c).unwrap();
-        add_n(&mut s, "run0", &[1, 2, 3, 4, 5, 6, 7, 8], 100);
-        step_all(&mut s);
+        add(&mut s, "run0", &[1, 2, 3, 4, 5, 6, 7, 8], params(100));
+        step_with(&mut s, 7);
         let (executed, last, _) = s.prefill_cadence();
         assert_eq!(last, executed as i64);
-        add_n(&mut s, "new0", &[9, 9, 9, 9, 9, 9, 9, 9], 5);
+        add(&mut s, "new0", &[9, 9, 9, 9, 9, 9, 9, 9], params(5));
         for _ in 0..interval - 1 {
-            let out = step_all(&mut s);
+            let out = step_with(&mut s, 7).0;
             assert_eq!((out.handles.len(), out.new_reqs.len()), (1, 0), "held (interval {interval})");
         }
         // An empty schedule() (everything in flight) does not count as an executed step.
@@ -558,22 +494,22 @@ fn prefill_cadence_holds_prefill_between_bursts() {
 #[test]
 fn throttled_steps_defer_prefill_unless_the_last_release_was_capacity_bound() {
     let mut s = Scheduler::new(SchedulerConfig::default()).unwrap();
-    add_n(&mut s, "run0", &[1, 2, 3, 4, 5, 6, 7, 8], 100);
-    step_all(&mut s);
-    add_n(&mut s, "new0", &[9; 8], 5);
+    add(&mut s, "run0", &[1, 2, 3, 4, 5, 6, 7, 8], params(100));
+    step_with(&mut s, 7);
+    add(&mut s, "new0", &[9; 8], params(5));
     let out = s.schedule_with(true).unwrap();
     assert_eq!((out.handles.len(), out.new_reqs.len()), (1, 0), "deferred: run0 decodes alone");
     // Nothing decoding to protect: a throttled step admits.
     let mut s = Scheduler::new(SchedulerConfig::default()).unwrap();
-    add_n(&mut s, "new0", &[9; 8], 5);
+    add(&mut s, "new0", &[9; 8], params(5));
     assert_eq!(s.schedule_with(true).unwrap().new_reqs.len(), 1);
     // A release that cannot drain the queue makes the next throttled step admit anyway.
     let c = SchedulerConfig { max_num_batched_tokens: 200, ..Default::default() };
     let mut s = Scheduler::new(c).unwrap();
     let p: Vec<i64> = (0..200).collect();
     let q: Vec<i64> = (1000..1200).collect();
-    add_n(&mut s, "a", &p, 5);
-    add_n(&mut s, "b", &q, 5);
+    add(&mut s, "a", &p, params(5));
+    add(&mut s, "b", &q, params(5));
     let out = s.schedule().unwrap();
     assert_eq!(out.handles.len(), 1);
     assert!(s.prefill_cadence().2, "capacity bound");
@@ -848,7 +784,7 @@ fn bad_requests_change_nothing() {
         ("b", vec![-1], params(1)),
         ("b", vec![1 << 40], params(1)),
         ("b", prompt(0, 256), params(1)),
-        ("b", prompt(0, 3), RequestParams { max_tokens: Some(0), ..Default::default() }),
+        ("b", prompt(0, 3), params(0)),
         ("b", prompt(0, 3), RequestParams { max_tokens: Some(2), min_tokens: 3, ..Default::default() }),
         ("b", prompt(0, 3), RequestParams { arrival_time: f64::NAN, ..Default::default() }),
     ];
@@ -1016,7 +952,7 @@ fn apply_pending(s: &mut Scheduler, pending: &mut Vec<SchedulerOutput>, eos: boo
         return;
     }
     let out = pending.remove(0);
-    let rec = s.in_flight.front().cloned().unwrap();
+    let rec = oldest_in_flight(s);
     let mut values = Vec::new();
     let mut indptr = vec![0i64];
     let mut dvals = Vec::new();
@@ -1071,7 +1007,7 @@ proptest! {
                     let longest = (p.len() as u32 + u32::from(max_tokens).min(config.max_model_len - p.len() as u32)) - 1;
                     let fits = longest <= config.kv_capacity_tokens()
                         && (config.enable_chunked_prefill || longest <= config.max_num_batched_tokens);
-                    let before = s.slab.len();
+                    let before = live_ids(&s).len();
                     match s.add_request(&format!("r{next_id}"), &p, params) {
                         Ok(()) => {
                             prop_assert!(fits);
@@ -1079,7 +1015,7 @@ proptest! {
                         }
                         Err(SchedError::InvalidRequest(_)) => {
                             prop_assert!(!fits);
-                            prop_assert_eq!(s.slab.len(), before);
+                            prop_assert_eq!(live_ids(&s).len(), before);
                         }
                         Err(e) => return Err(TestCaseError::fail(format!("{e:?}"))),
                     }
@@ -1096,7 +1032,7 @@ proptest! {
                 Op::ScheduleOnly => pending.push(s.schedule_with(next_id % 2 == 1).unwrap()),
                 Op::ApplyPending => apply_pending(&mut s, &mut pending, false, 0),
                 Op::Abort(k) => {
-                    let live: Vec<String> = s.slab.iter().map(|r| r.id.to_string()).collect();
+                    let live = live_ids(&s);
                     if !live.is_empty() {
                         let id = live[k as usize % live.len()].clone();
                         s.abort_requests(&[id]).unwrap();
@@ -1116,7 +1052,7 @@ proptest! {
                     _ => PauseState::Unpaused,
                 }),
                 Op::Ready(k) => {
-                    let live: Vec<String> = s.slab.iter().map(|r| r.id.to_string()).collect();
+                    let live = live_ids(&s);
                     if !live.is_empty() {
                         s.set_ready(&live[k as usize % live.len()]).unwrap();
                     }
@@ -1128,7 +1064,7 @@ proptest! {
         }
         // Drain: every request finishes, every block comes back.
         s.set_pause_state(PauseState::Unpaused);
-        let live: Vec<String> = s.slab.iter().map(|r| r.id.to_string()).collect();
+        let live = live_ids(&s);
         for id in &live {
             s.set_ready(id).unwrap();
         }
@@ -1147,13 +1083,6 @@ proptest! {
         prop_assert_eq!(s.num_free_cpu_blocks(), config.num_cpu_blocks as usize);
         prop_assert_eq!(s.stats().num_finished_reqs, added);
     }
-}
-
-fn one_token_each(s: &mut Scheduler, out: &SchedulerOutput, token: i64) -> UpdateResult {
-    let values = vec![token; out.handles.len()];
-    let indptr: Vec<i64> = (0..=out.handles.len() as i64).collect();
-    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, None)
-        .unwrap()
 }
 
 #[test]

@@ -2,9 +2,10 @@
 
 use std::sync::{Arc, Mutex};
 
+use super::helpers::{params, prompt, step_ids};
 use crate::{
-    KvConnector, KvLoadFailurePolicy, KvTransferReport, Ragged, Request, RequestParams, RequestStatus,
-    Scheduler, SchedulerConfig,
+    KvConnector, KvLoadFailurePolicy, KvTransferReport, Request, RequestParams, RequestStatus, Scheduler,
+    SchedulerConfig,
 };
 
 /// Answers every admission with `ext` tokens (async or not), delays the free of ids listed in `send`, and logs.
@@ -53,43 +54,20 @@ fn report<'a>(recv: &'a [&'a str], send: &'a [&'a str]) -> KvTransferReport<'a, 
     }
 }
 
-/// One step in which every scheduled request with a complete prompt samples token 1.
-fn step(s: &mut Scheduler) -> Vec<String> {
-    let out = s.schedule().unwrap();
-    s.check_invariants().unwrap();
-    let mut values = Vec::new();
-    let mut indptr = vec![0i64];
-    for &h in &out.handles {
-        if !s.slab.resolve(h).is_none_or(|r| r.is_prefill_chunk) {
-            values.push(1);
-        }
-        indptr.push(values.len() as i64);
-    }
-    let ids = out.handles.iter().map(|&h| s.request_id(h).unwrap().to_string()).collect();
-    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, None)
-        .unwrap();
-    s.check_invariants().unwrap();
-    ids
-}
-
-fn prompt(n: i64) -> Vec<i64> {
-    (0..n).collect()
-}
-
 /// vLLM: an async load allocates the blocks, parks the request in WAITING_FOR_REMOTE_KVS, and it runs only after
 /// `finished_recving`; a fully loaded prompt recomputes its last token.
 #[test]
 fn async_load_parks_until_the_load_is_reported_finished() {
     let mut s =
         sched(Fake { ext: 100, load_async: true, ..Default::default() }, KvLoadFailurePolicy::Recompute);
-    s.add_request("a", &prompt(10), RequestParams { max_tokens: Some(2), ..Default::default() }).unwrap();
-    assert!(step(&mut s).is_empty());
+    s.add_request("a", &prompt(0, 10), params(2)).unwrap();
+    assert!(step_ids(&mut s, 1).is_empty());
     let r = s.get_request("a").unwrap();
     assert_eq!(
         (r.status, s.get_num_computed_tokens("a").unwrap(), r.blocks.len()),
         (RequestStatus::WaitingForRemoteKvs, 10, 3)
     );
-    assert!(step(&mut s).is_empty(), "still loading");
+    assert!(step_ids(&mut s, 1).is_empty(), "still loading");
     s.update_kv_transfers(report(&["a"], &[])).unwrap();
     s.check_invariants().unwrap();
     let out = s.schedule().unwrap();
@@ -104,8 +82,8 @@ fn async_load_parks_until_the_load_is_reported_finished() {
 fn invalid_blocks_cut_the_load_back_to_the_valid_prefix() {
     let mut s =
         sched(Fake { ext: 12, load_async: true, ..Default::default() }, KvLoadFailurePolicy::Recompute);
-    s.add_request("a", &prompt(14), RequestParams { max_tokens: Some(1), ..Default::default() }).unwrap();
-    step(&mut s);
+    s.add_request("a", &prompt(0, 14), params(1)).unwrap();
+    step_ids(&mut s, 1);
     let bad = i64::from(s.get_request("a").unwrap().blocks[1]);
     let rep = KvTransferReport {
         finished_recving: &["a"],
@@ -124,8 +102,8 @@ fn invalid_blocks_cut_the_load_back_to_the_valid_prefix() {
 #[test]
 fn failed_load_with_policy_fail_finishes_the_request() {
     let mut s = sched(Fake { ext: 8, load_async: true, ..Default::default() }, KvLoadFailurePolicy::Fail);
-    s.add_request("a", &prompt(12), RequestParams::default()).unwrap();
-    step(&mut s);
+    s.add_request("a", &prompt(0, 12), RequestParams::default()).unwrap();
+    step_ids(&mut s, 1);
     let free = s.num_free_blocks();
     let rep = KvTransferReport {
         finished_recving: &[],
@@ -146,12 +124,12 @@ fn failed_load_with_policy_fail_finishes_the_request() {
 fn abort_during_a_load_frees_when_the_load_ends() {
     let mut s =
         sched(Fake { ext: 8, load_async: true, ..Default::default() }, KvLoadFailurePolicy::Recompute);
-    s.add_request("a", &prompt(12), RequestParams::default()).unwrap();
-    step(&mut s);
+    s.add_request("a", &prompt(0, 12), RequestParams::default()).unwrap();
+    step_ids(&mut s, 1);
     s.abort_requests(&["a"]).unwrap();
     s.check_invariants().unwrap();
     assert!(s.num_free_blocks() < 31);
-    assert!(s.add_request("a", &prompt(3), RequestParams::default()).is_err(), "its id is still in use");
+    assert!(s.add_request("a", &prompt(0, 3), RequestParams::default()).is_err(), "its id is still in use");
     s.update_kv_transfers(report(&["a"], &[])).unwrap();
     assert_eq!(s.num_free_blocks(), 31);
     s.check_invariants().unwrap();
@@ -163,8 +141,8 @@ fn delayed_free_waits_for_finished_sending() {
     let fake = Fake { ext: 0, send: vec!["a".into()], ..Default::default() };
     let log = fake.log.clone();
     let mut s = sched(fake, KvLoadFailurePolicy::Recompute);
-    s.add_request("a", &prompt(9), RequestParams { max_tokens: Some(1), ..Default::default() }).unwrap();
-    step(&mut s);
+    s.add_request("a", &prompt(0, 9), params(1)).unwrap();
+    step_ids(&mut s, 1);
     assert!(s.get_request("a").is_err(), "finished");
     assert_eq!((s.num_held_kv_requests(), s.num_free_blocks()), (1, 28));
     assert!(s.update_kv_transfers(report(&[], &["b"])).is_err(), "unknown id refused");
@@ -179,7 +157,7 @@ fn delayed_free_waits_for_finished_sending() {
 fn sync_load_leaves_one_token_to_compute() {
     let mut s =
         sched(Fake { ext: 100, load_async: false, ..Default::default() }, KvLoadFailurePolicy::Recompute);
-    s.add_request("a", &prompt(10), RequestParams::default()).unwrap();
+    s.add_request("a", &prompt(0, 10), RequestParams::default()).unwrap();
     let out = s.schedule().unwrap();
     assert_eq!((out.num_computed_tokens[0], out.num_scheduled_tokens[0]), (9, 1));
     s.check_invariants().unwrap();

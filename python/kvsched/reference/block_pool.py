@@ -1,0 +1,47 @@
+"""The KV block pool: reference counts, the free queue and the prefix-cache map. Mirrors
+``rust/kvsched-core/src/block_pool.rs``.
+
+The pool's fields live on the scheduler (``state.py``): ``_ref_cnt[b]`` and ``_block_hash[b]`` per block id,
+``_free`` (a :class:`_FreeBlockQueue`) and ``_cached`` (``block_hash -> {block_id: None}``, an insertion-ordered
+set; lookups take its first block). Block 0 is the null block: never free, never allocated, never hashed. A
+usable block is in the free queue iff its reference count is 0; a free block keeps its hash (it can still be
+hit) until it is popped for reuse. With KV cache events on (``_events``), a block leaving the map is recorded as
+removed, with the blocks still carrying its hash.
+"""
+
+from __future__ import annotations
+
+from .state import _SchedulerState
+
+
+class _BlockPoolMixin(_SchedulerState):
+    """Popping a free block (evicting its cached contents) and freeing a list of blocks."""
+
+    def _pop_free_block(self) -> int:
+        b = self._free.popleft()
+        h = self._block_hash[b]
+        if h is not None:  # evict: the block is reused, its cached contents are gone
+            self._uncache(b, h)
+        self._ref_cnt[b] = 1
+        return b
+
+    def _uncache(self, b: int, h: bytes) -> None:
+        """Takes block ``b``, cached under ``h``, out of the cache map (it keeps its place in the free queue)."""
+        del self._cached[h][b]
+        if not self._cached[h]:
+            del self._cached[h]
+        self._block_hash[b] = None
+        if self._events is not None:
+            self._events.push_removed(h, len(self._cached.get(h, ())))
+
+    def _free_block_list(self, block_ids: list[int]) -> None:
+        to_head: list[int] = []
+        for b in reversed(block_ids):
+            self._ref_cnt[b] -= 1
+            if self._ref_cnt[b] == 0:
+                if self._block_hash[b] is not None:
+                    self._free.append(b)
+                else:
+                    to_head.append(b)
+        for b in reversed(to_head):
+            self._free.appendleft(b)

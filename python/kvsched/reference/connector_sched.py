@@ -1,0 +1,210 @@
+"""The KV connector, scheduler side (vLLM's ``KVConnectorBase_V1`` scheduler-role hooks), and the bookkeeping of
+KV transfers: asynchronous loads (requests parked in WAITING_FOR_REMOTE_KVS while their blocks fill) and delayed
+frees (blocks of a finished request kept while the engine still receives into them or sends them). Mirrors
+``rust/kvsched-core/src/connector_sched.rs`` (the held-block types live in ``connector.rs`` there, in ``state.py``
+here).
+
+An exception raised by a hook is kept and raised once the call is over; the hook then answers "nothing external,
+no delayed free", as the Rust binding does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from .._errors import InvalidRequestError, KVConnectorError, SchedulerTypeError, UnknownRequestError
+from .._types import RequestStatus
+from .block_pool import _BlockPoolMixin
+from .convert import _as_sequence, _is_int
+from .request import _Request
+
+
+class _ConnectorMixin(_BlockPoolMixin):
+    """The connector's hooks, the engine's transfer reports, and the blocks held for transfers."""
+
+    @property
+    def kv_connector(self) -> Any:
+        return self._connector
+
+    def _keep(self, e: BaseException) -> None:
+        if self._hook_error is None:
+            self._hook_error = e
+
+    def _after_hooks(self) -> None:
+        e, self._hook_error = self._hook_error, None
+        if e is not None:
+            raise e
+
+    def _hook_matched(self, r: _Request, num_computed: int) -> tuple[int, bool] | None:
+        try:
+            res = self._connector.get_num_new_matched_tokens(r.req_id, num_computed)
+            what = "kv_connector.get_num_new_matched_tokens"
+            if not isinstance(res, tuple) or len(res) != 2:
+                raise KVConnectorError(f"{what}: must return a pair (int | None, bool), got {res!r}")
+            n, load_async = res
+            if not isinstance(load_async, bool):
+                raise KVConnectorError(f"{what}: async flag must be a bool, got {type(load_async).__name__}")
+            if n is None:
+                return None
+            if not _is_int(n):
+                raise KVConnectorError(f"{what}: token count must be an int or None, got {type(n).__name__}")
+            if not 0 <= n < 2**32:
+                raise KVConnectorError(f"{what}: token count must be >= 0, got {n}")
+            return int(n), load_async
+        except Exception as e:
+            self._keep(e)
+            return None
+
+    def _hook_after_alloc(self, r: _Request, num_external: int) -> None:
+        try:
+            self._connector.update_state_after_alloc(r.req_id, list(r.block_ids), num_external)
+        except Exception as e:
+            self._keep(e)
+
+    def _hook_finished(self, r: _Request, block_ids: list[int]) -> bool:
+        try:
+            res = self._connector.request_finished(r.req_id, list(block_ids))
+            delay, params = res if isinstance(res, tuple) and len(res) == 2 else (res, None)
+            if not isinstance(delay, bool):
+                raise KVConnectorError(
+                    f"kv_connector.request_finished: must return bool or (bool, params), got {res!r}"
+                )
+            if params is not None:
+                self._transfer_params[r.req_id] = params
+            return delay
+        except Exception as e:
+            self._keep(e)
+            return False
+
+    def _queue_newly_ready(self) -> None:
+        """Queue the parked requests that became ready since the last step, in the order they were added:
+        grammar-ready ones at the front of waiting, loaded ones into the loaded queue."""
+        ready = sorted(self._newly_ready, key=lambda r: r.add_seq)
+        self._newly_ready = []
+        for r in reversed(ready):
+            if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and r.parked:
+                r.parked = False
+                self._waiting.add_preempted(r)
+                self._enter_waiting(r)
+        for r in ready:
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.parked:
+                r.parked = False
+                self._kv_waiting.add(r)
+
+    def update_kv_transfers(
+        self,
+        finished_recving: Iterable[str] | None = None,
+        finished_sending: Iterable[str] | None = None,
+        failed_recving: Iterable[str] | None = None,
+        invalid_block_ids: Iterable[int] | None = None,
+    ) -> list[str]:
+        """Apply what the engine reports about KV transfers (vLLM's ``KVConnectorOutput``), in vLLM 0.33's
+        order: failed loads, invalid blocks, then finished loads and sends. Validates everything first (nothing
+        changes on error). Returns the requests finished because their load failed (policy ``fail``)."""
+        recv = self._id_list(finished_recving, "finished_recving")
+        send = self._id_list(finished_sending, "finished_sending")
+        failed_ids = self._id_list(failed_recving, "failed_recving")
+        invalid: list[int] = []
+        if invalid_block_ids is not None:
+            for b in _as_sequence(invalid_block_ids, "invalid_block_ids"):
+                if not _is_int(b):
+                    raise SchedulerTypeError(f"invalid_block_ids must hold ints, got {type(b).__name__}")
+                if not 1 <= b < self._config.num_blocks:
+                    raise InvalidRequestError(
+                        f"invalid_block_ids: block ids must be in [1, {self._config.num_blocks}), got {b}"
+                    )
+                invalid.append(int(b))
+
+        def loading(req_id: str, what: str) -> None:
+            r = self._requests.get(req_id)
+            if r is not None:
+                if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS or (what == "finished_recving" and r.kv_load_done):
+                    raise InvalidRequestError(f"{what}: request {req_id!r} has no KV load in progress")
+                return
+            h = self._held.get(req_id)
+            if h is None:
+                raise UnknownRequestError(f"{what}: unknown request id {req_id!r}")
+            if not h[1]:
+                raise InvalidRequestError(f"{what}: finished request {req_id!r} has no such transfer in progress")
+
+        for i in recv:
+            loading(i, "finished_recving")
+        for i in failed_ids:
+            loading(i, "failed_recving")
+        for i in send:
+            h = self._held.get(i)
+            if h is None:
+                if i in self._requests:
+                    raise InvalidRequestError(f"finished_sending: request {i!r} has not finished")
+                raise UnknownRequestError(f"finished_sending: unknown request id {i!r}")
+            if not h[2]:
+                raise InvalidRequestError(f"finished_sending: request {i!r} is not being sent")
+
+        self._last_out_fresh = False
+        fail = self._config.kv_load_failure_policy == "fail"
+        failed: list[_Request] = []
+        for i in failed_ids:
+            r = self._requests.get(i)
+            if r is None:
+                continue
+            if fail:
+                if r not in failed:
+                    failed.append(r)
+            else:
+                r.num_computed_tokens = 0
+                r.kv_load_failed = True
+        if invalid:
+            bad = set(invalid)
+            loading_reqs = [r for r in self._requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+            for r in loading_reqs:
+                n = math.ceil(r.num_computed_tokens / self._bs)
+                idx = next((k for k, b in enumerate(r.block_ids[:n]) if b in bad), None)
+                if idx is None:
+                    continue
+                if fail:
+                    if r not in failed:
+                        failed.append(r)
+                else:
+                    r.num_computed_tokens = idx * self._bs
+                    r.kv_load_failed = True
+        for r in failed:
+            self._finish(r, RequestStatus.FINISHED_ERROR)
+        for i in recv:
+            r = self._requests.get(i)
+            if r is not None:
+                if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not r.kv_load_done:
+                    r.kv_load_done = True
+                    if r.parked:  # in kv_waiting already (park_kv_loads=False): it keeps its place
+                        self._newly_ready.append(r)
+            else:
+                self._release_held(i, recv=True)
+        for i in send:
+            self._release_held(i, recv=False)
+        self._transfer_params = {}
+        self._after_hooks()
+        return [r.req_id for r in failed]
+
+    def _id_list(self, ids: Iterable[str] | None, what: str) -> list[str]:
+        if ids is None:
+            return []
+        out = _as_sequence(ids, what)
+        for i in out:
+            if not isinstance(i, str):
+                raise SchedulerTypeError(f"{what} must hold str ids, got {type(i).__name__}")
+        return out
+
+    def _release_held(self, req_id: str, recv: bool) -> None:
+        h = self._held.get(req_id)
+        if h is None:
+            return
+        h[1 if recv else 2] = False
+        if not h[1] and not h[2]:
+            del self._held[req_id]
+            self._free_block_list(h[0])
+
+    @property
+    def num_held_kv_requests(self) -> int:
+        """Finished requests whose blocks are still held for a KV transfer."""
+        return len(self._held)

@@ -1,0 +1,58 @@
+"""The prefix cache's block events, recorded with ``enable_kv_cache_events``. Mirrors
+``rust/kvsched-core/src/events.rs``.
+
+Stored: a run of one request's full blocks entered the cache (hashes, the number of blocks carrying each hash
+after the store, the parent hash, their tokens, the request's LoRA name and cache salt). Removed: one block left it
+(the blocks still carrying its hash). Cleared: the whole cache was dropped. Taken as a
+:class:`kvsched.kv_events.KVCacheEvents`, in the order they happened.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from ..kv_events import CLEARED, REMOVED, STORED, KVCacheEvents
+
+
+class _KvCacheEvents:
+    """The events not taken yet, one tuple each: (kind, [(hash, copies)], parent, tokens, lora, salt)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, list[tuple[bytes, int]], bytes | None, list[int], str | None, str | None]] = []
+
+    def push_stored(
+        self, blocks: list[tuple[bytes, int]], parent: bytes | None, tokens: list[int], lora: str | None,
+        salt: str | None,
+    ) -> None:  # fmt: skip
+        self.events.append((STORED, blocks, parent, tokens, lora, salt))
+
+    def push_removed(self, h: bytes, copies: int) -> None:
+        self.events.append((REMOVED, [(h, copies)], None, [], None, None))
+
+    def push_cleared(self) -> None:
+        self.events.append((CLEARED, [], None, [], None, None))
+
+    def take(self, block_size: int, hash_width: int) -> KVCacheEvents:
+        events, self.events = self.events, []
+        if not events:
+            return KVCacheEvents.empty(block_size, hash_width)
+        blocks = [b for e in events for b in e[1]]
+
+        def rows(hashes: list[bytes]) -> npt.NDArray[np.uint8]:
+            out: npt.NDArray[np.uint8] = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(-1, hash_width).copy()
+            return out
+
+        return KVCacheEvents(
+            kinds=np.array([e[0] for e in events], dtype=np.uint8),
+            block_hashes=rows([h for h, _ in blocks]),
+            block_hashes_indptr=np.cumsum([0] + [len(e[1]) for e in events], dtype=np.int32),
+            num_copies=np.array([n for _, n in blocks], dtype=np.int32),
+            parent_block_hashes=rows([e[2] or bytes(hash_width) for e in events]),
+            has_parent=np.array([e[2] is not None for e in events], dtype=np.bool_),
+            token_ids=np.array([t for e in events for t in e[3]], dtype=np.int32),
+            token_ids_indptr=np.cumsum([0] + [len(e[3]) for e in events], dtype=np.int32),
+            lora_names=[e[4] for e in events],
+            cache_salts=[e[5] if e[0] == STORED else None for e in events],
+            block_size=block_size,
+        )

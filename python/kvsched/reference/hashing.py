@@ -1,0 +1,68 @@
+"""Chained block hashes for prefix caching. Mirrors ``rust/kvsched-core/src/hashing.rs``.
+
+``hash(i) = H(parent, tokens of block i, extra keys)`` where ``parent`` is ``hash(i - 1)``, or the scheduler's
+seed hash for block 0. Extra keys: the LoRA name on every block, the cache salt on block 0 only, and the encoder
+inputs a block overlaps. ``H`` is SHA-256, or a 16-byte BLAKE2b standing in for the core's xxh3-128 (hash values
+differ from the core's; only hash equality is part of the contract).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+
+class _BlockHasher:
+    """The hash function, the seed hash (random unless ``prefix_hash_seed`` fixes it) and the block size."""
+
+    def __init__(self, algo: str, seed: int | str | bytes | None, block_size: int) -> None:
+        self.hash_fn = hashlib.sha256 if algo == "sha256" else _blake2b_128
+        seed_bytes = os.urandom(32) if seed is None else _seed_bytes(seed)
+        self.seed_hash = self.hash_fn(b"kvsched-seed\0" + seed_bytes).digest()
+        self.block_size = block_size
+
+    def hash_block(
+        self, parent: bytes, tokens: list[int], lora: str | None, salt: str | None, mm: Sequence[tuple[int, int]] = ()
+    ) -> bytes:
+        """``H(parent, tokens, extra keys)``, unambiguously encoded (fixed-width tokens, tagged keys). ``mm``: the
+        encoder inputs overlapping the block, as (hash, start relative to the block)."""
+        data = [parent, len(tokens).to_bytes(4, "little")]
+        data += [t.to_bytes(4, "little") for t in tokens]
+        for key in (lora, salt):
+            raw = None if key is None else key.encode()
+            data.append(b"\0" if raw is None else b"\1" + len(raw).to_bytes(8, "little") + raw)
+        for h, offset in mm:
+            data.append(b"\2" + h.to_bytes(8, "little") + offset.to_bytes(8, "little", signed=True))
+        return self.hash_fn(b"".join(data)).digest()
+
+    def block_hashes_of(self, tokens: list[int], salt: str | None, lora: str | None, start: int = 0,
+                        prev: list[bytes] | None = None,
+                        encoder_inputs: Sequence[tuple[int, int, int]] = ()) -> list[bytes]:  # fmt: skip
+        """Hashes of the full blocks of ``tokens`` from block ``start`` on, chained on ``prev``. A block that
+        overlaps encoder inputs also hashes their content hashes and offsets (vLLM's multimodal extra keys), so
+        equal placeholder tokens with different encoder content never share KV."""
+        hashes = list(prev or [])
+        bs = self.block_size
+        for i in range(start, len(tokens) // bs):
+            parent = hashes[i - 1] if i else self.seed_hash
+            block = tokens[i * bs : (i + 1) * bs]
+            lo = i * bs
+            mm = [(h, st - lo) for st, n, h in encoder_inputs if st < lo + bs and st + n > lo]
+            hashes.append(self.hash_block(parent, block, lora, salt if i == 0 else None, mm))
+        return hashes
+
+
+def _blake2b_128(data: bytes) -> Any:
+    """Stand-in for xxh3-128 (not in the stdlib): a 16-byte BLAKE2b digest."""
+    return hashlib.blake2b(data, digest_size=16)
+
+
+def _seed_bytes(seed: int | str | bytes) -> bytes:
+    """Type-tagged bytes of a fixed ``prefix_hash_seed``."""
+    if isinstance(seed, bytes):
+        return b"b" + seed
+    if isinstance(seed, str):
+        return b"s" + seed.encode()
+    return b"i" + str(seed).encode()

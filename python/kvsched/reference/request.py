@@ -1,0 +1,135 @@
+"""One request's scheduling state. Mirrors ``rust/kvsched-core/src/request.rs``.
+
+The reference keeps requests as plain objects in a dict by id (the core keeps them in a slab of slots); the
+scheduler's parts read and change their attributes directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._types import RequestStatus
+
+
+class _Request:
+    """One request's state. Plain attributes; the scheduler mutates them."""
+
+    __slots__ = (
+        "add_seq",
+        "arrival_step",
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "cache_salt",
+        "cpu_blocks",
+        "deadline",
+        "deferred",
+        "drafts",
+        "drop_stale_output",
+        "effective_priority",
+        "encoder_held",
+        "encoder_inputs",
+        "eos_token_id",
+        "grammar_ready",
+        "ignore_eos",
+        "inflight_prefill",
+        "is_prefill_chunk",
+        "kv_load_done",
+        "kv_load_failed",
+        "lora_name",
+        "max_tokens",
+        "min_tokens",
+        "num_cached_blocks",
+        "num_cached_tokens",
+        "num_charged_prompt_tokens",
+        "num_computed_tokens",
+        "num_in_flight_tokens",
+        "num_lost_tokens",
+        "num_output_placeholders",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "num_stale_output_tokens",
+        "num_swapped_tokens",
+        "order_key",
+        "parked",
+        "priority",
+        "queue_seq",
+        "req_id",
+        "session_id",
+        "sjf_residual",
+        "skip_reading_prefix_cache",
+        "status",
+        "stop_token_ids",
+        "tenant",
+        "token_ids",
+        "ttft_slo_s",
+        "wait_seq",
+        "wait_since",
+    )
+    # set from add_request's (validated) arguments:
+    max_tokens: int  # effective: min(max_tokens, max_model_len - len(prompt))
+    min_tokens: int
+    eos_token_id: int | None
+    ignore_eos: bool
+    stop_token_ids: frozenset[int]
+    priority: int
+    arrival_time: float
+    cache_salt: str | None
+    lora_name: str | None
+    tenant: str
+    skip_reading_prefix_cache: bool  # no prefix-cache hits, not in the prefix-cache stats
+    arrival_step: int  # schedule() calls before the request was added
+    encoder_inputs: list[tuple[int, int, int]]  # (start, num_tokens, hash), sorted, inside the prompt
+    effective_priority: int  # priority, or priority * priority_aging_steps + arrival_step (see queue.py)
+    session_id: str | None  # the conversation it continues (session affinity, admission.py)
+    ttft_slo_s: float | None  # its TTFT target (policy slo)
+    order_key: int  # its tier: smaller first under every policy (0 when not given)
+    deadline: float  # slo: arrival_time + (ttft_slo_s or default_ttft_slo_s), inf without a target
+
+    def __init__(self, req_id: str, prompt: list[int], **params: Any) -> None:
+        self.req_id = req_id
+        self.token_ids = prompt  # prompt then outputs
+        self.num_prompt_tokens = len(prompt)
+        for name, value in params.items():
+            setattr(self, name, value)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.drafts: list[int] = []
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0  # leading blocks of block_ids already entered into the cache map
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prefix-hit tokens at first admission
+        self.queue_seq = -1  # identifies this request's live entry in the priority heap
+        self.num_charged_prompt_tokens = 0  # prompt tokens charged to the tenant (recompute is free)
+        # in-flight bookkeeping (vLLM's Request fields of the same names)
+        self.num_output_placeholders = 0  # async: tokens in flight to be sampled
+        self.num_in_flight_tokens = 0  # tokens of scheduled steps not yet applied
+        self.num_stale_output_tokens = 0  # in-flight tokens from before a preemption
+        self.drop_stale_output = False
+        self.deferred = False  # skipped by an admission pass (or added blocked), not admitted since
+        self.grammar_ready = False
+        self.is_prefill_chunk = False  # its last scheduled step stopped short of its known tokens
+        # preemption by swapping
+        self.cpu_blocks: list[int] = []  # CPU blocks holding its KV while swapped out
+        self.num_swapped_tokens = 0  # tokens whose KV they hold
+        self.num_lost_tokens = 0  # computed at its last preemption and not yet recovered
+        self.add_seq = 0  # order of add_request calls: blocked requests that become ready are queued in it
+        self.parked = False  # in no queue, not running: blocked (grammar, KV load) or ready since the last step
+        self.kv_load_done = False  # its asynchronous KV load was reported over
+        self.kv_load_failed = False  # ... and failed: num_computed_tokens was cut back to the valid prefix
+        self.encoder_held = [False] * len(self.encoder_inputs)  # holds a reference to input i's cache entry
+        # vLLM 0.33's in-flight prefill set: an async load, or an admission with prompt left, until a step leaves
+        # nothing left (or a preemption); read with reserve_inflight_prefills
+        self.inflight_prefill = False
+        self.sjf_residual = 0  # sjf: the residual it is queued by (prompt blocks beyond its prefix hit)
+        self.wait_seq = 0  # aging: nonzero while in `waiting` (its entry in the aging FIFO)
+        self.wait_since = 0  # aging: the first step it waits in
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens

@@ -1,0 +1,444 @@
+"""``schedule()``: vLLM 0.33's token-budget loop. Mirrors ``rust/kvsched-core/src/step.rs``.
+
+Phase A walks ``running`` in order and gives each request ``min(remaining, threshold, budget, model-length
+cap)`` tokens; when its KV slots cannot be allocated, a victim is preempted (``victim.py``; vLLM's rule: fcfs:
+the last running request; priority: the largest ``(priority, arrival_time)``; fair: the last of the tenant with
+the largest counter) until the allocation succeeds or the request itself is the victim. Phase B, only when
+nothing was preempted and admissions are not paused, admits waiting requests in policy order with their
+prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._errors import InternalError, SchedulerTypeError
+from .._types import RequestStatus
+from .admission import _AdmissionMixin
+from .connector_sched import _ConnectorMixin
+from .convert import _indptr
+from .encoder_sched import _EncoderSchedMixin, _EncoderStep
+from .output import SchedulerOutput
+from .queue import _WaitingQueue
+from .request import _Request
+from .swap_sched import _SwapMixin
+from .victim import _VictimMixin
+
+
+class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixin, _VictimMixin):
+    """``schedule()`` and what only it uses: preemption, promoting finished loads."""
+
+    def _preempt(self, r: _Request, drop_stale_output: bool = False) -> None:
+        """Free ``r``'s KV and send it back to waiting. Output of steps still in flight becomes stale: applied
+        when it arrives (dropped with ``drop_stale_output``), rolling nothing back; ``r`` is not resumed before."""
+        self._free_blocks(r)
+        self._release_all_encoder(r)
+        r.num_lost_tokens = r.num_computed_tokens
+        r.num_computed_tokens = 0
+        r.drafts = []
+        r.inflight_prefill = False
+        r.status = RequestStatus.PREEMPTED
+        r.num_preemptions += 1
+        r.drop_stale_output = drop_stale_output or (r.drop_stale_output and r.num_stale_output_tokens > 0)
+        r.num_stale_output_tokens = r.num_in_flight_tokens
+        r.num_output_placeholders = 0
+        self._session_leaves_running(r)
+        self._stats["preemptions"] += 1
+        self._waiting.add_preempted(r)
+        self._tenants[r.tenant].num_waiting += 1  # back in waiting; no lift (the tenant did not arrive)
+        self._enter_waiting(r)
+
+    @property
+    def prefill_cadence(self) -> tuple[int, int, bool]:
+        """``(num_executed_steps, last_prefill_step, prefill_capacity_bound)``."""
+        return self._num_executed_steps, self._last_prefill_step, self._prefill_capacity_bound
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        """One step: continue running requests (phase A, may preempt), then admit waiting ones (phase B).
+        ``throttle_prefills`` (vLLM's data-parallel prefill balancing) and ``prefill_schedule_interval`` defer
+        prefill compute while something decodes."""
+        if not isinstance(throttle_prefills, bool):
+            raise SchedulerTypeError(f"throttle_prefills must be a bool, got {type(throttle_prefills).__name__}")
+        c = self._config
+        if self._newly_ready:
+            self._queue_newly_ready()
+        self._in_schedule = True  # from here on a request entering waiting first waits in the next step
+        look, num_spec = c.num_lookahead_tokens, c.num_spec_tokens
+        budget = 0 if self._pause_state == "paused_all" else c.max_num_batched_tokens
+        # the per-request cap applies only when more than one request is running or waiting (blocked ones too)
+        num_eligible = len(self._requests)
+        threshold = c.long_prefill_token_threshold if num_eligible > 1 else 0
+        if threshold > 0 and c.long_prefill_token_threshold_adaptive:  # floored at a fair share of the budget
+            threshold = max(threshold, c.max_num_batched_tokens // num_eligible)
+        # per scheduled request: [request, num_new_tokens, computed_before, new_blocks, drafts, kind, is_chunk]
+        scheduled: list[list[Any]] = []
+        preempted: list[_Request] = []
+        swap_out: list[int] = []  # flattened (GPU block, CPU block) pairs
+        swap_in: list[int] = []  # flattened (CPU block, GPU block) pairs
+        prefill_scheduled = False  # a request scheduled in phase A is still prefilling
+        interval = c.prefill_schedule_interval
+        decoding = any(not r.is_prefill_chunk for r in self._running)
+        defer = throttle_prefills and not self._prefill_capacity_bound and decoding
+        if (
+            not defer
+            and interval > 1
+            and not self._prefill_capacity_bound
+            and (self._num_executed_steps + 1) - self._last_prefill_step < interval
+            and decoding
+        ):
+            defer = True  # the local cadence: the interval since the last prefill-carrying step has not passed
+        prefill_admitted = False
+        self._newly_cached = []  # what updates cached since the previous step is not this step's
+        enc = _EncoderStep(c.max_num_encoder_input_tokens)
+
+        i = 0
+        while i < len(self._running) and budget > 0:
+            r = self._running[i]
+            ph = r.num_output_placeholders
+            if ph > 0 and r.num_computed_tokens + 2 - ph >= r.num_prompt_tokens + r.max_tokens:
+                i += 1  # async: the steps in flight already produce its last token
+                continue
+            if defer and r.is_prefill_chunk:
+                i += 1  # deferred prefill: its next chunk waits for a cadence-aligned step
+                continue
+            n = r.num_tokens + len(r.drafts) + ph - r.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget, c.max_model_len - 1 - r.num_computed_tokens)
+            n = min(n, c.max_slots_per_request - r.num_computed_tokens)  # a KV cache below max_model_len
+            if n <= 0:
+                i += 1
+                continue
+            if r.encoder_inputs:
+                n = self._plan_encoder(enc, r, r.num_computed_tokens, n)
+                if n == 0:
+                    self._rollback_encoder(enc, r)
+                    i += 1
+                    continue
+            while (new_blocks := self._allocate_slots(r, n, [], look)) is None:
+                j = self._pick_victim(scheduled)
+                victim = self._running.pop(j)
+                computed_before = None
+                for k, entry in enumerate(scheduled):
+                    if entry[0] is victim:  # refund the victim's share of this step
+                        budget += entry[1]
+                        computed_before = entry[2]
+                        del scheduled[k]
+                        break
+                if j < i:
+                    i -= 1
+                self._abandon_encoder(enc, victim, r)
+                self._preempt_victim(victim, computed_before, swap_out)
+                preempted.append(victim)
+                if victim is r:
+                    break
+            if new_blocks is None:
+                # r preempted itself; the requests after it rank higher and may still fit (none under fcfs). vLLM
+                # 0.32 ends the pass there under priority.
+                if c.policy == "priority" and not c.continue_after_self_preemption:
+                    break
+                continue
+            prefill_scheduled |= r.is_prefill_chunk
+            if r.encoder_inputs:
+                self._commit_encoder(enc)
+            computed = r.num_computed_tokens
+            num_drafts = min(len(r.drafts), max(0, computed + n - r.num_tokens - ph))
+            is_chunk = computed + n < r.num_tokens + ph
+            scheduled.append([r, n, computed, new_blocks, r.drafts[:num_drafts], "running", is_chunk])
+            r.num_computed_tokens += n
+            r.is_prefill_chunk = is_chunk
+            r.drafts = []
+            budget -= n
+            i += 1
+
+        for r, n, computed, *_ in scheduled:  # phase A is final: charge its prompt chunks, in order
+            if computed < r.num_prompt_tokens:
+                self._tenants.charge_prompt(r, computed, n)
+
+        if not preempted and self._pause_state != "paused_all":
+            # No probing when nobody can be admitted (a full batch or no budget): nothing would move.
+            can_admit = budget > 0 and len(self._running) < (c.max_num_active_seqs or c.max_num_seqs)
+            plan = self._begin_admission() if can_admit else None
+            prefill_admitted = self._admit_waiting(scheduled, budget, threshold, prefill_scheduled, swap_in, defer, enc)
+            self._end_admission(plan)
+            if not defer:  # a released step: did it drain the waiting queue (skipped requests aside)?
+                waiting = [r for r in self._requests.values() if r.status != RequestStatus.RUNNING]
+                self._prefill_capacity_bound = len(waiting) > sum(1 for r in waiting if r.deferred)
+        if any(e[1] for e in scheduled):
+            self._num_executed_steps += 1
+        if interval > 1 and (prefill_scheduled or prefill_admitted):
+            self._last_prefill_step = self._num_executed_steps
+
+        work = sorted(enc.work, key=lambda w: w[1])
+        enc_ids: list[list[int]] = [[i for x, i in work if x is e[0]] for e in scheduled]
+        enc_hashes = [e[0].encoder_inputs[i][2] for e, ids in zip(scheduled, enc_ids, strict=True) for i in ids]
+        if sum(map(len, enc_ids)) != len(work):
+            raise InternalError("an encoder input is computed by a request not in the step")
+        self._stats["encoder_inputs"] += len(work)
+        self._stats["encoder_tokens"] += sum(x.encoder_inputs[i][1] for x, i in work)
+        entries = []
+        for r, n, _, _, drafts, _, is_chunk in scheduled:
+            r.num_in_flight_tokens += n
+            if not is_chunk:
+                r.inflight_prefill = False
+            if c.async_scheduling and not is_chunk:  # placeholders for the token(s) this step samples
+                r.num_output_placeholders += 1 + len(drafts)
+                r.drafts = [-1] * num_spec
+            entries.append((r, is_chunk, len(drafts)))
+        out = SchedulerOutput(
+            step_id=self._next_step_id,
+            req_ids=[e[0].req_id for e in scheduled],
+            num_scheduled_tokens=np.array([e[1] for e in scheduled], dtype=np.int32),
+            num_computed_tokens=np.array([e[2] for e in scheduled], dtype=np.int32),
+            new_req_ids=[e[0].req_id for e in scheduled if e[5] == "new"],
+            resumed_req_ids=[e[0].req_id for e in scheduled if e[5] == "resumed"],
+            new_block_ids=np.array([b for e in scheduled for b in e[3]], dtype=np.int32),
+            new_block_ids_indptr=_indptr([len(e[3]) for e in scheduled]),
+            spec_token_ids=np.array([t for e in scheduled for t in e[4]], dtype=np.int32),
+            spec_token_ids_indptr=_indptr([len(e[4]) for e in scheduled]),
+            total_num_scheduled_tokens=sum(e[1] for e in scheduled),
+            preempted_req_ids=self._preempted_since_schedule + [r.req_id for r in preempted],
+            finished_req_ids=self._finished_since_schedule,
+            swap_out=np.array(swap_out, dtype=np.int32).reshape(-1, 2),
+            swap_in=np.array(swap_in, dtype=np.int32).reshape(-1, 2),
+            kv_connector_metadata=None,
+            scheduled_encoder_inputs=np.array([i for ids in enc_ids for i in ids], dtype=np.int32),
+            scheduled_encoder_inputs_indptr=_indptr([len(ids) for ids in enc_ids]),
+            free_encoder_hashes=np.array(self._encoder.take_freed(), dtype=np.uint64),
+            _encoder_hashes=enc_hashes,
+            _owner=self._owner,
+            _entries=entries,
+            _cached_blocks=self._newly_cached,
+            _swapped_out=[r for r in preempted if r.cpu_blocks],
+        )
+        self._newly_cached = []
+        self._next_step_id += 1
+        self._finished_since_schedule = []
+        self._preempted_since_schedule = []
+        self._last_out, self._last_out_fresh = out, True
+        self._in_schedule = False
+        if self._connector is not None:
+            self._after_hooks()
+            if hasattr(self._connector, "build_connector_meta"):
+                out.kv_connector_metadata = self._connector.build_connector_meta(out)
+        return out
+
+    def _admit_waiting(
+        self,
+        scheduled: list[list[Any]],
+        budget: int,
+        threshold: int,
+        prefill_scheduled: bool,
+        swap_in: list[int],
+        defer: bool,
+        enc: _EncoderStep,
+    ) -> bool:
+        """Phase B: admit waiting requests in policy order; never preempts. Requests whose KV load is over
+        (``_kv_waiting``) go first, and are the only ones admitted when paused for new requests. Requests that
+        cannot run yet are skipped and keep their place. With ``defer`` it stops at a request with prompt to
+        compute. Returns whether it admitted one that has (vLLM's ``prefill_admitted``)."""
+        prefill_admitted = False
+        c, bs, look = self._config, self._bs, self._config.num_lookahead_tokens
+        k = c.num_spec_tokens  # drafts per step: the padding of a new decode
+        watermark = int(c.watermark * c.num_blocks)
+        any_running_scheduled = bool(scheduled)
+        counted = self._running if c.max_loras_counts_unscheduled else [e[0] for e in scheduled]
+        loras = {r.lora_name for r in counted if r.lora_name is not None}
+        skipped: list[_Request] = []
+        skipped_kv: list[_Request] = []
+        max_active = c.max_num_active_seqs or c.max_num_seqs
+        rekeys = [0]  # sjf re-keys in this pass
+        while budget > 0 and len(self._running) < max_active:
+            from_kv = len(self._kv_waiting) > 0
+            if not from_kv and self._pause_state != "unpaused":
+                break
+            queue = self._kv_waiting if from_kv else self._waiting
+            if not len(queue):
+                break
+            if from_kv:
+                r, aged = queue.peek(), False
+            else:
+                picked = self._peek_waiting(skipped, rekeys)
+                if picked is None:
+                    break
+                r, aged = picked
+
+            def take(r: _Request = r, queue: _WaitingQueue = queue, aged: bool = aged) -> _Request:
+                """Take the candidate out of its queue: the head, or its place if aging picked it."""
+                if aged:
+                    queue.remove(r)
+                    return r
+                return queue.pop()
+
+            if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and r.grammar_ready:
+                r.status = RequestStatus.WAITING
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.kv_load_done:
+                self._promote_loaded(r)
+            lora_blocked = (
+                c.max_loras > 0 and len(loras) >= c.max_loras and r.lora_name is not None and r.lora_name not in loras
+            )
+            blocked = (
+                r.status in (RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
+                or (r.num_stale_output_tokens > 0 and not r.drop_stale_output)
+                or lora_blocked
+            )
+            ext, load_async = 0, False
+            computed_before = r.num_computed_tokens
+            hits: list[int] = []
+            if not blocked and computed_before == 0:
+                hits = [] if r.skip_reading_prefix_cache else self._lookup(r.block_hashes, r.num_tokens)
+                if self._connector is not None and not r.cpu_blocks:  # a swapped-out request resumes from its copy
+                    matched = self._hook_matched(r, len(hits) * bs)
+                    if r.skip_reading_prefix_cache:
+                        pass  # asked, but nothing is loaded for a request that skips reading the cache
+                    elif matched is None:
+                        blocked = True
+                    else:
+                        room = r.num_tokens - len(hits) * bs
+                        ext = min(matched[0], room)
+                        load_async = matched[1] and ext > 0
+                        if not load_async and ext == room:
+                            ext = room - 1  # a synchronous load leaves at least one token to compute
+            if blocked:
+                r.deferred = True
+                take()
+                # Back among the requests holding KV blocks if it holds some (vLLM's _holds_kv_blocks); a request
+                # whose failed load left nothing goes back to `waiting`.
+                holds_kv = (
+                    r.status == RequestStatus.WAITING_FOR_REMOTE_KVS or r.num_computed_tokens > 0 or bool(r.block_ids)
+                )
+                (skipped_kv if holds_kv else skipped).append(r)
+                continue
+            hit_tokens = len(hits) * bs
+            restored = max(hit_tokens, r.num_swapped_tokens)  # swapped tokens come back by swap_in
+            computed = computed_before if computed_before > 0 else restored + ext
+            has_prefill = computed + 1 < r.num_tokens
+            if defer and not load_async and has_prefill:
+                break  # deferred prefill (an asynchronous load computes nothing this step)
+            n = 0 if load_async else r.num_tokens - computed
+            pad = False
+            if not load_async:
+                # spec decoding: one token left, admitted into a batch of decodes: pad with placeholder drafts
+                pad = (
+                    k > 0
+                    and n == 1
+                    and not prefill_scheduled
+                    and (any_running_scheduled or computed > 0)
+                    and computed + 1 + k + 1 <= c.max_model_len
+                    and computed + 1 + k <= c.max_slots_per_request
+                    and (threshold == 0 or threshold >= 1 + k)
+                )
+                if pad:
+                    if 1 + k > budget:
+                        break
+                    n = 1 + k
+                if 0 < threshold < n:
+                    n = threshold
+                if not c.enable_chunked_prefill and n > budget:
+                    break
+                n = min(n, budget)
+            planned = not load_async and bool(r.encoder_inputs)
+            if planned:
+                n = self._plan_encoder(enc, r, computed, n)
+                if n == 0:  # vLLM 0.33: its first encoder input does not fit: skipped, it keeps its place
+                    self._rollback_encoder(enc, r)
+                    r.deferred = True
+                    (skipped_kv if from_kv else skipped).append(take())
+                    continue
+            reserved = watermark if self._running else 0
+            if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, reserved):
+                if planned:
+                    self._rollback_encoder(enc, r)
+                break  # vLLM's full-prompt admission gate: the whole sequence must fit, not just this chunk
+            # vLLM 0.33: an asynchronous load leaves free what the in-flight prefills still need.
+            extra = self._inflight_reserved_blocks() if load_async and c.reserve_inflight_prefills else 0
+            if computed_before == 0:
+                r.num_computed_tokens = restored - hit_tokens  # _allocate_slots counts from computed + hits
+            alloc_reserved = reserved + extra
+            if self._allocate_slots(r, n, hits, 0 if load_async else look, alloc_reserved, ext, not load_async) is None:
+                if computed_before == 0:
+                    r.num_computed_tokens = 0
+                if planned:
+                    self._rollback_encoder(enc, r)
+                break
+            if planned:
+                self._commit_encoder(enc)
+            self._complete_resume(r, len(hits), computed, swap_in)
+            if self._connector is not None:
+                self._hook_after_alloc(r, ext)
+                if computed_before == 0:
+                    self._stats["connector_queries"] += r.num_tokens - hit_tokens
+                    self._stats["connector_hits"] += ext
+            if computed_before == 0 and not r.skip_reading_prefix_cache:  # no lookup, no query
+                prefix = "preempted_" if r.num_preemptions > 0 else ""
+                self._stats[prefix + "queries"] += r.num_tokens
+                self._stats[prefix + "hits"] += hit_tokens
+            take()
+            r.wait_seq = 0  # it left waiting
+            if load_async:  # holds its blocks until the engine reports the load over
+                r.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                r.num_computed_tokens = computed
+                r.kv_load_done = False
+                r.inflight_prefill = True
+                r.deferred = True
+                # Parked, or (vLLM 0.33's rule) back with the skipped requests that hold KV blocks, at its place.
+                r.parked = c.park_kv_loads
+                if not c.park_kv_loads:
+                    skipped_kv.append(r)
+                continue
+            self._tenants[r.tenant].num_waiting -= 1
+            self._tenants.charge_prompt(r, computed, n)
+            self._running.append(r)
+            if r.session_id is not None:
+                self._sessions[r.session_id][0] += 1
+            kind = "new" if r.status == RequestStatus.WAITING else "resumed"
+            r.status = RequestStatus.RUNNING
+            r.deferred = False
+            if r.lora_name is not None:
+                loras.add(r.lora_name)
+            if r.num_cached_tokens < 0:
+                r.num_cached_tokens = computed
+            is_chunk = computed + n < r.num_tokens
+            scheduled.append([r, n, computed, list(r.block_ids), [-1] * k if pad else [], kind, is_chunk])
+            r.num_computed_tokens = computed + n
+            r.is_prefill_chunk = is_chunk
+            r.inflight_prefill |= is_chunk  # leaves the set after the step (vLLM's _update_after_schedule)
+            budget -= n
+            prefill_admitted |= has_prefill
+        for r in reversed(skipped):  # back to the front in their order (fcfs), or by their key (priority)
+            self._waiting.add_preempted(r)
+            if r.wait_seq == 0:  # back from kv_waiting (its failed load left nothing): it enters waiting anew
+                self._enter_waiting(r)
+        for r in reversed(skipped_kv):
+            self._kv_waiting.add_preempted(r)
+        return prefill_admitted
+
+    def _inflight_reserved_blocks(self) -> int:
+        """vLLM 0.33's _inflight_prefill_reserved_blocks + _spec_decode_step_blocks: what the in-flight prefills
+        still need for their whole sequence (with spec decoding, plus a decode step's 1 + k + lookahead slots),
+        plus one decode step's blocks."""
+        c, bs = self._config, self._bs
+        k = c.num_spec_tokens
+        step = 1 + k + c.num_lookahead_tokens if k else 0
+        total = -(-step // bs)
+        for r in self._requests.values():
+            if r.inflight_prefill:
+                total += max(0, -(-(min(r.num_tokens, c.max_model_len) + step) // bs) - len(r.block_ids))
+        return total
+
+    def _promote_loaded(self, r: _Request) -> None:
+        """A request whose asynchronous load is over becomes WAITING (PREEMPTED if it was preempted before): its
+        loaded blocks enter the cache (after a failure only the valid prefix; with nothing valid its blocks are
+        freed and it is admitted afresh), and a fully loaded prompt recomputes its last token."""
+        if r.kv_load_failed and r.num_computed_tokens == 0:
+            self._free_blocks(r)
+        else:
+            self._cache_blocks(r, r.num_computed_tokens)
+        if r.num_computed_tokens == r.num_tokens:
+            r.num_computed_tokens -= 1
+            if r.num_computed_tokens == 0 and r.block_ids:  # a one-token prompt: nothing left, admitted afresh
+                self._free_blocks(r)
+        r.kv_load_done = r.kv_load_failed = False
+        r.status = RequestStatus.PREEMPTED if r.num_preemptions > 0 else RequestStatus.WAITING

@@ -1,0 +1,180 @@
+//! The prefix cache's block events, in the shape of vLLM's KV cache events (`BlockStored`, `BlockRemoved`,
+//! `AllBlocksCleared`), recorded only with `enable_kv_cache_events` and taken by the host (once per step, or
+//! whenever it likes) in the order they happened.
+//!
+//! - stored: full blocks of one request entered the prefix cache, a run of blocks each the child of the one
+//!   before, the first the child of `parent` (`None` for the prompt's first block), with the tokens of all of
+//!   them and the request's LoRA name and cache salt (the extra keys of their hashes);
+//! - removed: one block left the prefix cache (its block was reused, or a failed step took it out again);
+//! - cleared: the whole prefix cache was dropped (`reset_prefix_cache`).
+//!
+//! As in vLLM, the events are per block, not per hash: two blocks cached under the same hash (two requests that
+//! computed the same prefix) are stored twice and removed twice. `num_copies[i]` says how many blocks carry
+//! block `i`'s hash right after its event (>= 1 after a store, >= 0 after a removal), so a consumer that keeps a
+//! set of hashes adds a hash when a store leaves 1 copy and drops it when a removal leaves 0.
+//!
+//! Struct of arrays, ragged data as values plus offsets: event `e`'s blocks are
+//! `block_hashes[block_indptr[e]..block_indptr[e + 1]]` and its tokens `token_ids[token_indptr[e]..
+//! token_indptr[e + 1]]`. Invariant (`check`): every offset list starts at 0, has one entry per event plus one
+//! and never decreases; removed events hold one block and no tokens, cleared events neither.
+
+use crate::hashing::{BlockHash, ExtraKeys};
+
+/// `KvCacheEvents::kinds`: full blocks entered the prefix cache.
+pub const STORED: u8 = 0;
+/// `KvCacheEvents::kinds`: one block left the prefix cache.
+pub const REMOVED: u8 = 1;
+/// `KvCacheEvents::kinds`: the whole prefix cache was dropped.
+pub const CLEARED: u8 = 2;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvCacheEvents {
+    /// Per event: `STORED`, `REMOVED` or `CLEARED`.
+    pub kinds: Vec<u8>,
+    /// Offsets of each event's blocks in `block_hashes` (one more entry than events).
+    pub block_indptr: Vec<u32>,
+    pub block_hashes: Vec<BlockHash>,
+    /// Per block: the blocks carrying its hash right after its event.
+    pub num_copies: Vec<u32>,
+    /// Per event: the hash of the block before a stored run (`None` for a prompt's first block, and for
+    /// removed and cleared events).
+    pub parents: Vec<Option<BlockHash>>,
+    /// Offsets of each event's tokens in `token_ids` (one more entry than events).
+    pub token_indptr: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    /// Per event: the storing request's LoRA name and cache salt (empty for removed and cleared events).
+    pub extra_keys: Vec<ExtraKeys>,
+}
+
+impl Default for KvCacheEvents {
+    fn default() -> Self {
+        KvCacheEvents {
+            kinds: Vec::new(),
+            block_indptr: vec![0],
+            block_hashes: Vec::new(),
+            num_copies: Vec::new(),
+            parents: Vec::new(),
+            token_indptr: vec![0],
+            token_ids: Vec::new(),
+            extra_keys: Vec::new(),
+        }
+    }
+}
+
+impl KvCacheEvents {
+    pub fn len(&self) -> usize {
+        self.kinds.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.kinds.is_empty()
+    }
+
+    /// Ends an event: closes its block and token ranges.
+    fn close(&mut self, kind: u8, parent: Option<BlockHash>, extra: ExtraKeys) {
+        self.kinds.push(kind);
+        self.block_indptr.push(self.block_hashes.len() as u32);
+        self.token_indptr.push(self.token_ids.len() as u32);
+        self.parents.push(parent);
+        self.extra_keys.push(extra);
+    }
+
+    /// A run of blocks entered the cache: `blocks` pairs each hash with its number of copies after the store;
+    /// `tokens` are the tokens of all of them.
+    pub fn push_stored(
+        &mut self,
+        blocks: impl Iterator<Item = (BlockHash, u32)>,
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+    ) {
+        for (h, n) in blocks {
+            self.block_hashes.push(h);
+            self.num_copies.push(n);
+        }
+        self.token_ids.extend_from_slice(tokens);
+        self.close(STORED, parent, extra.clone());
+    }
+
+    /// One block carrying `hash` left the cache; `num_copies` blocks still carry it.
+    pub fn push_removed(&mut self, hash: BlockHash, num_copies: u32) {
+        self.block_hashes.push(hash);
+        self.num_copies.push(num_copies);
+        self.close(REMOVED, None, ExtraKeys::default());
+    }
+
+    pub fn push_cleared(&mut self) {
+        self.close(CLEARED, None, ExtraKeys::default());
+    }
+
+    /// The events recorded so far, leaving none.
+    pub fn take(&mut self) -> KvCacheEvents {
+        std::mem::take(self)
+    }
+
+    /// Checks the layout (see the module docs).
+    pub fn check(&self) -> Result<(), String> {
+        let n = self.kinds.len();
+        let lens = [self.block_indptr.len(), self.token_indptr.len()];
+        if lens != [n + 1, n + 1] || self.parents.len() != n || self.extra_keys.len() != n {
+            return Err(format!("{n} events but offsets / per-event lists of lengths {lens:?}"));
+        }
+        if self.num_copies.len() != self.block_hashes.len() {
+            return Err("num_copies and block_hashes differ in length".into());
+        }
+        for (indptr, total) in
+            [(&self.block_indptr, self.block_hashes.len()), (&self.token_indptr, self.token_ids.len())]
+        {
+            if indptr[0] != 0 || indptr[n] as usize != total || indptr.windows(2).any(|w| w[0] > w[1]) {
+                return Err("event offsets do not cover their values in order".into());
+            }
+        }
+        for e in 0..n {
+            let blocks = self.block_indptr[e + 1] - self.block_indptr[e];
+            let tokens = self.token_indptr[e + 1] - self.token_indptr[e];
+            let ok = match self.kinds[e] {
+                STORED => blocks > 0,
+                REMOVED => blocks == 1 && tokens == 0 && self.parents[e].is_none(),
+                CLEARED => blocks == 0 && tokens == 0 && self.parents[e].is_none(),
+                _ => false,
+            };
+            if !ok {
+                return Err(format!(
+                    "event {e} (kind {}) has {blocks} blocks and {tokens} tokens",
+                    self.kinds[e]
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(x: u8) -> BlockHash {
+        BlockHash([x; 32])
+    }
+
+    #[test]
+    fn events_keep_their_order_and_layout() {
+        let mut ev = KvCacheEvents::default();
+        let salt = ExtraKeys { cache_salt: Some("s".into()), lora_name: None };
+        ev.push_stored([(h(1), 1), (h(2), 2)].into_iter(), None, &[5, 6, 7, 8], &salt);
+        ev.push_removed(h(2), 1);
+        ev.push_cleared();
+        ev.push_stored([(h(3), 1)].into_iter(), Some(h(2)), &[9, 9], &ExtraKeys::default());
+        ev.check().unwrap();
+        assert_eq!(ev.kinds, vec![STORED, REMOVED, CLEARED, STORED]);
+        assert_eq!(ev.block_indptr, vec![0, 2, 3, 3, 4]);
+        assert_eq!(ev.token_indptr, vec![0, 4, 4, 4, 6]);
+        assert_eq!(ev.num_copies, vec![1, 2, 1, 1]);
+        assert_eq!(ev.parents, vec![None, None, None, Some(h(2))]);
+        assert_eq!(ev.extra_keys[0], salt);
+        let taken = ev.take();
+        assert_eq!(taken.len(), 4);
+        assert!(ev.is_empty());
+        ev.check().unwrap();
+    }
+}
