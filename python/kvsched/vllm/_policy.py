@@ -349,7 +349,7 @@ class RequestAttrs:
         """vLLM's ``RequestError`` that fails a request for ``error`` (a validation error: HTTP 400 from the
         OpenAI server); logged at INFO, as vLLM logs its own validation failures (offline ``LLM.generate`` keeps
         only the finish reason)."""
-        from vllm.v1.engine import RequestError
+        from vllm.outputs import RequestError  # in both supported releases (vllm.v1.engine re-exports it in 0.33)
 
         _logger.info("Request failed validation: %s", error)
         return RequestError(code="validation_error", message=str(error))
