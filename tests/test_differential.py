@@ -735,6 +735,10 @@ def configs(draw: Any) -> SchedulerConfig:
         reserve_inflight_prefills=draw(st.booleans()),
         defer_block_free=draw(st.booleans()),
         drop_preempted_output=draw(st.booleans()),
+        max_loras_counts_unscheduled=draw(st.booleans()),
+        continue_after_self_preemption=draw(st.booleans()),
+        cache_drafts_at_update=draw(st.booleans()),
+        trim_computed_on_stop=draw(st.booleans()),
     )
 
 

@@ -1,5 +1,8 @@
 """Drive vLLM's own scheduler and ``kvsched.vllm.Scheduler`` side by side and compare everything observable.
 
+vLLM's side is the installed release's own ``Scheduler``/``AsyncScheduler`` (0.32 or 0.33: run the driver in an
+environment with each to check both); kvsched's adapter follows that release's rules.
+
 Used by ``tests/test_vllm_differential.py`` (and runnable by hand for long sweeps:
 ``python tests/vllm_driver.py --seeds 200 --steps 300``). Each scheduler gets its own, identical ``Request``
 objects and its own copy of every ``ModelRunnerOutput`` (``update_from_output`` trims the lists it is given).
@@ -29,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import contextlib
 
+from kvsched.vllm import RULES
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 
 # Request fields mirrored by the adapter and compared after every call.
@@ -602,7 +606,7 @@ def run_seed(
         cfg.num_speculative_tokens = num_speculative_tokens
     if not cfg.num_speculative_tokens:
         cfg.per_request_spec_decode_metrics = "none"  # vLLM refuses it without a drafter
-    if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2:
+    if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2 and RULES.skip_drafts:
         cfg.speculative_method = "ngram_gpu"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
     cfg.kv_events = kv_events
     Pair(cfg, seed).run(steps)
@@ -624,6 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--kv-events", action="store_true", help="KV cache events on, published batches compared")
     args = p.parse_args(argv)
+    import vllm
+
+    print(f"vLLM {vllm.__version__}: its Scheduler/AsyncScheduler against kvsched.vllm.Scheduler", flush=True)
     failures = 0
     roles = args.kv_roles.split(",") if args.connector else [None]
     for mode in args.modes.split(","):

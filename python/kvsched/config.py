@@ -500,6 +500,40 @@ class SchedulerConfig:
             "connector's `requires_kv_delivery`). See [In-flight steps](#in-flight-steps)"
         ),
     )
+    max_loras_counts_unscheduled: bool = field(
+        default=True,
+        metadata=_spec(
+            "which LoRA adapters count against `max_loras` when a waiting request is admitted: every running "
+            "request's (vLLM 0.33), or with False only those of the running requests scheduled in this step "
+            "(vLLM 0.32)"
+        ),
+    )
+    continue_after_self_preemption: bool = field(
+        default=True,
+        metadata=_spec(
+            "`priority`: when the running request being scheduled cannot get blocks and is itself the lowest-ranked "
+            "victim, it is preempted and the pass goes on with the next running request, which ranks higher and may "
+            "fit in the blocks it freed (vLLM 0.33); with False the pass over the running requests ends there "
+            "(vLLM 0.32)"
+        ),
+    )
+    cache_drafts_at_update: bool = field(
+        default=True,
+        metadata=_spec(
+            "with speculative decoding, the blocks a step's accepted tokens complete are cached when its output is "
+            "applied (vLLM 0.33); with False only requests with output placeholders (async scheduling) cache then, "
+            "the others at their next allocation (vLLM 0.32)"
+        ),
+    )
+    trim_computed_on_stop: bool = field(
+        default=True,
+        metadata=_spec(
+            "a stop inside a step's tokens (a draft accepted past EOS or `max_tokens`) cuts the request's computed "
+            "count back to the tokens kept (vLLM 0.33); with False the count stays, so the blocks a KV connector "
+            "gets at the finish also cover the cut tokens (vLLM 0.32). The blocks cached at that update never "
+            "cover them"
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in CONFIG_FIELDS:

@@ -153,7 +153,11 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     if r.encoder_inputs:
                         self._rollback_encoder(enc, r)
                     break
-                continue  # r preempted itself; the requests after it rank higher and may still fit (none under fcfs)
+                # r preempted itself; the requests after it rank higher and may still fit (none under fcfs). vLLM
+                # 0.32 ends the pass there under priority.
+                if c.policy == "priority" and not c.continue_after_self_preemption:
+                    break
+                continue
             prefill_scheduled |= r.is_prefill_chunk
             if r.encoder_inputs:
                 self._commit_encoder(enc)
@@ -261,7 +265,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         k = c.num_spec_tokens  # drafts per step: the padding of a new decode
         watermark = int(c.watermark * c.num_blocks)
         any_running_scheduled = bool(scheduled)
-        loras = {r.lora_name for r in self._running if r.lora_name is not None}
+        counted = self._running if c.max_loras_counts_unscheduled else [e[0] for e in scheduled]
+        loras = {r.lora_name for r in counted if r.lora_name is not None}
         skipped: list[_Request] = []
         skipped_kv: list[_Request] = []
         max_active = c.max_num_active_seqs or c.max_num_seqs

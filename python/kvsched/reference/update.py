@@ -102,11 +102,15 @@ class _UpdateMixin(_KVCacheManagerMixin, _ConnectorMixin, _EncoderSchedMixin):
             decode_tokens[r.tenant] = decode_tokens.get(r.tenant, 0) + int(num_new[k])
             self._update_block_hashes(r)
             if not stale:
-                if stop is not None:  # the rest of the entry is cut: computed covers only what was kept
-                    r.num_computed_tokens = max(0, r.num_computed_tokens - (len(entry) - int(num_new[k])))
+                # A stop cuts the rest of the entry: computed covers only what was kept (with trim_computed_on_stop;
+                # the blocks cached now never cover the cut tokens).
+                cut = len(entry) - int(num_new[k]) if stop is not None else 0
+                if self._config.trim_computed_on_stop:
+                    r.num_computed_tokens = max(0, r.num_computed_tokens - cut)
+                    cut = 0
                 r.num_output_placeholders = max(0, r.num_output_placeholders - len(entry))
-                if was_running and (had_placeholders or spec_decoding):
-                    self._cache_blocks(r, max(0, r.num_computed_tokens - r.num_in_flight_tokens))
+                if was_running and (had_placeholders or (spec_decoding and self._config.cache_drafts_at_update)):
+                    self._cache_blocks(r, max(0, r.num_computed_tokens - cut - r.num_in_flight_tokens))
             if stop is not None:
                 status, reason, stop_reason = stop
                 self._finish(r, status)

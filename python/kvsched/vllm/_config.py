@@ -1,4 +1,4 @@
-"""Translate a vLLM 0.33 engine configuration into a kvsched :class:`~kvsched.config.SchedulerConfig`.
+"""Translate a vLLM engine configuration into a kvsched :class:`~kvsched.config.SchedulerConfig`.
 
 Everything kvsched's core does not implement yet is refused here, at construction, with an
 :class:`UnsupportedFeatureError` that names the feature and the vLLM setting that turned it on. A refused
@@ -12,6 +12,7 @@ from typing import Any
 
 from kvsched.config import SchedulerConfig
 
+from ._compat import RULES
 from ._errors import UnsupportedFeatureError
 from ._kv_events import kv_events_enabled
 from ._policy import build_config, effective_policy, read_additional_config
@@ -131,9 +132,15 @@ def kvsched_config_from_vllm(
         if lookahead not in (0, num_spec_tokens):
             _refuse("drafters whose lookahead slots differ from 0 and num_speculative_tokens", method)
         victim = knobs.get("preemption_victim", "default")
-        if lookahead and (policy != "fcfs" or victim != "default") and bool(vllm_config.use_v2_model_runner):
+        if (
+            RULES.skip_drafts
+            and lookahead
+            and (policy != "fcfs" or victim != "default")
+            and bool(vllm_config.use_v2_model_runner)
+        ):
             # vLLM's skip_drafts counts a request scheduled and then preempted in the same step; only the FCFS
-            # victim (the tail of `running`) is never one, and the core does not report the others.
+            # victim (the tail of `running`) is never one, and the core does not report the others. (vLLM 0.32 has
+            # no skip_drafts.)
             _refuse(
                 "EAGLE-style drafters on model runner V2 (skip_drafts) with a victim rule that can preempt a request "
                 "already scheduled in the step (a policy other than fcfs, or preemption_victim other than default)",
@@ -163,14 +170,19 @@ def kvsched_config_from_vllm(
     if sched.max_num_active_seqs is not None:
         fields["max_num_active_seqs"] = int(sched.max_num_active_seqs)
     fields["long_prefill_token_threshold_adaptive"] = bool(sched.long_prefill_token_threshold_adaptive)
-    # vLLM 0.33 applies the prefill cadence in the scheduler only without data parallelism; a DP engine core
-    # drives it across ranks through schedule(throttle_prefills=...), which the adapter passes to the core.
+    # vLLM 0.33 applies the prefill cadence in the scheduler only without data parallelism (vLLM 0.32 never); a DP
+    # engine core drives it across ranks through schedule(throttle_prefills=...), which the adapter passes on.
     fields["prefill_schedule_interval"] = (
-        int(sched.prefill_schedule_interval) if parallel.data_parallel_size == 1 else 1
+        int(sched.prefill_schedule_interval) if RULES.local_prefill_cadence and parallel.data_parallel_size == 1 else 1
     )
-    # vLLM 0.33 keeps a request waiting for its grammar in `waiting` (skipped where the admission pass reaches it).
+    # Where the supported vLLM releases' scheduling rules differ (kvsched.vllm._compat).
+    fields["max_loras_counts_unscheduled"] = RULES.max_loras_counts_unscheduled
+    fields["continue_after_self_preemption"] = RULES.continue_after_self_preemption
+    fields["cache_drafts_at_update"] = RULES.cache_drafts_at_update
+    fields["trim_computed_on_stop"] = RULES.trim_computed_on_stop
+    # vLLM keeps a request waiting for its grammar in `waiting` (skipped where the admission pass reaches it).
     fields["park_grammar_waits"] = False
-    # vLLM 0.33 keeps a request whose asynchronous KV load is in progress in `kv_holding_waiting` at its place.
+    # vLLM keeps a request whose asynchronous KV load is in progress in `kv_holding_waiting` at its place.
     fields["park_kv_loads"] = False
     # ... and admits an asynchronous load only beside what its in-flight prefills still need.
     fields["reserve_inflight_prefills"] = True

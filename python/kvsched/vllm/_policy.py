@@ -43,6 +43,7 @@ from kvsched._errors import (
 )
 from kvsched.config import CONFIG_FIELDS, SchedulerConfig
 
+from ._compat import RULES
 from ._errors import UnsupportedFeatureError
 
 __all__ = [
@@ -118,6 +119,16 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
     "park_grammar_waits": (False, "vLLM 0.33 keeps a request waiting for its grammar at its place in `waiting`"),
     "park_kv_loads": (False, "vLLM 0.33 keeps a request whose KV load is in progress at its place"),
     "reserve_inflight_prefills": (True, "vLLM 0.33 admits a KV load only beside its in-flight prefills"),
+    # The rules where the supported vLLM releases differ: the installed release's (kvsched.vllm.RULES).
+    **{
+        name: (getattr(RULES, name), f"the installed vLLM {RULES.version} has this rule (kvsched.vllm.RULES)")
+        for name in (
+            "max_loras_counts_unscheduled",
+            "continue_after_self_preemption",
+            "cache_drafts_at_update",
+            "trim_computed_on_stop",
+        )
+    },
 }
 
 
@@ -475,7 +486,7 @@ class RequestAttrs:
         """vLLM's ``RequestError`` that fails a request for ``error``: a validation error (HTTP 400 from the
         OpenAI server), or for :class:`~kvsched.QueueFullError` a retryable one (HTTP 503); logged at INFO, as
         vLLM logs its own validation failures (offline ``LLM.generate`` keeps only the finish reason)."""
-        from vllm.v1.engine import RequestError
+        from vllm.outputs import RequestError  # in both supported releases (vllm.v1.engine re-exports it in 0.33)
 
         if isinstance(error, QueueFullError):
             _logger.info("Request refused: %s", error)

@@ -1,4 +1,4 @@
-"""``kvsched.vllm.Scheduler``: vLLM 0.33's ``SchedulerInterface`` on top of kvsched's Rust core.
+"""``kvsched.vllm.Scheduler``: vLLM's ``SchedulerInterface`` (0.32 and 0.33) on top of kvsched's Rust core.
 
 The core decides everything that is a scheduling decision: which requests run, how many tokens each computes,
 which KV blocks they get (the same block ids as vLLM's block pool would hand out), which prefixes hit the cache,
@@ -6,9 +6,10 @@ whom to preempt, and when a request stops. This class keeps vLLM's ``Request`` o
 bookkeeping vLLM's own scheduler does (computed tokens, in-flight and placeholder counts, status, outputs,
 events), and turns the core's columnar output into vLLM's ``SchedulerOutput`` and ``EngineCoreOutputs``.
 
-The bookkeeping follows ``vllm/v1/core/sched/scheduler.py`` and ``async_scheduler.py`` of vLLM 0.33 field by
-field, so that the differential test (``tests/test_vllm_differential.py``) can compare every field of every
-output and every request's state with vLLM's own scheduler after every call.
+The bookkeeping follows ``vllm/v1/core/sched/scheduler.py`` and ``async_scheduler.py`` of the installed vLLM
+release field by field (where 0.32 and 0.33 differ, ``_compat.RULES`` says which way), so that the differential
+test (``tests/test_vllm_differential.py``) can compare every field of every output and every request's state with
+vLLM's own scheduler after every call.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from kvsched._types import RequestStatus as KvRequestStatus
 from kvsched.config import tenant_cache_salt
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
+from ._compat import RULES
 from ._config import UnsupportedFeatureError, _check_kv_cache_config, check_kv_connector, kvsched_config_from_vllm
 from ._connector import ConnectorBridge
 from ._kv_events import KVEventTranslator, make_publisher
@@ -90,7 +92,7 @@ def _is_vllm_sha256_hasher(hasher: Any, hash_block_size: int) -> bool:
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in hasher.__closure__ or ()), strict=False))
     if (
         cells.get("caching_hash_fn") is not sha256
-        or cells.get("num_hash_lookahead_tokens") != 0
+        or cells.get("num_hash_lookahead_tokens", 0) != 0  # vLLM 0.32's hasher has no lookahead
         or cells.get("hash_block_size") != hash_block_size
     ):
         return False
@@ -129,7 +131,7 @@ def _restore_state(state: _UpdatedState) -> None:
 
 
 class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped here
-    """vLLM 0.33's scheduler interface, scheduled by kvsched's Rust core.
+    """vLLM's scheduler interface (0.32 and 0.33), scheduled by kvsched's Rust core.
 
     ``vllm serve MODEL --scheduler-cls kvsched.vllm.Scheduler`` or
     ``vllm.LLM(model, scheduler_cls="kvsched.vllm.Scheduler")``. Synchronous and asynchronous scheduling both
@@ -177,8 +179,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.connector: Any = None
         self.ec_connector = None
         self.num_lookahead_tokens = config.num_lookahead_tokens
-        # vLLM's model runner V2 skips drafting in a step whose drafts nobody can use (skip_drafts).
-        self.can_skip_drafts = self.num_lookahead_tokens > 0 and self.use_v2_model_runner
+        # vLLM's model runner V2 skips drafting in a step whose drafts nobody can use (skip_drafts, vLLM 0.33).
+        self.can_skip_drafts = RULES.skip_drafts and self.num_lookahead_tokens > 0 and self.use_v2_model_runner
         self.spec_decode_metrics_level = str(
             getattr(vllm_config.observability_config, "per_request_spec_decode_metrics", "none") or "none"
         )
@@ -494,7 +496,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if grammar is None:
                 continue
             if isinstance(grammar, Exception):
-                from vllm.v1.engine import RequestError
+                from vllm.outputs import RequestError
 
                 del self._blocked[req_id]
                 self._grammar_errors[req_id] = RequestError(
@@ -790,7 +792,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             has_structured_output_requests=has_so,
             pending_structured_output_tokens=pending_so,
             num_spec_tokens_to_schedule=self.num_spec_tokens,
-            skip_drafts=not drafts_needed,
+            **({"skip_drafts": not drafts_needed} if RULES.skip_drafts else {}),
         )
         if bridge is not None:
             assert pre_update is not None
@@ -996,7 +998,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         finish_reason=request.get_finished_reason(),
                         events=request.take_events(),
                         trace_headers=request.trace_headers,
-                        error=errors.get(request.request_id),
+                        **({"error": errors.get(request.request_id)} if RULES.output_error else {}),
                     )
                 )
 
@@ -1354,7 +1356,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         caches_now = (
             not stale
             and request.status == _RUNNING
-            and (request.num_output_placeholders > 0 or self.num_spec_tokens > 0)
+            and (request.num_output_placeholders > 0 or (self.num_spec_tokens > 0 and RULES.cache_drafts_at_update))
         )
         if generated:
             num_generated = len(generated)
@@ -1364,13 +1366,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             stop = finished.get(req_id)
             if stop is not None:
                 stopped = True
-                if not stale:
+                if not stale and RULES.trim_computed_on_stop:
                     request.num_computed_tokens -= num_generated - num_accepted
                 request.status = _FINISHED_STATUS[stop[0]]
                 if stop[1] >= 0:
                     request.stop_reason = stop[1]
             if not stale and request.num_output_placeholders > 0:
-                request.num_output_placeholders -= num_generated
+                # vLLM 0.32 resolves placeholders only for the tokens a stop kept.
+                request.num_output_placeholders -= num_generated if RULES.trim_computed_on_stop else num_accepted
         if (
             new_token_ids
             and request.structured_output_request is not None

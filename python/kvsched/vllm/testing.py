@@ -1,4 +1,4 @@
-"""Build vLLM 0.33 schedulers without a GPU, a model or the network: for tests, benchmarks and experiments.
+"""Build vLLM schedulers without a GPU, a model or the network: for tests, benchmarks and experiments.
 
 ``make_vllm_config`` writes a tiny Llama ``config.json`` (no weights, no tokenizer) to a temporary directory,
 points vLLM's ``ModelConfig`` at it and sets the scheduler and cache fields; ``make_scheduler`` builds vLLM's own
@@ -13,19 +13,26 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from kvsched.config import DEFAULT_BLOCK_SIZE
 
 __all__ = [
     "TINY_LLAMA",
+    "TINY_VOCAB_SIZE",
+    "DeterministicExecutor",
     "RandomKVConnector",
+    "deterministic_token",
     "make_request",
     "make_scheduler",
     "make_vllm_config",
     "request_block_hasher",
+    "save_tiny_llama",
 ]
 
 TINY_LLAMA: dict[str, Any] = {
@@ -456,3 +463,198 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
 
     def wait_for_save(self) -> None:
         pass
+
+
+# ---- end-to-end helpers: a tiny real model, and an executor that needs no model ---------------------------------
+
+TINY_VOCAB_SIZE = 512
+
+
+def save_tiny_llama(path: str | os.PathLike[str], *, seed: int = 0) -> str:
+    """Write a tiny random Llama (2 layers, hidden 128, float32 safetensors) and a word-level tokenizer to
+    ``path``, for a vLLM engine that must load real weights without the network. Token ``i`` (``i >= 4``) is the
+    word ``w{i}``; 0-3 are ``<pad> <s> </s> <unk>`` (EOS is ``</s>``, id 2). The tokenizer has a plain chat
+    template (the messages' contents, one per line), so chat completions work too. Returns ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvsched.runner.testing import save_tiny_hf_model
+
+    path = os.fspath(path)
+    save_tiny_hf_model(
+        path,
+        "llama",
+        seed=seed,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=TINY_VOCAB_SIZE,
+        max_position_embeddings=4096,
+    )
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {word: i for i, word in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), TINY_VOCAB_SIZE)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    fast.save_pretrained(path)
+    return path
+
+
+def deterministic_token(context: Sequence[int], vocab_size: int = TINY_VOCAB_SIZE, eos_token_id: int = 2) -> int:
+    """The token :class:`DeterministicExecutor` samples after ``context``: a hash of all of it (EOS about one
+    time in 40; never a special token otherwise)."""
+    import hashlib
+    from array import array
+
+    h = int.from_bytes(hashlib.blake2b(array("q", context).tobytes(), digest_size=8).digest(), "little")
+    return eos_token_id if h % 40 == 0 else 4 + h % (vocab_size - 4)
+
+
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+class DeterministicExecutor(Executor):  # type: ignore[misc]  # vLLM is untyped here
+    """A vLLM executor with no model: it keeps each request's tokens and block table as vLLM's model runner V1
+    or V2 does from each ``SchedulerOutput``, writes every scheduled position's token into a paged "KV cache"
+    (one token id per slot) at the block ids the scheduler assigned, and samples
+    :func:`deterministic_token` of the context it reads back from those blocks. A scheduler that hands out a
+    wrong prefix hit, block id or computed count makes it read a different context (listed in ``errors``)
+    and sample different tokens. ``distributed_executor_backend=DeterministicExecutor`` in an engine that runs
+    in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+
+    instances: ClassVar[list[Any]] = []
+
+    def _init_executor(self) -> None:
+        self.block_size = self.cache_config.block_size
+        self.tokens: dict[str, list[int]] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        self.kv: dict[int, list[int | None]] = {}
+        self.pending: list[ModelRunnerOutput] = []
+        self.errors: list[str] = []
+        # One entry per step that scheduled tokens: what the scheduler decided (batch, computed counts,
+        # block ids, resumed, preempted and finished requests), for comparing two schedulers step by step.
+        self.trace: list[tuple[Any, ...]] = []
+        self.num_steps = 0
+        DeterministicExecutor.instances.append(self)
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
+        import torch
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+        return [{"model.layers.0.self_attn.attn": spec}]
+
+    def get_supported_kv_cache_layouts(self) -> list[list[str]]:
+        return [["LBNHC"]]
+
+    def set_kv_cache_layout(self, layout_name: str, *args: Any) -> None:
+        pass  # one token id per slot: any layout
+
+    def determine_available_memory(self) -> list[int]:
+        return [1 << 30]
+
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        self.num_blocks = kv_cache_configs[0].num_blocks
+
+    def compile_or_warm_up_model(self) -> None:
+        pass
+
+    def collective_rpc(
+        self, method: Any, timeout: Any = None, args: tuple[Any, ...] = (), kwargs: Any = None, non_block: bool = False
+    ) -> Any:
+        # Control messages to workers (cache resets, device syncs): there are none to send them to.
+        return _done([None]) if non_block else [None]
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        output = self._run(scheduler_output)
+        if output is EMPTY_MODEL_RUNNER_OUTPUT:
+            return _done(output) if non_block else output
+        self.pending.append(output)
+        return _done(None) if non_block else None
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        output = self.pending.pop(0)
+        return _done(output) if non_block else output
+
+    def _run(self, so: Any) -> Any:
+        for req_id in so.finished_req_ids:
+            self.tokens.pop(req_id, None)
+            self.block_tables.pop(req_id, None)
+        if not so.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        self.num_steps += 1
+        cached = so.scheduled_cached_reqs
+        self.trace.append(
+            (
+                list(so.num_scheduled_tokens.items()),
+                [(r.req_id, r.num_computed_tokens, list(r.block_ids[0])) for r in so.scheduled_new_reqs],
+                list(cached.req_ids),
+                list(cached.num_computed_tokens),
+                [None if b is None else list(b[0]) for b in cached.new_block_ids],
+                sorted(cached.resumed_req_ids),
+                sorted(so.preempted_req_ids or ()),
+                sorted(so.finished_req_ids),
+            )
+        )
+        computed: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            prefill = getattr(new, "prefill_token_ids", None)  # model runner V2: a resumed request's tokens
+            self.tokens[new.req_id] = list(prefill if prefill is not None else new.prompt_token_ids)
+            self.block_tables[new.req_id] = list(new.block_ids[0])
+            computed[new.req_id] = new.num_computed_tokens
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.all_token_ids:  # model runner V1: not scheduled in the previous step
+                self.tokens[req_id] = list(cached.all_token_ids[req_id])
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self.block_tables[req_id] = list(new_blocks[0])
+            elif new_blocks is not None:
+                self.block_tables[req_id] += new_blocks[0]
+            computed[req_id] = cached.num_computed_tokens[i]
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            tokens, table, start = self.tokens[req_id], self.block_tables[req_id], computed[req_id]
+            end = start + n
+            for pos in range(start, min(end, len(tokens))):
+                block = self.kv.setdefault(table[pos // self.block_size], [None] * self.block_size)
+                block[pos % self.block_size] = tokens[pos]
+            if end < len(tokens):
+                sampled.append([])  # a partial prefill samples nothing
+                continue
+            context = [self.kv[table[pos // self.block_size]][pos % self.block_size] for pos in range(end)]
+            if context != tokens[:end]:
+                self.errors.append(f"step {self.num_steps}: {req_id} read a context that is not its own")
+            token = deterministic_token([-1 if t is None else t for t in context])
+            tokens.append(token)
+            sampled.append([token])
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
+        )

@@ -314,6 +314,24 @@ pub struct SchedulerConfig {
     /// of steps still in flight is dropped, not delivered (delivering it could finish the request and hand off
     /// blocks the preemption already freed).
     pub drop_preempted_output: bool,
+    /// Which LoRA adapters count against `max_loras` when a waiting request is admitted. `true` (vLLM 0.33): those
+    /// of every running request, scheduled in this step or not. `false` (vLLM 0.32): only those of the running
+    /// requests scheduled in this step.
+    pub max_loras_counts_unscheduled: bool,
+    /// Under policy `priority`, when the running request being scheduled cannot get blocks and is itself the
+    /// lowest-ranked victim: `true` (vLLM 0.33) preempts it and goes on with the next running request (they rank
+    /// higher and may fit in the blocks it freed); `false` (vLLM 0.32) ends the pass over the running requests,
+    /// as `fcfs` always does.
+    pub continue_after_self_preemption: bool,
+    /// When a step's output is applied, the blocks its tokens completed are cached then (instead of at the
+    /// request's next allocation) for a running request with output placeholders (async scheduling) and, if
+    /// `true` (vLLM 0.33), for every running request when speculative decoding is on; `false` (vLLM 0.32): only
+    /// with output placeholders.
+    pub cache_drafts_at_update: bool,
+    /// A stop inside a step's tokens (a draft accepted past EOS or `max_tokens`): `true` (vLLM 0.33) cuts the
+    /// request's computed count back to the tokens kept; `false` (vLLM 0.32) leaves it, so the blocks a KV
+    /// connector is handed at the finish also cover the cut tokens. Blocks cached at that update never cover them.
+    pub trim_computed_on_stop: bool,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -402,6 +420,10 @@ impl Default for SchedulerConfig {
             reserve_inflight_prefills: false,
             defer_block_free: false,
             drop_preempted_output: false,
+            max_loras_counts_unscheduled: true,
+            continue_after_self_preemption: true,
+            cache_drafts_at_update: true,
+            trim_computed_on_stop: true,
         }
     }
 }

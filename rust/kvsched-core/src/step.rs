@@ -14,7 +14,7 @@
 //! the tenants (`fair.rs`): phase A's once phase A is final, phase B's at each admission (so the next fair
 //! pick sees them).
 
-use crate::config::PauseState;
+use crate::config::{PauseState, Policy};
 use crate::encoder_sched::{release_encoder_refs, EncoderStep};
 use crate::error::{Result, SchedError};
 use crate::output::{SchedulerOutput, StepRecord};
@@ -617,7 +617,11 @@ impl Scheduler {
                 if self_preempted {
                     // vLLM 0.33: under PRIORITY the requests after it rank higher and may still fit (`i` already
                     // points at the next one; FAIR: they belong to tenants with smaller counters; `lcf` and
-                    // `cost`: they rank above it). The default victim of FCFS, SJF and SLO is the tail: nothing follows it.
+                    // `cost`: they rank above it). The default victim of FCFS, SJF and SLO is the tail: nothing
+                    // follows it. vLLM 0.32 ends the pass under PRIORITY (`continue_after_self_preemption`).
+                    if self.config.policy == Policy::Priority && !self.config.continue_after_self_preemption {
+                        break;
+                    }
                     continue;
                 }
                 req = self.slab.get_mut(slot)?;
@@ -706,7 +710,7 @@ impl Scheduler {
             any_running_scheduled: !b.out.handles.is_empty(),
             quick_reject: self.connector.is_none() && self.config.num_spec_tokens() == 0,
             watermark: self.config.watermark_blocks(),
-            loras: self.running_loras()?,
+            loras: self.running_loras(&b.out.handles)?,
             skipped: Vec::new(),
             skipped_kv: Vec::new(),
             hits: std::mem::take(&mut self.hits_buf),
@@ -759,12 +763,20 @@ impl Scheduler {
         Ok((prefill_admitted, pass.skipped.len()))
     }
 
-    /// The LoRA adapters of all running requests, scheduled this step or not (none asked for without
-    /// `max_loras`).
-    fn running_loras(&self) -> Result<Vec<String>> {
+    /// The LoRA adapters counted against `max_loras` at admission (none asked for without `max_loras`): those
+    /// of all running requests, scheduled this step or not, or with `max_loras_counts_unscheduled` off only
+    /// those of the requests `scheduled` so far in this step (vLLM 0.32).
+    fn running_loras(&self, scheduled: &[ReqHandle]) -> Result<Vec<String>> {
         let mut loras: Vec<String> = Vec::new();
         if self.config.max_loras > 0 {
-            for &s in &self.running {
+            let scheduled_slots: Vec<u32>;
+            let counted: &[u32] = if self.config.max_loras_counts_unscheduled {
+                &self.running
+            } else {
+                scheduled_slots = scheduled.iter().map(|h| h.slot).collect();
+                &scheduled_slots
+            };
+            for &s in counted {
                 if let Some(l) = &self.slab.get(s)?.extra_keys.lora_name {
                     if !loras.iter().any(|x| x == l) {
                         loras.push(l.clone());

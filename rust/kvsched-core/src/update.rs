@@ -470,17 +470,19 @@ impl Scheduler {
             self.kv.extend_hashes(req);
         }
         if !stale {
-            // A stop cuts the rest of the entry: its computed count covers only what was kept.
-            if stopped.is_some() {
-                let cut = (tokens.len() - appended as usize) as u32;
+            // A stop cuts the rest of the entry: its computed count covers only what was kept (with
+            // `trim_computed_on_stop`; the blocks cached below never cover the cut tokens).
+            let mut cut = if stopped.is_some() { (tokens.len() - appended as usize) as u32 } else { 0 };
+            if self.config.trim_computed_on_stop {
                 hot.computed[s] = hot.computed[s].saturating_sub(cut);
+                cut = 0;
             }
             // Every returned token resolves a placeholder, including those cut at a stop.
             req.num_output_placeholders = req.num_output_placeholders.saturating_sub(tokens.len() as u32);
             // vLLM caches the blocks this step completed (accepted drafts, placeholder positions) now,
             // up to what the applied steps computed.
-            if was_running && (had_placeholders || spec_decoding) {
-                let upto = hot.computed[s].saturating_sub(hot.in_flight[s]);
+            if was_running && (had_placeholders || (spec_decoding && self.config.cache_drafts_at_update)) {
+                let upto = hot.computed[s].saturating_sub(cut).saturating_sub(hot.in_flight[s]);
                 self.kv.cache_blocks(req, upto);
             }
         }

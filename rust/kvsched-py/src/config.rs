@@ -74,6 +74,10 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("reserve_inflight_prefills", c.reserve_inflight_prefills)?;
     d.set_item("defer_block_free", c.defer_block_free)?;
     d.set_item("drop_preempted_output", c.drop_preempted_output)?;
+    d.set_item("max_loras_counts_unscheduled", c.max_loras_counts_unscheduled)?;
+    d.set_item("continue_after_self_preemption", c.continue_after_self_preemption)?;
+    d.set_item("cache_drafts_at_update", c.cache_drafts_at_update)?;
+    d.set_item("trim_computed_on_stop", c.trim_computed_on_stop)?;
     Ok(d)
 }
 
@@ -249,5 +253,9 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         reserve_inflight_prefills: bool_field("reserve_inflight_prefills")?,
         defer_block_free: bool_field("defer_block_free")?,
         drop_preempted_output: bool_field("drop_preempted_output")?,
+        max_loras_counts_unscheduled: bool_field("max_loras_counts_unscheduled")?,
+        continue_after_self_preemption: bool_field("continue_after_self_preemption")?,
+        cache_drafts_at_update: bool_field("cache_drafts_at_update")?,
+        trim_computed_on_stop: bool_field("trim_computed_on_stop")?,
     })
 }

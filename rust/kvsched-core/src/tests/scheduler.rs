@@ -349,6 +349,66 @@ fn budget_below_max_model_len_without_chunking_refuses_only_requests_that_cannot
 }
 
 #[test]
+fn a_priority_request_that_preempts_itself_ends_the_pass_only_without_continue_after_self_preemption() {
+    for goes_on in [true, false] {
+        let mut c = cfg(4, 5); // 4 usable blocks
+        c.policy = Policy::Priority;
+        c.max_num_batched_tokens = 256;
+        c.continue_after_self_preemption = goes_on;
+        let mut s = Scheduler::new(c).unwrap();
+        let p = |prio: i64, t: f64| RequestParams {
+            max_tokens: Some(5),
+            priority: prio,
+            arrival_time: t,
+            ..Default::default()
+        };
+        // Running order [low, high], all four blocks in use, both one token into a new block.
+        add(&mut s, "low", &prompt(0, 7), p(5, 0.0));
+        step_with(&mut s, 1);
+        add(&mut s, "high", &prompt(100, 8), p(0, 1.0));
+        let (out, _) = step_with(&mut s, 1);
+        assert_eq!(ids(&s, &out), vec!["low", "high"]);
+        // `low` cannot get a block and ranks lowest: it preempts itself. `high` fits in the blocks it freed, but
+        // is scheduled in the same step only when the pass goes on (vLLM 0.33), not when it ends there (0.32).
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        assert_eq!(
+            out.preempted.iter().map(|&h| s.request_id(h).unwrap().to_string()).collect::<Vec<_>>(),
+            ["low"]
+        );
+        let want: Vec<String> = if goes_on { vec!["high".into()] } else { vec![] };
+        assert_eq!(ids(&s, &out), want, "continue_after_self_preemption={goes_on}");
+        feed(&mut s, &out, |_| vec![1]);
+    }
+}
+
+#[test]
+fn max_loras_counts_a_running_request_not_scheduled_in_the_step_only_with_max_loras_counts_unscheduled() {
+    for counts_unscheduled in [true, false] {
+        let mut c = cfg(4, 32);
+        c.async_scheduling = true;
+        c.max_loras = 1;
+        c.max_loras_counts_unscheduled = counts_unscheduled;
+        let mut s = Scheduler::new(c).unwrap();
+        let lora = |name: &str, max_tokens: u32| RequestParams {
+            max_tokens: Some(max_tokens),
+            lora_name: Some(name.into()),
+            ..Default::default()
+        };
+        add(&mut s, "a", &prompt(0, 6), lora("x", 1));
+        let first = s.schedule().unwrap();
+        assert_eq!(ids(&s, &first), vec!["a"]);
+        // `a` is running, but the step in flight already produces its only token: it is not scheduled again.
+        add(&mut s, "b", &prompt(100, 6), lora("y", 4));
+        let second = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        // With one LoRA slot, `b` (another adapter) is admitted only when `a`'s adapter does not count (vLLM 0.32).
+        let want: Vec<String> = if counts_unscheduled { vec![] } else { vec!["b".into()] };
+        assert_eq!(ids(&s, &second), want, "max_loras_counts_unscheduled={counts_unscheduled}");
+    }
+}
+
+#[test]
 fn max_num_active_seqs_caps_admission_not_running() {
     // vLLM's test_max_num_active_seqs_caps_admission: 2 active of 4 slots.
     let c = SchedulerConfig { max_num_seqs: 4, max_num_active_seqs: 2, ..Default::default() };
@@ -816,11 +876,13 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
             // max_num_active_seqs (0: max_num_seqs, else min(it, max_num_seqs)), the adaptive threshold.
             // ... and the prefill cadence.
             // ... and the DCP world size (the block unit is block_size * dcp).
+            // ... and vLLM 0.32's rules where they differ from 0.33's (the four flags off).
             (
                 prop_oneof![Just(0u32), Just(1), Just(2)],
                 any::<bool>(),
                 prop_oneof![Just(1u32), Just(3)],
                 prop_oneof![3 => Just(1u32), 1 => Just(2), 1 => Just(4)],
+                any::<bool>(),
             ),
         ),
     )
@@ -836,7 +898,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 mode,
                 la,
                 full_isl,
-                (asy, loras, wm, (pm, cpu, cost, big_len), (active, adaptive, interval, dcp)),
+                (asy, loras, wm, (pm, cpu, cost, big_len), (active, adaptive, interval, dcp, v032)),
             )| {
                 let max_model_len = if big_len { 200 } else { ((nb - 1) * bs * dcp).min(200) };
                 SchedulerConfig {
@@ -875,6 +937,10 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                     num_cpu_blocks: cpu,
                     swap_cost_per_block: cost,
                     dcp_world_size: dcp,
+                    max_loras_counts_unscheduled: !v032,
+                    continue_after_self_preemption: !v032,
+                    cache_drafts_at_update: !v032,
+                    trim_computed_on_stop: !v032,
                     ..Default::default()
                 }
             },

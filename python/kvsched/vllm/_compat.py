@@ -1,0 +1,96 @@
+"""The vLLM releases ``kvsched.vllm`` supports, and where their schedulers differ.
+
+``kvsched.vllm.Scheduler`` follows the scheduler of the installed vLLM release field for field. The releases
+differ in a few rules (which requests count against ``max_loras``, what a priority preemption of the request being
+scheduled does, when blocks completed by accepted drafts are cached) and in the shape of a few output objects.
+:data:`RULES` is the installed release's entry of :data:`VLLM_RULES`; any release not listed there is refused
+when ``kvsched.vllm`` is imported, with :class:`UnsupportedVLLMVersionError`.
+
+This module reads only ``vllm.__version__`` (it imports no vLLM internals), so the check runs before anything
+that could fail on an unknown release.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvsched._errors import SchedulerError
+
+__all__ = ["RULES", "SUPPORTED_VLLM_VERSIONS", "VLLM_RULES", "UnsupportedVLLMVersionError", "VllmRules", "rules_for"]
+
+
+class UnsupportedVLLMVersionError(SchedulerError, ImportError):
+    """The installed vLLM is not a release ``kvsched.vllm`` supports (raised when ``kvsched.vllm`` is imported)."""
+
+
+@dataclass(frozen=True)
+class VllmRules:
+    """What one vLLM release's scheduler does where the supported releases differ."""
+
+    version: str
+    # SchedulerOutput.skip_drafts: model runner V2 skips drafting in a step whose drafts nobody can use.
+    skip_drafts: bool
+    # EngineCoreOutput.error: a request finished by a grammar that failed to compile carries a RequestError.
+    output_error: bool
+    # prefill_schedule_interval is applied by the scheduler itself when there is no data parallelism (else only
+    # the data-parallel engine core applies it, through schedule(throttle_prefills=True)).
+    local_prefill_cadence: bool
+    # The core's flags of the same names (kvsched.SchedulerConfig, docs/semantics.md). trim_computed_on_stop also
+    # decides the request's mirrored counts: with it, a stop inside a step's tokens cuts num_computed_tokens back
+    # to the tokens kept and every returned token resolves an output placeholder; without it the count stays and
+    # only the kept tokens resolve one.
+    max_loras_counts_unscheduled: bool
+    continue_after_self_preemption: bool
+    cache_drafts_at_update: bool
+    trim_computed_on_stop: bool
+
+
+VLLM_RULES: dict[str, VllmRules] = {
+    "0.32": VllmRules(
+        version="0.32",
+        skip_drafts=False,
+        output_error=False,
+        local_prefill_cadence=False,
+        trim_computed_on_stop=False,
+        max_loras_counts_unscheduled=False,
+        continue_after_self_preemption=False,
+        cache_drafts_at_update=False,
+    ),
+    "0.33": VllmRules(
+        version="0.33",
+        skip_drafts=True,
+        output_error=True,
+        local_prefill_cadence=True,
+        trim_computed_on_stop=True,
+        max_loras_counts_unscheduled=True,
+        continue_after_self_preemption=True,
+        cache_drafts_at_update=True,
+    ),
+}
+
+SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = tuple(VLLM_RULES)
+
+
+def rules_for(vllm_version: str) -> VllmRules:
+    """The rules of the vLLM release ``vllm_version`` (``"0.33.0"``, ``"0.32.1.dev3+g0123abc"``: patch releases
+    and local builds of a supported ``major.minor`` are accepted); raises :class:`UnsupportedVLLMVersionError`
+    for any other release."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.|$|[^0-9])", str(vllm_version).strip())
+    rules = VLLM_RULES.get(f"{match[1]}.{match[2]}") if match else None
+    if rules is None:
+        raise UnsupportedVLLMVersionError(
+            f"kvsched.vllm supports vLLM {' and '.join(SUPPORTED_VLLM_VERSIONS)}; the installed vLLM is "
+            f"{vllm_version!r}. Install a supported release (pip install 'kvsched[vllm]'), or run vLLM's own "
+            "scheduler (drop --scheduler-cls). docs/vllm.md says how a new release gets supported."
+        )
+    return rules
+
+
+def _installed_rules() -> VllmRules:
+    import vllm
+
+    return rules_for(getattr(vllm, "__version__", "unknown"))
+
+
+RULES: VllmRules = _installed_rules()

