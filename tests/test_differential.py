@@ -67,6 +67,18 @@ def call_both(fn_ref, fn_rs) -> tuple[Any, Any, bool]:
     return res[0], res[1], errs[0] is not None
 
 
+def same_error(fn_ref, fn_rs) -> SchedulerError:
+    """Run both calls: both must raise the same SchedulerError subclass with the same message."""
+    errs = []
+    for fn in (fn_ref, fn_rs):
+        with pytest.raises(SchedulerError) as info:
+            fn()
+        errs.append(info.value)
+    assert type(errs[0]) is type(errs[1]), f"reference raised {errs[0]!r}, Rust raised {errs[1]!r}"
+    assert str(errs[0]) == str(errs[1]), f"reference said {errs[0]}, Rust said {errs[1]}"
+    return errs[0]
+
+
 def assert_arrays_equal(a: np.ndarray, b: np.ndarray, what: str) -> None:
     assert isinstance(b, np.ndarray) and b.dtype == a.dtype, f"{what}: dtype {a.dtype} vs {b.dtype}"
     assert a.shape == b.shape and np.array_equal(a, b), f"{what}: {a.tolist()} != {b.tolist()}"
@@ -90,6 +102,7 @@ def compare_outputs(a: Any, b: Any) -> None:
     assert a.total_num_scheduled_tokens == b.total_num_scheduled_tokens
     assert a.num_scheduled_tokens_by_id() == dict(b.num_scheduled_tokens_by_id())
     assert a.kv_connector_metadata == b.kv_connector_metadata
+    assert a.one_token_each == b.one_token_each
 
 
 def compare_results(a: Any, b: Any) -> None:
@@ -310,6 +323,9 @@ class Twin:
         running = {rid: k for k, rid in enumerate(self.ref.running_req_ids())}
         a, b = self.ref.schedule(throttle_prefills=throttle), self.rs.schedule(throttle_prefills=throttle)
         compare_outputs(a, b)
+        for pa, pb, _ in self.pending:  # the steps still in flight are not the most recent one any more
+            self.expect_stale(pa, pb)
+        self.compare_introspection(a, b)
         last = max((running[rid] for rid in a.req_ids if rid in running), default=-1)
         self.coverage["victims_before_scheduled"] += sum(running.get(v, last) < last for v in a.preempted_req_ids)
         if self.cfg.encoder_cache_size:
@@ -331,6 +347,35 @@ class Twin:
         for r, _, _ in out._entries:  # a chunk that stops right before an encoder input it reaches for
             end = r.num_computed_tokens
             cov["encoder_cut"] += r.is_prefill_chunk and any(st == end for st, _, _ in r.encoder_inputs)
+
+    def compare_introspection(self, a: Any, b: Any) -> None:
+        """The read-only probes right after schedule(): this step's num_output_tokens column, every block's
+        reference count (and the first id past the pool, refused alike), and prefix-cache probes of live
+        requests' tokens and of a shared prefix, with and without a hit limit. The probes' choices come from
+        the step id, not from the driver's random stream (so the seeded soaks' streams stay as they were)."""
+        counts_a, counts_b = self.ref.step_num_output_tokens(a), self.rs.step_num_output_tokens(b)
+        assert_arrays_equal(counts_a, counts_b, "step_num_output_tokens")
+        n = self.cfg.num_blocks
+        ref_cnts = [self.ref.get_block_ref_cnt(k) for k in range(n)]
+        assert ref_cnts == [self.rs.get_block_ref_cnt(k) for k in range(n)], "block reference counts"
+        same_error(lambda: self.ref.get_block_ref_cnt(n), lambda: self.rs.get_block_ref_cnt(n))
+        rng = np.random.default_rng(a.step_id)
+        probes: list[tuple[list[int], str | None, str | None]] = []
+        live = self.live_ids()
+        for k in rng.permutation(len(live))[:2]:
+            q = self.ref._requests[live[k]]
+            probes.append((list(q.token_ids), q.cache_salt, q.lora_name))
+        prefix = PREFIXES[int(rng.integers(len(PREFIXES)))]
+        probes.append((prefix[: int(rng.integers(1, len(prefix) + 1))], None, None))
+        for tokens, salt, lora in probes:
+            limit = [None, None, -1, 0, int(rng.integers(0, len(tokens) + 3))][int(rng.integers(5))]
+            hits_a = self.ref.get_cached_block_ids(tokens, salt, lora, limit)
+            hits_b = self.rs.get_cached_block_ids(np.array(tokens, np.int64), salt, lora, limit)
+            assert_arrays_equal(hits_a, hits_b, f"get_cached_block_ids({tokens}, {salt}, {lora}, {limit})")
+
+    def expect_stale(self, a: Any, b: Any) -> None:
+        """A step that is not the most recent one: step_num_output_tokens refuses it alike."""
+        same_error(lambda: self.ref.step_num_output_tokens(a), lambda: self.rs.step_num_output_tokens(b))
 
     def compare_inputs(self, a: Any, b: Any) -> None:
         rank = self.rand.int(0, self.cfg.dcp_world_size - 1)  # the slot mapping is per DCP rank
@@ -365,6 +410,7 @@ class Twin:
             return None
         compare_results(ra, rb)
         self.pending.popleft()
+        self.expect_stale(a, b)
         return None
 
     def bad_update(self, a: Any, b: Any, sampled: list[list[int]], drafts: Any) -> bool:
@@ -1344,6 +1390,24 @@ ODD_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
     ("set_tenant_weight", ("", 1.0), {}),
     ("set_tenant_weight", (None, 1.0), {}),
     ("set_tenant_weight", ("\ud800", 1.0), {}),
+    ("get_cached_block_ids", (list(range(20)),), {}),
+    ("get_cached_block_ids", (np.arange(20),), {"max_hit_tokens": 9}),
+    ("get_cached_block_ids", (list(range(20)),), {"max_hit_tokens": -5}),
+    ("get_cached_block_ids", (list(range(20)),), {"max_hit_tokens": 2**70}),
+    ("get_cached_block_ids", (list(range(20)),), {"max_hit_tokens": True}),
+    ("get_cached_block_ids", (list(range(20)),), {"max_hit_tokens": 3.0}),
+    ("get_cached_block_ids", (list(range(20)), "s1"), {}),
+    ("get_cached_block_ids", (list(range(20)), None, 5), {}),
+    ("get_cached_block_ids", ([1, -1],), {}),
+    ("get_cached_block_ids", ([],), {}),
+    ("get_cached_block_ids", ("abc",), {}),
+    ("get_block_ref_cnt", (1,), {}),
+    ("get_block_ref_cnt", (np.int64(0),), {}),
+    ("get_block_ref_cnt", (True,), {}),
+    ("get_block_ref_cnt", ("1",), {}),
+    ("get_block_ref_cnt", (1.0,), {}),
+    ("get_block_ref_cnt", (None,), {}),
+    ("step_num_output_tokens", (None,), {}),
 ]
 
 
@@ -1367,6 +1431,83 @@ def test_odd_calls_behave_the_same(method: str, args: tuple[Any, ...], kwargs: d
         s.check_invariants()
     assert pair[0].stats().__dict__ == pair[1].stats().__dict__
     assert pair[0].tenant_stats() == pair[1].tenant_stats()
+
+
+def test_introspection_refusals_match_reference() -> None:
+    """Block ids outside the pool and step outputs that are not the most recent step: the same class and message
+    from both."""
+    from kvsched import InvalidOutputError, InvalidRequestError, Scheduler
+
+    pair = [cls(block_size=4, num_blocks=32, max_model_len=64, async_scheduling=True)
+            for cls in (ReferenceScheduler, Scheduler)]  # fmt: skip
+    ref, rs = pair
+    for block in (32, 33, 10**6, 2**40, -1, 2**70, np.int64(-3)):
+        e = same_error(lambda b=block: ref.get_block_ref_cnt(b), lambda b=block: rs.get_block_ref_cnt(b))
+        assert isinstance(e, InvalidRequestError) and str(block) in str(e)
+    for s in pair:
+        s.add_request("a", list(range(20)), arrival_time=0.0)
+        s.add_request("b", list(range(9)), arrival_time=1.0)
+    first = [s.schedule() for s in pair]
+    assert [s.step_num_output_tokens(o).tolist() for s, o in zip(pair, first, strict=True)] == [[0, 0], [0, 0]]
+    second = [s.schedule() for s in pair]  # async: each holds one output placeholder from the first step
+    assert [s.step_num_output_tokens(o).tolist() for s, o in zip(pair, second, strict=True)] == [[1, 1], [1, 1]]
+    e = same_error(lambda: ref.step_num_output_tokens(first[0]), lambda: rs.step_num_output_tokens(first[1]))
+    assert isinstance(e, InvalidOutputError) and "step 0 is not that step" in str(e)
+    for s, o in zip(pair, first, strict=True):
+        s.update_from_output(o, [[5], [6]])
+    # the second step is the most recent, but applying the first changed the scheduler since
+    same_error(lambda: ref.step_num_output_tokens(second[0]), lambda: rs.step_num_output_tokens(second[1]))
+    third = [s.schedule() for s in pair]  # one output token and one placeholder (the second step's) each
+    assert [s.step_num_output_tokens(o).tolist() for s, o in zip(pair, third, strict=True)] == [[2, 2], [2, 2]]
+    for s in pair:
+        s.abort_requests(["b"])
+    same_error(lambda: ref.step_num_output_tokens(third[0]), lambda: rs.step_num_output_tokens(third[1]))
+    # an output of another scheduler of the same kind
+    others = [cls(block_size=4, num_blocks=32, max_model_len=64) for cls in (ReferenceScheduler, Scheduler)]
+    foreign = [s.schedule() for s in others]
+    e = same_error(lambda: ref.step_num_output_tokens(foreign[0]), lambda: rs.step_num_output_tokens(foreign[1]))
+    assert isinstance(e, InvalidOutputError)
+    assert [s.step_num_output_tokens(o).tolist() for s, o in zip(others, foreign, strict=True)] == [[], []]
+    for s in pair:
+        s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", ["reference", "rust"])
+def test_cached_block_ids_and_ref_counts_follow_the_prefix_cache(impl: str) -> None:
+    """The probe returns the blocks a request cached, up to the hit limit, and changes nothing; reference counts
+    count the holders of each block."""
+    from kvsched import Scheduler
+
+    cls = ReferenceScheduler if impl == "reference" else Scheduler
+    s = cls(block_size=4, num_blocks=32, max_model_len=64)
+    prompt = list(range(17))
+    s.add_request("a", prompt, arrival_time=0.0, max_tokens=4)
+    s.update_from_output(s.schedule(), [[1]])
+    blocks = s.get_block_ids("a").tolist()  # 4 full blocks and one holding the 17th and the sampled token
+    assert len(blocks) == 5
+    assert s.get_cached_block_ids(prompt).tolist() == blocks[:4]
+    assert s.get_cached_block_ids(prompt[:16]).tolist() == blocks[:3]  # the last token is always computed
+    assert s.get_cached_block_ids(prompt, max_hit_tokens=11).tolist() == blocks[:2]
+    assert s.get_cached_block_ids(prompt, max_hit_tokens=100).tolist() == blocks[:4]
+    assert s.get_cached_block_ids(prompt, max_hit_tokens=-1).tolist() == []
+    assert s.get_cached_block_ids(prompt, cache_salt="x").tolist() == []
+    assert s.get_cached_block_ids(prompt, lora_name="L").tolist() == []
+    assert s.get_cached_block_ids([5, *prompt[1:]]).tolist() == []
+    assert [s.get_block_ref_cnt(b) for b in blocks] == [1] * 5
+    s.add_request("b", [*prompt[:12], 9, 9], arrival_time=1.0, max_tokens=4)
+    s.update_from_output(s.schedule(), [[1], [1]])  # b shares a's first 3 blocks
+    assert [s.get_block_ref_cnt(b) for b in blocks] == [2, 2, 2, 1, 1]
+    assert s.get_block_ref_cnt(0) == 0  # the null block
+    before = s.stats()
+    assert s.get_cached_block_ids([*prompt, 3, 3, 3]).tolist() == blocks[:4]
+    assert s.stats() == before
+    s.abort_requests(["a", "b"])
+    assert [s.get_block_ref_cnt(b) for b in blocks] == [0] * 5
+    assert s.get_cached_block_ids(prompt).tolist() == blocks[:4]  # free but still cached
+    off = cls(block_size=4, num_blocks=32, max_model_len=64, enable_prefix_caching=False)
+    off.add_request("a", prompt, arrival_time=0.0)
+    off.update_from_output(off.schedule(), [[1]])
+    assert off.get_cached_block_ids(prompt).tolist() == []
 
 
 def test_a_request_preempted_with_its_step_in_flight_waits_for_that_output() -> None:

@@ -5,12 +5,22 @@ queues and of the prefix cache, each a fresh list, and the KV cache events recor
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
+from .._errors import InvalidOutputError, InvalidRequestError, SchedulerTypeError
 from ..kv_events import KVCacheEvents
 from .admission import _AdmissionMixin
+from .convert import _I64_MAX, _I64_MIN, _check_tokens, _int_array, _is_int, _opt_str
+from .output import SchedulerOutput
+
+_U32_LIMIT = 2**32  # block ids are u32 in the core
 
 
 class _IntrospectMixin(_AdmissionMixin):
-    """The running and waiting ids, and a request's cached blocks."""
+    """The running and waiting ids, a request's cached blocks, prefix-cache probes, block reference counts and
+    the most recent step's output counts."""
 
     def running_req_ids(self) -> list[str]:
         return [r.req_id for r in self._running]
@@ -27,6 +37,66 @@ class _IntrospectMixin(_AdmissionMixin):
 
     def get_num_cached_blocks(self, req_id: str) -> int:
         return self._get(req_id).num_cached_blocks
+
+    def get_cached_block_ids(
+        self,
+        token_ids: Any,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        max_hit_tokens: int | None = None,
+    ) -> np.ndarray:
+        """The blocks a prefix lookup of these tokens would hit now, in order: at most ``max_hit_tokens`` tokens'
+        worth of full blocks (None: all but the last token, which must be computed; negative: none). Changes
+        nothing (ref counts, LRU, stats); none without prefix caching."""
+        arr = _int_array(token_ids, "token_ids")
+        salt, lora = _opt_str(cache_salt, "cache_salt"), _opt_str(lora_name, "lora_name")
+        if max_hit_tokens is not None:
+            if not _is_int(max_hit_tokens):
+                raise SchedulerTypeError(f"max_hit_tokens must be an int, got {type(max_hit_tokens).__name__}")
+            if not _I64_MIN <= max_hit_tokens <= _I64_MAX:
+                raise InvalidRequestError(f"max_hit_tokens is out of the int64 range: {max_hit_tokens}")
+        _check_tokens(arr, "token_ids", InvalidRequestError)
+        tokens = arr.tolist()
+        limit = len(tokens) - 1 if max_hit_tokens is None else min(int(max_hit_tokens), len(tokens))
+        if not self._config.enable_prefix_caching or limit <= 0:
+            return np.zeros(0, dtype=np.int32)
+        reach = limit // self._bs * self._bs  # hash only as far as a hit may reach
+        hashes = self._hasher.block_hashes_of(tokens[:reach], salt, lora)
+        # _lookup leaves the block of the last of its tokens out: limit + 1 tokens allow limit // bs blocks.
+        return np.array(self._lookup(hashes, limit + 1), dtype=np.int32)
+
+    def get_block_ref_cnt(self, block_id: int) -> int:
+        """How many requests hold block ``block_id`` (0 when free, and always for the null block 0);
+        ``InvalidRequestError`` for an id outside the pool."""
+        if not _is_int(block_id):
+            raise SchedulerTypeError(f"block_id must be an int, got {type(block_id).__name__}")
+        b = int(block_id)
+        if not _I64_MIN <= b <= _I64_MAX:
+            raise InvalidRequestError(f"block_id is out of the int64 range: {b}")
+        if not 0 <= b < _U32_LIMIT:
+            raise InvalidRequestError(f"block id {b} is outside the KV cache pool")
+        num_blocks = len(self._ref_cnt)
+        if b >= num_blocks:
+            raise InvalidRequestError(f"block id {b} is outside the KV cache pool (block ids 0..{num_blocks})")
+        return self._ref_cnt[b]
+
+    def step_num_output_tokens(self, out: SchedulerOutput) -> np.ndarray:
+        """vLLM's ``num_output_tokens`` column for each entry of ``out``: the request's output tokens plus its
+        output placeholders as they were before the step added its own. Only for the most recent step, right
+        after ``schedule()`` and before any other call changes the scheduler (as ``prepare_model_inputs``)."""
+        out = self._check_output(out)
+        if out is not self._last_out or not self._last_out_fresh:
+            raise InvalidOutputError(
+                "step_num_output_tokens needs the most recent step, right after schedule() and before any other "
+                f"call changes the scheduler; step {out.step_id} is not that step"
+            )
+        counts = []
+        for r, is_chunk, num_drafts in out._entries:
+            placeholders = r.num_output_placeholders
+            if self._config.async_scheduling and not is_chunk:  # the step's own: one per sampled token and draft
+                placeholders -= 1 + num_drafts
+            counts.append(r.num_output_tokens + placeholders)
+        return np.array(counts, dtype=np.int32)
 
     def take_kv_cache_events(self) -> KVCacheEvents:
         """The KV cache events since the last call, in the order they happened (none unless

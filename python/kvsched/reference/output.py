@@ -85,6 +85,11 @@ class SchedulerOutput:
     def __len__(self) -> int:
         return len(self.req_ids)
 
+    @property
+    def one_token_each(self) -> bool:
+        """No entry is a prefill chunk or carries drafts: every entry samples exactly one token."""
+        return not any(is_chunk or num_drafts for _, is_chunk, num_drafts in self._entries)
+
     def num_scheduled_tokens_by_id(self) -> dict[str, int]:
         return dict(zip(self.req_ids, self.num_scheduled_tokens.tolist(), strict=True))
 
