@@ -17,9 +17,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm", reason="vLLM is optional: pip install 'kvsched[vllm]'")
 
 from kvsched import InvalidConfigError
+from kvsched.vllm import RULES
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, NullEventPublisher
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm_driver import Pair, _RecordingPublisher, random_config, run_seed
@@ -127,7 +129,9 @@ def test_full_report_mode_fails_the_request_with_a_validation_error() -> None:
     s.add_request(make_request("b", list(range(10, 21)), max_tokens=4, block_size=4))
     outs = _step(s)
     (failed,) = [o for o in outs[0].outputs if o.request_id == "a"]
-    assert failed.error is not None and "kv_cache_report_mode" in failed.error.message
+    assert failed.finish_reason == FinishReason.ERROR
+    if RULES.output_error:  # vLLM 0.32's outputs carry no error, only the finish reason
+        assert failed.error is not None and "kv_cache_report_mode" in failed.error.message
     assert "b" in s.requests and "a" not in s.requests
 
 

@@ -657,6 +657,7 @@ def test_the_settings_do_not_leak_into_the_config_object() -> None:
 # ---- trust boundary, tenant cache isolation, per-tenant limits (docs/security.md) -------------------------
 
 
+@needs_output_error
 @pytest.mark.parametrize(
     ("settings", "kw", "extra_args", "attribute", "message"),
     [
@@ -692,6 +693,7 @@ def test_the_trust_boundary_lets_allowed_attributes_and_bounded_values_through()
     assert s.get_num_unfinished_requests() == 0
 
 
+@needs_output_error
 def test_a_gateway_token_lets_the_gateway_set_what_clients_may_not(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSCHED_TEST_GATEWAY_TOKEN", "s3cret")
     s = _sched({"policy": "fair", "client_attributes": [], "gateway_token_env": "KVSCHED_TEST_GATEWAY_TOKEN"})
@@ -766,6 +768,7 @@ def test_a_tenant_at_its_running_limit_waits_inside_vllm() -> None:
     assert s.get_num_unfinished_requests() == 0 and s.requests == {}
 
 
+@needs_output_error
 @pytest.mark.parametrize("limit", [{"max_waiting_per_tenant": 2}, {"tenant_max_waiting": {"a": 2, "default": 1}}])
 def test_a_full_waiting_queue_finishes_the_request_with_a_retryable_error(limit: dict[str, Any]) -> None:
     s = _sched(limit)
@@ -826,12 +829,18 @@ def test_vllms_engine_core_survives_a_hostile_client() -> None:
         eco, _executed = engine.step()
         for rid, out in _outputs(eco).items():
             outputs.setdefault(rid, []).append(out)
-    assert outputs["slo"][-1].error is not None and "below min_ttft_slo_s" in outputs["slo"][-1].error.message
-    assert "out of order_key_range" in outputs["key"][-1].error.message
-    refused = [r for r in outputs if r.startswith("flood") and outputs[r][-1].error is not None]
+
+    def failed(rid: str) -> bool:
+        return bool(outputs[rid][-1].finish_reason == FinishReason.ERROR)
+
+    assert failed("slo") and failed("key")
+    refused = [r for r in outputs if r.startswith("flood") and failed(r)]
     assert len(refused) == 10 * limit - limit
-    assert all(outputs[r][-1].error.code == "queue_full" for r in refused)
-    served = [r for r in outputs if r.startswith("flood") and outputs[r][-1].error is None]
+    if RULES.output_error:  # vLLM 0.32's outputs carry no error, only the finish reason
+        assert "below min_ttft_slo_s" in outputs["slo"][-1].error.message
+        assert "out of order_key_range" in outputs["key"][-1].error.message
+        assert all(outputs[r][-1].error.code == "queue_full" for r in refused)
+    served = [r for r in outputs if r.startswith("flood") and not failed(r)]
     assert len(served) == limit and all(len([t for o in outputs[r] for t in o.new_token_ids]) == 3 for r in served)
     for i in range(3):
         assert [t for o in outputs[f"honest{i}"] for t in o.new_token_ids] == [9, 9, 9]

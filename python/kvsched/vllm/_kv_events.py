@@ -36,6 +36,11 @@ from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec
 
 from kvsched.kv_events import CLEARED, STORED
 
+# vLLM 0.33's BlockStored has lookahead_token_ids (None without look-ahead hashes); vLLM 0.32's has no such field.
+_LOOKAHEAD_FIELD: dict[str, Any] = (
+    {"lookahead_token_ids": None} if "lookahead_token_ids" in getattr(BlockStored, "__struct_fields__", ()) else {}
+)
+
 __all__ = ["KVEventTranslator", "kv_events_enabled", "make_publisher"]
 
 
@@ -118,7 +123,7 @@ class KVEventTranslator:
             kv_cache_spec_kind=self._spec_kind,
             kv_cache_spec_sliding_window=self._sliding_window,
             session_id=request.session_id,
-            lookahead_token_ids=None,
+            **_LOOKAHEAD_FIELD,
         )
 
     def publish(self, publisher: Any, core: Any, connector: Any) -> None:
