@@ -222,6 +222,8 @@ impl Builder {
         o.total_num_scheduled_tokens -= u64::from(n);
         self.is_chunk.remove(pos);
         self.num_spec.remove(pos);
+        // The removed entry may have been the only prefill chunk or entry with drafts.
+        self.mixed = self.is_chunk.iter().zip(&self.num_spec).any(|(&c, &d)| c || d > 0);
         n
     }
 
