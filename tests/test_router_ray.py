@@ -74,6 +74,54 @@ def test_the_router_ranks_by_cached_prefix_and_tracks_requests_until_completed()
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("isolate", [False, True])
+def test_the_router_passes_the_tenant_so_isolated_tenants_never_follow_each_others_prefixes(isolate: bool) -> None:
+    """With ``isolate_tenant_cache`` the Ray router hashes each prompt with the request's tenant (a field, or
+    kvsched's key in ``vllm_xargs``, flat or in its ``"kvsched"`` mapping), as isolating replicas do: a tenant
+    follows its own cached prefix, never another tenant's. Without isolation every tenant follows it."""
+    from kvsched.ray import KvschedRequestRouter
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    prefix = list(range(10, 30))
+
+    async def scenario() -> list[str]:
+        rr = KvschedRequestRouter(DeploymentID(name="llm"), DeploymentHandleSource.UNKNOWN)
+        rr.initialize_state(policy="cache_aware", block_size=4, kv_events=False, isolate_tenant_cache=isolate)
+        a, b = _fake_replica("a"), _fake_replica("b")
+        chosen = []
+        for i, payload in enumerate(
+            [
+                {"prompt_token_ids": [*prefix, 1], "tenant": "team-a"},
+                {"prompt_token_ids": [*prefix, 2], "vllm_xargs": {"tenant": "team-b"}},
+                {"prompt_token_ids": [*prefix, 3], "vllm_xargs": {"kvsched": {"tenant": "team-a"}}},
+            ]
+        ):
+            ranked = await rr.choose_replicas([a, b], _pending(f"q{i}", payload))
+            chosen.append(ranked[0][0].replica_id.unique_id)
+        overlaps = rr.kv_router.overlaps(prefix, tenant="team-b")
+        assert overlaps == ({"a": 0, "b": len(prefix) // 4} if isolate else {"a": len(prefix) // 4, "b": 0})
+        return chosen
+
+    # team-a's prompt goes to a (a tie), and its blocks are recorded there. team-b's shares the prefix: without
+    # isolation it follows it to a; isolated it sees nothing cached and goes to b, the idler replica. team-a's
+    # next prompt follows team-a's own prefix to a either way.
+    assert asyncio.run(scenario()) == (["a", "b", "a"] if isolate else ["a", "a", "a"])
+
+
+def test_the_router_reads_the_tenant_and_cache_salt_of_a_request() -> None:
+    from kvsched.ray import prompt_of
+
+    async def scenario() -> None:  # a PendingRequest needs a running loop
+        routed = prompt_of(_pending("x", {"prompt_token_ids": [1], "vllm_xargs": {"tenant": "t"}, "cache_salt": "s"}))
+        assert (routed.tenant, routed.cache_salt) == ("t", "s")
+        assert prompt_of(_pending("x", {"prompt": "hi", "extra_args": {"kvsched": {"tenant": "u"}}})).tenant == "u"
+        assert prompt_of(_pending("x", {"prompt": "hi", "tenant": "v", "vllm_xargs": {"tenant": "w"}})).tenant == "v"
+        assert prompt_of(_pending("x", [5, 6, 7])).tenant is None
+        assert prompt_of(_pending("x", {"prompt_token_ids": [1]})).cache_salt is None
+
+    asyncio.run(scenario())
+
+
 class _InProcessLog:
     """A :class:`kvsched.ray.events.KvEventLog` called in process, with a Ray actor handle's ``.remote`` shape."""
 

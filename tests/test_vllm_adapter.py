@@ -20,6 +20,7 @@ import kvsched.vllm
 from kvsched.vllm import RULES, UnsupportedFeatureError
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
+from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm_driver import compare
@@ -197,14 +198,24 @@ def test_unsupported_scheduler_settings_are_refused() -> None:
     assert issubclass(UnsupportedFeatureError, NotImplementedError)
 
 
-def test_unsupported_request_features_are_refused_and_leave_no_trace() -> None:
+def test_unsupported_request_features_fail_that_request_and_leave_no_trace() -> None:
+    """A request kvsched.vllm cannot serve never raises from add_request (vLLM's engine core would die): it
+    finishes with FINISHED_ERROR at the next update, and its id can then be used again."""
     s = make_scheduler("kvsched", make_vllm_config())
     req = make_request("r0", [1, 2, 3, 4])
     req.resumable = True
-    with pytest.raises(UnsupportedFeatureError, match="streaming-input"):
-        s.add_request(req)
-    assert not s.has_request("r0")
-    assert s.get_num_unfinished_requests() == 0
+    s.add_request(req)
+    assert s.has_request("r0") and s.get_num_unfinished_requests() == 1
+    s.add_request(make_request("r0", [5, 6]))  # the next input of that streaming input: the refusal answers for the id
+    so = s.schedule()
+    assert so.total_num_scheduled_tokens == 0
+    eco = s.update_from_output(so, _mro(so, 9))
+    (out,) = [o for e in eco.values() for o in e.outputs]
+    assert out.request_id == "r0" and out.finish_reason == FinishReason.ERROR
+    if RULES.output_error:
+        assert "streaming-input" in out.error.message and out.error.code == "validation_error"
+    assert req.status == RequestStatus.FINISHED_ERROR
+    assert not s.has_request("r0") and s.get_num_unfinished_requests() == 0 and s.requests == {}
     s.add_request(make_request("r0", [1, 2, 3, 4]))
     assert s.has_request("r0")
 

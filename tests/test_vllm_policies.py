@@ -474,7 +474,7 @@ def test_an_attribute_the_core_refuses_fails_the_request_with_the_cores_message(
     assert "" not in s.core.tenant_stats()
 
 
-def _engine(kvsched_settings: dict[str, Any]) -> tuple[Any, Any]:
+def _engine(kvsched_settings: dict[str, Any], **fields: Any) -> tuple[Any, Any]:
     """vLLM's own EngineCore (only what ``step()`` reads; no workers, no model) around the adapter, with a model
     executor that returns one token (9) per decode; returns (engine, scheduler)."""
     import queue
@@ -498,7 +498,7 @@ def _engine(kvsched_settings: dict[str, Any]) -> tuple[Any, Any]:
             )
             return done
 
-    cfg = make_vllm_config()
+    cfg = make_vllm_config(**fields)
     cfg.additional_config = {"kvsched": kvsched_settings}
     sched = make_scheduler("kvsched", cfg)
     engine = EngineCore.__new__(EngineCore)
@@ -529,6 +529,58 @@ def test_vllms_engine_core_keeps_running_past_a_bad_attribute() -> None:
         assert "extra_args['ttft_slo_s']" in bad.error.message
     assert [t for o in outputs["good"] for t in o.new_token_ids] == [9, 9, 9]
     assert not sched.has_requests()
+
+
+def _never_fits(req: Any) -> tuple[Any, str]:
+    """A prompt longer than the whole KV cache (8 blocks of 16 tokens here) but within max_model_len."""
+    req = _req(req.request_id, list(range(10, 210)), req.sampling_params.extra_args, max_tokens=3)
+    return req, "do not fit the KV cache"
+
+
+def _repetition_detection(req: Any) -> tuple[Any, str]:
+    from vllm.sampling_params import RepetitionDetectionParams
+
+    req.sampling_params.repetition_detection = RepetitionDetectionParams(max_pattern_size=4, min_count=3)
+    return req, "does not support repetition detection"
+
+
+def _resumable(req: Any) -> tuple[Any, str]:
+    req.resumable = True
+    return req, "does not support streaming-input"
+
+
+def _prompt_embeds(req: Any) -> tuple[Any, str]:
+    req.prompt_embeds = object()
+    return req, "does not support prompt embeddings"
+
+
+@pytest.mark.parametrize("spoil", [_never_fits, _repetition_detection, _resumable, _prompt_embeds])
+def test_vllms_engine_core_keeps_running_past_a_request_kvsched_refuses(spoil: Any) -> None:
+    """A request kvsched cannot take (a prompt that never fits the KV cache, a vLLM feature it does not support)
+    fails alone, with an error output naming why, through vLLM's own EngineCore.add_request and step: one hostile
+    request cannot kill a shared engine. The other requests complete and nothing leaks."""
+    engine, sched = _engine({"policy": "fair"}, num_blocks=9, block_size=16)
+    engine.add_request(_req("good", [1, 2, 3], {"tenant": "a"}, max_tokens=3))
+    bad, message = spoil(_req("bad", [4, 5, 6], {"tenant": "b"}, max_tokens=3))
+    with _Records() as logged:
+        engine.add_request(bad)
+    assert any(message in m and ("request 'bad'" in m or 'request "bad"' in m) for m in logged), logged
+    engine.add_request(_req("after", [7, 8, 9], {"tenant": "b"}, max_tokens=3))
+    outputs: dict[str, list[Any]] = {}
+    for _ in range(10):
+        eco, _executed = engine.step()
+        for rid, out in _outputs(eco).items():
+            outputs.setdefault(rid, []).append(out)
+    (out,) = outputs["bad"]
+    assert out.finish_reason == FinishReason.ERROR and out.new_token_ids == []
+    if RULES.output_error:
+        assert out.error.code == "validation_error" and message in out.error.message
+    assert bad.status == RequestStatus.FINISHED_ERROR
+    for rid in ("good", "after"):
+        assert [t for o in outputs[rid] for t in o.new_token_ids] == [9, 9, 9]
+    assert not sched.has_requests() and sched.requests == {} and not sched._refused
+    assert sched.core.num_free_blocks == sched.core.config.num_usable_blocks
+    assert "b" not in sched.core.tenant_stats() or sched.core.tenant_stats()["b"].num_waiting_reqs == 0
 
 
 @needs_output_error

@@ -25,8 +25,12 @@ failing those, a text prompt: a str, a ``prompt`` field, or OpenAI-style ``messa
 then follows text prefixes (what the router recorded), as Ray's ``PrefixCacheAffinityRouter`` does, since no
 replica's block hash can be computed from text here. A ``session_id`` (in the request, or Ray's own request
 session id) keeps a conversation on one replica with ``sticky_sessions=True``. A request with no prompt the router
-can read is ranked as a one-token prompt (by load alone). ``prompt_extractor`` (an import path ``"module:function"``
-or a callable) replaces ``prompt_of``: it takes the ``PendingRequest`` and returns a :class:`RoutedPrompt`.
+can read is ranked as a one-token prompt (by load alone). The request's ``tenant`` (a field, or a key of its
+``vllm_xargs`` / ``extra_args``, flat or in their ``"kvsched"`` mapping, where kvsched's vLLM scheduler reads it) and
+``cache_salt`` reach the router: with ``isolate_tenant_cache=True`` (set it as the replicas have it) a prompt is
+hashed with its tenant as the replicas hash it, so a request is never steered by another tenant's cached prefix.
+``prompt_extractor`` (an import path ``"module:function"`` or a callable) replaces ``prompt_of``: it takes the
+``PendingRequest`` and returns a :class:`RoutedPrompt`.
 
 ``request_router_kwargs`` are the fields of :class:`kvsched.router.RouterConfig`, with ``step_time`` given as a
 preset name, a JSON file written by ``kvsched simulate --calibrate``, or a dict of coefficients (kwargs travel as
@@ -57,11 +61,13 @@ logger = logging.getLogger("kvsched")
 @dataclass(frozen=True)
 class RoutedPrompt:
     """What the router reads from a request: its prompt token ids (None if it found none; the UTF-8 bytes of a
-    text prompt when ``from_text``) and session id."""
+    text prompt when ``from_text``), session id, tenant and cache salt (None: none given)."""
 
     token_ids: list[int] | None
     session_id: str | None
     from_text: bool = False
+    tenant: str | None = None
+    cache_salt: str | None = None
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -94,6 +100,25 @@ def _ints(xs: Any) -> list[int] | None:
     return None
 
 
+def _tenant_of(arg: Any) -> Any:
+    """The request's tenant: a ``tenant`` field, else kvsched's key in ``vllm_xargs`` or ``extra_args`` (flat or
+    in the ``"kvsched"`` mapping). A value that is not a str is returned as is: the router refuses it."""
+    tenant = _field(arg, "tenant")
+    if tenant is not None:
+        return tenant
+    for name in ("vllm_xargs", "extra_args"):
+        extra = _field(arg, name)
+        if not isinstance(extra, dict):
+            continue
+        tenant = extra.get("tenant")
+        nested = extra.get("kvsched")
+        if tenant is None and isinstance(nested, dict):
+            tenant = nested.get("tenant")
+        if tenant is not None:
+            return tenant
+    return None
+
+
 def prompt_of(pending_request: PendingRequest | None) -> RoutedPrompt:
     """The prompt and session id of a pending Serve request (see the module docstring)."""
     if pending_request is None:
@@ -111,10 +136,19 @@ def prompt_of(pending_request: PendingRequest | None) -> RoutedPrompt:
         text = _text_of(arg)
         if text:
             tokens, from_text = list(text.encode("utf-8")), True
-    s = None if isinstance(arg, (str, list, tuple)) else _field(arg, "session_id")
+    fields = not isinstance(arg, (str, list, tuple))
+    s = _field(arg, "session_id") if fields else None
     if not (isinstance(s, str) and s):
         s = getattr(pending_request.metadata, "session_id", "")
-    return RoutedPrompt(tokens, s if isinstance(s, str) and s else None, from_text)
+    tenant = _tenant_of(arg) if fields else None
+    salt = _field(arg, "cache_salt") if fields else None
+    return RoutedPrompt(
+        tokens,
+        s if isinstance(s, str) and s else None,
+        from_text,
+        tenant=tenant,
+        cache_salt=salt if isinstance(salt, str) and salt else None,
+    )
 
 
 def _config(kwargs: dict[str, Any], default_seed: str | None) -> RouterConfig:
@@ -219,7 +253,13 @@ class KvschedRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
         router = self._router()
         if prompt.token_ids is None:
             return router.rank(block_hashes=[], num_prompt_tokens=1, candidates=candidates)
-        return router.rank(prompt.token_ids, session_id=prompt.session_id, candidates=candidates)
+        return router.rank(
+            prompt.token_ids,
+            session_id=prompt.session_id,
+            candidates=candidates,
+            tenant=prompt.tenant,
+            cache_salt=prompt.cache_salt,
+        )
 
     def _record(self, req_id: str, replica: str, prompt: RoutedPrompt) -> None:
         """Keeps ``req_id`` in flight on ``replica`` (moving it if it was recorded elsewhere)."""
@@ -232,7 +272,14 @@ class KvschedRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
         if prompt.token_ids is None:
             router.assign(req_id, replica, block_hashes=[], num_prompt_tokens=1)
         else:
-            router.assign(req_id, replica, prompt.token_ids, session_id=prompt.session_id)
+            router.assign(
+                req_id,
+                replica,
+                prompt.token_ids,
+                session_id=prompt.session_id,
+                tenant=prompt.tenant,
+                cache_salt=prompt.cache_salt,
+            )
         self._where[req_id] = replica
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

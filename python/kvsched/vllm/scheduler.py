@@ -283,16 +283,27 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def add_request(self, request: Request) -> None:
         req_id = request.request_id
         if req_id in self.requests:
+            if req_id in self._grammar_errors:
+                # The next input of a streaming-input session whose first request was refused: that refusal
+                # answers for the id.
+                return
             raise UnsupportedFeatureError(
                 f"request {req_id!r} is already known: streaming-input sessions are not supported by kvsched.vllm"
             )
-        self._check_request(request)
+        # No refusal of a request raises from here: vLLM's engine core dies on an exception from add_request. A
+        # refused request finishes with FINISHED_ERROR and its error at the next update_from_output.
+        unsupported = self._unsupported(request)
+        if unsupported is not None:
+            self._grammar_errors[req_id] = self._request_attrs.request_error(unsupported)
+            self.requests[req_id] = request
+            self._refused.add(req_id)
+            return
         sp = request.sampling_params
         blocked = request.status == _WAITING_FOR_GRAMMAR
-        # kvsched's per-request attributes (tenant, session, TTFT target, order key) from extra_args. A bad one
-        # must not raise here: vLLM's engine core dies on an exception from add_request. The request is added
-        # without them, never admitted (not ready), and finishes with FINISHED_ERROR and a validation error at
-        # the next update_from_output, the way a grammar that fails to compile does (docs/vllm.md).
+        # kvsched's per-request attributes (tenant, session, TTFT target, order key) from extra_args. A request
+        # with a bad one is added without them, never admitted (not ready), and finishes with FINISHED_ERROR and
+        # a validation error at the next update_from_output, the way a grammar that fails to compile does
+        # (docs/vllm.md).
         attrs, rejected = self._request_attrs.check(request)
         if rejected is None and self._kv_events.enabled and request.kv_cache_report_mode == "full":
             # vLLM then also publishes the blocks of every prefix-cache lookup that hits, admitted or not.
@@ -353,10 +364,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self, rejected: Exception | None, attrs: dict[str, Any], *args: Any, ready: bool, **kwargs: Any
     ) -> tuple[Exception | None, bool]:
         """The core's ``add_request`` with the request's kvsched attributes ``attrs``; returns why the request is
-        rejected (``rejected``, or the core's refusal of an attribute) and whether the core holds it. A rejected
-        request is added without its attributes, not ready; an error that remains without them is the request's
-        own and propagates. A request its tenant's full waiting queue refuses (``QueueFullError``, with or
-        without the attributes) stays out of the core."""
+        rejected (``rejected``, or the core's refusal of an attribute or of the request) and whether the core
+        holds it. A request rejected for an attribute is added without its attributes, not ready. A request the
+        core refuses without them (its own fault: a prompt that can never fit the KV cache, ...), and one its
+        tenant's full waiting queue refuses (``QueueFullError``), stay out of the core."""
         add: Any = self._core.add_request
         try:
             if rejected is None:
@@ -365,12 +376,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     return None, True
                 except _BAD_REQUEST as e:
                     if not attrs:
-                        raise
+                        return e, False
                     rejected = e  # a rule only the core knows
             add(*args, ready=False, **kwargs)
             return rejected, True
         except QueueFullError as e:
             return e, False
+        except _BAD_REQUEST as e:
+            return rejected or e, False
 
     def _salt_block_hashes(self, request: Request, tenant: str) -> None:
         """Under ``isolate_tenant_cache``: the tenant joins the request's cache salt, which keys block 0 of vLLM's
@@ -381,7 +394,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             request.update_block_hashes()
 
     @staticmethod
-    def _check_request(request: Request) -> None:
+    def _unsupported(request: Request) -> UnsupportedFeatureError | None:
+        """Why kvsched.vllm cannot serve ``request`` (None: it can)."""
         what = None
         sp = request.sampling_params
         if request.pooling_params is not None or sp is None:
@@ -394,10 +408,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             what = "streaming-input (resumable) requests"
         elif sp.repetition_detection is not None:
             what = "repetition detection"
-        if what is not None:
-            raise UnsupportedFeatureError(
-                f"request {request.request_id!r}: kvsched.vllm.Scheduler does not support {what} yet"
-            )
+        if what is None:
+            return None
+        return UnsupportedFeatureError(
+            f"request {request.request_id!r}: kvsched.vllm.Scheduler does not support {what} yet"
+        )
 
     @staticmethod
     def _needs_slow_update(request: Request) -> bool:

@@ -1,0 +1,105 @@
+"""A hostile client against ``vllm serve --scheduler-cls kvsched.vllm.Scheduler``: a short run of
+``scripts/hostile_serve.py`` (docs/security.md has the longer measurement).
+
+Needs vLLM's CPU build (``bash scripts/make_vllm_cpu_venv.sh VENV``); skipped elsewhere. Two servers on the loopback
+(a tiny random Llama): one with the recommended multi-tenant settings (a gateway token, tenant cache isolation,
+per-tenant limits) gets an honest arm and a hostile arm of a few seconds each; one without isolation gets the cache
+probe alone. Every HTTP call has a timeout and the servers are killed at the end (about three minutes on two
+shared cores).
+
+Run: ``HF_HUB_OFFLINE=1 PYTHONPATH=python:tests VENV/bin/python -m pytest -m vllm_e2e tests/test_vllm_e2e_hostile.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+
+def _vllm_cpu_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+pytestmark = [
+    pytest.mark.vllm_e2e,
+    pytest.mark.skipif(_vllm_cpu_version() is None, reason="needs vLLM's CPU build: scripts/make_vllm_cpu_venv.sh"),
+]
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "hostile_serve.py"
+LIMIT = 4  # max_waiting_per_tenant: the flood keeps 40 requests in flight
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("hostile_serve", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def result() -> dict[str, Any]:
+    hs = _script()
+    args = hs.parse_args(["--arm-s", "8", "--limit", str(LIMIT), "--repeats", "1", "--isolation", "both"])
+    out: dict[str, Any] = hs.run(args)
+    print(hs.summary(out))
+    return out
+
+
+def _arm(result: dict[str, Any], kind: str) -> dict[str, Any]:
+    (arm,) = [a for a in result["arms"] if a["kind"] == kind]
+    return arm
+
+
+def test_every_claim_is_refused_with_its_reason(result: dict[str, Any]) -> None:
+    claims = _arm(result, "hostile")["claims"]
+    assert len(claims) == 4
+    for claim in claims:
+        # vLLM 0.33's server answers 400 with the reason; vLLM 0.32's outputs carry no error text, so its server
+        # answers 500 and the reason is in the engine's log.
+        assert claim["status"] in (400, 500), claim
+        if claim["status"] == 400:
+            assert claim["reason"] in claim["message"], claim
+        assert claim["logged"], claim
+
+
+def test_a_flood_past_the_waiting_limit_is_refused_and_the_rest_is_served(result: dict[str, Any]) -> None:
+    hostile = _arm(result, "hostile")
+    assert hostile["flood_refused"] > 0 and hostile["flood_served"] > 0
+    assert hostile["flood_sent"] == hostile["flood_refused"] + hostile["flood_served"]
+    # 503 (retryable) on vLLM 0.33, 500 on vLLM 0.32; the engine logs why.
+    assert {key[:3] for key in hostile["flood_refused_statuses"]} <= {"500", "503"}
+    assert result["queue_full_logged"]
+
+
+def test_the_probe_sees_no_hit_with_isolation_and_one_without(result: dict[str, Any]) -> None:
+    hostile = _arm(result, "hostile")
+    assert hostile["probe_cached_tokens"] == 0
+    assert hostile["owner_cached_tokens"] > 0  # the prompt was cached: its own tenant hits it
+    assert result["probe_cached_tokens_without_isolation"] > 0
+
+
+def test_nothing_leaks_and_the_engine_stays_up(result: dict[str, Any]) -> None:
+    for arm in result["arms"]:
+        assert arm["drained"], arm["after"]
+        assert arm["after"] == {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
+    assert result["healthy_after"] and result["engine_errors_logged"] == 0
+
+
+def test_the_honest_tenants_are_all_served_close_to_their_unloaded_latency(result: dict[str, Any]) -> None:
+    honest, hostile = _arm(result, "honest"), _arm(result, "hostile")
+    assert honest["honest_failed"] == 0 and hostile["honest_failed"] == 0
+    assert len(hostile["honest_ttft_s"]) >= 0.8 * len(honest["honest_ttft_s"]) > 0
+    # A few seconds per arm on a shared two-core machine: a loose bound on p99 here; docs/security.md has the
+    # longer, repeated measurement against the 1.5x goal.
+    assert hostile["ttft_p99_s"] <= 3.0 * honest["ttft_p99_s"], (honest["ttft_p99_s"], hostile["ttft_p99_s"])
