@@ -12,8 +12,10 @@ The decode engine's greedy tokens must equal those of one plain engine, with vLL
 for every request; the prompts share prefixes, so the decode engine also hits its own prefix cache and loads only
 the rest. The decode engine must really have loaded KV: ``num_cached_tokens`` of each request is the prompt's
 whole blocks the connector matches, the engine's prompt-token counters split every prompt into tokens computed,
-local prefix-cache hits and tokens loaded from the connector, and it computed only what was not loaded. Each engine
-runs in a process of its own (``tests/vllm_e2e_pd.py``), one after another, with a timeout.
+local prefix-cache hits and tokens loaded from the connector, and it computed only what was not loaded; with vLLM's
+scheduler in both engines the split and the per-request counts are the same; and with the stored KV zeroed, the
+requests that loaded KV get other tokens. Both engines run with synchronous and with asynchronous scheduling. Each
+engine runs in a process of its own (``tests/vllm_e2e_pd.py``), one after another, with a timeout.
 
 Run: ``HF_HUB_OFFLINE=1 PYTHONPATH=python:tests VENV/bin/python -m pytest -m vllm_e2e tests/test_vllm_e2e_pd.py``.
 """
@@ -80,7 +82,9 @@ def _engine(tmp: Path, name: str, **spec: Any) -> dict[str, Any]:
     """Runs one engine in a process of its own; its JSON result."""
     spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps({"engine": ENGINE, **spec}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    # The worker script's directory (tests/) is on its path already; kvsched from this checkout.
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "python"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "vllm_e2e_pd.py"), str(spec_path), str(out_path)],
         env=env,
@@ -157,6 +161,17 @@ def test_decode_engine_loads_the_prefill_engines_kv_and_gives_one_engines_tokens
     )
     if async_scheduling:
         return
+    # vLLM's scheduler in both engines loads and hits exactly as much, request by request.
+    ref_storage = tmp_path / "kv-vllm"
+    ref_storage.mkdir()
+    ref_common = {**common, "scheduler_cls": None, "storage": str(ref_storage)}
+    ref_requests = [{**r, "max_tokens": 1} for r in reqs]
+    _engine(tmp_path, "prefill-vllm", role="prefill", requests=ref_requests, **ref_common)
+    ref = _engine(tmp_path, "decode-vllm", role="decode", requests=reqs, **ref_common)
+    assert ref["scheduler"].startswith("vllm.")
+    assert ref["tokens"] == decode["tokens"]
+    assert ref["num_cached_tokens"] == decode["num_cached_tokens"]
+    assert ref["prompt_tokens_by_source"] == sources
     # The decode engine used the loaded KV: with the stored KV zeroed, its tokens change.
     import safetensors.torch
     import torch
