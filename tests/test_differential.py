@@ -718,9 +718,11 @@ def ragged(entries: list[list[int]] | None, as_arrays: bool) -> Any:
 @st.composite
 def configs(draw: Any) -> SchedulerConfig:
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 16, 64]))
+    # A sliding window in 1 of 3 configs (it needs no context parallelism, recompute preemption, no KV events).
+    window = draw(st.sampled_from([None, None, None, None, 1, 2, 5, 16, 40]))
     # Context parallelism: a block id covers block_size * dcp tokens; pcp leaves the unit alone.
-    dcp = draw(st.sampled_from([1, 1, 2, 4]))
-    pcp = draw(st.sampled_from([1, 1, 2]))
+    dcp = 1 if window else draw(st.sampled_from([1, 1, 2, 4]))
+    pcp = 1 if window else draw(st.sampled_from([1, 1, 2]))
     interleave = draw(st.sampled_from(sorted({1, min(2, block_size), block_size})))
     kv_block = block_size * dcp
     num_blocks = draw(st.one_of(st.integers(2, 24), st.integers(25, 400)))
@@ -735,7 +737,7 @@ def configs(draw: Any) -> SchedulerConfig:
     if not chunked and draw(st.integers(0, 2)) != 0:
         budget = max(budget, max_model_len)
     policy = draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair", "sjf", "slo"]))
-    mode = draw(st.sampled_from(["recompute", "recompute", "swap", "auto"]))
+    mode = "recompute" if window else draw(st.sampled_from(["recompute", "recompute", "swap", "auto"]))
     num_cpu_blocks = draw(st.sampled_from([1, 2, 5, 64] if mode != "recompute" else [0, 4]))
     max_num_seqs = draw(st.integers(1, 8))
     return SchedulerConfig(
@@ -785,6 +787,7 @@ def configs(draw: Any) -> SchedulerConfig:
         continue_after_self_preemption=draw(st.booleans()),
         cache_drafts_at_update=draw(st.booleans()),
         trim_computed_on_stop=draw(st.booleans()),
+        sliding_window=window,
     )
 
 
@@ -823,7 +826,8 @@ def tenant_fields(data: Any) -> dict[str, Any]:
 
 def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
     # both compare their events
-    cfg = dataclasses.replace(cfg, enable_kv_cache_events=data.draw(st.booleans()), **tenant_fields(data))
+    events = data.draw(st.booleans()) and cfg.sliding_window is None
+    cfg = dataclasses.replace(cfg, enable_kv_cache_events=events, **tenant_fields(data))
     seed = data.draw(st.sampled_from([None, None, 1, 2, 3]))  # a seeded fake KV connector in 3 of 5 runs
     twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])), connector_seed=seed)
     try:
@@ -1178,6 +1182,45 @@ def test_soak_context_parallel_matches_reference_step_by_step() -> None:
 
 def test_soak_small_kv_cache_matches_reference_step_by_step() -> None:
     soak(steps=900, seed=4321, configs=SMALL_CACHE_CONFIGS, throttle=True)
+
+
+# Sliding-window attention: windows shorter and longer than a block, sync and async (the blocks that leave the
+# window wait for the steps in flight), prefix hits that start past block 0, preemption under KV pressure, a
+# seeded KV connector (loads in the window) and drafts.
+SWA_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=16, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    sliding_window=9, prefix_hash_seed=21),
+    SchedulerConfig(block_size=2, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=48,
+                    sliding_window=3, async_scheduling=True, policy="priority", prefix_hash_seed=22),
+    SchedulerConfig(block_size=4, num_blocks=14, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                    sliding_window=16, async_scheduling=True, num_speculative_tokens=2, prefix_hash_seed=23),
+    SchedulerConfig(block_size=8, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=64,
+                    sliding_window=1, long_prefill_token_threshold=8, prefix_hash_seed=24),
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    sliding_window=6, async_scheduling=True, defer_block_free=True, park_kv_loads=False,
+                    reserve_inflight_prefills=True, prefix_hash_seed=25),
+]  # fmt: skip
+
+
+def test_soak_sliding_window_matches_reference_step_by_step() -> None:
+    """Both implementations free the same blocks as windows advance, find the same window hits (null blocks
+    before them) and give the same tables, step by step; blocks leave the windows and window hits start past
+    block 0 in the run."""
+    nulls = window_hits = 0
+    for i, cfg in enumerate(SWA_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(4242 + i)), max_in_flight=1 + i % 3,
+                    connector_seed=4242 + i if i % 2 else None, fail_steps=False)  # fmt: skip
+        for _ in range(700):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+            for r in twin.ref._requests.values():
+                nulls += bool(r.block_ids) and r.block_ids[0] == 0
+                window_hits += bool(r.block_ids) and r.block_ids[0] == 0 and r.num_cached_blocks == len(r.block_ids)
+        twin.drain()
+        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+    assert nulls > 0 and window_hits > 0, (nulls, window_hits)
 
 
 # The waiting orders beyond fcfs/priority/fair under memory pressure (preemption, eviction of warm prefixes):

@@ -506,3 +506,42 @@ def test_a_step_whose_requests_were_all_aborted_returns_no_outputs_without_stats
         results = [s.update_from_output(so, _mro(so, 9)) for s, so in zip(pair, outs, strict=True)]  # type: ignore[attr-defined]
         compare("EngineCoreOutputs", results[0], results[1])
         assert results[1] == {}
+
+
+def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_name() -> None:
+    """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec, two groups, a KV
+    connector or KV cache events with a window are refused at construction, by name."""
+    import torch
+    from kvsched.vllm import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    kw = {"block_size": 16, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    window = SlidingWindowSpec(sliding_window=64, **kw)
+
+    def build(vcfg: Any, *specs: Any) -> Any:
+        groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
+        kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+        return Scheduler(
+            vllm_config=vcfg,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vcfg),
+            block_size=16,
+            hash_block_size=16,
+        )
+
+    assert build(make_vllm_config(block_size=16, num_blocks=64), window).kv_config.sliding_window == 64
+    with pytest.raises(UnsupportedFeatureError, match="ChunkedLocalAttentionSpec"):
+        build(make_vllm_config(block_size=16), ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
+    with pytest.raises(UnsupportedFeatureError, match="several KV cache groups"):
+        build(make_vllm_config(block_size=16), FullAttentionSpec(**kw), window)
+    with pytest.raises(UnsupportedFeatureError, match="KV connectors with sliding-window attention"):
+        build(make_vllm_config(block_size=16, kv_connector_seed=1), window)
+    with pytest.raises(UnsupportedFeatureError, match="KV cache events with sliding-window attention"):
+        build(make_vllm_config(block_size=16, kv_events=True), window)

@@ -38,6 +38,16 @@ def test_identical_to_vllm_with_speculative_decoding(sync: str, runner: str, see
     assert cfg.num_speculative_tokens == k
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", range(300, 303))
+def test_identical_to_vllm_with_a_sliding_window(sync: str, runner: str, seed: int) -> None:
+    """A model whose one KV cache group is a SlidingWindowSpec (a window drawn per seed, from one token to several
+    blocks): out-of-window blocks freed at the same moments (after the steps in flight that read them), window
+    prefix hits with null blocks, the same block tables and prefill stats."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", sliding_window=True)
+    assert cfg.sliding_window is not None
+
+
 SYNC_MODES = [("sync", "v1"), ("sync", "v2")]
 
 

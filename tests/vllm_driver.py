@@ -187,6 +187,8 @@ class Config:
     kv_role: str = "kv_both"
     # KV cache events on (vLLM's kv_events_config): the published batches are compared event by event.
     kv_events: bool = False
+    # The model's one KV cache group is a sliding window of this many tokens (None: full attention).
+    sliding_window: int | None = None
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -275,11 +277,17 @@ class Pair:
         self.rng_out = random.Random(f"outputs/{seed}")
         fields = dataclasses.asdict(cfg)
         v2 = fields.pop("use_v2_model_runner")
+        window = fields.pop("sliding_window")
         vcfg = make_vllm_config(**fields)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
         log_stats = self.rng_out.random() < 0.7
-        kw = {"use_v2_model_runner": v2, "include_finished_set": True, "log_stats": log_stats}
+        kw = {
+            "use_v2_model_runner": v2,
+            "include_finished_set": True,
+            "log_stats": log_stats,
+            "sliding_window": window,
+        }
         self.a = make_scheduler("vllm", vcfg, **kw)
         self.b = make_scheduler("kvsched", vcfg, **kw)
         self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
@@ -592,12 +600,16 @@ def run_seed(
     connector: bool = False,
     kv_role: str = "kv_both",
     kv_events: bool = False,
+    sliding_window: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role``; ``kv_events`` turns KV cache
-    events on and compares the published batches."""
+    events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
+    window of a drawn size (from its own stream: the seed's other draws stay as they are)."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
+    if sliding_window:
+        cfg.sliding_window = random.Random(f"window/{seed}").choice([1, 3, 8, cfg.block_size, 20, 33, 64, 100])
     if connector:
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
@@ -627,7 +639,15 @@ def main(argv: list[str] | None = None) -> int:
         "mode runs every seed once per role",
     )
     p.add_argument("--kv-events", action="store_true", help="KV cache events on, published batches compared")
+    p.add_argument(
+        "--sliding-window",
+        action="store_true",
+        help="a sliding-window model (one SlidingWindowSpec group, a window drawn per seed); not with --connector "
+        "or --kv-events, which kvsched.vllm refuses for it",
+    )
     args = p.parse_args(argv)
+    if args.sliding_window and (args.connector or args.kv_events):
+        p.error("--sliding-window goes without --connector and --kv-events")
     import vllm
 
     print(f"vLLM {vllm.__version__}: its Scheduler/AsyncScheduler against kvsched.vllm.Scheduler", flush=True)
@@ -655,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
                         connector=role is not None,
                         kv_role=role or "kv_both",
                         kv_events=args.kv_events,
+                        sliding_window=args.sliding_window,
                     )
                     ok += 1
                 except Divergence as exc:

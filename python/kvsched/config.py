@@ -534,6 +534,15 @@ class SchedulerConfig:
             "cover them"
         ),
     )
+    sliding_window: int | None = field(
+        default=None,
+        metadata=_spec(
+            "every layer attends to the last this many tokens only (vLLM's `SlidingWindowSpec`): blocks wholly "
+            "outside the window go back to the pool as the request advances, and a prefix hit needs only the "
+            "window's blocks (see [Sliding-window attention](#sliding-window-attention)); None = full attention",
+            lo=1,
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in CONFIG_FIELDS:
@@ -596,6 +605,20 @@ class SchedulerConfig:
             )
         if self.priority_aging_steps > 0 and self.policy != "priority":
             raise InvalidConfigError(f"priority_aging_steps > 0 needs policy 'priority', got {self.policy!r}")
+        window = self.sliding_window
+        if window is not None:
+            # vLLM: DCP and PCP do not support sliding-window attention; the CPU pool and the KV cache events do not
+            # know its null blocks yet.
+            if dcp > 1 or pcp > 1:
+                raise InvalidConfigError(
+                    f"sliding_window ({window}) needs dcp_world_size == 1 and pcp_world_size == 1, got {dcp} and {pcp}"
+                )
+            if self.preemption_mode != "recompute":
+                raise InvalidConfigError(
+                    f"sliding_window ({window}) needs preemption_mode 'recompute', got {self.preemption_mode!r}"
+                )
+            if self.enable_kv_cache_events:
+                raise InvalidConfigError(f"sliding_window ({window}) is not supported with enable_kv_cache_events")
 
     @property
     def kv_block_size(self) -> int:

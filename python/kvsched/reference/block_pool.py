@@ -37,6 +37,8 @@ class _BlockPoolMixin(_SchedulerState):
     def _free_block_list(self, block_ids: list[int]) -> None:
         to_head: list[int] = []
         for b in reversed(block_ids):
+            if b == 0:
+                continue  # a sliding window's null block: never held
             self._ref_cnt[b] -= 1
             if self._ref_cnt[b] == 0:
                 if self._block_hash[b] is not None:

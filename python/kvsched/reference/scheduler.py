@@ -495,19 +495,22 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         require(all(1 <= b < c.num_blocks and b in self._free for b in free), "free queue ids")
         holders = [0] * c.num_blocks
         for r in self._requests.values():
-            require(len(set(r.block_ids)) == len(r.block_ids), f"{r.req_id}: a block twice in one table")
-            for b in r.block_ids:
+            # A sliding window's table starts with the null blocks of the blocks that left the window.
+            live = r.block_ids[next((k for k, b in enumerate(r.block_ids) if b != 0), len(r.block_ids)) :]
+            require(c.sliding_window is not None or len(live) == len(r.block_ids), f"{r.req_id}: null block")
+            require(len(set(live)) == len(live) and 0 not in live, f"{r.req_id}: a block twice in one table")
+            for b in live:
                 holders[b] += 1
         for req_id, (blocks, awaiting_recv, awaiting_send, _) in self._held.items():
             require(awaiting_recv or awaiting_send, f"{req_id}: held blocks for no transfer")
             require(req_id not in self._requests, f"{req_id}: live and held")
             for b in blocks:
-                holders[b] += 1
+                holders[b] += b != 0
         fences = [fence for fence, _ in self._deferred_frees]
         require(fences == sorted(fences) and all(f <= self._sched_step_seq for f in fences), "deferred fences")
         for _, blocks in self._deferred_frees:
             for b in blocks:
-                holders[b] += 1
+                holders[b] += b != 0
         require(self._ref_cnt == holders, "ref_cnt == number of block tables holding the block")
         require(holders[0] == 0 and 0 not in self._free and self._block_hash[0] is None, "null block")
         for b in range(1, c.num_blocks):
@@ -551,7 +554,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             require(r.status == RequestStatus.RUNNING, f"{r.req_id} in running with status {r.status!r}")
             require(r.num_computed_tokens <= len(r.block_ids) * bs, f"{r.req_id}: computed tokens without KV")
             for i in range(r.num_cached_blocks):
-                require(self._block_hash[r.block_ids[i]] == r.block_hashes[i], f"{r.req_id}: block {i} hash")
+                if r.block_ids[i] != 0 and c.sliding_window != 1:  # a window of one token caches nothing
+                    require(self._block_hash[r.block_ids[i]] == r.block_hashes[i], f"{r.req_id}: block {i} hash")
         waiting_statuses = (
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,

@@ -31,8 +31,10 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
 
 
-def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> None:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> int | None:
+    """Refuses the KV cache layouts the core does not implement; returns the sliding window of a model whose
+    layers all use one (None: full attention)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != 1:
@@ -41,17 +43,28 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> None:
             f"{len(groups)} KV cache groups",
         )
     spec = groups[0].kv_cache_spec
-    # Only plain full attention: sliding-window, chunked-local and Mamba specs subclass or differ from it.
-    if type(spec) is not FullAttentionSpec:
-        _refuse(f"the KV cache spec {type(spec).__name__}", "only FullAttentionSpec is supported")
-    if getattr(spec, "sliding_window", None):
-        _refuse("sliding-window attention", f"sliding_window={spec.sliding_window}")
+    # Plain full attention, or sliding-window attention in every layer: chunked-local, Mamba, MLA and the other
+    # specs subclass or differ from them.
+    window: int | None = None
+    if type(spec) is SlidingWindowSpec:
+        window = int(spec.sliding_window)
+        if getattr(spec, "extra_retained_tokens", 0):
+            _refuse("sliding windows that retain extra tokens (multi-module MTP)", "extra_retained_tokens")
+    elif type(spec) is not FullAttentionSpec:
+        _refuse(
+            f"the KV cache spec {type(spec).__name__}", "only FullAttentionSpec and SlidingWindowSpec are supported"
+        )
+    elif getattr(spec, "sliding_window", None):
+        _refuse("full-attention specs with a sliding window", f"sliding_window={spec.sliding_window}")
     if spec.block_size != block_size:
         _refuse(
             "a KV cache block size that differs from the scheduler block size", f"{spec.block_size} != {block_size}"
         )
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
+    if window is not None and getattr(kv_cache_config, "prefix_cache_retention_interval", None) is not None:
+        _refuse("sparse prefix-cache retention of sliding windows", "prefix_cache_retention_interval")
+    return window
 
 
 def check_kv_connector(vllm_config: Any, connector: Any) -> None:
@@ -65,12 +78,17 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> None:
 
 
 def kvsched_config_from_vllm(
-    vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int | None
+    vllm_config: Any,
+    kv_cache_config: Any,
+    block_size: int,
+    hash_block_size: int | None,
+    sliding_window: int | None = None,
 ) -> tuple[SchedulerConfig, int]:
     """The kvsched config for ``vllm_config`` and the number of speculative tokens; raises for unsupported ones.
 
     The fields vLLM decides come from its config; the kvsched settings of ``additional_config`` are added on top
-    (a setting vLLM decides is refused there, see ``_policy.py``)."""
+    (a setting vLLM decides is refused there, see ``_policy.py``). ``sliding_window``: the window of a model
+    whose KV cache group is a sliding window (``_check_kv_cache_config``)."""
     knobs, _ = read_additional_config(vllm_config)
     sched = vllm_config.scheduler_config
     cache = vllm_config.cache_config
@@ -97,6 +115,12 @@ def kvsched_config_from_vllm(
         _refuse("auxiliary output connectors", "aux_output_config.enabled")
     if _attr(vllm_config.observability_config, "kv_cache_metrics", False):
         _refuse("KV cache eviction metrics", "observability_config.kv_cache_metrics")
+    if sliding_window is not None:
+        # The core's KV cache events and connector hand-offs do not know a window's null blocks yet.
+        if kv_transfer is not None:
+            _refuse("KV connectors with sliding-window attention", "kv_transfer_config")
+        if kv_events_enabled(vllm_config):
+            _refuse("KV cache events with sliding-window attention", "kv_events_config")
 
     if sched.max_num_scheduled_tokens not in (None, sched.max_num_batched_tokens):
         _refuse("a token budget that differs from the input budget", "max_num_scheduled_tokens")
@@ -165,6 +189,7 @@ def kvsched_config_from_vllm(
     # vLLM's KV cache events (kv_events_config): the core records them, the adapter publishes them in vLLM's form.
     fields["enable_kv_cache_events"] = kv_events_enabled(vllm_config)
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
+    fields["sliding_window"] = sliding_window
     fields["async_scheduling"] = bool(sched.async_scheduling)
     fields["watermark"] = float(sched.watermark)
     if sched.max_num_active_seqs is not None:

@@ -209,12 +209,14 @@ class BlockPoolView(_ReadOnly):
 
 
 class _ReqToBlocks(Mapping[str, list[BlockView]]):
-    """Request id -> its blocks, for the requests holding blocks now (vLLM's ``req_to_blocks``); live."""
+    """Request id -> its blocks, for the requests holding blocks now (vLLM's ``req_to_blocks``); live. A sliding
+    window's null blocks are the pool's one ``null_block`` object, as in vLLM."""
 
-    __slots__ = ("_sched",)
+    __slots__ = ("_null_block", "_sched")
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler, null_block: BlockView) -> None:
         self._sched = sched
+        self._null_block = null_block
 
     def _block_ids(self, req_id: str) -> list[int]:
         if req_id not in self._sched.requests:
@@ -226,8 +228,8 @@ class _ReqToBlocks(Mapping[str, list[BlockView]]):
         ids = self._block_ids(req_id)
         if not ids:
             raise KeyError(req_id)
-        core = self._sched.core
-        return [BlockView(core, b) for b in ids]
+        core, null = self._sched.core, self._null_block
+        return [null if b == 0 else BlockView(core, b) for b in ids]
 
     def __contains__(self, req_id: object) -> bool:
         return isinstance(req_id, str) and bool(self._block_ids(req_id))
@@ -265,14 +267,23 @@ class _NumCachedBlock(Mapping[str, int]):
 
 
 class _SingleTypeManager(_ReadOnly):
-    """vLLM's ``SingleTypeKVCacheManager`` of the one full-attention group."""
+    """vLLM's ``SingleTypeKVCacheManager`` of the one group (full attention or a sliding window)."""
 
-    __slots__ = ("block_pool", "block_size", "kv_cache_group_id", "kv_cache_spec", "num_cached_block", "req_to_blocks")
+    __slots__ = (
+        "_null_block",
+        "block_pool",
+        "block_size",
+        "kv_cache_group_id",
+        "kv_cache_spec",
+        "num_cached_block",
+        "req_to_blocks",
+    )
 
     block_size: int
     kv_cache_spec: Any
     kv_cache_group_id: int
     block_pool: BlockPoolView
+    _null_block: BlockView
     req_to_blocks: Mapping[str, list[BlockView]]
     num_cached_block: Mapping[str, int]
 
@@ -282,7 +293,8 @@ class _SingleTypeManager(_ReadOnly):
         init(self, "kv_cache_spec", kv_cache_spec)
         init(self, "kv_cache_group_id", 0)
         init(self, "block_pool", block_pool)
-        holding = _ReqToBlocks(sched)
+        init(self, "_null_block", block_pool.null_block)
+        holding = _ReqToBlocks(sched, block_pool.null_block)
         init(self, "req_to_blocks", holding)
         init(self, "num_cached_block", _NumCachedBlock(sched, holding))
 

@@ -154,9 +154,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         include_finished_set: bool = False,
         log_stats: bool = False,
     ) -> None:
-        _check_kv_cache_config(kv_cache_config, block_size)
+        sliding_window = _check_kv_cache_config(kv_cache_config, block_size)
         config, self.num_spec_tokens = kvsched_config_from_vllm(
-            vllm_config, kv_cache_config, block_size, hash_block_size
+            vllm_config, kv_cache_config, block_size, hash_block_size, sliding_window
         )
         self.vllm_config = vllm_config
         self.scheduler_config = vllm_config.scheduler_config
@@ -188,6 +188,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         self._drafts_received = False  # update_draft_token_ids gave some request drafts
         self.kv_config = config
+        # A sliding window's block tables of the requests awaiting their first output, read before an update.
+        self._window_tables: dict[str, list[int]] = {}
         # KV connector (vLLM's kv_transfer_config): vLLM's own scheduler-role connector, built as vLLM's scheduler
         # builds it, reached by the core through the bridge's id-keyed hooks.
         self._bridge: ConnectorBridge | None = None
@@ -952,6 +954,17 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 return step
         raise ValueError("update_from_output got a SchedulerOutput this scheduler did not produce, or got it twice")
 
+    def _window_hashed_tokens(self, table: list[int], num_cached_blocks: int) -> int:
+        """vLLM's ``estimate_cached_tokens`` with a sliding window: the tokens up to the end of the last block of
+        ``table`` that carries a hash (among its first ``num_cached_blocks``); the null blocks before the window
+        carry none, and a window of one token caches nothing."""
+        if self.kv_config.sliding_window == 1:
+            return 0
+        for i in range(min(num_cached_blocks, len(table)) - 1, -1, -1):
+            if table[i] != 0:
+                return (i + 1) * self.block_size
+        return 0
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
@@ -974,11 +987,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # vLLM finalises a request's prefill stats at its first output with the tokens its cached blocks cover,
         # read before a stop frees them: read them now, for the requests that have not emitted yet.
         cached_tokens: dict[str, int] = {}
+        self._window_tables.clear()
         if self._awaiting_first_output and self.kv_config.enable_prefix_caching:
             in_batch = scheduler_output.num_scheduled_tokens
             for req_id in self._awaiting_first_output:
                 if req_id in in_batch:
-                    cached_tokens[req_id] = self._core.get_num_cached_blocks(req_id) * self.block_size
+                    num_cached_blocks = self._core.get_num_cached_blocks(req_id)
+                    if self.kv_config.sliding_window is None:
+                        cached_tokens[req_id] = num_cached_blocks * self.block_size
+                    else:
+                        table = self._core.get_block_ids(req_id).tolist()
+                        self._window_tables[req_id] = table
+                        cached_tokens[req_id] = self._window_hashed_tokens(table, num_cached_blocks)
         res = self._core.update_from_output(out, rows)
         finished_ids = res.finished_req_ids
         spec_sched = scheduler_output.scheduled_spec_decode_tokens
@@ -1409,7 +1429,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # The blocks the core just cached (it may have freed the request since): full, hashed blocks up
                 # to the tokens computed by the applied steps.
                 upto = request.num_computed_tokens - request.num_in_flight_tokens
-                num_cached = max(num_cached, min(upto // self.block_size, len(request.block_hashes)) * self.block_size)
+                num_blocks = min(upto // self.block_size, len(request.block_hashes))
+                if self.kv_config.sliding_window is None:
+                    num_cached = max(num_cached, num_blocks * self.block_size)
+                else:
+                    table = self._window_tables.get(req_id, [])
+                    num_cached = max(num_cached, self._window_hashed_tokens(table, num_blocks))
             prefill_stats.finalize(num_cached)
         new_logprobs = None
         if mro.logprobs and request.sampling_params.num_logprobs is not None:

@@ -187,11 +187,17 @@ def make_vllm_config(
     return vllm_config
 
 
-def _kv_cache_config(num_blocks: int, block_size: int) -> Any:
+def _kv_cache_config(num_blocks: int, block_size: int, sliding_window: int | None = None) -> Any:
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    spec: Any
+    if sliding_window is None:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    else:
+        spec = SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=sliding_window
+        )
     return KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
     )
@@ -204,8 +210,11 @@ def make_scheduler(
     use_v2_model_runner: bool = False,
     log_stats: bool = True,
     include_finished_set: bool = False,
+    sliding_window: int | None = None,
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
+    ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
+    full attention).
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -227,7 +236,7 @@ def make_scheduler(
     try:
         return cls(
             vllm_config=vllm_config,
-            kv_cache_config=_kv_cache_config(vllm_config.cache_config.num_gpu_blocks, block_size),
+            kv_cache_config=_kv_cache_config(vllm_config.cache_config.num_gpu_blocks, block_size, sliding_window),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=block_size,
             hash_block_size=block_size,

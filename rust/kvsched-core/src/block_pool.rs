@@ -339,13 +339,14 @@ impl BlockPool {
 
     /// Releases one request's blocks in reverse order: its deepest blocks become the first eviction candidates.
     /// Blocks reaching ref 0 go to the tail when hashed (LRU, deepest first), and as one group to the head when
-    /// not (reused first, deepest first): vLLM 0.33's `free_blocks` + `prepend_n`.
+    /// not (reused first, deepest first): vLLM 0.33's `free_blocks` + `prepend_n`. Null blocks (a sliding
+    /// window's table) are skipped: their count stays 0.
     pub fn free_blocks(&mut self, blocks: &[u32]) {
         // The unhashed blocks that reach ref 0, deepest first (usually one: a request's last, partial block).
         let mut unhashed = std::mem::take(&mut self.unhashed_buf);
         for &b in blocks.iter().rev() {
             let m = &mut self.meta[b as usize];
-            debug_assert!(*m & !HASHED > 0, "freeing block {b} with ref_cnt 0");
+            debug_assert!(b == NULL_BLOCK || *m & !HASHED > 0, "freeing block {b} with ref_cnt 0");
             if *m & !HASHED == 0 {
                 continue; // freed more often than held: left as it is (`check` reports it)
             }

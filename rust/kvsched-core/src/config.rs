@@ -332,6 +332,10 @@ pub struct SchedulerConfig {
     /// request's computed count back to the tokens kept; `false` (vLLM 0.32) leaves it, so the blocks a KV
     /// connector is handed at the finish also cover the cut tokens. Blocks cached at that update never cover them.
     pub trim_computed_on_stop: bool,
+    /// Every layer attends to the last `sliding_window` tokens only (vLLM's `SlidingWindowSpec`, one KV cache
+    /// group): blocks wholly outside the window go back to the pool as the request advances, and a prefix hit
+    /// needs only the window's blocks (see `kv_cache_manager.rs`). `None`: full attention.
+    pub sliding_window: Option<u32>,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -424,6 +428,7 @@ impl Default for SchedulerConfig {
             continue_after_self_preemption: true,
             cache_drafts_at_update: true,
             trim_computed_on_stop: true,
+            sliding_window: None,
         }
     }
 }
@@ -502,6 +507,7 @@ const INT_FIELDS: &[IntField] = &[
         get: |c| Some(c.max_num_encoder_input_tokens),
     },
     IntField { name: "encoder_cache_size", min: 0, max: I32_MAX, get: |c| Some(c.encoder_cache_size) },
+    IntField { name: "sliding_window", min: 1, max: I32_MAX, get: |c| c.sliding_window },
 ];
 
 /// The fixed bounds of integer field `name`, if it has any (for messages about values outside `u32`).
@@ -647,6 +653,27 @@ impl SchedulerConfig {
                 "priority_aging_steps > 0 needs policy 'priority', got {}",
                 py_str(self.policy.name())
             )));
+        }
+        if let Some(window) = self.sliding_window {
+            // vLLM: DCP and PCP do not support sliding-window attention; the CPU pool and the KV cache events do
+            // not know its null blocks yet.
+            if self.dcp_world_size > 1 || self.pcp_world_size > 1 {
+                return Err(SchedError::InvalidConfig(format!(
+                    "sliding_window ({window}) needs dcp_world_size == 1 and pcp_world_size == 1, got {} and {}",
+                    self.dcp_world_size, self.pcp_world_size
+                )));
+            }
+            if self.preemption_mode != PreemptionMode::Recompute {
+                return Err(SchedError::InvalidConfig(format!(
+                    "sliding_window ({window}) needs preemption_mode 'recompute', got {}",
+                    py_str(self.preemption_mode.name())
+                )));
+            }
+            if self.enable_kv_cache_events {
+                return Err(SchedError::InvalidConfig(format!(
+                    "sliding_window ({window}) is not supported with enable_kv_cache_events"
+                )));
+            }
         }
         Ok(())
     }

@@ -2,8 +2,17 @@
 //! caching full blocks at allocation time, and freeing. Mirrors vLLM's `KVCacheManager` for a single
 //! full-attention group. With KV cache events on, each call that enters blocks into the prefix cache records
 //! them as one stored event (`events.rs`), after the evictions its allocation caused, as vLLM's block pool does.
+//!
+//! With a sliding window of `w` tokens (vLLM's `SlidingWindowManager`, one group), a request's table starts with
+//! null blocks (`NULL_BLOCK`) where its blocks fell out of the window: the next token to compute attends to the
+//! last `w` tokens only, so the blocks wholly before the first `processed + 1 - w` tokens go back to the pool,
+//! deepest first, at each allocation (`processed`: the computed tokens less those of steps still in flight, which
+//! may still read them). The nulls are always a prefix of the table; they are never touched, freed or cached. A
+//! prefix hit needs only the blocks covering the window before its end: the lookup searches right to left for
+//! the last run of `ceil((w - 1) / block_size)` cached blocks (or the run from block 0, if shorter) and pads the
+//! blocks before it with nulls.
 
-use crate::block_pool::{prefetch, BlockPool};
+use crate::block_pool::{prefetch, BlockPool, NULL_BLOCK};
 use crate::hashing::{BlockHash, BlockHasher};
 use crate::request::Request;
 
@@ -22,17 +31,75 @@ pub struct KvCacheManager {
     pub newly_cached: Vec<(u32, BlockHash)>,
     /// Scratch bytes for block hashing, kept between calls (no allocation per hashed request).
     pub hash_buf: Vec<u8>,
+    /// The attention window in tokens (`SchedulerConfig::sliding_window`); 0: full attention.
+    pub sliding_window: u32,
+    /// vLLM's admission cap of a sliding-window request, in blocks (`SlidingWindowSpec.
+    /// max_admission_blocks_per_request`): the most blocks it holds at once, `ceil(min(w - 1 + tokens in flight,
+    /// max_model_len) / block_size) + 1`, with one step's budget in flight per concurrent batch. Unused without
+    /// a window.
+    pub admission_cap_blocks: usize,
 }
 
 impl KvCacheManager {
     /// Longest run of cached blocks matching `block_hashes` from the start, capped so that at least the last of
     /// `num_tokens` tokens is computed. Appends the hit blocks to `out`. Side-effect free on the pool.
     pub fn find_longest_cache_hit(&self, block_hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
+        if self.sliding_window != 0 {
+            self.find_window_hit(block_hashes, num_tokens, out);
+            return;
+        }
         for h in &block_hashes[..self.max_hit_blocks(block_hashes, num_tokens)] {
             match self.pool.get_cached_block(h) {
                 Some(b) => out.push(b),
                 None => break,
             }
+        }
+    }
+
+    /// `find_longest_cache_hit` with a sliding window (vLLM's `SlidingWindowManager.find_longest_cache_hit`):
+    /// from the right, the first run of cached blocks long enough to cover the window before its end; the
+    /// blocks before the run are null blocks. Without such a run, the run of cached blocks from block 0.
+    #[cold]
+    fn find_window_hit(&self, block_hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
+        let max_blocks = self.max_hit_blocks(block_hashes, num_tokens);
+        let need = (self.sliding_window - 1).div_ceil(self.block_size) as usize;
+        let start = out.len();
+        // `out[start..]` holds the current run, rightmost block first.
+        for i in (0..max_blocks).rev() {
+            match self.pool.get_cached_block(&block_hashes[i]) {
+                Some(b) => {
+                    out.push(b);
+                    if out.len() - start >= need {
+                        out[start..].reverse();
+                        out.splice(start..start, std::iter::repeat_n(NULL_BLOCK, i));
+                        return;
+                    }
+                }
+                None => out.truncate(start),
+            }
+        }
+        out[start..].reverse();
+    }
+
+    /// Tokens wholly before the window of the next token after `num_computed_tokens` (vLLM's
+    /// `get_num_skipped_tokens`).
+    #[inline]
+    fn skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
+        (num_computed_tokens + 1).saturating_sub(self.sliding_window)
+    }
+
+    /// vLLM's `remove_skipped_blocks`: with `processed` tokens processed, the blocks wholly before the window go
+    /// back to the pool (deepest first, from the last one before the window back to the first null) and become
+    /// null blocks in the table.
+    fn remove_skipped_blocks(&mut self, req: &mut Request, processed: u32) {
+        let last = ((self.skipped_tokens(processed) >> self.block_shift) as usize).min(req.blocks.len());
+        let mut first = last;
+        while first > 0 && req.blocks[first - 1] != NULL_BLOCK {
+            first -= 1;
+        }
+        if first < last {
+            self.pool.free_blocks(&req.blocks[first..last]);
+            req.blocks[first..last].fill(NULL_BLOCK);
         }
     }
 
@@ -57,6 +124,10 @@ impl KvCacheManager {
         num_tokens: u32,
         hint: u32,
     ) -> Option<usize> {
+        if self.sliding_window != 0 {
+            // A window hit need not start at block 0: no bound from one lookup.
+            return None;
+        }
         let max_blocks = self.max_hit_blocks(block_hashes, num_tokens);
         let k = (hint as usize).min(max_blocks);
         if k < max_blocks && self.pool.get_cached_block(&block_hashes[k]).is_some() {
@@ -92,15 +163,39 @@ impl KvCacheManager {
     /// Lookahead slots are not part of this check (the per-step allocation adds them). `reserved` blocks must
     /// stay free (the watermark).
     pub fn full_sequence_fits(&self, req: &Request, hits: &[u32], reserved: usize) -> bool {
+        if self.sliding_window != 0 {
+            return self.window_sequence_need(req, hits) + reserved <= self.pool.num_free_blocks();
+        }
         let need = self.blocks_to_add(req.blocks.len() + hits.len(), req.num_tokens());
         let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
         need + evictable_hits + reserved <= self.pool.num_free_blocks()
+    }
+
+    /// `full_sequence_fits`' blocks with a sliding window (vLLM's `get_num_blocks_to_allocate` with the
+    /// admission cap): the request's tokens need at most `admission_cap_blocks` blocks; a new request's hits
+    /// before the window of its first computed token become null blocks, the others count when at ref 0.
+    #[cold]
+    fn window_sequence_need(&self, req: &Request, hits: &[u32]) -> usize {
+        let num_slots = req.num_tokens().min(self.max_slots);
+        let required = (num_slots.div_ceil(self.block_size) as usize).min(self.admission_cap_blocks);
+        if !req.blocks.is_empty() {
+            return required.saturating_sub(req.blocks.len());
+        }
+        let skipped = (self.skipped_tokens(hits.len() as u32 * self.block_size) >> self.block_shift) as usize;
+        let kept = &hits[skipped.min(hits.len())..];
+        let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
+        required.saturating_sub(skipped.max(hits.len())) + evictable
     }
 
     /// Whether a new request with these hashes would hit at least one block (the admission probe: the same
     /// answer as `find_longest_cache_hit` being non-empty, in O(1)). Side-effect free.
     #[inline]
     pub fn has_cached_prefix(&self, block_hashes: &[BlockHash], num_tokens: u32) -> bool {
+        if self.sliding_window != 0 {
+            let mut hits = Vec::new();
+            self.find_window_hit(block_hashes, num_tokens, &mut hits);
+            return !hits.is_empty();
+        }
         self.max_hit_blocks(block_hashes, num_tokens) >= 1
             && self.pool.get_cached_block(&block_hashes[0]).is_some()
     }
@@ -108,7 +203,10 @@ impl KvCacheManager {
     /// Reserves KV slots for `num_new_tokens` more tokens of `req`, which has `computed` tokens computed (plus
     /// `num_lookahead_tokens`), taking the prefix hits `hits` first, leaving `reserved` blocks free (the
     /// watermark). Returns the number of blocks newly popped from the free queue, or `None` when the pool cannot
-    /// supply them, in which case nothing changed.
+    /// supply them, in which case no block was allocated or touched (with a sliding window, the blocks that left
+    /// the window are freed either way, as in vLLM). `in_flight`: the request's tokens of steps in flight, which
+    /// a sliding window keeps readable.
+    #[allow(clippy::too_many_arguments)]
     #[inline]
     pub fn allocate_slots(
         &mut self,
@@ -118,8 +216,18 @@ impl KvCacheManager {
         hits: &[u32],
         num_lookahead_tokens: u32,
         reserved: usize,
+        in_flight: u32,
     ) -> Option<usize> {
-        self.allocate_slots_inner(req, computed, num_new_tokens, hits, num_lookahead_tokens, reserved, true)
+        self.allocate_slots_inner(
+            req,
+            computed,
+            num_new_tokens,
+            hits,
+            num_lookahead_tokens,
+            reserved,
+            true,
+            in_flight,
+        )
     }
 
     /// `allocate_slots` for a request with nothing computed yet whose first `num_external_tokens` tokens after
@@ -136,9 +244,19 @@ impl KvCacheManager {
         num_lookahead_tokens: u32,
         reserved: usize,
         cache: bool,
+        in_flight: u32,
     ) -> Option<usize> {
         let computed = computed + num_external_tokens;
-        self.allocate_slots_inner(req, computed, num_new_tokens, hits, num_lookahead_tokens, reserved, cache)
+        self.allocate_slots_inner(
+            req,
+            computed,
+            num_new_tokens,
+            hits,
+            num_lookahead_tokens,
+            reserved,
+            cache,
+            in_flight,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -152,7 +270,20 @@ impl KvCacheManager {
         num_lookahead_tokens: u32,
         reserved: usize,
         cache: bool,
+        in_flight: u32,
     ) -> Option<usize> {
+        if self.sliding_window != 0 {
+            return self.allocate_window_slots(
+                req,
+                computed,
+                num_new_tokens,
+                hits,
+                num_lookahead_tokens,
+                reserved,
+                cache,
+                in_flight,
+            );
+        }
         let bs = self.block_size;
         let total_computed = computed + hits.len() as u32 * bs;
         let need = self.blocks_to_add(
@@ -181,6 +312,53 @@ impl KvCacheManager {
         Some(need)
     }
 
+    /// `allocate_slots` with a sliding window (vLLM's `allocate_slots` over a `SlidingWindowManager`): first the
+    /// blocks that left the window of the processed tokens go back to the pool; a new request's table then
+    /// starts with null blocks for its computed tokens (hits and loads) before the window, followed by the hits
+    /// inside it, and new blocks cover the rest.
+    #[allow(clippy::too_many_arguments)]
+    #[cold]
+    fn allocate_window_slots(
+        &mut self,
+        req: &mut Request,
+        computed: u32,
+        num_new_tokens: u32,
+        hits: &[u32],
+        num_lookahead_tokens: u32,
+        reserved: usize,
+        cache: bool,
+        in_flight: u32,
+    ) -> Option<usize> {
+        let total_computed = computed + hits.len() as u32 * self.block_size;
+        self.remove_skipped_blocks(req, total_computed.saturating_sub(in_flight));
+        let fresh = req.blocks.is_empty();
+        let skipped =
+            if fresh { (self.skipped_tokens(total_computed) >> self.block_shift) as usize } else { 0 };
+        let kept = &hits[skipped.min(hits.len())..];
+        debug_assert!(!kept.contains(&NULL_BLOCK), "a window hit's null blocks lie before the window");
+        let need = self.blocks_to_add(
+            req.blocks.len() + skipped.max(hits.len()),
+            total_computed + num_new_tokens + num_lookahead_tokens,
+        );
+        let evictable_hits = kept.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+        if need + evictable_hits + reserved > self.pool.num_free_blocks() {
+            return None;
+        }
+        self.pool.touch(kept);
+        req.blocks.extend(std::iter::repeat_n(NULL_BLOCK, skipped));
+        req.blocks.extend_from_slice(kept);
+        // Hits and the null blocks before the window count as cached.
+        req.num_cached_blocks += (skipped + kept.len()) as u32;
+        if need > 0 {
+            self.pool.allocate_into(need, &mut req.blocks);
+        }
+        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) >> self.block_shift) as usize;
+        if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
+            self.cache_full_blocks(req, num_full);
+        }
+        Some(need)
+    }
+
     /// vLLM's `KVCacheManager.cache_blocks`: enters the full blocks among the first `num_tokens` tokens (and
     /// the request's known hashes) into the prefix cache, if caching is on.
     pub fn cache_blocks(&mut self, req: &mut Request, num_tokens: u32) {
@@ -197,6 +375,10 @@ impl KvCacheManager {
         if num_full <= first {
             return;
         }
+        if self.sliding_window != 0 {
+            self.cache_window_blocks(req, first, num_full);
+            return;
+        }
         if num_full == first + 1 {
             // One block (a decode completing it): no run to prefetch along.
             let (block, hash) = (req.blocks[first], req.block_hashes[first]);
@@ -211,6 +393,22 @@ impl KvCacheManager {
         if self.pool.events_mut().is_some() {
             self.record_stored(req, first, num_full);
         }
+    }
+
+    /// `cache_full_blocks` with a sliding window: the null blocks are skipped, and a window of one token caches
+    /// nothing (vLLM's `reachable_block_mask`: no block can start a hit).
+    #[cold]
+    fn cache_window_blocks(&mut self, req: &mut Request, first: usize, num_full: usize) {
+        if self.sliding_window > 1 {
+            for i in first..num_full {
+                let (block, hash) = (req.blocks[i], req.block_hashes[i]);
+                if block != NULL_BLOCK {
+                    self.pool.cache_block(block, hash);
+                    self.newly_cached.push((block, hash));
+                }
+            }
+        }
+        req.num_cached_blocks = num_full as u32;
     }
 
     /// Records the stored event of `req`'s blocks `first..num_full`, just entered into the prefix cache.
@@ -235,7 +433,8 @@ impl KvCacheManager {
         }
     }
 
-    /// Releases every block of `req` (deepest first) and clears its table.
+    /// Releases every block of `req` (deepest first; the null blocks of a sliding window are no blocks) and
+    /// clears its table.
     pub fn free(&mut self, req: &mut Request) {
         self.pool.free_blocks(&req.blocks);
         req.blocks.clear();
@@ -331,6 +530,45 @@ mod tests {
         BlockHash(b)
     }
 
+    /// A window hit is the rightmost run of `ceil((w - 1) / block_size)` cached blocks, null blocks before it;
+    /// without such a run, the run of cached blocks from block 0.
+    #[test]
+    fn window_hits_take_the_rightmost_run_that_covers_the_window() {
+        let mut kv = KvCacheManager {
+            pool: BlockPool::new(16, true),
+            hasher: BlockHasher::new(HashAlgo::Xxh3_128, Some(b"test")).unwrap(),
+            block_size: 4,
+            block_shift: 2,
+            max_slots: 4 * 16,
+            enable_caching: true,
+            newly_cached: Vec::new(),
+            hash_buf: Vec::new(),
+            sliding_window: 0,
+            admission_cap_blocks: usize::MAX,
+        };
+        let hashes: Vec<BlockHash> = (0..8).map(chain_hash).collect();
+        let mut blocks = Vec::new();
+        kv.pool.allocate_into(8, &mut blocks);
+        for i in [0, 1, 2, 5, 6] {
+            kv.pool.cache_block(blocks[i], hashes[i]);
+        }
+        let hit = |kv: &KvCacheManager, window: u32| {
+            let kv = KvCacheManager { sliding_window: window, ..kv.clone() };
+            let mut out = vec![99];
+            kv.find_longest_cache_hit(&hashes, 8 * 4 + 1, &mut out);
+            out
+        };
+        let (b, n) = (&blocks, NULL_BLOCK);
+        // need 2: blocks 5 and 6.
+        assert_eq!(hit(&kv, 8), vec![99, n, n, n, n, n, b[5], b[6]]);
+        // need 3: blocks 5-6 are too short; blocks 0-2 are the run.
+        assert_eq!(hit(&kv, 10), vec![99, b[0], b[1], b[2]]);
+        // need 4: no run is long enough; the run from block 0.
+        assert_eq!(hit(&kv, 14), vec![99, b[0], b[1], b[2]]);
+        // Full attention: the run from block 0.
+        assert_eq!(hit(&kv, 0), vec![99, b[0], b[1], b[2]]);
+    }
+
     /// `cache_hit_upper_bound` never undercounts the hits `find_longest_cache_hit` finds, whatever the hint and
     /// whatever was cached or evicted since the hint was taken, and with the exact hits as hint it needs no
     /// further lookup. The chain's blocks are cached, freed, evicted (reallocated) and cached again at random.
@@ -346,6 +584,8 @@ mod tests {
             enable_caching: true,
             newly_cached: Vec::new(),
             hash_buf: Vec::new(),
+            sliding_window: 0,
+            admission_cap_blocks: usize::MAX,
         };
         let hashes: Vec<BlockHash> = (0..CHAIN).map(chain_hash).collect();
         let mut x: u64 = 0x1234_5678_9abc_def1;

@@ -145,6 +145,17 @@ pub struct Scheduler {
     pub(crate) in_schedule: bool,
 }
 
+/// vLLM's `SlidingWindowSpec.max_admission_blocks_per_request`: the blocks a request with a window holds at
+/// most, its window before the first token in flight and one step's budget per concurrent batch (two with
+/// async scheduling), plus one for a window that starts inside a block. `usize::MAX` without a window.
+fn window_admission_cap_blocks(config: &SchedulerConfig) -> usize {
+    let Some(window) = config.sliding_window else { return usize::MAX };
+    let batches: u64 = if config.async_scheduling { 2 } else { 1 };
+    let tokens = (u64::from(window) - 1 + batches * u64::from(config.max_num_batched_tokens))
+        .min(u64::from(config.max_model_len));
+    tokens.div_ceil(u64::from(config.kv_block_size())) as usize + 1
+}
+
 fn bad_request(msg: String) -> SchedError {
     SchedError::InvalidRequest(msg)
 }
@@ -165,12 +176,16 @@ impl Scheduler {
             enable_caching: config.enable_prefix_caching,
             newly_cached: Vec::new(),
             hash_buf: Vec::new(),
+            sliding_window: config.sliding_window.unwrap_or(0),
+            admission_cap_blocks: window_admission_cap_blocks(&config),
         };
         let limits = DecodeLimits {
             max_model_len: i64::from(config.max_model_len),
             max_slots: kv.max_slots,
             lookahead: config.num_lookahead_tokens,
-            block_size: kv.block_size,
+            // A sliding window frees blocks as decodes advance: every step allocates through `allocate_slots`
+            // (a block size of 0 makes the plain-decode span empty).
+            block_size: if config.sliding_window.is_some() { 0 } else { kv.block_size },
             caching: kv.enable_caching,
         };
         Ok(Scheduler {
@@ -975,18 +990,25 @@ impl Scheduler {
             if r.num_tokens() > cfg.max_model_len || r.num_output_tokens() > r.max_tokens {
                 return Err(format!("request {:?} is longer than its limits", r.id));
             }
-            let uniq: HashSet<u32> = r.blocks.iter().copied().collect();
-            if uniq.len() != r.blocks.len() || uniq.contains(&0) {
-                return Err(format!("request {:?} holds a block twice or the null block", r.id));
+            // A sliding window's table starts with the null blocks of the blocks that left the window.
+            let num_null = r.blocks.iter().take_while(|&&b| b == 0).count();
+            if num_null > 0 && cfg.sliding_window.is_none() {
+                return Err(format!("request {:?} holds the null block without a sliding window", r.id));
             }
-            for &b in &r.blocks {
+            let live = &r.blocks[num_null..];
+            let uniq: HashSet<u32> = live.iter().copied().collect();
+            if uniq.len() != live.len() || uniq.contains(&0) {
+                return Err(format!("request {:?} holds a block twice or a null block after a block", r.id));
+            }
+            for &b in live {
                 held[b as usize] += 1;
             }
             if r.num_cached_blocks as usize > r.blocks.len() {
                 return Err(format!("request {:?}: more cached blocks than blocks", r.id));
             }
-            if cfg.enable_prefix_caching {
-                for i in 0..r.num_cached_blocks as usize {
+            // A window of one token caches nothing (its table's blocks count as cached all the same).
+            if cfg.enable_prefix_caching && cfg.sliding_window != Some(1) {
+                for i in num_null.min(r.num_cached_blocks as usize)..r.num_cached_blocks as usize {
                     if self.kv.pool.block_hash(r.blocks[i]) != r.block_hashes.get(i) {
                         return Err(format!("request {:?}: block {i} hash disagrees with the cache", r.id));
                     }

@@ -498,7 +498,8 @@ impl Scheduler {
                     && i64::from(computed) < max_slots
                 {
                     let first_new_block = req.blocks.len();
-                    if self.kv.allocate_slots(req, computed, 1, &[], lookahead, 0).is_some() {
+                    if self.kv.allocate_slots(req, computed, 1, &[], lookahead, 0, hot.in_flight[s]).is_some()
+                    {
                         match req.blocks[first_new_block..] {
                             [] => b.push_decode(req.handle, computed),
                             [block] => b.push_decode_with_block(req.handle, computed, block),
@@ -513,6 +514,7 @@ impl Scheduler {
                     }
                 }
             }
+            let in_flight = self.slab.hot.in_flight[s];
             let req = self.slab.get_mut(slot)?;
             let ph = i64::from(req.num_output_placeholders);
             // Async scheduling: the steps in flight already produce the request's last token.
@@ -558,7 +560,7 @@ impl Scheduler {
             };
             let first_new_block = req.blocks.len();
             let mut req = req;
-            if self.kv.allocate_slots(req, computed, n, &[], lookahead, 0).is_none() {
+            if self.kv.allocate_slots(req, computed, n, &[], lookahead, 0, in_flight).is_none() {
                 // Preempt until the allocation succeeds or `req` itself is the victim.
                 let mut self_preempted = false;
                 let mut gave_up = false;
@@ -604,7 +606,7 @@ impl Scheduler {
                         break;
                     }
                     let req = self.slab.get_mut(slot)?;
-                    if self.kv.allocate_slots(req, computed, n, &[], lookahead, 0).is_some() {
+                    if self.kv.allocate_slots(req, computed, n, &[], lookahead, 0, in_flight).is_some() {
                         break;
                     }
                 }
@@ -1022,14 +1024,25 @@ impl Scheduler {
             hot.computed[hs] = a.restored - a.num_hit_tokens;
         }
         let at = hot.computed[hs];
+        let in_flight = hot.in_flight[hs];
         let allocated = if a.ext > 0 {
             // Loads are allocated like computed tokens; an asynchronous load gets no lookahead slots and its
             // blocks enter the prefix cache only once it has arrived.
             let la = if a.load_async { 0 } else { lookahead };
             let reserved = a.reserved + extra;
-            self.kv.allocate_slots_ext(req, at, a.n, &pass.hits, a.ext, la, reserved, !a.load_async)
+            self.kv.allocate_slots_ext(
+                req,
+                at,
+                a.n,
+                &pass.hits,
+                a.ext,
+                la,
+                reserved,
+                !a.load_async,
+                in_flight,
+            )
         } else {
-            self.kv.allocate_slots(req, at, a.n, &pass.hits, lookahead, a.reserved)
+            self.kv.allocate_slots(req, at, a.n, &pass.hits, lookahead, a.reserved, in_flight)
         };
         if allocated.is_none() {
             if a.computed_before == 0 {

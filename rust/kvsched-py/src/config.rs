@@ -78,6 +78,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("continue_after_self_preemption", c.continue_after_self_preemption)?;
     d.set_item("cache_drafts_at_update", c.cache_drafts_at_update)?;
     d.set_item("trim_computed_on_stop", c.trim_computed_on_stop)?;
+    d.set_item("sliding_window", c.sliding_window)?;
     Ok(d)
 }
 
@@ -257,5 +258,10 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         continue_after_self_preemption: bool_field("continue_after_self_preemption")?,
         cache_drafts_at_update: bool_field("cache_drafts_at_update")?,
         trim_computed_on_stop: bool_field("trim_computed_on_stop")?,
+        sliding_window: if cfg.getattr("sliding_window")?.is_none() {
+            None
+        } else {
+            Some(u32_field("sliding_window")?)
+        },
     })
 }
