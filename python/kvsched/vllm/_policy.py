@@ -96,6 +96,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "defer_block_free": "--kv-transfer-config's kv_role (a consumer role) with --async-scheduling",
     "drop_preempted_output": "--kv-transfer-config (the connector's requires_kv_delivery)",
     "enable_kv_cache_events": "--kv-events-config",
+    "sliding_window": "the model's attention (one sliding-window KV cache group)",
 }
 
 _NO_SWAP = (
