@@ -187,6 +187,9 @@ class Config:
     kv_role: str = "kv_both"
     # KV cache events on (vLLM's kv_events_config): the published batches are compared event by event.
     kv_events: bool = False
+    # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
+    multimodal: bool = False
+    disable_chunked_mm_input: bool = False
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -283,6 +286,11 @@ class Pair:
         self.a = make_scheduler("vllm", vcfg, **kw)
         self.b = make_scheduler("kvsched", vcfg, **kw)
         self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
+        # Multimodal: each prefix has an image at a fixed place (its identifier drawn per request from a small
+        # pool, so equal prefix tokens come with the same image or another one).
+        self.prefix_images = [
+            (self.rng.randrange(0, max(1, len(p) - 8)), self.rng.randrange(2, 5)) for p in self.prefixes
+        ]
         self.next_id = 0
         self.clock = 0.0
         # (vllm SchedulerOutput, kvsched SchedulerOutput, ids whose step is a partial prefill)
@@ -338,6 +346,8 @@ class Pair:
             "prompt_logprobs": 1 if rng.random() < 0.1 else None,
             "client_index": self.rng_out.randrange(self.num_clients),
         }
+        if cfg.multimodal:
+            kwargs["images"] = self.random_images(prompt)
         self.clock += 1.0
         ra, rb = make_request(rid, prompt, **kwargs), make_request(rid, prompt, **kwargs)
         if rng.random() < 0.15:
@@ -348,6 +358,40 @@ class Pair:
         self.a.add_request(ra)
         self.b.add_request(rb)
         self.check_state(f"add_request({rid})")
+
+    # Images: identifiers img0..img5 are shared across requests, the rest are unique. An identifier always has
+    # the same length (vLLM refuses a request whose cached entry's size differs). Lengths stay within the tiny
+    # LLaVA's 16 tokens per image, the smallest encoder budget vLLM derives for it.
+    _SHARED_IMAGES = 6
+
+    @staticmethod
+    def _image_length(identifier: str) -> int:
+        return 2 + sum(map(ord, identifier)) % 14
+
+    def random_images(self, prompt: list[int]) -> list[tuple[int, int, str]]:
+        rng = self.rng
+        images: list[tuple[int, int, str]] = []
+        start = 0
+        for prefix, (at, pool) in zip(self.prefixes, self.prefix_images, strict=True):
+            if prompt[: len(prefix)] == prefix and rng.random() < 0.8:
+                identifier = f"img{rng.randrange(pool)}"
+                length = self._image_length(identifier)
+                if at + length <= len(prompt):
+                    images.append((at, length, identifier))
+                    start = at + length
+                break
+        for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+            if rng.random() < 0.5:
+                identifier = f"img{rng.randrange(self._SHARED_IMAGES)}"
+            else:
+                identifier = f"u{self.next_id}-{len(images)}"
+            length = self._image_length(identifier)
+            if start + length > len(prompt):
+                break
+            offset = rng.randrange(start, len(prompt) - length + 1)
+            images.append((offset, length, identifier))
+            start = offset + length
+        return images
 
     def grammar_ready(self, everything: bool = False) -> None:
         """The grammar of one (or every) compiling request is ready: vLLM's StructuredOutputManager sets it on
@@ -592,10 +636,12 @@ def run_seed(
     connector: bool = False,
     kv_role: str = "kv_both",
     kv_events: bool = False,
+    multimodal: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role``; ``kv_events`` turns KV cache
-    events on and compares the published batches."""
+    events on and compares the published batches; ``multimodal`` schedules a tiny LLaVA whose requests carry
+    images (model runner V1 only: kvsched.vllm refuses multimodal inputs on V2)."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if connector:
@@ -609,6 +655,12 @@ def run_seed(
     if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2 and RULES.skip_drafts:
         cfg.speculative_method = "ngram_gpu"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
     cfg.kv_events = kv_events
+    if multimodal:
+        cfg.multimodal = True
+        # vLLM 0.32's disable_chunked_mm_input differs from 0.33's at an input's first token (kvsched refuses it).
+        cfg.disable_chunked_mm_input = RULES.version != "0.32" and rng.random() < 0.3
+        if cfg.speculative_method == "eagle":
+            cfg.speculative_method = "ngram_gpu"  # an EAGLE drafter's prefill lookahead shifts the encoder window
     Pair(cfg, seed).run(steps)
     return cfg
 
@@ -627,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode runs every seed once per role",
     )
     p.add_argument("--kv-events", action="store_true", help="KV cache events on, published batches compared")
+    p.add_argument("--mm", action="store_true", help="a multimodal model: requests with images (V1 modes only)")
     args = p.parse_args(argv)
     import vllm
 
@@ -655,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
                         connector=role is not None,
                         kv_role=role or "kv_both",
                         kv_events=args.kv_events,
+                        multimodal=args.mm,
                     )
                     ok += 1
                 except Divergence as exc:

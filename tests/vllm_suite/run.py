@@ -391,6 +391,21 @@ _AUX = (
     "sets an auxiliary output connector (`aux_output_connector`: routed-experts capture) on the scheduler after "
     "construction; kvsched.vllm has none"
 )
+# Tests that set vLLM's encoder budget or replace its encoder cache manager after construction.
+_ENCODER_SET = (
+    "sets the scheduler's `max_num_encoder_input_tokens` or replaces its `encoder_cache_manager` after "
+    "construction (kvsched's core sizes both from the model's MultiModalBudget when it is built)"
+)
+CURATED.update(
+    {
+        "test_max_loras_counts_running_request_skipped_for_encoder_budget": _ENCODER_SET,
+        "test_mamba_align_eagle_schedules_encoder_at_boundary": _ENCODER_SET,
+        "test_drafter_lookahead_encoder_cache_cap_makes_progress": _ENCODER_SET,
+        "test_drafter_lookahead_encoder_cache_cap_respects_token_budget": _ENCODER_SET,
+        "test_waiting_encoder_stall_is_counted_as_deferred": _ENCODER_SET,
+        "test_waiting_encoder_stall_kv_holder_keeps_drain_priority": _ENCODER_SET,
+    }
+)
 CURATED.update(
     {
         "test_routed_experts_prompt_start_at_prompt_end": _AUX,
