@@ -9,8 +9,12 @@ objects and its own copy of every ``ModelRunnerOutput`` (``update_from_output`` 
 After every call the two ``SchedulerOutput``s / ``EngineCoreOutputs`` are compared field by field, and so is the
 state of every live request and the block table of every request that holds blocks.
 
+With ``--mm`` the model is a tiny LLaVA and requests carry images (shared and distinct identifiers, on the
+shared prefixes too): ``scheduled_encoder_inputs``, ``free_encoder_mm_hashes``, ``encoder_input_updates`` and the
+block hashes the identifiers key are compared like every other field.
+
 Not compared, by design: timestamps (events, outputs), object identities, and the opaque connector and
-encoder fields, which are None/empty on both sides in the configurations driven here.
+encoder-cache manager fields, which are None/empty on both sides in the configurations driven here.
 """
 
 from __future__ import annotations

@@ -339,6 +339,21 @@ CORE_DIFFERENCES: tuple[tuple[re.Pattern[str], str], ...] = (
         "only for partial prefills)",
     ),
     (
+        re.compile(r"must receive between 1 and \d+ sampled tokens in step \d+, got [1-9]"),
+        "kvsched refuses more sampled tokens than 1 + the drafts scheduled for a request (`InvalidOutputError`); "
+        "vLLM's scheduler takes what the (mock) runner returns",
+    ),
+    (
+        re.compile(r"ran a partial prefill in step \d+; it cannot receive sampled"),
+        "kvsched refuses sampled tokens for a request whose step was a partial prefill (`InvalidOutputError`); "
+        "vLLM's scheduler appends them to the request (its model runners return none there)",
+    ),
+    (
+        re.compile(r"encoder input \d+ starts at \d+ before the end of input"),
+        "kvsched refuses a request whose multimodal placeholders overlap (`InvalidRequestError` at `add_request`); "
+        "vLLM's scheduler accepts them (its multimodal processors never produce overlapping ones)",
+    ),
+    (
         re.compile(r"do not fit the KV cache"),
         "kvsched refuses at `add_request` a request that could never finish (its prompt + max_tokens - 1 tokens "
         "above the whole KV cache); vLLM accepts it, and it stays waiting or preempted for good",
