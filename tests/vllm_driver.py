@@ -9,8 +9,12 @@ objects and its own copy of every ``ModelRunnerOutput`` (``update_from_output`` 
 After every call the two ``SchedulerOutput``s / ``EngineCoreOutputs`` are compared field by field, and so is the
 state of every live request and the block table of every request that holds blocks.
 
+With ``--mm`` the model is a tiny LLaVA and requests carry images (shared and distinct identifiers, on the
+shared prefixes too): ``scheduled_encoder_inputs``, ``free_encoder_mm_hashes``, ``encoder_input_updates`` and the
+block hashes the identifiers key are compared like every other field.
+
 Not compared, by design: timestamps (events, outputs), object identities, and the opaque connector and
-encoder fields, which are None/empty on both sides in the configurations driven here.
+encoder-cache manager fields, which are None/empty on both sides in the configurations driven here.
 """
 
 from __future__ import annotations
@@ -189,6 +193,9 @@ class Config:
     kv_events: bool = False
     # The model's one KV cache group is a sliding window of this many tokens (None: full attention).
     sliding_window: int | None = None
+    # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
+    multimodal: bool = False
+    disable_chunked_mm_input: bool = False
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -291,6 +298,11 @@ class Pair:
         self.a = make_scheduler("vllm", vcfg, **kw)
         self.b = make_scheduler("kvsched", vcfg, **kw)
         self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
+        # Multimodal: each prefix has an image at a fixed place (its identifier drawn per request from a small
+        # pool, so equal prefix tokens come with the same image or another one).
+        self.prefix_images = [
+            (self.rng.randrange(0, max(1, len(p) - 8)), self.rng.randrange(2, 5)) for p in self.prefixes
+        ]
         self.next_id = 0
         self.clock = 0.0
         # (vllm SchedulerOutput, kvsched SchedulerOutput, ids whose step is a partial prefill)
@@ -346,6 +358,8 @@ class Pair:
             "prompt_logprobs": 1 if rng.random() < 0.1 else None,
             "client_index": self.rng_out.randrange(self.num_clients),
         }
+        if cfg.multimodal:
+            kwargs["images"] = self.random_images(prompt)
         self.clock += 1.0
         ra, rb = make_request(rid, prompt, **kwargs), make_request(rid, prompt, **kwargs)
         if rng.random() < 0.15:
@@ -356,6 +370,40 @@ class Pair:
         self.a.add_request(ra)
         self.b.add_request(rb)
         self.check_state(f"add_request({rid})")
+
+    # Images: identifiers img0..img5 are shared across requests, the rest are unique. An identifier always has
+    # the same length (vLLM refuses a request whose cached entry's size differs). Lengths stay within the tiny
+    # LLaVA's 16 tokens per image, the smallest encoder budget vLLM derives for it.
+    _SHARED_IMAGES = 6
+
+    @staticmethod
+    def _image_length(identifier: str) -> int:
+        return 2 + sum(map(ord, identifier)) % 14
+
+    def random_images(self, prompt: list[int]) -> list[tuple[int, int, str]]:
+        rng = self.rng
+        images: list[tuple[int, int, str]] = []
+        start = 0
+        for prefix, (at, pool) in zip(self.prefixes, self.prefix_images, strict=True):
+            if prompt[: len(prefix)] == prefix and rng.random() < 0.8:
+                identifier = f"img{rng.randrange(pool)}"
+                length = self._image_length(identifier)
+                if at + length <= len(prompt):
+                    images.append((at, length, identifier))
+                    start = at + length
+                break
+        for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+            if rng.random() < 0.5:
+                identifier = f"img{rng.randrange(self._SHARED_IMAGES)}"
+            else:
+                identifier = f"u{self.next_id}-{len(images)}"
+            length = self._image_length(identifier)
+            if start + length > len(prompt):
+                break
+            offset = rng.randrange(start, len(prompt) - length + 1)
+            images.append((offset, length, identifier))
+            start = offset + length
+        return images
 
     def grammar_ready(self, everything: bool = False) -> None:
         """The grammar of one (or every) compiling request is ready: vLLM's StructuredOutputManager sets it on
@@ -601,11 +649,13 @@ def run_seed(
     kv_role: str = "kv_both",
     kv_events: bool = False,
     sliding_window: bool = False,
+    multimodal: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role``; ``kv_events`` turns KV cache
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
-    window of a drawn size (from its own stream: the seed's other draws stay as they are)."""
+    window of a drawn size (from its own stream: the seed's other draws stay as they are); ``multimodal``
+    schedules a tiny LLaVA whose requests carry images."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
@@ -621,6 +671,12 @@ def run_seed(
     if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2 and RULES.skip_drafts:
         cfg.speculative_method = "ngram_gpu"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
     cfg.kv_events = kv_events
+    if multimodal:
+        cfg.multimodal = True
+        # vLLM 0.32's disable_chunked_mm_input differs from 0.33's at an input's first token (kvsched refuses it).
+        cfg.disable_chunked_mm_input = RULES.version != "0.32" and rng.random() < 0.3
+        if cfg.speculative_method == "eagle":
+            cfg.speculative_method = "ngram_gpu"  # an EAGLE drafter's prefill lookahead shifts the encoder window
     Pair(cfg, seed).run(steps)
     return cfg
 
@@ -645,9 +701,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a sliding-window model (one SlidingWindowSpec group, a window drawn per seed); not with --connector "
         "or --kv-events, which kvsched.vllm refuses for it",
     )
+    p.add_argument("--mm", action="store_true", help="a multimodal model: requests with images")
     args = p.parse_args(argv)
     if args.sliding_window and (args.connector or args.kv_events):
         p.error("--sliding-window goes without --connector and --kv-events")
+    if args.sliding_window and args.mm:
+        p.error("--sliding-window and --mm are separate sweeps (a multimodal model with a window is not driven here)")
     import vllm
 
     print(f"vLLM {vllm.__version__}: its Scheduler/AsyncScheduler against kvsched.vllm.Scheduler", flush=True)
@@ -676,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
                         kv_role=role or "kv_both",
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
+                        multimodal=args.mm,
                     )
                     ok += 1
                 except Divergence as exc:

@@ -3,8 +3,9 @@
 
 vLLM's test code is never copied into this repository: it is taken, at run time, from vLLM 0.33.0's sdist
 (``vllm-0.33.0.tar.gz``, SHA-256 checked; downloaded from PyPI's files host when no local copy is found) and
-unpacked into a work directory (default ``build/vllm-suite/``, git-ignored), together with a hand-written
-``config.json`` for ``facebook/opt-125m`` in an HF cache the harness creates there (no network for models).
+unpacked into a work directory (default ``build/vllm-suite/``, git-ignored), together with hand-written
+``config.json`` files (and, for the multimodal models, a minimal tokenizer and image processor) for the models the
+tests name, in an HF cache the harness creates there (no network for models).
 pytest then runs the test files (``TEST_FILES``) with ``kvsched_suite_plugin.py``, which substitutes kvsched's
 class for vLLM's ``Scheduler``/``AsyncScheduler`` (``--impl kvsched``) or substitutes nothing (``--impl vllm``:
 the baseline on this machine). With both runs done, ``STATUS.md`` (next to this file) lists every test function
@@ -104,7 +105,197 @@ OPT_350M_CONFIG = {
     "word_embed_proj_dim": 512,
     "do_layer_norm_before": False,
 }
-MODEL_CONFIGS = {"facebook/opt-125m": OPT_125M_CONFIG, "facebook/opt-350m": OPT_350M_CONFIG}
+# llava-hf/llava-1.5-7b-hf (Vicuna-7B with a CLIP ViT-L/14 at 336 px; 576 tokens per image), written by hand
+# from its public architecture numbers. vLLM's scheduler sizes its encoder budget and encoder cache through the
+# model's multimodal processor, which loads a tokenizer and an image processor: both are written minimally below.
+LLAVA_15_7B_CONFIG = {
+    "architectures": ["LlavaForConditionalGeneration"],
+    "model_type": "llava",
+    "ignore_index": -100,
+    "image_token_index": 32000,
+    "pad_token_id": 32001,
+    "projector_hidden_act": "gelu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "vocab_size": 32064,
+    "text_config": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05,
+        "torch_dtype": "float16",
+        "vocab_size": 32064,
+    },
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "hidden_size": 1024,
+        "image_size": 336,
+        "intermediate_size": 4096,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+        "projection_dim": 768,
+        "vocab_size": 32000,
+    },
+}
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+LLAVA_15_PREPROCESSOR = {
+    "image_processor_type": "CLIPImageProcessor",
+    "processor_class": "LlavaProcessor",
+    "crop_size": {"height": 336, "width": 336},
+    "size": {"shortest_edge": 336},
+    "do_center_crop": True,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": CLIP_MEAN,
+    "image_std": CLIP_STD,
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+}
+LLAVA_15_PROCESSOR = {
+    "processor_class": "LlavaProcessor",
+    "image_token": "<image>",
+    "num_additional_image_tokens": 1,
+    "patch_size": 14,
+    "vision_feature_select_strategy": "default",
+}
+# Qwen/Qwen2.5-VL-3B-Instruct (test_priority_scheduler_random.py builds a scheduler for it), likewise.
+QWEN25_VL_3B_CONFIG = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "model_type": "qwen2_5_vl",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "vision_token_id": 151654,
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 128000,
+    "max_window_layers": 70,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+    "vision_config": {
+        "depth": 32,
+        "hidden_act": "silu",
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "in_chans": 3,
+        "out_hidden_size": 2048,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "spatial_patch_size": 14,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "tokens_per_second": 2,
+    },
+}
+QWEN25_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2_5_VLProcessor",
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": CLIP_MEAN,
+    "image_std": CLIP_STD,
+}
+
+
+def word_level_tokenizer(special: dict[str, int], unk: str) -> dict[str, object]:
+    """A ``tokenizers`` serialization that knows only the model's special tokens (at their real ids): the
+    multimodal processors look up their placeholder tokens by text; the scheduler tests never tokenize text."""
+    added = [
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for t, i in special.items()
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": dict(special), "unk_token": unk},
+    }
+
+
+LLAVA_15_SPECIAL = {"<unk>": 0, "<s>": 1, "</s>": 2, "<image>": 32000, "<pad>": 32001}
+QWEN25_VL_SPECIAL = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+}
+# Per model, the files of its snapshot in the offline HF cache.
+MODEL_FILES: dict[str, dict[str, dict[str, object]]] = {
+    "facebook/opt-125m": {"config.json": OPT_125M_CONFIG},
+    "facebook/opt-350m": {"config.json": OPT_350M_CONFIG},
+    "llava-hf/llava-1.5-7b-hf": {
+        "config.json": LLAVA_15_7B_CONFIG,
+        "preprocessor_config.json": LLAVA_15_PREPROCESSOR,
+        "processor_config.json": LLAVA_15_PROCESSOR,
+        "tokenizer.json": word_level_tokenizer(LLAVA_15_SPECIAL, "<unk>"),
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "pad_token": "<pad>",
+            "model_max_length": 4096,
+        },
+    },
+    "Qwen/Qwen2.5-VL-3B-Instruct": {
+        "config.json": QWEN25_VL_3B_CONFIG,
+        "preprocessor_config.json": QWEN25_VL_PREPROCESSOR,
+        "tokenizer.json": word_level_tokenizer(QWEN25_VL_SPECIAL, "<|endoftext|>"),
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": "<|endoftext|>",
+            "model_max_length": 131072,
+        },
+    },
+}
 FAKE_REVISION = "0" * 40
 VLLM_MARKERS = (
     "cpu_test",
@@ -146,6 +337,21 @@ CORE_DIFFERENCES: tuple[tuple[re.Pattern[str], str], ...] = (
         "kvsched refuses an empty sampled-token list for a decode step (`InvalidOutputError`); vLLM accepts it, "
         "appends nothing and keeps the scheduled drafts counted as computed (its model runners send an empty list "
         "only for partial prefills)",
+    ),
+    (
+        re.compile(r"must receive between 1 and \d+ sampled tokens in step \d+, got [1-9]"),
+        "kvsched refuses more sampled tokens than 1 + the drafts scheduled for a request (`InvalidOutputError`); "
+        "vLLM's scheduler takes what the (mock) runner returns",
+    ),
+    (
+        re.compile(r"ran a partial prefill in step \d+; it cannot receive sampled"),
+        "kvsched refuses sampled tokens for a request whose step was a partial prefill (`InvalidOutputError`); "
+        "vLLM's scheduler appends them to the request (its model runners return none there)",
+    ),
+    (
+        re.compile(r"encoder input \d+ starts at \d+ before the end of input"),
+        "kvsched refuses a request whose multimodal placeholders overlap (`InvalidRequestError` at `add_request`); "
+        "vLLM's scheduler accepts them (its multimodal processors never produce overlapping ones)",
     ),
     (
         re.compile(r"do not fit the KV cache"),
@@ -199,6 +405,21 @@ CURATED: dict[str, str] = {
 _AUX = (
     "sets an auxiliary output connector (`aux_output_connector`: routed-experts capture) on the scheduler after "
     "construction; kvsched.vllm has none"
+)
+# Tests that set vLLM's encoder budget or replace its encoder cache manager after construction.
+_ENCODER_SET = (
+    "sets the scheduler's `max_num_encoder_input_tokens` or replaces its `encoder_cache_manager` after "
+    "construction (kvsched's core sizes both from the model's MultiModalBudget when it is built)"
+)
+CURATED.update(
+    {
+        "test_max_loras_counts_running_request_skipped_for_encoder_budget": _ENCODER_SET,
+        "test_mamba_align_eagle_schedules_encoder_at_boundary": _ENCODER_SET,
+        "test_drafter_lookahead_encoder_cache_cap_makes_progress": _ENCODER_SET,
+        "test_drafter_lookahead_encoder_cache_cap_respects_token_budget": _ENCODER_SET,
+        "test_waiting_encoder_stall_is_counted_as_deferred": _ENCODER_SET,
+        "test_waiting_encoder_stall_kv_holder_keeps_drain_priority": _ENCODER_SET,
+    }
 )
 CURATED.update(
     {
@@ -340,13 +561,14 @@ def prepare(sdist: Path, workdir: Path) -> Path:
     markers = "\n".join(f"    {m}" for m in VLLM_MARKERS)
     (src / "pytest.ini").write_text(f"[pytest]\nmarkers =\n{markers}\n", encoding="utf-8")
 
-    for name, config in MODEL_CONFIGS.items():
+    for name, files in MODEL_FILES.items():
         model = workdir / "hf" / "hub" / ("models--" + name.replace("/", "--"))
         snapshot = model / "snapshots" / FAKE_REVISION
         snapshot.mkdir(parents=True, exist_ok=True)
         (model / "refs").mkdir(exist_ok=True)
         (model / "refs" / "main").write_text(FAKE_REVISION, encoding="utf-8")
-        (snapshot / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+        for file, content in files.items():
+            (snapshot / file).write_text(json.dumps(content, indent=1), encoding="utf-8")
     return src
 
 

@@ -39,11 +39,18 @@ from kvsched.config import tenant_cache_salt
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._compat import RULES
-from ._config import UnsupportedFeatureError, _check_kv_cache_config, check_kv_connector, kvsched_config_from_vllm
+from ._config import (
+    UnsupportedFeatureError,
+    _check_kv_cache_config,
+    check_kv_connector,
+    encoder_budget,
+    kvsched_config_from_vllm,
+)
 from ._connector import ConnectorBridge
 from ._kv_events import KVEventTranslator, make_publisher
 from ._kv_view import KVCacheManagerView
 from ._kv_view import lora_key as _lora_key
+from ._mm import EncoderInputMap
 from ._policy import RequestAttrs, TenantLog, read_additional_config
 
 if TYPE_CHECKING:
@@ -103,6 +110,9 @@ def _is_vllm_sha256_hasher(hasher: Any, hash_block_size: int) -> bool:
     return bool(vllm_sha256_block_hashes(parent, tokens, hash_block_size) == [want])
 
 
+# vLLM 0.33's SchedulerOutput carries the multimodal data model runner V2 installs (vLLM 0.32's does not).
+_HAS_ENCODER_INPUT_UPDATES = "encoder_input_updates" in SchedulerOutput.__dataclass_fields__
+
 # A step in flight: vLLM's output, the core's, its token counts, its requests in order (every entry is a
 # request: none had finished when it was scheduled), and Scheduler._num_forgotten then.
 _InFlight = tuple[SchedulerOutput, Any, list[int], list[Request], int, "npt.NDArray[np.int32]"]
@@ -157,6 +167,21 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         sliding_window = _check_kv_cache_config(kv_cache_config, block_size)
         config, self.num_spec_tokens = kvsched_config_from_vllm(
             vllm_config, kv_cache_config, block_size, hash_block_size, sliding_window
+        )
+        # Multimodal models: vLLM's encoder compute budget and encoder cache size for the model.
+        self.max_num_encoder_input_tokens, encoder_cache_size = encoder_budget(vllm_config, mm_registry)
+        if encoder_cache_size:
+            config = dataclasses.replace(
+                config,
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+                encoder_cache_size=encoder_cache_size,
+            )
+        self._mm = EncoderInputMap() if encoder_cache_size else None
+        # Model runner V2 (vLLM 0.33): per request, the encoder inputs whose data the workers hold
+        # (SchedulerOutput.encoder_input_updates installs and releases them).
+        self._pending_encoder_inputs: dict[str, set[int]] = {}
+        self._encoder_stats = bool(
+            log_stats and getattr(vllm_config.observability_config, "enable_logging_iteration_details", False)
         )
         self.vllm_config = vllm_config
         self.scheduler_config = vllm_config.scheduler_config
@@ -314,29 +339,43 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 "'full' (KV cache events for prefix-cache hits) yet; leave it at 'incremental'"
             )
         client_salt = request.cache_salt
+        encoder_inputs = None
+        if request.mm_features:
+            if self._mm is None:
+                raise UnsupportedFeatureError(
+                    f"request {req_id!r}: multimodal inputs for a model without an encoder cache "
+                    f"({self.vllm_config.model_config.model!r} does not accept multimodal inputs)"
+                )
+            encoder_inputs = self._mm.encoder_inputs(request)
         if self._isolate and rejected is None:
             self._salt_block_hashes(request, attrs.get("tenant", "default"))
-        rejected, in_core = self._add_to_core(
-            rejected,
-            attrs,
-            req_id,
-            request.prompt_token_ids,
-            max_tokens=request.max_tokens,
-            # vLLM 0.33's check_stop lets EOS and stop ids end a request before min_tokens (its sampler masks
-            # them until then); min_tokens only gates repetition detection, which is refused. So the core, which
-            # checks min_tokens first, gets 0 and stops exactly where vLLM's scheduler stops.
-            min_tokens=0,
-            # vLLM's sampling params hold no EOS id when ignore_eos is set.
-            eos_token_id=sp.eos_token_id,
-            stop_token_ids=sp.stop_token_ids or (),
-            priority=request.priority,
-            arrival_time=request.arrival_time,
-            cache_salt=client_salt,  # the core adds the tenant itself under isolate_tenant_cache
-            lora_name=_lora_key(request.lora_request),
-            ready=not blocked,
-            # Prompt logprobs: vLLM never reads the prefix cache for them (and leaves them out of its stats).
-            skip_reading_prefix_cache=bool(request.skip_reading_prefix_cache),
-        )
+        try:
+            rejected, in_core = self._add_to_core(
+                rejected,
+                attrs,
+                req_id,
+                request.prompt_token_ids,
+                max_tokens=request.max_tokens,
+                # vLLM 0.33's check_stop lets EOS and stop ids end a request before min_tokens (its sampler masks
+                # them until then); min_tokens only gates repetition detection, which is refused. So the core, which
+                # checks min_tokens first, gets 0 and stops exactly where vLLM's scheduler stops.
+                min_tokens=0,
+                # vLLM's sampling params hold no EOS id when ignore_eos is set.
+                eos_token_id=sp.eos_token_id,
+                stop_token_ids=sp.stop_token_ids or (),
+                priority=request.priority,
+                arrival_time=request.arrival_time,
+                cache_salt=client_salt,  # the core adds the tenant itself under isolate_tenant_cache
+                lora_name=_lora_key(request.lora_request),
+                ready=not blocked,
+                # Prompt logprobs: vLLM never reads the prefix cache for them (and leaves them out of its stats).
+                skip_reading_prefix_cache=bool(request.skip_reading_prefix_cache),
+                encoder_inputs=encoder_inputs,
+            )
+        except BaseException:
+            if self._mm is not None:
+                self._mm.release(req_id)
+            raise
         if rejected is not None:
             self._grammar_errors[req_id] = self._request_attrs.request_error(rejected)
             blocked = False  # never made ready, even once its grammar compiles
@@ -404,8 +443,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             what = "pooling requests"
         elif request.prompt_token_ids is None or request.prompt_embeds is not None:
             what = "prompt embeddings"
-        elif request.mm_features:
-            what = "multimodal inputs"
         elif request.resumable:
             what = "streaming-input (resumable) requests"
         elif sp.repetition_detection is not None:
@@ -497,6 +534,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._awaiting_first_output.discard(req_id)
         self._so_req_ids.discard(req_id)
         self._slow_req_ids.discard(req_id)
+        if self._mm is not None:
+            self._mm.release(req_id)
+            self._pending_encoder_inputs.pop(req_id, None)
         if req_id not in self._held:
             del self.requests[req_id]
 
@@ -666,6 +706,15 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 if req_id in so_ids and c + n >= len(request._all_token_ids) + request.num_output_placeholders:
                     has_so = True
                     pending_so = pending_so or (async_sched and request.num_output_placeholders > 0)
+        # Model runner V2 with multimodal inputs: each scheduled request's confirmed progress before this step
+        # (computed tokens less those in flight), for encoder_input_updates.
+        confirmed: dict[str, int] | None = None
+        if v2 and self._mm is not None and _HAS_ENCODER_INPUT_UPDATES:
+            confirmed = {}
+            pending_enc = self._pending_encoder_inputs
+            for req_id, request, c in zip(run_ids, run_reqs, run_computed, strict=True):
+                if req_id in pending_enc:
+                    confirmed[req_id] = c - max(request.num_output_placeholders, request.num_in_flight_tokens)
         # With a KV connector: each scheduled request's state as vLLM's build_connector_meta sees it (before its
         # _update_after_schedule), put back around that call (_connector_meta_before_update).
         pre_update: list[_UpdatedState] | None = None
@@ -764,6 +813,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         all_token_ids[req_id] = request._all_token_ids.copy()
                 if pre_update is not None:
                     pre_update.append(_updated_state(request, c))
+                if confirmed is not None and request.mm_features:
+                    confirmed[req_id] = c - max(request.num_output_placeholders, request.num_in_flight_tokens)
                 # vLLM's _update_after_schedule (and AsyncScheduler's), for this request.
                 request.num_computed_tokens = c + n
                 request.num_in_flight_tokens += n
@@ -796,21 +847,34 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if not v2 and not (prev_covers_run and num_run == len(req_ids) == len(prev)):
             prev.clear()
             prev.update(req_ids)
+        encoder_inputs: dict[str, list[int]] = {}
+        free_encoder_mm_hashes: list[str] = []
+        encoder_stats = None
+        if self._mm is not None:
+            encoder_inputs = self._scheduled_encoder_inputs(req_ids, out)
+            if len(out.free_encoder_hashes):
+                free_encoder_mm_hashes = self._mm.freed(out.free_encoder_hashes.tolist())
+            if self._encoder_stats and encoder_inputs:
+                encoder_stats = self._encoder_input_stats(encoder_inputs)
         so = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=self._num_scheduled_tokens(req_ids, num_sched, out, same_as_last),
             total_num_scheduled_tokens=out.total_num_scheduled_tokens,
             scheduled_spec_decode_tokens=spec_tokens,
-            scheduled_encoder_inputs={},
+            scheduled_encoder_inputs=encoder_inputs,
             finished_req_ids=self.finished_req_ids,
-            free_encoder_mm_hashes=[],
+            free_encoder_mm_hashes=free_encoder_mm_hashes,
             preempted_req_ids=preempted,
             has_structured_output_requests=has_so,
             pending_structured_output_tokens=pending_so,
             num_spec_tokens_to_schedule=self.num_spec_tokens,
             **({"skip_drafts": not drafts_needed} if RULES.skip_drafts else {}),
         )
+        if encoder_stats is not None:
+            so.scheduled_encoder_input_stats = encoder_stats
+        if confirmed is not None:
+            so.encoder_input_updates = self._encoder_input_updates(new_reqs_data, req_ids, encoder_inputs, confirmed)
         if bridge is not None:
             assert pre_update is not None
             self._connector_meta_before_update(bridge, so, pre_update)
@@ -821,6 +885,72 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if self._kv_events.enabled:
             self._kv_events.collect(self._core)
         return so
+
+    @staticmethod
+    def _scheduled_encoder_inputs(req_ids: list[str], out: Any) -> dict[str, list[int]]:
+        """vLLM's ``scheduled_encoder_inputs``: per request, the indices (into its ``mm_features``) of the
+        encoder inputs the runner computes in this step."""
+        values = out.scheduled_encoder_inputs
+        if not len(values):
+            return {}
+        indptr = out.scheduled_encoder_inputs_indptr
+        rows = np.flatnonzero(indptr[1:] != indptr[:-1]).tolist()
+        values_list: list[int] = values.tolist()
+        ptr: list[int] = indptr.tolist()
+        return {req_ids[i]: values_list[ptr[i] : ptr[i + 1]] for i in rows}
+
+    def _encoder_input_updates(
+        self,
+        new_reqs_data: list[NewRequestData],
+        req_ids: list[str],
+        encoder_inputs: dict[str, list[int]],
+        confirmed: dict[str, int],
+    ) -> dict[str, dict[int, Any]]:
+        """vLLM 0.33's ``encoder_input_updates`` for model runner V2: a request (re)installed on the workers holds
+        the data of its inputs (shared-memory handles aside, which vLLM's processor cache acknowledges itself);
+        an input scheduled for encoding whose data the workers do not hold gets it; an input wholly inside the
+        confirmed progress (not being encoded) is released (``None``)."""
+        pending_all = self._pending_encoder_inputs
+        for data in new_reqs_data:
+            if data.mm_features:
+                pending_all[data.req_id] = {
+                    i for i, f in enumerate(data.mm_features) if f.data is not None and "address" not in f.data
+                }
+        updates: dict[str, dict[int, Any]] = {}
+        for req_id in req_ids:
+            pending = pending_all.get(req_id)
+            if pending is None:
+                continue
+            encoding = encoder_inputs.get(req_id, ())
+            if not pending and not encoding:
+                continue
+            features = self.requests[req_id].mm_features
+            for i in encoding:
+                data = features[i].data
+                if i not in pending and data is not None and "address" not in data:
+                    updates.setdefault(req_id, {})[i] = data
+                    pending.add(i)
+            done = confirmed[req_id]
+            for i in list(pending):
+                if i in encoding:
+                    continue
+                pos = features[i].mm_position
+                if pos.offset + pos.length <= done:
+                    updates.setdefault(req_id, {})[i] = None
+                    pending.remove(i)
+        return updates
+
+    def _encoder_input_stats(self, encoder_inputs: dict[str, list[int]]) -> Any:
+        """vLLM's ``scheduled_encoder_input_stats`` (iteration-details logging)."""
+        from vllm.v1.core.sched.output import ScheduledEncoderInputStats
+
+        stats = ScheduledEncoderInputStats()
+        for req_id, ids in encoder_inputs.items():
+            features = self.requests[req_id].mm_features
+            for i in ids:
+                stats.num_inputs += 1
+                stats.output_tokens += features[i].mm_position.get_num_embeds()
+        return stats
 
     def _num_scheduled_tokens(
         self, req_ids: list[str], num_sched: list[int], out: Any, same_as_last: bool
@@ -904,6 +1034,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _mirror_preempt(self, request: Request, now: float) -> None:
         """vLLM's ``_preempt_request``, for the request object (the core already freed its blocks)."""
+        self._pending_encoder_inputs.pop(request.request_id, None)
         request.status = _PREEMPTED
         request.num_computed_tokens = 0
         if request.spec_token_ids:
@@ -1252,9 +1383,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _hash_filled_blocks(self, filled: list[Request]) -> None:
         """Appends the hashes of the blocks the last tokens filled (a request's hashes always cover its full
-        blocks). vLLM's default SHA-256 hash of a block without extra keys (no LoRA; multimodal inputs and prompt
-        embeddings are refused; a cache salt only keys block 0) comes from the core, every other one from the
-        request's own (vLLM's) hasher."""
+        blocks). vLLM's default SHA-256 hash of a block without extra keys (no LoRA, no multimodal input reaching
+        it; prompt embeddings are refused; a cache salt only keys block 0) comes from the core, every other one
+        from the request's own (vLLM's) hasher."""
         block = self.hash_block_size
         in_core_by_hasher = self._hasher_in_core
         for request in filled:
@@ -1265,10 +1396,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             in_core = in_core_by_hasher.get(hasher)
             if in_core is None:
                 in_core = in_core_by_hasher[hasher] = _is_vllm_sha256_hasher(hasher, block)
-            if in_core and hashes and request.lora_request is None:
+            if in_core and hashes and request.lora_request is None and not self._mm_in_tail(request, len(hashes)):
                 hashes += vllm_sha256_block_hashes(hashes[-1], request._all_token_ids[len(hashes) * block :], block)
             else:
                 hashes.extend(hasher(request))
+
+    def _mm_in_tail(self, request: Request, num_hashed_blocks: int) -> bool:
+        """Whether a multimodal input reaches past the request's hashed blocks (its blocks have extra keys)."""
+        features = request.mm_features
+        if not features:
+            return False
+        last = features[-1].mm_position
+        return bool(last.offset + last.length > num_hashed_blocks * self.hash_block_size)
 
     def _apply_kv_load_failures(self, kvo: Any) -> set[str]:
         """vLLM's ``_handle_failed_recving`` / ``_handle_invalid_blocks`` for asynchronous loads. Policy "recompute":
@@ -1592,7 +1731,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         return True
 
     def reset_encoder_cache(self) -> None:
-        """No encoder cache: multimodal models are refused at construction."""
+        """Without an encoder cache (a model without multimodal inputs) there is nothing to reset; the core cannot
+        drop a multimodal model's encoder outputs yet, so that is refused."""
+        if self._mm is not None:
+            raise UnsupportedFeatureError("kvsched.vllm.Scheduler does not support reset_encoder_cache yet")
 
     def make_stats(
         self,

@@ -51,16 +51,98 @@ TINY_LLAMA: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
-_MODEL_DIRS: dict[int, str] = {}
+# A tiny LLaVA (the tiny Llama with a CLIP vision tower of 56 px patches of 14: 16 tokens per image), with the
+# image processor config vLLM's multimodal processor loads to size the encoder budget and cache.
+TINY_LLAVA: dict[str, Any] = {
+    "architectures": ["LlavaForConditionalGeneration"],
+    "model_type": "llava",
+    "image_token_index": 31999,
+    "projector_hidden_act": "gelu",
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "torch_dtype": "float32",
+    "vocab_size": 32000,
+    "text_config": {k: v for k, v in TINY_LLAMA.items() if k != "architectures"},
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "image_size": 56,
+        "patch_size": 14,
+        "projection_dim": 32,
+    },
+}
+TINY_LLAVA_PREPROCESSOR: dict[str, Any] = {
+    "image_processor_type": "CLIPImageProcessor",
+    "processor_class": "LlavaProcessor",
+    "crop_size": {"height": 56, "width": 56},
+    "size": {"shortest_edge": 56},
+    "do_center_crop": True,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+}
+
+# vLLM's LLaVA processor needs a tokenizer that knows the image token: a word-level one with only the special
+# tokens (schedulers never tokenize text).
+_TINY_LLAVA_SPECIAL = {"<unk>": 0, "<s>": 1, "</s>": 2, "<image>": 31999}
+TINY_LLAVA_TOKENIZER: dict[str, Any] = {
+    "version": "1.0",
+    "truncation": None,
+    "padding": None,
+    "added_tokens": [
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for t, i in _TINY_LLAVA_SPECIAL.items()
+    ],
+    "normalizer": None,
+    "pre_tokenizer": {"type": "WhitespaceSplit"},
+    "post_processor": None,
+    "decoder": None,
+    "model": {"type": "WordLevel", "vocab": _TINY_LLAVA_SPECIAL, "unk_token": "<unk>"},
+}
+TINY_LLAVA_TOKENIZER_CONFIG: dict[str, Any] = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+}
+
+_MODEL_DIRS: dict[tuple[int, bool], str] = {}
 
 
-def _model_dir(max_model_len: int) -> str:
-    path = _MODEL_DIRS.get(max_model_len)
+def _model_dir(max_model_len: int, multimodal: bool = False) -> str:
+    path = _MODEL_DIRS.get((max_model_len, multimodal))
     if path is None:
         path = tempfile.mkdtemp(prefix="kvsched-vllm-model-")
+        positions = max(max_model_len, 8192)
+        config = dict(TINY_LLAMA, max_position_embeddings=positions)
+        if multimodal:
+            config = dict(TINY_LLAVA, text_config=dict(TINY_LLAVA["text_config"], max_position_embeddings=positions))
+            for name, content in (
+                ("preprocessor_config.json", TINY_LLAVA_PREPROCESSOR),
+                ("tokenizer.json", TINY_LLAVA_TOKENIZER),
+                ("tokenizer_config.json", TINY_LLAVA_TOKENIZER_CONFIG),
+            ):
+                with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+                    json.dump(content, f)
         with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(dict(TINY_LLAMA, max_position_embeddings=max(max_model_len, 8192)), f)
-        _MODEL_DIRS[max_model_len] = path
+            json.dump(config, f)
+        _MODEL_DIRS[(max_model_len, multimodal)] = path
     return path
 
 
@@ -89,8 +171,11 @@ def make_vllm_config(
     kv_load_failure_policy: str = "recompute",
     kv_role: str = "kv_both",
     kv_events: bool = False,
+    multimodal: bool = False,
+    disable_chunked_mm_input: bool = False,
 ) -> Any:
-    """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config). ``num_speculative_tokens``
+    """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config; ``multimodal``: a tiny LLaVA,
+    whose requests may carry images, with vLLM's ``disable_chunked_mm_input``). ``num_speculative_tokens``
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
     as its draft model, no trailing-block dropping). ``kv_connector_seed`` adds a ``kv_transfer_config`` for
     :class:`RandomKVConnector` with that seed and role ``kv_role`` (``kv_producer``, ``kv_consumer``,
@@ -99,11 +184,11 @@ def make_vllm_config(
     from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
-    model_dir = _model_dir(max_model_len)
+    model_dir = _model_dir(max_model_len, multimodal)
     model_config = ModelConfig(
         model=model_dir,
         tokenizer=model_dir,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not multimodal,  # vLLM's multimodal processors need the tokenizer
         dtype="float32",
         seed=0,
         max_model_len=max_model_len,
@@ -122,6 +207,7 @@ def make_vllm_config(
         max_num_active_seqs=max_num_active_seqs,
         long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
         prefill_schedule_interval=prefill_schedule_interval,
+        disable_chunked_mm_input=disable_chunked_mm_input,
     )
     cache_config = CacheConfig(
         block_size=block_size,
@@ -281,11 +367,28 @@ def make_request(
     block_size: int = DEFAULT_BLOCK_SIZE,
     prompt_logprobs: int | None = None,
     client_index: int = 0,
+    images: Sequence[tuple[int, int, str]] = (),
 ) -> Any:
     """A vLLM ``Request`` as the engine core builds it (block hasher attached, EOS set as the frontend does);
-    ``client_index`` is the front-end process the request came from (its outputs are grouped by it)."""
+    ``client_index`` is the front-end process the request came from (its outputs are grouped by it); ``images``:
+    its multimodal inputs as ``(offset, length, identifier)``, sorted by offset (the data is a dummy: no
+    scheduler reads it)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
+
+    mm_features = None
+    if images:
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
+
+        mm_features = [
+            MultiModalFeatureSpec(
+                data=MultiModalKwargsItem.dummy(),
+                mm_position=PlaceholderRange(offset=offset, length=length),
+                identifier=identifier,
+                modality="image",
+            )
+            for offset, length, identifier in images
+        ]
 
     # Prompt logprobs make vLLM skip reading the prefix cache for the request (SamplingParams sets the flag).
     params = SamplingParams(
@@ -307,6 +410,7 @@ def make_request(
         lora_request=_lora_request(lora_name),
         block_hasher=request_block_hasher(block_size),
         client_index=client_index,
+        mm_features=mm_features,
     )
 
 

@@ -1,0 +1,156 @@
+"""Multimodal requests in kvsched.vllm.Scheduler: vLLM's ``mm_features``, encoder budget and encoder cache.
+
+Needs vLLM (``pip install '.[vllm]'``); skipped otherwise. The model is a tiny LLaVA written on the fly
+(``kvsched.vllm.testing``: 16 tokens per image); each behaviour runs on vLLM's own scheduler too, with the same
+calls, and every output is compared field by field (``tests/vllm_driver.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
+
+from kvsched.vllm import RULES, UnsupportedFeatureError
+from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
+from vllm.multimodal.inputs import PlaceholderRange
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm_driver import compare, run_seed
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 16
+
+
+def _pair(**fields: Any) -> tuple[Any, Any]:
+    cfg = make_vllm_config(
+        multimodal=True, block_size=BLOCK, num_blocks=64, max_model_len=256, max_num_seqs=8, **fields
+    )
+    return make_scheduler("vllm", cfg), make_scheduler("kvsched", cfg)
+
+
+def _add(scheds: tuple[Any, ...], rid: str, prompt: list[int], images: list[tuple[int, int, str]]) -> None:
+    for s in scheds:
+        s.add_request(make_request(rid, prompt, max_tokens=2, block_size=BLOCK, images=images))
+
+
+def _step(scheds: tuple[Any, ...]) -> Any:
+    """One synchronous step on each scheduler, outputs compared; returns kvsched's SchedulerOutput."""
+    outs = [s.schedule() for s in scheds]
+    compare("SchedulerOutput", outs[0], outs[1])
+    results = []
+    for s, so in zip(scheds, outs, strict=True):
+        ids = list(so.num_scheduled_tokens)
+        sampled = [[] if s.requests[r].is_prefill_chunk else [9] for r in ids]
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+        results.append(s.update_from_output(so, mro))
+    compare("EngineCoreOutputs", results[0], results[1])
+    return outs[1]
+
+
+def test_encoder_budget_and_cache_are_vllms_for_the_model() -> None:
+    vllm_s, ours = _pair(max_num_batched_tokens=64)
+    assert ours.max_num_encoder_input_tokens == vllm_s.max_num_encoder_input_tokens == 64
+    assert ours.core.config.encoder_cache_size == vllm_s.encoder_cache_manager.cache_size
+
+
+def test_same_tokens_with_another_image_do_not_share_cached_blocks() -> None:
+    """The image identifier keys the blocks it overlaps (vLLM's multimodal extra keys): a request with the same
+    placeholder tokens and another image hits only the blocks before the image; with the same image, all of them."""
+    scheds = _pair(max_num_batched_tokens=128)
+    prompt = list(range(100, 180))
+    _add(scheds, "a", prompt, [(40, 16, "cat")])
+    for _ in range(3):
+        _step(scheds)
+    _add(scheds, "b", prompt, [(40, 16, "dog")])
+    _add(scheds, "c", prompt, [(40, 16, "cat")])
+    out = _step(scheds)
+    hits = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+    assert hits == {"b": 32, "c": 64}  # b: blocks 0-1 (the image starts in block 2); c: 4 full blocks, not the last
+    assert out.scheduled_encoder_inputs == {"b": [0]}  # c's image is still cached (freeable) from a
+    vllm_s, ours = scheds
+    assert [r.block_hashes for r in (ours.requests["b"], ours.requests["c"])] == [
+        vllm_s.requests["b"].block_hashes,
+        vllm_s.requests["c"].block_hashes,
+    ]
+
+
+def test_scheduled_and_freed_encoder_inputs_follow_vllm() -> None:
+    """A chunk stops before an image the encoder budget cannot take this step; evicted entries are reported once
+    in free_encoder_mm_hashes (as vLLM's identifiers)."""
+    scheds = _pair(max_num_batched_tokens=32)
+    _add(scheds, "a", list(range(200, 260)), [(2, 16, "x"), (20, 16, "y"), (40, 16, "z")])
+    seen: dict[str, list[int]] = {}
+    freed: list[str] = []
+    for _ in range(8):
+        out = _step(scheds)
+        for rid, ids in out.scheduled_encoder_inputs.items():
+            seen.setdefault(rid, []).extend(ids)
+        freed += out.free_encoder_mm_hashes
+    assert seen == {"a": [0, 1, 2]}
+    _add(scheds, "b", list(range(300, 340)), [(0, 16, "w"), (16, 16, "v")])
+    for _ in range(6):
+        freed += _step(scheds).free_encoder_mm_hashes
+    assert freed and set(freed) <= {"x", "y", "z"}
+
+
+def test_requests_with_images_on_a_text_model_are_refused() -> None:
+    s = make_scheduler("kvsched", make_vllm_config(block_size=BLOCK))
+    with pytest.raises(UnsupportedFeatureError, match="does not accept multimodal inputs"):
+        s.add_request(make_request("a", list(range(40)), block_size=BLOCK, images=[(0, 8, "cat")]))
+    assert not s.requests
+
+
+def test_embedding_masks_are_refused_by_name() -> None:
+    _, ours = _pair()
+    request = make_request("a", list(range(40)), block_size=BLOCK, images=[(0, 8, "cat")])
+    pos = request.mm_features[0].mm_position
+    request.mm_features[0].mm_position = PlaceholderRange(
+        offset=pos.offset, length=pos.length, is_embed=__import__("torch").tensor([True] * 4 + [False] * 4)
+    )
+    with pytest.raises(UnsupportedFeatureError, match="is_embed"):
+        ours.add_request(request)
+    assert not ours.requests and ours.get_num_unfinished_requests() == 0
+
+
+def test_identifier_map_drops_identifiers_no_request_holds() -> None:
+    """The identifier <-> hash map keeps an identifier while a request holds it or the core still caches it."""
+    scheds = _pair(max_num_batched_tokens=64)
+    _, ours = scheds
+    for i in range(6):
+        _add(scheds, f"r{i}", list(range(1000 * i, 1000 * i + 40)), [(4, 16, f"img{i}")])
+        for _ in range(4):
+            _step(scheds)
+    assert not ours.requests
+    assert len(ours._mm) <= 4  # at most the 64-token cache's worth of 16-token entries is still cached
+
+
+@pytest.mark.skipif(RULES.version != "0.32", reason="vLLM 0.32 only")
+def test_disable_chunked_mm_input_is_refused_on_vllm_032() -> None:
+    cfg = make_vllm_config(multimodal=True, disable_chunked_mm_input=True)
+    with pytest.raises(UnsupportedFeatureError, match="disable_chunked_mm_input"):
+        make_scheduler("kvsched", cfg)
+
+
+MODES = [("sync", "v1"), ("async", "v1"), ("sync", "v2"), ("async", "v2")]
+
+
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", range(3))
+def test_identical_to_vllm_with_images(sync: str, runner: str, seed: int) -> None:
+    """The differential driver with images: shared and distinct identifiers on shared prefixes, tight encoder
+    budgets and caches, disable_chunked_mm_input in some runs."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", multimodal=True)
+    assert cfg.multimodal
