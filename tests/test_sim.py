@@ -340,6 +340,52 @@ def test_step_time_model_presets_and_files(tmp_path: Path) -> None:
         StepTimeModel()
 
 
+def test_step_time_noise_has_mean_one_and_the_stated_spread_and_memory() -> None:
+    from kvsched.sim.steptime import StepNoise, fit_step_noise
+
+    first, second = StepNoise(0.3, 0.7, seed=1), StepNoise(0.3, 0.7, seed=1)
+    assert [first.next() for _ in range(5)] == [second.next() for _ in range(5)]
+    noise = StepNoise(0.3, 0.7, seed=1)
+    x = np.array([noise.next() for _ in range(100_000)])
+    assert x.mean() == pytest.approx(1.0, abs=0.02)
+    sigma, rho = fit_step_noise(np.log(x))
+    assert sigma == pytest.approx(0.3, rel=0.05) and rho == pytest.approx(0.7, abs=0.03)
+    # Pairs across two runs of steps do not count for the correlation.
+    # Runs of two steps, each run starting where the previous ended: the pairs across runs are equal, the pairs
+    # within a run independent.
+    v = np.random.default_rng(0).standard_normal(2001)
+    runs = np.column_stack([v[:-1], v[1:]]).ravel()
+    assert fit_step_noise(runs)[1] > 0.4
+    assert fit_step_noise(runs, np.repeat(np.arange(2000), 2))[1] < 0.1
+    assert fit_step_noise(np.zeros(10)) == (0.0, 0.0)
+    for bad in ({"noise_sigma": -0.1}, {"noise_rho": 1.0}, {"noise_rho": -0.5}, {"noise_sigma": float("nan")}):
+        with pytest.raises(ValueError, match="noise"):
+            dataclasses.replace(MODEL, **bad)
+
+
+def test_step_time_noise_in_the_simulator(tmp_path: Path) -> None:
+    w = generate_workload(_spec(duration=10.0))
+    noisy = dataclasses.replace(MODEL, noise_sigma=0.5, noise_rho=0.8)
+    assert load_step_time_model(noisy.save(tmp_path / "noisy.json")) == noisy
+    plain = simulate(w, {"num_blocks": 4000}, MODEL, keep_records=True)
+    a = simulate(w, {"num_blocks": 4000}, noisy, keep_records=True, noise_seed=1)
+    b = simulate(w, {"num_blocks": 4000}, noisy, keep_records=True, noise_seed=1)
+    c = simulate(w, {"num_blocks": 4000}, noisy, keep_records=True, noise_seed=2)
+    # Seeded: the same seed gives the same run, another seed another.
+    assert np.array_equal(a.step_time, b.step_time)
+    assert not np.array_equal(a.step_time, c.step_time)
+    # Without noise the seed is unused.
+    again = simulate(w, {"num_blocks": 4000}, MODEL, keep_records=True, noise_seed=9)
+    assert np.array_equal(plain.step_time, again.step_time)
+    # The factors have mean 1 (the mean step time stays close to the model's) but spread the steps' times.
+    ratio = a.step_time.mean() / plain.step_time.mean()
+    assert 0.8 < ratio < 1.25
+    assert np.std(a.step_time) > 1.5 * np.std(plain.step_time)
+    # The fast path draws one factor per step as the full path does.
+    slow = simulate(w, {"num_blocks": 4000}, noisy, keep_records=True, noise_seed=1, fast_path=False)
+    assert np.array_equal(slow.step_time, a.step_time)
+
+
 def test_jain_index() -> None:
     assert jain_index(np.array([1.0, 1.0, 1.0])) == pytest.approx(1.0)
     assert jain_index(np.array([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)

@@ -91,6 +91,19 @@ def test_one_replica_is_simulate(config: dict[str, Any], router: str) -> None:
     assert res.fleet.end_time == pytest.approx(ref.end_time)
 
 
+def test_one_replica_is_simulate_with_step_time_noise() -> None:
+    w = generate_workload(dataclasses.replace(_SHARED_PREFIX_SPEC, num_requests=80, seed=8))
+    noisy = dataclasses.replace(MODEL, noise_sigma=0.4, noise_rho=0.6)
+    single: dict[int, tuple[float, ...]] = {}
+    fleet: dict[int, tuple[float, ...]] = {}
+    simulate(w, {"num_blocks": 2000}, noisy, request_sink=_sink(single), noise_seed=3)
+    simulate_cluster(w, {"num_blocks": 2000}, noisy, replicas=1, request_sink=_sink(fleet), noise_seed=3)
+    assert len(single) == len(w) and fleet == single
+    other: dict[int, tuple[float, ...]] = {}
+    simulate_cluster(w, {"num_blocks": 2000}, noisy, replicas=1, request_sink=_sink(other), noise_seed=4)
+    assert other != single
+
+
 @pytest.mark.parametrize("router", ROUTERS)
 def test_every_request_finishes_on_exactly_one_replica(router: str) -> None:
     w = _shared_prefix_workload(n=80)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import requires_rust
 from kvsched.sim import StepTimeModel, WorkloadSpec, generate_workload, parse_length
-from kvsched.sim.steptime import lone_prefill_tokens, request_pairs, spill_pairs, step_features
+from kvsched.sim.steptime import StepNoise, lone_prefill_tokens, request_pairs, spill_pairs, step_features
 from kvsched.sim.validate import prompt_fn_for_vocab
 from kvsched.sim.vllm_engine import FIGURES, StepLog, VllmDriver, calibrate_engine, timed_scheduler, validate_engine
 
@@ -69,11 +69,13 @@ class FakeVllmScheduler:
 
 
 class FakeEngine:
-    """vLLM's ``LLMEngine`` surface; each step takes exactly ``model``'s time for its composition on ``now``."""
+    """vLLM's ``LLMEngine`` surface; each step takes exactly ``model``'s time for its composition on ``now`` (times
+    a factor drawn from ``noise``, if given)."""
 
-    def __init__(self, scheduler_cls: type, model: StepTimeModel) -> None:
+    def __init__(self, scheduler_cls: type, model: StepTimeModel, noise: StepNoise | None = None) -> None:
         self.scheduler = scheduler_cls(CONFIG)
         self.model = model
+        self.noise = noise
         self.now = 0.0
         self.tokens: dict[str, int] = {}
 
@@ -94,11 +96,12 @@ class FakeEngine:
         is_dec = nct == np.array([before[r][1] for r in rids]) - 1
         pre, preq, dec, kv, pairs = step_features(nst, nct, is_dec)
         m = self.model
-        self.now += m.step_time(
+        dt = m.step_time(
             pre, dec, kv, pairs, prefill_reqs=preq,
             prefill_attn_spill_pairs=spill_pairs(request_pairs(nst, nct, is_dec), m.attn_spill_pairs),
             lone_prefill_tokens=float(lone_prefill_tokens(pre, preq, dec)),
         )  # fmt: skip
+        self.now += dt * (self.noise.next() if self.noise is not None else 1.0)
         sampled, finished = self.scheduler.update_from_output(so)
         outs = []
         for rid in sampled:
@@ -113,9 +116,9 @@ class FakeEngine:
         return outs
 
 
-def _driver(model: StepTimeModel = TRUTH) -> tuple[VllmDriver, FakeEngine]:
+def _driver(model: StepTimeModel = TRUTH, noise: StepNoise | None = None) -> tuple[VllmDriver, FakeEngine]:
     log = StepLog()
-    engine = FakeEngine(timed_scheduler(FakeVllmScheduler, log), model)
+    engine = FakeEngine(timed_scheduler(FakeVllmScheduler, log), model, noise)
     params = lambda n: SimpleNamespace(max_tokens=n)  # noqa: E731
     driver = VllmDriver(engine, log, dict(CONFIG), params, 300, clock="cpu", clock_fn=lambda: engine.now, name="fake")
     return driver, engine
@@ -140,6 +143,36 @@ def test_calibration_on_the_engine_recovers_its_step_time_model() -> None:
     assert fit["engine"] == "fake" and fit["block_size"] == 16
     for name in ("step_s", "prefill_token_s", "decode_req_s", "kv_token_s"):
         assert getattr(model, name) == pytest.approx(getattr(TRUTH, name), rel=0.05), name
+    # An engine whose steps take exactly the model's time has no noise to fit.
+    assert model.noise_sigma < 1e-6 and fit["noise_sigma"] == model.noise_sigma
+
+
+def test_calibration_fits_the_engines_step_time_noise() -> None:
+    driver, _ = _driver(noise=StepNoise(0.3, 0.8, seed=11))
+    model, fit = calibrate_engine(driver, repeats=2, label="fake")
+    assert fit["noise_sigma"] == model.noise_sigma and fit["noise_rho"] == model.noise_rho
+    assert model.noise_sigma == pytest.approx(0.3, rel=0.25)
+    assert model.noise_rho == pytest.approx(0.8, abs=0.15)
+    # The mean step time stays the model's: the coefficients are still close to the truth.
+    assert model.step_s == pytest.approx(TRUTH.step_s, rel=0.2)
+    off, _ = calibrate_engine(_driver(noise=StepNoise(0.3, 0.8, seed=11))[0], repeats=2, fit_noise=False)
+    assert off.noise_sigma == 0 and off.noise_rho == 0
+
+
+def test_validation_against_a_noisy_engine_is_closer_with_the_fitted_noise() -> None:
+    spec = WorkloadSpec(rate=20.0, num_requests=120, prompt_len=parse_length("uniform:16:400"),
+                        output_len=parse_length("uniform:8:60"), seed=4)  # fmt: skip
+    w = generate_workload(spec, max_model_len=CONFIG["max_model_len"])
+    noisy = dataclasses.replace(TRUTH, noise_sigma=0.4, noise_rho=0.9)
+    errors = {}
+    for name, model in (("without", TRUTH), ("with", noisy)):
+        driver, _ = _driver(noise=StepNoise(0.4, 0.9, seed=5))
+        report = validate_engine(driver, w, model, prompt_fn=prompt_fn_for_vocab(w, 300), sim_repeats=16)
+        assert report["sim_repeats"] == (16 if name == "with" else 1)
+        errors[name] = report["figures"]["tpot p90"]["rel_error"]
+    # Without noise the simulator's TPOT tail is short of the noisy engine's; the noise model widens it.
+    assert errors["without"] < -0.1
+    assert abs(errors["with"]) < abs(errors["without"])
 
 
 @pytest.mark.parametrize("rate", [4.0, 40.0])

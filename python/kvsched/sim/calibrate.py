@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import DEFAULT_BLOCK_SIZE
-from .steptime import FEATURES, StepTimeModel, lone_prefill_tokens, spill_pairs
+from .steptime import FEATURES, StepTimeModel, fit_step_noise, lone_prefill_tokens, spill_pairs
 
 __all__ = ["CalibrationSession", "TimedStep", "calibrate", "calibrate_llm", "fit_step_time_model", "run_timed_steps"]
 
@@ -42,6 +42,8 @@ def fit_step_time_model(
     name: str = "calibrated",
     source: str = "",
     request_pairs: list[npt.NDArray[np.float64]] | None = None,
+    fit_noise: bool = False,
+    segments: list[int] | None = None,
 ) -> tuple[StepTimeModel, dict[str, Any]]:
     """Non-negative least squares of step time on (1, prefill tokens, prefill requests, decode requests, KV tokens,
     prefill pairs, lone prefill tokens: see :func:`kvsched.sim.steptime.lone_prefill_tokens`), on relative error
@@ -55,11 +57,18 @@ def fit_step_time_model(
     With ``request_pairs`` (each step's per-prefill-chunk query-key pairs, :func:`run_timed_steps`'s
     ``request_pairs_out``), the attention hinge is fitted too: for each threshold among percentiles 5-99 of the
     chunks' pair counts, the fit gets a ``prefill_attn_spill_pairs`` column; the threshold with the smallest
-    relative squared error wins, if it beats the fit without a hinge."""
+    relative squared error wins, if it beats the fit without a hinge.
+
+    ``fit_noise``: also fit the model's step-time noise (``noise_sigma``, ``noise_rho``: see
+    :mod:`kvsched.sim.steptime`) from the log-ratio of each kept step's measured to predicted time; ``segments``:
+    the lengths of the runs of consecutive steps that ``steps`` is made of (for the lag-one correlation; default:
+    one run)."""
     if len(steps) < 8:
         raise ValueError(f"need at least 8 timed steps to fit, got {len(steps)}")
     if request_pairs is not None and len(request_pairs) != len(steps):
         raise ValueError(f"request_pairs has {len(request_pairs)} entries for {len(steps)} steps")
+    if segments is not None and (sum(segments) != len(steps) or any(k < 0 for k in segments)):
+        raise ValueError(f"segments must be run lengths >= 0 adding up to {len(steps)} steps, got {sum(segments)}")
     arr = np.asarray(steps, dtype=np.float64)
     y_all = np.maximum(arr[:, 0], 1e-9)
     # Columns: 1, prefill tokens, prefill requests, decode requests, KV tokens, prefill pairs, lone prefill tokens.
@@ -117,6 +126,11 @@ def fit_step_time_model(
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
     rel = np.abs(pred - y) / np.maximum(y, 1e-12)
+    noise_sigma = noise_rho = 0.0
+    if fit_noise:
+        seg = np.repeat(np.arange(len(segments)), segments) if segments is not None else np.zeros(len(y), np.int64)
+        ok = keep & (pred > 0)
+        noise_sigma, noise_rho = fit_step_noise(np.log(y[ok] / pred[ok]), seg[ok])
     model = StepTimeModel(
         step_s=float(coef[0]),
         prefill_token_s=float(coef[1]),
@@ -128,6 +142,8 @@ def fit_step_time_model(
         prefill_attn_spill_s=float(coef[7]),
         lone_prefill_token_s=float(coef[6]),
         attn_spill_pairs=threshold if coef[7] > 0 else 0.0,
+        noise_sigma=noise_sigma,
+        noise_rho=noise_rho,
         name=name,
         source=source,
     )
@@ -144,6 +160,7 @@ def fit_step_time_model(
         "p90_rel_error": float(np.percentile(rel, 90)),
         "total_time_rel_error": float(abs(pred.sum() - y.sum()) / y.sum()),
         "mean_step_s": float(y.mean()),
+        **({"noise_sigma": noise_sigma, "noise_rho": noise_rho} if fit_noise else {}),
     }
     return model, fit
 

@@ -416,7 +416,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         path = model.save(out or f"{model.name}.json", extra=fit)
         print(", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items() if k.endswith("_s")))
         print(f"fit: {fit['num_steps']} timed engine steps, R^2 {fit['r2']:.3f}, "
-              f"median abs error {100 * fit['median_rel_error']:.1f}%")  # fmt: skip
+              f"median abs error {100 * fit['median_rel_error']:.1f}%; step-time noise: sigma "
+              f"{model.noise_sigma:.3f}, lag-one correlation {model.noise_rho:.3f}")  # fmt: skip
         print(f"wrote {path}; use it with: kvsched simulate --step-model {path}")
         return 0
     from .calibrate import calibrate

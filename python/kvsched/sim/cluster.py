@@ -53,7 +53,7 @@ from .simulator import (
     _with_tenant_weights,
     make_config,
 )
-from .steptime import StepTimeModel, request_pairs, spill_pairs
+from .steptime import StepNoise, StepTimeModel, request_pairs, spill_pairs
 from .summary import summarize
 from .workload import LengthDist, PromptFactory, Workload
 
@@ -243,8 +243,9 @@ def _step_seconds(
 
 
 class _Replica:
-    def __init__(self, name: str, sched: Any, metrics: RunMetrics) -> None:
+    def __init__(self, name: str, sched: Any, metrics: RunMetrics, noise: StepNoise | None = None) -> None:
         self.name = name
+        self.noise = noise  # the step-time noise of the model, if any (its own draws per replica)
         self.sched = sched
         self.metrics = metrics
         self.ready_at = math.inf  # when it next schedules (inf: idle until a request reaches it)
@@ -272,6 +273,7 @@ def simulate_cluster(
     slo_tpot: float | None = None,
     seed: int = 0,
     request_sink: Any = None,
+    noise_seed: int = 0,
 ) -> ClusterResult:
     """Run ``workload`` through ``replicas`` copies of the scheduler (each with ``config``) behind a router
     (see the module docstring). ``router``: one of :data:`ROUTERS`. ``router_config``: :class:`RouterConfig`
@@ -279,7 +281,9 @@ def simulate_cluster(
     ``prefix_hash_seed``, ``step_time`` and ``max_num_batched_tokens`` are always the replicas' and
     ``step_model``. ``seed``: the ``random`` and ``pow2`` draws. ``request_sink``: called with the columns of
     each finished request batch (the fleet's; a ``replica`` column says where each ran). ``horizon``: stop at
-    this simulated time (requests not finished are reported unfinished)."""
+    this simulated time (requests not finished are reported unfinished). ``noise_seed``: with a step-time model
+    that has noise, replica ``i`` draws its steps' factors from seed ``noise_seed + i`` (so one replica runs as
+    :func:`simulate` with the same ``noise_seed``)."""
     from .._errors import InvalidConfigError
 
     if router not in ROUTERS:
@@ -340,11 +344,16 @@ def simulate_cluster(
     fleet = new_metrics(request_sink)
     reps: list[_Replica] = []
     sched_name = scheduler
-    for name in names:
+    for i, name in enumerate(names):
         sched_name, sched = _make_scheduler(scheduler, cfg)
         if cfg.preemption_mode == "auto":
             sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
-        reps.append(_Replica(name, sched, new_metrics(None)))
+        noise = (
+            StepNoise(step_model.noise_sigma, step_model.noise_rho, noise_seed + i)
+            if step_model.noise_sigma > 0
+            else None
+        )
+        reps.append(_Replica(name, sched, new_metrics(None), noise))
     tenant_kw = _accepts_tenant(reps[0].sched.add_request) and (nt > 1 or cfg.policy not in ("fcfs", "priority"))
     charge_swaps = cfg.preemption_mode != "recompute"
     num_prios = len(fleet.prio_values)
@@ -484,6 +493,8 @@ def simulate_cluster(
         kl = known[idx]
         swapped = len(out.swap_out) + len(out.swap_in) if charge_swaps else 0
         dt, _ = _step_seconds(step_model, nst, nct, kl, swapped, charge_swaps)
+        if rep.noise is not None:
+            dt *= rep.noise.next()
         complete = (nct + nst) >= kl
         sel = idx[complete]
         k = len(sel)

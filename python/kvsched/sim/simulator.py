@@ -39,7 +39,7 @@ from ..config import SchedulerConfig
 from .metrics import PROMPT_BUCKETS, RunMetrics
 from .progress import SimProgress
 from .sketch import EXACT_LIMIT
-from .steptime import StepTimeModel, request_pairs, spill_pairs
+from .steptime import StepNoise, StepTimeModel, request_pairs, spill_pairs
 from .workload import PromptFactory, Workload, WorkloadStream
 
 __all__ = ["SimResult", "StalledError", "defers_arrivals", "make_config", "simulate"]
@@ -384,6 +384,7 @@ def simulate(
     defer_arrivals: bool | None = None,
     prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
     class_ttft_slo: Mapping[int, float] | None = None,
+    noise_seed: int = 0,
 ) -> SimResult:
     """Run ``workload`` through a real scheduler in simulated time (see the module docstring).
 
@@ -401,6 +402,8 @@ def simulate(
     ``ttft_slo_s=`` its target (the deadline of ``policy="slo"``), and goodput counts it against that target instead
     of ``slo_ttft``. A workload of conversations (:attr:`Workload.sessions`) adds each request with ``session_id=`` its
     conversation. Both only when the scheduler's ``add_request`` takes the keyword.
+    ``noise_seed``: the seed of the step-time noise, when ``step_model`` has any (``noise_sigma > 0``: each step's
+    time is the model's times a factor of mean 1, see :mod:`kvsched.sim.steptime`); without noise it is unused.
     ``record_batches``: keep each step's (request indices, scheduled tokens), for validation.
     ``keep_records``: also keep the raw per-step record (O(tokens) memory) for :func:`request_records`.
     ``fast_path=False`` records every step in full (same results, slower; for tests).
@@ -506,6 +509,9 @@ def simulate(
     c_lone = step_model.lone_prefill_token_s
     if cfg.preemption_mode == "auto":
         sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
+    noise = (
+        StepNoise(step_model.noise_sigma, step_model.noise_rho, noise_seed).next if step_model.noise_sigma > 0 else None
+    )
     cap = max(cfg.max_num_seqs, 1)
     tokens = np.full(cap, _SAMPLED_TOKEN, dtype=np.int64)
     arange = np.arange(cap + 1, dtype=np.int64)
@@ -693,6 +699,8 @@ def simulate(
                 # computed here; fold_run applies these steps when the run of them ends.
                 kv += m
                 dt = c_fixed + c_kv * kv
+                if noise is not None:
+                    dt *= noise()
                 fin = update(out, (tok_view, ptr_view)).finished_req_ids
                 run_dts.append(dt)
                 if rec:
@@ -749,6 +757,8 @@ def simulate(
                 dt += c_lone * n_pre
             if c_swap:
                 dt += c_swap * (len(out.swap_out) + len(out.swap_in))
+            if noise is not None:
+                dt *= noise()
             sel = idx[complete]
             k = len(sel)
             if k == m:

@@ -29,6 +29,16 @@ costs more per token than the linear terms fitted across all step kinds say (wit
 price such prefill steps low; see ``docs/simulator.md``).
 Calibration fits it; the presets leave it 0, and a JSON model without it loads with it 0.
 
+**Step-time noise** (optional, off unless ``noise_sigma > 0``). On a real machine steps of the same composition do
+not take the same time, and slow stretches last several steps (other work on the machine, frequency changes,
+the allocator). The model above gives the mean; with noise each simulated step's time is multiplied by
+``exp(x_k - noise_sigma**2 / 2)``, where ``x`` is a stationary first-order autoregressive process over the
+steps with standard deviation ``noise_sigma`` and lag-one correlation ``noise_rho`` (:class:`StepNoise`). The
+factor has mean 1, so the expected step time is unchanged, while the tails of per-request figures (TPOT p90/p99)
+and the queueing that slow stretches cause are reproduced. Calibration against a vLLM engine fits both from the
+log-ratio of measured to predicted step times (:func:`kvsched.sim.calibrate.fit_step_time_model` with
+``fit_noise=True``); the simulator draws the factors from a seeded generator (``simulate(noise_seed=...)``).
+
 The presets are estimates (see ``docs/simulator.md`` for their derivation and sources); calibrate on your own
 hardware with ``kvsched simulate --calibrate --model DIR`` (:func:`kvsched.sim.calibrate.calibrate`), which
 fits these coefficients to timed steps of the real runner and writes a JSON preset.
@@ -49,7 +59,9 @@ import numpy.typing as npt
 __all__ = [
     "FEATURES",
     "PRESETS",
+    "StepNoise",
     "StepTimeModel",
+    "fit_step_noise",
     "load_step_time_model",
     "lone_prefill_tokens",
     "request_pairs",
@@ -96,6 +108,8 @@ class StepTimeModel:
     prefill_attn_spill_s: float = 0.0
     lone_prefill_token_s: float = 0.0  # per prefill token of a step whose only scheduled request is a prefill
     attn_spill_pairs: float = 0.0  # per prefill chunk: the hinge's threshold (pairs past it cost the spill term)
+    noise_sigma: float = 0.0  # standard deviation of a step's log time factor (0: no noise)
+    noise_rho: float = 0.0  # lag-one correlation of consecutive steps' log time factors, in [0, 1)
     name: str = "custom"
     source: str = ""
 
@@ -106,6 +120,10 @@ class StepTimeModel:
                 raise ValueError(f"step-time model field {c} must be a finite number >= 0, got {v!r}")
         if self.step_s + self.prefill_token_s + self.decode_req_s <= 0:
             raise ValueError("a step-time model needs step_s, prefill_token_s or decode_req_s > 0")
+        for c, hi in (("noise_sigma", 5.0), ("noise_rho", 1.0)):
+            v = getattr(self, c)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < hi):
+                raise ValueError(f"step-time model field {c} must be a number in [0, {hi:g}), got {v!r}")
 
     @property
     def coefficients(self) -> npt.NDArray[np.float64]:
@@ -158,6 +176,53 @@ class StepTimeModel:
             doc["fit"] = extra
         path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         return path
+
+
+class StepNoise:
+    """The step-time factors of a model with noise (see the module docstring): :meth:`next` returns the next
+    step's factor. Deterministic for a given ``seed``; draws normal variates in blocks."""
+
+    _BLOCK = 4096
+
+    def __init__(self, sigma: float, rho: float, seed: int = 0) -> None:
+        if not (sigma >= 0 and 0 <= rho < 1):
+            raise ValueError(f"noise needs sigma >= 0 and 0 <= rho < 1, got sigma={sigma!r}, rho={rho!r}")
+        self.sigma = float(sigma)
+        self.rho = float(rho)
+        self._rng = np.random.default_rng(seed)
+        self._innovation = self.sigma * math.sqrt(1.0 - self.rho * self.rho)
+        self._shift = -0.5 * self.sigma * self.sigma
+        self._x = float(self._rng.standard_normal()) * self.sigma  # the stationary distribution
+        self._z: list[float] = []
+        self._k = 0
+
+    def next(self) -> float:
+        if self._k >= len(self._z):
+            self._z = self._rng.standard_normal(self._BLOCK).tolist()
+            self._k = 0
+        z = self._z[self._k]
+        self._k += 1
+        self._x = self.rho * self._x + self._innovation * z
+        return math.exp(self._x + self._shift)
+
+
+def fit_step_noise(
+    log_ratio: npt.NDArray[np.float64], segment: npt.NDArray[np.int64] | None = None
+) -> tuple[float, float]:
+    """(sigma, rho) of :class:`StepNoise` from steps' log(measured / predicted) time, in step order; ``segment``
+    labels runs of consecutive steps (pairs across two runs do not count for the correlation)."""
+    x = np.asarray(log_ratio, dtype=np.float64)
+    if x.size < 2:
+        return 0.0, 0.0
+    sigma = float(x.std())
+    if sigma <= 0:
+        return 0.0, 0.0
+    same = np.ones(x.size - 1, dtype=bool) if segment is None else (segment[1:] == segment[:-1])
+    if same.sum() < 2:
+        return min(sigma, 4.0), 0.0
+    d = x - x.mean()
+    rho = float((d[:-1][same] * d[1:][same]).mean() / (d * d).mean())
+    return min(sigma, 4.0), min(max(rho, 0.0), 0.99)
 
 
 def step_features(

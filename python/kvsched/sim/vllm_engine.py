@@ -14,14 +14,17 @@ this process so that a step is one call.
 **Calibration** (:func:`calibrate_engine`): the calibration grid of ``kvsched simulate --calibrate``
 (:mod:`kvsched.sim.calibrate`: pairs of prefills, lone prompts, decode batches, mixed arrivals), each workload
 after an untimed decode lead-in, twice in a shuffled order, fitted by
-:func:`~kvsched.sim.calibrate.fit_step_time_model`.
+:func:`~kvsched.sim.calibrate.fit_step_time_model`, with the step-time noise of the engine (the spread of its
+steps' times around the model and how long slow stretches last: ``noise_sigma``, ``noise_rho`` in
+:mod:`kvsched.sim.steptime`) unless ``fit_noise=False``.
 
 **Validation** (:func:`validate_engine`): the workload's requests are added when their arrival time has passed on
 the run's clock (``"wall"``: real time, sleeping when the engine is idle; ``"cpu"``: the CPU time the engine's
 steps take, jumping idle gaps, so that other processes on a shared machine do not slow the run), each with its
 drawn output length (``ignore_eos``); then the simulator runs the same workload with the fitted model and the
 engine's scheduler configuration (block size, KV blocks, batch limits). TTFT, TPOT and e2e (mean, p50, p90, p99)
-and request and output-token throughput are compared.
+and request and output-token throughput are compared. With a noisy step-time model the simulator's figures are
+the means over ``sim_repeats`` runs with different noise seeds (the expected figure, not one draw of it).
 
 vLLM is imported only by :func:`make_vllm_engine`; the rest works on any engine with vLLM's ``LLMEngine`` surface
 (``add_request``, ``step``, ``has_unfinished_requests``) and a scheduler with vLLM's (``requests``,
@@ -196,8 +199,11 @@ class EngineCalibration:
     """The calibration grid on ``driver``'s engine, one workload at a time (each after an untimed decode lead-in),
     so that a replay can run them at its idle points (:func:`validate_engine`); :meth:`fit` fits the model."""
 
-    def __init__(self, driver: VllmDriver, *, quick: bool = False, repeats: int = 2, seed: int = 0) -> None:
+    def __init__(
+        self, driver: VllmDriver, *, quick: bool = False, repeats: int = 2, seed: int = 0, fit_noise: bool = True
+    ) -> None:
         self.driver = driver
+        self.fit_noise = fit_noise
         self.rng = np.random.default_rng(seed)
         vocab = driver.vocab_size
         max_len = int(driver.config["max_model_len"])
@@ -208,6 +214,7 @@ class EngineCalibration:
         self.next = 0
         self.steps: list[TimedStep] = []
         self.pairs: list[npt.NDArray[np.float64]] = []
+        self.segments: list[int] = []  # timed steps per workload (runs of consecutive steps)
         # Warm-up: first calls allocate and pick kernels; not timed.
         driver.timed_steps([(0, self.rng.integers(3, vocab, size=64).tolist(), 4) for _ in range(4)])
 
@@ -230,6 +237,7 @@ class EngineCalibration:
         )
         self.steps += s
         self.pairs += p
+        self.segments.append(len(s))
         if trailer and self.lead_steps:
             self.driver.timed_steps([self._lead()], untimed_steps=self.lead_steps)
         return True
@@ -238,17 +246,29 @@ class EngineCalibration:
         d = self.driver
         source = f"calibrated on {d.name} ({d.clock_name} clock) from {len(self.steps)} timed engine steps on {label}"
         model, fit = fit_step_time_model(
-            self.steps, name=f"calibrated-{d.name}-{label}", source=source, request_pairs=self.pairs
+            self.steps,
+            name=f"calibrated-{d.name}-{label}",
+            source=source,
+            request_pairs=self.pairs,
+            fit_noise=self.fit_noise,
+            segments=self.segments,
         )
         fit.update({"engine": d.name, "clock": d.clock_name, "model": label, **d.config})
         return model, fit
 
 
 def calibrate_engine(
-    driver: VllmDriver, *, quick: bool = False, repeats: int = 2, seed: int = 0, label: str = "model"
+    driver: VllmDriver,
+    *,
+    quick: bool = False,
+    repeats: int = 2,
+    seed: int = 0,
+    label: str = "model",
+    fit_noise: bool = True,
 ) -> tuple[StepTimeModel, dict[str, Any]]:
-    """Fit a step-time model to ``driver``'s engine (see the module docstring)."""
-    session = EngineCalibration(driver, quick=quick, repeats=repeats, seed=seed)
+    """Fit a step-time model to ``driver``'s engine (see the module docstring); ``fit_noise``: with its step-time
+    noise (:mod:`kvsched.sim.steptime`)."""
+    session = EngineCalibration(driver, quick=quick, repeats=repeats, seed=seed, fit_noise=fit_noise)
     while session.run_next():
         pass
     return session.fit(label)
@@ -375,6 +395,8 @@ def validate_engine(
     quick: bool = False,
     seed: int = 0,
     label: str = "model",
+    fit_noise: bool = True,
+    sim_repeats: int = 8,
 ) -> dict[str, Any]:
     """Replay ``workload`` through the engine (:func:`run_engine`) and through the simulator with ``step_model`` and
     the engine's scheduler configuration; the figures of both and their relative errors.
@@ -388,7 +410,7 @@ def validate_engine(
     session = None
     idle_work: Callable[[], object] | None = None
     if step_model is None:
-        session = EngineCalibration(driver, quick=quick, seed=seed)
+        session = EngineCalibration(driver, quick=quick, seed=seed, fit_noise=fit_noise)
         if driver.clock_name == "cpu":
             idle_work = functools.partial(session.run_next, trailer=True)
         else:
@@ -404,13 +426,17 @@ def validate_engine(
         fit["workloads_during_replay"] = during
         fit["workloads"] = len(session.work)
     assert step_model is not None
-    sim = simulate(workload, cfg, step_model, keep_records=True, prompt_fn=prompt_fn)
     from .summary import request_records
 
-    rec = request_records(sim)
     arrival = workload.arrival_time
     real_fig = _figures(real.first_token, real.finish, real.num_tokens, arrival)
-    sim_fig = _figures(rec.first_token_time, rec.finish_time, rec.num_output_tokens, arrival)
+    repeats = max(1, sim_repeats) if step_model.noise_sigma > 0 else 1
+    draws: list[dict[str, float]] = []
+    for k in range(repeats):
+        sim = simulate(workload, cfg, step_model, keep_records=True, prompt_fn=prompt_fn, noise_seed=seed * 1000 + k)
+        rec = request_records(sim)
+        draws.append(_figures(rec.first_token_time, rec.finish_time, rec.num_output_tokens, arrival))
+    sim_fig = {f: float(np.mean([d[f] for d in draws])) for f in FIGURES}
     figures = compare_runs(real_fig, sim_fig)
     within = sum(1 for v in figures.values() if abs(v["rel_error"]) <= 0.15)
     return {
@@ -424,6 +450,7 @@ def validate_engine(
         "real_step_time_mean": real.step_time_sum / real.num_steps if real.num_steps else float("nan"),
         "sim_step_time_mean": float(sim.step_time.mean()) if sim.num_steps else float("nan"),
         "real_wall_s": real.wall_s,
+        "sim_repeats": repeats,
         "figures": figures,
         "within_15_percent": within,
         "num_figures": len(figures),
