@@ -300,9 +300,12 @@ class Pair:
         self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
         # Multimodal: each prefix has an image at a fixed place (its identifier drawn per request from a small
         # pool, so equal prefix tokens come with the same image or another one).
-        self.prefix_images = [
-            (self.rng.randrange(0, max(1, len(p) - 8)), self.rng.randrange(2, 5)) for p in self.prefixes
-        ]
+        # (Drawn only for a multimodal run, so that the other runs' seeds keep their draws.)
+        self.prefix_images = (
+            [(self.rng.randrange(0, max(1, len(p) - 8)), self.rng.randrange(2, 5)) for p in self.prefixes]
+            if cfg.multimodal
+            else []
+        )
         self.next_id = 0
         self.clock = 0.0
         # (vllm SchedulerOutput, kvsched SchedulerOutput, ids whose step is a partial prefill)
