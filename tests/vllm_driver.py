@@ -185,6 +185,9 @@ class Config:
     kv_connector_seed: int | None = None
     kv_load_failure_policy: str = "recompute"
     kv_role: str = "kv_both"
+    # vLLM 0.33's deferred registration of asynchronous loads, set on both built schedulers as vLLM's tests do
+    # (vLLM turns it on only with HiSparse, which kvsched.vllm refuses); it acts with defer_block_free.
+    defer_async_loads: bool = False
     # KV cache events on (vLLM's kv_events_config): the published batches are compared event by event.
     kv_events: bool = False
 
@@ -275,6 +278,7 @@ class Pair:
         self.rng_out = random.Random(f"outputs/{seed}")
         fields = dataclasses.asdict(cfg)
         v2 = fields.pop("use_v2_model_runner")
+        defer_async_loads = fields.pop("defer_async_loads")
         vcfg = make_vllm_config(**fields)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
@@ -282,6 +286,8 @@ class Pair:
         kw = {"use_v2_model_runner": v2, "include_finished_set": True, "log_stats": log_stats}
         self.a = make_scheduler("vllm", vcfg, **kw)
         self.b = make_scheduler("kvsched", vcfg, **kw)
+        if defer_async_loads:
+            self.a.defer_async_loads = self.b.defer_async_loads = True
         self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
         self.next_id = 0
         self.clock = 0.0
@@ -592,6 +598,7 @@ def run_seed(
     connector: bool = False,
     kv_role: str = "kv_both",
     kv_events: bool = False,
+    defer_async_loads: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role``; ``kv_events`` turns KV cache
@@ -602,6 +609,7 @@ def run_seed(
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
         cfg.kv_role = kv_role
+        cfg.defer_async_loads = defer_async_loads
     if num_speculative_tokens is not None:
         cfg.num_speculative_tokens = num_speculative_tokens
     if not cfg.num_speculative_tokens:
@@ -627,6 +635,13 @@ def main(argv: list[str] | None = None) -> int:
         "mode runs every seed once per role",
     )
     p.add_argument("--kv-events", action="store_true", help="KV cache events on, published batches compared")
+    p.add_argument(
+        "--defer-async-loads",
+        action="store_true",
+        help="with --connector: asynchronous loads admitted while a step is in flight are registered once it is "
+        "processed (vLLM 0.33's defer_async_loads, set on both schedulers; acts with the consumer roles' deferred "
+        "frees under async scheduling)",
+    )
     args = p.parse_args(argv)
     import vllm
 
@@ -655,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
                         connector=role is not None,
                         kv_role=role or "kv_both",
                         kv_events=args.kv_events,
+                        defer_async_loads=args.defer_async_loads,
                     )
                     ok += 1
                 except Divergence as exc:
