@@ -5,14 +5,16 @@
 //! It also holds the free path of a request's blocks with `defer_block_free` (vLLM 0.33 with a KV consumer
 //! connector and several batches in flight): blocks freed while a step in flight may still write them wait in
 //! `deferred_frees` until every step scheduled before the free is applied, so a load never lands in a block a
-//! running step still writes.
+//! running step still writes. With `defer_async_loads` as well, an asynchronous load admitted while a step is
+//! in flight waits in `deferred_loads` and is registered with the connector once those steps are applied.
 //!
 //! Invariants (checked by `Scheduler::check_invariants`): a request in `WaitingForRemoteKvs` holds blocks
 //! covering its computed tokens and sits in no queue until its load is reported finished (with `park_kv_loads`;
 //! without it, it sits in `kv_waiting` from its admission step on); `held` maps the id of
 //! every finished request whose blocks are not yet freed to those blocks and at least one pending transfer;
-//! `deferred_frees` are in fence order, no fence past the steps scheduled; every held or deferred block counts
-//! in its ref count like a block table's.
+//! `deferred_frees` are in fence order, no fence past the steps scheduled; `deferred_loads` are in fence order,
+//! each fence past the steps applied and not past those scheduled, each of a live request in
+//! `WaitingForRemoteKvs`; every held or deferred block counts in its ref count like a block table's.
 
 use std::sync::Arc;
 
