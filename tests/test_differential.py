@@ -146,6 +146,9 @@ class FakeConnector:
     def update_state_after_alloc(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
         self.calls.append(("alloc", req_id, list(block_ids), num_external_tokens))
 
+    def load_deferred(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        self.calls.append(("deferred", req_id, list(block_ids), num_external_tokens))
+
     def request_finished(self, req_id: str, block_ids: list[int]) -> bool | tuple[bool, dict[str, Any] | None]:
         self.calls.append(("finished", req_id, list(block_ids)))
         g = self._draw("finished", req_id, len(self.calls))
@@ -524,11 +527,17 @@ class Twin:
         assert self.ref.preemption_costs == self.rs.preemption_costs
 
     def op_defer(self) -> None:
-        """defer_block_free switched on or off at run time (vLLM's tests set the flag on a built scheduler)."""
+        """defer_block_free or defer_async_loads switched on or off at run time (vLLM's tests set the flags on a
+        built scheduler)."""
         on = self.rand.chance(0.5)
-        self.log.append(f"set_defer_block_free({on})")
-        self.ref.set_defer_block_free(on)
-        self.rs.set_defer_block_free(on)
+        if self.rand.chance(0.3):
+            self.log.append(f"set_defer_async_loads({on})")
+            self.ref.set_defer_async_loads(on)
+            self.rs.set_defer_async_loads(on)
+        else:
+            self.log.append(f"set_defer_block_free({on})")
+            self.ref.set_defer_block_free(on)
+            self.rs.set_defer_block_free(on)
         assert self.ref.config == self.rs.config
 
     def op_ready(self) -> None:
@@ -549,8 +558,9 @@ class Twin:
         if self.conn_ref is None:
             return self.op_schedule()
         r = self.rand
+        deferred = set(self.ref.deferred_load_ids())  # not registered with the connector yet: nothing to report
         loading = sorted(i for i, q in self.ref._requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                         and not q.kv_load_done)  # fmt: skip
+                         and not q.kv_load_done and i not in deferred)  # fmt: skip
         held = sorted(self.ref._held)
         recv = [i for i in loading + [h for h in held if self.ref._held[h][1]] if r.chance(0.5)]
         failed = [i for i in loading if r.chance(0.15)]
@@ -598,6 +608,9 @@ class Twin:
         if self.conn_ref is not None:
             assert self.conn_ref.calls == self.conn_rs.calls, "the connector hooks were called differently"
             assert self.ref.num_held_kv_requests == self.rs.num_held_kv_requests
+            assert self.ref.deferred_load_ids() == self.rs.deferred_load_ids()
+            assert self.ref.deferred_frees() == self.rs.deferred_frees()
+            assert self.ref.step_seqs == self.rs.step_seqs
         sa, sb = self.ref.stats(), self.rs.stats()
         for name in sa.__dataclass_fields__:
             va, vb = getattr(sa, name), getattr(sb, name)
@@ -782,6 +795,7 @@ def configs(draw: Any) -> SchedulerConfig:
         park_kv_loads=draw(st.booleans()),
         reserve_inflight_prefills=draw(st.booleans()),
         defer_block_free=draw(st.booleans()),
+        defer_async_loads=draw(st.booleans()),
         drop_preempted_output=draw(st.booleans()),
         max_loras_counts_unscheduled=draw(st.booleans()),
         continue_after_self_preemption=draw(st.booleans()),
@@ -1121,12 +1135,13 @@ def test_soak_short_matches_reference_step_by_step() -> None:
     soak(steps=3000, seed=1234)
 
 
-# Deferred block frees (vLLM 0.33 with a KV consumer connector and several batches in flight), with and without
-# dropping a preempted request's in-flight output (a connector that requires KV delivery): tight pools, async
-# scheduling, two or three steps in flight, a seeded connector whose pending frees sometimes stop preemption.
+# Deferred block frees (vLLM 0.33 with a KV consumer connector and several batches in flight) and deferred
+# registration of asynchronous loads, with and without dropping a preempted request's in-flight output (a
+# connector that requires KV delivery): tight pools, async scheduling, two or three steps in flight, a seeded
+# connector whose pending frees sometimes stop preemption.
 DEFER_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=18, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=48,
-                    async_scheduling=True, defer_block_free=True, park_kv_loads=False,
+                    async_scheduling=True, defer_block_free=True, defer_async_loads=True, park_kv_loads=False,
                     reserve_inflight_prefills=True, prefix_hash_seed=5),
     SchedulerConfig(block_size=2, num_blocks=30, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
                     policy="priority", async_scheduling=True, defer_block_free=True, drop_preempted_output=True,
@@ -1141,7 +1156,7 @@ def test_soak_deferred_frees_match_reference_step_by_step() -> None:
     """defer_block_free and drop_preempted_output under KV pressure with steps in flight: the core (which tells a
     step in flight by its in-flight token counts) and the reference (vLLM's step sequence numbers) agree at
     every step, frees are deferred, and preemptions still happen once the victims' steps are applied."""
-    deferred = dropped = 0
+    deferred = dropped = loads = 0
     for i, cfg in enumerate(DEFER_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(777 + i)), max_in_flight=2 + i % 2,
                     connector_seed=777 + i, fail_steps=False)  # fmt: skip
@@ -1152,9 +1167,10 @@ def test_soak_deferred_frees_match_reference_step_by_step() -> None:
                 raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
             deferred += len(twin.ref._deferred_frees) > 0
             dropped += sum(r.drop_stale_output for r in twin.ref._requests.values())
+            loads += len(twin.ref.deferred_load_ids()) > 0
         twin.drain()
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
-    assert deferred > 0 and dropped > 0, (deferred, dropped)
+    assert deferred > 0 and dropped > 0 and loads > 0, (deferred, dropped, loads)
 
 
 def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:

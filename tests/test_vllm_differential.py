@@ -79,6 +79,32 @@ def test_identical_to_vllm_with_a_kv_connector_and_batches_in_flight(
     assert cfg.kv_role == kv_role
 
 
+@pytest.mark.parametrize(("sync", "runner"), ASYNC_MODES, ids=[f"{s}-{r}" for s, r in ASYNC_MODES])
+@pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
+def test_identical_to_vllm_with_deferred_async_loads(
+    sync: str, runner: str, kv_role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33's defer_async_loads set on both schedulers (consumer roles, async scheduling): asynchronous loads
+    admitted while a step is in flight are registered with the connector once that step is processed, their
+    connector stats recorded then, and an abort before that frees their blocks behind the steps in flight. On
+    vLLM 0.32, which has no such gate, neither scheduler defers."""
+    from kvsched.vllm import RULES
+    from kvsched.vllm._connector import ConnectorBridge
+
+    deferred: list[str] = []
+    load_deferred = ConnectorBridge.load_deferred
+
+    def counting(self: ConnectorBridge, req_id: str, *args: object) -> None:
+        deferred.append(req_id)
+        load_deferred(self, req_id, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ConnectorBridge, "load_deferred", counting)
+    for seed in range(220, 222):
+        run_seed(seed, 150, async_scheduling=True, v2=runner == "v2", connector=True, kv_role=kv_role,
+                 defer_async_loads=True)  # fmt: skip
+    assert bool(deferred) is RULES.defer_async_loads
+
+
 def test_failed_loads_finish_in_vllms_set_order() -> None:
     """Requests failed by a KV load (policy "fail") are finished, and their outputs listed, in the iteration order
     of the set vLLM builds them in; with colliding string hashes that order depends on the order of insertion,

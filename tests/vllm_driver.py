@@ -189,6 +189,9 @@ class Config:
     kv_connector_seed: int | None = None
     kv_load_failure_policy: str = "recompute"
     kv_role: str = "kv_both"
+    # vLLM 0.33's deferred registration of asynchronous loads, set on both built schedulers as vLLM's tests do
+    # (vLLM turns it on only with HiSparse, which kvsched.vllm refuses); it acts with defer_block_free.
+    defer_async_loads: bool = False
     # KV cache events on (vLLM's kv_events_config): the published batches are compared event by event.
     kv_events: bool = False
     # The model's one KV cache group is a sliding window of this many tokens (None: full attention).
@@ -285,6 +288,7 @@ class Pair:
         fields = dataclasses.asdict(cfg)
         v2 = fields.pop("use_v2_model_runner")
         window = fields.pop("sliding_window")
+        defer_async_loads = fields.pop("defer_async_loads")
         vcfg = make_vllm_config(**fields)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
@@ -297,6 +301,8 @@ class Pair:
         }
         self.a = make_scheduler("vllm", vcfg, **kw)
         self.b = make_scheduler("kvsched", vcfg, **kw)
+        if defer_async_loads:
+            self.a.defer_async_loads = self.b.defer_async_loads = True
         self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
         # Multimodal: each prefix has an image at a fixed place (its identifier drawn per request from a small
         # pool, so equal prefix tokens come with the same image or another one).
@@ -653,6 +659,7 @@ def run_seed(
     kv_events: bool = False,
     sliding_window: bool = False,
     multimodal: bool = False,
+    defer_async_loads: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role``; ``kv_events`` turns KV cache
@@ -667,6 +674,7 @@ def run_seed(
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
         cfg.kv_role = kv_role
+        cfg.defer_async_loads = defer_async_loads
     if num_speculative_tokens is not None:
         cfg.num_speculative_tokens = num_speculative_tokens
     if not cfg.num_speculative_tokens:
@@ -705,6 +713,13 @@ def main(argv: list[str] | None = None) -> int:
         "or --kv-events, which kvsched.vllm refuses for it",
     )
     p.add_argument("--mm", action="store_true", help="a multimodal model: requests with images")
+    p.add_argument(
+        "--defer-async-loads",
+        action="store_true",
+        help="with --connector: asynchronous loads admitted while a step is in flight are registered once it is "
+        "processed (vLLM 0.33's defer_async_loads, set on both schedulers; acts with the consumer roles' deferred "
+        "frees under async scheduling)",
+    )
     args = p.parse_args(argv)
     if args.sliding_window and (args.connector or args.kv_events):
         p.error("--sliding-window goes without --connector and --kv-events")
@@ -739,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
                         multimodal=args.mm,
+                        defer_async_loads=args.defer_async_loads,
                     )
                     ok += 1
                 except Divergence as exc:

@@ -492,6 +492,14 @@ class SchedulerConfig:
             "such deployments). See [Deferred block frees](#deferred-block-frees)"
         ),
     )
+    defer_async_loads: bool = field(
+        default=False,
+        metadata=_spec(
+            "With `defer_block_free` (vLLM 0.33 with HiSparse, or set on a built scheduler): an asynchronous KV "
+            "load admitted while a step is in flight is registered with the connector only once the steps "
+            "scheduled before its admission are applied. See [Deferred block frees](#deferred-block-frees)"
+        ),
+    )
     drop_preempted_output: bool = field(
         default=False,
         metadata=_spec(

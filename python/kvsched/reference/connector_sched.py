@@ -66,6 +66,20 @@ class _ConnectorMixin(_BlockPoolMixin):
         except Exception as e:
             self._keep(e)
 
+    def _hook_load_deferred(self, r: _Request, num_external: int) -> None:
+        hook = getattr(self._connector, "load_deferred", None)
+        if hook is None:
+            return
+        try:
+            hook(r.req_id, list(r.block_ids), num_external)
+        except Exception as e:
+            self._keep(e)
+
+    def _count_connector_lookup(self, queries: tuple[int, int] | None) -> None:
+        if queries is not None:
+            self._stats["connector_queries"] += queries[0]
+            self._stats["connector_hits"] += queries[1]
+
     def _hook_finished(self, r: _Request, block_ids: list[int]) -> bool:
         try:
             res = self._connector.request_finished(r.req_id, list(block_ids))
@@ -210,7 +224,7 @@ class _ConnectorMixin(_BlockPoolMixin):
             else:
                 self._free_block_list(h[0])
 
-    # -- deferred block frees (defer_block_free; vLLM 0.33's names) -------------------------------------------
+    # -- deferred block frees and loads (defer_block_free, defer_async_loads; vLLM 0.33's names) ----------------
 
     def _request_blocks_can_be_freed(self, r: _Request) -> bool:
         return not self._config.defer_block_free or r.last_sched_seq <= self._processed_step_seq
@@ -234,6 +248,13 @@ class _ConnectorMixin(_BlockPoolMixin):
         self._processed_step_seq += 1
         while self._deferred_frees and self._deferred_frees[0][0] <= self._processed_step_seq:
             self._free_block_list(self._deferred_frees.popleft()[1])
+        # Deferred loads whose fence it reaches are registered with the connector, in admission order.
+        for req_id, (fence, ext, queries) in list(self._deferred_loads.items()):
+            if fence > self._processed_step_seq:
+                break
+            del self._deferred_loads[req_id]
+            self._hook_after_alloc(self._requests[req_id], ext)
+            self._count_connector_lookup(queries)
 
     def _connector_has_pending_block_frees(self) -> bool:
         hook = getattr(self._connector, "has_pending_block_frees", None)
@@ -254,6 +275,27 @@ class _ConnectorMixin(_BlockPoolMixin):
             raise SchedulerTypeError(f"defer_block_free must be a bool, got {type(on).__name__}")
         self._config = dataclasses.replace(self._config, defer_block_free=on)
         self._last_out_fresh = False
+
+    def set_defer_async_loads(self, on: bool) -> None:
+        """Turn ``defer_async_loads`` on or off from now on (loads already deferred keep their fence)."""
+        if not isinstance(on, bool):
+            raise SchedulerTypeError(f"defer_async_loads must be a bool, got {type(on).__name__}")
+        self._config = dataclasses.replace(self._config, defer_async_loads=on)
+        self._last_out_fresh = False
+
+    def deferred_load_ids(self) -> list[str]:
+        """Requests whose asynchronous load waits for the steps in flight before the connector is told of it,
+        in the order they will be registered."""
+        return list(self._deferred_loads)
+
+    def deferred_frees(self) -> list[tuple[int, list[int]]]:
+        """Each deferred free's fence with its blocks in the order they go back, oldest first."""
+        return [(fence, list(reversed(blocks))) for fence, blocks in self._deferred_frees]
+
+    @property
+    def step_seqs(self) -> tuple[int, int]:
+        """``(scheduled, applied)``: the non-empty steps scheduled and applied so far."""
+        return self._sched_step_seq, self._processed_step_seq
 
     def deferred_free_block_ids(self) -> np.ndarray:
         """Blocks whose free waits for steps in flight, in the order they go back to the pool."""

@@ -220,7 +220,9 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
     def _finish(self, r: _Request, status: RequestStatus) -> None:
         """Free ``r`` (or keep its blocks for a KV transfer in progress), take it out of its queue, remember it
         for the next output, and forget it."""
-        was_loading = r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not r.kv_load_done
+        # A deferred load was never registered: no transfer will report it over.
+        load_deferred = self._deferred_loads.pop(r.req_id, None) is not None
+        was_loading = r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not r.kv_load_done and not load_deferred
         r.wait_seq = 0
         if r.status == RequestStatus.RUNNING:
             self._running.remove(r)
@@ -511,6 +513,18 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         for _, blocks in self._deferred_frees:
             for b in blocks:
                 holders[b] += b != 0
+        load_fences = [fence for fence, _, _ in self._deferred_loads.values()]
+        require(
+            load_fences == sorted(load_fences)
+            and all(self._processed_step_seq < f <= self._sched_step_seq for f in load_fences),
+            "deferred load fences",
+        )
+        for req_id in self._deferred_loads:
+            q = self._requests.get(req_id)
+            require(
+                q is not None and q.status == RequestStatus.WAITING_FOR_REMOTE_KVS,
+                f"{req_id}: a deferred load's request is not waiting for its load",
+            )
         require(self._ref_cnt == holders, "ref_cnt == number of block tables holding the block")
         require(holders[0] == 0 and 0 not in self._free and self._block_hash[0] is None, "null block")
         for b in range(1, c.num_blocks):

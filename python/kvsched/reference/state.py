@@ -56,6 +56,10 @@ class _SchedulerState:
         self._sched_step_seq = 0
         self._processed_step_seq = 0
         self._deferred_frees: deque[tuple[int, list[int]]] = deque()
+        # defer_async_loads (vLLM's deferred_loads): asynchronous loads admitted while a step was in flight, not
+        # yet registered with the connector, in admission order: req_id -> (fence, external tokens, connector
+        # prefix-cache (queries, hits) or None)
+        self._deferred_loads: dict[str, tuple[int, int, tuple[int, int] | None]] = {}
         self._next_add_seq = 0
         if kv_connector is not None:
             for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished"):

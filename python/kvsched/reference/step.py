@@ -390,10 +390,19 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 self._commit_encoder(enc)
             self._complete_resume(r, len(hits), computed, swap_in)
             if self._connector is not None:
-                self._hook_after_alloc(r, ext)
-                if computed_before == 0:
-                    self._stats["connector_queries"] += r.num_tokens - hit_tokens
-                    self._stats["connector_hits"] += ext
+                queries = (r.num_tokens - hit_tokens, ext) if computed_before == 0 else None
+                if (
+                    load_async
+                    and c.defer_block_free
+                    and c.defer_async_loads
+                    and self._sched_step_seq > self._processed_step_seq
+                ):  # registered once the steps in flight are applied; its blocks wait for them too
+                    r.last_sched_seq = self._sched_step_seq
+                    self._deferred_loads[r.req_id] = (self._sched_step_seq, ext, queries)
+                    self._hook_load_deferred(r, ext)
+                else:
+                    self._hook_after_alloc(r, ext)
+                    self._count_connector_lookup(queries)
             if computed_before == 0 and not r.skip_reading_prefix_cache:  # no lookup, no query
                 prefix = "preempted_" if r.num_preemptions > 0 else ""
                 self._stats[prefix + "queries"] += r.num_tokens

@@ -36,6 +36,9 @@ class VllmRules:
     # prefill_schedule_interval is applied by the scheduler itself when there is no data parallelism (else only
     # the data-parallel engine core applies it, through schedule(throttle_prefills=True)).
     local_prefill_cadence: bool
+    # The scheduler's defer_async_loads gate (registration of an asynchronous KV load deferred behind the steps in
+    # flight); a release without it has no such attribute, and setting one on the adapter changes nothing.
+    defer_async_loads: bool
     # The core's flags of the same names (kvsched.SchedulerConfig, docs/semantics.md). trim_computed_on_stop also
     # decides the request's mirrored counts: with it, a stop inside a step's tokens cuts num_computed_tokens back
     # to the tokens kept and every returned token resolves an output placeholder; without it the count stays and
@@ -52,6 +55,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         skip_drafts=False,
         output_error=False,
         local_prefill_cadence=False,
+        defer_async_loads=False,
         trim_computed_on_stop=False,
         max_loras_counts_unscheduled=False,
         continue_after_self_preemption=False,
@@ -62,6 +66,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         skip_drafts=True,
         output_error=True,
         local_prefill_cadence=True,
+        defer_async_loads=True,
         trim_computed_on_stop=True,
         max_loras_counts_unscheduled=True,
         continue_after_self_preemption=True,

@@ -70,6 +70,9 @@ class ConnectorBridge:
         # Asynchronous loads: not reported over yet / reported over, not admitted yet.
         self.loading: set[str] = set()
         self.loaded: set[str] = set()
+        # Asynchronous loads admitted but not yet registered with the connector (the core's deferred loads):
+        # req_id -> their lookup (local hit tokens, external tokens, async).
+        self.deferred: dict[str, tuple[int, int, bool] | None] = {}
         # KV-fetch stage of each request that has one (vLLM's num_kv_fetch_reqs_by_stage), when stats are on.
         self.stages: dict[str, str] | None = {} if log_stats else None
 
@@ -107,14 +110,28 @@ class ConnectorBridge:
         self, req_id: str, block_ids: list[int], num_external_tokens: int, num_cached_blocks: int = 0
     ) -> None:
         request = self._get_request(req_id)
-        asked = self._asked.pop(req_id, None)
-        local = asked[0] if asked is not None else 0
+        deferred = req_id in self.deferred
+        asked = self.deferred.pop(req_id) if deferred else self._asked.pop(req_id, None)
         # vLLM hands the connector its block objects: those in the prefix cache carry their hash.
         blocks = self._blocks(request, block_ids, num_cached_blocks)
         self.connector.update_state_after_alloc(request, blocks, num_external_tokens)
         if asked is None:
             return  # a loaded request admitted for the rest of its prompt: no lookup, no stats
-        _, n, is_async = asked
+        # The connector attributes cache-hit tiers once the load is registered: a deferred load records now.
+        self._record_connector_lookup(request, asked[0], num_external_tokens)
+        if not deferred:
+            self._admitted(req_id, request, asked, num_external_tokens)
+
+    def load_deferred(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        # An asynchronous load admitted while a step is in flight (vLLM's deferred_loads): admitted now, registered
+        # with the connector (update_state_after_alloc) once the steps in flight are applied.
+        request = self._get_request(req_id)
+        asked = self._asked.pop(req_id, None)
+        self.deferred[req_id] = asked
+        if asked is not None:
+            self._admitted(req_id, request, asked, num_external_tokens)
+
+    def _record_connector_lookup(self, request: Request, local: int, num_external_tokens: int) -> None:
         preempted = request.num_preemptions > 0
         queries = request.num_tokens - local
         stats = self._connector_prefix_cache_stats()
@@ -129,6 +146,9 @@ class ConnectorBridge:
                     else None
                 ),
             )
+
+    def _admitted(self, req_id: str, request: Request, asked: tuple[int, int, bool], num_external_tokens: int) -> None:
+        local, n, is_async = asked
         self._record_prefix_lookup(request, local)
         self.recorded.add(req_id)
         if is_async:
@@ -190,6 +210,7 @@ class ConnectorBridge:
         connector keeps its blocks for a send, and the transfer parameters for its output."""
         req_id = request.request_id
         block_ids = self.finished.pop(req_id)
+        self.deferred.pop(req_id, None)
         self.loading.discard(req_id)
         self.loaded.discard(req_id)
         self._set_stage(req_id, None)

@@ -227,6 +227,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # vLLM drops the in-flight output of a request it preempts when the connector must deliver KV (producer
         # roles): the core's drop_preempted_output.
         self._requires_kv_delivery = False
+        self._defer_async_loads_unused = False
         if vllm_config.kv_transfer_config is not None:
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
             from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -509,7 +510,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         bridge = self._bridge
         assert bridge is not None
         req_id = request.request_id
-        loading = req_id in bridge.loading
+        # A deferred load was never registered: no transfer will report it over.
+        loading = req_id in bridge.loading and req_id not in bridge.deferred
         delay, params = bridge.finish(request)
         if delay or loading:
             self._held[req_id] = [loading, delay]
@@ -880,6 +882,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._connector_meta_before_update(bridge, so, pre_update)
         self.finished_req_ids = set()
         self._reset_preempted_req_ids = set()
+        if step_reqs and self._core.config.defer_block_free:
+            # vLLM's fence of each scheduled request's blocks: the sequence number of the newest step scheduling it.
+            seq = self._core.step_seqs[0]
+            for request in step_reqs:
+                request.last_sched_seq = seq
         self._in_flight.append((so, out, num_sched, step_reqs, num_forgotten, after_arr))
         self._last_req_ids, self._last_reqs, self._last_num_forgotten = req_ids, step_reqs, num_forgotten
         if self._kv_events.enabled:
@@ -1797,6 +1804,48 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def defer_block_free(self, on: bool) -> None:
         # vLLM's own tests set the flag on a built scheduler; the core takes it from now on.
         self._core.set_defer_block_free(bool(on))
+
+    @property
+    def defer_async_loads(self) -> bool:
+        """vLLM 0.33's gate for registering an asynchronous KV load with the connector only once the steps in
+        flight at its admission are applied (on with ``defer_block_free`` and HiSparse, which kvsched.vllm
+        refuses; vLLM's tests set it on a built scheduler)."""
+        return bool(self._core.config.defer_async_loads) or self._defer_async_loads_unused
+
+    @defer_async_loads.setter
+    def defer_async_loads(self, on: bool) -> None:
+        if RULES.defer_async_loads:
+            self._core.set_defer_async_loads(bool(on))
+        else:
+            # A release without the gate: the attribute is kept and changes nothing, as on its own scheduler.
+            self._defer_async_loads_unused = bool(on)
+
+    @property
+    def connector_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The KV connector's prefix-cache stats being collected (vLLM's attribute; None without stats or a
+        connector). Setting it starts collecting into the given object."""
+        return self._connector_prefix_cache_stats
+
+    @connector_prefix_cache_stats.setter
+    def connector_prefix_cache_stats(self, stats: PrefixCacheStats | None) -> None:
+        self._connector_prefix_cache_stats = stats
+
+    @property
+    def deferred_frees(self) -> list[tuple[int, list[int]]]:
+        """The frees waiting for steps in flight (``defer_block_free``), oldest first: each fence (the non-empty
+        steps scheduled at the free; the blocks go back once as many are processed) with its block ids in the
+        order they go back (vLLM's list holds the block objects)."""
+        return self._core.deferred_frees()
+
+    @property
+    def sched_step_seq(self) -> int:
+        """Non-empty steps scheduled so far (vLLM's ``sched_step_seq``, the fences of deferred frees)."""
+        return int(self._core.step_seqs[0])
+
+    @property
+    def processed_step_seq(self) -> int:
+        """Non-empty steps whose output was processed so far (vLLM's ``processed_step_seq``)."""
+        return int(self._core.step_seqs[1])
 
     @property
     def kv_cache_manager(self) -> KVCacheManagerView:

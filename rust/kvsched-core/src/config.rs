@@ -310,6 +310,11 @@ pub struct SchedulerConfig {
     /// otherwise race the step still writing it); a preemption victim with a step in flight is not preempted
     /// (the allocation gives up instead).
     pub defer_block_free: bool,
+    /// With `defer_block_free` (vLLM 0.33 with HiSparse, or set on a built scheduler as vLLM's tests do): an
+    /// asynchronous load admitted while a non-empty step is in flight is registered with the connector
+    /// (`update_state_after_alloc`) only once every step scheduled before its admission is applied (a released
+    /// block may still be read by such a step, and the load is not ordered against it).
+    pub defer_async_loads: bool,
     /// vLLM 0.33 with a KV connector that requires KV delivery (producer roles): a preempted request's output
     /// of steps still in flight is dropped, not delivered (delivering it could finish the request and hand off
     /// blocks the preemption already freed).
@@ -423,6 +428,7 @@ impl Default for SchedulerConfig {
             park_kv_loads: true,
             reserve_inflight_prefills: false,
             defer_block_free: false,
+            defer_async_loads: false,
             drop_preempted_output: false,
             max_loras_counts_unscheduled: true,
             continue_after_self_preemption: true,

@@ -24,6 +24,11 @@ pub trait KvConnector: Send + Sync {
     /// be loaded by the connector.
     fn update_state_after_alloc(&mut self, req: &Request, num_external_tokens: u32);
 
+    /// With `defer_async_loads`, instead of `update_state_after_alloc` at the admission of an asynchronous load
+    /// while a step is in flight: the request holds its blocks and waits for its load, which is registered
+    /// (`update_state_after_alloc`, same arguments) once the steps in flight at its admission are applied.
+    fn load_deferred(&mut self, _req: &Request, _num_external_tokens: u32) {}
+
     /// When a request finishes (any reason), before its blocks are freed: `block_ids` are the blocks holding its
     /// computed tokens. `true`: the engine is sending them, free them only when it reports the send finished.
     fn request_finished(&mut self, req: &Request, block_ids: &[u32]) -> bool;
@@ -56,6 +61,18 @@ pub(crate) struct HeldBlocks {
     /// The newest step in flight that scheduled the request when it finished (with `defer_block_free` at the
     /// release, its blocks wait in the deferred frees until that step is applied); `None` when none was.
     pub last_step: Option<u64>,
+}
+
+/// An asynchronous load admitted while a step was in flight, registered with the connector once `fence` (the
+/// non-empty steps scheduled at its admission) steps are applied (`defer_async_loads`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DeferredLoad {
+    pub fence: u64,
+    pub handle: crate::request::ReqHandle,
+    pub num_external_tokens: u32,
+    /// The connector prefix-cache query and hit tokens it records once registered (`None` for a request that
+    /// had tokens computed before its admission: no lookup).
+    pub queries: Option<(u64, u64)>,
 }
 
 /// What the engine reports about KV transfers (vLLM's `KVConnectorOutput`).

@@ -5,14 +5,16 @@
 //! It also holds the free path of a request's blocks with `defer_block_free` (vLLM 0.33 with a KV consumer
 //! connector and several batches in flight): blocks freed while a step in flight may still write them wait in
 //! `deferred_frees` until every step scheduled before the free is applied, so a load never lands in a block a
-//! running step still writes.
+//! running step still writes. With `defer_async_loads` as well, an asynchronous load admitted while a step is
+//! in flight waits in `deferred_loads` and is registered with the connector once those steps are applied.
 //!
 //! Invariants (checked by `Scheduler::check_invariants`): a request in `WaitingForRemoteKvs` holds blocks
 //! covering its computed tokens and sits in no queue until its load is reported finished (with `park_kv_loads`;
 //! without it, it sits in `kv_waiting` from its admission step on); `held` maps the id of
 //! every finished request whose blocks are not yet freed to those blocks and at least one pending transfer;
-//! `deferred_frees` are in fence order, no fence past the steps scheduled; every held or deferred block counts
-//! in its ref count like a block table's.
+//! `deferred_frees` are in fence order, no fence past the steps scheduled; `deferred_loads` are in fence order,
+//! each fence past the steps applied and not past those scheduled, each of a live request in
+//! `WaitingForRemoteKvs`; every held or deferred block counts in its ref count like a block table's.
 
 use std::sync::Arc;
 
@@ -205,8 +207,11 @@ impl Scheduler {
 
     /// Frees the blocks of the live request in `slot` (vLLM's `_free_request_blocks`): now, or with
     /// `defer_block_free` while a step in flight scheduled it, once every step scheduled so far is applied.
-    pub(crate) fn free_request_blocks(&mut self, slot: u32) -> Result<()> {
-        let defer = self.config.defer_block_free && self.slab.hot.in_flight[slot as usize] > 0;
+    /// `after_in_flight`: the request must also wait for every step now in flight (a deferred load, whose
+    /// blocks a step in flight may still read, vLLM's `last_sched_seq` set at its admission).
+    pub(crate) fn free_request_blocks(&mut self, slot: u32, after_in_flight: bool) -> Result<()> {
+        let defer =
+            self.config.defer_block_free && (after_in_flight || self.slab.hot.in_flight[slot as usize] > 0);
         let req = self.slab.get_mut(slot)?;
         if defer {
             let blocks = std::mem::take(&mut req.blocks);
@@ -237,6 +242,35 @@ impl Scheduler {
                 self.kv.pool.free_blocks(&blocks);
             }
         }
+        self.register_deferred_loads();
+    }
+
+    /// Registers the deferred loads whose fence is reached with the connector, in admission order, and counts
+    /// their connector prefix-cache stats then (vLLM's `_drain_deferred_loads`).
+    fn register_deferred_loads(&mut self) {
+        while self.deferred_loads.front().is_some_and(|d| d.fence <= self.processed_step_seq) {
+            let Some(d) = self.deferred_loads.pop_front() else { break };
+            let (Some(conn), Some(req)) = (self.connector.as_mut(), self.slab.resolve(d.handle)) else {
+                continue;
+            };
+            conn.0.update_state_after_alloc(req, d.num_external_tokens);
+            if let Some((queries, hits)) = d.queries {
+                self.counters.connector_prefix_cache_queries += queries;
+                self.counters.connector_prefix_cache_hits += hits;
+            }
+        }
+    }
+
+    /// Forgets the deferred load of the request in `slot` (it finished before its load was registered, so no
+    /// transfer will report it over); returns whether it had one.
+    pub(crate) fn take_deferred_load(&mut self, slot: u32) -> bool {
+        match self.deferred_loads.iter().position(|d| d.handle.slot == slot) {
+            Some(i) => {
+                self.deferred_loads.remove(i);
+                true
+            }
+            None => false,
+        }
     }
 
     /// vLLM's `_request_blocks_can_be_freed` for a preemption victim: with `defer_block_free`, not while a step
@@ -258,6 +292,32 @@ impl Scheduler {
         self.epoch += 1;
     }
 
+    /// Turns `defer_async_loads` on or off from now on (loads already deferred keep their fence).
+    pub fn set_defer_async_loads(&mut self, on: bool) {
+        self.config.defer_async_loads = on;
+        self.epoch += 1;
+    }
+
+    /// Requests whose asynchronous load waits for the steps in flight before it is registered with the
+    /// connector (`defer_async_loads`), in the order they will be registered.
+    pub fn deferred_load_ids(&self) -> Vec<Arc<str>> {
+        self.deferred_loads.iter().filter_map(|d| self.slab.resolve(d.handle).map(|r| r.id.clone())).collect()
+    }
+
+    /// The deferred frees (vLLM's `deferred_frees`): each fence (the non-empty steps scheduled at the free) with
+    /// its blocks in the order they go back, oldest first.
+    pub fn deferred_frees(&self) -> Vec<(u64, Vec<u32>)> {
+        self.deferred_frees
+            .iter()
+            .map(|(fence, blocks)| (*fence, blocks.iter().rev().copied().collect()))
+            .collect()
+    }
+
+    /// Non-empty steps scheduled and applied so far (vLLM's `sched_step_seq`, `processed_step_seq`).
+    pub fn step_seqs(&self) -> (u64, u64) {
+        (self.sched_step_seq, self.processed_step_seq)
+    }
+
     /// Blocks whose free waits for steps in flight (`defer_block_free`), in the order they go back.
     pub fn deferred_free_block_ids(&self) -> Vec<u32> {
         self.deferred_frees.iter().flat_map(|(_, blocks)| blocks.iter().rev().copied()).collect()
@@ -265,7 +325,13 @@ impl Scheduler {
 
     /// At finish: asks the connector whether to delay the free, and keeps the blocks if a transfer is still in
     /// progress. Returns whether the blocks were kept (the caller frees them otherwise).
-    pub(crate) fn hold_for_transfer(&mut self, slot: u32, was_loading: bool) -> Result<bool> {
+    /// `load_deferred`: its asynchronous load was never registered; its blocks wait for the steps now in flight.
+    pub(crate) fn hold_for_transfer(
+        &mut self,
+        slot: u32,
+        was_loading: bool,
+        load_deferred: bool,
+    ) -> Result<bool> {
         let Some(conn) = self.connector.as_mut() else { return Ok(false) };
         let (req, hot) = self.slab.get_mut_hot(slot)?;
         let n = (hot.computed[slot as usize].div_ceil(self.config.kv_block_size()) as usize)
@@ -278,7 +344,9 @@ impl Scheduler {
         let blocks = std::mem::take(&mut req.blocks);
         req.num_cached_blocks = 0;
         let handle = req.handle;
-        let last_step = if hot.in_flight[slot as usize] > 0 {
+        let last_step = if load_deferred {
+            self.in_flight.iter().rev().find(|r| !r.handles.is_empty()).map(|r| r.step_id)
+        } else if hot.in_flight[slot as usize] > 0 {
             self.in_flight.iter().rev().find(|r| r.handles.contains(&handle)).map(|r| r.step_id)
         } else {
             None

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use crate::block_pool::BlockPool;
 use crate::config::{check_ttft_slo, py_str, PauseState, Policy, SchedulerConfig};
-use crate::connector::{Connector, Held};
+use crate::connector::{Connector, DeferredLoad, Held};
 use crate::encoder::EncoderCache;
 use crate::error::{Result, SchedError};
 use crate::fair::{Tenant, Tenants, DEFAULT_TENANT};
@@ -130,6 +130,9 @@ pub struct Scheduler {
     /// non-empty steps scheduled at the free), oldest first. They go back to the pool once `processed_step_seq`
     /// reaches the fence (`connector_sched.rs`).
     pub(crate) deferred_frees: VecDeque<(u64, Vec<u32>)>,
+    /// `defer_async_loads`: asynchronous loads admitted while a step was in flight, not yet registered with the
+    /// connector, in admission order (vLLM's `deferred_loads`).
+    pub(crate) deferred_loads: VecDeque<DeferredLoad>,
     pub(crate) next_add_seq: u64,
     /// The encoder cache (`encoder.rs`, driven by `encoder_sched.rs`).
     pub(crate) encoder: EncoderCache,
@@ -223,6 +226,7 @@ impl Scheduler {
             sched_step_seq: 0,
             processed_step_seq: 0,
             deferred_frees: VecDeque::new(),
+            deferred_loads: VecDeque::new(),
             next_add_seq: 0,
             num_executed_steps: 0,
             last_prefill_step,
@@ -605,7 +609,9 @@ impl Scheduler {
             }
             self.sessions.remove_request(req.session);
         }
-        let was_loading = prev == RequestStatus::WaitingForRemoteKvs && !req.kv_load_done;
+        let load_deferred = prev == RequestStatus::WaitingForRemoteKvs && self.take_deferred_load(slot);
+        let req = self.slab.get_mut(slot)?;
+        let was_loading = prev == RequestStatus::WaitingForRemoteKvs && !req.kv_load_done && !load_deferred;
         if req.parked {
             req.parked = false;
             self.num_parked -= 1;
@@ -618,8 +624,8 @@ impl Scheduler {
             req.deferred = false;
             self.num_deferred -= 1;
         }
-        if !self.hold_for_transfer(slot, was_loading)? {
-            self.free_request_blocks(slot)?;
+        if !self.hold_for_transfer(slot, was_loading, load_deferred)? {
+            self.free_request_blocks(slot, load_deferred)?;
         }
         self.release_cpu_blocks(slot)?;
         self.forget_encoder_inputs(slot)?;
@@ -1038,6 +1044,17 @@ impl Scheduler {
         }
         if self.processed_step_seq > self.sched_step_seq {
             return Err("more non-empty steps applied than scheduled".into());
+        }
+        let mut last_fence = 0;
+        for d in &self.deferred_loads {
+            if d.fence <= self.processed_step_seq || d.fence > self.sched_step_seq || d.fence < last_fence {
+                return Err(format!("deferred load fenced at step {} out of order", d.fence));
+            }
+            last_fence = d.fence;
+            match self.slab.resolve(d.handle) {
+                Some(r) if r.status == RequestStatus::WaitingForRemoteKvs => {}
+                _ => return Err("a deferred load's request is not waiting for its load".into()),
+            }
         }
         self.kv.pool.check(&held)?;
         self.check_swap_invariants()?;

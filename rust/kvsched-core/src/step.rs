@@ -15,6 +15,7 @@
 //! pick sees them).
 
 use crate::config::{PauseState, Policy};
+use crate::connector::DeferredLoad;
 use crate::encoder_sched::{release_encoder_refs, EncoderStep};
 use crate::error::{Result, SchedError};
 use crate::output::{SchedulerOutput, StepRecord};
@@ -1082,11 +1083,27 @@ impl Scheduler {
             &mut b.out.swap_in,
         )?;
         if let Some(conn) = self.connector.as_mut() {
-            conn.0.update_state_after_alloc(req, a.ext);
-            if a.computed_before == 0 {
-                self.counters.connector_prefix_cache_queries +=
-                    u64::from(req.num_tokens() - a.num_hit_tokens);
-                self.counters.connector_prefix_cache_hits += u64::from(a.ext);
+            let queries = (a.computed_before == 0)
+                .then(|| (u64::from(req.num_tokens() - a.num_hit_tokens), u64::from(a.ext)));
+            let defer = a.load_async
+                && self.config.defer_block_free
+                && self.config.defer_async_loads
+                && self.sched_step_seq > self.processed_step_seq;
+            if defer {
+                conn.0.load_deferred(req, a.ext);
+                let fence = self.sched_step_seq;
+                self.deferred_loads.push_back(DeferredLoad {
+                    fence,
+                    handle: h,
+                    num_external_tokens: a.ext,
+                    queries,
+                });
+            } else {
+                conn.0.update_state_after_alloc(req, a.ext);
+                if let Some((q, hits)) = queries {
+                    self.counters.connector_prefix_cache_queries += q;
+                    self.counters.connector_prefix_cache_hits += hits;
+                }
             }
         }
         // No lookup, no query: vLLM leaves a request that skips reading the cache out of the stats.
@@ -1213,7 +1230,7 @@ impl Scheduler {
     /// dropped. With `defer_block_free` the blocks wait for the steps in flight (`free_request_blocks`).
     pub(crate) fn preempt(&mut self, slot: u32, drop_stale_output: bool) -> Result<ReqHandle> {
         let drop_stale_output = drop_stale_output || self.config.drop_preempted_output;
-        self.free_request_blocks(slot)?;
+        self.free_request_blocks(slot, false)?;
         let (req, hot) = self.slab.get_mut_hot(slot)?;
         release_encoder_refs(&mut self.encoder, req);
         req.num_lost_tokens = std::mem::take(&mut hot.computed[slot as usize]);

@@ -73,6 +73,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("park_kv_loads", c.park_kv_loads)?;
     d.set_item("reserve_inflight_prefills", c.reserve_inflight_prefills)?;
     d.set_item("defer_block_free", c.defer_block_free)?;
+    d.set_item("defer_async_loads", c.defer_async_loads)?;
     d.set_item("drop_preempted_output", c.drop_preempted_output)?;
     d.set_item("max_loras_counts_unscheduled", c.max_loras_counts_unscheduled)?;
     d.set_item("continue_after_self_preemption", c.continue_after_self_preemption)?;
@@ -253,6 +254,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         park_kv_loads: bool_field("park_kv_loads")?,
         reserve_inflight_prefills: bool_field("reserve_inflight_prefills")?,
         defer_block_free: bool_field("defer_block_free")?,
+        defer_async_loads: bool_field("defer_async_loads")?,
         drop_preempted_output: bool_field("drop_preempted_output")?,
         max_loras_counts_unscheduled: bool_field("max_loras_counts_unscheduled")?,
         continue_after_self_preemption: bool_field("continue_after_self_preemption")?,

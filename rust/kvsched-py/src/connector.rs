@@ -37,6 +37,8 @@ struct PyKvConnector {
     pass_cached_blocks: bool,
     /// The object has the optional `has_pending_block_frees()` hook.
     has_pending_frees_hook: bool,
+    /// The object has the optional `load_deferred(req_id, block_ids, num_external_tokens)` hook.
+    has_load_deferred_hook: bool,
 }
 
 impl PyKvConnector {
@@ -109,6 +111,20 @@ impl core::KvConnector for PyKvConnector {
                 } else {
                     obj.call_method1(hook, (&*req.id, blocks, num_external_tokens))
                 }
+            });
+            if let Err(e) = r {
+                self.keep(e);
+            }
+        })
+    }
+
+    fn load_deferred(&mut self, req: &core::Request, num_external_tokens: u32) {
+        if !self.has_load_deferred_hook {
+            return;
+        }
+        Python::with_gil(|py| {
+            let r = block_list(py, &req.blocks).and_then(|blocks| {
+                self.obj.bind(py).call_method1("load_deferred", (&*req.id, blocks, num_external_tokens))
             });
             if let Err(e) = r {
                 self.keep(e);
@@ -189,11 +205,13 @@ impl ConnectorHandle {
             Err(_) => false,
         };
         let has_pending_frees_hook = obj.hasattr("has_pending_block_frees")?;
+        let has_load_deferred_hook = obj.hasattr("load_deferred")?;
         let inner = PyKvConnector {
             obj: obj.clone().unbind(),
             state: state.clone(),
             pass_cached_blocks,
             has_pending_frees_hook,
+            has_load_deferred_hook,
         };
         let has_build_meta = obj.hasattr("build_connector_meta")?;
         Ok((ConnectorHandle { obj: obj.clone().unbind(), state, has_build_meta }, Box::new(inner)))

@@ -805,6 +805,43 @@ impl PyScheduler {
         Ok(())
     }
 
+    /// Turns `defer_async_loads` on or off from now on (loads already deferred keep their fence); `config`
+    /// shows the new value.
+    fn set_defer_async_loads(slf: &Bound<'_, Self>, on: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let on = on
+            .downcast::<PyBool>()
+            .map_err(|_| type_error(py, format!("defer_async_loads must be a bool, got {}", type_name(on))))?
+            .is_true();
+        let mut this = borrow_mut(slf)?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("defer_async_loads", on)?;
+        let config =
+            py.import("dataclasses")?.getattr("replace")?.call((this.config.bind(py),), Some(&kwargs))?;
+        this.core.set_defer_async_loads(on);
+        this.config = config.unbind();
+        Ok(())
+    }
+
+    /// Requests whose asynchronous load waits for the steps in flight before the connector is told of it
+    /// (`defer_async_loads`), in the order they will be registered.
+    fn deferred_load_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<String>> {
+        Ok(borrow(slf)?.core.deferred_load_ids().iter().map(|s| s.to_string()).collect())
+    }
+
+    /// The deferred frees: `(fence, block ids in the order they go back)` per free, oldest first (vLLM's
+    /// `deferred_frees`; the fence counts the non-empty steps scheduled at the free).
+    fn deferred_frees(slf: &Bound<'_, Self>) -> PyResult<Vec<(u64, Vec<u32>)>> {
+        Ok(borrow(slf)?.core.deferred_frees())
+    }
+
+    /// `(scheduled, applied)`: the non-empty steps scheduled and applied so far (vLLM's `sched_step_seq` and
+    /// `processed_step_seq`).
+    #[getter]
+    fn step_seqs(slf: &Bound<'_, Self>) -> PyResult<(u64, u64)> {
+        Ok(borrow(slf)?.core.step_seqs())
+    }
+
     /// Blocks whose free waits for steps in flight (`defer_block_free`), in the order they go back to the pool.
     fn deferred_free_block_ids<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let ids: Vec<i32> =

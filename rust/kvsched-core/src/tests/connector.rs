@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::helpers::{params, prompt, step_ids};
+use super::helpers::{apply, params, prompt, schedule, step_ids};
 use crate::{
     KvConnector, KvLoadFailurePolicy, KvTransferReport, Request, RequestParams, RequestStatus, Scheduler,
     SchedulerConfig,
@@ -14,16 +14,24 @@ struct Fake {
     ext: u32,
     load_async: bool,
     send: Vec<String>,
+    /// Only this request gets the `ext` tokens (every request when `None`).
+    only: Option<String>,
     log: Arc<Mutex<Vec<String>>>,
 }
 
 impl KvConnector for Fake {
     fn get_num_new_matched_tokens(&mut self, req: &Request, n: u32) -> Option<(u32, bool)> {
         self.log.lock().unwrap().push(format!("match {} {n}", req.id));
+        if self.only.as_ref().is_some_and(|o| **o != *req.id) {
+            return Some((0, false));
+        }
         Some((self.ext, self.load_async))
     }
     fn update_state_after_alloc(&mut self, req: &Request, ext: u32) {
         self.log.lock().unwrap().push(format!("alloc {} {} {ext}", req.id, req.blocks.len()));
+    }
+    fn load_deferred(&mut self, req: &Request, ext: u32) {
+        self.log.lock().unwrap().push(format!("deferred {} {} {ext}", req.id, req.blocks.len()));
     }
     fn request_finished(&mut self, req: &Request, blocks: &[u32]) -> bool {
         self.log.lock().unwrap().push(format!("finished {} {}", req.id, blocks.len()));
@@ -161,4 +169,72 @@ fn sync_load_leaves_one_token_to_compute() {
     let out = s.schedule().unwrap();
     assert_eq!((out.num_computed_tokens[0], out.num_scheduled_tokens[0]), (9, 1));
     s.check_invariants().unwrap();
+}
+
+/// `defer_async_loads` (with `defer_block_free`, async scheduling): "a"'s prefill is in flight when "imp"'s
+/// asynchronous load is admitted, so the connector hears of the load (`update_state_after_alloc`) only once
+/// that step is applied; its connector stats are counted then.
+fn deferred_load_setup(
+    log: &Arc<Mutex<Vec<String>>>,
+) -> (Scheduler, super::helpers::Pending, super::helpers::Pending) {
+    let fake =
+        Fake { ext: 8, load_async: true, only: Some("imp".into()), log: log.clone(), ..Default::default() };
+    let cfg = SchedulerConfig {
+        block_size: 4,
+        num_blocks: 32,
+        max_model_len: 64,
+        async_scheduling: true,
+        defer_block_free: true,
+        defer_async_loads: true,
+        park_kv_loads: false,
+        prefix_hash_seed: Some(b"t".to_vec()),
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.set_kv_connector(Some(Box::new(fake))).unwrap();
+    s.add_request("a", &prompt(0, 10), params(4)).unwrap();
+    let p0 = schedule(&mut s);
+    s.add_request("imp", &prompt(100, 12), params(2)).unwrap();
+    let p1 = schedule(&mut s);
+    assert_eq!(s.get_request("imp").unwrap().status, RequestStatus::WaitingForRemoteKvs);
+    assert_eq!(s.deferred_load_ids(), vec![Arc::<str>::from("imp")]);
+    assert!(log.lock().unwrap().iter().any(|l| l == "deferred imp 2 8"), "{:?}", log.lock().unwrap());
+    assert!(!log.lock().unwrap().iter().any(|l| l.starts_with("alloc imp")));
+    assert_eq!(s.stats().connector_prefix_cache_hits, 0);
+    (s, p0, p1)
+}
+
+#[test]
+fn deferred_load_is_registered_once_the_steps_in_flight_are_applied() {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (mut s, p0, p1) = deferred_load_setup(&log);
+    apply(&mut s, &p0, |_| vec![1]);
+    assert!(log.lock().unwrap().iter().any(|l| l == "alloc imp 2 8"), "its fence is the step in flight");
+    apply(&mut s, &p1, |_| vec![1]);
+    assert!(s.deferred_load_ids().is_empty());
+    assert_eq!(s.stats().connector_prefix_cache_hits, 8);
+    s.update_kv_transfers(report(&["imp"], &[])).unwrap();
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn aborted_deferred_load_frees_behind_the_steps_in_flight() {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (mut s, p0, p1) = deferred_load_setup(&log);
+    let free = s.num_free_blocks();
+    s.abort_requests(&["imp"]).unwrap();
+    s.check_invariants().unwrap();
+    assert_eq!(s.num_held_kv_requests(), 0, "no load was posted: nothing holds its blocks for a receive");
+    assert_eq!(s.deferred_free_block_ids().len(), 2);
+    assert_eq!(s.num_free_blocks(), free);
+    // Fenced by every step scheduled at the abort (both in flight).
+    apply(&mut s, &p0, |_| vec![1]);
+    assert_eq!(s.deferred_free_block_ids().len(), 2);
+    apply(&mut s, &p1, |_| vec![1]);
+    assert!(s.deferred_free_block_ids().is_empty());
+    assert_eq!(s.num_free_blocks(), free + 2);
+    assert!(
+        !log.lock().unwrap().iter().any(|l| l.starts_with("alloc imp")),
+        "an aborted load is never registered"
+    );
 }
