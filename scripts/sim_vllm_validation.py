@@ -36,6 +36,37 @@ def make_tiny(path: str) -> None:
     )
 
 
+def run_each(names: list[str]) -> int:
+    """One child process per scheduler (vLLM tears down its distributed state with an engine, so a second engine in
+    the same process fails); each child's JSON is merged into ``--json``."""
+    import subprocess
+    import tempfile
+
+    argv = sys.argv[1:]
+    out: Path | None = None
+    if "--json" in argv:
+        k = argv.index("--json")
+        out = Path(argv[k + 1])
+        del argv[k : k + 2]
+    k = argv.index("--schedulers")
+    del argv[k : k + 2]
+    runs: list[Any] = []
+    rc = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            part = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, __file__, *argv, "--schedulers", name, "--json", str(part)]
+            rc = subprocess.run(cmd, check=False).returncode or rc
+            if part.exists():
+                runs += json.loads(part.read_text())["runs"]
+    if out is not None:
+        out.write_text(json.dumps({"argv": sys.argv, "runs": runs}, indent=1, default=float) + "\n")
+    within = sum(r["within_15_percent"] for r in runs)
+    total = sum(r["num_figures"] for r in runs)
+    print(f"all schedulers: {within} of {total} figures within 15%")
+    return rc
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--make-tiny", metavar="DIR", default=None, help="write a tiny random Llama to DIR and stop")
@@ -65,6 +96,9 @@ def main() -> int:
         return 0
     if not args.model:
         p.error("--model DIR is needed (or --make-tiny DIR)")
+    names = [n.strip() for n in args.schedulers.split(",") if n.strip()]
+    if len(names) > 1:
+        return run_each(names)
 
     from kvsched.sim import WorkloadSpec, generate_workload, parse_length
     from kvsched.sim.validate import prompt_fn_for_vocab
