@@ -95,6 +95,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "disable_chunked_mm_input": "--disable-chunked-mm-input",
     "defer_block_free": "--kv-transfer-config's kv_role (a consumer role) with --async-scheduling",
     "drop_preempted_output": "--kv-transfer-config (the connector's requires_kv_delivery)",
+    "defer_async_loads": "vLLM's scheduler (its defer_async_loads, on with deferred frees where vLLM turns it on)",
     "enable_kv_cache_events": "--kv-events-config",
     "sliding_window": "the model's attention (one sliding-window KV cache group)",
 }
