@@ -348,12 +348,7 @@ def simulate_cluster(
         sched_name, sched = _make_scheduler(scheduler, cfg)
         if cfg.preemption_mode == "auto":
             sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
-        noise = (
-            StepNoise(step_model.noise_sigma, step_model.noise_rho, noise_seed + i)
-            if step_model.noise_sigma > 0
-            else None
-        )
-        reps.append(_Replica(name, sched, new_metrics(None), noise))
+        reps.append(_Replica(name, sched, new_metrics(None), StepNoise.of(step_model, noise_seed + i)))
     tenant_kw = _accepts_tenant(reps[0].sched.add_request) and (nt > 1 or cfg.policy not in ("fcfs", "priority"))
     charge_swaps = cfg.preemption_mode != "recompute"
     num_prios = len(fleet.prio_values)

@@ -509,9 +509,8 @@ def simulate(
     c_lone = step_model.lone_prefill_token_s
     if cfg.preemption_mode == "auto":
         sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
-    noise = (
-        StepNoise(step_model.noise_sigma, step_model.noise_rho, noise_seed).next if step_model.noise_sigma > 0 else None
-    )
+    step_noise = StepNoise.of(step_model, noise_seed)
+    noise = step_noise.next if step_noise is not None else None
     cap = max(cfg.max_num_seqs, 1)
     tokens = np.full(cap, _SAMPLED_TOKEN, dtype=np.int64)
     arange = np.arange(cap + 1, dtype=np.int64)

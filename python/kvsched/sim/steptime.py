@@ -196,6 +196,11 @@ class StepNoise:
         self._z: list[float] = []
         self._k = 0
 
+    @classmethod
+    def of(cls, model: StepTimeModel, seed: int) -> StepNoise | None:
+        """The noise of ``model`` drawn from ``seed``; None when the model has none (``noise_sigma == 0``)."""
+        return cls(model.noise_sigma, model.noise_rho, seed) if model.noise_sigma > 0 else None
+
     def next(self) -> float:
         if self._k >= len(self._z):
             self._z = self._rng.standard_normal(self._BLOCK).tolist()
