@@ -262,7 +262,7 @@ class Twin:
             kw["resumable"] = True
             kw["max_tokens"] = r.int(1, 6)  # short parts: they stop (and continue) often
             kw.pop("min_tokens", None)
-            if r.chance(0.9):  # (sometimes left blocked: both refuse ready=False for a session)
+            if r.chance(0.9):  # (sometimes left blocked: both refuse ready=False for a streaming-input session)
                 kw.pop("ready", None)
         self.clock += r.choice([0.0, 1.0, 0.5])  # ties in arrival time happen
         kw["arrival_time"] = self.clock
@@ -277,9 +277,9 @@ class Twin:
             self.prompt_lens[rid] = len(prompt)
 
     def op_input(self) -> None:
-        """The next input part of a streaming-input session (taken now if it waits for one, else queued), or the
-        end of its input; sometimes a bad one (unknown id, a request that is not a session, no tokens, a part too
-        long for the session), which both must refuse alike, changing nothing."""
+        """The next input part of a streaming request (taken now if it waits for one, else queued), or the end of
+        its input; sometimes a bad one (unknown id, a request that is not resumable, no tokens, a part too long),
+        which both must refuse alike, changing nothing."""
         r = self.rand
         sessions = [i for i, q in self.ref._requests.items() if q.resumable and not q.input_closed]
         others = [i for i, q in self.ref._requests.items() if not q.resumable or q.input_closed]
@@ -1336,7 +1336,7 @@ STREAM_SOAK_CONFIGS = [
 
 def test_soak_streaming_sessions_match_reference_step_by_step() -> None:
     """The Rust core and the reference agree at every step with streaming-input sessions, and the soak reaches
-    what it is for: parts that stop and continue, sessions that wait for input, preemption."""
+    what it is for: input parts stopping and continuing, streaming requests waiting for input, preemption."""
     parts = waited = 0
     for i, cfg in enumerate(STREAM_SOAK_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(4242 + i)), max_in_flight=2, throttle=True,

@@ -1,6 +1,6 @@
 """Streaming-input sessions (resumable requests, docs/semantics.md "Streaming input"): a stop ends only the
-current part; the session keeps its blocks and computed tokens, waits for its next part (holding a run slot, out
-of num_unfinished_requests), resumes with only the new tokens to compute, and ends with finish_input. Both
+current part; the request keeps its blocks and computed tokens, waits for its next part (holding a run slot,
+out of num_unfinished_requests), resumes with only the new tokens to compute, and ends with finish_input. Both
 implementations, and the errors they raise alike."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_a_part_stops_the_session_waits_and_resumes_with_only_the_new_tokens(imp
     assert list(out.new_req_ids) == ["a"] and list(out.num_scheduled_tokens) == [3]  # 5 + 1 kept + 3 - 6
     s.finish_input("a")
     step(s)
-    _, res = step(s)  # the part's third token: the input is over, the session finishes
+    _, res = step(s)  # the part's third token: the input is over, the streaming-input session finishes
     assert list(res.finished_req_ids) == ["a"] and list(res.part_finished_req_ids) == []
     assert not s.has_request("a") and s.num_free_blocks == 31
 
@@ -90,7 +90,7 @@ def test_a_waiting_session_holds_its_run_slot(impl: str) -> None:
     s.add_request("b", [4, 5, 6], max_tokens=1, arrival_time=1.0)
     step(s)
     out, _ = step(s)
-    assert list(out.req_ids) == []  # "b" waits: the session still has the only slot
+    assert list(out.req_ids) == []  # "b" waits: the streaming-input session still has the only slot
     s.abort_requests(["a"])
     out, _ = step(s)
     assert list(out.req_ids) == ["b"]

@@ -585,7 +585,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,
             RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
-            RequestStatus.WAITING_FOR_STREAMING_REQ,  # a session whose stale output stopped it while preempted
+            RequestStatus.WAITING_FOR_STREAMING_REQ,  # stopped by its stale output while preempted
         )
         for r in waiting:
             require(r.status in waiting_statuses, f"{r.req_id}: status")

@@ -41,7 +41,7 @@ class _StreamMixin(_KVCacheManagerMixin):
         arrival_time: float | None = None,
     ) -> None:
         """The next input part of the streaming-input session ``req_id`` (taken now if it waits for one, else
-        queued for its next stop). Validates everything first; on error nothing changes."""
+        queued for its following stop). Validates everything first; on error nothing changes."""
         prompt = _int_array(prompt_token_ids, "prompt_token_ids")
         _check_tokens(prompt, "prompt_token_ids", InvalidRequestError)
         if max_tokens is not None and not _is_int(max_tokens):
@@ -84,9 +84,9 @@ class _StreamMixin(_KVCacheManagerMixin):
             )
         bound = c.max_model_len if max_tokens is None else min(worst_prompt + int(max_tokens), c.max_model_len)
         if bound - 1 > c.kv_capacity_tokens:
-            raise InvalidRequestError(f"request {req_id!r}: the session can reach {bound - 1} KV slots")
+            raise InvalidRequestError(f"request {req_id!r}: the streaming-input session can reach {bound - 1} KV slots")
         if not c.enable_chunked_prefill and bound - 1 > c.max_num_batched_tokens:
-            raise InvalidRequestError(f"request {req_id!r}: the session can reach {bound - 1} KV slots")
+            raise InvalidRequestError(f"request {req_id!r}: the streaming-input session can reach {bound - 1} KV slots")
         r.max_len_bound = bound
         part = (
             prompt.tolist(),
@@ -103,8 +103,8 @@ class _StreamMixin(_KVCacheManagerMixin):
         self._last_out_fresh = False
 
     def finish_input(self, req_id: str) -> None:
-        """Ends the input of the session: one waiting for input is aborted, one still running finishes at its
-        next stop."""
+        """Ends the input of a streaming request: one waiting for input is aborted, one still running finishes at
+        its following stop."""
         r = self._get(req_id)
         if not r.resumable:
             raise InvalidRequestError(f"request {req_id!r} is not a streaming-input (resumable) request")
@@ -118,7 +118,7 @@ class _StreamMixin(_KVCacheManagerMixin):
         self._last_out_fresh = False
 
     def has_request(self, req_id: str) -> bool:
-        """vLLM's ``has_request``: live (a session waiting for input too) or its blocks held for a transfer."""
+        """vLLM's ``has_request``: live (waiting for input too) or its blocks held for a transfer."""
         return req_id in self._requests or req_id in self._held
 
     def _stop_part(

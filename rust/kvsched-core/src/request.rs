@@ -185,7 +185,7 @@ pub struct Request {
     /// waits in there (`admission.rs`).
     pub wait_seq: u64,
     pub wait_since: u64,
-    /// Index of its session in `Sessions` (`NO_SESSION`: none).
+    /// Index of its streaming-input session in `Sessions` (`NO_SESSION`: none).
     pub session: u32,
     // --- in-flight bookkeeping (vLLM's `Request` fields of the same names; the in-flight and stale token
     // counts are hot columns, `slab::Hot`)
@@ -230,11 +230,11 @@ pub struct Request {
     // --- streaming input (`stream.rs`)
     /// A streaming-input session (`RequestParams::resumable`).
     pub resumable: bool,
-    /// Input parts given while the session was not waiting for one, in order; `None`: the input is over.
+    /// Input parts given while the streaming-input session was not waiting for one, in order; `None`: the input is over.
     pub input_queue: std::collections::VecDeque<Option<InputPart>>,
     /// `finish_input` was called: no more parts are accepted.
     pub input_closed: bool,
-    /// The most tokens the session can reach with the parts given so far (validation of the next part).
+    /// The most tokens the streaming-input session can reach with the parts given so far (validation of the next part).
     pub max_len_bound: u32,
 }
 

@@ -1,7 +1,7 @@
 //! Streaming-input sessions (vLLM 0.33's resumable requests): a request added with `resumable` whose input
 //! arrives in parts. A stop (EOS, a stop id, `max_tokens`) ends only the current part: the request keeps its
 //! blocks and its computed tokens and waits for the next part (`WaitingForInput`), which `append_input` gives;
-//! `finish_input` ends the session. A part given while the session still runs is queued and taken at its next
+//! `finish_input` ends the streaming-input session. A part given while the streaming-input session still runs is queued and taken at its next
 //! stop. See docs/semantics.md, Streaming input.
 
 use std::sync::Arc;
@@ -17,7 +17,7 @@ fn bad_request(msg: String) -> SchedError {
 }
 
 impl Scheduler {
-    /// `add_request`'s checks of a `resumable` request: the features sessions are not implemented with.
+    /// `add_request`'s checks of a `resumable` request: features streaming input is not implemented with.
     pub(crate) fn check_resumable(&self, req_id: &str, params: &RequestParams) -> Result<()> {
         let what = if !params.encoder_inputs.is_empty() {
             Some("encoder inputs")
@@ -36,11 +36,11 @@ impl Scheduler {
         }
     }
 
-    /// The next input part of the streaming-input session `req_id`. A session waiting for input takes it at
-    /// once (status `Waiting`, at its place in its queue); one still running queues it for its next stop.
+    /// The next input part of the streaming-input session `req_id`. A streaming-input session waiting for input takes it at
+    /// once (status `Waiting`, at its place in its queue); one still running queues it for its following stop.
     /// Errors (nothing changes): unknown id, a request that is not resumable or whose input is finished, an
-    /// empty or out-of-range part, or a part that could make the session too long for `max_model_len` or the KV
-    /// cache (checked against the most tokens the session can reach with the parts given so far).
+    /// empty or out-of-range part, or a part that could make the streaming-input session too long for `max_model_len` or the KV
+    /// cache (checked against the most tokens the streaming-input session can reach with the parts given so far).
     pub fn append_input(&mut self, req_id: &str, part: InputPart) -> Result<()> {
         let slot = self.slot_of(req_id)?;
         let req = self.slab.get(slot)?;
@@ -65,13 +65,13 @@ impl Scheduler {
             )));
         }
         let waiting = req.status == RequestStatus::WaitingForInput;
-        // The session's prompt once the part is taken: everything but the last sampled token, plus the part.
+        // The streaming-input session's prompt once the part is taken: everything but the last sampled token, plus the part.
         let base = if waiting { req.num_tokens() } else { req.max_len_bound };
         let prompt = u64::from(base) - 1 + part.token_ids.len() as u64;
         let max_model_len = u64::from(self.config.max_model_len);
         if prompt >= max_model_len {
             return Err(bad_request(format!(
-                "request {req_id:?}: with this part the session's prompt can reach {prompt} tokens, which leaves \
+                "request {req_id:?}: with this part the streaming-input session's prompt can reach {prompt} tokens, which leaves \
                  no room in max_model_len={max_model_len}"
             )));
         }
@@ -80,13 +80,13 @@ impl Scheduler {
         let capacity = u64::from(self.config.kv_capacity_tokens());
         if longest > capacity {
             return Err(bad_request(format!(
-                "request {req_id:?}: with this part the session can reach {longest} KV slots, more than the KV \
+                "request {req_id:?}: with this part the streaming-input session can reach {longest} KV slots, more than the KV \
                  cache holds ({capacity}); lower max_tokens"
             )));
         }
         if !self.config.enable_chunked_prefill && longest > u64::from(self.config.max_num_batched_tokens) {
             return Err(bad_request(format!(
-                "request {req_id:?}: with this part the session can reach {longest} KV slots, more than \
+                "request {req_id:?}: with this part the streaming-input session can reach {longest} KV slots, more than \
                  max_num_batched_tokens={} without chunked prefill",
                 self.config.max_num_batched_tokens
             )));
@@ -102,8 +102,8 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Ends the input of the session `req_id`: a session waiting for input is aborted (`FinishedAborted`,
-    /// reported in the next output, as vLLM does), one still running finishes at its next stop.
+    /// Ends the input of the streaming-input session `req_id`: a streaming-input session waiting for input is aborted (`FinishedAborted`,
+    /// reported in the next output, as vLLM does), one still running finishes at its following stop.
     pub fn finish_input(&mut self, req_id: &str) -> Result<()> {
         let slot = self.slot_of(req_id)?;
         let req = self.slab.get_mut(slot)?;
@@ -127,14 +127,14 @@ impl Scheduler {
     }
 
     /// Whether the request `req_id` is known (live, or its blocks held for a KV transfer): vLLM's
-    /// `has_request`, true for a session waiting for its next part.
+    /// `has_request`, true for a streaming-input session waiting for its next part.
     pub fn has_request(&self, req_id: &str) -> bool {
         self.ids.contains_key(req_id) || self.held.contains_key(req_id)
     }
 
-    /// A part of the session in `slot` stopped with `status` (vLLM's `_handle_stopped_request` for a resumable
-    /// request). Returns `false` when the session is over (its input finished): the caller finishes it as any
-    /// stopped request. Otherwise the part's stop is reported in `res`, the session resumes from its
+    /// A part of the streaming-input session in `slot` stopped with `status` (vLLM's `_handle_stopped_request` for a resumable
+    /// request). Returns `false` when the streaming-input session is over (its input finished): the caller finishes it as any
+    /// stopped request. Otherwise the part's stop is reported in `res`, the streaming-input session resumes from its
     /// materialized tokens (in-flight work dropped), takes its queued next part or waits for one, leaves its
     /// queue and is queued again at the end of the update.
     pub(crate) fn stop_part(
@@ -192,7 +192,7 @@ impl Scheduler {
         Ok(true)
     }
 
-    /// Queues the sessions whose part stopped in this update, in order (vLLM's `_enqueue_waiting_request`):
+    /// Queues the streaming requests whose part stopped in this update, in order (vLLM's `_enqueue_waiting_request`):
     /// one holding blocks at the back of `kv_waiting`, another at the back of `waiting`; deferred while it
     /// waits for input.
     pub(crate) fn queue_continuing(&mut self) -> Result<()> {
@@ -220,7 +220,7 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Makes `part` the session's current input (vLLM's `_update_request_as_session`): its last sampled token
+    /// Makes `part` the streaming-input session's current input (vLLM's `_update_request_as_session`): its last sampled token
     /// is dropped, the rest of its output joins the prompt, then the part's tokens; the part's limits and stop
     /// conditions replace the previous ones; status `Waiting`, at its place in its queue (its queue key is not
     /// recomputed). Blocks and computed tokens stay.

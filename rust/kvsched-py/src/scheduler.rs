@@ -714,7 +714,7 @@ impl PyScheduler {
         guard(py, || this.core.append_input(&id, part))
     }
 
-    /// Ends the input of a streaming-input session (a session waiting for input is aborted).
+    /// Ends the input of a streaming-input session (a streaming-input session waiting for input is aborted).
     fn finish_input(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = id_arg(req_id, "UnknownRequestError")?;
         let mut this = borrow_mut(slf)?;

@@ -1,4 +1,4 @@
-//! Streaming-input sessions (`stream.rs`): a part's stop keeps the session with its blocks, the next part resumes
+//! Streaming-input sessions (`stream.rs`): a part's stop keeps the streaming-input session with its blocks, the next part resumes
 //! it with only the new tokens to compute, and the errors change nothing.
 
 use super::helpers::{add, one_token_each, params, prompt};
