@@ -111,6 +111,9 @@ def compare_results(a: Any, b: Any) -> None:
     assert_arrays_equal(a.finish_reasons, b.finish_reasons, "finish_reasons")
     assert_arrays_equal(a.stop_reasons, b.stop_reasons, "stop_reasons")
     assert_arrays_equal(a.num_new_tokens, b.num_new_tokens, "num_new_tokens")
+    assert list(a.part_finished_req_ids) == list(b.part_finished_req_ids)
+    assert_arrays_equal(a.part_finish_reasons, b.part_finish_reasons, "part_finish_reasons")
+    assert_arrays_equal(a.part_stop_reasons, b.part_stop_reasons, "part_stop_reasons")
 
 
 def hash_pattern(hashes: list[list[bytes]]) -> list[list[int]]:
@@ -179,6 +182,7 @@ class Twin:
         throttle: bool = True,
         fail_steps: bool = True,
         order_keywords: bool = True,
+        streaming: bool = False,
     ) -> None:
         from kvsched import Scheduler
 
@@ -189,6 +193,8 @@ class Twin:
         # session_id, ttft_slo_s and order_key on new requests (not in the seeded soaks of the other axes: their
         # random streams stay as they were)
         self.order_keywords = order_keywords
+        # streaming-input sessions (resumable requests) among new requests, and their next input parts
+        self.streaming = streaming
         self.conn_ref = self.conn_rs = None
         if connector_seed is not None:
             self.conn_ref, self.conn_rs = FakeConnector(connector_seed), FakeConnector(connector_seed)
@@ -252,6 +258,12 @@ class Twin:
             kw["encoder_inputs"] = self.make_encoder_inputs(len(prompt))
         if self.order_keywords:
             kw.update(self.order_keyword_draws())
+        if self.streaming and r.chance(0.5):
+            kw["resumable"] = True
+            kw["max_tokens"] = r.int(1, 6)  # short parts: they stop (and continue) often
+            kw.pop("min_tokens", None)
+            if r.chance(0.9):  # (sometimes left blocked: both refuse ready=False for a streaming-input session)
+                kw.pop("ready", None)
         self.clock += r.choice([0.0, 1.0, 0.5])  # ties in arrival time happen
         kw["arrival_time"] = self.clock
         if r.chance(0.1):  # one bad argument (and a fresh id): both must reject it the same way
@@ -263,6 +275,36 @@ class Twin:
                                lambda: self.rs.add_request(rid, arr, **kw))  # fmt: skip
         if not failed:
             self.prompt_lens[rid] = len(prompt)
+
+    def op_input(self) -> None:
+        """The next input part of a streaming request (taken now if it waits for one, else queued), or the end of
+        its input; sometimes a bad one (unknown id, a request that is not resumable, no tokens, a part too long),
+        which both must refuse alike, changing nothing."""
+        r = self.rand
+        sessions = [i for i, q in self.ref._requests.items() if q.resumable and not q.input_closed]
+        others = [i for i, q in self.ref._requests.items() if not q.resumable or q.input_closed]
+        rid = r.choice(["nope", *others]) if not sessions or r.chance(0.1) else r.choice(sorted(sessions))
+        if r.chance(0.2):
+            self.log.append(f"finish_input {rid}")
+            call_both(lambda: self.ref.finish_input(rid), lambda: self.rs.finish_input(rid))
+            return
+        tokens = self.make_prompt(r.choice([2, 4, 8]))
+        if r.chance(0.05):
+            tokens = []
+        kw: dict[str, Any] = {}
+        if r.chance(0.9):
+            kw["max_tokens"] = r.int(1, 5) if r.chance(0.95) else 0
+        if r.chance(0.6):
+            kw["eos_token_id"] = r.int(0, VOCAB - 1)
+        if r.chance(0.1):
+            kw["ignore_eos"] = True
+        if r.chance(0.3):
+            kw["stop_token_ids"] = [r.int(0, VOCAB - 1) for _ in range(r.int(1, 2))]
+        self.clock += r.choice([0.0, 1.0, 0.5])
+        kw["arrival_time"] = self.clock
+        self.log.append(f"append_input {rid} {tokens} {kw}")
+        arr = np.array(tokens, np.int64)
+        call_both(lambda: self.ref.append_input(rid, tokens, **kw), lambda: self.rs.append_input(rid, arr, **kw))
 
     def order_keyword_draws(self) -> dict[str, Any]:
         """The ordering keywords of a new request: a `session_id` (a few, so they recur and go warm), a TTFT target
@@ -412,6 +454,7 @@ class Twin:
             assert self.cfg.async_scheduling and drafts is not None
             return None
         compare_results(ra, rb)
+        self.coverage["part_stops"] = self.coverage.get("part_stops", 0) + len(ra.part_finished_req_ids)
         self.pending.popleft()
         self.expect_stale(a, b)
         return None
@@ -597,6 +640,8 @@ class Twin:
             others.append(self.op_fail)
         if self.cfg.async_scheduling and self.throttle:  # (not in the seeded soaks: their streams stay as they were)
             others.append(self.op_defer)
+        if self.streaming:
+            ops += [self.op_input] * 3
         self.rand.choice([*ops, *others])()
         self.check()
 
@@ -627,6 +672,8 @@ class Twin:
         assert self.ref.num_unfinished_requests == self.rs.num_unfinished_requests
         assert self.ref.has_unfinished_requests() == self.rs.has_unfinished_requests()
         ids = self.live_ids()
+        for rid in [*ids[:3], "nope"]:
+            assert self.ref.has_request(rid) == self.rs.has_request(rid), f"has_request({rid!r})"
         hashes_a, hashes_b = [], []
         for rid in ids:
             assert self.ref.get_request_status(rid) == self.rs.get_request_status(rid), rid
@@ -649,6 +696,10 @@ class Twin:
         for rid in self.live_ids():
             self.ref.set_ready(rid)
             self.rs.set_ready(rid)
+            q = self.ref._requests.get(rid)
+            if q is not None and q.resumable and not q.input_closed:  # sessions end (waiting ones are aborted)
+                self.ref.finish_input(rid)
+                self.rs.finish_input(rid)
         for _ in range(2000):
             if self.conn_ref is not None:  # every load and send ends
                 self.end_transfers()
@@ -843,7 +894,9 @@ def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
     events = data.draw(st.booleans()) and cfg.sliding_window is None
     cfg = dataclasses.replace(cfg, enable_kv_cache_events=events, **tenant_fields(data))
     seed = data.draw(st.sampled_from([None, None, 1, 2, 3]))  # a seeded fake KV connector in 3 of 5 runs
-    twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])), connector_seed=seed)
+    streaming = data.draw(st.booleans())  # streaming-input sessions (refused alike with a connector or swapping)
+    twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])), connector_seed=seed,
+                streaming=streaming)  # fmt: skip
     try:
         for _ in range(num_ops):
             twin.step()
@@ -1265,6 +1318,39 @@ ORDER_SOAK_CONFIGS = [
 
 def test_soak_waiting_orders_match_reference_step_by_step() -> None:
     soak(steps=2400, seed=1357, configs=ORDER_SOAK_CONFIGS, throttle=True, order_keywords=True)
+
+
+# Streaming-input sessions: parts stopping while running, while preempted (stale output) and with steps in flight
+# (async), next parts taken at once or queued, input ended while running or waiting, sessions holding run slots.
+STREAM_SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=64),
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=64,
+                    async_scheduling=True, policy="priority"),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=5, max_num_active_seqs=3, max_num_batched_tokens=20,
+                    max_model_len=48, policy="fair", tenant_weights={"t1": 2.0}, park_grammar_waits=False),
+    SchedulerConfig(block_size=4, num_blocks=18, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
+                    async_scheduling=True, num_lookahead_tokens=2, enable_prefix_caching=True,
+                    drop_preempted_output=False),
+]  # fmt: skip
+
+
+def test_soak_streaming_sessions_match_reference_step_by_step() -> None:
+    """The Rust core and the reference agree at every step with streaming-input sessions, and the soak reaches
+    what it is for: input parts stopping and continuing, streaming requests waiting for input, preemption."""
+    parts = waited = 0
+    for i, cfg in enumerate(STREAM_SOAK_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(4242 + i)), max_in_flight=2, throttle=True,
+                    fail_steps=True, order_keywords=True, streaming=True)  # fmt: skip
+        for _ in range(700):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+            waited += twin.ref._num_waiting_for_input > 0
+        twin.drain()
+        parts += twin.coverage.get("part_stops", 0)
+        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+    assert waited > 100 and parts > 40, (waited, parts)
 
 
 @pytest.mark.slow

@@ -23,6 +23,8 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_REMOTE_KVS = 7
     # finished because its KV load failed (kv_load_failure_policy="fail")
     FINISHED_ERROR = 8
+    # a streaming-input session whose input part stopped, waiting for its next part (vLLM's WAITING_FOR_STREAMING_REQ)
+    WAITING_FOR_STREAMING_REQ = 9
 
     @property
     def is_finished(self) -> bool:

@@ -111,6 +111,10 @@ class UpdateResult:
     num_new_tokens: np.ndarray  # int32, aligned with out.req_ids
     # the KV connector's request_finished params of the requests this call finished (those that gave some)
     kv_transfer_params: dict[str, Any] = field(default_factory=dict)
+    # streaming-input sessions whose current input part stopped (they continue), with its reason and stop token
+    part_finished_req_ids: list[str] = field(default_factory=list)
+    part_finish_reasons: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))
+    part_stop_reasons: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass(frozen=True)

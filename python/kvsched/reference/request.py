@@ -6,6 +6,7 @@ scheduler's parts read and change their attributes directly.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from .._types import RequestStatus
@@ -33,11 +34,14 @@ class _Request:
         "grammar_ready",
         "ignore_eos",
         "inflight_prefill",
+        "input_closed",
+        "input_queue",
         "is_prefill_chunk",
         "kv_load_done",
         "kv_load_failed",
         "last_sched_seq",
         "lora_name",
+        "max_len_bound",
         "max_tokens",
         "min_tokens",
         "num_cached_blocks",
@@ -56,6 +60,7 @@ class _Request:
         "priority",
         "queue_seq",
         "req_id",
+        "resumable",
         "session_id",
         "sjf_residual",
         "skip_reading_prefix_cache",
@@ -91,6 +96,7 @@ class _Request:
         self.req_id = req_id
         self.token_ids = prompt  # prompt then outputs
         self.num_prompt_tokens = len(prompt)
+        self.resumable = False  # a streaming-input session (stream.py)
         for name, value in params.items():
             setattr(self, name, value)
         self.status = RequestStatus.WAITING
@@ -127,6 +133,11 @@ class _Request:
         self.sjf_residual = 0  # sjf: the residual it is queued by (prompt blocks beyond its prefix hit)
         self.wait_seq = 0  # aging: nonzero while in `waiting` (its entry in the aging FIFO)
         self.wait_since = 0  # aging: the first step it waits in
+        # streaming input (stream.py): parts given while it ran (None: the input is over), finish_input called,
+        # the most tokens it can reach with the parts given so far
+        self.input_queue: deque[Any] = deque()
+        self.input_closed = False
+        self.max_len_bound = len(prompt) + self.max_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -74,6 +74,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         session_id: str | None = None,
         ttft_slo_s: float | None = None,
         order_key: int | None = None,
+        resumable: bool | None = False,
     ) -> None:
         """Queue a new request (status WAITING, or WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR with ``ready=False``
         until :meth:`set_ready`). Validates every argument first; on error nothing changes."""
@@ -151,6 +152,11 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
                 raise InvalidRequestError(f"order_key {order_key} is outside the int64 range")
         inputs = _encoder_inputs(encoder_inputs)
         self._check_encoder_inputs(req_id, len(prompt), inputs)
+        resumable = False if resumable is None else resumable
+        if not isinstance(resumable, bool):
+            raise SchedulerTypeError(f"resumable must be a bool, got {type(resumable).__name__}")
+        if resumable:
+            self._check_resumable(req_id, inputs, ready)
         # The most KV slots it ever holds (all its tokens but the last sampled one) must fit the whole cache, and,
         # without chunked prefill, one step's budget (a preempted request recomputes them in one step).
         longest = len(prompt) + effective_max - 1
@@ -193,6 +199,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             session_id=session_id,
             ttft_slo_s=ttft_slo_s,
             order_key=0 if order_key is None else int(order_key),
+            resumable=resumable,
         )
         slo = c.default_ttft_slo_s if ttft_slo_s is None else ttft_slo_s
         r.deadline = math.inf if slo is None else r.arrival_time + slo
@@ -224,6 +231,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         load_deferred = self._deferred_loads.pop(r.req_id, None) is not None
         was_loading = r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not r.kv_load_done and not load_deferred
         r.wait_seq = 0
+        if r.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            self._num_waiting_for_input -= 1
         if r.status == RequestStatus.RUNNING:
             self._running.remove(r)
             self._session_leaves_running(r)
@@ -325,8 +334,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         if self._pause_state == "paused_new":  # requests holding KV blocks (loading or loaded) still drain
             loading = sum(1 for r in self._requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
             loaded = sum(1 for r in self._kv_waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
-            return len(self._running) + loading + loaded
-        return len(self._requests)
+            return max(0, len(self._running) + loading + loaded - self._num_waiting_for_input)
+        return len(self._requests) - self._num_waiting_for_input  # sessions waiting for input do not count
 
     @property
     def pause_state(self) -> str:
@@ -560,6 +569,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
                 f"{r.req_id}: loading",
             )
             require(r.num_computed_tokens <= len(r.block_ids) * bs, f"{r.req_id}: computed tokens without KV")
+        num_wfi = sum(r.status == RequestStatus.WAITING_FOR_STREAMING_REQ for r in self._requests.values())
+        require(num_wfi == self._num_waiting_for_input, "sessions waiting for input count")
         placed = [id(r) for r in self._running + waiting + kv_waiting + parked]
         require(len(placed) == len(set(placed)), "a request in two places")
         require(set(placed) == {id(r) for r in self._requests.values()}, "every request in exactly one place")
@@ -574,6 +585,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,
             RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+            RequestStatus.WAITING_FOR_STREAMING_REQ,  # stopped by its stale output while preempted
         )
         for r in waiting:
             require(r.status in waiting_statuses, f"{r.req_id}: status")

@@ -71,6 +71,8 @@ class _SchedulerState:
         self._finished_since_schedule: list[str] = []
         self._preempted_since_schedule: list[str] = []  # by reset_prefix_cache(reset_running_requests=True)
         self._pause_state = "unpaused"
+        self._num_waiting_for_input = 0  # sessions in WAITING_FOR_STREAMING_REQ
+        self._continuing: list[_Request] = []  # sessions whose part stopped in the update being applied
         self._owner = object()  # outputs carry it: an output of another scheduler is refused
         self._next_step_id = 0  # steps are numbered from 0; stats().step_id counts the steps scheduled
         self._next_update_step = 0

@@ -177,7 +177,9 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
 
         if not preempted and self._pause_state != "paused_all":
             # No probing when nobody can be admitted (a full batch or no budget): nothing would move.
-            can_admit = budget > 0 and len(self._running) < (c.max_num_active_seqs or c.max_num_seqs)
+            can_admit = budget > 0 and len(self._running) + self._num_waiting_for_input < (
+                c.max_num_active_seqs or c.max_num_seqs
+            )
             plan = self._begin_admission() if can_admit else None
             prefill_admitted = self._admit_waiting(scheduled, budget, threshold, prefill_scheduled, swap_in, defer, enc)
             self._end_admission(plan)
@@ -271,7 +273,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         skipped_kv: list[_Request] = []
         max_active = c.max_num_active_seqs or c.max_num_seqs
         rekeys = [0]  # sjf re-keys in this pass
-        while budget > 0 and len(self._running) < max_active:
+        while budget > 0 and len(self._running) + self._num_waiting_for_input < max_active:  # sessions keep a slot
             from_kv = len(self._kv_waiting) > 0
             if not from_kv and self._pause_state != "unpaused":
                 break
@@ -302,7 +304,12 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             )
             tenant = self._tenants[r.tenant]
             blocked = (
-                r.status in (RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
+                r.status
+                in (
+                    RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+                    RequestStatus.WAITING_FOR_REMOTE_KVS,
+                    RequestStatus.WAITING_FOR_STREAMING_REQ,
+                )
                 or (r.num_stale_output_tokens > 0 and not r.drop_stale_output)
                 or lora_blocked
                 or tenant.num_running >= tenant.max_running  # the per-tenant admission filter

@@ -24,9 +24,10 @@ from .encoder_sched import _EncoderSchedMixin
 from .kv_cache_manager import _KVCacheManagerMixin
 from .output import SchedulerOutput, UpdateResult
 from .request import _Request
+from .stream import _StreamMixin
 
 
-class _UpdateMixin(_KVCacheManagerMixin, _ConnectorMixin, _EncoderSchedMixin):
+class _UpdateMixin(_StreamMixin, _KVCacheManagerMixin, _ConnectorMixin, _EncoderSchedMixin):
     """Applying sampled tokens and setting drafts."""
 
     def update_from_output(
@@ -67,6 +68,7 @@ class _UpdateMixin(_KVCacheManagerMixin, _ConnectorMixin, _EncoderSchedMixin):
         finished: list[str] = []
         reasons: list[int] = []
         stop_reasons: list[int] = []
+        parts: list[tuple[str, int, int]] = []  # sessions whose input part stopped
         num_new = np.zeros(n, dtype=np.int32)
         decode_tokens: dict[str, int] = {}  # per tenant, charged once at the end
         for k, (r, was_prefill_chunk, num_drafts) in enumerate(out._entries):
@@ -113,12 +115,16 @@ class _UpdateMixin(_KVCacheManagerMixin, _ConnectorMixin, _EncoderSchedMixin):
                     self._cache_blocks(r, max(0, r.num_computed_tokens - cut - r.num_in_flight_tokens))
             if stop is not None:
                 status, reason, stop_reason = stop
+                if r.resumable and self._stop_part(r, status, parts, stop_reason):
+                    continue
                 self._finish(r, status)
                 finished.append(r.req_id)
                 reasons.append(reason)
                 stop_reasons.append(stop_reason)
             elif drafts is not None and not stale:
                 r.drafts = list(drafts[k])
+        if self._continuing:
+            self._queue_continuing()
         for name, tokens in decode_tokens.items():
             self._tenants[name].charge(tokens, True)
         params, self._transfer_params = self._transfer_params, {}
@@ -129,6 +135,9 @@ class _UpdateMixin(_KVCacheManagerMixin, _ConnectorMixin, _EncoderSchedMixin):
             stop_reasons=np.array(stop_reasons, dtype=np.int64),
             num_new_tokens=num_new,
             kv_transfer_params=params,
+            part_finished_req_ids=[p[0] for p in parts],
+            part_finish_reasons=np.array([p[1] for p in parts], dtype=np.int8),
+            part_stop_reasons=np.array([p[2] for p in parts], dtype=np.int64),
         )
 
     def set_draft_token_ids(self, req_ids: Iterable[str], draft_token_ids: Any) -> None:

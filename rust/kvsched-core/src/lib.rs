@@ -46,6 +46,7 @@ pub mod scheduler;
 pub mod session;
 pub mod slab;
 mod step;
+mod stream;
 pub mod swap;
 mod swap_sched;
 mod update;
@@ -61,7 +62,9 @@ pub use events::KvCacheEvents;
 pub use fair::{Tenant, DEFAULT_TENANT};
 pub use hashing::BlockHash;
 pub use output::{ModelInputs, SchedulerOutput, SchedulerStats, UpdateResult};
-pub use request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus, SPEC_PLACEHOLDER};
+pub use request::{
+    FinishReason, InputPart, ReqHandle, Request, RequestParams, RequestStatus, SPEC_PLACEHOLDER,
+};
 pub use scheduler::{Scheduler, MAX_TOKEN_ID};
 pub use update::Ragged;
 

@@ -141,6 +141,11 @@ pub struct UpdateResult {
     pub stop_reasons: Vec<i64>,
     /// Tokens appended per entry of the output (after truncation at a stop).
     pub num_new_tokens: Vec<i32>,
+    /// Streaming-input sessions whose current input part stopped (they continue: `stream.rs`), with the part's
+    /// finish reason and stop token (or -1), aligned.
+    pub part_finished_req_ids: Vec<Arc<str>>,
+    pub part_finish_reasons: Vec<FinishReason>,
+    pub part_stop_reasons: Vec<i64>,
 }
 
 #[derive(Clone, Debug, Default)]

@@ -24,6 +24,9 @@ pub enum RequestStatus {
     WaitingForRemoteKvs = 7,
     /// Finished because its KV load failed and `kv_load_failure_policy` is `"fail"` (vLLM's `FINISHED_ERROR`).
     FinishedError = 8,
+    /// A streaming-input session (`resumable`) whose last input part stopped, waiting for its next part: holds
+    /// its blocks and computed tokens, never admitted until `append_input` (vLLM's `WAITING_FOR_STREAMING_REQ`).
+    WaitingForInput = 9,
 }
 
 impl RequestStatus {
@@ -45,6 +48,7 @@ impl RequestStatus {
                 | RequestStatus::Preempted
                 | RequestStatus::WaitingForGrammar
                 | RequestStatus::WaitingForRemoteKvs
+                | RequestStatus::WaitingForInput
         )
     }
 }
@@ -99,6 +103,19 @@ pub struct RequestParams {
     pub ttft_slo_s: Option<f64>,
     /// A static tier: smaller first, under every policy (`None`: tier 0).
     pub order_key: Option<i64>,
+    /// A streaming-input session: a stop ends only the current input part (`stream.rs`).
+    pub resumable: bool,
+}
+
+/// The next input part of a streaming-input session (`Scheduler::append_input`).
+#[derive(Clone, Debug, Default)]
+pub struct InputPart {
+    pub token_ids: Vec<u32>,
+    pub max_tokens: Option<u32>,
+    pub eos_token_id: Option<u32>,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<u32>,
+    pub arrival_time: f64,
 }
 
 /// `Request::session` of a request without a `session_id`.
@@ -168,7 +185,7 @@ pub struct Request {
     /// waits in there (`admission.rs`).
     pub wait_seq: u64,
     pub wait_since: u64,
-    /// Index of its session in `Sessions` (`NO_SESSION`: none).
+    /// Index of its streaming-input session in `Sessions` (`NO_SESSION`: none).
     pub session: u32,
     // --- in-flight bookkeeping (vLLM's `Request` fields of the same names; the in-flight and stale token
     // counts are hot columns, `slab::Hot`)
@@ -210,6 +227,15 @@ pub struct Request {
     pub encoder_held: Box<[bool]>,
     /// Inputs with `encoder_held` set.
     pub num_encoder_held: u32,
+    // --- streaming input (`stream.rs`)
+    /// A streaming-input session (`RequestParams::resumable`).
+    pub resumable: bool,
+    /// Input parts given while the streaming-input session was not waiting for one, in order; `None`: the input is over.
+    pub input_queue: std::collections::VecDeque<Option<InputPart>>,
+    /// `finish_input` was called: no more parts are accepted.
+    pub input_closed: bool,
+    /// The most tokens the streaming-input session can reach with the parts given so far (validation of the next part).
+    pub max_len_bound: u32,
 }
 
 impl Request {

@@ -121,6 +121,10 @@ pub struct Scheduler {
     pub(crate) num_parked: usize,
     /// Parked requests in `WaitingForRemoteKvs`.
     pub(crate) num_loading: usize,
+    /// Streaming-input sessions in `WaitingForInput` (vLLM's `num_waiting_for_streaming_input`).
+    pub(crate) num_waiting_for_input: usize,
+    /// Sessions whose input part stopped in the update being applied, queued again at its end (`stream.rs`).
+    pub(crate) continuing: Vec<u32>,
     /// Blocks of finished requests kept for a KV transfer.
     pub(crate) held: Held,
     /// Non-empty steps scheduled and applied (vLLM's `sched_step_seq` and `processed_step_seq`).
@@ -222,6 +226,8 @@ impl Scheduler {
             newly_ready: Vec::new(),
             num_parked: 0,
             num_loading: 0,
+            num_waiting_for_input: 0,
+            continuing: Vec::new(),
             held: Held::default(),
             sched_step_seq: 0,
             processed_step_seq: 0,
@@ -339,6 +345,9 @@ impl Scheduler {
             return Err(bad_request(format!("request {req_id:?}: session_id must be a non-empty string")));
         }
         self.check_encoder_inputs(req_id, prompt_len, &params.encoder_inputs).map_err(bad_request)?;
+        if params.resumable {
+            self.check_resumable(req_id, &params)?;
+        }
         let tenant_name = params.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
         crate::config::check_tenant_name(tenant_name)
             .map_err(|m| bad_request(format!("request {req_id:?}: {m}")))?;
@@ -423,6 +432,10 @@ impl Scheduler {
             encoder_held: vec![false; params.encoder_inputs.len()].into_boxed_slice(),
             encoder_inputs: params.encoder_inputs.into_boxed_slice(),
             num_encoder_held: 0,
+            resumable: params.resumable,
+            input_queue: std::collections::VecDeque::new(),
+            input_closed: false,
+            max_len_bound: (prompt_len as u32).saturating_add(max_tokens),
         };
         self.register_encoder_inputs(&req.encoder_inputs);
         self.next_add_seq += 1;
@@ -619,6 +632,9 @@ impl Scheduler {
                 self.num_loading -= 1;
             }
         }
+        if prev == RequestStatus::WaitingForInput {
+            self.num_waiting_for_input -= 1;
+        }
         req.status = status;
         if req.deferred {
             req.deferred = false;
@@ -681,11 +697,13 @@ impl Scheduler {
     /// vLLM's `get_num_unfinished_requests`: 0 while paused for all, only the running requests while paused for
     /// new ones (waiting requests stay queued but do not count).
     pub fn num_unfinished_requests(&self) -> usize {
+        // Sessions waiting for their next input part do not count (vLLM 0.33 subtracts them in both states).
         match self.pause_state {
             PauseState::PausedAll => 0,
             // Requests holding KV blocks (loading, or loaded and not yet admitted) still drain (vLLM 0.33).
-            PauseState::PausedNew => self.running.len() + self.kv_waiting.len() + self.num_loading,
-            PauseState::Unpaused => self.num_live_requests(),
+            PauseState::PausedNew => (self.running.len() + self.kv_waiting.len() + self.num_loading)
+                .saturating_sub(self.num_waiting_for_input),
+            PauseState::Unpaused => self.num_live_requests() - self.num_waiting_for_input,
         }
     }
 
@@ -928,6 +946,13 @@ impl Scheduler {
         }
         if self.running.len() > cfg.max_num_seqs as usize {
             return Err(format!("{} running requests exceed max_num_seqs", self.running.len()));
+        }
+        let num_wfi = self.slab.iter().filter(|r| r.status == RequestStatus::WaitingForInput).count();
+        if num_wfi != self.num_waiting_for_input {
+            return Err(format!(
+                "{num_wfi} sessions wait for input, the count says {}",
+                self.num_waiting_for_input
+            ));
         }
         if self.ids.len() != self.slab.len() {
             return Err(format!("id map has {} entries, slab {}", self.ids.len(), self.slab.len()));

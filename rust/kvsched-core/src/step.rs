@@ -385,7 +385,8 @@ impl Scheduler {
         // Phase B: waiting requests, only if nobody was preempted in this step and admissions are not paused.
         if preempted.is_empty() && !paused_all {
             // No probing when nobody can be admitted (a full batch or no budget): nothing would move.
-            let can_admit = budget > 0 && self.running.len() < self.config.max_active_seqs();
+            let can_admit =
+                budget > 0 && self.running.len() + self.num_waiting_for_input < self.config.max_active_seqs();
             let plan = if can_admit { self.begin_admission() } else { None };
             let num_skipped;
             (prefill_admitted, num_skipped) = self.admit_waiting(
@@ -723,7 +724,8 @@ impl Scheduler {
             sjf_rekeys: 0,
         };
         let mut prefill_admitted = false;
-        while *budget > 0 && self.running.len() < max_active {
+        // Sessions waiting for their next input part keep a slot (vLLM 0.33: the runner still holds them).
+        while *budget > 0 && self.running.len() + self.num_waiting_for_input < max_active {
             // Requests holding KV blocks (their asynchronous load is over) go first, and are the only ones
             // admitted under `paused_new` (vLLM 0.33's `kv_holding_waiting`).
             let from_kv = !self.kv_waiting.is_empty();
@@ -823,6 +825,7 @@ impl Scheduler {
             && req.extra_keys.lora_name.as_ref().is_some_and(|l| !pass.loras.contains(l));
         let mut blocked = req.status == RequestStatus::WaitingForGrammar
             || req.status == RequestStatus::WaitingForRemoteKvs
+            || req.status == RequestStatus::WaitingForInput
             || (hot.stale[hs] > 0 && !req.drop_stale_output)
             || lora_blocked
             // Per-tenant admission filter: a tenant at its running limit waits, the others go past it.

@@ -231,6 +231,9 @@ impl Scheduler {
         self.spare_record = Some(rec);
         self.tenants.flush_decode();
         self.remove_finished_from_queues(any_waiting_finished);
+        if !self.continuing.is_empty() {
+            self.queue_continuing()?;
+        }
         Ok(res)
     }
 }
@@ -514,6 +517,9 @@ impl Scheduler {
         status: RequestStatus,
         stop_reason: i64,
     ) -> Result<()> {
+        if self.slab.get(slot)?.resumable && self.stop_part(res, slot, status, stop_reason)? {
+            return Ok(());
+        }
         let id = self.finish(slot, status)?;
         res.finished_req_ids.push(id);
         res.finish_reasons.push(Self::finish_reason(status));

@@ -305,6 +305,9 @@ pub(crate) struct PyUpdateResult {
     pub(crate) stop_reasons: LazyArray<i64>,
     pub(crate) num_new_tokens: LazyArray<i32>,
     pub(crate) finished_cache: Option<Py<PyList>>,
+    pub(crate) part_finished_ids: Vec<Arc<str>>,
+    pub(crate) part_finish_reasons: Vec<i8>,
+    pub(crate) part_stop_reasons: Vec<i64>,
 }
 
 #[pymethods]
@@ -338,6 +341,22 @@ impl PyUpdateResult {
     #[getter]
     fn num_new_tokens<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
         self.num_new_tokens.get(py)
+    }
+
+    /// Streaming-input sessions whose current input part stopped in this update (they continue).
+    #[getter]
+    fn part_finished_req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.part_finished_ids.iter().map(|s| PyString::new(py, s)))
+    }
+
+    #[getter]
+    fn part_finish_reasons<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i8>> {
+        PyArray1::from_slice(py, &self.part_finish_reasons)
+    }
+
+    #[getter]
+    fn part_stop_reasons<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        PyArray1::from_slice(py, &self.part_stop_reasons)
     }
 
     fn __repr__(&self) -> String {

@@ -156,7 +156,7 @@ impl PyScheduler {
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, min_tokens=None, eos_token_id=None,
         ignore_eos=None, stop_token_ids=None, priority=None, arrival_time=None, cache_salt=None, lora_name=None,
         tenant=None, ready=None, skip_reading_prefix_cache=None, encoder_inputs=None, session_id=None,
-        ttft_slo_s=None, order_key=None))]
+        ttft_slo_s=None, order_key=None, resumable=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         slf: &Bound<'_, Self>,
@@ -178,6 +178,7 @@ impl PyScheduler {
         session_id: Option<&Bound<'_, PyAny>>,
         ttft_slo_s: Option<&Bound<'_, PyAny>>,
         order_key: Option<&Bound<'_, PyAny>>,
+        resumable: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let py = slf.py();
         let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
@@ -219,6 +220,7 @@ impl PyScheduler {
         let ignore_eos = flag(ignore_eos, "ignore_eos", false)?;
         let ready = flag(ready, "ready", true)?;
         let skip_reading_prefix_cache = flag(skip_reading_prefix_cache, "skip_reading_prefix_cache", false)?;
+        let resumable = flag(resumable, "resumable", false)?;
         let mut stops = Vec::new();
         if let Some(s) = stop_token_ids {
             if !s.is_none() {
@@ -268,6 +270,7 @@ impl PyScheduler {
                 _ => None,
             },
             order_key: opt_int_arg(order_key, "order_key", "InvalidRequestError")?,
+            resumable,
         };
         let id_str = id_arg(req_id, "InvalidRequestError")?;
         let mut this = borrow_mut(slf)?;
@@ -379,6 +382,9 @@ impl PyScheduler {
             stop_reasons: LazyArray::new(res.stop_reasons),
             num_new_tokens: LazyArray::new(res.num_new_tokens),
             finished_cache: None,
+            part_finished_ids: res.part_finished_req_ids,
+            part_finish_reasons: res.part_finish_reasons.iter().map(|&r| r as i8).collect(),
+            part_stop_reasons: res.part_stop_reasons,
         })
     }
 
@@ -632,6 +638,93 @@ impl PyScheduler {
         };
         let mut this = borrow_mut(slf)?;
         guard(py, || this.core.reset_prefix_cache(reset))
+    }
+
+    /// The next input part of a streaming-input session (docs/semantics.md, Streaming input).
+    #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, eos_token_id=None, ignore_eos=None,
+        stop_token_ids=None, arrival_time=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn append_input(
+        slf: &Bound<'_, Self>,
+        req_id: &Bound<'_, PyAny>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_tokens: Option<&Bound<'_, PyAny>>,
+        eos_token_id: Option<&Bound<'_, PyAny>>,
+        ignore_eos: Option<&Bound<'_, PyAny>>,
+        stop_token_ids: Option<&Bound<'_, PyAny>>,
+        arrival_time: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let prompt = token_list(prompt_token_ids, "prompt_token_ids", "InvalidRequestError")?;
+        let mut token_ids = Vec::with_capacity(prompt.len());
+        for t in prompt {
+            token_ids.push(guard(py, || core::Scheduler::check_token_id("prompt_token_ids", t))?);
+        }
+        let max_tokens =
+            if max_tokens.is_some_and(|o| o.is_instance_of::<PyInt>() && o.gt(i64::MAX).unwrap_or(false)) {
+                Some(u32::MAX)
+            } else {
+                match opt_int_arg(max_tokens, "max_tokens", "InvalidRequestError")? {
+                    None => None,
+                    Some(m) if m < 1 => return Err(bad(format!("max_tokens must be >= 1, got {m}"))),
+                    Some(m) => Some(u32::try_from(m).unwrap_or(u32::MAX)),
+                }
+            };
+        let eos_token_id = match opt_int_arg(eos_token_id, "eos_token_id", "InvalidRequestError")? {
+            None => None,
+            Some(t) => Some(guard(py, || core::Scheduler::check_token_id("eos_token_id", t))?),
+        };
+        let ignore_eos = match ignore_eos {
+            Some(o) if !o.is_none() => o
+                .downcast::<PyBool>()
+                .map(|b| b.is_true())
+                .map_err(|_| type_error(py, format!("ignore_eos must be a bool, got {}", type_name(o))))?,
+            _ => false,
+        };
+        let mut stops = Vec::new();
+        if let Some(s) = stop_token_ids {
+            if !s.is_none() {
+                for t in token_list(s, "stop_token_ids", "InvalidRequestError")? {
+                    stops.push(guard(py, || core::Scheduler::check_token_id("stop_token_ids", t))?);
+                }
+            }
+        }
+        let arrival_time = match arrival_time {
+            Some(t) if !t.is_none() => {
+                if t.is_instance_of::<PyBool>() {
+                    return Err(type_error(py, "arrival_time must be a float or None, got bool".into()));
+                }
+                t.extract::<f64>().map_err(|_| {
+                    type_error(py, format!("arrival_time must be a float or None, got {}", type_name(t)))
+                })?
+            }
+            _ => py.import("time")?.call_method0("monotonic")?.extract::<f64>()?,
+        };
+        let part = core::InputPart {
+            token_ids,
+            max_tokens,
+            eos_token_id,
+            ignore_eos,
+            stop_token_ids: stops,
+            arrival_time,
+        };
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.append_input(&id, part))
+    }
+
+    /// Ends the input of a streaming-input session (a streaming-input session waiting for input is aborted).
+    fn finish_input(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let mut this = borrow_mut(slf)?;
+        guard(slf.py(), || this.core.finish_input(&id))
+    }
+
+    /// Whether the request is known (vLLM's `has_request`): live, waiting for input, or its blocks held.
+    fn has_request(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        Ok(borrow(slf)?.core.has_request(&id))
     }
 
     /// Releases a request added with `ready=False` (its structured-output grammar is compiled).

@@ -10,3 +10,4 @@ mod helpers;
 mod module_graph;
 mod policy;
 mod scheduler;
+mod stream;

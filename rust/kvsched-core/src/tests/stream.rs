@@ -1,0 +1,73 @@
+//! Streaming-input sessions (`stream.rs`): a part's stop keeps the streaming-input session with its blocks, the next part resumes
+//! it with only the new tokens to compute, and the errors change nothing.
+
+use super::helpers::{add, one_token_each, params, prompt};
+use crate::request::InputPart;
+use crate::{RequestParams, RequestStatus, SchedError, Scheduler, SchedulerConfig};
+
+fn cfg() -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: 4,
+        num_blocks: 32,
+        max_num_batched_tokens: 32,
+        max_model_len: 64,
+        ..Default::default()
+    }
+}
+
+fn session(max_tokens: u32) -> RequestParams {
+    RequestParams { resumable: true, ..params(max_tokens) }
+}
+
+fn part(tokens: &[u32], max_tokens: u32) -> InputPart {
+    InputPart {
+        token_ids: tokens.to_vec(),
+        max_tokens: Some(max_tokens),
+        arrival_time: 1.0,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_stopped_part_keeps_the_session_and_the_next_part_computes_only_its_tokens() {
+    let mut s = Scheduler::new(cfg()).unwrap();
+    add(&mut s, "a", &prompt(1, 5), session(1));
+    let out = s.schedule().unwrap();
+    let res = one_token_each(&mut s, &out, 7);
+    assert!(res.finished_req_ids.is_empty());
+    assert_eq!(res.part_finished_req_ids.len(), 1);
+    assert_eq!(s.get_request("a").unwrap().status, RequestStatus::WaitingForInput);
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 5);
+    assert_eq!(s.num_unfinished_requests(), 0);
+    assert!(s.has_request("a"));
+    let out = s.schedule().unwrap();
+    assert!(out.handles.is_empty());
+    one_token_each(&mut s, &out, 7);
+    s.append_input("a", part(&[9, 9], 1)).unwrap();
+    s.check_invariants().unwrap();
+    assert_eq!(s.get_request("a").unwrap().num_prompt_tokens, 7); // 5 + 0 kept outputs + 2
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![2]);
+    s.finish_input("a").unwrap();
+    let res = one_token_each(&mut s, &out, 7);
+    assert_eq!(res.finished_req_ids.len(), 1);
+    assert!(!s.has_request("a"));
+    assert_eq!(s.num_free_blocks(), 31);
+}
+
+#[test]
+fn bad_parts_are_refused_and_change_nothing() {
+    let mut s = Scheduler::new(cfg()).unwrap();
+    add(&mut s, "plain", &prompt(1, 3), params(4));
+    add(&mut s, "a", &prompt(1, 3), session(4));
+    assert!(matches!(s.append_input("nope", part(&[1], 1)), Err(SchedError::UnknownRequest(_))));
+    assert!(matches!(s.append_input("plain", part(&[1], 1)), Err(SchedError::InvalidRequest(_))));
+    assert!(matches!(s.append_input("a", part(&[], 1)), Err(SchedError::InvalidRequest(_))));
+    let long: Vec<u32> = (0..60).collect();
+    assert!(matches!(s.append_input("a", part(&long, 1)), Err(SchedError::InvalidRequest(_))));
+    assert!(s.get_request("a").unwrap().input_queue.is_empty());
+    s.finish_input("a").unwrap();
+    assert!(matches!(s.finish_input("a"), Err(SchedError::InvalidRequest(_))));
+    assert!(matches!(s.append_input("a", part(&[1], 1)), Err(SchedError::InvalidRequest(_))));
+    s.check_invariants().unwrap();
+}
