@@ -26,6 +26,7 @@ def test_every_field_is_in_the_table() -> None:
         "tenant_weights",
         "tenant_max_running",
         "tenant_max_waiting",
+        "kv_cache_groups",
     }
     assert SchedulerConfig().to_dict() == {f.name: f.default for f in CONFIG_FIELDS}
     assert SchedulerConfig().block_size == DEFAULT_BLOCK_SIZE

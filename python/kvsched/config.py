@@ -17,6 +17,9 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from ._errors import InvalidConfigError, SchedulerTypeError
 
+#: The most KV cache groups ``kv_cache_groups`` may list.
+MAX_KV_CACHE_GROUPS = 64
+
 __all__ = [
     "CONFIG_FIELDS",
     "DEFAULT_BLOCK_SIZE",
@@ -551,6 +554,16 @@ class SchedulerConfig:
             lo=1,
         ),
     )
+    kv_cache_groups: tuple[int | None, ...] | None = field(
+        default=None,
+        metadata=_spec(
+            "several KV cache groups in one pool, all with `block_size` (vLLM's hybrid models: full attention plus "
+            "sliding-window layers): one entry per group, None for full attention or an int window; each request "
+            "holds one block table per group and a prefix hit must be valid for every group (see "
+            "[Several KV cache groups](#several-kv-cache-groups)); None = one group",
+            valid="None or 2 to 64 entries, each None or an int >= 1",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in CONFIG_FIELDS:
@@ -574,6 +587,20 @@ class SchedulerConfig:
         object.__setattr__(self, "tenant_weights", {str(k): float(v) for k, v in weights.items()})
         for name in ("tenant_max_running", "tenant_max_waiting"):
             object.__setattr__(self, name, check_tenant_limits(name, getattr(self, name)))
+        groups = self.kv_cache_groups
+        if groups is not None:
+            if isinstance(groups, (str, bytes, Mapping)) or not hasattr(groups, "__iter__"):
+                raise InvalidConfigError(
+                    f"kv_cache_groups must be None or a list of None (full attention) and int windows, got {groups!r}"
+                )
+            groups = tuple(groups)
+            for window in groups:
+                if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+                    raise InvalidConfigError(
+                        "kv_cache_groups must be None or a list of None (full attention) and int windows, "
+                        f"got {self.kv_cache_groups!r}"
+                    )
+            object.__setattr__(self, "kv_cache_groups", groups)
 
     def _check_rules(self) -> None:
         """The rules that tie fields together (the Rust core applies them in the same order)."""
@@ -627,6 +654,41 @@ class SchedulerConfig:
                 )
             if self.enable_kv_cache_events:
                 raise InvalidConfigError(f"sliding_window ({window}) is not supported with enable_kv_cache_events")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        """What several KV cache groups need (the core's ``validate_groups``)."""
+        groups = self.kv_cache_groups
+        if groups is None:
+            return
+        if len(groups) < 2 or len(groups) > MAX_KV_CACHE_GROUPS:
+            raise InvalidConfigError(
+                f"kv_cache_groups must list 2 to {MAX_KV_CACHE_GROUPS} groups (one group is the plain config or "
+                f"sliding_window), got {len(groups)}"
+            )
+        bad = next((w for w in groups if w is not None and not 1 <= w <= I32_MAX), None)
+        if bad is not None:
+            raise InvalidConfigError(f"kv_cache_groups windows must be in [1, {I32_MAX}], got {bad}")
+        if self.sliding_window is not None:
+            raise InvalidConfigError(
+                f"kv_cache_groups cannot be combined with sliding_window ({self.sliding_window}): give the window "
+                "per group"
+            )
+        dcp, pcp = self.dcp_world_size, self.pcp_world_size
+        if dcp > 1 or pcp > 1:
+            raise InvalidConfigError(
+                f"kv_cache_groups needs dcp_world_size == 1 and pcp_world_size == 1, got {dcp} and {pcp}"
+            )
+        if self.preemption_mode != "recompute":
+            raise InvalidConfigError(f"kv_cache_groups needs preemption_mode 'recompute', got {self.preemption_mode!r}")
+        if self.enable_kv_cache_events:
+            raise InvalidConfigError("kv_cache_groups is not supported with enable_kv_cache_events")
+        if self.defer_block_free:
+            raise InvalidConfigError("kv_cache_groups is not supported with defer_block_free")
+        if self.preemption_victim != "default":
+            raise InvalidConfigError(
+                f"kv_cache_groups needs the default preemption_victim, got {self.preemption_victim!r}"
+            )
 
     @property
     def kv_block_size(self) -> int:

@@ -234,6 +234,10 @@ class _ConnectorMixin(_BlockPoolMixin):
         scheduled so far is applied."""
         if self._request_blocks_can_be_freed(r):
             self._free_block_list(r.block_ids)
+            for table in r.group_block_ids:  # several KV cache groups: table by table (they refuse deferral)
+                self._free_block_list(table)
+            r.group_block_ids = [[] for _ in r.group_block_ids]
+            r.group_num_cached = [0] * len(r.group_num_cached)
         else:
             self._defer_free(r.block_ids)
         r.block_ids = []

@@ -22,6 +22,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             )
 
     def _lookup(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
+        if self._config.kv_cache_groups is not None:
+            return self._hybrid_lookup(block_hashes, num_tokens)
+        return self._single_lookup(block_hashes, num_tokens)
+
+    def _single_lookup(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
         """Longest prefix hit: the first cached block per hash, stopping at the first miss, capped so the last
         token is always computed. With a sliding window: the rightmost run of cached blocks covering the window
         before its end, null blocks before it; without one, the run from block 0."""
@@ -67,15 +72,21 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _free_blocks(self, r: _Request) -> None:
         """Release ``r``'s blocks in reverse; cached ones go to the tail (LRU), uncached ones as one group to the
-        head, deepest first (so the head is the deepest freed block)."""
+        head, deepest first (so the head is the deepest freed block). With several groups, group by group."""
         self._free_block_list(r.block_ids)
         r.block_ids = []
         r.num_cached_blocks = 0
+        for g, table in enumerate(r.group_block_ids):
+            self._free_block_list(table)
+            r.group_block_ids[g] = []
+            r.group_num_cached[g] = 0
 
     def _full_sequence_fits(self, r: _Request, hits: list[int], reserved: int) -> bool:
         """Could the free blocks hold all of ``r``'s tokens (capped at max_slots_per_request) beyond its hits, and still
         leave ``reserved`` (the watermark) free?"""
         full = min(r.num_tokens, self._config.max_slots_per_request)
+        if self._config.kv_cache_groups is not None:
+            return self._hybrid_sequence_need(r, hits) + reserved <= len(self._free)
         if self._config.sliding_window is not None:
             return self._window_sequence_need(r, hits) + reserved <= len(self._free)
         need = max(0, math.ceil(full / self._bs) - len(r.block_ids) - len(hits))
@@ -99,6 +110,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
     def _cache_blocks(self, r: _Request, num_tokens: int) -> None:
         """Enter ``r``'s full blocks among its first ``num_tokens`` tokens into the cache map (if caching)."""
         if not self._config.enable_prefix_caching:
+            return
+        if self._config.kv_cache_groups is not None:
+            self._cache_hybrid_blocks(r, num_tokens)
             return
         num_full = min(num_tokens // self._bs, len(r.block_hashes), len(r.block_ids))
         first = r.num_cached_blocks
@@ -132,6 +146,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         in flight) go back to the pool first, whatever the outcome; a new request's table starts with null blocks
         for its computed tokens before the window."""
         c, bs = self._config, self._bs
+        if c.kv_cache_groups is not None:
+            return self._allocate_hybrid_slots(r, n, hits, lookahead, reserved, ext, cache)
         total_computed = r.num_computed_tokens + len(hits) * bs + ext
         num_slots = min(total_computed + n + lookahead, c.max_slots_per_request)
         skipped = 0
@@ -155,3 +171,198 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if cache:
             self._cache_blocks(r, min(total_computed + n, r.num_tokens))  # now, before the model writes them
         return new_blocks
+
+    # --- several KV cache groups (``kv_cache_groups``; the core's ``hybrid.rs``)
+
+    def _group_windows(self) -> tuple[int, ...]:
+        """Each group's window, 0 for full attention."""
+        groups = self._config.kv_cache_groups
+        assert groups is not None
+        return tuple(0 if w is None else w for w in groups)
+
+    @staticmethod
+    def _group_key(h: bytes, g: int) -> bytes:
+        """Group ``g``'s cache key of a block hash (group 0: the hash itself)."""
+        return h if g == 0 else h + bytes([g])
+
+    def _group_table(self, r: _Request, g: int) -> list[int]:
+        return r.block_ids if g == 0 else r.group_block_ids[g - 1]
+
+    def _hit_all(self, block_hashes: list[bytes], i: int, ids: list[int]) -> list[int] | None:
+        """The first block cached under ``block_hashes[i]`` for each group of ``ids``, or None if one misses."""
+        found = []
+        for g in ids:
+            blocks = self._cached.get(self._group_key(block_hashes[i], g))
+            if not blocks:
+                return None
+            found.append(next(iter(blocks)))
+        return found
+
+    def _hybrid_lookup(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
+        """The longest hit valid for every group: groups with the same window are looked up together, full
+        attention first, each lookup capped at the hit so far, until a pass shortens nothing. Returns group 0's
+        hits; every group's are kept in ``_group_hits`` for the allocation that follows."""
+        windows = self._group_windows()
+        sets: list[tuple[int, list[int]]] = []
+        for g, w in enumerate(windows):
+            for sw, ids in sets:
+                if sw == w:
+                    ids.append(g)
+                    break
+            else:
+                sets.append((w, [g]))
+        sets.sort(key=lambda s: s[0] != 0)
+        hits: list[list[int]] = [[] for _ in windows]
+        done = [False] * len(windows)
+        hit_len = 0
+        if self._config.enable_prefix_caching and num_tokens > 0:
+            hit_len = min((num_tokens - 1) // self._bs, len(block_hashes))
+        while True:
+            curr = hit_len
+            for w, ids in sets:
+                if w == 0 and done[ids[0]]:
+                    curr = min(curr, len(hits[ids[0]]))
+                    continue
+                for g in ids:
+                    hits[g] = []
+                if w == 0:
+                    for i in range(curr):
+                        found = self._hit_all(block_hashes, i, ids)
+                        if found is None:
+                            break
+                        for g, b in zip(ids, found, strict=True):
+                            hits[g].append(b)
+                else:
+                    need = math.ceil((w - 1) / self._bs)
+                    run: list[list[int]] = []  # rightmost block first
+                    start = None
+                    for i in range(curr - 1, -1, -1):
+                        found = self._hit_all(block_hashes, i, ids)
+                        if found is None:
+                            run = []
+                            continue
+                        run.append(found)
+                        if len(run) >= need:
+                            start = i
+                            break
+                    run.reverse()
+                    for k, g in enumerate(ids):
+                        hits[g] = [0] * (start or 0) + [f[k] for f in run]
+                for g in ids:
+                    done[g] = True
+                curr = len(hits[ids[0]])
+            if curr >= hit_len:
+                break
+            hit_len = curr
+            if len(sets) == 2 and sets[0][0] == 0:
+                break  # one full-attention set and one window set: the window's lookup was capped at the full hit
+        self._group_hits = [h[:hit_len] for h in hits]
+        return self._group_hits[0]
+
+    def _hits_of_groups(self, hits: list[int]) -> list[list[int]]:
+        """Every group's hits that go with group 0's ``hits`` (from the lookup that found them)."""
+        if not hits:
+            return [[] for _ in self._group_windows()]
+        assert self._group_hits[0] == hits, "the hits come from the last lookup"
+        return self._group_hits
+
+    def _hybrid_sequence_need(self, r: _Request, hits: list[int]) -> int:
+        """The full-sequence check's blocks over every group (a window's capped at its admission cap)."""
+        c, bs = self._config, self._bs
+        all_hits = self._hits_of_groups(hits)
+        required = math.ceil(min(r.num_tokens, c.max_slots_per_request) / bs)
+        batches = 2 if c.async_scheduling else 1
+        total = 0
+        for g, w in enumerate(self._group_windows()):
+            held, ghits = len(self._group_table(r, g)), all_hits[g]
+            if w == 0:
+                total += max(0, required - held - len(ghits)) + sum(1 for b in ghits if self._ref_cnt[b] == 0)
+                continue
+            cap = math.ceil(min(w - 1 + batches * c.max_num_batched_tokens, c.max_model_len) / bs) + 1
+            req_g = min(required, cap)
+            if held:
+                total += max(0, req_g - held)
+                continue
+            skipped = max(0, len(ghits) * bs - w + 1) // bs
+            evictable = sum(1 for b in ghits[skipped:] if b != 0 and self._ref_cnt[b] == 0)
+            total += max(0, req_g - max(skipped, len(ghits))) + evictable
+        return total
+
+    def _allocate_hybrid_slots(
+        self, r: _Request, n: int, hits: list[int], lookahead: int, reserved: int, ext: int, cache: bool
+    ) -> list[int] | None:
+        """``_allocate_slots`` over every group: each window's out-of-window blocks go back first (group order);
+        the blocks needed are summed over the groups; then each group touches its hits, then each pops its new
+        blocks, then each caches its full blocks. Returns group 0's new blocks."""
+        c, bs = self._config, self._bs
+        all_hits = self._hits_of_groups(hits)
+        windows = self._group_windows()
+        total_computed = r.num_computed_tokens + len(hits) * bs + ext
+        processed = max(0, total_computed - r.num_in_flight_tokens)
+        for g, w in enumerate(windows):
+            if w:
+                self._remove_group_skipped(r, g, w, processed)
+        fresh = not r.block_ids
+        num_slots = min(total_computed + n + lookahead, c.max_slots_per_request)
+        plan = []
+        total_need = evictable = 0
+        for g, w in enumerate(windows):
+            skipped = max(0, total_computed - w + 1) // bs if fresh and w else 0
+            need = max(0, math.ceil(num_slots / bs) - len(self._group_table(r, g)) - max(skipped, len(hits)))
+            evictable += sum(1 for b in all_hits[g][skipped:] if b != 0 and self._ref_cnt[b] == 0)
+            total_need += need
+            plan.append((skipped, need))
+        if total_need + evictable + reserved > len(self._free):
+            return None
+        for g, (skipped, _) in enumerate(plan):
+            kept = all_hits[g][skipped:]
+            for b in kept:  # touch
+                if self._ref_cnt[b] == 0:
+                    self._free.remove(b)
+                self._ref_cnt[b] += 1
+            self._group_table(r, g).extend([0] * skipped + kept)
+            if g == 0:
+                r.num_cached_blocks += skipped + len(kept)
+            else:
+                r.group_num_cached[g - 1] += skipped + len(kept)
+        new_blocks: list[int] = []
+        for g, (_, need) in enumerate(plan):
+            fresh_blocks = [self._pop_free_block() for _ in range(need)]
+            self._group_table(r, g).extend(fresh_blocks)
+            if g == 0:
+                new_blocks = fresh_blocks
+        if cache:
+            self._cache_blocks(r, min(total_computed + n, r.num_tokens))
+        return new_blocks
+
+    def _remove_group_skipped(self, r: _Request, g: int, w: int, processed: int) -> None:
+        table = self._group_table(r, g)
+        last = min(max(0, processed - w + 1) // self._bs, len(table))
+        first = last
+        while first > 0 and table[first - 1] != 0:
+            first -= 1
+        if first < last:
+            self._free_block_list(table[first:last])
+            table[first:last] = [0] * (last - first)
+
+    def _cache_hybrid_blocks(self, r: _Request, num_tokens: int) -> None:
+        """Each group's full blocks among the first ``num_tokens`` enter the cache map under the group's keys
+        (null blocks skipped; a window of one token caches nothing), group by group."""
+        num_full = min(num_tokens // self._bs, len(r.block_hashes), len(r.block_ids))
+        for g, w in enumerate(self._group_windows()):
+            table = self._group_table(r, g)
+            first = r.num_cached_blocks if g == 0 else r.group_num_cached[g - 1]
+            if num_full <= first:
+                continue
+            for i in range(first, num_full):
+                b = table[i]
+                if b == 0 or w == 1:
+                    continue
+                key = self._group_key(r.block_hashes[i], g)
+                self._block_hash[b] = key
+                self._cached.setdefault(key, {})[b] = None
+                self._newly_cached.append((b, key))
+            if g == 0:
+                r.num_cached_blocks = num_full
+            else:
+                r.group_num_cached[g - 1] = num_full

@@ -29,6 +29,10 @@ class _ModelInputsMixin(_SchedulerState):
         dcp_rank = 0 if dcp_rank is None else dcp_rank
         if isinstance(dcp_rank, bool) or not isinstance(dcp_rank, int):
             raise SchedulerTypeError(f"dcp_rank must be an int, got {type(dcp_rank).__name__}")
+        if c.kv_cache_groups is not None:
+            raise InvalidRequestError(
+                "prepare_model_inputs does not support kv_cache_groups (it lays out one block table)"
+            )
         if not 0 <= dcp_rank < c.dcp_world_size:
             raise InvalidRequestError(f"dcp_rank must be in [0, dcp_world_size={c.dcp_world_size}), got {dcp_rank}")
         out = self._check_output(out)

@@ -27,6 +27,7 @@ class SchedulerOutput:
         "_cached_blocks",
         "_encoder_hashes",
         "_entries",
+        "_group_new_block_ids",
         "_owner",
         "_swapped_out",
         "finished_req_ids",
@@ -73,6 +74,16 @@ class SchedulerOutput:
     _entries: list[tuple[_Request, bool, int]]  # (request, was a prefill chunk, number of drafts scheduled)
     _cached_blocks: list[tuple[int, bytes]]  # (block, hash) this step entered into the prefix cache
     _swapped_out: list[_Request]  # victims this step swapped out
+    _group_new_block_ids: list[np.ndarray]  # groups 1..'s new block ids, laid out as new_block_ids
+
+    def group_new_block_ids(self, group: int) -> np.ndarray:
+        """Group ``group``'s new block ids, laid out as ``new_block_ids`` (same indptr); group 0's are
+        ``new_block_ids``."""
+        if group == 0:
+            return self.new_block_ids
+        if not 0 < group <= len(self._group_new_block_ids):
+            raise IndexError(f"group must be in [0, {len(self._group_new_block_ids) + 1}), got {group}")
+        return self._group_new_block_ids[group - 1]
 
     def __init__(self, **fields: Any) -> None:
         for name, value in fields.items():

@@ -32,6 +32,8 @@ class _Request:
         "encoder_inputs",
         "eos_token_id",
         "grammar_ready",
+        "group_block_ids",
+        "group_num_cached",
         "ignore_eos",
         "inflight_prefill",
         "input_closed",
@@ -105,6 +107,9 @@ class _Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0  # leading blocks of block_ids already entered into the cache map
+        # With several KV cache groups: groups 1..'s tables (group 0's is block_ids) and cached-block counts.
+        self.group_block_ids: list[list[int]] = []
+        self.group_num_cached: list[int] = []
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first admission
         self.queue_seq = -1  # identifies this request's live entry in the priority heap

@@ -201,6 +201,9 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             order_key=0 if order_key is None else int(order_key),
             resumable=resumable,
         )
+        if c.kv_cache_groups is not None:
+            r.group_block_ids = [[] for _ in c.kv_cache_groups[1:]]
+            r.group_num_cached = [0] * (len(c.kv_cache_groups) - 1)
         slo = c.default_ttft_slo_s if ttft_slo_s is None else ttft_slo_s
         r.deadline = math.inf if slo is None else r.arrival_time + slo
         aging = c.priority_aging_steps
@@ -299,7 +302,13 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         # A live request outside the step holds blocks this step cached only when schedule() promoted its
         # finished KV load without scheduling it: their KV arrived from the connector, they stay cached.
         in_step = {id(r) for r, _, _ in out._entries}
-        kept = {b for r in self._requests.values() if id(r) not in in_step for b in r.block_ids}
+        kept = {
+            b
+            for r in self._requests.values()
+            if id(r) not in in_step
+            for table in [r.block_ids, *r.group_block_ids]
+            for b in table
+        }
         for b, h in out._cached_blocks:
             if self._block_hash[b] == h and b not in kept:
                 self._uncache(b, h)
@@ -373,8 +382,13 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished_requests > 0
 
-    def get_block_ids(self, req_id: str) -> np.ndarray:
-        return np.array(self._get(req_id).block_ids, dtype=np.int32)
+    def get_block_ids(self, req_id: str, group: int = 0) -> np.ndarray:
+        r = self._get(req_id)
+        if group == 0:
+            return np.array(r.block_ids, dtype=np.int32)
+        if not 0 < group <= len(r.group_block_ids):
+            raise InvalidRequestError(f"group must be in [0, {len(r.group_block_ids) + 1}), got {group}")
+        return np.array(r.group_block_ids[group - 1], dtype=np.int32)
 
     def get_block_hashes(self, req_id: str) -> list[bytes]:
         return list(self._get(req_id).block_hashes)
@@ -505,13 +519,17 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         require(len(free) == len(self._free) == len(set(free)), "free queue length / duplicates")
         require(all(1 <= b < c.num_blocks and b in self._free for b in free), "free queue ids")
         holders = [0] * c.num_blocks
+        windows = c.kv_cache_groups or (c.sliding_window,)
         for r in self._requests.values():
-            # A sliding window's table starts with the null blocks of the blocks that left the window.
-            live = r.block_ids[next((k for k, b in enumerate(r.block_ids) if b != 0), len(r.block_ids)) :]
-            require(c.sliding_window is not None or len(live) == len(r.block_ids), f"{r.req_id}: null block")
-            require(len(set(live)) == len(live) and 0 not in live, f"{r.req_id}: a block twice in one table")
-            for b in live:
-                holders[b] += 1
+            require(len(r.group_block_ids) + 1 == len(windows), f"{r.req_id}: one table per group")
+            for g, table in enumerate([r.block_ids, *r.group_block_ids]):
+                require(len(table) == len(r.block_ids), f"{r.req_id}: group {g}'s table as long as group 0's")
+                # A sliding window's table starts with the null blocks of the blocks that left the window.
+                live = table[next((k for k, b in enumerate(table) if b != 0), len(table)) :]
+                require(windows[g] is not None or len(live) == len(table), f"{r.req_id}: null block")
+                require(len(set(live)) == len(live) and 0 not in live, f"{r.req_id}: a block twice in one table")
+                for b in live:
+                    holders[b] += 1
         for req_id, (blocks, awaiting_recv, awaiting_send, _) in self._held.items():
             require(awaiting_recv or awaiting_send, f"{req_id}: held blocks for no transfer")
             require(req_id not in self._requests, f"{req_id}: live and held")
@@ -578,9 +596,12 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         for r in self._running:
             require(r.status == RequestStatus.RUNNING, f"{r.req_id} in running with status {r.status!r}")
             require(r.num_computed_tokens <= len(r.block_ids) * bs, f"{r.req_id}: computed tokens without KV")
-            for i in range(r.num_cached_blocks):
-                if r.block_ids[i] != 0 and c.sliding_window != 1:  # a window of one token caches nothing
-                    require(self._block_hash[r.block_ids[i]] == r.block_hashes[i], f"{r.req_id}: block {i} hash")
+            for g, table in enumerate([r.block_ids, *r.group_block_ids]):
+                num_cached = r.num_cached_blocks if g == 0 else r.group_num_cached[g - 1]
+                for i in range(num_cached):
+                    if table[i] != 0 and windows[g] != 1:  # a window of one token caches nothing
+                        key = r.block_hashes[i] if g == 0 else r.block_hashes[i] + bytes([g])
+                        require(self._block_hash[table[i]] == key, f"{r.req_id}: group {g} block {i} hash")
         waiting_statuses = (
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,

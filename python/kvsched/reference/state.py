@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from .._errors import InvalidOutputError, SchedulerTypeError, UnknownRequestError
+from .._errors import InvalidConfigError, InvalidOutputError, SchedulerTypeError, UnknownRequestError
 from .._types import RequestStatus
 from ..config import SchedulerConfig
 from .encoder import _EncoderCache
@@ -65,6 +65,10 @@ class _SchedulerState:
             for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished"):
                 if not hasattr(kv_connector, hook):
                     raise SchedulerTypeError(f"kv_connector must have a {hook}() method")
+            if c.kv_cache_groups is not None:
+                raise InvalidConfigError(
+                    "kv_cache_groups is not supported with a KV connector (it knows one block table)"
+                )
         self._connector = kv_connector
         self._hook_error: BaseException | None = None  # the first exception a hook raised in the current call
         self._transfer_params: dict[str, Any] = {}
@@ -81,6 +85,7 @@ class _SchedulerState:
         self._last_prefill_step = -c.prefill_schedule_interval  # a full interval back: the first step is free
         self._prefill_capacity_bound = False
         self._newly_cached: list[tuple[int, bytes]] = []  # (block, hash) cached since schedule() began
+        self._group_hits: list[list[int]] = []  # with several KV cache groups: every group's hits of the last lookup
         self._last_out: SchedulerOutput | None = None
         self._last_out_fresh = False  # prepare_model_inputs is allowed until the state changes
         self._stats = dict.fromkeys(

@@ -235,6 +235,13 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             _entries=entries,
             _cached_blocks=self._newly_cached,
             _swapped_out=[r for r in preempted if r.cpu_blocks],
+            _group_new_block_ids=[
+                np.array(
+                    [b for e in scheduled for b in e[0].group_block_ids[g][len(e[0].group_block_ids[g]) - len(e[3]) :]],
+                    dtype=np.int32,
+                )
+                for g in range(len(c.kv_cache_groups or ()) - 1)
+            ],
         )
         self._newly_cached = []
         self._next_step_id += 1

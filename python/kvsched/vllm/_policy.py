@@ -98,6 +98,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "defer_async_loads": "vLLM's scheduler (its defer_async_loads, on with deferred frees where vLLM turns it on)",
     "enable_kv_cache_events": "--kv-events-config",
     "sliding_window": "the model's attention (one sliding-window KV cache group)",
+    "kv_cache_groups": "the model's attention (its KV cache groups)",
 }
 
 _NO_SWAP = (

@@ -341,6 +341,11 @@ pub struct SchedulerConfig {
     /// group): blocks wholly outside the window go back to the pool as the request advances, and a prefix hit
     /// needs only the window's blocks (see `kv_cache_manager.rs`). `None`: full attention.
     pub sliding_window: Option<u32>,
+    /// Several KV cache groups sharing one pool and one block size (vLLM's hybrid models: full attention plus
+    /// sliding-window layers): one entry per group, `None` for full attention or `Some(w)` for a window of `w`
+    /// tokens. Each request holds one block table per group; a prefix hit must be valid for every group
+    /// (`kv_cache_manager.rs`, hybrid section). Empty: one group (full attention, or `sliding_window`).
+    pub kv_cache_groups: Vec<Option<u32>>,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -435,6 +440,7 @@ impl Default for SchedulerConfig {
             cache_drafts_at_update: true,
             trim_computed_on_stop: true,
             sliding_window: None,
+            kv_cache_groups: Vec::new(),
         }
     }
 }
@@ -442,6 +448,8 @@ impl Default for SchedulerConfig {
 const I32_MAX: u32 = i32::MAX as u32;
 /// The pool keeps ~50 bytes of bookkeeping per block; 2^24 blocks (~800 MB) is far above any real GPU's pool.
 pub const MAX_NUM_BLOCKS: u32 = 1 << 24;
+/// The most KV cache groups `kv_cache_groups` may list (a group's id tags its block hashes in one byte).
+pub const MAX_KV_CACHE_GROUPS: usize = 64;
 
 /// An integer field's fixed bounds (inclusive), and how to read it (`None`: unset, not checked).
 struct IntField {
@@ -680,6 +688,57 @@ impl SchedulerConfig {
                     "sliding_window ({window}) is not supported with enable_kv_cache_events"
                 )));
             }
+        }
+        self.validate_groups()
+    }
+
+    /// What several KV cache groups (`kv_cache_groups`) need: two groups or more (one is the plain or
+    /// `sliding_window` config), windows of at least one token, and none of the features that do not know
+    /// per-group block tables yet.
+    fn validate_groups(&self) -> Result<()> {
+        let groups = &self.kv_cache_groups;
+        if groups.is_empty() {
+            return Ok(());
+        }
+        let refuse = |what: String| Err(SchedError::InvalidConfig(format!("kv_cache_groups {what}")));
+        if groups.len() < 2 || groups.len() > MAX_KV_CACHE_GROUPS {
+            return refuse(format!(
+                "must list 2 to {MAX_KV_CACHE_GROUPS} groups (one group is the plain config or sliding_window), \
+                 got {}",
+                groups.len()
+            ));
+        }
+        if let Some(w) = groups.iter().flatten().find(|&&w| w == 0 || w > I32_MAX) {
+            return refuse(format!("windows must be in [1, {I32_MAX}], got {w}"));
+        }
+        if let Some(w) = self.sliding_window {
+            return refuse(format!(
+                "cannot be combined with sliding_window ({w}): give the window per group"
+            ));
+        }
+        if self.dcp_world_size > 1 || self.pcp_world_size > 1 {
+            return refuse(format!(
+                "needs dcp_world_size == 1 and pcp_world_size == 1, got {} and {}",
+                self.dcp_world_size, self.pcp_world_size
+            ));
+        }
+        if self.preemption_mode != PreemptionMode::Recompute {
+            return refuse(format!(
+                "needs preemption_mode 'recompute', got {}",
+                py_str(self.preemption_mode.name())
+            ));
+        }
+        if self.enable_kv_cache_events {
+            return refuse("is not supported with enable_kv_cache_events".to_string());
+        }
+        if self.defer_block_free {
+            return refuse("is not supported with defer_block_free".to_string());
+        }
+        if self.preemption_victim != PreemptionVictim::Default {
+            return refuse(format!(
+                "needs the default preemption_victim, got {}",
+                py_str(self.preemption_victim.name())
+            ));
         }
         Ok(())
     }

@@ -27,6 +27,11 @@ use crate::scheduler::Scheduler;
 impl Scheduler {
     /// Sets (or with `None` removes) the KV connector. Refused while a transfer is in progress.
     pub fn set_kv_connector(&mut self, connector: Option<Box<dyn KvConnector>>) -> Result<()> {
+        if connector.is_some() && !self.config.kv_cache_groups.is_empty() {
+            return Err(SchedError::InvalidConfig(
+                "kv_cache_groups is not supported with a KV connector (it knows one block table)".into(),
+            ));
+        }
         if self.num_loading > 0 || !self.kv_waiting.is_empty() || !self.held.is_empty() {
             return Err(SchedError::InvalidRequest(
                 "the KV connector cannot be changed while KV transfers are in progress".into(),
@@ -287,9 +292,15 @@ impl Scheduler {
     }
 
     /// Turns `defer_block_free` on or off from now on (frees already deferred keep their fence).
-    pub fn set_defer_block_free(&mut self, on: bool) {
+    pub fn set_defer_block_free(&mut self, on: bool) -> Result<()> {
+        if on && !self.config.kv_cache_groups.is_empty() {
+            return Err(SchedError::InvalidConfig(
+                "kv_cache_groups is not supported with defer_block_free".into(),
+            ));
+        }
         self.config.defer_block_free = on;
         self.epoch += 1;
+        Ok(())
     }
 
     /// Turns `defer_async_loads` on or off from now on (loads already deferred keep their fence).

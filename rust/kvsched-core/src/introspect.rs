@@ -36,6 +36,17 @@ impl Scheduler {
     }
 
     /// Blocks of the request whose hash is in the prefix cache map for it (its leading full, cached blocks).
+    /// The block table of KV cache group `group` of a request (group 0 is `Request::blocks`).
+    pub fn get_group_block_ids(&self, req_id: &str, group: usize) -> Result<&[u32]> {
+        let req = self.get_request(req_id)?;
+        match group {
+            0 => Ok(&req.blocks),
+            g => req.groups.get(g - 1).map(|t| t.blocks.as_slice()).ok_or_else(|| {
+                SchedError::InvalidRequest(format!("group must be in [0, {}), got {g}", req.groups.len() + 1))
+            }),
+        }
+    }
+
     pub fn get_num_cached_blocks(&self, req_id: &str) -> Result<u32> {
         Ok(self.get_request(req_id)?.num_cached_blocks)
     }

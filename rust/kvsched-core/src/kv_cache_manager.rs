@@ -38,14 +38,22 @@ pub struct KvCacheManager {
     /// max_model_len) / block_size) + 1`, with one step's budget in flight per concurrent batch. Unused without
     /// a window.
     pub admission_cap_blocks: usize,
+    /// Several KV cache groups (`hybrid.rs`); `None`: one group.
+    pub hybrid: Option<Box<crate::hybrid::Hybrid>>,
+    /// A sliding window or several groups: the single-group full-attention paths do not apply.
+    pub special: bool,
 }
 
 impl KvCacheManager {
     /// Longest run of cached blocks matching `block_hashes` from the start, capped so that at least the last of
     /// `num_tokens` tokens is computed. Appends the hit blocks to `out`. Side-effect free on the pool.
     pub fn find_longest_cache_hit(&self, block_hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
-        if self.sliding_window != 0 {
-            self.find_window_hit(block_hashes, num_tokens, out);
+        if self.special {
+            if self.hybrid.is_some() {
+                self.find_hybrid_hit(block_hashes, num_tokens, out);
+            } else {
+                self.find_window_hit(block_hashes, num_tokens, out);
+            }
             return;
         }
         for h in &block_hashes[..self.max_hit_blocks(block_hashes, num_tokens)] {
@@ -106,7 +114,7 @@ impl KvCacheManager {
     /// The most blocks a prefix lookup of `num_tokens` tokens with these hashes may hit: none without caching,
     /// and never the block holding the last token (it must be computed).
     #[inline(always)]
-    fn max_hit_blocks(&self, block_hashes: &[BlockHash], num_tokens: u32) -> usize {
+    pub(crate) fn max_hit_blocks(&self, block_hashes: &[BlockHash], num_tokens: u32) -> usize {
         if !self.enable_caching || num_tokens == 0 {
             return 0;
         }
@@ -124,7 +132,7 @@ impl KvCacheManager {
         num_tokens: u32,
         hint: u32,
     ) -> Option<usize> {
-        if self.sliding_window != 0 {
+        if self.special {
             // A window hit need not start at block 0: no bound from one lookup.
             return None;
         }
@@ -151,7 +159,7 @@ impl KvCacheManager {
     /// Blocks a request holding `held` blocks (its table plus its prefix hits) must add to have `num_slots`
     /// slots (capped at `max_slots`).
     #[inline(always)]
-    fn blocks_to_add(&self, held: usize, num_slots: u32) -> usize {
+    pub(crate) fn blocks_to_add(&self, held: usize, num_slots: u32) -> usize {
         let num_slots = num_slots.min(self.max_slots);
         let required = ((num_slots + self.block_size - 1) >> self.block_shift) as usize;
         required.saturating_sub(held)
@@ -163,8 +171,13 @@ impl KvCacheManager {
     /// Lookahead slots are not part of this check (the per-step allocation adds them). `reserved` blocks must
     /// stay free (the watermark).
     pub fn full_sequence_fits(&self, req: &Request, hits: &[u32], reserved: usize) -> bool {
-        if self.sliding_window != 0 {
-            return self.window_sequence_need(req, hits) + reserved <= self.pool.num_free_blocks();
+        if self.special {
+            let need = if self.hybrid.is_some() {
+                self.hybrid_sequence_need(req, hits)
+            } else {
+                self.window_sequence_need(req, hits)
+            };
+            return need + reserved <= self.pool.num_free_blocks();
         }
         let need = self.blocks_to_add(req.blocks.len() + hits.len(), req.num_tokens());
         let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
@@ -191,6 +204,9 @@ impl KvCacheManager {
     /// answer as `find_longest_cache_hit` being non-empty, in O(1)). Side-effect free.
     #[inline]
     pub fn has_cached_prefix(&self, block_hashes: &[BlockHash], num_tokens: u32) -> bool {
+        if self.hybrid.is_some() {
+            return self.hybrid_has_cached_prefix(block_hashes, num_tokens);
+        }
         if self.sliding_window != 0 {
             let mut hits = Vec::new();
             self.find_window_hit(block_hashes, num_tokens, &mut hits);
@@ -272,7 +288,19 @@ impl KvCacheManager {
         cache: bool,
         in_flight: u32,
     ) -> Option<usize> {
-        if self.sliding_window != 0 {
+        if self.special {
+            if self.hybrid.is_some() {
+                return self.allocate_hybrid_slots(
+                    req,
+                    computed,
+                    num_new_tokens,
+                    hits,
+                    num_lookahead_tokens,
+                    reserved,
+                    cache,
+                    in_flight,
+                );
+            }
             return self.allocate_window_slots(
                 req,
                 computed,
@@ -375,8 +403,12 @@ impl KvCacheManager {
         if num_full <= first {
             return;
         }
-        if self.sliding_window != 0 {
-            self.cache_window_blocks(req, first, num_full);
+        if self.special {
+            if self.hybrid.is_some() {
+                self.cache_hybrid_blocks(req, num_full);
+            } else {
+                self.cache_window_blocks(req, first, num_full);
+            }
             return;
         }
         if num_full == first + 1 {
@@ -439,6 +471,9 @@ impl KvCacheManager {
         self.pool.free_blocks(&req.blocks);
         req.blocks.clear();
         req.num_cached_blocks = 0;
+        if !req.groups.is_empty() {
+            self.free_groups(req);
+        }
     }
 
     /// Whether a decode step of a request with `computed` tokens computed now enters a full block into the
@@ -545,6 +580,8 @@ mod tests {
             hash_buf: Vec::new(),
             sliding_window: 0,
             admission_cap_blocks: usize::MAX,
+            hybrid: None,
+            special: false,
         };
         let hashes: Vec<BlockHash> = (0..8).map(chain_hash).collect();
         let mut blocks = Vec::new();
@@ -553,7 +590,7 @@ mod tests {
             kv.pool.cache_block(blocks[i], hashes[i]);
         }
         let hit = |kv: &KvCacheManager, window: u32| {
-            let kv = KvCacheManager { sliding_window: window, ..kv.clone() };
+            let kv = KvCacheManager { sliding_window: window, special: window != 0, ..kv.clone() };
             let mut out = vec![99];
             kv.find_longest_cache_hit(&hashes, 8 * 4 + 1, &mut out);
             out
@@ -586,6 +623,8 @@ mod tests {
             hash_buf: Vec::new(),
             sliding_window: 0,
             admission_cap_blocks: usize::MAX,
+            hybrid: None,
+            special: false,
         };
         let hashes: Vec<BlockHash> = (0..CHAIN).map(chain_hash).collect();
         let mut x: u64 = 0x1234_5678_9abc_def1;

@@ -34,6 +34,8 @@ pub mod events;
 pub mod fair;
 pub mod free_queue;
 pub mod hashing;
+pub mod hybrid;
+mod hybrid_kv;
 mod introspect;
 pub mod kv_cache_manager;
 pub mod model_inputs;

@@ -28,6 +28,11 @@ impl Scheduler {
         step_id: u64,
         dcp_rank: u32,
     ) -> Result<ModelInputs> {
+        if !self.config.kv_cache_groups.is_empty() {
+            return Err(SchedError::InvalidRequest(
+                "prepare_model_inputs does not support kv_cache_groups (it lays out one block table)".into(),
+            ));
+        }
         if dcp_rank >= self.config.dcp_world_size {
             return Err(SchedError::InvalidRequest(format!(
                 "dcp_rank must be in [0, dcp_world_size={}), got {dcp_rank}",

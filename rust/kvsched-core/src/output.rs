@@ -24,6 +24,9 @@ pub struct SchedulerOutput {
     /// CSR aligned with `handles`: the whole block table for new/resumed requests, appended blocks otherwise.
     pub new_block_ids: Vec<i32>,
     pub new_block_ids_indptr: Vec<i32>,
+    /// With several KV cache groups: groups 1.., each laid out as `new_block_ids` (same `new_block_ids_indptr`:
+    /// every group adds as many blocks). Empty with one group.
+    pub group_new_block_ids: Vec<Vec<i32>>,
     /// CSR aligned with `handles`: draft tokens scheduled for verification.
     pub spec_token_ids: Vec<i32>,
     pub spec_token_ids_indptr: Vec<i32>,
@@ -69,6 +72,7 @@ impl SchedulerOutput {
             resumed_reqs,
             new_block_ids,
             new_block_ids_indptr,
+            group_new_block_ids,
             spec_token_ids,
             spec_token_ids_indptr,
             total_num_scheduled_tokens,
@@ -89,6 +93,7 @@ impl SchedulerOutput {
         preempted_before_step.clear();
         finished_req_ids.clear();
         free_encoder_hashes.clear();
+        group_new_block_ids.clear();
         for v in [
             num_scheduled_tokens,
             num_computed_tokens,

@@ -121,6 +121,14 @@ pub struct InputPart {
 /// `Request::session` of a request without a `session_id`.
 pub const NO_SESSION: u32 = u32::MAX;
 
+/// One KV cache group's block table of a request (groups after the first: `Request::groups`).
+#[derive(Debug, Clone, Default)]
+pub struct GroupTable {
+    pub blocks: Vec<u32>,
+    /// Leading blocks of `blocks` already entered into the prefix cache (null blocks included).
+    pub num_cached_blocks: u32,
+}
+
 /// Field order is deliberate (`repr(C)`): what `update_from_output()` reads for a decode sits in the first
 /// cache line (the stop ids' header in the second), what the slower paths of `schedule()` read in the first
 /// two; identity, priority and hashing inputs follow. The computed, in-flight and stale token counts are not
@@ -159,6 +167,9 @@ pub struct Request {
     pub min_tokens: u32,
     // --- cold: touched on admission, preemption, block boundaries and finish
     pub block_hashes: Vec<BlockHash>,
+    /// With several KV cache groups (`kv_cache_groups`): the tables of groups 1.. (group 0's is `blocks`),
+    /// each as long as `blocks`. Empty with one group.
+    pub groups: Vec<GroupTable>,
     pub id: Arc<str>,
     pub priority: i64,
     pub arrival_time: f64,

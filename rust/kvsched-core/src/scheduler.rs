@@ -18,11 +18,14 @@ use crate::encoder::EncoderCache;
 use crate::error::{Result, SchedError};
 use crate::fair::{Tenant, Tenants, DEFAULT_TENANT};
 use crate::hashing::{tenant_cache_salt, BlockHash, BlockHasher, ExtraKeys};
+use crate::hybrid::Hybrid;
 use crate::kv_cache_manager::KvCacheManager;
 use crate::order::OrderKey;
 use crate::output::{SchedulerOutput, SchedulerStats, StepRecord};
 use crate::queue::{effective_priority, WaitingQueue};
-use crate::request::{FinishReason, ReqHandle, Request, RequestParams, RequestStatus, NO_EOS, NO_SESSION};
+use crate::request::{
+    FinishReason, GroupTable, ReqHandle, Request, RequestParams, RequestStatus, NO_EOS, NO_SESSION,
+};
 use crate::session::Sessions;
 use crate::slab::{DecodeLimits, Slab};
 use crate::swap::CpuBlockPool;
@@ -156,7 +159,11 @@ pub struct Scheduler {
 /// most, its window before the first token in flight and one step's budget per concurrent batch (two with
 /// async scheduling), plus one for a window that starts inside a block. `usize::MAX` without a window.
 fn window_admission_cap_blocks(config: &SchedulerConfig) -> usize {
-    let Some(window) = config.sliding_window else { return usize::MAX };
+    config.sliding_window.map_or(usize::MAX, |w| window_cap_blocks(config, w))
+}
+
+/// `window_admission_cap_blocks` for a window of `window` tokens.
+fn window_cap_blocks(config: &SchedulerConfig, window: u32) -> usize {
     let batches: u64 = if config.async_scheduling { 2 } else { 1 };
     let tokens = (u64::from(window) - 1 + batches * u64::from(config.max_num_batched_tokens))
         .min(u64::from(config.max_model_len));
@@ -185,6 +192,9 @@ impl Scheduler {
             hash_buf: Vec::new(),
             sliding_window: config.sliding_window.unwrap_or(0),
             admission_cap_blocks: window_admission_cap_blocks(&config),
+            hybrid: (!config.kv_cache_groups.is_empty())
+                .then(|| Box::new(Hybrid::new(&config.kv_cache_groups, |w| window_cap_blocks(&config, w)))),
+            special: config.sliding_window.is_some() || !config.kv_cache_groups.is_empty(),
         };
         let limits = DecodeLimits {
             max_model_len: i64::from(config.max_model_len),
@@ -192,7 +202,7 @@ impl Scheduler {
             lookahead: config.num_lookahead_tokens,
             // A sliding window frees blocks as decodes advance: every step allocates through `allocate_slots`
             // (a block size of 0 makes the plain-decode span empty).
-            block_size: if config.sliding_window.is_some() { 0 } else { kv.block_size },
+            block_size: if kv.special { 0 } else { kv.block_size },
             caching: kv.enable_caching,
         };
         Ok(Scheduler {
@@ -392,6 +402,7 @@ impl Scheduler {
             block_hashes: Vec::new(),
             blocks: Vec::new(),
             num_cached_blocks: 0,
+            groups: vec![GroupTable::default(); self.config.kv_cache_groups.len().saturating_sub(1)],
             spec_token_ids: Vec::new(),
             is_prefill_chunk: false,
             effective_priority: effective_priority(
@@ -563,6 +574,9 @@ impl Scheduler {
         if !rec.cached_blocks.is_empty() {
             for r in self.slab.iter().filter(|r| !rec.handles.contains(&r.handle)) {
                 kept.extend(r.blocks.iter().copied());
+                for t in &r.groups {
+                    kept.extend(t.blocks.iter().copied());
+                }
             }
         }
         for (block, hash) in &rec.cached_blocks {
@@ -1021,27 +1035,49 @@ impl Scheduler {
             if r.num_tokens() > cfg.max_model_len || r.num_output_tokens() > r.max_tokens {
                 return Err(format!("request {:?} is longer than its limits", r.id));
             }
-            // A sliding window's table starts with the null blocks of the blocks that left the window.
-            let num_null = r.blocks.iter().take_while(|&&b| b == 0).count();
-            if num_null > 0 && cfg.sliding_window.is_none() {
-                return Err(format!("request {:?} holds the null block without a sliding window", r.id));
+            if r.groups.len() + 1 != cfg.kv_cache_groups.len().max(1) {
+                return Err(format!("request {:?} holds {} block tables", r.id, r.groups.len() + 1));
             }
-            let live = &r.blocks[num_null..];
-            let uniq: HashSet<u32> = live.iter().copied().collect();
-            if uniq.len() != live.len() || uniq.contains(&0) {
-                return Err(format!("request {:?} holds a block twice or a null block after a block", r.id));
-            }
-            for &b in live {
-                held[b as usize] += 1;
-            }
-            if r.num_cached_blocks as usize > r.blocks.len() {
-                return Err(format!("request {:?}: more cached blocks than blocks", r.id));
-            }
-            // A window of one token caches nothing (its table's blocks count as cached all the same).
-            if cfg.enable_prefix_caching && cfg.sliding_window != Some(1) {
-                for i in num_null.min(r.num_cached_blocks as usize)..r.num_cached_blocks as usize {
-                    if self.kv.pool.block_hash(r.blocks[i]) != r.block_hashes.get(i) {
-                        return Err(format!("request {:?}: block {i} hash disagrees with the cache", r.id));
+            for g in 0..=r.groups.len() {
+                let (blocks, num_cached) = match g {
+                    0 => (&r.blocks, r.num_cached_blocks),
+                    _ => (&r.groups[g - 1].blocks, r.groups[g - 1].num_cached_blocks),
+                };
+                let window =
+                    if cfg.kv_cache_groups.is_empty() { cfg.sliding_window } else { cfg.kv_cache_groups[g] };
+                if blocks.len() != r.blocks.len() {
+                    return Err(format!("request {:?}: group {g}'s table is not as long as group 0's", r.id));
+                }
+                // A sliding window's table starts with the null blocks of the blocks that left the window.
+                let num_null = blocks.iter().take_while(|&&b| b == 0).count();
+                if num_null > 0 && window.is_none() {
+                    return Err(format!("request {:?} holds the null block without a sliding window", r.id));
+                }
+                let live = &blocks[num_null..];
+                let uniq: HashSet<u32> = live.iter().copied().collect();
+                if uniq.len() != live.len() || uniq.contains(&0) {
+                    return Err(format!(
+                        "request {:?} holds a block twice or a null block after a block",
+                        r.id
+                    ));
+                }
+                for &b in live {
+                    held[b as usize] += 1;
+                }
+                if num_cached as usize > blocks.len() {
+                    return Err(format!("request {:?}: more cached blocks than blocks", r.id));
+                }
+                // A window of one token caches nothing (its table's blocks count as cached all the same).
+                if cfg.enable_prefix_caching && window != Some(1) {
+                    let first = num_null.min(num_cached as usize);
+                    for (i, &b) in blocks.iter().enumerate().take(num_cached as usize).skip(first) {
+                        let key = r.block_hashes.get(i).map(|h| crate::hybrid::group_key(h, g));
+                        if self.kv.pool.block_hash(b) != key.as_ref() {
+                            return Err(format!(
+                                "request {:?}: block {i} hash disagrees with the cache",
+                                r.id
+                            ));
+                        }
                     }
                 }
             }

@@ -412,7 +412,29 @@ impl Scheduler {
             self.last_prefill_step = self.num_executed_steps as i64;
         }
         self.finish_step(&mut b, rec, preempted, &enc)?;
+        if self.kv.hybrid.is_some() {
+            self.group_new_block_ids(&mut b.out)?;
+        }
         Ok(b.out)
+    }
+
+    /// With several KV cache groups: each other group's new block ids, laid out as group 0's. Every group's
+    /// table is as long as group 0's and grows at its end, so a request's `k` new ids in group 0 are the last
+    /// `k` entries of each table (its whole table when it is new or resumed).
+    #[cold]
+    fn group_new_block_ids(&self, out: &mut SchedulerOutput) -> Result<()> {
+        let ngroups = self.config.kv_cache_groups.len();
+        let mut groups = vec![Vec::with_capacity(out.new_block_ids.len()); ngroups - 1];
+        for (i, h) in out.handles.iter().enumerate() {
+            let k = (out.new_block_ids_indptr[i + 1] - out.new_block_ids_indptr[i]) as usize;
+            let req = self.slab.get(h.slot)?;
+            for (g, ids) in groups.iter_mut().enumerate() {
+                let t = &req.groups[g].blocks;
+                ids.extend(t[t.len() - k..].iter().map(|&b| b as i32));
+            }
+        }
+        out.group_new_block_ids = groups;
+        Ok(())
     }
 
     /// Phase A: the running requests, in order. Returns whether a request scheduled here is still prefilling

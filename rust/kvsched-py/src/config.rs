@@ -80,6 +80,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("cache_drafts_at_update", c.cache_drafts_at_update)?;
     d.set_item("trim_computed_on_stop", c.trim_computed_on_stop)?;
     d.set_item("sliding_window", c.sliding_window)?;
+    d.set_item("kv_cache_groups", (!c.kv_cache_groups.is_empty()).then_some(c.kv_cache_groups.clone()))?;
     Ok(d)
 }
 
@@ -265,5 +266,46 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         } else {
             Some(u32_field("sliding_window")?)
         },
+        kv_cache_groups: kv_cache_groups_field(py, &cfg.getattr("kv_cache_groups")?)?,
     })
+}
+
+/// `kv_cache_groups`: `None` (one group) or a sequence of `None` (full attention) and int windows.
+fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
+    if v.is_none() {
+        return Ok(Vec::new());
+    }
+    let bad = || {
+        py_error(
+            py,
+            "InvalidConfigError",
+            format!(
+                "kv_cache_groups must be None or a list of None (full attention) and int windows, got {v}"
+            ),
+        )
+    };
+    if v.is_instance_of::<pyo3::types::PyString>() || v.is_instance_of::<PyBytes>() {
+        return Err(bad());
+    }
+    let mut groups = Vec::new();
+    for item in v.try_iter().map_err(|_| bad())? {
+        let item = item?;
+        if item.is_none() {
+            groups.push(None);
+            continue;
+        }
+        if item.is_instance_of::<PyBool>() {
+            return Err(bad());
+        }
+        let w = int_arg(&item, "kv_cache_groups", "InvalidConfigError")?;
+        let w = u32::try_from(w).map_err(|_| {
+            py_error(
+                py,
+                "InvalidConfigError",
+                format!("kv_cache_groups windows must be in [1, 2147483647], got {w}"),
+            )
+        })?;
+        groups.push(Some(w));
+    }
+    Ok(groups)
 }

@@ -503,11 +503,13 @@ impl PyScheduler {
         Ok(borrow(slf)?.core.num_free_blocks())
     }
 
+    #[pyo3(signature = (req_id, group=0))]
     fn get_block_ids<'py>(
         slf: &Bound<'py, Self>,
         req_id: &Bound<'py, PyAny>,
+        group: usize,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        block_id_array(slf, req_id, |core, id| Ok(&core.get_request(id)?.blocks))
+        block_id_array(slf, req_id, |core, id| core.get_group_block_ids(id, group))
     }
 
     fn get_block_hashes<'py>(
@@ -893,7 +895,7 @@ impl PyScheduler {
         kwargs.set_item("defer_block_free", on)?;
         let config =
             py.import("dataclasses")?.getattr("replace")?.call((this.config.bind(py),), Some(&kwargs))?;
-        this.core.set_defer_block_free(on);
+        guard(py, || this.core.set_defer_block_free(on))?;
         this.config = config.unbind();
         Ok(())
     }

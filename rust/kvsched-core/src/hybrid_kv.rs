@@ -1,0 +1,292 @@
+//! `KvCacheManager` with several KV cache groups (`hybrid.rs` describes the groups and the rules).
+
+use crate::block_pool::NULL_BLOCK;
+use crate::hashing::BlockHash;
+use crate::hybrid::{group_key, window_skipped};
+use crate::kv_cache_manager::KvCacheManager;
+use crate::request::Request;
+
+/// A request's table of group `g` and its cached-block count.
+fn table(req: &mut Request, g: usize) -> (&mut Vec<u32>, &mut u32) {
+    if g == 0 {
+        (&mut req.blocks, &mut req.num_cached_blocks)
+    } else {
+        let t = &mut req.groups[g - 1];
+        (&mut t.blocks, &mut t.num_cached_blocks)
+    }
+}
+
+fn table_ref(req: &Request, g: usize) -> &[u32] {
+    if g == 0 {
+        &req.blocks
+    } else {
+        &req.groups[g - 1].blocks
+    }
+}
+
+impl KvCacheManager {
+    /// The block cached under `hashes[i]` for every group of `ids`, appended to `hits[g]`; false (nothing
+    /// appended) if one of them misses.
+    fn hit_all(&self, hashes: &[BlockHash], i: usize, ids: &[usize], found: &mut Vec<u32>) -> bool {
+        found.clear();
+        for &g in ids {
+            match self.pool.get_cached_block(&group_key(&hashes[i], g)) {
+                Some(b) => found.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// `find_longest_cache_hit` over every group: group 0's hits go to `out`, every group's to `last_hits`.
+    #[cold]
+    pub(crate) fn find_hybrid_hit(&self, hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
+        let Some(hy) = self.hybrid.as_deref() else { return };
+        let ngroups = hy.windows.len();
+        let mut hits = hy.hits();
+        for h in hits.iter_mut() {
+            h.clear();
+        }
+        let mut done = vec![false; ngroups];
+        let mut hit_len = self.max_hit_blocks(hashes, num_tokens);
+        let mut found = Vec::new();
+        loop {
+            let mut curr = hit_len;
+            for (w, ids) in &hy.lookups {
+                let (w, first) = (*w, ids[0]);
+                if w == 0 && done[first] {
+                    curr = curr.min(hits[first].len());
+                    continue;
+                }
+                for &g in ids {
+                    hits[g].clear();
+                }
+                if w == 0 {
+                    for i in 0..curr {
+                        if !self.hit_all(hashes, i, ids, &mut found) {
+                            break;
+                        }
+                        for (&g, &b) in ids.iter().zip(&found) {
+                            hits[g].push(b);
+                        }
+                    }
+                } else {
+                    // Right to left: the first run of `need` cached blocks, nulls before it; else the run from
+                    // block 0. `run` counts the current run, which ends at `end` (exclusive).
+                    let need = (w - 1).div_ceil(self.block_size) as usize;
+                    let mut run = 0usize;
+                    let mut end = 0usize;
+                    let mut matched = false;
+                    for i in (0..curr).rev() {
+                        if self.hit_all(hashes, i, ids, &mut found) {
+                            if run == 0 {
+                                end = i + 1;
+                            }
+                            run += 1;
+                            if run >= need {
+                                matched = true;
+                                break;
+                            }
+                        } else {
+                            run = 0;
+                        }
+                    }
+                    let (start, len) = if matched { (end - run, end) } else { (0, run) };
+                    for &g in ids {
+                        hits[g].resize(start, NULL_BLOCK);
+                        for h in &hashes[start..len] {
+                            let b = self.pool.get_cached_block(&group_key(h, g));
+                            hits[g].push(b.unwrap_or(NULL_BLOCK));
+                        }
+                    }
+                }
+                for &g in ids {
+                    done[g] = true;
+                }
+                curr = hits[first].len();
+            }
+            if curr >= hit_len {
+                break;
+            }
+            hit_len = curr;
+            if hy.lookups.len() == 2 && hy.lookups[0].0 == 0 {
+                // One full-attention set and one window set: the window's lookup was capped at the full hit,
+                // so the pass agrees (vLLM stops after one pass too).
+                break;
+            }
+        }
+        for h in hits.iter_mut() {
+            h.truncate(hit_len);
+        }
+        out.extend_from_slice(&hits[0]);
+    }
+
+    /// The other groups' hits that go with group 0's `hits` (from the lookup that found them).
+    fn hybrid_hits(&self, hits: &[u32]) -> Vec<Vec<u32>> {
+        let Some(hy) = self.hybrid.as_deref() else { return Vec::new() };
+        if hits.is_empty() {
+            return vec![Vec::new(); hy.windows.len()];
+        }
+        let last = hy.hits();
+        debug_assert_eq!(last[0], hits, "the hits come from the last lookup");
+        last.clone()
+    }
+
+    /// `has_cached_prefix` over every group: a hit of at least one block valid for every group.
+    #[cold]
+    pub(crate) fn hybrid_has_cached_prefix(&self, hashes: &[BlockHash], num_tokens: u32) -> bool {
+        let mut out = Vec::new();
+        self.find_hybrid_hit(hashes, num_tokens, &mut out);
+        !out.is_empty()
+    }
+
+    /// `full_sequence_fits`' blocks over every group: each group's as with one group (a window's capped at its
+    /// admission cap, its hits before the window of the first computed token becoming null blocks).
+    #[cold]
+    pub(crate) fn hybrid_sequence_need(&self, req: &Request, hits: &[u32]) -> usize {
+        let Some(hy) = self.hybrid.as_deref() else { return 0 };
+        let all_hits = self.hybrid_hits(hits);
+        let num_slots = req.num_tokens().min(self.max_slots);
+        let required = num_slots.div_ceil(self.block_size) as usize;
+        let mut total = 0;
+        for (g, &w) in hy.windows.iter().enumerate() {
+            let held = table_ref(req, g).len();
+            let hits = &all_hits[g];
+            if w == 0 {
+                let evictable = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+                total += required.saturating_sub(held + hits.len()) + evictable;
+                continue;
+            }
+            let required = required.min(hy.caps[g]);
+            if held > 0 {
+                total += required.saturating_sub(held);
+                continue;
+            }
+            let skipped =
+                (window_skipped(w, hits.len() as u32 * self.block_size) >> self.block_shift) as usize;
+            let kept = &hits[skipped.min(hits.len())..];
+            let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
+            total += required.saturating_sub(skipped.max(hits.len())) + evictable;
+        }
+        total
+    }
+
+    /// `allocate_slots` over every group (see the module's comment); `hits` are group 0's.
+    #[allow(clippy::too_many_arguments)]
+    #[cold]
+    pub(crate) fn allocate_hybrid_slots(
+        &mut self,
+        req: &mut Request,
+        computed: u32,
+        num_new_tokens: u32,
+        hits: &[u32],
+        num_lookahead_tokens: u32,
+        reserved: usize,
+        cache: bool,
+        in_flight: u32,
+    ) -> Option<usize> {
+        let all_hits = self.hybrid_hits(hits);
+        let windows = self.hybrid.as_deref().map(|hy| hy.windows.clone())?;
+        let bs = self.block_size;
+        let num_hits = hits.len();
+        let total_computed = computed + num_hits as u32 * bs;
+        let processed = total_computed.saturating_sub(in_flight);
+        for (g, &w) in windows.iter().enumerate() {
+            if w != 0 {
+                self.remove_group_skipped(req, g, w, processed);
+            }
+        }
+        let fresh = req.blocks.is_empty();
+        let num_slots = total_computed + num_new_tokens + num_lookahead_tokens;
+        // Per group: the null blocks before the window (a new request's), and the blocks to pop.
+        let mut plan: Vec<(usize, usize)> = Vec::with_capacity(windows.len());
+        let mut total_need = 0;
+        let mut evictable = 0;
+        for (g, &w) in windows.iter().enumerate() {
+            let skipped = if fresh && w != 0 {
+                (window_skipped(w, total_computed) >> self.block_shift) as usize
+            } else {
+                0
+            };
+            let held = table_ref(req, g).len();
+            let need = self.blocks_to_add(held + skipped.max(num_hits), num_slots);
+            let kept = &all_hits[g][skipped.min(num_hits)..];
+            evictable += kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
+            total_need += need;
+            plan.push((skipped, need));
+        }
+        if total_need + evictable + reserved > self.pool.num_free_blocks() {
+            return None;
+        }
+        for (g, &(skipped, _)) in plan.iter().enumerate() {
+            let kept = &all_hits[g][skipped.min(num_hits)..];
+            self.pool.touch(kept);
+            let (blocks, num_cached) = table(req, g);
+            blocks.extend(std::iter::repeat_n(NULL_BLOCK, skipped));
+            blocks.extend_from_slice(kept);
+            *num_cached += (skipped + kept.len()) as u32;
+        }
+        for (g, &(_, need)) in plan.iter().enumerate() {
+            if need > 0 {
+                let (blocks, _) = table(req, g);
+                self.pool.allocate_into(need, blocks);
+            }
+        }
+        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) >> self.block_shift) as usize;
+        if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
+            self.cache_hybrid_blocks(req, num_full);
+        }
+        Some(total_need)
+    }
+
+    /// `remove_skipped_blocks` of group `g` with window `w`.
+    fn remove_group_skipped(&mut self, req: &mut Request, g: usize, w: u32, processed: u32) {
+        let shift = self.block_shift;
+        let (blocks, _) = table(req, g);
+        let last = ((window_skipped(w, processed) >> shift) as usize).min(blocks.len());
+        let mut first = last;
+        while first > 0 && blocks[first - 1] != NULL_BLOCK {
+            first -= 1;
+        }
+        if first < last {
+            self.pool.free_blocks(&blocks[first..last]);
+            blocks[first..last].fill(NULL_BLOCK);
+        }
+    }
+
+    /// Enters each group's blocks up to `num_full` into the prefix cache under the group's keys (null blocks
+    /// skipped; a window of one token caches nothing), group by group.
+    #[cold]
+    pub(crate) fn cache_hybrid_blocks(&mut self, req: &mut Request, num_full: usize) {
+        let Some(windows) = self.hybrid.as_deref().map(|hy| hy.windows.clone()) else { return };
+        let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
+        for (g, &w) in windows.iter().enumerate() {
+            let first =
+                if g == 0 { req.num_cached_blocks } else { req.groups[g - 1].num_cached_blocks } as usize;
+            if num_full <= first {
+                continue;
+            }
+            if w != 1 {
+                for i in first..num_full {
+                    let b = table_ref(req, g)[i];
+                    if b != NULL_BLOCK {
+                        let key = group_key(&req.block_hashes[i], g);
+                        self.pool.cache_block(b, key);
+                        self.newly_cached.push((b, key));
+                    }
+                }
+            }
+            *table(req, g).1 = num_full as u32;
+        }
+    }
+
+    /// `free` over every group: group 0's table deepest first, then each other group's.
+    #[cold]
+    pub(crate) fn free_groups(&mut self, req: &mut Request) {
+        for t in &mut req.groups {
+            self.pool.free_blocks(&t.blocks);
+            t.blocks.clear();
+            t.num_cached_blocks = 0;
+        }
+    }
+}

@@ -1,0 +1,208 @@
+"""Several KV cache groups (``kv_cache_groups``): the behaviour of docs/semantics.md's "Several KV cache groups",
+on the Rust core and on the reference. Block size 4 and small pools keep every table traceable by hand; the
+tables in the first test are those vLLM 0.33's ``KVCacheManager`` gives for the same calls with a
+``FullAttentionSpec`` and a ``SlidingWindowSpec(sliding_window=8)`` group of block size 4 and 40 blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from kvsched import InvalidConfigError, InvalidRequestError, Scheduler, SchedulerConfig
+from kvsched.reference import ReferenceScheduler
+
+IMPLS = ["rust", "reference"]
+
+
+def make(impl: str, **fields: Any) -> Any:
+    cfg: dict[str, Any] = {
+        "block_size": 4,
+        "num_blocks": 40,
+        "max_model_len": 128,
+        "max_num_batched_tokens": 64,
+        "prefix_hash_seed": 0,
+    }
+    cfg.update(fields)
+    config = SchedulerConfig(**cfg)
+    return Scheduler(config) if impl == "rust" else ReferenceScheduler(config)
+
+
+def tables(s: Any, rid: str, num_groups: int) -> list[list[int]]:
+    return [[int(b) for b in s.get_block_ids(rid, g)] for g in range(num_groups)]
+
+
+def computed(out: Any, rid: str) -> int:
+    return int(out.num_computed_tokens[list(out.req_ids).index(rid)])
+
+
+def new_blocks(out: Any, rid: str, num_groups: int) -> list[list[int]]:
+    k = list(out.req_ids).index(rid)
+    p = out.new_block_ids_indptr
+    return [[int(b) for b in out.group_new_block_ids(g)[p[k] : p[k + 1]]] for g in range(num_groups)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("order", ["full_first", "window_first"])
+def test_groups_allocate_free_and_hit_in_vllms_order(impl: str, order: str) -> None:
+    groups = (None, 8) if order == "full_first" else (8, None)
+    full, window = (0, 1) if order == "full_first" else (1, 0)
+    s = make(impl, kv_cache_groups=groups)
+    s.add_request("a", list(range(22)), max_tokens=8)
+    out = s.schedule()
+    # Group 0 pops its blocks first, then group 1.
+    expect = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    assert new_blocks(out, "a", 2) == expect
+    assert out.new_block_ids.tolist() == expect[0]  # the single-group field is group 0's
+    s.update_from_output(out, [[7]])
+    out = s.schedule()
+    # 22 computed: the window of token 22 is 15..22; the window group's blocks 0..2 left it.
+    t = tables(s, "a", 2)
+    assert t[full] == expect[full]
+    assert t[window] == [0, 0, 0, *expect[window][3:]]
+    assert new_blocks(out, "a", 2) == [[], []]
+    s.update_from_output(out, [[7]])
+    s.check_invariants()
+    s.abort_requests(["a"])
+    # Group 0's table is freed first, then group 1's: the uncached last blocks go to the head, group 1's on top.
+    s.add_request("b", [*range(22), 99], max_tokens=4)
+    out = s.schedule()
+    assert computed(out, "b") == 20
+    hit_full, hit_window = expect[full][:5], [0, 0, 0, *expect[window][3:5]]
+    want = [[], []]
+    want[full] = hit_full
+    want[window] = hit_window
+    want[0].append(12)  # group 0 pops the head first
+    want[1].append(6)
+    assert new_blocks(out, "b", 2) == want
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_hit_must_be_valid_for_every_group(impl: str) -> None:
+    # The window group of 4 tokens needs 1 cached block at the end of the hit; the full group needs the run
+    # from block 0. A second window of 12 tokens needs 3.
+    s = make(impl, kv_cache_groups=(None, 4, 12), num_blocks=60)
+    s.add_request("a", list(range(30)), max_tokens=1)
+    out = s.schedule()
+    assert new_blocks(out, "a", 3) == [list(range(1, 9)), list(range(9, 17)), list(range(17, 25))]
+    s.update_from_output(out, [[5]])
+    assert not s.has_unfinished_requests()
+    s.add_request("b", list(range(30)), max_tokens=1)
+    out = s.schedule()
+    # 30 tokens: at most 7 blocks hit (the last token is computed); every group has all 7 cached, the windows
+    # only need their tails.
+    assert computed(out, "b") == 28
+    assert new_blocks(out, "b", 3) == [
+        [1, 2, 3, 4, 5, 6, 7, 24],
+        [0, 0, 0, 0, 0, 0, 15, 16],
+        [0, 0, 0, 0, 21, 22, 23, 8],
+    ]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_hit_is_cut_to_the_shortest_group(impl: str) -> None:
+    # Group 0 (a window of 4 tokens) is freed before group 1 (full attention), so its cached blocks are evicted
+    # first: its hashes 3..5 go, the full group keeps all of them, and the hit stops at the window's run.
+    s = make(impl, kv_cache_groups=(4, None), num_blocks=24, max_num_batched_tokens=128)
+    s.add_request("a", list(range(24)), max_tokens=1)
+    out = s.schedule()
+    assert new_blocks(out, "a", 2) == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    s.update_from_output(out, [[5]])
+    # 25 tokens: 7 blocks per group; group 0 pops 13..19, group 1 pops 20..23, then blocks 6, 5 and 4.
+    s.add_request("x", list(range(1000, 1025)), max_tokens=1)
+    out = s.schedule()
+    assert new_blocks(out, "x", 2) == [[13, 14, 15, 16, 17, 18, 19], [20, 21, 22, 23, 6, 5, 4]]
+    s.update_from_output(out, [[5]])
+    s.add_request("b", list(range(24)), max_tokens=1)
+    out = s.schedule()
+    # Full attention alone would hit 5 blocks; the window's rightmost cached block is block 2 (id 3).
+    assert computed(out, "b") == 12
+    # x's uncached last blocks went to the head of the free queue (group 0's 19, then group 1's 4 on top).
+    assert new_blocks(out, "b", 2) == [[0, 0, 3, 4, 19, 2], [7, 8, 9, 1, 12, 11]]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_group_ids_out_of_range_are_refused(impl: str) -> None:
+    s = make(impl, kv_cache_groups=(None, 8))
+    s.add_request("a", list(range(5)), max_tokens=2)
+    out = s.schedule()
+    with pytest.raises(IndexError):
+        out.group_new_block_ids(2)
+    with pytest.raises(InvalidRequestError):
+        s.get_block_ids("a", 2)
+    with pytest.raises(InvalidRequestError):
+        s.prepare_model_inputs(out)
+    with pytest.raises(InvalidConfigError):
+        s.set_defer_block_free(True)
+    assert s.config.defer_block_free is False
+
+
+def test_one_group_keeps_its_outputs() -> None:
+    s = make("rust")
+    s.add_request("a", list(range(5)), max_tokens=2)
+    out = s.schedule()
+    assert out.group_new_block_ids(0).tolist() == out.new_block_ids.tolist() == [1, 2]
+    with pytest.raises(IndexError):
+        out.group_new_block_ids(1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kv_cache_groups": (None,)}, "must list 2 to 64 groups"),
+        ({"kv_cache_groups": (None,) * 65}, "must list 2 to 64 groups"),
+        ({"kv_cache_groups": (None, 0)}, "windows must be in"),
+        ({"kv_cache_groups": (None, 2**31)}, "windows must be in"),
+        ({"kv_cache_groups": (None, 8.0)}, "must be None or a list"),
+        ({"kv_cache_groups": (None, True)}, "must be None or a list"),
+        ({"kv_cache_groups": "full"}, "must be None or a list"),
+        ({"kv_cache_groups": (None, 8), "sliding_window": 8}, "cannot be combined with sliding_window"),
+        ({"kv_cache_groups": (None, 8), "dcp_world_size": 2}, "dcp_world_size == 1"),
+        ({"kv_cache_groups": (None, 8), "preemption_mode": "swap", "num_cpu_blocks": 4}, "'recompute'"),
+        ({"kv_cache_groups": (None, 8), "enable_kv_cache_events": True}, "enable_kv_cache_events"),
+        ({"kv_cache_groups": (None, 8), "defer_block_free": True}, "defer_block_free"),
+        ({"kv_cache_groups": (None, 8), "preemption_victim": "lcf"}, "preemption_victim"),
+    ],
+)
+def test_bad_group_configs_are_refused(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidConfigError, match=message):
+        SchedulerConfig(**fields)
+
+
+def test_the_core_refuses_what_the_config_refuses() -> None:
+    """The core applies the same rules when a config skips the Python checks (a duck-typed config)."""
+    from kvsched import _core
+
+    good = SchedulerConfig(kv_cache_groups=(None, 8))
+    for bad in [(None,), (None, 0)]:
+        fake = type("Cfg", (), {**good.to_dict(), "kv_cache_groups": bad})()
+        with pytest.raises(InvalidConfigError, match="kv_cache_groups"):
+            _core.Scheduler(fake)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_kv_connector_is_refused(impl: str) -> None:
+    class Conn:
+        def get_num_new_matched_tokens(self, *a: Any) -> Any:
+            return (0, False)
+
+        def update_state_after_alloc(self, *a: Any) -> None:
+            pass
+
+        def request_finished(self, *a: Any) -> Any:
+            return (False, None)
+
+    cfg = SchedulerConfig(kv_cache_groups=(None, 8))
+    cls = Scheduler if impl == "rust" else ReferenceScheduler
+    with pytest.raises(InvalidConfigError, match="KV connector"):
+        cls(cfg, kv_connector=Conn())
+
+
+def test_usage_counts_every_group() -> None:
+    s = make("rust", kv_cache_groups=(None, 8, None))
+    s.add_request("a", np.arange(10, dtype=np.int32), max_tokens=2)
+    s.schedule()
+    assert s.num_free_blocks == 39 - 3 * 3
