@@ -145,6 +145,15 @@ def test_encoder_sizes_set_on_a_built_scheduler_follow_vllm(multimodal: bool) ->
     assert ours.core.config.encoder_cache_size == 40
 
 
+def test_prefill_lookahead_set_on_a_built_scheduler_is_refused() -> None:
+    """vLLM's tests set num_prefill_lookahead on a built scheduler; kvsched.vllm has no look-ahead and says so."""
+    _, ours = _pair()
+    ours.num_prefill_lookahead = 0
+    with pytest.raises(UnsupportedFeatureError, match="prefill lookahead"):
+        ours.num_prefill_lookahead = 3
+    assert ours.num_prefill_lookahead == 0
+
+
 def test_embedding_masks_are_refused_by_name() -> None:
     _, ours = _pair()
     request = make_request("a", list(range(40)), block_size=BLOCK, images=[(0, 8, "cat")])

@@ -1750,6 +1750,19 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._set_encoder_sizes(value, int(self._core.config.encoder_cache_size))
 
     @property
+    def num_prefill_lookahead(self) -> int:
+        """vLLM's drafter prefill look-ahead (it widens a chunk's encoder window): always 0 here (refused at
+        construction for multimodal models)."""
+        return 0
+
+    @num_prefill_lookahead.setter
+    def num_prefill_lookahead(self, value: int) -> None:
+        if value:
+            raise UnsupportedFeatureError(
+                "kvsched.vllm.Scheduler does not support a drafter's prefill lookahead (num_prefill_lookahead) yet"
+            )
+
+    @property
     def encoder_cache_manager(self) -> Any:
         raise AttributeError(
             f"{type(self).__name__!r} object has no attribute 'encoder_cache_manager' (kvsched's core owns the "
