@@ -191,6 +191,7 @@ class Twin:
         self.cfg, self.rand, self.max_in_flight = cfg, rand, max_in_flight
         # Sometimes schedule(throttle_prefills=True) and requests that skip reading the prefix cache.
         self.throttle = throttle
+        self.encoder_cap0 = max(1, self.encoder_cap())
         self.fail_steps = fail_steps  # op_fail among the operations (runner faults)
         # session_id, ttft_slo_s and order_key on new requests (not in the seeded soaks of the other axes: their
         # random streams stay as they were)
@@ -208,7 +209,13 @@ class Twin:
         self.next_id = 0
         self.log: list[str] = []  # the operations so far, for failure messages
         # what the steps exercised (encoder inputs): computed, freed, victims holding encoder inputs
-        self.coverage = {"encoder_computed": 0, "encoder_freed": 0, "encoder_victims": 0, "encoder_cut": 0}
+        self.coverage = {
+            "encoder_computed": 0,
+            "encoder_freed": 0,
+            "encoder_victims": 0,
+            "encoder_cut": 0,
+            "encoder_resized": 0,
+        }
         # victims that sat before a request phase A scheduled in their step (scheduled earlier, then refunded)
         self.coverage["victims_before_scheduled"] = 0
         self.kv_events = KvEventTwin()
@@ -332,7 +339,8 @@ class Twin:
     def make_encoder_inputs(self, prompt_len: int) -> list[tuple[int, int, int]]:
         """Encoder inputs inside the prompt, sorted, not overlapping; hashes from a small pool (so entries are
         shared across requests and within one), each hash always with the same size."""
-        r, cap = self.rand, self.encoder_cap()
+        # Sizes follow the config the run started with (a hash keeps its size when op_encoder_sizes re-sizes).
+        r, cap = self.rand, self.encoder_cap0
         inputs, pos = [], r.int(0, 3)
         for _ in range(r.int(1, 4)):
             h = r.int(1, 10)
@@ -585,6 +593,20 @@ class Twin:
             call_both(lambda: self.ref.set_defer_block_free(on), lambda: self.rs.set_defer_block_free(on))
         assert self.ref.config == self.rs.config
 
+    def op_encoder_sizes(self) -> None:
+        """The encoder budget and cache re-sized at run time (vLLM's tests set them on a built scheduler): both
+        refuse the same sizes (a non-empty cache, a live input above the new sizes), changing nothing."""
+        r, c = self.rand, self.cfg
+        budget = r.choice([c.max_num_encoder_input_tokens, 0, 3, 6, 16])
+        cache = r.choice([c.encoder_cache_size, c.encoder_cache_size, 3, 6, 10, 40])
+        self.log.append(f"set_encoder_sizes({budget}, {cache})")
+        _, _, raised = call_both(lambda: self.ref.set_encoder_sizes(budget, cache),
+                                 lambda: self.rs.set_encoder_sizes(budget, cache))  # fmt: skip
+        if not raised:
+            self.cfg = dataclasses.replace(c, max_num_encoder_input_tokens=budget, encoder_cache_size=cache)
+            self.coverage["encoder_resized"] += 1
+        assert self.ref.config == self.rs.config
+
     def op_ready(self) -> None:
         ids = self.live_ids()
         rid = self.rand.choice(ids) if ids and self.rand.chance(0.9) else "nope"
@@ -644,6 +666,8 @@ class Twin:
             others.append(self.op_defer)
         if self.streaming:
             ops += [self.op_input] * 3
+        if self.cfg.encoder_cache_size and self.throttle:  # (not in the seeded soaks, as above)
+            others.append(self.op_encoder_sizes)
         self.rand.choice([*ops, *others])()
         self.check()
 
@@ -1052,7 +1076,7 @@ def test_soak_encoder_inputs_match_reference_step_by_step() -> None:
     """Encoder inputs at chunk boundaries under tight budgets, shared hashes, evictions and preemption: the
     Rust core and the reference agree at every step (check_invariants on both after every operation), with
     runner faults (fail_step) among the operations."""
-    total = dict.fromkeys(("encoder_computed", "encoder_freed", "encoder_victims", "encoder_cut"), 0)
+    total = dict.fromkeys(("encoder_computed", "encoder_freed", "encoder_victims", "encoder_cut", "encoder_resized"), 0)
     hits = 0
     # The last config's seed reaches a priority victim preempted after it was scheduled (with encoder work) in
     # the same step.

@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
 
+from kvsched import InvalidConfigError
 from kvsched.vllm import RULES, UnsupportedFeatureError
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 from vllm.multimodal.inputs import PlaceholderRange
@@ -111,6 +112,46 @@ def test_requests_with_images_on_a_text_model_are_refused() -> None:
     with pytest.raises(UnsupportedFeatureError, match="does not accept multimodal inputs"):
         s.add_request(make_request("a", list(range(40)), block_size=BLOCK, images=[(0, 8, "cat")]))
     assert not s.requests
+
+
+@pytest.mark.parametrize("multimodal", [True, False])
+def test_encoder_sizes_set_on_a_built_scheduler_follow_vllm(multimodal: bool) -> None:
+    """vLLM's tests set max_num_encoder_input_tokens and a new EncoderCacheManager on a built scheduler (a text
+    model's too): kvsched's core takes both sizes, and the steps stay vLLM's (a 16-token budget, a 40-token cache)."""
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    cfg = make_vllm_config(
+        multimodal=multimodal, block_size=BLOCK, num_blocks=64, max_model_len=256, max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    scheds = (make_scheduler("vllm", cfg), make_scheduler("kvsched", cfg))
+    for s in scheds:
+        s.max_num_encoder_input_tokens = 16
+        s.encoder_cache_manager = EncoderCacheManager(cache_size=40)
+    vllm_s, ours = scheds
+    assert ours.max_num_encoder_input_tokens == 16 and ours.core.config.encoder_cache_size == 40
+    _add(scheds, "a", list(range(200, 260)), [(2, 16, "x"), (20, 16, "y")])
+    _add(scheds, "b", list(range(300, 340)), [(4, 16, "x"), (24, 12, "z")])
+    seen: dict[str, list[int]] = {}
+    for _ in range(8):
+        for rid, ids in _step(scheds).scheduled_encoder_inputs.items():
+            seen.setdefault(rid, []).extend(ids)
+    assert seen == {"a": [0, 1], "b": [1]}  # one 16-token image per step; b finds "x" cached
+    # The core's cache holds entries now: a new manager of another size is refused, changing nothing.
+    with pytest.raises(InvalidConfigError, match="only while the encoder cache is empty"):
+        ours.encoder_cache_manager = EncoderCacheManager(cache_size=80)
+    with pytest.raises(UnsupportedFeatureError, match="new, empty"):
+        ours.encoder_cache_manager = vllm_s.encoder_cache_manager
+    assert ours.core.config.encoder_cache_size == 40
+
+
+def test_prefill_lookahead_set_on_a_built_scheduler_is_refused() -> None:
+    """vLLM's tests set num_prefill_lookahead on a built scheduler; kvsched.vllm has no look-ahead and says so."""
+    _, ours = _pair()
+    ours.num_prefill_lookahead = 0
+    with pytest.raises(UnsupportedFeatureError, match="prefill lookahead"):
+        ours.num_prefill_lookahead = 3
+    assert ours.num_prefill_lookahead == 0
 
 
 def test_embedding_masks_are_refused_by_name() -> None:

@@ -406,19 +406,22 @@ _AUX = (
     "sets an auxiliary output connector (`aux_output_connector`: routed-experts capture) on the scheduler after "
     "construction; kvsched.vllm has none"
 )
-# Tests that set vLLM's encoder budget or replace its encoder cache manager after construction.
-_ENCODER_SET = (
-    "sets the scheduler's `max_num_encoder_input_tokens` or replaces its `encoder_cache_manager` after "
-    "construction (kvsched's core sizes both from the model's MultiModalBudget when it is built)"
+# Tests that set vLLM's encoder budget or replace its encoder cache manager after construction (kvsched.vllm
+# re-sizes its core's budget and cache then) and need something else kvsched does not have.
+_ENCODER_STALL = (
+    "sets the encoder compute budget to 0 and adds a request with an image: kvsched's core refuses at "
+    "`add_request` an encoder input larger than the budget or the cache (it could never be scheduled); vLLM keeps it "
+    "waiting"
 )
 CURATED.update(
     {
-        "test_max_loras_counts_running_request_skipped_for_encoder_budget": _ENCODER_SET,
-        "test_mamba_align_eagle_schedules_encoder_at_boundary": _ENCODER_SET,
-        "test_drafter_lookahead_encoder_cache_cap_makes_progress": _ENCODER_SET,
-        "test_drafter_lookahead_encoder_cache_cap_respects_token_budget": _ENCODER_SET,
-        "test_waiting_encoder_stall_is_counted_as_deferred": _ENCODER_SET,
-        "test_waiting_encoder_stall_kv_holder_keeps_drain_priority": _ENCODER_SET,
+        "test_mamba_align_eagle_schedules_encoder_at_boundary": (
+            "sets vLLM's internal Mamba block-aligned split and EAGLE look-ahead flags on the scheduler "
+            "(`need_mamba_block_aligned_split`, `use_eagle`, `num_prefill_lookahead`); kvsched.vllm has neither"
+        ),
+        "test_waiting_encoder_stall_is_counted_as_deferred": _ENCODER_STALL,
+        "test_waiting_encoder_stall_kv_holder_keeps_drain_priority": _ENCODER_STALL
+        + "; also sets the request's `num_computed_tokens` by hand before adding it",
     }
 )
 CURATED.update(

@@ -5,7 +5,9 @@ dropped. Mirrors ``rust/kvsched-core/src/encoder_sched.rs`` (vLLM's ``_try_sched
 
 from __future__ import annotations
 
-from .._errors import InvalidRequestError
+import dataclasses
+
+from .._errors import InvalidConfigError, InvalidRequestError, SchedulerTypeError
 from .request import _Request
 from .state import _SchedulerState
 
@@ -56,6 +58,29 @@ class _EncoderSchedMixin(_SchedulerState):
                     raise InvalidRequestError(f"request {req_id!r}: encoder input {i} exceeds a chunk")
             if known.setdefault(h, size) != size:
                 raise InvalidRequestError(f"request {req_id!r}: encoder input {i}: hash {h} known with another size")
+
+    def set_encoder_sizes(self, max_num_encoder_input_tokens: int, encoder_cache_size: int) -> None:
+        """Re-size the encoder budget (from the next step) and the encoder cache (only while it holds no entry);
+        neither may drop below a live request's encoder input. On error nothing changes."""
+        sizes = {"max_num_encoder_input_tokens": max_num_encoder_input_tokens, "encoder_cache_size": encoder_cache_size}
+        for name, v in sizes.items():
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise SchedulerTypeError(f"{name} must be an int, got {type(v).__name__}")
+            if not 0 <= v <= 2**31 - 1:
+                raise InvalidConfigError(f"{name} must be in [0, {2**31 - 1}], got {v}")
+        if encoder_cache_size != self._encoder.capacity and self._encoder.entries:
+            raise InvalidConfigError("encoder_cache_size can change only while the encoder cache is empty")
+        limit = min(max_num_encoder_input_tokens, encoder_cache_size)
+        for r in self._requests.values():
+            if any(size > limit for _, size, _ in r.encoder_inputs):
+                raise InvalidConfigError(f"request {r.req_id!r} has an encoder input larger than the new sizes allow")
+        self._encoder.capacity = encoder_cache_size
+        self._config = dataclasses.replace(
+            self._config,
+            max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+            encoder_cache_size=encoder_cache_size,
+        )
+        self._last_out_fresh = False
 
     def _release_all_encoder(self, r: _Request) -> None:
         for i, (_, _, h) in enumerate(r.encoder_inputs):

@@ -17,7 +17,13 @@ from ._errors import UnsupportedFeatureError
 from ._kv_events import kv_events_enabled
 from ._policy import build_config, effective_policy, read_additional_config
 
-__all__ = ["UnsupportedFeatureError", "check_kv_connector", "encoder_budget", "kvsched_config_from_vllm"]
+__all__ = [
+    "UnsupportedFeatureError",
+    "check_kv_connector",
+    "check_multimodal",
+    "encoder_budget",
+    "kvsched_config_from_vllm",
+]
 
 
 def _refuse(feature: str, setting: str) -> None:
@@ -104,18 +110,8 @@ def kvsched_config_from_vllm(
         _refuse("diffusion models", "model_config.is_diffusion")
     if _attr(model, "is_encoder_decoder", False):
         _refuse("encoder-decoder models", "model_config.is_encoder_decoder")
-    multimodal = bool(_attr(model, "supports_multimodal_inputs", False))
-    if multimodal:
-        if _attr(vllm_config, "is_mm_encoder_only", False):
-            _refuse("encoder-only multimodal deployments", "multimodal_config.mm_encoder_only")
-        if _attr(vllm_config.ec_manager_config, "encoder_cache_manager_cls", None) is not None:
-            _refuse("custom encoder cache managers", "ec_manager_config.encoder_cache_manager_cls")
-        if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 0:
-            # vLLM widens the encoder window of a chunk by the drafter's prefill lookahead.
-            _refuse("multimodal inputs with a drafter's prefill lookahead", "speculative_config")
-        if bool(sched.disable_chunked_mm_input) and RULES.version == "0.32":
-            # vLLM 0.32 lets a chunk that starts exactly at an input end inside it; the core follows 0.33.
-            _refuse("disable_chunked_mm_input on vLLM 0.32", "--disable-chunked-mm-input")
+    if _attr(model, "supports_multimodal_inputs", False):
+        check_multimodal(vllm_config)
     if parallel.pipeline_parallel_size > 1:
         _refuse("pipeline parallelism", f"pipeline_parallel_size={parallel.pipeline_parallel_size}")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
@@ -233,9 +229,24 @@ def kvsched_config_from_vllm(
     # step's outputs, as vLLM's scheduler does.
     if vllm_config.lora_config is not None:
         fields["max_loras"] = int(vllm_config.lora_config.max_loras)
-    if multimodal:
-        fields["disable_chunked_mm_input"] = bool(sched.disable_chunked_mm_input)
+    # (Without encoder inputs it changes nothing; a text model's scheduler can get an encoder cache later.)
+    fields["disable_chunked_mm_input"] = bool(sched.disable_chunked_mm_input)
     return build_config(fields, knobs), num_spec_tokens
+
+
+def check_multimodal(vllm_config: Any) -> None:
+    """Refuses the multimodal settings the core does not implement (for a multimodal model at construction, and
+    for any model once its encoder budget and cache are sized after construction)."""
+    if _attr(vllm_config, "is_mm_encoder_only", False):
+        _refuse("encoder-only multimodal deployments", "multimodal_config.mm_encoder_only")
+    if _attr(vllm_config.ec_manager_config, "encoder_cache_manager_cls", None) is not None:
+        _refuse("custom encoder cache managers", "ec_manager_config.encoder_cache_manager_cls")
+    if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 0:
+        # vLLM widens the encoder window of a chunk by the drafter's prefill lookahead.
+        _refuse("multimodal inputs with a drafter's prefill lookahead", "speculative_config")
+    if bool(vllm_config.scheduler_config.disable_chunked_mm_input) and RULES.version == "0.32":
+        # vLLM 0.32 lets a chunk that starts exactly at an input end inside it; the core follows 0.33.
+        _refuse("disable_chunked_mm_input on vLLM 0.32", "--disable-chunked-mm-input")
 
 
 def encoder_budget(vllm_config: Any, mm_registry: Any) -> tuple[int, int]:

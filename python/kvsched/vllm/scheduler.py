@@ -43,6 +43,7 @@ from ._config import (
     UnsupportedFeatureError,
     _check_kv_cache_config,
     check_kv_connector,
+    check_multimodal,
     encoder_budget,
     kvsched_config_from_vllm,
 )
@@ -169,11 +170,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             vllm_config, kv_cache_config, block_size, hash_block_size, sliding_window
         )
         # Multimodal models: vLLM's encoder compute budget and encoder cache size for the model.
-        self.max_num_encoder_input_tokens, encoder_cache_size = encoder_budget(vllm_config, mm_registry)
+        # (Both can be set later: max_num_encoder_input_tokens and encoder_cache_manager below.)
+        max_num_encoder_input_tokens, encoder_cache_size = encoder_budget(vllm_config, mm_registry)
         if encoder_cache_size:
             config = dataclasses.replace(
                 config,
-                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+                max_num_encoder_input_tokens=max_num_encoder_input_tokens,
                 encoder_cache_size=encoder_cache_size,
             )
         self._mm = EncoderInputMap() if encoder_cache_size else None
@@ -1736,6 +1738,59 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if self._connector_prefix_cache_stats is not None:
             self._connector_prefix_cache_stats.reset = True
         return True
+
+    @property
+    def max_num_encoder_input_tokens(self) -> int:
+        """vLLM's encoder compute budget per step (encoder tokens)."""
+        return int(self._core.config.max_num_encoder_input_tokens)
+
+    @max_num_encoder_input_tokens.setter
+    def max_num_encoder_input_tokens(self, value: int) -> None:
+        # vLLM's scheduler reads it at the start of each step: the core's budget applies from the next step.
+        self._set_encoder_sizes(value, int(self._core.config.encoder_cache_size))
+
+    @property
+    def num_prefill_lookahead(self) -> int:
+        """vLLM's drafter prefill look-ahead (it widens a chunk's encoder window): always 0 here (refused at
+        construction for multimodal models)."""
+        return 0
+
+    @num_prefill_lookahead.setter
+    def num_prefill_lookahead(self, value: int) -> None:
+        if value:
+            raise UnsupportedFeatureError(
+                "kvsched.vllm.Scheduler does not support a drafter's prefill lookahead (num_prefill_lookahead) yet"
+            )
+
+    @property
+    def encoder_cache_manager(self) -> Any:
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute 'encoder_cache_manager' (kvsched's core owns the "
+            "encoder cache; assigning a new, empty vLLM EncoderCacheManager re-sizes it)"
+        )
+
+    @encoder_cache_manager.setter
+    def encoder_cache_manager(self, manager: Any) -> None:
+        """A new, empty vLLM ``EncoderCacheManager`` in place of the scheduler's: the core's encoder cache takes its
+        size (only while the core's cache holds no entry, as a new manager holds none)."""
+        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+        if type(manager) is not EncoderCacheManager or manager.cached or manager.num_free_slots != manager.cache_size:
+            raise UnsupportedFeatureError(
+                "kvsched.vllm.Scheduler does not support replacing its encoder cache manager with anything but a new, "
+                f"empty vllm EncoderCacheManager (got {type(manager).__name__}); its core owns the encoder cache"
+            )
+        self._set_encoder_sizes(int(self._core.config.max_num_encoder_input_tokens), int(manager.cache_size))
+
+    def _set_encoder_sizes(self, max_num_encoder_input_tokens: int, encoder_cache_size: int) -> None:
+        """Re-sizes the core's encoder budget and cache (the core refuses a cache that holds entries, or sizes
+        below a live request's encoder input). A model without multimodal inputs then schedules them too, as
+        vLLM's scheduler does once both are set."""
+        if encoder_cache_size and self._mm is None:
+            check_multimodal(self.vllm_config)
+        self._core.set_encoder_sizes(max_num_encoder_input_tokens, encoder_cache_size)
+        if encoder_cache_size and self._mm is None:
+            self._mm = EncoderInputMap()
 
     def reset_encoder_cache(self) -> None:
         """Without an encoder cache (a model without multimodal inputs) there is nothing to reset; the core cannot

@@ -65,6 +65,18 @@ impl EncoderCache {
         self.capacity
     }
 
+    /// Sets the capacity of a cache that holds no entry (hashes evicted earlier stay queued for
+    /// [`EncoderCache::take_freed`]). Returns false (changing nothing) if an entry is cached.
+    pub fn resize_empty(&mut self, capacity: u64) -> bool {
+        if !self.entries.is_empty() {
+            return false;
+        }
+        self.capacity = capacity;
+        self.num_free = capacity;
+        self.num_freeable = capacity;
+        true
+    }
+
     /// Slots not occupied by any entry.
     pub fn num_free(&self) -> u64 {
         self.num_free

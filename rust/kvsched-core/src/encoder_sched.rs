@@ -128,6 +128,54 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Re-sizes the encoder compute budget and the encoder cache (vLLM's `max_num_encoder_input_tokens` and a
+    /// new `EncoderCacheManager`, which tools and tests may set on vLLM's scheduler between steps). The budget
+    /// applies from the next step. The cache can change size only while it holds no entry (a new manager starts
+    /// empty; the core's entries belong to requests and to the workers' tensors). Neither may drop below a live
+    /// request's largest encoder input, which could then never be scheduled. On error nothing changes.
+    pub fn set_encoder_sizes(
+        &mut self,
+        max_num_encoder_input_tokens: u32,
+        encoder_cache_size: u32,
+    ) -> Result<()> {
+        let bad = |msg: String| Err(SchedError::InvalidConfig(msg));
+        for (name, v) in [
+            ("max_num_encoder_input_tokens", max_num_encoder_input_tokens),
+            ("encoder_cache_size", encoder_cache_size),
+        ] {
+            if v > i32::MAX as u32 {
+                return bad(format!("{name} must be in [0, {}], got {v}", i32::MAX));
+            }
+        }
+        if u64::from(encoder_cache_size) != self.encoder.capacity() && self.encoder.num_entries() > 0 {
+            return bad(format!(
+                "encoder_cache_size can change ({} -> {encoder_cache_size}) only while the encoder cache is empty; it \
+                 holds {} entries",
+                self.encoder.capacity(),
+                self.encoder.num_entries()
+            ));
+        }
+        let limit = max_num_encoder_input_tokens.min(encoder_cache_size);
+        if let Some((&hash, &(size, _))) =
+            self.encoder_sizes.iter().filter(|(_, &(s, _))| s > limit).max_by_key(|(_, &(s, _))| s)
+        {
+            return bad(format!(
+                "a live request has an encoder input (hash {hash}) of {size} tokens, more than a step could compute \
+                 or the cache hold with max_num_encoder_input_tokens={max_num_encoder_input_tokens} and \
+                 encoder_cache_size={encoder_cache_size}"
+            ));
+        }
+        if u64::from(encoder_cache_size) != self.encoder.capacity()
+            && !self.encoder.resize_empty(u64::from(encoder_cache_size))
+        {
+            return Err(internal("the encoder cache could not be re-sized though it holds no entry".into()));
+        }
+        self.config.max_num_encoder_input_tokens = max_num_encoder_input_tokens;
+        self.config.encoder_cache_size = encoder_cache_size;
+        self.epoch += 1;
+        Ok(())
+    }
+
     /// Records a new live request's input hashes (for the size check of later requests).
     #[cold]
     #[inline(never)]

@@ -900,6 +900,33 @@ impl PyScheduler {
         Ok(())
     }
 
+    /// Re-sizes the encoder compute budget (from the next step) and the encoder cache (only while it holds no
+    /// entry); neither may drop below a live request's encoder input. `config` shows the new values.
+    fn set_encoder_sizes(
+        slf: &Bound<'_, Self>,
+        max_num_encoder_input_tokens: &Bound<'_, PyAny>,
+        encoder_cache_size: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let size = |o: &Bound<'_, PyAny>, name: &str| -> PyResult<u32> {
+            let v = int_arg(o, name, "InvalidConfigError")?;
+            u32::try_from(v).ok().filter(|&v| v <= i32::MAX as u32).ok_or_else(|| {
+                py_error(py, "InvalidConfigError", format!("{name} must be in [0, {}], got {v}", i32::MAX))
+            })
+        };
+        let budget = size(max_num_encoder_input_tokens, "max_num_encoder_input_tokens")?;
+        let cache = size(encoder_cache_size, "encoder_cache_size")?;
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.set_encoder_sizes(budget, cache))?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("max_num_encoder_input_tokens", budget)?;
+        kwargs.set_item("encoder_cache_size", cache)?;
+        let config =
+            py.import("dataclasses")?.getattr("replace")?.call((this.config.bind(py),), Some(&kwargs))?;
+        this.config = config.unbind();
+        Ok(())
+    }
+
     /// Turns `defer_async_loads` on or off from now on (loads already deferred keep their fence); `config`
     /// shows the new value.
     fn set_defer_async_loads(slf: &Bound<'_, Self>, on: &Bound<'_, PyAny>) -> PyResult<()> {
