@@ -85,10 +85,9 @@ def test_identical_to_vllm_with_a_multi_connector(sync: str, kv_role: str) -> No
     sides: the MultiConnector binds each child to the scheduler's KV cache manager (vLLM's, or kvsched's read-only
     view), asks every child for matches, gives the loading child the request's blocks and the other one none,
     and merges their finishes. Both children's calls are compared."""
-    for seed in range(230, 232):
-        cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=False, connector=True, kv_role=kv_role,
-                       multi_connector=True)  # fmt: skip
-        assert cfg.kv_connector_multi
+    cfg = run_seed(230, 120, async_scheduling=sync == "async", v2=False, connector=True, kv_role=kv_role,
+                   multi_connector=True)  # fmt: skip
+    assert cfg.kv_connector_multi
 
 
 @pytest.mark.parametrize(("sync", "runner"), ASYNC_MODES, ids=[f"{s}-{r}" for s, r in ASYNC_MODES])
