@@ -110,6 +110,82 @@ def test_kv_connector_is_vllms_own_scheduler_role_connector() -> None:
     assert s.core.config.park_kv_loads is False and s.core.config.reserve_inflight_prefills is True
 
 
+def test_kv_connectors_are_bound_to_the_kv_cache_view_as_vllm_binds_its_manager() -> None:
+    """vLLM's scheduler calls ``bind_kv_cache_manager`` on its connector once it is built; kvsched.vllm binds the
+    read-only ``kv_cache_manager`` view the same way, and vLLM's ``MultiConnector`` passes it on to each child
+    (whose base-class binding reads the view's ``block_pool``)."""
+    s = make_scheduler("kvsched", make_vllm_config(kv_connector_seed=1))
+    assert s.connector._kv_cache_manager is s.kv_cache_manager
+    m = make_scheduler("kvsched", make_vllm_config(kv_connector_seed=1, kv_connector_multi=True))
+    assert type(m.connector).__name__ == "MultiConnector"
+    children = m.connector.sub_connectors
+    assert [c.passive for c in children] == [True, False]
+    assert all(c._kv_cache_manager is m.kv_cache_manager for c in children)
+    assert m.kv_cache_manager.block_pool.get_num_free_blocks() == m.core.num_free_blocks
+
+
+def _pool_binding_connector(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A child config for a connector that overrides ``bind_gpu_block_pool`` (as vLLM's CPU-offload, Mooncake
+    store and UMBP connectors do), made importable from this module for vLLM's connector factory."""
+    import sys
+
+    from kvsched.vllm.testing import RandomKVConnector
+
+    class PoolBindingConnector(RandomKVConnector):  # type: ignore[misc]
+        def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+            self.pool = gpu_block_pool
+
+    monkeypatch.setattr(sys.modules[__name__], "PoolBindingConnector", PoolBindingConnector, raising=False)
+    return {
+        "kv_connector": "PoolBindingConnector",
+        "kv_connector_module_path": __name__,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"seed": 1},
+    }
+
+
+def test_kv_connectors_that_use_vllms_block_pool_are_refused_inside_a_multi_connector_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connector that overrides ``bind_gpu_block_pool``/``bind_kv_cache_manager`` is refused at construction,
+    by name, alone or as a child of a ``MultiConnector`` at any depth (the path to it is named); a
+    ``MultiConnector`` whose children all bind the base way is accepted (the previous test), and one that overrides
+    the binding itself is refused."""
+    import sys
+
+    from kvsched.vllm import testing
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    pool = _pool_binding_connector(monkeypatch)
+    plain = {**pool, "kv_connector": "RandomKVConnector", "kv_connector_module_path": testing.__name__}
+
+    def multi(*children: dict[str, Any], name: str = "MultiConnector", **kw: Any) -> dict[str, Any]:
+        return {"kv_connector": name, "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": list(children)},
+                **kw}  # fmt: skip
+
+    def build(ktc: dict[str, Any]) -> Any:
+        cfg = make_vllm_config(kv_connector_seed=1)
+        cfg.kv_transfer_config = KVTransferConfig(**ktc)
+        return make_scheduler("kvsched", cfg)
+
+    with pytest.raises(UnsupportedFeatureError, match=r"\(PoolBindingConnector overrides bind_gpu_block_pool\)"):
+        build(pool)
+    with pytest.raises(UnsupportedFeatureError, match="MultiConnector > PoolBindingConnector overrides"):
+        build(multi(plain, pool))
+    with pytest.raises(UnsupportedFeatureError, match="MultiConnector > MultiConnector > PoolBindingConnector"):
+        build(multi(plain, multi(plain, pool)))
+    assert build(multi(plain, multi(plain, plain))).connector.sub_connectors[1].sub_connectors[0]._kv_cache_manager
+
+    class BindingMulti(MultiConnector):  # type: ignore[misc]
+        def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+            self.manager = kv_cache_manager
+
+    monkeypatch.setattr(sys.modules[__name__], "BindingMulti", BindingMulti, raising=False)
+    with pytest.raises(UnsupportedFeatureError, match=r"\(BindingMulti overrides bind_kv_cache_manager\)"):
+        build(multi(plain, name="BindingMulti", kv_connector_module_path=__name__))
+
+
 @pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer", "kv_both"])
 def test_kv_connector_roles_with_async_scheduling_take_vllms_gates(kv_role: str) -> None:
     """vLLM 0.33 with several batches in flight defers block frees for consumer roles and drops a preempted

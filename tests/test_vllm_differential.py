@@ -79,6 +79,17 @@ def test_identical_to_vllm_with_a_kv_connector_and_batches_in_flight(
     assert cfg.kv_role == kv_role
 
 
+@pytest.mark.parametrize(("sync", "kv_role"), [("sync", "kv_both"), ("async", "kv_consumer"), ("async", "kv_both")])
+def test_identical_to_vllm_with_a_multi_connector(sync: str, kv_role: str) -> None:
+    """The seeded RandomKVConnector as the second child of vLLM's MultiConnector, after a passive one, on both
+    sides: the MultiConnector binds each child to the scheduler's KV cache manager (vLLM's, or kvsched's read-only
+    view), asks every child for matches, gives the loading child the request's blocks and the other one none,
+    and merges their finishes. Both children's calls are compared."""
+    cfg = run_seed(230, 120, async_scheduling=sync == "async", v2=False, connector=True, kv_role=kv_role,
+                   multi_connector=True)  # fmt: skip
+    assert cfg.kv_connector_multi
+
+
 @pytest.mark.parametrize(("sync", "runner"), ASYNC_MODES, ids=[f"{s}-{r}" for s, r in ASYNC_MODES])
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
 def test_identical_to_vllm_with_deferred_async_loads(

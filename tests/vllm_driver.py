@@ -195,6 +195,9 @@ class Config:
     kv_connector_seed: int | None = None
     kv_load_failure_policy: str = "recompute"
     kv_role: str = "kv_both"
+    # The RandomKVConnector is the second child of vLLM's MultiConnector, after a passive one (it finds no tokens
+    # and delays no free); both log their calls.
+    kv_connector_multi: bool = False
     # vLLM 0.33's deferred registration of asynchronous loads, set on both built schedulers as vLLM's tests do
     # (vLLM turns it on only with HiSparse, which kvsched.vllm refuses); it acts with defer_block_free.
     defer_async_loads: bool = False
@@ -278,6 +281,11 @@ class _RecordingPublisher:
 
 def _event_fields(event: Any) -> tuple[str, list[tuple[str, Any]]]:
     return (type(event).__name__, [(f, _norm(getattr(event, f))) for f in event.__struct_fields__])
+
+
+def _connectors(sched: Any) -> list[Any]:
+    """The RandomKVConnectors of a scheduler's KV connector: itself, or a MultiConnector's children in order."""
+    return list(getattr(sched.connector, "sub_connectors", [sched.connector]))
 
 
 class Pair:
@@ -551,7 +559,11 @@ class Pair:
         (``RandomKVConnector.report``: loads started by that step or earlier over, failed whole or with an
         invalid block; sends over). Each connector forgets what is reported when its scheduler hands it the
         report."""
-        return self.a.connector.report(self.rng, so.kv_connector_metadata, self.cfg.block_size)
+        meta = so.kv_connector_metadata
+        if self.cfg.kv_connector_multi:
+            # MultiConnector's metadata holds its children's, in order: the RandomKVConnector is the last.
+            meta = meta.metadata[-1] if meta is not None else None
+        return _connectors(self.a)[-1].report(self.rng, meta, self.cfg.block_size)
 
     def update_oldest(self) -> None:
         so_a, so_b, chunks = self.in_flight.pop(0)
@@ -615,9 +627,10 @@ class Pair:
         compare(f"{when}: has_finished", a.has_finished_requests(), b.has_finished_requests())
         compare(f"{when}: kv usage", a.get_kv_cache_usage(), b.get_kv_cache_usage())
         if a.connector is not None:
-            compare(f"{when}: KV connector calls", a.connector.calls, b.connector.calls)
-            a.connector.calls.clear()
-            b.connector.calls.clear()
+            for i, (ca, cb) in enumerate(zip(_connectors(a), _connectors(b), strict=True)):
+                compare(f"{when}: KV connector {i} calls", ca.calls, cb.calls)
+                ca.calls.clear()
+                cb.calls.clear()
         b.core.check_invariants()
 
     # ---- a whole run -----------------------------------------------------------------------------------
@@ -680,13 +693,15 @@ def run_seed(
     num_speculative_tokens: int | None = None,
     connector: bool = False,
     kv_role: str = "kv_both",
+    multi_connector: bool = False,
     kv_events: bool = False,
     sliding_window: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
-    ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role``; ``kv_events`` turns KV cache
+    ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
+    child of vLLM's ``MultiConnector``, after a passive one); ``kv_events`` turns KV cache
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``multimodal``
     schedules a tiny LLaVA whose requests carry images."""
@@ -698,6 +713,7 @@ def run_seed(
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
         cfg.kv_role = kv_role
+        cfg.kv_connector_multi = multi_connector
         cfg.defer_async_loads = defer_async_loads
     if num_speculative_tokens is not None:
         cfg.num_speculative_tokens = num_speculative_tokens
@@ -729,6 +745,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --connector: the connector's roles, comma-separated (kv_producer, kv_consumer, kv_both); each "
         "mode runs every seed once per role",
     )
+    p.add_argument(
+        "--multi-connector",
+        action="store_true",
+        help="with --connector: the RandomKVConnector is the second child of vLLM's MultiConnector, after a passive "
+        "one (bound to each scheduler's KV cache manager: kvsched's read-only view)",
+    )
     p.add_argument("--kv-events", action="store_true", help="KV cache events on, published batches compared")
     p.add_argument(
         "--sliding-window",
@@ -747,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.sliding_window and (args.connector or args.kv_events):
         p.error("--sliding-window goes without --connector and --kv-events")
+    if args.multi_connector and not args.connector:
+        p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
         p.error("--sliding-window and --mm are separate sweeps (a multimodal model with a window is not driven here)")
     import vllm
@@ -775,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
                         v2=runner == "v2",
                         connector=role is not None,
                         kv_role=role or "kv_both",
+                        multi_connector=args.multi_connector,
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
                         multimodal=args.mm,

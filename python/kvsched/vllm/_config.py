@@ -74,13 +74,32 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> int | None:
 
 
 def check_kv_connector(vllm_config: Any, connector: Any) -> None:
-    """Refuses a vLLM scheduler-role KV connector that relies on parts of vLLM's scheduler kvsched replaces."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    """Refuses a vLLM scheduler-role KV connector that relies on parts of vLLM's scheduler kvsched replaces.
 
-    name = type(connector).__name__
-    for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
-        if getattr(type(connector), method, None) is not getattr(KVConnectorBase_V1, method):
-            _refuse(f"KV connectors that use vLLM's own block pool ({name} overrides {method})", "kv_transfer_config")
+    A connector that overrides ``bind_kv_cache_manager`` or ``bind_gpu_block_pool`` changes vLLM's block pool
+    (references, frees, cached lookups by vLLM's block hashes): refused, by name. vLLM's ``MultiConnector``
+    overrides both only to pass them on to its children: it is refused when one of its children (at any depth)
+    is. Every other connector gets ``bind_kv_cache_manager`` with the read-only ``kv_cache_manager`` view, as vLLM
+    binds its own manager."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    def check(conn: Any, path: str) -> None:
+        cls = type(conn)
+        name = f"{path}{cls.__name__}"
+        forwards = isinstance(conn, MultiConnector) and all(
+            getattr(cls, m) is getattr(MultiConnector, m) for m in ("bind_kv_cache_manager", "bind_gpu_block_pool")
+        )
+        if forwards:
+            for child in conn.sub_connectors:
+                check(child, f"{name} > ")
+            return
+        for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
+            if getattr(cls, method, None) is not getattr(KVConnectorBase_V1, method):
+                feature = f"KV connectors that use vLLM's own block pool ({name} overrides {method})"
+                _refuse(feature, "kv_transfer_config")
+
+    check(connector, "")
 
 
 def kvsched_config_from_vllm(

@@ -307,6 +307,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._hasher_in_core: dict[Any, bool] = {}
         self.current_step = 0
         self._kv_view: KVCacheManagerView | None = None
+        if self.connector is not None:
+            # vLLM binds its KV cache manager to the connector once its scheduler is built; the connector gets the
+            # read-only view (check_kv_connector refused those that would change vLLM's block pool).
+            self.connector.bind_kv_cache_manager(self.kv_cache_manager)
 
     # ---- requests ---------------------------------------------------------------------------------------
 

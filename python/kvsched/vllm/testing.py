@@ -170,6 +170,7 @@ def make_vllm_config(
     kv_connector_seed: int | None = None,
     kv_load_failure_policy: str = "recompute",
     kv_role: str = "kv_both",
+    kv_connector_multi: bool = False,
     kv_events: bool = False,
     multimodal: bool = False,
     disable_chunked_mm_input: bool = False,
@@ -179,8 +180,10 @@ def make_vllm_config(
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
     as its draft model, no trailing-block dropping). ``kv_connector_seed`` adds a ``kv_transfer_config`` for
     :class:`RandomKVConnector` with that seed and role ``kv_role`` (``kv_producer``, ``kv_consumer``,
-    ``kv_both``). ``kv_events`` turns KV cache events on with vLLM's ``null`` publisher (replace the scheduler's
-    ``kv_event_publisher`` to see the batches)."""
+    ``kv_both``); with ``kv_connector_multi`` it is the second child of vLLM's ``MultiConnector``, whose first is
+    a passive one (a :class:`RandomKVConnector` that finds no tokens and delays no free). ``kv_events`` turns KV
+    cache events on with vLLM's ``null`` publisher (replace the scheduler's ``kv_event_publisher`` to see the
+    batches)."""
     from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
@@ -245,13 +248,22 @@ def make_vllm_config(
     if kv_connector_seed is not None:
         from vllm.config import KVTransferConfig
 
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="RandomKVConnector",
-            kv_connector_module_path=__name__,
-            kv_role=kv_role,
-            kv_load_failure_policy=kv_load_failure_policy,
-            kv_connector_extra_config={"seed": kv_connector_seed},
-        )
+        child = {
+            "kv_connector": "RandomKVConnector",
+            "kv_connector_module_path": __name__,
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {"seed": kv_connector_seed},
+        }
+        if kv_connector_multi:
+            passive = {**child, "kv_connector_extra_config": {"seed": kv_connector_seed, "passive": True}}
+            kv_transfer_config = KVTransferConfig(
+                kv_connector="MultiConnector",
+                kv_role=kv_role,
+                kv_load_failure_policy=kv_load_failure_policy,
+                kv_connector_extra_config={"connectors": [passive, child]},
+            )
+        else:
+            kv_transfer_config = KVTransferConfig(**child, kv_load_failure_policy=kv_load_failure_policy)
     kv_events_config = None
     if kv_events:
         from vllm.config import KVEventsConfig
@@ -439,14 +451,18 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
     order, answer the same: the differential driver (``tests/vllm_driver.py``) gives one to vLLM's scheduler and
     one to kvsched's and compares ``calls``, a log of every hook call with the request state and blocks it was
     called with.
+
+    ``"passive": true`` in its ``kv_connector_extra_config`` makes it find no external tokens and delay no free in
+    any role (it still logs its calls): a second child of vLLM's ``MultiConnector`` that only watches.
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.seed = int(extra.get("seed", 0))
-        self.loads_external = bool(self._kv_transfer_config.is_kv_consumer)
-        self.sends = bool(self._kv_transfer_config.is_kv_producer)
+        self.passive = bool(extra.get("passive", False))
+        self.loads_external = bool(self._kv_transfer_config.is_kv_consumer) and not self.passive
+        self.sends = bool(self._kv_transfer_config.is_kv_producer) and not self.passive
         self.calls: list[tuple[Any, ...]] = []
         self.loads: dict[str, tuple[list[int], int, int]] = {}  # req_id -> (blocks, first token, tokens)
         self.sending: set[str] = set()
@@ -517,7 +533,7 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
         delay = self.sends and bool(block_ids) and req_id not in self.loads and rng.random() < 0.3
         if delay:
             self.sending.add(req_id)
-        params = {"req": req_id, "blocks": len(block_ids)} if rng.random() < 0.5 else None
+        params = {"req": req_id, "blocks": len(block_ids)} if rng.random() < 0.5 and not self.passive else None
         return delay, params
 
     def update_connector_output(self, connector_output: Any) -> None:
