@@ -36,6 +36,29 @@ def make_tiny(path: str) -> None:
     )
 
 
+def print_summary(runs: list[dict[str, Any]]) -> None:
+    """Per figure, how many runs are within 15% for each (scheduler, rate), with the mean relative error, then the
+    count over all figures."""
+    from kvsched.sim.vllm_engine import FIGURES
+
+    groups = sorted({(r["scheduler"], r["rate"]) for r in runs}, key=lambda g: (g[0] != "vllm", g[0], g[1]))
+    heads = [f"{name} {rate:g}/s" for name, rate in groups]
+    print("\nwithin 15% (runs of each scheduler and rate; mean signed error)")
+    print(f"{'figure':>24}  " + "  ".join(f"{h:>18}" for h in heads))
+    for fig in FIGURES:
+        cells = []
+        for g in groups:
+            errs = [r["figures"][fig]["rel_error"] for r in runs if (r["scheduler"], r["rate"]) == g]
+            ok = sum(1 for e in errs if abs(e) <= 0.15)
+            mean = sum(errs) / len(errs) if errs else float("nan")
+            cells.append(f"{ok}/{len(errs)} ({100 * mean:+.1f}%)")
+        print(f"{fig:>24}  " + "  ".join(f"{c:>18}" for c in cells))
+    for name in sorted({r["scheduler"] for r in runs}):
+        mine = [r for r in runs if r["scheduler"] == name]
+        within = sum(r["within_15_percent"] for r in mine)
+        print(f"{name}: {within} of {sum(r['num_figures'] for r in mine)} figures within 15%")
+
+
 def run_each(names: list[str]) -> int:
     """One child process per scheduler (vLLM tears down its distributed state with an engine, so a second engine in
     the same process fails); each child's JSON is merged into ``--json``."""
@@ -61,6 +84,7 @@ def run_each(names: list[str]) -> int:
                 runs += json.loads(part.read_text())["runs"]
     if out is not None:
         out.write_text(json.dumps({"argv": sys.argv, "runs": runs}, indent=1, default=float) + "\n")
+    print_summary(runs)
     within = sum(r["within_15_percent"] for r in runs)
     total = sum(r["num_figures"] for r in runs)
     print(f"all schedulers: {within} of {total} figures within 15%")
@@ -143,8 +167,21 @@ def main() -> int:
                 )
                 report.update({"scheduler": name, "rate": rate, "seed": seed})
                 fit = report.get("calibration", {})
-                print(f"# calibrated on {fit.get('num_steps')} steps, R^2 {fit.get('r2', float('nan')):.3f}",
-                      file=sys.stderr)  # fmt: skip
+                kinds = report["step_model_on_real_steps"]
+                priced = ", ".join(
+                    f"{k} {v['measured_mean'] / v['predicted_mean']:.2f} ({v['num_steps']})"
+                    for k, v in kinds.items()
+                    if v["num_steps"]
+                )
+                parts = report["ttft_parts"]
+                print(
+                    f"# calibrated on {fit.get('num_steps')} steps, R^2 {fit.get('r2', float('nan')):.3f}, "
+                    f"features {','.join(fit.get('features', []))}; measured/modelled mean step time on the "
+                    f"replay's steps: {priced}; TTFT mean wait + first step, real "
+                    f"{1e3 * parts['real']['wait_mean']:.2f} + {1e3 * parts['real']['first_step_mean']:.2f} ms, "
+                    f"sim {1e3 * parts['sim']['wait_mean']:.2f} + {1e3 * parts['sim']['first_step_mean']:.2f} ms",
+                    file=sys.stderr,
+                )
                 reports.append(report)
                 errs = [report["figures"][f]["rel_error"] for f in FIGURES]
                 within += sum(1 for e in errs if abs(e) <= 0.15)
@@ -154,7 +191,10 @@ def main() -> int:
                 if args.json is not None:  # after every run, so that an interrupted sweep keeps what it measured
                     doc = {"argv": sys.argv, "runs": reports}
                     args.json.write_text(json.dumps(doc, indent=1, default=float) + "\n")
-    print(f"{within} of {total} figures within 15%")
+    if len(reports) > 1:
+        print_summary(reports)
+    else:
+        print(f"{within} of {total} figures within 15%")
     return 0
 
 

@@ -188,6 +188,15 @@ def test_validation_replays_the_workload_and_the_simulator_matches_an_engine_it_
     assert report["real_steps"] == report["sim_steps"]
     for name, v in report["figures"].items():
         assert abs(v["rel_error"]) < 1e-6, (name, v)
+    # The per-kind pricing of the replay's own steps and TTFT's two parts agree too (the engine takes the model's time).
+    kinds = report["step_model_on_real_steps"]
+    assert kinds["all"]["num_steps"] == report["real_steps"] and kinds["with_prefill"]["num_steps"] > 0
+    for k, v in kinds.items():
+        if v["num_steps"]:
+            assert v["measured_mean"] == pytest.approx(v["predicted_mean"], rel=1e-9), k
+    real, sim = report["ttft_parts"]["real"], report["ttft_parts"]["sim"]
+    assert real["first_step_mean"] > 0 and real["wait_mean"] >= 0
+    assert real == pytest.approx(sim, rel=1e-9, abs=1e-12)
     # A model 30% off in its per-step cost shows in the figures.
     slow = dataclasses.replace(TRUTH, step_s=TRUTH.step_s * 1.3, decode_req_s=TRUTH.decode_req_s * 1.3)
     driver, _ = _driver()

@@ -27,7 +27,7 @@ from .steptime import StepTimeModel, lone_prefill_tokens, spill_pairs
 from .summary import request_records
 from .workload import PromptFactory, Workload
 
-__all__ = ["RealRun", "compare", "prompt_fn_for_vocab", "run_real", "validate", "warmup_prompts"]
+__all__ = ["RealRun", "compare", "prompt_fn_for_vocab", "run_real", "step_model_on_steps", "validate", "warmup_prompts"]
 
 Batch = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -195,6 +195,38 @@ def run_real(
     return real
 
 
+def step_model_on_steps(
+    model: StepTimeModel,
+    features: list[tuple[int, int, int, int, float]],
+    pairs: list[npt.NDArray[np.float64]],
+    step_times: list[float],
+) -> dict[str, dict[str, float]]:
+    """The step-time model on measured steps (each step's composition: prefill tokens, prefill requests, decode
+    requests, KV tokens, prefill pairs; its prefill chunks' query-key pairs; its measured time): per kind of step
+    (all, with a prefill chunk, lone prefill, decode only) the number of steps and the measured and predicted
+    mean time."""
+    f = np.asarray(features, dtype=np.float64).reshape(-1, 5)
+    spill = np.array([spill_pairs(p, model.attn_spill_pairs) for p in pairs], dtype=np.float64)
+    lone = lone_prefill_tokens(f[:, 0], f[:, 1], f[:, 2])
+    pred = model.predict(np.column_stack([np.ones(len(f)), f, np.zeros(len(f)), spill, lone]))
+    meas = np.asarray(step_times, dtype=np.float64)
+    has_prefill = f[:, 1] > 0
+    kinds = {
+        "all": np.ones(len(f), dtype=np.bool_),
+        "with_prefill": has_prefill,
+        "lone_prefill": (f[:, 1] == 1) & (f[:, 2] == 0),
+        "decode_only": ~has_prefill,
+    }
+    return {
+        k: {
+            "num_steps": int(m.sum()),
+            "measured_mean": float(meas[m].mean()) if m.any() else float("nan"),
+            "predicted_mean": float(pred[m].mean()) if m.any() else float("nan"),
+        }
+        for k, m in kinds.items()
+    }
+
+
 def compare(real: RealRun, workload: Workload, sim_res: Any, *, time_scale: float = 1.0) -> dict[str, Any]:
     """Batches (how many steps agree before the first difference), TTFT/e2e percentiles real vs simulated, and
     the step-time model's error on the real run's own steps (their measured composition)."""
@@ -222,28 +254,9 @@ def compare(real: RealRun, workload: Workload, sim_res: Any, *, time_scale: floa
         "sim_step_time_mean": float(sim_res.step_time.mean()) if sim_res.num_steps else float("nan"),
     }
     if real.features:
-        f = np.asarray(real.features, dtype=np.float64)
-        sm = sim_res.step_model
-        spill = np.array([spill_pairs(p, sm.attn_spill_pairs) for p in real.request_pairs], dtype=np.float64)
-        lone = lone_prefill_tokens(f[:, 0], f[:, 1], f[:, 2])
-        feats = np.column_stack([np.ones(len(f)), f, np.zeros(len(f)), spill, lone])
-        pred = sm.predict(feats)
-        meas = np.asarray(real.step_times)
-        has_prefill = f[:, 1] > 0
-        kinds = {
-            "all": np.ones(len(f), dtype=np.bool_),
-            "with_prefill": has_prefill,
-            "lone_prefill": (f[:, 1] == 1) & (f[:, 2] == 0),
-            "decode_only": ~has_prefill,
-        }
-        out["step_model_on_real_steps"] = {
-            k: {
-                "num_steps": int(m.sum()),
-                "measured_mean": float(meas[m].mean()) if m.any() else float("nan"),
-                "predicted_mean": float(pred[m].mean()) if m.any() else float("nan"),
-            }
-            for k, m in kinds.items()
-        }
+        out["step_model_on_real_steps"] = step_model_on_steps(
+            sim_res.step_model, real.features, real.request_pairs, real.step_times
+        )
     for name, r, s in (("ttft", real_ttft, rec.ttft), ("e2e", real_e2e, rec.e2e)):
         pr, ps = percentiles(r), percentiles(s)
         out[name] = {

@@ -282,9 +282,19 @@ class EngineRun:
         self.first_token = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.num_tokens = np.zeros(n, dtype=np.int64)
+        self.first_scheduled = np.full(n, np.nan)  # start of the first step that schedules the request
         self.num_steps = 0
         self.step_time_sum = 0.0
         self.wall_s = 0.0
+        # Per step: start and end on the run's clock, duration, composition (prefill tokens, prefill requests,
+        # decode requests, KV tokens, prefill pairs) and its prefill chunks' query-key pairs.
+        self.step_start: list[float] = []
+        self.step_end: list[float] = []
+        self.step_times: list[float] = []
+        self.features: list[tuple[int, int, int, int, float]] = []
+        self.request_pairs: list[npt.NDArray[np.float64]] = []
+        # Clock time between consecutive steps (the engine loop's own work outside a step; idle gaps excluded).
+        self.between_steps_s = 0.0
 
 
 def run_engine(
@@ -312,7 +322,8 @@ def run_engine(
     tick = driver.clock
     wall0 = time.monotonic()
     t0 = tick()
-    offset = 0.0  # idle time skipped on the virtual clock
+    offset = 0.0  # idle time skipped on the virtual clock, less the harness's own work
+    last_end: float | None = None  # the clock at the end of the previous step (None after an idle gap)
     i = 0
     driver.log.take()
     while i < n or driver.has_unfinished():
@@ -335,12 +346,27 @@ def run_engine(
                 offset += gap
             else:
                 time.sleep(gap)
+            last_end = None
             continue
+        s0 = tick() - t0 + offset
         dt, outputs = driver.step()
-        driver.log.take()
+        end = tick() - t0 + offset
+        b0 = tick()  # the harness's recording, off the clock
+        if last_end is not None:
+            run.between_steps_s += s0 - last_end
+        last_end = end
         run.num_steps += 1
         run.step_time_sum += dt
-        end = tick() - t0 + offset
+        for rids, nst, nct, is_dec in driver.log.take():
+            run.step_start.append(s0)
+            run.step_end.append(end)
+            run.step_times.append(dt)
+            run.features.append(step_features(nst, nct, is_dec))
+            run.request_pairs.append(request_pairs(nst, nct, is_dec))
+            for r in rids:
+                j = index.get(r)
+                if j is not None and np.isnan(run.first_scheduled[j]):
+                    run.first_scheduled[j] = s0
         for out in outputs:
             j = index.get(out.request_id)
             if j is None:
@@ -351,6 +377,7 @@ def run_engine(
             run.num_tokens[j] = max(run.num_tokens[j], got)
             if out.finished:
                 run.finish[j] = end
+        offset -= tick() - b0
     run.wall_s = time.monotonic() - wall0
     return run
 
@@ -376,6 +403,15 @@ def _figures(
     out["request_throughput"] = float(done.sum()) / span if span > 0 else float("nan")
     out["output_token_throughput"] = float(num_tokens[done].sum()) / span if span > 0 else float("nan")
     return out
+
+
+def _ttft_parts(
+    arrival: npt.NDArray[np.float64], first_scheduled: npt.NDArray[np.float64], first_token: npt.NDArray[np.float64]
+) -> tuple[float, float]:
+    ok = np.isfinite(first_scheduled) & np.isfinite(first_token)
+    if not ok.any():
+        return float("nan"), float("nan")
+    return float((first_scheduled - arrival)[ok].mean()), float((first_token - first_scheduled)[ok].mean())
 
 
 def compare_runs(real: dict[str, float], sim: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -427,16 +463,21 @@ def validate_engine(
         fit["workloads"] = len(session.work)
     assert step_model is not None
     from .summary import request_records
+    from .validate import step_model_on_steps
 
     arrival = workload.arrival_time
     real_fig = _figures(real.first_token, real.finish, real.num_tokens, arrival)
     repeats = max(1, sim_repeats) if step_model.noise_sigma > 0 else 1
     draws: list[dict[str, float]] = []
+    sim_ttft_parts: list[tuple[float, float]] = []
     for k in range(repeats):
         sim = simulate(workload, cfg, step_model, keep_records=True, prompt_fn=prompt_fn, noise_seed=seed * 1000 + k)
         rec = request_records(sim)
         draws.append(_figures(rec.first_token_time, rec.finish_time, rec.num_output_tokens, arrival))
+        sim_ttft_parts.append(_ttft_parts(arrival, rec.first_scheduled_time, rec.first_token_time))
     sim_fig = {f: float(np.mean([d[f] for d in draws])) for f in FIGURES}
+    real_wait, real_first = _ttft_parts(arrival, real.first_scheduled, real.first_token)
+    sim_wait, sim_first = (float(np.mean(v)) for v in zip(*sim_ttft_parts, strict=True))
     figures = compare_runs(real_fig, sim_fig)
     within = sum(1 for v in figures.values() if abs(v["rel_error"]) <= 0.15)
     return {
@@ -450,7 +491,15 @@ def validate_engine(
         "real_step_time_mean": real.step_time_sum / real.num_steps if real.num_steps else float("nan"),
         "sim_step_time_mean": float(sim.step_time.mean()) if sim.num_steps else float("nan"),
         "real_wall_s": real.wall_s,
+        "real_between_steps_s": real.between_steps_s,
         "sim_repeats": repeats,
+        # TTFT in two parts, means over requests: arrival to the start of the first step that schedules the
+        # request, and from there to its first token.
+        "ttft_parts": {
+            "real": {"wait_mean": real_wait, "first_step_mean": real_first},
+            "sim": {"wait_mean": sim_wait, "first_step_mean": sim_first},
+        },
+        "step_model_on_real_steps": step_model_on_steps(step_model, real.features, real.request_pairs, real.step_times),
         "figures": figures,
         "within_15_percent": within,
         "num_figures": len(figures),
