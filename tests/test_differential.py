@@ -192,7 +192,8 @@ class Twin:
         # Sometimes schedule(throttle_prefills=True) and requests that skip reading the prefix cache.
         self.throttle = throttle
         self.encoder_cap0 = max(1, self.encoder_cap())
-        self.fail_steps = fail_steps  # op_fail among the operations (runner faults)
+        # op_fail among the operations (runner faults), and odd but valid runner outputs in op_update
+        self.fail_steps = fail_steps
         # session_id, ttft_slo_s and order_key on new requests (not in the seeded soaks of the other axes: their
         # random streams stay as they were)
         self.order_keywords = order_keywords
@@ -218,6 +219,8 @@ class Twin:
         }
         # victims that sat before a request phase A scheduled in their step (scheduled earlier, then refunded)
         self.coverage["victims_before_scheduled"] = 0
+        self.coverage["odd_outputs"] = 0
+        self.coverage["odd_outputs_refused"] = 0
         self.kv_events = KvEventTwin()
 
     # -- operations --------------------------------------------------------------------------------------
@@ -455,11 +458,30 @@ class Twin:
             drafts = [[] if s is None else [r.int(0, VOCAB - 1) for _ in range(r.int(0, look))] for s in sizes]
         if sizes and r.chance(0.1) and self.bad_update(a, b, sampled, drafts):
             return None  # the "malformed" update was valid after all (its request is gone)
+        # Outputs a runner may return and vLLM's scheduler takes (with fail_steps; drawn from the step id, so the
+        # driver's stream stays as it was): tokens for a prefill chunk, more than 1 + drafts, or none for a
+        # decode (its request then stays with nothing to schedule: it is aborted right after).
+        stuck: list[str] = []
+        odd = np.random.default_rng([a.step_id, 77, len(self.log)])
+        stuck_or_odd = self.fail_steps and bool(sizes) and odd.random() < 0.15
+        if stuck_or_odd:
+            k = int(odd.integers(len(sizes)))
+            rid = a._entries[k][0].req_id
+            if sizes[k] is None or odd.random() < 0.5:
+                sampled[k] = [*sampled[k], *odd.integers(0, VOCAB, int(odd.integers(1, 4))).tolist()]
+            else:
+                sampled[k] = []
+                stuck.append(rid)
+            self.log.append(f"odd output for {rid}: {sampled[k]}")
+            self.coverage["odd_outputs"] += 1
         as_arrays = r.chance(0.5)
         self.log.append(f"update step {a.step_id} sampled={sampled} drafts={drafts}")
         ra, rb, failed = call_both(lambda: self.ref.update_from_output(a, sampled, drafts),
                                    lambda: self.rs.update_from_output(b, ragged(sampled, as_arrays),
                                                                       ragged(drafts, as_arrays)))  # fmt: skip
+        if failed and stuck_or_odd:  # tokens past the KV slots the request holds: both refuse, nothing changed
+            self.coverage["odd_outputs_refused"] += 1
+            return None
         if failed:  # drafts under async scheduling: both refuse, nothing changed; the step stays pending
             assert self.cfg.async_scheduling and drafts is not None
             return None
@@ -467,6 +489,9 @@ class Twin:
         self.coverage["part_stops"] = self.coverage.get("part_stops", 0) + len(ra.part_finished_req_ids)
         self.pending.popleft()
         self.expect_stale(a, b)
+        if stuck:
+            self.log.append(f"abort {stuck}")
+            call_both(lambda: self.ref.abort_requests(stuck), lambda: self.rs.abort_requests(stuck))
         return None
 
     def bad_update(self, a: Any, b: Any, sampled: list[list[int]], drafts: Any) -> bool:
@@ -476,11 +501,12 @@ class Twin:
         kind = r.int(0, 3)
         bad = [list(e) for e in sampled]
         if kind == 0:
-            bad[k] = [*bad[k], 1, 1]  # too many tokens (or tokens for a prefill chunk)
+            bad[k] = [*bad[k], -1]  # an id out of range (ignored if k's request is gone since the step)
         elif kind == 1:
             bad = bad[:-1]  # misaligned
         elif kind == 2:
-            bad[k] = []  # a decode without a token (fine only for chunks / gone requests)
+            # none for a prefill chunk (valid: the step applies), else an id out of range
+            bad[k] = [] if a._entries[k][1] else [-1]
         else:
             bad[k] = [2**31]  # out of range (ignored if k's request is gone since the step was scheduled)
         self.log.append(f"bad update step {a.step_id} {bad}")

@@ -19,6 +19,7 @@ from kvsched import (
     InvalidOutputError,
     InvalidRequestError,
     RequestStatus,
+    Scheduler,
     SchedulerConfig,
     SchedulerError,
     SchedulerTypeError,
@@ -93,16 +94,21 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget() -> None:
     assert not h.s.has_unfinished_requests()  # the last chunk sampled TOK and max_tokens=1 capped it
 
 
-def test_prefill_chunk_entry_must_be_empty_and_a_bad_update_changes_nothing() -> None:
-    h = Harness(block_size=4, num_blocks=17, max_num_batched_tokens=8, max_model_len=64)
-    h.add("a", prompt(20))
+def test_tokens_for_a_prefill_chunk_are_appended_and_a_bad_update_changes_nothing() -> None:
+    h = Harness(block_size=4, num_blocks=17, max_num_batched_tokens=8, max_model_len=64, num_lookahead_tokens=1)
+    h.add("a", prompt(20), max_tokens=5)
     out = h.schedule()
     before = h.s.stats()
     with pytest.raises(InvalidOutputError):
-        h.s.update_from_output(out, [[TOK]])  # a prefill chunk samples nothing
+        h.s.update_from_output(out, [[TOK]], [[1]])  # a prefill chunk gets no drafts
     assert h.s.stats() == before and h.s.get_output_token_ids("a") == []
-    res = h.s.update_from_output(out, [[]])  # the same output still applies once
-    assert res.num_new_tokens.tolist() == [0]
+    # vLLM's scheduler appends what the runner returns for a partial prefill (its runners return nothing there)
+    res = h.s.update_from_output(out, [[TOK]])
+    assert res.num_new_tokens.tolist() == [1] and h.s.get_output_token_ids("a") == [TOK]
+    assert h.s.get_num_computed_tokens("a") == 8  # the chunk's 8: the prompt's rest and the token come next
+    out = h.schedule()
+    assert out.num_scheduled_tokens.tolist() == [8]
+    h.s.check_invariants()
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_enough_budget() -> None:
@@ -573,13 +579,33 @@ def test_drafts_are_validated() -> None:
     with pytest.raises(InvalidOutputError):
         h.s.update_from_output(out, [[TOK]], [[1, 2]])  # more drafts than num_lookahead_tokens
     with pytest.raises(InvalidOutputError):
-        h.s.update_from_output(out, [[TOK, TOK]])  # no drafts were scheduled: at most 1 token
-    with pytest.raises(InvalidOutputError):
-        h.s.update_from_output(out, [[]])  # a decode needs at least 1 token
-    with pytest.raises(InvalidOutputError):
         h.s.update_from_output(out, [[TOK]], [[-1]])
     h.s.update_from_output(out, [[TOK]], [[4]])
     h.s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", ["reference", "core"])
+def test_an_empty_decode_keeps_its_drafts_computed_and_extra_tokens_count_as_computed(impl: str) -> None:
+    """vLLM's scheduler takes what the runner returns: nothing for a decode (nothing appended, nothing rolled
+    back: the step's drafts stay computed), or more than 1 + drafts (appended, computed moves forward)."""
+    cfg: dict[str, Any] = {"block_size": 4, "num_blocks": 32, "max_model_len": 64, "num_lookahead_tokens": 2}
+    s = ReferenceScheduler(**cfg) if impl == "reference" else Scheduler(**cfg)
+    s.add_request("a", prompt(3), max_tokens=20, arrival_time=0.0)
+    s.add_request("b", prompt(3, 100), max_tokens=20, arrival_time=1.0)
+    s.update_from_output(s.schedule(), [[TOK], [TOK]], [[1, 2], [1, 2]])
+    out = s.schedule()
+    assert out.num_scheduled_tokens.tolist() == [3, 3]
+    res = s.update_from_output(out, [[], [TOK, 5, 6, 8, 9]])
+    assert res.num_new_tokens.tolist() == [0, 5]
+    assert list(s.get_output_token_ids("a")) == [TOK] and s.get_num_computed_tokens("a") == 6  # 3 + 1 + 2 drafts
+    # b: 4 tokens + 5 = 9; computed 4 + 2 drafts - (2 - 4 accepted) = 8 = num_tokens - 1
+    assert list(s.get_output_token_ids("b")) == [TOK, TOK, 5, 6, 8, 9] and s.get_num_computed_tokens("b") == 8
+    s.check_invariants()
+    out = s.schedule()
+    assert out.req_ids == ["b"]  # a has nothing left to compute
+    s.update_from_output(out, [[TOK, TOK]])  # no drafts scheduled, two tokens: both appended
+    assert s.get_num_computed_tokens("b") == 9 and len(s.get_output_token_ids("b")) == 8
+    s.check_invariants()
 
 
 def test_drafts_are_capped_by_max_model_len() -> None:

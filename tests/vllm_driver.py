@@ -299,6 +299,9 @@ class Pair:
         # Draws for the output-packaging dimensions (front-end clients, stats, aborts of requests in a step in
         # flight) come from their own stream, so they leave the scheduling draws of a seed as they are.
         self.rng_out = random.Random(f"outputs/{seed}")
+        # Odd runner outputs vLLM's scheduler takes (model_output), from their own stream too.
+        self.rng_odd = random.Random(f"odd/{seed}")
+        self.stuck: list[str] = []
         fields = dataclasses.asdict(cfg)
         v2 = fields.pop("use_v2_model_runner")
         window = fields.pop("sliding_window")
@@ -533,7 +536,7 @@ class Pair:
         spec = so.scheduled_spec_decode_tokens
         for rid in req_ids:
             if rid in chunks:
-                sampled.append([])
+                sampled.append(self.odd_output(rid, True, 0, []))
                 continue
             drafts = spec.get(rid, ())
             accepted = self.rng.randrange(0, len(drafts) + 1) if drafts else 0
@@ -543,7 +546,7 @@ class Pair:
                     break  # n-gram padding: rejected
                 tokens.append(d if d >= 0 else self.random_token())
             tokens.append(self.random_token())
-            sampled.append(tokens)
+            sampled.append(self.odd_output(rid, False, len(drafts), tokens))
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -553,6 +556,40 @@ class Pair:
             pooler_output=[],
             kv_connector_output=self.transfers(so) if self.cfg.kv_connector_seed is not None else None,
         )
+
+    def odd_output(self, rid: str, chunk: bool, num_drafts: int, tokens: list[int]) -> list[int]:
+        """Now and then, what a mock runner returns that vLLM's own runners would not and vLLM's scheduler takes
+        all the same: tokens for a partial prefill (synchronous only), more than 1 + the drafts scheduled (up to 1 +
+        num_speculative_tokens, which the KV slots allocated for the step hold; without drafts, synchronous
+        only: vLLM's asynchronous scheduler asserts that its placeholders stay non-negative), or nothing for a
+        decode (its request then has nothing left to schedule, as in vLLM: it is aborted after the update, as
+        the engine does for a request whose output failed)."""
+        rng = self.rng_odd
+        if rng.random() >= 0.03:
+            return tokens
+        k = self.cfg.num_speculative_tokens or 0
+        if chunk:
+            if self.cfg.async_scheduling:  # vLLM's placeholders of the step after it would go negative
+                return tokens
+            return [self.random_token() for _ in range(rng.randrange(1, 3))]
+        r = rng.random()
+        if r < 0.4:
+            self.stuck.append(rid)
+            return []
+        if num_drafts and len(tokens) < 1 + k:
+            # Tokens beyond the drafts count as computed: no further than the KV slots the request holds
+            # (past them vLLM would count computed tokens it has no KV for; kvsched refuses the output).
+            request = self.a.requests.get(rid)
+            if request is None or request.is_finished():
+                return tokens
+            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[0]) * self.cfg.block_size
+            room = min(1 + k - len(tokens), slots - (request.num_computed_tokens - num_drafts + len(tokens) - 1))
+            if room > 0:
+                return tokens + [self.random_token() for _ in range(rng.randrange(1, 1 + room))]
+            return tokens
+        if not num_drafts and not self.cfg.async_scheduling:
+            return tokens + [self.random_token() for _ in range(rng.randrange(1, 3))]
+        return tokens
 
     def transfers(self, so: Any) -> Any:
         """What the workers report about KV transfers with the output of step ``so``
@@ -583,6 +620,14 @@ class Pair:
         self.check_state(f"step {self.steps} update")
         if self.cfg.num_speculative_tokens and not self.cfg.async_scheduling:
             self.propose_drafts(so_a)
+        if self.stuck:
+            from vllm.v1.request import RequestStatus
+
+            ids, self.stuck = self.stuck, []
+            ra = self.a.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            rb = self.b.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            compare("finish_requests (empty output)", [r.request_id for r in ra], [r.request_id for r in rb])
+            self.check_state(f"finish_requests({ids}) after an empty output")
 
     def propose_drafts(self, so: Any) -> None:
         """What vLLM's engine does after a synchronous step with a drafter: the runner's drafts for the requests

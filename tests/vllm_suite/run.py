@@ -333,20 +333,10 @@ REFUSED = re.compile(r"does not support ([^\n]+)")
 # only the requests that could never fit (docs/semantics.md, "Requests that could never fit").
 CORE_DIFFERENCES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
-        re.compile(r"must receive between 1 and \d+ sampled tokens in step \d+, got 0"),
-        "kvsched refuses an empty sampled-token list for a decode step (`InvalidOutputError`); vLLM accepts it, "
-        "appends nothing and keeps the scheduled drafts counted as computed (its model runners send an empty list "
-        "only for partial prefills)",
-    ),
-    (
-        re.compile(r"must receive between 1 and \d+ sampled tokens in step \d+, got [1-9]"),
-        "kvsched refuses more sampled tokens than 1 + the drafts scheduled for a request (`InvalidOutputError`); "
-        "vLLM's scheduler takes what the (mock) runner returns",
-    ),
-    (
-        re.compile(r"ran a partial prefill in step \d+; it cannot receive sampled"),
-        "kvsched refuses sampled tokens for a request whose step was a partial prefill (`InvalidOutputError`); "
-        "vLLM's scheduler appends them to the request (its model runners return none there)",
+        re.compile(r"sampled tokens in step \d+ for \d+ drafts: its computed tokens would pass"),
+        "kvsched refuses sampled tokens beyond 1 + the drafts scheduled when they would count computed tokens "
+        "past the KV blocks the request holds (`InvalidOutputError`); vLLM's scheduler takes them and counts "
+        "tokens it has no KV for as computed",
     ),
     (
         re.compile(r"encoder input \d+ starts at \d+ before the end of input"),

@@ -2,10 +2,11 @@
 Mirrors ``rust/kvsched-core/src/update.rs``.
 
 Steps are applied in the order they were scheduled, each once. Everything is validated before anything changes.
-Per entry: requests that finished since the step was scheduled are skipped; partial prefills get no token;
-otherwise rejected drafts are rolled back, tokens are appended one at a time with a stop check after each, new
-full blocks are hashed, and stopped requests are freed and reported. Decode tokens are charged to the tenants
-once, at the end of the call.
+Per entry: requests that finished since the step was scheduled are skipped; an entry with no token (a partial
+prefill, or a decode the runner returned nothing for) changes nothing else; otherwise rejected drafts are rolled
+back (tokens beyond 1 + drafts move the computed count forward), tokens are appended one at a time with a stop
+check after each, new full blocks are hashed, and stopped requests are freed and reported. Decode tokens are
+charged to the tenants once, at the end of the call.
 """
 
 from __future__ import annotations
@@ -46,11 +47,15 @@ class _UpdateMixin(_StreamMixin, _KVCacheManagerMixin, _ConnectorMixin, _Encoder
             if r.status.is_finished:
                 continue  # gone since it was scheduled: whatever the entry holds is ignored
             entry, entry_drafts = sampled[k], drafts[k] if drafts is not None else []
-            if was_prefill_chunk:
-                if entry or entry_drafts:
-                    raise InvalidOutputError(f"{r.req_id!r} was a prefill chunk: its entries must be empty")
-            elif not 1 <= len(entry) <= 1 + num_drafts:
-                raise InvalidOutputError(f"{r.req_id!r} needs 1..{1 + num_drafts} tokens, got {len(entry)}")
+            # Any number of sampled tokens is taken (vLLM takes what the runner returns); drafts are checked.
+            stale = r.num_stale_output_tokens > 0
+            if num_drafts and len(entry) > 1 + num_drafts and not stale and r.num_computed_tokens > 0:
+                # Tokens beyond the step's drafts count as computed: never past the KV slots it holds.
+                slots = len(r.block_ids) * self._bs
+                if r.num_computed_tokens + len(entry) - 1 - num_drafts > slots:
+                    raise InvalidOutputError(f"{r.req_id!r}: computed tokens would pass the {slots} KV slots it holds")
+            if was_prefill_chunk and entry_drafts:
+                raise InvalidOutputError(f"{r.req_id!r} was a prefill chunk: it cannot receive drafts")
             if len(entry_drafts) > self._config.num_spec_tokens:
                 raise InvalidOutputError(f"{r.req_id!r}: more drafts than num_spec_tokens")
             for t in itertools.chain(entry, entry_drafts):
@@ -81,11 +86,16 @@ class _UpdateMixin(_StreamMixin, _KVCacheManagerMixin, _ConnectorMixin, _Encoder
                 r.num_stale_output_tokens = max(0, r.num_stale_output_tokens - num_scheduled)
                 if r.drop_stale_output:
                     continue
-            if was_prefill_chunk:
-                self._release_consumed(r)  # vLLM frees consumed encoder inputs once the step has run
-                continue
             entry = sampled[k]
-            if num_drafts and not stale:  # roll back rejected drafts (placeholders too)
+            if not entry:
+                # A partial prefill or a decode the runner returned nothing for: nothing appended, nothing rolled
+                # back (a decode's drafts stay counted as computed); consumed encoder inputs are freed.
+                self._release_consumed(r)
+                if drafts is not None and not stale and not was_prefill_chunk:
+                    r.drafts = list(drafts[k])
+                continue
+            if num_drafts and not stale:
+                # Roll back rejected drafts (placeholders too); tokens beyond 1 + drafts move both forward.
                 rejected = num_drafts - (len(entry) - 1)
                 if r.num_computed_tokens > 0:
                     r.num_computed_tokens = max(0, r.num_computed_tokens - rejected)

@@ -1261,13 +1261,25 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     if generated:
                         request._output_token_ids.extend(generated)
                         request._all_token_ids.extend(generated)
-            # Without drafts an entry that took a token took one, the token right after the positions the step
-            # computed (its earlier steps were all applied, in order): the request now holds `after` + 1 tokens.
-            # Those whose count reached a block boundary filled a block, to be hashed.
-            last = after % self.hash_block_size == self.hash_block_size - 1
-            filled = np.flatnonzero(last if all(rows) else last & (res.num_new_tokens > 0))
-            if len(filled):
-                self._hash_filled_blocks([reqs[i] for i in filled.tolist()])
+            num_new = res.num_new_tokens
+            block = self.hash_block_size
+            if not out.one_token_each or (len(num_new) and int(num_new.max()) > 1):
+                # A step with prefill chunks (a runner may return tokens for one, which vLLM's scheduler appends),
+                # or a runner that returned several tokens for an entry (taken too): the requests whose appended
+                # tokens filled a block, from their token lists.
+                filled_reqs = [
+                    r for r, k in zip(reqs, num_new.tolist(), strict=True) if k and len(r._all_token_ids) % block < k
+                ]
+                if filled_reqs:
+                    self._hash_filled_blocks(filled_reqs)
+            else:
+                # Plain decodes that took one token each took the token right after the positions the step
+                # computed (its earlier steps were all applied, in order): the request now holds `after` + 1
+                # tokens. Those whose count reached a block boundary filled a block, to be hashed.
+                last = after % block == block - 1
+                filled = np.flatnonzero(last if all(rows) else last & (num_new > 0))
+                if len(filled):
+                    self._hash_filled_blocks([reqs[i] for i in filled.tolist()])
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         req_ids: list[str] = out.req_ids
         if all(rows):

@@ -2,8 +2,9 @@
 //!
 //! Steps are applied in the order they were scheduled, each once (the next may already be scheduled: async
 //! scheduling). Everything is validated before anything changes. Per entry: requests that finished since the
-//! step was scheduled are skipped; partial prefills get no token; otherwise rejected drafts are rolled back,
-//! tokens are appended one at a time with a stop check after each (the rest is discarded after a stop), new
+//! step was scheduled are skipped; an entry with no token (a partial prefill, or a decode the runner returned
+//! nothing for) changes nothing else; otherwise rejected drafts are rolled back (extra tokens beyond
+//! `1 + drafts` move the computed count forward), tokens are appended one at a time with a stop check after each (the rest is discarded after a stop), new
 //! full blocks are hashed, appended tokens are counted per tenant (charged once per tenant at the end, see
 //! `fair.rs`), and stopped requests are freed and reported.
 
@@ -118,39 +119,39 @@ impl Scheduler {
                 d.check("draft_token_ids", n)?;
             }
             let max_drafts = self.config.num_spec_tokens() as usize;
-            // If no request finished since this step was scheduled, every entry belongs to a live request and
-            // the shape checks need not touch the requests. Any doubt falls through to the precise checks below.
+            // Any number of sampled tokens is taken for any entry, as vLLM's scheduler takes what the runner
+            // returns: none (a partial prefill; a decode: nothing appended, its drafts stay counted as
+            // computed), or more than `1 + drafts` (the extra ones are appended and counted as computed). Only
+            // the token ids are checked. If no request finished since this step was scheduled, every entry
+            // belongs to a live request and the checks need not touch the requests.
             let fast_ok = all_live
                 && drafts.is_none()
-                && sampled.values.iter().all(|t| (0..=MAX_TOKEN_ID).contains(t))
-                && sampled.indptr.windows(2).zip(&rec.is_prefill_chunk).zip(&rec.num_spec_tokens).all(
-                    |((w, &is_chunk), &num_spec)| {
-                        let got = w[1] - w[0];
-                        if is_chunk {
-                            got == 0
-                        } else {
-                            got >= 1 && got <= 1 + i64::from(num_spec)
-                        }
-                    },
-                );
+                && sampled.values.iter().fold(0u64, |acc, &t| acc | t as u64) <= MAX_TOKEN_ID as u64
+                && sampled
+                    .indptr
+                    .windows(2)
+                    .zip(&rec.num_spec_tokens)
+                    .all(|(w, &num_spec)| num_spec == 0 || w[1] - w[0] <= 1 + i64::from(num_spec));
+            let bs = self.config.kv_block_size();
             for i in 0..if fast_ok { 0 } else { n } {
                 let Some(req) = self.slab.resolve(rec.handles[i]) else {
                     continue;
                 };
-                let got = sampled.checked("sampled_token_ids", i)?.len();
-                if rec.is_prefill_chunk[i] {
-                    if got != 0 {
+                let got = sampled.checked("sampled_token_ids", i)?.len() as u64;
+                let num_spec = u64::from(rec.num_spec_tokens[i]);
+                let s = rec.handles[i].slot as usize;
+                if num_spec > 0
+                    && got > 1 + num_spec
+                    && self.slab.hot.stale[s] == 0
+                    && self.slab.hot.computed[s] > 0
+                {
+                    // Tokens beyond the step's drafts count as computed: never past the KV slots it holds.
+                    let computed = u64::from(self.slab.hot.computed[s]) + got - 1 - num_spec;
+                    let slots = req.blocks.len() as u64 * u64::from(bs);
+                    if computed > slots {
                         return Err(SchedError::InvalidOutput(format!(
-                            "request {:?} ran a partial prefill in step {step_id}; it cannot receive sampled \
-                             tokens (got {got})",
-                            req.id
-                        )));
-                    }
-                } else {
-                    let max = 1 + rec.num_spec_tokens[i] as usize;
-                    if got == 0 || got > max {
-                        return Err(SchedError::InvalidOutput(format!(
-                            "request {:?} must receive between 1 and {max} sampled tokens in step {step_id}, got {got}",
+                            "request {:?} got {got} sampled tokens in step {step_id} for {num_spec} drafts: its \
+                             computed tokens would pass the {slots} KV slots it holds",
                             req.id
                         )));
                     }
@@ -433,20 +434,31 @@ impl Scheduler {
                 return Ok(None);
             }
         }
-        if is_chunk {
-            // vLLM frees the encoder inputs a request has consumed once the step has run.
+        if tokens.is_empty() {
+            // A partial prefill, or a decode the runner returned nothing for: nothing is appended and nothing
+            // rolled back (a decode's scheduled drafts stay counted as computed, as in vLLM). vLLM frees the
+            // encoder inputs a request has consumed once the step has run.
             if has_encoder && req.num_encoder_held > 0 {
                 Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
+            }
+            if let (Some(d), false, false) = (&drafts, stale, is_chunk) {
+                req.spec_token_ids.clear();
+                req.spec_token_ids.extend(d.get(i).iter().map(|&t| t as u32));
+                hot.sync(s, req);
             }
             return Ok(None);
         }
         if num_spec > 0 && !stale {
-            let rejected = num_spec - (tokens.len() as u32 - 1);
+            // Drafts the sampler rejected roll back; a runner that returns more than `1 + num_spec` tokens
+            // moves the computed count (and placeholders) forward by the extra ones instead, as in vLLM.
+            let accepted = tokens.len() as i64 - 1;
+            let shift =
+                |x: u32| (i64::from(x) - i64::from(num_spec) + accepted).clamp(0, i64::from(u32::MAX)) as u32;
             if hot.computed[s] > 0 {
-                hot.computed[s] = hot.computed[s].saturating_sub(rejected);
+                hot.computed[s] = shift(hot.computed[s]);
             }
             if req.num_output_placeholders > 0 {
-                req.num_output_placeholders = req.num_output_placeholders.saturating_sub(rejected);
+                req.num_output_placeholders = shift(req.num_output_placeholders);
             }
         }
         if has_encoder && req.num_encoder_held > 0 {
