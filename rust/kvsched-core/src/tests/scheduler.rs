@@ -562,17 +562,16 @@ fn speculative_tokens_roll_back_when_rejected() {
     assert_eq!(r.output_token_ids(), &[5, 7, 11]);
     assert_eq!(s.get_num_computed_tokens("a").unwrap(), 8);
     s.check_invariants().unwrap();
-    // Too many tokens for the drafts scheduled is rejected without changes.
+    // More tokens than the drafts scheduled (none here) are taken as they come, as vLLM's scheduler takes what
+    // its runner returns: both are appended, and the computed count stays the scheduled one.
     let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![1]);
     let values = vec![1i64, 2];
-    let err = s.update_from_output(
-        out.scheduler_id,
-        out.step_id,
-        Ragged { values: &values, indptr: &[0, 2] },
-        None,
-    );
-    assert!(matches!(err, Err(SchedError::InvalidOutput(_))));
-    assert_eq!(s.get_request("a").unwrap().output_token_ids(), &[5, 7, 11]);
+    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &[0, 2] }, None)
+        .unwrap();
+    assert_eq!(s.get_request("a").unwrap().output_token_ids(), &[5, 7, 11, 1, 2]);
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 9);
+    s.check_invariants().unwrap();
 }
 
 #[test]
