@@ -12,6 +12,21 @@ the adapter's Python (mirroring vLLM's request fields, building vLLM's ``Schedul
 of scheduled requests (the steady state), and over all steps.
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONPATH=python python scripts/profile_vllm_adapter.py -w a
+
+On a shared machine wall-clock time moves with the load; instruction counts do not. With ``--instructions``, run
+under callgrind, the script replays the workload once and wraps steps ``--steps A:B`` (default the steady state of
+workload a) so that callgrind collects only their ``schedule()`` (inside ``functools.reduce``) and
+``update_from_output()`` (inside ``sorted``); it switches callgrind's instrumentation on itself after the imports
+and the warm-up (which would otherwise take most of the run), with ``callgrind_control``:
+
+    VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONPATH=python valgrind --tool=callgrind --instr-atstart=no \
+        --collect-atstart=no --toggle-collect=functools_reduce --toggle-collect=builtin_sorted \
+        --callgrind-out-file=adapter.cg python scripts/profile_vllm_adapter.py -w a --instructions
+    callgrind_annotate --inclusive=yes adapter.cg | grep -E "functools_reduce|builtin_sorted|Struct_vectorcall"
+
+Divide the inclusive counts of ``functools_reduce`` (``schedule()``) and ``builtin_sorted``
+(``update_from_output()``) by the number of wrapped steps the script prints. Callgrind's CPU has no SHA
+extensions, so SHA-256 block hashing counts for more instructions there than it takes time on a CPU with them.
 """
 
 from __future__ import annotations
@@ -121,17 +136,74 @@ def run_once(config: Any, wl: Workload, impl: str) -> np.ndarray:
     return np.array(rows, dtype=np.int64)
 
 
+def count_instructions(config: Any, wl: Workload, impl: str, first: int, end: int) -> None:
+    """One run with steps ``[first, end)`` wrapped for callgrind's ``--toggle-collect`` (see the module doc)."""
+    import functools
+    import subprocess
+
+    driver: Any = harness.make_driver(impl, config)
+    sched = driver._sched
+    schedule, update = sched.schedule, sched.update_from_output
+    step = [0]
+
+    def wrapped_schedule() -> Any:
+        step[0] += 1
+        if first <= step[0] - 1 < end:
+            return functools.reduce(lambda _acc, _x: schedule(), (0,), None)
+        return schedule()
+
+    def wrapped_update(out: Any, mro: Any) -> Any:
+        if first <= step[0] - 1 < end:
+            box: list[Any] = []
+
+            def key(_x: int) -> int:
+                box.append(update(out, mro))
+                return 0
+
+            sorted((0,), key=key)
+            return box[0]
+        return update(out, mro)
+
+    driver.schedule_fn = lambda: wrapped_schedule
+    driver.update_fn = lambda: wrapped_update
+    # Instrumentation on from here (callgrind answers while this process runs, hence the busy wait).
+    proc = subprocess.Popen(["callgrind_control", "-i", "on", str(os.getpid())], stdout=subprocess.DEVNULL)
+    while proc.poll() is None:
+        sum(range(10_000))
+    if proc.returncode:
+        raise SystemExit("callgrind_control failed: run this under valgrind --tool=callgrind (see the module doc)")
+    gc.collect()
+    gc.freeze()
+    try:
+        harness._loop(driver, wl, max_steps=end, record=False)
+    finally:
+        gc.unfreeze()
+    mode = "async" if impl.endswith("-async") else "sync"
+    print(
+        f"workload {wl.scenario.name} ({mode}): steps {first} to {min(end, step[0]) - 1} wrapped "
+        f"({max(0, min(end, step[0]) - first)} steps)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-w", "--workload", default="a")
     ap.add_argument("--repeat", type=int, default=3, help="runs; the one with the lowest median total is shown")
     ap.add_argument("--async-scheduling", action="store_true", help="asynchronous scheduling (vllm-adapter-async)")
+    ap.add_argument(
+        "--instructions", action="store_true", help="count instructions under callgrind instead (see the module doc)"
+    )
+    ap.add_argument("--steps", default="100:160", help="with --instructions: the steps to count, A:B (default 100:160)")
     args = ap.parse_args()
 
     impl = "vllm-adapter-async" if args.async_scheduling else "vllm-adapter"
     wl = generate(get_scenario(args.workload))
     config = wl.scenario.scheduler_config()
     harness._loop(harness.make_driver(impl, config), wl, max_steps=50, record=False)
+    if args.instructions:
+        first, end = (int(v) for v in args.steps.split(":"))
+        count_instructions(config, wl, impl, first, end)
+        return
     best: np.ndarray | None = None
     for _ in range(args.repeat):
         data = run_once(config, wl, impl)

@@ -1215,6 +1215,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         all for client 0). Each entry takes its tokens (none for a partial prefill); the outputs are built at
         once."""
         async_sched = self.async_scheduling
+        every = all(rows)  # every entry took tokens (none is a prefill chunk)
         if self.num_spec_tokens or self._drafts_received:
             # Drafts rejected in an earlier step move where this step's token lands: find the requests whose
             # appended token filled a block from their token lists.
@@ -1233,7 +1234,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if filled_reqs:
                 self._hash_filled_blocks(filled_reqs)
         else:
-            if all(rows) and out.total_num_scheduled_tokens == len(reqs):
+            if every and out.total_num_scheduled_tokens == len(reqs):
                 # Steady decoding: one token scheduled and one sampled per entry.
                 if async_sched:
                     for request, generated in zip(reqs, rows, strict=True):
@@ -1277,12 +1278,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # computed (its earlier steps were all applied, in order): the request now holds `after` + 1
                 # tokens. Those whose count reached a block boundary filled a block, to be hashed.
                 last = after % block == block - 1
-                filled = np.flatnonzero(last if all(rows) else last & (num_new > 0))
+                filled = np.flatnonzero(last if every else last & (num_new > 0))
                 if len(filled):
                     self._hash_filled_blocks([reqs[i] for i in filled.tolist()])
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         req_ids: list[str] = out.req_ids
-        if all(rows):
+        if every:
             if rows:
                 outputs[0] = list(map(EngineCoreOutput, req_ids, rows))
         elif any(rows):
