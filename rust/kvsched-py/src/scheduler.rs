@@ -184,19 +184,7 @@ impl PyScheduler {
         let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
         let id = str_arg(req_id, "req_id")?;
         let prompt = token_list(prompt_token_ids, "prompt_token_ids", "InvalidRequestError")?;
-        // Python ints beyond int64 are still valid limits: a huge max_tokens is capped by max_model_len.
-        let huge_positive = |o: Option<&Bound<'_, PyAny>>| -> bool {
-            o.is_some_and(|o| o.is_instance_of::<PyInt>() && o.gt(i64::MAX).unwrap_or(false))
-        };
-        let max_tokens = if huge_positive(max_tokens) {
-            Some(u32::MAX)
-        } else {
-            match opt_int_arg(max_tokens, "max_tokens", "InvalidRequestError")? {
-                None => None,
-                Some(m) if m < 1 => return Err(bad(format!("max_tokens must be >= 1, got {m}"))),
-                Some(m) => Some(u32::try_from(m).unwrap_or(u32::MAX)),
-            }
-        };
+        let max_tokens = max_tokens_arg(py, max_tokens)?;
         let min_tokens = match opt_int_arg(min_tokens, "min_tokens", "InvalidRequestError")? {
             None => 0,
             Some(m) if m < 0 => return Err(bad(format!("min_tokens must be >= 0, got {m}"))),
@@ -204,31 +192,13 @@ impl PyScheduler {
                 bad(format!("min_tokens={m} exceeds what any request can generate (max_model_len)"))
             })?,
         };
-        let eos_token_id = match opt_int_arg(eos_token_id, "eos_token_id", "InvalidRequestError")? {
-            None => None,
-            Some(t) => Some(guard(py, || core::Scheduler::check_token_id("eos_token_id", t))?),
-        };
-        let flag = |o: Option<&Bound<'_, PyAny>>, name: &str, default: bool| -> PyResult<bool> {
-            match o {
-                Some(o) if !o.is_none() => o
-                    .downcast::<PyBool>()
-                    .map(|b| b.is_true())
-                    .map_err(|_| type_error(py, format!("{name} must be a bool, got {}", type_name(o)))),
-                _ => Ok(default),
-            }
-        };
-        let ignore_eos = flag(ignore_eos, "ignore_eos", false)?;
-        let ready = flag(ready, "ready", true)?;
-        let skip_reading_prefix_cache = flag(skip_reading_prefix_cache, "skip_reading_prefix_cache", false)?;
-        let resumable = flag(resumable, "resumable", false)?;
-        let mut stops = Vec::new();
-        if let Some(s) = stop_token_ids {
-            if !s.is_none() {
-                for t in token_list(s, "stop_token_ids", "InvalidRequestError")? {
-                    stops.push(guard(py, || core::Scheduler::check_token_id("stop_token_ids", t))?);
-                }
-            }
-        }
+        let eos_token_id = eos_token_id_arg(py, eos_token_id)?;
+        let ignore_eos = bool_arg(py, ignore_eos, "ignore_eos", false)?;
+        let ready = bool_arg(py, ready, "ready", true)?;
+        let skip_reading_prefix_cache =
+            bool_arg(py, skip_reading_prefix_cache, "skip_reading_prefix_cache", false)?;
+        let resumable = bool_arg(py, resumable, "resumable", false)?;
+        let stops = stop_token_ids_arg(py, stop_token_ids)?;
         let priority = opt_int_arg(priority, "priority", "InvalidRequestError")?.unwrap_or(0);
         let arrival_time = match arrival_time {
             Some(t) if !t.is_none() => {
@@ -657,42 +627,16 @@ impl PyScheduler {
         arrival_time: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let py = slf.py();
-        let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
         let id = id_arg(req_id, "UnknownRequestError")?;
         let prompt = token_list(prompt_token_ids, "prompt_token_ids", "InvalidRequestError")?;
         let mut token_ids = Vec::with_capacity(prompt.len());
         for t in prompt {
             token_ids.push(guard(py, || core::Scheduler::check_token_id("prompt_token_ids", t))?);
         }
-        let max_tokens =
-            if max_tokens.is_some_and(|o| o.is_instance_of::<PyInt>() && o.gt(i64::MAX).unwrap_or(false)) {
-                Some(u32::MAX)
-            } else {
-                match opt_int_arg(max_tokens, "max_tokens", "InvalidRequestError")? {
-                    None => None,
-                    Some(m) if m < 1 => return Err(bad(format!("max_tokens must be >= 1, got {m}"))),
-                    Some(m) => Some(u32::try_from(m).unwrap_or(u32::MAX)),
-                }
-            };
-        let eos_token_id = match opt_int_arg(eos_token_id, "eos_token_id", "InvalidRequestError")? {
-            None => None,
-            Some(t) => Some(guard(py, || core::Scheduler::check_token_id("eos_token_id", t))?),
-        };
-        let ignore_eos = match ignore_eos {
-            Some(o) if !o.is_none() => o
-                .downcast::<PyBool>()
-                .map(|b| b.is_true())
-                .map_err(|_| type_error(py, format!("ignore_eos must be a bool, got {}", type_name(o))))?,
-            _ => false,
-        };
-        let mut stops = Vec::new();
-        if let Some(s) = stop_token_ids {
-            if !s.is_none() {
-                for t in token_list(s, "stop_token_ids", "InvalidRequestError")? {
-                    stops.push(guard(py, || core::Scheduler::check_token_id("stop_token_ids", t))?);
-                }
-            }
-        }
+        let max_tokens = max_tokens_arg(py, max_tokens)?;
+        let eos_token_id = eos_token_id_arg(py, eos_token_id)?;
+        let ignore_eos = bool_arg(py, ignore_eos, "ignore_eos", false)?;
+        let stops = stop_token_ids_arg(py, stop_token_ids)?;
         let arrival_time = match arrival_time {
             Some(t) if !t.is_none() => {
                 if t.is_instance_of::<PyBool>() {
@@ -1065,4 +1009,51 @@ impl PyScheduler {
             None => Ok(()),
         }
     }
+}
+
+// The per-request arguments `add_request` and `append_input` share, with the same checks and messages.
+
+/// `max_tokens`: None or >= 1. Python ints beyond int64 are still valid limits: a huge one is capped by
+/// max_model_len.
+fn max_tokens_arg(py: Python<'_>, o: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u32>> {
+    if o.is_some_and(|o| o.is_instance_of::<PyInt>() && o.gt(i64::MAX).unwrap_or(false)) {
+        return Ok(Some(u32::MAX));
+    }
+    match opt_int_arg(o, "max_tokens", "InvalidRequestError")? {
+        None => Ok(None),
+        Some(m) if m < 1 => {
+            Err(py_error(py, "InvalidRequestError", format!("max_tokens must be >= 1, got {m}")))
+        }
+        Some(m) => Ok(Some(u32::try_from(m).unwrap_or(u32::MAX))),
+    }
+}
+
+fn eos_token_id_arg(py: Python<'_>, o: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u32>> {
+    match opt_int_arg(o, "eos_token_id", "InvalidRequestError")? {
+        None => Ok(None),
+        Some(t) => Ok(Some(guard(py, || core::Scheduler::check_token_id("eos_token_id", t))?)),
+    }
+}
+
+/// A bool argument; None or absent gives `default`.
+fn bool_arg(py: Python<'_>, o: Option<&Bound<'_, PyAny>>, name: &str, default: bool) -> PyResult<bool> {
+    match o {
+        Some(o) if !o.is_none() => o
+            .downcast::<PyBool>()
+            .map(|b| b.is_true())
+            .map_err(|_| type_error(py, format!("{name} must be a bool, got {}", type_name(o)))),
+        _ => Ok(default),
+    }
+}
+
+fn stop_token_ids_arg(py: Python<'_>, o: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u32>> {
+    let mut stops = Vec::new();
+    if let Some(s) = o {
+        if !s.is_none() {
+            for t in token_list(s, "stop_token_ids", "InvalidRequestError")? {
+                stops.push(guard(py, || core::Scheduler::check_token_id("stop_token_ids", t))?);
+            }
+        }
+    }
+    Ok(stops)
 }
