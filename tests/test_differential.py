@@ -228,6 +228,16 @@ class Twin:
     def live_ids(self) -> list[str]:
         return sorted(self.ref._requests)
 
+    def draw_stops(self, kw: dict[str, Any]) -> None:
+        """The stop parameters of a new request or of a streaming-input part, drawn in one order for both."""
+        r = self.rand
+        if r.chance(0.6):
+            kw["eos_token_id"] = r.int(0, VOCAB - 1)
+        if r.chance(0.1):
+            kw["ignore_eos"] = True
+        if r.chance(0.3):
+            kw["stop_token_ids"] = [r.int(0, VOCAB - 1) for _ in range(r.int(1, 2))]
+
     def make_prompt(self, max_len: int) -> list[int]:
         r = self.rand
         n = r.int(1, max(1, min(max_len, self.cfg.max_model_len - 1)))
@@ -248,12 +258,7 @@ class Twin:
             kw["max_tokens"] = r.int(1, 24)
         if r.chance(0.2):
             kw["min_tokens"] = r.int(0, min(3, room, kw.get("max_tokens", room)))
-        if r.chance(0.6):
-            kw["eos_token_id"] = r.int(0, VOCAB - 1)
-        if r.chance(0.1):
-            kw["ignore_eos"] = True
-        if r.chance(0.3):
-            kw["stop_token_ids"] = [r.int(0, VOCAB - 1) for _ in range(r.int(1, 2))]
+        self.draw_stops(kw)
         if self.cfg.policy == "priority" or r.chance(0.1):
             kw["priority"] = r.int(-2, 2)
         if r.chance(0.2):
@@ -306,12 +311,7 @@ class Twin:
         kw: dict[str, Any] = {}
         if r.chance(0.9):
             kw["max_tokens"] = r.int(1, 5) if r.chance(0.95) else 0
-        if r.chance(0.6):
-            kw["eos_token_id"] = r.int(0, VOCAB - 1)
-        if r.chance(0.1):
-            kw["ignore_eos"] = True
-        if r.chance(0.3):
-            kw["stop_token_ids"] = [r.int(0, VOCAB - 1) for _ in range(r.int(1, 2))]
+        self.draw_stops(kw)
         self.clock += r.choice([0.0, 1.0, 0.5])
         kw["arrival_time"] = self.clock
         self.log.append(f"append_input {rid} {tokens} {kw}")
