@@ -89,6 +89,8 @@ BAD = [(f.name, v) for f in CONFIG_FIELDS for v in _bad_values(f)]
 GOOD = [(f.name, v) for f in CONFIG_FIELDS for v in _good_values(f)]
 # The rules between fields, and the explicit fields' values.
 RULES: list[dict[str, Any]] = [
+    {"max_num_batched_tokens": 8, "draft_slots": 8},
+    {"max_num_batched_tokens": 8, "max_num_scheduled_tokens": 9},
     {"num_blocks": 2**24, "block_size": 1024},
     {"dcp_world_size": 2, "pcp_world_size": 4},
     {"num_blocks": 2**22, "block_size": 256, "dcp_world_size": 4},
@@ -111,6 +113,7 @@ RULES: list[dict[str, Any]] = [
 ]
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
+    {"max_num_batched_tokens": 8, "draft_slots": 7, "max_num_scheduled_tokens": 8},
     {"num_blocks": 2**20, "block_size": 1024},
     {"dcp_world_size": 4, "pcp_world_size": 2},
     {"pcp_world_size": 3},
@@ -153,6 +156,7 @@ def test_both_sides_refuse_a_bad_value_with_the_same_message(name: str, value: A
 _CONTEXT: dict[str, dict[str, Any]] = {
     "priority_aging_steps": {"policy": "priority"},
     "preemption_mode": {"num_cpu_blocks": 8},
+    "draft_slots": {"max_num_batched_tokens": 2**31 - 1},
 }
 
 

@@ -336,7 +336,7 @@ class Twin:
         cap = min(c.max_num_encoder_input_tokens, c.encoder_cache_size)
         if c.disable_chunked_mm_input:
             th = c.long_prefill_token_threshold
-            cap = min(cap, c.max_num_batched_tokens, th if th > 0 else cap)
+            cap = min(cap, c.max_chunk_tokens, th if th > 0 else cap)
         return cap
 
     def make_encoder_inputs(self, prompt_len: int) -> list[tuple[int, int, int]]:
@@ -908,7 +908,18 @@ def configs(draw: Any) -> SchedulerConfig:
         cache_drafts_at_update=draw(st.booleans()),
         trim_computed_on_stop=draw(st.booleans()),
         sliding_window=window,
+        **budget_fields(draw, budget),
     )
+
+
+def budget_fields(draw: Any, budget: int) -> dict[str, Any]:
+    """A token budget below the input budget and a drafter's query slots per request, in some configs."""
+    fields: dict[str, Any] = {}
+    if budget > 1 and draw(st.integers(0, 3)) == 0:
+        fields["max_num_scheduled_tokens"] = draw(st.integers(1, budget))
+    if budget > 1 and draw(st.integers(0, 3)) == 0:
+        fields["draft_slots"] = draw(st.integers(1, min(4, budget - 1)))
+    return fields
 
 
 def order_fields(draw: Any) -> dict[str, Any]:
@@ -1017,6 +1028,11 @@ SOAK_CONFIGS = [
     # n-gram style speculative decoding: drafts without lookahead slots.
     SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
                     num_speculative_tokens=3, prefix_hash_seed=3),
+    # Parallel drafting: two query slots per scheduled request from the input budget, and a token budget below
+    # it.
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64,
+                    num_speculative_tokens=3, num_lookahead_tokens=3, draft_slots=2, max_num_scheduled_tokens=20,
+                    prefix_hash_seed=3),
 ]  # fmt: skip
 
 # Decode/prefill context parallelism: blocks of block_size * dcp tokens, so prefix hits, preemption and swaps

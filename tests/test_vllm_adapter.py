@@ -260,11 +260,29 @@ def test_async_kv_load_waits_in_place_and_delayed_free_holds_blocks() -> None:
     assert s.core.num_free_blocks > held and s.core.num_held_kv_requests == 0
 
 
+def test_draft_slots_and_a_token_budget_apart_from_the_inputs_follow_vllm() -> None:
+    """Parallel drafting takes k - 1 query slots per scheduled request from max_num_batched_tokens, and
+    max_num_scheduled_tokens caps the tokens: kvsched's core gets both and schedules as vLLM does."""
+    pair = _pair(
+        max_num_seqs=8,
+        max_num_batched_tokens=40,
+        max_num_scheduled_tokens=30,
+        num_speculative_tokens=4,
+        parallel_drafting=True,
+    )
+    vllm_sched, ours = pair
+    assert ours.core.config.draft_slots == 3 and ours.core.config.max_num_scheduled_tokens == 30  # type: ignore[attr-defined]
+    assert ours.max_num_scheduled_tokens == vllm_sched.max_num_scheduled_tokens == 30  # type: ignore[attr-defined]
+    for k in range(4):
+        _add(pair, f"r{k}", [100 * k + j for j in range(1, 13)])
+    outs = _step(pair)
+    # 12 (+3 slots), 12 (+3), then 6 tokens left of the 30 (40 - 30 inputs used leaves 10 - 3 = 7)
+    assert dict(outs[1].num_scheduled_tokens) == {"r0": 12, "r1": 12, "r2": 6}  # type: ignore[attr-defined]
+    for _ in range(6):
+        _step(pair)
+
+
 def test_unsupported_scheduler_settings_are_refused() -> None:
-    cfg = make_vllm_config()
-    cfg.scheduler_config.max_num_scheduled_tokens = 7
-    with pytest.raises(UnsupportedFeatureError, match="token budget that differs"):
-        make_scheduler("kvsched", cfg)
     cfg = make_vllm_config()
     cfg.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(UnsupportedFeatureError, match="pipeline parallelism"):
@@ -414,12 +432,13 @@ def test_speculative_decoding_drafters_that_need_more_than_k_drafts_are_refused_
     # n-gram with k drafts per step is supported: the core gets k and no lookahead slots.
     s = make_scheduler("kvsched", make_vllm_config(num_speculative_tokens=3))
     assert (s.kv_config.num_speculative_tokens, s.kv_config.num_lookahead_tokens) == (3, 0)
-    # Parallel drafting takes extra query slots per scheduled request from the budget: refused.
+    assert s.kv_config.draft_slots == 0
+    # Parallel drafting takes k - 1 query slots per scheduled request from the input budget: the core's
+    # draft_slots.
     cfg = make_vllm_config(num_speculative_tokens=4)
     object.__setattr__(cfg.speculative_config, "parallel_drafting", True)
-    assert cfg.speculative_config.max_num_new_slots_for_drafting > 0
-    with pytest.raises(UnsupportedFeatureError, match="extra query slots"):
-        make_scheduler("kvsched", cfg)
+    assert cfg.speculative_config.max_num_new_slots_for_drafting == 3
+    assert make_scheduler("kvsched", cfg).kv_config.draft_slots == 3
     # Dynamic speculation lengths: refused.
     cfg = make_vllm_config(num_speculative_tokens=4)
     object.__setattr__(cfg.speculative_config, "num_speculative_tokens_per_batch_size", [(1, 8, 2)])

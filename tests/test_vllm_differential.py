@@ -48,6 +48,15 @@ def test_identical_to_vllm_with_a_sliding_window(sync: str, runner: str, seed: i
     assert cfg.sliding_window is not None
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", range(400, 403))
+def test_identical_to_vllm_with_draft_slots_and_a_token_budget(sync: str, runner: str, seed: int) -> None:
+    """Parallel drafting (k - 1 query slots per scheduled request from max_num_batched_tokens) and, in some runs,
+    max_num_scheduled_tokens below the input budget: the same tokens per request, step by step."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", budgets=True)
+    assert cfg.num_speculative_tokens > 0
+
+
 SYNC_MODES = [("sync", "v1"), ("sync", "v2")]
 
 

@@ -208,6 +208,10 @@ class Config:
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
+    # Parallel drafting (k - 1 extra query slots per scheduled request, from max_num_batched_tokens) and a token
+    # budget below the input budget.
+    parallel_drafting: bool = False
+    max_num_scheduled_tokens: int | None = None
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -368,6 +372,12 @@ class Pair:
             # that could never fit"). Requests are drawn clear of that end.
             k = cfg.num_speculative_tokens
             capacity -= (3 if cfg.async_scheduling else 2) * (k + 1)
+        if not cfg.enable_chunked_prefill and (cfg.parallel_drafting or cfg.max_num_scheduled_tokens):
+            # Without chunked prefill a request must fit the most tokens one step gives it (kvsched refuses the
+            # others; vLLM would hold them at the head of its queue forever).
+            slots = cfg.num_speculative_tokens - 1 if cfg.parallel_drafting else 0
+            tokens = cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens
+            capacity = min(capacity, tokens, cfg.max_num_batched_tokens - slots)
         prompt = prompt[:capacity]
         max_tokens = max(1, min(max_tokens, capacity + 1 - len(prompt)))
         kwargs: dict[str, Any] = {
@@ -747,13 +757,15 @@ def run_seed(
     sliding_window: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
+    budgets: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
     child of vLLM's ``MultiConnector``, after a passive one); ``kv_events`` turns KV cache
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``multimodal``
-    schedules a tiny LLaVA whose requests carry images."""
+    schedules a tiny LLaVA whose requests carry images; ``budgets`` draws parallel drafting (extra query slots per
+    scheduled request) and a token budget below the input budget, from their own stream."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
@@ -766,6 +778,16 @@ def run_seed(
         cfg.defer_async_loads = defer_async_loads
     if num_speculative_tokens is not None:
         cfg.num_speculative_tokens = num_speculative_tokens
+    if budgets:
+        brng = random.Random(f"budgets/{seed}")
+        k = cfg.num_speculative_tokens = cfg.num_speculative_tokens or brng.choice([2, 3, 4])
+        if cfg.speculative_method == "ngram_gpu" and not cfg.async_scheduling:
+            cfg.speculative_method = brng.choice(["ngram", "eagle"])
+        # k - 1 query slots per request must leave room for a token: vLLM refuses the config otherwise.
+        cfg.parallel_drafting = cfg.max_num_batched_tokens > k and brng.random() < 0.8
+        if brng.random() < 0.6:
+            budget = cfg.max_num_batched_tokens
+            cfg.max_num_scheduled_tokens = brng.randrange(max(1, budget // 4), budget)
     if not cfg.num_speculative_tokens:
         cfg.per_request_spec_decode_metrics = "none"  # vLLM refuses it without a drafter
     if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2 and RULES.skip_drafts:
@@ -815,6 +837,12 @@ def main(argv: list[str] | None = None) -> int:
         "processed (vLLM 0.33's defer_async_loads, set on both schedulers; acts with the consumer roles' deferred "
         "frees under async scheduling)",
     )
+    p.add_argument(
+        "--budgets",
+        action="store_true",
+        help="speculative decoding with parallel drafting (k - 1 extra query slots per scheduled request from "
+        "max_num_batched_tokens) and a token budget (max_num_scheduled_tokens) below the input budget",
+    )
     args = p.parse_args(argv)
     if args.sliding_window and (args.connector or args.kv_events):
         p.error("--sliding-window goes without --connector and --kv-events")
@@ -853,6 +881,7 @@ def main(argv: list[str] | None = None) -> int:
                         sliding_window=args.sliding_window,
                         multimodal=args.mm,
                         defer_async_loads=args.defer_async_loads,
+                        budgets=args.budgets,
                     )
                     ok += 1
                 except Divergence as exc:

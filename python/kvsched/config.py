@@ -564,6 +564,24 @@ class SchedulerConfig:
             valid="None or 2 to 64 entries, each None or an int >= 1",
         ),
     )
+    max_num_scheduled_tokens: int | None = field(
+        default=None,
+        metadata=_spec(
+            "tokens computed per step (vLLM's `max_num_scheduled_tokens`), a budget apart from the model inputs "
+            "`max_num_batched_tokens` counts; None = `max_num_batched_tokens` (see [Budgets](#budgets))",
+            lo=1,
+            hi_field="max_num_batched_tokens",
+        ),
+    )
+    draft_slots: int = field(
+        default=0,
+        metadata=_spec(
+            "model inputs a drafter adds to every scheduled request, taken from `max_num_batched_tokens` (vLLM's "
+            "`max_num_new_slots_for_drafting`: 1 for a draft model, `k - 1` for parallel EAGLE, `k` for PARD); "
+            "below `max_num_batched_tokens` (see [Budgets](#budgets))",
+            hi=I32_MAX - 1,
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in CONFIG_FIELDS:
@@ -624,6 +642,11 @@ class SchedulerConfig:
                 value, bound = getattr(self, f.name), getattr(self, f.spec.hi_field)
                 if value is not None and value > bound:
                     raise InvalidConfigError(f"{f.name} must be in [{f.spec.lo}, {bound}], got {value}")
+        if self.draft_slots >= self.max_num_batched_tokens:
+            raise InvalidConfigError(
+                f"draft_slots must be below max_num_batched_tokens ({self.max_num_batched_tokens}): every scheduled "
+                f"request takes its tokens plus draft_slots of it, got {self.draft_slots}"
+            )
         if self.block_size % self.cp_kv_cache_interleave_size:
             raise InvalidConfigError(
                 f"cp_kv_cache_interleave_size must divide block_size ({self.block_size}), "
@@ -705,6 +728,13 @@ class SchedulerConfig:
         # Frozen, so hashable; tenant_weights is a dict: hash its items instead.
         values = [getattr(self, f) for f in self.__dataclass_fields__]
         return hash(tuple(tuple(sorted(v.items())) if isinstance(v, Mapping) else v for v in values))
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The most tokens one request can be given in a step: the token budget (``max_num_scheduled_tokens``,
+        else ``max_num_batched_tokens``), and the model inputs less the request's ``draft_slots``."""
+        tokens = self.max_num_batched_tokens if self.max_num_scheduled_tokens is None else self.max_num_scheduled_tokens
+        return min(tokens, self.max_num_batched_tokens - self.draft_slots)
 
     @property
     def num_usable_blocks(self) -> int:

@@ -53,7 +53,7 @@ class _EncoderSchedMixin(_SchedulerState):
                 raise InvalidRequestError(f"request {req_id!r}: encoder input {i} exceeds the encoder budget/cache")
             if c.disable_chunked_mm_input:
                 th = c.long_prefill_token_threshold
-                chunk = min(th, c.max_num_batched_tokens) if th > 0 else c.max_num_batched_tokens
+                chunk = min(th, c.max_chunk_tokens) if th > 0 else c.max_chunk_tokens
                 if size > chunk:
                     raise InvalidRequestError(f"request {req_id!r}: encoder input {i} exceeds a chunk")
             if known.setdefault(h, size) != size:

@@ -165,10 +165,10 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
                 f"prompt ({len(prompt)}) + max_tokens ({effective_max}) - 1 = {longest} tokens do not fit the KV "
                 f"cache ({c.num_usable_blocks} usable blocks of {c.kv_block_size} tokens = {c.kv_capacity_tokens})"
             )
-        if not c.enable_chunked_prefill and longest > c.max_num_batched_tokens:
+        if not c.enable_chunked_prefill and longest > c.max_chunk_tokens:
             raise InvalidRequestError(
                 f"prompt ({len(prompt)}) + max_tokens ({effective_max}) - 1 = {longest} tokens exceed "
-                f"max_num_batched_tokens={c.max_num_batched_tokens} without chunked prefill"
+                f"{c.max_chunk_tokens} tokens, the most one step gives a request, without chunked prefill"
             )
         # Last of the checks: a valid request of a tenant at its waiting limit is refused, changing nothing.
         t = self._tenants.get(tenant)
@@ -643,6 +643,9 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             require(r.status == RequestStatus.RUNNING or not any(r.encoder_held), f"{r.req_id}: holds encoder entries")
         out = self._last_out
         if out is not None:
-            require(out.total_num_scheduled_tokens <= c.max_num_batched_tokens, "token budget respected")
+            tokens = c.max_num_batched_tokens if c.max_num_scheduled_tokens is None else c.max_num_scheduled_tokens
+            require(out.total_num_scheduled_tokens <= tokens, "token budget respected")
+            inputs = out.total_num_scheduled_tokens + len(out.req_ids) * c.draft_slots
+            require(inputs <= c.max_num_batched_tokens, "input budget respected")
             require(len(out.req_ids) <= c.max_num_seqs, "max_num_seqs respected")
             require(bool(np.all(out.num_scheduled_tokens > 0)), "every scheduled request computes >= 1 token")

@@ -27,6 +27,32 @@ from .swap_sched import _SwapMixin
 from .victim import _VictimMixin
 
 
+class _Budget:
+    """A step's two budgets (vLLM 0.33): ``tokens`` to compute (``max_num_scheduled_tokens``) and model
+    ``inputs`` (``max_num_batched_tokens``), of which every scheduled request also takes ``slots`` (``draft_slots``:
+    the query rows a drafter adds)."""
+
+    def __init__(self, tokens: int, inputs: int, slots: int) -> None:
+        self.tokens, self.inputs, self.slots = tokens, inputs, slots
+
+    def open(self) -> bool:
+        """Whether one more request can be scheduled."""
+        return self.tokens > 0 and self.inputs > self.slots
+
+    def chunk(self) -> int:
+        """The most tokens the next request can be given (only while ``open()``)."""
+        return min(self.tokens, self.inputs - self.slots)
+
+    def take(self, n: int) -> None:
+        self.tokens -= n
+        self.inputs -= n + self.slots
+
+    def give(self, n: int) -> None:
+        """A request scheduled with ``n`` tokens leaves the step (a preemption victim)."""
+        self.tokens += n
+        self.inputs += n + self.slots
+
+
 class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixin, _VictimMixin):
     """``schedule()`` and what only it uses: preemption, promoting finished loads."""
 
@@ -73,7 +99,11 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             self._queue_newly_ready()
         self._in_schedule = True  # from here on a request entering waiting first waits in the next step
         look, num_spec = c.num_lookahead_tokens, c.num_spec_tokens
-        budget = 0 if self._pause_state == "paused_all" else c.max_num_batched_tokens
+        budget = _Budget(
+            0 if self._pause_state == "paused_all" else c.max_num_scheduled_tokens or c.max_num_batched_tokens,
+            c.max_num_batched_tokens,
+            c.draft_slots,
+        )
         # the per-request cap applies only when more than one request is running or waiting (blocked ones too)
         num_eligible = len(self._requests)
         threshold = c.long_prefill_token_threshold if num_eligible > 1 else 0
@@ -101,7 +131,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         enc = _EncoderStep(c.max_num_encoder_input_tokens)
 
         i = 0
-        while i < len(self._running) and budget > 0:
+        while i < len(self._running) and budget.open():
             r = self._running[i]
             ph = r.num_output_placeholders
             if ph > 0 and r.num_computed_tokens + 2 - ph >= r.num_prompt_tokens + r.max_tokens:
@@ -113,7 +143,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             n = r.num_tokens + len(r.drafts) + ph - r.num_computed_tokens
             if 0 < threshold < n:
                 n = threshold
-            n = min(n, budget, c.max_model_len - 1 - r.num_computed_tokens)
+            n = min(n, budget.chunk(), c.max_model_len - 1 - r.num_computed_tokens)
             n = min(n, c.max_slots_per_request - r.num_computed_tokens)  # a KV cache below max_model_len
             if n <= 0:
                 i += 1
@@ -137,7 +167,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 computed_before = None
                 for k, entry in enumerate(scheduled):
                     if entry[0] is victim:  # refund the victim's share of this step
-                        budget += entry[1]
+                        budget.give(entry[1])
                         computed_before = entry[2]
                         del scheduled[k]
                         break
@@ -168,7 +198,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             r.num_computed_tokens += n
             r.is_prefill_chunk = is_chunk
             r.drafts = []
-            budget -= n
+            budget.take(n)
             i += 1
 
         for r, n, computed, *_ in scheduled:  # phase A is final: charge its prompt chunks, in order
@@ -177,7 +207,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
 
         if not preempted and self._pause_state != "paused_all":
             # No probing when nobody can be admitted (a full batch or no budget): nothing would move.
-            can_admit = budget > 0 and len(self._running) + self._num_waiting_for_input < (
+            can_admit = budget.open() and len(self._running) + self._num_waiting_for_input < (
                 c.max_num_active_seqs or c.max_num_seqs
             )
             plan = self._begin_admission() if can_admit else None
@@ -258,7 +288,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
     def _admit_waiting(
         self,
         scheduled: list[list[Any]],
-        budget: int,
+        budget: _Budget,
         threshold: int,
         prefill_scheduled: bool,
         swap_in: list[int],
@@ -280,7 +310,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         skipped_kv: list[_Request] = []
         max_active = c.max_num_active_seqs or c.max_num_seqs
         rekeys = [0]  # sjf re-keys in this pass
-        while budget > 0 and len(self._running) + self._num_waiting_for_input < max_active:  # sessions keep a slot
+        while budget.open() and len(self._running) + self._num_waiting_for_input < max_active:  # sessions keep a slot
             from_kv = len(self._kv_waiting) > 0
             if not from_kv and self._pause_state != "unpaused":
                 break
@@ -368,14 +398,14 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     and (threshold == 0 or threshold >= 1 + k)
                 )
                 if pad:
-                    if 1 + k > budget:
+                    if 1 + k > budget.chunk():
                         break
                     n = 1 + k
                 if 0 < threshold < n:
                     n = threshold
-                if not c.enable_chunked_prefill and n > budget:
+                if not c.enable_chunked_prefill and n > budget.chunk():
                     break
-                n = min(n, budget)
+                n = min(n, budget.chunk())
             planned = not load_async and bool(r.encoder_inputs)
             if planned:
                 n = self._plan_encoder(enc, r, computed, n)
@@ -452,7 +482,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             r.num_computed_tokens = computed + n
             r.is_prefill_chunk = is_chunk
             r.inflight_prefill |= is_chunk  # leaves the set after the step (vLLM's _update_after_schedule)
-            budget -= n
+            budget.take(n)
             prefill_admitted |= has_prefill
         for r in reversed(skipped):  # back to the front in their order (fcfs), or by their key (priority)
             self._waiting.add_preempted(r)

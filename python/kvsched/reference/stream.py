@@ -85,7 +85,7 @@ class _StreamMixin(_KVCacheManagerMixin):
         bound = c.max_model_len if max_tokens is None else min(worst_prompt + int(max_tokens), c.max_model_len)
         if bound - 1 > c.kv_capacity_tokens:
             raise InvalidRequestError(f"request {req_id!r}: the streaming-input session can reach {bound - 1} KV slots")
-        if not c.enable_chunked_prefill and bound - 1 > c.max_num_batched_tokens:
+        if not c.enable_chunked_prefill and bound - 1 > c.max_chunk_tokens:
             raise InvalidRequestError(f"request {req_id!r}: the streaming-input session can reach {bound - 1} KV slots")
         r.max_len_bound = bound
         part = (

@@ -147,8 +147,6 @@ def kvsched_config_from_vllm(
         if kv_events_enabled(vllm_config):
             _refuse("KV cache events with sliding-window attention", "kv_events_config")
 
-    if sched.max_num_scheduled_tokens not in (None, sched.max_num_batched_tokens):
-        _refuse("a token budget that differs from the input budget", "max_num_scheduled_tokens")
     if sched.policy not in ("fcfs", "priority"):
         _refuse(f"the scheduling policy {sched.policy!r}", "policy")
     # The effective policy (vLLM's, or the kvsched setting's where vLLM's allows it) stays a knob: a bad value
@@ -164,16 +162,11 @@ def kvsched_config_from_vllm(
     lookahead = int(_attr(vllm_config, "num_lookahead_tokens", 0) or 0)
     if spec is not None:
         method = f"method={spec.method!r}"
-        if spec.max_num_new_slots_for_drafting:
-            # P-EAGLE, draft models, PARD: each scheduled request also takes draft query slots from the budget.
-            _refuse("drafting methods that need extra query slots (draft_slots)", method)
         if spec.num_speculative_tokens_per_batch_size:
             _refuse("dynamic speculation lengths", "num_speculative_tokens_per_batch_size")
         if spec.use_eagle_block_drop():
             # vLLM then drops the trailing block of every prefix-cache hit and keys blocks by look-ahead hashes.
             _refuse("EAGLE/MTP trailing prefix-cache block dropping", f"{method}: set disable_eagle_block_drop=True")
-        if spec.use_dflash() or spec.use_dspark():
-            _refuse("block drafters (DFlash/DSpark: a cap on drafting requests)", method)
         if _attr(vllm_config, "num_hash_lookahead_tokens", 0):
             _refuse("look-ahead block hashes", method)
         if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
@@ -217,6 +210,13 @@ def kvsched_config_from_vllm(
     fields["sliding_window"] = sliding_window
     fields["async_scheduling"] = bool(sched.async_scheduling)
     fields["watermark"] = float(sched.watermark)
+    # A token budget apart from the input budget (vLLM's max_num_scheduled_tokens; above the input budget it
+    # changes nothing), and the query slots a drafter adds to every scheduled request (P-EAGLE, draft models,
+    # PARD). DFlash/DSpark cap the drafting requests through max_num_active_seqs, which vLLM's config sets.
+    scheduled = sched.max_num_scheduled_tokens
+    if scheduled is not None and scheduled < sched.max_num_batched_tokens:
+        fields["max_num_scheduled_tokens"] = int(scheduled)
+    fields["draft_slots"] = int(spec.max_num_new_slots_for_drafting) if spec is not None else 0
     if sched.max_num_active_seqs is not None:
         fields["max_num_active_seqs"] = int(sched.max_num_active_seqs)
     fields["long_prefill_token_threshold_adaptive"] = bool(sched.long_prefill_token_threshold_adaptive)

@@ -99,6 +99,8 @@ ENGINE_FIELDS: dict[str, str] = {
     "enable_kv_cache_events": "--kv-events-config",
     "sliding_window": "the model's attention (one sliding-window KV cache group)",
     "kv_cache_groups": "the model's attention (its KV cache groups)",
+    "max_num_scheduled_tokens": "vLLM's max_num_scheduled_tokens (its SchedulerConfig)",
+    "draft_slots": "--speculative-config (the drafting method's extra query slots)",
 }
 
 _NO_SWAP = (

@@ -199,7 +199,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # vLLM's local prefill cadence: prefill_schedule_interval without data parallelism, else 1 (the DP engine
         # core throttles through schedule(throttle_prefills=True)).
         self.local_prefill_interval = config.prefill_schedule_interval
-        self.max_num_scheduled_tokens = config.max_num_batched_tokens
+        self.max_num_scheduled_tokens = (
+            vllm_config.scheduler_config.max_num_scheduled_tokens or config.max_num_batched_tokens
+        )
         self.use_v2_model_runner = bool(vllm_config.use_v2_model_runner)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.model_uses_mrope = bool(vllm_config.model_config.uses_mrope)

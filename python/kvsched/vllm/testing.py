@@ -174,6 +174,8 @@ def make_vllm_config(
     kv_events: bool = False,
     multimodal: bool = False,
     disable_chunked_mm_input: bool = False,
+    parallel_drafting: bool = False,
+    max_num_scheduled_tokens: int | None = None,
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config; ``multimodal``: a tiny LLaVA,
     whose requests may carry images, with vLLM's ``disable_chunked_mm_input``). ``num_speculative_tokens``
@@ -183,7 +185,9 @@ def make_vllm_config(
     ``kv_both``); with ``kv_connector_multi`` it is the second child of vLLM's ``MultiConnector``, whose first is
     a passive one (a :class:`RandomKVConnector` that finds no tokens and delays no free). ``kv_events`` turns KV
     cache events on with vLLM's ``null`` publisher (replace the scheduler's ``kv_event_publisher`` to see the
-    batches)."""
+    batches). ``parallel_drafting`` makes the drafter draft in parallel (vLLM's P-EAGLE layout: ``k - 1`` extra
+    query slots per scheduled request, taken from ``max_num_batched_tokens``); ``max_num_scheduled_tokens`` sets
+    vLLM's token budget apart from that input budget."""
     from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
@@ -211,6 +215,7 @@ def make_vllm_config(
         long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
         prefill_schedule_interval=prefill_schedule_interval,
         disable_chunked_mm_input=disable_chunked_mm_input,
+        max_num_scheduled_tokens=max_num_scheduled_tokens,
     )
     cache_config = CacheConfig(
         block_size=block_size,
@@ -234,6 +239,7 @@ def make_vllm_config(
             model=model_dir,
             num_speculative_tokens=num_speculative_tokens,
             disable_eagle_block_drop=True,
+            parallel_drafting=parallel_drafting,
             target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
         )
@@ -243,6 +249,7 @@ def make_vllm_config(
             num_speculative_tokens=num_speculative_tokens,
             prompt_lookup_max=num_speculative_tokens,
             prompt_lookup_min=1,
+            parallel_drafting=parallel_drafting,
         )
     kv_transfer_config = None
     if kv_connector_seed is not None:

@@ -346,6 +346,12 @@ pub struct SchedulerConfig {
     /// tokens. Each request holds one block table per group; a prefix hit must be valid for every group
     /// (`kv_cache_manager.rs`, hybrid section). Empty: one group (full attention, or `sliding_window`).
     pub kv_cache_groups: Vec<Option<u32>>,
+    /// Tokens computed per step (vLLM's `max_num_scheduled_tokens`), a budget apart from the model inputs
+    /// `max_num_batched_tokens` counts; 0 = `max_num_batched_tokens`. At most `max_num_batched_tokens`.
+    pub max_num_scheduled_tokens: u32,
+    /// Model inputs a drafter adds to every scheduled request, taken from `max_num_batched_tokens` (vLLM's
+    /// `max_num_new_slots_for_drafting`). Below `max_num_batched_tokens`.
+    pub draft_slots: u32,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -441,6 +447,8 @@ impl Default for SchedulerConfig {
             trim_computed_on_stop: true,
             sliding_window: None,
             kv_cache_groups: Vec::new(),
+            max_num_scheduled_tokens: 0,
+            draft_slots: 0,
         }
     }
 }
@@ -522,6 +530,14 @@ const INT_FIELDS: &[IntField] = &[
     },
     IntField { name: "encoder_cache_size", min: 0, max: I32_MAX, get: |c| Some(c.encoder_cache_size) },
     IntField { name: "sliding_window", min: 1, max: I32_MAX, get: |c| c.sliding_window },
+    // 0 stands for Python's None (max_num_batched_tokens).
+    IntField {
+        name: "max_num_scheduled_tokens",
+        min: 1,
+        max: I32_MAX,
+        get: |c| Some(c.max_num_scheduled_tokens).filter(|&v| v != 0),
+    },
+    IntField { name: "draft_slots", min: 0, max: I32_MAX - 1, get: |c| Some(c.draft_slots) },
 ];
 
 /// The fixed bounds of integer field `name`, if it has any (for messages about values outside `u32`).
@@ -642,6 +658,21 @@ impl SchedulerConfig {
             check_range("max_num_active_seqs", self.max_num_active_seqs, 1, self.max_num_seqs)?;
         }
         check_range("cp_kv_cache_interleave_size", self.cp_kv_cache_interleave_size, 1, self.block_size)?;
+        if self.max_num_scheduled_tokens != 0 {
+            check_range(
+                "max_num_scheduled_tokens",
+                self.max_num_scheduled_tokens,
+                1,
+                self.max_num_batched_tokens,
+            )?;
+        }
+        if self.draft_slots >= self.max_num_batched_tokens {
+            return Err(SchedError::InvalidConfig(format!(
+                "draft_slots must be below max_num_batched_tokens ({}): every scheduled request takes its tokens \
+                 plus draft_slots of it, got {}",
+                self.max_num_batched_tokens, self.draft_slots
+            )));
+        }
         if self.block_size % self.cp_kv_cache_interleave_size != 0 {
             return Err(SchedError::InvalidConfig(format!(
                 "cp_kv_cache_interleave_size must divide block_size ({}), got {}",
@@ -766,6 +797,31 @@ impl SchedulerConfig {
     /// `kv_capacity_tokens`.
     pub fn max_slots_per_request(&self) -> u32 {
         self.max_model_len.min(self.kv_capacity_tokens())
+    }
+
+    /// Tokens computed per step: `max_num_scheduled_tokens`, 0 meaning `max_num_batched_tokens`.
+    pub fn token_budget(&self) -> u32 {
+        if self.max_num_scheduled_tokens == 0 {
+            self.max_num_batched_tokens
+        } else {
+            self.max_num_scheduled_tokens
+        }
+    }
+
+    /// The most tokens one request can be given in a step: the token budget, and the model inputs less the
+    /// request's `draft_slots`.
+    pub fn max_chunk_tokens(&self) -> u32 {
+        self.token_budget().min(self.max_num_batched_tokens - self.draft_slots)
+    }
+
+    /// How `add_request` names `max_chunk_tokens` in its messages.
+    pub fn chunk_limit_text(&self) -> String {
+        let chunk = self.max_chunk_tokens();
+        if chunk == self.max_num_batched_tokens {
+            format!("max_num_batched_tokens={chunk}")
+        } else {
+            format!("the {chunk} tokens a step gives one request (max_num_scheduled_tokens, max_num_batched_tokens less draft_slots)")
+        }
     }
 
     /// Most requests admission lets into `running` (`max_num_active_seqs`, 0 meaning `max_num_seqs`).

@@ -96,15 +96,15 @@ impl Scheduler {
             if cfg.disable_chunked_mm_input {
                 let threshold = cfg.long_prefill_token_threshold;
                 let chunk = if threshold > 0 {
-                    threshold.min(cfg.max_num_batched_tokens)
+                    threshold.min(cfg.max_chunk_tokens())
                 } else {
-                    cfg.max_num_batched_tokens
+                    cfg.max_chunk_tokens()
                 };
                 if e.num_tokens > chunk {
                     return Err(format!(
                         "request {req_id:?}: encoder input {i} has {} tokens; with disable_chunked_mm_input a \
                          chunk must cover it whole, but chunks stop at {chunk} tokens (max_num_batched_tokens, \
-                         long_prefill_token_threshold)",
+                         max_num_scheduled_tokens, draft_slots, long_prefill_token_threshold)",
                         e.num_tokens
                     ));
                 }

@@ -328,12 +328,12 @@ impl Scheduler {
                 self.config.kv_block_size()
             )));
         }
-        let budget = self.config.max_num_batched_tokens;
-        if !self.config.enable_chunked_prefill && longest > u64::from(budget) {
+        if !self.config.enable_chunked_prefill && longest > u64::from(self.config.max_chunk_tokens()) {
             return Err(bad_request(format!(
                 "request {req_id:?}: prompt ({prompt_len}) + max_tokens ({max_tokens}) - 1 = {longest} tokens \
-                 exceed max_num_batched_tokens={budget}; without chunked prefill they could not be (re)computed \
-                 in one step. Lower max_tokens or enable chunked prefill"
+                 exceed {}; without chunked prefill they could not be (re)computed in one step. Lower max_tokens \
+                 or enable chunked prefill",
+                self.config.chunk_limit_text()
             )));
         }
         if params.min_tokens > max_tokens {
@@ -1154,7 +1154,11 @@ impl Scheduler {
         if self.counters.last_num_scheduled_reqs > cfg.max_num_seqs as usize {
             return Err("the last step scheduled more than max_num_seqs requests".into());
         }
-        if self.counters.last_num_scheduled_tokens > u64::from(cfg.max_num_batched_tokens) {
+        let inputs = self.counters.last_num_scheduled_tokens
+            + self.counters.last_num_scheduled_reqs as u64 * u64::from(cfg.draft_slots);
+        if self.counters.last_num_scheduled_tokens > u64::from(cfg.token_budget())
+            || inputs > u64::from(cfg.max_num_batched_tokens)
+        {
             return Err("the last step exceeded the token budget".into());
         }
         if cfg.policy == Policy::Fcfs && !matches!(self.waiting, WaitingQueue::Fcfs(_)) {

@@ -236,6 +236,56 @@ impl Builder {
     }
 }
 
+/// A step's two budgets (vLLM 0.33): `tokens` to compute (`max_num_scheduled_tokens`) and model `inputs`
+/// (`max_num_batched_tokens`), of which every scheduled request also takes `slots` (`draft_slots`: the query
+/// rows a drafter adds). With no draft slots and one budget the two stay equal.
+#[derive(Clone, Copy)]
+struct Budget {
+    tokens: u32,
+    inputs: u32,
+    slots: u32,
+}
+
+impl Budget {
+    /// Whether one more request can be scheduled.
+    #[inline(always)]
+    fn open(&self) -> bool {
+        self.tokens > 0 && self.inputs > self.slots
+    }
+
+    /// The most tokens the next request can be given (0 when not `open`).
+    #[inline(always)]
+    fn chunk(&self) -> u32 {
+        self.tokens.min(self.inputs.saturating_sub(self.slots))
+    }
+
+    /// How many one-token decodes in a row the budgets allow.
+    #[inline(always)]
+    fn decodes(&self) -> u32 {
+        self.tokens.min(self.inputs / (1 + self.slots))
+    }
+
+    #[inline(always)]
+    fn take(&mut self, n: u32) {
+        self.tokens -= n;
+        self.inputs -= n + self.slots;
+    }
+
+    /// `k` one-token decodes (at most `decodes()`).
+    #[inline(always)]
+    fn take_decodes(&mut self, k: u32) {
+        self.tokens -= k;
+        self.inputs -= k * (1 + self.slots);
+    }
+
+    /// A request scheduled with `n` tokens leaves the step (a preemption victim).
+    #[inline(always)]
+    fn give(&mut self, n: u32) {
+        self.tokens += n;
+        self.inputs += n + self.slots;
+    }
+}
+
 /// Phase B's state for one admission pass (`admit_waiting`).
 struct AdmissionPass {
     /// The per-request token cap of the step (0: none).
@@ -335,7 +385,11 @@ impl Scheduler {
         // From here on a request entering `waiting` first waits in the next step (aging).
         self.in_schedule = true;
         let paused_all = self.pause_state == PauseState::PausedAll;
-        let mut budget = if paused_all { 0 } else { self.config.max_num_batched_tokens };
+        let mut budget = Budget {
+            tokens: if paused_all { 0 } else { self.config.token_budget() },
+            inputs: self.config.max_num_batched_tokens,
+            slots: self.config.draft_slots,
+        };
         // vLLM 0.33: the per-request cap guards other requests from starvation, so it applies only when more
         // than one request is running or waiting (blocked ones included).
         let num_eligible = self.num_live_requests();
@@ -385,8 +439,8 @@ impl Scheduler {
         // Phase B: waiting requests, only if nobody was preempted in this step and admissions are not paused.
         if preempted.is_empty() && !paused_all {
             // No probing when nobody can be admitted (a full batch or no budget): nothing would move.
-            let can_admit =
-                budget > 0 && self.running.len() + self.num_waiting_for_input < self.config.max_active_seqs();
+            let can_admit = budget.open()
+                && self.running.len() + self.num_waiting_for_input < self.config.max_active_seqs();
             let plan = if can_admit { self.begin_admission() } else { None };
             let num_skipped;
             (prefill_admitted, num_skipped) = self.admit_waiting(
@@ -443,7 +497,7 @@ impl Scheduler {
     fn schedule_running(
         &mut self,
         b: &mut Builder,
-        budget: &mut u32,
+        budget: &mut Budget,
         threshold: u32,
         defer_prefills: bool,
         preempted: &mut Vec<ReqHandle>,
@@ -474,20 +528,22 @@ impl Scheduler {
             run(0)
         };
         let mut i = 0;
-        while i < self.running.len() && *budget > 0 {
+        while i < self.running.len() && budget.open() {
             if !prefetch {
                 // A run of plain decodes, from the hot columns alone (the check below, batched); it stops at
                 // the first request that takes the general path.
                 let start = i;
+                let mut decodes = budget.decodes();
                 i = self.slab.plain_decode_run(
                     &self.running,
                     i,
-                    budget,
+                    &mut decodes,
                     &mut b.out.handles,
                     &mut b.out.num_computed_tokens,
                 );
+                budget.take_decodes((i - start) as u32);
                 b.add_decodes(i - start);
-                if i == self.running.len() || *budget == 0 {
+                if i == self.running.len() || !budget.open() {
                     break;
                 }
             }
@@ -506,7 +562,7 @@ impl Scheduler {
                 hot.computed[s] = computed + 1;
                 hot.in_flight[s] += 1;
                 b.push_decode(ReqHandle { slot, gen: self.slab.gen(slot) }, computed);
-                *budget -= 1;
+                budget.take(1);
                 i += 1;
                 continue;
             }
@@ -532,7 +588,7 @@ impl Scheduler {
                         hot.computed[s] = computed + 1;
                         hot.in_flight[s] += 1;
                         hot.sync(s, req);
-                        *budget -= 1;
+                        budget.take(1);
                         i += 1;
                         continue;
                     }
@@ -558,7 +614,7 @@ impl Scheduler {
             if threshold > 0 && n > i64::from(threshold) {
                 n = i64::from(threshold);
             }
-            n = n.min(i64::from(*budget));
+            n = n.min(i64::from(budget.chunk()));
             n = n.min(max_model_len - 1 - i64::from(computed));
             // A KV cache smaller than max_model_len: never past what the request can hold (no effect for a
             // request without drafts or placeholders: add_request checked that all its tokens fit).
@@ -617,7 +673,7 @@ impl Scheduler {
                         // Its tokens of this step leave the step, and its in-flight count.
                         let refund = b.remove(pos);
                         self.slab.hot.in_flight[victim as usize] -= refund;
-                        *budget += refund;
+                        budget.give(refund);
                     }
                     if j < i {
                         i -= 1;
@@ -677,7 +733,7 @@ impl Scheduler {
             self.slab.hot.computed[s] = computed + n;
             self.slab.hot.in_flight[s] += n;
             self.slab.sync(slot);
-            *budget -= n;
+            budget.take(n);
             i += 1;
         }
         Ok(prefill_scheduled)
@@ -724,7 +780,7 @@ impl Scheduler {
     fn admit_waiting(
         &mut self,
         b: &mut Builder,
-        budget: &mut u32,
+        budget: &mut Budget,
         threshold: u32,
         prefill_scheduled: bool,
         defer_prefills: bool,
@@ -747,7 +803,7 @@ impl Scheduler {
         };
         let mut prefill_admitted = false;
         // Sessions waiting for their next input part keep a slot (vLLM 0.33: the runner still holds them).
-        while *budget > 0 && self.running.len() + self.num_waiting_for_input < max_active {
+        while budget.open() && self.running.len() + self.num_waiting_for_input < max_active {
             // Requests holding KV blocks (their asynchronous load is over) go first, and are the only ones
             // admitted under `paused_new` (vLLM 0.33's `kv_holding_waiting`).
             let from_kv = !self.kv_waiting.is_empty();
@@ -762,7 +818,7 @@ impl Scheduler {
             };
             let Some((h, aged)) = peeked else { break };
             pass.aged = aged;
-            let a = match self.admission_candidate(&mut pass, h, from_kv, *budget, enc)? {
+            let a = match self.admission_candidate(&mut pass, h, from_kv, budget.chunk(), enc)? {
                 Candidate::Admit(a) => a,
                 Candidate::Skip => continue,
                 Candidate::Stop => break,
@@ -1091,7 +1147,7 @@ impl Scheduler {
         b: &mut Builder,
         pass: &mut AdmissionPass,
         a: &Admission,
-        budget: &mut u32,
+        budget: &mut Budget,
         enc: &mut EncoderStep,
     ) -> Result<bool> {
         let (h, hs, computed, n) = (a.h, a.h.slot as usize, a.computed, a.n);
@@ -1202,7 +1258,7 @@ impl Scheduler {
         self.running.push(h.slot);
         self.slab.hot.in_flight[hs] += n;
         self.slab.sync(h.slot);
-        *budget -= n;
+        budget.take(n);
         Ok(a.has_prefill)
     }
 

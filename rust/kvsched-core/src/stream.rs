@@ -84,11 +84,11 @@ impl Scheduler {
                  cache holds ({capacity}); lower max_tokens"
             )));
         }
-        if !self.config.enable_chunked_prefill && longest > u64::from(self.config.max_num_batched_tokens) {
+        if !self.config.enable_chunked_prefill && longest > u64::from(self.config.max_chunk_tokens()) {
             return Err(bad_request(format!(
                 "request {req_id:?}: with this part the streaming-input session can reach {longest} KV slots, more than \
-                 max_num_batched_tokens={} without chunked prefill",
-                self.config.max_num_batched_tokens
+                 {} without chunked prefill",
+                self.config.chunk_limit_text()
             )));
         }
         let req = self.slab.get_mut(slot)?;

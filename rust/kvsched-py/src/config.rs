@@ -81,6 +81,8 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("trim_computed_on_stop", c.trim_computed_on_stop)?;
     d.set_item("sliding_window", c.sliding_window)?;
     d.set_item("kv_cache_groups", (!c.kv_cache_groups.is_empty()).then_some(c.kv_cache_groups.clone()))?;
+    d.set_item("max_num_scheduled_tokens", Some(c.max_num_scheduled_tokens).filter(|&v| v != 0))?;
+    d.set_item("draft_slots", c.draft_slots)?;
     Ok(d)
 }
 
@@ -267,6 +269,16 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
             Some(u32_field("sliding_window")?)
         },
         kv_cache_groups: kv_cache_groups_field(py, &cfg.getattr("kv_cache_groups")?)?,
+        // None: max_num_batched_tokens, the core's 0; so a 0 given is out of the field's bounds.
+        max_num_scheduled_tokens: if cfg.getattr("max_num_scheduled_tokens")?.is_none() {
+            0
+        } else {
+            match u32_field("max_num_scheduled_tokens")? {
+                0 => return Err(out_of_bounds("max_num_scheduled_tokens", 0)),
+                v => v,
+            }
+        },
+        draft_slots: u32_field("draft_slots")?,
     })
 }
 

@@ -1260,3 +1260,48 @@ fn step_num_output_tokens_counts_outputs_and_earlier_placeholders() {
         ));
     }
 }
+
+#[test]
+fn draft_slots_and_a_token_budget_apart_from_the_inputs() {
+    // Two 10-token prompts, 20 inputs, 3 draft slots per request: 10 (13 inputs), then 20 - 13 - 3 = 4.
+    let budgets = SchedulerConfig {
+        max_num_batched_tokens: 20,
+        num_speculative_tokens: Some(4),
+        draft_slots: 3,
+        ..cfg(16, 64)
+    };
+    let mut s = Scheduler::new(budgets.clone()).unwrap();
+    add(&mut s, "a", &prompt(1, 10), params(4));
+    add(&mut s, "b", &prompt(101, 10), params(4));
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![10, 4]);
+    s.check_invariants().unwrap();
+    // A token budget of 12 under the same 20 inputs, no slots: 10, then 2.
+    let mut s =
+        Scheduler::new(SchedulerConfig { draft_slots: 0, max_num_scheduled_tokens: 12, ..budgets.clone() })
+            .unwrap();
+    add(&mut s, "a", &prompt(1, 10), params(4));
+    add(&mut s, "b", &prompt(101, 10), params(4));
+    assert_eq!(s.schedule().unwrap().num_scheduled_tokens, vec![10, 2]);
+    // Decodes: 1 + 2 inputs each, so 20 / 3 = 6 of 8 running requests per step (the run of plain decodes
+    // counts them as the general path does).
+    let mut s = Scheduler::new(SchedulerConfig { draft_slots: 2, ..budgets.clone() }).unwrap();
+    for k in 0..8 {
+        add(&mut s, &format!("r{k}"), &prompt(100 * k + 1, 2), params(30));
+    }
+    for _ in 0..4 {
+        let out = s.schedule().unwrap();
+        one_token_each(&mut s, &out, 7);
+    }
+    assert_eq!(s.schedule().unwrap().num_scheduled_tokens, vec![1; 6]);
+    s.check_invariants().unwrap();
+    // The rules: slots below the inputs, the token budget at most the inputs.
+    assert!(matches!(
+        Scheduler::new(SchedulerConfig { draft_slots: 20, ..budgets.clone() }),
+        Err(SchedError::InvalidConfig(_))
+    ));
+    assert!(matches!(
+        Scheduler::new(SchedulerConfig { max_num_scheduled_tokens: 21, ..budgets }),
+        Err(SchedError::InvalidConfig(_))
+    ));
+}
