@@ -837,6 +837,12 @@ def main(argv: list[str] | None = None) -> int:
         "TEST_FILES; STATUS.md is then checked for those files and not written)",
     )
     parser.add_argument("-k", dest="keyword", help="pytest -k expression (STATUS.md is neither checked nor written)")
+    parser.add_argument(
+        "--reuse-baseline",
+        action="store_true",
+        help="take vLLM's own results from the last run in --workdir (results-vllm.json, written by a run with "
+        "--impl vllm or both on the same files) instead of running vLLM's scheduler again",
+    )
     args = parser.parse_args(argv)
 
     workdir = Path(args.workdir).resolve()
@@ -847,7 +853,14 @@ def main(argv: list[str] | None = None) -> int:
     src = prepare(sdist, workdir)
     extra = ["-k", args.keyword] if args.keyword else []
     impls = ("vllm", "kvsched") if args.impl == "both" else (args.impl,)
-    results = {impl: run_pytest(args.python, src, workdir, impl, files, extra) for impl in impls}
+    results = {}
+    for impl in impls:
+        saved = workdir / f"results-{impl}.json"
+        if impl == "vllm" and args.reuse_baseline and saved.exists():
+            print(f"[vllm] reusing {saved}", flush=True)
+            results[impl] = json.loads(saved.read_text(encoding="utf-8"))["results"]
+        else:
+            results[impl] = run_pytest(args.python, src, workdir, impl, files, extra)
 
     functions = test_functions(src, files)
     for f in functions:
