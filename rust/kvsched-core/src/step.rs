@@ -455,6 +455,7 @@ impl Scheduler {
         let lookahead = self.config.num_lookahead_tokens;
         // Requests carry encoder inputs only with an encoder cache: without one their (cold) field is not read.
         let has_encoder = self.encoder.capacity() > 0;
+        let has_ec = has_encoder && self.ec_connector.is_some();
         let mut prefill_scheduled = false;
         // Prefetching ahead (the per-request path below) pays when running requests do their block work in
         // runs of neighbours (a group admitted together, a batch in lock-step), whose misses it overlaps. Where
@@ -554,6 +555,15 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
+            // The EC connector's gate: an encoder output still in transit defers the request for this step.
+            if has_ec && !req.encoder_inputs.is_empty() {
+                let upto = u32::try_from((i64::from(computed) - ph).max(0)).unwrap_or(0);
+                if !self.ec_cache_available(slot, upto)? {
+                    i += 1;
+                    continue;
+                }
+            }
+            let req = self.slab.get_mut(slot)?;
             let mut n = i64::from(req.num_tokens_with_spec()) + ph - i64::from(computed);
             if threshold > 0 && n > i64::from(threshold) {
                 n = i64::from(threshold);
@@ -909,6 +919,18 @@ impl Scheduler {
                         }
                     }
                 }
+            }
+        }
+        // The EC connector's gate, with the tokens the request has (a loaded one) or the lookups cover: an
+        // encoder output still in transit skips it (it keeps its place).
+        if !blocked && !req.encoder_inputs.is_empty() && self.encoder.capacity() > 0 {
+            if let Some(conn) = self.ec_connector.as_mut() {
+                let covered = if computed_before > 0 {
+                    computed_before
+                } else {
+                    restored_tokens(req, hits.len() as u32 * bs) + ext
+                };
+                blocked = !conn.0.ensure_cache_available(req, covered);
             }
         }
         if blocked {
@@ -1289,7 +1311,7 @@ impl Scheduler {
         let Builder { out, is_chunk, num_spec, mixed, general, .. } = b;
         let mut enc_hashes = Vec::new();
         if !enc.work.is_empty() {
-            let (enc_ids, enc_indptr, hashes) = self.encoder_output(enc, &out.handles)?;
+            let (enc_ids, enc_indptr, hashes) = self.encoder_output(&enc.work, &out.handles)?;
             out.scheduled_encoder_inputs = enc_ids;
             out.scheduled_encoder_inputs_indptr = enc_indptr;
             enc_hashes = hashes;
@@ -1298,6 +1320,13 @@ impl Scheduler {
                 let t = self.slab.get(slot)?.encoder_inputs[i as usize].num_tokens;
                 self.counters.num_encoder_tokens_computed += u64::from(t);
             }
+        }
+        if !enc.loads.is_empty() {
+            // A failed step's loads never arrived either: `fail_step` treats them as its computes.
+            let (ids, indptr, hashes) = self.encoder_output(&enc.loads, &out.handles)?;
+            out.scheduled_encoder_loads = ids;
+            out.scheduled_encoder_loads_indptr = indptr;
+            enc_hashes.extend(hashes);
         }
         if self.encoder.has_freed() {
             out.free_encoder_hashes = self.encoder.take_freed();
