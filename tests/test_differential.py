@@ -745,6 +745,8 @@ class Twin:
             assert self.ref.step_seqs == self.rs.step_seqs
         if self.ec_ref is not None:
             assert self.ec_ref.calls == self.ec_rs.calls, "the EC connector hooks were called differently"
+        if self.cfg.encoder_cache_size:
+            assert self.ref.encoder_cache_entries() == self.rs.encoder_cache_entries()
         sa, sb = self.ref.stats(), self.rs.stats()
         for name in sa.__dataclass_fields__:
             va, vb = getattr(sa, name), getattr(sb, name)

@@ -167,3 +167,18 @@ def test_a_bad_hook_answer_is_raised_after_the_step_with_the_conservative_answer
         s.set_ec_connector(object())
     s.set_ec_connector(None)
     assert s.ec_connector is None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_encoder_cache_entries_list_loaded_and_computed_entries_with_their_requests(impl: str) -> None:
+    """encoder_cache_entries(): every cached entry (loaded or computed) with the requests referencing it; an
+    entry whose last reference went stays listed, freeable, with no request."""
+    s = make(impl)
+    s.set_ec_connector(FakeEc(items={1}))
+    s.add_request("a", list(range(10)), encoder_inputs=[(0, 8, 1)], arrival_time=0.0)
+    s.add_request("b", list(range(100, 114)), encoder_inputs=[(0, 4, 2), (5, 8, 1)], arrival_time=1.0)
+    assert s.encoder_cache_entries() == {}
+    out = s.schedule()
+    assert s.encoder_cache_entries() == {1: ["a", "b"], 2: ["b"]}
+    s.update_from_output(out, [[5], [5]])
+    assert s.encoder_cache_entries() == {1: [], 2: []}

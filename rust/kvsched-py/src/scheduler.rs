@@ -999,6 +999,18 @@ impl PyScheduler {
         PyTuple::new(py, items)
     }
 
+    /// The encoder cache's entries as `{hash: [req_id, ...]}` (hash ascending; the ids of the requests
+    /// referencing each entry, sorted; empty for a freeable entry).
+    fn encoder_cache_entries<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyDict>> {
+        let py = slf.py();
+        let entries = borrow(slf)?.core.encoder_cache_entries();
+        let d = PyDict::new(py);
+        for (hash, ids) in entries {
+            d.set_item(hash, PyList::new(py, ids.iter().map(|id| &**id))?)?;
+        }
+        Ok(d)
+    }
+
     /// The hash of every block in the prefix cache, in block id order (one entry per block).
     fn cached_block_hashes<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let py = slf.py();
