@@ -191,6 +191,9 @@ class FakeEcConnector:
         self.calls.append(("has", mm_hash))
         return self._draw("has", mm_hash) < 0.5
 
+    def update_state_after_alloc(self, req_id: str, input_index: int) -> None:
+        self.calls.append(("alloc", req_id, input_index))
+
     def ensure_cache_available(self, req_id: str, num_computed_tokens: int) -> bool:
         k = self.asked[req_id] = self.asked.get(req_id, 0) + 1
         self.calls.append(("ensure", req_id, num_computed_tokens))

@@ -47,6 +47,9 @@ class FakeEc:
         self.calls.append(("ensure", req_id, num_computed_tokens))
         return req_id not in self.in_transit
 
+    def update_state_after_alloc(self, req_id: str, input_index: int) -> None:
+        self.calls.append(("alloc", req_id, input_index))
+
 
 def csr(out: Any, name: str) -> tuple[list[int], list[int]]:
     return getattr(out, name).tolist(), getattr(out, f"{name}_indptr").tolist()
@@ -69,7 +72,14 @@ def test_a_loaded_input_takes_cache_space_but_no_encoder_budget(impl: str) -> No
     assert csr(out, "scheduled_encoder_inputs") == ([0], [0, 0, 1])
     st = s.stats()
     assert (st.num_encoder_cache_entries, st.num_encoder_inputs_computed) == (2, 1)
-    assert ec.calls == [("ensure", "a", 0), ("has", 1), ("ensure", "b", 0), ("has", 2)]
+    assert ec.calls == [
+        ("ensure", "a", 0),
+        ("has", 1),
+        ("alloc", "a", 0),
+        ("ensure", "b", 0),
+        ("has", 2),
+        ("alloc", "b", 0),
+    ]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -117,6 +127,7 @@ def test_ensure_cache_available_defers_a_waiting_request_which_keeps_its_place(i
     ec.in_transit.clear()
     out = s.schedule()
     assert out.req_ids == ["t", "a", "u"]
+    assert ec.calls[-1] == ("alloc", "a", 0)  # computed (the connector does not hold it), told once a is scheduled
     s.check_invariants()
 
 

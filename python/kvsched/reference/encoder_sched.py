@@ -121,6 +121,24 @@ class _EncoderSchedMixin(_SchedulerState):
             return True
         return self._ec_ask("ensure_cache_available", True, r.req_id, num_computed)
 
+    def _ec_allocated(self, st: _EncoderStep) -> list[int]:
+        """The planned request's inputs to compute, then to load (for update_state_after_alloc)."""
+        if self._ec_connector is None:
+            return []
+        return [i for _, i in st.pending] + [i for _, i in st.pending_loads]
+
+    def _ec_notify_alloc(self, r: _Request, inputs: list[int]) -> None:
+        """The EC connector's optional update_state_after_alloc, per input (an exception is kept, as a hook's)."""
+        ec = self._ec_connector
+        if not inputs or ec is None or not hasattr(ec, "update_state_after_alloc"):
+            return
+        for i in inputs:
+            try:
+                ec.update_state_after_alloc(r.req_id, i)
+            except Exception as e:  # kept and raised once the scheduler is consistent
+                if self._ec_error is None:
+                    self._ec_error = e
+
     def _ec_after_hooks(self) -> None:
         e, self._ec_error = self._ec_error, None
         if e is not None:

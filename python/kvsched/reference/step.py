@@ -163,6 +163,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 continue
             prefill_scheduled |= r.is_prefill_chunk
             if r.encoder_inputs:
+                self._ec_notify_alloc(r, self._ec_allocated(enc))
                 self._commit_encoder(enc)
             computed = r.num_computed_tokens
             num_drafts = min(len(r.drafts), max(0, computed + n - r.num_tokens - ph))
@@ -416,6 +417,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if planned:
                     self._rollback_encoder(enc, r)
                 break
+            ec_allocated = self._ec_allocated(enc) if planned else []
             if planned:
                 self._commit_encoder(enc)
             self._complete_resume(r, len(hits), computed, swap_in)
@@ -433,6 +435,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 else:
                     self._hook_after_alloc(r, ext)
                     self._count_connector_lookup(queries)
+            self._ec_notify_alloc(r, ec_allocated)  # after the KV connector hears of the blocks
             if computed_before == 0 and not r.skip_reading_prefix_cache:  # no lookup, no query
                 prefix = "preempted_" if r.num_preemptions > 0 else ""
                 self._stats[prefix + "queries"] += r.num_tokens

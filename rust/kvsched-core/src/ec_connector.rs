@@ -28,6 +28,10 @@ pub trait EcConnector: Send + Sync {
     fn ensure_cache_available(&mut self, _req: &Request, _num_computed_tokens: u32) -> bool {
         true
     }
+
+    /// Once a request with encoder work is scheduled: each input it computes, then each it loads (vLLM's
+    /// `update_state_after_alloc`, in the same place of the step). Decides nothing.
+    fn update_state_after_alloc(&mut self, _req: &Request, _input: u32) {}
 }
 
 /// An EC connector in the scheduler (a newtype so the scheduler can stay `Debug`).

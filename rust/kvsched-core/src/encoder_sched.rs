@@ -511,6 +511,14 @@ impl Scheduler {
     }
 }
 
+/// Tells the EC connector of the encoder inputs the planned request `req` computes, then of those it loads
+/// (vLLM's `_allocate_encoder_inputs`), once it is scheduled.
+pub(crate) fn notify_ec_alloc(conn: &mut crate::ec_connector::EcConn, req: &Request, st: &EncoderStep) {
+    for &(_, i) in st.pending.iter().chain(st.pending_loads.iter()) {
+        conn.0.update_state_after_alloc(req, i);
+    }
+}
+
 /// Removes and returns the items of `slot` from a step's list.
 fn take_of(items: &mut Vec<(u32, u32)>, slot: u32) -> Vec<(u32, u32)> {
     let mut removed = Vec::new();

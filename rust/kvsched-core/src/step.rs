@@ -669,6 +669,9 @@ impl Scheduler {
                 prompt_chunks.push((slot, computed, n));
             }
             if planned {
+                if let Some(conn) = self.ec_connector.as_mut() {
+                    crate::encoder_sched::notify_ec_alloc(conn, req, enc);
+                }
                 Self::commit_encoder(&mut self.counters, enc);
             }
             req.is_prefill_chunk = i64::from(computed + n) < i64::from(req.num_tokens()) + ph;
@@ -1117,7 +1120,12 @@ impl Scheduler {
         enc: &mut EncoderStep,
     ) -> Result<bool> {
         let (h, hs, computed, n) = (a.h, a.h.slot as usize, a.computed, a.n);
+        // The EC connector hears of the request's encoder allocations after the KV connector of its blocks.
+        let mut ec_allocated = Vec::new();
         if a.planned_encoder {
+            if self.ec_connector.is_some() {
+                ec_allocated = enc.pending.iter().chain(enc.pending_loads.iter()).map(|w| w.1).collect();
+            }
             Self::commit_encoder(&mut self.counters, enc);
         }
         let (req, hot) = self.slab.get_mut_hot(h.slot)?;
@@ -1151,6 +1159,11 @@ impl Scheduler {
                     self.counters.connector_prefix_cache_queries += q;
                     self.counters.connector_prefix_cache_hits += hits;
                 }
+            }
+        }
+        if let (false, Some(conn)) = (ec_allocated.is_empty(), self.ec_connector.as_mut()) {
+            for &i in &ec_allocated {
+                conn.0.update_state_after_alloc(req, i);
             }
         }
         // No lookup, no query: vLLM leaves a request that skips reading the cache out of the stats.

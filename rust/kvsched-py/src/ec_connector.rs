@@ -25,6 +25,8 @@ struct PyEcConnector {
     error: Arc<Mutex<Option<PyErr>>>,
     /// The object has the optional `ensure_cache_available(req_id, num_computed_tokens)` hook.
     has_ensure_hook: bool,
+    /// The object has the optional `update_state_after_alloc(req_id, input_index)` hook.
+    has_alloc_hook: bool,
 }
 
 impl PyEcConnector {
@@ -73,6 +75,21 @@ impl core::EcConnector for PyEcConnector {
             "ensure_cache_available",
         )
     }
+
+    fn update_state_after_alloc(&mut self, req: &core::Request, input: u32) {
+        if !self.has_alloc_hook {
+            return;
+        }
+        Python::with_gil(|py| {
+            if let Err(e) = self.obj.bind(py).call_method1("update_state_after_alloc", (&*req.id, input)) {
+                if let Ok(mut s) = self.error.lock() {
+                    if s.is_none() {
+                        *s = Some(e);
+                    }
+                }
+            }
+        })
+    }
 }
 
 impl EcHandle {
@@ -91,6 +108,7 @@ impl EcHandle {
             obj: obj.clone().unbind(),
             error: error.clone(),
             has_ensure_hook: obj.hasattr("ensure_cache_available")?,
+            has_alloc_hook: obj.hasattr("update_state_after_alloc")?,
         };
         Ok((EcHandle { obj: obj.clone().unbind(), error }, Box::new(inner)))
     }
