@@ -1049,7 +1049,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         req_ids: list[str],
         out: Any,
     ) -> None:
-        """:meth:`_connector_meta` (KV connector) and :meth:`_ec_connector_meta` (encoder-cache connector) with the
+        """:meth:`_connector_meta` (KV connector) and the encoder-cache connector's ``build_connector_meta`` with the
         scheduled requests showing their state before this step's update, as vLLM calls its connectors before
         its ``_update_after_schedule``: a connector that keeps the ``Request`` objects (most do) reads the same
         counts from both schedulers. Put back afterwards."""
