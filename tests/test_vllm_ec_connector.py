@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
 
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm_driver import compare
+from vllm_driver import compare, run_seed
 
 pytestmark = pytest.mark.vllm
 
@@ -126,3 +126,15 @@ def test_a_text_only_model_accepts_an_ec_connector() -> None:
     out = _step(scheds)
     assert out.ec_connector_metadata is not None and out.ec_connector_metadata.allocated == []
     assert scheds[1].get_ec_connector() is scheds[1].ec_connector
+
+
+@pytest.mark.parametrize(("seed", "kv_role"), [(0, None), (2, "kv_both"), (3, "kv_consumer")])
+def test_identical_to_vllm_with_an_ec_connector(seed: int, kv_role: str | None) -> None:
+    """The differential driver with images and a RandomECConnector (with a RandomKVConnector too in some runs):
+    every output, request state and call on both connectors is vLLM's, step by step. (Seed 2 with the KV
+    connector: a request the EC connector defers right after its KV lookup keeps the KV-fetch stage it had.)"""
+    cfg = run_seed(
+        seed, 120, async_scheduling=False, v2=False, multimodal=True, ec_connector=True,
+        connector=kv_role is not None, kv_role=kv_role or "kv_both",
+    )  # fmt: skip
+    assert cfg.ec_connector_seed == seed

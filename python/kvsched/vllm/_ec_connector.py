@@ -28,7 +28,10 @@ class EcBridge:
 
     def ensure_cache_available(self, req_id: str, num_computed_tokens: int) -> bool:
         s = self._scheduler
-        return bool(s.ec_connector.ensure_cache_available(s.requests[req_id], num_computed_tokens))
+        available = bool(s.ec_connector.ensure_cache_available(s.requests[req_id], num_computed_tokens))
+        if not available and s._bridge is not None:
+            s._bridge.ec_deferred(req_id)
+        return available
 
     def update_state_after_alloc(self, req_id: str, input_index: int) -> None:
         s = self._scheduler
