@@ -87,7 +87,8 @@ def assert_arrays_equal(a: np.ndarray, b: np.ndarray, what: str) -> None:
 OUT_LISTS = ("req_ids", "new_req_ids", "resumed_req_ids", "preempted_req_ids")
 OUT_ARRAYS = ("num_scheduled_tokens", "num_computed_tokens", "new_block_ids", "new_block_ids_indptr",
               "spec_token_ids", "spec_token_ids_indptr", "swap_out", "swap_in", "scheduled_encoder_inputs",
-              "scheduled_encoder_inputs_indptr", "free_encoder_hashes")  # fmt: skip
+              "scheduled_encoder_inputs_indptr", "scheduled_encoder_loads", "scheduled_encoder_loads_indptr",
+              "free_encoder_hashes")  # fmt: skip
 INPUT_FIELDS = ("input_token_ids", "input_positions", "slot_mapping", "query_start_loc", "seq_lens",
                 "block_table", "logits_indices")  # fmt: skip
 
@@ -172,6 +173,35 @@ class FakeConnector:
         return bool(self._draw("pending", len(self.calls)).random() < 0.2)
 
 
+class FakeEcConnector:
+    """A seeded encoder-cache connector: whether it holds a hash is a function of (seed, hash); whether a
+    request's outputs are available, of (seed, request, computed tokens, how often it was asked about the
+    request). It records every call; the twin compares the two records."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.calls: list[tuple[Any, ...]] = []
+        self.asked: dict[str, int] = {}
+        self.num_deferred = 0
+
+    def _draw(self, *key: Any) -> float:
+        return float(np.random.default_rng([self.seed, zlib.crc32(repr(key).encode())]).random())
+
+    def has_cache_item(self, mm_hash: int) -> bool:
+        self.calls.append(("has", mm_hash))
+        return self._draw("has", mm_hash) < 0.5
+
+    def update_state_after_alloc(self, req_id: str, input_index: int) -> None:
+        self.calls.append(("alloc", req_id, input_index))
+
+    def ensure_cache_available(self, req_id: str, num_computed_tokens: int) -> bool:
+        k = self.asked[req_id] = self.asked.get(req_id, 0) + 1
+        self.calls.append(("ensure", req_id, num_computed_tokens))
+        available = self._draw("ensure", req_id, num_computed_tokens, k) >= 0.15
+        self.num_deferred += not available
+        return available
+
+
 class Twin:
     """The same operations on a ReferenceScheduler and a kvsched.Scheduler, compared after each one."""
 
@@ -185,6 +215,7 @@ class Twin:
         fail_steps: bool = True,
         order_keywords: bool = True,
         streaming: bool = False,
+        ec_seed: int | None = None,
     ) -> None:
         from kvsched import Scheduler
 
@@ -204,6 +235,11 @@ class Twin:
             self.conn_ref, self.conn_rs = FakeConnector(connector_seed), FakeConnector(connector_seed)
         self.ref = ReferenceScheduler(cfg, kv_connector=self.conn_ref)
         self.rs = Scheduler(cfg, kv_connector=self.conn_rs)
+        self.ec_ref = self.ec_rs = None
+        if ec_seed is not None:
+            self.ec_ref, self.ec_rs = FakeEcConnector(ec_seed), FakeEcConnector(ec_seed)
+            self.ref.set_ec_connector(self.ec_ref)
+            self.rs.set_ec_connector(self.ec_rs)
         self.prompt_lens: dict[str, int] = {}
         self.pending: deque[tuple[Any, Any, list[int | None]]] = deque()
         self.clock = 0.0
@@ -216,6 +252,7 @@ class Twin:
             "encoder_victims": 0,
             "encoder_cut": 0,
             "encoder_resized": 0,
+            "encoder_loaded": 0,
         }
         # victims that sat before a request phase A scheduled in their step (scheduled earlier, then refunded)
         self.coverage["victims_before_scheduled"] = 0
@@ -398,6 +435,7 @@ class Twin:
     def note_encoder(self, out: Any) -> None:
         cov = self.coverage
         cov["encoder_computed"] += len(out.scheduled_encoder_inputs)
+        cov["encoder_loaded"] += len(out.scheduled_encoder_loads)
         cov["encoder_freed"] += len(out.free_encoder_hashes)
         for rid in out.preempted_req_ids:
             r = self.ref._requests.get(rid)
@@ -708,6 +746,10 @@ class Twin:
             assert self.ref.deferred_load_ids() == self.rs.deferred_load_ids()
             assert self.ref.deferred_frees() == self.rs.deferred_frees()
             assert self.ref.step_seqs == self.rs.step_seqs
+        if self.ec_ref is not None:
+            assert self.ec_ref.calls == self.ec_rs.calls, "the EC connector hooks were called differently"
+        if self.cfg.encoder_cache_size:
+            assert self.ref.encoder_cache_entries() == self.rs.encoder_cache_entries()
         sa, sb = self.ref.stats(), self.rs.stats()
         for name in sa.__dataclass_fields__:
             va, vb = getattr(sa, name), getattr(sb, name)
@@ -1140,6 +1182,28 @@ def test_soak_encoder_inputs_match_reference_step_by_step() -> None:
         assert st.num_encoder_inputs_computed > 0
     assert all(v > 0 for v in total.values()), total
     assert hits > 0
+
+
+def test_soak_ec_connector_matches_reference_step_by_step() -> None:
+    """An encoder-cache connector that holds some encoder outputs (loaded: cache space, no encoder budget) and
+    sometimes defers a request (a transfer in progress), under the encoder soak's configs: the Rust core and
+    the reference agree at every step and ask the connector the same questions in the same order."""
+    loaded = deferred = 0
+    for i, cfg in enumerate(ENCODER_SOAK_CONFIGS):
+        seed = 7100 + i
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2, ec_seed=seed,
+                    connector_seed=seed if i == 0 else None)  # fmt: skip
+        for _ in range(600):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.drain()
+        assert twin.ec_ref is not None
+        loaded += twin.coverage["encoder_loaded"]
+        deferred += twin.ec_ref.num_deferred
+        assert twin.ref.stats().num_encoder_inputs_computed > 0
+    assert loaded > 0 and deferred > 0, (loaded, deferred)
 
 
 def test_admission_window_with_asynchronous_kv_loads() -> None:

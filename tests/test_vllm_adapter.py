@@ -84,17 +84,20 @@ def test_implements_the_whole_interface_with_engine_core_keywords() -> None:
     assert s.get_kv_connector() is None
 
 
-@pytest.mark.parametrize(
-    ("attr", "value", "feature"),
-    [
-        ("ec_transfer_config", object(), "encoder-cache connectors"),
-    ],
-)
-def test_unsupported_engine_features_are_refused_by_name(attr: str, value: object, feature: str) -> None:
-    cfg = make_vllm_config()
-    object.__setattr__(cfg, attr, value)
-    with pytest.raises(UnsupportedFeatureError, match=feature):
-        make_scheduler("kvsched", cfg)
+def test_ec_connector_is_vllms_own_scheduler_role_connector() -> None:
+    """vLLM builds its scheduler's encoder-cache connector with ECConnectorFactory, role SCHEDULER; kvsched.vllm
+    does the same and exposes it where vLLM's engine core reads it (``ec_connector``, ``get_ec_connector()``); one
+    set on a built scheduler (vLLM's tests set mocks) is the one the core asks from the next step."""
+    from kvsched.vllm.testing import RandomECConnector
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    s = make_scheduler("kvsched", make_vllm_config(ec_connector_seed=1))
+    assert isinstance(s.ec_connector, RandomECConnector)
+    assert s.ec_connector.role == ECConnectorRole.SCHEDULER
+    assert s.get_ec_connector() is s.ec_connector
+    assert s.core.ec_connector is not None
+    s.ec_connector = None
+    assert s.core.ec_connector is None and s.get_ec_connector() is None
 
 
 def test_kv_connector_is_vllms_own_scheduler_role_connector() -> None:

@@ -212,6 +212,9 @@ class Config:
     # budget below the input budget.
     parallel_drafting: bool = False
     max_num_scheduled_tokens: int | None = None
+    # A RandomECConnector (kvsched.vllm.testing) with this seed: images loaded instead of encoded, requests waiting
+    # for images in transit; its calls are compared.
+    ec_connector_seed: int | None = None
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -690,6 +693,10 @@ class Pair:
                 compare(f"{when}: KV connector {i} calls", ca.calls, cb.calls)
                 ca.calls.clear()
                 cb.calls.clear()
+        if a.ec_connector is not None:
+            compare(f"{when}: EC connector calls", a.ec_connector.calls, b.ec_connector.calls)
+            a.ec_connector.calls.clear()
+            b.ec_connector.calls.clear()
         b.core.check_invariants()
 
     # ---- a whole run -----------------------------------------------------------------------------------
@@ -758,14 +765,16 @@ def run_seed(
     multimodal: bool = False,
     defer_async_loads: bool = False,
     budgets: bool = False,
+    ec_connector: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
     child of vLLM's ``MultiConnector``, after a passive one); ``kv_events`` turns KV cache
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``multimodal``
-    schedules a tiny LLaVA whose requests carry images; ``budgets`` draws parallel drafting (extra query slots per
-    scheduled request) and a token budget below the input budget, from their own stream."""
+    schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded ``RandomECConnector``;
+    ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a token budget below the
+    input budget, from their own stream."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
@@ -799,6 +808,8 @@ def run_seed(
         cfg.disable_chunked_mm_input = RULES.version != "0.32" and rng.random() < 0.3
         if cfg.speculative_method == "eagle":
             cfg.speculative_method = "ngram_gpu"  # an EAGLE drafter's prefill lookahead shifts the encoder window
+    if ec_connector:
+        cfg.ec_connector_seed = seed
     Pair(cfg, seed).run(steps)
     return cfg
 
@@ -830,6 +841,7 @@ def main(argv: list[str] | None = None) -> int:
         "or --kv-events, which kvsched.vllm refuses for it",
     )
     p.add_argument("--mm", action="store_true", help="a multimodal model: requests with images")
+    p.add_argument("--ec", action="store_true", help="with a seeded RandomECConnector (with --mm: images loaded)")
     p.add_argument(
         "--defer-async-loads",
         action="store_true",
@@ -880,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
                         multimodal=args.mm,
+                        ec_connector=args.ec,
                         defer_async_loads=args.defer_async_loads,
                         budgets=args.budgets,
                     )

@@ -379,6 +379,11 @@ CURATED: dict[str, str] = {
     "test_update_from_output_routes_multi_position_sampling_masks": _HAND_BUILT,
     "test_scheduler_kv_connector_stats": _HAND_BUILT + "; KV connector stats",
     "test_scheduler_ec_connector_stats": _HAND_BUILT + "; encoder-cache connector stats",
+    "test_ec_connector_update_connector_output_called": _HAND_BUILT + "; the encoder-cache connector's worker output",
+    "test_ec_connector_waits_for_embeddings_in_prefix_replay": (
+        "sets vLLM's sliding-window bounded-replay internals (`prefix_replay_tokens`, `prefix_replay_group_ids`) on "
+        "the scheduler after construction; kvsched.vllm has no prefix replay"
+    ),
     "test_abort_request_when_structured_output_fsm_cannot_advance": (
         "builds vLLM's class with `object.__new__` and sets its internals (`running` list, `kv_cache_manager`)"
     ),
@@ -467,6 +472,10 @@ READ_ONLY_VIEW = re.compile(
     r"(?:KVCacheManagerView|BlockPoolView|_Coordinator|_SingleTypeManager)"
     r"(?: is a read-only view of kvsched's KV cache: (?:it has no )?| object at 0x[0-9a-f]+> (?:does not have the "
     r"attribute|has no attribute) )'(\w+)'"
+)
+# kvsched.vllm's encoder_cache_manager is a read-only view too (cached, cache_size).
+READ_ONLY_ENCODER_VIEW = re.compile(
+    r"EncoderCacheView is a read-only view of kvsched's encoder cache: (?:it has no )?'(\w+)'"
 )
 OFFLINE_MODEL = re.compile(r"Invalid repository ID or local directory specified: '([^']+)'")
 MISSING_FIXTURE = re.compile(r"fixture '(\w+)' not found")
@@ -704,6 +713,13 @@ def classify_kvsched(
                 "out of scope",
                 f"replaces or patches the KV cache manager's `{m.group(1)}` (kvsched's `kv_cache_manager` is a "
                 "read-only view of its core, which allocates and frees the blocks)",
+                counts,
+            )
+        if (m := READ_ONLY_ENCODER_VIEW.search(message)) is not None:
+            return Verdict(
+                "out of scope",
+                f"sets or calls the encoder cache manager's `{m.group(1)}` (kvsched's `encoder_cache_manager` is a "
+                "read-only view of its core's encoder cache: `cached`, `cache_size`)",
                 counts,
             )
         if any(p.search(message) for p in PENDING_CORE_API):

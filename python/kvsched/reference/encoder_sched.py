@@ -6,6 +6,7 @@ dropped. Mirrors ``rust/kvsched-core/src/encoder_sched.rs`` (vLLM's ``_try_sched
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from .._errors import InvalidConfigError, InvalidRequestError, SchedulerTypeError
 from .request import _Request
@@ -13,14 +14,17 @@ from .state import _SchedulerState
 
 
 class _EncoderStep:
-    """One step's encoder bookkeeping: the budget left, the (request, input) pairs computed by requests already
-    scheduled, and the plan of the request being scheduled (inputs it computes, inputs it newly references)."""
+    """One step's encoder bookkeeping: the budget left, the (request, input) pairs computed (and loaded by the
+    EC connector) by requests already scheduled, and the plan of the request being scheduled (inputs it
+    computes, inputs it loads, inputs it newly references)."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.work: list[tuple[_Request, int]] = []
         self.pending: list[tuple[_Request, int]] = []
         self.newly: list[int] = []
+        self.loads: list[tuple[_Request, int]] = []
+        self.pending_loads: list[tuple[_Request, int]] = []
 
 
 class _EncoderSchedMixin(_SchedulerState):
@@ -82,6 +86,64 @@ class _EncoderSchedMixin(_SchedulerState):
         )
         self._last_out_fresh = False
 
+    @property
+    def ec_connector(self) -> Any:
+        """The encoder-cache connector set with :meth:`set_ec_connector`, or None."""
+        return self._ec_connector
+
+    def set_ec_connector(self, connector: Any) -> None:
+        """Sets (None: removes) the encoder-cache connector (``has_cache_item(hash)``, optional
+        ``ensure_cache_available(req_id, num_computed_tokens)``); it applies from the next step."""
+        if connector is not None and not hasattr(connector, "has_cache_item"):
+            raise SchedulerTypeError(
+                f"ec_connector must have a has_cache_item() method, got {type(connector).__name__}"
+            )
+        self._ec_connector = connector
+        self._last_out_fresh = False
+
+    def _ec_ask(self, hook: str, conservative: bool, *args: Any) -> bool:
+        """An EC connector hook's answer; an exception or a non-bool answer is kept (raised after the call)
+        and the conservative answer stands."""
+        try:
+            res = getattr(self._ec_connector, hook)(*args)
+            if not isinstance(res, bool):
+                raise SchedulerTypeError(f"ec_connector.{hook} must return a bool, got {type(res).__name__}")
+            return res
+        except Exception as e:  # kept and raised once the scheduler is consistent
+            if self._ec_error is None:
+                self._ec_error = e
+            return conservative
+
+    def _ec_cache_available(self, r: _Request, num_computed: int) -> bool:
+        """The EC connector's deferral gate (true without a connector, encoder inputs or the hook)."""
+        ec = self._ec_connector
+        if ec is None or not r.encoder_inputs or not hasattr(ec, "ensure_cache_available"):
+            return True
+        return self._ec_ask("ensure_cache_available", True, r.req_id, num_computed)
+
+    def _ec_allocated(self, st: _EncoderStep) -> list[int]:
+        """The planned request's inputs to compute, then to load (for update_state_after_alloc)."""
+        if self._ec_connector is None:
+            return []
+        return [i for _, i in st.pending] + [i for _, i in st.pending_loads]
+
+    def _ec_notify_alloc(self, r: _Request, inputs: list[int]) -> None:
+        """The EC connector's optional update_state_after_alloc, per input (an exception is kept, as a hook's)."""
+        ec = self._ec_connector
+        if not inputs or ec is None or not hasattr(ec, "update_state_after_alloc"):
+            return
+        for i in inputs:
+            try:
+                ec.update_state_after_alloc(r.req_id, i)
+            except Exception as e:  # kept and raised once the scheduler is consistent
+                if self._ec_error is None:
+                    self._ec_error = e
+
+    def _ec_after_hooks(self) -> None:
+        e, self._ec_error = self._ec_error, None
+        if e is not None:
+            raise e
+
     def _release_all_encoder(self, r: _Request) -> None:
         for i, (_, _, h) in enumerate(r.encoder_inputs):
             if r.encoder_held[i]:
@@ -110,17 +172,23 @@ class _EncoderSchedMixin(_SchedulerState):
                 continue
             if not self._encoder.fits(size, st.budget):
                 return min(n, start - computed) if computed < start else 0
+            # The EC connector is asked once the input fits: a load takes cache space but no budget.
+            load = self._ec_connector is not None and self._ec_ask("has_cache_item", False, h)
             self._encoder.entries[h] = [size, [(r, i)]]
-            st.budget -= size
             r.encoder_held[i] = True
             st.newly.append(i)
-            st.pending.append((r, i))
+            if load:
+                st.pending_loads.append((r, i))
+            else:
+                st.budget -= size
+                st.pending.append((r, i))
         return n
 
     def _commit_encoder(self, st: _EncoderStep) -> None:
-        self._stats["encoder_hits"] += max(0, len(st.newly) - len(st.pending))
+        self._stats["encoder_hits"] += max(0, len(st.newly) - len(st.pending) - len(st.pending_loads))
         st.work += st.pending
-        st.pending, st.newly = [], []
+        st.loads += st.pending_loads
+        st.pending, st.newly, st.pending_loads = [], [], []
 
     def _rollback_encoder(self, st: _EncoderStep, r: _Request) -> None:
         """``r`` is not scheduled: the references its plan took go, its computes are refunded and dropped."""
@@ -132,7 +200,9 @@ class _EncoderSchedMixin(_SchedulerState):
                 self._encoder.release(r.encoder_inputs[i][2], (r, i))
         st.newly = []
         pending, st.pending = st.pending, []
+        loads, st.pending_loads = st.pending_loads, []
         self._settle_uncomputed(st, pending, r, r)
+        self._settle_uncomputed(st, loads, r, r, load=True)
 
     def _abandon_encoder(self, st: _EncoderStep, victim: _Request, current: _Request) -> None:
         """``victim`` is preempted in the step: its references go, its budget comes back, and the inputs it was
@@ -140,23 +210,39 @@ class _EncoderSchedMixin(_SchedulerState):
         if victim is current:
             st.newly = []
             removed, st.pending = st.pending, []
+            removed_loads, st.pending_loads = st.pending_loads, []
         else:
             removed = [w for w in st.work if w[0] is victim]
             st.work = [w for w in st.work if w[0] is not victim]
+            removed_loads = [w for w in st.loads if w[0] is victim]
+            st.loads = [w for w in st.loads if w[0] is not victim]
         self._release_all_encoder(victim)
         self._settle_uncomputed(st, removed, victim, current)
+        self._settle_uncomputed(st, removed_loads, victim, current, load=True)
 
     def _settle_uncomputed(
-        self, st: _EncoderStep, items: list[tuple[_Request, int]], owner: _Request, current: _Request
+        self,
+        st: _EncoderStep,
+        items: list[tuple[_Request, int]],
+        owner: _Request,
+        current: _Request,
+        load: bool = False,
     ) -> None:
+        """Inputs no longer computed (``load``: loaded) by ``owner`` this step: a compute's budget comes back; an
+        entry still referenced goes to its first referrer (a compute charged again), another leaves the cache."""
         inputs = [owner.encoder_inputs[i] for _, i in items]
-        st.budget += sum(size for _, size, _ in inputs)
+        if not load:
+            st.budget += sum(size for _, size, _ in inputs)
         for _, size, h in inputs:
             e = self._encoder.entries.get(h)
             if e is not None and e[1]:
                 ref = e[1][0]
-                st.budget -= size
-                if ref[0] is current and owner is not current:
+                if not load:
+                    st.budget -= size
+                plan = ref[0] is current and owner is not current
+                if load:
+                    (st.pending_loads if plan else st.loads).append(ref)
+                elif plan:
                     st.pending.append(ref)
                 else:
                     st.work.append(ref)

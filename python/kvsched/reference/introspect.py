@@ -22,6 +22,13 @@ class _IntrospectMixin(_AdmissionMixin):
     """The running and waiting ids, a request's cached blocks, prefix-cache probes, block reference counts and
     the most recent step's output counts."""
 
+    def encoder_cache_entries(self) -> dict[int, list[str]]:
+        """The encoder cache's entries, hash ascending, each with the sorted ids of the requests referencing it
+        (empty for a freeable entry)."""
+        return {
+            h: sorted({r.req_id for r, _ in e[1]}) for h, e in sorted(self._encoder.entries.items(), key=lambda x: x[0])
+        }
+
     def running_req_ids(self) -> list[str]:
         return [r.req_id for r in self._running]
 

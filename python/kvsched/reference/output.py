@@ -43,6 +43,8 @@ class SchedulerOutput:
         "resumed_req_ids",
         "scheduled_encoder_inputs",
         "scheduled_encoder_inputs_indptr",
+        "scheduled_encoder_loads",
+        "scheduled_encoder_loads_indptr",
         "spec_token_ids",
         "spec_token_ids_indptr",
         "step_id",
@@ -68,6 +70,8 @@ class SchedulerOutput:
     kv_connector_metadata: Any  # the KV connector's build_connector_meta(out), None without a connector
     scheduled_encoder_inputs: np.ndarray  # int32 CSR: indices of the encoder inputs computed this step
     scheduled_encoder_inputs_indptr: np.ndarray
+    scheduled_encoder_loads: np.ndarray  # int32 CSR: indices of the encoder inputs the EC connector loads
+    scheduled_encoder_loads_indptr: np.ndarray
     free_encoder_hashes: np.ndarray  # uint64: encoder-cache entries evicted since the previous step
     _encoder_hashes: list[int]  # hashes this step computes (they leave the cache if it fails)
     _owner: object

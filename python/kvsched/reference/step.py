@@ -140,6 +140,9 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             if defer and r.is_prefill_chunk:
                 i += 1  # deferred prefill: its next chunk waits for a cadence-aligned step
                 continue
+            if not self._ec_cache_available(r, max(0, r.num_computed_tokens - ph)):
+                i += 1  # the EC connector: an encoder output still in transit
+                continue
             n = r.num_tokens + len(r.drafts) + ph - r.num_computed_tokens
             if 0 < threshold < n:
                 n = threshold
@@ -190,6 +193,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 continue
             prefill_scheduled |= r.is_prefill_chunk
             if r.encoder_inputs:
+                self._ec_notify_alloc(r, self._ec_allocated(enc))
                 self._commit_encoder(enc)
             computed = r.num_computed_tokens
             num_drafts = min(len(r.drafts), max(0, computed + n - r.num_tokens - ph))
@@ -226,6 +230,12 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         enc_hashes = [e[0].encoder_inputs[i][2] for e, ids in zip(scheduled, enc_ids, strict=True) for i in ids]
         if sum(map(len, enc_ids)) != len(work):
             raise InternalError("an encoder input is computed by a request not in the step")
+        loads = sorted(enc.loads, key=lambda w: w[1])
+        load_ids: list[list[int]] = [[i for x, i in loads if x is e[0]] for e in scheduled]
+        if sum(map(len, load_ids)) != len(loads):
+            raise InternalError("an encoder input is loaded by a request not in the step")
+        # A failed step's loads never arrived either: fail_step treats them as its computes.
+        enc_hashes += [e[0].encoder_inputs[i][2] for e, ids in zip(scheduled, load_ids, strict=True) for i in ids]
         self._stats["encoder_inputs"] += len(work)
         self._stats["encoder_tokens"] += sum(x.encoder_inputs[i][1] for x, i in work)
         entries = []
@@ -259,6 +269,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             kv_connector_metadata=None,
             scheduled_encoder_inputs=np.array([i for ids in enc_ids for i in ids], dtype=np.int32),
             scheduled_encoder_inputs_indptr=_indptr([len(ids) for ids in enc_ids]),
+            scheduled_encoder_loads=np.array([i for ids in load_ids for i in ids], dtype=np.int32),
+            scheduled_encoder_loads_indptr=_indptr([len(ids) for ids in load_ids]),
             free_encoder_hashes=np.array(self._encoder.take_freed(), dtype=np.uint64),
             _encoder_hashes=enc_hashes,
             _owner=self._owner,
@@ -279,6 +291,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         self._preempted_since_schedule = []
         self._last_out, self._last_out_fresh = out, True
         self._in_schedule = False
+        self._ec_after_hooks()
         if self._connector is not None:
             self._after_hooks()
             if hasattr(self._connector, "build_connector_meta"):
@@ -368,6 +381,10 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                         load_async = matched[1] and ext > 0
                         if not load_async and ext == room:
                             ext = room - 1  # a synchronous load leaves at least one token to compute
+            if not blocked and r.encoder_inputs:
+                # The EC connector's gate, with the tokens the request has or its lookups cover.
+                covered = computed_before if computed_before > 0 else max(len(hits) * bs, r.num_swapped_tokens) + ext
+                blocked = not self._ec_cache_available(r, covered)
             if blocked:
                 r.deferred = True
                 take()
@@ -430,6 +447,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if planned:
                     self._rollback_encoder(enc, r)
                 break
+            ec_allocated = self._ec_allocated(enc) if planned else []
             if planned:
                 self._commit_encoder(enc)
             self._complete_resume(r, len(hits), computed, swap_in)
@@ -447,6 +465,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 else:
                     self._hook_after_alloc(r, ext)
                     self._count_connector_lookup(queries)
+            self._ec_notify_alloc(r, ec_allocated)  # after the KV connector hears of the blocks
             if computed_before == 0 and not r.skip_reading_prefix_cache:  # no lookup, no query
                 prefix = "preempted_" if r.num_preemptions > 0 else ""
                 self._stats[prefix + "queries"] += r.num_tokens

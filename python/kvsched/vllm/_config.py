@@ -121,8 +121,6 @@ def kvsched_config_from_vllm(
     parallel = vllm_config.parallel_config
 
     kv_transfer = vllm_config.kv_transfer_config
-    if vllm_config.ec_transfer_config is not None:
-        _refuse("encoder-cache connectors", "ec_transfer_config")
     if _attr(model, "runner_type") == "pooling":
         _refuse("pooling models", "runner_type='pooling'")
     if _attr(model, "is_diffusion", False):

@@ -61,6 +61,8 @@ class ConnectorBridge:
         self._hma = isinstance(connector, SupportsHMA)
         # Lookups of this step that may end in an admission: req_id -> (local hit tokens, external tokens, async).
         self._asked: dict[str, tuple[int, int, bool]] = {}
+        # The KV-fetch stage each request of this step's lookups had before it (ec_deferred puts it back).
+        self._stage_before: dict[str, str | None] = {}
         # Requests admitted by the step being scheduled whose prefill/prefix stats the bridge already recorded.
         self.recorded: set[str] = set()
         # A request of this step loads its external tokens synchronously (SchedulerOutput.has_sync_kv_loads).
@@ -93,6 +95,8 @@ class ConnectorBridge:
         if not is_async and n == room:
             n = room - 1
         self._asked[req_id] = (num_computed_tokens, n, is_async)
+        if self.stages is not None:
+            self._stage_before[req_id] = self.stages.get(req_id)
         # vLLM sets the first admission's prefill stats at the lookup (a failed allocation redoes it later).
         if request.prefill_stats is not None and request.num_preemptions <= 0:
             request.prefill_stats.set(
@@ -195,8 +199,15 @@ class ConnectorBridge:
             counts[stage] += 1
         return counts
 
+    def ec_deferred(self, req_id: str) -> None:
+        """The encoder-cache connector deferred a request right after its lookup: vLLM sets the KV-fetch stage
+        only past that gate, so the stage the lookup set is put back."""
+        if req_id in self._stage_before:
+            self._set_stage(req_id, self._stage_before.pop(req_id))
+
     def begin_step(self) -> None:
         self._asked.clear()
+        self._stage_before.clear()
         self.recorded.clear()
         self.has_sync_kv_loads = False
 

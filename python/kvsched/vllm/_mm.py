@@ -66,6 +66,10 @@ class EncoderInputMap:
         self._request_hashes[request.request_id] = distinct
         return inputs
 
+    def identifier(self, h: int) -> str:
+        """vLLM's identifier of a hash the map holds (a live request's input, or an entry still cached)."""
+        return self._identifier[h]
+
     def release(self, req_id: str) -> None:
         """The request left the scheduler: its identifiers stay mapped only while cached or held by another."""
         for h in self._request_hashes.pop(req_id, ()):

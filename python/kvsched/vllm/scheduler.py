@@ -48,6 +48,7 @@ from ._config import (
     kvsched_config_from_vllm,
 )
 from ._connector import ConnectorBridge
+from ._ec_connector import EcBridge, EncoderCacheView
 from ._kv_events import KVEventTranslator, make_publisher
 from ._kv_view import KVCacheManagerView
 from ._kv_view import lora_key as _lora_key
@@ -206,7 +207,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.model_uses_mrope = bool(vllm_config.model_config.uses_mrope)
         self.connector: Any = None
-        self.ec_connector = None
+        self._ec_connector: Any = None
         self.num_lookahead_tokens = config.num_lookahead_tokens
         # vLLM's model runner V2 skips drafting in a step whose drafts nobody can use (skip_drafts, vLLM 0.33).
         self.can_skip_drafts = RULES.skip_drafts and self.num_lookahead_tokens > 0 and self.use_v2_model_runner
@@ -255,6 +256,20 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._requires_kv_delivery = bool(connector.requires_kv_delivery)
             config = dataclasses.replace(config, drop_preempted_output=self._requires_kv_delivery)
         self._core = _CoreScheduler(config, kv_connector=self._bridge)
+        # Encoder-cache connector (vLLM's ec_transfer_config): vLLM's own scheduler-role connector, built as
+        # vLLM's scheduler builds it; the core asks it (through the bridge) which encoder outputs it can load and
+        # whether a request's are still in transit.
+        # Per request with encoder inputs, for update_state_after_free: the computed tokens before its first
+        # chunk since it was (re)admitted, and its inputs the connector was told were freed.
+        self._ec_from: dict[str, int] = {}
+        self._ec_freed: dict[str, int] = {}
+        # EC request_finished transfer parameters of requests finishing in the call being applied.
+        self._ec_params: dict[str, Any] = {}
+        if vllm_config.ec_transfer_config is not None:
+            from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+            from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+            self.ec_connector = ECConnectorFactory.create_connector(config=vllm_config, role=ECConnectorRole.SCHEDULER)
         # vLLM's KV cache events (kv_events_config), published as vLLM's scheduler publishes them.
         self._kv_events = KVEventTranslator(vllm_config, kv_cache_config, lambda req_id: self.requests[req_id])
         self.kv_event_publisher = make_publisher(vllm_config)
@@ -507,6 +522,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 refused.discard(request.request_id)
             elif self._bridge is not None:
                 self._connector_finished(request)
+            elif self.ec_connector is not None:
+                self._ec_finished(request)
+            if self._ec_from:
+                # Finished outside a step's update: no update_state_after_free for it (vLLM frees its encoder
+                # cache references without telling the connector).
+                self._ec_from.pop(request.request_id, None)
+                self._ec_freed.pop(request.request_id, None)
             self._forget(request)
         if self._bridge is not None:
             self._release_finished()
@@ -521,11 +543,52 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # A deferred load was never registered: no transfer will report it over.
         loading = req_id in bridge.loading and req_id not in bridge.deferred
         delay, params = bridge.finish(request)
+        if self.ec_connector is not None:
+            # vLLM asks the EC connector next; its delayed free keeps the KV blocks too.
+            delay |= self._ec_finished(request)
         if delay or loading:
             self._held[req_id] = [loading, delay]
         if not delay:
             self._to_release.append(req_id)
         return params
+
+    def _ec_forget_finished(self, reqs: list[Request]) -> None:
+        """After an update: the EC free bookkeeping of the step's requests that finished goes."""
+        ec_from = self._ec_from
+        for request in reqs:
+            if request.is_finished() and ec_from.pop(request.request_id, None) is not None:
+                self._ec_freed.pop(request.request_id, None)
+
+    def _ec_free_one(self, request: Request) -> None:
+        """vLLM's ``_free_encoder_inputs`` connector calls for one entry of an update (where vLLM's loop makes
+        them, before the request's stop is handled): ``update_state_after_free`` for each input the request
+        referenced since its (re)admission (it ends past the computed tokens the request started from) and has
+        now consumed (it ends at or before its computed tokens less output placeholders), in input order."""
+        ec = self.ec_connector
+        assert ec is not None
+        req_id = request.request_id
+        start = self._ec_from[req_id]
+        features = request.mm_features
+        upto = request.num_computed_tokens - request.num_output_placeholders
+        k = self._ec_freed.get(req_id, 0)
+        while k < len(features):
+            pos = features[k].mm_position
+            end = pos.offset + pos.length
+            if end > upto:
+                break
+            if end > start:
+                ec.update_state_after_free(request, k)
+            k += 1
+        self._ec_freed[req_id] = k
+
+    def _ec_finished(self, request: Request) -> bool:
+        """vLLM's EC ``request_finished`` call for a finished request: whether it asks to delay the free; its
+        transfer parameters go in the request's last output (``_ec_params``)."""
+        assert self.ec_connector is not None
+        delay, params = self.ec_connector.request_finished(request)
+        if params is not None:
+            self._ec_params[request.request_id] = params
+        return bool(delay)
 
     def _release_finished(self) -> None:
         """Hand back to the pool, in finish order, the blocks the core held for the connector's answer."""
@@ -728,7 +791,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # With a KV connector: each scheduled request's state as vLLM's build_connector_meta sees it (before its
         # _update_after_schedule), put back around that call (_connector_meta_before_update).
         pre_update: list[_UpdatedState] | None = None
-        if bridge is not None:
+        if bridge is not None or self.ec_connector is not None:
             pre_update = list(map(_updated_state, run_reqs, run_computed))
         if one_token_each:
             # Every entry samples one token and carries no drafts: none is a prefill chunk.
@@ -885,9 +948,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             so.scheduled_encoder_input_stats = encoder_stats
         if confirmed is not None:
             so.encoder_input_updates = self._encoder_input_updates(new_reqs_data, req_ids, encoder_inputs, confirmed)
-        if bridge is not None:
-            assert pre_update is not None
-            self._connector_meta_before_update(bridge, so, pre_update)
+        if pre_update is not None:
+            self._connector_meta_before_update(bridge, so, pre_update, req_ids, out)
         self.finished_req_ids = set()
         self._reset_preempted_req_ids = set()
         if step_reqs and self._core.config.defer_block_free:
@@ -983,21 +1045,40 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _connector_meta_before_update(
         self,
-        bridge: ConnectorBridge,
+        bridge: ConnectorBridge | None,
         so: SchedulerOutput,
         pre_update: list[_UpdatedState],
+        req_ids: list[str],
+        out: Any,
     ) -> None:
-        """:meth:`_connector_meta` with the scheduled requests showing their state before this step's update,
-        as vLLM builds the connector's metadata before its ``_update_after_schedule``: a connector that keeps the
-        ``Request`` objects (most do) reads the same counts from both schedulers. Put back afterwards."""
+        """:meth:`_connector_meta` (KV connector) and the encoder-cache connector's ``build_connector_meta`` with the
+        scheduled requests showing their state before this step's update, as vLLM calls its connectors before
+        its ``_update_after_schedule``: a connector that keeps the ``Request`` objects (most do) reads the same
+        counts from both schedulers. Put back afterwards."""
         post = [_updated_state(r, r.num_computed_tokens) for r, *_ in pre_update]
         for state in pre_update:
             _restore_state(state)
         try:
-            self._connector_meta(bridge, so)
+            if self.ec_connector is not None and self._mm is not None:
+                self._ec_admitted(req_ids)
+            if bridge is not None:
+                self._connector_meta(bridge, so)
+            if self.ec_connector is not None:
+                so.ec_connector_metadata = self.ec_connector.build_connector_meta(so)
         finally:
             for state in post:
                 _restore_state(state)
+
+    def _ec_admitted(self, req_ids: list[str]) -> None:
+        """For ``update_state_after_free``: the computed tokens (before this step) of each scheduled request with
+        images that has none recorded, i.e. since its (re)admission."""
+        ec_from = self._ec_from
+        requests = self.requests
+        for req_id in req_ids:
+            if req_id not in ec_from:
+                request = requests[req_id]
+                if request.mm_features:
+                    ec_from[req_id] = request.num_computed_tokens
 
     def _connector_meta(self, bridge: ConnectorBridge, so: SchedulerOutput) -> None:
         """vLLM's connector part of a step's output: sync-load flag, block state, the connector's metadata."""
@@ -1050,6 +1131,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def _mirror_preempt(self, request: Request, now: float) -> None:
         """vLLM's ``_preempt_request``, for the request object (the core already freed its blocks)."""
         self._pending_encoder_inputs.pop(request.request_id, None)
+        if self._ec_from:
+            # vLLM drops its encoder-cache references without telling the EC connector.
+            self._ec_from.pop(request.request_id, None)
+            self._ec_freed.pop(request.request_id, None)
         request.status = _PREEMPTED
         request.num_computed_tokens = 0
         if request.spec_token_ids:
@@ -1156,6 +1241,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             and not nans
             and not batch_slow
             and not self._held
+            and not self._ec_from  # requests with images under an EC connector: _update_slow tells it of frees
             and num_forgotten == self._num_forgotten  # no entry finished since the step was scheduled
             and (not self._slow_req_ids or self._slow_req_ids.isdisjoint(req_ids))
         ):
@@ -1166,9 +1252,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             )
         if self._bridge is not None:
             self._release_finished()
+        ec = self.ec_connector
+        if ec is not None:
+            if self._ec_from:
+                self._ec_forget_finished(step_reqs)
+            # Encoder inputs the connector can no longer obtain: vLLM fails those requests.
+            ec_failed = ec.take_unavailable_requests()
+            if ec_failed:
+                kv_failed = kv_failed | {r for r in ec_failed if r in self.requests}
         if self._grammar_errors or kv_failed:
             errors, self._grammar_errors = self._grammar_errors, {}
-            # vLLM finishes grammar errors and (policy "fail") failed KV loads together.
+            # vLLM finishes grammar errors, (policy "fail") failed KV loads and unavailable encoder inputs
+            # together.
             error_ids = set(errors)
             error_ids.update(kv_failed)
             for request in self.finish_requests(error_ids, RequestStatus.FINISHED_ERROR):
@@ -1186,6 +1281,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         kv_connector_stats = None
         if self._bridge is not None:
             kv_connector_stats = self._update_connector(kvo)
+        ec_connector_stats = None
+        if ec is not None:
+            ec_out = getattr(mro, "ec_connector_output", None)
+            if ec_out:
+                ec.update_connector_output(ec_out)
+            ec_connector_stats = ec_out.ec_connector_stats if ec_out else None
+            own = ec.get_ec_connector_stats()
+            if own is not None and not own.is_empty():
+                ec_connector_stats = own if ec_connector_stats is None else ec_connector_stats.aggregate(own)
+        self._ec_params.clear()
         self._kv_events.publish(self.kv_event_publisher, self._core, self.connector)
         engine_core_outputs = {client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()}
         finished_sets = self.finished_req_ids_dict
@@ -1196,7 +1301,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 else:
                     engine_core_outputs[client] = EngineCoreOutputs(finished_requests=finished_set)
             finished_sets.clear()
-        stats = self.make_stats(self._spec_stats if spec_sched else None, kv_connector_stats)
+        stats = self.make_stats(
+            self._spec_stats if spec_sched else None, kv_connector_stats, ec_connector_stats=ec_connector_stats
+        )
         if stats is not None:
             if (eco := next(iter(engine_core_outputs.values()), None)) is None:
                 engine_core_outputs[0] = eco = EngineCoreOutputs()
@@ -1326,6 +1433,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             slow = slow.union(finished, spec_sched, nans or ())
         if self._held:
             slow = slow.union(self._held)  # finished, blocks held for a transfer: vLLM still counts in-flight tokens
+        if self._ec_from:
+            slow = slow.union(self._ec_from)  # the EC connector hears of consumed images before a stop
         hasher_block = self.hash_block_size
         stopped_reqs: list[Request] = []
         async_sched = self.async_scheduling
@@ -1551,6 +1660,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     num_accepted=num_accepted_drafts,
                     detailed=self.spec_decode_metrics_level == "detailed",
                 )
+        if self._ec_from and req_id in self._ec_from:
+            self._ec_free_one(request)
         new_token_ids = generated
         stopped = False
         # vLLM caches the blocks this step completed right after the tokens are appended (then reads a first
@@ -1616,6 +1727,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 if prefill_stats is not None and kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
                     # The prefill side's cache hits, for the decode side to report.
                     kv_transfer_params["remote_prefill_cached_tokens"] = prefill_stats.num_cached_tokens
+            elif self.ec_connector is not None:
+                self._ec_finished(request)
         nans = mro.num_nans_in_logits
         if nans is not None and req_id in nans:
             request.num_nans_in_logits = nans[req_id]
@@ -1630,6 +1743,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             prefill_stats=prefill_stats,
             spec_decode_metrics=request.spec_decode_metrics if finish_reason is not None else None,
             kv_transfer_params=kv_transfer_params,
+            **({"ec_transfer_params": self._ec_params.get(req_id)} if self._ec_params else {}),
             trace_headers=request.trace_headers,
             num_nans_in_logits=request.num_nans_in_logits,
         )
@@ -1703,7 +1817,23 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self.has_unfinished_requests()
             or self.has_finished_requests()
             or (self.connector is not None and self.connector.has_pending_push_work())
+            or (self.ec_connector is not None and self.ec_connector.has_pending_push_work())
         )
+
+    def get_ec_connector(self) -> Any:
+        return self.ec_connector
+
+    @property
+    def ec_connector(self) -> Any:
+        """vLLM's scheduler-role encoder-cache connector, or None."""
+        return self._ec_connector
+
+    @ec_connector.setter
+    def ec_connector(self, connector: Any) -> None:
+        """Set (or replace, as vLLM's tests do) the EC connector: from the next step the core asks it, through
+        :class:`EcBridge`, which encoder outputs it can load and whether a request's are in transit."""
+        self._core.set_ec_connector(EcBridge(self) if connector is not None else None)
+        self._ec_connector = connector
 
     def get_kv_connector(self) -> Any:
         return self.connector
@@ -1783,10 +1913,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     @property
     def encoder_cache_manager(self) -> Any:
-        raise AttributeError(
-            f"{type(self).__name__!r} object has no attribute 'encoder_cache_manager' (kvsched's core owns the "
-            "encoder cache; assigning a new, empty vLLM EncoderCacheManager re-sizes it)"
-        )
+        """A read-only view of the core's encoder cache (``cached``, ``cache_size``); assigning a new, empty vLLM
+        ``EncoderCacheManager`` re-sizes the cache."""
+        return EncoderCacheView(self)
 
     @encoder_cache_manager.setter
     def encoder_cache_manager(self, manager: Any) -> None:
@@ -1822,6 +1951,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         spec_decoding_stats: SpecDecodingStats | None = None,
         kv_connector_stats: Any = None,
         *args: Any,
+        ec_connector_stats: Any = None,
         **kwargs: Any,
     ) -> SchedulerStats | None:
         if not self.log_stats:
@@ -1846,6 +1976,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             connector_prefix_cache_stats=connector_prefix,
             spec_decoding_stats=spec_decoding_stats,
             kv_connector_stats=kv_connector_stats.to_dict() if kv_connector_stats else None,
+            ec_connector_stats=ec_connector_stats.data if ec_connector_stats else None,
         )
 
     def shutdown(self) -> None:
@@ -1854,6 +1985,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.kv_event_publisher.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
+        if self.ec_connector is not None:
+            self.ec_connector.shutdown()
 
     # ---- helpers for tests and users --------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar
 
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -26,6 +27,7 @@ __all__ = [
     "TINY_LLAMA",
     "TINY_VOCAB_SIZE",
     "DeterministicExecutor",
+    "RandomECConnector",
     "RandomKVConnector",
     "deterministic_token",
     "make_request",
@@ -176,6 +178,8 @@ def make_vllm_config(
     disable_chunked_mm_input: bool = False,
     parallel_drafting: bool = False,
     max_num_scheduled_tokens: int | None = None,
+    ec_connector_seed: int | None = None,
+    ec_role: str = "ec_consumer",
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config; ``multimodal``: a tiny LLaVA,
     whose requests may carry images, with vLLM's ``disable_chunked_mm_input``). ``num_speculative_tokens``
@@ -187,7 +191,8 @@ def make_vllm_config(
     cache events on with vLLM's ``null`` publisher (replace the scheduler's ``kv_event_publisher`` to see the
     batches). ``parallel_drafting`` makes the drafter draft in parallel (vLLM's P-EAGLE layout: ``k - 1`` extra
     query slots per scheduled request, taken from ``max_num_batched_tokens``); ``max_num_scheduled_tokens`` sets
-    vLLM's token budget apart from that input budget."""
+    vLLM's token budget apart from that input budget. ``ec_connector_seed`` adds an ``ec_transfer_config`` for
+    :class:`RandomECConnector` with that seed and role ``ec_role``."""
     from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
@@ -276,7 +281,18 @@ def make_vllm_config(
         from vllm.config import KVEventsConfig
 
         kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    ec_transfer_config = None
+    if ec_connector_seed is not None:
+        from vllm.config import ECTransferConfig
+
+        ec_transfer_config = ECTransferConfig(
+            ec_connector="RandomECConnector",
+            ec_connector_module_path=__name__,
+            ec_role=ec_role,
+            ec_connector_extra_config={"seed": ec_connector_seed},
+        )
     vllm_config = VllmConfig(
+        ec_transfer_config=ec_transfer_config,
         kv_events_config=kv_events_config,
         kv_transfer_config=kv_transfer_config,
         model_config=model_config,
@@ -440,6 +456,76 @@ def _lora_request(name: str | None) -> Any:
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(name, 1 + sum(map(ord, name)), f"/nonexistent/{name}")
+
+
+class RandomECConnector(ECConnectorBase):  # type: ignore[misc]  # vLLM is untyped here
+    """A scheduler-role encoder-cache connector whose answers are a seeded function of what it is asked: it holds
+    the encoder outputs of about half the identifiers (``has_cache_item``), and says a request's outputs are still
+    in transit (``ensure_cache_available``) for about one ask in five. It transfers nothing. Two instances with the
+    same seed, asked the same things in the same order, answer the same; ``calls`` logs every scheduler-side call
+    with its arguments, and its metadata is the identifiers allocated since the last step (each with whether it
+    holds it), so the differential tests can compare vLLM's scheduler and kvsched's call for call."""
+
+    def __init__(self, vllm_config: Any, role: Any) -> None:
+        super().__init__(vllm_config, role)
+        self.seed = int(vllm_config.ec_transfer_config.ec_connector_extra_config.get("seed", 0))
+        self.calls: list[tuple[Any, ...]] = []
+        self._asked: dict[str, int] = {}
+        self._allocated: list[tuple[str, bool]] = []
+
+    def _draw(self, *key: Any) -> float:
+        import random
+
+        return random.Random(f"{self.seed}:{key!r}").random()
+
+    def has_cache_item(self, identifier: str) -> bool:
+        held = self._draw("item", identifier) < 0.5
+        self.calls.append(("has_cache_item", identifier, held))
+        return held
+
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        req_id = request.request_id
+        k = self._asked[req_id] = self._asked.get(req_id, 0) + 1
+        available = self._draw("ensure", req_id, num_computed_tokens, k) >= 0.2
+        self.calls.append(("ensure_cache_available", req_id, num_computed_tokens, available))
+        return available
+
+    def update_state_after_alloc(self, request: Any, index: int) -> None:
+        identifier = request.mm_features[index].identifier
+        self.calls.append(("update_state_after_alloc", request.request_id, index))
+        self._allocated.append((identifier, self._draw("item", identifier) < 0.5))
+
+    def update_state_after_free(self, request: Any, index: int) -> None:
+        self.calls.append(("update_state_after_free", request.request_id, index))
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = RandomECConnectorMetadata(self._allocated)
+        self._allocated = []
+        self.calls.append(("build_connector_meta", tuple(sorted(scheduler_output.num_scheduled_tokens.items()))))
+        return meta
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        self.calls.append(("request_finished", request.request_id, request.status.name))
+        return False, {"ec": request.request_id}
+
+    def start_load_caches(self, encoder_cache: Any, **kwargs: Any) -> None:
+        return None
+
+    def save_caches(self, encoder_cache: Any, mm_hash: str, **kwargs: Any) -> None:
+        return None
+
+
+class RandomECConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped here
+    """:class:`RandomECConnector`'s metadata: (identifier, loaded) per encoder input allocated in the step."""
+
+    def __init__(self, allocated: list[tuple[str, bool]]) -> None:
+        self.allocated = allocated
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RandomECConnectorMetadata) and self.allocated == other.allocated
+
+    def __repr__(self) -> str:
+        return f"RandomECConnectorMetadata({self.allocated!r})"
 
 
 class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped here

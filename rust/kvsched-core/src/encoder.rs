@@ -241,6 +241,11 @@ impl EncoderCache {
         }
     }
 
+    /// Every cached entry's hash, referenced or freeable (in no particular order).
+    pub fn hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.entries.keys().copied()
+    }
+
     /// The (request, input) references held on every entry, for cross-checks.
     pub fn references(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
         self.entries.iter().flat_map(|(&h, e)| e.refs.iter().map(move |&(r, i)| (h, r, i)))

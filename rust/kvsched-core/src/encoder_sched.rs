@@ -35,6 +35,11 @@ pub(crate) struct EncoderStep {
     pub pending: Vec<(u32, u32)>,
     /// The request being planned: inputs it started referencing in its plan.
     pub newly: Vec<u32>,
+    /// Inputs the EC connector loads this step (allocated, not computed, not charged), of requests already
+    /// scheduled in it: (slot, input index).
+    pub loads: Vec<(u32, u32)>,
+    /// The request being planned: inputs the EC connector loads if it is scheduled.
+    pub pending_loads: Vec<(u32, u32)>,
 }
 
 fn internal(msg: String) -> SchedError {
@@ -176,6 +181,31 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Sets (or with `None` removes) the EC connector. It applies from the next step.
+    pub fn set_ec_connector(
+        &mut self,
+        connector: Option<Box<dyn crate::ec_connector::EcConnector>>,
+    ) -> Result<()> {
+        self.ec_connector = connector.map(crate::ec_connector::EcConn);
+        self.epoch += 1;
+        Ok(())
+    }
+
+    /// Whether an EC connector is set.
+    pub fn has_ec_connector(&self) -> bool {
+        self.ec_connector.is_some()
+    }
+
+    /// The EC connector's deferral gate for the request in `slot`; `true` without a connector or encoder inputs.
+    pub(crate) fn ec_cache_available(&mut self, slot: u32, num_computed_tokens: u32) -> Result<bool> {
+        let Some(conn) = self.ec_connector.as_mut() else { return Ok(true) };
+        let req = self.slab.get(slot)?;
+        if req.encoder_inputs.is_empty() {
+            return Ok(true);
+        }
+        Ok(conn.0.ensure_cache_available(req, num_computed_tokens))
+    }
+
     /// Records a new live request's input hashes (for the size check of later requests).
     #[cold]
     #[inline(never)]
@@ -248,19 +278,29 @@ impl Scheduler {
                 n = if computed < e.start { n.min(e.start - computed) } else { 0 };
                 break;
             }
+            // The EC connector is asked only once the input fits (vLLM 0.33): a load takes cache space but no
+            // encoder budget.
+            let load = match self.ec_connector.as_mut() {
+                Some(conn) => conn.0.has_cache_item(e.hash),
+                None => false,
+            };
             if !self.encoder.allocate(e.hash, size, key, i as u32) {
                 return Err(internal(format!(
                     "encoder input {i} of {:?} fit but could not be allocated",
                     req.id
                 )));
             }
-            st.budget -= e.num_tokens;
             if !req.encoder_held[i] {
                 req.encoder_held[i] = true;
                 req.num_encoder_held += 1;
             }
             st.newly.push(i as u32);
-            st.pending.push((slot, i as u32));
+            if load {
+                st.pending_loads.push((slot, i as u32));
+            } else {
+                st.budget -= e.num_tokens;
+                st.pending.push((slot, i as u32));
+            }
         }
         Ok(n)
     }
@@ -269,9 +309,10 @@ impl Scheduler {
     #[cold]
     #[inline(never)]
     pub(crate) fn commit_encoder(counters: &mut crate::scheduler::Counters, st: &mut EncoderStep) {
-        let hits = st.newly.len().saturating_sub(st.pending.len());
+        let hits = st.newly.len().saturating_sub(st.pending.len() + st.pending_loads.len());
         counters.encoder_cache_hits += hits as u64;
         st.work.append(&mut st.pending);
+        st.loads.append(&mut st.pending_loads);
         st.newly.clear();
     }
 
@@ -295,7 +336,9 @@ impl Scheduler {
         }
         st.newly.clear();
         let pending = std::mem::take(&mut st.pending);
-        self.settle_uncomputed(st, pending, slot, slot)
+        let loads = std::mem::take(&mut st.pending_loads);
+        self.settle_uncomputed(st, pending, slot, slot, false)?;
+        self.settle_uncomputed(st, loads, slot, slot, true)
     }
 
     /// Victim `victim` is preempted in the step (`current` is the request whose allocation preempts it, still
@@ -304,31 +347,23 @@ impl Scheduler {
     #[cold]
     #[inline(never)]
     pub(crate) fn abandon_encoder(&mut self, st: &mut EncoderStep, victim: u32, current: u32) -> Result<()> {
-        let removed: Vec<(u32, u32)> = if victim == current {
+        let (removed, removed_loads) = if victim == current {
             st.newly.clear();
-            std::mem::take(&mut st.pending)
+            (std::mem::take(&mut st.pending), std::mem::take(&mut st.pending_loads))
         } else {
-            let mut removed = Vec::new();
-            st.work.retain(|&w| {
-                if w.0 == victim {
-                    removed.push(w);
-                    false
-                } else {
-                    true
-                }
-            });
-            removed
+            (take_of(&mut st.work, victim), take_of(&mut st.loads, victim))
         };
         let req = self.slab.get_mut(victim)?;
         if req.num_encoder_held > 0 {
             release_all(&mut self.encoder, req);
         }
-        self.settle_uncomputed(st, removed, victim, current)
+        self.settle_uncomputed(st, removed, victim, current, false)?;
+        self.settle_uncomputed(st, removed_loads, victim, current, true)
     }
 
-    /// Inputs (of `owner`) that were to be computed this step but no longer are: the budget is refunded; an
-    /// entry still referenced is computed by its first referrer instead (charged again), an unreferenced one
-    /// leaves the cache.
+    /// Inputs (of `owner`) that were to be computed (or, with `load`, loaded by the EC connector) this step but
+    /// no longer are: a compute's budget is refunded; an entry still referenced is computed (loaded) by its
+    /// first referrer instead (a compute charged again), an unreferenced one leaves the cache.
     #[cold]
     #[inline(never)]
     fn settle_uncomputed(
@@ -337,26 +372,33 @@ impl Scheduler {
         items: Vec<(u32, u32)>,
         owner: u32,
         current: u32,
+        load: bool,
     ) -> Result<()> {
         if items.is_empty() {
             return Ok(());
         }
         let req = self.slab.get(owner)?;
         let inputs: Vec<EncoderInput> = items.iter().map(|&(_, i)| req.encoder_inputs[i as usize]).collect();
-        for e in &inputs {
-            st.budget += e.num_tokens;
+        if !load {
+            for e in &inputs {
+                st.budget += e.num_tokens;
+            }
         }
         for e in inputs {
             match self.encoder.first_referrer(e.hash) {
                 Some((r, ri)) => {
                     let r = r as u32;
-                    st.budget = st.budget.checked_sub(e.num_tokens).ok_or_else(|| {
-                        internal("encoder budget overdrawn while handing over an input".into())
-                    })?;
-                    if r == current && owner != current {
-                        st.pending.push((r, ri));
-                    } else {
-                        st.work.push((r, ri));
+                    if !load {
+                        st.budget = st.budget.checked_sub(e.num_tokens).ok_or_else(|| {
+                            internal("encoder budget overdrawn while handing over an input".into())
+                        })?;
+                    }
+                    let current_plan = r == current && owner != current;
+                    match (load, current_plan) {
+                        (false, true) => st.pending.push((r, ri)),
+                        (false, false) => st.work.push((r, ri)),
+                        (true, true) => st.pending_loads.push((r, ri)),
+                        (true, false) => st.loads.push((r, ri)),
                     }
                 }
                 None => {
@@ -398,15 +440,15 @@ impl Scheduler {
     #[inline(never)]
     pub(crate) fn encoder_output(
         &self,
-        st: &EncoderStep,
+        items: &[(u32, u32)],
         handles: &[crate::request::ReqHandle],
     ) -> Result<(Vec<i32>, Vec<i32>, Vec<u64>)> {
-        if st.work.is_empty() {
+        if items.is_empty() {
             return Ok((Vec::new(), Vec::new(), Vec::new()));
         }
         let mut indptr = Vec::with_capacity(handles.len() + 1);
         indptr.push(0i32);
-        let mut work = st.work.clone();
+        let mut work = items.to_vec();
         work.sort_unstable();
         let mut ids = Vec::with_capacity(work.len());
         let mut hashes = Vec::with_capacity(work.len());
@@ -467,6 +509,28 @@ impl Scheduler {
         }
         Ok(())
     }
+}
+
+/// Tells the EC connector of the encoder inputs the planned request `req` computes, then of those it loads
+/// (vLLM's `_allocate_encoder_inputs`), once it is scheduled.
+pub(crate) fn notify_ec_alloc(conn: &mut crate::ec_connector::EcConn, req: &Request, st: &EncoderStep) {
+    for &(_, i) in st.pending.iter().chain(st.pending_loads.iter()) {
+        conn.0.update_state_after_alloc(req, i);
+    }
+}
+
+/// Removes and returns the items of `slot` from a step's list.
+fn take_of(items: &mut Vec<(u32, u32)>, slot: u32) -> Vec<(u32, u32)> {
+    let mut removed = Vec::new();
+    items.retain(|&w| {
+        if w.0 == slot {
+            removed.push(w);
+            false
+        } else {
+            true
+        }
+    });
+    removed
 }
 
 /// Drops every reference `req` holds, in input order.

@@ -10,6 +10,24 @@ use crate::hashing::{BlockHash, ExtraKeys};
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
+    /// The encoder cache's entries, by hash ascending, each with the ids of the requests referencing it (sorted,
+    /// once each; empty for a freeable entry): vLLM's `EncoderCacheManager.cached`.
+    pub fn encoder_cache_entries(&self) -> Vec<(u64, Vec<Arc<str>>)> {
+        let mut entries: Vec<(u64, Vec<Arc<str>>)> = self.encoder.hashes().map(|h| (h, Vec::new())).collect();
+        entries.sort_unstable_by_key(|e| e.0);
+        for (hash, req, _) in self.encoder.references() {
+            if let (Ok(k), Ok(r)) = (entries.binary_search_by_key(&hash, |e| e.0), self.slab.get(req as u32))
+            {
+                entries[k].1.push(r.id.clone());
+            }
+        }
+        for e in &mut entries {
+            e.1.sort_unstable();
+            e.1.dedup();
+        }
+        entries
+    }
+
     /// Ids of the running requests, in running order (admission order; preemption victims come from the end).
     pub fn running_req_ids(&self) -> Vec<Arc<str>> {
         self.running.iter().filter_map(|&s| self.slab.get(s).ok().map(|r| r.id.clone())).collect()

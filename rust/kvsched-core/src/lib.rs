@@ -27,6 +27,7 @@ mod cache_table;
 pub mod config;
 pub mod connector;
 mod connector_sched;
+pub mod ec_connector;
 pub mod encoder;
 mod encoder_sched;
 pub mod error;
@@ -58,6 +59,7 @@ pub use config::{
     HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, PreemptionVictim, SchedulerConfig,
 };
 pub use connector::{KvConnector, KvTransferReport};
+pub use ec_connector::EcConnector;
 pub use encoder::EncoderInput;
 pub use error::{Result, SchedError};
 pub use events::KvCacheEvents;

@@ -47,6 +47,10 @@ pub struct SchedulerOutput {
     /// encoder input (the Python binding then shows `num_reqs + 1` zeros).
     pub scheduled_encoder_inputs: Vec<i32>,
     pub scheduled_encoder_inputs_indptr: Vec<i32>,
+    /// CSR aligned with `handles`, like `scheduled_encoder_inputs`: the inputs whose encoder output the EC
+    /// connector loads in this step (allocated in the encoder cache, not computed). Empty without loads.
+    pub scheduled_encoder_loads: Vec<i32>,
+    pub scheduled_encoder_loads_indptr: Vec<i32>,
     /// Encoder-cache entries evicted since the previous step: the runner drops their outputs.
     pub free_encoder_hashes: Vec<u64>,
     /// No entry is a prefill chunk or carries drafts: each samples exactly one token (a host mirroring the
@@ -83,6 +87,8 @@ impl SchedulerOutput {
             swap_in,
             scheduled_encoder_inputs,
             scheduled_encoder_inputs_indptr,
+            scheduled_encoder_loads,
+            scheduled_encoder_loads_indptr,
             free_encoder_hashes,
             one_token_each,
         } = self;
@@ -105,6 +111,8 @@ impl SchedulerOutput {
             swap_in,
             scheduled_encoder_inputs,
             scheduled_encoder_inputs_indptr,
+            scheduled_encoder_loads,
+            scheduled_encoder_loads_indptr,
         ] {
             v.clear();
         }

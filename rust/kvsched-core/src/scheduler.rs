@@ -115,6 +115,8 @@ pub struct Scheduler {
     pub(crate) swap_cost_per_block: f64,
     /// The KV connector, if any (`connector.rs`).
     pub(crate) connector: Option<Connector>,
+    /// The encoder-cache connector, if any (`ec_connector.rs`).
+    pub(crate) ec_connector: Option<crate::ec_connector::EcConn>,
     /// Requests whose asynchronous KV load is over, holding their blocks (vLLM's `kv_holding_waiting`): phase
     /// B takes them before `waiting`, and under `paused_new` only them.
     pub(crate) kv_waiting: WaitingQueue,
@@ -233,6 +235,7 @@ impl Scheduler {
             num_deferred: 0,
             preempted_since_step: Vec::new(),
             connector: None,
+            ec_connector: None,
             newly_ready: Vec::new(),
             num_parked: 0,
             num_loading: 0,

@@ -509,6 +509,7 @@ impl Scheduler {
         let lookahead = self.config.num_lookahead_tokens;
         // Requests carry encoder inputs only with an encoder cache: without one their (cold) field is not read.
         let has_encoder = self.encoder.capacity() > 0;
+        let has_ec = has_encoder && self.ec_connector.is_some();
         let mut prefill_scheduled = false;
         // Prefetching ahead (the per-request path below) pays when running requests do their block work in
         // runs of neighbours (a group admitted together, a batch in lock-step), whose misses it overlaps. Where
@@ -610,6 +611,15 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
+            // The EC connector's gate: an encoder output still in transit defers the request for this step.
+            if has_ec && !req.encoder_inputs.is_empty() {
+                let upto = u32::try_from((i64::from(computed) - ph).max(0)).unwrap_or(0);
+                if !self.ec_cache_available(slot, upto)? {
+                    i += 1;
+                    continue;
+                }
+            }
+            let req = self.slab.get_mut(slot)?;
             let mut n = i64::from(req.num_tokens_with_spec()) + ph - i64::from(computed);
             if threshold > 0 && n > i64::from(threshold) {
                 n = i64::from(threshold);
@@ -715,6 +725,9 @@ impl Scheduler {
                 prompt_chunks.push((slot, computed, n));
             }
             if planned {
+                if let Some(conn) = self.ec_connector.as_mut() {
+                    crate::encoder_sched::notify_ec_alloc(conn, req, enc);
+                }
                 Self::commit_encoder(&mut self.counters, enc);
             }
             req.is_prefill_chunk = i64::from(computed + n) < i64::from(req.num_tokens()) + ph;
@@ -967,6 +980,18 @@ impl Scheduler {
                 }
             }
         }
+        // The EC connector's gate, with the tokens the request has (a loaded one) or the lookups cover: an
+        // encoder output still in transit skips it (it keeps its place).
+        if !blocked && !req.encoder_inputs.is_empty() && self.encoder.capacity() > 0 {
+            if let Some(conn) = self.ec_connector.as_mut() {
+                let covered = if computed_before > 0 {
+                    computed_before
+                } else {
+                    restored_tokens(req, hits.len() as u32 * bs) + ext
+                };
+                blocked = !conn.0.ensure_cache_available(req, covered);
+            }
+        }
         if blocked {
             mark_deferred(req, &mut self.num_deferred);
             // Back among the requests holding KV blocks if it holds some (vLLM's `_holds_kv_blocks`: a
@@ -1151,7 +1176,12 @@ impl Scheduler {
         enc: &mut EncoderStep,
     ) -> Result<bool> {
         let (h, hs, computed, n) = (a.h, a.h.slot as usize, a.computed, a.n);
+        // The EC connector hears of the request's encoder allocations after the KV connector of its blocks.
+        let mut ec_allocated = Vec::new();
         if a.planned_encoder {
+            if self.ec_connector.is_some() {
+                ec_allocated = enc.pending.iter().chain(enc.pending_loads.iter()).map(|w| w.1).collect();
+            }
             Self::commit_encoder(&mut self.counters, enc);
         }
         let (req, hot) = self.slab.get_mut_hot(h.slot)?;
@@ -1185,6 +1215,11 @@ impl Scheduler {
                     self.counters.connector_prefix_cache_queries += q;
                     self.counters.connector_prefix_cache_hits += hits;
                 }
+            }
+        }
+        if let (false, Some(conn)) = (ec_allocated.is_empty(), self.ec_connector.as_mut()) {
+            for &i in &ec_allocated {
+                conn.0.update_state_after_alloc(req, i);
             }
         }
         // No lookup, no query: vLLM leaves a request that skips reading the cache out of the stats.
@@ -1345,7 +1380,7 @@ impl Scheduler {
         let Builder { out, is_chunk, num_spec, mixed, general, .. } = b;
         let mut enc_hashes = Vec::new();
         if !enc.work.is_empty() {
-            let (enc_ids, enc_indptr, hashes) = self.encoder_output(enc, &out.handles)?;
+            let (enc_ids, enc_indptr, hashes) = self.encoder_output(&enc.work, &out.handles)?;
             out.scheduled_encoder_inputs = enc_ids;
             out.scheduled_encoder_inputs_indptr = enc_indptr;
             enc_hashes = hashes;
@@ -1354,6 +1389,13 @@ impl Scheduler {
                 let t = self.slab.get(slot)?.encoder_inputs[i as usize].num_tokens;
                 self.counters.num_encoder_tokens_computed += u64::from(t);
             }
+        }
+        if !enc.loads.is_empty() {
+            // A failed step's loads never arrived either: `fail_step` treats them as its computes.
+            let (ids, indptr, hashes) = self.encoder_output(&enc.loads, &out.handles)?;
+            out.scheduled_encoder_loads = ids;
+            out.scheduled_encoder_loads_indptr = indptr;
+            enc_hashes.extend(hashes);
         }
         if self.encoder.has_freed() {
             out.free_encoder_hashes = self.encoder.take_freed();

@@ -15,6 +15,7 @@
 mod config;
 mod connector;
 mod convert;
+mod ec_connector;
 mod encoder;
 mod errors;
 mod ids;

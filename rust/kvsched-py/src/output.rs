@@ -130,6 +130,8 @@ pub(crate) struct Arrays {
     swap_in: Cached<i32>,
     scheduled_encoder_inputs: Cached<i32>,
     scheduled_encoder_inputs_indptr: Cached<i32>,
+    scheduled_encoder_loads: Cached<i32>,
+    scheduled_encoder_loads_indptr: Cached<i32>,
     free_encoder_hashes: Cached<u64>,
 }
 
@@ -251,6 +253,25 @@ impl PySchedulerOutput {
             o.scheduled_encoder_inputs_indptr.resize(o.handles.len() + 1, 0);
         }
         self.arrays.scheduled_encoder_inputs_indptr.get(py, &mut o.scheduled_encoder_inputs_indptr)
+    }
+
+    /// int32 CSR values aligned with `req_ids`: indices of the encoder inputs the encoder-cache connector loads
+    /// this step (allocated in the encoder cache, not computed).
+    #[getter]
+    fn scheduled_encoder_loads<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.arrays.scheduled_encoder_loads.get(py, &mut self.out.scheduled_encoder_loads)
+    }
+
+    /// int32 offsets into `scheduled_encoder_loads`, `num_reqs + 1` of them.
+    #[getter]
+    fn scheduled_encoder_loads_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        let o: &mut core::SchedulerOutput = &mut self.out;
+        if self.arrays.scheduled_encoder_loads_indptr.0.is_none()
+            && o.scheduled_encoder_loads_indptr.is_empty()
+        {
+            o.scheduled_encoder_loads_indptr.resize(o.handles.len() + 1, 0);
+        }
+        self.arrays.scheduled_encoder_loads_indptr.get(py, &mut o.scheduled_encoder_loads_indptr)
     }
 
     /// uint64: encoder-cache entries evicted since the previous step (the runner drops their outputs).

@@ -19,6 +19,7 @@ use crate::connector::{id_list, int_list, ConnectorHandle};
 use crate::convert::{
     float_arg, id_arg, int_arg, opt_int_arg, opt_str_arg, str_arg, token_list, type_name, RaggedInput,
 };
+use crate::ec_connector::EcHandle;
 use crate::errors::{guard, py_error, type_error};
 use crate::ids::IdTable;
 use crate::output::{LazyArray, PyModelInputs, PySchedulerOutput, PyUpdateResult, SpareOutput};
@@ -32,6 +33,8 @@ pub(crate) struct PyScheduler {
     config: Py<PyAny>,
     /// The KV connector, if one was given (`connector.rs`).
     connector: Option<ConnectorHandle>,
+    /// The encoder-cache connector, if one was set (`ec_connector.rs`).
+    ec: Option<EcHandle>,
     /// Where dropped outputs leave their core output for the next step (`output.rs`).
     spare: Arc<SpareOutput>,
 }
@@ -101,8 +104,30 @@ impl PyScheduler {
             ids: Arc::default(),
             config: config.clone().unbind(),
             connector,
+            ec: None,
             spare: Arc::default(),
         })
+    }
+
+    /// Sets (None: removes) the encoder-cache connector; it applies from the next step (see docs/api.md).
+    fn set_ec_connector(slf: &Bound<'_, Self>, connector: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let (handle, hooks) = if connector.is_none() {
+            (None, None)
+        } else {
+            let (handle, hooks) = EcHandle::new(connector)?;
+            (Some(handle), Some(hooks))
+        };
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.set_ec_connector(hooks))?;
+        this.ec = handle;
+        Ok(())
+    }
+
+    /// The encoder-cache connector set with `set_ec_connector`, or None.
+    #[getter]
+    fn ec_connector(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.ec.as_ref().map(|c| c.obj.clone_ref(py))
     }
 
     /// The KV connector given at construction, or None.
@@ -269,6 +294,9 @@ impl PyScheduler {
         let out = guard(py, || this.core.schedule_boxed(throttle))?;
         if this.connector.is_some() {
             this.after_hooks(py)?;
+        }
+        if let Some(ec) = &this.ec {
+            ec.check()?;
         }
         let mut preempted_ids: Vec<Py<PyString>> =
             out.preempted_before_step.iter().map(|id| PyString::new(py, id).unbind()).collect();
@@ -969,6 +997,18 @@ impl PyScheduler {
             i32s(&ev.num_cached_blocks).into_pyarray(py).into_any(),
         ];
         PyTuple::new(py, items)
+    }
+
+    /// The encoder cache's entries as `{hash: [req_id, ...]}` (hash ascending; the ids of the requests
+    /// referencing each entry, sorted; empty for a freeable entry).
+    fn encoder_cache_entries<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyDict>> {
+        let py = slf.py();
+        let entries = borrow(slf)?.core.encoder_cache_entries();
+        let d = PyDict::new(py);
+        for (hash, ids) in entries {
+            d.set_item(hash, PyList::new(py, ids.iter().map(|id| &**id))?)?;
+        }
+        Ok(d)
     }
 
     /// The hash of every block in the prefix cache, in block id order (one entry per block).

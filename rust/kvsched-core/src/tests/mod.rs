@@ -4,6 +4,7 @@
 
 mod connector;
 mod context_parallel;
+mod ec_connector;
 mod encoder;
 mod events;
 mod helpers;
