@@ -400,13 +400,8 @@ class KVCacheManagerView(_ReadOnly):
         """The blocks a prefix lookup for ``request`` would hit now and the tokens they cover (vLLM's
         ``get_computed_blocks``; the third value, a hybrid-model boundary, is always 0). At most
         ``max_cache_hit_length`` tokens (default: all but the last), and no further than the request's own block
-        hashes reach, as in vLLM. Changes nothing. With several KV cache groups it raises ``NotImplementedError``
-        (the core answers this lookup for the first group only)."""
-        if self.num_kv_cache_groups > 1:
-            raise NotImplementedError(
-                "kvsched.vllm's kv_cache_manager.get_computed_blocks answers one KV cache group; this model has "
-                f"{self.num_kv_cache_groups}"
-            )
+        hashes reach, as in vLLM. One list of blocks per KV cache group, all of the hit's length (a window's
+        blocks that left it are the ``null_block``). Changes nothing."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         block_size = self._sched.block_size
@@ -414,14 +409,15 @@ class KVCacheManagerView(_ReadOnly):
         limit = min(limit, len(request.block_hashes) * block_size)
         if limit <= 0:
             return self.empty_kv_cache_blocks, 0, 0
-        core = self._sched.core
-        ids = core.get_cached_block_ids(
-            list(request.all_token_ids),
-            cache_salt=request.cache_salt,
-            lora_name=lora_key(request.lora_request),
-            max_hit_tokens=limit,
-        ).tolist()
-        return KVCacheBlocks(([BlockView(core, b) for b in ids],)), len(ids) * block_size, 0
+        core, null = self._sched.core, self.block_pool.null_block
+        tokens = list(request.all_token_ids)
+        salt, lora = request.cache_salt, lora_key(request.lora_request)
+        groups = [
+            core.get_cached_block_ids(tokens, cache_salt=salt, lora_name=lora, max_hit_tokens=limit, group=g).tolist()
+            for g in range(self.num_kv_cache_groups)
+        ]
+        blocks = tuple([null if b == 0 else BlockView(core, b) for b in ids] for ids in groups)
+        return KVCacheBlocks(blocks), len(groups[0]) * block_size, 0
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Always 0 per group, as vLLM's (cascade attention is gone)."""
