@@ -465,9 +465,12 @@ class Twin:
         probes.append((prefix[: int(rng.integers(1, len(prefix) + 1))], None, None))
         for tokens, salt, lora in probes:
             limit = [None, None, -1, 0, int(rng.integers(0, len(tokens) + 3))][int(rng.integers(5))]
-            hits_a = self.ref.get_cached_block_ids(tokens, salt, lora, limit)
-            hits_b = self.rs.get_cached_block_ids(np.array(tokens, np.int64), salt, lora, limit)
-            assert_arrays_equal(hits_a, hits_b, f"get_cached_block_ids({tokens}, {salt}, {lora}, {limit})")
+            # With several KV cache groups: one group's blocks of the hit (group 0 otherwise).
+            group = int(rng.integers(len(self.cfg.kv_cache_groups or (None,))))
+            hits_a = self.ref.get_cached_block_ids(tokens, salt, lora, limit, group)
+            hits_b = self.rs.get_cached_block_ids(np.array(tokens, np.int64), salt, lora, limit, group)
+            what = f"get_cached_block_ids({tokens}, {salt}, {lora}, {limit}, group={group})"
+            assert_arrays_equal(hits_a, hits_b, what)
 
     def expect_stale(self, a: Any, b: Any) -> None:
         """A step that is not the most recent one: step_num_output_tokens refuses it alike."""

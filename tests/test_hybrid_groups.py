@@ -102,6 +102,27 @@ def test_a_hit_must_be_valid_for_every_group(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_a_lookup_gives_every_groups_blocks_of_the_hit(impl: str) -> None:
+    # The blocks of test_a_hit_must_be_valid_for_every_group, read without admitting a request.
+    s = make(impl, kv_cache_groups=(None, 4, 12), num_blocks=60)
+    s.add_request("a", list(range(30)), max_tokens=1)
+    s.update_from_output(s.schedule(), [[5]])
+    tokens = list(range(30))
+    assert [s.get_cached_block_ids(tokens, group=g).tolist() for g in range(3)] == [
+        [1, 2, 3, 4, 5, 6, 7],
+        [0, 0, 0, 0, 0, 0, 15],
+        [0, 0, 0, 0, 21, 22, 23],
+    ]
+    assert s.get_cached_block_ids(tokens).tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert s.get_cached_block_ids(tokens, max_hit_tokens=8, group=2).tolist() == [17, 18]
+    assert s.get_cached_block_ids(list(range(100, 130)), group=1).tolist() == []
+    with pytest.raises(InvalidRequestError, match="group must be in"):
+        s.get_cached_block_ids(tokens, group=3)
+    assert s.num_free_blocks == 59  # nothing was taken
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_the_hit_is_cut_to_the_shortest_group(impl: str) -> None:
     # Group 0 (a window of 4 tokens) is freed before group 1 (full attention), so its cached blocks are evicted
     # first: its hashes 3..5 go, the full group keeps all of them, and the hit stops at the window's run.

@@ -606,40 +606,119 @@ def test_a_step_whose_requests_were_all_aborted_returns_no_outputs_without_stats
         assert results[1] == {}
 
 
-def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_name() -> None:
-    """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec, two groups, a KV
-    connector or KV cache events with a window are refused at construction, by name."""
-    import torch
+def _build_with_groups(vcfg: Any, *specs: Any) -> Any:
+    """kvsched.vllm.Scheduler on a KV cache config of one group per spec (block size 16)."""
     from kvsched.vllm import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    kw = {"block_size": 16, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
+    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    return Scheduler(
+        vllm_config=vcfg,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vcfg),
+        block_size=16,
+        hash_block_size=16,
+    )
+
+
+def _attention_kw(block_size: int = 16, head_size: int = 1) -> dict[str, Any]:
+    import torch
+
+    return {"block_size": block_size, "num_kv_heads": 1, "head_size": head_size, "dtype": torch.float32}
+
+
+def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_name() -> None:
+    """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec, a KV connector or KV
+    cache events with a window are refused at construction, by name."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    kw = _attention_kw()
     window = SlidingWindowSpec(sliding_window=64, **kw)
-
-    def build(vcfg: Any, *specs: Any) -> Any:
-        groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
-        kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
-        return Scheduler(
-            vllm_config=vcfg,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(vcfg),
-            block_size=16,
-            hash_block_size=16,
-        )
-
-    assert build(make_vllm_config(block_size=16, num_blocks=64), window).kv_config.sliding_window == 64
+    build = _build_with_groups
+    sched = build(make_vllm_config(block_size=16, num_blocks=64), window)
+    assert sched.kv_config.sliding_window == 64 and sched.kv_config.kv_cache_groups is None
     with pytest.raises(UnsupportedFeatureError, match="ChunkedLocalAttentionSpec"):
         build(make_vllm_config(block_size=16), ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
-    with pytest.raises(UnsupportedFeatureError, match="several KV cache groups"):
-        build(make_vllm_config(block_size=16), FullAttentionSpec(**kw), window)
     with pytest.raises(UnsupportedFeatureError, match="KV connectors with sliding-window attention"):
         build(make_vllm_config(block_size=16, kv_connector_seed=1), window)
     with pytest.raises(UnsupportedFeatureError, match="KV cache events with sliding-window attention"):
         build(make_vllm_config(block_size=16, kv_events=True), window)
+
+
+def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:
+    """Full-attention and sliding-window groups of one block size become the core's kv_cache_groups, one entry
+    per vLLM group in vLLM's order (None for full attention, the window otherwise)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kw = _attention_kw()
+    full, w64 = FullAttentionSpec(**kw), SlidingWindowSpec(sliding_window=64, **kw)
+    w32 = SlidingWindowSpec(sliding_window=32, **kw)
+    vcfg = make_vllm_config(block_size=16, num_blocks=64)
+    sched = _build_with_groups(vcfg, w64, full, w32, w64)
+    assert sched.kv_config.kv_cache_groups == (64, None, 32, 64)
+    assert sched.kv_config.sliding_window is None
+    assert sched.kv_cache_manager.num_kv_cache_groups == 4
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_several_kv_cache_groups_give_the_runner_one_block_list_per_group(async_scheduling: bool) -> None:
+    """NewRequestData.block_ids, CachedRequestData.new_block_ids and a resumed request's blocks carry one list per
+    group, as vLLM's scheduler gives them (a window group's blocks that left the window are null blocks)."""
+    cfg = make_vllm_config(block_size=4, num_blocks=12, max_model_len=64, async_scheduling=async_scheduling)
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=(None, 4)) for impl in ("vllm", "kvsched")]
+    for s in pair:
+        s.add_request(make_request("r0", list(range(3, 13)), max_tokens=12, block_size=4))
+        s.add_request(make_request("r1", list(range(20, 27)), max_tokens=12, block_size=4))
+    seen_new = seen_cached = seen_resumed = False
+    in_flight: list[list[Any]] = []
+    for _ in range(30):
+        outs = [s.schedule() for s in pair]
+        compare("SchedulerOutput", outs[0], outs[1])
+        so = outs[1]
+        for new in so.scheduled_new_reqs:
+            assert len(new.block_ids) == 2
+            seen_new = True
+        cached = so.scheduled_cached_reqs
+        for rid, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if blocks is not None:
+                assert len(blocks) == 2 and len(blocks[0]) == len(blocks[1])
+                seen_cached = True
+                seen_resumed = seen_resumed or rid in cached.resumed_req_ids
+        in_flight.append(outs)
+        if len(in_flight) > int(async_scheduling):
+            done = in_flight.pop(0)
+            results = [s.update_from_output(o, _mro(o, 9)) for s, o in zip(pair, done, strict=True)]
+            compare("EngineCoreOutputs", results[0], results[1])
+    assert seen_new and seen_cached and seen_resumed
+
+
+def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> None:
+    """Several groups with a KV connector, KV cache events, a victim rule other than the default, different block
+    sizes, a spec the core does not implement (Mamba, chunked-local) or two windows of the same size with
+    different specs (vLLM looks their prefix hits up apart) are refused at construction, by name."""
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    kw = _attention_kw()
+    full, window = FullAttentionSpec(**kw), SlidingWindowSpec(sliding_window=64, **kw)
+    build = _build_with_groups
+    with pytest.raises(UnsupportedFeatureError, match="KV connectors with several KV cache groups"):
+        build(make_vllm_config(block_size=16, kv_connector_seed=1), full, window)
+    with pytest.raises(UnsupportedFeatureError, match="KV cache events with several KV cache groups"):
+        build(make_vllm_config(block_size=16, kv_events=True), full, window)
+    vcfg = make_vllm_config(block_size=16)
+    vcfg.additional_config = {"kvsched": {"preemption_victim": "lcf"}}
+    with pytest.raises(UnsupportedFeatureError, match="preemption victim rule other than the default"):
+        build(vcfg, full, window)
+    with pytest.raises(UnsupportedFeatureError, match="KV cache groups of different block sizes"):
+        build(make_vllm_config(block_size=16), full, SlidingWindowSpec(sliding_window=64, **_attention_kw(32)))
+    with pytest.raises(UnsupportedFeatureError, match="ChunkedLocalAttentionSpec"):
+        build(make_vllm_config(block_size=16), full, ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
+    mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,))
+    with pytest.raises(UnsupportedFeatureError, match="MambaSpec"):
+        build(make_vllm_config(block_size=16), full, mamba)
+    other = SlidingWindowSpec(sliding_window=64, **_attention_kw(head_size=2))
+    with pytest.raises(UnsupportedFeatureError, match="same window but different specs"):
+        build(make_vllm_config(block_size=16), full, window, other)

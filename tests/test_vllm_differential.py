@@ -57,6 +57,16 @@ def test_identical_to_vllm_with_draft_slots_and_a_token_budget(sync: str, runner
     assert cfg.num_speculative_tokens > 0
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", range(400, 403))
+def test_identical_to_vllm_with_several_kv_cache_groups(sync: str, runner: str, seed: int) -> None:
+    """A hybrid model: full-attention and sliding-window KV cache groups (drawn per seed) in one pool, vLLM's
+    HybridKVCacheCoordinator: one block list per group in every output, prefix hits valid for every group, the
+    same block tables of every group and prefill stats."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=True)
+    assert cfg.kv_cache_groups is not None and len(cfg.kv_cache_groups) >= 2
+
+
 SYNC_MODES = [("sync", "v1"), ("sync", "v2")]
 
 

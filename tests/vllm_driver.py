@@ -205,6 +205,8 @@ class Config:
     kv_events: bool = False
     # The model's one KV cache group is a sliding window of this many tokens (None: full attention).
     sliding_window: int | None = None
+    # A hybrid model instead: one KV cache group per entry (None: full attention, an int: a sliding window).
+    kv_cache_groups: tuple[int | None, ...] | None = None
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -312,6 +314,7 @@ class Pair:
         fields = dataclasses.asdict(cfg)
         v2 = fields.pop("use_v2_model_runner")
         window = fields.pop("sliding_window")
+        groups = fields.pop("kv_cache_groups")
         defer_async_loads = fields.pop("defer_async_loads")
         vcfg = make_vllm_config(**fields)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
@@ -322,6 +325,7 @@ class Pair:
             "include_finished_set": True,
             "log_stats": log_stats,
             "sliding_window": window,
+            "kv_cache_groups": groups,
         }
         self.a = make_scheduler("vllm", vcfg, **kw)
         self.b = make_scheduler("kvsched", vcfg, **kw)
@@ -365,7 +369,8 @@ class Pair:
         prompt = prompt[: rng.randrange(1, room)] if len(prompt) >= room else prompt
         max_tokens = rng.randrange(1, 40)
         # A KV cache smaller than max_model_len: only requests that fit it (prompt + max_tokens - 1 tokens).
-        capacity = (cfg.num_blocks - 1) * cfg.block_size
+        # (With several KV cache groups, every group may need a block per block of tokens.)
+        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * cfg.block_size
         if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
             # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
             # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
@@ -681,9 +686,12 @@ class Pair:
                 va, vb = getattr(ra, f), getattr(rb, f)
                 if not _plain_equal(va, vb):
                     compare(f"{when}: request {rid}.{f}", va, vb)
-            blocks_a = list(a.kv_cache_manager.get_block_ids(rid)[0]) if ra.status == ra.status.RUNNING else None
-            if blocks_a is not None:
-                compare(f"{when}: request {rid} block table", blocks_a, b.core.get_block_ids(rid).tolist())
+            if ra.status == ra.status.RUNNING:
+                compare(
+                    f"{when}: request {rid} block tables",
+                    [list(t) for t in a.kv_cache_manager.get_block_ids(rid)],
+                    [list(t) for t in b.kv_cache_manager.get_block_ids(rid)],
+                )
         compare(f"{when}: get_request_counts", a.get_request_counts(), b.get_request_counts())
         compare(f"{when}: num unfinished", a.get_num_unfinished_requests(), b.get_num_unfinished_requests())
         compare(f"{when}: has_finished", a.has_finished_requests(), b.has_finished_requests())
@@ -762,6 +770,7 @@ def run_seed(
     multi_connector: bool = False,
     kv_events: bool = False,
     sliding_window: bool = False,
+    hybrid: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
     budgets: bool = False,
@@ -771,14 +780,19 @@ def run_seed(
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
     child of vLLM's ``MultiConnector``, after a passive one); ``kv_events`` turns KV cache
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
-    window of a drawn size (from its own stream: the seed's other draws stay as they are); ``multimodal``
-    schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded ``RandomECConnector``;
-    ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a token budget below the
-    input budget, from their own stream."""
+    window of a drawn size (from its own stream: the seed's other draws stay as they are); ``hybrid`` gives the
+    model several KV cache groups instead (full attention and sliding windows, drawn from their own stream);
+    ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
+    ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
+    token budget below the input budget, from their own stream."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
         cfg.sliding_window = random.Random(f"window/{seed}").choice([1, 3, 8, cfg.block_size, 20, 33, 64, 100])
+    if hybrid:
+        cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
+        # vLLM sizes the pool for every group: as many blocks per group as the drawn single-group cache.
+        cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(cfg.kv_cache_groups)
     if connector:
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
@@ -814,6 +828,19 @@ def run_seed(
     return cfg
 
 
+def random_groups(rng: random.Random, block_size: int) -> tuple[int | None, ...]:
+    """A hybrid model's KV cache groups: mostly one full-attention group and one window (gpt-oss, Gemma 2), else
+    2-4 groups mixing full attention and one or two windows in any order (Gemma 3: several window groups)."""
+    windows = [1, 3, 8, block_size, 20, 33, 64, 100]
+    if rng.random() < 0.5:
+        return (None, rng.choice(windows))
+    kinds = [None, *rng.sample(windows, rng.choice([1, 2]))]
+    groups = [rng.choice(kinds) for _ in range(rng.randrange(2, 5))]
+    if all(g is None for g in groups):
+        groups[rng.randrange(len(groups))] = kinds[1]
+    return tuple(groups)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=200)
@@ -840,6 +867,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a sliding-window model (one SlidingWindowSpec group, a window drawn per seed); not with --connector "
         "or --kv-events, which kvsched.vllm refuses for it",
     )
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="a hybrid model: several KV cache groups (full attention and sliding windows, drawn per seed); not "
+        "with --connector or --kv-events, which kvsched.vllm refuses for it",
+    )
     p.add_argument("--mm", action="store_true", help="a multimodal model: requests with images")
     p.add_argument("--ec", action="store_true", help="with a seeded RandomECConnector (with --mm: images loaded)")
     p.add_argument(
@@ -858,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.sliding_window and (args.connector or args.kv_events):
         p.error("--sliding-window goes without --connector and --kv-events")
+    if args.hybrid and (args.connector or args.kv_events or args.sliding_window or args.mm):
+        p.error("--hybrid goes without --connector, --kv-events, --sliding-window and --mm")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
@@ -891,6 +926,7 @@ def main(argv: list[str] | None = None) -> int:
                         multi_connector=args.multi_connector,
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
+                        hybrid=args.hybrid,
                         multimodal=args.mm,
                         ec_connector=args.ec,
                         defer_async_loads=args.defer_async_loads,

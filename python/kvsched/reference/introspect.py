@@ -51,10 +51,17 @@ class _IntrospectMixin(_AdmissionMixin):
         cache_salt: str | None = None,
         lora_name: str | None = None,
         max_hit_tokens: int | None = None,
+        group: int = 0,
     ) -> np.ndarray:
         """The blocks a prefix lookup of these tokens would hit now, in order: at most ``max_hit_tokens`` tokens'
         worth of full blocks (None: all but the last token, which must be computed; negative: none). Changes
-        nothing (ref counts, LRU, stats); none without prefix caching."""
+        nothing (ref counts, LRU, stats); none without prefix caching. ``group``: that KV cache group's blocks
+        of the hit (with ``kv_cache_groups``; every group's hit has the same length)."""
+        num_groups = len(self._config.kv_cache_groups or (None,))
+        if not _is_int(group):
+            raise SchedulerTypeError(f"group must be an int, got {type(group).__name__}")
+        if not 0 <= group < num_groups:
+            raise InvalidRequestError(f"group must be in [0, {num_groups}), got {group}")
         arr = _int_array(token_ids, "token_ids")
         salt, lora = _opt_str(cache_salt, "cache_salt"), _opt_str(lora_name, "lora_name")
         if max_hit_tokens is not None:
@@ -70,7 +77,10 @@ class _IntrospectMixin(_AdmissionMixin):
         reach = limit // self._bs * self._bs  # hash only as far as a hit may reach
         hashes = self._hasher.block_hashes_of(tokens[:reach], salt, lora)
         # _lookup leaves the block of the last of its tokens out: limit + 1 tokens allow limit // bs blocks.
-        return np.array(self._lookup(hashes, limit + 1), dtype=np.int32)
+        hits = self._lookup(hashes, limit + 1)
+        if group > 0:
+            hits = self._hits_of_groups(hits)[group]
+        return np.array(hits, dtype=np.int32)
 
     def get_block_ref_cnt(self, block_id: int) -> int:
         """How many requests hold block ``block_id`` (0 when free, and always for the null block 0);

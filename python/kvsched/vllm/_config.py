@@ -37,40 +37,63 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
 
 
-def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> int | None:
-    """Refuses the KV cache layouts the core does not implement; returns the sliding window of a model whose
-    layers all use one (None: full attention)."""
+def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | None]:
+    """Refuses the KV cache layouts the core does not implement; returns each KV cache group's sliding window, in
+    vLLM's group order (None: full attention).
+
+    Several groups (hybrid models: full-attention and sliding-window layers) map to the core's
+    ``kv_cache_groups``, one entry per vLLM group, all of one block size."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        _refuse(
-            "several KV cache groups (hybrid models: sliding window, Mamba, cross-attention mixed with full attention)",
-            f"{len(groups)} KV cache groups",
-        )
-    spec = groups[0].kv_cache_spec
-    # Plain full attention, or sliding-window attention in every layer: chunked-local, Mamba, MLA and the other
-    # specs subclass or differ from them.
-    window: int | None = None
-    if type(spec) is SlidingWindowSpec:
-        window = int(spec.sliding_window)
-        if getattr(spec, "extra_retained_tokens", 0):
-            _refuse("sliding windows that retain extra tokens (multi-module MTP)", "extra_retained_tokens")
-    elif type(spec) is not FullAttentionSpec:
-        _refuse(
-            f"the KV cache spec {type(spec).__name__}", "only FullAttentionSpec and SlidingWindowSpec are supported"
-        )
-    elif getattr(spec, "sliding_window", None):
-        _refuse("full-attention specs with a sliding window", f"sliding_window={spec.sliding_window}")
-    if spec.block_size != block_size:
-        _refuse(
-            "a KV cache block size that differs from the scheduler block size", f"{spec.block_size} != {block_size}"
-        )
+    hybrid = len(groups) > 1
+    windows: list[int | None] = []
+    # vLLM looks up the prefix hit of groups with equal specs together; the core does so for equal windows.
+    window_specs: dict[int, Any] = {}
+    for g, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        where = f"KV cache group {g}: " if hybrid else ""
+        # Plain full attention, or sliding-window attention: chunked-local, Mamba, MLA, cross-attention and the
+        # other specs subclass or differ from them.
+        window: int | None = None
+        if getattr(spec, "bounded_replay", False):
+            # vLLM 0.33 recomputes the tail of a prefix hit to rebuild such a window (prefix replay).
+            _refuse(
+                f"sliding windows rebuilt by prefix replay ({type(spec).__name__} with bounded_replay)",
+                f"{where}bounded_replay=True",
+            )
+        if type(spec) is SlidingWindowSpec:
+            window = int(spec.sliding_window)
+            if getattr(spec, "extra_retained_tokens", 0):
+                _refuse("sliding windows that retain extra tokens (multi-module MTP)", f"{where}extra_retained_tokens")
+            if window in window_specs and window_specs[window] != spec:
+                _refuse(
+                    "two sliding-window KV cache groups with the same window but different specs (vLLM looks up "
+                    "their prefix hits apart, the core together)",
+                    f"{where}sliding_window={window}",
+                )
+            window_specs[window] = spec
+        elif type(spec) is not FullAttentionSpec:
+            _refuse(
+                f"the KV cache spec {type(spec).__name__}",
+                f"{where}only FullAttentionSpec and SlidingWindowSpec are supported",
+            )
+        elif getattr(spec, "sliding_window", None):
+            _refuse("full-attention specs with a sliding window", f"{where}sliding_window={spec.sliding_window}")
+        if spec.block_size != block_size:
+            feature = (
+                "KV cache groups of different block sizes"
+                if hybrid
+                else "a KV cache block size that differs from the scheduler block size"
+            )
+            _refuse(feature, f"{where}{spec.block_size} != {block_size}")
+        windows.append(window)
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
-    if window is not None and getattr(kv_cache_config, "prefix_cache_retention_interval", None) is not None:
+    has_window = any(w is not None for w in windows)
+    if has_window and getattr(kv_cache_config, "prefix_cache_retention_interval", None) is not None:
         _refuse("sparse prefix-cache retention of sliding windows", "prefix_cache_retention_interval")
-    return window
+    return windows
 
 
 def check_kv_connector(vllm_config: Any, connector: Any) -> None:
@@ -107,13 +130,13 @@ def kvsched_config_from_vllm(
     kv_cache_config: Any,
     block_size: int,
     hash_block_size: int | None,
-    sliding_window: int | None = None,
+    windows: list[int | None] | None = None,
 ) -> tuple[SchedulerConfig, int]:
     """The kvsched config for ``vllm_config`` and the number of speculative tokens; raises for unsupported ones.
 
     The fields vLLM decides come from its config; the kvsched settings of ``additional_config`` are added on top
-    (a setting vLLM decides is refused there, see ``_policy.py``). ``sliding_window``: the window of a model
-    whose KV cache group is a sliding window (``_check_kv_cache_config``)."""
+    (a setting vLLM decides is refused there, see ``_policy.py``). ``windows``: each KV cache group's sliding
+    window, None for full attention (``_check_kv_cache_config``; default: one full-attention group)."""
     knobs, _ = read_additional_config(vllm_config)
     sched = vllm_config.scheduler_config
     cache = vllm_config.cache_config
@@ -138,12 +161,29 @@ def kvsched_config_from_vllm(
         _refuse("auxiliary output connectors", "aux_output_config.enabled")
     if _attr(vllm_config.observability_config, "kv_cache_metrics", False):
         _refuse("KV cache eviction metrics", "observability_config.kv_cache_metrics")
+    windows = windows or [None]
+    sliding_window = windows[0] if len(windows) == 1 else None
+    kv_cache_groups = tuple(windows) if len(windows) > 1 else None
     if sliding_window is not None:
         # The core's KV cache events and connector hand-offs do not know a window's null blocks yet.
         if kv_transfer is not None:
             _refuse("KV connectors with sliding-window attention", "kv_transfer_config")
         if kv_events_enabled(vllm_config):
             _refuse("KV cache events with sliding-window attention", "kv_events_config")
+    if kv_cache_groups is not None:
+        # The core keeps one block table per group; its connector hand-offs, KV cache events and victim rules
+        # know one.
+        num = f"{len(windows)} KV cache groups"
+        if kv_transfer is not None:
+            _refuse("KV connectors with several KV cache groups", f"kv_transfer_config, {num}")
+        if kv_events_enabled(vllm_config):
+            _refuse("KV cache events with several KV cache groups", f"kv_events_config, {num}")
+        victim = knobs.get("preemption_victim", "default")
+        if victim != "default":
+            _refuse(
+                "a preemption victim rule other than the default with several KV cache groups",
+                f"preemption_victim={victim!r}, {num}",
+            )
 
     if sched.policy not in ("fcfs", "priority"):
         _refuse(f"the scheduling policy {sched.policy!r}", "policy")
@@ -206,6 +246,7 @@ def kvsched_config_from_vllm(
     fields["enable_kv_cache_events"] = kv_events_enabled(vllm_config)
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
     fields["sliding_window"] = sliding_window
+    fields["kv_cache_groups"] = kv_cache_groups
     fields["async_scheduling"] = bool(sched.async_scheduling)
     fields["watermark"] = float(sched.watermark)
     # A token budget apart from the input budget (vLLM's max_num_scheduled_tokens; above the input budget it

@@ -3,8 +3,9 @@
 vLLM's scheduler owns a ``KVCacheManager`` (``vllm/v1/core/kv_cache_manager.py``) that its engine core, its
 tests and tools read: a request's blocks, the block pool's free count and usage, which blocks a prefix lookup
 would hit, each block's reference count, the prefix-cache counters. In kvsched the core owns the blocks, so
-this module answers those reads from the core, with the attribute names vLLM uses (one full-attention KV cache
-group: the adapter refuses hybrid models). Every read asks the core at that moment; nothing is copied ahead.
+this module answers those reads from the core, with the attribute names vLLM uses, one block table per KV cache
+group (full attention or a sliding window) in vLLM's group order. Every read asks the core at that moment; nothing
+is copied ahead.
 
 What is not here is what changes the cache (``allocate_slots``, ``free``, ``cache_blocks``, ``reset_prefix_cache``,
 ``take_events``, ...): the core does that inside ``schedule()`` and ``update_from_output()``. Reading such a name,
@@ -212,16 +213,17 @@ class _ReqToBlocks(Mapping[str, list[BlockView]]):
     """Request id -> its blocks, for the requests holding blocks now (vLLM's ``req_to_blocks``); live. A sliding
     window's null blocks are the pool's one ``null_block`` object, as in vLLM."""
 
-    __slots__ = ("_null_block", "_sched")
+    __slots__ = ("_group", "_null_block", "_sched")
 
-    def __init__(self, sched: Scheduler, null_block: BlockView) -> None:
+    def __init__(self, sched: Scheduler, null_block: BlockView, group: int) -> None:
         self._sched = sched
         self._null_block = null_block
+        self._group = group
 
     def _block_ids(self, req_id: str) -> list[int]:
         if req_id not in self._sched.requests:
             return []
-        ids: list[int] = self._sched.core.get_block_ids(req_id).tolist()
+        ids: list[int] = self._sched.core.get_block_ids(req_id, self._group).tolist()
         return ids
 
     def __getitem__(self, req_id: str) -> list[BlockView]:
@@ -267,7 +269,7 @@ class _NumCachedBlock(Mapping[str, int]):
 
 
 class _SingleTypeManager(_ReadOnly):
-    """vLLM's ``SingleTypeKVCacheManager`` of the one group (full attention or a sliding window)."""
+    """vLLM's ``SingleTypeKVCacheManager`` of one KV cache group (full attention or a sliding window)."""
 
     __slots__ = (
         "_null_block",
@@ -287,20 +289,20 @@ class _SingleTypeManager(_ReadOnly):
     req_to_blocks: Mapping[str, list[BlockView]]
     num_cached_block: Mapping[str, int]
 
-    def __init__(self, sched: Scheduler, kv_cache_spec: Any, block_pool: BlockPoolView) -> None:
+    def __init__(self, sched: Scheduler, kv_cache_spec: Any, block_pool: BlockPoolView, group: int) -> None:
         init = object.__setattr__
         init(self, "block_size", sched.block_size)
         init(self, "kv_cache_spec", kv_cache_spec)
-        init(self, "kv_cache_group_id", 0)
+        init(self, "kv_cache_group_id", group)
         init(self, "block_pool", block_pool)
         init(self, "_null_block", block_pool.null_block)
-        holding = _ReqToBlocks(sched, block_pool.null_block)
+        holding = _ReqToBlocks(sched, block_pool.null_block, group)
         init(self, "req_to_blocks", holding)
         init(self, "num_cached_block", _NumCachedBlock(sched, holding))
 
 
 class _Coordinator(_ReadOnly):
-    """vLLM's ``KVCacheCoordinator`` for one group: ``single_type_managers``, ``block_pool``."""
+    """vLLM's ``KVCacheCoordinator``: ``single_type_managers`` (one per KV cache group), ``block_pool``."""
 
     __slots__ = ("block_pool", "kv_cache_config", "num_single_type_manager", "single_type_managers")
 
@@ -309,12 +311,12 @@ class _Coordinator(_ReadOnly):
     single_type_managers: tuple[_SingleTypeManager, ...]
     num_single_type_manager: int
 
-    def __init__(self, kv_cache_config: Any, manager: _SingleTypeManager) -> None:
+    def __init__(self, kv_cache_config: Any, managers: tuple[_SingleTypeManager, ...]) -> None:
         init = object.__setattr__
         init(self, "kv_cache_config", kv_cache_config)
-        init(self, "block_pool", manager.block_pool)
-        init(self, "single_type_managers", (manager,))
-        init(self, "num_single_type_manager", 1)
+        init(self, "block_pool", managers[0].block_pool)
+        init(self, "single_type_managers", managers)
+        init(self, "num_single_type_manager", len(managers))
 
 
 class KVCacheManagerView(_ReadOnly):
@@ -347,16 +349,17 @@ class KVCacheManagerView(_ReadOnly):
         init = object.__setattr__
         config = sched.kv_config
         pool = BlockPoolView(sched.core, config.num_blocks, config.enable_prefix_caching)
-        spec = sched.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        groups = list(sched.kv_cache_config.kv_cache_groups)
+        managers = tuple(_SingleTypeManager(sched, group.kv_cache_spec, pool, g) for g, group in enumerate(groups))
         init(self, "_sched", sched)
         init(self, "kv_cache_config", sched.kv_cache_config)
         init(self, "max_model_len", sched.max_model_len)
         init(self, "enable_caching", config.enable_prefix_caching)
         init(self, "log_stats", sched.log_stats)
-        init(self, "num_kv_cache_groups", 1)
+        init(self, "num_kv_cache_groups", len(groups))
         init(self, "block_pool", pool)
-        init(self, "coordinator", _Coordinator(sched.kv_cache_config, _SingleTypeManager(sched, spec, pool)))
-        init(self, "empty_kv_cache_blocks", KVCacheBlocks(((),)))
+        init(self, "coordinator", _Coordinator(sched.kv_cache_config, managers))
+        init(self, "empty_kv_cache_blocks", KVCacheBlocks(tuple(() for _ in groups)))
 
     @property
     def usage(self) -> float:
@@ -372,20 +375,24 @@ class KVCacheManagerView(_ReadOnly):
         return self.enable_caching and not request.skip_reading_prefix_cache
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        """The request's blocks (none for a request that holds none or is unknown, as in vLLM)."""
-        core = self._sched.core
-        return KVCacheBlocks(([BlockView(core, b) for b in self.get_block_ids(request_id)[0]],))
+        """The request's blocks, one tuple entry per KV cache group (none for a request that holds none or is
+        unknown, as in vLLM); a sliding window's null blocks are the pool's one ``null_block``."""
+        core, null = self._sched.core, self.block_pool.null_block
+        return KVCacheBlocks(
+            tuple([null if b == 0 else BlockView(core, b) for b in ids] for ids in self.get_block_ids(request_id))
+        )
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table of every KV cache group, in vLLM's group order."""
+        core = self._sched.core
         if request_id not in self._sched.requests:
-            return ([],)
-        ids: list[int] = self._sched.core.get_block_ids(request_id).tolist()
-        return (ids,)
+            return tuple([] for _ in range(self.num_kv_cache_groups))
+        return tuple(core.get_block_ids(request_id, g).tolist() for g in range(self.num_kv_cache_groups))
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
-        """The request's blocks that cover its first ``num_computed_tokens`` tokens."""
-        (ids,) = self.get_block_ids(request_id)
-        return (ids[: -(-num_computed_tokens // self._sched.block_size)],)
+        """The request's blocks (of every group) that cover its first ``num_computed_tokens`` tokens."""
+        num_blocks = -(-num_computed_tokens // self._sched.block_size)
+        return tuple(ids[:num_blocks] for ids in self.get_block_ids(request_id))
 
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -393,7 +400,8 @@ class KVCacheManagerView(_ReadOnly):
         """The blocks a prefix lookup for ``request`` would hit now and the tokens they cover (vLLM's
         ``get_computed_blocks``; the third value, a hybrid-model boundary, is always 0). At most
         ``max_cache_hit_length`` tokens (default: all but the last), and no further than the request's own block
-        hashes reach, as in vLLM. Changes nothing."""
+        hashes reach, as in vLLM. One list of blocks per KV cache group, all of the hit's length (a window's
+        blocks that left it are the ``null_block``). Changes nothing."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         block_size = self._sched.block_size
@@ -401,15 +409,16 @@ class KVCacheManagerView(_ReadOnly):
         limit = min(limit, len(request.block_hashes) * block_size)
         if limit <= 0:
             return self.empty_kv_cache_blocks, 0, 0
-        core = self._sched.core
-        ids = core.get_cached_block_ids(
-            list(request.all_token_ids),
-            cache_salt=request.cache_salt,
-            lora_name=lora_key(request.lora_request),
-            max_hit_tokens=limit,
-        ).tolist()
-        return KVCacheBlocks(([BlockView(core, b) for b in ids],)), len(ids) * block_size, 0
+        core, null = self._sched.core, self.block_pool.null_block
+        tokens = list(request.all_token_ids)
+        salt, lora = request.cache_salt, lora_key(request.lora_request)
+        groups = [
+            core.get_cached_block_ids(tokens, cache_salt=salt, lora_name=lora, max_hit_tokens=limit, group=g).tolist()
+            for g in range(self.num_kv_cache_groups)
+        ]
+        blocks = tuple([null if b == 0 else BlockView(core, b) for b in ids] for ids in groups)
+        return KVCacheBlocks(blocks), len(groups[0]) * block_size, 0
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Always 0 per group, as vLLM's (cascade attention is gone)."""
-        return [0]
+        return [0] * self.num_kv_cache_groups

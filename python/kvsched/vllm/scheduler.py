@@ -166,10 +166,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         include_finished_set: bool = False,
         log_stats: bool = False,
     ) -> None:
-        sliding_window = _check_kv_cache_config(kv_cache_config, block_size)
+        windows = _check_kv_cache_config(kv_cache_config, block_size)
         config, self.num_spec_tokens = kvsched_config_from_vllm(
-            vllm_config, kv_cache_config, block_size, hash_block_size, sliding_window
+            vllm_config, kv_cache_config, block_size, hash_block_size, windows
         )
+        # Each KV cache group's sliding window (None: full attention), in vLLM's group order.
+        self._group_windows: tuple[int | None, ...] = tuple(windows)
+        self._num_groups = len(windows)
         # Multimodal models: vLLM's encoder compute budget and encoder cache size for the model.
         # (Both can be set later: max_num_encoder_input_tokens and encoder_cache_manager below.)
         max_num_encoder_input_tokens, encoder_cache_size = encoder_budget(vllm_config, mm_registry)
@@ -218,8 +221,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
         self._drafts_received = False  # update_draft_token_ids gave some request drafts
         self.kv_config = config
-        # A sliding window's block tables of the requests awaiting their first output, read before an update.
-        self._window_tables: dict[str, list[int]] = {}
+        # A sliding window's block tables (every group's) of the requests awaiting their first output, read before an
+        # update.
+        self._window_tables: dict[str, tuple[list[int], ...]] = {}
         # KV connector (vLLM's kv_transfer_config): vLLM's own scheduler-role connector, built as vLLM's scheduler
         # builds it, reached by the core through the bridge's id-keyed hooks.
         self._bridge: ConnectorBridge | None = None
@@ -706,6 +710,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         computed: list[int] = out.num_computed_tokens.tolist()
         block_ptr_arr = out.new_block_ids_indptr
         block_ids: list[int] = out.new_block_ids.tolist()
+        # Several KV cache groups: every group's new blocks, laid out as group 0's (same offsets).
+        group_ids: list[list[int]] | None = (
+            [block_ids] + [out.group_new_block_ids(g).tolist() for g in range(1, self._num_groups)]
+            if self._num_groups > 1
+            else None
+        )
         spec_ids = out.spec_token_ids
         spec_ptr: list[int] | None = out.spec_token_ids_indptr.tolist() if len(spec_ids) else None
         spec_list: list[int] = spec_ids.tolist() if spec_ptr is not None else []
@@ -750,7 +760,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             got = np.flatnonzero(block_ptr_arr[1 : num_run + 1] != block_ptr_arr[:num_run])
             starts, ends = block_ptr_arr[got].tolist(), block_ptr_arr[got + 1].tolist()
             for i, b0, b1 in zip(got.tolist(), starts, ends, strict=True):
-                run_blocks[i] = (block_ids[b0:b1],)
+                run_blocks[i] = (block_ids[b0:b1],) if group_ids is None else tuple(ids[b0:b1] for ids in group_ids)
         if spec_ptr is not None:
             for i in range(num_run):
                 if spec_ptr[i + 1] > spec_ptr[i]:
@@ -864,6 +874,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 c = computed[i]
                 b0 = int(block_ptr_arr[i])
                 b1 = int(block_ptr_arr[i + 1])
+                blocks = (block_ids[b0:b1],) if group_ids is None else tuple(ids[b0:b1] for ids in group_ids)
                 if spec_ptr is not None and spec_ptr[i + 1] > spec_ptr[i]:
                     spec_tokens[req_id] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
                 if not drafts_needed and not self._drafts_unused(request, c, n):
@@ -873,13 +884,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 self._on_admitted(request, c, now)
                 if req_id in new_set or v2:
                     data = NewRequestData.from_request(
-                        request, (block_ids[b0:b1],), request._all_token_ids if v2 else None, uses_mrope=uses_mrope
+                        request, blocks, request._all_token_ids if v2 else None, uses_mrope=uses_mrope
                     )
                     # Model runner V2 gets a resumed request as a new one, after the new ones.
                     (new_reqs_data if req_id in new_set else res_v2_data).append(data)
                 else:
                     res_ids.append(req_id)
-                    res_blocks.append((block_ids[b0:b1],))
+                    res_blocks.append(blocks)
                     res_computed.append(c)
                     res_outputs.append(num_outputs[i])
                     if req_id not in prev:
@@ -1085,10 +1096,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         from vllm.v1.core.sched.output import KVConnectorBlockState
 
         so.has_sync_kv_loads = bridge.has_sync_kv_loads
-        core = self._core
         so.kv_connector_block_state = KVConnectorBlockState(
             req_ids=set(so.num_scheduled_tokens),
-            resolve_block_ids=lambda req_id: (core.get_block_ids(req_id).tolist(),),
+            resolve_block_ids=self.group_block_ids,
             boundary_state_offloads={},
         )
         so.kv_connector_metadata = self.connector.build_connector_meta(so)
@@ -1185,16 +1195,33 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 return step
         raise ValueError("update_from_output got a SchedulerOutput this scheduler did not produce, or got it twice")
 
-    def _window_hashed_tokens(self, table: list[int], num_cached_blocks: int) -> int:
-        """vLLM's ``estimate_cached_tokens`` with a sliding window: the tokens up to the end of the last block of
-        ``table`` that carries a hash (among its first ``num_cached_blocks``); the null blocks before the window
-        carry none, and a window of one token caches nothing."""
-        if self.kv_config.sliding_window == 1:
+    def group_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block table of every KV cache group, in vLLM's group order (vLLM's
+        ``KVCacheManager.get_block_ids``)."""
+        core = self._core
+        if self._num_groups == 1:
+            return (core.get_block_ids(req_id).tolist(),)
+        return tuple(core.get_block_ids(req_id, g).tolist() for g in range(self._num_groups))
+
+    def _window_hashed_tokens(self, table: list[int], num_cached_blocks: int, window: int | None) -> int:
+        """The tokens up to the end of the last block of ``table`` that carries a hash (among its first
+        ``num_cached_blocks``); with a sliding window the null blocks before the window carry none, and a
+        window of one token caches nothing."""
+        if window is None:
+            return min(num_cached_blocks, len(table)) * self.block_size
+        if window == 1:
             return 0
         for i in range(min(num_cached_blocks, len(table)) - 1, -1, -1):
             if table[i] != 0:
                 return (i + 1) * self.block_size
         return 0
+
+    def _hashed_tokens(self, tables: tuple[list[int], ...], num_cached_blocks: int) -> int:
+        """vLLM's ``estimate_cached_tokens``: the fewest tokens any KV cache group's hashed blocks cover."""
+        return min(
+            self._window_hashed_tokens(table, num_cached_blocks, w)
+            for table, w in zip(tables, self._group_windows, strict=True)
+        )
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -1224,12 +1251,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             for req_id in self._awaiting_first_output:
                 if req_id in in_batch:
                     num_cached_blocks = self._core.get_num_cached_blocks(req_id)
-                    if self.kv_config.sliding_window is None:
+                    if self._group_windows == (None,):
                         cached_tokens[req_id] = num_cached_blocks * self.block_size
                     else:
-                        table = self._core.get_block_ids(req_id).tolist()
-                        self._window_tables[req_id] = table
-                        cached_tokens[req_id] = self._window_hashed_tokens(table, num_cached_blocks)
+                        tables = self.group_block_ids(req_id)
+                        self._window_tables[req_id] = tables
+                        cached_tokens[req_id] = self._hashed_tokens(tables, num_cached_blocks)
         res = self._core.update_from_output(out, rows)
         finished_ids = res.finished_req_ids
         spec_sched = scheduler_output.scheduled_spec_decode_tokens
@@ -1708,11 +1735,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # to the tokens computed by the applied steps.
                 upto = request.num_computed_tokens - request.num_in_flight_tokens
                 num_blocks = min(upto // self.block_size, len(request.block_hashes))
-                if self.kv_config.sliding_window is None:
+                if self._group_windows == (None,):
                     num_cached = max(num_cached, num_blocks * self.block_size)
                 else:
-                    table = self._window_tables.get(req_id, [])
-                    num_cached = max(num_cached, self._window_hashed_tokens(table, num_blocks))
+                    tables = self._window_tables.get(req_id) or ([],) * self._num_groups
+                    num_cached = max(num_cached, self._hashed_tokens(tables, num_blocks))
             prefill_stats.finalize(num_cached)
         new_logprobs = None
         if mro.logprobs and request.sampling_params.num_logprobs is not None:

@@ -308,20 +308,27 @@ def make_vllm_config(
     return vllm_config
 
 
-def _kv_cache_config(num_blocks: int, block_size: int, sliding_window: int | None = None) -> Any:
+def _kv_cache_config(
+    num_blocks: int,
+    block_size: int,
+    sliding_window: int | None = None,
+    kv_cache_groups: Sequence[int | None] | None = None,
+) -> Any:
+    """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
+    (None: full attention, an int: a sliding window of that many tokens); groups of one kind share one spec."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-    spec: Any
-    if sliding_window is None:
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    else:
-        spec = SlidingWindowSpec(
-            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=sliding_window
+    def spec(window: int | None) -> Any:
+        if window is None:
+            return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        return SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
         )
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
-    )
+
+    windows = [sliding_window] if kv_cache_groups is None else list(kv_cache_groups)
+    groups = [KVCacheGroupSpec([f"layer{g}"], spec(w)) for g, w in enumerate(windows)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 def make_scheduler(
@@ -332,10 +339,12 @@ def make_scheduler(
     log_stats: bool = True,
     include_finished_set: bool = False,
     sliding_window: int | None = None,
+    kv_cache_groups: Sequence[int | None] | None = None,
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
-    full attention).
+    full attention). ``kv_cache_groups``: a hybrid model instead, one KV cache group per entry (None: full
+    attention, an int: a sliding window of that many tokens), in that order.
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -357,7 +366,9 @@ def make_scheduler(
     try:
         return cls(
             vllm_config=vllm_config,
-            kv_cache_config=_kv_cache_config(vllm_config.cache_config.num_gpu_blocks, block_size, sliding_window),
+            kv_cache_config=_kv_cache_config(
+                vllm_config.cache_config.num_gpu_blocks, block_size, sliding_window, kv_cache_groups
+            ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=block_size,
             hash_block_size=block_size,

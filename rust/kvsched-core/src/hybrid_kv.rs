@@ -122,7 +122,7 @@ impl KvCacheManager {
     }
 
     /// The other groups' hits that go with group 0's `hits` (from the lookup that found them).
-    fn hybrid_hits(&self, hits: &[u32]) -> Vec<Vec<u32>> {
+    pub(crate) fn hybrid_hits(&self, hits: &[u32]) -> Vec<Vec<u32>> {
         let Some(hy) = self.hybrid.as_deref() else { return Vec::new() };
         if hits.is_empty() {
             return vec![Vec::new(); hy.windows.len()];

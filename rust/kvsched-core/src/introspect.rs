@@ -79,6 +79,26 @@ impl Scheduler {
         lora_name: Option<&str>,
         max_hit_tokens: Option<u32>,
     ) -> Result<Vec<u32>> {
+        self.get_group_cached_block_ids(token_ids, cache_salt, lora_name, max_hit_tokens, 0)
+    }
+
+    /// `get_cached_block_ids` for KV cache group `group` (with `kv_cache_groups`; group 0 is the plain call): the
+    /// hit every group takes together, as the same length in each group (a window's dropped blocks are null
+    /// blocks). `Err` for a group the config does not have.
+    pub fn get_group_cached_block_ids(
+        &self,
+        token_ids: &[i64],
+        cache_salt: Option<&str>,
+        lora_name: Option<&str>,
+        max_hit_tokens: Option<u32>,
+        group: usize,
+    ) -> Result<Vec<u32>> {
+        let num_groups = self.config.kv_cache_groups.len().max(1);
+        if group >= num_groups {
+            return Err(SchedError::InvalidRequest(format!(
+                "group must be in [0, {num_groups}), got {group}"
+            )));
+        }
         let mut tokens = Vec::with_capacity(token_ids.len());
         for &t in token_ids {
             tokens.push(Self::check_token_id("token id", t)?);
@@ -99,6 +119,9 @@ impl Scheduler {
         self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra, &[], &mut Vec::new());
         // find_longest_cache_hit leaves the block of the last of `n` tokens out: n = limit + 1 allows limit / bs.
         self.kv.find_longest_cache_hit(&hashes, limit as u32 + 1, &mut hits);
+        if group > 0 {
+            return Ok(self.kv.hybrid_hits(&hits).get(group).cloned().unwrap_or_default());
+        }
         Ok(hits)
     }
 

@@ -593,13 +593,15 @@ impl PyScheduler {
 
     /// The block ids a prefix lookup of these tokens would hit now (at most `max_hit_tokens` tokens' worth,
     /// default all but the last token); touches nothing.
-    #[pyo3(signature = (token_ids, cache_salt=None, lora_name=None, max_hit_tokens=None))]
+    /// `group`: that KV cache group's blocks of the hit (with `kv_cache_groups`).
+    #[pyo3(signature = (token_ids, cache_salt=None, lora_name=None, max_hit_tokens=None, group=0))]
     fn get_cached_block_ids<'py>(
         slf: &Bound<'py, Self>,
         token_ids: &Bound<'py, PyAny>,
         cache_salt: Option<&Bound<'py, PyAny>>,
         lora_name: Option<&Bound<'py, PyAny>>,
         max_hit_tokens: Option<&Bound<'py, PyAny>>,
+        group: usize,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let py = slf.py();
         let tokens = token_list(token_ids, "token_ids", "InvalidRequestError")?;
@@ -608,8 +610,9 @@ impl PyScheduler {
         let limit = opt_int_arg(max_hit_tokens, "max_hit_tokens", "InvalidRequestError")?
             .map(|v| u32::try_from(v.max(0)).unwrap_or(u32::MAX));
         let this = borrow(slf)?;
-        let ids =
-            guard(py, || this.core.get_cached_block_ids(&tokens, salt.as_deref(), lora.as_deref(), limit))?;
+        let ids = guard(py, || {
+            this.core.get_group_cached_block_ids(&tokens, salt.as_deref(), lora.as_deref(), limit, group)
+        })?;
         Ok(ids.into_iter().map(|b| b as i32).collect::<Vec<i32>>().into_pyarray(py))
     }
 
