@@ -76,7 +76,8 @@ class _Pair:
         for rid, ra in a.requests.items():
             for field in REQUEST_FIELDS:
                 compare(f"{when}: {rid}.{field}", getattr(ra, field), getattr(b.requests[rid], field))
-            compare(f"{when}: has_request({rid})", a.has_request(rid), b.has_request(rid))
+            known = a.has_request(rid) if hasattr(a, "has_request") else True  # vLLM 0.32 has no has_request
+            compare(f"{when}: has_request({rid})", known, b.has_request(rid))
         compare(f"{when}: unfinished", a.get_num_unfinished_requests(), b.get_num_unfinished_requests())
         compare(f"{when}: counts", a.get_request_counts(), b.get_request_counts())
         compare(f"{when}: kv usage", a.get_kv_cache_usage(), b.get_kv_cache_usage())
