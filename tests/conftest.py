@@ -7,6 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run by default, so a red run always reproduces;
+# `pytest --hypothesis-profile=explore` draws new ones (and keeps failures in the example database).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("repeatable")
 
 
 def rust_available() -> bool:

@@ -136,3 +136,22 @@ def test_sessions_are_refused_with_swapping() -> None:
               make("reference", preemption_mode="swap", num_cpu_blocks=8)):  # fmt: skip
         with pytest.raises(InvalidRequestError, match="recompute"):
             s.add_request("a", np.array([1, 2, 3]), resumable=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_part_after_a_stop_inside_accepted_drafts_recomputes_the_positions_it_fills(impl: str) -> None:
+    # trim_computed_on_stop=False (vLLM 0.32's rule): a stop on the first of three accepted tokens leaves the
+    # computed count two positions past the tokens kept; the part's tokens must be computed, not skipped.
+    s = make(impl, num_speculative_tokens=2, trim_computed_on_stop=False)
+    s.add_request("a", [1, 2, 3], max_tokens=10, stop_token_ids=[9], resumable=True, arrival_time=0.0)
+    step(s, token=5)
+    s.set_draft_token_ids(["a"], [[6, 7]])
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == [3]
+    res = s.update_from_output(out, [[9, 6, 7]])
+    assert list(res.part_finished_req_ids) == ["a"] and s.get_num_computed_tokens("a") == 6
+    s.append_input("a", [4], max_tokens=2, arrival_time=1.0)
+    s.check_invariants()
+    assert s.get_num_computed_tokens("a") == 4  # 1, 2, 3 and 5 kept; the part's 4 fills position 4
+    out, _ = step(s)
+    assert list(out.req_ids) == ["a"] and int(out.num_scheduled_tokens[0]) >= 1

@@ -171,6 +171,9 @@ class _StreamMixin(_KVCacheManagerMixin):
     def _take_part(self, r: _Request, part: tuple[Any, ...]) -> None:
         tokens, max_tokens, eos, ignore_eos, stops, arrival_time = part
         keep = r.num_tokens - 1
+        # Without trim_computed_on_stop a stop inside a step's tokens leaves the computed count past the tokens
+        # kept; the KV of the positions the part now fills is recomputed.
+        r.num_computed_tokens = min(r.num_computed_tokens, keep)
         del r.token_ids[keep:]
         del r.block_hashes[keep // self._bs :]
         r.token_ids.extend(tokens)

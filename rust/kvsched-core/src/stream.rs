@@ -223,12 +223,16 @@ impl Scheduler {
     /// Makes `part` the streaming-input session's current input (vLLM's `_update_request_as_session`): its last sampled token
     /// is dropped, the rest of its output joins the prompt, then the part's tokens; the part's limits and stop
     /// conditions replace the previous ones; status `Waiting`, at its place in its queue (its queue key is not
-    /// recomputed). Blocks and computed tokens stay.
+    /// recomputed). Blocks and computed tokens stay (the computed count capped at the tokens kept).
     fn take_part(&mut self, slot: u32, part: InputPart) -> Result<()> {
         let max_model_len = self.config.max_model_len;
         let bs = self.kv.block_size as usize;
-        let req = self.slab.get_mut(slot)?;
+        let (req, hot) = self.slab.get_mut_hot(slot)?;
         let keep = req.token_ids.len() - 1;
+        // Without `trim_computed_on_stop` a stop inside a step's tokens leaves the computed count past the
+        // tokens kept; the KV of the positions the part now fills is recomputed.
+        let s = slot as usize;
+        hot.computed[s] = hot.computed[s].min(keep as u32);
         req.token_ids.truncate(keep);
         req.block_hashes.truncate(keep / bs);
         req.token_ids.extend_from_slice(&part.token_ids);

@@ -3,7 +3,7 @@
 
 use super::helpers::{add, one_token_each, params, prompt};
 use crate::request::InputPart;
-use crate::{RequestParams, RequestStatus, SchedError, Scheduler, SchedulerConfig};
+use crate::{Ragged, RequestParams, RequestStatus, SchedError, Scheduler, SchedulerConfig};
 
 fn cfg() -> SchedulerConfig {
     SchedulerConfig {
@@ -70,4 +70,40 @@ fn bad_parts_are_refused_and_change_nothing() {
     assert!(matches!(s.finish_input("a"), Err(SchedError::InvalidRequest(_))));
     assert!(matches!(s.append_input("a", part(&[1], 1)), Err(SchedError::InvalidRequest(_))));
     s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_part_after_a_stop_inside_accepted_drafts_recomputes_the_positions_it_fills() {
+    // Without trim_computed_on_stop a stop on the first of three accepted tokens leaves the computed count two
+    // tokens past the tokens kept; the next part must not start from it.
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_speculative_tokens: Some(2),
+        trim_computed_on_stop: false,
+        ..cfg()
+    })
+    .unwrap();
+    add(&mut s, "a", &prompt(1, 3), RequestParams { stop_token_ids: vec![9], ..session(10) });
+    let out = s.schedule().unwrap();
+    one_token_each(&mut s, &out, 5);
+    s.set_draft_token_ids(&["a".to_string()], Ragged { values: &[6, 7], indptr: &[0, 2] }).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![3]);
+    let res = s
+        .update_from_output(
+            out.scheduler_id,
+            out.step_id,
+            Ragged { values: &[9, 6, 7], indptr: &[0, 3] },
+            None,
+        )
+        .unwrap();
+    assert_eq!(res.part_finished_req_ids.len(), 1);
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 6); // one past its 5 tokens (1, 2, 3, 5, 9)
+    s.append_input("a", part(&[4], 2)).unwrap();
+    s.check_invariants().unwrap();
+    // 1, 2, 3, 5 kept (the sampled 9 dropped), then the part's 4: only position 4 is recomputed.
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 4);
+    let out = s.schedule().unwrap();
+    s.check_invariants().unwrap();
+    assert!(out.num_scheduled_tokens[0] >= 1);
+    one_token_each(&mut s, &out, 8);
 }
