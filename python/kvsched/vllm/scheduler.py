@@ -476,10 +476,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def _take_part(self, session: Request, part: _Part) -> None:
         """vLLM's ``_update_request_as_session``, on the mirrored request (the core took the part itself): the
         kept output tokens join the prompt, then the part's tokens; the part's limits and sampling parameters
-        replace the session's; status WAITING. vLLM 0.33 keeps every output token but the last sampled one,
-        vLLM 0.32 the tokens up to the computed count (the same tokens whenever the stop left the computed count
-        at the last sampled token)."""
-        keep_end = session.num_tokens - 1 if RULES.trim_computed_on_stop else session.num_computed_tokens
+        replace the session's; status WAITING. Every output token but the last sampled one is kept (vLLM 0.33's
+        rule; vLLM 0.32 keeps the tokens up to the computed count: the same tokens, except after a stop inside
+        accepted drafts, where 0.32's count stays past the tokens; the core then caps it at the tokens kept, and
+        so does this mirror)."""
+        keep_end = session.num_tokens - 1
+        if session.num_computed_tokens > keep_end:
+            session.num_computed_tokens = keep_end
         prompt = session.prompt_token_ids
         assert prompt is not None
         all_tokens = session._all_token_ids
