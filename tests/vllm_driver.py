@@ -460,7 +460,10 @@ class Pair:
                 "max_tokens": max_tokens,
                 "eos_token_id": self.EOS if rng.random() < 0.5 else None,
                 "stop_token_ids": [7] if rng.random() < 0.2 else [],
-                "arrival_time": self.clock,
+                # Under the priority policy a part keeps the session's arrival time: vLLM changes the arrival time
+                # (a heap key) of a request inside its waiting heap, so its order then depends on the heap's
+                # layout, where kvsched keeps the key the session was queued with (docs/vllm.md, Streaming input).
+                "arrival_time": session.arrival_time if cfg.policy == "priority" else self.clock,
                 "block_size": cfg.block_size,
             }
         self.clock += 1.0
