@@ -298,19 +298,22 @@ def test_unsupported_scheduler_settings_are_refused() -> None:
 def test_unsupported_request_features_fail_that_request_and_leave_no_trace() -> None:
     """A request kvsched.vllm cannot serve never raises from add_request (vLLM's engine core would die): it
     finishes with FINISHED_ERROR at the next update, and its id can then be used again."""
+    from vllm.sampling_params import RepetitionDetectionParams
+
     s = make_scheduler("kvsched", make_vllm_config())
-    req = make_request("r0", [1, 2, 3, 4])
-    req.resumable = True
+    req = make_request("r0", [1, 2, 3, 4], resumable=True)
+    req.sampling_params.repetition_detection = RepetitionDetectionParams(max_pattern_size=4, min_count=3)
     s.add_request(req)
     assert s.has_request("r0") and s.get_num_unfinished_requests() == 1
-    s.add_request(make_request("r0", [5, 6]))  # the next input of that streaming input: the refusal answers for the id
+    # The next input of that streaming-input session: the refusal answers for the id.
+    s.add_request(make_request("r0", [5, 6], resumable=True))
     so = s.schedule()
     assert so.total_num_scheduled_tokens == 0
     eco = s.update_from_output(so, _mro(so, 9))
     (out,) = [o for e in eco.values() for o in e.outputs]
     assert out.request_id == "r0" and out.finish_reason == FinishReason.ERROR
     if RULES.output_error:
-        assert "streaming-input" in out.error.message and out.error.code == "validation_error"
+        assert "repetition detection" in out.error.message and out.error.code == "validation_error"
     assert req.status == RequestStatus.FINISHED_ERROR
     assert not s.has_request("r0") and s.get_num_unfinished_requests() == 0 and s.requests == {}
     s.add_request(make_request("r0", [1, 2, 3, 4]))

@@ -544,17 +544,12 @@ def _repetition_detection(req: Any) -> tuple[Any, str]:
     return req, "does not support repetition detection"
 
 
-def _resumable(req: Any) -> tuple[Any, str]:
-    req.resumable = True
-    return req, "does not support streaming-input"
-
-
 def _prompt_embeds(req: Any) -> tuple[Any, str]:
     req.prompt_embeds = object()
     return req, "does not support prompt embeddings"
 
 
-@pytest.mark.parametrize("spoil", [_never_fits, _repetition_detection, _resumable, _prompt_embeds])
+@pytest.mark.parametrize("spoil", [_never_fits, _repetition_detection, _prompt_embeds])
 def test_vllms_engine_core_keeps_running_past_a_request_kvsched_refuses(spoil: Any) -> None:
     """A request kvsched cannot take (a prompt that never fits the KV cache, a vLLM feature it does not support)
     fails alone, with an error output naming why, through vLLM's own EngineCore.add_request and step: one hostile

@@ -9,6 +9,9 @@ objects and its own copy of every ``ModelRunnerOutput`` (``update_from_output`` 
 After every call the two ``SchedulerOutput``s / ``EngineCoreOutputs`` are compared field by field, and so is the
 state of every live request and the block table of every request that holds blocks.
 
+With ``--streaming`` some requests are streaming-input sessions (resumable): their next parts arrive while they
+run, wait to run or wait for input, and their input ends (``finish_input``) at a random point or at the drain.
+
 With ``--mm`` the model is a tiny LLaVA and requests carry images (shared and distinct identifiers, on the
 shared prefixes too): ``scheduled_encoder_inputs``, ``free_encoder_mm_hashes``, ``encoder_input_updates`` and the
 block hashes the identifiers key are compared like every other field.
@@ -57,6 +60,13 @@ REQUEST_FIELDS = (
     "all_token_ids",
     "block_hashes",
     "spec_decode_metrics",
+    # What a streaming-input part changes (the prompt grows by the kept outputs and the part, the part's limits
+    # and sampling parameters replace the request's).
+    "prompt_token_ids",
+    "num_prompt_tokens",
+    "max_tokens",
+    "arrival_time",
+    "sampling_params",
 )
 
 # All of them in one tuple (the token lists read as plain lists: ``ConstantList`` compares by identity), so
@@ -217,6 +227,8 @@ class Config:
     # A RandomECConnector (kvsched.vllm.testing) with this seed: images loaded instead of encoded, requests waiting
     # for images in transit; its calls are compared.
     ec_connector_seed: int | None = None
+    # Some requests are streaming-input sessions (resumable), given further parts and ended by the driver.
+    streaming: bool = False
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -310,12 +322,17 @@ class Pair:
         self.rng_out = random.Random(f"outputs/{seed}")
         # Odd runner outputs vLLM's scheduler takes (model_output), from their own stream too.
         self.rng_odd = random.Random(f"odd/{seed}")
+        # Streaming-input draws, from their own stream too. The open sessions: id -> the most tokens the session
+        # can reach with the parts given so far (its prompt and max_tokens, capped at max_model_len).
+        self.rng_stream = random.Random(f"stream/{seed}")
+        self.sessions: dict[str, int] = {}
         self.stuck: list[str] = []
         fields = dataclasses.asdict(cfg)
         v2 = fields.pop("use_v2_model_runner")
         window = fields.pop("sliding_window")
         groups = fields.pop("kv_cache_groups")
         defer_async_loads = fields.pop("defer_async_loads")
+        fields.pop("streaming")
         vcfg = make_vllm_config(**fields)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
@@ -368,24 +385,7 @@ class Pair:
         prompt += [rng.randrange(3, 500) for _ in range(rng.randrange(1, 80))]
         prompt = prompt[: rng.randrange(1, room)] if len(prompt) >= room else prompt
         max_tokens = rng.randrange(1, 40)
-        # A KV cache smaller than max_model_len: only requests that fit it (prompt + max_tokens - 1 tokens).
-        # (With several KV cache groups, every group may need a block per block of tokens.)
-        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * cfg.block_size
-        if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
-            # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
-            # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
-            # kvsched does not pad it (docs/semantics.md). With async scheduling, a step in flight adds up to
-            # 1 + k placeholders on top: a request may then ask for up to longest + 3k + 1 slots, where vLLM
-            # preempts it (no 16th block) and kvsched caps its slots at the cache (docs/semantics.md, "Requests
-            # that could never fit"). Requests are drawn clear of that end.
-            k = cfg.num_speculative_tokens
-            capacity -= (3 if cfg.async_scheduling else 2) * (k + 1)
-        if not cfg.enable_chunked_prefill and (cfg.parallel_drafting or cfg.max_num_scheduled_tokens):
-            # Without chunked prefill a request must fit the most tokens one step gives it (kvsched refuses the
-            # others; vLLM would hold them at the head of its queue forever).
-            slots = cfg.num_speculative_tokens - 1 if cfg.parallel_drafting else 0
-            tokens = cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens
-            capacity = min(capacity, tokens, cfg.max_num_batched_tokens - slots)
+        capacity = self._capacity()
         prompt = prompt[:capacity]
         max_tokens = max(1, min(max_tokens, capacity + 1 - len(prompt)))
         kwargs: dict[str, Any] = {
@@ -405,8 +405,13 @@ class Pair:
         if cfg.multimodal:
             kwargs["images"] = self.random_images(prompt)
         self.clock += 1.0
+        compiling = rng.random() < 0.15
+        if cfg.streaming and not compiling and self.rng_stream.random() < 0.5:
+            # A streaming-input session (kvsched refuses one that waits for its grammar).
+            kwargs["resumable"] = True
+            self.sessions[rid] = min(len(prompt) + max_tokens, cfg.max_model_len)
         ra, rb = make_request(rid, prompt, **kwargs), make_request(rid, prompt, **kwargs)
-        if rng.random() < 0.15:
+        if compiling:
             # A structured-output request whose grammar is still compiling, as vLLM's engine core adds it.
             for req in (ra, rb):
                 _wait_for_grammar(req)
@@ -414,6 +419,78 @@ class Pair:
         self.a.add_request(ra)
         self.b.add_request(rb)
         self.check_state(f"add_request({rid})")
+
+    def _capacity(self) -> int:
+        """The most tokens a request is drawn to reach, less one: a KV cache smaller than max_model_len takes
+        only requests that fit it (prompt + max_tokens - 1 tokens)."""
+        cfg = self.cfg
+        # (With several KV cache groups, every group may need a block per block of tokens.)
+        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * cfg.block_size
+        if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
+            # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
+            # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
+            # kvsched does not pad it (docs/semantics.md). With async scheduling, a step in flight adds up to
+            # 1 + k placeholders on top: a request may then ask for up to longest + 3k + 1 slots, where vLLM
+            # preempts it (no 16th block) and kvsched caps its slots at the cache (docs/semantics.md, "Requests
+            # that could never fit"). Requests are drawn clear of that end.
+            k = cfg.num_speculative_tokens
+            capacity -= (3 if cfg.async_scheduling else 2) * (k + 1)
+        if not cfg.enable_chunked_prefill and (cfg.parallel_drafting or cfg.max_num_scheduled_tokens):
+            # Without chunked prefill a request must fit the most tokens one step gives it (kvsched refuses the
+            # others; vLLM would hold them at the head of its queue forever).
+            slots = cfg.num_speculative_tokens - 1 if cfg.parallel_drafting else 0
+            tokens = cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens
+            capacity = min(capacity, tokens, cfg.max_num_batched_tokens - slots)
+        return capacity
+
+    def stream_input(self, rid: str | None = None, finish: bool | None = None) -> None:
+        """The next part of a streaming-input session (drawn among the open ones), or the end of its input: a
+        request of the session's id, resumable or not, given to both schedulers' ``add_request``."""
+        rng = self.rng_stream
+        for gone in [r for r in self.sessions if r not in self.a.requests]:
+            del self.sessions[gone]  # finished (aborted, or its input ended)
+        if rid is None:
+            if not self.sessions:
+                return
+            rid = rng.choice(sorted(self.sessions))
+        if finish is None:
+            finish = rng.random() < 0.2
+        cfg = self.cfg
+        session = self.a.requests[rid]
+        # The most tokens the session can hold before the part: exact while it waits for input.
+        reach = session.num_tokens if session.status.name == "WAITING_FOR_STREAMING_REQ" else self.sessions[rid]
+        part = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 24))]
+        prompt_len = reach - 1 + len(part)
+        limit = min(cfg.max_model_len - 1, self._capacity())
+        if not finish and prompt_len > limit:
+            part = part[: max(0, limit - (reach - 1))]
+            prompt_len = reach - 1 + len(part)
+            finish = not part  # no room for another part: the input ends
+        if finish:
+            kwargs: dict[str, Any] = {"resumable": False, "block_size": cfg.block_size}
+            part = [rng.randrange(3, 500)]
+            del self.sessions[rid]
+        else:
+            max_tokens = max(1, min(rng.randrange(1, 24), self._capacity() + 1 - prompt_len))
+            self.sessions[rid] = min(prompt_len + max_tokens, cfg.max_model_len)
+            kwargs = {
+                "resumable": True,
+                "max_tokens": max_tokens,
+                "eos_token_id": self.EOS if rng.random() < 0.5 else None,
+                "stop_token_ids": [7] if rng.random() < 0.2 else [],
+                # Under the priority policy a part keeps the session's arrival time: vLLM changes the arrival time
+                # (a heap key) of a request inside its waiting heap, so its order then depends on the heap's
+                # layout, where kvsched keeps the key the session was queued with (docs/vllm.md, Streaming input).
+                "arrival_time": session.arrival_time if cfg.policy == "priority" else self.clock,
+                "block_size": cfg.block_size,
+            }
+        self.clock += 1.0
+        self.a.add_request(make_request(rid, part, **kwargs))
+        self.b.add_request(make_request(rid, part, **kwargs))
+        # (vLLM 0.32's scheduler has no has_request: its requests dict answers.)
+        known = self.a.has_request(rid) if hasattr(self.a, "has_request") else rid in self.a.requests
+        compare(f"has_request({rid})", known, self.b.has_request(rid))
+        self.check_state(f"{'finish_input' if finish else 'append_input'}({rid})")
 
     # Images: identifiers img0..img5 are shared across requests, the rest are unique. An identifier always has
     # the same length (vLLM refuses a request whose cached entry's size differs). Lengths stay within the tiny
@@ -472,6 +549,20 @@ class Pair:
         rb = self.b.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         compare("finish_requests", [r.request_id for r in ra], [r.request_id for r in rb])
         self.check_state(f"finish_requests({ids})")
+
+    def abort_resident_session(self) -> None:
+        """In the drain, after a step that scheduled nothing: streaming-input sessions that kept their KV while
+        waiting can hold so much of the KV cache that none of them can resume (both schedulers then wait
+        forever, as vLLM's own does); the driver aborts the first such session, as a client would give up."""
+        from vllm.v1.request import RequestStatus
+
+        for rid, request in self.a.requests.items():
+            if request.resumable and request.num_computed_tokens > 0 and request.status == RequestStatus.WAITING:
+                ra = self.a.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                rb = self.b.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                compare("finish_requests (resident session)", [r.request_id for r in ra], [r.request_id for r in rb])
+                self.check_state(f"finish_requests({rid}) resident session")
+                return
 
     def abort_in_flight(self) -> None:
         """Abort requests of the newest step in flight, as the engine does when a client disconnects while the
@@ -727,6 +818,8 @@ class Pair:
                 self.reset_prefix_cache()
             if self.compiling and rng.random() < 0.25:
                 self.grammar_ready()
+            if self.sessions and self.rng_stream.random() < 0.2:
+                self.stream_input()
             self.schedule()
             if self.rng_out.random() < 0.05:
                 self.abort_in_flight()
@@ -741,6 +834,9 @@ class Pair:
         while self.in_flight:
             self.update_oldest()
         self.grammar_ready(everything=True)
+        for rid in sorted(self.sessions):
+            if rid in self.a.requests:
+                self.stream_input(rid, finish=True)
         # Unpause and drain: every request finishes on both sides, and every block comes back.
         from vllm.v1.core.sched.interface import PauseState
 
@@ -751,8 +847,11 @@ class Pair:
                 break
             self.steps += 1
             self.schedule()
+            idle = not self.in_flight[-1][0].total_num_scheduled_tokens
             while self.in_flight:
                 self.update_oldest()
+            if idle and self.cfg.streaming:
+                self.abort_resident_session()
         compare("drained", sorted(self.a.requests), [])
         compare("drained", sorted(self.b.requests), [])
         compare("free blocks", self.b.core.num_free_blocks, self.cfg.num_blocks - 1)
@@ -775,6 +874,7 @@ def run_seed(
     defer_async_loads: bool = False,
     budgets: bool = False,
     ec_connector: bool = False,
+    streaming: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -784,7 +884,8 @@ def run_seed(
     model several KV cache groups instead (full attention and sliding windows, drawn from their own stream);
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
-    token budget below the input budget, from their own stream."""
+    token budget below the input budget, from their own stream; ``streaming`` makes some requests
+    streaming-input sessions."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
@@ -811,11 +912,18 @@ def run_seed(
         if brng.random() < 0.6:
             budget = cfg.max_num_batched_tokens
             cfg.max_num_scheduled_tokens = brng.randrange(max(1, budget // 4), budget)
+    if streaming and RULES.version == "0.32":
+        # Not driven on vLLM 0.32: a session's part that stops inside accepted drafts. vLLM 0.32 does not cut
+        # num_computed_tokens back at such a stop, and its next part then keeps the outputs up to that count (the
+        # stop token included) and counts some of the part's tokens as computed, with no KV written for them.
+        # kvsched follows vLLM 0.33's rule there (docs/vllm.md).
+        cfg.num_speculative_tokens = 0
     if not cfg.num_speculative_tokens:
         cfg.per_request_spec_decode_metrics = "none"  # vLLM refuses it without a drafter
     if cfg.speculative_method == "eagle" and cfg.policy == "priority" and v2 and RULES.skip_drafts:
         cfg.speculative_method = "ngram_gpu"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
     cfg.kv_events = kv_events
+    cfg.streaming = streaming
     if multimodal:
         cfg.multimodal = True
         # vLLM 0.32's disable_chunked_mm_input differs from 0.33's at an input's first token (kvsched refuses it).
@@ -888,7 +996,15 @@ def main(argv: list[str] | None = None) -> int:
         help="speculative decoding with parallel drafting (k - 1 extra query slots per scheduled request from "
         "max_num_batched_tokens) and a token budget (max_num_scheduled_tokens) below the input budget",
     )
+    p.add_argument(
+        "--streaming",
+        action="store_true",
+        help="some requests are streaming-input sessions (resumable): parts appended while they run, wait or wait "
+        "for input, input ended at random (not with --connector or --mm, which kvsched.vllm refuses for them)",
+    )
     args = p.parse_args(argv)
+    if args.streaming and (args.connector or args.mm):
+        p.error("--streaming goes without --connector and --mm")
     if args.sliding_window and (args.connector or args.kv_events):
         p.error("--sliding-window goes without --connector and --kv-events")
     if args.hybrid and (args.connector or args.kv_events or args.sliding_window or args.mm):
@@ -931,6 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
                         ec_connector=args.ec,
                         defer_async_loads=args.defer_async_loads,
                         budgets=args.budgets,
+                        streaming=args.streaming,
                     )
                     ok += 1
                 except Divergence as exc:

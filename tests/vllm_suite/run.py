@@ -360,7 +360,7 @@ CURATED: dict[str, str] = {
     ),
     "test_fcfs_mixed_blocked_types_remote_load_drains_first": (
         "mocks vLLM's private `_update_waiting_for_remote_kv`, adds requests already in WAITING_FOR_REMOTE_KVS with "
-        "no KV connector configured, and streaming-input requests (refused)"
+        "no KV connector configured"
     ),
     "test_prepend_skipped_requests_order": (
         "moves requests into WAITING_FOR_REMOTE_KVS by hand and between vLLM's private queues "
@@ -443,19 +443,6 @@ CURATED.update(
         "test_async_scheduler.py::test_abort_request_when_structured_output_fsm_cannot_advance": CURATED[
             "test_abort_request_when_structured_output_fsm_cannot_advance"
         ],
-    }
-)
-# Streaming-input (resumable) requests: kvsched.vllm refuses them per request (the request finishes with a
-# validation error output instead of entering the scheduler, so the test's later steps find no such request).
-_STREAMING = (
-    "adds a streaming-input (resumable) request, which kvsched.vllm refuses (the request finishes with a validation "
-    "error instead of entering the scheduler)"
-)
-CURATED.update(
-    {
-        "test_pause_new_ignores_streaming_session_waiting_for_input": _STREAMING,
-        "test_async_scheduler.py::test_resumable_request_handoff": _STREAMING,
-        "test_worker_slot_overflow.py::test_streaming_pause_does_not_over_admit_worker_slot": _STREAMING,
     }
 )
 # Failure messages that a hand-written reason explains: (pattern, reason).

@@ -19,7 +19,7 @@ import itertools
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY
@@ -69,6 +69,7 @@ _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING = RequestStatus.WAITING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
+_WAITING_FOR_STREAMING_REQ = RequestStatus.WAITING_FOR_STREAMING_REQ
 _KV_WAITING_FOR_REMOTE_KVS = int(KvRequestStatus.WAITING_FOR_REMOTE_KVS)
 _KV_WAITING_FOR_GRAMMAR = int(KvRequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
 
@@ -114,6 +115,16 @@ def _is_vllm_sha256_hasher(hasher: Any, hash_block_size: int) -> bool:
 
 # vLLM 0.33's SchedulerOutput carries the multimodal data model runner V2 installs (vLLM 0.32's does not).
 _HAS_ENCODER_INPUT_UPDATES = "encoder_input_updates" in SchedulerOutput.__dataclass_fields__
+
+
+# The next input part of a streaming-input session (vLLM's StreamingUpdate, multimodal parts aside), queued until
+# its current part stops; None ends its input.
+class _Part(NamedTuple):
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+    sampling_params: Any
+
 
 # A step in flight: vLLM's output, the core's, its token counts, its requests in order (every entry is a
 # request: none had finished when it was scheduled), and Scheduler._num_forgotten then.
@@ -287,6 +298,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # Requests refused before the core took them (their tenant's waiting queue was full): they finish with
         # an error output at the next update_from_output and never reach the core.
         self._refused: set[str] = set()
+        # Streaming-input sessions (resumable requests): their queued next parts (None: the end of their input).
+        self._parts: dict[str, deque[_Part | None]] = {}
+        # Sessions whose part stopped with KV kept: their next admission looks nothing up in the prefix cache.
+        self._resident_sessions: set[str] = set()
 
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
@@ -338,13 +353,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def add_request(self, request: Request) -> None:
         req_id = request.request_id
         if req_id in self.requests:
-            if req_id in self._grammar_errors:
-                # The next input of a streaming-input session whose first request was refused: that refusal
-                # answers for the id.
+            if req_id in self._grammar_errors or req_id in self._refused:
+                # The next input of a streaming-input session whose first request was refused (or is failing):
+                # that refusal answers for the id.
                 return
-            raise UnsupportedFeatureError(
-                f"request {req_id!r} is already known: streaming-input sessions are not supported by kvsched.vllm"
-            )
+            if req_id not in self._parts:
+                raise InvalidRequestError(f"request {req_id!r} is already known (and not a streaming-input session)")
+            self._add_session_input(self.requests[req_id], request)
+            return
         # No refusal of a request raises from here: vLLM's engine core dies on an exception from add_request. A
         # refused request finishes with FINISHED_ERROR and its error at the next update_from_output.
         unsupported = self._unsupported(request)
@@ -396,6 +412,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 cache_salt=client_salt,  # the core adds the tenant itself under isolate_tenant_cache
                 lora_name=_lora_key(request.lora_request),
                 ready=not blocked,
+                resumable=bool(request.resumable),
                 # Prompt logprobs: vLLM never reads the prefix cache for them (and leaves them out of its stats).
                 skip_reading_prefix_cache=bool(request.skip_reading_prefix_cache),
                 encoder_inputs=encoder_inputs,
@@ -419,6 +436,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._blocked[req_id] = request
         if request.structured_output_request is not None:
             self._so_req_ids.add(req_id)
+        if request.resumable and rejected is None:
+            self._parts[req_id] = deque()
         if self._bridge is not None:
             self.connector.on_new_request(request)
             params = request.kv_transfer_params
@@ -428,6 +447,106 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             request.record_event(EngineCoreEventType.QUEUED)
         if self._needs_slow_update(request):
             self._slow_req_ids.add(req_id)
+
+    def _add_session_input(self, session: Request, request: Request) -> None:
+        """vLLM's ``add_request`` for the id of a live streaming-input session: ``request`` is its next part
+        (resumable) or the end of its input (not resumable). A session waiting for input takes a part at once
+        and ends at once (aborted) at the end of its input; otherwise either is queued for its next stop."""
+        req_id = session.request_id
+        waiting_for_input = session.status == _WAITING_FOR_STREAMING_REQ
+        if not request.resumable:
+            if waiting_for_input:
+                self.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+            else:
+                self._core.finish_input(req_id)
+                self._parts[req_id].append(None)
+            return
+        sp = request.sampling_params
+        error: Exception | None = None
+        if sp is None or request.prompt_token_ids is None or request.prompt_embeds is not None:
+            error = UnsupportedFeatureError(
+                f"request {req_id!r}: a streaming-input part needs prompt token ids and sampling parameters"
+            )
+        elif request.mm_features:
+            error = UnsupportedFeatureError(
+                f"request {req_id!r}: kvsched.vllm.Scheduler does not support multimodal streaming-input parts yet"
+            )
+        else:
+            try:
+                self._core.append_input(
+                    req_id,
+                    request.prompt_token_ids,
+                    max_tokens=request.max_tokens,
+                    eos_token_id=sp.eos_token_id,  # None when ignore_eos is set
+                    stop_token_ids=sp.stop_token_ids or (),
+                    arrival_time=request.arrival_time,
+                )
+            except _BAD_REQUEST as e:
+                error = e
+        if error is not None:
+            # The core refused the part (it could make the session too long for the KV cache or the model):
+            # the session fails with that error at the next update_from_output, as a refused request does.
+            self._grammar_errors[req_id] = self._request_attrs.request_error(error)
+            return
+        part = _Part(list(request.prompt_token_ids), request.max_tokens, request.arrival_time, sp)
+        if waiting_for_input:
+            self._take_part(session, part)
+        else:
+            self._parts[req_id].append(part)
+
+    def _take_part(self, session: Request, part: _Part) -> None:
+        """vLLM's ``_update_request_as_session``, on the mirrored request (the core took the part itself): the
+        kept output tokens join the prompt, then the part's tokens; the part's limits and sampling parameters
+        replace the session's; status WAITING. Every output token but the last sampled one is kept (vLLM 0.33's
+        rule; vLLM 0.32 keeps the tokens up to the computed count: the same tokens, except after a stop inside
+        accepted drafts, where 0.32's count stays past the tokens; the core then caps it at the tokens kept, and
+        so does this mirror)."""
+        keep_end = session.num_tokens - 1
+        if session.num_computed_tokens > keep_end:
+            session.num_computed_tokens = keep_end
+        prompt = session.prompt_token_ids
+        assert prompt is not None
+        all_tokens = session._all_token_ids
+        kept = all_tokens[session.num_prompt_tokens : keep_end]
+        del all_tokens[keep_end:]
+        del session.block_hashes[keep_end // self.hash_block_size :]
+        session._output_token_ids.clear()
+        prompt.extend(kept)
+        all_tokens.extend(part.prompt_token_ids)
+        prompt.extend(part.prompt_token_ids)
+        session.update_block_hashes()
+        session.num_prompt_tokens = len(prompt)
+        session.arrival_time = part.arrival_time
+        session.sampling_params = part.sampling_params
+        session.max_tokens = part.max_tokens
+        session.status = _WAITING
+        if self.log_stats:
+            session.record_event(EngineCoreEventType.QUEUED)
+            self._slow_req_ids.add(session.request_id)
+
+    def _stop_part(self, request: Request) -> bool:
+        """vLLM's ``_handle_stopped_request`` for a streaming-input session whose part the core ended (the core
+        did the same to its own state): the session resumes from its materialized tokens and takes its next
+        queued part, or waits for input. Returns True when the end of its input was queued (the core finished
+        it)."""
+        request.num_computed_tokens -= request.num_output_placeholders
+        request.spec_token_ids = []
+        request.drop_stale_output = True
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
+        req_id = request.request_id
+        parts = self._parts[req_id]
+        if parts and parts[0] is None:
+            return True
+        if request.num_computed_tokens > 0:
+            self._resident_sessions.add(req_id)
+        if parts:
+            part = parts.popleft()
+            assert part is not None
+            self._take_part(request, part)
+        else:
+            request.status = _WAITING_FOR_STREAMING_REQ
+        return False
 
     def _add_to_core(
         self, rejected: Exception | None, attrs: dict[str, Any], *args: Any, ready: bool, **kwargs: Any
@@ -471,8 +590,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             what = "pooling requests"
         elif request.prompt_token_ids is None or request.prompt_embeds is not None:
             what = "prompt embeddings"
-        elif request.resumable:
-            what = "streaming-input (resumable) requests"
         elif sp.repetition_detection is not None:
             what = "repetition detection"
         if what is None:
@@ -491,9 +608,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             or request.structured_output_request is not None
             or request.client_index
             or request.status > _PREEMPTED
-            # Every output of the request carries these (a plain entry's output has neither).
+            # Every output of the request carries these (a plain entry's output has none): a streaming-input
+            # session keeps the stop reason of an earlier part.
             or request.trace_headers
             or request.num_nans_in_logits
+            or request.stop_reason is not None
         )
 
     def has_request(self, request_id: str) -> bool:
@@ -611,6 +730,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._awaiting_first_output.discard(req_id)
         self._so_req_ids.discard(req_id)
         self._slow_req_ids.discard(req_id)
+        if self._parts:
+            self._parts.pop(req_id, None)
+            self._resident_sessions.discard(req_id)
         if self._mm is not None:
             self._mm.release(req_id)
             self._pending_encoder_inputs.pop(req_id, None)
@@ -1116,7 +1238,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _on_admitted(self, request: Request, num_hit_tokens: int, now: float) -> None:
         """vLLM's bookkeeping when phase B admits a request: prefill stats, prefix-cache stats, SCHEDULED event."""
-        if self._bridge is not None:
+        if self._resident_sessions and request.request_id in self._resident_sessions:
+            # A streaming-input session resumed with its KV: vLLM looks nothing up (no stats, no prefill stats).
+            self._resident_sessions.discard(request.request_id)
+        elif self._bridge is not None:
             # With a connector the bridge records the stats of every admission that looked the prefix up (the
             # others, a loaded request's, record none, as in vLLM).
             self._bridge._set_stage(request.request_id, None)
@@ -1259,11 +1384,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         cached_tokens[req_id] = self._hashed_tokens(tables, num_cached_blocks)
         res = self._core.update_from_output(out, rows)
         finished_ids = res.finished_req_ids
+        part_ids = res.part_finished_req_ids if self._parts else ()
         spec_sched = scheduler_output.scheduled_spec_decode_tokens
         batch_slow = bool(mro.logprobs or mro.prompt_logprobs_dict)
         nans = mro.num_nans_in_logits
         if (
             not finished_ids
+            and not part_ids
             and not spec_sched
             and not nans
             and not batch_slow
@@ -1275,7 +1402,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             outputs = self._update_plain(out, step_reqs, num_sched, rows, res, after)
         else:
             outputs = self._update_entries(
-                scheduler_output, mro, out, num_sched, rows, res, finished_ids, cached_tokens
+                scheduler_output, mro, out, num_sched, rows, res, finished_ids, part_ids, cached_tokens
             )
         if self._bridge is not None:
             self._release_finished()
@@ -1435,19 +1562,25 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         rows: list[list[int]],
         res: Any,
         finished_ids: list[str],
+        part_ids: list[str] | tuple[()],
         cached_tokens: dict[str, int],
     ) -> dict[int, list[EngineCoreOutput]]:
         """``update_from_output`` entry by entry: the plain ones in bulk, the others through ``_update_slow``."""
         req_ids: list[str] = out.req_ids
         requests = self.requests
         accepted: list[int] = res.num_new_tokens.tolist()
-        finished: dict[str, tuple[int, int]] = (
-            dict(
-                zip(finished_ids, zip(res.finish_reasons.tolist(), res.stop_reasons.tolist(), strict=True), strict=True)
-            )
-            if finished_ids
-            else {}
-        )
+        # Stops: (finish reason, stop reason, whether only a streaming-input part ended).
+        finished: dict[str, tuple[int, int, bool]] = {}
+        if finished_ids:
+            for req_id, reason, stop_reason in zip(
+                finished_ids, res.finish_reasons.tolist(), res.stop_reasons.tolist(), strict=True
+            ):
+                finished[req_id] = (reason, stop_reason, False)
+        if part_ids:
+            for req_id, reason, stop_reason in zip(
+                part_ids, res.part_finish_reasons.tolist(), res.part_stop_reasons.tolist(), strict=True
+            ):
+                finished[req_id] = (reason, stop_reason, True)
         # Per-entry work that the common decode entry never needs goes through _update_slow.
         spec_sched = scheduler_output.scheduled_spec_decode_tokens
         if spec_sched:
@@ -1649,7 +1782,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         spec: list[int] | None,
         generated: list[int],
         num_accepted: int,
-        finished: dict[str, tuple[int, int]],
+        finished: dict[str, tuple[int, int, bool]],
         cached_tokens: dict[str, int],
         mro: ModelRunnerOutput,
         stopped_reqs: list[Request],
@@ -1721,7 +1854,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         ):
             # The grammar refused tokens it masked itself: vLLM ends the request with an error.
             request.status = RequestStatus.FINISHED_ERROR
-            if not stopped:
+            request.resumable = False  # vLLM: the error ends a streaming-input session too
+            if not stopped or finished[req_id][2]:
                 self._core.abort_requests([req_id])
             stopped = True
         if not (new_token_ids or stopped):
@@ -1748,7 +1882,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         kv_transfer_params = None
         if stopped:
             finish_reason = request.get_finished_reason()
-            stopped_reqs.append(request)
+            stop = finished.get(req_id)
+            if stop is None or req_id not in self._parts or request.status == RequestStatus.FINISHED_ERROR:
+                stopped_reqs.append(request)
+            elif self._stop_part(request):
+                assert not stop[2], "the core ended the input of a session whose mirror has more parts"
+                stopped_reqs.append(request)
+            else:
+                assert stop[2], "the core finished a session whose mirror has more parts"
             if self._bridge is not None and req_id in self._bridge.finished:
                 kv_transfer_params = self._connector_finished(request)
                 if prefill_stats is not None and kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
@@ -2106,11 +2247,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     @property
     def waiting(self) -> list[Request]:
         """Waiting requests that hold no KV blocks, in admission order (built on demand; for tests and
-        introspection). Without a KV connector that is every waiting request."""
+        introspection). Without a KV connector or streaming-input sessions that is every waiting request."""
         reqs = [self.requests[r] for r in self._core.waiting_req_ids()]
-        if self._bridge is None:
+        if self._bridge is None and not self._parts:
             return reqs
         return [r for r in reqs if not self._holds_kv_blocks(r)]
+
+    @property
+    def num_waiting_for_streaming_input(self) -> int:
+        """Streaming-input sessions waiting for their next part (vLLM's counter of that name; introspection)."""
+        return sum(1 for r in self.requests.values() if r.status == _WAITING_FOR_STREAMING_REQ)
 
     @property
     def finished_recving_kv_req_ids(self) -> set[str]:
@@ -2121,8 +2267,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     @property
     def kv_holding_waiting(self) -> list[Request]:
         """Waiting requests that hold KV blocks (an asynchronous KV load in progress or over), in admission order
-        (vLLM's ``kv_holding_waiting``; introspection)."""
-        if self._bridge is None:
+        (vLLM's ``kv_holding_waiting``; introspection); streaming-input sessions that kept their KV included."""
+        if self._bridge is None and not self._parts:
             return []
         return [r for r in map(self.requests.__getitem__, self._core.waiting_req_ids()) if self._holds_kv_blocks(r)]
 

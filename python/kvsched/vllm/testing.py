@@ -414,11 +414,13 @@ def make_request(
     prompt_logprobs: int | None = None,
     client_index: int = 0,
     images: Sequence[tuple[int, int, str]] = (),
+    resumable: bool = False,
 ) -> Any:
     """A vLLM ``Request`` as the engine core builds it (block hasher attached, EOS set as the frontend does);
     ``client_index`` is the front-end process the request came from (its outputs are grouped by it); ``images``:
     its multimodal inputs as ``(offset, length, identifier)``, sorted by offset (the data is a dummy: no
-    scheduler reads it)."""
+    scheduler reads it); ``resumable``: a streaming-input session, or for the id of a live one its next part (a
+    request of that id that is not resumable ends its input)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -457,6 +459,7 @@ def make_request(
         block_hasher=request_block_hasher(block_size),
         client_index=client_index,
         mm_features=mm_features,
+        resumable=resumable,
     )
 
 
