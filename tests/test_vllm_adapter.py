@@ -23,7 +23,7 @@ from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
 from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
-from vllm_driver import compare
+from vllm_driver import compare, step_pair
 
 pytestmark = pytest.mark.vllm
 
@@ -40,23 +40,7 @@ def _add(scheds: tuple[object, ...], rid: str, prompt: list[int], **kw: object) 
 
 def _step(scheds: tuple[object, ...], token: int = 9) -> list[object]:
     """One synchronous engine step on each scheduler; returns the scheduler outputs after comparing them."""
-    outs = [s.schedule() for s in scheds]  # type: ignore[attr-defined]
-    compare("SchedulerOutput", outs[0], outs[1])
-    results = []
-    for s, so in zip(scheds, outs, strict=True):
-        ids = list(so.num_scheduled_tokens)
-        sampled = [[] if s.requests[r].is_prefill_chunk else [token] for r in ids]  # type: ignore[attr-defined]
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
-        results.append(s.update_from_output(so, mro))  # type: ignore[attr-defined]
-    compare("EngineCoreOutputs", results[0], results[1])
-    return outs
+    return step_pair(scheds, token)[0]
 
 
 def test_implements_the_whole_interface_with_engine_core_keywords() -> None:

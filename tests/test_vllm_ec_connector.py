@@ -19,8 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
 
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm_driver import compare, run_seed
+from vllm_driver import compare, run_seed, step_pair
 
 pytestmark = pytest.mark.vllm
 
@@ -42,23 +41,8 @@ def _pair(seed: int, **fields: Any) -> tuple[Any, Any]:
 
 def _step(scheds: tuple[Any, ...]) -> Any:
     """One synchronous step on each scheduler, outputs and connector calls compared; returns kvsched's output."""
-    outs = [s.schedule() for s in scheds]
-    compare("SchedulerOutput", outs[0], outs[1])
+    outs, _ = step_pair(scheds)
     compare("EC connector metadata", outs[0].ec_connector_metadata, outs[1].ec_connector_metadata)
-    results = []
-    for s, so in zip(scheds, outs, strict=True):
-        ids = list(so.num_scheduled_tokens)
-        sampled = [[] if s.requests[r].is_prefill_chunk else [9] for r in ids]
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
-        results.append(s.update_from_output(so, mro))
-    compare("EngineCoreOutputs", results[0], results[1])
     compare("EC connector calls", scheds[0].ec_connector.calls, scheds[1].ec_connector.calls)
     return outs[1]
 

@@ -20,8 +20,7 @@ from kvsched import InvalidConfigError
 from kvsched.vllm import RULES, UnsupportedFeatureError
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 from vllm.multimodal.inputs import PlaceholderRange
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm_driver import compare, run_seed
+from vllm_driver import run_seed, step_pair
 
 pytestmark = pytest.mark.vllm
 
@@ -42,23 +41,7 @@ def _add(scheds: tuple[Any, ...], rid: str, prompt: list[int], images: list[tupl
 
 def _step(scheds: tuple[Any, ...]) -> Any:
     """One synchronous step on each scheduler, outputs compared; returns kvsched's SchedulerOutput."""
-    outs = [s.schedule() for s in scheds]
-    compare("SchedulerOutput", outs[0], outs[1])
-    results = []
-    for s, so in zip(scheds, outs, strict=True):
-        ids = list(so.num_scheduled_tokens)
-        sampled = [[] if s.requests[r].is_prefill_chunk else [9] for r in ids]
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
-        results.append(s.update_from_output(so, mro))
-    compare("EngineCoreOutputs", results[0], results[1])
-    return outs[1]
+    return step_pair(scheds)[0][1]
 
 
 def test_encoder_budget_and_cache_are_vllms_for_the_model() -> None:

@@ -19,24 +19,12 @@ pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
 from kvsched.vllm import RULES
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 from vllm.v1.engine import FinishReason
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
-from vllm_driver import REQUEST_FIELDS, compare
+from vllm_driver import REQUEST_FIELDS, compare, runner_output
 
 pytestmark = pytest.mark.vllm
 
 EOS = 2
-
-
-def _mro(ids: list[str], sampled: list[list[int]]) -> Any:
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=sampled,
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=[],
-    )
 
 
 class _Pair:
@@ -65,7 +53,7 @@ class _Pair:
         for s, so in zip(self.scheds, outs, strict=True):
             ids = list(so.num_scheduled_tokens)
             sampled = [[] if s.requests[r].is_prefill_chunk else [tokens.get(r, 9)] for r in ids]
-            results.append(s.update_from_output(so, _mro(ids, sampled)))
+            results.append(s.update_from_output(so, runner_output(ids, sampled)))
         compare("EngineCoreOutputs", results[0], results[1])
         self.check("update_from_output")
         return outs[1], {o.request_id: o for e in results[1].values() for o in e.outputs}
@@ -164,10 +152,10 @@ def test_a_part_the_kv_cache_could_never_hold_fails_the_session_alone() -> None:
     s = make_scheduler("kvsched", make_vllm_config(num_blocks=4, block_size=16, max_model_len=256))
     s.add_request(make_request("s", [1, 2, 3], max_tokens=1, resumable=True))
     so = s.schedule()
-    s.update_from_output(so, _mro(["s"], [[9]]))
+    s.update_from_output(so, runner_output(["s"], [[9]]))
     s.add_request(make_request("s", list(range(3, 80)), max_tokens=4, resumable=True))
     so = s.schedule()
-    eco = s.update_from_output(so, _mro(list(so.num_scheduled_tokens), [[9]] * len(so.num_scheduled_tokens)))
+    eco = s.update_from_output(so, runner_output(list(so.num_scheduled_tokens), [[9]] * len(so.num_scheduled_tokens)))
     (out,) = [o for e in eco.values() for o in e.outputs]
     assert out.request_id == "s" and out.finish_reason == FinishReason.ERROR
     if RULES.output_error:
@@ -191,7 +179,7 @@ def _engine(kind: str) -> tuple[Any, Any]:
             ids = list(so.num_scheduled_tokens)
             done: Future[Any] = Future()
             sampled = [[] if sched.requests[r].is_prefill_chunk else [EOS if r in self.eos else 9] for r in ids]
-            done.set_result(_mro(ids, sampled))
+            done.set_result(runner_output(ids, sampled))
             return done
 
     cfg = make_vllm_config()

@@ -31,7 +31,7 @@ import os
 import random
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +175,35 @@ def compare(what: str, a: Any, b: Any) -> None:
     d = _diff(what, _norm(a), _norm(b))
     if d:
         raise Divergence(d)
+
+
+def runner_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
+    """vLLM's ``ModelRunnerOutput`` carrying these requests' sampled tokens and nothing else."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
+def step_pair(scheds: Sequence[Any], token: int = 9) -> tuple[list[Any], list[Any]]:
+    """One synchronous engine step on each scheduler: their ``SchedulerOutput``s compared, every scheduled request
+    not in the middle of its prompt sampling ``token``, their ``EngineCoreOutputs`` compared. Returns the
+    scheduler outputs and the engine-core outputs, one per scheduler."""
+    outs = [s.schedule() for s in scheds]
+    compare("SchedulerOutput", outs[0], outs[1])
+    results = []
+    for s, so in zip(scheds, outs, strict=True):
+        ids = list(so.num_scheduled_tokens)
+        sampled = [[] if s.requests[r].is_prefill_chunk else [token] for r in ids]
+        results.append(s.update_from_output(so, runner_output(ids, sampled)))
+    compare("EngineCoreOutputs", results[0], results[1])
+    return outs, results
 
 
 @dataclasses.dataclass
