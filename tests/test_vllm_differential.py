@@ -43,7 +43,7 @@ def test_identical_to_vllm_with_speculative_decoding(sync: str, runner: str, see
 def test_identical_to_vllm_with_streaming_input(
     sync: str, runner: str, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Streaming-input sessions: parts appended while a session runs, waits to run or waits for input, and
+    """Streaming-input sessions: parts appended while a streaming session runs, waits to run or waits for input, and
     inputs ended, compared after every call."""
     from kvsched.vllm.scheduler import Scheduler
 

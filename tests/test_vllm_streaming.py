@@ -1,8 +1,9 @@
 """kvsched.vllm.Scheduler with vLLM's streaming-input sessions (resumable requests), against vLLM's own scheduler.
 
-A request added with ``resumable=True`` is a session: a stop ends only its current part; the next request of the
-same id is its next part (taken at once by a session waiting for input, else queued for its next stop), and a
-request of that id that is not resumable ends its input. Needs vLLM (0.32 or 0.33); skipped otherwise.
+A request added with ``resumable=True`` is a streaming session: a stop ends only its current part; the next request
+of the same id is its next part (taken at once by a streaming session waiting for input, else queued for its
+following stop), and a request of that id that is not resumable ends its input. Needs vLLM (0.32 or 0.33);
+skipped otherwise.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def test_parts_queued_while_running_and_the_end_of_input() -> None:
     p.add("s", list(range(20, 40)), max_tokens=8, resumable=True)
     p.add("t", list(range(40, 50)), max_tokens=3)
     p.step()
-    # A part and the end of the input arrive while the session runs: both wait for its next stop.
+    # A part and the end of the input arrive while the streaming session runs: both wait for its following stop.
     p.add("s", [61, 62], max_tokens=2, resumable=True)
     p.add("s", [0])  # not resumable: the end of the input
     assert p.kv.requests["s"].status == RequestStatus.RUNNING
@@ -116,7 +117,7 @@ def test_parts_queued_while_running_and_the_end_of_input() -> None:
         _, outs = p.step()
         if "s" in outs and outs["s"].finish_reason is not None:
             break
-    # The second part's stop meets the end of the input: the session finishes as any request.
+    # The second part's stop meets the end of the input: the streaming session finishes as any request.
     assert outs["s"].finish_reason == FinishReason.LENGTH
     assert not p.kv.has_request("s") and "s" in p.kv.finished_req_ids
 
@@ -140,15 +141,15 @@ def test_a_session_waiting_for_input_holds_its_run_slot() -> None:
     p.step()
     p.add("other", [8, 9, 10], max_tokens=1)
     so, _ = p.step()
-    assert so.num_scheduled_tokens == {}  # the session keeps the one slot while it waits for input
+    assert so.num_scheduled_tokens == {}  # the streaming session keeps the one slot while it waits for input
     p.add("s", [0])
     so, _ = p.step()
     assert list(so.num_scheduled_tokens) == ["other"]
 
 
 def test_a_part_the_kv_cache_could_never_hold_fails_the_session_alone() -> None:
-    """The core refuses a part that could make the session too long for the KV cache; vLLM's engine must not
-    see an exception from add_request, so the session ends with an error output at the next update."""
+    """The core refuses a part that could make the streaming session too long for the KV cache; vLLM's engine must not
+    see an exception from add_request, so the streaming session ends with an error output at the next update."""
     s = make_scheduler("kvsched", make_vllm_config(num_blocks=4, block_size=16, max_model_len=256))
     s.add_request(make_request("s", [1, 2, 3], max_tokens=1, resumable=True))
     so = s.schedule()
@@ -192,7 +193,7 @@ def _engine(kind: str) -> tuple[Any, Any]:
 
 def test_a_session_through_vllms_engine_core_loop() -> None:
     """vLLM's EngineCore.add_request and step (the synchronous engine loop) with either scheduler: the same
-    outputs (tokens, finish reasons of each part) and the same session state at every step."""
+    outputs (tokens, finish reasons of each part) and the same streaming session state at every step."""
     runs = []
     for kind in ("vllm", "kvsched"):
         engine, sched = _engine(kind)

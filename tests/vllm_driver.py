@@ -351,8 +351,9 @@ class Pair:
         self.rng_out = random.Random(f"outputs/{seed}")
         # Odd runner outputs vLLM's scheduler takes (model_output), from their own stream too.
         self.rng_odd = random.Random(f"odd/{seed}")
-        # Streaming-input draws, from their own stream too. The open sessions: id -> the most tokens the session
-        # can reach with the parts given so far (its prompt and max_tokens, capped at max_model_len).
+        # Streaming-input draws, from their own stream too. The open streaming sessions: id -> the most tokens the
+        # streaming session can reach with the parts given so far (its prompt and max_tokens, capped at
+        # max_model_len).
         self.rng_stream = random.Random(f"stream/{seed}")
         self.sessions: dict[str, int] = {}
         self.stuck: list[str] = []
@@ -474,7 +475,7 @@ class Pair:
 
     def stream_input(self, rid: str | None = None, finish: bool | None = None) -> None:
         """The next part of a streaming-input session (drawn among the open ones), or the end of its input: a
-        request of the session's id, resumable or not, given to both schedulers' ``add_request``."""
+        request of the streaming session's id, resumable or not, given to both schedulers' ``add_request``."""
         rng = self.rng_stream
         for gone in [r for r in self.sessions if r not in self.a.requests]:
             del self.sessions[gone]  # finished (aborted, or its input ended)
@@ -486,7 +487,7 @@ class Pair:
             finish = rng.random() < 0.2
         cfg = self.cfg
         session = self.a.requests[rid]
-        # The most tokens the session can hold before the part: exact while it waits for input.
+        # The most tokens the streaming session can hold before the part: exact while it waits for input.
         reach = session.num_tokens if session.status.name == "WAITING_FOR_STREAMING_REQ" else self.sessions[rid]
         part = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 24))]
         prompt_len = reach - 1 + len(part)
@@ -507,9 +508,10 @@ class Pair:
                 "max_tokens": max_tokens,
                 "eos_token_id": self.EOS if rng.random() < 0.5 else None,
                 "stop_token_ids": [7] if rng.random() < 0.2 else [],
-                # Under the priority policy a part keeps the session's arrival time: vLLM changes the arrival time
-                # (a heap key) of a request inside its waiting heap, so its order then depends on the heap's
-                # layout, where kvsched keeps the key the session was queued with (docs/vllm.md, Streaming input).
+                # Under the priority policy a part keeps the streaming session's arrival time: vLLM changes the
+                # arrival time (a heap key) of a request inside its waiting heap, so its order then depends on the
+                # heap's layout, where kvsched keeps the key the streaming session was queued with (docs/vllm.md,
+                # Streaming input).
                 "arrival_time": session.arrival_time if cfg.policy == "priority" else self.clock,
                 "block_size": cfg.block_size,
             }
@@ -942,7 +944,7 @@ def run_seed(
             budget = cfg.max_num_batched_tokens
             cfg.max_num_scheduled_tokens = brng.randrange(max(1, budget // 4), budget)
     if streaming and RULES.version == "0.32":
-        # Not driven on vLLM 0.32: a session's part that stops inside accepted drafts. vLLM 0.32 does not cut
+        # Not driven on vLLM 0.32: a streaming session's part that stops inside accepted drafts. vLLM 0.32 does not cut
         # num_computed_tokens back at such a stop, and its next part then keeps the outputs up to that count (the
         # stop token included) and counts some of the part's tokens as computed, with no KV written for them.
         # kvsched follows vLLM 0.33's rule there (docs/vllm.md).

@@ -450,8 +450,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _add_session_input(self, session: Request, request: Request) -> None:
         """vLLM's ``add_request`` for the id of a live streaming-input session: ``request`` is its next part
-        (resumable) or the end of its input (not resumable). A session waiting for input takes a part at once
-        and ends at once (aborted) at the end of its input; otherwise either is queued for its next stop."""
+        (resumable) or the end of its input (not resumable). A streaming session waiting for input takes a part at once
+        and ends at once (aborted) at the end of its input; otherwise either is queued for its following stop."""
         req_id = session.request_id
         waiting_for_input = session.status == _WAITING_FOR_STREAMING_REQ
         if not request.resumable:
@@ -484,8 +484,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             except _BAD_REQUEST as e:
                 error = e
         if error is not None:
-            # The core refused the part (it could make the session too long for the KV cache or the model):
-            # the session fails with that error at the next update_from_output, as a refused request does.
+            # The core refused the part (it could make the streaming session too long for the KV cache or the model):
+            # the streaming session fails with that error at the next update_from_output, as a refused request does.
             self._grammar_errors[req_id] = self._request_attrs.request_error(error)
             return
         part = _Part(list(request.prompt_token_ids), request.max_tokens, request.arrival_time, sp)
@@ -497,10 +497,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def _take_part(self, session: Request, part: _Part) -> None:
         """vLLM's ``_update_request_as_session``, on the mirrored request (the core took the part itself): the
         kept output tokens join the prompt, then the part's tokens; the part's limits and sampling parameters
-        replace the session's; status WAITING. Every output token but the last sampled one is kept (vLLM 0.33's
-        rule; vLLM 0.32 keeps the tokens up to the computed count: the same tokens, except after a stop inside
-        accepted drafts, where 0.32's count stays past the tokens; the core then caps it at the tokens kept, and
-        so does this mirror)."""
+        replace the streaming session's; status WAITING. Every output token but the last sampled one is kept
+        (vLLM 0.33's rule; vLLM 0.32 keeps the tokens up to the computed count: the same tokens, except after a
+        stop inside accepted drafts, where 0.32's count stays past the tokens; the core then caps it at the tokens
+        kept, and so does this mirror)."""
         keep_end = session.num_tokens - 1
         if session.num_computed_tokens > keep_end:
             session.num_computed_tokens = keep_end
@@ -526,7 +526,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _stop_part(self, request: Request) -> bool:
         """vLLM's ``_handle_stopped_request`` for a streaming-input session whose part the core ended (the core
-        did the same to its own state): the session resumes from its materialized tokens and takes its next
+        did the same to its own state): the streaming session resumes from its materialized tokens and takes its next
         queued part, or waits for input. Returns True when the end of its input was queued (the core finished
         it)."""
         request.num_computed_tokens -= request.num_output_placeholders
@@ -1886,10 +1886,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if stop is None or req_id not in self._parts or request.status == RequestStatus.FINISHED_ERROR:
                 stopped_reqs.append(request)
             elif self._stop_part(request):
-                assert not stop[2], "the core ended the input of a session whose mirror has more parts"
+                assert not stop[2], "the core ended the input of a streaming session whose mirror has more parts"
                 stopped_reqs.append(request)
             else:
-                assert stop[2], "the core finished a session whose mirror has more parts"
+                assert stop[2], "the core finished a streaming session whose mirror has more parts"
             if self._bridge is not None and req_id in self._bridge.finished:
                 kv_transfer_params = self._connector_finished(request)
                 if prefill_stats is not None and kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
