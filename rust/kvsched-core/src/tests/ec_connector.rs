@@ -72,7 +72,7 @@ fn with_ec(config: SchedulerConfig, items: &[u64]) -> (Scheduler, Arc<Mutex<Shar
 /// encoder budget to others (here `b`'s input, which would not fit after a computed `a`).
 #[test]
 fn a_loaded_input_takes_cache_space_but_no_encoder_budget() {
-    let (mut s, shared) = with_ec(cfg(8, 16), &[1]);
+    let (mut s, _) = with_ec(cfg(8, 16), &[1]);
     add(&mut s, "a", &prompt(0, 10), with_inputs(vec![inp(0, 8, 1)], 0.0));
     add(&mut s, "b", &prompt(100, 10), with_inputs(vec![inp(0, 8, 2)], 1.0));
     let out = step_with(&mut s, 5).0;
