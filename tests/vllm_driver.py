@@ -177,8 +177,8 @@ def compare(what: str, a: Any, b: Any) -> None:
         raise Divergence(d)
 
 
-def runner_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
-    """vLLM's ``ModelRunnerOutput`` carrying these requests' sampled tokens and nothing else."""
+def runner_output(req_ids: list[str], sampled: list[list[int]], **fields: Any) -> Any:
+    """vLLM's ``ModelRunnerOutput`` carrying these requests' sampled tokens (and ``fields``, if any)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     return ModelRunnerOutput(
@@ -188,6 +188,7 @@ def runner_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=[],
+        **fields,
     )
 
 
@@ -669,7 +670,6 @@ class Pair:
         """Sampled tokens for every scheduled request whose step completes its known tokens: with drafts
         scheduled, a random number of them accepted (a -1 draft never is; a placeholder's value is the
         runner's, so random), then one more token."""
-        from vllm.v1.outputs import ModelRunnerOutput
 
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
@@ -687,13 +687,9 @@ class Pair:
                 tokens.append(d if d >= 0 else self.random_token())
             tokens.append(self.random_token())
             sampled.append(self.odd_output(rid, False, len(drafts), tokens))
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
+        return runner_output(
+            req_ids,
+            sampled,
             kv_connector_output=self.transfers(so) if self.cfg.kv_connector_seed is not None else None,
         )
 
