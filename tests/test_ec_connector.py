@@ -193,3 +193,34 @@ def test_encoder_cache_entries_list_loaded_and_computed_entries_with_their_reque
     assert s.encoder_cache_entries() == {1: ["a", "b"], 2: ["b"]}
     s.update_from_output(out, [[5], [5]])
     assert s.encoder_cache_entries() == {1: [], 2: []}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_max_tokens_past_max_model_len_is_tested_as_given_under_async_scheduling(impl: str) -> None:
+    """Async scheduling skips a request whose steps in flight already produce its last token. vLLM tests that with
+    ``max_tokens`` as given: given past ``max_model_len``, the request reaches the EC connector's gate once more in
+    its last step (and the ``max_model_len`` cap then gives it nothing). Same tokens either way."""
+
+    def run(max_tokens: int) -> tuple[list[str], list[tuple[Any, ...]]]:
+        s = make(impl, max_model_len=32, async_scheduling=True)
+        ec = FakeEc()
+        s.set_ec_connector(ec)
+        s.add_request("a", list(range(20)), encoder_inputs=[(10, 4, 1)], max_tokens=max_tokens, arrival_time=0.0)
+        finished: list[str] = []
+        in_flight: list[Any] = []
+        for _ in range(40):
+            in_flight.append(s.schedule())
+            if len(in_flight) == 2 or not s.has_unfinished_requests():
+                out = in_flight.pop(0)
+                res = s.update_from_output(out, [[7]] * len(out.req_ids))
+                finished += list(res.finished_req_ids)
+            if not s.has_unfinished_requests():
+                break
+        s.check_invariants()
+        return finished, [c for c in ec.calls if c[0] == "ensure"]
+
+    finished_given, asked_given = run(100)  # the effective limit is 32 - 20 = 12
+    finished_exact, asked_exact = run(12)
+    assert finished_given == finished_exact == ["a"]
+    assert len(asked_given) == len(asked_exact) + 1
+    assert asked_given[: len(asked_exact)] == asked_exact

@@ -62,6 +62,7 @@ class _Request:
         "priority",
         "queue_seq",
         "req_id",
+        "requested_max_tokens",
         "resumable",
         "session_id",
         "sjf_residual",
@@ -76,6 +77,7 @@ class _Request:
     )
     # set from add_request's (validated) arguments:
     max_tokens: int  # effective: min(max_tokens, max_model_len - len(prompt))
+    requested_max_tokens: int  # as given (the effective one if none): async's "last token in flight" test
     min_tokens: int
     eos_token_id: int | None
     ignore_eos: bool

@@ -184,6 +184,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             req_id,
             prompt.tolist(),
             max_tokens=effective_max,
+            requested_max_tokens=effective_max if max_tokens is None else int(max_tokens),
             min_tokens=int(min_tokens),
             eos_token_id=None if eos_token_id is None else int(eos_token_id),
             ignore_eos=bool(ignore_eos),

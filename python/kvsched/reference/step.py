@@ -134,7 +134,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         while i < len(self._running) and budget.open():
             r = self._running[i]
             ph = r.num_output_placeholders
-            if ph > 0 and r.num_computed_tokens + 2 - ph >= r.num_prompt_tokens + r.max_tokens:
+            if ph > 0 and r.num_computed_tokens + 2 - ph >= r.num_prompt_tokens + r.requested_max_tokens:
                 i += 1  # async: the steps in flight already produce its last token
                 continue
             if defer and r.is_prefill_chunk:

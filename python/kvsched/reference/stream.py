@@ -180,6 +180,7 @@ class _StreamMixin(_KVCacheManagerMixin):
         r.num_prompt_tokens = len(r.token_ids)
         room = self._config.max_model_len - r.num_prompt_tokens
         r.max_tokens = room if max_tokens is None else min(max_tokens, room)
+        r.requested_max_tokens = r.max_tokens if max_tokens is None else max_tokens
         r.min_tokens = 0
         r.eos_token_id = eos
         r.ignore_eos = ignore_eos

@@ -202,6 +202,10 @@ pub struct Request {
     // counts are hot columns, `slab::Hot`)
     /// Output of steps scheduled before the preemption is dropped, not applied (see `slab::Hot::stale`).
     pub drop_stale_output: bool,
+    /// `max_tokens` as given (the effective limit when none was given). Async scheduling's test of a request
+    /// whose last token is already in flight reads it, as vLLM does, so a limit past `max_model_len` is tested
+    /// as given.
+    pub requested_max_tokens: u32,
     /// Skipped by an admission pass (or added blocked) and not admitted since: vLLM's `deferred_waiting`.
     pub deferred: bool,
     /// `set_ready` was called while the request waited for its grammar.

@@ -392,6 +392,7 @@ impl Scheduler {
             num_preemptions: 0,
             num_cached_tokens: -1,
             max_tokens,
+            requested_max_tokens: params.max_tokens.unwrap_or(max_tokens),
             min_tokens: params.min_tokens,
             eos_token_id: params.eos_token_id.unwrap_or(NO_EOS),
             ignore_eos: params.ignore_eos,

@@ -598,10 +598,12 @@ impl Scheduler {
             let in_flight = self.slab.hot.in_flight[s];
             let req = self.slab.get_mut(slot)?;
             let ph = i64::from(req.num_output_placeholders);
-            // Async scheduling: the steps in flight already produce the request's last token.
+            // Async scheduling: the steps in flight already produce the request's last token (tested with the
+            // `max_tokens` given, as vLLM does: one given past `max_model_len` passes here and is held back by the
+            // `max_model_len` cap below, after the EC connector gate has been asked).
             if ph > 0
                 && i64::from(computed) + 2 - ph
-                    >= i64::from(req.num_prompt_tokens) + i64::from(req.max_tokens)
+                    >= i64::from(req.num_prompt_tokens) + i64::from(req.requested_max_tokens)
             {
                 i += 1;
                 continue;

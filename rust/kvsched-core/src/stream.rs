@@ -240,6 +240,7 @@ impl Scheduler {
         req.num_prompt_tokens = prompt;
         let room = max_model_len - prompt;
         req.max_tokens = part.max_tokens.map_or(room, |m| m.min(room));
+        req.requested_max_tokens = part.max_tokens.unwrap_or(req.max_tokens);
         req.min_tokens = 0;
         req.eos_token_id = part.eos_token_id.unwrap_or(crate::request::NO_EOS);
         req.ignore_eos = part.ignore_eos;
