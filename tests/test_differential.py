@@ -230,6 +230,7 @@ class Twin:
         self.order_keywords = order_keywords
         # streaming-input sessions (resumable requests) among new requests, and their next input parts
         self.streaming = streaming
+        self.session_ids: set[str] = set()  # the streaming-input sessions added
         self.conn_ref = self.conn_rs = None
         if connector_seed is not None:
             self.conn_ref, self.conn_rs = FakeConnector(connector_seed), FakeConnector(connector_seed)
@@ -329,6 +330,8 @@ class Twin:
                                lambda: self.rs.add_request(rid, arr, **kw))  # fmt: skip
         if not failed:
             self.prompt_lens[rid] = len(prompt)
+            if kw.get("resumable"):
+                self.session_ids.add(rid)
 
     def op_input(self) -> None:
         """The next input part of a streaming request (taken now if it waits for one, else queued), or the end of
@@ -1005,7 +1008,7 @@ def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
     events = data.draw(st.booleans()) and cfg.sliding_window is None
     cfg = dataclasses.replace(cfg, enable_kv_cache_events=events, **tenant_fields(data))
     seed = data.draw(st.sampled_from([None, None, 1, 2, 3]))  # a seeded fake KV connector in 3 of 5 runs
-    streaming = data.draw(st.booleans())  # streaming-input sessions (refused alike with a connector or swapping)
+    streaming = data.draw(st.booleans())  # streaming-input sessions (refused alike with swapping)
     twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])), connector_seed=seed,
                 streaming=streaming)  # fmt: skip
     try:
@@ -1532,6 +1535,27 @@ def test_soak_streaming_sessions_match_reference_step_by_step() -> None:
         parts += twin.coverage.get("part_stops", 0)
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
     assert waited > 100 and parts > 40, (waited, parts)
+
+
+def test_soak_streaming_sessions_with_a_kv_connector_match_reference_step_by_step() -> None:
+    """Streaming-input sessions with a seeded KV connector (loads at a session's first admission and after a
+    preemption, asynchronous loads, delayed frees at the end of its input): the two agree at every step and call
+    the connector alike."""
+    parts = finished_sessions = 0
+    for i, cfg in enumerate(STREAM_SOAK_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(5353 + i)), max_in_flight=2, throttle=True,
+                    connector_seed=17 + i, order_keywords=True, streaming=True)  # fmt: skip
+        for _ in range(500):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.drain()
+        parts += twin.coverage.get("part_stops", 0)
+        assert twin.conn_ref is not None
+        finished = {c[1] for c in twin.conn_ref.calls if c[0] == "finished"}
+        finished_sessions += len(finished & twin.session_ids)
+    assert parts > 20 and finished_sessions > 10, (parts, finished_sessions)
 
 
 @pytest.mark.slow

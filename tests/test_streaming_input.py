@@ -155,3 +155,29 @@ def test_a_part_after_a_stop_inside_accepted_drafts_recomputes_the_positions_it_
     assert s.get_num_computed_tokens("a") == 4  # 1, 2, 3 and 5 kept; the part's 4 fills position 4
     out, _ = step(s)
     assert list(out.req_ids) == ["a"] and int(out.num_scheduled_tokens[0]) >= 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_part_that_leaves_nothing_computed_frees_the_blocks_it_held(impl: str) -> None:
+    """A runner that samples two tokens for a one-token partial prefill, and a stop at the first: the stop trims the
+    second and its position, so nothing computed is left. The blocks the streaming session holds keep no valid KV:
+    the next part frees them, and its admission looks the prompt up afresh (a hit on another request's block)."""
+    s = make(impl, max_num_batched_tokens=1)  # one token a step
+    s.add_request("p", [1, 2, 3, 4, 9], max_tokens=1, arrival_time=0.0)
+    for _ in range(5):
+        out = s.schedule()
+        p_blocks = list(s.get_block_ids("p"))
+        s.update_from_output(out, [[0]] if s.get_num_computed_tokens("p") == 5 else [[]])
+    assert not s.has_request("p")  # finished; its first block [1, 2, 3, 4] stays cached
+    s.add_request("a", [1, 2, 3, 4], max_tokens=1, resumable=True, arrival_time=1.0)
+    out = s.schedule()
+    assert out.req_ids == ["a"] and s.get_num_computed_tokens("a") == 1  # no hit: a whole block is the prompt
+    assert list(s.get_block_ids("a")) != []
+    s.update_from_output(out, [[7, 8]])
+    assert s.get_request_status("a") == RequestStatus.WAITING_FOR_STREAMING_REQ
+    assert s.get_num_computed_tokens("a") == 0
+    s.append_input("a", [5, 6])
+    assert list(s.get_block_ids("a")) == []
+    s.schedule()
+    assert s.get_block_ids("a")[0] == p_blocks[0] and s.get_num_computed_tokens("a") == 5  # 4 hit + 1
+    s.check_invariants()

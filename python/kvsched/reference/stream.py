@@ -21,8 +21,6 @@ class _StreamMixin(_KVCacheManagerMixin):
         what = None
         if encoder_inputs:
             what = "encoder inputs"
-        elif self._connector is not None:
-            what = "a KV connector"
         elif self._config.preemption_mode != "recompute":
             what = "preemption_mode other than 'recompute'"
         elif not ready:
@@ -125,15 +123,17 @@ class _StreamMixin(_KVCacheManagerMixin):
         self, r: _Request, status: RequestStatus, parts: list[tuple[str, int, int]], stop_reason: int
     ) -> bool:
         """A part of session ``r`` stopped; False when its input is over (the caller finishes it)."""
-        if r.input_queue and r.input_queue[0] is None:
-            r.input_queue.popleft()
-            return False
+        # The part's in-flight work is dropped first, also when the input is over (the finish then hands a KV
+        # connector the blocks of the computed tokens left), as vLLM does.
         r.num_computed_tokens = max(0, r.num_computed_tokens - r.num_output_placeholders)
         r.drafts = []
         r.drop_stale_output = True
         r.num_stale_output_tokens = r.num_in_flight_tokens
         r.num_output_placeholders = 0
         r.inflight_prefill = False
+        if r.input_queue and r.input_queue[0] is None:
+            r.input_queue.popleft()
+            return False
         if r.status == RequestStatus.RUNNING:
             self._running.remove(r)
             self._session_leaves_running(r)
@@ -190,3 +190,7 @@ class _StreamMixin(_KVCacheManagerMixin):
             self._num_waiting_for_input -= 1
         r.status = RequestStatus.WAITING
         self._update_block_hashes(r)
+        if r.num_computed_tokens == 0 and r.block_ids:
+            # Nothing computed is left (a runner sampled tokens for a partial prefill, and the stop dropped them as
+            # in flight): the blocks hold no valid KV; they are freed and the next admission looks up afresh.
+            self._free_request_blocks(r)

@@ -21,8 +21,6 @@ impl Scheduler {
     pub(crate) fn check_resumable(&self, req_id: &str, params: &RequestParams) -> Result<()> {
         let what = if !params.encoder_inputs.is_empty() {
             Some("encoder inputs")
-        } else if self.connector.is_some() {
-            Some("a KV connector")
         } else if self.config.preemption_mode != PreemptionMode::Recompute {
             Some("preemption_mode other than 'recompute'")
         } else if params.waiting_for_grammar {
@@ -146,17 +144,19 @@ impl Scheduler {
     ) -> Result<bool> {
         let s = slot as usize;
         let (req, hot) = self.slab.get_mut_hot(slot)?;
-        if matches!(req.input_queue.front(), Some(None)) {
-            req.input_queue.pop_front();
-            return Ok(false);
-        }
-        let id: Arc<str> = req.id.clone();
+        // The part's in-flight work is dropped first, also when the input is over (the finish then hands a KV
+        // connector the blocks of the computed tokens left), as vLLM does.
         hot.computed[s] = hot.computed[s].saturating_sub(req.num_output_placeholders);
         req.spec_token_ids.clear();
         req.drop_stale_output = true;
         hot.stale[s] = hot.in_flight[s];
         req.num_output_placeholders = 0;
         req.inflight_prefill = false;
+        if matches!(req.input_queue.front(), Some(None)) {
+            req.input_queue.pop_front();
+            return Ok(false);
+        }
+        let id: Arc<str> = req.id.clone();
         let (handle, tenant, tier, prev) = (req.handle, req.tenant, req.order_key, req.status);
         // Out of its queue (re-queued at the end of the update, as vLLM does).
         if prev == RequestStatus::Running {
@@ -233,6 +233,10 @@ impl Scheduler {
         // tokens kept; the KV of the positions the part now fills is recomputed.
         let s = slot as usize;
         hot.computed[s] = hot.computed[s].min(keep as u32);
+        // Nothing computed is left (a runner sampled tokens for a partial prefill, and the stop dropped them as
+        // in flight): the blocks the streaming session holds keep no valid KV; they are freed and its next
+        // admission looks its prefix up afresh.
+        let drop_blocks = hot.computed[s] == 0 && !req.blocks.is_empty();
         req.token_ids.truncate(keep);
         req.block_hashes.truncate(keep / bs);
         req.token_ids.extend_from_slice(&part.token_ids);
@@ -254,6 +258,9 @@ impl Scheduler {
         }
         req.status = RequestStatus::Waiting;
         self.kv.extend_hashes(req);
+        if drop_blocks {
+            self.free_request_blocks(slot, false)?;
+        }
         self.slab.sync(slot);
         Ok(())
     }

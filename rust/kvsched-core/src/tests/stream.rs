@@ -1,7 +1,7 @@
 //! Streaming-input sessions (`stream.rs`): a part's stop keeps the streaming-input session with its blocks, the next part resumes
 //! it with only the new tokens to compute, and the errors change nothing.
 
-use super::helpers::{add, one_token_each, params, prompt};
+use super::helpers::{add, apply, one_token_each, params, prompt, schedule};
 use crate::request::InputPart;
 use crate::{Ragged, RequestParams, RequestStatus, SchedError, Scheduler, SchedulerConfig};
 
@@ -106,4 +106,37 @@ fn a_part_after_a_stop_inside_accepted_drafts_recomputes_the_positions_it_fills(
     s.check_invariants().unwrap();
     assert!(out.num_scheduled_tokens[0] >= 1);
     one_token_each(&mut s, &out, 8);
+}
+
+#[test]
+fn a_part_that_leaves_nothing_computed_frees_the_blocks_it_held() {
+    // One token a step; "p" caches the block [1, 2, 3, 4] and finishes.
+    let mut s =
+        Scheduler::new(SchedulerConfig { max_num_batched_tokens: 1, enable_prefix_caching: true, ..cfg() })
+            .unwrap();
+    add(&mut s, "p", &[1, 2, 3, 4, 9], params(1));
+    let mut p_block = None;
+    while s.has_request("p") {
+        let p = schedule(&mut s);
+        p_block = p_block.or(s.get_request("p").unwrap().blocks.first().copied());
+        apply(&mut s, &p, |_| vec![0]);
+    }
+    // "a" computes one token of its prompt; the runner samples two tokens for it and the first stops the part:
+    // the stop trims the second and its position, so nothing computed is left.
+    add(&mut s, "a", &[1, 2, 3, 4], session(1));
+    let out = s.schedule().unwrap();
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 1);
+    assert!(!s.get_request("a").unwrap().blocks.is_empty());
+    let (values, indptr) = ([7i64, 8], [0i64, 2]);
+    s.update_from_output(out.scheduler_id, out.step_id, Ragged { values: &values, indptr: &indptr }, None)
+        .unwrap();
+    assert_eq!(s.get_request("a").unwrap().status, RequestStatus::WaitingForInput);
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 0);
+    // The next part frees the blocks (they hold no valid KV); its admission finds p's cached block.
+    s.append_input("a", part(&[5, 6], 1)).unwrap();
+    assert!(s.get_request("a").unwrap().blocks.is_empty());
+    s.schedule().unwrap();
+    assert_eq!(s.get_request("a").unwrap().blocks.first().copied(), p_block);
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 5);
+    s.check_invariants().unwrap();
 }
