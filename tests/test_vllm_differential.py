@@ -106,6 +106,27 @@ ASYNC_MODES = [("async", "v1"), ("async", "v2")]
 ROLES = ["kv_producer", "kv_consumer", "kv_both"]
 
 
+@pytest.mark.parametrize(("sync", "kv_role"), [("sync", "kv_producer"), ("async", "kv_consumer"), ("async", "kv_both")])
+def test_identical_to_vllm_with_streaming_input_and_a_kv_connector(
+    sync: str, kv_role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streaming-input sessions with the seeded RandomKVConnector: sessions asked about external tokens at their
+    first admission and after a preemption, loads, and ``request_finished`` with the blocks of the tokens computed
+    when the input ends."""
+    from kvsched.vllm.scheduler import Scheduler
+
+    taken = []
+    take_part = Scheduler._take_part
+
+    def counted(self: Scheduler, session: object, part: object) -> None:
+        taken.append(session)
+        take_part(self, session, part)
+
+    monkeypatch.setattr(Scheduler, "_take_part", counted)
+    run_seed(404, 150, async_scheduling=sync == "async", v2=False, connector=True, kv_role=kv_role, streaming=True)
+    assert taken  # some part was taken (the draws exercised sessions)
+
+
 @pytest.mark.parametrize(("sync", "runner"), ASYNC_MODES, ids=[f"{s}-{r}" for s, r in ASYNC_MODES])
 @pytest.mark.parametrize("kv_role", ROLES)
 @pytest.mark.parametrize("seed", range(210, 212))

@@ -135,6 +135,34 @@ def test_the_end_of_input_aborts_a_session_waiting_for_input() -> None:
     assert "s" in so.finished_req_ids and outs == {}
 
 
+def test_with_a_kv_connector_an_ended_session_hands_its_blocks_over_and_a_late_part_is_dropped() -> None:
+    """A KV connector that sends every finished request's KV: the end of the input finishes the streaming session
+    through ``request_finished`` (its blocks wait for the send, it stays in ``requests``), and a part that still
+    arrives for it is dropped, as vLLM queues it on the finished request where nothing takes it."""
+    p = _Pair(kv_connector_seed=1)
+    handed: list[list[list[int]]] = [[], []]
+    for sched, seen in zip(p.scheds, handed, strict=True):
+
+        def no_match(request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+            return 0, False
+
+        def send(request: Any, block_ids: list[int], seen: list[list[int]] = seen) -> tuple[bool, dict[str, Any]]:
+            seen.append(list(block_ids))
+            return True, {"sent": len(block_ids)}
+
+        sched.connector.get_num_new_matched_tokens = no_match
+        sched.connector.request_finished = send
+    p.add("s", [5, 6, 7, 8, 9], max_tokens=1, resumable=True)
+    p.step()
+    assert p.kv.requests["s"].status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    p.add("s", [0])  # the end of the input: finished (aborted) with its KV sent
+    assert handed[0] == handed[1] and len(handed[1]) == 1 and handed[1][0]
+    assert p.kv.requests["s"].is_finished()  # blocks held for the send
+    p.add("s", [11, 12], max_tokens=1, resumable=True)  # too late: dropped
+    assert p.kv.requests["s"].is_finished()
+    p.step()
+
+
 def test_a_session_waiting_for_input_holds_its_run_slot() -> None:
     p = _Pair(max_num_seqs=1)
     p.add("s", [5, 6, 7], max_tokens=1, resumable=True)

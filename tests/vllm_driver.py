@@ -478,8 +478,8 @@ class Pair:
         """The next part of a streaming-input session (drawn among the open ones), or the end of its input: a
         request of the streaming session's id, resumable or not, given to both schedulers' ``add_request``."""
         rng = self.rng_stream
-        for gone in [r for r in self.sessions if r not in self.a.requests]:
-            del self.sessions[gone]  # finished (aborted, or its input ended)
+        for gone in [r for r in self.sessions if r not in self.a.requests or self.a.requests[r].is_finished()]:
+            del self.sessions[gone]  # finished (aborted, or its input ended; its blocks may wait for a KV send)
         if rid is None:
             if not self.sessions:
                 return
@@ -1030,8 +1030,8 @@ def main(argv: list[str] | None = None) -> int:
         "for input, input ended at random (not with --connector or --mm, which kvsched.vllm refuses for them)",
     )
     args = p.parse_args(argv)
-    if args.streaming and (args.connector or args.mm):
-        p.error("--streaming goes without --connector and --mm")
+    if args.streaming and args.mm:
+        p.error("--streaming goes without --mm")
     if args.sliding_window and (args.connector or args.kv_events):
         p.error("--sliding-window goes without --connector and --kv-events")
     if args.hybrid and (args.connector or args.kv_events or args.sliding_window or args.mm):

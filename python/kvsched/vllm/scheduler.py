@@ -357,6 +357,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # The next input of a streaming-input session whose first request was refused (or is failing):
                 # that refusal answers for the id.
                 return
+            existing = self.requests[req_id]
+            if existing.is_finished() and existing.resumable:
+                # A finished streaming-input session whose blocks wait for a KV connector's send: vLLM queues the
+                # input on the finished request, where nothing takes it.
+                return
             if req_id not in self._parts:
                 raise InvalidRequestError(f"request {req_id!r} is already known (and not a streaming-input session)")
             self._add_session_input(self.requests[req_id], request)
