@@ -102,6 +102,8 @@ def compare_outputs(a: Any, b: Any) -> None:
         assert_arrays_equal(getattr(a, name), getattr(b, name), name)
     for g in range(1 + len(getattr(a, "_group_new_block_ids", None) or getattr(b, "_group_new_block_ids", ()))):
         assert_arrays_equal(a.group_new_block_ids(g), b.group_new_block_ids(g), f"group {g}'s new_block_ids")
+        indptrs = (a.group_new_block_ids_indptr(g), b.group_new_block_ids_indptr(g))
+        assert_arrays_equal(*indptrs, f"group {g}'s new_block_ids_indptr")
     assert a.total_num_scheduled_tokens == b.total_num_scheduled_tokens
     assert a.num_scheduled_tokens_by_id() == dict(b.num_scheduled_tokens_by_id())
     assert a.kv_connector_metadata == b.kv_connector_metadata
@@ -311,6 +313,8 @@ class Twin:
             kw["skip_reading_prefix_cache"] = True  # vLLM: prompt logprobs
         if self.cfg.encoder_cache_size and r.chance(0.8):  # (only with an encoder cache: other streams unchanged)
             kw["encoder_inputs"] = self.make_encoder_inputs(len(prompt))
+        if "cross" in (self.cfg.kv_cache_groups or ()) and r.chance(0.8):  # (only then: other streams unchanged)
+            kw["cross_attention_tokens"] = r.int(1, 3 * self.cfg.block_size + 1)
         if self.order_keywords:
             kw.update(self.order_keyword_draws())
         if self.streaming and r.chance(0.5):
@@ -1435,7 +1439,8 @@ def test_soak_sliding_window_matches_reference_step_by_step() -> None:
 
 # Several KV cache groups: full attention with one window (either order), two windows (the lookup iterates
 # until every set agrees), a window shared by two groups (looked up together), a window of one token, sync and
-# async, drafts, priority, the full-sequence check off, no prefix caching; tight pools preempt.
+# async, drafts, priority, the full-sequence check off, no prefix caching, cross-attention groups (requests with
+# and without encoder output); tight pools preempt.
 HYBRID_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=(None, 9), prefix_hash_seed=31),
@@ -1451,6 +1456,15 @@ HYBRID_CONFIGS = [
                     scheduler_reserve_full_isl=False, prefix_hash_seed=35),
     SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48,
                     kv_cache_groups=(5, 12), enable_prefix_caching=False, prefix_hash_seed=36),
+    # Encoder-decoder layouts: a cross-attention group after the decoder's (Whisper), between two, after a window.
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, "cross"), enable_prefix_caching=False, prefix_hash_seed=37),
+    SchedulerConfig(block_size=2, num_blocks=60, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, "cross", 5), enable_prefix_caching=False, async_scheduling=True,
+                    num_speculative_tokens=2, policy="priority", prefix_hash_seed=38),
+    SchedulerConfig(block_size=4, num_blocks=36, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=48,
+                    kv_cache_groups=(7, None, "cross"), enable_prefix_caching=False, enable_chunked_prefill=False,
+                    prefix_hash_seed=39),
 ]  # fmt: skip
 
 
@@ -1458,22 +1472,24 @@ def test_soak_hybrid_groups_match_reference_step_by_step() -> None:
     """Both implementations give every group the same tables and new blocks, free the same out-of-window blocks
     and find the same hits (valid for every group), step by step; window hits start past block 0 and requests
     are preempted in the run."""
-    nulls = window_hits = 0
+    nulls = window_hits = cross_tables = 0
     for i, cfg in enumerate(HYBRID_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(5151 + i)), max_in_flight=1 + i % 3)
+        cross = [g - 1 for g, w in enumerate(cfg.kv_cache_groups or ()) if w == "cross"]
         for _ in range(600):
             try:
                 twin.step()
             except AssertionError as e:
                 raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
             for r in twin.ref._requests.values():
+                cross_tables += sum(bool(r.group_block_ids[g]) for g in cross)
                 for table, cached in zip([r.block_ids, *r.group_block_ids],
                                          [r.num_cached_blocks, *r.group_num_cached], strict=True):  # fmt: skip
                     nulls += bool(table) and table[0] == 0
                     window_hits += bool(table) and table[0] == 0 and cached == len(table)
         twin.drain()
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
-    assert nulls > 0 and window_hits > 0, (nulls, window_hits)
+    assert nulls > 0 and window_hits > 0 and cross_tables > 0, (nulls, window_hits, cross_tables)
 
 
 # The waiting orders beyond fcfs/priority/fair under memory pressure (preemption, eviction of warm prefixes):

@@ -227,3 +227,92 @@ def test_usage_counts_every_group() -> None:
     s.add_request("a", np.arange(10, dtype=np.int32), max_tokens=2)
     s.schedule()
     assert s.num_free_blocks == 39 - 3 * 3
+
+
+# --- cross-attention groups ("cross": vLLM's CrossAttentionSpec, encoder-decoder models)
+
+
+def group_new(out: Any, rid: str, g: int) -> list[int]:
+    k = list(out.req_ids).index(rid)
+    p = out.group_new_block_ids_indptr(g)
+    return [int(b) for b in out.group_new_block_ids(g)[p[k] : p[k + 1]]]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_attention_blocks_follow_the_encoder_length(impl: str) -> None:
+    # vLLM 0.33 (CrossAttentionManager): ceil(encoder tokens / block size) blocks at the first allocation, in
+    # group order after the decoder's; none for a request without encoder output; nothing more while it decodes.
+    s = make(impl, kv_cache_groups=(None, "cross"), enable_prefix_caching=False)
+    assert s.config.kv_cache_groups == (None, "cross")
+    s.add_request("a", list(range(6)), max_tokens=8, cross_attention_tokens=9)
+    s.add_request("b", list(range(5)), max_tokens=8)
+    s.add_request("c", list(range(3)), max_tokens=8, cross_attention_tokens=4)
+    out = s.schedule()
+    assert tables(s, "a", 2) == [[1, 2], [3, 4, 5]]
+    assert tables(s, "b", 2) == [[6, 7], []]
+    assert tables(s, "c", 2) == [[8], [9]]
+    assert [group_new(out, r, 1) for r in "abc"] == [[3, 4, 5], [], [9]]
+    assert [group_new(out, r, 0) for r in "abc"] == [[1, 2], [6, 7], [8]]
+    s.check_invariants()
+    for _ in range(4):  # decodes: group 0 grows, the cross-attention tables do not
+        s.update_from_output(out, [[7], [7], [7]])
+        out = s.schedule()
+        assert [group_new(out, r, 1) for r in "abc"] == [[], [], []]
+    assert tables(s, "a", 2) == [[1, 2, 11], [3, 4, 5]]
+    assert tables(s, "c", 2) == [[8, 10], [9]]
+    s.check_invariants()
+    s.update_from_output(out, [[7], [7], [7]])
+    num_free = s.num_free_blocks
+    s.abort_requests(["a"])
+    assert s.num_free_blocks == num_free + 6
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_attention_blocks_count_against_the_pool_and_come_back_after_preemption(impl: str) -> None:
+    # 9 usable blocks of 4 tokens: "a" takes 2 decoder + 3 cross blocks, "b" 1 + 3; when "a" needs a third
+    # decoder block the pool is empty and "b" (the last admitted) is preempted, freeing its cross-attention
+    # blocks too; readmitted, it takes them anew.
+    s = make(impl, num_blocks=10, kv_cache_groups=(None, "cross"), enable_prefix_caching=False)
+    s.add_request("a", list(range(7)), max_tokens=8, cross_attention_tokens=12)
+    s.add_request("b", list(range(3)), max_tokens=8, cross_attention_tokens=9)
+    out = s.schedule()
+    assert tables(s, "a", 2) == [[1, 2], [3, 4, 5]]
+    assert tables(s, "b", 2) == [[6], [7, 8, 9]]
+    assert s.num_free_blocks == 0
+    s.update_from_output(out, [[7], [7]])
+    out = s.schedule()  # both still fit their blocks
+    assert not list(out.preempted_req_ids)
+    s.update_from_output(out, [[7], [7]])
+    out = s.schedule()  # "a" needs a third decoder block for its 9th token
+    assert list(out.preempted_req_ids) == ["b"]
+    assert tables(s, "b", 2) == [[], []]
+    assert s.num_free_blocks == 3  # its 4 blocks back, one of them now "a"'s
+    s.check_invariants()
+    s.update_from_output(out, [[7]])
+    s.abort_requests(["a"])
+    out = s.schedule()
+    assert list(out.resumed_req_ids) == ["b"]
+    assert len(group_new(out, "b", 1)) == 3 and len(group_new(out, "b", 0)) == 2
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_attention_tokens_and_groups_are_checked(impl: str) -> None:
+    with pytest.raises(InvalidConfigError, match="enable_prefix_caching=False"):
+        make(impl, kv_cache_groups=(None, "cross"))
+    with pytest.raises(InvalidConfigError, match="cannot start with a cross-attention group"):
+        make(impl, kv_cache_groups=("cross", None), enable_prefix_caching=False)
+    with pytest.raises(InvalidConfigError, match="'cross'"):
+        make(impl, kv_cache_groups=(None, "crossattn"), enable_prefix_caching=False)
+    plain = make(impl, kv_cache_groups=(None, 8))
+    with pytest.raises(InvalidRequestError, match="needs a cross-attention group"):
+        plain.add_request("a", [1, 2], cross_attention_tokens=4)
+    s = make(impl, kv_cache_groups=(None, "cross"), enable_prefix_caching=False)
+    with pytest.raises(InvalidRequestError, match="more than the KV cache"):
+        s.add_request("a", [1, 2], cross_attention_tokens=4 * 40)
+    with pytest.raises(InvalidRequestError, match="must be in"):
+        s.add_request("a", [1, 2], cross_attention_tokens=-1)
+    with pytest.raises(InvalidRequestError, match="streaming-input session"):
+        s.add_request("a", [1, 2], cross_attention_tokens=4, resumable=True)
+    assert s.num_unfinished_requests == 0

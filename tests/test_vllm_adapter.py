@@ -709,3 +709,77 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
     other = SlidingWindowSpec(sliding_window=64, **_attention_kw(head_size=2))
     with pytest.raises(UnsupportedFeatureError, match="same window but different specs"):
         build(make_vllm_config(block_size=16), full, window, other)
+
+
+def _encoder_decoder_pair(num_blocks: int, budget: int) -> list[Any]:
+    """vLLM's scheduler and kvsched's, each with a full-attention and a cross-attention group, turned into
+    encoder-decoder schedulers on the built object as vLLM's tests do."""
+    from vllm.v1.core.encoder_cache_manager import EncoderDecoderCacheManager
+
+    cfg = make_vllm_config(block_size=4, num_blocks=num_blocks, max_model_len=64, enable_prefix_caching=False)
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=(None, "cross")) for impl in ("vllm", "kvsched")]
+    for s in pair:
+        s.is_encoder_decoder = True
+        s.max_num_encoder_input_tokens = budget
+        s.encoder_cache_manager = EncoderDecoderCacheManager(cache_size=budget)
+    return pair
+
+
+def test_cross_attention_groups_schedule_as_vllms_encoder_decoder_scheduler() -> None:
+    """A CrossAttentionSpec group becomes the core's cross-attention group: each request's encoder output takes
+    ceil(tokens / block size) blocks at its admission (again after a preemption), NewRequestData carries that
+    table, scheduled_encoder_inputs and free_encoder_mm_hashes follow vLLM's EncoderDecoderCacheManager; the
+    same outputs as vLLM's scheduler step by step, with preemptions in a tight pool."""
+    from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
+
+    pair = _encoder_decoder_pair(num_blocks=16, budget=4096)
+    specs = [(6, 9, "a"), (5, 0, ""), (7, 14, "c"), (3, 4, "d")]
+    for s in pair:
+        for k, (n, enc, ident) in enumerate(specs):
+            images = [(0, enc, f"enc-{ident}")] if enc else []
+            s.add_request(make_request(f"r{k}", list(range(10 * k, 10 * k + n)), max_tokens=14, block_size=4,
+                                       images=images))  # fmt: skip
+    cross = [[m for m in s.kv_cache_manager.coordinator.single_type_managers] for s in pair]
+    assert [isinstance(m, CrossAttentionManager) for m in cross[1]] == [False, True]
+    seen = {"cross_blocks": False, "freed": False, "preempted": False, "resumed_cross": False}
+    for _ in range(40):
+        outs, _ = step_pair(pair)
+        so = outs[1]
+        for new in so.scheduled_new_reqs:
+            seen["cross_blocks"] |= bool(new.block_ids[1])
+        seen["freed"] |= bool(so.free_encoder_mm_hashes)
+        seen["preempted"] |= bool(so.preempted_req_ids)
+        cached = so.scheduled_cached_reqs
+        for rid, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if rid in cached.resumed_req_ids and blocks is not None:
+                seen["resumed_cross"] |= bool(blocks[1])
+        for s in pair:
+            for r in s.requests:
+                assert len(cross[0][1].req_to_blocks.get(r, [])) == len(cross[1][1].req_to_blocks.get(r, []))
+        if not pair[0].requests:
+            break
+    assert all(seen.values()), seen
+    assert not pair[1].requests
+
+
+def test_what_cross_attention_groups_do_not_support_is_refused_by_name() -> None:
+    """Prefix caching with a cross-attention group, a cross-attention group 0, encoder-decoder scheduling without
+    a cross-attention group, and a request whose encoder input exceeds the encoder budget are refused."""
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, FullAttentionSpec
+
+    kw = _attention_kw()
+    full, cross = FullAttentionSpec(**kw), CrossAttentionSpec(**kw)
+    with pytest.raises(UnsupportedFeatureError, match="prefix caching with a cross-attention KV cache group"):
+        _build_with_groups(make_vllm_config(block_size=16), full, cross)
+    with pytest.raises(UnsupportedFeatureError, match="cross-attention KV cache group first"):
+        _build_with_groups(make_vllm_config(block_size=16, enable_prefix_caching=False), cross, full)
+    plain = make_scheduler("kvsched", make_vllm_config(block_size=4, num_blocks=16), kv_cache_groups=(None, 8))
+    with pytest.raises(UnsupportedFeatureError, match="only with a cross-attention KV cache group"):
+        plain.is_encoder_decoder = True
+    pair = _encoder_decoder_pair(num_blocks=16, budget=8)
+    kv = pair[1]
+    kv.add_request(make_request("big", [1, 2, 3], max_tokens=4, block_size=4, images=[(0, 9, "enc")]))
+    out = kv.schedule()
+    assert not out.scheduled_new_reqs
+    (result,) = kv.update_from_output(out, _mro(out, 9)).values()
+    assert result.outputs[0].finish_reason == FinishReason.ERROR

@@ -17,6 +17,8 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from ._errors import InvalidConfigError, SchedulerTypeError
 
+#: The ``kv_cache_groups`` entry of a cross-attention group (vLLM's ``CrossAttentionSpec``, encoder-decoder models).
+CROSS_ATTENTION = "cross"
 #: The most KV cache groups ``kv_cache_groups`` may list.
 MAX_KV_CACHE_GROUPS = 64
 
@@ -554,14 +556,15 @@ class SchedulerConfig:
             lo=1,
         ),
     )
-    kv_cache_groups: tuple[int | None, ...] | None = field(
+    kv_cache_groups: tuple[int | str | None, ...] | None = field(
         default=None,
         metadata=_spec(
             "several KV cache groups in one pool, all with `block_size` (vLLM's hybrid models: full attention plus "
-            "sliding-window layers): one entry per group, None for full attention or an int window; each request "
-            "holds one block table per group and a prefix hit must be valid for every group (see "
-            "[Several KV cache groups](#several-kv-cache-groups)); None = one group",
-            valid="None or 2 to 64 entries, each None or an int >= 1",
+            "sliding-window layers; encoder-decoder models: plus cross attention): one entry per group, None for "
+            "full attention, an int window, or `'cross'` for cross attention (not group 0; needs "
+            "`enable_prefix_caching=False`); each request holds one block table per group and a prefix hit must be "
+            "valid for every group (see [Several KV cache groups](#several-kv-cache-groups)); None = one group",
+            valid="None or 2 to 64 entries, each None, an int >= 1 or 'cross'",
         ),
     )
     max_num_scheduled_tokens: int | None = field(
@@ -609,14 +612,19 @@ class SchedulerConfig:
         if groups is not None:
             if isinstance(groups, (str, bytes, Mapping)) or not hasattr(groups, "__iter__"):
                 raise InvalidConfigError(
-                    f"kv_cache_groups must be None or a list of None (full attention) and int windows, got {groups!r}"
+                    "kv_cache_groups must be None or a list of None (full attention), int windows and 'cross' "
+                    f"(cross attention), got {groups!r}"
                 )
             groups = tuple(groups)
             for window in groups:
-                if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+                if (
+                    window is not None
+                    and window != CROSS_ATTENTION
+                    and (isinstance(window, bool) or not isinstance(window, int))
+                ):
                     raise InvalidConfigError(
-                        "kv_cache_groups must be None or a list of None (full attention) and int windows, "
-                        f"got {self.kv_cache_groups!r}"
+                        "kv_cache_groups must be None or a list of None (full attention), int windows and 'cross' "
+                        f"(cross attention), got {self.kv_cache_groups!r}"
                     )
             object.__setattr__(self, "kv_cache_groups", groups)
 
@@ -689,9 +697,18 @@ class SchedulerConfig:
                 f"kv_cache_groups must list 2 to {MAX_KV_CACHE_GROUPS} groups (one group is the plain config or "
                 f"sliding_window), got {len(groups)}"
             )
-        bad = next((w for w in groups if w is not None and not 1 <= w <= I32_MAX), None)
+        bad = next((w for w in groups if isinstance(w, int) and not 1 <= w <= I32_MAX), None)
         if bad is not None:
             raise InvalidConfigError(f"kv_cache_groups windows must be in [1, {I32_MAX}], got {bad}")
+        if groups[0] == CROSS_ATTENTION:
+            raise InvalidConfigError(
+                "kv_cache_groups cannot start with a cross-attention group (group 0 holds the decoder's tokens)"
+            )
+        if self.enable_prefix_caching and CROSS_ATTENTION in groups:
+            raise InvalidConfigError(
+                "kv_cache_groups with a cross-attention group needs enable_prefix_caching=False (cross-attention "
+                "blocks are never cached, and vLLM cannot look up a prefix with them)"
+            )
         if self.sliding_window is not None:
             raise InvalidConfigError(
                 f"kv_cache_groups cannot be combined with sliding_window ({self.sliding_window}): give the window "

@@ -8,12 +8,46 @@ from __future__ import annotations
 
 import math
 
+from .._errors import InvalidRequestError, SchedulerTypeError
+from ..config import CROSS_ATTENTION
 from .block_pool import _BlockPoolMixin
 from .request import _Request
+
+_I32_MAX = 2**31 - 1
+_CROSS = -1  # a cross-attention group's entry in _group_windows
 
 
 class _KVCacheManagerMixin(_BlockPoolMixin):
     """What a request asks of the block pool."""
+
+    def _check_cross_attention_tokens(self, req_id: str, tokens: object, resumable: object) -> int:
+        """``add_request``'s check of ``cross_attention_tokens``: an int in [0, 2**31), only with a cross-attention
+        group, not for a streaming-input session, its blocks within the whole cache. Returns it (0 for None)."""
+        if tokens is None:
+            return 0
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise SchedulerTypeError(f"cross_attention_tokens must be an int, got {type(tokens).__name__}")
+        if not 0 <= tokens <= _I32_MAX:
+            raise InvalidRequestError(f"cross_attention_tokens must be in [0, {_I32_MAX}], got {tokens}")
+        if tokens == 0:
+            return 0
+        c = self._config
+        if CROSS_ATTENTION not in (c.kv_cache_groups or ()):
+            raise InvalidRequestError(
+                f"request {req_id!r}: cross_attention_tokens ({tokens}) needs a cross-attention group in "
+                "kv_cache_groups"
+            )
+        if resumable:
+            raise InvalidRequestError(
+                f"request {req_id!r}: a streaming-input session (resumable) cannot have cross_attention_tokens"
+            )
+        blocks = math.ceil(tokens / self._bs)
+        if blocks > c.num_usable_blocks:
+            raise InvalidRequestError(
+                f"request {req_id!r}: cross_attention_tokens ({tokens}) need {blocks} blocks, more than the KV "
+                f"cache's {c.num_usable_blocks} usable blocks"
+            )
+        return tokens
 
     def _update_block_hashes(self, r: _Request) -> None:
         if self._config.enable_prefix_caching:
@@ -175,10 +209,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
     # --- several KV cache groups (``kv_cache_groups``; the core's ``hybrid.rs``)
 
     def _group_windows(self) -> tuple[int, ...]:
-        """Each group's window, 0 for full attention."""
+        """Each group's window, 0 for full attention, -1 for cross attention."""
         groups = self._config.kv_cache_groups
         assert groups is not None
-        return tuple(0 if w is None else w for w in groups)
+        return tuple(0 if w is None else _CROSS if w == CROSS_ATTENTION else int(w) for w in groups)
+
+    def _cross_blocks_to_add(self, r: _Request, held: int) -> int:
+        """The blocks a cross-attention table of ``held`` blocks still needs for ``r``'s encoder output."""
+        return max(0, math.ceil(r.cross_attention_tokens / self._bs) - held)
 
     @staticmethod
     def _group_key(h: bytes, g: int) -> bytes:
@@ -205,6 +243,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         windows = self._group_windows()
         sets: list[tuple[int, list[int]]] = []
         for g, w in enumerate(windows):
+            if w == _CROSS:
+                continue  # never cached: no part of a lookup
             for sw, ids in sets:
                 if sw == w:
                     ids.append(g)
@@ -275,6 +315,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         total = 0
         for g, w in enumerate(self._group_windows()):
             held, ghits = len(self._group_table(r, g)), all_hits[g]
+            if w == _CROSS:
+                total += self._cross_blocks_to_add(r, held) if not r.block_ids else 0
+                continue
             if w == 0:
                 total += max(0, required - held - len(ghits)) + sum(1 for b in ghits if self._ref_cnt[b] == 0)
                 continue
@@ -300,13 +343,18 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         total_computed = r.num_computed_tokens + len(hits) * bs + ext
         processed = max(0, total_computed - r.num_in_flight_tokens)
         for g, w in enumerate(windows):
-            if w:
+            if w > 0:
                 self._remove_group_skipped(r, g, w, processed)
         fresh = not r.block_ids
         num_slots = min(total_computed + n + lookahead, c.max_slots_per_request)
         plan = []
         total_need = evictable = 0
         for g, w in enumerate(windows):
+            if w == _CROSS:  # the encoder output's blocks, at the first allocation only
+                need = self._cross_blocks_to_add(r, len(self._group_table(r, g))) if fresh else 0
+                total_need += need
+                plan.append((0, need))
+                continue
             skipped = max(0, total_computed - w + 1) // bs if fresh and w else 0
             need = max(0, math.ceil(num_slots / bs) - len(self._group_table(r, g)) - max(skipped, len(hits)))
             evictable += sum(1 for b in all_hits[g][skipped:] if b != 0 and self._ref_cnt[b] == 0)
@@ -350,6 +398,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         (null blocks skipped; a window of one token caches nothing), group by group."""
         num_full = min(num_tokens // self._bs, len(r.block_hashes), len(r.block_ids))
         for g, w in enumerate(self._group_windows()):
+            if w == _CROSS:
+                continue
             table = self._group_table(r, g)
             first = r.num_cached_blocks if g == 0 else r.group_num_cached[g - 1]
             if num_full <= first:

@@ -28,6 +28,7 @@ class SchedulerOutput:
         "_encoder_hashes",
         "_entries",
         "_group_new_block_ids",
+        "_group_new_block_ids_indptr",
         "_owner",
         "_swapped_out",
         "finished_req_ids",
@@ -79,15 +80,25 @@ class SchedulerOutput:
     _cached_blocks: list[tuple[int, bytes]]  # (block, hash) this step entered into the prefix cache
     _swapped_out: list[_Request]  # victims this step swapped out
     _group_new_block_ids: list[np.ndarray]  # groups 1..'s new block ids, laid out as new_block_ids
+    _group_new_block_ids_indptr: list[np.ndarray]  # their CSR offsets
 
     def group_new_block_ids(self, group: int) -> np.ndarray:
-        """Group ``group``'s new block ids, laid out as ``new_block_ids`` (same indptr); group 0's are
-        ``new_block_ids``."""
+        """Group ``group``'s new block ids, laid out as ``new_block_ids`` (CSR offsets:
+        ``group_new_block_ids_indptr(group)``); group 0's are ``new_block_ids``."""
         if group == 0:
             return self.new_block_ids
         if not 0 < group <= len(self._group_new_block_ids):
             raise IndexError(f"group must be in [0, {len(self._group_new_block_ids) + 1}), got {group}")
         return self._group_new_block_ids[group - 1]
+
+    def group_new_block_ids_indptr(self, group: int) -> np.ndarray:
+        """The CSR offsets of ``group_new_block_ids(group)``: ``new_block_ids_indptr`` for every group but a
+        cross-attention one."""
+        if group == 0:
+            return self.new_block_ids_indptr
+        if not 0 < group <= len(self._group_new_block_ids_indptr):
+            raise IndexError(f"group must be in [0, {len(self._group_new_block_ids_indptr) + 1}), got {group}")
+        return self._group_new_block_ids_indptr[group - 1]
 
     def __init__(self, **fields: Any) -> None:
         for name, value in fields.items():

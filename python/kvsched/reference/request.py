@@ -23,6 +23,7 @@ class _Request:
         "block_ids",
         "cache_salt",
         "cpu_blocks",
+        "cross_attention_tokens",
         "deadline",
         "deferred",
         "drafts",
@@ -101,6 +102,7 @@ class _Request:
         self.token_ids = prompt  # prompt then outputs
         self.num_prompt_tokens = len(prompt)
         self.resumable = False  # a streaming-input session (stream.py)
+        self.cross_attention_tokens = 0  # encoder output tokens its cross-attention group holds blocks for
         for name, value in params.items():
             setattr(self, name, value)
         self.status = RequestStatus.WAITING

@@ -25,7 +25,7 @@ from .._errors import (
     SchedulerTypeError,
 )
 from .._types import RequestStatus, SchedulerStats, TenantStats
-from ..config import SchedulerConfig, check_tenant_weight, tenant_cache_salt
+from ..config import CROSS_ATTENTION, SchedulerConfig, check_tenant_weight, tenant_cache_salt
 from .convert import (
     _I64_MAX,
     _I64_MIN,
@@ -75,6 +75,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         ttft_slo_s: float | None = None,
         order_key: int | None = None,
         resumable: bool | None = False,
+        cross_attention_tokens: int | None = None,
     ) -> None:
         """Queue a new request (status WAITING, or WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR with ``ready=False``
         until :meth:`set_ready`). Validates every argument first; on error nothing changes."""
@@ -155,6 +156,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         resumable = False if resumable is None else resumable
         if not isinstance(resumable, bool):
             raise SchedulerTypeError(f"resumable must be a bool, got {type(resumable).__name__}")
+        cross = self._check_cross_attention_tokens(req_id, cross_attention_tokens, resumable)
         if resumable:
             self._check_resumable(req_id, inputs, ready)
         # The most KV slots it ever holds (all its tokens but the last sampled one) must fit the whole cache, and,
@@ -201,6 +203,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             ttft_slo_s=ttft_slo_s,
             order_key=0 if order_key is None else int(order_key),
             resumable=resumable,
+            cross_attention_tokens=cross,
         )
         if c.kv_cache_groups is not None:
             r.group_block_ids = [[] for _ in c.kv_cache_groups[1:]]
@@ -524,6 +527,12 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         for r in self._requests.values():
             require(len(r.group_block_ids) + 1 == len(windows), f"{r.req_id}: one table per group")
             for g, table in enumerate([r.block_ids, *r.group_block_ids]):
+                if windows[g] == CROSS_ATTENTION:  # the encoder output's blocks, from the first allocation on
+                    want = math.ceil(r.cross_attention_tokens / bs) if r.block_ids else 0
+                    require(len(table) == want and r.group_num_cached[g - 1] == 0, f"{r.req_id}: cross group {g}")
+                    for b in table:
+                        holders[b] += 1
+                    continue
                 require(len(table) == len(r.block_ids), f"{r.req_id}: group {g}'s table as long as group 0's")
                 # A sliding window's table starts with the null blocks of the blocks that left the window.
                 live = table[next((k for k, b in enumerate(table) if b != 0), len(table)) :]

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._errors import InternalError, SchedulerTypeError
 from .._types import RequestStatus
+from ..config import CROSS_ATTENTION
 from .admission import _AdmissionMixin
 from .connector_sched import _ConnectorMixin
 from .convert import _indptr
@@ -238,6 +239,20 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         enc_hashes += [e[0].encoder_inputs[i][2] for e, ids in zip(scheduled, load_ids, strict=True) for i in ids]
         self._stats["encoder_inputs"] += len(work)
         self._stats["encoder_tokens"] += sum(x.encoder_inputs[i][1] for x, i in work)
+        # Groups 1..'s new blocks per request: the last ones of each table, as many as group 0's; a
+        # cross-attention table is taken whole by a new or resumed request and never grows.
+        groups: list[list[list[int]]] = []
+        for g, w in enumerate((c.kv_cache_groups or (None,))[1:]):
+            groups.append(
+                [
+                    list(e[0].group_block_ids[g])
+                    if w == CROSS_ATTENTION and e[5] in ("new", "resumed")
+                    else []
+                    if w == CROSS_ATTENTION
+                    else e[0].group_block_ids[g][len(e[0].group_block_ids[g]) - len(e[3]) :]
+                    for e in scheduled
+                ]
+            )
         entries = []
         if scheduled:  # a non-empty step: its requests' blocks are written until it is applied
             self._sched_step_seq += 1
@@ -277,13 +292,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             _entries=entries,
             _cached_blocks=self._newly_cached,
             _swapped_out=[r for r in preempted if r.cpu_blocks],
-            _group_new_block_ids=[
-                np.array(
-                    [b for e in scheduled for b in e[0].group_block_ids[g][len(e[0].group_block_ids[g]) - len(e[3]) :]],
-                    dtype=np.int32,
-                )
-                for g in range(len(c.kv_cache_groups or ()) - 1)
-            ],
+            _group_new_block_ids=[np.array([b for ids in per_req for b in ids], dtype=np.int32) for per_req in groups],
+            _group_new_block_ids_indptr=[_indptr([len(ids) for ids in per_req]) for per_req in groups],
         )
         self._newly_cached = []
         self._next_step_id += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvsched.config import SchedulerConfig
+from kvsched.config import CROSS_ATTENTION, SchedulerConfig
 
 from ._compat import RULES
 from ._errors import UnsupportedFeatureError
@@ -37,17 +37,18 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
 
 
-def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | None]:
+def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | str | None]:
     """Refuses the KV cache layouts the core does not implement; returns each KV cache group's sliding window, in
-    vLLM's group order (None: full attention).
+    vLLM's group order (None: full attention, ``"cross"``: cross attention).
 
-    Several groups (hybrid models: full-attention and sliding-window layers) map to the core's
-    ``kv_cache_groups``, one entry per vLLM group, all of one block size."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    Several groups (hybrid models: full-attention and sliding-window layers; encoder-decoder models: plus
+    cross-attention layers) map to the core's ``kv_cache_groups``, one entry per vLLM group, all of one block
+    size."""
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     groups = list(kv_cache_config.kv_cache_groups)
     hybrid = len(groups) > 1
-    windows: list[int | None] = []
+    windows: list[int | str | None] = []
     # vLLM looks up the prefix hit of groups with equal specs together; the core does so for equal windows.
     window_specs: dict[int, Any] = {}
     for g, group in enumerate(groups):
@@ -55,7 +56,7 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | 
         where = f"KV cache group {g}: " if hybrid else ""
         # Plain full attention, or sliding-window attention: chunked-local, Mamba, MLA, cross-attention and the
         # other specs subclass or differ from them.
-        window: int | None = None
+        window: int | str | None = None
         if getattr(spec, "bounded_replay", False):
             # vLLM 0.33 recomputes the tail of a prefix hit to rebuild such a window (prefix replay).
             _refuse(
@@ -73,10 +74,15 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | 
                     f"{where}sliding_window={window}",
                 )
             window_specs[window] = spec
+        elif type(spec) is CrossAttentionSpec:
+            # The encoder output's blocks of an encoder-decoder model (vLLM's CrossAttentionManager).
+            window = CROSS_ATTENTION
+            if g == 0:
+                _refuse("a cross-attention KV cache group first (the core's group 0 holds the decoder's tokens)", where)
         elif type(spec) is not FullAttentionSpec:
             _refuse(
                 f"the KV cache spec {type(spec).__name__}",
-                f"{where}only FullAttentionSpec and SlidingWindowSpec are supported",
+                f"{where}only FullAttentionSpec, SlidingWindowSpec and CrossAttentionSpec are supported",
             )
         elif getattr(spec, "sliding_window", None):
             _refuse("full-attention specs with a sliding window", f"{where}sliding_window={spec.sliding_window}")
@@ -90,7 +96,7 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | 
         windows.append(window)
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
-    has_window = any(w is not None for w in windows)
+    has_window = any(isinstance(w, int) for w in windows)
     if has_window and getattr(kv_cache_config, "prefix_cache_retention_interval", None) is not None:
         _refuse("sparse prefix-cache retention of sliding windows", "prefix_cache_retention_interval")
     return windows
@@ -130,7 +136,7 @@ def kvsched_config_from_vllm(
     kv_cache_config: Any,
     block_size: int,
     hash_block_size: int | None,
-    windows: list[int | None] | None = None,
+    windows: list[int | str | None] | None = None,
 ) -> tuple[SchedulerConfig, int]:
     """The kvsched config for ``vllm_config`` and the number of speculative tokens; raises for unsupported ones.
 
@@ -178,6 +184,10 @@ def kvsched_config_from_vllm(
             _refuse("KV connectors with several KV cache groups", f"kv_transfer_config, {num}")
         if kv_events_enabled(vllm_config):
             _refuse("KV cache events with several KV cache groups", f"kv_events_config, {num}")
+        if CROSS_ATTENTION in windows and cache.enable_prefix_caching:
+            # vLLM's CrossAttentionManager cannot look up a prefix (vLLM turns prefix caching off for
+            # encoder-decoder models).
+            _refuse("prefix caching with a cross-attention KV cache group", "enable_prefix_caching=True")
         victim = knobs.get("preemption_victim", "default")
         if victim != "default":
             _refuse(

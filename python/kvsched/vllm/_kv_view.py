@@ -301,6 +301,28 @@ class _SingleTypeManager(_ReadOnly):
         init(self, "num_cached_block", _NumCachedBlock(sched, holding))
 
 
+class _CrossAttentionManager(_SingleTypeManager):
+    """vLLM's ``CrossAttentionManager`` of a cross-attention group (encoder-decoder models): the encoder output's
+    blocks of each request. vLLM's coordinator and tests tell the group kind by ``isinstance`` against that class,
+    so this view answers such a check as vLLM's manager would (its ``__class__``); its type stays the view's."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
+
+        cls: type = CrossAttentionManager
+        return cls
+
+
+def _manager(sched: Scheduler, spec: Any, pool: BlockPoolView, group: int) -> _SingleTypeManager:
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec
+
+    cls = _CrossAttentionManager if type(spec) is CrossAttentionSpec else _SingleTypeManager
+    return cls(sched, spec, pool, group)
+
+
 class _Coordinator(_ReadOnly):
     """vLLM's ``KVCacheCoordinator``: ``single_type_managers`` (one per KV cache group), ``block_pool``."""
 
@@ -350,7 +372,7 @@ class KVCacheManagerView(_ReadOnly):
         config = sched.kv_config
         pool = BlockPoolView(sched.core, config.num_blocks, config.enable_prefix_caching)
         groups = list(sched.kv_cache_config.kv_cache_groups)
-        managers = tuple(_SingleTypeManager(sched, group.kv_cache_spec, pool, g) for g, group in enumerate(groups))
+        managers = tuple(_manager(sched, group.kv_cache_spec, pool, g) for g, group in enumerate(groups))
         init(self, "_sched", sched)
         init(self, "kv_cache_config", sched.kv_cache_config)
         init(self, "max_model_len", sched.max_model_len)

@@ -35,7 +35,7 @@ from kvsched._core import vllm_sha256_block_hashes
 from kvsched._errors import InvalidRequestError, QueueFullError, SchedulerTypeError
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
-from kvsched.config import tenant_cache_salt
+from kvsched.config import CROSS_ATTENTION, tenant_cache_salt
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._compat import RULES
@@ -182,8 +182,15 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             vllm_config, kv_cache_config, block_size, hash_block_size, windows
         )
         # Each KV cache group's sliding window (None: full attention), in vLLM's group order.
-        self._group_windows: tuple[int | None, ...] = tuple(windows)
+        self._group_windows: tuple[int | str | None, ...] = tuple(windows)
         self._num_groups = len(windows)
+        # Encoder-decoder scheduling (``is_encoder_decoder`` set on a built scheduler with a cross-attention group,
+        # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
+        # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
+        # EncoderDecoderCacheManager does.
+        self._enc_dec = False
+        self._enc_dec_allocated: list[str] = []
+        self._enc_dec_to_free: list[str] = []
         # Multimodal models: vLLM's encoder compute budget and encoder cache size for the model.
         # (Both can be set later: max_num_encoder_input_tokens and encoder_cache_manager below.)
         max_num_encoder_input_tokens, encoder_cache_size = encoder_budget(vllm_config, mm_registry)
@@ -389,7 +396,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             )
         client_salt = request.cache_salt
         encoder_inputs = None
-        if request.mm_features:
+        cross_tokens = 0
+        if request.mm_features and self._enc_dec:
+            # Encoder-decoder: the encoder output is the cross-attention layers' input, not prompt positions.
+            cross_tokens = sum(f.mm_position.get_num_embeds() for f in request.mm_features)
+            budget = self.max_num_encoder_input_tokens
+            if rejected is None and cross_tokens > budget:
+                # vLLM's scheduler would skip it at every step (its encoder input never fits the budget).
+                rejected = UnsupportedFeatureError(
+                    f"request {req_id!r}: its encoder inputs ({cross_tokens} tokens) exceed the encoder compute "
+                    f"budget ({budget} tokens); vLLM's scheduler would never schedule it"
+                )
+        elif request.mm_features:
             if self._mm is None:
                 raise UnsupportedFeatureError(
                     f"request {req_id!r}: multimodal inputs for a model without an encoder cache "
@@ -421,6 +439,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # Prompt logprobs: vLLM never reads the prefix cache for them (and leaves them out of its stats).
                 skip_reading_prefix_cache=bool(request.skip_reading_prefix_cache),
                 encoder_inputs=encoder_inputs,
+                **({"cross_attention_tokens": cross_tokens} if cross_tokens else {}),
             )
         except BaseException:
             if self._mm is not None:
@@ -837,12 +856,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         computed: list[int] = out.num_computed_tokens.tolist()
         block_ptr_arr = out.new_block_ids_indptr
         block_ids: list[int] = out.new_block_ids.tolist()
-        # Several KV cache groups: every group's new blocks, laid out as group 0's (same offsets).
-        group_ids: list[list[int]] | None = (
-            [block_ids] + [out.group_new_block_ids(g).tolist() for g in range(1, self._num_groups)]
-            if self._num_groups > 1
-            else None
-        )
+        # Several KV cache groups: every group's new blocks and their offsets (group 0's but for cross attention).
+        group_ids: list[list[int]] | None = None
+        group_ptrs: list[list[int]] = []
+        if self._num_groups > 1:
+            group_ids = [block_ids] + [out.group_new_block_ids(g).tolist() for g in range(1, self._num_groups)]
+            group_ptrs = [block_ptr_arr.tolist()] + [
+                out.group_new_block_ids_indptr(g).tolist() for g in range(1, self._num_groups)
+            ]
         spec_ids = out.spec_token_ids
         spec_ptr: list[int] | None = out.spec_token_ids_indptr.tolist() if len(spec_ids) else None
         spec_list: list[int] = spec_ids.tolist() if spec_ptr is not None else []
@@ -887,7 +908,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             got = np.flatnonzero(block_ptr_arr[1 : num_run + 1] != block_ptr_arr[:num_run])
             starts, ends = block_ptr_arr[got].tolist(), block_ptr_arr[got + 1].tolist()
             for i, b0, b1 in zip(got.tolist(), starts, ends, strict=True):
-                run_blocks[i] = (block_ids[b0:b1],) if group_ids is None else tuple(ids[b0:b1] for ids in group_ids)
+                run_blocks[i] = (
+                    (block_ids[b0:b1],)
+                    if group_ids is None
+                    else tuple(ids[p[i] : p[i + 1]] for ids, p in zip(group_ids, group_ptrs, strict=True))
+                )
         if spec_ptr is not None:
             for i in range(num_run):
                 if spec_ptr[i + 1] > spec_ptr[i]:
@@ -1001,7 +1026,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 c = computed[i]
                 b0 = int(block_ptr_arr[i])
                 b1 = int(block_ptr_arr[i + 1])
-                blocks = (block_ids[b0:b1],) if group_ids is None else tuple(ids[b0:b1] for ids in group_ids)
+                blocks = (
+                    (block_ids[b0:b1],)
+                    if group_ids is None
+                    else tuple(ids[p[i] : p[i + 1]] for ids, p in zip(group_ids, group_ptrs, strict=True))
+                )
                 if spec_ptr is not None and spec_ptr[i + 1] > spec_ptr[i]:
                     spec_tokens[req_id] = spec_list[spec_ptr[i] : spec_ptr[i + 1]]
                 if not drafts_needed and not self._drafts_unused(request, c, n):
@@ -1067,6 +1096,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 free_encoder_mm_hashes = self._mm.freed(out.free_encoder_hashes.tolist())
             if self._encoder_stats and encoder_inputs:
                 encoder_stats = self._encoder_input_stats(encoder_inputs)
+        elif self._enc_dec:
+            encoder_inputs, free_encoder_mm_hashes = self._enc_dec_encoder_inputs(out)
+            if self._encoder_stats and encoder_inputs:
+                encoder_stats = self._encoder_input_stats(encoder_inputs)
         so = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
@@ -1100,6 +1133,47 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if self._kv_events.enabled:
             self._kv_events.collect(self._core)
         return so
+
+    def _enc_dec_encoder_inputs(self, out: Any) -> tuple[dict[str, list[int]], list[str]]:
+        """Encoder-decoder: every encoder input of each request admitted (new or resumed) in this step, in the
+        step's order, and the identifiers the previous step encoded (vLLM's EncoderDecoderCacheManager releases
+        them one step later)."""
+        scheduled: dict[str, list[int]] = {}
+        fresh = set(out.new_req_ids) | set(out.resumed_req_ids)
+        for req_id in out.req_ids:
+            if req_id not in fresh:
+                continue
+            features = self.requests[req_id].mm_features
+            if features:
+                scheduled[req_id] = list(range(len(features)))
+                self._enc_dec_allocated.extend(f.identifier for f in features)
+        freed = self._enc_dec_to_free
+        self._enc_dec_to_free, self._enc_dec_allocated = self._enc_dec_allocated, []
+        return scheduled, freed
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """vLLM's flag: encoder-decoder scheduling (only set on a built scheduler, as vLLM's tests do)."""
+        return self._enc_dec
+
+    @is_encoder_decoder.setter
+    def is_encoder_decoder(self, value: bool) -> None:
+        value = bool(value)
+        if value == self._enc_dec:
+            return
+        if not value:
+            raise UnsupportedFeatureError("kvsched.vllm.Scheduler cannot turn encoder-decoder scheduling off")
+        if CROSS_ATTENTION not in self._group_windows:
+            raise UnsupportedFeatureError(
+                "kvsched.vllm.Scheduler supports encoder-decoder scheduling only with a cross-attention KV cache "
+                "group (CrossAttentionSpec)"
+            )
+        if self._mm is not None or self.use_v2_model_runner or self.requests:
+            raise UnsupportedFeatureError(
+                "kvsched.vllm.Scheduler does not support encoder-decoder scheduling with an encoder cache, with "
+                "model runner V2 (encoder_input_updates) or once requests were added"
+            )
+        self._enc_dec = True
 
     @staticmethod
     def _scheduled_encoder_inputs(req_ids: list[str], out: Any) -> dict[str, list[int]]:
@@ -1351,6 +1425,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         return min(
             self._window_hashed_tokens(table, num_cached_blocks, w)
             for table, w in zip(tables, self._group_windows, strict=True)
+            if not isinstance(w, str)  # vLLM leaves cross-attention groups out (never prefix cached)
         )
 
     def update_from_output(
@@ -2094,8 +2169,17 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def encoder_cache_manager(self, manager: Any) -> None:
         """A new, empty vLLM ``EncoderCacheManager`` in place of the scheduler's: the core's encoder cache takes its
         size (only while the core's cache holds no entry, as a new manager holds none)."""
-        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager, EncoderDecoderCacheManager
 
+        if (
+            self._enc_dec
+            and type(manager) is EncoderDecoderCacheManager
+            and manager.num_free_slots == manager.cache_size
+            and not manager.allocated
+            and not manager.to_free
+        ):
+            # Encoder-decoder: vLLM's slot count of this manager is not kept (see docs/vllm.md); nothing to size.
+            return
         if type(manager) is not EncoderCacheManager or manager.cached or manager.num_free_slots != manager.cache_size:
             raise UnsupportedFeatureError(
                 "kvsched.vllm.Scheduler does not support replacing its encoder cache manager with anything but a new, "
@@ -2114,8 +2198,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._mm = EncoderInputMap()
 
     def reset_encoder_cache(self) -> None:
-        """Without an encoder cache (a model without multimodal inputs) there is nothing to reset; the core cannot
-        drop a multimodal model's encoder outputs yet, so that is refused."""
+        """Without an encoder cache (a model without multimodal inputs) there is nothing to reset; encoder-decoder
+        scheduling forgets the identifiers still to release, as vLLM's EncoderDecoderCacheManager does; the core
+        cannot drop a multimodal model's encoder outputs yet, so that is refused."""
+        if self._enc_dec:
+            self._enc_dec_allocated.clear()
+            self._enc_dec_to_free.clear()
         if self._mm is not None:
             raise UnsupportedFeatureError("kvsched.vllm.Scheduler does not support reset_encoder_cache yet")
 

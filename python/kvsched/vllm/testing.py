@@ -312,14 +312,23 @@ def _kv_cache_config(
     num_blocks: int,
     block_size: int,
     sliding_window: int | None = None,
-    kv_cache_groups: Sequence[int | None] | None = None,
+    kv_cache_groups: Sequence[int | str | None] | None = None,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
-    (None: full attention, an int: a sliding window of that many tokens); groups of one kind share one spec."""
+    (None: full attention, an int: a sliding window of that many tokens, ``"cross"``: cross attention); groups
+    of one kind share one spec."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        CrossAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
-    def spec(window: int | None) -> Any:
+    def spec(window: int | str | None) -> Any:
+        if window == "cross":
+            return CrossAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         if window is None:
             return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         return SlidingWindowSpec(
@@ -339,12 +348,12 @@ def make_scheduler(
     log_stats: bool = True,
     include_finished_set: bool = False,
     sliding_window: int | None = None,
-    kv_cache_groups: Sequence[int | None] | None = None,
+    kv_cache_groups: Sequence[int | str | None] | None = None,
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
     full attention). ``kv_cache_groups``: a hybrid model instead, one KV cache group per entry (None: full
-    attention, an int: a sliding window of that many tokens), in that order.
+    attention, an int: a sliding window of that many tokens, ``"cross"``: cross attention), in that order.
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).

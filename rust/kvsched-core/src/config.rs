@@ -343,7 +343,8 @@ pub struct SchedulerConfig {
     pub sliding_window: Option<u32>,
     /// Several KV cache groups sharing one pool and one block size (vLLM's hybrid models: full attention plus
     /// sliding-window layers): one entry per group, `None` for full attention or `Some(w)` for a window of `w`
-    /// tokens. Each request holds one block table per group; a prefix hit must be valid for every group
+    /// tokens, or `Some(CROSS_ATTENTION)` for a cross-attention group (encoder-decoder models; not group 0).
+    /// Each request holds one block table per group; a prefix hit must be valid for every group
     /// (`kv_cache_manager.rs`, hybrid section). Empty: one group (full attention, or `sliding_window`).
     pub kv_cache_groups: Vec<Option<u32>>,
     /// Tokens computed per step (vLLM's `max_num_scheduled_tokens`), a budget apart from the model inputs
@@ -458,6 +459,10 @@ const I32_MAX: u32 = i32::MAX as u32;
 pub const MAX_NUM_BLOCKS: u32 = 1 << 24;
 /// The most KV cache groups `kv_cache_groups` may list (a group's id tags its block hashes in one byte).
 pub const MAX_KV_CACHE_GROUPS: usize = 64;
+/// A `kv_cache_groups` entry (`Some(CROSS_ATTENTION)`) for a cross-attention group (vLLM's `CrossAttentionSpec`,
+/// encoder-decoder models): a request holds `ceil(cross_attention_tokens / block_size)` blocks there, taken at its
+/// first allocation and freed with it, never cached (`hybrid.rs`). Python spells it `"cross"`.
+pub const CROSS_ATTENTION: u32 = u32::MAX;
 
 /// An integer field's fixed bounds (inclusive), and how to read it (`None`: unset, not checked).
 struct IntField {
@@ -739,8 +744,20 @@ impl SchedulerConfig {
                 groups.len()
             ));
         }
-        if let Some(w) = groups.iter().flatten().find(|&&w| w == 0 || w > I32_MAX) {
+        if let Some(w) = groups.iter().flatten().find(|&&w| w != CROSS_ATTENTION && (w == 0 || w > I32_MAX)) {
             return refuse(format!("windows must be in [1, {I32_MAX}], got {w}"));
+        }
+        if groups[0] == Some(CROSS_ATTENTION) {
+            return refuse(
+                "cannot start with a cross-attention group (group 0 holds the decoder's tokens)".into(),
+            );
+        }
+        if self.enable_prefix_caching && groups.contains(&Some(CROSS_ATTENTION)) {
+            return refuse(
+                "with a cross-attention group needs enable_prefix_caching=False (cross-attention blocks are never \
+                 cached, and vLLM cannot look up a prefix with them)"
+                    .into(),
+            );
         }
         if let Some(w) = self.sliding_window {
             return refuse(format!(

@@ -16,18 +16,24 @@
 //!   order of first appearance, each lookup capped at the hit so far, until a pass shortens nothing. Every
 //!   group's hit then has the same number of blocks (full attention trimmed to it, windows with null blocks
 //!   before their run).
+//! - **Cross-attention groups** (`CROSS_ATTENTION`, vLLM's `CrossAttentionManager`): a request's table there
+//!   holds `ceil(cross_attention_tokens / bs)` blocks, taken by its first allocation (a fresh table: an
+//!   admission, or a readmission after preemption) and never grown after; freed with the others; never cached,
+//!   never part of a lookup (the config refuses prefix caching with them). Its table is the only one not as
+//!   long as group 0's.
 //!
 //! This module holds the groups' description; `hybrid_kv.rs` holds what `KvCacheManager` does with them, off the
 //! single-group paths: `KvCacheManager` branches there only when `hybrid` is set.
 
 use std::sync::{Mutex, MutexGuard};
 
+use crate::config::CROSS_ATTENTION;
 use crate::hashing::BlockHash;
 
 /// The groups of a hybrid KV cache.
 #[derive(Debug)]
 pub struct Hybrid {
-    /// Each group's window in tokens; 0: full attention.
+    /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention.
     pub windows: Vec<u32>,
     /// Each group's admission cap in blocks (`usize::MAX` for full attention); see
     /// `KvCacheManager::admission_cap_blocks`.
@@ -55,9 +61,15 @@ impl Hybrid {
     /// `windows`: per group, `None` for full attention. `cap` gives a window's admission cap in blocks.
     pub fn new(windows: &[Option<u32>], cap: impl Fn(u32) -> usize) -> Self {
         let windows: Vec<u32> = windows.iter().map(|w| w.unwrap_or(0)).collect();
-        let caps = windows.iter().map(|&w| if w == 0 { usize::MAX } else { cap(w) }).collect();
+        let caps = windows
+            .iter()
+            .map(|&w| if w == 0 || w == CROSS_ATTENTION { usize::MAX } else { cap(w) })
+            .collect();
         let mut lookups: Vec<(u32, Vec<usize>)> = Vec::new();
         for (g, &w) in windows.iter().enumerate() {
+            if w == CROSS_ATTENTION {
+                continue;
+            }
             match lookups.iter_mut().find(|(lw, _)| *lw == w) {
                 Some((_, ids)) => ids.push(g),
                 None => lookups.push((w, vec![g])),

@@ -1,6 +1,7 @@
 //! `KvCacheManager` with several KV cache groups (`hybrid.rs` describes the groups and the rules).
 
 use crate::block_pool::NULL_BLOCK;
+use crate::config::CROSS_ATTENTION;
 use crate::hashing::BlockHash;
 use crate::hybrid::{group_key, window_skipped};
 use crate::kv_cache_manager::KvCacheManager;
@@ -151,6 +152,10 @@ impl KvCacheManager {
         let mut total = 0;
         for (g, &w) in hy.windows.iter().enumerate() {
             let held = table_ref(req, g).len();
+            if w == CROSS_ATTENTION {
+                total += if req.blocks.is_empty() { self.cross_blocks_to_add(req, held) } else { 0 };
+                continue;
+            }
             let hits = &all_hits[g];
             if w == 0 {
                 let evictable = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
@@ -192,7 +197,7 @@ impl KvCacheManager {
         let total_computed = computed + num_hits as u32 * bs;
         let processed = total_computed.saturating_sub(in_flight);
         for (g, &w) in windows.iter().enumerate() {
-            if w != 0 {
+            if w != 0 && w != CROSS_ATTENTION {
                 self.remove_group_skipped(req, g, w, processed);
             }
         }
@@ -203,6 +208,12 @@ impl KvCacheManager {
         let mut total_need = 0;
         let mut evictable = 0;
         for (g, &w) in windows.iter().enumerate() {
+            if w == CROSS_ATTENTION {
+                let need = if fresh { self.cross_blocks_to_add(req, table_ref(req, g).len()) } else { 0 };
+                total_need += need;
+                plan.push((0, need));
+                continue;
+            }
             let skipped = if fresh && w != 0 {
                 (window_skipped(w, total_computed) >> self.block_shift) as usize
             } else {
@@ -219,6 +230,9 @@ impl KvCacheManager {
             return None;
         }
         for (g, &(skipped, _)) in plan.iter().enumerate() {
+            if windows[g] == CROSS_ATTENTION {
+                continue;
+            }
             let kept = &all_hits[g][skipped.min(num_hits)..];
             self.pool.touch(kept);
             let (blocks, num_cached) = table(req, g);
@@ -237,6 +251,11 @@ impl KvCacheManager {
             self.cache_hybrid_blocks(req, num_full);
         }
         Some(total_need)
+    }
+
+    /// The blocks a cross-attention group's table of `held` blocks still needs for the request's encoder output.
+    fn cross_blocks_to_add(&self, req: &Request, held: usize) -> usize {
+        (req.cross_attention_tokens.div_ceil(self.block_size) as usize).saturating_sub(held)
     }
 
     /// `remove_skipped_blocks` of group `g` with window `w`.
@@ -261,6 +280,9 @@ impl KvCacheManager {
         let Some(windows) = self.hybrid.as_deref().map(|hy| hy.windows.clone()) else { return };
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
         for (g, &w) in windows.iter().enumerate() {
+            if w == CROSS_ATTENTION {
+                continue;
+            }
             let first =
                 if g == 0 { req.num_cached_blocks } else { req.groups[g - 1].num_cached_blocks } as usize;
             if num_full <= first {

@@ -24,9 +24,11 @@ pub struct SchedulerOutput {
     /// CSR aligned with `handles`: the whole block table for new/resumed requests, appended blocks otherwise.
     pub new_block_ids: Vec<i32>,
     pub new_block_ids_indptr: Vec<i32>,
-    /// With several KV cache groups: groups 1.., each laid out as `new_block_ids` (same `new_block_ids_indptr`:
-    /// every group adds as many blocks). Empty with one group.
+    /// With several KV cache groups: groups 1.., each laid out as `new_block_ids`, with its CSR offsets in
+    /// `group_new_block_ids_indptr` (equal to `new_block_ids_indptr` for every group but a cross-attention one).
+    /// Empty with one group.
     pub group_new_block_ids: Vec<Vec<i32>>,
+    pub group_new_block_ids_indptr: Vec<Vec<i32>>,
     /// CSR aligned with `handles`: draft tokens scheduled for verification.
     pub spec_token_ids: Vec<i32>,
     pub spec_token_ids_indptr: Vec<i32>,
@@ -77,6 +79,7 @@ impl SchedulerOutput {
             new_block_ids,
             new_block_ids_indptr,
             group_new_block_ids,
+            group_new_block_ids_indptr,
             spec_token_ids,
             spec_token_ids_indptr,
             total_num_scheduled_tokens,
@@ -100,6 +103,7 @@ impl SchedulerOutput {
         finished_req_ids.clear();
         free_encoder_hashes.clear();
         group_new_block_ids.clear();
+        group_new_block_ids_indptr.clear();
         for v in [
             num_scheduled_tokens,
             num_computed_tokens,

@@ -105,6 +105,10 @@ pub struct RequestParams {
     pub order_key: Option<i64>,
     /// A streaming-input session: a stop ends only the current input part (`stream.rs`).
     pub resumable: bool,
+    /// The encoder output tokens its cross-attention layers attend to (encoder-decoder models): a
+    /// cross-attention KV cache group (`kv_cache_groups`) gives it `ceil(cross_attention_tokens / block_size)`
+    /// blocks at its first allocation. 0: none.
+    pub cross_attention_tokens: u32,
 }
 
 /// The next input part of a streaming-input session (`Scheduler::append_input`).
@@ -242,6 +246,8 @@ pub struct Request {
     pub encoder_held: Box<[bool]>,
     /// Inputs with `encoder_held` set.
     pub num_encoder_held: u32,
+    /// `RequestParams::cross_attention_tokens`.
+    pub cross_attention_tokens: u32,
     // --- streaming input (`stream.rs`)
     /// A streaming-input session (`RequestParams::resumable`).
     pub resumable: bool,

@@ -276,6 +276,34 @@ impl Scheduler {
         self.scheduler_id
     }
 
+    /// `add_request`'s check of `cross_attention_tokens`: only with a cross-attention group, not for a
+    /// streaming-input session, and its blocks must fit the whole cache.
+    fn check_cross_attention_tokens(&self, req_id: &str, params: &RequestParams) -> Result<()> {
+        let n = params.cross_attention_tokens;
+        if n == 0 {
+            return Ok(());
+        }
+        if !self.config.kv_cache_groups.contains(&Some(crate::config::CROSS_ATTENTION)) {
+            return Err(bad_request(format!(
+                "request {req_id:?}: cross_attention_tokens ({n}) needs a cross-attention group in kv_cache_groups"
+            )));
+        }
+        if params.resumable {
+            return Err(bad_request(format!(
+                "request {req_id:?}: a streaming-input session (resumable) cannot have cross_attention_tokens"
+            )));
+        }
+        let blocks = n.div_ceil(self.config.kv_block_size());
+        if blocks > self.config.num_usable_blocks() {
+            return Err(bad_request(format!(
+                "request {req_id:?}: cross_attention_tokens ({n}) need {blocks} blocks, more than the KV cache's {} \
+                 usable blocks",
+                self.config.num_usable_blocks()
+            )));
+        }
+        Ok(())
+    }
+
     /// Adds a request to the waiting queue. On error nothing changes.
     pub fn add_request(
         &mut self,
@@ -358,6 +386,7 @@ impl Scheduler {
             return Err(bad_request(format!("request {req_id:?}: session_id must be a non-empty string")));
         }
         self.check_encoder_inputs(req_id, prompt_len, &params.encoder_inputs).map_err(bad_request)?;
+        self.check_cross_attention_tokens(req_id, &params)?;
         if params.resumable {
             self.check_resumable(req_id, &params)?;
         }
@@ -447,6 +476,7 @@ impl Scheduler {
             encoder_held: vec![false; params.encoder_inputs.len()].into_boxed_slice(),
             encoder_inputs: params.encoder_inputs.into_boxed_slice(),
             num_encoder_held: 0,
+            cross_attention_tokens: params.cross_attention_tokens,
             resumable: params.resumable,
             input_queue: std::collections::VecDeque::new(),
             input_closed: false,
@@ -1049,7 +1079,19 @@ impl Scheduler {
                 };
                 let window =
                     if cfg.kv_cache_groups.is_empty() { cfg.sliding_window } else { cfg.kv_cache_groups[g] };
-                if blocks.len() != r.blocks.len() {
+                if window == Some(crate::config::CROSS_ATTENTION) {
+                    // A cross-attention table: the encoder output's blocks, from the first allocation on.
+                    let want =
+                        if r.blocks.is_empty() { 0 } else { r.cross_attention_tokens.div_ceil(bs) as usize };
+                    if blocks.len() != want || num_cached != 0 {
+                        return Err(format!(
+                            "request {:?}: cross-attention group {g} holds {} blocks ({num_cached} cached), expected \
+                             {want} (none cached)",
+                            r.id,
+                            blocks.len()
+                        ));
+                    }
+                } else if blocks.len() != r.blocks.len() {
                     return Err(format!("request {:?}: group {g}'s table is not as long as group 0's", r.id));
                 }
                 // A sliding window's table starts with the null blocks of the blocks that left the window.

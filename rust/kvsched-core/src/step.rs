@@ -14,7 +14,7 @@
 //! the tenants (`fair.rs`): phase A's once phase A is final, phase B's at each admission (so the next fair
 //! pick sees them).
 
-use crate::config::{PauseState, Policy};
+use crate::config::{PauseState, Policy, CROSS_ATTENTION};
 use crate::connector::DeferredLoad;
 use crate::encoder_sched::{release_encoder_refs, EncoderStep};
 use crate::error::{Result, SchedError};
@@ -473,21 +473,43 @@ impl Scheduler {
     }
 
     /// With several KV cache groups: each other group's new block ids, laid out as group 0's. Every group's
-    /// table is as long as group 0's and grows at its end, so a request's `k` new ids in group 0 are the last
-    /// `k` entries of each table (its whole table when it is new or resumed).
+    /// table but a cross-attention one is as long as group 0's and grows at its end, so a request's `k` new ids
+    /// in group 0 are the last `k` entries of each table (its whole table when it is new or resumed). A
+    /// cross-attention table is taken whole at a new or resumed request's allocation and never grows: its whole
+    /// table then, nothing otherwise.
     #[cold]
     fn group_new_block_ids(&self, out: &mut SchedulerOutput) -> Result<()> {
-        let ngroups = self.config.kv_cache_groups.len();
+        let windows = &self.config.kv_cache_groups;
+        let ngroups = windows.len();
         let mut groups = vec![Vec::with_capacity(out.new_block_ids.len()); ngroups - 1];
+        let mut indptrs = vec![Vec::with_capacity(out.handles.len() + 1); ngroups - 1];
+        let mut whole = vec![false; out.handles.len()];
+        for &i in out.new_reqs.iter().chain(&out.resumed_reqs) {
+            whole[i as usize] = true;
+        }
+        for ptr in indptrs.iter_mut() {
+            ptr.push(0);
+        }
         for (i, h) in out.handles.iter().enumerate() {
             let k = (out.new_block_ids_indptr[i + 1] - out.new_block_ids_indptr[i]) as usize;
             let req = self.slab.get(h.slot)?;
             for (g, ids) in groups.iter_mut().enumerate() {
                 let t = &req.groups[g].blocks;
+                let k = if windows[g + 1] == Some(CROSS_ATTENTION) {
+                    if whole[i] {
+                        t.len()
+                    } else {
+                        0
+                    }
+                } else {
+                    k
+                };
                 ids.extend(t[t.len() - k..].iter().map(|&b| b as i32));
+                indptrs[g].push(ids.len() as i32);
             }
         }
         out.group_new_block_ids = groups;
+        out.group_new_block_ids_indptr = indptrs;
         Ok(())
     }
 

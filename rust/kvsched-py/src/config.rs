@@ -6,6 +6,7 @@
 //! does not fit the core's `u32` gets the core's message for the field's bounds.
 
 use kvsched_core as core;
+use kvsched_core::CROSS_ATTENTION;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyMapping};
 
@@ -80,7 +81,17 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("cache_drafts_at_update", c.cache_drafts_at_update)?;
     d.set_item("trim_computed_on_stop", c.trim_computed_on_stop)?;
     d.set_item("sliding_window", c.sliding_window)?;
-    d.set_item("kv_cache_groups", (!c.kv_cache_groups.is_empty()).then_some(c.kv_cache_groups.clone()))?;
+    let groups: Option<Vec<Py<PyAny>>> = (!c.kv_cache_groups.is_empty()).then(|| {
+        c.kv_cache_groups
+            .iter()
+            .map(|g| match g {
+                Some(CROSS_ATTENTION) => pyo3::types::PyString::new(py, "cross").into_any().unbind(),
+                Some(w) => pyo3::types::PyInt::new(py, *w).into_any().unbind(),
+                None => py.None(),
+            })
+            .collect()
+    });
+    d.set_item("kv_cache_groups", groups)?;
     d.set_item("max_num_scheduled_tokens", Some(c.max_num_scheduled_tokens).filter(|&v| v != 0))?;
     d.set_item("draft_slots", c.draft_slots)?;
     Ok(d)
@@ -282,7 +293,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
     })
 }
 
-/// `kv_cache_groups`: `None` (one group) or a sequence of `None` (full attention) and int windows.
+/// `kv_cache_groups`: `None` (one group) or a sequence of `None` (full attention), int windows and `"cross"`
+/// (cross attention).
 fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
     if v.is_none() {
         return Ok(Vec::new());
@@ -292,7 +304,8 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             py,
             "InvalidConfigError",
             format!(
-                "kv_cache_groups must be None or a list of None (full attention) and int windows, got {v}"
+                "kv_cache_groups must be None or a list of None (full attention), int windows and 'cross' \
+                 (cross attention), got {v}"
             ),
         )
     };
@@ -306,11 +319,18 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             groups.push(None);
             continue;
         }
+        if let Ok(name) = item.downcast::<pyo3::types::PyString>() {
+            if name.to_cow()? == "cross" {
+                groups.push(Some(CROSS_ATTENTION));
+                continue;
+            }
+            return Err(bad());
+        }
         if item.is_instance_of::<PyBool>() {
             return Err(bad());
         }
         let w = int_arg(&item, "kv_cache_groups", "InvalidConfigError")?;
-        let w = u32::try_from(w).map_err(|_| {
+        let w = u32::try_from(w).ok().filter(|&w| w != CROSS_ATTENTION).ok_or_else(|| {
             py_error(
                 py,
                 "InvalidConfigError",

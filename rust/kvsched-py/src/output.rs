@@ -190,8 +190,8 @@ impl PySchedulerOutput {
         self.arrays.new_block_ids.get(py, &mut self.out.new_block_ids)
     }
 
-    /// Group `group`'s new block ids, laid out as `new_block_ids` (same `new_block_ids_indptr`); group 0's
-    /// are `new_block_ids`.
+    /// Group `group`'s new block ids, laid out as `new_block_ids` (CSR offsets:
+    /// `group_new_block_ids_indptr(group)`); group 0's are `new_block_ids`.
     fn group_new_block_ids<'py>(
         &mut self,
         py: Python<'py>,
@@ -203,6 +203,25 @@ impl PySchedulerOutput {
         let num_groups = self.out.group_new_block_ids.len() + 1;
         match self.out.group_new_block_ids.get(group - 1) {
             Some(ids) => Ok(ids.clone().into_pyarray(py)),
+            None => Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "group must be in [0, {num_groups}), got {group}"
+            ))),
+        }
+    }
+
+    /// The CSR offsets of `group_new_block_ids(group)`: `new_block_ids_indptr` for every group but a
+    /// cross-attention one.
+    fn group_new_block_ids_indptr<'py>(
+        &mut self,
+        py: Python<'py>,
+        group: usize,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        if group == 0 {
+            return Ok(self.new_block_ids_indptr(py));
+        }
+        let num_groups = self.out.group_new_block_ids_indptr.len() + 1;
+        match self.out.group_new_block_ids_indptr.get(group - 1) {
+            Some(ptr) => Ok(ptr.clone().into_pyarray(py)),
             None => Err(pyo3::exceptions::PyIndexError::new_err(format!(
                 "group must be in [0, {num_groups}), got {group}"
             ))),

@@ -181,7 +181,7 @@ impl PyScheduler {
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, min_tokens=None, eos_token_id=None,
         ignore_eos=None, stop_token_ids=None, priority=None, arrival_time=None, cache_salt=None, lora_name=None,
         tenant=None, ready=None, skip_reading_prefix_cache=None, encoder_inputs=None, session_id=None,
-        ttft_slo_s=None, order_key=None, resumable=None))]
+        ttft_slo_s=None, order_key=None, resumable=None, cross_attention_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         slf: &Bound<'_, Self>,
@@ -204,6 +204,7 @@ impl PyScheduler {
         ttft_slo_s: Option<&Bound<'_, PyAny>>,
         order_key: Option<&Bound<'_, PyAny>>,
         resumable: Option<&Bound<'_, PyAny>>,
+        cross_attention_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let py = slf.py();
         let bad = |msg: String| py_error(py, "InvalidRequestError", msg);
@@ -266,6 +267,16 @@ impl PyScheduler {
             },
             order_key: opt_int_arg(order_key, "order_key", "InvalidRequestError")?,
             resumable,
+            cross_attention_tokens: match opt_int_arg(
+                cross_attention_tokens,
+                "cross_attention_tokens",
+                "InvalidRequestError",
+            )? {
+                None => 0,
+                Some(n) => u32::try_from(n).ok().filter(|&n| n <= i32::MAX as u32).ok_or_else(|| {
+                    bad(format!("cross_attention_tokens must be in [0, 2147483647], got {n}"))
+                })?,
+            },
         };
         let id_str = id_arg(req_id, "InvalidRequestError")?;
         let mut this = borrow_mut(slf)?;
