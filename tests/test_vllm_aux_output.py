@@ -19,15 +19,16 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm", reason="vLLM is optional: pip install 'kvsched[vllm]'")
-aux_connector = pytest.importorskip(
-    "vllm.distributed.aux_output_connector.connector", reason="vLLM 0.33's auxiliary output connector"
-)
 
 import numpy as np
 from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm_driver import compare
+
+aux_connector = pytest.importorskip(
+    "vllm.distributed.aux_output_connector.connector", reason="vLLM 0.33's auxiliary output connector"
+)
 
 pytestmark = pytest.mark.vllm
 
