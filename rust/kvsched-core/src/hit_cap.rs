@@ -38,19 +38,6 @@ impl std::fmt::Debug for HitCap {
     }
 }
 
-impl crate::scheduler::Scheduler {
-    /// Sets (or with `None` removes) the cache-hit cap. It applies from the next admission.
-    pub fn set_cache_hit_cap(&mut self, cap: Option<Box<dyn CacheHitCap>>) {
-        self.hit_cap = cap.map(HitCap);
-        self.epoch += 1;
-    }
-
-    /// Whether a cache-hit cap is set.
-    pub fn has_cache_hit_cap(&self) -> bool {
-        self.hit_cap.is_some()
-    }
-}
-
 /// For each full block of `req`, whether the prefix cache holds a block with its hash now.
 pub(crate) fn cached_mask(kv: &crate::kv_cache_manager::KvCacheManager, req: &Request) -> Vec<bool> {
     req.block_hashes.iter().map(|h| kv.pool.get_cached_block(h).is_some()).collect()
