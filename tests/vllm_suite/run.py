@@ -373,7 +373,6 @@ CURATED: dict[str, str] = {
     "test_delayed_kv_connector_free_keeps_scheduler_active": (
         "puts a finished request into vLLM's `requests` by hand and applies a `SchedulerOutput` built by hand"
     ),
-    "test_finish_request": "uses an auxiliary output connector (`aux_output_connector`), refused by kvsched.vllm",
     "test_priority_scheduler_random.py::test_priority_scheduling_blast": (
         "draws image placeholder ranges that overlap (two 10-token images less than 10 tokens apart, in about 3 of "
         "100 requests); kvsched.vllm refuses such a request (it finishes with FINISHED_ERROR, reported in "
@@ -402,10 +401,6 @@ CURATED: dict[str, str] = {
         "patches vLLM's private `_make_scheduled_encoder_input_stats` (encoder input stats)"
     ),
 }
-_AUX = (
-    "sets an auxiliary output connector (`aux_output_connector`: routed-experts capture) on the scheduler after "
-    "construction; kvsched.vllm has none"
-)
 # Tests that set vLLM's encoder budget or replace its encoder cache manager after construction (kvsched.vllm
 # re-sizes its core's budget and cache then) and need something else kvsched does not have.
 _ENCODER_STALL = (
@@ -436,12 +431,12 @@ CURATED.update(
 )
 CURATED.update(
     {
-        "test_routed_experts_prompt_start_at_prompt_end": _AUX,
-        "test_routed_experts_hashes_follow_scheduled_tokens": _AUX,
-        "test_prefix_hit_is_capped_at_retained_auxiliary_outputs": _AUX,
-        "test_evicted_blocks_release_their_auxiliary_outputs_past_capacity": _AUX,
-        "test_scheduler_reset_prefix_cache": _AUX + " (the test checks that a reset resets it)",
-        "test_aux_output_reset_follows_kv_reset_result": _AUX + "; replaces the KV manager's `reset_prefix_cache`",
+        "test_evicted_blocks_release_their_auxiliary_outputs_past_capacity": (
+            "builds a KV cache of 4 usable blocks of 16 tokens and adds 64-token prompts with `max_tokens=16`: "
+            "kvsched's core refuses at `add_request` a request whose prompt + max_tokens - 1 tokens exceed the whole "
+            "KV cache (it could never finish; it ends with FINISHED_ERROR), so nothing is scheduled and no block is "
+            "retained; vLLM schedules the prompts"
+        ),
         "test_scheduler_publishes_lookahead_blocks_at_allocation": (
             "gives requests a block hasher with a look-ahead token and no speculative decoding configured: vLLM "
             "then caches a block only once the token after it exists; kvsched's core caches a block once it is "

@@ -40,6 +40,40 @@ class _ConnectorMixin(_BlockPoolMixin):
         if e is not None:
             raise e
 
+    @property
+    def cache_hit_cap(self) -> Any:
+        """The cache-hit cap set with :meth:`set_cache_hit_cap`, or None."""
+        return self._hit_cap
+
+    def set_cache_hit_cap(self, cap: Any) -> None:
+        """Sets (None: removes) the cache-hit cap (``max_cache_hit(req_id, cached)`` and
+        ``cap_external_hit(req_id, cached, num_local, num_external)``); it applies from the next admission."""
+        if cap is not None:
+            for hook in ("max_cache_hit", "cap_external_hit"):
+                if not hasattr(cap, hook):
+                    raise SchedulerTypeError(f"cache_hit_cap must have a {hook}() method, got {type(cap).__name__}")
+        self._hit_cap = cap
+        self._last_out_fresh = False
+
+    def _cap_ask(self, hook: str, *args: Any) -> int:
+        """A cache-hit cap hook's answer; an exception or an answer that is not an int >= 0 is kept (raised after
+        the call) and the conservative answer 0 (no hit) stands."""
+        try:
+            res = getattr(self._hit_cap, hook)(*args)
+            if not _is_int(res) or res < 0:
+                shown = res if _is_int(res) else type(res).__name__
+                raise SchedulerTypeError(f"cache_hit_cap.{hook} must return an int >= 0, got {shown}")
+            return int(res)
+        except Exception as e:  # kept and raised once the scheduler is consistent
+            if self._hit_cap_error is None:
+                self._hit_cap_error = e
+            return 0
+
+    def _cap_after_hooks(self) -> None:
+        e, self._hit_cap_error = self._hit_cap_error, None
+        if e is not None:
+            raise e
+
     def _hook_matched(self, r: _Request, num_computed: int) -> tuple[int, bool] | None:
         try:
             res = self._connector.get_num_new_matched_tokens(r.req_id, num_computed)

@@ -45,6 +45,20 @@ class _IntrospectMixin(_AdmissionMixin):
     def get_num_cached_blocks(self, req_id: str) -> int:
         return self._get(req_id).num_cached_blocks
 
+    def get_cached_block_mask(
+        self, token_ids: Any, cache_salt: str | None = None, lora_name: str | None = None
+    ) -> list[bool]:
+        """For each full block of these tokens (hashed as a request's with these extra keys), whether the prefix
+        cache holds a block with its hash now, block by block. Changes nothing; all False without prefix
+        caching."""
+        arr = _int_array(token_ids, "token_ids")
+        salt, lora = _opt_str(cache_salt, "cache_salt"), _opt_str(lora_name, "lora_name")
+        _check_tokens(arr, "token_ids", InvalidRequestError)
+        tokens = arr.tolist()
+        if not self._config.enable_prefix_caching:
+            return [False] * (len(tokens) // self._bs)
+        return [bool(self._cached.get(h)) for h in self._hasher.block_hashes_of(tokens, salt, lora)]
+
     def get_cached_block_ids(
         self,
         token_ids: Any,

@@ -72,6 +72,8 @@ class _SchedulerState:
         self._connector = kv_connector
         self._ec_connector: Any = None  # the encoder-cache connector (encoder_sched.py)
         self._ec_error: BaseException | None = None
+        self._hit_cap: Any = None  # the cache-hit cap (connector_sched.py)
+        self._hit_cap_error: BaseException | None = None
         self._hook_error: BaseException | None = None  # the first exception a hook raised in the current call
         self._transfer_params: dict[str, Any] = {}
         self._finished_since_schedule: list[str] = []

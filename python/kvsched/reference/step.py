@@ -302,6 +302,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         self._last_out, self._last_out_fresh = out, True
         self._in_schedule = False
         self._ec_after_hooks()
+        self._cap_after_hooks()
         if self._connector is not None:
             self._after_hooks()
             if hasattr(self._connector, "build_connector_meta"):
@@ -378,7 +379,14 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             computed_before = r.num_computed_tokens
             hits: list[int] = []
             if not blocked and computed_before == 0:
-                hits = [] if r.skip_reading_prefix_cache else self._lookup(r.block_hashes, r.num_tokens)
+                # The cache-hit cap bounds the lookup: `max` tokens allow `max // bs` blocks (the lookup leaves out
+                # the block of the last of the tokens it is given).
+                lookup_tokens = r.num_tokens
+                cached: list[bool] = []
+                if self._hit_cap is not None:
+                    cached = [bool(self._cached.get(h)) for h in r.block_hashes]
+                    lookup_tokens = min(lookup_tokens, self._cap_ask("max_cache_hit", r.req_id, cached) + 1)
+                hits = [] if r.skip_reading_prefix_cache else self._lookup(r.block_hashes, lookup_tokens)
                 if self._connector is not None and not r.cpu_blocks:  # a swapped-out request resumes from its copy
                     matched = self._hook_matched(r, len(hits) * bs)
                     if r.skip_reading_prefix_cache:
@@ -391,6 +399,10 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                         load_async = matched[1] and ext > 0
                         if not load_async and ext == room:
                             ext = room - 1  # a synchronous load leaves at least one token to compute
+                    if not blocked and self._hit_cap is not None:
+                        # The cap on the external hit, asked whenever the connector answered (0 too).
+                        ext = min(self._cap_ask("cap_external_hit", r.req_id, cached, len(hits) * bs, ext), ext)
+                        load_async = load_async and ext > 0
             if not blocked and r.encoder_inputs:
                 # The EC connector's gate, with the tokens the request has or its lookups cover.
                 covered = computed_before if computed_before > 0 else max(len(hits) * bs, r.num_swapped_tokens) + ext

@@ -163,8 +163,6 @@ def kvsched_config_from_vllm(
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if _attr(parallel, name, 1) > 1:
             _refuse("context parallelism", f"{name}={getattr(parallel, name)}")
-    if _attr(vllm_config.aux_output_config, "enabled", False):
-        _refuse("auxiliary output connectors", "aux_output_config.enabled")
     if _attr(vllm_config.observability_config, "kv_cache_metrics", False):
         _refuse("KV cache eviction metrics", "observability_config.kv_cache_metrics")
     windows = windows or [None]

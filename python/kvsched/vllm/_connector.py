@@ -71,6 +71,8 @@ class ConnectorBridge:
         self.finished: dict[str, list[int]] = {}
         # Asynchronous loads: not reported over yet / reported over, not admitted yet.
         self.loading: set[str] = set()
+        # Asynchronous loads admitted by the step being scheduled, in admission order.
+        self.started_loading: list[str] = []
         self.loaded: set[str] = set()
         # Asynchronous loads admitted but not yet registered with the connector (the core's deferred loads):
         # req_id -> their lookup (local hit tokens, external tokens, async).
@@ -106,6 +108,25 @@ class ConnectorBridge:
             )
         self._set_stage(req_id, KV_FETCH_WAITING_TO_START if is_async else None)
         return int(ext), bool(load_async)
+
+    def cap_external(self, req_id: str, num_external: int) -> None:
+        """The cache-hit cap (vLLM's auxiliary output connector) cut the lookup's external tokens to
+        ``num_external`` right after the connector's answer: the prefill stats and KV-fetch stage vLLM sets after
+        the cap, set again with it."""
+        asked = self._asked.get(req_id)
+        if asked is None or asked[1] == num_external:
+            return
+        local, _, is_async = asked
+        is_async = is_async and num_external > 0
+        self._asked[req_id] = (local, num_external, is_async)
+        request = self._get_request(req_id)
+        if request.prefill_stats is not None and request.num_preemptions <= 0:
+            request.prefill_stats.set(
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_local_cached_tokens=local,
+                num_external_cached_tokens=num_external,
+            )
+        self._set_stage(req_id, KV_FETCH_WAITING_TO_START if is_async else None)
 
     # The core passes update_state_after_alloc the number of leading blocks in the prefix cache.
     wants_num_cached_blocks = True
@@ -160,6 +181,7 @@ class ConnectorBridge:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             request.num_computed_tokens = local + n
             self.loading.add(req_id)
+            self.started_loading.append(req_id)
             self.loaded.discard(req_id)
             self._mark_slow(req_id)
             self._set_stage(req_id, KV_FETCH_IN_PROGRESS)
@@ -210,6 +232,7 @@ class ConnectorBridge:
         self._stage_before.clear()
         self.recorded.clear()
         self.has_sync_kv_loads = False
+        self.started_loading.clear()
 
     def load_reported(self, req_id: str) -> None:
         self.loading.discard(req_id)

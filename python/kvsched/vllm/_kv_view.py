@@ -10,12 +10,13 @@ is copied ahead.
 What is not here is what changes the cache (``allocate_slots``, ``free``, ``cache_blocks``, ``reset_prefix_cache``,
 ``take_events``, ...): the core does that inside ``schedule()`` and ``update_from_output()``. Reading such a name,
 or setting any attribute, raises ``AttributeError`` saying so. Block hashes are not shown: the core keys its
-prefix cache by its own hashes of the tokens, not by vLLM's ``BlockHashWithGroupId``.
+prefix cache by its own hashes of the tokens, not by vLLM's ``BlockHashWithGroupId``; ``get_cached_block`` answers
+only whether a block with one of a request's vLLM hashes is cached (``_aux.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, overload
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -48,7 +49,9 @@ class Scheduler(Protocol):
     log_stats: bool
     kv_config: SchedulerConfig
     kv_cache_config: Any
+    hash_block_size: int
     _prefix_cache_stats: PrefixCacheStats | None
+    _aux: Any
 
     @property
     def core(self) -> CoreScheduler: ...
@@ -181,26 +184,55 @@ class _FreeBlockQueue(_ReadOnly):
 
 
 class BlockPoolView(_ReadOnly):
-    """vLLM's ``BlockPool``, read-only: ``num_gpu_blocks`` (the null block 0 included), ``get_num_free_blocks()``,
-    ``get_usage()``, ``blocks``, ``null_block``, ``free_block_queue.num_free_blocks``."""
+    """vLLM's ``BlockPool``, read-only: ``num_gpu_blocks`` (the null block 0 included), ``hash_block_size``,
+    ``get_num_free_blocks()``, ``get_usage()``, ``blocks``, ``null_block``, ``free_block_queue.num_free_blocks``,
+    ``get_cached_block(block_hash, kv_cache_group_ids)``."""
 
-    __slots__ = ("_core", "blocks", "enable_caching", "free_block_queue", "null_block", "num_gpu_blocks")
+    __slots__ = (
+        "_cached",
+        "_core",
+        "blocks",
+        "enable_caching",
+        "free_block_queue",
+        "hash_block_size",
+        "null_block",
+        "num_gpu_blocks",
+    )
 
     _core: Any
+    _cached: Callable[[Any], bool] | None
     num_gpu_blocks: int
+    hash_block_size: int
     enable_caching: bool
     blocks: Sequence[BlockView]
     null_block: BlockView
     free_block_queue: _FreeBlockQueue
 
-    def __init__(self, core: Any, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        core: Any,
+        num_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int = 0,
+        cached: Callable[[Any], bool] | None = None,
+    ) -> None:
         init = object.__setattr__
         init(self, "_core", core)
+        init(self, "_cached", cached)
         init(self, "num_gpu_blocks", num_blocks)
+        init(self, "hash_block_size", hash_block_size)
         init(self, "enable_caching", enable_caching)
         init(self, "blocks", _Blocks(core, num_blocks))
         init(self, "null_block", BlockView(core, 0))
         init(self, "free_block_queue", _FreeBlockQueue(core))
+
+    def get_cached_block(self, block_hash: Any, kv_cache_group_ids: Sequence[int]) -> list[BlockView] | None:
+        """Whether a block with vLLM's hash ``block_hash`` (one of a request's ``block_hashes``) is in the prefix
+        cache now: None if not, else one entry per group asked. Only that is answered: the entries are the
+        pool's ``null_block``, not the cached blocks (the core keys its cache by its own hashes)."""
+        if not self.enable_caching or self._cached is None or not self._cached(block_hash):
+            return None
+        return [self.null_block for _ in kv_cache_group_ids]
 
     def get_num_free_blocks(self) -> int:
         return int(self._core.num_free_blocks)
@@ -370,7 +402,13 @@ class KVCacheManagerView(_ReadOnly):
     def __init__(self, sched: Scheduler) -> None:
         init = object.__setattr__
         config = sched.kv_config
-        pool = BlockPoolView(sched.core, config.num_blocks, config.enable_prefix_caching)
+        pool = BlockPoolView(
+            sched.core,
+            config.num_blocks,
+            config.enable_prefix_caching,
+            sched.hash_block_size,
+            sched._aux.cached,
+        )
         groups = list(sched.kv_cache_config.kv_cache_groups)
         managers = tuple(_manager(sched, group.kv_cache_spec, pool, g) for g, group in enumerate(groups))
         init(self, "_sched", sched)

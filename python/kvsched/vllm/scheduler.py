@@ -38,6 +38,7 @@ from kvsched._types import RequestStatus as KvRequestStatus
 from kvsched.config import CROSS_ATTENTION, tenant_cache_salt
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
+from ._aux import AuxBridge
 from ._compat import RULES
 from ._config import (
     UnsupportedFeatureError,
@@ -111,6 +112,12 @@ def _is_vllm_sha256_hasher(hasher: Any, hash_block_size: int) -> bool:
     tokens = [(i * 7919) % 70001 + (i % 5) * 2**31 - 2**20 for i in range(hash_block_size)]
     want = hash_block_tokens(hash_fn, parent, tokens, None)
     return bool(vllm_sha256_block_hashes(parent, tokens, hash_block_size) == [want])
+
+
+def _aux_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM builds an auxiliary output connector (vLLM 0.33: ``aux_output_config``; 0.32 has none)."""
+    config = getattr(vllm_config, "aux_output_config", None)
+    return bool(config is not None and getattr(config, "enabled", False))
 
 
 # vLLM 0.33's SchedulerOutput carries the multimodal data model runner V2 installs (vLLM 0.32's does not).
@@ -350,10 +357,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._hasher_in_core: dict[Any, bool] = {}
         self.current_step = 0
         self._kv_view: KVCacheManagerView | None = None
+        # vLLM 0.33's auxiliary output connector (routed experts), set now or later (aux_output_connector).
+        self._aux = AuxBridge(self)
         if self.connector is not None:
             # vLLM binds its KV cache manager to the connector once its scheduler is built; the connector gets the
             # read-only view (check_kv_connector refused those that would change vLLM's block pool).
             self.connector.bind_kv_cache_manager(self.kv_cache_manager)
+        if _aux_enabled(vllm_config):
+            from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+            self.aux_output_connector = AuxOutputSchedulerConnector(self.kv_cache_manager, self.connector)
 
     # ---- requests ---------------------------------------------------------------------------------------
 
@@ -663,8 +676,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._core.abort_requests([r.request_id for r in valid if r.request_id not in refused])
         if self._kv_events.enabled:
             self._kv_events.collect(self._core)  # while the requests its stored events name are known
+        aux = self._aux.connector
         for request in valid:
             request.status = finished_status
+            if aux is not None:
+                self._aux.request_finished(request)
             if request.request_id in refused:
                 refused.discard(request.request_id)
             elif self._bridge is not None:
@@ -839,6 +855,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._sync_ready()
         if bridge is not None and bridge.loaded:
             self._sync_loaded(bridge, out)
+        aux = self._aux.connector
+        if aux is not None and bridge is not None and bridge.started_loading:
+            for req_id in bridge.started_loading:
+                request = self.requests[req_id]
+                aux.request_loading(request, request.num_computed_tokens)
         requests = self.requests
         log_stats = self.log_stats
         now = time.monotonic() if log_stats else 0.0
@@ -953,7 +974,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # With a KV connector: each scheduled request's state as vLLM's build_connector_meta sees it (before its
         # _update_after_schedule), put back around that call (_connector_meta_before_update).
         pre_update: list[_UpdatedState] | None = None
-        if bridge is not None or self.ec_connector is not None:
+        if bridge is not None or self.ec_connector is not None or aux is not None:
             pre_update = list(map(_updated_state, run_reqs, run_computed))
         if one_token_each:
             # Every entry samples one token and carries no drafts: none is a prefill chunk.
@@ -1263,7 +1284,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         req_ids: list[str],
         out: Any,
     ) -> None:
-        """:meth:`_connector_meta` (KV connector) and the encoder-cache connector's ``build_connector_meta`` with the
+        """:meth:`_connector_meta` (KV connector), the auxiliary output and encoder-cache connectors'
+        ``build_connector_meta`` with the
         scheduled requests showing their state before this step's update, as vLLM calls its connectors before
         its ``_update_after_schedule``: a connector that keeps the ``Request`` objects (most do) reads the same
         counts from both schedulers. Put back afterwards."""
@@ -1275,6 +1297,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 self._ec_admitted(req_ids)
             if bridge is not None:
                 self._connector_meta(bridge, so)
+            if self._aux.connector is not None:
+                so.aux_output_connector_metadata = self._aux.connector.build_connector_meta(so, self.requests)
             if self.ec_connector is not None:
                 so.ec_connector_metadata = self.ec_connector.build_connector_meta(so)
         finally:
@@ -1342,8 +1366,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if stats is not None and self.kv_config.enable_prefix_caching and not request.skip_reading_prefix_cache:
             stats.record(num_tokens=request.num_tokens, num_hits=num_hit_tokens, preempted=request.num_preemptions > 0)
 
-    def _mirror_preempt(self, request: Request, now: float) -> None:
-        """vLLM's ``_preempt_request``, for the request object (the core already freed its blocks)."""
+    def _mirror_preempt(self, request: Request, now: float, aux_told: bool = False) -> None:
+        """vLLM's ``_preempt_request``, for the request object (the core already freed its blocks). The auxiliary
+        output connector hears of it here unless ``aux_told``."""
+        if self._aux.connector is not None and not aux_told:
+            self._aux.request_finished(request)
         self._pending_encoder_inputs.pop(request.request_id, None)
         if self._ec_from:
             # vLLM drops its encoder-cache references without telling the EC connector.
@@ -1476,6 +1503,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             and not batch_slow
             and not self._held
             and not self._ec_from  # requests with images under an EC connector: _update_slow tells it of frees
+            and self._aux.connector is None  # every output carries its routed experts
             and num_forgotten == self._num_forgotten  # no entry finished since the step was scheduled
             and (not self._slow_req_ids or self._slow_req_ids.isdisjoint(req_ids))
         ):
@@ -1675,6 +1703,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             slow = slow.union(self._held)  # finished, blocks held for a transfer: vLLM still counts in-flight tokens
         if self._ec_from:
             slow = slow.union(self._ec_from)  # the EC connector hears of consumed images before a stop
+        if self._aux.connector is not None:
+            slow = slow.union(req_ids)  # every output carries its routed experts
         hasher_block = self.hash_block_size
         stopped_reqs: list[Request] = []
         async_sched = self.async_scheduling
@@ -1940,6 +1970,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             stopped = True
         if not (new_token_ids or stopped):
             return None
+        aux = self._aux.connector
+        routed_experts = None
+        if aux is not None:
+            routed_experts = aux.take_output(request, getattr(mro, "aux_output_connector_output", None))
         prefill_stats = request.take_prefill_stats()
         if prefill_stats is not None:
             self._awaiting_first_output.discard(req_id)
@@ -1970,6 +2004,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 stopped_reqs.append(request)
             else:
                 assert stop[2], "the core finished a streaming session whose mirror has more parts"
+            if aux is not None and stopped_reqs and stopped_reqs[-1] is request:
+                self._aux.request_finished(request)
             if self._bridge is not None and req_id in self._bridge.finished:
                 kv_transfer_params = self._connector_finished(request)
                 if prefill_stats is not None and kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
@@ -1994,6 +2030,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             **({"ec_transfer_params": self._ec_params.get(req_id)} if self._ec_params else {}),
             trace_headers=request.trace_headers,
             num_nans_in_logits=request.num_nans_in_logits,
+            **({"routed_experts": routed_experts} if routed_experts is not None else {}),
         )
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
@@ -2105,11 +2142,15 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             # The core preempts every running request from the tail (so they come back in order), dropping
             # their in-flight output, then resets; mirror that onto the request objects in the same order.
             running = self._core.running_req_ids()
+            if self._aux.connector is not None:
+                # vLLM tells the connector of each preemption before the cache is reset (its blocks still cached).
+                for req_id in reversed(running):
+                    self._aux.request_finished(self.requests[req_id])
             ok = bool(self._core.reset_prefix_cache(reset_running_requests=True))
             now = time.monotonic() if self.log_stats else 0.0
             for req_id in reversed(running):
                 request = self.requests[req_id]
-                self._mirror_preempt(request, now)
+                self._mirror_preempt(request, now, aux_told=True)
                 request.drop_stale_output = True
                 self._reset_preempted_req_ids.add(req_id)
             self.prev_step_scheduled_req_ids.clear()
@@ -2124,6 +2165,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._prefix_cache_stats.reset = True
         if reset_connector:
             ok = self.reset_connector_cache() and ok
+        if ok and self._aux.connector is not None:
+            self._aux.connector.reset()
         return ok
 
     def reset_connector_cache(self) -> bool:
@@ -2314,6 +2357,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def processed_step_seq(self) -> int:
         """Non-empty steps whose output was processed so far (vLLM's ``processed_step_seq``)."""
         return int(self._core.step_seqs[1])
+
+    @property
+    def aux_output_connector(self) -> Any:
+        """vLLM 0.33's auxiliary output connector (``AuxOutputSchedulerConnector``: routed experts), or None. vLLM
+        builds it when ``aux_output_config`` is enabled; it may also be set on a built scheduler (vLLM's tests do).
+        Setting it makes the core ask it how far each admission's prefix hit may reach (its cache-hit cap)."""
+        return self._aux.connector
+
+    @aux_output_connector.setter
+    def aux_output_connector(self, connector: Any) -> None:
+        self._aux.connector = connector
+        self._core.set_cache_hit_cap(self._aux if connector is not None else None)
 
     @property
     def kv_cache_manager(self) -> KVCacheManagerView:

@@ -396,3 +396,17 @@ impl Scheduler {
         Ok(())
     }
 }
+
+// The cache-hit cap (`hit_cap.rs`), set like the connectors.
+impl Scheduler {
+    /// Sets (or with `None` removes) the cache-hit cap. It applies from the next admission.
+    pub fn set_cache_hit_cap(&mut self, cap: Option<Box<dyn crate::hit_cap::CacheHitCap>>) {
+        self.hit_cap = cap.map(crate::hit_cap::HitCap);
+        self.epoch += 1;
+    }
+
+    /// Whether a cache-hit cap is set.
+    pub fn has_cache_hit_cap(&self) -> bool {
+        self.hit_cap.is_some()
+    }
+}

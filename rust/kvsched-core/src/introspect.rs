@@ -82,6 +82,30 @@ impl Scheduler {
         self.get_group_cached_block_ids(token_ids, cache_salt, lora_name, max_hit_tokens, 0)
     }
 
+    /// For each full block of these tokens (hashed as a request's with these extra keys), whether the prefix
+    /// cache holds a block with its hash now: block by block, not only a run from block 0 (the cache-hit cap's
+    /// `cached`). Touches nothing; all false without prefix caching.
+    pub fn get_cached_block_mask(
+        &self,
+        token_ids: &[i64],
+        cache_salt: Option<&str>,
+        lora_name: Option<&str>,
+    ) -> Result<Vec<bool>> {
+        let mut tokens = Vec::with_capacity(token_ids.len());
+        for &t in token_ids {
+            tokens.push(Self::check_token_id("token id", t)?);
+        }
+        let bs = self.config.kv_block_size() as usize;
+        if !self.config.enable_prefix_caching {
+            return Ok(vec![false; tokens.len() / bs]);
+        }
+        let extra =
+            ExtraKeys { cache_salt: cache_salt.map(Into::into), lora_name: lora_name.map(Into::into) };
+        let mut hashes: Vec<BlockHash> = Vec::new();
+        self.kv.hasher.extend_hashes(&mut hashes, &tokens, bs, &extra, &[], &mut Vec::new());
+        Ok(hashes.iter().map(|h| self.kv.pool.get_cached_block(h).is_some()).collect())
+    }
+
     /// `get_cached_block_ids` for KV cache group `group` (with `kv_cache_groups`; group 0 is the plain call): the
     /// hit every group takes together, as the same length in each group (a window's dropped blocks are null
     /// blocks). `Err` for a group the config does not have.

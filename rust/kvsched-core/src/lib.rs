@@ -35,6 +35,7 @@ pub mod events;
 pub mod fair;
 pub mod free_queue;
 pub mod hashing;
+pub mod hit_cap;
 pub mod hybrid;
 mod hybrid_kv;
 mod introspect;
@@ -66,6 +67,7 @@ pub use error::{Result, SchedError};
 pub use events::KvCacheEvents;
 pub use fair::{Tenant, DEFAULT_TENANT};
 pub use hashing::BlockHash;
+pub use hit_cap::CacheHitCap;
 pub use output::{ModelInputs, SchedulerOutput, SchedulerStats, UpdateResult};
 pub use request::{
     FinishReason, InputPart, ReqHandle, Request, RequestParams, RequestStatus, SPEC_PLACEHOLDER,

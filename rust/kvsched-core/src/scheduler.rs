@@ -117,6 +117,8 @@ pub struct Scheduler {
     pub(crate) connector: Option<Connector>,
     /// The encoder-cache connector, if any (`ec_connector.rs`).
     pub(crate) ec_connector: Option<crate::ec_connector::EcConn>,
+    /// The cache-hit cap, if any (`hit_cap.rs`).
+    pub(crate) hit_cap: Option<crate::hit_cap::HitCap>,
     /// Requests whose asynchronous KV load is over, holding their blocks (vLLM's `kv_holding_waiting`): phase
     /// B takes them before `waiting`, and under `paused_new` only them.
     pub(crate) kv_waiting: WaitingQueue,
@@ -236,6 +238,7 @@ impl Scheduler {
             preempted_since_step: Vec::new(),
             connector: None,
             ec_connector: None,
+            hit_cap: None,
             newly_ready: Vec::new(),
             num_parked: 0,
             num_loading: 0,

@@ -829,7 +829,9 @@ impl Scheduler {
             prefill_scheduled,
             defer_prefills,
             any_running_scheduled: !b.out.handles.is_empty(),
-            quick_reject: self.connector.is_none() && self.config.num_spec_tokens() == 0,
+            quick_reject: self.connector.is_none()
+                && self.hit_cap.is_none()
+                && self.config.num_spec_tokens() == 0,
             watermark: self.config.watermark_blocks(),
             loras: self.running_loras(&b.out.handles)?,
             skipped: Vec::new(),
@@ -955,6 +957,15 @@ impl Scheduler {
         let hits = &mut pass.hits;
         hits.clear();
         if !blocked && computed_before == 0 {
+            // The cache-hit cap (`hit_cap.rs`) bounds the lookup: `max` tokens allow `max / bs` blocks, and the
+            // lookup leaves out the block of the last of the tokens it is given.
+            let mut lookup_tokens = req.num_tokens();
+            let mut cached = Vec::new();
+            if let Some(cap) = self.hit_cap.as_mut() {
+                cached = crate::hit_cap::cached_mask(&self.kv, req);
+                let max = cap.0.max_cache_hit(req, &cached);
+                lookup_tokens = lookup_tokens.min(max.saturating_add(1));
+            }
             // A request that cannot get the blocks it needs however many prefix hits it finds ends the pass
             // (every way its admission can fail ends the pass, and none changes anything): one lookup past
             // its last probe's hits bounds them, instead of a lookup per block. Under memory pressure the
@@ -980,7 +991,7 @@ impl Scheduler {
             }
             // A request that skips reading the prefix cache (prompt logprobs) gets no hits.
             if !req.skip_reading_prefix_cache {
-                self.kv.find_longest_cache_hit(&req.block_hashes, req.num_tokens(), hits);
+                self.kv.find_longest_cache_hit(&req.block_hashes, lookup_tokens, hits);
                 req.probe_hits = hits.len() as u32;
             }
             // A swapped-out request resumes from its CPU copy: the connector is not asked.
@@ -1001,6 +1012,11 @@ impl Scheduler {
                             ext = room - 1;
                         }
                     }
+                }
+                // The cap on the external hit, asked whenever the connector answered (an answer of 0 too).
+                if let (false, Some(cap)) = (blocked, self.hit_cap.as_mut()) {
+                    ext = cap.0.cap_external_hit(req, &cached, local, ext).min(ext);
+                    load_async &= ext > 0;
                 }
             }
         }

@@ -18,6 +18,7 @@ mod convert;
 mod ec_connector;
 mod encoder;
 mod errors;
+mod hit_cap;
 mod ids;
 mod output;
 mod router;

@@ -21,6 +21,7 @@ use crate::convert::{
 };
 use crate::ec_connector::EcHandle;
 use crate::errors::{guard, py_error, type_error};
+use crate::hit_cap::HitCapHandle;
 use crate::ids::IdTable;
 use crate::output::{LazyArray, PyModelInputs, PySchedulerOutput, PyUpdateResult, SpareOutput};
 
@@ -35,6 +36,8 @@ pub(crate) struct PyScheduler {
     connector: Option<ConnectorHandle>,
     /// The encoder-cache connector, if one was set (`ec_connector.rs`).
     ec: Option<EcHandle>,
+    /// The cache-hit cap, if one was set (`hit_cap.rs`).
+    hit_cap: Option<HitCapHandle>,
     /// Where dropped outputs leave their core output for the next step (`output.rs`).
     spare: Arc<SpareOutput>,
 }
@@ -105,6 +108,7 @@ impl PyScheduler {
             config: config.clone().unbind(),
             connector,
             ec: None,
+            hit_cap: None,
             spare: Arc::default(),
         })
     }
@@ -128,6 +132,26 @@ impl PyScheduler {
     #[getter]
     fn ec_connector(&self, py: Python<'_>) -> Option<Py<PyAny>> {
         self.ec.as_ref().map(|c| c.obj.clone_ref(py))
+    }
+
+    /// Sets (None: removes) the cache-hit cap; it applies from the next admission (see docs/api.md).
+    fn set_cache_hit_cap(slf: &Bound<'_, Self>, cap: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (handle, hooks) = if cap.is_none() {
+            (None, None)
+        } else {
+            let (handle, hooks) = HitCapHandle::new(cap)?;
+            (Some(handle), Some(hooks))
+        };
+        let mut this = borrow_mut(slf)?;
+        this.core.set_cache_hit_cap(hooks);
+        this.hit_cap = handle;
+        Ok(())
+    }
+
+    /// The cache-hit cap set with `set_cache_hit_cap`, or None.
+    #[getter]
+    fn cache_hit_cap(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.hit_cap.as_ref().map(|c| c.obj.clone_ref(py))
     }
 
     /// The KV connector given at construction, or None.
@@ -308,6 +332,9 @@ impl PyScheduler {
         }
         if let Some(ec) = &this.ec {
             ec.check()?;
+        }
+        if let Some(cap) = &this.hit_cap {
+            cap.check()?;
         }
         let mut preempted_ids: Vec<Py<PyString>> =
             out.preempted_before_step.iter().map(|id| PyString::new(py, id).unbind()).collect();
@@ -625,6 +652,23 @@ impl PyScheduler {
             this.core.get_group_cached_block_ids(&tokens, salt.as_deref(), lora.as_deref(), limit, group)
         })?;
         Ok(ids.into_iter().map(|b| b as i32).collect::<Vec<i32>>().into_pyarray(py))
+    }
+
+    /// For each full block of these tokens, whether the prefix cache holds a block with its hash now; touches
+    /// nothing.
+    #[pyo3(signature = (token_ids, cache_salt=None, lora_name=None))]
+    fn get_cached_block_mask(
+        slf: &Bound<'_, Self>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<bool>> {
+        let py = slf.py();
+        let tokens = token_list(token_ids, "token_ids", "InvalidRequestError")?;
+        let salt = opt_str_arg(cache_salt, "cache_salt")?;
+        let lora = opt_str_arg(lora_name, "lora_name")?;
+        let this = borrow(slf)?;
+        guard(py, || this.core.get_cached_block_mask(&tokens, salt.as_deref(), lora.as_deref()))
     }
 
     /// A block's reference count (requests holding it); `InvalidRequestError` for an id outside the pool.

@@ -8,6 +8,7 @@ mod ec_connector;
 mod encoder;
 mod events;
 mod helpers;
+mod hit_cap;
 mod module_graph;
 mod policy;
 mod scheduler;
