@@ -961,6 +961,10 @@ def configs(draw: Any) -> SchedulerConfig:
         trim_computed_on_stop=draw(st.booleans()),
         sliding_window=window,
         **budget_fields(draw, budget),
+        # Pipeline parallelism: decodes of one request staggered over schedule() calls; the steps in flight that
+        # size a window's admission cap.
+        decode_stagger=draw(st.sampled_from([1, 1, 1, 2, 4])),
+        max_concurrent_batches=draw(st.sampled_from([None, None, 1, 3, 5])),
     )
 
 
@@ -1234,6 +1238,33 @@ def test_admission_window_with_asynchronous_kv_loads() -> None:
             connector_seed=[None, None, 1, 2, 3][seed % 5],
         )  # fmt: skip
         for _ in range(60):
+            twin.step()
+        twin.drain()
+
+
+PIPELINE_CONFIGS = [
+    # vLLM's async scheduling on model runner V2 with pipeline parallelism 3: four steps in flight, decodes
+    # staggered over three calls; a consumer connector's deferred frees.
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    async_scheduling=True, decode_stagger=3, max_concurrent_batches=4, park_kv_loads=False,
+                    reserve_inflight_prefills=True, defer_block_free=True, num_speculative_tokens=2),
+    # Synchronous pipeline parallelism 2 with a sliding window, whose admission cap counts both steps in flight.
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                    sliding_window=6, max_concurrent_batches=2, policy="priority"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("i", range(len(PIPELINE_CONFIGS)))
+def test_pipeline_parallel_configs_with_several_steps_in_flight(i: int) -> None:
+    """The configurations kvsched.vllm sets under pipeline parallelism, with as many steps in flight as vLLM's
+    engine keeps (its batch queue): the reference and the core agree step by step."""
+    cfg = PIPELINE_CONFIGS[i]
+    for seed in range(8):
+        twin = Twin(
+            cfg, Rand(rng=np.random.default_rng(900 + seed)), max_in_flight=cfg.concurrent_batches,
+            connector_seed=seed if cfg.defer_block_free else None, fail_steps=False,
+        )  # fmt: skip
+        for _ in range(80):
             twin.step()
         twin.drain()
 

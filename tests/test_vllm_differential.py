@@ -59,6 +59,18 @@ def test_identical_to_vllm_with_streaming_input(
     assert taken  # some part was taken (the draws exercised sessions)
 
 
+PP_MODES = [("sync", "v1"), ("sync", "v2"), ("async", "v2")]  # vLLM refuses async-v1 with pipeline parallelism
+
+
+@pytest.mark.parametrize(("sync", "runner"), PP_MODES, ids=[f"{s}-{r}" for s, r in PP_MODES])
+@pytest.mark.parametrize("seed", range(500, 503))
+def test_identical_to_vllm_with_pipeline_parallelism(sync: str, runner: str, seed: int) -> None:
+    """A pipeline-parallel size of 2-4, steps kept in flight as vLLM's engine keeps them (its batch queue):
+    decodes staggered on model runner V2 with async scheduling, the sampled tokens sent back without it."""
+    cfg = run_seed(seed, 100, async_scheduling=sync == "async", v2=runner == "v2", pp=True)
+    assert cfg.pipeline_parallel_size > 1
+
+
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("seed", range(300, 303))
 def test_identical_to_vllm_with_a_sliding_window(sync: str, runner: str, seed: int) -> None:

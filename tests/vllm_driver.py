@@ -259,6 +259,17 @@ class Config:
     ec_connector_seed: int | None = None
     # Some requests are streaming-input sessions (resumable), given further parts and ended by the driver.
     streaming: bool = False
+    # vLLM's pipeline parallelism: the driver keeps steps in flight as EngineCore's batch queue does.
+    pipeline_parallel_size: int = 1
+
+
+def batch_queue_size(cfg: Config) -> int:
+    """The steps vLLM's engine keeps in flight (its ``max_concurrent_batches``): the pipeline-parallel size, plus
+    one with async scheduling on model runner V2; without pipeline parallelism 2 with async scheduling, else 1."""
+    pp = cfg.pipeline_parallel_size
+    if cfg.async_scheduling:
+        return pp + 1 if cfg.use_v2_model_runner else max(pp, 2)
+    return pp
 
 
 def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
@@ -392,6 +403,8 @@ class Pair:
         self.clock = 0.0
         # (vllm SchedulerOutput, kvsched SchedulerOutput, ids whose step is a partial prefill)
         self.in_flight: list[tuple[Any, Any, set[str]]] = []
+        self.queue_size = batch_queue_size(cfg)
+        self.max_in_flight = 0
         self.steps = 0
         # Structured-output requests whose grammar is still compiling: (vLLM's request, kvsched's request).
         self.compiling: list[tuple[Any, Any]] = []
@@ -464,8 +477,9 @@ class Pair:
             # 1 + k placeholders on top: a request may then ask for up to longest + 3k + 1 slots, where vLLM
             # preempts it (no 16th block) and kvsched caps its slots at the cache (docs/semantics.md, "Requests
             # that could never fit"). Requests are drawn clear of that end.
+            # (Each further step in flight, with pipeline parallelism, adds as many again.)
             k = cfg.num_speculative_tokens
-            capacity -= (3 if cfg.async_scheduling else 2) * (k + 1)
+            capacity -= (batch_queue_size(cfg) + 1) * (k + 1)
         if not cfg.enable_chunked_prefill and (cfg.parallel_drafting or cfg.max_num_scheduled_tokens):
             # Without chunked prefill a request must fit the most tokens one step gives it (kvsched refuses the
             # others; vLLM would hold them at the head of its queue forever).
@@ -660,7 +674,29 @@ class Pair:
         # (read right after schedule(), before a later step changes the flag).
         chunks = {rid for rid in so_a.num_scheduled_tokens if self.a.requests[rid].is_prefill_chunk}
         self.in_flight.append((so_a, so_b, chunks))
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
         self.check_state(f"step {self.steps} schedule")
+
+    def engine_step(self) -> None:
+        """One call of vLLM's ``EngineCore.step_with_batch_queue`` (pipeline parallelism): a step is scheduled
+        while the scheduler has requests; the oldest step in flight is applied only once the queue is full, or
+        the step scheduled nothing and nothing is left to schedule. A step whose sampling waits for the previous
+        step's tokens (``pending_structured_output_tokens``) joins the queue after the oldest step is applied."""
+        compare(f"step {self.steps} has_requests", self.a.has_requests(), self.b.has_requests())
+        if self.a.has_requests():
+            self.schedule()
+            if self.rng_out.random() < 0.05:
+                self.abort_in_flight()
+            so = self.in_flight[-1][0]
+            if not so.pending_structured_output_tokens:
+                executed = so.total_num_scheduled_tokens > 0
+                if len(self.in_flight) < self.queue_size and (executed or self.a.has_requests()):
+                    return
+            elif len(self.in_flight) == 1:
+                return  # (placeholders mean an earlier step is in flight: not reached)
+        elif not self.in_flight:
+            return
+        self.update_oldest()
 
     def random_token(self) -> int:
         r = self.rng.random()
@@ -847,6 +883,11 @@ class Pair:
                 self.grammar_ready()
             if self.sessions and self.rng_stream.random() < 0.2:
                 self.stream_input()
+            if self.cfg.pipeline_parallel_size > 1:
+                self.engine_step()
+                if not self.a.has_requests() and rng.random() < 0.5:
+                    self.add_random_request()
+                continue
             self.schedule()
             if self.rng_out.random() < 0.05:
                 self.abort_in_flight()
@@ -902,6 +943,7 @@ def run_seed(
     budgets: bool = False,
     ec_connector: bool = False,
     streaming: bool = False,
+    pp: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -912,7 +954,8 @@ def run_seed(
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
-    streaming-input sessions."""
+    streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
+    in flight as vLLM's engine does with it (``Pair.engine_step``)."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
@@ -959,6 +1002,8 @@ def run_seed(
             cfg.speculative_method = "ngram_gpu"  # an EAGLE drafter's prefill lookahead shifts the encoder window
     if ec_connector:
         cfg.ec_connector_seed = seed
+    if pp:
+        cfg.pipeline_parallel_size = random.Random(f"pp/{seed}").choice([2, 3, 4])
     Pair(cfg, seed).run(steps)
     return cfg
 
@@ -981,7 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=200)
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--modes", default="sync-v1,sync-v2,async-v1,async-v2")
+    p.add_argument("--modes", default=None, help="default: sync-v1,sync-v2,async-v1,async-v2 (with --pp: no async-v1)")
     p.add_argument("--connector", action="store_true", help="with a seeded RandomKVConnector")
     p.add_argument(
         "--kv-roles",
@@ -1027,9 +1072,22 @@ def main(argv: list[str] | None = None) -> int:
         "--streaming",
         action="store_true",
         help="some requests are streaming-input sessions (resumable): parts appended while they run, wait or wait "
-        "for input, input ended at random (not with --connector or --mm, which kvsched.vllm refuses for them)",
+        "for input, input ended at random (not with --mm, which kvsched.vllm refuses for them)",
+    )
+    p.add_argument(
+        "--pp",
+        action="store_true",
+        help="pipeline parallelism: a pipeline-parallel size of 2-4 drawn per seed, steps kept in flight as vLLM's "
+        "engine does with it (its batch queue: the size, plus one with async scheduling on model runner V2); not "
+        "with async-v1, which vLLM refuses with pipeline parallelism",
     )
     args = p.parse_args(argv)
+    if args.modes is None:
+        args.modes = "sync-v1,sync-v2,async-v2" if args.pp else "sync-v1,sync-v2,async-v1,async-v2"
+    if args.pp and "async-v1" in args.modes.split(","):
+        p.error(
+            "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
+        )
     if args.streaming and args.mm:
         p.error("--streaming goes without --mm")
     if args.sliding_window and (args.connector or args.kv_events):
@@ -1075,6 +1133,7 @@ def main(argv: list[str] | None = None) -> int:
                         defer_async_loads=args.defer_async_loads,
                         budgets=args.budgets,
                         streaming=args.streaming,
+                        pp=args.pp,
                     )
                     ok += 1
                 except Divergence as exc:

@@ -585,6 +585,28 @@ class SchedulerConfig:
             hi=I32_MAX - 1,
         ),
     )
+    decode_stagger: int = field(
+        default=1,
+        metadata=_spec(
+            "`schedule()` calls between two steps of one request that are not prefill chunks (vLLM's "
+            "`decode_stagger`: `pipeline_parallel_size` on model runner V2 with async scheduling; `kvsched.vllm` "
+            "sets it): after a step that leaves a request nothing known to compute, phase A skips it until this "
+            "many calls later; 1 = no wait (see [Pipeline parallelism](#pipeline-parallelism))",
+            lo=1,
+            hi=1024,
+        ),
+    )
+    max_concurrent_batches: int | None = field(
+        default=None,
+        metadata=_spec(
+            "the most steps the caller keeps in flight (vLLM's `max_concurrent_batches`: the pipeline-parallel "
+            "size, plus one with async scheduling on model runner V2; `kvsched.vllm` sets it); sizes what a "
+            "sliding-window request may hold at admission (one step's budget per batch); None = 2 with "
+            "`async_scheduling`, else 1",
+            lo=1,
+            hi=1024,
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in CONFIG_FIELDS:
@@ -768,6 +790,13 @@ class SchedulerConfig:
     def max_slots_per_request(self) -> int:
         """The most KV slots one request may hold: ``min(max_model_len, kv_capacity_tokens)``."""
         return min(self.max_model_len, self.kv_capacity_tokens)
+
+    @property
+    def concurrent_batches(self) -> int:
+        """Steps in flight at most: ``max_concurrent_batches``, or 2 with async scheduling, else 1."""
+        if self.max_concurrent_batches is not None:
+            return self.max_concurrent_batches
+        return 2 if self.async_scheduling else 1
 
     def max_blocks_per_request(self) -> int:
         return math.ceil(self.max_model_len / self.kv_block_size)

@@ -132,7 +132,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         before the window of its first computed token become null blocks, the others count when at ref 0."""
         c = self._config
         assert c.sliding_window is not None
-        batches = 2 if c.async_scheduling else 1
+        batches = c.concurrent_batches
         cap = math.ceil(min(c.sliding_window - 1 + batches * c.max_num_batched_tokens, c.max_model_len) / self._bs) + 1
         required = min(math.ceil(min(r.num_tokens, c.max_slots_per_request) / self._bs), cap)
         if r.block_ids:
@@ -311,7 +311,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         c, bs = self._config, self._bs
         all_hits = self._hits_of_groups(hits)
         required = math.ceil(min(r.num_tokens, c.max_slots_per_request) / bs)
-        batches = 2 if c.async_scheduling else 1
+        batches = c.concurrent_batches
         total = 0
         for g, w in enumerate(self._group_windows()):
             held, ghits = len(self._group_table(r, g)), all_hits[g]

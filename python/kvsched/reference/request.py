@@ -25,6 +25,7 @@ class _Request:
         "cpu_blocks",
         "cross_attention_tokens",
         "deadline",
+        "decode_ready_step",
         "deferred",
         "drafts",
         "drop_stale_output",
@@ -139,6 +140,9 @@ class _Request:
         # vLLM 0.33's in-flight prefill set: an async load, or an admission with prompt left, until a step leaves
         # nothing left (or a preemption); read with reserve_inflight_prefills
         self.inflight_prefill = False
+        # decode_stagger: the first schedule() call (step id) in which it may be scheduled again after a step that
+        # was not a prefill chunk (vLLM's next_decode_eligible_step; kept across preemption)
+        self.decode_ready_step = 0
         self.sjf_residual = 0  # sjf: the residual it is queued by (prompt blocks beyond its prefix hit)
         self.wait_seq = 0  # aging: nonzero while in `waiting` (its entry in the aging FIFO)
         self.wait_since = 0  # aging: the first step it waits in

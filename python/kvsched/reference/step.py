@@ -138,6 +138,9 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             if ph > 0 and r.num_computed_tokens + 2 - ph >= r.num_prompt_tokens + r.requested_max_tokens:
                 i += 1  # async: the steps in flight already produce its last token
                 continue
+            if r.decode_ready_step > self._next_step_id:
+                i += 1  # decode_stagger: decoded fewer than decode_stagger calls ago
+                continue
             if defer and r.is_prefill_chunk:
                 i += 1  # deferred prefill: its next chunk waits for a cadence-aligned step
                 continue
@@ -261,6 +264,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             r.num_in_flight_tokens += n
             if not is_chunk:
                 r.inflight_prefill = False
+                if c.decode_stagger > 1:  # vLLM's next_decode_eligible_step
+                    r.decode_ready_step = self._next_step_id + c.decode_stagger
             if c.async_scheduling and not is_chunk:  # placeholders for the token(s) this step samples
                 r.num_output_placeholders += 1 + len(drafts)
                 r.drafts = [-1] * num_spec

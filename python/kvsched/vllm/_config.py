@@ -158,8 +158,6 @@ def kvsched_config_from_vllm(
         _refuse("encoder-decoder models", "model_config.is_encoder_decoder")
     if _attr(model, "supports_multimodal_inputs", False):
         check_multimodal(vllm_config)
-    if parallel.pipeline_parallel_size > 1:
-        _refuse("pipeline parallelism", f"pipeline_parallel_size={parallel.pipeline_parallel_size}")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if _attr(parallel, name, 1) > 1:
             _refuse("context parallelism", f"{name}={getattr(parallel, name)}")
@@ -288,6 +286,11 @@ def kvsched_config_from_vllm(
     fields["defer_block_free"] = bool(
         kv_transfer is not None and kv_transfer.is_kv_consumer and vllm_config.max_concurrent_batches > 1
     )
+    # Pipeline parallelism: vLLM's engine keeps max_concurrent_batches steps in flight (its batch queue), which
+    # also sizes a sliding window's admission cap; AsyncScheduler on model runner V2 lets pipeline_parallel_size
+    # calls pass between two decode steps of a request (XPU without PP microbatching: 1).
+    fields["max_concurrent_batches"] = int(vllm_config.max_concurrent_batches)
+    fields["decode_stagger"] = decode_stagger(vllm_config)
     # vLLM's engine has no swap path (its runner never copies KV to a CPU pool): preemption recomputes.
     fields["preemption_mode"] = "recompute"
     # A failed asynchronous load: the core cuts the request's computed tokens back to the valid prefix (policy
@@ -298,6 +301,20 @@ def kvsched_config_from_vllm(
     # (Without encoder inputs it changes nothing; a text model's scheduler can get an encoder cache later.)
     fields["disable_chunked_mm_input"] = bool(sched.disable_chunked_mm_input)
     return build_config(fields, knobs), num_spec_tokens
+
+
+def decode_stagger(vllm_config: Any) -> int:
+    """vLLM's ``AsyncScheduler.decode_stagger`` where it applies (async scheduling on model runner V2): the
+    pipeline-parallel size, 1 on XPU without ``VLLM_XPU_PP_MICROBATCH``; 1 elsewhere."""
+    pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if pp <= 1 or not vllm_config.scheduler_config.async_scheduling or not vllm_config.use_v2_model_runner:
+        return 1
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    if current_platform.is_xpu() and not envs.VLLM_XPU_PP_MICROBATCH:
+        return 1
+    return pp
 
 
 def check_multimodal(vllm_config: Any) -> None:

@@ -93,7 +93,9 @@ ENGINE_FIELDS: dict[str, str] = {
     "max_num_encoder_input_tokens": "vLLM's encoder compute budget for the model (MultiModalBudget)",
     "encoder_cache_size": "vLLM's encoder cache size for the model (MultiModalBudget)",
     "disable_chunked_mm_input": "--disable-chunked-mm-input",
-    "defer_block_free": "--kv-transfer-config's kv_role (a consumer role) with --async-scheduling",
+    "defer_block_free": (
+        "--kv-transfer-config's kv_role (a consumer role) with --async-scheduling or --pipeline-parallel-size"
+    ),
     "drop_preempted_output": "--kv-transfer-config (the connector's requires_kv_delivery)",
     "defer_async_loads": "vLLM's scheduler (its defer_async_loads, on with deferred frees where vLLM turns it on)",
     "enable_kv_cache_events": "--kv-events-config",
@@ -101,6 +103,8 @@ ENGINE_FIELDS: dict[str, str] = {
     "kv_cache_groups": "the model's attention (its KV cache groups)",
     "max_num_scheduled_tokens": "vLLM's max_num_scheduled_tokens (its SchedulerConfig)",
     "draft_slots": "--speculative-config (the drafting method's extra query slots)",
+    "decode_stagger": "--pipeline-parallel-size (with --async-scheduling on model runner V2)",
+    "max_concurrent_batches": "--pipeline-parallel-size and --async-scheduling (vLLM's max_concurrent_batches)",
 }
 
 _NO_SWAP = (

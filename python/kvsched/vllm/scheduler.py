@@ -232,6 +232,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             vllm_config.scheduler_config.max_num_scheduled_tokens or config.max_num_batched_tokens
         )
         self.use_v2_model_runner = bool(vllm_config.use_v2_model_runner)
+        self.use_pp = int(vllm_config.parallel_config.pipeline_parallel_size) > 1
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.model_uses_mrope = bool(vllm_config.model_config.uses_mrope)
         self.connector: Any = None
@@ -1096,10 +1097,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             run_blocks += res_blocks
             run_computed += res_computed
             run_outputs += res_outputs
+        new_token_ids: list[list[int]] = []
+        if self.use_pp and not async_sched:
+            # Pipeline parallelism without async scheduling: the first stage gets the tokens each running or
+            # resumed request computes in this step (less its drafts) from the scheduler, as vLLM sends them.
+            sched_of = dict(zip(req_ids, num_sched, strict=True))
+            for req_id, c in zip(run_ids, run_computed, strict=True):
+                n = sched_of[req_id] - len(spec_tokens.get(req_id, ()))
+                new_token_ids.append(requests[req_id]._all_token_ids[c : c + n])
         cached = CachedRequestData(
             req_ids=run_ids,
             resumed_req_ids=set(res_ids),
-            new_token_ids=[],
+            new_token_ids=new_token_ids,
             all_token_ids=all_token_ids,
             new_block_ids=run_blocks,
             num_computed_tokens=run_computed,

@@ -180,6 +180,7 @@ def make_vllm_config(
     max_num_scheduled_tokens: int | None = None,
     ec_connector_seed: int | None = None,
     ec_role: str = "ec_consumer",
+    pipeline_parallel_size: int = 1,
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config; ``multimodal``: a tiny LLaVA,
     whose requests may carry images, with vLLM's ``disable_chunked_mm_input``). ``num_speculative_tokens``
@@ -192,8 +193,10 @@ def make_vllm_config(
     batches). ``parallel_drafting`` makes the drafter draft in parallel (vLLM's P-EAGLE layout: ``k - 1`` extra
     query slots per scheduled request, taken from ``max_num_batched_tokens``); ``max_num_scheduled_tokens`` sets
     vLLM's token budget apart from that input budget. ``ec_connector_seed`` adds an ``ec_transfer_config`` for
-    :class:`RandomECConnector` with that seed and role ``ec_role``."""
-    from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SpeculativeConfig, VllmConfig
+    :class:`RandomECConnector` with that seed and role ``ec_role``. ``pipeline_parallel_size`` > 1: vLLM's
+    pipeline parallelism (its engine then keeps ``max_concurrent_batches`` steps in flight; async scheduling is
+    switched on after the config is built, as vLLM validates it against the model runner of the environment)."""
+    from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
     model_dir = _model_dir(max_model_len, multimodal)
@@ -214,7 +217,7 @@ def make_vllm_config(
         policy=policy,
         is_encoder_decoder=False,
         scheduler_reserve_full_isl=scheduler_reserve_full_isl,
-        async_scheduling=async_scheduling,
+        async_scheduling=async_scheduling and pipeline_parallel_size == 1,
         watermark=watermark,
         max_num_active_seqs=max_num_active_seqs,
         long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
@@ -237,8 +240,6 @@ def make_vllm_config(
     speculative_config = None
     if num_speculative_tokens and speculative_method == "eagle":
         # An EAGLE drafter (k lookahead slots) on the same tiny config, without trailing-block dropping.
-        from vllm.config import ParallelConfig
-
         speculative_config = SpeculativeConfig(
             method="eagle",
             model=model_dir,
@@ -292,6 +293,7 @@ def make_vllm_config(
             ec_connector_extra_config={"seed": ec_connector_seed},
         )
     vllm_config = VllmConfig(
+        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
         ec_transfer_config=ec_transfer_config,
         kv_events_config=kv_events_config,
         kv_transfer_config=kv_transfer_config,

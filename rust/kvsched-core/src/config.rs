@@ -353,6 +353,14 @@ pub struct SchedulerConfig {
     /// Model inputs a drafter adds to every scheduled request, taken from `max_num_batched_tokens` (vLLM's
     /// `max_num_new_slots_for_drafting`). Below `max_num_batched_tokens`.
     pub draft_slots: u32,
+    /// `schedule()` calls between two steps of one request that are not prefill chunks (vLLM's `decode_stagger`:
+    /// `pipeline_parallel_size` on model runner V2 with async scheduling): after a step that leaves a request
+    /// with nothing known to compute, phase A skips it until this many calls later. 1 = no wait.
+    pub decode_stagger: u32,
+    /// The most steps the caller keeps in flight (vLLM's `max_concurrent_batches`: the pipeline-parallel size,
+    /// plus one with async scheduling on model runner V2); 0 = 2 with `async_scheduling`, else 1. Sizes the
+    /// blocks a sliding-window request may hold at admission.
+    pub max_concurrent_batches: u32,
 }
 
 /// What `schedule()` may do (vLLM's `PauseState`).
@@ -450,6 +458,8 @@ impl Default for SchedulerConfig {
             kv_cache_groups: Vec::new(),
             max_num_scheduled_tokens: 0,
             draft_slots: 0,
+            decode_stagger: 1,
+            max_concurrent_batches: 0,
         }
     }
 }
@@ -543,6 +553,14 @@ const INT_FIELDS: &[IntField] = &[
         get: |c| Some(c.max_num_scheduled_tokens).filter(|&v| v != 0),
     },
     IntField { name: "draft_slots", min: 0, max: I32_MAX - 1, get: |c| Some(c.draft_slots) },
+    IntField { name: "decode_stagger", min: 1, max: 1024, get: |c| Some(c.decode_stagger) },
+    // 0 stands for Python's None (2 with async scheduling, else 1).
+    IntField {
+        name: "max_concurrent_batches",
+        min: 1,
+        max: 1024,
+        get: |c| Some(c.max_concurrent_batches).filter(|&v| v != 0),
+    },
 ];
 
 /// The fixed bounds of integer field `name`, if it has any (for messages about values outside `u32`).
@@ -795,6 +813,15 @@ impl SchedulerConfig {
     /// size). Allocation, hashing and prefix hits count in these units.
     pub fn kv_block_size(&self) -> u32 {
         self.block_size * self.dcp_world_size
+    }
+
+    /// Steps in flight at most (`max_concurrent_batches`, or its default: 2 with async scheduling, else 1).
+    pub fn concurrent_batches(&self) -> u32 {
+        match self.max_concurrent_batches {
+            0 if self.async_scheduling => 2,
+            0 => 1,
+            n => n,
+        }
     }
 
     /// Blocks that requests can hold: block 0 is the reserved null block.

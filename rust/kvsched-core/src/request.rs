@@ -237,6 +237,10 @@ pub struct Request {
     /// vLLM 0.33's in-flight prefill set: an asynchronous load, or an admission with prompt left to compute,
     /// until a step leaves it with nothing left (or it is preempted). Tracked with `reserve_inflight_prefills`.
     pub inflight_prefill: bool,
+    /// `decode_stagger`: the first `schedule()` call (its step id) in which phase A may schedule this request
+    /// again after a step that was not a prefill chunk (vLLM's `next_decode_eligible_step`). Kept across
+    /// preemption, as vLLM keeps it.
+    pub decode_ready_step: u64,
     /// In no queue and not running: blocked (grammar not ready, KV load in progress), or ready and queued at the
     /// start of the next `schedule()`.
     pub parked: bool,

@@ -160,15 +160,15 @@ pub struct Scheduler {
 }
 
 /// vLLM's `SlidingWindowSpec.max_admission_blocks_per_request`: the blocks a request with a window holds at
-/// most, its window before the first token in flight and one step's budget per concurrent batch (two with
-/// async scheduling), plus one for a window that starts inside a block. `usize::MAX` without a window.
+/// most, its window before the first token in flight and one step's budget per concurrent batch
+/// (`max_concurrent_batches`), plus one for a window that starts inside a block. `usize::MAX` without a window.
 fn window_admission_cap_blocks(config: &SchedulerConfig) -> usize {
     config.sliding_window.map_or(usize::MAX, |w| window_cap_blocks(config, w))
 }
 
 /// `window_admission_cap_blocks` for a window of `window` tokens.
 fn window_cap_blocks(config: &SchedulerConfig, window: u32) -> usize {
-    let batches: u64 = if config.async_scheduling { 2 } else { 1 };
+    let batches = u64::from(config.concurrent_batches());
     let tokens = (u64::from(window) - 1 + batches * u64::from(config.max_num_batched_tokens))
         .min(u64::from(config.max_model_len));
     tokens.div_ceil(u64::from(config.kv_block_size())) as usize + 1
@@ -473,6 +473,7 @@ impl Scheduler {
             kv_load_done: false,
             kv_load_failed: false,
             inflight_prefill: false,
+            decode_ready_step: 0,
             // A request waiting for its grammar is parked (in no queue) until `set_ready`, unless the config
             // keeps it in `waiting` (vLLM 0.33's rule: skipped by each admission pass that reaches it).
             parked: params.waiting_for_grammar && self.config.park_grammar_waits,

@@ -550,9 +550,18 @@ impl Scheduler {
         } else {
             run(0)
         };
+        // decode_stagger: a request decoded within the last `decode_stagger` calls is skipped (checked on the
+        // record, so the hot-column paths that would schedule it without reading the record are off).
+        let staggered = self.config.decode_stagger > 1;
+        let prefetch = prefetch && !staggered;
+        let step_id = self.next_step_id;
         let mut i = 0;
         while i < self.running.len() && budget.open() {
-            if !prefetch {
+            if staggered && self.slab.get(self.running[i])?.decode_ready_step > step_id {
+                i += 1;
+                continue;
+            }
+            if !prefetch && !staggered {
                 // A run of plain decodes, from the hot columns alone (the check below, batched); it stops at
                 // the first request that takes the general path.
                 let start = i;
@@ -1455,11 +1464,19 @@ impl Scheduler {
         // decodes only, without async scheduling, has nothing left to do here.
         let async_scheduling = self.config.async_scheduling;
         let num_spec_tokens = self.config.num_spec_tokens() as usize;
-        let entries = if *general || async_scheduling { out.handles.len() } else { 0 };
+        let stagger = u64::from(self.config.decode_stagger);
+        let entries = if *general || async_scheduling || stagger > 1 { out.handles.len() } else { 0 };
         for (k, &h) in out.handles[..entries].iter().enumerate() {
             let s = h.slot as usize;
+            if is_chunk[k] {
+                continue;
+            }
+            if stagger > 1 {
+                // vLLM's next_decode_eligible_step: this call's number plus the stagger.
+                self.slab.get_mut(h.slot)?.decode_ready_step = self.next_step_id + stagger;
+            }
             // A plain decode is not in the in-flight prefill set: without async scheduling nothing to do.
-            if is_chunk[k] || (self.slab.hot.plain[s] && !async_scheduling) {
+            if self.slab.hot.plain[s] && !async_scheduling {
                 continue;
             }
             let req = self.slab.get_mut(h.slot)?;

@@ -94,6 +94,8 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("kv_cache_groups", groups)?;
     d.set_item("max_num_scheduled_tokens", Some(c.max_num_scheduled_tokens).filter(|&v| v != 0))?;
     d.set_item("draft_slots", c.draft_slots)?;
+    d.set_item("decode_stagger", c.decode_stagger)?;
+    d.set_item("max_concurrent_batches", Some(c.max_concurrent_batches).filter(|&v| v != 0))?;
     Ok(d)
 }
 
@@ -290,6 +292,16 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
             }
         },
         draft_slots: u32_field("draft_slots")?,
+        decode_stagger: u32_field("decode_stagger")?,
+        // None: 2 with async scheduling, else 1 (the core's 0); so a 0 given is out of the field's bounds.
+        max_concurrent_batches: if cfg.getattr("max_concurrent_batches")?.is_none() {
+            0
+        } else {
+            match u32_field("max_concurrent_batches")? {
+                0 => return Err(out_of_bounds("max_concurrent_batches", 0)),
+                v => v,
+            }
+        },
     })
 }
 
