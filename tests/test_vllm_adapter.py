@@ -271,8 +271,8 @@ def test_draft_slots_and_a_token_budget_apart_from_the_inputs_follow_vllm() -> N
 
 def test_unsupported_scheduler_settings_are_refused() -> None:
     cfg = make_vllm_config()
-    cfg.parallel_config.pipeline_parallel_size = 2
-    with pytest.raises(UnsupportedFeatureError, match="pipeline parallelism"):
+    cfg.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(UnsupportedFeatureError, match="context parallelism"):
         make_scheduler("kvsched", cfg)
     # An error is also a ValueError and a NotImplementedError, so either kind of handler catches it.
     assert issubclass(UnsupportedFeatureError, ValueError)
