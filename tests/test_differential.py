@@ -1569,7 +1569,7 @@ def test_soak_streaming_sessions_match_reference_step_by_step() -> None:
 
 
 def test_soak_streaming_sessions_with_a_kv_connector_match_reference_step_by_step() -> None:
-    """Streaming-input sessions with a seeded KV connector (loads at a session's first admission and after a
+    """Streaming-input sessions with a seeded KV connector (loads at a streaming session's first admission and after a
     preemption, asynchronous loads, delayed frees at the end of its input): the two agree at every step and call
     the connector alike."""
     parts = finished_sessions = 0
