@@ -959,6 +959,8 @@ def configs(draw: Any) -> SchedulerConfig:
         continue_after_self_preemption=draw(st.booleans()),
         cache_drafts_at_update=draw(st.booleans()),
         trim_computed_on_stop=draw(st.booleans()),
+        hash_lookahead_tokens=draw(st.sampled_from([0, 0, 0, 1, 2])),
+        drop_trailing_hit_block=draw(st.booleans()) if window is None else False,
         sliding_window=window,
         **budget_fields(draw, budget),
         # Pipeline parallelism: decodes of one request staggered over schedule() calls; the steps in flight that
@@ -1362,6 +1364,35 @@ def test_soak_victim_rules_match_reference_step_by_step() -> None:
 
 def test_soak_short_matches_reference_step_by_step() -> None:
     soak(steps=3000, seed=1234)
+
+
+# EAGLE-style drafters' prefix-cache rules: look-ahead hashes (blocks cached a token or two late, hits that need
+# the tokens after a block) and the trailing-block drop, with drafts, async scheduling, preemption, KV cache events
+# and (every other config) a KV connector.
+EAGLE_SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64,
+                    num_lookahead_tokens=2, hash_lookahead_tokens=1, prefix_hash_seed=1,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    num_lookahead_tokens=1, drop_trailing_hit_block=True, prefix_hash_seed=2,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    policy="priority", num_lookahead_tokens=2, async_scheduling=True, hash_lookahead_tokens=2,
+                    prefix_hash_algo="sha256"),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    num_lookahead_tokens=2, async_scheduling=True, drop_trailing_hit_block=True,
+                    scheduler_reserve_full_isl=False, park_kv_loads=False, reserve_inflight_prefills=True),
+    SchedulerConfig(block_size=4, num_blocks=16, max_num_seqs=6, max_num_batched_tokens=40, max_model_len=48,
+                    cache_aware_admission_window=8, cache_aware_admission_threshold=0.3, prefix_hash_seed=2,
+                    hash_lookahead_tokens=1, drop_trailing_hit_block=True, scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    num_lookahead_tokens=1, async_scheduling=True, hash_lookahead_tokens=1, max_loras=1,
+                    scheduler_reserve_full_isl=False, park_kv_loads=False, reserve_inflight_prefills=True),
+]  # fmt: skip
+
+
+def test_soak_eagle_prefix_cache_rules_match_reference_step_by_step() -> None:
+    soak(steps=3000, seed=4321, configs=EAGLE_SOAK_CONFIGS)
 
 
 # Deferred block frees (vLLM 0.33 with a KV consumer connector and several batches in flight) and deferred

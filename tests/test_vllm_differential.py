@@ -214,3 +214,13 @@ def test_failed_loads_finish_in_vllms_set_order() -> None:
 def test_identical_to_vllm_full_sweep(sync: str, runner: str) -> None:
     for seed in range(200):
         run_seed(seed, 300, async_scheduling=sync == "async", v2=runner == "v2")
+
+
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("connector", [False, True], ids=["lookahead-hashes", "drop-with-connector"])
+@pytest.mark.parametrize("seed", [500, 501])
+def test_identical_to_vllm_with_eagle_prefix_cache_rules(sync: str, runner: str, connector: bool, seed: int) -> None:
+    """An EAGLE drafter with vLLM's default prefix-cache rules: look-ahead block hashes on vLLM 0.33 without a KV
+    connector, the trailing-block drop with one (and always on vLLM 0.32)."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", connector=connector, eagle=True)
+    assert cfg.eagle_block_drop

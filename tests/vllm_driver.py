@@ -253,6 +253,9 @@ class Config:
     # Parallel drafting (k - 1 extra query slots per scheduled request, from max_num_batched_tokens) and a token
     # budget below the input budget.
     parallel_drafting: bool = False
+    # An EAGLE drafter with vLLM's default prefix-cache rules (look-ahead hashes, or the trailing-block drop with a
+    # KV connector and on vLLM 0.32) instead of disable_eagle_block_drop.
+    eagle_block_drop: bool = False
     max_num_scheduled_tokens: int | None = None
     # A RandomECConnector (kvsched.vllm.testing) with this seed: images loaded instead of encoded, requests waiting
     # for images in transit; its calls are compared.
@@ -376,6 +379,8 @@ class Pair:
         defer_async_loads = fields.pop("defer_async_loads")
         fields.pop("streaming")
         vcfg = make_vllm_config(**fields)
+        # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
+        self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
         log_stats = self.rng_out.random() < 0.7
@@ -442,6 +447,7 @@ class Pair:
             "cache_salt": rng.choice([None, None, None, "salt"]),
             "lora_name": rng.choice([None, None, "ada", "bob", "cy"]) if cfg.max_loras else None,
             "block_size": cfg.block_size,
+            "hash_lookahead_tokens": self.hash_lookahead,
             # Prompt logprobs: vLLM skips reading the prefix cache for the request.
             "prompt_logprobs": 1 if rng.random() < 0.1 else None,
             "client_index": self.rng_out.randrange(self.num_clients),
@@ -944,6 +950,7 @@ def run_seed(
     ec_connector: bool = False,
     streaming: bool = False,
     pp: bool = False,
+    eagle: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -955,7 +962,8 @@ def run_seed(
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
     streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
-    in flight as vLLM's engine does with it (``Pair.engine_step``)."""
+    in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
+    drafts) with vLLM's default prefix-cache rules for it."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
@@ -994,6 +1002,17 @@ def run_seed(
         cfg.speculative_method = "ngram_gpu"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
     cfg.kv_events = kv_events
     cfg.streaming = streaming
+    # vLLM's default EAGLE prefix-cache rules in most EAGLE runs (from their own stream: the other draws stay). Not
+    # with a window or several groups, nor streaming input (kvsched refuses both with them).
+    if eagle:
+        erng = random.Random(f"eagle/{seed}")
+        cfg.speculative_method = "eagle"
+        cfg.num_speculative_tokens = erng.choice([1, 2, 3, 4])
+        cfg.per_request_spec_decode_metrics = erng.choice(["none", "summary", "detailed"])
+        if cfg.policy == "priority" and v2 and RULES.skip_drafts:
+            cfg.policy = "fcfs"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
+    if cfg.speculative_method == "eagle" and not (cfg.sliding_window or cfg.kv_cache_groups or streaming):
+        cfg.eagle_block_drop = eagle or random.Random(f"eagle/{seed}").random() < 0.7
     if multimodal:
         cfg.multimodal = True
         # vLLM 0.32's disable_chunked_mm_input differs from 0.33's at an input's first token (kvsched refuses it).
@@ -1081,6 +1100,13 @@ def main(argv: list[str] | None = None) -> int:
         "engine does with it (its batch queue: the size, plus one with async scheduling on model runner V2); not "
         "with async-v1, which vLLM refuses with pipeline parallelism",
     )
+    p.add_argument(
+        "--eagle",
+        action="store_true",
+        help="every run with an EAGLE drafter and vLLM's default prefix-cache rules for it (look-ahead block hashes; "
+        "the trailing-block drop with --connector and on vLLM 0.32); not with --sliding-window, --hybrid, --mm or "
+        "--streaming",
+    )
     args = p.parse_args(argv)
     if args.modes is None:
         args.modes = "sync-v1,sync-v2,async-v2" if args.pp else "sync-v1,sync-v2,async-v1,async-v2"
@@ -1088,6 +1114,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
+    if args.eagle and (args.sliding_window or args.hybrid or args.mm or args.streaming):
+        p.error("--eagle goes without --sliding-window, --hybrid, --mm and --streaming")
     if args.streaming and args.mm:
         p.error("--streaming goes without --mm")
     if args.sliding_window and (args.connector or args.kv_events):
@@ -1134,6 +1162,7 @@ def main(argv: list[str] | None = None) -> int:
                         budgets=args.budgets,
                         streaming=args.streaming,
                         pp=args.pp,
+                        eagle=args.eagle,
                     )
                     ok += 1
                 except Divergence as exc:

@@ -547,6 +547,24 @@ class SchedulerConfig:
             "cover them"
         ),
     )
+    hash_lookahead_tokens: int = field(
+        default=0,
+        metadata=_spec(
+            "tokens after each full block that its prefix-cache hash also covers (vLLM 0.33's look-ahead block "
+            "hashes for EAGLE-style drafters, `num_hash_lookahead_tokens`): a block gets its hash, and can be "
+            "cached, only once the request has these tokens after it, and a hit on it needs them to match too (see "
+            "[Prefix caching](#prefix-caching))",
+            hi=1024,
+        ),
+    )
+    drop_trailing_hit_block: bool = field(
+        default=False,
+        metadata=_spec(
+            "the longest prefix hit gives up its last block, which is computed again (vLLM's EAGLE trailing-block "
+            "drop, with a KV connector or without look-ahead hashes); full attention in one group only (see "
+            "[Prefix caching](#prefix-caching))"
+        ),
+    )
     sliding_window: int | None = field(
         default=None,
         metadata=_spec(
@@ -707,6 +725,10 @@ class SchedulerConfig:
                 )
             if self.enable_kv_cache_events:
                 raise InvalidConfigError(f"sliding_window ({window}) is not supported with enable_kv_cache_events")
+        if self.drop_trailing_hit_block and (window is not None or self.kv_cache_groups is not None):
+            raise InvalidConfigError(
+                "drop_trailing_hit_block needs full attention in one group (no sliding_window or kv_cache_groups)"
+            )
         self._check_groups()
 
     def _check_groups(self) -> None:

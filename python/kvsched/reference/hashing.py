@@ -2,7 +2,8 @@
 
 ``hash(i) = H(parent, tokens of block i, extra keys)`` where ``parent`` is ``hash(i - 1)``, or the scheduler's
 seed hash for block 0. Extra keys: the LoRA name on every block, the cache salt on block 0 only, and the encoder
-inputs a block overlaps. ``H`` is SHA-256, or a 16-byte BLAKE2b standing in for the core's xxh3-128 (hash values
+inputs a block overlaps; with ``hash_lookahead_tokens`` L > 0 also the L tokens after the block (a block gets its hash
+once they exist). ``H`` is SHA-256, or a 16-byte BLAKE2b standing in for the core's xxh3-128 (hash values
 differ from the core's; only hash equality is part of the contract).
 """
 
@@ -17,17 +18,25 @@ from typing import Any
 class _BlockHasher:
     """The hash function, the seed hash (random unless ``prefix_hash_seed`` fixes it) and the block size."""
 
-    def __init__(self, algo: str, seed: int | str | bytes | None, block_size: int) -> None:
+    def __init__(self, algo: str, seed: int | str | bytes | None, block_size: int, lookahead: int = 0) -> None:
         self.hash_fn = hashlib.sha256 if algo == "sha256" else _blake2b_128
         seed_bytes = os.urandom(32) if seed is None else _seed_bytes(seed)
         self.seed_hash = self.hash_fn(b"kvsched-seed\0" + seed_bytes).digest()
         self.block_size = block_size
+        self.lookahead = lookahead
 
     def hash_block(
-        self, parent: bytes, tokens: list[int], lora: str | None, salt: str | None, mm: Sequence[tuple[int, int]] = ()
+        self,
+        parent: bytes,
+        tokens: list[int],
+        lora: str | None,
+        salt: str | None,
+        mm: Sequence[tuple[int, int]] = (),
+        after: Sequence[int] = (),
     ) -> bytes:
         """``H(parent, tokens, extra keys)``, unambiguously encoded (fixed-width tokens, tagged keys). ``mm``: the
-        encoder inputs overlapping the block, as (hash, start relative to the block)."""
+        encoder inputs overlapping the block, as (hash, start relative to the block); ``after``: the look-ahead
+        tokens after the block."""
         data = [parent, len(tokens).to_bytes(4, "little")]
         data += [t.to_bytes(4, "little") for t in tokens]
         for key in (lora, salt):
@@ -35,6 +44,8 @@ class _BlockHasher:
             data.append(b"\0" if raw is None else b"\1" + len(raw).to_bytes(8, "little") + raw)
         for h, offset in mm:
             data.append(b"\2" + h.to_bytes(8, "little") + offset.to_bytes(8, "little", signed=True))
+        if after:
+            data.append(b"\3" + b"".join(t.to_bytes(4, "little") for t in after))
         return self.hash_fn(b"".join(data)).digest()
 
     def block_hashes_of(self, tokens: list[int], salt: str | None, lora: str | None, start: int = 0,
@@ -44,13 +55,14 @@ class _BlockHasher:
         overlaps encoder inputs also hashes their content hashes and offsets (vLLM's multimodal extra keys), so
         equal placeholder tokens with different encoder content never share KV."""
         hashes = list(prev or [])
-        bs = self.block_size
-        for i in range(start, len(tokens) // bs):
+        bs, la = self.block_size, self.lookahead
+        for i in range(start, max(0, len(tokens) - la) // bs):
             parent = hashes[i - 1] if i else self.seed_hash
             block = tokens[i * bs : (i + 1) * bs]
             lo = i * bs
             mm = [(h, st - lo) for st, n, h in encoder_inputs if st < lo + bs and st + n > lo]
-            hashes.append(self.hash_block(parent, block, lora, salt if i == 0 else None, mm))
+            after = tokens[lo + bs : lo + bs + la]
+            hashes.append(self.hash_block(parent, block, lora, salt if i == 0 else None, mm, after))
         return hashes
 
 

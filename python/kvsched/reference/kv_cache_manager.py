@@ -62,8 +62,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _single_lookup(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
         """Longest prefix hit: the first cached block per hash, stopping at the first miss, capped so the last
-        token is always computed. With a sliding window: the rightmost run of cached blocks covering the window
-        before its end, null blocks before it; without one, the run from block 0."""
+        token is always computed (and, with ``drop_trailing_hit_block``, less its last block). With a sliding
+        window: the rightmost run of cached blocks covering the window before its end, null blocks before it;
+        without one, the run from block 0."""
         hits: list[int] = []
         if not self._config.enable_prefix_caching:
             return hits
@@ -81,11 +82,13 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 if len(run) >= need:
                     return [0] * i + run[::-1]
             return run[::-1]
-        for i in range((num_tokens - 1) // self._bs):
+        for i in range(min((num_tokens - 1) // self._bs, len(block_hashes))):
             blocks = self._cached.get(block_hashes[i])
             if not blocks:
                 break
             hits.append(next(iter(blocks)))
+        if self._config.drop_trailing_hit_block and hits:
+            hits.pop()  # the last hit block is computed again
         return hits
 
     def _skipped_tokens(self, num_computed_tokens: int) -> int:

@@ -635,8 +635,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         for r in self._requests.values():
             require(0 <= r.num_stale_output_tokens <= r.num_in_flight_tokens, f"{r.req_id}: stale tokens")
         for r in self._requests.values():
-            expect = r.num_tokens // bs if c.enable_prefix_caching else 0
-            require(len(r.block_hashes) == expect, f"{r.req_id}: one hash per full block")
+            expect = max(0, r.num_tokens - c.hash_lookahead_tokens) // bs if c.enable_prefix_caching else 0
+            require(len(r.block_hashes) == expect, f"{r.req_id}: one hash per full block with its look-ahead")
         enc = self._encoder
         require(0 <= enc.num_free <= enc.capacity, "encoder cache: occupied within the capacity")
         unreferenced = {h for h, e in enc.entries.items() if not e[1]}

@@ -25,6 +25,9 @@ class _StreamMixin(_KVCacheManagerMixin):
             what = "preemption_mode other than 'recompute'"
         elif not ready:
             what = "ready=False"
+        elif self._config.hash_lookahead_tokens > 0:
+            # A part drops the last sampled token, which the hash of the block before it may cover.
+            what = "hash_lookahead_tokens > 0"
         if what is not None:
             raise InvalidRequestError(f"request {req_id!r}: a resumable request cannot have {what}")
 

@@ -203,16 +203,24 @@ def kvsched_config_from_vllm(
 
     num_spec_tokens = int(_attr(vllm_config, "num_speculative_tokens", 0) or 0)
     spec = vllm_config.speculative_config
+    # EAGLE/EAGLE3/MTP drafters' prefix-cache rules. vLLM 0.33 keys blocks by look-ahead hashes with prefix caching
+    # and no KV connector (num_hash_lookahead_tokens), else drops the trailing block of every hit; vLLM 0.32 always
+    # drops it (it has no look-ahead hashes). disable_eagle_block_drop turns both off.
+    hash_lookahead = int(_attr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+    drop_trailing = spec is not None and bool(spec.use_eagle_block_drop()) and not hash_lookahead
     lookahead = int(_attr(vllm_config, "num_lookahead_tokens", 0) or 0)
     if spec is not None:
         method = f"method={spec.method!r}"
         if spec.num_speculative_tokens_per_batch_size:
             _refuse("dynamic speculation lengths", "num_speculative_tokens_per_batch_size")
-        if spec.use_eagle_block_drop():
-            # vLLM then drops the trailing block of every prefix-cache hit and keys blocks by look-ahead hashes.
-            _refuse("EAGLE/MTP trailing prefix-cache block dropping", f"{method}: set disable_eagle_block_drop=True")
-        if _attr(vllm_config, "num_hash_lookahead_tokens", 0):
-            _refuse("look-ahead block hashes", method)
+        if (spec.use_eagle_block_drop() or hash_lookahead) and (sliding_window is not None or kv_cache_groups):
+            # vLLM's EAGLE rules over several groups or a window (per-group drops, reachable-block masks) are not
+            # the core's.
+            _refuse(
+                "EAGLE/MTP prefix-cache rules (trailing-block drop, look-ahead hashes) with sliding-window attention "
+                "or several KV cache groups",
+                f"{method}: set disable_eagle_block_drop=True",
+            )
         if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
             _refuse("multi-module MTP prefill lookahead", method)
         if lookahead not in (0, num_spec_tokens):
@@ -253,6 +261,8 @@ def kvsched_config_from_vllm(
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
     fields["sliding_window"] = sliding_window
     fields["kv_cache_groups"] = kv_cache_groups
+    fields["hash_lookahead_tokens"] = hash_lookahead
+    fields["drop_trailing_hit_block"] = drop_trailing
     fields["async_scheduling"] = bool(sched.async_scheduling)
     fields["watermark"] = float(sched.watermark)
     # A token budget apart from the input budget (vLLM's max_num_scheduled_tokens; above the input budget it

@@ -32,14 +32,17 @@ from vllm.distributed.kv_events import (
     KVEventBatch,
 )
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+
+try:  # vLLM 0.33 (look-ahead block hashes); vLLM 0.32 has none
+    from vllm.v1.core.kv_cache_utils import generate_lookahead_block_hash_extra_keys
+except ImportError:  # pragma: no cover - vLLM 0.32
+    generate_lookahead_block_hash_extra_keys = None
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
 from kvsched.kv_events import CLEARED, STORED
 
 # vLLM 0.33's BlockStored has lookahead_token_ids (None without look-ahead hashes); vLLM 0.32's has no such field.
-_LOOKAHEAD_FIELD: dict[str, Any] = (
-    {"lookahead_token_ids": None} if "lookahead_token_ids" in getattr(BlockStored, "__struct_fields__", ()) else {}
-)
+_HAS_LOOKAHEAD_FIELD = "lookahead_token_ids" in getattr(BlockStored, "__struct_fields__", ())
 
 __all__ = ["KVEventTranslator", "kv_events_enabled", "make_publisher"]
 
@@ -66,6 +69,9 @@ class KVEventTranslator:
         self._spec_kind = get_kv_cache_spec_kind(spec).value
         self._sliding_window = get_kv_cache_spec_sliding_window(spec)
         self._get_request = get_request
+        # Look-ahead block hashes (vLLM 0.33, EAGLE-style drafters): each block's event also carries the tokens
+        # after it that its hash covers, and its extra keys cover them too.
+        self._lookahead = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
         # The core's hash of a cached block -> the vLLM hash (as published) it was stored under.
         self._vllm_hash: dict[bytes, Any] = {}
         self._pending: list[KVCacheEvent] = []
@@ -106,9 +112,19 @@ class KVEventTranslator:
         bh = request.block_hashes
         extra_keys: list[tuple[Any, ...] | None] = []
         mm_idx = 0
+        la = self._lookahead
         for i in range(first, end):
-            keys, mm_idx = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
+            start, stop = i * block_size, (i + 1) * block_size
+            if la:
+                keys, mm_idx = generate_lookahead_block_hash_extra_keys(request, start, stop, stop + la, mm_idx)
+            else:
+                keys, mm_idx = generate_block_hash_extra_keys(request, start, stop, mm_idx)
             extra_keys.append(keys)
+        lookahead: dict[str, Any] = {}
+        if _HAS_LOOKAHEAD_FIELD:
+            tokens = request.all_token_ids
+            ids = [tokens[(i + 1) * block_size : (i + 1) * block_size + la] for i in range(first, end)]
+            lookahead["lookahead_token_ids"] = ids if la else None
         lora = request.lora_request
         return BlockStored(
             block_hashes=hashes,
@@ -123,7 +139,7 @@ class KVEventTranslator:
             kv_cache_spec_kind=self._spec_kind,
             kv_cache_spec_sliding_window=self._sliding_window,
             session_id=request.session_id,
-            **_LOOKAHEAD_FIELD,
+            **lookahead,
         )
 
     def publish(self, publisher: Any, core: Any, connector: Any) -> None:

@@ -79,6 +79,8 @@ ENGINE_FIELDS: dict[str, str] = {
     "long_prefill_token_threshold_adaptive": "--long-prefill-token-threshold-adaptive",
     "num_lookahead_tokens": "--speculative-config",
     "num_speculative_tokens": "--speculative-config",
+    "hash_lookahead_tokens": "--speculative-config (disable_eagle_block_drop, disable_lookahead_block_hashes)",
+    "drop_trailing_hit_block": "--speculative-config (disable_eagle_block_drop, disable_lookahead_block_hashes)",
     "prefix_hash_algo": "--prefix-caching-hash-algo",
     "scheduler_reserve_full_isl": "--scheduler-reserve-full-isl",
     "async_scheduling": "--async-scheduling / --no-async-scheduling",

@@ -238,6 +238,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.connector: Any = None
         self._ec_connector: Any = None
         self.num_lookahead_tokens = config.num_lookahead_tokens
+        # vLLM 0.33's look-ahead block hashes: a block's hash (vLLM's hasher on the Request, as the core's) waits
+        # for the tokens after it, so a block "fills" for hashing that many tokens later.
+        self._hash_lookahead = config.hash_lookahead_tokens
         # vLLM's model runner V2 skips drafting in a step whose drafts nobody can use (skip_drafts, vLLM 0.33).
         self.can_skip_drafts = RULES.skip_drafts and self.num_lookahead_tokens > 0 and self.use_v2_model_runner
         self.spec_decode_metrics_level = str(
@@ -1599,7 +1602,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if self.num_spec_tokens or self._drafts_received:
             # Drafts rejected in an earlier step move where this step's token lands: find the requests whose
             # appended token filled a block from their token lists.
-            block = self.hash_block_size
+            block, hash_la = self.hash_block_size, self._hash_lookahead
             filled_reqs: list[Request] = []
             for request, n, generated in zip(reqs, num_sched, rows, strict=True):
                 request.num_in_flight_tokens -= n
@@ -1607,7 +1610,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     request._output_token_ids.extend(generated)
                     all_tokens = request._all_token_ids
                     all_tokens.extend(generated)
-                    if len(all_tokens) % block < len(generated):
+                    if (len(all_tokens) - hash_la) % block < len(generated):
                         filled_reqs.append(request)
                     if async_sched and request.num_output_placeholders > 0:
                         request.num_output_placeholders -= len(generated)
@@ -1648,8 +1651,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # A step with prefill chunks (a runner may return tokens for one, which vLLM's scheduler appends),
                 # or a runner that returned several tokens for an entry (taken too): the requests whose appended
                 # tokens filled a block, from their token lists.
+                la = self._hash_lookahead
                 filled_reqs = [
-                    r for r, k in zip(reqs, num_new.tolist(), strict=True) if k and len(r._all_token_ids) % block < k
+                    r
+                    for r, k in zip(reqs, num_new.tolist(), strict=True)
+                    if k and (len(r._all_token_ids) - la) % block < k
                 ]
                 if filled_reqs:
                     self._hash_filled_blocks(filled_reqs)
@@ -1657,7 +1663,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # Plain decodes that took one token each took the token right after the positions the step
                 # computed (its earlier steps were all applied, in order): the request now holds `after` + 1
                 # tokens. Those whose count reached a block boundary filled a block, to be hashed.
-                last = after % block == block - 1
+                last = (after - self._hash_lookahead) % block == block - 1
                 filled = np.flatnonzero(last if every else last & (num_new > 0))
                 if len(filled):
                     self._hash_filled_blocks([reqs[i] for i in filled.tolist()])
@@ -1714,7 +1720,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             slow = slow.union(self._ec_from)  # the EC connector hears of consumed images before a stop
         if self._aux.connector is not None:
             slow = slow.union(req_ids)  # every output carries its routed experts
-        hasher_block = self.hash_block_size
+        hasher_block, hash_la = self.hash_block_size, self._hash_lookahead
         stopped_reqs: list[Request] = []
         async_sched = self.async_scheduling
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
@@ -1770,7 +1776,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             request._output_token_ids.extend(generated)
             all_tokens = request._all_token_ids
             all_tokens.extend(generated)
-            if len(all_tokens) % hasher_block < len(generated):
+            if (len(all_tokens) - hash_la) % hasher_block < len(generated):
                 filled.append(request)
             if async_sched and request.num_output_placeholders > 0:
                 request.num_output_placeholders -= len(generated)

@@ -177,6 +177,7 @@ def make_vllm_config(
     multimodal: bool = False,
     disable_chunked_mm_input: bool = False,
     parallel_drafting: bool = False,
+    eagle_block_drop: bool = False,
     max_num_scheduled_tokens: int | None = None,
     ec_connector_seed: int | None = None,
     ec_role: str = "ec_consumer",
@@ -185,7 +186,9 @@ def make_vllm_config(
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config; ``multimodal``: a tiny LLaVA,
     whose requests may carry images, with vLLM's ``disable_chunked_mm_input``). ``num_speculative_tokens``
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
-    as its draft model, no trailing-block dropping). ``kv_connector_seed`` adds a ``kv_transfer_config`` for
+    as its draft model; ``eagle_block_drop``: vLLM's default prefix-cache rules for it, look-ahead block hashes
+    or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``).
+    ``kv_connector_seed`` adds a ``kv_transfer_config`` for
     :class:`RandomKVConnector` with that seed and role ``kv_role`` (``kv_producer``, ``kv_consumer``,
     ``kv_both``); with ``kv_connector_multi`` it is the second child of vLLM's ``MultiConnector``, whose first is
     a passive one (a :class:`RandomKVConnector` that finds no tokens and delays no free). ``kv_events`` turns KV
@@ -239,12 +242,15 @@ def make_vllm_config(
         lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
     speculative_config = None
     if num_speculative_tokens and speculative_method == "eagle":
-        # An EAGLE drafter (k lookahead slots) on the same tiny config, without trailing-block dropping.
+        # An EAGLE drafter (k lookahead slots) on the same tiny config, with vLLM's default prefix-cache rules for
+        # it or without them.
+        from vllm.config import ParallelConfig
+
         speculative_config = SpeculativeConfig(
             method="eagle",
             model=model_dir,
             num_speculative_tokens=num_speculative_tokens,
-            disable_eagle_block_drop=True,
+            disable_eagle_block_drop=not eagle_block_drop,
             parallel_drafting=parallel_drafting,
             target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
@@ -393,19 +399,22 @@ def make_scheduler(
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
 
 
-_HASHERS: dict[int, Callable[[Any], Any]] = {}
+_HASHERS: dict[tuple[int, int], Callable[[Any], Any]] = {}
 
 
-def request_block_hasher(block_size: int) -> Callable[[Any], Any]:
-    """The request block hasher vLLM's engine core gives each ``Request`` (SHA-256)."""
-    hasher = _HASHERS.get(block_size)
+def request_block_hasher(block_size: int, hash_lookahead_tokens: int = 0) -> Callable[[Any], Any]:
+    """The request block hasher vLLM's engine core gives each ``Request`` (SHA-256; with vLLM 0.33's look-ahead
+    block hashes when ``hash_lookahead_tokens``, the engine's ``num_hash_lookahead_tokens``, is not 0)."""
+    hasher = _HASHERS.get((block_size, hash_lookahead_tokens))
     if hasher is None:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
         hash_fn = get_hash_fn_by_name("sha256")
         init_none_hash(hash_fn)
-        hasher = _HASHERS[block_size] = get_request_block_hasher(block_size, hash_fn)
+        args = (hash_lookahead_tokens,) if hash_lookahead_tokens else ()
+        hasher = get_request_block_hasher(block_size, hash_fn, *args)
+        _HASHERS[block_size, hash_lookahead_tokens] = hasher
     return hasher
 
 
@@ -426,12 +435,14 @@ def make_request(
     client_index: int = 0,
     images: Sequence[tuple[int, int, str]] = (),
     resumable: bool = False,
+    hash_lookahead_tokens: int = 0,
 ) -> Any:
     """A vLLM ``Request`` as the engine core builds it (block hasher attached, EOS set as the frontend does);
     ``client_index`` is the front-end process the request came from (its outputs are grouped by it); ``images``:
     its multimodal inputs as ``(offset, length, identifier)``, sorted by offset (the data is a dummy: no
     scheduler reads it); ``resumable``: a streaming-input session, or for the id of a live one its next part (a
-    request of that id that is not resumable ends its input)."""
+    request of that id that is not resumable ends its input); ``hash_lookahead_tokens``: the engine's
+    ``num_hash_lookahead_tokens`` (look-ahead block hashes, vLLM 0.33)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -467,7 +478,7 @@ def make_request(
         priority=priority,
         cache_salt=cache_salt,
         lora_request=_lora_request(lora_name),
-        block_hasher=request_block_hasher(block_size),
+        block_hasher=request_block_hasher(block_size, hash_lookahead_tokens),
         client_index=client_index,
         mm_features=mm_features,
         resumable=resumable,

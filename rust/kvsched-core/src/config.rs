@@ -337,6 +337,14 @@ pub struct SchedulerConfig {
     /// request's computed count back to the tokens kept; `false` (vLLM 0.32) leaves it, so the blocks a KV
     /// connector is handed at the finish also cover the cut tokens. Blocks cached at that update never cover them.
     pub trim_computed_on_stop: bool,
+    /// Tokens after each full block that its prefix-cache hash also covers (vLLM 0.33's look-ahead block hashes
+    /// for EAGLE-style drafters, `num_hash_lookahead_tokens`): block `i`'s hash exists, and the block can enter
+    /// the prefix cache, only once the request has `(i + 1) * block_size + hash_lookahead_tokens` tokens, and a
+    /// hit on it needs those following tokens to match too. 0: a block's hash covers its own tokens.
+    pub hash_lookahead_tokens: u32,
+    /// The longest prefix hit gives up its last block, which is computed again (vLLM's EAGLE trailing-block drop,
+    /// `use_eagle` of its KV cache manager). Full attention in one group only.
+    pub drop_trailing_hit_block: bool,
     /// Every layer attends to the last `sliding_window` tokens only (vLLM's `SlidingWindowSpec`, one KV cache
     /// group): blocks wholly outside the window go back to the pool as the request advances, and a prefix hit
     /// needs only the window's blocks (see `kv_cache_manager.rs`). `None`: full attention.
@@ -454,6 +462,8 @@ impl Default for SchedulerConfig {
             continue_after_self_preemption: true,
             cache_drafts_at_update: true,
             trim_computed_on_stop: true,
+            hash_lookahead_tokens: 0,
+            drop_trailing_hit_block: false,
             sliding_window: None,
             kv_cache_groups: Vec::new(),
             max_num_scheduled_tokens: 0,
@@ -503,6 +513,7 @@ const INT_FIELDS: &[IntField] = &[
     },
     IntField { name: "num_lookahead_tokens", min: 0, max: 1024, get: |c| Some(c.num_lookahead_tokens) },
     IntField { name: "num_speculative_tokens", min: 0, max: 1024, get: |c| c.num_speculative_tokens },
+    IntField { name: "hash_lookahead_tokens", min: 0, max: 1024, get: |c| Some(c.hash_lookahead_tokens) },
     IntField {
         name: "cache_aware_admission_window",
         min: 0,
@@ -742,6 +753,13 @@ impl SchedulerConfig {
                     "sliding_window ({window}) is not supported with enable_kv_cache_events"
                 )));
             }
+        }
+        if self.drop_trailing_hit_block && (self.sliding_window.is_some() || !self.kv_cache_groups.is_empty())
+        {
+            return Err(SchedError::InvalidConfig(
+                "drop_trailing_hit_block needs full attention in one group (no sliding_window or kv_cache_groups)"
+                    .into(),
+            ));
         }
         self.validate_groups()
     }

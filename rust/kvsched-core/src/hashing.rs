@@ -6,6 +6,9 @@
 //! not predictable across schedulers) or SHA-256 (collision resistant, for adversarial multi-tenant use). Every
 //! field is length- or tag-prefixed so distinct inputs can never encode to the same bytes.
 //!
+//! With look-ahead (`hash_lookahead_tokens` `L > 0`), block `i`'s hash also covers the `L` tokens after it (a
+//! tagged field after the extra keys), and exists only once those tokens do.
+//!
 //! Tenant cache isolation (`isolate_tenant_cache`) keys block 0 by the tenant the same way: the request's salt
 //! becomes `tenant_cache_salt(tenant, cache_salt)`, a string that is distinct for every distinct pair, so two
 //! tenants never share a chain whatever salts their clients pick. The string (not a separate hash field) is the
@@ -34,11 +37,14 @@ pub struct ExtraKeys {
 pub struct BlockHasher {
     algo: HashAlgo,
     seed_hash: BlockHash,
+    /// Tokens after each block its hash covers (`hash_lookahead_tokens`).
+    lookahead: usize,
 }
 
 const TAG_LORA: u8 = 1;
 const TAG_SALT: u8 = 2;
 const TAG_MM: u8 = 3;
+const TAG_LOOKAHEAD: u8 = 4;
 const TAG_END: u8 = 0xff;
 
 impl BlockHasher {
@@ -59,7 +65,25 @@ impl BlockHasher {
                 BlockHash(buf)
             }
         };
-        Ok(BlockHasher { algo, seed_hash })
+        Ok(BlockHasher { algo, seed_hash, lookahead: 0 })
+    }
+
+    /// This hasher with each block's hash also covering the `lookahead` tokens after the block.
+    pub fn with_lookahead(mut self, lookahead: usize) -> Self {
+        self.lookahead = lookahead;
+        self
+    }
+
+    /// Tokens after each block its hash covers.
+    #[inline]
+    pub fn lookahead(&self) -> usize {
+        self.lookahead
+    }
+
+    /// Full blocks of `num_tokens` tokens that have a hash: those followed by `lookahead` tokens.
+    #[inline]
+    pub fn num_hashable(&self, num_tokens: usize, block_size: usize) -> usize {
+        num_tokens.saturating_sub(self.lookahead) / block_size
     }
 
     pub fn algo(&self) -> HashAlgo {
@@ -143,7 +167,8 @@ impl BlockHasher {
         }
     }
 
-    /// Hash of one full block. `parent` is `None` for block 0.
+    /// Hash of one full block. `parent` is `None` for block 0. Without look-ahead tokens (a hasher with look-ahead
+    /// hashes blocks through `extend_hashes`).
     pub fn hash_block(&self, parent: Option<&BlockHash>, tokens: &[u32], extra: &ExtraKeys) -> BlockHash {
         let mut buf = Vec::with_capacity(64 + 4 * tokens.len());
         Self::encode(&mut buf, parent.unwrap_or(&self.seed_hash), tokens, extra, parent.is_none(), &[], 0);
@@ -163,7 +188,7 @@ impl BlockHasher {
         mm: &[EncoderInput],
         buf: &mut Vec<u8>,
     ) {
-        let num_full = tokens.len() / block_size;
+        let num_full = self.num_hashable(tokens.len(), block_size);
         if hashes.len() >= num_full {
             return;
         }
@@ -173,6 +198,13 @@ impl BlockHasher {
             let block = &tokens[i * block_size..(i + 1) * block_size];
             let parent = hashes.last().unwrap_or(&self.seed_hash);
             Self::encode(buf, parent, block, extra, i == 0, mm, (i * block_size) as u32);
+            if self.lookahead > 0 {
+                let end = (i + 1) * block_size;
+                buf.pop(); // TAG_END: the look-ahead tokens come before it
+                buf.push(TAG_LOOKAHEAD);
+                Self::encode_tokens(buf, &tokens[end..end + self.lookahead]);
+                buf.push(TAG_END);
+            }
             let h = self.digest(buf);
             hashes.push(h);
         }
@@ -286,5 +318,30 @@ mod tests {
         h.extend_hashes(&mut w, &tokens, 4, &k, &[], &mut Vec::new());
         assert_eq!(v, w);
         assert_eq!(v.len(), 2);
+    }
+
+    /// With look-ahead, a block's hash waits for the tokens after it and depends on them; the blocks before
+    /// keep the hashes they would have chained without them.
+    #[test]
+    fn lookahead_hashes_wait_for_and_cover_the_next_tokens() {
+        let h = BlockHasher::new(HashAlgo::Sha256, Some(b"s")).unwrap().with_lookahead(1);
+        let plain = BlockHasher::new(HashAlgo::Sha256, Some(b"s")).unwrap();
+        let k = ExtraKeys::default();
+        let hashes = |hasher: &BlockHasher, tokens: &[u32]| {
+            let mut v = Vec::new();
+            hasher.extend_hashes(&mut v, tokens, 4, &k, &[], &mut Vec::new());
+            v
+        };
+        assert!(hashes(&h, &[1, 2, 3, 4]).is_empty());
+        let a = hashes(&h, &[1, 2, 3, 4, 5]);
+        assert_eq!(a.len(), 1);
+        assert_ne!(a, hashes(&h, &[1, 2, 3, 4, 6]));
+        assert_ne!(a, hashes(&plain, &[1, 2, 3, 4, 5]));
+        let mut v = Vec::new();
+        h.extend_hashes(&mut v, &[1, 2, 3, 4, 5], 4, &k, &[], &mut Vec::new());
+        h.extend_hashes(&mut v, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, &k, &[], &mut Vec::new());
+        assert_eq!(v, hashes(&h, &[1, 2, 3, 4, 5, 6, 7, 8, 9]));
+        assert_eq!(v[0], a[0]);
+        assert_eq!(h.with_lookahead(3).num_hashable(10, 4), 1);
     }
 }

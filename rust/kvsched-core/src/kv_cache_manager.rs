@@ -42,6 +42,8 @@ pub struct KvCacheManager {
     pub hybrid: Option<Box<crate::hybrid::Hybrid>>,
     /// A sliding window or several groups: the single-group full-attention paths do not apply.
     pub special: bool,
+    /// The longest prefix hit gives up its last block (`drop_trailing_hit_block`; full attention, one group).
+    pub drop_trailing_hit: bool,
 }
 
 impl KvCacheManager {
@@ -56,11 +58,15 @@ impl KvCacheManager {
             }
             return;
         }
+        let start = out.len();
         for h in &block_hashes[..self.max_hit_blocks(block_hashes, num_tokens)] {
             match self.pool.get_cached_block(h) {
                 Some(b) => out.push(b),
                 None => break,
             }
+        }
+        if self.drop_trailing_hit && out.len() > start {
+            out.pop();
         }
     }
 
@@ -137,11 +143,13 @@ impl KvCacheManager {
             return None;
         }
         let max_blocks = self.max_hit_blocks(block_hashes, num_tokens);
-        let k = (hint as usize).min(max_blocks);
+        // With the trailing block dropped, `hint` hits were `hint + 1` blocks found.
+        let drop = usize::from(self.drop_trailing_hit);
+        let k = (hint as usize + drop).min(max_blocks);
         if k < max_blocks && self.pool.get_cached_block(&block_hashes[k]).is_some() {
             return None;
         }
-        Some(k)
+        Some(k.saturating_sub(drop))
     }
 
     /// The fewest blocks `allocate_slots` could pop for `req` (nothing computed, no blocks of a swap to restore)
@@ -212,8 +220,10 @@ impl KvCacheManager {
             self.find_window_hit(block_hashes, num_tokens, &mut hits);
             return !hits.is_empty();
         }
-        self.max_hit_blocks(block_hashes, num_tokens) >= 1
-            && self.pool.get_cached_block(&block_hashes[0]).is_some()
+        // With the trailing block dropped, one hit needs two blocks found.
+        let need = 1 + usize::from(self.drop_trailing_hit);
+        self.max_hit_blocks(block_hashes, num_tokens) >= need
+            && block_hashes[..need].iter().all(|h| self.pool.get_cached_block(h).is_some())
     }
 
     /// Reserves KV slots for `num_new_tokens` more tokens of `req`, which has `computed` tokens computed (plus
@@ -541,7 +551,10 @@ impl KvCacheManager {
     /// Hashes the request's blocks that became full since the last call.
     #[inline]
     pub fn extend_hashes(&mut self, req: &mut Request) {
-        if self.enable_caching && req.token_ids.len() >> self.block_shift > req.block_hashes.len() {
+        if self.enable_caching
+            && self.hasher.num_hashable(req.token_ids.len(), self.block_size as usize)
+                > req.block_hashes.len()
+        {
             self.hasher.extend_hashes(
                 &mut req.block_hashes,
                 &req.token_ids,
@@ -582,6 +595,7 @@ mod tests {
             admission_cap_blocks: usize::MAX,
             hybrid: None,
             special: false,
+            drop_trailing_hit: false,
         };
         let hashes: Vec<BlockHash> = (0..8).map(chain_hash).collect();
         let mut blocks = Vec::new();
@@ -611,6 +625,14 @@ mod tests {
     /// further lookup. The chain's blocks are cached, freed, evicted (reallocated) and cached again at random.
     #[test]
     fn cache_hit_upper_bound_is_an_upper_bound() {
+        for drop in [false, true] {
+            upper_bound_holds(drop);
+        }
+    }
+
+    /// `cache_hit_upper_bound` bounds the hits (exactly from their own count, except a dropped single block),
+    /// and `has_cached_prefix` says whether there are any, with and without the trailing-block drop.
+    fn upper_bound_holds(drop: bool) {
         const CHAIN: usize = 12;
         let mut kv = KvCacheManager {
             pool: BlockPool::new(24, true),
@@ -625,6 +647,7 @@ mod tests {
             admission_cap_blocks: usize::MAX,
             hybrid: None,
             special: false,
+            drop_trailing_hit: drop,
         };
         let hashes: Vec<BlockHash> = (0..CHAIN).map(chain_hash).collect();
         let mut x: u64 = 0x1234_5678_9abc_def1;
@@ -674,13 +697,15 @@ mod tests {
                         );
                     }
                 }
-                assert_eq!(
-                    kv.cache_hit_upper_bound(&hashes, num_tokens, hits.len() as u32),
-                    Some(hits.len())
-                );
+                let exact = kv.cache_hit_upper_bound(&hashes, num_tokens, hits.len() as u32);
+                // With the drop and no hits, block 1 may be cached after a missing block 0: no bound then.
+                if !(drop && hits.is_empty() && exact.is_none()) {
+                    assert_eq!(exact, Some(hits.len()));
+                }
+                assert_eq!(kv.has_cached_prefix(&hashes, num_tokens), !hits.is_empty());
                 exact_checked += usize::from(!hits.is_empty());
             }
         }
-        assert!(exact_checked > 1000, "the chain was rarely cached ({exact_checked} probes with hits)");
+        assert!(exact_checked > 500, "the chain was rarely cached ({exact_checked} probes with hits)");
     }
 }

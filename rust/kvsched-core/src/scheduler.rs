@@ -183,7 +183,8 @@ impl Scheduler {
         config.validate()?;
         // A full interval back, so the first step is never gated.
         let last_prefill_step = -i64::from(config.prefill_schedule_interval);
-        let hasher = BlockHasher::new(config.prefix_hash_algo, config.prefix_hash_seed.as_deref())?;
+        let hasher = BlockHasher::new(config.prefix_hash_algo, config.prefix_hash_seed.as_deref())?
+            .with_lookahead(config.hash_lookahead_tokens as usize);
         let kv = KvCacheManager {
             pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching)
                 .with_kv_cache_events(config.enable_kv_cache_events),
@@ -199,6 +200,7 @@ impl Scheduler {
             hybrid: (!config.kv_cache_groups.is_empty())
                 .then(|| Box::new(Hybrid::new(&config.kv_cache_groups, |w| window_cap_blocks(&config, w)))),
             special: config.sliding_window.is_some() || !config.kv_cache_groups.is_empty(),
+            drop_trailing_hit: config.drop_trailing_hit_block,
         };
         let limits = DecodeLimits {
             max_model_len: i64::from(config.max_model_len),
@@ -875,7 +877,7 @@ impl Scheduler {
         let extra = ExtraKeys { cache_salt, lora_name: lora_name.map(Into::into) };
         let bs = self.config.kv_block_size() as usize;
         // Hash only as far as a hit can reach.
-        let reach = ((tokens.len() - 1) / bs) * bs;
+        let reach = (((tokens.len() - 1) / bs) * bs + self.kv.hasher.lookahead()).min(tokens.len());
         let mut hashes: Vec<BlockHash> = Vec::new();
         self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra, &[], &mut Vec::new());
         let mut hits = Vec::new();
@@ -1075,6 +1077,14 @@ impl Scheduler {
             }
             if r.groups.len() + 1 != cfg.kv_cache_groups.len().max(1) {
                 return Err(format!("request {:?} holds {} block tables", r.id, r.groups.len() + 1));
+            }
+            let num_hashes = if cfg.enable_prefix_caching {
+                self.kv.hasher.num_hashable(r.token_ids.len(), bs as usize)
+            } else {
+                0
+            };
+            if r.block_hashes.len() != num_hashes {
+                return Err(format!("request {:?}: not one hash per full block with its look-ahead", r.id));
             }
             for g in 0..=r.groups.len() {
                 let (blocks, num_cached) = match g {

@@ -25,6 +25,9 @@ impl Scheduler {
             Some("preemption_mode other than 'recompute'")
         } else if params.waiting_for_grammar {
             Some("ready=False")
+        } else if self.config.hash_lookahead_tokens > 0 {
+            // A part drops the last sampled token, which the hash of the block before it may cover.
+            Some("hash_lookahead_tokens > 0")
         } else {
             None
         };

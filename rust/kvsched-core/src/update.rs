@@ -334,7 +334,10 @@ impl Scheduler {
         req.token_ids.push(t);
         res.num_new_tokens[i] = 1;
         self.tenants.add_decode(req.tenant, 1);
-        if req.token_ids.len() & (self.kv.block_size as usize - 1) == 0 {
+        // A block gets its hash once the look-ahead tokens after it exist (none without look-ahead).
+        if req.token_ids.len().wrapping_sub(self.kv.hasher.lookahead()) & (self.kv.block_size as usize - 1)
+            == 0
+        {
             self.kv.extend_hashes(req);
             self.kv.prefetch_next_caching(req);
         }
@@ -368,6 +371,7 @@ impl Scheduler {
         max_model_len: u32,
     ) -> usize {
         let mask = self.kv.block_size as usize - 1;
+        let hash_lookahead = self.kv.hasher.lookahead();
         let (slots, hot) = self.slab.parts_mut();
         let m = slots.len().min(hot.in_flight.len());
         let (slots, in_flight) = (&mut slots[..m], &mut hot.in_flight[..m]);
@@ -384,7 +388,7 @@ impl Scheduler {
             // The token count once `t` is appended.
             let len = req.token_ids.len() + 1;
             if req.status != RequestStatus::Running
-                || len & mask == 0
+                || len.wrapping_sub(hash_lookahead) & mask == 0
                 || check_stop_at(req, t, len as u32, max_model_len).is_some()
             {
                 break;
@@ -418,6 +422,7 @@ impl Scheduler {
     ) -> Result<Option<bool>> {
         let max_model_len = self.config.max_model_len;
         let block_mask = self.config.kv_block_size() as usize - 1;
+        let hash_lookahead = self.kv.hasher.lookahead();
         let spec_decoding = self.config.num_spec_tokens() > 0;
         // Only requests of a scheduler with an encoder cache can hold encoder-cache references.
         let has_encoder = self.encoder.capacity() > 0;
@@ -472,7 +477,7 @@ impl Scheduler {
         for &t in tokens {
             req.token_ids.push(t as u32);
             appended += 1;
-            crossed_block |= req.token_ids.len() & block_mask == 0;
+            crossed_block |= req.token_ids.len().wrapping_sub(hash_lookahead) & block_mask == 0;
             stopped = check_stop(req, t as u32, max_model_len);
             if stopped.is_some() {
                 break;
@@ -480,7 +485,8 @@ impl Scheduler {
         }
         res.num_new_tokens[i] = appended;
         self.tenants.add_decode(req.tenant, appended as u32);
-        // Hash only when a block just became full: the hash list sits in a colder part of the request.
+        // Hash only when a block just became full (with look-ahead: its look-ahead tokens just became known): the
+        // hash list sits in a colder part of the request.
         if crossed_block {
             self.kv.extend_hashes(req);
         }
