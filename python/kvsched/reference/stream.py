@@ -11,12 +11,13 @@ import numpy as np
 
 from .._errors import InvalidRequestError, SchedulerTypeError
 from .._types import FinishReason, RequestStatus
+from .connector_sched import _ConnectorMixin
 from .convert import _check_tokens, _int_array, _is_int, _to_float
 from .kv_cache_manager import _KVCacheManagerMixin
 from .request import _Request
 
 
-class _StreamMixin(_KVCacheManagerMixin):
+class _StreamMixin(_KVCacheManagerMixin, _ConnectorMixin):
     def _check_resumable(self, req_id: str, encoder_inputs: list[Any], ready: bool) -> None:
         what = None
         if encoder_inputs:
