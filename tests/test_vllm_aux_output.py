@@ -30,7 +30,10 @@ aux_connector = pytest.importorskip(
     "vllm.distributed.aux_output_connector.connector", reason="vLLM 0.33's auxiliary output connector"
 )
 
+from kvsched.vllm import RULES, UnsupportedFeatureError  # noqa: E402
+
 pytestmark = pytest.mark.vllm
+on_032 = pytest.mark.skipif(RULES.version == "0.32", reason="vLLM 0.32's connector has another interface (refused)")
 
 BS = 16
 
@@ -79,6 +82,7 @@ def experts(outputs: dict[int, Any]) -> list[tuple[str, list[int], Any]]:
     )
 
 
+@on_032
 @pytest.mark.parametrize("seed", range(4))
 def test_aux_output_connector_matches_vllm(seed: int) -> None:
     rng = random.Random(seed)
@@ -122,6 +126,7 @@ def test_aux_output_connector_matches_vllm(seed: int) -> None:
     assert seen["retained"] and seen["released"], seen
 
 
+@on_032
 @pytest.mark.parametrize("max_hit", [79, 40, 0])
 def test_the_prefix_hit_is_capped_as_in_vllm(max_hit: int) -> None:
     """vLLM's ``max_cache_hit`` caps the local hit (here replaced by a fixed answer, as vLLM's tests do)."""
@@ -141,3 +146,11 @@ def test_the_prefix_hit_is_capped_as_in_vllm(max_hit: int) -> None:
         s.add_request(make_request("second", prompt))
         scheduled.append(s.schedule().num_scheduled_tokens["second"])
     assert scheduled[0] == scheduled[1] == 80 - max_hit // BS * BS
+
+
+@pytest.mark.skipif(RULES.version != "0.32", reason="the refusal is vLLM 0.32's")
+def test_vllm_032s_auxiliary_output_connector_is_refused_by_name() -> None:
+    cfg = make_vllm_config()
+    cfg.aux_output_config.enable_return_routed_experts = True
+    with pytest.raises(UnsupportedFeatureError, match=r"auxiliary output connector on vLLM 0\.32"):
+        make_scheduler("kvsched", cfg)

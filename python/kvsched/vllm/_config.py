@@ -152,6 +152,10 @@ def kvsched_config_from_vllm(
     kv_transfer = vllm_config.kv_transfer_config
     if _attr(model, "runner_type") == "pooling":
         _refuse("pooling models", "runner_type='pooling'")
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if RULES.version == "0.32" and aux is not None and getattr(aux, "enabled", False):
+        # vLLM 0.32's connector has another interface (no cache-hit questions); kvsched follows 0.33's.
+        _refuse("the auxiliary output connector on vLLM 0.32", "aux_output_config.enabled")
     if _attr(model, "is_diffusion", False):
         _refuse("diffusion models", "model_config.is_diffusion")
     if _attr(model, "is_encoder_decoder", False):
