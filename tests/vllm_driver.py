@@ -23,6 +23,7 @@ encoder-cache manager fields, which are None/empty on both sides in the configur
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import enum
@@ -84,7 +85,8 @@ class Divergence(AssertionError):
 
 
 class VllmStopped(Exception):
-    """vLLM's own scheduler failed one of its assertions: the seed stops there (every step before it agreed)."""
+    """vLLM's own scheduler failed one of its assertions, or stalled in the drain: the seed stops there (every step
+    before it agreed)."""
 
 
 def _norm(value: Any) -> Any:
@@ -926,7 +928,18 @@ class Pair:
                 self.update_oldest()
             if idle and self.cfg.streaming:
                 self.abort_resident_session()
-        compare("drained", sorted(self.a.requests), [])
+        if self.a.requests:
+            # vLLM's own scheduler can stall for good: a request whose asynchronous KV load is over stays
+            # WAITING_FOR_REMOTE_KVS, holding its blocks, while the waiting request ahead of it under the priority
+            # policy cannot get blocks, so the admission pass never reaches it. kvsched must stall the same way.
+            compare("stalled in the drain", sorted(self.a.requests), sorted(self.b.requests))
+            for rid, ra in self.a.requests.items():
+                compare(f"stalled in the drain: {rid}.status", ra.status, self.b.requests[rid].status)
+            statuses = collections.Counter(r.status.name for r in self.a.requests.values())
+            raise VllmStopped(
+                f"the drain: vLLM's scheduler stalls with {len(self.a.requests)} requests ({dict(statuses)}), none "
+                "schedulable; kvsched stalls identically"
+            )
         compare("drained", sorted(self.b.requests), [])
         compare("free blocks", self.b.core.num_free_blocks, self.cfg.num_blocks - 1)
 

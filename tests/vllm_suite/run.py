@@ -438,9 +438,9 @@ CURATED.update(
             "retained; vLLM schedules the prompts"
         ),
         "test_scheduler_publishes_lookahead_blocks_at_allocation": (
-            "gives requests a block hasher with a look-ahead token and no speculative decoding configured: vLLM "
-            "then caches a block only once the token after it exists; kvsched's core caches a block once it is "
-            "computed (kvsched.vllm refuses look-ahead hashing where vLLM's config asks for it)"
+            "gives requests a block hasher with a look-ahead token while no drafter is configured: vLLM takes the "
+            "look-ahead from each request's hasher, kvsched.vllm from the engine's speculative config (vLLM's "
+            "EAGLE/MTP rules), so without a drafter its core caches a block once it is computed"
         ),
         "test_pending_hisparse_reclamation_defers_preemption": (
             "replaces the KV cache manager's `allocate_slots` and binds a HiSparse connector (refused by kvsched.vllm)"
