@@ -45,16 +45,7 @@ def test_identical_to_vllm_with_streaming_input(
 ) -> None:
     """Streaming-input sessions: parts appended while a streaming session runs, waits to run or waits for input, and
     inputs ended, compared after every call."""
-    from kvsched.vllm.scheduler import Scheduler
-
-    taken = []
-    take_part = Scheduler._take_part
-
-    def counted(self: Scheduler, session: object, part: object) -> None:
-        taken.append(session)
-        take_part(self, session, part)
-
-    monkeypatch.setattr(Scheduler, "_take_part", counted)
+    taken = _count_parts(monkeypatch)
     run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", streaming=True)
     assert taken  # some part was taken (the draws exercised sessions)
 
@@ -125,16 +116,7 @@ def test_identical_to_vllm_with_streaming_input_and_a_kv_connector(
     """Streaming-input sessions with the seeded RandomKVConnector: sessions asked about external tokens at their
     first admission and after a preemption, loads, and ``request_finished`` with the blocks of the tokens computed
     when the input ends."""
-    from kvsched.vllm.scheduler import Scheduler
-
-    taken = []
-    take_part = Scheduler._take_part
-
-    def counted(self: Scheduler, session: object, part: object) -> None:
-        taken.append(session)
-        take_part(self, session, part)
-
-    monkeypatch.setattr(Scheduler, "_take_part", counted)
+    taken = _count_parts(monkeypatch)
     run_seed(404, 150, async_scheduling=sync == "async", v2=False, connector=True, kv_role=kv_role, streaming=True)
     assert taken  # some part was taken (the draws exercised sessions)
 
@@ -224,3 +206,18 @@ def test_identical_to_vllm_with_eagle_prefix_cache_rules(sync: str, runner: str,
     connector, the trailing-block drop with one (and always on vLLM 0.32)."""
     cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", connector=connector, eagle=True)
     assert cfg.eagle_block_drop
+
+
+def _count_parts(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The streaming sessions kvsched.vllm hands a part to, in order (to check that the draws exercised them)."""
+    from kvsched.vllm.scheduler import Scheduler
+
+    taken: list[object] = []
+    take_part = Scheduler._take_part
+
+    def counted(self: Scheduler, session: object, part: object) -> None:
+        taken.append(session)
+        take_part(self, session, part)
+
+    monkeypatch.setattr(Scheduler, "_take_part", counted)
+    return taken
