@@ -25,6 +25,7 @@ from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm_driver import compare
+from vllm_driver import runner_output as model_runner_output
 
 aux_connector = pytest.importorskip(
     "vllm.distributed.aux_output_connector.connector", reason="vLLM 0.33's auxiliary output connector"
@@ -63,15 +64,7 @@ def runner_output(sched: Any, so: Any) -> ModelRunnerOutput:
         done = request.num_computed_tokens  # after the step's update
         sampled.append([7] if done >= request.num_tokens else [])
         aux[rid] = aux_connector.AuxRequestOutput(0, np.arange(done, dtype=np.uint8).reshape(done, 1, 1))
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=[],
-        aux_output_connector_output=aux,
-    )
+    return model_runner_output(req_ids, sampled, aux_output_connector_output=aux)
 
 
 def experts(outputs: dict[int, Any]) -> list[tuple[str, list[int], Any]]:

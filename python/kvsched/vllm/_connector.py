@@ -99,14 +99,7 @@ class ConnectorBridge:
         self._asked[req_id] = (num_computed_tokens, n, is_async)
         if self.stages is not None:
             self._stage_before[req_id] = self.stages.get(req_id)
-        # vLLM sets the first admission's prefill stats at the lookup (a failed allocation redoes it later).
-        if request.prefill_stats is not None and request.num_preemptions <= 0:
-            request.prefill_stats.set(
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_local_cached_tokens=num_computed_tokens,
-                num_external_cached_tokens=n,
-            )
-        self._set_stage(req_id, KV_FETCH_WAITING_TO_START if is_async else None)
+        self._record_lookup(req_id, request, num_computed_tokens, n, is_async)
         return int(ext), bool(load_async)
 
     def cap_external(self, req_id: str, num_external: int) -> None:
@@ -119,11 +112,15 @@ class ConnectorBridge:
         local, _, is_async = asked
         is_async = is_async and num_external > 0
         self._asked[req_id] = (local, num_external, is_async)
-        request = self._get_request(req_id)
+        self._record_lookup(req_id, self._get_request(req_id), local, num_external, is_async)
+
+    def _record_lookup(self, req_id: str, request: Any, num_local: int, num_external: int, is_async: bool) -> None:
+        """What vLLM sets at a lookup: the first admission's prefill stats (a failed allocation redoes them
+        later) and the request's KV-fetch stage."""
         if request.prefill_stats is not None and request.num_preemptions <= 0:
             request.prefill_stats.set(
                 num_prompt_tokens=request.num_prompt_tokens,
-                num_local_cached_tokens=local,
+                num_local_cached_tokens=num_local,
                 num_external_cached_tokens=num_external,
             )
         self._set_stage(req_id, KV_FETCH_WAITING_TO_START if is_async else None)
