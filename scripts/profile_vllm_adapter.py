@@ -196,9 +196,12 @@ def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndar
     ``EngineCoreOutputs``. Each with the cheapest Python that does it. Real vLLM objects; the decisions, block
     hashing and stats are not in it (the profile times them)."""
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import Request
 
     reqs = [
-        adapter_module.Request(
+        Request(
             f"req-{i}",
             prompt_token_ids=list(range(128)),
             sampling_params=SamplingParams(max_tokens=4096),
@@ -228,7 +231,7 @@ def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndar
             if async_scheduling:
                 for request in reqs:
                     request.num_output_placeholders += 1
-            cached = adapter_module.CachedRequestData(
+            cached = CachedRequestData(
                 req_ids=ids.copy(),
                 resumed_req_ids=set(),
                 new_token_ids=[],
@@ -237,7 +240,7 @@ def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndar
                 num_computed_tokens=computed.tolist(),
                 num_output_tokens=(computed - 128).tolist(),
             )
-            adapter_module.SchedulerOutput(
+            SchedulerOutput(
                 scheduled_new_reqs=[],
                 scheduled_cached_reqs=cached,
                 num_scheduled_tokens=template.copy(),
@@ -259,7 +262,7 @@ def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndar
                     request.num_output_placeholders -= 1
             deque(map(append, outs, sampled), 0)
             deque(map(append, alls, sampled), 0)
-            adapter_module.EngineCoreOutputs(outputs=list(map(adapter_module.EngineCoreOutput, ids, rows)))
+            EngineCoreOutputs(outputs=list(map(EngineCoreOutput, ids, rows)))
             t3 = perf()
             computed += ones
             sched_ns[step], upd_ns[step] = t1 - t0, t3 - t2
