@@ -368,6 +368,49 @@ def test_reset_prefix_cache_with_running_requests_matches_vllm() -> None:
         _step(pair)
 
 
+def test_wrapping_preempt_request_observes_the_same_preemptions_as_vllms_in_the_same_order() -> None:
+    """vLLM's tests wrap ``_preempt_request`` on an instance to watch preemptions: kvsched calls it once per
+    preemption its core made (and per request ``reset_prefix_cache`` preempts), in vLLM's order, while the request
+    still shows its state before the preemption. Called by hand on a running request, the core preempts it."""
+    pair = _pair(num_blocks=12, max_model_len=256)
+    seen: list[list[tuple[str, object, int, bool]]] = [[], []]
+    for s, log in zip(pair, seen, strict=True):
+        orig = s._preempt_request  # type: ignore[attr-defined]
+
+        def watch(request: Any, timestamp: float, _orig: Any = orig, _log: Any = log, **kw: Any) -> None:
+            _log.append(
+                (request.request_id, request.status, request.num_computed_tokens, bool(kw.get("drop_stale_output")))
+            )
+            _orig(request, timestamp, **kw)
+
+        s._preempt_request = watch  # type: ignore[attr-defined]
+    for i in range(4):
+        _add(pair, f"r{i}", [*list(range(10, 40)), i], max_tokens=40)
+    for _ in range(30):
+        _step(pair)
+    assert seen[0], "the workload did not preempt"
+    assert seen[1] == seen[0]
+    n = len(seen[0])
+    assert [s.reset_prefix_cache(reset_running_requests=True) for s in pair] == [True, True]  # type: ignore[attr-defined]
+    assert len(seen[0]) > n and seen[1] == seen[0]
+    _step(pair)
+    # Called by hand, as vLLM's tests call it (after taking the request out of `running`): the request is
+    # preempted now, in both, and the steps after stay identical.
+    victim_id = pair[0].running[0].request_id  # type: ignore[attr-defined]
+    for s in pair:
+        victim = s.requests[victim_id]  # type: ignore[attr-defined]
+        s.running.remove(victim)  # type: ignore[attr-defined]
+        s._preempt_request(victim, 0.0)  # type: ignore[attr-defined]
+        compare(victim_id, victim.status, RequestStatus.PREEMPTED)
+    for _ in range(3):
+        _step(pair)
+    _add(pair, "late", list(range(60, 70)), max_tokens=5)  # waiting: it cannot be preempted
+    with pytest.raises(kvsched.InvalidRequestError, match="not running"):
+        pair[1]._preempt_request(pair[1].requests["late"], 0.0)  # type: ignore[attr-defined]
+    for _ in range(3):
+        _step(pair)
+
+
 class _FakeGrammar:
     """Stands for a compiled grammar: the scheduler only needs to know it exists (token acceptance is stubbed)."""
 

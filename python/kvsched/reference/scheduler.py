@@ -457,6 +457,22 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         self._last_out_fresh = False
         return True
 
+    def preempt_request(self, req_id: str, drop_stale_output: bool | None = None) -> None:
+        """Preempt the running request ``req_id`` now, as a step preempts a victim in recompute mode (vLLM's
+        ``_preempt_request`` called by hand): its blocks are freed (or wait for the steps in flight), its in-flight
+        output becomes stale (dropped with ``drop_stale_output``), it goes back to the front of the waiting queue,
+        and the next step lists it in ``preempted_req_ids``."""
+        r = self._get(req_id)
+        drop = False if drop_stale_output is None else drop_stale_output
+        if not isinstance(drop, bool):
+            raise SchedulerTypeError(f"drop_stale_output must be a bool, got {type(drop).__name__}")
+        if r not in self._running:
+            raise InvalidRequestError(f"request {req_id!r} is not running: only a running request can be preempted")
+        self._running.remove(r)
+        self._preempt(r, drop_stale_output=drop)
+        self._preempted_since_schedule.append(r.req_id)
+        self._last_out_fresh = False
+
     def stats(self) -> SchedulerStats:
         s, usable, c = self._stats, self._config.num_usable_blocks, self._config
         return SchedulerStats(

@@ -349,6 +349,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # the core schedules the same requests in the same order (steady decoding).
         self._last_req_ids: list[str] = []
         self._last_reqs: list[Request] = []
+        self._mirroring_preemption = False  # _preempt_request is being called for a preemption the core made
         self._last_num_forgotten = -1
         # num_scheduled_tokens of the last one-token-each step (a private template) and the ids it was built for.
         self._ones_template: dict[str, int] | None = None
@@ -1378,9 +1379,39 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if stats is not None and self.kv_config.enable_prefix_caching and not request.skip_reading_prefix_cache:
             stats.record(num_tokens=request.num_tokens, num_hits=num_hit_tokens, preempted=request.num_preemptions > 0)
 
-    def _mirror_preempt(self, request: Request, now: float, aux_told: bool = False) -> None:
-        """vLLM's ``_preempt_request``, for the request object (the core already freed its blocks). The auxiliary
-        output connector hears of it here unless ``aux_told``."""
+    def _mirror_preempt(
+        self, request: Request, now: float, aux_told: bool = False, drop_stale_output: bool = False
+    ) -> None:
+        """Mirrors a preemption the core made through ``_preempt_request``."""
+        self._mirroring_preemption = True
+        try:
+            if drop_stale_output:
+                self._preempt_request(request, now, drop_stale_output=True, aux_told=aux_told)
+            else:
+                self._preempt_request(request, now, aux_told=aux_told)
+        finally:
+            self._mirroring_preemption = False
+
+    def _preempt_request(
+        self, request: Request, timestamp: float, drop_stale_output: bool = False, *, aux_told: bool = False
+    ) -> None:
+        """vLLM's ``_preempt_request``. The adapter calls it for each preemption the core made (the core already
+        freed the blocks), in the order vLLM preempts, while the request still shows its state before the
+        preemption: wrapping it on an instance observes preemptions, as vLLM's tests do. Called by hand on a
+        running request (as vLLM's tests call it, after taking the request out of ``running``), the core preempts
+        that request now (``preempt_request``: docs/semantics.md, Preemption by hand) and the request object
+        follows. The auxiliary output connector hears of it here unless ``aux_told``."""
+        if not self._mirroring_preemption:
+            req_id = request.request_id
+            if self.requests.get(req_id) is not request:
+                raise KeyError(f"request {req_id!r} is not one of this scheduler's requests")
+            if request.status != _RUNNING:
+                raise InvalidRequestError(f"request {req_id!r} is not running: only running requests can be preempted")
+            if self._aux.connector is not None and not aux_told:
+                self._aux.request_finished(request)  # vLLM tells it before the blocks are freed
+            self._core.preempt_request(req_id, drop_stale_output=bool(drop_stale_output))
+            self._reset_preempted_req_ids.add(req_id)
+            aux_told = True
         if self._aux.connector is not None and not aux_told:
             self._aux.request_finished(request)
         self._pending_encoder_inputs.pop(request.request_id, None)
@@ -1392,14 +1423,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         request.num_computed_tokens = 0
         if request.spec_token_ids:
             request.spec_token_ids = []
-        request.drop_stale_output = self._requires_kv_delivery or (
-            request.drop_stale_output and request.num_stale_output_tokens > 0
+        request.drop_stale_output = (
+            drop_stale_output
+            or self._requires_kv_delivery
+            or (request.drop_stale_output and request.num_stale_output_tokens > 0)
         )
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         if self.log_stats:
-            request.record_event(EngineCoreEventType.PREEMPTED, now)
+            request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
         if self._needs_slow_update(request):
             self._slow_req_ids.add(request.request_id)
 
@@ -2165,8 +2198,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             now = time.monotonic() if self.log_stats else 0.0
             for req_id in reversed(running):
                 request = self.requests[req_id]
-                self._mirror_preempt(request, now, aux_told=True)
-                request.drop_stale_output = True
+                self._mirror_preempt(request, now, aux_told=True, drop_stale_output=True)
                 self._reset_preempted_req_ids.add(req_id)
             self.prev_step_scheduled_req_ids.clear()
         else:

@@ -913,6 +913,26 @@ impl Scheduler {
         Ok(ok)
     }
 
+    /// vLLM's `_preempt_request` called by hand (its tests take a request out of `running` and preempt it): the
+    /// running request `req_id` is preempted now, as a step preempts a victim in recompute mode. Its blocks are
+    /// freed (or wait for the steps in flight, with `defer_block_free`), the output of its steps in flight becomes
+    /// stale (dropped with `drop_stale_output`), it goes back to the front of the waiting queue, and the next
+    /// step lists it in `preempted_req_ids`. An unknown id, or a request that is not running, is an error that
+    /// changes nothing.
+    pub fn preempt_request(&mut self, req_id: &str, drop_stale_output: bool) -> Result<()> {
+        let slot = self.slot_of(req_id)?;
+        let pos = self.running.iter().position(|&s| s == slot).ok_or_else(|| {
+            SchedError::InvalidRequest(format!(
+                "request {req_id:?} is not running: only a running request can be preempted"
+            ))
+        })?;
+        self.running.remove(pos);
+        self.preempt(slot, drop_stale_output)?;
+        self.preempted_since_step.push(self.slab.get(slot)?.id.clone());
+        self.epoch += 1;
+        Ok(())
+    }
+
     /// The number of preemptions so far (`stats().num_preemptions`, without building the whole snapshot).
     pub fn num_preemptions(&self) -> u64 {
         self.counters.num_preemptions
