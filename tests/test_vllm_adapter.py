@@ -617,8 +617,8 @@ def _attention_kw(block_size: int = 16, head_size: int = 1) -> dict[str, Any]:
 
 
 def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_name() -> None:
-    """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec, a KV connector or KV
-    cache events with a window are refused at construction, by name."""
+    """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec alone (without a
+    full-attention group), a KV connector or KV cache events with a window are refused at construction, by name."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
@@ -626,7 +626,7 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
     build = _build_with_groups
     sched = build(make_vllm_config(block_size=16, num_blocks=64), window)
     assert sched.kv_config.sliding_window == 64 and sched.kv_config.kv_cache_groups is None
-    with pytest.raises(UnsupportedFeatureError, match="ChunkedLocalAttentionSpec"):
+    with pytest.raises(UnsupportedFeatureError, match="chunked-local KV cache groups without a full-attention group"):
         build(make_vllm_config(block_size=16), ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
     with pytest.raises(UnsupportedFeatureError, match="KV connectors with sliding-window attention"):
         build(make_vllm_config(block_size=16, kv_connector_seed=1), window)
@@ -635,9 +635,10 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
 
 
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:
-    """Full-attention and sliding-window groups of one block size become the core's kv_cache_groups, one entry
-    per vLLM group in vLLM's order (None for full attention, the window otherwise)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    """Full-attention, sliding-window and chunked-local groups of one block size become the core's
+    kv_cache_groups, one entry per vLLM group in vLLM's order (None for full attention, the window, or
+    "chunked:<attention_chunk_size>")."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
     full, w64 = FullAttentionSpec(**kw), SlidingWindowSpec(sliding_window=64, **kw)
@@ -647,6 +648,9 @@ def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> Non
     assert sched.kv_config.kv_cache_groups == (64, None, 32, 64)
     assert sched.kv_config.sliding_window is None
     assert sched.kv_cache_manager.num_kv_cache_groups == 4
+    local = ChunkedLocalAttentionSpec(attention_chunk_size=8192, **kw)
+    sched = _build_with_groups(vcfg, local, full, local)
+    assert sched.kv_config.kv_cache_groups == ("chunked:8192", None, "chunked:8192")
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -683,8 +687,9 @@ def test_several_kv_cache_groups_give_the_runner_one_block_list_per_group(async_
 
 def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> None:
     """Several groups with a KV connector, KV cache events, a victim rule other than the default, different block
-    sizes, a spec the core does not implement (Mamba, chunked-local) or two windows of the same size with
-    different specs (vLLM looks their prefix hits up apart) are refused at construction, by name."""
+    sizes, a spec the core does not implement (Mamba), chunked-local groups without a full-attention group, or two
+    windows (or chunked-local groups) of the same size with different specs (vLLM looks their prefix hits up
+    apart) are refused at construction, by name."""
     import torch
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -701,8 +706,12 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
         build(vcfg, full, window)
     with pytest.raises(UnsupportedFeatureError, match="KV cache groups of different block sizes"):
         build(make_vllm_config(block_size=16), full, SlidingWindowSpec(sliding_window=64, **_attention_kw(32)))
-    with pytest.raises(UnsupportedFeatureError, match="ChunkedLocalAttentionSpec"):
-        build(make_vllm_config(block_size=16), full, ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
+    local = ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw)
+    with pytest.raises(UnsupportedFeatureError, match="chunked-local KV cache groups without a full-attention group"):
+        build(make_vllm_config(block_size=16), local, window)
+    other_local = ChunkedLocalAttentionSpec(attention_chunk_size=32, **_attention_kw(head_size=2))
+    with pytest.raises(UnsupportedFeatureError, match="same chunk size but different specs"):
+        build(make_vllm_config(block_size=16), full, local, other_local)
     mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,))
     with pytest.raises(UnsupportedFeatureError, match="MambaSpec"):
         build(make_vllm_config(block_size=16), full, mamba)

@@ -247,8 +247,9 @@ class Config:
     kv_events: bool = False
     # The model's one KV cache group is a sliding window of this many tokens (None: full attention).
     sliding_window: int | None = None
-    # A hybrid model instead: one KV cache group per entry (None: full attention, an int: a sliding window).
-    kv_cache_groups: tuple[int | None, ...] | None = None
+    # A hybrid model instead: one KV cache group per entry (None: full attention, an int: a sliding window,
+    # "chunked:<c>": chunked-local attention).
+    kv_cache_groups: tuple[int | str | None, ...] | None = None
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -957,6 +958,7 @@ def run_seed(
     kv_events: bool = False,
     sliding_window: bool = False,
     hybrid: bool = False,
+    chunked_local: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
     budgets: bool = False,
@@ -971,6 +973,7 @@ def run_seed(
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``hybrid`` gives the
     model several KV cache groups instead (full attention and sliding windows, drawn from their own stream);
+    ``chunked_local`` draws layouts with chunked-local groups (Llama 4) instead;
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
@@ -981,8 +984,11 @@ def run_seed(
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
         cfg.sliding_window = random.Random(f"window/{seed}").choice([1, 3, 8, cfg.block_size, 20, 33, 64, 100])
-    if hybrid:
-        cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
+    if hybrid or chunked_local:
+        if chunked_local:
+            cfg.kv_cache_groups = random_chunked_groups(random.Random(f"chunked/{seed}"), cfg.block_size)
+        else:
+            cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
         # vLLM sizes the pool for every group: as many blocks per group as the drawn single-group cache.
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(cfg.kv_cache_groups)
     if connector:
@@ -1053,6 +1059,24 @@ def random_groups(rng: random.Random, block_size: int) -> tuple[int | None, ...]
     return tuple(groups)
 
 
+def random_chunked_groups(rng: random.Random, block_size: int) -> tuple[int | str | None, ...]:
+    """A hybrid model with chunked-local attention: mostly one full-attention group and one chunked-local group
+    (Llama 4), else 2-4 groups mixing full attention, one or two chunk sizes and sometimes a sliding window, in
+    any order (at least one full-attention group: kvsched.vllm refuses chunked-local groups without one)."""
+    chunks = [f"chunked:{c}" for c in (1, 3, 8, block_size, 2 * block_size, 20, 33, 64)]
+    if rng.random() < 0.5:
+        groups: list[int | str | None] = [None, rng.choice(chunks)]
+        rng.shuffle(groups)
+        return tuple(groups)
+    kinds: list[int | str | None] = [None, *rng.sample(chunks, rng.choice([1, 2]))]
+    if rng.random() < 0.4:
+        kinds.append(rng.choice([3, 8, block_size, 20, 64]))
+    groups = [rng.choice(kinds) for _ in range(rng.randrange(2, 5))]
+    while None not in groups or not any(isinstance(g, str) for g in groups):
+        groups[rng.randrange(len(groups))] = rng.choice([None, kinds[1]])
+    return tuple(groups)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=200)
@@ -1084,6 +1108,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a hybrid model: several KV cache groups (full attention and sliding windows, drawn per seed); not "
         "with --connector or --kv-events, which kvsched.vllm refuses for it",
+    )
+    p.add_argument(
+        "--chunked-local",
+        action="store_true",
+        help="with --hybrid: layouts with chunked-local attention groups (Llama 4: full attention and chunks of a "
+        "drawn size, sometimes a sliding window too)",
     )
     p.add_argument("--mm", action="store_true", help="a multimodal model: requests with images")
     p.add_argument("--ec", action="store_true", help="with a seeded RandomECConnector (with --mm: images loaded)")
@@ -1135,6 +1165,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sliding-window goes without --connector and --kv-events")
     if args.hybrid and (args.connector or args.kv_events or args.sliding_window or args.mm):
         p.error("--hybrid goes without --connector, --kv-events, --sliding-window and --mm")
+    if args.chunked_local and not args.hybrid:
+        p.error("--chunked-local goes with --hybrid")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
@@ -1169,6 +1201,7 @@ def main(argv: list[str] | None = None) -> int:
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
                         hybrid=args.hybrid,
+                        chunked_local=args.chunked_local,
                         multimodal=args.mm,
                         ec_connector=args.ec,
                         defer_async_loads=args.defer_async_loads,

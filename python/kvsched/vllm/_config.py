@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvsched.config import CROSS_ATTENTION, SchedulerConfig
+from kvsched.config import CROSS_ATTENTION, SchedulerConfig, chunk_size_of, chunked_local
 
 from ._compat import RULES
 from ._errors import UnsupportedFeatureError
@@ -39,23 +39,30 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
 
 def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | str | None]:
     """Refuses the KV cache layouts the core does not implement; returns each KV cache group's sliding window, in
-    vLLM's group order (None: full attention, ``"cross"``: cross attention).
+    vLLM's group order (None: full attention, ``"cross"``: cross attention, ``"chunked:<c>"``: chunked-local
+    attention).
 
-    Several groups (hybrid models: full-attention and sliding-window layers; encoder-decoder models: plus
-    cross-attention layers) map to the core's ``kv_cache_groups``, one entry per vLLM group, all of one block
-    size."""
-    from vllm.v1.kv_cache_interface import CrossAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+    Several groups (hybrid models: full-attention and sliding-window or chunked-local layers; encoder-decoder
+    models: plus cross-attention layers) map to the core's ``kv_cache_groups``, one entry per vLLM group, all of
+    one block size."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        CrossAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = list(kv_cache_config.kv_cache_groups)
     hybrid = len(groups) > 1
     windows: list[int | str | None] = []
-    # vLLM looks up the prefix hit of groups with equal specs together; the core does so for equal windows.
-    window_specs: dict[int, Any] = {}
+    # vLLM looks up the prefix hit of groups with equal specs together; the core does so for equal windows (and
+    # equal chunk sizes).
+    window_specs: dict[int | str, Any] = {}
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         where = f"KV cache group {g}: " if hybrid else ""
-        # Plain full attention, or sliding-window attention: chunked-local, Mamba, MLA, cross-attention and the
-        # other specs subclass or differ from them.
+        # Plain full attention, sliding-window, chunked-local or cross attention: Mamba, MLA and the other specs
+        # subclass or differ from them.
         window: int | str | None = None
         if getattr(spec, "bounded_replay", False):
             # vLLM 0.33 recomputes the tail of a prefix hit to rebuild such a window (prefix replay).
@@ -72,6 +79,18 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | 
                     "two sliding-window KV cache groups with the same window but different specs (vLLM looks up "
                     "their prefix hits apart, the core together)",
                     f"{where}sliding_window={window}",
+                )
+            window_specs[window] = spec
+        elif type(spec) is ChunkedLocalAttentionSpec:
+            # Llama 4's local-attention layers (vLLM's ChunkedLocalAttentionManager).
+            window = chunked_local(int(spec.attention_chunk_size))
+            if chunk_size_of(window) is None:
+                _refuse("chunked-local attention with this chunk size", f"{where}attention_chunk_size={window}")
+            if window in window_specs and window_specs[window] != spec:
+                _refuse(
+                    "two chunked-local KV cache groups with the same chunk size but different specs (vLLM looks up "
+                    "their prefix hits apart, the core together)",
+                    f"{where}attention_chunk_size={spec.attention_chunk_size}",
                 )
             window_specs[window] = spec
         elif type(spec) is CrossAttentionSpec:
@@ -94,6 +113,13 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | 
             )
             _refuse(feature, f"{where}{spec.block_size} != {block_size}")
         windows.append(window)
+    if any(chunk_size_of(w) is not None for w in windows) and None not in windows:
+        _refuse(
+            "chunked-local KV cache groups without a full-attention group (vLLM's lookup then counts the blocks "
+            "before the last prompt token's chunk as a hit with nothing cached; the core looks a chunked-local hit "
+            "up within a full-attention hit)",
+            f"{len(windows)} KV cache groups",
+        )
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
     has_window = any(isinstance(w, int) for w in windows)

@@ -323,10 +323,11 @@ def _kv_cache_config(
     kv_cache_groups: Sequence[int | str | None] | None = None,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
-    (None: full attention, an int: a sliding window of that many tokens, ``"cross"``: cross attention); groups
-    of one kind share one spec."""
+    (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
+    attention in chunks of ``c`` tokens, ``"cross"``: cross attention); groups of one kind share one spec."""
     import torch
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         CrossAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
@@ -339,6 +340,14 @@ def _kv_cache_config(
             return CrossAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         if window is None:
             return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        if isinstance(window, str) and window.startswith("chunked:"):
+            return ChunkedLocalAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=1,
+                head_size=1,
+                dtype=torch.float32,
+                attention_chunk_size=int(window.removeprefix("chunked:")),
+            )
         return SlidingWindowSpec(
             block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
         )
@@ -361,7 +370,8 @@ def make_scheduler(
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
     full attention). ``kv_cache_groups``: a hybrid model instead, one KV cache group per entry (None: full
-    attention, an int: a sliding window of that many tokens, ``"cross"``: cross attention), in that order.
+    attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local attention in chunks
+    of ``c`` tokens, ``"cross"``: cross attention), in that order.
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
