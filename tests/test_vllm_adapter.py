@@ -269,10 +269,50 @@ def test_draft_slots_and_a_token_budget_apart_from_the_inputs_follow_vllm() -> N
         _step(pair)
 
 
+def test_context_parallelism_maps_to_the_cores_world_sizes() -> None:
+    """vLLM's engine gives the scheduler its block size times the DCP size: the core gets the per-rank block size
+    and dcp_world_size (its block unit is then vLLM's), and pcp_world_size (vLLM's KV cache manager leaves PCP out
+    of the unit)."""
+    for dcp, pcp in [(2, 1), (4, 1), (1, 2), (2, 2)]:
+        cfg = make_vllm_config(
+            block_size=4, num_blocks=32, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp
+        )
+        vllm_sched, ours = (make_scheduler(impl, cfg) for impl in ("vllm", "kvsched"))
+        kv = ours.kv_config
+        assert (kv.block_size, kv.dcp_world_size, kv.pcp_world_size) == (4, dcp, pcp)
+        assert kv.kv_block_size == ours.block_size == vllm_sched.block_size == 4 * dcp
+
+
+def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
+    """A DCP size that is not a power of two, sliding windows or several KV cache groups, KV connectors and KV
+    cache events under context parallelism, and a spec DCP does not shard are refused at construction, by name."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    cfg = make_vllm_config(block_size=4, decode_context_parallel_size=3)
+    with pytest.raises(UnsupportedFeatureError, match="not a power of two"):
+        make_scheduler("kvsched", cfg)
+    cfg = make_vllm_config(block_size=4, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="context parallelism with sliding-window attention"):
+        make_scheduler("kvsched", cfg, sliding_window=8)
+    cfg = make_vllm_config(block_size=4, prefill_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="context parallelism with sliding-window attention or several"):
+        make_scheduler("kvsched", cfg, kv_cache_groups=(None, None))
+    cfg = make_vllm_config(block_size=4, kv_connector_seed=1, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="KV connectors with context parallelism"):
+        make_scheduler("kvsched", cfg)
+    cfg = make_vllm_config(block_size=4, kv_events=True, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="KV cache events with context parallelism"):
+        make_scheduler("kvsched", cfg)
+    vcfg = make_vllm_config(block_size=16, decode_context_parallel_size=2)
+    kw = _attention_kw(block_size=8)
+    with pytest.raises(UnsupportedFeatureError, match="does not shard"):
+        _build_with_groups(vcfg, FullAttentionSpec(**kw, dcp_sharded=False))
+
+
 def test_unsupported_scheduler_settings_are_refused() -> None:
     cfg = make_vllm_config()
-    cfg.parallel_config.decode_context_parallel_size = 2
-    with pytest.raises(UnsupportedFeatureError, match="context parallelism"):
+    cfg.parallel_config.decode_context_parallel_size = 3
+    with pytest.raises(UnsupportedFeatureError, match="decode context parallel sizes that are not a power of two"):
         make_scheduler("kvsched", cfg)
     # An error is also a ValueError and a NotImplementedError, so either kind of handler catches it.
     assert issubclass(UnsupportedFeatureError, ValueError)

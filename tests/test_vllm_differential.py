@@ -131,6 +131,28 @@ def test_a_chunked_local_hit_is_cut_to_its_chunks_start_as_vllm_cuts_it() -> Non
         assert new.block_ids == ([1, 2, 3, 4, 8, 7], [0, 0, 0, 0, 16, 14])
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize(("seed", "dcp"), [(700, 2), (701, 4)])
+def test_identical_to_vllm_with_decode_context_parallelism(sync: str, runner: str, seed: int, dcp: int) -> None:
+    """Decode context parallelism: the scheduler's block (and the requests' hash block) is block_size * DCP tokens,
+    so allocation counts, prefix hits and preemptions go by it, as vLLM's KV cache manager with
+    dcp_world_size."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", dcp=dcp)
+    assert cfg.decode_context_parallel_size == dcp
+
+
+V2_MODES = [("sync", "v2"), ("async", "v2")]  # vLLM runs prefill context parallelism on model runner V2 only
+
+
+@pytest.mark.parametrize(("sync", "runner"), V2_MODES, ids=[f"{s}-{r}" for s, r in V2_MODES])
+@pytest.mark.parametrize(("seed", "dcp"), [(710, 1), (711, 2)])
+def test_identical_to_vllm_with_prefill_context_parallelism(sync: str, runner: str, seed: int, dcp: int) -> None:
+    """Prefill context parallelism (PCP 2, alone or with DCP across it): vLLM's KV cache manager leaves PCP out of
+    the block unit, and so does kvsched."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", dcp=dcp, pcp=2)
+    assert cfg.prefill_context_parallel_size == 2
+
+
 SYNC_MODES = [("sync", "v1"), ("sync", "v2")]
 
 

@@ -267,6 +267,10 @@ class Config:
     streaming: bool = False
     # vLLM's pipeline parallelism: the driver keeps steps in flight as EngineCore's batch queue does.
     pipeline_parallel_size: int = 1
+    # vLLM's decode / prefill context parallelism: block_size is then per DCP rank, the scheduler's block (and the
+    # requests' hash block) block_size * DCP tokens.
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
 
 
 def batch_queue_size(cfg: Config) -> int:
@@ -375,6 +379,8 @@ class Pair:
         self.rng_stream = random.Random(f"stream/{seed}")
         self.sessions: dict[str, int] = {}
         self.stuck: list[str] = []
+        # Tokens one block id covers (vLLM's scheduler block size).
+        self.kv_block_size = cfg.block_size * cfg.decode_context_parallel_size
         fields = dataclasses.asdict(cfg)
         v2 = fields.pop("use_v2_model_runner")
         window = fields.pop("sliding_window")
@@ -449,7 +455,7 @@ class Pair:
             "arrival_time": self.clock + (rng.choice([0.0, 0.5]) if rng.random() < 0.2 else 0.0),
             "cache_salt": rng.choice([None, None, None, "salt"]),
             "lora_name": rng.choice([None, None, "ada", "bob", "cy"]) if cfg.max_loras else None,
-            "block_size": cfg.block_size,
+            "block_size": self.kv_block_size,
             "hash_lookahead_tokens": self.hash_lookahead,
             # Prompt logprobs: vLLM skips reading the prefix cache for the request.
             "prompt_logprobs": 1 if rng.random() < 0.1 else None,
@@ -478,7 +484,7 @@ class Pair:
         only requests that fit it (prompt + max_tokens - 1 tokens)."""
         cfg = self.cfg
         # (With several KV cache groups, every group may need a block per block of tokens.)
-        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * cfg.block_size
+        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * self.kv_block_size
         if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
             # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
             # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
@@ -521,7 +527,7 @@ class Pair:
             prompt_len = reach - 1 + len(part)
             finish = not part  # no room for another part: the input ends
         if finish:
-            kwargs: dict[str, Any] = {"resumable": False, "block_size": cfg.block_size}
+            kwargs: dict[str, Any] = {"resumable": False, "block_size": self.kv_block_size}
             part = [rng.randrange(3, 500)]
             del self.sessions[rid]
         else:
@@ -537,7 +543,7 @@ class Pair:
                 # heap's layout, where kvsched keeps the key the streaming session was queued with (docs/vllm.md,
                 # Streaming input).
                 "arrival_time": session.arrival_time if cfg.policy == "priority" else self.clock,
-                "block_size": cfg.block_size,
+                "block_size": self.kv_block_size,
             }
         self.clock += 1.0
         self.a.add_request(make_request(rid, part, **kwargs))
@@ -767,7 +773,7 @@ class Pair:
             request = self.a.requests.get(rid)
             if request is None or request.is_finished():
                 return tokens
-            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[0]) * self.cfg.block_size
+            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[0]) * self.kv_block_size
             room = min(1 + k - len(tokens), slots - (request.num_computed_tokens - num_drafts + len(tokens) - 1))
             if room > 0:
                 return tokens + [self.random_token() for _ in range(rng.randrange(1, 1 + room))]
@@ -966,6 +972,8 @@ def run_seed(
     streaming: bool = False,
     pp: bool = False,
     eagle: bool = False,
+    dcp: int = 1,
+    pcp: int = 1,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -979,7 +987,8 @@ def run_seed(
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
     streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
     in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
-    drafts) with vLLM's default prefix-cache rules for it."""
+    drafts) with vLLM's default prefix-cache rules for it; ``dcp`` / ``pcp``: vLLM's decode / prefill context
+    parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure)."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
@@ -1042,6 +1051,10 @@ def run_seed(
         cfg.ec_connector_seed = seed
     if pp:
         cfg.pipeline_parallel_size = random.Random(f"pp/{seed}").choice([2, 3, 4])
+    if dcp > 1 or pcp > 1:
+        cfg.decode_context_parallel_size = dcp
+        cfg.prefill_context_parallel_size = pcp
+        cfg.num_blocks = max(3, 1 + (cfg.num_blocks - 1) // dcp)
     Pair(cfg, seed).run(steps)
     return cfg
 
@@ -1150,9 +1163,31 @@ def main(argv: list[str] | None = None) -> int:
         "the trailing-block drop with --connector and on vLLM 0.32); not with --sliding-window, --hybrid, --mm or "
         "--streaming",
     )
+    p.add_argument(
+        "--dcp",
+        type=int,
+        default=1,
+        help="vLLM's decode context parallel size (a power of two): one block id covers block_size tokens on each "
+        "DCP rank; not with --connector, --kv-events, --sliding-window or --hybrid, which kvsched.vllm refuses "
+        "with it",
+    )
+    p.add_argument(
+        "--pcp",
+        type=int,
+        default=1,
+        help="vLLM's prefill context parallel size (with --dcp: DCP 1 or the PCP size); vLLM runs it on model "
+        "runner V2 only (the modes default to sync-v2,async-v2)",
+    )
     args = p.parse_args(argv)
     if args.modes is None:
-        args.modes = "sync-v1,sync-v2,async-v2" if args.pp else "sync-v1,sync-v2,async-v1,async-v2"
+        if args.pcp > 1:
+            args.modes = "sync-v2,async-v2"
+        else:
+            args.modes = "sync-v1,sync-v2,async-v2" if args.pp else "sync-v1,sync-v2,async-v1,async-v2"
+    if (args.dcp > 1 or args.pcp > 1) and (args.connector or args.kv_events or args.sliding_window or args.hybrid):
+        p.error("--dcp and --pcp go without --connector, --kv-events, --sliding-window and --hybrid")
+    if args.pcp > 1 and any(m.endswith("-v1") for m in args.modes.split(",")):
+        p.error("--pcp goes with model runner V2 only (vLLM runs prefill context parallelism there only)")
     if args.pp and "async-v1" in args.modes.split(","):
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
@@ -1209,6 +1244,8 @@ def main(argv: list[str] | None = None) -> int:
                         streaming=args.streaming,
                         pp=args.pp,
                         eagle=args.eagle,
+                        dcp=args.dcp,
+                        pcp=args.pcp,
                     )
                     ok += 1
                 except Divergence as exc:

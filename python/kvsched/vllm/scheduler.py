@@ -184,7 +184,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         include_finished_set: bool = False,
         log_stats: bool = False,
     ) -> None:
-        windows = _check_kv_cache_config(kv_cache_config, block_size)
+        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        windows = _check_kv_cache_config(kv_cache_config, block_size, dcp)
         config, self.num_spec_tokens = kvsched_config_from_vllm(
             vllm_config, kv_cache_config, block_size, hash_block_size, windows
         )
