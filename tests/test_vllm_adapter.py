@@ -269,10 +269,50 @@ def test_draft_slots_and_a_token_budget_apart_from_the_inputs_follow_vllm() -> N
         _step(pair)
 
 
+def test_context_parallelism_maps_to_the_cores_world_sizes() -> None:
+    """vLLM's engine gives the scheduler its block size times the DCP size: the core gets the per-rank block size
+    and dcp_world_size (its block unit is then vLLM's), and pcp_world_size (vLLM's KV cache manager leaves PCP out
+    of the unit)."""
+    for dcp, pcp in [(2, 1), (4, 1), (1, 2), (2, 2)]:
+        cfg = make_vllm_config(
+            block_size=4, num_blocks=32, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp
+        )
+        vllm_sched, ours = (make_scheduler(impl, cfg) for impl in ("vllm", "kvsched"))
+        kv = ours.kv_config
+        assert (kv.block_size, kv.dcp_world_size, kv.pcp_world_size) == (4, dcp, pcp)
+        assert kv.kv_block_size == ours.block_size == vllm_sched.block_size == 4 * dcp
+
+
+def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
+    """A DCP size that is not a power of two, sliding windows or several KV cache groups, KV connectors and KV
+    cache events under context parallelism, and a spec DCP does not shard are refused at construction, by name."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    cfg = make_vllm_config(block_size=4, decode_context_parallel_size=3)
+    with pytest.raises(UnsupportedFeatureError, match="not a power of two"):
+        make_scheduler("kvsched", cfg)
+    cfg = make_vllm_config(block_size=4, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="context parallelism with sliding-window attention"):
+        make_scheduler("kvsched", cfg, sliding_window=8)
+    cfg = make_vllm_config(block_size=4, prefill_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="context parallelism with sliding-window attention or several"):
+        make_scheduler("kvsched", cfg, kv_cache_groups=(None, None))
+    cfg = make_vllm_config(block_size=4, kv_connector_seed=1, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="KV connectors with context parallelism"):
+        make_scheduler("kvsched", cfg)
+    cfg = make_vllm_config(block_size=4, kv_events=True, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="KV cache events with context parallelism"):
+        make_scheduler("kvsched", cfg)
+    vcfg = make_vllm_config(block_size=16, decode_context_parallel_size=2)
+    kw = _attention_kw(block_size=8)
+    with pytest.raises(UnsupportedFeatureError, match="does not shard"):
+        _build_with_groups(vcfg, FullAttentionSpec(**kw, dcp_sharded=False))
+
+
 def test_unsupported_scheduler_settings_are_refused() -> None:
     cfg = make_vllm_config()
-    cfg.parallel_config.decode_context_parallel_size = 2
-    with pytest.raises(UnsupportedFeatureError, match="context parallelism"):
+    cfg.parallel_config.decode_context_parallel_size = 3
+    with pytest.raises(UnsupportedFeatureError, match="decode context parallel sizes that are not a power of two"):
         make_scheduler("kvsched", cfg)
     # An error is also a ValueError and a NotImplementedError, so either kind of handler catches it.
     assert issubclass(UnsupportedFeatureError, ValueError)
@@ -660,8 +700,8 @@ def _attention_kw(block_size: int = 16, head_size: int = 1) -> dict[str, Any]:
 
 
 def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_name() -> None:
-    """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec, a KV connector or KV
-    cache events with a window are refused at construction, by name."""
+    """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec alone (without a
+    full-attention group), a KV connector or KV cache events with a window are refused at construction, by name."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
@@ -669,7 +709,7 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
     build = _build_with_groups
     sched = build(make_vllm_config(block_size=16, num_blocks=64), window)
     assert sched.kv_config.sliding_window == 64 and sched.kv_config.kv_cache_groups is None
-    with pytest.raises(UnsupportedFeatureError, match="ChunkedLocalAttentionSpec"):
+    with pytest.raises(UnsupportedFeatureError, match="chunked-local KV cache groups without a full-attention group"):
         build(make_vllm_config(block_size=16), ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
     with pytest.raises(UnsupportedFeatureError, match="KV connectors with sliding-window attention"):
         build(make_vllm_config(block_size=16, kv_connector_seed=1), window)
@@ -678,9 +718,10 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
 
 
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:
-    """Full-attention and sliding-window groups of one block size become the core's kv_cache_groups, one entry
-    per vLLM group in vLLM's order (None for full attention, the window otherwise)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    """Full-attention, sliding-window and chunked-local groups of one block size become the core's
+    kv_cache_groups, one entry per vLLM group in vLLM's order (None for full attention, the window, or
+    "chunked:<attention_chunk_size>")."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
     full, w64 = FullAttentionSpec(**kw), SlidingWindowSpec(sliding_window=64, **kw)
@@ -690,6 +731,9 @@ def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> Non
     assert sched.kv_config.kv_cache_groups == (64, None, 32, 64)
     assert sched.kv_config.sliding_window is None
     assert sched.kv_cache_manager.num_kv_cache_groups == 4
+    local = ChunkedLocalAttentionSpec(attention_chunk_size=8192, **kw)
+    sched = _build_with_groups(vcfg, local, full, local)
+    assert sched.kv_config.kv_cache_groups == ("chunked:8192", None, "chunked:8192")
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -726,8 +770,9 @@ def test_several_kv_cache_groups_give_the_runner_one_block_list_per_group(async_
 
 def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> None:
     """Several groups with a KV connector, KV cache events, a victim rule other than the default, different block
-    sizes, a spec the core does not implement (Mamba, chunked-local) or two windows of the same size with
-    different specs (vLLM looks their prefix hits up apart) are refused at construction, by name."""
+    sizes, a spec the core does not implement (Mamba), chunked-local groups without a full-attention group, or two
+    windows (or chunked-local groups) of the same size with different specs (vLLM looks their prefix hits up
+    apart) are refused at construction, by name."""
     import torch
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -744,8 +789,12 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
         build(vcfg, full, window)
     with pytest.raises(UnsupportedFeatureError, match="KV cache groups of different block sizes"):
         build(make_vllm_config(block_size=16), full, SlidingWindowSpec(sliding_window=64, **_attention_kw(32)))
-    with pytest.raises(UnsupportedFeatureError, match="ChunkedLocalAttentionSpec"):
-        build(make_vllm_config(block_size=16), full, ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
+    local = ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw)
+    with pytest.raises(UnsupportedFeatureError, match="chunked-local KV cache groups without a full-attention group"):
+        build(make_vllm_config(block_size=16), local, window)
+    other_local = ChunkedLocalAttentionSpec(attention_chunk_size=32, **_attention_kw(head_size=2))
+    with pytest.raises(UnsupportedFeatureError, match="same chunk size but different specs"):
+        build(make_vllm_config(block_size=16), full, local, other_local)
     mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,))
     with pytest.raises(UnsupportedFeatureError, match="MambaSpec"):
         build(make_vllm_config(block_size=16), full, mamba)

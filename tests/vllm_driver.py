@@ -247,8 +247,9 @@ class Config:
     kv_events: bool = False
     # The model's one KV cache group is a sliding window of this many tokens (None: full attention).
     sliding_window: int | None = None
-    # A hybrid model instead: one KV cache group per entry (None: full attention, an int: a sliding window).
-    kv_cache_groups: tuple[int | None, ...] | None = None
+    # A hybrid model instead: one KV cache group per entry (None: full attention, an int: a sliding window,
+    # "chunked:<c>": chunked-local attention).
+    kv_cache_groups: tuple[int | str | None, ...] | None = None
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -266,6 +267,10 @@ class Config:
     streaming: bool = False
     # vLLM's pipeline parallelism: the driver keeps steps in flight as EngineCore's batch queue does.
     pipeline_parallel_size: int = 1
+    # vLLM's decode / prefill context parallelism: block_size is then per DCP rank, the scheduler's block (and the
+    # requests' hash block) block_size * DCP tokens.
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
 
 
 def batch_queue_size(cfg: Config) -> int:
@@ -374,6 +379,8 @@ class Pair:
         self.rng_stream = random.Random(f"stream/{seed}")
         self.sessions: dict[str, int] = {}
         self.stuck: list[str] = []
+        # Tokens one block id covers (vLLM's scheduler block size).
+        self.kv_block_size = cfg.block_size * cfg.decode_context_parallel_size
         fields = dataclasses.asdict(cfg)
         v2 = fields.pop("use_v2_model_runner")
         window = fields.pop("sliding_window")
@@ -448,7 +455,7 @@ class Pair:
             "arrival_time": self.clock + (rng.choice([0.0, 0.5]) if rng.random() < 0.2 else 0.0),
             "cache_salt": rng.choice([None, None, None, "salt"]),
             "lora_name": rng.choice([None, None, "ada", "bob", "cy"]) if cfg.max_loras else None,
-            "block_size": cfg.block_size,
+            "block_size": self.kv_block_size,
             "hash_lookahead_tokens": self.hash_lookahead,
             # Prompt logprobs: vLLM skips reading the prefix cache for the request.
             "prompt_logprobs": 1 if rng.random() < 0.1 else None,
@@ -477,7 +484,7 @@ class Pair:
         only requests that fit it (prompt + max_tokens - 1 tokens)."""
         cfg = self.cfg
         # (With several KV cache groups, every group may need a block per block of tokens.)
-        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * cfg.block_size
+        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * self.kv_block_size
         if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
             # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
             # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
@@ -520,7 +527,7 @@ class Pair:
             prompt_len = reach - 1 + len(part)
             finish = not part  # no room for another part: the input ends
         if finish:
-            kwargs: dict[str, Any] = {"resumable": False, "block_size": cfg.block_size}
+            kwargs: dict[str, Any] = {"resumable": False, "block_size": self.kv_block_size}
             part = [rng.randrange(3, 500)]
             del self.sessions[rid]
         else:
@@ -536,7 +543,7 @@ class Pair:
                 # heap's layout, where kvsched keeps the key the streaming session was queued with (docs/vllm.md,
                 # Streaming input).
                 "arrival_time": session.arrival_time if cfg.policy == "priority" else self.clock,
-                "block_size": cfg.block_size,
+                "block_size": self.kv_block_size,
             }
         self.clock += 1.0
         self.a.add_request(make_request(rid, part, **kwargs))
@@ -766,7 +773,7 @@ class Pair:
             request = self.a.requests.get(rid)
             if request is None or request.is_finished():
                 return tokens
-            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[0]) * self.cfg.block_size
+            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[0]) * self.kv_block_size
             room = min(1 + k - len(tokens), slots - (request.num_computed_tokens - num_drafts + len(tokens) - 1))
             if room > 0:
                 return tokens + [self.random_token() for _ in range(rng.randrange(1, 1 + room))]
@@ -957,6 +964,7 @@ def run_seed(
     kv_events: bool = False,
     sliding_window: bool = False,
     hybrid: bool = False,
+    chunked_local: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
     budgets: bool = False,
@@ -964,6 +972,8 @@ def run_seed(
     streaming: bool = False,
     pp: bool = False,
     eagle: bool = False,
+    dcp: int = 1,
+    pcp: int = 1,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -971,18 +981,23 @@ def run_seed(
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``hybrid`` gives the
     model several KV cache groups instead (full attention and sliding windows, drawn from their own stream);
+    ``chunked_local`` draws layouts with chunked-local groups (Llama 4) instead;
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
     streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
     in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
-    drafts) with vLLM's default prefix-cache rules for it."""
+    drafts) with vLLM's default prefix-cache rules for it; ``dcp`` / ``pcp``: vLLM's decode / prefill context
+    parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure)."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
         cfg.sliding_window = random.Random(f"window/{seed}").choice([1, 3, 8, cfg.block_size, 20, 33, 64, 100])
-    if hybrid:
-        cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
+    if hybrid or chunked_local:
+        if chunked_local:
+            cfg.kv_cache_groups = random_chunked_groups(random.Random(f"chunked/{seed}"), cfg.block_size)
+        else:
+            cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
         # vLLM sizes the pool for every group: as many blocks per group as the drawn single-group cache.
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(cfg.kv_cache_groups)
     if connector:
@@ -1036,6 +1051,10 @@ def run_seed(
         cfg.ec_connector_seed = seed
     if pp:
         cfg.pipeline_parallel_size = random.Random(f"pp/{seed}").choice([2, 3, 4])
+    if dcp > 1 or pcp > 1:
+        cfg.decode_context_parallel_size = dcp
+        cfg.prefill_context_parallel_size = pcp
+        cfg.num_blocks = max(3, 1 + (cfg.num_blocks - 1) // dcp)
     Pair(cfg, seed).run(steps)
     return cfg
 
@@ -1050,6 +1069,24 @@ def random_groups(rng: random.Random, block_size: int) -> tuple[int | None, ...]
     groups = [rng.choice(kinds) for _ in range(rng.randrange(2, 5))]
     if all(g is None for g in groups):
         groups[rng.randrange(len(groups))] = kinds[1]
+    return tuple(groups)
+
+
+def random_chunked_groups(rng: random.Random, block_size: int) -> tuple[int | str | None, ...]:
+    """A hybrid model with chunked-local attention: mostly one full-attention group and one chunked-local group
+    (Llama 4), else 2-4 groups mixing full attention, one or two chunk sizes and sometimes a sliding window, in
+    any order (at least one full-attention group: kvsched.vllm refuses chunked-local groups without one)."""
+    chunks = [f"chunked:{c}" for c in (1, 3, 8, block_size, 2 * block_size, 20, 33, 64)]
+    if rng.random() < 0.5:
+        groups: list[int | str | None] = [None, rng.choice(chunks)]
+        rng.shuffle(groups)
+        return tuple(groups)
+    kinds: list[int | str | None] = [None, *rng.sample(chunks, rng.choice([1, 2]))]
+    if rng.random() < 0.4:
+        kinds.append(rng.choice([3, 8, block_size, 20, 64]))
+    groups = [rng.choice(kinds) for _ in range(rng.randrange(2, 5))]
+    while None not in groups or not any(isinstance(g, str) for g in groups):
+        groups[rng.randrange(len(groups))] = rng.choice([None, kinds[1]])
     return tuple(groups)
 
 
@@ -1084,6 +1121,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a hybrid model: several KV cache groups (full attention and sliding windows, drawn per seed); not "
         "with --connector or --kv-events, which kvsched.vllm refuses for it",
+    )
+    p.add_argument(
+        "--chunked-local",
+        action="store_true",
+        help="with --hybrid: layouts with chunked-local attention groups (Llama 4: full attention and chunks of a "
+        "drawn size, sometimes a sliding window too)",
     )
     p.add_argument("--mm", action="store_true", help="a multimodal model: requests with images")
     p.add_argument("--ec", action="store_true", help="with a seeded RandomECConnector (with --mm: images loaded)")
@@ -1120,9 +1163,31 @@ def main(argv: list[str] | None = None) -> int:
         "the trailing-block drop with --connector and on vLLM 0.32); not with --sliding-window, --hybrid, --mm or "
         "--streaming",
     )
+    p.add_argument(
+        "--dcp",
+        type=int,
+        default=1,
+        help="vLLM's decode context parallel size (a power of two): one block id covers block_size tokens on each "
+        "DCP rank; not with --connector, --kv-events, --sliding-window or --hybrid, which kvsched.vllm refuses "
+        "with it",
+    )
+    p.add_argument(
+        "--pcp",
+        type=int,
+        default=1,
+        help="vLLM's prefill context parallel size (with --dcp: DCP 1 or the PCP size); vLLM runs it on model "
+        "runner V2 only (the modes default to sync-v2,async-v2)",
+    )
     args = p.parse_args(argv)
     if args.modes is None:
-        args.modes = "sync-v1,sync-v2,async-v2" if args.pp else "sync-v1,sync-v2,async-v1,async-v2"
+        if args.pcp > 1:
+            args.modes = "sync-v2,async-v2"
+        else:
+            args.modes = "sync-v1,sync-v2,async-v2" if args.pp else "sync-v1,sync-v2,async-v1,async-v2"
+    if (args.dcp > 1 or args.pcp > 1) and (args.connector or args.kv_events or args.sliding_window or args.hybrid):
+        p.error("--dcp and --pcp go without --connector, --kv-events, --sliding-window and --hybrid")
+    if args.pcp > 1 and any(m.endswith("-v1") for m in args.modes.split(",")):
+        p.error("--pcp goes with model runner V2 only (vLLM runs prefill context parallelism there only)")
     if args.pp and "async-v1" in args.modes.split(","):
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
@@ -1135,6 +1200,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sliding-window goes without --connector and --kv-events")
     if args.hybrid and (args.connector or args.kv_events or args.sliding_window or args.mm):
         p.error("--hybrid goes without --connector, --kv-events, --sliding-window and --mm")
+    if args.chunked_local and not args.hybrid:
+        p.error("--chunked-local goes with --hybrid")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
@@ -1169,6 +1236,7 @@ def main(argv: list[str] | None = None) -> int:
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
                         hybrid=args.hybrid,
+                        chunked_local=args.chunked_local,
                         multimodal=args.mm,
                         ec_connector=args.ec,
                         defer_async_loads=args.defer_async_loads,
@@ -1176,6 +1244,8 @@ def main(argv: list[str] | None = None) -> int:
                         streaming=args.streaming,
                         pp=args.pp,
                         eagle=args.eagle,
+                        dcp=args.dcp,
+                        pcp=args.pcp,
                     )
                     ok += 1
                 except Divergence as exc:

@@ -21,6 +21,27 @@ from ._errors import InvalidConfigError, SchedulerTypeError
 CROSS_ATTENTION = "cross"
 #: The most KV cache groups ``kv_cache_groups`` may list.
 MAX_KV_CACHE_GROUPS = 64
+#: The prefix of a chunked-local attention group's ``kv_cache_groups`` entry: ``"chunked:8192"`` (vLLM's
+#: ``ChunkedLocalAttentionSpec`` with ``attention_chunk_size=8192``, Llama 4); see :func:`chunked_local`.
+CHUNKED_LOCAL_PREFIX = "chunked:"
+
+
+def chunked_local(chunk_size: int) -> str:
+    """The ``kv_cache_groups`` entry of a chunked-local attention group whose chunks are ``chunk_size`` tokens."""
+    return f"{CHUNKED_LOCAL_PREFIX}{chunk_size}"
+
+
+def chunk_size_of(entry: object) -> int | None:
+    """The chunk size of a well-formed chunked-local ``kv_cache_groups`` entry (``"chunked:<n>"``, ``n`` in
+    ``[1, 2**31 - 2]`` without leading zeros), else None."""
+    if not isinstance(entry, str) or not entry.startswith(CHUNKED_LOCAL_PREFIX):
+        return None
+    digits = entry[len(CHUNKED_LOCAL_PREFIX) :]
+    if not digits.isascii() or not digits.isdigit() or digits.startswith("0"):
+        return None
+    n = int(digits)
+    return n if n < I32_MAX else None
+
 
 __all__ = [
     "CONFIG_FIELDS",
@@ -34,6 +55,7 @@ __all__ = [
     "SchedulerConfig",
     "check_preemption_costs",
     "check_tenant_limits",
+    "chunked_local",
     "fields_markdown",
     "tenant_cache_salt",
 ]
@@ -578,11 +600,12 @@ class SchedulerConfig:
         default=None,
         metadata=_spec(
             "several KV cache groups in one pool, all with `block_size` (vLLM's hybrid models: full attention plus "
-            "sliding-window layers; encoder-decoder models: plus cross attention): one entry per group, None for "
-            "full attention, an int window, or `'cross'` for cross attention (not group 0; needs "
+            "sliding-window or chunked-local layers; encoder-decoder models: plus cross attention): one entry per "
+            "group, None for full attention, an int window, `'chunked:<c>'` for chunked-local attention in chunks "
+            "of `c` tokens (with a full-attention group), or `'cross'` for cross attention (not group 0; needs "
             "`enable_prefix_caching=False`); each request holds one block table per group and a prefix hit must be "
             "valid for every group (see [Several KV cache groups](#several-kv-cache-groups)); None = one group",
-            valid="None or 2 to 64 entries, each None, an int >= 1 or 'cross'",
+            valid="None or 2 to 64 entries, each None, an int >= 1, 'chunked:<c>' (c >= 1) or 'cross'",
         ),
     )
     max_num_scheduled_tokens: int | None = field(
@@ -650,22 +673,19 @@ class SchedulerConfig:
             object.__setattr__(self, name, check_tenant_limits(name, getattr(self, name)))
         groups = self.kv_cache_groups
         if groups is not None:
+            what = (
+                "kv_cache_groups must be None or a list of None (full attention), int windows, 'chunked:<chunk "
+                "size>' (chunked-local attention) and 'cross' (cross attention), got "
+            )
             if isinstance(groups, (str, bytes, Mapping)) or not hasattr(groups, "__iter__"):
-                raise InvalidConfigError(
-                    "kv_cache_groups must be None or a list of None (full attention), int windows and 'cross' "
-                    f"(cross attention), got {groups!r}"
-                )
+                raise InvalidConfigError(f"{what}{groups!r}")
             groups = tuple(groups)
             for window in groups:
-                if (
-                    window is not None
-                    and window != CROSS_ATTENTION
-                    and (isinstance(window, bool) or not isinstance(window, int))
-                ):
-                    raise InvalidConfigError(
-                        "kv_cache_groups must be None or a list of None (full attention), int windows and 'cross' "
-                        f"(cross attention), got {self.kv_cache_groups!r}"
-                    )
+                if isinstance(window, str):
+                    if window != CROSS_ATTENTION and chunk_size_of(window) is None:
+                        raise InvalidConfigError(f"{what}{self.kv_cache_groups!r}")
+                elif window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+                    raise InvalidConfigError(f"{what}{self.kv_cache_groups!r}")
             object.__setattr__(self, "kv_cache_groups", groups)
 
     def _check_rules(self) -> None:
@@ -744,6 +764,11 @@ class SchedulerConfig:
         bad = next((w for w in groups if isinstance(w, int) and not 1 <= w <= I32_MAX), None)
         if bad is not None:
             raise InvalidConfigError(f"kv_cache_groups windows must be in [1, {I32_MAX}], got {bad}")
+        if any(chunk_size_of(w) is not None for w in groups) and None not in groups:
+            raise InvalidConfigError(
+                "kv_cache_groups with a chunked-local group needs a full-attention group (the core looks a "
+                "chunked-local hit up within the full-attention hit)"
+            )
         if groups[0] == CROSS_ATTENTION:
             raise InvalidConfigError(
                 "kv_cache_groups cannot start with a cross-attention group (group 0 holds the decoder's tokens)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvsched.config import CROSS_ATTENTION, SchedulerConfig
+from kvsched.config import CROSS_ATTENTION, SchedulerConfig, chunk_size_of, chunked_local
 
 from ._compat import RULES
 from ._errors import UnsupportedFeatureError
@@ -37,25 +37,35 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
 
 
-def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | str | None]:
+def _check_kv_cache_config(kv_cache_config: Any, block_size: int, dcp: int = 1) -> list[int | str | None]:
     """Refuses the KV cache layouts the core does not implement; returns each KV cache group's sliding window, in
-    vLLM's group order (None: full attention, ``"cross"``: cross attention).
+    vLLM's group order (None: full attention, ``"cross"``: cross attention, ``"chunked:<c>"``: chunked-local
+    attention).
 
-    Several groups (hybrid models: full-attention and sliding-window layers; encoder-decoder models: plus
-    cross-attention layers) map to the core's ``kv_cache_groups``, one entry per vLLM group, all of one block
-    size."""
-    from vllm.v1.kv_cache_interface import CrossAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+    Several groups (hybrid models: full-attention and sliding-window or chunked-local layers; encoder-decoder
+    models: plus cross-attention layers) map to the core's ``kv_cache_groups``, one entry per vLLM group, all of
+    one block size.
+
+    ``dcp``: vLLM's decode-context-parallel size; ``block_size`` is then vLLM's scheduler block size, the spec's
+    block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        CrossAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = list(kv_cache_config.kv_cache_groups)
     hybrid = len(groups) > 1
     windows: list[int | str | None] = []
-    # vLLM looks up the prefix hit of groups with equal specs together; the core does so for equal windows.
-    window_specs: dict[int, Any] = {}
+    # vLLM looks up the prefix hit of groups with equal specs together; the core does so for equal windows (and
+    # equal chunk sizes).
+    window_specs: dict[int | str, Any] = {}
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         where = f"KV cache group {g}: " if hybrid else ""
-        # Plain full attention, or sliding-window attention: chunked-local, Mamba, MLA, cross-attention and the
-        # other specs subclass or differ from them.
+        # Plain full attention, sliding-window, chunked-local or cross attention: Mamba, MLA and the other specs
+        # subclass or differ from them.
         window: int | str | None = None
         if getattr(spec, "bounded_replay", False):
             # vLLM 0.33 recomputes the tail of a prefix hit to rebuild such a window (prefix replay).
@@ -74,6 +84,18 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | 
                     f"{where}sliding_window={window}",
                 )
             window_specs[window] = spec
+        elif type(spec) is ChunkedLocalAttentionSpec:
+            # Llama 4's local-attention layers (vLLM's ChunkedLocalAttentionManager).
+            window = chunked_local(int(spec.attention_chunk_size))
+            if chunk_size_of(window) is None:
+                _refuse("chunked-local attention with this chunk size", f"{where}attention_chunk_size={window}")
+            if window in window_specs and window_specs[window] != spec:
+                _refuse(
+                    "two chunked-local KV cache groups with the same chunk size but different specs (vLLM looks up "
+                    "their prefix hits apart, the core together)",
+                    f"{where}attention_chunk_size={spec.attention_chunk_size}",
+                )
+            window_specs[window] = spec
         elif type(spec) is CrossAttentionSpec:
             # The encoder output's blocks of an encoder-decoder model (vLLM's CrossAttentionManager).
             window = CROSS_ATTENTION
@@ -86,14 +108,24 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> list[int | 
             )
         elif getattr(spec, "sliding_window", None):
             _refuse("full-attention specs with a sliding window", f"{where}sliding_window={spec.sliding_window}")
-        if spec.block_size != block_size:
+        if dcp > 1 and not getattr(spec, "dcp_sharded", False):
+            _refuse("KV cache specs that decode context parallelism does not shard", f"{where}dcp_sharded=False")
+        if spec.block_size * dcp != block_size:
             feature = (
                 "KV cache groups of different block sizes"
                 if hybrid
                 else "a KV cache block size that differs from the scheduler block size"
             )
-            _refuse(feature, f"{where}{spec.block_size} != {block_size}")
+            per_rank = f"{spec.block_size} * {dcp}" if dcp > 1 else f"{spec.block_size}"
+            _refuse(feature, f"{where}{per_rank} != {block_size}")
         windows.append(window)
+    if any(chunk_size_of(w) is not None for w in windows) and None not in windows:
+        _refuse(
+            "chunked-local KV cache groups without a full-attention group (vLLM's lookup then counts the blocks "
+            "before the last prompt token's chunk as a hit with nothing cached; the core looks a chunked-local hit "
+            "up within a full-attention hit)",
+            f"{len(windows)} KV cache groups",
+        )
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
     has_window = any(isinstance(w, int) for w in windows)
@@ -162,9 +194,23 @@ def kvsched_config_from_vllm(
         _refuse("encoder-decoder models", "model_config.is_encoder_decoder")
     if _attr(model, "supports_multimodal_inputs", False):
         check_multimodal(vllm_config)
-    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if _attr(parallel, name, 1) > 1:
-            _refuse("context parallelism", f"{name}={getattr(parallel, name)}")
+    # Context parallelism: vLLM's scheduler block size (block_size here) is the spec's block size times the DCP
+    # size, its KV cache manager shards each block over the DCP ranks and leaves PCP out of the unit
+    # (pcp_world_size=1); the core's dcp_world_size / pcp_world_size do the same.
+    dcp = int(_attr(parallel, "decode_context_parallel_size", 1) or 1)
+    pcp = int(_attr(parallel, "prefill_context_parallel_size", 1) or 1)
+    cp = f"decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp}"
+    if dcp & (dcp - 1):
+        _refuse("decode context parallel sizes that are not a power of two", cp)
+    if dcp > 1 or pcp > 1:
+        if len(windows or [None]) > 1 or any(w is not None for w in windows or [None]):
+            # vLLM shards only full attention (and Mamba) with DCP, and runs PCP with full attention only.
+            _refuse("context parallelism with sliding-window attention or several KV cache groups", cp)
+        if kv_transfer is not None:
+            # Not compared side by side with vLLM's scheduler under context parallelism yet.
+            _refuse("KV connectors with context parallelism", f"kv_transfer_config, {cp}")
+        if kv_events_enabled(vllm_config):
+            _refuse("KV cache events with context parallelism", f"kv_events_config, {cp}")
     if _attr(vllm_config.observability_config, "kv_cache_metrics", False):
         _refuse("KV cache eviction metrics", "observability_config.kv_cache_metrics")
     windows = windows or [None]
@@ -247,7 +293,9 @@ def kvsched_config_from_vllm(
 
     algo = str(_attr(cache, "prefix_caching_hash_algo", "sha256"))
     fields: dict[str, Any] = {
-        "block_size": block_size,
+        "block_size": block_size // dcp,
+        "dcp_world_size": dcp,
+        "pcp_world_size": pcp,
         "num_blocks": int(kv_cache_config.num_blocks),
         "max_num_seqs": int(sched.max_num_seqs),
         "max_num_batched_tokens": int(sched.max_num_batched_tokens),

@@ -184,7 +184,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         include_finished_set: bool = False,
         log_stats: bool = False,
     ) -> None:
-        windows = _check_kv_cache_config(kv_cache_config, block_size)
+        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        windows = _check_kv_cache_config(kv_cache_config, block_size, dcp)
         config, self.num_spec_tokens = kvsched_config_from_vllm(
             vllm_config, kv_cache_config, block_size, hash_block_size, windows
         )
@@ -1479,10 +1480,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             return (core.get_block_ids(req_id).tolist(),)
         return tuple(core.get_block_ids(req_id, g).tolist() for g in range(self._num_groups))
 
-    def _window_hashed_tokens(self, table: list[int], num_cached_blocks: int, window: int | None) -> int:
+    def _window_hashed_tokens(self, table: list[int], num_cached_blocks: int, window: int | str | None) -> int:
         """The tokens up to the end of the last block of ``table`` that carries a hash (among its first
-        ``num_cached_blocks``); with a sliding window the null blocks before the window carry none, and a
-        window of one token caches nothing."""
+        ``num_cached_blocks``); with a sliding window (or chunked-local attention) the null blocks before the
+        window carry none, and a window of one token caches nothing."""
         if window is None:
             return min(num_cached_blocks, len(table)) * self.block_size
         if window == 1:
@@ -1497,7 +1498,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         return min(
             self._window_hashed_tokens(table, num_cached_blocks, w)
             for table, w in zip(tables, self._group_windows, strict=True)
-            if not isinstance(w, str)  # vLLM leaves cross-attention groups out (never prefix cached)
+            if w != CROSS_ATTENTION  # vLLM leaves cross-attention groups out (never prefix cached)
         )
 
     def update_from_output(

@@ -350,8 +350,10 @@ pub struct SchedulerConfig {
     /// needs only the window's blocks (see `kv_cache_manager.rs`). `None`: full attention.
     pub sliding_window: Option<u32>,
     /// Several KV cache groups sharing one pool and one block size (vLLM's hybrid models: full attention plus
-    /// sliding-window layers): one entry per group, `None` for full attention or `Some(w)` for a window of `w`
-    /// tokens, or `Some(CROSS_ATTENTION)` for a cross-attention group (encoder-decoder models; not group 0).
+    /// sliding-window or chunked-local layers): one entry per group, `None` for full attention or `Some(w)` for a
+    /// window of `w` tokens, `Some(CHUNKED_LOCAL | c)` for chunked-local attention in chunks of `c` tokens (with a
+    /// full-attention group), or `Some(CROSS_ATTENTION)` for a cross-attention group (encoder-decoder models; not
+    /// group 0).
     /// Each request holds one block table per group; a prefix hit must be valid for every group
     /// (`kv_cache_manager.rs`, hybrid section). Empty: one group (full attention, or `sliding_window`).
     pub kv_cache_groups: Vec<Option<u32>>,
@@ -483,6 +485,11 @@ pub const MAX_KV_CACHE_GROUPS: usize = 64;
 /// encoder-decoder models): a request holds `ceil(cross_attention_tokens / block_size)` blocks there, taken at its
 /// first allocation and freed with it, never cached (`hybrid.rs`). Python spells it `"cross"`.
 pub const CROSS_ATTENTION: u32 = u32::MAX;
+/// The flag of a `kv_cache_groups` entry (`Some(CHUNKED_LOCAL | c)`) for a chunked-local attention group (vLLM's
+/// `ChunkedLocalAttentionSpec`, Llama 4): the token at position `p` attends to the tokens of its own chunk of `c`
+/// tokens (`p / c * c ..= p`) only, so the blocks wholly before the chunk of the next token go back to the pool
+/// (`hybrid.rs`). `c` in `[1, 2^31 - 2]`. Python spells it `"chunked:c"`.
+pub const CHUNKED_LOCAL: u32 = 1 << 31;
 
 /// An integer field's fixed bounds (inclusive), and how to read it (`None`: unset, not checked).
 struct IntField {
@@ -780,8 +787,19 @@ impl SchedulerConfig {
                 groups.len()
             ));
         }
-        if let Some(w) = groups.iter().flatten().find(|&&w| w != CROSS_ATTENTION && (w == 0 || w > I32_MAX)) {
-            return refuse(format!("windows must be in [1, {I32_MAX}], got {w}"));
+        if groups.contains(&Some(0)) {
+            return refuse(format!("windows must be in [1, {I32_MAX}], got 0"));
+        }
+        if groups.contains(&Some(CHUNKED_LOCAL)) {
+            return refuse(format!("chunk sizes must be in [1, {}], got 0", I32_MAX - 1));
+        }
+        let chunked = groups.iter().flatten().any(|&w| w != CROSS_ATTENTION && w & CHUNKED_LOCAL != 0);
+        if chunked && !groups.contains(&None) {
+            return refuse(
+                "with a chunked-local group needs a full-attention group (the core looks a chunked-local hit up \
+                 within the full-attention hit)"
+                    .into(),
+            );
         }
         if groups[0] == Some(CROSS_ATTENTION) {
             return refuse(

@@ -1,5 +1,6 @@
 //! Several KV cache groups in one pool (`SchedulerConfig::kv_cache_groups`, vLLM's `HybridKVCacheCoordinator`
-//! over one `FullAttentionManager` or `SlidingWindowManager` per group, all with the same block size).
+//! over one `FullAttentionManager`, `SlidingWindowManager`, `ChunkedLocalAttentionManager` or
+//! `CrossAttentionManager` per group, all with the same block size).
 //!
 //! A request holds one block table per group (group 0's is `Request::blocks`, the others `Request::groups`),
 //! all of the same length: every group covers every slot. Group by group, in group order:
@@ -16,6 +17,11 @@
 //!   order of first appearance, each lookup capped at the hit so far, until a pass shortens nothing. Every
 //!   group's hit then has the same number of blocks (full attention trimmed to it, windows with null blocks
 //!   before their run).
+//! - **Chunked-local groups** (`CHUNKED_LOCAL | c`, vLLM's `ChunkedLocalAttentionManager`): a window group whose
+//!   skipped tokens are those before the chunk of the next token (`computed / c * c`), with its own admission
+//!   cap (`ceil(min(c + in-flight tokens, max_model_len) / bs)`). Its lookup, capped at `n` blocks: the blocks
+//!   before the chunk that holds token `n * bs` are null blocks, then the cached blocks from there on, stopping
+//!   at the first miss (`chunk_hit`). Its full blocks are all cached.
 //! - **Cross-attention groups** (`CROSS_ATTENTION`, vLLM's `CrossAttentionManager`): a request's table there
 //!   holds `ceil(cross_attention_tokens / bs)` blocks, taken by its first allocation (a fresh table: an
 //!   admission, or a readmission after preemption) and never grown after; freed with the others; never cached,
@@ -27,13 +33,14 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use crate::config::CROSS_ATTENTION;
+use crate::config::{CHUNKED_LOCAL, CROSS_ATTENTION};
 use crate::hashing::BlockHash;
 
 /// The groups of a hybrid KV cache.
 #[derive(Debug)]
 pub struct Hybrid {
-    /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention.
+    /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention; `CHUNKED_LOCAL | c`:
+    /// chunked-local attention in chunks of `c` tokens.
     pub windows: Vec<u32>,
     /// Each group's admission cap in blocks (`usize::MAX` for full attention); see
     /// `KvCacheManager::admission_cap_blocks`.
@@ -58,7 +65,8 @@ impl Clone for Hybrid {
 }
 
 impl Hybrid {
-    /// `windows`: per group, `None` for full attention. `cap` gives a window's admission cap in blocks.
+    /// `windows`: per group, `None` for full attention. `cap` gives a window's (or chunked-local group's)
+    /// admission cap in blocks.
     pub fn new(windows: &[Option<u32>], cap: impl Fn(u32) -> usize) -> Self {
         let windows: Vec<u32> = windows.iter().map(|w| w.unwrap_or(0)).collect();
         let caps = windows
@@ -103,4 +111,20 @@ pub fn group_key(h: &BlockHash, g: usize) -> BlockHash {
 #[inline]
 pub(crate) fn window_skipped(w: u32, computed: u32) -> u32 {
     (computed + 1).saturating_sub(w)
+}
+
+/// The chunk size of a chunked-local group's entry `w`, or `None` for another group.
+#[inline]
+pub(crate) fn chunk_size(w: u32) -> Option<u32> {
+    (w != CROSS_ATTENTION && w & CHUNKED_LOCAL != 0).then_some(w & !CHUNKED_LOCAL)
+}
+
+/// Tokens a window or chunked-local group `w` no longer reads once `computed` tokens are computed (vLLM's
+/// `get_num_skipped_tokens`): those before the window of the next token, or before its chunk.
+#[inline]
+pub(crate) fn group_skipped(w: u32, computed: u32) -> u32 {
+    match chunk_size(w) {
+        Some(c) => computed / c * c,
+        None => window_skipped(w, computed),
+    }
 }

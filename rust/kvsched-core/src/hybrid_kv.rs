@@ -3,7 +3,7 @@
 use crate::block_pool::NULL_BLOCK;
 use crate::config::CROSS_ATTENTION;
 use crate::hashing::BlockHash;
-use crate::hybrid::{group_key, window_skipped};
+use crate::hybrid::{chunk_size, group_key, group_skipped};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::request::Request;
 
@@ -64,6 +64,22 @@ impl KvCacheManager {
                 }
                 if w == 0 {
                     for i in 0..curr {
+                        if !self.hit_all(hashes, i, ids, &mut found) {
+                            break;
+                        }
+                        for (&g, &b) in ids.iter().zip(&found) {
+                            hits[g].push(b);
+                        }
+                    }
+                } else if let Some(c) = chunk_size(w) {
+                    // Null blocks before the chunk that holds token `curr * bs`, then the cached blocks from there
+                    // on, up to the first miss.
+                    let end = u64::from(self.block_size) * curr as u64;
+                    let start = ((end / u64::from(c) * u64::from(c)) >> self.block_shift) as usize;
+                    for &g in ids {
+                        hits[g].resize(start, NULL_BLOCK);
+                    }
+                    for i in start..curr {
                         if !self.hit_all(hashes, i, ids, &mut found) {
                             break;
                         }
@@ -168,7 +184,7 @@ impl KvCacheManager {
                 continue;
             }
             let skipped =
-                (window_skipped(w, hits.len() as u32 * self.block_size) >> self.block_shift) as usize;
+                (group_skipped(w, hits.len() as u32 * self.block_size) >> self.block_shift) as usize;
             let kept = &hits[skipped.min(hits.len())..];
             let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total += required.saturating_sub(skipped.max(hits.len())) + evictable;
@@ -215,7 +231,7 @@ impl KvCacheManager {
                 continue;
             }
             let skipped = if fresh && w != 0 {
-                (window_skipped(w, total_computed) >> self.block_shift) as usize
+                (group_skipped(w, total_computed) >> self.block_shift) as usize
             } else {
                 0
             };
@@ -234,7 +250,10 @@ impl KvCacheManager {
                 continue;
             }
             let kept = &all_hits[g][skipped.min(num_hits)..];
-            self.pool.touch(kept);
+            // A chunked-local hit can hold null blocks past the skipped ones (its nulls end at a chunk, the
+            // skipped blocks at the chunk of the hit's end, which may start lower): never touched.
+            let nulls = kept.iter().take_while(|&&b| b == NULL_BLOCK).count();
+            self.pool.touch(&kept[nulls..]);
             let (blocks, num_cached) = table(req, g);
             blocks.extend(std::iter::repeat_n(NULL_BLOCK, skipped));
             blocks.extend_from_slice(kept);
@@ -258,11 +277,11 @@ impl KvCacheManager {
         (req.cross_attention_tokens.div_ceil(self.block_size) as usize).saturating_sub(held)
     }
 
-    /// `remove_skipped_blocks` of group `g` with window `w`.
+    /// `remove_skipped_blocks` of group `g` with window (or chunked-local entry) `w`.
     fn remove_group_skipped(&mut self, req: &mut Request, g: usize, w: u32, processed: u32) {
         let shift = self.block_shift;
         let (blocks, _) = table(req, g);
-        let last = ((window_skipped(w, processed) >> shift) as usize).min(blocks.len());
+        let last = ((group_skipped(w, processed) >> shift) as usize).min(blocks.len());
         let mut first = last;
         while first > 0 && blocks[first - 1] != NULL_BLOCK {
             first -= 1;

@@ -58,7 +58,7 @@ mod victim;
 
 pub use config::{
     HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, PreemptionVictim, SchedulerConfig,
-    CROSS_ATTENTION,
+    CHUNKED_LOCAL, CROSS_ATTENTION,
 };
 pub use connector::{KvConnector, KvTransferReport};
 pub use ec_connector::EcConnector;

@@ -166,12 +166,18 @@ fn window_admission_cap_blocks(config: &SchedulerConfig) -> usize {
     config.sliding_window.map_or(usize::MAX, |w| window_cap_blocks(config, w))
 }
 
-/// `window_admission_cap_blocks` for a window of `window` tokens.
+/// `window_admission_cap_blocks` for a window of `window` tokens; for a chunked-local group of chunks of `c`
+/// tokens (vLLM's `ChunkedLocalAttentionSpec.max_admission_blocks_per_request`), `ceil(min(c + in-flight tokens,
+/// max_model_len) / bs)`.
 fn window_cap_blocks(config: &SchedulerConfig, window: u32) -> usize {
     let batches = u64::from(config.concurrent_batches());
-    let tokens = (u64::from(window) - 1 + batches * u64::from(config.max_num_batched_tokens))
-        .min(u64::from(config.max_model_len));
-    tokens.div_ceil(u64::from(config.kv_block_size())) as usize + 1
+    let in_flight = batches * u64::from(config.max_num_batched_tokens);
+    let bs = u64::from(config.kv_block_size());
+    if let Some(c) = crate::hybrid::chunk_size(window) {
+        return (u64::from(c) + in_flight).min(u64::from(config.max_model_len)).div_ceil(bs) as usize;
+    }
+    let tokens = (u64::from(window) - 1 + in_flight).min(u64::from(config.max_model_len));
+    tokens.div_ceil(bs) as usize + 1
 }
 
 fn bad_request(msg: String) -> SchedError {

@@ -6,7 +6,7 @@
 //! does not fit the core's `u32` gets the core's message for the field's bounds.
 
 use kvsched_core as core;
-use kvsched_core::CROSS_ATTENTION;
+use kvsched_core::{CHUNKED_LOCAL, CROSS_ATTENTION};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyMapping};
 
@@ -88,6 +88,11 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
             .iter()
             .map(|g| match g {
                 Some(CROSS_ATTENTION) => pyo3::types::PyString::new(py, "cross").into_any().unbind(),
+                Some(w) if *w & CHUNKED_LOCAL != 0 => {
+                    pyo3::types::PyString::new(py, &format!("chunked:{}", w & !CHUNKED_LOCAL))
+                        .into_any()
+                        .unbind()
+                }
                 Some(w) => pyo3::types::PyInt::new(py, *w).into_any().unbind(),
                 None => py.None(),
             })
@@ -309,8 +314,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
     })
 }
 
-/// `kv_cache_groups`: `None` (one group) or a sequence of `None` (full attention), int windows and `"cross"`
-/// (cross attention).
+/// `kv_cache_groups`: `None` (one group) or a sequence of `None` (full attention), int windows, `"chunked:c"`
+/// (chunked-local attention) and `"cross"` (cross attention).
 fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
     if v.is_none() {
         return Ok(Vec::new());
@@ -320,8 +325,8 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             py,
             "InvalidConfigError",
             format!(
-                "kv_cache_groups must be None or a list of None (full attention), int windows and 'cross' \
-                 (cross attention), got {v}"
+                "kv_cache_groups must be None or a list of None (full attention), int windows, 'chunked:<chunk \
+                 size>' (chunked-local attention) and 'cross' (cross attention), got {v}"
             ),
         )
     };
@@ -336,17 +341,28 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             continue;
         }
         if let Ok(name) = item.downcast::<pyo3::types::PyString>() {
-            if name.to_cow()? == "cross" {
+            let name = name.to_cow()?;
+            if name == "cross" {
                 groups.push(Some(CROSS_ATTENTION));
                 continue;
             }
-            return Err(bad());
+            // "chunked:c": chunked-local attention in chunks of c tokens, c in [1, 2^31 - 2].
+            let chunk = name
+                .strip_prefix("chunked:")
+                .filter(|d| !d.is_empty() && !d.starts_with('0') && d.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|d| d.parse::<u32>().ok())
+                .filter(|&c| c < i32::MAX as u32);
+            match chunk {
+                Some(c) => groups.push(Some(CHUNKED_LOCAL | c)),
+                None => return Err(bad()),
+            }
+            continue;
         }
         if item.is_instance_of::<PyBool>() {
             return Err(bad());
         }
         let w = int_arg(&item, "kv_cache_groups", "InvalidConfigError")?;
-        let w = u32::try_from(w).ok().filter(|&w| w != CROSS_ATTENTION).ok_or_else(|| {
+        let w = u32::try_from(w).ok().filter(|&w| w <= i32::MAX as u32).ok_or_else(|| {
             py_error(
                 py,
                 "InvalidConfigError",
