@@ -854,6 +854,26 @@ def test_cross_attention_groups_schedule_as_vllms_encoder_decoder_scheduler() ->
     assert not pair[1].requests
 
 
+def test_an_encoder_decoder_model_schedules_with_vllms_encoder_budget_and_slots(monkeypatch: Any) -> None:
+    """A model whose config says is_encoder_decoder (here a tiny multimodal model told so) is built as vLLM's
+    engine builds its scheduler: the core's encoder_decoder mode with vLLM's encoder compute budget and an
+    EncoderDecoderCacheManager's slot count; model runner V2 and a model without a cross-attention group stay
+    refused by name."""
+    from vllm.config import ModelConfig
+
+    monkeypatch.setattr(ModelConfig, "is_encoder_decoder", property(lambda self: True))
+    cfg = make_vllm_config(block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=False, multimodal=True)
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=(None, "cross")) for impl in ("vllm", "kvsched")]
+    ref, kv = pair
+    assert kv.is_encoder_decoder and kv.core.config.encoder_decoder
+    assert kv.max_num_encoder_input_tokens == ref.max_num_encoder_input_tokens > 0
+    assert kv.core.encoder_decoder_free_slots == ref.encoder_cache_manager.num_free_slots
+    with pytest.raises(UnsupportedFeatureError, match="without a cross-attention KV cache group"):
+        make_scheduler("kvsched", cfg)
+    with pytest.raises(UnsupportedFeatureError, match="encoder-decoder models on model runner V2"):
+        make_scheduler("kvsched", cfg, kv_cache_groups=(None, "cross"), use_v2_model_runner=True)
+
+
 def test_what_cross_attention_groups_do_not_support_is_refused_by_name() -> None:
     """Prefix caching with a cross-attention group, a cross-attention group 0, encoder-decoder scheduling without
     a cross-attention group, and a request whose encoder input exceeds the encoder budget are refused."""

@@ -12,6 +12,8 @@ the request counts and KV usage. The full sweep (200 seeds x 300 steps per mode)
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
@@ -154,6 +156,33 @@ def test_identical_to_vllm_with_prefill_context_parallelism(sync: str, runner: s
 
 
 SYNC_MODES = [("sync", "v1"), ("sync", "v2")]
+
+
+ENC_DEC_MODES = [("sync", "v1"), ("async", "v1")]  # kvsched.vllm refuses encoder-decoder models on model runner V2
+
+
+@pytest.mark.parametrize(("sync", "runner"), ENC_DEC_MODES, ids=[f"{s}-{r}" for s, r in ENC_DEC_MODES])
+@pytest.mark.parametrize("seed", [601, 604])  # seeds whose draws put the budget or the slots under pressure
+def test_identical_to_vllm_with_an_encoder_decoder_model(
+    sync: str, runner: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cross-attention KV cache group and encoder-decoder scheduling with a small encoder budget and
+    EncoderDecoderCacheManager: admissions wait for the budget or the slots (vLLM's can_allocate says no), the
+    slot counts are compared after every call."""
+    from vllm.v1.core.encoder_cache_manager import EncoderDecoderCacheManager
+
+    refused = []
+    can_allocate = EncoderDecoderCacheManager.can_allocate
+
+    def counting(self: Any, *args: Any) -> bool:
+        ok = can_allocate(self, *args)
+        refused.append(not ok)
+        return ok
+
+    monkeypatch.setattr(EncoderDecoderCacheManager, "can_allocate", counting)
+    cfg = run_seed(seed, 150, async_scheduling=sync == "async", v2=runner == "v2", encoder_decoder=True)
+    assert cfg.kv_cache_groups == (None, "cross")
+    assert any(refused) and not all(refused)  # the budget or the slots held some admission back
 
 
 @pytest.mark.parametrize(("sync", "runner"), SYNC_MODES, ids=[f"{s}-{r}" for s, r in SYNC_MODES])

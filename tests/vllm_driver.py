@@ -248,7 +248,7 @@ class Config:
     # The model's one KV cache group is a sliding window of this many tokens (None: full attention).
     sliding_window: int | None = None
     # A hybrid model instead: one KV cache group per entry (None: full attention, an int: a sliding window,
-    # "chunked:<c>": chunked-local attention).
+    # "chunked:<c>": chunked-local attention, "cross": cross attention).
     kv_cache_groups: tuple[int | str | None, ...] | None = None
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
@@ -271,6 +271,10 @@ class Config:
     # requests' hash block) block_size * DCP tokens.
     decode_context_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
+    # An encoder-decoder model (Whisper-like): a full-attention and a cross-attention KV cache group, encoder-decoder
+    # scheduling set on both built schedulers as vLLM's tests do, with this encoder compute budget and
+    # EncoderDecoderCacheManager size (small: admissions wait for the budget and the slots).
+    encoder_decoder: tuple[int, int] | None = None
 
 
 def batch_queue_size(cfg: Config) -> int:
@@ -387,6 +391,7 @@ class Pair:
         groups = fields.pop("kv_cache_groups")
         defer_async_loads = fields.pop("defer_async_loads")
         fields.pop("streaming")
+        enc_dec = fields.pop("encoder_decoder")
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
         self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
@@ -404,6 +409,13 @@ class Pair:
         self.b = make_scheduler("kvsched", vcfg, **kw)
         if defer_async_loads:
             self.a.defer_async_loads = self.b.defer_async_loads = True
+        if enc_dec is not None:
+            from vllm.v1.core.encoder_cache_manager import EncoderDecoderCacheManager
+
+            for sched in (self.a, self.b):
+                sched.is_encoder_decoder = True
+                sched.max_num_encoder_input_tokens = enc_dec[0]
+                sched.encoder_cache_manager = EncoderDecoderCacheManager(cache_size=enc_dec[1])
         self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
         # Multimodal: each prefix has an image at a fixed place (its identifier drawn per request from a small
         # pool, so equal prefix tokens come with the same image or another one).
@@ -463,6 +475,8 @@ class Pair:
         }
         if cfg.multimodal:
             kwargs["images"] = self.random_images(prompt)
+        elif cfg.encoder_decoder is not None:
+            kwargs["images"] = self.random_encoder_inputs(cfg.encoder_decoder[0])
         self.clock += 1.0
         compiling = rng.random() < 0.15
         if cfg.streaming and not compiling and self.rng_stream.random() < 0.5:
@@ -586,6 +600,16 @@ class Pair:
             images.append((offset, length, identifier))
             start = offset + length
         return images
+
+    def random_encoder_inputs(self, budget: int) -> list[tuple[int, int, str]]:
+        """An encoder-decoder request's encoder inputs (all at position 0, as vLLM's encoder-decoder models place
+        them): none, or one or two whose tokens together fit the encoder budget (a request above it would never
+        be scheduled by vLLM; kvsched.vllm finishes it with an error)."""
+        rng = self.rng
+        k = rng.choice([0, 1, 1, 1, 2])
+        total = rng.randrange(max(k, budget // 3), budget + 1) if k else 0
+        sizes = [total] if k == 1 else ([(cut := rng.randrange(1, total)), total - cut] if k == 2 else [])
+        return [(0, size, f"enc{self.next_id}-{i}") for i, size in enumerate(sizes)]
 
     def grammar_ready(self, everything: bool = False) -> None:
         """The grammar of one (or every) compiling request is ready: vLLM's StructuredOutputManager sets it on
@@ -874,6 +898,12 @@ class Pair:
             compare(f"{when}: EC connector calls", a.ec_connector.calls, b.ec_connector.calls)
             a.ec_connector.calls.clear()
             b.ec_connector.calls.clear()
+        if self.cfg.encoder_decoder is not None:
+            compare(
+                f"{when}: encoder-decoder free slots",
+                a.encoder_cache_manager.num_free_slots,
+                b.core.encoder_decoder_free_slots,
+            )
         b.core.check_invariants()
 
     # ---- a whole run -----------------------------------------------------------------------------------
@@ -974,6 +1004,7 @@ def run_seed(
     eagle: bool = False,
     dcp: int = 1,
     pcp: int = 1,
+    encoder_decoder: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -1000,6 +1031,15 @@ def run_seed(
             cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
         # vLLM sizes the pool for every group: as many blocks per group as the drawn single-group cache.
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(cfg.kv_cache_groups)
+    if encoder_decoder:
+        # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
+        # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
+        erng = random.Random(f"encdec/{seed}")
+        cfg.kv_cache_groups = (None, "cross")
+        cfg.num_blocks = 1 + (cfg.num_blocks - 1) * 2
+        cfg.enable_prefix_caching = False
+        budget = erng.choice([4, 8, 16, 32])
+        cfg.encoder_decoder = (budget, erng.choice([budget, budget, 2 * budget, 3 * budget // 2]))
     if connector:
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
@@ -1178,6 +1218,13 @@ def main(argv: list[str] | None = None) -> int:
         help="vLLM's prefill context parallel size (with --dcp: DCP 1 or the PCP size); vLLM runs it on model "
         "runner V2 only (the modes default to sync-v2,async-v2)",
     )
+    p.add_argument(
+        "--enc-dec",
+        action="store_true",
+        help="an encoder-decoder model: a full-attention and a cross-attention KV cache group, requests with encoder "
+        "inputs, encoder-decoder scheduling with a small encoder budget and EncoderDecoderCacheManager; not with "
+        "--connector, --kv-events, --sliding-window, --hybrid, --mm, --ec or --streaming",
+    )
     args = p.parse_args(argv)
     if args.modes is None:
         if args.pcp > 1:
@@ -1194,6 +1241,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.eagle and (args.sliding_window or args.hybrid or args.mm or args.streaming):
         p.error("--eagle goes without --sliding-window, --hybrid, --mm and --streaming")
+    if args.enc_dec and (
+        args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm or args.ec or args.streaming
+    ):
+        p.error("--enc-dec goes without --connector, --kv-events, --sliding-window, --hybrid, --mm, --ec, --streaming")
     if args.streaming and args.mm:
         p.error("--streaming goes without --mm")
     if args.sliding_window and (args.connector or args.kv_events):
@@ -1246,6 +1297,7 @@ def main(argv: list[str] | None = None) -> int:
                         eagle=args.eagle,
                         dcp=args.dcp,
                         pcp=args.pcp,
+                        encoder_decoder=args.enc_dec,
                     )
                     ok += 1
                 except Divergence as exc:

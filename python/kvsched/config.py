@@ -493,6 +493,15 @@ class SchedulerConfig:
             "stops before it"
         ),
     )
+    encoder_decoder: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM's encoder-decoder scheduling (Whisper, BART): an admission's `cross_attention_tokens` are its "
+            "encoder inputs, charged to the step's `max_num_encoder_input_tokens` and to a slot count that starts "
+            "at `encoder_cache_size` (vLLM's `EncoderDecoderCacheManager`); needs a cross-attention group in "
+            "`kv_cache_groups` (see [Encoder-decoder scheduling](#encoder-decoder-scheduling))"
+        ),
+    )
     park_kv_loads: bool = field(
         default=True,
         metadata=_spec(
@@ -750,6 +759,11 @@ class SchedulerConfig:
                 "drop_trailing_hit_block needs full attention in one group (no sliding_window or kv_cache_groups)"
             )
         self._check_groups()
+        if self.encoder_decoder and CROSS_ATTENTION not in (self.kv_cache_groups or ()):
+            raise InvalidConfigError(
+                "encoder_decoder needs a cross-attention group ('cross') in kv_cache_groups (the encoder output's "
+                "blocks)"
+            )
 
     def _check_groups(self) -> None:
         """What several KV cache groups need (the core's ``validate_groups``)."""

@@ -157,6 +157,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         if not isinstance(resumable, bool):
             raise SchedulerTypeError(f"resumable must be a bool, got {type(resumable).__name__}")
         cross = self._check_cross_attention_tokens(req_id, cross_attention_tokens, resumable)
+        self._check_encoder_decoder_request(req_id, inputs, cross)
         if resumable:
             self._check_resumable(req_id, inputs, ready)
         # The most KV slots it ever holds (all its tokens but the last sampled one) must fit the whole cache, and,
@@ -265,6 +266,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         else:
             self._free_request_blocks(r)
         self._release_all_encoder(r)
+        if self._config.encoder_decoder:  # vLLM's EncoderDecoderCacheManager frees a finished request's inputs
+            self._enc_dec_free_slots += r.cross_attention_tokens
         self._cpu_free.extend(r.cpu_blocks)  # a swapped-out request aborted while waiting
         r.cpu_blocks, r.num_swapped_tokens = [], 0
         r.drafts = []

@@ -190,9 +190,10 @@ def kvsched_config_from_vllm(
         _refuse("the auxiliary output connector on vLLM 0.32", "aux_output_config.enabled")
     if _attr(model, "is_diffusion", False):
         _refuse("diffusion models", "model_config.is_diffusion")
-    if _attr(model, "is_encoder_decoder", False):
-        _refuse("encoder-decoder models", "model_config.is_encoder_decoder")
-    if _attr(model, "supports_multimodal_inputs", False):
+    enc_dec = bool(_attr(model, "is_encoder_decoder", False))
+    if enc_dec:
+        check_encoder_decoder(vllm_config, windows)
+    elif _attr(model, "supports_multimodal_inputs", False):
         check_multimodal(vllm_config)
     # Context parallelism: vLLM's scheduler block size (block_size here) is the spec's block size times the DCP
     # size, its KV cache manager shards each block over the DCP ranks and leaves PCP out of the unit
@@ -362,6 +363,9 @@ def kvsched_config_from_vllm(
         fields["max_loras"] = int(vllm_config.lora_config.max_loras)
     # (Without encoder inputs it changes nothing; a text model's scheduler can get an encoder cache later.)
     fields["disable_chunked_mm_input"] = bool(sched.disable_chunked_mm_input)
+    # Encoder-decoder models: vLLM's EncoderDecoderCacheManager (the budget and cache size come with the
+    # scheduler's construction, from vLLM's MultiModalBudget).
+    fields["encoder_decoder"] = enc_dec
     return build_config(fields, knobs), num_spec_tokens
 
 
@@ -377,6 +381,28 @@ def decode_stagger(vllm_config: Any) -> int:
     if current_platform.is_xpu() and not envs.VLLM_XPU_PP_MICROBATCH:
         return 1
     return pp
+
+
+def check_encoder_decoder(vllm_config: Any, windows: list[int | str | None] | None) -> None:
+    """Refuses the encoder-decoder deployments vLLM 0.33's scheduler refuses, or kvsched does not schedule yet."""
+    model = vllm_config.model_config
+    if RULES.version == "0.32":
+        # Differs from vLLM 0.32's scheduler in the differential sweep (docs/vllm.md); kvsched follows 0.33.
+        _refuse("encoder-decoder models on vLLM 0.32", "model_config.is_encoder_decoder")
+    if not _attr(model, "supports_multimodal_inputs", False):
+        # vLLM's scheduler asserts that an encoder-decoder model implements the multimodal interface.
+        _refuse("encoder-decoder models without the multimodal interface", "model_config.is_encoder_decoder")
+    if CROSS_ATTENTION not in (windows or []):
+        _refuse(
+            "encoder-decoder models without a cross-attention KV cache group (CrossAttentionSpec)",
+            "model_config.is_encoder_decoder",
+        )
+    if bool(_attr(vllm_config, "use_v2_model_runner", False)):
+        _refuse("encoder-decoder models on model runner V2 (encoder_input_updates)", "use_v2_model_runner")
+    if vllm_config.ec_transfer_config is not None:
+        _refuse("encoder-decoder models with an encoder-cache connector", "ec_transfer_config")
+    if _attr(vllm_config.ec_manager_config, "encoder_cache_manager_cls", None) is not None:
+        _refuse("custom encoder cache managers", "ec_manager_config.encoder_cache_manager_cls")
 
 
 def check_multimodal(vllm_config: Any) -> None:

@@ -196,7 +196,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
         # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
         # EncoderDecoderCacheManager does.
-        self._enc_dec = False
+        # An encoder-decoder model (model_config.is_encoder_decoder) schedules so from its construction, with the
+        # core's encoder_decoder mode (vLLM's encoder compute budget and EncoderDecoderCacheManager slot count).
+        self._enc_dec = config.encoder_decoder
         self._enc_dec_allocated: list[str] = []
         self._enc_dec_to_free: list[str] = []
         # Multimodal models: vLLM's encoder compute budget and encoder cache size for the model.
@@ -208,7 +210,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 max_num_encoder_input_tokens=max_num_encoder_input_tokens,
                 encoder_cache_size=encoder_cache_size,
             )
-        self._mm = EncoderInputMap() if encoder_cache_size else None
+        self._mm = EncoderInputMap() if encoder_cache_size and not self._enc_dec else None
         # Model runner V2 (vLLM 0.33): per request, the encoder inputs whose data the workers hold
         # (SchedulerOutput.encoder_input_updates installs and releases them).
         self._pending_encoder_inputs: dict[str, set[int]] = {}
@@ -1203,11 +1205,24 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 "kvsched.vllm.Scheduler supports encoder-decoder scheduling only with a cross-attention KV cache "
                 "group (CrossAttentionSpec)"
             )
-        if self._mm is not None or self.use_v2_model_runner or self.requests:
+        if (
+            self._mm is not None
+            or self.use_v2_model_runner
+            or self.requests
+            or self._ec_connector is not None
+            or self._aux.connector is not None
+        ):
             raise UnsupportedFeatureError(
                 "kvsched.vllm.Scheduler does not support encoder-decoder scheduling with an encoder cache, with "
-                "model runner V2 (encoder_input_updates) or once requests were added"
+                "model runner V2 (encoder_input_updates), with an encoder-cache or auxiliary output connector, or "
+                "once requests were added"
             )
+        # The core takes encoder-decoder scheduling at its construction: a new one (it holds no request).
+        config = dataclasses.replace(self._core.config, encoder_decoder=True)
+        self._core = _CoreScheduler(config, kv_connector=self._bridge)
+        self.kv_config = config
+        self._kv_view = None
+        self._request_attrs = RequestAttrs.for_core(self._core.add_request, read_additional_config(self.vllm_config)[1])
         self._enc_dec = True
 
     @staticmethod
@@ -2269,7 +2284,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             and not manager.allocated
             and not manager.to_free
         ):
-            # Encoder-decoder: vLLM's slot count of this manager is not kept (see docs/vllm.md); nothing to size.
+            # Encoder-decoder: a new manager's slot count is its cache size; nothing encoded is left to release.
+            self._core.set_encoder_sizes(int(self._core.config.max_num_encoder_input_tokens), int(manager.cache_size))
+            self._core.reset_encoder_decoder_slots()
+            self._enc_dec_allocated.clear()
+            self._enc_dec_to_free.clear()
             return
         if type(manager) is not EncoderCacheManager or manager.cached or manager.num_free_slots != manager.cache_size:
             raise UnsupportedFeatureError(
@@ -2282,10 +2301,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         """Re-sizes the core's encoder budget and cache (the core refuses a cache that holds entries, or sizes
         below a live request's encoder input). A model without multimodal inputs then schedules them too, as
         vLLM's scheduler does once both are set."""
-        if encoder_cache_size and self._mm is None:
+        mm = encoder_cache_size and self._mm is None and not self._enc_dec
+        if mm:
             check_multimodal(self.vllm_config)
         self._core.set_encoder_sizes(max_num_encoder_input_tokens, encoder_cache_size)
-        if encoder_cache_size and self._mm is None:
+        if mm:
             self._mm = EncoderInputMap()
 
     def reset_encoder_cache(self) -> None:
@@ -2295,6 +2315,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if self._enc_dec:
             self._enc_dec_allocated.clear()
             self._enc_dec_to_free.clear()
+            self._core.reset_encoder_decoder_slots()
         if self._mm is not None:
             raise UnsupportedFeatureError("kvsched.vllm.Scheduler does not support reset_encoder_cache yet")
 

@@ -294,6 +294,10 @@ pub struct SchedulerConfig {
     /// vLLM's `disable_chunked_mm_input`: a prefill chunk never covers only part of an encoder input; it stops
     /// before the input instead.
     pub disable_chunked_mm_input: bool,
+    /// vLLM's encoder-decoder scheduling (`EncoderDecoderCacheManager`): an admission's `cross_attention_tokens`
+    /// are its encoder inputs, charged to the step's encoder budget and to a slot count that starts at
+    /// `encoder_cache_size` (`encoder_dec.rs`). Needs a cross-attention group.
+    pub encoder_decoder: bool,
     /// Where a request whose asynchronous KV load is in progress waits. `true`: parked out of every queue until
     /// the load is reported over, then queued at the back of `kv_waiting` (in the order added, among those
     /// reported between two steps). `false` (vLLM 0.33): it goes to the front of `kv_waiting` with the other
@@ -455,6 +459,7 @@ impl Default for SchedulerConfig {
             max_num_encoder_input_tokens: 0,
             encoder_cache_size: 0,
             disable_chunked_mm_input: false,
+            encoder_decoder: false,
             park_kv_loads: true,
             reserve_inflight_prefills: false,
             defer_block_free: false,
@@ -768,7 +773,15 @@ impl SchedulerConfig {
                     .into(),
             ));
         }
-        self.validate_groups()
+        self.validate_groups()?;
+        if self.encoder_decoder && !self.kv_cache_groups.contains(&Some(CROSS_ATTENTION)) {
+            return Err(SchedError::InvalidConfig(
+                "encoder_decoder needs a cross-attention group ('cross') in kv_cache_groups (the encoder output's \
+                 blocks)"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// What several KV cache groups (`kv_cache_groups`) need: two groups or more (one is the plain or

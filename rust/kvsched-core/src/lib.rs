@@ -29,6 +29,7 @@ pub mod connector;
 mod connector_sched;
 pub mod ec_connector;
 pub mod encoder;
+mod encoder_dec;
 mod encoder_sched;
 pub mod error;
 pub mod events;

@@ -149,6 +149,8 @@ pub struct Scheduler {
     pub(crate) encoder: EncoderCache,
     /// Live requests' encoder-input hashes: (encoder tokens, number of live inputs with the hash).
     pub(crate) encoder_sizes: HashMap<u64, (u32, u32)>,
+    /// Encoder-decoder scheduling: vLLM's `EncoderDecoderCacheManager` slot count (`encoder_dec.rs`).
+    pub(crate) enc_dec_free_slots: i64,
     /// Session affinity: which sessions ran recently (`session.rs`).
     pub(crate) sessions: Sessions,
     /// Aging (`max_wait_steps`): the requests of `waiting` in the order they entered it, as `(first step
@@ -221,6 +223,7 @@ impl Scheduler {
             cpu: CpuBlockPool::new(config.num_cpu_blocks),
             encoder: EncoderCache::new(u64::from(config.encoder_cache_size)),
             encoder_sizes: HashMap::new(),
+            enc_dec_free_slots: i64::from(config.encoder_cache_size),
             recompute_cost_per_token: config.recompute_cost_per_token,
             swap_cost_per_block: config.swap_cost_per_block,
             waiting: WaitingQueue::new(config.policy),
@@ -398,6 +401,12 @@ impl Scheduler {
         }
         self.check_encoder_inputs(req_id, prompt_len, &params.encoder_inputs).map_err(bad_request)?;
         self.check_cross_attention_tokens(req_id, &params)?;
+        self.check_encoder_decoder_request(
+            req_id,
+            params.encoder_inputs.len(),
+            params.cross_attention_tokens,
+        )
+        .map_err(bad_request)?;
         if params.resumable {
             self.check_resumable(req_id, &params)?;
         }
@@ -705,6 +714,10 @@ impl Scheduler {
         }
         self.release_cpu_blocks(slot)?;
         self.forget_encoder_inputs(slot)?;
+        if self.config.encoder_decoder {
+            // vLLM's EncoderDecoderCacheManager frees every finished request's inputs (`encoder_dec.rs`).
+            self.enc_dec_free_slots += i64::from(self.slab.get(slot)?.cross_attention_tokens);
+        }
         let id = self
             .slab
             .remove(slot)

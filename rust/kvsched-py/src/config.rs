@@ -71,6 +71,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("max_num_encoder_input_tokens", c.max_num_encoder_input_tokens)?;
     d.set_item("encoder_cache_size", c.encoder_cache_size)?;
     d.set_item("disable_chunked_mm_input", c.disable_chunked_mm_input)?;
+    d.set_item("encoder_decoder", c.encoder_decoder)?;
     d.set_item("park_kv_loads", c.park_kv_loads)?;
     d.set_item("reserve_inflight_prefills", c.reserve_inflight_prefills)?;
     d.set_item("defer_block_free", c.defer_block_free)?;
@@ -274,6 +275,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         max_num_encoder_input_tokens: u32_field("max_num_encoder_input_tokens")?,
         encoder_cache_size: u32_field("encoder_cache_size")?,
         disable_chunked_mm_input: bool_field("disable_chunked_mm_input")?,
+        encoder_decoder: bool_field("encoder_decoder")?,
         park_kv_loads: bool_field("park_kv_loads")?,
         reserve_inflight_prefills: bool_field("reserve_inflight_prefills")?,
         defer_block_free: bool_field("defer_block_free")?,

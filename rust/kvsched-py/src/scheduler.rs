@@ -950,6 +950,21 @@ impl PyScheduler {
         Ok(())
     }
 
+    /// Encoder-decoder scheduling: the slot count of vLLM's `EncoderDecoderCacheManager` (docs/semantics.md,
+    /// Encoder-decoder scheduling).
+    #[getter]
+    fn encoder_decoder_free_slots(slf: &Bound<'_, Self>) -> PyResult<i64> {
+        Ok(borrow(slf)?.core.encoder_decoder_free_slots())
+    }
+
+    /// Encoder-decoder scheduling: the slot count back to `encoder_cache_size` (vLLM's
+    /// `EncoderDecoderCacheManager.reset`); refused without `encoder_decoder`.
+    fn reset_encoder_decoder_slots(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.reset_encoder_decoder_slots())
+    }
+
     /// Re-sizes the encoder compute budget (from the next step) and the encoder cache (only while it holds no
     /// entry); neither may drop below a live request's encoder input. `config` shows the new values.
     fn set_encoder_sizes(
