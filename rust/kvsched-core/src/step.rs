@@ -1093,28 +1093,14 @@ impl Scheduler {
                 // vLLM 0.33: an admission whose first encoder input does not fit is skipped (it keeps its
                 // place), not a stop of the pass.
                 self.rollback_encoder(enc, h.slot)?;
-                mark_deferred(self.slab.get_mut(h.slot)?, &mut self.num_deferred);
-                self.pop_candidate(h, from_kv, pass.aged)?;
-                if from_kv {
-                    pass.skipped_kv.push(h);
-                } else {
-                    pass.skipped.push(h);
-                }
-                return Ok(Candidate::Skip);
+                return self.skip_admission(h, from_kv, pass);
             }
         }
         let mut enc_dec_charge = 0;
         if enc_dec_tokens > 0 && computed == 0 && !load_async {
             if enc_dec_tokens > enc.budget || i64::from(enc_dec_tokens) > self.enc_dec_free_slots {
                 // vLLM 0.33: the encoder budget or the slots are short: 0 tokens, skipped (it keeps its place).
-                mark_deferred(self.slab.get_mut(h.slot)?, &mut self.num_deferred);
-                self.pop_candidate(h, from_kv, pass.aged)?;
-                if from_kv {
-                    pass.skipped_kv.push(h);
-                } else {
-                    pass.skipped.push(h);
-                }
-                return Ok(Candidate::Skip);
+                return self.skip_admission(h, from_kv, pass);
             }
             enc_dec_charge = enc_dec_tokens;
         }
@@ -1378,6 +1364,19 @@ impl Scheduler {
 
     /// Takes the candidate `h` out of the queue it came from: the head of `kv_waiting` if `from_kv`, else of
     /// `waiting`, or its place in `waiting` if aging picked it (`aged`).
+    /// An admission candidate skipped for this pass: deferred, taken off its queue, and put back after the pass
+    /// where it was (it keeps its place).
+    fn skip_admission(&mut self, h: ReqHandle, from_kv: bool, pass: &mut AdmissionPass) -> Result<Candidate> {
+        mark_deferred(self.slab.get_mut(h.slot)?, &mut self.num_deferred);
+        self.pop_candidate(h, from_kv, pass.aged)?;
+        if from_kv {
+            pass.skipped_kv.push(h);
+        } else {
+            pass.skipped.push(h);
+        }
+        Ok(Candidate::Skip)
+    }
+
     fn pop_candidate(&mut self, h: ReqHandle, from_kv: bool, aged: bool) -> Result<()> {
         if from_kv {
             self.kv_waiting.pop(&self.tenants);
