@@ -58,7 +58,7 @@ mod victim;
 
 pub use config::{
     HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, PreemptionVictim, SchedulerConfig,
-    CROSS_ATTENTION,
+    CROSS_ATTENTION, MAMBA,
 };
 pub use connector::{KvConnector, KvTransferReport};
 pub use ec_connector::EcConnector;

@@ -6,7 +6,7 @@
 //! does not fit the core's `u32` gets the core's message for the field's bounds.
 
 use kvsched_core as core;
-use kvsched_core::CROSS_ATTENTION;
+use kvsched_core::{CROSS_ATTENTION, MAMBA};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyMapping};
 
@@ -88,6 +88,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
             .iter()
             .map(|g| match g {
                 Some(CROSS_ATTENTION) => pyo3::types::PyString::new(py, "cross").into_any().unbind(),
+                Some(MAMBA) => pyo3::types::PyString::new(py, "mamba").into_any().unbind(),
                 Some(w) => pyo3::types::PyInt::new(py, *w).into_any().unbind(),
                 None => py.None(),
             })
@@ -95,6 +96,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     });
     d.set_item("kv_cache_groups", groups)?;
     d.set_item("max_num_scheduled_tokens", Some(c.max_num_scheduled_tokens).filter(|&v| v != 0))?;
+    d.set_item("mamba_speculative_blocks", c.mamba_speculative_blocks)?;
     d.set_item("draft_slots", c.draft_slots)?;
     d.set_item("decode_stagger", c.decode_stagger)?;
     d.set_item("max_concurrent_batches", Some(c.max_concurrent_batches).filter(|&v| v != 0))?;
@@ -296,6 +298,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
             }
         },
         draft_slots: u32_field("draft_slots")?,
+        mamba_speculative_blocks: u32_field("mamba_speculative_blocks")?,
         decode_stagger: u32_field("decode_stagger")?,
         // None: 2 with async scheduling, else 1 (the core's 0); so a 0 given is out of the field's bounds.
         max_concurrent_batches: if cfg.getattr("max_concurrent_batches")?.is_none() {
@@ -309,8 +312,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
     })
 }
 
-/// `kv_cache_groups`: `None` (one group) or a sequence of `None` (full attention), int windows and `"cross"`
-/// (cross attention).
+/// `kv_cache_groups`: `None` (one group) or a sequence of `None` (full attention), int windows, `"cross"`
+/// (cross attention) and `"mamba"` (Mamba).
 fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
     if v.is_none() {
         return Ok(Vec::new());
@@ -320,8 +323,8 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             py,
             "InvalidConfigError",
             format!(
-                "kv_cache_groups must be None or a list of None (full attention), int windows and 'cross' \
-                 (cross attention), got {v}"
+                "kv_cache_groups must be None or a list of None (full attention), int windows, 'cross' (cross \
+                 attention) and 'mamba' (Mamba), got {v}"
             ),
         )
     };
@@ -336,17 +339,18 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             continue;
         }
         if let Ok(name) = item.downcast::<pyo3::types::PyString>() {
-            if name.to_cow()? == "cross" {
-                groups.push(Some(CROSS_ATTENTION));
-                continue;
+            match &*name.to_cow()? {
+                "cross" => groups.push(Some(CROSS_ATTENTION)),
+                "mamba" => groups.push(Some(MAMBA)),
+                _ => return Err(bad()),
             }
-            return Err(bad());
+            continue;
         }
         if item.is_instance_of::<PyBool>() {
             return Err(bad());
         }
         let w = int_arg(&item, "kv_cache_groups", "InvalidConfigError")?;
-        let w = u32::try_from(w).ok().filter(|&w| w != CROSS_ATTENTION).ok_or_else(|| {
+        let w = u32::try_from(w).ok().filter(|&w| w != CROSS_ATTENTION && w != MAMBA).ok_or_else(|| {
             py_error(
                 py,
                 "InvalidConfigError",
