@@ -27,6 +27,7 @@ import collections
 import copy
 import dataclasses
 import enum
+import math
 import operator
 import os
 import random
@@ -247,8 +248,9 @@ class Config:
     kv_events: bool = False
     # The model's one KV cache group is a sliding window of this many tokens (None: full attention).
     sliding_window: int | None = None
-    # A hybrid model instead: one KV cache group per entry (None: full attention, an int: a sliding window).
-    kv_cache_groups: tuple[int | None, ...] | None = None
+    # A hybrid model instead: one KV cache group per entry (None: full attention, an int: a sliding window,
+    # "mamba": a Mamba group, vLLM's mamba_cache_mode "none").
+    kv_cache_groups: tuple[int | str | None, ...] | None = None
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -383,6 +385,11 @@ class Pair:
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
         self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
+        # ... and the scheduler's hash block size: with a Mamba group, the least common multiple of the groups'
+        # block sizes (a Mamba block holds max_model_len tokens).
+        self.hash_block = cfg.block_size
+        if "mamba" in (groups or ()):
+            self.hash_block = math.lcm(cfg.block_size, cfg.max_model_len)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
         log_stats = self.rng_out.random() < 0.7
@@ -448,7 +455,7 @@ class Pair:
             "arrival_time": self.clock + (rng.choice([0.0, 0.5]) if rng.random() < 0.2 else 0.0),
             "cache_salt": rng.choice([None, None, None, "salt"]),
             "lora_name": rng.choice([None, None, "ada", "bob", "cy"]) if cfg.max_loras else None,
-            "block_size": cfg.block_size,
+            "block_size": self.hash_block,
             "hash_lookahead_tokens": self.hash_lookahead,
             # Prompt logprobs: vLLM skips reading the prefix cache for the request.
             "prompt_logprobs": 1 if rng.random() < 0.1 else None,
@@ -520,7 +527,7 @@ class Pair:
             prompt_len = reach - 1 + len(part)
             finish = not part  # no room for another part: the input ends
         if finish:
-            kwargs: dict[str, Any] = {"resumable": False, "block_size": cfg.block_size}
+            kwargs: dict[str, Any] = {"resumable": False, "block_size": self.hash_block}
             part = [rng.randrange(3, 500)]
             del self.sessions[rid]
         else:
@@ -536,7 +543,7 @@ class Pair:
                 # heap's layout, where kvsched keeps the key the streaming session was queued with (docs/vllm.md,
                 # Streaming input).
                 "arrival_time": session.arrival_time if cfg.policy == "priority" else self.clock,
-                "block_size": cfg.block_size,
+                "block_size": self.hash_block,
             }
         self.clock += 1.0
         self.a.add_request(make_request(rid, part, **kwargs))
@@ -957,6 +964,7 @@ def run_seed(
     kv_events: bool = False,
     sliding_window: bool = False,
     hybrid: bool = False,
+    mamba: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
     budgets: bool = False,
@@ -971,6 +979,8 @@ def run_seed(
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``hybrid`` gives the
     model several KV cache groups instead (full attention and sliding windows, drawn from their own stream);
+    ``mamba`` a hybrid Mamba model's (Mamba groups with full attention and sometimes a window, prefix caching off:
+    vLLM's mamba_cache_mode "none");
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
@@ -985,6 +995,13 @@ def run_seed(
         cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
         # vLLM sizes the pool for every group: as many blocks per group as the drawn single-group cache.
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(cfg.kv_cache_groups)
+    if mamba:
+        cfg.kv_cache_groups = random_mamba_groups(random.Random(f"mamba/{seed}"), cfg.block_size)
+        cfg.enable_prefix_caching = False  # vLLM's mode "none" (with prefix caching it switches to "align")
+        # The attention groups' blocks as the drawn single-group cache, and a state block per request per Mamba
+        # group on top.
+        num_attn = sum(g != "mamba" for g in cfg.kv_cache_groups)
+        cfg.num_blocks = 1 + (cfg.num_blocks - 1) * num_attn + cfg.max_num_seqs // 2
     if connector:
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
@@ -1053,6 +1070,21 @@ def random_groups(rng: random.Random, block_size: int) -> tuple[int | None, ...]
     return tuple(groups)
 
 
+def random_mamba_groups(rng: random.Random, block_size: int) -> tuple[int | str | None, ...]:
+    """A hybrid Mamba model's KV cache groups, in vLLM's order (its layers' order): Mamba groups first and one
+    full-attention group (Qwen3-Next, Nemotron-H, Granite 4: 1 to 3 Mamba groups), Mamba around full attention,
+    full attention first, or a window beside them."""
+    return rng.choice(
+        [
+            ("mamba", None),
+            ("mamba", "mamba", "mamba", None),
+            ("mamba", None, "mamba"),
+            (None, "mamba"),
+            ("mamba", rng.choice([3, 8, block_size, 33]), None),
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=200)
@@ -1084,6 +1116,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a hybrid model: several KV cache groups (full attention and sliding windows, drawn per seed); not "
         "with --connector or --kv-events, which kvsched.vllm refuses for it",
+    )
+    p.add_argument(
+        "--mamba",
+        action="store_true",
+        help="a hybrid Mamba model: Mamba KV cache groups (vLLM's mamba_cache_mode 'none', prefix caching off) with "
+        "full attention and sometimes a window, drawn per seed; not with --connector, --kv-events, --sliding-window, "
+        "--hybrid or --mm",
     )
     p.add_argument("--mm", action="store_true", help="a multimodal model: requests with images")
     p.add_argument("--ec", action="store_true", help="with a seeded RandomECConnector (with --mm: images loaded)")
@@ -1127,14 +1166,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
-    if args.eagle and (args.sliding_window or args.hybrid or args.mm or args.streaming):
-        p.error("--eagle goes without --sliding-window, --hybrid, --mm and --streaming")
+    if args.eagle and (args.sliding_window or args.hybrid or args.mamba or args.mm or args.streaming):
+        p.error("--eagle goes without --sliding-window, --hybrid, --mamba, --mm and --streaming")
     if args.streaming and args.mm:
         p.error("--streaming goes without --mm")
     if args.sliding_window and (args.connector or args.kv_events):
         p.error("--sliding-window goes without --connector and --kv-events")
     if args.hybrid and (args.connector or args.kv_events or args.sliding_window or args.mm):
         p.error("--hybrid goes without --connector, --kv-events, --sliding-window and --mm")
+    if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
+        p.error("--mamba goes without --connector, --kv-events, --sliding-window, --hybrid and --mm")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
@@ -1169,6 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
                         hybrid=args.hybrid,
+                        mamba=args.mamba,
                         multimodal=args.mm,
                         ec_connector=args.ec,
                         defer_async_loads=args.defer_async_loads,

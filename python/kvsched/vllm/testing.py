@@ -10,6 +10,7 @@ before vLLM is first imported on a machine without a GPU (importing ``kvsched.vl
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -321,22 +322,34 @@ def _kv_cache_config(
     block_size: int,
     sliding_window: int | None = None,
     kv_cache_groups: Sequence[int | str | None] | None = None,
+    max_model_len: int = 0,
+    num_speculative_tokens: int = 0,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
-    (None: full attention, an int: a sliding window of that many tokens, ``"cross"``: cross attention); groups
-    of one kind share one spec."""
+    (None: full attention, an int: a sliding window of that many tokens, ``"cross"``: cross attention,
+    ``"mamba"``: a Mamba group as vLLM builds it without prefix caching: ``mamba_cache_mode`` "none", a block of
+    ``max_model_len`` tokens, a speculative state block per draft token); groups of one kind share one spec."""
     import torch
     from vllm.v1.kv_cache_interface import (
         CrossAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
     def spec(window: int | str | None) -> Any:
         if window == "cross":
             return CrossAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        if window == "mamba":
+            return MambaSpec(
+                block_size=max_model_len,
+                shapes=((1,),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode="none",
+                num_speculative_blocks=num_speculative_tokens,
+            )
         if window is None:
             return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         return SlidingWindowSpec(
@@ -361,7 +374,8 @@ def make_scheduler(
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
     full attention). ``kv_cache_groups``: a hybrid model instead, one KV cache group per entry (None: full
-    attention, an int: a sliding window of that many tokens, ``"cross"``: cross attention), in that order.
+    attention, an int: a sliding window of that many tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba
+    group in mode "none", which needs prefix caching off), in that order.
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -378,17 +392,26 @@ def make_scheduler(
     else:
         raise ValueError(f"impl must be 'vllm' or 'kvsched', got {impl!r}")
     block_size = vllm_config.cache_config.block_size
+    max_model_len = int(vllm_config.model_config.max_model_len)
+    # vLLM's engine gives the scheduler the least common multiple of the groups' block sizes (a Mamba group's
+    # block holds max_model_len tokens).
+    scheduler_block_size = math.lcm(block_size, max_model_len) if "mamba" in (kv_cache_groups or ()) else block_size
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if use_v2_model_runner else "0"
     try:
         return cls(
             vllm_config=vllm_config,
             kv_cache_config=_kv_cache_config(
-                vllm_config.cache_config.num_gpu_blocks, block_size, sliding_window, kv_cache_groups
+                vllm_config.cache_config.num_gpu_blocks,
+                block_size,
+                sliding_window,
+                kv_cache_groups,
+                max_model_len,
+                int(getattr(vllm_config, "num_speculative_tokens", 0) or 0),
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=block_size,
-            hash_block_size=block_size,
+            block_size=scheduler_block_size,
+            hash_block_size=scheduler_block_size,
             include_finished_set=include_finished_set,
             log_stats=log_stats,
         )
