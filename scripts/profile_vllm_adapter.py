@@ -35,6 +35,7 @@ import argparse
 import gc
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -185,6 +186,91 @@ def count_instructions(config: Any, wl: Workload, impl: str, first: int, end: in
     )
 
 
+def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-step ns of the Python work vLLM's scheduler interface itself asks of any scheduler in steady decoding
+    with ``n`` requests (one token each), with none of the adapter's own bookkeeping: ``schedule()``'s update of
+    each ``Request`` (vLLM's ``_update_after_schedule``: computed count, in-flight count, prefill-chunk flag, with
+    async scheduling the output placeholder) and its ``CachedRequestData`` and ``SchedulerOutput`` (computed and
+    output counts as lists, the scheduled-tokens dict); ``update_from_output()``'s append of each sampled token to
+    the request's output and token lists, the in-flight count back, one ``EngineCoreOutput`` per request and the
+    ``EngineCoreOutputs``. Each with the cheapest Python that does it. Real vLLM objects; the decisions, block
+    hashing and stats are not in it (the profile times them)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import Request
+
+    reqs = [
+        Request(
+            f"req-{i}",
+            prompt_token_ids=list(range(128)),
+            sampling_params=SamplingParams(max_tokens=4096),
+            pooling_params=None,
+        )
+        for i in range(n)
+    ]
+    ids = [r.request_id for r in reqs]
+    outs, alls = [r._output_token_ids for r in reqs], [r._all_token_ids for r in reqs]
+    computed = np.full(n, 128, dtype=np.int32)
+    ones = np.ones(n, dtype=np.int32)
+    template = dict.fromkeys(ids, 1)
+    tokens = np.full(n, 7, dtype=np.int64)
+    append = list.append
+    sched_ns, upd_ns = np.empty(steps, dtype=np.int64), np.empty(steps, dtype=np.int64)
+    perf = time.perf_counter_ns
+    gc.collect()
+    gc.freeze()
+    try:
+        for step in range(steps):
+            t0 = perf()
+            after = (computed + ones).tolist()
+            for request, c in zip(reqs, after, strict=True):
+                request.num_computed_tokens = c
+                request.num_in_flight_tokens += 1
+                request.is_prefill_chunk = False
+            if async_scheduling:
+                for request in reqs:
+                    request.num_output_placeholders += 1
+            cached = CachedRequestData(
+                req_ids=ids.copy(),
+                resumed_req_ids=set(),
+                new_token_ids=[],
+                all_token_ids={},
+                new_block_ids=[None] * n,
+                num_computed_tokens=computed.tolist(),
+                num_output_tokens=(computed - 128).tolist(),
+            )
+            SchedulerOutput(
+                scheduled_new_reqs=[],
+                scheduled_cached_reqs=cached,
+                num_scheduled_tokens=template.copy(),
+                total_num_scheduled_tokens=n,
+                scheduled_spec_decode_tokens={},
+                scheduled_encoder_inputs={},
+                finished_req_ids=set(),
+                free_encoder_mm_hashes=[],
+                preempted_req_ids=set(),
+            )
+            t1 = perf()
+            sampled = tokens.tolist()
+            rows = [[t] for t in sampled]  # the runner's sampled_token_ids, built outside the timed region
+            t2 = perf()
+            for request in reqs:
+                request.num_in_flight_tokens -= 1
+            if async_scheduling:
+                for request in reqs:
+                    request.num_output_placeholders -= 1
+            deque(map(append, outs, sampled), 0)
+            deque(map(append, alls, sampled), 0)
+            EngineCoreOutputs(outputs=list(map(EngineCoreOutput, ids, rows)))
+            t3 = perf()
+            computed += ones
+            sched_ns[step], upd_ns[step] = t1 - t0, t3 - t2
+    finally:
+        gc.unfreeze()
+    return sched_ns, upd_ns
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-w", "--workload", default="a")
@@ -194,6 +280,12 @@ def main() -> None:
         "--instructions", action="store_true", help="count instructions under callgrind instead (see the module doc)"
     )
     ap.add_argument("--steps", default="100:160", help="with --instructions: the steps to count, A:B (default 100:160)")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the Python that vLLM's interface itself asks of any scheduler at the steady state's batch "
+        "size (see interface_floor), and add the profile's core, hashing and stats parts to it",
+    )
     args = ap.parse_args()
 
     impl = "vllm-adapter-async" if args.async_scheduling else "vllm-adapter"
@@ -231,6 +323,22 @@ def main() -> None:
         print(f"workload {args.workload} ({mode}), {label}: median µs per step")
         for name, ns in parts:
             print(f"  {name:<42} {np.median(ns) / 1e3:8.1f}")
+    if args.floor:
+        sched_ns, core_s, upd_ns, core_u, hash_ns, core_hash_ns, stats_ns = (steady[:, i] for i in range(1, 8))
+        best_floor: tuple[np.ndarray, np.ndarray] | None = None
+        for _ in range(args.repeat):
+            f_s, f_u = interface_floor(int(counts.argmax()), 240, args.async_scheduling)
+            if best_floor is None or np.median(f_s + f_u) < np.median(best_floor[0] + best_floor[1]):
+                best_floor = (f_s, f_u)
+        assert best_floor is not None
+        f_sched, f_upd = (float(np.median(a)) / 1e3 for a in best_floor)
+        others = float(np.median(core_s) + np.median(core_u) + np.median(hash_ns + core_hash_ns) + np.median(stats_ns))
+        others /= 1e3
+        print(f"vLLM's interface alone at {counts.argmax()} requests ({mode}): median µs per step")
+        print(f"  {'schedule(): Request updates, SchedulerOutput':<42} {f_sched:8.1f}")
+        print(f"  {'update(): token appends, EngineCoreOutputs':<42} {f_upd:8.1f}")
+        print(f"  {'+ core, block hashing, stats (profiled)':<42} {others:8.1f}")
+        print(f"  {'floor for any scheduler behind vLLM':<42} {f_sched + f_upd + others:8.1f}")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,11 @@ def main() -> int:
         action="store_true",
         help="calibrate each engine once before its runs (default: during each replay, at its idle points)",
     )
+    p.add_argument(
+        "--repeat-lengths",
+        action="store_true",
+        help="calibrate on the grid's fixed prompt lengths, each workload run twice (default: lengths drawn anew)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.make_tiny:
@@ -144,7 +149,9 @@ def main() -> int:
         driver = make_vllm_engine(args.model, scheduler=name, clock=args.clock, **engine_kwargs)
         model = None  # calibrated on the engine during each replay (validate_engine)
         if args.calibrate_once:
-            model, fit = calibrate_engine(driver, quick=args.quick, label=Path(args.model).name)
+            model, fit = calibrate_engine(
+                driver, quick=args.quick, label=Path(args.model).name, fresh_lengths=not args.repeat_lengths
+            )
             print(f"# {driver.name}: calibrated on {fit['num_steps']} steps, R^2 {fit['r2']:.3f}", file=sys.stderr)
         for rate in rates:
             for seed in seeds:
@@ -164,6 +171,7 @@ def main() -> int:
                     quick=args.quick,
                     seed=seed,
                     label=Path(args.model).name,
+                    fresh_lengths=not args.repeat_lengths,
                 )
                 report.update({"scheduler": name, "rate": rate, "seed": seed})
                 fit = report.get("calibration", {})

@@ -1572,6 +1572,55 @@ def test_soak_hybrid_groups_match_reference_step_by_step() -> None:
     )
 
 
+# Chunked-local groups (Llama 4): after full attention or before it, chunks a multiple of the block size or not
+# (a hit's null blocks then reach past the blocks its allocation skips), two chunked groups of one size (looked
+# up together), chunks of one token, beside a window (the lookup iterates), sync and async, drafts, priority, the
+# full-sequence check off, no prefix caching; tight pools preempt.
+CHUNKED_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, "chunked:8"), prefix_hash_seed=41),
+    SchedulerConfig(block_size=2, num_blocks=44, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=("chunked:6", None), async_scheduling=True, policy="priority",
+                    prefix_hash_seed=42),
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                    kv_cache_groups=(None, "chunked:16", 6), async_scheduling=True, num_speculative_tokens=2,
+                    prefix_hash_seed=43),
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, "chunked:5", "chunked:5"), watermark=0.1, scheduler_reserve_full_isl=False,
+                    prefix_hash_seed=44),
+    SchedulerConfig(block_size=8, num_blocks=30, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=64,
+                    kv_cache_groups=("chunked:1", None, "chunked:12"), long_prefill_token_threshold=8,
+                    prefix_hash_seed=45),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, "chunked:8"), enable_prefix_caching=False, async_scheduling=True,
+                    prefix_hash_seed=46),
+]  # fmt: skip
+
+
+def test_soak_chunked_local_groups_match_reference_step_by_step() -> None:
+    """Both implementations free the same blocks as requests leave a chunk, find the same chunked-local hits (null
+    blocks before the chunk, cached blocks from its start) and give every group the same tables, step by step;
+    chunked tables hold null blocks, some admitted with a hit past block 0, and requests are preempted."""
+    nulls = chunk_hits = 0
+    for i, cfg in enumerate(CHUNKED_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(6161 + i)), max_in_flight=1 + i % 3)
+        chunked = [g for g, w in enumerate(cfg.kv_cache_groups or ()) if isinstance(w, str)]
+        for _ in range(600):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+            for r in twin.ref._requests.values():
+                tables = [r.block_ids, *r.group_block_ids]
+                cached = [r.num_cached_blocks, *r.group_num_cached]
+                for g in chunked:
+                    nulls += bool(tables[g]) and tables[g][0] == 0
+                    chunk_hits += bool(tables[g]) and tables[g][0] == 0 and cached[g] == len(tables[g])
+        twin.drain()
+        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+    assert nulls > 0 and chunk_hits > 0, (nulls, chunk_hits)
+
+
 # The waiting orders beyond fcfs/priority/fair under memory pressure (preemption, eviction of warm prefixes):
 # sjf (re-keyed residuals), slo (deadlines, some requests without one), tiers, aging under every policy, and
 # session affinity inside the fcfs window; every request may carry session_id, ttft_slo_s and order_key.

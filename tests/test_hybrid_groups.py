@@ -180,6 +180,12 @@ def test_one_group_keeps_its_outputs() -> None:
         ({"kv_cache_groups": (None, 8.0)}, "must be None or a list"),
         ({"kv_cache_groups": (None, True)}, "must be None or a list"),
         ({"kv_cache_groups": "full"}, "must be None or a list"),
+        ({"kv_cache_groups": (None, "chunked:0")}, "must be None or a list"),
+        ({"kv_cache_groups": (None, "chunked:08")}, "must be None or a list"),
+        ({"kv_cache_groups": (None, "chunked:")}, "must be None or a list"),
+        ({"kv_cache_groups": (None, f"chunked:{2**31 - 1}")}, "must be None or a list"),
+        ({"kv_cache_groups": ("chunked:8", 8)}, "needs a full-attention group"),
+        ({"kv_cache_groups": ("chunked:8", "chunked:16")}, "needs a full-attention group"),
         ({"kv_cache_groups": (None, 8), "sliding_window": 8}, "cannot be combined with sliding_window"),
         ({"kv_cache_groups": (None, 8), "dcp_world_size": 2}, "dcp_world_size == 1"),
         ({"kv_cache_groups": (None, 8), "preemption_mode": "swap", "num_cpu_blocks": 4}, "'recompute'"),
@@ -198,7 +204,7 @@ def test_the_core_refuses_what_the_config_refuses() -> None:
     from kvsched import _core
 
     good = SchedulerConfig(kv_cache_groups=(None, 8))
-    for bad in [(None,), (None, 0)]:
+    for bad in [(None,), (None, 0), (8, "chunked:8"), (None, "chunked:0"), (None, 2**31)]:
         fake = type("Cfg", (), {**good.to_dict(), "kv_cache_groups": bad})()
         with pytest.raises(InvalidConfigError, match="kv_cache_groups"):
             _core.Scheduler(fake)
@@ -436,3 +442,119 @@ def test_the_core_refuses_mamba_groups_the_config_refuses() -> None:
         fake = type("Cfg", (), {**good.to_dict(), **fields})()
         with pytest.raises(InvalidConfigError, match=r"kv_cache_groups|mamba_speculative_blocks"):
             _core.Scheduler(fake)
+
+
+# --- chunked-local attention groups ("chunked:<c>": vLLM's ChunkedLocalAttentionSpec, Llama 4). The tables are those
+# vLLM 0.33's Scheduler gives for the same calls with a FullAttentionSpec and a ChunkedLocalAttentionSpec
+# (attention_chunk_size=8) group of block size 4 (tests/test_vllm_differential.py runs the second side by side).
+
+
+def step(s: Any, token: int = 9) -> Any:
+    out = s.schedule()
+    s.update_from_output(out, [[token]] * len(out.req_ids))
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_local_frees_the_blocks_before_the_chunk_and_hits_from_its_start(impl: str) -> None:
+    s = make(impl, kv_cache_groups=(None, "chunked:8"))
+    assert s.config.kv_cache_groups == (None, "chunked:8")
+    s.add_request("a", list(range(22)), max_tokens=8)
+    out = step(s, 7)
+    expect = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    assert new_blocks(out, "a", 2) == expect
+    out = s.schedule()
+    # 22 computed: token 22 attends to its chunk 16..22 only; blocks 0..3 (tokens 0..15) go back to the pool.
+    assert tables(s, "a", 2) == [expect[0], [0, 0, 0, 0, 11, 12]]
+    assert new_blocks(out, "a", 2) == [[], []]
+    s.update_from_output(out, [[7]])
+    s.check_invariants()
+    s.abort_requests(["a"])
+    # A hit of 5 blocks (20 tokens): token 20's chunk starts at 16, so the chunked group's hit is 4 null blocks and
+    # its cached block 4; the uncached last blocks were freed to the head (group 1's on top) and are popped again.
+    s.add_request("b", [*range(22), 99], max_tokens=4)
+    out = s.schedule()
+    assert computed(out, "b") == 20
+    assert new_blocks(out, "b", 2) == [[1, 2, 3, 4, 5, 12], [0, 0, 0, 0, 11, 6]]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_chunked_local_hit_needs_the_cached_blocks_from_its_chunks_start(impl: str) -> None:
+    """The chunked group's block 4 was freed early (it left the chunk while "a" decoded) and evicted by "c": the
+    full-attention hit of 5 blocks is cut to the chunk's start, 4 blocks, every one of them a null block in the
+    chunked group."""
+    s = make(impl, kv_cache_groups=(None, "chunked:8"), num_blocks=21, max_num_seqs=4)
+    a = list(range(100, 124))
+    s.add_request("a", a, max_tokens=10)
+    step(s)
+    assert tables(s, "a", 2) == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    step(s)
+    # 24 computed, token 24 opens a chunk: the chunked group's blocks 0..5 leave it.
+    assert tables(s, "a", 2) == [[1, 2, 3, 4, 5, 6, 13], [0, 0, 0, 0, 0, 0, 14]]
+    for _ in range(8):
+        step(s)
+    assert s.num_free_blocks == 20
+    s.add_request("c", list(range(300, 316)), max_tokens=1)
+    out = step(s)
+    assert new_blocks(out, "c", 2) == [[18, 17, 19, 20], [12, 11, 10, 9]]
+    step(s)
+    s.add_request("b", [*a[:22], 99], max_tokens=2)
+    out = s.schedule()
+    assert computed(out, "b") == 16
+    assert new_blocks(out, "b", 2) == [[1, 2, 3, 4, 8, 7], [0, 0, 0, 0, 16, 14]]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_local_caps_the_full_sequence_check(impl: str) -> None:
+    """With scheduler_reserve_full_isl a chunked group needs at most ceil(min(c + in-flight tokens, max_model_len) /
+    bs) blocks for the whole sequence (vLLM's admission cap): a 120-token prompt is admitted with 36 free blocks,
+    30 full-attention blocks and, for chunks of 8 with 16 tokens a step, ceil(24 / 4) = 6 chunked ones (a
+    window's cap, one block more, would not fit)."""
+    s = make(
+        impl,
+        kv_cache_groups=(None, "chunked:8"),
+        num_blocks=37,
+        max_num_batched_tokens=16,
+        scheduler_reserve_full_isl=True,
+    )
+    s.add_request("a", list(range(120)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "a") == 0 and list(out.req_ids) == ["a"]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_mamba_group_beside_a_chunked_local_group(impl: str) -> None:
+    # A Mamba group first, then full attention (the primary group) and chunked-local attention in chunks of 8: the
+    # state block is taken once, the chunked group frees the blocks before the chunk of the next token, and the
+    # attention blocks (not the state block) are listed for zeroing.
+    s = make(impl, kv_cache_groups=("mamba", None, "chunked:8"), enable_prefix_caching=False)
+    s.add_request("a", list(range(22)), max_tokens=8)
+    out = step(s, 7)
+    assert new_blocks(out, "a", 3) == [[1], [2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13]]
+    assert out.new_block_ids.tolist() == [2, 3, 4, 5, 6, 7]
+    assert out.zero_block_ids.tolist() == list(range(2, 14))
+    out = s.schedule()
+    assert tables(s, "a", 3) == [[1], [2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 12, 13]]
+    assert new_blocks(out, "a", 3) == [[], [], []]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_largest_chunk_size_stops_below_the_mamba_encoding(impl: str) -> None:
+    # The core spells a Mamba group CHUNKED_LOCAL | (2**31 - 2): chunk sizes stop at 2**31 - 3.
+    s = make(impl, kv_cache_groups=(None, f"chunked:{2**31 - 3}"))
+    assert s.config.kv_cache_groups == (None, f"chunked:{2**31 - 3}")
+    with pytest.raises(InvalidConfigError, match="chunked"):
+        make(impl, kv_cache_groups=(None, f"chunked:{2**31 - 2}"))
+
+
+def test_the_core_refuses_the_chunk_size_of_the_mamba_encoding() -> None:
+    from kvsched import _core
+
+    good = SchedulerConfig(kv_cache_groups=(None, "chunked:8"))
+    fake = type("Cfg", (), {**good.to_dict(), "kv_cache_groups": (None, f"chunked:{2**31 - 2}")})()
+    with pytest.raises(InvalidConfigError, match="chunked"):
+        _core.Scheduler(fake)

@@ -95,6 +95,7 @@ class FakeEngine:
         nct = np.array([reqs[r].num_computed_tokens - so.num_scheduled_tokens[r] for r in rids])
         is_dec = nct == np.array([before[r][1] for r in rids]) - 1
         pre, preq, dec, kv, pairs = step_features(nst, nct, is_dec)
+        self.step_tokens = int(nst.sum())
         m = self.model
         dt = m.step_time(
             pre, dec, kv, pairs, prefill_reqs=preq,
@@ -214,3 +215,57 @@ def test_validation_calibrates_on_the_engine_during_the_replay() -> None:
     assert 0 < fit["workloads_during_replay"] <= fit["workloads"] and fit["r2"] > 0.999
     assert report["step_model"]["step_s"] == pytest.approx(TRUTH.step_s, rel=0.05)
     assert all(abs(v["rel_error"]) < 0.05 for v in report["figures"].values()), report["figures"]
+
+
+class SetupCostEngine(FakeEngine):
+    """A stand-in engine whose step costs ``setup_s`` more the first time it runs a step size (tokens in the step),
+    as an engine that sets its kernels up per step size does (vLLM's CPU build: oneDNN matmuls)."""
+
+    def __init__(self, scheduler_cls: type, model: StepTimeModel, setup_s: float) -> None:
+        super().__init__(scheduler_cls, model)
+        self.setup_s = setup_s
+        self.seen: set[int] = set()
+
+    def step(self) -> list[Any]:
+        outs = super().step()
+        if self.step_tokens not in self.seen:
+            self.seen.add(self.step_tokens)
+            self.now += self.setup_s
+        return outs
+
+
+def test_the_calibration_grid_draws_its_prompt_lengths_anew_for_each_workload() -> None:
+    from kvsched.sim.calibrate import _grid
+    from kvsched.sim.vllm_engine import EngineCalibration
+
+    fixed, fresh = (_grid(300, 1024, 16, False, np.random.default_rng(0), fresh_lengths=f) for f in (False, True))
+    assert len(fixed) == len(fresh)
+    lone = [len(w[0][1]) for w in fixed if len(w) == 1 and w[0][2] == 2]  # the single prompts
+    lone_fresh = [len(w[0][1]) for w in fresh if len(w) == 1 and w[0][2] == 2]
+    assert lone == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert lone_fresh != lone and all(n - n // 4 <= m <= n + n // 4 for n, m in zip(lone, lone_fresh, strict=True))
+    # Each repeat of the grid is drawn anew: no workload runs twice (with the fixed grid each runs `repeats` times).
+    for fresh_lengths, distinct in ((True, 2 * len(fixed)), (False, len(fixed))):
+        work = EngineCalibration(_driver()[0], repeats=2, fresh_lengths=fresh_lengths).work
+        assert len(work) == 2 * len(fixed)
+        assert len({tuple(tuple(p) for _, p, _ in w) for w in work}) == distinct
+
+
+def test_calibration_prices_per_step_size_setup_costs_as_a_replay_with_varied_prompts_meets_them() -> None:
+    spec = WorkloadSpec(rate=2.0, num_requests=40, prompt_len=parse_length("uniform:32:400"),
+                        output_len=parse_length("uniform:4:30"), seed=6)  # fmt: skip
+    w = generate_workload(spec, max_model_len=CONFIG["max_model_len"])
+    ratio = {}
+    for fresh in (False, True):
+        log = StepLog()
+        engine = SetupCostEngine(timed_scheduler(FakeVllmScheduler, log), TRUTH, setup_s=6e-3)
+        params = lambda n: SimpleNamespace(max_tokens=n)  # noqa: E731
+        driver = VllmDriver(engine, log, dict(CONFIG), params, 300, clock="cpu", clock_fn=lambda e=engine: e.now)
+        report = validate_engine(
+            driver, w, None, prompt_fn=prompt_fn_for_vocab(w, 300), quick=True, fit_noise=False, fresh_lengths=fresh
+        )
+        kind = report["step_model_on_real_steps"]["lone_prefill"]
+        ratio[fresh] = kind["measured_mean"] / kind["predicted_mean"]
+    # The replay's prompts are new step sizes; a grid that repeats its lengths prices them as set up already.
+    assert ratio[False] > 1.15
+    assert abs(ratio[True] - 1) < abs(ratio[False] - 1) and abs(ratio[True] - 1) < 0.1, ratio

@@ -269,10 +269,50 @@ def test_draft_slots_and_a_token_budget_apart_from_the_inputs_follow_vllm() -> N
         _step(pair)
 
 
+def test_context_parallelism_maps_to_the_cores_world_sizes() -> None:
+    """vLLM's engine gives the scheduler its block size times the DCP size: the core gets the per-rank block size
+    and dcp_world_size (its block unit is then vLLM's), and pcp_world_size (vLLM's KV cache manager leaves PCP out
+    of the unit)."""
+    for dcp, pcp in [(2, 1), (4, 1), (1, 2), (2, 2)]:
+        cfg = make_vllm_config(
+            block_size=4, num_blocks=32, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp
+        )
+        vllm_sched, ours = (make_scheduler(impl, cfg) for impl in ("vllm", "kvsched"))
+        kv = ours.kv_config
+        assert (kv.block_size, kv.dcp_world_size, kv.pcp_world_size) == (4, dcp, pcp)
+        assert kv.kv_block_size == ours.block_size == vllm_sched.block_size == 4 * dcp
+
+
+def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
+    """A DCP size that is not a power of two, sliding windows or several KV cache groups, KV connectors and KV
+    cache events under context parallelism, and a spec DCP does not shard are refused at construction, by name."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    cfg = make_vllm_config(block_size=4, decode_context_parallel_size=3)
+    with pytest.raises(UnsupportedFeatureError, match="not a power of two"):
+        make_scheduler("kvsched", cfg)
+    cfg = make_vllm_config(block_size=4, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="context parallelism with sliding-window attention"):
+        make_scheduler("kvsched", cfg, sliding_window=8)
+    cfg = make_vllm_config(block_size=4, prefill_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="context parallelism with sliding-window attention or several"):
+        make_scheduler("kvsched", cfg, kv_cache_groups=(None, None))
+    cfg = make_vllm_config(block_size=4, kv_connector_seed=1, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="KV connectors with context parallelism"):
+        make_scheduler("kvsched", cfg)
+    cfg = make_vllm_config(block_size=4, kv_events=True, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match="KV cache events with context parallelism"):
+        make_scheduler("kvsched", cfg)
+    vcfg = make_vllm_config(block_size=16, decode_context_parallel_size=2)
+    kw = _attention_kw(block_size=8)
+    with pytest.raises(UnsupportedFeatureError, match="does not shard"):
+        _build_with_groups(vcfg, FullAttentionSpec(**kw, dcp_sharded=False))
+
+
 def test_unsupported_scheduler_settings_are_refused() -> None:
     cfg = make_vllm_config()
-    cfg.parallel_config.decode_context_parallel_size = 2
-    with pytest.raises(UnsupportedFeatureError, match="context parallelism"):
+    cfg.parallel_config.decode_context_parallel_size = 3
+    with pytest.raises(UnsupportedFeatureError, match="decode context parallel sizes that are not a power of two"):
         make_scheduler("kvsched", cfg)
     # An error is also a ValueError and a NotImplementedError, so either kind of handler catches it.
     assert issubclass(UnsupportedFeatureError, ValueError)
@@ -364,6 +404,49 @@ def test_reset_prefix_cache_with_running_requests_matches_vllm() -> None:
     assert [s.reset_prefix_cache(reset_running_requests=True) for s in pair] == [True, True]  # type: ignore[attr-defined]
     for rid in ("r0", "r1", "r2"):
         compare(rid, pair[0].requests[rid].status, pair[1].requests[rid].status)  # type: ignore[attr-defined]
+    for _ in range(3):
+        _step(pair)
+
+
+def test_wrapping_preempt_request_observes_the_same_preemptions_as_vllms_in_the_same_order() -> None:
+    """vLLM's tests wrap ``_preempt_request`` on an instance to watch preemptions: kvsched calls it once per
+    preemption its core made (and per request ``reset_prefix_cache`` preempts), in vLLM's order, while the request
+    still shows its state before the preemption. Called by hand on a running request, the core preempts it."""
+    pair = _pair(num_blocks=12, max_model_len=256)
+    seen: list[list[tuple[str, object, int, bool]]] = [[], []]
+    for s, log in zip(pair, seen, strict=True):
+        orig = s._preempt_request  # type: ignore[attr-defined]
+
+        def watch(request: Any, timestamp: float, _orig: Any = orig, _log: Any = log, **kw: Any) -> None:
+            _log.append(
+                (request.request_id, request.status, request.num_computed_tokens, bool(kw.get("drop_stale_output")))
+            )
+            _orig(request, timestamp, **kw)
+
+        s._preempt_request = watch  # type: ignore[attr-defined]
+    for i in range(4):
+        _add(pair, f"r{i}", [*list(range(10, 40)), i], max_tokens=40)
+    for _ in range(30):
+        _step(pair)
+    assert seen[0], "the workload did not preempt"
+    assert seen[1] == seen[0]
+    n = len(seen[0])
+    assert [s.reset_prefix_cache(reset_running_requests=True) for s in pair] == [True, True]  # type: ignore[attr-defined]
+    assert len(seen[0]) > n and seen[1] == seen[0]
+    _step(pair)
+    # Called by hand, as vLLM's tests call it (after taking the request out of `running`): the request is
+    # preempted now, in both, and the steps after stay identical.
+    victim_id = pair[0].running[0].request_id  # type: ignore[attr-defined]
+    for s in pair:
+        victim = s.requests[victim_id]  # type: ignore[attr-defined]
+        s.running.remove(victim)  # type: ignore[attr-defined]
+        s._preempt_request(victim, 0.0)  # type: ignore[attr-defined]
+        compare(victim_id, victim.status, RequestStatus.PREEMPTED)
+    for _ in range(3):
+        _step(pair)
+    _add(pair, "late", list(range(60, 70)), max_tokens=5)  # waiting: it cannot be preempted
+    with pytest.raises(kvsched.InvalidRequestError, match="not running"):
+        pair[1]._preempt_request(pair[1].requests["late"], 0.0)  # type: ignore[attr-defined]
     for _ in range(3):
         _step(pair)
 
@@ -617,8 +700,8 @@ def _attention_kw(block_size: int = 16, head_size: int = 1) -> dict[str, Any]:
 
 
 def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_name() -> None:
-    """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec, a KV connector or KV
-    cache events with a window are refused at construction, by name."""
+    """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec alone (without a
+    full-attention group), a KV connector or KV cache events with a window are refused at construction, by name."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
@@ -626,7 +709,7 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
     build = _build_with_groups
     sched = build(make_vllm_config(block_size=16, num_blocks=64), window)
     assert sched.kv_config.sliding_window == 64 and sched.kv_config.kv_cache_groups is None
-    with pytest.raises(UnsupportedFeatureError, match="ChunkedLocalAttentionSpec"):
+    with pytest.raises(UnsupportedFeatureError, match="chunked-local KV cache groups without a full-attention group"):
         build(make_vllm_config(block_size=16), ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
     with pytest.raises(UnsupportedFeatureError, match="KV connectors with sliding-window attention"):
         build(make_vllm_config(block_size=16, kv_connector_seed=1), window)
@@ -635,9 +718,10 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
 
 
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:
-    """Full-attention and sliding-window groups of one block size become the core's kv_cache_groups, one entry
-    per vLLM group in vLLM's order (None for full attention, the window otherwise)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    """Full-attention, sliding-window and chunked-local groups of one block size become the core's
+    kv_cache_groups, one entry per vLLM group in vLLM's order (None for full attention, the window, or
+    "chunked:<attention_chunk_size>")."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
     full, w64 = FullAttentionSpec(**kw), SlidingWindowSpec(sliding_window=64, **kw)
@@ -647,6 +731,9 @@ def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> Non
     assert sched.kv_config.kv_cache_groups == (64, None, 32, 64)
     assert sched.kv_config.sliding_window is None
     assert sched.kv_cache_manager.num_kv_cache_groups == 4
+    local = ChunkedLocalAttentionSpec(attention_chunk_size=8192, **kw)
+    sched = _build_with_groups(vcfg, local, full, local)
+    assert sched.kv_config.kv_cache_groups == ("chunked:8192", None, "chunked:8192")
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -683,8 +770,8 @@ def test_several_kv_cache_groups_give_the_runner_one_block_list_per_group(async_
 
 def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> None:
     """Several groups with a KV connector, KV cache events, a victim rule other than the default, different block
-    sizes, a spec the core does not implement (chunked-local) or two windows of the same size with different
-    specs (vLLM looks their prefix hits up apart) are refused at construction, by name."""
+    sizes, chunked-local groups without a full-attention group, or two windows (or chunked-local groups) of the
+    same size with different specs (vLLM looks their prefix hits up apart) are refused at construction, by name."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
@@ -700,8 +787,12 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
         build(vcfg, full, window)
     with pytest.raises(UnsupportedFeatureError, match="KV cache groups of different block sizes"):
         build(make_vllm_config(block_size=16), full, SlidingWindowSpec(sliding_window=64, **_attention_kw(32)))
-    with pytest.raises(UnsupportedFeatureError, match="ChunkedLocalAttentionSpec"):
-        build(make_vllm_config(block_size=16), full, ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
+    local = ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw)
+    with pytest.raises(UnsupportedFeatureError, match="chunked-local KV cache groups without a full-attention group"):
+        build(make_vllm_config(block_size=16), local, window)
+    other_local = ChunkedLocalAttentionSpec(attention_chunk_size=32, **_attention_kw(head_size=2))
+    with pytest.raises(UnsupportedFeatureError, match="same chunk size but different specs"):
+        build(make_vllm_config(block_size=16), full, local, other_local)
     other = SlidingWindowSpec(sliding_window=64, **_attention_kw(head_size=2))
     with pytest.raises(UnsupportedFeatureError, match="same window but different specs"):
         build(make_vllm_config(block_size=16), full, window, other)
@@ -756,6 +847,26 @@ def test_cross_attention_groups_schedule_as_vllms_encoder_decoder_scheduler() ->
             break
     assert all(seen.values()), seen
     assert not pair[1].requests
+
+
+def test_an_encoder_decoder_model_schedules_with_vllms_encoder_budget_and_slots(monkeypatch: Any) -> None:
+    """A model whose config says is_encoder_decoder (here a tiny multimodal model told so) is built as vLLM's
+    engine builds its scheduler: the core's encoder_decoder mode with vLLM's encoder compute budget and an
+    EncoderDecoderCacheManager's slot count; model runner V2 and a model without a cross-attention group stay
+    refused by name."""
+    from vllm.config import ModelConfig
+
+    monkeypatch.setattr(ModelConfig, "is_encoder_decoder", property(lambda self: True))
+    cfg = make_vllm_config(block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=False, multimodal=True)
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=(None, "cross")) for impl in ("vllm", "kvsched")]
+    ref, kv = pair
+    assert kv.is_encoder_decoder and kv.core.config.encoder_decoder
+    assert kv.max_num_encoder_input_tokens == ref.max_num_encoder_input_tokens > 0
+    assert kv.core.encoder_decoder_free_slots == ref.encoder_cache_manager.num_free_slots
+    with pytest.raises(UnsupportedFeatureError, match="without a cross-attention KV cache group"):
+        make_scheduler("kvsched", cfg)
+    with pytest.raises(UnsupportedFeatureError, match="encoder-decoder models on model runner V2"):
+        make_scheduler("kvsched", cfg, kv_cache_groups=(None, "cross"), use_v2_model_runner=True)
 
 
 def test_what_cross_attention_groups_do_not_support_is_refused_by_name() -> None:

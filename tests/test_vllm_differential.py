@@ -12,6 +12,8 @@ the request counts and KV usage. The full sweep (200 seeds x 300 steps per mode)
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
@@ -102,7 +104,96 @@ def test_identical_to_vllm_with_mamba_groups(sync: str, runner: str, seed: int) 
     assert cfg.kv_cache_groups is not None and "mamba" in cfg.kv_cache_groups
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", range(600, 603))
+def test_identical_to_vllm_with_chunked_local_attention(sync: str, runner: str, seed: int) -> None:
+    """A Llama 4-like model: full-attention and chunked-local KV cache groups (chunk sizes drawn per seed, some
+    not a multiple of the block size, sometimes beside a sliding window), vLLM's ChunkedLocalAttentionManager:
+    the blocks before a request's chunk freed at the same moments, chunked-local prefix hits with null blocks,
+    the same block tables of every group and prefill stats."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", chunked_local=True)
+    assert cfg.kv_cache_groups is not None and any(isinstance(g, str) for g in cfg.kv_cache_groups)
+
+
+def test_a_chunked_local_hit_is_cut_to_its_chunks_start_as_vllm_cuts_it() -> None:
+    """Side by side with vLLM's Scheduler: the chunked group's block 4 of a finished request left its chunk early
+    (freed while it decoded) and another request evicted it; a request sharing 22 prompt tokens then hits 4 blocks
+    (the chunk of token 20 starts at 16), not the 5 full-attention blocks, with null blocks in the chunked group."""
+    from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
+    from vllm_driver import step_pair
+
+    cfg = make_vllm_config(block_size=4, num_blocks=21, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4)
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=(None, "chunked:8")) for impl in ("vllm", "kvsched")]
+    prompt = list(range(100, 124))
+
+    def add(req_id: str, tokens: list[int], max_tokens: int) -> None:
+        for s in pair:
+            s.add_request(make_request(req_id, tokens, max_tokens=max_tokens, block_size=4))
+
+    add("a", prompt, 10)
+    for _ in range(10):
+        step_pair(pair)
+    add("c", list(range(300, 316)), 1)
+    for _ in range(2):
+        step_pair(pair)
+    add("b", [*prompt[:22], 99], 2)
+    outs, _ = step_pair(pair)
+    for out in outs:
+        (new,) = out.scheduled_new_reqs
+        assert new.num_computed_tokens == 16
+        assert new.block_ids == ([1, 2, 3, 4, 8, 7], [0, 0, 0, 0, 16, 14])
+
+
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize(("seed", "dcp"), [(700, 2), (701, 4)])
+def test_identical_to_vllm_with_decode_context_parallelism(sync: str, runner: str, seed: int, dcp: int) -> None:
+    """Decode context parallelism: the scheduler's block (and the requests' hash block) is block_size * DCP tokens,
+    so allocation counts, prefix hits and preemptions go by it, as vLLM's KV cache manager with
+    dcp_world_size."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", dcp=dcp)
+    assert cfg.decode_context_parallel_size == dcp
+
+
+V2_MODES = [("sync", "v2"), ("async", "v2")]  # vLLM runs prefill context parallelism on model runner V2 only
+
+
+@pytest.mark.parametrize(("sync", "runner"), V2_MODES, ids=[f"{s}-{r}" for s, r in V2_MODES])
+@pytest.mark.parametrize(("seed", "dcp"), [(710, 1), (711, 2)])
+def test_identical_to_vllm_with_prefill_context_parallelism(sync: str, runner: str, seed: int, dcp: int) -> None:
+    """Prefill context parallelism (PCP 2, alone or with DCP across it): vLLM's KV cache manager leaves PCP out of
+    the block unit, and so does kvsched."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", dcp=dcp, pcp=2)
+    assert cfg.prefill_context_parallel_size == 2
+
+
 SYNC_MODES = [("sync", "v1"), ("sync", "v2")]
+
+
+ENC_DEC_MODES = [("sync", "v1"), ("async", "v1")]  # kvsched.vllm refuses encoder-decoder models on model runner V2
+
+
+@pytest.mark.parametrize(("sync", "runner"), ENC_DEC_MODES, ids=[f"{s}-{r}" for s, r in ENC_DEC_MODES])
+@pytest.mark.parametrize("seed", [601, 604])  # seeds whose draws put the budget or the slots under pressure
+def test_identical_to_vllm_with_an_encoder_decoder_model(
+    sync: str, runner: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cross-attention KV cache group and encoder-decoder scheduling with a small encoder budget and
+    EncoderDecoderCacheManager: admissions wait for the budget or the slots (vLLM's can_allocate says no), the
+    slot counts are compared after every call."""
+    from vllm.v1.core.encoder_cache_manager import EncoderDecoderCacheManager
+
+    refused = []
+    can_allocate = EncoderDecoderCacheManager.can_allocate
+
+    def counting(self: Any, *args: Any) -> bool:
+        ok = can_allocate(self, *args)
+        refused.append(not ok)
+        return ok
+
+    monkeypatch.setattr(EncoderDecoderCacheManager, "can_allocate", counting)
+    cfg = run_seed(seed, 150, async_scheduling=sync == "async", v2=runner == "v2", encoder_decoder=True)
+    assert cfg.kv_cache_groups == (None, "cross")
+    assert any(refused) and not all(refused)  # the budget or the slots held some admission back
 
 
 @pytest.mark.parametrize(("sync", "runner"), SYNC_MODES, ids=[f"{s}-{r}" for s, r in SYNC_MODES])

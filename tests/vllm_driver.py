@@ -249,7 +249,8 @@ class Config:
     # The model's one KV cache group is a sliding window of this many tokens (None: full attention).
     sliding_window: int | None = None
     # A hybrid model instead: one KV cache group per entry (None: full attention, an int: a sliding window,
-    # "mamba": a Mamba group, vLLM's mamba_cache_mode "none").
+    # "chunked:<c>": chunked-local attention, "cross": cross attention, "mamba": a Mamba group, vLLM's
+    # mamba_cache_mode "none").
     kv_cache_groups: tuple[int | str | None, ...] | None = None
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
@@ -268,6 +269,14 @@ class Config:
     streaming: bool = False
     # vLLM's pipeline parallelism: the driver keeps steps in flight as EngineCore's batch queue does.
     pipeline_parallel_size: int = 1
+    # vLLM's decode / prefill context parallelism: block_size is then per DCP rank, the scheduler's block (and the
+    # requests' hash block) block_size * DCP tokens.
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    # An encoder-decoder model (Whisper-like): a full-attention and a cross-attention KV cache group, encoder-decoder
+    # scheduling set on both built schedulers as vLLM's tests do, with this encoder compute budget and
+    # EncoderDecoderCacheManager size (small: admissions wait for the budget and the slots).
+    encoder_decoder: tuple[int, int] | None = None
 
 
 def batch_queue_size(cfg: Config) -> int:
@@ -376,20 +385,23 @@ class Pair:
         self.rng_stream = random.Random(f"stream/{seed}")
         self.sessions: dict[str, int] = {}
         self.stuck: list[str] = []
+        # Tokens one block id covers (vLLM's scheduler block size).
+        self.kv_block_size = cfg.block_size * cfg.decode_context_parallel_size
         fields = dataclasses.asdict(cfg)
         v2 = fields.pop("use_v2_model_runner")
         window = fields.pop("sliding_window")
         groups = fields.pop("kv_cache_groups")
         defer_async_loads = fields.pop("defer_async_loads")
         fields.pop("streaming")
+        enc_dec = fields.pop("encoder_decoder")
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
         self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
         # ... and the scheduler's hash block size: with a Mamba group, the least common multiple of the groups'
         # block sizes (a Mamba block holds max_model_len tokens).
-        self.hash_block = cfg.block_size
+        self.hash_block = self.kv_block_size
         if "mamba" in (groups or ()):
-            self.hash_block = math.lcm(cfg.block_size, cfg.max_model_len)
+            self.hash_block = math.lcm(self.kv_block_size, cfg.max_model_len)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
         log_stats = self.rng_out.random() < 0.7
@@ -404,6 +416,13 @@ class Pair:
         self.b = make_scheduler("kvsched", vcfg, **kw)
         if defer_async_loads:
             self.a.defer_async_loads = self.b.defer_async_loads = True
+        if enc_dec is not None:
+            from vllm.v1.core.encoder_cache_manager import EncoderDecoderCacheManager
+
+            for sched in (self.a, self.b):
+                sched.is_encoder_decoder = True
+                sched.max_num_encoder_input_tokens = enc_dec[0]
+                sched.encoder_cache_manager = EncoderDecoderCacheManager(cache_size=enc_dec[1])
         self.prefixes = [[self.rng.randrange(3, 500) for _ in range(self.rng.randrange(8, 64))] for _ in range(3)]
         # Multimodal: each prefix has an image at a fixed place (its identifier drawn per request from a small
         # pool, so equal prefix tokens come with the same image or another one).
@@ -463,6 +482,8 @@ class Pair:
         }
         if cfg.multimodal:
             kwargs["images"] = self.random_images(prompt)
+        elif cfg.encoder_decoder is not None:
+            kwargs["images"] = self.random_encoder_inputs(cfg.encoder_decoder[0])
         self.clock += 1.0
         compiling = rng.random() < 0.15
         if cfg.streaming and not compiling and self.rng_stream.random() < 0.5:
@@ -484,7 +505,7 @@ class Pair:
         only requests that fit it (prompt + max_tokens - 1 tokens)."""
         cfg = self.cfg
         # (With several KV cache groups, every group may need a block per block of tokens.)
-        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * cfg.block_size
+        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * self.kv_block_size
         if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
             # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
             # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
@@ -586,6 +607,16 @@ class Pair:
             images.append((offset, length, identifier))
             start = offset + length
         return images
+
+    def random_encoder_inputs(self, budget: int) -> list[tuple[int, int, str]]:
+        """An encoder-decoder request's encoder inputs (all at position 0, as vLLM's encoder-decoder models place
+        them): none, or one or two whose tokens together fit the encoder budget (a request above it would never
+        be scheduled by vLLM; kvsched.vllm finishes it with an error)."""
+        rng = self.rng
+        k = rng.choice([0, 1, 1, 1, 2])
+        total = rng.randrange(max(k, budget // 3), budget + 1) if k else 0
+        sizes = [total] if k == 1 else ([(cut := rng.randrange(1, total)), total - cut] if k == 2 else [])
+        return [(0, size, f"enc{self.next_id}-{i}") for i, size in enumerate(sizes)]
 
     def grammar_ready(self, everything: bool = False) -> None:
         """The grammar of one (or every) compiling request is ready: vLLM's StructuredOutputManager sets it on
@@ -773,7 +804,7 @@ class Pair:
             request = self.a.requests.get(rid)
             if request is None or request.is_finished():
                 return tokens
-            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[0]) * self.cfg.block_size
+            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[0]) * self.kv_block_size
             room = min(1 + k - len(tokens), slots - (request.num_computed_tokens - num_drafts + len(tokens) - 1))
             if room > 0:
                 return tokens + [self.random_token() for _ in range(rng.randrange(1, 1 + room))]
@@ -874,6 +905,12 @@ class Pair:
             compare(f"{when}: EC connector calls", a.ec_connector.calls, b.ec_connector.calls)
             a.ec_connector.calls.clear()
             b.ec_connector.calls.clear()
+        if self.cfg.encoder_decoder is not None:
+            compare(
+                f"{when}: encoder-decoder free slots",
+                a.encoder_cache_manager.num_free_slots,
+                b.core.encoder_decoder_free_slots,
+            )
         b.core.check_invariants()
 
     # ---- a whole run -----------------------------------------------------------------------------------
@@ -965,6 +1002,7 @@ def run_seed(
     sliding_window: bool = False,
     hybrid: bool = False,
     mamba: bool = False,
+    chunked_local: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
     budgets: bool = False,
@@ -972,6 +1010,9 @@ def run_seed(
     streaming: bool = False,
     pp: bool = False,
     eagle: bool = False,
+    dcp: int = 1,
+    pcp: int = 1,
+    encoder_decoder: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -979,20 +1020,24 @@ def run_seed(
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``hybrid`` gives the
     model several KV cache groups instead (full attention and sliding windows, drawn from their own stream);
-    ``mamba`` a hybrid Mamba model's (Mamba groups with full attention and sometimes a window, prefix caching off:
-    vLLM's mamba_cache_mode "none");
+    ``chunked_local`` draws layouts with chunked-local groups (Llama 4) instead; ``mamba`` a hybrid Mamba model's
+    (Mamba groups with full attention and sometimes a window, prefix caching off: vLLM's mamba_cache_mode "none");
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
     streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
     in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
-    drafts) with vLLM's default prefix-cache rules for it."""
+    drafts) with vLLM's default prefix-cache rules for it; ``dcp`` / ``pcp``: vLLM's decode / prefill context
+    parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure)."""
     rng = random.Random(seed * 7919 + 17)
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
     if sliding_window:
         cfg.sliding_window = random.Random(f"window/{seed}").choice([1, 3, 8, cfg.block_size, 20, 33, 64, 100])
-    if hybrid:
-        cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
+    if hybrid or chunked_local:
+        if chunked_local:
+            cfg.kv_cache_groups = random_chunked_groups(random.Random(f"chunked/{seed}"), cfg.block_size)
+        else:
+            cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
         # vLLM sizes the pool for every group: as many blocks per group as the drawn single-group cache.
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(cfg.kv_cache_groups)
     if mamba:
@@ -1002,6 +1047,15 @@ def run_seed(
         # group on top.
         num_attn = sum(g != "mamba" for g in cfg.kv_cache_groups)
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * num_attn + cfg.max_num_seqs // 2
+    if encoder_decoder:
+        # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
+        # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
+        erng = random.Random(f"encdec/{seed}")
+        cfg.kv_cache_groups = (None, "cross")
+        cfg.num_blocks = 1 + (cfg.num_blocks - 1) * 2
+        cfg.enable_prefix_caching = False
+        budget = erng.choice([4, 8, 16, 32])
+        cfg.encoder_decoder = (budget, erng.choice([budget, budget, 2 * budget, 3 * budget // 2]))
     if connector:
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
@@ -1053,6 +1107,10 @@ def run_seed(
         cfg.ec_connector_seed = seed
     if pp:
         cfg.pipeline_parallel_size = random.Random(f"pp/{seed}").choice([2, 3, 4])
+    if dcp > 1 or pcp > 1:
+        cfg.decode_context_parallel_size = dcp
+        cfg.prefill_context_parallel_size = pcp
+        cfg.num_blocks = max(3, 1 + (cfg.num_blocks - 1) // dcp)
     Pair(cfg, seed).run(steps)
     return cfg
 
@@ -1083,6 +1141,24 @@ def random_mamba_groups(rng: random.Random, block_size: int) -> tuple[int | str 
             ("mamba", rng.choice([3, 8, block_size, 33]), None),
         ]
     )
+
+
+def random_chunked_groups(rng: random.Random, block_size: int) -> tuple[int | str | None, ...]:
+    """A hybrid model with chunked-local attention: mostly one full-attention group and one chunked-local group
+    (Llama 4), else 2-4 groups mixing full attention, one or two chunk sizes and sometimes a sliding window, in
+    any order (at least one full-attention group: kvsched.vllm refuses chunked-local groups without one)."""
+    chunks = [f"chunked:{c}" for c in (1, 3, 8, block_size, 2 * block_size, 20, 33, 64)]
+    if rng.random() < 0.5:
+        groups: list[int | str | None] = [None, rng.choice(chunks)]
+        rng.shuffle(groups)
+        return tuple(groups)
+    kinds: list[int | str | None] = [None, *rng.sample(chunks, rng.choice([1, 2]))]
+    if rng.random() < 0.4:
+        kinds.append(rng.choice([3, 8, block_size, 20, 64]))
+    groups = [rng.choice(kinds) for _ in range(rng.randrange(2, 5))]
+    while None not in groups or not any(isinstance(g, str) for g in groups):
+        groups[rng.randrange(len(groups))] = rng.choice([None, kinds[1]])
+    return tuple(groups)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1124,6 +1200,12 @@ def main(argv: list[str] | None = None) -> int:
         "full attention and sometimes a window, drawn per seed; not with --connector, --kv-events, --sliding-window, "
         "--hybrid or --mm",
     )
+    p.add_argument(
+        "--chunked-local",
+        action="store_true",
+        help="with --hybrid: layouts with chunked-local attention groups (Llama 4: full attention and chunks of a "
+        "drawn size, sometimes a sliding window too)",
+    )
     p.add_argument("--mm", action="store_true", help="a multimodal model: requests with images")
     p.add_argument("--ec", action="store_true", help="with a seeded RandomECConnector (with --mm: images loaded)")
     p.add_argument(
@@ -1159,15 +1241,58 @@ def main(argv: list[str] | None = None) -> int:
         "the trailing-block drop with --connector and on vLLM 0.32); not with --sliding-window, --hybrid, --mm or "
         "--streaming",
     )
+    p.add_argument(
+        "--dcp",
+        type=int,
+        default=1,
+        help="vLLM's decode context parallel size (a power of two): one block id covers block_size tokens on each "
+        "DCP rank; not with --connector, --kv-events, --sliding-window or --hybrid, which kvsched.vllm refuses "
+        "with it",
+    )
+    p.add_argument(
+        "--pcp",
+        type=int,
+        default=1,
+        help="vLLM's prefill context parallel size (with --dcp: DCP 1 or the PCP size); vLLM runs it on model "
+        "runner V2 only (the modes default to sync-v2,async-v2)",
+    )
+    p.add_argument(
+        "--enc-dec",
+        action="store_true",
+        help="an encoder-decoder model: a full-attention and a cross-attention KV cache group, requests with encoder "
+        "inputs, encoder-decoder scheduling with a small encoder budget and EncoderDecoderCacheManager; not with "
+        "--connector, --kv-events, --sliding-window, --hybrid, --mm, --ec or --streaming",
+    )
     args = p.parse_args(argv)
     if args.modes is None:
-        args.modes = "sync-v1,sync-v2,async-v2" if args.pp else "sync-v1,sync-v2,async-v1,async-v2"
+        if args.pcp > 1:
+            args.modes = "sync-v2,async-v2"
+        else:
+            args.modes = "sync-v1,sync-v2,async-v2" if args.pp else "sync-v1,sync-v2,async-v1,async-v2"
+    if (args.dcp > 1 or args.pcp > 1) and (args.connector or args.kv_events or args.sliding_window or args.hybrid):
+        p.error("--dcp and --pcp go without --connector, --kv-events, --sliding-window and --hybrid")
+    if args.pcp > 1 and any(m.endswith("-v1") for m in args.modes.split(",")):
+        p.error("--pcp goes with model runner V2 only (vLLM runs prefill context parallelism there only)")
     if args.pp and "async-v1" in args.modes.split(","):
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
     if args.eagle and (args.sliding_window or args.hybrid or args.mamba or args.mm or args.streaming):
         p.error("--eagle goes without --sliding-window, --hybrid, --mamba, --mm and --streaming")
+    if args.enc_dec and (
+        args.connector
+        or args.kv_events
+        or args.sliding_window
+        or args.hybrid
+        or args.mamba
+        or args.mm
+        or args.ec
+        or args.streaming
+    ):
+        p.error(
+            "--enc-dec goes without --connector, --kv-events, --sliding-window, --hybrid, --mamba, --mm, --ec, "
+            "--streaming"
+        )
     if args.streaming and args.mm:
         p.error("--streaming goes without --mm")
     if args.sliding_window and (args.connector or args.kv_events):
@@ -1176,6 +1301,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--hybrid goes without --connector, --kv-events, --sliding-window and --mm")
     if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --connector, --kv-events, --sliding-window, --hybrid and --mm")
+    if args.chunked_local and not args.hybrid:
+        p.error("--chunked-local goes with --hybrid")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
@@ -1211,6 +1338,7 @@ def main(argv: list[str] | None = None) -> int:
                         sliding_window=args.sliding_window,
                         hybrid=args.hybrid,
                         mamba=args.mamba,
+                        chunked_local=args.chunked_local,
                         multimodal=args.mm,
                         ec_connector=args.ec,
                         defer_async_loads=args.defer_async_loads,
@@ -1218,6 +1346,9 @@ def main(argv: list[str] | None = None) -> int:
                         streaming=args.streaming,
                         pp=args.pp,
                         eagle=args.eagle,
+                        dcp=args.dcp,
+                        pcp=args.pcp,
+                        encoder_decoder=args.enc_dec,
                     )
                     ok += 1
                 except Divergence as exc:

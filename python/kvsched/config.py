@@ -23,6 +23,27 @@ CROSS_ATTENTION = "cross"
 MAMBA = "mamba"
 #: The most KV cache groups ``kv_cache_groups`` may list.
 MAX_KV_CACHE_GROUPS = 64
+#: The prefix of a chunked-local attention group's ``kv_cache_groups`` entry: ``"chunked:8192"`` (vLLM's
+#: ``ChunkedLocalAttentionSpec`` with ``attention_chunk_size=8192``, Llama 4); see :func:`chunked_local`.
+CHUNKED_LOCAL_PREFIX = "chunked:"
+
+
+def chunked_local(chunk_size: int) -> str:
+    """The ``kv_cache_groups`` entry of a chunked-local attention group whose chunks are ``chunk_size`` tokens."""
+    return f"{CHUNKED_LOCAL_PREFIX}{chunk_size}"
+
+
+def chunk_size_of(entry: object) -> int | None:
+    """The chunk size of a well-formed chunked-local ``kv_cache_groups`` entry (``"chunked:<n>"``, ``n`` in
+    ``[1, 2**31 - 3]`` without leading zeros; the core's encoding of ``2**31 - 2`` is a Mamba group's), else None."""
+    if not isinstance(entry, str) or not entry.startswith(CHUNKED_LOCAL_PREFIX):
+        return None
+    digits = entry[len(CHUNKED_LOCAL_PREFIX) :]
+    if not digits.isascii() or not digits.isdigit() or digits.startswith("0"):
+        return None
+    n = int(digits)
+    return n if n <= I32_MAX - 2 else None
+
 
 __all__ = [
     "CONFIG_FIELDS",
@@ -36,6 +57,7 @@ __all__ = [
     "SchedulerConfig",
     "check_preemption_costs",
     "check_tenant_limits",
+    "chunked_local",
     "fields_markdown",
     "tenant_cache_salt",
 ]
@@ -473,6 +495,15 @@ class SchedulerConfig:
             "stops before it"
         ),
     )
+    encoder_decoder: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM's encoder-decoder scheduling (Whisper, BART): an admission's `cross_attention_tokens` are its "
+            "encoder inputs, charged to the step's `max_num_encoder_input_tokens` and to a slot count that starts "
+            "at `encoder_cache_size` (vLLM's `EncoderDecoderCacheManager`); needs a cross-attention group in "
+            "`kv_cache_groups` (see [Encoder-decoder scheduling](#encoder-decoder-scheduling))"
+        ),
+    )
     park_kv_loads: bool = field(
         default=True,
         metadata=_spec(
@@ -580,12 +611,14 @@ class SchedulerConfig:
         default=None,
         metadata=_spec(
             "several KV cache groups in one pool, the attention groups with `block_size` (vLLM's hybrid models: full "
-            "attention plus sliding-window or Mamba layers; encoder-decoder models: plus cross attention): one entry "
-            "per group, None for full attention, an int window, `'cross'` for cross attention or `'mamba'` for a "
-            "Mamba group (both need `enable_prefix_caching=False`; the first group that is not Mamba holds the "
-            "decoder's tokens and is not `'cross'`); each request holds one block table per group and a prefix hit "
-            "must be valid for every group (see [Several KV cache groups](#several-kv-cache-groups)); None = one group",
-            valid="None or 2 to 64 entries, each None, an int >= 1, 'cross' or 'mamba'",
+            "attention plus sliding-window, chunked-local or Mamba layers; encoder-decoder models: plus cross "
+            "attention): one entry per group, None for full attention, an int window, `'chunked:<c>'` for "
+            "chunked-local attention in chunks of `c` tokens (with a full-attention group), `'cross'` for cross "
+            "attention or `'mamba'` for a Mamba group (both need `enable_prefix_caching=False`; the first group that "
+            "is not Mamba holds the decoder's tokens and is not `'cross'`); each request holds one block table per "
+            "group and a prefix hit must be valid for every group (see [Several KV cache "
+            "groups](#several-kv-cache-groups)); None = one group",
+            valid="None or 2 to 64 entries, each None, an int >= 1, 'chunked:<c>' (c >= 1), 'cross' or 'mamba'",
         ),
     )
     max_num_scheduled_tokens: int | None = field(
@@ -662,22 +695,19 @@ class SchedulerConfig:
             object.__setattr__(self, name, check_tenant_limits(name, getattr(self, name)))
         groups = self.kv_cache_groups
         if groups is not None:
+            what = (
+                "kv_cache_groups must be None or a list of None (full attention), int windows, 'chunked:<chunk "
+                "size>' (chunked-local attention), 'cross' (cross attention) and 'mamba' (Mamba), got "
+            )
             if isinstance(groups, (str, bytes, Mapping)) or not hasattr(groups, "__iter__"):
-                raise InvalidConfigError(
-                    "kv_cache_groups must be None or a list of None (full attention), int windows, 'cross' (cross "
-                    f"attention) and 'mamba' (Mamba), got {groups!r}"
-                )
+                raise InvalidConfigError(f"{what}{groups!r}")
             groups = tuple(groups)
             for window in groups:
-                if (
-                    window is not None
-                    and window not in (CROSS_ATTENTION, MAMBA)
-                    and (isinstance(window, bool) or not isinstance(window, int))
-                ):
-                    raise InvalidConfigError(
-                        "kv_cache_groups must be None or a list of None (full attention), int windows, 'cross' (cross "
-                        f"attention) and 'mamba' (Mamba), got {self.kv_cache_groups!r}"
-                    )
+                if isinstance(window, str):
+                    if window not in (CROSS_ATTENTION, MAMBA) and chunk_size_of(window) is None:
+                        raise InvalidConfigError(f"{what}{self.kv_cache_groups!r}")
+                elif window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+                    raise InvalidConfigError(f"{what}{self.kv_cache_groups!r}")
             object.__setattr__(self, "kv_cache_groups", groups)
 
     def _check_rules(self) -> None:
@@ -742,6 +772,11 @@ class SchedulerConfig:
                 "drop_trailing_hit_block needs full attention in one group (no sliding_window or kv_cache_groups)"
             )
         self._check_groups()
+        if self.encoder_decoder and CROSS_ATTENTION not in (self.kv_cache_groups or ()):
+            raise InvalidConfigError(
+                "encoder_decoder needs a cross-attention group ('cross') in kv_cache_groups (the encoder output's "
+                "blocks)"
+            )
 
     def _check_groups(self) -> None:
         """What several KV cache groups need (the core's ``validate_groups``)."""
@@ -761,6 +796,11 @@ class SchedulerConfig:
         bad = next((w for w in groups if isinstance(w, int) and not 1 <= w <= I32_MAX), None)
         if bad is not None:
             raise InvalidConfigError(f"kv_cache_groups windows must be in [1, {I32_MAX}], got {bad}")
+        if any(chunk_size_of(w) is not None for w in groups) and None not in groups:
+            raise InvalidConfigError(
+                "kv_cache_groups with a chunked-local group needs a full-attention group (the core looks a "
+                "chunked-local hit up within the full-attention hit)"
+            )
         first = next((w for w in groups if w != MAMBA), MAMBA)
         if first == MAMBA:
             raise InvalidConfigError("kv_cache_groups needs a group that is not Mamba (it holds the decoder's tokens)")

@@ -78,6 +78,14 @@ class _EncoderSchedMixin(_SchedulerState):
         for r in self._requests.values():
             if any(size > limit for _, size, _ in r.encoder_inputs):
                 raise InvalidConfigError(f"request {r.req_id!r} has an encoder input larger than the new sizes allow")
+        if self._config.encoder_decoder:
+            for r in self._requests.values():
+                if r.cross_attention_tokens > max_num_encoder_input_tokens:
+                    raise InvalidConfigError(
+                        f"a live request has {r.cross_attention_tokens} encoder tokens (cross_attention_tokens), "
+                        "more than a step could compute with "
+                        f"max_num_encoder_input_tokens={max_num_encoder_input_tokens}"
+                    )
         self._encoder.capacity = encoder_cache_size
         self._config = dataclasses.replace(
             self._config,
@@ -85,6 +93,41 @@ class _EncoderSchedMixin(_SchedulerState):
             encoder_cache_size=encoder_cache_size,
         )
         self._last_out_fresh = False
+
+    @property
+    def encoder_decoder_free_slots(self) -> int:
+        """Encoder-decoder scheduling: the slot count of vLLM's ``EncoderDecoderCacheManager``."""
+        return self._enc_dec_free_slots
+
+    def reset_encoder_decoder_slots(self) -> None:
+        """Encoder-decoder scheduling: the slot count back to ``encoder_cache_size`` (vLLM's ``reset``)."""
+        if not self._config.encoder_decoder:
+            raise InvalidConfigError("reset_encoder_decoder_slots needs encoder_decoder=True")
+        self._enc_dec_free_slots = self._config.encoder_cache_size
+        self._last_out_fresh = False
+
+    def _check_encoder_decoder_request(self, req_id: str, inputs: list[tuple[int, int, int]], cross: int) -> None:
+        """With ``encoder_decoder`` the encoder output comes as ``cross_attention_tokens`` (not ``encoder_inputs``)
+        and must fit the step's encoder budget."""
+        c = self._config
+        if not c.encoder_decoder:
+            return
+        if inputs:
+            raise InvalidRequestError(
+                f"request {req_id!r}: with encoder_decoder a request's encoder output is given as "
+                "cross_attention_tokens, not encoder_inputs"
+            )
+        if cross > c.max_num_encoder_input_tokens:
+            raise InvalidRequestError(
+                f"request {req_id!r}: cross_attention_tokens ({cross}) exceed the encoder compute budget "
+                f"(max_num_encoder_input_tokens={c.max_num_encoder_input_tokens}); no step could admit it"
+            )
+
+    def _enc_dec_release_after_output(self, r: _Request) -> None:
+        """Encoder-decoder: vLLM's EncoderDecoderCacheManager frees a request's inputs at every applied output once
+        it has computed tokens."""
+        if self._config.encoder_decoder and r.num_computed_tokens > 0:
+            self._enc_dec_free_slots += r.cross_attention_tokens
 
     @property
     def ec_connector(self) -> Any:

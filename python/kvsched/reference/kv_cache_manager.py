@@ -9,13 +9,26 @@ from __future__ import annotations
 import math
 
 from .._errors import InvalidRequestError, SchedulerTypeError
-from ..config import CROSS_ATTENTION, MAMBA
+from ..config import CROSS_ATTENTION, MAMBA, chunk_size_of
 from .block_pool import _BlockPoolMixin
 from .request import _Request
 
 _I32_MAX = 2**31 - 1
 _CROSS = -1  # a cross-attention group's entry in _group_windows
 _MAMBA = -2  # a Mamba group's entry in _group_windows
+_CHUNKED = 1 << 31  # the flag of a chunked-local group's entry in _group_windows (_CHUNKED | chunk size)
+
+
+def _group_window(entry: int | str | None) -> int:
+    """A ``kv_cache_groups`` entry as ``_group_windows`` gives it."""
+    if entry is None:
+        return 0
+    if entry == CROSS_ATTENTION:
+        return _CROSS
+    if entry == MAMBA:
+        return _MAMBA
+    chunk = chunk_size_of(entry)
+    return int(entry) if chunk is None else _CHUNKED | chunk
 
 
 class _KVCacheManagerMixin(_BlockPoolMixin):
@@ -216,12 +229,28 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
     # --- several KV cache groups (``kv_cache_groups``; the core's ``hybrid.rs``)
 
     def _group_windows(self) -> tuple[int, ...]:
-        """Each group's window, 0 for full attention, -1 for cross attention, -2 for Mamba."""
+        """Each group's window, 0 for full attention, -1 for cross attention, -2 for Mamba, ``_CHUNKED | c`` for
+        chunked-local attention in chunks of ``c`` tokens."""
         groups = self._config.kv_cache_groups
         assert groups is not None
-        return tuple(
-            0 if w is None else _CROSS if w == CROSS_ATTENTION else _MAMBA if w == MAMBA else int(w) for w in groups
-        )
+        return tuple(_group_window(w) for w in groups)
+
+    @staticmethod
+    def _group_skipped(w: int, computed: int) -> int:
+        """Tokens a window or chunked-local group ``w`` no longer reads once ``computed`` tokens are computed: those
+        before the window of the next token, or before its chunk."""
+        if w & _CHUNKED:
+            c = w & ~_CHUNKED
+            return computed // c * c
+        return max(0, computed - w + 1)
+
+    def _group_cap(self, w: int) -> int:
+        """A window's (or chunked-local group's) admission cap in blocks."""
+        c, bs = self._config, self._bs
+        in_flight = c.concurrent_batches * c.max_num_batched_tokens
+        if w & _CHUNKED:
+            return math.ceil(min((w & ~_CHUNKED) + in_flight, c.max_model_len) / bs)
+        return math.ceil(min(w - 1 + in_flight, c.max_model_len) / bs) + 1
 
     def _cross_blocks_to_add(self, r: _Request, held: int) -> int:
         """The blocks a cross-attention table of ``held`` blocks still needs for ``r``'s encoder output."""
@@ -298,6 +327,19 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                             break
                         for g, b in zip(ids, found, strict=True):
                             hits[g].append(b)
+                elif w & _CHUNKED:
+                    # Null blocks before the chunk that holds token curr * bs, then the cached blocks from there on,
+                    # up to the first miss.
+                    chunk = w & ~_CHUNKED
+                    start = curr * self._bs // chunk * chunk // self._bs
+                    for g in ids:
+                        hits[g] = [0] * start
+                    for i in range(start, curr):
+                        found = self._hit_all(block_hashes, i, ids)
+                        if found is None:
+                            break
+                        for g, b in zip(ids, found, strict=True):
+                            hits[g].append(b)
                 else:
                     need = math.ceil((w - 1) / self._bs)
                     run: list[list[int]] = []  # rightmost block first
@@ -337,7 +379,6 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         c, bs = self._config, self._bs
         all_hits = self._hits_of_groups(hits)
         required = math.ceil(min(r.num_tokens, c.max_slots_per_request) / bs)
-        batches = c.concurrent_batches
         total = 0
         for g, w in enumerate(self._group_windows()):
             held, ghits = len(self._group_table(r, g)), all_hits[g]
@@ -350,12 +391,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if w == 0:
                 total += max(0, required - held - len(ghits)) + sum(1 for b in ghits if self._ref_cnt[b] == 0)
                 continue
-            cap = math.ceil(min(w - 1 + batches * c.max_num_batched_tokens, c.max_model_len) / bs) + 1
-            req_g = min(required, cap)
+            req_g = min(required, self._group_cap(w))
             if held:
                 total += max(0, req_g - held)
                 continue
-            skipped = max(0, len(ghits) * bs - w + 1) // bs
+            skipped = self._group_skipped(w, len(ghits) * bs) // bs
             evictable = sum(1 for b in ghits[skipped:] if b != 0 and self._ref_cnt[b] == 0)
             total += max(0, req_g - max(skipped, len(ghits))) + evictable
         return total
@@ -391,7 +431,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 total_need += need
                 plan.append((0, need))
                 continue
-            skipped = max(0, total_computed - w + 1) // bs if fresh and w else 0
+            skipped = self._group_skipped(w, total_computed) // bs if fresh and w else 0
             need = max(0, math.ceil(num_slots / bs) - len(self._group_table(r, g)) - max(skipped, len(hits)))
             evictable += sum(1 for b in all_hits[g][skipped:] if b != 0 and self._ref_cnt[b] == 0)
             total_need += need
@@ -400,7 +440,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             return None
         for g, (skipped, _) in enumerate(plan):
             kept = all_hits[g][skipped:]
-            for b in kept:  # touch
+            # A chunked-local hit can hold null blocks past the skipped ones (never touched).
+            for b in (b for b in kept if b != 0):  # touch
                 if self._ref_cnt[b] == 0:
                     self._free.remove(b)
                 self._ref_cnt[b] += 1
@@ -420,7 +461,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _remove_group_skipped(self, r: _Request, g: int, w: int, processed: int) -> None:
         table = self._group_table(r, g)
-        last = min(max(0, processed - w + 1) // self._bs, len(table))
+        last = min(self._group_skipped(w, processed) // self._bs, len(table))
         first = last
         while first > 0 and table[first - 1] != 0:
             first -= 1

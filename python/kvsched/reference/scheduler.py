@@ -157,6 +157,7 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         if not isinstance(resumable, bool):
             raise SchedulerTypeError(f"resumable must be a bool, got {type(resumable).__name__}")
         cross = self._check_cross_attention_tokens(req_id, cross_attention_tokens, resumable)
+        self._check_encoder_decoder_request(req_id, inputs, cross)
         if resumable:
             self._check_resumable(req_id, inputs, ready)
         # The most KV slots it ever holds (all its tokens but the last sampled one) must fit the whole cache, and,
@@ -265,6 +266,8 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         else:
             self._free_request_blocks(r)
         self._release_all_encoder(r)
+        if self._config.encoder_decoder:  # vLLM's EncoderDecoderCacheManager frees a finished request's inputs
+            self._enc_dec_free_slots += r.cross_attention_tokens
         self._cpu_free.extend(r.cpu_blocks)  # a swapped-out request aborted while waiting
         r.cpu_blocks, r.num_swapped_tokens = [], 0
         r.drafts = []
@@ -454,6 +457,22 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             self._events.push_cleared()
         self._last_out_fresh = False
         return True
+
+    def preempt_request(self, req_id: str, drop_stale_output: bool | None = None) -> None:
+        """Preempt the running request ``req_id`` now, as a step preempts a victim in recompute mode (vLLM's
+        ``_preempt_request`` called by hand): its blocks are freed (or wait for the steps in flight), its in-flight
+        output becomes stale (dropped with ``drop_stale_output``), it goes back to the front of the waiting queue,
+        and the next step lists it in ``preempted_req_ids``."""
+        r = self._get(req_id)
+        drop = False if drop_stale_output is None else drop_stale_output
+        if not isinstance(drop, bool):
+            raise SchedulerTypeError(f"drop_stale_output must be a bool, got {type(drop).__name__}")
+        if r not in self._running:
+            raise InvalidRequestError(f"request {req_id!r} is not running: only a running request can be preempted")
+        self._running.remove(r)
+        self._preempt(r, drop_stale_output=drop)
+        self._preempted_since_schedule.append(r.req_id)
+        self._last_out_fresh = False
 
     def stats(self) -> SchedulerStats:
         s, usable, c = self._stats, self._config.num_usable_blocks, self._config

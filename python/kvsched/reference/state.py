@@ -101,6 +101,8 @@ class _SchedulerState:
              "connector_queries", "connector_hits", "encoder_hits", "encoder_inputs", "encoder_tokens"), 0
         )  # fmt: skip
         self._encoder = _EncoderCache(c.encoder_cache_size)
+        # Encoder-decoder scheduling: vLLM's EncoderDecoderCacheManager slot count (encoder_sched.py).
+        self._enc_dec_free_slots = c.encoder_cache_size
         self._cpu_free: deque[int] = deque(range(c.num_cpu_blocks))  # the CPU swap pool: pop left, append right
         self._recompute_cost_per_token = c.recompute_cost_per_token
         self._swap_cost_per_block = c.swap_cost_per_block

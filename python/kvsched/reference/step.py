@@ -65,6 +65,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         drop_stale_output = drop_stale_output or self._config.drop_preempted_output
         self._free_request_blocks(r)
         self._release_all_encoder(r)
+        if self._config.encoder_decoder:  # vLLM's EncoderDecoderCacheManager frees a preempted request's inputs
+            self._enc_dec_free_slots += r.cross_attention_tokens
         r.num_lost_tokens = r.num_computed_tokens
         r.num_computed_tokens = 0
         r.drafts = []
@@ -466,10 +468,21 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     r.deferred = True
                     (skipped_kv if from_kv else skipped).append(take())
                     continue
+            # Encoder-decoder: the encoder output is computed at the admission of a request with nothing computed; it
+            # must fit the step's encoder budget and the slots, else the request is skipped (it keeps its place).
+            enc_dec_tokens = r.cross_attention_tokens if c.encoder_decoder else 0
+            enc_dec_charge = 0
+            if enc_dec_tokens and computed == 0 and not load_async:
+                if enc_dec_tokens > enc.budget or enc_dec_tokens > self._enc_dec_free_slots:
+                    r.deferred = True
+                    (skipped_kv if from_kv else skipped).append(take())
+                    continue
+                enc_dec_charge = enc_dec_tokens
             reserved = watermark if self._running else 0
             if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, reserved):
                 if planned:
                     self._rollback_encoder(enc, r)
+                self._enc_dec_free_slots += enc_dec_tokens  # vLLM frees its inputs, allocated or not
                 break  # vLLM's full-prompt admission gate: the whole sequence must fit, not just this chunk
             # vLLM 0.33: an asynchronous load leaves free what the in-flight prefills still need.
             extra = self._inflight_reserved_blocks() if load_async and c.reserve_inflight_prefills else 0
@@ -481,7 +494,10 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     r.num_computed_tokens = 0
                 if planned:
                     self._rollback_encoder(enc, r)
+                self._enc_dec_free_slots += enc_dec_tokens  # vLLM frees its inputs, allocated or not
                 break
+            enc.budget -= enc_dec_charge
+            self._enc_dec_free_slots -= enc_dec_charge
             ec_allocated = self._ec_allocated(enc) if planned else []
             if planned:
                 self._commit_encoder(enc)

@@ -91,6 +91,7 @@ class _UpdateMixin(_StreamMixin, _KVCacheManagerMixin, _ConnectorMixin, _Encoder
                 # A partial prefill or a decode the runner returned nothing for: nothing appended, nothing rolled
                 # back (a decode's drafts stay counted as computed); consumed encoder inputs are freed.
                 self._release_consumed(r)
+                self._enc_dec_release_after_output(r)
                 if drafts is not None and not stale and not was_prefill_chunk:
                     r.drafts = list(drafts[k])
                 continue
@@ -102,6 +103,7 @@ class _UpdateMixin(_StreamMixin, _KVCacheManagerMixin, _ConnectorMixin, _Encoder
                 if r.num_output_placeholders > 0:
                     r.num_output_placeholders = max(0, r.num_output_placeholders - rejected)
             self._release_consumed(r)
+            self._enc_dec_release_after_output(r)
             was_running = r.status == RequestStatus.RUNNING
             had_placeholders = r.num_output_placeholders > 0
             stop: tuple[RequestStatus, FinishReason, int] | None = None

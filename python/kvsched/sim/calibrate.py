@@ -235,9 +235,16 @@ def run_timed_steps(
 
 
 def _grid(
-    vocab: int, max_len: int, max_seqs: int, quick: bool, rng: np.random.Generator
+    vocab: int, max_len: int, max_seqs: int, quick: bool, rng: np.random.Generator, *, fresh_lengths: bool = False
 ) -> list[list[tuple[int, list[int], int]]]:
+    """The calibration workloads. ``fresh_lengths``: each prompt's length is drawn within a quarter of the grid's
+    length, so that the grid's steps seldom repeat a step size (tokens in the step), as those of a served workload
+    with varied prompt lengths seldom do (an engine that sets its kernels up per step size pays for that on each
+    new one; see :mod:`kvsched.sim.vllm_engine`)."""
+
     def prompt(n: int) -> list[int]:
+        if fresh_lengths:
+            n = int(np.clip(rng.integers(n - n // 4, n + n // 4 + 1), 1, max(1, max_len - 2)))
         return [int(t) for t in rng.integers(3, vocab, size=n)]
 
     scale = 1 if quick else 2

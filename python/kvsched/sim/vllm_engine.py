@@ -18,6 +18,16 @@ after an untimed decode lead-in, twice in a shuffled order, fitted by
 steps' times around the model and how long slow stretches last: ``noise_sigma``, ``noise_rho`` in
 :mod:`kvsched.sim.steptime`) unless ``fit_noise=False``.
 
+**Fresh prompt lengths** (``fresh_lengths=True``, the default): the grid is drawn twice, each prompt's length
+within a quarter of the grid's length, so that the calibration's prefill steps seldom repeat a step size (tokens
+in the step), as a served workload with varied prompt lengths seldom does. The engine's cost depends on it: vLLM's
+CPU build runs each linear layer through a oneDNN matmul primitive made for the step's number of tokens on the
+first step of that size and kept in caches (per layer the last 32 sizes, and oneDNN's own cache of 1,024
+primitives by default), so a step of a size not run recently costs more (on a tiny Llama a lone prefill of a new
+length takes about 1.6 times as long as the same length run again). Decode steps (batch sizes) repeat in both.
+With ``fresh_lengths=False`` the grid's fixed lengths run, each workload twice: its prefill steps are then mostly
+sizes run before, and the model prices a served workload's prefill steps low.
+
 **Validation** (:func:`validate_engine`): the workload's requests are added when their arrival time has passed on
 the run's clock (``"wall"``: real time, sleeping when the engine is idle; ``"cpu"``: the CPU time the engine's
 steps take, jumping idle gaps, so that other processes on a shared machine do not slow the run), each with its
@@ -200,17 +210,30 @@ class EngineCalibration:
     so that a replay can run them at its idle points (:func:`validate_engine`); :meth:`fit` fits the model."""
 
     def __init__(
-        self, driver: VllmDriver, *, quick: bool = False, repeats: int = 2, seed: int = 0, fit_noise: bool = True
+        self,
+        driver: VllmDriver,
+        *,
+        quick: bool = False,
+        repeats: int = 2,
+        seed: int = 0,
+        fit_noise: bool = True,
+        fresh_lengths: bool = True,
     ) -> None:
         self.driver = driver
         self.fit_noise = fit_noise
         self.rng = np.random.default_rng(seed)
         vocab = driver.vocab_size
         max_len = int(driver.config["max_model_len"])
-        grid = _grid(vocab, max_len, int(driver.config["max_num_seqs"]), quick, self.rng)
-        self.work = [grid[i] for i in self.rng.permutation(len(grid) * repeats) % len(grid)]
+        seqs = int(driver.config["max_num_seqs"])
+        if fresh_lengths:  # each repeat of the grid drawn anew: no workload runs twice
+            work = [w for _ in range(repeats) for w in _grid(vocab, max_len, seqs, quick, self.rng, fresh_lengths=True)]
+            self.work = [work[i] for i in self.rng.permutation(len(work))]
+        else:
+            grid = _grid(vocab, max_len, seqs, quick, self.rng)
+            self.work = [grid[i] for i in self.rng.permutation(len(grid) * repeats) % len(grid)]
         self.lead_len = max(1, min(LEAD_IN_PROMPT, max_len // 4))
         self.lead_steps = max(0, min(LEAD_IN_STEPS, max_len - self.lead_len - 1))
+        self.fresh_lengths = fresh_lengths
         self.next = 0
         self.steps: list[TimedStep] = []
         self.pairs: list[npt.NDArray[np.float64]] = []
@@ -253,7 +276,8 @@ class EngineCalibration:
             fit_noise=self.fit_noise,
             segments=self.segments,
         )
-        fit.update({"engine": d.name, "clock": d.clock_name, "model": label, **d.config})
+        fit.update({"engine": d.name, "clock": d.clock_name, "model": label, "fresh_lengths": self.fresh_lengths})
+        fit.update(d.config)
         return model, fit
 
 
@@ -265,10 +289,14 @@ def calibrate_engine(
     seed: int = 0,
     label: str = "model",
     fit_noise: bool = True,
+    fresh_lengths: bool = True,
 ) -> tuple[StepTimeModel, dict[str, Any]]:
     """Fit a step-time model to ``driver``'s engine (see the module docstring); ``fit_noise``: with its step-time
-    noise (:mod:`kvsched.sim.steptime`)."""
-    session = EngineCalibration(driver, quick=quick, repeats=repeats, seed=seed, fit_noise=fit_noise)
+    noise (:mod:`kvsched.sim.steptime`); ``fresh_lengths``: the grid's prompt lengths drawn anew for each workload
+    (see the module docstring)."""
+    session = EngineCalibration(
+        driver, quick=quick, repeats=repeats, seed=seed, fit_noise=fit_noise, fresh_lengths=fresh_lengths
+    )
     while session.run_next():
         pass
     return session.fit(label)
@@ -433,6 +461,7 @@ def validate_engine(
     label: str = "model",
     fit_noise: bool = True,
     sim_repeats: int = 8,
+    fresh_lengths: bool = True,
 ) -> dict[str, Any]:
     """Replay ``workload`` through the engine (:func:`run_engine`) and through the simulator with ``step_model`` and
     the engine's scheduler configuration; the figures of both and their relative errors.
@@ -446,7 +475,7 @@ def validate_engine(
     session = None
     idle_work: Callable[[], object] | None = None
     if step_model is None:
-        session = EngineCalibration(driver, quick=quick, seed=seed, fit_noise=fit_noise)
+        session = EngineCalibration(driver, quick=quick, seed=seed, fit_noise=fit_noise, fresh_lengths=fresh_lengths)
         if driver.clock_name == "cpu":
             idle_work = functools.partial(session.run_next, trailer=True)
         else:

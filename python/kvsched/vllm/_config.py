@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvsched.config import CROSS_ATTENTION, MAMBA, SchedulerConfig
+from kvsched.config import CROSS_ATTENTION, MAMBA, SchedulerConfig, chunk_size_of, chunked_local
 
 from ._compat import RULES
 from ._errors import UnsupportedFeatureError
@@ -38,30 +38,43 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
 
 
-def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> tuple[list[int | str | None], int, int]:
+def _check_kv_cache_config(
+    kv_cache_config: Any, block_size: int, dcp: int = 1
+) -> tuple[list[int | str | None], int, int]:
     """Refuses the KV cache layouts the core does not implement; returns each KV cache group's sliding window, in
-    vLLM's group order (None: full attention, ``"cross"``: cross attention, ``"mamba"``: Mamba), the attention
-    groups' block size and the Mamba groups' speculative state blocks.
+    vLLM's group order (None: full attention, ``"cross"``: cross attention, ``"chunked:<c>"``: chunked-local
+    attention, ``"mamba"``: Mamba), the attention groups' block size (in scheduler blocks: times ``dcp``) and the
+    Mamba groups' speculative state blocks.
 
-    Several groups (hybrid models: full-attention and sliding-window or Mamba layers; encoder-decoder models:
-    plus cross-attention layers) map to the core's ``kv_cache_groups``, one entry per vLLM group, the attention
-    groups of one block size. A Mamba group (``MambaSpec`` with ``mamba_cache_mode`` "none", vLLM's mode without
-    prefix caching) holds one state block of ``max_model_len`` tokens per request; the scheduler block size is
-    then the least common multiple of the two (vLLM's engine)."""
-    from vllm.v1.kv_cache_interface import CrossAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    Several groups (hybrid models: full-attention and sliding-window, chunked-local or Mamba layers;
+    encoder-decoder models: plus cross-attention layers) map to the core's ``kv_cache_groups``, one entry per vLLM
+    group, the attention groups of one block size. A Mamba group (``MambaSpec`` with ``mamba_cache_mode`` "none",
+    vLLM's mode without prefix caching) holds one state block of ``max_model_len`` tokens per request; the
+    scheduler block size is then the least common multiple of the two (vLLM's engine).
+
+    ``dcp``: vLLM's decode-context-parallel size; ``block_size`` is then vLLM's scheduler block size, the spec's
+    block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        CrossAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     groups = list(kv_cache_config.kv_cache_groups)
     hybrid = len(groups) > 1
     windows: list[int | str | None] = []
-    # vLLM looks up the prefix hit of groups with equal specs together; the core does so for equal windows.
-    window_specs: dict[int, Any] = {}
+    # vLLM looks up the prefix hit of groups with equal specs together; the core does so for equal windows (and
+    # equal chunk sizes).
+    window_specs: dict[int | str, Any] = {}
     attention_sizes: dict[int, int] = {}
     mamba_sizes: set[int] = set()
     spec_blocks: set[int] = set()
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         where = f"KV cache group {g}: " if hybrid else ""
-        # Plain full attention, or sliding-window attention: chunked-local, MLA, cross-attention and the other
+        # Plain full attention, sliding-window, chunked-local or cross attention, or Mamba: MLA and the other
         # specs subclass or differ from them.
         window: int | str | None = None
         if getattr(spec, "bounded_replay", False):
@@ -95,6 +108,18 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> tuple[list[
                     f"{where}sliding_window={window}",
                 )
             window_specs[window] = spec
+        elif type(spec) is ChunkedLocalAttentionSpec:
+            # Llama 4's local-attention layers (vLLM's ChunkedLocalAttentionManager).
+            window = chunked_local(int(spec.attention_chunk_size))
+            if chunk_size_of(window) is None:
+                _refuse("chunked-local attention with this chunk size", f"{where}attention_chunk_size={window}")
+            if window in window_specs and window_specs[window] != spec:
+                _refuse(
+                    "two chunked-local KV cache groups with the same chunk size but different specs (vLLM looks up "
+                    "their prefix hits apart, the core together)",
+                    f"{where}attention_chunk_size={spec.attention_chunk_size}",
+                )
+            window_specs[window] = spec
         elif type(spec) is CrossAttentionSpec:
             # The encoder output's blocks of an encoder-decoder model (vLLM's CrossAttentionManager).
             window = CROSS_ATTENTION
@@ -107,20 +132,25 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> tuple[list[
         elif type(spec) is not FullAttentionSpec:
             _refuse(
                 f"the KV cache spec {type(spec).__name__}",
-                f"{where}only FullAttentionSpec, SlidingWindowSpec, CrossAttentionSpec and MambaSpec (mamba_cache_mode "
-                "'none') are supported",
+                f"{where}only FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec and "
+                "MambaSpec (mamba_cache_mode 'none') are supported",
             )
         elif getattr(spec, "sliding_window", None):
             _refuse("full-attention specs with a sliding window", f"{where}sliding_window={spec.sliding_window}")
-        attention_sizes.setdefault(int(spec.block_size), g)
+        if dcp > 1 and not getattr(spec, "dcp_sharded", False):
+            _refuse("KV cache specs that decode context parallelism does not shard", f"{where}dcp_sharded=False")
+        attention_sizes.setdefault(int(spec.block_size) * dcp, g)
         windows.append(window)
     if not attention_sizes:
         _refuse("models with Mamba layers only (no attention KV cache group)", "MambaSpec")
+
+    def per_rank(size: int) -> str:
+        return f"{size // dcp} * {dcp}" if dcp > 1 else str(size)
+
     if len(attention_sizes) > 1:
-        (_, g0), (size, g) = sorted(attention_sizes.items(), key=lambda kv: kv[1])[:2]
+        (size0, _), (size, g) = sorted(attention_sizes.items(), key=lambda kv: kv[1])[:2]
         _refuse(
-            "KV cache groups of different block sizes",
-            f"KV cache group {g}: {size} != {groups[g0].kv_cache_spec.block_size}",
+            "KV cache groups of different block sizes", f"KV cache group {g}: {per_rank(size)} != {per_rank(size0)}"
         )
     attention_size = next(iter(attention_sizes))
     if len(mamba_sizes) > 1:
@@ -137,7 +167,14 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int) -> tuple[list[
             if hybrid
             else "a KV cache block size that differs from the scheduler block size"
         )
-        _refuse(feature, f"{want} != {block_size}")
+        _refuse(feature, f"{want if mamba_sizes else per_rank(want)} != {block_size}")
+    if any(chunk_size_of(w) is not None for w in windows) and None not in windows:
+        _refuse(
+            "chunked-local KV cache groups without a full-attention group (vLLM's lookup then counts the blocks "
+            "before the last prompt token's chunk as a hit with nothing cached; the core looks a chunked-local hit "
+            "up within a full-attention hit)",
+            f"{len(windows)} KV cache groups",
+        )
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
     has_window = any(isinstance(w, int) for w in windows)
@@ -206,13 +243,28 @@ def kvsched_config_from_vllm(
         _refuse("the auxiliary output connector on vLLM 0.32", "aux_output_config.enabled")
     if _attr(model, "is_diffusion", False):
         _refuse("diffusion models", "model_config.is_diffusion")
-    if _attr(model, "is_encoder_decoder", False):
-        _refuse("encoder-decoder models", "model_config.is_encoder_decoder")
-    if _attr(model, "supports_multimodal_inputs", False):
+    enc_dec = bool(_attr(model, "is_encoder_decoder", False))
+    if enc_dec:
+        check_encoder_decoder(vllm_config, windows)
+    elif _attr(model, "supports_multimodal_inputs", False):
         check_multimodal(vllm_config)
-    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if _attr(parallel, name, 1) > 1:
-            _refuse("context parallelism", f"{name}={getattr(parallel, name)}")
+    # Context parallelism: vLLM's scheduler block size (block_size here) is the spec's block size times the DCP
+    # size, its KV cache manager shards each block over the DCP ranks and leaves PCP out of the unit
+    # (pcp_world_size=1); the core's dcp_world_size / pcp_world_size do the same.
+    dcp = int(_attr(parallel, "decode_context_parallel_size", 1) or 1)
+    pcp = int(_attr(parallel, "prefill_context_parallel_size", 1) or 1)
+    cp = f"decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp}"
+    if dcp & (dcp - 1):
+        _refuse("decode context parallel sizes that are not a power of two", cp)
+    if dcp > 1 or pcp > 1:
+        if len(windows or [None]) > 1 or any(w is not None for w in windows or [None]):
+            # vLLM shards only full attention (and Mamba) with DCP, and runs PCP with full attention only.
+            _refuse("context parallelism with sliding-window attention or several KV cache groups", cp)
+        if kv_transfer is not None:
+            # Not compared side by side with vLLM's scheduler under context parallelism yet.
+            _refuse("KV connectors with context parallelism", f"kv_transfer_config, {cp}")
+        if kv_events_enabled(vllm_config):
+            _refuse("KV cache events with context parallelism", f"kv_events_config, {cp}")
     if _attr(vllm_config.observability_config, "kv_cache_metrics", False):
         _refuse("KV cache eviction metrics", "observability_config.kv_cache_metrics")
     windows = windows or [None]
@@ -308,7 +360,9 @@ def kvsched_config_from_vllm(
 
     algo = str(_attr(cache, "prefix_caching_hash_algo", "sha256"))
     fields: dict[str, Any] = {
-        "block_size": block_size,
+        "block_size": block_size // dcp,
+        "dcp_world_size": dcp,
+        "pcp_world_size": pcp,
         "num_blocks": int(kv_cache_config.num_blocks),
         "max_num_seqs": int(sched.max_num_seqs),
         "max_num_batched_tokens": int(sched.max_num_batched_tokens),
@@ -376,6 +430,9 @@ def kvsched_config_from_vllm(
         fields["max_loras"] = int(vllm_config.lora_config.max_loras)
     # (Without encoder inputs it changes nothing; a text model's scheduler can get an encoder cache later.)
     fields["disable_chunked_mm_input"] = bool(sched.disable_chunked_mm_input)
+    # Encoder-decoder models: vLLM's EncoderDecoderCacheManager (the budget and cache size come with the
+    # scheduler's construction, from vLLM's MultiModalBudget).
+    fields["encoder_decoder"] = enc_dec
     return build_config(fields, knobs), num_spec_tokens
 
 
@@ -391,6 +448,28 @@ def decode_stagger(vllm_config: Any) -> int:
     if current_platform.is_xpu() and not envs.VLLM_XPU_PP_MICROBATCH:
         return 1
     return pp
+
+
+def check_encoder_decoder(vllm_config: Any, windows: list[int | str | None] | None) -> None:
+    """Refuses the encoder-decoder deployments vLLM 0.33's scheduler refuses, or kvsched does not schedule yet."""
+    model = vllm_config.model_config
+    if RULES.version == "0.32":
+        # Differs from vLLM 0.32's scheduler in the differential sweep (docs/vllm.md); kvsched follows 0.33.
+        _refuse("encoder-decoder models on vLLM 0.32", "model_config.is_encoder_decoder")
+    if not _attr(model, "supports_multimodal_inputs", False):
+        # vLLM's scheduler asserts that an encoder-decoder model implements the multimodal interface.
+        _refuse("encoder-decoder models without the multimodal interface", "model_config.is_encoder_decoder")
+    if CROSS_ATTENTION not in (windows or []):
+        _refuse(
+            "encoder-decoder models without a cross-attention KV cache group (CrossAttentionSpec)",
+            "model_config.is_encoder_decoder",
+        )
+    if bool(_attr(vllm_config, "use_v2_model_runner", False)):
+        _refuse("encoder-decoder models on model runner V2 (encoder_input_updates)", "use_v2_model_runner")
+    if vllm_config.ec_transfer_config is not None:
+        _refuse("encoder-decoder models with an encoder-cache connector", "ec_transfer_config")
+    if _attr(vllm_config.ec_manager_config, "encoder_cache_manager_cls", None) is not None:
+        _refuse("custom encoder cache managers", "ec_manager_config.encoder_cache_manager_cls")
 
 
 def check_multimodal(vllm_config: Any) -> None:

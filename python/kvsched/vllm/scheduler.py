@@ -184,7 +184,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         include_finished_set: bool = False,
         log_stats: bool = False,
     ) -> None:
-        windows, attention_block_size, mamba_speculative_blocks = _check_kv_cache_config(kv_cache_config, block_size)
+        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        windows, attention_block_size, mamba_speculative_blocks = _check_kv_cache_config(
+            kv_cache_config, block_size, dcp
+        )
         config, self.num_spec_tokens = kvsched_config_from_vllm(
             vllm_config,
             kv_cache_config,
@@ -203,7 +206,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
         # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
         # EncoderDecoderCacheManager does.
-        self._enc_dec = False
+        # An encoder-decoder model (model_config.is_encoder_decoder) schedules so from its construction, with the
+        # core's encoder_decoder mode (vLLM's encoder compute budget and EncoderDecoderCacheManager slot count).
+        self._enc_dec = config.encoder_decoder
         self._enc_dec_allocated: list[str] = []
         self._enc_dec_to_free: list[str] = []
         # Multimodal models: vLLM's encoder compute budget and encoder cache size for the model.
@@ -215,7 +220,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 max_num_encoder_input_tokens=max_num_encoder_input_tokens,
                 encoder_cache_size=encoder_cache_size,
             )
-        self._mm = EncoderInputMap() if encoder_cache_size else None
+        self._mm = EncoderInputMap() if encoder_cache_size and not self._enc_dec else None
         # Model runner V2 (vLLM 0.33): per request, the encoder inputs whose data the workers hold
         # (SchedulerOutput.encoder_input_updates installs and releases them).
         self._pending_encoder_inputs: dict[str, set[int]] = {}
@@ -357,6 +362,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # the core schedules the same requests in the same order (steady decoding).
         self._last_req_ids: list[str] = []
         self._last_reqs: list[Request] = []
+        self._mirroring_preemption = False  # _preempt_request is being called for a preemption the core made
         self._last_num_forgotten = -1
         # num_scheduled_tokens of the last one-token-each step (a private template) and the ids it was built for.
         self._ones_template: dict[str, int] | None = None
@@ -1213,11 +1219,24 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 "kvsched.vllm.Scheduler supports encoder-decoder scheduling only with a cross-attention KV cache "
                 "group (CrossAttentionSpec)"
             )
-        if self._mm is not None or self.use_v2_model_runner or self.requests:
+        if (
+            self._mm is not None
+            or self.use_v2_model_runner
+            or self.requests
+            or self._ec_connector is not None
+            or self._aux.connector is not None
+        ):
             raise UnsupportedFeatureError(
                 "kvsched.vllm.Scheduler does not support encoder-decoder scheduling with an encoder cache, with "
-                "model runner V2 (encoder_input_updates) or once requests were added"
+                "model runner V2 (encoder_input_updates), with an encoder-cache or auxiliary output connector, or "
+                "once requests were added"
             )
+        # The core takes encoder-decoder scheduling at its construction: a new one (it holds no request).
+        config = dataclasses.replace(self._core.config, encoder_decoder=True)
+        self._core = _CoreScheduler(config, kv_connector=self._bridge)
+        self.kv_config = config
+        self._kv_view = None
+        self._request_attrs = RequestAttrs.for_core(self._core.add_request, read_additional_config(self.vllm_config)[1])
         self._enc_dec = True
 
     @staticmethod
@@ -1390,9 +1409,39 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if stats is not None and self.kv_config.enable_prefix_caching and not request.skip_reading_prefix_cache:
             stats.record(num_tokens=request.num_tokens, num_hits=num_hit_tokens, preempted=request.num_preemptions > 0)
 
-    def _mirror_preempt(self, request: Request, now: float, aux_told: bool = False) -> None:
-        """vLLM's ``_preempt_request``, for the request object (the core already freed its blocks). The auxiliary
-        output connector hears of it here unless ``aux_told``."""
+    def _mirror_preempt(
+        self, request: Request, now: float, aux_told: bool = False, drop_stale_output: bool = False
+    ) -> None:
+        """Mirrors a preemption the core made through ``_preempt_request``."""
+        self._mirroring_preemption = True
+        try:
+            if drop_stale_output:
+                self._preempt_request(request, now, drop_stale_output=True, aux_told=aux_told)
+            else:
+                self._preempt_request(request, now, aux_told=aux_told)
+        finally:
+            self._mirroring_preemption = False
+
+    def _preempt_request(
+        self, request: Request, timestamp: float, drop_stale_output: bool = False, *, aux_told: bool = False
+    ) -> None:
+        """vLLM's ``_preempt_request``. The adapter calls it for each preemption the core made (the core already
+        freed the blocks), in the order vLLM preempts, while the request still shows its state before the
+        preemption: wrapping it on an instance observes preemptions, as vLLM's tests do. Called by hand on a
+        running request (as vLLM's tests call it, after taking the request out of ``running``), the core preempts
+        that request now (``preempt_request``: docs/semantics.md, Preemption by hand) and the request object
+        follows. The auxiliary output connector hears of it here unless ``aux_told``."""
+        if not self._mirroring_preemption:
+            req_id = request.request_id
+            if self.requests.get(req_id) is not request:
+                raise KeyError(f"request {req_id!r} is not one of this scheduler's requests")
+            if request.status != _RUNNING:
+                raise InvalidRequestError(f"request {req_id!r} is not running: only running requests can be preempted")
+            if self._aux.connector is not None and not aux_told:
+                self._aux.request_finished(request)  # vLLM tells it before the blocks are freed
+            self._core.preempt_request(req_id, drop_stale_output=bool(drop_stale_output))
+            self._reset_preempted_req_ids.add(req_id)
+            aux_told = True
         if self._aux.connector is not None and not aux_told:
             self._aux.request_finished(request)
         self._pending_encoder_inputs.pop(request.request_id, None)
@@ -1404,14 +1453,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         request.num_computed_tokens = 0
         if request.spec_token_ids:
             request.spec_token_ids = []
-        request.drop_stale_output = self._requires_kv_delivery or (
-            request.drop_stale_output and request.num_stale_output_tokens > 0
+        request.drop_stale_output = (
+            drop_stale_output
+            or self._requires_kv_delivery
+            or (request.drop_stale_output and request.num_stale_output_tokens > 0)
         )
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         if self.log_stats:
-            request.record_event(EngineCoreEventType.PREEMPTED, now)
+            request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
         if self._needs_slow_update(request):
             self._slow_req_ids.add(request.request_id)
 
@@ -1458,10 +1509,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             return (core.get_block_ids(req_id).tolist(),)
         return tuple(core.get_block_ids(req_id, g).tolist() for g in range(self._num_groups))
 
-    def _window_hashed_tokens(self, table: list[int], num_cached_blocks: int, window: int | None) -> int:
+    def _window_hashed_tokens(self, table: list[int], num_cached_blocks: int, window: int | str | None) -> int:
         """The tokens up to the end of the last block of ``table`` that carries a hash (among its first
-        ``num_cached_blocks``); with a sliding window the null blocks before the window carry none, and a
-        window of one token caches nothing."""
+        ``num_cached_blocks``); with a sliding window (or chunked-local attention) the null blocks before the
+        window carry none, and a window of one token caches nothing."""
         if window is None:
             return min(num_cached_blocks, len(table)) * self.block_size
         if window == 1:
@@ -1476,7 +1527,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         return min(
             self._window_hashed_tokens(table, num_cached_blocks, w)
             for table, w in zip(tables, self._group_windows, strict=True)
-            if not isinstance(w, str)  # vLLM leaves cross-attention groups out (never prefix cached)
+            if w != CROSS_ATTENTION  # vLLM leaves cross-attention groups out (never prefix cached)
         )
 
     def update_from_output(
@@ -2177,8 +2228,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             now = time.monotonic() if self.log_stats else 0.0
             for req_id in reversed(running):
                 request = self.requests[req_id]
-                self._mirror_preempt(request, now, aux_told=True)
-                request.drop_stale_output = True
+                self._mirror_preempt(request, now, aux_told=True, drop_stale_output=True)
                 self._reset_preempted_req_ids.add(req_id)
             self.prev_step_scheduled_req_ids.clear()
         else:
@@ -2248,7 +2298,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             and not manager.allocated
             and not manager.to_free
         ):
-            # Encoder-decoder: vLLM's slot count of this manager is not kept (see docs/vllm.md); nothing to size.
+            # Encoder-decoder: a new manager's slot count is its cache size; nothing encoded is left to release.
+            self._core.set_encoder_sizes(int(self._core.config.max_num_encoder_input_tokens), int(manager.cache_size))
+            self._core.reset_encoder_decoder_slots()
+            self._enc_dec_allocated.clear()
+            self._enc_dec_to_free.clear()
             return
         if type(manager) is not EncoderCacheManager or manager.cached or manager.num_free_slots != manager.cache_size:
             raise UnsupportedFeatureError(
@@ -2261,10 +2315,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         """Re-sizes the core's encoder budget and cache (the core refuses a cache that holds entries, or sizes
         below a live request's encoder input). A model without multimodal inputs then schedules them too, as
         vLLM's scheduler does once both are set."""
-        if encoder_cache_size and self._mm is None:
+        mm = encoder_cache_size and self._mm is None and not self._enc_dec
+        if mm:
             check_multimodal(self.vllm_config)
         self._core.set_encoder_sizes(max_num_encoder_input_tokens, encoder_cache_size)
-        if encoder_cache_size and self._mm is None:
+        if mm:
             self._mm = EncoderInputMap()
 
     def reset_encoder_cache(self) -> None:
@@ -2274,6 +2329,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if self._enc_dec:
             self._enc_dec_allocated.clear()
             self._enc_dec_to_free.clear()
+            self._core.reset_encoder_decoder_slots()
         if self._mm is not None:
             raise UnsupportedFeatureError("kvsched.vllm.Scheduler does not support reset_encoder_cache yet")
 

@@ -183,9 +183,14 @@ def make_vllm_config(
     ec_connector_seed: int | None = None,
     ec_role: str = "ec_consumer",
     pipeline_parallel_size: int = 1,
+    decode_context_parallel_size: int = 1,
+    prefill_context_parallel_size: int = 1,
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config; ``multimodal``: a tiny LLaVA,
-    whose requests may carry images, with vLLM's ``disable_chunked_mm_input``). ``num_speculative_tokens``
+    whose requests may carry images, with vLLM's ``disable_chunked_mm_input``). ``decode_context_parallel_size`` /
+    ``prefill_context_parallel_size``: vLLM's DCP / PCP sizes, set on the built config (``block_size`` is then the
+    per-rank block size: ``make_scheduler`` gives the scheduler ``block_size * dcp``,
+    as vLLM's engine does, and requests hash blocks of that many tokens). ``num_speculative_tokens``
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
     as its draft model; ``eagle_block_drop``: vLLM's default prefix-cache rules for it, look-ahead block hashes
     or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``).
@@ -314,6 +319,11 @@ def make_vllm_config(
     # The CPU platform turns async scheduling off: switch it back on to exercise the async path.
     vllm_config.scheduler_config.async_scheduling = async_scheduling
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    # Context parallelism, set on the built config as vLLM's KV cache manager tests set it (the tiny model's KV
+    # heads would need more tensor-parallel ranks than DCP for vLLM's config checks; the scheduler reads only
+    # the two sizes).
+    vllm_config.parallel_config.decode_context_parallel_size = decode_context_parallel_size
+    vllm_config.parallel_config.prefill_context_parallel_size = prefill_context_parallel_size
     return vllm_config
 
 
@@ -326,11 +336,13 @@ def _kv_cache_config(
     num_speculative_tokens: int = 0,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
-    (None: full attention, an int: a sliding window of that many tokens, ``"cross"``: cross attention,
-    ``"mamba"``: a Mamba group as vLLM builds it without prefix caching: ``mamba_cache_mode`` "none", a block of
-    ``max_model_len`` tokens, a speculative state block per draft token); groups of one kind share one spec."""
+    (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
+    attention in chunks of ``c`` tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba group as vLLM builds it
+    without prefix caching: ``mamba_cache_mode`` "none", a block of ``max_model_len`` tokens, a speculative state
+    block per draft token); groups of one kind share one spec."""
     import torch
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         CrossAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
@@ -352,6 +364,14 @@ def _kv_cache_config(
             )
         if window is None:
             return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        if isinstance(window, str) and window.startswith("chunked:"):
+            return ChunkedLocalAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=1,
+                head_size=1,
+                dtype=torch.float32,
+                attention_chunk_size=int(window.removeprefix("chunked:")),
+            )
         return SlidingWindowSpec(
             block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
         )
@@ -374,8 +394,9 @@ def make_scheduler(
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
     full attention). ``kv_cache_groups``: a hybrid model instead, one KV cache group per entry (None: full
-    attention, an int: a sliding window of that many tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba
-    group in mode "none", which needs prefix caching off), in that order.
+    attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local attention in chunks
+    of ``c`` tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba group in mode "none", which needs prefix
+    caching off), in that order.
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -393,9 +414,13 @@ def make_scheduler(
         raise ValueError(f"impl must be 'vllm' or 'kvsched', got {impl!r}")
     block_size = vllm_config.cache_config.block_size
     max_model_len = int(vllm_config.model_config.max_model_len)
-    # vLLM's engine gives the scheduler the least common multiple of the groups' block sizes (a Mamba group's
-    # block holds max_model_len tokens).
-    scheduler_block_size = math.lcm(block_size, max_model_len) if "mamba" in (kv_cache_groups or ()) else block_size
+    # vLLM's engine gives the scheduler its block size times the DCP size (one block id covers a block on every
+    # DCP rank; resolve_kv_cache_block_sizes), the KV cache specs keep the per-rank size; with a Mamba group, the
+    # least common multiple of the groups' block sizes (a Mamba group's block holds max_model_len tokens).
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    scheduler_block_size = block_size * dcp
+    if "mamba" in (kv_cache_groups or ()):
+        scheduler_block_size = math.lcm(scheduler_block_size, max_model_len)
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if use_v2_model_runner else "0"
     try:

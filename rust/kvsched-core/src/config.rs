@@ -294,6 +294,10 @@ pub struct SchedulerConfig {
     /// vLLM's `disable_chunked_mm_input`: a prefill chunk never covers only part of an encoder input; it stops
     /// before the input instead.
     pub disable_chunked_mm_input: bool,
+    /// vLLM's encoder-decoder scheduling (`EncoderDecoderCacheManager`): an admission's `cross_attention_tokens`
+    /// are its encoder inputs, charged to the step's encoder budget and to a slot count that starts at
+    /// `encoder_cache_size` (`encoder_dec.rs`). Needs a cross-attention group.
+    pub encoder_decoder: bool,
     /// Where a request whose asynchronous KV load is in progress waits. `true`: parked out of every queue until
     /// the load is reported over, then queued at the back of `kv_waiting` (in the order added, among those
     /// reported between two steps). `false` (vLLM 0.33): it goes to the front of `kv_waiting` with the other
@@ -350,12 +354,13 @@ pub struct SchedulerConfig {
     /// needs only the window's blocks (see `kv_cache_manager.rs`). `None`: full attention.
     pub sliding_window: Option<u32>,
     /// Several KV cache groups sharing one pool and one block size (vLLM's hybrid models: full attention plus
-    /// sliding-window layers): one entry per group, `None` for full attention or `Some(w)` for a window of `w`
-    /// tokens, `Some(CROSS_ATTENTION)` for a cross-attention group (encoder-decoder models) or `Some(MAMBA)` for
-    /// a Mamba group (hybrid Mamba models with `mamba_cache_mode` "none"). The first group that is not Mamba (the
-    /// *primary* group: `Request::blocks`) must be full attention or a window. Each request holds one block table
-    /// per group; a prefix hit must be valid for every group (`hybrid.rs`). Empty: one group (full attention, or
-    /// `sliding_window`).
+    /// sliding-window or chunked-local layers): one entry per group, `None` for full attention or `Some(w)` for a
+    /// window of `w` tokens, `Some(CHUNKED_LOCAL | c)` for chunked-local attention in chunks of `c` tokens (with a
+    /// full-attention group), `Some(CROSS_ATTENTION)` for a cross-attention group (encoder-decoder models) or
+    /// `Some(MAMBA)` for a Mamba group (hybrid Mamba models with `mamba_cache_mode` "none"). The first group that
+    /// is not Mamba (the *primary* group: `Request::blocks`) must be full attention, a window or chunked-local.
+    /// Each request holds one block table per group; a prefix hit must be valid for every group (`hybrid.rs`).
+    /// Empty: one group (full attention, or `sliding_window`).
     pub kv_cache_groups: Vec<Option<u32>>,
     /// The extra state blocks a request holds in each Mamba group for speculative decoding (vLLM's
     /// `MambaSpec.num_speculative_blocks`): a request holds `1 + mamba_speculative_blocks` blocks there. Needs a
@@ -459,6 +464,7 @@ impl Default for SchedulerConfig {
             max_num_encoder_input_tokens: 0,
             encoder_cache_size: 0,
             disable_chunked_mm_input: false,
+            encoder_decoder: false,
             park_kv_loads: true,
             reserve_inflight_prefills: false,
             defer_block_free: false,
@@ -493,8 +499,15 @@ pub const CROSS_ATTENTION: u32 = u32::MAX;
 /// A `kv_cache_groups` entry (`Some(MAMBA)`) for a Mamba (linear-attention) group with vLLM's `mamba_cache_mode`
 /// "none" (`MambaSpec` with a block of `max_model_len` tokens): a request holds `1 + mamba_speculative_blocks`
 /// state blocks there, taken at its first allocation and freed with it, never cached (`hybrid.rs`). Python spells
-/// it `"mamba"`.
+/// it `"mamba"`. It is `CHUNKED_LOCAL | (2^31 - 2)`, which is why chunk sizes stop at `2^31 - 3`.
 pub const MAMBA: u32 = u32::MAX - 1;
+/// The flag of a `kv_cache_groups` entry (`Some(CHUNKED_LOCAL | c)`) for a chunked-local attention group (vLLM's
+/// `ChunkedLocalAttentionSpec`, Llama 4): the token at position `p` attends to the tokens of its own chunk of `c`
+/// tokens (`p / c * c ..= p`) only, so the blocks wholly before the chunk of the next token go back to the pool
+/// (`hybrid.rs`). `c` in `[1, MAX_CHUNK_SIZE]`. Python spells it `"chunked:c"`.
+pub const CHUNKED_LOCAL: u32 = 1 << 31;
+/// The largest chunk size of a chunked-local group (`2^31 - 3`: `CHUNKED_LOCAL | (2^31 - 2)` is `MAMBA`).
+pub const MAX_CHUNK_SIZE: u32 = I32_MAX - 2;
 
 /// An integer field's fixed bounds (inclusive), and how to read it (`None`: unset, not checked).
 struct IntField {
@@ -779,7 +792,15 @@ impl SchedulerConfig {
                     .into(),
             ));
         }
-        self.validate_groups()
+        self.validate_groups()?;
+        if self.encoder_decoder && !self.kv_cache_groups.contains(&Some(CROSS_ATTENTION)) {
+            return Err(SchedError::InvalidConfig(
+                "encoder_decoder needs a cross-attention group ('cross') in kv_cache_groups (the encoder output's \
+                 blocks)"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// What several KV cache groups (`kv_cache_groups`) need: two groups or more (one is the plain or
@@ -804,10 +825,20 @@ impl SchedulerConfig {
                 groups.len()
             ));
         }
-        if let Some(w) =
-            groups.iter().flatten().find(|&&w| w != CROSS_ATTENTION && w != MAMBA && (w == 0 || w > I32_MAX))
-        {
-            return refuse(format!("windows must be in [1, {I32_MAX}], got {w}"));
+        if groups.contains(&Some(0)) {
+            return refuse(format!("windows must be in [1, {I32_MAX}], got 0"));
+        }
+        if groups.contains(&Some(CHUNKED_LOCAL)) {
+            return refuse(format!("chunk sizes must be in [1, {MAX_CHUNK_SIZE}], got 0"));
+        }
+        let chunked =
+            groups.iter().flatten().any(|&w| w != CROSS_ATTENTION && w != MAMBA && w & CHUNKED_LOCAL != 0);
+        if chunked && !groups.contains(&None) {
+            return refuse(
+                "with a chunked-local group needs a full-attention group (the core looks a chunked-local hit up \
+                 within the full-attention hit)"
+                    .into(),
+            );
         }
         match groups.iter().find(|&&g| g != Some(MAMBA)) {
             None => return refuse("needs a group that is not Mamba (it holds the decoder's tokens)".into()),

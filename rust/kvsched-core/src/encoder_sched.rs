@@ -170,6 +170,7 @@ impl Scheduler {
                  encoder_cache_size={encoder_cache_size}"
             ));
         }
+        self.check_encoder_decoder_budget(max_num_encoder_input_tokens).map_err(SchedError::InvalidConfig)?;
         if u64::from(encoder_cache_size) != self.encoder.capacity()
             && !self.encoder.resize_empty(u64::from(encoder_cache_size))
         {

@@ -1,6 +1,6 @@
 //! Several KV cache groups in one pool (`SchedulerConfig::kv_cache_groups`, vLLM's `HybridKVCacheCoordinator`
-//! over one `FullAttentionManager`, `SlidingWindowManager`, `CrossAttentionManager` or `MambaManager` per group,
-//! the attention groups with the same block size).
+//! over one `FullAttentionManager`, `SlidingWindowManager`, `ChunkedLocalAttentionManager`,
+//! `CrossAttentionManager` or `MambaManager` per group, the attention groups with the same block size).
 //!
 //! A request holds one block table per group (the *primary* group's, the first that is not Mamba, is
 //! `Request::blocks`; the others are `Request::groups`, in group order), all of the same length but cross
@@ -18,6 +18,11 @@
 //!   order of first appearance, each lookup capped at the hit so far, until a pass shortens nothing. Every
 //!   group's hit then has the same number of blocks (full attention trimmed to it, windows with null blocks
 //!   before their run).
+//! - **Chunked-local groups** (`CHUNKED_LOCAL | c`, vLLM's `ChunkedLocalAttentionManager`): a window group whose
+//!   skipped tokens are those before the chunk of the next token (`computed / c * c`), with its own admission
+//!   cap (`ceil(min(c + in-flight tokens, max_model_len) / bs)`). Its lookup, capped at `n` blocks: the blocks
+//!   before the chunk that holds token `n * bs` are null blocks, then the cached blocks from there on, stopping
+//!   at the first miss (`chunk_hit`). Its full blocks are all cached.
 //! - **Cross-attention groups** (`CROSS_ATTENTION`, vLLM's `CrossAttentionManager`): a request's table there
 //!   holds `ceil(cross_attention_tokens / bs)` blocks, taken by its first allocation (a fresh table: an
 //!   admission, or a readmission after preemption) and never grown after; freed with the others; never cached,
@@ -36,13 +41,14 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use crate::config::{CROSS_ATTENTION, MAMBA};
+use crate::config::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
 
 /// The groups of a hybrid KV cache.
 #[derive(Debug)]
 pub struct Hybrid {
-    /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention; `MAMBA`: Mamba.
+    /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention; `MAMBA`: Mamba;
+    /// `CHUNKED_LOCAL | c`: chunked-local attention in chunks of `c` tokens.
     pub windows: Vec<u32>,
     /// The primary group: the first that is not Mamba (its table is `Request::blocks`).
     pub primary: usize,
@@ -78,8 +84,8 @@ impl Clone for Hybrid {
 }
 
 impl Hybrid {
-    /// `windows`: per group, `None` for full attention. `cap` gives a window's admission cap in blocks;
-    /// `mamba_speculative_blocks` the extra state blocks of a Mamba group.
+    /// `windows`: per group, `None` for full attention. `cap` gives a window's (or chunked-local group's)
+    /// admission cap in blocks; `mamba_speculative_blocks` the extra state blocks of a Mamba group.
     pub fn new(windows: &[Option<u32>], mamba_speculative_blocks: u32, cap: impl Fn(u32) -> usize) -> Self {
         let windows: Vec<u32> = windows.iter().map(|w| w.unwrap_or(0)).collect();
         let caps = windows.iter().map(|&w| if is_window(w) { cap(w) } else { usize::MAX }).collect();
@@ -153,4 +159,20 @@ pub fn is_window(w: u32) -> bool {
 #[inline]
 pub(crate) fn window_skipped(w: u32, computed: u32) -> u32 {
     (computed + 1).saturating_sub(w)
+}
+
+/// The chunk size of a chunked-local group's entry `w`, or `None` for another group.
+#[inline]
+pub(crate) fn chunk_size(w: u32) -> Option<u32> {
+    (w != CROSS_ATTENTION && w != MAMBA && w & CHUNKED_LOCAL != 0).then_some(w & !CHUNKED_LOCAL)
+}
+
+/// Tokens a window or chunked-local group `w` no longer reads once `computed` tokens are computed (vLLM's
+/// `get_num_skipped_tokens`): those before the window of the next token, or before its chunk.
+#[inline]
+pub(crate) fn group_skipped(w: u32, computed: u32) -> u32 {
+    match chunk_size(w) {
+        Some(c) => computed / c * c,
+        None => window_skipped(w, computed),
+    }
 }

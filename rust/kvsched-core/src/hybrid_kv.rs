@@ -3,7 +3,7 @@
 use crate::block_pool::NULL_BLOCK;
 use crate::config::{CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
-use crate::hybrid::{group_key, group_slot, is_window, window_skipped};
+use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::request::Request;
 
@@ -65,6 +65,22 @@ impl KvCacheManager {
                 }
                 if w == 0 {
                     for i in 0..curr {
+                        if !self.hit_all(hashes, i, ids, &mut found) {
+                            break;
+                        }
+                        for (&g, &b) in ids.iter().zip(&found) {
+                            hits[g].push(b);
+                        }
+                    }
+                } else if let Some(c) = chunk_size(w) {
+                    // Null blocks before the chunk that holds token `curr * bs`, then the cached blocks from there
+                    // on, up to the first miss.
+                    let end = u64::from(self.block_size) * curr as u64;
+                    let start = ((end / u64::from(c) * u64::from(c)) >> self.block_shift) as usize;
+                    for &g in ids {
+                        hits[g].resize(start, NULL_BLOCK);
+                    }
+                    for i in start..curr {
                         if !self.hit_all(hashes, i, ids, &mut found) {
                             break;
                         }
@@ -173,7 +189,7 @@ impl KvCacheManager {
                 continue;
             }
             let skipped =
-                (window_skipped(w, hits.len() as u32 * self.block_size) >> self.block_shift) as usize;
+                (group_skipped(w, hits.len() as u32 * self.block_size) >> self.block_shift) as usize;
             let kept = &hits[skipped.min(hits.len())..];
             let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total += required.saturating_sub(skipped.max(hits.len())) + evictable;
@@ -228,7 +244,7 @@ impl KvCacheManager {
                 continue;
             }
             let skipped = if fresh && w != 0 {
-                (window_skipped(w, total_computed) >> self.block_shift) as usize
+                (group_skipped(w, total_computed) >> self.block_shift) as usize
             } else {
                 0
             };
@@ -246,7 +262,10 @@ impl KvCacheManager {
                 continue;
             }
             let kept = &all_hits[g][skipped.min(num_hits)..];
-            self.pool.touch(kept);
+            // A chunked-local hit can hold null blocks past the skipped ones (its nulls end at a chunk, the
+            // skipped blocks at the chunk of the hit's end, which may start lower): never touched.
+            let nulls = kept.iter().take_while(|&&b| b == NULL_BLOCK).count();
+            self.pool.touch(&kept[nulls..]);
             let (blocks, num_cached) = table(req, slots[g]);
             blocks.extend(std::iter::repeat_n(NULL_BLOCK, skipped));
             blocks.extend_from_slice(kept);
@@ -275,11 +294,11 @@ impl KvCacheManager {
         (req.cross_attention_tokens.div_ceil(self.block_size) as usize).saturating_sub(held)
     }
 
-    /// `remove_skipped_blocks` of the group at `slot` with window `w`.
+    /// `remove_skipped_blocks` of the group at `slot` with window (or chunked-local entry) `w`.
     fn remove_group_skipped(&mut self, req: &mut Request, slot: Option<usize>, w: u32, processed: u32) {
         let shift = self.block_shift;
         let (blocks, _) = table(req, slot);
-        let last = ((window_skipped(w, processed) >> shift) as usize).min(blocks.len());
+        let last = ((group_skipped(w, processed) >> shift) as usize).min(blocks.len());
         let mut first = last;
         while first > 0 && blocks[first - 1] != NULL_BLOCK {
             first -= 1;

@@ -29,6 +29,7 @@ pub mod connector;
 mod connector_sched;
 pub mod ec_connector;
 pub mod encoder;
+mod encoder_dec;
 mod encoder_sched;
 pub mod error;
 pub mod events;
@@ -58,7 +59,7 @@ mod victim;
 
 pub use config::{
     HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, PreemptionVictim, SchedulerConfig,
-    CROSS_ATTENTION, MAMBA,
+    CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, MAX_CHUNK_SIZE,
 };
 pub use connector::{KvConnector, KvTransferReport};
 pub use ec_connector::EcConnector;

@@ -149,6 +149,8 @@ pub struct Scheduler {
     pub(crate) encoder: EncoderCache,
     /// Live requests' encoder-input hashes: (encoder tokens, number of live inputs with the hash).
     pub(crate) encoder_sizes: HashMap<u64, (u32, u32)>,
+    /// Encoder-decoder scheduling: vLLM's `EncoderDecoderCacheManager` slot count (`encoder_dec.rs`).
+    pub(crate) enc_dec_free_slots: i64,
     /// Session affinity: which sessions ran recently (`session.rs`).
     pub(crate) sessions: Sessions,
     /// Aging (`max_wait_steps`): the requests of `waiting` in the order they entered it, as `(first step
@@ -166,12 +168,18 @@ fn window_admission_cap_blocks(config: &SchedulerConfig) -> usize {
     config.sliding_window.map_or(usize::MAX, |w| window_cap_blocks(config, w))
 }
 
-/// `window_admission_cap_blocks` for a window of `window` tokens.
+/// `window_admission_cap_blocks` for a window of `window` tokens; for a chunked-local group of chunks of `c`
+/// tokens (vLLM's `ChunkedLocalAttentionSpec.max_admission_blocks_per_request`), `ceil(min(c + in-flight tokens,
+/// max_model_len) / bs)`.
 fn window_cap_blocks(config: &SchedulerConfig, window: u32) -> usize {
     let batches = u64::from(config.concurrent_batches());
-    let tokens = (u64::from(window) - 1 + batches * u64::from(config.max_num_batched_tokens))
-        .min(u64::from(config.max_model_len));
-    tokens.div_ceil(u64::from(config.kv_block_size())) as usize + 1
+    let in_flight = batches * u64::from(config.max_num_batched_tokens);
+    let bs = u64::from(config.kv_block_size());
+    if let Some(c) = crate::hybrid::chunk_size(window) {
+        return (u64::from(c) + in_flight).min(u64::from(config.max_model_len)).div_ceil(bs) as usize;
+    }
+    let tokens = (u64::from(window) - 1 + in_flight).min(u64::from(config.max_model_len));
+    tokens.div_ceil(bs) as usize + 1
 }
 
 fn bad_request(msg: String) -> SchedError {
@@ -218,6 +226,7 @@ impl Scheduler {
             cpu: CpuBlockPool::new(config.num_cpu_blocks),
             encoder: EncoderCache::new(u64::from(config.encoder_cache_size)),
             encoder_sizes: HashMap::new(),
+            enc_dec_free_slots: i64::from(config.encoder_cache_size),
             recompute_cost_per_token: config.recompute_cost_per_token,
             swap_cost_per_block: config.swap_cost_per_block,
             waiting: WaitingQueue::new(config.policy),
@@ -395,6 +404,12 @@ impl Scheduler {
         }
         self.check_encoder_inputs(req_id, prompt_len, &params.encoder_inputs).map_err(bad_request)?;
         self.check_cross_attention_tokens(req_id, &params)?;
+        self.check_encoder_decoder_request(
+            req_id,
+            params.encoder_inputs.len(),
+            params.cross_attention_tokens,
+        )
+        .map_err(bad_request)?;
         if params.resumable {
             self.check_resumable(req_id, &params)?;
         }
@@ -702,6 +717,10 @@ impl Scheduler {
         }
         self.release_cpu_blocks(slot)?;
         self.forget_encoder_inputs(slot)?;
+        if self.config.encoder_decoder {
+            // vLLM's EncoderDecoderCacheManager frees every finished request's inputs (`encoder_dec.rs`).
+            self.enc_dec_free_slots += i64::from(self.slab.get(slot)?.cross_attention_tokens);
+        }
         let id = self
             .slab
             .remove(slot)
@@ -914,6 +933,26 @@ impl Scheduler {
             return Err(SchedError::Internal("the prefix cache is in use with no request running".into()));
         }
         Ok(ok)
+    }
+
+    /// vLLM's `_preempt_request` called by hand (its tests take a request out of `running` and preempt it): the
+    /// running request `req_id` is preempted now, as a step preempts a victim in recompute mode. Its blocks are
+    /// freed (or wait for the steps in flight, with `defer_block_free`), the output of its steps in flight becomes
+    /// stale (dropped with `drop_stale_output`), it goes back to the front of the waiting queue, and the next
+    /// step lists it in `preempted_req_ids`. An unknown id, or a request that is not running, is an error that
+    /// changes nothing.
+    pub fn preempt_request(&mut self, req_id: &str, drop_stale_output: bool) -> Result<()> {
+        let slot = self.slot_of(req_id)?;
+        let pos = self.running.iter().position(|&s| s == slot).ok_or_else(|| {
+            SchedError::InvalidRequest(format!(
+                "request {req_id:?} is not running: only a running request can be preempted"
+            ))
+        })?;
+        self.running.remove(pos);
+        self.preempt(slot, drop_stale_output)?;
+        self.preempted_since_step.push(self.slab.get(slot)?.id.clone());
+        self.epoch += 1;
+        Ok(())
     }
 
     /// The number of preemptions so far (`stats().num_preemptions`, without building the whole snapshot).

@@ -204,6 +204,8 @@ impl Slab {
             && req.num_output_placeholders == 0
             && req.spec_token_ids.is_empty()
             && req.encoder_inputs.is_empty()
+            // Encoder-decoder: every output gives its slots back (`encoder_dec.rs`).
+            && req.cross_attention_tokens == 0
             && !req.inflight_prefill
     }
 

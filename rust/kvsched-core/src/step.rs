@@ -320,6 +320,10 @@ struct AdmissionPass {
 /// `restored + ext` with `restored >= num_hit_tokens`; `n` is 0 exactly for an asynchronous load.
 struct Admission {
     h: ReqHandle,
+    /// Encoder-decoder: its encoder tokens (given back to the slot count if its allocation fails), and those
+    /// charged to the step's encoder budget and the slot count at its admission (`encoder_dec.rs`).
+    enc_dec_tokens: u32,
+    enc_dec_charge: u32,
     /// It is the head of `kv_waiting` (it holds KV blocks), not of `waiting`.
     from_kv: bool,
     /// Its computed tokens before the step (nonzero only for a request whose load is over).
@@ -991,6 +995,8 @@ impl Scheduler {
             // no connector, encoder inputs, swapped blocks or drafts, where nothing else decides the outcome.
             if pass.quick_reject
                 && req.encoder_inputs.is_empty()
+                // Encoder-decoder: slots short skip the request before its allocation could end the pass.
+                && (req.cross_attention_tokens == 0 || !self.config.encoder_decoder)
                 && req.cpu_blocks.is_empty()
                 && req.num_swapped_tokens == 0
             {
@@ -1079,6 +1085,9 @@ impl Scheduler {
         }
         let planned_encoder = self.encoder.capacity() > 0 && !load_async && !req.encoder_inputs.is_empty();
         let num_tokens = req.num_tokens();
+        // Encoder-decoder: the encoder output is computed at the admission of a request with nothing computed
+        // (`encoder_dec.rs`); a failed allocation gives its slots back all the same.
+        let enc_dec_tokens = if self.config.encoder_decoder { req.cross_attention_tokens } else { 0 };
         let (mut n, pad) = if load_async {
             (0, false)
         } else {
@@ -1103,8 +1112,25 @@ impl Scheduler {
                 return Ok(Candidate::Skip);
             }
         }
+        let mut enc_dec_charge = 0;
+        if enc_dec_tokens > 0 && computed == 0 && !load_async {
+            if enc_dec_tokens > enc.budget || i64::from(enc_dec_tokens) > self.enc_dec_free_slots {
+                // vLLM 0.33: the encoder budget or the slots are short: 0 tokens, skipped (it keeps its place).
+                mark_deferred(self.slab.get_mut(h.slot)?, &mut self.num_deferred);
+                self.pop_candidate(h, from_kv, pass.aged)?;
+                if from_kv {
+                    pass.skipped_kv.push(h);
+                } else {
+                    pass.skipped.push(h);
+                }
+                return Ok(Candidate::Skip);
+            }
+            enc_dec_charge = enc_dec_tokens;
+        }
         Ok(Candidate::Admit(Admission {
             h,
+            enc_dec_tokens,
+            enc_dec_charge,
             from_kv,
             computed_before,
             num_hit_tokens,
@@ -1175,6 +1201,7 @@ impl Scheduler {
             if a.planned_encoder {
                 self.rollback_encoder(enc, a.h.slot)?;
             }
+            self.enc_dec_free_slots += i64::from(a.enc_dec_tokens);
             return Ok(false);
         }
         // vLLM 0.33: an asynchronous load leaves free what the in-flight prefills still need.
@@ -1216,6 +1243,7 @@ impl Scheduler {
             if a.planned_encoder {
                 self.rollback_encoder(enc, a.h.slot)?;
             }
+            self.enc_dec_free_slots += i64::from(a.enc_dec_tokens);
             return Ok(false);
         }
         Ok(true)
@@ -1242,6 +1270,8 @@ impl Scheduler {
             }
             Self::commit_encoder(&mut self.counters, enc);
         }
+        enc.budget -= a.enc_dec_charge;
+        self.enc_dec_free_slots -= i64::from(a.enc_dec_charge);
         let (req, hot) = self.slab.get_mut_hot(h.slot)?;
         complete_resume(
             &mut self.cpu,
@@ -1407,6 +1437,10 @@ impl Scheduler {
         self.free_request_blocks(slot, false)?;
         let (req, hot) = self.slab.get_mut_hot(slot)?;
         release_encoder_refs(&mut self.encoder, req);
+        if self.config.encoder_decoder {
+            // vLLM's EncoderDecoderCacheManager frees a preempted request's inputs (`encoder_dec.rs`).
+            self.enc_dec_free_slots += i64::from(req.cross_attention_tokens);
+        }
         req.num_lost_tokens = std::mem::take(&mut hot.computed[slot as usize]);
         req.spec_token_ids.clear();
         req.inflight_prefill = false;

@@ -426,6 +426,7 @@ impl Scheduler {
         let spec_decoding = self.config.num_spec_tokens() > 0;
         // Only requests of a scheduler with an encoder cache can hold encoder-cache references.
         let has_encoder = self.encoder.capacity() > 0;
+        let enc_dec = self.config.encoder_decoder;
         let Some((req, hot)) = self.slab.resolve_mut_hot(handle) else {
             return Ok(None);
         };
@@ -445,6 +446,9 @@ impl Scheduler {
             // encoder inputs a request has consumed once the step has run.
             if has_encoder && req.num_encoder_held > 0 {
                 Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
+            }
+            if enc_dec && hot.computed[s] > 0 {
+                self.enc_dec_free_slots += i64::from(req.cross_attention_tokens);
             }
             if let (Some(d), false, false) = (&drafts, stale, is_chunk) {
                 req.spec_token_ids.clear();
@@ -468,6 +472,11 @@ impl Scheduler {
         }
         if has_encoder && req.num_encoder_held > 0 {
             Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
+        }
+        if enc_dec && hot.computed[s] > 0 {
+            // vLLM's EncoderDecoderCacheManager frees the request's inputs at every output once it has computed
+            // tokens (`encoder_dec.rs`).
+            self.enc_dec_free_slots += i64::from(req.cross_attention_tokens);
         }
         let was_running = req.status == RequestStatus::Running;
         let had_placeholders = req.num_output_placeholders > 0;

@@ -6,7 +6,7 @@
 //! does not fit the core's `u32` gets the core's message for the field's bounds.
 
 use kvsched_core as core;
-use kvsched_core::{CROSS_ATTENTION, MAMBA};
+use kvsched_core::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, MAX_CHUNK_SIZE};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyMapping};
 
@@ -71,6 +71,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("max_num_encoder_input_tokens", c.max_num_encoder_input_tokens)?;
     d.set_item("encoder_cache_size", c.encoder_cache_size)?;
     d.set_item("disable_chunked_mm_input", c.disable_chunked_mm_input)?;
+    d.set_item("encoder_decoder", c.encoder_decoder)?;
     d.set_item("park_kv_loads", c.park_kv_loads)?;
     d.set_item("reserve_inflight_prefills", c.reserve_inflight_prefills)?;
     d.set_item("defer_block_free", c.defer_block_free)?;
@@ -89,6 +90,11 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
             .map(|g| match g {
                 Some(CROSS_ATTENTION) => pyo3::types::PyString::new(py, "cross").into_any().unbind(),
                 Some(MAMBA) => pyo3::types::PyString::new(py, "mamba").into_any().unbind(),
+                Some(w) if *w & CHUNKED_LOCAL != 0 => {
+                    pyo3::types::PyString::new(py, &format!("chunked:{}", w & !CHUNKED_LOCAL))
+                        .into_any()
+                        .unbind()
+                }
                 Some(w) => pyo3::types::PyInt::new(py, *w).into_any().unbind(),
                 None => py.None(),
             })
@@ -271,6 +277,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         max_num_encoder_input_tokens: u32_field("max_num_encoder_input_tokens")?,
         encoder_cache_size: u32_field("encoder_cache_size")?,
         disable_chunked_mm_input: bool_field("disable_chunked_mm_input")?,
+        encoder_decoder: bool_field("encoder_decoder")?,
         park_kv_loads: bool_field("park_kv_loads")?,
         reserve_inflight_prefills: bool_field("reserve_inflight_prefills")?,
         defer_block_free: bool_field("defer_block_free")?,
@@ -312,8 +319,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
     })
 }
 
-/// `kv_cache_groups`: `None` (one group) or a sequence of `None` (full attention), int windows, `"cross"`
-/// (cross attention) and `"mamba"` (Mamba).
+/// `kv_cache_groups`: `None` (one group) or a sequence of `None` (full attention), int windows, `"chunked:c"`
+/// (chunked-local attention), `"cross"` (cross attention) and `"mamba"` (Mamba).
 fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
     if v.is_none() {
         return Ok(Vec::new());
@@ -323,8 +330,8 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             py,
             "InvalidConfigError",
             format!(
-                "kv_cache_groups must be None or a list of None (full attention), int windows, 'cross' (cross \
-                 attention) and 'mamba' (Mamba), got {v}"
+                "kv_cache_groups must be None or a list of None (full attention), int windows, 'chunked:<chunk \
+                 size>' (chunked-local attention), 'cross' (cross attention) and 'mamba' (Mamba), got {v}"
             ),
         )
     };
@@ -339,10 +346,22 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             continue;
         }
         if let Ok(name) = item.downcast::<pyo3::types::PyString>() {
-            match &*name.to_cow()? {
+            let name = name.to_cow()?;
+            match &*name {
                 "cross" => groups.push(Some(CROSS_ATTENTION)),
                 "mamba" => groups.push(Some(MAMBA)),
-                _ => return Err(bad()),
+                _ => {
+                    // "chunked:c": chunked-local attention in chunks of c tokens, c in [1, MAX_CHUNK_SIZE].
+                    let chunk = name
+                        .strip_prefix("chunked:")
+                        .filter(|d| !d.is_empty() && !d.starts_with('0') && d.bytes().all(|b| b.is_ascii_digit()))
+                        .and_then(|d| d.parse::<u32>().ok())
+                        .filter(|&c| c <= MAX_CHUNK_SIZE);
+                    match chunk {
+                        Some(c) => groups.push(Some(CHUNKED_LOCAL | c)),
+                        None => return Err(bad()),
+                    }
+                }
             }
             continue;
         }
@@ -350,7 +369,7 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             return Err(bad());
         }
         let w = int_arg(&item, "kv_cache_groups", "InvalidConfigError")?;
-        let w = u32::try_from(w).ok().filter(|&w| w != CROSS_ATTENTION && w != MAMBA).ok_or_else(|| {
+        let w = u32::try_from(w).ok().filter(|&w| w <= i32::MAX as u32).ok_or_else(|| {
             py_error(
                 py,
                 "InvalidConfigError",

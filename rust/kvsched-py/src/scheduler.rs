@@ -698,6 +698,26 @@ impl PyScheduler {
         guard(py, || this.core.reset_prefix_cache(reset))
     }
 
+    /// Preempts the running request `req_id` now, as a step preempts a victim in recompute mode (vLLM's
+    /// `_preempt_request` called by hand; docs/semantics.md, Preemption by hand).
+    #[pyo3(signature = (req_id, drop_stale_output=None))]
+    fn preempt_request(
+        slf: &Bound<'_, Self>,
+        req_id: &Bound<'_, PyAny>,
+        drop_stale_output: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let drop = match drop_stale_output {
+            None => false,
+            Some(o) => o.downcast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
+                type_error(py, format!("drop_stale_output must be a bool, got {}", type_name(o)))
+            })?,
+        };
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.preempt_request(&id, drop))
+    }
+
     /// The next input part of a streaming-input session (docs/semantics.md, Streaming input).
     #[pyo3(signature = (req_id, prompt_token_ids, max_tokens=None, eos_token_id=None, ignore_eos=None,
         stop_token_ids=None, arrival_time=None))]
@@ -928,6 +948,21 @@ impl PyScheduler {
         guard(py, || this.core.set_defer_block_free(on))?;
         this.config = config.unbind();
         Ok(())
+    }
+
+    /// Encoder-decoder scheduling: the slot count of vLLM's `EncoderDecoderCacheManager` (docs/semantics.md,
+    /// Encoder-decoder scheduling).
+    #[getter]
+    fn encoder_decoder_free_slots(slf: &Bound<'_, Self>) -> PyResult<i64> {
+        Ok(borrow(slf)?.core.encoder_decoder_free_slots())
+    }
+
+    /// Encoder-decoder scheduling: the slot count back to `encoder_cache_size` (vLLM's
+    /// `EncoderDecoderCacheManager.reset`); refused without `encoder_decoder`.
+    fn reset_encoder_decoder_slots(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.reset_encoder_decoder_slots())
     }
 
     /// Re-sizes the encoder compute budget (from the next step) and the encoder cache (only while it holds no

@@ -830,6 +830,7 @@ enum Op {
     Abort(u8),
     Reset,
     ResetRunning,
+    Preempt(u8, bool),
     Pause(u8),
     Ready(u8),
 }
@@ -844,6 +845,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(Op::Abort),
         1 => Just(Op::Reset),
         1 => Just(Op::ResetRunning),
+        1 => (any::<u8>(), any::<bool>()).prop_map(|(k, drop)| Op::Preempt(k, drop)),
         1 => (0u8..4).prop_map(Op::Pause),
         2 => any::<u8>().prop_map(Op::Ready),
     ]
@@ -1044,6 +1046,24 @@ proptest! {
                 Op::ResetRunning => {
                     prop_assert!(s.reset_prefix_cache(true).unwrap());
                     prop_assert_eq!(s.num_running_reqs(), 0);
+                }
+                Op::Preempt(k, drop) => {
+                    let running = s.running_req_ids();
+                    if running.is_empty() {
+                        let live = live_ids(&s);
+                        if let Some(id) = live.first() {
+                            // A request that is not running: refused, nothing changes.
+                            let before = s.num_preemptions();
+                            prop_assert!(matches!(s.preempt_request(id, drop), Err(SchedError::InvalidRequest(_))));
+                            prop_assert_eq!(s.num_preemptions(), before);
+                        }
+                    } else {
+                        let id = running[k as usize % running.len()].to_string();
+                        let before = s.num_preemptions();
+                        s.preempt_request(&id, drop).unwrap();
+                        prop_assert_eq!(s.num_preemptions(), before + 1);
+                        prop_assert!(!s.running_req_ids().iter().any(|r| r.as_ref() == id.as_str()));
+                    }
                 }
                 Op::Pause(k) => s.set_pause_state(match k {
                     0 => PauseState::PausedNew,
@@ -1304,4 +1324,30 @@ fn draft_slots_and_a_token_budget_apart_from_the_inputs() {
         Scheduler::new(SchedulerConfig { max_num_scheduled_tokens: 21, ..budgets }),
         Err(SchedError::InvalidConfig(_))
     ));
+}
+
+#[test]
+fn preempt_request_by_hand_sends_a_running_request_to_the_front_of_waiting() {
+    let mut s = Scheduler::new(cfg(4, 64)).unwrap();
+    add(&mut s, "a", &prompt(0, 10), params(20));
+    add(&mut s, "b", &prompt(1, 10), params(20));
+    step_with(&mut s, 1);
+    add(&mut s, "c", &prompt(2, 10), params(20));
+    let free_before = s.num_free_blocks();
+    assert!(matches!(s.preempt_request("zzz", false), Err(SchedError::UnknownRequest(_))));
+    assert!(matches!(s.preempt_request("c", false), Err(SchedError::InvalidRequest(_))));
+    assert_eq!(s.num_preemptions(), 0);
+    s.preempt_request("a", false).unwrap();
+    s.check_invariants().unwrap();
+    assert_eq!(s.num_free_blocks(), free_before + 3); // 11 tokens in blocks of 4
+    assert_eq!(s.running_req_ids(), vec!["b".into()] as Vec<std::sync::Arc<str>>);
+    assert_eq!(s.waiting_req_ids(), vec!["a".into(), "c".into()] as Vec<std::sync::Arc<str>>);
+    assert_eq!(s.num_preemptions(), 1);
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.preempted_before_step, vec!["a".into()] as Vec<std::sync::Arc<str>>);
+    // It resumes first: its two full blocks are a prefix hit, the last 3 of its 11 tokens are recomputed.
+    assert_eq!(ids(&s, &out), ["b", "a", "c"]);
+    assert_eq!(out.num_scheduled_tokens, vec![1, 3, 10]);
+    let (out, _) = step_with(&mut s, 1);
+    assert!(out.preempted_before_step.is_empty());
 }
