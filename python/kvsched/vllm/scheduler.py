@@ -1433,7 +1433,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         follows. The auxiliary output connector hears of it here unless ``aux_told``."""
         if not self._mirroring_preemption:
             req_id = request.request_id
-            if self.requests.get(req_id) is not request:
+            known: Any = self.requests.get(req_id)
+            if known is not request:
                 raise KeyError(f"request {req_id!r} is not one of this scheduler's requests")
             if request.status != _RUNNING:
                 raise InvalidRequestError(f"request {req_id!r} is not running: only running requests can be preempted")

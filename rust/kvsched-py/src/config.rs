@@ -354,7 +354,9 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
                     // "chunked:c": chunked-local attention in chunks of c tokens, c in [1, MAX_CHUNK_SIZE].
                     let chunk = name
                         .strip_prefix("chunked:")
-                        .filter(|d| !d.is_empty() && !d.starts_with('0') && d.bytes().all(|b| b.is_ascii_digit()))
+                        .filter(|d| {
+                            !d.is_empty() && !d.starts_with('0') && d.bytes().all(|b| b.is_ascii_digit())
+                        })
                         .and_then(|d| d.parse::<u32>().ok())
                         .filter(|&c| c <= MAX_CHUNK_SIZE);
                     match chunk {
