@@ -110,6 +110,11 @@ RULES: list[dict[str, Any]] = [
     {"tenant_weights": {"it's": math.nan}},
     {"tenant_weights": {'say "hi"': math.inf}},
     {"tenant_weights": {"": 1.0}},
+    {"mamba_speculative_blocks": 1},
+    {"kv_cache_groups": (None, "mamba")},
+    {"kv_cache_groups": ("mamba", "mamba"), "enable_prefix_caching": False},
+    {"kv_cache_groups": ("mamba", "cross", None), "enable_prefix_caching": False},
+    {"kv_cache_groups": (None, 8), "mamba_speculative_blocks": 2},
 ]
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
@@ -125,6 +130,7 @@ VALID_COMBOS: list[dict[str, Any]] = [
     {"tenant_weights": {"a": 1e-300, "b": 2.0}},
     {"policy": "sjf", "max_wait_steps": 3, "default_ttft_slo_s": 0.5},
     {"policy": "slo", "default_ttft_slo_s": 2.0, "session_ttl_steps": 1},
+    {"kv_cache_groups": ("mamba", None, "mamba"), "enable_prefix_caching": False, "mamba_speculative_blocks": 3},
 ]
 
 
@@ -157,6 +163,7 @@ _CONTEXT: dict[str, dict[str, Any]] = {
     "priority_aging_steps": {"policy": "priority"},
     "preemption_mode": {"num_cpu_blocks": 8},
     "draft_slots": {"max_num_batched_tokens": 2**31 - 1},
+    "mamba_speculative_blocks": {"kv_cache_groups": ("mamba", None), "enable_prefix_caching": False},
 }
 
 

@@ -88,7 +88,7 @@ OUT_LISTS = ("req_ids", "new_req_ids", "resumed_req_ids", "preempted_req_ids")
 OUT_ARRAYS = ("num_scheduled_tokens", "num_computed_tokens", "new_block_ids", "new_block_ids_indptr",
               "spec_token_ids", "spec_token_ids_indptr", "swap_out", "swap_in", "scheduled_encoder_inputs",
               "scheduled_encoder_inputs_indptr", "scheduled_encoder_loads", "scheduled_encoder_loads_indptr",
-              "free_encoder_hashes")  # fmt: skip
+              "free_encoder_hashes", "zero_block_ids")  # fmt: skip
 INPUT_FIELDS = ("input_token_ids", "input_positions", "slot_mapping", "query_start_loc", "seq_lens",
                 "block_table", "logits_indices")  # fmt: skip
 
@@ -1502,7 +1502,7 @@ def test_soak_sliding_window_matches_reference_step_by_step() -> None:
 # Several KV cache groups: full attention with one window (either order), two windows (the lookup iterates
 # until every set agrees), a window shared by two groups (looked up together), a window of one token, sync and
 # async, drafts, priority, the full-sequence check off, no prefix caching, cross-attention groups (requests with
-# and without encoder output); tight pools preempt.
+# and without encoder output), Mamba groups; tight pools preempt.
 HYBRID_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=(None, 9), prefix_hash_seed=31),
@@ -1527,6 +1527,16 @@ HYBRID_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=36, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=48,
                     kv_cache_groups=(7, None, "cross"), enable_prefix_caching=False, enable_chunked_prefill=False,
                     prefix_hash_seed=39),
+    # Hybrid Mamba layouts (vLLM's mamba_cache_mode "none"): Mamba groups first (Qwen3-Next, Jamba), around a
+    # window, after full attention; speculative state blocks with drafts.
+    SchedulerConfig(block_size=4, num_blocks=26, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=("mamba", None), enable_prefix_caching=False, prefix_hash_seed=40),
+    SchedulerConfig(block_size=2, num_blocks=70, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=("mamba", "mamba", None, 6), enable_prefix_caching=False, async_scheduling=True,
+                    num_speculative_tokens=2, mamba_speculative_blocks=2, policy="priority", prefix_hash_seed=41),
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=48,
+                    kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, enable_chunked_prefill=False,
+                    watermark=0.05, prefix_hash_seed=42),
 ]  # fmt: skip
 
 
@@ -1534,10 +1544,12 @@ def test_soak_hybrid_groups_match_reference_step_by_step() -> None:
     """Both implementations give every group the same tables and new blocks, free the same out-of-window blocks
     and find the same hits (valid for every group), step by step; window hits start past block 0 and requests
     are preempted in the run."""
-    nulls = window_hits = cross_tables = 0
+    nulls = window_hits = cross_tables = mamba_tables = 0
     for i, cfg in enumerate(HYBRID_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(5151 + i)), max_in_flight=1 + i % 3)
-        cross = [g - 1 for g, w in enumerate(cfg.kv_cache_groups or ()) if w == "cross"]
+        others = [w for g, w in enumerate(cfg.kv_cache_groups or ()) if g != cfg.primary_group]
+        cross = [k for k, w in enumerate(others) if w == "cross"]
+        mamba = [k for k, w in enumerate(others) if w == "mamba"]
         for _ in range(600):
             try:
                 twin.step()
@@ -1545,13 +1557,19 @@ def test_soak_hybrid_groups_match_reference_step_by_step() -> None:
                 raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
             for r in twin.ref._requests.values():
                 cross_tables += sum(bool(r.group_block_ids[g]) for g in cross)
+                mamba_tables += sum(len(r.group_block_ids[g]) == 1 + cfg.mamba_speculative_blocks for g in mamba)
                 for table, cached in zip([r.block_ids, *r.group_block_ids],
                                          [r.num_cached_blocks, *r.group_num_cached], strict=True):  # fmt: skip
                     nulls += bool(table) and table[0] == 0
                     window_hits += bool(table) and table[0] == 0 and cached == len(table)
         twin.drain()
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
-    assert nulls > 0 and window_hits > 0 and cross_tables > 0, (nulls, window_hits, cross_tables)
+    assert nulls > 0 and window_hits > 0 and cross_tables > 0 and mamba_tables > 0, (
+        nulls,
+        window_hits,
+        cross_tables,
+        mamba_tables,
+    )
 
 
 # Chunked-local groups (Llama 4): after full attention or before it, chunks a multiple of the block size or not

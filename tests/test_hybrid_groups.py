@@ -324,6 +324,126 @@ def test_cross_attention_tokens_and_groups_are_checked(impl: str) -> None:
     assert s.num_unfinished_requests == 0
 
 
+# --- Mamba groups ("mamba": vLLM's MambaSpec with mamba_cache_mode "none", hybrid Mamba models)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mamba_state_blocks_are_taken_once_in_group_order(impl: str) -> None:
+    # vLLM 0.33 (MambaManager, mamba_cache_mode "none", a block of max_model_len tokens): one state block at the
+    # first allocation, popped in group order (vLLM lists the groups in layer order: Mamba first for Qwen3-Next,
+    # Jamba, Nemotron-H, Granite 4); nothing more while the request decodes. The first group that is not Mamba
+    # holds the tokens: its ids are new_block_ids.
+    s = make(impl, kv_cache_groups=("mamba", None, "mamba"), enable_prefix_caching=False)
+    assert s.config.kv_cache_groups == ("mamba", None, "mamba")
+    s.add_request("a", list(range(6)), max_tokens=8)
+    s.add_request("b", list(range(3)), max_tokens=8)
+    out = s.schedule()
+    assert tables(s, "a", 3) == [[1], [2, 3], [4]]
+    assert tables(s, "b", 3) == [[5], [6], [7]]
+    assert [group_new(out, r, g) for r in "ab" for g in range(3)] == [[1], [2, 3], [4], [5], [6], [7]]
+    assert out.new_block_ids.tolist() == [2, 3, 6]
+    assert out.group_new_block_ids(1).tolist() == out.new_block_ids.tolist()
+    s.check_invariants()
+    for _ in range(3):  # decodes: the attention group grows, the Mamba tables do not
+        s.update_from_output(out, [[7], [7]])
+        out = s.schedule()
+        assert [group_new(out, r, g) for r in "ab" for g in (0, 2)] == [[], [], [], []]
+    assert tables(s, "a", 3) == [[1], [2, 3, 9], [4]]
+    assert tables(s, "b", 3) == [[5], [6, 8], [7]]
+    s.check_invariants()
+    s.update_from_output(out, [[7], [7]])
+    # Freed group by group in group order, each table deepest first, unhashed blocks to the head: "a"'s Mamba
+    # block 1, then 9, 3, 2, then 4 (the new head).
+    s.abort_requests(["a"])
+    assert s.num_free_blocks == 39 - 4
+    s.add_request("c", list(range(9)), max_tokens=2)
+    out = s.schedule()
+    assert tables(s, "c", 3) == [[4], [9, 3, 2], [1]]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mamba_speculative_blocks_and_preemption(impl: str) -> None:
+    # num_speculative_blocks: 1 + 2 state blocks per Mamba group. 10 usable blocks: "a" takes 3 + 2, "b" 3 + 1;
+    # "a" takes the last free block for its 9th token, "b" needs one for its 5th, so "b" (the last admitted) is
+    # preempted, its Mamba blocks freed with its tables; readmitted, it takes them anew.
+    s = make(impl, num_blocks=11, kv_cache_groups=("mamba", None), enable_prefix_caching=False,
+             mamba_speculative_blocks=2)  # fmt: skip
+    assert s.config.mamba_speculative_blocks == 2
+    s.add_request("a", list(range(7)), max_tokens=8)
+    s.add_request("b", list(range(3)), max_tokens=8)
+    out = s.schedule()
+    assert tables(s, "a", 2) == [[1, 2, 3], [4, 5]]
+    assert tables(s, "b", 2) == [[6, 7, 8], [9]]
+    assert s.num_free_blocks == 1
+    s.update_from_output(out, [[7], [7]])
+    out = s.schedule()
+    s.update_from_output(out, [[7], [7]])
+    out = s.schedule()  # "a" needs a third block for its 9th token, "b" a second for its 5th
+    assert list(out.preempted_req_ids) == ["b"]
+    assert tables(s, "b", 2) == [[], []]
+    s.check_invariants()
+    s.update_from_output(out, [[7]])
+    s.abort_requests(["a"])
+    out = s.schedule()
+    assert list(out.resumed_req_ids) == ["b"]
+    assert len(group_new(out, "b", 0)) == 3 and len(group_new(out, "b", 1)) == 2
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mamba_blocks_count_in_the_full_sequence_check(impl: str) -> None:
+    # 9 usable blocks: "a" holds 1 + 4; "b" (16 tokens: 4 attention blocks + 1 state block) does not fit the 4
+    # left, though its first chunk would.
+    s = make(impl, num_blocks=10, kv_cache_groups=(None, "mamba"), enable_prefix_caching=False,
+             max_num_batched_tokens=24)  # fmt: skip
+    s.add_request("a", list(range(13)), max_tokens=2)
+    s.add_request("b", list(range(16)), max_tokens=2)
+    out = s.schedule()
+    assert list(out.req_ids) == ["a"]
+    assert s.num_free_blocks == 4
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mamba_groups_are_checked(impl: str) -> None:
+    with pytest.raises(InvalidConfigError, match="Mamba group needs enable_prefix_caching=False"):
+        make(impl, kv_cache_groups=("mamba", None))
+    with pytest.raises(InvalidConfigError, match="needs a group that is not Mamba"):
+        make(impl, kv_cache_groups=("mamba", "mamba"), enable_prefix_caching=False)
+    with pytest.raises(InvalidConfigError, match="cannot start with a cross-attention group"):
+        make(impl, kv_cache_groups=("mamba", "cross", None), enable_prefix_caching=False)
+    with pytest.raises(InvalidConfigError, match="mamba_speculative_blocks"):
+        make(impl, kv_cache_groups=(None, 8), mamba_speculative_blocks=1)
+    with pytest.raises(InvalidConfigError, match="mamba_speculative_blocks"):
+        make(impl, mamba_speculative_blocks=1)
+    with pytest.raises(InvalidConfigError, match="'mamba'"):
+        make(impl, kv_cache_groups=(None, "mamba2"), enable_prefix_caching=False)
+    with pytest.raises(InvalidConfigError, match="mamba_speculative_blocks"):
+        make(impl, kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, mamba_speculative_blocks=-1)
+    s = make(impl, kv_cache_groups=("mamba", None), enable_prefix_caching=False)
+    s.add_request("a", list(range(5)), max_tokens=2)
+    out = s.schedule()
+    with pytest.raises(IndexError):
+        out.group_new_block_ids(2)
+    with pytest.raises(InvalidRequestError):
+        s.get_block_ids("a", 2)
+
+
+def test_the_core_refuses_mamba_groups_the_config_refuses() -> None:
+    from kvsched import _core
+
+    good = SchedulerConfig(kv_cache_groups=(None, "mamba"), enable_prefix_caching=False)
+    for fields in [
+        {"kv_cache_groups": ("mamba", "mamba")},
+        {"kv_cache_groups": ("mamba", None), "enable_prefix_caching": True},
+        {"kv_cache_groups": (None, 8), "mamba_speculative_blocks": 1},
+    ]:
+        fake = type("Cfg", (), {**good.to_dict(), **fields})()
+        with pytest.raises(InvalidConfigError, match=r"kv_cache_groups|mamba_speculative_blocks"):
+            _core.Scheduler(fake)
+
+
 # --- chunked-local attention groups ("chunked:<c>": vLLM's ChunkedLocalAttentionSpec, Llama 4). The tables are those
 # vLLM 0.33's Scheduler gives for the same calls with a FullAttentionSpec and a ChunkedLocalAttentionSpec
 # (attention_chunk_size=8) group of block size 4 (tests/test_vllm_differential.py runs the second side by side).
@@ -403,3 +523,38 @@ def test_chunked_local_caps_the_full_sequence_check(impl: str) -> None:
     out = s.schedule()
     assert computed(out, "a") == 0 and list(out.req_ids) == ["a"]
     s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_mamba_group_beside_a_chunked_local_group(impl: str) -> None:
+    # A Mamba group first, then full attention (the primary group) and chunked-local attention in chunks of 8: the
+    # state block is taken once, the chunked group frees the blocks before the chunk of the next token, and the
+    # attention blocks (not the state block) are listed for zeroing.
+    s = make(impl, kv_cache_groups=("mamba", None, "chunked:8"), enable_prefix_caching=False)
+    s.add_request("a", list(range(22)), max_tokens=8)
+    out = step(s, 7)
+    assert new_blocks(out, "a", 3) == [[1], [2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13]]
+    assert out.new_block_ids.tolist() == [2, 3, 4, 5, 6, 7]
+    assert out.zero_block_ids.tolist() == list(range(2, 14))
+    out = s.schedule()
+    assert tables(s, "a", 3) == [[1], [2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 12, 13]]
+    assert new_blocks(out, "a", 3) == [[], [], []]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_largest_chunk_size_stops_below_the_mamba_encoding(impl: str) -> None:
+    # The core spells a Mamba group CHUNKED_LOCAL | (2**31 - 2): chunk sizes stop at 2**31 - 3.
+    s = make(impl, kv_cache_groups=(None, f"chunked:{2**31 - 3}"))
+    assert s.config.kv_cache_groups == (None, f"chunked:{2**31 - 3}")
+    with pytest.raises(InvalidConfigError, match="chunked"):
+        make(impl, kv_cache_groups=(None, f"chunked:{2**31 - 2}"))
+
+
+def test_the_core_refuses_the_chunk_size_of_the_mamba_encoding() -> None:
+    from kvsched import _core
+
+    good = SchedulerConfig(kv_cache_groups=(None, "chunked:8"))
+    fake = type("Cfg", (), {**good.to_dict(), "kv_cache_groups": (None, f"chunked:{2**31 - 2}")})()
+    with pytest.raises(InvalidConfigError, match="chunked"):
+        _core.Scheduler(fake)

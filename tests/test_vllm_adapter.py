@@ -770,11 +770,9 @@ def test_several_kv_cache_groups_give_the_runner_one_block_list_per_group(async_
 
 def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> None:
     """Several groups with a KV connector, KV cache events, a victim rule other than the default, different block
-    sizes, a spec the core does not implement (Mamba), chunked-local groups without a full-attention group, or two
-    windows (or chunked-local groups) of the same size with different specs (vLLM looks their prefix hits up
-    apart) are refused at construction, by name."""
-    import torch
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    sizes, chunked-local groups without a full-attention group, or two windows (or chunked-local groups) of the
+    same size with different specs (vLLM looks their prefix hits up apart) are refused at construction, by name."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
     full, window = FullAttentionSpec(**kw), SlidingWindowSpec(sliding_window=64, **kw)
@@ -795,9 +793,6 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
     other_local = ChunkedLocalAttentionSpec(attention_chunk_size=32, **_attention_kw(head_size=2))
     with pytest.raises(UnsupportedFeatureError, match="same chunk size but different specs"):
         build(make_vllm_config(block_size=16), full, local, other_local)
-    mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,))
-    with pytest.raises(UnsupportedFeatureError, match="MambaSpec"):
-        build(make_vllm_config(block_size=16), full, mamba)
     other = SlidingWindowSpec(sliding_window=64, **_attention_kw(head_size=2))
     with pytest.raises(UnsupportedFeatureError, match="same window but different specs"):
         build(make_vllm_config(block_size=16), full, window, other)
@@ -895,3 +890,109 @@ def test_what_cross_attention_groups_do_not_support_is_refused_by_name() -> None
     assert not out.scheduled_new_reqs
     (result,) = kv.update_from_output(out, _mro(out, 9)).values()
     assert result.outputs[0].finish_reason == FinishReason.ERROR
+
+
+def _mamba_spec(block_size: int, mode: str = "none", num_speculative_blocks: int = 0) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((1,),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode=mode,
+        num_speculative_blocks=num_speculative_blocks,
+    )
+
+
+def _build_mamba(vcfg: Any, *specs: Any, block_size: int | None = None) -> Any:
+    """kvsched's scheduler over these groups, with the scheduler block size vLLM's engine gives it (the least
+    common multiple of the groups' block sizes) unless ``block_size`` is given."""
+    import math
+
+    from kvsched.vllm import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
+    size = block_size or math.lcm(*(int(spec.block_size) for spec in specs))
+    return Scheduler(
+        vllm_config=vcfg,
+        kv_cache_config=KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups),
+        structured_output_manager=StructuredOutputManager(vcfg),
+        block_size=size,
+        hash_block_size=size,
+    )
+
+
+def test_mamba_groups_map_to_the_cores_mamba_groups() -> None:
+    """MambaSpec groups in mode "none" (vLLM's mode without prefix caching: a block of max_model_len tokens)
+    become the core's Mamba groups in vLLM's order; the attention groups' block size is the core's, the Mamba
+    spec's speculative blocks its mamba_speculative_blocks; kv_cache_manager's managers answer isinstance checks
+    against vLLM's MambaManager."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kw = _attention_kw()
+    vcfg = make_vllm_config(block_size=16, num_blocks=64, max_model_len=96, enable_prefix_caching=False)
+    mamba = _mamba_spec(96, num_speculative_blocks=2)
+    sched = _build_mamba(vcfg, mamba, FullAttentionSpec(**kw), mamba, SlidingWindowSpec(sliding_window=32, **kw))
+    assert sched.kv_config.kv_cache_groups == ("mamba", None, "mamba", 32)
+    assert sched.kv_config.block_size == 16 and sched.block_size == 96
+    assert sched.kv_config.mamba_speculative_blocks == 2
+    managers = sched.kv_cache_manager.coordinator.single_type_managers
+    assert [isinstance(m, MambaManager) for m in managers] == [True, False, True, False]
+    assert [m.block_size for m in managers] == [96, 16, 96, 16]
+
+
+def test_mamba_groups_schedule_as_vllms_scheduler() -> None:
+    """Mamba groups first (Qwen3-Next's layer order) with n-gram drafts: each request's state blocks (1 + 2
+    speculative) at its admission and again after a preemption, the attention blocks each step allocates in
+    new_block_ids_to_zero (vLLM zeroes them for a model with Mamba layers); the same outputs as vLLM's scheduler
+    step by step in a tight pool."""
+    cfg = make_vllm_config(block_size=4, num_blocks=22, max_model_len=64, enable_prefix_caching=False,
+                           num_speculative_tokens=2)  # fmt: skip
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=("mamba", "mamba", None)) for impl in ("vllm", "kvsched")]
+    for s in pair:
+        for k, n in enumerate([9, 5, 13, 3]):
+            s.add_request(make_request(f"r{k}", list(range(10 * k, 10 * k + n)), max_tokens=16, block_size=64))
+    seen = {"state_blocks": False, "zeroed": False, "preempted": False, "resumed_state": False}
+    for _ in range(60):
+        outs, _ = step_pair(pair)
+        so = outs[1]
+        for new in so.scheduled_new_reqs:
+            seen["state_blocks"] |= len(new.block_ids[0]) == len(new.block_ids[1]) == 3
+        seen["zeroed"] |= bool(so.new_block_ids_to_zero)
+        seen["preempted"] |= bool(so.preempted_req_ids)
+        cached = so.scheduled_cached_reqs
+        for rid, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if rid in cached.resumed_req_ids and blocks is not None:
+                seen["resumed_state"] |= len(blocks[0]) == 3
+        if not pair[0].requests:
+            break
+    assert all(seen.values()), seen
+    assert not pair[1].requests
+
+
+def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:
+    """Mamba prefix caching (mamba_cache_mode "align", vLLM's default with prefix caching), a model with Mamba
+    layers only, a Mamba block shorter than max_model_len, a scheduler block size other than vLLM's engine's and
+    an attention block size that is not a power of two are refused at construction, by name."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    full = FullAttentionSpec(**_attention_kw())
+    off = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False)
+    with pytest.raises(UnsupportedFeatureError, match=r"Mamba prefix caching \(mamba_cache_mode 'align'"):
+        _build_mamba(make_vllm_config(block_size=16, max_model_len=96), _mamba_spec(16, "align"), full)
+    with pytest.raises(UnsupportedFeatureError, match="Mamba prefix caching"):
+        _build_mamba(make_vllm_config(block_size=16, max_model_len=96), _mamba_spec(96), full)
+    with pytest.raises(UnsupportedFeatureError, match="Mamba layers only"):
+        _build_mamba(off, _mamba_spec(96))
+    with pytest.raises(UnsupportedFeatureError, match="Mamba blocks shorter than max_model_len"):
+        _build_mamba(off, _mamba_spec(48), full)
+    with pytest.raises(UnsupportedFeatureError, match="least common multiple"):
+        _build_mamba(off, _mamba_spec(96), full, block_size=16)
+    odd = FullAttentionSpec(**_attention_kw(48))
+    with pytest.raises(UnsupportedFeatureError, match="not a power of two"):
+        _build_mamba(make_vllm_config(block_size=48, max_model_len=96, enable_prefix_caching=False),
+                     _mamba_spec(96), odd)  # fmt: skip

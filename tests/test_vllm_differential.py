@@ -95,6 +95,17 @@ def test_identical_to_vllm_with_several_kv_cache_groups(sync: str, runner: str, 
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("seed", range(600, 603))
+def test_identical_to_vllm_with_mamba_groups(sync: str, runner: str, seed: int) -> None:
+    """A hybrid Mamba model (Mamba groups first, around full attention, after it, beside a window; drawn per seed)
+    with prefix caching off, vLLM's mamba_cache_mode "none": each request's state blocks (and speculative ones
+    with drafts) at admission, the attention blocks each step allocates listed for zeroing, the same block tables
+    of every group and preemptions."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", mamba=True)
+    assert cfg.kv_cache_groups is not None and "mamba" in cfg.kv_cache_groups
+
+
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", range(600, 603))
 def test_identical_to_vllm_with_chunked_local_attention(sync: str, runner: str, seed: int) -> None:
     """A Llama 4-like model: full-attention and chunked-local KV cache groups (chunk sizes drawn per seed, some
     not a multiple of the block size, sometimes beside a sliding window), vLLM's ChunkedLocalAttentionManager:

@@ -27,6 +27,7 @@ import collections
 import copy
 import dataclasses
 import enum
+import math
 import operator
 import os
 import random
@@ -248,7 +249,8 @@ class Config:
     # The model's one KV cache group is a sliding window of this many tokens (None: full attention).
     sliding_window: int | None = None
     # A hybrid model instead: one KV cache group per entry (None: full attention, an int: a sliding window,
-    # "chunked:<c>": chunked-local attention, "cross": cross attention).
+    # "chunked:<c>": chunked-local attention, "cross": cross attention, "mamba": a Mamba group, vLLM's
+    # mamba_cache_mode "none").
     kv_cache_groups: tuple[int | str | None, ...] | None = None
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
@@ -395,6 +397,11 @@ class Pair:
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
         self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
+        # ... and the scheduler's hash block size: with a Mamba group, the least common multiple of the groups'
+        # block sizes (a Mamba block holds max_model_len tokens).
+        self.hash_block = self.kv_block_size
+        if "mamba" in (groups or ()):
+            self.hash_block = math.lcm(self.kv_block_size, cfg.max_model_len)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
         log_stats = self.rng_out.random() < 0.7
@@ -467,7 +474,7 @@ class Pair:
             "arrival_time": self.clock + (rng.choice([0.0, 0.5]) if rng.random() < 0.2 else 0.0),
             "cache_salt": rng.choice([None, None, None, "salt"]),
             "lora_name": rng.choice([None, None, "ada", "bob", "cy"]) if cfg.max_loras else None,
-            "block_size": self.kv_block_size,
+            "block_size": self.hash_block,
             "hash_lookahead_tokens": self.hash_lookahead,
             # Prompt logprobs: vLLM skips reading the prefix cache for the request.
             "prompt_logprobs": 1 if rng.random() < 0.1 else None,
@@ -541,7 +548,7 @@ class Pair:
             prompt_len = reach - 1 + len(part)
             finish = not part  # no room for another part: the input ends
         if finish:
-            kwargs: dict[str, Any] = {"resumable": False, "block_size": self.kv_block_size}
+            kwargs: dict[str, Any] = {"resumable": False, "block_size": self.hash_block}
             part = [rng.randrange(3, 500)]
             del self.sessions[rid]
         else:
@@ -557,7 +564,7 @@ class Pair:
                 # heap's layout, where kvsched keeps the key the streaming session was queued with (docs/vllm.md,
                 # Streaming input).
                 "arrival_time": session.arrival_time if cfg.policy == "priority" else self.clock,
-                "block_size": self.kv_block_size,
+                "block_size": self.hash_block,
             }
         self.clock += 1.0
         self.a.add_request(make_request(rid, part, **kwargs))
@@ -994,6 +1001,7 @@ def run_seed(
     kv_events: bool = False,
     sliding_window: bool = False,
     hybrid: bool = False,
+    mamba: bool = False,
     chunked_local: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
@@ -1012,7 +1020,8 @@ def run_seed(
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``hybrid`` gives the
     model several KV cache groups instead (full attention and sliding windows, drawn from their own stream);
-    ``chunked_local`` draws layouts with chunked-local groups (Llama 4) instead;
+    ``chunked_local`` draws layouts with chunked-local groups (Llama 4) instead; ``mamba`` a hybrid Mamba model's
+    (Mamba groups with full attention and sometimes a window, prefix caching off: vLLM's mamba_cache_mode "none");
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
@@ -1031,6 +1040,13 @@ def run_seed(
             cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
         # vLLM sizes the pool for every group: as many blocks per group as the drawn single-group cache.
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(cfg.kv_cache_groups)
+    if mamba:
+        cfg.kv_cache_groups = random_mamba_groups(random.Random(f"mamba/{seed}"), cfg.block_size)
+        cfg.enable_prefix_caching = False  # vLLM's mode "none" (with prefix caching it switches to "align")
+        # The attention groups' blocks as the drawn single-group cache, and a state block per request per Mamba
+        # group on top.
+        num_attn = sum(g != "mamba" for g in cfg.kv_cache_groups)
+        cfg.num_blocks = 1 + (cfg.num_blocks - 1) * num_attn + cfg.max_num_seqs // 2
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
         # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
@@ -1112,6 +1128,21 @@ def random_groups(rng: random.Random, block_size: int) -> tuple[int | None, ...]
     return tuple(groups)
 
 
+def random_mamba_groups(rng: random.Random, block_size: int) -> tuple[int | str | None, ...]:
+    """A hybrid Mamba model's KV cache groups, in vLLM's order (its layers' order): Mamba groups first and one
+    full-attention group (Qwen3-Next, Nemotron-H, Granite 4: 1 to 3 Mamba groups), Mamba around full attention,
+    full attention first, or a window beside them."""
+    return rng.choice(
+        [
+            ("mamba", None),
+            ("mamba", "mamba", "mamba", None),
+            ("mamba", None, "mamba"),
+            (None, "mamba"),
+            ("mamba", rng.choice([3, 8, block_size, 33]), None),
+        ]
+    )
+
+
 def random_chunked_groups(rng: random.Random, block_size: int) -> tuple[int | str | None, ...]:
     """A hybrid model with chunked-local attention: mostly one full-attention group and one chunked-local group
     (Llama 4), else 2-4 groups mixing full attention, one or two chunk sizes and sometimes a sliding window, in
@@ -1161,6 +1192,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a hybrid model: several KV cache groups (full attention and sliding windows, drawn per seed); not "
         "with --connector or --kv-events, which kvsched.vllm refuses for it",
+    )
+    p.add_argument(
+        "--mamba",
+        action="store_true",
+        help="a hybrid Mamba model: Mamba KV cache groups (vLLM's mamba_cache_mode 'none', prefix caching off) with "
+        "full attention and sometimes a window, drawn per seed; not with --connector, --kv-events, --sliding-window, "
+        "--hybrid or --mm",
     )
     p.add_argument(
         "--chunked-local",
@@ -1239,18 +1277,30 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
-    if args.eagle and (args.sliding_window or args.hybrid or args.mm or args.streaming):
-        p.error("--eagle goes without --sliding-window, --hybrid, --mm and --streaming")
+    if args.eagle and (args.sliding_window or args.hybrid or args.mamba or args.mm or args.streaming):
+        p.error("--eagle goes without --sliding-window, --hybrid, --mamba, --mm and --streaming")
     if args.enc_dec and (
-        args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm or args.ec or args.streaming
+        args.connector
+        or args.kv_events
+        or args.sliding_window
+        or args.hybrid
+        or args.mamba
+        or args.mm
+        or args.ec
+        or args.streaming
     ):
-        p.error("--enc-dec goes without --connector, --kv-events, --sliding-window, --hybrid, --mm, --ec, --streaming")
+        p.error(
+            "--enc-dec goes without --connector, --kv-events, --sliding-window, --hybrid, --mamba, --mm, --ec, "
+            "--streaming"
+        )
     if args.streaming and args.mm:
         p.error("--streaming goes without --mm")
     if args.sliding_window and (args.connector or args.kv_events):
         p.error("--sliding-window goes without --connector and --kv-events")
     if args.hybrid and (args.connector or args.kv_events or args.sliding_window or args.mm):
         p.error("--hybrid goes without --connector, --kv-events, --sliding-window and --mm")
+    if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
+        p.error("--mamba goes without --connector, --kv-events, --sliding-window, --hybrid and --mm")
     if args.chunked_local and not args.hybrid:
         p.error("--chunked-local goes with --hybrid")
     if args.multi_connector and not args.connector:
@@ -1287,6 +1337,7 @@ def main(argv: list[str] | None = None) -> int:
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
                         hybrid=args.hybrid,
+                        mamba=args.mamba,
                         chunked_local=args.chunked_local,
                         multimodal=args.mm,
                         ec_connector=args.ec,

@@ -19,6 +19,8 @@ from ._errors import InvalidConfigError, SchedulerTypeError
 
 #: The ``kv_cache_groups`` entry of a cross-attention group (vLLM's ``CrossAttentionSpec``, encoder-decoder models).
 CROSS_ATTENTION = "cross"
+#: The ``kv_cache_groups`` entry of a Mamba group (vLLM's ``MambaSpec`` with ``mamba_cache_mode`` "none").
+MAMBA = "mamba"
 #: The most KV cache groups ``kv_cache_groups`` may list.
 MAX_KV_CACHE_GROUPS = 64
 #: The prefix of a chunked-local attention group's ``kv_cache_groups`` entry: ``"chunked:8192"`` (vLLM's
@@ -33,14 +35,14 @@ def chunked_local(chunk_size: int) -> str:
 
 def chunk_size_of(entry: object) -> int | None:
     """The chunk size of a well-formed chunked-local ``kv_cache_groups`` entry (``"chunked:<n>"``, ``n`` in
-    ``[1, 2**31 - 2]`` without leading zeros), else None."""
+    ``[1, 2**31 - 3]`` without leading zeros; the core's encoding of ``2**31 - 2`` is a Mamba group's), else None."""
     if not isinstance(entry, str) or not entry.startswith(CHUNKED_LOCAL_PREFIX):
         return None
     digits = entry[len(CHUNKED_LOCAL_PREFIX) :]
     if not digits.isascii() or not digits.isdigit() or digits.startswith("0"):
         return None
     n = int(digits)
-    return n if n < I32_MAX else None
+    return n if n <= I32_MAX - 2 else None
 
 
 __all__ = [
@@ -608,13 +610,15 @@ class SchedulerConfig:
     kv_cache_groups: tuple[int | str | None, ...] | None = field(
         default=None,
         metadata=_spec(
-            "several KV cache groups in one pool, all with `block_size` (vLLM's hybrid models: full attention plus "
-            "sliding-window or chunked-local layers; encoder-decoder models: plus cross attention): one entry per "
-            "group, None for full attention, an int window, `'chunked:<c>'` for chunked-local attention in chunks "
-            "of `c` tokens (with a full-attention group), or `'cross'` for cross attention (not group 0; needs "
-            "`enable_prefix_caching=False`); each request holds one block table per group and a prefix hit must be "
-            "valid for every group (see [Several KV cache groups](#several-kv-cache-groups)); None = one group",
-            valid="None or 2 to 64 entries, each None, an int >= 1, 'chunked:<c>' (c >= 1) or 'cross'",
+            "several KV cache groups in one pool, the attention groups with `block_size` (vLLM's hybrid models: full "
+            "attention plus sliding-window, chunked-local or Mamba layers; encoder-decoder models: plus cross "
+            "attention): one entry per group, None for full attention, an int window, `'chunked:<c>'` for "
+            "chunked-local attention in chunks of `c` tokens (with a full-attention group), `'cross'` for cross "
+            "attention or `'mamba'` for a Mamba group (both need `enable_prefix_caching=False`; the first group that "
+            "is not Mamba holds the decoder's tokens and is not `'cross'`); each request holds one block table per "
+            "group and a prefix hit must be valid for every group (see [Several KV cache "
+            "groups](#several-kv-cache-groups)); None = one group",
+            valid="None or 2 to 64 entries, each None, an int >= 1, 'chunked:<c>' (c >= 1), 'cross' or 'mamba'",
         ),
     )
     max_num_scheduled_tokens: int | None = field(
@@ -624,6 +628,15 @@ class SchedulerConfig:
             "`max_num_batched_tokens` counts; None = `max_num_batched_tokens` (see [Budgets](#budgets))",
             lo=1,
             hi_field="max_num_batched_tokens",
+        ),
+    )
+    mamba_speculative_blocks: int = field(
+        default=0,
+        metadata=_spec(
+            "extra state blocks a request holds in each Mamba group for speculative decoding (vLLM's "
+            "`MambaSpec.num_speculative_blocks`): `1 + mamba_speculative_blocks` blocks per Mamba group; above 0 "
+            "needs a `'mamba'` group (see [Several KV cache groups](#several-kv-cache-groups))",
+            hi=1024,
         ),
     )
     draft_slots: int = field(
@@ -684,14 +697,14 @@ class SchedulerConfig:
         if groups is not None:
             what = (
                 "kv_cache_groups must be None or a list of None (full attention), int windows, 'chunked:<chunk "
-                "size>' (chunked-local attention) and 'cross' (cross attention), got "
+                "size>' (chunked-local attention), 'cross' (cross attention) and 'mamba' (Mamba), got "
             )
             if isinstance(groups, (str, bytes, Mapping)) or not hasattr(groups, "__iter__"):
                 raise InvalidConfigError(f"{what}{groups!r}")
             groups = tuple(groups)
             for window in groups:
                 if isinstance(window, str):
-                    if window != CROSS_ATTENTION and chunk_size_of(window) is None:
+                    if window not in (CROSS_ATTENTION, MAMBA) and chunk_size_of(window) is None:
                         raise InvalidConfigError(f"{what}{self.kv_cache_groups!r}")
                 elif window is not None and (isinstance(window, bool) or not isinstance(window, int)):
                     raise InvalidConfigError(f"{what}{self.kv_cache_groups!r}")
@@ -768,7 +781,12 @@ class SchedulerConfig:
     def _check_groups(self) -> None:
         """What several KV cache groups need (the core's ``validate_groups``)."""
         groups = self.kv_cache_groups
+        spec_blocks = (
+            f"mamba_speculative_blocks ({self.mamba_speculative_blocks}) needs a Mamba group in kv_cache_groups"
+        )
         if groups is None:
+            if self.mamba_speculative_blocks > 0:
+                raise InvalidConfigError(spec_blocks)
             return
         if len(groups) < 2 or len(groups) > MAX_KV_CACHE_GROUPS:
             raise InvalidConfigError(
@@ -783,15 +801,26 @@ class SchedulerConfig:
                 "kv_cache_groups with a chunked-local group needs a full-attention group (the core looks a "
                 "chunked-local hit up within the full-attention hit)"
             )
-        if groups[0] == CROSS_ATTENTION:
+        first = next((w for w in groups if w != MAMBA), MAMBA)
+        if first == MAMBA:
+            raise InvalidConfigError("kv_cache_groups needs a group that is not Mamba (it holds the decoder's tokens)")
+        if first == CROSS_ATTENTION:
             raise InvalidConfigError(
-                "kv_cache_groups cannot start with a cross-attention group (group 0 holds the decoder's tokens)"
+                "kv_cache_groups cannot start with a cross-attention group (the first group that is not Mamba holds "
+                "the decoder's tokens)"
             )
         if self.enable_prefix_caching and CROSS_ATTENTION in groups:
             raise InvalidConfigError(
                 "kv_cache_groups with a cross-attention group needs enable_prefix_caching=False (cross-attention "
                 "blocks are never cached, and vLLM cannot look up a prefix with them)"
             )
+        if self.enable_prefix_caching and MAMBA in groups:
+            raise InvalidConfigError(
+                "kv_cache_groups with a Mamba group needs enable_prefix_caching=False (vLLM's mamba_cache_mode "
+                "'none' keeps one state per request, never cached)"
+            )
+        if self.mamba_speculative_blocks > 0 and MAMBA not in groups:
+            raise InvalidConfigError(spec_blocks)
         if self.sliding_window is not None:
             raise InvalidConfigError(
                 f"kv_cache_groups cannot be combined with sliding_window ({self.sliding_window}): give the window "
@@ -812,6 +841,12 @@ class SchedulerConfig:
             raise InvalidConfigError(
                 f"kv_cache_groups needs the default preemption_victim, got {self.preemption_victim!r}"
             )
+
+    @property
+    def primary_group(self) -> int:
+        """The KV cache group whose block table holds the decoder's tokens (``new_block_ids``): the first that is
+        not Mamba; 0 with one group."""
+        return next((g for g, w in enumerate(self.kv_cache_groups or (None,)) if w != MAMBA), 0)
 
     @property
     def kv_block_size(self) -> int:

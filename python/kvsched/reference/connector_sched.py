@@ -267,8 +267,10 @@ class _ConnectorMixin(_BlockPoolMixin):
         """Free ``r``'s blocks now, or (``defer_block_free``, a step in flight scheduled it) once every step
         scheduled so far is applied."""
         if self._request_blocks_can_be_freed(r):
-            self._free_block_list(r.block_ids)
-            for table in r.group_block_ids:  # several KV cache groups: table by table (they refuse deferral)
+            # Several KV cache groups: table by table in group order (they refuse deferral); block_ids is the
+            # primary group's table, the others' are group_block_ids in order.
+            p = self._config.primary_group
+            for table in [*r.group_block_ids[:p], r.block_ids, *r.group_block_ids[p:]]:
                 self._free_block_list(table)
             r.group_block_ids = [[] for _ in r.group_block_ids]
             r.group_num_cached = [0] * len(r.group_num_cached)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 
 from .._errors import InvalidRequestError, SchedulerTypeError
-from ..config import CROSS_ATTENTION, chunk_size_of
+from ..config import CROSS_ATTENTION, MAMBA, chunk_size_of
 from .block_pool import _BlockPoolMixin
 from .request import _Request
 
 _I32_MAX = 2**31 - 1
 _CROSS = -1  # a cross-attention group's entry in _group_windows
+_MAMBA = -2  # a Mamba group's entry in _group_windows
 _CHUNKED = 1 << 31  # the flag of a chunked-local group's entry in _group_windows (_CHUNKED | chunk size)
 
 
@@ -24,6 +25,8 @@ def _group_window(entry: int | str | None) -> int:
         return 0
     if entry == CROSS_ATTENTION:
         return _CROSS
+    if entry == MAMBA:
+        return _MAMBA
     chunk = chunk_size_of(entry)
     return int(entry) if chunk is None else _CHUNKED | chunk
 
@@ -120,14 +123,17 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _free_blocks(self, r: _Request) -> None:
         """Release ``r``'s blocks in reverse; cached ones go to the tail (LRU), uncached ones as one group to the
-        head, deepest first (so the head is the deepest freed block). With several groups, group by group."""
-        self._free_block_list(r.block_ids)
+        head, deepest first (so the head is the deepest freed block). With several groups, group by group in group
+        order."""
+        if self._config.kv_cache_groups is not None:
+            for g in range(len(self._config.kv_cache_groups)):
+                self._free_block_list(self._group_table(r, g))
+            r.group_block_ids = [[] for _ in r.group_block_ids]
+            r.group_num_cached = [0] * len(r.group_num_cached)
+        else:
+            self._free_block_list(r.block_ids)
         r.block_ids = []
         r.num_cached_blocks = 0
-        for g, table in enumerate(r.group_block_ids):
-            self._free_block_list(table)
-            r.group_block_ids[g] = []
-            r.group_num_cached[g] = 0
 
     def _full_sequence_fits(self, r: _Request, hits: list[int], reserved: int) -> bool:
         """Could the free blocks hold all of ``r``'s tokens (capped at max_slots_per_request) beyond its hits, and still
@@ -223,8 +229,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
     # --- several KV cache groups (``kv_cache_groups``; the core's ``hybrid.rs``)
 
     def _group_windows(self) -> tuple[int, ...]:
-        """Each group's window, 0 for full attention, -1 for cross attention, ``_CHUNKED | c`` for chunked-local
-        attention in chunks of ``c`` tokens."""
+        """Each group's window, 0 for full attention, -1 for cross attention, -2 for Mamba, ``_CHUNKED | c`` for
+        chunked-local attention in chunks of ``c`` tokens."""
         groups = self._config.kv_cache_groups
         assert groups is not None
         return tuple(_group_window(w) for w in groups)
@@ -255,8 +261,25 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         """Group ``g``'s cache key of a block hash (group 0: the hash itself)."""
         return h if g == 0 else h + bytes([g])
 
+    def _group_slot(self, g: int) -> int | None:
+        """Where group ``g``'s table sits in ``group_block_ids``; None for the primary group (``block_ids``)."""
+        p = self._config.primary_group
+        return None if g == p else g if g < p else g - 1
+
     def _group_table(self, r: _Request, g: int) -> list[int]:
-        return r.block_ids if g == 0 else r.group_block_ids[g - 1]
+        i = self._group_slot(g)
+        return r.block_ids if i is None else r.group_block_ids[i]
+
+    def _group_cached(self, r: _Request, g: int) -> int:
+        i = self._group_slot(g)
+        return r.num_cached_blocks if i is None else r.group_num_cached[i]
+
+    def _set_group_cached(self, r: _Request, g: int, n: int) -> None:
+        i = self._group_slot(g)
+        if i is None:
+            r.num_cached_blocks = n
+        else:
+            r.group_num_cached[i] = n
 
     def _hit_all(self, block_hashes: list[bytes], i: int, ids: list[int]) -> list[int] | None:
         """The first block cached under ``block_hashes[i]`` for each group of ``ids``, or None if one misses."""
@@ -275,8 +298,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         windows = self._group_windows()
         sets: list[tuple[int, list[int]]] = []
         for g, w in enumerate(windows):
-            if w == _CROSS:
-                continue  # never cached: no part of a lookup
+            if w < 0:
+                continue  # cross attention and Mamba are never cached: no part of a lookup
             for sw, ids in sets:
                 if sw == w:
                     ids.append(g)
@@ -362,6 +385,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if w == _CROSS:
                 total += self._cross_blocks_to_add(r, held) if not r.block_ids else 0
                 continue
+            if w == _MAMBA:
+                total += max(0, 1 + c.mamba_speculative_blocks - held) if not r.block_ids else 0
+                continue
             if w == 0:
                 total += max(0, required - held - len(ghits)) + sum(1 for b in ghits if self._ref_cnt[b] == 0)
                 continue
@@ -393,8 +419,15 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         plan = []
         total_need = evictable = 0
         for g, w in enumerate(windows):
-            if w == _CROSS:  # the encoder output's blocks, at the first allocation only
-                need = self._cross_blocks_to_add(r, len(self._group_table(r, g))) if fresh else 0
+            if w < 0:  # the encoder output's or the state's blocks, at the first allocation only
+                held = len(self._group_table(r, g))
+                need = 0
+                if fresh:
+                    need = (
+                        self._cross_blocks_to_add(r, held)
+                        if w == _CROSS
+                        else max(0, 1 + c.mamba_speculative_blocks - held)
+                    )
                 total_need += need
                 plan.append((0, need))
                 continue
@@ -413,15 +446,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     self._free.remove(b)
                 self._ref_cnt[b] += 1
             self._group_table(r, g).extend([0] * skipped + kept)
-            if g == 0:
-                r.num_cached_blocks += skipped + len(kept)
-            else:
-                r.group_num_cached[g - 1] += skipped + len(kept)
+            self._set_group_cached(r, g, self._group_cached(r, g) + skipped + len(kept))
         new_blocks: list[int] = []
         for g, (_, need) in enumerate(plan):
             fresh_blocks = [self._pop_free_block() for _ in range(need)]
             self._group_table(r, g).extend(fresh_blocks)
-            if g == 0:
+            if self._zero_ids and windows[g] != _MAMBA:  # with a Mamba group: new attention blocks are zeroed
+                self._zero_ids[g].extend(fresh_blocks)
+            if g == c.primary_group:
                 new_blocks = fresh_blocks
         if cache:
             self._cache_blocks(r, min(total_computed + n, r.num_tokens))
@@ -442,10 +474,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         (null blocks skipped; a window of one token caches nothing), group by group."""
         num_full = min(num_tokens // self._bs, len(r.block_hashes), len(r.block_ids))
         for g, w in enumerate(self._group_windows()):
-            if w == _CROSS:
+            if w < 0:
                 continue
             table = self._group_table(r, g)
-            first = r.num_cached_blocks if g == 0 else r.group_num_cached[g - 1]
+            first = self._group_cached(r, g)
             if num_full <= first:
                 continue
             for i in range(first, num_full):
@@ -456,7 +488,4 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._block_hash[b] = key
                 self._cached.setdefault(key, {})[b] = None
                 self._newly_cached.append((b, key))
-            if g == 0:
-                r.num_cached_blocks = num_full
-            else:
-                r.group_num_cached[g - 1] = num_full
+            self._set_group_cached(r, g, num_full)

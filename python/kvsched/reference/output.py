@@ -30,6 +30,7 @@ class SchedulerOutput:
         "_group_new_block_ids",
         "_group_new_block_ids_indptr",
         "_owner",
+        "_primary_group",
         "_swapped_out",
         "finished_req_ids",
         "free_encoder_hashes",
@@ -52,6 +53,7 @@ class SchedulerOutput:
         "swap_in",
         "swap_out",
         "total_num_scheduled_tokens",
+        "zero_block_ids",
     )
     step_id: int
     req_ids: list[str]
@@ -61,6 +63,9 @@ class SchedulerOutput:
     resumed_req_ids: list[str]
     new_block_ids: np.ndarray
     new_block_ids_indptr: np.ndarray
+    # with a Mamba group: every attention-group block this step allocated, group by group (vLLM's
+    # new_block_ids_to_zero); empty otherwise
+    zero_block_ids: np.ndarray
     spec_token_ids: np.ndarray
     spec_token_ids_indptr: np.ndarray
     total_num_scheduled_tokens: int
@@ -79,26 +84,30 @@ class SchedulerOutput:
     _entries: list[tuple[_Request, bool, int]]  # (request, was a prefill chunk, number of drafts scheduled)
     _cached_blocks: list[tuple[int, bytes]]  # (block, hash) this step entered into the prefix cache
     _swapped_out: list[_Request]  # victims this step swapped out
-    _group_new_block_ids: list[np.ndarray]  # groups 1..'s new block ids, laid out as new_block_ids
+    _group_new_block_ids: list[np.ndarray]  # every group's but the primary's, in group order
     _group_new_block_ids_indptr: list[np.ndarray]  # their CSR offsets
+    _primary_group: int  # the group whose ids are new_block_ids (the first that is not Mamba)
+
+    def _group_slot(self, group: int) -> int | None:
+        """Where ``group``'s ids sit in ``_group_new_block_ids``; None for the primary group's."""
+        num_groups = len(self._group_new_block_ids) + 1
+        if not 0 <= group < num_groups:
+            raise IndexError(f"group must be in [0, {num_groups}), got {group}")
+        p = self._primary_group
+        return None if group == p else group if group < p else group - 1
 
     def group_new_block_ids(self, group: int) -> np.ndarray:
         """Group ``group``'s new block ids, laid out as ``new_block_ids`` (CSR offsets:
-        ``group_new_block_ids_indptr(group)``); group 0's are ``new_block_ids``."""
-        if group == 0:
-            return self.new_block_ids
-        if not 0 < group <= len(self._group_new_block_ids):
-            raise IndexError(f"group must be in [0, {len(self._group_new_block_ids) + 1}), got {group}")
-        return self._group_new_block_ids[group - 1]
+        ``group_new_block_ids_indptr(group)``); the primary group's (the first that is not Mamba; group 0 with one
+        group) are ``new_block_ids``."""
+        slot = self._group_slot(group)
+        return self.new_block_ids if slot is None else self._group_new_block_ids[slot]
 
     def group_new_block_ids_indptr(self, group: int) -> np.ndarray:
         """The CSR offsets of ``group_new_block_ids(group)``: ``new_block_ids_indptr`` for every group but a
-        cross-attention one."""
-        if group == 0:
-            return self.new_block_ids_indptr
-        if not 0 < group <= len(self._group_new_block_ids_indptr):
-            raise IndexError(f"group must be in [0, {len(self._group_new_block_ids_indptr) + 1}), got {group}")
-        return self._group_new_block_ids_indptr[group - 1]
+        cross-attention or Mamba one."""
+        slot = self._group_slot(group)
+        return self.new_block_ids_indptr if slot is None else self._group_new_block_ids_indptr[slot]
 
     def __init__(self, **fields: Any) -> None:
         for name, value in fields.items():

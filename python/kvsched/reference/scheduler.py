@@ -25,7 +25,7 @@ from .._errors import (
     SchedulerTypeError,
 )
 from .._types import RequestStatus, SchedulerStats, TenantStats
-from ..config import CROSS_ATTENTION, SchedulerConfig, check_tenant_weight, tenant_cache_salt
+from ..config import CROSS_ATTENTION, MAMBA, SchedulerConfig, check_tenant_weight, tenant_cache_salt
 from .convert import (
     _I64_MAX,
     _I64_MIN,
@@ -391,11 +391,9 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
 
     def get_block_ids(self, req_id: str, group: int = 0) -> np.ndarray:
         r = self._get(req_id)
-        if group == 0:
-            return np.array(r.block_ids, dtype=np.int32)
-        if not 0 < group <= len(r.group_block_ids):
+        if not 0 <= group <= len(r.group_block_ids):
             raise InvalidRequestError(f"group must be in [0, {len(r.group_block_ids) + 1}), got {group}")
-        return np.array(r.group_block_ids[group - 1], dtype=np.int32)
+        return np.array(self._group_table(r, group), dtype=np.int32)
 
     def get_block_hashes(self, req_id: str) -> list[bytes]:
         return list(self._get(req_id).block_hashes)
@@ -545,14 +543,21 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         windows = c.kv_cache_groups or (c.sliding_window,)
         for r in self._requests.values():
             require(len(r.group_block_ids) + 1 == len(windows), f"{r.req_id}: one table per group")
-            for g, table in enumerate([r.block_ids, *r.group_block_ids]):
-                if windows[g] == CROSS_ATTENTION:  # the encoder output's blocks, from the first allocation on
-                    want = math.ceil(r.cross_attention_tokens / bs) if r.block_ids else 0
-                    require(len(table) == want and r.group_num_cached[g - 1] == 0, f"{r.req_id}: cross group {g}")
+            for g in range(len(windows)):
+                table = self._group_table(r, g) if c.kv_cache_groups is not None else r.block_ids
+                if windows[g] in (CROSS_ATTENTION, MAMBA):  # the encoder output's or the state's blocks
+                    want = (
+                        0
+                        if not r.block_ids
+                        else math.ceil(r.cross_attention_tokens / bs)
+                        if windows[g] == CROSS_ATTENTION
+                        else 1 + c.mamba_speculative_blocks
+                    )
+                    require(len(table) == want and self._group_cached(r, g) == 0, f"{r.req_id}: group {g}'s blocks")
                     for b in table:
                         holders[b] += 1
                     continue
-                require(len(table) == len(r.block_ids), f"{r.req_id}: group {g}'s table as long as group 0's")
+                require(len(table) == len(r.block_ids), f"{r.req_id}: group {g}'s table as long as the primary's")
                 # A sliding window's table starts with the null blocks of the blocks that left the window.
                 live = table[next((k for k, b in enumerate(table) if b != 0), len(table)) :]
                 require(windows[g] is not None or len(live) == len(table), f"{r.req_id}: null block")
@@ -625,8 +630,9 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         for r in self._running:
             require(r.status == RequestStatus.RUNNING, f"{r.req_id} in running with status {r.status!r}")
             require(r.num_computed_tokens <= len(r.block_ids) * bs, f"{r.req_id}: computed tokens without KV")
-            for g, table in enumerate([r.block_ids, *r.group_block_ids]):
-                num_cached = r.num_cached_blocks if g == 0 else r.group_num_cached[g - 1]
+            for g in range(len(windows)):
+                table = self._group_table(r, g) if c.kv_cache_groups is not None else r.block_ids
+                num_cached = self._group_cached(r, g) if c.kv_cache_groups is not None else r.num_cached_blocks
                 for i in range(num_cached):
                     if table[i] != 0 and windows[g] != 1:  # a window of one token caches nothing
                         key = r.block_hashes[i] if g == 0 else r.block_hashes[i] + bytes([g])

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._errors import InvalidConfigError, InvalidOutputError, SchedulerTypeError, UnknownRequestError
 from .._types import RequestStatus
-from ..config import SchedulerConfig
+from ..config import MAMBA, SchedulerConfig
 from .encoder import _EncoderCache
 from .events import _KvCacheEvents
 from .fair import _Tenants
@@ -90,6 +90,9 @@ class _SchedulerState:
         self._prefill_capacity_bound = False
         self._newly_cached: list[tuple[int, bytes]] = []  # (block, hash) cached since schedule() began
         self._group_hits: list[list[int]] = []  # with several KV cache groups: every group's hits of the last lookup
+        # With a Mamba group: each group's attention blocks allocated since the last schedule() returned.
+        groups = c.kv_cache_groups or ()
+        self._zero_ids: list[list[int]] = [[] for _ in groups] if MAMBA in groups else []
         self._last_out: SchedulerOutput | None = None
         self._last_out_fresh = False  # prepare_model_inputs is allowed until the state changes
         self._stats = dict.fromkeys(

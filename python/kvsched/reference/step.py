@@ -16,7 +16,7 @@ import numpy as np
 
 from .._errors import InternalError, SchedulerTypeError
 from .._types import RequestStatus
-from ..config import CROSS_ATTENTION
+from ..config import CROSS_ATTENTION, MAMBA
 from .admission import _AdmissionMixin
 from .connector_sched import _ConnectorMixin
 from .convert import _indptr
@@ -244,16 +244,20 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         enc_hashes += [e[0].encoder_inputs[i][2] for e, ids in zip(scheduled, load_ids, strict=True) for i in ids]
         self._stats["encoder_inputs"] += len(work)
         self._stats["encoder_tokens"] += sum(x.encoder_inputs[i][1] for x, i in work)
-        # Groups 1..'s new blocks per request: the last ones of each table, as many as group 0's; a
-        # cross-attention table is taken whole by a new or resumed request and never grows.
+        # The other groups' new blocks per request (every group but the primary one, in group order): the last
+        # ones of each table, as many as the primary group's; a cross-attention or Mamba table is taken whole by a
+        # new or resumed request and never grows.
         groups: list[list[list[int]]] = []
-        for g, w in enumerate((c.kv_cache_groups or (None,))[1:]):
+        windows = c.kv_cache_groups or (None,)
+        others = [w for g, w in enumerate(windows) if g != c.primary_group]
+        for g, w in enumerate(others):
+            whole = w in (CROSS_ATTENTION, MAMBA)
             groups.append(
                 [
                     list(e[0].group_block_ids[g])
-                    if w == CROSS_ATTENTION and e[5] in ("new", "resumed")
+                    if whole and e[5] in ("new", "resumed")
                     else []
-                    if w == CROSS_ATTENTION
+                    if whole
                     else e[0].group_block_ids[g][len(e[0].group_block_ids[g]) - len(e[3]) :]
                     for e in scheduled
                 ]
@@ -301,8 +305,12 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             _swapped_out=[r for r in preempted if r.cpu_blocks],
             _group_new_block_ids=[np.array([b for ids in per_req for b in ids], dtype=np.int32) for per_req in groups],
             _group_new_block_ids_indptr=[_indptr([len(ids) for ids in per_req]) for per_req in groups],
+            _primary_group=c.primary_group,
+            zero_block_ids=np.array([b for ids in self._zero_ids for b in ids], dtype=np.int32),
         )
         self._newly_cached = []
+        for ids in self._zero_ids:
+            ids.clear()
         self._next_step_id += 1
         self._finished_since_schedule = []
         self._preempted_since_schedule = []

@@ -8,9 +8,10 @@ deployment never starts; it is never scheduled wrongly. kvsched's own knobs come
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from kvsched.config import CROSS_ATTENTION, SchedulerConfig, chunk_size_of, chunked_local
+from kvsched.config import CROSS_ATTENTION, MAMBA, SchedulerConfig, chunk_size_of, chunked_local
 
 from ._compat import RULES
 from ._errors import UnsupportedFeatureError
@@ -37,14 +38,19 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
 
 
-def _check_kv_cache_config(kv_cache_config: Any, block_size: int, dcp: int = 1) -> list[int | str | None]:
+def _check_kv_cache_config(
+    kv_cache_config: Any, block_size: int, dcp: int = 1
+) -> tuple[list[int | str | None], int, int]:
     """Refuses the KV cache layouts the core does not implement; returns each KV cache group's sliding window, in
     vLLM's group order (None: full attention, ``"cross"``: cross attention, ``"chunked:<c>"``: chunked-local
-    attention).
+    attention, ``"mamba"``: Mamba), the attention groups' block size (in scheduler blocks: times ``dcp``) and the
+    Mamba groups' speculative state blocks.
 
-    Several groups (hybrid models: full-attention and sliding-window or chunked-local layers; encoder-decoder
-    models: plus cross-attention layers) map to the core's ``kv_cache_groups``, one entry per vLLM group, all of
-    one block size.
+    Several groups (hybrid models: full-attention and sliding-window, chunked-local or Mamba layers;
+    encoder-decoder models: plus cross-attention layers) map to the core's ``kv_cache_groups``, one entry per vLLM
+    group, the attention groups of one block size. A Mamba group (``MambaSpec`` with ``mamba_cache_mode`` "none",
+    vLLM's mode without prefix caching) holds one state block of ``max_model_len`` tokens per request; the
+    scheduler block size is then the least common multiple of the two (vLLM's engine).
 
     ``dcp``: vLLM's decode-context-parallel size; ``block_size`` is then vLLM's scheduler block size, the spec's
     block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks)."""
@@ -52,6 +58,7 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int, dcp: int = 1) 
         ChunkedLocalAttentionSpec,
         CrossAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
@@ -61,11 +68,14 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int, dcp: int = 1) 
     # vLLM looks up the prefix hit of groups with equal specs together; the core does so for equal windows (and
     # equal chunk sizes).
     window_specs: dict[int | str, Any] = {}
+    attention_sizes: dict[int, int] = {}
+    mamba_sizes: set[int] = set()
+    spec_blocks: set[int] = set()
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         where = f"KV cache group {g}: " if hybrid else ""
-        # Plain full attention, sliding-window, chunked-local or cross attention: Mamba, MLA and the other specs
-        # subclass or differ from them.
+        # Plain full attention, sliding-window, chunked-local or cross attention, or Mamba: MLA and the other
+        # specs subclass or differ from them.
         window: int | str | None = None
         if getattr(spec, "bounded_replay", False):
             # vLLM 0.33 recomputes the tail of a prefix hit to rebuild such a window (prefix replay).
@@ -73,6 +83,20 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int, dcp: int = 1) 
                 f"sliding windows rebuilt by prefix replay ({type(spec).__name__} with bounded_replay)",
                 f"{where}bounded_replay=True",
             )
+        if type(spec) is MambaSpec:
+            mode = getattr(spec, "mamba_cache_mode", "none")
+            if mode != "none":
+                # vLLM's default with prefix caching: block-aligned chunk splits, per-block state checkpoints,
+                # Mamba prefix hits (docs/vllm.md).
+                _refuse(
+                    f"Mamba prefix caching (mamba_cache_mode {mode!r})",
+                    f"{where}MambaSpec: turn prefix caching off (--no-enable-prefix-caching) for mode 'none'",
+                )
+            window = MAMBA
+            mamba_sizes.add(int(spec.block_size))
+            spec_blocks.add(int(spec.num_speculative_blocks))
+            windows.append(window)
+            continue
         if type(spec) is SlidingWindowSpec:
             window = int(spec.sliding_window)
             if getattr(spec, "extra_retained_tokens", 0):
@@ -99,26 +123,51 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int, dcp: int = 1) 
         elif type(spec) is CrossAttentionSpec:
             # The encoder output's blocks of an encoder-decoder model (vLLM's CrossAttentionManager).
             window = CROSS_ATTENTION
-            if g == 0:
-                _refuse("a cross-attention KV cache group first (the core's group 0 holds the decoder's tokens)", where)
+            if all(w == MAMBA for w in windows):
+                _refuse(
+                    "a cross-attention KV cache group first (the core's first group that is not Mamba holds the "
+                    "decoder's tokens)",
+                    where,
+                )
         elif type(spec) is not FullAttentionSpec:
             _refuse(
                 f"the KV cache spec {type(spec).__name__}",
-                f"{where}only FullAttentionSpec, SlidingWindowSpec and CrossAttentionSpec are supported",
+                f"{where}only FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec and "
+                "MambaSpec (mamba_cache_mode 'none') are supported",
             )
         elif getattr(spec, "sliding_window", None):
             _refuse("full-attention specs with a sliding window", f"{where}sliding_window={spec.sliding_window}")
         if dcp > 1 and not getattr(spec, "dcp_sharded", False):
             _refuse("KV cache specs that decode context parallelism does not shard", f"{where}dcp_sharded=False")
-        if spec.block_size * dcp != block_size:
-            feature = (
-                "KV cache groups of different block sizes"
-                if hybrid
-                else "a KV cache block size that differs from the scheduler block size"
-            )
-            per_rank = f"{spec.block_size} * {dcp}" if dcp > 1 else f"{spec.block_size}"
-            _refuse(feature, f"{where}{per_rank} != {block_size}")
+        attention_sizes.setdefault(int(spec.block_size) * dcp, g)
         windows.append(window)
+    if not attention_sizes:
+        _refuse("models with Mamba layers only (no attention KV cache group)", "MambaSpec")
+
+    def per_rank(size: int) -> str:
+        return f"{size // dcp} * {dcp}" if dcp > 1 else str(size)
+
+    if len(attention_sizes) > 1:
+        (size0, _), (size, g) = sorted(attention_sizes.items(), key=lambda kv: kv[1])[:2]
+        _refuse(
+            "KV cache groups of different block sizes", f"KV cache group {g}: {per_rank(size)} != {per_rank(size0)}"
+        )
+    attention_size = next(iter(attention_sizes))
+    if len(mamba_sizes) > 1:
+        _refuse("Mamba KV cache groups of different block sizes", f"{sorted(mamba_sizes)}")
+    if len(spec_blocks) > 1:
+        _refuse("Mamba KV cache groups with different num_speculative_blocks", f"{sorted(spec_blocks)}")
+    # vLLM's engine gives the scheduler the least common multiple of the groups' block sizes.
+    want = math.lcm(attention_size, *mamba_sizes)
+    if want != block_size:
+        feature = (
+            "a scheduler block size other than the least common multiple of the KV cache groups' block sizes"
+            if mamba_sizes
+            else "KV cache groups of different block sizes"
+            if hybrid
+            else "a KV cache block size that differs from the scheduler block size"
+        )
+        _refuse(feature, f"{want if mamba_sizes else per_rank(want)} != {block_size}")
     if any(chunk_size_of(w) is not None for w in windows) and None not in windows:
         _refuse(
             "chunked-local KV cache groups without a full-attention group (vLLM's lookup then counts the blocks "
@@ -131,7 +180,7 @@ def _check_kv_cache_config(kv_cache_config: Any, block_size: int, dcp: int = 1) 
     has_window = any(isinstance(w, int) for w in windows)
     if has_window and getattr(kv_cache_config, "prefix_cache_retention_interval", None) is not None:
         _refuse("sparse prefix-cache retention of sliding windows", "prefix_cache_retention_interval")
-    return windows
+    return windows, attention_size, next(iter(spec_blocks), 0)
 
 
 def check_kv_connector(vllm_config: Any, connector: Any) -> None:
@@ -169,12 +218,16 @@ def kvsched_config_from_vllm(
     block_size: int,
     hash_block_size: int | None,
     windows: list[int | str | None] | None = None,
+    attention_block_size: int | None = None,
+    mamba_speculative_blocks: int = 0,
 ) -> tuple[SchedulerConfig, int]:
     """The kvsched config for ``vllm_config`` and the number of speculative tokens; raises for unsupported ones.
 
     The fields vLLM decides come from its config; the kvsched settings of ``additional_config`` are added on top
     (a setting vLLM decides is refused there, see ``_policy.py``). ``windows``: each KV cache group's sliding
-    window, None for full attention (``_check_kv_cache_config``; default: one full-attention group)."""
+    window, None for full attention (``_check_kv_cache_config``; default: one full-attention group);
+    ``attention_block_size``: the attention groups' block size (default: ``block_size``, vLLM's scheduler block
+    size, which a Mamba group makes larger); ``mamba_speculative_blocks``: a Mamba group's extra state blocks."""
     knobs, _ = read_additional_config(vllm_config)
     sched = vllm_config.scheduler_config
     cache = vllm_config.cache_config
@@ -231,6 +284,16 @@ def kvsched_config_from_vllm(
             _refuse("KV connectors with several KV cache groups", f"kv_transfer_config, {num}")
         if kv_events_enabled(vllm_config):
             _refuse("KV cache events with several KV cache groups", f"kv_events_config, {num}")
+        if MAMBA in windows:
+            # vLLM's mamba_cache_mode "none": one state block of max_model_len tokens per request.
+            if cache.enable_prefix_caching:
+                _refuse("Mamba prefix caching (mamba_cache_mode 'align')", "enable_prefix_caching=True")
+            for g, group in enumerate(kv_cache_config.kv_cache_groups):
+                size = int(group.kv_cache_spec.block_size)
+                if windows[g] == MAMBA and size < int(model.max_model_len):
+                    # Every allocation's slots (at most max_model_len) then fit one state block, as vLLM's mode
+                    # "none" makes them (mamba_block_size = max_model_len).
+                    _refuse("Mamba blocks shorter than max_model_len", f"KV cache group {g}: block_size={size}")
         if CROSS_ATTENTION in windows and cache.enable_prefix_caching:
             # vLLM's CrossAttentionManager cannot look up a prefix (vLLM turns prefix caching off for
             # encoder-decoder models).
@@ -249,7 +312,10 @@ def kvsched_config_from_vllm(
     policy = effective_policy(str(sched.policy), knobs.get("policy"))
     if hash_block_size is not None and hash_block_size != block_size:
         _refuse("a hash block size different from the block size", f"hash_block_size={hash_block_size}")
+    block_size = attention_block_size or block_size
     if block_size <= 0 or block_size & (block_size - 1):
+        # (A hybrid Mamba model's attention block is sized to its state's page: pass a power-of-two --block-size
+        # at least that large.)
         _refuse("block sizes that are not a power of two", f"block_size={block_size}")
 
     num_spec_tokens = int(_attr(vllm_config, "num_speculative_tokens", 0) or 0)
@@ -314,6 +380,7 @@ def kvsched_config_from_vllm(
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
     fields["sliding_window"] = sliding_window
     fields["kv_cache_groups"] = kv_cache_groups
+    fields["mamba_speculative_blocks"] = mamba_speculative_blocks if kv_cache_groups and MAMBA in kv_cache_groups else 0
     fields["hash_lookahead_tokens"] = hash_lookahead
     fields["drop_trailing_hit_block"] = drop_trailing
     fields["async_scheduling"] = bool(sched.async_scheduling)

@@ -301,7 +301,8 @@ class _NumCachedBlock(Mapping[str, int]):
 
 
 class _SingleTypeManager(_ReadOnly):
-    """vLLM's ``SingleTypeKVCacheManager`` of one KV cache group (full attention or a sliding window)."""
+    """vLLM's ``SingleTypeKVCacheManager`` of one KV cache group (full attention, a sliding window, cross
+    attention or Mamba); ``block_size`` is the group's own."""
 
     __slots__ = (
         "_null_block",
@@ -323,7 +324,7 @@ class _SingleTypeManager(_ReadOnly):
 
     def __init__(self, sched: Scheduler, kv_cache_spec: Any, block_pool: BlockPoolView, group: int) -> None:
         init = object.__setattr__
-        init(self, "block_size", sched.block_size)
+        init(self, "block_size", int(kv_cache_spec.block_size))
         init(self, "kv_cache_spec", kv_cache_spec)
         init(self, "kv_cache_group_id", group)
         init(self, "block_pool", block_pool)
@@ -348,10 +349,28 @@ class _CrossAttentionManager(_SingleTypeManager):
         return cls
 
 
-def _manager(sched: Scheduler, spec: Any, pool: BlockPoolView, group: int) -> _SingleTypeManager:
-    from vllm.v1.kv_cache_interface import CrossAttentionSpec
+class _MambaManager(_SingleTypeManager):
+    """vLLM's ``MambaManager`` of a Mamba group (``mamba_cache_mode`` "none"): each request's state blocks. It
+    answers ``isinstance`` checks against vLLM's class as ``_CrossAttentionManager`` does."""
 
-    cls = _CrossAttentionManager if type(spec) is CrossAttentionSpec else _SingleTypeManager
+    __slots__ = ()
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+        cls: type = MambaManager
+        return cls
+
+
+def _manager(sched: Scheduler, spec: Any, pool: BlockPoolView, group: int) -> _SingleTypeManager:
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, MambaSpec
+
+    cls: type[_SingleTypeManager] = _SingleTypeManager
+    if type(spec) is CrossAttentionSpec:
+        cls = _CrossAttentionManager
+    elif type(spec) is MambaSpec:
+        cls = _MambaManager
     return cls(sched, spec, pool, group)
 
 

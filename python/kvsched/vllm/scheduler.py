@@ -35,7 +35,7 @@ from kvsched._core import vllm_sha256_block_hashes
 from kvsched._errors import InvalidRequestError, QueueFullError, SchedulerTypeError
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
-from kvsched.config import CROSS_ATTENTION, tenant_cache_salt
+from kvsched.config import CROSS_ATTENTION, MAMBA, tenant_cache_salt
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._aux import AuxBridge
@@ -185,13 +185,23 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         log_stats: bool = False,
     ) -> None:
         dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
-        windows = _check_kv_cache_config(kv_cache_config, block_size, dcp)
-        config, self.num_spec_tokens = kvsched_config_from_vllm(
-            vllm_config, kv_cache_config, block_size, hash_block_size, windows
+        windows, attention_block_size, mamba_speculative_blocks = _check_kv_cache_config(
+            kv_cache_config, block_size, dcp
         )
-        # Each KV cache group's sliding window (None: full attention), in vLLM's group order.
+        config, self.num_spec_tokens = kvsched_config_from_vllm(
+            vllm_config,
+            kv_cache_config,
+            block_size,
+            hash_block_size,
+            windows,
+            attention_block_size=attention_block_size,
+            mamba_speculative_blocks=mamba_speculative_blocks,
+        )
+        # Each KV cache group's sliding window (None: full attention, "cross", "mamba"), in vLLM's group order.
         self._group_windows: tuple[int | str | None, ...] = tuple(windows)
         self._num_groups = len(windows)
+        # vLLM's needs_kv_cache_zeroing (a model with Mamba layers): new attention blocks reported to the workers.
+        self._zeroes_new_blocks = MAMBA in windows
         # Encoder-decoder scheduling (``is_encoder_decoder`` set on a built scheduler with a cross-attention group,
         # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
         # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
@@ -885,14 +895,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         computed: list[int] = out.num_computed_tokens.tolist()
         block_ptr_arr = out.new_block_ids_indptr
         block_ids: list[int] = out.new_block_ids.tolist()
-        # Several KV cache groups: every group's new blocks and their offsets (group 0's but for cross attention).
+        # Several KV cache groups: every group's new blocks and their offsets (the primary group's, the first that
+        # is not Mamba, are new_block_ids; cross-attention and Mamba groups have their own offsets).
         group_ids: list[list[int]] | None = None
         group_ptrs: list[list[int]] = []
         if self._num_groups > 1:
-            group_ids = [block_ids] + [out.group_new_block_ids(g).tolist() for g in range(1, self._num_groups)]
-            group_ptrs = [block_ptr_arr.tolist()] + [
-                out.group_new_block_ids_indptr(g).tolist() for g in range(1, self._num_groups)
-            ]
+            group_ids = [out.group_new_block_ids(g).tolist() for g in range(self._num_groups)]
+            group_ptrs = [out.group_new_block_ids_indptr(g).tolist() for g in range(self._num_groups)]
         spec_ids = out.spec_token_ids
         spec_ptr: list[int] | None = out.spec_token_ids_indptr.tolist() if len(spec_ids) else None
         spec_list: list[int] = spec_ids.tolist() if spec_ptr is not None else []
@@ -1152,6 +1161,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             num_spec_tokens_to_schedule=self.num_spec_tokens,
             **({"skip_drafts": not drafts_needed} if RULES.skip_drafts else {}),
         )
+        if self._zeroes_new_blocks:
+            # A model with Mamba layers: vLLM zeroes the attention blocks the step allocated before use.
+            zero = out.zero_block_ids
+            if len(zero):
+                so.new_block_ids_to_zero = zero.tolist()
         if encoder_stats is not None:
             so.scheduled_encoder_input_stats = encoder_stats
         if confirmed is not None:
@@ -1419,7 +1433,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         follows. The auxiliary output connector hears of it here unless ``aux_told``."""
         if not self._mirroring_preemption:
             req_id = request.request_id
-            if self.requests.get(req_id) is not request:
+            known: Any = self.requests.get(req_id)
+            if known is not request:
                 raise KeyError(f"request {req_id!r} is not one of this scheduler's requests")
             if request.status != _RUNNING:
                 raise InvalidRequestError(f"request {req_id!r} is not running: only running requests can be preempted")

@@ -10,6 +10,7 @@ before vLLM is first imported on a machine without a GPU (importing ``kvsched.vl
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -331,10 +332,14 @@ def _kv_cache_config(
     block_size: int,
     sliding_window: int | None = None,
     kv_cache_groups: Sequence[int | str | None] | None = None,
+    max_model_len: int = 0,
+    num_speculative_tokens: int = 0,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
-    attention in chunks of ``c`` tokens, ``"cross"``: cross attention); groups of one kind share one spec."""
+    attention in chunks of ``c`` tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba group as vLLM builds it
+    without prefix caching: ``mamba_cache_mode`` "none", a block of ``max_model_len`` tokens, a speculative state
+    block per draft token); groups of one kind share one spec."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -342,12 +347,21 @@ def _kv_cache_config(
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
     def spec(window: int | str | None) -> Any:
         if window == "cross":
             return CrossAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        if window == "mamba":
+            return MambaSpec(
+                block_size=max_model_len,
+                shapes=((1,),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode="none",
+                num_speculative_blocks=num_speculative_tokens,
+            )
         if window is None:
             return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         if isinstance(window, str) and window.startswith("chunked:"):
@@ -381,7 +395,8 @@ def make_scheduler(
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
     full attention). ``kv_cache_groups``: a hybrid model instead, one KV cache group per entry (None: full
     attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local attention in chunks
-    of ``c`` tokens, ``"cross"``: cross attention), in that order.
+    of ``c`` tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba group in mode "none", which needs prefix
+    caching off), in that order.
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -398,20 +413,30 @@ def make_scheduler(
     else:
         raise ValueError(f"impl must be 'vllm' or 'kvsched', got {impl!r}")
     block_size = vllm_config.cache_config.block_size
+    max_model_len = int(vllm_config.model_config.max_model_len)
     # vLLM's engine gives the scheduler its block size times the DCP size (one block id covers a block on every
-    # DCP rank; resolve_kv_cache_block_sizes), the KV cache specs keep the per-rank size.
+    # DCP rank; resolve_kv_cache_block_sizes), the KV cache specs keep the per-rank size; with a Mamba group, the
+    # least common multiple of the groups' block sizes (a Mamba group's block holds max_model_len tokens).
     dcp = vllm_config.parallel_config.decode_context_parallel_size
+    scheduler_block_size = block_size * dcp
+    if "mamba" in (kv_cache_groups or ()):
+        scheduler_block_size = math.lcm(scheduler_block_size, max_model_len)
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if use_v2_model_runner else "0"
     try:
         return cls(
             vllm_config=vllm_config,
             kv_cache_config=_kv_cache_config(
-                vllm_config.cache_config.num_gpu_blocks, block_size, sliding_window, kv_cache_groups
+                vllm_config.cache_config.num_gpu_blocks,
+                block_size,
+                sliding_window,
+                kv_cache_groups,
+                max_model_len,
+                int(getattr(vllm_config, "num_speculative_tokens", 0) or 0),
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=block_size * dcp,
-            hash_block_size=block_size * dcp,
+            block_size=scheduler_block_size,
+            hash_block_size=scheduler_block_size,
             include_finished_set=include_finished_set,
             log_stats=log_stats,
         )

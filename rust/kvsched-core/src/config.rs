@@ -356,11 +356,16 @@ pub struct SchedulerConfig {
     /// Several KV cache groups sharing one pool and one block size (vLLM's hybrid models: full attention plus
     /// sliding-window or chunked-local layers): one entry per group, `None` for full attention or `Some(w)` for a
     /// window of `w` tokens, `Some(CHUNKED_LOCAL | c)` for chunked-local attention in chunks of `c` tokens (with a
-    /// full-attention group), or `Some(CROSS_ATTENTION)` for a cross-attention group (encoder-decoder models; not
-    /// group 0).
-    /// Each request holds one block table per group; a prefix hit must be valid for every group
-    /// (`kv_cache_manager.rs`, hybrid section). Empty: one group (full attention, or `sliding_window`).
+    /// full-attention group), `Some(CROSS_ATTENTION)` for a cross-attention group (encoder-decoder models) or
+    /// `Some(MAMBA)` for a Mamba group (hybrid Mamba models with `mamba_cache_mode` "none"). The first group that
+    /// is not Mamba (the *primary* group: `Request::blocks`) must be full attention, a window or chunked-local.
+    /// Each request holds one block table per group; a prefix hit must be valid for every group (`hybrid.rs`).
+    /// Empty: one group (full attention, or `sliding_window`).
     pub kv_cache_groups: Vec<Option<u32>>,
+    /// The extra state blocks a request holds in each Mamba group for speculative decoding (vLLM's
+    /// `MambaSpec.num_speculative_blocks`): a request holds `1 + mamba_speculative_blocks` blocks there. Needs a
+    /// Mamba group when above 0.
+    pub mamba_speculative_blocks: u32,
     /// Tokens computed per step (vLLM's `max_num_scheduled_tokens`), a budget apart from the model inputs
     /// `max_num_batched_tokens` counts; 0 = `max_num_batched_tokens`. At most `max_num_batched_tokens`.
     pub max_num_scheduled_tokens: u32,
@@ -473,6 +478,7 @@ impl Default for SchedulerConfig {
             drop_trailing_hit_block: false,
             sliding_window: None,
             kv_cache_groups: Vec::new(),
+            mamba_speculative_blocks: 0,
             max_num_scheduled_tokens: 0,
             draft_slots: 0,
             decode_stagger: 1,
@@ -490,11 +496,18 @@ pub const MAX_KV_CACHE_GROUPS: usize = 64;
 /// encoder-decoder models): a request holds `ceil(cross_attention_tokens / block_size)` blocks there, taken at its
 /// first allocation and freed with it, never cached (`hybrid.rs`). Python spells it `"cross"`.
 pub const CROSS_ATTENTION: u32 = u32::MAX;
+/// A `kv_cache_groups` entry (`Some(MAMBA)`) for a Mamba (linear-attention) group with vLLM's `mamba_cache_mode`
+/// "none" (`MambaSpec` with a block of `max_model_len` tokens): a request holds `1 + mamba_speculative_blocks`
+/// state blocks there, taken at its first allocation and freed with it, never cached (`hybrid.rs`). Python spells
+/// it `"mamba"`. It is `CHUNKED_LOCAL | (2^31 - 2)`, which is why chunk sizes stop at `2^31 - 3`.
+pub const MAMBA: u32 = u32::MAX - 1;
 /// The flag of a `kv_cache_groups` entry (`Some(CHUNKED_LOCAL | c)`) for a chunked-local attention group (vLLM's
 /// `ChunkedLocalAttentionSpec`, Llama 4): the token at position `p` attends to the tokens of its own chunk of `c`
 /// tokens (`p / c * c ..= p`) only, so the blocks wholly before the chunk of the next token go back to the pool
-/// (`hybrid.rs`). `c` in `[1, 2^31 - 2]`. Python spells it `"chunked:c"`.
+/// (`hybrid.rs`). `c` in `[1, MAX_CHUNK_SIZE]`. Python spells it `"chunked:c"`.
 pub const CHUNKED_LOCAL: u32 = 1 << 31;
+/// The largest chunk size of a chunked-local group (`2^31 - 3`: `CHUNKED_LOCAL | (2^31 - 2)` is `MAMBA`).
+pub const MAX_CHUNK_SIZE: u32 = I32_MAX - 2;
 
 /// An integer field's fixed bounds (inclusive), and how to read it (`None`: unset, not checked).
 struct IntField {
@@ -576,6 +589,12 @@ const INT_FIELDS: &[IntField] = &[
         get: |c| Some(c.max_num_scheduled_tokens).filter(|&v| v != 0),
     },
     IntField { name: "draft_slots", min: 0, max: I32_MAX - 1, get: |c| Some(c.draft_slots) },
+    IntField {
+        name: "mamba_speculative_blocks",
+        min: 0,
+        max: 1024,
+        get: |c| Some(c.mamba_speculative_blocks),
+    },
     IntField { name: "decode_stagger", min: 1, max: 1024, get: |c| Some(c.decode_stagger) },
     // 0 stands for Python's None (2 with async scheduling, else 1).
     IntField {
@@ -790,6 +809,12 @@ impl SchedulerConfig {
     fn validate_groups(&self) -> Result<()> {
         let groups = &self.kv_cache_groups;
         if groups.is_empty() {
+            if self.mamba_speculative_blocks > 0 {
+                return Err(SchedError::InvalidConfig(format!(
+                    "mamba_speculative_blocks ({}) needs a Mamba group in kv_cache_groups",
+                    self.mamba_speculative_blocks
+                )));
+            }
             return Ok(());
         }
         let refuse = |what: String| Err(SchedError::InvalidConfig(format!("kv_cache_groups {what}")));
@@ -804,9 +829,10 @@ impl SchedulerConfig {
             return refuse(format!("windows must be in [1, {I32_MAX}], got 0"));
         }
         if groups.contains(&Some(CHUNKED_LOCAL)) {
-            return refuse(format!("chunk sizes must be in [1, {}], got 0", I32_MAX - 1));
+            return refuse(format!("chunk sizes must be in [1, {MAX_CHUNK_SIZE}], got 0"));
         }
-        let chunked = groups.iter().flatten().any(|&w| w != CROSS_ATTENTION && w & CHUNKED_LOCAL != 0);
+        let chunked =
+            groups.iter().flatten().any(|&w| w != CROSS_ATTENTION && w != MAMBA && w & CHUNKED_LOCAL != 0);
         if chunked && !groups.contains(&None) {
             return refuse(
                 "with a chunked-local group needs a full-attention group (the core looks a chunked-local hit up \
@@ -814,10 +840,16 @@ impl SchedulerConfig {
                     .into(),
             );
         }
-        if groups[0] == Some(CROSS_ATTENTION) {
-            return refuse(
-                "cannot start with a cross-attention group (group 0 holds the decoder's tokens)".into(),
-            );
+        match groups.iter().find(|&&g| g != Some(MAMBA)) {
+            None => return refuse("needs a group that is not Mamba (it holds the decoder's tokens)".into()),
+            Some(&Some(CROSS_ATTENTION)) => {
+                return refuse(
+                    "cannot start with a cross-attention group (the first group that is not Mamba holds the \
+                     decoder's tokens)"
+                        .into(),
+                )
+            }
+            Some(_) => {}
         }
         if self.enable_prefix_caching && groups.contains(&Some(CROSS_ATTENTION)) {
             return refuse(
@@ -825,6 +857,20 @@ impl SchedulerConfig {
                  cached, and vLLM cannot look up a prefix with them)"
                     .into(),
             );
+        }
+        let has_mamba = groups.contains(&Some(MAMBA));
+        if self.enable_prefix_caching && has_mamba {
+            return refuse(
+                "with a Mamba group needs enable_prefix_caching=False (vLLM's mamba_cache_mode 'none' keeps one \
+                 state per request, never cached)"
+                    .into(),
+            );
+        }
+        if self.mamba_speculative_blocks > 0 && !has_mamba {
+            return Err(SchedError::InvalidConfig(format!(
+                "mamba_speculative_blocks ({}) needs a Mamba group in kv_cache_groups",
+                self.mamba_speculative_blocks
+            )));
         }
         if let Some(w) = self.sliding_window {
             return refuse(format!(

@@ -1,9 +1,10 @@
 //! Several KV cache groups in one pool (`SchedulerConfig::kv_cache_groups`, vLLM's `HybridKVCacheCoordinator`
-//! over one `FullAttentionManager`, `SlidingWindowManager`, `ChunkedLocalAttentionManager` or
-//! `CrossAttentionManager` per group, all with the same block size).
+//! over one `FullAttentionManager`, `SlidingWindowManager`, `ChunkedLocalAttentionManager`,
+//! `CrossAttentionManager` or `MambaManager` per group, the attention groups with the same block size).
 //!
-//! A request holds one block table per group (group 0's is `Request::blocks`, the others `Request::groups`),
-//! all of the same length: every group covers every slot. Group by group, in group order:
+//! A request holds one block table per group (the *primary* group's, the first that is not Mamba, is
+//! `Request::blocks`; the others are `Request::groups`, in group order), all of the same length but cross
+//! attention's and Mamba's: every attention group covers every slot. Group by group, in group order:
 //!
 //! - **Allocation**: the blocks that left each window go back to the pool first (deepest first, one call per
 //!   group); the blocks needed are summed over the groups and checked against the pool at once; then each
@@ -27,21 +28,36 @@
 //!   admission, or a readmission after preemption) and never grown after; freed with the others; never cached,
 //!   never part of a lookup (the config refuses prefix caching with them). Its table is the only one not as
 //!   long as group 0's.
+//! - **Mamba groups** (`MAMBA`, vLLM's `MambaManager` with `mamba_cache_mode` "none", whose block holds the state
+//!   of `max_model_len` tokens): a request's table there holds `1 + mamba_speculative_blocks` blocks, taken by its
+//!   first allocation and never grown after (every allocation's slots fit one such block); freed with the
+//!   others; never cached, never part of a lookup (the config refuses prefix caching with them). vLLM lists
+//!   them in layer order, so they may come before the primary group. With one, every attention block a
+//!   `schedule()` allocates is reported in its output's `zero_block_ids` (vLLM zeroes them before use), group by
+//!   group, each group's in allocation order.
 //!
 //! This module holds the groups' description; `hybrid_kv.rs` holds what `KvCacheManager` does with them, off the
 //! single-group paths: `KvCacheManager` branches there only when `hybrid` is set.
 
 use std::sync::{Mutex, MutexGuard};
 
-use crate::config::{CHUNKED_LOCAL, CROSS_ATTENTION};
+use crate::config::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
 
 /// The groups of a hybrid KV cache.
 #[derive(Debug)]
 pub struct Hybrid {
-    /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention; `CHUNKED_LOCAL | c`:
-    /// chunked-local attention in chunks of `c` tokens.
+    /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention; `MAMBA`: Mamba;
+    /// `CHUNKED_LOCAL | c`: chunked-local attention in chunks of `c` tokens.
     pub windows: Vec<u32>,
+    /// The primary group: the first that is not Mamba (its table is `Request::blocks`).
+    pub primary: usize,
+    /// The blocks a request holds in a Mamba group (`1 + mamba_speculative_blocks`).
+    pub mamba_blocks: usize,
+    /// With a Mamba group (vLLM then zeroes new attention blocks before use): each group's attention blocks
+    /// allocated since the last `schedule()` returned, in allocation order (`SchedulerOutput::zero_block_ids`).
+    /// Empty without one.
+    pub zero_ids: Vec<Vec<u32>>,
     /// Each group's admission cap in blocks (`usize::MAX` for full attention); see
     /// `KvCacheManager::admission_cap_blocks`.
     pub caps: Vec<usize>,
@@ -57,6 +73,9 @@ impl Clone for Hybrid {
     fn clone(&self) -> Self {
         Hybrid {
             windows: self.windows.clone(),
+            primary: self.primary,
+            mamba_blocks: self.mamba_blocks,
+            zero_ids: self.zero_ids.clone(),
             caps: self.caps.clone(),
             lookups: self.lookups.clone(),
             last_hits: Mutex::new(self.hits().clone()),
@@ -66,16 +85,14 @@ impl Clone for Hybrid {
 
 impl Hybrid {
     /// `windows`: per group, `None` for full attention. `cap` gives a window's (or chunked-local group's)
-    /// admission cap in blocks.
-    pub fn new(windows: &[Option<u32>], cap: impl Fn(u32) -> usize) -> Self {
+    /// admission cap in blocks; `mamba_speculative_blocks` the extra state blocks of a Mamba group.
+    pub fn new(windows: &[Option<u32>], mamba_speculative_blocks: u32, cap: impl Fn(u32) -> usize) -> Self {
         let windows: Vec<u32> = windows.iter().map(|w| w.unwrap_or(0)).collect();
-        let caps = windows
-            .iter()
-            .map(|&w| if w == 0 || w == CROSS_ATTENTION { usize::MAX } else { cap(w) })
-            .collect();
+        let caps = windows.iter().map(|&w| if is_window(w) { cap(w) } else { usize::MAX }).collect();
+        let primary = windows.iter().position(|&w| w != MAMBA).unwrap_or(0);
         let mut lookups: Vec<(u32, Vec<usize>)> = Vec::new();
         for (g, &w) in windows.iter().enumerate() {
-            if w == CROSS_ATTENTION {
+            if w != 0 && !is_window(w) {
                 continue;
             }
             match lookups.iter_mut().find(|(lw, _)| *lw == w) {
@@ -86,7 +103,22 @@ impl Hybrid {
         // Full attention first (a stable sort keeps the windows' order).
         lookups.sort_by_key(|(w, _)| *w != 0);
         let n = windows.len();
-        Hybrid { windows, caps, lookups, last_hits: Mutex::new(vec![Vec::new(); n]) }
+        let zero_ids = if windows.contains(&MAMBA) { vec![Vec::new(); n] } else { Vec::new() };
+        Hybrid {
+            windows,
+            primary,
+            mamba_blocks: 1 + mamba_speculative_blocks as usize,
+            zero_ids,
+            caps,
+            lookups,
+            last_hits: Mutex::new(vec![Vec::new(); n]),
+        }
+    }
+
+    /// Where group `g`'s table sits in `Request::groups`; `None` for the primary group (`Request::blocks`).
+    #[inline]
+    pub fn slot(&self, g: usize) -> Option<usize> {
+        group_slot(self.primary, g)
     }
 
     /// `last_hits` (a lock never held across a call: it cannot be poisoned by a panic elsewhere).
@@ -107,6 +139,22 @@ pub fn group_key(h: &BlockHash, g: usize) -> BlockHash {
     k
 }
 
+/// Where group `g`'s table sits in `Request::groups` when `primary` is the primary group (`None`: it is).
+#[inline]
+pub fn group_slot(primary: usize, g: usize) -> Option<usize> {
+    match g.cmp(&primary) {
+        std::cmp::Ordering::Less => Some(g),
+        std::cmp::Ordering::Equal => None,
+        std::cmp::Ordering::Greater => Some(g - 1),
+    }
+}
+
+/// Whether a group's `windows` entry is a sliding window (not full attention, cross attention or Mamba).
+#[inline]
+pub fn is_window(w: u32) -> bool {
+    w != 0 && w != CROSS_ATTENTION && w != MAMBA
+}
+
 /// Tokens wholly before a window of `w` tokens of the token after `computed` (vLLM's `get_num_skipped_tokens`).
 #[inline]
 pub(crate) fn window_skipped(w: u32, computed: u32) -> u32 {
@@ -116,7 +164,7 @@ pub(crate) fn window_skipped(w: u32, computed: u32) -> u32 {
 /// The chunk size of a chunked-local group's entry `w`, or `None` for another group.
 #[inline]
 pub(crate) fn chunk_size(w: u32) -> Option<u32> {
-    (w != CROSS_ATTENTION && w & CHUNKED_LOCAL != 0).then_some(w & !CHUNKED_LOCAL)
+    (w != CROSS_ATTENTION && w != MAMBA && w & CHUNKED_LOCAL != 0).then_some(w & !CHUNKED_LOCAL)
 }
 
 /// Tokens a window or chunked-local group `w` no longer reads once `computed` tokens are computed (vLLM's

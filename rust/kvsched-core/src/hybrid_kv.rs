@@ -1,27 +1,28 @@
 //! `KvCacheManager` with several KV cache groups (`hybrid.rs` describes the groups and the rules).
 
 use crate::block_pool::NULL_BLOCK;
-use crate::config::CROSS_ATTENTION;
+use crate::config::{CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
-use crate::hybrid::{chunk_size, group_key, group_skipped};
+use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::request::Request;
 
-/// A request's table of group `g` and its cached-block count.
-fn table(req: &mut Request, g: usize) -> (&mut Vec<u32>, &mut u32) {
-    if g == 0 {
-        (&mut req.blocks, &mut req.num_cached_blocks)
-    } else {
-        let t = &mut req.groups[g - 1];
-        (&mut t.blocks, &mut t.num_cached_blocks)
+/// A request's table of the group at `slot` (`Hybrid::slot`; `None`: the primary group) and its cached-block
+/// count.
+fn table(req: &mut Request, slot: Option<usize>) -> (&mut Vec<u32>, &mut u32) {
+    match slot {
+        None => (&mut req.blocks, &mut req.num_cached_blocks),
+        Some(i) => {
+            let t = &mut req.groups[i];
+            (&mut t.blocks, &mut t.num_cached_blocks)
+        }
     }
 }
 
-fn table_ref(req: &Request, g: usize) -> &[u32] {
-    if g == 0 {
-        &req.blocks
-    } else {
-        &req.groups[g - 1].blocks
+fn table_ref(req: &Request, slot: Option<usize>) -> &[u32] {
+    match slot {
+        None => &req.blocks,
+        Some(i) => &req.groups[i].blocks,
     }
 }
 
@@ -167,9 +168,13 @@ impl KvCacheManager {
         let required = num_slots.div_ceil(self.block_size) as usize;
         let mut total = 0;
         for (g, &w) in hy.windows.iter().enumerate() {
-            let held = table_ref(req, g).len();
+            let held = table_ref(req, hy.slot(g)).len();
             if w == CROSS_ATTENTION {
                 total += if req.blocks.is_empty() { self.cross_blocks_to_add(req, held) } else { 0 };
+                continue;
+            }
+            if w == MAMBA {
+                total += if req.blocks.is_empty() { hy.mamba_blocks.saturating_sub(held) } else { 0 };
                 continue;
             }
             let hits = &all_hits[g];
@@ -207,14 +212,16 @@ impl KvCacheManager {
         in_flight: u32,
     ) -> Option<usize> {
         let all_hits = self.hybrid_hits(hits);
-        let windows = self.hybrid.as_deref().map(|hy| hy.windows.clone())?;
+        let hy = self.hybrid.as_deref()?;
+        let (windows, mamba_blocks) = (hy.windows.clone(), hy.mamba_blocks);
+        let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
         let bs = self.block_size;
         let num_hits = hits.len();
         let total_computed = computed + num_hits as u32 * bs;
         let processed = total_computed.saturating_sub(in_flight);
         for (g, &w) in windows.iter().enumerate() {
-            if w != 0 && w != CROSS_ATTENTION {
-                self.remove_group_skipped(req, g, w, processed);
+            if is_window(w) {
+                self.remove_group_skipped(req, slots[g], w, processed);
             }
         }
         let fresh = req.blocks.is_empty();
@@ -224,8 +231,14 @@ impl KvCacheManager {
         let mut total_need = 0;
         let mut evictable = 0;
         for (g, &w) in windows.iter().enumerate() {
-            if w == CROSS_ATTENTION {
-                let need = if fresh { self.cross_blocks_to_add(req, table_ref(req, g).len()) } else { 0 };
+            let held = table_ref(req, slots[g]).len();
+            if w == CROSS_ATTENTION || w == MAMBA {
+                // The encoder output's or the state's blocks, at the first allocation only.
+                let need = match (fresh, w) {
+                    (false, _) => 0,
+                    (true, CROSS_ATTENTION) => self.cross_blocks_to_add(req, held),
+                    (true, _) => mamba_blocks.saturating_sub(held),
+                };
                 total_need += need;
                 plan.push((0, need));
                 continue;
@@ -235,7 +248,6 @@ impl KvCacheManager {
             } else {
                 0
             };
-            let held = table_ref(req, g).len();
             let need = self.blocks_to_add(held + skipped.max(num_hits), num_slots);
             let kept = &all_hits[g][skipped.min(num_hits)..];
             evictable += kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
@@ -246,7 +258,7 @@ impl KvCacheManager {
             return None;
         }
         for (g, &(skipped, _)) in plan.iter().enumerate() {
-            if windows[g] == CROSS_ATTENTION {
+            if windows[g] == CROSS_ATTENTION || windows[g] == MAMBA {
                 continue;
             }
             let kept = &all_hits[g][skipped.min(num_hits)..];
@@ -254,15 +266,20 @@ impl KvCacheManager {
             // skipped blocks at the chunk of the hit's end, which may start lower): never touched.
             let nulls = kept.iter().take_while(|&&b| b == NULL_BLOCK).count();
             self.pool.touch(&kept[nulls..]);
-            let (blocks, num_cached) = table(req, g);
+            let (blocks, num_cached) = table(req, slots[g]);
             blocks.extend(std::iter::repeat_n(NULL_BLOCK, skipped));
             blocks.extend_from_slice(kept);
             *num_cached += (skipped + kept.len()) as u32;
         }
         for (g, &(_, need)) in plan.iter().enumerate() {
             if need > 0 {
-                let (blocks, _) = table(req, g);
+                let (blocks, _) = table(req, slots[g]);
                 self.pool.allocate_into(need, blocks);
+                if let Some(zero) = self.hybrid.as_deref_mut().and_then(|hy| hy.zero_ids.get_mut(g)) {
+                    if windows[g] != MAMBA {
+                        zero.extend_from_slice(&blocks[blocks.len() - need..]);
+                    }
+                }
             }
         }
         let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) >> self.block_shift) as usize;
@@ -277,10 +294,10 @@ impl KvCacheManager {
         (req.cross_attention_tokens.div_ceil(self.block_size) as usize).saturating_sub(held)
     }
 
-    /// `remove_skipped_blocks` of group `g` with window (or chunked-local entry) `w`.
-    fn remove_group_skipped(&mut self, req: &mut Request, g: usize, w: u32, processed: u32) {
+    /// `remove_skipped_blocks` of the group at `slot` with window (or chunked-local entry) `w`.
+    fn remove_group_skipped(&mut self, req: &mut Request, slot: Option<usize>, w: u32, processed: u32) {
         let shift = self.block_shift;
-        let (blocks, _) = table(req, g);
+        let (blocks, _) = table(req, slot);
         let last = ((group_skipped(w, processed) >> shift) as usize).min(blocks.len());
         let mut first = last;
         while first > 0 && blocks[first - 1] != NULL_BLOCK {
@@ -296,20 +313,21 @@ impl KvCacheManager {
     /// skipped; a window of one token caches nothing), group by group.
     #[cold]
     pub(crate) fn cache_hybrid_blocks(&mut self, req: &mut Request, num_full: usize) {
-        let Some(windows) = self.hybrid.as_deref().map(|hy| hy.windows.clone()) else { return };
+        let Some(hy) = self.hybrid.as_deref() else { return };
+        let windows = hy.windows.clone();
+        let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
         for (g, &w) in windows.iter().enumerate() {
-            if w == CROSS_ATTENTION {
+            if w == CROSS_ATTENTION || w == MAMBA {
                 continue;
             }
-            let first =
-                if g == 0 { req.num_cached_blocks } else { req.groups[g - 1].num_cached_blocks } as usize;
+            let first = *table(req, slots[g]).1 as usize;
             if num_full <= first {
                 continue;
             }
             if w != 1 {
                 for i in first..num_full {
-                    let b = table_ref(req, g)[i];
+                    let b = table_ref(req, slots[g])[i];
                     if b != NULL_BLOCK {
                         let key = group_key(&req.block_hashes[i], g);
                         self.pool.cache_block(b, key);
@@ -317,17 +335,20 @@ impl KvCacheManager {
                     }
                 }
             }
-            *table(req, g).1 = num_full as u32;
+            *table(req, slots[g]).1 = num_full as u32;
         }
     }
 
-    /// `free` over every group: group 0's table deepest first, then each other group's.
+    /// `free` over every group, in group order, each table deepest first.
     #[cold]
     pub(crate) fn free_groups(&mut self, req: &mut Request) {
-        for t in &mut req.groups {
-            self.pool.free_blocks(&t.blocks);
-            t.blocks.clear();
-            t.num_cached_blocks = 0;
+        let n = req.groups.len() + 1;
+        let primary = self.hybrid.as_deref().map_or(0, |hy| hy.primary);
+        for g in 0..n {
+            let (blocks, num_cached) = table(req, group_slot(primary, g));
+            self.pool.free_blocks(blocks);
+            blocks.clear();
+            *num_cached = 0;
         }
     }
 }

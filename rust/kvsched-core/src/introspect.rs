@@ -54,15 +54,20 @@ impl Scheduler {
     }
 
     /// Blocks of the request whose hash is in the prefix cache map for it (its leading full, cached blocks).
-    /// The block table of KV cache group `group` of a request (group 0 is `Request::blocks`).
+    /// The block table of KV cache group `group` of a request (the primary group's is `Request::blocks`).
     pub fn get_group_block_ids(&self, req_id: &str, group: usize) -> Result<&[u32]> {
         let req = self.get_request(req_id)?;
-        match group {
-            0 => Ok(&req.blocks),
-            g => req.groups.get(g - 1).map(|t| t.blocks.as_slice()).ok_or_else(|| {
-                SchedError::InvalidRequest(format!("group must be in [0, {}), got {g}", req.groups.len() + 1))
-            }),
+        let num_groups = req.groups.len() + 1;
+        if group >= num_groups {
+            return Err(SchedError::InvalidRequest(format!(
+                "group must be in [0, {num_groups}), got {group}"
+            )));
         }
+        let primary = self.kv.hybrid.as_deref().map_or(0, |hy| hy.primary);
+        Ok(match crate::hybrid::group_slot(primary, group) {
+            None => &req.blocks,
+            Some(i) => &req.groups[i].blocks,
+        })
     }
 
     pub fn get_num_cached_blocks(&self, req_id: &str) -> Result<u32> {

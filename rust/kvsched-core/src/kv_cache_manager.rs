@@ -478,12 +478,12 @@ impl KvCacheManager {
     /// Releases every block of `req` (deepest first; the null blocks of a sliding window are no blocks) and
     /// clears its table.
     pub fn free(&mut self, req: &mut Request) {
+        if !req.groups.is_empty() {
+            return self.free_groups(req);
+        }
         self.pool.free_blocks(&req.blocks);
         req.blocks.clear();
         req.num_cached_blocks = 0;
-        if !req.groups.is_empty() {
-            self.free_groups(req);
-        }
     }
 
     /// Whether a decode step of a request with `computed` tokens computed now enters a full block into the

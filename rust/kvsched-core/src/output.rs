@@ -24,11 +24,19 @@ pub struct SchedulerOutput {
     /// CSR aligned with `handles`: the whole block table for new/resumed requests, appended blocks otherwise.
     pub new_block_ids: Vec<i32>,
     pub new_block_ids_indptr: Vec<i32>,
-    /// With several KV cache groups: groups 1.., each laid out as `new_block_ids`, with its CSR offsets in
-    /// `group_new_block_ids_indptr` (equal to `new_block_ids_indptr` for every group but a cross-attention one).
-    /// Empty with one group.
+    /// With several KV cache groups: every group but the primary one (`primary_group`, whose ids are
+    /// `new_block_ids`), in group order, each laid out as `new_block_ids`, with its CSR offsets in
+    /// `group_new_block_ids_indptr` (equal to `new_block_ids_indptr` for every group but a cross-attention or
+    /// Mamba one). Empty with one group.
     pub group_new_block_ids: Vec<Vec<i32>>,
     pub group_new_block_ids_indptr: Vec<Vec<i32>>,
+    /// With several KV cache groups: the primary group (the first that is not Mamba), whose ids are
+    /// `new_block_ids`. 0 with one group.
+    pub primary_group: usize,
+    /// With a Mamba group: every attention-group block this `schedule()` allocated, group by group in group
+    /// order, each group's in allocation order (vLLM's `new_block_ids_to_zero`; blocks of a request preempted
+    /// later in the step included). Empty otherwise.
+    pub zero_block_ids: Vec<i32>,
     /// CSR aligned with `handles`: draft tokens scheduled for verification.
     pub spec_token_ids: Vec<i32>,
     pub spec_token_ids_indptr: Vec<i32>,
@@ -80,6 +88,8 @@ impl SchedulerOutput {
             new_block_ids_indptr,
             group_new_block_ids,
             group_new_block_ids_indptr,
+            primary_group,
+            zero_block_ids,
             spec_token_ids,
             spec_token_ids_indptr,
             total_num_scheduled_tokens,
@@ -97,6 +107,8 @@ impl SchedulerOutput {
         } = self;
         (*scheduler_id, *step_id, *total_num_scheduled_tokens) = (0, 0, 0);
         *one_token_each = false;
+        *primary_group = 0;
+        zero_block_ids.clear();
         handles.clear();
         preempted.clear();
         preempted_before_step.clear();

@@ -125,7 +125,7 @@ pub struct InputPart {
 /// `Request::session` of a request without a `session_id`.
 pub const NO_SESSION: u32 = u32::MAX;
 
-/// One KV cache group's block table of a request (groups after the first: `Request::groups`).
+/// One KV cache group's block table of a request (the groups but the primary one: `Request::groups`).
 #[derive(Debug, Clone, Default)]
 pub struct GroupTable {
     pub blocks: Vec<u32>,
@@ -171,8 +171,9 @@ pub struct Request {
     pub min_tokens: u32,
     // --- cold: touched on admission, preemption, block boundaries and finish
     pub block_hashes: Vec<BlockHash>,
-    /// With several KV cache groups (`kv_cache_groups`): the tables of groups 1.. (group 0's is `blocks`),
-    /// each as long as `blocks`. Empty with one group.
+    /// With several KV cache groups (`kv_cache_groups`): the tables of every group but the primary one (the
+    /// first group that is not Mamba, whose table is `blocks`), in group order; each as long as `blocks` but a
+    /// cross-attention or Mamba one. Empty with one group.
     pub groups: Vec<GroupTable>,
     pub id: Arc<str>,
     pub priority: i64,

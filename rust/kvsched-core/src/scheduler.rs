@@ -205,8 +205,11 @@ impl Scheduler {
             hash_buf: Vec::new(),
             sliding_window: config.sliding_window.unwrap_or(0),
             admission_cap_blocks: window_admission_cap_blocks(&config),
-            hybrid: (!config.kv_cache_groups.is_empty())
-                .then(|| Box::new(Hybrid::new(&config.kv_cache_groups, |w| window_cap_blocks(&config, w)))),
+            hybrid: (!config.kv_cache_groups.is_empty()).then(|| {
+                Box::new(Hybrid::new(&config.kv_cache_groups, config.mamba_speculative_blocks, |w| {
+                    window_cap_blocks(&config, w)
+                }))
+            }),
             special: config.sliding_window.is_some() || !config.kv_cache_groups.is_empty(),
             drop_trailing_hit: config.drop_trailing_hit_block,
         };
@@ -1125,14 +1128,27 @@ impl Scheduler {
             if r.block_hashes.len() != num_hashes {
                 return Err(format!("request {:?}: not one hash per full block with its look-ahead", r.id));
             }
+            let primary = self.kv.hybrid.as_deref().map_or(0, |hy| hy.primary);
             for g in 0..=r.groups.len() {
-                let (blocks, num_cached) = match g {
-                    0 => (&r.blocks, r.num_cached_blocks),
-                    _ => (&r.groups[g - 1].blocks, r.groups[g - 1].num_cached_blocks),
+                let (blocks, num_cached) = match crate::hybrid::group_slot(primary, g) {
+                    None => (&r.blocks, r.num_cached_blocks),
+                    Some(i) => (&r.groups[i].blocks, r.groups[i].num_cached_blocks),
                 };
                 let window =
                     if cfg.kv_cache_groups.is_empty() { cfg.sliding_window } else { cfg.kv_cache_groups[g] };
-                if window == Some(crate::config::CROSS_ATTENTION) {
+                if window == Some(crate::config::MAMBA) {
+                    // A Mamba table: the state's blocks, from the first allocation on.
+                    let want =
+                        if r.blocks.is_empty() { 0 } else { 1 + cfg.mamba_speculative_blocks as usize };
+                    if blocks.len() != want || num_cached != 0 {
+                        return Err(format!(
+                            "request {:?}: Mamba group {g} holds {} blocks ({num_cached} cached), expected {want} \
+                             (none cached)",
+                            r.id,
+                            blocks.len()
+                        ));
+                    }
+                } else if window == Some(crate::config::CROSS_ATTENTION) {
                     // A cross-attention table: the encoder output's blocks, from the first allocation on.
                     let want =
                         if r.blocks.is_empty() { 0 } else { r.cross_attention_tokens.div_ceil(bs) as usize };
@@ -1145,7 +1161,10 @@ impl Scheduler {
                         ));
                     }
                 } else if blocks.len() != r.blocks.len() {
-                    return Err(format!("request {:?}: group {g}'s table is not as long as group 0's", r.id));
+                    return Err(format!(
+                        "request {:?}: group {g}'s table is not as long as the primary group's",
+                        r.id
+                    ));
                 }
                 // A sliding window's table starts with the null blocks of the blocks that left the window.
                 let num_null = blocks.iter().take_while(|&&b| b == 0).count();

@@ -14,7 +14,7 @@
 //! the tenants (`fair.rs`): phase A's once phase A is final, phase B's at each admission (so the next fair
 //! pick sees them).
 
-use crate::config::{PauseState, Policy, CROSS_ATTENTION};
+use crate::config::{PauseState, Policy, CROSS_ATTENTION, MAMBA};
 use crate::connector::DeferredLoad;
 use crate::encoder_sched::{release_encoder_refs, EncoderStep};
 use crate::error::{Result, SchedError};
@@ -472,19 +472,26 @@ impl Scheduler {
         self.finish_step(&mut b, rec, preempted, &enc)?;
         if self.kv.hybrid.is_some() {
             self.group_new_block_ids(&mut b.out)?;
+            if let Some(hy) = self.kv.hybrid.as_deref_mut() {
+                for ids in &mut hy.zero_ids {
+                    b.out.zero_block_ids.extend(ids.drain(..).map(|b| b as i32));
+                }
+            }
         }
         Ok(b.out)
     }
 
-    /// With several KV cache groups: each other group's new block ids, laid out as group 0's. Every group's
-    /// table but a cross-attention one is as long as group 0's and grows at its end, so a request's `k` new ids
-    /// in group 0 are the last `k` entries of each table (its whole table when it is new or resumed). A
-    /// cross-attention table is taken whole at a new or resumed request's allocation and never grows: its whole
-    /// table then, nothing otherwise.
+    /// With several KV cache groups: each group's new block ids but the primary group's (`new_block_ids`), in
+    /// group order, laid out as the primary group's. Every group's table but a cross-attention or Mamba one is as
+    /// long as the primary's and grows at its end, so a request's `k` new ids in the primary group are the last
+    /// `k` entries of each table (its whole table when it is new or resumed). A cross-attention or Mamba table is
+    /// taken whole at a new or resumed request's allocation and never grows: its whole table then, nothing
+    /// otherwise.
     #[cold]
     fn group_new_block_ids(&self, out: &mut SchedulerOutput) -> Result<()> {
         let windows = &self.config.kv_cache_groups;
         let ngroups = windows.len();
+        let primary = self.kv.hybrid.as_deref().map_or(0, |hy| hy.primary);
         let mut groups = vec![Vec::with_capacity(out.new_block_ids.len()); ngroups - 1];
         let mut indptrs = vec![Vec::with_capacity(out.handles.len() + 1); ngroups - 1];
         let mut whole = vec![false; out.handles.len()];
@@ -499,7 +506,8 @@ impl Scheduler {
             let req = self.slab.get(h.slot)?;
             for (g, ids) in groups.iter_mut().enumerate() {
                 let t = &req.groups[g].blocks;
-                let k = if windows[g + 1] == Some(CROSS_ATTENTION) {
+                let w = windows[if g < primary { g } else { g + 1 }];
+                let k = if w == Some(CROSS_ATTENTION) || w == Some(MAMBA) {
                     if whole[i] {
                         t.len()
                     } else {
@@ -514,6 +522,7 @@ impl Scheduler {
         }
         out.group_new_block_ids = groups;
         out.group_new_block_ids_indptr = indptrs;
+        out.primary_group = primary;
         Ok(())
     }
 

@@ -6,7 +6,7 @@
 //! does not fit the core's `u32` gets the core's message for the field's bounds.
 
 use kvsched_core as core;
-use kvsched_core::{CHUNKED_LOCAL, CROSS_ATTENTION};
+use kvsched_core::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, MAX_CHUNK_SIZE};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyMapping};
 
@@ -89,6 +89,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
             .iter()
             .map(|g| match g {
                 Some(CROSS_ATTENTION) => pyo3::types::PyString::new(py, "cross").into_any().unbind(),
+                Some(MAMBA) => pyo3::types::PyString::new(py, "mamba").into_any().unbind(),
                 Some(w) if *w & CHUNKED_LOCAL != 0 => {
                     pyo3::types::PyString::new(py, &format!("chunked:{}", w & !CHUNKED_LOCAL))
                         .into_any()
@@ -101,6 +102,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     });
     d.set_item("kv_cache_groups", groups)?;
     d.set_item("max_num_scheduled_tokens", Some(c.max_num_scheduled_tokens).filter(|&v| v != 0))?;
+    d.set_item("mamba_speculative_blocks", c.mamba_speculative_blocks)?;
     d.set_item("draft_slots", c.draft_slots)?;
     d.set_item("decode_stagger", c.decode_stagger)?;
     d.set_item("max_concurrent_batches", Some(c.max_concurrent_batches).filter(|&v| v != 0))?;
@@ -303,6 +305,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
             }
         },
         draft_slots: u32_field("draft_slots")?,
+        mamba_speculative_blocks: u32_field("mamba_speculative_blocks")?,
         decode_stagger: u32_field("decode_stagger")?,
         // None: 2 with async scheduling, else 1 (the core's 0); so a 0 given is out of the field's bounds.
         max_concurrent_batches: if cfg.getattr("max_concurrent_batches")?.is_none() {
@@ -317,7 +320,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
 }
 
 /// `kv_cache_groups`: `None` (one group) or a sequence of `None` (full attention), int windows, `"chunked:c"`
-/// (chunked-local attention) and `"cross"` (cross attention).
+/// (chunked-local attention), `"cross"` (cross attention) and `"mamba"` (Mamba).
 fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
     if v.is_none() {
         return Ok(Vec::new());
@@ -328,7 +331,7 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             "InvalidConfigError",
             format!(
                 "kv_cache_groups must be None or a list of None (full attention), int windows, 'chunked:<chunk \
-                 size>' (chunked-local attention) and 'cross' (cross attention), got {v}"
+                 size>' (chunked-local attention), 'cross' (cross attention) and 'mamba' (Mamba), got {v}"
             ),
         )
     };
@@ -344,19 +347,23 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
         }
         if let Ok(name) = item.downcast::<pyo3::types::PyString>() {
             let name = name.to_cow()?;
-            if name == "cross" {
-                groups.push(Some(CROSS_ATTENTION));
-                continue;
-            }
-            // "chunked:c": chunked-local attention in chunks of c tokens, c in [1, 2^31 - 2].
-            let chunk = name
-                .strip_prefix("chunked:")
-                .filter(|d| !d.is_empty() && !d.starts_with('0') && d.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|d| d.parse::<u32>().ok())
-                .filter(|&c| c < i32::MAX as u32);
-            match chunk {
-                Some(c) => groups.push(Some(CHUNKED_LOCAL | c)),
-                None => return Err(bad()),
+            match &*name {
+                "cross" => groups.push(Some(CROSS_ATTENTION)),
+                "mamba" => groups.push(Some(MAMBA)),
+                _ => {
+                    // "chunked:c": chunked-local attention in chunks of c tokens, c in [1, MAX_CHUNK_SIZE].
+                    let chunk = name
+                        .strip_prefix("chunked:")
+                        .filter(|d| {
+                            !d.is_empty() && !d.starts_with('0') && d.bytes().all(|b| b.is_ascii_digit())
+                        })
+                        .and_then(|d| d.parse::<u32>().ok())
+                        .filter(|&c| c <= MAX_CHUNK_SIZE);
+                    match chunk {
+                        Some(c) => groups.push(Some(CHUNKED_LOCAL | c)),
+                        None => return Err(bad()),
+                    }
+                }
             }
             continue;
         }

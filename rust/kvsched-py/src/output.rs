@@ -191,17 +191,18 @@ impl PySchedulerOutput {
     }
 
     /// Group `group`'s new block ids, laid out as `new_block_ids` (CSR offsets:
-    /// `group_new_block_ids_indptr(group)`); group 0's are `new_block_ids`.
+    /// `group_new_block_ids_indptr(group)`); the primary group's (the first that is not Mamba; group 0 with one
+    /// group) are `new_block_ids`.
     fn group_new_block_ids<'py>(
         &mut self,
         py: Python<'py>,
         group: usize,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        if group == 0 {
+        let Some(slot) = group_slot(&self.out, group)? else {
             return Ok(self.new_block_ids(py));
-        }
+        };
         let num_groups = self.out.group_new_block_ids.len() + 1;
-        match self.out.group_new_block_ids.get(group - 1) {
+        match self.out.group_new_block_ids.get(slot) {
             Some(ids) => Ok(ids.clone().into_pyarray(py)),
             None => Err(pyo3::exceptions::PyIndexError::new_err(format!(
                 "group must be in [0, {num_groups}), got {group}"
@@ -210,22 +211,29 @@ impl PySchedulerOutput {
     }
 
     /// The CSR offsets of `group_new_block_ids(group)`: `new_block_ids_indptr` for every group but a
-    /// cross-attention one.
+    /// cross-attention or Mamba one.
     fn group_new_block_ids_indptr<'py>(
         &mut self,
         py: Python<'py>,
         group: usize,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        if group == 0 {
+        let Some(slot) = group_slot(&self.out, group)? else {
             return Ok(self.new_block_ids_indptr(py));
-        }
+        };
         let num_groups = self.out.group_new_block_ids_indptr.len() + 1;
-        match self.out.group_new_block_ids_indptr.get(group - 1) {
+        match self.out.group_new_block_ids_indptr.get(slot) {
             Some(ptr) => Ok(ptr.clone().into_pyarray(py)),
             None => Err(pyo3::exceptions::PyIndexError::new_err(format!(
                 "group must be in [0, {num_groups}), got {group}"
             ))),
         }
+    }
+
+    /// With a Mamba group: every attention-group block this step allocated, group by group, each group's in
+    /// allocation order (vLLM's `new_block_ids_to_zero`); empty otherwise.
+    #[getter]
+    fn zero_block_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.out.zero_block_ids.clone().into_pyarray(py)
     }
 
     #[getter]
@@ -457,5 +465,19 @@ impl PyModelInputs {
             "ModelInputs(num_reqs={}, num_tokens={}, max_seq_len={}, max_query_len={})",
             self.num_reqs, self.num_tokens, self.max_seq_len, self.max_query_len
         )
+    }
+}
+
+/// Where group `group`'s ids sit in `out.group_new_block_ids` (`Ok(None)`: the primary group's, which are
+/// `new_block_ids`); `IndexError` for a group the config does not have.
+fn group_slot(out: &core::SchedulerOutput, group: usize) -> PyResult<Option<usize>> {
+    let num_groups = out.group_new_block_ids.len() + 1;
+    let primary = out.primary_group;
+    match group {
+        g if g >= num_groups => Err(pyo3::exceptions::PyIndexError::new_err(format!(
+            "group must be in [0, {num_groups}), got {g}"
+        ))),
+        g if g == primary => Ok(None),
+        g => Ok(Some(if g < primary { g } else { g - 1 })),
     }
 }
