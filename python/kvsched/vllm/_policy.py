@@ -95,6 +95,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "max_num_encoder_input_tokens": "vLLM's encoder compute budget for the model (MultiModalBudget)",
     "encoder_cache_size": "vLLM's encoder cache size for the model (MultiModalBudget)",
     "encoder_decoder": "the model (an encoder-decoder model: vLLM's is_encoder_decoder)",
+    "mamba_speculative_blocks": "the model's Mamba layers (MambaSpec's num_speculative_blocks)",
     "disable_chunked_mm_input": "--disable-chunked-mm-input",
     "defer_block_free": (
         "--kv-transfer-config's kv_role (a consumer role) with --async-scheduling or --pipeline-parallel-size"
