@@ -26,7 +26,10 @@ first step of that size and kept in caches (per layer the last 32 sizes, and one
 primitives by default), so a step of a size not run recently costs more (on a tiny Llama a lone prefill of a new
 length takes about 1.6 times as long as the same length run again). Decode steps (batch sizes) repeat in both.
 With ``fresh_lengths=False`` the grid's fixed lengths run, each workload twice: its prefill steps are then mostly
-sizes run before, and the model prices a served workload's prefill steps low.
+sizes run before, and the model prices a served workload's prefill steps low. The fit prices the set-up itself
+with the step-time model's new-size term: :class:`StepLog` records the size of every step the engine runs (timed
+or not), and the fit tries capacities of the engine's cache of recent sizes
+(:func:`~kvsched.sim.calibrate.fit_step_time_model` with ``step_sizes``).
 
 **Validation** (:func:`validate_engine`): the workload's requests are added when their arrival time has passed on
 the run's clock (``"wall"``: real time, sleeping when the engine is idle; ``"cpu"``: the CPU time the engine's
