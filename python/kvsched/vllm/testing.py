@@ -174,6 +174,7 @@ def make_vllm_config(
     kv_load_failure_policy: str = "recompute",
     kv_role: str = "kv_both",
     kv_connector_multi: bool = False,
+    cpu_offload_blocks: int | None = None,
     kv_events: bool = False,
     multimodal: bool = False,
     disable_chunked_mm_input: bool = False,
@@ -194,6 +195,8 @@ def make_vllm_config(
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
     as its draft model; ``eagle_block_drop``: vLLM's default prefix-cache rules for it, look-ahead block hashes
     or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``).
+    ``cpu_offload_blocks`` adds a ``kv_transfer_config`` for vLLM's ``SimpleCPUOffloadConnector`` (eager offload)
+    with a CPU pool of that many blocks (``make_scheduler`` then gives the KV cache config its tensors); else
     ``kv_connector_seed`` adds a ``kv_transfer_config`` for
     :class:`RandomKVConnector` with that seed and role ``kv_role`` (``kv_producer``, ``kv_consumer``,
     ``kv_both``); with ``kv_connector_multi`` it is the second child of vLLM's ``MultiConnector``, whose first is
@@ -270,7 +273,17 @@ def make_vllm_config(
             parallel_drafting=parallel_drafting,
         )
     kv_transfer_config = None
-    if kv_connector_seed is not None:
+    if cpu_offload_blocks is not None:
+        from vllm.config import KVTransferConfig
+
+        # vLLM's SimpleCPUOffloadConnector (eager offload) with a CPU pool of that many blocks (the kv_cache_tensors
+        # make_scheduler builds with it size one block of the tiny spec at 8 bytes per token).
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="SimpleCPUOffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": cpu_offload_blocks * 8 * block_size},
+        )
+    elif kv_connector_seed is not None:
         from vllm.config import KVTransferConfig
 
         child = {
@@ -334,6 +347,7 @@ def _kv_cache_config(
     kv_cache_groups: Sequence[int | str | None] | None = None,
     max_model_len: int = 0,
     num_speculative_tokens: int = 0,
+    with_tensors: bool = False,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
@@ -378,7 +392,20 @@ def _kv_cache_config(
 
     windows = [sliding_window] if kv_cache_groups is None else list(kv_cache_groups)
     groups = [KVCacheGroupSpec([f"layer{g}"], spec(w)) for g, w in enumerate(windows)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    tensors = []
+    if with_tensors:
+        # One backing allocation per layer, as a worker would build it (a connector that sizes a CPU pool from the
+        # GPU one reads it): the tiny specs' page is 8 bytes per token (K and V, one float32 each).
+        from vllm.v1.kv_cache_interface import KVCacheTensor
+
+        page = 8 * block_size
+        tensors = [
+            KVCacheTensor(
+                size=num_blocks * page, layers=[f"layer{g}"], layer_stride=num_blocks * page, block_stride=page
+            )
+            for g in range(len(groups))
+        ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
 def make_scheduler(
@@ -433,6 +460,7 @@ def make_scheduler(
                 kv_cache_groups,
                 max_model_len,
                 int(getattr(vllm_config, "num_speculative_tokens", 0) or 0),
+                with_tensors=_offloads_to_cpu(vllm_config),
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,
@@ -445,6 +473,11 @@ def make_scheduler(
             del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
         else:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+
+
+def _offloads_to_cpu(vllm_config: Any) -> bool:
+    kv = vllm_config.kv_transfer_config
+    return kv is not None and kv.kv_connector == "SimpleCPUOffloadConnector"
 
 
 _HASHERS: dict[tuple[int, int], Callable[[Any], Any]] = {}
