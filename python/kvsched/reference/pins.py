@@ -19,12 +19,12 @@ from .convert import _I64_MAX, _I64_MIN, _is_int
 _U32_LIMIT = 2**32  # block ids are u32 in the core
 
 
-def _block_id(x: object, name: str, item: bool = False) -> int:
+def _block_id(x: Any, name: str, item: bool = False) -> int:
     if isinstance(x, bool):
         raise SchedulerTypeError(f"{name} must hold ints, got bool" if item else f"{name} must be an int, got bool")
     if not _is_int(x):
         raise SchedulerTypeError(f"{name} must be an int, got {type(x).__name__}")
-    b = int(x)  # type: ignore[call-overload]
+    b = int(x)
     if not _I64_MIN <= b <= _I64_MAX:
         raise InvalidRequestError(f"{name} is out of the int64 range: {b}")
     if not 0 <= b < _U32_LIMIT:

@@ -238,8 +238,8 @@ def _is_simple_cpu_offload(cls: type) -> bool:
         return False
     return (
         issubclass(cls, SimpleCPUOffloadConnector)
-        and cls.bind_gpu_block_pool is SimpleCPUOffloadConnector.bind_gpu_block_pool
-        and cls.bind_kv_cache_manager is KVConnectorBase_V1.bind_kv_cache_manager
+        and getattr(cls, "bind_gpu_block_pool", None) is SimpleCPUOffloadConnector.bind_gpu_block_pool
+        and getattr(cls, "bind_kv_cache_manager", None) is KVConnectorBase_V1.bind_kv_cache_manager
     )
 
 

@@ -58,6 +58,9 @@ class BlockPins:
             self.flush()
 
     def flush(self) -> None:
+        """Takes the queued pins (not while the core is inside a call: they wait for it to return)."""
+        if self._deferring or not self._pending:
+            return
         pending, self._pending = self._pending, []
         core = self._sched.core
         for pin, ids in pending:

@@ -476,8 +476,13 @@ def make_scheduler(
 
 
 def _offloads_to_cpu(vllm_config: Any) -> bool:
+    """Whether the config's KV connector is SimpleCPUOffloadConnector, or a MultiConnector with it as a child."""
     kv = vllm_config.kv_transfer_config
-    return kv is not None and kv.kv_connector == "SimpleCPUOffloadConnector"
+    if kv is None:
+        return False
+    children = (kv.kv_connector_extra_config or {}).get("connectors", ())
+    names = {kv.kv_connector, *(c.get("kv_connector") for c in children)}
+    return "SimpleCPUOffloadConnector" in names
 
 
 _HASHERS: dict[tuple[int, int], Callable[[Any], Any]] = {}
