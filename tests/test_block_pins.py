@@ -39,12 +39,14 @@ def _run(s: Any, req_id: str, prompt: list[int], max_tokens: int = 1) -> list[in
 
 
 def _free_order(s: Any) -> list[int]:
-    """The free queue, head first, as the next allocation takes it (runs one request over every free block,
-    which evicts what they cached)."""
+    """The free queue, head first (``free_block_ids``), checked against the blocks the next allocation takes
+    (runs one request over every free block, which evicts what they cached)."""
+    order: list[int] = s.free_block_ids().tolist()
     n = s.num_free_blocks
+    assert len(order) == n
     s.add_request("probe", list(range(1000, 1000 + 4 * n - 1)), max_tokens=1)
     out = s.schedule()
-    order: list[int] = s.get_block_ids("probe").tolist()
+    assert s.get_block_ids("probe").tolist() == order
     s.update_from_output(out, [[7]] * out.num_reqs)
     return order
 

@@ -777,6 +777,7 @@ class Twin:
         """Every block's references, pins and cached hash (by equality pattern), and which block a lookup of
         each cached hash returns."""
         ref, rs = self.ref, self.rs
+        assert_arrays_equal(ref.free_block_ids(), rs.free_block_ids(), "free queue")
         seen: dict[bytes, bytes] = {}
         for b in range(self.cfg.num_blocks):
             assert ref.get_block_ref_cnt(b) == rs.get_block_ref_cnt(b), f"ref_cnt of block {b}"

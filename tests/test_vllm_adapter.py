@@ -173,10 +173,10 @@ def test_kv_connectors_that_use_vllms_block_pool_are_refused_inside_a_multi_conn
         build(multi(plain, name="BindingMulti", kv_connector_module_path=__name__))
 
 
-def test_simple_cpu_offload_connector_gets_a_pinning_pool_and_its_lazy_offload_is_refused() -> None:
+def test_simple_cpu_offload_connector_gets_a_pinning_pool() -> None:
     """vLLM's SimpleCPUOffloadConnector binds the block pool: kvsched.vllm gives it the pinning pool view (touch,
-    free_blocks, block hashes), alone or under a MultiConnector; its lazy offload walks vLLM's free block queue and
-    is refused by name. Other schedulers keep the read-only pool."""
+    free_blocks, block hashes), alone or under a MultiConnector; its lazy offload walks the free block queue
+    (``iter_blocks_after``). Other schedulers keep the read-only pool."""
     from kvsched.vllm._kv_view import PinningBlockPoolView
     from vllm.config import KVTransferConfig
 
@@ -194,10 +194,14 @@ def test_simple_cpu_offload_connector_gets_a_pinning_pool_and_its_lazy_offload_i
     )
     m = make_scheduler("kvsched", cfg)
     assert m.connector.sub_connectors[0].scheduler_manager._gpu_block_pool is m.kv_cache_manager.block_pool
-    cfg = make_vllm_config(block_size=4, num_blocks=32, cpu_offload_blocks=16)
-    cfg.kv_transfer_config.kv_connector_extra_config["lazy_offload"] = True
-    with pytest.raises(UnsupportedFeatureError, match=r"SimpleCPUOffloadConnector's lazy offload"):
-        make_scheduler("kvsched", cfg)
+    lazy = make_scheduler(
+        "kvsched", make_vllm_config(block_size=4, num_blocks=32, cpu_offload_blocks=16, cpu_offload_lazy=True)
+    )
+    assert lazy.connector.scheduler_manager._lazy_mode
+    queue = lazy.kv_cache_manager.block_pool.free_block_queue
+    order = [b.block_id for b in queue.iter_blocks_after(None)]
+    assert order == lazy.core.free_block_ids().tolist() and len(order) == 31
+    assert [b.block_id for b in queue.iter_blocks_after(lazy.kv_cache_manager.block_pool.blocks[order[4]])] == order[5:]
 
 
 def test_pinning_pool_touch_and_free_blocks_match_vllms_block_pool() -> None:

@@ -244,6 +244,8 @@ class Config:
     # vLLM's SimpleCPUOffloadConnector (eager offload) with a CPU pool of this many blocks, instead of a
     # RandomKVConnector: its loads and stores are reported over by a simulated worker (Pair.offload_transfers).
     cpu_offload_blocks: int | None = None
+    # ... in its lazy mode (it walks the GPU free block queue and offloads the blocks next in line for eviction).
+    cpu_offload_lazy: bool = False
     # vLLM 0.33's deferred registration of asynchronous loads, set on both built schedulers as vLLM's tests do
     # (vLLM turns it on only with HiSparse, which kvsched.vllm refuses); it acts with defer_block_free.
     defer_async_loads: bool = False
@@ -1094,6 +1096,7 @@ def run_seed(
     pcp: int = 1,
     encoder_decoder: bool = False,
     cpu_offload: bool = False,
+    lazy_offload: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -1142,6 +1145,7 @@ def run_seed(
         # offloads nothing without it).
         orng = random.Random(f"offload/{seed}")
         cfg.cpu_offload_blocks = max(2, int(cfg.num_blocks * orng.choice([0.25, 0.5, 1.0, 2.0])))
+        cfg.cpu_offload_lazy = lazy_offload
         cfg.enable_prefix_caching = True
     if connector:
         cfg.kv_connector_seed = seed
@@ -1261,6 +1265,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with vLLM's SimpleCPUOffloadConnector (eager offload, a CPU pool of a quarter to twice the GPU pool, "
         "prefix caching on): loads and stores are reported over 0-2 steps later by a simulated worker; the "
         "connector's state and every GPU block's reference count and block hash are compared; not with --connector",
+    )
+    p.add_argument(
+        "--lazy-offload",
+        action="store_true",
+        help="with --cpu-offload: the connector's lazy mode (it walks the GPU free block queue from a cursor and "
+        "offloads the cached blocks next in line for eviction)",
     )
     p.add_argument(
         "--kv-roles",
@@ -1397,6 +1407,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mamba goes without --connector, --kv-events, --sliding-window, --hybrid and --mm")
     if args.chunked_local and not args.hybrid:
         p.error("--chunked-local goes with --hybrid")
+    if args.lazy_offload and not args.cpu_offload:
+        p.error("--lazy-offload goes with --cpu-offload")
     if args.cpu_offload and (args.connector or args.sliding_window or args.hybrid or args.mamba or args.enc_dec):
         p.error("--cpu-offload goes without --connector, --sliding-window, --hybrid, --mamba and --enc-dec")
     if args.multi_connector and not args.connector:
@@ -1446,6 +1458,7 @@ def main(argv: list[str] | None = None) -> int:
                         pcp=args.pcp,
                         encoder_decoder=args.enc_dec,
                         cpu_offload=args.cpu_offload,
+                        lazy_offload=args.lazy_offload,
                     )
                     ok += 1
                 except Divergence as exc:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .._errors import InvalidRequestError, SchedulerTypeError
 from .block_pool import _BlockPoolMixin
 from .convert import _I64_MAX, _I64_MIN, _is_int
@@ -41,7 +43,8 @@ def _block_ids(block_ids: Any) -> list[int]:
 
 
 class _PinsMixin(_BlockPoolMixin):
-    """``pin_blocks``, ``unpin_blocks``, ``get_block_pin_cnt``, ``get_block_hash``, ``get_cached_block_id``."""
+    """``pin_blocks``, ``unpin_blocks``, ``get_block_pin_cnt``, ``get_block_hash``, ``get_cached_block_id``,
+    ``free_block_ids``."""
 
     def _check_block_id(self, b: int, what: str) -> None:
         num_blocks = len(self._ref_cnt)
@@ -105,6 +108,10 @@ class _PinsMixin(_BlockPoolMixin):
         if b != 0:
             self._check_block_id(b, "read")
         return self._block_hash[b]
+
+    def free_block_ids(self) -> np.ndarray:
+        """The free blocks in eviction order, head first (the order the next allocations take them)."""
+        return np.array(list(self._free), dtype=np.int32)
 
     def get_cached_block_id(self, block_hash: bytes) -> int | None:
         """The block a prefix lookup of ``block_hash`` returns now (the first cached under it), or None."""

@@ -188,12 +188,12 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
     returns whether it binds the block pool (then the adapter gives it block pins, ``_pins.py``).
 
     A connector that overrides ``bind_kv_cache_manager`` or ``bind_gpu_block_pool`` changes vLLM's block pool
-    (references, frees, cached lookups by vLLM's block hashes). vLLM's ``SimpleCPUOffloadConnector`` (eager
-    offload) uses only what the adapter's pinning pool provides: it is accepted, with its own
-    ``bind_gpu_block_pool``. Every other such connector is refused, by name, as is its lazy offload (it walks vLLM's
-    free block queue). vLLM's ``MultiConnector`` overrides both only to pass them on to its children: it is refused
-    when one of its children (at any depth) is. Every other connector gets ``bind_kv_cache_manager`` with the
-    ``kv_cache_manager`` view, as vLLM binds its own manager."""
+    (references, frees, cached lookups by vLLM's block hashes). vLLM's ``SimpleCPUOffloadConnector`` (eager and
+    lazy offload) uses only what the adapter's pinning pool provides: it is accepted, with its own
+    ``bind_gpu_block_pool``. Every other such connector is refused, by name. vLLM's ``MultiConnector`` overrides
+    both only to pass them on to its children: it is refused when one of its children (at any depth) is. Every
+    other connector gets ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own
+    manager."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
@@ -211,11 +211,6 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
                 check(child, f"{name} > ")
             return
         if _is_simple_cpu_offload(cls):
-            if _lazy_offload(conn):
-                _refuse(
-                    f"{name}'s lazy offload (it walks vLLM's free block queue)",
-                    "kv_connector_extra_config['lazy_offload']",
-                )
             binds = True
             return
         for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
@@ -241,11 +236,6 @@ def _is_simple_cpu_offload(cls: type) -> bool:
         and getattr(cls, "bind_gpu_block_pool", None) is SimpleCPUOffloadConnector.bind_gpu_block_pool
         and getattr(cls, "bind_kv_cache_manager", None) is KVConnectorBase_V1.bind_kv_cache_manager
     )
-
-
-def _lazy_offload(conn: Any) -> bool:
-    manager = getattr(conn, "scheduler_manager", None)
-    return bool(getattr(manager, "_lazy_mode", False))
 
 
 def kvsched_config_from_vllm(

@@ -197,18 +197,33 @@ class _Blocks(Sequence[BlockView]):
 
 
 class _FreeBlockQueue(_ReadOnly):
-    """vLLM's ``FreeKVCacheBlockQueue``, for its count: free blocks, cached ones that can still be hit included."""
+    """vLLM's ``FreeKVCacheBlockQueue``: its count (free blocks, cached ones that can still be hit included) and
+    ``iter_blocks_after(cursor)``."""
 
-    __slots__ = ("_core",)
+    __slots__ = ("_core", "_pins")
 
     _core: Any
+    _pins: BlockPins | None
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Any, pins: BlockPins | None = None) -> None:
         object.__setattr__(self, "_core", core)
+        object.__setattr__(self, "_pins", pins)
 
     @property
     def num_free_blocks(self) -> int:
+        if self._pins is not None:
+            self._pins.flush()
         return int(self._core.num_free_blocks)
+
+    def iter_blocks_after(self, cursor: BlockView | None) -> Iterator[BlockView]:
+        """The free blocks in eviction order after ``cursor`` (a free block; None: from the head), as the queue
+        stands when called."""
+        if self._pins is not None:
+            self._pins.flush()
+        order: list[int] = self._core.free_block_ids().tolist()
+        start = 0 if cursor is None else order.index(cursor.block_id) + 1
+        core, pins = self._core, self._pins
+        return (BlockView(core, b, pins) for b in order[start:])
 
 
 class BlockPoolView(_ReadOnly):
@@ -253,7 +268,7 @@ class BlockPoolView(_ReadOnly):
         init(self, "enable_caching", enable_caching)
         init(self, "blocks", _Blocks(core, num_blocks, pins))
         init(self, "null_block", BlockView(core, 0, pins))
-        init(self, "free_block_queue", _FreeBlockQueue(core))
+        init(self, "free_block_queue", _FreeBlockQueue(core, pins))
 
     def get_cached_block(self, block_hash: Any, kv_cache_group_ids: Sequence[int]) -> list[BlockView] | None:
         """Whether a block with vLLM's hash ``block_hash`` (one of a request's ``block_hashes``) is in the prefix

@@ -175,6 +175,7 @@ def make_vllm_config(
     kv_role: str = "kv_both",
     kv_connector_multi: bool = False,
     cpu_offload_blocks: int | None = None,
+    cpu_offload_lazy: bool = False,
     kv_events: bool = False,
     multimodal: bool = False,
     disable_chunked_mm_input: bool = False,
@@ -195,9 +196,9 @@ def make_vllm_config(
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
     as its draft model; ``eagle_block_drop``: vLLM's default prefix-cache rules for it, look-ahead block hashes
     or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``).
-    ``cpu_offload_blocks`` adds a ``kv_transfer_config`` for vLLM's ``SimpleCPUOffloadConnector`` (eager offload)
-    with a CPU pool of that many blocks (``make_scheduler`` then gives the KV cache config its tensors); else
-    ``kv_connector_seed`` adds a ``kv_transfer_config`` for
+    ``cpu_offload_blocks`` adds a ``kv_transfer_config`` for vLLM's ``SimpleCPUOffloadConnector`` (eager offload,
+    lazy with ``cpu_offload_lazy``) with a CPU pool of that many blocks (``make_scheduler`` then gives the KV
+    cache config its tensors); else ``kv_connector_seed`` adds a ``kv_transfer_config`` for
     :class:`RandomKVConnector` with that seed and role ``kv_role`` (``kv_producer``, ``kv_consumer``,
     ``kv_both``); with ``kv_connector_multi`` it is the second child of vLLM's ``MultiConnector``, whose first is
     a passive one (a :class:`RandomKVConnector` that finds no tokens and delays no free). ``kv_events`` turns KV
@@ -281,7 +282,10 @@ def make_vllm_config(
         kv_transfer_config = KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": cpu_offload_blocks * 8 * block_size},
+            kv_connector_extra_config={
+                "cpu_bytes_to_use": cpu_offload_blocks * 8 * block_size,
+                "lazy_offload": cpu_offload_lazy,
+            },
         )
     elif kv_connector_seed is not None:
         from vllm.config import KVTransferConfig

@@ -96,6 +96,12 @@ impl Scheduler {
         Ok(self.kv.pool.block_hash(block).copied())
     }
 
+    /// The free blocks in eviction order, head first: the order the next allocations take them (vLLM's
+    /// `free_block_queue`, which a connector walks to offload the blocks about to be evicted). O(free blocks).
+    pub fn free_block_ids(&self) -> Vec<u32> {
+        self.kv.pool.free_order()
+    }
+
     /// The block a prefix lookup of `hash` returns now (the first block cached under it), if any. Changes
     /// nothing.
     pub fn get_cached_block_id(&self, hash: &BlockHash) -> Option<u32> {

@@ -719,6 +719,13 @@ impl PyScheduler {
         Ok(hash.map(|h| PyBytes::new(py, &h.0[..width])))
     }
 
+    /// The free blocks in eviction order, head first.
+    fn free_block_ids<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let py = slf.py();
+        let ids: Vec<i32> = borrow(slf)?.core.free_block_ids().into_iter().map(|b| b as i32).collect();
+        Ok(ids.into_pyarray(py))
+    }
+
     /// The block a prefix lookup of this hash returns now, or None.
     fn get_cached_block_id(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
         let py = slf.py();

@@ -47,6 +47,7 @@ fn a_pinned_block_leaves_the_free_queue_and_comes_back_where_free_blocks_puts_it
     // The last references: the unhashed block to the head, the hashed one to the tail.
     s.unpin_blocks(&[a[2], hashed[0]]).unwrap();
     let after = free_order(&s);
+    assert_eq!(s.free_block_ids(), after);
     assert_eq!(after[0], a[2]);
     assert_eq!(*after.last().unwrap(), hashed[0]);
     let mut rest: Vec<u32> = before.iter().copied().filter(|b| *b != a[2] && *b != hashed[0]).collect();
