@@ -210,14 +210,15 @@ def test_pinning_pool_touch_and_free_blocks_match_vllms_block_pool() -> None:
     from kvsched.vllm.testing import make_request
 
     scheds = _pair(block_size=4, num_blocks=16, max_model_len=64, cpu_offload_blocks=8)
-    _add(scheds, "a", list(range(100, 113)), max_tokens=1)  # 13 tokens: 3 full blocks, a partial one
+    _add(scheds, "a", list(range(100, 113)), max_tokens=1, block_size=4)  # 13 tokens: 3 full blocks, a partial one
     step_pair(scheds)  # a finishes: its blocks are freed
     pools = [s.kv_cache_manager.block_pool for s in scheds]
 
     def state() -> list[list[tuple[int, Any]]]:
         return [[(b.ref_cnt, b.block_hash) for b in p.blocks] for p in pools]
 
-    _add(scheds, "b", list(range(100, 117)), max_tokens=3)
+    assert any(h is not None for _, h in state()[0])  # a's blocks are cached under vLLM's hashes
+    _add(scheds, "b", list(range(100, 117)), max_tokens=3, block_size=4)
     step_pair(scheds)
     held = list(scheds[0].kv_cache_manager.get_block_ids("b")[0])
     assert held == list(scheds[1].kv_cache_manager.get_block_ids("b")[0])
@@ -225,14 +226,15 @@ def test_pinning_pool_touch_and_free_blocks_match_vllms_block_pool() -> None:
         p.touch([p.blocks[b] for b in held[:3]] + [p.null_block])
     compare("after touch", *state())
     step_pair(scheds)
-    step_pair(scheds)  # b finishes; its first three blocks stay held by the pins
+    step_pair(scheds)  # b finishes; its first three blocks stay held
     compare("after the finish", *state())
-    assert [pools[1].blocks[b].ref_cnt for b in held[:3]] == [1, 1, 1]
+    # Held by the pins (and by the connector's own store of them, which no worker reports over here).
+    assert all(pools[1].blocks[b].ref_cnt >= 1 for b in held[:3])
     for p in pools:
         p.free_blocks([p.blocks[held[2]], p.blocks[held[0]]])
     compare("after free_blocks", *state())
     for s in scheds:
-        s.add_request(make_request("c", list(range(500, 540)), max_tokens=1))
+        s.add_request(make_request("c", list(range(500, 540)), max_tokens=1, block_size=4))
     step_pair(scheds)  # the free order decides c's blocks
     compare("blocks of c", *state())
     for p in pools:
