@@ -218,6 +218,7 @@ class Twin:
         order_keywords: bool = True,
         streaming: bool = False,
         ec_seed: int | None = None,
+        pins: bool = False,
     ) -> None:
         from kvsched import Scheduler
 
@@ -262,6 +263,10 @@ class Twin:
         self.coverage["odd_outputs"] = 0
         self.coverage["odd_outputs_refused"] = 0
         self.kv_events = KvEventTwin()
+        # block pins (a KV connector keeping blocks it copies) among the operations, and the pins taken
+        self.pins = pins
+        self.pinned: Counter[int] = Counter()
+        self.coverage["pins"] = self.coverage["unpins"] = self.coverage["pins_refused"] = 0
 
     # -- operations --------------------------------------------------------------------------------------
 
@@ -727,6 +732,63 @@ class Twin:
         assert a == (None if b is None else list(b))
         return None
 
+    def op_pin(self) -> None:
+        """A connector pins blocks (of live requests, or any, cached ones included) or gives pins back, in a
+        random order; sometimes with a bad id, which both refuse the same way, changing nothing."""
+        r, nb = self.rand, self.cfg.num_blocks
+        held = sorted({b for q in self.ref._requests.values() for b in q.block_ids if b})
+        if self.pinned and r.chance(0.5):
+            pool = sorted(self.pinned.elements())
+            ids = [pool.pop(r.int(0, len(pool) - 1)) for _ in range(min(len(pool), r.int(1, 4)))]
+            op = "unpin"
+        else:
+            ids = [r.choice(held) if held and r.chance(0.6) else r.int(1, nb - 1) for _ in range(r.int(1, 3))]
+            op = "pin"
+        if r.chance(0.08):
+            ids.insert(r.int(0, len(ids)), r.choice([0, nb, -1, r.int(1, nb - 1)]))
+        self.log.append(f"{op} {ids}")
+        fns = [getattr(s, f"{op}_blocks") for s in (self.ref, self.rs)]
+        errs = []
+        for fn in fns:
+            try:
+                fn(ids)
+                errs.append(None)
+            except SchedulerError as e:
+                errs.append(e)
+        assert repr(errs[0]) == repr(errs[1]), f"{op} {ids}: reference {errs[0]!r}, Rust {errs[1]!r}"
+        if errs[0] is not None:
+            self.coverage["pins_refused"] += 1
+        elif op == "pin":
+            self.pinned.update(ids)
+            self.coverage["pins"] += 1
+        else:
+            self.pinned.subtract(ids)
+            self.pinned = +self.pinned
+            self.coverage["unpins"] += 1
+
+    def unpin_all(self) -> None:
+        ids = sorted(self.pinned.elements())
+        self.ref.unpin_blocks(ids)
+        self.rs.unpin_blocks(ids)
+        self.pinned.clear()
+        self.check()
+
+    def compare_pins(self) -> None:
+        """Every block's references, pins and cached hash (by equality pattern), and which block a lookup of
+        each cached hash returns."""
+        ref, rs = self.ref, self.rs
+        assert_arrays_equal(ref.free_block_ids(), rs.free_block_ids(), "free queue")
+        seen: dict[bytes, bytes] = {}
+        for b in range(self.cfg.num_blocks):
+            assert ref.get_block_ref_cnt(b) == rs.get_block_ref_cnt(b), f"ref_cnt of block {b}"
+            assert ref.get_block_pin_cnt(b) == rs.get_block_pin_cnt(b) == self.pinned[b], f"pins of block {b}"
+            ha, hb = ref.get_block_hash(b), rs.get_block_hash(b)
+            assert (ha is None) == (hb is None), f"block {b}: cached in one implementation only"
+            if ha is None or hb is None:
+                continue
+            assert seen.setdefault(ha, hb) == hb, f"block {b}: hash pattern differs"
+            assert ref.get_cached_block_id(ha) == rs.get_cached_block_id(hb), f"lookup of block {b}'s hash"
+
     def step(self) -> None:
         ops = [self.op_add] * 3 + [self.op_schedule] * 4 + [self.op_update] * 4 + [self.op_ready] * 2
         if self.conn_ref is not None:
@@ -742,6 +804,8 @@ class Twin:
             ops += [self.op_input] * 3
         if self.cfg.encoder_cache_size and self.throttle:  # (not in the seeded soaks, as above)
             others.append(self.op_encoder_sizes)
+        if self.pins:
+            ops += [self.op_pin] * 3
         self.rand.choice([*ops, *others])()
         self.check()
 
@@ -795,6 +859,8 @@ class Twin:
         width = 32 if self.cfg.prefix_hash_algo == "sha256" else 16
         assert all(isinstance(h, bytes) and len(h) == width for row in hashes_b for h in row)
         self.kv_events.check(self.ref, self.rs)
+        if self.pins:
+            self.compare_pins()
 
     def drain(self) -> None:
         """Unpause, release every grammar, apply every pending step and run until no request is left."""
@@ -1220,6 +1286,31 @@ def test_soak_ec_connector_matches_reference_step_by_step() -> None:
         deferred += twin.ec_ref.num_deferred
         assert twin.ref.stats().num_encoder_inputs_computed > 0
     assert loaded > 0 and deferred > 0, (loaded, deferred)
+
+
+def test_soak_block_pins_match_reference_step_by_step() -> None:
+    """Random pins and unpins (of live requests' blocks, free cached blocks, bad ids) interleaved with steps,
+    aborts, KV transfers, preemption and prefix-cache resets: the Rust core and the reference agree at every
+    step (outputs, block tables, every block's references, pins and hash, the lookup of each hash), both pass
+    check_invariants after every operation, and once every pin is given back the pools are whole again."""
+    total = Counter[str]()
+    configs = [c for c in SOAK_CONFIGS if c.preemption_mode == "recompute"][:6]
+    for i, cfg in enumerate(configs):
+        seed = 8200 + i
+        cfg = dataclasses.replace(cfg, enable_kv_cache_events=i % 2 == 0)
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2,
+                    connector_seed=seed if i % 2 else None, fail_steps=False, pins=True)  # fmt: skip
+        for _ in range(700):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.unpin_all()
+        twin.drain()
+        assert twin.ref.num_free_blocks == twin.rs.num_free_blocks == cfg.num_blocks - 1
+        total.update({k: twin.coverage[k] for k in ("pins", "unpins", "pins_refused")})
+        total["preemptions"] += twin.ref.stats().num_preemptions
+    assert all(total[k] > 0 for k in ("pins", "unpins", "pins_refused", "preemptions")), total
 
 
 def test_admission_window_with_asynchronous_kv_loads() -> None:

@@ -173,6 +173,77 @@ def test_kv_connectors_that_use_vllms_block_pool_are_refused_inside_a_multi_conn
         build(multi(plain, name="BindingMulti", kv_connector_module_path=__name__))
 
 
+def test_simple_cpu_offload_connector_gets_a_pinning_pool() -> None:
+    """vLLM's SimpleCPUOffloadConnector binds the block pool: kvsched.vllm gives it the pinning pool view (touch,
+    free_blocks, block hashes), alone or under a MultiConnector; its lazy offload walks the free block queue
+    (``iter_blocks_after``). Other schedulers keep the read-only pool."""
+    from kvsched.vllm._kv_view import PinningBlockPoolView
+    from vllm.config import KVTransferConfig
+
+    s = make_scheduler("kvsched", make_vllm_config(block_size=4, num_blocks=32, cpu_offload_blocks=16))
+    pool = s.kv_cache_manager.block_pool
+    assert isinstance(pool, PinningBlockPoolView)
+    assert s.connector.scheduler_manager._gpu_block_pool is pool
+    plain = make_scheduler("kvsched", make_vllm_config())
+    assert not isinstance(plain.kv_cache_manager.block_pool, PinningBlockPoolView)
+    offload = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": 16 * 32}}  # fmt: skip
+    cfg = make_vllm_config(block_size=4, num_blocks=32, cpu_offload_blocks=16)
+    cfg.kv_transfer_config = KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={"connectors": [offload]}
+    )
+    m = make_scheduler("kvsched", cfg)
+    assert m.connector.sub_connectors[0].scheduler_manager._gpu_block_pool is m.kv_cache_manager.block_pool
+    lazy = make_scheduler(
+        "kvsched", make_vllm_config(block_size=4, num_blocks=32, cpu_offload_blocks=16, cpu_offload_lazy=True)
+    )
+    assert lazy.connector.scheduler_manager._lazy_mode
+    queue = lazy.kv_cache_manager.block_pool.free_block_queue
+    order = [b.block_id for b in queue.iter_blocks_after(None)]
+    assert order == lazy.core.free_block_ids().tolist() and len(order) == 31
+    assert [b.block_id for b in queue.iter_blocks_after(lazy.kv_cache_manager.block_pool.blocks[order[4]])] == order[5:]
+
+
+def test_pinning_pool_touch_and_free_blocks_match_vllms_block_pool() -> None:
+    """touch / free_blocks on the pool as vLLM's BlockPool does them, on both schedulers: reference counts, block
+    hashes and the blocks the next request gets (the free order) stay identical; a pin outlives its request."""
+    from kvsched.vllm.testing import make_request
+
+    scheds = _pair(block_size=4, num_blocks=16, max_model_len=64, cpu_offload_blocks=8)
+    _add(scheds, "a", list(range(100, 113)), max_tokens=1, block_size=4)  # 13 tokens: 3 full blocks, a partial one
+    step_pair(scheds)  # a finishes: its blocks are freed
+    pools = [s.kv_cache_manager.block_pool for s in scheds]
+
+    def state() -> list[list[tuple[int, Any]]]:
+        return [[(b.ref_cnt, b.block_hash) for b in p.blocks] for p in pools]
+
+    assert any(h is not None for _, h in state()[0])  # a's blocks are cached under vLLM's hashes
+    _add(scheds, "b", list(range(100, 117)), max_tokens=3, block_size=4)
+    step_pair(scheds)
+    held = list(scheds[0].kv_cache_manager.get_block_ids("b")[0])
+    assert held == list(scheds[1].kv_cache_manager.get_block_ids("b")[0])
+    for p in pools:
+        p.touch([p.blocks[b] for b in held[:3]] + [p.null_block])
+    compare("after touch", *state())
+    step_pair(scheds)
+    step_pair(scheds)  # b finishes; its first three blocks stay held
+    compare("after the finish", *state())
+    # Held by the pins (and by the connector's own store of them, which no worker reports over here).
+    assert all(pools[1].blocks[b].ref_cnt >= 1 for b in held[:3])
+    for p in pools:
+        p.free_blocks([p.blocks[held[2]], p.blocks[held[0]]])
+    compare("after free_blocks", *state())
+    for s in scheds:
+        s.add_request(make_request("c", list(range(500, 540)), max_tokens=1, block_size=4))
+    step_pair(scheds)  # the free order decides c's blocks
+    compare("blocks of c", *state())
+    for p in pools:
+        p.free_blocks([p.blocks[held[1]]])
+    compare("all given back", *state())
+    assert scheds[1].core.num_free_blocks == pools[0].get_num_free_blocks()
+    scheds[1].core.check_invariants()
+
+
 @pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer", "kv_both"])
 def test_kv_connector_roles_with_async_scheduling_take_vllms_gates(kv_role: str) -> None:
     """vLLM 0.33 with several batches in flight defers block frees for consumer roles and drops a preempted

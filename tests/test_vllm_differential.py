@@ -211,6 +211,16 @@ def test_identical_to_vllm_with_a_kv_connector(sync: str, runner: str, seed: int
     assert cfg.kv_connector_seed == seed
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_identical_to_vllm_with_simple_cpu_offload(sync: str, runner: str, seed: int) -> None:
+    """vLLM's SimpleCPUOffloadConnector (eager offload) on both sides, its loads and stores reported over by a
+    simulated worker: the connector's state and every GPU block's reference count, block hash and hashed token
+    count are compared after every call too (the connector pins the blocks it copies through the block pool)."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", cpu_offload=True)
+    assert cfg.cpu_offload_blocks
+
+
 ASYNC_MODES = [("async", "v1"), ("async", "v2")]
 ROLES = ["kv_producer", "kv_consumer", "kv_both"]
 

@@ -241,6 +241,11 @@ class Config:
     # The RandomKVConnector is the second child of vLLM's MultiConnector, after a passive one (it finds no tokens
     # and delays no free); both log their calls.
     kv_connector_multi: bool = False
+    # vLLM's SimpleCPUOffloadConnector (eager offload) with a CPU pool of this many blocks, instead of a
+    # RandomKVConnector: its loads and stores are reported over by a simulated worker (Pair.offload_transfers).
+    cpu_offload_blocks: int | None = None
+    # ... in its lazy mode (it walks the GPU free block queue and offloads the blocks next in line for eviction).
+    cpu_offload_lazy: bool = False
     # vLLM 0.33's deferred registration of asynchronous loads, set on both built schedulers as vLLM's tests do
     # (vLLM turns it on only with HiSparse, which kvsched.vllm refuses); it acts with defer_block_free.
     defer_async_loads: bool = False
@@ -383,6 +388,10 @@ class Pair:
         # streaming session can reach with the parts given so far (its prompt and max_tokens, capped at
         # max_model_len).
         self.rng_stream = random.Random(f"stream/{seed}")
+        # The simulated offload worker's delays, from their own stream too: (steps left, "load"/"store", event).
+        self.rng_offload = random.Random(f"offload/{seed}")
+        self.offload_events: list[tuple[int, str, int, list[str]]] = []
+        self.offload_counts = collections.Counter[str]()
         self.sessions: dict[str, int] = {}
         self.stuck: list[str] = []
         # Tokens one block id covers (vLLM's scheduler block size).
@@ -772,7 +781,13 @@ class Pair:
         return runner_output(
             req_ids,
             sampled,
-            kv_connector_output=self.transfers(so) if self.cfg.kv_connector_seed is not None else None,
+            kv_connector_output=(
+                self.offload_transfers(so)
+                if self.cfg.cpu_offload_blocks is not None
+                else self.transfers(so)
+                if self.cfg.kv_connector_seed is not None
+                else None
+            ),
         )
 
     def odd_output(self, rid: str, chunk: bool, num_drafts: int, tokens: list[int]) -> list[int]:
@@ -823,6 +838,66 @@ class Pair:
             # MultiConnector's metadata holds its children's, in order: the RandomKVConnector is the last.
             meta = meta.metadata[-1] if meta is not None else None
         return _connectors(self.a)[-1].report(self.rng, meta, self.cfg.block_size)
+
+    def offload_transfers(self, so: Any) -> Any:
+        """What SimpleCPUOffloadConnector's workers report with the output of step ``so``: the load and store
+        events its metadata started finish after 0-2 more steps (drawn), as the worker's ``get_finished`` reports
+        them: the requests of each finished load event that are still known (vLLM asserts on others), and each
+        finished store event once (one worker)."""
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        meta = so.kv_connector_metadata
+        rng = self.rng_offload
+        if meta is not None:
+            if meta.load_event >= 0:
+                reqs = list(meta.load_event_to_reqs.get(meta.load_event, ()))
+                self.offload_events.append((rng.randrange(0, 3), "load", meta.load_event, reqs))
+            if meta.store_event >= 0:
+                self.offload_events.append((rng.randrange(0, 3), "store", meta.store_event, []))
+        recving: set[str] = set()
+        stores: dict[int, int] = {}
+        left = []
+        for wait, kind, event, reqs in self.offload_events:
+            if wait > 0:
+                left.append((wait - 1, kind, event, reqs))
+            elif kind == "load":
+                recving.update(r for r in reqs if r in self.a.requests)
+                self.offload_counts["loads"] += 1
+            else:
+                stores[event] = 1
+                self.offload_counts["stores"] += 1
+        self.offload_events = left
+        return KVConnectorOutput(
+            finished_recving=recving or None,
+            kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=stores) if stores else None,
+        )
+
+    def compare_offload(self, when: str) -> None:
+        """SimpleCPUOffloadConnector's scheduler-side state on both sides, and the GPU pool as it sees it: each
+        block's reference count and vLLM block hash."""
+        ma, mb = self.a.connector.scheduler_manager, self.b.connector.scheduler_manager
+        if ma is None:
+            return
+        compare(f"{when}: offload loads", sorted(ma._reqs_to_load), sorted(mb._reqs_to_load))
+        compare(
+            f"{when}: offload stores",
+            {e: (t.gpu_block_ids, t.cpu_block_ids) for e, t in ma._store_event_to_blocks.items()},
+            {e: (t.gpu_block_ids, t.cpu_block_ids) for e, t in mb._store_event_to_blocks.items()},
+        )
+        compare(f"{when}: offload pending hits", sorted(ma._pending_cpu_hits), sorted(mb._pending_cpu_hits))
+        compare(
+            f"{when}: CPU free blocks", ma.cpu_block_pool.get_num_free_blocks(), mb.cpu_block_pool.get_num_free_blocks()
+        )
+        compare(f"{when}: boundary stats", ma.boundary_store_stats, mb.boundary_store_stats)
+        pa, pb = self.a.kv_cache_manager.block_pool, self.b.kv_cache_manager.block_pool
+        compare(f"{when}: GPU free blocks", pa.get_num_free_blocks(), pb.get_num_free_blocks())
+        blocks_a, blocks_b = pa.blocks, pb.blocks
+        compare(
+            f"{when}: GPU blocks (ref_cnt, block_hash, block_hash_num_tokens)",
+            [(x.ref_cnt, x.block_hash, x.block_hash_num_tokens) for x in blocks_a],
+            [(x.ref_cnt, x.block_hash, x.block_hash_num_tokens) for x in blocks_b],
+        )
 
     def update_oldest(self) -> None:
         so_a, so_b, chunks = self.in_flight.pop(0)
@@ -896,7 +971,9 @@ class Pair:
         compare(f"{when}: num unfinished", a.get_num_unfinished_requests(), b.get_num_unfinished_requests())
         compare(f"{when}: has_finished", a.has_finished_requests(), b.has_finished_requests())
         compare(f"{when}: kv usage", a.get_kv_cache_usage(), b.get_kv_cache_usage())
-        if a.connector is not None:
+        if self.cfg.cpu_offload_blocks is not None:
+            self.compare_offload(when)
+        elif a.connector is not None:
             for i, (ca, cb) in enumerate(zip(_connectors(a), _connectors(b), strict=True)):
                 compare(f"{when}: KV connector {i} calls", ca.calls, cb.calls)
                 ca.calls.clear()
@@ -985,7 +1062,12 @@ class Pair:
                 "schedulable; kvsched stalls identically"
             )
         compare("drained", sorted(self.b.requests), [])
-        compare("free blocks", self.b.core.num_free_blocks, self.cfg.num_blocks - 1)
+        # Blocks SimpleCPUOffloadConnector keeps pinned for ever (loads of requests that finished before the
+        # load was registered) are pinned on both sides: the free count is vLLM's.
+        free = self.cfg.num_blocks - 1
+        if self.cfg.cpu_offload_blocks is not None:
+            free = self.a.kv_cache_manager.block_pool.get_num_free_blocks()
+        compare("free blocks", self.b.core.num_free_blocks, free)
 
 
 def run_seed(
@@ -1013,6 +1095,8 @@ def run_seed(
     dcp: int = 1,
     pcp: int = 1,
     encoder_decoder: bool = False,
+    cpu_offload: bool = False,
+    lazy_offload: bool = False,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -1056,6 +1140,13 @@ def run_seed(
         cfg.enable_prefix_caching = False
         budget = erng.choice([4, 8, 16, 32])
         cfg.encoder_decoder = (budget, erng.choice([budget, budget, 2 * budget, 3 * budget // 2]))
+    if cpu_offload:
+        # A CPU pool of a quarter of the GPU pool up to twice it (own stream), prefix caching on (the connector
+        # offloads nothing without it).
+        orng = random.Random(f"offload/{seed}")
+        cfg.cpu_offload_blocks = max(2, int(cfg.num_blocks * orng.choice([0.25, 0.5, 1.0, 2.0])))
+        cfg.cpu_offload_lazy = lazy_offload
+        cfg.enable_prefix_caching = True
     if connector:
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
@@ -1168,6 +1259,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--modes", default=None, help="default: sync-v1,sync-v2,async-v1,async-v2 (with --pp: no async-v1)")
     p.add_argument("--connector", action="store_true", help="with a seeded RandomKVConnector")
+    p.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="with vLLM's SimpleCPUOffloadConnector (eager offload, a CPU pool of a quarter to twice the GPU pool, "
+        "prefix caching on): loads and stores are reported over 0-2 steps later by a simulated worker; the "
+        "connector's state and every GPU block's reference count and block hash are compared; not with --connector",
+    )
+    p.add_argument(
+        "--lazy-offload",
+        action="store_true",
+        help="with --cpu-offload: the connector's lazy mode (it walks the GPU free block queue from a cursor and "
+        "offloads the cached blocks next in line for eviction)",
+    )
     p.add_argument(
         "--kv-roles",
         default="kv_both",
@@ -1303,6 +1407,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mamba goes without --connector, --kv-events, --sliding-window, --hybrid and --mm")
     if args.chunked_local and not args.hybrid:
         p.error("--chunked-local goes with --hybrid")
+    if args.lazy_offload and not args.cpu_offload:
+        p.error("--lazy-offload goes with --cpu-offload")
+    if args.cpu_offload and (args.connector or args.sliding_window or args.hybrid or args.mamba or args.enc_dec):
+        p.error("--cpu-offload goes without --connector, --sliding-window, --hybrid, --mamba and --enc-dec")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
@@ -1349,6 +1457,8 @@ def main(argv: list[str] | None = None) -> int:
                         dcp=args.dcp,
                         pcp=args.pcp,
                         encoder_decoder=args.enc_dec,
+                        cpu_offload=args.cpu_offload,
+                        lazy_offload=args.lazy_offload,
                     )
                     ok += 1
                 except Divergence as exc:

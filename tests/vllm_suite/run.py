@@ -63,6 +63,8 @@ TEST_FILES = (
     "tests/v1/core/test_worker_slot_overflow.py",
     "tests/v1/core/test_prefix_replay.py",
     "tests/v1/core/test_swa_inflight_window_free.py",
+    # MultiConnector(NixlConnector, SimpleCPUOffloadConnector) on a scheduler built by create_scheduler.
+    "tests/v1/kv_connector/unit/test_nixl_simple_cpu_offload.py",
 )
 # The files of vLLM's test tree that the test files import (directly or through utils.py).
 SDIST_MEMBERS = (

@@ -42,6 +42,7 @@ from .convert import (
 from .introspect import _IntrospectMixin
 from .model_inputs import _ModelInputsMixin
 from .output import SchedulerOutput
+from .pins import _PinsMixin
 from .request import _Request
 from .step import _StepMixin
 from .update import _UpdateMixin
@@ -49,7 +50,7 @@ from .update import _UpdateMixin
 __all__ = ["ReferenceScheduler"]
 
 
-class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _IntrospectMixin):
+class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin, _IntrospectMixin):
     """Pure-Python twin of :class:`kvsched.Scheduler` (same constructor, methods, results and errors)."""
 
     # -- requests ----------------------------------------------------------------------------------------
@@ -447,8 +448,13 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             self._last_out_fresh = False
         if len(self._free) != self._config.num_usable_blocks:
             if reset_running_requests:
-                if self._held or self._deferred_frees or any(r.block_ids for r in self._requests.values()):
-                    return False  # KV transfers hold blocks (vLLM raises: not supported yet), or deferred frees
+                if (
+                    self._held
+                    or self._deferred_frees
+                    or self._pins
+                    or any(r.block_ids for r in self._requests.values())
+                ):
+                    return False  # KV transfers hold blocks (vLLM raises: not supported yet), deferred frees, pins
                 raise InternalError("the prefix cache is in use with no request running")
             return False
         self._cached.clear()
@@ -574,6 +580,9 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         for _, blocks in self._deferred_frees:
             for b in blocks:
                 holders[b] += b != 0
+        for b, n in self._pins.items():
+            require(0 < b < c.num_blocks and n > 0, f"block {b} pinned {n} times")
+            holders[b] += n
         load_fences = [fence for fence, _, _ in self._deferred_loads.values()]
         require(
             load_fences == sorted(load_fences)

@@ -183,18 +183,24 @@ def _check_kv_cache_config(
     return windows, attention_size, next(iter(spec_blocks), 0)
 
 
-def check_kv_connector(vllm_config: Any, connector: Any) -> None:
-    """Refuses a vLLM scheduler-role KV connector that relies on parts of vLLM's scheduler kvsched replaces.
+def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
+    """Refuses a vLLM scheduler-role KV connector that relies on parts of vLLM's scheduler kvsched replaces;
+    returns whether it binds the block pool (then the adapter gives it block pins, ``_pins.py``).
 
     A connector that overrides ``bind_kv_cache_manager`` or ``bind_gpu_block_pool`` changes vLLM's block pool
-    (references, frees, cached lookups by vLLM's block hashes): refused, by name. vLLM's ``MultiConnector``
-    overrides both only to pass them on to its children: it is refused when one of its children (at any depth)
-    is. Every other connector gets ``bind_kv_cache_manager`` with the read-only ``kv_cache_manager`` view, as vLLM
-    binds its own manager."""
+    (references, frees, cached lookups by vLLM's block hashes). vLLM's ``SimpleCPUOffloadConnector`` (eager and
+    lazy offload) uses only what the adapter's pinning pool provides: it is accepted, with its own
+    ``bind_gpu_block_pool``. Every other such connector is refused, by name. vLLM's ``MultiConnector`` overrides
+    both only to pass them on to its children: it is refused when one of its children (at any depth) is. Every
+    other connector gets ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own
+    manager."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
+    binds = False
+
     def check(conn: Any, path: str) -> None:
+        nonlocal binds
         cls = type(conn)
         name = f"{path}{cls.__name__}"
         forwards = isinstance(conn, MultiConnector) and all(
@@ -204,12 +210,32 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> None:
             for child in conn.sub_connectors:
                 check(child, f"{name} > ")
             return
+        if _is_simple_cpu_offload(cls):
+            binds = True
+            return
         for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
             if getattr(cls, method, None) is not getattr(KVConnectorBase_V1, method):
                 feature = f"KV connectors that use vLLM's own block pool ({name} overrides {method})"
                 _refuse(feature, "kv_transfer_config")
 
     check(connector, "")
+    return binds
+
+
+def _is_simple_cpu_offload(cls: type) -> bool:
+    """vLLM's ``SimpleCPUOffloadConnector`` or a subclass binding the pool as it does."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+        from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+            SimpleCPUOffloadConnector,
+        )
+    except ImportError:
+        return False
+    return (
+        issubclass(cls, SimpleCPUOffloadConnector)
+        and getattr(cls, "bind_gpu_block_pool", None) is SimpleCPUOffloadConnector.bind_gpu_block_pool
+        and getattr(cls, "bind_kv_cache_manager", None) is KVConnectorBase_V1.bind_kv_cache_manager
+    )
 
 
 def kvsched_config_from_vllm(

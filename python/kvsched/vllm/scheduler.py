@@ -54,6 +54,7 @@ from ._kv_events import KVEventTranslator, make_publisher
 from ._kv_view import KVCacheManagerView
 from ._kv_view import lora_key as _lora_key
 from ._mm import EncoderInputMap
+from ._pins import BlockPins
 from ._policy import RequestAttrs, TenantLog, read_additional_config
 
 if TYPE_CHECKING:
@@ -279,6 +280,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # roles): the core's drop_preempted_output.
         self._requires_kv_delivery = False
         self._defer_async_loads_unused = False
+        # Block pins of a KV connector that binds the block pool (vLLM's SimpleCPUOffloadConnector), else None.
+        self._pins: BlockPins | None = None
         if vllm_config.kv_transfer_config is not None:
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
             from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -286,7 +289,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             connector = KVConnectorFactory.create_connector(
                 config=vllm_config, role=KVConnectorRole.SCHEDULER, kv_cache_config=kv_cache_config
             )
-            check_kv_connector(vllm_config, connector)
+            if check_kv_connector(vllm_config, connector):
+                self._pins = BlockPins(self)
             self.connector = connector
             self._bridge = ConnectorBridge(
                 connector,
@@ -723,6 +727,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         req_id = request.request_id
         # A deferred load was never registered: no transfer will report it over.
         loading = req_id in bridge.loading and req_id not in bridge.deferred
+        if self._pins is not None:
+            # vLLM's hashes of its cached blocks, for the connector (the core no longer knows the request).
+            self._pins.learn_finished(request, bridge.finished.get(req_id, []))
         delay, params = bridge.finish(request)
         if self.ec_connector is not None:
             # vLLM asks the EC connector next; its delayed free keeps the KV blocks too.
@@ -868,7 +875,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         bridge = self._bridge
         if bridge is not None:
             bridge.begin_step()
-        out = self._core.schedule(bool(throttle_prefills))
+        if self._pins is None:
+            out = self._core.schedule(bool(throttle_prefills))
+        else:
+            with self._pins.deferred():
+                out = self._core.schedule(bool(throttle_prefills))
         if self._ready:
             self._sync_ready()
         if bridge is not None and bridge.loaded:
@@ -1496,7 +1507,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     # order): apply them here so a caller may skip them.
                     for _ in range(i):
                         empty = in_flight.popleft()[1]
-                        self._core.update_from_output(empty, [])
+                        if self._pins is None:
+                            self._core.update_from_output(empty, [])
+                        else:
+                            with self._pins.deferred():
+                                self._core.update_from_output(empty, [])
                     i = 0
                 del in_flight[i]
                 return step
@@ -1565,7 +1580,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         tables = self.group_block_ids(req_id)
                         self._window_tables[req_id] = tables
                         cached_tokens[req_id] = self._hashed_tokens(tables, num_cached_blocks)
-        res = self._core.update_from_output(out, rows)
+        if self._pins is None:
+            res = self._core.update_from_output(out, rows)
+        else:
+            with self._pins.deferred():
+                res = self._core.update_from_output(out, rows)
         finished_ids = res.finished_req_ids
         part_ids = res.part_finished_req_ids if self._parts else ()
         spec_sched = scheduler_output.scheduled_spec_decode_tokens

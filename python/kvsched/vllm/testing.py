@@ -174,6 +174,8 @@ def make_vllm_config(
     kv_load_failure_policy: str = "recompute",
     kv_role: str = "kv_both",
     kv_connector_multi: bool = False,
+    cpu_offload_blocks: int | None = None,
+    cpu_offload_lazy: bool = False,
     kv_events: bool = False,
     multimodal: bool = False,
     disable_chunked_mm_input: bool = False,
@@ -194,7 +196,9 @@ def make_vllm_config(
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
     as its draft model; ``eagle_block_drop``: vLLM's default prefix-cache rules for it, look-ahead block hashes
     or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``).
-    ``kv_connector_seed`` adds a ``kv_transfer_config`` for
+    ``cpu_offload_blocks`` adds a ``kv_transfer_config`` for vLLM's ``SimpleCPUOffloadConnector`` (eager offload,
+    lazy with ``cpu_offload_lazy``) with a CPU pool of that many blocks (``make_scheduler`` then gives the KV
+    cache config its tensors); else ``kv_connector_seed`` adds a ``kv_transfer_config`` for
     :class:`RandomKVConnector` with that seed and role ``kv_role`` (``kv_producer``, ``kv_consumer``,
     ``kv_both``); with ``kv_connector_multi`` it is the second child of vLLM's ``MultiConnector``, whose first is
     a passive one (a :class:`RandomKVConnector` that finds no tokens and delays no free). ``kv_events`` turns KV
@@ -270,7 +274,20 @@ def make_vllm_config(
             parallel_drafting=parallel_drafting,
         )
     kv_transfer_config = None
-    if kv_connector_seed is not None:
+    if cpu_offload_blocks is not None:
+        from vllm.config import KVTransferConfig
+
+        # vLLM's SimpleCPUOffloadConnector (eager offload) with a CPU pool of that many blocks (the kv_cache_tensors
+        # make_scheduler builds with it size one block of the tiny spec at 8 bytes per token).
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="SimpleCPUOffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "cpu_bytes_to_use": cpu_offload_blocks * 8 * block_size,
+                "lazy_offload": cpu_offload_lazy,
+            },
+        )
+    elif kv_connector_seed is not None:
         from vllm.config import KVTransferConfig
 
         child = {
@@ -334,6 +351,7 @@ def _kv_cache_config(
     kv_cache_groups: Sequence[int | str | None] | None = None,
     max_model_len: int = 0,
     num_speculative_tokens: int = 0,
+    with_tensors: bool = False,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
@@ -378,7 +396,20 @@ def _kv_cache_config(
 
     windows = [sliding_window] if kv_cache_groups is None else list(kv_cache_groups)
     groups = [KVCacheGroupSpec([f"layer{g}"], spec(w)) for g, w in enumerate(windows)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    tensors = []
+    if with_tensors:
+        # One backing allocation per layer, as a worker would build it (a connector that sizes a CPU pool from the
+        # GPU one reads it): the tiny specs' page is 8 bytes per token (K and V, one float32 each).
+        from vllm.v1.kv_cache_interface import KVCacheTensor
+
+        page = 8 * block_size
+        tensors = [
+            KVCacheTensor(
+                size=num_blocks * page, layers=[f"layer{g}"], layer_stride=num_blocks * page, block_stride=page
+            )
+            for g in range(len(groups))
+        ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
 def make_scheduler(
@@ -433,6 +464,7 @@ def make_scheduler(
                 kv_cache_groups,
                 max_model_len,
                 int(getattr(vllm_config, "num_speculative_tokens", 0) or 0),
+                with_tensors=_offloads_to_cpu(vllm_config),
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,
@@ -445,6 +477,16 @@ def make_scheduler(
             del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
         else:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+
+
+def _offloads_to_cpu(vllm_config: Any) -> bool:
+    """Whether the config's KV connector is SimpleCPUOffloadConnector, or a MultiConnector with it as a child."""
+    kv = vllm_config.kv_transfer_config
+    if kv is None:
+        return False
+    children = (kv.kv_connector_extra_config or {}).get("connectors", ())
+    names = {kv.kv_connector, *(c.get("kv_connector") for c in children)}
+    return "SimpleCPUOffloadConnector" in names
 
 
 _HASHERS: dict[tuple[int, int], Callable[[Any], Any]] = {}

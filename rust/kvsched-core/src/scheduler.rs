@@ -144,6 +144,8 @@ pub struct Scheduler {
     /// `defer_async_loads`: asynchronous loads admitted while a step was in flight, not yet registered with the
     /// connector, in admission order (vLLM's `deferred_loads`).
     pub(crate) deferred_loads: VecDeque<DeferredLoad>,
+    /// References taken by `pin_blocks` and not yet given back by `unpin_blocks`, per block id (`pins.rs`).
+    pub(crate) pins: HashMap<u32, u32>,
     pub(crate) next_add_seq: u64,
     /// The encoder cache (`encoder.rs`, driven by `encoder_sched.rs`).
     pub(crate) encoder: EncoderCache,
@@ -263,6 +265,7 @@ impl Scheduler {
             processed_step_seq: 0,
             deferred_frees: VecDeque::new(),
             deferred_loads: VecDeque::new(),
+            pins: HashMap::new(),
             next_add_seq: 0,
             num_executed_steps: 0,
             last_prefill_step,
@@ -925,9 +928,11 @@ impl Scheduler {
         } else if reset_running_requests {
             if !self.held.is_empty()
                 || !self.deferred_frees.is_empty()
+                || !self.pins.is_empty()
                 || self.slab.iter().any(|r| !r.blocks.is_empty())
             {
-                // KV transfers hold blocks (vLLM raises: not supported yet), or frees wait for steps in flight.
+                // KV transfers hold blocks (vLLM raises: not supported yet), frees wait for steps in flight, or
+                // blocks are pinned.
                 return Ok(false);
             }
             return Err(SchedError::Internal("the prefix cache is in use with no request running".into()));
@@ -1234,6 +1239,12 @@ impl Scheduler {
                 Some(r) if r.status == RequestStatus::WaitingForRemoteKvs => {}
                 _ => return Err("a deferred load's request is not waiting for its load".into()),
             }
+        }
+        for (&b, &n) in &self.pins {
+            if n == 0 || b == 0 || b as usize >= held.len() {
+                return Err(format!("block {b} is pinned {n} times"));
+            }
+            held[b as usize] += n;
         }
         self.kv.pool.check(&held)?;
         self.check_swap_invariants()?;
