@@ -130,6 +130,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._free_block_list(self._group_table(r, g))
             r.group_block_ids = [[] for _ in r.group_block_ids]
             r.group_num_cached = [0] * len(r.group_num_cached)
+            r.mamba_last_state.clear()
+            r.mamba_allocated.clear()
+            r.mamba_appended.clear()
         else:
             self._free_block_list(r.block_ids)
         r.block_ids = []
@@ -385,6 +388,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if w == _CROSS:
                 total += self._cross_blocks_to_add(r, held) if not r.block_ids else 0
                 continue
+            if w == _MAMBA and c.mamba_align:
+                entries = required + c.mamba_speculative_blocks
+                total += max(0, self._align_need(entries, held, g in r.mamba_allocated))
+                continue
             if w == _MAMBA:
                 total += max(0, 1 + c.mamba_speculative_blocks - held) if not r.block_ids else 0
                 continue
@@ -411,14 +418,23 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         windows = self._group_windows()
         total_computed = r.num_computed_tokens + len(hits) * bs + ext
         processed = max(0, total_computed - r.num_in_flight_tokens)
+        align = c.mamba_align
         for g, w in enumerate(windows):
             if w > 0:
                 self._remove_group_skipped(r, g, w, processed)
+            elif w == _MAMBA and align:
+                self._remove_mamba_skipped(r, g, processed)
         fresh = not r.block_ids
         num_slots = min(total_computed + n + lookahead, c.max_slots_per_request)
+        # Align-mode Mamba groups: the entries the state's tokens (no lookahead) want.
+        mamba_entries = math.ceil((total_computed + n) / bs) + c.mamba_speculative_blocks
         plan = []
         total_need = evictable = 0
         for g, w in enumerate(windows):
+            if w == _MAMBA and align:  # may be negative: vLLM sums it as it is
+                total_need += self._align_need(mamba_entries, len(self._group_table(r, g)), g in r.mamba_allocated)
+                plan.append((0, 0))
+                continue
             if w < 0:  # the encoder output's or the state's blocks, at the first allocation only
                 held = len(self._group_table(r, g))
                 need = 0
@@ -449,6 +465,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._set_group_cached(r, g, self._group_cached(r, g) + skipped + len(kept))
         new_blocks: list[int] = []
         for g, (_, need) in enumerate(plan):
+            if windows[g] == _MAMBA and align:
+                self._grow_mamba_align(r, g, mamba_entries)
+                continue
             fresh_blocks = [self._pop_free_block() for _ in range(need)]
             self._group_table(r, g).extend(fresh_blocks)
             if self._zero_ids and windows[g] != _MAMBA:  # with a Mamba group: new attention blocks are zeroed
@@ -458,6 +477,58 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if cache:
             self._cache_blocks(r, min(total_computed + n, r.num_tokens))
         return new_blocks
+
+    def _align_need(self, entries: int, held: int, allocated: bool) -> int:
+        """An align-mode Mamba group's blocks to allocate for ``entries`` entries with ``held`` in the table: the
+        missing ones, capped at 1 (1 plus the speculative blocks before its first allocation); negative when the
+        table is longer."""
+        need = entries - held
+        if need > 0:
+            need = min(need, 1 if allocated else 1 + self._config.mamba_speculative_blocks)
+        return need
+
+    def _remove_mamba_skipped(self, r: _Request, g: int, processed: int) -> None:
+        """An align-mode Mamba group: the entries below ``(processed - 1) // bs`` go back to the pool (deepest
+        first, null blocks skipped), then the state entry the allocation before the last kept, once below
+        ``ceil(processed / bs) - 1``."""
+        table, bs = self._group_table(r, g), self._bs
+        if processed > 1:
+            last = min((processed - 1) // bs, len(table))
+            freed = [b for b in table[:last] if b != 0]
+            if freed:
+                self._free_block_list(freed)
+                table[:last] = [0] * last
+        idx = r.mamba_last_state.get(g)
+        if idx is not None and idx < math.ceil(processed / bs) - 1 and table[idx] != 0:
+            self._free_block_list([table[idx]])
+            table[idx] = 0
+
+    def _grow_mamba_align(self, r: _Request, g: int, entries: int) -> None:
+        """An align-mode Mamba group's table grows to ``entries`` entries: the running state's entry is kept in
+        ``mamba_last_state``, null blocks pad it to ``entries - spec - 1``, the speculative blocks below that move
+        to the end, new blocks fill the rest."""
+        table, spec = self._group_table(r, g), self._config.mamba_speculative_blocks
+        prev = len(table)
+        r.mamba_appended[g] = 0
+        allocated = g in r.mamba_allocated
+        r.mamba_allocated.add(g)
+        if entries <= prev:
+            return
+        if allocated:
+            r.mamba_last_state[g] = prev - 1 - spec
+        elif prev > 0:
+            r.mamba_last_state[g] = prev - 1
+        skipped = entries - spec - 1
+        if prev < skipped:
+            table.extend([0] * (skipped - prev))
+        if allocated:
+            for idx in range(prev - spec, prev):
+                if idx >= skipped:
+                    break
+                table.append(table[idx])
+                table[idx] = 0
+        table.extend(self._pop_free_block() for _ in range(max(0, entries - len(table))))
+        r.mamba_appended[g] = len(table) - prev
 
     def _remove_group_skipped(self, r: _Request, g: int, w: int, processed: int) -> None:
         table = self._group_table(r, g)

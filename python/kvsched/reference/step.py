@@ -252,10 +252,15 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         others = [w for g, w in enumerate(windows) if g != c.primary_group]
         for g, w in enumerate(others):
             whole = w in (CROSS_ATTENTION, MAMBA)
+            # An align-mode Mamba table: a running request's entries its allocation appended.
+            gid = g if g < c.primary_group else g + 1
+            appended = w == MAMBA and c.mamba_align
             groups.append(
                 [
                     list(e[0].group_block_ids[g])
                     if whole and e[5] in ("new", "resumed")
+                    else e[0].group_block_ids[g][len(e[0].group_block_ids[g]) - e[0].mamba_appended.get(gid, 0) :]
+                    if appended
                     else []
                     if whole
                     else e[0].group_block_ids[g][len(e[0].group_block_ids[g]) - len(e[3]) :]

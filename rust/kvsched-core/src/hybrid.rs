@@ -35,6 +35,17 @@
 //!   them in layer order, so they may come before the primary group. With one, every attention block a
 //!   `schedule()` allocates is reported in its output's `zero_block_ids` (vLLM zeroes them before use), group by
 //!   group, each group's in allocation order.
+//! - **Mamba groups in align mode** (`mamba_align`, vLLM's `MambaManager` with `mamba_cache_mode` "align"): the
+//!   state blocks are `bs` tokens long and the table grows with the request, as vLLM's does, but holds real blocks
+//!   only at its running state. An allocation for `t` tokens (computed plus new, no lookahead) wants
+//!   `ceil(t / bs) + s` entries (`s` = `mamba_speculative_blocks`); when the table is shorter it remembers the
+//!   running state's entry (`len - 1 - s` once allocated, `len - 1` for a table of hits), pads with null blocks
+//!   up to `ceil(t / bs) - 1`, moves the speculative blocks that would sit below that to the end, and pops the
+//!   rest (at most `1`, `1 + s` at the first allocation). Its count in the all-or-nothing check is
+//!   `ceil(t / bs) + s - len` capped at that (negative when the table is longer: vLLM sums it as it is). Before
+//!   each allocation, with `p` tokens processed, the entries below `(p - 1) / bs` go back to the pool (deepest
+//!   first, null blocks skipped), then the remembered state's entry if it lies below `ceil(p / bs) - 1`. A
+//!   running request's new ids in the group are the entries its allocation appended.
 //!
 //! This module holds the groups' description; `hybrid_kv.rs` holds what `KvCacheManager` does with them, off the
 //! single-group paths: `KvCacheManager` branches there only when `hybrid` is set.
@@ -54,6 +65,8 @@ pub struct Hybrid {
     pub primary: usize,
     /// The blocks a request holds in a Mamba group (`1 + mamba_speculative_blocks`).
     pub mamba_blocks: usize,
+    /// Mamba groups in vLLM's `mamba_cache_mode` "align" (`SchedulerConfig::mamba_align`; see `hybrid_kv.rs`).
+    pub mamba_align: bool,
     /// With a Mamba group (vLLM then zeroes new attention blocks before use): each group's attention blocks
     /// allocated since the last `schedule()` returned, in allocation order (`SchedulerOutput::zero_block_ids`).
     /// Empty without one.
@@ -75,6 +88,7 @@ impl Clone for Hybrid {
             windows: self.windows.clone(),
             primary: self.primary,
             mamba_blocks: self.mamba_blocks,
+            mamba_align: self.mamba_align,
             zero_ids: self.zero_ids.clone(),
             caps: self.caps.clone(),
             lookups: self.lookups.clone(),
@@ -108,6 +122,7 @@ impl Hybrid {
             windows,
             primary,
             mamba_blocks: 1 + mamba_speculative_blocks as usize,
+            mamba_align: false,
             zero_ids,
             caps,
             lookups,

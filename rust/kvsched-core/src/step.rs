@@ -486,12 +486,13 @@ impl Scheduler {
     /// long as the primary's and grows at its end, so a request's `k` new ids in the primary group are the last
     /// `k` entries of each table (its whole table when it is new or resumed). A cross-attention or Mamba table is
     /// taken whole at a new or resumed request's allocation and never grows: its whole table then, nothing
-    /// otherwise.
+    /// otherwise; an align-mode Mamba table (`mamba_align`) gives the entries its allocation appended otherwise.
     #[cold]
     fn group_new_block_ids(&self, out: &mut SchedulerOutput) -> Result<()> {
         let windows = &self.config.kv_cache_groups;
         let ngroups = windows.len();
         let primary = self.kv.hybrid.as_deref().map_or(0, |hy| hy.primary);
+        let align = self.config.mamba_align;
         let mut groups = vec![Vec::with_capacity(out.new_block_ids.len()); ngroups - 1];
         let mut indptrs = vec![Vec::with_capacity(out.handles.len() + 1); ngroups - 1];
         let mut whole = vec![false; out.handles.len()];
@@ -510,6 +511,9 @@ impl Scheduler {
                 let k = if w == Some(CROSS_ATTENTION) || w == Some(MAMBA) {
                     if whole[i] {
                         t.len()
+                    } else if align {
+                        // Align mode: the entries its allocation appended.
+                        req.groups[g].mamba_appended as usize
                     } else {
                         0
                     }
