@@ -31,6 +31,16 @@ def _group_window(entry: int | str | None) -> int:
     return int(entry) if chunk is None else _CHUNKED | chunk
 
 
+def _mamba_checkpoint(num_tokens: int, bs: int, drop_eagle: bool, hash_lookahead: int) -> int:
+    """vLLM's ``get_mamba_prefill_checkpoint_position``: the last multiple of ``bs`` that leaves a token (or the
+    look-ahead tokens) to compute; with EAGLE's trailing-block drop, the multiple at or below, one block lower."""
+    limit = num_tokens if drop_eagle else num_tokens - max(1, hash_lookahead)
+    pos = limit // bs * bs
+    if drop_eagle:
+        pos -= bs
+    return max(pos, 0)
+
+
 class _KVCacheManagerMixin(_BlockPoolMixin):
     """What a request asks of the block pool."""
 
@@ -477,6 +487,27 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if cache:
             self._cache_blocks(r, min(total_computed + n, r.num_tokens))
         return new_blocks
+
+    def _mamba_split(self, r: _Request, start: int, n: int) -> int:
+        """A prefill chunk of ``n`` tokens from ``start`` cut where an align-mode Mamba state must be written
+        (vLLM's ``_mamba_block_aligned_split`` without prefill checkpoints, partial-block hits or shared-prefix
+        junctions; the core's ``AlignedSplit``)."""
+        c, bs = self._config, self._bs
+        prefill_end = max(r.num_prompt_tokens, r.num_tokens - 1)
+        if start >= prefill_end:
+            return n
+        last_cache = _mamba_checkpoint(r.num_tokens, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
+        end = start + n
+        if end < prefill_end:
+            max_prefill = c.max_num_scheduled_tokens or c.max_num_batched_tokens
+            if c.long_prefill_token_threshold > 0:
+                max_prefill = min(max_prefill, c.long_prefill_token_threshold)
+            aligned = end // bs * bs
+            if aligned > start or bs <= max_prefill:
+                end = aligned
+        next_boundary = (start // bs + 1) * bs if start % bs else 0
+        end = min((s for s in (next_boundary, last_cache) if start < s < end), default=end)
+        return max(end - start, 0)
 
     def _align_need(self, entries: int, held: int, allocated: bool) -> int:
         """An align-mode Mamba group's blocks to allocate for ``entries`` entries with ``held`` in the table: the

@@ -191,3 +191,60 @@ pub(crate) fn group_skipped(w: u32, computed: u32) -> u32 {
         None => window_skipped(w, computed),
     }
 }
+
+/// The Mamba checkpoint boundary of a prefill of `num_tokens` tokens (vLLM's
+/// `get_mamba_prefill_checkpoint_position`): the last multiple of `bs` that leaves at least one token (or
+/// `hash_lookahead` tokens) to compute; with EAGLE's trailing-block drop, the multiple at or below `num_tokens`, one
+/// block lower.
+pub(crate) fn mamba_checkpoint(num_tokens: u32, bs: u32, drop_eagle: bool, hash_lookahead: u32) -> u32 {
+    let limit = if drop_eagle { num_tokens } else { num_tokens.saturating_sub(hash_lookahead.max(1)) };
+    let pos = limit / bs * bs;
+    if drop_eagle {
+        pos.saturating_sub(bs)
+    } else {
+        pos
+    }
+}
+
+/// The settings of `mamba_aligned_split`, fixed for a scheduler's lifetime.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AlignedSplit {
+    pub bs: u32,
+    /// The longest prefill chunk a step may schedule (`max_num_scheduled_tokens`, capped at
+    /// `long_prefill_token_threshold` when set).
+    pub max_prefill_tokens: u32,
+    pub drop_eagle: bool,
+    pub hash_lookahead: u32,
+}
+
+impl AlignedSplit {
+    /// A prefill chunk of `n` tokens from `start`, cut where an align-mode Mamba state must be written (vLLM's
+    /// `_mamba_block_aligned_split` without prefill checkpoints, partial-block hits or shared-prefix junctions):
+    /// the prefill ends at `max(num_prompt, num_tokens - 1)`; a chunk that ends before it is floored to a block
+    /// boundary (unless that leaves nothing and a block is wider than `max_prefill_tokens`); it then stops at the
+    /// next block boundary when it starts inside a block, and at the last block boundary that leaves a token to
+    /// compute (`mamba_checkpoint`), whichever comes first strictly inside it. A chunk past the prefill is kept.
+    pub fn split(&self, num_prompt: u32, num_tokens: u32, start: u32, n: u32) -> u32 {
+        let prefill_end = num_prompt.max(num_tokens.saturating_sub(1));
+        if start >= prefill_end {
+            return n;
+        }
+        let bs = self.bs;
+        let last_cache = mamba_checkpoint(num_tokens, bs, self.drop_eagle, self.hash_lookahead);
+        let mut end = start + n;
+        if end < prefill_end {
+            let aligned = end / bs * bs;
+            if aligned > start || bs <= self.max_prefill_tokens {
+                end = aligned;
+            }
+        }
+        let next_boundary = if start % bs != 0 { (start / bs + 1) * bs } else { 0 };
+        for stop in [next_boundary, last_cache] {
+            if start < stop && stop < end {
+                end = stop;
+            }
+        }
+        end.saturating_sub(start)
+    }
+}
+

@@ -72,6 +72,8 @@ pub(crate) struct Counters {
 pub struct Scheduler {
     pub(crate) config: SchedulerConfig,
     pub(crate) kv: KvCacheManager,
+    /// Align-mode Mamba groups (`mamba_align`): how prefill chunks are cut at block boundaries.
+    pub(crate) mamba_split: Option<crate::hybrid::AlignedSplit>,
     pub(crate) slab: Slab,
     pub(crate) ids: HashMap<Arc<str>, u32>,
     /// Slots of running requests, in admission order.
@@ -224,7 +226,24 @@ impl Scheduler {
             block_size: if kv.special { 0 } else { kv.block_size },
             caching: kv.enable_caching,
         };
+        let mamba_split = config.mamba_align.then(|| {
+            let mut max_prefill_tokens = if config.max_num_scheduled_tokens > 0 {
+                config.max_num_scheduled_tokens
+            } else {
+                config.max_num_batched_tokens
+            };
+            if config.long_prefill_token_threshold > 0 {
+                max_prefill_tokens = max_prefill_tokens.min(config.long_prefill_token_threshold);
+            }
+            crate::hybrid::AlignedSplit {
+                bs: config.block_size,
+                max_prefill_tokens,
+                drop_eagle: config.drop_trailing_hit_block,
+                hash_lookahead: config.hash_lookahead_tokens,
+            }
+        });
         Ok(Scheduler {
+            mamba_split,
             cpu: CpuBlockPool::new(config.num_cpu_blocks),
             encoder: EncoderCache::new(u64::from(config.encoder_cache_size)),
             encoder_sizes: HashMap::new(),

@@ -684,6 +684,14 @@ impl Scheduler {
                 continue;
             }
             let mut n = n as u32;
+            // Align-mode Mamba groups: a prefill chunk ends where a state must be written; none: skipped.
+            if let Some(split) = &self.mamba_split {
+                n = split.split(req.num_prompt_tokens, req.num_tokens(), computed, n);
+                if n == 0 {
+                    i += 1;
+                    continue;
+                }
+            }
             // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
             // (Text-only requests keep their borrow: no second slab lookup on the common path.)
             let planned = has_encoder && !req.encoder_inputs.is_empty();
@@ -1089,10 +1097,11 @@ impl Scheduler {
         }
         let planned_encoder = self.encoder.capacity() > 0 && !load_async && !req.encoder_inputs.is_empty();
         let num_tokens = req.num_tokens();
+        let num_prompt = req.num_prompt_tokens;
         // Encoder-decoder: the encoder output is computed at the admission of a request with nothing computed
         // (`encoder_dec.rs`); a failed allocation gives its slots back all the same.
         let enc_dec_tokens = if self.config.encoder_decoder { req.cross_attention_tokens } else { 0 };
-        let (mut n, pad) = if load_async {
+        let (mut n, mut pad) = if load_async {
             (0, false)
         } else {
             match self.admission_tokens(pass, computed, num_tokens, budget) {
@@ -1100,6 +1109,17 @@ impl Scheduler {
                 None => return Ok(Candidate::Stop),
             }
         };
+        if let (false, Some(split)) = (load_async, &self.mamba_split) {
+            // Align-mode Mamba groups: a prefill chunk ends where a state must be written; none ends the pass.
+            // A padded decode keeps its drafts or loses them all.
+            n = split.split(num_prompt, num_tokens, computed, n);
+            if n == 0 {
+                return Ok(Candidate::Stop);
+            }
+            if pad && n != 1 + self.config.num_spec_tokens() {
+                (n, pad) = (1, false);
+            }
+        }
         if planned_encoder {
             n = self.plan_encoder(enc, h.slot, computed, n)?;
             if n == 0 {
