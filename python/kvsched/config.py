@@ -642,7 +642,7 @@ class SchedulerConfig:
     mamba_align: bool = field(
         default=False,
         metadata=_spec(
-            "Mamba groups in vLLM's `mamba_cache_mode` \"align\": block-sized state blocks in a table that grows "
+            'Mamba groups in vLLM\'s `mamba_cache_mode` "align": block-sized state blocks in a table that grows '
             "with the request (real blocks only at its running state) and prefill chunks that end at block "
             "boundaries; needs a `'mamba'` group and `enable_prefix_caching=False` (see [Several KV cache "
             "groups](#several-kv-cache-groups))"

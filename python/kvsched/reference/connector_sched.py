@@ -274,7 +274,6 @@ class _ConnectorMixin(_BlockPoolMixin):
                 self._free_block_list(table)
             r.group_block_ids = [[] for _ in r.group_block_ids]
             r.group_num_cached = [0] * len(r.group_num_cached)
-            r.mamba_last_state.clear()
             r.mamba_allocated.clear()
             r.mamba_appended.clear()
         else:

@@ -140,7 +140,6 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._free_block_list(self._group_table(r, g))
             r.group_block_ids = [[] for _ in r.group_block_ids]
             r.group_num_cached = [0] * len(r.group_num_cached)
-            r.mamba_last_state.clear()
             r.mamba_allocated.clear()
             r.mamba_appended.clear()
         else:
@@ -520,8 +519,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _remove_mamba_skipped(self, r: _Request, g: int, processed: int) -> None:
         """An align-mode Mamba group: the entries below ``(processed - 1) // bs`` go back to the pool (deepest
-        first, null blocks skipped), then the state entry the allocation before the last kept, once below
-        ``ceil(processed / bs) - 1``."""
+        first, null blocks skipped; vLLM's ``last_state_block_idx`` entry, when it frees it, is always one of
+        them)."""
         table, bs = self._group_table(r, g), self._bs
         if processed > 1:
             last = min((processed - 1) // bs, len(table))
@@ -529,15 +528,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if freed:
                 self._free_block_list(freed)
                 table[:last] = [0] * last
-        idx = r.mamba_last_state.get(g)
-        if idx is not None and idx < math.ceil(processed / bs) - 1 and table[idx] != 0:
-            self._free_block_list([table[idx]])
-            table[idx] = 0
 
     def _grow_mamba_align(self, r: _Request, g: int, entries: int) -> None:
-        """An align-mode Mamba group's table grows to ``entries`` entries: the running state's entry is kept in
-        ``mamba_last_state``, null blocks pad it to ``entries - spec - 1``, the speculative blocks below that move
-        to the end, new blocks fill the rest."""
+        """An align-mode Mamba group's table grows to ``entries`` entries: null blocks pad it to
+        ``entries - spec - 1``, the speculative blocks below that move to the end, new blocks fill the rest."""
         table, spec = self._group_table(r, g), self._config.mamba_speculative_blocks
         prev = len(table)
         r.mamba_appended[g] = 0
@@ -545,10 +539,6 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         r.mamba_allocated.add(g)
         if entries <= prev:
             return
-        if allocated:
-            r.mamba_last_state[g] = prev - 1 - spec
-        elif prev > 0:
-            r.mamba_last_state[g] = prev - 1
         skipped = entries - spec - 1
         if prev < skipped:
             table.extend([0] * (skipped - prev))

@@ -47,7 +47,6 @@ class _Request:
         "lora_name",
         "mamba_allocated",
         "mamba_appended",
-        "mamba_last_state",
         "max_len_bound",
         "max_tokens",
         "min_tokens",
@@ -118,10 +117,8 @@ class _Request:
         # With several KV cache groups: groups 1..'s tables (group 0's is block_ids) and cached-block counts.
         self.group_block_ids: list[list[int]] = []
         self.group_num_cached: list[int] = []
-        # Align-mode Mamba groups (mamba_align), by group: the state entry the allocation before the last kept
-        # (vLLM's last_state_block_idx), the groups allocated since the last free, the entries the last
-        # allocation appended.
-        self.mamba_last_state: dict[int, int] = {}
+        # Align-mode Mamba groups (mamba_align), by group: the groups allocated since the last free, the entries
+        # the last allocation appended.
         self.mamba_allocated: set[int] = set()
         self.mamba_appended: dict[int, int] = {}
         self.num_preemptions = 0

@@ -822,7 +822,9 @@ impl SchedulerConfig {
                 )));
             }
             if self.mamba_align {
-                return Err(SchedError::InvalidConfig("mamba_align needs a Mamba group in kv_cache_groups".into()));
+                return Err(SchedError::InvalidConfig(
+                    "mamba_align needs a Mamba group in kv_cache_groups".into(),
+                ));
             }
             return Ok(());
         }
@@ -882,7 +884,9 @@ impl SchedulerConfig {
             )));
         }
         if self.mamba_align && !has_mamba {
-            return Err(SchedError::InvalidConfig("mamba_align needs a Mamba group in kv_cache_groups".into()));
+            return Err(SchedError::InvalidConfig(
+                "mamba_align needs a Mamba group in kv_cache_groups".into(),
+            ));
         }
         if self.mamba_align && self.disable_chunked_mm_input {
             return Err(SchedError::InvalidConfig(

@@ -38,14 +38,13 @@
 //! - **Mamba groups in align mode** (`mamba_align`, vLLM's `MambaManager` with `mamba_cache_mode` "align"): the
 //!   state blocks are `bs` tokens long and the table grows with the request, as vLLM's does, but holds real blocks
 //!   only at its running state. An allocation for `t` tokens (computed plus new, no lookahead) wants
-//!   `ceil(t / bs) + s` entries (`s` = `mamba_speculative_blocks`); when the table is shorter it remembers the
-//!   running state's entry (`len - 1 - s` once allocated, `len - 1` for a table of hits), pads with null blocks
-//!   up to `ceil(t / bs) - 1`, moves the speculative blocks that would sit below that to the end, and pops the
-//!   rest (at most `1`, `1 + s` at the first allocation). Its count in the all-or-nothing check is
+//!   `ceil(t / bs) + s` entries (`s` = `mamba_speculative_blocks`); when the table is shorter it pads with null
+//!   blocks up to `ceil(t / bs) - 1`, moves the speculative blocks that would sit below that to the end, and
+//!   pops the rest (at most `1`, `1 + s` at the first allocation). Its count in the all-or-nothing check is
 //!   `ceil(t / bs) + s - len` capped at that (negative when the table is longer: vLLM sums it as it is). Before
 //!   each allocation, with `p` tokens processed, the entries below `(p - 1) / bs` go back to the pool (deepest
-//!   first, null blocks skipped), then the remembered state's entry if it lies below `ceil(p / bs) - 1`. A
-//!   running request's new ids in the group are the entries its allocation appended.
+//!   first, null blocks skipped): the state two allocations old among them. A running request's new ids in the
+//!   group are the entries its allocation appended.
 //!
 //! This module holds the groups' description; `hybrid_kv.rs` holds what `KvCacheManager` does with them, off the
 //! single-group paths: `KvCacheManager` branches there only when `hybrid` is set.
@@ -247,4 +246,3 @@ impl AlignedSplit {
         end.saturating_sub(start)
     }
 }
-

@@ -328,8 +328,9 @@ impl KvCacheManager {
     }
 
     /// An align-mode Mamba group's `remove_skipped_blocks` with `processed` tokens processed: the entries below
-    /// `(processed - 1) / bs` go back to the pool (deepest first, null blocks skipped, one call), then the state
-    /// entry the allocation before the last kept, if it lies below `ceil(processed / bs) - 1`.
+    /// `(processed - 1) / bs` go back to the pool (deepest first, null blocks skipped, one call). (vLLM then also
+    /// frees the state entry its allocation before the last kept, `last_state_block_idx`, when it lies below
+    /// `ceil(processed / bs) - 1`: always one of those entries, already freed.)
     fn remove_mamba_skipped(&mut self, req: &mut Request, slot: Option<usize>, processed: u32) {
         let Some(i) = slot else { return };
         let bs = self.block_size;
@@ -343,13 +344,6 @@ impl KvCacheManager {
                 t.blocks[..last].fill(NULL_BLOCK);
             }
         }
-        if let Some(idx) = t.mamba_last_state {
-            let idx = idx as usize;
-            if (idx as u64) + 1 < u64::from(processed.div_ceil(bs)) && t.blocks[idx] != NULL_BLOCK {
-                self.pool.free_blocks(&[t.blocks[idx]]);
-                t.blocks[idx] = NULL_BLOCK;
-            }
-        }
     }
 
     /// An align-mode Mamba group's `allocate_new_blocks`: grows table `t` to `entries` entries (see `hybrid.rs`),
@@ -360,11 +354,6 @@ impl KvCacheManager {
         if entries <= prev {
             t.mamba_allocated = true;
             return 0;
-        }
-        if t.mamba_allocated {
-            t.mamba_last_state = Some((prev - 1 - spec) as u32);
-        } else if prev > 0 {
-            t.mamba_last_state = Some((prev - 1) as u32);
         }
         let skipped = entries - spec - 1;
         if prev < skipped {
@@ -449,7 +438,6 @@ impl KvCacheManager {
             *num_cached = 0;
         }
         for t in &mut req.groups {
-            t.mamba_last_state = None;
             t.mamba_allocated = false;
             t.mamba_appended = 0;
         }

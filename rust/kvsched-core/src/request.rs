@@ -131,10 +131,7 @@ pub struct GroupTable {
     pub blocks: Vec<u32>,
     /// Leading blocks of `blocks` already entered into the prefix cache (null blocks included).
     pub num_cached_blocks: u32,
-    /// A Mamba group in align mode (`mamba_align`): where the state block of the allocation before the last
-    /// sits in `blocks` (vLLM's `last_state_block_idx`), freed once the request is a block past it.
-    pub mamba_last_state: Option<u32>,
-    /// A Mamba group in align mode: whether an allocation took the table's blocks since the request's last free
+    /// A Mamba group in align mode (`mamba_align`): whether an allocation took the table's blocks since the request's last free
     /// (vLLM's `_allocated_block_reqs`).
     pub mamba_allocated: bool,
     /// A Mamba group in align mode: the entries the request's last allocation appended to `blocks` (null

@@ -1161,8 +1161,10 @@ impl Scheduler {
                 if align_mamba {
                     // An align-mode Mamba table: at least the state's and the speculative blocks' entries from
                     // the first allocation on (null blocks between the states), none cached.
-                    let least = if r.blocks.is_empty() { 0 } else { 1 + cfg.mamba_speculative_blocks as usize };
-                    if (r.blocks.is_empty() && !blocks.is_empty()) || blocks.len() < least || num_cached != 0 {
+                    let least =
+                        if r.blocks.is_empty() { 0 } else { 1 + cfg.mamba_speculative_blocks as usize };
+                    if (r.blocks.is_empty() && !blocks.is_empty()) || blocks.len() < least || num_cached != 0
+                    {
                         return Err(format!(
                             "request {:?}: align-mode Mamba group {g} holds {} entries ({num_cached} cached), \
                              expected at least {least} (none cached)",
