@@ -246,3 +246,35 @@ impl AlignedSplit {
         end.saturating_sub(start)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{mamba_checkpoint, AlignedSplit};
+
+    #[test]
+    fn checkpoint_is_the_last_boundary_that_leaves_tokens_to_compute() {
+        assert_eq!(mamba_checkpoint(10, 4, false, 0), 8);
+        assert_eq!(mamba_checkpoint(8, 4, false, 0), 4); // one token left to compute
+        assert_eq!(mamba_checkpoint(11, 4, false, 3), 8);
+        assert_eq!(mamba_checkpoint(11, 4, false, 4), 4);
+        assert_eq!(mamba_checkpoint(12, 4, true, 0), 8); // EAGLE's drop: one block lower
+        assert_eq!(mamba_checkpoint(3, 4, true, 0), 0);
+        assert_eq!(mamba_checkpoint(0, 4, false, 0), 0);
+    }
+
+    #[test]
+    fn chunks_end_at_block_boundaries_and_the_last_checkpoint() {
+        let s = AlignedSplit { bs: 4, max_prefill_tokens: 64, drop_eagle: false, hash_lookahead: 0 };
+        assert_eq!(s.split(10, 10, 0, 10), 8); // the last boundary that leaves a token
+        assert_eq!(s.split(10, 10, 8, 2), 2);
+        assert_eq!(s.split(17, 17, 0, 10), 8); // floored
+        assert_eq!(s.split(17, 17, 0, 3), 0); // floored to nothing
+        assert_eq!(s.split(6, 8, 0, 8), 4); // resumed: the prefill ends at 7 (outputs replayed)
+        assert_eq!(s.split(6, 8, 7, 1), 1); // a decode is kept
+                                            // A block wider than the longest chunk keeps an unaligned end, then stops at its block's end.
+        let wide = AlignedSplit { bs: 8, max_prefill_tokens: 6, drop_eagle: false, hash_lookahead: 0 };
+        assert_eq!(wide.split(20, 20, 0, 6), 6);
+        assert_eq!(wide.split(20, 20, 6, 14), 2);
+        assert_eq!(wide.split(20, 20, 6, 5), 2);
+    }
+}
