@@ -39,7 +39,7 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
 
 
 def _check_kv_cache_config(
-    kv_cache_config: Any, block_size: int, dcp: int = 1
+    kv_cache_config: Any, block_size: int, dcp: int = 1, prefix_caching: bool = True
 ) -> tuple[list[int | str | None], int, int]:
     """Refuses the KV cache layouts the core does not implement; returns each KV cache group's sliding window, in
     vLLM's group order (None: full attention, ``"cross"``: cross attention, ``"chunked:<c>"``: chunked-local
@@ -53,7 +53,8 @@ def _check_kv_cache_config(
     scheduler block size is then the least common multiple of the two (vLLM's engine).
 
     ``dcp``: vLLM's decode-context-parallel size; ``block_size`` is then vLLM's scheduler block size, the spec's
-    block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks)."""
+    block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks). A Mamba group in
+    mode "align" (block-sized states) needs ``prefix_caching`` off (the cache config's ``enable_prefix_caching``)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         CrossAttentionSpec,
@@ -85,8 +86,12 @@ def _check_kv_cache_config(
             )
         if type(spec) is MambaSpec:
             mode = getattr(spec, "mamba_cache_mode", "none")
-            if mode not in ("none", "align"):
-                _refuse(f"Mamba cache mode {mode!r}", f"{where}MambaSpec: modes 'none' and 'align' are supported")
+            if mode not in ("none", "align") or (mode == "align" and prefix_caching):
+                # vLLM's default with prefix caching: Mamba prefix hits and state caching (docs/vllm.md).
+                _refuse(
+                    f"Mamba prefix caching (mamba_cache_mode {mode!r})",
+                    f"{where}MambaSpec: turn prefix caching off (--no-enable-prefix-caching) for mode 'none'",
+                )
             if mode == "align" and int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0:
                 # Mamba2 and Gated DeltaNet layers export a block-boundary state from inside a chunk: an extra
                 # block per chunk and other chunk splits (docs/vllm.md).
@@ -292,15 +297,16 @@ def kvsched_config_from_vllm(
             if windows[g] == MAMBA
         }
         align = mamba_modes == {"align"}
+        if MAMBA in windows and cache.enable_prefix_caching:
+            # vLLM's mode "align" with its Mamba prefix hits and state caching (docs/vllm.md).
+            _refuse("Mamba prefix caching (mamba_cache_mode 'align')", "enable_prefix_caching=True")
         if MAMBA in windows and (len(mamba_modes) > 1 or getattr(cache, "mamba_cache_mode", "none") not in mamba_modes):
+            # vLLM's scheduler splits chunks by the cache config's mode, its Mamba managers allocate by the specs'.
             _refuse(
                 "Mamba KV cache groups whose mamba_cache_mode differs from the cache config's",
                 f"cache_config.mamba_cache_mode={getattr(cache, 'mamba_cache_mode', 'none')!r}, MambaSpec modes "
                 f"{sorted(mamba_modes)}",
             )
-        if MAMBA in windows and cache.enable_prefix_caching:
-            # vLLM's mode "align" with its Mamba prefix hits and state caching (docs/vllm.md).
-            _refuse("Mamba prefix caching (mamba_cache_mode 'align' with prefix caching)", "enable_prefix_caching=True")
         if align and any(
             windows[g] == MAMBA and int(group.kv_cache_spec.block_size) != int(attention_block_size or block_size)
             for g, group in enumerate(kv_cache_config.kv_cache_groups)

@@ -186,7 +186,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     ) -> None:
         dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
         windows, attention_block_size, mamba_speculative_blocks = _check_kv_cache_config(
-            kv_cache_config, block_size, dcp
+            kv_cache_config, block_size, dcp, bool(vllm_config.cache_config.enable_prefix_caching)
         )
         config, self.num_spec_tokens = kvsched_config_from_vllm(
             vllm_config,
