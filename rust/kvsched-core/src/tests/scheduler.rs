@@ -1373,9 +1373,12 @@ fn align_config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 _ => vec![Some(crate::MAMBA), Some(crate::MAMBA), None, Some(6)],
             };
             let max_model_len = 120;
+            // Every request fits alone: its attention blocks, two states and the speculative blocks per Mamba
+            // group (a request that never fits would be preempted and readmitted forever, as in vLLM).
+            let room = (max_model_len / bs + 3 + spec) * groups.len() as u32;
             SchedulerConfig {
                 block_size: bs,
-                num_blocks: nb * groups.len() as u32,
+                num_blocks: nb + room,
                 max_num_seqs: seqs,
                 max_num_batched_tokens: if chunked { budget } else { max_model_len },
                 max_model_len,
