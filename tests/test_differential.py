@@ -1663,6 +1663,47 @@ def test_soak_hybrid_groups_match_reference_step_by_step() -> None:
     )
 
 
+# Mamba groups in align mode (mamba_align, vLLM's mamba_cache_mode "align"): block-sized state tables beside full
+# attention and a window, speculative state blocks with drafts, sync and async, a prefill threshold (block-aligned
+# chunks below a block: a block wider than the threshold), chunked prefill off; tight pools preempt.
+ALIGN_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=("mamba", None), enable_prefix_caching=False, mamba_align=True,
+                    prefix_hash_seed=60),
+    SchedulerConfig(block_size=2, num_blocks=80, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=("mamba", "mamba", None, 6), enable_prefix_caching=False, mamba_align=True,
+                    async_scheduling=True, num_speculative_tokens=2, mamba_speculative_blocks=2, policy="priority",
+                    prefix_hash_seed=61),
+    SchedulerConfig(block_size=8, num_blocks=30, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=64,
+                    kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, mamba_align=True,
+                    long_prefill_token_threshold=6, prefix_hash_seed=62),
+    SchedulerConfig(block_size=4, num_blocks=34, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=48,
+                    kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, mamba_align=True,
+                    enable_chunked_prefill=False, watermark=0.05, async_scheduling=True, prefix_hash_seed=63),
+]  # fmt: skip
+
+
+def test_soak_align_mamba_groups_match_reference_step_by_step() -> None:
+    """Align-mode Mamba tables (null blocks between states, speculative blocks moved forward) and block-aligned
+    chunks are the same on both implementations, step by step; tables grow past their first state and requests
+    are preempted in the run."""
+    grown = 0
+    for i, cfg in enumerate(ALIGN_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(6161 + i)), max_in_flight=1 + i % 3)
+        others = [w for g, w in enumerate(cfg.kv_cache_groups or ()) if g != cfg.primary_group]
+        mamba = [k for k, w in enumerate(others) if w == "mamba"]
+        for _ in range(600):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+            for r in twin.ref._requests.values():
+                grown += sum(0 in r.group_block_ids[g] for g in mamba)
+        twin.drain()
+        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+    assert grown > 0
+
+
 # Chunked-local groups (Llama 4): after full attention or before it, chunks a multiple of the block size or not
 # (a hit's null blocks then reach past the blocks its allocation skips), two chunked groups of one size (looked
 # up together), chunks of one token, beside a window (the lookup iterates), sync and async, drafts, priority, the

@@ -1048,6 +1048,60 @@ def test_mamba_groups_schedule_as_vllms_scheduler() -> None:
     assert not pair[1].requests
 
 
+def test_align_mode_mamba_groups_schedule_as_vllms_scheduler() -> None:
+    """MambaSpec groups in mode "align" with prefix caching off (as vLLM's tests build the scheduler) set the
+    core's mamba_align: block-sized state tables with null blocks between the states, speculative blocks moved
+    forward, block-aligned prefill chunks, a running request's new Mamba entries when the attention group (its
+    blocks allocated ahead for the drafter's lookahead slot) gets none; the same outputs as vLLM's scheduler step
+    by step in a tight pool."""
+    cfg = make_vllm_config(block_size=4, num_blocks=30, max_model_len=64, max_num_batched_tokens=64,
+                           max_num_seqs=8, enable_prefix_caching=False, mamba_cache_mode="align",
+                           num_speculative_tokens=1, speculative_method="eagle")  # fmt: skip
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=("mamba", None)) for impl in ("vllm", "kvsched")]
+    assert pair[1].kv_config.mamba_align and pair[1].kv_config.mamba_speculative_blocks == 1
+    for s in pair:
+        for k, n in enumerate([10, 21, 6, 13]):
+            s.add_request(make_request(f"r{k}", list(range(10 * k, 10 * k + n)), max_tokens=12, block_size=4))
+    seen = {"nulls": False, "mamba_only": False, "cut": False, "preempted": False}
+    for _ in range(80):
+        outs, _ = step_pair(pair)
+        so = outs[1]
+        cached = so.scheduled_cached_reqs
+        for blocks in cached.new_block_ids:
+            seen["mamba_only"] |= blocks is not None and bool(blocks[0]) and not blocks[1]
+        for new in so.scheduled_new_reqs:  # cut at the last block boundary before the prompt's last token
+            end = new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]
+            seen["cut"] |= end < len(new.prompt_token_ids) and end % 4 == 0
+        seen["preempted"] |= bool(so.preempted_req_ids)
+        for rid in pair[1].requests:
+            seen["nulls"] |= 0 in pair[1].kv_cache_manager.get_block_ids(rid)[0]
+        if not pair[0].requests:
+            break
+    assert all(seen.values()), seen
+    assert not pair[1].requests
+
+
+def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> None:
+    """Prefill checkpoints (num_prefill_checkpoint_blocks), a Mamba block of another size than the attention
+    block, and a Mamba spec whose mode differs from the cache config's are refused at construction, by name."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    full = FullAttentionSpec(**_attention_kw(16))
+    off = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False, mamba_cache_mode="align")
+    checkpoints = dataclasses.replace(_mamba_spec(16, "align"), num_prefill_checkpoint_blocks=1,
+                                      prefill_checkpoint_alignment=1)  # fmt: skip
+    with pytest.raises(UnsupportedFeatureError, match="Mamba prefill checkpoints"):
+        _build_mamba(off, checkpoints, full)
+    with pytest.raises(UnsupportedFeatureError, match="Mamba blocks of another size"):
+        _build_mamba(off, _mamba_spec(32, "align"), full)
+    none = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False)
+    with pytest.raises(UnsupportedFeatureError, match="mamba_cache_mode differs from the cache config's"):
+        _build_mamba(none, _mamba_spec(16, "align"), full)
+    assert _build_mamba(off, _mamba_spec(16, "align"), full).kv_config.mamba_align
+
+
 def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:
     """Mamba prefix caching (mamba_cache_mode "align", vLLM's default with prefix caching), a model with Mamba
     layers only, a Mamba block shorter than max_model_len, a scheduler block size other than vLLM's engine's and

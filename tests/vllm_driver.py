@@ -257,6 +257,9 @@ class Config:
     # "chunked:<c>": chunked-local attention, "cross": cross attention, "mamba": a Mamba group, vLLM's
     # mamba_cache_mode "none").
     kv_cache_groups: tuple[int | str | None, ...] | None = None
+    # vLLM's Mamba cache mode: "align" gives the Mamba groups blocks of block_size tokens and block-aligned prefill
+    # chunks.
+    mamba_cache_mode: str = "none"
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -409,7 +412,7 @@ class Pair:
         # ... and the scheduler's hash block size: with a Mamba group, the least common multiple of the groups'
         # block sizes (a Mamba block holds max_model_len tokens).
         self.hash_block = self.kv_block_size
-        if "mamba" in (groups or ()):
+        if "mamba" in (groups or ()) and cfg.mamba_cache_mode != "align":
             self.hash_block = math.lcm(self.kv_block_size, cfg.max_model_len)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
@@ -1084,6 +1087,7 @@ def run_seed(
     sliding_window: bool = False,
     hybrid: bool = False,
     mamba: bool = False,
+    mamba_align: bool = False,
     chunked_local: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
@@ -1105,7 +1109,8 @@ def run_seed(
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``hybrid`` gives the
     model several KV cache groups instead (full attention and sliding windows, drawn from their own stream);
     ``chunked_local`` draws layouts with chunked-local groups (Llama 4) instead; ``mamba`` a hybrid Mamba model's
-    (Mamba groups with full attention and sometimes a window, prefix caching off: vLLM's mamba_cache_mode "none");
+    (Mamba groups with full attention and sometimes a window, prefix caching off: vLLM's mamba_cache_mode "none";
+    with ``mamba_align``, its mode "align": block-sized Mamba blocks, block-aligned prefill chunks);
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
@@ -1131,6 +1136,11 @@ def run_seed(
         # group on top.
         num_attn = sum(g != "mamba" for g in cfg.kv_cache_groups)
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * num_attn + cfg.max_num_seqs // 2
+        if mamba_align:
+            # Two running states and the speculative blocks per request per Mamba group.
+            cfg.mamba_cache_mode = "align"
+            num_mamba = len(cfg.kv_cache_groups) - num_attn
+            cfg.num_blocks += cfg.max_num_seqs * num_mamba
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
         # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
@@ -1305,6 +1315,12 @@ def main(argv: list[str] | None = None) -> int:
         "--hybrid or --mm",
     )
     p.add_argument(
+        "--mamba-align",
+        action="store_true",
+        help="with --mamba: vLLM's mamba_cache_mode 'align' (block-sized Mamba state blocks, block-aligned prefill "
+        "chunks; prefix caching off)",
+    )
+    p.add_argument(
         "--chunked-local",
         action="store_true",
         help="with --hybrid: layouts with chunked-local attention groups (Llama 4: full attention and chunks of a "
@@ -1403,6 +1419,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sliding-window goes without --connector and --kv-events")
     if args.hybrid and (args.connector or args.kv_events or args.sliding_window or args.mm):
         p.error("--hybrid goes without --connector, --kv-events, --sliding-window and --mm")
+    if args.mamba_align and not args.mamba:
+        p.error("--mamba-align goes with --mamba")
     if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --connector, --kv-events, --sliding-window, --hybrid and --mm")
     if args.chunked_local and not args.hybrid:
@@ -1446,6 +1464,7 @@ def main(argv: list[str] | None = None) -> int:
                         sliding_window=args.sliding_window,
                         hybrid=args.hybrid,
                         mamba=args.mamba,
+                        mamba_align=args.mamba_align,
                         chunked_local=args.chunked_local,
                         multimodal=args.mm,
                         ec_connector=args.ec,

@@ -639,6 +639,15 @@ class SchedulerConfig:
             hi=1024,
         ),
     )
+    mamba_align: bool = field(
+        default=False,
+        metadata=_spec(
+            'Mamba groups in vLLM\'s `mamba_cache_mode` "align": block-sized state blocks in a table that grows '
+            "with the request (real blocks only at its running state) and prefill chunks that end at block "
+            "boundaries; needs a `'mamba'` group and `enable_prefix_caching=False` (see [Several KV cache "
+            "groups](#several-kv-cache-groups))"
+        ),
+    )
     draft_slots: int = field(
         default=0,
         metadata=_spec(
@@ -784,9 +793,12 @@ class SchedulerConfig:
         spec_blocks = (
             f"mamba_speculative_blocks ({self.mamba_speculative_blocks}) needs a Mamba group in kv_cache_groups"
         )
+        align = "mamba_align needs a Mamba group in kv_cache_groups"
         if groups is None:
             if self.mamba_speculative_blocks > 0:
                 raise InvalidConfigError(spec_blocks)
+            if self.mamba_align:
+                raise InvalidConfigError(align)
             return
         if len(groups) < 2 or len(groups) > MAX_KV_CACHE_GROUPS:
             raise InvalidConfigError(
@@ -821,6 +833,13 @@ class SchedulerConfig:
             )
         if self.mamba_speculative_blocks > 0 and MAMBA not in groups:
             raise InvalidConfigError(spec_blocks)
+        if self.mamba_align and MAMBA not in groups:
+            raise InvalidConfigError(align)
+        if self.mamba_align and self.disable_chunked_mm_input:
+            raise InvalidConfigError(
+                "mamba_align cannot be combined with disable_chunked_mm_input (vLLM's mamba_cache_mode 'align' needs "
+                "chunks that end at block boundaries inside an encoder input)"
+            )
         if self.sliding_window is not None:
             raise InvalidConfigError(
                 f"kv_cache_groups cannot be combined with sliding_window ({self.sliding_window}): give the window "

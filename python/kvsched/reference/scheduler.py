@@ -551,6 +551,17 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
             require(len(r.group_block_ids) + 1 == len(windows), f"{r.req_id}: one table per group")
             for g in range(len(windows)):
                 table = self._group_table(r, g) if c.kv_cache_groups is not None else r.block_ids
+                if windows[g] == MAMBA and c.mamba_align:  # the states' entries, null blocks between them
+                    least = 0 if not r.block_ids else 1 + c.mamba_speculative_blocks
+                    require(
+                        len(table) >= least and bool(table) == bool(r.block_ids) and self._group_cached(r, g) == 0,
+                        f"{r.req_id}: group {g}'s blocks",
+                    )
+                    live = [b for b in table if b != 0]
+                    require(len(set(live)) == len(live), f"{r.req_id}: a block twice in one table")
+                    for b in live:
+                        holders[b] += 1
+                    continue
                 if windows[g] in (CROSS_ATTENTION, MAMBA):  # the encoder output's or the state's blocks
                     want = (
                         0

@@ -39,7 +39,7 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
 
 
 def _check_kv_cache_config(
-    kv_cache_config: Any, block_size: int, dcp: int = 1
+    kv_cache_config: Any, block_size: int, dcp: int = 1, prefix_caching: bool = True
 ) -> tuple[list[int | str | None], int, int]:
     """Refuses the KV cache layouts the core does not implement; returns each KV cache group's sliding window, in
     vLLM's group order (None: full attention, ``"cross"``: cross attention, ``"chunked:<c>"``: chunked-local
@@ -53,7 +53,8 @@ def _check_kv_cache_config(
     scheduler block size is then the least common multiple of the two (vLLM's engine).
 
     ``dcp``: vLLM's decode-context-parallel size; ``block_size`` is then vLLM's scheduler block size, the spec's
-    block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks)."""
+    block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks). A Mamba group in
+    mode "align" (block-sized states) needs ``prefix_caching`` off (the cache config's ``enable_prefix_caching``)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         CrossAttentionSpec,
@@ -85,12 +86,18 @@ def _check_kv_cache_config(
             )
         if type(spec) is MambaSpec:
             mode = getattr(spec, "mamba_cache_mode", "none")
-            if mode != "none":
-                # vLLM's default with prefix caching: block-aligned chunk splits, per-block state checkpoints,
-                # Mamba prefix hits (docs/vllm.md).
+            if mode not in ("none", "align") or (mode == "align" and prefix_caching):
+                # vLLM's default with prefix caching: Mamba prefix hits and state caching (docs/vllm.md).
                 _refuse(
                     f"Mamba prefix caching (mamba_cache_mode {mode!r})",
                     f"{where}MambaSpec: turn prefix caching off (--no-enable-prefix-caching) for mode 'none'",
+                )
+            if mode == "align" and int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0:
+                # Mamba2 and Gated DeltaNet layers export a block-boundary state from inside a chunk: an extra
+                # block per chunk and other chunk splits (docs/vllm.md).
+                _refuse(
+                    "Mamba prefill checkpoints (mamba_cache_mode 'align' with num_prefill_checkpoint_blocks)",
+                    f"{where}MambaSpec: num_prefill_checkpoint_blocks={spec.num_prefill_checkpoint_blocks}",
                 )
             window = MAMBA
             mamba_sizes.add(int(spec.block_size))
@@ -310,10 +317,30 @@ def kvsched_config_from_vllm(
             _refuse("KV connectors with several KV cache groups", f"kv_transfer_config, {num}")
         if kv_events_enabled(vllm_config):
             _refuse("KV cache events with several KV cache groups", f"kv_events_config, {num}")
-        if MAMBA in windows:
+        mamba_modes = {
+            str(getattr(group.kv_cache_spec, "mamba_cache_mode", "none"))
+            for g, group in enumerate(kv_cache_config.kv_cache_groups)
+            if windows[g] == MAMBA
+        }
+        align = mamba_modes == {"align"}
+        if MAMBA in windows and cache.enable_prefix_caching:
+            # vLLM's mode "align" with its Mamba prefix hits and state caching (docs/vllm.md).
+            _refuse("Mamba prefix caching (mamba_cache_mode 'align')", "enable_prefix_caching=True")
+        if MAMBA in windows and (len(mamba_modes) > 1 or getattr(cache, "mamba_cache_mode", "none") not in mamba_modes):
+            # vLLM's scheduler splits chunks by the cache config's mode, its Mamba managers allocate by the specs'.
+            _refuse(
+                "Mamba KV cache groups whose mamba_cache_mode differs from the cache config's",
+                f"cache_config.mamba_cache_mode={getattr(cache, 'mamba_cache_mode', 'none')!r}, MambaSpec modes "
+                f"{sorted(mamba_modes)}",
+            )
+        if align and any(
+            windows[g] == MAMBA and int(group.kv_cache_spec.block_size) != int(attention_block_size or block_size)
+            for g, group in enumerate(kv_cache_config.kv_cache_groups)
+        ):
+            # The core's align-mode Mamba blocks are its attention blocks (vLLM's default mamba_block_size).
+            _refuse("Mamba blocks of another size than the attention blocks (mamba_block_size)", "MambaSpec block_size")
+        if MAMBA in windows and not align:
             # vLLM's mamba_cache_mode "none": one state block of max_model_len tokens per request.
-            if cache.enable_prefix_caching:
-                _refuse("Mamba prefix caching (mamba_cache_mode 'align')", "enable_prefix_caching=True")
             for g, group in enumerate(kv_cache_config.kv_cache_groups):
                 size = int(group.kv_cache_spec.block_size)
                 if windows[g] == MAMBA and size < int(model.max_model_len):
@@ -407,6 +434,8 @@ def kvsched_config_from_vllm(
     fields["sliding_window"] = sliding_window
     fields["kv_cache_groups"] = kv_cache_groups
     fields["mamba_speculative_blocks"] = mamba_speculative_blocks if kv_cache_groups and MAMBA in kv_cache_groups else 0
+    # vLLM's mamba_cache_mode "align" (block-sized state blocks, block-aligned prefill chunks).
+    fields["mamba_align"] = bool(kv_cache_groups and MAMBA in kv_cache_groups and cache.mamba_cache_mode == "align")
     fields["hash_lookahead_tokens"] = hash_lookahead
     fields["drop_trailing_hit_block"] = drop_trailing
     fields["async_scheduling"] = bool(sched.async_scheduling)

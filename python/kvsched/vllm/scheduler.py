@@ -187,7 +187,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     ) -> None:
         dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
         windows, attention_block_size, mamba_speculative_blocks = _check_kv_cache_config(
-            kv_cache_config, block_size, dcp
+            kv_cache_config, block_size, dcp, bool(vllm_config.cache_config.enable_prefix_caching)
         )
         config, self.num_spec_tokens = kvsched_config_from_vllm(
             vllm_config,
@@ -203,6 +203,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._num_groups = len(windows)
         # vLLM's needs_kv_cache_zeroing (a model with Mamba layers): new attention blocks reported to the workers.
         self._zeroes_new_blocks = MAMBA in windows
+        # vLLM's mamba_cache_mode "align": a Mamba group's table grows with the request's tokens.
+        self._mamba_align = bool(config.mamba_align)
         # Encoder-decoder scheduling (``is_encoder_decoder`` set on a built scheduler with a cross-attention group,
         # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
         # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
@@ -953,8 +955,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         num_outputs: list[int] = self._core.step_num_output_tokens(out).tolist()
         run_outputs = num_outputs[:num_run]
         run_blocks: list[tuple[list[int], ...] | None] = [None] * num_run
-        if block_ptr_arr[num_run]:  # some running request got new blocks (a block filled up)
-            got = np.flatnonzero(block_ptr_arr[1 : num_run + 1] != block_ptr_arr[:num_run])
+        # Align-mode Mamba groups can grow without the primary group: a running request with entries in any group.
+        any_ptr = block_ptr_arr
+        if self._mamba_align:
+            any_ptr = np.sum([np.asarray(p, dtype=np.int64) for p in group_ptrs], axis=0)
+        if any_ptr[num_run]:  # some running request got new blocks (a block filled up)
+            got = np.flatnonzero(any_ptr[1 : num_run + 1] != any_ptr[:num_run])
             starts, ends = block_ptr_arr[got].tolist(), block_ptr_arr[got + 1].tolist()
             for i, b0, b1 in zip(got.tolist(), starts, ends, strict=True):
                 run_blocks[i] = (

@@ -187,6 +187,7 @@ def make_vllm_config(
     pipeline_parallel_size: int = 1,
     decode_context_parallel_size: int = 1,
     prefill_context_parallel_size: int = 1,
+    mamba_cache_mode: str = "none",
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config; ``multimodal``: a tiny LLaVA,
     whose requests may carry images, with vLLM's ``disable_chunked_mm_input``). ``decode_context_parallel_size`` /
@@ -245,6 +246,9 @@ def make_vllm_config(
         cache_dtype="auto",
     )
     cache_config.num_gpu_blocks = num_blocks
+    # vLLM's Mamba cache mode ("align": block-sized Mamba state blocks, block-aligned prefill chunks), as
+    # --mamba-cache-mode sets it.
+    cache_config.mamba_cache_mode = mamba_cache_mode
     lora_config = None
     if max_loras:
         from vllm.config import LoRAConfig
@@ -351,13 +355,15 @@ def _kv_cache_config(
     kv_cache_groups: Sequence[int | str | None] | None = None,
     max_model_len: int = 0,
     num_speculative_tokens: int = 0,
+    mamba_align: bool = False,
     with_tensors: bool = False,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
     attention in chunks of ``c`` tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba group as vLLM builds it
     without prefix caching: ``mamba_cache_mode`` "none", a block of ``max_model_len`` tokens, a speculative state
-    block per draft token); groups of one kind share one spec."""
+    block per draft token; with ``mamba_align``, ``mamba_cache_mode`` "align" and blocks of ``block_size``
+    tokens); groups of one kind share one spec."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -374,10 +380,10 @@ def _kv_cache_config(
             return CrossAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         if window == "mamba":
             return MambaSpec(
-                block_size=max_model_len,
+                block_size=block_size if mamba_align else max_model_len,
                 shapes=((1,),),
                 dtypes=(torch.float32,),
-                mamba_cache_mode="none",
+                mamba_cache_mode="align" if mamba_align else "none",
                 num_speculative_blocks=num_speculative_tokens,
             )
         if window is None:
@@ -450,7 +456,9 @@ def make_scheduler(
     # least common multiple of the groups' block sizes (a Mamba group's block holds max_model_len tokens).
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     scheduler_block_size = block_size * dcp
-    if "mamba" in (kv_cache_groups or ()):
+    # (vLLM's mamba_cache_mode "align": the Mamba block is the attention block.)
+    mamba_align = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align"
+    if "mamba" in (kv_cache_groups or ()) and not mamba_align:
         scheduler_block_size = math.lcm(scheduler_block_size, max_model_len)
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if use_v2_model_runner else "0"
@@ -464,6 +472,7 @@ def make_scheduler(
                 kv_cache_groups,
                 max_model_len,
                 int(getattr(vllm_config, "num_speculative_tokens", 0) or 0),
+                mamba_align,
                 with_tensors=_offloads_to_cpu(vllm_config),
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),

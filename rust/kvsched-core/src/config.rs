@@ -366,6 +366,11 @@ pub struct SchedulerConfig {
     /// `MambaSpec.num_speculative_blocks`): a request holds `1 + mamba_speculative_blocks` blocks there. Needs a
     /// Mamba group when above 0.
     pub mamba_speculative_blocks: u32,
+    /// Mamba groups in vLLM's `mamba_cache_mode` "align" (`hybrid.rs`): a Mamba group's blocks are `block_size`
+    /// tokens long and its table grows with the request, holding real blocks only at its running state (the rest
+    /// null blocks), and prefill chunks end at block boundaries (`step.rs`). Needs a Mamba group and
+    /// `enable_prefix_caching=False` (Mamba prefix hits and caching are not implemented). `false`: mode "none".
+    pub mamba_align: bool,
     /// Tokens computed per step (vLLM's `max_num_scheduled_tokens`), a budget apart from the model inputs
     /// `max_num_batched_tokens` counts; 0 = `max_num_batched_tokens`. At most `max_num_batched_tokens`.
     pub max_num_scheduled_tokens: u32,
@@ -479,6 +484,7 @@ impl Default for SchedulerConfig {
             sliding_window: None,
             kv_cache_groups: Vec::new(),
             mamba_speculative_blocks: 0,
+            mamba_align: false,
             max_num_scheduled_tokens: 0,
             draft_slots: 0,
             decode_stagger: 1,
@@ -815,6 +821,11 @@ impl SchedulerConfig {
                     self.mamba_speculative_blocks
                 )));
             }
+            if self.mamba_align {
+                return Err(SchedError::InvalidConfig(
+                    "mamba_align needs a Mamba group in kv_cache_groups".into(),
+                ));
+            }
             return Ok(());
         }
         let refuse = |what: String| Err(SchedError::InvalidConfig(format!("kv_cache_groups {what}")));
@@ -871,6 +882,18 @@ impl SchedulerConfig {
                 "mamba_speculative_blocks ({}) needs a Mamba group in kv_cache_groups",
                 self.mamba_speculative_blocks
             )));
+        }
+        if self.mamba_align && !has_mamba {
+            return Err(SchedError::InvalidConfig(
+                "mamba_align needs a Mamba group in kv_cache_groups".into(),
+            ));
+        }
+        if self.mamba_align && self.disable_chunked_mm_input {
+            return Err(SchedError::InvalidConfig(
+                "mamba_align cannot be combined with disable_chunked_mm_input (vLLM's mamba_cache_mode 'align' \
+                 needs chunks that end at block boundaries inside an encoder input)"
+                    .into(),
+            ));
         }
         if let Some(w) = self.sliding_window {
             return refuse(format!(
