@@ -273,7 +273,7 @@ def test_context_parallelism_maps_to_the_cores_world_sizes() -> None:
     """vLLM's engine gives the scheduler its block size times the DCP size: the core gets the per-rank block size
     and dcp_world_size (its block unit is then vLLM's), and pcp_world_size (vLLM's KV cache manager leaves PCP out
     of the unit)."""
-    for dcp, pcp in [(2, 1), (4, 1), (1, 2), (2, 2)]:
+    for dcp, pcp in [(2, 1), (4, 1), (1, 2), (2, 2), (3, 1), (6, 3)]:
         cfg = make_vllm_config(
             block_size=4, num_blocks=32, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp
         )
@@ -284,13 +284,10 @@ def test_context_parallelism_maps_to_the_cores_world_sizes() -> None:
 
 
 def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
-    """A DCP size that is not a power of two, sliding windows or several KV cache groups, KV connectors and KV
-    cache events under context parallelism, and a spec DCP does not shard are refused at construction, by name."""
+    """Sliding windows or several KV cache groups, KV connectors and KV cache events under context parallelism,
+    and a spec DCP does not shard are refused at construction, by name."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    cfg = make_vllm_config(block_size=4, decode_context_parallel_size=3)
-    with pytest.raises(UnsupportedFeatureError, match="not a power of two"):
-        make_scheduler("kvsched", cfg)
     cfg = make_vllm_config(block_size=4, decode_context_parallel_size=2)
     with pytest.raises(UnsupportedFeatureError, match="context parallelism with sliding-window attention"):
         make_scheduler("kvsched", cfg, sliding_window=8)
@@ -310,9 +307,8 @@ def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
 
 
 def test_unsupported_scheduler_settings_are_refused() -> None:
-    cfg = make_vllm_config()
-    cfg.parallel_config.decode_context_parallel_size = 3
-    with pytest.raises(UnsupportedFeatureError, match="decode context parallel sizes that are not a power of two"):
+    cfg = make_vllm_config(block_size=2048)
+    with pytest.raises(UnsupportedFeatureError, match="block sizes above 1024 tokens per rank"):
         make_scheduler("kvsched", cfg)
     # An error is also a ValueError and a NotImplementedError, so either kind of handler catches it.
     assert issubclass(UnsupportedFeatureError, ValueError)
@@ -979,8 +975,8 @@ def test_mamba_groups_schedule_as_vllms_scheduler() -> None:
 
 def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:
     """Mamba prefix caching (mamba_cache_mode "align", vLLM's default with prefix caching), a model with Mamba
-    layers only, a Mamba block shorter than max_model_len, a scheduler block size other than vLLM's engine's and
-    an attention block size that is not a power of two are refused at construction, by name."""
+    layers only, a Mamba block shorter than max_model_len and a scheduler block size other than vLLM's engine's are
+    refused at construction, by name; an attention block size that is not a power of two runs."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     full = FullAttentionSpec(**_attention_kw())
@@ -996,6 +992,6 @@ def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedFeatureError, match="least common multiple"):
         _build_mamba(off, _mamba_spec(96), full, block_size=16)
     odd = FullAttentionSpec(**_attention_kw(48))
-    with pytest.raises(UnsupportedFeatureError, match="not a power of two"):
-        _build_mamba(make_vllm_config(block_size=48, max_model_len=96, enable_prefix_caching=False),
-                     _mamba_spec(96), odd)  # fmt: skip
+    sched = _build_mamba(make_vllm_config(block_size=48, max_model_len=96, enable_prefix_caching=False),
+                         _mamba_spec(96), odd)  # fmt: skip
+    assert sched.kv_config.block_size == 48

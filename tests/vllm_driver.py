@@ -288,12 +288,16 @@ def batch_queue_size(cfg: Config) -> int:
     return pp
 
 
-def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
-    block_size = rng.choice([4, 8, 16])
-    max_model_len = rng.choice([64, 128, 256])
+def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool, block_size: int | None = None) -> Config:
+    """A drawn configuration; ``block_size`` replaces the drawn block size (4, 8 or 16), and one above 16 scales
+    the drawn model length and token budget with it (lengths of 4 to 16 blocks, as with the drawn sizes)."""
+    drawn = rng.choice([4, 8, 16])
+    block_size = block_size or drawn
+    scale = max(1, block_size // 16)
+    max_model_len = rng.choice([64, 128, 256]) * scale
     min_blocks = -(-max_model_len // block_size) + 1
     chunked = rng.random() < 0.8
-    budget = rng.choice([32, 64, 128, 256]) if chunked else max_model_len + rng.choice([0, 64])
+    budget = (rng.choice([32, 64, 128, 256]) * scale) if chunked else max_model_len + rng.choice([0, 64])
     cfg = Config(
         block_size=block_size,
         # Sometimes a KV cache below one max_model_len request (vLLM's scheduler accepts it; requests are drawn
@@ -1013,6 +1017,7 @@ def run_seed(
     dcp: int = 1,
     pcp: int = 1,
     encoder_decoder: bool = False,
+    block_sizes: tuple[int, ...] = (),
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -1028,9 +1033,11 @@ def run_seed(
     streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
     in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
     drafts) with vLLM's default prefix-cache rules for it; ``dcp`` / ``pcp``: vLLM's decode / prefill context
-    parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure)."""
+    parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure);
+    ``block_sizes``: the block size is drawn from these instead (from its own stream)."""
     rng = random.Random(seed * 7919 + 17)
-    cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
+    block_size = random.Random(f"block/{seed}").choice(block_sizes) if block_sizes else None
+    cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2, block_size=block_size)
     if sliding_window:
         cfg.sliding_window = random.Random(f"window/{seed}").choice([1, 3, 8, cfg.block_size, 20, 33, 64, 100])
     if hybrid or chunked_local:
@@ -1245,7 +1252,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dcp",
         type=int,
         default=1,
-        help="vLLM's decode context parallel size (a power of two): one block id covers block_size tokens on each "
+        help="vLLM's decode context parallel size: one block id covers block_size tokens on each "
         "DCP rank; not with --connector, --kv-events, --sliding-window or --hybrid, which kvsched.vllm refuses "
         "with it",
     )
@@ -1263,7 +1270,16 @@ def main(argv: list[str] | None = None) -> int:
         "inputs, encoder-decoder scheduling with a small encoder budget and EncoderDecoderCacheManager; not with "
         "--connector, --kv-events, --sliding-window, --hybrid, --mm, --ec or --streaming",
     )
+    p.add_argument(
+        "--block-sizes",
+        default="",
+        help="comma-separated block sizes (per DCP rank) to draw each seed's from, e.g. 3,12,272 (default: 4, 8 or "
+        "16); a size above 16 scales the drawn model length and token budget with it",
+    )
     args = p.parse_args(argv)
+    block_sizes = tuple(int(b) for b in args.block_sizes.split(",") if b)
+    if any(b < 1 for b in block_sizes):
+        p.error("--block-sizes takes sizes >= 1")
     if args.modes is None:
         if args.pcp > 1:
             args.modes = "sync-v2,async-v2"
@@ -1349,6 +1365,7 @@ def main(argv: list[str] | None = None) -> int:
                         dcp=args.dcp,
                         pcp=args.pcp,
                         encoder_decoder=args.enc_dec,
+                        block_sizes=block_sizes,
                     )
                     ok += 1
                 except Divergence as exc:
