@@ -928,7 +928,7 @@ def test_mamba_groups_map_to_the_cores_mamba_groups() -> None:
     """MambaSpec groups in mode "none" (vLLM's mode without prefix caching: a block of max_model_len tokens)
     become the core's Mamba groups in vLLM's order; the attention groups' block size is the core's, the Mamba
     spec's speculative blocks its mamba_speculative_blocks; kv_cache_manager's managers answer isinstance checks
-    against vLLM's MambaManager."""
+    against vLLM's MambaManager; an EAGLE drafter keeps vLLM's default prefix-cache rules."""
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
@@ -942,6 +942,12 @@ def test_mamba_groups_map_to_the_cores_mamba_groups() -> None:
     managers = sched.kv_cache_manager.coordinator.single_type_managers
     assert [isinstance(m, MambaManager) for m in managers] == [True, False, True, False]
     assert [m.block_size for m in managers] == [96, 16, 96, 16]
+    # An EAGLE/MTP drafter keeps vLLM's default rules: without prefix caching the trailing-block drop has no hit
+    # to act on.
+    eagle = make_vllm_config(block_size=16, num_blocks=64, max_model_len=96, enable_prefix_caching=False,
+                             num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)  # fmt: skip
+    sched = _build_mamba(eagle, mamba, FullAttentionSpec(**kw))
+    assert sched.kv_config.drop_trailing_hit_block is False and sched.kv_config.hash_lookahead_tokens == 0
 
 
 def test_mamba_groups_schedule_as_vllms_scheduler() -> None:

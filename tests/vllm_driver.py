@@ -508,8 +508,12 @@ class Pair:
         """The most tokens a request is drawn to reach, less one: a KV cache smaller than max_model_len takes
         only requests that fit it (prompt + max_tokens - 1 tokens)."""
         cfg = self.cfg
-        # (With several KV cache groups, every group may need a block per block of tokens.)
-        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * self.kv_block_size
+        # (With several KV cache groups, every group may need a block per block of tokens; a Mamba group instead
+        # takes 1 + num_speculative_blocks state blocks per request, whatever its length.)
+        groups = cfg.kv_cache_groups or (None,)
+        num_mamba = groups.count("mamba")
+        pool = cfg.num_blocks - 1 - num_mamba * (1 + cfg.num_speculative_tokens)
+        capacity = pool // (len(groups) - num_mamba) * self.kv_block_size
         if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
             # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
             # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
@@ -808,7 +812,10 @@ class Pair:
             request = self.a.requests.get(rid)
             if request is None or request.is_finished():
                 return tokens
-            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[0]) * self.kv_block_size
+            # (The first attention group's blocks: a Mamba group holds its state blocks whatever the length.)
+            groups = self.cfg.kv_cache_groups or (None,)
+            attention = next(g for g, w in enumerate(groups) if w != "mamba")
+            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[attention]) * self.kv_block_size
             room = min(1 + k - len(tokens), slots - (request.num_computed_tokens - num_drafts + len(tokens) - 1))
             if room > 0:
                 return tokens + [self.random_token() for _ in range(rng.randrange(1, 1 + room))]
@@ -1102,7 +1109,10 @@ def run_seed(
         cfg.per_request_spec_decode_metrics = erng.choice(["none", "summary", "detailed"])
         if cfg.policy == "priority" and v2 and RULES.skip_drafts:
             cfg.policy = "fcfs"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
-    if cfg.speculative_method == "eagle" and not (cfg.sliding_window or cfg.kv_cache_groups or streaming):
+    # (With Mamba groups prefix caching is off: vLLM's default rules, on, act on nothing.)
+    if cfg.speculative_method == "eagle" and not (
+        cfg.sliding_window or (cfg.kv_cache_groups and not mamba) or streaming
+    ):
         cfg.eagle_block_drop = eagle or random.Random(f"eagle/{seed}").random() < 0.7
     if multimodal:
         cfg.multimodal = True
@@ -1114,6 +1124,10 @@ def run_seed(
         cfg.ec_connector_seed = seed
     if pp:
         cfg.pipeline_parallel_size = random.Random(f"pp/{seed}").choice([2, 3, 4])
+    if mamba:
+        # One request's state blocks (1 + num_speculative_blocks per Mamba group, the drafts' count) on top, so the
+        # attention groups keep at least the drawn single-group cache for it.
+        cfg.num_blocks += cfg.kv_cache_groups.count("mamba") * (1 + cfg.num_speculative_tokens)  # type: ignore[union-attr]
     if dcp > 1 or pcp > 1:
         cfg.decode_context_parallel_size = dcp
         cfg.prefill_context_parallel_size = pcp
@@ -1245,8 +1259,8 @@ def main(argv: list[str] | None = None) -> int:
         "--eagle",
         action="store_true",
         help="every run with an EAGLE drafter and vLLM's default prefix-cache rules for it (look-ahead block hashes; "
-        "the trailing-block drop with --connector and on vLLM 0.32); not with --sliding-window, --hybrid, --mm or "
-        "--streaming",
+        "the trailing-block drop with --connector and on vLLM 0.32; with --mamba, whose prefix caching is off, they "
+        "act on nothing); not with --sliding-window, --hybrid, --mm or --streaming",
     )
     p.add_argument(
         "--dcp",
@@ -1293,8 +1307,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
-    if args.eagle and (args.sliding_window or args.hybrid or args.mamba or args.mm or args.streaming):
-        p.error("--eagle goes without --sliding-window, --hybrid, --mamba, --mm and --streaming")
+    if args.eagle and (args.sliding_window or args.hybrid or args.mm or args.streaming):
+        p.error("--eagle goes without --sliding-window, --hybrid, --mm and --streaming")
     if args.enc_dec and (
         args.connector
         or args.kv_events
