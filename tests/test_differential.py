@@ -954,13 +954,13 @@ def ragged(entries: list[list[int]] | None, as_arrays: bool) -> Any:
 
 @st.composite
 def configs(draw: Any) -> SchedulerConfig:
-    block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 16, 64]))
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 5, 8, 12, 16, 16, 64]))
     # A sliding window in 1 of 3 configs (it needs no context parallelism, recompute preemption, no KV events).
     window = draw(st.sampled_from([None, None, None, None, 1, 2, 5, 16, 40]))
     # Context parallelism: a block id covers block_size * dcp tokens; pcp leaves the unit alone.
-    dcp = 1 if window else draw(st.sampled_from([1, 1, 2, 4]))
+    dcp = 1 if window else draw(st.sampled_from([1, 1, 2, 3, 4]))
     pcp = 1 if window else draw(st.sampled_from([1, 1, 2]))
-    interleave = draw(st.sampled_from(sorted({1, min(2, block_size), block_size})))
+    interleave = draw(st.sampled_from(sorted({d for d in (1, 2, block_size) if block_size % d == 0})))
     kv_block = block_size * dcp
     num_blocks = draw(st.one_of(st.integers(2, 24), st.integers(25, 400)))
     # Mostly a pool that holds one request of max_model_len; sometimes a smaller one (add_request then refuses
@@ -1543,6 +1543,31 @@ def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:
     assert all(total[k] > 0 for k in ("stored", "removed", "stored_copy", "removed_copy", "cleared")), total
 
 
+# Block units that are not powers of two (vLLM takes any block size; hybrid Mamba models size the attention block
+# to a Mamba state's page, e.g. 272 or 544 tokens): plain and chunked prefills, prefix hits, look-ahead hashes and
+# the trailing-block drop with drafts, a DCP size of 3, swaps, async scheduling; tight pools preempt.
+NPOT_CONFIGS = [
+    SchedulerConfig(block_size=3, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64,
+                    long_prefill_token_threshold=8, num_lookahead_tokens=2, prefix_hash_seed=1),
+    SchedulerConfig(block_size=12, num_blocks=8, max_num_seqs=5, max_num_batched_tokens=40, max_model_len=84,
+                    policy="priority", prefix_hash_algo="sha256", async_scheduling=True),
+    SchedulerConfig(block_size=5, num_blocks=20, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    num_lookahead_tokens=2, hash_lookahead_tokens=1, prefix_hash_seed=3,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=3, num_blocks=28, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    num_lookahead_tokens=1, async_scheduling=True, drop_trailing_hit_block=True, prefix_hash_seed=4),
+    SchedulerConfig(block_size=6, num_blocks=8, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=48,
+                    dcp_world_size=3, pcp_world_size=3, cp_kv_cache_interleave_size=2, preemption_mode="swap",
+                    num_cpu_blocks=6, prefix_hash_seed=5, num_lookahead_tokens=1),
+    SchedulerConfig(block_size=272, num_blocks=6, max_num_seqs=4, max_num_batched_tokens=160, max_model_len=600,
+                    num_speculative_tokens=2, prefix_hash_seed=6, scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def test_soak_block_sizes_not_powers_of_two_match_reference_step_by_step() -> None:
+    soak(steps=1800, seed=2727, configs=NPOT_CONFIGS)
+
+
 def test_soak_context_parallel_matches_reference_step_by_step() -> None:
     soak(steps=800, seed=2468, configs=CP_CONFIGS)
 
@@ -1566,6 +1591,11 @@ SWA_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
                     sliding_window=6, async_scheduling=True, defer_block_free=True, park_kv_loads=False,
                     reserve_inflight_prefills=True, prefix_hash_seed=25),
+    # Block sizes that are not powers of two.
+    SchedulerConfig(block_size=3, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    sliding_window=7, prefix_hash_seed=26),
+    SchedulerConfig(block_size=12, num_blocks=8, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=72,
+                    sliding_window=5, async_scheduling=True, num_speculative_tokens=2, prefix_hash_seed=27),
 ]  # fmt: skip
 
 
@@ -1628,6 +1658,15 @@ HYBRID_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=48,
                     kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, enable_chunked_prefill=False,
                     watermark=0.05, prefix_hash_seed=42),
+    # Block sizes that are not powers of two: windows and Mamba groups beside attention blocks of 3, 12 and 272
+    # tokens (a hybrid Mamba model's attention block sized to its state's page).
+    SchedulerConfig(block_size=3, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 7), prefix_hash_seed=43),
+    SchedulerConfig(block_size=12, num_blocks=30, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=72,
+                    kv_cache_groups=("mamba", None, 5), enable_prefix_caching=False, async_scheduling=True,
+                    num_speculative_tokens=2, mamba_speculative_blocks=2, prefix_hash_seed=44),
+    SchedulerConfig(block_size=272, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=160, max_model_len=600,
+                    kv_cache_groups=("mamba", None), enable_prefix_caching=False, prefix_hash_seed=45),
 ]  # fmt: skip
 
 
@@ -1726,6 +1765,12 @@ CHUNKED_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48,
                     kv_cache_groups=(None, "chunked:8"), enable_prefix_caching=False, async_scheduling=True,
                     prefix_hash_seed=46),
+    # Block sizes that are not powers of two: chunks a multiple of the block size (12 of 3) or not (16 of 12).
+    SchedulerConfig(block_size=3, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, "chunked:12"), prefix_hash_seed=47),
+    SchedulerConfig(block_size=12, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=72,
+                    kv_cache_groups=("chunked:16", None), async_scheduling=True, num_speculative_tokens=2,
+                    prefix_hash_seed=48),
 ]  # fmt: skip
 
 

@@ -344,7 +344,7 @@ def test_context_parallelism_maps_to_the_cores_world_sizes() -> None:
     """vLLM's engine gives the scheduler its block size times the DCP size: the core gets the per-rank block size
     and dcp_world_size (its block unit is then vLLM's), and pcp_world_size (vLLM's KV cache manager leaves PCP out
     of the unit)."""
-    for dcp, pcp in [(2, 1), (4, 1), (1, 2), (2, 2)]:
+    for dcp, pcp in [(2, 1), (4, 1), (1, 2), (2, 2), (3, 1), (6, 3)]:
         cfg = make_vllm_config(
             block_size=4, num_blocks=32, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp
         )
@@ -355,13 +355,10 @@ def test_context_parallelism_maps_to_the_cores_world_sizes() -> None:
 
 
 def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
-    """A DCP size that is not a power of two, sliding windows or several KV cache groups, KV connectors and KV
-    cache events under context parallelism, and a spec DCP does not shard are refused at construction, by name."""
+    """Sliding windows or several KV cache groups, KV connectors and KV cache events under context parallelism,
+    and a spec DCP does not shard are refused at construction, by name."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    cfg = make_vllm_config(block_size=4, decode_context_parallel_size=3)
-    with pytest.raises(UnsupportedFeatureError, match="not a power of two"):
-        make_scheduler("kvsched", cfg)
     cfg = make_vllm_config(block_size=4, decode_context_parallel_size=2)
     with pytest.raises(UnsupportedFeatureError, match="context parallelism with sliding-window attention"):
         make_scheduler("kvsched", cfg, sliding_window=8)
@@ -381,9 +378,8 @@ def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
 
 
 def test_unsupported_scheduler_settings_are_refused() -> None:
-    cfg = make_vllm_config()
-    cfg.parallel_config.decode_context_parallel_size = 3
-    with pytest.raises(UnsupportedFeatureError, match="decode context parallel sizes that are not a power of two"):
+    cfg = make_vllm_config(block_size=2048)
+    with pytest.raises(UnsupportedFeatureError, match="block sizes above 1024 tokens per rank"):
         make_scheduler("kvsched", cfg)
     # An error is also a ValueError and a NotImplementedError, so either kind of handler catches it.
     assert issubclass(UnsupportedFeatureError, ValueError)
@@ -1003,7 +999,7 @@ def test_mamba_groups_map_to_the_cores_mamba_groups() -> None:
     """MambaSpec groups in mode "none" (vLLM's mode without prefix caching: a block of max_model_len tokens)
     become the core's Mamba groups in vLLM's order; the attention groups' block size is the core's, the Mamba
     spec's speculative blocks its mamba_speculative_blocks; kv_cache_manager's managers answer isinstance checks
-    against vLLM's MambaManager."""
+    against vLLM's MambaManager; an EAGLE drafter keeps vLLM's default prefix-cache rules."""
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
@@ -1017,6 +1013,12 @@ def test_mamba_groups_map_to_the_cores_mamba_groups() -> None:
     managers = sched.kv_cache_manager.coordinator.single_type_managers
     assert [isinstance(m, MambaManager) for m in managers] == [True, False, True, False]
     assert [m.block_size for m in managers] == [96, 16, 96, 16]
+    # An EAGLE/MTP drafter keeps vLLM's default rules: without prefix caching the trailing-block drop has no hit
+    # to act on.
+    eagle = make_vllm_config(block_size=16, num_blocks=64, max_model_len=96, enable_prefix_caching=False,
+                             num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)  # fmt: skip
+    sched = _build_mamba(eagle, mamba, FullAttentionSpec(**kw))
+    assert sched.kv_config.drop_trailing_hit_block is False and sched.kv_config.hash_lookahead_tokens == 0
 
 
 def test_mamba_groups_schedule_as_vllms_scheduler() -> None:
@@ -1104,8 +1106,8 @@ def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> Non
 
 def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:
     """Mamba prefix caching (mamba_cache_mode "align", vLLM's default with prefix caching), a model with Mamba
-    layers only, a Mamba block shorter than max_model_len, a scheduler block size other than vLLM's engine's and
-    an attention block size that is not a power of two are refused at construction, by name."""
+    layers only, a Mamba block shorter than max_model_len and a scheduler block size other than vLLM's engine's are
+    refused at construction, by name; an attention block size that is not a power of two runs."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     full = FullAttentionSpec(**_attention_kw())
@@ -1121,6 +1123,6 @@ def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedFeatureError, match="least common multiple"):
         _build_mamba(off, _mamba_spec(96), full, block_size=16)
     odd = FullAttentionSpec(**_attention_kw(48))
-    with pytest.raises(UnsupportedFeatureError, match="not a power of two"):
-        _build_mamba(make_vllm_config(block_size=48, max_model_len=96, enable_prefix_caching=False),
-                     _mamba_spec(96), odd)  # fmt: skip
+    sched = _build_mamba(make_vllm_config(block_size=48, max_model_len=96, enable_prefix_caching=False),
+                         _mamba_spec(96), odd)  # fmt: skip
+    assert sched.kv_config.block_size == 48

@@ -296,12 +296,16 @@ def batch_queue_size(cfg: Config) -> int:
     return pp
 
 
-def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
-    block_size = rng.choice([4, 8, 16])
-    max_model_len = rng.choice([64, 128, 256])
+def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool, block_size: int | None = None) -> Config:
+    """A drawn configuration; ``block_size`` replaces the drawn block size (4, 8 or 16), and one above 16 scales
+    the drawn model length and token budget with it (lengths of 4 to 16 blocks, as with the drawn sizes)."""
+    drawn = rng.choice([4, 8, 16])
+    block_size = block_size or drawn
+    scale = max(1, block_size // 16)
+    max_model_len = rng.choice([64, 128, 256]) * scale
     min_blocks = -(-max_model_len // block_size) + 1
     chunked = rng.random() < 0.8
-    budget = rng.choice([32, 64, 128, 256]) if chunked else max_model_len + rng.choice([0, 64])
+    budget = (rng.choice([32, 64, 128, 256]) * scale) if chunked else max_model_len + rng.choice([0, 64])
     cfg = Config(
         block_size=block_size,
         # Sometimes a KV cache below one max_model_len request (vLLM's scheduler accepts it; requests are drawn
@@ -516,8 +520,12 @@ class Pair:
         """The most tokens a request is drawn to reach, less one: a KV cache smaller than max_model_len takes
         only requests that fit it (prompt + max_tokens - 1 tokens)."""
         cfg = self.cfg
-        # (With several KV cache groups, every group may need a block per block of tokens.)
-        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * self.kv_block_size
+        # (With several KV cache groups, every group may need a block per block of tokens; a Mamba group instead
+        # takes 1 + num_speculative_blocks state blocks per request, whatever its length.)
+        groups = cfg.kv_cache_groups or (None,)
+        num_mamba = groups.count("mamba")
+        pool = cfg.num_blocks - 1 - num_mamba * (1 + cfg.num_speculative_tokens)
+        capacity = pool // (len(groups) - num_mamba) * self.kv_block_size
         if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
             # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
             # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
@@ -822,7 +830,10 @@ class Pair:
             request = self.a.requests.get(rid)
             if request is None or request.is_finished():
                 return tokens
-            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[0]) * self.kv_block_size
+            # (The first attention group's blocks: a Mamba group holds its state blocks whatever the length.)
+            groups = self.cfg.kv_cache_groups or (None,)
+            attention = next(g for g, w in enumerate(groups) if w != "mamba")
+            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[attention]) * self.kv_block_size
             room = min(1 + k - len(tokens), slots - (request.num_computed_tokens - num_drafts + len(tokens) - 1))
             if room > 0:
                 return tokens + [self.random_token() for _ in range(rng.randrange(1, 1 + room))]
@@ -1101,6 +1112,7 @@ def run_seed(
     encoder_decoder: bool = False,
     cpu_offload: bool = False,
     lazy_offload: bool = False,
+    block_sizes: tuple[int, ...] = (),
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -1117,9 +1129,11 @@ def run_seed(
     streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
     in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
     drafts) with vLLM's default prefix-cache rules for it; ``dcp`` / ``pcp``: vLLM's decode / prefill context
-    parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure)."""
+    parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure);
+    ``block_sizes``: the block size is drawn from these instead (from its own stream)."""
     rng = random.Random(seed * 7919 + 17)
-    cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
+    block_size = random.Random(f"block/{seed}").choice(block_sizes) if block_sizes else None
+    cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2, block_size=block_size)
     if sliding_window:
         cfg.sliding_window = random.Random(f"window/{seed}").choice([1, 3, 8, cfg.block_size, 20, 33, 64, 100])
     if hybrid or chunked_local:
@@ -1196,7 +1210,10 @@ def run_seed(
         cfg.per_request_spec_decode_metrics = erng.choice(["none", "summary", "detailed"])
         if cfg.policy == "priority" and v2 and RULES.skip_drafts:
             cfg.policy = "fcfs"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
-    if cfg.speculative_method == "eagle" and not (cfg.sliding_window or cfg.kv_cache_groups or streaming):
+    # (With Mamba groups prefix caching is off: vLLM's default rules, on, act on nothing.)
+    if cfg.speculative_method == "eagle" and not (
+        cfg.sliding_window or (cfg.kv_cache_groups and not mamba) or streaming
+    ):
         cfg.eagle_block_drop = eagle or random.Random(f"eagle/{seed}").random() < 0.7
     if multimodal:
         cfg.multimodal = True
@@ -1208,6 +1225,10 @@ def run_seed(
         cfg.ec_connector_seed = seed
     if pp:
         cfg.pipeline_parallel_size = random.Random(f"pp/{seed}").choice([2, 3, 4])
+    if mamba:
+        # One request's state blocks (1 + num_speculative_blocks per Mamba group, the drafts' count) on top, so the
+        # attention groups keep at least the drawn single-group cache for it.
+        cfg.num_blocks += cfg.kv_cache_groups.count("mamba") * (1 + cfg.num_speculative_tokens)  # type: ignore[union-attr]
     if dcp > 1 or pcp > 1:
         cfg.decode_context_parallel_size = dcp
         cfg.prefill_context_parallel_size = pcp
@@ -1358,14 +1379,14 @@ def main(argv: list[str] | None = None) -> int:
         "--eagle",
         action="store_true",
         help="every run with an EAGLE drafter and vLLM's default prefix-cache rules for it (look-ahead block hashes; "
-        "the trailing-block drop with --connector and on vLLM 0.32); not with --sliding-window, --hybrid, --mm or "
-        "--streaming",
+        "the trailing-block drop with --connector and on vLLM 0.32; with --mamba, whose prefix caching is off, they "
+        "act on nothing); not with --sliding-window, --hybrid, --mm or --streaming",
     )
     p.add_argument(
         "--dcp",
         type=int,
         default=1,
-        help="vLLM's decode context parallel size (a power of two): one block id covers block_size tokens on each "
+        help="vLLM's decode context parallel size: one block id covers block_size tokens on each "
         "DCP rank; not with --connector, --kv-events, --sliding-window or --hybrid, which kvsched.vllm refuses "
         "with it",
     )
@@ -1383,7 +1404,16 @@ def main(argv: list[str] | None = None) -> int:
         "inputs, encoder-decoder scheduling with a small encoder budget and EncoderDecoderCacheManager; not with "
         "--connector, --kv-events, --sliding-window, --hybrid, --mm, --ec or --streaming",
     )
+    p.add_argument(
+        "--block-sizes",
+        default="",
+        help="comma-separated block sizes (per DCP rank) to draw each seed's from, e.g. 3,12,272 (default: 4, 8 or "
+        "16); a size above 16 scales the drawn model length and token budget with it",
+    )
     args = p.parse_args(argv)
+    block_sizes = tuple(int(b) for b in args.block_sizes.split(",") if b)
+    if any(b < 1 for b in block_sizes):
+        p.error("--block-sizes takes sizes >= 1")
     if args.modes is None:
         if args.pcp > 1:
             args.modes = "sync-v2,async-v2"
@@ -1397,8 +1427,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
-    if args.eagle and (args.sliding_window or args.hybrid or args.mamba or args.mm or args.streaming):
-        p.error("--eagle goes without --sliding-window, --hybrid, --mamba, --mm and --streaming")
+    if args.eagle and (args.sliding_window or args.hybrid or args.mm or args.streaming):
+        p.error("--eagle goes without --sliding-window, --hybrid, --mm and --streaming")
     if args.enc_dec and (
         args.connector
         or args.kv_events
@@ -1478,6 +1508,7 @@ def main(argv: list[str] | None = None) -> int:
                         encoder_decoder=args.enc_dec,
                         cpu_offload=args.cpu_offload,
                         lazy_offload=args.lazy_offload,
+                        block_sizes=block_sizes,
                     )
                     ok += 1
                 except Divergence as exc:

@@ -287,8 +287,6 @@ def kvsched_config_from_vllm(
     dcp = int(_attr(parallel, "decode_context_parallel_size", 1) or 1)
     pcp = int(_attr(parallel, "prefill_context_parallel_size", 1) or 1)
     cp = f"decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp}"
-    if dcp & (dcp - 1):
-        _refuse("decode context parallel sizes that are not a power of two", cp)
     if dcp > 1 or pcp > 1:
         if len(windows or [None]) > 1 or any(w is not None for w in windows or [None]):
             # vLLM shards only full attention (and Mamba) with DCP, and runs PCP with full attention only.
@@ -366,10 +364,10 @@ def kvsched_config_from_vllm(
     if hash_block_size is not None and hash_block_size != block_size:
         _refuse("a hash block size different from the block size", f"hash_block_size={hash_block_size}")
     block_size = attention_block_size or block_size
-    if block_size <= 0 or block_size & (block_size - 1):
-        # (A hybrid Mamba model's attention block is sized to its state's page: pass a power-of-two --block-size
-        # at least that large.)
-        _refuse("block sizes that are not a power of two", f"block_size={block_size}")
+    # Any block size runs (a hybrid Mamba model's attention block is sized to its state's page: 272, 544, ...);
+    # the core keeps a block of one rank within 1024 tokens.
+    if block_size // dcp > 1024:
+        _refuse("block sizes above 1024 tokens per rank", f"block_size={block_size}")
 
     num_spec_tokens = int(_attr(vllm_config, "num_speculative_tokens", 0) or 0)
     spec = vllm_config.speculative_config
@@ -383,7 +381,11 @@ def kvsched_config_from_vllm(
         method = f"method={spec.method!r}"
         if spec.num_speculative_tokens_per_batch_size:
             _refuse("dynamic speculation lengths", "num_speculative_tokens_per_batch_size")
-        if (spec.use_eagle_block_drop() or hash_lookahead) and (sliding_window is not None or kv_cache_groups):
+        if kv_cache_groups and MAMBA in kv_cache_groups:
+            # Prefix caching is off with a Mamba group (mode "none"): vLLM's trailing-block drop has no hit to act
+            # on and it keys no look-ahead hashes, so vLLM's default rules (MTP on Qwen3-Next, ...) run as they are.
+            drop_trailing = False
+        elif (spec.use_eagle_block_drop() or hash_lookahead) and (sliding_window is not None or kv_cache_groups):
             # vLLM's EAGLE rules over several groups or a window (per-group drops, reachable-block masks) are not
             # the core's.
             _refuse(

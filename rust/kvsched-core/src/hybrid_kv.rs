@@ -88,7 +88,7 @@ impl KvCacheManager {
                     // Null blocks before the chunk that holds token `curr * bs`, then the cached blocks from there
                     // on, up to the first miss.
                     let end = u64::from(self.block_size) * curr as u64;
-                    let start = ((end / u64::from(c) * u64::from(c)) >> self.block_shift) as usize;
+                    let start = (end / u64::from(c) * u64::from(c) / u64::from(self.block_size)) as usize;
                     for &g in ids {
                         hits[g].resize(start, NULL_BLOCK);
                     }
@@ -206,8 +206,7 @@ impl KvCacheManager {
                 total += required.saturating_sub(held);
                 continue;
             }
-            let skipped =
-                (group_skipped(w, hits.len() as u32 * self.block_size) >> self.block_shift) as usize;
+            let skipped = (group_skipped(w, hits.len() as u32 * self.block_size) / self.block_size) as usize;
             let kept = &hits[skipped.min(hits.len())..];
             let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total += required.saturating_sub(skipped.max(hits.len())) + evictable;
@@ -275,7 +274,7 @@ impl KvCacheManager {
                 continue;
             }
             let skipped = if fresh && w != 0 {
-                (group_skipped(w, total_computed) >> self.block_shift) as usize
+                (group_skipped(w, total_computed) / self.block_size) as usize
             } else {
                 0
             };
@@ -320,7 +319,7 @@ impl KvCacheManager {
                 }
             }
         }
-        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) >> self.block_shift) as usize;
+        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
             self.cache_hybrid_blocks(req, num_full);
         }
@@ -383,9 +382,9 @@ impl KvCacheManager {
 
     /// `remove_skipped_blocks` of the group at `slot` with window (or chunked-local entry) `w`.
     fn remove_group_skipped(&mut self, req: &mut Request, slot: Option<usize>, w: u32, processed: u32) {
-        let shift = self.block_shift;
+        let block_size = self.block_size;
         let (blocks, _) = table(req, slot);
-        let last = ((group_skipped(w, processed) >> shift) as usize).min(blocks.len());
+        let last = ((group_skipped(w, processed) / block_size) as usize).min(blocks.len());
         let mut first = last;
         while first > 0 && blocks[first - 1] != NULL_BLOCK {
             first -= 1;

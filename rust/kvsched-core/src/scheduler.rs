@@ -202,7 +202,6 @@ impl Scheduler {
                 .with_kv_cache_events(config.enable_kv_cache_events),
             hasher,
             block_size: config.kv_block_size(),
-            block_shift: config.kv_block_size().trailing_zeros(),
             max_slots: config.max_slots_per_request(),
             enable_caching: config.enable_prefix_caching,
             newly_cached: Vec::new(),

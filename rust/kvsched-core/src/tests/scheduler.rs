@@ -853,7 +853,8 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
     (
-        prop_oneof![Just(1u32), Just(2), Just(4), Just(16)],
+        // Any block size: powers of two, others (3, 12, ...) and a hybrid Mamba model's attention block (272).
+        prop_oneof![2 => prop_oneof![Just(1u32), Just(2), Just(4), Just(16)], 2 => 1u32..=24, 1 => Just(272)],
         3u32..80,
         1u32..8,
         prop_oneof![Just(8u32), Just(32), Just(200)],
@@ -882,7 +883,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 prop_oneof![Just(0u32), Just(1), Just(2)],
                 any::<bool>(),
                 prop_oneof![Just(1u32), Just(3)],
-                prop_oneof![3 => Just(1u32), 1 => Just(2), 1 => Just(4)],
+                prop_oneof![3 => Just(1u32), 1 => Just(2), 1 => Just(3), 1 => Just(4)],
                 any::<bool>(),
             ),
         ),
