@@ -93,9 +93,12 @@ if __name__ == "__main__":
 """
 
 
-def kvsched_settings(isolate: bool, limit: int, max_running: int, min_ttft_slo_s: float) -> dict[str, Any]:
+def kvsched_settings(
+    isolate: bool, limit: int, max_running: int, min_ttft_slo_s: float, honest_limit: int
+) -> dict[str, Any]:
     """The recommended deployment of docs/security.md, with small limits: ``limit`` waiting and ``max_running``
-    running requests per tenant."""
+    running requests per tenant; the known (honest) tenants may keep ``honest_limit`` waiting, sized to their
+    traffic as a deployment sizes its known tenants' limits."""
     return {
         "kvsched": {
             "policy": "fair",
@@ -105,6 +108,7 @@ def kvsched_settings(isolate: bool, limit: int, max_running: int, min_ttft_slo_s
             "order_key_range": [0, 9],
             "gateway_token_env": TOKEN_ENV,
             "max_waiting_per_tenant": limit,
+            "tenant_max_waiting": dict.fromkeys(HONEST_TENANTS, honest_limit),
             "max_running_per_tenant": max_running,
             "tenant_stats_interval_s": 0,
         }
@@ -464,7 +468,7 @@ def check_log(srv: Server, arms: list[Arm]) -> None:
 
 def probe_without_isolation(model: str, tmp: Path, args: argparse.Namespace) -> int | None:
     """The same probe on a server without isolation: the cached tokens the hostile client sees."""
-    settings = kvsched_settings(False, args.limit, args.max_running, args.min_ttft_slo_s)
+    settings = kvsched_settings(False, args.limit, args.max_running, args.min_ttft_slo_s, args.honest_limit)
     with server(model, settings, tmp, args.startup_timeout_s) as srv, _client(srv.base) as c:
         secret = _words(99, 300)
         complete(c, secret, _gateway("team-a", srv.token), max_tokens=1, stream=False)
@@ -487,7 +491,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "flood_rate": args.flood_rate,
         }
         if args.isolation in ("on", "both"):
-            settings = kvsched_settings(True, args.limit, args.max_running, args.min_ttft_slo_s)
+            settings = kvsched_settings(True, args.limit, args.max_running, args.min_ttft_slo_s, args.honest_limit)
             result["settings"] = settings
             with server(model, settings, tmp, args.startup_timeout_s) as srv:
                 with _client(srv.base) as c:
@@ -514,6 +518,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 log = srv.log_text()
                 result["queue_full_logged"] = bool(re.search(r"waiting queue of tenant 'default' is full", log))
+                # An honest tenant's own limits refuse its requests when the server falls behind its arrivals.
+                honest_full = r"waiting queue of tenant 'team-[ab]' is full"
+                result["honest_queue_full_logged"] = len(re.findall(honest_full, log))
                 result["engine_errors_logged"] = len(re.findall(r"EngineCore.*(?:died|Traceback)|EngineDeadError", log))
             result["arms"] = [{**asdict(a), "ttft_p50_s": a.ttft(0.5), "ttft_p99_s": a.ttft(0.99)} for a in arms]
         if args.isolation in ("off", "both"):
@@ -577,7 +584,8 @@ def summary(result: dict[str, Any]) -> str:
         lines.append("")
         lines.append(
             f"server healthy after the run: {result.get('healthy_after')}; "
-            f"engine errors in its log: {result.get('engine_errors_logged')}"
+            f"engine errors in its log: {result.get('engine_errors_logged')}; honest requests refused by their "
+            f"tenant's waiting limit (the engine's log): {result.get('honest_queue_full_logged')}"
         )
     if "probe_cached_tokens_without_isolation" in result:
         lines.append(f"probe without isolation: {result['probe_cached_tokens_without_isolation']} cached tokens")
@@ -591,6 +599,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interval-s", type=float, default=0.5, help="seconds between two requests of an honest tenant")
     p.add_argument("--limit", type=int, default=4, help="max_waiting_per_tenant (the flood keeps 10x in flight)")
     p.add_argument("--max-running", type=int, default=2, help="max_running_per_tenant")
+    p.add_argument(
+        "--honest-limit",
+        type=int,
+        default=32,
+        help="the honest tenants' waiting limit (tenant_max_waiting): room for their arrivals when the server is slow",
+    )
     p.add_argument("--min-ttft-slo-s", type=float, default=0.5)
     p.add_argument(
         "--flood-rate",
