@@ -416,6 +416,11 @@ CURATED.update(
             "sets vLLM's internal Mamba block-aligned split and EAGLE look-ahead flags on the scheduler "
             "(`need_mamba_block_aligned_split`, `use_eagle`, `num_prefill_lookahead`); kvsched.vllm has neither"
         ),
+        "test_mamba_align_encoder_cache_cap_makes_progress": (
+            "sets vLLM's internal `need_mamba_block_aligned_split` on a scheduler of a full-attention model; "
+            "kvsched.vllm splits prefill chunks at block boundaries only for align-mode Mamba groups, as the KV "
+            "cache config declares them"
+        ),
         "test_waiting_encoder_stall_is_counted_as_deferred": _ENCODER_STALL,
         "test_waiting_encoder_stall_kv_holder_keeps_drain_priority": _ENCODER_STALL
         + "; also sets the request's `num_computed_tokens` by hand before adding it",
