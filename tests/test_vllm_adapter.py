@@ -1085,7 +1085,8 @@ def test_align_mode_mamba_groups_schedule_as_vllms_scheduler() -> None:
 
 def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> None:
     """Prefill checkpoints (num_prefill_checkpoint_blocks), a Mamba block of another size than the attention
-    block, and a Mamba spec whose mode differs from the cache config's are refused at construction, by name."""
+    block, a Mamba spec whose mode differs from the cache config's and EAGLE/MTP's default trailing-block drop are
+    refused at construction, by name."""
     import dataclasses
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -1101,6 +1102,11 @@ def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> Non
     none = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False)
     with pytest.raises(UnsupportedFeatureError, match="mamba_cache_mode differs from the cache config's"):
         _build_mamba(none, _mamba_spec(16, "align"), full)
+    # EAGLE/MTP's trailing-block drop (vLLM's default) also moves align mode's block-aligned chunk ends.
+    eagle = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False, mamba_cache_mode="align",
+                             num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)  # fmt: skip
+    with pytest.raises(UnsupportedFeatureError, match="EAGLE/MTP prefix-cache rules"):
+        _build_mamba(eagle, _mamba_spec(16, "align", num_speculative_blocks=2), full)
     assert _build_mamba(off, _mamba_spec(16, "align"), full).kv_config.mamba_align
 
 

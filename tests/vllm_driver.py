@@ -1212,7 +1212,7 @@ def run_seed(
             cfg.policy = "fcfs"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
     # (With Mamba groups prefix caching is off: vLLM's default rules, on, act on nothing.)
     if cfg.speculative_method == "eagle" and not (
-        cfg.sliding_window or (cfg.kv_cache_groups and not mamba) or streaming
+        cfg.sliding_window or (cfg.kv_cache_groups and not (mamba and not mamba_align)) or streaming
     ):
         cfg.eagle_block_drop = eagle or random.Random(f"eagle/{seed}").random() < 0.7
     if multimodal:

@@ -381,9 +381,10 @@ def kvsched_config_from_vllm(
         method = f"method={spec.method!r}"
         if spec.num_speculative_tokens_per_batch_size:
             _refuse("dynamic speculation lengths", "num_speculative_tokens_per_batch_size")
-        if kv_cache_groups and MAMBA in kv_cache_groups:
+        if kv_cache_groups and MAMBA in kv_cache_groups and cache.mamba_cache_mode != "align":
             # Prefix caching is off with a Mamba group (mode "none"): vLLM's trailing-block drop has no hit to act
             # on and it keys no look-ahead hashes, so vLLM's default rules (MTP on Qwen3-Next, ...) run as they are.
+            # (In mode "align" the drop also moves vLLM's block-aligned chunk ends: refused below.)
             drop_trailing = False
         elif (spec.use_eagle_block_drop() or hash_lookahead) and (sliding_window is not None or kv_cache_groups):
             # vLLM's EAGLE rules over several groups or a window (per-group drops, reachable-block masks) are not
