@@ -960,6 +960,8 @@ def configs(draw: Any) -> SchedulerConfig:
     # Context parallelism: a block id covers block_size * dcp tokens; pcp leaves the unit alone.
     dcp = 1 if window else draw(st.sampled_from([1, 1, 2, 3, 4]))
     pcp = 1 if window else draw(st.sampled_from([1, 1, 2]))
+    if dcp > 1 and dcp % pcp:
+        pcp = 1  # DCP spans the PCP axis: 1 or a multiple of pcp
     interleave = draw(st.sampled_from(sorted({d for d in (1, 2, block_size) if block_size % d == 0})))
     kv_block = block_size * dcp
     num_blocks = draw(st.one_of(st.integers(2, 24), st.integers(25, 400)))
