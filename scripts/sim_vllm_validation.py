@@ -197,6 +197,27 @@ def main() -> int:
                     f"sim {1e3 * parts['sim']['wait_mean']:.2f} + {1e3 * parts['sim']['first_step_mean']:.2f} ms",
                     file=sys.stderr,
                 )
+                sizes = report.get("new_size_steps")
+                if sizes is not None:
+                    eng, sim = sizes["engine"], sizes["sim"]
+                    cold = sizes.get("sim_empty_cache")
+                    ttft = report["figures"]["ttft mean"]["rel_error"]
+                    cold_txt = (
+                        f"; with an empty cache {cold['prefill_new']:.1f}, TTFT mean "
+                        f"{100 * report['figures_empty_cache']['ttft mean']['rel_error']:+.1f}% (warm "
+                        f"{100 * ttft:+.1f}%), {report['within_15_percent_empty_cache']} of "
+                        f"{report['num_figures']} figures within 15% (warm {report['within_15_percent']})"
+                        if cold is not None
+                        else ""
+                    )
+                    print(
+                        f"# prefill steps of a new size (cache {sizes['cache']}): engine {eng['prefill_new']} of "
+                        f"{eng['prefill_steps']} by its whole history ({eng['prefill_new_replay_only']} without the "
+                        f"calibration run during the replay); simulator warmed with the engine's "
+                        f"{sizes['warm_steps']} steps before the replay {sim['prefill_new']:.1f} of "
+                        f"{sim['prefill_steps']:.1f}{cold_txt}",
+                        file=sys.stderr,
+                    )
                 reports.append(report)
                 errs = [report["figures"][f]["rel_error"] for f in FIGURES]
                 within += sum(1 for e in errs if abs(e) <= 0.15)
