@@ -405,6 +405,17 @@ def _validate_vllm(args: argparse.Namespace, w: Any, config: dict[str, Any], ste
             v = report["figures"][f]
             print(f"{f:24} {v['real']:10.4f} {v['sim']:10.4f} {100 * v['rel_error']:+6.1f}%")
         print(f"{report['within_15_percent']} of {report['num_figures']} figures within 15%")
+        sizes = report.get("new_size_steps")
+        if sizes is not None:
+            eng, sim = sizes["engine"], sizes["sim"]
+            print(f"prefill steps of a new size: engine {eng['prefill_new']} of {eng['prefill_steps']}, simulator "
+                  f"{sim['prefill_new']:.1f} (its size cache warmed with the engine's {sizes['warm_steps']} steps "
+                  "before the replay)")  # fmt: skip
+            if "sim_empty_cache" in sizes:
+                empty = sizes["sim_empty_cache"]["prefill_new"]
+                within_empty = report["within_15_percent_empty_cache"]
+                print(f"with the simulator's size cache empty: {empty:.1f} new, {within_empty} of "
+                      f"{report['num_figures']} figures within 15%")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "validate_vllm.json"
     path.write_text(json.dumps(_json_safe({"argv": sys.argv, "runs": reports}), indent=1) + "\n", encoding="utf-8")
