@@ -36,9 +36,14 @@ def make_tiny(path: str) -> None:
     )
 
 
+def _avg(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
 def print_summary(runs: list[dict[str, Any]]) -> None:
-    """Per figure, how many runs are within 15% for each (scheduler, rate), with the mean relative error, then the
-    count over all figures."""
+    """Per figure, how many runs are within 15% for each (scheduler, rate), with the mean relative error; with the
+    new-size term the prefill steps of a new size (engine, simulator warm and empty) and TTFT's mean error both ways;
+    then the count over all figures (and with the simulator's size cache empty)."""
     from kvsched.sim.vllm_engine import FIGURES
 
     groups = sorted({(r["scheduler"], r["rate"]) for r in runs}, key=lambda g: (g[0] != "vllm", g[0], g[1]))
@@ -53,10 +58,30 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
             mean = sum(errs) / len(errs) if errs else float("nan")
             cells.append(f"{ok}/{len(errs)} ({100 * mean:+.1f}%)")
         print(f"{fig:>24}  " + "  ".join(f"{c:>18}" for c in cells))
+    sized = [g for g in groups if any("new_size_steps" in r for r in runs if (r["scheduler"], r["rate"]) == g)]
+    if sized:
+        print("\nprefill steps of a new size, mean per run (engine: by its whole history; simulator: warm with the "
+              "engine's history before the replay / empty), and TTFT mean error warm / empty")  # fmt: skip
+        for g in sized:
+            mine = [r for r in runs if (r["scheduler"], r["rate"]) == g and "new_size_steps" in r]
+            eng = _avg([r["new_size_steps"]["engine"]["prefill_new"] for r in mine])
+            steps = _avg([r["new_size_steps"]["engine"]["prefill_steps"] for r in mine])
+            warm = _avg([r["new_size_steps"]["sim"]["prefill_new"] for r in mine])
+            cold_runs = [r for r in mine if "sim_empty_cache" in r["new_size_steps"]]
+            cold = _avg([r["new_size_steps"]["sim_empty_cache"]["prefill_new"] for r in cold_runs])
+            ttft = _avg([r["figures"]["ttft mean"]["rel_error"] for r in mine])
+            ttft_cold = _avg([r["figures_empty_cache"]["ttft mean"]["rel_error"] for r in cold_runs])
+            print(f"{g[0]:>9} {g[1]:>5g}/s  engine {eng:5.1f} of {steps:4.1f}  simulator {warm:5.1f} / {cold:5.1f}  "
+                  f"TTFT mean {100 * ttft:+.1f}% / {100 * ttft_cold:+.1f}%")  # fmt: skip
     for name in sorted({r["scheduler"] for r in runs}):
         mine = [r for r in runs if r["scheduler"] == name]
         within = sum(r["within_15_percent"] for r in mine)
         print(f"{name}: {within} of {sum(r['num_figures'] for r in mine)} figures within 15%")
+        # Runs warmed with the engine's history, and the same with an empty cache (runs with no history before the
+        # replay are the same both ways).
+        if any("new_size_steps" in r for r in mine):
+            empty = sum(r.get("within_15_percent_empty_cache", r["within_15_percent"]) for r in mine)
+            print(f"{name}, the simulator's size cache empty: {empty} of {sum(r['num_figures'] for r in mine)}")
 
 
 def run_each(names: list[str]) -> int:
@@ -88,6 +113,9 @@ def run_each(names: list[str]) -> int:
     within = sum(r["within_15_percent"] for r in runs)
     total = sum(r["num_figures"] for r in runs)
     print(f"all schedulers: {within} of {total} figures within 15%")
+    if any("new_size_steps" in r for r in runs):
+        empty = sum(r.get("within_15_percent_empty_cache", r["within_15_percent"]) for r in runs)
+        print(f"all schedulers, the simulator's size cache empty: {empty} of {total} figures within 15%")
     return rc
 
 
@@ -197,6 +225,27 @@ def main() -> int:
                     f"sim {1e3 * parts['sim']['wait_mean']:.2f} + {1e3 * parts['sim']['first_step_mean']:.2f} ms",
                     file=sys.stderr,
                 )
+                sizes = report.get("new_size_steps")
+                if sizes is not None:
+                    eng, sim = sizes["engine"], sizes["sim"]
+                    cold = sizes.get("sim_empty_cache")
+                    ttft = report["figures"]["ttft mean"]["rel_error"]
+                    cold_txt = (
+                        f"; with an empty cache {cold['prefill_new']:.1f}, TTFT mean "
+                        f"{100 * report['figures_empty_cache']['ttft mean']['rel_error']:+.1f}% (warm "
+                        f"{100 * ttft:+.1f}%), {report['within_15_percent_empty_cache']} of "
+                        f"{report['num_figures']} figures within 15% (warm {report['within_15_percent']})"
+                        if cold is not None
+                        else ""
+                    )
+                    print(
+                        f"# prefill steps of a new size (cache {sizes['cache']}): engine {eng['prefill_new']} of "
+                        f"{eng['prefill_steps']} by its whole history ({eng['prefill_new_replay_only']} without the "
+                        f"calibration run during the replay); simulator warmed with the engine's "
+                        f"{sizes['warm_steps']} steps before the replay {sim['prefill_new']:.1f} of "
+                        f"{sim['prefill_steps']:.1f}{cold_txt}",
+                        file=sys.stderr,
+                    )
                 reports.append(report)
                 errs = [report["figures"][f]["rel_error"] for f in FIGURES]
                 within += sum(1 for e in errs if abs(e) <= 0.15)
@@ -210,6 +259,8 @@ def main() -> int:
         print_summary(reports)
     else:
         print(f"{within} of {total} figures within 15%")
+        if reports and "within_15_percent_empty_cache" in reports[0]:
+            print(f"with the simulator's size cache empty: {reports[0]['within_15_percent_empty_cache']} of {total}")
     return 0
 
 

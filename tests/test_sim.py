@@ -38,7 +38,12 @@ from kvsched.sim import (
     summarize,
     tenant_service,
 )
-from kvsched.sim.steptime import StepSizeCache, new_size_flags
+from kvsched.sim.steptime import (
+    StepSizeCache,
+    new_size_flags,
+    parse_warm_step_sizes,
+    recent_step_sizes,
+)
 from kvsched.sim.sweep import parse_set, run_sweep
 
 pytestmark = requires_rust
@@ -682,6 +687,153 @@ def test_new_size_term_off_leaves_results_bit_identical() -> None:
         np.testing.assert_equal(got, want)
     on = simulate(w, TIGHT, dataclasses.replace(MODEL, new_size_step_s=5e-3, step_size_cache=32), keep_records=True)
     assert on.step_time.sum() > base.step_time.sum()
+
+
+def test_warm_step_size_cache_starts_with_the_sizes_run_before() -> None:
+    # 5, 7, 5, 9 run before: a cache of 2 holds 5 and 9 (7 left it), so 9 and 5 are not new, 7 is.
+    cache = StepSizeCache(2, warm=[5, 7, 5, 9])
+    assert cache.sizes() == [5, 9] and cache.num_new == 0  # the warm sizes are not counted
+    assert [cache.new(s) for s in (9, 5, 7, 9)] == [False, False, True, True]
+    assert cache.num_new == 2
+    assert StepSizeCache(2).sizes() == [] and len(StepSizeCache(3, (4, 4, 4))) == 1
+    history = [3, 8, 3, 1, 8, 8, 2, 6, 1, 3]
+    assert recent_step_sizes(history) == [8, 2, 6, 1, 3]
+    for capacity in range(1, 7):  # the distinct recent sizes rebuild the cache of any capacity
+        assert StepSizeCache(capacity, recent_step_sizes(history)).sizes() == StepSizeCache(capacity, history).sizes()
+    later = [1, 2, 9, 8, 3]
+    assert new_size_flags(later, 3, history).tolist() == [False, True, True, True, True]
+    assert new_size_flags(later, 5, history).tolist() == [False, False, True, True, False]  # 9 evicts 8
+    assert new_size_flags(later, 3).tolist() == [True] * 5  # no history: every size new, as before
+    assert new_size_flags(later, 0, history).tolist() == [False] * 5
+
+
+@pytest.mark.parametrize("bad", [[0], [4, -1], [2.0], ["3"], [True], [None], "12", 5, {1: 2}])
+def test_warm_step_sizes_bad_input_is_a_value_error(bad: Any) -> None:
+    w = generate_workload(_spec(duration=1.0))
+    on = dataclasses.replace(MODEL, new_size_step_s=1e-3, step_size_cache=8)
+    with pytest.raises(ValueError, match="warm step sizes"):
+        StepSizeCache(8, bad)
+    for model in (on, MODEL):  # checked with the term off too
+        with pytest.raises(ValueError, match="warm step sizes"):
+            simulate(w, TIGHT, model, warm_step_sizes=bad)
+    with pytest.raises(ValueError, match="warm step sizes"):
+        run_sweep(_spec(duration=1.0), step_model=on, axes=parse_set(["num_blocks=160"]), warm_step_sizes=bad)
+    assert simulate(w, TIGHT, on, warm_step_sizes=np.array([3, 4], dtype=np.int32)).num_steps > 0  # numpy ints
+
+
+def _far_apart_workload(n: int = 30) -> Workload:
+    rng = np.random.default_rng(7)
+    return Workload(
+        arrival_time=100.0 * np.arange(n),
+        prompt_len=rng.choice([40, 90, 300, 700], size=n),
+        output_len=rng.integers(2, 12, size=n),
+        tenant=np.zeros(n, dtype=np.int64),
+        priority=np.zeros(n, dtype=np.int64),
+        prefix_group=np.full(n, -1, dtype=np.int64),
+        prefix_len=np.zeros(n, dtype=np.int64),
+        seed=7,
+    )
+
+
+@pytest.mark.parametrize("capacity", [4, 32])
+def test_warm_step_sizes_make_a_size_run_before_not_new(capacity: int) -> None:
+    # Each request alone, so the schedule does not depend on step times: the only difference between a cold and a
+    # warm run is which steps the new-size term charges, by the sizes run before and then the run's own.
+    w = _far_apart_workload()
+    c = 4e-3
+    priced = dataclasses.replace(MODEL, new_size_step_s=c, step_size_cache=capacity)
+    base = simulate(w, TIGHT, MODEL, record_batches=True, keep_records=True)
+    sizes = base.step_num_tokens.tolist()
+    cold = simulate(w, TIGHT, priced, record_batches=True, keep_records=True)
+    assert cold.extra["num_new_size_steps"] > 0 and "num_new_size_steps" not in base.extra
+    # Warm with exactly the run's first prefill size (most recent): that step is no longer new, the rest as before.
+    first = sizes[0]
+    one = simulate(w, TIGHT, priced, record_batches=True, keep_records=True, warm_step_sizes=[first])
+    assert one.batches == base.batches
+    want = new_size_flags(sizes, capacity, [first]).astype(np.float64)
+    assert want[0] == 0 and new_size_flags(sizes, capacity)[0]
+    np.testing.assert_allclose(one.step_time - base.step_time, c * want, rtol=0, atol=1e-15)
+    assert one.extra["num_new_size_steps"] == int(want.sum()) == cold.extra["num_new_size_steps"] - 1
+    # Warm with a history ending in every size the run meets: none is new while they all fit the cache.
+    distinct = sorted(set(sizes))
+    warm = simulate(w, TIGHT, priced, keep_records=True, warm_step_sizes=[1, 2, 3, *distinct])
+    expect = new_size_flags(sizes, capacity, [1, 2, 3, *distinct]).astype(np.float64)
+    np.testing.assert_allclose(warm.step_time - base.step_time, c * expect, rtol=0, atol=1e-15)
+    assert (expect.sum() == 0) == (len(distinct) <= capacity)
+    assert warm.step_time.sum() < cold.step_time.sum()
+
+
+def test_warm_step_sizes_unset_or_empty_leaves_results_bit_identical() -> None:
+    w = generate_workload(_spec(duration=5.0))
+    priced = dataclasses.replace(MODEL, new_size_step_s=2e-3, step_size_cache=16)
+    base = simulate(w, TIGHT, priced, keep_records=True, record_batches=True)
+    for warm in (None, [], ()):
+        res = simulate(w, TIGHT, priced, keep_records=True, record_batches=True, warm_step_sizes=warm)
+        assert res.batches == base.batches and res.extra == base.extra
+        for name in ("step_start", "step_time", "step_num_tokens", "sched_idx", "sched_num_tokens", "token_idx"):
+            np.testing.assert_array_equal(getattr(res, name), getattr(base, name), err_msg=name)
+    # The term off: warm sizes change nothing.
+    off = simulate(w, TIGHT, MODEL, keep_records=True)
+    np.testing.assert_array_equal(simulate(w, TIGHT, MODEL, keep_records=True, warm_step_sizes=[5, 6]).step_time,
+                                  off.step_time)  # fmt: skip
+    # Under load, warm sizes change the prices and the fast path still matches the slow one.
+    sizes = base.step_num_tokens[:50].tolist()
+    fast = simulate(w, TIGHT, priced, keep_records=True, record_batches=True, warm_step_sizes=sizes)
+    slow = simulate(w, TIGHT, priced, keep_records=True, record_batches=True, warm_step_sizes=sizes, fast_path=False)
+    np.testing.assert_array_equal(fast.step_time, slow.step_time)
+    assert fast.extra["num_new_size_steps"] < base.extra["num_new_size_steps"]
+
+
+def test_parse_warm_step_sizes(tmp_path: Path) -> None:
+    assert parse_warm_step_sizes("1:3,7, 5") == (1, 2, 3, 7, 5)
+    assert parse_warm_step_sizes("64") == (64,)
+    for bad in ("3:1", "0", "x", "1:", "", "1,,2", "-2", "1:2000000"):
+        with pytest.raises(ValueError):
+            parse_warm_step_sizes(bad)
+    listed = tmp_path / "sizes.json"
+    listed.write_text("[4, 9, 4]")
+    assert parse_warm_step_sizes(str(listed)) == (4, 9, 4)
+    model = dataclasses.replace(MODEL, new_size_step_s=1e-3, step_size_cache=8)
+    cal = model.save(tmp_path / "cal.json", extra={"recent_step_sizes": [12, 30, 7]})
+    assert parse_warm_step_sizes("calibration", cal) == (12, 30, 7)
+    assert parse_warm_step_sizes(str(cal)) == (12, 30, 7)
+    plain = model.save(tmp_path / "plain.json")
+    for spec, step_model in (("calibration", plain), ("calibration", "llama-3.1-8b-h100"), ("calibration", None),
+                             (str(tmp_path / "none.json"), None), (str(listed), None)):  # fmt: skip
+        if step_model is None and spec.endswith("sizes.json"):
+            listed.write_text('[4, "9"]')
+        with pytest.raises(ValueError):
+            parse_warm_step_sizes(spec, step_model)
+
+
+def test_cli_warm_step_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvsched.cli import main
+
+    model = dataclasses.replace(MODEL, new_size_step_s=5e-3, step_size_cache=256, name="sized")
+    cal = model.save(tmp_path / "cal.json", extra={"recent_step_sizes": list(range(1, 257))})
+    base = ["simulate", "--rate", "4", "--duration", "5", "--prompt-len", "uniform:20:200", "--output-len", "4",
+            "--set", "num_blocks=400", "--step-model", str(cal), "--no-progress", "--jobs", "1"]  # fmt: skip
+
+    def ttft(out: str, *extra: str) -> float:
+        assert main([*base, "--out", str(tmp_path / out), *extra]) == 0
+        return float(json.loads((tmp_path / out / "sim.json").read_text())["runs"][0]["overall"]["ttft"]["mean"])
+
+    cold = ttft("cold")
+    # Every size up to 256 run before: no prefill of up to 200 tokens pays for a new size.
+    assert ttft("cal", "--warm-step-sizes", "calibration") < cold
+    assert ttft("range", "--warm-step-sizes", "1:256") == ttft("cal2", "--warm-step-sizes", "calibration")
+    for out, extra in (("fleet_cold", []), ("fleet_warm", ["--warm-step-sizes", "1:256"])):
+        assert main([*base, "--out", str(tmp_path / out), "--replicas", "1", *extra]) == 0
+    fleet = [json.loads((tmp_path / out / "cluster.json").read_text())["runs"][0]["fleet"]["overall"]["ttft"]["mean"]
+             for out in ("fleet_cold", "fleet_warm")]  # fmt: skip
+    assert fleet[1] < fleet[0]
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "x"), "--warm-step-sizes", "0:3"]) == 2
+    assert "--warm-step-sizes" in capsys.readouterr().err
+    preset = ["simulate", "--duration", "1", "--no-progress", "--out", str(tmp_path / "y")]
+    assert main([*preset, "--warm-step-sizes", "1:8"]) == 2
+    assert "no new-size term" in capsys.readouterr().err
+    assert main([*preset, "--validate", "--model", str(tmp_path), "--warm-step-sizes", "1:8"]) == 2
 
 
 def test_attention_hinge_prices_each_chunk_past_its_threshold() -> None:

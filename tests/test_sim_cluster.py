@@ -336,3 +336,18 @@ def test_one_replica_is_simulate_with_the_new_size_term() -> None:
     simulate_cluster(w, {"num_blocks": 2000}, MODEL, replicas=1, request_sink=_sink(plain))
     assert len(single) == len(w) and fleet == single
     assert plain != single
+    # Warmed with sizes run before: every replica starts with them, and one replica is still simulate().
+    # The run's first sizes, the first one the most recent: at least its first step is no longer new.
+    warm = simulate(w, {"num_blocks": 2000}, priced, keep_records=True).step_num_tokens[:4].tolist()[::-1]
+    warm_single: dict[int, tuple[float, ...]] = {}
+    warm_fleet: dict[int, tuple[float, ...]] = {}
+    res = simulate(w, {"num_blocks": 2000}, priced, request_sink=_sink(warm_single), warm_step_sizes=warm)
+    one = simulate_cluster(
+        w, {"num_blocks": 2000}, priced, replicas=1, request_sink=_sink(warm_fleet), warm_step_sizes=warm
+    )
+    assert warm_fleet == warm_single and warm_single != single
+    assert one.fleet.extra["num_new_size_steps"] == res.extra["num_new_size_steps"]
+    two = simulate_cluster(w, {"num_blocks": 2000}, priced, replicas=2, warm_step_sizes=warm)
+    assert two.fleet.extra["num_new_size_steps"] == sum(r.extra["num_new_size_steps"] for r in two.replicas)
+    with pytest.raises(ValueError, match="warm step sizes"):
+        simulate_cluster(w, {"num_blocks": 2000}, priced, replicas=1, warm_step_sizes=[3, 0])

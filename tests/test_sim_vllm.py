@@ -240,6 +240,45 @@ class SetupCostEngine(FakeEngine):
         return outs
 
 
+@pytest.mark.parametrize("capacity", [32, 0])
+def test_validation_warms_the_simulators_step_sizes_with_the_engines_own_history(capacity: int) -> None:
+    # An engine that pays a set-up on a step size not among its recent ones, and a model that prices exactly that:
+    # the first replay meets an engine that ran nothing before; the second (other prompts of lengths in the same
+    # narrow range, so that many sizes repeat) the same engine after the first replay.
+    spec = WorkloadSpec(rate=4.0, num_requests=40, prompt_len=parse_length("uniform:32:64"),
+                        output_len=parse_length("uniform:2:20"), seed=3)  # fmt: skip
+    mml = CONFIG["max_model_len"]
+    w, w2 = (generate_workload(dataclasses.replace(spec, seed=k), max_model_len=mml) for k in (3, 4))
+    exact = dataclasses.replace(TRUTH, new_size_step_s=6e-3, step_size_cache=capacity or 4096)
+    log = StepLog()
+    engine = SetupCostEngine(timed_scheduler(FakeVllmScheduler, log), TRUTH, setup_s=6e-3, capacity=capacity)
+    params = lambda n: SimpleNamespace(max_tokens=n)  # noqa: E731
+    driver = VllmDriver(engine, log, dict(CONFIG), params, 300, clock="cpu", clock_fn=lambda e=engine: e.now)
+    first = validate_engine(driver, w, exact, prompt_fn=prompt_fn_for_vocab(w, 300))
+    second = validate_engine(driver, w2, exact, prompt_fn=prompt_fn_for_vocab(w2, 300))
+    for report in (first, second):
+        sizes = report["new_size_steps"]
+        eng, sim = sizes["engine"], sizes["sim"]
+        assert sim["prefill_new"] == eng["prefill_new"] == eng["prefill_new_replay_only"], sizes
+        assert sim["new"] == eng["new"] and sim["steps"] == eng["steps"] == report["real_steps"]
+        for name, v in report["figures"].items():
+            assert abs(v["rel_error"]) < 1e-6, (name, v)
+    assert first["new_size_steps"]["warm_steps"] == 0 and "figures_empty_cache" not in first
+    # The second replay: the engine ran the first one's steps before it, so fewer of its sizes are new; an empty
+    # cache in the simulator counts them as new and prices the first steps high.
+    eng1, eng2 = first["new_size_steps"]["engine"], second["new_size_steps"]["engine"]
+    assert second["new_size_steps"]["warm_steps"] == first["real_steps"]
+    assert eng2["prefill_new"] < eng1["prefill_new"]
+    cold = second["new_size_steps"]["sim_empty_cache"]
+    assert cold["prefill_new"] > eng2["prefill_new"]
+    assert second["figures_empty_cache"]["ttft mean"]["rel_error"] > 0.05
+    assert second["within_15_percent_empty_cache"] <= second["within_15_percent"]
+    # With warm_sizes=False the simulator starts empty, as before.
+    third = validate_engine(driver, w2, exact, prompt_fn=prompt_fn_for_vocab(w2, 300), warm_sizes=False)
+    assert third["new_size_steps"]["warm_steps"] == 0
+    assert third["figures"]["ttft mean"]["rel_error"] > 0.05
+
+
 def test_the_calibration_grid_draws_its_prompt_lengths_anew_for_each_workload() -> None:
     from kvsched.sim.calibrate import _grid
     from kvsched.sim.vllm_engine import EngineCalibration

@@ -333,6 +333,15 @@ def _add_simulate_parser(subparsers: Any) -> None:
         default=None,
         help="step-time preset name or JSON file (default llama-3.1-8b-h100); --list-presets shows them",
     )
+    s.add_argument(
+        "--warm-step-sizes",
+        default=None,
+        metavar="SPEC",
+        help="with a step model that has a new-size term (a calibration against vLLM's CPU build): the step sizes "
+        "the engine has run before the traffic, so they are not new to it: 'calibration' (the sizes the --step-model "
+        "file's calibration ran), a JSON list of sizes, or sizes and LO:HI ranges, e.g. 1:1024 (default: none, a "
+        "freshly started engine)",
+    )
     s.add_argument("--list-presets", action="store_true", help="print the step-time presets and stop")
     s.add_argument("--horizon", type=_positive_float, default=None, help="stop at this simulated time (s)")
     m = p.add_argument_group("metrics and output")

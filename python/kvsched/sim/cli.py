@@ -99,7 +99,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from .._errors import InvalidConfigError, SchedulerError
     from .parallel import RayMissingError
     from .sketch import SketchMissingError
-    from .steptime import DEFAULT_PRESET, PRESETS, load_step_time_model
+    from .steptime import DEFAULT_PRESET, PRESETS, load_step_time_model, parse_warm_step_sizes
     from .sweep import check_trace_fits, parse_set, run_sweep, scale_trace, sweep_configs
     from .workload import (
         TraceFormatError,
@@ -120,6 +120,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             print("  " + ", ".join(f"{k}={v:.4g}" for k, v in preset.to_dict().items() if k.endswith("_s")))
         return 0
     if args.calibrate and args.replicas is None:
+        if args.warm_step_sizes is not None:
+            return _err("--warm-step-sizes is for simulations, not --calibrate")
         return _calibrate(args)
     fleet_only = [
         flag
@@ -139,6 +141,22 @@ def run_simulate(args: argparse.Namespace) -> int:
         step_model = load_step_time_model(DEFAULT_PRESET if calibrate_first else (args.step_model or DEFAULT_PRESET))
     except ValueError as exc:
         return _err(f"--step-model: {exc}")
+    warm: tuple[int, ...] | None = None
+    if args.warm_step_sizes is not None:
+        if args.validate:
+            return _err(
+                "--warm-step-sizes is for simulations: --validate runs its own engine (with --engine vllm the "
+                "simulator starts from that engine's own step sizes)"
+            )
+        if not step_model.charges_new_sizes:
+            return _err(
+                f"--warm-step-sizes: the step model {step_model.name} has no new-size term (step_size_cache 0 or "
+                "new_size_step_s 0), so no step size is new to it"
+            )
+        try:
+            warm = parse_warm_step_sizes(args.warm_step_sizes, args.step_model)
+        except ValueError as exc:
+            return _err(f"--warm-step-sizes: {exc}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         return _err("--policies is empty")
@@ -182,7 +200,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         from .cluster_cli import run_cluster
 
-        return run_cluster(args, spec_or_trace, step_model)
+        return run_cluster(args, spec_or_trace, step_model, warm_step_sizes=warm)
 
     if args.validate:
         problem = _model_problem(args, "--validate")
@@ -235,6 +253,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             jobs=args.jobs if args.jobs is not None else (os.cpu_count() or 1),
             ray=args.ray or args.ray_address is not None,
             ray_address=args.ray_address,
+            warm_step_sizes=warm,
         )
     except InvalidConfigError as exc:
         return _err(f"bad scheduler config: {exc}")
@@ -386,6 +405,17 @@ def _validate_vllm(args: argparse.Namespace, w: Any, config: dict[str, Any], ste
             v = report["figures"][f]
             print(f"{f:24} {v['real']:10.4f} {v['sim']:10.4f} {100 * v['rel_error']:+6.1f}%")
         print(f"{report['within_15_percent']} of {report['num_figures']} figures within 15%")
+        sizes = report.get("new_size_steps")
+        if sizes is not None:
+            eng, sim = sizes["engine"], sizes["sim"]
+            print(f"prefill steps of a new size: engine {eng['prefill_new']} of {eng['prefill_steps']}, simulator "
+                  f"{sim['prefill_new']:.1f} (its size cache warmed with the engine's {sizes['warm_steps']} steps "
+                  "before the replay)")  # fmt: skip
+            if "sim_empty_cache" in sizes:
+                empty = sizes["sim_empty_cache"]["prefill_new"]
+                within_empty = report["within_15_percent_empty_cache"]
+                print(f"with the simulator's size cache empty: {empty:.1f} new, {within_empty} of "
+                      f"{report['num_figures']} figures within 15%")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "validate_vllm.json"
     path.write_text(json.dumps(_json_safe({"argv": sys.argv, "runs": reports}), indent=1) + "\n", encoding="utf-8")

@@ -53,7 +53,7 @@ from .simulator import (
     _with_tenant_weights,
     make_config,
 )
-from .steptime import StepNoise, StepSizeCache, StepTimeModel, request_pairs, spill_pairs
+from .steptime import StepNoise, StepSizeCache, StepTimeModel, check_step_sizes, request_pairs, spill_pairs
 from .summary import summarize
 from .workload import LengthDist, PromptFactory, Workload
 
@@ -291,6 +291,7 @@ def simulate_cluster(
     seed: int = 0,
     request_sink: Any = None,
     noise_seed: int = 0,
+    warm_step_sizes: Sequence[int] | None = None,
 ) -> ClusterResult:
     """Run ``workload`` through ``replicas`` copies of the scheduler (each with ``config``) behind a router
     (see the module docstring). ``router``: one of :data:`ROUTERS`. ``router_config``: :class:`RouterConfig`
@@ -300,9 +301,12 @@ def simulate_cluster(
     each finished request batch (the fleet's; a ``replica`` column says where each ran). ``horizon``: stop at
     this simulated time (requests not finished are reported unfinished). ``noise_seed``: with a step-time model
     that has noise, replica ``i`` draws its steps' factors from seed ``noise_seed + i`` (so one replica runs as
-    :func:`simulate` with the same ``noise_seed``)."""
+    :func:`simulate` with the same ``noise_seed``). ``warm_step_sizes``: the step sizes each replica's engine ran
+    before the run, most recent last (as :func:`simulate`'s: the new-size term's cache of every replica starts with
+    them)."""
     from .._errors import InvalidConfigError
 
+    warm = check_step_sizes(() if warm_step_sizes is None else warm_step_sizes, "warm step sizes")
     if router not in ROUTERS:
         raise InvalidConfigError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 128:
@@ -367,7 +371,11 @@ def simulate_cluster(
             sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
         reps.append(
             _Replica(
-                name, sched, new_metrics(None), StepNoise.of(step_model, noise_seed + i), StepSizeCache.of(step_model)
+                name,
+                sched,
+                new_metrics(None),
+                StepNoise.of(step_model, noise_seed + i),
+                StepSizeCache.of(step_model, warm),
             )
         )
     tenant_kw = _accepts_tenant(reps[0].sched.add_request) and (nt > 1 or cfg.policy not in ("fcfs", "priority"))
@@ -628,7 +636,10 @@ def simulate_cluster(
                 final_stats=fs,
                 end_time=end_time,
                 wall_s=wall,
-                extra={"num_steps": r.num_steps},
+                extra={
+                    "num_steps": r.num_steps,
+                    **({"num_new_size_steps": r.sizes.num_new} if r.sizes is not None else {}),
+                },
             )
         )
     fleet.num_steps = sum(r.num_steps for r in reps)
@@ -651,7 +662,14 @@ def simulate_cluster(
         },
         end_time=end_time,
         wall_s=wall,
-        extra={"num_steps": fleet.num_steps},
+        extra={
+            "num_steps": fleet.num_steps,
+            **(
+                {"num_new_size_steps": sum(r.sizes.num_new for r in reps if r.sizes is not None)}
+                if step_model.charges_new_sizes
+                else {}
+            ),
+        },
     )
     return ClusterResult(
         router=router,

@@ -18,6 +18,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,9 @@ def plot_cluster(summaries: list[dict[str, Any]], out_dir: Path) -> Path:
     return path
 
 
-def run_cluster(args: argparse.Namespace, spec_or_trace: Any, step_model: Any) -> int:
+def run_cluster(
+    args: argparse.Namespace, spec_or_trace: Any, step_model: Any, *, warm_step_sizes: Sequence[int] | None = None
+) -> int:
     """The fleet sweep of ``kvsched simulate --replicas ...``, on the workload (a ``WorkloadSpec`` or a trace) and
     step-time model that ``kvsched simulate`` built from the same flags."""
     from .._errors import InvalidConfigError, SchedulerError
@@ -221,6 +224,7 @@ def run_cluster(args: argparse.Namespace, spec_or_trace: Any, step_model: Any) -
                     slo_ttft=args.slo_ttft,
                     slo_tpot=args.slo_tpot,
                     seed=args.seed,
+                    warm_step_sizes=warm_step_sizes,
                 )
                 s = summarize_cluster(res, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot)
                 summaries.append(s)

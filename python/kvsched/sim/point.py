@@ -89,6 +89,7 @@ class SweepPoint:
     prompt_buckets: tuple[int, ...] | None = None  # None: metrics.PROMPT_BUCKETS
     class_ttft_slo: dict[int, float] | None = None  # a TTFT target per priority class
     per_request_csv: str | None = None  # write the per-request rows here
+    warm_step_sizes: tuple[int, ...] = ()  # step sizes the engine ran before (simulate's warm_step_sizes)
 
 
 # Quantiles of the TTFT CDF in the reports (ttft_cdf.csv, ttft_cdf.png).
@@ -120,6 +121,7 @@ def run_point(point: SweepPoint, progress: SimProgress | None = None) -> RunOutp
             request_sink=sink,
             progress=progress or False,
             progress_desc=point.run_id,
+            warm_step_sizes=point.warm_step_sizes,
         )
     finally:
         if sink is not None:

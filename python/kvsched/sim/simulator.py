@@ -385,6 +385,7 @@ def simulate(
     prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
     class_ttft_slo: Mapping[int, float] | None = None,
     noise_seed: int = 0,
+    warm_step_sizes: Sequence[int] | None = None,
 ) -> SimResult:
     """Run ``workload`` through a real scheduler in simulated time (see the module docstring).
 
@@ -404,6 +405,10 @@ def simulate(
     conversation. Both only when the scheduler's ``add_request`` takes the keyword.
     ``noise_seed``: the seed of the step-time noise, when ``step_model`` has any (``noise_sigma > 0``: each step's
     time is the model's times a factor of mean 1, see :mod:`kvsched.sim.steptime`); without noise it is unused.
+    ``warm_step_sizes``: the sizes (scheduled tokens) of the steps the engine ran before the run, most recent last,
+    e.g. its warm-up or the calibration that ran in the same engine process: the new-size term of ``step_model``
+    (``step_size_cache`` > 0) then starts with the recent ones in its cache instead of empty (a freshly started
+    engine). Unused when the model has no new-size term; ValueError for an entry that is not an integer >= 1.
     ``record_batches``: keep each step's (request indices, scheduled tokens), for validation.
     ``keep_records``: also keep the raw per-step record (O(tokens) memory) for :func:`request_records`.
     ``fast_path=False`` records every step in full (same results, slower; for tests).
@@ -510,7 +515,7 @@ def simulate(
     # A step whose size (scheduled tokens) is not among the engine's recent sizes costs c_new more. A fast step
     # repeats the previous step's size, the most recent one, so only full steps are looked up.
     c_new = step_model.new_size_step_s
-    sizes = StepSizeCache.of(step_model)
+    sizes = StepSizeCache.of(step_model, () if warm_step_sizes is None else warm_step_sizes)
     new_size = sizes.new if sizes is not None else None
     if cfg.preemption_mode == "auto":
         sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
@@ -927,6 +932,7 @@ def simulate(
             "num_fast_steps": metrics.num_fast_steps,
             "max_in_scheduler": max_in_sched,
             "num_refused": dict(zip(workload.tenant_names, refused, strict=True)),
+            **({"num_new_size_steps": sizes.num_new} if sizes is not None else {}),
         },
     )
     if rec:

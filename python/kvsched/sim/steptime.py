@@ -35,9 +35,11 @@ The new-size term prices a step whose size (its total number of scheduled tokens
 the set-ups of recent sizes (vLLM's CPU build makes a oneDNN matmul primitive for each number of tokens and caches
 them) pays ``new_size_step_s`` once more on such a step. It is the only term that depends on the steps before:
 the simulator keeps the recent sizes in least-recently-used order (:class:`StepSizeCache`), starting empty (a
-freshly started engine). ``step_size_cache = 0`` (the default, and the presets') turns the term off. Calibration
-against a vLLM engine fits both (:func:`kvsched.sim.calibrate.fit_step_time_model` with ``step_sizes``); a JSON
-model without them loads with both 0.
+freshly started engine) unless it is given the sizes the engine has already run (``simulate(warm_step_sizes=...)``:
+an engine that has served or been warmed up before the simulated traffic). ``step_size_cache = 0`` (the default,
+and the presets') turns the term off. Calibration against a vLLM engine fits both
+(:func:`kvsched.sim.calibrate.fit_step_time_model` with ``step_sizes``); a JSON model without them loads with
+both 0.
 
 **Step-time noise** (optional, off unless ``noise_sigma > 0``). On a real machine steps of the same composition do
 not take the same time, and slow stretches last several steps (other work on the machine, frequency changes,
@@ -72,10 +74,13 @@ __all__ = [
     "StepNoise",
     "StepSizeCache",
     "StepTimeModel",
+    "check_step_sizes",
     "fit_step_noise",
     "load_step_time_model",
     "lone_prefill_tokens",
     "new_size_flags",
+    "parse_warm_step_sizes",
+    "recent_step_sizes",
     "request_pairs",
     "spill_pairs",
     "step_features",
@@ -204,22 +209,47 @@ class StepTimeModel:
         return path
 
 
+def check_step_sizes(sizes: Any, what: str = "step sizes") -> tuple[int, ...]:
+    """``sizes`` (step sizes in scheduled tokens, most recent last) as a tuple of ints; ValueError names the first
+    entry that is not an integer >= 1 (or says that ``sizes`` is not a sequence of them)."""
+    if sizes is None or isinstance(sizes, (str, bytes, dict)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"{what} must be a sequence of integers >= 1, got {type(sizes).__name__}")
+    out: list[int] = []
+    for k, x in enumerate(sizes):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 1:
+            raise ValueError(f"{what} must be integers >= 1 (scheduled tokens of a step): entry {k} is {x!r}")
+        out.append(int(x))
+    return tuple(out)
+
+
 class StepSizeCache:
     """The last ``capacity`` distinct step sizes an engine ran, least recently used first: :meth:`new` notes a
-    step's size and says whether it was not among them (the new-size term of :class:`StepTimeModel`)."""
+    step's size and says whether it was not among them (the new-size term of :class:`StepTimeModel`).
+    ``warm``: sizes the engine ran before (most recent last), noted in order; the cache then holds the last
+    ``capacity`` distinct ones, as after those steps. ``num_new``: how many sizes :meth:`new` found new since
+    (the warm sizes not counted)."""
 
-    __slots__ = ("_recent", "capacity")
+    __slots__ = ("_recent", "capacity", "num_new")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, warm: Any = ()) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"a step-size cache needs a capacity >= 1, got {capacity!r}")
+        sizes = check_step_sizes(warm, "warm step sizes")
         self.capacity = capacity
+        self.num_new = 0
         self._recent: dict[int, None] = {}  # insertion order = least recently used first
+        for x in sizes:
+            self.new(x)
+        self.num_new = 0
 
     @classmethod
-    def of(cls, model: StepTimeModel) -> StepSizeCache | None:
-        """The cache of ``model``'s new-size term; None when the term is off."""
-        return cls(model.step_size_cache) if model.charges_new_sizes else None
+    def of(cls, model: StepTimeModel, warm: Any = ()) -> StepSizeCache | None:
+        """The cache of ``model``'s new-size term, holding the recent ones of ``warm`` (sizes run before, most
+        recent last; checked even when the term is off); None when the term is off."""
+        if not model.charges_new_sizes:
+            check_step_sizes(warm, "warm step sizes")
+            return None
+        return cls(model.step_size_cache, warm)
 
     def new(self, size: int) -> bool:
         recent = self._recent
@@ -231,19 +261,35 @@ class StepSizeCache:
         recent[size] = None
         if len(recent) > self.capacity:
             del recent[next(iter(recent))]
+        self.num_new += 1
         return True
+
+    def sizes(self) -> list[int]:
+        """The sizes held, least recently used first (as ``warm`` they rebuild this cache)."""
+        return list(self._recent)
 
     def __len__(self) -> int:
         return len(self._recent)
 
 
-def new_size_flags(sizes: Any, capacity: int) -> npt.NDArray[np.bool_]:
+def recent_step_sizes(sizes: Any) -> list[int]:
+    """The distinct sizes of a history of step sizes (most recent last), least recently used first: as ``warm``
+    sizes they leave a :class:`StepSizeCache` of any capacity as the whole history would, in far fewer entries."""
+    last: dict[int, None] = {}
+    for x in check_step_sizes(sizes):
+        last.pop(x, None)
+        last[x] = None
+    return list(last)
+
+
+def new_size_flags(sizes: Any, capacity: int, warm: Any = ()) -> npt.NDArray[np.bool_]:
     """For each step of a sequence of step sizes, whether its size was not among the last ``capacity`` distinct
-    sizes before it (:class:`StepSizeCache`, starting empty); all False when ``capacity`` is 0."""
+    sizes before it (:class:`StepSizeCache`, starting empty, or with the sizes ``warm`` run before them); all False
+    when ``capacity`` is 0."""
     seq = [int(x) for x in np.asarray(sizes).ravel()]
     if capacity <= 0:
         return np.zeros(len(seq), dtype=np.bool_)
-    cache = StepSizeCache(capacity)
+    cache = StepSizeCache(capacity, warm)
     new = cache.new
     return np.fromiter((new(x) for x in seq), np.bool_, len(seq))
 
@@ -398,3 +444,60 @@ def load_step_time_model(name_or_path: str | Path) -> StepTimeModel:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a step-time model is a JSON object")
     return StepTimeModel.from_dict(data)
+
+
+# At most this many step sizes from one --warm-step-sizes (ranges expanded).
+MAX_WARM_STEP_SIZES = 1_000_000
+
+
+def parse_warm_step_sizes(spec: str, step_model: str | Path | None = None) -> tuple[int, ...]:
+    """The step sizes of ``kvsched simulate --warm-step-sizes SPEC``, most recent last: ``calibration`` (the sizes
+    an engine calibration recorded in the step-model file ``step_model``: ``fit.recent_step_sizes``), a JSON file
+    (a list of sizes, or a calibration's step-model file), or sizes and ascending ``LO:HI`` ranges separated by
+    commas (``1:1024``: every size from 1 to 1024, 1024 the most recent). ValueError says what is wrong."""
+    text = spec.strip()
+    if text == "calibration":
+        if step_model is None or not Path(step_model).is_file():
+            raise ValueError("'calibration' takes the sizes recorded in a calibrated --step-model JSON file")
+        return _sizes_from_file(Path(step_model), calibration=True)
+    if text.lower().endswith(".json") or os.sep in text or "/" in text:
+        path = Path(text)
+        if not path.is_file():
+            raise ValueError(f"file {text} does not exist")
+        return _sizes_from_file(path, calibration=False)
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        lo_s, sep, hi_s = item.partition(":")
+        try:
+            lo = int(lo_s)
+            hi = int(hi_s) if sep else lo
+        except ValueError:
+            raise ValueError(f"expected sizes N or ranges LO:HI separated by commas, got {item!r}") from None
+        if lo < 1 or hi < lo:
+            raise ValueError(f"a size is an integer >= 1 and a range LO:HI has 1 <= LO <= HI, got {item!r}")
+        if len(out) + hi - lo + 1 > MAX_WARM_STEP_SIZES:
+            raise ValueError(f"more than {MAX_WARM_STEP_SIZES:,} sizes")
+        out.extend(range(lo, hi + 1))
+    return tuple(out)
+
+
+def _sizes_from_file(path: Path, *, calibration: bool) -> tuple[int, ...]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    if isinstance(data, dict):
+        fit = data.get("fit")
+        sizes = fit.get("recent_step_sizes") if isinstance(fit, dict) else None
+        if sizes is None:
+            raise ValueError(
+                f"{path} records no step sizes (fit.recent_step_sizes: written by kvsched simulate --calibrate "
+                "--engine vllm)"
+            )
+        data = sizes
+    elif calibration:
+        raise ValueError(f"{path} is not a step-time model file")
+    if isinstance(data, list) and len(data) > MAX_WARM_STEP_SIZES:
+        raise ValueError(f"{path}: more than {MAX_WARM_STEP_SIZES:,} sizes")
+    return check_step_sizes(data, f"{path}: step sizes")

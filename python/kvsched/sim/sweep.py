@@ -33,7 +33,7 @@ from ..config import SchedulerConfig
 from .point import RunOutput, SweepPoint, WorkloadInfo, run_point
 from .progress import SimProgress
 from .simulator import make_config
-from .steptime import StepTimeModel
+from .steptime import StepTimeModel, check_step_sizes
 from .workload import TraceFormatError, Workload, WorkloadSpec, check_prompt_lengths
 
 __all__ = [
@@ -131,12 +131,14 @@ def sweep_points(
     prompt_buckets: Sequence[int] | None = None,
     class_ttft_slo: dict[int, float] | None = None,
     per_request_dir: str | Path | None = None,
+    warm_step_sizes: Sequence[int] | None = None,
 ) -> list[SweepPoint]:
     """Every (rate, policy, axis values) combination as a :class:`SweepPoint`, in run order. Config errors (an
     unknown field, an unknown policy such as one this build does not have) and lengths that cannot fit
     ``max_model_len`` (see the module docstring) are raised here, before anything runs."""
     axes = axes or {}
     base = dict(base_config or {})
+    warm = check_step_sizes(() if warm_step_sizes is None else warm_step_sizes, "warm step sizes")
     combos = _combos(axes)
     # Validate every config up front: a bad policy or field fails fast, with the config's own message.
     configs = sweep_configs(policies, axes, base)
@@ -179,6 +181,7 @@ def sweep_points(
                         prompt_buckets=tuple(prompt_buckets) if prompt_buckets is not None else None,
                         class_ttft_slo=class_ttft_slo,
                         per_request_csv=csv_path,
+                        warm_step_sizes=warm,
                     )
                 )
     return points
@@ -205,6 +208,7 @@ def run_sweep(
     jobs: int = 1,
     ray: bool = False,
     ray_address: str | None = None,
+    warm_step_sizes: Sequence[int] | None = None,
 ) -> list[RunOutput]:
     """Run every (rate, policy, axis values) combination; see the module docstring.
 
@@ -214,7 +218,8 @@ def run_sweep(
     per-request rows to ``requests_<run_id>.csv`` there, as its requests finish. ``jobs``: worker processes
     (1: in this process). ``ray``: run the points as Ray tasks (``ray.init(address=ray_address)`` unless Ray is
     initialised already; None starts a local cluster or joins the one ``RAY_ADDRESS`` names). The outputs come
-    back in the sweep's order either way; ``on_run`` is called with each as it completes.
+    back in the sweep's order either way; ``on_run`` is called with each as it completes. ``warm_step_sizes``:
+    every run's :func:`~kvsched.sim.simulator.simulate` ``warm_step_sizes``.
     """
     points = sweep_points(
         workload,
@@ -231,6 +236,7 @@ def run_sweep(
         prompt_buckets=prompt_buckets,
         class_ttft_slo=class_ttft_slo,
         per_request_dir=per_request_dir,
+        warm_step_sizes=warm_step_sizes,
     )
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")

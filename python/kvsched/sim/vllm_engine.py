@@ -59,7 +59,7 @@ import numpy.typing as npt
 from .calibrate import LEAD_IN_PROMPT, LEAD_IN_STEPS, TimedStep, _grid, fit_step_time_model
 from .metrics import PERCENTILES
 from .simulator import make_config, simulate
-from .steptime import StepTimeModel, new_size_flags, request_pairs, step_features
+from .steptime import StepTimeModel, new_size_flags, recent_step_sizes, request_pairs, step_features
 from .workload import Workload
 
 __all__ = [
@@ -298,6 +298,9 @@ class EngineCalibration:
         )
         fit.update({"engine": d.name, "clock": d.clock_name, "model": label, "fresh_lengths": self.fresh_lengths})
         fit.update(d.config)
+        # The sizes the engine had run when fitted, least recently used first (all distinct ones): what
+        # ``simulate(warm_step_sizes=...)`` and ``kvsched simulate --warm-step-sizes calibration`` start from.
+        fit["recent_step_sizes"] = recent_step_sizes(d.log.sizes)
         return model, fit
 
 
@@ -485,6 +488,7 @@ def validate_engine(
     fit_noise: bool = True,
     sim_repeats: int = 8,
     fresh_lengths: bool = True,
+    warm_sizes: bool = True,
 ) -> dict[str, Any]:
     """Replay ``workload`` through the engine (:func:`run_engine`) and through the simulator with ``step_model`` and
     the engine's scheduler configuration; the figures of both and their relative errors.
@@ -492,7 +496,14 @@ def validate_engine(
     ``step_model=None`` calibrates on the same engine during the replay: on the CPU clock one calibration workload
     runs at each point where the engine is idle before an arrival, off the clock, and the rest after it (so that
     the model and the replay measure the machine over the same stretch of time: a shared VM's speed changes by
-    up to 2x within seconds); on the wall clock all of it runs first."""
+    up to 2x within seconds); on the wall clock all of it runs first.
+
+    ``warm_sizes`` (with a new-size term in the model): the simulator starts with the engine's own history of
+    step sizes up to the replay's first step (its warm-up, earlier replays and the calibration workloads run
+    before it: :class:`StepLog`'s ``sizes``) in its cache of recent sizes, as the engine does; the report's
+    ``new_size_steps`` counts the steps of a new size in the engine (by its whole history, the calibration run
+    at the replay's idle points included) and in the simulator, warm and with an empty cache, and
+    ``figures_empty_cache`` gives the simulator's figures with an empty cache for comparison."""
     cfg = make_config(driver.config)
     target = np.minimum(workload.output_len, cfg.max_model_len - workload.prompt_len).astype(np.int64)
     session = None
@@ -520,18 +531,72 @@ def validate_engine(
     arrival = workload.arrival_time
     real_fig = _figures(real.first_token, real.finish, real.num_tokens, arrival)
     repeats = max(1, sim_repeats) if step_model.noise_sigma > 0 else 1
-    draws: list[dict[str, float]] = []
-    sim_ttft_parts: list[tuple[float, float]] = []
-    for k in range(repeats):
-        sim = simulate(workload, cfg, step_model, keep_records=True, prompt_fn=prompt_fn, noise_seed=seed * 1000 + k)
-        rec = request_records(sim)
-        draws.append(_figures(rec.first_token_time, rec.finish_time, rec.num_output_tokens, arrival))
-        sim_ttft_parts.append(_ttft_parts(arrival, rec.first_scheduled_time, rec.first_token_time))
-    sim_fig = {f: float(np.mean([d[f] for d in draws])) for f in FIGURES}
+    cap = step_model.step_size_cache if step_model.charges_new_sizes else 0
+    # The engine's step sizes before the replay's first step (all of them when it ran none).
+    history = driver.log.sizes[: real.size_index[0]] if real.size_index else list(driver.log.sizes)
+    warm = history if warm_sizes and cap else []
+
+    def sim_runs(warm_step_sizes: list[int]) -> tuple[dict[str, float], list[tuple[float, float]], Any, list[Any]]:
+        draws: list[dict[str, float]] = []
+        parts: list[tuple[float, float]] = []
+        counts: list[tuple[int, int, int, int]] = []
+        sim: Any = None
+        for k in range(repeats):
+            sim = simulate(
+                workload,
+                cfg,
+                step_model,
+                keep_records=True,
+                prompt_fn=prompt_fn,
+                noise_seed=seed * 1000 + k,
+                warm_step_sizes=warm_step_sizes,
+            )
+            rec = request_records(sim)
+            draws.append(_figures(rec.first_token_time, rec.finish_time, rec.num_output_tokens, arrival))
+            parts.append(_ttft_parts(arrival, rec.first_scheduled_time, rec.first_token_time))
+            if cap:
+                new = new_size_flags(sim.step_num_tokens, cap, warm_step_sizes)
+                pre = sim.step_prefill_tokens > 0
+                counts.append((len(new), int(new.sum()), int(pre.sum()), int((new & pre).sum())))
+        figs = {f: float(np.mean([d[f] for d in draws])) for f in FIGURES}
+        return figs, parts, sim, counts
+
+    def size_counts(counts: list[tuple[int, int, int, int]]) -> dict[str, float]:
+        keys = ("steps", "new", "prefill_steps", "prefill_new")
+        return {k: float(np.mean([c[j] for c in counts])) for j, k in enumerate(keys)}
+
+    sim_fig, sim_ttft_parts, sim, sim_counts = sim_runs(warm)
     real_wait, real_first = _ttft_parts(arrival, real.first_scheduled, real.first_token)
     sim_wait, sim_first = (float(np.mean(v)) for v in zip(*sim_ttft_parts, strict=True))
     figures = compare_runs(real_fig, sim_fig)
     within = sum(1 for v in figures.values() if abs(v["rel_error"]) <= 0.15)
+    sizes_report: dict[str, Any] = {}
+    if cap:
+        engine_new = new_size_flags(driver.log.sizes, cap)[real.size_index]
+        engine_pre = np.array([f[1] > 0 for f in real.features], dtype=np.bool_)
+        # The same without the calibration run at the replay's idle points: the history before the replay, then
+        # the replay's own steps (what the warm simulator can see).
+        own_new = new_size_flags([driver.log.sizes[j] for j in real.size_index], cap, history)
+        sizes_report["new_size_steps"] = {
+            "cache": cap,
+            "history_steps": len(history),
+            "warm_steps": len(warm),
+            "engine": {
+                "steps": len(engine_new),
+                "new": int(engine_new.sum()),
+                "prefill_steps": int(engine_pre.sum()),
+                "prefill_new": int((engine_new & engine_pre).sum()),
+                "new_replay_only": int(own_new.sum()),
+                "prefill_new_replay_only": int((own_new & engine_pre).sum()),
+            },
+            "sim": size_counts(sim_counts),
+        }
+        if warm:
+            cold_fig, _, _, cold_counts = sim_runs([])
+            cold = compare_runs(real_fig, cold_fig)
+            sizes_report["new_size_steps"]["sim_empty_cache"] = size_counts(cold_counts)
+            sizes_report["figures_empty_cache"] = cold
+            sizes_report["within_15_percent_empty_cache"] = sum(1 for v in cold.values() if abs(v["rel_error"]) <= 0.15)
     return {
         "engine": driver.name,
         "clock": driver.clock_name,
@@ -563,6 +628,7 @@ def validate_engine(
         "figures": figures,
         "within_15_percent": within,
         "num_figures": len(figures),
+        **sizes_report,
         **({"calibration": fit} if fit is not None else {}),
     }
 
