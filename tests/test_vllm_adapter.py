@@ -1128,6 +1128,10 @@ def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> N
                                       prefill_checkpoint_alignment=1)  # fmt: skip
     with pytest.raises(UnsupportedFeatureError, match="Mamba prefill checkpoints"):
         _build_mamba(on, full, checkpoints)
+    other = dataclasses.replace(_mamba_spec(16, "align"), shapes=((2,),))
+    with pytest.raises(UnsupportedFeatureError, match="Mamba KV cache groups of different specs"):
+        _build_mamba(on, _mamba_spec(16, "align"), full, other)
+    assert _build_mamba(on, _mamba_spec(16, "align"), full, _mamba_spec(16, "align")).kv_config.mamba_align
     from kvsched.vllm import Scheduler
 
     groups = [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], _mamba_spec(16, "align"))]

@@ -72,6 +72,7 @@ def _check_kv_cache_config(
     window_specs: dict[int | str, Any] = {}
     attention_sizes: dict[int, int] = {}
     mamba_sizes: set[int] = set()
+    mamba_specs: list[Any] = []
     spec_blocks: set[int] = set()
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
@@ -102,6 +103,11 @@ def _check_kv_cache_config(
                     f"{where}MambaSpec: num_prefill_checkpoint_blocks={spec.num_prefill_checkpoint_blocks}",
                 )
             window = MAMBA
+            if prefix_caching and mode == "align" and mamba_specs and spec not in mamba_specs:
+                # vLLM looks up the prefix hits of Mamba groups with different specs apart (the shared-prefix
+                # junction can then differ), the core looks all Mamba groups up together.
+                _refuse("Mamba prefix caching with Mamba KV cache groups of different specs", f"{where}MambaSpec")
+            mamba_specs.append(spec)
             mamba_sizes.add(int(spec.block_size))
             spec_blocks.add(int(spec.num_speculative_blocks))
             windows.append(window)
