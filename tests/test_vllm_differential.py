@@ -115,6 +115,7 @@ def test_identical_to_vllm_with_align_mode_mamba_groups(sync: str, runner: str, 
     assert cfg.kv_cache_groups is not None and cfg.mamba_cache_mode == "align"
 
 
+@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("seed", range(660, 662))
 def test_identical_to_vllm_with_mamba_prefix_caching(sync: str, runner: str, seed: int) -> None:

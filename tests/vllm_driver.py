@@ -1468,6 +1468,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mamba-align goes with --mamba")
     if args.mamba_prefix_caching and not args.mamba_align:
         p.error("--mamba-prefix-caching goes with --mamba-align")
+    if args.mamba_prefix_caching and RULES.version == "0.32":
+        p.error("--mamba-prefix-caching: kvsched.vllm refuses Mamba prefix caching on vLLM 0.32 (its rules differ)")
     if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --connector, --kv-events, --sliding-window, --hybrid and --mm")
     if args.chunked_local and not args.hybrid:
