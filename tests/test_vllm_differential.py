@@ -117,7 +117,7 @@ def test_identical_to_vllm_with_align_mode_mamba_groups(sync: str, runner: str, 
 
 @pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
-@pytest.mark.parametrize("seed", range(660, 662))
+@pytest.mark.parametrize("seed", [660])  # 661 stalls in vLLM's own scheduler (identically) before any hit
 def test_identical_to_vllm_with_mamba_prefix_caching(sync: str, runner: str, seed: int) -> None:
     """The same layouts with prefix caching on (vLLM's default for hybrid Mamba models): Mamba prefix hits aligned
     with the attention groups', hits on states cached in the same step deferred, cached states and shared-prefix
