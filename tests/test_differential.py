@@ -1724,13 +1724,12 @@ ALIGN_CONFIGS = [
 ]  # fmt: skip
 
 
-def test_soak_align_mamba_groups_match_reference_step_by_step() -> None:
-    """Align-mode Mamba tables (null blocks between states, speculative blocks moved forward) and block-aligned
-    chunks are the same on both implementations, step by step; tables grow past their first state and requests
-    are preempted in the run."""
-    grown = 0
-    for i, cfg in enumerate(ALIGN_CONFIGS):
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(6161 + i)), max_in_flight=1 + i % 3)
+def _soak_align(configs: list[SchedulerConfig], seed: int) -> tuple[int, int]:
+    """Runs ``configs`` on both implementations step by step (600 random operations each, then a drain), each with
+    a preemption; returns the Mamba tables seen past their first state and the prefix-hit tokens."""
+    grown = hits = 0
+    for i, cfg in enumerate(configs):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=1 + i % 3)
         others = [w for g, w in enumerate(cfg.kv_cache_groups or ()) if g != cfg.primary_group]
         mamba = [k for k, w in enumerate(others) if w == "mamba"]
         for _ in range(600):
@@ -1742,7 +1741,25 @@ def test_soak_align_mamba_groups_match_reference_step_by_step() -> None:
                 grown += sum(0 in r.group_block_ids[g] for g in mamba)
         twin.drain()
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+        hits += twin.ref.stats().prefix_cache_hits
+    return grown, hits
+
+
+def test_soak_align_mamba_groups_match_reference_step_by_step() -> None:
+    """Align-mode Mamba tables (null blocks between states, speculative blocks moved forward) and block-aligned
+    chunks are the same on both implementations, step by step; tables grow past their first state and requests
+    are preempted in the run."""
+    grown, _ = _soak_align(ALIGN_CONFIGS, 6161)
     assert grown > 0
+
+
+def test_soak_align_mamba_prefix_caching_matches_reference_step_by_step() -> None:
+    """The same configs with prefix caching on (vLLM's default for hybrid Mamba models): Mamba prefix hits, cached
+    states, hits on states cached in the same step deferred and shared-prefix junction stops are the same on both
+    implementations; prefix hits happen in the run."""
+    configs = [dataclasses.replace(c, enable_prefix_caching=True) for c in ALIGN_CONFIGS]
+    grown, hits = _soak_align(configs, 7171)
+    assert grown > 0 and hits > 0, (grown, hits)
 
 
 # Chunked-local groups (Llama 4): after full attention or before it, chunks a multiple of the block size or not

@@ -571,8 +571,11 @@ def test_align_mamba_is_checked(impl: str) -> None:
         make(impl, mamba_align=True)
     with pytest.raises(InvalidConfigError, match="mamba_align needs a Mamba group"):
         make(impl, kv_cache_groups=(None, 8), mamba_align=True)
-    with pytest.raises(InvalidConfigError, match="Mamba group needs enable_prefix_caching=False"):
-        make(impl, kv_cache_groups=("mamba", None), mamba_align=True)
+    with pytest.raises(InvalidConfigError, match="Mamba group needs enable_prefix_caching=False or mamba_align"):
+        make(impl, kv_cache_groups=("mamba", None))
+    with pytest.raises(InvalidConfigError, match="drop_trailing_hit_block"):
+        make(impl, kv_cache_groups=("mamba", None), mamba_align=True, drop_trailing_hit_block=True)
+    assert make(impl, kv_cache_groups=("mamba", None), mamba_align=True).config.enable_prefix_caching is True
     with pytest.raises(InvalidConfigError, match="disable_chunked_mm_input"):
         align(impl, kv_cache_groups=("mamba", None), disable_chunked_mm_input=True)
     assert align(impl, kv_cache_groups=("mamba", None)).config.mamba_align is True
@@ -590,6 +593,82 @@ def test_the_core_refuses_align_mamba_configs_the_config_refuses() -> None:
         fake = type("Cfg", (), {**good.to_dict(), **fields})()
         with pytest.raises(InvalidConfigError, match="mamba_align"):
             _core.Scheduler(fake)
+
+
+# --- align-mode Mamba groups with prefix caching (vLLM's default for hybrid Mamba models): Mamba prefix hits, cached
+# states, same-step hits deferred, shared-prefix junction stops. The tables are those vLLM 0.33's Scheduler gives
+# for the same calls (tests/vllm_driver.py --mamba --mamba-align runs the two side by side with prefix caching on).
+
+
+def align_cached(impl: str, **fields: Any) -> Any:
+    return make(impl, enable_prefix_caching=True, mamba_align=True, **fields)
+
+
+def run_all(s: Any) -> None:
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        s.update_from_output(out, [[7] for _ in out.req_ids])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("order", ["mamba_first", "mamba_last"])
+def test_align_mamba_prefix_hit_takes_the_cached_state_block(impl: str, order: str) -> None:
+    # "a" (13 tokens) runs 12 (the last boundary that leaves a token): its Mamba state after 12 tokens sits at
+    # entry 2 and enters the cache with the attention blocks. "b", the same prompt later, hits 12 tokens: the
+    # attention blocks and that state block, after two null entries; its own state follows at entry 3.
+    groups, m = (("mamba", None), 0) if order == "mamba_first" else ((None, "mamba"), 1)
+    s = align_cached(impl, kv_cache_groups=groups)
+    s.add_request("a", list(range(13)), max_tokens=3)
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == [12]
+    state = tables(s, "a", 2)[m]
+    assert state[:2] == [0, 0] and len(state) == 3
+    s.update_from_output(out, [[]])
+    run_all(s)
+    s.add_request("b", list(range(13)), max_tokens=3)
+    out = s.schedule()
+    assert computed(out, "b") == 12 and list(out.num_scheduled_tokens) == [1]
+    t = tables(s, "b", 2)[m]
+    assert t[:3] == [0, 0, state[2]] and len(t) == 4
+    assert new_blocks(out, "b", 2)[m] == t  # a new request's whole table, null entries included
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("gate", [True, False])
+def test_align_mamba_hit_on_a_state_cached_this_step_waits(impl: str, gate: bool) -> None:
+    # "b" would hit the state "a" caches in the same step (computed by that step): its allocation (or the
+    # full-sequence check before it) fails as a full pool's would, ending the admissions; next step it is admitted
+    # with the hit.
+    s = align_cached(impl, kv_cache_groups=(None, "mamba"), scheduler_reserve_full_isl=gate)
+    s.add_request("a", list(range(13)), max_tokens=3)
+    s.add_request("b", list(range(13)), max_tokens=3)
+    s.add_request("c", list(range(50, 54)), max_tokens=3)
+    out = s.schedule()
+    assert list(out.req_ids) == ["a"]
+    s.update_from_output(out, [[]])
+    out = s.schedule()
+    assert list(out.req_ids) == ["a", "b", "c"] and computed(out, "b") == 12
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_align_mamba_shared_prefix_junction_ends_the_chunk(impl: str) -> None:
+    # "b" shares 16 tokens with "a": the attention hit is 4 blocks, but "a" cached no Mamba state at 16, so the
+    # hit is 0 and 16 is the junction: "b"'s first chunk ends there (else at 28) and caches its state, which "c"
+    # (the same 16 tokens, another tail) then hits.
+    s = align_cached(impl, kv_cache_groups=(None, "mamba"))
+    s.add_request("a", list(range(24)), max_tokens=1)
+    run_all(s)
+    s.add_request("b", list(range(16)) + list(range(500, 514)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "b") == 0 and list(out.num_scheduled_tokens) == [16]
+    s.update_from_output(out, [[]])
+    run_all(s)
+    s.add_request("c", list(range(16)) + list(range(900, 910)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "c") == 16
+    s.check_invariants()
 
 
 # --- chunked-local attention groups ("chunked:<c>": vLLM's ChunkedLocalAttentionSpec, Llama 4). The tables are those

@@ -1110,17 +1110,52 @@ def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> Non
     assert _build_mamba(off, _mamba_spec(16, "align"), full).kv_config.mamba_align
 
 
+def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> None:
+    """Mamba prefix caching (mamba_cache_mode "align" with prefix caching on, vLLM's default for hybrid Mamba
+    models) runs on the core's align-mode groups with prefix caching, with dense retention of the states; sparse
+    retention (vLLM's engine default 0, or an interval) and prefill checkpoints are refused at construction, by
+    name."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    full = FullAttentionSpec(**_attention_kw(16))
+    on = make_vllm_config(block_size=16, max_model_len=96, mamba_cache_mode="align")
+    if RULES.version == "0.32":  # its rules differ (docs/vllm.md)
+        with pytest.raises(UnsupportedFeatureError, match=r"Mamba prefix caching on vLLM 0\.32"):
+            _build_mamba(on, full, _mamba_spec(16, "align"))
+        return
+    sched = _build_mamba(on, full, _mamba_spec(16, "align"))
+    assert sched.kv_config.mamba_align and sched.kv_config.enable_prefix_caching
+    checkpoints = dataclasses.replace(_mamba_spec(16, "align"), num_prefill_checkpoint_blocks=1,
+                                      prefill_checkpoint_alignment=1)  # fmt: skip
+    with pytest.raises(UnsupportedFeatureError, match="Mamba prefill checkpoints"):
+        _build_mamba(on, full, checkpoints)
+    other = dataclasses.replace(_mamba_spec(16, "align"), shapes=((2,),))
+    with pytest.raises(UnsupportedFeatureError, match="Mamba KV cache groups of different specs"):
+        _build_mamba(on, _mamba_spec(16, "align"), full, other)
+    assert _build_mamba(on, _mamba_spec(16, "align"), full, _mamba_spec(16, "align")).kv_config.mamba_align
+    from kvsched.vllm import Scheduler
+
+    groups = [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], _mamba_spec(16, "align"))]
+    for interval in (0, 32):
+        kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups,
+                           prefix_cache_retention_interval=interval)  # fmt: skip
+        with pytest.raises(UnsupportedFeatureError, match="sparse prefix-cache retention of Mamba states"):
+            Scheduler(vllm_config=on, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(on),
+                      block_size=16, hash_block_size=16)  # fmt: skip
+
+
 def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:
-    """Mamba prefix caching (mamba_cache_mode "align", vLLM's default with prefix caching), a model with Mamba
-    layers only, a Mamba block shorter than max_model_len and a scheduler block size other than vLLM's engine's are
-    refused at construction, by name; an attention block size that is not a power of two runs."""
+    """Prefix caching with mamba_cache_mode "none" (vLLM runs prefix caching with mode "align" only), a model with
+    Mamba layers only, a Mamba block shorter than max_model_len and a scheduler block size other than vLLM's
+    engine's are refused at construction, by name; an attention block size that is not a power of two runs."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     full = FullAttentionSpec(**_attention_kw())
     off = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False)
-    with pytest.raises(UnsupportedFeatureError, match=r"Mamba prefix caching \(mamba_cache_mode 'align'"):
-        _build_mamba(make_vllm_config(block_size=16, max_model_len=96), _mamba_spec(16, "align"), full)
-    with pytest.raises(UnsupportedFeatureError, match="Mamba prefix caching"):
+    with pytest.raises(UnsupportedFeatureError, match=r"Mamba prefix caching \(mamba_cache_mode 'none'"):
         _build_mamba(make_vllm_config(block_size=16, max_model_len=96), _mamba_spec(96), full)
     with pytest.raises(UnsupportedFeatureError, match="Mamba layers only"):
         _build_mamba(off, _mamba_spec(96))

@@ -172,6 +172,10 @@ def _plain_equal(a: Any, b: Any) -> bool:
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
+# Requests scheduled as new with prefix-hit tokens (their first step starts past 0), over the runs of the process.
+PREFIX_HITS = 0
+
+
 def compare(what: str, a: Any, b: Any) -> None:
     if _plain_equal(a, b):
         return
@@ -736,6 +740,8 @@ class Pair:
             ) from exc
         so_b = self.b.schedule(throttle_prefills=throttle)
         compare(f"step {self.steps} SchedulerOutput", so_a, so_b)
+        global PREFIX_HITS
+        PREFIX_HITS += sum(r.num_computed_tokens > 0 for r in so_a.scheduled_new_reqs)
         # What the runner will sample is decided now: a request whose step is a partial prefill gets nothing
         # (read right after schedule(), before a later step changes the flag).
         chunks = {rid for rid in so_a.num_scheduled_tokens if self.a.requests[rid].is_prefill_chunk}
@@ -1099,6 +1105,7 @@ def run_seed(
     hybrid: bool = False,
     mamba: bool = False,
     mamba_align: bool = False,
+    mamba_prefix_caching: bool = False,
     chunked_local: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
@@ -1122,7 +1129,8 @@ def run_seed(
     model several KV cache groups instead (full attention and sliding windows, drawn from their own stream);
     ``chunked_local`` draws layouts with chunked-local groups (Llama 4) instead; ``mamba`` a hybrid Mamba model's
     (Mamba groups with full attention and sometimes a window, prefix caching off: vLLM's mamba_cache_mode "none";
-    with ``mamba_align``, its mode "align": block-sized Mamba blocks, block-aligned prefill chunks);
+    with ``mamba_align``, its mode "align": block-sized Mamba blocks, block-aligned prefill chunks; with
+    ``mamba_prefix_caching`` too, prefix caching on: Mamba prefix hits and cached states);
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
@@ -1155,6 +1163,7 @@ def run_seed(
             cfg.mamba_cache_mode = "align"
             num_mamba = len(cfg.kv_cache_groups) - num_attn
             cfg.num_blocks += cfg.max_num_seqs * num_mamba
+            cfg.enable_prefix_caching = mamba_prefix_caching
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
         # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
@@ -1342,6 +1351,12 @@ def main(argv: list[str] | None = None) -> int:
         "chunks; prefix caching off)",
     )
     p.add_argument(
+        "--mamba-prefix-caching",
+        action="store_true",
+        help="with --mamba-align: prefix caching on (vLLM's default for hybrid Mamba models: Mamba prefix hits, "
+        "cached states at block boundaries, shared-prefix junction stops); prints the admissions with a prefix hit",
+    )
+    p.add_argument(
         "--chunked-local",
         action="store_true",
         help="with --hybrid: layouts with chunked-local attention groups (Llama 4: full attention and chunks of a "
@@ -1451,6 +1466,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--hybrid goes without --connector, --kv-events, --sliding-window and --mm")
     if args.mamba_align and not args.mamba:
         p.error("--mamba-align goes with --mamba")
+    if args.mamba_prefix_caching and not args.mamba_align:
+        p.error("--mamba-prefix-caching goes with --mamba-align")
+    if args.mamba_prefix_caching and RULES.version == "0.32":
+        p.error("--mamba-prefix-caching: kvsched.vllm refuses Mamba prefix caching on vLLM 0.32 (its rules differ)")
     if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --connector, --kv-events, --sliding-window, --hybrid and --mm")
     if args.chunked_local and not args.hybrid:
@@ -1495,6 +1514,7 @@ def main(argv: list[str] | None = None) -> int:
                         hybrid=args.hybrid,
                         mamba=args.mamba,
                         mamba_align=args.mamba_align,
+                        mamba_prefix_caching=args.mamba_prefix_caching,
                         chunked_local=args.chunked_local,
                         multimodal=args.mm,
                         ec_connector=args.ec,
@@ -1522,6 +1542,10 @@ def main(argv: list[str] | None = None) -> int:
             if bar is not None:
                 bar.close()
             note = f"; {stopped} stopped early by vLLM's own scheduler, identical until then" if stopped else ""
+            global PREFIX_HITS
+            if args.mamba_prefix_caching:
+                note += f"; {PREFIX_HITS} admissions with a prefix hit"
+            PREFIX_HITS = 0
             print(f"{name}: {ok}/{args.seeds} seeds x {args.steps} steps without a difference{note}", flush=True)
     return 1 if failures else 0
 

@@ -609,7 +609,8 @@ class SchedulerConfig:
             "attention plus sliding-window, chunked-local or Mamba layers; encoder-decoder models: plus cross "
             "attention): one entry per group, None for full attention, an int window, `'chunked:<c>'` for "
             "chunked-local attention in chunks of `c` tokens (with a full-attention group), `'cross'` for cross "
-            "attention or `'mamba'` for a Mamba group (both need `enable_prefix_caching=False`; the first group that "
+            "attention or `'mamba'` for a Mamba group (both need `enable_prefix_caching=False`, a Mamba group not "
+            "with `mamba_align`; the first group that "
             "is not Mamba holds the decoder's tokens and is not `'cross'`); each request holds one block table per "
             "group and a prefix hit must be valid for every group (see [Several KV cache "
             "groups](#several-kv-cache-groups)); None = one group",
@@ -639,8 +640,8 @@ class SchedulerConfig:
         metadata=_spec(
             'Mamba groups in vLLM\'s `mamba_cache_mode` "align": block-sized state blocks in a table that grows '
             "with the request (real blocks only at its running state) and prefill chunks that end at block "
-            "boundaries; needs a `'mamba'` group and `enable_prefix_caching=False` (see [Several KV cache "
-            "groups](#several-kv-cache-groups))"
+            "boundaries; with `enable_prefix_caching`, Mamba prefix hits and cached states at block boundaries; "
+            "needs a `'mamba'` group (see [Several KV cache groups](#several-kv-cache-groups))"
         ),
     )
     draft_slots: int = field(
@@ -821,10 +822,10 @@ class SchedulerConfig:
                 "kv_cache_groups with a cross-attention group needs enable_prefix_caching=False (cross-attention "
                 "blocks are never cached, and vLLM cannot look up a prefix with them)"
             )
-        if self.enable_prefix_caching and MAMBA in groups:
+        if self.enable_prefix_caching and MAMBA in groups and not self.mamba_align:
             raise InvalidConfigError(
-                "kv_cache_groups with a Mamba group needs enable_prefix_caching=False (vLLM's mamba_cache_mode "
-                "'none' keeps one state per request, never cached)"
+                "kv_cache_groups with a Mamba group needs enable_prefix_caching=False or mamba_align (vLLM's "
+                "mamba_cache_mode 'none' keeps one state per request, never cached)"
             )
         if self.mamba_speculative_blocks > 0 and MAMBA not in groups:
             raise InvalidConfigError(spec_blocks)

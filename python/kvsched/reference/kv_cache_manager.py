@@ -309,9 +309,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         hits; every group's are kept in ``_group_hits`` for the allocation that follows."""
         windows = self._group_windows()
         sets: list[tuple[int, list[int]]] = []
+        mamba_lookup = self._config.mamba_align and self._config.enable_prefix_caching
         for g, w in enumerate(windows):
-            if w < 0:
-                continue  # cross attention and Mamba are never cached: no part of a lookup
+            if w < 0 and not (w == _MAMBA and mamba_lookup):
+                continue  # cross attention and Mamba (but align mode's with caching) are never cached: no lookup
             for sw, ids in sets:
                 if sw == w:
                     ids.append(g)
@@ -321,7 +322,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         sets.sort(key=lambda s: s[0] != 0)
         hits: list[list[int]] = [[] for _ in windows]
         done = [False] * len(windows)
-        hit_len = 0
+        hit_len = longest = 0
         if self._config.enable_prefix_caching and num_tokens > 0:
             hit_len = min((num_tokens - 1) // self._bs, len(block_hashes))
         while True:
@@ -332,7 +333,15 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     continue
                 for g in ids:
                     hits[g] = []
-                if w == 0:
+                if w == _MAMBA:
+                    # Right to left: the first block every Mamba group has cached, null blocks before it.
+                    for i in range(curr - 1, -1, -1):
+                        found = self._hit_all(block_hashes, i, ids)
+                        if found is not None:
+                            for g, b in zip(ids, found, strict=True):
+                                hits[g] = [0] * i + [b]
+                            break
+                elif w == 0:
                     for i in range(curr):
                         found = self._hit_all(block_hashes, i, ids)
                         if found is None:
@@ -371,13 +380,23 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 for g in ids:
                     done[g] = True
                 curr = len(hits[ids[0]])
+                longest = max(longest, curr)
             if curr >= hit_len:
                 break
             hit_len = curr
             if len(sets) == 2 and sets[0][0] == 0:
                 break  # one full-attention set and one window set: the window's lookup was capped at the full hit
         self._group_hits = [h[:hit_len] for h in hits]
+        self._group_longest = longest
         return self._group_hits[0]
+
+    def _shared_prefix_boundary(self, num_hits: int) -> int:
+        """After a lookup that found ``num_hits`` blocks: the tokens of the longest hit one lookup set found when it
+        exceeds them (vLLM's ``shared_prefix_boundary``), else 0; 0 without align-mode Mamba groups and caching."""
+        c = self._config
+        if not (c.kv_cache_groups and c.mamba_align and c.enable_prefix_caching):
+            return 0
+        return self._group_longest * self._bs if self._group_longest > num_hits else 0
 
     def _hits_of_groups(self, hits: list[int]) -> list[list[int]]:
         """Every group's hits that go with group 0's ``hits`` (from the lookup that found them)."""
@@ -398,8 +417,12 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 total += self._cross_blocks_to_add(r, held) if not r.block_ids else 0
                 continue
             if w == _MAMBA and c.mamba_align:
+                if ghits:
+                    if self._group_key(r.block_hashes[len(ghits) - 1], g) in self._mamba_cached_step:
+                        return c.num_blocks + 1  # a hit on a state this step writes: never fits in this step
+                    total += int(self._ref_cnt[ghits[-1]] == 0)
                 entries = required + c.mamba_speculative_blocks
-                total += max(0, self._align_need(entries, held, g in r.mamba_allocated))
+                total += max(0, self._align_need(entries, held + len(ghits), g in r.mamba_allocated))
                 continue
             if w == _MAMBA:
                 total += max(0, 1 + c.mamba_speculative_blocks - held) if not r.block_ids else 0
@@ -441,8 +464,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         total_need = evictable = 0
         for g, w in enumerate(windows):
             if w == _MAMBA and align:  # may be negative: vLLM sums it as it is
-                total_need += self._align_need(mamba_entries, len(self._group_table(r, g)), g in r.mamba_allocated)
-                plan.append((0, 0))
+                ghits = all_hits[g]  # a new request's hit: the state block at its end, null blocks before it
+                if ghits:
+                    if self._group_key(r.block_hashes[len(ghits) - 1], g) in self._mamba_cached_step:
+                        return None  # its state is written by this step: not before the next step
+                    evictable += int(self._ref_cnt[ghits[-1]] == 0)
+                held = len(self._group_table(r, g)) + len(ghits)
+                total_need += self._align_need(mamba_entries, held, g in r.mamba_allocated)
+                plan.append((max(0, len(ghits) - 1), 0))
                 continue
             if w < 0:  # the encoder output's or the state's blocks, at the first allocation only
                 held = len(self._group_table(r, g))
@@ -464,6 +493,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if total_need + evictable + reserved > len(self._free):
             return None
         for g, (skipped, _) in enumerate(plan):
+            if windows[g] in (_CROSS, _MAMBA) and not all_hits[g]:
+                continue
             kept = all_hits[g][skipped:]
             # A chunked-local hit can hold null blocks past the skipped ones (never touched).
             for b in (b for b in kept if b != 0):  # touch
@@ -489,8 +520,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _mamba_split(self, r: _Request, start: int, n: int) -> int:
         """A prefill chunk of ``n`` tokens from ``start`` cut where an align-mode Mamba state must be written
-        (vLLM's ``_mamba_block_aligned_split`` without prefill checkpoints, partial-block hits or shared-prefix
-        junctions; the core's ``AlignedSplit``)."""
+        (vLLM's ``_mamba_block_aligned_split`` without prefill checkpoints or partial-block hits, with the
+        request's shared-prefix junction; the core's ``AlignedSplit``)."""
         c, bs = self._config, self._bs
         prefill_end = max(r.num_prompt_tokens, r.num_tokens - 1)
         if start >= prefill_end:
@@ -505,7 +536,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if aligned > start or bs <= max_prefill:
                 end = aligned
         next_boundary = (start // bs + 1) * bs if start % bs else 0
-        end = min((s for s in (next_boundary, last_cache) if start < s < end), default=end)
+        # a shared-prefix junction inside the chunk: its block-floored position from the chunk's start
+        junction = r.shared_prefix_boundary
+        junction_stop = start + (junction - start) // bs * bs if start < junction < end else 0
+        end = min((s for s in (next_boundary, last_cache, junction_stop) if start < s < end), default=end)
         return max(end - start, 0)
 
     def _align_need(self, entries: int, held: int, allocated: bool) -> int:
@@ -565,8 +599,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         """Each group's full blocks among the first ``num_tokens`` enter the cache map under the group's keys
         (null blocks skipped; a window of one token caches nothing), group by group."""
         num_full = min(num_tokens // self._bs, len(r.block_hashes), len(r.block_ids))
+        align = self._config.mamba_align
         for g, w in enumerate(self._group_windows()):
-            if w < 0:
+            if w < 0 and not (w == _MAMBA and align):
                 continue
             table = self._group_table(r, g)
             first = self._group_cached(r, g)
@@ -580,4 +615,6 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._block_hash[b] = key
                 self._cached.setdefault(key, {})[b] = None
                 self._newly_cached.append((b, key))
+                if w == _MAMBA:
+                    self._mamba_cached_step.add(key)
             self._set_group_cached(r, g, num_full)

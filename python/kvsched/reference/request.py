@@ -69,6 +69,7 @@ class _Request:
         "requested_max_tokens",
         "resumable",
         "session_id",
+        "shared_prefix_boundary",
         "sjf_residual",
         "skip_reading_prefix_cache",
         "status",
@@ -121,6 +122,9 @@ class _Request:
         # the last allocation appended.
         self.mamba_allocated: set[int] = set()
         self.mamba_appended: dict[int, int] = {}
+        # Align-mode Mamba groups with prefix caching: the longest single-set hit of the last lookup when the
+        # combined hit is shorter, in tokens (vLLM's shared_prefix_boundary); 0 otherwise.
+        self.shared_prefix_boundary = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first admission
         self.queue_seq = -1  # identifies this request's live entry in the priority heap

@@ -553,9 +553,19 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                 table = self._group_table(r, g) if c.kv_cache_groups is not None else r.block_ids
                 if windows[g] == MAMBA and c.mamba_align:  # the states' entries, null blocks between them
                     least = 0 if not r.block_ids else 1 + c.mamba_speculative_blocks
+                    most_cached = len(table) if c.enable_prefix_caching else 0  # cached states with prefix caching
+                    num_cached = self._group_cached(r, g)
                     require(
-                        len(table) >= least and bool(table) == bool(r.block_ids) and self._group_cached(r, g) == 0,
+                        len(table) >= least and bool(table) == bool(r.block_ids) and num_cached <= most_cached,
                         f"{r.req_id}: group {g}'s blocks",
+                    )
+                    require(
+                        all(
+                            self._block_hash[b] == self._group_key(r.block_hashes[i], g)
+                            for i, b in enumerate(table[:num_cached])
+                            if b != 0
+                        ),
+                        f"{r.req_id}: group {g}'s cached states' hashes",
                     )
                     live = [b for b in table if b != 0]
                     require(len(set(live)) == len(live), f"{r.req_id}: a block twice in one table")

@@ -92,6 +92,10 @@ class _SchedulerState:
         self._prefill_capacity_bound = False
         self._newly_cached: list[tuple[int, bytes]] = []  # (block, hash) cached since schedule() began
         self._group_hits: list[list[int]] = []  # with several KV cache groups: every group's hits of the last lookup
+        self._group_longest = 0  # the longest hit one lookup set found in the last lookup (blocks)
+        # Align-mode Mamba groups with prefix caching: the keys Mamba blocks were cached under in this schedule()
+        # call (vLLM's cached_blocks_this_step).
+        self._mamba_cached_step: set[bytes] = set()
         # With a Mamba group: each group's attention blocks allocated since the last schedule() returned.
         groups = c.kv_cache_groups or ()
         self._zero_ids: list[list[int]] = [[] for _ in groups] if MAMBA in groups else []

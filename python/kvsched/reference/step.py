@@ -131,6 +131,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             defer = True  # the local cadence: the interval since the last prefill-carrying step has not passed
         prefill_admitted = False
         self._newly_cached = []  # what updates cached since the previous step is not this step's
+        self._mamba_cached_step.clear()
         enc = _EncoderStep(c.max_num_encoder_input_tokens)
 
         i = 0
@@ -412,6 +413,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     cached = [bool(self._cached.get(h)) for h in r.block_hashes]
                     lookup_tokens = min(lookup_tokens, self._cap_ask("max_cache_hit", r.req_id, cached) + 1)
                 hits = [] if r.skip_reading_prefix_cache else self._lookup(r.block_hashes, lookup_tokens)
+                r.shared_prefix_boundary = 0 if r.skip_reading_prefix_cache else self._shared_prefix_boundary(len(hits))
                 if self._connector is not None and not r.cpu_blocks:  # a swapped-out request resumes from its copy
                     matched = self._hook_matched(r, len(hits) * bs)
                     if r.skip_reading_prefix_cache:

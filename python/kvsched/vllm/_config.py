@@ -54,7 +54,8 @@ def _check_kv_cache_config(
 
     ``dcp``: vLLM's decode-context-parallel size; ``block_size`` is then vLLM's scheduler block size, the spec's
     block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks). A Mamba group in
-    mode "align" (block-sized states) needs ``prefix_caching`` off (the cache config's ``enable_prefix_caching``)."""
+    mode "align" (block-sized states) runs with ``prefix_caching`` (the cache config's ``enable_prefix_caching``)
+    on or off; on, with dense retention of its states (``prefix_cache_retention_interval`` None)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         CrossAttentionSpec,
@@ -71,6 +72,7 @@ def _check_kv_cache_config(
     window_specs: dict[int | str, Any] = {}
     attention_sizes: dict[int, int] = {}
     mamba_sizes: set[int] = set()
+    mamba_specs: list[Any] = []
     spec_blocks: set[int] = set()
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
@@ -86,11 +88,12 @@ def _check_kv_cache_config(
             )
         if type(spec) is MambaSpec:
             mode = getattr(spec, "mamba_cache_mode", "none")
-            if mode not in ("none", "align") or (mode == "align" and prefix_caching):
-                # vLLM's default with prefix caching: Mamba prefix hits and state caching (docs/vllm.md).
+            if mode not in ("none", "align") or (mode == "none" and prefix_caching):
+                # Prefix caching runs with mode "align" only (vLLM's default with prefix caching).
                 _refuse(
                     f"Mamba prefix caching (mamba_cache_mode {mode!r})",
-                    f"{where}MambaSpec: turn prefix caching off (--no-enable-prefix-caching) for mode 'none'",
+                    f"{where}MambaSpec: use mamba_cache_mode 'align' or turn prefix caching off "
+                    "(--no-enable-prefix-caching)",
                 )
             if mode == "align" and int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0:
                 # Mamba2 and Gated DeltaNet layers export a block-boundary state from inside a chunk: an extra
@@ -100,6 +103,11 @@ def _check_kv_cache_config(
                     f"{where}MambaSpec: num_prefill_checkpoint_blocks={spec.num_prefill_checkpoint_blocks}",
                 )
             window = MAMBA
+            if prefix_caching and mode == "align" and mamba_specs and spec not in mamba_specs:
+                # vLLM looks up the prefix hits of Mamba groups with different specs apart (the shared-prefix
+                # junction can then differ), the core looks all Mamba groups up together.
+                _refuse("Mamba prefix caching with Mamba KV cache groups of different specs", f"{where}MambaSpec")
+            mamba_specs.append(spec)
             mamba_sizes.add(int(spec.block_size))
             spec_blocks.add(int(spec.num_speculative_blocks))
             windows.append(window)
@@ -185,8 +193,15 @@ def _check_kv_cache_config(
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
     has_window = any(isinstance(w, int) for w in windows)
-    if has_window and getattr(kv_cache_config, "prefix_cache_retention_interval", None) is not None:
+    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    if has_window and retention is not None:
         _refuse("sparse prefix-cache retention of sliding windows", "prefix_cache_retention_interval")
+    if MAMBA in windows and prefix_caching and retention is not None:
+        # The core caches every Mamba state at a block boundary (vLLM's dense retention).
+        _refuse(
+            "sparse prefix-cache retention of Mamba states",
+            f"prefix_cache_retention_interval={retention} (set it to None for dense retention)",
+        )
     return windows, attention_size, next(iter(spec_blocks), 0)
 
 
@@ -321,9 +336,12 @@ def kvsched_config_from_vllm(
             if windows[g] == MAMBA
         }
         align = mamba_modes == {"align"}
-        if MAMBA in windows and cache.enable_prefix_caching:
-            # vLLM's mode "align" with its Mamba prefix hits and state caching (docs/vllm.md).
-            _refuse("Mamba prefix caching (mamba_cache_mode 'align')", "enable_prefix_caching=True")
+        if MAMBA in windows and cache.enable_prefix_caching and not align:
+            # Prefix caching runs with mode "align" only (vLLM's default with prefix caching).
+            _refuse("Mamba prefix caching (mamba_cache_mode 'none')", "enable_prefix_caching=True")
+        if MAMBA in windows and cache.enable_prefix_caching and RULES.version == "0.32":
+            # Differs from vLLM 0.32's scheduler in the differential sweep (docs/vllm.md); kvsched follows 0.33.
+            _refuse("Mamba prefix caching on vLLM 0.32", "enable_prefix_caching=True")
         if MAMBA in windows and (len(mamba_modes) > 1 or getattr(cache, "mamba_cache_mode", "none") not in mamba_modes):
             # vLLM's scheduler splits chunks by the cache config's mode, its Mamba managers allocate by the specs'.
             _refuse(

@@ -864,10 +864,10 @@ impl SchedulerConfig {
             );
         }
         let has_mamba = groups.contains(&Some(MAMBA));
-        if self.enable_prefix_caching && has_mamba {
+        if self.enable_prefix_caching && has_mamba && !self.mamba_align {
             return refuse(
-                "with a Mamba group needs enable_prefix_caching=False (vLLM's mamba_cache_mode 'none' keeps one \
-                 state per request, never cached)"
+                "with a Mamba group needs enable_prefix_caching=False or mamba_align (vLLM's mamba_cache_mode \
+                 'none' keeps one state per request, never cached)"
                     .into(),
             );
         }

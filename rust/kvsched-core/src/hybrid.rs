@@ -44,11 +44,17 @@
 //!   `ceil(t / bs) + s - len` capped at that (negative when the table is longer: vLLM sums it as it is). Before
 //!   each allocation, with `p` tokens processed, the entries below `(p - 1) / bs` go back to the pool (deepest
 //!   first, null blocks skipped): the state two allocations old among them. A running request's new ids in the
-//!   group are the entries its allocation appended.
+//!   group are the entries its allocation appended. With prefix caching the Mamba groups are one lookup set
+//!   (right to left: the first block all of them have cached, null blocks before it), their non-null entries at
+//!   full-block boundaries are cached after each allocation, a hit on a state cached in the current `schedule()`
+//!   call fails its allocation (`mamba_cached_step`), and the longest single-set hit, when longer than the
+//!   combined one, is the request's shared-prefix junction (a chunk stop, `AlignedSplit::split`).
 //!
 //! This module holds the groups' description; `hybrid_kv.rs` holds what `KvCacheManager` does with them, off the
 //! single-group paths: `KvCacheManager` branches there only when `hybrid` is set.
 
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::config::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA};
@@ -79,6 +85,12 @@ pub struct Hybrid {
     /// Each group's hits found by the last `find_longest_cache_hit` (group 0's are also the caller's list):
     /// `allocate_slots` and `full_sequence_fits` take the other groups' hits from here when handed group 0's.
     last_hits: Mutex<Vec<Vec<u32>>>,
+    /// See `last_longest`.
+    last_longest: AtomicUsize,
+    /// Align-mode Mamba groups with prefix caching: the keys Mamba blocks entered the cache under since the
+    /// current `schedule()` call began (vLLM's `cached_blocks_this_step`): a Mamba hit on one of them fails its
+    /// allocation in this step (its state is written by this step).
+    pub mamba_cached_step: HashSet<BlockHash>,
 }
 
 impl Clone for Hybrid {
@@ -92,6 +104,8 @@ impl Clone for Hybrid {
             caps: self.caps.clone(),
             lookups: self.lookups.clone(),
             last_hits: Mutex::new(self.hits().clone()),
+            last_longest: AtomicUsize::new(self.last_longest()),
+            mamba_cached_step: self.mamba_cached_step.clone(),
         }
     }
 }
@@ -103,18 +117,7 @@ impl Hybrid {
         let windows: Vec<u32> = windows.iter().map(|w| w.unwrap_or(0)).collect();
         let caps = windows.iter().map(|&w| if is_window(w) { cap(w) } else { usize::MAX }).collect();
         let primary = windows.iter().position(|&w| w != MAMBA).unwrap_or(0);
-        let mut lookups: Vec<(u32, Vec<usize>)> = Vec::new();
-        for (g, &w) in windows.iter().enumerate() {
-            if w != 0 && !is_window(w) {
-                continue;
-            }
-            match lookups.iter_mut().find(|(lw, _)| *lw == w) {
-                Some((_, ids)) => ids.push(g),
-                None => lookups.push((w, vec![g])),
-            }
-        }
-        // Full attention first (a stable sort keeps the windows' order).
-        lookups.sort_by_key(|(w, _)| *w != 0);
+        let lookups = build_lookups(&windows, false);
         let n = windows.len();
         let zero_ids = if windows.contains(&MAMBA) { vec![Vec::new(); n] } else { Vec::new() };
         Hybrid {
@@ -126,7 +129,26 @@ impl Hybrid {
             caps,
             lookups,
             last_hits: Mutex::new(vec![Vec::new(); n]),
+            last_longest: AtomicUsize::new(0),
+            mamba_cached_step: HashSet::new(),
         }
+    }
+
+    /// Align-mode Mamba groups with prefix caching: the Mamba groups join the lookup as one set (vLLM groups
+    /// them by their one spec), in the order of first appearance among the sets that are not full attention.
+    pub fn with_mamba_lookup(mut self) -> Self {
+        self.lookups = build_lookups(&self.windows, true);
+        self
+    }
+
+    /// The longest hit (in blocks) one lookup set found in the last `find_longest_cache_hit`, which may exceed
+    /// the combined hit (vLLM's `longest_hit_length`).
+    pub(crate) fn last_longest(&self) -> usize {
+        self.last_longest.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_last_longest(&self, n: usize) {
+        self.last_longest.store(n, Ordering::Relaxed);
     }
 
     /// Where group `g`'s table sits in `Request::groups`; `None` for the primary group (`Request::blocks`).
@@ -139,6 +161,24 @@ impl Hybrid {
     pub(crate) fn hits(&self) -> MutexGuard<'_, Vec<Vec<u32>>> {
         self.last_hits.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// The lookup sets of groups `windows`: full attention as one set first, then each window (and, with `mamba`, the
+/// Mamba groups as one set) in order of first appearance.
+fn build_lookups(windows: &[u32], mamba: bool) -> Vec<(u32, Vec<usize>)> {
+    let mut lookups: Vec<(u32, Vec<usize>)> = Vec::new();
+    for (g, &w) in windows.iter().enumerate() {
+        if w != 0 && !is_window(w) && !(mamba && w == MAMBA) {
+            continue;
+        }
+        match lookups.iter_mut().find(|(lw, _)| *lw == w) {
+            Some((_, ids)) => ids.push(g),
+            None => lookups.push((w, vec![g])),
+        }
+    }
+    // Full attention first (a stable sort keeps the others' order).
+    lookups.sort_by_key(|(w, _)| *w != 0);
+    lookups
 }
 
 /// Group `g`'s prefix-cache key of a block with hash `h`: the hash itself for group 0, else the hash with
@@ -218,12 +258,14 @@ pub(crate) struct AlignedSplit {
 
 impl AlignedSplit {
     /// A prefill chunk of `n` tokens from `start`, cut where an align-mode Mamba state must be written (vLLM's
-    /// `_mamba_block_aligned_split` without prefill checkpoints, partial-block hits or shared-prefix junctions):
+    /// `_mamba_block_aligned_split` without prefill checkpoints or partial-block hits), `junction` being the
+    /// request's `shared_prefix_boundary` (0: none):
     /// the prefill ends at `max(num_prompt, num_tokens - 1)`; a chunk that ends before it is floored to a block
     /// boundary (unless that leaves nothing and a block is wider than `max_prefill_tokens`); it then stops at the
     /// next block boundary when it starts inside a block, and at the last block boundary that leaves a token to
-    /// compute (`mamba_checkpoint`), whichever comes first strictly inside it. A chunk past the prefill is kept.
-    pub fn split(&self, num_prompt: u32, num_tokens: u32, start: u32, n: u32) -> u32 {
+    /// compute (`mamba_checkpoint`), and at `start + (junction - start) / bs * bs` when `junction` lies strictly
+    /// inside it, whichever comes first strictly inside it. A chunk past the prefill is kept.
+    pub fn split(&self, num_prompt: u32, num_tokens: u32, start: u32, n: u32, junction: u32) -> u32 {
         let prefill_end = num_prompt.max(num_tokens.saturating_sub(1));
         if start >= prefill_end {
             return n;
@@ -238,7 +280,10 @@ impl AlignedSplit {
             }
         }
         let next_boundary = if start % bs != 0 { (start / bs + 1) * bs } else { 0 };
-        for stop in [next_boundary, last_cache] {
+        // A shared-prefix junction inside the chunk: its block-floored position (from `start`).
+        let junction_stop =
+            if start < junction && junction < end { start + (junction - start) / bs * bs } else { 0 };
+        for stop in [next_boundary, last_cache, junction_stop] {
             if start < stop && stop < end {
                 end = stop;
             }
@@ -265,16 +310,22 @@ mod tests {
     #[test]
     fn chunks_end_at_block_boundaries_and_the_last_checkpoint() {
         let s = AlignedSplit { bs: 4, max_prefill_tokens: 64, drop_eagle: false, hash_lookahead: 0 };
-        assert_eq!(s.split(10, 10, 0, 10), 8); // the last boundary that leaves a token
-        assert_eq!(s.split(10, 10, 8, 2), 2);
-        assert_eq!(s.split(17, 17, 0, 10), 8); // floored
-        assert_eq!(s.split(17, 17, 0, 3), 0); // floored to nothing
-        assert_eq!(s.split(6, 8, 0, 8), 4); // resumed: the prefill ends at 7 (outputs replayed)
-        assert_eq!(s.split(6, 8, 7, 1), 1); // a decode is kept
-                                            // A block wider than the longest chunk keeps an unaligned end, then stops at its block's end.
+        assert_eq!(s.split(10, 10, 0, 10, 0), 8); // the last boundary that leaves a token
+        assert_eq!(s.split(10, 10, 8, 2, 0), 2);
+        assert_eq!(s.split(17, 17, 0, 10, 0), 8); // floored
+        assert_eq!(s.split(17, 17, 0, 3, 0), 0); // floored to nothing
+        assert_eq!(s.split(6, 8, 0, 8, 0), 4); // resumed: the prefill ends at 7 (outputs replayed)
+        assert_eq!(s.split(6, 8, 7, 1, 0), 1); // a decode is kept
+                                               // A block wider than the longest chunk keeps an unaligned end, then stops at its block's end.
         let wide = AlignedSplit { bs: 8, max_prefill_tokens: 6, drop_eagle: false, hash_lookahead: 0 };
-        assert_eq!(wide.split(20, 20, 0, 6), 6);
-        assert_eq!(wide.split(20, 20, 6, 14), 2);
-        assert_eq!(wide.split(20, 20, 6, 5), 2);
+        assert_eq!(wide.split(20, 20, 0, 6, 0), 6);
+        assert_eq!(wide.split(20, 20, 6, 14, 0), 2);
+        assert_eq!(wide.split(20, 20, 6, 5, 0), 2);
+        // A shared-prefix junction stops the chunk at its block-floored position.
+        assert_eq!(s.split(40, 40, 8, 24, 20), 12); // floored from the chunk's start: 8 + 12
+        assert_eq!(s.split(40, 40, 8, 24, 24), 16);
+        assert_eq!(s.split(40, 40, 8, 24, 10), 24); // floored to the start: no stop
+        assert_eq!(s.split(40, 40, 8, 16, 24), 16); // at the chunk's end: not inside it
+        assert_eq!(s.split(40, 40, 8, 24, 40), 24);
     }
 }

@@ -64,6 +64,7 @@ impl KvCacheManager {
         let mut done = vec![false; ngroups];
         let mut hit_len = self.max_hit_blocks(hashes, num_tokens);
         let mut found = Vec::new();
+        let mut longest = 0;
         loop {
             let mut curr = hit_len;
             for (w, ids) in &hy.lookups {
@@ -75,7 +76,18 @@ impl KvCacheManager {
                 for &g in ids {
                     hits[g].clear();
                 }
-                if w == 0 {
+                if w == MAMBA {
+                    // Right to left: the first block every Mamba group has cached, null blocks before it.
+                    for i in (0..curr).rev() {
+                        if self.hit_all(hashes, i, ids, &mut found) {
+                            for (&g, &b) in ids.iter().zip(&found) {
+                                hits[g].resize(i, NULL_BLOCK);
+                                hits[g].push(b);
+                            }
+                            break;
+                        }
+                    }
+                } else if w == 0 {
                     for i in 0..curr {
                         if !self.hit_all(hashes, i, ids, &mut found) {
                             break;
@@ -134,6 +146,7 @@ impl KvCacheManager {
                     done[g] = true;
                 }
                 curr = hits[first].len();
+                longest = longest.max(curr);
             }
             if curr >= hit_len {
                 break;
@@ -148,6 +161,7 @@ impl KvCacheManager {
         for h in hits.iter_mut() {
             h.truncate(hit_len);
         }
+        hy.set_last_longest(longest);
         out.extend_from_slice(&hits[0]);
     }
 
@@ -186,9 +200,17 @@ impl KvCacheManager {
                 continue;
             }
             if w == MAMBA && hy.mamba_align {
+                let ghits = &all_hits[g];
+                if let Some(&b) = ghits.last() {
+                    // A hit on a state this step writes: never fits in this step.
+                    if hy.mamba_cached_step.contains(&group_key(&req.block_hashes[ghits.len() - 1], g)) {
+                        return self.pool.num_blocks() as usize + 1;
+                    }
+                    total += usize::from(self.pool.ref_cnt(b) == 0);
+                }
                 let allocated = hy.slot(g).is_some_and(|i| req.groups[i].mamba_allocated);
                 let entries = required + hy.mamba_blocks - 1;
-                total += align_need(entries, held, hy.mamba_blocks, allocated).max(0) as usize;
+                total += align_need(entries, held + ghits.len(), hy.mamba_blocks, allocated).max(0) as usize;
                 continue;
             }
             if w == MAMBA {
@@ -257,9 +279,19 @@ impl KvCacheManager {
         for (g, &w) in windows.iter().enumerate() {
             let held = table_ref(req, slots[g]).len();
             if w == MAMBA && align {
+                // A prefix hit (a new request's): the state block at its end, null blocks before it.
+                let ghits = &all_hits[g];
+                if let Some(&b) = ghits.last() {
+                    // Its state is written by this step (another request cached it): not before the next step.
+                    let key = group_key(&req.block_hashes[ghits.len() - 1], g);
+                    if self.hybrid.as_deref().is_some_and(|hy| hy.mamba_cached_step.contains(&key)) {
+                        return None;
+                    }
+                    evictable += usize::from(self.pool.ref_cnt(b) == 0);
+                }
                 let allocated = slots[g].is_some_and(|i| req.groups[i].mamba_allocated);
-                mamba_need += align_need(mamba_entries, held, mamba_blocks, allocated);
-                plan.push((0, 0));
+                mamba_need += align_need(mamba_entries, held + ghits.len(), mamba_blocks, allocated);
+                plan.push((ghits.len().saturating_sub(1), 0));
                 continue;
             }
             if w == CROSS_ATTENTION || w == MAMBA {
@@ -288,7 +320,7 @@ impl KvCacheManager {
             return None;
         }
         for (g, &(skipped, _)) in plan.iter().enumerate() {
-            if windows[g] == CROSS_ATTENTION || windows[g] == MAMBA {
+            if windows[g] == CROSS_ATTENTION || (windows[g] == MAMBA && all_hits[g].is_empty()) {
                 continue;
             }
             let kept = &all_hits[g][skipped.min(num_hits)..];
@@ -403,8 +435,9 @@ impl KvCacheManager {
         let windows = hy.windows.clone();
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
+        let align = hy.mamba_align;
         for (g, &w) in windows.iter().enumerate() {
-            if w == CROSS_ATTENTION || w == MAMBA {
+            if w == CROSS_ATTENTION || (w == MAMBA && !align) {
                 continue;
             }
             let first = *table(req, slots[g]).1 as usize;
@@ -418,6 +451,11 @@ impl KvCacheManager {
                         let key = group_key(&req.block_hashes[i], g);
                         self.pool.cache_block(b, key);
                         self.newly_cached.push((b, key));
+                        if w == MAMBA {
+                            if let Some(hy) = self.hybrid.as_deref_mut() {
+                                hy.mamba_cached_step.insert(key);
+                            }
+                        }
                     }
                 }
             }

@@ -163,6 +163,23 @@ impl KvCacheManager {
         self.blocks_to_add(req.blocks.len() + max_hits, hit_tokens + n + lookahead)
     }
 
+    /// After a `find_longest_cache_hit` that found `num_hits` blocks: the tokens of the longest hit one lookup set
+    /// found when it exceeds them (vLLM's `shared_prefix_boundary`), else 0; 0 without align-mode Mamba groups
+    /// and prefix caching (the only ones that read it).
+    pub(crate) fn shared_prefix_boundary(&self, num_hits: usize) -> u32 {
+        match self.hybrid.as_deref() {
+            Some(hy) if hy.mamba_align && self.enable_caching => {
+                let longest = hy.last_longest();
+                if longest > num_hits {
+                    longest as u32 * self.block_size
+                } else {
+                    0
+                }
+            }
+            _ => 0,
+        }
+    }
+
     /// Blocks a request holding `held` blocks (its table plus its prefix hits) must add to have `num_slots`
     /// slots (capped at `max_slots`).
     #[inline(always)]

@@ -235,6 +235,10 @@ pub struct Request {
     /// `KvCacheManager::cache_hit_upper_bound`: whatever the cache did since, the hits can reach past it only if
     /// the hash right after them is cached now.
     pub probe_hits: u32,
+    /// Align-mode Mamba groups with prefix caching: the tokens of the longest hit one lookup set found at the
+    /// request's last lookup when the combined hit is shorter (vLLM's `shared_prefix_boundary`), else 0. A prefill
+    /// chunk stops at its block-floored position (`AlignedSplit::split`).
+    pub shared_prefix_boundary: u32,
     /// Order of `add_request` calls: blocked requests that become ready are queued in this order.
     pub add_seq: u64,
     /// KV connector: the asynchronous load of this request was reported finished (or failed).

@@ -213,6 +213,9 @@ impl Scheduler {
                     window_cap_blocks(&config, w)
                 });
                 hy.mamba_align = config.mamba_align;
+                if config.mamba_align && config.enable_prefix_caching {
+                    hy = hy.with_mamba_lookup();
+                }
                 Box::new(hy)
             }),
             special: config.sliding_window.is_some() || !config.kv_cache_groups.is_empty(),
@@ -512,6 +515,7 @@ impl Scheduler {
             num_swapped_tokens: 0,
             num_lost_tokens: 0,
             probe_hits: 0,
+            shared_prefix_boundary: 0,
             add_seq: self.next_add_seq,
             kv_load_done: false,
             kv_load_failed: false,
@@ -1164,14 +1168,18 @@ impl Scheduler {
                 let align_mamba = window == Some(crate::config::MAMBA) && cfg.mamba_align;
                 if align_mamba {
                     // An align-mode Mamba table: at least the state's and the speculative blocks' entries from
-                    // the first allocation on (null blocks between the states), none cached.
+                    // the first allocation on (null blocks between the states), none cached without prefix
+                    // caching, at most the table's entries with it.
                     let least =
                         if r.blocks.is_empty() { 0 } else { 1 + cfg.mamba_speculative_blocks as usize };
-                    if (r.blocks.is_empty() && !blocks.is_empty()) || blocks.len() < least || num_cached != 0
+                    let most_cached = if cfg.enable_prefix_caching { blocks.len() } else { 0 };
+                    if (r.blocks.is_empty() && !blocks.is_empty())
+                        || blocks.len() < least
+                        || num_cached as usize > most_cached
                     {
                         return Err(format!(
                             "request {:?}: align-mode Mamba group {g} holds {} entries ({num_cached} cached), \
-                             expected at least {least} (none cached)",
+                             expected at least {least} (at most {most_cached} cached)",
                             r.id,
                             blocks.len()
                         ));
@@ -1233,6 +1241,9 @@ impl Scheduler {
                 if cfg.enable_prefix_caching && window != Some(1) {
                     let first = num_null.min(num_cached as usize);
                     for (i, &b) in blocks.iter().enumerate().take(num_cached as usize).skip(first) {
+                        if align_mamba && b == 0 {
+                            continue; // the null entries between an align-mode Mamba table's states
+                        }
                         let key = r.block_hashes.get(i).map(|h| crate::hybrid::group_key(h, g));
                         if self.kv.pool.block_hash(b) != key.as_ref() {
                             return Err(format!(

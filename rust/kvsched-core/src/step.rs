@@ -419,6 +419,9 @@ impl Scheduler {
         let mut rec = self.spare_record.take().unwrap_or_default();
         let mut b = Builder::with_capacity(self.running.len() + 8, &mut rec, self.spare_output.take());
         self.kv.newly_cached.clear(); // what updates cached since the previous step is not this step's
+        if let Some(hy) = self.kv.hybrid.as_deref_mut() {
+            hy.mamba_cached_step.clear();
+        }
         let mut preempted: Vec<ReqHandle> = Vec::new();
         // Prompt chunks scheduled in phase A, charged to their tenants once phase A is final (a victim's refund
         // must not have been charged).
@@ -686,7 +689,13 @@ impl Scheduler {
             let mut n = n as u32;
             // Align-mode Mamba groups: a prefill chunk ends where a state must be written; none: skipped.
             if let Some(split) = &self.mamba_split {
-                n = split.split(req.num_prompt_tokens, req.num_tokens(), computed, n);
+                n = split.split(
+                    req.num_prompt_tokens,
+                    req.num_tokens(),
+                    computed,
+                    n,
+                    req.shared_prefix_boundary,
+                );
                 if n == 0 {
                     i += 1;
                     continue;
@@ -1026,9 +1035,11 @@ impl Scheduler {
                 }
             }
             // A request that skips reading the prefix cache (prompt logprobs) gets no hits.
+            req.shared_prefix_boundary = 0;
             if !req.skip_reading_prefix_cache {
                 self.kv.find_longest_cache_hit(&req.block_hashes, lookup_tokens, hits);
                 req.probe_hits = hits.len() as u32;
+                req.shared_prefix_boundary = self.kv.shared_prefix_boundary(hits.len());
             }
             // A swapped-out request resumes from its CPU copy: the connector is not asked.
             if let (Some(conn), true) = (self.connector.as_mut(), req.cpu_blocks.is_empty()) {
@@ -1098,6 +1109,7 @@ impl Scheduler {
         let planned_encoder = self.encoder.capacity() > 0 && !load_async && !req.encoder_inputs.is_empty();
         let num_tokens = req.num_tokens();
         let num_prompt = req.num_prompt_tokens;
+        let junction = req.shared_prefix_boundary;
         // Encoder-decoder: the encoder output is computed at the admission of a request with nothing computed
         // (`encoder_dec.rs`); a failed allocation gives its slots back all the same.
         let enc_dec_tokens = if self.config.encoder_decoder { req.cross_attention_tokens } else { 0 };
@@ -1112,7 +1124,7 @@ impl Scheduler {
         if let (false, Some(split)) = (load_async, &self.mamba_split) {
             // Align-mode Mamba groups: a prefill chunk ends where a state must be written; none ends the pass.
             // A padded decode keeps its drafts or loses them all.
-            n = split.split(num_prompt, num_tokens, computed, n);
+            n = split.split(num_prompt, num_tokens, computed, n, junction);
             if n == 0 {
                 return Ok(Candidate::Stop);
             }

@@ -1396,91 +1396,193 @@ fn align_config_strategy() -> impl Strategy<Value = SchedulerConfig> {
         })
 }
 
+/// Random operations `ops` on the align-mode Mamba config `config` keep every invariant (the tables' blocks held
+/// once, counted in the pool, cached entries within the tables), every scheduled prefill chunk but a prompt's last
+/// ends at a block boundary (or a shared-prefix junction's block-floored position, itself a block boundary from
+/// the chunk's block-aligned start), and draining gives every block back. Returns the prefix hits of the Mamba
+/// groups' admissions (entries scheduled with computed tokens and no table before).
+fn align_soak(config: &SchedulerConfig, ops: Vec<Op>) -> Result<u32, TestCaseError> {
+    let mut s = Scheduler::new(config.clone()).unwrap();
+    let mut pending: Vec<SchedulerOutput> = Vec::new();
+    let mut next_id = 0u32;
+    let n_drafts = if config.async_scheduling { 0 } else { config.num_lookahead_tokens };
+    let mut hits = 0u32;
+    let check_chunks = |s: &Scheduler, out: &SchedulerOutput, hits: &mut u32| -> Result<(), TestCaseError> {
+        for &i in out.new_reqs.iter().chain(&out.resumed_reqs) {
+            *hits += u32::from(out.num_computed_tokens[i as usize] > 0);
+        }
+        for (i, h) in out.handles.iter().enumerate() {
+            let Ok(req) = s.slab.get(h.slot) else { continue };
+            let (start, n) = (out.num_computed_tokens[i] as u32, out.num_scheduled_tokens[i] as u32);
+            let prefill_end = req.num_prompt_tokens.max(req.num_tokens() - 1);
+            if start < prefill_end && start + n < prefill_end && (start + n) % config.block_size != 0 {
+                // Only a block wider than the longest prefill chunk leaves a chunk end inside a block.
+                let longest = if config.long_prefill_token_threshold > 0 {
+                    config.long_prefill_token_threshold.min(config.max_num_batched_tokens)
+                } else {
+                    config.max_num_batched_tokens
+                };
+                prop_assert!(
+                    config.block_size > longest
+                        && (start + n) / config.block_size == start / config.block_size,
+                    "chunk {start}..{} ends inside a block",
+                    start + n
+                );
+            }
+        }
+        Ok(())
+    };
+    for op in ops {
+        match op {
+            Op::Add { prefix, len, max_tokens, .. } => {
+                let p: Vec<i64> =
+                    (0..i64::from(len.min(100))).map(|t| (t * 7 + i64::from(prefix) * 1000) % 97).collect();
+                let params = RequestParams {
+                    max_tokens: Some(u32::from(max_tokens)),
+                    eos_token_id: Some(2),
+                    arrival_time: f64::from(next_id),
+                    ..Default::default()
+                };
+                let _ = s.add_request(&format!("r{next_id}"), &p, params);
+                next_id += 1;
+            }
+            Op::Step { eos } => {
+                let out = s.schedule().unwrap();
+                check_chunks(&s, &out, &mut hits)?;
+                pending.push(out);
+                s.check_invariants().map_err(TestCaseError::fail)?;
+                while !pending.is_empty() {
+                    apply_pending(&mut s, &mut pending, eos, n_drafts);
+                }
+            }
+            Op::ScheduleOnly => {
+                let out = s.schedule().unwrap();
+                check_chunks(&s, &out, &mut hits)?;
+                pending.push(out);
+            }
+            Op::ApplyPending => apply_pending(&mut s, &mut pending, false, 0),
+            Op::Abort(k) => {
+                let live = live_ids(&s);
+                if !live.is_empty() {
+                    s.abort_requests(&[live[k as usize % live.len()].clone()]).unwrap();
+                }
+            }
+            Op::Preempt(k, drop) => {
+                let running = s.running_req_ids();
+                if !running.is_empty() {
+                    let id = running[k as usize % running.len()].to_string();
+                    s.preempt_request(&id, drop).unwrap();
+                }
+            }
+            _ => {}
+        }
+        s.check_invariants().map_err(TestCaseError::fail)?;
+    }
+    while !pending.is_empty() {
+        apply_pending(&mut s, &mut pending, false, 0);
+    }
+    let mut guard = 0;
+    while s.has_unfinished_requests() {
+        pending.push(s.schedule().unwrap());
+        apply_pending(&mut s, &mut pending, false, 0);
+        s.check_invariants().map_err(TestCaseError::fail)?;
+        guard += 1;
+        prop_assert!(guard < 20_000, "scheduler made no progress");
+    }
+    prop_assert_eq!(s.num_free_blocks(), config.num_blocks as usize - 1);
+    Ok(hits)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 120, .. ProptestConfig::default() })]
 
-    /// Random operations on align-mode Mamba configs keep every invariant (the tables' blocks held once, counted
-    /// in the pool, no cached state), every scheduled prefill chunk but a prompt's last ends at a block boundary,
-    /// and draining gives every block back.
+    /// Random operations on align-mode Mamba configs without prefix caching (`align_soak`).
     #[test]
     fn align_mamba_random_operations_keep_every_invariant(
         config in align_config_strategy(),
         ops in prop::collection::vec(op(), 1..100),
     ) {
-        let mut s = Scheduler::new(config.clone()).unwrap();
-        let mut pending: Vec<SchedulerOutput> = Vec::new();
-        let mut next_id = 0u32;
-        let n_drafts = if config.async_scheduling { 0 } else { config.num_lookahead_tokens };
-        let check_chunks = |s: &Scheduler, out: &SchedulerOutput| -> Result<(), TestCaseError> {
-            for (i, h) in out.handles.iter().enumerate() {
-                let Ok(req) = s.slab.get(h.slot) else { continue };
-                let (start, n) = (out.num_computed_tokens[i] as u32, out.num_scheduled_tokens[i] as u32);
-                let prefill_end = req.num_prompt_tokens.max(req.num_tokens() - 1);
-                if start < prefill_end && start + n < prefill_end && (start + n) % config.block_size != 0 {
-                    // Only a block wider than the longest prefill chunk leaves a chunk end inside a block.
-                    let longest = if config.long_prefill_token_threshold > 0 {
-                        config.long_prefill_token_threshold.min(config.max_num_batched_tokens)
-                    } else {
-                        config.max_num_batched_tokens
-                    };
-                    prop_assert!(config.block_size > longest && (start + n) / config.block_size == start / config.block_size,
-                        "chunk {start}..{} ends inside a block", start + n);
-                }
-            }
-            Ok(())
-        };
-        for op in ops {
-            match op {
-                Op::Add { prefix, len, max_tokens, .. } => {
-                    let p: Vec<i64> = (0..i64::from(len.min(100))).map(|t| (t * 7 + i64::from(prefix) * 1000) % 97).collect();
-                    let params = RequestParams { max_tokens: Some(u32::from(max_tokens)), eos_token_id: Some(2),
-                        arrival_time: f64::from(next_id), ..Default::default() };
-                    let _ = s.add_request(&format!("r{next_id}"), &p, params);
-                    next_id += 1;
-                }
-                Op::Step { eos } => {
-                    let out = s.schedule().unwrap();
-                    check_chunks(&s, &out)?;
-                    pending.push(out);
-                    s.check_invariants().map_err(TestCaseError::fail)?;
-                    while !pending.is_empty() {
-                        apply_pending(&mut s, &mut pending, eos, n_drafts);
-                    }
-                }
-                Op::ScheduleOnly => {
-                    let out = s.schedule().unwrap();
-                    check_chunks(&s, &out)?;
-                    pending.push(out);
-                }
-                Op::ApplyPending => apply_pending(&mut s, &mut pending, false, 0),
-                Op::Abort(k) => {
-                    let live = live_ids(&s);
-                    if !live.is_empty() {
-                        s.abort_requests(&[live[k as usize % live.len()].clone()]).unwrap();
-                    }
-                }
-                Op::Preempt(k, drop) => {
-                    let running = s.running_req_ids();
-                    if !running.is_empty() {
-                        let id = running[k as usize % running.len()].to_string();
-                        s.preempt_request(&id, drop).unwrap();
-                    }
-                }
-                _ => {}
-            }
-            s.check_invariants().map_err(TestCaseError::fail)?;
-        }
-        while !pending.is_empty() {
-            apply_pending(&mut s, &mut pending, false, 0);
-        }
-        let mut guard = 0;
-        while s.has_unfinished_requests() {
-            pending.push(s.schedule().unwrap());
-            apply_pending(&mut s, &mut pending, false, 0);
-            s.check_invariants().map_err(TestCaseError::fail)?;
-            guard += 1;
-            prop_assert!(guard < 20_000, "scheduler made no progress");
-        }
-        prop_assert_eq!(s.num_free_blocks(), config.num_blocks as usize - 1);
+        align_soak(&config, ops)?;
     }
+
+    /// The same with prefix caching on: Mamba prefix hits, cached states, same-step hits deferred and
+    /// shared-prefix junction stops (`align_soak`).
+    #[test]
+    fn align_mamba_prefix_caching_random_operations_keep_every_invariant(
+        config in align_config_strategy(),
+        ops in prop::collection::vec(op(), 1..100),
+    ) {
+        align_soak(&SchedulerConfig { enable_prefix_caching: true, ..config }, ops)?;
+    }
+}
+
+fn align_caching_cfg() -> SchedulerConfig {
+    SchedulerConfig {
+        enable_prefix_caching: true,
+        kv_cache_groups: vec![None, Some(crate::MAMBA)],
+        mamba_align: true,
+        ..cfg(4, 64)
+    }
+}
+
+fn run_to_completion(s: &mut Scheduler) {
+    while s.has_unfinished_requests() {
+        step_with(s, 1);
+    }
+}
+
+#[test]
+fn mamba_prefix_hit_takes_the_cached_state_block() {
+    let mut s = Scheduler::new(align_caching_cfg()).unwrap();
+    add(&mut s, "a", &prompt(0, 13), params(3));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![12]); // the last boundary that leaves a token
+    let table = s.get_group_block_ids("a", 1).unwrap().to_vec();
+    assert_eq!(table[..2], [0, 0]);
+    let state = table[2];
+    run_to_completion(&mut s);
+    add(&mut s, "b", &prompt(0, 13), params(3));
+    let (out, _) = step_with(&mut s, 1);
+    // The hit: 12 tokens (the full-attention blocks and the Mamba state at 12), null blocks before the state.
+    assert_eq!((out.num_computed_tokens.clone(), out.num_scheduled_tokens.clone()), (vec![12], vec![1]));
+    let table = s.get_group_block_ids("b", 1).unwrap().to_vec();
+    assert_eq!(table.len(), 4);
+    assert_eq!(table[..3], [0, 0, state]);
+}
+
+#[test]
+fn mamba_hit_on_a_state_cached_in_the_same_step_waits_for_the_next_step() {
+    // With the full-sequence gate (it fails there first) and without it (the allocation fails).
+    for gate in [true, false] {
+        let mut s =
+            Scheduler::new(SchedulerConfig { scheduler_reserve_full_isl: gate, ..align_caching_cfg() })
+                .unwrap();
+        add(&mut s, "a", &prompt(0, 13), params(3));
+        add(&mut s, "b", &prompt(0, 13), params(3));
+        let (out, _) = step_with(&mut s, 1);
+        // "b" would hit the state "a" caches in this step: its allocation fails, as a full pool's would.
+        assert_eq!(ids(&s, &out), ["a"]);
+        let (out, _) = step_with(&mut s, 1);
+        assert_eq!(ids(&s, &out), ["a", "b"]);
+        assert_eq!(out.num_computed_tokens, vec![12, 12]);
+    }
+}
+
+#[test]
+fn a_shared_prefix_junction_ends_the_chunk_where_its_state_can_be_cached() {
+    let mut s = Scheduler::new(align_caching_cfg()).unwrap();
+    add(&mut s, "a", &prompt(0, 24), params(1));
+    run_to_completion(&mut s);
+    // "b" shares 16 tokens with "a": the full-attention hit is 4 blocks, the Mamba hit none (no state of "a"
+    // at 16), so the hit is 0 and 16 is the junction: the first chunk ends there (else at 28).
+    let b: Vec<i64> = prompt(0, 16).into_iter().chain(prompt(500, 14)).collect();
+    add(&mut s, "b", &b, params(1));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!((out.num_computed_tokens.clone(), out.num_scheduled_tokens.clone()), (vec![0], vec![16]));
+    run_to_completion(&mut s);
+    // "c" shares the same 16 tokens: it resumes from the state "b" cached there.
+    let c: Vec<i64> = prompt(0, 16).into_iter().chain(prompt(900, 10)).collect();
+    add(&mut s, "c", &c, params(1));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_computed_tokens, vec![16]);
 }
