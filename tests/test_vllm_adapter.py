@@ -173,6 +173,38 @@ def test_kv_connectors_that_use_vllms_block_pool_are_refused_inside_a_multi_conn
         build(multi(plain, name="BindingMulti", kv_connector_module_path=__name__))
 
 
+_V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "missing"),
+    [
+        (f"{_V1}.mooncake.store.connector", "MooncakeStoreConnector", "lookup server on worker rank 0"),
+        (f"{_V1}.hisparse.connector", "HiSparseConnector", "HiSparse host block pool"),
+        (f"{_V1}.umbp.connector", "UMBPStoreConnector", "UMBP runtime registered by MORI"),
+    ],
+)
+def test_vllms_other_block_pool_connectors_are_refused_saying_what_is_missing(
+    module: str, name: str, missing: str
+) -> None:
+    """vLLM's connectors that bind the block pool other than SimpleCPUOffloadConnector (Mooncake store,
+    HiSparse, UMBP; none can be built here: a Mooncake store, a HiSparse host pool, a UMBP runtime) are refused
+    by name, with what kvsched.vllm lacks for each; a subclass is refused the same way."""
+    import importlib
+
+    from kvsched.vllm._config import check_kv_connector
+
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except ImportError:  # UMBP is vLLM 0.33's
+        pytest.skip(f"no {name} in this vLLM release")
+    sub = type(f"My{name}", (cls,), {})
+    for klass in (cls, sub):
+        conn = object.__new__(klass)  # their constructors need what is missing here
+        with pytest.raises(UnsupportedFeatureError, match=rf"\({klass.__name__} overrides bind_\w+: .*{missing}"):
+            check_kv_connector(make_vllm_config(), conn)
+
+
 def test_simple_cpu_offload_connector_gets_a_pinning_pool() -> None:
     """vLLM's SimpleCPUOffloadConnector binds the block pool: kvsched.vllm gives it the pinning pool view (touch,
     free_blocks, block hashes), alone or under a MultiConnector; its lazy offload walks the free block queue
