@@ -254,6 +254,16 @@ def test_identical_to_vllm_with_simple_cpu_offload(sync: str, runner: str, seed:
     assert cfg.cpu_offload_blocks
 
 
+@pytest.mark.parametrize(("sync", "runner"), [("sync", "v1"), ("async", "v2")], ids=["sync-v1", "async-v2"])
+def test_identical_to_vllm_with_lazy_cpu_offload_and_kv_events(sync: str, runner: str) -> None:
+    """SimpleCPUOffloadConnector's lazy mode (it walks the GPU free queue from a cursor) with KV cache events on:
+    the connector's own events (blocks stored to and removed from its CPU pool) are published with the
+    scheduler's and compared batch by batch, besides the pool and the connector's state."""
+    cfg = run_seed(5, 120, async_scheduling=sync == "async", v2=runner == "v2", cpu_offload=True,
+                   lazy_offload=True, kv_events=True)  # fmt: skip
+    assert cfg.cpu_offload_lazy and cfg.kv_events
+
+
 ASYNC_MODES = [("async", "v1"), ("async", "v2")]
 ROLES = ["kv_producer", "kv_consumer", "kv_both"]
 

@@ -11,11 +11,18 @@ removed, with the blocks still carrying its hash.
 
 from __future__ import annotations
 
+from .._errors import InvalidRequestError
 from .state import _SchedulerState
 
 
 class _BlockPoolMixin(_SchedulerState):
-    """Popping a free block (evicting its cached contents) and freeing a list of blocks."""
+    """Popping a free block (evicting its cached contents), freeing a list of blocks, and the pool's id range."""
+
+    def _check_in_pool(self, b: int) -> None:
+        """``InvalidRequestError`` unless block ``b`` (a valid id, ``convert._block_id``) is in this pool."""
+        num_blocks = len(self._ref_cnt)
+        if b >= num_blocks:
+            raise InvalidRequestError(f"block id {b} is outside the KV cache pool (block ids 0..{num_blocks})")
 
     def _pop_free_block(self) -> int:
         b = self._free.popleft()

@@ -15,10 +15,35 @@ from .._errors import InvalidOutputError, InvalidRequestError, SchedulerTypeErro
 
 _TOKEN_LIMIT = 2**31  # token ids live in [0, 2**31)
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_U32_LIMIT = 2**32  # block ids are u32 in the core
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _block_id(x: Any, name: str = "block_id", item: bool = False) -> int:
+    """A block id argument (``item``: one of an iterable's): an int, not bool, within the int64 range and a
+    u32. Whether the pool has that block is the scheduler's check (``_check_in_pool``)."""
+    if isinstance(x, (bool, np.bool_)):
+        raise SchedulerTypeError(f"{name} must hold ints, got bool" if item else f"{name} must be an int, got bool")
+    if not _is_int(x):
+        raise SchedulerTypeError(f"{name} must be an int, got {type(x).__name__}")
+    b = int(x)
+    if not _I64_MIN <= b <= _I64_MAX:
+        raise InvalidRequestError(f"{name} is out of the int64 range: {b}")
+    if not 0 <= b < _U32_LIMIT:
+        raise InvalidRequestError(f"block id {b} is outside the KV cache pool")
+    return b
+
+
+def _block_ids(block_ids: Any) -> list[int]:
+    """An iterable of block ids, each as :func:`_block_id` takes it."""
+    try:
+        items = list(block_ids)
+    except TypeError:
+        raise SchedulerTypeError(f"block_ids must be an iterable of int, got {type(block_ids).__name__}") from None
+    return [_block_id(x, "block_ids", item=True) for x in items]
 
 
 def _int_array(value: object, what: str, range_error: type[Exception] = InvalidRequestError) -> np.ndarray:

@@ -12,10 +12,8 @@ import numpy as np
 from .._errors import InvalidOutputError, InvalidRequestError, SchedulerTypeError
 from ..kv_events import KVCacheEvents
 from .admission import _AdmissionMixin
-from .convert import _I64_MAX, _I64_MIN, _check_tokens, _int_array, _is_int, _opt_str
+from .convert import _I64_MAX, _I64_MIN, _block_id, _check_tokens, _int_array, _is_int, _opt_str
 from .output import SchedulerOutput
-
-_U32_LIMIT = 2**32  # block ids are u32 in the core
 
 
 class _IntrospectMixin(_AdmissionMixin):
@@ -100,16 +98,8 @@ class _IntrospectMixin(_AdmissionMixin):
     def get_block_ref_cnt(self, block_id: int) -> int:
         """How many requests hold block ``block_id`` (0 when free, and always for the null block 0);
         ``InvalidRequestError`` for an id outside the pool."""
-        if not _is_int(block_id):
-            raise SchedulerTypeError(f"block_id must be an int, got {type(block_id).__name__}")
-        b = int(block_id)
-        if not _I64_MIN <= b <= _I64_MAX:
-            raise InvalidRequestError(f"block_id is out of the int64 range: {b}")
-        if not 0 <= b < _U32_LIMIT:
-            raise InvalidRequestError(f"block id {b} is outside the KV cache pool")
-        num_blocks = len(self._ref_cnt)
-        if b >= num_blocks:
-            raise InvalidRequestError(f"block id {b} is outside the KV cache pool (block ids 0..{num_blocks})")
+        b = _block_id(block_id)
+        self._check_in_pool(b)
         return self._ref_cnt[b]
 
     def step_num_output_tokens(self, out: SchedulerOutput) -> np.ndarray:

@@ -16,30 +16,7 @@ import numpy as np
 
 from .._errors import InvalidRequestError, SchedulerTypeError
 from .block_pool import _BlockPoolMixin
-from .convert import _I64_MAX, _I64_MIN, _is_int
-
-_U32_LIMIT = 2**32  # block ids are u32 in the core
-
-
-def _block_id(x: Any, name: str, item: bool = False) -> int:
-    if isinstance(x, bool):
-        raise SchedulerTypeError(f"{name} must hold ints, got bool" if item else f"{name} must be an int, got bool")
-    if not _is_int(x):
-        raise SchedulerTypeError(f"{name} must be an int, got {type(x).__name__}")
-    b = int(x)
-    if not _I64_MIN <= b <= _I64_MAX:
-        raise InvalidRequestError(f"{name} is out of the int64 range: {b}")
-    if not 0 <= b < _U32_LIMIT:
-        raise InvalidRequestError(f"block id {b} is outside the KV cache pool")
-    return b
-
-
-def _block_ids(block_ids: Any) -> list[int]:
-    try:
-        items = list(block_ids)
-    except TypeError:
-        raise SchedulerTypeError(f"block_ids must be an iterable of int, got {type(block_ids).__name__}") from None
-    return [_block_id(x, "block_ids", item=True) for x in items]
+from .convert import _block_id, _block_ids
 
 
 class _PinsMixin(_BlockPoolMixin):
@@ -47,9 +24,7 @@ class _PinsMixin(_BlockPoolMixin):
     ``free_block_ids``."""
 
     def _check_block_id(self, b: int, what: str) -> None:
-        num_blocks = len(self._ref_cnt)
-        if b >= num_blocks:
-            raise InvalidRequestError(f"block id {b} is outside the KV cache pool (block ids 0..{num_blocks})")
+        self._check_in_pool(b)
         if b == 0:
             raise InvalidRequestError(f"block 0 is the null block: it cannot be {what}")
 
@@ -84,16 +59,9 @@ class _PinsMixin(_BlockPoolMixin):
                 self._pins[b] = left
             else:
                 del self._pins[b]
-        to_head: list[int] = []
-        for b in blocks:
-            self._ref_cnt[b] -= 1
-            if self._ref_cnt[b] == 0:
-                if self._block_hash[b] is not None:
-                    self._free.append(b)
-                else:
-                    to_head.append(b)
-        for b in reversed(to_head):
-            self._free.appendleft(b)
+        # The pool's release of a request's blocks, which walks them last first: the reversed list keeps the
+        # order given, first evicted first.
+        self._free_block_list(blocks[::-1])
 
     def get_block_pin_cnt(self, block_id: int) -> int:
         """How many pins block ``block_id`` carries (0 for the null block)."""

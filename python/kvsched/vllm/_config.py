@@ -237,11 +237,42 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
             return
         for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
             if getattr(cls, method, None) is not getattr(KVConnectorBase_V1, method):
-                feature = f"KV connectors that use vLLM's own block pool ({name} overrides {method})"
+                missing = _pool_connector_missing(cls)
+                feature = f"KV connectors that use vLLM's own block pool ({name} overrides {method}{missing})"
                 _refuse(feature, "kv_transfer_config")
 
     check(connector, "")
     return binds
+
+
+# vLLM's other connectors that bind its block pool, by class name: what kvsched.vllm lacks to host them.
+_POOL_CONNECTORS_MISSING = {
+    "MooncakeStoreConnector": (
+        "its touch / free_blocks / blocks on the pool are what block pins give, but it is not verified against "
+        "vLLM's scheduler: its scheduler half asks a Mooncake store for every prefix hit, through a lookup server "
+        "on worker rank 0 that needs the mooncake package, and with Mamba align groups it takes the finished "
+        "partial tails (register_finished_partial_tail), which kvsched.vllm does not hand over"
+    ),
+    "HiSparseConnector": (
+        "it needs a HiSparse host block pool (kv_cache_config.hisparse_host_num_blocks) and binds vLLM's "
+        "HiSparse coordinator into vLLM's own KV cache managers, which allocate and reclaim host blocks beside "
+        "the GPU pool; kvsched's core has no host pool"
+    ),
+    "UMBPStoreConnector": (
+        "its touch / free_blocks / blocks / get_cached_block on the pool are what block pins give, but it is not "
+        "verified against vLLM's scheduler: it is built only with a UMBP runtime registered by MORI (not part "
+        "of vLLM), which also answers its prefix lookups"
+    ),
+}
+
+
+def _pool_connector_missing(cls: type) -> str:
+    """``": what is missing"`` for vLLM's own connectors that bind the block pool (or a subclass), else ``""``."""
+    for klass in cls.__mro__:
+        why = _POOL_CONNECTORS_MISSING.get(klass.__name__)
+        if why is not None and klass.__module__.startswith("vllm."):
+            return f": {why}"
+    return ""
 
 
 def _is_simple_cpu_offload(cls: type) -> bool:

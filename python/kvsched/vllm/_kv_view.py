@@ -316,14 +316,19 @@ class PinningBlockPoolView(BlockPoolView):
         self._pins.unpin(block_ids(ordered_blocks))
 
     def get_cached_block(self, block_hash: Any, kv_cache_group_ids: Sequence[int]) -> list[BlockView] | None:
-        """The block cached under vLLM's hash ``block_hash`` (a request's block hash with its group id), once per
-        group asked, or None."""
+        """The block cached under vLLM's hash ``block_hash`` (a request's block hash, as in its ``block_hashes``)
+        in each group asked, or None if one of them has none (as vLLM's: a group other than 0 has none here)."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
         if not self.enable_caching:
             return None
-        block = self._pins.cached_block_id(block_hash)
-        if block is None:
-            return None
-        return [BlockView(self._core, block, self._pins) for _ in kv_cache_group_ids]
+        found: list[BlockView] = []
+        for group in kv_cache_group_ids:
+            block = self._pins.cached_block_id(make_block_hash_with_group_id(block_hash, group))
+            if block is None:
+                return None
+            found.append(BlockView(self._core, block, self._pins))
+        return found
 
     def get_num_free_blocks(self) -> int:
         self._pins.flush()
