@@ -188,12 +188,13 @@ def count_instructions(config: Any, wl: Workload, impl: str, first: int, end: in
 
 def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndarray, np.ndarray]:
     """Per-step ns of the Python work vLLM's scheduler interface itself asks of any scheduler in steady decoding
-    with ``n`` requests (one token each), with none of the adapter's own bookkeeping: ``schedule()``'s update of
-    each ``Request`` (vLLM's ``_update_after_schedule``: computed count, in-flight count, prefill-chunk flag, with
-    async scheduling the output placeholder) and its ``CachedRequestData`` and ``SchedulerOutput`` (computed and
-    output counts as lists, the scheduled-tokens dict); ``update_from_output()``'s append of each sampled token to
-    the request's output and token lists, the in-flight count back, one ``EngineCoreOutput`` per request and the
-    ``EngineCoreOutputs``. Each with the cheapest Python that does it. Real vLLM objects; the decisions, block
+    with ``n`` requests (one token each), with none of the adapter's own bookkeeping: ``schedule()``'s
+    ``CachedRequestData`` and ``SchedulerOutput`` (computed and output counts as lists, the scheduled-tokens dict);
+    ``update_from_output()``'s append of each sampled token to the request's output and token lists, one
+    ``EngineCoreOutput`` per request and the ``EngineCoreOutputs``. Each with the cheapest Python that does it.
+    The ``Request`` counters vLLM's ``_update_after_schedule`` and ``update_from_output`` move (computed,
+    in-flight, with async scheduling the output placeholders) are not in it: a scheduler can keep them as one
+    shared offset per step (the adapter's steady decoding cohorts). Real vLLM objects; the decisions, block
     hashing and stats are not in it (the profile times them)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
@@ -223,14 +224,6 @@ def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndar
     try:
         for step in range(steps):
             t0 = perf()
-            after = (computed + ones).tolist()
-            for request, c in zip(reqs, after, strict=True):
-                request.num_computed_tokens = c
-                request.num_in_flight_tokens += 1
-                request.is_prefill_chunk = False
-            if async_scheduling:
-                for request in reqs:
-                    request.num_output_placeholders += 1
             cached = CachedRequestData(
                 req_ids=ids.copy(),
                 resumed_req_ids=set(),
@@ -255,11 +248,6 @@ def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndar
             sampled = tokens.tolist()
             rows = [[t] for t in sampled]  # the runner's sampled_token_ids, built outside the timed region
             t2 = perf()
-            for request in reqs:
-                request.num_in_flight_tokens -= 1
-            if async_scheduling:
-                for request in reqs:
-                    request.num_output_placeholders -= 1
             deque(map(append, outs, sampled), 0)
             deque(map(append, alls, sampled), 0)
             EngineCoreOutputs(outputs=list(map(EngineCoreOutput, ids, rows)))
