@@ -323,7 +323,7 @@ def main() -> None:
         others = float(np.median(core_s) + np.median(core_u) + np.median(hash_ns + core_hash_ns) + np.median(stats_ns))
         others /= 1e3
         print(f"vLLM's interface alone at {counts.argmax()} requests ({mode}): median µs per step")
-        print(f"  {'schedule(): Request updates, SchedulerOutput':<42} {f_sched:8.1f}")
+        print(f"  {'schedule(): CachedRequestData, SchedulerOutput':<42} {f_sched:8.1f}")
         print(f"  {'update(): token appends, EngineCoreOutputs':<42} {f_upd:8.1f}")
         print(f"  {'+ core, block hashing, stats (profiled)':<42} {others:8.1f}")
         print(f"  {'floor for any scheduler behind vLLM':<42} {f_sched + f_upd + others:8.1f}")
