@@ -93,9 +93,12 @@ if __name__ == "__main__":
 """
 
 
-def kvsched_settings(isolate: bool, limit: int, max_running: int, min_ttft_slo_s: float) -> dict[str, Any]:
+def kvsched_settings(
+    isolate: bool, limit: int, max_running: int, min_ttft_slo_s: float, honest_limit: int
+) -> dict[str, Any]:
     """The recommended deployment of docs/security.md, with small limits: ``limit`` waiting and ``max_running``
-    running requests per tenant."""
+    running requests per tenant; the known (honest) tenants may keep ``honest_limit`` waiting, sized to their
+    traffic as a deployment sizes its known tenants' limits."""
     return {
         "kvsched": {
             "policy": "fair",
@@ -105,6 +108,7 @@ def kvsched_settings(isolate: bool, limit: int, max_running: int, min_ttft_slo_s
             "order_key_range": [0, 9],
             "gateway_token_env": TOKEN_ENV,
             "max_waiting_per_tenant": limit,
+            "tenant_max_waiting": dict.fromkeys(HONEST_TENANTS, honest_limit),
             "max_running_per_tenant": max_running,
             "tenant_stats_interval_s": 0,
         }
@@ -298,6 +302,7 @@ class Arm:
     load_avg_1m: float
     honest_ttft_s: list[float] = field(default_factory=list)
     honest_failed: int = 0
+    honest_failures: dict[str, int] = field(default_factory=dict)
     flood_sent: int = 0
     flood_refused: int = 0
     flood_refused_statuses: dict[str, int] = field(default_factory=dict)
@@ -325,46 +330,26 @@ def run_arm(
     """One arm: the honest load for ``arm_s`` seconds, with the hostile client when ``kind`` is ``hostile``
     (its flood capped at ``flood_rate`` requests a second, as a gateway's per-client rate limit would; 0: none)."""
     arm = Arm(kind, os.getloadavg()[0])
-    stop = threading.Event()
     lock = threading.Lock()
-    next_send = [time.monotonic()]
-
-    def pace() -> None:
-        if flood_rate <= 0:
-            return
-        with lock:
-            at = next_send[0] = max(next_send[0] + 1.0 / flood_rate, time.monotonic())
-        time.sleep(max(0.0, at - time.monotonic()))
 
     def honest(tenant: str, k: int) -> None:
-        with _client(srv.base) as c:
-            prompt = _words(seed * 1000 + k, 150 + (k * 37) % 150)
-            r = complete(c, prompt, _gateway(tenant, srv.token), max_tokens=16, stream=True)
+        prompt = _words(seed * 1000 + k, 150 + (k * 37) % 150)
+        try:
+            with _client(srv.base) as c:
+                r = complete(c, prompt, _gateway(tenant, srv.token), max_tokens=16, stream=True)
+        except Exception as e:  # a timeout or a dropped connection counts as a failed request
+            r = Reply(0, f"{type(e).__name__}: {e}")
         with lock:
             if r.status == 200 and r.ttft_s is not None:
                 arm.honest_ttft_s.append(r.ttft_s)
             else:
                 arm.honest_failed += 1
+                key = f"{r.status} {r.message[:60]}"
+                arm.honest_failures[key] = arm.honest_failures.get(key, 0) + 1
 
-    def flooder(i: int) -> None:
-        with _client(srv.base) as c:
-            k = 0
-            while not stop.is_set():
-                pace()
-                r = complete(c, _words(10**6 + 1000 * i + k, 100), None, max_tokens=32, stream=False)
-                k += 1
-                with lock:
-                    arm.flood_sent += 1
-                    if r.status == 200:
-                        arm.flood_served += 1
-                    else:
-                        arm.flood_refused += 1
-                        key = f"{r.status} {r.message[:60]}"
-                        arm.flood_refused_statuses[key] = arm.flood_refused_statuses.get(key, 0) + 1
-
-    hostile_pool = ThreadPoolExecutor(10 * limit) if kind == "hostile" else None
+    flood: subprocess.Popen[str] | None = None
     try:
-        if hostile_pool is not None:
+        if kind == "hostile":
             with _client(srv.base) as c:
                 for claim in claims(srv.token):
                     r = complete(c, _words(seed, 20), claim.xargs, max_tokens=4, stream=False)
@@ -376,8 +361,15 @@ def run_arm(
                 arm.probe_cached_tokens = complete(c, secret, None, max_tokens=1, stream=False).cached_tokens
                 owner = complete(c, secret, _gateway("team-a", srv.token), max_tokens=1, stream=False)
                 arm.owner_cached_tokens = owner.cached_tokens
-            for i in range(10 * limit):
-                hostile_pool.submit(flooder, i)
+            # The flood runs in a process of its own, as a real hostile client would: its threads then do not
+            # compete with the honest clients' threads for this process's interpreter lock.
+            flood = subprocess.Popen(
+                [sys.executable, __file__, "--flood", srv.base, "--flood-threads", str(10 * limit),
+                 "--flood-rate", str(flood_rate)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            assert flood.stdout is not None
+            flood.stdout.readline()  # its clients are made: the flood begins
         with ThreadPoolExecutor(32) as pool:
             k = 0
             start = time.monotonic()
@@ -388,13 +380,66 @@ def run_arm(
                     k += 1
                 next_at = start + (k // len(HONEST_TENANTS)) * interval_s
                 time.sleep(max(0.0, next_at - time.monotonic()))
-            stop.set()
+            if flood is not None and flood.stdin is not None:
+                flood.stdin.close()  # the flood stops with the honest load's last request sent
     finally:
-        stop.set()
-        if hostile_pool is not None:
-            hostile_pool.shutdown(wait=True)
+        if flood is not None:
+            if flood.stdin is not None and not flood.stdin.closed:
+                flood.stdin.close()
+            assert flood.stdout is not None
+            with flood.stdout:
+                out = flood.stdout.read()
+            if flood.wait(timeout=120) == 0:
+                counts = json.loads(out)
+                arm.flood_sent, arm.flood_served = counts["sent"], counts["served"]
+                arm.flood_refused, arm.flood_refused_statuses = counts["refused"], counts["refused_statuses"]
     arm.drained, arm.after = drain(srv.base)
     return arm
+
+
+def flood(base: str, threads: int, flood_rate: float) -> dict[str, Any]:
+    """The hostile client's flood, run in a process of its own (``--flood``): ``threads`` clients each keep one
+    request in flight (capped at ``flood_rate`` requests a second in all; 0: none) until standard input ends.
+    Prints a line once every client is made; returns the counts of requests sent, served and refused
+    (by status and message)."""
+    ready = threading.Barrier(threads + 1)
+    stop = threading.Event()
+    lock = threading.Lock()
+    next_send = [time.monotonic()]
+    counts: dict[str, Any] = {"sent": 0, "served": 0, "refused": 0, "refused_statuses": {}}
+
+    def pace() -> None:
+        if flood_rate <= 0:
+            return
+        with lock:
+            at = next_send[0] = max(next_send[0] + 1.0 / flood_rate, time.monotonic())
+        time.sleep(max(0.0, at - time.monotonic()))
+
+    def flooder(i: int) -> None:
+        with _client(base) as c:
+            ready.wait()
+            k = 0
+            while not stop.is_set():
+                pace()
+                r = complete(c, _words(10**6 + 1000 * i + k, 100), None, max_tokens=32, stream=False)
+                k += 1
+                with lock:
+                    counts["sent"] += 1
+                    if r.status == 200:
+                        counts["served"] += 1
+                    else:
+                        counts["refused"] += 1
+                        key = f"{r.status} {r.message[:60]}"
+                        counts["refused_statuses"][key] = counts["refused_statuses"].get(key, 0) + 1
+
+    with ThreadPoolExecutor(threads) as pool:
+        for i in range(threads):
+            pool.submit(flooder, i)
+        ready.wait(timeout=120)
+        print("flooding", flush=True)
+        sys.stdin.read()
+        stop.set()
+    return counts
 
 
 def drain(base: str, timeout_s: float = 60) -> tuple[bool, dict[str, float]]:
@@ -423,7 +468,7 @@ def check_log(srv: Server, arms: list[Arm]) -> None:
 
 def probe_without_isolation(model: str, tmp: Path, args: argparse.Namespace) -> int | None:
     """The same probe on a server without isolation: the cached tokens the hostile client sees."""
-    settings = kvsched_settings(False, args.limit, args.max_running, args.min_ttft_slo_s)
+    settings = kvsched_settings(False, args.limit, args.max_running, args.min_ttft_slo_s, args.honest_limit)
     with server(model, settings, tmp, args.startup_timeout_s) as srv, _client(srv.base) as c:
         secret = _words(99, 300)
         complete(c, secret, _gateway("team-a", srv.token), max_tokens=1, stream=False)
@@ -446,7 +491,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "flood_rate": args.flood_rate,
         }
         if args.isolation in ("on", "both"):
-            settings = kvsched_settings(True, args.limit, args.max_running, args.min_ttft_slo_s)
+            settings = kvsched_settings(True, args.limit, args.max_running, args.min_ttft_slo_s, args.honest_limit)
             result["settings"] = settings
             with server(model, settings, tmp, args.startup_timeout_s) as srv:
                 with _client(srv.base) as c:
@@ -473,6 +518,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 log = srv.log_text()
                 result["queue_full_logged"] = bool(re.search(r"waiting queue of tenant 'default' is full", log))
+                # An honest tenant's own limits refuse its requests when the server falls behind its arrivals.
+                honest_full = r"waiting queue of tenant 'team-[ab]' is full"
+                result["honest_queue_full_logged"] = len(re.findall(honest_full, log))
                 result["engine_errors_logged"] = len(re.findall(r"EngineCore.*(?:died|Traceback)|EngineDeadError", log))
             result["arms"] = [{**asdict(a), "ttft_p50_s": a.ttft(0.5), "ttft_p99_s": a.ttft(0.99)} for a in arms]
         if args.isolation in ("off", "both"):
@@ -502,6 +550,9 @@ def summary(result: dict[str, Any]) -> str:
                 )
                 + f"{'yes' if a['drained'] else 'NO'} |"
             )
+        for a in arms:
+            for k, v in sorted(a.get("honest_failures", {}).items()):
+                lines.append(f"{a['kind']} arm: {v} honest request(s) failed: {k}")
         base = [a["ttft_p99_s"] for a in arms if a["kind"] == "honest"]
         hostile = [a["ttft_p99_s"] for a in arms if a["kind"] == "hostile"]
         if base and hostile:
@@ -533,7 +584,8 @@ def summary(result: dict[str, Any]) -> str:
         lines.append("")
         lines.append(
             f"server healthy after the run: {result.get('healthy_after')}; "
-            f"engine errors in its log: {result.get('engine_errors_logged')}"
+            f"engine errors in its log: {result.get('engine_errors_logged')}; honest requests refused by their "
+            f"tenant's waiting limit (the engine's log): {result.get('honest_queue_full_logged')}"
         )
     if "probe_cached_tokens_without_isolation" in result:
         lines.append(f"probe without isolation: {result['probe_cached_tokens_without_isolation']} cached tokens")
@@ -547,6 +599,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interval-s", type=float, default=0.5, help="seconds between two requests of an honest tenant")
     p.add_argument("--limit", type=int, default=4, help="max_waiting_per_tenant (the flood keeps 10x in flight)")
     p.add_argument("--max-running", type=int, default=2, help="max_running_per_tenant")
+    p.add_argument(
+        "--honest-limit",
+        type=int,
+        default=32,
+        help="the honest tenants' waiting limit (tenant_max_waiting): room for their arrivals when the server is slow",
+    )
     p.add_argument("--min-ttft-slo-s", type=float, default=0.5)
     p.add_argument(
         "--flood-rate",
@@ -563,11 +621,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--flood", metavar="BASE", help=argparse.SUPPRESS)  # the flood process (internal)
+    p.add_argument("--flood-threads", type=int, default=40, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.flood:
+        print(json.dumps(flood(args.flood, args.flood_threads, args.flood_rate)))
+        return 0
     result = run(args)
     print(summary(result))
     if args.json:

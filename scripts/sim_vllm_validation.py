@@ -182,9 +182,16 @@ def main() -> int:
                     if v["num_steps"]
                 )
                 parts = report["ttft_parts"]
+                sm = report["step_model"]
+                new_size = (
+                    f"new size {1e3 * sm['new_size_step_s']:.2f} ms (cache {sm['step_size_cache']}, "
+                    f"{100 * fit.get('new_size_share', float('nan')):.0f}% of the steps); "
+                    if sm.get("step_size_cache")
+                    else ""
+                )
                 print(
                     f"# calibrated on {fit.get('num_steps')} steps, R^2 {fit.get('r2', float('nan')):.3f}, "
-                    f"features {','.join(fit.get('features', []))}; measured/modelled mean step time on the "
+                    f"features {','.join(fit.get('features', []))}; {new_size}measured/modelled mean step time on the "
                     f"replay's steps: {priced}; TTFT mean wait + first step, real "
                     f"{1e3 * parts['real']['wait_mean']:.2f} + {1e3 * parts['real']['first_step_mean']:.2f} ms, "
                     f"sim {1e3 * parts['sim']['wait_mean']:.2f} + {1e3 * parts['sim']['first_step_mean']:.2f} ms",

@@ -56,8 +56,6 @@ def _bad_values(f: ConfigField) -> list[Any]:
     spec = f.spec
     if f.kind in ("int", "optional_int"):
         values: list[Any] = [spec.lo - 1, f.hi + 1]
-        if spec.power_of_two:
-            values.append(3)
         if spec.hi_field is not None:
             values.append(getattr(SchedulerConfig(), spec.hi_field) + 1)
         return values

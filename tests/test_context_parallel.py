@@ -33,7 +33,7 @@ def step(s: Any) -> Any:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize(("dcp", "num_blocks"), [(1, 5), (2, 3), (4, 2)])
+@pytest.mark.parametrize(("dcp", "num_blocks"), [(1, 5), (2, 3), (3, 2), (4, 2), (5, 1)])
 def test_dcp_allocates_blocks_of_block_size_times_dcp_tokens(impl: Any, dcp: int, num_blocks: int) -> None:
     """vLLM 0.33 ``SingleTypeKVCacheManager.__init__``: ``block_size = kv_cache_spec.block_size *
     dcp_world_size``, so a 17-token prompt takes ceil(17 / (4 * dcp)) blocks."""
@@ -47,7 +47,9 @@ def test_dcp_allocates_blocks_of_block_size_times_dcp_tokens(impl: Any, dcp: int
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize(("dcp", "pcp", "num_blocks"), [(1, 2, 5), (1, 4, 5), (2, 2, 3), (4, 2, 2)])
+@pytest.mark.parametrize(
+    ("dcp", "pcp", "num_blocks"), [(1, 2, 5), (1, 4, 5), (2, 2, 3), (4, 2, 2), (3, 3, 2), (6, 3, 1)]
+)
 def test_pcp_does_not_change_the_block_unit(impl: Any, dcp: int, pcp: int, num_blocks: int) -> None:
     """vLLM 0.33 ``Scheduler.__init__`` builds its ``KVCacheManager`` with ``pcp_world_size=1`` (PCP ranks
     replicate the KV cache, or DCP spans them): only DCP scales the block unit."""
@@ -58,7 +60,7 @@ def test_pcp_does_not_change_the_block_unit(impl: Any, dcp: int, pcp: int, num_b
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dcp", [1, 2, 4])
+@pytest.mark.parametrize("dcp", [1, 2, 3, 4])
 def test_prefix_hits_come_in_kv_block_units(impl: Any, dcp: int) -> None:
     """vLLM 0.33 ``FullAttentionManager.find_longest_cache_hit``: with DCP the block hashes are viewed at the
     sharded block size (``block_size * dcp``) and the hit is a whole number of those blocks that leaves the
@@ -102,7 +104,7 @@ def expected_slot(pos: int, blocks: list[int], bs: int, dcp: int, inter: int, ra
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize(("dcp", "inter"), [(1, 1), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)])
+@pytest.mark.parametrize(("dcp", "inter"), [(1, 1), (2, 1), (2, 2), (2, 4), (3, 1), (3, 2), (4, 1), (4, 2), (6, 4)])
 def test_slot_mapping_per_dcp_rank(impl: Any, dcp: int, inter: int) -> None:
     """vLLM 0.33's workers compute the slot mapping per DCP rank (``BlockTable.compute_slot_mapping``): the
     tokens of a block are dealt to the ranks in runs of ``cp_kv_cache_interleave_size``; a token stored on
@@ -156,10 +158,25 @@ def test_config_rules() -> None:
     SchedulerConfig(block_size=16, dcp_world_size=2, cp_kv_cache_interleave_size=16)  # block-level interleave
 
 
-def test_dcp_must_be_a_power_of_two_a_deliberate_difference() -> None:
-    """Differs from vLLM, which only needs ``tp_size % dcp_size == 0``: kvsched's block arithmetic shifts by
-    log2(block_size * dcp), so ``dcp_world_size`` must be a power of two (both implementations refuse 3)."""
-    with pytest.raises(InvalidConfigError, match="power of two"):
-        SchedulerConfig(dcp_world_size=3)
-    with pytest.raises(InvalidConfigError, match="power of two"):
-        ReferenceScheduler(dcp_world_size=6)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(("block_size", "dcp"), [(3, 1), (3, 2), (4, 3), (6, 3), (12, 5)])
+def test_block_units_that_are_not_powers_of_two(impl: Any, block_size: int, dcp: int) -> None:
+    """vLLM 0.33 takes any block size and any DCP size that divides the TP size (``ParallelConfig``): the block
+    unit is ``block_size * dcp`` whatever its factors. A prompt takes ceil(prompt / unit) blocks, decode
+    allocates the next block when the unit is full, and a prefix hit is a whole number of units."""
+    unit = block_size * dcp
+    s = make(
+        impl, block_size=block_size, dcp_world_size=dcp, num_blocks=64, max_model_len=512, max_num_batched_tokens=512
+    )
+    assert s.config.kv_block_size == unit
+    n = 2 * unit + 1
+    s.add_request("a", prompt(n), max_tokens=2 * unit)
+    out = step(s)
+    assert len(out.new_block_ids) == 3
+    for k in range(1, 2 * unit - 1):
+        step(s)
+        assert len(s.get_block_ids("a")) == -(-(n + k) // unit), k
+    assert s.get_num_cached_tokens(prompt(n)) == 2 * unit
+    s.add_request("b", prompt(n) + [9] * unit, max_tokens=1)
+    out = step(s)
+    assert out.num_computed_tokens[out.req_ids.index("b")] == 2 * unit

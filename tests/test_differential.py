@@ -218,6 +218,7 @@ class Twin:
         order_keywords: bool = True,
         streaming: bool = False,
         ec_seed: int | None = None,
+        pins: bool = False,
     ) -> None:
         from kvsched import Scheduler
 
@@ -262,6 +263,10 @@ class Twin:
         self.coverage["odd_outputs"] = 0
         self.coverage["odd_outputs_refused"] = 0
         self.kv_events = KvEventTwin()
+        # block pins (a KV connector keeping blocks it copies) among the operations, and the pins taken
+        self.pins = pins
+        self.pinned: Counter[int] = Counter()
+        self.coverage["pins"] = self.coverage["unpins"] = self.coverage["pins_refused"] = 0
 
     # -- operations --------------------------------------------------------------------------------------
 
@@ -727,6 +732,63 @@ class Twin:
         assert a == (None if b is None else list(b))
         return None
 
+    def op_pin(self) -> None:
+        """A connector pins blocks (of live requests, or any, cached ones included) or gives pins back, in a
+        random order; sometimes with a bad id, which both refuse the same way, changing nothing."""
+        r, nb = self.rand, self.cfg.num_blocks
+        held = sorted({b for q in self.ref._requests.values() for b in q.block_ids if b})
+        if self.pinned and r.chance(0.5):
+            pool = sorted(self.pinned.elements())
+            ids = [pool.pop(r.int(0, len(pool) - 1)) for _ in range(min(len(pool), r.int(1, 4)))]
+            op = "unpin"
+        else:
+            ids = [r.choice(held) if held and r.chance(0.6) else r.int(1, nb - 1) for _ in range(r.int(1, 3))]
+            op = "pin"
+        if r.chance(0.08):
+            ids.insert(r.int(0, len(ids)), r.choice([0, nb, -1, r.int(1, nb - 1)]))
+        self.log.append(f"{op} {ids}")
+        fns = [getattr(s, f"{op}_blocks") for s in (self.ref, self.rs)]
+        errs = []
+        for fn in fns:
+            try:
+                fn(ids)
+                errs.append(None)
+            except SchedulerError as e:
+                errs.append(e)
+        assert repr(errs[0]) == repr(errs[1]), f"{op} {ids}: reference {errs[0]!r}, Rust {errs[1]!r}"
+        if errs[0] is not None:
+            self.coverage["pins_refused"] += 1
+        elif op == "pin":
+            self.pinned.update(ids)
+            self.coverage["pins"] += 1
+        else:
+            self.pinned.subtract(ids)
+            self.pinned = +self.pinned
+            self.coverage["unpins"] += 1
+
+    def unpin_all(self) -> None:
+        ids = sorted(self.pinned.elements())
+        self.ref.unpin_blocks(ids)
+        self.rs.unpin_blocks(ids)
+        self.pinned.clear()
+        self.check()
+
+    def compare_pins(self) -> None:
+        """Every block's references, pins and cached hash (by equality pattern), and which block a lookup of
+        each cached hash returns."""
+        ref, rs = self.ref, self.rs
+        assert_arrays_equal(ref.free_block_ids(), rs.free_block_ids(), "free queue")
+        seen: dict[bytes, bytes] = {}
+        for b in range(self.cfg.num_blocks):
+            assert ref.get_block_ref_cnt(b) == rs.get_block_ref_cnt(b), f"ref_cnt of block {b}"
+            assert ref.get_block_pin_cnt(b) == rs.get_block_pin_cnt(b) == self.pinned[b], f"pins of block {b}"
+            ha, hb = ref.get_block_hash(b), rs.get_block_hash(b)
+            assert (ha is None) == (hb is None), f"block {b}: cached in one implementation only"
+            if ha is None or hb is None:
+                continue
+            assert seen.setdefault(ha, hb) == hb, f"block {b}: hash pattern differs"
+            assert ref.get_cached_block_id(ha) == rs.get_cached_block_id(hb), f"lookup of block {b}'s hash"
+
     def step(self) -> None:
         ops = [self.op_add] * 3 + [self.op_schedule] * 4 + [self.op_update] * 4 + [self.op_ready] * 2
         if self.conn_ref is not None:
@@ -742,6 +804,8 @@ class Twin:
             ops += [self.op_input] * 3
         if self.cfg.encoder_cache_size and self.throttle:  # (not in the seeded soaks, as above)
             others.append(self.op_encoder_sizes)
+        if self.pins:
+            ops += [self.op_pin] * 3
         self.rand.choice([*ops, *others])()
         self.check()
 
@@ -795,6 +859,8 @@ class Twin:
         width = 32 if self.cfg.prefix_hash_algo == "sha256" else 16
         assert all(isinstance(h, bytes) and len(h) == width for row in hashes_b for h in row)
         self.kv_events.check(self.ref, self.rs)
+        if self.pins:
+            self.compare_pins()
 
     def drain(self) -> None:
         """Unpause, release every grammar, apply every pending step and run until no request is left."""
@@ -888,13 +954,15 @@ def ragged(entries: list[list[int]] | None, as_arrays: bool) -> Any:
 
 @st.composite
 def configs(draw: Any) -> SchedulerConfig:
-    block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 16, 64]))
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 5, 8, 12, 16, 16, 64]))
     # A sliding window in 1 of 3 configs (it needs no context parallelism, recompute preemption, no KV events).
     window = draw(st.sampled_from([None, None, None, None, 1, 2, 5, 16, 40]))
     # Context parallelism: a block id covers block_size * dcp tokens; pcp leaves the unit alone.
-    dcp = 1 if window else draw(st.sampled_from([1, 1, 2, 4]))
+    dcp = 1 if window else draw(st.sampled_from([1, 1, 2, 3, 4]))
     pcp = 1 if window else draw(st.sampled_from([1, 1, 2]))
-    interleave = draw(st.sampled_from(sorted({1, min(2, block_size), block_size})))
+    if dcp > 1 and dcp % pcp:
+        pcp = 1  # DCP spans the PCP axis: 1 or a multiple of pcp
+    interleave = draw(st.sampled_from(sorted({d for d in (1, 2, block_size) if block_size % d == 0})))
     kv_block = block_size * dcp
     num_blocks = draw(st.one_of(st.integers(2, 24), st.integers(25, 400)))
     # Mostly a pool that holds one request of max_model_len; sometimes a smaller one (add_request then refuses
@@ -1222,6 +1290,31 @@ def test_soak_ec_connector_matches_reference_step_by_step() -> None:
     assert loaded > 0 and deferred > 0, (loaded, deferred)
 
 
+def test_soak_block_pins_match_reference_step_by_step() -> None:
+    """Random pins and unpins (of live requests' blocks, free cached blocks, bad ids) interleaved with steps,
+    aborts, KV transfers, preemption and prefix-cache resets: the Rust core and the reference agree at every
+    step (outputs, block tables, every block's references, pins and hash, the lookup of each hash), both pass
+    check_invariants after every operation, and once every pin is given back the pools are whole again."""
+    total = Counter[str]()
+    configs = [c for c in SOAK_CONFIGS if c.preemption_mode == "recompute"][:6]
+    for i, cfg in enumerate(configs):
+        seed = 8200 + i
+        cfg = dataclasses.replace(cfg, enable_kv_cache_events=i % 2 == 0)
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2,
+                    connector_seed=seed if i % 2 else None, fail_steps=False, pins=True)  # fmt: skip
+        for _ in range(700):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.unpin_all()
+        twin.drain()
+        assert twin.ref.num_free_blocks == twin.rs.num_free_blocks == cfg.num_blocks - 1
+        total.update({k: twin.coverage[k] for k in ("pins", "unpins", "pins_refused")})
+        total["preemptions"] += twin.ref.stats().num_preemptions
+    assert all(total[k] > 0 for k in ("pins", "unpins", "pins_refused", "preemptions")), total
+
+
 def test_admission_window_with_asynchronous_kv_loads() -> None:
     """The cache-aware admission window under a KV connector whose loads can be asynchronous
     (``park_kv_loads=False``): a window request admitted with an asynchronous load leaves the waiting queue for
@@ -1452,6 +1545,31 @@ def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:
     assert all(total[k] > 0 for k in ("stored", "removed", "stored_copy", "removed_copy", "cleared")), total
 
 
+# Block units that are not powers of two (vLLM takes any block size; hybrid Mamba models size the attention block
+# to a Mamba state's page, e.g. 272 or 544 tokens): plain and chunked prefills, prefix hits, look-ahead hashes and
+# the trailing-block drop with drafts, a DCP size of 3, swaps, async scheduling; tight pools preempt.
+NPOT_CONFIGS = [
+    SchedulerConfig(block_size=3, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64,
+                    long_prefill_token_threshold=8, num_lookahead_tokens=2, prefix_hash_seed=1),
+    SchedulerConfig(block_size=12, num_blocks=8, max_num_seqs=5, max_num_batched_tokens=40, max_model_len=84,
+                    policy="priority", prefix_hash_algo="sha256", async_scheduling=True),
+    SchedulerConfig(block_size=5, num_blocks=20, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    num_lookahead_tokens=2, hash_lookahead_tokens=1, prefix_hash_seed=3,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=3, num_blocks=28, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    num_lookahead_tokens=1, async_scheduling=True, drop_trailing_hit_block=True, prefix_hash_seed=4),
+    SchedulerConfig(block_size=6, num_blocks=8, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=48,
+                    dcp_world_size=3, pcp_world_size=3, cp_kv_cache_interleave_size=2, preemption_mode="swap",
+                    num_cpu_blocks=6, prefix_hash_seed=5, num_lookahead_tokens=1),
+    SchedulerConfig(block_size=272, num_blocks=6, max_num_seqs=4, max_num_batched_tokens=160, max_model_len=600,
+                    num_speculative_tokens=2, prefix_hash_seed=6, scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def test_soak_block_sizes_not_powers_of_two_match_reference_step_by_step() -> None:
+    soak(steps=1800, seed=2727, configs=NPOT_CONFIGS)
+
+
 def test_soak_context_parallel_matches_reference_step_by_step() -> None:
     soak(steps=800, seed=2468, configs=CP_CONFIGS)
 
@@ -1475,6 +1593,11 @@ SWA_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
                     sliding_window=6, async_scheduling=True, defer_block_free=True, park_kv_loads=False,
                     reserve_inflight_prefills=True, prefix_hash_seed=25),
+    # Block sizes that are not powers of two.
+    SchedulerConfig(block_size=3, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    sliding_window=7, prefix_hash_seed=26),
+    SchedulerConfig(block_size=12, num_blocks=8, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=72,
+                    sliding_window=5, async_scheduling=True, num_speculative_tokens=2, prefix_hash_seed=27),
 ]  # fmt: skip
 
 
@@ -1537,6 +1660,15 @@ HYBRID_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=48,
                     kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, enable_chunked_prefill=False,
                     watermark=0.05, prefix_hash_seed=42),
+    # Block sizes that are not powers of two: windows and Mamba groups beside attention blocks of 3, 12 and 272
+    # tokens (a hybrid Mamba model's attention block sized to its state's page).
+    SchedulerConfig(block_size=3, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 7), prefix_hash_seed=43),
+    SchedulerConfig(block_size=12, num_blocks=30, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=72,
+                    kv_cache_groups=("mamba", None, 5), enable_prefix_caching=False, async_scheduling=True,
+                    num_speculative_tokens=2, mamba_speculative_blocks=2, prefix_hash_seed=44),
+    SchedulerConfig(block_size=272, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=160, max_model_len=600,
+                    kv_cache_groups=("mamba", None), enable_prefix_caching=False, prefix_hash_seed=45),
 ]  # fmt: skip
 
 
@@ -1572,6 +1704,47 @@ def test_soak_hybrid_groups_match_reference_step_by_step() -> None:
     )
 
 
+# Mamba groups in align mode (mamba_align, vLLM's mamba_cache_mode "align"): block-sized state tables beside full
+# attention and a window, speculative state blocks with drafts, sync and async, a prefill threshold (block-aligned
+# chunks below a block: a block wider than the threshold), chunked prefill off; tight pools preempt.
+ALIGN_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=("mamba", None), enable_prefix_caching=False, mamba_align=True,
+                    prefix_hash_seed=60),
+    SchedulerConfig(block_size=2, num_blocks=80, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=("mamba", "mamba", None, 6), enable_prefix_caching=False, mamba_align=True,
+                    async_scheduling=True, num_speculative_tokens=2, mamba_speculative_blocks=2, policy="priority",
+                    prefix_hash_seed=61),
+    SchedulerConfig(block_size=8, num_blocks=30, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=64,
+                    kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, mamba_align=True,
+                    long_prefill_token_threshold=6, prefix_hash_seed=62),
+    SchedulerConfig(block_size=4, num_blocks=34, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=48,
+                    kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, mamba_align=True,
+                    enable_chunked_prefill=False, watermark=0.05, async_scheduling=True, prefix_hash_seed=63),
+]  # fmt: skip
+
+
+def test_soak_align_mamba_groups_match_reference_step_by_step() -> None:
+    """Align-mode Mamba tables (null blocks between states, speculative blocks moved forward) and block-aligned
+    chunks are the same on both implementations, step by step; tables grow past their first state and requests
+    are preempted in the run."""
+    grown = 0
+    for i, cfg in enumerate(ALIGN_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(6161 + i)), max_in_flight=1 + i % 3)
+        others = [w for g, w in enumerate(cfg.kv_cache_groups or ()) if g != cfg.primary_group]
+        mamba = [k for k, w in enumerate(others) if w == "mamba"]
+        for _ in range(600):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+            for r in twin.ref._requests.values():
+                grown += sum(0 in r.group_block_ids[g] for g in mamba)
+        twin.drain()
+        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+    assert grown > 0
+
+
 # Chunked-local groups (Llama 4): after full attention or before it, chunks a multiple of the block size or not
 # (a hit's null blocks then reach past the blocks its allocation skips), two chunked groups of one size (looked
 # up together), chunks of one token, beside a window (the lookup iterates), sync and async, drafts, priority, the
@@ -1594,6 +1767,12 @@ CHUNKED_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48,
                     kv_cache_groups=(None, "chunked:8"), enable_prefix_caching=False, async_scheduling=True,
                     prefix_hash_seed=46),
+    # Block sizes that are not powers of two: chunks a multiple of the block size (12 of 3) or not (16 of 12).
+    SchedulerConfig(block_size=3, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, "chunked:12"), prefix_hash_seed=47),
+    SchedulerConfig(block_size=12, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=72,
+                    kv_cache_groups=("chunked:16", None), async_scheduling=True, num_speculative_tokens=2,
+                    prefix_hash_seed=48),
 ]  # fmt: skip
 
 

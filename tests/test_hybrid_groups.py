@@ -444,6 +444,154 @@ def test_the_core_refuses_mamba_groups_the_config_refuses() -> None:
             _core.Scheduler(fake)
 
 
+# --- Mamba groups in align mode (mamba_align: vLLM's mamba_cache_mode "align", block-sized state blocks). The
+# tables and new ids are those vLLM 0.33's Scheduler gives for the same calls with a MambaSpec(block_size=4,
+# mamba_cache_mode="align") group beside a FullAttentionSpec group of block size 4 (tests/vllm_driver.py
+# --mamba --mamba-align runs the two side by side).
+
+
+def align(impl: str, **fields: Any) -> Any:
+    return make(impl, enable_prefix_caching=False, mamba_align=True, **fields)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_align_mamba_tables_keep_the_running_state_and_free_the_one_before(impl: str) -> None:
+    # Block size 4. "a" (10 tokens) runs 8 (the chunk stops at block 2's boundary, the last that leaves a token to
+    # compute), "b" (3) all: the Mamba tables hold null blocks up to the state's entry. Each allocation that
+    # crosses a block boundary appends the next state's entry (a running request's new ids in the group); the
+    # state two allocations old goes back to the pool once the request is a block past it.
+    s = align(impl, kv_cache_groups=("mamba", None))
+    s.add_request("a", list(range(10)), max_tokens=8)
+    s.add_request("b", list(range(100, 103)), max_tokens=8)
+    out = s.schedule()
+    assert [computed(out, r) + int(out.num_scheduled_tokens[k]) for k, r in enumerate(out.req_ids)] == [8, 3]
+    assert tables(s, "a", 2) == [[0, 1], [2, 3]] and tables(s, "b", 2) == [[4], [5]]
+    assert [group_new(out, r, g) for r in "ab" for g in range(2)] == [[0, 1], [2, 3], [4], [5]]
+    assert out.zero_block_ids.tolist() == [2, 3, 5]  # the attention blocks only
+    s.check_invariants()
+    s.update_from_output(out, [[], [7]])
+    out = s.schedule()  # "a" computes 2 tokens: its state moves to block 2's entry
+    assert tables(s, "a", 2) == [[0, 1, 6], [2, 3, 7]]
+    assert [group_new(out, r, g) for r in "ab" for g in range(2)] == [[6], [7], [], []]
+    s.update_from_output(out, [[7], [7]])
+    out = s.schedule()  # 10 computed: block 1 (the state after 8 tokens) goes back; "b" takes it for its state
+    assert tables(s, "a", 2) == [[0, 0, 6], [2, 3, 7]]
+    assert tables(s, "b", 2) == [[4, 1], [5, 8]]
+    assert [group_new(out, r, g) for r in "ab" for g in range(2)] == [[], [], [1], [8]]
+    s.update_from_output(out, [[7], [7]])
+    out = s.schedule()
+    assert tables(s, "b", 2) == [[0, 1], [5, 8]]
+    assert s.num_free_blocks == 32
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_align_mamba_speculative_blocks_move_forward(impl: str) -> None:
+    # One speculative state block: "a" (21 tokens) runs 12, then 8 (stopping at token 20, the last boundary that
+    # leaves a token); the second chunk's state entry is 4, so the speculative block at entry 3 moves to the end
+    # and a new one follows it. "b" (6 tokens) gets the 4 tokens left of the budget: a whole block.
+    s = align(impl, kv_cache_groups=(None, "mamba"), max_num_batched_tokens=12, max_num_seqs=4,
+              mamba_speculative_blocks=1)  # fmt: skip
+    s.add_request("a", list(range(21)), max_tokens=3)
+    s.add_request("b", list(range(100, 106)), max_tokens=3)
+    out = s.schedule()
+    assert list(out.req_ids) == ["a"] and tables(s, "a", 2) == [[1, 2, 3], [0, 0, 4, 5]]
+    s.update_from_output(out, [[]])
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == [8, 4]
+    assert tables(s, "a", 2) == [[1, 2, 3, 6, 7], [0, 0, 4, 0, 5, 8]]
+    assert tables(s, "b", 2) == [[9], [10, 11]]
+    assert [group_new(out, r, g) for r in "ab" for g in range(2)] == [[6, 7], [5, 8], [9], [10, 11]]
+    assert out.zero_block_ids.tolist() == [6, 7, 9]
+    s.update_from_output(out, [[], []])
+    out = s.schedule()
+    assert tables(s, "a", 2) == [[1, 2, 3, 6, 7, 4], [0, 0, 0, 0, 5, 8, 12]]
+    assert tables(s, "b", 2) == [[9, 13], [10, 11, 14]]
+    s.update_from_output(out, [[7], [7]])
+    out = s.schedule()
+    assert tables(s, "a", 2) == [[1, 2, 3, 6, 7, 4], [0, 0, 0, 0, 0, 8, 12]]
+    assert tables(s, "b", 2) == [[9, 13], [0, 11, 14]]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_align_mamba_chunks_end_at_block_boundaries(impl: str) -> None:
+    # A chunk that ends before the prompt's end is floored to a block boundary (budget 10: 8 tokens), and no chunk
+    # runs past the last boundary that leaves a token to compute (a 17-token prompt: 16, then 1).
+    s = align(impl, kv_cache_groups=("mamba", None), max_num_batched_tokens=10, max_num_seqs=4)
+    s.add_request("a", list(range(17)), max_tokens=2)
+    chunks = []
+    for _ in range(3):
+        out = s.schedule()
+        chunks.append(list(out.num_scheduled_tokens))
+        s.update_from_output(out, [[] if n < 9 and computed(out, "a") + n < 17 else [7] for n in chunks[-1]])
+    assert chunks == [[8], [8], [1]]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_align_mamba_chunk_started_inside_a_block_stops_at_its_end(impl: str) -> None:
+    # Block size 8 wider than the prefill threshold (6): "a"'s first chunk (6 tokens, two requests eligible) keeps
+    # its unaligned end. Next step, alone (no threshold), it could run to its prompt's end (20) but stops at the
+    # end of the block it started in (8), then at 16, the last boundary that leaves a token to compute.
+    s = align(impl, kv_cache_groups=("mamba", None), block_size=8, long_prefill_token_threshold=6, max_num_seqs=4)
+    s.add_request("a", list(range(20)), max_tokens=2)
+    s.add_request("b", [50, 51], max_tokens=1)
+    chunks = []
+    for _ in range(4):
+        out = s.schedule()
+        chunks.append(dict(zip(out.req_ids, out.num_scheduled_tokens.tolist(), strict=True)))
+        s.update_from_output(out, [[7] if computed(out, r) + n >= (20 if r == "a" else 2) else []
+                                   for r, n in chunks[-1].items()])  # fmt: skip
+    assert chunks == [{"a": 6, "b": 2}, {"a": 2}, {"a": 8}, {"a": 4}]
+    assert tables(s, "a", 2) == [[0, 4, 1], [2, 3, 5]]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_align_mamba_split_to_nothing_skips_a_running_request_and_stops_admissions(impl: str) -> None:
+    # Budget 6, block size 4. "a" (12 tokens) runs 4; "b" would get 2, floored to nothing: the admissions stop
+    # ("c", behind it, waits too). Next step "a" gets 4 (up to the last boundary that leaves a token), "b" 2:
+    # floored to nothing again.
+    s = align(impl, kv_cache_groups=("mamba", None), max_num_batched_tokens=6, max_num_seqs=4)
+    s.add_request("a", list(range(12)), max_tokens=2)
+    s.add_request("b", list(range(100, 110)), max_tokens=2)
+    s.add_request("c", [1, 2], max_tokens=2)
+    out = s.schedule()
+    assert dict(zip(out.req_ids, out.num_scheduled_tokens.tolist(), strict=True)) == {"a": 4}
+    s.update_from_output(out, [[]])
+    out = s.schedule()
+    assert dict(zip(out.req_ids, out.num_scheduled_tokens.tolist(), strict=True)) == {"a": 4}
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_align_mamba_is_checked(impl: str) -> None:
+    with pytest.raises(InvalidConfigError, match="mamba_align needs a Mamba group"):
+        make(impl, mamba_align=True)
+    with pytest.raises(InvalidConfigError, match="mamba_align needs a Mamba group"):
+        make(impl, kv_cache_groups=(None, 8), mamba_align=True)
+    with pytest.raises(InvalidConfigError, match="Mamba group needs enable_prefix_caching=False"):
+        make(impl, kv_cache_groups=("mamba", None), mamba_align=True)
+    with pytest.raises(InvalidConfigError, match="disable_chunked_mm_input"):
+        align(impl, kv_cache_groups=("mamba", None), disable_chunked_mm_input=True)
+    assert align(impl, kv_cache_groups=("mamba", None)).config.mamba_align is True
+
+
+def test_the_core_refuses_align_mamba_configs_the_config_refuses() -> None:
+    from kvsched import _core
+
+    good = SchedulerConfig(kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, mamba_align=True)
+    for fields in [
+        {"kv_cache_groups": (None, 8)},
+        {"kv_cache_groups": None},
+        {"disable_chunked_mm_input": True},
+    ]:
+        fake = type("Cfg", (), {**good.to_dict(), **fields})()
+        with pytest.raises(InvalidConfigError, match="mamba_align"):
+            _core.Scheduler(fake)
+
+
 # --- chunked-local attention groups ("chunked:<c>": vLLM's ChunkedLocalAttentionSpec, Llama 4). The tables are those
 # vLLM 0.33's Scheduler gives for the same calls with a FullAttentionSpec and a ChunkedLocalAttentionSpec
 # (attention_chunk_size=8) group of block size 4 (tests/test_vllm_differential.py runs the second side by side).

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from conftest import requires_rust
 from kvsched import InvalidConfigError, SchedulerConfig
@@ -37,6 +38,7 @@ from kvsched.sim import (
     summarize,
     tenant_service,
 )
+from kvsched.sim.steptime import StepSizeCache, new_size_flags
 from kvsched.sim.sweep import parse_set, run_sweep
 
 pytestmark = requires_rust
@@ -582,6 +584,104 @@ def test_lone_prefill_term_prices_lone_prefill_steps_exactly() -> None:
         paid.step_time - base.step_time, np.where(lone, c * base.step_prefill_tokens, 0.0), rtol=0, atol=1e-15
     )
     assert paid.step_time.sum() == pytest.approx(base.step_time.sum() + c * base.step_prefill_tokens[lone].sum())
+
+
+def test_step_size_cache_is_a_least_recently_used_set_of_sizes() -> None:
+    cache = StepSizeCache(2)
+    # 5 and 7 new; 5 again (now the most recent); 9 new, evicting 7 (least recent), not 5; then 7 is new again.
+    assert [cache.new(s) for s in (5, 7, 5, 9, 5, 7, 9, 5)] == [True, True, False, True, False, True, True, True]
+    assert len(cache) == 2
+    assert new_size_flags([5, 7, 5, 9, 5, 7, 9, 5], 2).tolist() == [True, True, False, True, False, True, True, True]
+    assert new_size_flags([5, 7, 5, 9], 0).tolist() == [False] * 4  # capacity 0: the term is off
+    assert new_size_flags([1, 2, 3, 1, 2, 3], 3).tolist() == [True] * 3 + [False] * 3
+    assert new_size_flags([1, 2, 3, 1, 2, 3], 2).tolist() == [True] * 6  # a cycle longer than the cache
+    with pytest.raises(ValueError, match="capacity"):
+        StepSizeCache(0)
+    for bad in ({"step_size_cache": -1}, {"step_size_cache": 2.5}, {"step_size_cache": True}, {"new_size_step_s": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            dataclasses.replace(MODEL, **bad)
+    on = dataclasses.replace(MODEL, new_size_step_s=1e-3, step_size_cache=32)
+    assert on.charges_new_sizes and not MODEL.charges_new_sizes
+    assert not dataclasses.replace(MODEL, new_size_step_s=1e-3).charges_new_sizes  # no cache: off
+    priced = on.step_time(100, prefill_reqs=1, new_size_steps=1)
+    assert priced == pytest.approx(MODEL.step_time(100, prefill_reqs=1) + 1e-3)
+
+
+def _expected_new_size_charges(res: Any, capacity: int) -> npt.NDArray[np.float64]:
+    """Per step of a recorded run, 1 where its size (scheduled tokens) was not among the last ``capacity``
+    distinct sizes: a plain list-based LRU, independent of StepSizeCache."""
+    recent: list[int] = []
+    out = []
+    for size in res.step_num_tokens.tolist():
+        out.append(0.0 if size in recent else 1.0)
+        if size in recent:
+            recent.remove(size)
+        recent.append(size)
+        del recent[:-capacity]
+    return np.array(out)
+
+
+@pytest.mark.parametrize("capacity", [1, 4, 32])
+def test_new_size_term_prices_steps_of_a_size_not_run_recently(capacity: int) -> None:
+    # Requests far apart (each alone: the schedule cannot depend on step times), so the only difference in step
+    # times is the term, on exactly the steps whose size is not among the last `capacity` distinct sizes.
+    n = 30
+    rng = np.random.default_rng(7)
+    w = Workload(
+        arrival_time=100.0 * np.arange(n),
+        prompt_len=rng.choice([40, 90, 300, 700], size=n),
+        output_len=rng.integers(2, 12, size=n),
+        tenant=np.zeros(n, dtype=np.int64),
+        priority=np.zeros(n, dtype=np.int64),
+        prefix_group=np.full(n, -1, dtype=np.int64),
+        prefix_len=np.zeros(n, dtype=np.int64),
+        seed=7,
+    )
+    c = 4e-3
+    base = simulate(w, TIGHT, MODEL, record_batches=True, keep_records=True)
+    paid = simulate(
+        w,
+        TIGHT,
+        dataclasses.replace(MODEL, new_size_step_s=c, step_size_cache=capacity),
+        record_batches=True,
+        keep_records=True,
+    )
+    assert paid.batches == base.batches
+    new = _expected_new_size_charges(base, capacity)
+    assert 0 < new.sum() < len(new)  # some sizes repeat within the cache, some do not
+    np.testing.assert_allclose(paid.step_time - base.step_time, c * new, rtol=0, atol=1e-15)
+
+
+def test_new_size_term_under_load_is_the_same_with_and_without_the_fast_path() -> None:
+    # A fast step (the previous all-decode batch again) repeats the previous step's size, the most recent one, so
+    # the fast path looks nothing up: with it on and off the runs are the same, step for step.
+    w = generate_workload(_spec(duration=5.0))
+    model = dataclasses.replace(MODEL, new_size_step_s=2e-3, step_size_cache=16)
+    fast = simulate(w, TIGHT, model, keep_records=True, record_batches=True)
+    slow = simulate(w, TIGHT, model, keep_records=True, record_batches=True, fast_path=False)
+    assert fast.batches == slow.batches
+    np.testing.assert_array_equal(fast.step_time, slow.step_time)
+    new = _expected_new_size_charges(fast, 16)
+    assert 0 < new.sum() < len(new)
+    assert fast.step_time.sum() > simulate(w, TIGHT, MODEL, keep_records=True).step_time.sum()
+
+
+def test_new_size_term_off_leaves_results_bit_identical() -> None:
+    # The term needs both a price and a cache: with either 0 every step time, and so every figure, is the same.
+    w = generate_workload(_spec(duration=5.0))
+    base = simulate(w, TIGHT, MODEL, keep_records=True)
+    for off in (
+        dataclasses.replace(MODEL, new_size_step_s=5e-3),
+        dataclasses.replace(MODEL, step_size_cache=32),
+    ):
+        res = simulate(w, TIGHT, off, keep_records=True)
+        np.testing.assert_array_equal(res.step_time, base.step_time)
+        got, want = summarize(res), summarize(base)
+        for d in (got, want):
+            del d["overall"]["wall_s"], d["overall"]["sim_speed"]  # the run's own speed
+        np.testing.assert_equal(got, want)
+    on = simulate(w, TIGHT, dataclasses.replace(MODEL, new_size_step_s=5e-3, step_size_cache=32), keep_records=True)
+    assert on.step_time.sum() > base.step_time.sum()
 
 
 def test_attention_hinge_prices_each_chunk_past_its_threshold() -> None:

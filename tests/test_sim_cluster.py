@@ -322,3 +322,17 @@ def test_cli_router_set_reaches_the_router(tmp_path: Any) -> None:
     b = json.loads((tmp_path / "b" / "cluster.json").read_text())["runs"][0]["reasons"]
     assert a.get("cache_hit", 0) > 0
     assert b.get("cache_hit", 0) == 0
+
+
+def test_one_replica_is_simulate_with_the_new_size_term() -> None:
+    # The fleet's replicas keep their own recent step sizes, as simulate() does: one replica is simulate().
+    w = generate_workload(dataclasses.replace(_SHARED_PREFIX_SPEC, num_requests=80, seed=9))
+    priced = dataclasses.replace(MODEL, new_size_step_s=3e-3, step_size_cache=8)
+    single: dict[int, tuple[float, ...]] = {}
+    fleet: dict[int, tuple[float, ...]] = {}
+    plain: dict[int, tuple[float, ...]] = {}
+    simulate(w, {"num_blocks": 2000}, priced, request_sink=_sink(single))
+    simulate_cluster(w, {"num_blocks": 2000}, priced, replicas=1, request_sink=_sink(fleet))
+    simulate_cluster(w, {"num_blocks": 2000}, MODEL, replicas=1, request_sink=_sink(plain))
+    assert len(single) == len(w) and fleet == single
+    assert plain != single

@@ -18,6 +18,7 @@ from kvsched.engine import LLM  # noqa: E402
 from kvsched.runner.testing import save_tiny_hf_model  # noqa: E402
 from kvsched.sim import PRESETS, StepTimeModel, Workload, request_records, simulate  # noqa: E402
 from kvsched.sim.calibrate import fit_step_time_model, residuals, run_timed_steps  # noqa: E402
+from kvsched.sim.steptime import new_size_flags  # noqa: E402
 from kvsched.sim.validate import prompt_fn_for_vocab, run_real  # noqa: E402
 
 pytestmark = [pytest.mark.torch, requires_rust]
@@ -297,3 +298,60 @@ def test_validate_warms_up_with_the_workloads_longest_prompt(tmp_path: Path, mon
         assert all(3 <= t < 300 for b in batches for p in b for t in p)
     w.prompt_len[:] = 40
     assert [[len(p) for p in b] for b in warmup_prompts(w, SchedulerConfig(), 300, rng)] == [[48] * 4]
+
+
+@pytest.mark.parametrize("capacity", [32, 64])
+def test_calibration_fit_recovers_the_new_size_term(capacity: int) -> None:
+    # Steps drawn from 80 compositions in random order: a step costs 3 ms more when its size (scheduled tokens) is
+    # not among the last `capacity` distinct sizes. Some steps run untimed (a lead-in): they still set sizes up.
+    truth = StepTimeModel(
+        step_s=1e-3, prefill_token_s=3e-6, prefill_req_s=3e-4, decode_req_s=2e-4, kv_token_s=5e-7,
+        new_size_step_s=3e-3, step_size_cache=capacity, name="t",
+    )  # fmt: skip
+    rng = np.random.default_rng(11)
+    pool = []
+    while len(pool) < 80:
+        dec = int(rng.integers(0, 24))
+        preq = int(rng.integers(0 if dec else 1, 3))
+        pre = int(rng.integers(16, 400, size=preq).sum())
+        if pre + dec not in {p + d for p, _, d in pool}:
+            pool.append((pre, preq, dec))
+    draws = [pool[i] for i in rng.integers(0, len(pool), size=2000)]
+    sizes = [p + d for p, _, d in draws]
+    new = new_size_flags(sizes, capacity)
+    steps, index = [], []
+    for i, ((pre, preq, dec), is_new) in enumerate(zip(draws, new, strict=True)):
+        if i % 5 == 4:
+            continue  # untimed
+        kv = dec * int(rng.integers(16, 512))
+        t = truth.step_time(pre, dec, kv, prefill_reqs=preq, new_size_steps=float(is_new))
+        steps.append((t * (1 + rng.normal(0, 0.01)), pre, preq, dec, kv, 0.0))
+        index.append(i)
+    fitted, fit = fit_step_time_model(steps, step_sizes=sizes, timed_index=index)
+    assert fitted.step_size_cache == capacity and fit["step_size_cache"] == capacity
+    assert "new_size_steps" in fit["features"] and 0.02 < fit["new_size_share"] < 0.95
+    for name in ("step_s", "prefill_token_s", "decode_req_s", "kv_token_s", "new_size_step_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.1), name
+    assert fit["median_rel_error"] < 0.02
+    resid = residuals(fitted, steps, new_sizes=new_size_flags(sizes, capacity)[index])
+    assert np.median(np.abs(resid) / np.array([s[0] for s in steps])) < 0.02
+    # Without the sizes the fit has no such term, and is the fit it was before the term existed.
+    plain, plain_fit = fit_step_time_model(steps)
+    assert plain.new_size_step_s == 0 and plain.step_size_cache == 0 and "step_size_cache" not in plain_fit
+    assert plain_fit["median_rel_error"] > 2 * fit["median_rel_error"]
+
+
+def test_calibration_fit_leaves_the_new_size_term_off_when_sizes_cost_nothing() -> None:
+    rng = np.random.default_rng(12)
+    truth = StepTimeModel(step_s=1e-3, prefill_token_s=3e-6, decode_req_s=2e-4, name="t")
+    steps, sizes = [], []
+    for _ in range(600):
+        dec, pre = int(rng.integers(1, 32)), int(rng.integers(0, 300))
+        steps.append((truth.step_time(pre, dec) * (1 + rng.normal(0, 0.01)), pre, int(pre > 0), dec, 0, 0.0))
+        sizes.append(pre + dec)
+    fitted, _ = fit_step_time_model(steps, step_sizes=sizes, timed_index=list(range(len(steps))))
+    assert fitted.new_size_step_s < 0.05 * truth.step_s
+    with pytest.raises(ValueError, match="go together"):
+        fit_step_time_model(steps, step_sizes=sizes)
+    with pytest.raises(ValueError, match="timed_index"):
+        fit_step_time_model(steps, step_sizes=sizes[:10], timed_index=list(range(len(steps))))

@@ -221,16 +221,22 @@ class SetupCostEngine(FakeEngine):
     """A stand-in engine whose step costs ``setup_s`` more the first time it runs a step size (tokens in the step),
     as an engine that sets its kernels up per step size does (vLLM's CPU build: oneDNN matmuls)."""
 
-    def __init__(self, scheduler_cls: type, model: StepTimeModel, setup_s: float) -> None:
+    def __init__(self, scheduler_cls: type, model: StepTimeModel, setup_s: float, capacity: int = 0) -> None:
         super().__init__(scheduler_cls, model)
         self.setup_s = setup_s
-        self.seen: set[int] = set()
+        self.capacity = capacity  # sizes kept set up, least recently used dropped first (0: all of them)
+        self.seen: list[int] = []
 
     def step(self) -> list[Any]:
         outs = super().step()
-        if self.step_tokens not in self.seen:
-            self.seen.add(self.step_tokens)
+        size = self.step_tokens
+        if size in self.seen:
+            self.seen.remove(size)
+        else:
             self.now += self.setup_s
+        self.seen.append(size)
+        if self.capacity:
+            del self.seen[: -self.capacity]
         return outs
 
 
@@ -255,7 +261,7 @@ def test_calibration_prices_per_step_size_setup_costs_as_a_replay_with_varied_pr
     spec = WorkloadSpec(rate=2.0, num_requests=40, prompt_len=parse_length("uniform:32:400"),
                         output_len=parse_length("uniform:4:30"), seed=6)  # fmt: skip
     w = generate_workload(spec, max_model_len=CONFIG["max_model_len"])
-    ratio = {}
+    ratio, fitted = {}, {}
     for fresh in (False, True):
         log = StepLog()
         engine = SetupCostEngine(timed_scheduler(FakeVllmScheduler, log), TRUTH, setup_s=6e-3)
@@ -266,6 +272,29 @@ def test_calibration_prices_per_step_size_setup_costs_as_a_replay_with_varied_pr
         )
         kind = report["step_model_on_real_steps"]["lone_prefill"]
         ratio[fresh] = kind["measured_mean"] / kind["predicted_mean"]
-    # The replay's prompts are new step sizes; a grid that repeats its lengths prices them as set up already.
-    assert ratio[False] > 1.15
-    assert abs(ratio[True] - 1) < abs(ratio[False] - 1) and abs(ratio[True] - 1) < 0.1, ratio
+        fitted[fresh] = StepTimeModel.from_dict(report["step_model"])
+        # The log holds every step's size, the replay's and the untimed lead-ins' too.
+        assert len(log.sizes) > report["real_steps"] + report["calibration"]["num_steps"]
+        assert report["step_model_on_real_steps"]["prefill_new_size"]["num_steps"] > 0
+    # The engine pays the set-up on a size it never ran (an unbounded cache): the fit finds the price, with a cache
+    # at least as large as the run's distinct sizes, from the fixed grid (which repeats its sizes) and the drawn one
+    # alike, and prices the replay's lone prefills (new sizes) right.
+    for fresh in (False, True):
+        assert fitted[fresh].new_size_step_s == pytest.approx(6e-3, rel=0.05), fresh
+        assert fitted[fresh].step_size_cache >= 128 and abs(ratio[fresh] - 1) < 0.05, (fresh, ratio)
+
+
+def test_calibration_finds_an_engine_that_keeps_the_last_32_step_sizes() -> None:
+    spec = WorkloadSpec(rate=2.0, num_requests=40, prompt_len=parse_length("uniform:32:400"),
+                        output_len=parse_length("uniform:4:30"), seed=6)  # fmt: skip
+    w = generate_workload(spec, max_model_len=CONFIG["max_model_len"])
+    log = StepLog()
+    engine = SetupCostEngine(timed_scheduler(FakeVllmScheduler, log), TRUTH, setup_s=6e-3, capacity=32)
+    params = lambda n: SimpleNamespace(max_tokens=n)  # noqa: E731
+    driver = VllmDriver(engine, log, dict(CONFIG), params, 300, clock="cpu", clock_fn=lambda e=engine: e.now)
+    report = validate_engine(driver, w, None, prompt_fn=prompt_fn_for_vocab(w, 300), quick=True, fit_noise=False)
+    model = StepTimeModel.from_dict(report["step_model"])
+    assert model.step_size_cache == 32 and model.new_size_step_s == pytest.approx(6e-3, rel=0.05)
+    kinds = report["step_model_on_real_steps"]
+    for kind in ("all", "prefill_new_size", "prefill_recent_size"):
+        assert kinds[kind]["measured_mean"] == pytest.approx(kinds[kind]["predicted_mean"], rel=0.02), kind

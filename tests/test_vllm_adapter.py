@@ -173,6 +173,77 @@ def test_kv_connectors_that_use_vllms_block_pool_are_refused_inside_a_multi_conn
         build(multi(plain, name="BindingMulti", kv_connector_module_path=__name__))
 
 
+def test_simple_cpu_offload_connector_gets_a_pinning_pool() -> None:
+    """vLLM's SimpleCPUOffloadConnector binds the block pool: kvsched.vllm gives it the pinning pool view (touch,
+    free_blocks, block hashes), alone or under a MultiConnector; its lazy offload walks the free block queue
+    (``iter_blocks_after``). Other schedulers keep the read-only pool."""
+    from kvsched.vllm._kv_view import PinningBlockPoolView
+    from vllm.config import KVTransferConfig
+
+    s = make_scheduler("kvsched", make_vllm_config(block_size=4, num_blocks=32, cpu_offload_blocks=16))
+    pool = s.kv_cache_manager.block_pool
+    assert isinstance(pool, PinningBlockPoolView)
+    assert s.connector.scheduler_manager._gpu_block_pool is pool
+    plain = make_scheduler("kvsched", make_vllm_config())
+    assert not isinstance(plain.kv_cache_manager.block_pool, PinningBlockPoolView)
+    offload = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": 16 * 32}}  # fmt: skip
+    cfg = make_vllm_config(block_size=4, num_blocks=32, cpu_offload_blocks=16)
+    cfg.kv_transfer_config = KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={"connectors": [offload]}
+    )
+    m = make_scheduler("kvsched", cfg)
+    assert m.connector.sub_connectors[0].scheduler_manager._gpu_block_pool is m.kv_cache_manager.block_pool
+    lazy = make_scheduler(
+        "kvsched", make_vllm_config(block_size=4, num_blocks=32, cpu_offload_blocks=16, cpu_offload_lazy=True)
+    )
+    assert lazy.connector.scheduler_manager._lazy_mode
+    queue = lazy.kv_cache_manager.block_pool.free_block_queue
+    order = [b.block_id for b in queue.iter_blocks_after(None)]
+    assert order == lazy.core.free_block_ids().tolist() and len(order) == 31
+    assert [b.block_id for b in queue.iter_blocks_after(lazy.kv_cache_manager.block_pool.blocks[order[4]])] == order[5:]
+
+
+def test_pinning_pool_touch_and_free_blocks_match_vllms_block_pool() -> None:
+    """touch / free_blocks on the pool as vLLM's BlockPool does them, on both schedulers: reference counts, block
+    hashes and the blocks the next request gets (the free order) stay identical; a pin outlives its request."""
+    from kvsched.vllm.testing import make_request
+
+    scheds = _pair(block_size=4, num_blocks=16, max_model_len=64, cpu_offload_blocks=8)
+    _add(scheds, "a", list(range(100, 113)), max_tokens=1, block_size=4)  # 13 tokens: 3 full blocks, a partial one
+    step_pair(scheds)  # a finishes: its blocks are freed
+    pools = [s.kv_cache_manager.block_pool for s in scheds]
+
+    def state() -> list[list[tuple[int, Any]]]:
+        return [[(b.ref_cnt, b.block_hash) for b in p.blocks] for p in pools]
+
+    assert any(h is not None for _, h in state()[0])  # a's blocks are cached under vLLM's hashes
+    _add(scheds, "b", list(range(100, 117)), max_tokens=3, block_size=4)
+    step_pair(scheds)
+    held = list(scheds[0].kv_cache_manager.get_block_ids("b")[0])
+    assert held == list(scheds[1].kv_cache_manager.get_block_ids("b")[0])
+    for p in pools:
+        p.touch([p.blocks[b] for b in held[:3]] + [p.null_block])
+    compare("after touch", *state())
+    step_pair(scheds)
+    step_pair(scheds)  # b finishes; its first three blocks stay held
+    compare("after the finish", *state())
+    # Held by the pins (and by the connector's own store of them, which no worker reports over here).
+    assert all(pools[1].blocks[b].ref_cnt >= 1 for b in held[:3])
+    for p in pools:
+        p.free_blocks([p.blocks[held[2]], p.blocks[held[0]]])
+    compare("after free_blocks", *state())
+    for s in scheds:
+        s.add_request(make_request("c", list(range(500, 540)), max_tokens=1, block_size=4))
+    step_pair(scheds)  # the free order decides c's blocks
+    compare("blocks of c", *state())
+    for p in pools:
+        p.free_blocks([p.blocks[held[1]]])
+    compare("all given back", *state())
+    assert scheds[1].core.num_free_blocks == pools[0].get_num_free_blocks()
+    scheds[1].core.check_invariants()
+
+
 @pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer", "kv_both"])
 def test_kv_connector_roles_with_async_scheduling_take_vllms_gates(kv_role: str) -> None:
     """vLLM 0.33 with several batches in flight defers block frees for consumer roles and drops a preempted
@@ -273,7 +344,7 @@ def test_context_parallelism_maps_to_the_cores_world_sizes() -> None:
     """vLLM's engine gives the scheduler its block size times the DCP size: the core gets the per-rank block size
     and dcp_world_size (its block unit is then vLLM's), and pcp_world_size (vLLM's KV cache manager leaves PCP out
     of the unit)."""
-    for dcp, pcp in [(2, 1), (4, 1), (1, 2), (2, 2)]:
+    for dcp, pcp in [(2, 1), (4, 1), (1, 2), (2, 2), (3, 1), (6, 3)]:
         cfg = make_vllm_config(
             block_size=4, num_blocks=32, decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp
         )
@@ -284,13 +355,10 @@ def test_context_parallelism_maps_to_the_cores_world_sizes() -> None:
 
 
 def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
-    """A DCP size that is not a power of two, sliding windows or several KV cache groups, KV connectors and KV
-    cache events under context parallelism, and a spec DCP does not shard are refused at construction, by name."""
+    """Sliding windows or several KV cache groups, KV connectors and KV cache events under context parallelism,
+    and a spec DCP does not shard are refused at construction, by name."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    cfg = make_vllm_config(block_size=4, decode_context_parallel_size=3)
-    with pytest.raises(UnsupportedFeatureError, match="not a power of two"):
-        make_scheduler("kvsched", cfg)
     cfg = make_vllm_config(block_size=4, decode_context_parallel_size=2)
     with pytest.raises(UnsupportedFeatureError, match="context parallelism with sliding-window attention"):
         make_scheduler("kvsched", cfg, sliding_window=8)
@@ -310,9 +378,8 @@ def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
 
 
 def test_unsupported_scheduler_settings_are_refused() -> None:
-    cfg = make_vllm_config()
-    cfg.parallel_config.decode_context_parallel_size = 3
-    with pytest.raises(UnsupportedFeatureError, match="decode context parallel sizes that are not a power of two"):
+    cfg = make_vllm_config(block_size=2048)
+    with pytest.raises(UnsupportedFeatureError, match="block sizes above 1024 tokens per rank"):
         make_scheduler("kvsched", cfg)
     # An error is also a ValueError and a NotImplementedError, so either kind of handler catches it.
     assert issubclass(UnsupportedFeatureError, ValueError)
@@ -932,7 +999,7 @@ def test_mamba_groups_map_to_the_cores_mamba_groups() -> None:
     """MambaSpec groups in mode "none" (vLLM's mode without prefix caching: a block of max_model_len tokens)
     become the core's Mamba groups in vLLM's order; the attention groups' block size is the core's, the Mamba
     spec's speculative blocks its mamba_speculative_blocks; kv_cache_manager's managers answer isinstance checks
-    against vLLM's MambaManager."""
+    against vLLM's MambaManager; an EAGLE drafter keeps vLLM's default prefix-cache rules."""
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
@@ -946,6 +1013,12 @@ def test_mamba_groups_map_to_the_cores_mamba_groups() -> None:
     managers = sched.kv_cache_manager.coordinator.single_type_managers
     assert [isinstance(m, MambaManager) for m in managers] == [True, False, True, False]
     assert [m.block_size for m in managers] == [96, 16, 96, 16]
+    # An EAGLE/MTP drafter keeps vLLM's default rules: without prefix caching the trailing-block drop has no hit
+    # to act on.
+    eagle = make_vllm_config(block_size=16, num_blocks=64, max_model_len=96, enable_prefix_caching=False,
+                             num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)  # fmt: skip
+    sched = _build_mamba(eagle, mamba, FullAttentionSpec(**kw))
+    assert sched.kv_config.drop_trailing_hit_block is False and sched.kv_config.hash_lookahead_tokens == 0
 
 
 def test_mamba_groups_schedule_as_vllms_scheduler() -> None:
@@ -977,10 +1050,70 @@ def test_mamba_groups_schedule_as_vllms_scheduler() -> None:
     assert not pair[1].requests
 
 
+def test_align_mode_mamba_groups_schedule_as_vllms_scheduler() -> None:
+    """MambaSpec groups in mode "align" with prefix caching off (as vLLM's tests build the scheduler) set the
+    core's mamba_align: block-sized state tables with null blocks between the states, speculative blocks moved
+    forward, block-aligned prefill chunks, a running request's new Mamba entries when the attention group (its
+    blocks allocated ahead for the drafter's lookahead slot) gets none; the same outputs as vLLM's scheduler step
+    by step in a tight pool."""
+    cfg = make_vllm_config(block_size=4, num_blocks=30, max_model_len=64, max_num_batched_tokens=64,
+                           max_num_seqs=8, enable_prefix_caching=False, mamba_cache_mode="align",
+                           num_speculative_tokens=1, speculative_method="eagle")  # fmt: skip
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=("mamba", None)) for impl in ("vllm", "kvsched")]
+    assert pair[1].kv_config.mamba_align and pair[1].kv_config.mamba_speculative_blocks == 1
+    for s in pair:
+        for k, n in enumerate([10, 21, 6, 13]):
+            s.add_request(make_request(f"r{k}", list(range(10 * k, 10 * k + n)), max_tokens=12, block_size=4))
+    seen = {"nulls": False, "mamba_only": False, "cut": False, "preempted": False}
+    for _ in range(80):
+        outs, _ = step_pair(pair)
+        so = outs[1]
+        cached = so.scheduled_cached_reqs
+        for blocks in cached.new_block_ids:
+            seen["mamba_only"] |= blocks is not None and bool(blocks[0]) and not blocks[1]
+        for new in so.scheduled_new_reqs:  # cut at the last block boundary before the prompt's last token
+            end = new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]
+            seen["cut"] |= end < len(new.prompt_token_ids) and end % 4 == 0
+        seen["preempted"] |= bool(so.preempted_req_ids)
+        for rid in pair[1].requests:
+            seen["nulls"] |= 0 in pair[1].kv_cache_manager.get_block_ids(rid)[0]
+        if not pair[0].requests:
+            break
+    assert all(seen.values()), seen
+    assert not pair[1].requests
+
+
+def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> None:
+    """Prefill checkpoints (num_prefill_checkpoint_blocks), a Mamba block of another size than the attention
+    block, a Mamba spec whose mode differs from the cache config's and EAGLE/MTP's default trailing-block drop are
+    refused at construction, by name."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    full = FullAttentionSpec(**_attention_kw(16))
+    off = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False, mamba_cache_mode="align")
+    checkpoints = dataclasses.replace(_mamba_spec(16, "align"), num_prefill_checkpoint_blocks=1,
+                                      prefill_checkpoint_alignment=1)  # fmt: skip
+    with pytest.raises(UnsupportedFeatureError, match="Mamba prefill checkpoints"):
+        _build_mamba(off, checkpoints, full)
+    with pytest.raises(UnsupportedFeatureError, match="Mamba blocks of another size"):
+        _build_mamba(off, _mamba_spec(32, "align"), full)
+    none = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False)
+    with pytest.raises(UnsupportedFeatureError, match="mamba_cache_mode differs from the cache config's"):
+        _build_mamba(none, _mamba_spec(16, "align"), full)
+    # EAGLE/MTP's trailing-block drop (vLLM's default) also moves align mode's block-aligned chunk ends.
+    eagle = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False, mamba_cache_mode="align",
+                             num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)  # fmt: skip
+    with pytest.raises(UnsupportedFeatureError, match="EAGLE/MTP prefix-cache rules"):
+        _build_mamba(eagle, _mamba_spec(16, "align", num_speculative_blocks=2), full)
+    assert _build_mamba(off, _mamba_spec(16, "align"), full).kv_config.mamba_align
+
+
 def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:
     """Mamba prefix caching (mamba_cache_mode "align", vLLM's default with prefix caching), a model with Mamba
-    layers only, a Mamba block shorter than max_model_len, a scheduler block size other than vLLM's engine's and
-    an attention block size that is not a power of two are refused at construction, by name."""
+    layers only, a Mamba block shorter than max_model_len and a scheduler block size other than vLLM's engine's are
+    refused at construction, by name; an attention block size that is not a power of two runs."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     full = FullAttentionSpec(**_attention_kw())
@@ -996,9 +1129,9 @@ def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedFeatureError, match="least common multiple"):
         _build_mamba(off, _mamba_spec(96), full, block_size=16)
     odd = FullAttentionSpec(**_attention_kw(48))
-    with pytest.raises(UnsupportedFeatureError, match="not a power of two"):
-        _build_mamba(make_vllm_config(block_size=48, max_model_len=96, enable_prefix_caching=False),
-                     _mamba_spec(96), odd)  # fmt: skip
+    sched = _build_mamba(make_vllm_config(block_size=48, max_model_len=96, enable_prefix_caching=False),
+                         _mamba_spec(96), odd)  # fmt: skip
+    assert sched.kv_config.block_size == 48
 
 
 _COUNTERS = ("num_computed_tokens", "num_in_flight_tokens", "num_output_placeholders", "is_prefill_chunk")

@@ -106,6 +106,16 @@ def test_identical_to_vllm_with_mamba_groups(sync: str, runner: str, seed: int) 
 
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", range(650, 652))
+def test_identical_to_vllm_with_align_mode_mamba_groups(sync: str, runner: str, seed: int) -> None:
+    """The hybrid Mamba layouts in vLLM's mamba_cache_mode "align" with prefix caching off: block-sized state
+    tables (null blocks between the states, speculative blocks moved forward) and block-aligned prefill chunks,
+    the same outputs and block tables of every group."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", mamba=True, mamba_align=True)
+    assert cfg.kv_cache_groups is not None and cfg.mamba_cache_mode == "align"
+
+
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("seed", range(600, 603))
 def test_identical_to_vllm_with_chunked_local_attention(sync: str, runner: str, seed: int) -> None:
     """A Llama 4-like model: full-attention and chunked-local KV cache groups (chunk sizes drawn per seed, some
@@ -209,6 +219,16 @@ def test_identical_to_vllm_with_a_kv_connector(sync: str, runner: str, seed: int
     compared too."""
     cfg = run_seed(seed, 120, async_scheduling=False, v2=runner == "v2", connector=True)
     assert cfg.kv_connector_seed == seed
+
+
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_identical_to_vllm_with_simple_cpu_offload(sync: str, runner: str, seed: int) -> None:
+    """vLLM's SimpleCPUOffloadConnector (eager offload) on both sides, its loads and stores reported over by a
+    simulated worker: the connector's state and every GPU block's reference count, block hash and hashed token
+    count are compared after every call too (the connector pins the blocks it copies through the block pool)."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", cpu_offload=True)
+    assert cfg.cpu_offload_blocks
 
 
 ASYNC_MODES = [("async", "v1"), ("async", "v2")]

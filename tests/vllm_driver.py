@@ -241,6 +241,11 @@ class Config:
     # The RandomKVConnector is the second child of vLLM's MultiConnector, after a passive one (it finds no tokens
     # and delays no free); both log their calls.
     kv_connector_multi: bool = False
+    # vLLM's SimpleCPUOffloadConnector (eager offload) with a CPU pool of this many blocks, instead of a
+    # RandomKVConnector: its loads and stores are reported over by a simulated worker (Pair.offload_transfers).
+    cpu_offload_blocks: int | None = None
+    # ... in its lazy mode (it walks the GPU free block queue and offloads the blocks next in line for eviction).
+    cpu_offload_lazy: bool = False
     # vLLM 0.33's deferred registration of asynchronous loads, set on both built schedulers as vLLM's tests do
     # (vLLM turns it on only with HiSparse, which kvsched.vllm refuses); it acts with defer_block_free.
     defer_async_loads: bool = False
@@ -252,6 +257,9 @@ class Config:
     # "chunked:<c>": chunked-local attention, "cross": cross attention, "mamba": a Mamba group, vLLM's
     # mamba_cache_mode "none").
     kv_cache_groups: tuple[int | str | None, ...] | None = None
+    # vLLM's Mamba cache mode: "align" gives the Mamba groups blocks of block_size tokens and block-aligned prefill
+    # chunks.
+    mamba_cache_mode: str = "none"
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -288,12 +296,16 @@ def batch_queue_size(cfg: Config) -> int:
     return pp
 
 
-def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool) -> Config:
-    block_size = rng.choice([4, 8, 16])
-    max_model_len = rng.choice([64, 128, 256])
+def random_config(rng: random.Random, *, async_scheduling: bool, v2: bool, block_size: int | None = None) -> Config:
+    """A drawn configuration; ``block_size`` replaces the drawn block size (4, 8 or 16), and one above 16 scales
+    the drawn model length and token budget with it (lengths of 4 to 16 blocks, as with the drawn sizes)."""
+    drawn = rng.choice([4, 8, 16])
+    block_size = block_size or drawn
+    scale = max(1, block_size // 16)
+    max_model_len = rng.choice([64, 128, 256]) * scale
     min_blocks = -(-max_model_len // block_size) + 1
     chunked = rng.random() < 0.8
-    budget = rng.choice([32, 64, 128, 256]) if chunked else max_model_len + rng.choice([0, 64])
+    budget = (rng.choice([32, 64, 128, 256]) * scale) if chunked else max_model_len + rng.choice([0, 64])
     cfg = Config(
         block_size=block_size,
         # Sometimes a KV cache below one max_model_len request (vLLM's scheduler accepts it; requests are drawn
@@ -383,6 +395,10 @@ class Pair:
         # streaming session can reach with the parts given so far (its prompt and max_tokens, capped at
         # max_model_len).
         self.rng_stream = random.Random(f"stream/{seed}")
+        # The simulated offload worker's delays, from their own stream too: (steps left, "load"/"store", event).
+        self.rng_offload = random.Random(f"offload/{seed}")
+        self.offload_events: list[tuple[int, str, int, list[str]]] = []
+        self.offload_counts = collections.Counter[str]()
         self.sessions: dict[str, int] = {}
         self.stuck: list[str] = []
         # Tokens one block id covers (vLLM's scheduler block size).
@@ -400,7 +416,7 @@ class Pair:
         # ... and the scheduler's hash block size: with a Mamba group, the least common multiple of the groups'
         # block sizes (a Mamba block holds max_model_len tokens).
         self.hash_block = self.kv_block_size
-        if "mamba" in (groups or ()):
+        if "mamba" in (groups or ()) and cfg.mamba_cache_mode != "align":
             self.hash_block = math.lcm(self.kv_block_size, cfg.max_model_len)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
@@ -504,8 +520,12 @@ class Pair:
         """The most tokens a request is drawn to reach, less one: a KV cache smaller than max_model_len takes
         only requests that fit it (prompt + max_tokens - 1 tokens)."""
         cfg = self.cfg
-        # (With several KV cache groups, every group may need a block per block of tokens.)
-        capacity = (cfg.num_blocks - 1) // len(cfg.kv_cache_groups or (None,)) * self.kv_block_size
+        # (With several KV cache groups, every group may need a block per block of tokens; a Mamba group instead
+        # takes 1 + num_speculative_blocks state blocks per request, whatever its length.)
+        groups = cfg.kv_cache_groups or (None,)
+        num_mamba = groups.count("mamba")
+        pool = cfg.num_blocks - 1 - num_mamba * (1 + cfg.num_speculative_tokens)
+        capacity = pool // (len(groups) - num_mamba) * self.kv_block_size
         if cfg.num_speculative_tokens and capacity < cfg.max_model_len:
             # Room for the drafts (and placeholders) past the last token: in a cache below max_model_len, vLLM
             # pads a resumed decode near the cache's end to 1 + k tokens it can never allocate (it livelocks);
@@ -772,7 +792,13 @@ class Pair:
         return runner_output(
             req_ids,
             sampled,
-            kv_connector_output=self.transfers(so) if self.cfg.kv_connector_seed is not None else None,
+            kv_connector_output=(
+                self.offload_transfers(so)
+                if self.cfg.cpu_offload_blocks is not None
+                else self.transfers(so)
+                if self.cfg.kv_connector_seed is not None
+                else None
+            ),
         )
 
     def odd_output(self, rid: str, chunk: bool, num_drafts: int, tokens: list[int]) -> list[int]:
@@ -804,7 +830,10 @@ class Pair:
             request = self.a.requests.get(rid)
             if request is None or request.is_finished():
                 return tokens
-            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[0]) * self.kv_block_size
+            # (The first attention group's blocks: a Mamba group holds its state blocks whatever the length.)
+            groups = self.cfg.kv_cache_groups or (None,)
+            attention = next(g for g, w in enumerate(groups) if w != "mamba")
+            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[attention]) * self.kv_block_size
             room = min(1 + k - len(tokens), slots - (request.num_computed_tokens - num_drafts + len(tokens) - 1))
             if room > 0:
                 return tokens + [self.random_token() for _ in range(rng.randrange(1, 1 + room))]
@@ -823,6 +852,66 @@ class Pair:
             # MultiConnector's metadata holds its children's, in order: the RandomKVConnector is the last.
             meta = meta.metadata[-1] if meta is not None else None
         return _connectors(self.a)[-1].report(self.rng, meta, self.cfg.block_size)
+
+    def offload_transfers(self, so: Any) -> Any:
+        """What SimpleCPUOffloadConnector's workers report with the output of step ``so``: the load and store
+        events its metadata started finish after 0-2 more steps (drawn), as the worker's ``get_finished`` reports
+        them: the requests of each finished load event that are still known (vLLM asserts on others), and each
+        finished store event once (one worker)."""
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        meta = so.kv_connector_metadata
+        rng = self.rng_offload
+        if meta is not None:
+            if meta.load_event >= 0:
+                reqs = list(meta.load_event_to_reqs.get(meta.load_event, ()))
+                self.offload_events.append((rng.randrange(0, 3), "load", meta.load_event, reqs))
+            if meta.store_event >= 0:
+                self.offload_events.append((rng.randrange(0, 3), "store", meta.store_event, []))
+        recving: set[str] = set()
+        stores: dict[int, int] = {}
+        left = []
+        for wait, kind, event, reqs in self.offload_events:
+            if wait > 0:
+                left.append((wait - 1, kind, event, reqs))
+            elif kind == "load":
+                recving.update(r for r in reqs if r in self.a.requests)
+                self.offload_counts["loads"] += 1
+            else:
+                stores[event] = 1
+                self.offload_counts["stores"] += 1
+        self.offload_events = left
+        return KVConnectorOutput(
+            finished_recving=recving or None,
+            kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=stores) if stores else None,
+        )
+
+    def compare_offload(self, when: str) -> None:
+        """SimpleCPUOffloadConnector's scheduler-side state on both sides, and the GPU pool as it sees it: each
+        block's reference count and vLLM block hash."""
+        ma, mb = self.a.connector.scheduler_manager, self.b.connector.scheduler_manager
+        if ma is None:
+            return
+        compare(f"{when}: offload loads", sorted(ma._reqs_to_load), sorted(mb._reqs_to_load))
+        compare(
+            f"{when}: offload stores",
+            {e: (t.gpu_block_ids, t.cpu_block_ids) for e, t in ma._store_event_to_blocks.items()},
+            {e: (t.gpu_block_ids, t.cpu_block_ids) for e, t in mb._store_event_to_blocks.items()},
+        )
+        compare(f"{when}: offload pending hits", sorted(ma._pending_cpu_hits), sorted(mb._pending_cpu_hits))
+        compare(
+            f"{when}: CPU free blocks", ma.cpu_block_pool.get_num_free_blocks(), mb.cpu_block_pool.get_num_free_blocks()
+        )
+        compare(f"{when}: boundary stats", ma.boundary_store_stats, mb.boundary_store_stats)
+        pa, pb = self.a.kv_cache_manager.block_pool, self.b.kv_cache_manager.block_pool
+        compare(f"{when}: GPU free blocks", pa.get_num_free_blocks(), pb.get_num_free_blocks())
+        blocks_a, blocks_b = pa.blocks, pb.blocks
+        compare(
+            f"{when}: GPU blocks (ref_cnt, block_hash, block_hash_num_tokens)",
+            [(x.ref_cnt, x.block_hash, x.block_hash_num_tokens) for x in blocks_a],
+            [(x.ref_cnt, x.block_hash, x.block_hash_num_tokens) for x in blocks_b],
+        )
 
     def update_oldest(self) -> None:
         so_a, so_b, chunks = self.in_flight.pop(0)
@@ -896,7 +985,9 @@ class Pair:
         compare(f"{when}: num unfinished", a.get_num_unfinished_requests(), b.get_num_unfinished_requests())
         compare(f"{when}: has_finished", a.has_finished_requests(), b.has_finished_requests())
         compare(f"{when}: kv usage", a.get_kv_cache_usage(), b.get_kv_cache_usage())
-        if a.connector is not None:
+        if self.cfg.cpu_offload_blocks is not None:
+            self.compare_offload(when)
+        elif a.connector is not None:
             for i, (ca, cb) in enumerate(zip(_connectors(a), _connectors(b), strict=True)):
                 compare(f"{when}: KV connector {i} calls", ca.calls, cb.calls)
                 ca.calls.clear()
@@ -985,7 +1076,12 @@ class Pair:
                 "schedulable; kvsched stalls identically"
             )
         compare("drained", sorted(self.b.requests), [])
-        compare("free blocks", self.b.core.num_free_blocks, self.cfg.num_blocks - 1)
+        # Blocks SimpleCPUOffloadConnector keeps pinned for ever (loads of requests that finished before the
+        # load was registered) are pinned on both sides: the free count is vLLM's.
+        free = self.cfg.num_blocks - 1
+        if self.cfg.cpu_offload_blocks is not None:
+            free = self.a.kv_cache_manager.block_pool.get_num_free_blocks()
+        compare("free blocks", self.b.core.num_free_blocks, free)
 
 
 def run_seed(
@@ -1002,6 +1098,7 @@ def run_seed(
     sliding_window: bool = False,
     hybrid: bool = False,
     mamba: bool = False,
+    mamba_align: bool = False,
     chunked_local: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
@@ -1013,6 +1110,9 @@ def run_seed(
     dcp: int = 1,
     pcp: int = 1,
     encoder_decoder: bool = False,
+    cpu_offload: bool = False,
+    lazy_offload: bool = False,
+    block_sizes: tuple[int, ...] = (),
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -1021,16 +1121,19 @@ def run_seed(
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``hybrid`` gives the
     model several KV cache groups instead (full attention and sliding windows, drawn from their own stream);
     ``chunked_local`` draws layouts with chunked-local groups (Llama 4) instead; ``mamba`` a hybrid Mamba model's
-    (Mamba groups with full attention and sometimes a window, prefix caching off: vLLM's mamba_cache_mode "none");
+    (Mamba groups with full attention and sometimes a window, prefix caching off: vLLM's mamba_cache_mode "none";
+    with ``mamba_align``, its mode "align": block-sized Mamba blocks, block-aligned prefill chunks);
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
     streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
     in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
     drafts) with vLLM's default prefix-cache rules for it; ``dcp`` / ``pcp``: vLLM's decode / prefill context
-    parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure)."""
+    parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure);
+    ``block_sizes``: the block size is drawn from these instead (from its own stream)."""
     rng = random.Random(seed * 7919 + 17)
-    cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2)
+    block_size = random.Random(f"block/{seed}").choice(block_sizes) if block_sizes else None
+    cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2, block_size=block_size)
     if sliding_window:
         cfg.sliding_window = random.Random(f"window/{seed}").choice([1, 3, 8, cfg.block_size, 20, 33, 64, 100])
     if hybrid or chunked_local:
@@ -1047,6 +1150,11 @@ def run_seed(
         # group on top.
         num_attn = sum(g != "mamba" for g in cfg.kv_cache_groups)
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * num_attn + cfg.max_num_seqs // 2
+        if mamba_align:
+            # Two running states and the speculative blocks per request per Mamba group.
+            cfg.mamba_cache_mode = "align"
+            num_mamba = len(cfg.kv_cache_groups) - num_attn
+            cfg.num_blocks += cfg.max_num_seqs * num_mamba
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
         # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
@@ -1056,6 +1164,13 @@ def run_seed(
         cfg.enable_prefix_caching = False
         budget = erng.choice([4, 8, 16, 32])
         cfg.encoder_decoder = (budget, erng.choice([budget, budget, 2 * budget, 3 * budget // 2]))
+    if cpu_offload:
+        # A CPU pool of a quarter of the GPU pool up to twice it (own stream), prefix caching on (the connector
+        # offloads nothing without it).
+        orng = random.Random(f"offload/{seed}")
+        cfg.cpu_offload_blocks = max(2, int(cfg.num_blocks * orng.choice([0.25, 0.5, 1.0, 2.0])))
+        cfg.cpu_offload_lazy = lazy_offload
+        cfg.enable_prefix_caching = True
     if connector:
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
@@ -1095,7 +1210,10 @@ def run_seed(
         cfg.per_request_spec_decode_metrics = erng.choice(["none", "summary", "detailed"])
         if cfg.policy == "priority" and v2 and RULES.skip_drafts:
             cfg.policy = "fcfs"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
-    if cfg.speculative_method == "eagle" and not (cfg.sliding_window or cfg.kv_cache_groups or streaming):
+    # (With Mamba groups prefix caching is off: vLLM's default rules, on, act on nothing.)
+    if cfg.speculative_method == "eagle" and not (
+        cfg.sliding_window or (cfg.kv_cache_groups and not (mamba and not mamba_align)) or streaming
+    ):
         cfg.eagle_block_drop = eagle or random.Random(f"eagle/{seed}").random() < 0.7
     if multimodal:
         cfg.multimodal = True
@@ -1107,6 +1225,10 @@ def run_seed(
         cfg.ec_connector_seed = seed
     if pp:
         cfg.pipeline_parallel_size = random.Random(f"pp/{seed}").choice([2, 3, 4])
+    if mamba:
+        # One request's state blocks (1 + num_speculative_blocks per Mamba group, the drafts' count) on top, so the
+        # attention groups keep at least the drawn single-group cache for it.
+        cfg.num_blocks += cfg.kv_cache_groups.count("mamba") * (1 + cfg.num_speculative_tokens)  # type: ignore[union-attr]
     if dcp > 1 or pcp > 1:
         cfg.decode_context_parallel_size = dcp
         cfg.prefill_context_parallel_size = pcp
@@ -1169,6 +1291,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=None, help="default: sync-v1,sync-v2,async-v1,async-v2 (with --pp: no async-v1)")
     p.add_argument("--connector", action="store_true", help="with a seeded RandomKVConnector")
     p.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="with vLLM's SimpleCPUOffloadConnector (eager offload, a CPU pool of a quarter to twice the GPU pool, "
+        "prefix caching on): loads and stores are reported over 0-2 steps later by a simulated worker; the "
+        "connector's state and every GPU block's reference count and block hash are compared; not with --connector",
+    )
+    p.add_argument(
+        "--lazy-offload",
+        action="store_true",
+        help="with --cpu-offload: the connector's lazy mode (it walks the GPU free block queue from a cursor and "
+        "offloads the cached blocks next in line for eviction)",
+    )
+    p.add_argument(
         "--kv-roles",
         default="kv_both",
         help="with --connector: the connector's roles, comma-separated (kv_producer, kv_consumer, kv_both); each "
@@ -1199,6 +1334,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a hybrid Mamba model: Mamba KV cache groups (vLLM's mamba_cache_mode 'none', prefix caching off) with "
         "full attention and sometimes a window, drawn per seed; not with --connector, --kv-events, --sliding-window, "
         "--hybrid or --mm",
+    )
+    p.add_argument(
+        "--mamba-align",
+        action="store_true",
+        help="with --mamba: vLLM's mamba_cache_mode 'align' (block-sized Mamba state blocks, block-aligned prefill "
+        "chunks; prefix caching off)",
     )
     p.add_argument(
         "--chunked-local",
@@ -1238,14 +1379,14 @@ def main(argv: list[str] | None = None) -> int:
         "--eagle",
         action="store_true",
         help="every run with an EAGLE drafter and vLLM's default prefix-cache rules for it (look-ahead block hashes; "
-        "the trailing-block drop with --connector and on vLLM 0.32); not with --sliding-window, --hybrid, --mm or "
-        "--streaming",
+        "the trailing-block drop with --connector and on vLLM 0.32; with --mamba, whose prefix caching is off, they "
+        "act on nothing); not with --sliding-window, --hybrid, --mm or --streaming",
     )
     p.add_argument(
         "--dcp",
         type=int,
         default=1,
-        help="vLLM's decode context parallel size (a power of two): one block id covers block_size tokens on each "
+        help="vLLM's decode context parallel size: one block id covers block_size tokens on each "
         "DCP rank; not with --connector, --kv-events, --sliding-window or --hybrid, which kvsched.vllm refuses "
         "with it",
     )
@@ -1263,7 +1404,16 @@ def main(argv: list[str] | None = None) -> int:
         "inputs, encoder-decoder scheduling with a small encoder budget and EncoderDecoderCacheManager; not with "
         "--connector, --kv-events, --sliding-window, --hybrid, --mm, --ec or --streaming",
     )
+    p.add_argument(
+        "--block-sizes",
+        default="",
+        help="comma-separated block sizes (per DCP rank) to draw each seed's from, e.g. 3,12,272 (default: 4, 8 or "
+        "16); a size above 16 scales the drawn model length and token budget with it",
+    )
     args = p.parse_args(argv)
+    block_sizes = tuple(int(b) for b in args.block_sizes.split(",") if b)
+    if any(b < 1 for b in block_sizes):
+        p.error("--block-sizes takes sizes >= 1")
     if args.modes is None:
         if args.pcp > 1:
             args.modes = "sync-v2,async-v2"
@@ -1277,8 +1427,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
-    if args.eagle and (args.sliding_window or args.hybrid or args.mamba or args.mm or args.streaming):
-        p.error("--eagle goes without --sliding-window, --hybrid, --mamba, --mm and --streaming")
+    if args.eagle and (args.sliding_window or args.hybrid or args.mm or args.streaming):
+        p.error("--eagle goes without --sliding-window, --hybrid, --mm and --streaming")
     if args.enc_dec and (
         args.connector
         or args.kv_events
@@ -1299,10 +1449,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sliding-window goes without --connector and --kv-events")
     if args.hybrid and (args.connector or args.kv_events or args.sliding_window or args.mm):
         p.error("--hybrid goes without --connector, --kv-events, --sliding-window and --mm")
+    if args.mamba_align and not args.mamba:
+        p.error("--mamba-align goes with --mamba")
     if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --connector, --kv-events, --sliding-window, --hybrid and --mm")
     if args.chunked_local and not args.hybrid:
         p.error("--chunked-local goes with --hybrid")
+    if args.lazy_offload and not args.cpu_offload:
+        p.error("--lazy-offload goes with --cpu-offload")
+    if args.cpu_offload and (args.connector or args.sliding_window or args.hybrid or args.mamba or args.enc_dec):
+        p.error("--cpu-offload goes without --connector, --sliding-window, --hybrid, --mamba and --enc-dec")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
@@ -1338,6 +1494,7 @@ def main(argv: list[str] | None = None) -> int:
                         sliding_window=args.sliding_window,
                         hybrid=args.hybrid,
                         mamba=args.mamba,
+                        mamba_align=args.mamba_align,
                         chunked_local=args.chunked_local,
                         multimodal=args.mm,
                         ec_connector=args.ec,
@@ -1349,6 +1506,9 @@ def main(argv: list[str] | None = None) -> int:
                         dcp=args.dcp,
                         pcp=args.pcp,
                         encoder_decoder=args.enc_dec,
+                        cpu_offload=args.cpu_offload,
+                        lazy_offload=args.lazy_offload,
+                        block_sizes=block_sizes,
                     )
                     ok += 1
                 except Divergence as exc:

@@ -2,7 +2,7 @@
 
 :class:`SchedulerConfig` is declared once: each field carries its type (the annotation), its default, and in its
 metadata a :class:`FieldSpec` with the valid range or choices and a one-line doc. Validation walks that table
-(type, fixed range, power of two), then applies the rules that tie fields together (explicit code below);
+(type, fixed range), then applies the rules that tie fields together (explicit code below);
 :func:`fields_markdown` renders the same table for ``docs/semantics.md``. The same config drives the Rust
 scheduler and the pure-Python reference; the Rust core checks the values again with the same rules and the same
 messages (``tests/test_config.py`` holds the two sides together, defaults included).
@@ -91,7 +91,6 @@ class FieldSpec:
     hi: int | None = None
     hi_open: bool = False  # a float field's upper bound is excluded
     hi_field: str | None = None  # another field whose value bounds this one from above too
-    power_of_two: bool = False
     valid: str | None = None  # the valid values in words, for the fields that explicit code checks
     lo_open: bool = False  # a float field's lower bound is excluded
 
@@ -103,11 +102,10 @@ def _spec(
     hi: int | None = None,
     hi_open: bool = False,
     hi_field: str | None = None,
-    power_of_two: bool = False,
     valid: str | None = None,
     lo_open: bool = False,
 ) -> dict[str, FieldSpec]:
-    return {"spec": FieldSpec(doc, lo, hi, hi_open, hi_field, power_of_two, valid, lo_open)}
+    return {"spec": FieldSpec(doc, lo, hi, hi_open, hi_field, valid, lo_open)}
 
 
 def check_tenant_weight(
@@ -187,9 +185,7 @@ class SchedulerConfig:
     ("Configuration"), generated from the field metadata here. A bad value raises ``InvalidConfigError``.
     """
 
-    block_size: int = field(
-        default=DEFAULT_BLOCK_SIZE, metadata=_spec("tokens per KV block", lo=1, hi=1024, power_of_two=True)
-    )
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=_spec("tokens per KV block", lo=1, hi=1024))
     num_blocks: int = field(
         default=4096,
         metadata=_spec(
@@ -456,7 +452,6 @@ class SchedulerConfig:
             "[Context parallelism](#context-parallelism))",
             lo=1,
             hi=1024,
-            power_of_two=True,
         ),
     )
     pcp_world_size: int = field(
@@ -639,6 +634,15 @@ class SchedulerConfig:
             hi=1024,
         ),
     )
+    mamba_align: bool = field(
+        default=False,
+        metadata=_spec(
+            'Mamba groups in vLLM\'s `mamba_cache_mode` "align": block-sized state blocks in a table that grows '
+            "with the request (real blocks only at its running state) and prefill chunks that end at block "
+            "boundaries; needs a `'mamba'` group and `enable_prefix_caching=False` (see [Several KV cache "
+            "groups](#several-kv-cache-groups))"
+        ),
+    )
     draft_slots: int = field(
         default=0,
         metadata=_spec(
@@ -784,9 +788,12 @@ class SchedulerConfig:
         spec_blocks = (
             f"mamba_speculative_blocks ({self.mamba_speculative_blocks}) needs a Mamba group in kv_cache_groups"
         )
+        align = "mamba_align needs a Mamba group in kv_cache_groups"
         if groups is None:
             if self.mamba_speculative_blocks > 0:
                 raise InvalidConfigError(spec_blocks)
+            if self.mamba_align:
+                raise InvalidConfigError(align)
             return
         if len(groups) < 2 or len(groups) > MAX_KV_CACHE_GROUPS:
             raise InvalidConfigError(
@@ -821,6 +828,13 @@ class SchedulerConfig:
             )
         if self.mamba_speculative_blocks > 0 and MAMBA not in groups:
             raise InvalidConfigError(spec_blocks)
+        if self.mamba_align and MAMBA not in groups:
+            raise InvalidConfigError(align)
+        if self.mamba_align and self.disable_chunked_mm_input:
+            raise InvalidConfigError(
+                "mamba_align cannot be combined with disable_chunked_mm_input (vLLM's mamba_cache_mode 'align' needs "
+                "chunks that end at block boundaries inside an encoder input)"
+            )
         if self.sliding_window is not None:
             raise InvalidConfigError(
                 f"kv_cache_groups cannot be combined with sliding_window ({self.sliding_window}): give the window "
@@ -928,8 +942,6 @@ class ConfigField:
                 raise InvalidConfigError(f"{name} must be a bool, got {value!r}")
         elif self.kind == "int" or (self.kind == "optional_int" and value is not None):
             _check_int(name, value, spec.lo, self.hi)
-            if spec.power_of_two and value & (value - 1):
-                raise InvalidConfigError(f"{name} must be a power of two, got {value}")
         elif self.kind == "float" or (self.kind == "optional_float" and value is not None):
             return _check_float(name, value, spec)
         elif self.kind == "choice" and value not in self.choices:
@@ -958,8 +970,6 @@ class ConfigField:
             text = f">= {spec.lo}"
         else:
             text = f"[{spec.lo}, {_power_text(spec.hi)}]"
-        if spec.power_of_two:
-            text = "a power of two in " + text
         return "None or " + text if self.kind == "optional_int" else text
 
 

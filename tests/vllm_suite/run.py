@@ -63,6 +63,8 @@ TEST_FILES = (
     "tests/v1/core/test_worker_slot_overflow.py",
     "tests/v1/core/test_prefix_replay.py",
     "tests/v1/core/test_swa_inflight_window_free.py",
+    # MultiConnector(NixlConnector, SimpleCPUOffloadConnector) on a scheduler built by create_scheduler.
+    "tests/v1/kv_connector/unit/test_nixl_simple_cpu_offload.py",
 )
 # The files of vLLM's test tree that the test files import (directly or through utils.py).
 SDIST_MEMBERS = (
@@ -413,6 +415,11 @@ CURATED.update(
         "test_mamba_align_eagle_schedules_encoder_at_boundary": (
             "sets vLLM's internal Mamba block-aligned split and EAGLE look-ahead flags on the scheduler "
             "(`need_mamba_block_aligned_split`, `use_eagle`, `num_prefill_lookahead`); kvsched.vllm has neither"
+        ),
+        "test_mamba_align_encoder_cache_cap_makes_progress": (
+            "sets vLLM's internal `need_mamba_block_aligned_split` on a scheduler of a full-attention model; "
+            "kvsched.vllm splits prefill chunks at block boundaries only for align-mode Mamba groups, as the KV "
+            "cache config declares them"
         ),
         "test_waiting_encoder_stall_is_counted_as_deferred": _ENCODER_STALL,
         "test_waiting_encoder_stall_kv_holder_keeps_drain_priority": _ENCODER_STALL

@@ -274,6 +274,8 @@ class _ConnectorMixin(_BlockPoolMixin):
                 self._free_block_list(table)
             r.group_block_ids = [[] for _ in r.group_block_ids]
             r.group_num_cached = [0] * len(r.group_num_cached)
+            r.mamba_allocated.clear()
+            r.mamba_appended.clear()
         else:
             self._defer_free(r.block_ids)
         r.block_ids = []

@@ -31,6 +31,16 @@ def _group_window(entry: int | str | None) -> int:
     return int(entry) if chunk is None else _CHUNKED | chunk
 
 
+def _mamba_checkpoint(num_tokens: int, bs: int, drop_eagle: bool, hash_lookahead: int) -> int:
+    """vLLM's ``get_mamba_prefill_checkpoint_position``: the last multiple of ``bs`` that leaves a token (or the
+    look-ahead tokens) to compute; with EAGLE's trailing-block drop, the multiple at or below, one block lower."""
+    limit = num_tokens if drop_eagle else num_tokens - max(1, hash_lookahead)
+    pos = limit // bs * bs
+    if drop_eagle:
+        pos -= bs
+    return max(pos, 0)
+
+
 class _KVCacheManagerMixin(_BlockPoolMixin):
     """What a request asks of the block pool."""
 
@@ -130,6 +140,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._free_block_list(self._group_table(r, g))
             r.group_block_ids = [[] for _ in r.group_block_ids]
             r.group_num_cached = [0] * len(r.group_num_cached)
+            r.mamba_allocated.clear()
+            r.mamba_appended.clear()
         else:
             self._free_block_list(r.block_ids)
         r.block_ids = []
@@ -385,6 +397,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if w == _CROSS:
                 total += self._cross_blocks_to_add(r, held) if not r.block_ids else 0
                 continue
+            if w == _MAMBA and c.mamba_align:
+                entries = required + c.mamba_speculative_blocks
+                total += max(0, self._align_need(entries, held, g in r.mamba_allocated))
+                continue
             if w == _MAMBA:
                 total += max(0, 1 + c.mamba_speculative_blocks - held) if not r.block_ids else 0
                 continue
@@ -411,14 +427,23 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         windows = self._group_windows()
         total_computed = r.num_computed_tokens + len(hits) * bs + ext
         processed = max(0, total_computed - r.num_in_flight_tokens)
+        align = c.mamba_align
         for g, w in enumerate(windows):
             if w > 0:
                 self._remove_group_skipped(r, g, w, processed)
+            elif w == _MAMBA and align:
+                self._remove_mamba_skipped(r, g, processed)
         fresh = not r.block_ids
         num_slots = min(total_computed + n + lookahead, c.max_slots_per_request)
+        # Align-mode Mamba groups: the entries the state's tokens (no lookahead) want.
+        mamba_entries = math.ceil((total_computed + n) / bs) + c.mamba_speculative_blocks
         plan = []
         total_need = evictable = 0
         for g, w in enumerate(windows):
+            if w == _MAMBA and align:  # may be negative: vLLM sums it as it is
+                total_need += self._align_need(mamba_entries, len(self._group_table(r, g)), g in r.mamba_allocated)
+                plan.append((0, 0))
+                continue
             if w < 0:  # the encoder output's or the state's blocks, at the first allocation only
                 held = len(self._group_table(r, g))
                 need = 0
@@ -449,6 +474,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._set_group_cached(r, g, self._group_cached(r, g) + skipped + len(kept))
         new_blocks: list[int] = []
         for g, (_, need) in enumerate(plan):
+            if windows[g] == _MAMBA and align:
+                self._grow_mamba_align(r, g, mamba_entries)
+                continue
             fresh_blocks = [self._pop_free_block() for _ in range(need)]
             self._group_table(r, g).extend(fresh_blocks)
             if self._zero_ids and windows[g] != _MAMBA:  # with a Mamba group: new attention blocks are zeroed
@@ -458,6 +486,70 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if cache:
             self._cache_blocks(r, min(total_computed + n, r.num_tokens))
         return new_blocks
+
+    def _mamba_split(self, r: _Request, start: int, n: int) -> int:
+        """A prefill chunk of ``n`` tokens from ``start`` cut where an align-mode Mamba state must be written
+        (vLLM's ``_mamba_block_aligned_split`` without prefill checkpoints, partial-block hits or shared-prefix
+        junctions; the core's ``AlignedSplit``)."""
+        c, bs = self._config, self._bs
+        prefill_end = max(r.num_prompt_tokens, r.num_tokens - 1)
+        if start >= prefill_end:
+            return n
+        last_cache = _mamba_checkpoint(r.num_tokens, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
+        end = start + n
+        if end < prefill_end:
+            max_prefill = c.max_num_scheduled_tokens or c.max_num_batched_tokens
+            if c.long_prefill_token_threshold > 0:
+                max_prefill = min(max_prefill, c.long_prefill_token_threshold)
+            aligned = end // bs * bs
+            if aligned > start or bs <= max_prefill:
+                end = aligned
+        next_boundary = (start // bs + 1) * bs if start % bs else 0
+        end = min((s for s in (next_boundary, last_cache) if start < s < end), default=end)
+        return max(end - start, 0)
+
+    def _align_need(self, entries: int, held: int, allocated: bool) -> int:
+        """An align-mode Mamba group's blocks to allocate for ``entries`` entries with ``held`` in the table: the
+        missing ones, capped at 1 (1 plus the speculative blocks before its first allocation); negative when the
+        table is longer."""
+        need = entries - held
+        if need > 0:
+            need = min(need, 1 if allocated else 1 + self._config.mamba_speculative_blocks)
+        return need
+
+    def _remove_mamba_skipped(self, r: _Request, g: int, processed: int) -> None:
+        """An align-mode Mamba group: the entries below ``(processed - 1) // bs`` go back to the pool (deepest
+        first, null blocks skipped; vLLM's ``last_state_block_idx`` entry, when it frees it, is always one of
+        them)."""
+        table, bs = self._group_table(r, g), self._bs
+        if processed > 1:
+            last = min((processed - 1) // bs, len(table))
+            freed = [b for b in table[:last] if b != 0]
+            if freed:
+                self._free_block_list(freed)
+                table[:last] = [0] * last
+
+    def _grow_mamba_align(self, r: _Request, g: int, entries: int) -> None:
+        """An align-mode Mamba group's table grows to ``entries`` entries: null blocks pad it to
+        ``entries - spec - 1``, the speculative blocks below that move to the end, new blocks fill the rest."""
+        table, spec = self._group_table(r, g), self._config.mamba_speculative_blocks
+        prev = len(table)
+        r.mamba_appended[g] = 0
+        allocated = g in r.mamba_allocated
+        r.mamba_allocated.add(g)
+        if entries <= prev:
+            return
+        skipped = entries - spec - 1
+        if prev < skipped:
+            table.extend([0] * (skipped - prev))
+        if allocated:
+            for idx in range(prev - spec, prev):
+                if idx >= skipped:
+                    break
+                table.append(table[idx])
+                table[idx] = 0
+        table.extend(self._pop_free_block() for _ in range(max(0, entries - len(table))))
+        r.mamba_appended[g] = len(table) - prev
 
     def _remove_group_skipped(self, r: _Request, g: int, w: int, processed: int) -> None:
         table = self._group_table(r, g)

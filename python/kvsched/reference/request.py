@@ -45,6 +45,8 @@ class _Request:
         "kv_load_failed",
         "last_sched_seq",
         "lora_name",
+        "mamba_allocated",
+        "mamba_appended",
         "max_len_bound",
         "max_tokens",
         "min_tokens",
@@ -115,6 +117,10 @@ class _Request:
         # With several KV cache groups: groups 1..'s tables (group 0's is block_ids) and cached-block counts.
         self.group_block_ids: list[list[int]] = []
         self.group_num_cached: list[int] = []
+        # Align-mode Mamba groups (mamba_align), by group: the groups allocated since the last free, the entries
+        # the last allocation appended.
+        self.mamba_allocated: set[int] = set()
+        self.mamba_appended: dict[int, int] = {}
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first admission
         self.queue_seq = -1  # identifies this request's live entry in the priority heap

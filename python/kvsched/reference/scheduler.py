@@ -42,6 +42,7 @@ from .convert import (
 from .introspect import _IntrospectMixin
 from .model_inputs import _ModelInputsMixin
 from .output import SchedulerOutput
+from .pins import _PinsMixin
 from .request import _Request
 from .step import _StepMixin
 from .update import _UpdateMixin
@@ -49,7 +50,7 @@ from .update import _UpdateMixin
 __all__ = ["ReferenceScheduler"]
 
 
-class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _IntrospectMixin):
+class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin, _IntrospectMixin):
     """Pure-Python twin of :class:`kvsched.Scheduler` (same constructor, methods, results and errors)."""
 
     # -- requests ----------------------------------------------------------------------------------------
@@ -447,8 +448,13 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             self._last_out_fresh = False
         if len(self._free) != self._config.num_usable_blocks:
             if reset_running_requests:
-                if self._held or self._deferred_frees or any(r.block_ids for r in self._requests.values()):
-                    return False  # KV transfers hold blocks (vLLM raises: not supported yet), or deferred frees
+                if (
+                    self._held
+                    or self._deferred_frees
+                    or self._pins
+                    or any(r.block_ids for r in self._requests.values())
+                ):
+                    return False  # KV transfers hold blocks (vLLM raises: not supported yet), deferred frees, pins
                 raise InternalError("the prefix cache is in use with no request running")
             return False
         self._cached.clear()
@@ -545,6 +551,17 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
             require(len(r.group_block_ids) + 1 == len(windows), f"{r.req_id}: one table per group")
             for g in range(len(windows)):
                 table = self._group_table(r, g) if c.kv_cache_groups is not None else r.block_ids
+                if windows[g] == MAMBA and c.mamba_align:  # the states' entries, null blocks between them
+                    least = 0 if not r.block_ids else 1 + c.mamba_speculative_blocks
+                    require(
+                        len(table) >= least and bool(table) == bool(r.block_ids) and self._group_cached(r, g) == 0,
+                        f"{r.req_id}: group {g}'s blocks",
+                    )
+                    live = [b for b in table if b != 0]
+                    require(len(set(live)) == len(live), f"{r.req_id}: a block twice in one table")
+                    for b in live:
+                        holders[b] += 1
+                    continue
                 if windows[g] in (CROSS_ATTENTION, MAMBA):  # the encoder output's or the state's blocks
                     want = (
                         0
@@ -574,6 +591,9 @@ class ReferenceScheduler(_StepMixin, _UpdateMixin, _ModelInputsMixin, _Introspec
         for _, blocks in self._deferred_frees:
             for b in blocks:
                 holders[b] += b != 0
+        for b, n in self._pins.items():
+            require(0 < b < c.num_blocks and n > 0, f"block {b} pinned {n} times")
+            holders[b] += n
         load_fences = [fence for fence, _, _ in self._deferred_loads.values()]
         require(
             load_fences == sorted(load_fences)

@@ -60,6 +60,8 @@ class _SchedulerState:
         # yet registered with the connector, in admission order: req_id -> (fence, external tokens, connector
         # prefix-cache (queries, hits) or None)
         self._deferred_loads: dict[str, tuple[int, int, tuple[int, int] | None]] = {}
+        # block id -> pins taken by pin_blocks and not given back (pins.py)
+        self._pins: dict[int, int] = {}
         self._next_add_seq = 0
         if kv_connector is not None:
             for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished"):

@@ -157,6 +157,11 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             if n <= 0:
                 i += 1
                 continue
+            if c.mamba_align:  # a prefill chunk ends where a Mamba state must be written; none: skipped
+                n = self._mamba_split(r, r.num_computed_tokens, n)
+                if n == 0:
+                    i += 1
+                    continue
             if r.encoder_inputs:
                 n = self._plan_encoder(enc, r, r.num_computed_tokens, n)
                 if n == 0:
@@ -252,10 +257,15 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         others = [w for g, w in enumerate(windows) if g != c.primary_group]
         for g, w in enumerate(others):
             whole = w in (CROSS_ATTENTION, MAMBA)
+            # An align-mode Mamba table: a running request's entries its allocation appended.
+            gid = g if g < c.primary_group else g + 1
+            appended = w == MAMBA and c.mamba_align
             groups.append(
                 [
                     list(e[0].group_block_ids[g])
                     if whole and e[5] in ("new", "resumed")
+                    else e[0].group_block_ids[g][len(e[0].group_block_ids[g]) - e[0].mamba_appended.get(gid, 0) :]
+                    if appended
                     else []
                     if whole
                     else e[0].group_block_ids[g][len(e[0].group_block_ids[g]) - len(e[3]) :]
@@ -460,6 +470,12 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if not c.enable_chunked_prefill and n > budget.chunk():
                     break
                 n = min(n, budget.chunk())
+                if c.mamba_align:  # a prefill chunk ends where a Mamba state must be written; none ends the pass
+                    n = self._mamba_split(r, computed, n)
+                    if n == 0:
+                        break
+                    if pad and n != 1 + k:  # a padded decode keeps its drafts or loses them all
+                        n, pad = 1, False
             planned = not load_async and bool(r.encoder_inputs)
             if planned:
                 n = self._plan_encoder(enc, r, computed, n)

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import DEFAULT_BLOCK_SIZE
-from .steptime import FEATURES, StepTimeModel, fit_step_noise, lone_prefill_tokens, spill_pairs
+from .steptime import FEATURES, StepTimeModel, fit_step_noise, lone_prefill_tokens, new_size_flags, spill_pairs
 
 __all__ = ["CalibrationSession", "TimedStep", "calibrate", "calibrate_llm", "fit_step_time_model", "run_timed_steps"]
 
@@ -29,6 +29,8 @@ TimedStep = tuple[float, int, int, int, int, float]
 IRLS_ROUNDS = 3
 # fit_step_time_model drops steps more than this many times slower (or faster) than its first fit predicts.
 OUTLIER_FACTOR = 3.0
+# The step-size cache capacities fit_step_time_model tries for the new-size term (distinct step sizes).
+SIZE_CACHE_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024)
 
 # The untimed lead-in before each calibration workload: a request of this many prompt tokens decoding for this
 # many steps (see calibrate_llm).
@@ -44,6 +46,8 @@ def fit_step_time_model(
     request_pairs: list[npt.NDArray[np.float64]] | None = None,
     fit_noise: bool = False,
     segments: list[int] | None = None,
+    step_sizes: list[int] | None = None,
+    timed_index: list[int] | None = None,
 ) -> tuple[StepTimeModel, dict[str, Any]]:
     """Non-negative least squares of step time on (1, prefill tokens, prefill requests, decode requests, KV tokens,
     prefill pairs, lone prefill tokens: see :func:`kvsched.sim.steptime.lone_prefill_tokens`), on relative error
@@ -62,13 +66,26 @@ def fit_step_time_model(
     ``fit_noise``: also fit the model's step-time noise (``noise_sigma``, ``noise_rho``: see
     :mod:`kvsched.sim.steptime`) from the log-ratio of each kept step's measured to predicted time; ``segments``:
     the lengths of the runs of consecutive steps that ``steps`` is made of (for the lag-one correlation; default:
-    one run)."""
+    one run).
+
+    With ``step_sizes`` (the size, in scheduled tokens, of every step the engine ran, in order, timed or not) and
+    ``timed_index`` (the position in it of each of ``steps``), the new-size term is fitted too: for each capacity
+    in ``SIZE_CACHE_CANDIDATES`` the fit gets a column that is 1 for a timed step whose size was not among that
+    many distinct sizes before it (:func:`kvsched.sim.steptime.new_size_flags`); the capacity with the smallest
+    relative squared error wins, if it beats the fit without the term."""
     if len(steps) < 8:
         raise ValueError(f"need at least 8 timed steps to fit, got {len(steps)}")
     if request_pairs is not None and len(request_pairs) != len(steps):
         raise ValueError(f"request_pairs has {len(request_pairs)} entries for {len(steps)} steps")
     if segments is not None and (sum(segments) != len(steps) or any(k < 0 for k in segments)):
         raise ValueError(f"segments must be run lengths >= 0 adding up to {len(steps)} steps, got {sum(segments)}")
+    if (step_sizes is None) != (timed_index is None):
+        raise ValueError("step_sizes and timed_index go together")
+    if timed_index is not None and step_sizes is not None:
+        if len(timed_index) != len(steps):
+            raise ValueError(f"timed_index has {len(timed_index)} entries for {len(steps)} steps")
+        if len(timed_index) and not (min(timed_index) >= 0 and max(timed_index) < len(step_sizes)):
+            raise ValueError(f"timed_index must be positions in step_sizes (0 to {len(step_sizes) - 1})")
     arr = np.asarray(steps, dtype=np.float64)
     y_all = np.maximum(arr[:, 0], 1e-9)
     # Columns: 1, prefill tokens, prefill requests, decode requests, KV tokens, prefill pairs, lone prefill tokens.
@@ -113,7 +130,22 @@ def fit_step_time_model(
             err = rel_sse(x[keep], y_all[keep], nnls(x[keep], y_all[keep]))
             if err < best:
                 best, threshold, spill_col = err, float(th), col
-    x, y = np.column_stack([x_all, spill_col]), y_all
+    # The new-size term: one more column per candidate capacity of the step-size cache.
+    cache, new_col = 0, np.zeros(len(arr))
+    if step_sizes is not None and timed_index is not None:
+        x = np.column_stack([x_all, spill_col])
+        best = rel_sse(x[keep], y_all[keep], nnls(x[keep], y_all[keep]))
+        idx = np.asarray(timed_index, dtype=np.int64)
+        for k in SIZE_CACHE_CANDIDATES:
+            col = new_size_flags(step_sizes, k)[idx].astype(np.float64)
+            if not col[keep].any():
+                continue
+            xk = np.column_stack([x, col])
+            err = rel_sse(xk[keep], y_all[keep], nnls(xk[keep], y_all[keep]))
+            if err < best:
+                best, cache, new_col = err, k, col
+    # (Without the term no column is added: a fit without it is the fit as it was before the term existed.)
+    x, y = np.column_stack([x_all, spill_col, *([new_col] if cache else [])]), y_all
     coef = nnls(x[keep], y[keep])
     # Dividing each row by its own measured time biases the fit low: a step that happened to run slow gets less
     # weight than one that ran fast, so the fitted time of a composition sits below the mean of its timings (for
@@ -123,6 +155,7 @@ def fit_step_time_model(
     for _ in range(IRLS_ROUNDS):
         coef = nnls(x[keep], y[keep], np.maximum(x[keep] @ coef, 1e-9))
     pred = x @ coef
+    c_new = float(coef[8]) if cache else 0.0
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
     rel = np.abs(pred - y) / np.maximum(y, 1e-12)
@@ -141,7 +174,9 @@ def fit_step_time_model(
         swap_block_s=0.0,
         prefill_attn_spill_s=float(coef[7]),
         lone_prefill_token_s=float(coef[6]),
+        new_size_step_s=c_new,
         attn_spill_pairs=threshold if coef[7] > 0 else 0.0,
+        step_size_cache=cache if c_new > 0 else 0,
         noise_sigma=noise_sigma,
         noise_rho=noise_rho,
         name=name,
@@ -154,6 +189,7 @@ def fit_step_time_model(
             *FEATURES[:6],
             *(["prefill_attn_spill_pairs"] if coef[7] > 0 else []),
             *(["lone_prefill_tokens"] if coef[6] > 0 else []),
+            *(["new_size_steps"] if c_new > 0 else []),
         ],
         "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
         "median_rel_error": float(np.median(rel)),
@@ -161,6 +197,11 @@ def fit_step_time_model(
         "total_time_rel_error": float(abs(pred.sum() - y.sum()) / y.sum()),
         "mean_step_s": float(y.mean()),
         **({"noise_sigma": noise_sigma, "noise_rho": noise_rho} if fit_noise else {}),
+        **(
+            {"step_size_cache": model.step_size_cache, "new_size_share": float(new_col.mean())}
+            if step_sizes is not None
+            else {}
+        ),
     }
     return model, fit
 
@@ -437,14 +478,19 @@ def calibrate_llm(
 
 
 def residuals(
-    model: StepTimeModel, steps: list[TimedStep], request_pairs: list[npt.NDArray[np.float64]] | None = None
+    model: StepTimeModel,
+    steps: list[TimedStep],
+    request_pairs: list[npt.NDArray[np.float64]] | None = None,
+    new_sizes: npt.NDArray[np.bool_] | None = None,
 ) -> npt.NDArray[np.float64]:
-    """Predicted minus measured step time for each timed step (the hinge term needs ``request_pairs``)."""
+    """Predicted minus measured step time for each timed step (the hinge term needs ``request_pairs``, the new-size
+    term ``new_sizes``: per step whether its size was new to the engine)."""
     arr = np.asarray(steps, dtype=np.float64)
     spill = np.zeros(len(arr))
     if request_pairs is not None:
         spill = np.array([spill_pairs(np.asarray(p, dtype=np.float64), model.attn_spill_pairs) for p in request_pairs])
     lone = lone_prefill_tokens(arr[:, 1], arr[:, 2], arr[:, 3])
-    feats = np.column_stack([np.ones(len(arr)), arr[:, 1:6], np.zeros(len(arr)), spill, lone])
+    new = np.zeros(len(arr)) if new_sizes is None else np.asarray(new_sizes, dtype=np.float64)
+    feats = np.column_stack([np.ones(len(arr)), arr[:, 1:6], np.zeros(len(arr)), spill, lone, new])
     out: npt.NDArray[np.float64] = model.predict(feats) - arr[:, 0]
     return out

@@ -53,7 +53,7 @@ from .simulator import (
     _with_tenant_weights,
     make_config,
 )
-from .steptime import StepNoise, StepTimeModel, request_pairs, spill_pairs
+from .steptime import StepNoise, StepSizeCache, StepTimeModel, request_pairs, spill_pairs
 from .summary import summarize
 from .workload import LengthDist, PromptFactory, Workload
 
@@ -220,9 +220,16 @@ class ClusterResult:
 
 
 def _step_seconds(
-    m: StepTimeModel, nst: IntArray, nct: IntArray, known: IntArray, num_swapped: int, charge_swaps: bool
+    m: StepTimeModel,
+    nst: IntArray,
+    nct: IntArray,
+    known: IntArray,
+    num_swapped: int,
+    charge_swaps: bool,
+    sizes: StepSizeCache | None = None,
 ) -> tuple[float, int]:
-    """A step's duration under ``m`` (the same terms as :func:`simulate`) and its number of prefill tokens."""
+    """A step's duration under ``m`` (the same terms as :func:`simulate`) and its number of prefill tokens;
+    ``sizes``: the replica's recent step sizes, for the new-size term (None: the term is off)."""
     is_dec = nct == known - 1
     n_dec = int(np.count_nonzero(is_dec))
     size = len(nst)
@@ -237,15 +244,25 @@ def _step_seconds(
             dt += m.prefill_attn_spill_s * spill_pairs(pairs, m.attn_spill_pairs)
     if size == 1 and n_dec == 0:
         dt += m.lone_prefill_token_s * n_pre
+    if sizes is not None and sizes.new(n_pre + n_dec):
+        dt += m.new_size_step_s
     if charge_swaps:
         dt += m.swap_block_s * num_swapped
     return dt, n_pre
 
 
 class _Replica:
-    def __init__(self, name: str, sched: Any, metrics: RunMetrics, noise: StepNoise | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        sched: Any,
+        metrics: RunMetrics,
+        noise: StepNoise | None = None,
+        sizes: StepSizeCache | None = None,
+    ) -> None:
         self.name = name
         self.noise = noise  # the step-time noise of the model, if any (its own draws per replica)
+        self.sizes = sizes  # the replica's recent step sizes, when the model has a new-size term
         self.sched = sched
         self.metrics = metrics
         self.ready_at = math.inf  # when it next schedules (inf: idle until a request reaches it)
@@ -348,7 +365,11 @@ def simulate_cluster(
         sched_name, sched = _make_scheduler(scheduler, cfg)
         if cfg.preemption_mode == "auto":
             sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
-        reps.append(_Replica(name, sched, new_metrics(None), StepNoise.of(step_model, noise_seed + i)))
+        reps.append(
+            _Replica(
+                name, sched, new_metrics(None), StepNoise.of(step_model, noise_seed + i), StepSizeCache.of(step_model)
+            )
+        )
     tenant_kw = _accepts_tenant(reps[0].sched.add_request) and (nt > 1 or cfg.policy not in ("fcfs", "priority"))
     charge_swaps = cfg.preemption_mode != "recompute"
     num_prios = len(fleet.prio_values)
@@ -487,7 +508,7 @@ def simulate_cluster(
         nct = np.asarray(out.num_computed_tokens, dtype=np.int64)
         kl = known[idx]
         swapped = len(out.swap_out) + len(out.swap_in) if charge_swaps else 0
-        dt, _ = _step_seconds(step_model, nst, nct, kl, swapped, charge_swaps)
+        dt, _ = _step_seconds(step_model, nst, nct, kl, swapped, charge_swaps, rep.sizes)
         if rep.noise is not None:
             dt *= rep.noise.next()
         complete = (nct + nst) >= kl

@@ -39,7 +39,7 @@ from ..config import SchedulerConfig
 from .metrics import PROMPT_BUCKETS, RunMetrics
 from .progress import SimProgress
 from .sketch import EXACT_LIMIT
-from .steptime import StepNoise, StepTimeModel, request_pairs, spill_pairs
+from .steptime import StepNoise, StepSizeCache, StepTimeModel, request_pairs, spill_pairs
 from .workload import PromptFactory, Workload, WorkloadStream
 
 __all__ = ["SimResult", "StalledError", "defers_arrivals", "make_config", "simulate"]
@@ -507,6 +507,11 @@ def simulate(
     c_spill, spill_at = step_model.prefill_attn_spill_s, step_model.attn_spill_pairs
     # A lone prefill step (one scheduled request, computing a prefill chunk) costs c_lone more per prefill token.
     c_lone = step_model.lone_prefill_token_s
+    # A step whose size (scheduled tokens) is not among the engine's recent sizes costs c_new more. A fast step
+    # repeats the previous step's size, the most recent one, so only full steps are looked up.
+    c_new = step_model.new_size_step_s
+    sizes = StepSizeCache.of(step_model)
+    new_size = sizes.new if sizes is not None else None
     if cfg.preemption_mode == "auto":
         sched.set_preemption_costs(step_model.prefill_token_s, step_model.swap_block_s)
     step_noise = StepNoise.of(step_model, noise_seed)
@@ -754,6 +759,8 @@ def simulate(
                 dt += c_spill * pairs_over
             if m == 1 and n_dec == 0:
                 dt += c_lone * n_pre
+            if new_size is not None and new_size(n_tok):
+                dt += c_new
             if c_swap:
                 dt += c_swap * (len(out.swap_out) + len(out.swap_in))
             if noise is not None:

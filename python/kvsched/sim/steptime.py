@@ -11,6 +11,7 @@ A step's duration is linear in its composition::
       + swap_block_s    * (KV blocks swapped in or out)
       + prefill_attn_spill_s * (query-key pairs of each prefill chunk beyond attn_spill_pairs, summed)
       + lone_prefill_token_s * (prefill tokens of a lone prefill step: one scheduled request, a prefill chunk)
+      + new_size_step_s * (1 if the step's size was not among the engine's last step_size_cache step sizes)
 
 A request "decodes" in a step when it computes exactly its last known token (``num_computed_tokens ==
 prompt + outputs - 1``); every other scheduled token is a prefill token (first prefill, chunks, and the
@@ -28,6 +29,15 @@ chunk for it (no decodes): how a request meets the engine at low load, so it dec
 costs more per token than the linear terms fitted across all step kinds say (without the term, validation runs
 price such prefill steps low; see ``docs/simulator.md``).
 Calibration fits it; the presets leave it 0, and a JSON model without it loads with it 0.
+
+The new-size term prices a step whose size (its total number of scheduled tokens) is not among the last
+``step_size_cache`` distinct sizes the engine ran: an engine that sets its kernels up per step size and keeps
+the set-ups of recent sizes (vLLM's CPU build makes a oneDNN matmul primitive for each number of tokens and caches
+them) pays ``new_size_step_s`` once more on such a step. It is the only term that depends on the steps before:
+the simulator keeps the recent sizes in least-recently-used order (:class:`StepSizeCache`), starting empty (a
+freshly started engine). ``step_size_cache = 0`` (the default, and the presets') turns the term off. Calibration
+against a vLLM engine fits both (:func:`kvsched.sim.calibrate.fit_step_time_model` with ``step_sizes``); a JSON
+model without them loads with both 0.
 
 **Step-time noise** (optional, off unless ``noise_sigma > 0``). On a real machine steps of the same composition do
 not take the same time, and slow stretches last several steps (other work on the machine, frequency changes,
@@ -60,10 +70,12 @@ __all__ = [
     "FEATURES",
     "PRESETS",
     "StepNoise",
+    "StepSizeCache",
     "StepTimeModel",
     "fit_step_noise",
     "load_step_time_model",
     "lone_prefill_tokens",
+    "new_size_flags",
     "request_pairs",
     "spill_pairs",
     "step_features",
@@ -80,6 +92,7 @@ FEATURES = (
     "swap_blocks",
     "prefill_attn_spill_pairs",
     "lone_prefill_tokens",
+    "new_size_steps",
 )
 _COEFS = (
     "step_s",
@@ -91,6 +104,7 @@ _COEFS = (
     "swap_block_s",
     "prefill_attn_spill_s",
     "lone_prefill_token_s",
+    "new_size_step_s",
 )
 
 
@@ -107,9 +121,11 @@ class StepTimeModel:
     swap_block_s: float = 0.0
     prefill_attn_spill_s: float = 0.0
     lone_prefill_token_s: float = 0.0  # per prefill token of a step whose only scheduled request is a prefill
+    new_size_step_s: float = 0.0  # per step whose size is not among the last step_size_cache distinct sizes
     attn_spill_pairs: float = 0.0  # per prefill chunk: the hinge's threshold (pairs past it cost the spill term)
     noise_sigma: float = 0.0  # standard deviation of a step's log time factor (0: no noise)
     noise_rho: float = 0.0  # lag-one correlation of consecutive steps' log time factors, in [0, 1)
+    step_size_cache: int = 0  # distinct step sizes the engine keeps set up (0: no new-size term)
     name: str = "custom"
     source: str = ""
 
@@ -118,6 +134,9 @@ class StepTimeModel:
             v = getattr(self, c)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"step-time model field {c} must be a finite number >= 0, got {v!r}")
+        k = self.step_size_cache
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"step-time model field step_size_cache must be an integer >= 0, got {k!r}")
         if self.step_s + self.prefill_token_s + self.decode_req_s <= 0:
             raise ValueError("a step-time model needs step_s, prefill_token_s or decode_req_s > 0")
         for c, hi in (("noise_sigma", 5.0), ("noise_rho", 1.0)):
@@ -139,6 +158,7 @@ class StepTimeModel:
         prefill_reqs: float = 0.0,
         prefill_attn_spill_pairs: float = 0.0,
         lone_prefill_tokens: float = 0.0,
+        new_size_steps: float = 0.0,
     ) -> float:
         return (
             self.step_s
@@ -150,7 +170,13 @@ class StepTimeModel:
             + self.swap_block_s * swap_blocks
             + self.prefill_attn_spill_s * prefill_attn_spill_pairs
             + self.lone_prefill_token_s * lone_prefill_tokens
+            + self.new_size_step_s * new_size_steps
         )
+
+    @property
+    def charges_new_sizes(self) -> bool:
+        """Whether the new-size term is on (a cache of recent sizes and a price for a size not in it)."""
+        return self.step_size_cache > 0 and self.new_size_step_s > 0
 
     def predict(self, features: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """Step times for rows of features (columns as :data:`FEATURES`)."""
@@ -176,6 +202,50 @@ class StepTimeModel:
             doc["fit"] = extra
         path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         return path
+
+
+class StepSizeCache:
+    """The last ``capacity`` distinct step sizes an engine ran, least recently used first: :meth:`new` notes a
+    step's size and says whether it was not among them (the new-size term of :class:`StepTimeModel`)."""
+
+    __slots__ = ("_recent", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"a step-size cache needs a capacity >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._recent: dict[int, None] = {}  # insertion order = least recently used first
+
+    @classmethod
+    def of(cls, model: StepTimeModel) -> StepSizeCache | None:
+        """The cache of ``model``'s new-size term; None when the term is off."""
+        return cls(model.step_size_cache) if model.charges_new_sizes else None
+
+    def new(self, size: int) -> bool:
+        recent = self._recent
+        if size in recent:
+            if next(reversed(recent)) != size:
+                del recent[size]
+                recent[size] = None
+            return False
+        recent[size] = None
+        if len(recent) > self.capacity:
+            del recent[next(iter(recent))]
+        return True
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+
+def new_size_flags(sizes: Any, capacity: int) -> npt.NDArray[np.bool_]:
+    """For each step of a sequence of step sizes, whether its size was not among the last ``capacity`` distinct
+    sizes before it (:class:`StepSizeCache`, starting empty); all False when ``capacity`` is 0."""
+    seq = [int(x) for x in np.asarray(sizes).ravel()]
+    if capacity <= 0:
+        return np.zeros(len(seq), dtype=np.bool_)
+    cache = StepSizeCache(capacity)
+    new = cache.new
+    return np.fromiter((new(x) for x in seq), np.bool_, len(seq))
 
 
 class StepNoise:

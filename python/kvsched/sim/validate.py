@@ -200,15 +200,18 @@ def step_model_on_steps(
     features: list[tuple[int, int, int, int, float]],
     pairs: list[npt.NDArray[np.float64]],
     step_times: list[float],
+    new_sizes: npt.NDArray[np.bool_] | None = None,
 ) -> dict[str, dict[str, float]]:
     """The step-time model on measured steps (each step's composition: prefill tokens, prefill requests, decode
     requests, KV tokens, prefill pairs; its prefill chunks' query-key pairs; its measured time): per kind of step
-    (all, with a prefill chunk, lone prefill, decode only) the number of steps and the measured and predicted
-    mean time."""
+    (all, with a prefill chunk, lone prefill, decode only; with ``new_sizes``, per step whether its size was new
+    to the engine under the model's step-size cache, also steps with a prefill of a new size and of a size run
+    recently) the number of steps and the measured and predicted mean time."""
     f = np.asarray(features, dtype=np.float64).reshape(-1, 5)
     spill = np.array([spill_pairs(p, model.attn_spill_pairs) for p in pairs], dtype=np.float64)
     lone = lone_prefill_tokens(f[:, 0], f[:, 1], f[:, 2])
-    pred = model.predict(np.column_stack([np.ones(len(f)), f, np.zeros(len(f)), spill, lone]))
+    new = np.zeros(len(f), dtype=np.bool_) if new_sizes is None else np.asarray(new_sizes, dtype=np.bool_)
+    pred = model.predict(np.column_stack([np.ones(len(f)), f, np.zeros(len(f)), spill, lone, new]))
     meas = np.asarray(step_times, dtype=np.float64)
     has_prefill = f[:, 1] > 0
     kinds = {
@@ -217,6 +220,9 @@ def step_model_on_steps(
         "lone_prefill": (f[:, 1] == 1) & (f[:, 2] == 0),
         "decode_only": ~has_prefill,
     }
+    if new_sizes is not None:
+        kinds["prefill_new_size"] = has_prefill & new
+        kinds["prefill_recent_size"] = has_prefill & ~new
     return {
         k: {
             "num_steps": int(m.sum()),

@@ -26,7 +26,10 @@ first step of that size and kept in caches (per layer the last 32 sizes, and one
 primitives by default), so a step of a size not run recently costs more (on a tiny Llama a lone prefill of a new
 length takes about 1.6 times as long as the same length run again). Decode steps (batch sizes) repeat in both.
 With ``fresh_lengths=False`` the grid's fixed lengths run, each workload twice: its prefill steps are then mostly
-sizes run before, and the model prices a served workload's prefill steps low.
+sizes run before, and the model prices a served workload's prefill steps low. The fit prices the set-up itself
+with the step-time model's new-size term: :class:`StepLog` records the size of every step the engine runs (timed
+or not), and the fit tries capacities of the engine's cache of recent sizes
+(:func:`~kvsched.sim.calibrate.fit_step_time_model` with ``step_sizes``).
 
 **Validation** (:func:`validate_engine`): the workload's requests are added when their arrival time has passed on
 the run's clock (``"wall"``: real time, sleeping when the engine is idle; ``"cpu"``: the CPU time the engine's
@@ -56,7 +59,7 @@ import numpy.typing as npt
 from .calibrate import LEAD_IN_PROMPT, LEAD_IN_STEPS, TimedStep, _grid, fit_step_time_model
 from .metrics import PERCENTILES
 from .simulator import make_config, simulate
-from .steptime import StepTimeModel, request_pairs, step_features
+from .steptime import StepTimeModel, new_size_flags, request_pairs, step_features
 from .workload import Workload
 
 __all__ = [
@@ -89,10 +92,13 @@ FIGURES = (
 
 class StepLog:
     """Each scheduler step's composition, noted by :func:`timed_scheduler`'s subclass (``entries``: per step the
-    scheduled request ids, scheduled tokens, tokens computed before, and which requests decode)."""
+    scheduled request ids, scheduled tokens, tokens computed before, and which requests decode; ``sizes``: the
+    size in scheduled tokens of every step noted since the log was made, which :meth:`take` keeps: the history
+    of step sizes that the new-size term of the step-time model is fitted from)."""
 
     def __init__(self) -> None:
         self.entries: list[tuple[list[str], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.bool_]]] = []
+        self.sizes: list[int] = []
 
     def note(self, num_scheduled_tokens: dict[str, int], requests: dict[str, Any]) -> None:
         rids = list(num_scheduled_tokens)
@@ -101,6 +107,7 @@ class StepLog:
         known = np.fromiter((requests[r].num_tokens for r in rids), np.int64, len(rids))
         nct = after - nst
         self.entries.append((rids, nst, nct, nct == known - 1))
+        self.sizes.append(int(nst.sum()))
 
     def take(self) -> list[tuple[list[str], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.bool_]]]:
         out, self.entries = self.entries, []
@@ -173,10 +180,16 @@ class VllmDriver:
         return self.clock() - t0, outputs
 
     def timed_steps(
-        self, adds: list[tuple[int, list[int], int]], *, untimed_steps: int = 0, tag: str = "c"
+        self,
+        adds: list[tuple[int, list[int], int]],
+        *,
+        untimed_steps: int = 0,
+        tag: str = "c",
+        index_out: list[int] | None = None,
     ) -> tuple[list[TimedStep], list[npt.NDArray[np.float64]]]:
         """Run ``adds`` (step number, prompt, output length) to completion; each step numbered from
-        ``untimed_steps`` on as (duration, composition), and its prefill chunks' query-key pairs."""
+        ``untimed_steps`` on as (duration, composition), and its prefill chunks' query-key pairs. ``index_out``:
+        each such step's position in the log's ``sizes`` is appended to it."""
         steps: list[TimedStep] = []
         pairs: list[npt.NDArray[np.float64]] = []
         pending = sorted(adds, key=lambda a: a[0])
@@ -194,6 +207,8 @@ class VllmDriver:
                     _, nst, nct, is_dec = noted[0]
                     steps.append((dt, *step_features(nst, nct, is_dec)))
                     pairs.append(request_pairs(nst, nct, is_dec))
+                    if index_out is not None:
+                        index_out.append(len(self.log.sizes) - 1)
             step += 1
         return steps, pairs
 
@@ -238,6 +253,7 @@ class EngineCalibration:
         self.steps: list[TimedStep] = []
         self.pairs: list[npt.NDArray[np.float64]] = []
         self.segments: list[int] = []  # timed steps per workload (runs of consecutive steps)
+        self.timed_index: list[int] = []  # each timed step's position in the driver log's sizes
         # Warm-up: first calls allocate and pick kernels; not timed.
         driver.timed_steps([(0, self.rng.integers(3, vocab, size=64).tolist(), 4) for _ in range(4)])
 
@@ -256,7 +272,9 @@ class EngineCalibration:
         adds = self.work[self.next]
         self.next += 1
         s, p = self.driver.timed_steps(
-            [self._lead(), *((at + self.lead_steps, toks, n) for at, toks, n in adds)], untimed_steps=self.lead_steps
+            [self._lead(), *((at + self.lead_steps, toks, n) for at, toks, n in adds)],
+            untimed_steps=self.lead_steps,
+            index_out=self.timed_index,
         )
         self.steps += s
         self.pairs += p
@@ -275,6 +293,8 @@ class EngineCalibration:
             request_pairs=self.pairs,
             fit_noise=self.fit_noise,
             segments=self.segments,
+            step_sizes=d.log.sizes,
+            timed_index=self.timed_index,
         )
         fit.update({"engine": d.name, "clock": d.clock_name, "model": label, "fresh_lengths": self.fresh_lengths})
         fit.update(d.config)
@@ -321,6 +341,7 @@ class EngineRun:
         self.step_times: list[float] = []
         self.features: list[tuple[int, int, int, int, float]] = []
         self.request_pairs: list[npt.NDArray[np.float64]] = []
+        self.size_index: list[int] = []  # each step's position in the driver log's sizes
         # Clock time between consecutive steps (the engine loop's own work outside a step; idle gaps excluded).
         self.between_steps_s = 0.0
 
@@ -385,12 +406,14 @@ def run_engine(
         last_end = end
         run.num_steps += 1
         run.step_time_sum += dt
-        for rids, nst, nct, is_dec in driver.log.take():
+        noted = driver.log.take()
+        for k, (rids, nst, nct, is_dec) in enumerate(noted):
             run.step_start.append(s0)
             run.step_end.append(end)
             run.step_times.append(dt)
             run.features.append(step_features(nst, nct, is_dec))
             run.request_pairs.append(request_pairs(nst, nct, is_dec))
+            run.size_index.append(len(driver.log.sizes) - len(noted) + k)
             for r in rids:
                 j = index.get(r)
                 if j is not None and np.isnan(run.first_scheduled[j]):
@@ -528,7 +551,15 @@ def validate_engine(
             "real": {"wait_mean": real_wait, "first_step_mean": real_first},
             "sim": {"wait_mean": sim_wait, "first_step_mean": sim_first},
         },
-        "step_model_on_real_steps": step_model_on_steps(step_model, real.features, real.request_pairs, real.step_times),
+        "step_model_on_real_steps": step_model_on_steps(
+            step_model,
+            real.features,
+            real.request_pairs,
+            real.step_times,
+            new_size_flags(driver.log.sizes, step_model.step_size_cache)[real.size_index]
+            if step_model.charges_new_sizes
+            else None,
+        ),
         "figures": figures,
         "within_15_percent": within,
         "num_figures": len(figures),

@@ -39,7 +39,7 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
 
 
 def _check_kv_cache_config(
-    kv_cache_config: Any, block_size: int, dcp: int = 1
+    kv_cache_config: Any, block_size: int, dcp: int = 1, prefix_caching: bool = True
 ) -> tuple[list[int | str | None], int, int]:
     """Refuses the KV cache layouts the core does not implement; returns each KV cache group's sliding window, in
     vLLM's group order (None: full attention, ``"cross"``: cross attention, ``"chunked:<c>"``: chunked-local
@@ -53,7 +53,8 @@ def _check_kv_cache_config(
     scheduler block size is then the least common multiple of the two (vLLM's engine).
 
     ``dcp``: vLLM's decode-context-parallel size; ``block_size`` is then vLLM's scheduler block size, the spec's
-    block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks)."""
+    block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks). A Mamba group in
+    mode "align" (block-sized states) needs ``prefix_caching`` off (the cache config's ``enable_prefix_caching``)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         CrossAttentionSpec,
@@ -85,12 +86,18 @@ def _check_kv_cache_config(
             )
         if type(spec) is MambaSpec:
             mode = getattr(spec, "mamba_cache_mode", "none")
-            if mode != "none":
-                # vLLM's default with prefix caching: block-aligned chunk splits, per-block state checkpoints,
-                # Mamba prefix hits (docs/vllm.md).
+            if mode not in ("none", "align") or (mode == "align" and prefix_caching):
+                # vLLM's default with prefix caching: Mamba prefix hits and state caching (docs/vllm.md).
                 _refuse(
                     f"Mamba prefix caching (mamba_cache_mode {mode!r})",
                     f"{where}MambaSpec: turn prefix caching off (--no-enable-prefix-caching) for mode 'none'",
+                )
+            if mode == "align" and int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0:
+                # Mamba2 and Gated DeltaNet layers export a block-boundary state from inside a chunk: an extra
+                # block per chunk and other chunk splits (docs/vllm.md).
+                _refuse(
+                    "Mamba prefill checkpoints (mamba_cache_mode 'align' with num_prefill_checkpoint_blocks)",
+                    f"{where}MambaSpec: num_prefill_checkpoint_blocks={spec.num_prefill_checkpoint_blocks}",
                 )
             window = MAMBA
             mamba_sizes.add(int(spec.block_size))
@@ -183,18 +190,24 @@ def _check_kv_cache_config(
     return windows, attention_size, next(iter(spec_blocks), 0)
 
 
-def check_kv_connector(vllm_config: Any, connector: Any) -> None:
-    """Refuses a vLLM scheduler-role KV connector that relies on parts of vLLM's scheduler kvsched replaces.
+def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
+    """Refuses a vLLM scheduler-role KV connector that relies on parts of vLLM's scheduler kvsched replaces;
+    returns whether it binds the block pool (then the adapter gives it block pins, ``_pins.py``).
 
     A connector that overrides ``bind_kv_cache_manager`` or ``bind_gpu_block_pool`` changes vLLM's block pool
-    (references, frees, cached lookups by vLLM's block hashes): refused, by name. vLLM's ``MultiConnector``
-    overrides both only to pass them on to its children: it is refused when one of its children (at any depth)
-    is. Every other connector gets ``bind_kv_cache_manager`` with the read-only ``kv_cache_manager`` view, as vLLM
-    binds its own manager."""
+    (references, frees, cached lookups by vLLM's block hashes). vLLM's ``SimpleCPUOffloadConnector`` (eager and
+    lazy offload) uses only what the adapter's pinning pool provides: it is accepted, with its own
+    ``bind_gpu_block_pool``. Every other such connector is refused, by name. vLLM's ``MultiConnector`` overrides
+    both only to pass them on to its children: it is refused when one of its children (at any depth) is. Every
+    other connector gets ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own
+    manager."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
+    binds = False
+
     def check(conn: Any, path: str) -> None:
+        nonlocal binds
         cls = type(conn)
         name = f"{path}{cls.__name__}"
         forwards = isinstance(conn, MultiConnector) and all(
@@ -204,12 +217,32 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> None:
             for child in conn.sub_connectors:
                 check(child, f"{name} > ")
             return
+        if _is_simple_cpu_offload(cls):
+            binds = True
+            return
         for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
             if getattr(cls, method, None) is not getattr(KVConnectorBase_V1, method):
                 feature = f"KV connectors that use vLLM's own block pool ({name} overrides {method})"
                 _refuse(feature, "kv_transfer_config")
 
     check(connector, "")
+    return binds
+
+
+def _is_simple_cpu_offload(cls: type) -> bool:
+    """vLLM's ``SimpleCPUOffloadConnector`` or a subclass binding the pool as it does."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+        from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+            SimpleCPUOffloadConnector,
+        )
+    except ImportError:
+        return False
+    return (
+        issubclass(cls, SimpleCPUOffloadConnector)
+        and getattr(cls, "bind_gpu_block_pool", None) is SimpleCPUOffloadConnector.bind_gpu_block_pool
+        and getattr(cls, "bind_kv_cache_manager", None) is KVConnectorBase_V1.bind_kv_cache_manager
+    )
 
 
 def kvsched_config_from_vllm(
@@ -254,8 +287,6 @@ def kvsched_config_from_vllm(
     dcp = int(_attr(parallel, "decode_context_parallel_size", 1) or 1)
     pcp = int(_attr(parallel, "prefill_context_parallel_size", 1) or 1)
     cp = f"decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp}"
-    if dcp & (dcp - 1):
-        _refuse("decode context parallel sizes that are not a power of two", cp)
     if dcp > 1 or pcp > 1:
         if len(windows or [None]) > 1 or any(w is not None for w in windows or [None]):
             # vLLM shards only full attention (and Mamba) with DCP, and runs PCP with full attention only.
@@ -284,10 +315,30 @@ def kvsched_config_from_vllm(
             _refuse("KV connectors with several KV cache groups", f"kv_transfer_config, {num}")
         if kv_events_enabled(vllm_config):
             _refuse("KV cache events with several KV cache groups", f"kv_events_config, {num}")
-        if MAMBA in windows:
+        mamba_modes = {
+            str(getattr(group.kv_cache_spec, "mamba_cache_mode", "none"))
+            for g, group in enumerate(kv_cache_config.kv_cache_groups)
+            if windows[g] == MAMBA
+        }
+        align = mamba_modes == {"align"}
+        if MAMBA in windows and cache.enable_prefix_caching:
+            # vLLM's mode "align" with its Mamba prefix hits and state caching (docs/vllm.md).
+            _refuse("Mamba prefix caching (mamba_cache_mode 'align')", "enable_prefix_caching=True")
+        if MAMBA in windows and (len(mamba_modes) > 1 or getattr(cache, "mamba_cache_mode", "none") not in mamba_modes):
+            # vLLM's scheduler splits chunks by the cache config's mode, its Mamba managers allocate by the specs'.
+            _refuse(
+                "Mamba KV cache groups whose mamba_cache_mode differs from the cache config's",
+                f"cache_config.mamba_cache_mode={getattr(cache, 'mamba_cache_mode', 'none')!r}, MambaSpec modes "
+                f"{sorted(mamba_modes)}",
+            )
+        if align and any(
+            windows[g] == MAMBA and int(group.kv_cache_spec.block_size) != int(attention_block_size or block_size)
+            for g, group in enumerate(kv_cache_config.kv_cache_groups)
+        ):
+            # The core's align-mode Mamba blocks are its attention blocks (vLLM's default mamba_block_size).
+            _refuse("Mamba blocks of another size than the attention blocks (mamba_block_size)", "MambaSpec block_size")
+        if MAMBA in windows and not align:
             # vLLM's mamba_cache_mode "none": one state block of max_model_len tokens per request.
-            if cache.enable_prefix_caching:
-                _refuse("Mamba prefix caching (mamba_cache_mode 'align')", "enable_prefix_caching=True")
             for g, group in enumerate(kv_cache_config.kv_cache_groups):
                 size = int(group.kv_cache_spec.block_size)
                 if windows[g] == MAMBA and size < int(model.max_model_len):
@@ -313,10 +364,10 @@ def kvsched_config_from_vllm(
     if hash_block_size is not None and hash_block_size != block_size:
         _refuse("a hash block size different from the block size", f"hash_block_size={hash_block_size}")
     block_size = attention_block_size or block_size
-    if block_size <= 0 or block_size & (block_size - 1):
-        # (A hybrid Mamba model's attention block is sized to its state's page: pass a power-of-two --block-size
-        # at least that large.)
-        _refuse("block sizes that are not a power of two", f"block_size={block_size}")
+    # Any block size runs (a hybrid Mamba model's attention block is sized to its state's page: 272, 544, ...);
+    # the core keeps a block of one rank within 1024 tokens.
+    if block_size // dcp > 1024:
+        _refuse("block sizes above 1024 tokens per rank", f"block_size={block_size}")
 
     num_spec_tokens = int(_attr(vllm_config, "num_speculative_tokens", 0) or 0)
     spec = vllm_config.speculative_config
@@ -330,7 +381,12 @@ def kvsched_config_from_vllm(
         method = f"method={spec.method!r}"
         if spec.num_speculative_tokens_per_batch_size:
             _refuse("dynamic speculation lengths", "num_speculative_tokens_per_batch_size")
-        if (spec.use_eagle_block_drop() or hash_lookahead) and (sliding_window is not None or kv_cache_groups):
+        if kv_cache_groups and MAMBA in kv_cache_groups and cache.mamba_cache_mode != "align":
+            # Prefix caching is off with a Mamba group (mode "none"): vLLM's trailing-block drop has no hit to act
+            # on and it keys no look-ahead hashes, so vLLM's default rules (MTP on Qwen3-Next, ...) run as they are.
+            # (In mode "align" the drop also moves vLLM's block-aligned chunk ends: refused below.)
+            drop_trailing = False
+        elif (spec.use_eagle_block_drop() or hash_lookahead) and (sliding_window is not None or kv_cache_groups):
             # vLLM's EAGLE rules over several groups or a window (per-group drops, reachable-block masks) are not
             # the core's.
             _refuse(
@@ -381,6 +437,8 @@ def kvsched_config_from_vllm(
     fields["sliding_window"] = sliding_window
     fields["kv_cache_groups"] = kv_cache_groups
     fields["mamba_speculative_blocks"] = mamba_speculative_blocks if kv_cache_groups and MAMBA in kv_cache_groups else 0
+    # vLLM's mamba_cache_mode "align" (block-sized state blocks, block-aligned prefill chunks).
+    fields["mamba_align"] = bool(kv_cache_groups and MAMBA in kv_cache_groups and cache.mamba_cache_mode == "align")
     fields["hash_lookahead_tokens"] = hash_lookahead
     fields["drop_trailing_hit_block"] = drop_trailing
     fields["async_scheduling"] = bool(sched.async_scheduling)

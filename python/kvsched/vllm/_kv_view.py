@@ -16,7 +16,7 @@ only whether a block with one of a request's vLLM hashes is cached (``_aux.py``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, overload
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from kvsched.config import SchedulerConfig
     from kvsched.scheduler import Scheduler as CoreScheduler
 
-__all__ = ["BlockPoolView", "BlockView", "KVCacheManagerView", "lora_key"]
+    from ._pins import BlockPins
+
+__all__ = ["BlockPoolView", "BlockView", "KVCacheManagerView", "PinningBlockPoolView", "lora_key"]
 
 
 def lora_key(lora_request: Any) -> str | None:
@@ -52,6 +54,7 @@ class Scheduler(Protocol):
     hash_block_size: int
     _prefix_cache_stats: PrefixCacheStats | None
     _aux: Any
+    _pins: BlockPins | None
 
     @property
     def core(self) -> CoreScheduler: ...
@@ -110,20 +113,44 @@ class _ReadOnly:
 
 class BlockView(_ReadOnly):
     """One KV block (vLLM's ``KVCacheBlock``): its id, whether it is the null block, and its current reference
-    count, read from the core at each access."""
+    count, read from the core at each access; with a connector that binds the block pool, also its
+    ``block_hash`` (vLLM's hash with group id, None when the block is not cached) and ``block_hash_num_tokens``."""
 
-    __slots__ = ("_core", "block_id")
+    __slots__ = ("_core", "_pins", "block_id")
 
     _core: Any
+    _pins: BlockPins | None
     block_id: int
 
-    def __init__(self, core: Any, block_id: int) -> None:
+    def __init__(self, core: Any, block_id: int, pins: BlockPins | None = None) -> None:
         object.__setattr__(self, "_core", core)
+        object.__setattr__(self, "_pins", pins)
         object.__setattr__(self, "block_id", block_id)
 
     @property
     def ref_cnt(self) -> int:
+        if self._pins is not None:
+            self._pins.flush()
         return int(self._core.get_block_ref_cnt(self.block_id))
+
+    def _hash(self) -> tuple[Any, int] | None:
+        pins = self._pins
+        if pins is None:
+            raise AttributeError(
+                "BlockView shows block hashes only to KV connectors that bind the block pool (the core keys its "
+                "prefix cache by its own hashes)"
+            )
+        return None if self.block_id == 0 else pins.block_hash(self.block_id)
+
+    @property
+    def block_hash(self) -> Any:
+        found = self._hash()
+        return None if found is None else found[0]
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        found = self._hash()
+        return None if found is None else found[1]
 
     @property
     def is_null(self) -> bool:
@@ -142,11 +169,12 @@ class BlockView(_ReadOnly):
 class _Blocks(Sequence[BlockView]):
     """Every block of the pool by id (vLLM's ``BlockPool.blocks``); block views are made on access."""
 
-    __slots__ = ("_core", "_num_blocks")
+    __slots__ = ("_core", "_num_blocks", "_pins")
 
-    def __init__(self, core: Any, num_blocks: int) -> None:
+    def __init__(self, core: Any, num_blocks: int, pins: BlockPins | None = None) -> None:
         self._core = core
         self._num_blocks = num_blocks
+        self._pins = pins
 
     def __len__(self) -> int:
         return self._num_blocks
@@ -157,30 +185,45 @@ class _Blocks(Sequence[BlockView]):
     def __getitem__(self, index: slice) -> list[BlockView]: ...
     def __getitem__(self, index: int | slice) -> BlockView | list[BlockView]:
         if isinstance(index, slice):
-            return [BlockView(self._core, i) for i in range(*index.indices(self._num_blocks))]
+            return [BlockView(self._core, i, self._pins) for i in range(*index.indices(self._num_blocks))]
         i = index + self._num_blocks if index < 0 else index
         if not 0 <= i < self._num_blocks:
             raise IndexError(f"block index {index} out of range for a pool of {self._num_blocks} blocks")
-        return BlockView(self._core, i)
+        return BlockView(self._core, i, self._pins)
 
     def __iter__(self) -> Iterator[BlockView]:
-        core = self._core
-        return (BlockView(core, i) for i in range(self._num_blocks))
+        core, pins = self._core, self._pins
+        return (BlockView(core, i, pins) for i in range(self._num_blocks))
 
 
 class _FreeBlockQueue(_ReadOnly):
-    """vLLM's ``FreeKVCacheBlockQueue``, for its count: free blocks, cached ones that can still be hit included."""
+    """vLLM's ``FreeKVCacheBlockQueue``: its count (free blocks, cached ones that can still be hit included) and
+    ``iter_blocks_after(cursor)``."""
 
-    __slots__ = ("_core",)
+    __slots__ = ("_core", "_pins")
 
     _core: Any
+    _pins: BlockPins | None
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Any, pins: BlockPins | None = None) -> None:
         object.__setattr__(self, "_core", core)
+        object.__setattr__(self, "_pins", pins)
 
     @property
     def num_free_blocks(self) -> int:
+        if self._pins is not None:
+            self._pins.flush()
         return int(self._core.num_free_blocks)
+
+    def iter_blocks_after(self, cursor: BlockView | None) -> Iterator[BlockView]:
+        """The free blocks in eviction order after ``cursor`` (a free block; None: from the head), as the queue
+        stands when called."""
+        if self._pins is not None:
+            self._pins.flush()
+        order: list[int] = self._core.free_block_ids().tolist()
+        start = 0 if cursor is None else order.index(cursor.block_id) + 1
+        core, pins = self._core, self._pins
+        return (BlockView(core, b, pins) for b in order[start:])
 
 
 class BlockPoolView(_ReadOnly):
@@ -215,6 +258,7 @@ class BlockPoolView(_ReadOnly):
         enable_caching: bool,
         hash_block_size: int = 0,
         cached: Callable[[Any], bool] | None = None,
+        pins: BlockPins | None = None,
     ) -> None:
         init = object.__setattr__
         init(self, "_core", core)
@@ -222,9 +266,9 @@ class BlockPoolView(_ReadOnly):
         init(self, "num_gpu_blocks", num_blocks)
         init(self, "hash_block_size", hash_block_size)
         init(self, "enable_caching", enable_caching)
-        init(self, "blocks", _Blocks(core, num_blocks))
-        init(self, "null_block", BlockView(core, 0))
-        init(self, "free_block_queue", _FreeBlockQueue(core))
+        init(self, "blocks", _Blocks(core, num_blocks, pins))
+        init(self, "null_block", BlockView(core, 0, pins))
+        init(self, "free_block_queue", _FreeBlockQueue(core, pins))
 
     def get_cached_block(self, block_hash: Any, kv_cache_group_ids: Sequence[int]) -> list[BlockView] | None:
         """Whether a block with vLLM's hash ``block_hash`` (one of a request's ``block_hashes``) is in the prefix
@@ -239,6 +283,51 @@ class BlockPoolView(_ReadOnly):
 
     def get_usage(self) -> float:
         return float(self._core.stats().kv_cache_usage)
+
+
+class PinningBlockPoolView(BlockPoolView):
+    """The block pool of a scheduler whose KV connector binds it (``bind_gpu_block_pool``): the read-only view,
+    plus vLLM's ``touch`` and ``free_blocks`` as block pins in the core (``kvsched.vllm._pins``), block hashes on
+    ``blocks``, ``get_cached_block`` answering with the cached block itself, and ``cached_block_hashes_by_block``
+    (empty, as vLLM's with one hash block per block)."""
+
+    __slots__ = ("_pins", "cached_block_hashes_by_block")
+
+    _pins: BlockPins
+    cached_block_hashes_by_block: Mapping[int, set[Any]]
+
+    def __init__(self, core: Any, num_blocks: int, enable_caching: bool, hash_block_size: int, pins: BlockPins):
+        from ._pins import NoSecondaryHashes
+
+        super().__init__(core, num_blocks, enable_caching, hash_block_size, None, pins)
+        object.__setattr__(self, "_pins", pins)
+        object.__setattr__(self, "cached_block_hashes_by_block", NoSecondaryHashes())
+
+    def touch(self, blocks: Iterable[Any]) -> None:
+        """A reference on each block (null blocks skipped): it is not evicted or reused until given back."""
+        from ._pins import block_ids
+
+        self._pins.pin(block_ids(blocks))
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        """Gives back one reference of each block (null blocks skipped), first evicted first."""
+        from ._pins import block_ids
+
+        self._pins.unpin(block_ids(ordered_blocks))
+
+    def get_cached_block(self, block_hash: Any, kv_cache_group_ids: Sequence[int]) -> list[BlockView] | None:
+        """The block cached under vLLM's hash ``block_hash`` (a request's block hash with its group id), once per
+        group asked, or None."""
+        if not self.enable_caching:
+            return None
+        block = self._pins.cached_block_id(block_hash)
+        if block is None:
+            return None
+        return [BlockView(self._core, block, self._pins) for _ in kv_cache_group_ids]
+
+    def get_num_free_blocks(self) -> int:
+        self._pins.flush()
+        return int(self._core.num_free_blocks)
 
 
 class _ReqToBlocks(Mapping[str, list[BlockView]]):
@@ -421,13 +510,19 @@ class KVCacheManagerView(_ReadOnly):
     def __init__(self, sched: Scheduler) -> None:
         init = object.__setattr__
         config = sched.kv_config
-        pool = BlockPoolView(
-            sched.core,
-            config.num_blocks,
-            config.enable_prefix_caching,
-            sched.hash_block_size,
-            sched._aux.cached,
-        )
+        pool: BlockPoolView
+        if sched._pins is not None:
+            pool = PinningBlockPoolView(
+                sched.core, config.num_blocks, config.enable_prefix_caching, sched.hash_block_size, sched._pins
+            )
+        else:
+            pool = BlockPoolView(
+                sched.core,
+                config.num_blocks,
+                config.enable_prefix_caching,
+                sched.hash_block_size,
+                sched._aux.cached,
+            )
         groups = list(sched.kv_cache_config.kv_cache_groups)
         managers = tuple(_manager(sched, group.kv_cache_spec, pool, g) for g, group in enumerate(groups))
         init(self, "_sched", sched)

@@ -55,6 +55,7 @@ from ._kv_events import KVEventTranslator, make_publisher
 from ._kv_view import KVCacheManagerView
 from ._kv_view import lora_key as _lora_key
 from ._mm import EncoderInputMap
+from ._pins import BlockPins
 from ._policy import RequestAttrs, TenantLog, read_additional_config
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     ) -> None:
         dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
         windows, attention_block_size, mamba_speculative_blocks = _check_kv_cache_config(
-            kv_cache_config, block_size, dcp
+            kv_cache_config, block_size, dcp, bool(vllm_config.cache_config.enable_prefix_caching)
         )
         config, self.num_spec_tokens = kvsched_config_from_vllm(
             vllm_config,
@@ -203,6 +204,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._num_groups = len(windows)
         # vLLM's needs_kv_cache_zeroing (a model with Mamba layers): new attention blocks reported to the workers.
         self._zeroes_new_blocks = MAMBA in windows
+        # vLLM's mamba_cache_mode "align": a Mamba group's table grows with the request's tokens.
+        self._mamba_align = bool(config.mamba_align)
         # Encoder-decoder scheduling (``is_encoder_decoder`` set on a built scheduler with a cross-attention group,
         # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
         # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
@@ -280,6 +283,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # roles): the core's drop_preempted_output.
         self._requires_kv_delivery = False
         self._defer_async_loads_unused = False
+        # Block pins of a KV connector that binds the block pool (vLLM's SimpleCPUOffloadConnector), else None.
+        self._pins: BlockPins | None = None
         if vllm_config.kv_transfer_config is not None:
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
             from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -287,7 +292,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             connector = KVConnectorFactory.create_connector(
                 config=vllm_config, role=KVConnectorRole.SCHEDULER, kv_cache_config=kv_cache_config
             )
-            check_kv_connector(vllm_config, connector)
+            if check_kv_connector(vllm_config, connector):
+                self._pins = BlockPins(self)
             self.connector = connector
             self._bridge = ConnectorBridge(
                 connector,
@@ -727,6 +733,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         req_id = request.request_id
         # A deferred load was never registered: no transfer will report it over.
         loading = req_id in bridge.loading and req_id not in bridge.deferred
+        if self._pins is not None:
+            # vLLM's hashes of its cached blocks, for the connector (the core no longer knows the request).
+            self._pins.learn_finished(request, bridge.finished.get(req_id, []))
         delay, params = bridge.finish(request)
         if self.ec_connector is not None:
             # vLLM asks the EC connector next; its delayed free keeps the KV blocks too.
@@ -874,7 +883,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         bridge = self._bridge
         if bridge is not None:
             bridge.begin_step()
-        out = self._core.schedule(bool(throttle_prefills))
+        if self._pins is None:
+            out = self._core.schedule(bool(throttle_prefills))
+        else:
+            with self._pins.deferred():
+                out = self._core.schedule(bool(throttle_prefills))
         if self._ready:
             self._sync_ready()
         if bridge is not None and bridge.loaded:
@@ -949,8 +962,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         num_outputs: list[int] = self._core.step_num_output_tokens(out).tolist()
         run_outputs = num_outputs[:num_run]
         run_blocks: list[tuple[list[int], ...] | None] = [None] * num_run
-        if block_ptr_arr[num_run]:  # some running request got new blocks (a block filled up)
-            got = np.flatnonzero(block_ptr_arr[1 : num_run + 1] != block_ptr_arr[:num_run])
+        # Align-mode Mamba groups can grow without the primary group: a running request with entries in any group.
+        any_ptr = block_ptr_arr
+        if self._mamba_align:
+            any_ptr = np.sum([np.asarray(p, dtype=np.int64) for p in group_ptrs], axis=0)
+        if any_ptr[num_run]:  # some running request got new blocks (a block filled up)
+            got = np.flatnonzero(any_ptr[1 : num_run + 1] != any_ptr[:num_run])
             starts, ends = block_ptr_arr[got].tolist(), block_ptr_arr[got + 1].tolist()
             for i, b0, b1 in zip(got.tolist(), starts, ends, strict=True):
                 run_blocks[i] = (
@@ -1524,7 +1541,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     # order): apply them here so a caller may skip them.
                     for _ in range(i):
                         empty = in_flight.popleft()[1]
-                        self._core.update_from_output(empty, [])
+                        if self._pins is None:
+                            self._core.update_from_output(empty, [])
+                        else:
+                            with self._pins.deferred():
+                                self._core.update_from_output(empty, [])
                     i = 0
                 del in_flight[i]
                 return step
@@ -1593,7 +1614,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         tables = self.group_block_ids(req_id)
                         self._window_tables[req_id] = tables
                         cached_tokens[req_id] = self._hashed_tokens(tables, num_cached_blocks)
-        res = self._core.update_from_output(out, rows)
+        if self._pins is None:
+            res = self._core.update_from_output(out, rows)
+        else:
+            with self._pins.deferred():
+                res = self._core.update_from_output(out, rows)
         finished_ids = res.finished_req_ids
         part_ids = res.part_finished_req_ids if self._parts else ()
         spec_sched = scheduler_output.scheduled_spec_decode_tokens

@@ -174,6 +174,8 @@ def make_vllm_config(
     kv_load_failure_policy: str = "recompute",
     kv_role: str = "kv_both",
     kv_connector_multi: bool = False,
+    cpu_offload_blocks: int | None = None,
+    cpu_offload_lazy: bool = False,
     kv_events: bool = False,
     multimodal: bool = False,
     disable_chunked_mm_input: bool = False,
@@ -185,6 +187,7 @@ def make_vllm_config(
     pipeline_parallel_size: int = 1,
     decode_context_parallel_size: int = 1,
     prefill_context_parallel_size: int = 1,
+    mamba_cache_mode: str = "none",
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config; ``multimodal``: a tiny LLaVA,
     whose requests may carry images, with vLLM's ``disable_chunked_mm_input``). ``decode_context_parallel_size`` /
@@ -194,7 +197,9 @@ def make_vllm_config(
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
     as its draft model; ``eagle_block_drop``: vLLM's default prefix-cache rules for it, look-ahead block hashes
     or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``).
-    ``kv_connector_seed`` adds a ``kv_transfer_config`` for
+    ``cpu_offload_blocks`` adds a ``kv_transfer_config`` for vLLM's ``SimpleCPUOffloadConnector`` (eager offload,
+    lazy with ``cpu_offload_lazy``) with a CPU pool of that many blocks (``make_scheduler`` then gives the KV
+    cache config its tensors); else ``kv_connector_seed`` adds a ``kv_transfer_config`` for
     :class:`RandomKVConnector` with that seed and role ``kv_role`` (``kv_producer``, ``kv_consumer``,
     ``kv_both``); with ``kv_connector_multi`` it is the second child of vLLM's ``MultiConnector``, whose first is
     a passive one (a :class:`RandomKVConnector` that finds no tokens and delays no free). ``kv_events`` turns KV
@@ -241,6 +246,9 @@ def make_vllm_config(
         cache_dtype="auto",
     )
     cache_config.num_gpu_blocks = num_blocks
+    # vLLM's Mamba cache mode ("align": block-sized Mamba state blocks, block-aligned prefill chunks), as
+    # --mamba-cache-mode sets it.
+    cache_config.mamba_cache_mode = mamba_cache_mode
     lora_config = None
     if max_loras:
         from vllm.config import LoRAConfig
@@ -270,7 +278,20 @@ def make_vllm_config(
             parallel_drafting=parallel_drafting,
         )
     kv_transfer_config = None
-    if kv_connector_seed is not None:
+    if cpu_offload_blocks is not None:
+        from vllm.config import KVTransferConfig
+
+        # vLLM's SimpleCPUOffloadConnector (eager offload) with a CPU pool of that many blocks (the kv_cache_tensors
+        # make_scheduler builds with it size one block of the tiny spec at 8 bytes per token).
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="SimpleCPUOffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "cpu_bytes_to_use": cpu_offload_blocks * 8 * block_size,
+                "lazy_offload": cpu_offload_lazy,
+            },
+        )
+    elif kv_connector_seed is not None:
         from vllm.config import KVTransferConfig
 
         child = {
@@ -334,12 +355,15 @@ def _kv_cache_config(
     kv_cache_groups: Sequence[int | str | None] | None = None,
     max_model_len: int = 0,
     num_speculative_tokens: int = 0,
+    mamba_align: bool = False,
+    with_tensors: bool = False,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
     attention in chunks of ``c`` tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba group as vLLM builds it
     without prefix caching: ``mamba_cache_mode`` "none", a block of ``max_model_len`` tokens, a speculative state
-    block per draft token); groups of one kind share one spec."""
+    block per draft token; with ``mamba_align``, ``mamba_cache_mode`` "align" and blocks of ``block_size``
+    tokens); groups of one kind share one spec."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -356,10 +380,10 @@ def _kv_cache_config(
             return CrossAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         if window == "mamba":
             return MambaSpec(
-                block_size=max_model_len,
+                block_size=block_size if mamba_align else max_model_len,
                 shapes=((1,),),
                 dtypes=(torch.float32,),
-                mamba_cache_mode="none",
+                mamba_cache_mode="align" if mamba_align else "none",
                 num_speculative_blocks=num_speculative_tokens,
             )
         if window is None:
@@ -378,7 +402,20 @@ def _kv_cache_config(
 
     windows = [sliding_window] if kv_cache_groups is None else list(kv_cache_groups)
     groups = [KVCacheGroupSpec([f"layer{g}"], spec(w)) for g, w in enumerate(windows)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    tensors = []
+    if with_tensors:
+        # One backing allocation per layer, as a worker would build it (a connector that sizes a CPU pool from the
+        # GPU one reads it): the tiny specs' page is 8 bytes per token (K and V, one float32 each).
+        from vllm.v1.kv_cache_interface import KVCacheTensor
+
+        page = 8 * block_size
+        tensors = [
+            KVCacheTensor(
+                size=num_blocks * page, layers=[f"layer{g}"], layer_stride=num_blocks * page, block_stride=page
+            )
+            for g in range(len(groups))
+        ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
 def make_scheduler(
@@ -419,7 +456,9 @@ def make_scheduler(
     # least common multiple of the groups' block sizes (a Mamba group's block holds max_model_len tokens).
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     scheduler_block_size = block_size * dcp
-    if "mamba" in (kv_cache_groups or ()):
+    # (vLLM's mamba_cache_mode "align": the Mamba block is the attention block.)
+    mamba_align = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align"
+    if "mamba" in (kv_cache_groups or ()) and not mamba_align:
         scheduler_block_size = math.lcm(scheduler_block_size, max_model_len)
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if use_v2_model_runner else "0"
@@ -433,6 +472,8 @@ def make_scheduler(
                 kv_cache_groups,
                 max_model_len,
                 int(getattr(vllm_config, "num_speculative_tokens", 0) or 0),
+                mamba_align,
+                with_tensors=_offloads_to_cpu(vllm_config),
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,
@@ -445,6 +486,16 @@ def make_scheduler(
             del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
         else:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+
+
+def _offloads_to_cpu(vllm_config: Any) -> bool:
+    """Whether the config's KV connector is SimpleCPUOffloadConnector, or a MultiConnector with it as a child."""
+    kv = vllm_config.kv_transfer_config
+    if kv is None:
+        return False
+    children = (kv.kv_connector_extra_config or {}).get("connectors", ())
+    names = {kv.kv_connector, *(c.get("kv_connector") for c in children)}
+    return "SimpleCPUOffloadConnector" in names
 
 
 _HASHERS: dict[tuple[int, int], Callable[[Any], Any]] = {}

@@ -276,7 +276,7 @@ pub struct SchedulerConfig {
     pub park_grammar_waits: bool,
     /// Decode context parallelism (vLLM's `decode_context_parallel_size`): the KV cache is sharded over this
     /// many ranks, so one block id names `block_size` slots on each of them and covers
-    /// `block_size * dcp_world_size` tokens (`kv_block_size`). A power of two in [1, 1024].
+    /// `block_size * dcp_world_size` tokens (`kv_block_size`). In [1, 1024].
     pub dcp_world_size: u32,
     /// Prefill context parallelism (vLLM's `prefill_context_parallel_size`): prefill tokens are split over this
     /// many ranks, which replicate the KV cache (or share it through DCP spanning them). It does not change the
@@ -366,6 +366,11 @@ pub struct SchedulerConfig {
     /// `MambaSpec.num_speculative_blocks`): a request holds `1 + mamba_speculative_blocks` blocks there. Needs a
     /// Mamba group when above 0.
     pub mamba_speculative_blocks: u32,
+    /// Mamba groups in vLLM's `mamba_cache_mode` "align" (`hybrid.rs`): a Mamba group's blocks are `block_size`
+    /// tokens long and its table grows with the request, holding real blocks only at its running state (the rest
+    /// null blocks), and prefill chunks end at block boundaries (`step.rs`). Needs a Mamba group and
+    /// `enable_prefix_caching=False` (Mamba prefix hits and caching are not implemented). `false`: mode "none".
+    pub mamba_align: bool,
     /// Tokens computed per step (vLLM's `max_num_scheduled_tokens`), a budget apart from the model inputs
     /// `max_num_batched_tokens` counts; 0 = `max_num_batched_tokens`. At most `max_num_batched_tokens`.
     pub max_num_scheduled_tokens: u32,
@@ -479,6 +484,7 @@ impl Default for SchedulerConfig {
             sliding_window: None,
             kv_cache_groups: Vec::new(),
             mamba_speculative_blocks: 0,
+            mamba_align: false,
             max_num_scheduled_tokens: 0,
             draft_slots: 0,
             decode_stagger: 1,
@@ -649,18 +655,12 @@ impl SchedulerConfig {
         self.num_speculative_tokens.unwrap_or(self.num_lookahead_tokens)
     }
 
-    /// Each field on its own (bounds, powers of two, finite floats), then the rules that tie fields together
+    /// Each field on its own (bounds, finite floats), then the rules that tie fields together
     /// in the Python table's order: one bad value gets the same message on both sides.
     pub fn validate(&self) -> Result<()> {
         for f in INT_FIELDS {
             if let Some(value) = (f.get)(self) {
                 check_range(f.name, value, f.min, f.max)?;
-            }
-        }
-        // Block arithmetic on the hot path uses shifts by log2(kv_block_size).
-        for (name, value) in [("block_size", self.block_size), ("dcp_world_size", self.dcp_world_size)] {
-            if !value.is_power_of_two() {
-                return Err(SchedError::InvalidConfig(format!("{name} must be a power of two, got {value}")));
             }
         }
         check_unit_interval("cache_aware_admission_threshold", self.cache_aware_admission_threshold, false)?;
@@ -815,6 +815,11 @@ impl SchedulerConfig {
                     self.mamba_speculative_blocks
                 )));
             }
+            if self.mamba_align {
+                return Err(SchedError::InvalidConfig(
+                    "mamba_align needs a Mamba group in kv_cache_groups".into(),
+                ));
+            }
             return Ok(());
         }
         let refuse = |what: String| Err(SchedError::InvalidConfig(format!("kv_cache_groups {what}")));
@@ -871,6 +876,18 @@ impl SchedulerConfig {
                 "mamba_speculative_blocks ({}) needs a Mamba group in kv_cache_groups",
                 self.mamba_speculative_blocks
             )));
+        }
+        if self.mamba_align && !has_mamba {
+            return Err(SchedError::InvalidConfig(
+                "mamba_align needs a Mamba group in kv_cache_groups".into(),
+            ));
+        }
+        if self.mamba_align && self.disable_chunked_mm_input {
+            return Err(SchedError::InvalidConfig(
+                "mamba_align cannot be combined with disable_chunked_mm_input (vLLM's mamba_cache_mode 'align' \
+                 needs chunks that end at block boundaries inside an encoder input)"
+                    .into(),
+            ));
         }
         if let Some(w) = self.sliding_window {
             return refuse(format!(
@@ -1084,11 +1101,23 @@ mod tests {
         assert_eq!(SchedulerConfig::default().validate(), Ok(()));
     }
 
+    /// Any block size and DCP size in range (vLLM takes block sizes that are not powers of two: a hybrid Mamba
+    /// model's attention block, sized to a state's page, is often 272 or 544 tokens).
+    #[test]
+    fn accepts_block_units_that_are_not_powers_of_two() {
+        for (block_size, dcp_world_size) in
+            [(3, 1), (12, 1), (272, 1), (544, 3), (1023, 1), (6, 6), (1024, 1024)]
+        {
+            let c = SchedulerConfig { block_size, dcp_world_size, num_blocks: 64, ..Default::default() };
+            assert_eq!(c.validate(), Ok(()), "{block_size} x {dcp_world_size}");
+        }
+    }
+
     #[test]
     fn rejects_bad_values() {
         let bad = [
             SchedulerConfig { block_size: 0, ..Default::default() },
-            SchedulerConfig { block_size: 12, ..Default::default() },
+            SchedulerConfig { block_size: 1025, ..Default::default() },
             SchedulerConfig { num_blocks: 1, ..Default::default() },
             SchedulerConfig { max_num_seqs: 0, ..Default::default() },
             SchedulerConfig { max_model_len: 1, ..Default::default() },
@@ -1122,7 +1151,6 @@ mod tests {
             SchedulerConfig { recompute_cost_per_token: -1.0, ..Default::default() },
             SchedulerConfig { swap_cost_per_block: f64::NAN, ..Default::default() },
             SchedulerConfig { dcp_world_size: 0, ..Default::default() },
-            SchedulerConfig { dcp_world_size: 3, ..Default::default() },
             SchedulerConfig { dcp_world_size: 2048, ..Default::default() },
             SchedulerConfig { pcp_world_size: 0, ..Default::default() },
             SchedulerConfig { pcp_world_size: 1025, ..Default::default() },

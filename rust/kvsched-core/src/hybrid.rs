@@ -35,6 +35,16 @@
 //!   them in layer order, so they may come before the primary group. With one, every attention block a
 //!   `schedule()` allocates is reported in its output's `zero_block_ids` (vLLM zeroes them before use), group by
 //!   group, each group's in allocation order.
+//! - **Mamba groups in align mode** (`mamba_align`, vLLM's `MambaManager` with `mamba_cache_mode` "align"): the
+//!   state blocks are `bs` tokens long and the table grows with the request, as vLLM's does, but holds real blocks
+//!   only at its running state. An allocation for `t` tokens (computed plus new, no lookahead) wants
+//!   `ceil(t / bs) + s` entries (`s` = `mamba_speculative_blocks`); when the table is shorter it pads with null
+//!   blocks up to `ceil(t / bs) - 1`, moves the speculative blocks that would sit below that to the end, and
+//!   pops the rest (at most `1`, `1 + s` at the first allocation). Its count in the all-or-nothing check is
+//!   `ceil(t / bs) + s - len` capped at that (negative when the table is longer: vLLM sums it as it is). Before
+//!   each allocation, with `p` tokens processed, the entries below `(p - 1) / bs` go back to the pool (deepest
+//!   first, null blocks skipped): the state two allocations old among them. A running request's new ids in the
+//!   group are the entries its allocation appended.
 //!
 //! This module holds the groups' description; `hybrid_kv.rs` holds what `KvCacheManager` does with them, off the
 //! single-group paths: `KvCacheManager` branches there only when `hybrid` is set.
@@ -54,6 +64,8 @@ pub struct Hybrid {
     pub primary: usize,
     /// The blocks a request holds in a Mamba group (`1 + mamba_speculative_blocks`).
     pub mamba_blocks: usize,
+    /// Mamba groups in vLLM's `mamba_cache_mode` "align" (`SchedulerConfig::mamba_align`; see `hybrid_kv.rs`).
+    pub mamba_align: bool,
     /// With a Mamba group (vLLM then zeroes new attention blocks before use): each group's attention blocks
     /// allocated since the last `schedule()` returned, in allocation order (`SchedulerOutput::zero_block_ids`).
     /// Empty without one.
@@ -75,6 +87,7 @@ impl Clone for Hybrid {
             windows: self.windows.clone(),
             primary: self.primary,
             mamba_blocks: self.mamba_blocks,
+            mamba_align: self.mamba_align,
             zero_ids: self.zero_ids.clone(),
             caps: self.caps.clone(),
             lookups: self.lookups.clone(),
@@ -108,6 +121,7 @@ impl Hybrid {
             windows,
             primary,
             mamba_blocks: 1 + mamba_speculative_blocks as usize,
+            mamba_align: false,
             zero_ids,
             caps,
             lookups,
@@ -174,5 +188,93 @@ pub(crate) fn group_skipped(w: u32, computed: u32) -> u32 {
     match chunk_size(w) {
         Some(c) => computed / c * c,
         None => window_skipped(w, computed),
+    }
+}
+
+/// The Mamba checkpoint boundary of a prefill of `num_tokens` tokens (vLLM's
+/// `get_mamba_prefill_checkpoint_position`): the last multiple of `bs` that leaves at least one token (or
+/// `hash_lookahead` tokens) to compute; with EAGLE's trailing-block drop, the multiple at or below `num_tokens`, one
+/// block lower.
+pub(crate) fn mamba_checkpoint(num_tokens: u32, bs: u32, drop_eagle: bool, hash_lookahead: u32) -> u32 {
+    let limit = if drop_eagle { num_tokens } else { num_tokens.saturating_sub(hash_lookahead.max(1)) };
+    let pos = limit / bs * bs;
+    if drop_eagle {
+        pos.saturating_sub(bs)
+    } else {
+        pos
+    }
+}
+
+/// The settings of `mamba_aligned_split`, fixed for a scheduler's lifetime.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AlignedSplit {
+    pub bs: u32,
+    /// The longest prefill chunk a step may schedule (`max_num_scheduled_tokens`, capped at
+    /// `long_prefill_token_threshold` when set).
+    pub max_prefill_tokens: u32,
+    pub drop_eagle: bool,
+    pub hash_lookahead: u32,
+}
+
+impl AlignedSplit {
+    /// A prefill chunk of `n` tokens from `start`, cut where an align-mode Mamba state must be written (vLLM's
+    /// `_mamba_block_aligned_split` without prefill checkpoints, partial-block hits or shared-prefix junctions):
+    /// the prefill ends at `max(num_prompt, num_tokens - 1)`; a chunk that ends before it is floored to a block
+    /// boundary (unless that leaves nothing and a block is wider than `max_prefill_tokens`); it then stops at the
+    /// next block boundary when it starts inside a block, and at the last block boundary that leaves a token to
+    /// compute (`mamba_checkpoint`), whichever comes first strictly inside it. A chunk past the prefill is kept.
+    pub fn split(&self, num_prompt: u32, num_tokens: u32, start: u32, n: u32) -> u32 {
+        let prefill_end = num_prompt.max(num_tokens.saturating_sub(1));
+        if start >= prefill_end {
+            return n;
+        }
+        let bs = self.bs;
+        let last_cache = mamba_checkpoint(num_tokens, bs, self.drop_eagle, self.hash_lookahead);
+        let mut end = start + n;
+        if end < prefill_end {
+            let aligned = end / bs * bs;
+            if aligned > start || bs <= self.max_prefill_tokens {
+                end = aligned;
+            }
+        }
+        let next_boundary = if start % bs != 0 { (start / bs + 1) * bs } else { 0 };
+        for stop in [next_boundary, last_cache] {
+            if start < stop && stop < end {
+                end = stop;
+            }
+        }
+        end.saturating_sub(start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{mamba_checkpoint, AlignedSplit};
+
+    #[test]
+    fn checkpoint_is_the_last_boundary_that_leaves_tokens_to_compute() {
+        assert_eq!(mamba_checkpoint(10, 4, false, 0), 8);
+        assert_eq!(mamba_checkpoint(8, 4, false, 0), 4); // one token left to compute
+        assert_eq!(mamba_checkpoint(11, 4, false, 3), 8);
+        assert_eq!(mamba_checkpoint(11, 4, false, 4), 4);
+        assert_eq!(mamba_checkpoint(12, 4, true, 0), 8); // EAGLE's drop: one block lower
+        assert_eq!(mamba_checkpoint(3, 4, true, 0), 0);
+        assert_eq!(mamba_checkpoint(0, 4, false, 0), 0);
+    }
+
+    #[test]
+    fn chunks_end_at_block_boundaries_and_the_last_checkpoint() {
+        let s = AlignedSplit { bs: 4, max_prefill_tokens: 64, drop_eagle: false, hash_lookahead: 0 };
+        assert_eq!(s.split(10, 10, 0, 10), 8); // the last boundary that leaves a token
+        assert_eq!(s.split(10, 10, 8, 2), 2);
+        assert_eq!(s.split(17, 17, 0, 10), 8); // floored
+        assert_eq!(s.split(17, 17, 0, 3), 0); // floored to nothing
+        assert_eq!(s.split(6, 8, 0, 8), 4); // resumed: the prefill ends at 7 (outputs replayed)
+        assert_eq!(s.split(6, 8, 7, 1), 1); // a decode is kept
+                                            // A block wider than the longest chunk keeps an unaligned end, then stops at its block's end.
+        let wide = AlignedSplit { bs: 8, max_prefill_tokens: 6, drop_eagle: false, hash_lookahead: 0 };
+        assert_eq!(wide.split(20, 20, 0, 6), 6);
+        assert_eq!(wide.split(20, 20, 6, 14), 2);
+        assert_eq!(wide.split(20, 20, 6, 5), 2);
     }
 }

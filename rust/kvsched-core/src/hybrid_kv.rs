@@ -5,7 +5,19 @@ use crate::config::{CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
 use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
 use crate::kv_cache_manager::KvCacheManager;
-use crate::request::Request;
+use crate::request::{GroupTable, Request};
+
+/// An align-mode Mamba group's blocks to allocate (vLLM's `get_num_blocks_to_allocate`) when the allocation
+/// wants `entries` entries and the table holds `held`: the missing ones, capped at one (`mamba_blocks`, one plus
+/// the speculative blocks, before the first allocation); negative when the table is longer.
+fn align_need(entries: usize, held: usize, mamba_blocks: usize, allocated: bool) -> i64 {
+    let need = entries as i64 - held as i64;
+    if need > 0 {
+        need.min(if allocated { 1 } else { mamba_blocks as i64 })
+    } else {
+        need
+    }
+}
 
 /// A request's table of the group at `slot` (`Hybrid::slot`; `None`: the primary group) and its cached-block
 /// count.
@@ -76,7 +88,7 @@ impl KvCacheManager {
                     // Null blocks before the chunk that holds token `curr * bs`, then the cached blocks from there
                     // on, up to the first miss.
                     let end = u64::from(self.block_size) * curr as u64;
-                    let start = ((end / u64::from(c) * u64::from(c)) >> self.block_shift) as usize;
+                    let start = (end / u64::from(c) * u64::from(c) / u64::from(self.block_size)) as usize;
                     for &g in ids {
                         hits[g].resize(start, NULL_BLOCK);
                     }
@@ -173,6 +185,12 @@ impl KvCacheManager {
                 total += if req.blocks.is_empty() { self.cross_blocks_to_add(req, held) } else { 0 };
                 continue;
             }
+            if w == MAMBA && hy.mamba_align {
+                let allocated = hy.slot(g).is_some_and(|i| req.groups[i].mamba_allocated);
+                let entries = required + hy.mamba_blocks - 1;
+                total += align_need(entries, held, hy.mamba_blocks, allocated).max(0) as usize;
+                continue;
+            }
             if w == MAMBA {
                 total += if req.blocks.is_empty() { hy.mamba_blocks.saturating_sub(held) } else { 0 };
                 continue;
@@ -188,8 +206,7 @@ impl KvCacheManager {
                 total += required.saturating_sub(held);
                 continue;
             }
-            let skipped =
-                (group_skipped(w, hits.len() as u32 * self.block_size) >> self.block_shift) as usize;
+            let skipped = (group_skipped(w, hits.len() as u32 * self.block_size) / self.block_size) as usize;
             let kept = &hits[skipped.min(hits.len())..];
             let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total += required.saturating_sub(skipped.max(hits.len())) + evictable;
@@ -213,7 +230,7 @@ impl KvCacheManager {
     ) -> Option<usize> {
         let all_hits = self.hybrid_hits(hits);
         let hy = self.hybrid.as_deref()?;
-        let (windows, mamba_blocks) = (hy.windows.clone(), hy.mamba_blocks);
+        let (windows, mamba_blocks, align) = (hy.windows.clone(), hy.mamba_blocks, hy.mamba_align);
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
         let bs = self.block_size;
         let num_hits = hits.len();
@@ -222,16 +239,29 @@ impl KvCacheManager {
         for (g, &w) in windows.iter().enumerate() {
             if is_window(w) {
                 self.remove_group_skipped(req, slots[g], w, processed);
+            } else if w == MAMBA && align {
+                self.remove_mamba_skipped(req, slots[g], processed);
             }
         }
         let fresh = req.blocks.is_empty();
         let num_slots = total_computed + num_new_tokens + num_lookahead_tokens;
+        // Align-mode Mamba groups: the state's tokens (no lookahead) and the entries that wants.
+        let mamba_tokens = total_computed + num_new_tokens;
+        let mamba_entries = mamba_tokens.div_ceil(bs) as usize + (mamba_blocks - 1);
         // Per group: the null blocks before the window (a new request's), and the blocks to pop.
         let mut plan: Vec<(usize, usize)> = Vec::with_capacity(windows.len());
         let mut total_need = 0;
+        // Align-mode Mamba groups' counts, which can be negative (vLLM sums them as they are).
+        let mut mamba_need: i64 = 0;
         let mut evictable = 0;
         for (g, &w) in windows.iter().enumerate() {
             let held = table_ref(req, slots[g]).len();
+            if w == MAMBA && align {
+                let allocated = slots[g].is_some_and(|i| req.groups[i].mamba_allocated);
+                mamba_need += align_need(mamba_entries, held, mamba_blocks, allocated);
+                plan.push((0, 0));
+                continue;
+            }
             if w == CROSS_ATTENTION || w == MAMBA {
                 // The encoder output's or the state's blocks, at the first allocation only.
                 let need = match (fresh, w) {
@@ -244,7 +274,7 @@ impl KvCacheManager {
                 continue;
             }
             let skipped = if fresh && w != 0 {
-                (group_skipped(w, total_computed) >> self.block_shift) as usize
+                (group_skipped(w, total_computed) / self.block_size) as usize
             } else {
                 0
             };
@@ -254,7 +284,7 @@ impl KvCacheManager {
             total_need += need;
             plan.push((skipped, need));
         }
-        if total_need + evictable + reserved > self.pool.num_free_blocks() {
+        if (total_need + evictable + reserved) as i64 + mamba_need > self.pool.num_free_blocks() as i64 {
             return None;
         }
         for (g, &(skipped, _)) in plan.iter().enumerate() {
@@ -271,7 +301,14 @@ impl KvCacheManager {
             blocks.extend_from_slice(kept);
             *num_cached += (skipped + kept.len()) as u32;
         }
+        let mut popped = total_need;
         for (g, &(_, need)) in plan.iter().enumerate() {
+            if windows[g] == MAMBA && align {
+                if let Some(i) = slots[g] {
+                    popped += self.grow_mamba_align(&mut req.groups[i], mamba_entries, mamba_blocks - 1);
+                }
+                continue;
+            }
             if need > 0 {
                 let (blocks, _) = table(req, slots[g]);
                 self.pool.allocate_into(need, blocks);
@@ -282,11 +319,60 @@ impl KvCacheManager {
                 }
             }
         }
-        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) >> self.block_shift) as usize;
+        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
             self.cache_hybrid_blocks(req, num_full);
         }
-        Some(total_need)
+        Some(popped)
+    }
+
+    /// An align-mode Mamba group's `remove_skipped_blocks` with `processed` tokens processed: the entries below
+    /// `(processed - 1) / bs` go back to the pool (deepest first, null blocks skipped, one call). (vLLM then also
+    /// frees the state entry its allocation before the last kept, `last_state_block_idx`, when it lies below
+    /// `ceil(processed / bs) - 1`: always one of those entries, already freed.)
+    fn remove_mamba_skipped(&mut self, req: &mut Request, slot: Option<usize>, processed: u32) {
+        let Some(i) = slot else { return };
+        let bs = self.block_size;
+        let t = &mut req.groups[i];
+        if processed > 1 {
+            let last = ((processed - 1) / bs) as usize;
+            let last = last.min(t.blocks.len());
+            let freed: Vec<u32> = t.blocks[..last].iter().copied().filter(|&b| b != NULL_BLOCK).collect();
+            if !freed.is_empty() {
+                self.pool.free_blocks(&freed);
+                t.blocks[..last].fill(NULL_BLOCK);
+            }
+        }
+    }
+
+    /// An align-mode Mamba group's `allocate_new_blocks`: grows table `t` to `entries` entries (see `hybrid.rs`),
+    /// `spec` of them speculative. Returns the blocks popped.
+    fn grow_mamba_align(&mut self, t: &mut GroupTable, entries: usize, spec: usize) -> usize {
+        let prev = t.blocks.len();
+        t.mamba_appended = 0;
+        if entries <= prev {
+            t.mamba_allocated = true;
+            return 0;
+        }
+        let skipped = entries - spec - 1;
+        if prev < skipped {
+            t.blocks.resize(skipped, NULL_BLOCK);
+        }
+        if t.mamba_allocated {
+            for idx in prev - spec..prev {
+                if idx >= skipped {
+                    break;
+                }
+                let b = t.blocks[idx];
+                t.blocks.push(b);
+                t.blocks[idx] = NULL_BLOCK;
+            }
+        }
+        let need = entries.saturating_sub(t.blocks.len());
+        self.pool.allocate_into(need, &mut t.blocks);
+        t.mamba_allocated = true;
+        t.mamba_appended = (t.blocks.len() - prev) as u32;
+        need
     }
 
     /// The blocks a cross-attention group's table of `held` blocks still needs for the request's encoder output.
@@ -296,9 +382,9 @@ impl KvCacheManager {
 
     /// `remove_skipped_blocks` of the group at `slot` with window (or chunked-local entry) `w`.
     fn remove_group_skipped(&mut self, req: &mut Request, slot: Option<usize>, w: u32, processed: u32) {
-        let shift = self.block_shift;
+        let block_size = self.block_size;
         let (blocks, _) = table(req, slot);
-        let last = ((group_skipped(w, processed) >> shift) as usize).min(blocks.len());
+        let last = ((group_skipped(w, processed) / block_size) as usize).min(blocks.len());
         let mut first = last;
         while first > 0 && blocks[first - 1] != NULL_BLOCK {
             first -= 1;
@@ -349,6 +435,10 @@ impl KvCacheManager {
             self.pool.free_blocks(blocks);
             blocks.clear();
             *num_cached = 0;
+        }
+        for t in &mut req.groups {
+            t.mamba_allocated = false;
+            t.mamba_appended = 0;
         }
     }
 }

@@ -20,9 +20,8 @@ use crate::request::Request;
 pub struct KvCacheManager {
     pub pool: BlockPool,
     pub hasher: BlockHasher,
+    /// Tokens per block id (`SchedulerConfig::kv_block_size`): any size from 1 on.
     pub block_size: u32,
-    /// `log2(block_size)`: block arithmetic on the hot path uses shifts, not divisions.
-    pub block_shift: u32,
     /// The most slots one request holds: `min(max_model_len, the cache's capacity in tokens)`.
     pub max_slots: u32,
     pub enable_caching: bool,
@@ -106,7 +105,7 @@ impl KvCacheManager {
     /// back to the pool (deepest first, from the last one before the window back to the first null) and become
     /// null blocks in the table.
     fn remove_skipped_blocks(&mut self, req: &mut Request, processed: u32) {
-        let last = ((self.skipped_tokens(processed) >> self.block_shift) as usize).min(req.blocks.len());
+        let last = ((self.skipped_tokens(processed) / self.block_size) as usize).min(req.blocks.len());
         let mut first = last;
         while first > 0 && req.blocks[first - 1] != NULL_BLOCK {
             first -= 1;
@@ -124,7 +123,7 @@ impl KvCacheManager {
         if !self.enable_caching || num_tokens == 0 {
             return 0;
         }
-        (((num_tokens - 1) >> self.block_shift) as usize).min(block_hashes.len())
+        (((num_tokens - 1) / self.block_size) as usize).min(block_hashes.len())
     }
 
     /// An upper bound on what `find_longest_cache_hit(block_hashes, num_tokens, ..)` would return, from `hint`
@@ -159,7 +158,7 @@ impl KvCacheManager {
     /// least.
     #[inline]
     pub fn min_blocks_to_admit(&self, req: &Request, max_hits: usize, max_new: u32, lookahead: u32) -> usize {
-        let hit_tokens = (max_hits as u32) << self.block_shift;
+        let hit_tokens = max_hits as u32 * self.block_size;
         let n = req.num_tokens().saturating_sub(hit_tokens).min(max_new);
         self.blocks_to_add(req.blocks.len() + max_hits, hit_tokens + n + lookahead)
     }
@@ -169,7 +168,7 @@ impl KvCacheManager {
     #[inline(always)]
     pub(crate) fn blocks_to_add(&self, held: usize, num_slots: u32) -> usize {
         let num_slots = num_slots.min(self.max_slots);
-        let required = ((num_slots + self.block_size - 1) >> self.block_shift) as usize;
+        let required = num_slots.div_ceil(self.block_size) as usize;
         required.saturating_sub(held)
     }
 
@@ -202,7 +201,7 @@ impl KvCacheManager {
         if !req.blocks.is_empty() {
             return required.saturating_sub(req.blocks.len());
         }
-        let skipped = (self.skipped_tokens(hits.len() as u32 * self.block_size) >> self.block_shift) as usize;
+        let skipped = (self.skipped_tokens(hits.len() as u32 * self.block_size) / self.block_size) as usize;
         let kept = &hits[skipped.min(hits.len())..];
         let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
         required.saturating_sub(skipped.max(hits.len())) + evictable
@@ -343,7 +342,7 @@ impl KvCacheManager {
         if need > 0 {
             self.pool.allocate_into(need, &mut req.blocks);
         }
-        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) >> self.block_shift) as usize;
+        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
             self.cache_full_blocks(req, num_full);
         }
@@ -371,7 +370,7 @@ impl KvCacheManager {
         self.remove_skipped_blocks(req, total_computed.saturating_sub(in_flight));
         let fresh = req.blocks.is_empty();
         let skipped =
-            if fresh { (self.skipped_tokens(total_computed) >> self.block_shift) as usize } else { 0 };
+            if fresh { (self.skipped_tokens(total_computed) / self.block_size) as usize } else { 0 };
         let kept = &hits[skipped.min(hits.len())..];
         debug_assert!(!kept.contains(&NULL_BLOCK), "a window hit's null blocks lie before the window");
         let need = self.blocks_to_add(
@@ -390,7 +389,7 @@ impl KvCacheManager {
         if need > 0 {
             self.pool.allocate_into(need, &mut req.blocks);
         }
-        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) >> self.block_shift) as usize;
+        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
             self.cache_full_blocks(req, num_full);
         }
@@ -400,7 +399,7 @@ impl KvCacheManager {
     /// vLLM's `KVCacheManager.cache_blocks`: enters the full blocks among the first `num_tokens` tokens (and
     /// the request's known hashes) into the prefix cache, if caching is on.
     pub fn cache_blocks(&mut self, req: &mut Request, num_tokens: u32) {
-        let num_full = (num_tokens >> self.block_shift) as usize;
+        let num_full = (num_tokens / self.block_size) as usize;
         if self.enable_caching && num_full > req.num_cached_blocks as usize {
             self.cache_full_blocks(req, num_full);
         }
@@ -495,11 +494,10 @@ impl KvCacheManager {
     }
 
     /// Where a decode step of a request with `computed` tokens computed sits in its block: 0 when it completes
-    /// one (one token less than a multiple of the block size computed), 1 when it starts the next (block sizes
-    /// are powers of two).
+    /// one (one token less than a multiple of the block size computed), 1 when it starts the next.
     #[inline(always)]
     fn boundary_phase(&self, computed: u32) -> u32 {
-        computed.wrapping_add(1) & (self.block_size - 1)
+        computed.wrapping_add(1) % self.block_size
     }
 
     /// A hint, no effect on results: if `req` is one token before or at a block boundary (a decode step that
@@ -586,7 +584,6 @@ mod tests {
             pool: BlockPool::new(16, true),
             hasher: BlockHasher::new(HashAlgo::Xxh3_128, Some(b"test")).unwrap(),
             block_size: 4,
-            block_shift: 2,
             max_slots: 4 * 16,
             enable_caching: true,
             newly_cached: Vec::new(),
@@ -638,7 +635,6 @@ mod tests {
             pool: BlockPool::new(24, true),
             hasher: BlockHasher::new(HashAlgo::Xxh3_128, Some(b"test")).unwrap(),
             block_size: 16,
-            block_shift: 4,
             max_slots: 16 * 24,
             enable_caching: true,
             newly_cached: Vec::new(),

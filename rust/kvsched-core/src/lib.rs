@@ -45,6 +45,7 @@ pub mod model_inputs;
 pub mod order;
 pub mod output;
 pub mod pickle_hash;
+mod pins;
 pub mod queue;
 pub mod request;
 pub mod scheduler;

@@ -131,6 +131,12 @@ pub struct GroupTable {
     pub blocks: Vec<u32>,
     /// Leading blocks of `blocks` already entered into the prefix cache (null blocks included).
     pub num_cached_blocks: u32,
+    /// A Mamba group in align mode (`mamba_align`): whether an allocation took the table's blocks since the request's last free
+    /// (vLLM's `_allocated_block_reqs`).
+    pub mamba_allocated: bool,
+    /// A Mamba group in align mode: the entries the request's last allocation appended to `blocks` (null
+    /// blocks and moved speculative blocks included): a running request's new block ids in that group.
+    pub mamba_appended: u32,
 }
 
 /// Field order is deliberate (`repr(C)`): what `update_from_output()` reads for a decode sits in the first

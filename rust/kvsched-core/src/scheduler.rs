@@ -72,6 +72,8 @@ pub(crate) struct Counters {
 pub struct Scheduler {
     pub(crate) config: SchedulerConfig,
     pub(crate) kv: KvCacheManager,
+    /// Align-mode Mamba groups (`mamba_align`): how prefill chunks are cut at block boundaries.
+    pub(crate) mamba_split: Option<crate::hybrid::AlignedSplit>,
     pub(crate) slab: Slab,
     pub(crate) ids: HashMap<Arc<str>, u32>,
     /// Slots of running requests, in admission order.
@@ -144,6 +146,8 @@ pub struct Scheduler {
     /// `defer_async_loads`: asynchronous loads admitted while a step was in flight, not yet registered with the
     /// connector, in admission order (vLLM's `deferred_loads`).
     pub(crate) deferred_loads: VecDeque<DeferredLoad>,
+    /// References taken by `pin_blocks` and not yet given back by `unpin_blocks`, per block id (`pins.rs`).
+    pub(crate) pins: HashMap<u32, u32>,
     pub(crate) next_add_seq: u64,
     /// The encoder cache (`encoder.rs`, driven by `encoder_sched.rs`).
     pub(crate) encoder: EncoderCache,
@@ -198,7 +202,6 @@ impl Scheduler {
                 .with_kv_cache_events(config.enable_kv_cache_events),
             hasher,
             block_size: config.kv_block_size(),
-            block_shift: config.kv_block_size().trailing_zeros(),
             max_slots: config.max_slots_per_request(),
             enable_caching: config.enable_prefix_caching,
             newly_cached: Vec::new(),
@@ -206,9 +209,11 @@ impl Scheduler {
             sliding_window: config.sliding_window.unwrap_or(0),
             admission_cap_blocks: window_admission_cap_blocks(&config),
             hybrid: (!config.kv_cache_groups.is_empty()).then(|| {
-                Box::new(Hybrid::new(&config.kv_cache_groups, config.mamba_speculative_blocks, |w| {
+                let mut hy = Hybrid::new(&config.kv_cache_groups, config.mamba_speculative_blocks, |w| {
                     window_cap_blocks(&config, w)
-                }))
+                });
+                hy.mamba_align = config.mamba_align;
+                Box::new(hy)
             }),
             special: config.sliding_window.is_some() || !config.kv_cache_groups.is_empty(),
             drop_trailing_hit: config.drop_trailing_hit_block,
@@ -222,7 +227,24 @@ impl Scheduler {
             block_size: if kv.special { 0 } else { kv.block_size },
             caching: kv.enable_caching,
         };
+        let mamba_split = config.mamba_align.then(|| {
+            let mut max_prefill_tokens = if config.max_num_scheduled_tokens > 0 {
+                config.max_num_scheduled_tokens
+            } else {
+                config.max_num_batched_tokens
+            };
+            if config.long_prefill_token_threshold > 0 {
+                max_prefill_tokens = max_prefill_tokens.min(config.long_prefill_token_threshold);
+            }
+            crate::hybrid::AlignedSplit {
+                bs: config.block_size,
+                max_prefill_tokens,
+                drop_eagle: config.drop_trailing_hit_block,
+                hash_lookahead: config.hash_lookahead_tokens,
+            }
+        });
         Ok(Scheduler {
+            mamba_split,
             cpu: CpuBlockPool::new(config.num_cpu_blocks),
             encoder: EncoderCache::new(u64::from(config.encoder_cache_size)),
             encoder_sizes: HashMap::new(),
@@ -263,6 +285,7 @@ impl Scheduler {
             processed_step_seq: 0,
             deferred_frees: VecDeque::new(),
             deferred_loads: VecDeque::new(),
+            pins: HashMap::new(),
             next_add_seq: 0,
             num_executed_steps: 0,
             last_prefill_step,
@@ -925,9 +948,11 @@ impl Scheduler {
         } else if reset_running_requests {
             if !self.held.is_empty()
                 || !self.deferred_frees.is_empty()
+                || !self.pins.is_empty()
                 || self.slab.iter().any(|r| !r.blocks.is_empty())
             {
-                // KV transfers hold blocks (vLLM raises: not supported yet), or frees wait for steps in flight.
+                // KV transfers hold blocks (vLLM raises: not supported yet), frees wait for steps in flight, or
+                // blocks are pinned.
                 return Ok(false);
             }
             return Err(SchedError::Internal("the prefix cache is in use with no request running".into()));
@@ -1136,7 +1161,22 @@ impl Scheduler {
                 };
                 let window =
                     if cfg.kv_cache_groups.is_empty() { cfg.sliding_window } else { cfg.kv_cache_groups[g] };
-                if window == Some(crate::config::MAMBA) {
+                let align_mamba = window == Some(crate::config::MAMBA) && cfg.mamba_align;
+                if align_mamba {
+                    // An align-mode Mamba table: at least the state's and the speculative blocks' entries from
+                    // the first allocation on (null blocks between the states), none cached.
+                    let least =
+                        if r.blocks.is_empty() { 0 } else { 1 + cfg.mamba_speculative_blocks as usize };
+                    if (r.blocks.is_empty() && !blocks.is_empty()) || blocks.len() < least || num_cached != 0
+                    {
+                        return Err(format!(
+                            "request {:?}: align-mode Mamba group {g} holds {} entries ({num_cached} cached), \
+                             expected at least {least} (none cached)",
+                            r.id,
+                            blocks.len()
+                        ));
+                    }
+                } else if window == Some(crate::config::MAMBA) {
                     // A Mamba table: the state's blocks, from the first allocation on.
                     let want =
                         if r.blocks.is_empty() { 0 } else { 1 + cfg.mamba_speculative_blocks as usize };
@@ -1171,7 +1211,11 @@ impl Scheduler {
                 if num_null > 0 && window.is_none() {
                     return Err(format!("request {:?} holds the null block without a sliding window", r.id));
                 }
-                let live = &blocks[num_null..];
+                let live: Vec<u32> = if align_mamba {
+                    blocks.iter().copied().filter(|&b| b != 0).collect()
+                } else {
+                    blocks[num_null..].to_vec()
+                };
                 let uniq: HashSet<u32> = live.iter().copied().collect();
                 if uniq.len() != live.len() || uniq.contains(&0) {
                     return Err(format!(
@@ -1179,7 +1223,7 @@ impl Scheduler {
                         r.id
                     ));
                 }
-                for &b in live {
+                for &b in &live {
                     held[b as usize] += 1;
                 }
                 if num_cached as usize > blocks.len() {
@@ -1234,6 +1278,12 @@ impl Scheduler {
                 Some(r) if r.status == RequestStatus::WaitingForRemoteKvs => {}
                 _ => return Err("a deferred load's request is not waiting for its load".into()),
             }
+        }
+        for (&b, &n) in &self.pins {
+            if n == 0 || b == 0 || b as usize >= held.len() {
+                return Err(format!("block {b} is pinned {n} times"));
+            }
+            held[b as usize] += n;
         }
         self.kv.pool.check(&held)?;
         self.check_swap_invariants()?;

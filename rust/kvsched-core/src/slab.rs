@@ -114,14 +114,13 @@ impl DecodeLimits {
         blocks: u32,
         cached: u32,
     ) -> bool {
-        let shift = self.block_size.trailing_zeros();
         plain
             && computed + 1 == tokens
             && computed >= prompt
             && i64::from(computed) + 2 <= self.max_model_len
             && computed < self.max_slots
-            && ((computed + 1 + self.lookahead).min(self.max_slots) + self.block_size - 1) >> shift <= blocks
-            && (!self.caching || (computed + 1) >> shift <= cached)
+            && (computed + 1 + self.lookahead).min(self.max_slots).div_ceil(self.block_size) <= blocks
+            && (!self.caching || (computed + 1) / self.block_size <= cached)
     }
 
     /// The computed counts `lo..=hi` at which a plain request with this prompt length, block count and cached

@@ -486,12 +486,13 @@ impl Scheduler {
     /// long as the primary's and grows at its end, so a request's `k` new ids in the primary group are the last
     /// `k` entries of each table (its whole table when it is new or resumed). A cross-attention or Mamba table is
     /// taken whole at a new or resumed request's allocation and never grows: its whole table then, nothing
-    /// otherwise.
+    /// otherwise; an align-mode Mamba table (`mamba_align`) gives the entries its allocation appended otherwise.
     #[cold]
     fn group_new_block_ids(&self, out: &mut SchedulerOutput) -> Result<()> {
         let windows = &self.config.kv_cache_groups;
         let ngroups = windows.len();
         let primary = self.kv.hybrid.as_deref().map_or(0, |hy| hy.primary);
+        let align = self.config.mamba_align;
         let mut groups = vec![Vec::with_capacity(out.new_block_ids.len()); ngroups - 1];
         let mut indptrs = vec![Vec::with_capacity(out.handles.len() + 1); ngroups - 1];
         let mut whole = vec![false; out.handles.len()];
@@ -510,6 +511,9 @@ impl Scheduler {
                 let k = if w == Some(CROSS_ATTENTION) || w == Some(MAMBA) {
                     if whole[i] {
                         t.len()
+                    } else if align {
+                        // Align mode: the entries its allocation appended.
+                        req.groups[g].mamba_appended as usize
                     } else {
                         0
                     }
@@ -680,6 +684,14 @@ impl Scheduler {
                 continue;
             }
             let mut n = n as u32;
+            // Align-mode Mamba groups: a prefill chunk ends where a state must be written; none: skipped.
+            if let Some(split) = &self.mamba_split {
+                n = split.split(req.num_prompt_tokens, req.num_tokens(), computed, n);
+                if n == 0 {
+                    i += 1;
+                    continue;
+                }
+            }
             // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
             // (Text-only requests keep their borrow: no second slab lookup on the common path.)
             let planned = has_encoder && !req.encoder_inputs.is_empty();
@@ -1085,10 +1097,11 @@ impl Scheduler {
         }
         let planned_encoder = self.encoder.capacity() > 0 && !load_async && !req.encoder_inputs.is_empty();
         let num_tokens = req.num_tokens();
+        let num_prompt = req.num_prompt_tokens;
         // Encoder-decoder: the encoder output is computed at the admission of a request with nothing computed
         // (`encoder_dec.rs`); a failed allocation gives its slots back all the same.
         let enc_dec_tokens = if self.config.encoder_decoder { req.cross_attention_tokens } else { 0 };
-        let (mut n, pad) = if load_async {
+        let (mut n, mut pad) = if load_async {
             (0, false)
         } else {
             match self.admission_tokens(pass, computed, num_tokens, budget) {
@@ -1096,6 +1109,17 @@ impl Scheduler {
                 None => return Ok(Candidate::Stop),
             }
         };
+        if let (false, Some(split)) = (load_async, &self.mamba_split) {
+            // Align-mode Mamba groups: a prefill chunk ends where a state must be written; none ends the pass.
+            // A padded decode keeps its drafts or loses them all.
+            n = split.split(num_prompt, num_tokens, computed, n);
+            if n == 0 {
+                return Ok(Candidate::Stop);
+            }
+            if pad && n != 1 + self.config.num_spec_tokens() {
+                (n, pad) = (1, false);
+            }
+        }
         if planned_encoder {
             n = self.plan_encoder(enc, h.slot, computed, n)?;
             if n == 0 {

@@ -335,9 +335,8 @@ impl Scheduler {
         res.num_new_tokens[i] = 1;
         self.tenants.add_decode(req.tenant, 1);
         // A block gets its hash once the look-ahead tokens after it exist (none without look-ahead).
-        if req.token_ids.len().wrapping_sub(self.kv.hasher.lookahead()) & (self.kv.block_size as usize - 1)
-            == 0
-        {
+        let block_size = self.kv.block_size as usize;
+        if req.token_ids.len() % block_size == self.kv.hasher.lookahead() % block_size {
             self.kv.extend_hashes(req);
             self.kv.prefetch_next_caching(req);
         }
@@ -370,8 +369,8 @@ impl Scheduler {
         mut i: usize,
         max_model_len: u32,
     ) -> usize {
-        let mask = self.kv.block_size as usize - 1;
-        let hash_lookahead = self.kv.hasher.lookahead();
+        let block_size = self.kv.block_size as usize;
+        let hash_phase = self.kv.hasher.lookahead() % block_size;
         let (slots, hot) = self.slab.parts_mut();
         let m = slots.len().min(hot.in_flight.len());
         let (slots, in_flight) = (&mut slots[..m], &mut hot.in_flight[..m]);
@@ -388,7 +387,7 @@ impl Scheduler {
             // The token count once `t` is appended.
             let len = req.token_ids.len() + 1;
             if req.status != RequestStatus::Running
-                || len.wrapping_sub(hash_lookahead) & mask == 0
+                || len % block_size == hash_phase
                 || check_stop_at(req, t, len as u32, max_model_len).is_some()
             {
                 break;
@@ -421,8 +420,10 @@ impl Scheduler {
         drafts: Option<Ragged<'_>>,
     ) -> Result<Option<bool>> {
         let max_model_len = self.config.max_model_len;
-        let block_mask = self.config.kv_block_size() as usize - 1;
-        let hash_lookahead = self.kv.hasher.lookahead();
+        let block_size = self.config.kv_block_size() as usize;
+        // A block's hash is known once its last token and `lookahead` more are: the token count is then
+        // `lookahead` past a multiple of the block size.
+        let hash_phase = self.kv.hasher.lookahead() % block_size;
         let spec_decoding = self.config.num_spec_tokens() > 0;
         // Only requests of a scheduler with an encoder cache can hold encoder-cache references.
         let has_encoder = self.encoder.capacity() > 0;
@@ -486,7 +487,7 @@ impl Scheduler {
         for &t in tokens {
             req.token_ids.push(t as u32);
             appended += 1;
-            crossed_block |= req.token_ids.len().wrapping_sub(hash_lookahead) & block_mask == 0;
+            crossed_block |= req.token_ids.len() % block_size == hash_phase;
             stopped = check_stop(req, t as u32, max_model_len);
             if stopped.is_some() {
                 break;

@@ -682,6 +682,74 @@ impl PyScheduler {
         guard(py, || this.core.get_block_ref_cnt(block))
     }
 
+    /// Takes one reference on each block id (vLLM's `BlockPool.touch`; see docs/api.md, "Block pins").
+    fn pin_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let blocks = block_id_list(block_ids)?;
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.pin_blocks(&blocks))
+    }
+
+    /// Gives back one pin of each block id, first evicted first (vLLM's `BlockPool.free_blocks`).
+    fn unpin_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let blocks = block_id_list(block_ids)?;
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.unpin_blocks(&blocks))
+    }
+
+    /// How many pins a block carries.
+    fn get_block_pin_cnt(slf: &Bound<'_, Self>, block_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let py = slf.py();
+        let block = block_id_arg(block_id)?;
+        let this = borrow(slf)?;
+        guard(py, || this.core.get_block_pin_cnt(block))
+    }
+
+    /// The hash a block is cached under (as `cached_block_hashes` shows it), or None.
+    fn get_block_hash<'py>(
+        slf: &Bound<'py, Self>,
+        block_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let py = slf.py();
+        let block = block_id_arg(block_id)?;
+        let this = borrow(slf)?;
+        let width = hash_width(this.core.config());
+        let hash = guard(py, || this.core.get_block_hash(block))?;
+        Ok(hash.map(|h| PyBytes::new(py, &h.0[..width])))
+    }
+
+    /// The free blocks in eviction order, head first.
+    fn free_block_ids<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let py = slf.py();
+        let ids: Vec<i32> = borrow(slf)?.core.free_block_ids().into_iter().map(|b| b as i32).collect();
+        Ok(ids.into_pyarray(py))
+    }
+
+    /// The block a prefix lookup of this hash returns now, or None.
+    fn get_cached_block_id(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let py = slf.py();
+        let bytes = block_hash.downcast::<PyBytes>().map_err(|_| {
+            type_error(py, format!("block_hash must be bytes, got {}", type_name(block_hash)))
+        })?;
+        let this = borrow(slf)?;
+        let width = hash_width(this.core.config());
+        let raw = bytes.as_bytes();
+        if raw.len() != width {
+            return Err(py_error(
+                py,
+                "InvalidRequestError",
+                format!(
+                    "block_hash must be {width} bytes (the width of this scheduler's hashes), got {}",
+                    raw.len()
+                ),
+            ));
+        }
+        let mut hash = core::BlockHash::default();
+        hash.0[..width].copy_from_slice(raw);
+        Ok(this.core.get_cached_block_id(&hash))
+    }
+
     #[pyo3(signature = (reset_running_requests=None))]
     fn reset_prefix_cache(
         slf: &Bound<'_, Self>,
@@ -1119,6 +1187,24 @@ impl PyScheduler {
         let this = borrow(slf)?;
         guard(slf.py(), || this.core.get_num_cached_blocks(&id))
     }
+}
+
+/// A block id argument: an int in the u32 range (`InvalidRequestError` otherwise; the core checks the pool).
+fn block_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let v = int_arg(obj, "block_id", "InvalidRequestError")?;
+    block_id_in_range(obj.py(), v)
+}
+
+fn block_id_in_range(py: Python<'_>, v: i64) -> PyResult<u32> {
+    u32::try_from(v).map_err(|_| {
+        py_error(py, "InvalidRequestError", format!("block id {v} is outside the KV cache pool"))
+    })
+}
+
+/// An iterable of block ids, each as `block_id_arg` takes it.
+fn block_id_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let py = obj.py();
+    int_list(Some(obj), "block_ids")?.into_iter().map(|v| block_id_in_range(py, v)).collect()
 }
 
 /// The bytes of a block hash Python sees: xxh3-128 fills 16 of the core's 32.

@@ -10,6 +10,7 @@ mod events;
 mod helpers;
 mod hit_cap;
 mod module_graph;
+mod pins;
 mod policy;
 mod scheduler;
 mod stream;

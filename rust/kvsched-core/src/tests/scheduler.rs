@@ -853,7 +853,8 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
     (
-        prop_oneof![Just(1u32), Just(2), Just(4), Just(16)],
+        // Any block size: powers of two, others (3, 12, ...) and a hybrid Mamba model's attention block (272).
+        prop_oneof![2 => prop_oneof![Just(1u32), Just(2), Just(4), Just(16)], 2 => 1u32..=24, 1 => Just(272)],
         3u32..80,
         1u32..8,
         prop_oneof![Just(8u32), Just(32), Just(200)],
@@ -882,7 +883,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 prop_oneof![Just(0u32), Just(1), Just(2)],
                 any::<bool>(),
                 prop_oneof![Just(1u32), Just(3)],
-                prop_oneof![3 => Just(1u32), 1 => Just(2), 1 => Just(4)],
+                prop_oneof![3 => Just(1u32), 1 => Just(2), 1 => Just(3), 1 => Just(4)],
                 any::<bool>(),
             ),
         ),
@@ -1350,4 +1351,136 @@ fn preempt_request_by_hand_sends_a_running_request_to_the_front_of_waiting() {
     assert_eq!(out.num_scheduled_tokens, vec![1, 3, 10]);
     let (out, _) = step_with(&mut s, 1);
     assert!(out.preempted_before_step.is_empty());
+}
+
+// --- align-mode Mamba groups (`mamba_align`) ---------------------------------------------------------------
+
+fn align_config_strategy() -> impl Strategy<Value = SchedulerConfig> {
+    (
+        prop_oneof![Just(2u32), Just(4), Just(8)],
+        20u32..60,
+        1u32..6,
+        prop_oneof![Just(8u32), Just(24), Just(64)],
+        prop_oneof![Just(0u32), Just(3), Just(6)],
+        0u32..3,
+        0u8..3,
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(|(bs, nb, seqs, budget, thr, spec, layout, asy, chunked)| {
+            let groups = match layout {
+                0 => vec![Some(crate::MAMBA), None],
+                1 => vec![None, Some(crate::MAMBA)],
+                _ => vec![Some(crate::MAMBA), Some(crate::MAMBA), None, Some(6)],
+            };
+            let max_model_len = 120;
+            // Every request fits alone: its attention blocks, two states and the speculative blocks per Mamba
+            // group (a request that never fits would be preempted and readmitted forever, as in vLLM).
+            let room = (max_model_len / bs + 3 + spec) * groups.len() as u32;
+            SchedulerConfig {
+                block_size: bs,
+                num_blocks: nb + room,
+                max_num_seqs: seqs,
+                max_num_batched_tokens: if chunked { budget } else { max_model_len },
+                max_model_len,
+                enable_prefix_caching: false,
+                enable_chunked_prefill: chunked,
+                long_prefill_token_threshold: thr,
+                async_scheduling: asy,
+                num_lookahead_tokens: spec,
+                mamba_speculative_blocks: spec,
+                kv_cache_groups: groups,
+                mamba_align: true,
+                ..Default::default()
+            }
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 120, .. ProptestConfig::default() })]
+
+    /// Random operations on align-mode Mamba configs keep every invariant (the tables' blocks held once, counted
+    /// in the pool, no cached state), every scheduled prefill chunk but a prompt's last ends at a block boundary,
+    /// and draining gives every block back.
+    #[test]
+    fn align_mamba_random_operations_keep_every_invariant(
+        config in align_config_strategy(),
+        ops in prop::collection::vec(op(), 1..100),
+    ) {
+        let mut s = Scheduler::new(config.clone()).unwrap();
+        let mut pending: Vec<SchedulerOutput> = Vec::new();
+        let mut next_id = 0u32;
+        let n_drafts = if config.async_scheduling { 0 } else { config.num_lookahead_tokens };
+        let check_chunks = |s: &Scheduler, out: &SchedulerOutput| -> Result<(), TestCaseError> {
+            for (i, h) in out.handles.iter().enumerate() {
+                let Ok(req) = s.slab.get(h.slot) else { continue };
+                let (start, n) = (out.num_computed_tokens[i] as u32, out.num_scheduled_tokens[i] as u32);
+                let prefill_end = req.num_prompt_tokens.max(req.num_tokens() - 1);
+                if start < prefill_end && start + n < prefill_end && (start + n) % config.block_size != 0 {
+                    // Only a block wider than the longest prefill chunk leaves a chunk end inside a block.
+                    let longest = if config.long_prefill_token_threshold > 0 {
+                        config.long_prefill_token_threshold.min(config.max_num_batched_tokens)
+                    } else {
+                        config.max_num_batched_tokens
+                    };
+                    prop_assert!(config.block_size > longest && (start + n) / config.block_size == start / config.block_size,
+                        "chunk {start}..{} ends inside a block", start + n);
+                }
+            }
+            Ok(())
+        };
+        for op in ops {
+            match op {
+                Op::Add { prefix, len, max_tokens, .. } => {
+                    let p: Vec<i64> = (0..i64::from(len.min(100))).map(|t| (t * 7 + i64::from(prefix) * 1000) % 97).collect();
+                    let params = RequestParams { max_tokens: Some(u32::from(max_tokens)), eos_token_id: Some(2),
+                        arrival_time: f64::from(next_id), ..Default::default() };
+                    let _ = s.add_request(&format!("r{next_id}"), &p, params);
+                    next_id += 1;
+                }
+                Op::Step { eos } => {
+                    let out = s.schedule().unwrap();
+                    check_chunks(&s, &out)?;
+                    pending.push(out);
+                    s.check_invariants().map_err(TestCaseError::fail)?;
+                    while !pending.is_empty() {
+                        apply_pending(&mut s, &mut pending, eos, n_drafts);
+                    }
+                }
+                Op::ScheduleOnly => {
+                    let out = s.schedule().unwrap();
+                    check_chunks(&s, &out)?;
+                    pending.push(out);
+                }
+                Op::ApplyPending => apply_pending(&mut s, &mut pending, false, 0),
+                Op::Abort(k) => {
+                    let live = live_ids(&s);
+                    if !live.is_empty() {
+                        s.abort_requests(&[live[k as usize % live.len()].clone()]).unwrap();
+                    }
+                }
+                Op::Preempt(k, drop) => {
+                    let running = s.running_req_ids();
+                    if !running.is_empty() {
+                        let id = running[k as usize % running.len()].to_string();
+                        s.preempt_request(&id, drop).unwrap();
+                    }
+                }
+                _ => {}
+            }
+            s.check_invariants().map_err(TestCaseError::fail)?;
+        }
+        while !pending.is_empty() {
+            apply_pending(&mut s, &mut pending, false, 0);
+        }
+        let mut guard = 0;
+        while s.has_unfinished_requests() {
+            pending.push(s.schedule().unwrap());
+            apply_pending(&mut s, &mut pending, false, 0);
+            s.check_invariants().map_err(TestCaseError::fail)?;
+            guard += 1;
+            prop_assert!(guard < 20_000, "scheduler made no progress");
+        }
+        prop_assert_eq!(s.num_free_blocks(), config.num_blocks as usize - 1);
+    }
 }

@@ -1,0 +1,128 @@
+"""Block pins: references taken on blocks by id outside any request (vLLM's ``BlockPool.touch`` /
+``free_blocks`` as a KV connector calls them), and the block-hash reads that go with them. Mirrors
+``rust/kvsched-core/src/pins.rs``.
+
+A pin holds a block like a request does: a free block leaves the free queue when pinned (a cached one stays
+cached), and a block whose last reference an unpin drops goes back where vLLM's ``free_blocks`` puts it: to the
+tail when it carries a hash, in the order given, to the head when it does not, the blocks of one call as one group
+in the order given. Each call checks all its ids first: on an error nothing changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._errors import InvalidRequestError, SchedulerTypeError
+from .block_pool import _BlockPoolMixin
+from .convert import _I64_MAX, _I64_MIN, _is_int
+
+_U32_LIMIT = 2**32  # block ids are u32 in the core
+
+
+def _block_id(x: Any, name: str, item: bool = False) -> int:
+    if isinstance(x, bool):
+        raise SchedulerTypeError(f"{name} must hold ints, got bool" if item else f"{name} must be an int, got bool")
+    if not _is_int(x):
+        raise SchedulerTypeError(f"{name} must be an int, got {type(x).__name__}")
+    b = int(x)
+    if not _I64_MIN <= b <= _I64_MAX:
+        raise InvalidRequestError(f"{name} is out of the int64 range: {b}")
+    if not 0 <= b < _U32_LIMIT:
+        raise InvalidRequestError(f"block id {b} is outside the KV cache pool")
+    return b
+
+
+def _block_ids(block_ids: Any) -> list[int]:
+    try:
+        items = list(block_ids)
+    except TypeError:
+        raise SchedulerTypeError(f"block_ids must be an iterable of int, got {type(block_ids).__name__}") from None
+    return [_block_id(x, "block_ids", item=True) for x in items]
+
+
+class _PinsMixin(_BlockPoolMixin):
+    """``pin_blocks``, ``unpin_blocks``, ``get_block_pin_cnt``, ``get_block_hash``, ``get_cached_block_id``,
+    ``free_block_ids``."""
+
+    def _check_block_id(self, b: int, what: str) -> None:
+        num_blocks = len(self._ref_cnt)
+        if b >= num_blocks:
+            raise InvalidRequestError(f"block id {b} is outside the KV cache pool (block ids 0..{num_blocks})")
+        if b == 0:
+            raise InvalidRequestError(f"block 0 is the null block: it cannot be {what}")
+
+    def pin_blocks(self, block_ids: Any) -> None:
+        """Takes one reference on each block (an id listed twice takes two): vLLM's ``BlockPool.touch``."""
+        blocks = _block_ids(block_ids)
+        for b in blocks:
+            self._check_block_id(b, "pinned")
+        for b in blocks:
+            if self._ref_cnt[b] == 0:
+                self._free.remove(b)
+            self._ref_cnt[b] += 1
+            self._pins[b] = self._pins.get(b, 0) + 1
+
+    def unpin_blocks(self, block_ids: Any) -> None:
+        """Gives back one pin of each block, first evicted first: vLLM's ``BlockPool.free_blocks``."""
+        blocks = _block_ids(block_ids)
+        wanted: dict[int, int] = {}
+        for b in blocks:
+            self._check_block_id(b, "unpinned")
+            n = wanted[b] = wanted.get(b, 0) + 1
+            pinned = self._pins.get(b, 0)
+            if n > pinned:
+                raise InvalidRequestError(
+                    f"block {b} is not pinned"
+                    if pinned == 0
+                    else f"block {b} is unpinned {n} times but pinned only {pinned} times"
+                )
+        for b, n in wanted.items():
+            left = self._pins[b] - n
+            if left:
+                self._pins[b] = left
+            else:
+                del self._pins[b]
+        to_head: list[int] = []
+        for b in blocks:
+            self._ref_cnt[b] -= 1
+            if self._ref_cnt[b] == 0:
+                if self._block_hash[b] is not None:
+                    self._free.append(b)
+                else:
+                    to_head.append(b)
+        for b in reversed(to_head):
+            self._free.appendleft(b)
+
+    def get_block_pin_cnt(self, block_id: int) -> int:
+        """How many pins block ``block_id`` carries (0 for the null block)."""
+        b = _block_id(block_id, "block_id")
+        if b != 0:
+            self._check_block_id(b, "pinned")
+        return self._pins.get(b, 0)
+
+    def get_block_hash(self, block_id: int) -> bytes | None:
+        """The hash block ``block_id`` is cached under (as ``cached_block_hashes`` shows it), or None."""
+        b = _block_id(block_id, "block_id")
+        if b != 0:
+            self._check_block_id(b, "read")
+        return self._block_hash[b]
+
+    def free_block_ids(self) -> np.ndarray:
+        """The free blocks in eviction order, head first (the order the next allocations take them)."""
+        return np.array(list(self._free), dtype=np.int32)
+
+    def get_cached_block_id(self, block_hash: bytes) -> int | None:
+        """The block a prefix lookup of ``block_hash`` returns now (the first cached under it), or None."""
+        if not isinstance(block_hash, bytes):
+            raise SchedulerTypeError(f"block_hash must be bytes, got {type(block_hash).__name__}")
+        width = 32 if self._config.prefix_hash_algo == "sha256" else 16
+        if len(block_hash) != width:
+            raise InvalidRequestError(
+                f"block_hash must be {width} bytes (the width of this scheduler's hashes), got {len(block_hash)}"
+            )
+        if not self._config.enable_prefix_caching:
+            return None
+        blocks = self._cached.get(block_hash)
+        return next(iter(blocks)) if blocks else None

@@ -1,0 +1,175 @@
+"""Block pins for KV connectors that bind vLLM's block pool (``bind_gpu_block_pool``), on
+:class:`kvsched.vllm.Scheduler`.
+
+A connector such as vLLM's ``SimpleCPUOffloadConnector`` keeps the GPU blocks it copies from being reused by
+``block_pool.touch(blocks)`` (a reference each) and gives them back with ``block_pool.free_blocks(blocks)``, and
+reads each block's ``block_hash`` (vLLM's ``BlockHashWithGroupId``, the key it files the copy under) and
+``get_cached_block(block_hash, group_ids)``. :class:`BlockPins` answers those from the core: ``touch`` and
+``free_blocks`` are the core's ``pin_blocks`` / ``unpin_blocks`` (same reference counts, same free order as vLLM's
+pool), and the hashes are vLLM's own hashes of the requests that cached the blocks, matched to the core's.
+
+A connector hook the core calls from inside ``schedule()`` or ``update_from_output()`` (``update_state_after_alloc``)
+cannot call the core back: its pins are queued and taken as soon as that core call returns, before anything else
+reads or changes the pool. The blocks such a hook pins are those of the request being admitted, which holds them
+until then, so the counts and the free order are those of vLLM's pool at every later point.
+
+vLLM's hash of a cached block is the hash of the request block at that position: the core's hash of each request
+block (``get_block_hashes``) is matched to the request's ``block_hashes`` at the same index, from the live requests
+when a hash is asked for, and from each finishing request's blocks before the connector hears of the finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["BlockPins"]
+
+
+class BlockPins:
+    """Pins by block id on the core, deferred while the core is inside a call, and vLLM's block hashes of the
+    core's cached blocks (KV cache group 0: connectors that bind the pool run with one group)."""
+
+    def __init__(self, sched: Any) -> None:
+        self._sched = sched
+        self._deferring = False
+        # Pin and unpin calls made while the core was inside a call, in order: (pin?, block ids).
+        self._pending: list[tuple[bool, list[int]]] = []
+        # The core's hash of a block -> (vLLM's hash with group id, the tokens it covers), and vLLM's -> the core's.
+        self._by_core: dict[bytes, tuple[Any, int]] = {}
+        self._by_vllm: dict[Any, bytes] = {}
+        # Live requests: how many of their block hashes are matched already.
+        self._learned: dict[str, int] = {}
+
+    # ---- pins ----------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A core call that may call connector hooks: pins they make are taken when it returns."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            self.flush()
+
+    def flush(self) -> None:
+        """Takes the queued pins (not while the core is inside a call: they wait for it to return)."""
+        if self._deferring or not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        core = self._sched.core
+        for pin, ids in pending:
+            (core.pin_blocks if pin else core.unpin_blocks)(ids)
+
+    def pin(self, block_ids: list[int]) -> None:
+        """vLLM's ``BlockPool.touch`` (null blocks left out by the caller)."""
+        self._call(True, block_ids)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        """vLLM's ``BlockPool.free_blocks``, first evicted first."""
+        self._call(False, block_ids)
+
+    def _call(self, pin: bool, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        if self._deferring:
+            self._pending.append((pin, block_ids))
+            return
+        self.flush()
+        core = self._sched.core
+        (core.pin_blocks if pin else core.unpin_blocks)(block_ids)
+
+    # ---- vLLM's block hashes -------------------------------------------------------------------------------
+
+    def _match(self, core_hash: bytes, vllm_hash: Any, index: int) -> None:
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        if core_hash in self._by_core:
+            return
+        key = make_block_hash_with_group_id(vllm_hash, 0)
+        self._by_core[core_hash] = (key, (index + 1) * self._sched.block_size)
+        self._by_vllm[key] = core_hash
+
+    def learn_live(self) -> None:
+        """Matches the block hashes of every live request not matched yet."""
+        core = self._sched.core
+        learned = self._learned
+        for req_id in [r for r in learned if r not in self._sched.requests]:
+            del learned[req_id]
+        for req_id, request in list(self._sched.requests.items()):
+            vllm_hashes = request.block_hashes
+            done = learned.get(req_id, 0)
+            if len(vllm_hashes) <= done or request.is_finished() or not core.has_request(req_id):
+                continue
+            core_hashes = core.get_block_hashes(req_id)
+            n = min(len(core_hashes), len(vllm_hashes))
+            for i in range(done, n):
+                self._match(core_hashes[i], vllm_hashes[i], i)
+            learned[req_id] = max(done, n)
+        self._prune()
+
+    def learn_finished(self, request: Request, block_ids: list[int]) -> None:
+        """Matches the cached blocks of a request the core just finished (``block_ids``: its blocks, in order)."""
+        core = self._sched.core
+        for i, (b, h) in enumerate(zip(block_ids, request.block_hashes, strict=False)):
+            if b:
+                core_hash = core.get_block_hash(b)
+                if core_hash is not None:
+                    self._match(core_hash, h, i)
+        self._learned.pop(request.request_id, None)
+
+    def _prune(self) -> None:
+        if len(self._by_core) <= 4 * self._sched.kv_config.num_blocks + 1024:
+            return
+        core = self._sched.core
+        for core_hash in [h for h in self._by_core if core.get_cached_block_id(h) is None]:
+            key, _ = self._by_core.pop(core_hash)
+            self._by_vllm.pop(key, None)
+        # A live request's dropped hashes can be cached again later: match every live request afresh then.
+        self._learned.clear()
+
+    def block_hash(self, block_id: int) -> tuple[Any, int] | None:
+        """vLLM's ``(block_hash, block_hash_num_tokens)`` of a block, or None if it is not cached."""
+        core_hash = self._sched.core.get_block_hash(block_id)
+        if core_hash is None:
+            return None
+        found = self._by_core.get(core_hash)
+        if found is None:
+            self.learn_live()
+            found = self._by_core.get(core_hash)
+        return found
+
+    def cached_block_id(self, block_hash: Any) -> int | None:
+        """The block a lookup of vLLM's ``block_hash`` (with group id) returns now, or None."""
+        core_hash = self._by_vllm.get(block_hash)
+        if core_hash is None:
+            self.learn_live()
+            core_hash = self._by_vllm.get(block_hash)
+            if core_hash is None:
+                return None
+        block: int | None = self._sched.core.get_cached_block_id(core_hash)
+        return block
+
+
+class NoSecondaryHashes(Mapping[int, set[Any]]):
+    """vLLM's ``BlockPool.cached_block_hashes_by_block``: the extra hashes a block is filed under when hash blocks
+    are smaller than KV blocks. kvsched.vllm runs with one hash block per KV block, where vLLM's is empty too."""
+
+    def __getitem__(self, block_id: int) -> set[Any]:
+        raise KeyError(block_id)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def block_ids(blocks: Iterable[Any]) -> list[int]:
+    """The ids of ``blocks`` (vLLM ``KVCacheBlock`` or kvsched block views) that are not the null block."""
+    return [int(b.block_id) for b in blocks if not b.is_null]
