@@ -1195,3 +1195,28 @@ def test_steady_decoding_cohort_shows_vllms_counters_at_every_point(async_schedu
     while in_flight:
         update_oldest()
     assert members_seen == 4
+
+
+def test_steady_decoding_cohort_forms_only_after_undisturbed_steps() -> None:
+    """A cohort costs more to form and break than one step's per-request updates: it forms only once the same
+    requests decoded one token each for several steps in a row, and a step where a request finishes (or one
+    arrives) starts the count again."""
+    from kvsched.vllm._cohort import CohortRequest
+
+    pair = _pair()
+    for i in range(4):
+        _add(pair, f"r{i}", list(range(10 * i, 10 * i + 20)), max_tokens=60 if i else 12)
+    ours = pair[1]
+    first_member_step: list[int] = []
+    for step in range(40):
+        _step(pair)
+        if any(type(r) is CohortRequest for r in ours.requests.values()):  # type: ignore[attr-defined]
+            first_member_step.append(step)
+        if step == 20:
+            _add(pair, "late", list(range(100, 120)), max_tokens=30)
+    after = ours._cohort_after  # type: ignore[attr-defined]
+    assert after > 2
+    # Step 0 prefills the four requests, step 1 is the first to schedule the same ones one token each. r0
+    # finishes at step 11 and "late" is scheduled first at step 21: each starts the count again.
+    expected = [s for s in range(40) if after <= s < 11 or 12 + after <= s < 21 or 21 + after <= s]
+    assert first_member_step == expected

@@ -77,6 +77,9 @@ _KV_WAITING_FOR_REMOTE_KVS = int(KvRequestStatus.WAITING_FOR_REMOTE_KVS)
 _KV_WAITING_FOR_GRAMMAR = int(KvRequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
 
 # kvsched finish reason -> the vLLM status a stopped request ends in.
+# Steady decoding steps in a row (the same requests, one token each, nothing else in between) before their counters
+# move through a cohort (_cohort.py).
+_COHORT_AFTER = 6
 _FINISHED_STATUS = {
     int(KvFinishReason.STOP): RequestStatus.FINISHED_STOPPED,
     int(KvFinishReason.LENGTH): RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -373,7 +376,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._last_num_forgotten = -1
         # The requests of steady decoding whose per-step counters move together (_cohort.py), or None.
         self._cohort: Cohort | None = None
-        self._same_streak = 0  # consecutive steps that scheduled the previous step's requests (same_as_last)
+        # Consecutive steady decoding steps (see schedule()) with no other update in between; a cohort forms at
+        # _cohort_after of them.
+        self._steady_streak = 0
+        self._cohort_after = _COHORT_AFTER
         # num_scheduled_tokens of the last one-token-each step (a private template) and the ids it was built for.
         self._ones_template: dict[str, int] | None = None
         self._ones_template_ids: list[str] | None = None
@@ -952,7 +958,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             num_run == len(req_ids) and num_forgotten == self._last_num_forgotten and req_ids == self._last_req_ids
         )
         run_reqs: list[Request] = self._last_reqs if same_as_last else list(map(requests.__getitem__, run_ids))
-        self._same_streak = self._same_streak + 1 if same_as_last else 0
         run_computed = computed[:num_run]
         # No entry is a prefill chunk or carries drafts (the core says so): no per-request chunk test below.
         one_token_each = bool(out.one_token_each)
@@ -1027,6 +1032,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             and pre_update is None
             and not (async_sched and (num_spec or clear_drafts))
         )
+        self._steady_streak = self._steady_streak + 1 if steady else 0
         cohort = self._cohort
         if cohort is not None and not (steady and cohort.intact and cohort.reqs is run_reqs):
             dissolve(cohort)
@@ -1049,9 +1055,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         request.num_computed_tokens = c
                         request.num_in_flight_tokens += 1
                         request.is_prefill_chunk = False
-                if steady and self._same_streak > 1:
-                    # Formed once the same requests ran for three steps: joining and leaving a cohort costs
-                    # about as much as one step's loops above.
+                if steady and self._steady_streak >= self._cohort_after:
+                    # Joining and leaving a cohort cost more than one step's loops above: formed only once the
+                    # same requests decoded undisturbed for several steps (not where requests finish and arrive
+                    # every few steps).
                     self._cohort = form(run_reqs, async_sched)
             elif async_sched:
                 for request, c, n in zip(run_reqs, run_after, num_sched, strict=False):
@@ -1638,6 +1645,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         ):
             outputs = self._update_plain(out, step_reqs, num_sched, rows, res, after)
         else:
+            self._steady_streak = 0
             if self._cohort is not None:
                 dissolve(self._cohort)  # the entries' counters are written one by one
                 self._cohort = None
