@@ -19,14 +19,16 @@ workload a) so that callgrind collects only their ``schedule()`` (inside ``funct
 ``update_from_output()`` (inside ``sorted``); it switches callgrind's instrumentation on itself after the imports
 and the warm-up (which would otherwise take most of the run), with ``callgrind_control``:
 
-    VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONPATH=python valgrind --tool=callgrind --instr-atstart=no \
-        --collect-atstart=no --toggle-collect=functools_reduce --toggle-collect=builtin_sorted \
+    PYTHONHASHSEED=0 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONPATH=python valgrind --tool=callgrind \
+        --instr-atstart=no --collect-atstart=no --toggle-collect=functools_reduce --toggle-collect=builtin_sorted \
         --callgrind-out-file=adapter.cg python scripts/profile_vllm_adapter.py -w a --instructions
     callgrind_annotate --inclusive=yes adapter.cg | grep -E "functools_reduce|builtin_sorted|Struct_vectorcall"
 
 Divide the inclusive counts of ``functools_reduce`` (``schedule()``) and ``builtin_sorted``
-(``update_from_output()``) by the number of wrapped steps the script prints. Callgrind's CPU has no SHA
-extensions, so SHA-256 block hashing counts for more instructions there than it takes time on a CPU with them.
+(``update_from_output()``) by the number of wrapped steps the script prints. Keep ``PYTHONHASHSEED`` fixed when
+comparing two versions: with Python's random string hashing, two runs of the same code differed by 2.5% (workload c)
+(sets and dicts of request ids iterate and probe differently). Callgrind's CPU has no SHA extensions, so SHA-256
+block hashing counts for more instructions there than it takes time on a CPU with them.
 """
 
 from __future__ import annotations
