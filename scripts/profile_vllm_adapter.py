@@ -19,14 +19,16 @@ workload a) so that callgrind collects only their ``schedule()`` (inside ``funct
 ``update_from_output()`` (inside ``sorted``); it switches callgrind's instrumentation on itself after the imports
 and the warm-up (which would otherwise take most of the run), with ``callgrind_control``:
 
-    VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONPATH=python valgrind --tool=callgrind --instr-atstart=no \
-        --collect-atstart=no --toggle-collect=functools_reduce --toggle-collect=builtin_sorted \
+    PYTHONHASHSEED=0 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONPATH=python valgrind --tool=callgrind \
+        --instr-atstart=no --collect-atstart=no --toggle-collect=functools_reduce --toggle-collect=builtin_sorted \
         --callgrind-out-file=adapter.cg python scripts/profile_vllm_adapter.py -w a --instructions
     callgrind_annotate --inclusive=yes adapter.cg | grep -E "functools_reduce|builtin_sorted|Struct_vectorcall"
 
 Divide the inclusive counts of ``functools_reduce`` (``schedule()``) and ``builtin_sorted``
-(``update_from_output()``) by the number of wrapped steps the script prints. Callgrind's CPU has no SHA
-extensions, so SHA-256 block hashing counts for more instructions there than it takes time on a CPU with them.
+(``update_from_output()``) by the number of wrapped steps the script prints. Keep ``PYTHONHASHSEED`` fixed when
+comparing two versions: with Python's random string hashing, two runs of the same code differed by 2.5% (workload c)
+(sets and dicts of request ids iterate and probe differently). Callgrind's CPU has no SHA extensions, so SHA-256
+block hashing counts for more instructions there than it takes time on a CPU with them.
 """
 
 from __future__ import annotations
@@ -188,12 +190,13 @@ def count_instructions(config: Any, wl: Workload, impl: str, first: int, end: in
 
 def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndarray, np.ndarray]:
     """Per-step ns of the Python work vLLM's scheduler interface itself asks of any scheduler in steady decoding
-    with ``n`` requests (one token each), with none of the adapter's own bookkeeping: ``schedule()``'s update of
-    each ``Request`` (vLLM's ``_update_after_schedule``: computed count, in-flight count, prefill-chunk flag, with
-    async scheduling the output placeholder) and its ``CachedRequestData`` and ``SchedulerOutput`` (computed and
-    output counts as lists, the scheduled-tokens dict); ``update_from_output()``'s append of each sampled token to
-    the request's output and token lists, the in-flight count back, one ``EngineCoreOutput`` per request and the
-    ``EngineCoreOutputs``. Each with the cheapest Python that does it. Real vLLM objects; the decisions, block
+    with ``n`` requests (one token each), with none of the adapter's own bookkeeping: ``schedule()``'s
+    ``CachedRequestData`` and ``SchedulerOutput`` (computed and output counts as lists, the scheduled-tokens dict);
+    ``update_from_output()``'s append of each sampled token to the request's output and token lists, one
+    ``EngineCoreOutput`` per request and the ``EngineCoreOutputs``. Each with the cheapest Python that does it.
+    The ``Request`` counters vLLM's ``_update_after_schedule`` and ``update_from_output`` move (computed,
+    in-flight, with async scheduling the output placeholders) are not in it: a scheduler can keep them as one
+    shared offset per step (the adapter's steady decoding cohorts). Real vLLM objects; the decisions, block
     hashing and stats are not in it (the profile times them)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
@@ -223,14 +226,6 @@ def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndar
     try:
         for step in range(steps):
             t0 = perf()
-            after = (computed + ones).tolist()
-            for request, c in zip(reqs, after, strict=True):
-                request.num_computed_tokens = c
-                request.num_in_flight_tokens += 1
-                request.is_prefill_chunk = False
-            if async_scheduling:
-                for request in reqs:
-                    request.num_output_placeholders += 1
             cached = CachedRequestData(
                 req_ids=ids.copy(),
                 resumed_req_ids=set(),
@@ -255,11 +250,6 @@ def interface_floor(n: int, steps: int, async_scheduling: bool) -> tuple[np.ndar
             sampled = tokens.tolist()
             rows = [[t] for t in sampled]  # the runner's sampled_token_ids, built outside the timed region
             t2 = perf()
-            for request in reqs:
-                request.num_in_flight_tokens -= 1
-            if async_scheduling:
-                for request in reqs:
-                    request.num_output_placeholders -= 1
             deque(map(append, outs, sampled), 0)
             deque(map(append, alls, sampled), 0)
             EngineCoreOutputs(outputs=list(map(EngineCoreOutput, ids, rows)))
@@ -335,7 +325,7 @@ def main() -> None:
         others = float(np.median(core_s) + np.median(core_u) + np.median(hash_ns + core_hash_ns) + np.median(stats_ns))
         others /= 1e3
         print(f"vLLM's interface alone at {counts.argmax()} requests ({mode}): median µs per step")
-        print(f"  {'schedule(): Request updates, SchedulerOutput':<42} {f_sched:8.1f}")
+        print(f"  {'schedule(): CachedRequestData, SchedulerOutput':<42} {f_sched:8.1f}")
         print(f"  {'update(): token appends, EngineCoreOutputs':<42} {f_upd:8.1f}")
         print(f"  {'+ core, block hashing, stats (profiled)':<42} {others:8.1f}")
         print(f"  {'floor for any scheduler behind vLLM':<42} {f_sched + f_upd + others:8.1f}")

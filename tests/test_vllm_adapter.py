@@ -1219,3 +1219,91 @@ def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:
     sched = _build_mamba(make_vllm_config(block_size=48, max_model_len=96, enable_prefix_caching=False),
                          _mamba_spec(96), odd)  # fmt: skip
     assert sched.kv_config.block_size == 48
+
+
+_COUNTERS = ("num_computed_tokens", "num_in_flight_tokens", "num_output_placeholders", "is_prefill_chunk")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steady_decoding_cohort_shows_vllms_counters_at_every_point(async_scheduling: bool) -> None:
+    """In steady decoding the running requests' counters move through a cohort (one shared count per step
+    instead of a loop over the requests): every counter reads as on vLLM's own scheduler after every call, a
+    write to one member (as vLLM or a test may make) turns it back into a plain ``Request`` keeping the value
+    written, and a request that leaves is a plain ``Request`` with its last counters."""
+    from kvsched.vllm._cohort import CohortRequest
+    from vllm.v1.request import Request
+
+    pair = _pair(async_scheduling=async_scheduling)
+    for i in range(4):
+        _add(pair, f"r{i}", list(range(10 * i, 10 * i + 20)), max_tokens=40)
+
+    def check(when: str) -> None:
+        for rid, ra in pair[0].requests.items():
+            rb = pair[1].requests[rid]
+            for f in _COUNTERS:
+                compare(f"{when}: {rid}.{f}", getattr(ra, f), getattr(rb, f))
+
+    in_flight: list[tuple[object, object]] = []
+    members_seen = 0
+
+    def update_oldest() -> None:
+        outs = in_flight.pop(0)
+        results = []
+        for s, so in zip(pair, outs, strict=True):
+            ids = list(so.num_scheduled_tokens)  # type: ignore[attr-defined]
+            live = s.requests  # type: ignore[attr-defined]
+            sampled = [[] if r in live and live[r].is_prefill_chunk else [9] for r in ids]
+            results.append(s.update_from_output(so, ModelRunnerOutput(  # type: ignore[attr-defined]
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+                logprobs=None, prompt_logprobs_dict={}, pooler_output=[])))  # fmt: skip
+        compare("EngineCoreOutputs", results[0], results[1])
+        check("after update")
+
+    for step in range(30):
+        outs = tuple(s.schedule() for s in pair)  # type: ignore[attr-defined]
+        compare("SchedulerOutput", outs[0], outs[1])
+        check("after schedule")
+        in_flight.append(outs)
+        members_seen = max(members_seen, sum(type(r) is CohortRequest for r in pair[1].requests.values()))
+        if step == 12:
+            # A write by someone else folds that member back with the value written.
+            for s in pair:
+                req = s.requests["r2"]  # type: ignore[attr-defined]
+                req.num_in_flight_tokens = req.num_in_flight_tokens
+            assert type(pair[1].requests["r2"]) is Request  # type: ignore[attr-defined]
+            check("after a write")
+        if step == 20:
+            finished = [s.finish_requests("r1", RequestStatus.FINISHED_ABORTED) for s in pair]  # type: ignore[attr-defined]
+            assert type(finished[1][0]) is Request
+            for f in _COUNTERS:
+                compare(f"aborted r1.{f}", getattr(finished[0][0], f), getattr(finished[1][0], f))
+        if len(in_flight) > (1 if async_scheduling else 0):
+            update_oldest()
+    while in_flight:
+        update_oldest()
+    assert members_seen == 4
+
+
+def test_steady_decoding_cohort_forms_only_after_undisturbed_steps() -> None:
+    """A cohort costs more to form and break than one step's per-request updates: it forms only once the same
+    requests decoded one token each for several steps in a row, and a step where a request finishes (or one
+    arrives) starts the count again."""
+    from kvsched.vllm._cohort import CohortRequest
+
+    pair = _pair()
+    for i in range(4):
+        _add(pair, f"r{i}", list(range(10 * i, 10 * i + 20)), max_tokens=60 if i else 12)
+    ours = pair[1]
+    first_member_step: list[int] = []
+    for step in range(40):
+        _step(pair)
+        if any(type(r) is CohortRequest for r in ours.requests.values()):  # type: ignore[attr-defined]
+            first_member_step.append(step)
+        if step == 20:
+            _add(pair, "late", list(range(100, 120)), max_tokens=30)
+    after = ours._cohort_after  # type: ignore[attr-defined]
+    assert after > 2
+    # Step 0 prefills the four requests, step 1 is the first to schedule the same ones one token each. r0
+    # finishes at step 11 and "late" is scheduled first at step 21: each starts the count again.
+    expected = [s for s in range(40) if after <= s < 11 or 12 + after <= s < 21 or 21 + after <= s]
+    assert first_member_step == expected

@@ -436,6 +436,9 @@ class Pair:
         self.b = make_scheduler("kvsched", vcfg, **kw)
         if defer_async_loads:
             self.a.defer_async_loads = self.b.defer_async_loads = True
+        # kvsched's steady decoding cohorts form after some steady steps; in most runs after one, so that they
+        # form and break often (drawn from their own stream).
+        self.b._cohort_after = random.Random(f"cohort/{seed}").choice([1, 1, 2, self.b._cohort_after])
         if enc_dec is not None:
             from vllm.v1.core.encoder_cache_manager import EncoderDecoderCacheManager
 

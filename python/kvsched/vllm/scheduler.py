@@ -39,6 +39,7 @@ from kvsched.config import CROSS_ATTENTION, MAMBA, tenant_cache_salt
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._aux import AuxBridge
+from ._cohort import Cohort, CohortRequest, dissolve, fold, form
 from ._compat import RULES
 from ._config import (
     UnsupportedFeatureError,
@@ -76,6 +77,9 @@ _KV_WAITING_FOR_REMOTE_KVS = int(KvRequestStatus.WAITING_FOR_REMOTE_KVS)
 _KV_WAITING_FOR_GRAMMAR = int(KvRequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
 
 # kvsched finish reason -> the vLLM status a stopped request ends in.
+# Steady decoding steps in a row (the same requests, one token each, nothing else in between) before their counters
+# move through a cohort (_cohort.py).
+_COHORT_AFTER = 6
 _FINISHED_STATUS = {
     int(KvFinishReason.STOP): RequestStatus.FINISHED_STOPPED,
     int(KvFinishReason.LENGTH): RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -370,6 +374,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._last_reqs: list[Request] = []
         self._mirroring_preemption = False  # _preempt_request is being called for a preemption the core made
         self._last_num_forgotten = -1
+        # The requests of steady decoding whose per-step counters move together (_cohort.py), or None.
+        self._cohort: Cohort | None = None
+        # Consecutive steady decoding steps (see schedule()) with no other update in between; a cohort forms at
+        # _cohort_after of them.
+        self._steady_streak = 0
+        self._cohort_after = _COHORT_AFTER
         # num_scheduled_tokens of the last one-token-each step (a private template) and the ids it was built for.
         self._ones_template: dict[str, int] | None = None
         self._ones_template_ids: list[str] | None = None
@@ -788,6 +798,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     def _forget(self, request: Request) -> None:
         req_id = request.request_id
+        if type(request) is CohortRequest:
+            fold(request)  # it leaves with its own counters
         self._num_forgotten += 1
         self.finished_req_ids.add(req_id)
         if self.finished_req_ids_dict is not None:
@@ -1010,7 +1022,25 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         pre_update: list[_UpdatedState] | None = None
         if bridge is not None or self.ec_connector is not None or aux is not None:
             pre_update = list(map(_updated_state, run_reqs, run_computed))
-        if one_token_each:
+        # Steady decoding (the previous step's requests, one token each, nothing else written on them): the
+        # counters move through a cohort (_cohort.py). One that does not cover this step is dissolved.
+        steady = (
+            same_as_last
+            and num_run
+            and one_token_each
+            and out.total_num_scheduled_tokens == len(req_ids)
+            and pre_update is None
+            and not (async_sched and (num_spec or clear_drafts))
+        )
+        self._steady_streak = self._steady_streak + 1 if steady else 0
+        cohort = self._cohort
+        if cohort is not None and not (steady and cohort.intact and cohort.reqs is run_reqs):
+            dissolve(cohort)
+            cohort = self._cohort = None
+        if cohort is not None:
+            # Every member: one more computed and in-flight token (and output placeholder); still no chunk.
+            cohort.scheduled += 1
+        elif one_token_each:
             # Every entry samples one token and carries no drafts: none is a prefill chunk.
             run_after = after_arr[:num_run].tolist()
             if out.total_num_scheduled_tokens == len(req_ids):  # one token each (steady decoding)
@@ -1025,6 +1055,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         request.num_computed_tokens = c
                         request.num_in_flight_tokens += 1
                         request.is_prefill_chunk = False
+                if steady and self._steady_streak >= self._cohort_after:
+                    # Joining and leaving a cohort cost more than one step's loops above: formed only once the
+                    # same requests decoded undisturbed for several steps (not where requests finish and arrive
+                    # every few steps).
+                    self._cohort = form(run_reqs, async_sched)
             elif async_sched:
                 for request, c, n in zip(run_reqs, run_after, num_sched, strict=False):
                     request.num_computed_tokens = c
@@ -1610,6 +1645,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         ):
             outputs = self._update_plain(out, step_reqs, num_sched, rows, res, after)
         else:
+            self._steady_streak = 0
+            if self._cohort is not None:
+                dissolve(self._cohort)  # the entries' counters are written one by one
+                self._cohort = None
             outputs = self._update_entries(
                 scheduler_output, mro, out, num_sched, rows, res, finished_ids, part_ids, cached_tokens
             )
@@ -1688,7 +1727,23 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         once."""
         async_sched = self.async_scheduling
         every = all(rows)  # every entry took tokens (none is a prefill chunk)
-        if self.num_spec_tokens or self._drafts_received:
+        drafts = self.num_spec_tokens or self._drafts_received
+        # The entries are exactly a steady cohort's members (the same list), one token each: the cohort applies
+        # the step to all of them (_cohort.py); any other step dissolves it first.
+        cohort = self._cohort
+        use_cohort = (
+            cohort is not None
+            and cohort.intact
+            and reqs is cohort.reqs
+            and every
+            and not drafts
+            and out.total_num_scheduled_tokens == len(reqs)
+            and cohort.can_apply()
+        )
+        if cohort is not None and not use_cohort:
+            dissolve(cohort)
+            self._cohort = None
+        if drafts:
             # Drafts rejected in an earlier step move where this step's token lands: find the requests whose
             # appended token filled a block from their token lists.
             block, hash_la = self.hash_block_size, self._hash_lookahead
@@ -1708,7 +1763,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         else:
             if every and out.total_num_scheduled_tokens == len(reqs):
                 # Steady decoding: one token scheduled and one sampled per entry.
-                if async_sched:
+                if use_cohort:
+                    # The entries are the cohort's members: one in-flight token (and placeholder) fewer each.
+                    assert cohort is not None
+                    cohort.updated += 1
+                    cohort.append_rows(rows)
+                elif async_sched:
                     for request, generated in zip(reqs, rows, strict=True):
                         request.num_in_flight_tokens -= 1
                         request._output_token_ids.extend(generated)
