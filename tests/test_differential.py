@@ -895,8 +895,8 @@ class KvEventTwin:
     def __init__(self) -> None:
         self.rs_of: dict[bytes, bytes] = {}  # reference hash -> Rust hash
         self.ref_of: dict[bytes, bytes] = {}
-        self.counts: list[Counter[bytes]] = [Counter(), Counter()]
-        self.sets: list[set[bytes]] = [set(), set()]
+        self.counts: list[Counter[tuple[int, bytes]]] = [Counter(), Counter()]  # (group, hash) -> blocks
+        self.sets: list[set[bytes]] = [set(), set()]  # group 0's hashes
         # what the events exercised: stores of a hash already cached, removals leaving a copy, resets
         self.coverage = Counter[str]()
 
@@ -909,7 +909,7 @@ class KvEventTwin:
             assert len(ea) == len(eb) == 0
             return
         names = ("kinds", "block_hashes_indptr", "num_copies", "has_parent", "token_ids", "token_ids_indptr")
-        for name in (*names, "num_cached_blocks"):
+        for name in (*names, "num_cached_blocks", "groups"):
             assert_arrays_equal(getattr(ea, name), getattr(eb, name), f"events.{name}")
         assert (ea.lora_names, ea.cache_salts, ea.req_ids) == (eb.lora_names, eb.cache_salts, eb.req_ids)
         assert ea.block_size == eb.block_size
@@ -924,23 +924,35 @@ class KvEventTwin:
         self.coverage["stored_copy"] += int(((per_block == STORED) & (eb.num_copies > 1)).sum())
         self.coverage["removed_copy"] += int(((per_block != STORED) & (eb.num_copies > 0)).sum())
         self.coverage["cleared"] += int((eb.kinds == CLEARED).sum())
+        self.coverage["group_events"] += int((eb.groups > 0).sum())
+        self.coverage["empty_stored"] += int(((eb.kinds == STORED) & (np.diff(eb.block_hashes_indptr) == 0)).sum())
+        self.coverage["partial_stored"] += int(
+            (
+                (eb.kinds == STORED) & (np.diff(eb.token_ids_indptr) != np.diff(eb.block_hashes_indptr) * eb.block_size)
+            ).sum()
+        )
+        grouped = ref.config.kv_cache_groups is not None
         for i, (sched, ev) in enumerate(((ref, ea), (rs, eb))):
             counts, cached = self.counts[i], self.sets[i]
             keep, _ = ev.set_updates()
-            hashes, bi = ev.block_hash_list(), ev.block_hashes_indptr
+            hashes, bi, groups = ev.block_hash_list(), ev.block_hashes_indptr, ev.groups.tolist()
             for e, kind in enumerate(ev.kinds.tolist()):
                 if kind == CLEARED:
                     counts.clear()
                     cached.clear()
                 for j in range(bi[e], bi[e + 1]):
-                    counts[hashes[j]] += 1 if kind == STORED else -1
-                    assert counts[hashes[j]] == ev.num_copies[j], "num_copies disagrees with the replayed count"
+                    key = (groups[e], hashes[j])
+                    counts[key] += 1 if kind == STORED else -1
+                    assert counts[key] == ev.num_copies[j], "num_copies disagrees with the replayed count"
                     if keep[j]:
                         (cached.add if kind == STORED else cached.discard)(hashes[j])
             counts += Counter()  # drop the zero counts
-            truth = Counter(sched.cached_block_hashes())
+            if grouped and sched is rs:
+                continue  # its cache keys are not the reference's (its events are, checked above)
+            # The reference keys group g > 0's blocks by the hash plus one byte, g.
+            truth = Counter((k[-1], k[:-1]) if len(k) % 2 else (0, k) for k in sched.cached_block_hashes())
             assert counts == truth, f"replayed events {counts} != cached blocks {truth}"
-            assert cached == set(truth)
+            assert cached == {h for g, h in truth if g == 0}
 
 
 def ragged(entries: list[list[int]] | None, as_arrays: bool) -> Any:
@@ -955,7 +967,7 @@ def ragged(entries: list[list[int]] | None, as_arrays: bool) -> Any:
 @st.composite
 def configs(draw: Any) -> SchedulerConfig:
     block_size = draw(st.sampled_from([1, 2, 3, 4, 5, 8, 12, 16, 16, 64]))
-    # A sliding window in 1 of 3 configs (it needs no context parallelism, recompute preemption, no KV events).
+    # A sliding window in 1 of 3 configs (it needs no context parallelism and recompute preemption).
     window = draw(st.sampled_from([None, None, None, None, 1, 2, 5, 16, 40]))
     # Context parallelism: a block id covers block_size * dcp tokens; pcp leaves the unit alone.
     dcp = 1 if window else draw(st.sampled_from([1, 1, 2, 3, 4]))
@@ -1083,7 +1095,7 @@ def tenant_fields(data: Any) -> dict[str, Any]:
 
 def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
     # both compare their events
-    events = data.draw(st.booleans()) and cfg.sliding_window is None
+    events = data.draw(st.booleans())
     cfg = dataclasses.replace(cfg, enable_kv_cache_events=events, **tenant_fields(data))
     seed = data.draw(st.sampled_from([None, None, 1, 2, 3]))  # a seeded fake KV connector in 3 of 5 runs
     streaming = data.draw(st.booleans())  # streaming-input sessions (refused alike with swapping)
@@ -1543,6 +1555,39 @@ def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:
         twin.drain()
         total += twin.kv_events.coverage
     assert all(total[k] > 0 for k in ("stored", "removed", "stored_copy", "removed_copy", "cleared")), total
+
+
+def test_kv_cache_events_match_reference_with_windows_and_groups() -> None:
+    """KV cache events with a sliding window and with several KV cache groups (windows, chunked-local, a window
+    shared by two groups):
+    both implementations emit the same events, each naming its group, a window group's run listing only the
+    blocks still in its window (none at times) with the tokens of the whole run, and each stream replays to the
+    reference's prefix cache, group by group, after every operation."""
+    layouts = [
+        dict(sliding_window=5),
+        dict(sliding_window=1),
+        dict(kv_cache_groups=(None, 3)),
+        dict(kv_cache_groups=(6, None, 1)),
+        dict(kv_cache_groups=(None, "chunked:8", 5)),
+        dict(kv_cache_groups=(None, 6, 6)),
+    ]
+    total = Counter[str]()
+    for seed, layout in enumerate(layouts):
+        cfg = SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24,
+                              max_model_len=64, prefix_hash_seed=11 + seed, enable_kv_cache_events=True,
+                              async_scheduling=seed % 2 == 1, scheduler_reserve_full_isl=False,
+                              **layout)  # type: ignore[arg-type]  # fmt: skip
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(70 + seed)), max_in_flight=1 + seed % 2)
+        twin.make_prompt = lambda max_len, twin=twin: twin.rand.choice(PREFIXES)[: 4 * twin.rand.int(1, 8)]
+        for _ in range(400):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.drain()
+        total += twin.kv_events.coverage
+    keys = ("stored", "removed", "stored_copy", "cleared", "group_events", "empty_stored", "partial_stored")
+    assert all(total[k] > 0 for k in keys), total
 
 
 # Block units that are not powers of two (vLLM takes any block size; hybrid Mamba models size the attention block

@@ -189,7 +189,6 @@ def test_one_group_keeps_its_outputs() -> None:
         ({"kv_cache_groups": (None, 8), "sliding_window": 8}, "cannot be combined with sliding_window"),
         ({"kv_cache_groups": (None, 8), "dcp_world_size": 2}, "dcp_world_size == 1"),
         ({"kv_cache_groups": (None, 8), "preemption_mode": "swap", "num_cpu_blocks": 4}, "'recompute'"),
-        ({"kv_cache_groups": (None, 8), "enable_kv_cache_events": True}, "enable_kv_cache_events"),
         ({"kv_cache_groups": (None, 8), "defer_block_free": True}, "defer_block_free"),
         ({"kv_cache_groups": (None, 8), "preemption_victim": "lcf"}, "preemption_victim"),
     ],

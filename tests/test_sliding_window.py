@@ -117,7 +117,6 @@ def test_a_window_of_one_token_caches_nothing(impl: str) -> None:
         ({"sliding_window": 0}, "sliding_window must be"),
         ({"sliding_window": 8, "dcp_world_size": 2}, "needs dcp_world_size == 1"),
         ({"sliding_window": 8, "preemption_mode": "swap", "num_cpu_blocks": 4}, "needs preemption_mode"),
-        ({"sliding_window": 8, "enable_kv_cache_events": True}, "enable_kv_cache_events"),
     ],
 )
 def test_combinations_a_window_does_not_support_are_refused(fields: dict[str, Any], message: str) -> None:

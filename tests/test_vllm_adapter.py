@@ -420,9 +420,9 @@ def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
     cfg = make_vllm_config(block_size=4, kv_connector_seed=1, decode_context_parallel_size=2)
     with pytest.raises(UnsupportedFeatureError, match="KV connectors with context parallelism"):
         make_scheduler("kvsched", cfg)
+    # KV cache events run with context parallelism (vLLM's events then name blocks of block_size * DCP tokens).
     cfg = make_vllm_config(block_size=4, kv_events=True, decode_context_parallel_size=2)
-    with pytest.raises(UnsupportedFeatureError, match="KV cache events with context parallelism"):
-        make_scheduler("kvsched", cfg)
+    assert make_scheduler("kvsched", cfg).kv_config.enable_kv_cache_events
     vcfg = make_vllm_config(block_size=16, decode_context_parallel_size=2)
     kw = _attention_kw(block_size=8)
     with pytest.raises(UnsupportedFeatureError, match="does not shard"):
@@ -820,7 +820,8 @@ def _attention_kw(block_size: int = 16, head_size: int = 1) -> dict[str, Any]:
 
 def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_name() -> None:
     """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec alone (without a
-    full-attention group), a KV connector or KV cache events with a window are refused at construction, by name."""
+    full-attention group) or a KV connector with a window are refused at construction, by name; KV cache events
+    run with it."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
@@ -832,8 +833,7 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
         build(make_vllm_config(block_size=16), ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
     with pytest.raises(UnsupportedFeatureError, match="KV connectors with sliding-window attention"):
         build(make_vllm_config(block_size=16, kv_connector_seed=1), window)
-    with pytest.raises(UnsupportedFeatureError, match="KV cache events with sliding-window attention"):
-        build(make_vllm_config(block_size=16, kv_events=True), window)
+    assert build(make_vllm_config(block_size=16, kv_events=True), window).kv_config.enable_kv_cache_events
 
 
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:
@@ -888,7 +888,7 @@ def test_several_kv_cache_groups_give_the_runner_one_block_list_per_group(async_
 
 
 def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> None:
-    """Several groups with a KV connector, KV cache events, a victim rule other than the default, different block
+    """Several groups with a KV connector, a victim rule other than the default, different block
     sizes, chunked-local groups without a full-attention group, or two windows (or chunked-local groups) of the
     same size with different specs (vLLM looks their prefix hits up apart) are refused at construction, by name."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
@@ -898,8 +898,8 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
     build = _build_with_groups
     with pytest.raises(UnsupportedFeatureError, match="KV connectors with several KV cache groups"):
         build(make_vllm_config(block_size=16, kv_connector_seed=1), full, window)
-    with pytest.raises(UnsupportedFeatureError, match="KV cache events with several KV cache groups"):
-        build(make_vllm_config(block_size=16, kv_events=True), full, window)
+    # KV cache events run with several groups.
+    assert build(make_vllm_config(block_size=16, kv_events=True), full, window).kv_config.enable_kv_cache_events
     vcfg = make_vllm_config(block_size=16)
     vcfg.additional_config = {"kvsched": {"preemption_victim": "lcf"}}
     with pytest.raises(UnsupportedFeatureError, match="preemption victim rule other than the default"):

@@ -1,6 +1,8 @@
 """KV cache events inside vLLM: with ``kv_events_config`` on, kvsched.vllm.Scheduler publishes vLLM's
 ``KVEventBatch`` (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, vLLM's own block hashes), batch for
-batch and event for event as vLLM 0.33's scheduler does (``tests/vllm_driver.py`` compares every field).
+batch and event for event as vLLM 0.33's scheduler does (``tests/vllm_driver.py`` compares every field), also
+per KV cache group with sliding windows, several groups and chunked-local groups, and under decode context
+parallelism.
 
 Needs vLLM (``pip install 'kvsched[vllm]'``); skipped otherwise.
 """
@@ -52,6 +54,32 @@ def test_published_events_are_identical_to_vllms(sync: str, runner: str, seed: i
     """The differential driver with events on: every published batch compared field by field (hashes, parents,
     tokens, extra keys, LoRA, medium, group, spec kind, session) after every update."""
     cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", kv_events=True)
+    assert cfg.kv_events
+
+
+@pytest.mark.parametrize(
+    ("layout", "sync", "runner"),
+    [
+        ("sliding_window", "sync", "v1"),
+        ("hybrid", "sync", "v1"),
+        ("hybrid", "async", "v2"),
+        ("chunked_local", "async", "v1"),
+        ("dcp", "sync", "v2"),
+    ],
+)
+@pytest.mark.parametrize("seed", range(320, 322))
+def test_published_events_are_identical_to_vllms_with_windows_groups_and_dcp(
+    layout: str, sync: str, runner: str, seed: int
+) -> None:
+    """Per-group events (group_idx, each group's spec kind and window, a window group's runs without the blocks
+    out of its window), and events under decode context parallelism (blocks of block_size * DCP tokens)."""
+    kw: dict[str, Any] = {
+        "sliding_window": {"sliding_window": True},
+        "hybrid": {"hybrid": True},
+        "chunked_local": {"hybrid": True, "chunked_local": True},
+        "dcp": {"dcp": 2},
+    }[layout]
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", kv_events=True, **kw)
     assert cfg.kv_events
 
 

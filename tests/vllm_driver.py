@@ -1331,14 +1331,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sliding-window",
         action="store_true",
-        help="a sliding-window model (one SlidingWindowSpec group, a window drawn per seed); not with --connector "
-        "or --kv-events, which kvsched.vllm refuses for it",
+        help="a sliding-window model (one SlidingWindowSpec group, a window drawn per seed); not with --connector, "
+        "which kvsched.vllm refuses for it",
     )
     p.add_argument(
         "--hybrid",
         action="store_true",
         help="a hybrid model: several KV cache groups (full attention and sliding windows, drawn per seed); not "
-        "with --connector or --kv-events, which kvsched.vllm refuses for it",
+        "with --connector, which kvsched.vllm refuses for it",
     )
     p.add_argument(
         "--mamba",
@@ -1405,8 +1405,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="vLLM's decode context parallel size: one block id covers block_size tokens on each "
-        "DCP rank; not with --connector, --kv-events, --sliding-window or --hybrid, which kvsched.vllm refuses "
-        "with it",
+        "DCP rank; not with --connector, --sliding-window or --hybrid, which kvsched.vllm refuses with it",
     )
     p.add_argument(
         "--pcp",
@@ -1437,8 +1436,8 @@ def main(argv: list[str] | None = None) -> int:
             args.modes = "sync-v2,async-v2"
         else:
             args.modes = "sync-v1,sync-v2,async-v2" if args.pp else "sync-v1,sync-v2,async-v1,async-v2"
-    if (args.dcp > 1 or args.pcp > 1) and (args.connector or args.kv_events or args.sliding_window or args.hybrid):
-        p.error("--dcp and --pcp go without --connector, --kv-events, --sliding-window and --hybrid")
+    if (args.dcp > 1 or args.pcp > 1) and (args.connector or args.sliding_window or args.hybrid):
+        p.error("--dcp and --pcp go without --connector, --sliding-window and --hybrid")
     if args.pcp > 1 and any(m.endswith("-v1") for m in args.modes.split(",")):
         p.error("--pcp goes with model runner V2 only (vLLM runs prefill context parallelism there only)")
     if args.pp and "async-v1" in args.modes.split(","):
@@ -1463,10 +1462,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.streaming and args.mm:
         p.error("--streaming goes without --mm")
-    if args.sliding_window and (args.connector or args.kv_events):
-        p.error("--sliding-window goes without --connector and --kv-events")
-    if args.hybrid and (args.connector or args.kv_events or args.sliding_window or args.mm):
-        p.error("--hybrid goes without --connector, --kv-events, --sliding-window and --mm")
+    if args.sliding_window and args.connector:
+        p.error("--sliding-window goes without --connector")
+    if args.hybrid and (args.connector or args.sliding_window or args.mm):
+        p.error("--hybrid goes without --connector, --sliding-window and --mm")
     if args.mamba_align and not args.mamba:
         p.error("--mamba-align goes with --mamba")
     if args.mamba_prefix_caching and not args.mamba_align:

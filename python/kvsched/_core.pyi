@@ -293,6 +293,7 @@ class Scheduler:
         list[str | None],
         list[str | None],
         npt.NDArray[np.int32],
+        npt.NDArray[np.int32],
     ]: ...
     def cached_block_hashes(self) -> list[bytes]: ...
 

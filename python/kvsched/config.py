@@ -770,8 +770,6 @@ class SchedulerConfig:
                 raise InvalidConfigError(
                     f"sliding_window ({window}) needs preemption_mode 'recompute', got {self.preemption_mode!r}"
                 )
-            if self.enable_kv_cache_events:
-                raise InvalidConfigError(f"sliding_window ({window}) is not supported with enable_kv_cache_events")
         if self.drop_trailing_hit_block and (window is not None or self.kv_cache_groups is not None):
             raise InvalidConfigError(
                 "drop_trailing_hit_block needs full attention in one group (no sliding_window or kv_cache_groups)"
@@ -848,8 +846,6 @@ class SchedulerConfig:
             )
         if self.preemption_mode != "recompute":
             raise InvalidConfigError(f"kv_cache_groups needs preemption_mode 'recompute', got {self.preemption_mode!r}")
-        if self.enable_kv_cache_events:
-            raise InvalidConfigError("kv_cache_groups is not supported with enable_kv_cache_events")
         if self.defer_block_free:
             raise InvalidConfigError("kv_cache_groups is not supported with defer_block_free")
         if self.preemption_victim != "default":

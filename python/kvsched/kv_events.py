@@ -4,16 +4,21 @@ With ``SchedulerConfig(enable_kv_cache_events=True)``, :meth:`kvsched.Scheduler.
 :class:`KVCacheEvents`, every event since the previous call in the order it happened (docs/semantics.md, "KV cache
 events", says exactly when each is emitted):
 
-- **stored** (vLLM's ``BlockStored``): full blocks of one request entered the prefix cache, a run of blocks each
-  the child of the one before and the first the child of the parent hash (none for a prompt's first block), with
-  their tokens, the request's LoRA name and cache salt (the extra keys of their hashes), and the block size;
-- **removed** (``BlockRemoved``): one block left the prefix cache;
+- **stored** (vLLM's ``BlockStored``): full blocks of one request entered the prefix cache of one KV cache
+  group, a run of blocks each the child of the one before and the first the child of the parent hash (none for a
+  prompt's first block), with their tokens, the request's LoRA name and cache salt (the extra keys of their
+  hashes), and the block size. In a sliding-window or chunked-local group the run's blocks already out of the
+  window are null blocks, not stored: the event lists the others (the run's last blocks, possibly none, as vLLM
+  does) while its tokens and parent span the whole run;
+- **removed** (``BlockRemoved``): one block left the prefix cache of its group;
 - **cleared** (``AllBlocksCleared``): the whole prefix cache was dropped.
 
-As in vLLM the events are per block: two blocks cached under the same hash (two requests that computed the same
-prefix) are stored twice and removed twice. ``num_copies`` gives, per block, how many blocks carry its hash right
-after the event, so a consumer that keeps the *set* of cached hashes (a router) adds a hash when a store leaves one
-copy and drops it when a removal leaves none (:meth:`KVCacheEvents.set_updates`).
+Stored and removed events name their KV cache group (``groups``, vLLM's ``group_idx``; 0 with one group); a
+block's hash is the same in every group. As in vLLM the events are per block: two blocks cached under the same
+hash (two requests that computed the same prefix) are stored twice and removed twice. ``num_copies`` gives, per
+block, how many blocks of its group carry its hash right after the event, so a consumer that keeps the *set* of
+cached hashes (a router) adds a hash when a store leaves one copy and drops it when a removal leaves none
+(:meth:`KVCacheEvents.set_updates`, which follows group 0).
 
 The batch is a struct of arrays (one row per event, ragged data as values plus ``_indptr`` offsets); the
 per-event objects :class:`BlockStored`, :class:`BlockRemoved` and :class:`AllBlocksCleared` are built only when
@@ -69,6 +74,7 @@ class BlockStored:
     lora_name: str | None = None
     cache_salt: str | None = None
     num_copies: Sequence[int] | None = None
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class BlockRemoved:
     block_hashes: BlockHashes
     medium: str | None = None
     num_copies: Sequence[int] | None = None
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class KVCacheEvents:
     - ``req_ids`` (one per event): the storing request, None for the others;
     - ``num_cached_blocks`` (int32, one per event): the index of a stored run's first block in its request's block
       table (the request's blocks cached before it), 0 for the others;
+    - ``groups`` (int32, one per event): the KV cache group of a stored run or a removed block, 0 for a clear;
     - ``block_size``: tokens per block.
     """
 
@@ -131,6 +139,7 @@ class KVCacheEvents:
     cache_salts: list[str | None]
     req_ids: list[str | None]
     num_cached_blocks: npt.NDArray[np.int32]
+    groups: npt.NDArray[np.int32]
     block_size: int
 
     @classmethod
@@ -150,6 +159,7 @@ class KVCacheEvents:
             cache_salts=[],
             req_ids=[],
             num_cached_blocks=np.zeros(0, dtype=np.int32),
+            groups=np.zeros(0, dtype=np.int32),
             block_size=block_size,
         )
 
@@ -183,10 +193,13 @@ class KVCacheEvents:
 
     def set_updates(self) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
         """Which blocks change the *set* of cached hashes: a store that leaves one copy of its hash (it was not
-        cached) and a removal that leaves none; the others only change how many blocks carry a hash. Returns the
-        mask over blocks and the events' offsets into the kept blocks (``len(self) + 1``)."""
-        per_block = np.repeat(self.kinds, np.diff(self.block_hashes_indptr))
+        cached) and a removal that leaves none; the others only change how many blocks carry a hash. With several
+        KV cache groups, only group 0's blocks count (one set of hashes). Returns the mask over blocks and the
+        events' offsets into the kept blocks (``len(self) + 1``)."""
+        per_event = np.diff(self.block_hashes_indptr)
+        per_block = np.repeat(self.kinds, per_event)
         keep = np.where(per_block == STORED, self.num_copies == 1, self.num_copies == 0)
+        keep &= np.repeat(self.groups, per_event) == 0
         kept_before = np.concatenate(([0], np.cumsum(keep, dtype=np.int64)))
         return keep, kept_before[self.block_hashes_indptr]
 
@@ -197,6 +210,7 @@ class KVCacheEvents:
     def __iter__(self) -> Iterator[BlockEvent]:
         bi, ti = self.block_hashes_indptr.tolist(), self.token_ids_indptr.tolist()
         copies = self.num_copies.tolist()
+        groups = self.groups.tolist()
         for e, kind in enumerate(self.kinds.tolist()):
             hashes = [bytes(row) for row in self.block_hashes[bi[e] : bi[e + 1]]]
             n = copies[bi[e] : bi[e + 1]]
@@ -204,9 +218,17 @@ class KVCacheEvents:
                 parent = bytes(self.parent_block_hashes[e]) if self.has_parent[e] else None
                 tokens = self.token_ids[ti[e] : ti[e + 1]].tolist()
                 yield BlockStored(
-                    hashes, parent, tokens, self.block_size, "GPU", self.lora_names[e], self.cache_salts[e], n
+                    hashes,
+                    parent,
+                    tokens,
+                    self.block_size,
+                    "GPU",
+                    self.lora_names[e],
+                    self.cache_salts[e],
+                    n,
+                    groups[e],
                 )
             elif kind == REMOVED:
-                yield BlockRemoved(hashes, "GPU", n)
+                yield BlockRemoved(hashes, "GPU", n, groups[e])
             else:
                 yield AllBlocksCleared("GPU")

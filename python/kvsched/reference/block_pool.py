@@ -6,7 +6,7 @@ The pool's fields live on the scheduler (``state.py``): ``_ref_cnt[b]`` and ``_b
 set; lookups take its first block). Block 0 is the null block: never free, never allocated, never hashed. A
 usable block is in the free queue iff its reference count is 0; a free block keeps its hash (it can still be
 hit) until it is popped for reuse. With KV cache events on (``_events``), a block leaving the map is recorded as
-removed, with the blocks still carrying its hash.
+removed, with its group, its own hash (not the group's key) and the blocks still carrying the key.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ class _BlockPoolMixin(_SchedulerState):
             del self._cached[h]
         self._block_hash[b] = None
         if self._events is not None:
-            self._events.push_removed(h, len(self._cached.get(h, ())))
+            # A group's key is the hash with the group id appended (an odd length; hashes are 16 or 32 bytes).
+            group = h[-1] if len(h) % 2 else 0
+            self._events.push_removed(h[:-1] if group else h, len(self._cached.get(h, ())), group)
 
     def _free_block_list(self, block_ids: list[int]) -> None:
         to_head: list[int] = []

@@ -1,11 +1,11 @@
 """The prefix cache's block events, recorded with ``enable_kv_cache_events``. Mirrors
 ``rust/kvsched-core/src/events.rs``.
 
-Stored: a run of one request's full blocks entered the cache (hashes, the number of blocks carrying each hash
-after the store, the parent hash, their tokens, the request's LoRA name and cache salt, the request and the index
-of the run's first block in its table). Removed: one block left it
-(the blocks still carrying its hash). Cleared: the whole cache was dropped. Taken as a
-:class:`kvsched.kv_events.KVCacheEvents`, in the order they happened.
+Stored: a run of one request's full blocks entered the cache of one KV cache group (the hashes of its blocks
+that are not null, the number of the group's blocks carrying each hash after the store, the parent hash, the run's
+tokens, the request's LoRA name and cache salt, the request, the index of the run's first block in its table and
+the group). Removed: one block left its group's cache (the group's blocks still carrying its hash). Cleared: the
+whole cache was dropped. Taken as a :class:`kvsched.kv_events.KVCacheEvents`, in the order they happened.
 """
 
 from __future__ import annotations
@@ -18,24 +18,24 @@ from ..kv_events import CLEARED, REMOVED, STORED, KVCacheEvents
 
 class _KvCacheEvents:
     """The events not taken yet, one tuple each: (kind, [(hash, copies)], parent, tokens, lora, salt,
-    req_id, first block)."""
+    req_id, first block, group)."""
 
     def __init__(self) -> None:
         self.events: list[
-            tuple[int, list[tuple[bytes, int]], bytes | None, list[int], str | None, str | None, str | None, int]
+            tuple[int, list[tuple[bytes, int]], bytes | None, list[int], str | None, str | None, str | None, int, int]
         ] = []
 
     def push_stored(
         self, blocks: list[tuple[bytes, int]], parent: bytes | None, tokens: list[int], lora: str | None,
-        salt: str | None, req_id: str, first: int,
+        salt: str | None, req_id: str, first: int, group: int = 0,
     ) -> None:  # fmt: skip
-        self.events.append((STORED, blocks, parent, tokens, lora, salt, req_id, first))
+        self.events.append((STORED, blocks, parent, tokens, lora, salt, req_id, first, group))
 
-    def push_removed(self, h: bytes, copies: int) -> None:
-        self.events.append((REMOVED, [(h, copies)], None, [], None, None, None, 0))
+    def push_removed(self, h: bytes, copies: int, group: int = 0) -> None:
+        self.events.append((REMOVED, [(h, copies)], None, [], None, None, None, 0, group))
 
     def push_cleared(self) -> None:
-        self.events.append((CLEARED, [], None, [], None, None, None, 0))
+        self.events.append((CLEARED, [], None, [], None, None, None, 0, 0))
 
     def take(self, block_size: int, hash_width: int) -> KVCacheEvents:
         events, self.events = self.events, []
@@ -60,5 +60,6 @@ class _KvCacheEvents:
             cache_salts=[e[5] if e[0] == STORED else None for e in events],
             req_ids=[e[6] for e in events],
             num_cached_blocks=np.array([e[7] for e in events], dtype=np.int32),
+            groups=np.array([e[8] for e in events], dtype=np.int32),
             block_size=block_size,
         )

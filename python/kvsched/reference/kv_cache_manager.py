@@ -191,16 +191,24 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._newly_cached.append((b, h))
         r.num_cached_blocks = max(r.num_cached_blocks, num_full)
         if self._events is not None and num_full > first:  # one stored event for the run, after its evictions
-            hashes = r.block_hashes[first:num_full]
-            self._events.push_stored(
-                [(h, len(self._cached[h])) for h in hashes],
-                r.block_hashes[first - 1] if first else None,
-                r.token_ids[first * self._bs : num_full * self._bs],
-                r.lora_name,
-                r.cache_salt,
-                r.req_id,
-                first,
-            )
+            self._record_stored(r, r.block_ids, first, num_full, 0, self._config.sliding_window != 1)
+
+    def _record_stored(self, r: _Request, table: list[int], first: int, num_full: int, g: int, stored: bool) -> None:
+        """The stored event of group ``g``'s run ``first:num_full`` of ``r``'s blocks (``table``: the group's):
+        the hashes of its blocks that are not null (none unless ``stored``), with the copies of the group's key of
+        each, and the tokens and parent of the whole run."""
+        assert self._events is not None
+        kept = [r.block_hashes[i] for i in range(first, num_full) if stored and table[i] != 0]
+        self._events.push_stored(
+            [(h, len(self._cached[self._group_key(h, g)])) for h in kept],
+            r.block_hashes[first - 1] if first else None,
+            r.token_ids[first * self._bs : num_full * self._bs],
+            r.lora_name,
+            r.cache_salt,
+            r.req_id,
+            first,
+            g,
+        )
 
     def _allocate_slots(
         self, r: _Request, n: int, hits: list[int], lookahead: int, reserved: int = 0, ext: int = 0, cache: bool = True
@@ -597,7 +605,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _cache_hybrid_blocks(self, r: _Request, num_tokens: int) -> None:
         """Each group's full blocks among the first ``num_tokens`` enter the cache map under the group's keys
-        (null blocks skipped; a window of one token caches nothing), group by group."""
+        (null blocks skipped; a window of one token caches nothing), group by group, each group's run recorded as
+        one stored event with events on."""
         num_full = min(num_tokens // self._bs, len(r.block_hashes), len(r.block_ids))
         align = self._config.mamba_align
         for g, w in enumerate(self._group_windows()):
@@ -618,3 +627,5 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 if w == _MAMBA:
                     self._mamba_cached_step.add(key)
             self._set_group_cached(r, g, num_full)
+            if self._events is not None:
+                self._record_stored(r, table, first, num_full, g, w != 1)

@@ -340,27 +340,19 @@ def kvsched_config_from_vllm(
         if kv_transfer is not None:
             # Not compared side by side with vLLM's scheduler under context parallelism yet.
             _refuse("KV connectors with context parallelism", f"kv_transfer_config, {cp}")
-        if kv_events_enabled(vllm_config):
-            _refuse("KV cache events with context parallelism", f"kv_events_config, {cp}")
     if _attr(vllm_config.observability_config, "kv_cache_metrics", False):
         _refuse("KV cache eviction metrics", "observability_config.kv_cache_metrics")
     windows = windows or [None]
     sliding_window = windows[0] if len(windows) == 1 else None
     kv_cache_groups = tuple(windows) if len(windows) > 1 else None
-    if sliding_window is not None:
-        # The core's KV cache events and connector hand-offs do not know a window's null blocks yet.
-        if kv_transfer is not None:
-            _refuse("KV connectors with sliding-window attention", "kv_transfer_config")
-        if kv_events_enabled(vllm_config):
-            _refuse("KV cache events with sliding-window attention", "kv_events_config")
+    if sliding_window is not None and kv_transfer is not None:
+        # The core's connector hand-offs do not know a window's null blocks yet.
+        _refuse("KV connectors with sliding-window attention", "kv_transfer_config")
     if kv_cache_groups is not None:
-        # The core keeps one block table per group; its connector hand-offs, KV cache events and victim rules
-        # know one.
+        # The core keeps one block table per group; its connector hand-offs and victim rules know one.
         num = f"{len(windows)} KV cache groups"
         if kv_transfer is not None:
             _refuse("KV connectors with several KV cache groups", f"kv_transfer_config, {num}")
-        if kv_events_enabled(vllm_config):
-            _refuse("KV cache events with several KV cache groups", f"kv_events_config, {num}")
         mamba_modes = {
             str(getattr(group.kv_cache_spec, "mamba_cache_mode", "none"))
             for g, group in enumerate(kv_cache_config.kv_cache_groups)

@@ -7,13 +7,16 @@ the way vLLM's scheduler does: one ``KVEventBatch`` per ``update_from_output`` t
 connector's events after the cache's, through the publisher ``EventPublisherFactory`` builds from
 ``kv_events_config`` (:func:`make_publisher`).
 
-A stored run names its request and the index of its first block, so its vLLM hashes are that request's
-``block_hashes`` (vLLM's values, kept on the ``Request`` by the adapter), and so are its parent, tokens and extra
-keys. A removed block carries no request: the core's hash of a block and vLLM's are both functions of the same
-content (parent, tokens, LoRA, cache salt), so the hash a block was stored under is looked up in a map from the
-core's hash to vLLM's, kept while some block carries it. Events must therefore be taken from the core
-(:meth:`KVEventTranslator.collect`) while the requests they name are still known: after each ``schedule()`` and
-before ``update_from_output`` or ``finish_requests`` forgets a finished request.
+A stored run names its request, its KV cache group and the index of its first block, so its vLLM hashes are that
+request's ``block_hashes`` (vLLM's values, kept on the ``Request`` by the adapter), and so are its parent, tokens
+and extra keys. In a sliding-window or chunked-local group the blocks of a run out of the window are null blocks,
+which vLLM leaves out of the event (its tokens still span the run): they come first in a request's table, so the
+run's stored blocks are its last ones. A removed block carries no request: the core's hash of a block and vLLM's
+are both functions of the same content (parent, tokens, LoRA, cache salt), so the hash a block was stored under is
+looked up in a map from the core's (group, hash) to vLLM's, kept while some block of the group carries it. Events
+must therefore be taken from the core (:meth:`KVEventTranslator.collect`) while the requests they name are still
+known: after each ``schedule()`` and before ``update_from_output`` or ``finish_requests`` forgets a finished
+request.
 """
 
 from __future__ import annotations
@@ -64,16 +67,15 @@ class KVEventTranslator:
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, get_request: Callable[[str], Any]) -> None:
         self.enabled = kv_events_enabled(vllm_config)
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        # vLLM's KVCacheManager annotates every stored event with its group's spec (one group here).
-        self._spec_kind = get_kv_cache_spec_kind(spec).value
-        self._sliding_window = get_kv_cache_spec_sliding_window(spec)
+        # vLLM's KVCacheManager annotates every stored event with its group's spec.
+        specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+        self._spec_meta = [(get_kv_cache_spec_kind(s).value, get_kv_cache_spec_sliding_window(s)) for s in specs]
         self._get_request = get_request
         # Look-ahead block hashes (vLLM 0.33, EAGLE-style drafters): each block's event also carries the tokens
         # after it that its hash covers, and its extra keys cover them too.
         self._lookahead = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
-        # The core's hash of a cached block -> the vLLM hash (as published) it was stored under.
-        self._vllm_hash: dict[bytes, Any] = {}
+        # (group, the core's hash) of a cached block -> the vLLM hash (as published) it was stored under.
+        self._vllm_hash: dict[tuple[int, bytes], Any] = {}
         self._pending: list[KVCacheEvent] = []
 
     def collect(self, core: Any) -> None:
@@ -85,47 +87,57 @@ class KVEventTranslator:
         indptr = ev.block_hashes_indptr.tolist()
         copies = ev.num_copies.tolist()
         firsts = ev.num_cached_blocks.tolist()
+        groups = ev.groups.tolist()
+        tokens_indptr = ev.token_ids_indptr.tolist()
         rows = ev.block_hash_list()
         block_size = ev.block_size
         vllm_hash = self._vllm_hash
         pending = self._pending
         for e, kind in enumerate(kinds):
+            g = groups[e]
             if kind == STORED:
                 req_id = ev.req_ids[e]
                 assert req_id is not None
                 request = self._get_request(req_id)
-                first, end = firsts[e], firsts[e] + indptr[e + 1] - indptr[e]
-                hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[first:end]]
+                # The run spans its tokens; its stored blocks are its last ones (a window's null blocks first).
+                first = firsts[e]
+                end = first + (tokens_indptr[e + 1] - tokens_indptr[e]) // block_size
+                start = end - (indptr[e + 1] - indptr[e])
+                hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[start:end]]
                 for core_hash, h in zip(rows[indptr[e] : indptr[e + 1]], hashes, strict=True):
-                    vllm_hash[core_hash] = h
-                pending.append(self._stored(request, hashes, first, end, block_size))
+                    vllm_hash[g, core_hash] = h
+                pending.append(self._stored(request, hashes, first, start, end, block_size, g))
             elif kind == CLEARED:
                 vllm_hash.clear()
                 pending.append(AllBlocksCleared())
             else:
-                core_hash = rows[indptr[e]]
-                h = vllm_hash[core_hash] if copies[indptr[e]] else vllm_hash.pop(core_hash)
-                pending.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU, group_idx=0))
+                key = (g, rows[indptr[e]])
+                h = vllm_hash[key] if copies[indptr[e]] else vllm_hash.pop(key)
+                pending.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU, group_idx=g))
 
-    def _stored(self, request: Any, hashes: list[Any], first: int, end: int, block_size: int) -> BlockStored:
-        """vLLM's ``BlockStored`` for the request's blocks ``first .. end``, as its block pool builds it."""
+    def _stored(
+        self, request: Any, hashes: list[Any], first: int, start: int, end: int, block_size: int, group: int
+    ) -> BlockStored:
+        """vLLM's ``BlockStored`` for group ``group``'s run of the request's blocks ``first .. end``, of which
+        ``start .. end`` were stored, as its block pool builds it."""
         bh = request.block_hashes
         extra_keys: list[tuple[Any, ...] | None] = []
         mm_idx = 0
         la = self._lookahead
-        for i in range(first, end):
-            start, stop = i * block_size, (i + 1) * block_size
+        for i in range(start, end):
+            lo, hi = i * block_size, (i + 1) * block_size
             if la:
-                keys, mm_idx = generate_lookahead_block_hash_extra_keys(request, start, stop, stop + la, mm_idx)
+                keys, mm_idx = generate_lookahead_block_hash_extra_keys(request, lo, hi, hi + la, mm_idx)
             else:
-                keys, mm_idx = generate_block_hash_extra_keys(request, start, stop, mm_idx)
+                keys, mm_idx = generate_block_hash_extra_keys(request, lo, hi, mm_idx)
             extra_keys.append(keys)
         lookahead: dict[str, Any] = {}
         if _HAS_LOOKAHEAD_FIELD:
             tokens = request.all_token_ids
-            ids = [tokens[(i + 1) * block_size : (i + 1) * block_size + la] for i in range(first, end)]
+            ids = [tokens[(i + 1) * block_size : (i + 1) * block_size + la] for i in range(start, end)]
             lookahead["lookahead_token_ids"] = ids if la else None
         lora = request.lora_request
+        kind, window = self._spec_meta[group]
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=maybe_convert_block_hash(bh[first - 1]) if first else None,
@@ -135,9 +147,9 @@ class KVEventTranslator:
             medium=MEDIUM_GPU,
             lora_name=lora.name if lora else None,
             extra_keys=to_event_extra_keys(extra_keys),
-            group_idx=0,
-            kv_cache_spec_kind=self._spec_kind,
-            kv_cache_spec_sliding_window=self._sliding_window,
+            group_idx=group,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
             session_id=request.session_id,
             **lookahead,
         )

@@ -15,7 +15,9 @@
 //!
 //! With KV cache events on (`events`), every block leaving the map (evicted for reuse, or `uncache`d) and every
 //! reset is recorded; the caller records the blocks it enters (`KvCacheManager`, which knows their request).
-//! Off, the only cost is one branch per eviction.
+//! With several KV cache groups the caller also files each block it enters under its group (`set_event_group`):
+//! a removed event names the group and the block's own hash, not the group's cache key. Off, the only cost is
+//! one branch per eviction.
 
 use std::collections::HashMap;
 
@@ -23,6 +25,7 @@ use crate::cache_table::CacheTable;
 use crate::events::KvCacheEvents;
 use crate::free_queue::FreeBlockQueue;
 use crate::hashing::{BlockHash, PrehashedBuild};
+use crate::hybrid::group_key;
 
 pub const NULL_BLOCK: u32 = 0;
 
@@ -77,6 +80,9 @@ pub struct BlockPool {
     num_removed: u64,
     /// The KV cache events not yet taken; `None` when they are off.
     events: Option<Box<KvCacheEvents>>,
+    /// With events on and several KV cache groups: per block, the group whose key it was cached under (empty
+    /// otherwise: group 0).
+    event_groups: Vec<u8>,
 }
 
 impl BlockPool {
@@ -92,6 +98,7 @@ impl BlockPool {
             unhashed_buf: Vec::new(),
             num_removed: 0,
             events: None,
+            event_groups: Vec::new(),
         }
     }
 
@@ -99,6 +106,18 @@ impl BlockPool {
     pub fn with_kv_cache_events(mut self, on: bool) -> Self {
         self.events = on.then(Box::default);
         self
+    }
+
+    /// Files `block`, just cached under group `g`'s key, under that group for its removed event (events on).
+    #[cold]
+    pub fn set_event_group(&mut self, block: u32, g: usize) {
+        if self.events.is_none() {
+            return;
+        }
+        if self.event_groups.is_empty() {
+            self.event_groups = vec![0; self.meta.len()];
+        }
+        self.event_groups[block as usize] = g as u8;
     }
 
     /// The events recorded and not taken yet, if events are on (for the caller's stored events).
@@ -270,10 +289,13 @@ impl BlockPool {
     fn evict_hashed(&mut self, block: u32) {
         self.evict_hashed_quietly(block);
         if self.events.is_some() {
-            let h = self.hash[block as usize].0;
-            let n = self.num_copies(&h);
+            let key = self.hash[block as usize].0;
+            let n = self.num_copies(&key);
+            let g = self.event_groups.get(block as usize).map_or(0, |&g| g as usize);
+            // A group's key of a hash is the hash with bytes flipped: the same flip gives the hash back.
+            let h = group_key(&key, g);
             if let Some(ev) = self.events.as_deref_mut() {
-                ev.push_removed(h, n);
+                ev.push_removed(h, n, g as u32);
             }
         }
     }

@@ -765,8 +765,8 @@ impl SchedulerConfig {
             )));
         }
         if let Some(window) = self.sliding_window {
-            // vLLM: DCP and PCP do not support sliding-window attention; the CPU pool and the KV cache events do
-            // not know its null blocks yet.
+            // vLLM: DCP and PCP do not support sliding-window attention; the CPU pool does not know its null
+            // blocks yet.
             if self.dcp_world_size > 1 || self.pcp_world_size > 1 {
                 return Err(SchedError::InvalidConfig(format!(
                     "sliding_window ({window}) needs dcp_world_size == 1 and pcp_world_size == 1, got {} and {}",
@@ -777,11 +777,6 @@ impl SchedulerConfig {
                 return Err(SchedError::InvalidConfig(format!(
                     "sliding_window ({window}) needs preemption_mode 'recompute', got {}",
                     py_str(self.preemption_mode.name())
-                )));
-            }
-            if self.enable_kv_cache_events {
-                return Err(SchedError::InvalidConfig(format!(
-                    "sliding_window ({window}) is not supported with enable_kv_cache_events"
                 )));
             }
         }
@@ -905,9 +900,6 @@ impl SchedulerConfig {
                 "needs preemption_mode 'recompute', got {}",
                 py_str(self.preemption_mode.name())
             ));
-        }
-        if self.enable_kv_cache_events {
-            return refuse("is not supported with enable_kv_cache_events".to_string());
         }
         if self.defer_block_free {
             return refuse("is not supported with defer_block_free".to_string());

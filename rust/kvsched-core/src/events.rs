@@ -2,15 +2,22 @@
 //! `AllBlocksCleared`), recorded only with `enable_kv_cache_events` and taken by the host (once per step, or
 //! whenever it likes) in the order they happened.
 //!
-//! - stored: full blocks of one request entered the prefix cache, a run of blocks each the child of the one
-//!   before, the first the child of `parent` (`None` for the prompt's first block), with the tokens of all of
-//!   them and the request's LoRA name and cache salt (the extra keys of their hashes);
-//! - removed: one block left the prefix cache (its block was reused, or a failed step took it out again);
+//! - stored: full blocks of one request entered the prefix cache of one KV cache group, a run of blocks each the
+//!   child of the one before, the first the child of `parent` (`None` for the prompt's first block), with the
+//!   tokens of the run and the request's LoRA name and cache salt (the extra keys of their hashes). In a
+//!   sliding-window or chunked-local group, the run's blocks no longer in its window are null blocks and are not
+//!   stored: the event lists the hashes of the others (the run's last ones; possibly none, as in vLLM) while its
+//!   tokens and parent still span the whole run;
+//! - removed: one block left the prefix cache of its group (its block was reused, or a failed step took it out
+//!   again);
 //! - cleared: the whole prefix cache was dropped (`reset_prefix_cache`).
 //!
+//! Every stored and removed event names its KV cache group (`groups`, 0 with one group) and carries the blocks'
+//! own hashes, the same in every group (vLLM's `group_idx` and block hashes); the cache keys them per group.
+//!
 //! As in vLLM, the events are per block, not per hash: two blocks cached under the same hash (two requests that
-//! computed the same prefix) are stored twice and removed twice. `num_copies[i]` says how many blocks carry
-//! block `i`'s hash right after its event (>= 1 after a store, >= 0 after a removal), so a consumer that keeps a
+//! computed the same prefix) are stored twice and removed twice. `num_copies[i]` says how many blocks of the
+//! event's group carry block `i`'s hash right after its event (>= 1 after a store, >= 0 after a removal), so a consumer that keeps a
 //! set of hashes adds a hash when a store leaves 1 copy and drops it when a removal leaves 0.
 //!
 //! A stored event also names the storing request and the index of the run's first block in its block table (the
@@ -20,7 +27,7 @@
 //! Struct of arrays, ragged data as values plus offsets: event `e`'s blocks are
 //! `block_hashes[block_indptr[e]..block_indptr[e + 1]]` and its tokens `token_ids[token_indptr[e]..
 //! token_indptr[e + 1]]`. Invariant (`check`): every offset list starts at 0, has one entry per event plus one
-//! and never decreases; removed events hold one block and no tokens, cleared events neither.
+//! and never decreases; removed events hold one block and no tokens, cleared events neither (and group 0).
 
 use std::sync::Arc;
 
@@ -54,6 +61,8 @@ pub struct KvCacheEvents {
     pub req_ids: Vec<Option<Arc<str>>>,
     /// Per event: the index of a stored run's first block in its request's block table (0 for the others).
     pub num_cached_blocks: Vec<u32>,
+    /// Per event: the KV cache group of a stored run or a removed block (0 for cleared events).
+    pub groups: Vec<u32>,
 }
 
 impl Default for KvCacheEvents {
@@ -69,6 +78,7 @@ impl Default for KvCacheEvents {
             extra_keys: Vec::new(),
             req_ids: Vec::new(),
             num_cached_blocks: Vec::new(),
+            groups: Vec::new(),
         }
     }
 }
@@ -83,8 +93,16 @@ impl KvCacheEvents {
     }
 
     /// Ends an event: closes its block and token ranges.
-    fn close(&mut self, kind: u8, parent: Option<BlockHash>, extra: ExtraKeys, req: Option<(Arc<str>, u32)>) {
+    fn close(
+        &mut self,
+        kind: u8,
+        parent: Option<BlockHash>,
+        extra: ExtraKeys,
+        req: Option<(Arc<str>, u32)>,
+        group: u32,
+    ) {
         self.kinds.push(kind);
+        self.groups.push(group);
         let (req_id, first) = req.map_or((None, 0), |(id, first)| (Some(id), first));
         self.req_ids.push(req_id);
         self.num_cached_blocks.push(first);
@@ -94,8 +112,9 @@ impl KvCacheEvents {
         self.extra_keys.push(extra);
     }
 
-    /// A run of blocks of request `req_id`, from its block `first` on, entered the cache: `blocks` pairs each
-    /// hash with its number of copies after the store; `tokens` are the tokens of all of them.
+    /// A run of blocks of request `req_id`, from its block `first` on, entered the cache of group `group`:
+    /// `blocks` pairs each stored block's hash with its number of copies after the store; `tokens` are the
+    /// tokens of the whole run.
     #[allow(clippy::too_many_arguments)]
     pub fn push_stored(
         &mut self,
@@ -105,24 +124,26 @@ impl KvCacheEvents {
         extra: &ExtraKeys,
         req_id: &Arc<str>,
         first: u32,
+        group: u32,
     ) {
         for (h, n) in blocks {
             self.block_hashes.push(h);
             self.num_copies.push(n);
         }
         self.token_ids.extend_from_slice(tokens);
-        self.close(STORED, parent, extra.clone(), Some((req_id.clone(), first)));
+        self.close(STORED, parent, extra.clone(), Some((req_id.clone(), first)), group);
     }
 
-    /// One block carrying `hash` left the cache; `num_copies` blocks still carry it.
-    pub fn push_removed(&mut self, hash: BlockHash, num_copies: u32) {
+    /// One block of group `group` carrying `hash` left the cache; `num_copies` blocks of the group still carry
+    /// it.
+    pub fn push_removed(&mut self, hash: BlockHash, num_copies: u32, group: u32) {
         self.block_hashes.push(hash);
         self.num_copies.push(num_copies);
-        self.close(REMOVED, None, ExtraKeys::default(), None);
+        self.close(REMOVED, None, ExtraKeys::default(), None, group);
     }
 
     pub fn push_cleared(&mut self) {
-        self.close(CLEARED, None, ExtraKeys::default(), None);
+        self.close(CLEARED, None, ExtraKeys::default(), None, 0);
     }
 
     /// The events recorded so far, leaving none.
@@ -134,9 +155,14 @@ impl KvCacheEvents {
     pub fn check(&self) -> Result<(), String> {
         let n = self.kinds.len();
         let lens = [self.block_indptr.len(), self.token_indptr.len()];
-        let per_event =
-            [self.parents.len(), self.extra_keys.len(), self.req_ids.len(), self.num_cached_blocks.len()];
-        if lens != [n + 1, n + 1] || per_event != [n; 4] {
+        let per_event = [
+            self.parents.len(),
+            self.extra_keys.len(),
+            self.req_ids.len(),
+            self.num_cached_blocks.len(),
+            self.groups.len(),
+        ];
+        if lens != [n + 1, n + 1] || per_event != [n; 5] {
             return Err(format!("{n} events but offsets / per-event lists of lengths {lens:?}"));
         }
         if self.num_copies.len() != self.block_hashes.len() {
@@ -153,12 +179,17 @@ impl KvCacheEvents {
             let blocks = self.block_indptr[e + 1] - self.block_indptr[e];
             let tokens = self.token_indptr[e + 1] - self.token_indptr[e];
             let ok = match self.kinds[e] {
-                STORED => blocks > 0 && self.req_ids[e].is_some(),
+                // A window group's run may store none of its blocks (all out of the window).
+                STORED => self.req_ids[e].is_some(),
                 REMOVED => {
                     blocks == 1 && tokens == 0 && self.parents[e].is_none() && self.req_ids[e].is_none()
                 }
                 CLEARED => {
-                    blocks == 0 && tokens == 0 && self.parents[e].is_none() && self.req_ids[e].is_none()
+                    blocks == 0
+                        && tokens == 0
+                        && self.parents[e].is_none()
+                        && self.req_ids[e].is_none()
+                        && self.groups[e] == 0
                 }
                 _ => false,
             };
@@ -186,10 +217,10 @@ mod tests {
         let mut ev = KvCacheEvents::default();
         let salt = ExtraKeys { cache_salt: Some("s".into()), lora_name: None };
         let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
-        ev.push_stored([(h(1), 1), (h(2), 2)].into_iter(), None, &[5, 6, 7, 8], &salt, &a, 0);
-        ev.push_removed(h(2), 1);
+        ev.push_stored([(h(1), 1), (h(2), 2)].into_iter(), None, &[5, 6, 7, 8], &salt, &a, 0, 0);
+        ev.push_removed(h(2), 1, 1);
         ev.push_cleared();
-        ev.push_stored([(h(3), 1)].into_iter(), Some(h(2)), &[9, 9], &ExtraKeys::default(), &b, 2);
+        ev.push_stored([(h(3), 1)].into_iter(), Some(h(2)), &[9, 9], &ExtraKeys::default(), &b, 2, 2);
         ev.check().unwrap();
         assert_eq!(ev.kinds, vec![STORED, REMOVED, CLEARED, STORED]);
         assert_eq!(ev.block_indptr, vec![0, 2, 3, 3, 4]);
@@ -199,6 +230,7 @@ mod tests {
         assert_eq!(ev.extra_keys[0], salt);
         assert_eq!(ev.req_ids, vec![Some(a), None, None, Some(b)]);
         assert_eq!(ev.num_cached_blocks, vec![0, 0, 0, 2]);
+        assert_eq!(ev.groups, vec![0, 1, 0, 2]);
         let taken = ev.take();
         assert_eq!(taken.len(), 4);
         assert!(ev.is_empty());

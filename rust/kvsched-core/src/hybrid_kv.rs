@@ -428,7 +428,8 @@ impl KvCacheManager {
     }
 
     /// Enters each group's blocks up to `num_full` into the prefix cache under the group's keys (null blocks
-    /// skipped; a window of one token caches nothing), group by group.
+    /// skipped; a window of one token caches nothing), group by group, each group's run recorded as one stored
+    /// event with events on.
     #[cold]
     pub(crate) fn cache_hybrid_blocks(&mut self, req: &mut Request, num_full: usize) {
         let Some(hy) = self.hybrid.as_deref() else { return };
@@ -450,6 +451,7 @@ impl KvCacheManager {
                     if b != NULL_BLOCK {
                         let key = group_key(&req.block_hashes[i], g);
                         self.pool.cache_block(b, key);
+                        self.pool.set_event_group(b, g);
                         self.newly_cached.push((b, key));
                         if w == MAMBA {
                             if let Some(hy) = self.hybrid.as_deref_mut() {
@@ -460,6 +462,10 @@ impl KvCacheManager {
                 }
             }
             *table(req, slots[g]).1 = num_full as u32;
+            if self.pool.events_mut().is_some() {
+                let blocks = table_ref(req, slots[g]).to_vec();
+                self.record_group_stored(req, &blocks, first, num_full, g, w != 1);
+            }
         }
     }
 

@@ -14,6 +14,7 @@
 
 use crate::block_pool::{prefetch, BlockPool, NULL_BLOCK};
 use crate::hashing::{BlockHash, BlockHasher};
+use crate::hybrid::group_key;
 use crate::request::Request;
 
 #[derive(Debug, Clone)]
@@ -467,6 +468,48 @@ impl KvCacheManager {
             }
         }
         req.num_cached_blocks = num_full as u32;
+        if self.pool.events_mut().is_some() {
+            let stored = self.sliding_window > 1;
+            self.record_group_stored(req, &req.blocks, first, num_full, 0, stored);
+        }
+    }
+
+    /// Records the stored event of group `g`'s run `first..num_full` of `req`'s blocks (`blocks`: the group's
+    /// table), just entered into the prefix cache: the hashes of its blocks that are not null (none when
+    /// `stored` is false: a window of one token caches nothing), with the copies of the group's key of each,
+    /// and the tokens and parent of the whole run (vLLM's event for a window group's run).
+    #[cold]
+    pub(crate) fn record_group_stored(
+        &mut self,
+        req: &Request,
+        blocks: &[u32],
+        first: usize,
+        num_full: usize,
+        g: usize,
+        stored: bool,
+    ) {
+        let kept: Vec<(BlockHash, u32)> = (first..num_full)
+            .filter(|&i| stored && blocks[i] != NULL_BLOCK)
+            .map(|i| {
+                let h = req.block_hashes[i];
+                (h, self.pool.num_copies(&group_key(&h, g)))
+            })
+            .collect();
+        let bs = self.block_size as usize;
+        let tokens = req.token_ids.get(first * bs..num_full * bs).unwrap_or_default();
+        debug_assert_eq!(tokens.len(), (num_full - first) * bs);
+        let parent = first.checked_sub(1).map(|p| req.block_hashes[p]);
+        if let Some(ev) = self.pool.events_mut() {
+            ev.push_stored(
+                kept.into_iter(),
+                parent,
+                tokens,
+                &req.extra_keys,
+                &req.id,
+                first as u32,
+                g as u32,
+            );
+        }
     }
 
     /// Records the stored event of `req`'s blocks `first..num_full`, just entered into the prefix cache.
@@ -487,6 +530,7 @@ impl KvCacheManager {
                 &req.extra_keys,
                 &req.id,
                 first as u32,
+                0,
             );
         }
     }

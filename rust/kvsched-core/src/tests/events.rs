@@ -7,8 +7,10 @@ use std::collections::HashMap;
 use proptest::prelude::*;
 
 use super::helpers::{add, apply, live_ids, params, prompt, schedule, step_with, Pending};
+use crate::config::CHUNKED_LOCAL;
 use crate::events::{CLEARED, REMOVED, STORED};
 use crate::hashing::ExtraKeys;
+use crate::hybrid::group_key;
 use crate::{BlockHash, KvCacheEvents, RequestParams, Scheduler, SchedulerConfig};
 
 fn cfg(num_blocks: u32) -> SchedulerConfig {
@@ -23,7 +25,8 @@ fn cfg(num_blocks: u32) -> SchedulerConfig {
     }
 }
 
-/// Replays `ev` into `counts` (blocks per hash), checking each block's `num_copies` against the replayed count.
+/// Replays `ev` into `counts` (blocks per cache key: the hash in its event's group), checking each block's
+/// `num_copies` against the replayed count.
 fn replay(counts: &mut HashMap<BlockHash, u32>, ev: &KvCacheEvents) {
     ev.check().unwrap();
     for e in 0..ev.len() {
@@ -31,7 +34,8 @@ fn replay(counts: &mut HashMap<BlockHash, u32>, ev: &KvCacheEvents) {
             counts.clear();
         }
         for i in ev.block_indptr[e] as usize..ev.block_indptr[e + 1] as usize {
-            let n = counts.entry(ev.block_hashes[i]).or_default();
+            let key = group_key(&ev.block_hashes[i], ev.groups[e] as usize);
+            let n = counts.entry(key).or_default();
             if ev.kinds[e] == STORED {
                 *n += 1;
             } else {
@@ -131,15 +135,26 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 120, .. ProptestConfig::default() })]
 
     /// Random adds (whole-block prompts of three families, so hashes get cached twice), steps with up to two in
-    /// flight, aborts, failed steps and resets, with a tight pool: after every operation the events replayed from
-    /// the start (per block) equal the prefix cache, and a twin scheduler with events off made the same
-    /// decisions.
+    /// flight, aborts, failed steps and resets, with a tight pool, with one full-attention group, a sliding
+    /// window or several KV cache groups (windows, chunked-local): after every operation the events replayed from
+    /// the start (per block, in its group) equal the prefix cache, and a twin scheduler with events off made the
+    /// same decisions.
     #[test]
     fn replaying_the_events_reproduces_the_prefix_cache(
         num_blocks in 8u32..30,
+        layout in 0usize..6,
         ops in prop::collection::vec((0u8..8, 0u64..64), 1..120),
     ) {
-        let on = cfg(num_blocks);
+        let (window, groups) = match layout {
+            0 | 1 => (None, vec![]),
+            2 => (Some(5), vec![]),
+            3 => (None, vec![None, Some(3)]),
+            4 => (None, vec![Some(6), None, Some(1)]),
+            _ => (None, vec![None, Some(CHUNKED_LOCAL | 8), Some(5)]),
+        };
+        // Each group takes its own blocks: a pool as tight per group.
+        let pool = num_blocks * groups.len().max(1) as u32;
+        let on = SchedulerConfig { sliding_window: window, kv_cache_groups: groups, ..cfg(pool) };
         let mut s = Scheduler::new(SchedulerConfig { max_num_batched_tokens: 16, max_num_seqs: 4, ..on.clone() }).unwrap();
         let mut off = Scheduler::new(SchedulerConfig {
             enable_kv_cache_events: false, max_num_batched_tokens: 16, max_num_seqs: 4, ..on
