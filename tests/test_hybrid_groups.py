@@ -575,6 +575,9 @@ def test_align_mamba_is_checked(impl: str) -> None:
     with pytest.raises(InvalidConfigError, match="drop_trailing_hit_block"):
         make(impl, kv_cache_groups=("mamba", None), mamba_align=True, drop_trailing_hit_block=True)
     assert make(impl, kv_cache_groups=("mamba", None), mamba_align=True).config.enable_prefix_caching is True
+    with pytest.raises(InvalidConfigError, match="enable_kv_cache_events"):
+        make(impl, kv_cache_groups=("mamba", None), mamba_align=True, enable_kv_cache_events=True)
+    assert align(impl, kv_cache_groups=("mamba", None), enable_kv_cache_events=True).config.enable_kv_cache_events
     with pytest.raises(InvalidConfigError, match="disable_chunked_mm_input"):
         align(impl, kv_cache_groups=("mamba", None), disable_chunked_mm_input=True)
     assert align(impl, kv_cache_groups=("mamba", None)).config.mamba_align is True

@@ -1180,6 +1180,9 @@ def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> N
         return
     sched = _build_mamba(on, full, _mamba_spec(16, "align"))
     assert sched.kv_config.mamba_align and sched.kv_config.enable_prefix_caching
+    events = make_vllm_config(block_size=16, max_model_len=96, mamba_cache_mode="align", kv_events=True)
+    with pytest.raises(UnsupportedFeatureError, match="KV cache events with Mamba prefix caching"):
+        _build_mamba(events, full, _mamba_spec(16, "align"))
     checkpoints = dataclasses.replace(_mamba_spec(16, "align"), num_prefill_checkpoint_blocks=1,
                                       prefill_checkpoint_alignment=1)  # fmt: skip
     with pytest.raises(UnsupportedFeatureError, match="Mamba prefill checkpoints"):
