@@ -94,11 +94,11 @@ if __name__ == "__main__":
 
 
 def kvsched_settings(
-    isolate: bool, limit: int, max_running: int, min_ttft_slo_s: float, honest_limit: int
+    isolate: bool, limit: int, max_running: int, min_ttft_slo_s: float, honest_limit: int, honest_max_running: int
 ) -> dict[str, Any]:
     """The recommended deployment of docs/security.md, with small limits: ``limit`` waiting and ``max_running``
-    running requests per tenant; the known (honest) tenants may keep ``honest_limit`` waiting, sized to their
-    traffic as a deployment sizes its known tenants' limits."""
+    running requests per tenant; the known (honest) tenants may keep ``honest_limit`` waiting and run
+    ``honest_max_running``, sized to their traffic as a deployment sizes its known tenants' limits."""
     return {
         "kvsched": {
             "policy": "fair",
@@ -110,6 +110,7 @@ def kvsched_settings(
             "max_waiting_per_tenant": limit,
             "tenant_max_waiting": dict.fromkeys(HONEST_TENANTS, honest_limit),
             "max_running_per_tenant": max_running,
+            "tenant_max_running": dict.fromkeys(HONEST_TENANTS, honest_max_running),
             "tenant_stats_interval_s": 0,
         }
     }
@@ -468,7 +469,9 @@ def check_log(srv: Server, arms: list[Arm]) -> None:
 
 def probe_without_isolation(model: str, tmp: Path, args: argparse.Namespace) -> int | None:
     """The same probe on a server without isolation: the cached tokens the hostile client sees."""
-    settings = kvsched_settings(False, args.limit, args.max_running, args.min_ttft_slo_s, args.honest_limit)
+    settings = kvsched_settings(
+        False, args.limit, args.max_running, args.min_ttft_slo_s, args.honest_limit, args.honest_max_running
+    )
     with server(model, settings, tmp, args.startup_timeout_s) as srv, _client(srv.base) as c:
         secret = _words(99, 300)
         complete(c, secret, _gateway("team-a", srv.token), max_tokens=1, stream=False)
@@ -491,7 +494,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "flood_rate": args.flood_rate,
         }
         if args.isolation in ("on", "both"):
-            settings = kvsched_settings(True, args.limit, args.max_running, args.min_ttft_slo_s, args.honest_limit)
+            settings = kvsched_settings(
+                True, args.limit, args.max_running, args.min_ttft_slo_s, args.honest_limit, args.honest_max_running
+            )
             result["settings"] = settings
             with server(model, settings, tmp, args.startup_timeout_s) as srv:
                 with _client(srv.base) as c:
@@ -604,6 +609,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=32,
         help="the honest tenants' waiting limit (tenant_max_waiting): room for their arrivals when the server is slow",
+    )
+    p.add_argument(
+        "--honest-max-running",
+        type=int,
+        default=16,
+        help="the honest tenants' running limit (tenant_max_running), sized to their traffic",
     )
     p.add_argument("--min-ttft-slo-s", type=float, default=0.5)
     p.add_argument(
