@@ -560,6 +560,21 @@ def test_swapped_blocks_are_charged_and_auto_mode_prices_victims_with_the_step_m
     assert free.batches != rec0.batches
 
 
+def _plain_workload(arrival: Any, prompt_len: Any, output_len: Any, seed: int) -> Workload:
+    """One tenant, no priorities, no shared prefixes."""
+    n = len(arrival)
+    return Workload(
+        arrival_time=np.asarray(arrival, dtype=np.float64),
+        prompt_len=np.asarray(prompt_len),
+        output_len=np.asarray(output_len),
+        tenant=np.zeros(n, dtype=np.int64),
+        priority=np.zeros(n, dtype=np.int64),
+        prefix_group=np.full(n, -1, dtype=np.int64),
+        prefix_len=np.zeros(n, dtype=np.int64),
+        seed=seed,
+    )
+
+
 def test_lone_prefill_term_prices_lone_prefill_steps_exactly() -> None:
     # Requests arriving far apart (each runs alone: lone prefill chunks, then lone decodes), then a burst (prefills
     # sharing steps with each other and with decodes). The arrivals are far enough apart that step times cannot
@@ -567,14 +582,10 @@ def test_lone_prefill_term_prices_lone_prefill_steps_exactly() -> None:
     n_alone, n_burst = 6, 8
     rng = np.random.default_rng(4)
     n = n_alone + n_burst
-    w = Workload(
-        arrival_time=np.concatenate([100.0 * np.arange(n_alone), np.full(n_burst, 100.0 * n_alone)]),
-        prompt_len=rng.integers(20, 600, size=n),
-        output_len=rng.integers(2, 30, size=n),
-        tenant=np.zeros(n, dtype=np.int64),
-        priority=np.zeros(n, dtype=np.int64),
-        prefix_group=np.full(n, -1, dtype=np.int64),
-        prefix_len=np.zeros(n, dtype=np.int64),
+    w = _plain_workload(
+        np.concatenate([100.0 * np.arange(n_alone), np.full(n_burst, 100.0 * n_alone)]),
+        rng.integers(20, 600, size=n),
+        rng.integers(2, 30, size=n),
         seed=4,
     )
     c = 3e-5
@@ -630,18 +641,7 @@ def _expected_new_size_charges(res: Any, capacity: int) -> npt.NDArray[np.float6
 def test_new_size_term_prices_steps_of_a_size_not_run_recently(capacity: int) -> None:
     # Requests far apart (each alone: the schedule cannot depend on step times), so the only difference in step
     # times is the term, on exactly the steps whose size is not among the last `capacity` distinct sizes.
-    n = 30
-    rng = np.random.default_rng(7)
-    w = Workload(
-        arrival_time=100.0 * np.arange(n),
-        prompt_len=rng.choice([40, 90, 300, 700], size=n),
-        output_len=rng.integers(2, 12, size=n),
-        tenant=np.zeros(n, dtype=np.int64),
-        priority=np.zeros(n, dtype=np.int64),
-        prefix_group=np.full(n, -1, dtype=np.int64),
-        prefix_len=np.zeros(n, dtype=np.int64),
-        seed=7,
-    )
+    w = _far_apart_workload()
     c = 4e-3
     base = simulate(w, TIGHT, MODEL, record_batches=True, keep_records=True)
     paid = simulate(
@@ -723,15 +723,8 @@ def test_warm_step_sizes_bad_input_is_a_value_error(bad: Any) -> None:
 
 def _far_apart_workload(n: int = 30) -> Workload:
     rng = np.random.default_rng(7)
-    return Workload(
-        arrival_time=100.0 * np.arange(n),
-        prompt_len=rng.choice([40, 90, 300, 700], size=n),
-        output_len=rng.integers(2, 12, size=n),
-        tenant=np.zeros(n, dtype=np.int64),
-        priority=np.zeros(n, dtype=np.int64),
-        prefix_group=np.full(n, -1, dtype=np.int64),
-        prefix_len=np.zeros(n, dtype=np.int64),
-        seed=7,
+    return _plain_workload(
+        100.0 * np.arange(n), rng.choice([40, 90, 300, 700], size=n), rng.integers(2, 12, size=n), seed=7
     )
 
 
