@@ -345,6 +345,15 @@ def kvsched_config_from_vllm(
     windows = windows or [None]
     sliding_window = windows[0] if len(windows) == 1 else None
     kv_cache_groups = tuple(windows) if len(windows) > 1 else None
+    windowed = sliding_window is not None or kv_cache_groups is not None
+    if kv_transfer is not None and windowed and bool(getattr(kv_transfer, "is_kv_consumer", False)):
+        # External tokens loaded into windows: kvsched's admissions of such loads differ from vLLM's scheduler in
+        # the differential sweep (a producer's hand-offs match).
+        _refuse(
+            "KV connectors that load KV (kv_consumer, kv_both) with sliding-window attention or several KV cache "
+            "groups",
+            f"kv_transfer_config.kv_role={getattr(kv_transfer, 'kv_role', None)!r}",
+        )
     if kv_cache_groups is not None:
         # The core keeps one block table per group; its victim rules know one.
         num = f"{len(windows)} KV cache groups"

@@ -133,7 +133,7 @@ class ConnectorBridge:
     wants_num_cached_blocks = True
 
     def update_state_after_alloc(
-        self, req_id: str, block_ids: list[Any], num_external_tokens: int, num_cached_blocks: int = 0
+        self, req_id: str, block_ids: list[Any], num_external_tokens: int, num_cached_blocks: Any = 0
     ) -> None:
         request = self._get_request(req_id)
         deferred = req_id in self.deferred
@@ -200,14 +200,16 @@ class ConnectorBridge:
 
     # ---- the adapter's side ---------------------------------------------------------------------------
 
-    def _blocks(self, request: Request, block_ids: list[Any], num_hashed: int) -> KVCacheBlocks:
+    def _blocks(self, request: Request, block_ids: list[Any], num_hashed: Any) -> KVCacheBlocks:
         """vLLM's ``KVCacheBlocks`` of a request: ``block_ids`` is one table, or (the core's
-        ``kv_connector_groups``) one table per KV cache group; the first ``num_hashed`` blocks of each are in the
-        prefix cache (with their group's hash), block 0 is vLLM's null block."""
+        ``kv_connector_groups``) one table per KV cache group; the first ``num_hashed`` blocks (with tables: a
+        count per group) are in the prefix cache (with their group's hash), block 0 is vLLM's null block."""
         tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
+        counts = num_hashed if isinstance(num_hashed, list) else [num_hashed] * len(tables)
         hashes = request.block_hashes
         groups = []
         for g, table in enumerate(tables):
+            num_hashed = counts[g]
             blocks = [KVCacheBlock(b) for b in table]
             for i, block in enumerate(blocks):
                 if block.block_id == 0:

@@ -34,11 +34,14 @@ pub trait KvConnector: Send + Sync {
     fn request_finished(&mut self, req: &Request, block_ids: &[u32]) -> bool;
 
     /// With `kv_connector_groups` (vLLM's `SupportsHMA`), instead of `update_state_after_alloc`: `tables` are
-    /// every KV cache group's blocks, in group order. By default the first table's hook.
+    /// every KV cache group's blocks, in group order, `cached` each group's count of leading blocks counted as
+    /// cached (hits, null blocks before a window, blocks entered into the prefix cache). By default the first
+    /// table's hook.
     fn update_state_after_alloc_groups(
         &mut self,
         req: &Request,
         _tables: &[&[u32]],
+        _cached: &[u32],
         num_external_tokens: u32,
     ) {
         self.update_state_after_alloc(req, num_external_tokens);
@@ -69,17 +72,27 @@ pub(crate) struct Connector(pub Box<dyn KvConnector>);
 
 impl Connector {
     /// `update_state_after_alloc` (with `tables`, `kv_connector_groups`: its per-group form).
-    pub(crate) fn after_alloc(&mut self, req: &Request, tables: Option<&[&[u32]]>, num_external_tokens: u32) {
+    pub(crate) fn after_alloc(
+        &mut self,
+        req: &Request,
+        tables: Option<&(Vec<&[u32]>, Vec<u32>)>,
+        num_external_tokens: u32,
+    ) {
         match tables {
-            Some(t) => self.0.update_state_after_alloc_groups(req, t, num_external_tokens),
+            Some((t, c)) => self.0.update_state_after_alloc_groups(req, t, c, num_external_tokens),
             None => self.0.update_state_after_alloc(req, num_external_tokens),
         }
     }
 
     /// `load_deferred` (with `tables`: its per-group form).
-    pub(crate) fn deferred(&mut self, req: &Request, tables: Option<&[&[u32]]>, num_external_tokens: u32) {
+    pub(crate) fn deferred(
+        &mut self,
+        req: &Request,
+        tables: Option<&(Vec<&[u32]>, Vec<u32>)>,
+        num_external_tokens: u32,
+    ) {
         match tables {
-            Some(t) => self.0.load_deferred_groups(req, t, num_external_tokens),
+            Some((t, _)) => self.0.load_deferred_groups(req, t, num_external_tokens),
             None => self.0.load_deferred(req, num_external_tokens),
         }
     }

@@ -297,7 +297,7 @@ impl Scheduler {
                 continue;
             };
             let tables = self.config.kv_connector_groups.then(|| self.kv.group_tables(req));
-            conn.after_alloc(req, tables.as_deref(), d.num_external_tokens);
+            conn.after_alloc(req, tables.as_ref(), d.num_external_tokens);
             if let Some((queries, hits)) = d.queries {
                 self.counters.connector_prefix_cache_queries += queries;
                 self.counters.connector_prefix_cache_hits += hits;

@@ -539,11 +539,16 @@ impl KvCacheManager {
             .collect()
     }
 
-    /// Every group's table in group order (one table without groups).
-    pub(crate) fn group_tables<'a>(&self, req: &'a Request) -> Vec<&'a [u32]> {
+    /// Every group's table in group order (one table without groups), with each group's cached-block count.
+    pub(crate) fn group_tables<'a>(&self, req: &'a Request) -> (Vec<&'a [u32]>, Vec<u32>) {
         match self.hybrid.as_deref() {
-            None => vec![&req.blocks[..]],
-            Some(hy) => (0..hy.windows.len()).map(|g| table_ref(req, hy.slot(g))).collect(),
+            None => (vec![&req.blocks[..]], vec![req.num_cached_blocks]),
+            Some(hy) => (0..hy.windows.len())
+                .map(|g| match hy.slot(g) {
+                    None => (&req.blocks[..], req.num_cached_blocks),
+                    Some(i) => (&req.groups[i].blocks[..], req.groups[i].num_cached_blocks),
+                })
+                .unzip(),
         }
     }
 

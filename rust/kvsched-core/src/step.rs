@@ -1314,7 +1314,7 @@ impl Scheduler {
                 && self.sched_step_seq > self.processed_step_seq;
             let tables = self.config.kv_connector_groups.then(|| self.kv.group_tables(req));
             if defer {
-                conn.deferred(req, tables.as_deref(), a.ext);
+                conn.deferred(req, tables.as_ref(), a.ext);
                 let fence = self.sched_step_seq;
                 self.deferred_loads.push_back(DeferredLoad {
                     fence,
@@ -1323,7 +1323,7 @@ impl Scheduler {
                     queries,
                 });
             } else {
-                conn.after_alloc(req, tables.as_deref(), a.ext);
+                conn.after_alloc(req, tables.as_ref(), a.ext);
                 if let Some((q, hits)) = queries {
                     self.counters.connector_prefix_cache_queries += q;
                     self.counters.connector_prefix_cache_hits += hits;
