@@ -52,8 +52,8 @@ def test_the_member_scan_sees_methods_and_properties() -> None:
     # 47 + append_input, finish_input, has_request (streaming input), set_encoder_sizes, the EC connector's 3
     # + the cache-hit cap's 2 and get_cached_block_mask + encoder-decoder scheduling's slot count and its reset
     # + preempt_request + block pins (pin_blocks, unpin_blocks, get_block_pin_cnt) and the block-hash reads
-    # (get_block_hash, get_cached_block_id, free_block_ids)
-    assert len(members) == 66
+    # (get_block_hash, get_cached_block_id, free_block_ids) + free_held_window_blocks (KV connectors with windows)
+    assert len(members) == 67
     assert "num_reqs" in protocol_members(SchedulerOutputProtocol)
 
 

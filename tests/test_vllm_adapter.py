@@ -820,8 +820,7 @@ def _attention_kw(block_size: int = 16, head_size: int = 1) -> dict[str, Any]:
 
 def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_name() -> None:
     """One SlidingWindowSpec group runs on the core's sliding_window; a chunked-local spec alone (without a
-    full-attention group) or a KV connector with a window are refused at construction, by name; KV cache events
-    run with it."""
+    full-attention group) is refused at construction, by name; KV cache events and a KV connector run with it."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
@@ -831,8 +830,12 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
     assert sched.kv_config.sliding_window == 64 and sched.kv_config.kv_cache_groups is None
     with pytest.raises(UnsupportedFeatureError, match="chunked-local KV cache groups without a full-attention group"):
         build(make_vllm_config(block_size=16), ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
-    with pytest.raises(UnsupportedFeatureError, match="KV connectors with sliding-window attention"):
-        build(make_vllm_config(block_size=16, kv_connector_seed=1), window)
+    # A KV producer with a window: the core hands it the window's tables (kv_connector_groups); roles that load KV
+    # are refused by name.
+    producer = make_vllm_config(block_size=16, kv_connector_seed=1, kv_role="kv_producer")
+    assert build(producer, window).kv_config.kv_connector_groups
+    with pytest.raises(UnsupportedFeatureError, match="KV connectors that load KV"):
+        build(make_vllm_config(block_size=16, kv_connector_seed=1, kv_role="kv_consumer"), window)
     assert build(make_vllm_config(block_size=16, kv_events=True), window).kv_config.enable_kv_cache_events
 
 
@@ -888,15 +891,23 @@ def test_several_kv_cache_groups_give_the_runner_one_block_list_per_group(async_
 
 
 def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> None:
-    """Several groups with a KV connector, a victim rule other than the default, different block
-    sizes, chunked-local groups without a full-attention group, or two windows (or chunked-local groups) of the
-    same size with different specs (vLLM looks their prefix hits up apart) are refused at construction, by name."""
+    """Several groups with a KV connector and a chunked-local group, a victim rule other than the default,
+    different block sizes, chunked-local groups without a full-attention group, or two windows (or chunked-local
+    groups) of the same size with different specs (vLLM looks their prefix hits up apart) are refused at
+    construction, by name."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     kw = _attention_kw()
     full, window = FullAttentionSpec(**kw), SlidingWindowSpec(sliding_window=64, **kw)
     build = _build_with_groups
-    with pytest.raises(UnsupportedFeatureError, match="KV connectors with several KV cache groups"):
+    # A KV producer runs with full-attention and window groups, not with a chunked-local one; roles that load KV are
+    # refused.
+    producer = make_vllm_config(block_size=16, kv_connector_seed=1, kv_role="kv_producer")
+    assert build(producer, full, window).kv_config.kv_connector_groups
+    chunked = ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw)
+    with pytest.raises(UnsupportedFeatureError, match="KV connectors with Mamba, chunked-local or cross-attention"):
+        build(make_vllm_config(block_size=16, kv_connector_seed=1, kv_role="kv_producer"), full, chunked)
+    with pytest.raises(UnsupportedFeatureError, match="KV connectors that load KV"):
         build(make_vllm_config(block_size=16, kv_connector_seed=1), full, window)
     # KV cache events run with several groups.
     assert build(make_vllm_config(block_size=16, kv_events=True), full, window).kv_config.enable_kv_cache_events

@@ -1462,10 +1462,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.streaming and args.mm:
         p.error("--streaming goes without --mm")
-    if args.sliding_window and args.connector:
-        p.error("--sliding-window goes without --connector")
-    if args.hybrid and (args.connector or args.sliding_window or args.mm):
-        p.error("--hybrid goes without --connector, --sliding-window and --mm")
+    if args.hybrid and (args.sliding_window or args.mm):
+        p.error("--hybrid goes without --sliding-window and --mm")
+    if args.connector and args.hybrid and args.chunked_local:
+        p.error("--connector goes without --chunked-local (kvsched.vllm refuses connectors with chunked-local groups)")
     if args.mamba_align and not args.mamba:
         p.error("--mamba-align goes with --mamba")
     if args.mamba_prefix_caching and not args.mamba_align:

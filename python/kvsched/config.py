@@ -541,6 +541,16 @@ class SchedulerConfig:
             "connector's `requires_kv_delivery`). See [In-flight steps](#in-flight-steps)"
         ),
     )
+    kv_connector_groups: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM's KV connectors with `SupportsHMA`: the connector's hooks get one block table per KV cache "
+            "group (in group order; one without `kv_cache_groups`), and at a finish a window's blocks that left "
+            "the window of the processed tokens are freed before the connector sees them; allows a connector, "
+            "and `defer_block_free`, with full-attention and sliding-window groups (`kvsched.vllm` sets it for "
+            "such connectors). See [KV connectors with several groups](#kv-connectors-with-several-groups)"
+        ),
+    )
     max_loras_counts_unscheduled: bool = field(
         default=True,
         metadata=_spec(
@@ -852,8 +862,10 @@ class SchedulerConfig:
             )
         if self.preemption_mode != "recompute":
             raise InvalidConfigError(f"kv_cache_groups needs preemption_mode 'recompute', got {self.preemption_mode!r}")
-        if self.defer_block_free:
-            raise InvalidConfigError("kv_cache_groups is not supported with defer_block_free")
+        if self.defer_block_free and not self.kv_connector_groups:
+            raise InvalidConfigError(
+                "kv_cache_groups is not supported with defer_block_free (only with kv_connector_groups)"
+            )
         if self.preemption_victim != "default":
             raise InvalidConfigError(
                 f"kv_cache_groups needs the default preemption_victim, got {self.preemption_victim!r}"

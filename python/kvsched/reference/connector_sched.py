@@ -94,9 +94,33 @@ class _ConnectorMixin(_BlockPoolMixin):
             self._keep(e)
             return None
 
+    def _all_tables(self, r: _Request) -> list[list[int]]:
+        """Every group's table in group order (one table without groups): ``block_ids`` is the primary group's,
+        the others' are ``group_block_ids`` in order."""
+        p = self._config.primary_group
+        return [*r.group_block_ids[:p], r.block_ids, *r.group_block_ids[p:]]
+
+    def _take_tables(self, r: _Request) -> list[list[int]]:
+        """Takes every group's table out of ``r`` in group order (one without groups), leaving them empty."""
+        tables = [list(t) for t in self._all_tables(r)]
+        r.group_block_ids = [[] for _ in r.group_block_ids]
+        r.group_num_cached = [0] * len(r.group_num_cached)
+        r.mamba_allocated.clear()
+        r.mamba_appended.clear()
+        r.block_ids = []
+        r.num_cached_blocks = 0
+        return tables
+
+    def _hook_blocks(self, r: _Request) -> list[Any]:
+        """The blocks argument of the allocation hooks: the primary table, or (``kv_connector_groups``) one list
+        per group in group order."""
+        if self._config.kv_connector_groups:
+            return [list(t) for t in self._all_tables(r)]
+        return list(r.block_ids)
+
     def _hook_after_alloc(self, r: _Request, num_external: int) -> None:
         try:
-            self._connector.update_state_after_alloc(r.req_id, list(r.block_ids), num_external)
+            self._connector.update_state_after_alloc(r.req_id, self._hook_blocks(r), num_external)
         except Exception as e:
             self._keep(e)
 
@@ -105,7 +129,7 @@ class _ConnectorMixin(_BlockPoolMixin):
         if hook is None:
             return
         try:
-            hook(r.req_id, list(r.block_ids), num_external)
+            hook(r.req_id, self._hook_blocks(r), num_external)
         except Exception as e:
             self._keep(e)
 
@@ -114,7 +138,7 @@ class _ConnectorMixin(_BlockPoolMixin):
             self._stats["connector_queries"] += queries[0]
             self._stats["connector_hits"] += queries[1]
 
-    def _hook_finished(self, r: _Request, block_ids: list[int]) -> bool:
+    def _hook_finished(self, r: _Request, block_ids: list[Any]) -> bool:
         try:
             res = self._connector.request_finished(r.req_id, list(block_ids))
             delay, params = res if isinstance(res, tuple) and len(res) == 2 else (res, None)
@@ -167,6 +191,11 @@ class _ConnectorMixin(_BlockPoolMixin):
                         f"invalid_block_ids: block ids must be in [1, {self._config.num_blocks}), got {b}"
                     )
                 invalid.append(int(b))
+        if invalid and self._config.kv_cache_groups is not None:
+            # vLLM refuses them too: a block id names a block of one group, not a request's tokens.
+            raise InvalidRequestError(
+                "invalid_block_ids are not supported with kv_cache_groups (report the requests in failed_recving)"
+            )
 
         def loading(req_id: str, what: str) -> None:
             r = self._requests.get(req_id)
@@ -253,10 +282,26 @@ class _ConnectorMixin(_BlockPoolMixin):
         h[1 if recv else 2] = False
         if not h[1] and not h[2]:
             del self._held[req_id]
+            for w in h[4]:
+                self._free_block_list(w)
             if self._config.defer_block_free and h[3] > self._processed_step_seq:
-                self._defer_free(h[0])
+                self._defer_free([b for t in h[0] for b in t])
             else:
-                self._free_block_list(h[0])
+                for t in h[0]:
+                    self._free_block_list(t)
+
+    def free_held_window_blocks(self, req_id: str) -> None:
+        """With ``kv_connector_groups``: frees now, group by group, the blocks that left a window at the finish of
+        the held request ``req_id`` (they otherwise go back with its held blocks)."""
+        if not isinstance(req_id, str):
+            raise SchedulerTypeError(f"req_id must be a str, got {type(req_id).__name__}")
+        h = self._held.get(req_id)
+        if h is None:
+            raise UnknownRequestError(f"unknown held request id {req_id!r}")
+        window, h[4] = h[4], []
+        for w in window:
+            self._free_block_list(w)
+        self._last_out_fresh = False
 
     # -- deferred block frees and loads (defer_block_free, defer_async_loads; vLLM 0.33's names) ----------------
 
@@ -267,17 +312,17 @@ class _ConnectorMixin(_BlockPoolMixin):
         """Free ``r``'s blocks now, or (``defer_block_free``, a step in flight scheduled it) once every step
         scheduled so far is applied."""
         if self._request_blocks_can_be_freed(r):
-            # Several KV cache groups: table by table in group order (they refuse deferral); block_ids is the
-            # primary group's table, the others' are group_block_ids in order.
-            p = self._config.primary_group
-            for table in [*r.group_block_ids[:p], r.block_ids, *r.group_block_ids[p:]]:
+            # Several KV cache groups: table by table in group order; block_ids is the primary group's table, the
+            # others' are group_block_ids in order.
+            for table in self._all_tables(r):
                 self._free_block_list(table)
             r.group_block_ids = [[] for _ in r.group_block_ids]
             r.group_num_cached = [0] * len(r.group_num_cached)
             r.mamba_allocated.clear()
             r.mamba_appended.clear()
         else:
-            self._defer_free(r.block_ids)
+            # Every group's table, in group order, as one list (vLLM's pop_blocks_for_free).
+            self._defer_free([b for t in self._take_tables(r) for b in t])
         r.block_ids = []
         r.num_cached_blocks = 0
 

@@ -131,6 +131,41 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._free_block_list(r.block_ids[first:last])
             r.block_ids[first:last] = [0] * (last - first)
 
+    def _take_all_skipped(self, r: _Request, processed: int) -> list[list[int]]:
+        """vLLM's ``remove_skipped_blocks`` over every window group (the one ``sliding_window`` without groups),
+        in group order, without freeing: the blocks become null blocks and come back per group."""
+        c = self._config
+        if c.kv_cache_groups is None:
+            if c.sliding_window is None:
+                return []
+            windows: tuple[int, ...] = (c.sliding_window,)
+        else:
+            windows = self._group_windows()
+        out = []
+        for g, w in enumerate(windows):
+            removed: list[int] = []
+            if w > 0:
+                table = r.block_ids if c.kv_cache_groups is None else self._group_table(r, g)
+                last = min(self._group_skipped(w, processed) // self._bs, len(table))
+                first = last
+                while first > 0 and table[first - 1] != 0:
+                    first -= 1
+                removed = table[first:last]
+                table[first:last] = [0] * (last - first)
+            out.append(removed)
+        return out
+
+    def _computed_tables(self, r: _Request, computed: int) -> list[list[int]]:
+        """Every group's table in group order, each attention group's cut to the blocks of the first ``computed``
+        tokens (vLLM's ``get_block_ids_for_computed_tokens``; Mamba and cross-attention tables whole)."""
+        n = math.ceil(computed / self._bs)
+        if self._config.kv_cache_groups is None:
+            return [r.block_ids[:n]]
+        return [
+            list(self._group_table(r, g)) if w in (_MAMBA, _CROSS) else self._group_table(r, g)[:n]
+            for g, w in enumerate(self._group_windows())
+        ]
+
     def _free_blocks(self, r: _Request) -> None:
         """Release ``r``'s blocks in reverse; cached ones go to the tail (LRU), uncached ones as one group to the
         head, deepest first (so the head is the deepest freed block). With several groups, group by group in group
@@ -469,6 +504,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         # Align-mode Mamba groups: the entries the state's tokens (no lookahead) want.
         mamba_entries = math.ceil((total_computed + n) / bs) + c.mamba_speculative_blocks
         plan = []
+        ext_plan: list[tuple[int, int]] = []  # (group, blocks of the external tokens), popped first
         total_need = evictable = 0
         for g, w in enumerate(windows):
             if w == _MAMBA and align:  # may be negative: vLLM sums it as it is
@@ -493,10 +529,19 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 total_need += need
                 plan.append((0, need))
                 continue
-            skipped = self._group_skipped(w, total_computed) // bs if fresh and w else 0
-            need = max(0, math.ceil(num_slots / bs) - len(self._group_table(r, g)) - max(skipped, len(hits)))
+            skipped_tokens = self._group_skipped(w, total_computed) if fresh and w else 0
+            skipped = skipped_tokens // bs
+            held_after_hits = len(self._group_table(r, g)) + max(skipped, len(hits))
+            need = max(0, math.ceil(num_slots / bs) - held_after_hits)
             evictable += sum(1 for b in all_hits[g][skipped:] if b != 0 and self._ref_cnt[b] == 0)
             total_need += need
+            # A new request's external tokens: vLLM pops their blocks for every group before the other new blocks
+            # (allocate_external_computed_blocks), unless the window skips them all.
+            # (the tokens computed before a new request's allocation: the external ones).
+            pre = r.num_computed_tokens + ext
+            g_ext = min(pre, total_computed - skipped_tokens) if skipped_tokens else pre
+            if fresh and g_ext > 0:
+                ext_plan.append((g, min(need, max(0, math.ceil(total_computed / bs) - held_after_hits))))
             plan.append((skipped, need))
         if total_need + evictable + reserved > len(self._free):
             return None
@@ -512,6 +557,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._group_table(r, g).extend([0] * skipped + kept)
             self._set_group_cached(r, g, self._group_cached(r, g) + skipped + len(kept))
         new_blocks: list[int] = []
+        for g, ext_need in ext_plan:
+            ext_blocks = [self._pop_free_block() for _ in range(ext_need)]
+            self._group_table(r, g).extend(ext_blocks)
+            if self._zero_ids:
+                self._zero_ids[g].extend(ext_blocks)
+            if g == c.primary_group:
+                new_blocks = ext_blocks
+            plan[g] = (plan[g][0], plan[g][1] - ext_need)
         for g, (_, need) in enumerate(plan):
             if windows[g] == _MAMBA and align:
                 self._grow_mamba_align(r, g, mamba_entries)
@@ -521,7 +574,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if self._zero_ids and windows[g] != _MAMBA:  # with a Mamba group: new attention blocks are zeroed
                 self._zero_ids[g].extend(fresh_blocks)
             if g == c.primary_group:
-                new_blocks = fresh_blocks
+                new_blocks = new_blocks + fresh_blocks
         if cache:
             self._cache_blocks(r, min(total_computed + n, r.num_tokens))
         return new_blocks

@@ -258,13 +258,19 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
         r.parked = False
         r.status = status
         delay = False
-        if self._connector is not None:
+        window: list[list[int]] = []
+        if self._connector is not None and self._config.kv_connector_groups:
+            # vLLM's _connector_finished: the blocks that left a window of the processed tokens leave the tables
+            # first (freed below unless the request's blocks are held).
+            window = self._take_all_skipped(r, max(0, r.num_computed_tokens - r.num_in_flight_tokens))
+            delay = self._hook_finished(r, self._computed_tables(r, r.num_computed_tokens))
+        elif self._connector is not None:
             delay = self._hook_finished(r, r.block_ids[: math.ceil(r.num_computed_tokens / self._bs)])
         if delay or was_loading:
-            self._held[r.req_id] = [r.block_ids, was_loading, delay, r.last_sched_seq]
-            r.block_ids = []
-            r.num_cached_blocks = 0
+            self._held[r.req_id] = [self._take_tables(r), was_loading, delay, r.last_sched_seq, window]
         else:
+            for w in window:
+                self._free_block_list(w)
             self._free_request_blocks(r)
         self._release_all_encoder(r)
         if self._config.encoder_decoder:  # vLLM's EncoderDecoderCacheManager frees a finished request's inputs
@@ -591,10 +597,10 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                 require(len(set(live)) == len(live) and 0 not in live, f"{r.req_id}: a block twice in one table")
                 for b in live:
                     holders[b] += 1
-        for req_id, (blocks, awaiting_recv, awaiting_send, _) in self._held.items():
+        for req_id, (tables, awaiting_recv, awaiting_send, _, window) in self._held.items():
             require(awaiting_recv or awaiting_send, f"{req_id}: held blocks for no transfer")
             require(req_id not in self._requests, f"{req_id}: live and held")
-            for b in blocks:
+            for b in (b for t in [*tables, *window] for b in t):
                 holders[b] += b != 0
         fences = [fence for fence, _ in self._deferred_frees]
         require(fences == sorted(fences) and all(f <= self._sched_step_seq for f in fences), "deferred fences")

@@ -49,7 +49,8 @@ class _SchedulerState:
         # requests whose asynchronous KV load is over, holding blocks (vLLM's kv_holding_waiting): admitted first
         self._kv_waiting: _WaitingQueue = _new_waiting_queue(c.policy, self._tenants)
         self._newly_ready: list[_Request] = []  # parked requests that became ready, queued at the next step
-        # finished request -> [blocks, awaiting_recv, awaiting_send, last_sched_seq]
+        # finished request -> [tables (one per group, group order), awaiting_recv, awaiting_send, last_sched_seq,
+        # the blocks that left a window at the finish, per group]
         self._held: dict[str, list[Any]] = {}
         # defer_block_free (vLLM's names): non-empty steps scheduled / applied, and the frees waiting for them as
         # (fence, blocks), oldest first
@@ -68,9 +69,16 @@ class _SchedulerState:
                 if not hasattr(kv_connector, hook):
                     raise SchedulerTypeError(f"kv_connector must have a {hook}() method")
             if c.kv_cache_groups is not None:
-                raise InvalidConfigError(
-                    "kv_cache_groups is not supported with a KV connector (it knows one block table)"
-                )
+                if not c.kv_connector_groups:
+                    raise InvalidConfigError(
+                        "kv_cache_groups is not supported with a KV connector unless kv_connector_groups is set (its "
+                        "hooks then get one block table per group)"
+                    )
+                if any(w is not None and not isinstance(w, int) for w in c.kv_cache_groups):
+                    raise InvalidConfigError(
+                        "kv_cache_groups with a KV connector must be full-attention and sliding-window groups (no "
+                        "Mamba, cross-attention or chunked-local group)"
+                    )
         self._connector = kv_connector
         self._ec_connector: Any = None  # the encoder-cache connector (encoder_sched.py)
         self._ec_error: BaseException | None = None

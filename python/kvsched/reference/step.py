@@ -587,10 +587,24 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         c, bs = self._config, self._bs
         k = c.num_spec_tokens
         step = 1 + k + c.num_lookahead_tokens if k else 0
+        if c.kv_cache_groups is not None:
+            # Every group but Mamba's: its blocks, a window's (or chunked-local group's) capped at its admission cap.
+            windows = [(g, w) for g, w in enumerate(self._group_windows()) if w != -2]
+            total = len(windows) * -(-step // bs)
+            for r in self._requests.values():
+                if r.inflight_prefill:
+                    required = -(-(min(r.num_tokens, c.max_model_len) + step) // bs)
+                    for g, w in windows:
+                        need = min(required, self._group_cap(w)) if w > 0 else required
+                        total += max(0, need - len(self._group_table(r, g)))
+            return total
         total = -(-step // bs)
         for r in self._requests.values():
             if r.inflight_prefill:
-                total += max(0, -(-(min(r.num_tokens, c.max_model_len) + step) // bs) - len(r.block_ids))
+                required = -(-(min(r.num_tokens, c.max_model_len) + step) // bs)
+                if c.sliding_window is not None:  # capped at the window's admission cap
+                    required = min(required, self._group_cap(c.sliding_window))
+                total += max(0, required - len(r.block_ids))
         return total
 
     def _promote_loaded(self, r: _Request) -> None:

@@ -45,6 +45,7 @@ class ConnectorBridge:
         connector_prefix_cache_stats: Callable[[], PrefixCacheStats | None],
         mark_slow: Callable[[str], None],
         log_stats: bool,
+        windows: tuple[Any, ...] = (None,),
     ) -> None:
         """``connector``: vLLM's scheduler-role connector. What the bridge needs of the adapter, all reading its
         state when called: ``get_request``, the vLLM request of a live id; ``record_prefix_lookup(request,
@@ -52,13 +53,15 @@ class ConnectorBridge:
         ``connector_prefix_cache_stats()``, the connector's prefix-cache stats being collected (None without
         stats; the adapter starts new ones each time it reports them); ``mark_slow(req_id)``, the request's state
         is no longer a plain decode's (the adapter's update takes its general path for it); ``log_stats``,
-        whether stats are collected."""
+        whether stats are collected; ``windows``, each KV cache group's window (None: full attention)."""
         self.connector = connector
         self._get_request = get_request
         self._record_prefix_lookup = record_prefix_lookup
         self._connector_prefix_cache_stats = connector_prefix_cache_stats
         self._mark_slow = mark_slow
         self._hma = isinstance(connector, SupportsHMA)
+        # Groups whose blocks never enter the prefix cache (a window of one token).
+        self._uncached_groups = {g for g, w in enumerate(windows) if w == 1}
         # Lookups of this step that may end in an admission: req_id -> (local hit tokens, external tokens, async).
         self._asked: dict[str, tuple[int, int, bool]] = {}
         # The KV-fetch stage each request of this step's lookups had before it (ec_deferred puts it back).
@@ -67,8 +70,9 @@ class ConnectorBridge:
         self.recorded: set[str] = set()
         # A request of this step loads its external tokens synchronously (SchedulerOutput.has_sync_kv_loads).
         self.has_sync_kv_loads = False
-        # Requests the core finished inside its last call: req_id -> the blocks of their computed tokens.
-        self.finished: dict[str, list[int]] = {}
+        # Requests the core finished inside its last call: req_id -> the blocks of their computed tokens (one
+        # table per KV cache group with the core's kv_connector_groups).
+        self.finished: dict[str, list[Any]] = {}
         # Asynchronous loads: not reported over yet / reported over, not admitted yet.
         self.loading: set[str] = set()
         # Asynchronous loads admitted by the step being scheduled, in admission order.
@@ -129,7 +133,7 @@ class ConnectorBridge:
     wants_num_cached_blocks = True
 
     def update_state_after_alloc(
-        self, req_id: str, block_ids: list[int], num_external_tokens: int, num_cached_blocks: int = 0
+        self, req_id: str, block_ids: list[Any], num_external_tokens: int, num_cached_blocks: Any = 0
     ) -> None:
         request = self._get_request(req_id)
         deferred = req_id in self.deferred
@@ -185,7 +189,7 @@ class ConnectorBridge:
         elif num_external_tokens > 0:
             self.has_sync_kv_loads = True
 
-    def request_finished(self, req_id: str, block_ids: list[int]) -> bool:
+    def request_finished(self, req_id: str, block_ids: list[Any]) -> bool:
         # Hold the blocks; finish() asks vLLM's connector once the request is in its finished state.
         self.finished[req_id] = block_ids
         return True
@@ -196,12 +200,24 @@ class ConnectorBridge:
 
     # ---- the adapter's side ---------------------------------------------------------------------------
 
-    def _blocks(self, request: Request, block_ids: list[int], num_hashed: int) -> KVCacheBlocks:
-        blocks = [KVCacheBlock(b) for b in block_ids]
+    def _blocks(self, request: Request, block_ids: list[Any], num_hashed: Any) -> KVCacheBlocks:
+        """vLLM's ``KVCacheBlocks`` of a request: ``block_ids`` is one table, or (the core's
+        ``kv_connector_groups``) one table per KV cache group; the first ``num_hashed`` blocks (with tables: a
+        count per group) are in the prefix cache (with their group's hash), block 0 is vLLM's null block."""
+        tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
+        counts = num_hashed if isinstance(num_hashed, list) else [num_hashed] * len(tables)
         hashes = request.block_hashes
-        for i in range(min(num_hashed, len(blocks), len(hashes))):
-            blocks[i]._block_hash = make_block_hash_with_group_id(hashes[i], 0)
-        return KVCacheBlocks((blocks,))
+        groups = []
+        for g, table in enumerate(tables):
+            num_hashed = counts[g]
+            blocks = [KVCacheBlock(b) for b in table]
+            for i, block in enumerate(blocks):
+                if block.block_id == 0:
+                    block.is_null = True
+                elif i < num_hashed and i < len(hashes) and g not in self._uncached_groups:
+                    block._block_hash = make_block_hash_with_group_id(hashes[i], g)
+            groups.append(blocks)
+        return KVCacheBlocks(tuple(groups))
 
     def _set_stage(self, req_id: str, stage: str | None) -> None:
         stages = self.stages
@@ -245,8 +261,10 @@ class ConnectorBridge:
         self.loading.discard(req_id)
         self.loaded.discard(req_id)
         self._set_stage(req_id, None)
+        # One table, or (the core's kv_connector_groups) one per KV cache group.
+        tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
         if self._hma:
-            delay, params = self.connector.request_finished_all_groups(request, (block_ids,))
+            delay, params = self.connector.request_finished_all_groups(request, tuple(tables))
         else:
-            delay, params = self.connector.request_finished(request, block_ids)
+            delay, params = self.connector.request_finished(request, tables[0])
         return bool(delay), params

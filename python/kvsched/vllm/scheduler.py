@@ -44,6 +44,7 @@ from ._compat import RULES
 from ._config import (
     UnsupportedFeatureError,
     _check_kv_cache_config,
+    _refuse,
     check_kv_connector,
     check_multimodal,
     encoder_budget,
@@ -296,6 +297,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 config=vllm_config, role=KVConnectorRole.SCHEDULER, kv_cache_config=kv_cache_config
             )
             if check_kv_connector(vllm_config, connector):
+                if config.kv_connector_groups:
+                    # Not compared with vLLM's scheduler with windows or several groups yet.
+                    _refuse(
+                        "KV connectors that use vLLM's block pool with sliding-window attention or several KV cache "
+                        "groups",
+                        "kv_transfer_config",
+                    )
                 self._pins = BlockPins(self)
             self.connector = connector
             self._bridge = ConnectorBridge(
@@ -305,6 +313,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 connector_prefix_cache_stats=lambda: self._connector_prefix_cache_stats,
                 mark_slow=lambda req_id: self._slow_req_ids.add(req_id),
                 log_stats=self.log_stats,
+                windows=self._group_windows,
             )
             if log_stats:
                 self._connector_prefix_cache_stats = PrefixCacheStats()
@@ -748,6 +757,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             delay |= self._ec_finished(request)
         if delay or loading:
             self._held[req_id] = [loading, delay]
+            if self._core.config.kv_connector_groups:
+                # vLLM frees the blocks that left a window at the finish, after the frees of the requests that
+                # finished before (the core keeps them with the held blocks until told).
+                self._release_finished()
+                self._core.free_held_window_blocks(req_id)
         if not delay:
             self._to_release.append(req_id)
         return params

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any, ClassVar
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, SupportsHMA
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -663,7 +663,7 @@ class RandomECConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]  # v
         return f"RandomECConnectorMetadata({self.allocated!r})"
 
 
-class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped here
+class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM is untyped here
     """A scheduler-role KV connector whose answers are a seeded function of what it is asked, in the role of its
     ``kv_transfer_config``: a consumer (``kv_consumer``, a decode engine) finds external tokens for some requests
     (loaded synchronously or asynchronously) and "ask again later" for a few; a producer (``kv_producer``, a
@@ -692,6 +692,7 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
         self.loads_external = bool(self._kv_transfer_config.is_kv_consumer) and not self.passive
         self.sends = bool(self._kv_transfer_config.is_kv_producer) and not self.passive
         self.calls: list[tuple[Any, ...]] = []
+        self._num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         self.loads: dict[str, tuple[list[int], int, int]] = {}  # req_id -> (blocks, first token, tokens)
         self.sending: set[str] = set()
         self._asked: dict[str, int] = {}
@@ -729,10 +730,15 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
-        (block_ids,) = blocks.get_block_ids()
-        self.calls.append(
-            ("alloc", req_id, list(block_ids), num_external_tokens, list(blocks.get_unhashed_block_ids()))
-        )
+        groups = blocks.get_block_ids()
+        if len(groups) == 1:
+            self.calls.append(
+                ("alloc", req_id, list(groups[0]), num_external_tokens, list(blocks.get_unhashed_block_ids()))
+            )
+        else:  # several KV cache groups: every group's blocks (null blocks before a window included)
+            unhashed = [list(u) for u in blocks.get_unhashed_block_ids_all_groups()]
+            self.calls.append(("alloc", req_id, [list(g) for g in groups], num_external_tokens, unhashed))
+        block_ids = groups[0]
         local, _ext, is_async = self._pending.pop(req_id, (0, 0, False))
         if is_async and num_external_tokens > 0:
             self.loads[req_id] = (list(block_ids), local, num_external_tokens)
@@ -754,9 +760,21 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request, list(block_ids), block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's SupportsHMA: every KV cache group's blocks of the computed tokens (logged as one list with one
+        # group, as request_finished logs them).
+        if len(block_ids) == 1:
+            return self.request_finished(request, block_ids[0])
+        return self._finished(request, [list(g) for g in block_ids], block_ids[0])
+
+    def _finished(self, request: Any, logged: list[Any], block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._requests.pop(req_id, None)
-        self.calls.append(("finished", req_id, request.status.name, list(block_ids)))
+        self.calls.append(("finished", req_id, request.status.name, logged))
         rng = self._rng(req_id, "finished")
         delay = self.sends and bool(block_ids) and req_id not in self.loads and rng.random() < 0.3
         if delay:
@@ -795,7 +813,13 @@ class RandomKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is un
                 if r < 0.1:
                     failed.add(rid)
                 elif r < 0.2:
-                    invalid.add(blocks[rng.randrange(first // block_size, -(-(first + n) // block_size))])
+                    bad = blocks[rng.randrange(first // block_size, -(-(first + n) // block_size))]
+                    # vLLM refuses invalid blocks with several KV cache groups (a block id names a block within
+                    # one group), and a window's null block holds nothing: the load failed whole instead.
+                    if bad == 0 or self._num_groups > 1:
+                        failed.add(rid)
+                    else:
+                        invalid.add(bad)
         for rid in sorted(self.sending):
             if rng.random() < 0.35:
                 send.add(rid)

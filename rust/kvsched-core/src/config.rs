@@ -323,6 +323,11 @@ pub struct SchedulerConfig {
     /// of steps still in flight is dropped, not delivered (delivering it could finish the request and hand off
     /// blocks the preemption already freed).
     pub drop_preempted_output: bool,
+    /// vLLM's `SupportsHMA` connectors: the KV connector's hooks get every KV cache group's blocks (one table per
+    /// group, group order; one table without `kv_cache_groups`), and at a finish a window's blocks that left the
+    /// window of the processed tokens go back to the pool before the connector sees the tables (null blocks in
+    /// their place). Allows a connector, and `defer_block_free`, with full-attention and sliding-window groups.
+    pub kv_connector_groups: bool,
     /// Which LoRA adapters count against `max_loras` when a waiting request is admitted. `true` (vLLM 0.33): those
     /// of every running request, scheduled in this step or not. `false` (vLLM 0.32): only those of the running
     /// requests scheduled in this step.
@@ -475,6 +480,7 @@ impl Default for SchedulerConfig {
             defer_block_free: false,
             defer_async_loads: false,
             drop_preempted_output: false,
+            kv_connector_groups: false,
             max_loras_counts_unscheduled: true,
             continue_after_self_preemption: true,
             cache_drafts_at_update: true,
@@ -908,8 +914,10 @@ impl SchedulerConfig {
                 py_str(self.preemption_mode.name())
             ));
         }
-        if self.defer_block_free {
-            return refuse("is not supported with defer_block_free".to_string());
+        if self.defer_block_free && !self.kv_connector_groups {
+            return refuse(
+                "is not supported with defer_block_free (only with kv_connector_groups)".to_string(),
+            );
         }
         if self.preemption_victim != PreemptionVictim::Default {
             return refuse(format!(

@@ -33,6 +33,32 @@ pub trait KvConnector: Send + Sync {
     /// computed tokens. `true`: the engine is sending them, free them only when it reports the send finished.
     fn request_finished(&mut self, req: &Request, block_ids: &[u32]) -> bool;
 
+    /// With `kv_connector_groups` (vLLM's `SupportsHMA`), instead of `update_state_after_alloc`: `tables` are
+    /// every KV cache group's blocks, in group order, `cached` each group's count of leading blocks counted as
+    /// cached (hits, null blocks before a window, blocks entered into the prefix cache). By default the first
+    /// table's hook.
+    fn update_state_after_alloc_groups(
+        &mut self,
+        req: &Request,
+        _tables: &[&[u32]],
+        _cached: &[u32],
+        num_external_tokens: u32,
+    ) {
+        self.update_state_after_alloc(req, num_external_tokens);
+    }
+
+    /// With `kv_connector_groups`, instead of `load_deferred`: `tables` as in `update_state_after_alloc_groups`.
+    fn load_deferred_groups(&mut self, req: &Request, _tables: &[&[u32]], num_external_tokens: u32) {
+        self.load_deferred(req, num_external_tokens);
+    }
+
+    /// With `kv_connector_groups` (vLLM's `request_finished_all_groups`), instead of `request_finished`: each
+    /// group's blocks holding the computed tokens, in group order (a window's blocks that left the window of the
+    /// processed tokens already freed, null blocks in their place). By default `request_finished` of the first.
+    fn request_finished_groups(&mut self, req: &Request, tables: &[Vec<u32>]) -> bool {
+        self.request_finished(req, tables.first().map_or(&[][..], |t| &t[..]))
+    }
+
     /// When a running request's allocation fails and a victim would be preempted: `true` when transfers in
     /// progress will release blocks, so the scheduler gives up on the allocation for this step instead of
     /// preempting (vLLM's `has_pending_block_frees`).
@@ -44,6 +70,34 @@ pub trait KvConnector: Send + Sync {
 /// A connector in the scheduler (a newtype so the scheduler can stay `Debug`).
 pub(crate) struct Connector(pub Box<dyn KvConnector>);
 
+impl Connector {
+    /// `update_state_after_alloc` (with `tables`, `kv_connector_groups`: its per-group form).
+    pub(crate) fn after_alloc(
+        &mut self,
+        req: &Request,
+        tables: Option<&(Vec<&[u32]>, Vec<u32>)>,
+        num_external_tokens: u32,
+    ) {
+        match tables {
+            Some((t, c)) => self.0.update_state_after_alloc_groups(req, t, c, num_external_tokens),
+            None => self.0.update_state_after_alloc(req, num_external_tokens),
+        }
+    }
+
+    /// `load_deferred` (with `tables`: its per-group form).
+    pub(crate) fn deferred(
+        &mut self,
+        req: &Request,
+        tables: Option<&(Vec<&[u32]>, Vec<u32>)>,
+        num_external_tokens: u32,
+    ) {
+        match tables {
+            Some((t, _)) => self.0.load_deferred_groups(req, t, num_external_tokens),
+            None => self.0.load_deferred(req, num_external_tokens),
+        }
+    }
+}
+
 impl std::fmt::Debug for Connector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("KvConnector")
@@ -53,7 +107,11 @@ impl std::fmt::Debug for Connector {
 /// The blocks of a finished request kept for a transfer still in progress.
 #[derive(Clone, Debug)]
 pub(crate) struct HeldBlocks {
-    pub blocks: Vec<u32>,
+    /// One table per KV cache group, in group order (one without groups).
+    pub tables: Vec<Vec<u32>>,
+    /// With `kv_connector_groups`: per group, the blocks that left a window at the finish (null blocks in
+    /// `tables`), freed before the tables at the release, or earlier by `free_held_window_blocks`.
+    pub window: Vec<Vec<u32>>,
     /// It finished (aborted, or failed with policy `fail`) while its load was in progress.
     pub awaiting_recv: bool,
     /// The connector asked to delay the free (`request_finished` returned `true`).

@@ -28,9 +28,20 @@ impl Scheduler {
     /// Sets (or with `None` removes) the KV connector. Refused while a transfer is in progress.
     pub fn set_kv_connector(&mut self, connector: Option<Box<dyn KvConnector>>) -> Result<()> {
         if connector.is_some() && !self.config.kv_cache_groups.is_empty() {
-            return Err(SchedError::InvalidConfig(
-                "kv_cache_groups is not supported with a KV connector (it knows one block table)".into(),
-            ));
+            if !self.config.kv_connector_groups {
+                return Err(SchedError::InvalidConfig(
+                    "kv_cache_groups is not supported with a KV connector unless kv_connector_groups is set (its \
+                     hooks then get one block table per group)"
+                        .into(),
+                ));
+            }
+            if self.config.kv_cache_groups.iter().flatten().any(|&w| w & crate::config::CHUNKED_LOCAL != 0) {
+                return Err(SchedError::InvalidConfig(
+                    "kv_cache_groups with a KV connector must be full-attention and sliding-window groups (no \
+                     Mamba, cross-attention or chunked-local group)"
+                        .into(),
+                ));
+            }
         }
         if self.num_loading > 0 || !self.kv_waiting.is_empty() || !self.held.is_empty() {
             return Err(SchedError::InvalidRequest(
@@ -65,6 +76,13 @@ impl Scheduler {
                     "invalid_block_ids: block ids must be in [1, {num_blocks}), got {b}"
                 )));
             }
+        }
+        if !report.invalid_block_ids.is_empty() && !self.config.kv_cache_groups.is_empty() {
+            // vLLM refuses them too: a block id names a block of one group, not a request's tokens.
+            return Err(SchedError::InvalidRequest(
+                "invalid_block_ids are not supported with kv_cache_groups (report the requests in failed_recving)"
+                    .into(),
+            ));
         }
         let loading = |s: &Self, id: &str, what: &str, held_ok: fn(&HeldBlocks) -> bool| -> Result<()> {
             if let Some(&slot) = s.ids.get(id) {
@@ -198,16 +216,36 @@ impl Scheduler {
         }
         if !h.awaiting_recv && !h.awaiting_send {
             if let Some(h) = self.held.remove(id) {
+                for w in &h.window {
+                    self.kv.pool.free_blocks(w);
+                }
                 let in_flight = self.config.defer_block_free
                     && h.last_step
                         .is_some_and(|step| self.in_flight.front().is_some_and(|f| f.step_id <= step));
                 if in_flight {
-                    self.defer_free(h.blocks);
+                    self.defer_free(h.tables.concat());
                 } else {
-                    self.kv.pool.free_blocks(&h.blocks);
+                    for t in &h.tables {
+                        self.kv.pool.free_blocks(t);
+                    }
                 }
             }
         }
+    }
+
+    /// With `kv_connector_groups`: frees now, group by group, the blocks that left a window at the finish of
+    /// the held request `id` (vLLM frees them at the finish; a connector that answers `request_finished` only
+    /// after the core call, as `kvsched.vllm` does, calls this for a request it keeps). Nothing to free: no-op.
+    pub fn free_held_window_blocks(&mut self, id: &str) -> Result<()> {
+        let Some(h) = self.held.get_mut(id) else {
+            return Err(SchedError::UnknownRequest(format!("unknown held request id {id:?}")));
+        };
+        let window = std::mem::take(&mut h.window);
+        for w in &window {
+            self.kv.pool.free_blocks(w);
+        }
+        self.epoch += 1;
+        Ok(())
     }
 
     /// Frees the blocks of the live request in `slot` (vLLM's `_free_request_blocks`): now, or with
@@ -219,8 +257,8 @@ impl Scheduler {
             self.config.defer_block_free && (after_in_flight || self.slab.hot.in_flight[slot as usize] > 0);
         let req = self.slab.get_mut(slot)?;
         if defer {
-            let blocks = std::mem::take(&mut req.blocks);
-            req.num_cached_blocks = 0;
+            // Every group's table, in group order, as one list (vLLM's `pop_blocks_for_free`).
+            let blocks = self.kv.take_tables(req).concat();
             self.defer_free(blocks);
         } else {
             self.kv.free(req);
@@ -258,7 +296,8 @@ impl Scheduler {
             let (Some(conn), Some(req)) = (self.connector.as_mut(), self.slab.resolve(d.handle)) else {
                 continue;
             };
-            conn.0.update_state_after_alloc(req, d.num_external_tokens);
+            let tables = self.config.kv_connector_groups.then(|| self.kv.group_tables(req));
+            conn.after_alloc(req, tables.as_ref(), d.num_external_tokens);
             if let Some((queries, hits)) = d.queries {
                 self.counters.connector_prefix_cache_queries += queries;
                 self.counters.connector_prefix_cache_hits += hits;
@@ -293,7 +332,7 @@ impl Scheduler {
 
     /// Turns `defer_block_free` on or off from now on (frees already deferred keep their fence).
     pub fn set_defer_block_free(&mut self, on: bool) -> Result<()> {
-        if on && !self.config.kv_cache_groups.is_empty() {
+        if on && !self.config.kv_cache_groups.is_empty() && !self.config.kv_connector_groups {
             return Err(SchedError::InvalidConfig(
                 "kv_cache_groups is not supported with defer_block_free".into(),
             ));
@@ -345,15 +384,26 @@ impl Scheduler {
     ) -> Result<bool> {
         let Some(conn) = self.connector.as_mut() else { return Ok(false) };
         let (req, hot) = self.slab.get_mut_hot(slot)?;
-        let n = (hot.computed[slot as usize].div_ceil(self.config.kv_block_size()) as usize)
-            .min(req.blocks.len());
-        let awaiting_send = conn.0.request_finished(req, &req.blocks[..n]);
+        let computed = hot.computed[slot as usize];
+        let mut window = Vec::new();
+        let awaiting_send = if self.config.kv_connector_groups {
+            // vLLM's `_connector_finished`: the blocks that left a window of the processed tokens leave the
+            // tables first (freed below unless the request's blocks are held).
+            window = self.kv.take_all_skipped(req, computed.saturating_sub(hot.in_flight[slot as usize]));
+            let tables = self.kv.computed_tables(req, computed);
+            conn.0.request_finished_groups(req, &tables)
+        } else {
+            let n = (computed.div_ceil(self.config.kv_block_size()) as usize).min(req.blocks.len());
+            conn.0.request_finished(req, &req.blocks[..n])
+        };
         let awaiting_recv = was_loading;
         if !awaiting_send && !awaiting_recv {
+            for w in &window {
+                self.kv.pool.free_blocks(w);
+            }
             return Ok(false);
         }
-        let blocks = std::mem::take(&mut req.blocks);
-        req.num_cached_blocks = 0;
+        let tables = self.kv.take_tables(req);
         let handle = req.handle;
         let last_step = if load_deferred {
             self.in_flight.iter().rev().find(|r| !r.handles.is_empty()).map(|r| r.step_id)
@@ -362,7 +412,8 @@ impl Scheduler {
         } else {
             None
         };
-        self.held.insert(req.id.clone(), HeldBlocks { blocks, awaiting_recv, awaiting_send, last_step });
+        self.held
+            .insert(req.id.clone(), HeldBlocks { tables, window, awaiting_recv, awaiting_send, last_step });
         self.slab.sync(slot);
         Ok(true)
     }

@@ -272,6 +272,8 @@ impl KvCacheManager {
         let mamba_entries = mamba_tokens.div_ceil(bs) as usize + (mamba_blocks - 1);
         // Per group: the null blocks before the window (a new request's), and the blocks to pop.
         let mut plan: Vec<(usize, usize)> = Vec::with_capacity(windows.len());
+        // Per group: the blocks of the external tokens, popped for every group before the other new blocks.
+        let mut ext_plan: Vec<(usize, usize)> = Vec::new();
         let mut total_need = 0;
         // Align-mode Mamba groups' counts, which can be negative (vLLM sums them as they are).
         let mut mamba_need: i64 = 0;
@@ -305,15 +307,23 @@ impl KvCacheManager {
                 plan.push((0, need));
                 continue;
             }
-            let skipped = if fresh && w != 0 {
-                (group_skipped(w, total_computed) / self.block_size) as usize
-            } else {
-                0
-            };
+            let skipped_tokens = if fresh && w != 0 { group_skipped(w, total_computed) } else { 0 };
+            let skipped = (skipped_tokens / self.block_size) as usize;
             let need = self.blocks_to_add(held + skipped.max(num_hits), num_slots);
             let kept = &all_hits[g][skipped.min(num_hits)..];
             evictable += kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total_need += need;
+            // A new request's tokens computed before its allocation are the KV connector's (external): vLLM pops
+            // their blocks for every group first (`allocate_external_computed_blocks`), unless the window skips
+            // them all.
+            let ext = if fresh { computed } else { 0 };
+            let ext = if skipped_tokens > 0 { ext.min(total_computed - skipped_tokens) } else { ext };
+            if ext > 0 {
+                let held_after_hits = held + skipped.max(num_hits);
+                let ext_need =
+                    (total_computed.div_ceil(bs) as usize).saturating_sub(held_after_hits).min(need);
+                ext_plan.push((g, ext_need));
+            }
             plan.push((skipped, need));
         }
         if (total_need + evictable + reserved) as i64 + mamba_need > self.pool.num_free_blocks() as i64 {
@@ -334,6 +344,16 @@ impl KvCacheManager {
             *num_cached += (skipped + kept.len()) as u32;
         }
         let mut popped = total_need;
+        for &(g, ext_need) in &ext_plan {
+            if ext_need > 0 {
+                let (blocks, _) = table(req, slots[g]);
+                self.pool.allocate_into(ext_need, blocks);
+                if let Some(zero) = self.hybrid.as_deref_mut().and_then(|hy| hy.zero_ids.get_mut(g)) {
+                    zero.extend_from_slice(&blocks[blocks.len() - ext_need..]);
+                }
+            }
+            plan[g].1 -= ext_need;
+        }
         for (g, &(_, need)) in plan.iter().enumerate() {
             if windows[g] == MAMBA && align {
                 if let Some(i) = slots[g] {
@@ -467,6 +487,87 @@ impl KvCacheManager {
                 self.record_group_stored(req, &blocks, first, num_full, g, w != 1);
             }
         }
+    }
+
+    /// vLLM's `remove_skipped_blocks` over every window group (the one `sliding_window` without groups) with
+    /// `processed` tokens processed, in group order, without freeing: the blocks become null blocks in the tables
+    /// and come back per group, each in the order the pool takes them (`BlockPool::free_blocks`).
+    pub(crate) fn take_all_skipped(&mut self, req: &mut Request, processed: u32) -> Vec<Vec<u32>> {
+        let bs = self.block_size;
+        let groups: Vec<(u32, Option<usize>)> = match self.hybrid.as_deref() {
+            None if self.sliding_window != 0 => vec![(self.sliding_window, None)],
+            None => return Vec::new(),
+            Some(hy) => hy.windows.iter().enumerate().map(|(g, &w)| (w, hy.slot(g))).collect(),
+        };
+        let mut out = Vec::with_capacity(groups.len());
+        for (w, slot) in groups {
+            let mut removed = Vec::new();
+            if is_window(w) {
+                let (blocks, _) = table(req, slot);
+                let last = ((group_skipped(w, processed) / bs) as usize).min(blocks.len());
+                let mut first = last;
+                while first > 0 && blocks[first - 1] != NULL_BLOCK {
+                    first -= 1;
+                }
+                removed.extend_from_slice(&blocks[first..last]);
+                blocks[first..last].fill(NULL_BLOCK);
+            }
+            out.push(removed);
+        }
+        out
+    }
+
+    /// Every group's table in group order (one table without groups), each attention group's cut to the blocks
+    /// of the first `computed` tokens (vLLM's `get_block_ids_for_computed_tokens`: Mamba and cross-attention
+    /// tables whole).
+    pub(crate) fn computed_tables(&self, req: &Request, computed: u32) -> Vec<Vec<u32>> {
+        let n = computed.div_ceil(self.block_size) as usize;
+        let Some(hy) = self.hybrid.as_deref() else {
+            return vec![req.blocks[..n.min(req.blocks.len())].to_vec()];
+        };
+        hy.windows
+            .iter()
+            .enumerate()
+            .map(|(g, &w)| {
+                let t = table_ref(req, hy.slot(g));
+                if w == MAMBA || w == CROSS_ATTENTION {
+                    t.to_vec()
+                } else {
+                    t[..n.min(t.len())].to_vec()
+                }
+            })
+            .collect()
+    }
+
+    /// Every group's table in group order (one table without groups), with each group's cached-block count.
+    pub(crate) fn group_tables<'a>(&self, req: &'a Request) -> (Vec<&'a [u32]>, Vec<u32>) {
+        match self.hybrid.as_deref() {
+            None => (vec![&req.blocks[..]], vec![req.num_cached_blocks]),
+            Some(hy) => (0..hy.windows.len())
+                .map(|g| match hy.slot(g) {
+                    None => (&req.blocks[..], req.num_cached_blocks),
+                    Some(i) => (&req.groups[i].blocks[..], req.groups[i].num_cached_blocks),
+                })
+                .unzip(),
+        }
+    }
+
+    /// Takes every group's table out of `req` in group order (one table without groups), leaving them empty.
+    pub(crate) fn take_tables(&mut self, req: &mut Request) -> Vec<Vec<u32>> {
+        let n = req.groups.len() + 1;
+        let primary = self.hybrid.as_deref().map_or(0, |hy| hy.primary);
+        let tables = (0..n)
+            .map(|g| {
+                let (blocks, num_cached) = table(req, group_slot(primary, g));
+                *num_cached = 0;
+                std::mem::take(blocks)
+            })
+            .collect();
+        for t in &mut req.groups {
+            t.mamba_allocated = false;
+            t.mamba_appended = 0;
+        }
+        tables
     }
 
     /// `free` over every group, in group order, each table deepest first.

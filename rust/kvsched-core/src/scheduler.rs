@@ -1262,7 +1262,7 @@ impl Scheduler {
             if self.ids.contains_key(id) {
                 return Err(format!("request {id:?} is live and holds blocks for a finished transfer"));
             }
-            for &b in &h.blocks {
+            for &b in h.tables.iter().chain(&h.window).flatten() {
                 held[b as usize] += 1;
             }
         }

@@ -1228,7 +1228,9 @@ impl Scheduler {
         }
         // vLLM 0.33: an asynchronous load leaves free what the in-flight prefills still need.
         let extra = if a.load_async && self.config.reserve_inflight_prefills {
-            inflight_reserved_blocks(&self.slab, &self.config)
+            let cap =
+                if self.config.sliding_window.is_some() { self.kv.admission_cap_blocks } else { usize::MAX };
+            inflight_reserved_blocks(&self.slab, &self.config, self.kv.hybrid.as_deref(), cap)
         } else {
             0
         };
@@ -1310,8 +1312,9 @@ impl Scheduler {
                 && self.config.defer_block_free
                 && self.config.defer_async_loads
                 && self.sched_step_seq > self.processed_step_seq;
+            let tables = self.config.kv_connector_groups.then(|| self.kv.group_tables(req));
             if defer {
-                conn.0.load_deferred(req, a.ext);
+                conn.deferred(req, tables.as_ref(), a.ext);
                 let fence = self.sched_step_seq;
                 self.deferred_loads.push_back(DeferredLoad {
                     fence,
@@ -1320,7 +1323,7 @@ impl Scheduler {
                     queries,
                 });
             } else {
-                conn.0.update_state_after_alloc(req, a.ext);
+                conn.after_alloc(req, tables.as_ref(), a.ext);
                 if let Some((q, hits)) = queries {
                     self.counters.connector_prefix_cache_queries += q;
                     self.counters.connector_prefix_cache_hits += hits;
@@ -1618,14 +1621,37 @@ fn mark_deferred(req: &mut crate::request::Request, num_deferred: &mut usize) {
 /// vLLM 0.33's `_inflight_prefill_reserved_blocks` (+ `_spec_decode_step_blocks`): the blocks the requests in its
 /// in-flight prefill set still need for their whole sequence (capped at `max_model_len`; with speculative
 /// decoding plus one decode step's `1 + k + lookahead` slots), plus one decode step's blocks.
-fn inflight_reserved_blocks(slab: &crate::slab::Slab, config: &crate::config::SchedulerConfig) -> usize {
+fn inflight_reserved_blocks(
+    slab: &crate::slab::Slab,
+    config: &crate::config::SchedulerConfig,
+    hybrid: Option<&crate::hybrid::Hybrid>,
+    window_cap: usize,
+) -> usize {
     let bs = config.kv_block_size();
     let k = config.num_spec_tokens();
     let step = if k > 0 { 1 + k + config.num_lookahead_tokens } else { 0 };
+    if let Some(hy) = hybrid {
+        // Every group but Mamba's: its blocks, a window's (or chunked-local group's) capped at its admission cap.
+        let groups: Vec<usize> =
+            (0..hy.windows.len()).filter(|&g| hy.windows[g] != crate::config::MAMBA).collect();
+        let mut total = groups.len() * step.div_ceil(bs) as usize;
+        for r in slab.iter().filter(|r| r.inflight_prefill) {
+            let required = (r.num_tokens().min(config.max_model_len) + step).div_ceil(bs) as usize;
+            for &g in &groups {
+                let held = match hy.slot(g) {
+                    None => r.blocks.len(),
+                    Some(i) => r.groups[i].blocks.len(),
+                };
+                total += required.min(hy.caps[g]).saturating_sub(held);
+            }
+        }
+        return total;
+    }
     let mut total = step.div_ceil(bs) as usize;
     for r in slab.iter().filter(|r| r.inflight_prefill) {
         let tokens = r.num_tokens().min(config.max_model_len) + step;
-        total += (tokens.div_ceil(bs) as usize).saturating_sub(r.blocks.len());
+        // A sliding window's capped at its admission cap (`usize::MAX` without a window).
+        total += (tokens.div_ceil(bs) as usize).min(window_cap).saturating_sub(r.blocks.len());
     }
     total
 }

@@ -49,6 +49,87 @@ impl PyKvConnector {
             }
         }
     }
+
+    /// The blocks argument of the allocation hooks: the primary table, or (`tables`) one list per group.
+    fn blocks_arg<'py>(
+        py: Python<'py>,
+        req: &core::Request,
+        tables: Option<&[&[u32]]>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match tables {
+            Some(t) => table_lists(py, t),
+            None => block_list(py, &req.blocks).map(Bound::into_any),
+        }
+    }
+
+    fn after_alloc(
+        &self,
+        req: &core::Request,
+        tables: Option<(&[&[u32]], &[u32])>,
+        num_external_tokens: u32,
+    ) {
+        Python::with_gil(|py| {
+            let hook = "update_state_after_alloc";
+            let r = Self::blocks_arg(py, req, tables.map(|t| t.0)).and_then(|blocks| {
+                let obj = self.obj.bind(py);
+                if self.pass_cached_blocks {
+                    // With tables: each group's count, as a list.
+                    let cached = match tables {
+                        Some((_, c)) => PyList::new(py, c.iter().copied())?.into_any(),
+                        None => PyList::new(py, [req.num_cached_blocks])?.get_item(0)?,
+                    };
+                    obj.call_method1(hook, (&*req.id, blocks, num_external_tokens, cached))
+                } else {
+                    obj.call_method1(hook, (&*req.id, blocks, num_external_tokens))
+                }
+            });
+            if let Err(e) = r {
+                self.keep(e);
+            }
+        })
+    }
+
+    fn deferred(&self, req: &core::Request, tables: Option<&[&[u32]]>, num_external_tokens: u32) {
+        if !self.has_load_deferred_hook {
+            return;
+        }
+        Python::with_gil(|py| {
+            let r = Self::blocks_arg(py, req, tables).and_then(|blocks| {
+                self.obj.bind(py).call_method1("load_deferred", (&*req.id, blocks, num_external_tokens))
+            });
+            if let Err(e) = r {
+                self.keep(e);
+            }
+        })
+    }
+
+    fn finished(&self, py: Python<'_>, req: &core::Request, blocks: PyResult<Bound<'_, PyAny>>) -> bool {
+        let hook = "request_finished";
+        let res = blocks
+            .and_then(|blocks| self.obj.bind(py).call_method1(hook, (&*req.id, blocks)))
+            .and_then(|r| {
+                let (delay, params) = match r.downcast::<PyTuple>() {
+                    Ok(t) if t.len() == 2 => (t.get_item(0)?, Some(t.get_item(1)?)),
+                    _ => (r.clone(), None),
+                };
+                let delay = delay.downcast::<PyBool>().map_err(|_| {
+                    bad_answer(py, hook, format!("must return bool or (bool, params), got {}", type_name(&r)))
+                })?;
+                Ok((delay.is_true(), params.filter(|p| !p.is_none()).map(Bound::unbind)))
+            });
+        match res {
+            Ok((delay, params)) => {
+                if let (Some(p), Ok(mut s)) = (params, self.state.lock()) {
+                    s.transfer_params.push((req.id.clone(), p));
+                }
+                delay
+            }
+            Err(e) => {
+                self.keep(e);
+                false
+            }
+        }
+    }
 }
 
 fn bad_answer(py: Python<'_>, hook: &str, msg: String) -> PyErr {
@@ -57,6 +138,12 @@ fn bad_answer(py: Python<'_>, hook: &str, msg: String) -> PyErr {
 
 fn block_list<'py>(py: Python<'py>, blocks: &[u32]) -> PyResult<Bound<'py, PyList>> {
     PyList::new(py, blocks.iter().copied())
+}
+
+/// One list of block ids per KV cache group, as a list of lists.
+fn table_lists<'py>(py: Python<'py>, tables: &[&[u32]]) -> PyResult<Bound<'py, PyAny>> {
+    let lists = tables.iter().map(|t| block_list(py, t)).collect::<PyResult<Vec<_>>>()?;
+    Ok(PyList::new(py, lists)?.into_any())
 }
 
 impl core::KvConnector for PyKvConnector {
@@ -102,67 +189,39 @@ impl core::KvConnector for PyKvConnector {
     }
 
     fn update_state_after_alloc(&mut self, req: &core::Request, num_external_tokens: u32) {
-        Python::with_gil(|py| {
-            let hook = "update_state_after_alloc";
-            let r = block_list(py, &req.blocks).and_then(|blocks| {
-                let obj = self.obj.bind(py);
-                if self.pass_cached_blocks {
-                    obj.call_method1(hook, (&*req.id, blocks, num_external_tokens, req.num_cached_blocks))
-                } else {
-                    obj.call_method1(hook, (&*req.id, blocks, num_external_tokens))
-                }
-            });
-            if let Err(e) = r {
-                self.keep(e);
-            }
-        })
+        self.after_alloc(req, None, num_external_tokens);
+    }
+
+    fn update_state_after_alloc_groups(
+        &mut self,
+        req: &core::Request,
+        tables: &[&[u32]],
+        cached: &[u32],
+        num_external_tokens: u32,
+    ) {
+        self.after_alloc(req, Some((tables, cached)), num_external_tokens);
+    }
+
+    fn load_deferred_groups(&mut self, req: &core::Request, tables: &[&[u32]], num_external_tokens: u32) {
+        self.deferred(req, Some(tables), num_external_tokens);
     }
 
     fn load_deferred(&mut self, req: &core::Request, num_external_tokens: u32) {
-        if !self.has_load_deferred_hook {
-            return;
-        }
-        Python::with_gil(|py| {
-            let r = block_list(py, &req.blocks).and_then(|blocks| {
-                self.obj.bind(py).call_method1("load_deferred", (&*req.id, blocks, num_external_tokens))
-            });
-            if let Err(e) = r {
-                self.keep(e);
-            }
-        })
+        self.deferred(req, None, num_external_tokens);
     }
 
     fn request_finished(&mut self, req: &core::Request, block_ids: &[u32]) -> bool {
         Python::with_gil(|py| {
-            let hook = "request_finished";
-            let res = block_list(py, block_ids)
-                .and_then(|blocks| self.obj.bind(py).call_method1(hook, (&*req.id, blocks)))
-                .and_then(|r| {
-                    let (delay, params) = match r.downcast::<PyTuple>() {
-                        Ok(t) if t.len() == 2 => (t.get_item(0)?, Some(t.get_item(1)?)),
-                        _ => (r.clone(), None),
-                    };
-                    let delay = delay.downcast::<PyBool>().map_err(|_| {
-                        bad_answer(
-                            py,
-                            hook,
-                            format!("must return bool or (bool, params), got {}", type_name(&r)),
-                        )
-                    })?;
-                    Ok((delay.is_true(), params.filter(|p| !p.is_none()).map(Bound::unbind)))
-                });
-            match res {
-                Ok((delay, params)) => {
-                    if let (Some(p), Ok(mut s)) = (params, self.state.lock()) {
-                        s.transfer_params.push((req.id.clone(), p));
-                    }
-                    delay
-                }
-                Err(e) => {
-                    self.keep(e);
-                    false
-                }
-            }
+            let blocks = block_list(py, block_ids).map(Bound::into_any);
+            self.finished(py, req, blocks)
+        })
+    }
+
+    fn request_finished_groups(&mut self, req: &core::Request, tables: &[Vec<u32>]) -> bool {
+        Python::with_gil(|py| {
+            let views: Vec<&[u32]> = tables.iter().map(|t| &t[..]).collect();
+            let blocks = table_lists(py, &views);
+            self.finished(py, req, blocks)
         })
     }
 

@@ -1078,6 +1078,17 @@ impl PyScheduler {
         Ok(())
     }
 
+    /// With `kv_connector_groups`: frees now the blocks that left a window at the finish of the held request
+    /// `req_id` (they otherwise go back with its held blocks).
+    fn free_held_window_blocks(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let id: String = req_id
+            .extract()
+            .map_err(|_| type_error(py, format!("req_id must be a str, got {}", type_name(req_id))))?;
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.free_held_window_blocks(&id))
+    }
+
     /// Requests whose asynchronous load waits for the steps in flight before the connector is told of it
     /// (`defer_async_loads`), in the order they will be registered.
     fn deferred_load_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<String>> {

@@ -1,0 +1,212 @@
+"""KV connectors with several KV cache groups and sliding windows (``kv_connector_groups``, vLLM's ``SupportsHMA``
+connectors): the hooks get one block table per group, a window's skipped tokens are null blocks in its table, a
+finish frees the blocks that left a window before the connector sees the tables, and held or deferred frees cover
+every group. Each test runs on the Rust core and on the pure-Python reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import requires_rust
+from kvsched import InvalidConfigError, InvalidRequestError, RequestStatus, SchedulerConfig, UnknownRequestError
+from kvsched.reference import ReferenceScheduler
+
+IMPLS = [pytest.param("rust", marks=requires_rust), "reference"]
+S = RequestStatus
+
+
+class Conn:
+    """A scripted connector: ``answers[req_id]`` is what get_num_new_matched_tokens returns (default (0, False));
+    ``send`` lists requests whose blocks are kept for a send; every call is logged."""
+
+    def __init__(self, answers: dict[str, Any] | None = None, send: tuple[str, ...] = ()) -> None:
+        self.answers = answers or {}
+        self.send = send
+        self.log: list[tuple[Any, ...]] = []
+
+    def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> Any:
+        return self.answers.get(req_id, (0, False))
+
+    def update_state_after_alloc(self, req_id: str, block_ids: Any, num_external_tokens: int) -> None:
+        self.log.append(("alloc", req_id, [list(t) for t in block_ids], num_external_tokens))
+
+    def request_finished(self, req_id: str, block_ids: Any) -> Any:
+        self.log.append(("finished", req_id, [list(t) for t in block_ids]))
+        return (req_id in self.send, None)
+
+
+class FlatConn(Conn):
+    """``Conn`` for hooks that get one table (the default): logs it as a list of one table."""
+
+    def update_state_after_alloc(self, req_id: str, block_ids: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(req_id, [block_ids], num_external_tokens)
+
+    def request_finished(self, req_id: str, block_ids: Any) -> Any:
+        return super().request_finished(req_id, [block_ids])
+
+
+def make(impl: str, conn: Any = None, **fields: Any) -> Any:
+    base = {"block_size": 4, "num_blocks": 60, "max_model_len": 64, "prefix_hash_seed": 0}
+    cfg = SchedulerConfig(**{**base, "kv_connector_groups": True, **fields})
+    if impl == "rust":
+        from kvsched import Scheduler
+
+        return Scheduler(cfg, kv_connector=conn)
+    return ReferenceScheduler(cfg, kv_connector=conn)
+
+
+def run(s: Any, steps: int, token: int = 5) -> None:
+    """Schedule and apply ``steps`` steps; a request whose prompt is complete samples ``token``."""
+    for _ in range(steps):
+        out = s.schedule()
+        s.check_invariants()
+        sampled = []
+        for rid, comp, n in zip(out.req_ids, out.num_computed_tokens, out.num_scheduled_tokens, strict=True):
+            done = comp + n >= PROMPTS[rid] + len(s.get_output_token_ids(rid))
+            sampled.append([token] if done else [])
+        s.update_from_output(out, sampled)
+        s.check_invariants()
+
+
+PROMPTS: dict[str, int] = {"a": 0, "b": 0}
+
+
+def add(s: Any, rid: str, first: int, n: int, **kw: Any) -> None:
+    PROMPTS[rid] = n
+    s.add_request(rid, list(range(first, first + n)), **kw)
+
+
+def tables(s: Any, rid: str, groups: int) -> list[list[int]]:
+    return [s.get_block_ids(rid, group=g).tolist() for g in range(groups)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_several_groups_need_kv_connector_groups(impl: str) -> None:
+    """Without ``kv_connector_groups`` (the default) a connector with several groups is refused as before; with it,
+    Mamba, cross-attention and chunked-local groups are refused by name."""
+    with pytest.raises(InvalidConfigError, match="unless kv_connector_groups"):
+        make(impl, Conn(), kv_cache_groups=(None, 8), kv_connector_groups=False)
+    for bad in [(None, "mamba"), (None, "chunked:16")]:
+        with pytest.raises(InvalidConfigError, match="no Mamba, cross-attention or chunked-local"):
+            make(impl, Conn(), kv_cache_groups=bad, enable_prefix_caching=False)
+    make(impl, Conn(), kv_cache_groups=(None, 8), defer_block_free=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_external_tokens_before_the_window_are_null_blocks(impl: str) -> None:
+    """vLLM's ``add_local_computed_blocks`` / ``allocate_external_computed_blocks``: a synchronous load of 32
+    tokens gives the window group (8 tokens) null blocks for the 6 blocks wholly before the window of token 33, and
+    the connector gets both groups' tables."""
+    conn = Conn({"a": (32, False)})
+    s = make(impl, conn, kv_cache_groups=(None, 8))
+    add(s, "a", 100, 40, max_tokens=2)
+    run(s, 1)
+    full, window = tables(s, "a", 2)
+    assert len(full) == len(window) == 10 and 0 not in full
+    assert window[:6] == [0] * 6 and 0 not in window[6:]
+    assert conn.log == [("alloc", "a", [full, window], 32)]
+    assert s.get_num_computed_tokens("a") == 40
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_finish_frees_the_blocks_that_left_the_window_first(impl: str) -> None:
+    """vLLM's ``_connector_finished``: ``remove_skipped_blocks`` on the processed tokens, then
+    ``request_finished_all_groups`` with each group's blocks of the computed tokens; a held request's blocks of
+    every group go back once the send is over."""
+    conn = Conn(send=("a",))
+    s = make(impl, conn, kv_cache_groups=(None, 8))
+    add(s, "a", 100, 22, max_tokens=1)
+    free0 = s.num_free_blocks
+    run(s, 1)
+    assert s.num_unfinished_requests == 0
+    (_, rid, (full, window)), *_ = [e for e in conn.log if e[0] == "finished"]
+    assert rid == "a" and len(full) == 6 and len(window) == 6
+    # 22 computed tokens: the window of token 23 starts at token 15, so blocks 0-2 (tokens 0-11) left it.
+    assert window[:3] == [0, 0, 0] and 0 not in window[3:] and 0 not in full
+    # Held: the blocks that left the window too, until free_held_window_blocks (vLLM frees them at the finish).
+    assert s.num_free_blocks == free0 - 6 - 6
+    s.free_held_window_blocks("a")
+    s.check_invariants()
+    assert s.num_free_blocks == free0 - 6 - 3
+    with pytest.raises(UnknownRequestError):
+        s.free_held_window_blocks("nope")
+    s.update_kv_transfers(finished_sending=["a"])
+    s.check_invariants()
+    assert s.num_free_blocks == free0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_async_load_with_groups_caches_every_group_once_loaded(impl: str) -> None:
+    """vLLM's ``_update_waiting_for_remote_kv``: the loaded blocks of every group enter the prefix cache when the
+    load is over, not before; a failed load (``failed_recving``) frees every group's blocks."""
+    conn = Conn({"a": (16, True), "b": (16, True)})
+    s = make(impl, conn, kv_cache_groups=(None, 8), enable_prefix_caching=True)
+    add(s, "a", 100, 20, max_tokens=2)
+    run(s, 1)
+    assert s.get_request_status("a") == S.WAITING_FOR_REMOTE_KVS
+    full, window = tables(s, "a", 2)
+    assert len(full) == len(window) == 4 and window[:2] == [0, 0]
+    assert s.get_num_cached_tokens(list(range(100, 120))) == 0
+    s.update_kv_transfers(finished_recving=["a"])
+    run(s, 1)
+    assert s.get_num_cached_tokens(list(range(100, 120))) == 16
+    add(s, "b", 200, 20, max_tokens=2)
+    run(s, 1)
+    assert s.get_request_status("b") == S.WAITING_FOR_REMOTE_KVS
+    s.update_kv_transfers(failed_recving=["b"], finished_recving=["b"])
+    conn.answers["b"] = (0, False)
+    run(s, 1)
+    # Its blocks went back (nothing valid was loaded) and it was admitted again, computing its prompt itself.
+    assert s.get_request_status("b") == S.RUNNING and s.get_num_computed_tokens("b") == 20
+    assert [e[3] for e in conn.log if e[:2] == ("alloc", "b")] == [16, 0]
+    assert [len(t) for t in tables(s, "b", 2)] == [5, 5]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_invalid_block_ids_are_refused_with_groups(impl: str) -> None:
+    """vLLM raises for ``invalid_block_ids`` with several groups (block ids are unique within a group only)."""
+    s = make(impl, Conn({"a": (16, True)}), kv_cache_groups=(None, 8))
+    add(s, "a", 100, 20, max_tokens=2)
+    run(s, 1)
+    b = s.get_block_ids("a").tolist()[0]
+    with pytest.raises(InvalidRequestError, match="failed_recving"):
+        s.update_kv_transfers(invalid_block_ids=[b])
+    s.check_invariants()
+    assert s.get_request_status("a") == S.WAITING_FOR_REMOTE_KVS
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_one_sliding_window_hands_one_table_with_nulls(impl: str) -> None:
+    """One sliding-window group (``sliding_window``): the hooks get a list of one table, and the finish frees the
+    blocks that left the window before ``request_finished``; without ``kv_connector_groups`` the hook gets the
+    table as it stands."""
+    for on in (True, False):
+        conn = Conn() if on else FlatConn()
+        s = make(impl, conn, sliding_window=8, kv_connector_groups=on)
+        add(s, "a", 100, 22, max_tokens=1)
+        run(s, 1)
+        (_, _, (table,)) = next(e for e in conn.log if e[0] == "finished")
+        assert len(table) == 6
+        assert table[:3] == ([0, 0, 0] if on else table[:3]) and (on or 0 not in table)
+        s.check_invariants()
+        assert s.num_free_blocks == 59
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deferred_frees_cover_every_group(impl: str) -> None:
+    """vLLM 0.33's ``_free_request_blocks`` with a step in flight (``defer_block_free``): every group's blocks, in
+    group order, wait in one deferred free until the steps scheduled before it are applied."""
+    conn = Conn()
+    s = make(impl, conn, kv_cache_groups=(None, 8), async_scheduling=True, defer_block_free=True)
+    add(s, "a", 100, 10, max_tokens=8)
+    out1 = s.schedule()
+    out2 = s.schedule()
+    s.abort_requests(["a"])
+    s.check_invariants()
+    ((fence, blocks),) = s.deferred_frees()
+    assert fence == 2 and len(blocks) == 6 and s.num_free_blocks == 59 - 6
+    s.update_from_output(out1, [[5]])
+    s.update_from_output(out2, [[]])
+    s.check_invariants()
+    assert s.deferred_frees() == [] and s.num_free_blocks == 59
