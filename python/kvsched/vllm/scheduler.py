@@ -139,8 +139,9 @@ class _Part(NamedTuple):
 
 
 # A step in flight: vLLM's output, the core's, its token counts, its requests in order (every entry is a
-# request: none had finished when it was scheduled), and Scheduler._num_forgotten then.
-_InFlight = tuple[SchedulerOutput, Any, list[int], list[Request], int, "npt.NDArray[np.int32]"]
+# request: none had finished when it was scheduled), Scheduler._num_forgotten then, and each entry's computed count
+# after the step (None when a cohort moved the counters: then computed in update_from_output if needed).
+_InFlight = tuple[SchedulerOutput, Any, list[int], list[Request], int, "npt.NDArray[np.int32] | None"]
 
 
 # The request fields vLLM's _update_after_schedule changes (request, computed tokens, in-flight tokens, prefill-chunk
