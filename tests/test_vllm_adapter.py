@@ -1298,6 +1298,50 @@ def test_steady_decoding_cohort_shows_vllms_counters_at_every_point(async_schedu
     assert members_seen == 4
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steady_decoding_cohort_hashes_the_blocks_its_members_fill(async_scheduling: bool) -> None:
+    """While a cohort holds, the members whose sampled token fills a block come from a table built when the
+    cohort formed (each member's block boundary repeats every block size steps): every request's block hashes
+    equal vLLM's after every update, with members whose prompts of different lengths fill blocks at different
+    steps, also with a step whose update arrives after the next step formed the cohort (asynchronous
+    scheduling)."""
+    from kvsched.vllm._cohort import CohortRequest
+
+    block = 4
+    pair = _pair(async_scheduling=async_scheduling, block_size=block)
+    for i in range(7):
+        _add(pair, f"r{i}", list(range(10 * i, 10 * i + 5 + i)), max_tokens=60, block_size=block)
+    in_flight: list[tuple[object, object]] = []
+    filled_in_cohort = 0
+
+    def update_oldest() -> None:
+        nonlocal filled_in_cohort
+        outs = in_flight.pop(0)
+        ours = pair[1].requests  # type: ignore[attr-defined]
+        before = {rid: len(r.block_hashes) for rid, r in ours.items() if type(r) is CohortRequest}
+        for s, so in zip(pair, outs, strict=True):
+            ids = list(so.num_scheduled_tokens)  # type: ignore[attr-defined]
+            live = s.requests  # type: ignore[attr-defined]
+            sampled = [[] if r in live and live[r].is_prefill_chunk else [9] for r in ids]
+            s.update_from_output(so, ModelRunnerOutput(  # type: ignore[attr-defined]
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+                logprobs=None, prompt_logprobs_dict={}, pooler_output=[]))  # fmt: skip
+        for rid, ra in pair[0].requests.items():  # type: ignore[attr-defined]
+            compare(f"{rid}.block_hashes", ra.block_hashes, ours[rid].block_hashes)
+        filled_in_cohort += sum(len(ours[rid].block_hashes) > n for rid, n in before.items() if rid in ours)
+
+    for _ in range(40):
+        outs = tuple(s.schedule() for s in pair)  # type: ignore[attr-defined]
+        compare("SchedulerOutput", outs[0], outs[1])
+        in_flight.append(outs)
+        if len(in_flight) > (1 if async_scheduling else 0):
+            update_oldest()
+    while in_flight:
+        update_oldest()
+    # Each of the 7 members fills a block every 4 steps while the cohort holds (from step 7 to 40).
+    assert filled_in_cohort >= 7 * 6
+
+
 def test_steady_decoding_cohort_forms_only_after_undisturbed_steps() -> None:
     """A cohort costs more to form and break than one step's per-request updates: it forms only once the same
     requests decoded one token each for several steps in a row, and a step where a request finishes (or one

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+import numpy as np
 from vllm.v1.request import Request
 
 __all__ = ["Cohort", "CohortRequest", "dissolve", "fold", "form"]
@@ -29,14 +30,20 @@ _consume: Any = deque(maxlen=0).extend  # runs an iterator to its end
 class Cohort:
     """The members (a list, in the order of the steps that scheduled them), the steps scheduled and applied
     since they joined, whether applying a step takes an output placeholder back (asynchronous scheduling), the
-    fewest placeholders any member held when it joined, whether every member is still in it, and the members'
-    output and token lists (vLLM never replaces a request's lists, it changes them in place)."""
+    fewest placeholders any member held when it joined, whether every member is still in it, the members'
+    output and token lists (vLLM never replaces a request's lists, it changes them in place), and which members
+    fill a block at which step (``fill_base``, ``fill_fast``, ``fill_other``: set by the scheduler, see
+    ``Scheduler._cohort_fills``)."""
 
     __slots__ = (
         "all_lists",
         "async_sched",
+        "fill_base",
+        "fill_fast",
+        "fill_other",
         "intact",
         "min_placeholders",
+        "ones",
         "output_lists",
         "reqs",
         "scheduled",
@@ -52,6 +59,11 @@ class Cohort:
         self.intact = True
         self.output_lists = [r._output_token_ids for r in reqs]
         self.all_lists = [r._all_token_ids for r in reqs]
+        # The core's counts of new tokens (int32, in member order) when each member took exactly one, as bytes.
+        self.ones = np.ones(len(reqs), dtype=np.int32).tobytes()
+        self.fill_base = 0
+        self.fill_fast: list[list[Request]] = []
+        self.fill_other: list[list[Request]] = []
 
     def append_rows(self, rows: list[list[int]]) -> None:
         """Appends each member's sampled tokens (``rows``, in member order) to its output and token lists."""

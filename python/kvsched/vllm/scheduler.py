@@ -140,8 +140,9 @@ class _Part(NamedTuple):
 
 
 # A step in flight: vLLM's output, the core's, its token counts, its requests in order (every entry is a
-# request: none had finished when it was scheduled), and Scheduler._num_forgotten then.
-_InFlight = tuple[SchedulerOutput, Any, list[int], list[Request], int, "npt.NDArray[np.int32]"]
+# request: none had finished when it was scheduled), Scheduler._num_forgotten then, and each entry's computed count
+# after the step (None when a cohort moved the counters: then computed in update_from_output if needed).
+_InFlight = tuple[SchedulerOutput, Any, list[int], list[Request], int, "npt.NDArray[np.int32] | None"]
 
 
 # The request fields vLLM's _update_after_schedule changes (request, computed tokens, in-flight tokens, prefill-chunk
@@ -972,28 +973,31 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             num_run == len(req_ids) and num_forgotten == self._last_num_forgotten and req_ids == self._last_req_ids
         )
         run_reqs: list[Request] = self._last_reqs if same_as_last else list(map(requests.__getitem__, run_ids))
-        run_computed = computed[:num_run]
+        # Only running requests (steady decoding): the whole columns, no copies.
+        all_run = num_run == len(req_ids)
+        run_computed = computed if all_run else computed[:num_run]
         # No entry is a prefill chunk or carries drafts (the core says so): no per-request chunk test below.
         one_token_each = bool(out.one_token_each)
-        # Each entry's computed count after this step.
-        after_arr = out.num_computed_tokens + out.num_scheduled_tokens
+        # Each entry's computed count after this step (for the blocks that fill in update_from_output; a step
+        # whose counters move through a cohort leaves it to be computed there if needed).
+        after_arr: npt.NDArray[np.int32] | None = None
         # vLLM's num_output_tokens column (outputs and placeholders before this step's), from the core's counts.
         num_outputs: list[int] = self._core.step_num_output_tokens(out).tolist()
-        run_outputs = num_outputs[:num_run]
+        run_outputs = num_outputs if all_run else num_outputs[:num_run]
         run_blocks: list[tuple[list[int], ...] | None] = [None] * num_run
         # Align-mode Mamba groups can grow without the primary group: a running request with entries in any group.
         any_ptr = block_ptr_arr
         if self._mamba_align:
             any_ptr = np.sum([np.asarray(p, dtype=np.int64) for p in group_ptrs], axis=0)
         if any_ptr[num_run]:  # some running request got new blocks (a block filled up)
-            got = np.flatnonzero(any_ptr[1 : num_run + 1] != any_ptr[:num_run])
-            starts, ends = block_ptr_arr[got].tolist(), block_ptr_arr[got + 1].tolist()
-            for i, b0, b1 in zip(got.tolist(), starts, ends, strict=True):
-                run_blocks[i] = (
-                    (block_ids[b0:b1],)
-                    if group_ids is None
-                    else tuple(ids[p[i] : p[i + 1]] for ids, p in zip(group_ids, group_ptrs, strict=True))
-                )
+            got = np.flatnonzero(any_ptr[1 : num_run + 1] != any_ptr[:num_run]).tolist()
+            if group_ids is None:
+                ptr: list[int] = block_ptr_arr.tolist()
+                for i in got:
+                    run_blocks[i] = (block_ids[ptr[i] : ptr[i + 1]],)
+            else:
+                for i in got:
+                    run_blocks[i] = tuple(ids[p[i] : p[i + 1]] for ids, p in zip(group_ids, group_ptrs, strict=True))
         if spec_ptr is not None:
             for i in range(num_run):
                 if spec_ptr[i + 1] > spec_ptr[i]:
@@ -1051,11 +1055,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if cohort is not None and not (steady and cohort.intact and cohort.reqs is run_reqs):
             dissolve(cohort)
             cohort = self._cohort = None
+        if cohort is None:
+            after_arr = out.num_computed_tokens + out.num_scheduled_tokens
         if cohort is not None:
             # Every member: one more computed and in-flight token (and output placeholder); still no chunk.
             cohort.scheduled += 1
         elif one_token_each:
             # Every entry samples one token and carries no drafts: none is a prefill chunk.
+            assert after_arr is not None
             run_after = after_arr[:num_run].tolist()
             if out.total_num_scheduled_tokens == len(req_ids):  # one token each (steady decoding)
                 if async_sched:
@@ -1074,6 +1081,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     # same requests decoded undisturbed for several steps (not where requests finish and arrive
                     # every few steps).
                     self._cohort = form(run_reqs, async_sched)
+                    if self._cohort is not None:
+                        self._cohort_fills(self._cohort, run_after)
             elif async_sched:
                 for request, c, n in zip(run_reqs, run_after, num_sched, strict=False):
                     request.num_computed_tokens = c
@@ -1733,27 +1742,27 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         num_sched: list[int],
         rows: list[list[int]],
         res: Any,
-        after: npt.NDArray[np.int32],
+        after: npt.NDArray[np.int32] | None,
     ) -> dict[int, list[EngineCoreOutput]]:
         """``update_from_output`` for a step whose every entry is plain: still live, no stop, no drafts, nothing
         else to report (no events, prefill stats, stale output, structured output, logprobs, NaNs, transfers, and
         all for client 0). Each entry takes its tokens (none for a partial prefill); the outputs are built at
         once."""
         async_sched = self.async_scheduling
-        every = all(rows)  # every entry took tokens (none is a prefill chunk)
         drafts = self.num_spec_tokens or self._drafts_received
-        # The entries are exactly a steady cohort's members (the same list), one token each: the cohort applies
-        # the step to all of them (_cohort.py); any other step dissolves it first.
+        # The entries are exactly a steady cohort's members (the same list), one token scheduled and one taken
+        # each: the cohort applies the step to all of them (_cohort.py); any other step dissolves it first.
         cohort = self._cohort
         use_cohort = (
             cohort is not None
             and cohort.intact
             and reqs is cohort.reqs
-            and every
             and not drafts
             and out.total_num_scheduled_tokens == len(reqs)
             and cohort.can_apply()
+            and res.num_new_tokens.tobytes() == cohort.ones
         )
+        every = use_cohort or all(rows)  # every entry took tokens (none is a prefill chunk)
         if cohort is not None and not use_cohort:
             dissolve(cohort)
             self._cohort = None
@@ -1810,7 +1819,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         request._all_token_ids.extend(generated)
             num_new = res.num_new_tokens
             block = self.hash_block_size
-            if not out.one_token_each or (len(num_new) and int(num_new.max()) > 1):
+            if use_cohort:
+                # The members that filled a block at this step, from the cohort's table (one token each).
+                assert cohort is not None
+                self._hash_cohort_fills(cohort, out)
+            elif not out.one_token_each or (len(num_new) and int(num_new.max()) > 1):
                 # A step with prefill chunks (a runner may return tokens for one, which vLLM's scheduler appends),
                 # or a runner that returned several tokens for an entry (taken too): the requests whose appended
                 # tokens filled a block, from their token lists.
@@ -1826,7 +1839,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # Plain decodes that took one token each took the token right after the positions the step
                 # computed (its earlier steps were all applied, in order): the request now holds `after` + 1
                 # tokens. Those whose count reached a block boundary filled a block, to be hashed.
-                last = (after - self._hash_lookahead) % block == block - 1
+                if after is None:
+                    after = out.num_computed_tokens + out.num_scheduled_tokens
+                if block & (block - 1):
+                    last = (after - self._hash_lookahead) % block == block - 1
+                else:  # a power of two: the same test, cheaper
+                    last = (after - self._hash_lookahead) & (block - 1) == block - 1
                 filled = np.flatnonzero(last if every else last & (num_new > 0))
                 if len(filled):
                     self._hash_filled_blocks([reqs[i] for i in filled.tolist()])
@@ -1985,6 +2003,47 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 hashes += vllm_sha256_block_hashes(hashes[-1], request._all_token_ids[len(hashes) * block :], block)
             else:
                 hashes.extend(hasher(request))
+
+    def _cohort_fills(self, cohort: Cohort, after: list[int]) -> None:
+        """Which members fill a block at which step, for a cohort formed at a step whose computed counts after it
+        are ``after`` (member order). While the cohort holds, every member takes one token per step, so a step
+        whose first member's computed count after it is ``fill_base + k`` takes every member ``k`` tokens past
+        that step: member ``i`` then holds ``after[i] + k + 1`` tokens and fills a block when that count less the
+        hash lookahead is a multiple of the hash block size. ``fill_fast[k % block]`` lists the members whose
+        blocks the core hashes (vLLM's default SHA-256 without extra keys: no LoRA, no multimodal input);
+        ``fill_other[k % block]`` the rest with a block hasher (``_hash_filled_blocks``)."""
+        block, la = self.hash_block_size, self._hash_lookahead
+        fast: list[list[Request]] = [[] for _ in range(block)]
+        other: list[list[Request]] = [[] for _ in range(block)]
+        in_core_by_hasher = self._hasher_in_core
+        for request, a in zip(cohort.reqs, after, strict=True):
+            hasher = request._block_hasher
+            if hasher is None:
+                continue
+            in_core = in_core_by_hasher.get(hasher)
+            if in_core is None:
+                in_core = in_core_by_hasher[hasher] = _is_vllm_sha256_hasher(hasher, block)
+            k = (block - 1 + la - a) % block
+            if in_core and request.lora_request is None and not request.mm_features:
+                fast[k].append(request)
+            else:
+                other[k].append(request)
+        cohort.fill_base = after[0] if after else 0
+        cohort.fill_fast, cohort.fill_other = fast, other
+
+    def _hash_cohort_fills(self, cohort: Cohort, out: Any) -> None:
+        """Appends the hashes of the blocks the cohort's members filled at this step (see ``_cohort_fills``)."""
+        block = self.hash_block_size
+        k = (int(out.num_computed_tokens[0]) + 1 - cohort.fill_base) % block
+        for request in cohort.fill_fast[k]:
+            hashes = request.block_hashes
+            if hashes:
+                hashes += vllm_sha256_block_hashes(hashes[-1], request._all_token_ids[len(hashes) * block :], block)
+            else:
+                hashes.extend(request._block_hasher(request))
+        other = cohort.fill_other[k]
+        if other:
+            self._hash_filled_blocks(other)
 
     def _mm_in_tail(self, request: Request, num_hashed_blocks: int) -> bool:
         """Whether a multimodal input reaches past the request's hashed blocks (its blocks have extra keys)."""
@@ -2449,16 +2508,17 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         connector_prefix = self._connector_prefix_cache_stats
         if connector_prefix is not None:
             self._connector_prefix_cache_stats = PrefixCacheStats()
-        s = self._core._stats_dict()  # the counters without building kvsched's stats dataclass (every step)
+        # The four counters vLLM takes from its scheduler (not the dict of every counter: every step).
+        num_running, num_waiting, num_skipped, kv_cache_usage = self._core._vllm_stats()
         bridge = self._bridge
         return SchedulerStats(
-            num_running_reqs=s["num_running_reqs"],
-            num_waiting_reqs=s["num_waiting_reqs"],
-            num_skipped_waiting_reqs=s["num_skipped_waiting_reqs"],
+            num_running_reqs=num_running,
+            num_waiting_reqs=num_waiting,
+            num_skipped_waiting_reqs=num_skipped,
             num_kv_fetch_reqs_by_stage=(
                 bridge.stage_counts() if bridge is not None else dict.fromkeys(KV_FETCH_STAGES, 0)
             ),
-            kv_cache_usage=s["kv_cache_usage"],
+            kv_cache_usage=kv_cache_usage,
             prefix_cache_stats=prefix if prefix is not None else PrefixCacheStats(),
             connector_prefix_cache_stats=connector_prefix,
             spec_decoding_stats=spec_decoding_stats,

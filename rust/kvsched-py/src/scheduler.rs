@@ -916,6 +916,13 @@ impl PyScheduler {
         Ok(d)
     }
 
+    /// The four counters vLLM's `SchedulerStats` takes from the scheduler every step: `(num_running_reqs,
+    /// num_waiting_reqs, num_skipped_waiting_reqs, kv_cache_usage)` (a tuple: no dict of every counter).
+    fn _vllm_stats(slf: &Bound<'_, Self>) -> PyResult<(usize, usize, usize, f64)> {
+        let s = borrow(slf)?.core.stats();
+        Ok((s.num_running_reqs, s.num_waiting_reqs, s.num_skipped_waiting_reqs, s.kv_cache_usage))
+    }
+
     /// `(tenant, (weight, counter, num_prefill_tokens, num_decode_tokens, num_waiting_reqs, num_running_reqs))`
     /// per tenant, in registration order (`kvsched.Scheduler.tenant_stats()` wraps them in dataclasses).
     #[allow(clippy::type_complexity)]
