@@ -467,14 +467,16 @@ class MooncakeStandIn:
     token, as the lookup server on worker rank 0 does. Each store job of a step's metadata completes 0-3 steps
     later: the hashes of the blocks it saved (its ``token_len_chunk`` tokens) enter the store and the job is
     reported done (``MooncakeStoreWorkerMetadata``, one rank). Each load completes 0-2 steps later with
-    asynchronous loads (``finished_recving``, requests still known), in its own step otherwise; one in ten has an
-    invalid block among those it loads. Now and then the store evicts a third of its hashes."""
+    asynchronous loads (``finished_recving``, requests still known; one in ten with an invalid block among those
+    it loads), in its own step otherwise. Now and then the store evicts a third of its hashes."""
 
     def __init__(self, seed: int, block_size: int) -> None:
         self.seed = seed
         self.block_size = block_size
         self.rng = random.Random(f"mooncake-store/{seed}")
-        self.keys: set[bytes] = set()
+        # The stored hashes, in the order they were stored (a dict: the draws over it do not depend on hash values,
+        # which vLLM seeds per process).
+        self.keys: dict[bytes, None] = {}
         self.load_async = True
         # [steps left, "load", req_id, invalid block or None] or [steps left, "save", store job id, hashes]
         self.pending: list[list[Any]] = []
@@ -536,7 +538,11 @@ class MooncakeStandIn:
             if spec is not None:
                 first, end = spec.vllm_cached_tokens // bs, -(-spec.kvpool_cached_tokens // bs)
                 blocks = r.block_ids[0]
-                bad = blocks[rng.randrange(first, end)] if rng.random() < 0.1 and end > first else None
+                # (Invalid blocks only for asynchronous loads: kvsched.vllm does not roll back the running requests
+                # of a synchronous load with invalid blocks, docs/vllm.md.)
+                bad = None
+                if rng.random() < 0.1 and end > first and self.load_async:
+                    bad = blocks[rng.randrange(first, end)]
                 self.pending.append([rng.randrange(0, 3) if self.load_async else 0, "load", r.req_id, bad])
             if r.can_save and r.store_job_id is not None:
                 hashes = [bytes(h) for h in r.block_hashes[: r.token_len_chunk // bs]]
@@ -553,16 +559,17 @@ class MooncakeStandIn:
                 self.counts["loads"] += 1
                 if self.load_async and known(item[2]):
                     recving.add(item[2])
-                if item[3] is not None:
-                    invalid.add(item[3])
-                    self.counts["invalid blocks"] += 1
+                    if item[3] is not None:  # (of a request still loading: not of blocks freed since)
+                        invalid.add(item[3])
+                        self.counts["invalid blocks"] += 1
             else:
                 self.counts["store jobs"] += 1
-                self.keys.update(item[3])
+                self.keys.update(dict.fromkeys(item[3]))
                 saves[item[2]] = 1
         self.pending = left
         if self.keys and rng.random() < 0.05:
-            self.keys.difference_update(rng.sample(sorted(self.keys), len(self.keys) // 3))
+            for key in rng.sample(list(self.keys), len(self.keys) // 3):
+                del self.keys[key]
         if not (recving or invalid or saves):
             return None
         return KVConnectorOutput(
