@@ -179,7 +179,6 @@ _V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
 @pytest.mark.parametrize(
     ("module", "name", "missing"),
     [
-        (f"{_V1}.mooncake.store.connector", "MooncakeStoreConnector", "lookup server on worker rank 0"),
         (f"{_V1}.hisparse.connector", "HiSparseConnector", "HiSparse host block pool"),
         (f"{_V1}.umbp.connector", "UMBPStoreConnector", "UMBP runtime registered by MORI"),
     ],
@@ -187,9 +186,9 @@ _V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
 def test_vllms_other_block_pool_connectors_are_refused_saying_what_is_missing(
     module: str, name: str, missing: str
 ) -> None:
-    """vLLM's connectors that bind the block pool other than SimpleCPUOffloadConnector (Mooncake store,
-    HiSparse, UMBP; none can be built here: a Mooncake store, a HiSparse host pool, a UMBP runtime) are refused
-    by name, with what kvsched.vllm lacks for each; a subclass is refused the same way."""
+    """vLLM's connectors that bind the block pool other than SimpleCPUOffloadConnector and
+    MooncakeStoreConnector (HiSparse, UMBP; neither can be built here: a HiSparse host pool, a UMBP runtime) are
+    refused by name, with what kvsched.vllm lacks for each; a subclass is refused the same way."""
     import importlib
 
     from kvsched.vllm._config import check_kv_connector
@@ -203,6 +202,52 @@ def test_vllms_other_block_pool_connectors_are_refused_saying_what_is_missing(
         conn = object.__new__(klass)  # their constructors need what is missing here
         with pytest.raises(UnsupportedFeatureError, match=rf"\({klass.__name__} overrides bind_\w+: .*{missing}"):
             check_kv_connector(make_vllm_config(), conn)
+
+
+_MOONCAKE = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+
+
+def test_mooncake_store_connector_gets_a_pinning_pool() -> None:
+    """vLLM's MooncakeStoreConnector binds the block pool: kvsched.vllm gives it the pinning pool view, alone or
+    under a MultiConnector. (Its lookup client, a ZMQ client of the lookup server on a worker, is the
+    differential driver's stand-in here.)"""
+    from kvsched.vllm._kv_view import PinningBlockPoolView
+    from vllm_driver import MooncakeStandIn
+
+    with MooncakeStandIn(0, 4).in_place():
+        s = make_scheduler("kvsched", make_vllm_config(block_size=4, num_blocks=32, kv_transfer=_MOONCAKE))
+        multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"connectors": [_MOONCAKE]}}  # fmt: skip
+        m = make_scheduler("kvsched", make_vllm_config(block_size=4, num_blocks=32, kv_transfer=multi))
+    assert isinstance(s.kv_cache_manager.block_pool, PinningBlockPoolView)
+    assert s.connector.connector_scheduler._gpu_block_pool is s.kv_cache_manager.block_pool
+    assert isinstance(m.kv_cache_manager.block_pool, PinningBlockPoolView)
+    assert m.connector.sub_connectors[0].connector_scheduler._gpu_block_pool is m.kv_cache_manager.block_pool
+
+
+def test_mooncake_store_connector_subclasses_are_accepted_only_binding_as_it_does() -> None:
+    """A subclass of MooncakeStoreConnector that binds the pool as it does is accepted; one that overrides the
+    binding is refused by name, saying it is not verified."""
+    from kvsched.vllm._config import check_kv_connector
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
+
+    plain = type("MyStore", (MooncakeStoreConnector,), {})
+    odd = type("OddStore", (MooncakeStoreConnector,), {"bind_gpu_block_pool": lambda self, pool: None})
+    for klass in (MooncakeStoreConnector, plain):
+        assert check_kv_connector(make_vllm_config(), object.__new__(klass)) is True  # binds the pool
+    with pytest.raises(UnsupportedFeatureError, match=r"\(OddStore overrides bind_gpu_block_pool: .*not verified"):
+        check_kv_connector(make_vllm_config(), object.__new__(odd))
+
+
+def test_mooncake_store_connector_with_several_kv_cache_groups_is_refused() -> None:
+    """With several KV cache groups (a sliding window beside full attention, or Mamba align groups, whose
+    boundary states and finished partial tails the connector would take) MooncakeStoreConnector is refused, as
+    every KV connector is there."""
+    from vllm_driver import MooncakeStandIn
+
+    cfg = make_vllm_config(block_size=4, num_blocks=64, kv_transfer=_MOONCAKE)
+    with MooncakeStandIn(0, 4).in_place(), pytest.raises(UnsupportedFeatureError, match="several KV cache groups"):
+        make_scheduler("kvsched", cfg, kv_cache_groups=(None, 8))
 
 
 def test_simple_cpu_offload_connector_gets_a_pinning_pool() -> None:

@@ -268,6 +268,24 @@ ASYNC_MODES = [("async", "v1"), ("async", "v2")]
 ROLES = ["kv_producer", "kv_consumer", "kv_both"]
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize(("seed", "kv_role"), [(0, "kv_both"), (1, "kv_consumer")])
+def test_identical_to_vllm_with_the_mooncake_store_connector(sync: str, runner: str, seed: int, kv_role: str) -> None:
+    """vLLM's MooncakeStoreConnector on both sides, a stand-in store in place of the Mooncake store, its lookup
+    server and workers (``MooncakeStandIn``): prefix lookups answered from the blocks its store jobs saved (some
+    asynchronous), loads (some asynchronous, some with an invalid block), store jobs pinning their blocks through
+    the block pool until reported. The connector's metadata, its state and its calls on the pool, and every GPU
+    block's reference count and block hash are compared after every call too."""
+    import vllm_driver
+
+    vllm_driver.MOONCAKE_COUNTS.clear()
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", mooncake_store=True,
+                   kv_role=kv_role)  # fmt: skip
+    assert cfg.mooncake_store is not None and cfg.kv_role == kv_role
+    counts = vllm_driver.MOONCAKE_COUNTS
+    assert counts["lookups"] and counts["store jobs"]  # the draws reached the store both ways
+
+
 @pytest.mark.parametrize(("sync", "kv_role"), [("sync", "kv_producer"), ("async", "kv_consumer"), ("async", "kv_both")])
 def test_identical_to_vllm_with_streaming_input_and_a_kv_connector(
     sync: str, kv_role: str, monkeypatch: pytest.MonkeyPatch

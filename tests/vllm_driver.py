@@ -174,6 +174,9 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 # Requests scheduled as new with prefix-hit tokens (their first step starts past 0), over the runs of the process.
 PREFIX_HITS = 0
+# What the Mooncake stand-in answered and reported (lookups, hits, loads, invalid blocks, store jobs), over the
+# completed runs of the process.
+MOONCAKE_COUNTS = collections.Counter[str]()
 
 
 def compare(what: str, a: Any, b: Any) -> None:
@@ -250,6 +253,10 @@ class Config:
     cpu_offload_blocks: int | None = None
     # ... in its lazy mode (it walks the GPU free block queue and offloads the blocks next in line for eviction).
     cpu_offload_lazy: bool = False
+    # vLLM's MooncakeStoreConnector (role kv_role) with this kv_connector_extra_config, instead of a
+    # RandomKVConnector: a stand-in store (MooncakeStandIn) answers its prefix lookups and reports its store jobs
+    # and loads.
+    mooncake_store: dict[str, Any] | None = None
     # vLLM 0.33's deferred registration of asynchronous loads, set on both built schedulers as vLLM's tests do
     # (vLLM turns it on only with HiSparse, which kvsched.vllm refuses); it acts with defer_block_free.
     defer_async_loads: bool = False
@@ -382,6 +389,230 @@ def _connectors(sched: Any) -> list[Any]:
     return list(getattr(sched.connector, "sub_connectors", [sched.connector]))
 
 
+class _RecordingPool:
+    """A connector's view of its scheduler's block pool that logs each ``touch`` / ``free_blocks`` (block ids, in
+    order) before passing it on; every other attribute is the pool's."""
+
+    def __init__(self, pool: Any, calls: list[tuple[str, list[int]]]) -> None:
+        self._pool = pool
+        self.calls = calls
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    def touch(self, blocks: Any) -> None:
+        blocks = list(blocks)
+        self.calls.append(("touch", [int(b.block_id) for b in blocks]))
+        self._pool.touch(blocks)
+
+    def free_blocks(self, ordered_blocks: Any) -> None:
+        blocks = list(ordered_blocks)
+        self.calls.append(("free_blocks", [int(b.block_id) for b in blocks]))
+        self._pool.free_blocks(blocks)
+
+
+def _mooncake_metadata(meta: Any) -> Any:
+    """MooncakeStoreConnector's metadata for the workers in a comparable form: its requests (loads, saves, store
+    job ids, block ids and hashes) and the unfinished and preempted request ids."""
+    if meta is None:
+        return None
+    return (
+        [_norm(r) for r in meta.requests],
+        sorted(meta.unfinished_request_ids),
+        sorted(meta.preempted_req_ids or ()),
+    )
+
+
+class _StandInLookupClient:
+    """Takes the place of MooncakeStoreConnector's lookup client (a ZMQ client of the lookup server on worker rank
+    0): answers from the stand-in's store. An asynchronous lookup (``non_block``) is answered after 0-2 polls
+    (drawn per request and lookup, so both schedulers see the same), with the store as it was when first asked."""
+
+    def __init__(self, standin: MooncakeStandIn) -> None:
+        self.standin = standin
+        self.coord: Any = None  # the connector's MooncakeStoreCoordinator, set once the connector is built
+        self.pending: dict[str, list[Any]] = {}  # req_id -> [result, polls left]
+        self.asked = collections.Counter[str]()
+
+    def lookup(self, req_id: str, num_tokens: int, block_hashes: Sequence[Any], non_block: bool = False) -> Any:
+        entry = self.pending.get(req_id)
+        if entry is None:
+            n = self.asked[req_id]
+            self.asked[req_id] += 1
+            polls = random.Random(f"{self.standin.seed}/lookup/{req_id}/{n}").choice([0, 0, 1, 2]) if non_block else 0
+            entry = self.pending[req_id] = [self.standin.lookup(self.coord, num_tokens, block_hashes), polls]
+        if non_block and entry[1] > 0:
+            entry[1] -= 1
+            return None
+        del self.pending[req_id]
+        return entry[0]
+
+    def discard(self, req_id: str) -> None:
+        self.pending.pop(req_id, None)
+
+    def reset(self) -> bool:
+        self.standin.keys.clear()
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class MooncakeStandIn:
+    """A stand-in for the Mooncake store and the workers of vLLM's MooncakeStoreConnector, shared by both
+    schedulers of a pair (every call on it is made alike for both).
+
+    The store holds block hashes (KV cache group 0). A lookup finds the longest stored prefix of the request's
+    block hashes with the connector's own coordinator, within the block-aligned token count and short of the last
+    token, as the lookup server on worker rank 0 does. Each store job of a step's metadata completes 0-3 steps
+    later: the hashes of the blocks it saved (its ``token_len_chunk`` tokens) enter the store and the job is
+    reported done (``MooncakeStoreWorkerMetadata``, one rank). Each load completes 0-2 steps later with
+    asynchronous loads (``finished_recving``, requests still known; one in ten with an invalid block among those
+    it loads), in its own step otherwise. Now and then the store evicts a third of its hashes."""
+
+    def __init__(self, seed: int, block_size: int) -> None:
+        self.seed = seed
+        self.block_size = block_size
+        self.rng = random.Random(f"mooncake-store/{seed}")
+        # The stored hashes, in the order they were stored (a dict: the draws over it do not depend on hash values,
+        # which vLLM seeds per process).
+        self.keys: dict[bytes, None] = {}
+        self.load_async = True
+        # [steps left, "load", req_id, invalid block or None] or [steps left, "save", store job id, hashes]
+        self.pending: list[list[Any]] = []
+        self.counts = collections.Counter[str]()
+        self.pool_calls: tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]] = ([], [])
+        self.schedulers: tuple[Any, Any] | None = None
+
+    @contextlib.contextmanager
+    def in_place(self) -> Any:
+        """While the schedulers are built: their connectors get a stand-in lookup client."""
+        from unittest import mock
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import scheduler as store_scheduler
+
+        with mock.patch.object(store_scheduler, "LookupKeyClient", lambda vllm_config: _StandInLookupClient(self)):
+            yield
+
+    def attach(self, a: Any, b: Any) -> None:
+        """The built schedulers: each connector's lookup client gets its coordinator, its pool a call log."""
+        self.schedulers = (a, b)
+        for sched, calls in zip((a, b), self.pool_calls, strict=True):
+            cs = sched.connector.connector_scheduler
+            cs.client.coord = cs._store_coord
+            cs._gpu_block_pool = _RecordingPool(cs._gpu_block_pool, calls)
+            self.load_async = cs.load_async
+
+    def lookup(self, coord: Any, num_tokens: int, block_hashes: Sequence[Any]) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import ExternalCachedBlockPool
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+            MooncakeLookupResult,
+            TailKeyBoundary,
+        )
+
+        self.counts["lookups"] += 1
+        limit = coord.align_lookup_length(num_tokens)
+        if not block_hashes or limit <= 0:
+            return MooncakeLookupResult(0)
+        stored = ExternalCachedBlockPool(
+            coord.hash_block_size, {(0, bytes(h)) for h in block_hashes if bytes(h) in self.keys}
+        )
+        _, hit = coord.find_longest_cache_hit(block_hashes, limit, stored)
+        if hit >= num_tokens:  # the last token is computed again, to sample from
+            limit = coord.align_lookup_length(num_tokens - 1)
+            if limit <= 0:
+                return MooncakeLookupResult(0)
+            _, hit = coord.find_longest_cache_hit(block_hashes, limit, stored)
+        if hit:
+            self.counts["hits"] += 1
+        return MooncakeLookupResult(hit, (TailKeyBoundary(0, hit),) if hit else ())
+
+    def report(self, meta: Any, known: Callable[[str], bool]) -> Any:
+        """What the workers report with the output of the step whose connector metadata is ``meta``."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeStoreWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+
+        rng, bs = self.rng, self.block_size
+        for r in meta.requests if meta is not None else ():
+            spec = r.load_spec
+            if spec is not None:
+                first, end = spec.vllm_cached_tokens // bs, -(-spec.kvpool_cached_tokens // bs)
+                blocks = r.block_ids[0]
+                # (Invalid blocks only for asynchronous loads: kvsched.vllm does not roll back the running requests
+                # of a synchronous load with invalid blocks, docs/vllm.md.)
+                bad = None
+                if rng.random() < 0.1 and end > first and self.load_async:
+                    bad = blocks[rng.randrange(first, end)]
+                self.pending.append([rng.randrange(0, 3) if self.load_async else 0, "load", r.req_id, bad])
+            if r.can_save and r.store_job_id is not None:
+                hashes = [bytes(h) for h in r.block_hashes[: r.token_len_chunk // bs]]
+                self.pending.append([rng.randrange(0, 4), "save", r.store_job_id, hashes])
+        recving: set[str] = set()
+        invalid: set[int] = set()
+        saves: dict[int, int] = {}
+        left = []
+        for item in self.pending:
+            if item[0] > 0:
+                item[0] -= 1
+                left.append(item)
+            elif item[1] == "load":
+                self.counts["loads"] += 1
+                if self.load_async and known(item[2]):
+                    recving.add(item[2])
+                    if item[3] is not None:  # (of a request still loading: not of blocks freed since)
+                        invalid.add(item[3])
+                        self.counts["invalid blocks"] += 1
+            else:
+                self.counts["store jobs"] += 1
+                self.keys.update(dict.fromkeys(item[3]))
+                saves[item[2]] = 1
+        self.pending = left
+        if self.keys and rng.random() < 0.05:
+            for key in rng.sample(list(self.keys), len(self.keys) // 3):
+                del self.keys[key]
+        if not (recving or invalid or saves):
+            return None
+        return KVConnectorOutput(
+            finished_recving=recving or None,
+            invalid_block_ids=invalid,
+            kv_connector_worker_meta=MooncakeStoreWorkerMetadata(completed_saves=saves) if saves else None,
+        )
+
+    def compare(self, when: str) -> None:
+        """The connector's scheduler-side state on both sides, its calls on the block pool since the last
+        comparison, and the pool as it sees it (each block's reference count and block hash)."""
+        assert self.schedulers is not None
+        a, b = self.schedulers
+        ca, cb = a.connector.connector_scheduler, b.connector.connector_scheduler
+
+        def items(d: dict[Any, Any]) -> list[Any]:
+            return sorted((k, _norm(v)) for k, v in d.items())
+
+        compare(f"{when}: Mooncake pool calls", *self.pool_calls)
+        for calls in self.pool_calls:
+            calls.clear()
+        compare(f"{when}: Mooncake load specs", items(ca.load_specs), items(cb.load_specs))
+        compare(f"{when}: Mooncake request trackers", items(ca._request_trackers), items(cb._request_trackers))
+        compare(
+            f"{when}: Mooncake unfinished requests",
+            sorted((r, _norm(ids)) for r, (_, ids) in ca._unfinished_requests.items()),
+            sorted((r, _norm(ids)) for r, (_, ids) in cb._unfinished_requests.items()),
+        )
+        compare(
+            f"{when}: Mooncake unfinished ids", sorted(ca._unfinished_request_ids), sorted(cb._unfinished_request_ids)
+        )
+        compare(f"{when}: Mooncake pinned saves", items(ca._pinned_saves), items(cb._pinned_saves))
+        compare(f"{when}: Mooncake next store job", ca._next_store_job_id, cb._next_store_job_id)
+        compare(f"{when}: Mooncake pending push work", ca.has_pending_push_work(), cb.has_pending_push_work())
+        pa, pb = a.kv_cache_manager.block_pool, b.kv_cache_manager.block_pool
+        compare(f"{when}: GPU free blocks", pa.get_num_free_blocks(), pb.get_num_free_blocks())
+        compare(
+            f"{when}: GPU blocks (ref_cnt, block_hash)",
+            [(x.ref_cnt, x.block_hash) for x in pa.blocks if not x.is_null],
+            [(x.ref_cnt, x.block_hash) for x in pb.blocks if not x.is_null],
+        )
+
+
 class Pair:
     """vLLM's scheduler (``a``) and kvsched's (``b``) under identical calls."""
 
@@ -414,6 +645,16 @@ class Pair:
         defer_async_loads = fields.pop("defer_async_loads")
         fields.pop("streaming")
         enc_dec = fields.pop("encoder_decoder")
+        mooncake = fields.pop("mooncake_store")
+        # The stand-in for MooncakeStoreConnector's store and workers (one store, seen by both sides alike).
+        self.mooncake = MooncakeStandIn(seed, cfg.block_size) if mooncake is not None else None
+        if mooncake is not None:
+            fields["kv_transfer"] = {
+                "kv_connector": "MooncakeStoreConnector",
+                "kv_role": cfg.kv_role,
+                "kv_load_failure_policy": cfg.kv_load_failure_policy,
+                "kv_connector_extra_config": dict(mooncake),
+            }
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
         self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
@@ -432,8 +673,11 @@ class Pair:
             "sliding_window": window,
             "kv_cache_groups": groups,
         }
-        self.a = make_scheduler("vllm", vcfg, **kw)
-        self.b = make_scheduler("kvsched", vcfg, **kw)
+        with self.mooncake.in_place() if self.mooncake is not None else contextlib.nullcontext():
+            self.a = make_scheduler("vllm", vcfg, **kw)
+            self.b = make_scheduler("kvsched", vcfg, **kw)
+        if self.mooncake is not None:
+            self.mooncake.attach(self.a, self.b)
         if defer_async_loads:
             self.a.defer_async_loads = self.b.defer_async_loads = True
         # kvsched's steady decoding cohorts form after some steady steps; in most runs after one, so that they
@@ -710,12 +954,21 @@ class Pair:
 
     def reset_prefix_cache(self) -> None:
         reset_running = self.rng.random() < 0.5
+        kw = {}
+        if self.mooncake is not None:
+            # Not the running requests: vLLM's MooncakeStoreConnector fails (TypeError or AssertionError in
+            # build_connector_meta) when a request the reset preempted is scheduled again in the next step, as it
+            # drops the request it was just told about (update_state_after_alloc) for being in preempted_req_ids.
+            reset_running = False
+            # Sometimes the store is reset too (drawn from the stand-in's stream).
+            if self.mooncake.rng.random() < 0.5:
+                kw["reset_connector"] = True
         # With KV transfers holding blocks, a reset that preempts every running request still fails: vLLM raises.
         ra = rb = "raised"
         with contextlib.suppress(RuntimeError):
-            ra = self.a.reset_prefix_cache(reset_running_requests=reset_running)
+            ra = self.a.reset_prefix_cache(reset_running_requests=reset_running, **kw)
         with contextlib.suppress(RuntimeError):
-            rb = self.b.reset_prefix_cache(reset_running_requests=reset_running)
+            rb = self.b.reset_prefix_cache(reset_running_requests=reset_running, **kw)
         compare(f"reset_prefix_cache({reset_running})", ra, rb)
         self.check_state(f"reset_prefix_cache({reset_running})")
 
@@ -743,6 +996,12 @@ class Pair:
             ) from exc
         so_b = self.b.schedule(throttle_prefills=throttle)
         compare(f"step {self.steps} SchedulerOutput", so_a, so_b)
+        if self.mooncake is not None:
+            compare(
+                f"step {self.steps} MooncakeStoreConnector metadata",
+                _mooncake_metadata(so_a.kv_connector_metadata),
+                _mooncake_metadata(so_b.kv_connector_metadata),
+            )
         global PREFIX_HITS
         PREFIX_HITS += sum(r.num_computed_tokens > 0 for r in so_a.scheduled_new_reqs)
         # What the runner will sample is decided now: a request whose step is a partial prefill gets nothing
@@ -802,7 +1061,9 @@ class Pair:
             req_ids,
             sampled,
             kv_connector_output=(
-                self.offload_transfers(so)
+                self.mooncake.report(so.kv_connector_metadata, lambda rid: rid in self.a.requests)
+                if self.mooncake is not None
+                else self.offload_transfers(so)
                 if self.cfg.cpu_offload_blocks is not None
                 else self.transfers(so)
                 if self.cfg.kv_connector_seed is not None
@@ -994,7 +1255,9 @@ class Pair:
         compare(f"{when}: num unfinished", a.get_num_unfinished_requests(), b.get_num_unfinished_requests())
         compare(f"{when}: has_finished", a.has_finished_requests(), b.has_finished_requests())
         compare(f"{when}: kv usage", a.get_kv_cache_usage(), b.get_kv_cache_usage())
-        if self.cfg.cpu_offload_blocks is not None:
+        if self.mooncake is not None:
+            self.mooncake.compare(when)
+        elif self.cfg.cpu_offload_blocks is not None:
             self.compare_offload(when)
         elif a.connector is not None:
             for i, (ca, cb) in enumerate(zip(_connectors(a), _connectors(b), strict=True)):
@@ -1122,6 +1385,7 @@ def run_seed(
     encoder_decoder: bool = False,
     cpu_offload: bool = False,
     lazy_offload: bool = False,
+    mooncake_store: bool = False,
     block_sizes: tuple[int, ...] = (),
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
@@ -1141,7 +1405,10 @@ def run_seed(
     in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
     drafts) with vLLM's default prefix-cache rules for it; ``dcp`` / ``pcp``: vLLM's decode / prefill context
     parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure);
-    ``block_sizes``: the block size is drawn from these instead (from its own stream)."""
+    ``mooncake_store``: vLLM's MooncakeStoreConnector in the role ``kv_role``, its options (asynchronous loads and
+    lookups, lookups off, decode saves) and load failure policy drawn from their own stream, a stand-in store in
+    place of the Mooncake store and its workers (``MooncakeStandIn``); ``block_sizes``: the block size is drawn
+    from these instead (from its own stream)."""
     rng = random.Random(seed * 7919 + 17)
     block_size = random.Random(f"block/{seed}").choice(block_sizes) if block_sizes else None
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2, block_size=block_size)
@@ -1183,6 +1450,16 @@ def run_seed(
         cfg.cpu_offload_blocks = max(2, int(cfg.num_blocks * orng.choice([0.25, 0.5, 1.0, 2.0])))
         cfg.cpu_offload_lazy = lazy_offload
         cfg.enable_prefix_caching = True
+    if mooncake_store:
+        mrng = random.Random(f"mooncake/{seed}")
+        cfg.kv_role = kv_role
+        cfg.kv_load_failure_policy = mrng.choice(["recompute", "fail"])
+        cfg.mooncake_store = {
+            "load_async": mrng.random() < 0.7,
+            "lookup_async": mrng.random() < 0.5,
+            "enable_lookup": mrng.random() < 0.9,
+            "save_decode_cache": mrng.random() < 0.3,
+        }
     if connector:
         cfg.kv_connector_seed = seed
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
@@ -1245,7 +1522,10 @@ def run_seed(
         cfg.decode_context_parallel_size = dcp
         cfg.prefill_context_parallel_size = pcp
         cfg.num_blocks = max(3, 1 + (cfg.num_blocks - 1) // dcp)
-    Pair(cfg, seed).run(steps)
+    pair = Pair(cfg, seed)
+    pair.run(steps)
+    if pair.mooncake is not None:
+        MOONCAKE_COUNTS.update(pair.mooncake.counts)
     return cfg
 
 
@@ -1316,10 +1596,19 @@ def main(argv: list[str] | None = None) -> int:
         "offloads the cached blocks next in line for eviction)",
     )
     p.add_argument(
+        "--mooncake-store",
+        action="store_true",
+        help="with vLLM's MooncakeStoreConnector (its options and load failure policy drawn per seed), a stand-in "
+        "store in place of the Mooncake store and its workers: lookups answered from the block hashes its store "
+        "jobs saved, jobs and loads reported over 0-3 steps later, some loads with an invalid block; the connector's "
+        "metadata and state, its touch / free_blocks calls on the block pool and every GPU block's reference count "
+        "and block hash are compared; with --kv-roles; not with --connector or --cpu-offload",
+    )
+    p.add_argument(
         "--kv-roles",
         default="kv_both",
-        help="with --connector: the connector's roles, comma-separated (kv_producer, kv_consumer, kv_both); each "
-        "mode runs every seed once per role",
+        help="with --connector or --mooncake-store: the connector's roles, comma-separated (kv_producer, "
+        "kv_consumer, kv_both); each mode runs every seed once per role",
     )
     p.add_argument(
         "--multi-connector",
@@ -1480,6 +1769,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--lazy-offload goes with --cpu-offload")
     if args.cpu_offload and (args.connector or args.sliding_window or args.hybrid or args.mamba or args.enc_dec):
         p.error("--cpu-offload goes without --connector, --sliding-window, --hybrid, --mamba and --enc-dec")
+    if args.mooncake_store and (
+        args.connector or args.cpu_offload or args.sliding_window or args.hybrid or args.mamba or args.enc_dec
+    ):
+        p.error(
+            "--mooncake-store goes without --connector, --cpu-offload, --sliding-window, --hybrid, --mamba and "
+            "--enc-dec"
+        )
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
@@ -1488,7 +1784,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"vLLM {vllm.__version__}: its Scheduler/AsyncScheduler against kvsched.vllm.Scheduler", flush=True)
     failures = 0
-    roles = args.kv_roles.split(",") if args.connector else [None]
+    roles = args.kv_roles.split(",") if args.connector or args.mooncake_store else [None]
     for mode in args.modes.split(","):
         sync, runner = mode.split("-")
         for role in roles:
@@ -1508,7 +1804,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.steps,
                         async_scheduling=sync == "async",
                         v2=runner == "v2",
-                        connector=role is not None,
+                        connector=role is not None and not args.mooncake_store,
                         kv_role=role or "kv_both",
                         multi_connector=args.multi_connector,
                         kv_events=args.kv_events,
@@ -1530,6 +1826,7 @@ def main(argv: list[str] | None = None) -> int:
                         encoder_decoder=args.enc_dec,
                         cpu_offload=args.cpu_offload,
                         lazy_offload=args.lazy_offload,
+                        mooncake_store=args.mooncake_store,
                         block_sizes=block_sizes,
                     )
                     ok += 1
@@ -1548,6 +1845,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.mamba_prefix_caching:
                 note += f"; {PREFIX_HITS} admissions with a prefix hit"
             PREFIX_HITS = 0
+            if args.mooncake_store:
+                note += "; store stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(MOONCAKE_COUNTS.items()))
+                MOONCAKE_COUNTS.clear()
             print(f"{name}: {ok}/{args.seeds} seeds x {args.steps} steps without a difference{note}", flush=True)
     return 1 if failures else 0
 

@@ -211,11 +211,11 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
 
     A connector that overrides ``bind_kv_cache_manager`` or ``bind_gpu_block_pool`` changes vLLM's block pool
     (references, frees, cached lookups by vLLM's block hashes). vLLM's ``SimpleCPUOffloadConnector`` (eager and
-    lazy offload) uses only what the adapter's pinning pool provides: it is accepted, with its own
-    ``bind_gpu_block_pool``. Every other such connector is refused, by name. vLLM's ``MultiConnector`` overrides
-    both only to pass them on to its children: it is refused when one of its children (at any depth) is. Every
-    other connector gets ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own
-    manager."""
+    lazy offload) and ``MooncakeStoreConnector`` use only what the adapter's pinning pool provides: they are
+    accepted, with their own ``bind_gpu_block_pool``. Every other such connector is refused, by name. vLLM's
+    ``MultiConnector`` overrides both only to pass them on to its children: it is refused when one of its children
+    (at any depth) is. Every other connector gets ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as
+    vLLM binds its own manager."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
@@ -232,7 +232,7 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
             for child in conn.sub_connectors:
                 check(child, f"{name} > ")
             return
-        if _is_simple_cpu_offload(cls):
+        if _is_simple_cpu_offload(cls) or _is_mooncake_store(cls):
             binds = True
             return
         for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
@@ -248,10 +248,8 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
 # vLLM's other connectors that bind its block pool, by class name: what kvsched.vllm lacks to host them.
 _POOL_CONNECTORS_MISSING = {
     "MooncakeStoreConnector": (
-        "its touch / free_blocks / blocks on the pool are what block pins give, but it is not verified against "
-        "vLLM's scheduler: its scheduler half asks a Mooncake store for every prefix hit, through a lookup server "
-        "on worker rank 0 that needs the mooncake package, and with Mamba align groups it takes the finished "
-        "partial tails (register_finished_partial_tail), which kvsched.vllm does not hand over"
+        "a subclass that binds the pool or the KV cache manager otherwise than vLLM's MooncakeStoreConnector is "
+        "not verified against vLLM's scheduler"
     ),
     "HiSparseConnector": (
         "it needs a HiSparse host block pool (kv_cache_config.hisparse_host_num_blocks) and binds vLLM's "
@@ -273,6 +271,28 @@ def _pool_connector_missing(cls: type) -> str:
         if why is not None and klass.__module__.startswith("vllm."):
             return f": {why}"
     return ""
+
+
+def _is_mooncake_store(cls: type) -> bool:
+    """vLLM's ``MooncakeStoreConnector`` or a subclass binding the pool as it does.
+
+    Its scheduler half pins the blocks of each store job with ``touch`` and gives them back with ``free_blocks``
+    once every worker rank has reported the job (``blocks[bid]`` reads), and reads the current block tables
+    through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it. It takes
+    Mamba align groups' boundary states and finished partial tails (``register_finished_partial_tail``) only
+    with several KV cache groups, which the adapter refuses with any KV connector."""
+    if not any(klass.__name__ == "MooncakeStoreConnector" for klass in cls.__mro__):
+        return False  # (without importing the store's modules for every other connector)
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
+    except ImportError:
+        return False
+    return (
+        issubclass(cls, MooncakeStoreConnector)
+        and getattr(cls, "bind_gpu_block_pool", None) is MooncakeStoreConnector.bind_gpu_block_pool
+        and getattr(cls, "bind_kv_cache_manager", None) is KVConnectorBase_V1.bind_kv_cache_manager
+    )
 
 
 def _is_simple_cpu_offload(cls: type) -> bool:

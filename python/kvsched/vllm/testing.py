@@ -188,6 +188,7 @@ def make_vllm_config(
     decode_context_parallel_size: int = 1,
     prefill_context_parallel_size: int = 1,
     mamba_cache_mode: str = "none",
+    kv_transfer: dict[str, Any] | None = None,
 ) -> Any:
     """A ``VllmConfig`` for a model-less scheduler (CPU target, tiny Llama config; ``multimodal``: a tiny LLaVA,
     whose requests may carry images, with vLLM's ``disable_chunked_mm_input``). ``decode_context_parallel_size`` /
@@ -207,9 +208,11 @@ def make_vllm_config(
     batches). ``parallel_drafting`` makes the drafter draft in parallel (vLLM's P-EAGLE layout: ``k - 1`` extra
     query slots per scheduled request, taken from ``max_num_batched_tokens``); ``max_num_scheduled_tokens`` sets
     vLLM's token budget apart from that input budget. ``ec_connector_seed`` adds an ``ec_transfer_config`` for
-    :class:`RandomECConnector` with that seed and role ``ec_role``. ``pipeline_parallel_size`` > 1: vLLM's
-    pipeline parallelism (its engine then keeps ``max_concurrent_batches`` steps in flight; async scheduling is
-    switched on after the config is built, as vLLM validates it against the model runner of the environment)."""
+    :class:`RandomECConnector` with that seed and role ``ec_role``. ``kv_transfer``: the fields of a
+    ``KVTransferConfig`` for any connector vLLM's factory knows, instead of the connectors above.
+    ``pipeline_parallel_size`` > 1: vLLM's pipeline parallelism (its engine then keeps ``max_concurrent_batches``
+    steps in flight; async scheduling is switched on after the config is built, as vLLM validates it against the
+    model runner of the environment)."""
     from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
@@ -278,7 +281,11 @@ def make_vllm_config(
             parallel_drafting=parallel_drafting,
         )
     kv_transfer_config = None
-    if cpu_offload_blocks is not None:
+    if kv_transfer is not None:
+        from vllm.config import KVTransferConfig
+
+        kv_transfer_config = KVTransferConfig(**kv_transfer)
+    elif cpu_offload_blocks is not None:
         from vllm.config import KVTransferConfig
 
         # vLLM's SimpleCPUOffloadConnector (eager offload) with a CPU pool of that many blocks (the kv_cache_tensors
