@@ -113,6 +113,10 @@ RULES: list[dict[str, Any]] = [
     {"kv_cache_groups": ("mamba", "mamba"), "enable_prefix_caching": False},
     {"kv_cache_groups": ("mamba", "cross", None), "enable_prefix_caching": False},
     {"kv_cache_groups": (None, 8), "mamba_speculative_blocks": 2},
+    {"prefix_cache_retention_interval": 32},
+    {"prefix_cache_retention_interval": 24, "kv_cache_groups": (None, "mamba"), "mamba_align": True},
+    {"prefix_cache_retention_interval": 0, "kv_cache_groups": ("mamba", None, 8), "mamba_align": True},
+    {"prefix_cache_retention_interval": 0, "sliding_window": 64},
 ]
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
@@ -129,6 +133,9 @@ VALID_COMBOS: list[dict[str, Any]] = [
     {"policy": "sjf", "max_wait_steps": 3, "default_ttft_slo_s": 0.5},
     {"policy": "slo", "default_ttft_slo_s": 2.0, "session_ttl_steps": 1},
     {"kv_cache_groups": ("mamba", None, "mamba"), "enable_prefix_caching": False, "mamba_speculative_blocks": 3},
+    {"prefix_cache_retention_interval": 0},
+    {"prefix_cache_retention_interval": 32, "kv_cache_groups": (None, "mamba"), "mamba_align": True},
+    {"prefix_cache_retention_interval": 0, "kv_cache_groups": (None, 8), "enable_prefix_caching": False},
 ]
 
 
@@ -162,6 +169,7 @@ _CONTEXT: dict[str, dict[str, Any]] = {
     "preemption_mode": {"num_cpu_blocks": 8},
     "draft_slots": {"max_num_batched_tokens": 2**31 - 1},
     "mamba_speculative_blocks": {"kv_cache_groups": ("mamba", None), "enable_prefix_caching": False},
+    "prefix_cache_retention_interval": {"kv_cache_groups": (None, "mamba"), "mamba_align": True, "block_size": 1},
 }
 
 

@@ -1853,6 +1853,24 @@ def test_soak_align_mamba_prefix_caching_matches_reference_step_by_step() -> Non
     assert grown > 0 and hits > 0, (grown, hits)
 
 
+def test_soak_sparse_mamba_retention_matches_reference_step_by_step() -> None:
+    """The same configs with prefix caching on and sparse retention of the cached states (vLLM's engine default 0,
+    intervals of one, two and three blocks; the window group left out: sparse retention of windows is refused):
+    the states each caches, the hits on them and the junction stops are the same on both implementations; prefix
+    hits happen in the run."""
+    configs = [
+        dataclasses.replace(
+            c,
+            enable_prefix_caching=True,
+            kv_cache_groups=tuple(w for w in c.kv_cache_groups or () if not isinstance(w, int)),
+            prefix_cache_retention_interval=[0, 2 * c.block_size, 3 * c.block_size, c.block_size][i],
+        )
+        for i, c in enumerate(ALIGN_CONFIGS)
+    ]
+    grown, hits = _soak_align(configs, 8181)
+    assert grown > 0 and hits > 0, (grown, hits)
+
+
 # Chunked-local groups (Llama 4): after full attention or before it, chunks a multiple of the block size or not
 # (a hit's null blocks then reach past the blocks its allocation skips), two chunked groups of one size (looked
 # up together), chunks of one token, beside a window (the lookup iterates), sync and async, drafts, priority, the

@@ -673,6 +673,110 @@ def test_align_mamba_shared_prefix_junction_ends_the_chunk(impl: str) -> None:
     s.check_invariants()
 
 
+# --- sparse retention of cached Mamba states (prefix_cache_retention_interval, vLLM 0.33's engine default 0): only
+# the states a later request can resume at, and one every `interval` tokens.
+
+
+def run_chunked(s: Any, lengths: dict[str, int]) -> None:
+    """Steps until every request is done, each sampling a token only once its prompt (``lengths``) is computed."""
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        ends = [computed(out, r) + int(n) for r, n in zip(out.req_ids, out.num_scheduled_tokens, strict=True)]
+        s.update_from_output(out, [[7] if e >= lengths[r] else [] for r, e in zip(out.req_ids, ends, strict=True)])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(("retention", "hit"), [(None, 16), (0, 0), (4, 16), (8, 16), (12, 0)])
+def test_align_mamba_sparse_retention_caches_fewer_states(impl: str, retention: int | None, hit: int) -> None:
+    # "a" (24 tokens) runs in chunks of 8: its states after 8, 16 and 20 tokens (the last boundary before its last
+    # token) sit at entries 1, 3 and 4. Dense retention caches the three; 0 only the one after 20; 8 those at
+    # multiples of 8 too; 12 those at multiples of 12 (none of a's). "b" shares 16 tokens: it hits them only when the
+    # state after 16 is cached; "a"'s resend hits 20 tokens whatever the interval.
+    s = align_cached(
+        impl, kv_cache_groups=(None, "mamba"), max_num_batched_tokens=8, prefix_cache_retention_interval=retention
+    )
+    s.add_request("a", list(range(24)), max_tokens=1)
+    run_chunked(s, {"a": 24})
+    s.add_request("b", list(range(16)) + list(range(500, 514)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "b") == hit
+    s.update_from_output(out, [[]])
+    s.abort_requests(["b"])
+    s.add_request("a2", list(range(24)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "a2") == 20
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("retention", [None, 0])
+def test_align_mamba_sparse_retention_keeps_the_junction_state(impl: str, retention: int | None) -> None:
+    # As test_align_mamba_shared_prefix_junction_ends_the_chunk: "b"'s state at the junction (16) is cached with
+    # retention 0 too, so "c" hits it.
+    s = align_cached(impl, kv_cache_groups=(None, "mamba"), prefix_cache_retention_interval=retention)
+    s.add_request("a", list(range(24)), max_tokens=1)
+    run_all(s)
+    s.add_request("b", list(range(16)) + list(range(500, 514)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "b") == 0 and list(out.num_scheduled_tokens) == [16]
+    s.update_from_output(out, [[]])
+    run_all(s)
+    s.add_request("c", list(range(16)) + list(range(900, 910)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "c") == 16
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_align_mamba_sparse_retention_keeps_the_prompt_checkpoint(impl: str) -> None:
+    # With 2 hash look-ahead tokens a 13-token prompt's checkpoint is 8 (two tokens left for the hash): the first
+    # chunk ends there and its state is cached though 8 is not the last boundary before the last token (12), which
+    # has no hash yet; the resend hits it.
+    s = align_cached(impl, kv_cache_groups=(None, "mamba"), hash_lookahead_tokens=2, prefix_cache_retention_interval=0)
+    s.add_request("a", list(range(13)), max_tokens=1)
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == [8]
+    s.update_from_output(out, [[]])
+    run_all(s)
+    s.add_request("b", list(range(13)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "b") == 8
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_retention_interval_is_checked(impl: str) -> None:
+    mamba = {"kv_cache_groups": (None, "mamba"), "mamba_align": True}
+    with pytest.raises(InvalidConfigError, match="must be a multiple of block_size"):
+        make(impl, prefix_cache_retention_interval=6, **mamba)
+    with pytest.raises(InvalidConfigError, match="needs a Mamba group"):
+        make(impl, prefix_cache_retention_interval=8)
+    with pytest.raises(InvalidConfigError, match="sliding window"):
+        make(impl, kv_cache_groups=(None, 8), prefix_cache_retention_interval=0)
+    with pytest.raises(InvalidConfigError, match="sliding window"):
+        make(impl, sliding_window=8, prefix_cache_retention_interval=0)
+    with pytest.raises(InvalidConfigError, match="prefix_cache_retention_interval"):
+        make(impl, prefix_cache_retention_interval=-4, **mamba)
+    assert make(impl, prefix_cache_retention_interval=0).config.prefix_cache_retention_interval == 0
+    assert make(impl, prefix_cache_retention_interval=8, **mamba).config.prefix_cache_retention_interval == 8
+    no_cache = make(impl, kv_cache_groups=(None, 8), enable_prefix_caching=False, prefix_cache_retention_interval=8)
+    assert no_cache.config.prefix_cache_retention_interval == 8
+
+
+def test_the_core_refuses_retention_intervals_the_config_refuses() -> None:
+    from kvsched import _core
+
+    good = SchedulerConfig(kv_cache_groups=(None, "mamba"), mamba_align=True, prefix_cache_retention_interval=0)
+    for fields, match in [
+        ({"prefix_cache_retention_interval": 6, "block_size": 4}, "multiple of block_size"),
+        ({"kv_cache_groups": None, "mamba_align": False, "prefix_cache_retention_interval": 32}, "Mamba group"),
+        ({"kv_cache_groups": (None, 8), "mamba_align": False}, "sliding window"),
+    ]:
+        fake = type("Cfg", (), {**good.to_dict(), **fields})()
+        with pytest.raises(InvalidConfigError, match=match):
+            _core.Scheduler(fake)
+
+
 # --- chunked-local attention groups ("chunked:<c>": vLLM's ChunkedLocalAttentionSpec, Llama 4). The tables are those
 # vLLM 0.33's Scheduler gives for the same calls with a FullAttentionSpec and a ChunkedLocalAttentionSpec
 # (attention_chunk_size=8) group of block size 4 (tests/test_vllm_differential.py runs the second side by side).

@@ -1220,9 +1220,9 @@ def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> Non
 
 def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> None:
     """Mamba prefix caching (mamba_cache_mode "align" with prefix caching on, vLLM's default for hybrid Mamba
-    models) runs on the core's align-mode groups with prefix caching, with dense retention of the states; sparse
-    retention (vLLM's engine default 0, or an interval) and prefill checkpoints are refused at construction, by
-    name."""
+    models) runs on the core's align-mode groups with prefix caching, with vLLM's retention of the states (the KV
+    cache config's prefix_cache_retention_interval: None dense, the engine's default 0, or an interval) passed to
+    the core; prefill checkpoints are refused at construction, by name."""
     import dataclasses
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -1250,12 +1250,45 @@ def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> N
     from kvsched.vllm import Scheduler
 
     groups = [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], _mamba_spec(16, "align"))]
-    for interval in (0, 32):
+    for interval in (None, 0, 32):
         kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups,
                            prefix_cache_retention_interval=interval)  # fmt: skip
-        with pytest.raises(UnsupportedFeatureError, match="sparse prefix-cache retention of Mamba states"):
-            Scheduler(vllm_config=on, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(on),
+        sched = Scheduler(vllm_config=on, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(on),
+                          block_size=16, hash_block_size=16)  # fmt: skip
+        assert sched.kv_config.prefix_cache_retention_interval == interval
+    # Without Mamba prefix caching the interval changes nothing: the core gets None.
+    off = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False, mamba_cache_mode="align")
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups, prefix_cache_retention_interval=0)
+    sched = Scheduler(vllm_config=off, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(off),
                       block_size=16, hash_block_size=16)  # fmt: skip
+    assert sched.kv_config.prefix_cache_retention_interval is None
+
+
+@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
+@pytest.mark.parametrize("retention", [0, 8])
+def test_sparse_mamba_retention_schedules_as_vllms_scheduler(retention: int) -> None:
+    """Sparse retention of cached Mamba states (vLLM's engine default 0, and an interval of two blocks): prompts
+    sharing prefixes of several lengths, run in chunks, hit only the states vLLM's scheduler keeps (the resend of
+    a prompt, the shared-prefix junctions, the interval's multiples); the same outputs and block tables step by
+    step, and some admissions hit."""
+    cfg = make_vllm_config(block_size=4, num_blocks=80, max_model_len=64, max_num_batched_tokens=8,
+                           max_num_seqs=4, mamba_cache_mode="align")  # fmt: skip
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=(None, "mamba"), prefix_cache_retention_interval=retention)
+            for impl in ("vllm", "kvsched")]  # fmt: skip
+    assert pair[1].kv_config.prefix_cache_retention_interval == retention
+    base = list(range(100, 124))
+    prompts = [base, [*base[:16], 1, 2, 3, 4, 5], base, base[:10] + [9] * 7, [*base[:16], 6, 7], base[:8] + [8] * 9]
+    hits = 0
+    for k, prompt in enumerate(prompts):
+        for s in pair:
+            s.add_request(make_request(f"r{k}", prompt, max_tokens=3, block_size=4))
+        for _ in range(40):
+            outs, _ = step_pair(pair)
+            hits += sum(r.num_computed_tokens > 0 for r in outs[0].scheduled_new_reqs)
+            if not pair[0].requests:
+                break
+        assert not pair[1].requests
+    assert hits >= 3
 
 
 def test_what_mamba_groups_do_not_support_is_refused_by_name() -> None:

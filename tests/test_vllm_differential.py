@@ -138,6 +138,30 @@ def test_identical_to_vllm_with_mamba_prefix_caching(sync: str, runner: str, see
     assert vllm_driver.PREFIX_HITS > 0
 
 
+@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", [660])
+def test_identical_to_vllm_with_sparse_mamba_retention(sync: str, runner: str, seed: int) -> None:
+    """The same with vLLM's engine default for the retention of cached Mamba states (0: only the states a later
+    request can resume at, the prompt's last boundary before its last token and the junctions): the same states
+    cached, hits and prefill stats; some admissions hit."""
+    import vllm_driver
+
+    vllm_driver.PREFIX_HITS = 0
+    cfg = run_seed(
+        seed,
+        120,
+        async_scheduling=sync == "async",
+        v2=runner == "v2",
+        mamba=True,
+        mamba_align=True,
+        mamba_prefix_caching=True,
+        mamba_retention=0,
+    )
+    assert cfg.prefix_cache_retention_interval == 0
+    assert vllm_driver.PREFIX_HITS > 0
+
+
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("seed", range(600, 603))
 def test_identical_to_vllm_with_chunked_local_attention(sync: str, runner: str, seed: int) -> None:

@@ -271,6 +271,9 @@ class Config:
     # vLLM's Mamba cache mode: "align" gives the Mamba groups blocks of block_size tokens and block-aligned prefill
     # chunks.
     mamba_cache_mode: str = "none"
+    # The KV cache config's prefix_cache_retention_interval (vLLM's sparse retention of cached Mamba states; None:
+    # dense).
+    prefix_cache_retention_interval: int | None = None
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -655,6 +658,7 @@ class Pair:
                 "kv_load_failure_policy": cfg.kv_load_failure_policy,
                 "kv_connector_extra_config": dict(mooncake),
             }
+        retention = fields.pop("prefix_cache_retention_interval")
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
         self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
@@ -672,6 +676,7 @@ class Pair:
             "log_stats": log_stats,
             "sliding_window": window,
             "kv_cache_groups": groups,
+            "prefix_cache_retention_interval": retention,
         }
         with self.mooncake.in_place() if self.mooncake is not None else contextlib.nullcontext():
             self.a = make_scheduler("vllm", vcfg, **kw)
@@ -1372,6 +1377,7 @@ def run_seed(
     mamba: bool = False,
     mamba_align: bool = False,
     mamba_prefix_caching: bool = False,
+    mamba_retention: int | None = None,
     chunked_local: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
@@ -1397,7 +1403,9 @@ def run_seed(
     ``chunked_local`` draws layouts with chunked-local groups (Llama 4) instead; ``mamba`` a hybrid Mamba model's
     (Mamba groups with full attention and sometimes a window, prefix caching off: vLLM's mamba_cache_mode "none";
     with ``mamba_align``, its mode "align": block-sized Mamba blocks, block-aligned prefill chunks; with
-    ``mamba_prefix_caching`` too, prefix caching on: Mamba prefix hits and cached states);
+    ``mamba_prefix_caching`` too, prefix caching on: Mamba prefix hits and cached states; ``mamba_retention``
+    their sparse retention, the interval in blocks (0: the resumable states only; -1: drawn per seed among dense,
+    0 and 1 to 3 blocks, from its own stream));
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
@@ -1434,6 +1442,13 @@ def run_seed(
             num_mamba = len(cfg.kv_cache_groups) - num_attn
             cfg.num_blocks += cfg.max_num_seqs * num_mamba
             cfg.enable_prefix_caching = mamba_prefix_caching
+            # (Not with a window group: kvsched.vllm refuses sparse retention of sliding windows.)
+            if mamba_retention is not None and not any(isinstance(g, int) for g in cfg.kv_cache_groups):
+                blocks = mamba_retention
+                if blocks < 0:
+                    blocks = random.Random(f"retention/{seed}").choice([None, 0, 0, 1, 2, 3])
+                if blocks is not None:
+                    cfg.prefix_cache_retention_interval = blocks * cfg.block_size
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
         # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
@@ -1649,6 +1664,16 @@ def main(argv: list[str] | None = None) -> int:
         "cached states at block boundaries, shared-prefix junction stops); prints the admissions with a prefix hit",
     )
     p.add_argument(
+        "--mamba-retention",
+        type=int,
+        default=None,
+        metavar="BLOCKS",
+        help="with --mamba-prefix-caching: vLLM's sparse retention of cached Mamba states "
+        "(prefix_cache_retention_interval, its engine default 0), the interval in blocks: 0 keeps the states a later "
+        "request can resume at only, N also one every N blocks; -1 draws it per seed (dense, 0, 1-3 blocks); "
+        "default: dense (None)",
+    )
+    p.add_argument(
         "--chunked-local",
         action="store_true",
         help="with --hybrid: layouts with chunked-local attention groups (Llama 4: full attention and chunks of a "
@@ -1759,6 +1784,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mamba-align goes with --mamba")
     if args.mamba_prefix_caching and not args.mamba_align:
         p.error("--mamba-prefix-caching goes with --mamba-align")
+    if args.mamba_retention is not None and not args.mamba_prefix_caching:
+        p.error("--mamba-retention goes with --mamba-prefix-caching")
     if args.mamba_prefix_caching and RULES.version == "0.32":
         p.error("--mamba-prefix-caching: kvsched.vllm refuses Mamba prefix caching on vLLM 0.32 (its rules differ)")
     if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
@@ -1813,6 +1840,7 @@ def main(argv: list[str] | None = None) -> int:
                         mamba=args.mamba,
                         mamba_align=args.mamba_align,
                         mamba_prefix_caching=args.mamba_prefix_caching,
+                        mamba_retention=args.mamba_retention,
                         chunked_local=args.chunked_local,
                         multimodal=args.mm,
                         ec_connector=args.ec,

@@ -655,6 +655,16 @@ class SchedulerConfig:
             "(see [Several KV cache groups](#several-kv-cache-groups))"
         ),
     )
+    prefix_cache_retention_interval: int | None = field(
+        default=None,
+        metadata=_spec(
+            "sparse prefix-cache retention of align-mode Mamba states (vLLM's `prefix_cache_retention_interval`): "
+            "None caches the state at every block boundary; 0 only the states a later request can resume at (the "
+            "prompt's last block boundary before its last token, the shared-prefix junction); a multiple of "
+            "`block_size` those and one every that many tokens; above 0 needs a `'mamba'` group; not with a "
+            "sliding window and `enable_prefix_caching` (see [Several KV cache groups](#several-kv-cache-groups))"
+        ),
+    )
     draft_slots: int = field(
         default=0,
         metadata=_spec(
@@ -786,10 +796,33 @@ class SchedulerConfig:
                 "drop_trailing_hit_block needs full attention in one group (no sliding_window or kv_cache_groups)"
             )
         self._check_groups()
+        self._check_retention()
         if self.encoder_decoder and CROSS_ATTENTION not in (self.kv_cache_groups or ()):
             raise InvalidConfigError(
                 "encoder_decoder needs a cross-attention group ('cross') in kv_cache_groups (the encoder output's "
                 "blocks)"
+            )
+
+    def _check_retention(self) -> None:
+        """What ``prefix_cache_retention_interval`` needs (the core's ``validate_retention``)."""
+        r = self.prefix_cache_retention_interval
+        if r is None:
+            return
+        groups = self.kv_cache_groups or ()
+        windows = self.sliding_window is not None or any(isinstance(w, int) and not isinstance(w, bool) for w in groups)
+        if r > 0 and MAMBA not in groups and not windows:
+            raise InvalidConfigError(
+                f"prefix_cache_retention_interval ({r}) needs a Mamba group in kv_cache_groups (it has no effect on "
+                "full attention; 0 or None)"
+            )
+        if r % self.block_size:
+            raise InvalidConfigError(
+                f"prefix_cache_retention_interval ({r}) must be a multiple of block_size ({self.block_size})"
+            )
+        if windows and self.enable_prefix_caching:
+            raise InvalidConfigError(
+                f"prefix_cache_retention_interval ({r}) cannot be combined with a sliding window and "
+                "enable_prefix_caching (sparse retention of sliding windows is not implemented; None: dense)"
             )
 
     def _check_groups(self) -> None:

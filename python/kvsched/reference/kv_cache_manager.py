@@ -41,6 +41,16 @@ def _mamba_checkpoint(num_tokens: int, bs: int, drop_eagle: bool, hash_lookahead
     return max(pos, 0)
 
 
+def _mamba_retained(i: int, bs: int, retention: int, reachable: tuple[int, ...]) -> bool:
+    """vLLM's ``MambaManager.reachable_block_mask``: whether state block ``i`` (after ``(i + 1) * bs`` tokens)
+    is cached under retention interval ``retention``: every one for an interval of one block, each at a multiple
+    of the interval above that, and the ones at the ``reachable`` positions floored to a block boundary."""
+    per_segment = retention // bs
+    if retention > 0 and (per_segment <= 1 or (i + 1) % per_segment == 0):
+        return True
+    return any(b >= bs and b // bs == i + 1 for b in reachable)
+
+
 class _KVCacheManagerMixin(_BlockPoolMixin):
     """What a request asks of the block pool."""
 
@@ -658,10 +668,20 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _cache_hybrid_blocks(self, r: _Request, num_tokens: int) -> None:
         """Each group's full blocks among the first ``num_tokens`` enter the cache map under the group's keys
-        (null blocks skipped; a window of one token caches nothing), group by group, each group's run recorded as
-        one stored event with events on."""
-        num_full = min(num_tokens // self._bs, len(r.block_hashes), len(r.block_ids))
-        align = self._config.mamba_align
+        (null blocks skipped; a window of one token caches nothing; an align-mode Mamba group under sparse retention
+        caches the states ``_mamba_retained`` keeps, and the prompt's checkpoint when ``num_tokens`` end there),
+        group by group, each group's run recorded as one stored event with events on."""
+        bs = self._bs
+        num_full = min(num_tokens // bs, len(r.block_hashes), len(r.block_ids))
+        c = self._config
+        align = c.mamba_align
+        retention = c.prefix_cache_retention_interval if align else None
+        reachable = (r.num_prompt_tokens - 1, r.shared_prefix_boundary)
+        tail = -1
+        if retention is not None:
+            checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, False, c.hash_lookahead_tokens)
+            if 0 < num_tokens == checkpoint:
+                tail = checkpoint // bs - 1
         for g, w in enumerate(self._group_windows()):
             if w < 0 and not (w == _MAMBA and align):
                 continue
@@ -669,9 +689,12 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             first = self._group_cached(r, g)
             if num_full <= first:
                 continue
+            sparse = retention if w == _MAMBA else None
             for i in range(first, num_full):
                 b = table[i]
                 if b == 0 or w == 1:
+                    continue
+                if sparse is not None and i != tail and not _mamba_retained(i, bs, sparse, reachable):
                     continue
                 key = self._group_key(r.block_hashes[i], g)
                 self._block_hash[b] = key

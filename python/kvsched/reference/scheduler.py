@@ -565,9 +565,11 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                         len(table) >= least and bool(table) == bool(r.block_ids) and num_cached <= most_cached,
                         f"{r.req_id}: group {g}'s blocks",
                     )
+                    sparse = c.prefix_cache_retention_interval is not None  # states it did not cache: no hash
                     require(
                         all(
                             self._block_hash[b] == self._group_key(r.block_hashes[i], g)
+                            or (sparse and self._block_hash[b] is None)
                             for i, b in enumerate(table[:num_cached])
                             if b != 0
                         ),
@@ -669,10 +671,13 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
             for g in range(len(windows)):
                 table = self._group_table(r, g) if c.kv_cache_groups is not None else r.block_ids
                 num_cached = self._group_cached(r, g) if c.kv_cache_groups is not None else r.num_cached_blocks
+                # sparse retention: the Mamba states it did not cache have no hash
+                sparse = windows[g] == MAMBA and c.prefix_cache_retention_interval is not None
                 for i in range(num_cached):
                     if table[i] != 0 and windows[g] != 1:  # a window of one token caches nothing
                         key = r.block_hashes[i] if g == 0 else r.block_hashes[i] + bytes([g])
-                        require(self._block_hash[table[i]] == key, f"{r.req_id}: group {g} block {i} hash")
+                        got = self._block_hash[table[i]]
+                        require(got == key or (sparse and got is None), f"{r.req_id}: group {g} block {i} hash")
         waiting_statuses = (
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,

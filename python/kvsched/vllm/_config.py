@@ -55,7 +55,8 @@ def _check_kv_cache_config(
     ``dcp``: vLLM's decode-context-parallel size; ``block_size`` is then vLLM's scheduler block size, the spec's
     block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks). A Mamba group in
     mode "align" (block-sized states) runs with ``prefix_caching`` (the cache config's ``enable_prefix_caching``)
-    on or off; on, with dense retention of its states (``prefix_cache_retention_interval`` None)."""
+    on or off; on, with vLLM's retention of its states (``prefix_cache_retention_interval``: None dense, 0 the
+    states a later request can resume at, above 0 those and one every that many tokens)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         CrossAttentionSpec,
@@ -196,12 +197,6 @@ def _check_kv_cache_config(
     retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
     if has_window and retention is not None:
         _refuse("sparse prefix-cache retention of sliding windows", "prefix_cache_retention_interval")
-    if MAMBA in windows and prefix_caching and retention is not None:
-        # The core caches every Mamba state at a block boundary (vLLM's dense retention).
-        _refuse(
-            "sparse prefix-cache retention of Mamba states",
-            f"prefix_cache_retention_interval={retention} (set it to None for dense retention)",
-        )
     return windows, attention_size, next(iter(spec_blocks), 0)
 
 
@@ -521,6 +516,11 @@ def kvsched_config_from_vllm(
     fields["mamba_speculative_blocks"] = mamba_speculative_blocks if kv_cache_groups and MAMBA in kv_cache_groups else 0
     # vLLM's mamba_cache_mode "align" (block-sized state blocks, block-aligned prefill chunks).
     fields["mamba_align"] = bool(kv_cache_groups and MAMBA in kv_cache_groups and cache.mamba_cache_mode == "align")
+    # vLLM's sparse retention of cached Mamba states (the KV cache config's prefix_cache_retention_interval,
+    # the engine's default 0); it changes nothing without Mamba prefix caching.
+    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    cached_mamba = fields["mamba_align"] and fields["enable_prefix_caching"]
+    fields["prefix_cache_retention_interval"] = None if retention is None or not cached_mamba else int(retention)
     fields["hash_lookahead_tokens"] = hash_lookahead
     fields["drop_trailing_hit_block"] = drop_trailing
     fields["async_scheduling"] = bool(sched.async_scheduling)

@@ -364,13 +364,15 @@ def _kv_cache_config(
     num_speculative_tokens: int = 0,
     mamba_align: bool = False,
     with_tensors: bool = False,
+    prefix_cache_retention_interval: int | None = None,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
     attention in chunks of ``c`` tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba group as vLLM builds it
     without prefix caching: ``mamba_cache_mode`` "none", a block of ``max_model_len`` tokens, a speculative state
     block per draft token; with ``mamba_align``, ``mamba_cache_mode`` "align" and blocks of ``block_size``
-    tokens); groups of one kind share one spec."""
+    tokens); groups of one kind share one spec. ``prefix_cache_retention_interval``: the config's (vLLM's engine
+    copies the cache config's there; None: dense)."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -422,7 +424,12 @@ def _kv_cache_config(
             )
             for g in range(len(groups))
         ]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=prefix_cache_retention_interval,
+    )
 
 
 def make_scheduler(
@@ -434,13 +441,15 @@ def make_scheduler(
     include_finished_set: bool = False,
     sliding_window: int | None = None,
     kv_cache_groups: Sequence[int | str | None] | None = None,
+    prefix_cache_retention_interval: int | None = None,
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
     full attention). ``kv_cache_groups``: a hybrid model instead, one KV cache group per entry (None: full
     attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local attention in chunks
     of ``c`` tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba group in mode "none", which needs prefix
-    caching off), in that order.
+    caching off), in that order. ``prefix_cache_retention_interval``: the KV cache config's (vLLM's sparse
+    retention of cached Mamba and sliding-window states; None: dense).
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -481,6 +490,7 @@ def make_scheduler(
                 int(getattr(vllm_config, "num_speculative_tokens", 0) or 0),
                 mamba_align,
                 with_tensors=_offloads_to_cpu(vllm_config),
+                prefix_cache_retention_interval=prefix_cache_retention_interval,
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,

@@ -376,6 +376,13 @@ pub struct SchedulerConfig {
     /// null blocks), and prefill chunks end at block boundaries (`step.rs`). Needs a Mamba group and
     /// `enable_prefix_caching=False` (Mamba prefix hits and caching are not implemented). `false`: mode "none".
     pub mamba_align: bool,
+    /// Sparse prefix-cache retention of align-mode Mamba states (vLLM's `prefix_cache_retention_interval`;
+    /// `hybrid.rs`): `None` caches the state at every block boundary (dense); `Some(0)` only the states a later
+    /// request can resume at (the prompt's last block boundary that leaves a token, and the shared-prefix
+    /// junction); `Some(r)` (a multiple of `block_size`) those plus one at every multiple of `r` tokens. With no
+    /// Mamba group it caches as before; above 0 it needs a Mamba group, and it cannot be combined with a
+    /// sliding window when prefix caching is on.
+    pub prefix_cache_retention_interval: Option<u32>,
     /// Tokens computed per step (vLLM's `max_num_scheduled_tokens`), a budget apart from the model inputs
     /// `max_num_batched_tokens` counts; 0 = `max_num_batched_tokens`. At most `max_num_batched_tokens`.
     pub max_num_scheduled_tokens: u32,
@@ -491,6 +498,7 @@ impl Default for SchedulerConfig {
             kv_cache_groups: Vec::new(),
             mamba_speculative_blocks: 0,
             mamba_align: false,
+            prefix_cache_retention_interval: None,
             max_num_scheduled_tokens: 0,
             draft_slots: 0,
             decode_stagger: 1,
@@ -593,6 +601,12 @@ const INT_FIELDS: &[IntField] = &[
     },
     IntField { name: "encoder_cache_size", min: 0, max: I32_MAX, get: |c| Some(c.encoder_cache_size) },
     IntField { name: "sliding_window", min: 1, max: I32_MAX, get: |c| c.sliding_window },
+    IntField {
+        name: "prefix_cache_retention_interval",
+        min: 0,
+        max: I32_MAX,
+        get: |c| c.prefix_cache_retention_interval,
+    },
     // 0 stands for Python's None (max_num_batched_tokens).
     IntField {
         name: "max_num_scheduled_tokens",
@@ -794,12 +808,45 @@ impl SchedulerConfig {
             ));
         }
         self.validate_groups()?;
+        self.validate_retention()?;
         if self.encoder_decoder && !self.kv_cache_groups.contains(&Some(CROSS_ATTENTION)) {
             return Err(SchedError::InvalidConfig(
                 "encoder_decoder needs a cross-attention group ('cross') in kv_cache_groups (the encoder output's \
                  blocks)"
                     .into(),
             ));
+        }
+        Ok(())
+    }
+
+    /// What `prefix_cache_retention_interval` needs (vLLM's `_validate_prefix_cache_retention_interval`, and
+    /// no sparse retention of sliding windows, which the core does not implement).
+    fn validate_retention(&self) -> Result<()> {
+        let Some(r) = self.prefix_cache_retention_interval else { return Ok(()) };
+        let windows = self.sliding_window.is_some()
+            || self
+                .kv_cache_groups
+                .iter()
+                .flatten()
+                .any(|&w| w != CROSS_ATTENTION && w != MAMBA && w & CHUNKED_LOCAL == 0);
+        let has_mamba = self.kv_cache_groups.contains(&Some(MAMBA));
+        if r > 0 && !has_mamba && !windows {
+            return Err(SchedError::InvalidConfig(format!(
+                "prefix_cache_retention_interval ({r}) needs a Mamba group in kv_cache_groups (it has no effect \
+                 on full attention; 0 or None)"
+            )));
+        }
+        if r % self.block_size != 0 {
+            return Err(SchedError::InvalidConfig(format!(
+                "prefix_cache_retention_interval ({r}) must be a multiple of block_size ({})",
+                self.block_size
+            )));
+        }
+        if windows && self.enable_prefix_caching {
+            return Err(SchedError::InvalidConfig(format!(
+                "prefix_cache_retention_interval ({r}) cannot be combined with a sliding window and \
+                 enable_prefix_caching (sparse retention of sliding windows is not implemented; None: dense)"
+            )));
         }
         Ok(())
     }

@@ -91,6 +91,12 @@ pub struct Hybrid {
     /// current `schedule()` call began (vLLM's `cached_blocks_this_step`): a Mamba hit on one of them fails its
     /// allocation in this step (its state is written by this step).
     pub mamba_cached_step: HashSet<BlockHash>,
+    /// Align-mode Mamba groups with prefix caching: the sparse retention of their states
+    /// (`SchedulerConfig::prefix_cache_retention_interval`; `None`: dense, see `mamba_retained`).
+    pub retention: Option<u32>,
+    /// The hash lookahead tokens (`SchedulerConfig::hash_lookahead_tokens`): where the prompt's checkpoint lies
+    /// under sparse retention (`mamba_checkpoint`).
+    pub hash_lookahead: u32,
 }
 
 impl Clone for Hybrid {
@@ -106,6 +112,8 @@ impl Clone for Hybrid {
             last_hits: Mutex::new(self.hits().clone()),
             last_longest: AtomicUsize::new(self.last_longest()),
             mamba_cached_step: self.mamba_cached_step.clone(),
+            retention: self.retention,
+            hash_lookahead: self.hash_lookahead,
         }
     }
 }
@@ -131,6 +139,8 @@ impl Hybrid {
             last_hits: Mutex::new(vec![Vec::new(); n]),
             last_longest: AtomicUsize::new(0),
             mamba_cached_step: HashSet::new(),
+            retention: None,
+            hash_lookahead: 0,
         }
     }
 
@@ -245,6 +255,22 @@ pub(crate) fn mamba_checkpoint(num_tokens: u32, bs: u32, drop_eagle: bool, hash_
     }
 }
 
+/// Sparse retention of align-mode Mamba states (vLLM's `MambaManager.reachable_block_mask`): whether state block
+/// `i` (the state after `(i + 1) * bs` tokens) enters the prefix cache with retention interval `retention` (a
+/// multiple of `bs`) and the positions a later request can resume at, `reachable` (the prompt's last token,
+/// the shared-prefix junction; 0: none), each floored to a block boundary. An interval of one block or less
+/// but 0 keeps every state; 0 keeps the reachable ones only; above that, also each state at a multiple of it.
+pub(crate) fn mamba_retained(i: usize, bs: u32, retention: u32, reachable: &[u32]) -> bool {
+    let per_segment = (retention / bs) as usize;
+    if retention > 0 && per_segment <= 1 {
+        return true;
+    }
+    if retention > 0 && (i + 1) % per_segment == 0 {
+        return true;
+    }
+    reachable.iter().any(|&b| b >= bs && (b / bs) as usize == i + 1)
+}
+
 /// The settings of `mamba_aligned_split`, fixed for a scheduler's lifetime.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct AlignedSplit {
@@ -294,7 +320,21 @@ impl AlignedSplit {
 
 #[cfg(test)]
 mod tests {
-    use super::{mamba_checkpoint, AlignedSplit};
+    use super::{mamba_checkpoint, mamba_retained, AlignedSplit};
+
+    #[test]
+    fn sparse_retention_keeps_segment_ends_and_reachable_states() {
+        let kept =
+            |r: u32, reach: &[u32]| (0..8).filter(|&i| mamba_retained(i, 4, r, reach)).collect::<Vec<_>>();
+        // An interval of one block keeps every state; 0 only the reachable ones, floored to a block boundary.
+        assert_eq!(kept(4, &[]), (0..8).collect::<Vec<_>>());
+        assert_eq!(kept(0, &[]), Vec::<usize>::new());
+        assert_eq!(kept(0, &[13]), vec![2]); // a 14-token prompt: the state after 12 tokens
+        assert_eq!(kept(0, &[3, 0]), Vec::<usize>::new()); // below one block: nothing
+                                                           // Every third block's end (12, 24 tokens) plus the reachable states.
+        assert_eq!(kept(12, &[]), vec![2, 5]);
+        assert_eq!(kept(12, &[19, 8]), vec![1, 2, 3, 5]);
+    }
 
     #[test]
     fn checkpoint_is_the_last_boundary_that_leaves_tokens_to_compute() {

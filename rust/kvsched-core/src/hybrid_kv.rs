@@ -3,6 +3,7 @@
 use crate::block_pool::NULL_BLOCK;
 use crate::config::{CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
+use crate::hybrid::mamba_retained;
 use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::request::{GroupTable, Request};
@@ -371,9 +372,10 @@ impl KvCacheManager {
                 }
             }
         }
-        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) / self.block_size) as usize;
+        let cache_tokens = (total_computed + num_new_tokens).min(req.num_tokens());
+        let num_full = (cache_tokens / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
-            self.cache_hybrid_blocks(req, num_full);
+            self.cache_hybrid_blocks(req, num_full, cache_tokens);
         }
         Some(popped)
     }
@@ -448,15 +450,25 @@ impl KvCacheManager {
     }
 
     /// Enters each group's blocks up to `num_full` into the prefix cache under the group's keys (null blocks
-    /// skipped; a window of one token caches nothing), group by group, each group's run recorded as one stored
-    /// event with events on.
+    /// skipped; a window of one token caches nothing; an align-mode Mamba group under sparse retention caches
+    /// the states `mamba_retained` keeps, and the prompt's checkpoint when `num_tokens`, the tokens being
+    /// cached, end there), group by group, each group's run recorded as one stored event with events on.
     #[cold]
-    pub(crate) fn cache_hybrid_blocks(&mut self, req: &mut Request, num_full: usize) {
+    pub(crate) fn cache_hybrid_blocks(&mut self, req: &mut Request, num_full: usize, num_tokens: u32) {
         let Some(hy) = self.hybrid.as_deref() else { return };
         let windows = hy.windows.clone();
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
         let align = hy.mamba_align;
+        let bs = self.block_size;
+        // Sparse retention: the positions a later request can resume at, and the prompt's checkpoint block when
+        // the tokens being cached end there (vLLM's `_cache_partial_tail_block` with whole-block hashes).
+        let retention = hy.retention.filter(|_| align);
+        let reachable = [req.num_prompt_tokens.saturating_sub(1), req.shared_prefix_boundary];
+        let tail = retention.and_then(|_| {
+            let c = crate::hybrid::mamba_checkpoint(req.num_prompt_tokens, bs, false, hy.hash_lookahead);
+            (num_tokens > 0 && num_tokens == c).then(|| (c / bs) as usize - 1)
+        });
         for (g, &w) in windows.iter().enumerate() {
             if w == CROSS_ATTENTION || (w == MAMBA && !align) {
                 continue;
@@ -465,10 +477,15 @@ impl KvCacheManager {
             if num_full <= first {
                 continue;
             }
+            let sparse = if w == MAMBA { retention } else { None };
             if w != 1 {
                 for i in first..num_full {
                     let b = table_ref(req, slots[g])[i];
-                    if b != NULL_BLOCK {
+                    let kept = match sparse {
+                        Some(r) => mamba_retained(i, bs, r, &reachable) || tail == Some(i),
+                        None => true,
+                    };
+                    if b != NULL_BLOCK && kept {
                         let key = group_key(&req.block_hashes[i], g);
                         self.pool.cache_block(b, key);
                         self.pool.set_event_group(b, g);

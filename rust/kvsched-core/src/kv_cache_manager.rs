@@ -360,9 +360,10 @@ impl KvCacheManager {
         if need > 0 {
             self.pool.allocate_into(need, &mut req.blocks);
         }
-        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) / self.block_size) as usize;
+        let cache_tokens = (total_computed + num_new_tokens).min(req.num_tokens());
+        let num_full = (cache_tokens / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
-            self.cache_full_blocks(req, num_full);
+            self.cache_full_blocks(req, num_full, cache_tokens);
         }
         Some(need)
     }
@@ -407,9 +408,10 @@ impl KvCacheManager {
         if need > 0 {
             self.pool.allocate_into(need, &mut req.blocks);
         }
-        let num_full = ((total_computed + num_new_tokens).min(req.num_tokens()) / self.block_size) as usize;
+        let cache_tokens = (total_computed + num_new_tokens).min(req.num_tokens());
+        let num_full = (cache_tokens / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
-            self.cache_full_blocks(req, num_full);
+            self.cache_full_blocks(req, num_full, cache_tokens);
         }
         Some(need)
     }
@@ -419,12 +421,13 @@ impl KvCacheManager {
     pub fn cache_blocks(&mut self, req: &mut Request, num_tokens: u32) {
         let num_full = (num_tokens / self.block_size) as usize;
         if self.enable_caching && num_full > req.num_cached_blocks as usize {
-            self.cache_full_blocks(req, num_full);
+            self.cache_full_blocks(req, num_full, num_tokens);
         }
     }
 
-    /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache (caching is on: the caller checks).
-    fn cache_full_blocks(&mut self, req: &mut Request, num_full: usize) {
+    /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache (caching is on: the caller
+    /// checks); `num_tokens` the tokens being cached (`num_full` their full blocks).
+    fn cache_full_blocks(&mut self, req: &mut Request, num_full: usize, num_tokens: u32) {
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
         let first = req.num_cached_blocks as usize;
         if num_full <= first {
@@ -432,7 +435,7 @@ impl KvCacheManager {
         }
         if self.special {
             if self.hybrid.is_some() {
-                self.cache_hybrid_blocks(req, num_full);
+                self.cache_hybrid_blocks(req, num_full, num_tokens);
             } else {
                 self.cache_window_blocks(req, first, num_full);
             }

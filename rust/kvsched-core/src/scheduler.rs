@@ -213,6 +213,8 @@ impl Scheduler {
                     window_cap_blocks(&config, w)
                 });
                 hy.mamba_align = config.mamba_align;
+                hy.retention = config.prefix_cache_retention_interval;
+                hy.hash_lookahead = config.hash_lookahead_tokens;
                 if config.mamba_align && config.enable_prefix_caching {
                     hy = hy.with_mamba_lookup();
                 }
@@ -1243,6 +1245,12 @@ impl Scheduler {
                     for (i, &b) in blocks.iter().enumerate().take(num_cached as usize).skip(first) {
                         if align_mamba && b == 0 {
                             continue; // the null entries between an align-mode Mamba table's states
+                        }
+                        if align_mamba
+                            && cfg.prefix_cache_retention_interval.is_some()
+                            && self.kv.pool.block_hash(b).is_none()
+                        {
+                            continue; // a state sparse retention did not cache
                         }
                         let key = r.block_hashes.get(i).map(|h| crate::hybrid::group_key(h, g));
                         if self.kv.pool.block_hash(b) != key.as_ref() {

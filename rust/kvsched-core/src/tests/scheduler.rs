@@ -1514,6 +1514,24 @@ proptest! {
     ) {
         align_soak(&SchedulerConfig { enable_prefix_caching: true, ..config }, ops)?;
     }
+
+    /// With sparse retention of the cached states too (0, or an interval of one to three blocks; the layout with
+    /// a window group left out: sparse retention of windows is refused).
+    #[test]
+    fn sparse_mamba_retention_random_operations_keep_every_invariant(
+        config in align_config_strategy(),
+        blocks in 0u32..4,
+        ops in prop::collection::vec(op(), 1..100),
+    ) {
+        let groups = config.kv_cache_groups.iter().copied().filter(|&w| w.is_none() || w == Some(crate::MAMBA));
+        let config = SchedulerConfig {
+            enable_prefix_caching: true,
+            kv_cache_groups: groups.collect(),
+            prefix_cache_retention_interval: Some(blocks * config.block_size),
+            ..config
+        };
+        align_soak(&config, ops)?;
+    }
 }
 
 fn align_caching_cfg() -> SchedulerConfig {
@@ -1548,6 +1566,37 @@ fn mamba_prefix_hit_takes_the_cached_state_block() {
     let table = s.get_group_block_ids("b", 1).unwrap().to_vec();
     assert_eq!(table.len(), 4);
     assert_eq!(table[..3], [0, 0, state]);
+}
+
+#[test]
+fn sparse_mamba_retention_caches_only_the_resumable_states() {
+    // "a" (24 tokens) runs in chunks of 8: states after 8, 16 and 20 tokens. Dense retention caches the three
+    // ("b", sharing 16 tokens, hits 16); retention 0 only the one after 20 (the prompt's last boundary before its
+    // last token: "b" hits nothing, the resend of "a" hits 20).
+    for (retention, hit) in [(None, 16), (Some(0), 0), (Some(8), 16)] {
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens: 8,
+            prefix_cache_retention_interval: retention,
+            ..align_caching_cfg()
+        };
+        let mut s = Scheduler::new(cfg).unwrap();
+        add(&mut s, "a", &prompt(0, 24), params(1));
+        for _ in 0..3 {
+            let p = super::helpers::schedule(&mut s);
+            super::helpers::apply(&mut s, &p, |_| vec![]);
+        }
+        run_to_completion(&mut s);
+        let mut b = prompt(0, 16);
+        b.extend(prompt(500, 14));
+        add(&mut s, "b", &b, params(1));
+        let (out, _) = step_with(&mut s, 1);
+        assert_eq!(out.num_computed_tokens, vec![hit], "retention {retention:?}");
+        run_to_completion(&mut s);
+        add(&mut s, "a2", &prompt(0, 24), params(1));
+        let (out, _) = step_with(&mut s, 1);
+        assert_eq!(out.num_computed_tokens, vec![20], "retention {retention:?}");
+        s.check_invariants().unwrap();
+    }
 }
 
 #[test]
