@@ -123,11 +123,66 @@ def test_the_drop_holds_for_the_cache_aware_admission_probe(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("drop", [False, True])
+def test_a_window_hit_needs_one_block_more_then_drops_it(impl: str, drop: bool) -> None:
+    # A window of 5 tokens needs one block before the hit's end; with the drop two, and the hit then gives up
+    # its last one (vLLM's SlidingWindowManager with EAGLE).
+    s = make(impl, sliding_window=5, drop_trailing_hit_block=drop)
+    s.add_request("a", prompt(0, 16), max_tokens=1)
+    run_all(s)
+    assert s.get_num_cached_tokens([*prompt(0, 16), 5]) == (12 if drop else 16)
+    assert s.get_num_cached_tokens([*prompt(0, 8), 900]) == (4 if drop else 8)
+    assert s.get_num_cached_tokens([*prompt(0, 4), 900]) == (0 if drop else 4)  # a run from block 0 drops too
+    s.add_request("b", [*prompt(0, 16), 5], max_tokens=1)
+    out = s.schedule()
+    assert out.num_computed_tokens.tolist() == [12 if drop else 16]
+    s.update_from_output(out, [[7]])
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("drop", [False, True])
+def test_groups_look_one_block_further_and_drop_it(impl: str, drop: bool) -> None:
+    # With several groups every set looks one block past the candidate before dropping (vLLM's hybrid
+    # coordinator): a resent block-aligned prompt of 16 tokens keeps 3 blocks, where one group keeps 2.
+    s = make(impl, kv_cache_groups=(None, 5), drop_trailing_hit_block=drop)
+    s.add_request("a", prompt(0, 16), max_tokens=1)
+    run_all(s)
+    assert s.get_num_cached_tokens(prompt(0, 16)) == 12
+    assert s.get_num_cached_tokens([*prompt(0, 8), 900]) == (4 if drop else 8)
+    one = make(impl, drop_trailing_hit_block=True)
+    one.add_request("a", prompt(0, 16), max_tokens=1)
+    run_all(one)
+    assert one.get_num_cached_tokens(prompt(0, 16)) == 8
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("drop", [False, True])
+def test_the_window_group_with_the_drop_can_cut_the_hit_further(impl: str, drop: bool) -> None:
+    # Group 0 (a window of 4 tokens) loses its cached blocks 3..5 to evictions, the full group keeps all six.
+    # Without the drop the window's run is block 2 alone (12 tokens); with it the run is blocks 1 and 2, which
+    # then gives up block 2: 8 tokens, though full attention still holds 5 blocks after its own drop.
+    s = make(impl, kv_cache_groups=(4, None), num_blocks=24, drop_trailing_hit_block=drop)
+    s.add_request("a", list(range(24)), max_tokens=1)
+    out = s.schedule()
+    s.update_from_output(out, [[5]])
+    s.add_request("x", list(range(1000, 1025)), max_tokens=1)
+    out = s.schedule()
+    s.update_from_output(out, [[5]])
+    s.add_request("b", list(range(24)), max_tokens=1)
+    out = s.schedule()
+    k = list(out.req_ids).index("b")
+    assert int(out.num_computed_tokens[k]) == (8 if drop else 12)
+    s.update_from_output(out, [[5]] * len(out.req_ids))
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_bad_settings_are_refused(impl: str) -> None:
-    with pytest.raises(InvalidConfigError, match="drop_trailing_hit_block needs full attention"):
-        make(impl, drop_trailing_hit_block=True, sliding_window=8)
-    with pytest.raises(InvalidConfigError, match="drop_trailing_hit_block needs full attention"):
-        make(impl, drop_trailing_hit_block=True, kv_cache_groups=[None, 8])
+    with pytest.raises(InvalidConfigError, match="drop_trailing_hit_block cannot be combined with a chunked-local"):
+        make(impl, drop_trailing_hit_block=True, kv_cache_groups=[None, "chunked:8"])
+    with pytest.raises(InvalidConfigError, match="drop_trailing_hit_block cannot be combined with mamba_align"):
+        make(impl, drop_trailing_hit_block=True, kv_cache_groups=["mamba", None], mamba_align=True)
     with pytest.raises(InvalidConfigError, match="hash_lookahead_tokens"):
         make(impl, hash_lookahead_tokens=-1)
     s = make(impl, hash_lookahead_tokens=1)

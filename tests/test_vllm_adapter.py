@@ -973,6 +973,74 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
         build(make_vllm_config(block_size=16), full, window, other)
 
 
+@pytest.mark.parametrize(
+    ("layout", "drop"),
+    [
+        (dict(kv_cache_groups=(None, 8)), True),
+        (dict(kv_cache_groups=(6, None, 13)), True),
+        (dict(sliding_window=8), True),
+        (dict(kv_cache_groups=(None, 8)), False),
+        (dict(kv_cache_groups=(None, "chunked:8")), False),
+    ],
+)
+def test_eagle_prefix_cache_rules_over_windows_and_groups_schedule_as_vllms_scheduler(
+    layout: dict[str, Any], drop: bool
+) -> None:
+    """An EAGLE drafter with vLLM's default prefix-cache rules on a hybrid or sliding-window model: the trailing-
+    block drop (vLLM 0.33 without look-ahead hashes, vLLM 0.32 always) or look-ahead hashes (vLLM 0.33): requests
+    that share prefixes hit the cache, a tight pool evicts; the same outputs as vLLM's scheduler step by step."""
+    if not drop and RULES.version == "0.32":
+        pytest.skip("vLLM 0.32 has no look-ahead hashes")
+    cfg = make_vllm_config(block_size=4, num_blocks=36, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=6,
+                           num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True,
+                           lookahead_block_hashes=not drop or RULES.version == "0.32")  # fmt: skip
+    lookahead = int(getattr(cfg, "num_hash_lookahead_tokens", 0) or 0)
+    assert lookahead == (0 if drop else 1)
+    pair = [make_scheduler(impl, cfg, **layout) for impl in ("vllm", "kvsched")]
+    assert pair[1].kv_config.drop_trailing_hit_block is drop
+    base = [(7 * i) % 50 + 1 for i in range(40)]
+    hits = 0
+    for wave in range(4):
+        for s in pair:
+            for k in range(5):
+                n = 13 + 5 * k + wave
+                s.add_request(make_request(f"w{wave}r{k}", [*base[:n], 100 + k, 200 + wave], max_tokens=6 + k,
+                                           block_size=4, hash_lookahead_tokens=lookahead))  # fmt: skip
+        for _ in range(80):
+            outs, _ = step_pair(pair)
+            hits += sum(new.num_computed_tokens > 0 for new in outs[1].scheduled_new_reqs)
+            if not pair[0].requests:
+                break
+        assert not pair[0].requests and not pair[1].requests
+    assert hits > 0
+
+
+def test_eagle_rules_vllm_does_not_have_over_groups_are_refused_by_name() -> None:
+    """The trailing-block drop with a chunked-local group (vLLM's manager has none) or in the drafter's groups
+    only (``is_eagle_group`` on some lookup sets) is refused at construction, by name."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    kw = _attention_kw()
+    full, window = FullAttentionSpec(**kw), SlidingWindowSpec(sliding_window=64, **kw)
+    local = ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw)
+    cfg = make_vllm_config(block_size=16, num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True,
+                           lookahead_block_hashes=RULES.version == "0.32")  # fmt: skip
+    with pytest.raises(UnsupportedFeatureError, match="trailing-block drop with chunked-local attention"):
+        _build_with_groups(cfg, full, local)
+    assert _build_with_groups(cfg, full, window).kv_config.drop_trailing_hit_block
+    from kvsched.vllm import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    groups = [KVCacheGroupSpec(["layer0"], full), KVCacheGroupSpec(["layer1"], window)]
+    groups[0].is_eagle_group = True
+    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    outputs = StructuredOutputManager(cfg)
+    with pytest.raises(UnsupportedFeatureError, match="drafter's KV cache groups only"):
+        Scheduler(vllm_config=cfg, kv_cache_config=kv_cache_config, structured_output_manager=outputs, block_size=16,
+                  hash_block_size=16)  # fmt: skip
+
+
 def _encoder_decoder_pair(num_blocks: int, budget: int) -> list[Any]:
     """vLLM's scheduler and kvsched's, each with a full-attention and a cross-attention group, turned into
     encoder-decoder schedulers on the built object as vLLM's tests do."""

@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is optional: pip install 'kvsched[vllm]
 
 import kvsched
 import vllm
-from kvsched.vllm import RULES, SUPPORTED_VLLM_VERSIONS, UnsupportedFeatureError, UnsupportedVLLMVersionError
+from kvsched.vllm import RULES, SUPPORTED_VLLM_VERSIONS, UnsupportedVLLMVersionError
 from kvsched.vllm._compat import VLLM_RULES, rules_for
 from kvsched.vllm.testing import make_scheduler, make_vllm_config
 
@@ -76,7 +76,7 @@ def test_the_installed_release_picks_its_rules_and_the_core_gets_them() -> None:
 
 def test_eagle_drafters_get_the_releases_prefix_cache_rules() -> None:
     """vLLM 0.33: look-ahead hashes with prefix caching and no KV connector, else the trailing-block drop; vLLM
-    0.32: always the drop; neither with disable_eagle_block_drop."""
+    0.32: always the drop; neither with disable_eagle_block_drop; the same with a window or several groups."""
     eagle = {"num_speculative_tokens": 2, "speculative_method": "eagle"}
     config = make_scheduler("kvsched", make_vllm_config(**eagle, eagle_block_drop=True)).core.config
     lookahead = RULES.version != "0.32"
@@ -87,5 +87,7 @@ def test_eagle_drafters_get_the_releases_prefix_cache_rules() -> None:
     assert (config.hash_lookahead_tokens, config.drop_trailing_hit_block) == (0, True)
     config = make_scheduler("kvsched", make_vllm_config(**eagle)).core.config
     assert (config.hash_lookahead_tokens, config.drop_trailing_hit_block) == (0, False)
-    with pytest.raises(UnsupportedFeatureError, match="EAGLE/MTP prefix-cache rules"):
-        make_scheduler("kvsched", make_vllm_config(**eagle, eagle_block_drop=True), sliding_window=8)
+    # The same rules over a sliding window and several KV cache groups.
+    for layout in ({"sliding_window": 8}, {"kv_cache_groups": (None, 8)}):
+        config = make_scheduler("kvsched", make_vllm_config(**eagle, eagle_block_drop=True), **layout).core.config
+        assert (config.hash_lookahead_tokens, config.drop_trailing_hit_block) == (int(lookahead), not lookahead)

@@ -283,6 +283,8 @@ class Config:
     # An EAGLE drafter with vLLM's default prefix-cache rules (look-ahead hashes, or the trailing-block drop with a
     # KV connector and on vLLM 0.32) instead of disable_eagle_block_drop.
     eagle_block_drop: bool = False
+    # With eagle_block_drop on vLLM 0.33: its disable_lookahead_block_hashes (the drop without a KV connector).
+    lookahead_block_hashes: bool = True
     max_num_scheduled_tokens: int | None = None
     # A RandomECConnector (kvsched.vllm.testing) with this seed: images loaded instead of encoded, requests waiting
     # for images in transit; its calls are compared.
@@ -1519,6 +1521,14 @@ def run_seed(
         cfg.sliding_window or (cfg.kv_cache_groups and not (mamba and not mamba_align)) or streaming
     ):
         cfg.eagle_block_drop = eagle or random.Random(f"eagle/{seed}").random() < 0.7
+    elif eagle and (cfg.sliding_window or (hybrid or chunked_local)):
+        # Over a window or several groups: look-ahead hashes or (half the runs on vLLM 0.33, always on 0.32) the
+        # trailing-block drop, drawn from their own stream. vLLM has no drop with chunked-local attention (its
+        # manager asserts none reaches it): those layouts run the look-ahead hashes only.
+        chunked = any(isinstance(g, str) and g.startswith("chunked:") for g in cfg.kv_cache_groups or ())
+        drop = RULES.version == "0.32" or random.Random(f"eagle-drop/{seed}").random() < 0.5
+        cfg.eagle_block_drop = not (chunked and drop and RULES.version == "0.32")
+        cfg.lookahead_block_hashes = chunked or not drop or RULES.version == "0.32"
     if multimodal:
         cfg.multimodal = True
         # vLLM 0.32's disable_chunked_mm_input differs from 0.33's at an input's first token (kvsched refuses it).
@@ -1712,7 +1722,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="every run with an EAGLE drafter and vLLM's default prefix-cache rules for it (look-ahead block hashes; "
         "the trailing-block drop with --connector and on vLLM 0.32; with --mamba, whose prefix caching is off, they "
-        "act on nothing); not with --sliding-window, --hybrid, --mm or --streaming",
+        "act on nothing); with --sliding-window or --hybrid, half the runs on vLLM 0.33 with the drop instead of "
+        "the look-ahead hashes (disable_lookahead_block_hashes; not with chunked-local groups, where vLLM has no "
+        "drop); not with --mm or --streaming",
     )
     p.add_argument(
         "--dcp",
@@ -1758,8 +1770,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
-    if args.eagle and (args.sliding_window or args.hybrid or args.mm or args.streaming):
-        p.error("--eagle goes without --sliding-window, --hybrid, --mm and --streaming")
+    if args.eagle and (args.mm or args.streaming):
+        p.error("--eagle goes without --mm and --streaming")
     if args.enc_dec and (
         args.connector
         or args.kv_events

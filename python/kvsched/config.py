@@ -599,7 +599,8 @@ class SchedulerConfig:
         default=False,
         metadata=_spec(
             "the longest prefix hit gives up its last block, which is computed again (vLLM's EAGLE trailing-block "
-            "drop, with a KV connector or without look-ahead hashes); full attention in one group only (see "
+            "drop, with a KV connector or without look-ahead hashes); with a sliding window or several groups, "
+            "vLLM's EAGLE rules for them; not with a chunked-local group or `mamba_align` (see "
             "[Prefix caching](#prefix-caching))"
         ),
     )
@@ -791,10 +792,14 @@ class SchedulerConfig:
                 raise InvalidConfigError(
                     f"sliding_window ({window}) needs preemption_mode 'recompute', got {self.preemption_mode!r}"
                 )
-        if self.drop_trailing_hit_block and (window is not None or self.kv_cache_groups is not None):
-            raise InvalidConfigError(
-                "drop_trailing_hit_block needs full attention in one group (no sliding_window or kv_cache_groups)"
-            )
+        if self.drop_trailing_hit_block:
+            if any(chunk_size_of(w) is not None for w in self.kv_cache_groups or ()):
+                raise InvalidConfigError(
+                    "drop_trailing_hit_block cannot be combined with a chunked-local group (vLLM's chunked-local "
+                    "attention has no trailing-block drop)"
+                )
+            if self.mamba_align:
+                raise InvalidConfigError("drop_trailing_hit_block cannot be combined with mamba_align")
         self._check_groups()
         self._check_retention()
         if self.encoder_decoder and CROSS_ATTENTION not in (self.kv_cache_groups or ()):

@@ -86,8 +86,11 @@ class _IntrospectMixin(_AdmissionMixin):
         limit = len(tokens) - 1 if max_hit_tokens is None else min(int(max_hit_tokens), len(tokens))
         if not self._config.enable_prefix_caching or limit <= 0:
             return np.zeros(0, dtype=np.int32)
-        # Hash only as far as a hit may reach (and the tokens a look-ahead hash covers after it).
-        reach = limit // self._bs * self._bs + self._config.hash_lookahead_tokens
+        # Hash only as far as a lookup may read (and the tokens a look-ahead hash covers after it); with several
+        # groups and the trailing-block drop a lookup reads one block past the hits it may keep.
+        c = self._config
+        margin = int(c.drop_trailing_hit_block and c.kv_cache_groups is not None)
+        reach = (limit // self._bs + margin) * self._bs + c.hash_lookahead_tokens
         hashes = self._hasher.block_hashes_of(tokens[:reach], salt, lora)
         # _lookup leaves the block of the last of its tokens out: limit + 1 tokens allow limit // bs blocks.
         hits = self._lookup(hashes, limit + 1)

@@ -103,10 +103,13 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if not self._config.enable_prefix_caching:
             return hits
         window = self._config.sliding_window
+        drop = self._config.drop_trailing_hit_block
         if window is not None:
+            # With the drop, the run needs one block more and the hit then gives up its last block.
             max_blocks = min((num_tokens - 1) // self._bs, len(block_hashes))
-            need = math.ceil((window - 1) / self._bs)
+            need = math.ceil((window - 1) / self._bs) + int(drop)
             run: list[int] = []  # rightmost block first
+            start = 0
             for i in range(max_blocks - 1, -1, -1):
                 blocks = self._cached.get(block_hashes[i])
                 if not blocks:
@@ -114,8 +117,12 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     continue
                 run.append(next(iter(blocks)))
                 if len(run) >= need:
-                    return [0] * i + run[::-1]
-            return run[::-1]
+                    start = i
+                    break
+            hits = [0] * start + run[::-1]
+            if drop and hits:
+                hits.pop()
+            return hits
         for i in range(min((num_tokens - 1) // self._bs, len(block_hashes))):
             blocks = self._cached.get(block_hashes[i])
             if not blocks:
@@ -378,14 +385,22 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         hit_len = longest = 0
         if self._config.enable_prefix_caching and num_tokens > 0:
             hit_len = min((num_tokens - 1) // self._bs, len(block_hashes))
+        # The trailing-block drop: a set not yet verified at the current candidate looks one block further and gives
+        # up its hit's last block (a window's run needs one block more); a Mamba set is verified as it is.
+        verified = [False] * len(sets)
         while True:
             curr = hit_len
-            for w, ids in sets:
+            for idx, (w, ids) in enumerate(sets):
                 if w == 0 and done[ids[0]]:
                     curr = min(curr, len(hits[ids[0]]))
                     continue
                 for g in ids:
                     hits[g] = []
+                eagle = self._config.drop_trailing_hit_block and not verified[idx]
+                drop = int(eagle and w != _MAMBA)
+                before = curr
+                if drop:
+                    curr = min(curr + 1, len(block_hashes))
                 if w == _MAMBA:
                     # Right to left: the first block every Mamba group has cached, null blocks before it.
                     for i in range(curr - 1, -1, -1):
@@ -415,7 +430,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                         for g, b in zip(ids, found, strict=True):
                             hits[g].append(b)
                 else:
-                    need = math.ceil((w - 1) / self._bs)
+                    need = math.ceil((w - 1) / self._bs) + drop
                     run: list[list[int]] = []  # rightmost block first
                     start = None
                     for i in range(curr - 1, -1, -1):
@@ -431,8 +446,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     for k, g in enumerate(ids):
                         hits[g] = [0] * (start or 0) + [f[k] for f in run]
                 for g in ids:
+                    if drop and hits[g]:
+                        hits[g].pop()
                     done[g] = True
                 curr = len(hits[ids[0]])
+                if eagle:
+                    verified[idx] = True
+                elif curr < before:
+                    verified = [False] * len(sets)
                 longest = max(longest, curr)
             if curr >= hit_len:
                 break

@@ -457,14 +457,38 @@ def kvsched_config_from_vllm(
             # on and it keys no look-ahead hashes, so vLLM's default rules (MTP on Qwen3-Next, ...) run as they are.
             # (In mode "align" the drop also moves vLLM's block-aligned chunk ends: refused below.)
             drop_trailing = False
-        elif (spec.use_eagle_block_drop() or hash_lookahead) and (sliding_window is not None or kv_cache_groups):
-            # vLLM's EAGLE rules over several groups or a window (per-group drops, reachable-block masks) are not
-            # the core's.
+        elif (spec.use_eagle_block_drop() or hash_lookahead) and kv_cache_groups and MAMBA in kv_cache_groups:
+            # Mamba groups in mode "align": vLLM's drop also moves its Mamba checkpoints and chunk ends, and its
+            # look-ahead hashes its checkpoint positions.
             _refuse(
-                "EAGLE/MTP prefix-cache rules (trailing-block drop, look-ahead hashes) with sliding-window attention "
-                "or several KV cache groups",
+                "EAGLE/MTP prefix-cache rules (trailing-block drop, look-ahead hashes) with Mamba groups in "
+                "mamba_cache_mode 'align'",
                 f"{method}: set disable_eagle_block_drop=True",
             )
+        if kv_cache_groups and not cache.enable_prefix_caching:
+            # The drop acts on prefix hits only (vLLM looks none up).
+            drop_trailing = False
+        if drop_trailing and kv_cache_groups:
+            if any(chunk_size_of(w) is not None for w in kv_cache_groups):
+                # vLLM's ChunkedLocalAttentionManager asserts that no drop reaches it (its engine stops there).
+                _refuse(
+                    "the EAGLE/MTP trailing-block drop with chunked-local attention (vLLM's chunked-local manager "
+                    "has none)",
+                    f"{method}: set disable_eagle_block_drop=True",
+                )
+            flagged = [bool(getattr(g, "is_eagle_group", False)) for g in kv_cache_config.kv_cache_groups]
+            if any(flagged):
+                # vLLM drops in the lookup sets (groups of one spec) that hold a drafter's group only; the core
+                # drops in all of them, as vLLM does when no group is marked.
+                sets = {w for w in kv_cache_groups if w not in (MAMBA, CROSS_ATTENTION)}
+                marked = {w for w, f in zip(kv_cache_groups, flagged, strict=True) if f}
+                if not sets <= marked:
+                    _refuse(
+                        "the EAGLE/MTP trailing-block drop in the drafter's KV cache groups only (groups of another "
+                        "kind that hold no drafter layer)",
+                        f"{method}: is_eagle_group marks {sorted(g for g, f in enumerate(flagged) if f)}; set "
+                        "disable_eagle_block_drop=True",
+                    )
         if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
             _refuse("multi-module MTP prefill lookahead", method)
         if lookahead not in (0, num_spec_tokens):

@@ -181,6 +181,7 @@ def make_vllm_config(
     disable_chunked_mm_input: bool = False,
     parallel_drafting: bool = False,
     eagle_block_drop: bool = False,
+    lookahead_block_hashes: bool = True,
     max_num_scheduled_tokens: int | None = None,
     ec_connector_seed: int | None = None,
     ec_role: str = "ec_consumer",
@@ -197,7 +198,9 @@ def make_vllm_config(
     as vLLM's engine does, and requests hash blocks of that many tokens). ``num_speculative_tokens``
     > 0 adds a speculative config of ``speculative_method``: ``ngram``/``ngram_gpu``, or ``eagle`` (the tiny config
     as its draft model; ``eagle_block_drop``: vLLM's default prefix-cache rules for it, look-ahead block hashes
-    or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``).
+    or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``;
+    ``lookahead_block_hashes`` False: vLLM 0.33's ``disable_lookahead_block_hashes``, the drop then without a
+    connector).
     ``cpu_offload_blocks`` adds a ``kv_transfer_config`` for vLLM's ``SimpleCPUOffloadConnector`` (eager offload,
     lazy with ``cpu_offload_lazy``) with a CPU pool of that many blocks (``make_scheduler`` then gives the KV
     cache config its tensors); else ``kv_connector_seed`` adds a ``kv_transfer_config`` for
@@ -269,6 +272,8 @@ def make_vllm_config(
             num_speculative_tokens=num_speculative_tokens,
             disable_eagle_block_drop=not eagle_block_drop,
             parallel_drafting=parallel_drafting,
+            # (vLLM 0.32 has no look-ahead hashes, nor this field.)
+            **({} if lookahead_block_hashes else {"disable_lookahead_block_hashes": True}),
             target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
         )

@@ -352,7 +352,10 @@ pub struct SchedulerConfig {
     /// hit on it needs those following tokens to match too. 0: a block's hash covers its own tokens.
     pub hash_lookahead_tokens: u32,
     /// The longest prefix hit gives up its last block, which is computed again (vLLM's EAGLE trailing-block drop,
-    /// `use_eagle` of its KV cache manager). Full attention in one group only.
+    /// `use_eagle` of its KV cache manager). With a sliding window, the hit's run of window blocks needs one
+    /// block more before the drop; with several groups, every attention group drops as vLLM's hybrid
+    /// coordinator does when no group is marked as the drafter's (see `hybrid_kv.rs`). Not with a chunked-local
+    /// group (vLLM has no drop there) or `mamba_align`.
     pub drop_trailing_hit_block: bool,
     /// Every layer attends to the last `sliding_window` tokens only (vLLM's `SlidingWindowSpec`, one KV cache
     /// group): blocks wholly outside the window go back to the pool as the request advances, and a prefix hit
@@ -800,12 +803,24 @@ impl SchedulerConfig {
                 )));
             }
         }
-        if self.drop_trailing_hit_block && (self.sliding_window.is_some() || !self.kv_cache_groups.is_empty())
-        {
-            return Err(SchedError::InvalidConfig(
-                "drop_trailing_hit_block needs full attention in one group (no sliding_window or kv_cache_groups)"
-                    .into(),
-            ));
+        if self.drop_trailing_hit_block {
+            let chunked = self
+                .kv_cache_groups
+                .iter()
+                .flatten()
+                .any(|&w| w != CROSS_ATTENTION && w != MAMBA && w & CHUNKED_LOCAL != 0);
+            if chunked {
+                return Err(SchedError::InvalidConfig(
+                    "drop_trailing_hit_block cannot be combined with a chunked-local group (vLLM's chunked-local \
+                     attention has no trailing-block drop)"
+                        .into(),
+                ));
+            }
+            if self.mamba_align {
+                return Err(SchedError::InvalidConfig(
+                    "drop_trailing_hit_block cannot be combined with mamba_align".into(),
+                ));
+            }
         }
         self.validate_groups()?;
         self.validate_retention()?;

@@ -54,6 +54,12 @@ impl KvCacheManager {
     }
 
     /// `find_longest_cache_hit` over every group: group 0's hits go to `out`, every group's to `last_hits`.
+    ///
+    /// With the trailing-block drop (`drop_trailing_hit`, vLLM's EAGLE rules over several groups): a full-attention
+    /// or window set not yet *verified* at the current candidate looks one block further (capped at the hashes)
+    /// and gives up its hit's last block (a window's run needs one block more); it is then verified, and a set
+    /// that shortens the candidate without dropping makes every set unverified again. A Mamba set is verified
+    /// without looking further or dropping.
     #[cold]
     pub(crate) fn find_hybrid_hit(&self, hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
         let Some(hy) = self.hybrid.as_deref() else { return };
@@ -66,9 +72,10 @@ impl KvCacheManager {
         let mut hit_len = self.max_hit_blocks(hashes, num_tokens);
         let mut found = Vec::new();
         let mut longest = 0;
+        let mut verified = vec![false; hy.lookups.len()];
         loop {
             let mut curr = hit_len;
-            for (w, ids) in &hy.lookups {
+            for (idx, (w, ids)) in hy.lookups.iter().enumerate() {
                 let (w, first) = (*w, ids[0]);
                 if w == 0 && done[first] {
                     curr = curr.min(hits[first].len());
@@ -76,6 +83,13 @@ impl KvCacheManager {
                 }
                 for &g in ids {
                     hits[g].clear();
+                }
+                let eagle = self.drop_trailing_hit && !verified[idx];
+                // The drop's extra block (none for Mamba).
+                let drop = usize::from(eagle && w != MAMBA);
+                let before = curr;
+                if drop == 1 {
+                    curr = (curr + 1).min(hashes.len());
                 }
                 if w == MAMBA {
                     // Right to left: the first block every Mamba group has cached, null blocks before it.
@@ -116,7 +130,7 @@ impl KvCacheManager {
                 } else {
                     // Right to left: the first run of `need` cached blocks, nulls before it; else the run from
                     // block 0. `run` counts the current run, which ends at `end` (exclusive).
-                    let need = (w - 1).div_ceil(self.block_size) as usize;
+                    let need = (w - 1).div_ceil(self.block_size) as usize + drop;
                     let mut run = 0usize;
                     let mut end = 0usize;
                     let mut matched = false;
@@ -144,9 +158,18 @@ impl KvCacheManager {
                     }
                 }
                 for &g in ids {
+                    if drop == 1 && !hits[g].is_empty() {
+                        hits[g].pop();
+                    }
                     done[g] = true;
                 }
-                curr = hits[first].len();
+                let got = hits[first].len();
+                if eagle {
+                    verified[idx] = true;
+                } else if got < before {
+                    verified.fill(false);
+                }
+                curr = got;
                 longest = longest.max(curr);
             }
             if curr >= hit_len {

@@ -143,8 +143,9 @@ impl Scheduler {
         let extra =
             ExtraKeys { cache_salt: cache_salt.map(Into::into), lora_name: lora_name.map(Into::into) };
         let bs = self.config.kv_block_size() as usize;
-        // Hash only as far as a hit may reach (and the tokens a look-ahead hash covers after it).
-        let reach = ((limit / bs) * bs + self.kv.hasher.lookahead()).min(tokens.len());
+        // Hash only as far as a lookup may read (and the tokens a look-ahead hash covers after it).
+        let blocks = limit / bs + self.kv.lookup_margin_blocks();
+        let reach = (blocks * bs + self.kv.hasher.lookahead()).min(tokens.len());
         let mut hashes: Vec<BlockHash> = Vec::new();
         self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra, &[], &mut Vec::new());
         // find_longest_cache_hit leaves the block of the last of `n` tokens out: n = limit + 1 allows limit / bs.

@@ -42,7 +42,9 @@ pub struct KvCacheManager {
     pub hybrid: Option<Box<crate::hybrid::Hybrid>>,
     /// A sliding window or several groups: the single-group full-attention paths do not apply.
     pub special: bool,
-    /// The longest prefix hit gives up its last block (`drop_trailing_hit_block`; full attention, one group).
+    /// The longest prefix hit gives up its last block (`drop_trailing_hit_block`): with one full-attention
+    /// group the hit's last block; with a sliding window or several groups, vLLM's EAGLE rules for them
+    /// (`find_window_hit`, `find_hybrid_hit`).
     pub drop_trailing_hit: bool,
 }
 
@@ -73,12 +75,16 @@ impl KvCacheManager {
     /// `find_longest_cache_hit` with a sliding window (vLLM's `SlidingWindowManager.find_longest_cache_hit`):
     /// from the right, the first run of cached blocks long enough to cover the window before its end; the
     /// blocks before the run are null blocks. Without such a run, the run of cached blocks from block 0.
+    /// With the trailing-block drop (vLLM's `SlidingWindowManager` with EAGLE), the run needs one block more and
+    /// the hit then gives up its last block (the blocks before the run stay null blocks).
     #[cold]
     fn find_window_hit(&self, block_hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
         let max_blocks = self.max_hit_blocks(block_hashes, num_tokens);
-        let need = (self.sliding_window - 1).div_ceil(self.block_size) as usize;
+        let drop = usize::from(self.drop_trailing_hit);
+        let need = (self.sliding_window - 1).div_ceil(self.block_size) as usize + drop;
         let start = out.len();
         // `out[start..]` holds the current run, rightmost block first.
+        let mut matched = false;
         for i in (0..max_blocks).rev() {
             match self.pool.get_cached_block(&block_hashes[i]) {
                 Some(b) => {
@@ -86,13 +92,19 @@ impl KvCacheManager {
                     if out.len() - start >= need {
                         out[start..].reverse();
                         out.splice(start..start, std::iter::repeat_n(NULL_BLOCK, i));
-                        return;
+                        matched = true;
+                        break;
                     }
                 }
                 None => out.truncate(start),
             }
         }
-        out[start..].reverse();
+        if !matched {
+            out[start..].reverse();
+        }
+        if drop == 1 && out.len() > start {
+            out.pop();
+        }
     }
 
     /// Tokens wholly before the window of the next token after `num_computed_tokens` (vLLM's
@@ -115,6 +127,13 @@ impl KvCacheManager {
             self.pool.free_blocks(&req.blocks[first..last]);
             req.blocks[first..last].fill(NULL_BLOCK);
         }
+    }
+
+    /// Blocks a lookup reads past its cap before dropping (vLLM's hybrid coordinator with the EAGLE drop looks one
+    /// block further): the hashes a probe must compute beyond the hits it may keep.
+    #[inline]
+    pub(crate) fn lookup_margin_blocks(&self) -> usize {
+        usize::from(self.drop_trailing_hit && self.hybrid.is_some())
     }
 
     /// The most blocks a prefix lookup of `num_tokens` tokens with these hashes may hit: none without caching,
@@ -679,6 +698,16 @@ mod tests {
         assert_eq!(hit(&kv, 14), vec![99, b[0], b[1], b[2]]);
         // Full attention: the run from block 0.
         assert_eq!(hit(&kv, 0), vec![99, b[0], b[1], b[2]]);
+        // With the trailing-block drop (vLLM's SlidingWindowManager with EAGLE): one block more, then dropped.
+        let drop = KvCacheManager { drop_trailing_hit: true, ..kv.clone() };
+        // need 1 + 1: blocks 5-6, block 6 dropped.
+        assert_eq!(hit(&drop, 4), vec![99, n, n, n, n, n, b[5]]);
+        // need 2 + 1: blocks 5-6 are too short; blocks 0-2, block 2 dropped.
+        assert_eq!(hit(&drop, 8), vec![99, b[0], b[1]]);
+        // need 4 + 1: the run from block 0, its last block dropped.
+        assert_eq!(hit(&drop, 14), vec![99, b[0], b[1]]);
+        // A window of one token: the rightmost cached block, dropped: null blocks only.
+        assert_eq!(hit(&drop, 1), vec![99, n, n, n, n, n, n]);
     }
 
     /// `cache_hit_upper_bound` never undercounts the hits `find_longest_cache_hit` finds, whatever the hint and

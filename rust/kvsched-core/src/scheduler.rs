@@ -927,8 +927,9 @@ impl Scheduler {
         };
         let extra = ExtraKeys { cache_salt, lora_name: lora_name.map(Into::into) };
         let bs = self.config.kv_block_size() as usize;
-        // Hash only as far as a hit can reach.
-        let reach = (((tokens.len() - 1) / bs) * bs + self.kv.hasher.lookahead()).min(tokens.len());
+        // Hash only as far as a lookup can read.
+        let blocks = (tokens.len() - 1) / bs + self.kv.lookup_margin_blocks();
+        let reach = (blocks * bs + self.kv.hasher.lookahead()).min(tokens.len());
         let mut hashes: Vec<BlockHash> = Vec::new();
         self.kv.hasher.extend_hashes(&mut hashes, &tokens[..reach], bs, &extra, &[], &mut Vec::new());
         let mut hits = Vec::new();
