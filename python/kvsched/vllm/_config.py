@@ -196,7 +196,13 @@ def _check_kv_cache_config(
     has_window = any(isinstance(w, int) for w in windows)
     retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
     if has_window and retention is not None:
-        _refuse("sparse prefix-cache retention of sliding windows", "prefix_cache_retention_interval")
+        # vLLM 0.33's engine default is 0 (sparse): a sliding-window model then needs
+        # --prefix-cache-retention-interval None.
+        _refuse(
+            "sparse prefix-cache retention of sliding windows",
+            f"prefix_cache_retention_interval={retention} (vLLM 0.33's default; run with "
+            "--prefix-cache-retention-interval None for dense retention)",
+        )
     return windows, attention_size, next(iter(spec_blocks), 0)
 
 
