@@ -281,33 +281,35 @@ def _is_mooncake_store(cls: type) -> bool:
     once every worker rank has reported the job (``blocks[bid]`` reads), and reads the current block tables
     through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it. It takes
     Mamba align groups' boundary states and finished partial tails (``register_finished_partial_tail``) only
-    with several KV cache groups, which the adapter refuses with any KV connector."""
+    with several KV cache groups, which the adapter refuses for connectors that bind the pool."""
     if not any(klass.__name__ == "MooncakeStoreConnector" for klass in cls.__mro__):
         return False  # (without importing the store's modules for every other connector)
     try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
     except ImportError:
         return False
-    return (
-        issubclass(cls, MooncakeStoreConnector)
-        and getattr(cls, "bind_gpu_block_pool", None) is MooncakeStoreConnector.bind_gpu_block_pool
-        and getattr(cls, "bind_kv_cache_manager", None) is KVConnectorBase_V1.bind_kv_cache_manager
-    )
+    return _binds_the_pool_as(cls, MooncakeStoreConnector)
 
 
 def _is_simple_cpu_offload(cls: type) -> bool:
     """vLLM's ``SimpleCPUOffloadConnector`` or a subclass binding the pool as it does."""
     try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
         from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
             SimpleCPUOffloadConnector,
         )
     except ImportError:
         return False
+    return _binds_the_pool_as(cls, SimpleCPUOffloadConnector)
+
+
+def _binds_the_pool_as(cls: type, connector: type) -> bool:
+    """``cls`` is ``connector`` or a subclass that binds vLLM's block pool with ``connector``'s own
+    ``bind_gpu_block_pool`` and leaves ``bind_kv_cache_manager`` as vLLM's base class has it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
     return (
-        issubclass(cls, SimpleCPUOffloadConnector)
-        and getattr(cls, "bind_gpu_block_pool", None) is SimpleCPUOffloadConnector.bind_gpu_block_pool
+        issubclass(cls, connector)
+        and getattr(cls, "bind_gpu_block_pool", None) is getattr(connector, "bind_gpu_block_pool", None)
         and getattr(cls, "bind_kv_cache_manager", None) is KVConnectorBase_V1.bind_kv_cache_manager
     )
 
