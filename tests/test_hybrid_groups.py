@@ -655,11 +655,13 @@ def test_align_mamba_hit_on_a_state_cached_this_step_waits(impl: str, gate: bool
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_align_mamba_shared_prefix_junction_ends_the_chunk(impl: str) -> None:
+@pytest.mark.parametrize("retention", [None, 0])
+def test_align_mamba_shared_prefix_junction_ends_the_chunk(impl: str, retention: int | None) -> None:
     # "b" shares 16 tokens with "a": the attention hit is 4 blocks, but "a" cached no Mamba state at 16, so the
     # hit is 0 and 16 is the junction: "b"'s first chunk ends there (else at 28) and caches its state, which "c"
-    # (the same 16 tokens, another tail) then hits.
-    s = align_cached(impl, kv_cache_groups=(None, "mamba"))
+    # (the same 16 tokens, another tail) then hits. With sparse retention (prefix_cache_retention_interval 0) the
+    # junction's state is cached too.
+    s = align_cached(impl, kv_cache_groups=(None, "mamba"), prefix_cache_retention_interval=retention)
     s.add_request("a", list(range(24)), max_tokens=1)
     run_all(s)
     s.add_request("b", list(range(16)) + list(range(500, 514)), max_tokens=1)
@@ -705,25 +707,6 @@ def test_align_mamba_sparse_retention_caches_fewer_states(impl: str, retention: 
     s.add_request("a2", list(range(24)), max_tokens=1)
     out = s.schedule()
     assert computed(out, "a2") == 20
-    s.check_invariants()
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("retention", [None, 0])
-def test_align_mamba_sparse_retention_keeps_the_junction_state(impl: str, retention: int | None) -> None:
-    # As test_align_mamba_shared_prefix_junction_ends_the_chunk: "b"'s state at the junction (16) is cached with
-    # retention 0 too, so "c" hits it.
-    s = align_cached(impl, kv_cache_groups=(None, "mamba"), prefix_cache_retention_interval=retention)
-    s.add_request("a", list(range(24)), max_tokens=1)
-    run_all(s)
-    s.add_request("b", list(range(16)) + list(range(500, 514)), max_tokens=1)
-    out = s.schedule()
-    assert computed(out, "b") == 0 and list(out.num_scheduled_tokens) == [16]
-    s.update_from_output(out, [[]])
-    run_all(s)
-    s.add_request("c", list(range(16)) + list(range(900, 910)), max_tokens=1)
-    out = s.schedule()
-    assert computed(out, "c") == 16
     s.check_invariants()
 
 

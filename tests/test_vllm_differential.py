@@ -118,10 +118,14 @@ def test_identical_to_vllm_with_align_mode_mamba_groups(sync: str, runner: str, 
 @pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("seed", [660])  # 661 stalls in vLLM's own scheduler (identically) before any hit
-def test_identical_to_vllm_with_mamba_prefix_caching(sync: str, runner: str, seed: int) -> None:
+@pytest.mark.parametrize("retention", [None, 0])
+def test_identical_to_vllm_with_mamba_prefix_caching(sync: str, runner: str, seed: int, retention: int | None) -> None:
     """The same layouts with prefix caching on (vLLM's default for hybrid Mamba models): Mamba prefix hits aligned
     with the attention groups', hits on states cached in the same step deferred, cached states and shared-prefix
-    junction stops, the same outputs and block tables of every group; some admissions hit."""
+    junction stops, the same outputs and block tables of every group; some admissions hit. The cached Mamba states
+    retained densely (None) and as vLLM's engine default retains them (0: only the states a later request can
+    resume at, the prompt's last boundary before its last token and the junctions): the same states cached, hits
+    and prefill stats."""
     import vllm_driver
 
     vllm_driver.PREFIX_HITS = 0
@@ -133,32 +137,10 @@ def test_identical_to_vllm_with_mamba_prefix_caching(sync: str, runner: str, see
         mamba=True,
         mamba_align=True,
         mamba_prefix_caching=True,
+        mamba_retention=retention,
     )
     assert cfg.kv_cache_groups is not None and cfg.enable_prefix_caching
-    assert vllm_driver.PREFIX_HITS > 0
-
-
-@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
-@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
-@pytest.mark.parametrize("seed", [660])
-def test_identical_to_vllm_with_sparse_mamba_retention(sync: str, runner: str, seed: int) -> None:
-    """The same with vLLM's engine default for the retention of cached Mamba states (0: only the states a later
-    request can resume at, the prompt's last boundary before its last token and the junctions): the same states
-    cached, hits and prefill stats; some admissions hit."""
-    import vllm_driver
-
-    vllm_driver.PREFIX_HITS = 0
-    cfg = run_seed(
-        seed,
-        120,
-        async_scheduling=sync == "async",
-        v2=runner == "v2",
-        mamba=True,
-        mamba_align=True,
-        mamba_prefix_caching=True,
-        mamba_retention=0,
-    )
-    assert cfg.prefix_cache_retention_interval == 0
+    assert cfg.prefix_cache_retention_interval == retention
     assert vllm_driver.PREFIX_HITS > 0
 
 
