@@ -472,7 +472,8 @@ impl KvCacheManager {
         }
         req.num_cached_blocks = num_full as u32;
         if self.pool.events_mut().is_some() {
-            self.record_stored(req, first, num_full);
+            // Group 0's key is the plain hash, and this table has no null blocks.
+            self.record_group_stored(req, &req.blocks, first, num_full, 0, true);
         }
     }
 
@@ -530,29 +531,6 @@ impl KvCacheManager {
                 &req.id,
                 first as u32,
                 g as u32,
-            );
-        }
-    }
-
-    /// Records the stored event of `req`'s blocks `first..num_full`, just entered into the prefix cache.
-    #[cold]
-    fn record_stored(&mut self, req: &Request, first: usize, num_full: usize) {
-        let hashes = &req.block_hashes[first..num_full];
-        let copies: Vec<u32> = hashes.iter().map(|h| self.pool.num_copies(h)).collect();
-        let bs = self.block_size as usize;
-        // Hashed blocks are full: their tokens are known.
-        let tokens = req.token_ids.get(first * bs..num_full * bs).unwrap_or_default();
-        debug_assert_eq!(tokens.len(), (num_full - first) * bs);
-        let parent = first.checked_sub(1).map(|p| req.block_hashes[p]);
-        if let Some(ev) = self.pool.events_mut() {
-            ev.push_stored(
-                hashes.iter().copied().zip(copies),
-                parent,
-                tokens,
-                &req.extra_keys,
-                &req.id,
-                first as u32,
-                0,
             );
         }
     }
