@@ -61,3 +61,63 @@ def test_a_partial_block_is_left_out_and_arrays_work() -> None:
 def test_bad_arguments_raise_typed_errors(args: tuple[object, object, object], exc: type[Exception]) -> None:
     with pytest.raises(exc):
         vllm_sha256_block_hashes(*args)  # type: ignore[arg-type]
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # the CI machine is shared
+@given(
+    chains=st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 2**40), max_size=40)), min_size=0, max_size=6),
+    block_size=st.integers(1, 9),
+)
+def test_batched_hashes_extend_each_list_as_the_single_call_does(
+    chains: list[tuple[int, list[int]]], block_size: int
+) -> None:
+    """Each list gains exactly the hashes ``vllm_sha256_block_hashes`` gives for the blocks past those it holds;
+    the empty ones are left alone and reported."""
+    seed = hashlib.sha256(b"seed").digest()
+    hash_lists: list[list[bytes]] = []
+    token_lists: list[list[int]] = []
+    want: list[list[bytes]] = []
+    for num_hashed, tokens in chains:
+        num_hashed = min(num_hashed, len(tokens) // block_size)
+        full = _python_chain(seed, tokens, block_size)
+        hash_lists.append(full[:num_hashed])
+        token_lists.append(tokens)
+        want.append(full if num_hashed else [])
+    skipped = kvsched._core.vllm_sha256_extend_block_hashes(hash_lists, token_lists, block_size)
+    assert hash_lists == want
+    assert skipped == [i for i, (n, t) in enumerate(chains) if min(n, len(t) // block_size) == 0]
+
+
+@pytest.mark.parametrize(
+    ("hash_lists", "token_lists", "block_size", "exc"),
+    [
+        ([[b"p"]], [[1, 2]], 0, kvsched.InvalidRequestError),
+        ([[b"p"]], [], 1, kvsched.InvalidRequestError),
+        ([[b"p"]], [[1, 2]], True, kvsched.SchedulerTypeError),
+        ([(b"p",)], [[1, 2]], 1, kvsched.SchedulerTypeError),
+        ([["p"]], [[1, 2]], 1, kvsched.SchedulerTypeError),
+        ([[b"p"], [b"p"]], [[1, 2, 3], [1, 2, 1.5]], 1, kvsched.SchedulerTypeError),
+        ([[b"p"], [b"p"]], [[1, 2, 3], [1, 2**64]], 1, kvsched.InvalidRequestError),
+        ([[b"p"], [b""]], [[1, 2], [1, 2]], 1, kvsched.InvalidRequestError),
+    ],
+)
+def test_batched_hashes_bad_arguments_raise_and_change_nothing(
+    hash_lists: list[list[object]], token_lists: list[list[object]], block_size: object, exc: type[Exception]
+) -> None:
+    before = [list(h) for h in hash_lists]
+    with pytest.raises(exc):
+        kvsched._core.vllm_sha256_extend_block_hashes(hash_lists, token_lists, block_size)  # type: ignore[arg-type]
+    assert [list(h) for h in hash_lists] == before
+
+
+def test_rows_extend_both_lists_or_nothing() -> None:
+    extend = kvsched._core.extend_lists_by_rows
+    first, second = [[1], [], [2, 3]], [[9, 1], [], [9, 2, 3]]
+    assert extend(first, second, [[4], [5, 6], []])
+    assert first == [[1, 4], [5, 6], [2, 3]]
+    assert second == [[9, 1, 4], [5, 6], [9, 2, 3]]
+    for rows in ([[7], (8,), [9]], [[7], [8]], ([7], [8], [9]), [[7], [8], None]):
+        assert not extend(first, second, rows)  # type: ignore[arg-type]
+    assert not extend(first, [[], [], ()], [[7], [8], [9]])  # type: ignore[list-item]
+    assert first == [[1, 4], [5, 6], [2, 3]]
+    assert second == [[9, 1, 4], [5, 6], [9, 2, 3]]

@@ -18,7 +18,9 @@ __all__ = [
     "UpdateResult",
     "_default_config",
     "_validate_config",
+    "extend_lists_by_rows",
     "vllm_sha256_block_hashes",
+    "vllm_sha256_extend_block_hashes",
 ]
 
 MAX_TOKEN_ID: int
@@ -36,6 +38,17 @@ def _validate_config(config: Any) -> None:
 def vllm_sha256_block_hashes(parent: bytes, token_ids: _TokenIds, block_size: int) -> list[bytes]:
     """vLLM's SHA-256 hashes (``sha256(pickle((parent, tuple(block), None)))``) of the full blocks of
     ``token_ids``, chained from ``parent``; only for blocks without extra keys."""
+
+def vllm_sha256_extend_block_hashes(
+    hash_lists: list[list[bytes]], token_lists: list[list[int]], block_size: int
+) -> list[int]:
+    """For each ``i``, appends to ``hash_lists[i]`` the ``vllm_sha256_block_hashes`` of the full blocks of
+    ``token_lists[i]`` past those it holds, chained from its last hash; skips (and returns the indices of) the
+    empty ones. Checks every argument before changing any list."""
+
+def extend_lists_by_rows(first: list[list[Any]], second: list[list[Any]], rows: list[list[Any]]) -> bool:
+    """Appends ``rows[i]``'s items to ``first[i]`` and ``second[i]`` for every ``i``; returns False, changing
+    nothing, when the three are not lists of equal length whose entries are lists."""
 
 @final
 class SchedulerOutput:

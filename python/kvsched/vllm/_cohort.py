@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 from vllm.v1.request import Request
 
+from kvsched._core import extend_lists_by_rows
+
 __all__ = ["Cohort", "CohortRequest", "dissolve", "fold", "form"]
 
 _KEY = "_kvsched_cohort"
@@ -32,14 +34,15 @@ class Cohort:
     since they joined, whether applying a step takes an output placeholder back (asynchronous scheduling), the
     fewest placeholders any member held when it joined, whether every member is still in it, the members'
     output and token lists (vLLM never replaces a request's lists, it changes them in place), and which members
-    fill a block at which step (``fill_base``, ``fill_fast``, ``fill_other``: set by the scheduler, see
-    ``Scheduler._cohort_fills``)."""
+    fill a block at which step (``fill_base``, ``fill_fast`` with their token lists in ``fill_fast_tokens``,
+    ``fill_other``: set by the scheduler, see ``Scheduler._cohort_fills``)."""
 
     __slots__ = (
         "all_lists",
         "async_sched",
         "fill_base",
         "fill_fast",
+        "fill_fast_tokens",
         "fill_other",
         "intact",
         "min_placeholders",
@@ -63,10 +66,14 @@ class Cohort:
         self.ones = np.ones(len(reqs), dtype=np.int32).tobytes()
         self.fill_base = 0
         self.fill_fast: list[list[Request]] = []
+        self.fill_fast_tokens: list[list[list[int]]] = []
         self.fill_other: list[list[Request]] = []
 
     def append_rows(self, rows: list[list[int]]) -> None:
-        """Appends each member's sampled tokens (``rows``, in member order) to its output and token lists."""
+        """Appends each member's sampled tokens (``rows``, in member order) to its output and token lists: in one
+        native call when ``rows`` is a list of lists (as vLLM's model runner returns them)."""
+        if extend_lists_by_rows(self.output_lists, self.all_lists, rows):
+            return
         _consume(map(list.extend, self.output_lists, rows))
         _consume(map(list.extend, self.all_lists, rows))
 

@@ -31,7 +31,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
-from kvsched._core import vllm_sha256_block_hashes
+from kvsched._core import vllm_sha256_block_hashes, vllm_sha256_extend_block_hashes
 from kvsched._errors import InvalidRequestError, QueueFullError, SchedulerTypeError
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
@@ -931,7 +931,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 preempted.add(req_id)
 
         req_ids: list[str] = out.req_ids
-        num_sched: list[int] = out.num_scheduled_tokens.tolist()
+        # Every scheduled entry has a token at least: a total of one per entry is one each (steady decoding).
+        num_sched: list[int] = (
+            [1] * len(req_ids) if out.total_num_scheduled_tokens == len(req_ids) else out.num_scheduled_tokens.tolist()
+        )
         computed: list[int] = out.num_computed_tokens.tolist()
         block_ptr_arr = out.new_block_ids_indptr
         block_ids: list[int] = out.new_block_ids.tolist()
@@ -2033,17 +2036,19 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 other[k].append(request)
         cohort.fill_base = after[0] if after else 0
         cohort.fill_fast, cohort.fill_other = fast, other
+        cohort.fill_fast_tokens = [[r._all_token_ids for r in reqs] for reqs in fast]
 
     def _hash_cohort_fills(self, cohort: Cohort, out: Any) -> None:
         """Appends the hashes of the blocks the cohort's members filled at this step (see ``_cohort_fills``)."""
         block = self.hash_block_size
         k = (int(out.num_computed_tokens[0]) + 1 - cohort.fill_base) % block
-        for request in cohort.fill_fast[k]:
-            hashes = request.block_hashes
-            if hashes:
-                hashes += vllm_sha256_block_hashes(hashes[-1], request._all_token_ids[len(hashes) * block :], block)
-            else:
-                hashes.extend(request._block_hasher(request))
+        fast = cohort.fill_fast[k]
+        if fast:
+            # One core call hashes every member's new block; a member without a first hash yet takes its own.
+            hash_lists = [r.block_hashes for r in fast]
+            for i in vllm_sha256_extend_block_hashes(hash_lists, cohort.fill_fast_tokens[k], block):
+                request = fast[i]
+                request.block_hashes.extend(request._block_hasher(request))
         other = cohort.fill_other[k]
         if other:
             self._hash_filled_blocks(other)

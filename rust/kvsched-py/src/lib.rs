@@ -10,7 +10,7 @@
 //! conversion), `encoder` (encoder-input conversion), `connector` (a Python KV connector behind the core's
 //! trait), `ids` (request ids by slot, shared with the outputs), `output` (the per-step result classes),
 //! `scheduler` (the `Scheduler` class), `router` (the `Router` class of `kvsched.router`), `vllm_hash` (vLLM's
-//! SHA-256 block hash, for `kvsched.vllm`). This file only registers them.
+//! SHA-256 block hash, for `kvsched.vllm`), `vllm_rows` (sampled tokens into vLLM's token lists). This file only registers them.
 
 mod config;
 mod connector;
@@ -24,6 +24,7 @@ mod output;
 mod router;
 mod scheduler;
 mod vllm_hash;
+mod vllm_rows;
 
 use kvsched_core as core;
 use pyo3::prelude::*;
@@ -39,6 +40,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyModelInputs>()?;
     m.add_class::<router::PyRouter>()?;
     m.add_function(wrap_pyfunction!(vllm_hash::vllm_sha256_block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(vllm_hash::vllm_sha256_extend_block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(vllm_rows::extend_lists_by_rows, m)?)?;
     m.add_function(wrap_pyfunction!(config::_default_config, m)?)?;
     m.add_function(wrap_pyfunction!(config::_validate_config, m)?)?;
     m.add("MAX_TOKEN_ID", core::MAX_TOKEN_ID)?;
