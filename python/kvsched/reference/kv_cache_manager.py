@@ -792,7 +792,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         bs, (position, idx) = self._bs, checkpoint
         table = self._group_table(r, g)
         i = position // bs - 1
-        if idx >= len(table) or table[idx] == 0 or not 0 <= i < len(r.block_hashes):
+        if idx >= len(table) or table[idx] == 0 or i < 0:
             return
         b = table[idx]
         retention = self._config.prefix_cache_retention_interval
@@ -802,6 +802,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if current is not None:
                 self._uncache(b, current)
             return
+        if i >= len(r.block_hashes):
+            return  # a position past the hashed tokens (drafts can reach it): nothing to key it by
         key = self._group_key(r.block_hashes[i], g)
         if current == key:
             return

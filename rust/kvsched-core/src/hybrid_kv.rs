@@ -611,7 +611,7 @@ impl KvCacheManager {
         let bs = self.block_size;
         let Some(&b) = table_ref(req, slot).get(idx) else { return };
         let i = (position / bs) as usize;
-        if b == NULL_BLOCK || i == 0 || i > req.block_hashes.len() {
+        if b == NULL_BLOCK || i == 0 {
             return;
         }
         let i = i - 1;
@@ -624,7 +624,9 @@ impl KvCacheManager {
             }
             return;
         }
-        let key = group_key(&req.block_hashes[i], g);
+        // A position past the hashed tokens (drafts can reach it): nothing to key it by.
+        let Some(hash) = req.block_hashes.get(i) else { return };
+        let key = group_key(hash, g);
         match current {
             Some(h) if h == key => return,
             Some(h) => {
