@@ -170,6 +170,7 @@ _CONTEXT: dict[str, dict[str, Any]] = {
     "draft_slots": {"max_num_batched_tokens": 2**31 - 1},
     "mamba_speculative_blocks": {"kv_cache_groups": ("mamba", None), "enable_prefix_caching": False},
     "prefix_cache_retention_interval": {"kv_cache_groups": (None, "mamba"), "mamba_align": True, "block_size": 1},
+    "mamba_prefill_checkpoint_alignment": {"kv_cache_groups": (None, "mamba"), "mamba_align": True},
 }
 
 

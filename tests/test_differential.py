@@ -1857,10 +1857,11 @@ ALIGN_CONFIGS = [
 ]  # fmt: skip
 
 
-def _soak_align(configs: list[SchedulerConfig], seed: int) -> tuple[int, int]:
+def _soak_align(configs: list[SchedulerConfig], seed: int) -> tuple[int, int, int]:
     """Runs ``configs`` on both implementations step by step (600 random operations each, then a drain), each with
-    a preemption; returns the Mamba tables seen past their first state and the prefix-hit tokens."""
-    grown = hits = 0
+    a preemption; returns the Mamba tables seen past their first state, the prefix-hit tokens and the prefill
+    checkpoints seen reserved."""
+    grown = hits = checkpoints = 0
     for i, cfg in enumerate(configs):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=1 + i % 3)
         others = [w for g, w in enumerate(cfg.kv_cache_groups or ()) if g != cfg.primary_group]
@@ -1872,17 +1873,18 @@ def _soak_align(configs: list[SchedulerConfig], seed: int) -> tuple[int, int]:
                 raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
             for r in twin.ref._requests.values():
                 grown += sum(0 in r.group_block_ids[g] for g in mamba)
+                checkpoints += len(r.mamba_checkpoint)
         twin.drain()
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
         hits += twin.ref.stats().prefix_cache_hits
-    return grown, hits
+    return grown, hits, checkpoints
 
 
 def test_soak_align_mamba_groups_match_reference_step_by_step() -> None:
     """Align-mode Mamba tables (null blocks between states, speculative blocks moved forward) and block-aligned
     chunks are the same on both implementations, step by step; tables grow past their first state and requests
     are preempted in the run."""
-    grown, _ = _soak_align(ALIGN_CONFIGS, 6161)
+    grown, _, _ = _soak_align(ALIGN_CONFIGS, 6161)
     assert grown > 0
 
 
@@ -1891,7 +1893,7 @@ def test_soak_align_mamba_prefix_caching_matches_reference_step_by_step() -> Non
     states, hits on states cached in the same step deferred and shared-prefix junction stops are the same on both
     implementations; prefix hits happen in the run."""
     configs = [dataclasses.replace(c, enable_prefix_caching=True) for c in ALIGN_CONFIGS]
-    grown, hits = _soak_align(configs, 7171)
+    grown, hits, _ = _soak_align(configs, 7171)
     assert grown > 0 and hits > 0, (grown, hits)
 
 
@@ -1909,8 +1911,29 @@ def test_soak_sparse_mamba_retention_matches_reference_step_by_step() -> None:
         )
         for i, c in enumerate(ALIGN_CONFIGS)
     ]
-    grown, hits = _soak_align(configs, 8181)
+    grown, hits, _ = _soak_align(configs, 8181)
     assert grown > 0 and hits > 0, (grown, hits)
+
+
+@pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
+def test_soak_mamba_prefill_checkpoints_match_reference_step_by_step(retention: int | None) -> None:
+    """The same configs with prefix caching on and prefill checkpoints (Mamba2 and Gated DeltaNet layers: the
+    last chunk exports a block-boundary state from inside it into an extra block; alignments of one and two
+    blocks), dense and under vLLM's engine default retention 0 (the window group left out there): the chunk
+    splits, the extra blocks, the re-keyed checkpoint states and the hits on them are the same on both
+    implementations; checkpoints are reserved and prefix hits happen in the run."""
+    configs = [
+        dataclasses.replace(
+            c,
+            enable_prefix_caching=True,
+            kv_cache_groups=tuple(w for w in c.kv_cache_groups or () if retention is None or not isinstance(w, int)),
+            prefix_cache_retention_interval=retention,
+            mamba_prefill_checkpoint_alignment=c.block_size * (1 + i % 2),
+        )
+        for i, c in enumerate(ALIGN_CONFIGS)
+    ]
+    grown, hits, checkpoints = _soak_align(configs, 7171 if retention is None else 9292)
+    assert grown > 0 and hits > 0 and checkpoints > 0, (grown, hits, checkpoints)
 
 
 # Chunked-local groups (Llama 4): after full attention or before it, chunks a multiple of the block size or not

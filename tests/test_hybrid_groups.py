@@ -746,6 +746,57 @@ def test_retention_interval_is_checked(impl: str) -> None:
     assert no_cache.config.prefix_cache_retention_interval == 8
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
+@pytest.mark.parametrize(("alignment", "first"), [(4, 13), (8, 12)])
+def test_align_mamba_prefill_checkpoint_is_exported_from_inside_the_last_chunk(
+    impl: str, retention: int | None, alignment: int, first: int
+) -> None:
+    # "a" (13 tokens) with prefill checkpoints: with an alignment of 4 its one chunk runs all 13 tokens, the state
+    # after 12 tokens (the checkpoint, 12 tokens from the chunk's start) exported to an extra block at entry 2
+    # (ceil(13 / 4) - 2), the running state at entry 3: the first allocation pops both. With 8 (12 is not a
+    # multiple of it) the chunk stops at 12 as without checkpoints; that chunk can export the state after 8 (its
+    # checkpoint) to entry 1, which dense retention reserves (vLLM reserves on any chunk then), retention 0 not
+    # (only on the chunk that reaches the prefill's end). Either way the state after 12 is cached and "b", the same
+    # prompt later, hits it.
+    s = align_cached(
+        impl,
+        kv_cache_groups=(None, "mamba"),
+        mamba_prefill_checkpoint_alignment=alignment,
+        prefix_cache_retention_interval=retention,
+    )
+    s.add_request("a", list(range(13)), max_tokens=1)
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == [first]
+    mamba = tables(s, "a", 2)[1]
+    if first == 13:
+        assert len(mamba) == 4 and mamba[:2] == [0, 0] and 0 not in mamba[2:]
+    else:
+        assert len(mamba) == 3 and mamba[0] == 0 and 0 not in mamba[2:]
+        assert (mamba[1] != 0) == (retention is None)
+    s.update_from_output(out, [[7] if first == 13 else []])
+    run_all(s)
+    s.add_request("b", list(range(13)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "b") == 12
+    s.check_invariants()
+
+
+def test_prefill_checkpoints_need_align_mode() -> None:
+    from kvsched import _core
+
+    with pytest.raises(InvalidConfigError, match="mamba_prefill_checkpoint_alignment needs mamba_align"):
+        SchedulerConfig(
+            kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, mamba_prefill_checkpoint_alignment=4
+        )
+    with pytest.raises(InvalidConfigError, match="mamba_prefill_checkpoint_alignment"):
+        SchedulerConfig(kv_cache_groups=(None, "mamba"), mamba_align=True, mamba_prefill_checkpoint_alignment=0)
+    good = SchedulerConfig(kv_cache_groups=(None, "mamba"), mamba_align=True, mamba_prefill_checkpoint_alignment=4)
+    fake = type("Cfg", (), {**good.to_dict(), "mamba_align": False, "enable_prefix_caching": False})()
+    with pytest.raises(InvalidConfigError, match="mamba_prefill_checkpoint_alignment needs mamba_align"):
+        _core.Scheduler(fake)
+
+
 def test_the_core_refuses_retention_intervals_the_config_refuses() -> None:
     from kvsched import _core
 

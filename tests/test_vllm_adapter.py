@@ -1260,9 +1260,9 @@ def test_align_mode_mamba_groups_schedule_as_vllms_scheduler() -> None:
 
 
 def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> None:
-    """Prefill checkpoints (num_prefill_checkpoint_blocks), a Mamba block of another size than the attention
-    block, a Mamba spec whose mode differs from the cache config's and EAGLE/MTP's default trailing-block drop are
-    refused at construction, by name."""
+    """Prefill checkpoints (num_prefill_checkpoint_blocks) without prefix caching, a Mamba block of another size
+    than the attention block, a Mamba spec whose mode differs from the cache config's and EAGLE/MTP's default
+    trailing-block drop are refused at construction, by name."""
     import dataclasses
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -1271,7 +1271,7 @@ def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> Non
     off = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False, mamba_cache_mode="align")
     checkpoints = dataclasses.replace(_mamba_spec(16, "align"), num_prefill_checkpoint_blocks=1,
                                       prefill_checkpoint_alignment=1)  # fmt: skip
-    with pytest.raises(UnsupportedFeatureError, match="Mamba prefill checkpoints"):
+    with pytest.raises(UnsupportedFeatureError, match="Mamba prefill checkpoints without prefix caching"):
         _build_mamba(off, checkpoints, full)
     with pytest.raises(UnsupportedFeatureError, match="Mamba blocks of another size"):
         _build_mamba(off, _mamba_spec(32, "align"), full)
@@ -1290,7 +1290,9 @@ def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> N
     """Mamba prefix caching (mamba_cache_mode "align" with prefix caching on, vLLM's default for hybrid Mamba
     models) runs on the core's align-mode groups with prefix caching, with vLLM's retention of the states (the KV
     cache config's prefix_cache_retention_interval: None dense, the engine's default 0, or an interval) passed to
-    the core; prefill checkpoints are refused at construction, by name."""
+    the core, and the Mamba groups' prefill checkpoints passed as the core's mamba_prefill_checkpoint_alignment
+    (None when the spec's alignment is None); Mamba groups of different specs are refused at construction, by
+    name."""
     import dataclasses
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -1307,10 +1309,14 @@ def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> N
     events = make_vllm_config(block_size=16, max_model_len=96, mamba_cache_mode="align", kv_events=True)
     with pytest.raises(UnsupportedFeatureError, match="KV cache events with Mamba prefix caching"):
         _build_mamba(events, full, _mamba_spec(16, "align"))
+    assert sched.kv_config.mamba_prefill_checkpoint_alignment is None
     checkpoints = dataclasses.replace(_mamba_spec(16, "align"), num_prefill_checkpoint_blocks=1,
-                                      prefill_checkpoint_alignment=1)  # fmt: skip
-    with pytest.raises(UnsupportedFeatureError, match="Mamba prefill checkpoints"):
-        _build_mamba(on, full, checkpoints)
+                                      prefill_checkpoint_alignment=8)  # fmt: skip
+    assert _build_mamba(on, full, checkpoints, checkpoints).kv_config.mamba_prefill_checkpoint_alignment == 8
+    unaligned = dataclasses.replace(checkpoints, prefill_checkpoint_alignment=None)
+    assert _build_mamba(on, full, unaligned).kv_config.mamba_prefill_checkpoint_alignment is None
+    with pytest.raises(UnsupportedFeatureError, match="Mamba KV cache groups of different specs"):
+        _build_mamba(on, full, checkpoints, _mamba_spec(16, "align"))
     other = dataclasses.replace(_mamba_spec(16, "align"), shapes=((2,),))
     with pytest.raises(UnsupportedFeatureError, match="Mamba KV cache groups of different specs"):
         _build_mamba(on, _mamba_spec(16, "align"), full, other)

@@ -117,16 +117,33 @@ def test_identical_to_vllm_with_align_mode_mamba_groups(sync: str, runner: str, 
 
 @pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
-@pytest.mark.parametrize("seed", [660])  # 661 stalls in vLLM's own scheduler (identically) before any hit
 @pytest.mark.parametrize("retention", [None, 0])
-def test_identical_to_vllm_with_mamba_prefix_caching(sync: str, runner: str, seed: int, retention: int | None) -> None:
+# 661 stalls in vLLM's own scheduler (identically) before any hit; 660's prefill threshold of one block leaves no
+# room for a checkpoint inside a chunk.
+@pytest.mark.parametrize(("checkpoints", "seed"), [(False, 660), (True, 663)], ids=["", "checkpoints"])
+def test_identical_to_vllm_with_mamba_prefix_caching(
+    sync: str, runner: str, seed: int, retention: int | None, checkpoints: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same layouts with prefix caching on (vLLM's default for hybrid Mamba models): Mamba prefix hits aligned
     with the attention groups', hits on states cached in the same step deferred, cached states and shared-prefix
     junction stops, the same outputs and block tables of every group; some admissions hit. The cached Mamba states
     retained densely (None) and as vLLM's engine default retains them (0: only the states a later request can
     resume at, the prompt's last boundary before its last token and the junctions): the same states cached, hits
-    and prefill stats."""
+    and prefill stats. With prefill checkpoints (Mamba2 and Gated DeltaNet layers: the last chunk exports a
+    block-boundary state into an extra block), the same chunk splits, extra blocks and re-keyed states; vLLM's
+    Mamba managers reserve some."""
     import vllm_driver
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    # vLLM's Mamba managers' prefill checkpoint reservations (a block allocated for one).
+    reserved = [0]
+    allocate = MambaManager.allocate_new_blocks
+
+    def counting(self: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        reserved[0] += request_id in getattr(self, "_checkpoints", {})
+        return allocate(self, request_id, *args, **kwargs)
+
+    monkeypatch.setattr(MambaManager, "allocate_new_blocks", counting)
 
     vllm_driver.PREFIX_HITS = 0
     cfg = run_seed(
@@ -138,10 +155,13 @@ def test_identical_to_vllm_with_mamba_prefix_caching(sync: str, runner: str, see
         mamba_align=True,
         mamba_prefix_caching=True,
         mamba_retention=retention,
+        mamba_checkpoints=checkpoints,
     )
     assert cfg.kv_cache_groups is not None and cfg.enable_prefix_caching
     assert cfg.prefix_cache_retention_interval == retention
     assert vllm_driver.PREFIX_HITS > 0
+    assert (cfg.mamba_checkpoint_alignment is not None) == checkpoints
+    assert (reserved[0] > 0) == checkpoints, reserved
 
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])

@@ -274,6 +274,9 @@ class Config:
     # The KV cache config's prefix_cache_retention_interval (vLLM's sparse retention of cached Mamba states; None:
     # dense).
     prefix_cache_retention_interval: int | None = None
+    # The Mamba groups' prefill checkpoint alignment (vLLM 0.33's Mamba2 and Gated DeltaNet layers in mode "align":
+    # MambaSpec's num_prefill_checkpoint_blocks and prefill_checkpoint_alignment; None: none).
+    mamba_checkpoint_alignment: int | None = None
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -661,6 +664,7 @@ class Pair:
                 "kv_connector_extra_config": dict(mooncake),
             }
         retention = fields.pop("prefix_cache_retention_interval")
+        checkpoint_alignment = fields.pop("mamba_checkpoint_alignment")
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
         self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
@@ -679,6 +683,7 @@ class Pair:
             "sliding_window": window,
             "kv_cache_groups": groups,
             "prefix_cache_retention_interval": retention,
+            "mamba_prefill_checkpoint_alignment": checkpoint_alignment,
         }
         with self.mooncake.in_place() if self.mooncake is not None else contextlib.nullcontext():
             self.a = make_scheduler("vllm", vcfg, **kw)
@@ -1380,6 +1385,7 @@ def run_seed(
     mamba_align: bool = False,
     mamba_prefix_caching: bool = False,
     mamba_retention: int | None = None,
+    mamba_checkpoints: bool = False,
     chunked_local: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
@@ -1407,7 +1413,8 @@ def run_seed(
     with ``mamba_align``, its mode "align": block-sized Mamba blocks, block-aligned prefill chunks; with
     ``mamba_prefix_caching`` too, prefix caching on: Mamba prefix hits and cached states; ``mamba_retention``
     their sparse retention, the interval in blocks (0: the resumable states only; -1: drawn per seed among dense,
-    0 and 1 to 3 blocks, from its own stream));
+    0 and 1 to 3 blocks, from its own stream); ``mamba_checkpoints`` their prefill checkpoints, the alignment
+    drawn per seed among one token and one to three blocks, from its own stream);
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
@@ -1451,6 +1458,9 @@ def run_seed(
                     blocks = random.Random(f"retention/{seed}").choice([None, 0, 0, 1, 2, 3])
                 if blocks is not None:
                     cfg.prefix_cache_retention_interval = blocks * cfg.block_size
+            if mamba_checkpoints:
+                align = random.Random(f"checkpoints/{seed}").choice([1, 1, 2, 2, 3])
+                cfg.mamba_checkpoint_alignment = 1 if align == 1 and seed % 2 else align * cfg.block_size
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
         # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
@@ -1684,6 +1694,13 @@ def main(argv: list[str] | None = None) -> int:
         "default: dense (None)",
     )
     p.add_argument(
+        "--mamba-checkpoints",
+        action="store_true",
+        help="with --mamba-prefix-caching: the Mamba groups declare prefill checkpoints (vLLM 0.33's Mamba2 and "
+        "Gated DeltaNet layers: the last prefill chunk exports a block-boundary state into an extra block), the "
+        "alignment drawn per seed (one token, one to three blocks)",
+    )
+    p.add_argument(
         "--chunked-local",
         action="store_true",
         help="with --hybrid: layouts with chunked-local attention groups (Llama 4: full attention and chunks of a "
@@ -1798,6 +1815,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mamba-prefix-caching goes with --mamba-align")
     if args.mamba_retention is not None and not args.mamba_prefix_caching:
         p.error("--mamba-retention goes with --mamba-prefix-caching")
+    if args.mamba_checkpoints and not args.mamba_prefix_caching:
+        p.error("--mamba-checkpoints goes with --mamba-prefix-caching")
     if args.mamba_prefix_caching and RULES.version == "0.32":
         p.error("--mamba-prefix-caching: kvsched.vllm refuses Mamba prefix caching on vLLM 0.32 (its rules differ)")
     if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
@@ -1853,6 +1872,7 @@ def main(argv: list[str] | None = None) -> int:
                         mamba_align=args.mamba_align,
                         mamba_prefix_caching=args.mamba_prefix_caching,
                         mamba_retention=args.mamba_retention,
+                        mamba_checkpoints=args.mamba_checkpoints,
                         chunked_local=args.chunked_local,
                         multimodal=args.mm,
                         ec_connector=args.ec,

@@ -666,6 +666,17 @@ class SchedulerConfig:
             "sliding window and `enable_prefix_caching` (see [Several KV cache groups](#several-kv-cache-groups))"
         ),
     )
+    mamba_prefill_checkpoint_alignment: int | None = field(
+        default=None,
+        metadata=_spec(
+            "prefill checkpoints of align-mode Mamba groups (vLLM's `MambaSpec` with `num_prefill_checkpoint_blocks` "
+            "above 0 and this `prefill_checkpoint_alignment`): the last prefill chunk, when it starts at a block "
+            "boundary, exports the state at a block boundary inside it (a multiple of this many tokens from its "
+            "start) into an extra block instead of ending there; None = none; needs `mamba_align` (see "
+            "[Several KV cache groups](#several-kv-cache-groups))",
+            lo=1,
+        ),
+    )
     draft_slots: int = field(
         default=0,
         metadata=_spec(
@@ -800,6 +811,11 @@ class SchedulerConfig:
                 )
             if self.mamba_align:
                 raise InvalidConfigError("drop_trailing_hit_block cannot be combined with mamba_align")
+        if self.mamba_prefill_checkpoint_alignment is not None and not self.mamba_align:
+            raise InvalidConfigError(
+                "mamba_prefill_checkpoint_alignment needs mamba_align (prefill checkpoints are vLLM's "
+                "mamba_cache_mode 'align')"
+            )
         self._check_groups()
         self._check_retention()
         if self.encoder_decoder and CROSS_ATTENTION not in (self.kv_cache_groups or ()):

@@ -107,6 +107,7 @@ class _ConnectorMixin(_BlockPoolMixin):
         r.group_num_cached = [0] * len(r.group_num_cached)
         r.mamba_allocated.clear()
         r.mamba_appended.clear()
+        r.mamba_checkpoint.clear()
         r.block_ids = []
         r.num_cached_blocks = 0
         return tables
@@ -320,6 +321,7 @@ class _ConnectorMixin(_BlockPoolMixin):
             r.group_num_cached = [0] * len(r.group_num_cached)
             r.mamba_allocated.clear()
             r.mamba_appended.clear()
+            r.mamba_checkpoint.clear()
         else:
             # Every group's table, in group order, as one list (vLLM's pop_blocks_for_free).
             self._defer_free([b for t in self._take_tables(r) for b in t])

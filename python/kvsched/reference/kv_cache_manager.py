@@ -51,6 +51,20 @@ def _mamba_retained(i: int, bs: int, retention: int, reachable: tuple[int, ...])
     return any(b >= bs and b // bs == i + 1 for b in reachable)
 
 
+def _checkpoint_valid(start: int, end: int, checkpoint: int, bs: int, align: int | None) -> bool:
+    """vLLM's ``is_mamba_prefill_checkpoint_valid`` with whole-block hashes: can a chunk computing tokens
+    ``start..end`` export the state after ``checkpoint`` tokens (``align``: the prefill checkpoint alignment)?"""
+    if not align:
+        return False
+    return (
+        start % bs == 0
+        and -(-end // bs) - 2 > (start - 1) // bs
+        and start + bs <= checkpoint
+        and start < checkpoint < end
+        and (checkpoint - start) % align == 0
+    )
+
+
 class _KVCacheManagerMixin(_BlockPoolMixin):
     """What a request asks of the block pool."""
 
@@ -194,6 +208,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             r.group_num_cached = [0] * len(r.group_num_cached)
             r.mamba_allocated.clear()
             r.mamba_appended.clear()
+            r.mamba_checkpoint.clear()
         else:
             self._free_block_list(r.block_ids)
         r.block_ids = []
@@ -483,7 +498,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         """The full-sequence check's blocks over every group (a window's capped at its admission cap)."""
         c, bs = self._config, self._bs
         all_hits = self._hits_of_groups(hits)
-        required = math.ceil(min(r.num_tokens, c.max_slots_per_request) / bs)
+        num_slots = min(r.num_tokens, c.max_slots_per_request)
+        required = math.ceil(num_slots / bs)
+        total_computed = min(r.num_computed_tokens + len(hits) * bs, num_slots)
         total = 0
         for g, w in enumerate(self._group_windows()):
             held, ghits = len(self._group_table(r, g)), all_hits[g]
@@ -496,7 +513,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                         return c.num_blocks + 1  # a hit on a state this step writes: never fits in this step
                     total += int(self._ref_cnt[ghits[-1]] == 0)
                 entries = required + c.mamba_speculative_blocks
-                total += max(0, self._align_need(entries, held + len(ghits), g in r.mamba_allocated))
+                allocated = g in r.mamba_allocated
+                checkpoint = self._align_checkpoint(r, g, allocated, total_computed, num_slots) is not None
+                total += max(0, self._align_need(entries, held + len(ghits), allocated, checkpoint))
                 continue
             if w == _MAMBA:
                 total += max(0, 1 + c.mamba_speculative_blocks - held) if not r.block_ids else 0
@@ -545,7 +564,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                         return None  # its state is written by this step: not before the next step
                     evictable += int(self._ref_cnt[ghits[-1]] == 0)
                 held = len(self._group_table(r, g)) + len(ghits)
-                total_need += self._align_need(mamba_entries, held, g in r.mamba_allocated)
+                allocated = g in r.mamba_allocated
+                # the prefill checkpoint, kept for the growth and the caching (even if the allocation fails)
+                checkpoint = self._align_checkpoint(r, g, allocated, total_computed, total_computed + n)
+                if checkpoint is None:
+                    r.mamba_checkpoint.pop(g, None)
+                else:
+                    r.mamba_checkpoint[g] = checkpoint
+                total_need += self._align_need(mamba_entries, held, allocated, checkpoint is not None)
                 plan.append((max(0, len(ghits) - 1), 0))
                 continue
             if w < 0:  # the encoder output's or the state's blocks, at the first allocation only
@@ -618,8 +644,17 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         prefill_end = max(r.num_prompt_tokens, r.num_tokens - 1)
         if start >= prefill_end:
             return n
-        last_cache = _mamba_checkpoint(r.num_tokens, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
         end = start + n
+        internal = end >= prefill_end and _checkpoint_valid(
+            start,
+            end,
+            _mamba_checkpoint(prefill_end, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens),
+            bs,
+            c.mamba_prefill_checkpoint_alignment,
+        )  # with prefill checkpoints: the last chunk exports the prefill's checkpoint from inside it
+        last_cache = (
+            0 if internal else _mamba_checkpoint(r.num_tokens, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
+        )
         if end < prefill_end:
             max_prefill = c.max_num_scheduled_tokens or c.max_num_batched_tokens
             if c.long_prefill_token_threshold > 0:
@@ -627,21 +662,38 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             aligned = end // bs * bs
             if aligned > start or bs <= max_prefill:
                 end = aligned
-        next_boundary = (start // bs + 1) * bs if start % bs else 0
+        next_boundary = (start // bs + 1) * bs if start % bs and not internal else 0
         # a shared-prefix junction inside the chunk: its block-floored position from the chunk's start
         junction = r.shared_prefix_boundary
         junction_stop = start + (junction - start) // bs * bs if start < junction < end else 0
         end = min((s for s in (next_boundary, last_cache, junction_stop) if start < s < end), default=end)
         return max(end - start, 0)
 
-    def _align_need(self, entries: int, held: int, allocated: bool) -> int:
+    def _align_need(self, entries: int, held: int, allocated: bool, checkpoint: bool) -> int:
         """An align-mode Mamba group's blocks to allocate for ``entries`` entries with ``held`` in the table: the
-        missing ones, capped at 1 (1 plus the speculative blocks before its first allocation); negative when the
-        table is longer."""
+        missing ones, capped at 1 (1 plus the speculative blocks before its first allocation), one more with a
+        prefill checkpoint; negative when the table is longer."""
         need = entries - held
         if need > 0:
-            need = min(need, 1 if allocated else 1 + self._config.mamba_speculative_blocks)
+            need = min(need, (1 if allocated else 1 + self._config.mamba_speculative_blocks) + int(checkpoint))
         return need
+
+    def _align_checkpoint(self, r: _Request, g: int, allocated: bool, start: int, end: int) -> tuple[int, int] | None:
+        """The prefill checkpoint an align-mode Mamba group's allocation computing tokens ``start..end`` reserves a
+        block for, as (position, table index) (vLLM's ``_needs_internal_checkpoint``): the checkpoint of ``end`` when
+        the chunk can export it and, under retention 0 only, reaches the prefill's end; its index must be past the
+        table, a null block, or one of an allocated table's speculative blocks."""
+        c, bs = self._config, self._bs
+        if not c.mamba_prefill_checkpoint_alignment:
+            return None
+        prefill_end = max(r.num_prompt_tokens, r.num_tokens - 1) if c.prefix_cache_retention_interval == 0 else 0
+        checkpoint = _mamba_checkpoint(end, bs, False, c.hash_lookahead_tokens)
+        if end < prefill_end or not _checkpoint_valid(start, end, checkpoint, bs, c.mamba_prefill_checkpoint_alignment):
+            return None
+        table, idx = self._group_table(r, g), -(-end // bs) - 2
+        if idx >= len(table) or table[idx] == 0 or (allocated and idx >= len(table) - c.mamba_speculative_blocks):
+            return checkpoint, idx
+        return None
 
     def _remove_mamba_skipped(self, r: _Request, g: int, processed: int) -> None:
         """An align-mode Mamba group: the entries below ``(processed - 1) // bs`` go back to the pool (deepest
@@ -663,14 +715,15 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         r.mamba_appended[g] = 0
         allocated = g in r.mamba_allocated
         r.mamba_allocated.add(g)
-        if entries <= prev:
+        checkpoint = int(g in r.mamba_checkpoint)  # its entry, below the running state's, stays a real block
+        if entries <= prev and not checkpoint:
             return
         skipped = entries - spec - 1
-        if prev < skipped:
-            table.extend([0] * (skipped - prev))
+        if prev < skipped - checkpoint:
+            table.extend([0] * (skipped - checkpoint - prev))
         if allocated:
             for idx in range(prev - spec, prev):
-                if idx >= skipped:
+                if idx >= skipped - checkpoint:
                     break
                 table.append(table[idx])
                 table[idx] = 0
@@ -698,17 +751,19 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         align = c.mamba_align
         retention = c.prefix_cache_retention_interval if align else None
         reachable = (r.num_prompt_tokens - 1, r.shared_prefix_boundary)
-        tail = -1
-        if retention is not None:
-            checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, False, c.hash_lookahead_tokens)
-            if 0 < num_tokens == checkpoint:
-                tail = checkpoint // bs - 1
+        prompt_checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, False, c.hash_lookahead_tokens)
+        at_tail = retention is not None and 0 < num_tokens == prompt_checkpoint
+        prompt_tail = prompt_checkpoint // bs - 1 if at_tail else -1
         for g, w in enumerate(self._group_windows()):
             if w < 0 and not (w == _MAMBA and align):
                 continue
             table = self._group_table(r, g)
             first = self._group_cached(r, g)
+            checkpoint = r.mamba_checkpoint.get(g) if w == _MAMBA else None
+            tail = -1 if checkpoint is not None else prompt_tail  # a checkpoint is re-keyed instead
             if num_full <= first:
+                if checkpoint is not None:
+                    self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
                 continue
             sparse = retention if w == _MAMBA else None
             for i in range(first, num_full):
@@ -726,3 +781,35 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._set_group_cached(r, g, num_full)
             if self._events is not None:
                 self._record_stored(r, table, first, num_full, g, w != 1)
+            if checkpoint is not None:
+                self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
+
+    def _cache_mamba_checkpoint(self, r: _Request, g: int, checkpoint: tuple[int, int], prompt_checkpoint: int) -> None:
+        """An align-mode Mamba group's prefill checkpoint after its blocks were cached (vLLM's
+        ``_cache_partial_tail_block`` with a checkpoint): the block at its index enters the cache under its position's
+        key, unless the position is neither the prompt's checkpoint, nor a state the retention interval keeps, nor
+        the shared-prefix junction: then the block leaves the cache. A block cached under that key stays."""
+        bs, (position, idx) = self._bs, checkpoint
+        table = self._group_table(r, g)
+        i = position // bs - 1
+        if idx >= len(table) or table[idx] == 0 or i < 0:
+            return
+        b = table[idx]
+        retention = self._config.prefix_cache_retention_interval
+        retained = retention is None or _mamba_retained(i, bs, retention, ())
+        current = self._block_hash[b]
+        if position != prompt_checkpoint and not retained and position != r.shared_prefix_boundary:
+            if current is not None:
+                self._uncache(b, current)
+            return
+        if i >= len(r.block_hashes):
+            return  # a position past the hashed tokens (drafts can reach it): nothing to key it by
+        key = self._group_key(r.block_hashes[i], g)
+        if current == key:
+            return
+        if current is not None:
+            self._uncache(b, current)
+        self._block_hash[b] = key
+        self._cached.setdefault(key, {})[b] = None
+        self._newly_cached.append((b, key))
+        self._mamba_cached_step.add(key)

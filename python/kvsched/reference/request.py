@@ -47,6 +47,7 @@ class _Request:
         "lora_name",
         "mamba_allocated",
         "mamba_appended",
+        "mamba_checkpoint",
         "max_len_bound",
         "max_tokens",
         "min_tokens",
@@ -122,6 +123,9 @@ class _Request:
         # the last allocation appended.
         self.mamba_allocated: set[int] = set()
         self.mamba_appended: dict[int, int] = {}
+        # ... and with prefill checkpoints, the checkpoint the last allocation reserved a block for, as (position,
+        # table index) (vLLM's MambaManager._checkpoints).
+        self.mamba_checkpoint: dict[int, tuple[int, int]] = {}
         # Align-mode Mamba groups with prefix caching: the longest single-set hit of the last lookup when the
         # combined hit is shorter, in tokens (vLLM's shared_prefix_boundary); 0 otherwise.
         self.shared_prefix_boundary = 0

@@ -38,6 +38,24 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
 
 
+def _checkpoint_blocks(spec: Any) -> int:
+    """A ``MambaSpec``'s prefill checkpoint blocks (vLLM 0.33; none before)."""
+    return int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0)
+
+
+def _checkpoint_alignment(kv_cache_config: Any) -> int | None:
+    """The Mamba groups' prefill checkpoint alignment when every one declares checkpoint blocks (vLLM's scheduler
+    takes the first group's alignment; the adapter refuses Mamba groups of different specs with prefix caching),
+    else None (no checkpoints; an alignment of None also exports none)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    if not specs or any(_checkpoint_blocks(s) <= 0 for s in specs):
+        return None
+    align = getattr(specs[0], "prefill_checkpoint_alignment", None)
+    return None if align is None else int(align)
+
+
 def _check_kv_cache_config(
     kv_cache_config: Any, block_size: int, dcp: int = 1, prefix_caching: bool = True
 ) -> tuple[list[int | str | None], int, int]:
@@ -96,11 +114,13 @@ def _check_kv_cache_config(
                     f"{where}MambaSpec: use mamba_cache_mode 'align' or turn prefix caching off "
                     "(--no-enable-prefix-caching)",
                 )
-            if mode == "align" and int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0:
-                # Mamba2 and Gated DeltaNet layers export a block-boundary state from inside a chunk: an extra
-                # block per chunk and other chunk splits (docs/vllm.md).
+            if not prefix_caching and mode == "align" and _checkpoint_blocks(spec) > 0:
+                # Mamba2 and Gated DeltaNet layers export a block-boundary state from inside a chunk (the core's
+                # mamba_prefill_checkpoint_alignment); vLLM then reserves its block by the KV cache config's
+                # retention, which the adapter passes only with prefix caching.
                 _refuse(
-                    "Mamba prefill checkpoints (mamba_cache_mode 'align' with num_prefill_checkpoint_blocks)",
+                    "Mamba prefill checkpoints without prefix caching (mamba_cache_mode 'align' with "
+                    "num_prefill_checkpoint_blocks and enable_prefix_caching=False)",
                     f"{where}MambaSpec: num_prefill_checkpoint_blocks={spec.num_prefill_checkpoint_blocks}",
                 )
             window = MAMBA
@@ -553,6 +573,9 @@ def kvsched_config_from_vllm(
     retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
     cached_mamba = fields["mamba_align"] and fields["enable_prefix_caching"]
     fields["prefix_cache_retention_interval"] = None if retention is None or not cached_mamba else int(retention)
+    # Mamba2 and Gated DeltaNet layers' prefill checkpoints (MambaSpec's num_prefill_checkpoint_blocks and
+    # prefill_checkpoint_alignment): the last prefill chunk exports a block-boundary state into an extra block.
+    fields["mamba_prefill_checkpoint_alignment"] = _checkpoint_alignment(kv_cache_config) if cached_mamba else None
     fields["hash_lookahead_tokens"] = hash_lookahead
     fields["drop_trailing_hit_block"] = drop_trailing
     fields["async_scheduling"] = bool(sched.async_scheduling)

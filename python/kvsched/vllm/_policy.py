@@ -98,6 +98,9 @@ ENGINE_FIELDS: dict[str, str] = {
     "mamba_speculative_blocks": "the model's Mamba layers (MambaSpec's num_speculative_blocks)",
     "mamba_align": "--mamba-cache-mode (vLLM's mamba_cache_mode 'align')",
     "prefix_cache_retention_interval": "--prefix-cache-retention-interval",
+    "mamba_prefill_checkpoint_alignment": (
+        "the model's Mamba layers (MambaSpec's num_prefill_checkpoint_blocks and prefill_checkpoint_alignment)"
+    ),
     "disable_chunked_mm_input": "--disable-chunked-mm-input",
     "defer_block_free": (
         "--kv-transfer-config's kv_role (a consumer role) with --async-scheduling or --pipeline-parallel-size"

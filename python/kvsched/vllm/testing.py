@@ -370,6 +370,7 @@ def _kv_cache_config(
     mamba_align: bool = False,
     with_tensors: bool = False,
     prefix_cache_retention_interval: int | None = None,
+    mamba_prefill_checkpoint_alignment: int | None = None,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
@@ -377,7 +378,8 @@ def _kv_cache_config(
     without prefix caching: ``mamba_cache_mode`` "none", a block of ``max_model_len`` tokens, a speculative state
     block per draft token; with ``mamba_align``, ``mamba_cache_mode`` "align" and blocks of ``block_size``
     tokens); groups of one kind share one spec. ``prefix_cache_retention_interval``: the config's (vLLM's engine
-    copies the cache config's there; None: dense)."""
+    copies the cache config's there; None: dense). ``mamba_prefill_checkpoint_alignment``: the Mamba groups declare
+    a prefill checkpoint block with this alignment (Mamba2 and Gated DeltaNet layers in mode "align"; None: none)."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -393,12 +395,20 @@ def _kv_cache_config(
         if window == "cross":
             return CrossAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         if window == "mamba":
+            # (vLLM 0.32's MambaSpec has no prefill checkpoints.)
+            checkpoints: dict[str, Any] = {}
+            if mamba_prefill_checkpoint_alignment is not None:
+                checkpoints = {
+                    "num_prefill_checkpoint_blocks": 1,
+                    "prefill_checkpoint_alignment": mamba_prefill_checkpoint_alignment,
+                }
             return MambaSpec(
                 block_size=block_size if mamba_align else max_model_len,
                 shapes=((1,),),
                 dtypes=(torch.float32,),
                 mamba_cache_mode="align" if mamba_align else "none",
                 num_speculative_blocks=num_speculative_tokens,
+                **checkpoints,
             )
         if window is None:
             return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
@@ -447,6 +457,7 @@ def make_scheduler(
     sliding_window: int | None = None,
     kv_cache_groups: Sequence[int | str | None] | None = None,
     prefix_cache_retention_interval: int | None = None,
+    mamba_prefill_checkpoint_alignment: int | None = None,
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
@@ -454,7 +465,9 @@ def make_scheduler(
     attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local attention in chunks
     of ``c`` tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba group in mode "none", which needs prefix
     caching off), in that order. ``prefix_cache_retention_interval``: the KV cache config's (vLLM's sparse
-    retention of cached Mamba and sliding-window states; None: dense).
+    retention of cached Mamba and sliding-window states; None: dense). ``mamba_prefill_checkpoint_alignment``: the
+    Mamba groups (mode "align") declare prefill checkpoints of this alignment (vLLM 0.33's Mamba2 and Gated DeltaNet
+    layers; None: none).
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -496,6 +509,7 @@ def make_scheduler(
                 mamba_align,
                 with_tensors=_offloads_to_cpu(vllm_config),
                 prefix_cache_retention_interval=prefix_cache_retention_interval,
+                mamba_prefill_checkpoint_alignment=mamba_prefill_checkpoint_alignment,
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,

@@ -386,6 +386,11 @@ pub struct SchedulerConfig {
     /// Mamba group it caches as before; above 0 it needs a Mamba group, and it cannot be combined with a
     /// sliding window when prefix caching is on.
     pub prefix_cache_retention_interval: Option<u32>,
+    /// Prefill checkpoints of align-mode Mamba groups (vLLM's `MambaSpec.num_prefill_checkpoint_blocks` above 0
+    /// with `prefill_checkpoint_alignment`; `hybrid_kv.rs`): `Some(a)`: a prefill chunk that starts at a block
+    /// boundary can export the state at a block boundary inside it, a multiple of `a` tokens from its start, into
+    /// an extra block, so it need not end there; `None`: none. Needs `mamba_align`.
+    pub mamba_prefill_checkpoint_alignment: Option<u32>,
     /// Tokens computed per step (vLLM's `max_num_scheduled_tokens`), a budget apart from the model inputs
     /// `max_num_batched_tokens` counts; 0 = `max_num_batched_tokens`. At most `max_num_batched_tokens`.
     pub max_num_scheduled_tokens: u32,
@@ -502,6 +507,7 @@ impl Default for SchedulerConfig {
             mamba_speculative_blocks: 0,
             mamba_align: false,
             prefix_cache_retention_interval: None,
+            mamba_prefill_checkpoint_alignment: None,
             max_num_scheduled_tokens: 0,
             draft_slots: 0,
             decode_stagger: 1,
@@ -609,6 +615,12 @@ const INT_FIELDS: &[IntField] = &[
         min: 0,
         max: I32_MAX,
         get: |c| c.prefix_cache_retention_interval,
+    },
+    IntField {
+        name: "mamba_prefill_checkpoint_alignment",
+        min: 1,
+        max: I32_MAX,
+        get: |c| c.mamba_prefill_checkpoint_alignment,
     },
     // 0 stands for Python's None (max_num_batched_tokens).
     IntField {
@@ -821,6 +833,13 @@ impl SchedulerConfig {
                     "drop_trailing_hit_block cannot be combined with mamba_align".into(),
                 ));
             }
+        }
+        if self.mamba_prefill_checkpoint_alignment.is_some() && !self.mamba_align {
+            return Err(SchedError::InvalidConfig(
+                "mamba_prefill_checkpoint_alignment needs mamba_align (prefill checkpoints are vLLM's \
+                 mamba_cache_mode 'align')"
+                    .into(),
+            ));
         }
         self.validate_groups()?;
         self.validate_retention()?;

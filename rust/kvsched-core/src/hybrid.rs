@@ -97,6 +97,9 @@ pub struct Hybrid {
     /// The hash lookahead tokens (`SchedulerConfig::hash_lookahead_tokens`): where the prompt's checkpoint lies
     /// under sparse retention (`mamba_checkpoint`).
     pub hash_lookahead: u32,
+    /// Align-mode Mamba groups' prefill checkpoints (`SchedulerConfig::mamba_prefill_checkpoint_alignment`; 0:
+    /// none): see `checkpoint_valid` and `hybrid_kv.rs`.
+    pub checkpoint_align: u32,
 }
 
 impl Clone for Hybrid {
@@ -114,6 +117,7 @@ impl Clone for Hybrid {
             mamba_cached_step: self.mamba_cached_step.clone(),
             retention: self.retention,
             hash_lookahead: self.hash_lookahead,
+            checkpoint_align: self.checkpoint_align,
         }
     }
 }
@@ -141,6 +145,7 @@ impl Hybrid {
             mamba_cached_step: HashSet::new(),
             retention: None,
             hash_lookahead: 0,
+            checkpoint_align: 0,
         }
     }
 
@@ -255,6 +260,25 @@ pub(crate) fn mamba_checkpoint(num_tokens: u32, bs: u32, drop_eagle: bool, hash_
     }
 }
 
+/// Whether a chunk computing tokens `start..end` exports the state after `checkpoint` tokens into an extra block
+/// (vLLM's `is_mamba_prefill_checkpoint_valid` with whole-block hashes; `align`: the Mamba layers' prefill
+/// checkpoint alignment, 0: no checkpoints): the chunk starts at a block boundary, `checkpoint` lies strictly
+/// inside it at least a block past its start, a multiple of `align` tokens from its start, and the checkpoint's
+/// block (`ceil(end / bs) - 2`) lies past the block holding the chunk's initial state.
+pub(crate) fn checkpoint_valid(start: u32, end: u32, checkpoint: u32, bs: u32, align: u32) -> bool {
+    if align == 0 {
+        return false;
+    }
+    let initial_col = if start == 0 { -1 } else { i64::from((start - 1) / bs) };
+    let checkpoint_col = i64::from(end.div_ceil(bs)) - 2;
+    start % bs == 0
+        && checkpoint_col > initial_col
+        && start + bs <= checkpoint
+        && start < checkpoint
+        && checkpoint < end
+        && (checkpoint - start) % align == 0
+}
+
 /// Sparse retention of align-mode Mamba states (vLLM's `MambaManager.reachable_block_mask`): whether state block
 /// `i` (the state after `(i + 1) * bs` tokens) enters the prefix cache with retention interval `retention` (a
 /// multiple of `bs`) and the positions a later request can resume at, `reachable` (the prompt's last token,
@@ -280,6 +304,8 @@ pub(crate) struct AlignedSplit {
     pub max_prefill_tokens: u32,
     pub drop_eagle: bool,
     pub hash_lookahead: u32,
+    /// The Mamba layers' prefill checkpoint alignment (0: no prefill checkpoints; `checkpoint_valid`).
+    pub checkpoint_align: u32,
 }
 
 impl AlignedSplit {
@@ -290,22 +316,29 @@ impl AlignedSplit {
     /// boundary (unless that leaves nothing and a block is wider than `max_prefill_tokens`); it then stops at the
     /// next block boundary when it starts inside a block, and at the last block boundary that leaves a token to
     /// compute (`mamba_checkpoint`), and at `start + (junction - start) / bs * bs` when `junction` lies strictly
-    /// inside it, whichever comes first strictly inside it. A chunk past the prefill is kept.
+    /// inside it, whichever comes first strictly inside it. A chunk past the prefill is kept. With prefill
+    /// checkpoints, a chunk that reaches the prefill's end and can export the prefill's checkpoint
+    /// (`mamba_checkpoint` of the prefill's end, `checkpoint_valid`) stops only at the junction.
     pub fn split(&self, num_prompt: u32, num_tokens: u32, start: u32, n: u32, junction: u32) -> u32 {
         let prefill_end = num_prompt.max(num_tokens.saturating_sub(1));
         if start >= prefill_end {
             return n;
         }
         let bs = self.bs;
-        let last_cache = mamba_checkpoint(num_tokens, bs, self.drop_eagle, self.hash_lookahead);
         let mut end = start + n;
+        let internal = end >= prefill_end && {
+            let checkpoint = mamba_checkpoint(prefill_end, bs, self.drop_eagle, self.hash_lookahead);
+            checkpoint_valid(start, end, checkpoint, bs, self.checkpoint_align)
+        };
+        let last_cache =
+            if internal { 0 } else { mamba_checkpoint(num_tokens, bs, self.drop_eagle, self.hash_lookahead) };
         if end < prefill_end {
             let aligned = end / bs * bs;
             if aligned > start || bs <= self.max_prefill_tokens {
                 end = aligned;
             }
         }
-        let next_boundary = if start % bs != 0 { (start / bs + 1) * bs } else { 0 };
+        let next_boundary = if start % bs != 0 && !internal { (start / bs + 1) * bs } else { 0 };
         // A shared-prefix junction inside the chunk: its block-floored position (from `start`).
         let junction_stop =
             if start < junction && junction < end { start + (junction - start) / bs * bs } else { 0 };
@@ -320,7 +353,7 @@ impl AlignedSplit {
 
 #[cfg(test)]
 mod tests {
-    use super::{mamba_checkpoint, mamba_retained, AlignedSplit};
+    use super::{checkpoint_valid, mamba_checkpoint, mamba_retained, AlignedSplit};
 
     #[test]
     fn sparse_retention_keeps_segment_ends_and_reachable_states() {
@@ -349,7 +382,13 @@ mod tests {
 
     #[test]
     fn chunks_end_at_block_boundaries_and_the_last_checkpoint() {
-        let s = AlignedSplit { bs: 4, max_prefill_tokens: 64, drop_eagle: false, hash_lookahead: 0 };
+        let s = AlignedSplit {
+            bs: 4,
+            max_prefill_tokens: 64,
+            drop_eagle: false,
+            hash_lookahead: 0,
+            checkpoint_align: 0,
+        };
         assert_eq!(s.split(10, 10, 0, 10, 0), 8); // the last boundary that leaves a token
         assert_eq!(s.split(10, 10, 8, 2, 0), 2);
         assert_eq!(s.split(17, 17, 0, 10, 0), 8); // floored
@@ -357,7 +396,13 @@ mod tests {
         assert_eq!(s.split(6, 8, 0, 8, 0), 4); // resumed: the prefill ends at 7 (outputs replayed)
         assert_eq!(s.split(6, 8, 7, 1, 0), 1); // a decode is kept
                                                // A block wider than the longest chunk keeps an unaligned end, then stops at its block's end.
-        let wide = AlignedSplit { bs: 8, max_prefill_tokens: 6, drop_eagle: false, hash_lookahead: 0 };
+        let wide = AlignedSplit {
+            bs: 8,
+            max_prefill_tokens: 6,
+            drop_eagle: false,
+            hash_lookahead: 0,
+            checkpoint_align: 0,
+        };
         assert_eq!(wide.split(20, 20, 0, 6, 0), 6);
         assert_eq!(wide.split(20, 20, 6, 14, 0), 2);
         assert_eq!(wide.split(20, 20, 6, 5, 0), 2);
@@ -367,5 +412,43 @@ mod tests {
         assert_eq!(s.split(40, 40, 8, 24, 10), 24); // floored to the start: no stop
         assert_eq!(s.split(40, 40, 8, 16, 24), 16); // at the chunk's end: not inside it
         assert_eq!(s.split(40, 40, 8, 24, 40), 24);
+    }
+
+    #[test]
+    fn prefill_checkpoints_let_the_last_chunk_run_to_the_prefill_end() {
+        let with = |align| AlignedSplit {
+            bs: 4,
+            max_prefill_tokens: 64,
+            drop_eagle: false,
+            hash_lookahead: 0,
+            checkpoint_align: align,
+        };
+        // Without checkpoints the chunk stops at the last boundary that leaves a token (8); with them the state
+        // there is exported from inside the chunk when it lies a multiple of the alignment from the start.
+        assert_eq!(with(0).split(10, 10, 0, 10, 0), 8);
+        assert_eq!(with(4).split(10, 10, 0, 10, 0), 10);
+        assert_eq!(with(8).split(10, 10, 0, 10, 0), 10);
+        assert_eq!(with(3).split(10, 10, 0, 10, 0), 8);
+        assert_eq!(with(4).split(10, 10, 4, 6, 0), 6);
+        assert_eq!(with(8).split(10, 10, 4, 6, 0), 4);
+        // A chunk that does not reach the prefill's end is floored as before.
+        assert_eq!(with(4).split(20, 20, 0, 10, 0), 8);
+        // A chunk starting inside a block, or whose checkpoint is less than a block past its start: no export.
+        assert_eq!(with(4).split(10, 10, 2, 8, 0), 2);
+        assert_eq!(with(4).split(6, 6, 4, 2, 0), 2);
+        assert_eq!(with(4).split(9, 9, 4, 5, 0), 5); // a block past its start: exported
+                                                     // The shared-prefix junction still stops it.
+        assert_eq!(with(4).split(40, 40, 8, 32, 20), 12);
+    }
+
+    #[test]
+    fn a_checkpoint_is_valid_inside_a_block_aligned_chunk() {
+        assert!(checkpoint_valid(0, 10, 8, 4, 4));
+        assert!(!checkpoint_valid(0, 10, 8, 4, 0)); // no checkpoints
+        assert!(!checkpoint_valid(0, 8, 8, 4, 4)); // at the chunk's end: not inside it
+        assert!(!checkpoint_valid(4, 10, 4, 4, 4)); // at its start
+        assert!(!checkpoint_valid(2, 10, 8, 4, 2)); // a chunk starting inside a block
+        assert!(checkpoint_valid(4, 13, 8, 4, 4));
+        assert!(!checkpoint_valid(4, 13, 8, 4, 8)); // 4 tokens from the start: not a multiple of 8
     }
 }

@@ -3,21 +3,56 @@
 use crate::block_pool::NULL_BLOCK;
 use crate::config::{CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
-use crate::hybrid::mamba_retained;
+use crate::hybrid::{checkpoint_valid, mamba_checkpoint, mamba_retained, Hybrid};
 use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::request::{GroupTable, Request};
 
 /// An align-mode Mamba group's blocks to allocate (vLLM's `get_num_blocks_to_allocate`) when the allocation
 /// wants `entries` entries and the table holds `held`: the missing ones, capped at one (`mamba_blocks`, one plus
-/// the speculative blocks, before the first allocation); negative when the table is longer.
-fn align_need(entries: usize, held: usize, mamba_blocks: usize, allocated: bool) -> i64 {
+/// the speculative blocks, before the first allocation), one more with a prefill checkpoint (`checkpoint`);
+/// negative when the table is longer.
+fn align_need(entries: usize, held: usize, mamba_blocks: usize, allocated: bool, checkpoint: bool) -> i64 {
     let need = entries as i64 - held as i64;
     if need > 0 {
-        need.min(if allocated { 1 } else { mamba_blocks as i64 })
+        need.min(if allocated { 1 } else { mamba_blocks as i64 } + i64::from(checkpoint))
     } else {
         need
     }
+}
+
+/// The prefill checkpoint an align-mode Mamba group's allocation computing tokens `start..end` reserves a block
+/// for (vLLM's `_needs_internal_checkpoint`), as (position, table index), `table` being the group's table before
+/// the allocation: with checkpoints on, the checkpoint of `end` (`mamba_checkpoint`) when the chunk can export it
+/// (`checkpoint_valid`) and, under retention 0 only, the chunk reaches the prefill's end
+/// (`max(num_prompt, num_tokens - 1)`); its index `ceil(end / bs) - 2` must be past the table, a null block, or
+/// one of an allocated table's speculative blocks.
+fn align_checkpoint(
+    hy: &Hybrid,
+    bs: u32,
+    req: &Request,
+    table: &[u32],
+    allocated: bool,
+    start: u32,
+    end: u32,
+) -> Option<(u32, usize)> {
+    if hy.checkpoint_align == 0 {
+        return None;
+    }
+    let prefill_end = if hy.retention == Some(0) {
+        req.num_prompt_tokens.max(req.num_tokens().saturating_sub(1))
+    } else {
+        0
+    };
+    let checkpoint = mamba_checkpoint(end, bs, false, hy.hash_lookahead);
+    if end < prefill_end || !checkpoint_valid(start, end, checkpoint, bs, hy.checkpoint_align) {
+        return None;
+    }
+    // `checkpoint_valid` puts the index past the initial state's (at least 0).
+    let idx = (end.div_ceil(bs) - 2) as usize;
+    let spec = hy.mamba_blocks - 1;
+    let free = idx >= table.len() || table[idx] == NULL_BLOCK || (allocated && idx + spec >= table.len());
+    free.then_some((checkpoint, idx))
 }
 
 /// A request's table of the group at `slot` (`Hybrid::slot`; `None`: the primary group) and its cached-block
@@ -211,11 +246,12 @@ impl KvCacheManager {
     /// `full_sequence_fits`' blocks over every group: each group's as with one group (a window's capped at its
     /// admission cap, its hits before the window of the first computed token becoming null blocks).
     #[cold]
-    pub(crate) fn hybrid_sequence_need(&self, req: &Request, hits: &[u32]) -> usize {
+    pub(crate) fn hybrid_sequence_need(&self, req: &Request, hits: &[u32], computed: u32) -> usize {
         let Some(hy) = self.hybrid.as_deref() else { return 0 };
         let all_hits = self.hybrid_hits(hits);
         let num_slots = req.num_tokens().min(self.max_slots);
         let required = num_slots.div_ceil(self.block_size) as usize;
+        let total_computed = (computed + hits.len() as u32 * self.block_size).min(num_slots);
         let mut total = 0;
         for (g, &w) in hy.windows.iter().enumerate() {
             let held = table_ref(req, hy.slot(g)).len();
@@ -234,7 +270,12 @@ impl KvCacheManager {
                 }
                 let allocated = hy.slot(g).is_some_and(|i| req.groups[i].mamba_allocated);
                 let entries = required + hy.mamba_blocks - 1;
-                total += align_need(entries, held + ghits.len(), hy.mamba_blocks, allocated).max(0) as usize;
+                let table = table_ref(req, hy.slot(g));
+                let checkpoint =
+                    align_checkpoint(hy, self.block_size, req, table, allocated, total_computed, num_slots)
+                        .is_some();
+                total += align_need(entries, held + ghits.len(), hy.mamba_blocks, allocated, checkpoint)
+                    .max(0) as usize;
                 continue;
             }
             if w == MAMBA {
@@ -316,7 +357,19 @@ impl KvCacheManager {
                     evictable += usize::from(self.pool.ref_cnt(b) == 0);
                 }
                 let allocated = slots[g].is_some_and(|i| req.groups[i].mamba_allocated);
-                mamba_need += align_need(mamba_entries, held + ghits.len(), mamba_blocks, allocated);
+                // The prefill checkpoint, kept for `grow_mamba_align` and the caching (even if the allocation
+                // fails: the next one replaces it).
+                let checkpoint = match (self.hybrid.as_deref(), slots[g]) {
+                    (Some(hy), Some(i)) => {
+                        let t = &req.groups[i].blocks;
+                        let c = align_checkpoint(hy, bs, req, t, allocated, total_computed, mamba_tokens);
+                        req.groups[i].mamba_checkpoint = c;
+                        c.is_some()
+                    }
+                    _ => false,
+                };
+                mamba_need +=
+                    align_need(mamba_entries, held + ghits.len(), mamba_blocks, allocated, checkpoint);
                 plan.push((ghits.len().saturating_sub(1), 0));
                 continue;
             }
@@ -423,21 +476,25 @@ impl KvCacheManager {
     }
 
     /// An align-mode Mamba group's `allocate_new_blocks`: grows table `t` to `entries` entries (see `hybrid.rs`),
-    /// `spec` of them speculative. Returns the blocks popped.
+    /// `spec` of them speculative. With a prefill checkpoint (`t.mamba_checkpoint`) the entry below the running
+    /// state's stays a real block: the padding stops one short, and a speculative block there stays. Returns the
+    /// blocks popped.
     fn grow_mamba_align(&mut self, t: &mut GroupTable, entries: usize, spec: usize) -> usize {
         let prev = t.blocks.len();
         t.mamba_appended = 0;
-        if entries <= prev {
+        let checkpoint = usize::from(t.mamba_checkpoint.is_some());
+        if entries <= prev && checkpoint == 0 {
             t.mamba_allocated = true;
             return 0;
         }
         let skipped = entries - spec - 1;
-        if prev < skipped {
-            t.blocks.resize(skipped, NULL_BLOCK);
+        let null_end = skipped.saturating_sub(checkpoint);
+        if prev < null_end {
+            t.blocks.resize(null_end, NULL_BLOCK);
         }
         if t.mamba_allocated {
             for idx in prev - spec..prev {
-                if idx >= skipped {
+                if idx + checkpoint >= skipped {
                     break;
                 }
                 let b = t.blocks[idx];
@@ -488,16 +545,22 @@ impl KvCacheManager {
         // the tokens being cached end there (vLLM's `_cache_partial_tail_block` with whole-block hashes).
         let retention = hy.retention.filter(|_| align);
         let reachable = [req.num_prompt_tokens.saturating_sub(1), req.shared_prefix_boundary];
+        let prompt_checkpoint = mamba_checkpoint(req.num_prompt_tokens, bs, false, hy.hash_lookahead);
         let tail = retention.and_then(|_| {
-            let c = crate::hybrid::mamba_checkpoint(req.num_prompt_tokens, bs, false, hy.hash_lookahead);
-            (num_tokens > 0 && num_tokens == c).then(|| (c / bs) as usize - 1)
+            (num_tokens > 0 && num_tokens == prompt_checkpoint).then(|| (prompt_checkpoint / bs) as usize - 1)
         });
         for (g, &w) in windows.iter().enumerate() {
             if w == CROSS_ATTENTION || (w == MAMBA && !align) {
                 continue;
             }
+            // A prefill checkpoint of the group's last allocation: re-keyed below, and no prompt tail then.
+            let checkpoint = slots[g].and_then(|i| req.groups[i].mamba_checkpoint).filter(|_| w == MAMBA);
+            let tail = if checkpoint.is_some() { None } else { tail };
             let first = *table(req, slots[g]).1 as usize;
             if num_full <= first {
+                if let Some(c) = checkpoint {
+                    self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
+                }
                 continue;
             }
             let sparse = if w == MAMBA { retention } else { None };
@@ -526,6 +589,56 @@ impl KvCacheManager {
                 let blocks = table_ref(req, slots[g]).to_vec();
                 self.record_group_stored(req, &blocks, first, num_full, g, w != 1);
             }
+            if let Some(c) = checkpoint {
+                self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
+            }
+        }
+    }
+
+    /// An align-mode Mamba group's prefill checkpoint `(position, index)` after its blocks were cached (vLLM's
+    /// `_cache_partial_tail_block` with a checkpoint, whole-block hashes): the block at the index enters the cache
+    /// under the position's key, unless the position is neither the prompt's checkpoint (`prompt_checkpoint`),
+    /// nor a state the retention keeps by its interval, nor the shared-prefix junction: then the block leaves the
+    /// cache (the running state overwrites it). A block already cached under that key stays as it is.
+    fn cache_mamba_checkpoint(
+        &mut self,
+        req: &Request,
+        slot: Option<usize>,
+        g: usize,
+        (position, idx): (u32, usize),
+        prompt_checkpoint: u32,
+    ) {
+        let bs = self.block_size;
+        let Some(&b) = table_ref(req, slot).get(idx) else { return };
+        let i = (position / bs) as usize;
+        if b == NULL_BLOCK || i == 0 {
+            return;
+        }
+        let i = i - 1;
+        let retention = self.hybrid.as_deref().and_then(|hy| hy.retention);
+        let retained = retention.is_none_or(|r| mamba_retained(i, bs, r, &[]));
+        let current = self.pool.block_hash(b).copied();
+        if position != prompt_checkpoint && !retained && position != req.shared_prefix_boundary {
+            if let Some(h) = current {
+                self.pool.uncache(b, &h);
+            }
+            return;
+        }
+        // A position past the hashed tokens (drafts can reach it): nothing to key it by.
+        let Some(hash) = req.block_hashes.get(i) else { return };
+        let key = group_key(hash, g);
+        match current {
+            Some(h) if h == key => return,
+            Some(h) => {
+                self.pool.uncache(b, &h);
+            }
+            None => {}
+        }
+        self.pool.cache_block(b, key);
+        self.pool.set_event_group(b, g);
+        self.newly_cached.push((b, key));
+        if let Some(hy) = self.hybrid.as_deref_mut() {
+            hy.mamba_cached_step.insert(key);
         }
     }
 
@@ -606,6 +719,7 @@ impl KvCacheManager {
         for t in &mut req.groups {
             t.mamba_allocated = false;
             t.mamba_appended = 0;
+            t.mamba_checkpoint = None;
         }
         tables
     }
@@ -624,6 +738,7 @@ impl KvCacheManager {
         for t in &mut req.groups {
             t.mamba_allocated = false;
             t.mamba_appended = 0;
+            t.mamba_checkpoint = None;
         }
     }
 }

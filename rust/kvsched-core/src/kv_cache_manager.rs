@@ -213,11 +213,12 @@ impl KvCacheManager {
     /// known token of `req` (prompt, plus outputs for a resumed request; capped at `max_slots`) on top of
     /// the prefix hits `hits`? Hits at ref 0 leave the free queue when touched, so they count as needed blocks.
     /// Lookahead slots are not part of this check (the per-step allocation adds them). `reserved` blocks must
-    /// stay free (the watermark).
-    pub fn full_sequence_fits(&self, req: &Request, hits: &[u32], reserved: usize) -> bool {
+    /// stay free (the watermark). `computed`: its tokens computed before the hits (where an align-mode Mamba
+    /// group's prefill checkpoint lies).
+    pub fn full_sequence_fits(&self, req: &Request, hits: &[u32], computed: u32, reserved: usize) -> bool {
         if self.special {
             let need = if self.hybrid.is_some() {
-                self.hybrid_sequence_need(req, hits)
+                self.hybrid_sequence_need(req, hits, computed)
             } else {
                 self.window_sequence_need(req, hits)
             };

@@ -137,6 +137,9 @@ pub struct GroupTable {
     /// A Mamba group in align mode: the entries the request's last allocation appended to `blocks` (null
     /// blocks and moved speculative blocks included): a running request's new block ids in that group.
     pub mamba_appended: u32,
+    /// A Mamba group in align mode with prefill checkpoints: the checkpoint its last allocation reserved a block
+    /// for, as (position in tokens, table index) (vLLM's `MambaManager._checkpoints`); `None`: none.
+    pub mamba_checkpoint: Option<(u32, usize)>,
 }
 
 /// Field order is deliberate (`repr(C)`): what `update_from_output()` reads for a decode sits in the first

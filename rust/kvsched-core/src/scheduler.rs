@@ -215,6 +215,7 @@ impl Scheduler {
                 hy.mamba_align = config.mamba_align;
                 hy.retention = config.prefix_cache_retention_interval;
                 hy.hash_lookahead = config.hash_lookahead_tokens;
+                hy.checkpoint_align = config.mamba_prefill_checkpoint_alignment.unwrap_or(0);
                 if config.mamba_align && config.enable_prefix_caching {
                     hy = hy.with_mamba_lookup();
                 }
@@ -246,6 +247,7 @@ impl Scheduler {
                 max_prefill_tokens,
                 drop_eagle: config.drop_trailing_hit_block,
                 hash_lookahead: config.hash_lookahead_tokens,
+                checkpoint_align: config.mamba_prefill_checkpoint_alignment.unwrap_or(0),
             }
         });
         Ok(Scheduler {

@@ -106,6 +106,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("mamba_speculative_blocks", c.mamba_speculative_blocks)?;
     d.set_item("mamba_align", c.mamba_align)?;
     d.set_item("prefix_cache_retention_interval", c.prefix_cache_retention_interval)?;
+    d.set_item("mamba_prefill_checkpoint_alignment", c.mamba_prefill_checkpoint_alignment)?;
     d.set_item("draft_slots", c.draft_slots)?;
     d.set_item("decode_stagger", c.decode_stagger)?;
     d.set_item("max_concurrent_batches", Some(c.max_concurrent_batches).filter(|&v| v != 0))?;
@@ -315,6 +316,11 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
             None
         } else {
             Some(u32_field("prefix_cache_retention_interval")?)
+        },
+        mamba_prefill_checkpoint_alignment: if cfg.getattr("mamba_prefill_checkpoint_alignment")?.is_none() {
+            None
+        } else {
+            Some(u32_field("mamba_prefill_checkpoint_alignment")?)
         },
         decode_stagger: u32_field("decode_stagger")?,
         // None: 2 with async scheduling, else 1 (the core's 0); so a 0 given is out of the field's bounds.
