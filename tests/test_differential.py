@@ -1896,21 +1896,55 @@ def test_soak_align_mamba_prefix_caching_matches_reference_step_by_step() -> Non
 
 
 def test_soak_sparse_mamba_retention_matches_reference_step_by_step() -> None:
-    """The same configs with prefix caching on and sparse retention of the cached states (vLLM's engine default 0,
-    intervals of one, two and three blocks; the window group left out: sparse retention of windows is refused):
-    the states each caches, the hits on them and the junction stops are the same on both implementations; prefix
-    hits happen in the run."""
+    """The same configs with prefix caching on and sparse retention of the cached states and window blocks (vLLM's
+    engine default 0, intervals of one, two and three blocks): the states and window blocks each caches, the hits
+    on them and the junction stops are the same on both implementations; prefix hits happen in the run."""
     configs = [
         dataclasses.replace(
             c,
             enable_prefix_caching=True,
-            kv_cache_groups=tuple(w for w in c.kv_cache_groups or () if not isinstance(w, int)),
             prefix_cache_retention_interval=[0, 2 * c.block_size, 3 * c.block_size, c.block_size][i],
         )
         for i, c in enumerate(ALIGN_CONFIGS)
     ]
     grown, hits = _soak_align(configs, 8181)
     assert grown > 0 and hits > 0, (grown, hits)
+
+
+def test_soak_sparse_window_retention_matches_reference_step_by_step() -> None:
+    """The sliding-window and hybrid configs with prefix caching on and sparse retention of the windows' blocks
+    (vLLM's engine default 0 and intervals of one to three blocks), KV cache events on every other config and the
+    trailing-block drop on every third: the blocks each caches (and the stored events listing them), the hits on
+    them and the shared-prefix junctions are the same on both implementations, step by step; window hits start
+    past block 0 and requests are preempted in the run."""
+    windowed = [
+        c
+        for c in SWA_CONFIGS + HYBRID_CONFIGS
+        if c.sliding_window or all(w is None or isinstance(w, int) for w in c.kv_cache_groups or ("cross",))
+    ]
+    configs = [
+        dataclasses.replace(
+            c,
+            enable_prefix_caching=True,
+            prefix_cache_retention_interval=[0, 2 * c.block_size, 0, 3 * c.block_size, c.block_size][i % 5],
+            enable_kv_cache_events=i % 2 == 0,
+            drop_trailing_hit_block=i % 3 == 1,
+        )
+        for i, c in enumerate(windowed)
+    ]
+    window_hits = 0
+    for i, cfg in enumerate(configs):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(7373 + i)), max_in_flight=1 + i % 3)
+        for _ in range(500):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+            for r in twin.ref._requests.values():
+                window_hits += bool(r.block_ids) and r.block_ids[0] == 0 and r.num_cached_blocks == len(r.block_ids)
+        twin.drain()
+        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+    assert window_hits > 0
 
 
 # Chunked-local groups (Llama 4): after full attention or before it, chunks a multiple of the block size or not

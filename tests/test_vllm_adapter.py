@@ -7,6 +7,7 @@ vLLM's own scheduler on the same calls and compares (``tests/vllm_driver.py``).
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 from typing import Any
 
@@ -1332,20 +1333,89 @@ def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> N
     assert sched.kv_config.prefix_cache_retention_interval is None
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
-@pytest.mark.parametrize("retention", [0, 8])
-def test_sparse_mamba_retention_schedules_as_vllms_scheduler(retention: int) -> None:
-    """Sparse retention of cached Mamba states (vLLM's engine default 0, and an interval of two blocks): prompts
-    sharing prefixes of several lengths, run in chunks, hit only the states vLLM's scheduler keeps (the resend of
-    a prompt, the shared-prefix junctions, the interval's multiples); the same outputs and block tables step by
-    step, and some admissions hit."""
-    cfg = make_vllm_config(block_size=4, num_blocks=80, max_model_len=64, max_num_batched_tokens=8,
-                           max_num_seqs=4, mamba_cache_mode="align")  # fmt: skip
-    pair = [make_scheduler(impl, cfg, kv_cache_groups=(None, "mamba"), prefix_cache_retention_interval=retention)
+@pytest.mark.skipif(RULES.version == "0.32", reason="vLLM 0.32 has no prefix_cache_retention_interval")
+def test_retention_interval_reaches_the_core_for_sliding_windows() -> None:
+    """A sliding-window model runs with vLLM 0.33's engine default (prefix_cache_retention_interval 0) and any
+    interval vLLM takes: the KV cache config's value reaches the core with prefix caching on (None without, where
+    it changes nothing). Values vLLM's scheduler rejects are rejected with the same ValueError: above 0 with no
+    window or Mamba group, or not a multiple of the block size."""
+    on = make_vllm_config(block_size=4, num_blocks=40, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4)
+    off = make_vllm_config(block_size=4, num_blocks=40, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4,
+                           enable_prefix_caching=False)  # fmt: skip
+    for layout in ({"sliding_window": 8}, {"kv_cache_groups": (None, 8)}, {"kv_cache_groups": (None, 8, "chunked:8")}):
+        for interval in (None, 0, 4, 12):
+            s = make_scheduler("kvsched", on, prefix_cache_retention_interval=interval, **layout)
+            assert s.kv_config.prefix_cache_retention_interval == interval
+            s = make_scheduler("kvsched", off, prefix_cache_retention_interval=interval, **layout)
+            assert s.kv_config.prefix_cache_retention_interval is None
+    # 0 on a layout without a window changes nothing (vLLM accepts it): the core gets None.
+    assert (
+        make_scheduler("kvsched", on, prefix_cache_retention_interval=0).kv_config.prefix_cache_retention_interval
+        is None
+    )
+    for interval, layout in [(8, {}), (8, {"kv_cache_groups": (None, "chunked:8")}), (6, {"sliding_window": 8})]:
+        for impl in ("vllm", "kvsched"):
+            with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
+                make_scheduler(impl, on, prefix_cache_retention_interval=interval, **layout)
+
+
+@pytest.mark.skipif(RULES.version == "0.32", reason="vLLM 0.32 has no prefix_cache_retention_interval")
+def test_the_reference_window_mask_is_vllms() -> None:
+    """The reference's sparse retention of a window's blocks (the resumable positions and the blocks kept) is
+    vLLM's replay_boundaries and SlidingWindowManager.reachable_block_mask, over block sizes, windows (one token
+    included), EAGLE's drop, intervals, prompt lengths, junctions and block ranges."""
+    import torch
+    from kvsched.reference.kv_cache_manager import _window_reachable, _window_retained
+    from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    checked = 0
+    for bs, window, eagle in itertools.product((1, 4, 16), (1, 2, 5, 9, 17, 33), (False, True)):
+        spec = SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float16, sliding_window=window)
+        for r, num_prompt, junction in itertools.product(
+            (0, bs, 2 * bs, 3 * bs, 5 * bs), (1, 4, 5, 13, 40), (0, bs, 4 * bs)
+        ):
+            reach = [*replay_boundaries(num_prompt, bs, eagle)]
+            if junction:
+                reach += [junction, junction - bs] if eagle else [junction]
+            ours = _window_reachable(num_prompt, junction, bs, eagle)
+            assert sorted(set(ours)) == sorted(set(reach))
+            for start, end in ((0, 12), (3, 11)):
+                mask = SlidingWindowManager.reachable_block_mask(
+                    start, end, bs, spec, eagle, retention_interval=r, reachable_boundaries=reach
+                )
+                want = [True] * (end - start) if mask is None else mask
+                assert [_window_retained(i, bs, window, eagle, r, ours) for i in range(start, end)] == want
+                checked += 1
+    assert checked == 3 * 6 * 2 * 5 * 5 * 3 * 2
+
+
+# Layouts with sparse retention: a Mamba group in mode "align", one sliding window, a window beside full attention.
+_SPARSE_LAYOUTS: dict[str, dict[str, Any]] = {
+    "mamba": {"kv_cache_groups": (None, "mamba")},
+    "window": {"sliding_window": 6},
+    "full+window": {"kv_cache_groups": (None, 6)},
+}
+
+
+@pytest.mark.skipif(RULES.version == "0.32", reason="vLLM 0.32 has no prefix_cache_retention_interval")
+@pytest.mark.parametrize("layout", list(_SPARSE_LAYOUTS))
+@pytest.mark.parametrize("retention", [0, 8, 12])
+def test_sparse_retention_schedules_as_vllms_scheduler(layout: str, retention: int) -> None:
+    """Sparse retention of cached Mamba states and sliding-window blocks (vLLM's engine default 0, intervals of
+    two and three blocks; a window of 6 tokens needs two blocks): prompts sharing prefixes of several lengths, run
+    in chunks, hit only what vLLM's scheduler keeps (the resend of a prompt, the shared-prefix junctions, the
+    interval's segments); the same outputs and block tables step by step, and some admissions hit."""
+    mamba = layout == "mamba"
+    cfg = make_vllm_config(block_size=4, num_blocks=80, max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4,
+                           mamba_cache_mode="align" if mamba else "none")  # fmt: skip
+    pair = [make_scheduler(impl, cfg, prefix_cache_retention_interval=retention, **_SPARSE_LAYOUTS[layout])
             for impl in ("vllm", "kvsched")]  # fmt: skip
     assert pair[1].kv_config.prefix_cache_retention_interval == retention
     base = list(range(100, 124))
     prompts = [base, [*base[:16], 1, 2, 3, 4, 5], base, base[:10] + [9] * 7, [*base[:16], 6, 7], base[:8] + [8] * 9]
+    prompts += prompts[3:4] + prompts[1:2]  # two resends more
     hits = 0
     for k, prompt in enumerate(prompts):
         for s in pair:
