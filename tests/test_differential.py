@@ -1859,7 +1859,8 @@ ALIGN_CONFIGS = [
 
 def _soak_align(configs: list[SchedulerConfig], seed: int) -> tuple[int, int]:
     """Runs ``configs`` on both implementations step by step (600 random operations each, then a drain), each with
-    a preemption; returns the Mamba tables seen past their first state and the prefix-hit tokens."""
+    a preemption; returns the Mamba tables seen past their first state (none without Mamba groups) and the
+    prefix-hit tokens."""
     grown = hits = 0
     for i, cfg in enumerate(configs):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=1 + i % 3)
@@ -1915,8 +1916,8 @@ def test_soak_sparse_window_retention_matches_reference_step_by_step() -> None:
     """The sliding-window and hybrid configs with prefix caching on and sparse retention of the windows' blocks
     (vLLM's engine default 0 and intervals of one to three blocks), KV cache events on every other config and the
     trailing-block drop on every third: the blocks each caches (and the stored events listing them), the hits on
-    them and the shared-prefix junctions are the same on both implementations, step by step; window hits start
-    past block 0 and requests are preempted in the run."""
+    them and the shared-prefix junctions are the same on both implementations, step by step; prefix hits happen
+    and requests are preempted in the run."""
     windowed = [
         c
         for c in SWA_CONFIGS + HYBRID_CONFIGS
@@ -1932,19 +1933,8 @@ def test_soak_sparse_window_retention_matches_reference_step_by_step() -> None:
         )
         for i, c in enumerate(windowed)
     ]
-    window_hits = 0
-    for i, cfg in enumerate(configs):
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(7373 + i)), max_in_flight=1 + i % 3)
-        for _ in range(500):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-            for r in twin.ref._requests.values():
-                window_hits += bool(r.block_ids) and r.block_ids[0] == 0 and r.num_cached_blocks == len(r.block_ids)
-        twin.drain()
-        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
-    assert window_hits > 0
+    _, hits = _soak_align(configs, 7373)
+    assert hits > 0
 
 
 # Chunked-local groups (Llama 4): after full attention or before it, chunks a multiple of the block size or not
