@@ -66,8 +66,8 @@ def test_identical_to_vllm_with_pipeline_parallelism(sync: str, runner: str, see
 
 
 # Sparse retention of cached sliding-window blocks (the KV cache config's prefix_cache_retention_interval, in
-# blocks): dense (None), and vLLM 0.33's engine default 0 (vLLM 0.32 has no such setting).
-RETENTIONS = [None] if RULES.version == "0.32" else [None, 0]
+# blocks): dense (None), and vLLM's engine default 0.
+RETENTIONS = [None, 0]
 
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
@@ -77,7 +77,7 @@ def test_identical_to_vllm_with_a_sliding_window(sync: str, runner: str, seed: i
     """A model whose one KV cache group is a SlidingWindowSpec (a window drawn per seed, from one token to several
     blocks): out-of-window blocks freed at the same moments (after the steps in flight that read them), window
     prefix hits with null blocks, the same block tables and prefill stats; with the window's blocks retained
-    densely and as vLLM 0.33's engine default retains them (only the runs a resend's hit needs)."""
+    densely and as vLLM's engine default retains them (only the runs a resend's hit needs)."""
     cfg = run_seed(
         seed, 120, async_scheduling=sync == "async", v2=runner == "v2", sliding_window=True, retention=retention
     )
@@ -101,8 +101,8 @@ def test_identical_to_vllm_with_several_kv_cache_groups(
 ) -> None:
     """A hybrid model: full-attention and sliding-window KV cache groups (drawn per seed) in one pool, vLLM's
     HybridKVCacheCoordinator: one block list per group in every output, prefix hits valid for every group, the
-    same block tables of every group and prefill stats; the windows' blocks retained densely and sparsely (vLLM
-    0.33's engine default: the runs a resend's hit and the shared-prefix junctions need)."""
+    same block tables of every group and prefill stats; the windows' blocks retained densely and sparsely (vLLM's
+    engine default: the runs a resend's hit and the shared-prefix junctions need)."""
     cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=True, retention=retention)
     assert cfg.kv_cache_groups is not None and len(cfg.kv_cache_groups) >= 2
     assert cfg.prefix_cache_retention_interval == retention

@@ -1694,7 +1694,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         metavar="BLOCKS",
-        help="with --sliding-window, --hybrid or --mamba-prefix-caching (vLLM 0.33): vLLM's sparse retention of "
+        help="with --sliding-window, --hybrid or --mamba-prefix-caching: vLLM's sparse retention of "
         "cached sliding-window blocks and Mamba states (prefix_cache_retention_interval, its engine default 0), the "
         "interval in blocks: 0 keeps what a later request can resume at only (a window's blocks a hit there needs), "
         "N also that at the end of every N blocks (0 on a layout without a window); -1 draws it per seed (dense, 0, "
@@ -1819,8 +1819,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--retention goes without --mamba-retention (the same setting)")
     if args.retention is not None and not (args.sliding_window or args.hybrid or args.mamba_prefix_caching):
         p.error("--retention goes with --sliding-window, --hybrid or --mamba-prefix-caching")
-    if args.retention is not None and RULES.version == "0.32":
-        p.error("--retention: vLLM 0.32 has no prefix_cache_retention_interval")
+    if args.retention is not None and RULES.version == "0.32" and args.eagle and args.hybrid:
+        p.error("--retention with --eagle --hybrid: kvsched.vllm refuses it on vLLM 0.32 (its junction rule differs)")
     if args.mamba_prefix_caching and RULES.version == "0.32":
         p.error("--mamba-prefix-caching: kvsched.vllm refuses Mamba prefix caching on vLLM 0.32 (its rules differ)")
     if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):

@@ -567,6 +567,16 @@ def kvsched_config_from_vllm(
     has_window = any(isinstance(w, int) and not isinstance(w, bool) for w in windows or ())
     sparse = fields["enable_prefix_caching"] and (fields["mamba_align"] or has_window)
     fields["prefix_cache_retention_interval"] = None if retention is None or not sparse else int(retention)
+    sparse_junction = has_window and kv_cache_groups and drop_trailing and sparse and retention is not None
+    if RULES.version == "0.32" and sparse_junction:
+        # vLLM 0.32 keeps a window's run at a shared-prefix junction only, not also one block lower as 0.33 does
+        # for EAGLE; the core follows 0.33.
+        _refuse(
+            "sparse retention of sliding-window blocks with the EAGLE/MTP trailing-block drop and several KV cache "
+            "groups on vLLM 0.32 (its junction rule differs)",
+            f"prefix_cache_retention_interval={retention}: set --prefix-cache-retention-interval None or "
+            "disable_eagle_block_drop=True",
+        )
     fields["hash_lookahead_tokens"] = hash_lookahead
     fields["drop_trailing_hit_block"] = drop_trailing
     fields["async_scheduling"] = bool(sched.async_scheduling)
