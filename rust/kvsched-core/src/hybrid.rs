@@ -50,6 +50,11 @@
 //!   call fails its allocation (`mamba_cached_step`), and the longest single-set hit, when longer than the
 //!   combined one, is the request's shared-prefix junction (a chunk stop, `AlignedSplit::split`).
 //!
+//! - **Sparse retention** (`retention`, `SchedulerConfig::prefix_cache_retention_interval`): a window group caches
+//!   only the blocks a later hit can use (`window_retained`, at the positions `window_reachable` gives, the
+//!   shared-prefix junction among them), an align-mode Mamba group only the states `mamba_retained` keeps; the
+//!   junction is then set at every lookup with prefix caching.
+//!
 //! This module holds the groups' description; `hybrid_kv.rs` holds what `KvCacheManager` does with them, off the
 //! single-group paths: `KvCacheManager` branches there only when `hybrid` is set.
 
