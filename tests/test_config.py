@@ -115,8 +115,8 @@ RULES: list[dict[str, Any]] = [
     {"kv_cache_groups": (None, 8), "mamba_speculative_blocks": 2},
     {"prefix_cache_retention_interval": 32},
     {"prefix_cache_retention_interval": 24, "kv_cache_groups": (None, "mamba"), "mamba_align": True},
-    {"prefix_cache_retention_interval": 0, "kv_cache_groups": ("mamba", None, 8), "mamba_align": True},
-    {"prefix_cache_retention_interval": 0, "sliding_window": 64},
+    {"prefix_cache_retention_interval": 24, "sliding_window": 64},
+    {"prefix_cache_retention_interval": 16, "kv_cache_groups": (None, "chunked:64")},
 ]
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
@@ -136,6 +136,9 @@ VALID_COMBOS: list[dict[str, Any]] = [
     {"prefix_cache_retention_interval": 0},
     {"prefix_cache_retention_interval": 32, "kv_cache_groups": (None, "mamba"), "mamba_align": True},
     {"prefix_cache_retention_interval": 0, "kv_cache_groups": (None, 8), "enable_prefix_caching": False},
+    {"prefix_cache_retention_interval": 0, "sliding_window": 64},
+    {"prefix_cache_retention_interval": 32, "kv_cache_groups": (None, 64, "chunked:64")},
+    {"prefix_cache_retention_interval": 0, "kv_cache_groups": ("mamba", None, 8), "mamba_align": True},
 ]
 
 

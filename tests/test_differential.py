@@ -1859,8 +1859,8 @@ ALIGN_CONFIGS = [
 
 def _soak_align(configs: list[SchedulerConfig], seed: int) -> tuple[int, int, int]:
     """Runs ``configs`` on both implementations step by step (600 random operations each, then a drain), each with
-    a preemption; returns the Mamba tables seen past their first state, the prefix-hit tokens and the prefill
-    checkpoints seen reserved."""
+    a preemption; returns the Mamba tables seen past their first state (none without Mamba groups), the
+    prefix-hit tokens and the prefill checkpoints seen reserved."""
     grown = hits = checkpoints = 0
     for i, cfg in enumerate(configs):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=1 + i % 3)
@@ -1898,15 +1898,13 @@ def test_soak_align_mamba_prefix_caching_matches_reference_step_by_step() -> Non
 
 
 def test_soak_sparse_mamba_retention_matches_reference_step_by_step() -> None:
-    """The same configs with prefix caching on and sparse retention of the cached states (vLLM's engine default 0,
-    intervals of one, two and three blocks; the window group left out: sparse retention of windows is refused):
-    the states each caches, the hits on them and the junction stops are the same on both implementations; prefix
-    hits happen in the run."""
+    """The same configs with prefix caching on and sparse retention of the cached states and window blocks (vLLM's
+    engine default 0, intervals of one, two and three blocks): the states and window blocks each caches, the hits
+    on them and the junction stops are the same on both implementations; prefix hits happen in the run."""
     configs = [
         dataclasses.replace(
             c,
             enable_prefix_caching=True,
-            kv_cache_groups=tuple(w for w in c.kv_cache_groups or () if not isinstance(w, int)),
             prefix_cache_retention_interval=[0, 2 * c.block_size, 3 * c.block_size, c.block_size][i],
         )
         for i, c in enumerate(ALIGN_CONFIGS)
@@ -1919,14 +1917,13 @@ def test_soak_sparse_mamba_retention_matches_reference_step_by_step() -> None:
 def test_soak_mamba_prefill_checkpoints_match_reference_step_by_step(retention: int | None) -> None:
     """The same configs with prefix caching on and prefill checkpoints (Mamba2 and Gated DeltaNet layers: the
     last chunk exports a block-boundary state from inside it into an extra block; alignments of one and two
-    blocks), dense and under vLLM's engine default retention 0 (the window group left out there): the chunk
-    splits, the extra blocks, the re-keyed checkpoint states and the hits on them are the same on both
-    implementations; checkpoints are reserved and prefix hits happen in the run."""
+    blocks), dense and under vLLM's engine default retention 0: the chunk splits, the extra blocks, the re-keyed
+    checkpoint states and the hits on them are the same on both implementations; checkpoints are reserved and
+    prefix hits happen in the run."""
     configs = [
         dataclasses.replace(
             c,
             enable_prefix_caching=True,
-            kv_cache_groups=tuple(w for w in c.kv_cache_groups or () if retention is None or not isinstance(w, int)),
             prefix_cache_retention_interval=retention,
             mamba_prefill_checkpoint_alignment=c.block_size * (1 + i % 2),
         )
@@ -1934,6 +1931,31 @@ def test_soak_mamba_prefill_checkpoints_match_reference_step_by_step(retention: 
     ]
     grown, hits, checkpoints = _soak_align(configs, 7171 if retention is None else 9292)
     assert grown > 0 and hits > 0 and checkpoints > 0, (grown, hits, checkpoints)
+
+
+def test_soak_sparse_window_retention_matches_reference_step_by_step() -> None:
+    """The sliding-window and hybrid configs with prefix caching on and sparse retention of the windows' blocks
+    (vLLM's engine default 0 and intervals of one to three blocks), KV cache events on every other config and the
+    trailing-block drop on every third: the blocks each caches (and the stored events listing them), the hits on
+    them and the shared-prefix junctions are the same on both implementations, step by step; prefix hits happen
+    and requests are preempted in the run."""
+    windowed = [
+        c
+        for c in SWA_CONFIGS + HYBRID_CONFIGS
+        if c.sliding_window or all(w is None or isinstance(w, int) for w in c.kv_cache_groups or ("cross",))
+    ]
+    configs = [
+        dataclasses.replace(
+            c,
+            enable_prefix_caching=True,
+            prefix_cache_retention_interval=[0, 2 * c.block_size, 0, 3 * c.block_size, c.block_size][i % 5],
+            enable_kv_cache_events=i % 2 == 0,
+            drop_trailing_hit_block=i % 3 == 1,
+        )
+        for i, c in enumerate(windowed)
+    ]
+    _, hits, _ = _soak_align(configs, 7373)
+    assert hits > 0
 
 
 # Chunked-local groups (Llama 4): after full attention or before it, chunks a multiple of the block size or not

@@ -675,6 +675,30 @@ def test_align_mamba_shared_prefix_junction_ends_the_chunk(impl: str, retention:
     s.check_invariants()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(("retention", "b_hit"), [(None, 16), (0, 0), (8, 16), (12, 12)])
+def test_sparse_window_retention_caches_the_shared_prefix_junction(
+    impl: str, retention: int | None, b_hit: int
+) -> None:
+    # A full-attention group and a window of 6 tokens (a hit needs the window's 2 blocks before its end). "a" (25
+    # tokens) with retention 0 caches the window's blocks 4 and 5 only: "b", sharing 16 tokens, hits 16 tokens of
+    # full attention but none of the window, so its hit is 0 and 16 is its junction: "b" caches the window's blocks
+    # 2 and 3, which "c" (the same 16 tokens, another tail) then hits. Segments of 3 blocks keep blocks 1 and 2
+    # ("b" hits 12); dense retention, or segments no longer than the run (8), keep every block.
+    s = make(impl, kv_cache_groups=(None, 6), prefix_cache_retention_interval=retention)
+    s.add_request("a", list(range(25)), max_tokens=1)
+    run_all(s)
+    s.add_request("b", list(range(16)) + list(range(500, 509)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "b") == b_hit
+    s.update_from_output(out, [[7]])
+    run_all(s)
+    s.add_request("c", list(range(16)) + list(range(900, 909)), max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "c") == 16
+    s.check_invariants()
+
+
 # --- sparse retention of cached Mamba states (prefix_cache_retention_interval, vLLM 0.33's engine default 0): only
 # the states a later request can resume at, and one every `interval` tokens.
 
@@ -732,12 +756,17 @@ def test_retention_interval_is_checked(impl: str) -> None:
     mamba = {"kv_cache_groups": (None, "mamba"), "mamba_align": True}
     with pytest.raises(InvalidConfigError, match="must be a multiple of block_size"):
         make(impl, prefix_cache_retention_interval=6, **mamba)
-    with pytest.raises(InvalidConfigError, match="needs a Mamba group"):
+    with pytest.raises(InvalidConfigError, match="needs a sliding window or a Mamba group"):
         make(impl, prefix_cache_retention_interval=8)
-    with pytest.raises(InvalidConfigError, match="sliding window"):
-        make(impl, kv_cache_groups=(None, 8), prefix_cache_retention_interval=0)
-    with pytest.raises(InvalidConfigError, match="sliding window"):
-        make(impl, sliding_window=8, prefix_cache_retention_interval=0)
+    with pytest.raises(InvalidConfigError, match="needs a sliding window or a Mamba group"):
+        make(impl, kv_cache_groups=(None, "chunked:8"), prefix_cache_retention_interval=8)
+    with pytest.raises(InvalidConfigError, match="must be a multiple of block_size"):
+        make(impl, sliding_window=8, prefix_cache_retention_interval=6)
+    assert (
+        make(impl, kv_cache_groups=(None, 8), prefix_cache_retention_interval=0).config.prefix_cache_retention_interval
+        == 0
+    )
+    assert make(impl, sliding_window=8, prefix_cache_retention_interval=8).config.prefix_cache_retention_interval == 8
     with pytest.raises(InvalidConfigError, match="prefix_cache_retention_interval"):
         make(impl, prefix_cache_retention_interval=-4, **mamba)
     assert make(impl, prefix_cache_retention_interval=0).config.prefix_cache_retention_interval == 0
@@ -804,7 +833,7 @@ def test_the_core_refuses_retention_intervals_the_config_refuses() -> None:
     for fields, match in [
         ({"prefix_cache_retention_interval": 6, "block_size": 4}, "multiple of block_size"),
         ({"kv_cache_groups": None, "mamba_align": False, "prefix_cache_retention_interval": 32}, "Mamba group"),
-        ({"kv_cache_groups": (None, 8), "mamba_align": False}, "sliding window"),
+        ({"kv_cache_groups": (None, "chunked:8"), "mamba_align": False, "prefix_cache_retention_interval": 8}, "Mamba"),
     ]:
         fake = type("Cfg", (), {**good.to_dict(), **fields})()
         with pytest.raises(InvalidConfigError, match=match):

@@ -111,6 +111,48 @@ def test_a_window_of_one_token_caches_nothing(impl: str) -> None:
     s.check_invariants()
 
 
+# Sparse retention (prefix_cache_retention_interval, vLLM 0.33's engine default 0): a window's blocks enter the
+# prefix cache only where a later request can hit. A window of 6 tokens needs the 2 blocks before a hit's end.
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    ("retention", "kept", "sibling_hit"),
+    [(None, [0, 1, 2, 3, 4, 5], 16), (0, [4, 5], 0), (8, [0, 1, 2, 3, 4, 5], 16), (12, [1, 2, 4, 5], 12)],
+)
+def test_sparse_retention_caches_only_the_blocks_a_hit_can_use(
+    impl: str, retention: int | None, kept: list[int], sibling_hit: int
+) -> None:
+    s = make(impl, sliding_window=6, prefix_cache_retention_interval=retention)
+    prompt = list(range(100, 125))  # 6 full blocks and a token
+    s.add_request("a", prompt, max_tokens=1)
+    out = s.schedule()
+    blocks = table(s, "a")
+    s.update_from_output(out, [[7]])
+    # 0: only the run before the resend's hit (24 tokens): blocks 4 and 5. 12 (segments of 3 blocks): also the
+    # last 2 blocks of each segment. 8 (segments of 2 blocks, the run a hit needs): every block.
+    assert [i for i in range(6) if s.get_block_hash(blocks[i]) is not None] == kept
+    assert s.get_num_cached_tokens(prompt) == 24  # a resend of the same prompt still hits
+    assert s.get_num_cached_tokens([*prompt[:16], 1, 2, 3, 4, 5]) == sibling_hit
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(("retention", "kept"), [(None, [0, 1, 2, 3, 4, 5]), (0, [3, 4, 5]), (16, [2, 3, 4, 5])])
+def test_sparse_retention_with_the_trailing_block_drop_keeps_one_block_more(
+    impl: str, retention: int | None, kept: list[int]
+) -> None:
+    # EAGLE's drop: a hit's run is one block longer and ends one block past the hit. The 25-token prompt's resend
+    # and longer siblings both hit 20 tokens: blocks 3 to 5. With segments of 4 blocks: also blocks 2 to 4.
+    s = make(impl, sliding_window=6, drop_trailing_hit_block=True, prefix_cache_retention_interval=retention)
+    prompt = list(range(100, 125))
+    s.add_request("a", prompt, max_tokens=1)
+    out = s.schedule()
+    blocks = table(s, "a")
+    s.update_from_output(out, [[7]])
+    assert [i for i in range(6) if s.get_block_hash(blocks[i]) is not None] == kept
+    assert s.get_num_cached_tokens(prompt) == 20
+    s.check_invariants()
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

@@ -7,6 +7,7 @@ vLLM's own scheduler on the same calls and compares (``tests/vllm_driver.py``).
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 from typing import Any
 
@@ -983,12 +984,15 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
         (dict(kv_cache_groups=(None, "chunked:8")), False),
     ],
 )
+@pytest.mark.parametrize("retention", [None, 0])
 def test_eagle_prefix_cache_rules_over_windows_and_groups_schedule_as_vllms_scheduler(
-    layout: dict[str, Any], drop: bool
+    layout: dict[str, Any], drop: bool, retention: int | None
 ) -> None:
     """An EAGLE drafter with vLLM's default prefix-cache rules on a hybrid or sliding-window model: the trailing-
     block drop (vLLM 0.33 without look-ahead hashes, vLLM 0.32 always) or look-ahead hashes (vLLM 0.33): requests
-    that share prefixes hit the cache, a tight pool evicts; the same outputs as vLLM's scheduler step by step."""
+    that share prefixes hit the cache, a tight pool evicts; the same outputs as vLLM's scheduler step by step. With
+    the windows' blocks retained densely and sparsely (vLLM's engine default 0: the drop's longer runs, one block
+    further; on vLLM 0.32 with several groups refused by name, its junction rule differing)."""
     if not drop and RULES.version == "0.32":
         pytest.skip("vLLM 0.32 has no look-ahead hashes")
     cfg = make_vllm_config(block_size=4, num_blocks=36, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=6,
@@ -996,7 +1000,14 @@ def test_eagle_prefix_cache_rules_over_windows_and_groups_schedule_as_vllms_sche
                            lookahead_block_hashes=not drop or RULES.version == "0.32")  # fmt: skip
     lookahead = int(getattr(cfg, "num_hash_lookahead_tokens", 0) or 0)
     assert lookahead == (0 if drop else 1)
-    pair = [make_scheduler(impl, cfg, **layout) for impl in ("vllm", "kvsched")]
+    window_groups = any(isinstance(w, int) for w in layout.get("kv_cache_groups", ()))
+    if RULES.version == "0.32" and drop and window_groups and retention is not None:
+        with pytest.raises(UnsupportedFeatureError, match="its junction rule differs"):
+            make_scheduler("kvsched", cfg, prefix_cache_retention_interval=retention, **layout)
+        return
+    pair = [
+        make_scheduler(impl, cfg, prefix_cache_retention_interval=retention, **layout) for impl in ("vllm", "kvsched")
+    ]
     assert pair[1].kv_config.drop_trailing_hit_block is drop
     base = [(7 * i) % 50 + 1 for i in range(40)]
     hits = 0
@@ -1338,20 +1349,96 @@ def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> N
     assert sched.kv_config.prefix_cache_retention_interval is None
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
-@pytest.mark.parametrize("retention", [0, 8])
-def test_sparse_mamba_retention_schedules_as_vllms_scheduler(retention: int) -> None:
-    """Sparse retention of cached Mamba states (vLLM's engine default 0, and an interval of two blocks): prompts
-    sharing prefixes of several lengths, run in chunks, hit only the states vLLM's scheduler keeps (the resend of
-    a prompt, the shared-prefix junctions, the interval's multiples); the same outputs and block tables step by
-    step, and some admissions hit."""
-    cfg = make_vllm_config(block_size=4, num_blocks=80, max_model_len=64, max_num_batched_tokens=8,
-                           max_num_seqs=4, mamba_cache_mode="align")  # fmt: skip
-    pair = [make_scheduler(impl, cfg, kv_cache_groups=(None, "mamba"), prefix_cache_retention_interval=retention)
+def test_retention_interval_reaches_the_core_for_sliding_windows() -> None:
+    """A sliding-window model runs with vLLM's engine default (prefix_cache_retention_interval 0) and any
+    interval vLLM takes: the KV cache config's value reaches the core with prefix caching on (None without, where
+    it changes nothing). Values vLLM's scheduler rejects are rejected with the same ValueError: above 0 with no
+    window or Mamba group, or not a multiple of the block size."""
+    on = make_vllm_config(block_size=4, num_blocks=40, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4)
+    off = make_vllm_config(block_size=4, num_blocks=40, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4,
+                           enable_prefix_caching=False)  # fmt: skip
+    for layout in ({"sliding_window": 8}, {"kv_cache_groups": (None, 8)}, {"kv_cache_groups": (None, 8, "chunked:8")}):
+        for interval in (None, 0, 4, 12):
+            s = make_scheduler("kvsched", on, prefix_cache_retention_interval=interval, **layout)
+            assert s.kv_config.prefix_cache_retention_interval == interval
+            s = make_scheduler("kvsched", off, prefix_cache_retention_interval=interval, **layout)
+            assert s.kv_config.prefix_cache_retention_interval is None
+    # KV cache events with sparse retention of windows are refused by name (the core's stored events do not say
+    # where the kept blocks sit in their run); dense retention runs with them.
+    events = make_vllm_config(block_size=4, num_blocks=40, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4,
+                              kv_events=True)  # fmt: skip
+    with pytest.raises(UnsupportedFeatureError, match="KV cache events with sparse retention of sliding-window"):
+        make_scheduler("kvsched", events, prefix_cache_retention_interval=0, sliding_window=8)
+    assert make_scheduler("kvsched", events, sliding_window=8).kv_config.enable_kv_cache_events
+    # 0 on a layout without a window changes nothing (vLLM accepts it): the core gets None.
+    assert (
+        make_scheduler("kvsched", on, prefix_cache_retention_interval=0).kv_config.prefix_cache_retention_interval
+        is None
+    )
+    for interval, layout in [(8, {}), (8, {"kv_cache_groups": (None, "chunked:8")}), (6, {"sliding_window": 8})]:
+        for impl in ("vllm", "kvsched"):
+            with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
+                make_scheduler(impl, on, prefix_cache_retention_interval=interval, **layout)
+
+
+def test_the_reference_window_mask_is_vllms() -> None:
+    """The reference's sparse retention of a window's blocks (the resumable positions and the blocks kept) is
+    vLLM's replay_boundaries and SlidingWindowManager.reachable_block_mask, over block sizes, windows (one token
+    included), EAGLE's drop, intervals, prompt lengths, junctions and block ranges."""
+    import torch
+    from kvsched.reference.kv_cache_manager import _window_reachable, _window_retained
+    from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    checked = 0
+    for bs, window, eagle in itertools.product((1, 4, 16), (1, 2, 5, 9, 17, 33), (False, True)):
+        spec = SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float16, sliding_window=window)
+        for r, num_prompt, junction in itertools.product(
+            (0, bs, 2 * bs, 3 * bs, 5 * bs), (1, 4, 5, 13, 40), (0, bs, 4 * bs)
+        ):
+            reach = [*replay_boundaries(num_prompt, bs, eagle)]
+            if junction:
+                reach += [junction, junction - bs] if eagle else [junction]
+            ours = _window_reachable(num_prompt, junction, bs, eagle)
+            assert sorted(set(ours)) == sorted(set(reach))
+            for start, end in ((0, 12), (3, 11)):
+                mask = SlidingWindowManager.reachable_block_mask(
+                    start, end, bs, spec, eagle, retention_interval=r, reachable_boundaries=reach
+                )
+                want = [True] * (end - start) if mask is None else mask
+                assert [_window_retained(i, bs, window, eagle, r, ours) for i in range(start, end)] == want
+                checked += 1
+    assert checked == 3 * 6 * 2 * 5 * 5 * 3 * 2
+
+
+# Layouts with sparse retention: a Mamba group in mode "align", one sliding window, a window beside full attention.
+_SPARSE_LAYOUTS: dict[str, dict[str, Any]] = {
+    "mamba": {"kv_cache_groups": (None, "mamba")},
+    "window": {"sliding_window": 6},
+    "full+window": {"kv_cache_groups": (None, 6)},
+}
+
+
+@pytest.mark.parametrize("layout", list(_SPARSE_LAYOUTS))
+@pytest.mark.parametrize("retention", [0, 8, 12])
+def test_sparse_retention_schedules_as_vllms_scheduler(layout: str, retention: int) -> None:
+    """Sparse retention of cached Mamba states and sliding-window blocks (vLLM's engine default 0, intervals of
+    two and three blocks; a window of 6 tokens needs two blocks): prompts sharing prefixes of several lengths, run
+    in chunks, hit only what vLLM's scheduler keeps (the resend of a prompt, the shared-prefix junctions, the
+    interval's segments); the same outputs and block tables step by step, and some admissions hit. (kvsched.vllm
+    refuses Mamba prefix caching on vLLM 0.32.)"""
+    mamba = layout == "mamba"
+    if mamba and RULES.version == "0.32":
+        pytest.skip("kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
+    cfg = make_vllm_config(block_size=4, num_blocks=80, max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4,
+                           mamba_cache_mode="align" if mamba else "none")  # fmt: skip
+    pair = [make_scheduler(impl, cfg, prefix_cache_retention_interval=retention, **_SPARSE_LAYOUTS[layout])
             for impl in ("vllm", "kvsched")]  # fmt: skip
     assert pair[1].kv_config.prefix_cache_retention_interval == retention
     base = list(range(100, 124))
     prompts = [base, [*base[:16], 1, 2, 3, 4, 5], base, base[:10] + [9] * 7, [*base[:16], 6, 7], base[:8] + [8] * 9]
+    prompts += prompts[3:4] + prompts[1:2]  # two resends more
     hits = 0
     for k, prompt in enumerate(prompts):
         for s in pair:

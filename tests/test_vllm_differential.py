@@ -65,14 +65,23 @@ def test_identical_to_vllm_with_pipeline_parallelism(sync: str, runner: str, see
     assert cfg.pipeline_parallel_size > 1
 
 
+# Sparse retention of cached sliding-window blocks (the KV cache config's prefix_cache_retention_interval, in
+# blocks): dense (None), and vLLM's engine default 0.
+RETENTIONS = [None, 0]
+
+
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("seed", range(300, 303))
-def test_identical_to_vllm_with_a_sliding_window(sync: str, runner: str, seed: int) -> None:
+@pytest.mark.parametrize("retention", RETENTIONS)
+def test_identical_to_vllm_with_a_sliding_window(sync: str, runner: str, seed: int, retention: int | None) -> None:
     """A model whose one KV cache group is a SlidingWindowSpec (a window drawn per seed, from one token to several
     blocks): out-of-window blocks freed at the same moments (after the steps in flight that read them), window
-    prefix hits with null blocks, the same block tables and prefill stats."""
-    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", sliding_window=True)
-    assert cfg.sliding_window is not None
+    prefix hits with null blocks, the same block tables and prefill stats; with the window's blocks retained
+    densely and as vLLM's engine default retains them (only the runs a resend's hit needs)."""
+    cfg = run_seed(
+        seed, 120, async_scheduling=sync == "async", v2=runner == "v2", sliding_window=True, retention=retention
+    )
+    assert cfg.sliding_window is not None and cfg.prefix_cache_retention_interval == retention
 
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
@@ -86,12 +95,17 @@ def test_identical_to_vllm_with_draft_slots_and_a_token_budget(sync: str, runner
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("seed", range(400, 403))
-def test_identical_to_vllm_with_several_kv_cache_groups(sync: str, runner: str, seed: int) -> None:
+@pytest.mark.parametrize("retention", RETENTIONS)
+def test_identical_to_vllm_with_several_kv_cache_groups(
+    sync: str, runner: str, seed: int, retention: int | None
+) -> None:
     """A hybrid model: full-attention and sliding-window KV cache groups (drawn per seed) in one pool, vLLM's
     HybridKVCacheCoordinator: one block list per group in every output, prefix hits valid for every group, the
-    same block tables of every group and prefill stats."""
-    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=True)
+    same block tables of every group and prefill stats; the windows' blocks retained densely and sparsely (vLLM's
+    engine default: the runs a resend's hit and the shared-prefix junctions need)."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=True, retention=retention)
     assert cfg.kv_cache_groups is not None and len(cfg.kv_cache_groups) >= 2
+    assert cfg.prefix_cache_retention_interval == retention
 
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])

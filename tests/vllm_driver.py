@@ -1386,6 +1386,7 @@ def run_seed(
     mamba_prefix_caching: bool = False,
     mamba_retention: int | None = None,
     mamba_checkpoints: bool = False,
+    retention: int | None = None,
     chunked_local: bool = False,
     multimodal: bool = False,
     defer_async_loads: bool = False,
@@ -1411,10 +1412,12 @@ def run_seed(
     ``chunked_local`` draws layouts with chunked-local groups (Llama 4) instead; ``mamba`` a hybrid Mamba model's
     (Mamba groups with full attention and sometimes a window, prefix caching off: vLLM's mamba_cache_mode "none";
     with ``mamba_align``, its mode "align": block-sized Mamba blocks, block-aligned prefill chunks; with
-    ``mamba_prefix_caching`` too, prefix caching on: Mamba prefix hits and cached states; ``mamba_retention``
-    their sparse retention, the interval in blocks (0: the resumable states only; -1: drawn per seed among dense,
-    0 and 1 to 3 blocks, from its own stream); ``mamba_checkpoints`` their prefill checkpoints, the alignment
-    drawn per seed among one token and one to three blocks, from its own stream);
+    ``mamba_prefix_caching`` too, prefix caching on: Mamba prefix hits and cached states; ``mamba_checkpoints``
+    their prefill checkpoints, the alignment drawn per seed among one token and one to three blocks, from its own
+    stream); ``retention`` (or its old name ``mamba_retention``) vLLM's sparse retention of cached Mamba states and
+    sliding-window blocks, the interval in blocks (0: what a later request can resume at only; -1: drawn per seed
+    among dense, 0 and 1 to 3 blocks, from its own stream; 0 instead of a positive interval on a layout with
+    neither);
     ``multimodal`` schedules a tiny LLaVA whose requests carry images; ``ec_connector`` adds a seeded
     ``RandomECConnector``; ``budgets`` draws parallel drafting (extra query slots per scheduled request) and a
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
@@ -1451,16 +1454,20 @@ def run_seed(
             num_mamba = len(cfg.kv_cache_groups) - num_attn
             cfg.num_blocks += cfg.max_num_seqs * num_mamba
             cfg.enable_prefix_caching = mamba_prefix_caching
-            # (Not with a window group: kvsched.vllm refuses sparse retention of sliding windows.)
-            if mamba_retention is not None and not any(isinstance(g, int) for g in cfg.kv_cache_groups):
-                blocks = mamba_retention
-                if blocks < 0:
-                    blocks = random.Random(f"retention/{seed}").choice([None, 0, 0, 1, 2, 3])
-                if blocks is not None:
-                    cfg.prefix_cache_retention_interval = blocks * cfg.block_size
             if mamba_checkpoints:
                 align = random.Random(f"checkpoints/{seed}").choice([1, 1, 2, 2, 3])
                 cfg.mamba_checkpoint_alignment = 1 if align == 1 and seed % 2 else align * cfg.block_size
+    # vLLM's sparse retention of cached Mamba states and sliding-window blocks, the interval in blocks (-1: drawn
+    # per seed from its own stream). vLLM refuses an interval above 0 without a window or Mamba group: 0 there.
+    blocks = retention if retention is not None else mamba_retention
+    if blocks is not None:
+        if blocks < 0:
+            blocks = random.Random(f"retention/{seed}").choice([None, 0, 0, 1, 2, 3])
+        groups = cfg.kv_cache_groups or ()
+        if blocks and not (cfg.sliding_window or any(isinstance(g, int) or g == "mamba" for g in groups)):
+            blocks = 0
+        if blocks is not None:
+            cfg.prefix_cache_retention_interval = blocks * cfg.block_size
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
         # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
@@ -1691,7 +1698,18 @@ def main(argv: list[str] | None = None) -> int:
         help="with --mamba-prefix-caching: vLLM's sparse retention of cached Mamba states "
         "(prefix_cache_retention_interval, its engine default 0), the interval in blocks: 0 keeps the states a later "
         "request can resume at only, N also one every N blocks; -1 draws it per seed (dense, 0, 1-3 blocks); "
-        "default: dense (None)",
+        "default: dense (None); --retention is the same for windows too",
+    )
+    p.add_argument(
+        "--retention",
+        type=int,
+        default=None,
+        metavar="BLOCKS",
+        help="with --sliding-window, --hybrid or --mamba-prefix-caching: vLLM's sparse retention of "
+        "cached sliding-window blocks and Mamba states (prefix_cache_retention_interval, its engine default 0), the "
+        "interval in blocks: 0 keeps what a later request can resume at only (a window's blocks a hit there needs), "
+        "N also that at the end of every N blocks (0 on a layout without a window); -1 draws it per seed (dense, 0, "
+        "1-3 blocks); default: dense (None)",
     )
     p.add_argument(
         "--mamba-checkpoints",
@@ -1817,6 +1835,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mamba-retention goes with --mamba-prefix-caching")
     if args.mamba_checkpoints and not args.mamba_prefix_caching:
         p.error("--mamba-checkpoints goes with --mamba-prefix-caching")
+    if args.retention is not None and args.mamba_retention is not None:
+        p.error("--retention goes without --mamba-retention (the same setting)")
+    if args.retention is not None and not (args.sliding_window or args.hybrid or args.mamba_prefix_caching):
+        p.error("--retention goes with --sliding-window, --hybrid or --mamba-prefix-caching")
+    if args.retention is not None and args.kv_events:
+        p.error(
+            "--retention goes without --kv-events (kvsched.vllm refuses KV cache events with sparse window retention)"
+        )
+    if args.retention is not None and RULES.version == "0.32" and args.eagle and args.hybrid:
+        p.error("--retention with --eagle --hybrid: kvsched.vllm refuses it on vLLM 0.32 (its junction rule differs)")
     if args.mamba_prefix_caching and RULES.version == "0.32":
         p.error("--mamba-prefix-caching: kvsched.vllm refuses Mamba prefix caching on vLLM 0.32 (its rules differ)")
     if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
@@ -1873,6 +1901,7 @@ def main(argv: list[str] | None = None) -> int:
                         mamba_prefix_caching=args.mamba_prefix_caching,
                         mamba_retention=args.mamba_retention,
                         mamba_checkpoints=args.mamba_checkpoints,
+                        retention=args.retention,
                         chunked_local=args.chunked_local,
                         multimodal=args.mm,
                         ec_connector=args.ec,
@@ -1902,7 +1931,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.close()
             note = f"; {stopped} stopped early by vLLM's own scheduler, identical until then" if stopped else ""
             global PREFIX_HITS
-            if args.mamba_prefix_caching:
+            if args.mamba_prefix_caching or args.retention is not None:
                 note += f"; {PREFIX_HITS} admissions with a prefix hit"
             PREFIX_HITS = 0
             if args.mooncake_store:

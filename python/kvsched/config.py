@@ -659,11 +659,13 @@ class SchedulerConfig:
     prefix_cache_retention_interval: int | None = field(
         default=None,
         metadata=_spec(
-            "sparse prefix-cache retention of align-mode Mamba states (vLLM's `prefix_cache_retention_interval`): "
-            "None caches the state at every block boundary; 0 only the states a later request can resume at (the "
-            "prompt's last block boundary before its last token, the shared-prefix junction); a multiple of "
-            "`block_size` those and one every that many tokens; above 0 needs a `'mamba'` group; not with a "
-            "sliding window and `enable_prefix_caching` (see [Several KV cache groups](#several-kv-cache-groups))"
+            "sparse prefix-cache retention of align-mode Mamba states and sliding-window blocks (vLLM's "
+            "`prefix_cache_retention_interval`): None caches every block; 0 only what a later request can resume "
+            "at (the prompt's last block boundary before its last token, the shared-prefix junction): a Mamba "
+            "group's state there, a window's blocks before it that a hit needs (one block further with "
+            "`drop_trailing_hit_block`); a multiple of `block_size` those and the same at the end of every that "
+            "many tokens; above 0 needs a sliding window or a `'mamba'` group (see "
+            "[Several KV cache groups](#several-kv-cache-groups))"
         ),
     )
     mamba_prefill_checkpoint_alignment: int | None = field(
@@ -833,17 +835,12 @@ class SchedulerConfig:
         windows = self.sliding_window is not None or any(isinstance(w, int) and not isinstance(w, bool) for w in groups)
         if r > 0 and MAMBA not in groups and not windows:
             raise InvalidConfigError(
-                f"prefix_cache_retention_interval ({r}) needs a Mamba group in kv_cache_groups (it has no effect on "
-                "full attention; 0 or None)"
+                f"prefix_cache_retention_interval ({r}) needs a sliding window or a Mamba group (it has no effect "
+                "on full attention; 0 or None)"
             )
         if r % self.block_size:
             raise InvalidConfigError(
                 f"prefix_cache_retention_interval ({r}) must be a multiple of block_size ({self.block_size})"
-            )
-        if windows and self.enable_prefix_caching:
-            raise InvalidConfigError(
-                f"prefix_cache_retention_interval ({r}) cannot be combined with a sliding window and "
-                "enable_prefix_caching (sparse retention of sliding windows is not implemented; None: dense)"
             )
 
     def _check_groups(self) -> None:

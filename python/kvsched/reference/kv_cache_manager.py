@@ -7,6 +7,7 @@ sliding-window group: ``sliding_window`` set, tables start with null blocks, blo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from .._errors import InvalidRequestError, SchedulerTypeError
 from ..config import CROSS_ATTENTION, MAMBA, chunk_size_of
@@ -63,6 +64,36 @@ def _checkpoint_valid(start: int, end: int, checkpoint: int, bs: int, align: int
         and start < checkpoint < end
         and (checkpoint - start) % align == 0
     )
+
+
+def _window_reachable(num_prompt: int, junction: int, bs: int, eagle: bool) -> tuple[int, ...]:
+    """The positions a later request can resume a sliding window's hit at (vLLM's ``replay_boundaries`` and the
+    shared-prefix ``junction``, 0: none): the prompt's last token; with EAGLE's drop the block-floored resend and
+    longer-sibling positions one block lower each, and the junction one block lower too."""
+    if eagle:
+        out = [max((num_prompt - 1) // bs * bs - bs, 0), max(num_prompt // bs * bs - bs, 0)]
+    else:
+        out = [max(num_prompt - 1, 0)]
+    if junction > 0:
+        out.append(junction)
+        if eagle and junction >= bs:
+            out.append(junction - bs)
+    return tuple(out)
+
+
+def _window_retained(i: int, bs: int, window: int, eagle: bool, retention: int, reachable: tuple[int, ...]) -> bool:
+    """vLLM's ``SlidingWindowManager.reachable_block_mask``: whether block ``i`` of a window of ``window`` tokens
+    is cached under retention interval ``retention``: the ``need`` blocks a hit needs (``ceil((window - 1) / bs)``,
+    one more with EAGLE, whose run ends one block past the boundary) before each ``reachable`` position floored to
+    a block boundary, and with an interval above 0 the last ``need`` blocks of every segment of that interval
+    (every block when ``need`` covers a segment)."""
+    shift = int(eagle)
+    need = -(-(window - 1) // bs) + shift
+    if retention > 0:
+        per_segment = retention // bs
+        if need >= per_segment or (i >= shift and (i - shift) % per_segment >= per_segment - need):
+            return True
+    return any(b // bs + shift - need <= i < b // bs + shift for b in reachable)
 
 
 class _KVCacheManagerMixin(_BlockPoolMixin):
@@ -247,25 +278,38 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if self._config.kv_cache_groups is not None:
             self._cache_hybrid_blocks(r, num_tokens)
             return
-        num_full = min(num_tokens // self._bs, len(r.block_hashes), len(r.block_ids))
+        c, bs = self._config, self._bs
+        num_full = min(num_tokens // bs, len(r.block_hashes), len(r.block_ids))
         first = r.num_cached_blocks
+        window, retention, eagle = c.sliding_window, c.prefix_cache_retention_interval, c.drop_trailing_hit_block
+        # sparse retention of the window's blocks (one group: no shared-prefix junction)
+        reach = _window_reachable(r.num_prompt_tokens, 0, bs, eagle) if window and retention is not None else ()
+
+        def kept(i: int) -> bool:
+            # a window of one token caches nothing (no block can start a hit)
+            if window is None or retention is None:
+                return window != 1
+            return window != 1 and _window_retained(i, bs, window, eagle, retention, reach)
+
         for i in range(first, num_full):
             b, h = r.block_ids[i], r.block_hashes[i]
-            if b == 0 or self._config.sliding_window == 1:
-                continue  # a null block; a window of one token caches nothing (no block can start a hit)
+            if b == 0 or not kept(i):
+                continue
             self._block_hash[b] = h
             self._cached.setdefault(h, {})[b] = None
             self._newly_cached.append((b, h))
         r.num_cached_blocks = max(r.num_cached_blocks, num_full)
         if self._events is not None and num_full > first:  # one stored event for the run, after its evictions
-            self._record_stored(r, r.block_ids, first, num_full, 0, self._config.sliding_window != 1)
+            self._record_stored(r, r.block_ids, first, num_full, 0, kept)
 
-    def _record_stored(self, r: _Request, table: list[int], first: int, num_full: int, g: int, stored: bool) -> None:
+    def _record_stored(
+        self, r: _Request, table: list[int], first: int, num_full: int, g: int, stored: Callable[[int], bool]
+    ) -> None:
         """The stored event of group ``g``'s run ``first:num_full`` of ``r``'s blocks (``table``: the group's):
-        the hashes of its blocks that are not null (none unless ``stored``), with the copies of the group's key of
-        each, and the tokens and parent of the whole run."""
+        the hashes of its blocks that are not null and that ``stored`` entered, with the copies of the group's key
+        of each, and the tokens and parent of the whole run."""
         assert self._events is not None
-        kept = [r.block_hashes[i] for i in range(first, num_full) if stored and table[i] != 0]
+        kept = [r.block_hashes[i] for i in range(first, num_full) if table[i] != 0 and stored(i)]
         self._events.push_stored(
             [(h, len(self._cached[self._group_key(h, g)])) for h in kept],
             r.block_hashes[first - 1] if first else None,
@@ -481,9 +525,12 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _shared_prefix_boundary(self, num_hits: int) -> int:
         """After a lookup that found ``num_hits`` blocks: the tokens of the longest hit one lookup set found when it
-        exceeds them (vLLM's ``shared_prefix_boundary``), else 0; 0 without align-mode Mamba groups and caching."""
+        exceeds them (vLLM's ``shared_prefix_boundary``), else 0; 0 with one group, and without caching and either
+        align-mode Mamba groups or sparse retention (the only ones that read it)."""
         c = self._config
-        if not (c.kv_cache_groups and c.mamba_align and c.enable_prefix_caching):
+        if not (c.kv_cache_groups and (c.mamba_align or c.prefix_cache_retention_interval is not None)):
+            return 0
+        if not c.enable_prefix_caching:
             return 0
         return self._group_longest * self._bs if self._group_longest > num_hits else 0
 
@@ -754,6 +801,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         prompt_checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, False, c.hash_lookahead_tokens)
         at_tail = retention is not None and 0 < num_tokens == prompt_checkpoint
         prompt_tail = prompt_checkpoint // bs - 1 if at_tail else -1
+        # sparse retention of the window groups' blocks
+        eagle = c.drop_trailing_hit_block
+        window_retention = c.prefix_cache_retention_interval
+        window_reach = _window_reachable(r.num_prompt_tokens, r.shared_prefix_boundary, bs, eagle)
         for g, w in enumerate(self._group_windows()):
             if w < 0 and not (w == _MAMBA and align):
                 continue
@@ -766,11 +817,26 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
                 continue
             sparse = retention if w == _MAMBA else None
+            window_sparse = window_retention if w > 0 and not w & _CHUNKED else None
+
+            def kept(
+                i: int,
+                w: int = w,
+                sparse: int | None = sparse,
+                window_sparse: int | None = window_sparse,
+                tail: int = tail,
+            ) -> bool:
+                if w == 1:
+                    return False
+                if sparse is not None:
+                    return i == tail or _mamba_retained(i, bs, sparse, reachable)
+                if window_sparse is not None:
+                    return _window_retained(i, bs, w, eagle, window_sparse, window_reach)
+                return True
+
             for i in range(first, num_full):
                 b = table[i]
-                if b == 0 or w == 1:
-                    continue
-                if sparse is not None and i != tail and not _mamba_retained(i, bs, sparse, reachable):
+                if b == 0 or not kept(i):
                     continue
                 key = self._group_key(r.block_hashes[i], g)
                 self._block_hash[b] = key
@@ -780,7 +846,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     self._mamba_cached_step.add(key)
             self._set_group_cached(r, g, num_full)
             if self._events is not None:
-                self._record_stored(r, table, first, num_full, g, w != 1)
+                self._record_stored(r, table, first, num_full, g, kept)
             if checkpoint is not None:
                 self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
 

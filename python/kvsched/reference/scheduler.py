@@ -671,8 +671,10 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
             for g in range(len(windows)):
                 table = self._group_table(r, g) if c.kv_cache_groups is not None else r.block_ids
                 num_cached = self._group_cached(r, g) if c.kv_cache_groups is not None else r.num_cached_blocks
-                # sparse retention: the Mamba states it did not cache have no hash
-                sparse = windows[g] == MAMBA and c.prefix_cache_retention_interval is not None
+                # sparse retention: the Mamba states and window blocks it did not cache have no hash
+                w = windows[g]
+                window = isinstance(w, int) and not isinstance(w, bool) and w > 0
+                sparse = (w == MAMBA or window) and c.prefix_cache_retention_interval is not None
                 for i in range(num_cached):
                     if table[i] != 0 and windows[g] != 1:  # a window of one token caches nothing
                         key = r.block_hashes[i] if g == 0 else r.block_hashes[i] + bytes([g])

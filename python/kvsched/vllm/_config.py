@@ -74,7 +74,8 @@ def _check_kv_cache_config(
     block size times ``dcp`` (a block id covers that many tokens, sharded over the DCP ranks). A Mamba group in
     mode "align" (block-sized states) runs with ``prefix_caching`` (the cache config's ``enable_prefix_caching``)
     on or off; on, with vLLM's retention of its states (``prefix_cache_retention_interval``: None dense, 0 the
-    states a later request can resume at, above 0 those and one every that many tokens)."""
+    states a later request can resume at, above 0 those and one every that many tokens); sliding windows follow
+    the same retention of their blocks."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         CrossAttentionSpec,
@@ -213,17 +214,28 @@ def _check_kv_cache_config(
         )
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
-    has_window = any(isinstance(w, int) for w in windows)
-    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
-    if has_window and retention is not None:
-        # vLLM 0.33's engine default is 0 (sparse): a sliding-window model then needs
-        # --prefix-cache-retention-interval None.
-        _refuse(
-            "sparse prefix-cache retention of sliding windows",
-            f"prefix_cache_retention_interval={retention} (vLLM 0.33's default; run with "
-            "--prefix-cache-retention-interval None for dense retention)",
-        )
+    _check_retention(getattr(kv_cache_config, "prefix_cache_retention_interval", None), block_size, windows)
     return windows, attention_size, next(iter(spec_blocks), 0)
+
+
+def _check_retention(retention: int | None, block_size: int, windows: list[int | str | None]) -> None:
+    """vLLM's scheduler checks the KV cache config's ``prefix_cache_retention_interval`` when it builds its KV
+    cache coordinator, which kvsched replaces: the same ValueError for the values vLLM's rejects (above 0 without a
+    sliding-window or Mamba group; negative, or not a multiple of the scheduler block size ``block_size``)."""
+    if retention is None:
+        return
+    if not any(w == MAMBA or (isinstance(w, int) and not isinstance(w, bool)) for w in windows):
+        if retention == 0:
+            return
+        raise ValueError(
+            f"prefix_cache_retention_interval ({retention}) is set but this model has no sliding-window or Mamba KV "
+            "cache group, where it would act (0 or None there)"
+        )
+    if retention < 0 or retention % block_size:
+        raise ValueError(
+            f"prefix_cache_retention_interval ({retention}) must be non-negative and a multiple of the scheduler "
+            f"block size ({block_size})"
+        )
 
 
 def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
@@ -568,11 +580,32 @@ def kvsched_config_from_vllm(
     fields["mamba_speculative_blocks"] = mamba_speculative_blocks if kv_cache_groups and MAMBA in kv_cache_groups else 0
     # vLLM's mamba_cache_mode "align" (block-sized state blocks, block-aligned prefill chunks).
     fields["mamba_align"] = bool(kv_cache_groups and MAMBA in kv_cache_groups and cache.mamba_cache_mode == "align")
-    # vLLM's sparse retention of cached Mamba states (the KV cache config's prefix_cache_retention_interval,
-    # the engine's default 0); it changes nothing without Mamba prefix caching.
+    # vLLM's sparse retention of cached Mamba states and sliding-window blocks (the KV cache config's
+    # prefix_cache_retention_interval, the engine's default 0); it changes nothing without prefix caching of
+    # align-mode Mamba states or of a sliding window.
     retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    has_window = any(isinstance(w, int) and not isinstance(w, bool) for w in windows or ())
+    sparse = fields["enable_prefix_caching"] and (fields["mamba_align"] or has_window)
+    fields["prefix_cache_retention_interval"] = None if retention is None or not sparse else int(retention)
+    if has_window and sparse and retention is not None and kv_events_enabled(vllm_config):
+        # The core's stored events list the blocks sparse retention kept, but not where they sit in the run, which
+        # vLLM's BlockStored needs to pair them with vLLM's hashes (the adapter assumes a run's last blocks).
+        _refuse(
+            "KV cache events with sparse retention of sliding-window blocks",
+            f"kv_events_config, prefix_cache_retention_interval={retention}: set --prefix-cache-retention-interval "
+            "None",
+        )
+    sparse_junction = has_window and kv_cache_groups and drop_trailing and sparse and retention is not None
+    if RULES.version == "0.32" and sparse_junction:
+        # vLLM 0.32 keeps a window's run at a shared-prefix junction only, not also one block lower as 0.33 does
+        # for EAGLE; the core follows 0.33.
+        _refuse(
+            "sparse retention of sliding-window blocks with the EAGLE/MTP trailing-block drop and several KV cache "
+            "groups on vLLM 0.32 (its junction rule differs)",
+            f"prefix_cache_retention_interval={retention}: set --prefix-cache-retention-interval None or "
+            "disable_eagle_block_drop=True",
+        )
     cached_mamba = fields["mamba_align"] and fields["enable_prefix_caching"]
-    fields["prefix_cache_retention_interval"] = None if retention is None or not cached_mamba else int(retention)
     # Mamba2 and Gated DeltaNet layers' prefill checkpoints (MambaSpec's num_prefill_checkpoint_blocks and
     # prefill_checkpoint_alignment): the last prefill chunk exports a block-boundary state into an extra block.
     fields["mamba_prefill_checkpoint_alignment"] = _checkpoint_alignment(kv_cache_config) if cached_mamba else None

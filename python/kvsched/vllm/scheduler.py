@@ -1595,14 +1595,17 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def _window_hashed_tokens(self, table: list[int], num_cached_blocks: int, window: int | str | None) -> int:
         """The tokens up to the end of the last block of ``table`` that carries a hash (among its first
         ``num_cached_blocks``); with a sliding window (or chunked-local attention) the null blocks before the
-        window carry none, a window of one token caches nothing, and sparse retention leaves Mamba states
-        uncached."""
+        window carry none, a window of one token caches nothing, and sparse retention leaves Mamba states and
+        window blocks uncached."""
         if window is None:
             return min(num_cached_blocks, len(table)) * self.block_size
         if window == 1:
             return 0
-        # Sparse retention leaves some of a Mamba table's states uncached: ask the core which carry a hash.
-        sparse = window == MAMBA and self.kv_config.prefix_cache_retention_interval is not None
+        # Sparse retention leaves some of a Mamba table's states and a window's blocks uncached: ask the core which
+        # carry a hash.
+        sparse = (
+            window == MAMBA or isinstance(window, int)
+        ) and self.kv_config.prefix_cache_retention_interval is not None
         for i in range(min(num_cached_blocks, len(table)) - 1, -1, -1):
             if table[i] != 0 and not (sparse and self._core.get_block_hash(table[i]) is None):
                 return (i + 1) * self.block_size

@@ -379,12 +379,13 @@ pub struct SchedulerConfig {
     /// null blocks), and prefill chunks end at block boundaries (`step.rs`). Needs a Mamba group and
     /// `enable_prefix_caching=False` (Mamba prefix hits and caching are not implemented). `false`: mode "none".
     pub mamba_align: bool,
-    /// Sparse prefix-cache retention of align-mode Mamba states (vLLM's `prefix_cache_retention_interval`;
-    /// `hybrid.rs`): `None` caches the state at every block boundary (dense); `Some(0)` only the states a later
-    /// request can resume at (the prompt's last block boundary that leaves a token, and the shared-prefix
-    /// junction); `Some(r)` (a multiple of `block_size`) those plus one at every multiple of `r` tokens. With no
-    /// Mamba group it caches as before; above 0 it needs a Mamba group, and it cannot be combined with a
-    /// sliding window when prefix caching is on.
+    /// Sparse prefix-cache retention (vLLM's `prefix_cache_retention_interval`; `hybrid.rs`) of align-mode Mamba
+    /// states and sliding-window blocks: `None` caches every block (dense); `Some(0)` a Mamba group's states
+    /// a later request can resume at only (the prompt's last block boundary that leaves a token, and the
+    /// shared-prefix junction), and a window's blocks a hit at those positions needs (the window's blocks before
+    /// each, one block further with the trailing-block drop); `Some(r)` (a multiple of `block_size`) those plus
+    /// the state (the window's blocks) at the end of every `r` tokens. Full-attention, chunked-local and
+    /// cross-attention groups cache every block; above 0 it needs a sliding window or a Mamba group.
     pub prefix_cache_retention_interval: Option<u32>,
     /// Prefill checkpoints of align-mode Mamba groups (vLLM's `MambaSpec.num_prefill_checkpoint_blocks` above 0
     /// with `prefill_checkpoint_alignment`; `hybrid_kv.rs`): `Some(a)`: a prefill chunk that starts at a block
@@ -853,8 +854,9 @@ impl SchedulerConfig {
         Ok(())
     }
 
-    /// What `prefix_cache_retention_interval` needs (vLLM's `_validate_prefix_cache_retention_interval`, and
-    /// no sparse retention of sliding windows, which the core does not implement).
+    /// What `prefix_cache_retention_interval` needs (vLLM's `_validate_prefix_cache_retention_interval`): a
+    /// multiple of the block size, and above 0 a sliding window or a Mamba group (it has no effect on full
+    /// attention, cross attention or chunked-local groups).
     fn validate_retention(&self) -> Result<()> {
         let Some(r) = self.prefix_cache_retention_interval else { return Ok(()) };
         let windows = self.sliding_window.is_some()
@@ -866,7 +868,7 @@ impl SchedulerConfig {
         let has_mamba = self.kv_cache_groups.contains(&Some(MAMBA));
         if r > 0 && !has_mamba && !windows {
             return Err(SchedError::InvalidConfig(format!(
-                "prefix_cache_retention_interval ({r}) needs a Mamba group in kv_cache_groups (it has no effect \
+                "prefix_cache_retention_interval ({r}) needs a sliding window or a Mamba group (it has no effect \
                  on full attention; 0 or None)"
             )));
         }
@@ -874,12 +876,6 @@ impl SchedulerConfig {
             return Err(SchedError::InvalidConfig(format!(
                 "prefix_cache_retention_interval ({r}) must be a multiple of block_size ({})",
                 self.block_size
-            )));
-        }
-        if windows && self.enable_prefix_caching {
-            return Err(SchedError::InvalidConfig(format!(
-                "prefix_cache_retention_interval ({r}) cannot be combined with a sliding window and \
-                 enable_prefix_caching (sparse retention of sliding windows is not implemented; None: dense)"
             )));
         }
         Ok(())

@@ -50,6 +50,11 @@
 //!   call fails its allocation (`mamba_cached_step`), and the longest single-set hit, when longer than the
 //!   combined one, is the request's shared-prefix junction (a chunk stop, `AlignedSplit::split`).
 //!
+//! - **Sparse retention** (`retention`, `SchedulerConfig::prefix_cache_retention_interval`): a window group caches
+//!   only the blocks a later hit can use (`window_retained`, at the positions `window_reachable` gives, the
+//!   shared-prefix junction among them), an align-mode Mamba group only the states `mamba_retained` keeps; the
+//!   junction is then set at every lookup with prefix caching.
+//!
 //! This module holds the groups' description; `hybrid_kv.rs` holds what `KvCacheManager` does with them, off the
 //! single-group paths: `KvCacheManager` branches there only when `hybrid` is set.
 
@@ -91,8 +96,9 @@ pub struct Hybrid {
     /// current `schedule()` call began (vLLM's `cached_blocks_this_step`): a Mamba hit on one of them fails its
     /// allocation in this step (its state is written by this step).
     pub mamba_cached_step: HashSet<BlockHash>,
-    /// Align-mode Mamba groups with prefix caching: the sparse retention of their states
-    /// (`SchedulerConfig::prefix_cache_retention_interval`; `None`: dense, see `mamba_retained`).
+    /// With prefix caching: the sparse retention of align-mode Mamba states and of sliding-window blocks
+    /// (`SchedulerConfig::prefix_cache_retention_interval`; `None`: dense, see `mamba_retained` and
+    /// `window_retained`).
     pub retention: Option<u32>,
     /// The hash lookahead tokens (`SchedulerConfig::hash_lookahead_tokens`): where the prompt's checkpoint lies
     /// under sparse retention (`mamba_checkpoint`).
@@ -295,6 +301,58 @@ pub(crate) fn mamba_retained(i: usize, bs: u32, retention: u32, reachable: &[u32
     reachable.iter().any(|&b| b >= bs && (b / bs) as usize == i + 1)
 }
 
+/// The token positions a later request can resume a sliding window's hit at, for `window_retained` (vLLM's
+/// `replay_boundaries` plus the shared-prefix junction): the prompt's last token (a resend of the same prompt is
+/// capped there), or with EAGLE's trailing-block drop (`eagle`) the block-floored positions of a resend and of a
+/// longer sibling, one block lower each; and the request's `junction` (0: none), with EAGLE also one block lower.
+pub(crate) fn window_reachable(num_prompt: u32, junction: u32, bs: u32, eagle: bool) -> Vec<u32> {
+    let mut out = Vec::with_capacity(4);
+    if eagle {
+        let resend = num_prompt.saturating_sub(1) / bs * bs;
+        let extension = num_prompt / bs * bs;
+        out.push(resend.saturating_sub(bs));
+        out.push(extension.saturating_sub(bs));
+    } else {
+        out.push(num_prompt.saturating_sub(1));
+    }
+    if junction > 0 {
+        out.push(junction);
+        if eagle && junction >= bs {
+            out.push(junction - bs);
+        }
+    }
+    out
+}
+
+/// Sparse retention of a sliding window's blocks (vLLM's `SlidingWindowManager.reachable_block_mask`): whether
+/// block `i` of a window of `window` tokens enters the prefix cache under retention interval `retention` (a
+/// multiple of `bs`). A hit at a block boundary needs the `need = ceil((window - 1) / bs)` blocks before it
+/// (one more with EAGLE's drop, `eagle`, whose run ends one block past the boundary). Kept: the `need` blocks
+/// ending at each of the `reachable` positions (`window_reachable`) floored to a block boundary; with an
+/// interval above 0 also the last `need` blocks of every segment of `retention / bs` blocks (every block when
+/// `need` covers a whole segment).
+pub(crate) fn window_retained(
+    i: usize,
+    bs: u32,
+    window: u32,
+    eagle: bool,
+    retention: u32,
+    reachable: &[u32],
+) -> bool {
+    let shift = usize::from(eagle);
+    let need = (window.saturating_sub(1)).div_ceil(bs) as usize + shift;
+    if retention > 0 {
+        let per_segment = (retention / bs) as usize;
+        if need >= per_segment || (i >= shift && (i - shift) % per_segment >= per_segment - need) {
+            return true;
+        }
+    }
+    reachable.iter().any(|&b| {
+        let end = (b / bs) as usize + shift;
+        i < end && i + need >= end
+    })
+}
+
 /// The settings of `mamba_aligned_split`, fixed for a scheduler's lifetime.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct AlignedSplit {
@@ -353,7 +411,9 @@ impl AlignedSplit {
 
 #[cfg(test)]
 mod tests {
-    use super::{checkpoint_valid, mamba_checkpoint, mamba_retained, AlignedSplit};
+    use super::{
+        checkpoint_valid, mamba_checkpoint, mamba_retained, window_reachable, window_retained, AlignedSplit,
+    };
 
     #[test]
     fn sparse_retention_keeps_segment_ends_and_reachable_states() {
@@ -367,6 +427,36 @@ mod tests {
                                                            // Every third block's end (12, 24 tokens) plus the reachable states.
         assert_eq!(kept(12, &[]), vec![2, 5]);
         assert_eq!(kept(12, &[19, 8]), vec![1, 2, 3, 5]);
+    }
+
+    #[test]
+    fn sparse_window_retention_keeps_the_runs_a_hit_needs() {
+        // Blocks of 4 tokens, a window of 9 tokens: a hit at a boundary needs the 2 blocks before it (3 and a
+        // run one block further with EAGLE's drop).
+        let kept = |r: u32, eagle: bool, reach: &[u32]| {
+            (0..10).filter(|&i| window_retained(i, 4, 9, eagle, r, reach)).collect::<Vec<_>>()
+        };
+        // A 14-token prompt: a resend resumes at 13 tokens, floored to 12: blocks 1 and 2.
+        assert_eq!(window_reachable(14, 0, 4, false), vec![13]);
+        assert_eq!(kept(0, false, &[13]), vec![1, 2]);
+        assert_eq!(kept(0, false, &[]), Vec::<usize>::new());
+        // Segments of 3 blocks: the last 2 of each, plus the reachable run.
+        assert_eq!(kept(12, false, &[]), vec![1, 2, 4, 5, 7, 8]);
+        assert_eq!(kept(12, false, &[13, 28]), vec![1, 2, 4, 5, 6, 7, 8]);
+        // A segment no longer than the run a hit needs keeps every block.
+        assert_eq!(kept(8, false, &[]), (0..10).collect::<Vec<_>>());
+        // EAGLE: a resend and a longer sibling of a 14-token prompt both hit at 8 tokens, their run of 3 blocks
+        // ending one block past it; the junction too, and one block below it.
+        assert_eq!(window_reachable(14, 0, 4, true), vec![8, 8]);
+        assert_eq!(window_reachable(16, 24, 4, true), vec![8, 12, 24, 20]);
+        assert_eq!(kept(0, true, &[8, 8]), vec![0, 1, 2]);
+        assert_eq!(kept(16, true, &[]), vec![2, 3, 4, 6, 7, 8]);
+        // A window of one token needs no block: only EAGLE's extra one.
+        assert!((0..10).all(|i| !window_retained(i, 4, 1, false, 0, &[13])));
+        assert_eq!(
+            (0..10).filter(|&i| window_retained(i, 4, 1, true, 0, &[13])).collect::<Vec<_>>(),
+            vec![3]
+        );
     }
 
     #[test]

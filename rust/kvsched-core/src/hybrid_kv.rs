@@ -5,6 +5,7 @@ use crate::config::{CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
 use crate::hybrid::{checkpoint_valid, mamba_checkpoint, mamba_retained, Hybrid};
 use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
+use crate::hybrid::{window_reachable, window_retained};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::request::{GroupTable, Request};
 
@@ -546,6 +547,11 @@ impl KvCacheManager {
         let retention = hy.retention.filter(|_| align);
         let reachable = [req.num_prompt_tokens.saturating_sub(1), req.shared_prefix_boundary];
         let prompt_checkpoint = mamba_checkpoint(req.num_prompt_tokens, bs, false, hy.hash_lookahead);
+        // Sparse retention of the window groups' blocks (`window_retained`).
+        let eagle = self.drop_trailing_hit;
+        let window_retention = hy.retention;
+        let window_reach = window_retention
+            .map(|_| window_reachable(req.num_prompt_tokens, req.shared_prefix_boundary, bs, eagle));
         let tail = retention.and_then(|_| {
             (num_tokens > 0 && num_tokens == prompt_checkpoint).then(|| (prompt_checkpoint / bs) as usize - 1)
         });
@@ -564,14 +570,21 @@ impl KvCacheManager {
                 continue;
             }
             let sparse = if w == MAMBA { retention } else { None };
+            let window_sparse = match (&window_reach, window_retention) {
+                (Some(reach), Some(r)) if is_window(w) && chunk_size(w).is_none() => {
+                    Some((r, reach.as_slice()))
+                }
+                _ => None,
+            };
+            let kept = |i: usize| match (sparse, window_sparse) {
+                (Some(r), _) => mamba_retained(i, bs, r, &reachable) || tail == Some(i),
+                (None, Some((r, reach))) => window_retained(i, bs, w, eagle, r, reach),
+                (None, None) => true,
+            };
             if w != 1 {
                 for i in first..num_full {
                     let b = table_ref(req, slots[g])[i];
-                    let kept = match sparse {
-                        Some(r) => mamba_retained(i, bs, r, &reachable) || tail == Some(i),
-                        None => true,
-                    };
-                    if b != NULL_BLOCK && kept {
+                    if b != NULL_BLOCK && kept(i) {
                         let key = group_key(&req.block_hashes[i], g);
                         self.pool.cache_block(b, key);
                         self.pool.set_event_group(b, g);
@@ -587,7 +600,7 @@ impl KvCacheManager {
             *table(req, slots[g]).1 = num_full as u32;
             if self.pool.events_mut().is_some() {
                 let blocks = table_ref(req, slots[g]).to_vec();
-                self.record_group_stored(req, &blocks, first, num_full, g, w != 1);
+                self.record_group_stored(req, &blocks, first, num_full, g, &|i| w != 1 && kept(i));
             }
             if let Some(c) = checkpoint {
                 self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);

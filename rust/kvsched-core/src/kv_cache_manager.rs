@@ -14,7 +14,7 @@
 
 use crate::block_pool::{prefetch, BlockPool, NULL_BLOCK};
 use crate::hashing::{BlockHash, BlockHasher};
-use crate::hybrid::group_key;
+use crate::hybrid::{group_key, window_reachable, window_retained};
 use crate::request::Request;
 
 #[derive(Debug, Clone)]
@@ -38,6 +38,9 @@ pub struct KvCacheManager {
     /// max_model_len) / block_size) + 1`, with one step's budget in flight per concurrent batch. Unused without
     /// a window.
     pub admission_cap_blocks: usize,
+    /// Sparse retention of the one sliding window's blocks (`SchedulerConfig::prefix_cache_retention_interval`,
+    /// `window_retained`; several groups keep theirs in `hybrid`); `None`: dense.
+    pub retention: Option<u32>,
     /// Several KV cache groups (`hybrid.rs`); `None`: one group.
     pub hybrid: Option<Box<crate::hybrid::Hybrid>>,
     /// A sliding window or several groups: the single-group full-attention paths do not apply.
@@ -184,11 +187,11 @@ impl KvCacheManager {
     }
 
     /// After a `find_longest_cache_hit` that found `num_hits` blocks: the tokens of the longest hit one lookup set
-    /// found when it exceeds them (vLLM's `shared_prefix_boundary`), else 0; 0 without align-mode Mamba groups
-    /// and prefix caching (the only ones that read it).
+    /// found when it exceeds them (vLLM's `shared_prefix_boundary`), else 0; 0 with one group, and without
+    /// prefix caching and either align-mode Mamba groups or sparse retention (the only ones that read it).
     pub(crate) fn shared_prefix_boundary(&self, num_hits: usize) -> u32 {
         match self.hybrid.as_deref() {
-            Some(hy) if hy.mamba_align && self.enable_caching => {
+            Some(hy) if (hy.mamba_align || hy.retention.is_some()) && self.enable_caching => {
                 let longest = hy.last_longest();
                 if longest > num_hits {
                     longest as u32 * self.block_size
@@ -474,7 +477,7 @@ impl KvCacheManager {
         req.num_cached_blocks = num_full as u32;
         if self.pool.events_mut().is_some() {
             // Group 0's key is the plain hash, and this table has no null blocks.
-            self.record_group_stored(req, &req.blocks, first, num_full, 0, true);
+            self.record_group_stored(req, &req.blocks, first, num_full, 0, &|_| true);
         }
     }
 
@@ -482,26 +485,33 @@ impl KvCacheManager {
     /// nothing (vLLM's `reachable_block_mask`: no block can start a hit).
     #[cold]
     fn cache_window_blocks(&mut self, req: &mut Request, first: usize, num_full: usize) {
-        if self.sliding_window > 1 {
-            for i in first..num_full {
-                let (block, hash) = (req.blocks[i], req.block_hashes[i]);
-                if block != NULL_BLOCK {
-                    self.pool.cache_block(block, hash);
-                    self.newly_cached.push((block, hash));
+        let (w, bs, eagle) = (self.sliding_window, self.block_size, self.drop_trailing_hit);
+        // Sparse retention: one group has no shared-prefix junction (vLLM's unitary coordinator reports none).
+        let sparse = self.retention.map(|r| (r, window_reachable(req.num_prompt_tokens, 0, bs, eagle)));
+        let kept = |i: usize| {
+            w > 1
+                && match &sparse {
+                    Some((r, reach)) => window_retained(i, bs, w, eagle, *r, reach),
+                    None => true,
                 }
+        };
+        for i in first..num_full {
+            let (block, hash) = (req.blocks[i], req.block_hashes[i]);
+            if block != NULL_BLOCK && kept(i) {
+                self.pool.cache_block(block, hash);
+                self.newly_cached.push((block, hash));
             }
         }
         req.num_cached_blocks = num_full as u32;
         if self.pool.events_mut().is_some() {
-            let stored = self.sliding_window > 1;
-            self.record_group_stored(req, &req.blocks, first, num_full, 0, stored);
+            self.record_group_stored(req, &req.blocks, first, num_full, 0, &kept);
         }
     }
 
     /// Records the stored event of group `g`'s run `first..num_full` of `req`'s blocks (`blocks`: the group's
-    /// table), just entered into the prefix cache: the hashes of its blocks that are not null (none when
-    /// `stored` is false: a window of one token caches nothing), with the copies of the group's key of each,
-    /// and the tokens and parent of the whole run (vLLM's event for a window group's run).
+    /// table), just entered into the prefix cache: the hashes of its blocks that are not null and that `kept`
+    /// entered (a window of one token caches nothing, sparse retention skips some), with the copies of the
+    /// group's key of each, and the tokens and parent of the whole run (vLLM's event for a window group's run).
     #[cold]
     pub(crate) fn record_group_stored(
         &mut self,
@@ -510,10 +520,10 @@ impl KvCacheManager {
         first: usize,
         num_full: usize,
         g: usize,
-        stored: bool,
+        kept: &dyn Fn(usize) -> bool,
     ) {
         let kept: Vec<(BlockHash, u32)> = (first..num_full)
-            .filter(|&i| stored && blocks[i] != NULL_BLOCK)
+            .filter(|&i| blocks[i] != NULL_BLOCK && kept(i))
             .map(|i| {
                 let h = req.block_hashes[i];
                 (h, self.pool.num_copies(&group_key(&h, g)))
@@ -652,6 +662,7 @@ mod tests {
             hash_buf: Vec::new(),
             sliding_window: 0,
             admission_cap_blocks: usize::MAX,
+            retention: None,
             hybrid: None,
             special: false,
             drop_trailing_hit: false,
@@ -713,6 +724,7 @@ mod tests {
             hash_buf: Vec::new(),
             sliding_window: 0,
             admission_cap_blocks: usize::MAX,
+            retention: None,
             hybrid: None,
             special: false,
             drop_trailing_hit: drop,

@@ -208,6 +208,9 @@ impl Scheduler {
             hash_buf: Vec::new(),
             sliding_window: config.sliding_window.unwrap_or(0),
             admission_cap_blocks: window_admission_cap_blocks(&config),
+            retention: config
+                .prefix_cache_retention_interval
+                .filter(|_| config.sliding_window.is_some() && config.kv_cache_groups.is_empty()),
             hybrid: (!config.kv_cache_groups.is_empty()).then(|| {
                 let mut hy = Hybrid::new(&config.kv_cache_groups, config.mamba_speculative_blocks, |w| {
                     window_cap_blocks(&config, w)
@@ -1249,11 +1252,14 @@ impl Scheduler {
                         if align_mamba && b == 0 {
                             continue; // the null entries between an align-mode Mamba table's states
                         }
-                        if align_mamba
+                        let sparse_window = window.is_some_and(|w| {
+                            crate::hybrid::is_window(w) && crate::hybrid::chunk_size(w).is_none()
+                        });
+                        if (align_mamba || sparse_window)
                             && cfg.prefix_cache_retention_interval.is_some()
                             && self.kv.pool.block_hash(b).is_none()
                         {
-                            continue; // a state sparse retention did not cache
+                            continue; // a state or window block sparse retention did not cache
                         }
                         let key = r.block_hashes.get(i).map(|h| crate::hybrid::group_key(h, g));
                         if self.kv.pool.block_hash(b) != key.as_ref() {

@@ -1515,18 +1515,16 @@ proptest! {
         align_soak(&SchedulerConfig { enable_prefix_caching: true, ..config }, ops)?;
     }
 
-    /// With sparse retention of the cached states too (0, or an interval of one to three blocks; the layout with
-    /// a window group left out: sparse retention of windows is refused).
+    /// With sparse retention of the cached states and window blocks too (0, or an interval of one to three
+    /// blocks).
     #[test]
     fn sparse_mamba_retention_random_operations_keep_every_invariant(
         config in align_config_strategy(),
         blocks in 0u32..4,
         ops in prop::collection::vec(op(), 1..100),
     ) {
-        let groups = config.kv_cache_groups.iter().copied().filter(|&w| w.is_none() || w == Some(crate::MAMBA));
         let config = SchedulerConfig {
             enable_prefix_caching: true,
-            kv_cache_groups: groups.collect(),
             prefix_cache_retention_interval: Some(blocks * config.block_size),
             ..config
         };
@@ -1566,6 +1564,42 @@ fn mamba_prefix_hit_takes_the_cached_state_block() {
     let table = s.get_group_block_ids("b", 1).unwrap().to_vec();
     assert_eq!(table.len(), 4);
     assert_eq!(table[..3], [0, 0, state]);
+}
+
+#[test]
+fn sparse_window_retention_caches_only_the_runs_a_hit_needs() {
+    // A window of 6 tokens (a hit needs the 2 blocks before its end), one group and beside full attention. "a" (25
+    // tokens) with retention 0 caches the window's blocks 4 and 5 only (a resend hits 24 tokens); "b", sharing 16
+    // tokens, then hits nothing. Beside full attention 16 is "b"'s junction, whose run (blocks 2 and 3) "b" caches:
+    // "c", sharing the same 16 tokens, hits 16. Segments of 3 blocks keep blocks 1 and 2 too ("b" hits 12).
+    for groups in [vec![], vec![None, Some(6)]] {
+        for (retention, b_hit, c_hit) in [(None, 16, 16), (Some(0), 0, 16), (Some(12), 12, 16)] {
+            let cfg = SchedulerConfig {
+                enable_prefix_caching: true,
+                sliding_window: groups.is_empty().then_some(6),
+                kv_cache_groups: groups.clone(),
+                prefix_cache_retention_interval: retention,
+                ..cfg(4, 40)
+            };
+            let mut s = Scheduler::new(cfg).unwrap();
+            add(&mut s, "a", &prompt(0, 25), params(1));
+            run_to_completion(&mut s);
+            assert_eq!(s.get_num_cached_tokens(&prompt(0, 25), None, None).unwrap(), 24);
+            let mut b = prompt(0, 16);
+            b.extend(prompt(500, 9));
+            add(&mut s, "b", &b, params(1));
+            let (out, _) = step_with(&mut s, 1);
+            assert_eq!(out.num_computed_tokens, vec![b_hit], "{groups:?} retention {retention:?}");
+            run_to_completion(&mut s);
+            let mut c = prompt(0, 16);
+            c.extend(prompt(900, 9));
+            add(&mut s, "c", &c, params(1));
+            let (out, _) = step_with(&mut s, 1);
+            let want = if groups.is_empty() { b_hit } else { c_hit };
+            assert_eq!(out.num_computed_tokens, vec![want], "{groups:?} retention {retention:?}");
+            s.check_invariants().unwrap();
+        }
+    }
 }
 
 #[test]
