@@ -729,7 +729,8 @@ class UMBPStandIn:
     then finds nothing); the connector's asynchronous lookups run on a stepped executor (``_StepExecutor``). Each
     store event of a step's metadata completes 0-3 steps later: its jobs' keys enter the store, except those of a
     job that fails (one in ten events has one; the job of a request preempted since is cancelled, and fails) and
-    the event is reported by one worker rank (``UMBPConnectorWorkerMetadata``, its failed objects). Each
+    the event is reported by one worker rank (``UMBPConnectorWorkerMetadata``, its failed objects). Now and then
+    another engine publishes the objects of a prefix of a live request's blocks (a consumer's only source). Each
     asynchronous load completes 0-2 steps later (``finished_recving`` for requests still known), with the blocks
     of keys no longer stored (or one in ten loads, a drawn block) invalid; a preempted request's load is
     cancelled. Synchronous loads complete in their step. Now and then the store evicts a third of its keys."""
@@ -821,6 +822,15 @@ class UMBPStandIn:
                         self.keys.update(dict.fromkeys(p.key for p in plans))
                 events[item[2]] = StoreEventResult(completed_workers=1, failed_objects=failed_objects)
         self.pending = left
+        if self.schedulers is not None and rng.random() < 0.3:
+            # Another engine (a prefill instance) publishes the KV of a prefix of a request's blocks.
+            a = self.schedulers[0]
+            codec = a.connector.connector_scheduler.codec
+            req_ids = sorted(r for r in a.requests if a.requests[r].block_hashes)
+            if req_ids:
+                hashes = a.requests[rng.choice(req_ids)].block_hashes
+                self.counts["remote publications"] += 1
+                self.keys.update(dict.fromkeys(codec.key(h, 0) for h in hashes[: rng.randrange(1, len(hashes) + 1)]))
         if self.keys and rng.random() < 0.05:
             for key in rng.sample(list(self.keys), len(self.keys) // 3):
                 del self.keys[key]
