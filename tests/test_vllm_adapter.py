@@ -244,15 +244,30 @@ def test_mooncake_store_connector_with_several_kv_cache_groups_is_refused() -> N
         make_scheduler("kvsched", cfg, kv_cache_groups=(None, 8))
 
 
-def _umbp_config(**kw: Any) -> Any:
+def _umbp_config(namespace: str = "test") -> Any:
     """A vLLM config with vLLM 0.33's UMBPStoreConnector (by its module: it is not in vLLM's connector registry);
     skips on a vLLM release without it."""
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.umbp")
     from vllm_driver import UMBP_MODULE
 
     ktc = {"kv_connector": "UMBPStoreConnector", "kv_connector_module_path": UMBP_MODULE, "kv_role": "kv_both",
-           "kv_connector_extra_config": {"key_namespace": "test"}}  # fmt: skip
-    return make_vllm_config(block_size=4, num_blocks=64, kv_transfer=ktc, **kw)
+           "kv_connector_extra_config": {"key_namespace": namespace}}  # fmt: skip
+    return make_vllm_config(block_size=4, num_blocks=64, kv_transfer=ktc)
+
+
+def test_umbp_store_connector_takes_its_namespace_from_the_workers_handshake() -> None:
+    """With ``key_namespace`` "auto" UMBPStoreConnector looks nothing up until vLLM's engine core hands it the
+    namespace its workers report (``get_kv_connector().set_xfer_handshake_metadata_pp_aware``), which reaches it
+    through kvsched.vllm's scheduler as through vLLM's."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import UMBPHandshakeMetadata
+    from vllm_driver import UMBPStandIn
+
+    with UMBPStandIn(0).in_place():
+        s = make_scheduler("kvsched", _umbp_config("auto"))
+    cs = s.connector.connector_scheduler
+    assert cs.runtime is None and cs.codec is None
+    s.get_kv_connector().set_xfer_handshake_metadata_pp_aware({(0, 0): UMBPHandshakeMetadata("from-workers")})
+    assert cs.runtime is not None and cs.codec.namespace.value == "from-workers"
 
 
 def test_umbp_store_connector_gets_a_pinning_pool_and_its_local_lookup() -> None:
