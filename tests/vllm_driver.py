@@ -34,6 +34,7 @@ import os
 import random
 import sys
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -744,6 +745,10 @@ class UMBPStandIn:
         self.counts = collections.Counter[str]()
         self.pool_calls: tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]] = ([], [])
         self.schedulers: tuple[Any, Any] | None = None
+        self.kv_events = False
+        self.steps = 0
+        # Keys this engine's store events published (the runtime reports their evictions to its workers).
+        self.local: set[str] = set()
 
     @contextlib.contextmanager
     def in_place(self) -> Any:
@@ -757,20 +762,39 @@ class UMBPStandIn:
             yield
 
     def attach(self, a: Any, b: Any) -> None:
-        """The built schedulers: each connector's lookup executor is a stepped one, its pool logs its calls."""
+        """The built schedulers: each connector's lookup executor is a stepped one, its pool logs its calls; the
+        connector module's clock (it rechecks published objects for KV cache events once a second) is the
+        stand-in's, which each step moves on by 0.4 s, so both sides see the same time."""
+        from unittest import mock
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.umbp import scheduler as umbp_scheduler
+
         self.schedulers = (a, b)
         for sched, calls in zip((a, b), self.pool_calls, strict=True):
             cs = sched.connector.connector_scheduler
             cs._lookup_executor.shutdown(wait=True)
             cs._lookup_executor = _StepExecutor(self.seed)
             cs._gpu_block_pool = _RecordingPool(cs._gpu_block_pool, calls)
+            self.kv_events = cs.enable_kv_cache_events
+        if UMBPStandIn._clock is not None:
+            UMBPStandIn._clock.stop()  # (the previous pair's)
+        UMBPStandIn._clock = mock.patch.object(umbp_scheduler, "time", types.SimpleNamespace(monotonic=self.now))
+        UMBPStandIn._clock.start()
+
+    _clock: Any = None
+
+    def now(self) -> float:
+        return self.steps * 0.4
 
     def report(self, meta: Any, known: Callable[[str], bool]) -> Any:
         """What the workers report with the output of the step whose connector metadata is ``meta``."""
+        from vllm.distributed.kv_events import BlockRemoved
+        from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import UMBPStoreKVEvents
         from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
             StoreEventResult,
             UMBPConnectorWorkerMetadata,
         )
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
         from vllm.v1.outputs import KVConnectorOutput
 
         rng = self.rng
@@ -820,6 +844,7 @@ class UMBPStandIn:
                         failed_objects.update((p.group_id, p.block_hash) for p in plans)
                     else:
                         self.keys.update(dict.fromkeys(p.key for p in plans))
+                        self.local.update(p.key for p in plans)
                 events[item[2]] = StoreEventResult(completed_workers=1, failed_objects=failed_objects)
         self.pending = left
         if self.schedulers is not None and rng.random() < 0.3:
@@ -831,15 +856,36 @@ class UMBPStandIn:
                 hashes = a.requests[rng.choice(req_ids)].block_hashes
                 self.counts["remote publications"] += 1
                 self.keys.update(dict.fromkeys(codec.key(h, 0) for h in hashes[: rng.randrange(1, len(hashes) + 1)]))
+        removed = []
         if self.keys and rng.random() < 0.05:
             for key in rng.sample(list(self.keys), len(self.keys) // 3):
                 del self.keys[key]
-        if not (recving or invalid or events):
+                if key in self.local:
+                    self.local.discard(key)
+                    removed.append(key)
+        self.steps += 1
+        kv_events = None
+        if self.kv_events:
+            # The worker's events: the locally published objects evicted (the worker reports every step).
+            kv_events = UMBPStoreKVEvents(
+                [
+                    BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(bytes.fromhex(key.rsplit(":", 1)[1]))],
+                        medium="CPU",
+                        group_idx=int(key.rsplit(":", 2)[1][1:]),
+                        locality="LOCAL",
+                    )
+                    for key in removed
+                ]
+            )
+            self.counts["evictions reported"] += len(removed)
+        if not (recving or invalid or events or kv_events):
             return None
         return KVConnectorOutput(
             finished_recving=recving or None,
             invalid_block_ids=invalid,
             kv_connector_worker_meta=UMBPConnectorWorkerMetadata(store_events=events) if events else None,
+            kv_cache_events=kv_events,
         )
 
     def compare(self, when: str) -> None:
@@ -1923,7 +1969,8 @@ def main(argv: list[str] | None = None) -> int:
         "its store events saved (some lookups failing), events and loads reported over 0-3 steps later, some loads "
         "with invalid blocks, some store jobs failing; the connector's metadata and state, its touch / free_blocks "
         "calls on the block pool and every GPU block's reference count and block hash are compared; with "
-        "--kv-roles; not with --connector, --cpu-offload, --mooncake-store, --kv-events, --sliding-window, "
+        "--kv-roles; with --kv-events, the connector's events and the worker's evictions in the published batches; "
+        "not with --connector, --cpu-offload, --mooncake-store, --sliding-window, "
         "--hybrid, --mamba, --enc-dec and --pp",
     )
     p.add_argument(
@@ -2116,7 +2163,6 @@ def main(argv: list[str] | None = None) -> int:
         args.connector
         or args.cpu_offload
         or args.mooncake_store
-        or args.kv_events
         or args.sliding_window
         or args.hybrid
         or args.mamba
@@ -2124,9 +2170,8 @@ def main(argv: list[str] | None = None) -> int:
         or args.pp
     ):
         p.error(
-            "--umbp-store goes without --connector, --cpu-offload, --mooncake-store, --kv-events (the connector "
-            "publishes its events on a wall-clock schedule), --sliding-window, --hybrid, --mamba, --enc-dec and --pp "
-            "(UMBP refuses pipeline parallelism)"
+            "--umbp-store goes without --connector, --cpu-offload, --mooncake-store, --sliding-window, --hybrid, "
+            "--mamba, --enc-dec and --pp (UMBP refuses pipeline parallelism)"
         )
     if args.umbp_store and RULES.version == "0.32":
         p.error("--umbp-store: vLLM 0.32 has no UMBPStoreConnector")
