@@ -259,11 +259,12 @@ def test_umbp_store_connector_takes_its_namespace_from_the_workers_handshake() -
     """With ``key_namespace`` "auto" UMBPStoreConnector looks nothing up until vLLM's engine core hands it the
     namespace its workers report (``get_kv_connector().set_xfer_handshake_metadata_pp_aware``), which reaches it
     through kvsched.vllm's scheduler as through vLLM's."""
+    cfg = _umbp_config("auto")
     from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import UMBPHandshakeMetadata
     from vllm_driver import UMBPStandIn
 
     with UMBPStandIn(0).in_place():
-        s = make_scheduler("kvsched", _umbp_config("auto"))
+        s = make_scheduler("kvsched", cfg)
     cs = s.connector.connector_scheduler
     assert cs.runtime is None and cs.codec is None
     s.get_kv_connector().set_xfer_handshake_metadata_pp_aware({(0, 0): UMBPHandshakeMetadata("from-workers")})
@@ -320,8 +321,9 @@ def test_umbp_store_connector_with_several_kv_cache_groups_is_refused() -> None:
     boundary states and finished partial tails) it is refused, as every KV connector that binds the pool is."""
     from vllm_driver import UMBPStandIn
 
+    cfg = _umbp_config()
     with UMBPStandIn(0).in_place(), pytest.raises(UnsupportedFeatureError, match="several KV cache groups"):
-        make_scheduler("kvsched", _umbp_config(), kv_cache_groups=(None, 8))
+        make_scheduler("kvsched", cfg, kv_cache_groups=(None, 8))
 
 
 def test_simple_cpu_offload_connector_gets_a_pinning_pool() -> None:

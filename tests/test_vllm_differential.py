@@ -313,6 +313,19 @@ def test_identical_to_vllm_with_the_umbp_store_connector(sync: str, runner: str,
     assert bool(counts["store events"]) == (kv_role != "kv_consumer")
 
 
+@pytest.mark.parametrize(("sync", "runner"), [("sync", "v1"), ("async", "v2")], ids=["sync-v1", "async-v2"])
+def test_identical_to_vllm_with_the_umbp_store_connector_and_kv_cache_events(sync: str, runner: str) -> None:
+    """UMBPStoreConnector with KV cache events on: its events (objects stored once the runtime confirms them,
+    removed when a recheck misses them or its worker reports them evicted) are published with the scheduler's and
+    compared batch by batch."""
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.umbp", reason="UMBP is vLLM 0.33's")
+    import vllm_driver
+
+    vllm_driver.UMBP_COUNTS.clear()
+    run_seed(9, 120, async_scheduling=sync == "async", v2=runner == "v2", umbp_store=True, kv_events=True)
+    assert vllm_driver.UMBP_COUNTS["evictions reported"]
+
+
 @pytest.mark.parametrize(("sync", "kv_role"), [("sync", "kv_producer"), ("async", "kv_consumer"), ("async", "kv_both")])
 def test_identical_to_vllm_with_streaming_input_and_a_kv_connector(
     sync: str, kv_role: str, monkeypatch: pytest.MonkeyPatch
