@@ -471,7 +471,59 @@ class _StandInLookupClient:
         pass
 
 
-class MooncakeStandIn:
+def _items(d: dict[Any, Any]) -> list[Any]:
+    return sorted((k, _norm(v)) for k, v in d.items())
+
+
+class _StoreStandIn:
+    """What the store stand-ins share: both schedulers' connectors, their calls on the block pool, and the
+    comparison of both sides after every call."""
+
+    name = ""
+    pending: list[list[Any]]  # [steps left, ...]: transfers not reported over yet
+
+    def __init__(self) -> None:
+        self.pool_calls: tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]] = ([], [])
+        self.schedulers: tuple[Any, Any] | None = None
+
+    def record_pools(self, a: Any, b: Any) -> list[Any]:
+        """The built schedulers: each connector's pool logs its calls. Returns their connectors' scheduler halves."""
+        self.schedulers = (a, b)
+        halves = []
+        for sched, calls in zip((a, b), self.pool_calls, strict=True):
+            cs = sched.connector.connector_scheduler
+            cs._gpu_block_pool = _RecordingPool(cs._gpu_block_pool, calls)
+            halves.append(cs)
+        return halves
+
+    def compare(self, when: str) -> None:
+        """The connector's scheduler-side state on both sides, its calls on the block pool since the last
+        comparison, and the pool as it sees it (each block's reference count and block hash)."""
+        assert self.schedulers is not None
+        a, b = self.schedulers
+        compare(f"{when}: {self.name} pool calls", *self.pool_calls)
+        for calls in self.pool_calls:
+            calls.clear()
+        self.compare_connectors(when, a.connector.connector_scheduler, b.connector.connector_scheduler)
+        _compare_pools(when, a, b)
+
+    def compare_connectors(self, when: str, ca: Any, cb: Any) -> None:
+        raise NotImplementedError
+
+    def take_due(self) -> list[list[Any]]:
+        """The pending transfers (``[steps left, ...]``) due now, in order; the others are a step closer."""
+        due, left = [], []
+        for item in self.pending:
+            if item[0] > 0:
+                item[0] -= 1
+                left.append(item)
+            else:
+                due.append(item)
+        self.pending = left
+        return due
+
+
+class MooncakeStandIn(_StoreStandIn):
     """A stand-in for the Mooncake store and the workers of vLLM's MooncakeStoreConnector, shared by both
     schedulers of a pair (every call on it is made alike for both).
 
@@ -494,8 +546,9 @@ class MooncakeStandIn:
         # [steps left, "load", req_id, invalid block or None] or [steps left, "save", store job id, hashes]
         self.pending: list[list[Any]] = []
         self.counts = collections.Counter[str]()
-        self.pool_calls: tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]] = ([], [])
-        self.schedulers: tuple[Any, Any] | None = None
+        super().__init__()
+
+    name = "Mooncake"
 
     @contextlib.contextmanager
     def in_place(self) -> Any:
@@ -509,11 +562,8 @@ class MooncakeStandIn:
 
     def attach(self, a: Any, b: Any) -> None:
         """The built schedulers: each connector's lookup client gets its coordinator, its pool a call log."""
-        self.schedulers = (a, b)
-        for sched, calls in zip((a, b), self.pool_calls, strict=True):
-            cs = sched.connector.connector_scheduler
+        for cs in self.record_pools(a, b):
             cs.client.coord = cs._store_coord
-            cs._gpu_block_pool = _RecordingPool(cs._gpu_block_pool, calls)
             self.load_async = cs.load_async
 
     def lookup(self, coord: Any, num_tokens: int, block_hashes: Sequence[Any]) -> Any:
@@ -563,12 +613,8 @@ class MooncakeStandIn:
         recving: set[str] = set()
         invalid: set[int] = set()
         saves: dict[int, int] = {}
-        left = []
-        for item in self.pending:
-            if item[0] > 0:
-                item[0] -= 1
-                left.append(item)
-            elif item[1] == "load":
+        for item in self.take_due():
+            if item[1] == "load":
                 self.counts["loads"] += 1
                 if self.load_async and known(item[2]):
                     recving.add(item[2])
@@ -579,7 +625,6 @@ class MooncakeStandIn:
                 self.counts["store jobs"] += 1
                 self.keys.update(dict.fromkeys(item[3]))
                 saves[item[2]] = 1
-        self.pending = left
         if self.keys and rng.random() < 0.05:
             for key in rng.sample(list(self.keys), len(self.keys) // 3):
                 del self.keys[key]
@@ -591,21 +636,10 @@ class MooncakeStandIn:
             kv_connector_worker_meta=MooncakeStoreWorkerMetadata(completed_saves=saves) if saves else None,
         )
 
-    def compare(self, when: str) -> None:
-        """The connector's scheduler-side state on both sides, its calls on the block pool since the last
-        comparison, and the pool as it sees it (each block's reference count and block hash)."""
-        assert self.schedulers is not None
-        a, b = self.schedulers
-        ca, cb = a.connector.connector_scheduler, b.connector.connector_scheduler
-
-        def items(d: dict[Any, Any]) -> list[Any]:
-            return sorted((k, _norm(v)) for k, v in d.items())
-
-        compare(f"{when}: Mooncake pool calls", *self.pool_calls)
-        for calls in self.pool_calls:
-            calls.clear()
-        compare(f"{when}: Mooncake load specs", items(ca.load_specs), items(cb.load_specs))
-        compare(f"{when}: Mooncake request trackers", items(ca._request_trackers), items(cb._request_trackers))
+    def compare_connectors(self, when: str, ca: Any, cb: Any) -> None:
+        """Load specs, request trackers, unfinished requests, pinned saves, the next store job."""
+        compare(f"{when}: Mooncake load specs", _items(ca.load_specs), _items(cb.load_specs))
+        compare(f"{when}: Mooncake request trackers", _items(ca._request_trackers), _items(cb._request_trackers))
         compare(
             f"{when}: Mooncake unfinished requests",
             sorted((r, _norm(ids)) for r, (_, ids) in ca._unfinished_requests.items()),
@@ -614,10 +648,9 @@ class MooncakeStandIn:
         compare(
             f"{when}: Mooncake unfinished ids", sorted(ca._unfinished_request_ids), sorted(cb._unfinished_request_ids)
         )
-        compare(f"{when}: Mooncake pinned saves", items(ca._pinned_saves), items(cb._pinned_saves))
+        compare(f"{when}: Mooncake pinned saves", _items(ca._pinned_saves), _items(cb._pinned_saves))
         compare(f"{when}: Mooncake next store job", ca._next_store_job_id, cb._next_store_job_id)
         compare(f"{when}: Mooncake pending push work", ca.has_pending_push_work(), cb.has_pending_push_work())
-        _compare_pools(when, a, b)
 
 
 def _compare_pools(when: str, a: Any, b: Any) -> None:
@@ -721,7 +754,7 @@ def _umbp_metadata(meta: Any) -> Any:
     return None if meta is None else _norm(meta)
 
 
-class UMBPStandIn:
+class UMBPStandIn(_StoreStandIn):
     """A stand-in for the UMBP runtime (registered as vLLM's ``embedded`` UMBP runtime while the schedulers are
     built) and the workers of vLLM's UMBPStoreConnector, shared by both schedulers of a pair (every call on it is
     made alike for both).
@@ -736,6 +769,8 @@ class UMBPStandIn:
     of keys no longer stored (or one in ten loads, a drawn block) invalid; a preempted request's load is
     cancelled. Synchronous loads complete in their step. Now and then the store evicts a third of its keys."""
 
+    name = "UMBP"
+
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self.rng = random.Random(f"umbp-store/{seed}")
@@ -743,8 +778,7 @@ class UMBPStandIn:
         # [steps left, "load", req_id, BlockLoadBatch] or [steps left, "store", event, [(req_id, plans)], failed]
         self.pending: list[list[Any]] = []
         self.counts = collections.Counter[str]()
-        self.pool_calls: tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]] = ([], [])
-        self.schedulers: tuple[Any, Any] | None = None
+        super().__init__()
         self.kv_events = False
         self.steps = 0
         # Keys this engine's store events published (the runtime reports their evictions to its workers).
@@ -769,12 +803,9 @@ class UMBPStandIn:
 
         from vllm.distributed.kv_transfer.kv_connector.v1.umbp import scheduler as umbp_scheduler
 
-        self.schedulers = (a, b)
-        for sched, calls in zip((a, b), self.pool_calls, strict=True):
-            cs = sched.connector.connector_scheduler
+        for cs in self.record_pools(a, b):
             cs._lookup_executor.shutdown(wait=True)
             cs._lookup_executor = _StepExecutor(self.seed)
-            cs._gpu_block_pool = _RecordingPool(cs._gpu_block_pool, calls)
             self.kv_events = cs.enable_kv_cache_events
         if UMBPStandIn._clock is not None:
             UMBPStandIn._clock.stop()  # (the previous pair's)
@@ -820,12 +851,8 @@ class UMBPStandIn:
                 if rng.random() < 0.1:
                     failed.add(rng.choice(jobs)[0])
                 self.pending.append([rng.randrange(0, 4), "store", meta.store_event, jobs, failed])
-        left = []
-        for item in self.pending:
-            if item[0] > 0:
-                item[0] -= 1
-                left.append(item)
-            elif item[1] == "load":
+        for item in self.take_due():
+            if item[1] == "load":
                 self.counts["async loads"] += 1
                 batch = item[3]
                 bad = {b for k, b in zip(batch.keys, batch.block_ids, strict=True) if k not in self.keys}
@@ -846,7 +873,6 @@ class UMBPStandIn:
                         self.keys.update(dict.fromkeys(p.key for p in plans))
                         self.local.update(p.key for p in plans)
                 events[item[2]] = StoreEventResult(completed_workers=1, failed_objects=failed_objects)
-        self.pending = left
         if self.schedulers is not None and rng.random() < 0.3:
             # Another engine (a prefill instance) publishes the KV of a prefix of a request's blocks.
             a = self.schedulers[0]
@@ -888,22 +914,12 @@ class UMBPStandIn:
             kv_cache_events=kv_events,
         )
 
-    def compare(self, when: str) -> None:
-        """The connector's scheduler-side state on both sides, its calls on the block pool since the last
-        comparison, and the pool as it sees it (each block's reference count and block hash)."""
-        assert self.schedulers is not None
-        a, b = self.schedulers
-        ca, cb = a.connector.connector_scheduler, b.connector.connector_scheduler
-
-        def items(d: dict[Any, Any]) -> list[Any]:
-            return sorted((k, _norm(v)) for k, v in d.items())
-
-        compare(f"{when}: UMBP pool calls", *self.pool_calls)
-        for calls in self.pool_calls:
-            calls.clear()
-        compare(f"{when}: UMBP pending loads", items(ca._pending_loads), items(cb._pending_loads))
-        compare(f"{when}: UMBP load specs", items(ca._load_specs), items(cb._load_specs))
-        compare(f"{when}: UMBP request trackers", items(ca._request_trackers), items(cb._request_trackers))
+    def compare_connectors(self, when: str, ca: Any, cb: Any) -> None:
+        """Pending loads and lookups, load specs, request trackers, requests, pending finished stores, store
+        events and the next event's id."""
+        compare(f"{when}: UMBP pending loads", _items(ca._pending_loads), _items(cb._pending_loads))
+        compare(f"{when}: UMBP load specs", _items(ca._load_specs), _items(cb._load_specs))
+        compare(f"{when}: UMBP request trackers", _items(ca._request_trackers), _items(cb._request_trackers))
         compare(f"{when}: UMBP requests", sorted(ca._requests), sorted(cb._requests))
         compare(
             f"{when}: UMBP pending lookups",
@@ -912,13 +928,12 @@ class UMBPStandIn:
         )
         compare(
             f"{when}: UMBP pending finished stores",
-            items(ca._pending_finished_stores),
-            items(cb._pending_finished_stores),
+            _items(ca._pending_finished_stores),
+            _items(cb._pending_finished_stores),
         )
-        compare(f"{when}: UMBP store events", items(ca._store_events), items(cb._store_events))
+        compare(f"{when}: UMBP store events", _items(ca._store_events), _items(cb._store_events))
         compare(f"{when}: UMBP next store event", ca._store_event_counter, cb._store_event_counter)
         compare(f"{when}: UMBP pending push work", ca.has_pending_push_work(), cb.has_pending_push_work())
-        _compare_pools(when, a, b)
 
 
 class Pair:
