@@ -244,14 +244,17 @@ def test_mooncake_store_connector_with_several_kv_cache_groups_is_refused() -> N
         make_scheduler("kvsched", cfg, kv_cache_groups=(None, 8))
 
 
-def _umbp_config(namespace: str = "test") -> Any:
-    """A vLLM config with vLLM 0.33's UMBPStoreConnector (by its module: it is not in vLLM's connector registry);
-    skips on a vLLM release without it."""
+def _umbp_config(namespace: str = "test", multi: bool = False) -> Any:
+    """A vLLM config with vLLM 0.33's UMBPStoreConnector (by its module: it is not in vLLM's connector registry),
+    alone or (``multi``) as the child of a ``MultiConnector``; skips on a vLLM release without it."""
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.umbp")
     from vllm_driver import UMBP_MODULE
 
     ktc = {"kv_connector": "UMBPStoreConnector", "kv_connector_module_path": UMBP_MODULE, "kv_role": "kv_both",
            "kv_connector_extra_config": {"key_namespace": namespace}}  # fmt: skip
+    if multi:
+        ktc = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"connectors": [ktc]}}  # fmt: skip
     return make_vllm_config(block_size=4, num_blocks=64, kv_transfer=ktc)
 
 
@@ -273,9 +276,9 @@ def test_umbp_store_connector_takes_its_namespace_from_the_workers_handshake() -
 
 def test_umbp_store_connector_gets_a_pinning_pool_and_its_local_lookup() -> None:
     """vLLM 0.33's UMBPStoreConnector binds the block pool and the KV cache manager: kvsched.vllm gives it the
-    pinning pool view, and its local prefix-cache lookup (through the view's coordinator) finds a block a
-    finished request left cached, under vLLM's hash of that block, as vLLM's pool does. (Its runtime is the
-    differential driver's stand-in, registered with vLLM's UMBPRuntimeFactory.)"""
+    pinning pool view (alone or under a MultiConnector), and its local prefix-cache lookup (through the view's
+    coordinator) finds a block a finished request left cached, under vLLM's hash of that block, as vLLM's pool
+    does. (Its runtime is the differential driver's stand-in, registered with vLLM's UMBPRuntimeFactory.)"""
     from kvsched.vllm._kv_view import PinningBlockPoolView
     from vllm_driver import UMBPStandIn
 
@@ -286,6 +289,11 @@ def test_umbp_store_connector_gets_a_pinning_pool_and_its_local_lookup() -> None
     assert isinstance(s.kv_cache_manager.block_pool, PinningBlockPoolView)
     cs = s.connector.connector_scheduler
     assert cs._gpu_block_pool is s.kv_cache_manager.block_pool
+    cfg_multi = _umbp_config(multi=True)
+    with UMBPStandIn(0).in_place():
+        m = make_scheduler("kvsched", cfg_multi)
+    assert isinstance(m.kv_cache_manager.block_pool, PinningBlockPoolView)
+    assert m.connector.sub_connectors[0].connector_scheduler._gpu_block_pool is m.kv_cache_manager.block_pool
     hashes = []
     for sched in scheds:
         req = make_request("r", list(range(3, 12)), max_tokens=1, block_size=4)
