@@ -214,10 +214,9 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
     (references, frees, cached lookups by vLLM's block hashes). vLLM's ``SimpleCPUOffloadConnector`` (eager and
     lazy offload), ``MooncakeStoreConnector`` and ``UMBPStoreConnector`` use only what the adapter's pinning pool
     provides: they are accepted, with their own ``bind_gpu_block_pool`` (and UMBP's own ``bind_kv_cache_manager``).
-    Every other such connector is refused, by name. vLLM's
-    ``MultiConnector`` overrides both only to pass them on to its children: it is refused when one of its children
-    (at any depth) is. Every other connector gets ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as
-    vLLM binds its own manager."""
+    Every other such connector is refused, by name. vLLM's ``MultiConnector`` overrides both only to pass them on
+    to its children: it is refused when one of its children (at any depth) is. Every other connector gets
+    ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own manager."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
