@@ -24,7 +24,7 @@ from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
 from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
-from vllm_driver import compare, step_pair
+from vllm_driver import compare, runner_output, step_pair
 
 pytestmark = pytest.mark.vllm
 
@@ -179,25 +179,19 @@ _V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
 
 @pytest.mark.parametrize(
     ("module", "name", "missing"),
-    [
-        (f"{_V1}.hisparse.connector", "HiSparseConnector", "HiSparse host block pool"),
-        (f"{_V1}.umbp.connector", "UMBPStoreConnector", "UMBP runtime registered by MORI"),
-    ],
+    [(f"{_V1}.hisparse.connector", "HiSparseConnector", "HiSparse host block pool")],
 )
 def test_vllms_other_block_pool_connectors_are_refused_saying_what_is_missing(
     module: str, name: str, missing: str
 ) -> None:
-    """vLLM's connectors that bind the block pool other than SimpleCPUOffloadConnector and
-    MooncakeStoreConnector (HiSparse, UMBP; neither can be built here: a HiSparse host pool, a UMBP runtime) are
-    refused by name, with what kvsched.vllm lacks for each; a subclass is refused the same way."""
+    """vLLM's connectors that bind the block pool other than SimpleCPUOffloadConnector, MooncakeStoreConnector and
+    UMBPStoreConnector (HiSparse: it cannot be built here, without a HiSparse host pool) are refused by name, with
+    what kvsched.vllm lacks for each; a subclass is refused the same way."""
     import importlib
 
     from kvsched.vllm._config import check_kv_connector
 
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except ImportError:  # UMBP is vLLM 0.33's
-        pytest.skip(f"no {name} in this vLLM release")
+    cls = getattr(importlib.import_module(module), name)
     sub = type(f"My{name}", (cls,), {})
     for klass in (cls, sub):
         conn = object.__new__(klass)  # their constructors need what is missing here
@@ -248,6 +242,96 @@ def test_mooncake_store_connector_with_several_kv_cache_groups_is_refused() -> N
 
     cfg = make_vllm_config(block_size=4, num_blocks=64, kv_transfer=_MOONCAKE)
     with MooncakeStandIn(0, 4).in_place(), pytest.raises(UnsupportedFeatureError, match="several KV cache groups"):
+        make_scheduler("kvsched", cfg, kv_cache_groups=(None, 8))
+
+
+def _umbp_config(namespace: str = "test", multi: bool = False) -> Any:
+    """A vLLM config with vLLM 0.33's UMBPStoreConnector (by its module: it is not in vLLM's connector registry),
+    alone or (``multi``) as the child of a ``MultiConnector``; skips on a vLLM release without it."""
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.umbp")
+    from vllm_driver import UMBP_MODULE
+
+    ktc = {"kv_connector": "UMBPStoreConnector", "kv_connector_module_path": UMBP_MODULE, "kv_role": "kv_both",
+           "kv_connector_extra_config": {"key_namespace": namespace}}  # fmt: skip
+    if multi:
+        ktc = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"connectors": [ktc]}}  # fmt: skip
+    return make_vllm_config(block_size=4, num_blocks=64, kv_transfer=ktc)
+
+
+def test_umbp_store_connector_takes_its_namespace_from_the_workers_handshake() -> None:
+    """With ``key_namespace`` "auto" UMBPStoreConnector looks nothing up until vLLM's engine core hands it the
+    namespace its workers report (``get_kv_connector().set_xfer_handshake_metadata_pp_aware``), which reaches it
+    through kvsched.vllm's scheduler as through vLLM's."""
+    cfg = _umbp_config("auto")
+    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import UMBPHandshakeMetadata
+    from vllm_driver import UMBPStandIn
+
+    with UMBPStandIn(0).in_place():
+        s = make_scheduler("kvsched", cfg)
+    cs = s.connector.connector_scheduler
+    assert cs.runtime is None and cs.codec is None
+    s.get_kv_connector().set_xfer_handshake_metadata_pp_aware({(0, 0): UMBPHandshakeMetadata("from-workers")})
+    assert cs.runtime is not None and cs.codec.namespace.value == "from-workers"
+
+
+def test_umbp_store_connector_gets_a_pinning_pool_and_its_local_lookup() -> None:
+    """vLLM 0.33's UMBPStoreConnector binds the block pool and the KV cache manager: kvsched.vllm gives it the
+    pinning pool view (alone or under a MultiConnector), and its local prefix-cache lookup (through the view's
+    coordinator) finds a block a finished request left cached, under vLLM's hash of that block, as vLLM's pool
+    does. (Its runtime is the differential driver's stand-in, registered with vLLM's UMBPRuntimeFactory.)"""
+    from kvsched.vllm._kv_view import PinningBlockPoolView
+    from vllm_driver import UMBPStandIn
+
+    cfg = _umbp_config()
+    with UMBPStandIn(0).in_place():
+        scheds = [make_scheduler(kind, cfg) for kind in ("vllm", "kvsched")]
+    s = scheds[1]
+    assert isinstance(s.kv_cache_manager.block_pool, PinningBlockPoolView)
+    cs = s.connector.connector_scheduler
+    assert cs._gpu_block_pool is s.kv_cache_manager.block_pool
+    cfg_multi = _umbp_config(multi=True)
+    with UMBPStandIn(0).in_place():
+        m = make_scheduler("kvsched", cfg_multi)
+    assert isinstance(m.kv_cache_manager.block_pool, PinningBlockPoolView)
+    assert m.connector.sub_connectors[0].connector_scheduler._gpu_block_pool is m.kv_cache_manager.block_pool
+    hashes = []
+    for sched in scheds:
+        req = make_request("r", list(range(3, 12)), max_tokens=1, block_size=4)
+        sched.add_request(req)
+        so = sched.schedule()
+        sched.update_from_output(so, runner_output(["r"], [[5]]))
+        hashes.append(req.block_hashes[:2])
+    assert hashes[0] == hashes[1] and len(hashes[1]) == 2
+    for sched in scheds:  # the two full blocks stay cached once the request finished
+        lookup = sched.connector.connector_scheduler._local_cache_lookup
+        assert [lookup(0, h) for h in hashes[1]] == [True, True]
+        assert lookup(0, b"not a block hash") is False
+
+
+def test_umbp_store_connector_subclasses_are_accepted_only_binding_as_it_does() -> None:
+    """A subclass of UMBPStoreConnector that binds the pool and the KV cache manager as it does is accepted; one
+    that overrides either binding is refused by name, saying it is not verified."""
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.umbp")
+    from kvsched.vllm._config import check_kv_connector
+    from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import UMBPStoreConnector
+
+    plain = type("MyUMBP", (UMBPStoreConnector,), {})
+    for klass in (UMBPStoreConnector, plain):
+        assert check_kv_connector(make_vllm_config(), object.__new__(klass)) is True  # binds the pool
+    for method in ("bind_gpu_block_pool", "bind_kv_cache_manager"):
+        odd = type("OddUMBP", (UMBPStoreConnector,), {method: lambda self, x: None})
+        with pytest.raises(UnsupportedFeatureError, match=r"\(OddUMBP overrides bind_\w+: .*not verified"):
+            check_kv_connector(make_vllm_config(), object.__new__(odd))
+
+
+def test_umbp_store_connector_with_several_kv_cache_groups_is_refused() -> None:
+    """With several KV cache groups (where UMBPStoreConnector asks the pool's local lookup and takes Mamba
+    boundary states and finished partial tails) it is refused, as every KV connector that binds the pool is."""
+    from vllm_driver import UMBPStandIn
+
+    cfg = _umbp_config()
+    with UMBPStandIn(0).in_place(), pytest.raises(UnsupportedFeatureError, match="several KV cache groups"):
         make_scheduler("kvsched", cfg, kv_cache_groups=(None, 8))
 
 

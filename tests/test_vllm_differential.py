@@ -326,6 +326,40 @@ def test_identical_to_vllm_with_the_mooncake_store_connector(sync: str, runner: 
     assert counts["lookups"] and counts["store jobs"]  # the draws reached the store both ways
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize(("seed", "kv_role"), [(9, "kv_both"), (6, "kv_consumer")])
+def test_identical_to_vllm_with_the_umbp_store_connector(sync: str, runner: str, seed: int, kv_role: str) -> None:
+    """vLLM 0.33's UMBPStoreConnector on both sides, a stand-in UMBP runtime registered with vLLM's
+    UMBPRuntimeFactory and stand-in workers (``UMBPStandIn``): lookups answered from the objects its store events
+    saved or another engine published (some failing, some asynchronous), asynchronous loads (some with invalid
+    blocks), store events pinning their blocks through the block pool until reported (some jobs failing). The
+    connector's metadata, its state and its calls on the pool, and every GPU block's reference count and block
+    hash are compared after every call too."""
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.umbp", reason="UMBP is vLLM 0.33's")
+    import vllm_driver
+
+    vllm_driver.UMBP_COUNTS.clear()
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", umbp_store=True, kv_role=kv_role)
+    assert cfg.umbp_store is not None and cfg.kv_role == kv_role
+    counts = vllm_driver.UMBP_COUNTS
+    # The draws reached the store both ways: hits and loads, and (but for a consumer) store events.
+    assert counts["lookups with a hit"] and counts["async loads"]
+    assert bool(counts["store events"]) == (kv_role != "kv_consumer")
+
+
+@pytest.mark.parametrize(("sync", "runner"), [("sync", "v1"), ("async", "v2")], ids=["sync-v1", "async-v2"])
+def test_identical_to_vllm_with_the_umbp_store_connector_and_kv_cache_events(sync: str, runner: str) -> None:
+    """UMBPStoreConnector with KV cache events on: its events (objects stored once the runtime confirms them,
+    removed when a recheck misses them or its worker reports them evicted) are published with the scheduler's and
+    compared batch by batch."""
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.umbp", reason="UMBP is vLLM 0.33's")
+    import vllm_driver
+
+    vllm_driver.UMBP_COUNTS.clear()
+    run_seed(9, 120, async_scheduling=sync == "async", v2=runner == "v2", umbp_store=True, kv_events=True)
+    assert vllm_driver.UMBP_COUNTS["evictions reported"]
+
+
 @pytest.mark.parametrize(("sync", "kv_role"), [("sync", "kv_producer"), ("async", "kv_consumer"), ("async", "kv_both")])
 def test_identical_to_vllm_with_streaming_input_and_a_kv_connector(
     sync: str, kv_role: str, monkeypatch: pytest.MonkeyPatch

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import copy
 import dataclasses
 import enum
@@ -33,6 +34,7 @@ import os
 import random
 import sys
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -177,6 +179,8 @@ PREFIX_HITS = 0
 # What the Mooncake stand-in answered and reported (lookups, hits, loads, invalid blocks, store jobs), over the
 # completed runs of the process.
 MOONCAKE_COUNTS = collections.Counter[str]()
+# ... and the UMBP stand-in's.
+UMBP_COUNTS = collections.Counter[str]()
 
 
 def compare(what: str, a: Any, b: Any) -> None:
@@ -257,6 +261,10 @@ class Config:
     # RandomKVConnector: a stand-in store (MooncakeStandIn) answers its prefix lookups and reports its store jobs
     # and loads.
     mooncake_store: dict[str, Any] | None = None
+    # vLLM 0.33's UMBPStoreConnector (role kv_role) with this kv_connector_extra_config, instead of a
+    # RandomKVConnector: a stand-in UMBP runtime and workers (UMBPStandIn) answer its lookups and report its store
+    # events and loads.
+    umbp_store: dict[str, Any] | None = None
     # vLLM 0.33's deferred registration of asynchronous loads, set on both built schedulers as vLLM's tests do
     # (vLLM turns it on only with HiSparse, which kvsched.vllm refuses); it acts with defer_block_free.
     defer_async_loads: bool = False
@@ -466,7 +474,59 @@ class _StandInLookupClient:
         pass
 
 
-class MooncakeStandIn:
+def _items(d: dict[Any, Any]) -> list[Any]:
+    return sorted((k, _norm(v)) for k, v in d.items())
+
+
+class _StoreStandIn:
+    """What the store stand-ins share: both schedulers' connectors, their calls on the block pool, and the
+    comparison of both sides after every call."""
+
+    name = ""
+    pending: list[list[Any]]  # [steps left, ...]: transfers not reported over yet
+
+    def __init__(self) -> None:
+        self.pool_calls: tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]] = ([], [])
+        self.schedulers: tuple[Any, Any] | None = None
+
+    def record_pools(self, a: Any, b: Any) -> list[Any]:
+        """The built schedulers: each connector's pool logs its calls. Returns their connectors' scheduler halves."""
+        self.schedulers = (a, b)
+        halves = []
+        for sched, calls in zip((a, b), self.pool_calls, strict=True):
+            cs = sched.connector.connector_scheduler
+            cs._gpu_block_pool = _RecordingPool(cs._gpu_block_pool, calls)
+            halves.append(cs)
+        return halves
+
+    def compare(self, when: str) -> None:
+        """The connector's scheduler-side state on both sides, its calls on the block pool since the last
+        comparison, and the pool as it sees it (each block's reference count and block hash)."""
+        assert self.schedulers is not None
+        a, b = self.schedulers
+        compare(f"{when}: {self.name} pool calls", *self.pool_calls)
+        for calls in self.pool_calls:
+            calls.clear()
+        self.compare_connectors(when, a.connector.connector_scheduler, b.connector.connector_scheduler)
+        _compare_pools(when, a, b)
+
+    def compare_connectors(self, when: str, ca: Any, cb: Any) -> None:
+        raise NotImplementedError
+
+    def take_due(self) -> list[list[Any]]:
+        """The pending transfers (``[steps left, ...]``) due now, in order; the others are a step closer."""
+        due, left = [], []
+        for item in self.pending:
+            if item[0] > 0:
+                item[0] -= 1
+                left.append(item)
+            else:
+                due.append(item)
+        self.pending = left
+        return due
+
+
+class MooncakeStandIn(_StoreStandIn):
     """A stand-in for the Mooncake store and the workers of vLLM's MooncakeStoreConnector, shared by both
     schedulers of a pair (every call on it is made alike for both).
 
@@ -489,8 +549,9 @@ class MooncakeStandIn:
         # [steps left, "load", req_id, invalid block or None] or [steps left, "save", store job id, hashes]
         self.pending: list[list[Any]] = []
         self.counts = collections.Counter[str]()
-        self.pool_calls: tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]] = ([], [])
-        self.schedulers: tuple[Any, Any] | None = None
+        super().__init__()
+
+    name = "Mooncake"
 
     @contextlib.contextmanager
     def in_place(self) -> Any:
@@ -504,11 +565,8 @@ class MooncakeStandIn:
 
     def attach(self, a: Any, b: Any) -> None:
         """The built schedulers: each connector's lookup client gets its coordinator, its pool a call log."""
-        self.schedulers = (a, b)
-        for sched, calls in zip((a, b), self.pool_calls, strict=True):
-            cs = sched.connector.connector_scheduler
+        for cs in self.record_pools(a, b):
             cs.client.coord = cs._store_coord
-            cs._gpu_block_pool = _RecordingPool(cs._gpu_block_pool, calls)
             self.load_async = cs.load_async
 
     def lookup(self, coord: Any, num_tokens: int, block_hashes: Sequence[Any]) -> Any:
@@ -558,12 +616,8 @@ class MooncakeStandIn:
         recving: set[str] = set()
         invalid: set[int] = set()
         saves: dict[int, int] = {}
-        left = []
-        for item in self.pending:
-            if item[0] > 0:
-                item[0] -= 1
-                left.append(item)
-            elif item[1] == "load":
+        for item in self.take_due():
+            if item[1] == "load":
                 self.counts["loads"] += 1
                 if self.load_async and known(item[2]):
                     recving.add(item[2])
@@ -574,7 +628,6 @@ class MooncakeStandIn:
                 self.counts["store jobs"] += 1
                 self.keys.update(dict.fromkeys(item[3]))
                 saves[item[2]] = 1
-        self.pending = left
         if self.keys and rng.random() < 0.05:
             for key in rng.sample(list(self.keys), len(self.keys) // 3):
                 del self.keys[key]
@@ -586,21 +639,10 @@ class MooncakeStandIn:
             kv_connector_worker_meta=MooncakeStoreWorkerMetadata(completed_saves=saves) if saves else None,
         )
 
-    def compare(self, when: str) -> None:
-        """The connector's scheduler-side state on both sides, its calls on the block pool since the last
-        comparison, and the pool as it sees it (each block's reference count and block hash)."""
-        assert self.schedulers is not None
-        a, b = self.schedulers
-        ca, cb = a.connector.connector_scheduler, b.connector.connector_scheduler
-
-        def items(d: dict[Any, Any]) -> list[Any]:
-            return sorted((k, _norm(v)) for k, v in d.items())
-
-        compare(f"{when}: Mooncake pool calls", *self.pool_calls)
-        for calls in self.pool_calls:
-            calls.clear()
-        compare(f"{when}: Mooncake load specs", items(ca.load_specs), items(cb.load_specs))
-        compare(f"{when}: Mooncake request trackers", items(ca._request_trackers), items(cb._request_trackers))
+    def compare_connectors(self, when: str, ca: Any, cb: Any) -> None:
+        """Load specs, request trackers, unfinished requests, pinned saves, the next store job."""
+        compare(f"{when}: Mooncake load specs", _items(ca.load_specs), _items(cb.load_specs))
+        compare(f"{when}: Mooncake request trackers", _items(ca._request_trackers), _items(cb._request_trackers))
         compare(
             f"{when}: Mooncake unfinished requests",
             sorted((r, _norm(ids)) for r, (_, ids) in ca._unfinished_requests.items()),
@@ -609,16 +651,292 @@ class MooncakeStandIn:
         compare(
             f"{when}: Mooncake unfinished ids", sorted(ca._unfinished_request_ids), sorted(cb._unfinished_request_ids)
         )
-        compare(f"{when}: Mooncake pinned saves", items(ca._pinned_saves), items(cb._pinned_saves))
+        compare(f"{when}: Mooncake pinned saves", _items(ca._pinned_saves), _items(cb._pinned_saves))
         compare(f"{when}: Mooncake next store job", ca._next_store_job_id, cb._next_store_job_id)
         compare(f"{when}: Mooncake pending push work", ca.has_pending_push_work(), cb.has_pending_push_work())
-        pa, pb = a.kv_cache_manager.block_pool, b.kv_cache_manager.block_pool
-        compare(f"{when}: GPU free blocks", pa.get_num_free_blocks(), pb.get_num_free_blocks())
-        compare(
-            f"{when}: GPU blocks (ref_cnt, block_hash)",
-            [(x.ref_cnt, x.block_hash) for x in pa.blocks if not x.is_null],
-            [(x.ref_cnt, x.block_hash) for x in pb.blocks if not x.is_null],
+
+
+def _compare_pools(when: str, a: Any, b: Any) -> None:
+    """The GPU block pool of both schedulers: free blocks, and each block's reference count and block hash."""
+    pa, pb = a.kv_cache_manager.block_pool, b.kv_cache_manager.block_pool
+    compare(f"{when}: GPU free blocks", pa.get_num_free_blocks(), pb.get_num_free_blocks())
+    compare(
+        f"{when}: GPU blocks (ref_cnt, block_hash)",
+        [(x.ref_cnt, x.block_hash) for x in pa.blocks if not x.is_null],
+        [(x.ref_cnt, x.block_hash) for x in pb.blocks if not x.is_null],
+    )
+
+
+class _StepFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """A finished future that answers ``done()`` False for its first ``polls`` calls: a lookup in flight for
+    that many polls, the same on both sides."""
+
+    def __init__(self, polls: int) -> None:
+        super().__init__()
+        self.polls = polls
+
+    def done(self) -> bool:
+        if self.polls > 0:
+            self.polls -= 1
+            return False
+        return super().done()
+
+
+class _StepExecutor:
+    """Takes the place of UMBPStoreConnector's lookup thread pool: runs each lookup when submitted (the store as
+    it is then) and answers it after 0-2 polls, drawn per submission, so both schedulers see the same."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.submitted = 0
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        polls = random.Random(f"{self.seed}/umbp-lookup/{self.submitted}").choice([0, 0, 1, 2])
+        self.submitted += 1
+        future = _StepFuture(polls)
+        try:
+            future.set_result(fn(*args))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+class _UMBPSchedulerHandle:
+    """A scheduler-side handle of the stand-in UMBP runtime: existence of keys in the stand-in store (now and
+    then the lookup fails, drawn per call so both sides see the same), and ``clear``."""
+
+    def __init__(self, standin: UMBPStandIn) -> None:
+        self.standin = standin
+        self.calls = 0
+
+    def lookup(self, keys: Sequence[str]) -> list[bool]:
+        standin = self.standin
+        n = self.calls
+        self.calls += 1
+        if random.Random(f"{standin.seed}/umbp-lookup-fails/{n}").random() < 0.03:
+            standin.counts["failed lookups"] += 1
+            raise RuntimeError("stand-in UMBP lookup failed")
+        standin.counts["lookups"] += 1
+        hits = [k in standin.keys for k in keys]
+        if any(hits):
+            standin.counts["lookups with a hit"] += 1
+        return hits
+
+    def clear(self) -> bool:
+        self.standin.keys.clear()
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class _UMBPRuntime:
+    """The stand-in UMBP runtime vLLM's ``UMBPRuntimeFactory`` builds: scheduler handles only (the workers are
+    the stand-in's reports)."""
+
+    def __init__(self, standin: UMBPStandIn) -> None:
+        self.standin = standin
+
+    def create_scheduler_handle(self, namespace: str, topology: Any, layout: Any) -> _UMBPSchedulerHandle:
+        return _UMBPSchedulerHandle(self.standin)
+
+    def create_worker_handle(self, namespace: str, topology: Any, layout: Any) -> Any:
+        raise NotImplementedError("the stand-in UMBP runtime has no workers: UMBPStandIn.report plays them")
+
+
+# The module of vLLM's UMBPStoreConnector (its kv_connector_module_path).
+UMBP_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.umbp"
+
+
+def _umbp_metadata(meta: Any) -> Any:
+    """UMBPStoreConnector's metadata for the workers in a comparable form (loads, stores, preempted requests, the
+    store event)."""
+    return None if meta is None else _norm(meta)
+
+
+class UMBPStandIn(_StoreStandIn):
+    """A stand-in for the UMBP runtime (registered as vLLM's ``embedded`` UMBP runtime while the schedulers are
+    built) and the workers of vLLM's UMBPStoreConnector, shared by both schedulers of a pair (every call on it is
+    made alike for both).
+
+    The store holds object keys. A lookup answers whether each key is stored (3% of lookups fail: the connector
+    then finds nothing); the connector's asynchronous lookups run on a stepped executor (``_StepExecutor``). Each
+    store event of a step's metadata completes 0-3 steps later: its jobs' keys enter the store, except those of a
+    job that fails (one in ten events has one; the job of a request preempted since is cancelled, and fails) and
+    the event is reported by one worker rank (``UMBPConnectorWorkerMetadata``, its failed objects). Now and then
+    another engine publishes the objects of a prefix of a live request's blocks (a consumer's only source). Each
+    asynchronous load completes 0-2 steps later (``finished_recving`` for requests still known), with the blocks
+    of keys no longer stored (or one in ten loads, a drawn block) invalid; a preempted request's load is
+    cancelled. Synchronous loads complete in their step. Now and then the store evicts a third of its keys."""
+
+    name = "UMBP"
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.rng = random.Random(f"umbp-store/{seed}")
+        self.keys: dict[str, None] = {}  # insertion ordered: the draws over it do not depend on hash values
+        # [steps left, "load", req_id, BlockLoadBatch] or [steps left, "store", event, [(req_id, plans)], failed]
+        self.pending: list[list[Any]] = []
+        self.counts = collections.Counter[str]()
+        super().__init__()
+        self.kv_events = False
+        self.steps = 0
+        # Keys this engine's store events published (the runtime reports their evictions to its workers).
+        self.local: set[str] = set()
+
+    @contextlib.contextmanager
+    def in_place(self) -> Any:
+        """While the schedulers are built: vLLM's UMBP runtime registry builds the stand-in's runtime."""
+        from unittest import mock
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.umbp.runtime import UMBPRuntimeFactory
+
+        with mock.patch.dict(UMBPRuntimeFactory._builders, clear=True):
+            UMBPRuntimeFactory.register("embedded", lambda config: _UMBPRuntime(self))
+            yield
+
+    def attach(self, a: Any, b: Any) -> None:
+        """The built schedulers: each connector's lookup executor is a stepped one, its pool logs its calls; the
+        connector module's clock (it rechecks published objects for KV cache events once a second) is the
+        stand-in's, which each step moves on by 0.4 s, so both sides see the same time."""
+        from unittest import mock
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.umbp import scheduler as umbp_scheduler
+
+        for cs in self.record_pools(a, b):
+            cs._lookup_executor.shutdown(wait=True)
+            cs._lookup_executor = _StepExecutor(self.seed)
+            self.kv_events = cs.enable_kv_cache_events
+        if UMBPStandIn._clock is not None:
+            UMBPStandIn._clock.stop()  # (the previous pair's)
+        UMBPStandIn._clock = mock.patch.object(umbp_scheduler, "time", types.SimpleNamespace(monotonic=self.now))
+        UMBPStandIn._clock.start()
+
+    _clock: Any = None
+
+    def now(self) -> float:
+        return self.steps * 0.4
+
+    def report(self, meta: Any, known: Callable[[str], bool]) -> Any:
+        """What the workers report with the output of the step whose connector metadata is ``meta``."""
+        from vllm.distributed.kv_events import BlockRemoved
+        from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import UMBPStoreKVEvents
+        from vllm.distributed.kv_transfer.kv_connector.v1.umbp.data import (
+            StoreEventResult,
+            UMBPConnectorWorkerMetadata,
         )
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.outputs import KVConnectorOutput
+
+        rng = self.rng
+        recving: set[str] = set()
+        invalid: set[int] = set()
+        events: dict[int, Any] = {}
+        if meta is not None:
+            preempted = set(meta.preempted_request_ids)
+            if preempted:  # the workers cancel the preempted requests' jobs
+                for item in self.pending:
+                    if item[1] == "store":
+                        item[4].update(r for r, _ in item[3] if r in preempted)
+                self.pending = [i for i in self.pending if not (i[1] == "load" and i[2] in preempted)]
+            for req_id, batch in meta.load_requests.items():
+                if meta.async_load:
+                    self.pending.append([rng.randrange(0, 3), "load", req_id, batch])
+                else:
+                    self.counts["sync loads"] += 1
+            if meta.store_event >= 0:
+                jobs = [(r, p) for r, p in meta.store_requests.items()]
+                jobs += [(p.request_id or "", [p]) for p in meta.store_plans]
+                failed: set[str] = set()
+                if rng.random() < 0.1:
+                    failed.add(rng.choice(jobs)[0])
+                self.pending.append([rng.randrange(0, 4), "store", meta.store_event, jobs, failed])
+        for item in self.take_due():
+            if item[1] == "load":
+                self.counts["async loads"] += 1
+                batch = item[3]
+                bad = {b for k, b in zip(batch.keys, batch.block_ids, strict=True) if k not in self.keys}
+                if batch.block_ids and rng.random() < 0.1:
+                    bad.add(rng.choice(batch.block_ids))
+                if known(item[2]):
+                    recving.add(item[2])
+                    invalid |= bad
+                    self.counts["invalid blocks"] += len(bad)
+            else:
+                self.counts["store events"] += 1
+                failed_objects = set()
+                for req_id, plans in item[3]:
+                    if req_id in item[4]:
+                        self.counts["failed store jobs"] += 1
+                        failed_objects.update((p.group_id, p.block_hash) for p in plans)
+                    else:
+                        self.keys.update(dict.fromkeys(p.key for p in plans))
+                        self.local.update(p.key for p in plans)
+                events[item[2]] = StoreEventResult(completed_workers=1, failed_objects=failed_objects)
+        if self.schedulers is not None and rng.random() < 0.3:
+            # Another engine (a prefill instance) publishes the KV of a prefix of a request's blocks.
+            a = self.schedulers[0]
+            codec = a.connector.connector_scheduler.codec
+            req_ids = sorted(r for r in a.requests if a.requests[r].block_hashes)
+            if req_ids:
+                hashes = a.requests[rng.choice(req_ids)].block_hashes
+                self.counts["remote publications"] += 1
+                self.keys.update(dict.fromkeys(codec.key(h, 0) for h in hashes[: rng.randrange(1, len(hashes) + 1)]))
+        removed = []
+        if self.keys and rng.random() < 0.05:
+            for key in rng.sample(list(self.keys), len(self.keys) // 3):
+                del self.keys[key]
+                if key in self.local:
+                    self.local.discard(key)
+                    removed.append(key)
+        self.steps += 1
+        kv_events = None
+        if self.kv_events:
+            # The worker's events: the locally published objects evicted (the worker reports every step).
+            kv_events = UMBPStoreKVEvents(
+                [
+                    BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(bytes.fromhex(key.rsplit(":", 1)[1]))],
+                        medium="CPU",
+                        group_idx=int(key.rsplit(":", 2)[1][1:]),
+                        locality="LOCAL",
+                    )
+                    for key in removed
+                ]
+            )
+            self.counts["evictions reported"] += len(removed)
+        if not (recving or invalid or events or kv_events):
+            return None
+        return KVConnectorOutput(
+            finished_recving=recving or None,
+            invalid_block_ids=invalid,
+            kv_connector_worker_meta=UMBPConnectorWorkerMetadata(store_events=events) if events else None,
+            kv_cache_events=kv_events,
+        )
+
+    def compare_connectors(self, when: str, ca: Any, cb: Any) -> None:
+        """Pending loads and lookups, load specs, request trackers, requests, pending finished stores, store
+        events and the next event's id."""
+        compare(f"{when}: UMBP pending loads", _items(ca._pending_loads), _items(cb._pending_loads))
+        compare(f"{when}: UMBP load specs", _items(ca._load_specs), _items(cb._load_specs))
+        compare(f"{when}: UMBP request trackers", _items(ca._request_trackers), _items(cb._request_trackers))
+        compare(f"{when}: UMBP requests", sorted(ca._requests), sorted(cb._requests))
+        compare(
+            f"{when}: UMBP pending lookups",
+            sorted((r, p.context.local_tokens, p.context.keys) for r, p in ca._pending_lookups.items()),
+            sorted((r, p.context.local_tokens, p.context.keys) for r, p in cb._pending_lookups.items()),
+        )
+        compare(
+            f"{when}: UMBP pending finished stores",
+            _items(ca._pending_finished_stores),
+            _items(cb._pending_finished_stores),
+        )
+        compare(f"{when}: UMBP store events", _items(ca._store_events), _items(cb._store_events))
+        compare(f"{when}: UMBP next store event", ca._store_event_counter, cb._store_event_counter)
+        compare(f"{when}: UMBP pending push work", ca.has_pending_push_work(), cb.has_pending_push_work())
 
 
 class Pair:
@@ -654,15 +972,22 @@ class Pair:
         fields.pop("streaming")
         enc_dec = fields.pop("encoder_decoder")
         mooncake = fields.pop("mooncake_store")
-        # The stand-in for MooncakeStoreConnector's store and workers (one store, seen by both sides alike).
+        umbp = fields.pop("umbp_store")
+        # The stand-ins for MooncakeStoreConnector's / UMBPStoreConnector's store and workers (one store, seen by
+        # both sides alike).
         self.mooncake = MooncakeStandIn(seed, cfg.block_size) if mooncake is not None else None
-        if mooncake is not None:
-            fields["kv_transfer"] = {
-                "kv_connector": "MooncakeStoreConnector",
-                "kv_role": cfg.kv_role,
-                "kv_load_failure_policy": cfg.kv_load_failure_policy,
-                "kv_connector_extra_config": dict(mooncake),
-            }
+        self.umbp = UMBPStandIn(seed) if umbp is not None else None
+        for name, extra in (("MooncakeStoreConnector", mooncake), ("UMBPStoreConnector", umbp)):
+            if extra is not None:
+                fields["kv_transfer"] = {
+                    "kv_connector": name,
+                    "kv_role": cfg.kv_role,
+                    "kv_load_failure_policy": cfg.kv_load_failure_policy,
+                    "kv_connector_extra_config": dict(extra),
+                }
+        if umbp is not None:  # (not in vLLM's connector registry: named by its module)
+            fields["kv_transfer"]["kv_connector_module_path"] = UMBP_MODULE
+        self.store = self.mooncake or self.umbp
         retention = fields.pop("prefix_cache_retention_interval")
         checkpoint_alignment = fields.pop("mamba_checkpoint_alignment")
         vcfg = make_vllm_config(**fields)
@@ -685,11 +1010,11 @@ class Pair:
             "prefix_cache_retention_interval": retention,
             "mamba_prefill_checkpoint_alignment": checkpoint_alignment,
         }
-        with self.mooncake.in_place() if self.mooncake is not None else contextlib.nullcontext():
+        with self.store.in_place() if self.store is not None else contextlib.nullcontext():
             self.a = make_scheduler("vllm", vcfg, **kw)
             self.b = make_scheduler("kvsched", vcfg, **kw)
-        if self.mooncake is not None:
-            self.mooncake.attach(self.a, self.b)
+        if self.store is not None:
+            self.store.attach(self.a, self.b)
         if defer_async_loads:
             self.a.defer_async_loads = self.b.defer_async_loads = True
         # kvsched's steady decoding cohorts form after some steady steps; in most runs after one, so that they
@@ -972,9 +1297,9 @@ class Pair:
             # build_connector_meta) when a request the reset preempted is scheduled again in the next step, as it
             # drops the request it was just told about (update_state_after_alloc) for being in preempted_req_ids.
             reset_running = False
-            # Sometimes the store is reset too (drawn from the stand-in's stream).
-            if self.mooncake.rng.random() < 0.5:
-                kw["reset_connector"] = True
+        # Sometimes the store is reset too (drawn from the stand-in's stream).
+        if self.store is not None and self.store.rng.random() < 0.5:
+            kw["reset_connector"] = True
         # With KV transfers holding blocks, a reset that preempts every running request still fails: vLLM raises.
         ra = rb = "raised"
         with contextlib.suppress(RuntimeError):
@@ -1013,6 +1338,12 @@ class Pair:
                 f"step {self.steps} MooncakeStoreConnector metadata",
                 _mooncake_metadata(so_a.kv_connector_metadata),
                 _mooncake_metadata(so_b.kv_connector_metadata),
+            )
+        if self.umbp is not None:
+            compare(
+                f"step {self.steps} UMBPStoreConnector metadata",
+                _umbp_metadata(so_a.kv_connector_metadata),
+                _umbp_metadata(so_b.kv_connector_metadata),
             )
         global PREFIX_HITS
         PREFIX_HITS += sum(r.num_computed_tokens > 0 for r in so_a.scheduled_new_reqs)
@@ -1073,8 +1404,8 @@ class Pair:
             req_ids,
             sampled,
             kv_connector_output=(
-                self.mooncake.report(so.kv_connector_metadata, lambda rid: rid in self.a.requests)
-                if self.mooncake is not None
+                self.store.report(so.kv_connector_metadata, lambda rid: rid in self.a.requests)
+                if self.store is not None
                 else self.offload_transfers(so)
                 if self.cfg.cpu_offload_blocks is not None
                 else self.transfers(so)
@@ -1267,8 +1598,8 @@ class Pair:
         compare(f"{when}: num unfinished", a.get_num_unfinished_requests(), b.get_num_unfinished_requests())
         compare(f"{when}: has_finished", a.has_finished_requests(), b.has_finished_requests())
         compare(f"{when}: kv usage", a.get_kv_cache_usage(), b.get_kv_cache_usage())
-        if self.mooncake is not None:
-            self.mooncake.compare(when)
+        if self.store is not None:
+            self.store.compare(when)
         elif self.cfg.cpu_offload_blocks is not None:
             self.compare_offload(when)
         elif a.connector is not None:
@@ -1401,6 +1732,7 @@ def run_seed(
     cpu_offload: bool = False,
     lazy_offload: bool = False,
     mooncake_store: bool = False,
+    umbp_store: bool = False,
     block_sizes: tuple[int, ...] = (),
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
@@ -1427,7 +1759,9 @@ def run_seed(
     parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure);
     ``mooncake_store``: vLLM's MooncakeStoreConnector in the role ``kv_role``, its options (asynchronous loads and
     lookups, lookups off, decode saves) and load failure policy drawn from their own stream, a stand-in store in
-    place of the Mooncake store and its workers (``MooncakeStandIn``); ``block_sizes``: the block size is drawn
+    place of the Mooncake store and its workers (``MooncakeStandIn``); ``umbp_store``: vLLM 0.33's
+    UMBPStoreConnector likewise (asynchronous loads and lookups, lookups off, decode saves drawn), a stand-in UMBP
+    runtime and workers (``UMBPStandIn``); ``block_sizes``: the block size is drawn
     from these instead (from its own stream)."""
     rng = random.Random(seed * 7919 + 17)
     block_size = random.Random(f"block/{seed}").choice(block_sizes) if block_sizes else None
@@ -1493,6 +1827,17 @@ def run_seed(
             "lookup_async": mrng.random() < 0.5,
             "enable_lookup": mrng.random() < 0.9,
             "save_decode_cache": mrng.random() < 0.3,
+        }
+    if umbp_store:
+        urng = random.Random(f"umbp/{seed}")
+        cfg.kv_role = kv_role
+        cfg.kv_load_failure_policy = urng.choice(["recompute", "fail"])
+        cfg.umbp_store = {
+            "key_namespace": "kvsched-driver",
+            "load_async": urng.random() < 0.7,
+            "lookup_async": urng.random() < 0.5,
+            "enable_lookup": urng.random() < 0.9,
+            "save_decode_cache": urng.random() < 0.3,
         }
     if connector:
         cfg.kv_connector_seed = seed
@@ -1568,6 +1913,8 @@ def run_seed(
     pair.run(steps)
     if pair.mooncake is not None:
         MOONCAKE_COUNTS.update(pair.mooncake.counts)
+    if pair.umbp is not None:
+        UMBP_COUNTS.update(pair.umbp.counts)
     return cfg
 
 
@@ -1647,9 +1994,21 @@ def main(argv: list[str] | None = None) -> int:
         "and block hash are compared; with --kv-roles; not with --connector or --cpu-offload",
     )
     p.add_argument(
+        "--umbp-store",
+        action="store_true",
+        help="with vLLM 0.33's UMBPStoreConnector (its options and load failure policy drawn per seed), a stand-in "
+        "UMBP runtime registered with vLLM's UMBPRuntimeFactory and stand-in workers: lookups answered from the keys "
+        "its store events saved (some lookups failing), events and loads reported over 0-3 steps later, some loads "
+        "with invalid blocks, some store jobs failing; the connector's metadata and state, its touch / free_blocks "
+        "calls on the block pool and every GPU block's reference count and block hash are compared; with "
+        "--kv-roles; with --kv-events, the connector's events and the worker's evictions in the published batches; "
+        "not with --connector, --cpu-offload, --mooncake-store, --sliding-window, "
+        "--hybrid, --mamba, --enc-dec and --pp",
+    )
+    p.add_argument(
         "--kv-roles",
         default="kv_both",
-        help="with --connector or --mooncake-store: the connector's roles, comma-separated (kv_producer, "
+        help="with --connector, --mooncake-store or --umbp-store: the connector's roles, comma-separated (kv_producer, "
         "kv_consumer, kv_both); each mode runs every seed once per role",
     )
     p.add_argument(
@@ -1862,6 +2221,22 @@ def main(argv: list[str] | None = None) -> int:
             "--mooncake-store goes without --connector, --cpu-offload, --sliding-window, --hybrid, --mamba and "
             "--enc-dec"
         )
+    if args.umbp_store and (
+        args.connector
+        or args.cpu_offload
+        or args.mooncake_store
+        or args.sliding_window
+        or args.hybrid
+        or args.mamba
+        or args.enc_dec
+        or args.pp
+    ):
+        p.error(
+            "--umbp-store goes without --connector, --cpu-offload, --mooncake-store, --sliding-window, --hybrid, "
+            "--mamba, --enc-dec and --pp (UMBP refuses pipeline parallelism)"
+        )
+    if args.umbp_store and RULES.version == "0.32":
+        p.error("--umbp-store: vLLM 0.32 has no UMBPStoreConnector")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
@@ -1870,7 +2245,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"vLLM {vllm.__version__}: its Scheduler/AsyncScheduler against kvsched.vllm.Scheduler", flush=True)
     failures = 0
-    roles = args.kv_roles.split(",") if args.connector or args.mooncake_store else [None]
+    roles = args.kv_roles.split(",") if args.connector or args.mooncake_store or args.umbp_store else [None]
     for mode in args.modes.split(","):
         sync, runner = mode.split("-")
         for role in roles:
@@ -1890,7 +2265,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.steps,
                         async_scheduling=sync == "async",
                         v2=runner == "v2",
-                        connector=role is not None and not args.mooncake_store,
+                        connector=role is not None and not (args.mooncake_store or args.umbp_store),
                         kv_role=role or "kv_both",
                         multi_connector=args.multi_connector,
                         kv_events=args.kv_events,
@@ -1916,6 +2291,7 @@ def main(argv: list[str] | None = None) -> int:
                         cpu_offload=args.cpu_offload,
                         lazy_offload=args.lazy_offload,
                         mooncake_store=args.mooncake_store,
+                        umbp_store=args.umbp_store,
                         block_sizes=block_sizes,
                     )
                     ok += 1
@@ -1937,6 +2313,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.mooncake_store:
                 note += "; store stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(MOONCAKE_COUNTS.items()))
                 MOONCAKE_COUNTS.clear()
+            if args.umbp_store:
+                note += "; UMBP stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(UMBP_COUNTS.items()))
+                UMBP_COUNTS.clear()
             print(f"{name}: {ok}/{args.seeds} seeds x {args.steps} steps without a difference{note}", flush=True)
     return 1 if failures else 0
 

@@ -244,11 +244,11 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
 
     A connector that overrides ``bind_kv_cache_manager`` or ``bind_gpu_block_pool`` changes vLLM's block pool
     (references, frees, cached lookups by vLLM's block hashes). vLLM's ``SimpleCPUOffloadConnector`` (eager and
-    lazy offload) and ``MooncakeStoreConnector`` use only what the adapter's pinning pool provides: they are
-    accepted, with their own ``bind_gpu_block_pool``. Every other such connector is refused, by name. vLLM's
-    ``MultiConnector`` overrides both only to pass them on to its children: it is refused when one of its children
-    (at any depth) is. Every other connector gets ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as
-    vLLM binds its own manager."""
+    lazy offload), ``MooncakeStoreConnector`` and ``UMBPStoreConnector`` use only what the adapter's pinning pool
+    provides: they are accepted, with their own ``bind_gpu_block_pool`` (and UMBP's own ``bind_kv_cache_manager``).
+    Every other such connector is refused, by name. vLLM's ``MultiConnector`` overrides both only to pass them on
+    to its children: it is refused when one of its children (at any depth) is. Every other connector gets
+    ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own manager."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
@@ -265,7 +265,7 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
             for child in conn.sub_connectors:
                 check(child, f"{name} > ")
             return
-        if _is_simple_cpu_offload(cls) or _is_mooncake_store(cls):
+        if _is_simple_cpu_offload(cls) or _is_mooncake_store(cls) or _is_umbp_store(cls):
             binds = True
             return
         for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
@@ -290,9 +290,8 @@ _POOL_CONNECTORS_MISSING = {
         "the GPU pool; kvsched's core has no host pool"
     ),
     "UMBPStoreConnector": (
-        "its touch / free_blocks / blocks / get_cached_block on the pool are what block pins give, but it is not "
-        "verified against vLLM's scheduler: it is built only with a UMBP runtime registered by MORI (not part "
-        "of vLLM), which also answers its prefix lookups"
+        "a subclass that binds the pool or the KV cache manager otherwise than vLLM's UMBPStoreConnector is not "
+        "verified against vLLM's scheduler"
     ),
 }
 
@@ -323,6 +322,26 @@ def _is_mooncake_store(cls: type) -> bool:
     return _binds_the_pool_as(cls, MooncakeStoreConnector)
 
 
+def _is_umbp_store(cls: type) -> bool:
+    """vLLM 0.33's ``UMBPStoreConnector`` or a subclass binding the pool and the KV cache manager as it does.
+
+    Its scheduler half pins the blocks of each store event with ``touch`` and gives them back with
+    ``free_blocks`` once every worker rank has reported the event (``blocks[bid]`` reads), and reads the current
+    block tables through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it.
+    Its ``bind_kv_cache_manager`` keeps a local prefix-cache lookup (``coordinator.single_type_managers[g]
+    .block_pool.get_cached_block``, the pinning pool's) that it asks only with several KV cache groups or a
+    group other than full attention, which the adapter refuses for connectors that bind the pool, as it does
+    the Mamba boundary states and finished partial tails the connector would take. Its prefix lookups go to the
+    UMBP runtime the deployment registers with vLLM (``UMBPRuntimeFactory``)."""
+    if not any(klass.__name__ == "UMBPStoreConnector" for klass in cls.__mro__):
+        return False  # (without importing the store's modules for every other connector)
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.umbp.connector import UMBPStoreConnector
+    except ImportError:
+        return False
+    return _binds_the_pool_as(cls, UMBPStoreConnector, UMBPStoreConnector.bind_kv_cache_manager)
+
+
 def _is_simple_cpu_offload(cls: type) -> bool:
     """vLLM's ``SimpleCPUOffloadConnector`` or a subclass binding the pool as it does."""
     try:
@@ -334,15 +353,16 @@ def _is_simple_cpu_offload(cls: type) -> bool:
     return _binds_the_pool_as(cls, SimpleCPUOffloadConnector)
 
 
-def _binds_the_pool_as(cls: type, connector: type) -> bool:
+def _binds_the_pool_as(cls: type, connector: type, bind_manager: Any = None) -> bool:
     """``cls`` is ``connector`` or a subclass that binds vLLM's block pool with ``connector``'s own
-    ``bind_gpu_block_pool`` and leaves ``bind_kv_cache_manager`` as vLLM's base class has it."""
+    ``bind_gpu_block_pool`` and binds the KV cache manager with ``bind_manager`` (default: vLLM's base class's
+    ``bind_kv_cache_manager``)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     return (
         issubclass(cls, connector)
         and getattr(cls, "bind_gpu_block_pool", None) is getattr(connector, "bind_gpu_block_pool", None)
-        and getattr(cls, "bind_kv_cache_manager", None) is KVConnectorBase_V1.bind_kv_cache_manager
+        and getattr(cls, "bind_kv_cache_manager", None) is (bind_manager or KVConnectorBase_V1.bind_kv_cache_manager)
     )
 
 
