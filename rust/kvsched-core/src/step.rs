@@ -1218,7 +1218,7 @@ impl Scheduler {
         let hs = a.h.slot as usize;
         let lookahead = self.config.num_lookahead_tokens;
         if self.config.scheduler_reserve_full_isl
-            && !self.kv.full_sequence_fits(self.slab.get(a.h.slot)?, &pass.hits, a.reserved)
+            && !self.kv.full_sequence_fits(self.slab.get(a.h.slot)?, &pass.hits, a.ext, a.reserved)
         {
             if a.planned_encoder {
                 self.rollback_encoder(enc, a.h.slot)?;
