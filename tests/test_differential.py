@@ -1811,6 +1811,11 @@ HMA_CONFIGS = [
     SchedulerConfig(block_size=3, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=(None, 7), kv_connector_groups=True, enable_prefix_caching=False,
                     prefix_hash_seed=95),
+    # A window narrower than a block first: after a load its null blocks can count as cached up to where the
+    # full-attention group has cached nothing yet (each group caches from its own count; KV events on).
+    SchedulerConfig(block_size=4, num_blocks=36, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(3, None, 3), kv_connector_groups=True, enable_kv_cache_events=True,
+                    prefix_hash_seed=96),
 ]  # fmt: skip
 
 

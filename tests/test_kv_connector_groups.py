@@ -210,3 +210,68 @@ def test_deferred_frees_cover_every_group(impl: str) -> None:
     s.update_from_output(out2, [[]])
     s.check_invariants()
     assert s.deferred_frees() == [] and s.num_free_blocks == 59
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    ("layout", "need"),
+    [
+        # One window of 4 tokens: loading 36 of 40 tokens leaves tokens 0-32 (blocks 0-7) before the window of
+        # token 37, so the whole sequence needs 2 blocks.
+        (dict(sliding_window=4), 2),
+        # The same window beside full attention: the full-attention group needs all 10 blocks.
+        (dict(kv_cache_groups=(4, None)), 12),
+    ],
+)
+def test_loaded_tokens_before_the_window_need_no_blocks_at_admission(impl: str, layout: Any, need: int) -> None:
+    """vLLM's full-sequence admission gate (``scheduler_reserve_full_isl``) counts the tokens the KV connector
+    loads as computed when it finds the blocks before a window: they become null blocks, so a request that loads
+    36 of its 40 tokens is admitted with ``need`` blocks free, and is not with one fewer."""
+    for free in (need, need - 1):
+        conn = Conn({"a": (36, False)}, send=("b",))
+        groups = len(layout.get("kv_cache_groups", (None,)))
+        # "b" keeps its 9 blocks (per group) for a send, so that the pool has ``free`` blocks left when "a" arrives.
+        s = make(impl, conn, num_blocks=1 + free + 9 * groups, **layout)
+        add(s, "b", 500, 36, max_tokens=1)
+        run(s, 1)
+        add(s, "a", 100, 40, max_tokens=1)
+        assert s.num_free_blocks == free
+        out = s.schedule()
+        s.check_invariants()
+        if free < need:
+            assert list(out.req_ids) == [] and s.get_request_status("a") == S.WAITING
+            continue
+        assert list(out.req_ids) == ["a"] and list(out.num_scheduled_tokens) == [4]
+        window = tables(s, "a", groups)[0]
+        assert window[:8] == [0] * 8 and 0 not in window[8:] and s.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_async_load_caches_each_groups_blocks_from_its_own_count(impl: str) -> None:
+    """vLLM's ``cache_blocks`` once an asynchronous load is over goes group by group from each group's own count
+    of cached blocks: the window group (3 tokens, first) counts its 4 null blocks before the window of token 19
+    as cached, the full-attention group none, so the full-attention group's 4 loaded full blocks enter the prefix
+    cache (and the connector hears of them as cached when the rest of the prompt is admitted)."""
+
+    class CountingConn(Conn):
+        wants_num_cached_blocks = True
+
+        def update_state_after_alloc(self, req_id: str, block_ids: Any, num_external: int, cached: Any = 0) -> None:
+            super().update_state_after_alloc(req_id, block_ids, num_external)
+            self.log[-1] = (*self.log[-1], cached)
+
+    conn = CountingConn({"a": (18, True)})
+    s = make(impl, conn, kv_cache_groups=(3, None), enable_prefix_caching=True)
+    add(s, "a", 100, 19, max_tokens=2)
+    run(s, 1)
+    assert s.get_request_status("a") == S.WAITING_FOR_REMOTE_KVS
+    window, full = tables(s, "a", 2)
+    assert window[:4] == [0] * 4 and len(window) == len(full) == 5
+    assert [s.get_block_hash(b) for b in full] == [None] * 5
+    s.update_kv_transfers(finished_recving=["a"])
+    run(s, 1)
+    assert s.get_num_computed_tokens("a") == 19
+    assert [s.get_block_hash(b) is not None for b in full] == [True] * 4 + [False]
+    assert s.get_block_hash(window[4]) is None
+    if impl == "rust":  # the reference hands the hook no counts
+        assert [e[4] for e in conn.log] == [[4, 0], [4, 4]]

@@ -960,12 +960,10 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
     assert sched.kv_config.sliding_window == 64 and sched.kv_config.kv_cache_groups is None
     with pytest.raises(UnsupportedFeatureError, match="chunked-local KV cache groups without a full-attention group"):
         build(make_vllm_config(block_size=16), ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw))
-    # A KV producer with a window: the core hands it the window's tables (kv_connector_groups); roles that load KV
-    # are refused by name.
-    producer = make_vllm_config(block_size=16, kv_connector_seed=1, kv_role="kv_producer")
-    assert build(producer, window).kv_config.kv_connector_groups
-    with pytest.raises(UnsupportedFeatureError, match="KV connectors that load KV"):
-        build(make_vllm_config(block_size=16, kv_connector_seed=1, kv_role="kv_consumer"), window)
+    # A KV connector with a window, in every role: the core hands it the window's tables (kv_connector_groups).
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        cfg = make_vllm_config(block_size=16, kv_connector_seed=1, kv_role=role)
+        assert build(cfg, window).kv_config.kv_connector_groups
     assert build(make_vllm_config(block_size=16, kv_events=True), window).kv_config.enable_kv_cache_events
 
 
@@ -1030,15 +1028,13 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
     kw = _attention_kw()
     full, window = FullAttentionSpec(**kw), SlidingWindowSpec(sliding_window=64, **kw)
     build = _build_with_groups
-    # A KV producer runs with full-attention and window groups, not with a chunked-local one; roles that load KV are
-    # refused.
-    producer = make_vllm_config(block_size=16, kv_connector_seed=1, kv_role="kv_producer")
-    assert build(producer, full, window).kv_config.kv_connector_groups
+    # A KV connector in every role runs with full-attention and window groups, not with a chunked-local one.
     chunked = ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw)
-    with pytest.raises(UnsupportedFeatureError, match="KV connectors with Mamba, chunked-local or cross-attention"):
-        build(make_vllm_config(block_size=16, kv_connector_seed=1, kv_role="kv_producer"), full, chunked)
-    with pytest.raises(UnsupportedFeatureError, match="KV connectors that load KV"):
-        build(make_vllm_config(block_size=16, kv_connector_seed=1), full, window)
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        cfg = make_vllm_config(block_size=16, kv_connector_seed=1, kv_role=role)
+        assert build(cfg, full, window).kv_config.kv_connector_groups
+        with pytest.raises(UnsupportedFeatureError, match="KV connectors with Mamba, chunked-local or cross-attention"):
+            build(make_vllm_config(block_size=16, kv_connector_seed=1, kv_role=role), full, chunked)
     # KV cache events run with several groups.
     assert build(make_vllm_config(block_size=16, kv_events=True), full, window).kv_config.enable_kv_cache_events
     vcfg = make_vllm_config(block_size=16)

@@ -385,6 +385,24 @@ def test_identical_to_vllm_with_a_kv_connector_and_batches_in_flight(
     assert cfg.kv_role == kv_role
 
 
+V1_MODES = [("sync", "v1"), ("async", "v1")]
+
+
+@pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
+@pytest.mark.parametrize(("layout", "seed"), [("sliding_window", 7), ("hybrid", 3)])
+@pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
+def test_identical_to_vllm_with_a_kv_connector_loading_into_windows(
+    sync: str, runner: str, layout: str, seed: int, kv_role: str
+) -> None:
+    """The seeded RandomKVConnector in the roles that load KV, on a sliding-window model and on a hybrid model
+    (full attention and windows): loaded tokens before a window become null blocks, the full-sequence admission
+    gate counts them as computed, and once an asynchronous load is over every group's loaded blocks enter the
+    prefix cache from that group's own count; the connector gets every group's blocks, hashed as vLLM's are."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", connector=True, kv_role=kv_role,
+                   **{layout: True})  # fmt: skip
+    assert cfg.kv_role == kv_role and (cfg.sliding_window is not None or cfg.kv_cache_groups is not None)
+
+
 @pytest.mark.parametrize(("sync", "kv_role"), [("sync", "kv_both"), ("async", "kv_consumer"), ("async", "kv_both")])
 def test_identical_to_vllm_with_a_multi_connector(sync: str, kv_role: str) -> None:
     """The seeded RandomKVConnector as the second child of vLLM's MultiConnector, after a passive one, on both

@@ -2021,14 +2021,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sliding-window",
         action="store_true",
-        help="a sliding-window model (one SlidingWindowSpec group, a window drawn per seed); not with --connector, "
-        "which kvsched.vllm refuses for it",
+        help="a sliding-window model (one SlidingWindowSpec group, a window drawn per seed); with --connector in "
+        "every role",
     )
     p.add_argument(
         "--hybrid",
         action="store_true",
-        help="a hybrid model: several KV cache groups (full attention and sliding windows, drawn per seed); not "
-        "with --connector, which kvsched.vllm refuses for it",
+        help="a hybrid model: several KV cache groups (full attention and sliding windows, drawn per seed); with "
+        "--connector in every role",
     )
     p.add_argument(
         "--mamba",

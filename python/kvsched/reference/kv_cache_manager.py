@@ -245,21 +245,23 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         r.block_ids = []
         r.num_cached_blocks = 0
 
-    def _full_sequence_fits(self, r: _Request, hits: list[int], reserved: int) -> bool:
+    def _full_sequence_fits(self, r: _Request, hits: list[int], ext: int, reserved: int) -> bool:
         """Could the free blocks hold all of ``r``'s tokens (capped at max_slots_per_request) beyond its hits, and still
-        leave ``reserved`` (the watermark) free?"""
+        leave ``reserved`` (the watermark) free? ``ext``: the tokens after the hits the KV connector loads (with a
+        sliding window they move the window of the first computed token on)."""
         full = min(r.num_tokens, self._config.max_slots_per_request)
         if self._config.kv_cache_groups is not None:
-            return self._hybrid_sequence_need(r, hits) + reserved <= len(self._free)
+            return self._hybrid_sequence_need(r, hits, ext) + reserved <= len(self._free)
         if self._config.sliding_window is not None:
-            return self._window_sequence_need(r, hits) + reserved <= len(self._free)
+            return self._window_sequence_need(r, hits, ext) + reserved <= len(self._free)
         need = max(0, math.ceil(full / self._bs) - len(r.block_ids) - len(hits))
         evictable_hits = sum(1 for b in hits if self._ref_cnt[b] == 0)
         return need + evictable_hits + reserved <= len(self._free)
 
-    def _window_sequence_need(self, r: _Request, hits: list[int]) -> int:
-        """The full-sequence check's blocks with a sliding window: at most the admission cap; a new request's hits
-        before the window of its first computed token become null blocks, the others count when at ref 0."""
+    def _window_sequence_need(self, r: _Request, hits: list[int], ext: int) -> int:
+        """The full-sequence check's blocks with a sliding window: at most the admission cap; a new request's blocks
+        before the window of its first computed token (after its hits and ``ext`` loaded tokens) become null blocks,
+        its hits inside the window count when at ref 0."""
         c = self._config
         assert c.sliding_window is not None
         batches = c.concurrent_batches
@@ -267,7 +269,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         required = min(math.ceil(min(r.num_tokens, c.max_slots_per_request) / self._bs), cap)
         if r.block_ids:
             return max(0, required - len(r.block_ids))
-        skipped = self._skipped_tokens(len(hits) * self._bs) // self._bs
+        skipped = self._skipped_tokens(len(hits) * self._bs + ext) // self._bs
         evictable = sum(1 for b in hits[skipped:] if b != 0 and self._ref_cnt[b] == 0)
         return max(0, required - max(skipped, len(hits))) + evictable
 
@@ -541,7 +543,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         assert self._group_hits[0] == hits, "the hits come from the last lookup"
         return self._group_hits
 
-    def _hybrid_sequence_need(self, r: _Request, hits: list[int]) -> int:
+    def _hybrid_sequence_need(self, r: _Request, hits: list[int], ext: int) -> int:
         """The full-sequence check's blocks over every group (a window's capped at its admission cap)."""
         c, bs = self._config, self._bs
         all_hits = self._hits_of_groups(hits)
@@ -574,7 +576,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if held:
                 total += max(0, req_g - held)
                 continue
-            skipped = self._group_skipped(w, len(ghits) * bs) // bs
+            skipped = self._group_skipped(w, len(ghits) * bs + ext) // bs
             evictable = sum(1 for b in ghits[skipped:] if b != 0 and self._ref_cnt[b] == 0)
             total += max(0, req_g - max(skipped, len(ghits))) + evictable
         return total

@@ -497,7 +497,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     continue
                 enc_dec_charge = enc_dec_tokens
             reserved = watermark if self._running else 0
-            if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, reserved):
+            if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, ext, reserved):
                 if planned:
                     self._rollback_encoder(enc, r)
                 self._enc_dec_free_slots += enc_dec_tokens  # vLLM frees its inputs, allocated or not

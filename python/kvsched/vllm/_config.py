@@ -421,14 +421,6 @@ def kvsched_config_from_vllm(
     sliding_window = windows[0] if len(windows) == 1 else None
     kv_cache_groups = tuple(windows) if len(windows) > 1 else None
     windowed = sliding_window is not None or kv_cache_groups is not None
-    if kv_transfer is not None and windowed and bool(getattr(kv_transfer, "is_kv_consumer", False)):
-        # External tokens loaded into windows: kvsched's admissions of such loads differ from vLLM's scheduler in
-        # the differential sweep (a producer's hand-offs match).
-        _refuse(
-            "KV connectors that load KV (kv_consumer, kv_both) with sliding-window attention or several KV cache "
-            "groups",
-            f"kv_transfer_config.kv_role={getattr(kv_transfer, 'kv_role', None)!r}",
-        )
     if kv_cache_groups is not None:
         # The core keeps one block table per group; its victim rules know one.
         num = f"{len(windows)} KV cache groups"
@@ -591,12 +583,11 @@ def kvsched_config_from_vllm(
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
     fields["sliding_window"] = sliding_window
     fields["kv_cache_groups"] = kv_cache_groups
-    # A KV connector with a window or several groups: the core hands it every group's blocks and frees a window's
-    # out-of-window blocks before request_finished, as vLLM's _connector_finished does (the adapter calls
-    # request_finished_all_groups of SupportsHMA connectors, request_finished of the one group otherwise).
-    fields["kv_connector_groups"] = kv_transfer is not None and (
-        sliding_window is not None or kv_cache_groups is not None
-    )
+    # A KV connector with a window or several groups, in any role: the core hands it every group's blocks (null
+    # blocks before a window, for loaded tokens too) and frees a window's out-of-window blocks before
+    # request_finished, as vLLM's _connector_finished does (the adapter calls request_finished_all_groups of
+    # SupportsHMA connectors, request_finished of the one group otherwise).
+    fields["kv_connector_groups"] = kv_transfer is not None and windowed
     fields["mamba_speculative_blocks"] = mamba_speculative_blocks if kv_cache_groups and MAMBA in kv_cache_groups else 0
     # vLLM's mamba_cache_mode "align" (block-sized state blocks, block-aligned prefill chunks).
     fields["mamba_align"] = bool(kv_cache_groups and MAMBA in kv_cache_groups and cache.mamba_cache_mode == "align")

@@ -245,9 +245,10 @@ impl KvCacheManager {
     }
 
     /// `full_sequence_fits`' blocks over every group: each group's as with one group (a window's capped at its
-    /// admission cap, its hits before the window of the first computed token becoming null blocks).
+    /// admission cap, its blocks before the window of the first computed token, after the hits and the `ext`
+    /// loaded tokens, becoming null blocks; an align-mode Mamba group's prefill checkpoint after `computed`).
     #[cold]
-    pub(crate) fn hybrid_sequence_need(&self, req: &Request, hits: &[u32], computed: u32) -> usize {
+    pub(crate) fn hybrid_sequence_need(&self, req: &Request, hits: &[u32], computed: u32, ext: u32) -> usize {
         let Some(hy) = self.hybrid.as_deref() else { return 0 };
         let all_hits = self.hybrid_hits(hits);
         let num_slots = req.num_tokens().min(self.max_slots);
@@ -294,7 +295,8 @@ impl KvCacheManager {
                 total += required.saturating_sub(held);
                 continue;
             }
-            let skipped = (group_skipped(w, hits.len() as u32 * self.block_size) / self.block_size) as usize;
+            let computed = hits.len() as u32 * self.block_size + ext;
+            let skipped = (group_skipped(w, computed) / self.block_size) as usize;
             let kept = &hits[skipped.min(hits.len())..];
             let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total += required.saturating_sub(skipped.max(hits.len())) + evictable;
@@ -451,7 +453,8 @@ impl KvCacheManager {
         }
         let cache_tokens = (total_computed + num_new_tokens).min(req.num_tokens());
         let num_full = (cache_tokens / self.block_size) as usize;
-        if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
+        // Each group from its own count of cached blocks (see `cache_blocks`).
+        if cache && self.enable_caching {
             self.cache_hybrid_blocks(req, num_full, cache_tokens);
         }
         Some(popped)

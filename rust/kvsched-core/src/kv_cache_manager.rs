@@ -217,13 +217,21 @@ impl KvCacheManager {
     /// the prefix hits `hits`? Hits at ref 0 leave the free queue when touched, so they count as needed blocks.
     /// Lookahead slots are not part of this check (the per-step allocation adds them). `reserved` blocks must
     /// stay free (the watermark). `computed`: its tokens computed before the hits (where an align-mode Mamba
-    /// group's prefill checkpoint lies).
-    pub fn full_sequence_fits(&self, req: &Request, hits: &[u32], computed: u32, reserved: usize) -> bool {
+    /// group's prefill checkpoint lies). `ext`: the tokens after the hits the KV connector loads; with a sliding
+    /// window they move the window of the first computed token on, as computed tokens do.
+    pub fn full_sequence_fits(
+        &self,
+        req: &Request,
+        hits: &[u32],
+        computed: u32,
+        ext: u32,
+        reserved: usize,
+    ) -> bool {
         if self.special {
             let need = if self.hybrid.is_some() {
-                self.hybrid_sequence_need(req, hits, computed)
+                self.hybrid_sequence_need(req, hits, computed, ext)
             } else {
-                self.window_sequence_need(req, hits)
+                self.window_sequence_need(req, hits, ext)
             };
             return need + reserved <= self.pool.num_free_blocks();
         }
@@ -233,16 +241,18 @@ impl KvCacheManager {
     }
 
     /// `full_sequence_fits`' blocks with a sliding window (vLLM's `get_num_blocks_to_allocate` with the
-    /// admission cap): the request's tokens need at most `admission_cap_blocks` blocks; a new request's hits
-    /// before the window of its first computed token become null blocks, the others count when at ref 0.
+    /// admission cap): the request's tokens need at most `admission_cap_blocks` blocks; a new request's blocks
+    /// before the window of its first computed token (after its hits and its `ext` loaded tokens) become null
+    /// blocks, its hits inside the window count when at ref 0.
     #[cold]
-    fn window_sequence_need(&self, req: &Request, hits: &[u32]) -> usize {
+    fn window_sequence_need(&self, req: &Request, hits: &[u32], ext: u32) -> usize {
         let num_slots = req.num_tokens().min(self.max_slots);
         let required = (num_slots.div_ceil(self.block_size) as usize).min(self.admission_cap_blocks);
         if !req.blocks.is_empty() {
             return required.saturating_sub(req.blocks.len());
         }
-        let skipped = (self.skipped_tokens(hits.len() as u32 * self.block_size) / self.block_size) as usize;
+        let computed = hits.len() as u32 * self.block_size + ext;
+        let skipped = (self.skipped_tokens(computed) / self.block_size) as usize;
         let kept = &hits[skipped.min(hits.len())..];
         let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
         required.saturating_sub(skipped.max(hits.len())) + evictable
@@ -440,10 +450,12 @@ impl KvCacheManager {
     }
 
     /// vLLM's `KVCacheManager.cache_blocks`: enters the full blocks among the first `num_tokens` tokens (and
-    /// the request's known hashes) into the prefix cache, if caching is on.
+    /// the request's known hashes) into the prefix cache, if caching is on. With several KV cache groups each
+    /// group goes from its own count of cached blocks (a window's null blocks count as cached, so the first
+    /// group's count can run ahead of a full-attention group's after a load).
     pub fn cache_blocks(&mut self, req: &mut Request, num_tokens: u32) {
         let num_full = (num_tokens / self.block_size) as usize;
-        if self.enable_caching && num_full > req.num_cached_blocks as usize {
+        if self.enable_caching && (num_full > req.num_cached_blocks as usize || self.hybrid.is_some()) {
             self.cache_full_blocks(req, num_full, num_tokens);
         }
     }
@@ -451,17 +463,18 @@ impl KvCacheManager {
     /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache (caching is on: the caller
     /// checks); `num_tokens` the tokens being cached (`num_full` their full blocks).
     fn cache_full_blocks(&mut self, req: &mut Request, num_full: usize, num_tokens: u32) {
+        if self.hybrid.is_some() {
+            // Each group from its own count.
+            self.cache_hybrid_blocks(req, num_full, num_tokens);
+            return;
+        }
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
         let first = req.num_cached_blocks as usize;
         if num_full <= first {
             return;
         }
         if self.special {
-            if self.hybrid.is_some() {
-                self.cache_hybrid_blocks(req, num_full, num_tokens);
-            } else {
-                self.cache_window_blocks(req, first, num_full);
-            }
+            self.cache_window_blocks(req, first, num_full);
             return;
         }
         if num_full == first + 1 {

@@ -1222,6 +1222,7 @@ impl Scheduler {
                 self.slab.get(a.h.slot)?,
                 &pass.hits,
                 a.computed_before,
+                a.ext,
                 a.reserved,
             )
         {
