@@ -119,6 +119,10 @@ pub(crate) struct HeldBlocks {
     /// The newest step in flight that scheduled the request when it finished (with `defer_block_free` at the
     /// release, its blocks wait in the deferred frees until that step is applied); `None` when none was.
     pub last_step: Option<u64>,
+    /// It finished while its asynchronous load was deferred (never registered): the non-empty steps scheduled at
+    /// its admission (vLLM sets `last_sched_seq` there). With `defer_block_free` the release waits until that many
+    /// steps are applied, not for the steps in flight at the finish.
+    pub load_fence: Option<u64>,
 }
 
 /// An asynchronous load admitted while a step was in flight, registered with the connector once `fence` (the

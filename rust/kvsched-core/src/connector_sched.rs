@@ -220,8 +220,10 @@ impl Scheduler {
                     self.kv.pool.free_blocks(w);
                 }
                 let in_flight = self.config.defer_block_free
-                    && h.last_step
-                        .is_some_and(|step| self.in_flight.front().is_some_and(|f| f.step_id <= step));
+                    && (h
+                        .last_step
+                        .is_some_and(|step| self.in_flight.front().is_some_and(|f| f.step_id <= step))
+                        || h.load_fence.is_some_and(|fence| fence > self.processed_step_seq));
                 if in_flight {
                     self.defer_free(h.tables.concat());
                 } else {
@@ -307,14 +309,9 @@ impl Scheduler {
 
     /// Forgets the deferred load of the request in `slot` (it finished before its load was registered, so no
     /// transfer will report it over); returns whether it had one.
-    pub(crate) fn take_deferred_load(&mut self, slot: u32) -> bool {
-        match self.deferred_loads.iter().position(|d| d.handle.slot == slot) {
-            Some(i) => {
-                self.deferred_loads.remove(i);
-                true
-            }
-            None => false,
-        }
+    pub(crate) fn take_deferred_load(&mut self, slot: u32) -> Option<u64> {
+        let i = self.deferred_loads.iter().position(|d| d.handle.slot == slot)?;
+        self.deferred_loads.remove(i).map(|d| d.fence)
     }
 
     /// vLLM's `_request_blocks_can_be_freed` for a preemption victim: with `defer_block_free`, not while a step
@@ -375,12 +372,13 @@ impl Scheduler {
 
     /// At finish: asks the connector whether to delay the free, and keeps the blocks if a transfer is still in
     /// progress. Returns whether the blocks were kept (the caller frees them otherwise).
-    /// `load_deferred`: its asynchronous load was never registered; its blocks wait for the steps now in flight.
+    /// `load_fence`: its asynchronous load was never registered (the non-empty steps scheduled at its admission);
+    /// its blocks wait until that many steps are applied.
     pub(crate) fn hold_for_transfer(
         &mut self,
         slot: u32,
         was_loading: bool,
-        load_deferred: bool,
+        load_fence: Option<u64>,
     ) -> Result<bool> {
         let Some(conn) = self.connector.as_mut() else { return Ok(false) };
         let (req, hot) = self.slab.get_mut_hot(slot)?;
@@ -405,15 +403,17 @@ impl Scheduler {
         }
         let tables = self.kv.take_tables(req);
         let handle = req.handle;
-        let last_step = if load_deferred {
-            self.in_flight.iter().rev().find(|r| !r.handles.is_empty()).map(|r| r.step_id)
+        let last_step = if load_fence.is_some() {
+            None
         } else if hot.in_flight[slot as usize] > 0 {
             self.in_flight.iter().rev().find(|r| r.handles.contains(&handle)).map(|r| r.step_id)
         } else {
             None
         };
-        self.held
-            .insert(req.id.clone(), HeldBlocks { tables, window, awaiting_recv, awaiting_send, last_step });
+        self.held.insert(
+            req.id.clone(),
+            HeldBlocks { tables, window, awaiting_recv, awaiting_send, last_step, load_fence },
+        );
         self.slab.sync(slot);
         Ok(true)
     }

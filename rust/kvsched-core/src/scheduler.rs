@@ -728,7 +728,9 @@ impl Scheduler {
             }
             self.sessions.remove_request(req.session);
         }
-        let load_deferred = prev == RequestStatus::WaitingForRemoteKvs && self.take_deferred_load(slot);
+        let load_fence =
+            if prev == RequestStatus::WaitingForRemoteKvs { self.take_deferred_load(slot) } else { None };
+        let load_deferred = load_fence.is_some();
         let req = self.slab.get_mut(slot)?;
         let was_loading = prev == RequestStatus::WaitingForRemoteKvs && !req.kv_load_done && !load_deferred;
         if req.parked {
@@ -746,7 +748,7 @@ impl Scheduler {
             req.deferred = false;
             self.num_deferred -= 1;
         }
-        if !self.hold_for_transfer(slot, was_loading, load_deferred)? {
+        if !self.hold_for_transfer(slot, was_loading, load_fence)? {
             self.free_request_blocks(slot, load_deferred)?;
         }
         self.release_cpu_blocks(slot)?;
