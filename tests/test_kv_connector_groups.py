@@ -18,7 +18,8 @@ S = RequestStatus
 
 class Conn:
     """A scripted connector: ``answers[req_id]`` is what get_num_new_matched_tokens returns (default (0, False));
-    ``send`` lists requests whose blocks are kept for a send; every call is logged."""
+    ``send`` lists requests whose blocks are kept for a send; the allocation and finish calls are logged (the match
+    queries are not)."""
 
     def __init__(self, answers: dict[str, Any] | None = None, send: tuple[str, ...] = ()) -> None:
         self.answers = answers or {}
