@@ -321,7 +321,7 @@ def test_umbp_store_connector_subclasses_are_accepted_only_binding_as_it_does() 
         assert check_kv_connector(make_vllm_config(), object.__new__(klass)) is True  # binds the pool
     for method in ("bind_gpu_block_pool", "bind_kv_cache_manager"):
         odd = type("OddUMBP", (UMBPStoreConnector,), {method: lambda self, x: None})
-        with pytest.raises(UnsupportedFeatureError, match=r"\(OddUMBP overrides bind_\w+: .*not verified"):
+        with pytest.raises(UnsupportedFeatureError, match=rf"\(OddUMBP overrides {method}: .*not verified"):
             check_kv_connector(make_vllm_config(), object.__new__(odd))
 
 

@@ -268,11 +268,19 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
         if _is_simple_cpu_offload(cls) or _is_mooncake_store(cls) or _is_umbp_store(cls):
             binds = True
             return
-        for method in ("bind_kv_cache_manager", "bind_gpu_block_pool"):
-            if getattr(cls, method, None) is not getattr(KVConnectorBase_V1, method):
-                missing = _pool_connector_missing(cls)
-                feature = f"KV connectors that use vLLM's own block pool ({name} overrides {method}{missing})"
-                _refuse(feature, "kv_transfer_config")
+        # A subclass of vLLM's MultiConnector or of one of its pool connectors is named by the binding it changes
+        # from that connector's (vLLM's connector itself, or a subclass changing neither, by the bindings vLLM's
+        # base class lacks).
+        methods = ("bind_kv_cache_manager", "bind_gpu_block_pool")
+        parent = MultiConnector if issubclass(cls, MultiConnector) else _pool_connector_parent(cls)
+        overridden = [m for m in methods if parent not in (None, cls) and getattr(cls, m) is not getattr(parent, m)]
+        overridden = overridden or [m for m in methods if getattr(cls, m, None) is not getattr(KVConnectorBase_V1, m)]
+        if overridden:
+            missing = _pool_connector_missing(cls)
+            feature = (
+                f"KV connectors that use vLLM's own block pool ({name} overrides {' and '.join(overridden)}{missing})"
+            )
+            _refuse(feature, "kv_transfer_config")
 
     check(connector, "")
     return binds
@@ -296,13 +304,19 @@ _POOL_CONNECTORS_MISSING = {
 }
 
 
+def _pool_connector_parent(cls: type) -> type | None:
+    """The nearest of vLLM's own connectors that bind the block pool in ``cls``'s bases (``cls`` itself
+    included), or None."""
+    for klass in cls.__mro__:
+        if klass.__name__ in _POOL_CONNECTORS_MISSING and klass.__module__.startswith("vllm."):
+            return klass
+    return None
+
+
 def _pool_connector_missing(cls: type) -> str:
     """``": what is missing"`` for vLLM's own connectors that bind the block pool (or a subclass), else ``""``."""
-    for klass in cls.__mro__:
-        why = _POOL_CONNECTORS_MISSING.get(klass.__name__)
-        if why is not None and klass.__module__.startswith("vllm."):
-            return f": {why}"
-    return ""
+    parent = _pool_connector_parent(cls)
+    return f": {_POOL_CONNECTORS_MISSING[parent.__name__]}" if parent is not None else ""
 
 
 def _is_mooncake_store(cls: type) -> bool:
