@@ -1039,6 +1039,7 @@ def configs(draw: Any) -> SchedulerConfig:
         drop_preempted_output=draw(st.booleans()),
         max_loras_counts_unscheduled=draw(st.booleans()),
         continue_after_self_preemption=draw(st.booleans()),
+        skip_encoder_blocked_admissions=draw(st.booleans()),
         cache_drafts_at_update=draw(st.booleans()),
         trim_computed_on_stop=draw(st.booleans()),
         hash_lookahead_tokens=draw(st.sampled_from([0, 0, 0, 1, 2])),

@@ -58,6 +58,24 @@ def test_the_encoder_budget_skips_an_admission_that_does_not_fit_and_tries_the_n
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_without_skip_encoder_blocked_admissions_an_encoder_input_that_does_not_fit_ends_the_pass(impl: str) -> None:
+    # vLLM 0.32's rule: "b" (6 of the 4 encoder tokens left) ends the admission pass; "c" (3) is not tried and
+    # nothing counts as skipped. It is admitted with "c" once the budget is back.
+    s = make(impl, skip_encoder_blocked_admissions=False)
+    s.add_request("a", [1, 2, 3], max_tokens=4, cross_attention_tokens=6)
+    s.add_request("b", [4, 5], max_tokens=4, cross_attention_tokens=6)
+    s.add_request("c", [6], max_tokens=4, cross_attention_tokens=3)
+    out = s.schedule()
+    assert ids(out) == ["a"]
+    assert s.encoder_decoder_free_slots == 100 - 6
+    assert s.stats().num_skipped_waiting_reqs == 0
+    s.update_from_output(out, [[7]])
+    out = s.schedule()
+    assert ids(out) == ["a", "b", "c"]
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_short_slots_skip_an_admission_until_outputs_give_them_back(impl: str) -> None:
     # 10 slots: "a" (6) leaves 4; "b" (6) is skipped, "c" (3) admitted. With async scheduling the next step comes
     # before the first output: "b" is still skipped; once the output is applied it fits.

@@ -1183,9 +1183,6 @@ def test_cross_attention_groups_schedule_as_vllms_encoder_decoder_scheduler() ->
     assert not pair[1].requests
 
 
-@pytest.mark.skipif(
-    RULES.version == "0.32", reason="kvsched.vllm refuses encoder-decoder models on vLLM 0.32 (its rules differ)"
-)
 def test_an_encoder_decoder_model_schedules_with_vllms_encoder_budget_and_slots(monkeypatch: Any) -> None:
     """A model whose config says is_encoder_decoder (here a tiny multimodal model told so) is built as vLLM's
     engine builds its scheduler: the core's encoder_decoder mode with vLLM's encoder compute budget and an

@@ -246,9 +246,6 @@ SYNC_MODES = [("sync", "v1"), ("sync", "v2")]
 ENC_DEC_MODES = [("sync", "v1"), ("async", "v1")]  # kvsched.vllm refuses encoder-decoder models on model runner V2
 
 
-@pytest.mark.skipif(
-    RULES.version == "0.32", reason="kvsched.vllm refuses encoder-decoder models on vLLM 0.32 (its rules differ)"
-)
 @pytest.mark.parametrize(("sync", "runner"), ENC_DEC_MODES, ids=[f"{s}-{r}" for s, r in ENC_DEC_MODES])
 @pytest.mark.parametrize("seed", [601, 604])  # seeds whose draws put the budget or the slots under pressure
 def test_identical_to_vllm_with_an_encoder_decoder_model(

@@ -568,6 +568,15 @@ class SchedulerConfig:
             "(vLLM 0.32)"
         ),
     )
+    skip_encoder_blocked_admissions: bool = field(
+        default=True,
+        metadata=_spec(
+            "a waiting request whose encoder input at the start of its chunk cannot be scheduled this step (the "
+            "encoder budget or cache is short and no token before the input is left to compute; an encoder-decoder "
+            "request whose encoder output does not fit the budget or the slots) is skipped and keeps its place, the "
+            "admission pass going on (vLLM 0.33); with False the admission pass ends there (vLLM 0.32)"
+        ),
+    )
     cache_drafts_at_update: bool = field(
         default=True,
         metadata=_spec(

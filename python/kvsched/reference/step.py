@@ -483,6 +483,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 n = self._plan_encoder(enc, r, computed, n)
                 if n == 0:  # vLLM 0.33: its first encoder input does not fit: skipped, it keeps its place
                     self._rollback_encoder(enc, r)
+                    if not c.skip_encoder_blocked_admissions:
+                        break  # vLLM 0.32: the pass ends there
                     r.deferred = True
                     (skipped_kv if from_kv else skipped).append(take())
                     continue
@@ -492,6 +494,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             enc_dec_charge = 0
             if enc_dec_tokens and computed == 0 and not load_async:
                 if enc_dec_tokens > enc.budget or enc_dec_tokens > self._enc_dec_free_slots:
+                    if not c.skip_encoder_blocked_admissions:
+                        break  # vLLM 0.32: the pass ends there
                     r.deferred = True
                     (skipped_kv if from_kv else skipped).append(take())
                     continue

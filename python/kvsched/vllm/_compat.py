@@ -45,6 +45,7 @@ class VllmRules:
     # only the kept tokens resolve one.
     max_loras_counts_unscheduled: bool
     continue_after_self_preemption: bool
+    skip_encoder_blocked_admissions: bool
     cache_drafts_at_update: bool
     trim_computed_on_stop: bool
 
@@ -59,6 +60,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         trim_computed_on_stop=False,
         max_loras_counts_unscheduled=False,
         continue_after_self_preemption=False,
+        skip_encoder_blocked_admissions=False,
         cache_drafts_at_update=False,
     ),
     "0.33": VllmRules(
@@ -70,6 +72,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         trim_computed_on_stop=True,
         max_loras_counts_unscheduled=True,
         continue_after_self_preemption=True,
+        skip_encoder_blocked_admissions=True,
         cache_drafts_at_update=True,
     ),
 }

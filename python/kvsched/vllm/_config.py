@@ -656,6 +656,7 @@ def kvsched_config_from_vllm(
     # Where the supported vLLM releases' scheduling rules differ (kvsched.vllm._compat).
     fields["max_loras_counts_unscheduled"] = RULES.max_loras_counts_unscheduled
     fields["continue_after_self_preemption"] = RULES.continue_after_self_preemption
+    fields["skip_encoder_blocked_admissions"] = RULES.skip_encoder_blocked_admissions
     fields["cache_drafts_at_update"] = RULES.cache_drafts_at_update
     fields["trim_computed_on_stop"] = RULES.trim_computed_on_stop
     # vLLM keeps a request waiting for its grammar in `waiting` (skipped where the admission pass reaches it).
@@ -706,9 +707,6 @@ def decode_stagger(vllm_config: Any) -> int:
 def check_encoder_decoder(vllm_config: Any, windows: list[int | str | None] | None) -> None:
     """Refuses the encoder-decoder deployments vLLM 0.33's scheduler refuses, or kvsched does not schedule yet."""
     model = vllm_config.model_config
-    if RULES.version == "0.32":
-        # Differs from vLLM 0.32's scheduler in the differential sweep (docs/vllm.md); kvsched follows 0.33.
-        _refuse("encoder-decoder models on vLLM 0.32", "model_config.is_encoder_decoder")
     if not _attr(model, "supports_multimodal_inputs", False):
         # vLLM's scheduler asserts that an encoder-decoder model implements the multimodal interface.
         _refuse("encoder-decoder models without the multimodal interface", "model_config.is_encoder_decoder")

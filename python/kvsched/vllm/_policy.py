@@ -144,6 +144,7 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
         for name in (
             "max_loras_counts_unscheduled",
             "continue_after_self_preemption",
+            "skip_encoder_blocked_admissions",
             "cache_drafts_at_update",
             "trim_computed_on_stop",
         )

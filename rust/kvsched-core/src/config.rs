@@ -337,6 +337,11 @@ pub struct SchedulerConfig {
     /// higher and may fit in the blocks it freed); `false` (vLLM 0.32) ends the pass over the running requests,
     /// as `fcfs` always does.
     pub continue_after_self_preemption: bool,
+    /// A waiting request whose encoder input at the start of its chunk cannot be scheduled this step (the encoder
+    /// budget or cache is short and no token before the input is left to compute; an encoder-decoder request whose
+    /// encoder output does not fit the budget or the slots): `true` (vLLM 0.33) skips it, it keeps its place and
+    /// the pass goes on; `false` (vLLM 0.32) ends the admission pass there.
+    pub skip_encoder_blocked_admissions: bool,
     /// When a step's output is applied, the blocks its tokens completed are cached then (instead of at the
     /// request's next allocation) for a running request with output placeholders (async scheduling) and, if
     /// `true` (vLLM 0.33), for every running request when speculative decoding is on; `false` (vLLM 0.32): only
@@ -499,6 +504,7 @@ impl Default for SchedulerConfig {
             kv_connector_groups: false,
             max_loras_counts_unscheduled: true,
             continue_after_self_preemption: true,
+            skip_encoder_blocked_admissions: true,
             cache_drafts_at_update: true,
             trim_computed_on_stop: true,
             hash_lookahead_tokens: 0,

@@ -1136,15 +1136,22 @@ impl Scheduler {
             n = self.plan_encoder(enc, h.slot, computed, n)?;
             if n == 0 {
                 // vLLM 0.33: an admission whose first encoder input does not fit is skipped (it keeps its
-                // place), not a stop of the pass.
+                // place); vLLM 0.32 ends the pass there.
                 self.rollback_encoder(enc, h.slot)?;
+                if !self.config.skip_encoder_blocked_admissions {
+                    return Ok(Candidate::Stop);
+                }
                 return self.skip_admission(h, from_kv, pass);
             }
         }
         let mut enc_dec_charge = 0;
         if enc_dec_tokens > 0 && computed == 0 && !load_async {
             if enc_dec_tokens > enc.budget || i64::from(enc_dec_tokens) > self.enc_dec_free_slots {
-                // vLLM 0.33: the encoder budget or the slots are short: 0 tokens, skipped (it keeps its place).
+                // vLLM 0.33: the encoder budget or the slots are short: 0 tokens, skipped (it keeps its place);
+                // vLLM 0.32 ends the pass there.
+                if !self.config.skip_encoder_blocked_admissions {
+                    return Ok(Candidate::Stop);
+                }
                 return self.skip_admission(h, from_kv, pass);
             }
             enc_dec_charge = enc_dec_tokens;

@@ -941,6 +941,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                     dcp_world_size: dcp,
                     max_loras_counts_unscheduled: !v032,
                     continue_after_self_preemption: !v032,
+                    skip_encoder_blocked_admissions: !v032,
                     cache_drafts_at_update: !v032,
                     trim_computed_on_stop: !v032,
                     ..Default::default()
