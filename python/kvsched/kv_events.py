@@ -125,6 +125,8 @@ class KVCacheEvents:
     - ``num_cached_blocks`` (int32, one per event): the index of a stored run's first block in its request's block
       table (the request's blocks cached before it), 0 for the others;
     - ``groups`` (int32, one per event): the KV cache group of a stored run or a removed block, 0 for a clear;
+    - ``block_positions`` (int32, one per block): a stored block's index in its request's block table (from
+      ``num_cached_blocks`` on, gaps where blocks are null or left out by sparse retention), 0 for a removed one;
     - ``block_size``: tokens per block.
     """
 
@@ -141,6 +143,7 @@ class KVCacheEvents:
     req_ids: list[str | None]
     num_cached_blocks: npt.NDArray[np.int32]
     groups: npt.NDArray[np.int32]
+    block_positions: npt.NDArray[np.int32]
     block_size: int
 
     @classmethod
@@ -161,6 +164,7 @@ class KVCacheEvents:
             req_ids=[],
             num_cached_blocks=np.zeros(0, dtype=np.int32),
             groups=np.zeros(0, dtype=np.int32),
+            block_positions=np.zeros(0, dtype=np.int32),
             block_size=block_size,
         )
 
