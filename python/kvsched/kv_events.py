@@ -9,8 +9,9 @@ events", says exactly when each is emitted):
   prompt's first block), with their tokens, the request's LoRA name and cache salt (the extra keys of their
   hashes), and the block size. In a sliding-window or chunked-local group the run's blocks already out of the
   window are null blocks, not stored: the event lists the others (the run's last blocks, possibly none, as vLLM
-  does; under sparse retention, ``prefix_cache_retention_interval``, only the blocks it keeps, not always the
-  last) while its tokens and parent span the whole run;
+  does; under sparse retention, ``prefix_cache_retention_interval``, only the blocks it keeps, wherever they sit
+  in the run: ``block_positions`` gives each listed block's index in the request's table) while its tokens and
+  parent span the whole run;
 - **removed** (``BlockRemoved``): one block left the prefix cache of its group;
 - **cleared** (``AllBlocksCleared``): the whole prefix cache was dropped.
 

@@ -13,9 +13,9 @@ stored, so its vLLM hashes are that request's ``block_hashes`` at those indices 
 group the blocks of a run out of the window are null blocks, and under sparse retention
 (``prefix_cache_retention_interval``) the blocks no later hit can use are not cached: vLLM leaves both out of the
 event's hashes and extra keys, wherever they sit in the run, while its tokens and parent span the whole run. A
-removed block carries no request: the core's hash of a block and vLLM's
-are both functions of the same content (parent, tokens, LoRA, cache salt), so the hash a block was stored under is
-looked up in a map from the core's (group, hash) to vLLM's, kept while some block of the group carries it. Events
+removed block carries no request: the core's hash of a block and vLLM's are both functions of the same content
+(parent, tokens, LoRA, cache salt), so the hash a block was stored under is looked up in a map from the core's
+(group, hash) to vLLM's, kept while some block of the group carries it. Events
 must therefore be taken from the core (:meth:`KVEventTranslator.collect`) while the requests they name are still
 known: after each ``schedule()`` and before ``update_from_output`` or ``finish_requests`` forgets a finished
 request.
