@@ -911,7 +911,7 @@ class KvEventTwin:
             assert len(ea) == len(eb) == 0
             return
         names = ("kinds", "block_hashes_indptr", "num_copies", "has_parent", "token_ids", "token_ids_indptr")
-        for name in (*names, "num_cached_blocks", "groups"):
+        for name in (*names, "num_cached_blocks", "groups", "block_positions"):
             assert_arrays_equal(getattr(ea, name), getattr(eb, name), f"events.{name}")
         assert (ea.lora_names, ea.cache_salts, ea.req_ids) == (eb.lora_names, eb.cache_salts, eb.req_ids)
         assert ea.block_size == eb.block_size
@@ -928,6 +928,10 @@ class KvEventTwin:
         self.coverage["cleared"] += int((eb.kinds == CLEARED).sum())
         self.coverage["group_events"] += int((eb.groups > 0).sum())
         self.coverage["empty_stored"] += int(((eb.kinds == STORED) & (np.diff(eb.block_hashes_indptr) == 0)).sum())
+        # stored runs with a hole: a block between two stored ones left out (sparse retention)
+        for e in np.flatnonzero(eb.kinds == STORED):
+            pos = eb.block_positions[eb.block_hashes_indptr[e] : eb.block_hashes_indptr[e + 1]]
+            self.coverage["holed_stored"] += int(len(pos) > 0 and pos[-1] - pos[0] + 1 > len(pos))
         self.coverage["partial_stored"] += int(
             (
                 (eb.kinds == STORED) & (np.diff(eb.token_ids_indptr) != np.diff(eb.block_hashes_indptr) * eb.block_size)
@@ -1640,10 +1644,11 @@ def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:
 
 def test_kv_cache_events_match_reference_with_windows_and_groups() -> None:
     """KV cache events with a sliding window and with several KV cache groups (windows, chunked-local, a window
-    shared by two groups):
+    shared by two groups), and under sparse retention of the windows' blocks:
     both implementations emit the same events, each naming its group, a window group's run listing only the
-    blocks still in its window (none at times) with the tokens of the whole run, and each stream replays to the
-    reference's prefix cache, group by group, after every operation."""
+    blocks still in its window (none at times) and kept by the retention, at their places in the run, with the
+    tokens of the whole run, and each stream replays to the reference's prefix cache, group by group, after every
+    operation."""
     layouts = [
         dict(sliding_window=5),
         dict(sliding_window=1),
@@ -1651,6 +1656,9 @@ def test_kv_cache_events_match_reference_with_windows_and_groups() -> None:
         dict(kv_cache_groups=(6, None, 1)),
         dict(kv_cache_groups=(None, "chunked:8", 5)),
         dict(kv_cache_groups=(None, 6, 6)),
+        dict(sliding_window=5, prefix_cache_retention_interval=0),
+        dict(sliding_window=5, prefix_cache_retention_interval=12),
+        dict(kv_cache_groups=(None, 6, 5), prefix_cache_retention_interval=0),
     ]
     total = Counter[str]()
     for seed, layout in enumerate(layouts):
@@ -1668,6 +1676,7 @@ def test_kv_cache_events_match_reference_with_windows_and_groups() -> None:
         twin.drain()
         total += twin.kv_events.coverage
     keys = ("stored", "removed", "stored_copy", "cleared", "group_events", "empty_stored", "partial_stored")
+    keys += ("holed_stored",)
     assert all(total[k] > 0 for k in keys), total
 
 

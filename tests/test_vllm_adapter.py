@@ -1440,13 +1440,12 @@ def test_retention_interval_reaches_the_core_for_sliding_windows() -> None:
             assert s.kv_config.prefix_cache_retention_interval == interval
             s = make_scheduler("kvsched", off, prefix_cache_retention_interval=interval, **layout)
             assert s.kv_config.prefix_cache_retention_interval is None
-    # KV cache events with sparse retention of windows are refused by name (the core's stored events do not say
-    # where the kept blocks sit in their run); dense retention runs with them.
+    # KV cache events run with sparse and dense retention of windows alike.
     events = make_vllm_config(block_size=4, num_blocks=40, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4,
                               kv_events=True)  # fmt: skip
-    with pytest.raises(UnsupportedFeatureError, match="KV cache events with sparse retention of sliding-window"):
-        make_scheduler("kvsched", events, prefix_cache_retention_interval=0, sliding_window=8)
-    assert make_scheduler("kvsched", events, sliding_window=8).kv_config.enable_kv_cache_events
+    for interval in (None, 0, 12):
+        s = make_scheduler("kvsched", events, prefix_cache_retention_interval=interval, sliding_window=8)
+        assert s.kv_config.enable_kv_cache_events and s.kv_config.prefix_cache_retention_interval == interval
     # 0 on a layout without a window changes nothing (vLLM accepts it): the core gets None.
     assert (
         make_scheduler("kvsched", on, prefix_cache_retention_interval=0).kv_config.prefix_cache_retention_interval

@@ -26,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
-from vllm_driver import Pair, _RecordingPublisher, random_config, run_seed
+from vllm_driver import Pair, _event_fields, _RecordingPublisher, random_config, run_seed
 
 pytestmark = pytest.mark.vllm
 
@@ -65,6 +65,8 @@ def test_published_events_are_identical_to_vllms(sync: str, runner: str, seed: i
         ("hybrid", "async", "v2"),
         ("chunked_local", "async", "v1"),
         ("dcp", "sync", "v2"),
+        ("sparse_window", "sync", "v1"),
+        ("sparse_hybrid", "async", "v1"),
     ],
 )
 @pytest.mark.parametrize("seed", range(320, 322))
@@ -72,12 +74,15 @@ def test_published_events_are_identical_to_vllms_with_windows_groups_and_dcp(
     layout: str, sync: str, runner: str, seed: int
 ) -> None:
     """Per-group events (group_idx, each group's spec kind and window, a window group's runs without the blocks
-    out of its window), and events under decode context parallelism (blocks of block_size * DCP tokens)."""
+    out of its window, and under sparse retention without those it does not keep), and events under decode context
+    parallelism (blocks of block_size * DCP tokens)."""
     kw: dict[str, Any] = {
         "sliding_window": {"sliding_window": True},
         "hybrid": {"hybrid": True},
         "chunked_local": {"hybrid": True, "chunked_local": True},
         "dcp": {"dcp": 2},
+        "sparse_window": {"sliding_window": True, "retention": 0},
+        "sparse_hybrid": {"hybrid": True, "retention": 0},
     }[layout]
     cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", kv_events=True, **kw)
     assert cfg.kv_events
@@ -133,6 +138,35 @@ def test_stored_blocks_carry_vllms_block_hashes() -> None:
     assert s.reset_prefix_cache() is True
     _step(s)
     assert pub.batches == [[AllBlocksCleared()]]
+
+
+@pytest.mark.parametrize("retention", [0, 12])
+def test_sparse_window_retention_publishes_vllms_stored_blocks(retention: int) -> None:
+    """A sliding window of 8 tokens (two blocks of 4 before a hit) under sparse retention: a prompt's run keeps
+    only the blocks a later hit can use, the two before the prompt's last token (not the run's last block, which
+    holds that token) and, with an interval of 12 tokens, also the last two of every three-block segment; its
+    decodes keep none. The stored events list the kept blocks wherever they sit in the run, with their own hashes
+    and extra keys, while the tokens span the run. A resend of the prompt hits; a longer sibling hits and stores
+    its own blocks. Published events equal vLLM's."""
+    bs = 4
+    prompt = list(range(100, 132))  # 8 full blocks
+    sibling = [*prompt, *range(300, 314)]
+    published: list[list[Any]] = []
+    for impl in ("vllm", "kvsched"):
+        cfg = make_vllm_config(block_size=bs, num_blocks=48, max_num_batched_tokens=64, kv_events=True)
+        s = make_scheduler(impl, cfg, sliding_window=8, prefix_cache_retention_interval=retention)
+        pub = s.kv_event_publisher = _RecordingPublisher()
+        for name, tokens in (("a", prompt), ("b", prompt), ("c", sibling)):
+            s.add_request(make_request(name, tokens, max_tokens=6, block_size=bs, cache_salt="salt"))
+            while name in s.requests:
+                _step(s)
+        published.append([_event_fields(e) for batch in pub.batches for e in batch])
+    assert published[0] == published[1]
+    stored = [dict(fields) for kind, fields in published[0] if kind == "BlockStored"]
+    # The prompt's run from its first block (no block out of the window yet) stores some of its blocks, not all:
+    # the ones retention left out are not only its first ones.
+    first_runs = [e for e in stored if e["parent_block_hash"] is None]
+    assert any(0 < len(e["block_hashes"]) < len(e["token_ids"]) // bs for e in first_runs)
 
 
 def test_events_off_publish_nothing_and_cost_the_core_nothing() -> None:

@@ -2198,10 +2198,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--retention goes without --mamba-retention (the same setting)")
     if args.retention is not None and not (args.sliding_window or args.hybrid or args.mamba_prefix_caching):
         p.error("--retention goes with --sliding-window, --hybrid or --mamba-prefix-caching")
-    if args.retention is not None and args.kv_events:
-        p.error(
-            "--retention goes without --kv-events (kvsched.vllm refuses KV cache events with sparse window retention)"
-        )
     if args.retention is not None and RULES.version == "0.32" and args.eagle and args.hybrid:
         p.error("--retention with --eagle --hybrid: kvsched.vllm refuses it on vLLM 0.32 (its junction rule differs)")
     if args.mamba_prefix_caching and RULES.version == "0.32":

@@ -309,6 +309,7 @@ class Scheduler:
         list[str | None],
         npt.NDArray[np.int32],
         npt.NDArray[np.int32],
+        npt.NDArray[np.int32],
     ]: ...
     def cached_block_hashes(self) -> list[bytes]: ...
 

@@ -9,8 +9,9 @@ events", says exactly when each is emitted):
   prompt's first block), with their tokens, the request's LoRA name and cache salt (the extra keys of their
   hashes), and the block size. In a sliding-window or chunked-local group the run's blocks already out of the
   window are null blocks, not stored: the event lists the others (the run's last blocks, possibly none, as vLLM
-  does; under sparse retention, ``prefix_cache_retention_interval``, only the blocks it keeps, not always the
-  last) while its tokens and parent span the whole run;
+  does; under sparse retention, ``prefix_cache_retention_interval``, only the blocks it keeps, wherever they sit
+  in the run: ``block_positions`` gives each listed block's index in the request's table) while its tokens and
+  parent span the whole run;
 - **removed** (``BlockRemoved``): one block left the prefix cache of its group;
 - **cleared** (``AllBlocksCleared``): the whole prefix cache was dropped.
 
@@ -125,6 +126,8 @@ class KVCacheEvents:
     - ``num_cached_blocks`` (int32, one per event): the index of a stored run's first block in its request's block
       table (the request's blocks cached before it), 0 for the others;
     - ``groups`` (int32, one per event): the KV cache group of a stored run or a removed block, 0 for a clear;
+    - ``block_positions`` (int32, one per block): a stored block's index in its request's block table (from
+      ``num_cached_blocks`` on, gaps where blocks are null or left out by sparse retention), 0 for a removed one;
     - ``block_size``: tokens per block.
     """
 
@@ -141,6 +144,7 @@ class KVCacheEvents:
     req_ids: list[str | None]
     num_cached_blocks: npt.NDArray[np.int32]
     groups: npt.NDArray[np.int32]
+    block_positions: npt.NDArray[np.int32]
     block_size: int
 
     @classmethod
@@ -161,6 +165,7 @@ class KVCacheEvents:
             req_ids=[],
             num_cached_blocks=np.zeros(0, dtype=np.int32),
             groups=np.zeros(0, dtype=np.int32),
+            block_positions=np.zeros(0, dtype=np.int32),
             block_size=block_size,
         )
 

@@ -2,10 +2,11 @@
 ``rust/kvsched-core/src/events.rs``.
 
 Stored: a run of one request's full blocks entered the cache of one KV cache group (the hashes of its blocks
-that are not null, the number of the group's blocks carrying each hash after the store, the parent hash, the run's
-tokens, the request's LoRA name and cache salt, the request, the index of the run's first block in its table and
-the group). Removed: one block left its group's cache (the group's blocks still carrying its hash). Cleared: the
-whole cache was dropped. Taken as a :class:`kvsched.kv_events.KVCacheEvents`, in the order they happened.
+that are not null and were kept, the number of the group's blocks carrying each hash after the store and each
+one's index in the request's table, the parent hash, the run's tokens, the request's LoRA name and cache salt, the
+request, the index of the run's first block in its table and the group). Removed: one block left its group's cache
+(the group's blocks still carrying its hash). Cleared: the whole cache was dropped. Taken as a
+:class:`kvsched.kv_events.KVCacheEvents`, in the order they happened.
 """
 
 from __future__ import annotations
@@ -15,24 +16,24 @@ import numpy.typing as npt
 
 from ..kv_events import CLEARED, REMOVED, STORED, KVCacheEvents
 
+_Event = tuple[int, list[tuple[bytes, int, int]], bytes | None, list[int], str | None, str | None, str | None, int, int]
+
 
 class _KvCacheEvents:
-    """The events not taken yet, one tuple each: (kind, [(hash, copies)], parent, tokens, lora, salt,
-    req_id, first block, group)."""
+    """The events not taken yet, one tuple each: (kind, [(hash, copies, index in the table)], parent, tokens,
+    lora, salt, req_id, first block, group)."""
 
     def __init__(self) -> None:
-        self.events: list[
-            tuple[int, list[tuple[bytes, int]], bytes | None, list[int], str | None, str | None, str | None, int, int]
-        ] = []
+        self.events: list[_Event] = []
 
     def push_stored(
-        self, blocks: list[tuple[bytes, int]], parent: bytes | None, tokens: list[int], lora: str | None,
+        self, blocks: list[tuple[bytes, int, int]], parent: bytes | None, tokens: list[int], lora: str | None,
         salt: str | None, req_id: str, first: int, group: int = 0,
     ) -> None:  # fmt: skip
         self.events.append((STORED, blocks, parent, tokens, lora, salt, req_id, first, group))
 
     def push_removed(self, h: bytes, copies: int, group: int = 0) -> None:
-        self.events.append((REMOVED, [(h, copies)], None, [], None, None, None, 0, group))
+        self.events.append((REMOVED, [(h, copies, 0)], None, [], None, None, None, 0, group))
 
     def push_cleared(self) -> None:
         self.events.append((CLEARED, [], None, [], None, None, None, 0, 0))
@@ -49,9 +50,9 @@ class _KvCacheEvents:
 
         return KVCacheEvents(
             kinds=np.array([e[0] for e in events], dtype=np.uint8),
-            block_hashes=rows([h for h, _ in blocks]),
+            block_hashes=rows([h for h, _, _ in blocks]),
             block_hashes_indptr=np.cumsum([0] + [len(e[1]) for e in events], dtype=np.int32),
-            num_copies=np.array([n for _, n in blocks], dtype=np.int32),
+            num_copies=np.array([n for _, n, _ in blocks], dtype=np.int32),
             parent_block_hashes=rows([e[2] or bytes(hash_width) for e in events]),
             has_parent=np.array([e[2] is not None for e in events], dtype=np.bool_),
             token_ids=np.array([t for e in events for t in e[3]], dtype=np.int32),
@@ -61,5 +62,6 @@ class _KvCacheEvents:
             req_ids=[e[6] for e in events],
             num_cached_blocks=np.array([e[7] for e in events], dtype=np.int32),
             groups=np.array([e[8] for e in events], dtype=np.int32),
+            block_positions=np.array([i for _, _, i in blocks], dtype=np.int32),
             block_size=block_size,
         )

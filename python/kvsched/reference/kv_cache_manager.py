@@ -309,11 +309,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
     ) -> None:
         """The stored event of group ``g``'s run ``first:num_full`` of ``r``'s blocks (``table``: the group's):
         the hashes of its blocks that are not null and that ``stored`` entered, with the copies of the group's key
-        of each, and the tokens and parent of the whole run."""
+        of each and its index in the table, and the tokens and parent of the whole run."""
         assert self._events is not None
-        kept = [r.block_hashes[i] for i in range(first, num_full) if table[i] != 0 and stored(i)]
+        kept = [(r.block_hashes[i], i) for i in range(first, num_full) if table[i] != 0 and stored(i)]
         self._events.push_stored(
-            [(h, len(self._cached[self._group_key(h, g)])) for h in kept],
+            [(h, len(self._cached[self._group_key(h, g)]), i) for h, i in kept],
             r.block_hashes[first - 1] if first else None,
             r.token_ids[first * self._bs : num_full * self._bs],
             r.lora_name,

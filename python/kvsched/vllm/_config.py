@@ -612,14 +612,6 @@ def kvsched_config_from_vllm(
     has_window = any(isinstance(w, int) and not isinstance(w, bool) for w in windows or ())
     sparse = fields["enable_prefix_caching"] and (fields["mamba_align"] or has_window)
     fields["prefix_cache_retention_interval"] = None if retention is None or not sparse else int(retention)
-    if has_window and sparse and retention is not None and kv_events_enabled(vllm_config):
-        # The core's stored events list the blocks sparse retention kept, but not where they sit in the run, which
-        # vLLM's BlockStored needs to pair them with vLLM's hashes (the adapter assumes a run's last blocks).
-        _refuse(
-            "KV cache events with sparse retention of sliding-window blocks",
-            f"kv_events_config, prefix_cache_retention_interval={retention}: set --prefix-cache-retention-interval "
-            "None",
-        )
     sparse_junction = has_window and kv_cache_groups and drop_trailing and sparse and retention is not None
     if RULES.version == "0.32" and sparse_junction:
         # vLLM 0.32 keeps a window's run at a shared-prefix junction only, not also one block lower as 0.33 does

@@ -7,13 +7,15 @@ the way vLLM's scheduler does: one ``KVEventBatch`` per ``update_from_output`` t
 connector's events after the cache's, through the publisher ``EventPublisherFactory`` builds from
 ``kv_events_config`` (:func:`make_publisher`).
 
-A stored run names its request, its KV cache group and the index of its first block, so its vLLM hashes are that
-request's ``block_hashes`` (vLLM's values, kept on the ``Request`` by the adapter), and so are its parent, tokens
-and extra keys. In a sliding-window or chunked-local group the blocks of a run out of the window are null blocks,
-which vLLM leaves out of the event (its tokens still span the run): they come first in a request's table, so the
-run's stored blocks are its last ones. A removed block carries no request: the core's hash of a block and vLLM's
-are both functions of the same content (parent, tokens, LoRA, cache salt), so the hash a block was stored under is
-looked up in a map from the core's (group, hash) to vLLM's, kept while some block of the group carries it. Events
+A stored run names its request, its KV cache group, the index of its first block and that of each block it
+stored, so its vLLM hashes are that request's ``block_hashes`` at those indices (vLLM's values, kept on the
+``Request`` by the adapter), and so are its parent, tokens and extra keys. In a sliding-window or chunked-local
+group the blocks of a run out of the window are null blocks, and under sparse retention
+(``prefix_cache_retention_interval``) the blocks no later hit can use are not cached: vLLM leaves both out of the
+event's hashes and extra keys, wherever they sit in the run, while its tokens and parent span the whole run. A
+removed block carries no request: the core's hash of a block and vLLM's are both functions of the same content
+(parent, tokens, LoRA, cache salt), so the hash a block was stored under is looked up in a map from the core's
+(group, hash) to vLLM's, kept while some block of the group carries it. Events
 must therefore be taken from the core (:meth:`KVEventTranslator.collect`) while the requests they name are still
 known: after each ``schedule()`` and before ``update_from_output`` or ``finish_requests`` forgets a finished
 request.
@@ -86,6 +88,7 @@ class KVEventTranslator:
         kinds = ev.kinds.tolist()
         indptr = ev.block_hashes_indptr.tolist()
         copies = ev.num_copies.tolist()
+        positions = ev.block_positions.tolist()
         firsts = ev.num_cached_blocks.tolist()
         groups = ev.groups.tolist()
         tokens_indptr = ev.token_ids_indptr.tolist()
@@ -99,14 +102,14 @@ class KVEventTranslator:
                 req_id = ev.req_ids[e]
                 assert req_id is not None
                 request = self._get_request(req_id)
-                # The run spans its tokens; its stored blocks are its last ones (a window's null blocks first).
+                # The run spans its tokens; its stored blocks sit at their indices in the request's table.
                 first = firsts[e]
                 end = first + (tokens_indptr[e + 1] - tokens_indptr[e]) // block_size
-                start = end - (indptr[e + 1] - indptr[e])
-                hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[start:end]]
+                stored = positions[indptr[e] : indptr[e + 1]]
+                hashes = [maybe_convert_block_hash(request.block_hashes[i]) for i in stored]
                 for core_hash, h in zip(rows[indptr[e] : indptr[e + 1]], hashes, strict=True):
                     vllm_hash[g, core_hash] = h
-                pending.append(self._stored(request, hashes, first, start, end, block_size, g))
+                pending.append(self._stored(request, hashes, first, stored, end, block_size, g))
             elif kind == CLEARED:
                 vllm_hash.clear()
                 pending.append(AllBlocksCleared())
@@ -116,15 +119,15 @@ class KVEventTranslator:
                 pending.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU, group_idx=g))
 
     def _stored(
-        self, request: Any, hashes: list[Any], first: int, start: int, end: int, block_size: int, group: int
+        self, request: Any, hashes: list[Any], first: int, stored: list[int], end: int, block_size: int, group: int
     ) -> BlockStored:
         """vLLM's ``BlockStored`` for group ``group``'s run of the request's blocks ``first .. end``, of which
-        ``start .. end`` were stored, as its block pool builds it."""
+        those at ``stored`` (in order) were stored, as its block pool builds it."""
         bh = request.block_hashes
         extra_keys: list[tuple[Any, ...] | None] = []
         mm_idx = 0
         la = self._lookahead
-        for i in range(start, end):
+        for i in stored:
             lo, hi = i * block_size, (i + 1) * block_size
             if la:
                 keys, mm_idx = generate_lookahead_block_hash_extra_keys(request, lo, hi, hi + la, mm_idx)
@@ -134,7 +137,7 @@ class KVEventTranslator:
         lookahead: dict[str, Any] = {}
         if _HAS_LOOKAHEAD_FIELD:
             tokens = request.all_token_ids
-            ids = [tokens[(i + 1) * block_size : (i + 1) * block_size + la] for i in range(start, end)]
+            ids = [tokens[(i + 1) * block_size : (i + 1) * block_size + la] for i in stored]
             lookahead["lookahead_token_ids"] = ids if la else None
         lora = request.lora_request
         kind, window = self._spec_meta[group]

@@ -20,9 +20,10 @@
 //! event's group carry block `i`'s hash right after its event (>= 1 after a store, >= 0 after a removal), so a consumer that keeps a
 //! set of hashes adds a hash when a store leaves 1 copy and drops it when a removal leaves 0.
 //!
-//! A stored event also names the storing request and the index of the run's first block in its block table (the
-//! request's blocks cached before it), so that a host which keys blocks by hashes of its own (vLLM's adapter)
-//! can translate the run from the request's hashes.
+//! A stored event also names the storing request, the index of the run's first block in its block table (the
+//! request's blocks cached before it) and the index of each stored block in that table (`block_positions`:
+//! sparse retention, `prefix_cache_retention_interval`, may leave holes anywhere in a window group's run), so that
+//! a host which keys blocks by hashes of its own (vLLM's adapter) can translate the run from the request's hashes.
 //!
 //! Struct of arrays, ragged data as values plus offsets: event `e`'s blocks are
 //! `block_hashes[block_indptr[e]..block_indptr[e + 1]]` and its tokens `token_ids[token_indptr[e]..
@@ -49,6 +50,8 @@ pub struct KvCacheEvents {
     pub block_hashes: Vec<BlockHash>,
     /// Per block: the blocks carrying its hash right after its event.
     pub num_copies: Vec<u32>,
+    /// Per block: a stored block's index in its request's block table (0 for a removed block).
+    pub block_positions: Vec<u32>,
     /// Per event: the hash of the block before a stored run (`None` for a prompt's first block, and for
     /// removed and cleared events).
     pub parents: Vec<Option<BlockHash>>,
@@ -72,6 +75,7 @@ impl Default for KvCacheEvents {
             block_indptr: vec![0],
             block_hashes: Vec::new(),
             num_copies: Vec::new(),
+            block_positions: Vec::new(),
             parents: Vec::new(),
             token_indptr: vec![0],
             token_ids: Vec::new(),
@@ -113,12 +117,12 @@ impl KvCacheEvents {
     }
 
     /// A run of blocks of request `req_id`, from its block `first` on, entered the cache of group `group`:
-    /// `blocks` pairs each stored block's hash with its number of copies after the store; `tokens` are the
-    /// tokens of the whole run.
+    /// `blocks` gives each stored block's hash, its number of copies after the store and its index in the
+    /// request's block table; `tokens` are the tokens of the whole run.
     #[allow(clippy::too_many_arguments)]
     pub fn push_stored(
         &mut self,
-        blocks: impl Iterator<Item = (BlockHash, u32)>,
+        blocks: impl Iterator<Item = (BlockHash, u32, u32)>,
         parent: Option<BlockHash>,
         tokens: &[u32],
         extra: &ExtraKeys,
@@ -126,9 +130,10 @@ impl KvCacheEvents {
         first: u32,
         group: u32,
     ) {
-        for (h, n) in blocks {
+        for (h, n, i) in blocks {
             self.block_hashes.push(h);
             self.num_copies.push(n);
+            self.block_positions.push(i);
         }
         self.token_ids.extend_from_slice(tokens);
         self.close(STORED, parent, extra.clone(), Some((req_id.clone(), first)), group);
@@ -139,6 +144,7 @@ impl KvCacheEvents {
     pub fn push_removed(&mut self, hash: BlockHash, num_copies: u32, group: u32) {
         self.block_hashes.push(hash);
         self.num_copies.push(num_copies);
+        self.block_positions.push(0);
         self.close(REMOVED, None, ExtraKeys::default(), None, group);
     }
 
@@ -165,8 +171,10 @@ impl KvCacheEvents {
         if lens != [n + 1, n + 1] || per_event != [n; 5] {
             return Err(format!("{n} events but offsets / per-event lists of lengths {lens:?}"));
         }
-        if self.num_copies.len() != self.block_hashes.len() {
-            return Err("num_copies and block_hashes differ in length".into());
+        if self.num_copies.len() != self.block_hashes.len()
+            || self.block_positions.len() != self.block_hashes.len()
+        {
+            return Err("num_copies, block_positions and block_hashes differ in length".into());
         }
         for (indptr, total) in
             [(&self.block_indptr, self.block_hashes.len()), (&self.token_indptr, self.token_ids.len())]
@@ -217,15 +225,24 @@ mod tests {
         let mut ev = KvCacheEvents::default();
         let salt = ExtraKeys { cache_salt: Some("s".into()), lora_name: None };
         let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
-        ev.push_stored([(h(1), 1), (h(2), 2)].into_iter(), None, &[5, 6, 7, 8], &salt, &a, 0, 0);
+        ev.push_stored([(h(1), 1, 0), (h(2), 2, 1)].into_iter(), None, &[5, 6, 7, 8], &salt, &a, 0, 0);
         ev.push_removed(h(2), 1, 1);
         ev.push_cleared();
-        ev.push_stored([(h(3), 1)].into_iter(), Some(h(2)), &[9, 9], &ExtraKeys::default(), &b, 2, 2);
+        ev.push_stored(
+            [(h(3), 1, 4)].into_iter(),
+            Some(h(2)),
+            &[9, 9, 9, 9, 9, 9],
+            &ExtraKeys::default(),
+            &b,
+            2,
+            2,
+        );
         ev.check().unwrap();
         assert_eq!(ev.kinds, vec![STORED, REMOVED, CLEARED, STORED]);
         assert_eq!(ev.block_indptr, vec![0, 2, 3, 3, 4]);
-        assert_eq!(ev.token_indptr, vec![0, 4, 4, 4, 6]);
+        assert_eq!(ev.token_indptr, vec![0, 4, 4, 4, 10]);
         assert_eq!(ev.num_copies, vec![1, 2, 1, 1]);
+        assert_eq!(ev.block_positions, vec![0, 1, 0, 4]);
         assert_eq!(ev.parents, vec![None, None, None, Some(h(2))]);
         assert_eq!(ev.extra_keys[0], salt);
         assert_eq!(ev.req_ids, vec![Some(a), None, None, Some(b)]);

@@ -524,7 +524,8 @@ impl KvCacheManager {
     /// Records the stored event of group `g`'s run `first..num_full` of `req`'s blocks (`blocks`: the group's
     /// table), just entered into the prefix cache: the hashes of its blocks that are not null and that `kept`
     /// entered (a window of one token caches nothing, sparse retention skips some), with the copies of the
-    /// group's key of each, and the tokens and parent of the whole run (vLLM's event for a window group's run).
+    /// group's key of each and its index in the table, and the tokens and parent of the whole run (vLLM's event
+    /// for a window group's run).
     #[cold]
     pub(crate) fn record_group_stored(
         &mut self,
@@ -535,11 +536,11 @@ impl KvCacheManager {
         g: usize,
         kept: &dyn Fn(usize) -> bool,
     ) {
-        let kept: Vec<(BlockHash, u32)> = (first..num_full)
+        let kept: Vec<(BlockHash, u32, u32)> = (first..num_full)
             .filter(|&i| blocks[i] != NULL_BLOCK && kept(i))
             .map(|i| {
                 let h = req.block_hashes[i];
-                (h, self.pool.num_copies(&group_key(&h, g)))
+                (h, self.pool.num_copies(&group_key(&h, g)), i as u32)
             })
             .collect();
         let bs = self.block_size as usize;

@@ -1138,8 +1138,8 @@ impl PyScheduler {
 
     /// The KV cache events since the last call, as arrays that `kvsched.Scheduler.take_kv_cache_events` wraps in
     /// a `KVCacheEvents`: `(kinds, block_hashes, block_hashes_indptr, num_copies, parent_block_hashes, has_parent,
-    /// token_ids, token_ids_indptr, lora_names, cache_salts, req_ids, num_cached_blocks, groups)`; hashes are rows
-    /// of `width` bytes.
+    /// token_ids, token_ids_indptr, lora_names, cache_salts, req_ids, num_cached_blocks, groups, block_positions)`;
+    /// hashes are rows of `width` bytes.
     fn _take_kv_cache_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
         let mut this = borrow_mut(slf)?;
@@ -1175,6 +1175,7 @@ impl PyScheduler {
             req_ids.into_any(),
             i32s(&ev.num_cached_blocks).into_pyarray(py).into_any(),
             i32s(&ev.groups).into_pyarray(py).into_any(),
+            i32s(&ev.block_positions).into_pyarray(py).into_any(),
         ];
         PyTuple::new(py, items)
     }

@@ -26,12 +26,40 @@ fn cfg(num_blocks: u32) -> SchedulerConfig {
 }
 
 /// Replays `ev` into `counts` (blocks per cache key: the hash in its event's group), checking each block's
-/// `num_copies` against the replayed count.
-fn replay(counts: &mut HashMap<BlockHash, u32>, ev: &KvCacheEvents) {
+/// `num_copies` against the replayed count, and that a stored run's blocks sit in order within the run, each at
+/// the index in its request's block table whose hash it carries (while `s` still knows the request). Returns the
+/// stored runs with a hole (a block of the run between two stored ones not stored).
+fn replay(counts: &mut HashMap<BlockHash, u32>, ev: &KvCacheEvents, s: &Scheduler) -> usize {
     ev.check().unwrap();
+    let mut holes = 0;
     for e in 0..ev.len() {
         if ev.kinds[e] == CLEARED {
             counts.clear();
+        }
+        let (lo, hi) = (ev.block_indptr[e] as usize, ev.block_indptr[e + 1] as usize);
+        if ev.kinds[e] == STORED {
+            let pos = &ev.block_positions[lo..hi];
+            let first = ev.num_cached_blocks[e];
+            let end = first + (ev.token_indptr[e + 1] - ev.token_indptr[e]) / 4;
+            assert!(pos.windows(2).all(|w| w[0] < w[1]), "event {e}: positions out of order: {pos:?}");
+            assert!(
+                pos.iter().all(|&i| (first..end).contains(&i)),
+                "event {e}: {pos:?} not in {first}..{end}"
+            );
+            holes += usize::from(
+                pos.first().is_some_and(|&a| pos.last().is_some_and(|&b| b - a + 1 > pos.len() as u32)),
+            );
+            if let Some(req) = ev.req_ids[e].as_deref().and_then(|id| s.get_request(id).ok()) {
+                for (i, &p) in pos.iter().enumerate() {
+                    assert_eq!(
+                        req.block_hashes[p as usize],
+                        ev.block_hashes[lo + i],
+                        "event {e}: block at {p}"
+                    );
+                }
+            }
+        } else {
+            assert!(ev.block_positions[lo..hi].iter().all(|&p| p == 0));
         }
         for i in ev.block_indptr[e] as usize..ev.block_indptr[e + 1] as usize {
             let key = group_key(&ev.block_hashes[i], ev.groups[e] as usize);
@@ -45,6 +73,7 @@ fn replay(counts: &mut HashMap<BlockHash, u32>, ev: &KvCacheEvents) {
         }
     }
     counts.retain(|_, n| *n > 0);
+    holes
 }
 
 /// The scheduler's prefix cache as blocks per hash.
@@ -123,6 +152,26 @@ fn reuse_removes_a_block_a_reset_clears_and_a_hash_cached_twice_counts_its_copie
 }
 
 #[test]
+fn sparse_retention_stores_a_windows_kept_blocks_with_their_places_in_the_run() {
+    // A window of 5 tokens needs one block before a hit; an interval of 8 tokens (two blocks) keeps the last
+    // block of each segment, 1 and 3, and the prompt's last token (17) keeps block 3: blocks 0 and 2 are holes.
+    let retained =
+        SchedulerConfig { sliding_window: Some(5), prefix_cache_retention_interval: Some(8), ..cfg(16) };
+    let mut s = Scheduler::new(retained).unwrap();
+    add(&mut s, "a", &prompt(0, 18), params(4));
+    step_with(&mut s, 1);
+    let ev = s.take_kv_cache_events();
+    let a = s.get_request("a").unwrap().block_hashes.clone();
+    assert_eq!(ev.kinds, vec![STORED]);
+    assert_eq!(ev.block_hashes, vec![a[1], a[3]]);
+    assert_eq!(ev.block_positions, vec![1, 3]);
+    assert_eq!((ev.num_cached_blocks[0], ev.parents[0]), (0, None));
+    assert_eq!(ev.token_ids, (0..16).collect::<Vec<u32>>(), "the tokens span the whole run, holes too");
+    let mut counts = HashMap::new();
+    assert_eq!(replay(&mut counts, &ev, &s), 1);
+}
+
+#[test]
 fn events_off_record_nothing() {
     let mut s = Scheduler::new(SchedulerConfig { enable_kv_cache_events: false, ..cfg(16) }).unwrap();
     add(&mut s, "a", &prompt(0, 12), params(2));
@@ -142,19 +191,24 @@ proptest! {
     #[test]
     fn replaying_the_events_reproduces_the_prefix_cache(
         num_blocks in 8u32..30,
-        layout in 0usize..6,
+        layout in 0usize..9,
         ops in prop::collection::vec((0u8..8, 0u64..64), 1..120),
     ) {
         let (window, groups) = match layout {
             0 | 1 => (None, vec![]),
-            2 => (Some(5), vec![]),
-            3 => (None, vec![None, Some(3)]),
+            2 | 6 => (Some(5), vec![]),
+            3 | 7 => (None, vec![None, Some(3)]),
             4 => (None, vec![Some(6), None, Some(1)]),
+            8 => (None, vec![None, Some(5), Some(5)]),
             _ => (None, vec![None, Some(CHUNKED_LOCAL | 8), Some(5)]),
         };
+        // Sparse retention of the windows' blocks: stored runs with holes.
+        let retention = (layout >= 6).then_some(if layout == 7 { 8 } else { 0 });
         // Each group takes its own blocks: a pool as tight per group.
         let pool = num_blocks * groups.len().max(1) as u32;
-        let on = SchedulerConfig { sliding_window: window, kv_cache_groups: groups, ..cfg(pool) };
+        let on = SchedulerConfig {
+            sliding_window: window, kv_cache_groups: groups, prefix_cache_retention_interval: retention, ..cfg(pool)
+        };
         let mut s = Scheduler::new(SchedulerConfig { max_num_batched_tokens: 16, max_num_seqs: 4, ..on.clone() }).unwrap();
         let mut off = Scheduler::new(SchedulerConfig {
             enable_kv_cache_events: false, max_num_batched_tokens: 16, max_num_seqs: 4, ..on
@@ -204,7 +258,7 @@ proptest! {
                 }
             }
             s.check_invariants().unwrap();
-            replay(&mut counts, &s.take_kv_cache_events());
+            replay(&mut counts, &s.take_kv_cache_events(), &s);
             prop_assert_eq!(&counts, &cached(&s));
             prop_assert_eq!(s.num_free_blocks(), off.num_free_blocks());
             prop_assert!(off.take_kv_cache_events().is_empty());
