@@ -250,6 +250,8 @@ class _ConnectorMixin(_BlockPoolMixin):
                 else:
                     r.num_computed_tokens = idx * self._bs
                     r.kv_load_failed = True
+        if invalid:
+            self._roll_back_synchronous_loads(set(invalid), fail, failed)
         for r in failed:
             self._finish(r, RequestStatus.FINISHED_ERROR)
         for i in recv:
@@ -266,6 +268,67 @@ class _ConnectorMixin(_BlockPoolMixin):
         self._transfer_params = {}
         self._after_hooks()
         return [r.req_id for r in failed]
+
+    def _roll_back_synchronous_loads(self, bad: set[int], fail: bool, failed: list[_Request]) -> None:
+        """Invalid blocks among the computed blocks of running requests (vLLM's synchronous loads): see
+        ``Scheduler::roll_back_synchronous_loads`` in ``connector_sched.rs``."""
+        front = self._outs_in_flight[0] if self._outs_in_flight else None
+        in_step: dict[int, int] = {}
+        if front is not None:
+            for (r, _, _), n in zip(front._entries, front.num_scheduled_tokens.tolist(), strict=True):
+                in_step[id(r)] = n
+        claimed: set[int] = set()
+        evict: list[int] = []
+        for r in self._running:
+            done = max(0, r.num_computed_tokens - in_step.get(id(r), 0))
+            affected = cut = False
+            for idx, b in enumerate(r.block_ids[: math.ceil(done / self._bs)]):
+                if b not in bad:
+                    continue
+                affected = True
+                if b in claimed:
+                    continue
+                claimed.add(b)
+                if cut:
+                    continue
+                cut = True
+                r.num_computed_tokens = idx * self._bs
+                if fail:
+                    evict.extend(r.block_ids[idx:])
+            if not affected:
+                continue
+            if not cut:
+                r.num_computed_tokens = done
+            if front is not None:
+                r.kv_skip_step = front.step_id
+            if fail and r not in failed:
+                failed.append(r)
+        for b in evict:
+            h = self._block_hash[b]
+            if h is not None:
+                self._uncache(b, h)
+
+    def evict_cached_blocks(self, block_ids: Iterable[int]) -> None:
+        """Takes each listed block that carries a hash out of the prefix cache, in the order given (vLLM's
+        ``KVCacheManager.evict_blocks``); the blocks stay with their holders. Nothing changes on error."""
+        blocks: list[int] = []
+        for b in _as_sequence(block_ids, "block_ids"):
+            if not _is_int(b):
+                raise SchedulerTypeError(f"block_ids must hold ints, got {type(b).__name__}")
+            if not 1 <= b < self._config.num_blocks:
+                raise InvalidRequestError(
+                    f"evict_cached_blocks: block ids must be in [1, {self._config.num_blocks}), got {b}"
+                )
+            blocks.append(int(b))
+        if blocks and self._config.kv_cache_groups is not None:
+            raise InvalidRequestError(
+                "evict_cached_blocks is not supported with kv_cache_groups (a block id names a block of one group)"
+            )
+        self._last_out_fresh = False
+        for b in blocks:
+            h = self._block_hash[b]
+            if h is not None:
+                self._uncache(b, h)
 
     def _id_list(self, ids: Iterable[str] | None, what: str) -> list[str]:
         if ids is None:

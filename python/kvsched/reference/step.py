@@ -320,6 +320,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             zero_block_ids=np.array([b for ids in self._zero_ids for b in ids], dtype=np.int32),
         )
         self._newly_cached = []
+        self._outs_in_flight.append(out)
         for ids in self._zero_ids:
             ids.clear()
         self._next_step_id += 1

@@ -1607,6 +1607,7 @@ impl Scheduler {
         refill(&mut rec.spec_token_ids_indptr, &out.spec_token_ids_indptr);
         // This step's cached blocks go to the record; the kv manager keeps the old record's (emptied) buffer.
         rec.cached_blocks.clear();
+        rec.kv_skipped.clear();
         std::mem::swap(&mut rec.cached_blocks, &mut self.kv.newly_cached);
         rec.swapped_out = swapped_out;
         rec.encoder_hashes = enc_hashes;
