@@ -1626,8 +1626,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         mro = model_runner_output
         kvo = mro.kv_connector_output if self._bridge is not None else None
         kv_failed: set[str] = set()
+        # Running requests rolled back by invalid blocks (vLLM's synchronous loads): their output of this step is
+        # dropped.
+        kv_skip: set[str] = set()
         if kvo is not None and (kvo.failed_recving or kvo.invalid_block_ids):
-            kv_failed = self._apply_kv_load_failures(kvo)
+            kv_failed, kv_skip = self._apply_kv_load_failures(kvo, scheduler_output.num_scheduled_tokens)
         sampled = mro.sampled_token_ids
         index = mro.req_id_to_index
         req_ids: list[str] = out.req_ids
@@ -1665,6 +1668,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         nans = mro.num_nans_in_logits
         if (
             not finished_ids
+            and not kv_skip
             and not part_ids
             and not spec_sched
             and not nans
@@ -1682,7 +1686,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 dissolve(self._cohort)  # the entries' counters are written one by one
                 self._cohort = None
             outputs = self._update_entries(
-                scheduler_output, mro, out, num_sched, rows, res, finished_ids, part_ids, cached_tokens
+                scheduler_output, mro, out, num_sched, rows, res, finished_ids, part_ids, cached_tokens, kv_skip
             )
         if self._bridge is not None:
             self._release_finished()
@@ -1877,8 +1881,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         finished_ids: list[str],
         part_ids: list[str] | tuple[()],
         cached_tokens: dict[str, int],
+        kv_skip: set[str],
     ) -> dict[int, list[EngineCoreOutput]]:
-        """``update_from_output`` entry by entry: the plain ones in bulk, the others through ``_update_slow``."""
+        """``update_from_output`` entry by entry: the plain ones in bulk, the others through ``_update_slow``;
+        the entries of ``kv_skip`` (rolled back by invalid blocks) only release their in-flight tokens."""
         req_ids: list[str] = out.req_ids
         requests = self.requests
         accepted: list[int] = res.num_new_tokens.tolist()
@@ -1926,12 +1932,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         plain_ids: list[str] = []
         plain_toks: list[list[int]] = []
         # The common step: every entry is a plain one (or a prefill chunk), all for client 0.
-        all_plain = not batch_slow and all(reqs) and slow.isdisjoint(req_ids)
+        all_plain = not batch_slow and not kv_skip and all(reqs) and slow.isdisjoint(req_ids)
         for req_id, entry, n, generated, num_accepted in zip(req_ids, reqs, num_sched, rows, accepted, strict=True):
             if entry is None:
                 continue  # finished (aborted) while the step was in flight
             request = entry
             request.num_in_flight_tokens -= n
+            if kv_skip and req_id in kv_skip:
+                if request.num_stale_output_tokens > 0:
+                    request.num_stale_output_tokens -= n
+                continue
             if not all_plain and (batch_slow or req_id in slow):
                 eco = self._update_slow(
                     request,
@@ -2064,10 +2074,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         last = features[-1].mm_position
         return bool(last.offset + last.length > num_hashed_blocks * self.hash_block_size)
 
-    def _apply_kv_load_failures(self, kvo: Any) -> set[str]:
-        """vLLM's ``_handle_failed_recving`` / ``_handle_invalid_blocks`` for asynchronous loads. Policy "recompute":
-        the core cuts the computed count of each affected loading request; policy "fail": returns them, to be
-        finished with an error after this update's outputs (as vLLM does)."""
+    def _apply_kv_load_failures(self, kvo: Any, num_scheduled: dict[str, int]) -> tuple[set[str], set[str]]:
+        """vLLM's ``_handle_failed_recving`` / ``_handle_invalid_blocks``: loads in progress and running requests
+        (synchronous loads, and any running request holding an invalid block among its computed ones). The core
+        cuts the computed counts (``update_kv_transfers``, policy "recompute" in the core). Returns the requests
+        to finish with an error after this update's outputs (policy "fail"; vLLM's set order) and the running
+        requests whose output of this step is dropped."""
         bridge = self._bridge
         assert bridge is not None
         waiting = [r for r in itertools.chain(bridge.loading, bridge.loaded) if r in self.requests]
@@ -2075,6 +2087,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         num_blocks = self.kv_config.num_blocks
         invalid = {b for b in kvo.invalid_block_ids or () if 0 < b < num_blocks}
         affected: set[str] = set()
+        skip: set[str] = set()
+        evict: set[int] = set()
+        if invalid and self._num_groups == 1:  # with several groups the core refuses them (as vLLM does)
+            skip = self._sync_load_failures(invalid, num_scheduled, evict)
         if self._kv_failure_fails:
             # Policy "fail": vLLM finishes them after this update's outputs; invalid blocks still cut the computed
             # tokens first (the blocks handed to the connector at the finish), a failed load changes nothing.
@@ -2089,12 +2105,43 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     n = -(-self.requests[req_id].num_computed_tokens // bs)
                     if not invalid.isdisjoint(self._core.get_block_ids(req_id)[:n].tolist()):
                         cut.add(req_id)
-                affected.update(cut | set())  # vLLM: async | sync (the synchronous part is not applied)
+                affected.update(cut | skip)  # vLLM: async | sync
         if failed or invalid:
             self._core.update_kv_transfers(failed_recving=failed, invalid_block_ids=sorted(invalid))
-            for req_id in waiting:
+            for req_id in itertools.chain(waiting, skip):
                 self.requests[req_id].num_computed_tokens = self._core.get_num_computed_tokens(req_id)
-        return affected
+        if evict:
+            # Policy "fail" only: the invalid blocks and those after them leave the prefix cache.
+            self._core.evict_cached_blocks(list(evict))
+        return affected, skip
+
+    def _sync_load_failures(self, invalid: set[int], num_scheduled: dict[str, int], evict: set[int]) -> set[str]:
+        """The running requests invalid blocks roll back (vLLM's ``_update_requests_with_invalid_blocks`` over its
+        running requests: the core applies the same rule); with policy "fail", the blocks to evict into
+        ``evict``."""
+        core = self._core
+        bs = self.block_size
+        claimed: set[int] = set()
+        skip: set[str] = set()
+        for req_id in core.running_req_ids():
+            done = core.get_num_computed_tokens(req_id) - num_scheduled.get(req_id, 0)
+            blocks = core.get_block_ids(req_id).tolist()
+            affected = cut = False
+            for idx, b in enumerate(blocks[: max(0, -(-done // bs))]):
+                if b not in invalid:
+                    continue
+                affected = True
+                if b in claimed:
+                    continue
+                claimed.add(b)
+                if cut:
+                    continue
+                cut = True
+                if self._kv_failure_fails:
+                    evict.update(blocks[idx:])
+            if affected:
+                skip.add(req_id)
+        return skip
 
     def _update_connector(self, kvo: Any) -> Any:
         """vLLM's ``_update_from_kv_xfer_finished``, connector stats and events, at the end of an update."""
