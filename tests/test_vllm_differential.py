@@ -389,6 +389,21 @@ V1_MODES = [("sync", "v1"), ("async", "v1")]
 
 
 @pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
+@pytest.mark.parametrize("seed", SYNC_INVALID_SEEDS)
+def test_identical_to_vllm_with_invalid_blocks_of_synchronous_loads(sync: str, runner: str, seed: int) -> None:
+    """The seeded RandomKVConnector as a decode engine reports an invalid block among the loaded ones of some
+    synchronous loads, with the output of the step that loaded them: vLLM rolls the running requests holding the
+    block back (their output of that step dropped; policy fail: their blocks leave the prefix cache and they fail),
+    and so does kvsched.vllm. The seeds draw both policies and report such blocks."""
+    from kvsched.vllm.testing import RandomKVConnector
+
+    before = RandomKVConnector.num_sync_invalid_reported
+    cfg = run_seed(seed, 150, async_scheduling=sync == "async", v2=False, connector=True, kv_role="kv_consumer")
+    assert RandomKVConnector.num_sync_invalid_reported > before
+    assert cfg.kv_load_failure_policy == SYNC_INVALID_SEEDS[seed]
+
+
+@pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
 @pytest.mark.parametrize(("layout", "seed"), [("sliding_window", 7), ("hybrid", 3)])
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
 def test_identical_to_vllm_with_a_kv_connector_loading_into_windows(

@@ -372,6 +372,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # events or prefill stats, stale in-flight output, structured output, a client other than 0. A superset
         # is harmless (the slow path is complete); entries leave it once _update_slow finds nothing pending.
         self._slow_req_ids: set[str] = set()
+        # Requests invalid blocks rolled back with async placeholders left (vLLM keeps them, so their token count
+        # no longer follows from their computed count): slow until a preemption clears the placeholders.
+        self._kv_offset: set[str] = set()
         self._pause_state = PauseState.UNPAUSED
         # Steps scheduled and not yet applied, oldest first (_InFlight).
         self._in_flight: deque[_InFlight] = deque()
@@ -824,6 +827,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._awaiting_first_output.discard(req_id)
         self._so_req_ids.discard(req_id)
         self._slow_req_ids.discard(req_id)
+        self._kv_offset.discard(req_id)
         if self._parts:
             self._parts.pop(req_id, None)
             self._resident_sessions.discard(req_id)
@@ -1955,10 +1959,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     stopped_reqs,
                 )
                 # It stays slow while something outlives the step (e.g. a NaN count its outputs repeat).
-                if self._needs_slow_update(request):
+                if self._needs_slow_update(request) or (
+                    req_id in self._kv_offset and request.num_output_placeholders > 0
+                ):
                     self._slow_req_ids.add(req_id)
                 else:
                     self._slow_req_ids.discard(req_id)
+                    self._kv_offset.discard(req_id)
                 if eco is not None:
                     if request.client_index:
                         outputs[request.client_index].append(eco)
@@ -2110,6 +2117,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             self._core.update_kv_transfers(failed_recving=failed, invalid_block_ids=sorted(invalid))
             for req_id in itertools.chain(waiting, skip):
                 self.requests[req_id].num_computed_tokens = self._core.get_num_computed_tokens(req_id)
+            for req_id in skip:
+                if self.requests[req_id].num_output_placeholders > 0:
+                    self._kv_offset.add(req_id)
+                    self._slow_req_ids.add(req_id)
         if evict:
             # Policy "fail" only: the invalid blocks and those after them leave the prefix cache.
             self._core.evict_cached_blocks(list(evict))

@@ -721,6 +721,9 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
     any role (it still logs its calls): a second child of vLLM's ``MultiConnector`` that only watches.
     """
 
+    # Invalid blocks of synchronous loads reported by any instance (:meth:`report`), for tests to check coverage.
+    num_sync_invalid_reported: ClassVar[int] = 0
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
@@ -871,6 +874,7 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
         for _rid, (blocks, first, n) in getattr(metadata, "sync_loads", ()):
             if rng.random() < 0.1:
                 invalid.add(blocks[rng.randrange(first // block_size, -(-(first + n) // block_size))])
+                RandomKVConnector.num_sync_invalid_reported += 1
         for rid in sorted(self.sending):
             if rng.random() < 0.35:
                 send.add(rid)
