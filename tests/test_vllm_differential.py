@@ -386,6 +386,8 @@ def test_identical_to_vllm_with_a_kv_connector_and_batches_in_flight(
 
 
 V1_MODES = [("sync", "v1"), ("async", "v1")]
+# Seeds whose kv_consumer runs report invalid blocks of synchronous loads, with the policy each draws.
+SYNC_INVALID_SEEDS = {2: "recompute", 7: "fail"}
 
 
 @pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])

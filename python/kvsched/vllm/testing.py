@@ -873,8 +873,10 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
         # rolls its request back, or fails it, with kv_load_failure_policy "fail").
         for _rid, (blocks, first, n) in getattr(metadata, "sync_loads", ()):
             if rng.random() < 0.1:
-                invalid.add(blocks[rng.randrange(first // block_size, -(-(first + n) // block_size))])
-                RandomKVConnector.num_sync_invalid_reported += 1
+                bad = blocks[rng.randrange(first // block_size, -(-(first + n) // block_size))]
+                if bad:  # (a window's null block holds nothing)
+                    invalid.add(bad)
+                    RandomKVConnector.num_sync_invalid_reported += 1
         for rid in sorted(self.sending):
             if rng.random() < 0.35:
                 send.add(rid)
