@@ -158,9 +158,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             # placeholders left (vLLM keeps them): vLLM's allocation then fails and it preempts down to the request
             # itself, as here.
             beyond = (
-                ph > 0
-                and r.num_computed_tokens < r.num_tokens
-                and r.num_computed_tokens + n > c.max_slots_per_request
+                ph > 0 and r.num_computed_tokens < r.num_tokens and r.num_computed_tokens + n > c.max_slots_per_request
             )
             if not beyond:
                 n = min(n, c.max_slots_per_request - r.num_computed_tokens)

@@ -1635,6 +1635,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         kv_skip: set[str] = set()
         if kvo is not None and (kvo.failed_recving or kvo.invalid_block_ids):
             kv_failed, kv_skip = self._apply_kv_load_failures(kvo, scheduler_output.num_scheduled_tokens)
+        elif self._bridge is None and mro.kv_connector_output is not None and mro.kv_connector_output.invalid_block_ids:
+            # No KV connector: vLLM still rolls back the running requests holding invalid blocks (policy recompute).
+            _, kv_skip = self._apply_kv_load_failures(mro.kv_connector_output, scheduler_output.num_scheduled_tokens)
         sampled = mro.sampled_token_ids
         index = mro.req_id_to_index
         req_ids: list[str] = out.req_ids
@@ -2088,8 +2091,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         to finish with an error after this update's outputs (policy "fail"; vLLM's set order) and the running
         requests whose output of this step is dropped."""
         bridge = self._bridge
-        assert bridge is not None
-        waiting = [r for r in itertools.chain(bridge.loading, bridge.loaded) if r in self.requests]
+        waiting: list[str] = []
+        if bridge is not None:
+            waiting = [r for r in itertools.chain(bridge.loading, bridge.loaded) if r in self.requests]
         failed = [r for r in kvo.failed_recving or () if r in waiting]
         num_blocks = self.kv_config.num_blocks
         invalid = {b for b in kvo.invalid_block_ids or () if 0 < b < num_blocks}
