@@ -36,6 +36,7 @@ from kvsched._errors import InvalidRequestError, QueueFullError, SchedulerTypeEr
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
 from kvsched.config import CROSS_ATTENTION, MAMBA, tenant_cache_salt
+from kvsched.kv_connector import claim_invalid_blocks
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._aux import AuxBridge
@@ -2136,26 +2137,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         ``evict``."""
         core = self._core
         bs = self.block_size
-        claimed: set[int] = set()
+        tables = {r: core.get_block_ids(r).tolist() for r in core.running_req_ids()}
+        rows = ((r, t, core.get_num_computed_tokens(r) - num_scheduled.get(r, 0)) for r, t in tables.items())
         skip: set[str] = set()
-        for req_id in core.running_req_ids():
-            done = core.get_num_computed_tokens(req_id) - num_scheduled.get(req_id, 0)
-            blocks = core.get_block_ids(req_id).tolist()
-            affected = cut = False
-            for idx, b in enumerate(blocks[: max(0, -(-done // bs))]):
-                if b not in invalid:
-                    continue
-                affected = True
-                if b in claimed:
-                    continue
-                claimed.add(b)
-                if cut:
-                    continue
-                cut = True
-                if self._kv_failure_fails:
-                    evict.update(blocks[idx:])
-            if affected:
-                skip.add(req_id)
+        for req_id, idx in claim_invalid_blocks(rows, invalid, bs):
+            if idx is not None and self._kv_failure_fails:
+                evict.update(tables[req_id][idx:])
+            skip.add(req_id)
         return skip
 
     def _update_connector(self, kvo: Any) -> Any:
