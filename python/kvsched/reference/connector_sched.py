@@ -228,11 +228,18 @@ class _ConnectorMixin(_BlockPoolMixin):
             else:
                 r.num_computed_tokens = 0
                 r.kv_load_failed = True
+        # Each request's tokens in the oldest step in flight (the step these blocks are reported with): vLLM scans
+        # the blocks of the computed tokens less those, for loading and running requests alike.
+        front = self._outs_in_flight[0] if self._outs_in_flight else None
+        in_step: dict[int, int] = {}
+        if invalid and front is not None:
+            for (r, _, _), n in zip(front._entries, front.num_scheduled_tokens.tolist(), strict=True):
+                in_step[id(r)] = n
         if invalid:
             bad = set(invalid)
             loading_reqs = [r for r in self._requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
             for r in loading_reqs:
-                n = math.ceil(r.num_computed_tokens / self._bs)
+                n = math.ceil(max(0, r.num_computed_tokens - in_step.get(id(r), 0)) / self._bs)
                 idx = next((k for k, b in enumerate(r.block_ids[:n]) if b in bad), None)
                 if idx is None:
                     continue
@@ -243,7 +250,7 @@ class _ConnectorMixin(_BlockPoolMixin):
                     r.num_computed_tokens = idx * self._bs
                     r.kv_load_failed = True
         if invalid:
-            self._roll_back_synchronous_loads(set(invalid), fail, failed)
+            self._roll_back_synchronous_loads(set(invalid), in_step, fail, failed)
         for r in failed:
             self._finish(r, RequestStatus.FINISHED_ERROR)
         for i in recv:
@@ -261,14 +268,12 @@ class _ConnectorMixin(_BlockPoolMixin):
         self._after_hooks()
         return [r.req_id for r in failed]
 
-    def _roll_back_synchronous_loads(self, bad: set[int], fail: bool, failed: list[_Request]) -> None:
+    def _roll_back_synchronous_loads(
+        self, bad: set[int], in_step: dict[int, int], fail: bool, failed: list[_Request]
+    ) -> None:
         """Invalid blocks among the computed blocks of running requests (vLLM's synchronous loads): see
         ``Scheduler::roll_back_synchronous_loads`` in ``connector_sched.rs``."""
         front = self._outs_in_flight[0] if self._outs_in_flight else None
-        in_step: dict[int, int] = {}
-        if front is not None:
-            for (r, _, _), n in zip(front._entries, front.num_scheduled_tokens.tolist(), strict=True):
-                in_step[id(r)] = n
         done = {id(r): max(0, r.num_computed_tokens - in_step.get(id(r), 0)) for r in self._running}
         evict: list[int] = []
         for r, idx in claim_invalid_blocks(((r, r.block_ids, done[id(r)]) for r in self._running), bad, self._bs):

@@ -2114,7 +2114,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 bs = self.block_size
                 cut: set[str] = set()
                 for req_id in waiting:
-                    n = -(-self.requests[req_id].num_computed_tokens // bs)
+                    # (vLLM counts the blocks of the computed tokens less the request's tokens in this step.)
+                    done = self.requests[req_id].num_computed_tokens - num_scheduled.get(req_id, 0)
+                    n = max(0, -(-done // bs))
                     if not invalid.isdisjoint(self._core.get_block_ids(req_id)[:n].tolist()):
                         cut.add(req_id)
                 affected.update(cut | skip)  # vLLM: async | sync

@@ -151,6 +151,16 @@ impl Scheduler {
                 r.kv_load_failed = true;
             }
         }
+        // Each request's tokens in the oldest step in flight (the step these blocks are reported with): vLLM
+        // scans the blocks of the computed tokens less those, for loading and running requests alike.
+        let mut in_step: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+        if !report.invalid_block_ids.is_empty() {
+            if let Some(rec) = self.in_flight.front() {
+                for (h, &n) in rec.handles.iter().zip(&rec.num_scheduled_tokens) {
+                    in_step.insert(h.slot, n as u32);
+                }
+            }
+        }
         if !report.invalid_block_ids.is_empty() {
             let invalid: std::collections::HashSet<u32> =
                 report.invalid_block_ids.iter().map(|&b| b as u32).collect();
@@ -164,7 +174,9 @@ impl Scheduler {
             loading.sort_unstable();
             for (_, slot) in loading {
                 let (r, hot) = self.slab.get_mut_hot(slot)?;
-                let n = (hot.computed[slot as usize].div_ceil(bs) as usize).min(r.blocks.len());
+                let done =
+                    hot.computed[slot as usize].saturating_sub(in_step.get(&slot).copied().unwrap_or(0));
+                let n = (done.div_ceil(bs) as usize).min(r.blocks.len());
                 if let Some(idx) = r.blocks[..n].iter().position(|b| invalid.contains(b)) {
                     if fail {
                         if !failed.contains(&slot) {
@@ -178,7 +190,7 @@ impl Scheduler {
             }
         }
         if !report.invalid_block_ids.is_empty() {
-            self.roll_back_synchronous_loads(report.invalid_block_ids, fail, &mut failed)?;
+            self.roll_back_synchronous_loads(report.invalid_block_ids, &in_step, fail, &mut failed)?;
         }
         let mut errored = Vec::with_capacity(failed.len());
         for &slot in &failed {
@@ -220,17 +232,12 @@ impl Scheduler {
     fn roll_back_synchronous_loads(
         &mut self,
         invalid: &[i64],
+        in_step: &std::collections::HashMap<u32, u32>,
         fail: bool,
         failed: &mut Vec<u32>,
     ) -> Result<()> {
         let invalid: std::collections::HashSet<u32> = invalid.iter().map(|&b| b as u32).collect();
         let bs = self.config.kv_block_size();
-        let mut in_step: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
-        if let Some(rec) = self.in_flight.front() {
-            for (h, &n) in rec.handles.iter().zip(&rec.num_scheduled_tokens) {
-                in_step.insert(h.slot, n as u32);
-            }
-        }
         let mut claimed: std::collections::HashSet<u32> = std::collections::HashSet::new();
         let mut evict: Vec<u32> = Vec::new();
         let mut skipped = Vec::new();

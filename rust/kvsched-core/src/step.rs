@@ -768,7 +768,9 @@ impl Scheduler {
                         break;
                     }
                     let req = self.slab.get_mut(slot)?;
-                    if !beyond && self.kv.allocate_slots(req, computed, n, &[], lookahead, 0, in_flight).is_some() {
+                    if !beyond
+                        && self.kv.allocate_slots(req, computed, n, &[], lookahead, 0, in_flight).is_some()
+                    {
                         break;
                     }
                 }
