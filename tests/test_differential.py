@@ -260,6 +260,7 @@ class Twin:
         }
         # victims that sat before a request phase A scheduled in their step (scheduled earlier, then refunded)
         self.coverage["victims_before_scheduled"] = 0
+        self.coverage["sync_invalid"] = 0
         self.coverage["odd_outputs"] = 0
         self.coverage["odd_outputs_refused"] = 0
         self.kv_events = KvEventTwin()
@@ -718,6 +719,14 @@ class Twin:
             blocks = self.ref._requests[i].block_ids
             if blocks and r.chance(0.15) and (not grouped or r.chance(0.1)):
                 invalid.append(r.choice(blocks))
+        if not grouped and self.ref._running and r.chance(0.2):
+            # A block of a running request's computed tokens (a synchronous load, or a prefix hit on one): both
+            # roll the requests holding it back and drop their output of the oldest step in flight.
+            q = r.choice(self.ref._running)
+            n = -(-q.num_computed_tokens // self.cfg.block_size)
+            if q.block_ids[:n]:
+                invalid.append(r.choice(q.block_ids[:n]))
+                self.coverage["sync_invalid"] += 1
         if r.chance(0.08):  # one bad report: both must refuse it the same way, changing nothing
             bad = r.int(0, 3)
             if bad == 0:

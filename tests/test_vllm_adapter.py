@@ -1680,3 +1680,31 @@ def test_steady_decoding_cohort_forms_only_after_undisturbed_steps() -> None:
     # finishes at step 11 and "late" is scheduled first at step 21: each starts the count again.
     expected = [s for s in range(40) if after <= s < 11 or 12 + after <= s < 21 or 21 + after <= s]
     assert first_member_step == expected
+
+
+def test_invalid_blocks_roll_running_requests_back_even_without_a_kv_connector() -> None:
+    """vLLM applies ``invalid_block_ids`` to its running requests whatever its connector (none here, so policy
+    recompute): a request holding a block named invalid (here a prefix hit shared by two requests) is cut back,
+    the first in running order recomputing the shared block, and their outputs of that step are dropped;
+    kvsched.vllm does the same (it used to ignore the report without a connector)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    pair = _pair(block_size=16, num_blocks=64)
+    _add(pair, "a", list(range(3, 40)), max_tokens=8)
+    _step(pair)
+    _add(pair, "b", list(range(3, 40)), max_tokens=8)
+    outs = [s.schedule() for s in pair]  # type: ignore[attr-defined]
+    compare("SchedulerOutput", outs[0], outs[1])
+    vllm_sched, ks = pair
+    shared = vllm_sched.kv_cache_manager.get_block_ids("a")[0][0]  # type: ignore[attr-defined]
+    assert ks.kv_cache_manager.get_block_ids("b")[0][0] == shared  # type: ignore[attr-defined]
+    results = []
+    for s, so in zip(pair, outs, strict=True):
+        ids = list(so.num_scheduled_tokens)
+        mro = runner_output(ids, [[9] for _ in ids], kv_connector_output=KVConnectorOutput(invalid_block_ids={shared}))
+        results.append(s.update_from_output(so, mro))  # type: ignore[attr-defined]
+        assert s.requests["a"].num_computed_tokens == 0  # type: ignore[attr-defined]
+        assert s.requests["a"].num_output_tokens == 1  # its token of this step was dropped
+    compare("EngineCoreOutputs", results[0], results[1])
+    for _ in range(3):
+        _step(pair)

@@ -383,6 +383,23 @@ def test_identical_to_vllm_with_a_kv_connector_and_batches_in_flight(
 
 
 V1_MODES = [("sync", "v1"), ("async", "v1")]
+# Seeds whose kv_consumer runs report invalid blocks of synchronous loads, with the policy each draws.
+SYNC_INVALID_SEEDS = {2: "recompute", 7: "fail"}
+
+
+@pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
+@pytest.mark.parametrize("seed", SYNC_INVALID_SEEDS)
+def test_identical_to_vllm_with_invalid_blocks_of_synchronous_loads(sync: str, runner: str, seed: int) -> None:
+    """The seeded RandomKVConnector as a decode engine reports an invalid block among the loaded ones of some
+    synchronous loads, with the output of the step that loaded them: vLLM rolls the running requests holding the
+    block back (their output of that step dropped; policy fail: their blocks leave the prefix cache and they fail),
+    and so does kvsched.vllm. The seeds draw both policies and report such blocks."""
+    from kvsched.vllm.testing import RandomKVConnector
+
+    before = RandomKVConnector.num_sync_invalid_reported
+    cfg = run_seed(seed, 150, async_scheduling=sync == "async", v2=False, connector=True, kv_role="kv_consumer")
+    assert RandomKVConnector.num_sync_invalid_reported > before
+    assert cfg.kv_load_failure_policy == SYNC_INVALID_SEEDS[seed]
 
 
 @pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])

@@ -7,7 +7,8 @@ is set; see ``docs/api.md`` ("KV connector") for when each hook runs and ``docs/
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Container, Iterable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 __all__ = ["KVConnector"]
 
@@ -33,3 +34,34 @@ class KVConnector(Protocol):
         is sending them; the scheduler frees them when ``update_kv_transfers(finished_sending=...)`` names the
         request. ``params`` are handed back in ``UpdateResult.kv_transfer_params``."""
         ...
+
+
+K = TypeVar("K")
+
+
+def claim_invalid_blocks(
+    tables: Iterable[tuple[K, Sequence[int], int]], invalid: Container[int], block_size: int
+) -> list[tuple[K, int | None]]:
+    """Which running requests invalid blocks roll back (vLLM's synchronous loads; docs/semantics.md, KV connector).
+    ``tables``: ``(key, block table, done)`` per running request in running order, ``done`` its computed count
+    less its tokens in the step being applied. Returns ``(key, idx)`` for each request holding an invalid block
+    among its first ``ceil(done / block_size)`` blocks, in order: ``idx`` is the block it claims (its computed
+    count is cut to ``idx * block_size``), or None when an earlier request claimed every such block (its computed
+    count becomes ``done``)."""
+    claimed: set[int] = set()
+    out: list[tuple[K, int | None]] = []
+    for key, blocks, done in tables:
+        affected = False
+        cut: int | None = None
+        for idx, b in enumerate(blocks[: max(0, -(-done // block_size))]):
+            if b not in invalid:
+                continue
+            affected = True
+            if b in claimed:
+                continue
+            claimed.add(b)
+            if cut is None:
+                cut = idx
+        if affected:
+            out.append((key, cut))
+    return out

@@ -437,10 +437,9 @@ CURATED.update(
 CURATED.update(
     {
         "test_cpu_encoder_input_updates_restore_after_kv_load_failure": (
-            "calls `reset_encoder_cache` on a multimodal model (the core cannot drop its encoder outputs yet) and "
-            "sends `invalid_block_ids` for a running request with no KV connector configured: vLLM then rolls the "
-            "request back to its valid prefix (a synchronous load's failure), which kvsched.vllm does not apply "
-            "(docs/semantics.md: only loads in progress are cut)"
+            "calls `reset_encoder_cache` on a multimodal model (the core cannot drop its encoder outputs yet); "
+            "the `invalid_block_ids` it then sends for a running request with no KV connector configured roll the "
+            "request back to its valid prefix in kvsched.vllm as in vLLM"
         ),
     }
 )

@@ -19,6 +19,7 @@ import numpy as np
 
 from .._errors import InvalidRequestError, KVConnectorError, SchedulerTypeError, UnknownRequestError
 from .._types import RequestStatus
+from ..kv_connector import claim_invalid_blocks
 from .block_pool import _BlockPoolMixin
 from .convert import _as_sequence, _is_int
 from .request import _Request
@@ -182,16 +183,7 @@ class _ConnectorMixin(_BlockPoolMixin):
         recv = self._id_list(finished_recving, "finished_recving")
         send = self._id_list(finished_sending, "finished_sending")
         failed_ids = self._id_list(failed_recving, "failed_recving")
-        invalid: list[int] = []
-        if invalid_block_ids is not None:
-            for b in _as_sequence(invalid_block_ids, "invalid_block_ids"):
-                if not _is_int(b):
-                    raise SchedulerTypeError(f"invalid_block_ids must hold ints, got {type(b).__name__}")
-                if not 1 <= b < self._config.num_blocks:
-                    raise InvalidRequestError(
-                        f"invalid_block_ids: block ids must be in [1, {self._config.num_blocks}), got {b}"
-                    )
-                invalid.append(int(b))
+        invalid = [] if invalid_block_ids is None else self._block_id_list(invalid_block_ids, "invalid_block_ids")
         if invalid and self._config.kv_cache_groups is not None:
             # vLLM refuses them too: a block id names a block of one group, not a request's tokens.
             raise InvalidRequestError(
@@ -236,11 +228,18 @@ class _ConnectorMixin(_BlockPoolMixin):
             else:
                 r.num_computed_tokens = 0
                 r.kv_load_failed = True
+        # Each request's tokens in the oldest step in flight (the step these blocks are reported with): vLLM scans
+        # the blocks of the computed tokens less those, for loading and running requests alike.
+        front = self._outs_in_flight[0] if self._outs_in_flight else None
+        in_step: dict[int, int] = {}
+        if invalid and front is not None:
+            for (r, _, _), n in zip(front._entries, front.num_scheduled_tokens.tolist(), strict=True):
+                in_step[id(r)] = n
         if invalid:
             bad = set(invalid)
             loading_reqs = [r for r in self._requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
             for r in loading_reqs:
-                n = math.ceil(r.num_computed_tokens / self._bs)
+                n = math.ceil(max(0, r.num_computed_tokens - in_step.get(id(r), 0)) / self._bs)
                 idx = next((k for k, b in enumerate(r.block_ids[:n]) if b in bad), None)
                 if idx is None:
                     continue
@@ -250,6 +249,8 @@ class _ConnectorMixin(_BlockPoolMixin):
                 else:
                     r.num_computed_tokens = idx * self._bs
                     r.kv_load_failed = True
+        if invalid:
+            self._roll_back_synchronous_loads(set(invalid), in_step, fail, failed)
         for r in failed:
             self._finish(r, RequestStatus.FINISHED_ERROR)
         for i in recv:
@@ -266,6 +267,54 @@ class _ConnectorMixin(_BlockPoolMixin):
         self._transfer_params = {}
         self._after_hooks()
         return [r.req_id for r in failed]
+
+    def _roll_back_synchronous_loads(
+        self, bad: set[int], in_step: dict[int, int], fail: bool, failed: list[_Request]
+    ) -> None:
+        """Invalid blocks among the computed blocks of running requests (vLLM's synchronous loads): see
+        ``Scheduler::roll_back_synchronous_loads`` in ``connector_sched.rs``."""
+        front = self._outs_in_flight[0] if self._outs_in_flight else None
+        done = {id(r): max(0, r.num_computed_tokens - in_step.get(id(r), 0)) for r in self._running}
+        evict: list[int] = []
+        for r, idx in claim_invalid_blocks(((r, r.block_ids, done[id(r)]) for r in self._running), bad, self._bs):
+            r.num_computed_tokens = done[id(r)] if idx is None else idx * self._bs
+            if fail and idx is not None:
+                evict.extend(r.block_ids[idx:])
+            if front is not None:
+                r.kv_skip_step = front.step_id
+            if fail and r not in failed:
+                failed.append(r)
+        for b in evict:
+            h = self._block_hash[b]
+            if h is not None:
+                self._uncache(b, h)
+
+    def evict_cached_blocks(self, block_ids: Iterable[int]) -> None:
+        """Takes each listed block that carries a hash out of the prefix cache, in the order given (vLLM's
+        ``KVCacheManager.evict_blocks``); the blocks stay with their holders. Nothing changes on error."""
+        blocks = self._block_id_list(block_ids, "block_ids", "evict_cached_blocks")
+        if blocks and self._config.kv_cache_groups is not None:
+            raise InvalidRequestError(
+                "evict_cached_blocks is not supported with kv_cache_groups (a block id names a block of one group)"
+            )
+        self._last_out_fresh = False
+        for b in blocks:
+            h = self._block_hash[b]
+            if h is not None:
+                self._uncache(b, h)
+
+    def _block_id_list(self, ids: Iterable[int], what: str, where: str | None = None) -> list[int]:
+        """``ids`` as a list of block ids in ``[1, num_blocks)`` (errors name ``where``, default ``what``)."""
+        out: list[int] = []
+        for b in _as_sequence(ids, what):
+            if not _is_int(b):
+                raise SchedulerTypeError(f"{what} must hold ints, got {type(b).__name__}")
+            if not 1 <= b < self._config.num_blocks:
+                raise InvalidRequestError(
+                    f"{where or what}: block ids must be in [1, {self._config.num_blocks}), got {b}"
+                )
+            out.append(int(b))
+        return out
 
     def _id_list(self, ids: Iterable[str] | None, what: str) -> list[str]:
         if ids is None:

@@ -43,6 +43,7 @@ class _Request:
         "is_prefill_chunk",
         "kv_load_done",
         "kv_load_failed",
+        "kv_skip_step",
         "last_sched_seq",
         "lora_name",
         "mamba_allocated",
@@ -149,6 +150,7 @@ class _Request:
         self.parked = False  # in no queue, not running: blocked (grammar, KV load) or ready since the last step
         self.kv_load_done = False  # its asynchronous KV load was reported over
         self.kv_load_failed = False  # ... and failed: num_computed_tokens was cut back to the valid prefix
+        self.kv_skip_step = -1  # invalid blocks rolled it back: its output of this step is dropped
         self.last_sched_seq = 0  # the last non-empty step that scheduled it (defer_block_free's fence)
         self.encoder_held = [False] * len(self.encoder_inputs)  # holds a reference to input i's cache entry
         # vLLM 0.33's in-flight prefill set: an async load, or an admission with prompt left, until a step leaves

@@ -338,6 +338,7 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                 self._cpu_free.extend(r.cpu_blocks)
                 r.cpu_blocks, r.num_swapped_tokens = [], 0
         self._next_update_step += 1
+        self._outs_in_flight.popleft()
         self._last_out_fresh = False
         self._transfer_params = {}  # aborted, as by abort_requests: no transfer parameters for them
         self._after_hooks()

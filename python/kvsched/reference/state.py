@@ -94,6 +94,7 @@ class _SchedulerState:
         self._owner = object()  # outputs carry it: an output of another scheduler is refused
         self._next_step_id = 0  # steps are numbered from 0; stats().step_id counts the steps scheduled
         self._next_update_step = 0
+        self._outs_in_flight: deque[SchedulerOutput] = deque()  # scheduled, not yet applied or failed
         # the prefill cadence (vLLM's num_executed_steps, last_prefill_step, prefill_capacity_bound)
         self._num_executed_steps = 0
         self._last_prefill_step = -c.prefill_schedule_interval  # a full interval back: the first step is free

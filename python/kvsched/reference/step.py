@@ -154,7 +154,14 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget.chunk(), c.max_model_len - 1 - r.num_computed_tokens)
-            n = min(n, c.max_slots_per_request - r.num_computed_tokens)  # a KV cache below max_model_len
+            # A KV cache below max_model_len caps n, except for a request rolled back by invalid blocks with async
+            # placeholders left (vLLM keeps them): vLLM's allocation then fails and it preempts down to the request
+            # itself, as here.
+            beyond = (
+                ph > 0 and r.num_computed_tokens < r.num_tokens and r.num_computed_tokens + n > c.max_slots_per_request
+            )
+            if not beyond:
+                n = min(n, c.max_slots_per_request - r.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
@@ -170,7 +177,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     i += 1
                     continue
             gave_up = False
-            while (new_blocks := self._allocate_slots(r, n, [], look)) is None:
+            new_blocks = None if beyond else self._allocate_slots(r, n, [], look)
+            while new_blocks is None:
                 if self._connector is not None and self._connector_has_pending_block_frees():
                     gave_up = True  # the connector's transfers will release blocks: no preemption
                     break
@@ -193,6 +201,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 preempted.append(victim)
                 if victim is r:
                     break
+                new_blocks = None if beyond else self._allocate_slots(r, n, [], look)
             if new_blocks is None:
                 if gave_up:  # r was not preempted: its encoder plan goes, and the pass ends
                     if r.encoder_inputs:
@@ -320,6 +329,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             zero_block_ids=np.array([b for ids in self._zero_ids for b in ids], dtype=np.int32),
         )
         self._newly_cached = []
+        self._outs_in_flight.append(out)
         for ids in self._zero_ids:
             ids.clear()
         self._next_step_id += 1

@@ -66,6 +66,7 @@ class _UpdateMixin(_StreamMixin, _KVCacheManagerMixin, _ConnectorMixin, _Encoder
             raise InvalidOutputError("with async_scheduling the drafts stay with the runner: pass None")
 
         self._next_update_step += 1
+        self._outs_in_flight.popleft()
         self._last_out_fresh = False
         if n:  # every write of this step is done: deferred frees fenced by it go back
             self._step_applied()
@@ -81,6 +82,10 @@ class _UpdateMixin(_StreamMixin, _KVCacheManagerMixin, _ConnectorMixin, _Encoder
                 continue
             num_scheduled = int(out.num_scheduled_tokens[k])
             r.num_in_flight_tokens -= num_scheduled
+            if r.kv_skip_step == out.step_id:
+                # Invalid blocks rolled it back (update_kv_transfers): its output of this step is dropped.
+                r.num_stale_output_tokens = max(0, r.num_stale_output_tokens - num_scheduled)
+                continue
             stale = r.num_stale_output_tokens > 0  # scheduled before r was preempted
             if stale:
                 r.num_stale_output_tokens = max(0, r.num_stale_output_tokens - num_scheduled)

@@ -36,6 +36,7 @@ from kvsched._errors import InvalidRequestError, QueueFullError, SchedulerTypeEr
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
 from kvsched.config import CROSS_ATTENTION, MAMBA, tenant_cache_salt
+from kvsched.kv_connector import claim_invalid_blocks
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
 from ._aux import AuxBridge
@@ -372,6 +373,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # events or prefill stats, stale in-flight output, structured output, a client other than 0. A superset
         # is harmless (the slow path is complete); entries leave it once _update_slow finds nothing pending.
         self._slow_req_ids: set[str] = set()
+        # Requests invalid blocks rolled back with async placeholders left (vLLM keeps them, so their token count
+        # no longer follows from their computed count): slow until a preemption clears the placeholders.
+        self._kv_offset: set[str] = set()
         self._pause_state = PauseState.UNPAUSED
         # Steps scheduled and not yet applied, oldest first (_InFlight).
         self._in_flight: deque[_InFlight] = deque()
@@ -824,6 +828,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._awaiting_first_output.discard(req_id)
         self._so_req_ids.discard(req_id)
         self._slow_req_ids.discard(req_id)
+        self._kv_offset.discard(req_id)
         if self._parts:
             self._parts.pop(req_id, None)
             self._resident_sessions.discard(req_id)
@@ -1626,8 +1631,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         mro = model_runner_output
         kvo = mro.kv_connector_output if self._bridge is not None else None
         kv_failed: set[str] = set()
+        # Running requests rolled back by invalid blocks (vLLM's synchronous loads): their output of this step is
+        # dropped.
+        kv_skip: set[str] = set()
         if kvo is not None and (kvo.failed_recving or kvo.invalid_block_ids):
-            kv_failed = self._apply_kv_load_failures(kvo)
+            kv_failed, kv_skip = self._apply_kv_load_failures(kvo, scheduler_output.num_scheduled_tokens)
+        elif self._bridge is None and mro.kv_connector_output is not None and mro.kv_connector_output.invalid_block_ids:
+            # No KV connector: vLLM still rolls back the running requests holding invalid blocks (policy recompute).
+            _, kv_skip = self._apply_kv_load_failures(mro.kv_connector_output, scheduler_output.num_scheduled_tokens)
         sampled = mro.sampled_token_ids
         index = mro.req_id_to_index
         req_ids: list[str] = out.req_ids
@@ -1665,6 +1676,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         nans = mro.num_nans_in_logits
         if (
             not finished_ids
+            and not kv_skip
             and not part_ids
             and not spec_sched
             and not nans
@@ -1682,7 +1694,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 dissolve(self._cohort)  # the entries' counters are written one by one
                 self._cohort = None
             outputs = self._update_entries(
-                scheduler_output, mro, out, num_sched, rows, res, finished_ids, part_ids, cached_tokens
+                scheduler_output, mro, out, num_sched, rows, res, finished_ids, part_ids, cached_tokens, kv_skip
             )
         if self._bridge is not None:
             self._release_finished()
@@ -1877,8 +1889,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         finished_ids: list[str],
         part_ids: list[str] | tuple[()],
         cached_tokens: dict[str, int],
+        kv_skip: set[str],
     ) -> dict[int, list[EngineCoreOutput]]:
-        """``update_from_output`` entry by entry: the plain ones in bulk, the others through ``_update_slow``."""
+        """``update_from_output`` entry by entry: the plain ones in bulk, the others through ``_update_slow``;
+        the entries of ``kv_skip`` (rolled back by invalid blocks) only release their in-flight tokens."""
         req_ids: list[str] = out.req_ids
         requests = self.requests
         accepted: list[int] = res.num_new_tokens.tolist()
@@ -1926,12 +1940,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         plain_ids: list[str] = []
         plain_toks: list[list[int]] = []
         # The common step: every entry is a plain one (or a prefill chunk), all for client 0.
-        all_plain = not batch_slow and all(reqs) and slow.isdisjoint(req_ids)
+        all_plain = not batch_slow and not kv_skip and all(reqs) and slow.isdisjoint(req_ids)
         for req_id, entry, n, generated, num_accepted in zip(req_ids, reqs, num_sched, rows, accepted, strict=True):
             if entry is None:
                 continue  # finished (aborted) while the step was in flight
             request = entry
             request.num_in_flight_tokens -= n
+            if kv_skip and req_id in kv_skip:
+                if request.num_stale_output_tokens > 0:
+                    request.num_stale_output_tokens -= n
+                continue
             if not all_plain and (batch_slow or req_id in slow):
                 eco = self._update_slow(
                     request,
@@ -1945,10 +1963,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     stopped_reqs,
                 )
                 # It stays slow while something outlives the step (e.g. a NaN count its outputs repeat).
-                if self._needs_slow_update(request):
+                if self._needs_slow_update(request) or (
+                    req_id in self._kv_offset and request.num_output_placeholders > 0
+                ):
                     self._slow_req_ids.add(req_id)
                 else:
                     self._slow_req_ids.discard(req_id)
+                    self._kv_offset.discard(req_id)
                 if eco is not None:
                     if request.client_index:
                         outputs[request.client_index].append(eco)
@@ -2064,17 +2085,24 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         last = features[-1].mm_position
         return bool(last.offset + last.length > num_hashed_blocks * self.hash_block_size)
 
-    def _apply_kv_load_failures(self, kvo: Any) -> set[str]:
-        """vLLM's ``_handle_failed_recving`` / ``_handle_invalid_blocks`` for asynchronous loads. Policy "recompute":
-        the core cuts the computed count of each affected loading request; policy "fail": returns them, to be
-        finished with an error after this update's outputs (as vLLM does)."""
+    def _apply_kv_load_failures(self, kvo: Any, num_scheduled: dict[str, int]) -> tuple[set[str], set[str]]:
+        """vLLM's ``_handle_failed_recving`` / ``_handle_invalid_blocks``: loads in progress and running requests
+        (synchronous loads, and any running request holding an invalid block among its computed ones). The core
+        cuts the computed counts (``update_kv_transfers``, policy "recompute" in the core). Returns the requests
+        to finish with an error after this update's outputs (policy "fail"; vLLM's set order) and the running
+        requests whose output of this step is dropped."""
         bridge = self._bridge
-        assert bridge is not None
-        waiting = [r for r in itertools.chain(bridge.loading, bridge.loaded) if r in self.requests]
+        waiting: list[str] = []
+        if bridge is not None:
+            waiting = [r for r in itertools.chain(bridge.loading, bridge.loaded) if r in self.requests]
         failed = [r for r in kvo.failed_recving or () if r in waiting]
         num_blocks = self.kv_config.num_blocks
         invalid = {b for b in kvo.invalid_block_ids or () if 0 < b < num_blocks}
         affected: set[str] = set()
+        skip: set[str] = set()
+        evict: set[int] = set()
+        if invalid and self._num_groups == 1:  # with several groups the core refuses them (as vLLM does)
+            skip = self._sync_load_failures(invalid, num_scheduled, evict)
         if self._kv_failure_fails:
             # Policy "fail": vLLM finishes them after this update's outputs; invalid blocks still cut the computed
             # tokens first (the blocks handed to the connector at the finish), a failed load changes nothing.
@@ -2086,15 +2114,39 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 bs = self.block_size
                 cut: set[str] = set()
                 for req_id in waiting:
-                    n = -(-self.requests[req_id].num_computed_tokens // bs)
+                    # (vLLM counts the blocks of the computed tokens less the request's tokens in this step.)
+                    done = self.requests[req_id].num_computed_tokens - num_scheduled.get(req_id, 0)
+                    n = max(0, -(-done // bs))
                     if not invalid.isdisjoint(self._core.get_block_ids(req_id)[:n].tolist()):
                         cut.add(req_id)
-                affected.update(cut | set())  # vLLM: async | sync (the synchronous part is not applied)
+                affected.update(cut | skip)  # vLLM: async | sync
         if failed or invalid:
             self._core.update_kv_transfers(failed_recving=failed, invalid_block_ids=sorted(invalid))
-            for req_id in waiting:
+            for req_id in itertools.chain(waiting, skip):
                 self.requests[req_id].num_computed_tokens = self._core.get_num_computed_tokens(req_id)
-        return affected
+            for req_id in skip:
+                if self.requests[req_id].num_output_placeholders > 0:
+                    self._kv_offset.add(req_id)
+                    self._slow_req_ids.add(req_id)
+        if evict:
+            # Policy "fail" only: the invalid blocks and those after them leave the prefix cache.
+            self._core.evict_cached_blocks(list(evict))
+        return affected, skip
+
+    def _sync_load_failures(self, invalid: set[int], num_scheduled: dict[str, int], evict: set[int]) -> set[str]:
+        """The running requests invalid blocks roll back (vLLM's ``_update_requests_with_invalid_blocks`` over its
+        running requests: the core applies the same rule); with policy "fail", the blocks to evict into
+        ``evict``."""
+        core = self._core
+        bs = self.block_size
+        tables = {r: core.get_block_ids(r).tolist() for r in core.running_req_ids()}
+        rows = ((r, t, core.get_num_computed_tokens(r) - num_scheduled.get(r, 0)) for r, t in tables.items())
+        skip: set[str] = set()
+        for req_id, idx in claim_invalid_blocks(rows, invalid, bs):
+            if idx is not None and self._kv_failure_fails:
+                evict.update(tables[req_id][idx:])
+            skip.add(req_id)
+        return skip
 
     def _update_connector(self, kvo: Any) -> Any:
         """vLLM's ``_update_from_kv_xfer_finished``, connector stats and events, at the end of an update."""

@@ -706,7 +706,8 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
     prefill engine) finds none and delays the free of some finished requests (their blocks are "being sent");
     ``kv_both`` does both. It transfers nothing. :meth:`report` plays the workers: it draws what a step's
     ``ModelRunnerOutput.kv_connector_output`` says (loads over, some failed whole or with an invalid block among
-    the loaded ones, sends over), among the transfers the steps applied so far started; the connector forgets a
+    the loaded ones, an invalid block among the loaded ones of some synchronous loads of the step, sends over),
+    among the transfers the steps applied so far started; the connector forgets a
     transfer once its scheduler hands it the report (``update_connector_output``).
 
     vLLM derives from the role whether a preempted request's in-flight output is dropped
@@ -719,6 +720,9 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
     ``"passive": true`` in its ``kv_connector_extra_config`` makes it find no external tokens and delay no free in
     any role (it still logs its calls): a second child of vLLM's ``MultiConnector`` that only watches.
     """
+
+    # Invalid blocks of synchronous loads reported by any instance (:meth:`report`), for tests to check coverage.
+    num_sync_invalid_reported: ClassVar[int] = 0
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -738,6 +742,9 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
         self._requests: dict[str, Any] = {}
         # Loads a step's metadata started (the workers begin them when they run that step).
         self._started: set[str] = set()
+        # Synchronous loads admitted since the last metadata (with one KV cache group: their blocks may be
+        # reported invalid).
+        self._sync_loads: dict[str, tuple[list[int], int, int]] = {}
 
     def _rng(self, *key: Any) -> Any:
         import random
@@ -778,6 +785,9 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
         local, _ext, is_async = self._pending.pop(req_id, (0, 0, False))
         if is_async and num_external_tokens > 0:
             self.loads[req_id] = (list(block_ids), local, num_external_tokens)
+        elif num_external_tokens > 0 and self._num_groups == 1:
+            # A synchronous load: the workers load it in the step about to be built (its metadata lists it).
+            self._sync_loads[req_id] = (list(block_ids), local, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         # What a real connector may read here: the scheduled requests' state as vLLM has it at this point (before
@@ -793,6 +803,8 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
         meta = KVConnectorMetadata()
         meta.new_req_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         meta.loads = sorted(self.loads)
+        meta.sync_loads = sorted(self._sync_loads.items())
+        self._sync_loads = {}
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -830,8 +842,9 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
     def report(self, rng: Any, metadata: Any, block_size: int) -> Any:
         """What the workers report with the output of the step whose connector metadata is ``metadata``: each
         load started by then (listed in the metadata of this step or an earlier one) ends with probability 0.35
-        (of those, one in ten failed whole and one in ten with one invalid block among its loaded ones), each send
-        with probability 0.35; None about half the time nothing ended. ``rng`` (a ``random.Random``) makes the
+        (of those, one in ten failed whole and one in ten with one invalid block among its loaded ones), one in ten
+        synchronous loads of the step (one KV cache group only) has one invalid block among its loaded ones, each
+        send with probability 0.35; None about half the time nothing ended. ``rng`` (a ``random.Random``) makes the
         draws, so a driver that gives both schedulers the same report keeps them in step."""
         from vllm.v1.outputs import KVConnectorOutput
 
@@ -856,10 +869,18 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
                         failed.add(rid)
                     else:
                         invalid.add(bad)
+        # The synchronous loads of this step: one in ten with an invalid block among its loaded ones (vLLM
+        # rolls its request back, or fails it, with kv_load_failure_policy "fail").
+        for _rid, (blocks, first, n) in getattr(metadata, "sync_loads", ()):
+            if rng.random() < 0.1:
+                bad = blocks[rng.randrange(first // block_size, -(-(first + n) // block_size))]
+                if bad:  # (a window's null block holds nothing)
+                    invalid.add(bad)
+                    RandomKVConnector.num_sync_invalid_reported += 1
         for rid in sorted(self.sending):
             if rng.random() < 0.35:
                 send.add(rid)
-        if not (recv or send) and rng.random() < 0.5:
+        if not (recv or send or invalid) and rng.random() < 0.5:
             return None
         return KVConnectorOutput(
             finished_recving=recv or None,

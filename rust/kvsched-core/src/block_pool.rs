@@ -348,6 +348,17 @@ impl BlockPool {
         true
     }
 
+    /// Takes `block` out of the prefix cache if it carries a hash (vLLM's `BlockPool.evict_blocks`); a free
+    /// block stays where it is in the free queue. Returns whether it did.
+    pub fn evict_cached(&mut self, block: u32) -> bool {
+        let b = block as usize;
+        if b >= self.hash.len() || !self.is_hashed(b) {
+            return false;
+        }
+        self.evict_hashed(block);
+        true
+    }
+
     /// A prefix hit takes a reference; a block at ref 0 leaves the free queue (O(1)).
     pub fn touch(&mut self, blocks: &[u32]) {
         for &b in blocks {

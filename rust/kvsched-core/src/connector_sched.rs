@@ -151,6 +151,16 @@ impl Scheduler {
                 r.kv_load_failed = true;
             }
         }
+        // Each request's tokens in the oldest step in flight (the step these blocks are reported with): vLLM
+        // scans the blocks of the computed tokens less those, for loading and running requests alike.
+        let mut in_step: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+        if !report.invalid_block_ids.is_empty() {
+            if let Some(rec) = self.in_flight.front() {
+                for (h, &n) in rec.handles.iter().zip(&rec.num_scheduled_tokens) {
+                    in_step.insert(h.slot, n as u32);
+                }
+            }
+        }
         if !report.invalid_block_ids.is_empty() {
             let invalid: std::collections::HashSet<u32> =
                 report.invalid_block_ids.iter().map(|&b| b as u32).collect();
@@ -164,7 +174,9 @@ impl Scheduler {
             loading.sort_unstable();
             for (_, slot) in loading {
                 let (r, hot) = self.slab.get_mut_hot(slot)?;
-                let n = (hot.computed[slot as usize].div_ceil(bs) as usize).min(r.blocks.len());
+                let done =
+                    hot.computed[slot as usize].saturating_sub(in_step.get(&slot).copied().unwrap_or(0));
+                let n = (done.div_ceil(bs) as usize).min(r.blocks.len());
                 if let Some(idx) = r.blocks[..n].iter().position(|b| invalid.contains(b)) {
                     if fail {
                         if !failed.contains(&slot) {
@@ -176,6 +188,9 @@ impl Scheduler {
                     }
                 }
             }
+        }
+        if !report.invalid_block_ids.is_empty() {
+            self.roll_back_synchronous_loads(report.invalid_block_ids, &in_step, fail, &mut failed)?;
         }
         let mut errored = Vec::with_capacity(failed.len());
         for &slot in &failed {
@@ -203,6 +218,93 @@ impl Scheduler {
             self.release_held(id.as_ref(), false);
         }
         Ok(errored)
+    }
+
+    /// Invalid blocks among the computed blocks of running requests (vLLM's synchronous loads, which its
+    /// `_handle_invalid_blocks` rolls back): `done` is a request's computed count less its tokens of the oldest
+    /// step in flight (the step whose output the engine reports these blocks with); its first `ceil(done / bs)`
+    /// blocks are scanned. A block named invalid is recomputed by the first running request (in `running`
+    /// order) that holds it there: that request's computed count is cut to the start of its first such block
+    /// not already claimed by an earlier request. A request whose invalid blocks were all claimed keeps `done`
+    /// (only the tokens of that step are dropped). Every affected request's output of that step is dropped by
+    /// the next `update_from_output`. Policy `fail`: the claimed block and every block after it in the
+    /// request's table leave the prefix cache, and the affected requests are added to `failed`.
+    fn roll_back_synchronous_loads(
+        &mut self,
+        invalid: &[i64],
+        in_step: &std::collections::HashMap<u32, u32>,
+        fail: bool,
+        failed: &mut Vec<u32>,
+    ) -> Result<()> {
+        let invalid: std::collections::HashSet<u32> = invalid.iter().map(|&b| b as u32).collect();
+        let bs = self.config.kv_block_size();
+        let mut claimed: std::collections::HashSet<u32> = std::collections::HashSet::new();
+        let mut evict: Vec<u32> = Vec::new();
+        let mut skipped = Vec::new();
+        for i in 0..self.running.len() {
+            let slot = self.running[i];
+            let (r, hot) = self.slab.get_mut_hot(slot)?;
+            let s = slot as usize;
+            let done = hot.computed[s].saturating_sub(in_step.get(&slot).copied().unwrap_or(0));
+            let n = (done.div_ceil(bs) as usize).min(r.blocks.len());
+            let mut affected = false;
+            let mut cut = false;
+            for (idx, &b) in r.blocks[..n].iter().enumerate() {
+                if !invalid.contains(&b) {
+                    continue;
+                }
+                affected = true;
+                if !claimed.insert(b) || cut {
+                    continue;
+                }
+                cut = true;
+                hot.computed[s] = idx as u32 * bs;
+                if fail {
+                    evict.extend_from_slice(&r.blocks[idx..]);
+                }
+            }
+            if !affected {
+                continue;
+            }
+            if !cut {
+                hot.computed[s] = done;
+            }
+            hot.sync(s, r);
+            skipped.push(r.handle);
+            if fail && !failed.contains(&slot) {
+                failed.push(slot);
+            }
+        }
+        for b in evict {
+            self.kv.pool.evict_cached(b);
+        }
+        if let Some(rec) = self.in_flight.front_mut() {
+            rec.kv_skipped.extend(skipped);
+        }
+        Ok(())
+    }
+
+    /// Takes each block that carries a hash out of the prefix cache, in the order given (vLLM's
+    /// `KVCacheManager.evict_blocks`); the blocks stay with their holders. Block ids must be in
+    /// `[1, num_blocks)`; on error nothing changes.
+    pub fn evict_cached_blocks(&mut self, block_ids: &[i64]) -> Result<()> {
+        let num_blocks = i64::from(self.config.num_blocks);
+        if let Some(&b) = block_ids.iter().find(|&&b| !(1..num_blocks).contains(&b)) {
+            return Err(SchedError::InvalidRequest(format!(
+                "evict_cached_blocks: block ids must be in [1, {num_blocks}), got {b}"
+            )));
+        }
+        if !block_ids.is_empty() && !self.config.kv_cache_groups.is_empty() {
+            return Err(SchedError::InvalidRequest(
+                "evict_cached_blocks is not supported with kv_cache_groups (a block id names a block of one group)"
+                    .into(),
+            ));
+        }
+        for &b in block_ids {
+            self.kv.pool.evict_cached(b as u32);
+        }
+        self.epoch += 1;
+        Ok(())
     }
 
     /// One transfer of a finished request is over; frees its blocks when none is left (deferred while the

@@ -160,6 +160,9 @@ pub(crate) struct StepRecord {
     pub swapped_out: Vec<ReqHandle>,
     /// Hashes of the encoder inputs this step computes (they leave the cache if the step fails).
     pub encoder_hashes: Vec<u64>,
+    /// Entries whose output is dropped when the step is applied: running requests rolled back by invalid
+    /// blocks the engine reported with this step (`update_kv_transfers`).
+    pub kv_skipped: Vec<ReqHandle>,
 }
 
 #[derive(Clone, Debug, Default)]

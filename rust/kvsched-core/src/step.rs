@@ -680,8 +680,13 @@ impl Scheduler {
             n = n.min(i64::from(budget.chunk()));
             n = n.min(max_model_len - 1 - i64::from(computed));
             // A KV cache smaller than max_model_len: never past what the request can hold (no effect for a
-            // request without drafts or placeholders: add_request checked that all its tokens fit).
-            n = n.min(max_slots - i64::from(computed));
+            // request without drafts or placeholders: add_request checked that all its tokens fit). Except for a
+            // request rolled back by invalid blocks with async placeholders left (vLLM keeps them): vLLM's
+            // allocation then fails and it preempts down to the request itself, as below.
+            let beyond = ph > 0 && computed < req.num_tokens() && i64::from(computed) + n > max_slots;
+            if !beyond {
+                n = n.min(max_slots - i64::from(computed));
+            }
             if n <= 0 {
                 i += 1;
                 continue;
@@ -717,7 +722,7 @@ impl Scheduler {
             };
             let first_new_block = req.blocks.len();
             let mut req = req;
-            if self.kv.allocate_slots(req, computed, n, &[], lookahead, 0, in_flight).is_none() {
+            if beyond || self.kv.allocate_slots(req, computed, n, &[], lookahead, 0, in_flight).is_none() {
                 // Preempt until the allocation succeeds or `req` itself is the victim.
                 let mut self_preempted = false;
                 let mut gave_up = false;
@@ -763,7 +768,9 @@ impl Scheduler {
                         break;
                     }
                     let req = self.slab.get_mut(slot)?;
-                    if self.kv.allocate_slots(req, computed, n, &[], lookahead, 0, in_flight).is_some() {
+                    if !beyond
+                        && self.kv.allocate_slots(req, computed, n, &[], lookahead, 0, in_flight).is_some()
+                    {
                         break;
                     }
                 }
@@ -1614,6 +1621,7 @@ impl Scheduler {
         refill(&mut rec.spec_token_ids_indptr, &out.spec_token_ids_indptr);
         // This step's cached blocks go to the record; the kv manager keeps the old record's (emptied) buffer.
         rec.cached_blocks.clear();
+        rec.kv_skipped.clear();
         std::mem::swap(&mut rec.cached_blocks, &mut self.kv.newly_cached);
         rec.swapped_out = swapped_out;
         rec.encoder_hashes = enc_hashes;

@@ -105,7 +105,11 @@ impl Scheduler {
         // scheduled (every entry belongs to a live request), and exactly one token id for each: nothing else to
         // check. Anything else takes the checks below, in the order their errors are reported.
         let all_live = rec.num_finished_at_schedule == self.counters.num_finished_reqs;
-        let one_each = rec.one_token_each && all_live && drafts.is_none() && sampled.is_one_token_each(n);
+        let one_each = rec.one_token_each
+            && all_live
+            && rec.kv_skipped.is_empty()
+            && drafts.is_none()
+            && sampled.is_one_token_each(n);
         if !one_each {
             sampled.check("sampled_token_ids", n)?;
             if let Some(d) = &drafts {
@@ -223,6 +227,10 @@ impl Scheduler {
                 .zip(sampled.indptr.windows(2))
                 .enumerate();
             for (i, ((((&handle, &num_scheduled), &is_chunk), &num_spec), w)) in entries {
+                if rec.kv_skipped.contains(&handle) {
+                    self.skip_entry(handle, num_scheduled as u32);
+                    continue;
+                }
                 let e = Entry { i, handle, num_scheduled: num_scheduled as u32, is_chunk, num_spec };
                 let tokens = &sampled.values[w[0] as usize..w[1] as usize];
                 tally(self.apply_entry(&mut res, e, tokens, drafts, plain_excluded, max_model_len)?);
@@ -291,6 +299,16 @@ impl Scheduler {
                 tokens,
                 drafts,
             ),
+        }
+    }
+
+    /// An entry whose request invalid blocks rolled back (`update_kv_transfers`): its in-flight (and stale)
+    /// tokens are released, its output is dropped (vLLM skips such a request in `update_from_output`).
+    fn skip_entry(&mut self, handle: ReqHandle, num_scheduled: u32) {
+        if let Some((_, hot)) = self.slab.resolve_mut_hot(handle) {
+            let s = handle.slot as usize;
+            hot.in_flight[s] = hot.in_flight[s].saturating_sub(num_scheduled);
+            hot.stale[s] = hot.stale[s].saturating_sub(num_scheduled);
         }
     }
 

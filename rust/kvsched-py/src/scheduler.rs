@@ -191,6 +191,16 @@ impl PyScheduler {
         Ok(errored.iter().map(|s| s.to_string()).collect())
     }
 
+    /// Takes the listed blocks that carry a hash out of the prefix cache, in order (vLLM's
+    /// `KVCacheManager.evict_blocks`; see docs/api.md).
+    fn evict_cached_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let blocks = int_list(Some(block_ids), "block_ids")?;
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.evict_cached_blocks(&blocks))?;
+        this.after_hooks(py)
+    }
+
     /// Finished requests whose blocks are still held for a KV transfer (a send, or a load they were aborted in).
     #[getter]
     fn num_held_kv_requests(slf: &Bound<'_, Self>) -> PyResult<usize> {

@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::helpers::{apply, params, prompt, schedule, step_ids};
+use super::helpers::{apply, ids, params, prompt, schedule, step_ids};
 use crate::{
     KvConnector, KvLoadFailurePolicy, KvTransferReport, Request, RequestParams, RequestStatus, Scheduler,
     SchedulerConfig,
@@ -237,4 +237,87 @@ fn aborted_deferred_load_frees_behind_the_steps_in_flight() {
         !log.lock().unwrap().iter().any(|l| l.starts_with("alloc imp")),
         "an aborted load is never registered"
     );
+}
+
+fn invalid<'a>(blocks: &'a [i64]) -> KvTransferReport<'a, &'a str> {
+    KvTransferReport {
+        finished_recving: &[],
+        finished_sending: &[],
+        failed_recving: &[],
+        invalid_block_ids: blocks,
+    }
+}
+
+/// vLLM's `_handle_invalid_blocks` for a synchronous load (policy "recompute"): reported with the output of the
+/// load's step, an invalid block cuts the running request's computed count to that block, its output of the step
+/// is dropped, and the next step recomputes from there; its blocks stay cached (they are recomputed in place).
+#[test]
+fn invalid_blocks_of_a_synchronous_load_roll_the_running_request_back() {
+    let mut s =
+        sched(Fake { ext: 8, load_async: false, ..Default::default() }, KvLoadFailurePolicy::Recompute);
+    s.add_request("a", &prompt(0, 10), params(3)).unwrap();
+    let p = schedule(&mut s);
+    assert_eq!((p.out.num_computed_tokens[0], p.out.num_scheduled_tokens[0]), (8, 2));
+    let bad = i64::from(s.get_request("a").unwrap().blocks[1]);
+    let cached = s.get_request("a").unwrap().num_cached_blocks;
+    s.update_kv_transfers(invalid(&[bad])).unwrap();
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 4, "cut to block 1 (of the 8 loaded tokens)");
+    let res = apply(&mut s, &p, |_| vec![7]);
+    s.check_invariants().unwrap();
+    assert_eq!(res.num_new_tokens, vec![0], "the step's token is dropped");
+    assert_eq!(s.get_request("a").unwrap().token_ids.len(), 10);
+    assert!(s.block_hash_of(bad as u32).is_some(), "recompute keeps the block cached");
+    let p = schedule(&mut s);
+    assert_eq!((p.out.num_computed_tokens[0], p.out.num_scheduled_tokens[0]), (4, 6));
+    apply(&mut s, &p, |_| vec![7]);
+    assert_eq!(s.get_request("a").unwrap().token_ids.len(), 11);
+    assert_eq!(s.get_request("a").unwrap().num_cached_blocks, cached.max(2));
+    s.check_invariants().unwrap();
+}
+
+/// A block invalid for two running requests is recomputed by the first (in running order); the second keeps it
+/// as computed and only loses the tokens of the step; a request holding no invalid block is untouched.
+#[test]
+fn an_invalid_block_shared_by_running_requests_is_recomputed_by_the_first() {
+    let mut s = sched(Fake { ext: 0, ..Default::default() }, KvLoadFailurePolicy::Recompute);
+    s.add_request("a", &prompt(0, 10), params(5)).unwrap();
+    s.add_request("z", &prompt(50, 6), params(5)).unwrap();
+    step_ids(&mut s, 1);
+    s.add_request("b", &prompt(0, 10), params(5)).unwrap();
+    let p = schedule(&mut s);
+    let shared = s.get_request("a").unwrap().blocks[0];
+    assert_eq!(s.get_request("b").unwrap().blocks[0], shared, "b hits a's cached block");
+    let (ca, cb, cz) = (
+        s.get_num_computed_tokens("a").unwrap(),
+        s.get_num_computed_tokens("b").unwrap(),
+        s.get_num_computed_tokens("z").unwrap(),
+    );
+    s.update_kv_transfers(invalid(&[i64::from(shared)])).unwrap();
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 0, "a claims the block");
+    let in_step_b = p.out.num_scheduled_tokens[ids(&s, &p.out).iter().position(|i| i == "b").unwrap()];
+    assert_eq!(s.get_num_computed_tokens("b").unwrap(), cb - in_step_b as u32, "b drops its step only");
+    assert_eq!(s.get_num_computed_tokens("z").unwrap(), cz);
+    let res = apply(&mut s, &p, |_| vec![9]);
+    s.check_invariants().unwrap();
+    assert!(ca > 0);
+    assert_eq!(res.num_new_tokens.iter().filter(|&&n| n > 0).count(), 1, "only z takes its token");
+}
+
+/// Policy "fail": the rolled-back running request finishes with an error, its invalid block and the blocks after
+/// it leave the prefix cache.
+#[test]
+fn invalid_blocks_of_a_synchronous_load_fail_the_request_with_policy_fail() {
+    let mut s = sched(Fake { ext: 8, load_async: false, ..Default::default() }, KvLoadFailurePolicy::Fail);
+    s.add_request("a", &prompt(0, 10), params(3)).unwrap();
+    let p = schedule(&mut s);
+    let blocks = s.get_request("a").unwrap().blocks.clone();
+    assert!(s.block_hash_of(blocks[1]).is_some());
+    let failed = s.update_kv_transfers(invalid(&[i64::from(blocks[1])])).unwrap();
+    assert_eq!(failed.len(), 1);
+    assert!(s.block_hash_of(blocks[0]).is_some(), "the valid prefix stays cached");
+    assert!(s.block_hash_of(blocks[1]).is_none());
+    let res = apply(&mut s, &p, |_| vec![7]);
+    assert_eq!(res.num_new_tokens, vec![0]);
+    s.check_invariants().unwrap();
+    assert_eq!(s.num_free_blocks(), 31);
 }
