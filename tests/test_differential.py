@@ -1871,6 +1871,13 @@ HMA_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=36, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=(3, None, 3), kv_connector_groups=True, enable_kv_cache_events=True,
                     prefix_hash_seed=96),
+    # Mamba groups (mode "none", and "align": its states below the last processed token's leave at a finish).
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=("mamba", None), kv_connector_groups=True, enable_prefix_caching=False,
+                    async_scheduling=True, defer_block_free=True, prefix_hash_seed=97),
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, "mamba", 6), kv_connector_groups=True, enable_prefix_caching=False,
+                    mamba_align=True, prefix_hash_seed=98),
 ]  # fmt: skip
 
 

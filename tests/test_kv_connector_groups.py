@@ -88,10 +88,46 @@ def test_several_groups_need_kv_connector_groups(impl: str) -> None:
     Mamba, cross-attention and chunked-local groups are refused by name."""
     with pytest.raises(InvalidConfigError, match="unless kv_connector_groups"):
         make(impl, Conn(), kv_cache_groups=(None, 8), kv_connector_groups=False)
-    for bad in [(None, "mamba"), (None, "chunked:16")]:
-        with pytest.raises(InvalidConfigError, match="no Mamba, cross-attention or chunked-local"):
+    for bad in [(None, "cross"), (None, "chunked:16")]:
+        with pytest.raises(InvalidConfigError, match="no cross-attention or chunked-local"):
             make(impl, Conn(), kv_cache_groups=bad, enable_prefix_caching=False)
     make(impl, Conn(), kv_cache_groups=(None, 8), defer_block_free=True)
+    make(impl, Conn(), kv_cache_groups=(None, "mamba"), enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("align", [False, True])
+def test_mamba_groups_hand_their_state_blocks_to_the_connector(impl: str, align: bool) -> None:
+    """A connector with a Mamba group (vLLM's ``MambaManager``): every allocation hook gets the Mamba table too;
+    at the finish the connector gets it whole. In mode "none" it is the one state block; in mode "align" the states
+    below the last processed token's block (``(22 - 1) // 4`` = 5 entries) left the table first (vLLM's
+    ``remove_skipped_blocks`` in ``_connector_finished``) and go back at the finish, the rest once the send is
+    over."""
+    conn = Conn(send=("a",))
+    s = make(impl, conn, kv_cache_groups=(None, "mamba"), enable_prefix_caching=False, mamba_align=align,
+             max_num_batched_tokens=8)  # fmt: skip
+    add(s, "a", 100, 22, max_tokens=1)
+    free0 = s.num_free_blocks
+    run(s, 4)
+    assert s.num_unfinished_requests == 0
+    allocs = [e for e in conn.log if e[0] == "alloc"]
+    assert len(allocs) == 1 and len(allocs[0][2]) == 2
+    (_, rid, (full, mamba)), *_ = [e for e in conn.log if e[0] == "finished"]
+    assert rid == "a" and len(full) == 6 and 0 not in full
+    if not align:
+        assert len(mamba) == 1 and mamba[0] != 0
+        s.free_held_window_blocks("a")
+        assert s.num_free_blocks == free0 - 6 - 1
+    else:
+        # Entries 0-4 are null (the state at entry 4 went back at the finish), entry 5 holds the last state.
+        assert len(mamba) == 6 and mamba[:5] == [0] * 5 and mamba[5] != 0
+        assert s.num_free_blocks == free0 - 6 - 2
+        s.free_held_window_blocks("a")
+        s.check_invariants()
+        assert s.num_free_blocks == free0 - 6 - 1
+    s.update_kv_transfers(finished_sending=["a"])
+    s.check_invariants()
+    assert s.num_free_blocks == free0
 
 
 @pytest.mark.parametrize("impl", IMPLS)

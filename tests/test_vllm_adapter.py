@@ -1033,7 +1033,7 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
     for role in ("kv_producer", "kv_consumer", "kv_both"):
         cfg = make_vllm_config(block_size=16, kv_connector_seed=1, kv_role=role)
         assert build(cfg, full, window).kv_config.kv_connector_groups
-        with pytest.raises(UnsupportedFeatureError, match="KV connectors with Mamba, chunked-local or cross-attention"):
+        with pytest.raises(UnsupportedFeatureError, match="KV connectors with chunked-local or cross-attention"):
             build(make_vllm_config(block_size=16, kv_connector_seed=1, kv_role=role), full, chunked)
     # KV cache events run with several groups.
     assert build(make_vllm_config(block_size=16, kv_events=True), full, window).kv_config.enable_kv_cache_events
@@ -1345,6 +1345,33 @@ def test_align_mode_mamba_groups_schedule_as_vllms_scheduler() -> None:
             break
     assert all(seen.values()), seen
     assert not pair[1].requests
+
+
+def test_kv_producers_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name() -> None:
+    """A KV connector in role kv_producer runs with Mamba groups in mode "none" and in mode "align" without prefix
+    caching (the core hands it every group's blocks); roles that load KV (kv_consumer, kv_both) and Mamba prefix
+    caching with any connector are refused at construction, by name."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    kw = _attention_kw(4)
+    for mode, caching in (("none", False), ("align", False), ("align", True)):
+        mamba = _mamba_spec(64 if mode == "none" else 4, mode)
+
+        def cfg(role: str, mode: str = mode, caching: bool = caching) -> Any:
+            return make_vllm_config(block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=caching,
+                                    mamba_cache_mode=mode, kv_connector_seed=1, kv_role=role)  # fmt: skip
+
+        size = 4 if mode == "align" else None
+        if not caching:
+            sched = _build_mamba(cfg("kv_producer"), mamba, FullAttentionSpec(**kw), block_size=size)
+            assert sched.kv_config.kv_connector_groups and sched.kv_config.mamba_align == (mode == "align")
+        else:
+            with pytest.raises(UnsupportedFeatureError, match="KV connectors with Mamba prefix caching"):
+                _build_mamba(cfg("kv_producer"), mamba, FullAttentionSpec(**kw), block_size=4)
+        for role in ("kv_consumer", "kv_both"):
+            with pytest.raises(UnsupportedFeatureError, match=r"KV connectors that load KV \(kv_consumer, kv_both\) "
+                               "with Mamba"):  # fmt: skip
+                _build_mamba(cfg(role), mamba, FullAttentionSpec(**kw), block_size=size)
 
 
 def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> None:

@@ -417,6 +417,19 @@ def test_identical_to_vllm_with_a_kv_connector_loading_into_windows(
     assert cfg.kv_role == kv_role and (cfg.sliding_window is not None or cfg.kv_cache_groups is not None)
 
 
+@pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
+@pytest.mark.parametrize("align", [False, True], ids=["none", "align"])
+def test_identical_to_vllm_with_a_kv_producer_on_mamba_groups(sync: str, runner: str, align: bool) -> None:
+    """The seeded RandomKVConnector as a KV producer on a hybrid Mamba model, vLLM's mamba_cache_mode "none" and
+    "align" (prefix caching off): the connector gets every group's blocks, the Mamba state blocks too, at each
+    allocation and at the finish (in mode "align" after the states below the last processed token went back), and
+    the blocks of a request held for a send come back as vLLM's do."""
+    cfg = run_seed(0, 120, async_scheduling=sync == "async", v2=runner == "v2", connector=True, kv_role="kv_producer",
+                   mamba=True, mamba_align=align)  # fmt: skip
+    assert cfg.kv_role == "kv_producer" and cfg.kv_cache_groups is not None and "mamba" in cfg.kv_cache_groups
+    assert cfg.mamba_cache_mode == ("align" if align else "none")
+
+
 @pytest.mark.parametrize(("sync", "kv_role"), [("sync", "kv_both"), ("async", "kv_consumer"), ("async", "kv_both")])
 def test_identical_to_vllm_with_a_multi_connector(sync: str, kv_role: str) -> None:
     """The seeded RandomKVConnector as the second child of vLLM's MultiConnector, after a passive one, on both

@@ -546,9 +546,10 @@ class SchedulerConfig:
         metadata=_spec(
             "vLLM's KV connectors with `SupportsHMA`: the connector's hooks get one block table per KV cache "
             "group (in group order; one without `kv_cache_groups`), and at a finish a window's blocks that left "
-            "the window of the processed tokens are freed before the connector sees them; allows a connector, "
-            "and `defer_block_free`, with full-attention and sliding-window groups (`kvsched.vllm` sets it for "
-            "such connectors). See [KV connectors with several groups](#kv-connectors-with-several-groups)"
+            "the window of the processed tokens (and an align-mode Mamba group's states below the last processed "
+            "token's) are freed before the connector sees them; allows a connector, and `defer_block_free`, with "
+            "full-attention, sliding-window and Mamba groups (`kvsched.vllm` sets it for such connectors). See "
+            "[KV connectors with several groups](#kv-connectors-with-several-groups)"
         ),
     )
     max_loras_counts_unscheduled: bool = field(

@@ -194,8 +194,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             r.block_ids[first:last] = [0] * (last - first)
 
     def _take_all_skipped(self, r: _Request, processed: int) -> list[list[int]]:
-        """vLLM's ``remove_skipped_blocks`` over every window group (the one ``sliding_window`` without groups),
-        in group order, without freeing: the blocks become null blocks and come back per group."""
+        """vLLM's ``remove_skipped_blocks`` over every window group (the one ``sliding_window`` without groups) and
+        align-mode Mamba group, in group order, without freeing: the blocks become null blocks and come back per
+        group."""
         c = self._config
         if c.kv_cache_groups is None:
             if c.sliding_window is None:
@@ -214,6 +215,12 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     first -= 1
                 removed = table[first:last]
                 table[first:last] = [0] * (last - first)
+            elif w == _MAMBA and c.mamba_align and processed > 1:
+                # An align-mode Mamba group: its states below the one of the last processed token.
+                table = self._group_table(r, g)
+                last = min((processed - 1) // self._bs, len(table))
+                removed = [b for b in table[:last] if b != 0]
+                table[:last] = [0] * last
             out.append(removed)
         return out
 

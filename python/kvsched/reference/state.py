@@ -74,10 +74,10 @@ class _SchedulerState:
                         "kv_cache_groups is not supported with a KV connector unless kv_connector_groups is set (its "
                         "hooks then get one block table per group)"
                     )
-                if any(w is not None and not isinstance(w, int) for w in c.kv_cache_groups):
+                if any(w is not None and not isinstance(w, int) and w != MAMBA for w in c.kv_cache_groups):
                     raise InvalidConfigError(
-                        "kv_cache_groups with a KV connector must be full-attention and sliding-window groups (no "
-                        "Mamba, cross-attention or chunked-local group)"
+                        "kv_cache_groups with a KV connector must be full-attention, sliding-window and Mamba groups "
+                        "(no cross-attention or chunked-local group)"
                     )
         self._connector = kv_connector
         self._ec_connector: Any = None  # the encoder-cache connector (encoder_sched.py)

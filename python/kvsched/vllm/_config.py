@@ -438,14 +438,27 @@ def kvsched_config_from_vllm(
     if kv_cache_groups is not None:
         # The core keeps one block table per group; its victim rules know one.
         num = f"{len(windows)} KV cache groups"
-        if kv_transfer is not None and any(w is not None and not isinstance(w, int) for w in windows):
-            # The core hands a connector full-attention and sliding-window groups only (vLLM's SupportsHMA
-            # connectors with Mamba, chunked-local or cross-attention groups are not compared with vLLM yet).
-            kinds = sorted({str(w).split(":")[0] for w in windows if w is not None and not isinstance(w, int)})
+        if kv_transfer is not None and any(w is not None and not isinstance(w, int) and w != MAMBA for w in windows):
+            # The core hands a connector full-attention, sliding-window and Mamba groups only (vLLM's SupportsHMA
+            # connectors with chunked-local or cross-attention groups are not compared with vLLM yet).
+            kinds = sorted(
+                {str(w).split(":")[0] for w in windows if w is not None and not isinstance(w, int) and w != MAMBA}
+            )
             _refuse(
-                "KV connectors with Mamba, chunked-local or cross-attention KV cache groups",
+                "KV connectors with chunked-local or cross-attention KV cache groups",
                 f"kv_transfer_config, {num} ({', '.join(kinds)})",
             )
+        if kv_transfer is not None and MAMBA in windows and kv_transfer.is_kv_consumer:
+            # vLLM allocates a load's Mamba state blocks with the external tokens' blocks and leaves the blocks a
+            # load writes out of the blocks it zeroes; the core does neither yet.
+            _refuse(
+                "KV connectors that load KV (kv_consumer, kv_both) with Mamba KV cache groups",
+                f"kv_transfer_config.kv_role={kv_transfer.kv_role!r}, {num} (mamba)",
+            )
+        if kv_transfer is not None and MAMBA in windows and cache.enable_prefix_caching:
+            # vLLM hands a connector the cached Mamba boundary states (kv_connector_block_state) and a producer's
+            # finished partial tails (register_finished_partial_tail); the adapter hands it neither.
+            _refuse("KV connectors with Mamba prefix caching", "kv_transfer_config, enable_prefix_caching=True")
         mamba_modes = {
             str(getattr(group.kv_cache_spec, "mamba_cache_mode", "none"))
             for g, group in enumerate(kv_cache_config.kv_cache_groups)

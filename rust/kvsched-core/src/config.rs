@@ -325,8 +325,9 @@ pub struct SchedulerConfig {
     pub drop_preempted_output: bool,
     /// vLLM's `SupportsHMA` connectors: the KV connector's hooks get every KV cache group's blocks (one table per
     /// group, group order; one table without `kv_cache_groups`), and at a finish a window's blocks that left the
-    /// window of the processed tokens go back to the pool before the connector sees the tables (null blocks in
-    /// their place). Allows a connector, and `defer_block_free`, with full-attention and sliding-window groups.
+    /// window of the processed tokens (and an align-mode Mamba group's states below the last processed token's)
+    /// go back to the pool before the connector sees the tables (null blocks in their place). Allows a connector,
+    /// and `defer_block_free`, with full-attention, sliding-window and Mamba groups.
     pub kv_connector_groups: bool,
     /// Which LoRA adapters count against `max_loras` when a waiting request is admitted. `true` (vLLM 0.33): those
     /// of every running request, scheduled in this step or not. `false` (vLLM 0.32): only those of the running

@@ -658,8 +658,8 @@ impl KvCacheManager {
         }
     }
 
-    /// vLLM's `remove_skipped_blocks` over every window group (the one `sliding_window` without groups) with
-    /// `processed` tokens processed, in group order, without freeing: the blocks become null blocks in the tables
+    /// vLLM's `remove_skipped_blocks` over every window group (the one `sliding_window` without groups) and
+    /// align-mode Mamba group with `processed` tokens processed, in group order, without freeing: the blocks become null blocks in the tables
     /// and come back per group, each in the order the pool takes them (`BlockPool::free_blocks`).
     pub(crate) fn take_all_skipped(&mut self, req: &mut Request, processed: u32) -> Vec<Vec<u32>> {
         let bs = self.block_size;
@@ -668,10 +668,17 @@ impl KvCacheManager {
             None => return Vec::new(),
             Some(hy) => hy.windows.iter().enumerate().map(|(g, &w)| (w, hy.slot(g))).collect(),
         };
+        let align = self.hybrid.as_deref().is_some_and(|hy| hy.mamba_align);
         let mut out = Vec::with_capacity(groups.len());
         for (w, slot) in groups {
             let mut removed = Vec::new();
-            if is_window(w) {
+            if w == MAMBA && align && processed > 1 {
+                // An align-mode Mamba group: its states below the one of the last processed token.
+                let (blocks, _) = table(req, slot);
+                let last = (((processed - 1) / bs) as usize).min(blocks.len());
+                removed.extend(blocks[..last].iter().copied().filter(|&b| b != NULL_BLOCK));
+                blocks[..last].fill(NULL_BLOCK);
+            } else if is_window(w) {
                 let (blocks, _) = table(req, slot);
                 let last = ((group_skipped(w, processed) / bs) as usize).min(blocks.len());
                 let mut first = last;
