@@ -365,7 +365,7 @@ def test_identical_to_vllm_with_streaming_input_and_a_kv_connector(
     first admission and after a preemption, loads, and ``request_finished`` with the blocks of the tokens computed
     when the input ends."""
     taken = _count_parts(monkeypatch)
-    run_seed(404, 150, async_scheduling=sync == "async", v2=False, connector=True, kv_role=kv_role, streaming=True)
+    run_seed(409, 150, async_scheduling=sync == "async", v2=False, connector=True, kv_role=kv_role, streaming=True)
     assert taken  # some part was taken (the draws exercised sessions)
 
 
