@@ -2204,8 +2204,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.retention is not None and RULES.version == "0.32" and args.eagle and args.hybrid:
         p.error("--retention with --eagle --hybrid: kvsched.vllm refuses it on vLLM 0.32 (its junction rule differs)")
-    if args.mamba_prefix_caching and RULES.version == "0.32":
-        p.error("--mamba-prefix-caching: kvsched.vllm refuses Mamba prefix caching on vLLM 0.32 (its rules differ)")
     if args.mamba and (args.connector or args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --connector, --kv-events, --sliding-window, --hybrid and --mm")
     if args.chunked_local and not args.hybrid:

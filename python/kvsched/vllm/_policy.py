@@ -146,6 +146,7 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
             "continue_after_self_preemption",
             "cache_drafts_at_update",
             "trim_computed_on_stop",
+            "mamba_defer_new_states_only",
         )
     },
 }
