@@ -1531,11 +1531,8 @@ def test_sparse_retention_schedules_as_vllms_scheduler(layout: str, retention: i
     """Sparse retention of cached Mamba states and sliding-window blocks (vLLM's engine default 0, intervals of
     two and three blocks; a window of 6 tokens needs two blocks): prompts sharing prefixes of several lengths, run
     in chunks, hit only what vLLM's scheduler keeps (the resend of a prompt, the shared-prefix junctions, the
-    interval's segments); the same outputs and block tables step by step, and some admissions hit. (kvsched.vllm
-    refuses Mamba prefix caching on vLLM 0.32.)"""
+    interval's segments); the same outputs and block tables step by step, and some admissions hit."""
     mamba = layout == "mamba"
-    if mamba and RULES.version == "0.32":
-        pytest.skip("kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
     cfg = make_vllm_config(block_size=4, num_blocks=80, max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4,
                            mamba_cache_mode="align" if mamba else "none")  # fmt: skip
     pair = [make_scheduler(impl, cfg, prefix_cache_retention_interval=retention, **_SPARSE_LAYOUTS[layout])
