@@ -1924,13 +1924,19 @@ ALIGN_CONFIGS = [
 ]  # fmt: skip
 
 
-def _soak_align(configs: list[SchedulerConfig], seed: int) -> tuple[int, int, int]:
+def _soak_align(configs: list[SchedulerConfig], seed: int, siblings: bool = False) -> tuple[int, int, int]:
     """Runs ``configs`` on both implementations step by step (600 random operations each, then a drain), each with
     a preemption; returns the Mamba tables seen past their first state (none without Mamba groups), the
-    prefix-hit tokens and the prefill checkpoints seen reserved."""
+    prefix-hit tokens and the prefill checkpoints seen reserved. ``siblings``: every prompt is a shared prefix
+    cut one to two blocks past a block boundary, so prompts often share their last block boundary."""
     grown = hits = checkpoints = 0
     for i, cfg in enumerate(configs):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=1 + i % 3)
+        if siblings:
+            bs = cfg.block_size
+            twin.make_prompt = lambda max_len, twin=twin, bs=bs: twin.rand.choice(PREFIXES)[
+                : bs * twin.rand.int(1, 24 // bs) + twin.rand.int(1, bs)
+            ]
         others = [w for g, w in enumerate(cfg.kv_cache_groups or ()) if g != cfg.primary_group]
         mamba = [k for k, w in enumerate(others) if w == "mamba"]
         for _ in range(600):
@@ -1977,6 +1983,22 @@ def test_soak_sparse_mamba_retention_matches_reference_step_by_step() -> None:
         for i, c in enumerate(ALIGN_CONFIGS)
     ]
     grown, hits, _ = _soak_align(configs, 8181)
+    assert grown > 0 and hits > 0, (grown, hits)
+
+
+@pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
+def test_soak_mamba_prefix_caching_v032_deferral_matches_reference_step_by_step(retention: int | None) -> None:
+    """The same configs with prefix caching on and vLLM 0.32's deferral rule (`mamba_defer_new_states_only`
+    off: a hit on the state at a prompt's checkpoint is deferred whenever an allocation in the step re-caches it
+    there), dense and under retention 0: the deferred admissions are the same on both implementations; prefix
+    hits happen in the run."""
+    configs = [
+        dataclasses.replace(
+            c, enable_prefix_caching=True, prefix_cache_retention_interval=retention, mamba_defer_new_states_only=False
+        )
+        for c in ALIGN_CONFIGS
+    ]
+    grown, hits, _ = _soak_align(configs, 7272 if retention is None else 9393, siblings=True)
     assert grown > 0 and hits > 0, (grown, hits)
 
 

@@ -1401,6 +1401,35 @@ def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> Non
     assert _build_mamba(off, _mamba_spec(16, "align"), full).kv_config.mamba_align
 
 
+def test_mamba_prefix_caching_defers_a_sibling_as_the_installed_vllm() -> None:
+    """Two requests with a cached prompt admitted in one step: the first hits the Mamba state at the prompt's
+    last block boundary before its last token and computes the rest, its cacheable tokens ending at that
+    boundary. vLLM 0.32 then counts the state as cached in this step again (kvsched's
+    mamba_defer_new_states_only off), so the second request's hit on it is deferred to the next step; vLLM 0.33
+    admits both. The same outputs as vLLM's scheduler, step by step."""
+    cfg = make_vllm_config(block_size=4, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
+                           max_num_seqs=8, mamba_cache_mode="align")  # fmt: skip
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=("mamba", None)) for impl in ("vllm", "kvsched")]
+    assert pair[1].kv_config.mamba_defer_new_states_only is RULES.mamba_defer_new_states_only
+    prompt = list(range(100, 110))  # its last block boundary before its last token: 8
+    for s in pair:
+        s.add_request(make_request("a", prompt, max_tokens=2, block_size=4))
+    for _ in range(10):
+        step_pair(pair)
+        if not pair[0].requests:
+            break
+    assert not pair[1].requests
+    for s in pair:
+        for rid in ("b", "c"):
+            s.add_request(make_request(rid, prompt, max_tokens=2, block_size=4))
+    outs, _ = step_pair(pair)
+    admitted = [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs]
+    assert admitted == ([("b", 8)] if RULES.version == "0.32" else [("b", 8), ("c", 8)]), admitted
+    outs, _ = step_pair(pair)
+    if RULES.version == "0.32":
+        assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("c", 8)]
+
+
 def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> None:
     """Mamba prefix caching (mamba_cache_mode "align" with prefix caching on, vLLM's default for hybrid Mamba
     models) runs on the core's align-mode groups with prefix caching, with vLLM's retention of the states (the KV
@@ -1415,10 +1444,6 @@ def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> N
 
     full = FullAttentionSpec(**_attention_kw(16))
     on = make_vllm_config(block_size=16, max_model_len=96, mamba_cache_mode="align")
-    if RULES.version == "0.32":  # its rules differ (docs/vllm.md)
-        with pytest.raises(UnsupportedFeatureError, match=r"Mamba prefix caching on vLLM 0\.32"):
-            _build_mamba(on, full, _mamba_spec(16, "align"))
-        return
     sched = _build_mamba(on, full, _mamba_spec(16, "align"))
     assert sched.kv_config.mamba_align and sched.kv_config.enable_prefix_caching
     events = make_vllm_config(block_size=16, max_model_len=96, mamba_cache_mode="align", kv_events=True)
@@ -1529,11 +1554,8 @@ def test_sparse_retention_schedules_as_vllms_scheduler(layout: str, retention: i
     """Sparse retention of cached Mamba states and sliding-window blocks (vLLM's engine default 0, intervals of
     two and three blocks; a window of 6 tokens needs two blocks): prompts sharing prefixes of several lengths, run
     in chunks, hit only what vLLM's scheduler keeps (the resend of a prompt, the shared-prefix junctions, the
-    interval's segments); the same outputs and block tables step by step, and some admissions hit. (kvsched.vllm
-    refuses Mamba prefix caching on vLLM 0.32.)"""
+    interval's segments); the same outputs and block tables step by step, and some admissions hit."""
     mamba = layout == "mamba"
-    if mamba and RULES.version == "0.32":
-        pytest.skip("kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
     cfg = make_vllm_config(block_size=4, num_blocks=80, max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4,
                            mamba_cache_mode="align" if mamba else "none")  # fmt: skip
     pair = [make_scheduler(impl, cfg, prefix_cache_retention_interval=retention, **_SPARSE_LAYOUTS[layout])

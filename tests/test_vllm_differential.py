@@ -129,7 +129,6 @@ def test_identical_to_vllm_with_align_mode_mamba_groups(sync: str, runner: str, 
     assert cfg.kv_cache_groups is not None and cfg.mamba_cache_mode == "align"
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses Mamba prefix caching on vLLM 0.32")
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("retention", [None, 0])
 # 661 stalls in vLLM's own scheduler (identically) before any hit; 660's prefill threshold of one block leaves no

@@ -2200,8 +2200,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--retention goes with --sliding-window, --hybrid or --mamba-prefix-caching")
     if args.retention is not None and RULES.version == "0.32" and args.eagle and args.hybrid:
         p.error("--retention with --eagle --hybrid: kvsched.vllm refuses it on vLLM 0.32 (its junction rule differs)")
-    if args.mamba_prefix_caching and RULES.version == "0.32":
-        p.error("--mamba-prefix-caching: kvsched.vllm refuses Mamba prefix caching on vLLM 0.32 (its rules differ)")
     if args.mamba and (args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --kv-events, --sliding-window, --hybrid and --mm")
     if args.mamba and args.connector and set(args.kv_roles.split(",")) != {"kv_producer"}:

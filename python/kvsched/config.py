@@ -689,6 +689,17 @@ class SchedulerConfig:
             lo=1,
         ),
     )
+    mamba_defer_new_states_only: bool = field(
+        default=True,
+        metadata=_spec(
+            "align-mode Mamba groups with prefix caching: a hit is deferred a step when the state it ends at was "
+            "cached by an allocation in the same `schedule()` call (vLLM 0.33); with False also when an "
+            "allocation in the call re-cached it: the state at the prompt's last block boundary that leaves a "
+            "token, whenever an allocation's cacheable tokens, floored to a block, end there, even when it was "
+            "cached before by a hit or an earlier step (vLLM 0.32; see "
+            "[Several KV cache groups](#several-kv-cache-groups))"
+        ),
+    )
     draft_slots: int = field(
         default=0,
         metadata=_spec(

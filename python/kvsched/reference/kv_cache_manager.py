@@ -821,6 +821,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             first = self._group_cached(r, g)
             checkpoint = r.mamba_checkpoint.get(g) if w == _MAMBA else None
             tail = -1 if checkpoint is not None else prompt_tail  # a checkpoint is re-keyed instead
+            if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only:
+                self._mark_prompt_checkpoint(r, g, num_tokens, prompt_checkpoint)
             if num_full <= first:
                 if checkpoint is not None:
                     self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
@@ -858,6 +860,22 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._record_stored(r, table, first, num_full, g, kept)
             if checkpoint is not None:
                 self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
+
+    def _mark_prompt_checkpoint(self, r: _Request, g: int, num_tokens: int, prompt_checkpoint: int) -> None:
+        """vLLM 0.32 (``mamba_defer_new_states_only`` off): when the tokens being cached, floored to a block, end at
+        the prompt's checkpoint and the request holds a state there already cached under its key, the key counts as
+        cached in this ``schedule()`` call (a same-step hit on it is deferred)."""
+        bs = self._bs
+        aligned = num_tokens // bs * bs
+        if aligned == 0 or aligned != prompt_checkpoint:
+            return
+        i = aligned // bs - 1
+        table = self._group_table(r, g)
+        if i >= len(table) or i >= len(r.block_hashes) or table[i] == 0:
+            return
+        key = self._group_key(r.block_hashes[i], g)
+        if self._block_hash[table[i]] == key:
+            self._mamba_cached_step.add(key)
 
     def _cache_mamba_checkpoint(self, r: _Request, g: int, checkpoint: tuple[int, int], prompt_checkpoint: int) -> None:
         """An align-mode Mamba group's prefill checkpoint after its blocks were cached (vLLM's

@@ -48,6 +48,9 @@ class VllmRules:
     skip_encoder_blocked_admissions: bool
     cache_drafts_at_update: bool
     trim_computed_on_stop: bool
+    # Align-mode Mamba prefix caching: only states cached in the step defer a same-step hit (0.33); 0.32 also
+    # defers hits on the state at the prompt's checkpoint whenever an allocation re-caches it there.
+    mamba_defer_new_states_only: bool
 
 
 VLLM_RULES: dict[str, VllmRules] = {
@@ -62,6 +65,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         continue_after_self_preemption=False,
         skip_encoder_blocked_admissions=False,
         cache_drafts_at_update=False,
+        mamba_defer_new_states_only=False,
     ),
     "0.33": VllmRules(
         version="0.33",
@@ -74,6 +78,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         continue_after_self_preemption=True,
         skip_encoder_blocked_admissions=True,
         cache_drafts_at_update=True,
+        mamba_defer_new_states_only=True,
     ),
 }
 

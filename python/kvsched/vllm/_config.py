@@ -468,9 +468,6 @@ def kvsched_config_from_vllm(
         if MAMBA in windows and cache.enable_prefix_caching and not align:
             # Prefix caching runs with mode "align" only (vLLM's default with prefix caching).
             _refuse("Mamba prefix caching (mamba_cache_mode 'none')", "enable_prefix_caching=True")
-        if MAMBA in windows and cache.enable_prefix_caching and RULES.version == "0.32":
-            # Differs from vLLM 0.32's scheduler in the differential sweep (docs/vllm.md); kvsched follows 0.33.
-            _refuse("Mamba prefix caching on vLLM 0.32", "enable_prefix_caching=True")
         if MAMBA in windows and cache.enable_prefix_caching and kv_events_enabled(vllm_config):
             # The core does not record events for cached Mamba states (vLLM publishes them per group).
             _refuse("KV cache events with Mamba prefix caching", "kv_events_config, mamba_cache_mode 'align'")
@@ -664,6 +661,7 @@ def kvsched_config_from_vllm(
     fields["skip_encoder_blocked_admissions"] = RULES.skip_encoder_blocked_admissions
     fields["cache_drafts_at_update"] = RULES.cache_drafts_at_update
     fields["trim_computed_on_stop"] = RULES.trim_computed_on_stop
+    fields["mamba_defer_new_states_only"] = RULES.mamba_defer_new_states_only
     # vLLM keeps a request waiting for its grammar in `waiting` (skipped where the admission pass reaches it).
     fields["park_grammar_waits"] = False
     # vLLM keeps a request whose asynchronous KV load is in progress in `kv_holding_waiting` at its place.

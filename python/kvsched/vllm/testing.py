@@ -395,7 +395,6 @@ def _kv_cache_config(
         if window == "cross":
             return CrossAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         if window == "mamba":
-            # (vLLM 0.32's MambaSpec has no prefill checkpoints.)
             checkpoints: dict[str, Any] = {}
             if mamba_prefill_checkpoint_alignment is not None:
                 checkpoints = {

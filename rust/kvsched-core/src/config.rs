@@ -398,6 +398,12 @@ pub struct SchedulerConfig {
     /// boundary can export the state at a block boundary inside it, a multiple of `a` tokens from its start, into
     /// an extra block, so it need not end there; `None`: none. Needs `mamba_align`.
     pub mamba_prefill_checkpoint_alignment: Option<u32>,
+    /// Align-mode Mamba groups with prefix caching: which cached states defer a same-step hit on them
+    /// (`hybrid.rs`). `true` (vLLM 0.33): the states an allocation caches in the current `schedule()` call.
+    /// `false` (vLLM 0.32): also the state at the prompt's checkpoint (its last block boundary that leaves a
+    /// token) whenever an allocation's cacheable tokens, floored to a block, end there and the request holds that
+    /// state, even when it was cached before (by a hit or an earlier step).
+    pub mamba_defer_new_states_only: bool,
     /// Tokens computed per step (vLLM's `max_num_scheduled_tokens`), a budget apart from the model inputs
     /// `max_num_batched_tokens` counts; 0 = `max_num_batched_tokens`. At most `max_num_batched_tokens`.
     pub max_num_scheduled_tokens: u32,
@@ -516,6 +522,7 @@ impl Default for SchedulerConfig {
             mamba_align: false,
             prefix_cache_retention_interval: None,
             mamba_prefill_checkpoint_alignment: None,
+            mamba_defer_new_states_only: true,
             max_num_scheduled_tokens: 0,
             draft_slots: 0,
             decode_stagger: 1,

@@ -47,8 +47,10 @@
 //!   group are the entries its allocation appended. With prefix caching the Mamba groups are one lookup set
 //!   (right to left: the first block all of them have cached, null blocks before it), their non-null entries at
 //!   full-block boundaries are cached after each allocation, a hit on a state cached in the current `schedule()`
-//!   call fails its allocation (`mamba_cached_step`), and the longest single-set hit, when longer than the
-//!   combined one, is the request's shared-prefix junction (a chunk stop, `AlignedSplit::split`).
+//!   call fails its allocation (`mamba_cached_step`; without `defer_new_states_only`, as vLLM 0.32, the state
+//!   at the prompt's checkpoint counts as cached in the call whenever an allocation's cacheable tokens, floored
+//!   to a block, end there, even when it was cached before), and the longest single-set hit, when longer than
+//!   the combined one, is the request's shared-prefix junction (a chunk stop, `AlignedSplit::split`).
 //!
 //! - **Sparse retention** (`retention`, `SchedulerConfig::prefix_cache_retention_interval`): a window group caches
 //!   only the blocks a later hit can use (`window_retained`, at the positions `window_reachable` gives, the
@@ -96,6 +98,10 @@ pub struct Hybrid {
     /// current `schedule()` call began (vLLM's `cached_blocks_this_step`): a Mamba hit on one of them fails its
     /// allocation in this step (its state is written by this step).
     pub mamba_cached_step: HashSet<BlockHash>,
+    /// `SchedulerConfig::mamba_defer_new_states_only`: `false` (vLLM 0.32) also puts the state at the prompt's
+    /// checkpoint in `mamba_cached_step` whenever an allocation's cacheable tokens end there, cached before or
+    /// not (see `hybrid_kv.rs`).
+    pub defer_new_states_only: bool,
     /// With prefix caching: the sparse retention of align-mode Mamba states and of sliding-window blocks
     /// (`SchedulerConfig::prefix_cache_retention_interval`; `None`: dense, see `mamba_retained` and
     /// `window_retained`).
@@ -121,6 +127,7 @@ impl Clone for Hybrid {
             last_hits: Mutex::new(self.hits().clone()),
             last_longest: AtomicUsize::new(self.last_longest()),
             mamba_cached_step: self.mamba_cached_step.clone(),
+            defer_new_states_only: self.defer_new_states_only,
             retention: self.retention,
             hash_lookahead: self.hash_lookahead,
             checkpoint_align: self.checkpoint_align,
@@ -149,6 +156,7 @@ impl Hybrid {
             last_hits: Mutex::new(vec![Vec::new(); n]),
             last_longest: AtomicUsize::new(0),
             mamba_cached_step: HashSet::new(),
+            defer_new_states_only: true,
             retention: None,
             hash_lookahead: 0,
             checkpoint_align: 0,

@@ -544,6 +544,7 @@ impl KvCacheManager {
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
         let align = hy.mamba_align;
+        let defer_new_states_only = hy.defer_new_states_only;
         let bs = self.block_size;
         // Sparse retention: the positions a later request can resume at, and the prompt's checkpoint block when
         // the tokens being cached end there (vLLM's `_cache_partial_tail_block` with whole-block hashes).
@@ -566,6 +567,9 @@ impl KvCacheManager {
             let checkpoint = slots[g].and_then(|i| req.groups[i].mamba_checkpoint).filter(|_| w == MAMBA);
             let tail = if checkpoint.is_some() { None } else { tail };
             let first = *table(req, slots[g]).1 as usize;
+            if w == MAMBA && checkpoint.is_none() && !defer_new_states_only {
+                self.mark_prompt_checkpoint(req, slots[g], g, num_tokens, prompt_checkpoint);
+            }
             if num_full <= first {
                 if let Some(c) = checkpoint {
                     self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
@@ -607,6 +611,38 @@ impl KvCacheManager {
             }
             if let Some(c) = checkpoint {
                 self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
+            }
+        }
+    }
+
+    /// vLLM 0.32's re-keying of the state at the prompt's checkpoint (`_cache_partial_tail_block` without the
+    /// check for a block already keyed there; `SchedulerConfig::mamba_defer_new_states_only` off): when the
+    /// `num_tokens` being cached, floored to a block, end at `prompt_checkpoint` and the request holds a state
+    /// there already cached under its key (by a hit or an earlier allocation), the key counts as cached in the
+    /// current `schedule()` call, so a same-step hit on it is deferred. A state not yet cached there is left to
+    /// the caching that both releases share.
+    fn mark_prompt_checkpoint(
+        &mut self,
+        req: &Request,
+        slot: Option<usize>,
+        g: usize,
+        num_tokens: u32,
+        prompt_checkpoint: u32,
+    ) {
+        let bs = self.block_size;
+        let aligned = num_tokens / bs * bs;
+        if aligned == 0 || aligned != prompt_checkpoint {
+            return;
+        }
+        let i = (aligned / bs) as usize - 1;
+        let (Some(&b), Some(hash)) = (table_ref(req, slot).get(i), req.block_hashes.get(i)) else { return };
+        if b == NULL_BLOCK {
+            return;
+        }
+        let key = group_key(hash, g);
+        if self.pool.block_hash(b) == Some(&key) {
+            if let Some(hy) = self.hybrid.as_deref_mut() {
+                hy.mamba_cached_step.insert(key);
             }
         }
     }

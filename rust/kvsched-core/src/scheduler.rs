@@ -216,6 +216,7 @@ impl Scheduler {
                     window_cap_blocks(&config, w)
                 });
                 hy.mamba_align = config.mamba_align;
+                hy.defer_new_states_only = config.mamba_defer_new_states_only;
                 hy.retention = config.prefix_cache_retention_interval;
                 hy.hash_lookahead = config.hash_lookahead_tokens;
                 hy.checkpoint_align = config.mamba_prefill_checkpoint_alignment.unwrap_or(0);
