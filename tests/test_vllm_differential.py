@@ -18,7 +18,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is optional: pip install '.[vllm]'")
 
-from kvsched.vllm import RULES
 from vllm_driver import run_seed
 
 pytestmark = pytest.mark.vllm
