@@ -131,29 +131,9 @@ impl BlockHasher {
             && !Self::mm_overlaps(mm, block_start, block_start + tokens.len() as u32)
         {
             pickle_hash::encode(buf, &parent.0, tokens);
-        } else {
-            Self::encode_tagged(buf, parent, tokens, extra, first, mm, block_start);
+            return;
         }
-    }
-
-    /// Whether an encoder input overlaps `block_start..block_end`.
-    #[inline]
-    fn mm_overlaps(mm: &[EncoderInput], block_start: u32, block_end: u32) -> bool {
-        !mm.is_empty()
-            && mm.get(mm.partition_point(|e| e.end() <= block_start)).is_some_and(|e| e.start < block_end)
-    }
-
-    /// The tagged encoding: parent, token count, tokens, tagged extra keys, `TAG_END`.
-    #[allow(clippy::too_many_arguments)]
-    fn encode_tagged(
-        buf: &mut Vec<u8>,
-        parent: &BlockHash,
-        tokens: &[u32],
-        extra: &ExtraKeys,
-        first: bool,
-        mm: &[EncoderInput],
-        block_start: u32,
-    ) {
+        // The tagged encoding: parent, token count, tokens, tagged extra keys, `TAG_END`.
         buf.clear();
         buf.extend_from_slice(&parent.0);
         buf.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
@@ -174,6 +154,13 @@ impl BlockHasher {
             Self::encode_mm(buf, mm, block_start, block_start + tokens.len() as u32);
         }
         buf.push(TAG_END);
+    }
+
+    /// Whether an encoder input overlaps `block_start..block_end`.
+    #[inline]
+    fn mm_overlaps(mm: &[EncoderInput], block_start: u32, block_end: u32) -> bool {
+        !mm.is_empty()
+            && mm.get(mm.partition_point(|e| e.end() <= block_start)).is_some_and(|e| e.start < block_end)
     }
 
     /// The tokens as little-endian u32s. On a little-endian machine that is their memory: one copy.
