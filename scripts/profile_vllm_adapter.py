@@ -3,9 +3,11 @@
 Replays one ``kvsched bench`` workload through the adapter exactly as ``kvsched bench --impl vllm-adapter`` does
 (``--async-scheduling``: ``--impl vllm-adapter-async``; same driver, same loop, warm-up, ``gc.freeze``), with
 timers around the parts that are not the adapter's own Python: the Rust core's calls (``schedule()`` with the
-``num_output_tokens`` column it hands out, ``update_from_output()``), the block hashing of a request whose new
-token fills a block (vLLM's own scheduler hashes it too): the core's ``vllm_sha256_block_hashes`` for vLLM's
-default SHA-256 hash of a block without extra keys, vLLM's block hasher otherwise, and ``make_stats()`` (vLLM's
+``num_output_tokens`` column it hands out, ``update_from_output()``), the block hashes of a request whose new
+token fills a block (vLLM's own scheduler hashes it too): with vLLM's default SHA-256 the core's
+``extend_block_hashes``, which reads the hash the core keyed the block with (the core computes it in its
+``update_from_output()``), for a block without extra keys, the core's ``vllm_sha256_block_hashes`` for a salted
+request's, vLLM's block hasher otherwise, and ``make_stats()`` (vLLM's
 ``SchedulerStats``, every step with stats on). Everything else in ``schedule()`` and ``update_from_output()`` is
 the adapter's Python (mirroring vLLM's request fields, building vLLM's ``SchedulerOutput`` and one
 ``EngineCoreOutput`` per request). Prints per-step medians over the steps with the workload's most common number
@@ -100,6 +102,7 @@ def run_once(config: Any, wl: Workload, impl: str) -> np.ndarray:
             hasher, sched.hash_block_size
         )
     adapter_module.vllm_sha256_block_hashes = t_core_hash.wrap(core_hash)
+    core.extend_block_hashes = t_core_hash.wrap(core.extend_block_hashes)
     rows: list[tuple[int, ...]] = []
     schedule, update = t_sched.wrap(sched.schedule), t_upd.wrap(sched.update_from_output)
     num_sched = [0]
@@ -304,7 +307,7 @@ def main() -> None:
             ("update_from_output(): total", upd_ns),
             ("  Rust core update_from_output()", core_u),
             ("  vLLM block hasher (blocks that filled)", hash_ns),
-            ("  core's SHA-256 block hashes (same)", core_hash_ns),
+            ("  core's block hashes (same)", core_hash_ns),
             ("  make_stats() (SchedulerStats)", stats_ns),
             ("  adapter Python", upd_ns - core_u - hash_ns - core_hash_ns - stats_ns),
             ("schedule + update", sched_ns + upd_ns),

@@ -121,6 +121,10 @@ def compare_results(a: Any, b: Any) -> None:
     assert_arrays_equal(a.part_stop_reasons, b.part_stop_reasons, "part_stop_reasons")
 
 
+# Block 0's parent hash of the configs with prefix_hash_algo "sha256_pickle" (as vLLM's NONE_HASH).
+VLLM_HASH_ROOT = bytes(range(32))
+
+
 def hash_pattern(hashes: list[list[bytes]]) -> list[list[int]]:
     """Hashes replaced by the index of their first occurrence: equal exactly when the equalities agree."""
     seen: dict[bytes, int] = {}
@@ -867,7 +871,15 @@ class Twin:
             hashes_a.append(self.ref.get_block_hashes(rid))
             hashes_b.append(list(self.rs.get_block_hashes(rid)))
         assert hash_pattern(hashes_a) == hash_pattern(hashes_b)
-        width = 32 if self.cfg.prefix_hash_algo == "sha256" else 16
+        cfg = self.cfg
+        rooted = cfg.prefix_hash_seed is not None and not cfg.isolate_tenant_cache and not cfg.hash_lookahead_tokens
+        if cfg.prefix_hash_algo == "sha256_pickle" and rooted:
+            # vLLM's own hashes from a given root: the values agree, not only their pattern, without extra keys.
+            for rid, row_a, row_b in zip(ids, hashes_a, hashes_b, strict=True):
+                q = self.ref._requests[rid]
+                if q.cache_salt is None and q.lora_name is None and not q.encoder_inputs:
+                    assert row_a == row_b, f"block hashes of {rid}"
+        width = 16 if self.cfg.prefix_hash_algo == "xxh3_128" else 32
         assert all(isinstance(h, bytes) and len(h) == width for row in hashes_b for h in row)
         self.kv_events.check(self.ref, self.rs)
         if self.pins:
@@ -1018,8 +1030,8 @@ def configs(draw: Any) -> SchedulerConfig:
         policy=policy,
         num_lookahead_tokens=draw(st.sampled_from([0, 0, 1, 3])),
         num_speculative_tokens=draw(st.sampled_from([None, None, 0, 2, 4])),
-        prefix_hash_algo=draw(st.sampled_from(["xxh3_128", "sha256"])),
-        prefix_hash_seed=draw(st.sampled_from([None, 0, "seed"])),
+        prefix_hash_algo=(algo := draw(st.sampled_from(["xxh3_128", "sha256", "sha256_pickle"]))),
+        prefix_hash_seed=draw(st.sampled_from([None, VLLM_HASH_ROOT] if algo == "sha256_pickle" else [None, 0, "s"])),
         scheduler_reserve_full_isl=draw(st.booleans()),
         cache_aware_admission_window=draw(st.sampled_from([0, 1, 3, 16])) if policy == "fcfs" else 0,
         cache_aware_admission_threshold=draw(st.sampled_from([0.0, 0.3, 0.5, 1.0])),
@@ -1266,6 +1278,60 @@ ENCODER_SOAK_CONFIGS = [
                     policy="priority", long_prefill_token_threshold=6, max_num_encoder_input_tokens=16,
                     encoder_cache_size=24, prefix_hash_seed=9, scheduler_reserve_full_isl=False),
 ]  # fmt: skip
+
+
+# vLLM's block hash as the prefix-cache key (prefix_hash_algo "sha256_pickle", chained from a given root as from
+# vLLM's NONE_HASH): Twin.compare checks that the two implementations' hashes of requests without extra keys are
+# equal values, not only an equal pattern; salts, LoRA names, encoder inputs and look-ahead tokens take the tagged
+# hash.
+VLLM_HASH_SOAK_CONFIGS = [
+    dataclasses.replace(c, prefix_hash_algo="sha256_pickle", prefix_hash_seed=seed)
+    for c, seed in [
+        (SOAK_CONFIGS[0], VLLM_HASH_ROOT),
+        (SOAK_CONFIGS[1], None),
+        (SOAK_CONFIGS[3], VLLM_HASH_ROOT),
+        (ENCODER_SOAK_CONFIGS[0], VLLM_HASH_ROOT),
+        (ENCODER_SOAK_CONFIGS[3], VLLM_HASH_ROOT),
+    ]
+]
+
+
+def test_soak_vllm_block_hash_keys_match_reference_step_by_step() -> None:
+    soak(steps=2500, seed=2024, configs=VLLM_HASH_SOAK_CONFIGS)
+
+
+@pytest.mark.parametrize("impl", ["rust", "reference"])
+def test_vllm_block_hash_keys_are_vllms_hashes(impl: str) -> None:
+    """With prefix_hash_algo "sha256_pickle" a block without extra keys is keyed with
+    ``sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5))`` chained from the seed (vLLM's default
+    block hash), in both implementations; a salted block 0 takes the tagged hash, and the blocks after it chain
+    vLLM's hash from it."""
+    import hashlib
+    import pickle
+
+    from kvsched import Scheduler
+
+    def chain(parent: bytes, tokens: list[int]) -> list[bytes]:
+        out = []
+        for i in range(len(tokens) // 4):
+            block = tuple(tokens[i * 4 : (i + 1) * 4])
+            parent = hashlib.sha256(pickle.dumps((parent, block, None), protocol=5)).digest()
+            out.append(parent)
+        return out
+
+    cfg = SchedulerConfig(
+        block_size=4, num_blocks=64, prefix_hash_algo="sha256_pickle", prefix_hash_seed=VLLM_HASH_ROOT
+    )
+    s: Any = Scheduler(cfg) if impl == "rust" else ReferenceScheduler(cfg)
+    tokens = [1, 300, 70000, 2**31 - 5, 0, 255, 65535, 65536, 9, 10]
+    s.add_request("a", tokens, max_tokens=4)
+    s.add_request("b", tokens, max_tokens=4, cache_salt="salt")
+    s.add_request("c", tokens, max_tokens=4, lora_name="l")
+    want = chain(VLLM_HASH_ROOT, tokens)
+    assert list(s.get_block_hashes("a")) == want
+    salted = list(s.get_block_hashes("b"))
+    assert salted[0] != want[0] and salted[1:] == chain(salted[0], tokens[4:])
+    assert not set(s.get_block_hashes("c")) & set(want)
 
 
 def test_soak_encoder_inputs_match_reference_step_by_step() -> None:

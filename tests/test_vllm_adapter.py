@@ -827,10 +827,14 @@ def test_a_grammar_wait_keeps_its_place_in_waiting_as_in_vllm_033(monkeypatch: p
     compare("status", reqs[0].status, reqs[1].status)  # type: ignore[attr-defined]
 
 
-def test_decode_block_hashes_come_from_the_core_and_equal_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A block that fills while decoding gets vLLM's SHA-256 hash from kvsched's core; blocks with extra keys (a
-    salted first block, a LoRA adapter) and other hash functions go through vLLM's hasher. Each way the request's
-    ``block_hashes`` equal those vLLM's scheduler leaves."""
+@pytest.mark.parametrize("root", ["vllm", "other"])
+def test_decode_block_hashes_come_from_the_core_and_equal_vllms(monkeypatch: pytest.MonkeyPatch, root: str) -> None:
+    """A block that fills while decoding gets vLLM's SHA-256 hash from kvsched's core: the hash the core keyed
+    the block with, chained from vLLM's NONE_HASH, for a request without extra keys; the core's SHA-256 of vLLM's
+    encoding for a salted request. Blocks with a LoRA adapter and other hash functions go through vLLM's hasher.
+    Each way the request's ``block_hashes`` equal those vLLM's scheduler leaves, also when the core's root is not
+    vLLM's NONE_HASH (``root`` "other": the core's hashes then differ and the adapter computes vLLM's)."""
+    import kvsched.vllm._config as config_module
     import kvsched.vllm.scheduler as adapter
     from vllm.utils.hashing import sha256, sha256_cbor
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -842,8 +846,19 @@ def test_decode_block_hashes_come_from_the_core_and_equal_vllms(monkeypatch: pyt
         calls.append(args)
         return real(*args)  # type: ignore[arg-type]
 
+    from_core: list[str] = []
+    real_from_core = adapter.Scheduler._hashes_from_core
+
+    def counted_from_core(self: Any, reqs: list[Any], req_ids: list[str]) -> None:
+        from_core.extend(req_ids)
+        real_from_core(self, reqs, req_ids)
+
     monkeypatch.setattr(adapter, "vllm_sha256_block_hashes", counted)
+    monkeypatch.setattr(adapter.Scheduler, "_hashes_from_core", counted_from_core)
+    if root == "other":
+        monkeypatch.setattr(config_module, "vllm_none_hash", lambda: bytes(32))
     pair = _pair(block_size=4, num_blocks=64, max_loras=1)
+    assert pair[1].core.config.prefix_hash_algo == "sha256_pickle"  # type: ignore[attr-defined]
     _add(pair, "plain", [1, 2, 3, 4, 5, 6], max_tokens=12, block_size=4)
     _add(pair, "salted", [5, 6], cache_salt="s", max_tokens=12, block_size=4)  # block 0 fills while decoding
     _add(pair, "lora", [7, 8, 9, 10, 11], lora_name="l", max_tokens=12, block_size=4)
@@ -856,7 +871,10 @@ def test_decode_block_hashes_come_from_the_core_and_equal_vllms(monkeypatch: pyt
     requests = [dict(s.requests) for s in pair]  # type: ignore[attr-defined]
     for _ in range(8):
         _step(pair)
-    assert calls  # the plain request's decode blocks
+    assert set(from_core) == {"plain"}  # its decode blocks
+    assert calls  # the salted request's (and with another root the plain request's) decode blocks
+    plain = requests[0]["plain"].block_hashes
+    assert any(args[0] in plain for args in calls) == (root == "other")  # type: ignore[index]
     for rid in ("plain", "salted", "lora", "cbor"):
         hashes = [r[rid].block_hashes for r in requests]
         assert len(hashes[0]) >= 2

@@ -64,7 +64,7 @@ __all__ = [
 
 Policy = Literal["fcfs", "priority", "fair", "sjf", "slo"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
-PrefixHashAlgo = Literal["xxh3_128", "sha256"]
+PrefixHashAlgo = Literal["xxh3_128", "sha256", "sha256_pickle"]
 KvLoadFailurePolicy = Literal["recompute", "fail"]
 PreemptionVictim = Literal["default", "lcf", "cost"]
 
@@ -254,12 +254,18 @@ class SchedulerConfig:
     )
     prefix_hash_algo: PrefixHashAlgo = field(
         default="xxh3_128",
-        metadata=_spec("the block hash: fast, or collision resistant (for adversarial multi-tenant use)"),
+        metadata=_spec(
+            "the block hash: fast, or collision resistant (for adversarial multi-tenant use); `sha256_pickle` is "
+            "SHA-256 with vLLM's default block hash (the pickle of parent, tokens and no extra keys) for every "
+            "block without extra keys, chained from the seed as block 0's parent"
+        ),
     )
     prefix_hash_seed: int | str | bytes | None = field(
         default=None,
         metadata=_spec(
-            "seeds the hash chain; None draws a random seed per scheduler", valid="None, an int, a str or bytes"
+            "seeds the hash chain; None draws a random seed per scheduler. With `sha256_pickle`: None, or 32 bytes "
+            "that are block 0's parent hash as they are (vLLM's `NONE_HASH`)",
+            valid="None, an int, a str or bytes",
         ),
     )
     scheduler_reserve_full_isl: bool = field(
@@ -745,6 +751,12 @@ class SchedulerConfig:
         seed = self.prefix_hash_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str, bytes))):
             raise InvalidConfigError(f"prefix_hash_seed must be None, an int, a str or bytes, got {seed!r}")
+        root_ok = seed is None or (isinstance(seed, bytes) and len(seed) == 32)
+        if self.prefix_hash_algo == "sha256_pickle" and not root_ok:
+            raise InvalidConfigError(
+                "prefix_hash_seed must be None or 32 bytes (block 0's parent hash) with prefix_hash_algo "
+                f"'sha256_pickle', got {seed!r}"
+            )
         weights = self.tenant_weights
         if not isinstance(weights, Mapping):
             raise InvalidConfigError(f"tenant_weights must be a mapping of str to float, got {weights!r}")

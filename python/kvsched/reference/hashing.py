@@ -4,13 +4,16 @@
 seed hash for block 0. Extra keys: the LoRA name on every block, the cache salt on block 0 only, and the encoder
 inputs a block overlaps; with ``hash_lookahead_tokens`` L > 0 also the L tokens after the block (a block gets its hash
 once they exist). ``H`` is SHA-256, or a 16-byte BLAKE2b standing in for the core's xxh3-128 (hash values
-differ from the core's; only hash equality is part of the contract).
+differ from the core's; only hash equality is part of the contract). ``sha256_pickle``: a block without extra keys
+hashes as vLLM's default block hash, ``sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5))``, with the
+seed (32 bytes, or 32 random ones) as block 0's parent; these values are the core's and vLLM's exactly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,9 +22,14 @@ class _BlockHasher:
     """The hash function, the seed hash (random unless ``prefix_hash_seed`` fixes it) and the block size."""
 
     def __init__(self, algo: str, seed: int | str | bytes | None, block_size: int, lookahead: int = 0) -> None:
-        self.hash_fn = hashlib.sha256 if algo == "sha256" else _blake2b_128
-        seed_bytes = os.urandom(32) if seed is None else _seed_bytes(seed)
-        self.seed_hash = self.hash_fn(b"kvsched-seed\0" + seed_bytes).digest()
+        self.hash_fn = _blake2b_128 if algo == "xxh3_128" else hashlib.sha256
+        self.pickled = algo == "sha256_pickle"
+        if self.pickled:
+            assert seed is None or isinstance(seed, bytes)  # the config checks: 32 bytes
+            self.seed_hash = os.urandom(32) if seed is None else seed
+        else:
+            seed_bytes = os.urandom(32) if seed is None else _seed_bytes(seed)
+            self.seed_hash = self.hash_fn(b"kvsched-seed\0" + seed_bytes).digest()
         self.block_size = block_size
         self.lookahead = lookahead
 
@@ -37,6 +45,8 @@ class _BlockHasher:
         """``H(parent, tokens, extra keys)``, unambiguously encoded (fixed-width tokens, tagged keys). ``mm``: the
         encoder inputs overlapping the block, as (hash, start relative to the block); ``after``: the look-ahead
         tokens after the block."""
+        if self.pickled and lora is None and salt is None and not mm and not after:
+            return hashlib.sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5)).digest()
         data = [parent, len(tokens).to_bytes(4, "little")]
         data += [t.to_bytes(4, "little") for t in tokens]
         for key in (lora, salt):

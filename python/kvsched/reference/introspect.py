@@ -126,7 +126,7 @@ class _IntrospectMixin(_AdmissionMixin):
     def take_kv_cache_events(self) -> KVCacheEvents:
         """The KV cache events since the last call, in the order they happened (none unless
         ``enable_kv_cache_events``)."""
-        width = 32 if self._config.prefix_hash_algo == "sha256" else 16
+        width = 16 if self._config.prefix_hash_algo == "xxh3_128" else 32
         if self._events is None:
             return KVCacheEvents.empty(self._bs, width)
         return self._events.take(self._bs, width)

@@ -85,7 +85,7 @@ class _PinsMixin(_BlockPoolMixin):
         """The block a prefix lookup of ``block_hash`` returns now (the first cached under it), or None."""
         if not isinstance(block_hash, bytes):
             raise SchedulerTypeError(f"block_hash must be bytes, got {type(block_hash).__name__}")
-        width = 32 if self._config.prefix_hash_algo == "sha256" else 16
+        width = 16 if self._config.prefix_hash_algo == "xxh3_128" else 32
         if len(block_hash) != width:
             raise InvalidRequestError(
                 f"block_hash must be {width} bytes (the width of this scheduler's hashes), got {len(block_hash)}"

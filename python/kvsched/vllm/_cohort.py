@@ -34,8 +34,9 @@ class Cohort:
     since they joined, whether applying a step takes an output placeholder back (asynchronous scheduling), the
     fewest placeholders any member held when it joined, whether every member is still in it, the members'
     output and token lists (vLLM never replaces a request's lists, it changes them in place), and which members
-    fill a block at which step (``fill_base``, ``fill_fast`` with their token lists in ``fill_fast_tokens``,
-    ``fill_other``: set by the scheduler, see ``Scheduler._cohort_fills``)."""
+    fill a block at which step (``fill_base``, ``fill_fast`` with their token lists, or their ids where the
+    core keys blocks with vLLM's hash, in ``fill_fast_tokens``, ``fill_other``: set by the scheduler, see
+    ``Scheduler._cohort_fills``)."""
 
     __slots__ = (
         "all_lists",

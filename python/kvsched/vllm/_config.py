@@ -602,6 +602,11 @@ def kvsched_config_from_vllm(
         "num_speculative_tokens": num_spec_tokens,
         "prefix_hash_algo": "sha256" if algo.startswith("sha256") else "xxh3_128",
     }
+    if algo == "sha256":
+        # vLLM's default hash: the core keys its blocks without extra keys with vLLM's own hashes, chained from
+        # vLLM's NONE_HASH, so the adapter reads a filled block's hash from the core instead of hashing it again.
+        fields["prefix_hash_algo"] = "sha256_pickle"
+        fields["prefix_hash_seed"] = vllm_none_hash()
     # vLLM's KV cache events (kv_events_config): the core records them, the adapter publishes them in vLLM's form.
     fields["enable_kv_cache_events"] = kv_events_enabled(vllm_config)
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
@@ -691,6 +696,15 @@ def kvsched_config_from_vllm(
     # scheduler's construction, from vLLM's MultiModalBudget).
     fields["encoder_decoder"] = enc_dec
     return build_config(fields, knobs), num_spec_tokens
+
+
+def vllm_none_hash() -> bytes:
+    """The ``NONE_HASH`` (block 0's parent hash) that vLLM's engine sets for its default SHA-256 block hash once it
+    has built its scheduler: the hash of ``PYTHONHASHSEED``, or of vLLM's fixed seed where that is not set."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+    return bytes(sha256(resolve_none_hash_seed(sha256)))
 
 
 def decode_stagger(vllm_config: Any) -> int:

@@ -82,6 +82,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "hash_lookahead_tokens": "--speculative-config (disable_eagle_block_drop, disable_lookahead_block_hashes)",
     "drop_trailing_hit_block": "--speculative-config (disable_eagle_block_drop, disable_lookahead_block_hashes)",
     "prefix_hash_algo": "--prefix-caching-hash-algo",
+    "prefix_hash_seed": "PYTHONHASHSEED (vLLM's NONE_HASH, with the default --prefix-caching-hash-algo sha256)",
     "scheduler_reserve_full_isl": "--scheduler-reserve-full-isl",
     "async_scheduling": "--async-scheduling / --no-async-scheduling",
     "watermark": "--watermark",
@@ -130,11 +131,6 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
     "num_cpu_blocks": (0, "the CPU swap pool serves preemption_mode 'swap' and 'auto'; " + _NO_SWAP),
     "recompute_cost_per_token": (1.0, "it prices preemption_mode 'auto'; " + _NO_SWAP),
     "swap_cost_per_block": (1.0, "it prices preemption_mode 'auto'; " + _NO_SWAP),
-    "prefix_hash_seed": (
-        None,
-        "the core's own prefix hashes never leave the scheduler (requests carry vLLM's block hashes), so a seed "
-        "changes nothing observable",
-    ),
     "park_grammar_waits": (False, "vLLM 0.33 keeps a request waiting for its grammar at its place in `waiting`"),
     "park_kv_loads": (False, "vLLM 0.33 keeps a request whose KV load is in progress at its place"),
     "reserve_inflight_prefills": (True, "vLLM 0.33 admits a KV load only beside its in-flight prefills"),

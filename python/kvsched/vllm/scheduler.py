@@ -403,6 +403,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._num_invalid_spec_tokens: dict[str, int] | None = None
         # Block hashers seen on requests -> whether the core can compute their hashes (_is_vllm_sha256_hasher).
         self._hasher_in_core: dict[Any, bool] = {}
+        # Whether the core keys a block without extra keys with vLLM's own hash (prefix_hash_algo "sha256_pickle"),
+        # so a filled block's vLLM hash is read from the core rather than computed again.
+        self._core_keys_vllm = config.prefix_hash_algo == "sha256_pickle" and config.enable_prefix_caching
         self.current_step = 0
         self._kv_view: KVCacheManagerView | None = None
         # vLLM 0.33's auxiliary output connector (routed experts), set now or later (aux_output_connector).
@@ -2021,6 +2024,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         from the request's own (vLLM's) hasher."""
         block = self.hash_block_size
         in_core_by_hasher = self._hasher_in_core
+        from_core: list[Request] | None = [] if self._core_keys_vllm else None
         for request in filled:
             hasher = request._block_hasher
             if hasher is None:
@@ -2030,9 +2034,26 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if in_core is None:
                 in_core = in_core_by_hasher[hasher] = _is_vllm_sha256_hasher(hasher, block)
             if in_core and hashes and request.lora_request is None and not self._mm_in_tail(request, len(hashes)):
-                hashes += vllm_sha256_block_hashes(hashes[-1], request._all_token_ids[len(hashes) * block :], block)
+                if from_core is not None and request.cache_salt is None and not request.mm_features:
+                    from_core.append(request)
+                else:
+                    hashes += vllm_sha256_block_hashes(hashes[-1], request._all_token_ids[len(hashes) * block :], block)
             else:
                 hashes.extend(hasher(request))
+        if from_core:
+            self._hashes_from_core(from_core, [r.request_id for r in from_core])
+
+    def _hashes_from_core(self, reqs: list[Request], req_ids: list[str]) -> None:
+        """Appends to the requests' block hashes the core's hashes of their blocks past them: vLLM's own hashes,
+        for requests without extra keys (no LoRA, cache salt or multimodal input) with vLLM's default SHA-256
+        hasher and at least one hash. The core checks that each request's last hash is its own at that position;
+        a request where it is not (or with nothing new) computes its hashes itself."""
+        skipped = self._core.extend_block_hashes([r.block_hashes for r in reqs], req_ids)
+        block = self.hash_block_size
+        for i in skipped:
+            request = reqs[i]
+            hashes = request.block_hashes
+            hashes += vllm_sha256_block_hashes(hashes[-1], request._all_token_ids[len(hashes) * block :], block)
 
     def _cohort_fills(self, cohort: Cohort, after: list[int]) -> None:
         """Which members fill a block at which step, for a cohort formed at a step whose computed counts after it
@@ -2040,12 +2061,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         whose first member's computed count after it is ``fill_base + k`` takes every member ``k`` tokens past
         that step: member ``i`` then holds ``after[i] + k + 1`` tokens and fills a block when that count less the
         hash lookahead is a multiple of the hash block size. ``fill_fast[k % block]`` lists the members whose
-        blocks the core hashes (vLLM's default SHA-256 without extra keys: no LoRA, no multimodal input);
+        blocks the core hashes (vLLM's default SHA-256 without extra keys: no LoRA, no multimodal input; where
+        the core keys its blocks with vLLM's hash, also no cache salt, and their hashes are read from the core);
         ``fill_other[k % block]`` the rest with a block hasher (``_hash_filled_blocks``)."""
         block, la = self.hash_block_size, self._hash_lookahead
         fast: list[list[Request]] = [[] for _ in range(block)]
         other: list[list[Request]] = [[] for _ in range(block)]
         in_core_by_hasher = self._hasher_in_core
+        core_keys = self._core_keys_vllm
         for request, a in zip(cohort.reqs, after, strict=True):
             hasher = request._block_hasher
             if hasher is None:
@@ -2055,12 +2078,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 in_core = in_core_by_hasher[hasher] = _is_vllm_sha256_hasher(hasher, block)
             k = (block - 1 + la - a) % block
             if in_core and request.lora_request is None and not request.mm_features:
-                fast[k].append(request)
+                if core_keys and request.cache_salt is not None:
+                    other[k].append(request)
+                else:
+                    fast[k].append(request)
             else:
                 other[k].append(request)
         cohort.fill_base = after[0] if after else 0
         cohort.fill_fast, cohort.fill_other = fast, other
-        cohort.fill_fast_tokens = [[r._all_token_ids for r in reqs] for reqs in fast]
+        if core_keys:
+            cohort.fill_fast_tokens = [[r.request_id for r in reqs] for reqs in fast]
+        else:
+            cohort.fill_fast_tokens = [[r._all_token_ids for r in reqs] for reqs in fast]
 
     def _hash_cohort_fills(self, cohort: Cohort, out: Any) -> None:
         """Appends the hashes of the blocks the cohort's members filled at this step (see ``_cohort_fills``)."""
@@ -2068,11 +2097,17 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         k = (int(out.num_computed_tokens[0]) + 1 - cohort.fill_base) % block
         fast = cohort.fill_fast[k]
         if fast:
-            # One core call hashes every member's new block; a member without a first hash yet takes its own.
-            hash_lists = [r.block_hashes for r in fast]
-            for i in vllm_sha256_extend_block_hashes(hash_lists, cohort.fill_fast_tokens[k], block):
-                request = fast[i]
-                request.block_hashes.extend(request._block_hasher(request))
+            if self._core_keys_vllm:
+                # One core call reads every member's new block hash (the core keyed the block with it).
+                for i in self._core.extend_block_hashes([r.block_hashes for r in fast], cohort.fill_fast_tokens[k]):
+                    request = fast[i]
+                    request.block_hashes.extend(request._block_hasher(request))
+            else:
+                # One core call hashes every member's new block; a member without a first hash yet takes its own.
+                hash_lists = [r.block_hashes for r in fast]
+                for i in vllm_sha256_extend_block_hashes(hash_lists, cohort.fill_fast_tokens[k], block):
+                    request = fast[i]
+                    request.block_hashes.extend(request._block_hasher(request))
         other = cohort.fill_other[k]
         if other:
             self._hash_filled_blocks(other)

@@ -130,6 +130,8 @@ impl PreemptionVictim {
 pub enum HashAlgo {
     Xxh3_128,
     Sha256,
+    /// SHA-256; a block without extra keys is keyed with vLLM's default block hash (see `hashing.rs`).
+    Sha256Pickle,
 }
 
 impl HashAlgo {
@@ -137,8 +139,9 @@ impl HashAlgo {
         match s {
             "xxh3_128" => Ok(HashAlgo::Xxh3_128),
             "sha256" => Ok(HashAlgo::Sha256),
+            "sha256_pickle" => Ok(HashAlgo::Sha256Pickle),
             other => Err(SchedError::InvalidConfig(format!(
-                "prefix_hash_algo must be one of ('xxh3_128', 'sha256'), got {}",
+                "prefix_hash_algo must be one of ('xxh3_128', 'sha256', 'sha256_pickle'), got {}",
                 py_str(other)
             ))),
         }
@@ -148,6 +151,7 @@ impl HashAlgo {
         match self {
             HashAlgo::Xxh3_128 => "xxh3_128",
             HashAlgo::Sha256 => "sha256",
+            HashAlgo::Sha256Pickle => "sha256_pickle",
         }
     }
 }
@@ -1347,6 +1351,7 @@ mod tests {
         assert!(Policy::Sjf.is_fcfs_family() && !Policy::Priority.is_fcfs_family());
         assert!(Policy::parse("lifo").is_err());
         assert_eq!(HashAlgo::parse("sha256"), Ok(HashAlgo::Sha256));
+        assert_eq!(HashAlgo::parse("sha256_pickle"), Ok(HashAlgo::Sha256Pickle));
         assert!(HashAlgo::parse("md5").is_err());
         assert_eq!(PreemptionMode::parse("auto"), Ok(PreemptionMode::Auto));
         assert!(PreemptionMode::parse("discard").is_err());

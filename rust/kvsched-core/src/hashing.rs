@@ -14,6 +14,13 @@
 //! tenants never share a chain whatever salts their clients pick. The string (not a separate hash field) is the
 //! salt so that a caller outside the core, e.g. vLLM's hasher through `Request.cache_salt`, keys its own hashes
 //! the same way.
+//!
+//! `HashAlgo::Sha256Pickle` keys a block without extra keys (no LoRA name, no salt on block 0, no encoder input
+//! reaching it, no look-ahead tokens) with vLLM's default block hash: the SHA-256 of the pickle (protocol 5) of
+//! `(parent, tuple(tokens), None)` (`pickle_hash.rs`), and block 0's parent is the seed itself (vLLM's
+//! `NONE_HASH`), so such a request's hashes are the ones vLLM's own hasher gives it. A block with extra keys takes
+//! the tagged SHA-256 encoding above. The two encodings never produce the same bytes (a pickle ends with `.`, the
+//! tagged encoding with `0xff`), so a pickle hash and a tagged hash collide only if SHA-256 does.
 
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
@@ -21,6 +28,7 @@ use xxhash_rust::xxh3::xxh3_128;
 use crate::config::HashAlgo;
 use crate::encoder::EncoderInput;
 use crate::error::{Result, SchedError};
+use crate::pickle_hash;
 
 /// A block hash: 32 bytes for SHA-256; xxh3-128 fills the first 16 and leaves the rest zero.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
@@ -49,8 +57,18 @@ const TAG_END: u8 = 0xff;
 
 impl BlockHasher {
     /// `seed`: `None` draws 32 random bytes from the OS, so two schedulers never agree on hashes.
+    /// With `HashAlgo::Sha256Pickle` a seed is block 0's parent itself and must be 32 bytes.
     pub fn new(algo: HashAlgo, seed: Option<&[u8]>) -> Result<Self> {
         let seed_hash = match seed {
+            Some(bytes) if algo == HashAlgo::Sha256Pickle => {
+                BlockHash(bytes.try_into().map_err(|_| {
+                    SchedError::InvalidConfig(format!(
+                        "prefix_hash_seed must be None or 32 bytes (block 0's parent hash) with prefix_hash_algo \
+                         'sha256_pickle', got {} bytes",
+                        bytes.len()
+                    ))
+                })?)
+            }
             Some(bytes) => {
                 let mut h = Sha256::new();
                 h.update(b"kvsched-prefix-hash-seed");
@@ -92,9 +110,12 @@ impl BlockHasher {
 
     /// Serialises one block's hash input into `buf` (cleared first).
     /// `mm`: the encoder inputs of the request; those overlapping the block at `block_start` are encoded as
-    /// (content hash, start relative to the block), as vLLM's multimodal extra keys.
+    /// (content hash, start relative to the block), as vLLM's multimodal extra keys. With `Sha256Pickle`, a block
+    /// without extra keys is vLLM's pickle of it instead.
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     fn encode(
+        &self,
         buf: &mut Vec<u8>,
         parent: &BlockHash,
         tokens: &[u32],
@@ -103,6 +124,16 @@ impl BlockHasher {
         mm: &[EncoderInput],
         block_start: u32,
     ) {
+        if self.algo == HashAlgo::Sha256Pickle
+            && self.lookahead == 0
+            && extra.lora_name.is_none()
+            && !(first && extra.cache_salt.is_some())
+            && !Self::mm_overlaps(mm, block_start, block_start + tokens.len() as u32)
+        {
+            pickle_hash::encode(buf, &parent.0, tokens);
+            return;
+        }
+        // The tagged encoding: parent, token count, tokens, tagged extra keys, `TAG_END`.
         buf.clear();
         buf.extend_from_slice(&parent.0);
         buf.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
@@ -123,6 +154,13 @@ impl BlockHasher {
             Self::encode_mm(buf, mm, block_start, block_start + tokens.len() as u32);
         }
         buf.push(TAG_END);
+    }
+
+    /// Whether an encoder input overlaps `block_start..block_end`.
+    #[inline]
+    fn mm_overlaps(mm: &[EncoderInput], block_start: u32, block_end: u32) -> bool {
+        !mm.is_empty()
+            && mm.get(mm.partition_point(|e| e.end() <= block_start)).is_some_and(|e| e.start < block_end)
     }
 
     /// The tokens as little-endian u32s. On a little-endian machine that is their memory: one copy.
@@ -163,7 +201,7 @@ impl BlockHasher {
                 out[..16].copy_from_slice(&xxh3_128(bytes).to_le_bytes());
                 BlockHash(out)
             }
-            HashAlgo::Sha256 => BlockHash(Sha256::digest(bytes).into()),
+            HashAlgo::Sha256 | HashAlgo::Sha256Pickle => BlockHash(Sha256::digest(bytes).into()),
         }
     }
 
@@ -171,7 +209,7 @@ impl BlockHasher {
     /// hashes blocks through `extend_hashes`).
     pub fn hash_block(&self, parent: Option<&BlockHash>, tokens: &[u32], extra: &ExtraKeys) -> BlockHash {
         let mut buf = Vec::with_capacity(64 + 4 * tokens.len());
-        Self::encode(&mut buf, parent.unwrap_or(&self.seed_hash), tokens, extra, parent.is_none(), &[], 0);
+        self.encode(&mut buf, parent.unwrap_or(&self.seed_hash), tokens, extra, parent.is_none(), &[], 0);
         self.digest(&buf)
     }
 
@@ -197,7 +235,7 @@ impl BlockHasher {
             let i = hashes.len();
             let block = &tokens[i * block_size..(i + 1) * block_size];
             let parent = hashes.last().unwrap_or(&self.seed_hash);
-            Self::encode(buf, parent, block, extra, i == 0, mm, (i * block_size) as u32);
+            self.encode(buf, parent, block, extra, i == 0, mm, (i * block_size) as u32);
             if self.lookahead > 0 {
                 let end = (i + 1) * block_size;
                 buf.pop(); // TAG_END: the look-ahead tokens come before it
@@ -292,6 +330,53 @@ mod tests {
         // A client-chosen salt cannot forge another tenant's: the tenant prefix comes first.
         let forged = tenant_cache_salt("b", None);
         assert_ne!(tenant_cache_salt("a", Some(&forged)), forged);
+    }
+
+    /// `Sha256Pickle`: a block without extra keys is vLLM's pickle hash chained from the seed as it is; a block
+    /// with a salt, a LoRA name, an encoder input or look-ahead tokens takes the tagged encoding.
+    #[test]
+    fn pickle_mode_keys_plain_blocks_with_vllms_hash() {
+        let root = [7u8; 32];
+        let h = BlockHasher::new(HashAlgo::Sha256Pickle, Some(&root)).unwrap();
+        let tagged = BlockHasher::new(HashAlgo::Sha256, Some(b"s")).unwrap();
+        let tokens: Vec<u32> = vec![1, 300, 70000, 0, 5, 65536, 9, 2_000_000_000];
+        let wide: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+        let want = pickle_hash::sha256_pickle_block_hashes(&root, &wide, 4).unwrap();
+        let mut v = Vec::new();
+        h.extend_hashes(&mut v, &tokens, 4, &ExtraKeys::default(), &[], &mut Vec::new());
+        assert_eq!(v.iter().map(|b| b.0).collect::<Vec<_>>(), want);
+        assert_eq!(h.hash_block(None, &tokens[..4], &ExtraKeys::default()).0, want[0]);
+        // A salt keys block 0 only: block 1 chains vLLM's hash from the salted block.
+        let mut salted = Vec::new();
+        h.extend_hashes(&mut salted, &tokens, 4, &keys(Some("s"), None), &[], &mut Vec::new());
+        assert_ne!(salted[0].0, want[0]);
+        assert_eq!(
+            salted[1].0,
+            pickle_hash::sha256_pickle_block_hashes(&salted[0].0, &wide[4..], 4).unwrap()[0]
+        );
+        let mut lora = Vec::new();
+        h.extend_hashes(&mut lora, &tokens, 4, &keys(None, Some("l")), &[], &mut Vec::new());
+        assert!(lora.iter().all(|b| !want.contains(&b.0)));
+        // An encoder input reaching block 1 only.
+        let mm = [EncoderInput { start: 5, num_tokens: 2, hash: 3 }];
+        let mut with_mm = Vec::new();
+        h.extend_hashes(&mut with_mm, &tokens, 4, &ExtraKeys::default(), &mm, &mut Vec::new());
+        assert_eq!(with_mm[0].0, want[0]);
+        assert_ne!(with_mm[1].0, want[1]);
+        let la = BlockHasher::new(HashAlgo::Sha256Pickle, Some(&root)).unwrap().with_lookahead(1);
+        let mut ahead = Vec::new();
+        la.extend_hashes(&mut ahead, &tokens, 4, &ExtraKeys::default(), &[], &mut Vec::new());
+        assert_ne!(ahead[0].0, want[0]);
+        // Different from the tagged hashes, and a seed that is not 32 bytes is refused.
+        assert_ne!(tagged.hash_block(None, &tokens[..4], &ExtraKeys::default()).0, want[0]);
+        assert!(BlockHasher::new(HashAlgo::Sha256Pickle, Some(b"short")).is_err());
+        assert_ne!(
+            BlockHasher::new(HashAlgo::Sha256Pickle, None)
+                .unwrap()
+                .hash_block(None, &tokens[..4], &ExtraKeys::default())
+                .0,
+            want[0]
+        );
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! tuples, and `STOP`. kvsched.vllm uses this for the hashes vLLM's `Request.block_hashes` must hold (a block
 //! that fills during decoding), after checking once that it agrees with vLLM's own hasher.
 //!
-//! This is not kvsched's own prefix hash (`hashing.rs`): the core keys its cache with that one.
+//! The core keys its prefix cache with its own hash (`hashing.rs`); with `prefix_hash_algo = "sha256_pickle"` that
+//! hash is this one for every block without extra keys.
 
 use sha2::{Digest, Sha256};
 
@@ -64,8 +65,9 @@ fn push_int(buf: &mut Vec<u8>, v: i64) {
     }
 }
 
-/// The pickle stream of `(parent, tuple(tokens), None)`, protocol 5, into `buf` (cleared first).
-fn encode(buf: &mut Vec<u8>, parent: &[u8], tokens: &[i64]) {
+/// The pickle stream of `(parent, tuple(tokens), None)`, protocol 5, into `buf` (cleared first). `parent` is 1 to
+/// 255 bytes and `tokens` at most `MAX_PICKLE_BLOCK_TOKENS` (the callers check).
+pub(crate) fn encode<T: Copy + Into<i64>>(buf: &mut Vec<u8>, parent: &[u8], tokens: &[T]) {
     buf.clear();
     buf.push(PROTO);
     buf.push(5);
@@ -81,7 +83,7 @@ fn encode(buf: &mut Vec<u8>, parent: &[u8], tokens: &[i64]) {
         buf.push(MARK);
     }
     for &t in tokens {
-        push_int(buf, t);
+        push_int(buf, t.into());
     }
     buf.push(if tokens.len() > 3 { TUPLE } else { TUPLE1 + tokens.len() as u8 - 1 });
     buf.push(MEMOIZE);
@@ -131,7 +133,7 @@ mod tests {
         // `pickle.dumps((bytes(range(32)), (1, 300, 70000, -1, 2**31, -2**31 - 1, 2**40, 0, 255, 256, 65535,
         // 65536, 2**31 - 1, -2**31), None), protocol=5).hex()` on CPython 3.11.
         let parent: Vec<u8> = (0..32).collect();
-        let tokens = [
+        let tokens: [i64; 14] = [
             1,
             300,
             70000,

@@ -224,7 +224,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
             Some(u32_field("num_speculative_tokens")?)
         },
         prefix_hash_algo: algo,
-        prefix_hash_seed: seed_bytes(&cfg.getattr("prefix_hash_seed")?)?,
+        prefix_hash_seed: hash_seed(&cfg.getattr("prefix_hash_seed")?, algo)?,
         scheduler_reserve_full_isl: bool_field("scheduler_reserve_full_isl")?,
         cache_aware_admission_window: u32_field("cache_aware_admission_window")?,
         cache_aware_admission_threshold: f64_field("cache_aware_admission_threshold")?,
@@ -401,4 +401,13 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
         groups.push(Some(w));
     }
     Ok(groups)
+}
+
+/// The core's `prefix_hash_seed`: with `sha256_pickle` a bytes seed is block 0's parent hash as it is, otherwise
+/// the type-tagged bytes of the seed (`seed_bytes`).
+fn hash_seed(obj: &Bound<'_, PyAny>, algo: core::HashAlgo) -> PyResult<Option<Vec<u8>>> {
+    match obj.downcast::<PyBytes>() {
+        Ok(b) if algo == core::HashAlgo::Sha256Pickle => Ok(Some(b.as_bytes().to_vec())),
+        _ => seed_bytes(obj),
+    }
 }

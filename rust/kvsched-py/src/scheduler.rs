@@ -570,6 +570,70 @@ impl PyScheduler {
         PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, &h.0[..width])))
     }
 
+    /// For each pair of `hash_lists` and `req_ids`: appends to the list the request's prefix-cache block hashes
+    /// past its length (bytes), if the list's last hash is the request's hash at that position (the two chains
+    /// agree so far). Returns the positions skipped: an empty list, a last hash that differs, no hash past it.
+    /// Everything is checked before any list changes.
+    fn extend_block_hashes<'py>(
+        slf: &Bound<'py, Self>,
+        hash_lists: &Bound<'py, PyAny>,
+        req_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let py = slf.py();
+        let hash_lists = hash_lists.downcast::<PyList>().map_err(|_| {
+            type_error(py, format!("hash_lists must be a list, got {}", type_name(hash_lists)))
+        })?;
+        let req_ids = req_ids
+            .downcast::<PyList>()
+            .map_err(|_| type_error(py, format!("req_ids must be a list, got {}", type_name(req_ids))))?;
+        if hash_lists.len() != req_ids.len() {
+            return Err(py_error(
+                py,
+                "InvalidRequestError",
+                format!("hash_lists has {} entries but req_ids {}", hash_lists.len(), req_ids.len()),
+            ));
+        }
+        let this = borrow(slf)?;
+        let width = hash_width(this.core.config());
+        let mut skipped: Vec<usize> = Vec::new();
+        let mut new: Vec<(Bound<'py, PyList>, Vec<Bound<'py, PyBytes>>)> =
+            Vec::with_capacity(hash_lists.len());
+        for (i, (hashes, req_id)) in hash_lists.iter().zip(req_ids.iter()).enumerate() {
+            let hashes = hashes.downcast_into::<PyList>().map_err(|e| {
+                type_error(py, format!("hash_lists[{i}] must be a list, got {}", type_name(&e.into_inner())))
+            })?;
+            let id = str_arg(&req_id, "req_id")?;
+            let id = id.to_str().map_err(|_| {
+                py_error(
+                    py,
+                    "UnknownRequestError",
+                    format!("request id {id} is not valid unicode (lone surrogate)"),
+                )
+            })?;
+            let req = guard(py, || this.core.get_request(id))?;
+            let n = hashes.len();
+            let agrees = n > 0 && {
+                let last = hashes.get_item(n - 1)?;
+                let last = last.downcast::<PyBytes>().map_err(|_| {
+                    type_error(py, format!("hash_lists[{i}] must hold bytes, got {}", type_name(&last)))
+                })?;
+                req.block_hashes.get(n - 1).is_some_and(|h| h.0[..width] == *last.as_bytes())
+            };
+            match req.block_hashes.get(n..) {
+                Some(more) if agrees && !more.is_empty() => {
+                    new.push((hashes, more.iter().map(|h| PyBytes::new(py, &h.0[..width])).collect()))
+                }
+                _ => skipped.push(i),
+            }
+        }
+        for (hashes, more) in new {
+            for h in more {
+                hashes.append(h)?;
+            }
+        }
+        PyList::new(py, skipped)
+    }
+
     fn get_request_status(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<u8> {
         let id = id_arg(req_id, "UnknownRequestError")?;
         let this = borrow(slf)?;
@@ -1241,7 +1305,7 @@ fn block_id_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 fn hash_width(config: &core::SchedulerConfig) -> usize {
     match config.prefix_hash_algo {
         core::HashAlgo::Xxh3_128 => 16,
-        core::HashAlgo::Sha256 => 32,
+        core::HashAlgo::Sha256 | core::HashAlgo::Sha256Pickle => 32,
     }
 }
 

@@ -48,7 +48,7 @@ impl PromptHasher {
         let hasher = BlockHasher::new(algo, seed).map_err(|e| RouterError::InvalidConfig(e.to_string()))?;
         let width = match algo {
             HashAlgo::Xxh3_128 => 16,
-            HashAlgo::Sha256 => 32,
+            HashAlgo::Sha256 | HashAlgo::Sha256Pickle => 32,
         };
         Ok(PromptHasher { hasher, width, block_size })
     }
