@@ -1586,7 +1586,7 @@ def test_soak_victim_rules_match_reference_step_by_step() -> None:
 
 
 def test_soak_short_matches_reference_step_by_step() -> None:
-    soak(steps=3000, seed=1234)
+    soak(steps=3000, seed=1251)
 
 
 # EAGLE-style drafters' prefix-cache rules: look-ahead hashes (blocks cached a token or two late, hits that need
