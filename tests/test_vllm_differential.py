@@ -395,7 +395,9 @@ def test_identical_to_vllm_with_invalid_blocks_of_synchronous_loads(sync: str, r
     from kvsched.vllm.testing import RandomKVConnector
 
     before = RandomKVConnector.num_sync_invalid_reported
-    cfg = run_seed(seed, 150, async_scheduling=sync == "async", v2=False, connector=True, kv_role="kv_consumer")
+    cfg = run_seed(
+        seed, 150, async_scheduling=sync == "async", v2=False, connector=True, kv_role="kv_consumer", sync_invalid=True
+    )
     assert RandomKVConnector.num_sync_invalid_reported > before
     assert cfg.kv_load_failure_policy == SYNC_INVALID_SEEDS[seed]
 

@@ -247,6 +247,8 @@ class Config:
     # loads finished late, failed or cut by invalid blocks (consumer roles), delayed frees for sends (producer
     # roles).
     kv_connector_seed: int | None = None
+    # ... which also reports invalid blocks of synchronous loads (vLLM rolls running requests back).
+    kv_connector_sync_invalid: bool = False
     kv_load_failure_policy: str = "recompute"
     kv_role: str = "kv_both"
     # The RandomKVConnector is the second child of vLLM's MultiConnector, after a passive one (it finds no tokens
@@ -1708,6 +1710,7 @@ def run_seed(
     num_speculative_tokens: int | None = None,
     connector: bool = False,
     kv_role: str = "kv_both",
+    sync_invalid: bool = False,
     multi_connector: bool = False,
     kv_events: bool = False,
     sliding_window: bool = False,
@@ -1841,6 +1844,7 @@ def run_seed(
         }
     if connector:
         cfg.kv_connector_seed = seed
+        cfg.kv_connector_sync_invalid = sync_invalid
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
         cfg.kv_role = kv_role
         cfg.kv_connector_multi = multi_connector
@@ -1971,6 +1975,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--modes", default=None, help="default: sync-v1,sync-v2,async-v1,async-v2 (with --pp: no async-v1)")
     p.add_argument("--connector", action="store_true", help="with a seeded RandomKVConnector")
+    p.add_argument(
+        "--sync-invalid",
+        action="store_true",
+        help="the RandomKVConnector also reports invalid blocks of synchronous loads (with --connector)",
+    )
     p.add_argument(
         "--cpu-offload",
         action="store_true",
@@ -2235,6 +2244,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.umbp_store and RULES.version == "0.32":
         p.error("--umbp-store: vLLM 0.32 has no UMBPStoreConnector")
+    if args.sync_invalid and not args.connector:
+        p.error("--sync-invalid goes with --connector")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:
@@ -2265,6 +2276,7 @@ def main(argv: list[str] | None = None) -> int:
                         v2=runner == "v2",
                         connector=role is not None and not (args.mooncake_store or args.umbp_store),
                         kv_role=role or "kv_both",
+                        sync_invalid=args.sync_invalid,
                         multi_connector=args.multi_connector,
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,

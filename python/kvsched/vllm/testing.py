@@ -171,6 +171,7 @@ def make_vllm_config(
     speculative_method: str = "ngram",
     per_request_spec_decode_metrics: str = "none",
     kv_connector_seed: int | None = None,
+    kv_connector_sync_invalid: bool = False,
     kv_load_failure_policy: str = "recompute",
     kv_role: str = "kv_both",
     kv_connector_multi: bool = False,
@@ -310,7 +311,7 @@ def make_vllm_config(
             "kv_connector": "RandomKVConnector",
             "kv_connector_module_path": __name__,
             "kv_role": kv_role,
-            "kv_connector_extra_config": {"seed": kv_connector_seed},
+            "kv_connector_extra_config": {"seed": kv_connector_seed, "sync_invalid": kv_connector_sync_invalid},
         }
         if kv_connector_multi:
             passive = {**child, "kv_connector_extra_config": {"seed": kv_connector_seed, "passive": True}}
@@ -718,6 +719,8 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
 
     ``"passive": true`` in its ``kv_connector_extra_config`` makes it find no external tokens and delay no free in
     any role (it still logs its calls): a second child of vLLM's ``MultiConnector`` that only watches.
+    ``"sync_invalid": true`` makes :meth:`report` draw invalid blocks of synchronous loads too (off by default: the
+    draws of every other report stay as they are).
     """
 
     # Invalid blocks of synchronous loads reported by any instance (:meth:`report`), for tests to check coverage.
@@ -728,6 +731,7 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.seed = int(extra.get("seed", 0))
         self.passive = bool(extra.get("passive", False))
+        self.sync_invalid = bool(extra.get("sync_invalid", False))
         self.loads_external = bool(self._kv_transfer_config.is_kv_consumer) and not self.passive
         self.sends = bool(self._kv_transfer_config.is_kv_producer) and not self.passive
         self.calls: list[tuple[Any, ...]] = []
@@ -841,8 +845,8 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
     def report(self, rng: Any, metadata: Any, block_size: int) -> Any:
         """What the workers report with the output of the step whose connector metadata is ``metadata``: each
         load started by then (listed in the metadata of this step or an earlier one) ends with probability 0.35
-        (of those, one in ten failed whole and one in ten with one invalid block among its loaded ones), one in ten
-        synchronous loads of the step (one KV cache group only) has one invalid block among its loaded ones, each
+        (of those, one in ten failed whole and one in ten with one invalid block among its loaded ones), with
+        ``sync_invalid`` one in ten synchronous loads of the step has one invalid block among its loaded ones, each
         send with probability 0.35; None about half the time nothing ended. ``rng`` (a ``random.Random``) makes the
         draws, so a driver that gives both schedulers the same report keeps them in step."""
         from vllm.v1.outputs import KVConnectorOutput
@@ -870,7 +874,7 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
                         invalid.add(bad)
         # The synchronous loads of this step: one in ten with an invalid block among its loaded ones (vLLM
         # rolls its request back, or fails it, with kv_load_failure_policy "fail").
-        for _rid, (blocks, first, n) in getattr(metadata, "sync_loads", ()):
+        for _rid, (blocks, first, n) in getattr(metadata, "sync_loads", ()) if self.sync_invalid else ():
             if rng.random() < 0.1:
                 bad = blocks[rng.randrange(first // block_size, -(-(first + n) // block_size))]
                 if bad:  # (a window's null block holds nothing)
