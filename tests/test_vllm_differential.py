@@ -70,8 +70,13 @@ def test_identical_to_vllm_with_pipeline_parallelism_and_tokens_for_a_prefill_ch
     """Synchronous pipeline parallelism where the runner returns tokens for a partial prefill while the request's
     next step is already in flight (vLLM's scheduler appends them): the request then holds more tokens than its
     steps in flight computed, and the blocks their sampled tokens fill (their hashes) no longer follow from the
-    computed counts. Seed 89 draws this (V1 runner) and fills a block there by step 80."""
+    computed counts. Seed 89 draws this (V1 runner) and fills a block there by step 80. The driver draws such
+    runner outputs on vLLM 0.33 only."""
+    from kvsched.vllm import RULES
     from kvsched.vllm.scheduler import Scheduler
+
+    if RULES.version == "0.32":
+        pytest.skip("the driver draws tokens for a partial prefill on vLLM 0.33 only")
 
     marked: list[str] = []
     mark = Scheduler._mark_tokens_ahead
