@@ -64,6 +64,33 @@ def test_identical_to_vllm_with_pipeline_parallelism(sync: str, runner: str, see
     assert cfg.pipeline_parallel_size > 1
 
 
+def test_identical_to_vllm_with_pipeline_parallelism_and_tokens_for_a_prefill_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Synchronous pipeline parallelism where the runner returns tokens for a partial prefill while the request's
+    next step is already in flight (vLLM's scheduler appends them): the request then holds more tokens than its
+    steps in flight computed, and the blocks their sampled tokens fill (their hashes) no longer follow from the
+    computed counts. Seed 89 draws this (V1 runner) and fills a block there by step 80. The driver draws such
+    runner outputs on vLLM 0.33 only."""
+    from kvsched.vllm import RULES
+    from kvsched.vllm.scheduler import Scheduler
+
+    if RULES.version == "0.32":
+        pytest.skip("the driver draws tokens for a partial prefill on vLLM 0.33 only")
+
+    marked: list[str] = []
+    mark = Scheduler._mark_tokens_ahead
+
+    def counted(self: Scheduler, req_id: str) -> None:
+        marked.append(req_id)
+        mark(self, req_id)
+
+    monkeypatch.setattr(Scheduler, "_mark_tokens_ahead", counted)
+    cfg = run_seed(89, 90, async_scheduling=False, v2=False, pp=True)
+    assert cfg.pipeline_parallel_size > 1
+    assert marked  # the draws exercised a request ahead of its steps in flight
+
+
 # Sparse retention of cached sliding-window blocks (the KV cache config's prefix_cache_retention_interval, in
 # blocks): dense (None), and vLLM's engine default 0.
 RETENTIONS = [None, 0]

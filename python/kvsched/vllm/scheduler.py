@@ -376,6 +376,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # Requests invalid blocks rolled back with async placeholders left (vLLM keeps them, so their token count
         # no longer follows from their computed count): slow until a preemption clears the placeholders.
         self._kv_offset: set[str] = set()
+        # Requests that took tokens (a prefill chunk's, with synchronous scheduling) while a later step of theirs
+        # was in flight (pipeline parallelism): they hold more tokens than those steps' computed counts, so the
+        # blocks those steps' tokens fill no longer follow from the computed counts. Slow (their token lists
+        # tell) until no step of theirs is in flight.
+        self._tokens_ahead: set[str] = set()
         self._pause_state = PauseState.UNPAUSED
         # Steps scheduled and not yet applied, oldest first (_InFlight).
         self._in_flight: deque[_InFlight] = deque()
@@ -832,6 +837,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._so_req_ids.discard(req_id)
         self._slow_req_ids.discard(req_id)
         self._kv_offset.discard(req_id)
+        self._tokens_ahead.discard(req_id)
         if self._parts:
             self._parts.pop(req_id, None)
             self._resident_sessions.discard(req_id)
@@ -1803,8 +1809,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     all_tokens.extend(generated)
                     if (len(all_tokens) - hash_la) % block < len(generated):
                         filled_reqs.append(request)
-                    if async_sched and request.num_output_placeholders > 0:
-                        request.num_output_placeholders -= len(generated)
+                    if async_sched:
+                        if request.num_output_placeholders > 0:
+                            request.num_output_placeholders -= len(generated)
+                    elif request.num_in_flight_tokens > 0:
+                        self._mark_tokens_ahead(request.request_id)
             if filled_reqs:
                 self._hash_filled_blocks(filled_reqs)
         else:
@@ -1852,13 +1861,15 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # or a runner that returned several tokens for an entry (taken too): the requests whose appended
                 # tokens filled a block, from their token lists.
                 la = self._hash_lookahead
-                filled_reqs = [
-                    r
-                    for r, k in zip(reqs, num_new.tolist(), strict=True)
-                    if k and (len(r._all_token_ids) - la) % block < k
-                ]
+                took = [(r, k) for r, k in zip(reqs, num_new.tolist(), strict=True) if k]
+                filled_reqs = [r for r, k in took if (len(r._all_token_ids) - la) % block < k]
                 if filled_reqs:
                     self._hash_filled_blocks(filled_reqs)
+                if not async_sched and self._in_flight:
+                    # A prefill chunk that took tokens while a later step of its request is in flight.
+                    for r, _ in took:
+                        if r.num_in_flight_tokens > 0:
+                            self._mark_tokens_ahead(r.request_id)
             else:
                 # Plain decodes that took one token each took the token right after the positions the step
                 # computed (its earlier steps were all applied, in order): the request now holds `after` + 1
@@ -1966,13 +1977,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     stopped_reqs,
                 )
                 # It stays slow while something outlives the step (e.g. a NaN count its outputs repeat).
-                if self._needs_slow_update(request) or (
-                    req_id in self._kv_offset and request.num_output_placeholders > 0
+                if generated and not async_sched and request.num_in_flight_tokens > 0:
+                    self._mark_tokens_ahead(req_id)
+                if (
+                    self._needs_slow_update(request)
+                    or (req_id in self._kv_offset and request.num_output_placeholders > 0)
+                    or (req_id in self._tokens_ahead and request.num_in_flight_tokens > 0)
                 ):
                     self._slow_req_ids.add(req_id)
                 else:
                     self._slow_req_ids.discard(req_id)
                     self._kv_offset.discard(req_id)
+                    self._tokens_ahead.discard(req_id)
                 if eco is not None:
                     if request.client_index:
                         outputs[request.client_index].append(eco)
@@ -1992,8 +2008,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             all_tokens.extend(generated)
             if (len(all_tokens) - hash_la) % hasher_block < len(generated):
                 filled.append(request)
-            if async_sched and request.num_output_placeholders > 0:
-                request.num_output_placeholders -= len(generated)
+            if async_sched:
+                if request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= len(generated)
+            elif request.num_in_flight_tokens > 0:
+                self._mark_tokens_ahead(req_id)
             if all_plain:
                 continue  # the step's outputs are built from req_ids and rows at once below
             if client0 is None:
@@ -2016,6 +2035,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         for request in stopped_reqs:
             self._forget(request)
         return outputs
+
+    def _mark_tokens_ahead(self, req_id: str) -> None:
+        """The request took tokens while a later step of it is in flight (synchronous scheduling): its entries
+        go through ``_update_slow`` until none is (see ``_tokens_ahead``)."""
+        self._tokens_ahead.add(req_id)
+        self._slow_req_ids.add(req_id)
 
     def _hash_filled_blocks(self, filled: list[Request]) -> None:
         """Appends the hashes of the blocks the last tokens filled (a request's hashes always cover its full
