@@ -67,7 +67,7 @@ class Cohort:
         self.ones = np.ones(len(reqs), dtype=np.int32).tobytes()
         self.fill_base = 0
         self.fill_fast: list[list[Request]] = []
-        self.fill_fast_tokens: list[list[list[int]]] = []
+        self.fill_fast_tokens: list[list[Any]] = []  # per residue: request ids (core keys) or token lists
         self.fill_other: list[list[Request]] = []
 
     def append_rows(self, rows: list[list[int]]) -> None:
