@@ -5,7 +5,7 @@ Replays one ``kvsched bench`` workload through the adapter exactly as ``kvsched 
 timers around the parts that are not the adapter's own Python: the Rust core's calls (``schedule()`` with the
 ``num_output_tokens`` column it hands out, ``update_from_output()``), the block hashes of a request whose new
 token fills a block (vLLM's own scheduler hashes it too): with vLLM's default SHA-256 the core's
-``extend_block_hashes``, which reads the hash the core keyed the block with (the core computes it in its
+``_extend_block_hashes``, which reads the hash the core keyed the block with (the core computes it in its
 ``update_from_output()``), for a block without extra keys, the core's ``vllm_sha256_block_hashes`` for a salted
 request's, vLLM's block hasher otherwise, and ``make_stats()`` (vLLM's
 ``SchedulerStats``, every step with stats on). Everything else in ``schedule()`` and ``update_from_output()`` is
@@ -102,7 +102,7 @@ def run_once(config: Any, wl: Workload, impl: str) -> np.ndarray:
             hasher, sched.hash_block_size
         )
     adapter_module.vllm_sha256_block_hashes = t_core_hash.wrap(core_hash)
-    core.extend_block_hashes = t_core_hash.wrap(core.extend_block_hashes)
+    core._extend_block_hashes = t_core_hash.wrap(core._extend_block_hashes)
     rows: list[tuple[int, ...]] = []
     schedule, update = t_sched.wrap(sched.schedule), t_upd.wrap(sched.update_from_output)
     num_sched = [0]

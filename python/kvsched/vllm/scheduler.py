@@ -2073,7 +2073,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         for requests without extra keys (no LoRA, cache salt or multimodal input) with vLLM's default SHA-256
         hasher and at least one hash. The core checks that each request's last hash is its own at that position;
         a request where it is not (or with nothing new) computes its hashes itself."""
-        skipped = self._core.extend_block_hashes([r.block_hashes for r in reqs], req_ids)
+        skipped = self._core._extend_block_hashes([r.block_hashes for r in reqs], req_ids)
         block = self.hash_block_size
         for i in skipped:
             request = reqs[i]
@@ -2124,7 +2124,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if fast:
             if self._core_keys_vllm:
                 # One core call reads every member's new block hash (the core keyed the block with it).
-                for i in self._core.extend_block_hashes([r.block_hashes for r in fast], cohort.fill_fast_tokens[k]):
+                for i in self._core._extend_block_hashes([r.block_hashes for r in fast], cohort.fill_fast_tokens[k]):
                     request = fast[i]
                     request.block_hashes.extend(request._block_hasher(request))
             else:

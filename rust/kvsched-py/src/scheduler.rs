@@ -574,7 +574,7 @@ impl PyScheduler {
     /// past its length (bytes), if the list's last hash is the request's hash at that position (the two chains
     /// agree so far). Returns the positions skipped: an empty list, a last hash that differs, no hash past it.
     /// Everything is checked before any list changes.
-    fn extend_block_hashes<'py>(
+    fn _extend_block_hashes<'py>(
         slf: &Bound<'py, Self>,
         hash_lists: &Bound<'py, PyAny>,
         req_ids: &Bound<'py, PyAny>,
