@@ -9,7 +9,10 @@ preempted. Each case runs once with vLLM's scheduler and once with ``scheduler_c
 - ``LLM.generate`` with prefix caching on and off, with and without chunked prefill, and with the priority policy;
 - vLLM's ``LLMEngine`` (the engine ``LLM.generate`` drives), stepped one call at a time, with requests arriving over
   several steps and some aborted mid-generation, with synchronous and asynchronous scheduling (vLLM's CPU
-  platform turns asynchronous scheduling off when it builds the configuration; the test turns it back on).
+  platform turns asynchronous scheduling off when it builds the configuration; the test turns it back on);
+- sliding-window models: the same Llama with every layer attending over a 256-token window (one window KV cache
+  group), and with a window layer beside a full-attention layer (two groups, the shape of gpt-oss or Gemma 3),
+  prompts longer than the window so blocks leave it.
 
 Run: ``HF_HUB_OFFLINE=1 PYTHONPATH=python:tests VENV/bin/python -m pytest -m vllm_e2e tests/test_vllm_e2e_cpu.py``.
 """
@@ -174,3 +177,53 @@ def test_engine_steps_with_arrivals_and_aborts_give_vllms_tokens(tiny_model: str
     aborted = [rid for rid, reason in ref.finish_reasons.items() if reason in (None, "abort")]
     assert aborted, "the workload aborts some requests mid-generation"
     assert all(len(ref.tokens[rid]) < r.max_tokens for r in workload for rid in aborted if r.req_id == rid)
+
+
+# Layer kinds of the sliding-window models, and the KV cache groups vLLM builds for them.
+WINDOW_MODELS = {
+    "window": (["sliding_attention", "sliding_attention"], ["SlidingWindowSpec"]),
+    "window-and-full": (["sliding_attention", "full_attention"], ["SlidingWindowSpec", "FullAttentionSpec"]),
+}
+
+
+def _kv_cache_groups(model: str, **kwargs: Any) -> list[str]:
+    """The spec of each KV cache group kvsched's scheduler gets from vLLM for ``model``."""
+    from vllm import LLM
+
+    with engine_env():
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            enforce_eager=True,
+            gpu_memory_utilization=0.05,
+            seed=0,
+            scheduler_cls=KVSCHED,
+            **ENGINE,
+            **kwargs,
+        )
+        try:
+            groups = engine_scheduler(llm.llm_engine).kv_cache_config.kv_cache_groups
+            return [type(g.kv_cache_spec).__name__ for g in groups]
+        finally:
+            shutdown(llm.llm_engine)
+
+
+@pytest.mark.parametrize("kind", sorted(WINDOW_MODELS))
+def test_sliding_window_models_give_vllms_greedy_tokens(tmp_path: Any, kind: str) -> None:
+    from kvsched.vllm.testing import save_tiny_llama
+
+    layer_types, groups = WINDOW_MODELS[kind]
+    model = save_tiny_llama(tmp_path / kind, layer_types=layer_types, sliding_window=256)
+    kwargs = {"enable_prefix_caching": True, "max_num_batched_tokens": 256}
+    # vLLM read the layer kinds: the scheduler runs the window group(s) (a test on a plain model would prove nothing).
+    assert _kv_cache_groups(model, **kwargs) == groups
+    prompts = _prompts(11, 48)
+    # Prompts reach past the 256-token window (two blocks), so the window's earlier blocks go back to the pool.
+    assert max(len(p) for p in prompts) > 512
+    ref, ref_preempted = _generate(model, None, prompts, **dict(kwargs))
+    got, got_preempted = _generate(model, KVSCHED, prompts, **dict(kwargs))
+    for r, g in zip(ref, got, strict=True):
+        assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
+        assert g.num_cached_tokens == r.num_cached_tokens, f"request {r.request_id}"
+    assert any(r.num_cached_tokens for r in ref), "prefix-cache hits over the window"
+    assert got_preempted == ref_preempted > 0

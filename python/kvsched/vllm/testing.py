@@ -911,28 +911,52 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
 TINY_VOCAB_SIZE = 512
 
 
-def save_tiny_llama(path: str | os.PathLike[str], *, seed: int = 0) -> str:
+def save_tiny_llama(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    layer_types: Sequence[str] | None = None,
+    sliding_window: int | None = None,
+) -> str:
     """Write a tiny random Llama (2 layers, hidden 128, float32 safetensors) and a word-level tokenizer to
     ``path``, for a vLLM engine that must load real weights without the network. Token ``i`` (``i >= 4``) is the
     word ``w{i}``; 0-3 are ``<pad> <s> </s> <unk>`` (EOS is ``</s>``, id 2). The tokenizer has a plain chat
-    template (the messages' contents, one per line), so chat completions work too. Returns ``path``."""
+    template (the messages' contents, one per line), so chat completions work too. Returns ``path``.
+
+    ``layer_types`` (one of ``"full_attention"`` / ``"sliding_attention"`` per layer, as in Hugging Face configs)
+    with ``sliding_window`` (tokens) makes those layers attend over a sliding window: vLLM's Llama reads them and
+    builds one KV cache group per kind of layer (all sliding: one window group; mixed: a window group and a
+    full-attention group, as for gpt-oss or Gemma 3)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from kvsched.runner.testing import save_tiny_hf_model
 
     path = os.fspath(path)
+    window: dict[str, Any] = {}
+    if layer_types is not None:
+        kinds = set(layer_types)
+        if not layer_types or not kinds <= {"full_attention", "sliding_attention"}:
+            raise ValueError(
+                f"layer_types must name full_attention or sliding_attention per layer, got {layer_types!r}"
+            )
+        if "sliding_attention" in kinds and (sliding_window is None or sliding_window < 1):
+            raise ValueError(f"sliding layers need a positive sliding_window, got {sliding_window!r}")
+        window = {"layer_types": list(layer_types), "sliding_window": sliding_window}
+    elif sliding_window is not None:
+        raise ValueError("sliding_window needs layer_types (which layers slide)")
     save_tiny_hf_model(
         path,
         "llama",
         seed=seed,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=len(layer_types) if layer_types is not None else 2,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=TINY_VOCAB_SIZE,
         max_position_embeddings=4096,
+        **window,
     )
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     vocab = {word: i for i, word in enumerate(specials)}
