@@ -31,6 +31,39 @@ pub(crate) fn int_arg(obj: &Bound<'_, PyAny>, name: &str, range_class: &str) -> 
     }
 }
 
+/// Two list arguments of equal length, taken in pairs (`hash_lists` with `req_ids` or `token_lists`): not a list
+/// raises `SchedulerTypeError`, unequal lengths `InvalidRequestError`.
+pub(crate) fn paired_lists<'a, 'py>(
+    a: &'a Bound<'py, PyAny>,
+    a_name: &str,
+    b: &'a Bound<'py, PyAny>,
+    b_name: &str,
+) -> PyResult<(&'a Bound<'py, PyList>, &'a Bound<'py, PyList>)> {
+    let py = a.py();
+    let a = a
+        .downcast::<PyList>()
+        .map_err(|_| type_error(py, format!("{a_name} must be a list, got {}", type_name(a))))?;
+    let b = b
+        .downcast::<PyList>()
+        .map_err(|_| type_error(py, format!("{b_name} must be a list, got {}", type_name(b))))?;
+    if a.len() != b.len() {
+        return Err(py_error(
+            py,
+            "InvalidRequestError",
+            format!("{a_name} has {} entries but {b_name} {}", a.len(), b.len()),
+        ));
+    }
+    Ok((a, b))
+}
+
+/// A block size argument: an int above 0 (`InvalidRequestError` otherwise).
+pub(crate) fn positive_block_size(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let block_size = int_arg(obj, "block_size", "InvalidRequestError")?;
+    usize::try_from(block_size).ok().filter(|&b| b > 0).ok_or_else(|| {
+        py_error(obj.py(), "InvalidRequestError", format!("block_size must be positive, got {block_size}"))
+    })
+}
+
 /// A float argument (a Python float or int, not bool). An int beyond the float range becomes infinity, which
 /// the core's range check refuses with a clear message.
 pub(crate) fn float_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {

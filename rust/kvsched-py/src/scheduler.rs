@@ -17,7 +17,8 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 use crate::config::config_from_py;
 use crate::connector::{id_list, int_list, ConnectorHandle};
 use crate::convert::{
-    float_arg, id_arg, int_arg, opt_int_arg, opt_str_arg, str_arg, token_list, type_name, RaggedInput,
+    float_arg, id_arg, int_arg, opt_int_arg, opt_str_arg, paired_lists, str_arg, token_list, type_name,
+    RaggedInput,
 };
 use crate::ec_connector::EcHandle;
 use crate::errors::{guard, py_error, type_error};
@@ -580,19 +581,7 @@ impl PyScheduler {
         req_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let py = slf.py();
-        let hash_lists = hash_lists.downcast::<PyList>().map_err(|_| {
-            type_error(py, format!("hash_lists must be a list, got {}", type_name(hash_lists)))
-        })?;
-        let req_ids = req_ids
-            .downcast::<PyList>()
-            .map_err(|_| type_error(py, format!("req_ids must be a list, got {}", type_name(req_ids))))?;
-        if hash_lists.len() != req_ids.len() {
-            return Err(py_error(
-                py,
-                "InvalidRequestError",
-                format!("hash_lists has {} entries but req_ids {}", hash_lists.len(), req_ids.len()),
-            ));
-        }
+        let (hash_lists, req_ids) = paired_lists(hash_lists, "hash_lists", req_ids, "req_ids")?;
         let this = borrow(slf)?;
         let width = hash_width(this.core.config());
         let mut skipped: Vec<usize> = Vec::new();

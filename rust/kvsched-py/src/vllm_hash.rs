@@ -5,8 +5,8 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::convert::{int_arg, token_list, type_name};
-use crate::errors::{guard, py_error, type_error};
+use crate::convert::{int_arg, paired_lists, positive_block_size, token_list, type_name};
+use crate::errors::{guard, type_error};
 use kvsched_core::pickle_hash::sha256_pickle_block_hashes;
 
 /// vLLM's SHA-256 hashes of the full blocks of `token_ids`, chained from `parent` (the hash of the block
@@ -23,10 +23,7 @@ pub(crate) fn vllm_sha256_block_hashes<'py>(
         .downcast::<PyBytes>()
         .map_err(|_| type_error(py, format!("parent must be bytes, got {}", type_name(parent))))?;
     let tokens = token_list(token_ids, "token_ids", "InvalidRequestError")?;
-    let block_size = int_arg(block_size, "block_size", "InvalidRequestError")?;
-    let block_size = usize::try_from(block_size).map_err(|_| {
-        py_error(py, "InvalidRequestError", format!("block_size must be positive, got {block_size}"))
-    })?;
+    let block_size = positive_block_size(block_size)?;
     let hashes = guard(py, || sha256_pickle_block_hashes(parent.as_bytes(), &tokens, block_size))?;
     PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, h)))
 }
@@ -43,23 +40,8 @@ pub(crate) fn vllm_sha256_extend_block_hashes<'py>(
     token_lists: &Bound<'py, PyAny>,
     block_size: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyList>> {
-    let hash_lists = hash_lists
-        .downcast::<PyList>()
-        .map_err(|_| type_error(py, format!("hash_lists must be a list, got {}", type_name(hash_lists))))?;
-    let token_lists = token_lists
-        .downcast::<PyList>()
-        .map_err(|_| type_error(py, format!("token_lists must be a list, got {}", type_name(token_lists))))?;
-    if hash_lists.len() != token_lists.len() {
-        return Err(py_error(
-            py,
-            "InvalidRequestError",
-            format!("hash_lists has {} entries but token_lists {}", hash_lists.len(), token_lists.len()),
-        ));
-    }
-    let block_size = int_arg(block_size, "block_size", "InvalidRequestError")?;
-    let block_size = usize::try_from(block_size).ok().filter(|&b| b > 0).ok_or_else(|| {
-        py_error(py, "InvalidRequestError", format!("block_size must be positive, got {block_size}"))
-    })?;
+    let (hash_lists, token_lists) = paired_lists(hash_lists, "hash_lists", token_lists, "token_lists")?;
+    let block_size = positive_block_size(block_size)?;
     let mut skipped: Vec<usize> = Vec::new();
     let mut new: Vec<(Bound<'py, PyList>, Vec<[u8; 32]>)> = Vec::with_capacity(hash_lists.len());
     let mut tokens: Vec<i64> = Vec::new();
