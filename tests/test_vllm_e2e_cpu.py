@@ -75,22 +75,24 @@ def _prompts(seed: int, n: int) -> list[list[int]]:
     ]
 
 
-def _generate(model: str, scheduler_cls: str | None, prompts: list[list[int]], **kwargs: Any) -> tuple[Any, int]:
-    """``LLM.generate`` (greedy, each request's own length) with the engine core in this process."""
+def _generate(
+    model: str, scheduler_cls: str | None, prompts: list[list[int]], seen: dict[str, Any] | None = None, **kwargs: Any
+) -> tuple[Any, int]:
+    """``LLM.generate`` (greedy, each request's own length) with the engine core in this process. ``seen`` gets
+    the spec of each KV cache group the scheduler was given and the engine's Mamba cache mode."""
     from vllm import LLM, SamplingParams
 
     priority = kwargs.pop("priority", None)
     with engine_env():
         extra = {"scheduler_cls": scheduler_cls} if scheduler_cls else {}
+        settings = {"dtype": "float32", **ENGINE, **kwargs}  # a case may change the dtype and the cache
         llm = LLM(
             model=model,
-            dtype="float32",
             enforce_eager=True,
             gpu_memory_utilization=0.05,
             seed=0,
             disable_log_stats=False,
-            **ENGINE,
-            **kwargs,
+            **settings,
             **extra,
         )
         try:
@@ -101,6 +103,9 @@ def _generate(model: str, scheduler_cls: str | None, prompts: list[list[int]], *
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, priority=priority, use_tqdm=False)
             preemptions = next(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
             sched = engine_scheduler(llm.llm_engine)
+            if seen is not None:
+                seen["groups"] = [type(g.kv_cache_spec).__name__ for g in sched.kv_cache_config.kv_cache_groups]
+                seen["mamba_cache_mode"] = llm.llm_engine.vllm_config.cache_config.mamba_cache_mode
             if scheduler_cls:
                 assert type(sched).__module__ == "kvsched.vllm.scheduler"
                 assert_clean(llm.llm_engine)
@@ -186,28 +191,6 @@ WINDOW_MODELS = {
 }
 
 
-def _kv_cache_groups(model: str, **kwargs: Any) -> list[str]:
-    """The spec of each KV cache group kvsched's scheduler gets from vLLM for ``model``."""
-    from vllm import LLM
-
-    with engine_env():
-        llm = LLM(
-            model=model,
-            dtype="float32",
-            enforce_eager=True,
-            gpu_memory_utilization=0.05,
-            seed=0,
-            scheduler_cls=KVSCHED,
-            **ENGINE,
-            **kwargs,
-        )
-        try:
-            groups = engine_scheduler(llm.llm_engine).kv_cache_config.kv_cache_groups
-            return [type(g.kv_cache_spec).__name__ for g in groups]
-        finally:
-            shutdown(llm.llm_engine)
-
-
 @pytest.mark.parametrize("kind", sorted(WINDOW_MODELS))
 def test_sliding_window_models_give_vllms_greedy_tokens(tmp_path: Any, kind: str) -> None:
     from kvsched.vllm.testing import save_tiny_llama
@@ -215,15 +198,50 @@ def test_sliding_window_models_give_vllms_greedy_tokens(tmp_path: Any, kind: str
     layer_types, groups = WINDOW_MODELS[kind]
     model = save_tiny_llama(tmp_path / kind, layer_types=layer_types, sliding_window=256)
     kwargs = {"enable_prefix_caching": True, "max_num_batched_tokens": 256}
-    # vLLM read the layer kinds: the scheduler runs the window group(s) (a test on a plain model would prove nothing).
-    assert _kv_cache_groups(model, **kwargs) == groups
     prompts = _prompts(11, 48)
     # Prompts reach past the 256-token window (two blocks), so the window's earlier blocks go back to the pool.
     assert max(len(p) for p in prompts) > 512
+    seen: dict[str, Any] = {}
     ref, ref_preempted = _generate(model, None, prompts, **dict(kwargs))
-    got, got_preempted = _generate(model, KVSCHED, prompts, **dict(kwargs))
+    got, got_preempted = _generate(model, KVSCHED, prompts, seen, **dict(kwargs))
+    # vLLM read the layer kinds: the scheduler ran the window group(s) (a test on a plain model would prove nothing).
+    assert seen["groups"] == groups
     for r, g in zip(ref, got, strict=True):
         assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
         assert g.num_cached_tokens == r.num_cached_tokens, f"request {r.request_id}"
     assert any(r.num_cached_tokens for r in ref), "prefix-cache hits over the window"
+    assert got_preempted == ref_preempted > 0
+
+
+# A hybrid of linear attention (a Mamba-style state per request) and full attention: no prefix caching (vLLM's
+# Mamba cache mode "none", one state block per request), and prefix caching (mode "align", which vLLM picks for
+# Qwen3-Next: block-sized states, block-aligned prefill chunks).
+MAMBA_CASES = {
+    "no-prefix-caching": ({"enable_prefix_caching": False}, "none"),
+    "prefix-caching": ({"enable_prefix_caching": True}, "align"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from kvsched.vllm.testing import save_tiny_qwen3_next
+
+    return save_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next"))
+
+
+@pytest.mark.parametrize("case", sorted(MAMBA_CASES))
+def test_mamba_hybrid_model_gives_vllms_greedy_tokens(tiny_qwen3_next: str, case: str) -> None:
+    settings, mode = MAMBA_CASES[case]
+    # vLLM sizes the attention block to the linear-attention state's page (384 tokens here); 14 blocks make
+    # requests wait and running ones get preempted. vLLM's CPU linear attention runs in bfloat16 only.
+    kwargs = {**settings, "dtype": "bfloat16", "num_gpu_blocks_override": 14, "max_num_batched_tokens": 256}
+    prompts = _prompts(11, 48)
+    seen: dict[str, Any] = {}
+    ref, ref_preempted = _generate(tiny_qwen3_next, None, prompts, **dict(kwargs))
+    got, got_preempted = _generate(tiny_qwen3_next, KVSCHED, prompts, seen, **dict(kwargs))
+    assert seen == {"groups": ["MambaSpec", "FullAttentionSpec"], "mamba_cache_mode": mode}
+    for r, g in zip(ref, got, strict=True):
+        assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
+        assert g.num_cached_tokens == r.num_cached_tokens, f"request {r.request_id}"
+    assert any(r.num_cached_tokens for r in ref) == settings["enable_prefix_caching"]
     assert got_preempted == ref_preempted > 0

@@ -36,6 +36,7 @@ __all__ = [
     "make_vllm_config",
     "request_block_hasher",
     "save_tiny_llama",
+    "save_tiny_qwen3_next",
 ]
 
 TINY_LLAMA: dict[str, Any] = {
@@ -927,9 +928,6 @@ def save_tiny_llama(
     with ``sliding_window`` (tokens) makes those layers attend over a sliding window: vLLM's Llama reads them and
     builds one KV cache group per kind of layer (all sliding: one window group; mixed: a window group and a
     full-attention group, as for gpt-oss or Gemma 3)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from kvsched.runner.testing import save_tiny_hf_model
 
     path = os.fspath(path)
@@ -958,6 +956,57 @@ def save_tiny_llama(
         max_position_embeddings=4096,
         **window,
     )
+    _save_tiny_tokenizer(path)
+    return path
+
+
+def save_tiny_qwen3_next(path: str | os.PathLike[str], *, seed: int = 0) -> str:
+    """Write a tiny random Qwen3-Next (a hybrid of Gated DeltaNet linear attention and full attention, with MoE
+    layers: one linear-attention layer, one full-attention layer, hidden 128, bfloat16 safetensors) and the word-level
+    tokenizer of :func:`save_tiny_llama` to ``path``. vLLM runs its linear-attention layer with a Mamba-style state
+    (one ``MambaSpec`` KV cache group beside the full-attention group; vLLM's CPU build needs bfloat16 and
+    128-dimensional linear-attention heads for it). Needs a ``transformers`` with Qwen3-Next. Returns ``path``."""
+    import torch
+    import transformers
+
+    path = os.fspath(path)
+    config = transformers.Qwen3NextConfig(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=1,
+        linear_num_value_heads=1,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=4096,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model: Any = transformers.Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:  # a wider spread than the default, so greedy argmaxes are not near-ties
+                param.normal_(0.0, 0.15)
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    _save_tiny_tokenizer(path)
+    return path
+
+
+def _save_tiny_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     vocab = {word: i for i, word in enumerate(specials)}
     vocab.update({f"w{i}": i for i in range(len(specials), TINY_VOCAB_SIZE)})
@@ -969,7 +1018,6 @@ def save_tiny_llama(
     )
     fast.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     fast.save_pretrained(path)
-    return path
 
 
 def deterministic_token(context: Sequence[int], vocab_size: int = TINY_VOCAB_SIZE, eos_token_id: int = 2) -> int:
