@@ -727,7 +727,7 @@ CASES = [
     # --- configs (the Python checks) ---------------------------------------------------------------------
     Case("config-block-size-0", cfg(block_size=0), InvalidConfigError, "got 0"),
     Case("config-dcp-0", cfg(dcp_world_size=0), InvalidConfigError, "got 0"),
-    Case("config-block-size-1025", cfg(block_size=1025), InvalidConfigError, "1025"),
+    Case("config-block-size-4097", cfg(block_size=4097), InvalidConfigError, "4097"),
     Case("config-dcp-too-big", cfg(dcp_world_size=2048), InvalidConfigError, "2048"),
     Case("config-dcp-str", cfg(dcp_world_size="2"), InvalidConfigError, "'2'"),
     Case("config-dcp-bool", cfg(dcp_world_size=True), InvalidConfigError, "True"),
@@ -742,7 +742,7 @@ CASES = [
     ),
     Case("config-cp-interleave-over-block-size", cfg(cp_kv_cache_interleave_size=8), InvalidConfigError, "[1, 4]"),
     Case("config-cp-interleave-0", cfg(cp_kv_cache_interleave_size=0), InvalidConfigError, "got 0"),
-    Case("config-block-size-too-big", cfg(block_size=2048), InvalidConfigError, "2048"),
+    Case("config-block-size-too-big", cfg(block_size=8192), InvalidConfigError, "8192"),
     Case("config-block-size-str", cfg(block_size="16"), InvalidConfigError, "'16'"),
     Case("config-num-blocks-1", cfg(num_blocks=1), InvalidConfigError, "got 1"),
     Case("config-max-num-seqs-0", cfg(max_num_seqs=0), InvalidConfigError, "got 0"),
@@ -819,7 +819,7 @@ CASES = [
     Case("nan-recompute-cost-config", cfg(recompute_cost_per_token=math.nan), InvalidConfigError, "nan"),
     Case("bool-swap-cost-config", cfg(swap_cost_per_block=False), InvalidConfigError, "bool"),
     # --- configs that only the Rust core sees ------------------------------------------------------------
-    Case("core-block-size-too-big", new(bypass(block_size=1025)), InvalidConfigError, "got 1025"),
+    Case("core-block-size-too-big", new(bypass(block_size=4097)), InvalidConfigError, "got 4097"),
     Case("core-dcp-0", new(bypass(dcp_world_size=0)), InvalidConfigError, "dcp_world_size"),
     Case("core-dcp-too-big", new(bypass(dcp_world_size=1025)), InvalidConfigError, "got 1025"),
     Case("core-dcp-negative", new(bypass(dcp_world_size=-2)), InvalidConfigError, "dcp_world_size"),

@@ -310,7 +310,7 @@ def test_hash_seed_random_unless_fixed(algo: str) -> None:
 @pytest.mark.parametrize(
     "fields",
     [
-        {"block_size": 1025}, {"block_size": True}, {"num_blocks": 1}, {"num_blocks": 2**40}, {"max_num_seqs": 0},
+        {"block_size": 4097}, {"block_size": True}, {"num_blocks": 1}, {"num_blocks": 2**40}, {"max_num_seqs": 0},
         {"max_model_len": -5}, {"policy": "lifo"}, {"prefix_hash_algo": "md5"}, {"prefix_hash_seed": 1.5},
         {"enable_prefix_caching": 1}, {"num_lookahead_tokens": 2000}, {"max_num_batched_tokens": None},
         {"bogus_field": 1},

@@ -775,7 +775,7 @@ def test_constructor_accepts_a_config_or_fields() -> None:
     with pytest.raises(SchedulerError):
         ReferenceScheduler(SchedulerConfig(), block_size=8)
     with pytest.raises(SchedulerError):
-        ReferenceScheduler(block_size=1025)
+        ReferenceScheduler(block_size=4097)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -560,8 +560,8 @@ def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
 
 
 def test_unsupported_scheduler_settings_are_refused() -> None:
-    cfg = make_vllm_config(block_size=2048)
-    with pytest.raises(UnsupportedFeatureError, match="block sizes above 1024 tokens per rank"):
+    cfg = make_vllm_config(block_size=8192)
+    with pytest.raises(UnsupportedFeatureError, match="block sizes above 4096 tokens per rank"):
         make_scheduler("kvsched", cfg)
     # An error is also a ValueError and a NotImplementedError, so either kind of handler catches it.
     assert issubclass(UnsupportedFeatureError, ValueError)

@@ -106,6 +106,7 @@ def _generate(
             if seen is not None:
                 seen["groups"] = [type(g.kv_cache_spec).__name__ for g in sched.kv_cache_config.kv_cache_groups]
                 seen["mamba_cache_mode"] = llm.llm_engine.vllm_config.cache_config.mamba_cache_mode
+                seen["block_size"] = sched.kv_cache_config.kv_cache_groups[-1].kv_cache_spec.block_size
             if scheduler_cls:
                 assert type(sched).__module__ == "kvsched.vllm.scheduler"
                 assert_clean(llm.llm_engine)
@@ -205,7 +206,7 @@ def test_sliding_window_models_give_vllms_greedy_tokens(tmp_path: Any, kind: str
     ref, ref_preempted = _generate(model, None, prompts, **dict(kwargs))
     got, got_preempted = _generate(model, KVSCHED, prompts, seen, **dict(kwargs))
     # vLLM read the layer kinds: the scheduler ran the window group(s) (a test on a plain model would prove nothing).
-    assert seen["groups"] == groups
+    assert seen["groups"] == groups and seen["block_size"] == 128
     for r, g in zip(ref, got, strict=True):
         assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
         assert g.num_cached_tokens == r.num_cached_tokens, f"request {r.request_id}"
@@ -239,9 +240,27 @@ def test_mamba_hybrid_model_gives_vllms_greedy_tokens(tiny_qwen3_next: str, case
     seen: dict[str, Any] = {}
     ref, ref_preempted = _generate(tiny_qwen3_next, None, prompts, **dict(kwargs))
     got, got_preempted = _generate(tiny_qwen3_next, KVSCHED, prompts, seen, **dict(kwargs))
-    assert seen == {"groups": ["MambaSpec", "FullAttentionSpec"], "mamba_cache_mode": mode}
+    assert seen == {"groups": ["MambaSpec", "FullAttentionSpec"], "mamba_cache_mode": mode, "block_size": 384}
     for r, g in zip(ref, got, strict=True):
         assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
         assert g.num_cached_tokens == r.num_cached_tokens, f"request {r.request_id}"
     assert any(r.num_cached_tokens for r in ref) == settings["enable_prefix_caching"]
     assert got_preempted == ref_preempted > 0
+
+
+def test_mamba_hybrid_model_with_attention_blocks_above_1024_tokens(tmp_path: Any) -> None:
+    """A linear-attention state four times as large: vLLM sizes the attention block to 1,152 tokens (as for a served
+    hybrid model with a float32 state or few attention heads per rank), and kvsched's scheduler runs it."""
+    from kvsched.vllm.testing import save_tiny_qwen3_next
+
+    model = save_tiny_qwen3_next(tmp_path / "qwen3-next-4-heads", linear_value_heads=4)
+    kwargs = {"enable_prefix_caching": True, "dtype": "bfloat16", "num_gpu_blocks_override": 8}
+    kwargs["max_num_batched_tokens"] = 256
+    prompts = _prompts(11, 48)
+    seen: dict[str, Any] = {}
+    ref, _ = _generate(model, None, prompts, **dict(kwargs))
+    got, _ = _generate(model, KVSCHED, prompts, seen, **dict(kwargs))
+    assert seen == {"groups": ["MambaSpec", "FullAttentionSpec"], "mamba_cache_mode": "align", "block_size": 1152}
+    for r, g in zip(ref, got, strict=True):
+        assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
+        assert g.num_cached_tokens == r.num_cached_tokens, f"request {r.request_id}"

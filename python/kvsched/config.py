@@ -185,7 +185,7 @@ class SchedulerConfig:
     ("Configuration"), generated from the field metadata here. A bad value raises ``InvalidConfigError``.
     """
 
-    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=_spec("tokens per KV block", lo=1, hi=1024))
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=_spec("tokens per KV block", lo=1, hi=4096))
     num_blocks: int = field(
         default=4096,
         metadata=_spec(

@@ -511,10 +511,10 @@ def kvsched_config_from_vllm(
     if hash_block_size is not None and hash_block_size != block_size:
         _refuse("a hash block size different from the block size", f"hash_block_size={hash_block_size}")
     block_size = attention_block_size or block_size
-    # Any block size runs (a hybrid Mamba model's attention block is sized to its state's page: 272, 544, ...);
-    # the core keeps a block of one rank within 1024 tokens.
-    if block_size // dcp > 1024:
-        _refuse("block sizes above 1024 tokens per rank", f"block_size={block_size}")
+    # Any block size runs (a hybrid Mamba model's attention block is sized to its state's page: 272, 544, 1072,
+    # ...); the core keeps a block of one rank within 4096 tokens.
+    if block_size // dcp > 4096:
+        _refuse("block sizes above 4096 tokens per rank", f"block_size={block_size}")
 
     num_spec_tokens = int(_attr(vllm_config, "num_speculative_tokens", 0) or 0)
     spec = vllm_config.speculative_config

@@ -960,12 +960,16 @@ def save_tiny_llama(
     return path
 
 
-def save_tiny_qwen3_next(path: str | os.PathLike[str], *, seed: int = 0) -> str:
+def save_tiny_qwen3_next(path: str | os.PathLike[str], *, seed: int = 0, linear_value_heads: int = 1) -> str:
     """Write a tiny random Qwen3-Next (a hybrid of Gated DeltaNet linear attention and full attention, with MoE
     layers: one linear-attention layer, one full-attention layer, hidden 128, bfloat16 safetensors) and the word-level
     tokenizer of :func:`save_tiny_llama` to ``path``. vLLM runs its linear-attention layer with a Mamba-style state
     (one ``MambaSpec`` KV cache group beside the full-attention group; vLLM's CPU build needs bfloat16 and
-    128-dimensional linear-attention heads for it). Needs a ``transformers`` with Qwen3-Next. Returns ``path``."""
+    128-dimensional linear-attention heads for it). vLLM sizes the attention block so a page holds one state:
+    384 tokens with one linear-attention value head, 1,152 with four (``linear_value_heads``). Needs a
+    ``transformers`` with Qwen3-Next. Returns ``path``."""
+    if linear_value_heads not in (1, 2, 4, 8):
+        raise ValueError(f"linear_value_heads must be 1, 2, 4 or 8, got {linear_value_heads!r}")
     import torch
     import transformers
 
@@ -979,8 +983,8 @@ def save_tiny_qwen3_next(path: str | os.PathLike[str], *, seed: int = 0) -> str:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        linear_num_key_heads=1,
-        linear_num_value_heads=1,
+        linear_num_key_heads=max(1, linear_value_heads // 2),
+        linear_num_value_heads=linear_value_heads,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         num_experts=4,

@@ -568,7 +568,7 @@ struct IntField {
 /// The integer fields and their fixed bounds (the Python table's), checked first. Bounds set by another field (`max_num_active_seqs <= max_num_seqs`, `cp_kv_cache_interleave_size <= block_size`)
 /// are rules, checked later.
 const INT_FIELDS: &[IntField] = &[
-    IntField { name: "block_size", min: 1, max: 1024, get: |c| Some(c.block_size) },
+    IntField { name: "block_size", min: 1, max: 4096, get: |c| Some(c.block_size) },
     IntField { name: "num_blocks", min: 2, max: MAX_NUM_BLOCKS, get: |c| Some(c.num_blocks) },
     IntField { name: "max_num_seqs", min: 1, max: I32_MAX, get: |c| Some(c.max_num_seqs) },
     IntField {
@@ -1219,7 +1219,7 @@ mod tests {
     fn rejects_bad_values() {
         let bad = [
             SchedulerConfig { block_size: 0, ..Default::default() },
-            SchedulerConfig { block_size: 1025, ..Default::default() },
+            SchedulerConfig { block_size: 4097, ..Default::default() },
             SchedulerConfig { num_blocks: 1, ..Default::default() },
             SchedulerConfig { max_num_seqs: 0, ..Default::default() },
             SchedulerConfig { max_model_len: 1, ..Default::default() },
