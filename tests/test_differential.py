@@ -1914,6 +1914,69 @@ def test_soak_hybrid_groups_match_reference_step_by_step() -> None:
     )
 
 
+# Hash blocks smaller than the block (vLLM's hash_block_size, prefix_match_unit): each block's hash chains over its
+# hash blocks; vLLM's own values (sha256_pickle from its root), xxh3, a window and chunked-local groups, two and
+# four hash blocks per block of 3, 4, 8 and 12 tokens, async scheduling, drafts, priority, encoder inputs (extra
+# keys per hash block); tight pools preempt.
+HASH_UNIT_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 9), hash_block_size=2, prefix_hash_algo="sha256_pickle",
+                    prefix_hash_seed=VLLM_HASH_ROOT),
+    SchedulerConfig(block_size=8, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=64,
+                    kv_cache_groups=(5, None), hash_block_size=2, async_scheduling=True, policy="priority",
+                    prefix_hash_seed=61),
+    SchedulerConfig(block_size=12, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=72,
+                    kv_cache_groups=(None, "chunked:24", 7), hash_block_size=3, num_speculative_tokens=2,
+                    async_scheduling=True, prefix_hash_algo="sha256_pickle", prefix_hash_seed=VLLM_HASH_ROOT),
+    SchedulerConfig(block_size=3, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 6, 6), hash_block_size=1, prefix_hash_algo="sha256",
+                    max_num_encoder_input_tokens=8, encoder_cache_size=12, scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def test_soak_hash_blocks_smaller_than_the_block_match_reference_step_by_step() -> None:
+    """Both implementations give every request the same chained hashes (vLLM's values with sha256_pickle: a
+    block's hash is vLLM's hash of its last hash block) and the same tables, hits and frees, step by step;
+    requests hit the prefix cache and are preempted in the run."""
+    hits = 0
+    for i, cfg in enumerate(HASH_UNIT_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(6161 + i)), max_in_flight=1 + i % 3)
+        for _ in range(600):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+            hits += sum(r.num_cached_tokens > 0 for r in twin.ref._requests.values())
+        twin.drain()
+        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+    assert hits > 0
+
+
+@pytest.mark.parametrize("impl", ["ref", "rs"])
+def test_a_blocks_hash_is_vllms_hash_of_its_last_hash_block(impl: str) -> None:
+    """With sha256_pickle from vLLM's root, block ``i``'s hash is vLLM's hash of hash block ``(i + 1) * k - 1``
+    (vLLM's ``BlockHashListWithBlockSize``), as the request's tokens grow; a hash block of the block's size keeps
+    the plain chain."""
+    from kvsched import Scheduler
+    from kvsched._core import vllm_sha256_block_hashes
+
+    for unit in (1, 2, 4, 8):
+        cfg = SchedulerConfig(block_size=8, num_blocks=32, max_num_batched_tokens=64, max_model_len=128,
+                              kv_cache_groups=(None, 5), hash_block_size=unit, prefix_hash_algo="sha256_pickle",
+                              prefix_hash_seed=VLLM_HASH_ROOT)  # fmt: skip
+        s: Any = ReferenceScheduler(cfg) if impl == "ref" else Scheduler(cfg)
+        prompt = [(7 * i) % 101 for i in range(30)]
+        s.add_request("a", prompt, max_tokens=20, ignore_eos=True)
+        for step in range(12):
+            s.update_from_output(s.schedule(), [[900 + step]])
+            tokens = prompt + list(s.get_output_token_ids("a"))
+            assert len(tokens) == 31 + step
+            units = vllm_sha256_block_hashes(VLLM_HASH_ROOT, tokens, unit)
+            k = 8 // unit
+            want = [units[(i + 1) * k - 1] for i in range(len(units) // k)]
+            assert [bytes(h) for h in s.get_block_hashes("a")] == want, (unit, step)
+
+
 # KV connectors with several groups and sliding windows (kv_connector_groups, vLLM's SupportsHMA connectors): a
 # seeded connector (sync and async loads, delayed frees, failed loads) beside full attention and windows, one
 # window alone, sync and async scheduling, drafts, deferred frees with steps in flight; tight pools preempt.
