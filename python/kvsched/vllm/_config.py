@@ -380,7 +380,9 @@ def _binds_the_pool_as(cls: type, connector: type, bind_manager: Any = None) -> 
     )
 
 
-def check_hash_block(vllm_config: Any, windows: list[int | str | None] | None, block_size: int, hash_block_size: int) -> None:
+def check_hash_block(
+    vllm_config: Any, windows: list[int | str | None] | None, block_size: int, hash_block_size: int
+) -> None:
     """Refuses what a hash block smaller than the block (vLLM's ``hash_block_size``, set through
     ``prefix_match_unit``) is not supported with: one KV cache group, a size that does not divide the block, Mamba
     groups with prefix caching (vLLM's partial-block hits of Mamba states), KV connectors, the auxiliary output
@@ -401,7 +403,9 @@ def check_hash_block(vllm_config: Any, windows: list[int | str | None] | None, b
         _refuse("KV connectors with a hash block smaller than the block", f"kv_transfer_config, {setting}")
     aux = getattr(vllm_config, "aux_output_config", None)
     if aux is not None and getattr(aux, "enabled", False):
-        _refuse("the auxiliary output connector with a hash block smaller than the block", f"aux_output_config, {setting}")
+        _refuse(
+            "the auxiliary output connector with a hash block smaller than the block", f"aux_output_config, {setting}"
+        )
     if cache.enable_prefix_caching and kv_events_enabled(vllm_config):
         _refuse("KV cache events with a hash block smaller than the block", f"kv_events_config, {setting}")
 
@@ -535,7 +539,7 @@ def kvsched_config_from_vllm(
     # is then reported as the kvsched settings'.
     policy = effective_policy(str(sched.policy), knobs.get("policy"))
     finer_hashes = hash_block_size is not None and hash_block_size != block_size
-    if finer_hashes:
+    if hash_block_size is not None and finer_hashes:
         check_hash_block(vllm_config, windows, block_size, hash_block_size)
     block_size = attention_block_size or block_size
     # Any block size runs (a hybrid Mamba model's attention block is sized to its state's page: 272, 544, ...);
