@@ -1952,6 +1952,56 @@ def test_soak_hash_blocks_smaller_than_the_block_match_reference_step_by_step() 
     assert hits > 0
 
 
+@st.composite
+def hash_unit_configs(draw: Any) -> SchedulerConfig:
+    """Several KV cache groups whose blocks hash over finer hash blocks (``hash_block_size`` a divisor below the
+    block size): full attention with windows or chunked-local groups in any order, the hash values vLLM's or not,
+    sync and async, drafts, encoder inputs, tight pools and the policies."""
+    block_size = draw(st.sampled_from([2, 3, 4, 6, 8, 12, 16]))
+    unit = draw(st.sampled_from([d for d in range(1, block_size) if block_size % d == 0]))
+    w = draw(st.sampled_from([1, 2, 5, 9, 16, 33]))
+    groups = draw(st.sampled_from([(None, w), (w, None), (None, w, 3), (None, None, w), (None, f"chunked:{2 * w}")]))
+    num_blocks = draw(st.integers(8, 80))
+    max_model_len = max(8, min(draw(st.integers(8, 96)), (num_blocks - 1) * block_size))
+    budget = draw(st.integers(4, 64))
+    algo = draw(st.sampled_from(["xxh3_128", "sha256", "sha256_pickle"]))
+    return SchedulerConfig(
+        block_size=block_size,
+        hash_block_size=unit,
+        kv_cache_groups=groups,
+        num_blocks=num_blocks,
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
+        policy=draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair", "sjf"])),
+        num_lookahead_tokens=draw(st.sampled_from([0, 0, 1, 3])),
+        num_speculative_tokens=draw(st.sampled_from([None, None, 2])),
+        prefix_hash_algo=algo,
+        prefix_hash_seed=draw(st.sampled_from([None, VLLM_HASH_ROOT] if algo == "sha256_pickle" else [None, 0])),
+        scheduler_reserve_full_isl=draw(st.booleans()),
+        async_scheduling=draw(st.booleans()),
+        max_loras=draw(st.sampled_from([0, 0, 1])),
+        **encoder_fields(draw, budget),
+    )
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
+@given(cfg=hash_unit_configs(), data=st.data())
+def test_rust_matches_reference_with_hash_blocks_smaller_than_the_block(cfg: SchedulerConfig, data: Any) -> None:
+    twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 2, 3])))
+    try:
+        for _ in range(60):
+            twin.step()
+        twin.drain()
+    except (AssertionError, InternalError) as e:
+        raise AssertionError(f"{e}\nconfig {cfg}\nops:\n" + "\n".join(twin.log[-40:])) from e
+
+
 @pytest.mark.parametrize("impl", ["ref", "rs"])
 def test_a_blocks_hash_is_vllms_hash_of_its_last_hash_block(impl: str) -> None:
     """With sha256_pickle from vLLM's root, block ``i``'s hash is vLLM's hash of hash block ``(i + 1) * k - 1``
