@@ -1645,10 +1645,17 @@ EAGLE_GROUP_SOAK_CONFIGS = [
 def test_soak_eagle_prefix_cache_rules_over_windows_and_groups_match_reference_step_by_step() -> None:
     """Step by step, with KV cache events on every other config; requests are preempted and hit the prefix cache
     in the run. (No KV connector: the core refuses one with several groups.)"""
+    soak_with_hits(EAGLE_GROUP_SOAK_CONFIGS, 4747, events=True, fail_steps=False)
+
+
+def soak_with_hits(configs: list[SchedulerConfig], seed: int, *, events: bool = False, fail_steps: bool = True) -> None:
+    """600 operations per config (KV cache events on every other config with ``events``), compared step by step;
+    every config must preempt, and some request must hit the prefix cache."""
     hits = 0
-    for i, cfg in enumerate(EAGLE_GROUP_SOAK_CONFIGS):
-        cfg = dataclasses.replace(cfg, enable_kv_cache_events=i % 2 == 0)
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(4747 + i)), max_in_flight=1 + i % 3, fail_steps=False)
+    for i, cfg in enumerate(configs):
+        if events:
+            cfg = dataclasses.replace(cfg, enable_kv_cache_events=i % 2 == 0)
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=1 + i % 3, fail_steps=fail_steps)
         for _ in range(600):
             try:
                 twin.step()
@@ -1938,18 +1945,7 @@ def test_soak_hash_blocks_smaller_than_the_block_match_reference_step_by_step() 
     """Both implementations give every request the same chained hashes (vLLM's values with sha256_pickle: a
     block's hash is vLLM's hash of its last hash block) and the same tables, hits and frees, step by step;
     requests hit the prefix cache and are preempted in the run."""
-    hits = 0
-    for i, cfg in enumerate(HASH_UNIT_CONFIGS):
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(6161 + i)), max_in_flight=1 + i % 3)
-        for _ in range(600):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-            hits += sum(r.num_cached_tokens > 0 for r in twin.ref._requests.values())
-        twin.drain()
-        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
-    assert hits > 0
+    soak_with_hits(HASH_UNIT_CONFIGS, 6161)
 
 
 @st.composite
