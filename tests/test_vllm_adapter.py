@@ -1815,3 +1815,9 @@ def test_a_hash_block_smaller_than_the_block_is_supported_with_several_groups() 
     connector = make_vllm_config(block_size=16, num_blocks=64, max_model_len=96, kv_connector_seed=1)
     with pytest.raises(UnsupportedFeatureError, match="KV connectors with a hash block smaller"):
         _build_groups(connector, 4)
+    if RULES.version != "0.32":  # (0.32 has no auxiliary output connector)
+        from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+        with pytest.raises(UnsupportedFeatureError, match="auxiliary output connector with a hash block smaller"):
+            sched.aux_output_connector = AuxOutputSchedulerConnector(sched.kv_cache_manager)
+        assert sched.aux_output_connector is None

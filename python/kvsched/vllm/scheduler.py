@@ -2739,6 +2739,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     @aux_output_connector.setter
     def aux_output_connector(self, connector: Any) -> None:
+        if connector is not None and self.hash_block_size != self.block_size:
+            # Its cache-hit questions go by vLLM's hash blocks, the core's answers by whole blocks.
+            _refuse(
+                "the auxiliary output connector with a hash block smaller than the block",
+                f"aux_output_connector, hash_block_size={self.hash_block_size}, block_size={self.block_size}",
+            )
         self._aux.connector = connector
         self._core.set_cache_hit_cap(self._aux if connector is not None else None)
 
