@@ -87,6 +87,13 @@ BAD = [(f.name, v) for f in CONFIG_FIELDS for v in _bad_values(f)]
 GOOD = [(f.name, v) for f in CONFIG_FIELDS for v in _good_values(f)]
 # The rules between fields, and the explicit fields' values.
 RULES: list[dict[str, Any]] = [
+    {"block_size": 16, "hash_block_size": 6, "kv_cache_groups": (None, 8)},
+    {"block_size": 16, "hash_block_size": 32, "kv_cache_groups": (None, 8)},
+    {"block_size": 16, "hash_block_size": 8},
+    {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, "mamba"), "mamba_align": True},
+    {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, 8), "hash_lookahead_tokens": 1},
+    {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, 8), "drop_trailing_hit_block": True},
+    {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, 8), "enable_kv_cache_events": True},
     {"max_num_batched_tokens": 8, "draft_slots": 8},
     {"max_num_batched_tokens": 8, "max_num_scheduled_tokens": 9},
     {"num_blocks": 2**24, "block_size": 1024},
@@ -120,6 +127,18 @@ RULES: list[dict[str, Any]] = [
 ]
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
+    {"block_size": 16, "hash_block_size": 16},
+    {"block_size": 12, "hash_block_size": 3, "kv_cache_groups": (None, "chunked:24", 7)},
+    {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, "mamba"), "enable_prefix_caching": False},
+    {
+        "block_size": 16,
+        "hash_block_size": 8,
+        "kv_cache_groups": (None, 8),
+        "enable_prefix_caching": False,
+        "hash_lookahead_tokens": 1,
+        "drop_trailing_hit_block": True,
+        "enable_kv_cache_events": True,
+    },
     {"max_num_batched_tokens": 8, "draft_slots": 7, "max_num_scheduled_tokens": 8},
     {"num_blocks": 2**20, "block_size": 1024},
     {"dcp_world_size": 4, "pcp_world_size": 2},
@@ -174,6 +193,7 @@ _CONTEXT: dict[str, dict[str, Any]] = {
     "mamba_speculative_blocks": {"kv_cache_groups": ("mamba", None), "enable_prefix_caching": False},
     "prefix_cache_retention_interval": {"kv_cache_groups": (None, "mamba"), "mamba_align": True, "block_size": 1},
     "mamba_prefill_checkpoint_alignment": {"kv_cache_groups": (None, "mamba"), "mamba_align": True},
+    "hash_block_size": {"block_size": 1024, "num_blocks": 64, "kv_cache_groups": (None, 8)},
 }
 
 

@@ -1645,10 +1645,17 @@ EAGLE_GROUP_SOAK_CONFIGS = [
 def test_soak_eagle_prefix_cache_rules_over_windows_and_groups_match_reference_step_by_step() -> None:
     """Step by step, with KV cache events on every other config; requests are preempted and hit the prefix cache
     in the run. (No KV connector: the core refuses one with several groups.)"""
+    soak_with_hits(EAGLE_GROUP_SOAK_CONFIGS, 4747, events=True, fail_steps=False)
+
+
+def soak_with_hits(configs: list[SchedulerConfig], seed: int, *, events: bool = False, fail_steps: bool = True) -> None:
+    """600 operations per config (KV cache events on every other config with ``events``), compared step by step;
+    every config must preempt, and some request must hit the prefix cache."""
     hits = 0
-    for i, cfg in enumerate(EAGLE_GROUP_SOAK_CONFIGS):
-        cfg = dataclasses.replace(cfg, enable_kv_cache_events=i % 2 == 0)
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(4747 + i)), max_in_flight=1 + i % 3, fail_steps=False)
+    for i, cfg in enumerate(configs):
+        if events:
+            cfg = dataclasses.replace(cfg, enable_kv_cache_events=i % 2 == 0)
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=1 + i % 3, fail_steps=fail_steps)
         for _ in range(600):
             try:
                 twin.step()
@@ -1912,6 +1919,108 @@ def test_soak_hybrid_groups_match_reference_step_by_step() -> None:
         cross_tables,
         mamba_tables,
     )
+
+
+# Hash blocks smaller than the block (vLLM's hash_block_size, prefix_match_unit): each block's hash chains over its
+# hash blocks; vLLM's own values (sha256_pickle from its root), xxh3, a window and chunked-local groups, two and
+# four hash blocks per block of 3, 4, 8 and 12 tokens, async scheduling, drafts, priority, encoder inputs (extra
+# keys per hash block); tight pools preempt.
+HASH_UNIT_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 9), hash_block_size=2, prefix_hash_algo="sha256_pickle",
+                    prefix_hash_seed=VLLM_HASH_ROOT),
+    SchedulerConfig(block_size=8, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=64,
+                    kv_cache_groups=(5, None), hash_block_size=2, async_scheduling=True, policy="priority",
+                    prefix_hash_seed=61),
+    SchedulerConfig(block_size=12, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=72,
+                    kv_cache_groups=(None, "chunked:24", 7), hash_block_size=3, num_speculative_tokens=2,
+                    async_scheduling=True, prefix_hash_algo="sha256_pickle", prefix_hash_seed=VLLM_HASH_ROOT),
+    SchedulerConfig(block_size=3, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 6, 6), hash_block_size=1, prefix_hash_algo="sha256",
+                    max_num_encoder_input_tokens=8, encoder_cache_size=12, scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def test_soak_hash_blocks_smaller_than_the_block_match_reference_step_by_step() -> None:
+    """Both implementations give every request the same chained hashes (vLLM's values with sha256_pickle: a
+    block's hash is vLLM's hash of its last hash block) and the same tables, hits and frees, step by step;
+    requests hit the prefix cache and are preempted in the run."""
+    soak_with_hits(HASH_UNIT_CONFIGS, 6161)
+
+
+@st.composite
+def hash_unit_configs(draw: Any) -> SchedulerConfig:
+    """Several KV cache groups whose blocks hash over finer hash blocks (``hash_block_size`` a divisor below the
+    block size): full attention with windows or chunked-local groups in any order, the hash values vLLM's or not,
+    sync and async, drafts, encoder inputs, tight pools and the policies."""
+    block_size = draw(st.sampled_from([2, 3, 4, 6, 8, 12, 16]))
+    unit = draw(st.sampled_from([d for d in range(1, block_size) if block_size % d == 0]))
+    w = draw(st.sampled_from([1, 2, 5, 9, 16, 33]))
+    groups = draw(st.sampled_from([(None, w), (w, None), (None, w, 3), (None, None, w), (None, f"chunked:{2 * w}")]))
+    num_blocks = draw(st.integers(8, 80))
+    max_model_len = max(8, min(draw(st.integers(8, 96)), (num_blocks - 1) * block_size))
+    budget = draw(st.integers(4, 64))
+    algo = draw(st.sampled_from(["xxh3_128", "sha256", "sha256_pickle"]))
+    return SchedulerConfig(
+        block_size=block_size,
+        hash_block_size=unit,
+        kv_cache_groups=groups,
+        num_blocks=num_blocks,
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
+        policy=draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair", "sjf"])),
+        num_lookahead_tokens=draw(st.sampled_from([0, 0, 1, 3])),
+        num_speculative_tokens=draw(st.sampled_from([None, None, 2])),
+        prefix_hash_algo=algo,
+        prefix_hash_seed=draw(st.sampled_from([None, VLLM_HASH_ROOT] if algo == "sha256_pickle" else [None, 0])),
+        scheduler_reserve_full_isl=draw(st.booleans()),
+        async_scheduling=draw(st.booleans()),
+        max_loras=draw(st.sampled_from([0, 0, 1])),
+        **encoder_fields(draw, budget),
+    )
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
+@given(cfg=hash_unit_configs(), data=st.data())
+def test_rust_matches_reference_with_hash_blocks_smaller_than_the_block(cfg: SchedulerConfig, data: Any) -> None:
+    twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 2, 3])))
+    try:
+        for _ in range(60):
+            twin.step()
+        twin.drain()
+    except (AssertionError, InternalError) as e:
+        raise AssertionError(f"{e}\nconfig {cfg}\nops:\n" + "\n".join(twin.log[-40:])) from e
+
+
+@pytest.mark.parametrize("impl", ["ref", "rs"])
+def test_a_blocks_hash_is_vllms_hash_of_its_last_hash_block(impl: str) -> None:
+    """With sha256_pickle from vLLM's root, block ``i``'s hash is vLLM's hash of hash block ``(i + 1) * k - 1``
+    (vLLM's ``BlockHashListWithBlockSize``), as the request's tokens grow; a hash block of the block's size keeps
+    the plain chain."""
+    from kvsched import Scheduler
+    from kvsched._core import vllm_sha256_block_hashes
+
+    for unit in (1, 2, 4, 8):
+        cfg = SchedulerConfig(block_size=8, num_blocks=32, max_num_batched_tokens=64, max_model_len=128,
+                              kv_cache_groups=(None, 5), hash_block_size=unit, prefix_hash_algo="sha256_pickle",
+                              prefix_hash_seed=VLLM_HASH_ROOT)  # fmt: skip
+        s: Any = ReferenceScheduler(cfg) if impl == "ref" else Scheduler(cfg)
+        prompt = [(7 * i) % 101 for i in range(30)]
+        s.add_request("a", prompt, max_tokens=20, ignore_eos=True)
+        for step in range(12):
+            s.update_from_output(s.schedule(), [[900 + step]])
+            tokens = prompt + list(s.get_output_token_ids("a"))
+            assert len(tokens) == 31 + step
+            units = vllm_sha256_block_hashes(VLLM_HASH_ROOT, tokens, unit)
+            k = 8 // unit
+            want = [units[(i + 1) * k - 1] for i in range(len(units) // k)]
+            assert [bytes(h) for h in s.get_block_hashes("a")] == want, (unit, step)
 
 
 # KV connectors with several groups and sliding windows (kv_connector_groups, vLLM's SupportsHMA connectors): a

@@ -1775,3 +1775,49 @@ def test_invalid_blocks_roll_running_requests_back_even_without_a_kv_connector()
     compare("EngineCoreOutputs", results[0], results[1])
     for _ in range(3):
         _step(pair)
+
+
+def _build_groups(vcfg: Any, hash_block_size: int, windows: tuple[int | None, ...] = (None, 32)) -> Any:
+    """kvsched's scheduler over full-attention / sliding-window groups of the config's block size, its requests
+    hashed at ``hash_block_size`` (vLLM's prefix_match_unit)."""
+    from kvsched.vllm import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    kw = _attention_kw()
+    specs = [FullAttentionSpec(**kw) if w is None else SlidingWindowSpec(sliding_window=w, **kw) for w in windows]
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
+    return Scheduler(
+        vllm_config=vcfg,
+        kv_cache_config=KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups),
+        structured_output_manager=StructuredOutputManager(vcfg),
+        block_size=int(vcfg.cache_config.block_size),
+        hash_block_size=hash_block_size,
+    )
+
+
+def test_a_hash_block_smaller_than_the_block_is_supported_with_several_groups() -> None:
+    """vLLM's hash_block_size below the block (prefix_match_unit) with several KV cache groups: the core chains each
+    block's hash over the hash blocks; what its rules would change with is refused by name."""
+    vcfg = make_vllm_config(block_size=16, num_blocks=64, max_model_len=96)
+    sched = _build_groups(vcfg, 4)
+    assert sched.hash_block_size == 4 and sched.kv_config.hash_block_size == 4
+    assert not sched._core_keys_vllm  # the request's other hash blocks' hashes are vLLM's, not the core's
+    # The block's own size changes nothing: not passed to the core.
+    assert _build_groups(vcfg, 16).kv_config.hash_block_size is None
+    with pytest.raises(UnsupportedFeatureError, match="does not divide the block size"):
+        _build_groups(vcfg, 6)
+    with pytest.raises(UnsupportedFeatureError, match="with one KV cache group"):
+        _build_groups(vcfg, 4, windows=(None,))
+    events = make_vllm_config(block_size=16, num_blocks=64, max_model_len=96, kv_events=True)
+    with pytest.raises(UnsupportedFeatureError, match="KV cache events with a hash block smaller"):
+        _build_groups(events, 4)
+    connector = make_vllm_config(block_size=16, num_blocks=64, max_model_len=96, kv_connector_seed=1)
+    with pytest.raises(UnsupportedFeatureError, match="KV connectors with a hash block smaller"):
+        _build_groups(connector, 4)
+    if RULES.version != "0.32":  # (0.32 has no auxiliary output connector)
+        from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+        with pytest.raises(UnsupportedFeatureError, match="auxiliary output connector with a hash block smaller"):
+            sched.aux_output_connector = AuxOutputSchedulerConnector(sched.kv_cache_manager)
+        assert sched.aux_output_connector is None

@@ -546,3 +546,17 @@ def _count_parts(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
     monkeypatch.setattr(Scheduler, "_take_part", counted)
     return taken
+
+
+HASH_MODES = [("sync", "v1"), ("async", "v1")]
+
+
+@pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
+@pytest.mark.parametrize("seed", [800, 801])
+def test_identical_to_vllm_with_hash_blocks_smaller_than_the_block(sync: str, runner: str, seed: int) -> None:
+    """Several KV cache groups whose requests hash at a unit finer than the block (vLLM's hash_block_size, set
+    through prefix_match_unit): both schedulers hash at that unit and every lookup and cached block goes by the
+    hash of a block's last unit; prefix hits, evictions and preemptions are compared after every call."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=True, hash_block_size=-1)
+    assert cfg.hash_block_size is not None and cfg.block_size % cfg.hash_block_size == 0
+    assert cfg.hash_block_size < cfg.block_size

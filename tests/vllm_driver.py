@@ -176,6 +176,8 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 # Requests scheduled as new with prefix-hit tokens (their first step starts past 0), over the runs of the process.
 PREFIX_HITS = 0
+# Runs whose requests hash at a unit finer than the block (--hash-block-size).
+FINER_HASH_SEEDS = 0
 # What the Mooncake stand-in answered and reported (lookups, hits, loads, invalid blocks, store jobs), over the
 # completed runs of the process.
 MOONCAKE_COUNTS = collections.Counter[str]()
@@ -314,6 +316,9 @@ class Config:
     # scheduling set on both built schedulers as vLLM's tests do, with this encoder compute budget and
     # EncoderDecoderCacheManager size (small: admissions wait for the budget and the slots).
     encoder_decoder: tuple[int, int] | None = None
+    # The requests' hash block (vLLM's hash_block_size, set through prefix_match_unit): a divisor of the block size,
+    # with several KV cache groups (None: the scheduler block size).
+    hash_block_size: int | None = None
 
 
 def batch_queue_size(cfg: Config) -> int:
@@ -991,6 +996,7 @@ class Pair:
             fields["kv_transfer"]["kv_connector_module_path"] = UMBP_MODULE
         self.store = self.mooncake or self.umbp
         retention = fields.pop("prefix_cache_retention_interval")
+        hash_block_size = fields.pop("hash_block_size")
         checkpoint_alignment = fields.pop("mamba_checkpoint_alignment")
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
@@ -1000,6 +1006,8 @@ class Pair:
         self.hash_block = self.kv_block_size
         if "mamba" in (groups or ()) and cfg.mamba_cache_mode != "align":
             self.hash_block = math.lcm(self.kv_block_size, cfg.max_model_len)
+        if hash_block_size is not None:
+            self.hash_block = hash_block_size
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
         log_stats = self.rng_out.random() < 0.7
@@ -1011,12 +1019,19 @@ class Pair:
             "kv_cache_groups": groups,
             "prefix_cache_retention_interval": retention,
             "mamba_prefill_checkpoint_alignment": checkpoint_alignment,
+            "hash_block_size": hash_block_size,
         }
         with self.store.in_place() if self.store is not None else contextlib.nullcontext():
             self.a = make_scheduler("vllm", vcfg, **kw)
             self.b = make_scheduler("kvsched", vcfg, **kw)
         if self.store is not None:
             self.store.attach(self.a, self.b)
+        if hash_block_size is not None:
+            # Both schedulers (and vLLM's coordinator) hash at the finer unit.
+            assert self.a.hash_block_size == self.b.hash_block_size == hash_block_size < self.kv_block_size
+            assert self.a.kv_cache_manager.coordinator.hash_block_size == hash_block_size
+            global FINER_HASH_SEEDS
+            FINER_HASH_SEEDS += 1
         if defer_async_loads:
             self.a.defer_async_loads = self.b.defer_async_loads = True
         # kvsched's steady decoding cohorts form after some steady steps; in most runs after one, so that they
@@ -1737,6 +1752,7 @@ def run_seed(
     mooncake_store: bool = False,
     umbp_store: bool = False,
     block_sizes: tuple[int, ...] = (),
+    hash_block_size: int | None = None,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -1765,7 +1781,9 @@ def run_seed(
     place of the Mooncake store and its workers (``MooncakeStandIn``); ``umbp_store``: vLLM 0.33's
     UMBPStoreConnector likewise (asynchronous loads and lookups, lookups off, decode saves drawn), a stand-in UMBP
     runtime and workers (``UMBPStandIn``); ``block_sizes``: the block size is drawn
-    from these instead (from its own stream)."""
+    from these instead (from its own stream); ``hash_block_size`` (with ``hybrid``): the requests' hash block
+    (vLLM's ``prefix_match_unit``), a divisor of the block size below it, -1 to draw one per seed (its own
+    stream; block size 1 keeps its block), with prefix caching on."""
     rng = random.Random(seed * 7919 + 17)
     block_size = random.Random(f"block/{seed}").choice(block_sizes) if block_sizes else None
     cfg = random_config(rng, async_scheduling=async_scheduling, v2=v2, block_size=block_size)
@@ -1805,6 +1823,16 @@ def run_seed(
             blocks = 0
         if blocks is not None:
             cfg.prefix_cache_retention_interval = blocks * cfg.block_size
+    if hash_block_size is not None:
+        units = [d for d in range(1, cfg.block_size) if cfg.block_size % d == 0]
+        if hash_block_size < 0:
+            cfg.hash_block_size = random.Random(f"hashblock/{seed}").choice(units) if units else None
+        elif hash_block_size in units:
+            cfg.hash_block_size = hash_block_size
+        else:
+            raise ValueError(f"hash block size {hash_block_size} is not a divisor below block size {cfg.block_size}")
+        # Prefix caching on: without it (and without a KV connector) vLLM's engine hashes at the scheduler block.
+        cfg.enable_prefix_caching = True
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
         # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
@@ -2156,6 +2184,15 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated block sizes (per DCP rank) to draw each seed's from, e.g. 3,12,272 (default: 4, 8 or "
         "16); a size above 16 scales the drawn model length and token budget with it",
     )
+    p.add_argument(
+        "--hash-block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --hybrid: the requests' hash block (vLLM's hash_block_size, set through prefix_match_unit), N "
+        "tokens, a divisor of every drawn block size below it; -1 draws one per seed; prefix caching on; not with "
+        "--connector, --kv-events or --eagle (kvsched.vllm refuses them with a hash block smaller than the block)",
+    )
     args = p.parse_args(argv)
     block_sizes = tuple(int(b) for b in args.block_sizes.split(",") if b)
     if any(b < 1 for b in block_sizes):
@@ -2244,6 +2281,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.umbp_store and RULES.version == "0.32":
         p.error("--umbp-store: vLLM 0.32 has no UMBPStoreConnector")
+    if args.hash_block_size is not None and (
+        not args.hybrid or args.connector or args.kv_events or args.eagle or args.hash_block_size == 0
+    ):
+        p.error("--hash-block-size goes with --hybrid, without --connector, --kv-events and --eagle (refused)")
     if args.sync_invalid and not args.connector:
         p.error("--sync-invalid goes with --connector")
     if args.multi_connector and not args.connector:
@@ -2303,6 +2344,7 @@ def main(argv: list[str] | None = None) -> int:
                         mooncake_store=args.mooncake_store,
                         umbp_store=args.umbp_store,
                         block_sizes=block_sizes,
+                        hash_block_size=args.hash_block_size,
                     )
                     ok += 1
                 except Divergence as exc:
@@ -2317,9 +2359,13 @@ def main(argv: list[str] | None = None) -> int:
                 bar.close()
             note = f"; {stopped} stopped early by vLLM's own scheduler, identical until then" if stopped else ""
             global PREFIX_HITS
-            if args.mamba_prefix_caching or args.retention is not None:
+            if args.mamba_prefix_caching or args.retention is not None or args.hash_block_size is not None:
                 note += f"; {PREFIX_HITS} admissions with a prefix hit"
             PREFIX_HITS = 0
+            global FINER_HASH_SEEDS
+            if args.hash_block_size is not None:
+                note += f"; {FINER_HASH_SEEDS} runs with a hash block smaller than the block"
+            FINER_HASH_SEEDS = 0
             if args.mooncake_store:
                 note += "; store stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(MOONCAKE_COUNTS.items()))
                 MOONCAKE_COUNTS.clear()

@@ -611,6 +611,18 @@ class SchedulerConfig:
             hi=1024,
         ),
     )
+    hash_block_size: int | None = field(
+        default=None,
+        metadata=_spec(
+            "tokens per prefix-cache hash unit (vLLM's `hash_block_size`, set through `prefix_match_unit`): a "
+            "block's hash chains over `block_size / hash_block_size` units and is the hash of its last unit; hits, "
+            "caching and eviction stay whole blocks. None = `block_size`. Below `block_size` it must divide it and "
+            "needs `kv_cache_groups`; with prefix caching not with a Mamba group, `hash_lookahead_tokens`, "
+            "`drop_trailing_hit_block` or `enable_kv_cache_events` (see [Prefix caching](#prefix-caching))",
+            lo=1,
+            hi=1024,
+        ),
+    )
     drop_trailing_hit_block: bool = field(
         default=False,
         metadata=_spec(
@@ -853,6 +865,7 @@ class SchedulerConfig:
             )
         self._check_groups()
         self._check_retention()
+        self._check_hash_block()
         if self.encoder_decoder and CROSS_ATTENTION not in (self.kv_cache_groups or ()):
             raise InvalidConfigError(
                 "encoder_decoder needs a cross-attention group ('cross') in kv_cache_groups (the encoder output's "
@@ -875,6 +888,36 @@ class SchedulerConfig:
             raise InvalidConfigError(
                 f"prefix_cache_retention_interval ({r}) must be a multiple of block_size ({self.block_size})"
             )
+
+    def _check_hash_block(self) -> None:
+        """What a ``hash_block_size`` below ``block_size`` needs (the core's ``validate_hash_block``)."""
+        h, bs = self.hash_block_size, self.block_size
+        if h is None or h == bs:
+            return
+        if bs % h:
+            raise InvalidConfigError(f"hash_block_size ({h}) must divide block_size ({bs})")
+        below = f"hash_block_size ({h}) below block_size ({bs})"
+        if self.kv_cache_groups is None:
+            raise InvalidConfigError(
+                f"{below} needs kv_cache_groups (vLLM hashes finer than the block only with several KV cache groups)"
+            )
+        if not self.enable_prefix_caching:
+            return
+        if MAMBA in self.kv_cache_groups:
+            raise InvalidConfigError(
+                f"{below} cannot be combined with a Mamba group with prefix caching (partial-block hits of Mamba "
+                "states are not implemented)"
+            )
+        for on, name in (
+            (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
+            (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
+            (self.enable_kv_cache_events, "enable_kv_cache_events"),
+        ):
+            if on:
+                raise InvalidConfigError(
+                    f"{below} cannot be combined with {name} with prefix caching (the prompt-tail cache entries "
+                    "vLLM adds inside a block are not implemented)"
+                )
 
     def _check_groups(self) -> None:
         """What several KV cache groups need (the core's ``validate_groups``)."""

@@ -6,7 +6,9 @@ inputs a block overlaps; with ``hash_lookahead_tokens`` L > 0 also the L tokens 
 once they exist). ``H`` is SHA-256, or a 16-byte BLAKE2b standing in for the core's xxh3-128 (hash values
 differ from the core's; only hash equality is part of the contract). ``sha256_pickle``: a block without extra keys
 hashes as vLLM's default block hash, ``sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5))``, with the
-seed (32 bytes, or 32 random ones) as block 0's parent; these values are the core's and vLLM's exactly.
+seed (32 bytes, or 32 random ones) as block 0's parent; these values are the core's and vLLM's exactly. With
+``hash_block_size`` below the block size a block's hash chains over its units (each hashed as above, the salt on the
+request's first unit only, the encoder inputs and look-ahead tokens per unit) and is its last unit's hash.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import Any
 class _BlockHasher:
     """The hash function, the seed hash (random unless ``prefix_hash_seed`` fixes it) and the block size."""
 
-    def __init__(self, algo: str, seed: int | str | bytes | None, block_size: int, lookahead: int = 0) -> None:
+    def __init__(
+        self, algo: str, seed: int | str | bytes | None, block_size: int, lookahead: int = 0, unit: int | None = None
+    ) -> None:
         self.hash_fn = _blake2b_128 if algo == "xxh3_128" else hashlib.sha256
         self.pickled = algo == "sha256_pickle"
         if self.pickled:
@@ -32,6 +36,8 @@ class _BlockHasher:
             self.seed_hash = self.hash_fn(b"kvsched-seed\0" + seed_bytes).digest()
         self.block_size = block_size
         self.lookahead = lookahead
+        # Tokens per hash unit (``hash_block_size``): a block's hash chains over its units.
+        self.unit = block_size if unit is None else unit
 
     def hash_block(
         self,
@@ -65,14 +71,15 @@ class _BlockHasher:
         overlaps encoder inputs also hashes their content hashes and offsets (vLLM's multimodal extra keys), so
         equal placeholder tokens with different encoder content never share KV."""
         hashes = list(prev or [])
-        bs, la = self.block_size, self.lookahead
+        bs, la, unit = self.block_size, self.lookahead, self.unit
         for i in range(start, max(0, len(tokens) - la) // bs):
             parent = hashes[i - 1] if i else self.seed_hash
-            block = tokens[i * bs : (i + 1) * bs]
-            lo = i * bs
-            mm = [(h, st - lo) for st, n, h in encoder_inputs if st < lo + bs and st + n > lo]
-            after = tokens[lo + bs : lo + bs + la]
-            hashes.append(self.hash_block(parent, block, lora, salt if i == 0 else None, mm, after))
+            # A block of several hash units: each unit chains on the one before; the block's hash is its last.
+            for lo in range(i * bs, (i + 1) * bs, unit):
+                mm = [(h, st - lo) for st, n, h in encoder_inputs if st < lo + unit and st + n > lo]
+                after = tokens[lo + unit : lo + unit + la]
+                parent = self.hash_block(parent, tokens[lo : lo + unit], lora, salt if lo == 0 else None, mm, after)
+            hashes.append(parent)
         return hashes
 
 

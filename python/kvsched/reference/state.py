@@ -121,7 +121,9 @@ class _SchedulerState:
         self._cpu_free: deque[int] = deque(range(c.num_cpu_blocks))  # the CPU swap pool: pop left, append right
         self._recompute_cost_per_token = c.recompute_cost_per_token
         self._swap_cost_per_block = c.swap_cost_per_block
-        self._hasher = _BlockHasher(c.prefix_hash_algo, c.prefix_hash_seed, self._bs, c.hash_lookahead_tokens)
+        self._hasher = _BlockHasher(
+            c.prefix_hash_algo, c.prefix_hash_seed, self._bs, c.hash_lookahead_tokens, c.hash_block_size
+        )
         # session affinity: session id -> [requests of it running, schedule() calls made when its last running
         # request left running (None: never)]
         self._sessions: dict[str, list[Any]] = {}

@@ -380,6 +380,36 @@ def _binds_the_pool_as(cls: type, connector: type, bind_manager: Any = None) -> 
     )
 
 
+def check_hash_block(
+    vllm_config: Any, windows: list[int | str | None] | None, block_size: int, hash_block_size: int
+) -> None:
+    """Refuses what a hash block smaller than the block (vLLM's ``hash_block_size``, set through
+    ``prefix_match_unit``) is not supported with: one KV cache group, a size that does not divide the block, Mamba
+    groups with prefix caching (vLLM's partial-block hits of Mamba states), KV connectors, the auxiliary output
+    connector and KV cache events (vLLM's full-attention groups also key a prompt's tail inside a block, which
+    these see; the core keeps no such entries)."""
+    setting = f"hash_block_size={hash_block_size}, block_size={block_size}"
+    if len(windows or [None]) < 2:
+        _refuse("a hash block size different from the block size with one KV cache group", setting)
+    if block_size % hash_block_size:
+        _refuse("a hash block size that does not divide the block size", setting)
+    cache = vllm_config.cache_config
+    if MAMBA in (windows or ()) and cache.enable_prefix_caching:
+        _refuse(
+            "Mamba prefix caching with a hash block smaller than the block (partial-block hits, copy-on-write)",
+            setting,
+        )
+    if vllm_config.kv_transfer_config is not None:
+        _refuse("KV connectors with a hash block smaller than the block", f"kv_transfer_config, {setting}")
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if aux is not None and getattr(aux, "enabled", False):
+        _refuse(
+            "the auxiliary output connector with a hash block smaller than the block", f"aux_output_config, {setting}"
+        )
+    if cache.enable_prefix_caching and kv_events_enabled(vllm_config):
+        _refuse("KV cache events with a hash block smaller than the block", f"kv_events_config, {setting}")
+
+
 def kvsched_config_from_vllm(
     vllm_config: Any,
     kv_cache_config: Any,
@@ -508,8 +538,9 @@ def kvsched_config_from_vllm(
     # The effective policy (vLLM's, or the kvsched setting's where vLLM's allows it) stays a knob: a bad value
     # is then reported as the kvsched settings'.
     policy = effective_policy(str(sched.policy), knobs.get("policy"))
-    if hash_block_size is not None and hash_block_size != block_size:
-        _refuse("a hash block size different from the block size", f"hash_block_size={hash_block_size}")
+    finer_hashes = hash_block_size is not None and hash_block_size != block_size
+    if hash_block_size is not None and finer_hashes:
+        check_hash_block(vllm_config, windows, block_size, hash_block_size)
     block_size = attention_block_size or block_size
     # Any block size runs (a hybrid Mamba model's attention block is sized to its state's page: 272, 544, 1072,
     # ...); the core keeps a block of one rank within 4096 tokens.
@@ -643,6 +674,17 @@ def kvsched_config_from_vllm(
     fields["mamba_prefill_checkpoint_alignment"] = _checkpoint_alignment(kv_cache_config) if cached_mamba else None
     fields["hash_lookahead_tokens"] = hash_lookahead
     fields["drop_trailing_hit_block"] = drop_trailing
+    # vLLM's hash_block_size (prefix_match_unit): the core chains a block's hash over the hash blocks, so a block's
+    # key is vLLM's hash of its last hash block.
+    fields["hash_block_size"] = hash_block_size if finer_hashes else None
+    if finer_hashes and fields["enable_prefix_caching"] and (hash_lookahead or drop_trailing):
+        # vLLM's full-attention groups then key a prompt's tail inside its last block as the block's own hash
+        # (its free order and promotion follow); the core does not keep these entries.
+        _refuse(
+            "EAGLE/MTP prefix-cache rules (look-ahead hashes, trailing-block drop) with a hash block smaller than "
+            "the block",
+            f"hash_block_size={hash_block_size}, block_size={block_size}: set disable_eagle_block_drop=True",
+        )
     fields["async_scheduling"] = bool(sched.async_scheduling)
     fields["watermark"] = float(sched.watermark)
     # A token budget apart from the input budget (vLLM's max_num_scheduled_tokens; above the input budget it

@@ -585,7 +585,7 @@ class KVCacheManagerView(_ReadOnly):
             return self.empty_kv_cache_blocks, 0, 0
         block_size = self._sched.block_size
         limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
-        limit = min(limit, len(request.block_hashes) * block_size)
+        limit = min(limit, len(request.block_hashes) * self._sched.hash_block_size)
         if limit <= 0:
             return self.empty_kv_cache_blocks, 0, 0
         core, null = self._sched.core, self.block_pool.null_block

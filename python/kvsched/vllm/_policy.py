@@ -81,6 +81,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "num_speculative_tokens": "--speculative-config",
     "hash_lookahead_tokens": "--speculative-config (disable_eagle_block_drop, disable_lookahead_block_hashes)",
     "drop_trailing_hit_block": "--speculative-config (disable_eagle_block_drop, disable_lookahead_block_hashes)",
+    "hash_block_size": "--prefix-match-unit (vLLM's hash_block_size, with several KV cache groups)",
     "prefix_hash_algo": "--prefix-caching-hash-algo",
     "prefix_hash_seed": "PYTHONHASHSEED (vLLM's NONE_HASH, with the default --prefix-caching-hash-algo sha256)",
     "scheduler_reserve_full_isl": "--scheduler-reserve-full-isl",

@@ -410,7 +410,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._hasher_in_core: dict[Any, bool] = {}
         # Whether the core keys a block without extra keys with vLLM's own hash (prefix_hash_algo "sha256_pickle"),
         # so a filled block's vLLM hash is read from the core rather than computed again.
-        self._core_keys_vllm = config.prefix_hash_algo == "sha256_pickle" and config.enable_prefix_caching
+        # (With a hash block smaller than the block the core keeps one hash per block, the last hash block's: the
+        # request's hashes of the other hash blocks come from vLLM's hash here.)
+        self._core_keys_vllm = (
+            config.prefix_hash_algo == "sha256_pickle"
+            and config.enable_prefix_caching
+            and self.hash_block_size == self.block_size
+        )
         self.current_step = 0
         self._kv_view: KVCacheManagerView | None = None
         # vLLM 0.33's auxiliary output connector (routed experts), set now or later (aux_output_connector).
@@ -2342,7 +2348,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # The blocks the core just cached (it may have freed the request since): full, hashed blocks up
                 # to the tokens computed by the applied steps.
                 upto = request.num_computed_tokens - request.num_in_flight_tokens
-                num_blocks = min(upto // self.block_size, len(request.block_hashes))
+                num_blocks = min(upto, len(request.block_hashes) * self.hash_block_size) // self.block_size
                 if self._group_windows == (None,):
                     num_cached = max(num_cached, num_blocks * self.block_size)
                 else:
@@ -2733,6 +2739,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     @aux_output_connector.setter
     def aux_output_connector(self, connector: Any) -> None:
+        if connector is not None and self.hash_block_size != self.block_size:
+            # Its cache-hit questions go by vLLM's hash blocks, the core's answers by whole blocks.
+            _refuse(
+                "the auxiliary output connector with a hash block smaller than the block",
+                f"aux_output_connector, hash_block_size={self.hash_block_size}, block_size={self.block_size}",
+            )
         self._aux.connector = connector
         self._core.set_cache_hit_cap(self._aux if connector is not None else None)
 

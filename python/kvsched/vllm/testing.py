@@ -459,6 +459,7 @@ def make_scheduler(
     kv_cache_groups: Sequence[int | str | None] | None = None,
     prefix_cache_retention_interval: int | None = None,
     mamba_prefill_checkpoint_alignment: int | None = None,
+    hash_block_size: int | None = None,
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
@@ -468,7 +469,8 @@ def make_scheduler(
     caching off), in that order. ``prefix_cache_retention_interval``: the KV cache config's (vLLM's sparse
     retention of cached Mamba and sliding-window states; None: dense). ``mamba_prefill_checkpoint_alignment``: the
     Mamba groups (mode "align") declare prefill checkpoints of this alignment (vLLM 0.33's Mamba2 and Gated DeltaNet
-    layers; None: none).
+    layers; None: none). ``hash_block_size``: the granularity of the requests' block hashes (vLLM's
+    ``prefix_match_unit``; a divisor of the block size, with several groups; None: the scheduler block size).
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -514,7 +516,7 @@ def make_scheduler(
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,
-            hash_block_size=scheduler_block_size,
+            hash_block_size=scheduler_block_size if hash_block_size is None else hash_block_size,
             include_finished_set=include_finished_set,
             log_stats=log_stats,
         )

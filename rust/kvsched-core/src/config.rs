@@ -361,6 +361,14 @@ pub struct SchedulerConfig {
     /// the prefix cache, only once the request has `(i + 1) * block_size + hash_lookahead_tokens` tokens, and a
     /// hit on it needs those following tokens to match too. 0: a block's hash covers its own tokens.
     pub hash_lookahead_tokens: u32,
+    /// Tokens per prefix-cache hash unit (vLLM's `hash_block_size`, set through `prefix_match_unit`): a block's
+    /// hash chains over `block_size / hash_block_size` units, each hashed over its own tokens with its parent the
+    /// unit before it, and is the hash of its last unit (`hashing.rs`); hits, caching and eviction stay whole
+    /// blocks. `None`: `block_size` (one unit per block). Below `block_size` it must divide it and needs
+    /// `kv_cache_groups` (vLLM hashes finer than the block only with several KV cache groups); with prefix
+    /// caching on it cannot be combined with a Mamba group, `hash_lookahead_tokens`, `drop_trailing_hit_block` or
+    /// `enable_kv_cache_events`.
+    pub hash_block_size: Option<u32>,
     /// The longest prefix hit gives up its last block, which is computed again (vLLM's EAGLE trailing-block drop,
     /// `use_eagle` of its KV cache manager). With a sliding window, the hit's run of window blocks needs one
     /// block more before the drop; with several groups, every attention group drops as vLLM's hybrid
@@ -519,6 +527,7 @@ impl Default for SchedulerConfig {
             cache_drafts_at_update: true,
             trim_computed_on_stop: true,
             hash_lookahead_tokens: 0,
+            hash_block_size: None,
             drop_trailing_hit_block: false,
             sliding_window: None,
             kv_cache_groups: Vec::new(),
@@ -587,6 +596,7 @@ const INT_FIELDS: &[IntField] = &[
     IntField { name: "num_lookahead_tokens", min: 0, max: 1024, get: |c| Some(c.num_lookahead_tokens) },
     IntField { name: "num_speculative_tokens", min: 0, max: 1024, get: |c| c.num_speculative_tokens },
     IntField { name: "hash_lookahead_tokens", min: 0, max: 1024, get: |c| Some(c.hash_lookahead_tokens) },
+    IntField { name: "hash_block_size", min: 1, max: 1024, get: |c| c.hash_block_size },
     IntField {
         name: "cache_aware_admission_window",
         min: 0,
@@ -862,12 +872,61 @@ impl SchedulerConfig {
         }
         self.validate_groups()?;
         self.validate_retention()?;
+        self.validate_hash_block()?;
         if self.encoder_decoder && !self.kv_cache_groups.contains(&Some(CROSS_ATTENTION)) {
             return Err(SchedError::InvalidConfig(
                 "encoder_decoder needs a cross-attention group ('cross') in kv_cache_groups (the encoder output's \
                  blocks)"
                     .into(),
             ));
+        }
+        Ok(())
+    }
+
+    /// What a `hash_block_size` below `block_size` needs (vLLM's `resolve_kv_cache_block_sizes` and hybrid
+    /// coordinator): a divisor of `block_size`, several KV cache groups, and with prefix caching on none of the
+    /// features whose rules change with finer hashes (vLLM's partial-block Mamba hits; the prompt-tail entries its
+    /// full-attention groups add at a sub-block boundary, which only the look-ahead hashes, the trailing-block
+    /// drop and KV cache events make visible).
+    fn validate_hash_block(&self) -> Result<()> {
+        let Some(h) = self.hash_block_size.filter(|&h| h != self.block_size) else { return Ok(()) };
+        let refuse = |what: &str| {
+            Err(SchedError::InvalidConfig(format!(
+                "hash_block_size ({h}) below block_size ({}) {what}",
+                self.block_size
+            )))
+        };
+        if self.block_size % h != 0 {
+            return Err(SchedError::InvalidConfig(format!(
+                "hash_block_size ({h}) must divide block_size ({})",
+                self.block_size
+            )));
+        }
+        if self.kv_cache_groups.is_empty() {
+            return refuse(
+                "needs kv_cache_groups (vLLM hashes finer than the block only with several KV cache groups)",
+            );
+        }
+        if !self.enable_prefix_caching {
+            return Ok(());
+        }
+        if self.kv_cache_groups.contains(&Some(MAMBA)) {
+            return refuse(
+                "cannot be combined with a Mamba group with prefix caching (partial-block hits of Mamba states \
+                 are not implemented)",
+            );
+        }
+        for (on, name) in [
+            (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
+            (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
+            (self.enable_kv_cache_events, "enable_kv_cache_events"),
+        ] {
+            if on {
+                return refuse(&format!(
+                    "cannot be combined with {name} with prefix caching (the prompt-tail cache entries vLLM adds \
+                     inside a block are not implemented)"
+                ));
+            }
         }
         Ok(())
     }

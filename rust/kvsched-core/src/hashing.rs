@@ -47,6 +47,9 @@ pub struct BlockHasher {
     seed_hash: BlockHash,
     /// Tokens after each block its hash covers (`hash_lookahead_tokens`).
     lookahead: usize,
+    /// Tokens per hash unit (`hash_block_size`) when a block's hash chains over several units; 0: one unit per
+    /// block.
+    unit: usize,
 }
 
 const TAG_LORA: u8 = 1;
@@ -83,12 +86,21 @@ impl BlockHasher {
                 BlockHash(buf)
             }
         };
-        Ok(BlockHasher { algo, seed_hash, lookahead: 0 })
+        Ok(BlockHasher { algo, seed_hash, lookahead: 0, unit: 0 })
     }
 
     /// This hasher with each block's hash also covering the `lookahead` tokens after the block.
     pub fn with_lookahead(mut self, lookahead: usize) -> Self {
         self.lookahead = lookahead;
+        self
+    }
+
+    /// This hasher chaining over units of `unit` tokens (`hash_block_size`; `None`: one unit per block): a
+    /// block's hash is the hash of its last unit, each unit's parent the unit before it (block 0's first unit's
+    /// the seed), and the extra keys go per unit (the cache salt on the request's first unit only, the encoder
+    /// inputs each unit overlaps, the look-ahead tokens after each unit). The block size must be a multiple of it.
+    pub fn with_unit(mut self, unit: Option<u32>) -> Self {
+        self.unit = unit.map_or(0, |u| u as usize);
         self
     }
 
@@ -231,20 +243,23 @@ impl BlockHasher {
             return;
         }
         hashes.reserve(num_full - hashes.len());
+        // Units per block: one unless the hash unit is finer than the block (a divisor of it).
+        let unit = if self.unit == 0 || self.unit >= block_size { block_size } else { self.unit };
         while hashes.len() < num_full {
             let i = hashes.len();
-            let block = &tokens[i * block_size..(i + 1) * block_size];
-            let parent = hashes.last().unwrap_or(&self.seed_hash);
-            self.encode(buf, parent, block, extra, i == 0, mm, (i * block_size) as u32);
-            if self.lookahead > 0 {
-                let end = (i + 1) * block_size;
-                buf.pop(); // TAG_END: the look-ahead tokens come before it
-                buf.push(TAG_LOOKAHEAD);
-                Self::encode_tokens(buf, &tokens[end..end + self.lookahead]);
-                buf.push(TAG_END);
+            let mut parent = *hashes.last().unwrap_or(&self.seed_hash);
+            for start in (i * block_size..(i + 1) * block_size).step_by(unit) {
+                let end = start + unit;
+                self.encode(buf, &parent, &tokens[start..end], extra, start == 0, mm, start as u32);
+                if self.lookahead > 0 {
+                    buf.pop(); // TAG_END: the look-ahead tokens come before it
+                    buf.push(TAG_LOOKAHEAD);
+                    Self::encode_tokens(buf, &tokens[end..end + self.lookahead]);
+                    buf.push(TAG_END);
+                }
+                parent = self.digest(buf);
             }
-            let h = self.digest(buf);
-            hashes.push(h);
+            hashes.push(parent);
         }
     }
 }
@@ -330,6 +345,49 @@ mod tests {
         // A client-chosen salt cannot forge another tenant's: the tenant prefix comes first.
         let forged = tenant_cache_salt("b", None);
         assert_ne!(tenant_cache_salt("a", Some(&forged)), forged);
+    }
+
+    /// Hash units finer than the block: a block's hash is vLLM's hash of its last unit (each unit's parent the
+    /// unit before it), a unit of the block's size is the plain chain, and a salt keys the first unit only.
+    #[test]
+    fn unit_hashes_chain_over_the_block_and_keep_its_last() {
+        let root = [7u8; 32];
+        let tokens: Vec<u32> = (0..26).map(|i| (i * 37) % 1000).collect();
+        let wide: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+        for unit in [1usize, 2, 4, 8] {
+            let h =
+                BlockHasher::new(HashAlgo::Sha256Pickle, Some(&root)).unwrap().with_unit(Some(unit as u32));
+            let units = pickle_hash::sha256_pickle_block_hashes(&root, &wide, unit).unwrap();
+            let k = 8 / unit;
+            let want: Vec<[u8; 32]> = (0..units.len() / k).map(|i| units[(i + 1) * k - 1]).collect();
+            let mut v = Vec::new();
+            // Two calls: the second goes on from the first's last block.
+            h.extend_hashes(&mut v, &tokens[..12], 8, &ExtraKeys::default(), &[], &mut Vec::new());
+            assert_eq!(v.len(), 1);
+            h.extend_hashes(&mut v, &tokens, 8, &ExtraKeys::default(), &[], &mut Vec::new());
+            assert_eq!(v.iter().map(|b| b.0).collect::<Vec<_>>(), want, "unit {unit}");
+            let mut salted = Vec::new();
+            h.extend_hashes(&mut salted, &tokens, 8, &keys(Some("s"), None), &[], &mut Vec::new());
+            assert_ne!(salted[0].0, want[0]);
+            if unit < 8 {
+                // The block's later units chain vLLM's hash from the salted first unit.
+                let mut first = Vec::new();
+                BlockHasher::new(HashAlgo::Sha256Pickle, Some(&root))
+                    .unwrap()
+                    .with_unit(Some(unit as u32))
+                    .extend_hashes(
+                        &mut first,
+                        &tokens[..unit],
+                        unit,
+                        &keys(Some("s"), None),
+                        &[],
+                        &mut Vec::new(),
+                    );
+                let rest =
+                    pickle_hash::sha256_pickle_block_hashes(&first[0].0, &wide[unit..8], unit).unwrap();
+                assert_eq!(salted[0].0, *rest.last().unwrap());
+            }
+        }
     }
 
     /// `Sha256Pickle`: a block without extra keys is vLLM's pickle hash chained from the seed as it is; a block

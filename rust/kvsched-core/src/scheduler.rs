@@ -196,7 +196,8 @@ impl Scheduler {
         // A full interval back, so the first step is never gated.
         let last_prefill_step = -i64::from(config.prefill_schedule_interval);
         let hasher = BlockHasher::new(config.prefix_hash_algo, config.prefix_hash_seed.as_deref())?
-            .with_lookahead(config.hash_lookahead_tokens as usize);
+            .with_lookahead(config.hash_lookahead_tokens as usize)
+            .with_unit(config.hash_block_size);
         let kv = KvCacheManager {
             pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching)
                 .with_kv_cache_events(config.enable_kv_cache_events),

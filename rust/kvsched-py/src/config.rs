@@ -84,6 +84,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("cache_drafts_at_update", c.cache_drafts_at_update)?;
     d.set_item("trim_computed_on_stop", c.trim_computed_on_stop)?;
     d.set_item("hash_lookahead_tokens", c.hash_lookahead_tokens)?;
+    d.set_item("hash_block_size", c.hash_block_size)?;
     d.set_item("drop_trailing_hit_block", c.drop_trailing_hit_block)?;
     d.set_item("sliding_window", c.sliding_window)?;
     let groups: Option<Vec<Py<PyAny>>> = (!c.kv_cache_groups.is_empty()).then(|| {
@@ -296,6 +297,11 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         cache_drafts_at_update: bool_field("cache_drafts_at_update")?,
         trim_computed_on_stop: bool_field("trim_computed_on_stop")?,
         hash_lookahead_tokens: u32_field("hash_lookahead_tokens")?,
+        hash_block_size: if cfg.getattr("hash_block_size")?.is_none() {
+            None
+        } else {
+            Some(u32_field("hash_block_size")?)
+        },
         drop_trailing_hit_block: bool_field("drop_trailing_hit_block")?,
         sliding_window: if cfg.getattr("sliding_window")?.is_none() {
             None
