@@ -620,7 +620,7 @@ class SchedulerConfig:
             "needs `kv_cache_groups`; with prefix caching not with a Mamba group, `hash_lookahead_tokens`, "
             "`drop_trailing_hit_block` or `enable_kv_cache_events` (see [Prefix caching](#prefix-caching))",
             lo=1,
-            hi=1024,
+            hi=4096,
         ),
     )
     drop_trailing_hit_block: bool = field(

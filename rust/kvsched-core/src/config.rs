@@ -596,7 +596,7 @@ const INT_FIELDS: &[IntField] = &[
     IntField { name: "num_lookahead_tokens", min: 0, max: 1024, get: |c| Some(c.num_lookahead_tokens) },
     IntField { name: "num_speculative_tokens", min: 0, max: 1024, get: |c| c.num_speculative_tokens },
     IntField { name: "hash_lookahead_tokens", min: 0, max: 1024, get: |c| Some(c.hash_lookahead_tokens) },
-    IntField { name: "hash_block_size", min: 1, max: 1024, get: |c| c.hash_block_size },
+    IntField { name: "hash_block_size", min: 1, max: 4096, get: |c| c.hash_block_size },
     IntField {
         name: "cache_aware_admission_window",
         min: 0,
