@@ -2211,8 +2211,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--retention with --eagle --hybrid: kvsched.vllm refuses it on vLLM 0.32 (its junction rule differs)")
     if args.mamba and (args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --kv-events, --sliding-window, --hybrid and --mm")
-    if args.mamba and args.connector and set(args.kv_roles.split(",")) != {"kv_producer"}:
-        p.error("--connector --mamba goes with --kv-roles kv_producer (kvsched.vllm refuses roles that load KV there)")
     if args.mamba_prefix_caching and args.connector:
         p.error("--mamba-prefix-caching goes without --connector (kvsched.vllm refuses connectors with it)")
     if args.chunked_local and not args.hybrid:
