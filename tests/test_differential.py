@@ -161,6 +161,13 @@ class FakeConnector:
     def load_deferred(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
         self.calls.append(("deferred", req_id, list(block_ids), num_external_tokens))
 
+    def get_loaded_kv_cache_group_ids(self, req_id: str) -> list[int]:
+        # Asked at an asynchronous load's allocation with a Mamba group: the groups the load writes (their loaded
+        # tokens' blocks are not zeroed), a draw among the first four group indices.
+        self.calls.append(("loaded_groups", req_id))
+        g = self._draw("loaded", req_id, len(self.calls))
+        return [i for i in range(4) if g.random() < 0.6]
+
     def request_finished(self, req_id: str, block_ids: list[int]) -> bool | tuple[bool, dict[str, Any] | None]:
         self.calls.append(("finished", req_id, list(block_ids)))
         g = self._draw("finished", req_id, len(self.calls))
@@ -2046,13 +2053,23 @@ HMA_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=36, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=(3, None, 3), kv_connector_groups=True, enable_kv_cache_events=True,
                     prefix_hash_seed=96),
-    # Mamba groups (mode "none", and "align": its states below the last processed token's leave at a finish).
+    # Mamba groups (mode "none", and "align": its states below the last processed token's leave at a finish; a
+    # load's state block popped with the external blocks, an asynchronous load's blocks in the groups it writes not
+    # zeroed, its admission beside the in-flight prefills' Mamba blocks).
     SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=("mamba", None), kv_connector_groups=True, enable_prefix_caching=False,
                     async_scheduling=True, defer_block_free=True, prefix_hash_seed=97),
     SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=(None, "mamba", 6), kv_connector_groups=True, enable_prefix_caching=False,
                     mamba_align=True, prefix_hash_seed=98),
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=64,
+                    kv_cache_groups=("mamba", None, "mamba"), kv_connector_groups=True, enable_prefix_caching=False,
+                    mamba_align=True, park_kv_loads=False, reserve_inflight_prefills=True, num_speculative_tokens=2,
+                    mamba_speculative_blocks=2, async_scheduling=True, prefix_hash_seed=99),
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, "mamba"), kv_connector_groups=True, enable_prefix_caching=False,
+                    park_kv_loads=False, reserve_inflight_prefills=True, num_speculative_tokens=2,
+                    mamba_speculative_blocks=2, prefix_hash_seed=100),
 ]  # fmt: skip
 
 
@@ -2060,7 +2077,7 @@ def test_soak_kv_connector_groups_match_reference_step_by_step() -> None:
     """With a seeded KV connector and kv_connector_groups, both implementations hand the connector the same
     per-group tables (null blocks before the windows), free and hold the same blocks of every group, and agree
     at every step; loads are async and sync, some blocks are held for sends, requests are preempted."""
-    nulls_handed = held = 0
+    nulls_handed = held = loaded_groups = 0
     for i, cfg in enumerate(HMA_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(9191 + i)), max_in_flight=1 + i % 3,
                     connector_seed=9191 + i, fail_steps=False)  # fmt: skip
@@ -2074,9 +2091,10 @@ def test_soak_kv_connector_groups_match_reference_step_by_step() -> None:
         nulls_handed += sum(
             any(t and t[0] == 0 for t in c[2]) for c in twin.conn_ref.calls if c[0] in ("alloc", "finished")
         )
+        loaded_groups += sum(c[0] == "loaded_groups" for c in twin.conn_ref.calls)
         twin.drain()
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
-    assert nulls_handed > 0 and held > 0, (nulls_handed, held)
+    assert nulls_handed > 0 and held > 0 and loaded_groups > 0, (nulls_handed, held, loaded_groups)
 
 
 # Mamba groups in align mode (mamba_align, vLLM's mamba_cache_mode "align"): block-sized state tables beside full

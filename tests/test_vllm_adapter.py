@@ -1365,10 +1365,11 @@ def test_align_mode_mamba_groups_schedule_as_vllms_scheduler() -> None:
     assert not pair[1].requests
 
 
-def test_kv_producers_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name() -> None:
-    """A KV connector in role kv_producer runs with Mamba groups in mode "none" and in mode "align" without prefix
-    caching (the core hands it every group's blocks); roles that load KV (kv_consumer, kv_both) and Mamba prefix
-    caching with any connector are refused at construction, by name."""
+def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name() -> None:
+    """A KV connector in every role (kv_producer, kv_consumer, kv_both) runs with Mamba groups in mode "none" and
+    in mode "align" without prefix caching (the core hands it every group's blocks); Mamba prefix caching with any
+    connector, and roles that load KV with mode-"none" Mamba blocks longer than max_model_len, are refused at
+    construction, by name."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     kw = _attention_kw(4)
@@ -1380,16 +1381,21 @@ def test_kv_producers_run_with_mamba_groups_and_what_they_do_not_support_is_refu
                                     mamba_cache_mode=mode, kv_connector_seed=1, kv_role=role)  # fmt: skip
 
         size = 4 if mode == "align" else None
-        if not caching:
-            sched = _build_mamba(cfg("kv_producer"), mamba, FullAttentionSpec(**kw), block_size=size)
-            assert sched.kv_config.kv_connector_groups and sched.kv_config.mamba_align == (mode == "align")
-        else:
-            with pytest.raises(UnsupportedFeatureError, match="KV connectors with Mamba prefix caching"):
-                _build_mamba(cfg("kv_producer"), mamba, FullAttentionSpec(**kw), block_size=4)
-        for role in ("kv_consumer", "kv_both"):
-            with pytest.raises(UnsupportedFeatureError, match=r"KV connectors that load KV \(kv_consumer, kv_both\) "
-                               "with Mamba"):  # fmt: skip
-                _build_mamba(cfg(role), mamba, FullAttentionSpec(**kw), block_size=size)
+        for role in ("kv_producer", "kv_consumer", "kv_both"):
+            if not caching:
+                sched = _build_mamba(cfg(role), mamba, FullAttentionSpec(**kw), block_size=size)
+                assert sched.kv_config.kv_connector_groups and sched.kv_config.mamba_align == (mode == "align")
+            else:
+                with pytest.raises(UnsupportedFeatureError, match="KV connectors with Mamba prefix caching"):
+                    _build_mamba(cfg(role), mamba, FullAttentionSpec(**kw), block_size=4)
+    # Mode "none" with a state block longer than max_model_len: a producer runs, the roles that load KV are refused.
+    longer = _mamba_spec(128, "none")
+    none_cfg = {"block_size": 4, "num_blocks": 64, "max_model_len": 64, "enable_prefix_caching": False,
+                "mamba_cache_mode": "none", "kv_connector_seed": 1}  # fmt: skip
+    _build_mamba(make_vllm_config(**none_cfg, kv_role="kv_producer"), longer, FullAttentionSpec(**kw))
+    for role in ("kv_consumer", "kv_both"):
+        with pytest.raises(UnsupportedFeatureError, match="KV connectors that load KV with Mamba blocks longer than"):
+            _build_mamba(make_vllm_config(**none_cfg, kv_role=role), longer, FullAttentionSpec(**kw))
 
 
 def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> None:

@@ -459,6 +459,37 @@ def test_identical_to_vllm_with_a_kv_producer_on_mamba_groups(sync: str, runner:
     assert cfg.mamba_cache_mode == ("align" if align else "none")
 
 
+@pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
+@pytest.mark.parametrize("align", [False, True], ids=["none", "align"])
+@pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
+def test_identical_to_vllm_with_kv_loads_on_mamba_groups(
+    sync: str, runner: str, align: bool, kv_role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seeded RandomKVConnector in the roles that load KV on a hybrid Mamba model, vLLM's mamba_cache_mode
+    "none" and "align" (prefix caching off): a load's Mamba state block is popped with the other groups' external
+    blocks (mode "align": null blocks before it), the blocks an asynchronous load writes (every group, or the
+    subset get_loaded_kv_cache_group_ids draws) stay out of new_block_ids_to_zero, an asynchronous load is admitted
+    beside the Mamba blocks the in-flight prefills still need, and a failed load frees every group's blocks."""
+    from kvsched.vllm.testing import RandomKVConnector
+
+    answers: list[tuple[int, int]] = []  # (groups loaded, groups in all) of each asynchronous load's allocation
+    loaded_groups = RandomKVConnector.get_loaded_kv_cache_group_ids
+
+    def counted(self: Any, request: Any) -> tuple[int, ...]:
+        groups = loaded_groups(self, request)
+        answers.append((len(groups), self._num_groups))
+        return groups
+
+    monkeypatch.setattr(RandomKVConnector, "get_loaded_kv_cache_group_ids", counted)
+    cfg = run_seed(0, 120, async_scheduling=sync == "async", v2=runner == "v2", connector=True, kv_role=kv_role,
+                   mamba=True, mamba_align=align)  # fmt: skip
+    assert cfg.kv_role == kv_role and cfg.kv_cache_groups is not None and "mamba" in cfg.kv_cache_groups
+    assert cfg.mamba_cache_mode == ("align" if align else "none")
+    # Asynchronous loads were allocated on both sides (asked as often), some loading every group, some fewer.
+    assert answers and len(answers) % 2 == 0
+    assert any(n == total for n, total in answers) and any(n < total for n, total in answers)
+
+
 @pytest.mark.parametrize(("sync", "kv_role"), [("sync", "kv_both"), ("async", "kv_consumer"), ("async", "kv_both")])
 def test_identical_to_vllm_with_a_multi_connector(sync: str, kv_role: str) -> None:
     """The seeded RandomKVConnector as the second child of vLLM's MultiConnector, after a passive one, on both

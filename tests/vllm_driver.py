@@ -1348,6 +1348,19 @@ class Pair:
                 f"({Path(frame.filename).name}:{frame.lineno}); kvsched's step there schedules {len(loras)} LoRAs "
                 f"(max_loras {self.cfg.max_loras})"
             ) from exc
+        except ValueError as exc:
+            # A bug of vLLM's own scheduler: an align-mode Mamba group's count of a new request's blocks leaves out
+            # the block its KV load's state takes, and the pool runs dry (block_pool.get_new_blocks raises); the
+            # core fails that allocation instead. Nothing to compare against from here on.
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            if not str(exc).startswith("Cannot get") or self.cfg.mamba_cache_mode != "align":
+                raise
+            self.b.schedule(throttle_prefills=throttle)
+            raise VllmStopped(
+                f"step {self.steps}: vLLM's scheduler raised `{exc}` ({Path(frame.filename).name}:{frame.lineno}), "
+                "its align-mode Mamba count one block short after a KV load; kvsched's step there goes on (the core "
+                "fails an allocation its pool cannot hold)"
+            ) from exc
         so_b = self.b.schedule(throttle_prefills=throttle)
         compare(f"step {self.steps} SchedulerOutput", so_a, so_b)
         if self.mooncake is not None:
@@ -2248,8 +2261,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--retention with --eagle --hybrid: kvsched.vllm refuses it on vLLM 0.32 (its junction rule differs)")
     if args.mamba and (args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --kv-events, --sliding-window, --hybrid and --mm")
-    if args.mamba and args.connector and set(args.kv_roles.split(",")) != {"kv_producer"}:
-        p.error("--connector --mamba goes with --kv-roles kv_producer (kvsched.vllm refuses roles that load KV there)")
     if args.mamba_prefix_caching and args.connector:
         p.error("--mamba-prefix-caching goes without --connector (kvsched.vllm refuses connectors with it)")
     if args.chunked_local and not args.hybrid:

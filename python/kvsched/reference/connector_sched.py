@@ -126,6 +126,24 @@ class _ConnectorMixin(_BlockPoolMixin):
         except Exception as e:
             self._keep(e)
 
+    def _hook_loaded_groups(self, r: _Request) -> set[int] | None:
+        """The optional ``get_loaded_kv_cache_group_ids(req_id)``: the KV cache groups an asynchronous load writes
+        (their loaded tokens' blocks are not zeroed); None (no hook, or it failed): every group."""
+        hook = getattr(self._connector, "get_loaded_kv_cache_group_ids", None)
+        if hook is None:
+            return None
+        try:
+            res = hook(r.req_id)
+            groups = list(res)
+            if any(isinstance(g, bool) or not _is_int(g) or g < 0 for g in groups):
+                raise KVConnectorError(
+                    f"kv_connector.get_loaded_kv_cache_group_ids: must return an iterable of int >= 0, got {res!r}"
+                )
+            return {int(g) for g in groups}
+        except Exception as e:
+            self._keep(e)
+            return None
+
     def _hook_load_deferred(self, r: _Request, num_external: int) -> None:
         hook = getattr(self._connector, "load_deferred", None)
         if hook is None:

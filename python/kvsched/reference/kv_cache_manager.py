@@ -610,8 +610,12 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         # Align-mode Mamba groups: the entries the state's tokens (no lookahead) want.
         mamba_entries = math.ceil((total_computed + n) / bs) + c.mamba_speculative_blocks
         plan = []
-        ext_plan: list[tuple[int, int]] = []  # (group, blocks of the external tokens), popped first
+        # (group, null blocks before them, blocks of the external tokens), popped first
+        ext_plan: list[tuple[int, int, int]] = []
+        # the tokens computed before a new request's allocation: the external ones
+        ext_tokens = r.num_computed_tokens + ext if fresh else 0
         total_need = evictable = 0
+        uncounted = 0  # blocks align-mode Mamba groups pop beyond their counts (a load's state block)
         for g, w in enumerate(windows):
             if w == _MAMBA and align:  # may be negative: vLLM sums it as it is
                 ghits = all_hits[g]  # a new request's hit: the state block at its end, null blocks before it
@@ -627,7 +631,16 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     r.mamba_checkpoint.pop(g, None)
                 else:
                     r.mamba_checkpoint[g] = checkpoint
-                total_need += self._align_need(mamba_entries, held, allocated, checkpoint is not None)
+                counted = self._align_need(mamba_entries, held, allocated, checkpoint is not None)
+                total_need += counted
+                if ext_tokens > 0 and held == 0:
+                    # A load's state: null blocks before the block of the last loaded token, popped with the other
+                    # groups' external blocks; the growth pops the rest (uncounted when the chunk reaches a later
+                    # block, as vLLM counts it).
+                    pad = (total_computed - 1) // bs
+                    ext_plan.append((g, pad, 1))
+                    popped = 1 + mamba_entries - max(pad + 1, mamba_entries - 1 - c.mamba_speculative_blocks)
+                    uncounted += popped - counted
                 plan.append((max(0, len(ghits) - 1), 0))
                 continue
             if w < 0:  # the encoder output's or the state's blocks, at the first allocation only
@@ -639,6 +652,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                         if w == _CROSS
                         else max(0, 1 + c.mamba_speculative_blocks - held)
                     )
+                if w == _MAMBA and ext_tokens > 0 and need > 0:
+                    ext_plan.append((g, 0, 1))  # a load's state block, with the other groups' external blocks
                 total_need += need
                 plan.append((0, need))
                 continue
@@ -651,13 +666,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             # A new request's external tokens: vLLM pops their blocks for every group before the other new blocks
             # (allocate_external_computed_blocks), unless the window skips them all.
             # (the tokens computed before a new request's allocation: the external ones).
-            pre = r.num_computed_tokens + ext
-            g_ext = min(pre, total_computed - skipped_tokens) if skipped_tokens else pre
-            if fresh and g_ext > 0:
-                ext_plan.append((g, min(need, max(0, math.ceil(total_computed / bs) - held_after_hits))))
+            g_ext = min(ext_tokens, total_computed - skipped_tokens) if skipped_tokens else ext_tokens
+            if g_ext > 0:
+                ext_plan.append((g, 0, min(need, max(0, math.ceil(total_computed / bs) - held_after_hits))))
             plan.append((skipped, need))
         if total_need + evictable + reserved > len(self._free):
             return None
+        if uncounted > 0 and total_need + evictable + uncounted > len(self._free):
+            return None  # the pool lacks the block the count left out (vLLM's pool raises there)
         for g, (skipped, _) in enumerate(plan):
             if windows[g] in (_CROSS, _MAMBA) and not all_hits[g]:
                 continue
@@ -670,14 +686,17 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._group_table(r, g).extend([0] * skipped + kept)
             self._set_group_cached(r, g, self._group_cached(r, g) + skipped + len(kept))
         new_blocks: list[int] = []
-        for g, ext_need in ext_plan:
+        for g, pad, ext_need in ext_plan:
+            table = self._group_table(r, g)
+            table.extend([0] * (pad - len(table)))
             ext_blocks = [self._pop_free_block() for _ in range(ext_need)]
-            self._group_table(r, g).extend(ext_blocks)
-            if self._zero_ids:
-                self._zero_ids[g].extend(ext_blocks)
+            table.extend(ext_blocks)
+            if self._zero_ids and windows[g] != _MAMBA and g not in self._skip_zero:
+                self._zero_ids[g].extend(ext_blocks)  # unless an asynchronous load writes them
             if g == c.primary_group:
                 new_blocks = ext_blocks
-            plan[g] = (plan[g][0], plan[g][1] - ext_need)
+            if not (windows[g] == _MAMBA and align):
+                plan[g] = (plan[g][0], plan[g][1] - ext_need)
         for g, (_, need) in enumerate(plan):
             if windows[g] == _MAMBA and align:
                 self._grow_mamba_align(r, g, mamba_entries)

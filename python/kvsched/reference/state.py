@@ -108,6 +108,8 @@ class _SchedulerState:
         # With a Mamba group: each group's attention blocks allocated since the last schedule() returned.
         groups = c.kv_cache_groups or ()
         self._zero_ids: list[list[int]] = [[] for _ in groups] if MAMBA in groups else []
+        # The groups an asynchronous load being allocated writes: its loaded tokens' blocks there are not zeroed.
+        self._skip_zero: set[int] = set()
         self._last_out: SchedulerOutput | None = None
         self._last_out_fresh = False  # prepare_model_inputs is allowed until the state changes
         self._stats = dict.fromkeys(

@@ -511,7 +511,12 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     continue
                 enc_dec_charge = enc_dec_tokens
             reserved = watermark if self._running else 0
+            if load_async and ext > 0 and self._zero_ids:
+                # the groups the load writes keep its tokens' blocks out of the zeroing (asked before allocating)
+                loaded = self._hook_loaded_groups(r)
+                self._skip_zero = set(range(len(self._zero_ids))) if loaded is None else loaded
             if c.scheduler_reserve_full_isl and not self._full_sequence_fits(r, hits, ext, reserved):
+                self._skip_zero = set()
                 if planned:
                     self._rollback_encoder(enc, r)
                 self._enc_dec_free_slots += enc_dec_tokens  # vLLM frees its inputs, allocated or not
@@ -521,7 +526,9 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             if computed_before == 0:
                 r.num_computed_tokens = restored - hit_tokens  # _allocate_slots counts from computed + hits
             alloc_reserved = reserved + extra
-            if self._allocate_slots(r, n, hits, 0 if load_async else look, alloc_reserved, ext, not load_async) is None:
+            allocated = self._allocate_slots(r, n, hits, 0 if load_async else look, alloc_reserved, ext, not load_async)
+            self._skip_zero = set()
+            if allocated is None:
                 if computed_before == 0:
                     r.num_computed_tokens = 0
                 if planned:
@@ -602,16 +609,27 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         k = c.num_spec_tokens
         step = 1 + k + c.num_lookahead_tokens if k else 0
         if c.kv_cache_groups is not None:
-            # Every group but Mamba's: its blocks, a window's (or chunked-local group's) capped at its admission cap.
-            windows = [(g, w) for g, w in enumerate(self._group_windows()) if w != -2]
-            total = len(windows) * -(-step // bs)
+            # Every group: its blocks, a window's (or chunked-local group's) capped at its admission cap; a Mamba
+            # group's as its allocation counts them (mode "none": the state block of max_model_len tokens and the
+            # speculative blocks; "align": the entries of the tokens without the decode step, at most one more,
+            # summed as they are), and no decode step's blocks (vLLM's Mamba groups hold theirs).
+            windows = list(enumerate(self._group_windows()))
+            total = sum(1 for _, w in windows if w != -2) * -(-step // bs)
+            spec = c.mamba_speculative_blocks
             for r in self._requests.values():
                 if r.inflight_prefill:
-                    required = -(-(min(r.num_tokens, c.max_model_len) + step) // bs)
+                    tokens = min(r.num_tokens, c.max_model_len)
+                    required = -(-(tokens + step) // bs)
                     for g, w in windows:
-                        need = min(required, self._group_cap(w)) if w > 0 else required
-                        total += max(0, need - len(self._group_table(r, g)))
-            return total
+                        held = len(self._group_table(r, g))
+                        if w == -2 and c.mamba_align:
+                            total += self._align_need(-(-tokens // bs) + spec, held, g in r.mamba_allocated, False)
+                        elif w == -2:
+                            total += max(0, -(-(tokens + step) // max(1, c.max_model_len)) + spec - held)
+                        else:
+                            need = min(required, self._group_cap(w)) if w > 0 else required
+                            total += max(0, need - held)
+            return max(0, total)
         total = -(-step // bs)
         for r in self._requests.values():
             if r.inflight_prefill:

@@ -433,6 +433,8 @@ def kvsched_config_from_vllm(
     parallel = vllm_config.parallel_config
 
     kv_transfer = vllm_config.kv_transfer_config
+    # A connector that loads KV (a decode engine: kv_consumer, kv_both).
+    loads_kv = kv_transfer is not None and bool(kv_transfer.is_kv_consumer)
     if _attr(model, "runner_type") == "pooling":
         _refuse("pooling models", "runner_type='pooling'")
     aux = getattr(vllm_config, "aux_output_config", None)
@@ -478,13 +480,6 @@ def kvsched_config_from_vllm(
                 "KV connectors with chunked-local or cross-attention KV cache groups",
                 f"kv_transfer_config, {num} ({', '.join(kinds)})",
             )
-        if kv_transfer is not None and MAMBA in windows and kv_transfer.is_kv_consumer:
-            # vLLM allocates a load's Mamba state blocks with the external tokens' blocks and leaves the blocks a
-            # load writes out of the blocks it zeroes; the core does neither yet.
-            _refuse(
-                "KV connectors that load KV (kv_consumer, kv_both) with Mamba KV cache groups",
-                f"kv_transfer_config.kv_role={kv_transfer.kv_role!r}, {num} (mamba)",
-            )
         if kv_transfer is not None and MAMBA in windows and cache.enable_prefix_caching:
             # vLLM hands a connector the cached Mamba boundary states (kv_connector_block_state) and a producer's
             # finished partial tails (register_finished_partial_tail); the adapter hands it neither.
@@ -522,6 +517,13 @@ def kvsched_config_from_vllm(
                     # Every allocation's slots (at most max_model_len) then fit one state block, as vLLM's mode
                     # "none" makes them (mamba_block_size = max_model_len).
                     _refuse("Mamba blocks shorter than max_model_len", f"KV cache group {g}: block_size={size}")
+                if windows[g] == MAMBA and size > int(model.max_model_len) and loads_kv:
+                    # The core counts an asynchronous load's reservation for the in-flight prefills with state
+                    # blocks of max_model_len tokens (vLLM's engine sets mamba_block_size = max_model_len).
+                    _refuse(
+                        "KV connectors that load KV with Mamba blocks longer than max_model_len",
+                        f"kv_transfer_config.kv_role={kv_transfer.kv_role!r}, KV cache group {g}: block_size={size}",
+                    )
         if CROSS_ATTENTION in windows and cache.enable_prefix_caching:
             # vLLM's CrossAttentionManager cannot look up a prefix (vLLM turns prefix caching off for
             # encoder-decoder models).

@@ -148,6 +148,11 @@ class ConnectorBridge:
         if not deferred:
             self._admitted(req_id, request, asked, num_external_tokens)
 
+    def get_loaded_kv_cache_group_ids(self, req_id: str) -> tuple[int, ...]:
+        # Asked at an asynchronous load's allocation with Mamba groups (vLLM then zeroes new attention blocks): the
+        # groups the load writes keep its tokens' blocks out of new_block_ids_to_zero.
+        return tuple(self.connector.get_loaded_kv_cache_group_ids(self._get_request(req_id)))
+
     def load_deferred(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
         # An asynchronous load admitted while a step is in flight (vLLM's deferred_loads): admitted now, registered
         # with the connector (update_state_after_alloc) once the steps in flight are applied.

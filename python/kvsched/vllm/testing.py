@@ -777,6 +777,15 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
         self._pending[req_id] = (num_computed_tokens, ext, is_async)
         return ext, is_async
 
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # The groups an asynchronous load writes (their loaded tokens' blocks are not zeroed): every group about
+        # half the time (vLLM's P/D connectors), else a seeded subset (what it answers depends on nothing else).
+        groups = tuple(range(self._num_groups))
+        rng = self._rng(request.request_id, "loaded", request.num_preemptions)
+        if self.passive or rng.random() < 0.5:
+            return groups
+        return tuple(g for g in groups if rng.random() < 0.5)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
         groups = blocks.get_block_ids()
@@ -868,7 +877,9 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
                 if r < 0.1:
                     failed.add(rid)
                 elif r < 0.2:
-                    bad = blocks[rng.randrange(first // block_size, -(-(first + n) // block_size))]
+                    idx = rng.randrange(first // block_size, -(-(first + n) // block_size))
+                    # (the first group's table: a Mamba group's can be shorter)
+                    bad = blocks[idx] if idx < len(blocks) else 0
                     # vLLM refuses invalid blocks with several KV cache groups (a block id names a block within
                     # one group), and a window's null block holds nothing: the load failed whole instead.
                     if bad == 0 or self._num_groups > 1:

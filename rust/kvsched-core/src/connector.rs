@@ -29,6 +29,14 @@ pub trait KvConnector: Send + Sync {
     /// (`update_state_after_alloc`, same arguments) once the steps in flight at its admission are applied.
     fn load_deferred(&mut self, _req: &Request, _num_external_tokens: u32) {}
 
+    /// At the allocation of an asynchronous load (`get_num_new_matched_tokens` answered external tokens to load
+    /// asynchronously) when new attention blocks are zeroed (a Mamba group, `SchedulerOutput::zero_block_ids`):
+    /// the KV cache groups the load writes (vLLM's `get_loaded_kv_cache_group_ids`); the blocks of the loaded
+    /// tokens there stay out of the blocks to zero. `None` (the default): every group.
+    fn loaded_groups(&mut self, _req: &Request) -> Option<Vec<usize>> {
+        None
+    }
+
     /// When a request finishes (any reason), before its blocks are freed: `block_ids` are the blocks holding its
     /// computed tokens. `true`: the engine is sending them, free them only when it reports the send finished.
     fn request_finished(&mut self, req: &Request, block_ids: &[u32]) -> bool;

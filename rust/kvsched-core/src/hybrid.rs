@@ -83,6 +83,10 @@ pub struct Hybrid {
     /// allocated since the last `schedule()` returned, in allocation order (`SchedulerOutput::zero_block_ids`).
     /// Empty without one.
     pub zero_ids: Vec<Vec<u32>>,
+    /// The groups an asynchronous KV load being allocated writes (vLLM's `get_loaded_kv_cache_group_ids`): the
+    /// blocks of its external tokens there stay out of `zero_ids` (the load would race the zeroing). Set by the
+    /// scheduler around that one allocation; empty otherwise.
+    pub skip_zero: Vec<usize>,
     /// Each group's admission cap in blocks (`usize::MAX` for full attention); see
     /// `KvCacheManager::admission_cap_blocks`.
     pub caps: Vec<usize>,
@@ -122,6 +126,7 @@ impl Clone for Hybrid {
             mamba_blocks: self.mamba_blocks,
             mamba_align: self.mamba_align,
             zero_ids: self.zero_ids.clone(),
+            skip_zero: self.skip_zero.clone(),
             caps: self.caps.clone(),
             lookups: self.lookups.clone(),
             last_hits: Mutex::new(self.hits().clone()),
@@ -151,6 +156,7 @@ impl Hybrid {
             mamba_blocks: 1 + mamba_speculative_blocks as usize,
             mamba_align: false,
             zero_ids,
+            skip_zero: Vec::new(),
             caps,
             lookups,
             last_hits: Mutex::new(vec![Vec::new(); n]),

@@ -13,7 +13,13 @@ use crate::request::{GroupTable, Request};
 /// wants `entries` entries and the table holds `held`: the missing ones, capped at one (`mamba_blocks`, one plus
 /// the speculative blocks, before the first allocation), one more with a prefill checkpoint (`checkpoint`);
 /// negative when the table is longer.
-fn align_need(entries: usize, held: usize, mamba_blocks: usize, allocated: bool, checkpoint: bool) -> i64 {
+pub(crate) fn align_need(
+    entries: usize,
+    held: usize,
+    mamba_blocks: usize,
+    allocated: bool,
+    checkpoint: bool,
+) -> i64 {
     let need = entries as i64 - held as i64;
     if need > 0 {
         need.min(if allocated { 1 } else { mamba_blocks as i64 } + i64::from(checkpoint))
@@ -340,11 +346,16 @@ impl KvCacheManager {
         let mamba_entries = mamba_tokens.div_ceil(bs) as usize + (mamba_blocks - 1);
         // Per group: the null blocks before the window (a new request's), and the blocks to pop.
         let mut plan: Vec<(usize, usize)> = Vec::with_capacity(windows.len());
-        // Per group: the blocks of the external tokens, popped for every group before the other new blocks.
-        let mut ext_plan: Vec<(usize, usize)> = Vec::new();
+        // Per group: the blocks of the external tokens, popped for every group before the other new blocks, and
+        // (align-mode Mamba groups) the null blocks before them.
+        let mut ext_plan: Vec<(usize, usize, usize)> = Vec::new();
+        // A new request's tokens computed before its allocation are the KV connector's (external).
+        let ext_tokens = if fresh { computed } else { 0 };
         let mut total_need = 0;
         // Align-mode Mamba groups' counts, which can be negative (vLLM sums them as they are).
         let mut mamba_need: i64 = 0;
+        // The blocks align-mode Mamba groups pop beyond their counts (a load's state block, see below).
+        let mut mamba_uncounted: i64 = 0;
         let mut evictable = 0;
         for (g, &w) in windows.iter().enumerate() {
             let held = table_ref(req, slots[g]).len();
@@ -371,8 +382,20 @@ impl KvCacheManager {
                     }
                     _ => false,
                 };
-                mamba_need +=
+                let counted =
                     align_need(mamba_entries, held + ghits.len(), mamba_blocks, allocated, checkpoint);
+                mamba_need += counted;
+                if ext_tokens > 0 && held == 0 && ghits.is_empty() {
+                    // A load's state (vLLM's `allocate_external_computed_blocks`): null blocks before the block
+                    // of the last loaded token, which is popped with the other groups' external blocks. The
+                    // growth then pops the rest; its count above does not include that block when the chunk
+                    // reaches a later block (vLLM counts it so too).
+                    let pad = ((total_computed - 1) / bs) as usize;
+                    ext_plan.push((g, pad, 1));
+                    let skipped = mamba_entries - mamba_blocks;
+                    let popped = 1 + mamba_entries - (pad + 1).max(skipped);
+                    mamba_uncounted += popped as i64 - counted;
+                }
                 plan.push((ghits.len().saturating_sub(1), 0));
                 continue;
             }
@@ -383,6 +406,12 @@ impl KvCacheManager {
                     (true, CROSS_ATTENTION) => self.cross_blocks_to_add(req, held),
                     (true, _) => mamba_blocks.saturating_sub(held),
                 };
+                if w == MAMBA && ext_tokens > 0 && need > 0 {
+                    // A load's state block is popped with the other groups' external blocks (vLLM's
+                    // `allocate_external_computed_blocks`: the state's one block of `max_model_len` tokens), the
+                    // speculative blocks after them.
+                    ext_plan.push((g, 0, 1));
+                }
                 total_need += need;
                 plan.push((0, need));
                 continue;
@@ -393,20 +422,24 @@ impl KvCacheManager {
             let kept = &all_hits[g][skipped.min(num_hits)..];
             evictable += kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total_need += need;
-            // A new request's tokens computed before its allocation are the KV connector's (external): vLLM pops
-            // their blocks for every group first (`allocate_external_computed_blocks`), unless the window skips
-            // them all.
-            let ext = if fresh { computed } else { 0 };
-            let ext = if skipped_tokens > 0 { ext.min(total_computed - skipped_tokens) } else { ext };
+            // The external tokens' blocks: vLLM pops them for every group first (`allocate_external_computed_blocks`),
+            // unless the window skips them all.
+            let ext =
+                if skipped_tokens > 0 { ext_tokens.min(total_computed - skipped_tokens) } else { ext_tokens };
             if ext > 0 {
                 let held_after_hits = held + skipped.max(num_hits);
                 let ext_need =
                     (total_computed.div_ceil(bs) as usize).saturating_sub(held_after_hits).min(need);
-                ext_plan.push((g, ext_need));
+                ext_plan.push((g, 0, ext_need));
             }
             plan.push((skipped, need));
         }
-        if (total_need + evictable + reserved) as i64 + mamba_need > self.pool.num_free_blocks() as i64 {
+        let free = self.pool.num_free_blocks() as i64;
+        if (total_need + evictable + reserved) as i64 + mamba_need > free {
+            return None;
+        }
+        if mamba_uncounted > 0 && (total_need + evictable) as i64 + mamba_need + mamba_uncounted > free {
+            // The pool lacks the block the count left out: vLLM's pool raises there; the allocation fails.
             return None;
         }
         for (g, &(skipped, _)) in plan.iter().enumerate() {
@@ -424,15 +457,27 @@ impl KvCacheManager {
             *num_cached += (skipped + kept.len()) as u32;
         }
         let mut popped = total_need;
-        for &(g, ext_need) in &ext_plan {
+        for &(g, pad, ext_need) in &ext_plan {
+            let (blocks, _) = table(req, slots[g]);
+            if pad > blocks.len() {
+                blocks.resize(pad, NULL_BLOCK);
+            }
             if ext_need > 0 {
-                let (blocks, _) = table(req, slots[g]);
                 self.pool.allocate_into(ext_need, blocks);
-                if let Some(zero) = self.hybrid.as_deref_mut().and_then(|hy| hy.zero_ids.get_mut(g)) {
-                    zero.extend_from_slice(&blocks[blocks.len() - ext_need..]);
+                // Zeroed unless the group holds no attention blocks or an asynchronous load writes them.
+                if let Some(hy) = self.hybrid.as_deref_mut() {
+                    if windows[g] != MAMBA && !hy.skip_zero.contains(&g) {
+                        if let Some(zero) = hy.zero_ids.get_mut(g) {
+                            zero.extend_from_slice(&blocks[blocks.len() - ext_need..]);
+                        }
+                    }
                 }
             }
-            plan[g].1 -= ext_need;
+            if windows[g] == MAMBA && align {
+                popped += ext_need;
+            } else {
+                plan[g].1 -= ext_need;
+            }
         }
         for (g, &(_, need)) in plan.iter().enumerate() {
             if windows[g] == MAMBA && align {

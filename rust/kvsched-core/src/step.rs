@@ -1229,8 +1229,35 @@ impl Scheduler {
         a: &Admission,
         enc: &mut EncoderStep,
     ) -> Result<bool> {
-        let hs = a.h.slot as usize;
         let lookahead = self.config.num_lookahead_tokens;
+        // An asynchronous load with new attention blocks zeroed: the groups it writes keep their loaded tokens'
+        // blocks out of the zeroing (asked before the allocation, as vLLM asks).
+        let zeroes = self.kv.hybrid.as_deref().is_some_and(|hy| !hy.zero_ids.is_empty());
+        if a.load_async && a.ext > 0 && zeroes {
+            let ngroups = self.config.kv_cache_groups.len();
+            let loaded = match (self.connector.as_mut(), self.slab.get(a.h.slot)) {
+                (Some(conn), Ok(req)) => conn.0.loaded_groups(req),
+                _ => None,
+            };
+            if let Some(hy) = self.kv.hybrid.as_deref_mut() {
+                hy.skip_zero = loaded.unwrap_or_else(|| (0..ngroups).collect());
+            }
+        }
+        let allocated = self.allocate_admission_inner(pass, a, enc, lookahead);
+        if let Some(hy) = self.kv.hybrid.as_deref_mut() {
+            hy.skip_zero.clear();
+        }
+        allocated
+    }
+
+    fn allocate_admission_inner(
+        &mut self,
+        pass: &AdmissionPass,
+        a: &Admission,
+        enc: &mut EncoderStep,
+        lookahead: u32,
+    ) -> Result<bool> {
+        let hs = a.h.slot as usize;
         if self.config.scheduler_reserve_full_isl
             && !self.kv.full_sequence_fits(
                 self.slab.get(a.h.slot)?,
@@ -1652,21 +1679,34 @@ fn inflight_reserved_blocks(
     let k = config.num_spec_tokens();
     let step = if k > 0 { 1 + k + config.num_lookahead_tokens } else { 0 };
     if let Some(hy) = hybrid {
-        // Every group but Mamba's: its blocks, a window's (or chunked-local group's) capped at its admission cap.
-        let groups: Vec<usize> =
-            (0..hy.windows.len()).filter(|&g| hy.windows[g] != crate::config::MAMBA).collect();
-        let mut total = groups.len() * step.div_ceil(bs) as usize;
+        use crate::config::MAMBA;
+        // Every group: its blocks, a window's (or chunked-local group's) capped at its admission cap; a Mamba
+        // group's as its allocation counts them (mode "none": the state block of `max_model_len` tokens and the
+        // speculative blocks; "align": the entries of the tokens without the decode step, at most one more,
+        // summed as they are), and no decode step's blocks (vLLM's Mamba groups hold theirs).
+        let num_attention = hy.windows.iter().filter(|&&w| w != MAMBA).count();
+        let mut total = (num_attention * step.div_ceil(bs) as usize) as i64;
+        let spec = hy.mamba_blocks - 1;
+        let mml = config.max_model_len.max(1);
         for r in slab.iter().filter(|r| r.inflight_prefill) {
-            let required = (r.num_tokens().min(config.max_model_len) + step).div_ceil(bs) as usize;
-            for &g in &groups {
-                let held = match hy.slot(g) {
-                    None => r.blocks.len(),
-                    Some(i) => r.groups[i].blocks.len(),
+            let tokens = r.num_tokens().min(config.max_model_len);
+            let required = (tokens + step).div_ceil(bs) as usize;
+            for (g, &w) in hy.windows.iter().enumerate() {
+                let (held, allocated) = match hy.slot(g) {
+                    None => (r.blocks.len(), true),
+                    Some(i) => (r.groups[i].blocks.len(), r.groups[i].mamba_allocated),
                 };
-                total += required.min(hy.caps[g]).saturating_sub(held);
+                total += if w == MAMBA && hy.mamba_align {
+                    let entries = tokens.div_ceil(bs) as usize + spec;
+                    crate::hybrid_kv::align_need(entries, held, hy.mamba_blocks, allocated, false)
+                } else if w == MAMBA {
+                    ((tokens + step).div_ceil(mml) as usize + spec).saturating_sub(held) as i64
+                } else {
+                    required.min(hy.caps[g]).saturating_sub(held) as i64
+                };
             }
         }
-        return total;
+        return total.max(0) as usize;
     }
     let mut total = step.div_ceil(bs) as usize;
     for r in slab.iter().filter(|r| r.inflight_prefill) {

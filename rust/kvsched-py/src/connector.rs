@@ -39,6 +39,8 @@ struct PyKvConnector {
     has_pending_frees_hook: bool,
     /// The object has the optional `load_deferred(req_id, block_ids, num_external_tokens)` hook.
     has_load_deferred_hook: bool,
+    /// The object has the optional `get_loaded_kv_cache_group_ids(req_id)` hook.
+    has_loaded_groups_hook: bool,
 }
 
 impl PyKvConnector {
@@ -225,6 +227,40 @@ impl core::KvConnector for PyKvConnector {
         })
     }
 
+    fn loaded_groups(&mut self, req: &core::Request) -> Option<Vec<usize>> {
+        if !self.has_loaded_groups_hook {
+            return None;
+        }
+        Python::with_gil(|py| {
+            let hook = "get_loaded_kv_cache_group_ids";
+            let res = self.obj.bind(py).call_method1(hook, (&*req.id,)).and_then(|r| {
+                let bad = || {
+                    bad_answer(
+                        py,
+                        hook,
+                        format!("must return an iterable of int >= 0, got {}", type_name(&r)),
+                    )
+                };
+                let mut groups = Vec::new();
+                for item in r.try_iter().map_err(|_| bad())? {
+                    let item = item?;
+                    if item.is_instance_of::<PyBool>() {
+                        return Err(bad());
+                    }
+                    groups.push(item.extract::<usize>().map_err(|_| bad())?);
+                }
+                Ok(groups)
+            });
+            match res {
+                Ok(groups) => Some(groups),
+                Err(e) => {
+                    self.keep(e);
+                    None
+                }
+            }
+        })
+    }
+
     fn has_pending_block_frees(&mut self) -> bool {
         if !self.has_pending_frees_hook {
             return false;
@@ -265,12 +301,14 @@ impl ConnectorHandle {
         };
         let has_pending_frees_hook = obj.hasattr("has_pending_block_frees")?;
         let has_load_deferred_hook = obj.hasattr("load_deferred")?;
+        let has_loaded_groups_hook = obj.hasattr("get_loaded_kv_cache_group_ids")?;
         let inner = PyKvConnector {
             obj: obj.clone().unbind(),
             state: state.clone(),
             pass_cached_blocks,
             has_pending_frees_hook,
             has_load_deferred_hook,
+            has_loaded_groups_hook,
         };
         let has_build_meta = obj.hasattr("build_connector_meta")?;
         Ok((ConnectorHandle { obj: obj.clone().unbind(), state, has_build_meta }, Box::new(inner)))

@@ -321,3 +321,70 @@ fn invalid_blocks_of_a_synchronous_load_fail_the_request_with_policy_fail() {
     s.check_invariants().unwrap();
     assert_eq!(s.num_free_blocks(), 31);
 }
+
+/// `Fake` naming the groups its asynchronous loads write.
+struct Loading {
+    fake: Fake,
+    loaded: Option<Vec<usize>>,
+}
+
+impl KvConnector for Loading {
+    fn get_num_new_matched_tokens(&mut self, req: &Request, n: u32) -> Option<(u32, bool)> {
+        self.fake.get_num_new_matched_tokens(req, n)
+    }
+    fn update_state_after_alloc(&mut self, req: &Request, ext: u32) {
+        self.fake.update_state_after_alloc(req, ext)
+    }
+    fn loaded_groups(&mut self, _req: &Request) -> Option<Vec<usize>> {
+        self.loaded.clone()
+    }
+    fn request_finished(&mut self, req: &Request, blocks: &[u32]) -> bool {
+        self.fake.request_finished(req, blocks)
+    }
+}
+
+fn mamba_sched(align: bool, load_async: bool, loaded: Option<Vec<usize>>) -> Scheduler {
+    let cfg = SchedulerConfig {
+        block_size: 4,
+        num_blocks: 40,
+        max_model_len: 64,
+        prefix_hash_seed: Some(b"t".to_vec()),
+        enable_prefix_caching: false,
+        kv_cache_groups: vec![Some(crate::MAMBA), None, None],
+        kv_connector_groups: true,
+        mamba_speculative_blocks: 1,
+        mamba_align: align,
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let fake = Fake { ext: 9, load_async, ..Default::default() };
+    s.set_kv_connector(Some(Box::new(Loading { fake, loaded }))).unwrap();
+    s
+}
+
+/// vLLM pops a load's Mamba state block with every group's external blocks, before any group's other new blocks
+/// (mode "align": null blocks before it, at the block of the last loaded token); the blocks an asynchronous load
+/// writes stay out of the blocks to zero, a synchronous load's are zeroed.
+#[test]
+fn a_load_takes_its_mamba_state_block_with_the_external_blocks() {
+    // 9 loaded tokens of 12: blocks 1 (Mamba state), 2-4 and 5-7 (the attention groups' external blocks) are
+    // popped first, then the speculative state block 8; a synchronous load's 3 computed tokens need no new block.
+    for (align, mamba_table) in [(false, vec![1, 8]), (true, vec![0, 0, 1, 8])] {
+        for load_async in [false, true] {
+            for loaded in [None, Some(vec![2])] {
+                let mut s = mamba_sched(align, load_async, loaded.clone());
+                s.add_request("a", &prompt(0, 12), params(2)).unwrap();
+                let p = schedule(&mut s);
+                let tables: Vec<Vec<u32>> =
+                    (0..3).map(|g| s.get_group_block_ids("a", g).unwrap().to_vec()).collect();
+                assert_eq!(tables, vec![mamba_table.clone(), vec![2, 3, 4], vec![5, 6, 7]], "align {align}");
+                let zeroed: Vec<i32> = match (load_async, &loaded) {
+                    (false, _) => vec![2, 3, 4, 5, 6, 7],
+                    (true, None) => vec![],
+                    (true, Some(_)) => vec![2, 3, 4], // only group 2 is loaded
+                };
+                assert_eq!(p.out.zero_block_ids, zeroed, "align {align} async {load_async} {loaded:?}");
+            }
+        }
+    }
+}
