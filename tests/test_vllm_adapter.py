@@ -1424,6 +1424,10 @@ def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> Non
     with pytest.raises(UnsupportedFeatureError, match="Mamba groups that is_eagle_group does not mark"):
         _build_mamba(eagle, mamba, full, eagle_groups=(1,))
     assert _build_mamba(eagle, mamba, full, eagle_groups=(0, 1)).kv_config.drop_trailing_hit_block
+    # With prefill checkpoints, which the drop can key a block below their entry.
+    checkpointed = dataclasses.replace(mamba, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=16)
+    with pytest.raises(UnsupportedFeatureError, match="trailing-block drop with Mamba prefill checkpoints"):
+        _build_mamba(eagle, checkpointed, full)
     assert _build_mamba(off, _mamba_spec(16, "align"), full).kv_config.mamba_align
 
 

@@ -1894,6 +1894,8 @@ def run_seed(
         # manager asserts none reaches it): those layouts run the look-ahead hashes only.
         chunked = any(isinstance(g, str) and g.startswith("chunked:") for g in cfg.kv_cache_groups or ())
         drop = RULES.version == "0.32" or random.Random(f"eagle-drop/{seed}").random() < 0.5
+        # kvsched.vllm refuses the drop with Mamba prefill checkpoints: those runs keep the look-ahead hashes.
+        drop = drop and not (mamba_checkpoints and mamba_prefix_caching)
         cfg.eagle_block_drop = not (chunked and drop and RULES.version == "0.32")
         cfg.lookahead_block_hashes = chunked or not drop or RULES.version == "0.32"
     if multimodal:
@@ -2203,6 +2205,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mamba-prefix-caching goes with --mamba-align")
     if args.mamba_retention is not None and not args.mamba_prefix_caching:
         p.error("--mamba-retention goes with --mamba-prefix-caching")
+    if args.mamba_checkpoints and args.eagle and RULES.version == "0.32":
+        p.error("--mamba-checkpoints with --eagle: kvsched.vllm refuses the trailing-block drop (vLLM 0.32's) there")
     if args.mamba_checkpoints and not args.mamba_prefix_caching:
         p.error("--mamba-checkpoints goes with --mamba-prefix-caching")
     if args.retention is not None and args.mamba_retention is not None:

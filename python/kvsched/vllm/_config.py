@@ -646,6 +646,14 @@ def kvsched_config_from_vllm(
     # Mamba2 and Gated DeltaNet layers' prefill checkpoints (MambaSpec's num_prefill_checkpoint_blocks and
     # prefill_checkpoint_alignment): the last prefill chunk exports a block-boundary state into an extra block.
     fields["mamba_prefill_checkpoint_alignment"] = _checkpoint_alignment(kv_cache_config) if cached_mamba else None
+    if drop_trailing and fields["mamba_prefill_checkpoint_alignment"] is not None:
+        # With the drop a checkpoint can be keyed a block below its entry; vLLM's prefill stats then count the
+        # tokens of its key, the adapter's the entry's.
+        _refuse(
+            "the EAGLE/MTP trailing-block drop with Mamba prefill checkpoints (num_prefill_checkpoint_blocks) and "
+            "prefix caching",
+            "set disable_eagle_block_drop=True (or, on vLLM 0.33, keep its look-ahead block hashes)",
+        )
     fields["hash_lookahead_tokens"] = hash_lookahead
     fields["drop_trailing_hit_block"] = drop_trailing
     fields["async_scheduling"] = bool(sched.async_scheduling)
