@@ -2215,6 +2215,31 @@ def test_soak_mamba_prefill_checkpoints_match_reference_step_by_step(retention: 
     assert grown > 0 and hits > 0 and checkpoints > 0, (grown, hits, checkpoints)
 
 
+@pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
+def test_soak_mamba_prefix_caching_with_eagle_rules_matches_reference_step_by_step(retention: int | None) -> None:
+    """The same configs with prefix caching on and an EAGLE drafter's prefix-cache rules: the trailing-block drop
+    (chunk ends and Mamba checkpoints one block lower, a resend's and a sibling's resume positions kept one block
+    lower under sparse retention) on three configs, look-ahead hashes on the fourth; prefill checkpoints on every
+    other config and vLLM 0.32's deferral rule on the third, dense and under retention 0: the chunk splits, the
+    states cached, the hits on them and the deferrals are the same on both implementations; prefix hits happen in
+    the run."""
+    configs = [
+        dataclasses.replace(
+            c,
+            enable_prefix_caching=True,
+            prefix_cache_retention_interval=retention,
+            drop_trailing_hit_block=i != 3,
+            hash_lookahead_tokens=1 if i == 3 else 0,
+            num_lookahead_tokens=max(c.num_lookahead_tokens, 1),
+            mamba_prefill_checkpoint_alignment=c.block_size if i % 2 else None,
+            mamba_defer_new_states_only=i != 2,
+        )
+        for i, c in enumerate(ALIGN_CONFIGS)
+    ]
+    grown, hits, checkpoints = _soak_align(configs, 7474 if retention is None else 9494, siblings=True)
+    assert grown > 0 and hits > 0 and checkpoints > 0, (grown, hits, checkpoints)
+
+
 def test_soak_sparse_window_retention_matches_reference_step_by_step() -> None:
     """The sliding-window and hybrid configs with prefix caching on and sparse retention of the windows' blocks
     (vLLM's engine default 0 and intervals of one to three blocks), KV cache events on every other config and the

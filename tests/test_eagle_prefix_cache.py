@@ -178,11 +178,31 @@ def test_the_window_group_with_the_drop_can_cut_the_hit_further(impl: str, drop:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("drop", [False, True])
+def test_the_drop_moves_align_mamba_chunk_ends_one_block_lower(impl: str, drop: bool) -> None:
+    # A 14-token prompt: its Mamba state is cached at the last block boundary a later hit can resume at, 12
+    # without the drop; with it the attention hit gives up a block, so the chunk ends (and the state is cached)
+    # at 8, where a longer prompt's hit then lands.
+    s = make(impl, kv_cache_groups=["mamba", None], mamba_align=True, drop_trailing_hit_block=drop, num_blocks=64)
+    s.add_request("a", prompt(0, 14), max_tokens=1)
+    chunks = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        chunks.append(int(out.num_scheduled_tokens[0]))
+        s.update_from_output(out, [[7] if sum(chunks) >= 14 else []])
+        s.check_invariants()
+    assert chunks == ([8, 6] if drop else [12, 2])
+    s.add_request("b", prompt(0, 18), max_tokens=1)
+    out = s.schedule()
+    assert int(out.num_computed_tokens[0]) == (8 if drop else 12)
+    s.update_from_output(out, [[7]])
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_bad_settings_are_refused(impl: str) -> None:
     with pytest.raises(InvalidConfigError, match="drop_trailing_hit_block cannot be combined with a chunked-local"):
         make(impl, drop_trailing_hit_block=True, kv_cache_groups=[None, "chunked:8"])
-    with pytest.raises(InvalidConfigError, match="drop_trailing_hit_block cannot be combined with mamba_align"):
-        make(impl, drop_trailing_hit_block=True, kv_cache_groups=["mamba", None], mamba_align=True)
     with pytest.raises(InvalidConfigError, match="hash_lookahead_tokens"):
         make(impl, hash_lookahead_tokens=-1)
     s = make(impl, hash_lookahead_tokens=1)

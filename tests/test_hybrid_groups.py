@@ -572,8 +572,6 @@ def test_align_mamba_is_checked(impl: str) -> None:
         make(impl, kv_cache_groups=(None, 8), mamba_align=True)
     with pytest.raises(InvalidConfigError, match="Mamba group needs enable_prefix_caching=False or mamba_align"):
         make(impl, kv_cache_groups=("mamba", None))
-    with pytest.raises(InvalidConfigError, match="drop_trailing_hit_block"):
-        make(impl, kv_cache_groups=("mamba", None), mamba_align=True, drop_trailing_hit_block=True)
     assert make(impl, kv_cache_groups=("mamba", None), mamba_align=True).config.enable_prefix_caching is True
     with pytest.raises(InvalidConfigError, match="enable_kv_cache_events"):
         make(impl, kv_cache_groups=("mamba", None), mamba_align=True, enable_kv_cache_events=True)

@@ -1257,9 +1257,10 @@ def _mamba_spec(block_size: int, mode: str = "none", num_speculative_blocks: int
     )
 
 
-def _build_mamba(vcfg: Any, *specs: Any, block_size: int | None = None) -> Any:
+def _build_mamba(vcfg: Any, *specs: Any, block_size: int | None = None, eagle_groups: tuple[int, ...] = ()) -> Any:
     """kvsched's scheduler over these groups, with the scheduler block size vLLM's engine gives it (the least
-    common multiple of the groups' block sizes) unless ``block_size`` is given."""
+    common multiple of the groups' block sizes) unless ``block_size`` is given; ``eagle_groups``: the groups
+    marked as the drafter's (``is_eagle_group``)."""
     import math
 
     from kvsched.vllm import Scheduler
@@ -1267,6 +1268,8 @@ def _build_mamba(vcfg: Any, *specs: Any, block_size: int | None = None) -> Any:
     from vllm.v1.structured_output import StructuredOutputManager
 
     groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
+    for i in eagle_groups:
+        groups[i].is_eagle_group = True
     size = block_size or math.lcm(*(int(spec.block_size) for spec in specs))
     return Scheduler(
         vllm_config=vcfg,
@@ -1417,11 +1420,20 @@ def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> Non
     none = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False)
     with pytest.raises(UnsupportedFeatureError, match="mamba_cache_mode differs from the cache config's"):
         _build_mamba(none, _mamba_spec(16, "align"), full)
-    # EAGLE/MTP's trailing-block drop (vLLM's default) also moves align mode's block-aligned chunk ends.
-    eagle = make_vllm_config(block_size=16, max_model_len=96, enable_prefix_caching=False, mamba_cache_mode="align",
-                             num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)  # fmt: skip
-    with pytest.raises(UnsupportedFeatureError, match="EAGLE/MTP prefix-cache rules"):
-        _build_mamba(eagle, _mamba_spec(16, "align", num_speculative_blocks=2), full)
+    # EAGLE/MTP's trailing-block drop (vLLM's default on 0.32, and on 0.33 without look-ahead hashes) with the
+    # drafter's groups marked but not the Mamba groups: vLLM's Mamba groups then skip the drop's caching rules.
+    eagle = make_vllm_config(block_size=16, max_model_len=96, mamba_cache_mode="align", num_speculative_tokens=2,
+                             speculative_method="eagle", eagle_block_drop=True,
+                             lookahead_block_hashes=RULES.version == "0.32")  # fmt: skip
+    mamba = _mamba_spec(16, "align", num_speculative_blocks=2)
+    assert _build_mamba(eagle, mamba, full).kv_config.drop_trailing_hit_block
+    with pytest.raises(UnsupportedFeatureError, match="Mamba groups that is_eagle_group does not mark"):
+        _build_mamba(eagle, mamba, full, eagle_groups=(1,))
+    assert _build_mamba(eagle, mamba, full, eagle_groups=(0, 1)).kv_config.drop_trailing_hit_block
+    # With prefill checkpoints, which the drop can key a block below their entry.
+    checkpointed = dataclasses.replace(mamba, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=16)
+    with pytest.raises(UnsupportedFeatureError, match="trailing-block drop with Mamba prefill checkpoints"):
+        _build_mamba(eagle, checkpointed, full)
     assert _build_mamba(off, _mamba_spec(16, "align"), full).kv_config.mamba_align
 
 
@@ -1452,6 +1464,40 @@ def test_mamba_prefix_caching_defers_a_sibling_as_the_installed_vllm() -> None:
     outs, _ = step_pair(pair)
     if RULES.version == "0.32":
         assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("c", 8)]
+
+
+@pytest.mark.parametrize("drop", [True, False], ids=["drop", "lookahead"])
+def test_mamba_prefix_caching_with_eagle_rules_as_the_installed_vllm(drop: bool) -> None:
+    """An EAGLE drafter's default prefix-cache rules beside an align-mode Mamba group with prefix caching (MTP on
+    Qwen3-Next): with the trailing-block drop a 14-token prompt's first chunk ends at 8, a block below the last
+    boundary that leaves a token, and a longer prompt's hit lands there (the attention hit gives up a block, and
+    the Mamba state it needs is the one cached at 8); with vLLM 0.33's look-ahead hashes (0.32 always drops) the
+    chunk ends at 12, a block's hash waiting for the token after it, and the hit lands at 12. The same outputs as
+    vLLM's scheduler, step by step."""
+    lookahead = not drop and RULES.version != "0.32"
+    hashes = not drop or RULES.version == "0.32"  # vLLM 0.32 has no disable_lookahead_block_hashes
+    cfg = make_vllm_config(block_size=4, num_blocks=48, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8,
+                           mamba_cache_mode="align", num_speculative_tokens=2, speculative_method="eagle",
+                           eagle_block_drop=True, lookahead_block_hashes=hashes)  # fmt: skip
+    pair = [make_scheduler(impl, cfg, kv_cache_groups=("mamba", None)) for impl in ("vllm", "kvsched")]
+    assert pair[1].kv_config.mamba_align and pair[1].kv_config.drop_trailing_hit_block is not lookahead
+    assert pair[1].kv_config.hash_lookahead_tokens == int(lookahead)
+    for s in pair:
+        s.add_request(make_request("a", list(range(100, 114)), max_tokens=2, block_size=4))
+    chunks = []
+    for _ in range(10):
+        outs, _ = step_pair(pair)
+        chunks.append(outs[1].num_scheduled_tokens.get("a", 0))
+        if not pair[0].requests:
+            break
+    assert not pair[1].requests
+    assert chunks[:2] == ([12, 2] if lookahead else [8, 6]), chunks
+    for s in pair:
+        s.add_request(make_request("b", list(range(100, 118)), max_tokens=1, block_size=4))
+    outs, _ = step_pair(pair)
+    assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [
+        ("b", 12 if lookahead else 8)
+    ]
 
 
 def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> None:

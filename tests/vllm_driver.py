@@ -1928,12 +1928,15 @@ def run_seed(
         cfg.sliding_window or (cfg.kv_cache_groups and not (mamba and not mamba_align)) or streaming
     ):
         cfg.eagle_block_drop = eagle or random.Random(f"eagle/{seed}").random() < 0.7
-    elif eagle and (cfg.sliding_window or (hybrid or chunked_local)):
-        # Over a window or several groups: look-ahead hashes or (half the runs on vLLM 0.33, always on 0.32) the
-        # trailing-block drop, drawn from their own stream. vLLM has no drop with chunked-local attention (its
+    elif eagle and (cfg.sliding_window or (hybrid or chunked_local) or (mamba_align and mamba_prefix_caching)):
+        # Over a window or several groups (align-mode Mamba groups with prefix caching among them): look-ahead
+        # hashes or (half the runs on vLLM 0.33, always on 0.32) the trailing-block drop, drawn from their own
+        # stream. vLLM has no drop with chunked-local attention (its
         # manager asserts none reaches it): those layouts run the look-ahead hashes only.
         chunked = any(isinstance(g, str) and g.startswith("chunked:") for g in cfg.kv_cache_groups or ())
         drop = RULES.version == "0.32" or random.Random(f"eagle-drop/{seed}").random() < 0.5
+        # kvsched.vllm refuses the drop with Mamba prefill checkpoints: those runs keep the look-ahead hashes.
+        drop = drop and not (mamba_checkpoints and mamba_prefix_caching)
         cfg.eagle_block_drop = not (chunked and drop and RULES.version == "0.32")
         cfg.lookahead_block_hashes = chunked or not drop or RULES.version == "0.32"
     if multimodal:
@@ -2165,8 +2168,9 @@ def main(argv: list[str] | None = None) -> int:
         "--eagle",
         action="store_true",
         help="every run with an EAGLE drafter and vLLM's default prefix-cache rules for it (look-ahead block hashes; "
-        "the trailing-block drop with --connector and on vLLM 0.32; with --mamba, whose prefix caching is off, they "
-        "act on nothing); with --sliding-window or --hybrid, half the runs on vLLM 0.33 with the drop instead of "
+        "the trailing-block drop with --connector and on vLLM 0.32; with --mamba without --mamba-prefix-caching, "
+        "whose prefix caching is off, they act on nothing); with --sliding-window, --hybrid or "
+        "--mamba-prefix-caching, half the runs on vLLM 0.33 with the drop instead of "
         "the look-ahead hashes (disable_lookahead_block_hashes; not with chunked-local groups, where vLLM has no "
         "drop); not with --mm or --streaming",
     )
@@ -2251,14 +2255,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mamba-prefix-caching goes with --mamba-align")
     if args.mamba_retention is not None and not args.mamba_prefix_caching:
         p.error("--mamba-retention goes with --mamba-prefix-caching")
+    if args.mamba_checkpoints and args.eagle and RULES.version == "0.32":
+        p.error("--mamba-checkpoints with --eagle: kvsched.vllm refuses the trailing-block drop (vLLM 0.32's) there")
     if args.mamba_checkpoints and not args.mamba_prefix_caching:
         p.error("--mamba-checkpoints goes with --mamba-prefix-caching")
     if args.retention is not None and args.mamba_retention is not None:
         p.error("--retention goes without --mamba-retention (the same setting)")
     if args.retention is not None and not (args.sliding_window or args.hybrid or args.mamba_prefix_caching):
         p.error("--retention goes with --sliding-window, --hybrid or --mamba-prefix-caching")
-    if args.retention is not None and RULES.version == "0.32" and args.eagle and args.hybrid:
-        p.error("--retention with --eagle --hybrid: kvsched.vllm refuses it on vLLM 0.32 (its junction rule differs)")
+    sparse = args.retention is not None or args.mamba_retention is not None
+    if sparse and RULES.version == "0.32" and args.eagle and (args.hybrid or args.mamba_prefix_caching):
+        p.error(
+            "--retention with --eagle and --hybrid or --mamba-prefix-caching: kvsched.vllm refuses it on vLLM 0.32 "
+            "(its junction rule differs)"
+        )
     if args.mamba and (args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --kv-events, --sliding-window, --hybrid and --mm")
     if args.mamba_prefix_caching and args.connector:

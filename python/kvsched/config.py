@@ -628,8 +628,8 @@ class SchedulerConfig:
         metadata=_spec(
             "the longest prefix hit gives up its last block, which is computed again (vLLM's EAGLE trailing-block "
             "drop, with a KV connector or without look-ahead hashes); with a sliding window or several groups, "
-            "vLLM's EAGLE rules for them; not with a chunked-local group or `mamba_align` (see "
-            "[Prefix caching](#prefix-caching))"
+            "vLLM's EAGLE rules for them (with `mamba_align` also prefill chunk ends and Mamba checkpoints one "
+            "block lower); not with a chunked-local group (see [Prefix caching](#prefix-caching))"
         ),
     )
     sliding_window: int | None = field(
@@ -850,14 +850,11 @@ class SchedulerConfig:
                 raise InvalidConfigError(
                     f"sliding_window ({window}) needs preemption_mode 'recompute', got {self.preemption_mode!r}"
                 )
-        if self.drop_trailing_hit_block:
-            if any(chunk_size_of(w) is not None for w in self.kv_cache_groups or ()):
-                raise InvalidConfigError(
-                    "drop_trailing_hit_block cannot be combined with a chunked-local group (vLLM's chunked-local "
-                    "attention has no trailing-block drop)"
-                )
-            if self.mamba_align:
-                raise InvalidConfigError("drop_trailing_hit_block cannot be combined with mamba_align")
+        if self.drop_trailing_hit_block and any(chunk_size_of(w) is not None for w in self.kv_cache_groups or ()):
+            raise InvalidConfigError(
+                "drop_trailing_hit_block cannot be combined with a chunked-local group (vLLM's chunked-local "
+                "attention has no trailing-block drop)"
+            )
         if self.mamba_prefill_checkpoint_alignment is not None and not self.mamba_align:
             raise InvalidConfigError(
                 "mamba_prefill_checkpoint_alignment needs mamba_align (prefill checkpoints are vLLM's "

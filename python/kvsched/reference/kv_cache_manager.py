@@ -762,7 +762,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if not c.mamba_prefill_checkpoint_alignment:
             return None
         prefill_end = max(r.num_prompt_tokens, r.num_tokens - 1) if c.prefix_cache_retention_interval == 0 else 0
-        checkpoint = _mamba_checkpoint(end, bs, False, c.hash_lookahead_tokens)
+        checkpoint = _mamba_checkpoint(end, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
         if end < prefill_end or not _checkpoint_valid(start, end, checkpoint, bs, c.mamba_prefill_checkpoint_alignment):
             return None
         table, idx = self._group_table(r, g), -(-end // bs) - 2
@@ -825,14 +825,16 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         c = self._config
         align = c.mamba_align
         retention = c.prefix_cache_retention_interval if align else None
-        reachable = (r.num_prompt_tokens - 1, r.shared_prefix_boundary)
-        prompt_checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, False, c.hash_lookahead_tokens)
+        # with the trailing-block drop the prompt's checkpoint lies one block lower, and Mamba states are kept where
+        # a window's hit resumes (a resend's and a longer sibling's positions and the junction, one block lower each)
+        eagle = c.drop_trailing_hit_block
+        prompt_checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, eagle, c.hash_lookahead_tokens)
         at_tail = retention is not None and 0 < num_tokens == prompt_checkpoint
         prompt_tail = prompt_checkpoint // bs - 1 if at_tail else -1
-        # sparse retention of the window groups' blocks
-        eagle = c.drop_trailing_hit_block
+        # sparse retention of the window groups' blocks and the Mamba groups' states
         window_retention = c.prefix_cache_retention_interval
         window_reach = _window_reachable(r.num_prompt_tokens, r.shared_prefix_boundary, bs, eagle)
+        reachable = window_reach
         for g, w in enumerate(self._group_windows()):
             if w < 0 and not (w == _MAMBA and align):
                 continue
@@ -841,7 +843,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             checkpoint = r.mamba_checkpoint.get(g) if w == _MAMBA else None
             tail = -1 if checkpoint is not None else prompt_tail  # a checkpoint is re-keyed instead
             if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only:
-                self._mark_prompt_checkpoint(r, g, num_tokens, prompt_checkpoint)
+                # with the drop a Mamba group's cacheable tokens are not floored: only tokens ending at the checkpoint
+                exact = not eagle or num_tokens % bs == 0
+                self._mark_prompt_checkpoint(r, g, num_tokens if exact else 0, prompt_checkpoint)
             if num_full <= first:
                 if checkpoint is not None:
                     self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
@@ -869,6 +873,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 if b == 0 or not kept(i):
                     continue
                 key = self._group_key(r.block_hashes[i], g)
+                current = self._block_hash[b]
+                if current is not None:  # a prefill checkpoint keyed one block lower (the drop) moves up to its entry
+                    self._uncache(b, current)
                 self._block_hash[b] = key
                 self._cached.setdefault(key, {})[b] = None
                 self._newly_cached.append((b, key))

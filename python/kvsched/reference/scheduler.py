@@ -567,10 +567,14 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                         f"{r.req_id}: group {g}'s blocks",
                     )
                     sparse = c.prefix_cache_retention_interval is not None  # states it did not cache: no hash
+                    # with the drop a prefill checkpoint one block below the chunk's last full block sits in the
+                    # entry above it, keyed there
+                    shifted = c.drop_trailing_hit_block and c.mamba_prefill_checkpoint_alignment is not None
                     require(
                         all(
                             self._block_hash[b] == self._group_key(r.block_hashes[i], g)
                             or (sparse and self._block_hash[b] is None)
+                            or (shifted and i > 0 and self._block_hash[b] == self._group_key(r.block_hashes[i - 1], g))
                             for i, b in enumerate(table[:num_cached])
                             if b != 0
                         ),
@@ -676,11 +680,16 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                 w = windows[g]
                 window = isinstance(w, int) and not isinstance(w, bool) and w > 0
                 sparse = (w == MAMBA or window) and c.prefix_cache_retention_interval is not None
+                # a Mamba prefill checkpoint with the drop: keyed one block below its entry
+                shifted = w == MAMBA and c.drop_trailing_hit_block and c.mamba_prefill_checkpoint_alignment is not None
                 for i in range(num_cached):
                     if table[i] != 0 and windows[g] != 1:  # a window of one token caches nothing
                         key = r.block_hashes[i] if g == 0 else r.block_hashes[i] + bytes([g])
                         got = self._block_hash[table[i]]
-                        require(got == key or (sparse and got is None), f"{r.req_id}: group {g} block {i} hash")
+                        below = shifted and i > 0 and got == self._group_key(r.block_hashes[i - 1], g)
+                        require(
+                            got == key or (sparse and got is None) or below, f"{r.req_id}: group {g} block {i} hash"
+                        )
         waiting_statuses = (
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,

@@ -564,16 +564,9 @@ def kvsched_config_from_vllm(
         if kv_cache_groups and MAMBA in kv_cache_groups and cache.mamba_cache_mode != "align":
             # Prefix caching is off with a Mamba group (mode "none"): vLLM's trailing-block drop has no hit to act
             # on and it keys no look-ahead hashes, so vLLM's default rules (MTP on Qwen3-Next, ...) run as they are.
-            # (In mode "align" the drop also moves vLLM's block-aligned chunk ends: refused below.)
+            # (In mode "align" the core moves the chunk ends and Mamba checkpoints with the drop, and leaves the
+            # look-ahead tokens to compute before them.)
             drop_trailing = False
-        elif (spec.use_eagle_block_drop() or hash_lookahead) and kv_cache_groups and MAMBA in kv_cache_groups:
-            # Mamba groups in mode "align": vLLM's drop also moves its Mamba checkpoints and chunk ends, and its
-            # look-ahead hashes its checkpoint positions.
-            _refuse(
-                "EAGLE/MTP prefix-cache rules (trailing-block drop, look-ahead hashes) with Mamba groups in "
-                "mamba_cache_mode 'align'",
-                f"{method}: set disable_eagle_block_drop=True",
-            )
         if kv_cache_groups and not cache.enable_prefix_caching:
             # The drop acts on prefix hits only (vLLM looks none up).
             drop_trailing = False
@@ -595,6 +588,16 @@ def kvsched_config_from_vllm(
                     _refuse(
                         "the EAGLE/MTP trailing-block drop in the drafter's KV cache groups only (groups of another "
                         "kind that hold no drafter layer)",
+                        f"{method}: is_eagle_group marks {sorted(g for g, f in enumerate(flagged) if f)}; set "
+                        "disable_eagle_block_drop=True",
+                    )
+                if MAMBA in kv_cache_groups and MAMBA not in marked:
+                    # vLLM's Mamba groups then take their cacheable tokens floored to a block and keep no state one
+                    # block below a shared-prefix junction; the core's take the drop's rules, as when no group is
+                    # marked.
+                    _refuse(
+                        "the EAGLE/MTP trailing-block drop beside align-mode Mamba groups that is_eagle_group does "
+                        "not mark while it marks others",
                         f"{method}: is_eagle_group marks {sorted(g for g, f in enumerate(flagged) if f)}; set "
                         "disable_eagle_block_drop=True",
                     )
@@ -660,13 +663,15 @@ def kvsched_config_from_vllm(
     has_window = any(isinstance(w, int) and not isinstance(w, bool) for w in windows or ())
     sparse = fields["enable_prefix_caching"] and (fields["mamba_align"] or has_window)
     fields["prefix_cache_retention_interval"] = None if retention is None or not sparse else int(retention)
-    sparse_junction = has_window and kv_cache_groups and drop_trailing and sparse and retention is not None
+    sparse_junction = (
+        (has_window or fields["mamba_align"]) and kv_cache_groups and drop_trailing and sparse and retention is not None
+    )
     if RULES.version == "0.32" and sparse_junction:
-        # vLLM 0.32 keeps a window's run at a shared-prefix junction only, not also one block lower as 0.33 does
-        # for EAGLE; the core follows 0.33.
+        # vLLM 0.32 keeps a window's run (a Mamba state) at a shared-prefix junction only, not also one block lower
+        # as 0.33 does for EAGLE; the core follows 0.33.
         _refuse(
-            "sparse retention of sliding-window blocks with the EAGLE/MTP trailing-block drop and several KV cache "
-            "groups on vLLM 0.32 (its junction rule differs)",
+            "sparse retention of sliding-window blocks or Mamba states with the EAGLE/MTP trailing-block drop and "
+            "several KV cache groups on vLLM 0.32 (its junction rule differs)",
             f"prefix_cache_retention_interval={retention}: set --prefix-cache-retention-interval None or "
             "disable_eagle_block_drop=True",
         )
@@ -674,6 +679,14 @@ def kvsched_config_from_vllm(
     # Mamba2 and Gated DeltaNet layers' prefill checkpoints (MambaSpec's num_prefill_checkpoint_blocks and
     # prefill_checkpoint_alignment): the last prefill chunk exports a block-boundary state into an extra block.
     fields["mamba_prefill_checkpoint_alignment"] = _checkpoint_alignment(kv_cache_config) if cached_mamba else None
+    if drop_trailing and fields["mamba_prefill_checkpoint_alignment"] is not None:
+        # With the drop a checkpoint can be keyed a block below its entry; vLLM's prefill stats then count the
+        # tokens of its key, the adapter's the entry's.
+        _refuse(
+            "the EAGLE/MTP trailing-block drop with Mamba prefill checkpoints (num_prefill_checkpoint_blocks) and "
+            "prefix caching",
+            "set disable_eagle_block_drop=True (or, on vLLM 0.33, keep its look-ahead block hashes)",
+        )
     fields["hash_lookahead_tokens"] = hash_lookahead
     fields["drop_trailing_hit_block"] = drop_trailing
     # vLLM's hash_block_size (prefix_match_unit): the core chains a block's hash over the hash blocks, so a block's

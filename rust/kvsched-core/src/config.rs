@@ -372,8 +372,9 @@ pub struct SchedulerConfig {
     /// The longest prefix hit gives up its last block, which is computed again (vLLM's EAGLE trailing-block drop,
     /// `use_eagle` of its KV cache manager). With a sliding window, the hit's run of window blocks needs one
     /// block more before the drop; with several groups, every attention group drops as vLLM's hybrid
-    /// coordinator does when no group is marked as the drafter's (see `hybrid_kv.rs`). Not with a chunked-local
-    /// group (vLLM has no drop there) or `mamba_align`.
+    /// coordinator does when no group is marked as the drafter's (see `hybrid_kv.rs`); align-mode Mamba groups
+    /// (`mamba_align`) then also move their prefill chunk ends and checkpoints one block lower (`hybrid.rs`). Not
+    /// with a chunked-local group (vLLM has no drop there).
     pub drop_trailing_hit_block: bool,
     /// Every layer attends to the last `sliding_window` tokens only (vLLM's `SlidingWindowSpec`, one KV cache
     /// group): blocks wholly outside the window go back to the pool as the request advances, and a prefix hit
@@ -855,11 +856,6 @@ impl SchedulerConfig {
                     "drop_trailing_hit_block cannot be combined with a chunked-local group (vLLM's chunked-local \
                      attention has no trailing-block drop)"
                         .into(),
-                ));
-            }
-            if self.mamba_align {
-                return Err(SchedError::InvalidConfig(
-                    "drop_trailing_hit_block cannot be combined with mamba_align".into(),
                 ));
             }
         }

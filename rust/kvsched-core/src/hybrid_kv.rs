@@ -34,9 +34,11 @@ pub(crate) fn align_need(
 /// (`checkpoint_valid`) and, under retention 0 only, the chunk reaches the prefill's end
 /// (`max(num_prompt, num_tokens - 1)`); its index `ceil(end / bs) - 2` must be past the table, a null block, or
 /// one of an allocated table's speculative blocks.
+#[allow(clippy::too_many_arguments)]
 fn align_checkpoint(
     hy: &Hybrid,
     bs: u32,
+    drop: bool,
     req: &Request,
     table: &[u32],
     allocated: bool,
@@ -51,7 +53,7 @@ fn align_checkpoint(
     } else {
         0
     };
-    let checkpoint = mamba_checkpoint(end, bs, false, hy.hash_lookahead);
+    let checkpoint = mamba_checkpoint(end, bs, drop, hy.hash_lookahead);
     if end < prefill_end || !checkpoint_valid(start, end, checkpoint, bs, hy.checkpoint_align) {
         return None;
     }
@@ -260,6 +262,7 @@ impl KvCacheManager {
         let num_slots = req.num_tokens().min(self.max_slots);
         let required = num_slots.div_ceil(self.block_size) as usize;
         let total_computed = (computed + hits.len() as u32 * self.block_size).min(num_slots);
+        let eagle = self.drop_trailing_hit;
         let mut total = 0;
         for (g, &w) in hy.windows.iter().enumerate() {
             let held = table_ref(req, hy.slot(g)).len();
@@ -279,9 +282,17 @@ impl KvCacheManager {
                 let allocated = hy.slot(g).is_some_and(|i| req.groups[i].mamba_allocated);
                 let entries = required + hy.mamba_blocks - 1;
                 let table = table_ref(req, hy.slot(g));
-                let checkpoint =
-                    align_checkpoint(hy, self.block_size, req, table, allocated, total_computed, num_slots)
-                        .is_some();
+                let checkpoint = align_checkpoint(
+                    hy,
+                    self.block_size,
+                    eagle,
+                    req,
+                    table,
+                    allocated,
+                    total_computed,
+                    num_slots,
+                )
+                .is_some();
                 total += align_need(entries, held + ghits.len(), hy.mamba_blocks, allocated, checkpoint)
                     .max(0) as usize;
                 continue;
@@ -328,7 +339,7 @@ impl KvCacheManager {
         let hy = self.hybrid.as_deref()?;
         let (windows, mamba_blocks, align) = (hy.windows.clone(), hy.mamba_blocks, hy.mamba_align);
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
-        let bs = self.block_size;
+        let (bs, eagle) = (self.block_size, self.drop_trailing_hit);
         let num_hits = hits.len();
         let total_computed = computed + num_hits as u32 * bs;
         let processed = total_computed.saturating_sub(in_flight);
@@ -376,7 +387,8 @@ impl KvCacheManager {
                 let checkpoint = match (self.hybrid.as_deref(), slots[g]) {
                     (Some(hy), Some(i)) => {
                         let t = &req.groups[i].blocks;
-                        let c = align_checkpoint(hy, bs, req, t, allocated, total_computed, mamba_tokens);
+                        let c =
+                            align_checkpoint(hy, bs, eagle, req, t, allocated, total_computed, mamba_tokens);
                         req.groups[i].mamba_checkpoint = c;
                         c.is_some()
                     }
@@ -593,14 +605,17 @@ impl KvCacheManager {
         let bs = self.block_size;
         // Sparse retention: the positions a later request can resume at, and the prompt's checkpoint block when
         // the tokens being cached end there (vLLM's `_cache_partial_tail_block` with whole-block hashes).
-        let retention = hy.retention.filter(|_| align);
-        let reachable = [req.num_prompt_tokens.saturating_sub(1), req.shared_prefix_boundary];
-        let prompt_checkpoint = mamba_checkpoint(req.num_prompt_tokens, bs, false, hy.hash_lookahead);
-        // Sparse retention of the window groups' blocks (`window_retained`).
+        // With the trailing-block drop, Mamba groups resume where the windows do (`window_reachable`: a resend's
+        // and a longer sibling's positions and the junction, each also one block lower), and the prompt's
+        // checkpoint lies one block lower.
         let eagle = self.drop_trailing_hit;
+        let retention = hy.retention.filter(|_| align);
+        let prompt_checkpoint = mamba_checkpoint(req.num_prompt_tokens, bs, eagle, hy.hash_lookahead);
+        // Sparse retention of the window groups' blocks (`window_retained`) and the Mamba groups' states.
         let window_retention = hy.retention;
         let window_reach = window_retention
             .map(|_| window_reachable(req.num_prompt_tokens, req.shared_prefix_boundary, bs, eagle));
+        let reachable = window_reach.clone().unwrap_or_default();
         let tail = retention.and_then(|_| {
             (num_tokens > 0 && num_tokens == prompt_checkpoint).then(|| (prompt_checkpoint / bs) as usize - 1)
         });
@@ -613,6 +628,10 @@ impl KvCacheManager {
             let tail = if checkpoint.is_some() { None } else { tail };
             let first = *table(req, slots[g]).1 as usize;
             if w == MAMBA && checkpoint.is_none() && !defer_new_states_only {
+                // With the drop vLLM hands a Mamba group its cacheable tokens unfloored: only a call whose tokens
+                // end at the checkpoint itself re-keys it.
+                let exact = !eagle || num_tokens % bs == 0;
+                let num_tokens = if exact { num_tokens } else { 0 };
                 self.mark_prompt_checkpoint(req, slots[g], g, num_tokens, prompt_checkpoint);
             }
             if num_full <= first {
@@ -638,6 +657,10 @@ impl KvCacheManager {
                     let b = table_ref(req, slots[g])[i];
                     if b != NULL_BLOCK && kept(i) {
                         let key = group_key(&req.block_hashes[i], g);
+                        if let Some(h) = self.pool.block_hash(b).copied() {
+                            // A prefill checkpoint keyed one block lower (with the drop) moves up to its entry.
+                            self.pool.uncache(b, &h);
+                        }
                         self.pool.cache_block(b, key);
                         self.pool.set_event_group(b, g);
                         self.newly_cached.push((b, key));
