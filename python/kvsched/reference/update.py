@@ -131,9 +131,7 @@ class _UpdateMixin(_StreamMixin, _KVCacheManagerMixin, _ConnectorMixin, _Encoder
                 if was_running and (had_placeholders or (spec_decoding and self._config.cache_drafts_at_update)):
                     # Up to what the applied steps computed (vLLM 0.32: the computed count less the placeholders
                     # left, which a rollback of invalid blocks can leave above the tokens in flight).
-                    pending = (
-                        r.num_in_flight_tokens if self._config.cache_upto_in_flight else r.num_output_placeholders
-                    )
+                    pending = r.num_in_flight_tokens if self._config.cache_upto_in_flight else r.num_output_placeholders
                     self._cache_blocks(r, max(0, r.num_computed_tokens - cut - pending))
             if stop is not None:
                 status, reason, stop_reason = stop
