@@ -1074,6 +1074,7 @@ def configs(draw: Any) -> SchedulerConfig:
         skip_encoder_blocked_admissions=draw(st.booleans()),
         cache_drafts_at_update=draw(st.booleans()),
         trim_computed_on_stop=draw(st.booleans()),
+        cache_upto_in_flight=draw(st.booleans()),
         hash_lookahead_tokens=draw(st.sampled_from([0, 0, 0, 1, 2])),
         drop_trailing_hit_block=draw(st.booleans()),
         sliding_window=window,
@@ -1710,6 +1711,27 @@ def test_soak_deferred_frees_match_reference_step_by_step() -> None:
         twin.drain()
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
     assert deferred > 0 and dropped > 0 and loads > 0, (deferred, dropped, loads)
+
+
+def test_soak_v032_update_caching_after_rollbacks_matches_reference_step_by_step() -> None:
+    """vLLM 0.32's caching at an update (`cache_upto_in_flight` off: up to the computed tokens less the output
+    placeholders left) with steps in flight, a KV connector and invalid blocks rolling running requests back: the
+    core and the reference agree at every step, and rolled-back requests keep placeholders above their tokens in
+    flight, where the rule differs from vLLM 0.33's."""
+    ghosts = 0
+    for i, cfg in enumerate(DEFER_CONFIGS[:2]):
+        cfg = dataclasses.replace(cfg, cache_upto_in_flight=False)
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(3232 + i)), max_in_flight=2,
+                    connector_seed=3232 + i, fail_steps=False)  # fmt: skip
+        for _ in range(1000):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+            ghosts += any(q.num_output_placeholders > q.num_in_flight_tokens for q in twin.ref._running)
+        twin.drain()
+        assert twin.coverage["sync_invalid"] > 0, cfg
+    assert ghosts > 0
 
 
 def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:

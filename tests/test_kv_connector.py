@@ -308,3 +308,41 @@ def test_hook_exception_propagates_after_the_call(impl: str) -> None:
         s.abort_requests(["a"])
     s.check_invariants()
     assert s.num_free_blocks == 39 and s.num_held_kv_requests == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("upto_in_flight", [True, False], ids=["v033", "v032"])
+def test_a_rolled_back_request_caches_at_update_up_to_its_steps_in_flight_or_its_placeholders(
+    impl: str, upto_in_flight: bool
+) -> None:
+    """Async scheduling: a synchronous load's block reported invalid with the output of the step that loaded it,
+    while a second step of the request is in flight, rolls the request back and drops its output of that step,
+    leaving one output placeholder no step in flight accounts for. When its last token completes a block, vLLM
+    0.33 caches that block at the update (up to the computed tokens less the steps in flight:
+    `cache_upto_in_flight`), vLLM 0.32 does not (less the placeholders left): a later prompt hits it or not."""
+    s = make(impl, Conn({"a": (4, False)}), async_scheduling=True, cache_upto_in_flight=upto_in_flight)
+    add(s, "a", 6, max_tokens=2)  # 4 tokens loaded into block 0, 2 computed
+    pending = [s.schedule()]
+    loaded = s.get_block_ids("a").tolist()[0]
+    pending.append(s.schedule())
+    s.update_kv_transfers(invalid_block_ids=[loaded])
+    assert s.get_num_computed_tokens("a") == 0
+    outputs: list[int] = []
+    for token in range(7, 20):
+        out = pending.pop(0)
+        sampled = [
+            [token] if c + n >= PROMPTS[r] else []
+            for r, c, n in zip(out.req_ids, out.num_computed_tokens, out.num_scheduled_tokens, strict=True)
+        ]
+        res = s.update_from_output(out, sampled)
+        s.check_invariants()
+        if "a" in res.finished_req_ids:
+            outputs = [t for t in range(8, token + 1)]
+            break
+        pending.append(s.schedule())
+    assert outputs == [8, 9], "the output of the rolled-back step (7) is dropped"
+    while pending:
+        out = pending.pop(0)
+        s.update_from_output(out, [[] for _ in out.req_ids])
+    # The prompt and both outputs: 8 tokens, blocks 0 and 1 full.
+    assert s.get_num_cached_tokens([*range(100, 106), *outputs, 0]) == (8 if upto_in_flight else 4)

@@ -431,6 +431,20 @@ def test_identical_to_vllm_with_invalid_blocks_of_synchronous_loads(sync: str, r
     assert cfg.kv_load_failure_policy == SYNC_INVALID_SEEDS[seed]
 
 
+def test_identical_to_vllm_caching_at_updates_after_a_rollback_with_a_step_in_flight() -> None:
+    """Async scheduling, seed 1: a request rolled back by an invalid block of its synchronous load while its next
+    step was in flight keeps an output placeholder no step in flight accounts for; when its last token completes
+    a block, vLLM 0.32 leaves that block uncached at the update (up to the computed tokens less the placeholders
+    left) and vLLM 0.33 caches it (less the tokens in flight), which later admissions see (0.32: step 260). The
+    run ends where vLLM's own scheduler stalls in the drain (kvsched stalls identically)."""
+    from vllm_driver import VllmStopped
+
+    try:
+        run_seed(1, 300, async_scheduling=True, v2=False, connector=True, kv_role="kv_consumer", sync_invalid=True)
+    except VllmStopped as exc:
+        assert "stalls identically" in str(exc)
+
+
 @pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
 @pytest.mark.parametrize(("layout", "seed"), [("sliding_window", 7), ("hybrid", 3)])
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])

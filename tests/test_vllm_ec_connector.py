@@ -122,3 +122,18 @@ def test_identical_to_vllm_with_an_ec_connector(seed: int, kv_role: str | None) 
         connector=kv_role is not None, kv_role=kv_role or "kv_both",
     )  # fmt: skip
     assert cfg.ec_connector_seed == seed
+
+
+def test_identical_to_vllm_with_an_ec_connector_and_rolled_back_requests() -> None:
+    """The driver with images, the RandomECConnector and a RandomKVConnector that reports invalid blocks of
+    synchronous loads: a request rolled back to before an image its load had covered references that image again
+    when its steps go over it, and vLLM tells the EC connector of its free once consumed (seed 1 rolls one back
+    below an image)."""
+    from kvsched.vllm.testing import RandomKVConnector
+
+    before = RandomKVConnector.num_sync_invalid_reported
+    cfg = run_seed(
+        1, 120, async_scheduling=False, v2=False, multimodal=True, ec_connector=True,
+        connector=True, kv_role="kv_consumer", sync_invalid=True,
+    )  # fmt: skip
+    assert cfg.ec_connector_seed == 1 and RandomKVConnector.num_sync_invalid_reported > before

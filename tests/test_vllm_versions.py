@@ -70,6 +70,7 @@ def test_the_installed_release_picks_its_rules_and_the_core_gets_them() -> None:
     assert config.cache_drafts_at_update is RULES.cache_drafts_at_update
     assert config.trim_computed_on_stop is RULES.trim_computed_on_stop
     assert config.mamba_defer_new_states_only is RULES.mamba_defer_new_states_only
+    assert config.cache_upto_in_flight is RULES.cache_upto_in_flight
     # vLLM 0.32 applies the prefill cadence only through its data-parallel engine core.
     assert config.prefill_schedule_interval == (4 if RULES.local_prefill_cadence else 1)
     out = s.schedule()

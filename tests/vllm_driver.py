@@ -269,6 +269,7 @@ class Config:
     # RandomKVConnector: a stand-in UMBP runtime and workers (UMBPStandIn) answer its lookups and report its store
     # events and loads.
     umbp_store: dict[str, Any] | None = None
+    umbp_sync_invalid: bool = False
     # vLLM 0.33's deferred registration of asynchronous loads, set on both built schedulers as vLLM's tests do
     # (vLLM turns it on only with HiSparse, which kvsched.vllm refuses); it acts with defer_block_free.
     defer_async_loads: bool = False
@@ -777,13 +778,18 @@ class UMBPStandIn(_StoreStandIn):
     another engine publishes the objects of a prefix of a live request's blocks (a consumer's only source). Each
     asynchronous load completes 0-2 steps later (``finished_recving`` for requests still known), with the blocks
     of keys no longer stored (or one in ten loads, a drawn block) invalid; a preempted request's load is
-    cancelled. Synchronous loads complete in their step. Now and then the store evicts a third of its keys."""
+    cancelled. Synchronous loads complete in their step (with ``sync_invalid``, with the blocks of keys no longer
+    stored, or one in ten loads a drawn block, invalid: reported with that step's output). Now and then the store
+    evicts a third of its keys."""
 
     name = "UMBP"
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, sync_invalid: bool = False) -> None:
         self.seed = seed
         self.rng = random.Random(f"umbp-store/{seed}")
+        # Synchronous loads report invalid blocks too (drawn from their own stream: the other draws stay).
+        self.sync_invalid = sync_invalid
+        self.sync_rng = random.Random(f"umbp-sync-invalid/{seed}")
         self.keys: dict[str, None] = {}  # insertion ordered: the draws over it do not depend on hash values
         # [steps left, "load", req_id, BlockLoadBatch] or [steps left, "store", event, [(req_id, plans)], failed]
         self.pending: list[list[Any]] = []
@@ -854,6 +860,14 @@ class UMBPStandIn(_StoreStandIn):
                     self.pending.append([rng.randrange(0, 3), "load", req_id, batch])
                 else:
                     self.counts["sync loads"] += 1
+                    if self.sync_invalid and known(req_id):
+                        # The worker loads it in this step and reports what it could not load with this
+                        # step's output: the blocks of keys no longer stored and, one load in ten, a drawn one.
+                        bad = {b for k, b in zip(batch.keys, batch.block_ids, strict=True) if k not in self.keys}
+                        if batch.block_ids and self.sync_rng.random() < 0.1:
+                            bad.add(self.sync_rng.choice(batch.block_ids))
+                        invalid |= bad
+                        self.counts["sync invalid blocks"] += len(bad)
             if meta.store_event >= 0:
                 jobs = [(r, p) for r, p in meta.store_requests.items()]
                 jobs += [(p.request_id or "", [p]) for p in meta.store_plans]
@@ -980,10 +994,11 @@ class Pair:
         enc_dec = fields.pop("encoder_decoder")
         mooncake = fields.pop("mooncake_store")
         umbp = fields.pop("umbp_store")
+        umbp_sync_invalid = fields.pop("umbp_sync_invalid")
         # The stand-ins for MooncakeStoreConnector's / UMBPStoreConnector's store and workers (one store, seen by
         # both sides alike).
         self.mooncake = MooncakeStandIn(seed, cfg.block_size) if mooncake is not None else None
-        self.umbp = UMBPStandIn(seed) if umbp is not None else None
+        self.umbp = UMBPStandIn(seed, umbp_sync_invalid) if umbp is not None else None
         for name, extra in (("MooncakeStoreConnector", mooncake), ("UMBPStoreConnector", umbp)):
             if extra is not None:
                 fields["kv_transfer"] = {
@@ -1793,7 +1808,8 @@ def run_seed(
     lookups, lookups off, decode saves) and load failure policy drawn from their own stream, a stand-in store in
     place of the Mooncake store and its workers (``MooncakeStandIn``); ``umbp_store``: vLLM 0.33's
     UMBPStoreConnector likewise (asynchronous loads and lookups, lookups off, decode saves drawn), a stand-in UMBP
-    runtime and workers (``UMBPStandIn``); ``block_sizes``: the block size is drawn
+    runtime and workers (``UMBPStandIn``; with ``sync_invalid`` its synchronous loads report invalid blocks too, as
+    the RandomKVConnector's do with ``connector``); ``block_sizes``: the block size is drawn
     from these instead (from its own stream); ``hash_block_size`` (with ``hybrid``): the requests' hash block
     (vLLM's ``prefix_match_unit``), a divisor of the block size below it, -1 to draw one per seed (its own
     stream; block size 1 keeps its block), with prefix caching on."""
@@ -1883,6 +1899,7 @@ def run_seed(
             "enable_lookup": urng.random() < 0.9,
             "save_decode_cache": urng.random() < 0.3,
         }
+        cfg.umbp_sync_invalid = sync_invalid
     if connector:
         cfg.kv_connector_seed = seed
         cfg.kv_connector_sync_invalid = sync_invalid
@@ -2022,7 +2039,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sync-invalid",
         action="store_true",
-        help="the RandomKVConnector also reports invalid blocks of synchronous loads (with --connector)",
+        help="the RandomKVConnector (with --connector) or the UMBP stand-in workers (with --umbp-store: the "
+        "blocks of keys no longer stored, and a drawn block in one load in ten) also report invalid blocks of "
+        "synchronous loads",
     )
     p.add_argument(
         "--cpu-offload",
@@ -2306,8 +2325,8 @@ def main(argv: list[str] | None = None) -> int:
         not args.hybrid or args.connector or args.kv_events or args.eagle or args.hash_block_size == 0
     ):
         p.error("--hash-block-size goes with --hybrid, without --connector, --kv-events and --eagle (refused)")
-    if args.sync_invalid and not args.connector:
-        p.error("--sync-invalid goes with --connector")
+    if args.sync_invalid and not (args.connector or args.umbp_store):
+        p.error("--sync-invalid goes with --connector or --umbp-store")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
     if args.sliding_window and args.mm:

@@ -601,6 +601,15 @@ class SchedulerConfig:
             "cover them"
         ),
     )
+    cache_upto_in_flight: bool = field(
+        default=True,
+        metadata=_spec(
+            "the blocks cached when a step's output is applied (see `cache_drafts_at_update`) reach the request's "
+            "computed tokens less those of its steps still in flight (vLLM 0.33); with False, less its output "
+            "placeholders left (vLLM 0.32's asynchronous scheduler). They differ only after invalid blocks of a "
+            "synchronous KV load rolled back a request with a step in flight (see [KV connector](#kv-connector))"
+        ),
+    )
     hash_lookahead_tokens: int = field(
         default=0,
         metadata=_spec(

@@ -129,7 +129,10 @@ class _UpdateMixin(_StreamMixin, _KVCacheManagerMixin, _ConnectorMixin, _Encoder
                     cut = 0
                 r.num_output_placeholders = max(0, r.num_output_placeholders - len(entry))
                 if was_running and (had_placeholders or (spec_decoding and self._config.cache_drafts_at_update)):
-                    self._cache_blocks(r, max(0, r.num_computed_tokens - cut - r.num_in_flight_tokens))
+                    # Up to what the applied steps computed (vLLM 0.32: the computed count less the placeholders
+                    # left, which a rollback of invalid blocks can leave above the tokens in flight).
+                    pending = r.num_in_flight_tokens if self._config.cache_upto_in_flight else r.num_output_placeholders
+                    self._cache_blocks(r, max(0, r.num_computed_tokens - cut - pending))
             if stop is not None:
                 status, reason, stop_reason = stop
                 if r.resumable and self._stop_part(r, status, parts, stop_reason):

@@ -48,6 +48,7 @@ class VllmRules:
     skip_encoder_blocked_admissions: bool
     cache_drafts_at_update: bool
     trim_computed_on_stop: bool
+    cache_upto_in_flight: bool
     # Align-mode Mamba prefix caching: only states cached in the step defer a same-step hit (0.33); 0.32 also
     # defers hits on the state at the prompt's checkpoint whenever an allocation re-caches it there.
     mamba_defer_new_states_only: bool
@@ -61,6 +62,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         local_prefill_cadence=False,
         defer_async_loads=False,
         trim_computed_on_stop=False,
+        cache_upto_in_flight=False,
         max_loras_counts_unscheduled=False,
         continue_after_self_preemption=False,
         skip_encoder_blocked_admissions=False,
@@ -74,6 +76,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         local_prefill_cadence=True,
         defer_async_loads=True,
         trim_computed_on_stop=True,
+        cache_upto_in_flight=True,
         max_loras_counts_unscheduled=True,
         continue_after_self_preemption=True,
         skip_encoder_blocked_admissions=True,

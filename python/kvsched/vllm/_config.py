@@ -723,6 +723,7 @@ def kvsched_config_from_vllm(
     fields["skip_encoder_blocked_admissions"] = RULES.skip_encoder_blocked_admissions
     fields["cache_drafts_at_update"] = RULES.cache_drafts_at_update
     fields["trim_computed_on_stop"] = RULES.trim_computed_on_stop
+    fields["cache_upto_in_flight"] = RULES.cache_upto_in_flight
     fields["mamba_defer_new_states_only"] = RULES.mamba_defer_new_states_only
     # vLLM keeps a request waiting for its grammar in `waiting` (skipped where the admission pass reaches it).
     fields["park_grammar_waits"] = False

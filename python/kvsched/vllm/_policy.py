@@ -144,6 +144,7 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
             "skip_encoder_blocked_admissions",
             "cache_drafts_at_update",
             "trim_computed_on_stop",
+            "cache_upto_in_flight",
             "mamba_defer_new_states_only",
         )
     },

@@ -814,6 +814,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             k += 1
         self._ec_freed[req_id] = k
 
+    def _ec_rolled_back(self, request: Request) -> None:
+        """A running request whose computed tokens invalid blocks cut back: vLLM references again each input its
+        steps go over anew (those ending past the new count) and tells the connector of their free once consumed,
+        those it had already consumed included."""
+        req_id = request.request_id
+        start = self._ec_from[req_id] = min(self._ec_from[req_id], request.num_computed_tokens)
+        k = self._ec_freed.get(req_id, 0)
+        features = request.mm_features
+        while k > 0 and features[k - 1].mm_position.offset + features[k - 1].mm_position.length > start:
+            k -= 1
+        self._ec_freed[req_id] = k
+
     def _ec_finished(self, request: Request) -> bool:
         """vLLM's EC ``request_finished`` call for a finished request: whether it asks to delay the free; its
         transfer parameters go in the request's last output (``_ec_params``)."""
@@ -2191,6 +2203,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             for req_id in itertools.chain(waiting, skip):
                 self.requests[req_id].num_computed_tokens = self._core.get_num_computed_tokens(req_id)
             for req_id in skip:
+                if req_id in self._ec_from:
+                    self._ec_rolled_back(self.requests[req_id])
                 if self.requests[req_id].num_output_placeholders > 0:
                     self._kv_offset.add(req_id)
                     self._slow_req_ids.add(req_id)

@@ -356,6 +356,12 @@ pub struct SchedulerConfig {
     /// request's computed count back to the tokens kept; `false` (vLLM 0.32) leaves it, so the blocks a KV
     /// connector is handed at the finish also cover the cut tokens. Blocks cached at that update never cover them.
     pub trim_computed_on_stop: bool,
+    /// The blocks cached when a step's output is applied (see `cache_drafts_at_update`) reach the request's
+    /// computed tokens less those of its steps still in flight: `true` (vLLM 0.33); `false` (vLLM 0.32's
+    /// asynchronous scheduler): less its output placeholders left. The two differ only after invalid blocks of a
+    /// synchronous KV load rolled back a request with a step in flight: the skipped output of the rolled-back
+    /// step leaves a placeholder that no step in flight accounts for.
+    pub cache_upto_in_flight: bool,
     /// Tokens after each full block that its prefix-cache hash also covers (vLLM 0.33's look-ahead block hashes
     /// for EAGLE-style drafters, `num_hash_lookahead_tokens`): block `i`'s hash exists, and the block can enter
     /// the prefix cache, only once the request has `(i + 1) * block_size + hash_lookahead_tokens` tokens, and a
@@ -527,6 +533,7 @@ impl Default for SchedulerConfig {
             skip_encoder_blocked_admissions: true,
             cache_drafts_at_update: true,
             trim_computed_on_stop: true,
+            cache_upto_in_flight: true,
             hash_lookahead_tokens: 0,
             hash_block_size: None,
             drop_trailing_hit_block: false,

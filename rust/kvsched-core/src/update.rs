@@ -529,9 +529,15 @@ impl Scheduler {
             // Every returned token resolves a placeholder, including those cut at a stop.
             req.num_output_placeholders = req.num_output_placeholders.saturating_sub(tokens.len() as u32);
             // vLLM caches the blocks this step completed (accepted drafts, placeholder positions) now,
-            // up to what the applied steps computed.
+            // up to what the applied steps computed (vLLM 0.32: up to the computed count less the placeholders
+            // left, which a rollback of invalid blocks can leave above the tokens in flight).
             if was_running && (had_placeholders || (spec_decoding && self.config.cache_drafts_at_update)) {
-                let upto = hot.computed[s].saturating_sub(cut).saturating_sub(hot.in_flight[s]);
+                let pending = if self.config.cache_upto_in_flight {
+                    hot.in_flight[s]
+                } else {
+                    req.num_output_placeholders
+                };
+                let upto = hot.computed[s].saturating_sub(cut).saturating_sub(pending);
                 self.kv.cache_blocks(req, upto);
             }
         }

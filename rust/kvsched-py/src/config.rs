@@ -83,6 +83,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("skip_encoder_blocked_admissions", c.skip_encoder_blocked_admissions)?;
     d.set_item("cache_drafts_at_update", c.cache_drafts_at_update)?;
     d.set_item("trim_computed_on_stop", c.trim_computed_on_stop)?;
+    d.set_item("cache_upto_in_flight", c.cache_upto_in_flight)?;
     d.set_item("hash_lookahead_tokens", c.hash_lookahead_tokens)?;
     d.set_item("hash_block_size", c.hash_block_size)?;
     d.set_item("drop_trailing_hit_block", c.drop_trailing_hit_block)?;
@@ -296,6 +297,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         skip_encoder_blocked_admissions: bool_field("skip_encoder_blocked_admissions")?,
         cache_drafts_at_update: bool_field("cache_drafts_at_update")?,
         trim_computed_on_stop: bool_field("trim_computed_on_stop")?,
+        cache_upto_in_flight: bool_field("cache_upto_in_flight")?,
         hash_lookahead_tokens: u32_field("hash_lookahead_tokens")?,
         hash_block_size: if cfg.getattr("hash_block_size")?.is_none() {
             None

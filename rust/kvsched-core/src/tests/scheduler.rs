@@ -944,6 +944,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                     skip_encoder_blocked_admissions: !v032,
                     cache_drafts_at_update: !v032,
                     trim_computed_on_stop: !v032,
+                    cache_upto_in_flight: !v032,
                     ..Default::default()
                 }
             },
