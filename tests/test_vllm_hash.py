@@ -7,6 +7,7 @@ import hashlib
 import pickle
 
 import kvsched
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -119,5 +120,34 @@ def test_rows_extend_both_lists_or_nothing() -> None:
     for rows in ([[7], (8,), [9]], [[7], [8]], ([7], [8], [9]), [[7], [8], None]):
         assert not extend(first, second, rows)  # type: ignore[arg-type]
     assert not extend(first, [[], [], ()], [[7], [8], [9]])  # type: ignore[list-item]
+
+    class Sub(list):  # type: ignore[type-arg]
+        pass
+
+    assert not extend(first, second, [[7], Sub([8]), [9]])  # a list subclass: the caller's own way
+    assert not extend([[1], Sub(), [2, 3]], second, [[7], [8], [9]])
     assert first == [[1, 4], [5, 6], [2, 3]]
     assert second == [[9, 1, 4], [5, 6], [9, 2, 3]]
+    # A list that is also a row: its length is read before anything is appended to it.
+    a = [5]
+    outer, other = [a], [[]]
+    assert extend(outer, other, [a])
+    assert a == [5, 5] and other == [[5]]
+
+
+def test_int_list_is_tolist() -> None:
+    int_list = kvsched._core.int_list
+    big = 1 << 17
+    values = np.array([0, 1, 7, 300, 70_000, big - 1, big, big + 5, -1, -(2**31), 2**31 - 1], dtype=np.int32)
+    got = int_list(values)
+    assert type(got) is list and got == values.tolist()
+    assert all(type(v) is int for v in got)
+    # The ints of small values are shared between calls; the others are fresh.
+    again = int_list(values.copy())
+    assert again == got and again[3] is got[3] and again[4] is got[4]
+    assert int_list(np.array([], dtype=np.int32)) == []
+    # Other arrays: their own tolist().
+    for other in (np.array([1, 2**40], dtype=np.int64), np.array([[1, 2]], dtype=np.int32), np.arange(4)[::2]):
+        assert int_list(other) == other.tolist()
+    sliced = np.arange(10, dtype=np.int32)[::3]
+    assert int_list(sliced) == [0, 3, 6, 9]

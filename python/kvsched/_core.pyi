@@ -19,6 +19,7 @@ __all__ = [
     "_default_config",
     "_validate_config",
     "extend_lists_by_rows",
+    "int_list",
     "vllm_sha256_block_hashes",
     "vllm_sha256_extend_block_hashes",
 ]
@@ -48,7 +49,11 @@ def vllm_sha256_extend_block_hashes(
 
 def extend_lists_by_rows(first: list[list[Any]], second: list[list[Any]], rows: list[list[Any]]) -> bool:
     """Appends ``rows[i]``'s items to ``first[i]`` and ``second[i]`` for every ``i``; returns False, changing
-    nothing, when the three are not lists of equal length whose entries are lists."""
+    nothing, when the three are not lists of equal length whose entries are lists (exactly: not a subclass)."""
+
+def int_list(values: npt.NDArray[np.integer[Any]]) -> list[int]:
+    """``values.tolist()``; for a 1-D int32 array, the ints of small non-negative values are shared between
+    calls (no int allocated per entry)."""
 
 @final
 class SchedulerOutput:

@@ -31,7 +31,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
-from kvsched._core import vllm_sha256_block_hashes, vllm_sha256_extend_block_hashes
+from kvsched._core import int_list, vllm_sha256_block_hashes, vllm_sha256_extend_block_hashes
 from kvsched._errors import InvalidRequestError, QueueFullError, SchedulerTypeError
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
@@ -967,7 +967,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         num_sched: list[int] = (
             [1] * len(req_ids) if out.total_num_scheduled_tokens == len(req_ids) else out.num_scheduled_tokens.tolist()
         )
-        computed: list[int] = out.num_computed_tokens.tolist()
+        computed: list[int] = int_list(out.num_computed_tokens)
         block_ptr_arr = out.new_block_ids_indptr
         block_ids: list[int] = out.new_block_ids.tolist()
         # Several KV cache groups: every group's new blocks and their offsets (the primary group's, the first that
@@ -1017,7 +1017,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # whose counters move through a cohort leaves it to be computed there if needed).
         after_arr: npt.NDArray[np.int32] | None = None
         # vLLM's num_output_tokens column (outputs and placeholders before this step's), from the core's counts.
-        num_outputs: list[int] = self._core.step_num_output_tokens(out).tolist()
+        num_outputs: list[int] = int_list(self._core.step_num_output_tokens(out))
         run_outputs = num_outputs if all_run else num_outputs[:num_run]
         run_blocks: list[tuple[list[int], ...] | None] = [None] * num_run
         # Align-mode Mamba groups can grow without the primary group: a running request with entries in any group.

@@ -460,6 +460,15 @@ impl KvCacheManager {
         }
     }
 
+    /// Whether `cache_blocks(req, num_tokens)` would leave everything as it is, decided without a call: caching
+    /// off, or no full block past the cached ones (with a single KV cache group).
+    #[inline(always)]
+    pub fn caches_nothing(&self, req: &Request, num_tokens: u32) -> bool {
+        !self.enable_caching
+            || (self.hybrid.is_none()
+                && (num_tokens / self.block_size) as usize <= req.num_cached_blocks as usize)
+    }
+
     /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache (caching is on: the caller
     /// checks); `num_tokens` the tokens being cached (`num_full` their full blocks).
     fn cache_full_blocks(&mut self, req: &mut Request, num_full: usize, num_tokens: u32) {

@@ -65,6 +65,14 @@ impl Hot {
         self.plain[s] = plain;
     }
 
+    /// What `sync` writes for a request that is not plain, its token count aside: for a plain request that just
+    /// took an output placeholder (its tokens unchanged).
+    #[inline(always)]
+    pub fn set_not_plain(&mut self, s: usize) {
+        self.plain[s] = false;
+        (self.decode_lo[s], self.decode_hi[s]) = EMPTY_SPAN;
+    }
+
     /// The derived columns of slot `s`, as `mirrors_of` orders them.
     fn mirrors_at(&self, s: usize) -> Mirrors {
         (self.num_tokens[s], self.decode_lo[s], self.decode_hi[s], self.plain[s])

@@ -1604,8 +1604,18 @@ impl Scheduler {
                 self.slab.get_mut(h.slot)?.decode_ready_step = self.next_step_id + stagger;
             }
             // A plain decode is not in the in-flight prefill set: without async scheduling nothing to do.
-            if self.slab.hot.plain[s] && !async_scheduling {
-                continue;
+            if self.slab.hot.plain[s] {
+                if !async_scheduling {
+                    continue;
+                }
+                if num_spec_tokens == 0 {
+                    // Nor does it hold drafts: only its placeholder, which makes it not plain (its token count
+                    // unchanged).
+                    let (req, hot) = self.slab.get_mut_hot(h.slot)?;
+                    req.num_output_placeholders += 1;
+                    hot.set_not_plain(s);
+                    continue;
+                }
             }
             let req = self.slab.get_mut(h.slot)?;
             req.inflight_prefill = false;

@@ -195,8 +195,25 @@ impl Scheduler {
             // Runs of the common case go through `plain_decode_updates`; it stops at the first entry with more
             // to do (a block to hash, a stop, anything not a live plain decode), which takes `apply_entry`.
             let (handles, num_scheduled, values) = (&rec.handles, &rec.num_scheduled_tokens, sampled.values);
+            // With async scheduling a decode holds output placeholders: runs of those go through
+            // `placeholder_decode_updates` (the same contract).
+            let async_scheduling = self.config.async_scheduling;
+            let runs = !general_only();
             let mut i = 0;
             while i < n {
+                if !runs {
+                    // Tests: every entry takes `apply_entry` (what the runs must match).
+                    let e = Entry {
+                        i,
+                        handle: handles[i],
+                        num_scheduled: num_scheduled[i] as u32,
+                        is_chunk: false,
+                        num_spec: 0,
+                    };
+                    tally(self.apply_entry(&mut res, e, &values[i..i + 1], None, false, max_model_len)?);
+                    i += 1;
+                    continue;
+                }
                 i = self.plain_decode_updates(
                     handles,
                     num_scheduled,
@@ -205,6 +222,20 @@ impl Scheduler {
                     i,
                     max_model_len,
                 );
+                if async_scheduling && i < n {
+                    let next = self.placeholder_decode_updates(
+                        handles,
+                        num_scheduled,
+                        values,
+                        &mut res.num_new_tokens,
+                        i,
+                        max_model_len,
+                    );
+                    if next > i {
+                        i = next;
+                        continue;
+                    }
+                }
                 if i == n {
                     break;
                 }
@@ -245,6 +276,26 @@ impl Scheduler {
         }
         Ok(res)
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: when set, a step of one-token decodes applies every entry through `apply_entry`, without the runs
+    /// of `plain_decode_updates` and `placeholder_decode_updates`.
+    pub(crate) static GENERAL_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Tests: the entries `placeholder_decode_updates` applied.
+    pub(crate) static PLACEHOLDER_RUN_ENTRIES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+#[cfg(test)]
+fn general_only() -> bool {
+    GENERAL_ONLY.with(std::cell::Cell::get)
+}
+
+#[cfg(not(test))]
+#[inline(always)]
+fn general_only() -> bool {
+    false
 }
 
 /// What `apply_decode` did with an entry.
@@ -415,6 +466,71 @@ impl Scheduler {
             num_new_tokens[i] = 1;
             self.tenants.add_decode(req.tenant, 1);
             num_tokens[s] = len as u32;
+            i += 1;
+        }
+        i
+    }
+
+    /// `plain_decode_updates` for decodes holding output placeholders (async scheduling): from entry `i`,
+    /// applies the entries whose request is live and running, with no stale output, a placeholder, no encoder
+    /// input held and no cross-attention slots, whose token neither fills a block nor stops it and after which
+    /// no block is left to cache: in-flight count released, token appended, one placeholder fewer, one new
+    /// token, the tenant's decode count, the mirror columns (the token count; all of them when its last
+    /// placeholder went, as the request may be plain now). That is what `apply_general` does for such an
+    /// entry, decided before anything changes: the loop stops at the first entry that is anything else,
+    /// untouched, and returns its index (`handles.len()` when none).
+    #[inline(never)]
+    fn placeholder_decode_updates(
+        &mut self,
+        handles: &[ReqHandle],
+        num_scheduled: &[i32],
+        values: &[i64],
+        num_new_tokens: &mut [i32],
+        mut i: usize,
+        max_model_len: u32,
+    ) -> usize {
+        let block_size = self.kv.block_size as usize;
+        let hash_phase = self.kv.hasher.lookahead() % block_size;
+        let kv = &self.kv;
+        let (slots, hot) = self.slab.parts_mut();
+        let n = handles.len().min(num_scheduled.len()).min(values.len()).min(num_new_tokens.len());
+        while i < n {
+            let h = handles[i];
+            let s = h.slot as usize;
+            let (Some(Some(req)), Some(&in_flight), Some(&0)) =
+                (slots.get_mut(s), hot.in_flight.get(s), hot.stale.get(s))
+            else {
+                break;
+            };
+            if req.handle != h {
+                break;
+            }
+            let t = values[i] as u32;
+            // The token count once `t` is appended, and the in-flight count once this entry is released.
+            let len = req.token_ids.len() + 1;
+            let left_in_flight = in_flight.saturating_sub(num_scheduled[i] as u32);
+            if req.status != RequestStatus::Running
+                || req.num_output_placeholders == 0
+                || req.num_encoder_held != 0
+                || req.cross_attention_tokens != 0
+                || len % block_size == hash_phase
+                || check_stop_at(req, t, len as u32, max_model_len).is_some()
+                || !kv.caches_nothing(req, hot.computed[s].saturating_sub(left_in_flight))
+            {
+                break;
+            }
+            hot.in_flight[s] = left_in_flight;
+            req.token_ids.push(t);
+            req.num_output_placeholders -= 1;
+            #[cfg(test)]
+            PLACEHOLDER_RUN_ENTRIES.with(|c| c.set(c.get() + 1));
+            num_new_tokens[i] = 1;
+            self.tenants.add_decode(req.tenant, 1);
+            if req.num_output_placeholders == 0 {
+                hot.sync(s, req);
+            } else {
+                hot.num_tokens[s] = len as u32;
+            }
             i += 1;
         }
         i

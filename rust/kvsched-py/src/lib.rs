@@ -10,7 +10,8 @@
 //! conversion), `encoder` (encoder-input conversion), `connector` (a Python KV connector behind the core's
 //! trait), `ids` (request ids by slot, shared with the outputs), `output` (the per-step result classes),
 //! `scheduler` (the `Scheduler` class), `router` (the `Router` class of `kvsched.router`), `vllm_hash` (vLLM's
-//! SHA-256 block hash, for `kvsched.vllm`), `vllm_rows` (sampled tokens into vLLM's token lists). This file only registers them.
+//! SHA-256 block hash, for `kvsched.vllm`), `vllm_rows` (sampled tokens into vLLM's token lists, count columns as lists of ints). This file only
+//! registers them.
 
 mod config;
 mod connector;
@@ -42,6 +43,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(vllm_hash::vllm_sha256_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(vllm_hash::vllm_sha256_extend_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(vllm_rows::extend_lists_by_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(vllm_rows::int_list, m)?)?;
     m.add_function(wrap_pyfunction!(config::_default_config, m)?)?;
     m.add_function(wrap_pyfunction!(config::_validate_config, m)?)?;
     m.add("MAX_TOKEN_ID", core::MAX_TOKEN_ID)?;

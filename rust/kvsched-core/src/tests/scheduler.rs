@@ -4,8 +4,8 @@
 use proptest::prelude::*;
 
 use super::helpers::{
-    add, feed, free_order, ids, live_ids, oldest_in_flight, one_token_each, params, prompt, resolve,
-    step_with,
+    add, apply, feed, free_order, ids, live_ids, oldest_in_flight, one_token_each, params, prompt, resolve,
+    schedule, step_with,
 };
 use crate::{
     FinishReason, PauseState, Policy, PreemptionMode, Ragged, RequestParams, RequestStatus, SchedError,
@@ -1670,4 +1670,100 @@ fn a_shared_prefix_junction_ends_the_chunk_where_its_state_can_be_cached() {
     add(&mut s, "c", &c, params(1));
     let (out, _) = step_with(&mut s, 1);
     assert_eq!(out.num_computed_tokens, vec![16]);
+}
+
+/// With async scheduling a decode holds output placeholders when its step is applied: runs of such entries take
+/// `placeholder_decode_updates` (and plain ones `plain_decode_updates`) instead of the general path. Both ways
+/// must leave the same state after every update: the same trace of schedules, update results, request records,
+/// hot columns and free blocks, through block boundaries, stops (EOS, stop ids, length) and preemptions.
+#[test]
+fn async_decode_runs_match_the_general_path() {
+    use crate::update::{GENERAL_ONLY, PLACEHOLDER_RUN_ENTRIES};
+    // `ahead`: each step is scheduled before the one before it is applied (its decodes hold two placeholders
+    // then, one left after the update); otherwise every step is applied before the next is scheduled (the
+    // update takes each decode's only placeholder).
+    fn trace(config: &SchedulerConfig, ahead: bool, general_only: bool) -> (Vec<String>, u64) {
+        GENERAL_ONLY.with(|c| c.set(general_only));
+        PLACEHOLDER_RUN_ENTRIES.with(|c| c.set(0));
+        let mut s = Scheduler::new(config.clone()).unwrap();
+        let shared = prompt(500, 9);
+        for k in 0..8u32 {
+            let mut p = if k % 3 == 0 { shared.clone() } else { prompt(100 * i64::from(k), 5 + k as usize) };
+            p.push(i64::from(k));
+            let params = RequestParams {
+                max_tokens: Some(12 + 5 * k),
+                eos_token_id: Some(7),
+                stop_token_ids: if k == 5 { vec![33] } else { Vec::new() },
+                ignore_eos: k % 2 == 1,
+                // Two requests with an image each: the update of their prefill frees it.
+                encoder_inputs: if k == 2 || k == 7 {
+                    vec![crate::EncoderInput { start: 1, num_tokens: 3, hash: u64::from(k) }]
+                } else {
+                    Vec::new()
+                },
+                ..Default::default()
+            };
+            add(&mut s, &format!("r{k}"), &p, params);
+        }
+        let mut lines = Vec::new();
+        let mut step = 0i64;
+        let mut ahead_step = ahead.then(|| schedule(&mut s));
+        while s.has_unfinished_requests() && step < 200 {
+            let next = schedule(&mut s);
+            let (pending, next) = match ahead_step.take() {
+                Some(p) => (p, Some(next)),
+                None => (next, None),
+            };
+            step += 1;
+            // Token 7 (EOS) now and then, 33 (a stop id) once, otherwise distinct ids.
+            let res = apply(&mut s, &pending, |i| {
+                vec![if (step + i as i64) % 23 == 0 { 7 } else { 30 + (step * 3 + i as i64) % 5 }]
+            });
+            let mut out = pending.out.clone();
+            out.scheduler_id = 0;
+            lines.push(format!("step {step}: {out:?}\n{res:?}"));
+            for r in s.slab.iter() {
+                let slot = r.handle.slot as usize;
+                let hot = &s.slab.hot;
+                lines.push(format!(
+                    "{r:?} hot {:?}",
+                    (
+                        hot.computed[slot],
+                        hot.in_flight[slot],
+                        hot.stale[slot],
+                        hot.num_tokens[slot],
+                        hot.plain[slot]
+                    )
+                ));
+            }
+            lines.push(format!("free {:?}, tenants {:?}", free_order(&s), s.tenants));
+            ahead_step = next;
+        }
+        assert!(!s.has_unfinished_requests(), "the trace runs to its end");
+        GENERAL_ONLY.with(|c| c.set(false));
+        (lines, PLACEHOLDER_RUN_ENTRIES.with(std::cell::Cell::get))
+    }
+    // Room for all; a tight pool (preemptions, stale output); a token budget below the running decodes.
+    for (num_blocks, budget, ahead) in
+        [(64, 24, true), (12, 24, true), (64, 5, true), (64, 24, false), (12, 24, false), (64, 5, false)]
+    {
+        let config = SchedulerConfig {
+            async_scheduling: true,
+            max_num_batched_tokens: budget,
+            max_num_encoder_input_tokens: 8,
+            encoder_cache_size: 8,
+            ..cfg(4, num_blocks)
+        };
+        let (general, none) = trace(&config, ahead, true);
+        let (runs, taken) = trace(&config, ahead, false);
+        assert_eq!(none, 0);
+        assert!(
+            taken >= 30,
+            "{num_blocks} blocks, budget {budget}, ahead {ahead}: {taken} entries took the placeholder runs"
+        );
+        assert_eq!(general.len(), runs.len());
+        for (g, r) in general.iter().zip(&runs) {
+            assert_eq!(g, r, "{num_blocks} blocks, budget {budget}, ahead {ahead}");
+        }
+    }
 }
