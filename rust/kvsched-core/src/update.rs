@@ -201,29 +201,9 @@ impl Scheduler {
             let runs = !general_only();
             let mut i = 0;
             while i < n {
-                if !runs {
-                    // Tests: every entry takes `apply_entry` (what the runs must match).
-                    let e = Entry {
-                        i,
-                        handle: handles[i],
-                        num_scheduled: num_scheduled[i] as u32,
-                        is_chunk: false,
-                        num_spec: 0,
-                    };
-                    tally(self.apply_entry(&mut res, e, &values[i..i + 1], None, false, max_model_len)?);
-                    i += 1;
-                    continue;
-                }
-                i = self.plain_decode_updates(
-                    handles,
-                    num_scheduled,
-                    values,
-                    &mut res.num_new_tokens,
-                    i,
-                    max_model_len,
-                );
-                if async_scheduling && i < n {
-                    let next = self.placeholder_decode_updates(
+                // Tests (`!runs`): every entry takes `apply_entry` (what the runs must match).
+                if runs {
+                    i = self.plain_decode_updates(
                         handles,
                         num_scheduled,
                         values,
@@ -231,13 +211,23 @@ impl Scheduler {
                         i,
                         max_model_len,
                     );
-                    if next > i {
-                        i = next;
-                        continue;
+                    if async_scheduling && i < n {
+                        let next = self.placeholder_decode_updates(
+                            handles,
+                            num_scheduled,
+                            values,
+                            &mut res.num_new_tokens,
+                            i,
+                            max_model_len,
+                        );
+                        if next > i {
+                            i = next;
+                            continue;
+                        }
                     }
-                }
-                if i == n {
-                    break;
+                    if i == n {
+                        break;
+                    }
                 }
                 let e = Entry {
                     i,
