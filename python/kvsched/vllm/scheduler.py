@@ -247,6 +247,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.hash_block_size = hash_block_size if hash_block_size is not None else block_size
         self.max_model_len = config.max_model_len
         self.max_num_running_reqs = config.max_num_seqs
+        self._priority_policy = config.policy == "priority"
         self.max_num_active_reqs = config.max_num_active_seqs or config.max_num_seqs
         # vLLM's local prefill cadence: prefill_schedule_interval without data parallelism, else 1 (the DP engine
         # core throttles through schedule(throttle_prefills=True)).
@@ -907,6 +908,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if self._core.get_request_status(req_id) == _KV_WAITING_FOR_REMOTE_KVS:
                 continue
             bridge.loaded.discard(req_id)
+            bridge.load_seq.pop(req_id, None)
             if req_id not in admitted:
                 request = self.requests[req_id]
                 request.status = _PREEMPTED if request.num_preemptions else _WAITING
@@ -2172,7 +2174,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         bridge = self._bridge
         waiting: list[str] = []
         if bridge is not None:
-            waiting = [r for r in itertools.chain(bridge.loading, bridge.loaded) if r in self.requests]
+            # In vLLM's queue order: the requests invalid blocks cut go into a set in that order, and the set's
+            # iteration order (that of their error outputs) can depend on it.
+            waiting = bridge.loads_in_queue_order(self.requests, self._priority_policy)
         failed = [r for r in kvo.failed_recving or () if r in waiting]
         num_blocks = self.kv_config.num_blocks
         invalid = {b for b in kvo.invalid_block_ids or () if 0 < b < num_blocks}
