@@ -599,6 +599,22 @@ def test_identical_to_vllm_with_eagle_prefix_cache_rules(sync: str, runner: str,
     assert cfg.eagle_block_drop
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_identical_to_vllm_with_a_dflash_drafter(sync: str, runner: str, seed: int) -> None:
+    """A DFlash drafter: k + 1 lookahead slots for k drafts (a bonus query in its draft pass), vLLM's cap on the
+    drafting requests; on vLLM 0.33 without EAGLE's prefix-cache rules, on 0.32 with them."""
+    from kvsched.vllm import RULES
+    from kvsched.vllm.testing import make_scheduler, make_vllm_config
+
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", eagle=True, dflash=True)
+    assert cfg.speculative_method == "dflash"
+    vcfg = make_vllm_config(num_speculative_tokens=3, speculative_method="dflash", max_num_batched_tokens=64)
+    assert vcfg.num_lookahead_tokens == 4
+    assert vcfg.scheduler_config.max_num_active_seqs == (None if RULES.version == "0.32" else 16)
+    assert make_scheduler("kvsched", vcfg).num_lookahead_tokens == 4
+
+
 def _count_parts(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """The streaming sessions kvsched.vllm hands a part to, in order (to check that the draws exercised them)."""
     from kvsched.vllm.scheduler import Scheduler

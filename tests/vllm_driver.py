@@ -1158,7 +1158,7 @@ class Pair:
             # preempts it (no 16th block) and kvsched caps its slots at the cache (docs/semantics.md, "Requests
             # that could never fit"). Requests are drawn clear of that end.
             # (Each further step in flight, with pipeline parallelism, adds as many again.)
-            k = cfg.num_speculative_tokens
+            k = cfg.num_speculative_tokens + (cfg.speculative_method == "dflash")  # DFlash: one slot more
             capacity -= (batch_queue_size(cfg) + 1) * (k + 1)
         if not cfg.enable_chunked_prefill and (cfg.parallel_drafting or cfg.max_num_scheduled_tokens):
             # Without chunked prefill a request must fit the most tokens one step gives it (kvsched refuses the
@@ -1784,6 +1784,7 @@ def run_seed(
     streaming: bool = False,
     pp: bool = False,
     eagle: bool = False,
+    dflash: bool = False,
     dcp: int = 1,
     pcp: int = 1,
     encoder_decoder: bool = False,
@@ -1968,6 +1969,10 @@ def run_seed(
         drop = drop and not (mamba_checkpoints and mamba_prefix_caching)
         cfg.eagle_block_drop = not (chunked and drop and RULES.version == "0.32")
         cfg.lookahead_block_hashes = chunked or not drop or RULES.version == "0.32"
+    if dflash and cfg.speculative_method == "eagle":
+        # The drafter taken for a DFlash one: k + 1 lookahead slots; on vLLM 0.33 none of EAGLE's prefix-cache rules
+        # (its drafts do not read the next token), on 0.32 the same rules as EAGLE's.
+        cfg.speculative_method = "dflash"
     if multimodal:
         cfg.multimodal = True
         # vLLM 0.32's disable_chunked_mm_input differs from 0.33's at an input's first token (kvsched refuses it).
@@ -2211,6 +2216,12 @@ def main(argv: list[str] | None = None) -> int:
         "drop); not with --mm or --streaming",
     )
     p.add_argument(
+        "--dflash",
+        action="store_true",
+        help="with --eagle: the drafter taken for a DFlash one (k + 1 lookahead slots, vLLM's cap on drafting "
+        "requests)",
+    )
+    p.add_argument(
         "--dcp",
         type=int,
         default=1,
@@ -2263,6 +2274,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
+    if args.dflash and not args.eagle:
+        p.error("--dflash goes with --eagle")
     if args.eagle and (args.mm or args.streaming):
         p.error("--eagle goes without --mm and --streaming")
     if args.enc_dec and (
@@ -2397,6 +2410,7 @@ def main(argv: list[str] | None = None) -> int:
                         streaming=args.streaming,
                         pp=args.pp,
                         eagle=args.eagle,
+                        dflash=args.dflash,
                         dcp=args.dcp,
                         pcp=args.pcp,
                         encoder_decoder=args.enc_dec,

@@ -603,8 +603,13 @@ def kvsched_config_from_vllm(
                     )
         if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
             _refuse("multi-module MTP prefill lookahead", method)
-        if lookahead not in (0, num_spec_tokens):
-            _refuse("drafters whose lookahead slots differ from 0 and num_speculative_tokens", method)
+        # EAGLE/MTP and draft models reserve a KV slot per draft; DFlash (and DSpark's fill-in layout) one more,
+        # for the bonus query of its draft pass. The core takes both counts apart, as vLLM's scheduler does.
+        if lookahead not in (0, num_spec_tokens, num_spec_tokens + 1):
+            _refuse(
+                "drafters whose lookahead slots differ from 0, num_speculative_tokens and num_speculative_tokens + 1",
+                method,
+            )
         victim = knobs.get("preemption_victim", "default")
         if (
             RULES.skip_drafts

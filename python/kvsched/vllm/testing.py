@@ -202,7 +202,8 @@ def make_vllm_config(
     as its draft model; ``eagle_block_drop``: vLLM's default prefix-cache rules for it, look-ahead block hashes
     or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``;
     ``lookahead_block_hashes`` False: vLLM 0.33's ``disable_lookahead_block_hashes``, the drop then without a
-    connector).
+    connector), or ``dflash`` (the same drafter taken for a DFlash one: ``k + 1`` lookahead slots, the drafting
+    requests capped as vLLM's config caps them).
     ``cpu_offload_blocks`` adds a ``kv_transfer_config`` for vLLM's ``SimpleCPUOffloadConnector`` (eager offload,
     lazy with ``cpu_offload_lazy``) with a CPU pool of that many blocks (``make_scheduler`` then gives the KV
     cache config its tensors); else ``kv_connector_seed`` adds a ``kv_transfer_config`` for
@@ -263,9 +264,9 @@ def make_vllm_config(
 
         lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
     speculative_config = None
-    if num_speculative_tokens and speculative_method == "eagle":
+    if num_speculative_tokens and speculative_method in ("eagle", "dflash"):
         # An EAGLE drafter (k lookahead slots) on the same tiny config, with vLLM's default prefix-cache rules for
-        # it or without them.
+        # it or without them. "dflash": the same drafter taken for a DFlash one (set below).
         from vllm.config import ParallelConfig
 
         speculative_config = SpeculativeConfig(
@@ -359,6 +360,18 @@ def make_vllm_config(
     # the two sizes).
     vllm_config.parallel_config.decode_context_parallel_size = decode_context_parallel_size
     vllm_config.parallel_config.prefill_context_parallel_size = prefill_context_parallel_size
+    if speculative_config is not None and speculative_method == "dflash":
+        # A DFlash drafter needs its own draft model; the EAGLE one stands in, taken for DFlash once the config is
+        # built: k + 1 lookahead slots (a bonus query and one per draft), and, as vLLM 0.33's config does for
+        # DFlash (0.32's does not), no more drafting requests than the token budget holds draft passes of k + 1
+        # queries.
+        from ._compat import RULES
+
+        speculative_config.method = "dflash"
+        sched = vllm_config.scheduler_config
+        most = sched.max_num_batched_tokens // vllm_config.num_lookahead_tokens
+        if RULES.version != "0.32" and most < (sched.max_num_active_seqs or sched.max_num_seqs):
+            sched.max_num_active_seqs = most
     return vllm_config
 
 
