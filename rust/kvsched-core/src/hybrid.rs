@@ -73,6 +73,12 @@ pub struct Hybrid {
     /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention; `MAMBA`: Mamba;
     /// `CHUNKED_LOCAL | c`: chunked-local attention in chunks of `c` tokens.
     pub windows: Vec<u32>,
+    /// Each group's block size in tokens (`SchedulerConfig::kv_cache_group_block_sizes`): the primary group's is
+    /// the manager's `block_size`, the others multiples of it.
+    pub block_sizes: Vec<u32>,
+    /// The least common multiple of `block_sizes` (vLLM's scheduler block size): a hit's length in tokens and the
+    /// tokens each group caches are multiples of it.
+    pub align: u32,
     /// The primary group: the first that is not Mamba (its table is `Request::blocks`).
     pub primary: usize,
     /// The blocks a request holds in a Mamba group (`1 + mamba_speculative_blocks`).
@@ -122,6 +128,8 @@ impl Clone for Hybrid {
     fn clone(&self) -> Self {
         Hybrid {
             windows: self.windows.clone(),
+            block_sizes: self.block_sizes.clone(),
+            align: self.align,
             primary: self.primary,
             mamba_blocks: self.mamba_blocks,
             mamba_align: self.mamba_align,
@@ -141,17 +149,30 @@ impl Clone for Hybrid {
 }
 
 impl Hybrid {
-    /// `windows`: per group, `None` for full attention. `cap` gives a window's (or chunked-local group's)
-    /// admission cap in blocks; `mamba_speculative_blocks` the extra state blocks of a Mamba group.
-    pub fn new(windows: &[Option<u32>], mamba_speculative_blocks: u32, cap: impl Fn(u32) -> usize) -> Self {
+    /// `windows`: per group, `None` for full attention; `block_sizes` each group's block size. `cap` gives a
+    /// window's (or chunked-local group's) admission cap in blocks of the given size; `mamba_speculative_blocks`
+    /// the extra state blocks of a Mamba group.
+    pub fn new(
+        windows: &[Option<u32>],
+        block_sizes: &[u32],
+        mamba_speculative_blocks: u32,
+        cap: impl Fn(u32, u32) -> usize,
+    ) -> Self {
         let windows: Vec<u32> = windows.iter().map(|w| w.unwrap_or(0)).collect();
-        let caps = windows.iter().map(|&w| if is_window(w) { cap(w) } else { usize::MAX }).collect();
+        let caps = windows
+            .iter()
+            .zip(block_sizes)
+            .map(|(&w, &bs)| if is_window(w) { cap(w, bs) } else { usize::MAX })
+            .collect();
+        let align = block_sizes.iter().fold(1u64, |a, &b| lcm(a, u64::from(b.max(1))));
         let primary = windows.iter().position(|&w| w != MAMBA).unwrap_or(0);
         let lookups = build_lookups(&windows, false);
         let n = windows.len();
         let zero_ids = if windows.contains(&MAMBA) { vec![Vec::new(); n] } else { Vec::new() };
         Hybrid {
             windows,
+            block_sizes: block_sizes.to_vec(),
+            align: u32::try_from(align).unwrap_or(u32::MAX),
             primary,
             mamba_blocks: 1 + mamba_speculative_blocks as usize,
             mamba_align: false,
@@ -196,6 +217,18 @@ impl Hybrid {
     pub(crate) fn hits(&self) -> MutexGuard<'_, Vec<Vec<u32>>> {
         self.last_hits.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    a / gcd(a, b) * b
 }
 
 /// The lookup sets of groups `windows`: full attention as one set first, then each window (and, with `mamba`, the
