@@ -2000,6 +2000,13 @@ GROUP_BLOCK_SIZE_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48,
                     kv_cache_groups=(None, 6), kv_cache_group_block_sizes=(4, 8), enable_prefix_caching=False,
                     prefix_hash_seed=76),
+    # Sparse retention of the windows' blocks (vLLM's engine default 0, and an interval of two aligned segments).
+    SchedulerConfig(block_size=2, num_blocks=60, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(3, None, 9), kv_cache_group_block_sizes=(2, 4, 6),
+                    prefix_cache_retention_interval=0, prefix_hash_seed=77),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    kv_cache_groups=(None, 9), kv_cache_group_block_sizes=(2, 4), async_scheduling=True,
+                    prefix_cache_retention_interval=8, prefix_hash_seed=78),
 ]  # fmt: skip
 
 
@@ -2017,6 +2024,7 @@ def group_block_size_configs(draw: Any) -> SchedulerConfig:
     w = draw(st.sampled_from([1, 2, 5, 9, 16, 33]))
     groups = draw(st.sampled_from([(None, w), (w, None), (None, w, 3), (None, None, w), (w, w, None)]))
     sizes = (block_size, *(block_size * draw(st.sampled_from([1, 2, 3, 4])) for _ in groups[1:]))
+    segments = draw(st.sampled_from([None, None, 0, 1, 2]))  # sparse retention, in aligned segments
     num_blocks = draw(st.integers(8, 120))
     max_model_len = max(8, min(draw(st.integers(8, 96)), (num_blocks - 1) * block_size))
     budget = draw(st.integers(4, 64))
@@ -2036,6 +2044,7 @@ def group_block_size_configs(draw: Any) -> SchedulerConfig:
         scheduler_reserve_full_isl=draw(st.booleans()),
         async_scheduling=draw(st.booleans()),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1])),
+        prefix_cache_retention_interval=None if segments is None else segments * math.lcm(*sizes),
     )
 
 

@@ -674,8 +674,7 @@ class SchedulerConfig:
             "to it; `block_size` is then the prefix-cache hash unit (vLLM's `hash_block_size`) and hits are aligned "
             "to the sizes' least common multiple (vLLM's scheduler block size). Sizes that differ need "
             "full-attention and sliding-window groups only and none of `drop_trailing_hit_block`, "
-            "`hash_lookahead_tokens`, `enable_kv_cache_events`, `prefix_cache_retention_interval`, "
-            "`kv_connector_groups` (see [Several KV cache groups](#several-kv-cache-groups)); None = `block_size` "
+            "`hash_lookahead_tokens`, `enable_kv_cache_events`, `kv_connector_groups` (see [Several KV cache groups](#several-kv-cache-groups)); None = `block_size` "
             "for every group",
             valid="None or one int per group, each a multiple of `block_size`",
         ),
@@ -919,6 +918,12 @@ class SchedulerConfig:
             raise InvalidConfigError(
                 f"prefix_cache_retention_interval ({r}) must be a multiple of block_size ({self.block_size})"
             )
+        lcm = math.lcm(self.block_size, *self.group_block_sizes())
+        if r % lcm:
+            raise InvalidConfigError(
+                f"prefix_cache_retention_interval ({r}) must be a multiple of the KV cache groups' block sizes' least "
+                f"common multiple ({lcm})"
+            )
 
     def _check_hash_block(self) -> None:
         """What a ``hash_block_size`` below ``block_size`` needs (the core's ``validate_hash_block``)."""
@@ -981,7 +986,6 @@ class SchedulerConfig:
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
             (self.enable_kv_cache_events, "enable_kv_cache_events"),
             (self.hash_block_size not in (None, bs), "a hash_block_size other than block_size"),
-            (self.prefix_cache_retention_interval is not None, "prefix_cache_retention_interval"),
             (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
         ):
             if on:

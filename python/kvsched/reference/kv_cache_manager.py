@@ -96,6 +96,22 @@ def _window_retained(i: int, bs: int, window: int, eagle: bool, retention: int, 
     return any(b // bs + shift - need <= i < b // bs + shift for b in reachable)
 
 
+def _window_kept(i: int, bs: int, align: int, window: int, retention: int | None, reachable: tuple[int, ...]) -> bool:
+    """``_window_retained`` for a window group of blocks of ``bs`` tokens among groups of different block sizes, hits
+    aligned to ``align`` tokens: the last ``need`` blocks of every segment of ``align`` tokens (dense, None) or of
+    ``retention`` tokens (above 0), and with retention on the ``need`` blocks before each ``reachable`` position
+    floored to ``align``."""
+    need = -(-(window - 1) // bs)
+    segment = align if retention is None else retention or None
+    if segment is not None:
+        per_segment = segment // bs
+        if need >= per_segment or i % per_segment >= per_segment - need:
+            return True
+    return retention is not None and any(
+        b // align * align // bs - need <= i < b // align * align // bs for b in reachable
+    )
+
+
 class _KVCacheManagerMixin(_BlockPoolMixin):
     """What a request asks of the block pool."""
 
@@ -891,15 +907,24 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             sparse = retention if w == _MAMBA else None
             window_sparse = window_retention if w > 0 and not w & _CHUNKED else None
 
+            sized = (
+                w > 0 and not w & _CHUNKED and any(self._group_bs(x) != bs for x in range(len(self._group_windows())))
+            )
+            gbs = self._group_bs(g)
+
             def kept(
                 i: int,
                 w: int = w,
                 sparse: int | None = sparse,
                 window_sparse: int | None = window_sparse,
                 tail: int = tail,
+                sized: bool = sized,
+                gbs: int = gbs,
             ) -> bool:
                 if w == 1:
                     return False
+                if sized:  # groups of different block sizes: the blocks a hit aligned to them can use
+                    return _window_kept(i, gbs, self._hit_align(), w, c.prefix_cache_retention_interval, window_reach)
                 if sparse is not None:
                     return i == tail or _mamba_retained(i, bs, sparse, reachable)
                 if window_sparse is not None:

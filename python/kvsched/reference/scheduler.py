@@ -681,7 +681,10 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                 # sparse retention: the Mamba states and window blocks it did not cache have no hash
                 w = windows[g]
                 window = isinstance(w, int) and not isinstance(w, bool) and w > 0
-                sparse = (w == MAMBA or window) and c.prefix_cache_retention_interval is not None
+                # (a window among groups of different block sizes keeps the blocks an aligned hit can use, retention
+                # or not)
+                sized = len(set(c.group_block_sizes())) > 1
+                sparse = (w == MAMBA or window) and (c.prefix_cache_retention_interval is not None or sized)
                 # a Mamba prefill checkpoint with the drop: keyed one block below its entry
                 shifted = w == MAMBA and c.drop_trailing_hit_block and c.mamba_prefill_checkpoint_alignment is not None
                 k = self._group_bs(g) // bs if c.kv_cache_groups is not None else 1

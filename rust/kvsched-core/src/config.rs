@@ -564,6 +564,14 @@ impl Default for SchedulerConfig {
 const I32_MAX: u32 = i32::MAX as u32;
 /// The pool keeps ~50 bytes of bookkeeping per block; 2^24 blocks (~800 MB) is far above any real GPU's pool.
 pub const MAX_NUM_BLOCKS: u32 = 1 << 24;
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// The most KV cache groups `kv_cache_groups` may list (a group's id tags its block hashes in one byte).
 pub const MAX_KV_CACHE_GROUPS: usize = 64;
 /// A `kv_cache_groups` entry (`Some(CROSS_ATTENTION)`) for a cross-attention group (vLLM's `CrossAttentionSpec`,
@@ -992,7 +1000,6 @@ impl SchedulerConfig {
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
             (self.enable_kv_cache_events, "enable_kv_cache_events"),
             (self.hash_block_size.is_some_and(|h| h != bs), "a hash_block_size other than block_size"),
-            (self.prefix_cache_retention_interval.is_some(), "prefix_cache_retention_interval"),
             (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
         ] {
             if on {
@@ -1035,6 +1042,15 @@ impl SchedulerConfig {
             return Err(SchedError::InvalidConfig(format!(
                 "prefix_cache_retention_interval ({r}) must be a multiple of block_size ({})",
                 self.block_size
+            )));
+        }
+        let sizes = self.group_block_sizes();
+        let lcm =
+            sizes.iter().fold(u64::from(self.block_size), |a, &b| a / gcd(a, u64::from(b)) * u64::from(b));
+        if u64::from(r) % lcm != 0 {
+            return Err(SchedError::InvalidConfig(format!(
+                "prefix_cache_retention_interval ({r}) must be a multiple of the KV cache groups' block sizes' least \
+                 common multiple ({lcm})"
             )));
         }
         Ok(())

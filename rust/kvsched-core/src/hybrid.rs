@@ -400,6 +400,39 @@ pub(crate) fn window_retained(
     })
 }
 
+/// `window_retained` for a window group of blocks of `gbs` tokens among groups of different block sizes, whose
+/// hits are aligned to `align` tokens (vLLM's `SlidingWindowManager.reachable_block_mask` with the scheduler
+/// block size as its alignment): with `need = ceil((window - 1) / gbs)` blocks for a hit, the last `need` blocks
+/// of every segment of `align` tokens (dense retention, `None`), or of `r` tokens (`Some(r)`, `r > 0`), every
+/// block when `need` covers a segment; with retention on (`Some`), also the `need` blocks ending at each of the
+/// `reachable` positions floored to `align`. No trailing-block drop (not combined with different block sizes).
+pub(crate) fn window_kept(
+    i: usize,
+    gbs: u32,
+    align: u32,
+    window: u32,
+    retention: Option<u32>,
+    reachable: &[u32],
+) -> bool {
+    let need = (window.saturating_sub(1)).div_ceil(gbs) as usize;
+    let segment = match retention {
+        None => Some(align),
+        Some(0) => None,
+        Some(r) => Some(r),
+    };
+    if let Some(seg) = segment {
+        let per_segment = (seg / gbs) as usize;
+        if need >= per_segment || i % per_segment >= per_segment - need {
+            return true;
+        }
+    }
+    retention.is_some()
+        && reachable.iter().any(|&b| {
+            let end = (b / align * align / gbs) as usize;
+            i < end && i + need >= end
+        })
+}
+
 /// The settings of `mamba_aligned_split`, fixed for a scheduler's lifetime.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct AlignedSplit {

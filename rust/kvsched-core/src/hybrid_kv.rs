@@ -5,7 +5,7 @@ use crate::config::{CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
 use crate::hybrid::{checkpoint_valid, mamba_checkpoint, mamba_retained, Hybrid};
 use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
-use crate::hybrid::{window_reachable, window_retained};
+use crate::hybrid::{window_kept, window_reachable, window_retained};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::request::{GroupTable, Request};
 
@@ -671,6 +671,8 @@ impl KvCacheManager {
         let window_retention = hy.retention;
         let window_reach = window_retention
             .map(|_| window_reachable(req.num_prompt_tokens, req.shared_prefix_boundary, bs, eagle));
+        // Groups of different block sizes: a window keeps the blocks a hit aligned to `hy.align` can use.
+        let (hit_align, sized) = (hy.align, sizes.iter().any(|&s| s != bs));
         let reachable = window_reach.clone().unwrap_or_default();
         let tail = retention.and_then(|_| {
             (num_tokens > 0 && num_tokens == prompt_checkpoint).then(|| (prompt_checkpoint / bs) as usize - 1)
@@ -705,7 +707,10 @@ impl KvCacheManager {
                 }
                 _ => None,
             };
+            let window_sized = sized && is_window(w) && chunk_size(w).is_none();
+            let gbs = sizes[g];
             let kept = |i: usize| match (sparse, window_sparse) {
+                _ if window_sized => window_kept(i, gbs, hit_align, w, window_retention, &reachable),
                 (Some(r), _) => mamba_retained(i, bs, r, &reachable) || tail == Some(i),
                 (None, Some((r, reach))) => window_retained(i, bs, w, eagle, r, reach),
                 (None, None) => true,

@@ -1263,8 +1263,15 @@ impl Scheduler {
                         let sparse_window = window.is_some_and(|w| {
                             crate::hybrid::is_window(w) && crate::hybrid::chunk_size(w).is_none()
                         });
+                        // (A window among groups of different block sizes keeps the blocks an aligned hit can use,
+                        // retention or not.)
+                        let sized = self
+                            .kv
+                            .hybrid
+                            .as_deref()
+                            .is_some_and(|hy| hy.block_sizes.iter().any(|&s| s != bs));
                         if (align_mamba || sparse_window)
-                            && cfg.prefix_cache_retention_interval.is_some()
+                            && (cfg.prefix_cache_retention_interval.is_some() || sized)
                             && self.kv.pool.block_hash(b).is_none()
                         {
                             continue; // a state or window block sparse retention did not cache
