@@ -674,7 +674,8 @@ class SchedulerConfig:
             "to it; `block_size` is then the prefix-cache hash unit (vLLM's `hash_block_size`) and hits are aligned "
             "to the sizes' least common multiple (vLLM's scheduler block size). Sizes that differ need "
             "full-attention and sliding-window groups only and none of `drop_trailing_hit_block`, "
-            "`hash_lookahead_tokens`, `enable_kv_cache_events`, `kv_connector_groups` (see [Several KV cache groups](#several-kv-cache-groups)); None = `block_size` "
+            "`hash_lookahead_tokens`, `enable_kv_cache_events`, `kv_connector_groups` (see [Several KV cache "
+            "groups](#several-kv-cache-groups)); None = `block_size` "
             "for every group",
             valid="None or one int per group, each a multiple of `block_size`",
         ),
