@@ -182,6 +182,8 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 PREFIX_HITS = 0
 # Runs whose requests hash at a unit finer than the block (--hash-block-size).
 FINER_HASH_SEEDS = 0
+# Runs whose KV cache groups have different block sizes (--group-block-factors).
+MIXED_BLOCK_SEEDS = 0
 # What the Mooncake stand-in answered and reported (lookups, hits, loads, invalid blocks, store jobs), over the
 # completed runs of the process.
 MOONCAKE_COUNTS = collections.Counter[str]()
@@ -1063,6 +1065,11 @@ class Pair:
             assert self.a.kv_cache_manager.coordinator.hash_block_size == hash_block_size
             global FINER_HASH_SEEDS
             FINER_HASH_SEEDS += 1
+        if group_block_sizes is not None and len(set(group_block_sizes)) > 1:
+            # vLLM's scheduler runs at the least common multiple, both hash at the greatest common divisor.
+            assert self.a.block_size == self.b.block_size == math.lcm(*group_block_sizes)
+            global MIXED_BLOCK_SEEDS
+            MIXED_BLOCK_SEEDS += 1
         if defer_async_loads:
             self.a.defer_async_loads = self.b.defer_async_loads = True
         # kvsched's steady decoding cohorts form after some steady steps; in most runs after one, so that they
@@ -2465,13 +2472,22 @@ def main(argv: list[str] | None = None) -> int:
                 bar.close()
             note = f"; {stopped} stopped early by vLLM's own scheduler, identical until then" if stopped else ""
             global PREFIX_HITS
-            if args.mamba_prefix_caching or args.retention is not None or args.hash_block_size is not None:
+            if (
+                args.mamba_prefix_caching
+                or args.retention is not None
+                or args.hash_block_size is not None
+                or group_block_factors
+            ):
                 note += f"; {PREFIX_HITS} admissions with a prefix hit"
             PREFIX_HITS = 0
             global FINER_HASH_SEEDS
             if args.hash_block_size is not None:
                 note += f"; {FINER_HASH_SEEDS} runs with a hash block smaller than the block"
             FINER_HASH_SEEDS = 0
+            global MIXED_BLOCK_SEEDS
+            if group_block_factors:
+                note += f"; {MIXED_BLOCK_SEEDS} runs with KV cache groups of different block sizes"
+            MIXED_BLOCK_SEEDS = 0
             if args.mooncake_store:
                 note += "; store stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(MOONCAKE_COUNTS.items()))
                 MOONCAKE_COUNTS.clear()
