@@ -492,7 +492,8 @@ impl AlignedSplit {
 #[cfg(test)]
 mod tests {
     use super::{
-        checkpoint_valid, mamba_checkpoint, mamba_retained, window_reachable, window_retained, AlignedSplit,
+        checkpoint_valid, mamba_checkpoint, mamba_retained, window_kept, window_reachable, window_retained,
+        AlignedSplit,
     };
 
     #[test]
@@ -507,6 +508,22 @@ mod tests {
                                                            // Every third block's end (12, 24 tokens) plus the reachable states.
         assert_eq!(kept(12, &[]), vec![2, 5]);
         assert_eq!(kept(12, &[19, 8]), vec![1, 2, 3, 5]);
+    }
+
+    #[test]
+    fn a_window_of_smaller_blocks_keeps_the_blocks_before_each_aligned_boundary() {
+        // Blocks of 4 tokens, hits aligned to 12: a window of 6 tokens needs 2 blocks before a boundary.
+        let kept = |retention, reach: &[u32]| {
+            (0..9).filter(|&i| window_kept(i, 4, 12, 6, retention, reach)).collect::<Vec<_>>()
+        };
+        assert_eq!(kept(None, &[]), vec![1, 2, 4, 5, 7, 8]);
+        assert_eq!(kept(Some(0), &[]), Vec::<usize>::new());
+        // The prompt's last token at 29 floors to 24: blocks 4 and 5.
+        assert_eq!(kept(Some(0), &[29]), vec![4, 5]);
+        // An interval of 24 tokens: the 2 blocks before 24 (and 48), and those before 17 floored to 12.
+        assert_eq!(kept(Some(24), &[17]), vec![1, 2, 4, 5]);
+        // A window that covers a segment keeps every block.
+        assert_eq!((0..9).filter(|&i| window_kept(i, 4, 12, 13, None, &[])).count(), 9);
     }
 
     #[test]
