@@ -1858,13 +1858,13 @@ def run_seed(
         # vLLM sizes the pool for every group: as many blocks per group as the drawn single-group cache.
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(cfg.kv_cache_groups)
         if group_block_factors:
-            # Groups of different block sizes: group g's block is factors[g] (the last repeated) times the first
-            # group's; -1 draws a factor in 1..4 per group (own stream). The first group keeps the block size.
+            # Groups of different block sizes: group g (from 1) has the (g - 1)-th factor (the last repeated) times
+            # the first group's block; -1 draws a factor in 1..4 per group (own stream). Group 0 keeps the block size.
             frng = random.Random(f"groupblock/{seed}")
             factors = [
                 frng.choice([1, 2, 3, 4]) if f < 0 else f
                 for f in (
-                    group_block_factors[min(g, len(group_block_factors) - 1)]
+                    group_block_factors[min(g - 1, len(group_block_factors) - 1)]
                     for g in range(1, len(cfg.kv_cache_groups))
                 )
             ]
