@@ -2055,13 +2055,7 @@ def group_block_size_configs(draw: Any) -> SchedulerConfig:
 )
 @given(cfg=group_block_size_configs(), data=st.data())
 def test_rust_matches_reference_with_group_block_sizes(cfg: SchedulerConfig, data: Any) -> None:
-    twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 2, 3])))
-    try:
-        for _ in range(60):
-            twin.step()
-        twin.drain()
-    except (AssertionError, InternalError) as e:
-        raise AssertionError(f"{e}\nconfig {cfg}\nops:\n" + "\n".join(twin.log[-40:])) from e
+    run_short_twin(cfg, data)
 
 
 @st.composite
@@ -2105,6 +2099,11 @@ def hash_unit_configs(draw: Any) -> SchedulerConfig:
 )
 @given(cfg=hash_unit_configs(), data=st.data())
 def test_rust_matches_reference_with_hash_blocks_smaller_than_the_block(cfg: SchedulerConfig, data: Any) -> None:
+    run_short_twin(cfg, data)
+
+
+def run_short_twin(cfg: SchedulerConfig, data: Any) -> None:
+    """60 operations and a drain of a drawn config, compared step by step (the last 40 operations on a failure)."""
     twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 2, 3])))
     try:
         for _ in range(60):
