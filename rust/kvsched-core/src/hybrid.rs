@@ -1,10 +1,18 @@
 //! Several KV cache groups in one pool (`SchedulerConfig::kv_cache_groups`, vLLM's `HybridKVCacheCoordinator`
 //! over one `FullAttentionManager`, `SlidingWindowManager`, `ChunkedLocalAttentionManager`,
-//! `CrossAttentionManager` or `MambaManager` per group, the attention groups with the same block size).
+//! `CrossAttentionManager` or `MambaManager` per group, the attention groups with the same block size, or, full
+//! attention and windows only, each its own: `Hybrid::block_sizes`).
 //!
 //! A request holds one block table per group (the *primary* group's, the first that is not Mamba, is
 //! `Request::blocks`; the others are `Request::groups`, in group order), all of the same length but cross
 //! attention's and Mamba's: every attention group covers every slot. Group by group, in group order:
+//!
+//! - **Block sizes**: with `SchedulerConfig::kv_cache_group_block_sizes`, group `g`'s blocks hold `b_g` tokens, a
+//!   multiple of the primary group's (the manager's `block_size`, which the request's hashes are taken at): its
+//!   table has `ceil(slots / b_g)` entries, its block `i` is keyed by `block_hashes[(i + 1) * b_g / bs - 1]`, and
+//!   every count of it goes by `b_g`. Hits are aligned to `Hybrid::align` (the least common multiple), every group
+//!   caches the same aligned prefix, and a window of blocks smaller than it keeps only what an aligned hit can use
+//!   (`window_kept`).
 //!
 //! - **Allocation**: the blocks that left each window go back to the pool first (deepest first, one call per
 //!   group); the blocks needed are summed over the groups and checked against the pool at once; then each
