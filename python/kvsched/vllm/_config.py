@@ -593,7 +593,13 @@ def kvsched_config_from_vllm(
     # is then reported as the kvsched settings'.
     policy = effective_policy(str(sched.policy), knobs.get("policy"))
     finer_hashes = hash_block_size is not None and hash_block_size != block_size
-    group_sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups] if kv_cache_groups else []
+    # (Attention groups of different block sizes: _check_kv_cache_config refuses them beside Mamba groups, whose
+    # blocks hold max_model_len tokens in mode "none".)
+    group_sizes = (
+        [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+        if kv_cache_groups and MAMBA not in kv_cache_groups
+        else []
+    )
     if len(set(group_sizes)) > 1:
         _check_group_block_sizes(vllm_config, group_sizes, hash_block_size)
         # The core hashes at the first group's blocks (vLLM's hash_block_size, their greatest common divisor).
