@@ -27,6 +27,7 @@ def test_every_field_is_in_the_table() -> None:
         "tenant_max_running",
         "tenant_max_waiting",
         "kv_cache_groups",
+        "kv_cache_group_block_sizes",
     }
     assert SchedulerConfig().to_dict() == {f.name: f.default for f in CONFIG_FIELDS}
     assert SchedulerConfig().block_size == DEFAULT_BLOCK_SIZE
@@ -124,6 +125,51 @@ RULES: list[dict[str, Any]] = [
     {"prefix_cache_retention_interval": 24, "kv_cache_groups": (None, "mamba"), "mamba_align": True},
     {"prefix_cache_retention_interval": 24, "sliding_window": 64},
     {"prefix_cache_retention_interval": 16, "kv_cache_groups": (None, "chunked:64")},
+    # KV cache groups of different block sizes
+    {"block_size": 16, "kv_cache_group_block_sizes": (16, 32)},
+    {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (16,)},
+    {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (16, 24)},
+    {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (32, 16)},
+    {"block_size": 16, "kv_cache_groups": ("mamba", None), "kv_cache_group_block_sizes": (32, 32)},
+    {"block_size": 16, "kv_cache_groups": (None, "chunked:64"), "kv_cache_group_block_sizes": (16, 32)},
+    {
+        "block_size": 16,
+        "kv_cache_groups": (None, "mamba"),
+        "kv_cache_group_block_sizes": (16, 32),
+        "enable_prefix_caching": False,
+    },
+    {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (16, 32), "hash_block_size": 8},
+    {
+        "block_size": 16,
+        "kv_cache_groups": (None, 8),
+        "kv_cache_group_block_sizes": (16, 32),
+        "drop_trailing_hit_block": True,
+    },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (None, 8),
+        "kv_cache_group_block_sizes": (16, 32),
+        "hash_lookahead_tokens": 1,
+    },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (None, 8),
+        "kv_cache_group_block_sizes": (16, 32),
+        "enable_kv_cache_events": True,
+    },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (None, 8),
+        "kv_cache_group_block_sizes": (16, 32),
+        "kv_connector_groups": True,
+    },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (None, 8),
+        "kv_cache_group_block_sizes": (16, 48),
+        "prefix_cache_retention_interval": 32,
+    },
+    {"block_size": 16, "num_blocks": 2**20, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (16, 4096)},
 ]
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
@@ -158,6 +204,16 @@ VALID_COMBOS: list[dict[str, Any]] = [
     {"prefix_cache_retention_interval": 0, "sliding_window": 64},
     {"prefix_cache_retention_interval": 32, "kv_cache_groups": (None, 64, "chunked:64")},
     {"prefix_cache_retention_interval": 0, "kv_cache_groups": ("mamba", None, 8), "mamba_align": True},
+    {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (16, 16)},
+    {"block_size": 16, "kv_cache_groups": (8, None, 5), "kv_cache_group_block_sizes": (16, 32, 48)},
+    {
+        "block_size": 16,
+        "kv_cache_groups": (None, 8),
+        "kv_cache_group_block_sizes": (16, 48),
+        "prefix_cache_retention_interval": 96,
+        "hash_block_size": 16,
+    },
+    {"block_size": 16, "kv_cache_groups": ("mamba", None), "kv_cache_group_block_sizes": (16, 16), "mamba_align": True},
 ]
 
 

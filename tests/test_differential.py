@@ -1977,6 +1977,87 @@ def test_soak_hash_blocks_smaller_than_the_block_match_reference_step_by_step() 
     soak_with_hits(HASH_UNIT_CONFIGS, 6161)
 
 
+# KV cache groups of different block sizes (vLLM's hybrid models whose groups have different page sizes): the
+# primary group's block is the hash unit, the others 2, 3 or 4 times it; hits aligned to the sizes' least common
+# multiple (a window run that does not end on it is skipped, a run from block 0 cut back to it); a window first or
+# last, two windows, two full-attention groups, async scheduling, drafts, priority, no prefix caching; tight pools
+# preempt.
+GROUP_BLOCK_SIZE_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 9), kv_cache_group_block_sizes=(4, 8), prefix_hash_seed=71),
+    SchedulerConfig(block_size=2, num_blocks=60, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(5, None), kv_cache_group_block_sizes=(2, 6), async_scheduling=True,
+                    policy="priority", prefix_hash_seed=72),
+    SchedulerConfig(block_size=2, num_blocks=70, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                    kv_cache_groups=(None, 7, 3), kv_cache_group_block_sizes=(2, 4, 6), async_scheduling=True,
+                    num_speculative_tokens=2, prefix_hash_algo="sha256_pickle", prefix_hash_seed=VLLM_HASH_ROOT),
+    SchedulerConfig(block_size=4, num_blocks=50, max_num_seqs=5, max_num_batched_tokens=20, max_model_len=64,
+                    kv_cache_groups=(None, None, 13), kv_cache_group_block_sizes=(4, 8, 16), num_lookahead_tokens=1,
+                    long_prefill_token_threshold=8, prefix_hash_seed=74),
+    SchedulerConfig(block_size=3, num_blocks=50, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=60,
+                    kv_cache_groups=(None, 10), kv_cache_group_block_sizes=(3, 12), watermark=0.1,
+                    scheduler_reserve_full_isl=False, prefix_hash_seed=75),
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, 6), kv_cache_group_block_sizes=(4, 8), enable_prefix_caching=False,
+                    prefix_hash_seed=76),
+    # Sparse retention of the windows' blocks (vLLM's engine default 0, and an interval of two aligned segments).
+    SchedulerConfig(block_size=2, num_blocks=60, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(3, None, 9), kv_cache_group_block_sizes=(2, 4, 6),
+                    prefix_cache_retention_interval=0, prefix_hash_seed=77),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    kv_cache_groups=(None, 9), kv_cache_group_block_sizes=(2, 4), async_scheduling=True,
+                    prefix_cache_retention_interval=8, prefix_hash_seed=78),
+]  # fmt: skip
+
+
+def test_soak_group_block_sizes_match_reference_step_by_step() -> None:
+    """Both implementations give every group its tables at its own block size, the same new blocks per group, the
+    same frees and the same aligned hits, step by step; requests hit the prefix cache and are preempted."""
+    soak_with_hits(GROUP_BLOCK_SIZE_CONFIGS, 7171)
+
+
+@st.composite
+def group_block_size_configs(draw: Any) -> SchedulerConfig:
+    """Full-attention and sliding-window groups whose block sizes are multiples of the primary group's (which
+    hashes): any order, one to three groups past the first, sync and async, drafts, tight pools, the policies."""
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    w = draw(st.sampled_from([1, 2, 5, 9, 16, 33]))
+    groups = draw(st.sampled_from([(None, w), (w, None), (None, w, 3), (None, None, w), (w, w, None)]))
+    sizes = (block_size, *(block_size * draw(st.sampled_from([1, 2, 3, 4])) for _ in groups[1:]))
+    segments = draw(st.sampled_from([None, None, 0, 1, 2]))  # sparse retention, in aligned segments
+    num_blocks = draw(st.integers(8, 120))
+    max_model_len = max(8, min(draw(st.integers(8, 96)), (num_blocks - 1) * block_size))
+    budget = draw(st.integers(4, 64))
+    return SchedulerConfig(
+        block_size=block_size,
+        kv_cache_groups=groups,
+        kv_cache_group_block_sizes=sizes,
+        num_blocks=num_blocks,
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_prefix_caching=draw(st.sampled_from([True, True, True, False])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
+        policy=draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair", "sjf"])),
+        num_lookahead_tokens=draw(st.sampled_from([0, 0, 1, 3])),
+        num_speculative_tokens=draw(st.sampled_from([None, None, 2])),
+        scheduler_reserve_full_isl=draw(st.booleans()),
+        async_scheduling=draw(st.booleans()),
+        watermark=draw(st.sampled_from([0.0, 0.0, 0.1])),
+        prefix_cache_retention_interval=None if segments is None else segments * math.lcm(*sizes),
+    )
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
+@given(cfg=group_block_size_configs(), data=st.data())
+def test_rust_matches_reference_with_group_block_sizes(cfg: SchedulerConfig, data: Any) -> None:
+    run_short_twin(cfg, data)
+
+
 @st.composite
 def hash_unit_configs(draw: Any) -> SchedulerConfig:
     """Several KV cache groups whose blocks hash over finer hash blocks (``hash_block_size`` a divisor below the
@@ -2018,6 +2099,11 @@ def hash_unit_configs(draw: Any) -> SchedulerConfig:
 )
 @given(cfg=hash_unit_configs(), data=st.data())
 def test_rust_matches_reference_with_hash_blocks_smaller_than_the_block(cfg: SchedulerConfig, data: Any) -> None:
+    run_short_twin(cfg, data)
+
+
+def run_short_twin(cfg: SchedulerConfig, data: Any) -> None:
+    """60 operations and a drain of a drawn config, compared step by step (the last 40 operations on a failure)."""
     twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 2, 3])))
     try:
         for _ in range(60):

@@ -943,8 +943,8 @@ def test_a_step_whose_requests_were_all_aborted_returns_no_outputs_without_stats
         assert results[1] == {}
 
 
-def _build_with_groups(vcfg: Any, *specs: Any) -> Any:
-    """kvsched.vllm.Scheduler on a KV cache config of one group per spec (block size 16)."""
+def _build_with_groups(vcfg: Any, *specs: Any, block_size: int = 16, hash_block_size: int = 16) -> Any:
+    """kvsched.vllm.Scheduler on a KV cache config of one group per spec (scheduler and hash block size 16)."""
     from kvsched.vllm import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -955,8 +955,8 @@ def _build_with_groups(vcfg: Any, *specs: Any) -> Any:
         vllm_config=vcfg,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vcfg),
-        block_size=16,
-        hash_block_size=16,
+        block_size=block_size,
+        hash_block_size=hash_block_size,
     )
 
 
@@ -1036,6 +1036,40 @@ def test_several_kv_cache_groups_give_the_runner_one_block_list_per_group(async_
     assert seen_new and seen_cached and seen_resumed
 
 
+def test_kv_cache_groups_of_different_block_sizes_run_and_what_they_do_not_support_is_refused_by_name() -> None:
+    """Full-attention and sliding-window groups whose block sizes are multiples of the first group's run on the
+    core's kv_cache_group_block_sizes (the core's block the first group's, vLLM's hash block); refused by name:
+    a first group whose block does not divide the others', chunked-local (or cross-attention, Mamba) groups among
+    them, another prefix match unit, KV connectors, KV cache events and EAGLE's prefix-cache rules."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    full, full32 = FullAttentionSpec(**_attention_kw()), FullAttentionSpec(**_attention_kw(32))
+    window, window32 = (SlidingWindowSpec(sliding_window=64, **_attention_kw(b)) for b in (16, 32))
+    window48 = SlidingWindowSpec(sliding_window=20, **_attention_kw(48))
+
+    def build(vcfg: Any, *specs: Any, block_size: int = 32, hash_block_size: int = 16) -> Any:
+        return _build_with_groups(vcfg, *specs, block_size=block_size, hash_block_size=hash_block_size)
+
+    sched = build(make_vllm_config(block_size=16), full, window32)
+    assert sched.kv_config.kv_cache_group_block_sizes == (16, 32) and sched.kv_config.block_size == 16
+    sched = build(make_vllm_config(block_size=16), window, full32, window48, block_size=96)
+    assert sched.kv_config.kv_cache_group_block_sizes == (16, 32, 48)
+    with pytest.raises(UnsupportedFeatureError, match="first group's block size does not divide every other"):
+        build(make_vllm_config(block_size=16), full32, window)
+    chunked = ChunkedLocalAttentionSpec(attention_chunk_size=64, **_attention_kw(32))
+    with pytest.raises(UnsupportedFeatureError, match="different block sizes with chunked-local, cross-attention"):
+        build(make_vllm_config(block_size=16), full, chunked)
+    with pytest.raises(UnsupportedFeatureError, match="prefix match unit other than the smallest block"):
+        build(make_vllm_config(block_size=16), full, window32, hash_block_size=8)
+    with pytest.raises(UnsupportedFeatureError, match="KV connectors with KV cache groups of different block sizes"):
+        build(make_vllm_config(block_size=16, kv_connector_seed=1, kv_role="kv_both"), full, window32)
+    with pytest.raises(UnsupportedFeatureError, match="KV cache events with KV cache groups of different block"):
+        build(make_vllm_config(block_size=16, kv_events=True), full, window32)
+    eagle = make_vllm_config(block_size=16, num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)
+    with pytest.raises(UnsupportedFeatureError, match=r"EAGLE/MTP prefix-cache rules .* different block sizes"):
+        build(eagle, full, window32)
+
+
 def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> None:
     """Several groups with a KV connector and a chunked-local group, a victim rule other than the default,
     different block sizes, chunked-local groups without a full-attention group, or two windows (or chunked-local
@@ -1059,6 +1093,7 @@ def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> Non
     vcfg.additional_config = {"kvsched": {"preemption_victim": "lcf"}}
     with pytest.raises(UnsupportedFeatureError, match="preemption victim rule other than the default"):
         build(vcfg, full, window)
+    # Groups of different block sizes need vLLM's scheduler block (their least common multiple).
     with pytest.raises(UnsupportedFeatureError, match="KV cache groups of different block sizes"):
         build(make_vllm_config(block_size=16), full, SlidingWindowSpec(sliding_window=64, **_attention_kw(32)))
     local = ChunkedLocalAttentionSpec(attention_chunk_size=32, **kw)

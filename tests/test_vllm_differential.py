@@ -642,3 +642,18 @@ def test_identical_to_vllm_with_hash_blocks_smaller_than_the_block(sync: str, ru
     cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=True, hash_block_size=-1)
     assert cfg.hash_block_size is not None and cfg.block_size % cfg.hash_block_size == 0
     assert cfg.hash_block_size < cfg.block_size
+
+
+@pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
+@pytest.mark.parametrize(("seed", "factors"), [(900, (2,)), (901, (3,)), (902, (4,))])
+def test_identical_to_vllm_with_kv_cache_groups_of_different_block_sizes(
+    sync: str, runner: str, seed: int, factors: tuple[int, ...]
+) -> None:
+    """Full-attention and sliding-window groups of different block sizes (vLLM's engine raises the block size of
+    the groups with smaller pages): vLLM's scheduler runs at their least common multiple, both hash at the first
+    group's block; every group's table, new blocks, aligned prefix hits and cached blocks are compared after every
+    call."""
+    cfg = run_seed(
+        seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=True, group_block_factors=factors
+    )
+    assert cfg.group_block_sizes is not None and len(set(cfg.group_block_sizes)) > 1

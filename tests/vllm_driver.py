@@ -182,6 +182,8 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 PREFIX_HITS = 0
 # Runs whose requests hash at a unit finer than the block (--hash-block-size).
 FINER_HASH_SEEDS = 0
+# Runs whose KV cache groups have different block sizes (--group-block-factors).
+MIXED_BLOCK_SEEDS = 0
 # What the Mooncake stand-in answered and reported (lookups, hits, loads, invalid blocks, store jobs), over the
 # completed runs of the process.
 MOONCAKE_COUNTS = collections.Counter[str]()
@@ -285,6 +287,10 @@ class Config:
     # "chunked:<c>": chunked-local attention, "cross": cross attention, "mamba": a Mamba group, vLLM's
     # mamba_cache_mode "none").
     kv_cache_groups: tuple[int | str | None, ...] | None = None
+    # Each KV cache group's block size (a model whose groups' pages differ, after vLLM's engine raised the smaller
+    # page's block size; None: block_size for every group). The scheduler block size is then their least common
+    # multiple, the requests' hash block their greatest common divisor (with prefix caching).
+    group_block_sizes: tuple[int, ...] | None = None
     # vLLM's Mamba cache mode: "align" gives the Mamba groups blocks of block_size tokens and block-aligned prefill
     # chunks.
     mamba_cache_mode: str = "none"
@@ -1016,6 +1022,7 @@ class Pair:
         self.store = self.mooncake or self.umbp
         retention = fields.pop("prefix_cache_retention_interval")
         hash_block_size = fields.pop("hash_block_size")
+        group_block_sizes = fields.pop("group_block_sizes")
         checkpoint_alignment = fields.pop("mamba_checkpoint_alignment")
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
@@ -1027,6 +1034,12 @@ class Pair:
             self.hash_block = math.lcm(self.kv_block_size, cfg.max_model_len)
         if hash_block_size is not None:
             self.hash_block = hash_block_size
+        if group_block_sizes is not None:
+            # vLLM's resolve_kv_cache_block_sizes: the hash block is the groups' greatest common divisor with prefix
+            # caching, the scheduler block (their least common multiple) without.
+            self.hash_block = (
+                math.gcd(*group_block_sizes) if cfg.enable_prefix_caching else math.lcm(*group_block_sizes)
+            )
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
         log_stats = self.rng_out.random() < 0.7
@@ -1039,6 +1052,7 @@ class Pair:
             "prefix_cache_retention_interval": retention,
             "mamba_prefill_checkpoint_alignment": checkpoint_alignment,
             "hash_block_size": hash_block_size,
+            "group_block_sizes": group_block_sizes,
         }
         with self.store.in_place() if self.store is not None else contextlib.nullcontext():
             self.a = make_scheduler("vllm", vcfg, **kw)
@@ -1051,6 +1065,11 @@ class Pair:
             assert self.a.kv_cache_manager.coordinator.hash_block_size == hash_block_size
             global FINER_HASH_SEEDS
             FINER_HASH_SEEDS += 1
+        if group_block_sizes is not None and len(set(group_block_sizes)) > 1:
+            # vLLM's scheduler runs at the least common multiple, both hash at the greatest common divisor.
+            assert self.a.block_size == self.b.block_size == math.lcm(*group_block_sizes)
+            global MIXED_BLOCK_SEEDS
+            MIXED_BLOCK_SEEDS += 1
         if defer_async_loads:
             self.a.defer_async_loads = self.b.defer_async_loads = True
         # kvsched's steady decoding cohorts form after some steady steps; in most runs after one, so that they
@@ -1794,6 +1813,7 @@ def run_seed(
     umbp_store: bool = False,
     block_sizes: tuple[int, ...] = (),
     hash_block_size: int | None = None,
+    group_block_factors: tuple[int, ...] = (),
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
@@ -1838,6 +1858,23 @@ def run_seed(
             cfg.kv_cache_groups = random_groups(random.Random(f"groups/{seed}"), cfg.block_size)
         # vLLM sizes the pool for every group: as many blocks per group as the drawn single-group cache.
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(cfg.kv_cache_groups)
+        if group_block_factors:
+            # Groups of different block sizes: group g (from 1) has the (g - 1)-th factor (the last repeated) times
+            # the first group's block; -1 draws a factor in 1..4 per group (own stream). Group 0 keeps the block size.
+            frng = random.Random(f"groupblock/{seed}")
+            factors = [
+                frng.choice([1, 2, 3, 4]) if f < 0 else f
+                for f in (
+                    group_block_factors[min(g - 1, len(group_block_factors) - 1)]
+                    for g in range(1, len(cfg.kv_cache_groups))
+                )
+            ]
+            # (Groups of one kind and window have one spec, so one block size: the first such group's.)
+            groups, sizes = cfg.kv_cache_groups, [cfg.block_size]
+            for g in range(1, len(groups)):
+                same = groups.index(groups[g])
+                sizes.append(sizes[same] if same < g else cfg.block_size * factors[g - 1])
+            cfg.group_block_sizes = tuple(sizes)
     if mamba:
         cfg.kv_cache_groups = random_mamba_groups(random.Random(f"mamba/{seed}"), cfg.block_size)
         cfg.enable_prefix_caching = False  # vLLM's mode "none" (with prefix caching it switches to "align")
@@ -1864,7 +1901,8 @@ def run_seed(
         if blocks and not (cfg.sliding_window or any(isinstance(g, int) or g == "mamba" for g in groups)):
             blocks = 0
         if blocks is not None:
-            cfg.prefix_cache_retention_interval = blocks * cfg.block_size
+            # (a multiple of the scheduler block: the groups' block sizes' least common multiple)
+            cfg.prefix_cache_retention_interval = blocks * math.lcm(cfg.block_size, *(cfg.group_block_sizes or ()))
     if hash_block_size is not None:
         units = [d for d in range(1, cfg.block_size) if cfg.block_size % d == 0]
         if hash_block_size < 0:
@@ -2165,6 +2203,14 @@ def main(argv: list[str] | None = None) -> int:
         "1-3 blocks); default: dense (None)",
     )
     p.add_argument(
+        "--group-block-factors",
+        default=None,
+        metavar="F1,F2,...",
+        help="with --hybrid: KV cache groups of different block sizes (vLLM's engine raises the block size of the "
+        "groups with smaller pages): group g's block size is the drawn block size times F_g (the last factor "
+        "repeated; the first group keeps the block size), -1 draws a factor in 1..4 per group and seed",
+    )
+    p.add_argument(
         "--mamba-checkpoints",
         action="store_true",
         help="with --mamba-prefix-caching: the Mamba groups declare prefill checkpoints (vLLM 0.33's Mamba2 and "
@@ -2259,6 +2305,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     block_sizes = tuple(int(b) for b in args.block_sizes.split(",") if b)
+    group_block_factors = tuple(int(f) for f in (args.group_block_factors or "").split(",") if f)
+    if group_block_factors and (not args.hybrid or args.chunked_local):
+        p.error("--group-block-factors goes with --hybrid (without --chunked-local)")
+    if any(f == 0 or f < -1 for f in group_block_factors):
+        p.error("--group-block-factors takes factors >= 1 or -1 (drawn)")
     if any(b < 1 for b in block_sizes):
         p.error("--block-sizes takes sizes >= 1")
     if args.modes is None:
@@ -2420,6 +2471,7 @@ def main(argv: list[str] | None = None) -> int:
                         umbp_store=args.umbp_store,
                         block_sizes=block_sizes,
                         hash_block_size=args.hash_block_size,
+                        group_block_factors=group_block_factors,
                     )
                     ok += 1
                 except Divergence as exc:
@@ -2434,13 +2486,22 @@ def main(argv: list[str] | None = None) -> int:
                 bar.close()
             note = f"; {stopped} stopped early by vLLM's own scheduler, identical until then" if stopped else ""
             global PREFIX_HITS
-            if args.mamba_prefix_caching or args.retention is not None or args.hash_block_size is not None:
+            if (
+                args.mamba_prefix_caching
+                or args.retention is not None
+                or args.hash_block_size is not None
+                or group_block_factors
+            ):
                 note += f"; {PREFIX_HITS} admissions with a prefix hit"
             PREFIX_HITS = 0
             global FINER_HASH_SEEDS
             if args.hash_block_size is not None:
                 note += f"; {FINER_HASH_SEEDS} runs with a hash block smaller than the block"
             FINER_HASH_SEEDS = 0
+            global MIXED_BLOCK_SEEDS
+            if group_block_factors:
+                note += f"; {MIXED_BLOCK_SEEDS} runs with KV cache groups of different block sizes"
+            MIXED_BLOCK_SEEDS = 0
             if args.mooncake_store:
                 note += "; store stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(MOONCAKE_COUNTS.items()))
                 MOONCAKE_COUNTS.clear()

@@ -665,6 +665,21 @@ class SchedulerConfig:
             valid="None or 2 to 64 entries, each None, an int >= 1, 'chunked:<c>' (c >= 1), 'cross' or 'mamba'",
         ),
     )
+    kv_cache_group_block_sizes: tuple[int, ...] | None = field(
+        default=None,
+        metadata=_spec(
+            "each KV cache group's block size in tokens, in group order (vLLM's hybrid models whose groups have "
+            "different page sizes): a block of group `g` holds this many tokens, one pool of equal pages serving "
+            "every group; each a multiple of `block_size`, the primary group's (the first that is not Mamba) equal "
+            "to it; `block_size` is then the prefix-cache hash unit (vLLM's `hash_block_size`) and hits are aligned "
+            "to the sizes' least common multiple (vLLM's scheduler block size). Sizes that differ need "
+            "full-attention and sliding-window groups only and none of `drop_trailing_hit_block`, "
+            "`hash_lookahead_tokens`, `enable_kv_cache_events`, `kv_connector_groups` (see [Several KV cache "
+            "groups](#several-kv-cache-groups)); None = `block_size` "
+            "for every group",
+            valid="None or one int per group, each a multiple of `block_size`",
+        ),
+    )
     max_num_scheduled_tokens: int | None = field(
         default=None,
         metadata=_spec(
@@ -803,6 +818,15 @@ class SchedulerConfig:
                 elif window is not None and (isinstance(window, bool) or not isinstance(window, int)):
                     raise InvalidConfigError(f"{what}{self.kv_cache_groups!r}")
             object.__setattr__(self, "kv_cache_groups", groups)
+        sizes = self.kv_cache_group_block_sizes
+        if sizes is not None:
+            what = "kv_cache_group_block_sizes must be None or a list of ints in [1, 2147483647], got "
+            if isinstance(sizes, (str, bytes, Mapping)) or not hasattr(sizes, "__iter__"):
+                raise InvalidConfigError(f"{what}{sizes!r}")
+            sizes = tuple(sizes)
+            if any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= I32_MAX for v in sizes):
+                raise InvalidConfigError(f"{what}{self.kv_cache_group_block_sizes!r}")
+            object.__setattr__(self, "kv_cache_group_block_sizes", sizes)
 
     def _check_rules(self) -> None:
         """The rules that tie fields together (the Rust core applies them in the same order)."""
@@ -870,6 +894,7 @@ class SchedulerConfig:
                 "mamba_cache_mode 'align')"
             )
         self._check_groups()
+        self._check_group_block_sizes()
         self._check_retention()
         self._check_hash_block()
         if self.encoder_decoder and CROSS_ATTENTION not in (self.kv_cache_groups or ()):
@@ -893,6 +918,12 @@ class SchedulerConfig:
         if r % self.block_size:
             raise InvalidConfigError(
                 f"prefix_cache_retention_interval ({r}) must be a multiple of block_size ({self.block_size})"
+            )
+        lcm = math.lcm(self.block_size, *self.group_block_sizes())
+        if r % lcm:
+            raise InvalidConfigError(
+                f"prefix_cache_retention_interval ({r}) must be a multiple of the KV cache groups' block sizes' least "
+                f"common multiple ({lcm})"
             )
 
     def _check_hash_block(self) -> None:
@@ -924,6 +955,51 @@ class SchedulerConfig:
                     f"{below} cannot be combined with {name} with prefix caching (the prompt-tail cache entries "
                     "vLLM adds inside a block are not implemented)"
                 )
+
+    def _check_group_block_sizes(self) -> None:
+        """What ``kv_cache_group_block_sizes`` needs (the core's ``validate_group_block_sizes``)."""
+        sizes, groups, bs = self.kv_cache_group_block_sizes, self.kv_cache_groups or (), self.block_size
+        if sizes is None:
+            return
+        if len(sizes) != len(groups):
+            raise InvalidConfigError(
+                f"kv_cache_group_block_sizes must give one size per KV cache group ({len(groups)} groups), got "
+                f"{len(sizes)}"
+            )
+        for s in sizes:
+            if s % bs or s * self.num_blocks > I32_MAX:
+                raise InvalidConfigError(
+                    f"kv_cache_group_block_sizes must be multiples of block_size ({bs}) with num_blocks * size <= "
+                    f"{I32_MAX}, got {s}"
+                )
+        primary = next((g for g, w in enumerate(groups) if w != MAMBA), 0)
+        if sizes[primary] != bs:
+            raise InvalidConfigError(
+                f"kv_cache_group_block_sizes must give the primary group (group {primary}, the first that is not "
+                f"Mamba) block_size ({bs}), got {sizes[primary]}"
+            )
+        if all(s == bs for s in sizes):
+            return
+        other = any(w in (CROSS_ATTENTION, MAMBA) or chunk_size_of(w) is not None for w in groups)
+        for on, name in (
+            (other, "chunked-local, cross-attention or Mamba groups"),
+            (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
+            (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
+            (self.enable_kv_cache_events, "enable_kv_cache_events"),
+            (self.hash_block_size not in (None, bs), "a hash_block_size other than block_size"),
+            (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
+        ):
+            if on:
+                raise InvalidConfigError(
+                    f"kv_cache_group_block_sizes of different sizes cannot be combined with {name} (not implemented)"
+                )
+
+    def group_block_sizes(self) -> tuple[int, ...]:
+        """Each KV cache group's block size (``kv_cache_group_block_sizes``, or ``kv_block_size`` for every
+        group)."""
+        if self.kv_cache_group_block_sizes is not None:
+            return self.kv_cache_group_block_sizes
+        return (self.kv_block_size,) * len(self.kv_cache_groups or ())
 
     def _check_groups(self) -> None:
         """What several KV cache groups need (the core's ``validate_groups``)."""

@@ -96,6 +96,22 @@ def _window_retained(i: int, bs: int, window: int, eagle: bool, retention: int, 
     return any(b // bs + shift - need <= i < b // bs + shift for b in reachable)
 
 
+def _window_kept(i: int, bs: int, align: int, window: int, retention: int | None, reachable: tuple[int, ...]) -> bool:
+    """``_window_retained`` for a window group of blocks of ``bs`` tokens among groups of different block sizes, hits
+    aligned to ``align`` tokens: the last ``need`` blocks of every segment of ``align`` tokens (dense, None) or of
+    ``retention`` tokens (above 0), and with retention on the ``need`` blocks before each ``reachable`` position
+    floored to ``align``."""
+    need = -(-(window - 1) // bs)
+    segment = align if retention is None else retention or None
+    if segment is not None:
+        per_segment = segment // bs
+        if need >= per_segment or i % per_segment >= per_segment - need:
+            return True
+    return retention is not None and any(
+        b // align * align // bs - need <= i < b // align * align // bs for b in reachable
+    )
+
+
 class _KVCacheManagerMixin(_BlockPoolMixin):
     """What a request asks of the block pool."""
 
@@ -209,7 +225,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             removed: list[int] = []
             if w > 0:
                 table = r.block_ids if c.kv_cache_groups is None else self._group_table(r, g)
-                last = min(self._group_skipped(w, processed) // self._bs, len(table))
+                last = min(self._group_skipped(w, processed) // self._group_bs(g), len(table))
                 first = last
                 while first > 0 and table[first - 1] != 0:
                     first -= 1
@@ -231,7 +247,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if self._config.kv_cache_groups is None:
             return [r.block_ids[:n]]
         return [
-            list(self._group_table(r, g)) if w in (_MAMBA, _CROSS) else self._group_table(r, g)[:n]
+            list(self._group_table(r, g))
+            if w in (_MAMBA, _CROSS)
+            else self._group_table(r, g)[: math.ceil(computed / self._group_bs(g))]
             for g, w in enumerate(self._group_windows())
         ]
 
@@ -384,9 +402,20 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             return computed // c * c
         return max(0, computed - w + 1)
 
-    def _group_cap(self, w: int) -> int:
-        """A window's (or chunked-local group's) admission cap in blocks."""
-        c, bs = self._config, self._bs
+    def _group_bs(self, g: int) -> int:
+        """Group ``g``'s block size (``kv_cache_group_block_sizes``; ``block_size`` without)."""
+        sizes = self._config.kv_cache_group_block_sizes
+        return self._bs if sizes is None else sizes[g]
+
+    def _hit_align(self) -> int:
+        """What a hit's length and each group's cached tokens are multiples of: the least common multiple of the
+        groups' block sizes (vLLM's scheduler block size)."""
+        sizes = self._config.kv_cache_group_block_sizes
+        return self._bs if sizes is None else math.lcm(*sizes)
+
+    def _group_cap(self, w: int, bs: int) -> int:
+        """A window's (or chunked-local group's) admission cap in blocks of ``bs`` tokens."""
+        c = self._config
         in_flight = c.concurrent_batches * c.max_num_batched_tokens
         if w & _CHUNKED:
             return math.ceil(min((w & ~_CHUNKED) + in_flight, c.max_model_len) / bs)
@@ -421,11 +450,12 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         else:
             r.group_num_cached[i] = n
 
-    def _hit_all(self, block_hashes: list[bytes], i: int, ids: list[int]) -> list[int] | None:
-        """The first block cached under ``block_hashes[i]`` for each group of ``ids``, or None if one misses."""
+    def _hit_all(self, block_hashes: list[bytes], i: int, ids: list[int], k: int = 1) -> list[int] | None:
+        """The first block cached for each group of ``ids`` under the hash of block ``i`` of ``k``-hash blocks (the
+        hash of its last hash block, ``block_hashes[(i + 1) * k - 1]``), or None if one misses."""
         found = []
         for g in ids:
-            blocks = self._cached.get(self._group_key(block_hashes[i], g))
+            blocks = self._cached.get(self._group_key(block_hashes[(i + 1) * k - 1], g))
             if not blocks:
                 return None
             found.append(next(iter(blocks)))
@@ -450,74 +480,88 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         sets.sort(key=lambda s: s[0] != 0)
         hits: list[list[int]] = [[] for _ in windows]
         done = [False] * len(windows)
+        bs, align = self._bs, self._hit_align()
+        # lengths in tokens; each set looks its blocks up at its own block size, and a hit is aligned to `align`
         hit_len = longest = 0
         if self._config.enable_prefix_caching and num_tokens > 0:
-            hit_len = min((num_tokens - 1) // self._bs, len(block_hashes))
+            hit_len = min((num_tokens - 1) // bs, len(block_hashes)) * bs
         # The trailing-block drop: a set not yet verified at the current candidate looks one block further and gives
         # up its hit's last block (a window's run needs one block more); a Mamba set is verified as it is.
         verified = [False] * len(sets)
         while True:
             curr = hit_len
             for idx, (w, ids) in enumerate(sets):
+                gbs = self._group_bs(ids[0])
+                k = gbs // bs
                 if w == 0 and done[ids[0]]:
-                    curr = min(curr, len(hits[ids[0]]))
+                    curr = min(curr, len(hits[ids[0]]) * gbs)
                     continue
                 for g in ids:
                     hits[g] = []
                 eagle = self._config.drop_trailing_hit_block and not verified[idx]
                 drop = int(eagle and w != _MAMBA)
                 before = curr
-                if drop:
-                    curr = min(curr + 1, len(block_hashes))
+                n = (min(curr + gbs, len(block_hashes) * bs) if drop else curr) // gbs
                 if w == _MAMBA:
                     # Right to left: the first block every Mamba group has cached, null blocks before it.
-                    for i in range(curr - 1, -1, -1):
-                        found = self._hit_all(block_hashes, i, ids)
+                    for i in range(n - 1, -1, -1):
+                        found = self._hit_all(block_hashes, i, ids, k)
                         if found is not None:
                             for g, b in zip(ids, found, strict=True):
                                 hits[g] = [0] * i + [b]
                             break
                 elif w == 0:
-                    for i in range(curr):
-                        found = self._hit_all(block_hashes, i, ids)
+                    for i in range(n):
+                        found = self._hit_all(block_hashes, i, ids, k)
                         if found is None:
                             break
                         for g, b in zip(ids, found, strict=True):
                             hits[g].append(b)
                 elif w & _CHUNKED:
-                    # Null blocks before the chunk that holds token curr * bs, then the cached blocks from there on,
+                    # Null blocks before the chunk that holds token n * gbs, then the cached blocks from there on,
                     # up to the first miss.
                     chunk = w & ~_CHUNKED
-                    start = curr * self._bs // chunk * chunk // self._bs
+                    start = n * gbs // chunk * chunk // gbs
                     for g in ids:
                         hits[g] = [0] * start
-                    for i in range(start, curr):
-                        found = self._hit_all(block_hashes, i, ids)
+                    for i in range(start, n):
+                        found = self._hit_all(block_hashes, i, ids, k)
                         if found is None:
                             break
                         for g, b in zip(ids, found, strict=True):
                             hits[g].append(b)
                 else:
-                    need = math.ceil((w - 1) / self._bs) + drop
+                    need = math.ceil((w - 1) / gbs) + drop
                     run: list[list[int]] = []  # rightmost block first
                     start = None
-                    for i in range(curr - 1, -1, -1):
-                        found = self._hit_all(block_hashes, i, ids)
+                    for i in range(n - 1, -1, -1):
+                        found = self._hit_all(block_hashes, i, ids, k)
                         if found is None:
                             run = []
                             continue
+                        if not run and (i + 1 - drop) * gbs % align:
+                            continue  # a run must end (after the drop) on the alignment
                         run.append(found)
                         if len(run) >= need:
                             start = i
                             break
                     run.reverse()
-                    for k, g in enumerate(ids):
-                        hits[g] = [0] * (start or 0) + [f[k] for f in run]
+                    if start is None:  # the run from block 0, cut to the alignment
+                        while len(run) * gbs % align:
+                            run.pop()
+                    for j, g in enumerate(ids):
+                        hits[g] = [0] * (start or 0) + [f[j] for f in run]
                 for g in ids:
                     if drop and hits[g]:
                         hits[g].pop()
+                    while w > 0 and len(hits[g]) * gbs % align:
+                        hits[g].pop()  # a window's run after the drop: back to the alignment
                     done[g] = True
-                curr = len(hits[ids[0]])
+                curr = len(hits[ids[0]]) * gbs
+                if w == 0:  # a full-attention hit rounded down to the alignment
+                    curr -= curr % align
+                    for g in ids:
+                        del hits[g][curr // gbs :]
                 if eagle:
                     verified[idx] = True
                 elif curr < before:
@@ -528,8 +572,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             hit_len = curr
             if len(sets) == 2 and sets[0][0] == 0:
                 break  # one full-attention set and one window set: the window's lookup was capped at the full hit
-        self._group_hits = [h[:hit_len] for h in hits]
-        self._group_longest = longest
+        self._group_hits = [h[: hit_len // self._group_bs(g)] for g, h in enumerate(hits)]
+        self._group_longest = longest // bs
         return self._group_hits[0]
 
     def _shared_prefix_boundary(self, num_hits: int) -> int:
@@ -555,11 +599,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         c, bs = self._config, self._bs
         all_hits = self._hits_of_groups(hits)
         num_slots = min(r.num_tokens, c.max_slots_per_request)
-        required = math.ceil(num_slots / bs)
         total_computed = min(r.num_computed_tokens + len(hits) * bs, num_slots)
         total = 0
         for g, w in enumerate(self._group_windows()):
-            held, ghits = len(self._group_table(r, g)), all_hits[g]
+            held, ghits, gbs = len(self._group_table(r, g)), all_hits[g], self._group_bs(g)
+            required = math.ceil(num_slots / gbs)
             if w == _CROSS:
                 total += self._cross_blocks_to_add(r, held) if not r.block_ids else 0
                 continue
@@ -579,11 +623,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if w == 0:
                 total += max(0, required - held - len(ghits)) + sum(1 for b in ghits if self._ref_cnt[b] == 0)
                 continue
-            req_g = min(required, self._group_cap(w))
+            req_g = min(required, self._group_cap(w, gbs))
             if held:
                 total += max(0, req_g - held)
                 continue
-            skipped = self._group_skipped(w, len(ghits) * bs + ext) // bs
+            skipped = self._group_skipped(w, len(hits) * bs + ext) // gbs
             evictable = sum(1 for b in ghits[skipped:] if b != 0 and self._ref_cnt[b] == 0)
             total += max(0, req_g - max(skipped, len(ghits))) + evictable
         return total
@@ -616,6 +660,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         ext_tokens = r.num_computed_tokens + ext if fresh else 0
         total_need = evictable = 0
         uncounted = 0  # blocks align-mode Mamba groups pop beyond their counts (a load's state block)
+        before = [len(self._group_table(r, g)) for g in range(len(windows))]
         for g, w in enumerate(windows):
             if w == _MAMBA and align:  # may be negative: vLLM sums it as it is
                 ghits = all_hits[g]  # a new request's hit: the state block at its end, null blocks before it
@@ -657,10 +702,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 total_need += need
                 plan.append((0, need))
                 continue
+            gbs = self._group_bs(g)
             skipped_tokens = self._group_skipped(w, total_computed) if fresh and w else 0
-            skipped = skipped_tokens // bs
-            held_after_hits = len(self._group_table(r, g)) + max(skipped, len(hits))
-            need = max(0, math.ceil(num_slots / bs) - held_after_hits)
+            skipped = skipped_tokens // gbs
+            held_after_hits = len(self._group_table(r, g)) + max(skipped, len(all_hits[g]))
+            need = max(0, math.ceil(num_slots / gbs) - held_after_hits)
             evictable += sum(1 for b in all_hits[g][skipped:] if b != 0 and self._ref_cnt[b] == 0)
             total_need += need
             # A new request's external tokens: vLLM pops their blocks for every group before the other new blocks
@@ -668,7 +714,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             # (the tokens computed before a new request's allocation: the external ones).
             g_ext = min(ext_tokens, total_computed - skipped_tokens) if skipped_tokens else ext_tokens
             if g_ext > 0:
-                ext_plan.append((g, 0, min(need, max(0, math.ceil(total_computed / bs) - held_after_hits))))
+                ext_plan.append((g, 0, min(need, max(0, math.ceil(total_computed / gbs) - held_after_hits))))
             plan.append((skipped, need))
         if total_need + evictable + reserved > len(self._free):
             return None
@@ -707,6 +753,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._zero_ids[g].extend(fresh_blocks)
             if g == c.primary_group:
                 new_blocks = new_blocks + fresh_blocks
+        for g, w in enumerate(windows):
+            if w not in (_CROSS, _MAMBA) and self._group_bs(g) != bs:
+                # another block size than the primary group's: its new block ids are the blocks it appended
+                r.mamba_appended[g] = len(self._group_table(r, g)) - before[g]
         if cache:
             self._cache_blocks(r, min(total_computed + n, r.num_tokens))
         return new_blocks
@@ -807,7 +857,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _remove_group_skipped(self, r: _Request, g: int, w: int, processed: int) -> None:
         table = self._group_table(r, g)
-        last = min(self._group_skipped(w, processed) // self._bs, len(table))
+        last = min(self._group_skipped(w, processed) // self._group_bs(g), len(table))
         first = last
         while first > 0 and table[first - 1] != 0:
             first -= 1
@@ -822,6 +872,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         group by group, each group's run recorded as one stored event with events on."""
         bs = self._bs
         num_full = min(num_tokens // bs, len(r.block_hashes), len(r.block_ids))
+        # every group caches the same tokens: the full blocks' rounded down to the hit alignment
+        aligned_tokens = num_full * bs // self._hit_align() * self._hit_align()
         c = self._config
         align = c.mamba_align
         retention = c.prefix_cache_retention_interval if align else None
@@ -840,6 +892,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 continue
             table = self._group_table(r, g)
             first = self._group_cached(r, g)
+            k = self._group_bs(g) // bs
+            num_full = aligned_tokens // self._group_bs(g)
             checkpoint = r.mamba_checkpoint.get(g) if w == _MAMBA else None
             tail = -1 if checkpoint is not None else prompt_tail  # a checkpoint is re-keyed instead
             if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only:
@@ -853,15 +907,24 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             sparse = retention if w == _MAMBA else None
             window_sparse = window_retention if w > 0 and not w & _CHUNKED else None
 
+            sized = (
+                w > 0 and not w & _CHUNKED and any(self._group_bs(x) != bs for x in range(len(self._group_windows())))
+            )
+            gbs = self._group_bs(g)
+
             def kept(
                 i: int,
                 w: int = w,
                 sparse: int | None = sparse,
                 window_sparse: int | None = window_sparse,
                 tail: int = tail,
+                sized: bool = sized,
+                gbs: int = gbs,
             ) -> bool:
                 if w == 1:
                     return False
+                if sized:  # groups of different block sizes: the blocks a hit aligned to them can use
+                    return _window_kept(i, gbs, self._hit_align(), w, c.prefix_cache_retention_interval, window_reach)
                 if sparse is not None:
                     return i == tail or _mamba_retained(i, bs, sparse, reachable)
                 if window_sparse is not None:
@@ -872,7 +935,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 b = table[i]
                 if b == 0 or not kept(i):
                     continue
-                key = self._group_key(r.block_hashes[i], g)
+                key = self._group_key(r.block_hashes[(i + 1) * k - 1], g)
                 current = self._block_hash[b]
                 if current is not None:  # a prefill checkpoint keyed one block lower (the drop) moves up to its entry
                     self._uncache(b, current)

@@ -597,7 +597,9 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                     for b in table:
                         holders[b] += 1
                     continue
-                require(len(table) == len(r.block_ids), f"{r.req_id}: group {g}'s table as long as the primary's")
+                # as long as the primary's at the group's own block size (a multiple of the primary's)
+                k = self._group_bs(g) // bs if c.kv_cache_groups is not None else 1
+                require(len(table) == -(-len(r.block_ids) // k), f"{r.req_id}: group {g}'s table covers the primary's")
                 # A sliding window's table starts with the null blocks of the blocks that left the window.
                 live = table[next((k for k, b in enumerate(table) if b != 0), len(table)) :]
                 require(windows[g] is not None or len(live) == len(table), f"{r.req_id}: null block")
@@ -679,12 +681,17 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                 # sparse retention: the Mamba states and window blocks it did not cache have no hash
                 w = windows[g]
                 window = isinstance(w, int) and not isinstance(w, bool) and w > 0
-                sparse = (w == MAMBA or window) and c.prefix_cache_retention_interval is not None
+                # (a window among groups of different block sizes keeps the blocks an aligned hit can use, retention
+                # or not)
+                sized = len(set(c.group_block_sizes())) > 1
+                sparse = (w == MAMBA or window) and (c.prefix_cache_retention_interval is not None or sized)
                 # a Mamba prefill checkpoint with the drop: keyed one block below its entry
                 shifted = w == MAMBA and c.drop_trailing_hit_block and c.mamba_prefill_checkpoint_alignment is not None
+                k = self._group_bs(g) // bs if c.kv_cache_groups is not None else 1
                 for i in range(num_cached):
                     if table[i] != 0 and windows[g] != 1:  # a window of one token caches nothing
-                        key = r.block_hashes[i] if g == 0 else r.block_hashes[i] + bytes([g])
+                        h = r.block_hashes[(i + 1) * k - 1]  # a block is keyed by the hash of its last hash block
+                        key = h if g == 0 else h + bytes([g])
                         got = self._block_hash[table[i]]
                         below = shifted and i > 0 and got == self._group_key(r.block_hashes[i - 1], g)
                         require(

@@ -269,11 +269,16 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             whole = w in (CROSS_ATTENTION, MAMBA)
             # An align-mode Mamba table: a running request's entries its allocation appended.
             gid = g if g < c.primary_group else g + 1
-            appended = w == MAMBA and c.mamba_align
+            # An attention group of another block size than the primary group's: the blocks its allocation appended.
+            appended = (w == MAMBA and c.mamba_align) or (
+                w not in (CROSS_ATTENTION, MAMBA) and c.group_block_sizes()[gid] != self._bs
+            )
             groups.append(
                 [
                     list(e[0].group_block_ids[g])
-                    if whole and e[5] in ("new", "resumed")
+                    if (whole or appended) and e[5] in ("new", "resumed")
+                    else []
+                    if appended and not whole and not e[3]
                     else e[0].group_block_ids[g][len(e[0].group_block_ids[g]) - e[0].mamba_appended.get(gid, 0) :]
                     if appended
                     else []
@@ -614,20 +619,20 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             # speculative blocks; "align": the entries of the tokens without the decode step, at most one more,
             # summed as they are), and no decode step's blocks (vLLM's Mamba groups hold theirs).
             windows = list(enumerate(self._group_windows()))
-            total = sum(1 for _, w in windows if w != -2) * -(-step // bs)
+            total = sum(-(-step // self._group_bs(g)) for g, w in windows if w != -2)
             spec = c.mamba_speculative_blocks
             for r in self._requests.values():
                 if r.inflight_prefill:
                     tokens = min(r.num_tokens, c.max_model_len)
-                    required = -(-(tokens + step) // bs)
                     for g, w in windows:
+                        required = -(-(tokens + step) // self._group_bs(g))
                         held = len(self._group_table(r, g))
                         if w == -2 and c.mamba_align:
                             total += self._align_need(-(-tokens // bs) + spec, held, g in r.mamba_allocated, False)
                         elif w == -2:
                             total += max(0, -(-(tokens + step) // max(1, c.max_model_len)) + spec - held)
                         else:
-                            need = min(required, self._group_cap(w)) if w > 0 else required
+                            need = min(required, self._group_cap(w, self._group_bs(g))) if w > 0 else required
                             total += max(0, need - held)
             return max(0, total)
         total = -(-step // bs)
@@ -635,7 +640,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             if r.inflight_prefill:
                 required = -(-(min(r.num_tokens, c.max_model_len) + step) // bs)
                 if c.sliding_window is not None:  # capped at the window's admission cap
-                    required = min(required, self._group_cap(c.sliding_window))
+                    required = min(required, self._group_cap(c.sliding_window, bs))
                 total += max(0, required - len(r.block_ids))
         return total
 

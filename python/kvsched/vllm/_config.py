@@ -185,17 +185,36 @@ def _check_kv_cache_config(
         return f"{size // dcp} * {dcp}" if dcp > 1 else str(size)
 
     if len(attention_sizes) > 1:
-        (size0, _), (size, g) = sorted(attention_sizes.items(), key=lambda kv: kv[1])[:2]
-        _refuse(
-            "KV cache groups of different block sizes", f"KV cache group {g}: {per_rank(size)} != {per_rank(size0)}"
-        )
+        # Groups whose pages differ (vLLM's engine raised the smaller page's block size): full-attention and
+        # sliding-window groups whose block sizes are multiples of the first group's (the core's primary group,
+        # which hashes: vLLM's hash_block_size, their greatest common divisor).
+        sizes = [int(group.kv_cache_spec.block_size) for group in groups]
+        setting = f"KV cache group block sizes {sizes}"
+        if dcp > 1:
+            _refuse("KV cache groups of different block sizes with decode context parallelism", setting)
+        other = [w for w in windows if w is not None and not isinstance(w, int)]
+        if other:
+            _refuse(
+                "KV cache groups of different block sizes with chunked-local, cross-attention or Mamba groups",
+                f"{setting}, {sorted({str(w).split(':')[0] for w in other})}",
+            )
+        if any(s % sizes[0] for s in sizes):
+            _refuse(
+                "KV cache groups of different block sizes whose first group's block size does not divide every "
+                "other group's (the core's first group holds the smallest blocks and hashes at their size)",
+                setting,
+            )
+        attention_sizes = {sizes[0]: 0}
+        mixed = math.lcm(*sizes)
+    else:
+        mixed = 0
     attention_size = next(iter(attention_sizes))
     if len(mamba_sizes) > 1:
         _refuse("Mamba KV cache groups of different block sizes", f"{sorted(mamba_sizes)}")
     if len(spec_blocks) > 1:
         _refuse("Mamba KV cache groups with different num_speculative_blocks", f"{sorted(spec_blocks)}")
     # vLLM's engine gives the scheduler the least common multiple of the groups' block sizes.
-    want = math.lcm(attention_size, *mamba_sizes)
+    want = mixed or math.lcm(attention_size, *mamba_sizes)
     if want != block_size:
         feature = (
             "a scheduler block size other than the least common multiple of the KV cache groups' block sizes"
@@ -410,6 +429,39 @@ def check_hash_block(
         _refuse("KV cache events with a hash block smaller than the block", f"kv_events_config, {setting}")
 
 
+def _check_group_block_sizes(vllm_config: Any, sizes: list[int], hash_block_size: int | None) -> None:
+    """Refuses what KV cache groups of different block sizes are not supported with: a hash block other than the
+    smallest block (``prefix_match_unit``), EAGLE/MTP drafters' prefix-cache rules (look-ahead hashes, the
+    trailing-block drop, which vLLM aligns to the scheduler block), KV connectors, the auxiliary output connector
+    and KV cache events (vLLM keys a prompt's tail inside a larger full-attention block, which these see)."""
+    setting = f"KV cache group block sizes {sizes}"
+    cache = vllm_config.cache_config
+    caching = bool(cache.enable_prefix_caching)
+    if caching and hash_block_size not in (None, math.gcd(*sizes)):
+        _refuse(
+            "a prefix match unit other than the smallest block with KV cache groups of different block sizes",
+            f"hash_block_size={hash_block_size}, {setting}",
+        )
+    if vllm_config.kv_transfer_config is not None:
+        _refuse("KV connectors with KV cache groups of different block sizes", f"kv_transfer_config, {setting}")
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if aux is not None and getattr(aux, "enabled", False):
+        _refuse(
+            "the auxiliary output connector with KV cache groups of different block sizes",
+            f"aux_output_config, {setting}",
+        )
+    if caching and kv_events_enabled(vllm_config):
+        _refuse("KV cache events with KV cache groups of different block sizes", f"kv_events_config, {setting}")
+    spec = vllm_config.speculative_config
+    hash_lookahead = int(_attr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+    if spec is not None and (hash_lookahead or bool(spec.use_eagle_block_drop())):
+        _refuse(
+            "EAGLE/MTP prefix-cache rules (look-ahead hashes, trailing-block drop) with KV cache groups of "
+            "different block sizes",
+            f"speculative_config, {setting}: set disable_eagle_block_drop=True",
+        )
+
+
 def kvsched_config_from_vllm(
     vllm_config: Any,
     kv_cache_config: Any,
@@ -541,6 +593,17 @@ def kvsched_config_from_vllm(
     # is then reported as the kvsched settings'.
     policy = effective_policy(str(sched.policy), knobs.get("policy"))
     finer_hashes = hash_block_size is not None and hash_block_size != block_size
+    # (Attention groups of different block sizes: _check_kv_cache_config refuses them beside Mamba groups, whose
+    # blocks hold max_model_len tokens in mode "none".)
+    group_sizes = (
+        [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+        if kv_cache_groups and MAMBA not in kv_cache_groups
+        else []
+    )
+    if len(set(group_sizes)) > 1:
+        _check_group_block_sizes(vllm_config, group_sizes, hash_block_size)
+        # The core hashes at the first group's blocks (vLLM's hash_block_size, their greatest common divisor).
+        finer_hashes = False
     if hash_block_size is not None and finer_hashes:
         check_hash_block(vllm_config, windows, block_size, hash_block_size)
     block_size = attention_block_size or block_size
@@ -697,6 +760,8 @@ def kvsched_config_from_vllm(
     # vLLM's hash_block_size (prefix_match_unit): the core chains a block's hash over the hash blocks, so a block's
     # key is vLLM's hash of its last hash block.
     fields["hash_block_size"] = hash_block_size if finer_hashes else None
+    if len(set(group_sizes)) > 1:
+        fields["kv_cache_group_block_sizes"] = tuple(group_sizes)
     if finer_hashes and fields["enable_prefix_caching"] and (hash_lookahead or drop_trailing):
         # vLLM's full-attention groups then key a prompt's tail inside its last block as the block's own hash
         # (its free order and promotion follow); the core does not keep these entries.

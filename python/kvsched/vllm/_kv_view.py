@@ -570,6 +570,12 @@ class KVCacheManagerView(_ReadOnly):
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
         """The request's blocks (of every group) that cover its first ``num_computed_tokens`` tokens."""
+        sizes = self._sched.kv_config.kv_cache_group_block_sizes
+        if sizes is not None:  # groups of different block sizes: each group's blocks of its own size
+            return tuple(
+                ids[: -(-num_computed_tokens // size)]
+                for ids, size in zip(self.get_block_ids(request_id), sizes, strict=True)
+            )
         num_blocks = -(-num_computed_tokens // self._sched.block_size)
         return tuple(ids[:num_blocks] for ids in self.get_block_ids(request_id))
 
@@ -583,7 +589,8 @@ class KVCacheManagerView(_ReadOnly):
         blocks that left it are the ``null_block``). Changes nothing."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        block_size = self._sched.block_size
+        # (the core's first group's blocks: smaller than vLLM's scheduler block when the groups' sizes differ)
+        block_size = self._sched.kv_config.kv_block_size
         limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
         limit = min(limit, len(request.block_hashes) * self._sched.hash_block_size)
         if limit <= 0:

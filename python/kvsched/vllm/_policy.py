@@ -112,6 +112,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "enable_kv_cache_events": "--kv-events-config",
     "sliding_window": "the model's attention (one sliding-window KV cache group)",
     "kv_cache_groups": "the model's attention (its KV cache groups)",
+    "kv_cache_group_block_sizes": "the model's attention (its KV cache groups' block sizes)",
     "kv_connector_groups": "--kv-transfer-config with a sliding-window model or several KV cache groups",
     "max_num_scheduled_tokens": "vLLM's max_num_scheduled_tokens (its SchedulerConfig)",
     "draft_slots": "--speculative-config (the drafting method's extra query slots)",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -1626,27 +1627,42 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             return (core.get_block_ids(req_id).tolist(),)
         return tuple(core.get_block_ids(req_id, g).tolist() for g in range(self._num_groups))
 
-    def _window_hashed_tokens(self, table: list[int], num_cached_blocks: int, window: int | str | None) -> int:
+    def _window_hashed_tokens(
+        self, table: list[int], num_cached_blocks: int, window: int | str | None, block_size: int = 0
+    ) -> int:
         """The tokens up to the end of the last block of ``table`` that carries a hash (among its first
         ``num_cached_blocks``); with a sliding window (or chunked-local attention) the null blocks before the
         window carry none, a window of one token caches nothing, and sparse retention leaves Mamba states and
-        window blocks uncached."""
+        window blocks uncached. ``block_size``: the group's (default: the scheduler's)."""
+        bs = block_size or self.block_size
         if window is None:
-            return min(num_cached_blocks, len(table)) * self.block_size
+            return min(num_cached_blocks, len(table)) * bs
         if window == 1:
             return 0
-        # Sparse retention leaves some of a Mamba table's states and a window's blocks uncached: ask the core which
-        # carry a hash.
-        sparse = (
-            window == MAMBA or isinstance(window, int)
-        ) and self.kv_config.prefix_cache_retention_interval is not None
+        # Sparse retention leaves some of a Mamba table's states and a window's blocks uncached, and so do groups of
+        # different block sizes a window's: ask the core which carry a hash.
+        sparse = (window == MAMBA or isinstance(window, int)) and (
+            self.kv_config.prefix_cache_retention_interval is not None
+            or self.kv_config.kv_cache_group_block_sizes is not None
+        )
         for i in range(min(num_cached_blocks, len(table)) - 1, -1, -1):
             if table[i] != 0 and not (sparse and self._core.get_block_hash(table[i]) is None):
-                return (i + 1) * self.block_size
+                return (i + 1) * bs
         return 0
 
     def _hashed_tokens(self, tables: tuple[list[int], ...], num_cached_blocks: int) -> int:
         """vLLM's ``estimate_cached_tokens``: the fewest tokens any KV cache group's hashed blocks cover."""
+        sizes = self.kv_config.kv_cache_group_block_sizes
+        if sizes is not None:
+            # Groups of different block sizes: every group caches the same tokens, a multiple of their least common
+            # multiple, each in blocks of its own size.
+            align = math.lcm(*sizes)
+            tokens = num_cached_blocks * self.kv_config.kv_block_size // align * align
+            return min(
+                self._window_hashed_tokens(table, tokens // size, w, size)
+                for table, w, size in zip(tables, self._group_windows, sizes, strict=True)
+                if w != CROSS_ATTENTION
+            )
         return min(
             self._window_hashed_tokens(table, num_cached_blocks, w)
             for table, w in zip(tables, self._group_windows, strict=True)
@@ -2366,7 +2382,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 # The blocks the core just cached (it may have freed the request since): full, hashed blocks up
                 # to the tokens computed by the applied steps.
                 upto = request.num_computed_tokens - request.num_in_flight_tokens
-                num_blocks = min(upto, len(request.block_hashes) * self.hash_block_size) // self.block_size
+                # (in the core's blocks: the first group's, smaller than vLLM's scheduler block when the groups'
+                # block sizes differ)
+                num_blocks = min(upto, len(request.block_hashes) * self.hash_block_size) // self.kv_config.kv_block_size
                 if self._group_windows == (None,):
                     num_cached = max(num_cached, num_blocks * self.block_size)
                 else:

@@ -386,6 +386,7 @@ def _kv_cache_config(
     with_tensors: bool = False,
     prefix_cache_retention_interval: int | None = None,
     mamba_prefill_checkpoint_alignment: int | None = None,
+    group_block_sizes: Sequence[int] | None = None,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
@@ -394,7 +395,9 @@ def _kv_cache_config(
     block per draft token; with ``mamba_align``, ``mamba_cache_mode`` "align" and blocks of ``block_size``
     tokens); groups of one kind share one spec. ``prefix_cache_retention_interval``: the config's (vLLM's engine
     copies the cache config's there; None: dense). ``mamba_prefill_checkpoint_alignment``: the Mamba groups declare
-    a prefill checkpoint block with this alignment (Mamba2 and Gated DeltaNet layers in mode "align"; None: none)."""
+    a prefill checkpoint block with this alignment (Mamba2 and Gated DeltaNet layers in mode "align"; None: none).
+    ``group_block_sizes``: each attention group's block size (a model whose groups' pages differ, after vLLM's
+    engine raised the smaller page's block size; None: ``block_size`` for every group)."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -406,7 +409,7 @@ def _kv_cache_config(
         SlidingWindowSpec,
     )
 
-    def spec(window: int | str | None) -> Any:
+    def spec(window: int | str | None, block_size: int = block_size) -> Any:
         if window == "cross":
             return CrossAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         if window == "mamba":
@@ -439,7 +442,8 @@ def _kv_cache_config(
         )
 
     windows = [sliding_window] if kv_cache_groups is None else list(kv_cache_groups)
-    groups = [KVCacheGroupSpec([f"layer{g}"], spec(w)) for g, w in enumerate(windows)]
+    sizes = list(group_block_sizes) if group_block_sizes is not None else [block_size] * len(windows)
+    groups = [KVCacheGroupSpec([f"layer{g}"], spec(w, sizes[g])) for g, w in enumerate(windows)]
     tensors = []
     if with_tensors:
         # One backing allocation per layer, as a worker would build it (a connector that sizes a CPU pool from the
@@ -473,6 +477,7 @@ def make_scheduler(
     prefix_cache_retention_interval: int | None = None,
     mamba_prefill_checkpoint_alignment: int | None = None,
     hash_block_size: int | None = None,
+    group_block_sizes: Sequence[int] | None = None,
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
@@ -484,6 +489,9 @@ def make_scheduler(
     Mamba groups (mode "align") declare prefill checkpoints of this alignment (vLLM 0.33's Mamba2 and Gated DeltaNet
     layers; None: none). ``hash_block_size``: the granularity of the requests' block hashes (vLLM's
     ``prefix_match_unit``; a divisor of the block size, with several groups; None: the scheduler block size).
+    ``group_block_sizes``: each KV cache group's block size (groups whose pages differ); the scheduler block size is
+    then their least common multiple and the requests' hash block their greatest common divisor with prefix caching
+    or a KV connector, the scheduler block size otherwise (vLLM's ``resolve_kv_cache_block_sizes``).
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -510,6 +518,11 @@ def make_scheduler(
     mamba_align = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align"
     if "mamba" in (kv_cache_groups or ()) and not mamba_align:
         scheduler_block_size = math.lcm(scheduler_block_size, max_model_len)
+    if group_block_sizes is not None:
+        scheduler_block_size = math.lcm(*group_block_sizes)
+        if hash_block_size is None:
+            hashing = vllm_config.cache_config.enable_prefix_caching or vllm_config.kv_transfer_config is not None
+            hash_block_size = math.gcd(*group_block_sizes) if hashing else scheduler_block_size
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if use_v2_model_runner else "0"
     try:
@@ -526,6 +539,7 @@ def make_scheduler(
                 with_tensors=_offloads_to_cpu(vllm_config),
                 prefix_cache_retention_interval=prefix_cache_retention_interval,
                 mamba_prefill_checkpoint_alignment=mamba_prefill_checkpoint_alignment,
+                group_block_sizes=group_block_sizes,
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,

@@ -395,6 +395,14 @@ pub struct SchedulerConfig {
     /// Each request holds one block table per group; a prefix hit must be valid for every group (`hybrid.rs`).
     /// Empty: one group (full attention, or `sliding_window`).
     pub kv_cache_groups: Vec<Option<u32>>,
+    /// Each KV cache group's block size in tokens, in group order (vLLM's hybrid models whose groups have
+    /// different page sizes: its engine raises the smaller-page group's block size so the pages match): a block
+    /// of group `g` holds `kv_cache_group_block_sizes[g]` tokens, one pool of equal pages serving every group.
+    /// Each a multiple of `block_size`, the primary group's equal to it (`block_size` is the prefix-cache hash
+    /// unit: vLLM's `hash_block_size`, the sizes' greatest common divisor); hits are aligned to the sizes' least
+    /// common multiple (vLLM's scheduler block size; `hybrid.rs`). Only full-attention and sliding-window groups
+    /// when the sizes differ. Empty: every group has `block_size`.
+    pub kv_cache_group_block_sizes: Vec<u32>,
     /// The extra state blocks a request holds in each Mamba group for speculative decoding (vLLM's
     /// `MambaSpec.num_speculative_blocks`): a request holds `1 + mamba_speculative_blocks` blocks there. Needs a
     /// Mamba group when above 0.
@@ -539,6 +547,7 @@ impl Default for SchedulerConfig {
             drop_trailing_hit_block: false,
             sliding_window: None,
             kv_cache_groups: Vec::new(),
+            kv_cache_group_block_sizes: Vec::new(),
             mamba_speculative_blocks: 0,
             mamba_align: false,
             prefix_cache_retention_interval: None,
@@ -555,6 +564,14 @@ impl Default for SchedulerConfig {
 const I32_MAX: u32 = i32::MAX as u32;
 /// The pool keeps ~50 bytes of bookkeeping per block; 2^24 blocks (~800 MB) is far above any real GPU's pool.
 pub const MAX_NUM_BLOCKS: u32 = 1 << 24;
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// The most KV cache groups `kv_cache_groups` may list (a group's id tags its block hashes in one byte).
 pub const MAX_KV_CACHE_GROUPS: usize = 64;
 /// A `kv_cache_groups` entry (`Some(CROSS_ATTENTION)`) for a cross-attention group (vLLM's `CrossAttentionSpec`,
@@ -874,6 +891,7 @@ impl SchedulerConfig {
             ));
         }
         self.validate_groups()?;
+        self.validate_group_block_sizes()?;
         self.validate_retention()?;
         self.validate_hash_block()?;
         if self.encoder_decoder && !self.kv_cache_groups.contains(&Some(CROSS_ATTENTION)) {
@@ -934,6 +952,74 @@ impl SchedulerConfig {
         Ok(())
     }
 
+    /// What `kv_cache_group_block_sizes` needs: one size per group, each a multiple of `block_size` (the primary
+    /// group's equal to it), the pool's tokens at the largest within `i32::MAX`; when the sizes differ, only
+    /// full-attention and sliding-window groups and none of the features whose rules with different block sizes
+    /// are not implemented.
+    fn validate_group_block_sizes(&self) -> Result<()> {
+        let sizes = &self.kv_cache_group_block_sizes;
+        if sizes.is_empty() {
+            return Ok(());
+        }
+        let refuse =
+            |what: String| Err(SchedError::InvalidConfig(format!("kv_cache_group_block_sizes {what}")));
+        if sizes.len() != self.kv_cache_groups.len() {
+            return refuse(format!(
+                "must give one size per KV cache group ({} groups), got {}",
+                self.kv_cache_groups.len(),
+                sizes.len()
+            ));
+        }
+        let bs = self.block_size;
+        for &s in sizes {
+            if s == 0 || s % bs != 0 || u64::from(s) * u64::from(self.num_blocks) > u64::from(I32_MAX) {
+                return refuse(format!(
+                    "must be multiples of block_size ({bs}) with num_blocks * size <= {I32_MAX}, got {s}"
+                ));
+            }
+        }
+        let primary = self.kv_cache_groups.iter().position(|&g| g != Some(MAMBA)).unwrap_or(0);
+        if sizes[primary] != bs {
+            return refuse(format!(
+                "must give the primary group (group {primary}, the first that is not Mamba) block_size ({bs}), \
+                 got {}",
+                sizes[primary]
+            ));
+        }
+        if sizes.iter().all(|&s| s == bs) {
+            return Ok(());
+        }
+        let other = self
+            .kv_cache_groups
+            .iter()
+            .flatten()
+            .any(|&w| w == CROSS_ATTENTION || w == MAMBA || w & CHUNKED_LOCAL != 0);
+        for (on, name) in [
+            (other, "chunked-local, cross-attention or Mamba groups"),
+            (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
+            (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
+            (self.enable_kv_cache_events, "enable_kv_cache_events"),
+            (self.hash_block_size.is_some_and(|h| h != bs), "a hash_block_size other than block_size"),
+            (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
+        ] {
+            if on {
+                return refuse(format!(
+                    "of different sizes cannot be combined with {name} (not implemented)"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Each KV cache group's block size (`kv_cache_group_block_sizes`, or `kv_block_size` for every group).
+    pub fn group_block_sizes(&self) -> Vec<u32> {
+        if self.kv_cache_group_block_sizes.is_empty() {
+            vec![self.kv_block_size(); self.kv_cache_groups.len()]
+        } else {
+            self.kv_cache_group_block_sizes.clone()
+        }
+    }
+
     /// What `prefix_cache_retention_interval` needs (vLLM's `_validate_prefix_cache_retention_interval`): a
     /// multiple of the block size, and above 0 a sliding window or a Mamba group (it has no effect on full
     /// attention, cross attention or chunked-local groups).
@@ -956,6 +1042,15 @@ impl SchedulerConfig {
             return Err(SchedError::InvalidConfig(format!(
                 "prefix_cache_retention_interval ({r}) must be a multiple of block_size ({})",
                 self.block_size
+            )));
+        }
+        let sizes = self.group_block_sizes();
+        let lcm =
+            sizes.iter().fold(u64::from(self.block_size), |a, &b| a / gcd(a, u64::from(b)) * u64::from(b));
+        if u64::from(r) % lcm != 0 {
+            return Err(SchedError::InvalidConfig(format!(
+                "prefix_cache_retention_interval ({r}) must be a multiple of the KV cache groups' block sizes' least \
+                 common multiple ({lcm})"
             )));
         }
         Ok(())

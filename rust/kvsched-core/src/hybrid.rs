@@ -1,10 +1,18 @@
 //! Several KV cache groups in one pool (`SchedulerConfig::kv_cache_groups`, vLLM's `HybridKVCacheCoordinator`
 //! over one `FullAttentionManager`, `SlidingWindowManager`, `ChunkedLocalAttentionManager`,
-//! `CrossAttentionManager` or `MambaManager` per group, the attention groups with the same block size).
+//! `CrossAttentionManager` or `MambaManager` per group, the attention groups with the same block size, or, full
+//! attention and windows only, each its own: `Hybrid::block_sizes`).
 //!
 //! A request holds one block table per group (the *primary* group's, the first that is not Mamba, is
 //! `Request::blocks`; the others are `Request::groups`, in group order), all of the same length but cross
 //! attention's and Mamba's: every attention group covers every slot. Group by group, in group order:
+//!
+//! - **Block sizes**: with `SchedulerConfig::kv_cache_group_block_sizes`, group `g`'s blocks hold `b_g` tokens, a
+//!   multiple of the primary group's (the manager's `block_size`, which the request's hashes are taken at): its
+//!   table has `ceil(slots / b_g)` entries, its block `i` is keyed by `block_hashes[(i + 1) * b_g / bs - 1]`, and
+//!   every count of it goes by `b_g`. Hits are aligned to `Hybrid::align` (the least common multiple), every group
+//!   caches the same aligned prefix, and a window of blocks smaller than it keeps only what an aligned hit can use
+//!   (`window_kept`).
 //!
 //! - **Allocation**: the blocks that left each window go back to the pool first (deepest first, one call per
 //!   group); the blocks needed are summed over the groups and checked against the pool at once; then each
@@ -73,6 +81,12 @@ pub struct Hybrid {
     /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention; `MAMBA`: Mamba;
     /// `CHUNKED_LOCAL | c`: chunked-local attention in chunks of `c` tokens.
     pub windows: Vec<u32>,
+    /// Each group's block size in tokens (`SchedulerConfig::kv_cache_group_block_sizes`): the primary group's is
+    /// the manager's `block_size`, the others multiples of it.
+    pub block_sizes: Vec<u32>,
+    /// The least common multiple of `block_sizes` (vLLM's scheduler block size): a hit's length in tokens and the
+    /// tokens each group caches are multiples of it.
+    pub align: u32,
     /// The primary group: the first that is not Mamba (its table is `Request::blocks`).
     pub primary: usize,
     /// The blocks a request holds in a Mamba group (`1 + mamba_speculative_blocks`).
@@ -122,6 +136,8 @@ impl Clone for Hybrid {
     fn clone(&self) -> Self {
         Hybrid {
             windows: self.windows.clone(),
+            block_sizes: self.block_sizes.clone(),
+            align: self.align,
             primary: self.primary,
             mamba_blocks: self.mamba_blocks,
             mamba_align: self.mamba_align,
@@ -141,17 +157,30 @@ impl Clone for Hybrid {
 }
 
 impl Hybrid {
-    /// `windows`: per group, `None` for full attention. `cap` gives a window's (or chunked-local group's)
-    /// admission cap in blocks; `mamba_speculative_blocks` the extra state blocks of a Mamba group.
-    pub fn new(windows: &[Option<u32>], mamba_speculative_blocks: u32, cap: impl Fn(u32) -> usize) -> Self {
+    /// `windows`: per group, `None` for full attention; `block_sizes` each group's block size. `cap` gives a
+    /// window's (or chunked-local group's) admission cap in blocks of the given size; `mamba_speculative_blocks`
+    /// the extra state blocks of a Mamba group.
+    pub fn new(
+        windows: &[Option<u32>],
+        block_sizes: &[u32],
+        mamba_speculative_blocks: u32,
+        cap: impl Fn(u32, u32) -> usize,
+    ) -> Self {
         let windows: Vec<u32> = windows.iter().map(|w| w.unwrap_or(0)).collect();
-        let caps = windows.iter().map(|&w| if is_window(w) { cap(w) } else { usize::MAX }).collect();
+        let caps = windows
+            .iter()
+            .zip(block_sizes)
+            .map(|(&w, &bs)| if is_window(w) { cap(w, bs) } else { usize::MAX })
+            .collect();
+        let align = block_sizes.iter().fold(1u64, |a, &b| lcm(a, u64::from(b.max(1))));
         let primary = windows.iter().position(|&w| w != MAMBA).unwrap_or(0);
         let lookups = build_lookups(&windows, false);
         let n = windows.len();
         let zero_ids = if windows.contains(&MAMBA) { vec![Vec::new(); n] } else { Vec::new() };
         Hybrid {
             windows,
+            block_sizes: block_sizes.to_vec(),
+            align: u32::try_from(align).unwrap_or(u32::MAX),
             primary,
             mamba_blocks: 1 + mamba_speculative_blocks as usize,
             mamba_align: false,
@@ -196,6 +225,18 @@ impl Hybrid {
     pub(crate) fn hits(&self) -> MutexGuard<'_, Vec<Vec<u32>>> {
         self.last_hits.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    a / gcd(a, b) * b
 }
 
 /// The lookup sets of groups `windows`: full attention as one set first, then each window (and, with `mamba`, the
@@ -367,6 +408,39 @@ pub(crate) fn window_retained(
     })
 }
 
+/// `window_retained` for a window group of blocks of `gbs` tokens among groups of different block sizes, whose
+/// hits are aligned to `align` tokens (vLLM's `SlidingWindowManager.reachable_block_mask` with the scheduler
+/// block size as its alignment): with `need = ceil((window - 1) / gbs)` blocks for a hit, the last `need` blocks
+/// of every segment of `align` tokens (dense retention, `None`), or of `r` tokens (`Some(r)`, `r > 0`), every
+/// block when `need` covers a segment; with retention on (`Some`), also the `need` blocks ending at each of the
+/// `reachable` positions floored to `align`. No trailing-block drop (not combined with different block sizes).
+pub(crate) fn window_kept(
+    i: usize,
+    gbs: u32,
+    align: u32,
+    window: u32,
+    retention: Option<u32>,
+    reachable: &[u32],
+) -> bool {
+    let need = (window.saturating_sub(1)).div_ceil(gbs) as usize;
+    let segment = match retention {
+        None => Some(align),
+        Some(0) => None,
+        Some(r) => Some(r),
+    };
+    if let Some(seg) = segment {
+        let per_segment = (seg / gbs) as usize;
+        if need >= per_segment || i % per_segment >= per_segment - need {
+            return true;
+        }
+    }
+    retention.is_some()
+        && reachable.iter().any(|&b| {
+            let end = (b / align * align / gbs) as usize;
+            i < end && i + need >= end
+        })
+}
+
 /// The settings of `mamba_aligned_split`, fixed for a scheduler's lifetime.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct AlignedSplit {
@@ -426,7 +500,8 @@ impl AlignedSplit {
 #[cfg(test)]
 mod tests {
     use super::{
-        checkpoint_valid, mamba_checkpoint, mamba_retained, window_reachable, window_retained, AlignedSplit,
+        checkpoint_valid, mamba_checkpoint, mamba_retained, window_kept, window_reachable, window_retained,
+        AlignedSplit,
     };
 
     #[test]
@@ -441,6 +516,22 @@ mod tests {
                                                            // Every third block's end (12, 24 tokens) plus the reachable states.
         assert_eq!(kept(12, &[]), vec![2, 5]);
         assert_eq!(kept(12, &[19, 8]), vec![1, 2, 3, 5]);
+    }
+
+    #[test]
+    fn a_window_of_smaller_blocks_keeps_the_blocks_before_each_aligned_boundary() {
+        // Blocks of 4 tokens, hits aligned to 12: a window of 6 tokens needs 2 blocks before a boundary.
+        let kept = |retention, reach: &[u32]| {
+            (0..9).filter(|&i| window_kept(i, 4, 12, 6, retention, reach)).collect::<Vec<_>>()
+        };
+        assert_eq!(kept(None, &[]), vec![1, 2, 4, 5, 7, 8]);
+        assert_eq!(kept(Some(0), &[]), Vec::<usize>::new());
+        // The prompt's last token at 29 floors to 24: blocks 4 and 5.
+        assert_eq!(kept(Some(0), &[29]), vec![4, 5]);
+        // An interval of 24 tokens: the 2 blocks before 24 (and 48), and those before 17 floored to 12.
+        assert_eq!(kept(Some(24), &[17]), vec![1, 2, 4, 5]);
+        // A window that covers a segment keeps every block.
+        assert_eq!((0..9).filter(|&i| window_kept(i, 4, 12, 13, None, &[])).count(), 9);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use crate::config::{CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
 use crate::hybrid::{checkpoint_valid, mamba_checkpoint, mamba_retained, Hybrid};
 use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
-use crate::hybrid::{window_reachable, window_retained};
+use crate::hybrid::{window_kept, window_reachable, window_retained};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::request::{GroupTable, Request};
 
@@ -84,12 +84,13 @@ fn table_ref(req: &Request, slot: Option<usize>) -> &[u32] {
 }
 
 impl KvCacheManager {
-    /// The block cached under `hashes[i]` for every group of `ids`, appended to `hits[g]`; false (nothing
-    /// appended) if one of them misses.
-    fn hit_all(&self, hashes: &[BlockHash], i: usize, ids: &[usize], found: &mut Vec<u32>) -> bool {
+    /// The block cached under the hash of block `i` of `k`-unit blocks (`hashes[(i + 1) * k - 1]`: a block of a
+    /// group whose block size is `k` times the manager's is keyed by the hash of its last unit) for every group of
+    /// `ids`, appended to `found`; false if one of them misses.
+    fn hit_all(&self, hashes: &[BlockHash], i: usize, k: usize, ids: &[usize], found: &mut Vec<u32>) -> bool {
         found.clear();
         for &g in ids {
-            match self.pool.get_cached_block(&group_key(&hashes[i], g)) {
+            match self.pool.get_cached_block(&group_key(&hashes[(i + 1) * k - 1], g)) {
                 Some(b) => found.push(b),
                 None => return false,
             }
@@ -98,6 +99,10 @@ impl KvCacheManager {
     }
 
     /// `find_longest_cache_hit` over every group: group 0's hits go to `out`, every group's to `last_hits`.
+    ///
+    /// Lengths are in tokens: each set looks its blocks up at its own block size (`Hybrid::block_sizes`, keyed by
+    /// the hash of a block's last unit), and a hit is aligned to `Hybrid::align` (a full-attention hit rounded
+    /// down to it; a window's rightmost run must end on it, and a run from block 0 gives up blocks until it does).
     ///
     /// With the trailing-block drop (`drop_trailing_hit`, vLLM's EAGLE rules over several groups): a full-attention
     /// or window set not yet *verified* at the current candidate looks one block further (capped at the hashes)
@@ -108,12 +113,15 @@ impl KvCacheManager {
     pub(crate) fn find_hybrid_hit(&self, hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
         let Some(hy) = self.hybrid.as_deref() else { return };
         let ngroups = hy.windows.len();
+        let (bs, align) = (self.block_size, hy.align);
         let mut hits = hy.hits();
         for h in hits.iter_mut() {
             h.clear();
         }
         let mut done = vec![false; ngroups];
-        let mut hit_len = self.max_hit_blocks(hashes, num_tokens);
+        // Candidate and hit lengths in tokens.
+        let mut hit_len = self.max_hit_blocks(hashes, num_tokens) as u32 * bs;
+        let hashed = hashes.len() as u32 * bs;
         let mut found = Vec::new();
         let mut longest = 0;
         let mut verified = vec![false; hy.lookups.len()];
@@ -121,8 +129,10 @@ impl KvCacheManager {
             let mut curr = hit_len;
             for (idx, (w, ids)) in hy.lookups.iter().enumerate() {
                 let (w, first) = (*w, ids[0]);
+                let gbs = hy.block_sizes[first];
+                let k = (gbs / bs) as usize;
                 if w == 0 && done[first] {
-                    curr = curr.min(hits[first].len());
+                    curr = curr.min(hits[first].len() as u32 * gbs);
                     continue;
                 }
                 for &g in ids {
@@ -132,13 +142,12 @@ impl KvCacheManager {
                 // The drop's extra block (none for Mamba).
                 let drop = usize::from(eagle && w != MAMBA);
                 let before = curr;
-                if drop == 1 {
-                    curr = (curr + 1).min(hashes.len());
-                }
+                let cap = if drop == 1 { (curr + gbs).min(hashed) } else { curr };
+                let nblocks = (cap / gbs) as usize;
                 if w == MAMBA {
                     // Right to left: the first block every Mamba group has cached, null blocks before it.
-                    for i in (0..curr).rev() {
-                        if self.hit_all(hashes, i, ids, &mut found) {
+                    for i in (0..nblocks).rev() {
+                        if self.hit_all(hashes, i, k, ids, &mut found) {
                             for (&g, &b) in ids.iter().zip(&found) {
                                 hits[g].resize(i, NULL_BLOCK);
                                 hits[g].push(b);
@@ -147,8 +156,8 @@ impl KvCacheManager {
                         }
                     }
                 } else if w == 0 {
-                    for i in 0..curr {
-                        if !self.hit_all(hashes, i, ids, &mut found) {
+                    for i in 0..nblocks {
+                        if !self.hit_all(hashes, i, k, ids, &mut found) {
                             break;
                         }
                         for (&g, &b) in ids.iter().zip(&found) {
@@ -156,15 +165,15 @@ impl KvCacheManager {
                         }
                     }
                 } else if let Some(c) = chunk_size(w) {
-                    // Null blocks before the chunk that holds token `curr * bs`, then the cached blocks from there
-                    // on, up to the first miss.
-                    let end = u64::from(self.block_size) * curr as u64;
-                    let start = (end / u64::from(c) * u64::from(c) / u64::from(self.block_size)) as usize;
+                    // Null blocks before the chunk that holds token `nblocks * bs`, then the cached blocks from
+                    // there on, up to the first miss.
+                    let end = u64::from(gbs) * nblocks as u64;
+                    let start = (end / u64::from(c) * u64::from(c) / u64::from(gbs)) as usize;
                     for &g in ids {
                         hits[g].resize(start, NULL_BLOCK);
                     }
-                    for i in start..curr {
-                        if !self.hit_all(hashes, i, ids, &mut found) {
+                    for i in start..nblocks {
+                        if !self.hit_all(hashes, i, k, ids, &mut found) {
                             break;
                         }
                         for (&g, &b) in ids.iter().zip(&found) {
@@ -172,15 +181,19 @@ impl KvCacheManager {
                         }
                     }
                 } else {
-                    // Right to left: the first run of `need` cached blocks, nulls before it; else the run from
-                    // block 0. `run` counts the current run, which ends at `end` (exclusive).
-                    let need = (w - 1).div_ceil(self.block_size) as usize + drop;
+                    // Right to left: the first run of `need` cached blocks whose end (after the drop) lies on the
+                    // alignment, nulls before it; else the run from block 0, cut to the alignment. `run` counts
+                    // the current run, which ends at `end` (exclusive).
+                    let need = (w - 1).div_ceil(gbs) as usize + drop;
                     let mut run = 0usize;
                     let mut end = 0usize;
                     let mut matched = false;
-                    for i in (0..curr).rev() {
-                        if self.hit_all(hashes, i, ids, &mut found) {
+                    for i in (0..nblocks).rev() {
+                        if self.hit_all(hashes, i, k, ids, &mut found) {
                             if run == 0 {
+                                if (i + 1 - drop) as u32 * gbs % align != 0 {
+                                    continue;
+                                }
                                 end = i + 1;
                             }
                             run += 1;
@@ -192,11 +205,16 @@ impl KvCacheManager {
                             run = 0;
                         }
                     }
-                    let (start, len) = if matched { (end - run, end) } else { (0, run) };
+                    let (start, mut len) = if matched { (end - run, end) } else { (0, run) };
+                    if !matched {
+                        while len as u32 * gbs % align != 0 {
+                            len -= 1;
+                        }
+                    }
                     for &g in ids {
-                        hits[g].resize(start, NULL_BLOCK);
-                        for h in &hashes[start..len] {
-                            let b = self.pool.get_cached_block(&group_key(h, g));
+                        hits[g].resize(start.min(len), NULL_BLOCK);
+                        for i in start..len {
+                            let b = self.pool.get_cached_block(&group_key(&hashes[(i + 1) * k - 1], g));
                             hits[g].push(b.unwrap_or(NULL_BLOCK));
                         }
                     }
@@ -205,9 +223,22 @@ impl KvCacheManager {
                     if drop == 1 && !hits[g].is_empty() {
                         hits[g].pop();
                     }
+                    if w != 0 && w != MAMBA {
+                        // A window's run after the drop: back to the alignment.
+                        while hits[g].len() as u32 * gbs % align != 0 {
+                            hits[g].pop();
+                        }
+                    }
                     done[g] = true;
                 }
-                let got = hits[first].len();
+                let mut got = hits[first].len() as u32 * gbs;
+                if w == 0 {
+                    // A full-attention hit rounded down to the alignment.
+                    got -= got % align;
+                    for &g in ids {
+                        hits[g].truncate((got / gbs) as usize);
+                    }
+                }
                 if eagle {
                     verified[idx] = true;
                 } else if got < before {
@@ -226,10 +257,10 @@ impl KvCacheManager {
                 break;
             }
         }
-        for h in hits.iter_mut() {
-            h.truncate(hit_len);
+        for (g, h) in hits.iter_mut().enumerate() {
+            h.truncate((hit_len / hy.block_sizes[g]) as usize);
         }
-        hy.set_last_longest(longest);
+        hy.set_last_longest((longest / bs) as usize);
         out.extend_from_slice(&hits[0]);
     }
 
@@ -260,11 +291,13 @@ impl KvCacheManager {
         let Some(hy) = self.hybrid.as_deref() else { return 0 };
         let all_hits = self.hybrid_hits(hits);
         let num_slots = req.num_tokens().min(self.max_slots);
-        let required = num_slots.div_ceil(self.block_size) as usize;
-        let total_computed = (computed + hits.len() as u32 * self.block_size).min(num_slots);
+        let hit_tokens = hits.len() as u32 * self.block_size;
+        let total_computed = (computed + hit_tokens).min(num_slots);
         let eagle = self.drop_trailing_hit;
         let mut total = 0;
         for (g, &w) in hy.windows.iter().enumerate() {
+            let gbs = hy.block_sizes[g];
+            let required = num_slots.div_ceil(gbs) as usize;
             let held = table_ref(req, hy.slot(g)).len();
             if w == CROSS_ATTENTION {
                 total += if req.blocks.is_empty() { self.cross_blocks_to_add(req, held) } else { 0 };
@@ -312,8 +345,8 @@ impl KvCacheManager {
                 total += required.saturating_sub(held);
                 continue;
             }
-            let computed = hits.len() as u32 * self.block_size + ext;
-            let skipped = (group_skipped(w, computed) / self.block_size) as usize;
+            let computed = hit_tokens + ext;
+            let skipped = (group_skipped(w, computed) / gbs) as usize;
             let kept = &hits[skipped.min(hits.len())..];
             let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total += required.saturating_sub(skipped.max(hits.len())) + evictable;
@@ -343,9 +376,10 @@ impl KvCacheManager {
         let num_hits = hits.len();
         let total_computed = computed + num_hits as u32 * bs;
         let processed = total_computed.saturating_sub(in_flight);
+        let sizes = hy.block_sizes.clone();
         for (g, &w) in windows.iter().enumerate() {
             if is_window(w) {
-                self.remove_group_skipped(req, slots[g], w, processed);
+                self.remove_group_skipped(req, slots[g], w, sizes[g], processed);
             } else if w == MAMBA && align {
                 self.remove_mamba_skipped(req, slots[g], processed);
             }
@@ -368,8 +402,12 @@ impl KvCacheManager {
         // The blocks align-mode Mamba groups pop beyond their counts (a load's state block, see below).
         let mut mamba_uncounted: i64 = 0;
         let mut evictable = 0;
+        // Each group's table length before the allocation (an attention group of another block size than the
+        // primary's reports the blocks it appended as its new block ids).
+        let before: Vec<usize> = slots.iter().map(|&slot| table_ref(req, slot).len()).collect();
         for (g, &w) in windows.iter().enumerate() {
-            let held = table_ref(req, slots[g]).len();
+            let held = before[g];
+            let gbs = sizes[g];
             if w == MAMBA && align {
                 // A prefix hit (a new request's): the state block at its end, null blocks before it.
                 let ghits = &all_hits[g];
@@ -429,9 +467,10 @@ impl KvCacheManager {
                 continue;
             }
             let skipped_tokens = if fresh && w != 0 { group_skipped(w, total_computed) } else { 0 };
-            let skipped = (skipped_tokens / self.block_size) as usize;
-            let need = self.blocks_to_add(held + skipped.max(num_hits), num_slots);
-            let kept = &all_hits[g][skipped.min(num_hits)..];
+            let skipped = (skipped_tokens / gbs) as usize;
+            let ghits = all_hits[g].len();
+            let need = self.blocks_to_add_sized(held + skipped.max(ghits), num_slots, gbs);
+            let kept = &all_hits[g][skipped.min(ghits)..];
             evictable += kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total_need += need;
             // The external tokens' blocks: vLLM pops them for every group first (`allocate_external_computed_blocks`),
@@ -439,9 +478,9 @@ impl KvCacheManager {
             let ext =
                 if skipped_tokens > 0 { ext_tokens.min(total_computed - skipped_tokens) } else { ext_tokens };
             if ext > 0 {
-                let held_after_hits = held + skipped.max(num_hits);
+                let held_after_hits = held + skipped.max(ghits);
                 let ext_need =
-                    (total_computed.div_ceil(bs) as usize).saturating_sub(held_after_hits).min(need);
+                    (total_computed.div_ceil(gbs) as usize).saturating_sub(held_after_hits).min(need);
                 ext_plan.push((g, 0, ext_need));
             }
             plan.push((skipped, need));
@@ -458,7 +497,7 @@ impl KvCacheManager {
             if windows[g] == CROSS_ATTENTION || (windows[g] == MAMBA && all_hits[g].is_empty()) {
                 continue;
             }
-            let kept = &all_hits[g][skipped.min(num_hits)..];
+            let kept = &all_hits[g][skipped.min(all_hits[g].len())..];
             // A chunked-local hit can hold null blocks past the skipped ones (its nulls end at a chunk, the
             // skipped blocks at the chunk of the hit's end, which may start lower): never touched.
             let nulls = kept.iter().take_while(|&&b| b == NULL_BLOCK).count();
@@ -505,6 +544,13 @@ impl KvCacheManager {
                     if windows[g] != MAMBA {
                         zero.extend_from_slice(&blocks[blocks.len() - need..]);
                     }
+                }
+            }
+        }
+        for (g, &slot) in slots.iter().enumerate() {
+            if windows[g] != MAMBA && windows[g] != CROSS_ATTENTION && sizes[g] != bs {
+                if let Some(i) = slot {
+                    req.groups[i].mamba_appended = (req.groups[i].blocks.len() - before[g]) as u32;
                 }
             }
         }
@@ -576,8 +622,14 @@ impl KvCacheManager {
     }
 
     /// `remove_skipped_blocks` of the group at `slot` with window (or chunked-local entry) `w`.
-    fn remove_group_skipped(&mut self, req: &mut Request, slot: Option<usize>, w: u32, processed: u32) {
-        let block_size = self.block_size;
+    fn remove_group_skipped(
+        &mut self,
+        req: &mut Request,
+        slot: Option<usize>,
+        w: u32,
+        block_size: u32,
+        processed: u32,
+    ) {
         let (blocks, _) = table(req, slot);
         let last = ((group_skipped(w, processed) / block_size) as usize).min(blocks.len());
         let mut first = last;
@@ -600,6 +652,10 @@ impl KvCacheManager {
         let windows = hy.windows.clone();
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
+        // The tokens every group caches: the full blocks' tokens rounded down to the alignment (vLLM's hybrid
+        // coordinator caches a scheduler-block-aligned prefix in each group).
+        let aligned_tokens = num_full as u32 * self.block_size / hy.align * hy.align;
+        let sizes = hy.block_sizes.clone();
         let align = hy.mamba_align;
         let defer_new_states_only = hy.defer_new_states_only;
         let bs = self.block_size;
@@ -615,6 +671,8 @@ impl KvCacheManager {
         let window_retention = hy.retention;
         let window_reach = window_retention
             .map(|_| window_reachable(req.num_prompt_tokens, req.shared_prefix_boundary, bs, eagle));
+        // Groups of different block sizes: a window keeps the blocks a hit aligned to `hy.align` can use.
+        let (hit_align, sized) = (hy.align, sizes.iter().any(|&s| s != bs));
         let reachable = window_reach.clone().unwrap_or_default();
         let tail = retention.and_then(|_| {
             (num_tokens > 0 && num_tokens == prompt_checkpoint).then(|| (prompt_checkpoint / bs) as usize - 1)
@@ -627,6 +685,8 @@ impl KvCacheManager {
             let checkpoint = slots[g].and_then(|i| req.groups[i].mamba_checkpoint).filter(|_| w == MAMBA);
             let tail = if checkpoint.is_some() { None } else { tail };
             let first = *table(req, slots[g]).1 as usize;
+            let k = (sizes[g] / bs) as usize;
+            let num_full = (aligned_tokens / sizes[g]) as usize;
             if w == MAMBA && checkpoint.is_none() && !defer_new_states_only {
                 // With the drop vLLM hands a Mamba group its cacheable tokens unfloored: only a call whose tokens
                 // end at the checkpoint itself re-keys it.
@@ -647,7 +707,10 @@ impl KvCacheManager {
                 }
                 _ => None,
             };
+            let window_sized = sized && is_window(w) && chunk_size(w).is_none();
+            let gbs = sizes[g];
             let kept = |i: usize| match (sparse, window_sparse) {
+                _ if window_sized => window_kept(i, gbs, hit_align, w, window_retention, &reachable),
                 (Some(r), _) => mamba_retained(i, bs, r, &reachable) || tail == Some(i),
                 (None, Some((r, reach))) => window_retained(i, bs, w, eagle, r, reach),
                 (None, None) => true,
@@ -656,7 +719,7 @@ impl KvCacheManager {
                 for i in first..num_full {
                     let b = table_ref(req, slots[g])[i];
                     if b != NULL_BLOCK && kept(i) {
-                        let key = group_key(&req.block_hashes[i], g);
+                        let key = group_key(&req.block_hashes[(i + 1) * k - 1], g);
                         if let Some(h) = self.pool.block_hash(b).copied() {
                             // A prefill checkpoint keyed one block lower (with the drop) moves up to its entry.
                             self.pool.uncache(b, &h);
@@ -772,9 +835,11 @@ impl KvCacheManager {
             None => return Vec::new(),
             Some(hy) => hy.windows.iter().enumerate().map(|(g, &w)| (w, hy.slot(g))).collect(),
         };
+        let sizes: Vec<u32> =
+            self.hybrid.as_deref().map_or_else(|| vec![bs; groups.len()], |hy| hy.block_sizes.clone());
         let align = self.hybrid.as_deref().is_some_and(|hy| hy.mamba_align);
         let mut out = Vec::with_capacity(groups.len());
-        for (w, slot) in groups {
+        for ((w, slot), gbs) in groups.into_iter().zip(sizes) {
             let mut removed = Vec::new();
             if w == MAMBA && align && processed > 1 {
                 // An align-mode Mamba group: its states below the one of the last processed token.
@@ -784,7 +849,7 @@ impl KvCacheManager {
                 blocks[..last].fill(NULL_BLOCK);
             } else if is_window(w) {
                 let (blocks, _) = table(req, slot);
-                let last = ((group_skipped(w, processed) / bs) as usize).min(blocks.len());
+                let last = ((group_skipped(w, processed) / gbs) as usize).min(blocks.len());
                 let mut first = last;
                 while first > 0 && blocks[first - 1] != NULL_BLOCK {
                     first -= 1;
@@ -813,6 +878,7 @@ impl KvCacheManager {
                 if w == MAMBA || w == CROSS_ATTENTION {
                     t.to_vec()
                 } else {
+                    let n = computed.div_ceil(hy.block_sizes[g]) as usize;
                     t[..n.min(t.len())].to_vec()
                 }
             })

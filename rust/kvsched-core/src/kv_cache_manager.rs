@@ -207,8 +207,14 @@ impl KvCacheManager {
     /// slots (capped at `max_slots`).
     #[inline(always)]
     pub(crate) fn blocks_to_add(&self, held: usize, num_slots: u32) -> usize {
+        self.blocks_to_add_sized(held, num_slots, self.block_size)
+    }
+
+    /// `blocks_to_add` in blocks of `block_size` tokens (a KV cache group's own block size).
+    #[inline(always)]
+    pub(crate) fn blocks_to_add_sized(&self, held: usize, num_slots: u32, block_size: u32) -> usize {
         let num_slots = num_slots.min(self.max_slots);
-        let required = num_slots.div_ceil(self.block_size) as usize;
+        let required = num_slots.div_ceil(block_size) as usize;
         required.saturating_sub(held)
     }
 

@@ -169,16 +169,16 @@ pub struct Scheduler {
 /// most, its window before the first token in flight and one step's budget per concurrent batch
 /// (`max_concurrent_batches`), plus one for a window that starts inside a block. `usize::MAX` without a window.
 fn window_admission_cap_blocks(config: &SchedulerConfig) -> usize {
-    config.sliding_window.map_or(usize::MAX, |w| window_cap_blocks(config, w))
+    config.sliding_window.map_or(usize::MAX, |w| window_cap_blocks(config, w, config.kv_block_size()))
 }
 
 /// `window_admission_cap_blocks` for a window of `window` tokens; for a chunked-local group of chunks of `c`
 /// tokens (vLLM's `ChunkedLocalAttentionSpec.max_admission_blocks_per_request`), `ceil(min(c + in-flight tokens,
-/// max_model_len) / bs)`.
-fn window_cap_blocks(config: &SchedulerConfig, window: u32) -> usize {
+/// max_model_len) / bs)`; in blocks of `bs` tokens (the group's block size).
+fn window_cap_blocks(config: &SchedulerConfig, window: u32, bs: u32) -> usize {
     let batches = u64::from(config.concurrent_batches());
     let in_flight = batches * u64::from(config.max_num_batched_tokens);
-    let bs = u64::from(config.kv_block_size());
+    let bs = u64::from(bs);
     if let Some(c) = crate::hybrid::chunk_size(window) {
         return (u64::from(c) + in_flight).min(u64::from(config.max_model_len)).div_ceil(bs) as usize;
     }
@@ -213,9 +213,11 @@ impl Scheduler {
                 .prefix_cache_retention_interval
                 .filter(|_| config.sliding_window.is_some() && config.kv_cache_groups.is_empty()),
             hybrid: (!config.kv_cache_groups.is_empty()).then(|| {
-                let mut hy = Hybrid::new(&config.kv_cache_groups, config.mamba_speculative_blocks, |w| {
-                    window_cap_blocks(&config, w)
-                });
+                let sizes = config.group_block_sizes();
+                let mut hy =
+                    Hybrid::new(&config.kv_cache_groups, &sizes, config.mamba_speculative_blocks, |w, bs| {
+                        window_cap_blocks(&config, w, bs)
+                    });
                 hy.mamba_align = config.mamba_align;
                 hy.defer_new_states_only = config.mamba_defer_new_states_only;
                 hy.retention = config.prefix_cache_retention_interval;
@@ -1171,6 +1173,8 @@ impl Scheduler {
             }
             let primary = self.kv.hybrid.as_deref().map_or(0, |hy| hy.primary);
             for g in 0..=r.groups.len() {
+                // Blocks of this group per primary block (its block size over the primary's).
+                let k = self.kv.hybrid.as_deref().map_or(1, |hy| (hy.block_sizes[g] / bs) as usize);
                 let (blocks, num_cached) = match crate::hybrid::group_slot(primary, g) {
                     None => (&r.blocks, r.num_cached_blocks),
                     Some(i) => (&r.groups[i].blocks, r.groups[i].num_cached_blocks),
@@ -1220,9 +1224,9 @@ impl Scheduler {
                             blocks.len()
                         ));
                     }
-                } else if blocks.len() != r.blocks.len() {
+                } else if blocks.len() != r.blocks.len().div_ceil(k) {
                     return Err(format!(
-                        "request {:?}: group {g}'s table is not as long as the primary group's",
+                        "request {:?}: group {g}'s table does not cover the primary group's",
                         r.id
                     ));
                 }
@@ -1259,13 +1263,21 @@ impl Scheduler {
                         let sparse_window = window.is_some_and(|w| {
                             crate::hybrid::is_window(w) && crate::hybrid::chunk_size(w).is_none()
                         });
+                        // (A window among groups of different block sizes keeps the blocks an aligned hit can use,
+                        // retention or not.)
+                        let sized = self
+                            .kv
+                            .hybrid
+                            .as_deref()
+                            .is_some_and(|hy| hy.block_sizes.iter().any(|&s| s != bs));
                         if (align_mamba || sparse_window)
-                            && cfg.prefix_cache_retention_interval.is_some()
+                            && (cfg.prefix_cache_retention_interval.is_some() || sized)
                             && self.kv.pool.block_hash(b).is_none()
                         {
                             continue; // a state or window block sparse retention did not cache
                         }
-                        let key = r.block_hashes.get(i).map(|h| crate::hybrid::group_key(h, g));
+                        // A block is keyed by the hash of its last hash block.
+                        let key = r.block_hashes.get((i + 1) * k - 1).map(|h| crate::hybrid::group_key(h, g));
                         // With the drop, a prefill checkpoint one block below its entry is keyed there.
                         let below = (i > 0
                             && align_mamba

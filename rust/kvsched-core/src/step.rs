@@ -496,6 +496,8 @@ impl Scheduler {
         let ngroups = windows.len();
         let primary = self.kv.hybrid.as_deref().map_or(0, |hy| hy.primary);
         let align = self.config.mamba_align;
+        let sizes = self.kv.hybrid.as_deref().map(|hy| hy.block_sizes.clone()).unwrap_or_default();
+        let bs = self.kv.block_size;
         let mut groups = vec![Vec::with_capacity(out.new_block_ids.len()); ngroups - 1];
         let mut indptrs = vec![Vec::with_capacity(out.handles.len() + 1); ngroups - 1];
         let mut whole = vec![false; out.handles.len()];
@@ -510,7 +512,8 @@ impl Scheduler {
             let req = self.slab.get(h.slot)?;
             for (g, ids) in groups.iter_mut().enumerate() {
                 let t = &req.groups[g].blocks;
-                let w = windows[if g < primary { g } else { g + 1 }];
+                let gi = if g < primary { g } else { g + 1 };
+                let w = windows[gi];
                 let k = if w == Some(CROSS_ATTENTION) || w == Some(MAMBA) {
                     if whole[i] {
                         t.len()
@@ -519,6 +522,16 @@ impl Scheduler {
                         req.groups[g].mamba_appended as usize
                     } else {
                         0
+                    }
+                } else if whole[i] {
+                    t.len()
+                } else if sizes.get(gi).is_some_and(|&s| s != bs) {
+                    // Another block size than the primary group's: the blocks its allocation appended (none when
+                    // the primary group's appended none: its blocks are the smallest).
+                    if k == 0 {
+                        0
+                    } else {
+                        req.groups[g].mamba_appended as usize
                     }
                 } else {
                     k
@@ -1694,14 +1707,19 @@ fn inflight_reserved_blocks(
         // group's as its allocation counts them (mode "none": the state block of `max_model_len` tokens and the
         // speculative blocks; "align": the entries of the tokens without the decode step, at most one more,
         // summed as they are), and no decode step's blocks (vLLM's Mamba groups hold theirs).
-        let num_attention = hy.windows.iter().filter(|&&w| w != MAMBA).count();
-        let mut total = (num_attention * step.div_ceil(bs) as usize) as i64;
+        let mut total: i64 = hy
+            .windows
+            .iter()
+            .zip(&hy.block_sizes)
+            .filter(|(&w, _)| w != MAMBA)
+            .map(|(_, &gbs)| step.div_ceil(gbs) as i64)
+            .sum();
         let spec = hy.mamba_blocks - 1;
         let mml = config.max_model_len.max(1);
         for r in slab.iter().filter(|r| r.inflight_prefill) {
             let tokens = r.num_tokens().min(config.max_model_len);
-            let required = (tokens + step).div_ceil(bs) as usize;
             for (g, &w) in hy.windows.iter().enumerate() {
+                let required = (tokens + step).div_ceil(hy.block_sizes[g]) as usize;
                 let (held, allocated) = match hy.slot(g) {
                     None => (r.blocks.len(), true),
                     Some(i) => (r.groups[i].blocks.len(), r.groups[i].mamba_allocated),

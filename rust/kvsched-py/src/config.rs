@@ -105,6 +105,9 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
             .collect()
     });
     d.set_item("kv_cache_groups", groups)?;
+    let sizes: Option<Vec<u32>> =
+        (!c.kv_cache_group_block_sizes.is_empty()).then(|| c.kv_cache_group_block_sizes.clone());
+    d.set_item("kv_cache_group_block_sizes", sizes.map(|v| pyo3::types::PyTuple::new(py, v)).transpose()?)?;
     d.set_item("max_num_scheduled_tokens", Some(c.max_num_scheduled_tokens).filter(|&v| v != 0))?;
     d.set_item("mamba_speculative_blocks", c.mamba_speculative_blocks)?;
     d.set_item("mamba_align", c.mamba_align)?;
@@ -311,6 +314,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
             Some(u32_field("sliding_window")?)
         },
         kv_cache_groups: kv_cache_groups_field(py, &cfg.getattr("kv_cache_groups")?)?,
+        kv_cache_group_block_sizes: group_block_sizes_field(&cfg.getattr("kv_cache_group_block_sizes")?)?,
         // None: max_num_batched_tokens, the core's 0; so a 0 given is out of the field's bounds.
         max_num_scheduled_tokens: if cfg.getattr("max_num_scheduled_tokens")?.is_none() {
             0
@@ -409,6 +413,34 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
         groups.push(Some(w));
     }
     Ok(groups)
+}
+
+/// `kv_cache_group_block_sizes`: `None` (every group `block_size`) or a sequence of ints.
+fn group_block_sizes_field(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if v.is_none() {
+        return Ok(Vec::new());
+    }
+    let py = v.py();
+    let bad = || {
+        py_error(
+            py,
+            "InvalidConfigError",
+            format!("kv_cache_group_block_sizes must be None or a list of ints in [1, 2147483647], got {v}"),
+        )
+    };
+    if v.is_instance_of::<pyo3::types::PyString>() || v.is_instance_of::<PyBytes>() {
+        return Err(bad());
+    }
+    let mut sizes = Vec::new();
+    for item in v.try_iter().map_err(|_| bad())? {
+        let item = item?;
+        if item.is_instance_of::<PyBool>() {
+            return Err(bad());
+        }
+        let s = int_arg(&item, "kv_cache_group_block_sizes", "InvalidConfigError")?;
+        sizes.push(u32::try_from(s).ok().filter(|&s| s >= 1 && s <= i32::MAX as u32).ok_or_else(bad)?);
+    }
+    Ok(sizes)
 }
 
 /// The core's `prefix_hash_seed`: with `sha256_pickle` a bytes seed is block 0's parent hash as it is, otherwise
