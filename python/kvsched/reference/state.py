@@ -109,7 +109,7 @@ class _SchedulerState:
         # connector since take_mamba_boundary_offers, as (req_id, group, block, tokens); None: not recorded.
         self._boundary_offers: list[tuple[str, int, int, int]] | None = (
             []
-            if kv_connector is not None and c.enable_prefix_caching and c.mamba_align and MAMBA in groups
+            if kv_connector is not None and c.enable_prefix_caching and c.mamba_align and MAMBA in (c.kv_cache_groups or ())
             else None
         )
         # With a Mamba group: each group's attention blocks allocated since the last schedule() returned.
