@@ -677,7 +677,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if uncounted > 0 and total_need + evictable + uncounted > len(self._free):
             return None  # the pool lacks the block the count left out (vLLM's pool raises there)
         for g, (skipped, _) in enumerate(plan):
-            if windows[g] in (_CROSS, _MAMBA) and not all_hits[g] or windows[g] == _MAMBA and align and ext_tokens:
+            loaded_state = windows[g] == _MAMBA and align and ext_tokens > 0  # a local hit's state stays in the cache
+            if (windows[g] in (_CROSS, _MAMBA) and not all_hits[g]) or loaded_state:
                 continue
             kept = all_hits[g][skipped:]
             # A chunked-local hit can hold null blocks past the skipped ones (never touched).

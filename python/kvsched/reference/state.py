@@ -107,10 +107,9 @@ class _SchedulerState:
         self._mamba_cached_step: set[bytes] = set()
         # Align-mode Mamba groups with prefix caching and a KV connector: the boundary states offered to the
         # connector since take_mamba_boundary_offers, as (req_id, group, block, tokens); None: not recorded.
+        offers = kv_connector is not None and c.enable_prefix_caching and c.mamba_align
         self._boundary_offers: list[tuple[str, int, int, int]] | None = (
-            []
-            if kv_connector is not None and c.enable_prefix_caching and c.mamba_align and MAMBA in (c.kv_cache_groups or ())
-            else None
+            [] if offers and MAMBA in (c.kv_cache_groups or ()) else None
         )
         # With a Mamba group: each group's attention blocks allocated since the last schedule() returned.
         groups = c.kv_cache_groups or ()

@@ -704,14 +704,13 @@ impl KvCacheManager {
         first: usize,
         num_full: usize,
     ) {
-        if !self.hybrid.as_deref().is_some_and(|hy| hy.boundary_offers.is_some()) {
+        if self.hybrid.as_deref().is_none_or(|hy| hy.boundary_offers.is_none()) {
             return;
         }
         let bs = self.block_size;
         let mut offers = Vec::new();
         let tbl = table_ref(req, slot);
-        for i in first..num_full.min(tbl.len()) {
-            let b = tbl[i];
+        for (i, &b) in tbl.iter().enumerate().take(num_full).skip(first) {
             let Some(h) = (b != NULL_BLOCK).then(|| self.pool.block_hash(b)).flatten() else { continue };
             // The key's position: the block's own, else wherever the request's hashes give it.
             let own = req.block_hashes.get(i).is_some_and(|x| group_key(x, g) == *h);
