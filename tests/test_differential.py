@@ -246,6 +246,7 @@ class Twin:
         self.streaming = streaming
         self.session_ids: set[str] = set()  # the streaming-input sessions added
         self.conn_ref = self.conn_rs = None
+        self.boundary_offers = 0  # the Mamba boundary states both offered to the KV connector
         if connector_seed is not None:
             self.conn_ref, self.conn_rs = FakeConnector(connector_seed), FakeConnector(connector_seed)
         self.ref = ReferenceScheduler(cfg, kv_connector=self.conn_ref)
@@ -842,6 +843,13 @@ class Twin:
             assert self.ref.deferred_load_ids() == self.rs.deferred_load_ids()
             assert self.ref.deferred_frees() == self.rs.deferred_frees()
             assert self.ref.step_seqs == self.rs.step_seqs
+            offers = self.ref.take_mamba_boundary_offers()
+            assert offers == self.rs.take_mamba_boundary_offers(), "the Mamba boundary states offered differ"
+            self.boundary_offers += len(offers)
+            for rid in self.ref._held:
+                for g in range(len(self.cfg.kv_cache_groups or (None,))):
+                    held_a, held_b = self.ref.get_held_block_ids(rid, g), self.rs.get_held_block_ids(rid, g)
+                    assert held_a.tolist() == held_b.tolist(), f"held blocks of {rid} differ in group {g}"
         if self.ec_ref is not None:
             assert self.ec_ref.calls == self.ec_rs.calls, "the EC connector hooks were called differently"
         if self.cfg.encoder_cache_size:
@@ -2178,6 +2186,15 @@ HMA_CONFIGS = [
                     kv_cache_groups=(None, "mamba"), kv_connector_groups=True, enable_prefix_caching=False,
                     park_kv_loads=False, reserve_inflight_prefills=True, num_speculative_tokens=2,
                     mamba_speculative_blocks=2, prefix_hash_seed=100),
+    # Align-mode Mamba groups with prefix caching (dense and sparse retention): the cached states are offered to
+    # the connector, a load's state beside a local Mamba hit leaves the hit untouched.
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, "mamba"), kv_connector_groups=True, mamba_align=True,
+                    prefix_hash_seed=101),
+    SchedulerConfig(block_size=4, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=64,
+                    kv_cache_groups=("mamba", None, "mamba"), kv_connector_groups=True, mamba_align=True,
+                    prefix_cache_retention_interval=8, async_scheduling=True, defer_block_free=True,
+                    prefix_hash_seed=102),
 ]  # fmt: skip
 
 
@@ -2185,7 +2202,7 @@ def test_soak_kv_connector_groups_match_reference_step_by_step() -> None:
     """With a seeded KV connector and kv_connector_groups, both implementations hand the connector the same
     per-group tables (null blocks before the windows), free and hold the same blocks of every group, and agree
     at every step; loads are async and sync, some blocks are held for sends, requests are preempted."""
-    nulls_handed = held = loaded_groups = 0
+    nulls_handed = held = loaded_groups = offered = 0
     for i, cfg in enumerate(HMA_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(9191 + i)), max_in_flight=1 + i % 3,
                     connector_seed=9191 + i, fail_steps=False)  # fmt: skip
@@ -2202,7 +2219,9 @@ def test_soak_kv_connector_groups_match_reference_step_by_step() -> None:
         loaded_groups += sum(c[0] == "loaded_groups" for c in twin.conn_ref.calls)
         twin.drain()
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+        offered += twin.boundary_offers
     assert nulls_handed > 0 and held > 0 and loaded_groups > 0, (nulls_handed, held, loaded_groups)
+    assert offered > 0, "no Mamba boundary state was offered"
 
 
 # Mamba groups in align mode (mamba_align, vLLM's mamba_cache_mode "align"): block-sized state tables beside full

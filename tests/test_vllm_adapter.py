@@ -1403,10 +1403,13 @@ def test_align_mode_mamba_groups_schedule_as_vllms_scheduler() -> None:
     assert not pair[1].requests
 
 
-def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name() -> None:
+def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A KV connector in every role (kv_producer, kv_consumer, kv_both) runs with Mamba groups in mode "none" and
-    in mode "align" without prefix caching (the core hands it every group's blocks); Mamba prefix caching with any
-    connector, and roles that load KV with mode-"none" Mamba blocks longer than max_model_len, are refused at
+    in mode "align", with prefix caching or without (the core hands it every group's blocks, and with prefix
+    caching the cached Mamba states); a connector that completes divergent local hybrid hits with Mamba prefix
+    caching, and roles that load KV with mode-"none" Mamba blocks longer than max_model_len, are refused at
     construction, by name."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -1420,12 +1423,22 @@ def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_ref
 
         size = 4 if mode == "align" else None
         for role in ("kv_producer", "kv_consumer", "kv_both"):
-            if not caching:
-                sched = _build_mamba(cfg(role), mamba, FullAttentionSpec(**kw), block_size=size)
-                assert sched.kv_config.kv_connector_groups and sched.kv_config.mamba_align == (mode == "align")
-            else:
-                with pytest.raises(UnsupportedFeatureError, match="KV connectors with Mamba prefix caching"):
-                    _build_mamba(cfg(role), mamba, FullAttentionSpec(**kw), block_size=4)
+            sched = _build_mamba(cfg(role), mamba, FullAttentionSpec(**kw), block_size=size)
+            assert sched.kv_config.kv_connector_groups and sched.kv_config.mamba_align == (mode == "align")
+            assert sched.kv_config.enable_prefix_caching == caching
+    # A connector that restores a lagging Mamba group's state past its local hit (vLLM then takes the
+    # full-attention groups' deeper hit): refused with Mamba prefix caching, accepted without.
+    from kvsched.vllm.testing import RandomKVConnector
+
+    monkeypatch.setattr(RandomKVConnector, "supports_divergent_local_hybrid_hits", True)
+    for caching in (True, False):
+        vcfg = make_vllm_config(block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=caching,
+                                mamba_cache_mode="align", kv_connector_seed=1, kv_role="kv_consumer")  # fmt: skip
+        if caching:
+            with pytest.raises(UnsupportedFeatureError, match="complete divergent local hybrid hits"):
+                _build_mamba(vcfg, _mamba_spec(4, "align"), FullAttentionSpec(**kw), block_size=4)
+        else:
+            _build_mamba(vcfg, _mamba_spec(4, "align"), FullAttentionSpec(**kw), block_size=4)
     # Mode "none" with a state block longer than max_model_len: a producer runs, the roles that load KV are refused.
     longer = _mamba_spec(128, "none")
     none_cfg = {"block_size": 4, "num_blocks": 64, "max_model_len": 64, "enable_prefix_caching": False,

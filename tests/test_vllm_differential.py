@@ -657,3 +657,38 @@ def test_identical_to_vllm_with_kv_cache_groups_of_different_block_sizes(
         seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=True, group_block_factors=factors
     )
     assert cfg.group_block_sizes is not None and len(set(cfg.group_block_sizes)) > 1
+
+
+@pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+def test_identical_to_vllm_with_kv_connectors_and_mamba_prefix_caching(
+    sync: str, runner: str, kv_role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seeded RandomKVConnector on a hybrid Mamba model with Mamba prefix caching (mamba_cache_mode "align",
+    prefix caching on): each step's build_connector_meta gets the Mamba states cached since the last step
+    (kv_connector_block_state's boundary_state_offloads, with the tables of the requests that have some, held
+    ones too), and a load beside a local Mamba hit takes the state of the last loaded token, leaving the hit's
+    state to the cache."""
+    from kvsched.vllm.testing import RandomKVConnector
+
+    seen = {"offered": 0, "hit_and_load": 0}
+    build, matched = RandomKVConnector.build_connector_meta, RandomKVConnector.get_num_new_matched_tokens
+
+    def counted_build(self: Any, scheduler_output: Any) -> Any:
+        state = scheduler_output.kv_connector_block_state
+        seen["offered"] += bool(state is not None and state.boundary_state_offloads)
+        return build(self, scheduler_output)
+
+    def counted_matched(self: Any, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        ext, is_async = matched(self, request, num_computed_tokens)
+        seen["hit_and_load"] += bool(num_computed_tokens and ext)
+        return ext, is_async
+
+    monkeypatch.setattr(RandomKVConnector, "build_connector_meta", counted_build)
+    monkeypatch.setattr(RandomKVConnector, "get_num_new_matched_tokens", counted_matched)
+    cfg = run_seed(0, 120, async_scheduling=sync == "async", v2=runner == "v2", connector=True, kv_role=kv_role,
+                   mamba=True, mamba_align=True, mamba_prefix_caching=True)  # fmt: skip
+    assert cfg.kv_role == kv_role and cfg.mamba_cache_mode == "align" and cfg.enable_prefix_caching
+    assert seen["offered"] > 0, seen
+    if kv_role == "kv_consumer":
+        assert seen["hit_and_load"] > 0, seen

@@ -2371,8 +2371,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.mamba and (args.kv_events or args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --kv-events, --sliding-window, --hybrid and --mm")
-    if args.mamba_prefix_caching and args.connector:
-        p.error("--mamba-prefix-caching goes without --connector (kvsched.vllm refuses connectors with it)")
     if args.chunked_local and not args.hybrid:
         p.error("--chunked-local goes with --hybrid")
     if args.lazy_offload and not args.cpu_offload:

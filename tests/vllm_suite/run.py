@@ -436,6 +436,15 @@ CURATED.update(
 )
 CURATED.update(
     {
+        "test_hybrid_fa_deeper_hit_respects_connector_lookup_policy": (
+            "seeds and evicts Mamba states through vLLM's `HybridKVCacheCoordinator` (kvsched's `kv_cache_manager` "
+            "is a read-only view of its core); its cases with a connector that completes divergent local hybrid "
+            "hits are refused by kvsched.vllm with Mamba prefix caching, by name"
+        ),
+    }
+)
+CURATED.update(
+    {
         "test_cpu_encoder_input_updates_restore_after_kv_load_failure": (
             "calls `reset_encoder_cache` on a multimodal model (the core cannot drop its encoder outputs yet); "
             "the `invalid_block_ids` it then sends for a running request with no KV connector configured roll the "

@@ -350,6 +350,7 @@ class _ConnectorMixin(_BlockPoolMixin):
         h[1 if recv else 2] = False
         if not h[1] and not h[2]:
             del self._held[req_id]
+            self._drop_boundary_offers(req_id)
             for w in h[4]:
                 self._free_block_list(w)
             if self._config.defer_block_free and h[3] > self._processed_step_seq:
@@ -379,6 +380,7 @@ class _ConnectorMixin(_BlockPoolMixin):
     def _free_request_blocks(self, r: _Request) -> None:
         """Free ``r``'s blocks now, or (``defer_block_free``, a step in flight scheduled it) once every step
         scheduled so far is applied."""
+        self._drop_boundary_offers(r.req_id)
         if self._request_blocks_can_be_freed(r):
             # Several KV cache groups: table by table in group order; block_ids is the primary group's table, the
             # others' are group_block_ids in order.
@@ -456,6 +458,18 @@ class _ConnectorMixin(_BlockPoolMixin):
     def deferred_free_block_ids(self) -> np.ndarray:
         """Blocks whose free waits for steps in flight, in the order they go back to the pool."""
         return np.array([b for _, blocks in self._deferred_frees for b in reversed(blocks)], dtype=np.int32)
+
+    def get_held_block_ids(self, req_id: str, group: int = 0) -> np.ndarray:
+        """The blocks the finished request ``req_id`` holds for a transfer in KV cache group ``group`` (blocks
+        that left a window at the finish are null blocks)."""
+        if not isinstance(req_id, str):
+            raise SchedulerTypeError(f"req_id must be a str, got {type(req_id).__name__}")
+        h = self._held.get(req_id)
+        if h is None:
+            raise UnknownRequestError(f"unknown held request id {req_id!r}")
+        if not 0 <= group < len(h[0]):
+            raise InvalidRequestError(f"group must be in [0, {len(h[0])}), got {group}")
+        return np.array(h[0][group], dtype=np.int32)
 
     @property
     def num_held_kv_requests(self) -> int:

@@ -258,6 +258,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         head, deepest first (so the head is the deepest freed block). With several groups, group by group in group
         order."""
         if self._config.kv_cache_groups is not None:
+            self._drop_boundary_offers(r.req_id)
             for g in range(len(self._config.kv_cache_groups)):
                 self._free_block_list(self._group_table(r, g))
             r.group_block_ids = [[] for _ in r.group_block_ids]
@@ -678,10 +679,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     r.mamba_checkpoint[g] = checkpoint
                 counted = self._align_need(mamba_entries, held, allocated, checkpoint is not None)
                 total_need += counted
-                if ext_tokens > 0 and held == 0:
+                if ext_tokens > 0 and not self._group_table(r, g):
                     # A load's state: null blocks before the block of the last loaded token, popped with the other
                     # groups' external blocks; the growth pops the rest (uncounted when the chunk reaches a later
-                    # block, as vLLM counts it).
+                    # block, as vLLM counts it). A local hit's state lies below the loaded tokens: counted above,
+                    # neither touched nor kept.
                     pad = (total_computed - 1) // bs
                     ext_plan.append((g, pad, 1))
                     popped = 1 + mamba_entries - max(pad + 1, mamba_entries - 1 - c.mamba_speculative_blocks)
@@ -721,7 +723,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if uncounted > 0 and total_need + evictable + uncounted > len(self._free):
             return None  # the pool lacks the block the count left out (vLLM's pool raises there)
         for g, (skipped, _) in enumerate(plan):
-            if windows[g] in (_CROSS, _MAMBA) and not all_hits[g]:
+            loaded_state = windows[g] == _MAMBA and align and ext_tokens > 0  # a local hit's state stays in the cache
+            if (windows[g] in (_CROSS, _MAMBA) and not all_hits[g]) or loaded_state:
                 continue
             kept = all_hits[g][skipped:]
             # A chunked-local hit can hold null blocks past the skipped ones (never touched).
@@ -949,6 +952,43 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._record_stored(r, table, first, num_full, g, kept)
             if checkpoint is not None:
                 self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
+            if w == _MAMBA:
+                self._offer_boundary_states(r, g, first, num_full)
+
+    def _offer_boundary_states(self, r: _Request, g: int, first: int, num_full: int) -> None:
+        """With a KV connector: the Mamba group's blocks ``first:num_full`` that hold a cached state once the caching
+        is done are offered to it in table order, each with the tokens its key covers (the block's own position, or
+        wherever the request's hashes put a re-keyed checkpoint)."""
+        if self._boundary_offers is None:
+            return
+        table = self._group_table(r, g)
+        for i in range(first, min(num_full, len(table))):
+            b = table[i]
+            key = self._block_hash[b] if b else None
+            if key is None:
+                continue
+            if i < len(r.block_hashes) and self._group_key(r.block_hashes[i], g) == key:
+                j = i
+            else:
+                j = next((k for k, h in enumerate(r.block_hashes) if self._group_key(h, g) == key), -1)
+                if j < 0:
+                    continue
+            self._boundary_offers.append((r.req_id, g, b, (j + 1) * self._bs))
+
+    def _drop_boundary_offers(self, req_id: str) -> None:
+        """A request's blocks go back to the pool: its boundary states not yet taken are withdrawn."""
+        if self._boundary_offers:
+            self._boundary_offers[:] = [o for o in self._boundary_offers if o[0] != req_id]
+
+    def take_mamba_boundary_offers(self) -> list[tuple[str, int, int, int]]:
+        """The Mamba boundary states offered to the KV connector since the last call, as ``(req_id, group,
+        block_id, num_tokens)``: group by group, each group's in the order they were cached. Empty unless a KV
+        connector is set with align-mode Mamba groups and prefix caching."""
+        if not self._boundary_offers:
+            return []
+        offers = sorted(self._boundary_offers, key=lambda o: o[1])
+        self._boundary_offers.clear()
+        return offers
 
     def _mark_prompt_checkpoint(self, r: _Request, g: int, num_tokens: int, prompt_checkpoint: int) -> None:
         """vLLM 0.32 (``mamba_defer_new_states_only`` off): when the tokens being cached, floored to a block, end at

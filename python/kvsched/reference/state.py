@@ -105,6 +105,12 @@ class _SchedulerState:
         # Align-mode Mamba groups with prefix caching: the keys Mamba blocks were cached under in this schedule()
         # call (vLLM's cached_blocks_this_step).
         self._mamba_cached_step: set[bytes] = set()
+        # Align-mode Mamba groups with prefix caching and a KV connector: the boundary states offered to the
+        # connector since take_mamba_boundary_offers, as (req_id, group, block, tokens); None: not recorded.
+        offers = kv_connector is not None and c.enable_prefix_caching and c.mamba_align
+        self._boundary_offers: list[tuple[str, int, int, int]] | None = (
+            [] if offers and MAMBA in (c.kv_cache_groups or ()) else None
+        )
         # With a Mamba group: each group's attention blocks allocated since the last schedule() returned.
         groups = c.kv_cache_groups or ()
         self._zero_ids: list[list[int]] = [[] for _ in groups] if MAMBA in groups else []

@@ -532,10 +532,6 @@ def kvsched_config_from_vllm(
                 "KV connectors with chunked-local or cross-attention KV cache groups",
                 f"kv_transfer_config, {num} ({', '.join(kinds)})",
             )
-        if kv_transfer is not None and MAMBA in windows and cache.enable_prefix_caching:
-            # vLLM hands a connector the cached Mamba boundary states (kv_connector_block_state) and a producer's
-            # finished partial tails (register_finished_partial_tail); the adapter hands it neither.
-            _refuse("KV connectors with Mamba prefix caching", "kv_transfer_config, enable_prefix_caching=True")
         mamba_modes = {
             str(getattr(group.kv_cache_spec, "mamba_cache_mode", "none"))
             for g, group in enumerate(kv_cache_config.kv_cache_groups)

@@ -309,6 +309,19 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         "kv_transfer_config",
                     )
                 self._pins = BlockPins(self)
+            if (
+                config.enable_prefix_caching
+                and config.mamba_align
+                and MAMBA in (config.kv_cache_groups or ())
+                and connector.supports_divergent_local_hybrid_hits
+            ):
+                # vLLM then takes the full-attention groups' local hit alone when the connector finds external
+                # tokens past a lagging Mamba group's hit (the connector restores the state); the core's hits agree
+                # across groups.
+                _refuse(
+                    "KV connectors that complete divergent local hybrid hits with Mamba prefix caching",
+                    f"{type(connector).__name__}.supports_divergent_local_hybrid_hits, enable_prefix_caching=True",
+                )
             self.connector = connector
             self._bridge = ConnectorBridge(
                 connector,
@@ -1477,10 +1490,18 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         from vllm.v1.core.sched.output import KVConnectorBlockState
 
         so.has_sync_kv_loads = bridge.has_sync_kv_loads
+        req_ids = set(so.num_scheduled_tokens)
+        # Align-mode Mamba groups with prefix caching: the boundary states cached since the last step, by request
+        # (group by group), with the requests still known that have some.
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for req_id, group, block_id, num_tokens in self._core.take_mamba_boundary_offers():
+            offloads.setdefault(req_id, []).append((group, block_id, num_tokens))
+        if offloads:
+            req_ids.update(req_id for req_id in offloads if req_id in self.requests)
         so.kv_connector_block_state = KVConnectorBlockState(
-            req_ids=set(so.num_scheduled_tokens),
+            req_ids=req_ids,
             resolve_block_ids=self.group_block_ids,
-            boundary_state_offloads={},
+            boundary_state_offloads=offloads,
         )
         so.kv_connector_metadata = self.connector.build_connector_meta(so)
         # Connector-only block state is not sent to the workers.
@@ -1623,9 +1644,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         """The request's block table of every KV cache group, in vLLM's group order (vLLM's
         ``KVCacheManager.get_block_ids``)."""
         core = self._core
+        # A finished request whose blocks are held for a transfer: the tables it holds (vLLM frees them later).
+        get = core.get_held_block_ids if req_id in self._held else core.get_block_ids
         if self._num_groups == 1:
-            return (core.get_block_ids(req_id).tolist(),)
-        return tuple(core.get_block_ids(req_id, g).tolist() for g in range(self._num_groups))
+            return (get(req_id).tolist(),)
+        return tuple(get(req_id, g).tolist() for g in range(self._num_groups))
 
     def _window_hashed_tokens(
         self, table: list[int], num_cached_blocks: int, window: int | str | None, block_size: int = 0

@@ -842,6 +842,19 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
                     (req_id, r.status.name, r.num_computed_tokens, r.is_prefill_chunk, r.num_output_placeholders)
                 )
         self.calls.append(("meta", state))
+        block_state = scheduler_output.kv_connector_block_state
+        if block_state is not None and block_state.boundary_state_offloads:
+            # The cached Mamba boundary states handed over (vLLM's align mode with prefix caching): in the order
+            # given, with the tables a connector resolves for them.
+            offloads = block_state.boundary_state_offloads
+            self.calls.append(
+                (
+                    "boundary_states",
+                    [(req_id, list(offloads[req_id])) for req_id in offloads],
+                    sorted(block_state.req_ids),
+                    [(r, [list(t) for t in block_state.get_block_ids(r) or ()]) for r in sorted(offloads)],
+                )
+            )
         meta = KVConnectorMetadata()
         meta.new_req_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         meta.loads = sorted(self.loads)

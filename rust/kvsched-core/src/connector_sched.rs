@@ -49,12 +49,44 @@ impl Scheduler {
             ));
         }
         self.connector = connector.map(Connector);
+        let record = self.connector.is_some() && self.kv.enable_caching;
+        if let Some(hy) = self.kv.hybrid.as_deref_mut() {
+            hy.boundary_offers = (record && hy.mamba_align && hy.windows.contains(&MAMBA)).then(Vec::new);
+        }
         self.epoch += 1;
         Ok(())
     }
 
+    /// The Mamba boundary states offered to the KV connector since the last call (vLLM's
+    /// `take_boundary_state_offloads`), as `(request id, group, block, tokens)`: group by group, each group's in
+    /// the order they were cached; a request's offers are withdrawn when its blocks go back to the pool. Empty
+    /// unless a KV connector is set with align-mode Mamba groups and prefix caching.
+    pub fn take_mamba_boundary_offers(&mut self) -> Vec<crate::hybrid::BoundaryOffer> {
+        let Some(list) = self.kv.hybrid.as_deref_mut().and_then(|hy| hy.boundary_offers.as_mut()) else {
+            return Vec::new();
+        };
+        let mut offers = std::mem::take(list);
+        offers.sort_by_key(|o| o.1); // stable: each group's in caching order
+        offers
+    }
+
     pub fn has_kv_connector(&self) -> bool {
         self.connector.is_some()
+    }
+
+    /// The blocks a finished request holds for a transfer in KV cache group `group` (the table vLLM's KV cache
+    /// manager still gives it: blocks that left a window at the finish are null blocks).
+    pub fn get_held_block_ids(&self, req_id: &str, group: usize) -> Result<&[u32]> {
+        let Some(h) = self.held.get(req_id) else {
+            return Err(SchedError::UnknownRequest(format!("unknown held request id {req_id:?}")));
+        };
+        match h.tables.get(group) {
+            Some(t) => Ok(t),
+            None => Err(SchedError::InvalidRequest(format!(
+                "group must be in [0, {}), got {group}",
+                h.tables.len()
+            ))),
+        }
     }
 
     /// Finished requests whose blocks are still held for a transfer (vLLM keeps them in `requests`).
@@ -318,6 +350,7 @@ impl Scheduler {
         }
         if !h.awaiting_recv && !h.awaiting_send {
             if let Some(h) = self.held.remove(id) {
+                self.kv.drop_boundary_offers(id);
                 for w in &h.window {
                     self.kv.pool.free_blocks(w);
                 }
@@ -362,7 +395,9 @@ impl Scheduler {
         let req = self.slab.get_mut(slot)?;
         if defer {
             // Every group's table, in group order, as one list (vLLM's `pop_blocks_for_free`).
+            let id = req.id.clone();
             let blocks = self.kv.take_tables(req).concat();
+            self.kv.drop_boundary_offers(&id);
             self.defer_free(blocks);
         } else {
             self.kv.free(req);

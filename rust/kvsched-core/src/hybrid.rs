@@ -130,7 +130,14 @@ pub struct Hybrid {
     /// Align-mode Mamba groups' prefill checkpoints (`SchedulerConfig::mamba_prefill_checkpoint_alignment`; 0:
     /// none): see `checkpoint_valid` and `hybrid_kv.rs`.
     pub checkpoint_align: u32,
+    /// Align-mode Mamba groups with prefix caching and a KV connector: the boundary states the caching offered
+    /// since the last `Scheduler::take_mamba_boundary_offers` (vLLM's `boundary_state_offloads`), each as
+    /// `(request id, group, block, tokens)` in the order the groups cached them; `None`: not recorded.
+    pub boundary_offers: Option<Vec<BoundaryOffer>>,
 }
+
+/// A Mamba boundary state offered to a KV connector: `(request id, group, block, tokens it holds the state of)`.
+pub type BoundaryOffer = (std::sync::Arc<str>, u32, u32, u32);
 
 impl Clone for Hybrid {
     fn clone(&self) -> Self {
@@ -152,6 +159,7 @@ impl Clone for Hybrid {
             retention: self.retention,
             hash_lookahead: self.hash_lookahead,
             checkpoint_align: self.checkpoint_align,
+            boundary_offers: self.boundary_offers.clone(),
         }
     }
 }
@@ -195,6 +203,7 @@ impl Hybrid {
             retention: None,
             hash_lookahead: 0,
             checkpoint_align: 0,
+            boundary_offers: None,
         }
     }
 

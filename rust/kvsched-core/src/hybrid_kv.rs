@@ -435,11 +435,12 @@ impl KvCacheManager {
                 let counted =
                     align_need(mamba_entries, held + ghits.len(), mamba_blocks, allocated, checkpoint);
                 mamba_need += counted;
-                if ext_tokens > 0 && held == 0 && ghits.is_empty() {
+                if ext_tokens > 0 && held == 0 {
                     // A load's state (vLLM's `allocate_external_computed_blocks`): null blocks before the block
                     // of the last loaded token, which is popped with the other groups' external blocks. The
                     // growth then pops the rest; its count above does not include that block when the chunk
-                    // reaches a later block (vLLM counts it so too).
+                    // reaches a later block (vLLM counts it so too). A local hit's state lies below the loaded
+                    // tokens: counted above as vLLM counts it, but neither touched nor kept.
                     let pad = ((total_computed - 1) / bs) as usize;
                     ext_plan.push((g, pad, 1));
                     let skipped = mamba_entries - mamba_blocks;
@@ -494,7 +495,11 @@ impl KvCacheManager {
             return None;
         }
         for (g, &(skipped, _)) in plan.iter().enumerate() {
-            if windows[g] == CROSS_ATTENTION || (windows[g] == MAMBA && all_hits[g].is_empty()) {
+            let loaded_state = windows[g] == MAMBA && align && ext_tokens > 0;
+            if windows[g] == CROSS_ATTENTION
+                || (windows[g] == MAMBA && all_hits[g].is_empty())
+                || loaded_state
+            {
                 continue;
             }
             let kept = &all_hits[g][skipped.min(all_hits[g].len())..];
@@ -743,6 +748,50 @@ impl KvCacheManager {
             if let Some(c) = checkpoint {
                 self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
             }
+            if w == MAMBA {
+                self.offer_boundary_states(req, slots[g], g, first, num_full);
+            }
+        }
+    }
+
+    /// With a KV connector (`Hybrid::boundary_offers` recorded): a Mamba group's blocks `first..num_full` that
+    /// hold a cached state once the caching is done are offered to the connector, in table order, each with the
+    /// tokens its key covers (vLLM's boundary-state hand-offs: a block cached at its own position, the prompt's
+    /// checkpoint re-keyed there, or a prefill checkpoint re-keyed at its position).
+    #[cold]
+    fn offer_boundary_states(
+        &mut self,
+        req: &Request,
+        slot: Option<usize>,
+        g: usize,
+        first: usize,
+        num_full: usize,
+    ) {
+        if self.hybrid.as_deref().is_none_or(|hy| hy.boundary_offers.is_none()) {
+            return;
+        }
+        let bs = self.block_size;
+        let mut offers = Vec::new();
+        let tbl = table_ref(req, slot);
+        for (i, &b) in tbl.iter().enumerate().take(num_full).skip(first) {
+            let Some(h) = (b != NULL_BLOCK).then(|| self.pool.block_hash(b)).flatten() else { continue };
+            // The key's position: the block's own, else wherever the request's hashes give it.
+            let own = req.block_hashes.get(i).is_some_and(|x| group_key(x, g) == *h);
+            let pos = if own { Some(i) } else { req.block_hashes.iter().position(|x| group_key(x, g) == *h) };
+            if let Some(j) = pos {
+                offers.push((req.id.clone(), g as u32, b, (j as u32 + 1) * bs));
+            }
+        }
+        if let Some(list) = self.hybrid.as_deref_mut().and_then(|hy| hy.boundary_offers.as_mut()) {
+            list.extend(offers);
+        }
+    }
+
+    /// Drops the boundary states still to be offered for request `id` (its blocks go back to the pool: vLLM
+    /// withdraws its hand-offs not yet taken).
+    pub(crate) fn drop_boundary_offers(&mut self, id: &str) {
+        if let Some(list) = self.hybrid.as_deref_mut().and_then(|hy| hy.boundary_offers.as_mut()) {
+            list.retain(|o| &*o.0 != id);
         }
     }
 
@@ -920,6 +969,7 @@ impl KvCacheManager {
     /// `free` over every group, in group order, each table deepest first.
     #[cold]
     pub(crate) fn free_groups(&mut self, req: &mut Request) {
+        self.drop_boundary_offers(&req.id);
         let n = req.groups.len() + 1;
         let primary = self.hybrid.as_deref().map_or(0, |hy| hy.primary);
         for g in 0..n {

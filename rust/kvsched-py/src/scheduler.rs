@@ -208,6 +208,14 @@ impl PyScheduler {
         Ok(borrow(slf)?.core.num_held_kv_requests())
     }
 
+    /// The Mamba boundary states offered to the KV connector since the last call, as `(req_id, group, block_id,
+    /// num_tokens)` tuples (see docs/semantics.md, KV connectors with several groups).
+    fn take_mamba_boundary_offers(slf: &Bound<'_, Self>) -> PyResult<Vec<(String, u32, u32, u32)>> {
+        let mut this = borrow_mut(slf)?;
+        let offers = this.core.take_mamba_boundary_offers();
+        Ok(offers.into_iter().map(|(id, g, b, n)| (id.to_string(), g, b, n)).collect())
+    }
+
     #[getter]
     fn config(&self, py: Python<'_>) -> Py<PyAny> {
         self.config.clone_ref(py)
@@ -557,6 +565,15 @@ impl PyScheduler {
         group: usize,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         block_id_array(slf, req_id, |core, id| core.get_group_block_ids(id, group))
+    }
+
+    #[pyo3(signature = (req_id, group=0))]
+    fn get_held_block_ids<'py>(
+        slf: &Bound<'py, Self>,
+        req_id: &Bound<'py, PyAny>,
+        group: usize,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        block_id_array(slf, req_id, |core, id| core.get_held_block_ids(id, group))
     }
 
     fn get_block_hashes<'py>(

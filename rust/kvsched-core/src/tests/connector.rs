@@ -388,3 +388,44 @@ fn a_load_takes_its_mamba_state_block_with_the_external_blocks() {
         }
     }
 }
+
+/// Align-mode Mamba groups with prefix caching and a connector: the states the caching enters are offered once
+/// (`take_mamba_boundary_offers`), with the tokens they cover; a request's offers not yet taken are withdrawn
+/// when its blocks go back to the pool. Without a connector nothing is recorded.
+#[test]
+fn cached_mamba_states_are_offered_to_the_connector_once() {
+    let cfg = SchedulerConfig {
+        block_size: 4,
+        num_blocks: 40,
+        max_model_len: 64,
+        enable_prefix_caching: true,
+        kv_cache_groups: vec![None, Some(crate::MAMBA)],
+        mamba_align: true,
+        kv_connector_groups: true,
+        prefix_hash_seed: Some(b"t".to_vec()),
+        ..Default::default()
+    };
+    let mut s = Scheduler::new(cfg.clone()).unwrap();
+    s.set_kv_connector(Some(Box::new(Fake::default()))).unwrap();
+    s.add_request("a", &prompt(0, 13), params(3)).unwrap();
+    assert_eq!(step_ids(&mut s, 1), ["a"]); // 12 tokens: the state at 12 is cached
+    let state = s.get_group_block_ids("a", 1).unwrap()[2];
+    let offers: Vec<(String, u32, u32, u32)> =
+        s.take_mamba_boundary_offers().into_iter().map(|(id, g, b, n)| (id.to_string(), g, b, n)).collect();
+    assert_eq!(offers, [("a".to_string(), 1, state, 12)]);
+    assert!(s.take_mamba_boundary_offers().is_empty(), "taken once");
+    // "b" and "c" cache their states at 8; "b" is aborted before the offers are taken: its offer is withdrawn.
+    s.add_request("b", &prompt(100, 9), params(3)).unwrap();
+    s.add_request("c", &prompt(200, 9), params(3)).unwrap();
+    step_ids(&mut s, 1);
+    s.abort_requests(&["b"]).unwrap();
+    let offered: Vec<(String, u32)> =
+        s.take_mamba_boundary_offers().into_iter().map(|(id, _, _, n)| (id.to_string(), n)).collect();
+    assert_eq!(offered, [("c".to_string(), 8)]);
+    s.check_invariants().unwrap();
+    // Without a connector: none.
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request("a", &prompt(0, 13), params(3)).unwrap();
+    step_ids(&mut s, 1);
+    assert!(s.take_mamba_boundary_offers().is_empty());
+}
