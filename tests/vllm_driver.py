@@ -187,6 +187,8 @@ FINER_HASH_SEEDS = 0
 MOONCAKE_COUNTS = collections.Counter[str]()
 # ... and the UMBP stand-in's.
 UMBP_COUNTS = collections.Counter[str]()
+# The KV events compared in runs with Mamba groups, by kind and by whether their group is a Mamba group.
+MAMBA_EVENT_COUNTS = collections.Counter[str]()
 
 
 def compare(what: str, a: Any, b: Any) -> None:
@@ -1587,6 +1589,12 @@ class Pair:
             if pa.batches:
                 self.num_events += len(pa.batches[-1])
                 batch_a, batch_b = pa.batches.pop(), pb.batches.pop()
+                groups = self.cfg.kv_cache_groups or ()
+                if "mamba" in groups:
+                    for event in batch_a:
+                        g = getattr(event, "group_idx", None)
+                        where = "Mamba" if g is not None and groups[g] == "mamba" else "attention"
+                        MAMBA_EVENT_COUNTS[f"{type(event).__name__} ({where})"] += 1
                 compare(
                     f"step {self.steps} KV events", list(map(_event_fields, batch_a)), list(map(_event_fields, batch_b))
                 )
@@ -2305,8 +2313,8 @@ def main(argv: list[str] | None = None) -> int:
             "--retention with --eagle and --hybrid or --mamba-prefix-caching: kvsched.vllm refuses it on vLLM 0.32 "
             "(its junction rule differs)"
         )
-    if args.mamba and (args.kv_events or args.sliding_window or args.hybrid or args.mm):
-        p.error("--mamba goes without --kv-events, --sliding-window, --hybrid and --mm")
+    if args.mamba and (args.sliding_window or args.hybrid or args.mm):
+        p.error("--mamba goes without --sliding-window, --hybrid and --mm")
     if args.mamba_prefix_caching and args.connector:
         p.error("--mamba-prefix-caching goes without --connector (kvsched.vllm refuses connectors with it)")
     if args.chunked_local and not args.hybrid:
@@ -2430,6 +2438,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.mooncake_store:
                 note += "; store stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(MOONCAKE_COUNTS.items()))
                 MOONCAKE_COUNTS.clear()
+            if MAMBA_EVENT_COUNTS:
+                note += "; KV events: " + ", ".join(f"{n} {k}" for k, n in sorted(MAMBA_EVENT_COUNTS.items()))
+                MAMBA_EVENT_COUNTS.clear()
             if args.umbp_store:
                 note += "; UMBP stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(UMBP_COUNTS.items()))
                 UMBP_COUNTS.clear()

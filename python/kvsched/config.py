@@ -978,11 +978,6 @@ class SchedulerConfig:
                 "mamba_align cannot be combined with disable_chunked_mm_input (vLLM's mamba_cache_mode 'align' needs "
                 "chunks that end at block boundaries inside an encoder input)"
             )
-        if self.mamba_align and self.enable_prefix_caching and self.enable_kv_cache_events:
-            raise InvalidConfigError(
-                "mamba_align with enable_prefix_caching cannot be combined with enable_kv_cache_events (events of "
-                "cached Mamba states are not implemented)"
-            )
         if self.sliding_window is not None:
             raise InvalidConfigError(
                 f"kv_cache_groups cannot be combined with sliding_window ({self.sliding_window}): give the window "

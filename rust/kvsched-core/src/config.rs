@@ -1047,13 +1047,6 @@ impl SchedulerConfig {
                     .into(),
             ));
         }
-        if self.mamba_align && self.enable_prefix_caching && self.enable_kv_cache_events {
-            return Err(SchedError::InvalidConfig(
-                "mamba_align with enable_prefix_caching cannot be combined with enable_kv_cache_events (events of \
-                 cached Mamba states are not implemented)"
-                    .into(),
-            ));
-        }
         if let Some(w) = self.sliding_window {
             return refuse(format!(
                 "cannot be combined with sliding_window ({w}): give the window per group"
