@@ -689,7 +689,7 @@ class SchedulerConfig:
             'Mamba groups in vLLM\'s `mamba_cache_mode` "align": block-sized state blocks in a table that grows '
             "with the request (real blocks only at its running state) and prefill chunks that end at block "
             "boundaries; with `enable_prefix_caching`, Mamba prefix hits and cached states at block boundaries "
-            "(not with `enable_kv_cache_events`: no events for cached Mamba states); needs a `'mamba'` group "
+            "(with `enable_kv_cache_events`, stored and removed events for them); needs a `'mamba'` group "
             "(see [Several KV cache groups](#several-kv-cache-groups))"
         ),
     )
