@@ -2131,8 +2131,9 @@ def main(argv: list[str] | None = None) -> int:
         "--mamba",
         action="store_true",
         help="a hybrid Mamba model: Mamba KV cache groups (vLLM's mamba_cache_mode 'none', prefix caching off) with "
-        "full attention and sometimes a window, drawn per seed; not with --connector, --kv-events, --sliding-window, "
-        "--hybrid or --mm",
+        "full attention and sometimes a window, drawn per seed; not with --sliding-window, --hybrid or --mm; with "
+        "--kv-events (and --mamba-prefix-caching, where the Mamba groups cache states) prints the events compared per "
+        "kind and group kind",
     )
     p.add_argument(
         "--mamba-align",
