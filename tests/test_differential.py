@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from kvsched import InternalError, RequestStatus, SchedulerConfig, SchedulerError
 from kvsched.kv_events import CLEARED, STORED
 from kvsched.reference import ReferenceScheduler
+from kvsched.reference.kv_cache_manager import _KVCacheManagerMixin
 
 pytestmark = requires_rust
 
@@ -2283,22 +2284,28 @@ def test_soak_align_mamba_groups_match_reference_step_by_step() -> None:
 
 def test_soak_align_mamba_prefix_caching_matches_reference_step_by_step() -> None:
     """The same configs with prefix caching on (vLLM's default for hybrid Mamba models): Mamba prefix hits, cached
-    states, hits on states cached in the same step deferred and shared-prefix junction stops are the same on both
+    states, hits on states cached in the same step deferred and shared-prefix junction stops, and with KV cache events
+    on every other config the stored and removed events of each group's blocks and states, are the same on both
     implementations; prefix hits happen in the run."""
-    configs = [dataclasses.replace(c, enable_prefix_caching=True) for c in ALIGN_CONFIGS]
+    configs = [
+        dataclasses.replace(c, enable_prefix_caching=True, enable_kv_cache_events=i % 2 == 0)
+        for i, c in enumerate(ALIGN_CONFIGS)
+    ]
     grown, hits, _ = _soak_align(configs, 7171)
     assert grown > 0 and hits > 0, (grown, hits)
 
 
 def test_soak_sparse_mamba_retention_matches_reference_step_by_step() -> None:
     """The same configs with prefix caching on and sparse retention of the cached states and window blocks (vLLM's
-    engine default 0, intervals of one, two and three blocks): the states and window blocks each caches, the hits
-    on them and the junction stops are the same on both implementations; prefix hits happen in the run."""
+    engine default 0, intervals of one, two and three blocks): the states and window blocks each caches (and, with
+    KV cache events on every other config, the stored events listing them), the hits on them and the junction stops
+    are the same on both implementations; prefix hits happen in the run."""
     configs = [
         dataclasses.replace(
             c,
             enable_prefix_caching=True,
             prefix_cache_retention_interval=[0, 2 * c.block_size, 3 * c.block_size, c.block_size][i],
+            enable_kv_cache_events=i % 2 == 1,
         )
         for i, c in enumerate(ALIGN_CONFIGS)
     ]
@@ -2326,15 +2333,16 @@ def test_soak_mamba_prefix_caching_v032_deferral_matches_reference_step_by_step(
 def test_soak_mamba_prefill_checkpoints_match_reference_step_by_step(retention: int | None) -> None:
     """The same configs with prefix caching on and prefill checkpoints (Mamba2 and Gated DeltaNet layers: the
     last chunk exports a block-boundary state from inside it into an extra block; alignments of one and two
-    blocks), dense and under vLLM's engine default retention 0: the chunk splits, the extra blocks, the re-keyed
-    checkpoint states and the hits on them are the same on both implementations; checkpoints are reserved and
-    prefix hits happen in the run."""
+    blocks), dense and under vLLM's engine default retention 0, KV cache events on: the chunk splits, the extra
+    blocks, the re-keyed checkpoint states (and their events), and the hits on them are the same on both
+    implementations; checkpoints are reserved and prefix hits happen in the run."""
     configs = [
         dataclasses.replace(
             c,
             enable_prefix_caching=True,
             prefix_cache_retention_interval=retention,
             mamba_prefill_checkpoint_alignment=c.block_size * (1 + i % 2),
+            enable_kv_cache_events=True,
         )
         for i, c in enumerate(ALIGN_CONFIGS)
     ]
@@ -2343,13 +2351,16 @@ def test_soak_mamba_prefill_checkpoints_match_reference_step_by_step(retention: 
 
 
 @pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
-def test_soak_mamba_prefix_caching_with_eagle_rules_matches_reference_step_by_step(retention: int | None) -> None:
+def test_soak_mamba_prefix_caching_with_eagle_rules_matches_reference_step_by_step(
+    retention: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same configs with prefix caching on and an EAGLE drafter's prefix-cache rules: the trailing-block drop
     (chunk ends and Mamba checkpoints one block lower, a resend's and a sibling's resume positions kept one block
     lower under sparse retention) on three configs, look-ahead hashes on the fourth; prefill checkpoints on every
-    other config and vLLM 0.32's deferral rule on the third, dense and under retention 0: the chunk splits, the
-    states cached, the hits on them and the deferrals are the same on both implementations; prefix hits happen in
-    the run."""
+    other config and vLLM 0.32's deferral rule on the third, dense and under retention 0, KV cache events on: the
+    chunk splits, the states cached and their events (a checkpoint re-keyed apart from its run has a stored event of
+    its own), the hits on them and the deferrals are the same on both implementations; prefix hits happen and
+    checkpoints are re-keyed in the run."""
     configs = [
         dataclasses.replace(
             c,
@@ -2360,11 +2371,22 @@ def test_soak_mamba_prefix_caching_with_eagle_rules_matches_reference_step_by_st
             num_lookahead_tokens=max(c.num_lookahead_tokens, 1),
             mamba_prefill_checkpoint_alignment=c.block_size if i % 2 else None,
             mamba_defer_new_states_only=i != 2,
+            enable_kv_cache_events=True,
         )
         for i, c in enumerate(ALIGN_CONFIGS)
     ]
+    # With the drop, a prefill checkpoint's state can be re-keyed apart from the run that cached its block: its own
+    # stored event (counted on the reference, whose events the core's must equal).
+    rekeyed = Counter[int]()
+    record = _KVCacheManagerMixin._record_stored
+
+    def counting(self: Any, *args: Any, offset: int = 0) -> None:
+        rekeyed[args[4]] += offset > 0
+        record(self, *args, offset=offset)
+
+    monkeypatch.setattr(_KVCacheManagerMixin, "_record_stored", counting)
     grown, hits, checkpoints = _soak_align(configs, 7474 if retention is None else 9494, siblings=True)
-    assert grown > 0 and hits > 0 and checkpoints > 0, (grown, hits, checkpoints)
+    assert grown > 0 and hits > 0 and checkpoints > 0 and rekeyed.total() > 0, (grown, hits, checkpoints, rekeyed)
 
 
 def test_soak_sparse_window_retention_matches_reference_step_by_step() -> None:

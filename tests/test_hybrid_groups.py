@@ -573,8 +573,8 @@ def test_align_mamba_is_checked(impl: str) -> None:
     with pytest.raises(InvalidConfigError, match="Mamba group needs enable_prefix_caching=False or mamba_align"):
         make(impl, kv_cache_groups=("mamba", None))
     assert make(impl, kv_cache_groups=("mamba", None), mamba_align=True).config.enable_prefix_caching is True
-    with pytest.raises(InvalidConfigError, match="enable_kv_cache_events"):
-        make(impl, kv_cache_groups=("mamba", None), mamba_align=True, enable_kv_cache_events=True)
+    events = make(impl, kv_cache_groups=("mamba", None), mamba_align=True, enable_kv_cache_events=True)
+    assert events.config.enable_kv_cache_events and events.config.enable_prefix_caching
     assert align(impl, kv_cache_groups=("mamba", None), enable_kv_cache_events=True).config.enable_kv_cache_events
     with pytest.raises(InvalidConfigError, match="disable_chunked_mm_input"):
         align(impl, kv_cache_groups=("mamba", None), disable_chunked_mm_input=True)

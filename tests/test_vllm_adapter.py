@@ -1552,9 +1552,9 @@ def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> N
     """Mamba prefix caching (mamba_cache_mode "align" with prefix caching on, vLLM's default for hybrid Mamba
     models) runs on the core's align-mode groups with prefix caching, with vLLM's retention of the states (the KV
     cache config's prefix_cache_retention_interval: None dense, the engine's default 0, or an interval) passed to
-    the core, and the Mamba groups' prefill checkpoints passed as the core's mamba_prefill_checkpoint_alignment
-    (None when the spec's alignment is None); Mamba groups of different specs are refused at construction, by
-    name."""
+    the core, KV cache events on with kv_events_config, and the Mamba groups' prefill checkpoints passed as the
+    core's mamba_prefill_checkpoint_alignment (None when the spec's alignment is None); Mamba groups of different
+    specs are refused at construction, by name."""
     import dataclasses
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -1565,8 +1565,7 @@ def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> N
     sched = _build_mamba(on, full, _mamba_spec(16, "align"))
     assert sched.kv_config.mamba_align and sched.kv_config.enable_prefix_caching
     events = make_vllm_config(block_size=16, max_model_len=96, mamba_cache_mode="align", kv_events=True)
-    with pytest.raises(UnsupportedFeatureError, match="KV cache events with Mamba prefix caching"):
-        _build_mamba(events, full, _mamba_spec(16, "align"))
+    assert _build_mamba(events, full, _mamba_spec(16, "align")).kv_config.enable_kv_cache_events
     assert sched.kv_config.mamba_prefill_checkpoint_alignment is None
     checkpoints = dataclasses.replace(_mamba_spec(16, "align"), num_prefill_checkpoint_blocks=1,
                                       prefill_checkpoint_alignment=8)  # fmt: skip

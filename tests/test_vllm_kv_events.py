@@ -34,6 +34,11 @@ MODES = [("sync", "v1"), ("sync", "v2"), ("async", "v1"), ("async", "v2")]
 
 
 def _step(s: Any, token: int = 9) -> Any:
+    return _step_with_schedule(s, token)[1]
+
+
+def _step_with_schedule(s: Any, token: int = 9) -> tuple[Any, Any]:
+    """One step: the scheduler output and the update's outputs."""
     so = s.schedule()
     ids = list(so.num_scheduled_tokens)
     sampled = [[] if s.requests[r].is_prefill_chunk else [token] for r in ids]
@@ -45,7 +50,7 @@ def _step(s: Any, token: int = 9) -> Any:
         prompt_logprobs_dict={},
         pooler_output=[],
     )
-    return s.update_from_output(so, mro)
+    return so, s.update_from_output(so, mro)
 
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
@@ -67,6 +72,8 @@ def test_published_events_are_identical_to_vllms(sync: str, runner: str, seed: i
         ("dcp", "sync", "v2"),
         ("sparse_window", "sync", "v1"),
         ("sparse_hybrid", "async", "v1"),
+        ("mamba", "sync", "v1"),
+        ("sparse_mamba_checkpoints", "async", "v1"),
     ],
 )
 @pytest.mark.parametrize("seed", range(320, 322))
@@ -74,7 +81,8 @@ def test_published_events_are_identical_to_vllms_with_windows_groups_and_dcp(
     layout: str, sync: str, runner: str, seed: int
 ) -> None:
     """Per-group events (group_idx, each group's spec kind and window, a window group's runs without the blocks
-    out of its window, and under sparse retention without those it does not keep), and events under decode context
+    out of its window, and under sparse retention without those it does not keep), Mamba groups' cached states
+    with Mamba prefix caching (dense, and sparse with prefill checkpoints), and events under decode context
     parallelism (blocks of block_size * DCP tokens)."""
     kw: dict[str, Any] = {
         "sliding_window": {"sliding_window": True},
@@ -83,6 +91,14 @@ def test_published_events_are_identical_to_vllms_with_windows_groups_and_dcp(
         "dcp": {"dcp": 2},
         "sparse_window": {"sliding_window": True, "retention": 0},
         "sparse_hybrid": {"hybrid": True, "retention": 0},
+        "mamba": {"mamba": True, "mamba_align": True, "mamba_prefix_caching": True},
+        "sparse_mamba_checkpoints": {
+            "mamba": True,
+            "mamba_align": True,
+            "mamba_prefix_caching": True,
+            "mamba_checkpoints": True,
+            "retention": 0,
+        },
     }[layout]
     cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", kv_events=True, **kw)
     assert cfg.kv_events
@@ -167,6 +183,52 @@ def test_sparse_window_retention_publishes_vllms_stored_blocks(retention: int) -
     # the ones retention left out are not only its first ones.
     first_runs = [e for e in stored if e["parent_block_hash"] is None]
     assert any(0 < len(e["block_hashes"]) < len(e["token_ids"]) // bs for e in first_runs)
+
+
+@pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
+def test_mamba_prefix_caching_publishes_vllms_events(retention: int | None) -> None:
+    """Mamba prefix caching (mode "align", a Mamba group before full attention): each group's runs are stored
+    under its group_idx and spec kind, the Mamba group's with the states it caches at block boundaries (densely,
+    or under retention 0 only the one at the prompt's last boundary before its last token: a run with holes), and
+    states freed as a request moves on are removed when their blocks are reused. A resend of a prompt hits the
+    state before its last token; a sibling finds no state at the shared prefix, stops there and caches one, which
+    the next sibling hits. Published events equal vLLM's, batch by batch."""
+    bs = 4
+    prompt = list(range(100, 126))  # 6 full blocks and 2 tokens
+    siblings = [[*prompt[:18], *range(300 + 20 * k, 310 + 20 * k)] for k in range(2)]
+    others = [list(range(500 + 40 * k, 530 + 40 * k)) for k in range(3)]  # fill the pool: cached states evicted
+    published: list[list[Any]] = []
+    hits: dict[tuple[str, str], int] = {}
+    for impl in ("vllm", "kvsched"):
+        cfg = make_vllm_config(block_size=bs, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
+                               max_num_seqs=4, mamba_cache_mode="align", kv_events=True)  # fmt: skip
+        s = make_scheduler(impl, cfg, kv_cache_groups=("mamba", None), prefix_cache_retention_interval=retention)
+        pub = s.kv_event_publisher = _RecordingPublisher()
+        batches: list[Any] = []
+        for name, tokens in [("a", prompt), ("b", prompt), ("c", siblings[0]), ("d", siblings[1])] + [
+            (f"o{k}", t) for k, t in enumerate(others)
+        ]:
+            s.add_request(make_request(name, tokens, max_tokens=3, block_size=bs))
+            so, _ = _step_with_schedule(s)
+            (hits[impl, name],) = [new.num_computed_tokens for new in so.scheduled_new_reqs if new.req_id == name]
+            while name in s.requests:
+                _step(s)
+                batches.extend([_event_fields(e) for e in b] for b in pub.batches)
+                pub.batches.clear()
+        published.append(batches)
+    assert published[0] == published[1]
+    assert [hits[impl, r] for impl in ("vllm", "kvsched") for r in "abcd"] == [0, 24, 0, 16] * 2, hits
+    events = [(kind, dict(fields)) for batch in published[0] for kind, fields in batch]
+    mamba_stored = [e for kind, e in events if kind == "BlockStored" and e["group_idx"] == 0]
+    mamba_removed = [e for kind, e in events if kind == "BlockRemoved" and e["group_idx"] == 0]
+    assert mamba_stored and mamba_removed, events
+    attention_stored = [e for kind, e in events if kind == "BlockStored" and e["group_idx"] == 1]
+    assert {e["kv_cache_spec_kind"] for e in mamba_stored}.isdisjoint(e["kv_cache_spec_kind"] for e in attention_stored)
+    # A run of Mamba states lists the real states only (a prefill chunk leaves null blocks before its last state);
+    # under retention 0 a decode's run keeps none of them, densely each keeps its state.
+    assert all(0 < len(e["block_hashes"]) <= len(e["token_ids"]) // bs for e in attention_stored)
+    empty = [e for e in mamba_stored if not e["block_hashes"]]
+    assert bool(empty) is (retention is not None), empty
 
 
 def test_events_off_publish_nothing_and_cost_the_core_nothing() -> None:

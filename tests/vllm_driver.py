@@ -189,6 +189,8 @@ MIXED_BLOCK_SEEDS = 0
 MOONCAKE_COUNTS = collections.Counter[str]()
 # ... and the UMBP stand-in's.
 UMBP_COUNTS = collections.Counter[str]()
+# The KV events compared in runs with Mamba groups, by kind and by whether their group is a Mamba group.
+MAMBA_EVENT_COUNTS = collections.Counter[str]()
 
 
 def compare(what: str, a: Any, b: Any) -> None:
@@ -1606,6 +1608,12 @@ class Pair:
             if pa.batches:
                 self.num_events += len(pa.batches[-1])
                 batch_a, batch_b = pa.batches.pop(), pb.batches.pop()
+                groups = self.cfg.kv_cache_groups or ()
+                if "mamba" in groups:
+                    for event in batch_a:
+                        g = getattr(event, "group_idx", None)
+                        where = "Mamba" if g is not None and groups[g] == "mamba" else "attention"
+                        MAMBA_EVENT_COUNTS[f"{type(event).__name__} ({where})"] += 1
                 compare(
                     f"step {self.steps} KV events", list(map(_event_fields, batch_a)), list(map(_event_fields, batch_b))
                 )
@@ -2166,8 +2174,9 @@ def main(argv: list[str] | None = None) -> int:
         "--mamba",
         action="store_true",
         help="a hybrid Mamba model: Mamba KV cache groups (vLLM's mamba_cache_mode 'none', prefix caching off) with "
-        "full attention and sometimes a window, drawn per seed; not with --connector, --kv-events, --sliding-window, "
-        "--hybrid or --mm",
+        "full attention and sometimes a window, drawn per seed; not with --sliding-window, --hybrid or --mm; with "
+        "--kv-events (and --mamba-prefix-caching, where the Mamba groups cache states) prints the events compared per "
+        "kind and group kind",
     )
     p.add_argument(
         "--mamba-align",
@@ -2369,8 +2378,8 @@ def main(argv: list[str] | None = None) -> int:
             "--retention with --eagle and --hybrid or --mamba-prefix-caching: kvsched.vllm refuses it on vLLM 0.32 "
             "(its junction rule differs)"
         )
-    if args.mamba and (args.kv_events or args.sliding_window or args.hybrid or args.mm):
-        p.error("--mamba goes without --kv-events, --sliding-window, --hybrid and --mm")
+    if args.mamba and (args.sliding_window or args.hybrid or args.mm):
+        p.error("--mamba goes without --sliding-window, --hybrid and --mm")
     if args.chunked_local and not args.hybrid:
         p.error("--chunked-local goes with --hybrid")
     if args.lazy_offload and not args.cpu_offload:
@@ -2503,6 +2512,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.mooncake_store:
                 note += "; store stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(MOONCAKE_COUNTS.items()))
                 MOONCAKE_COUNTS.clear()
+            if MAMBA_EVENT_COUNTS:
+                note += "; KV events: " + ", ".join(f"{n} {k}" for k, n in sorted(MAMBA_EVENT_COUNTS.items()))
+                MAMBA_EVENT_COUNTS.clear()
             if args.umbp_store:
                 note += "; UMBP stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(UMBP_COUNTS.items()))
                 UMBP_COUNTS.clear()

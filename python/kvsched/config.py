@@ -704,7 +704,7 @@ class SchedulerConfig:
             'Mamba groups in vLLM\'s `mamba_cache_mode` "align": block-sized state blocks in a table that grows '
             "with the request (real blocks only at its running state) and prefill chunks that end at block "
             "boundaries; with `enable_prefix_caching`, Mamba prefix hits and cached states at block boundaries "
-            "(not with `enable_kv_cache_events`: no events for cached Mamba states); needs a `'mamba'` group "
+            "(with `enable_kv_cache_events`, stored and removed events for them); needs a `'mamba'` group "
             "(see [Several KV cache groups](#several-kv-cache-groups))"
         ),
     )
@@ -1053,11 +1053,6 @@ class SchedulerConfig:
             raise InvalidConfigError(
                 "mamba_align cannot be combined with disable_chunked_mm_input (vLLM's mamba_cache_mode 'align' needs "
                 "chunks that end at block boundaries inside an encoder input)"
-            )
-        if self.mamba_align and self.enable_prefix_caching and self.enable_kv_cache_events:
-            raise InvalidConfigError(
-                "mamba_align with enable_prefix_caching cannot be combined with enable_kv_cache_events (events of "
-                "cached Mamba states are not implemented)"
             )
         if self.sliding_window is not None:
             raise InvalidConfigError(

@@ -331,13 +331,21 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._record_stored(r, r.block_ids, first, num_full, 0, kept)
 
     def _record_stored(
-        self, r: _Request, table: list[int], first: int, num_full: int, g: int, stored: Callable[[int], bool]
+        self,
+        r: _Request,
+        table: list[int],
+        first: int,
+        num_full: int,
+        g: int,
+        stored: Callable[[int], bool],
+        offset: int = 0,
     ) -> None:
-        """The stored event of group ``g``'s run ``first:num_full`` of ``r``'s blocks (``table``: the group's):
-        the hashes of its blocks that are not null and that ``stored`` entered, with the copies of the group's key
-        of each and its index in the table, and the tokens and parent of the whole run."""
+        """The stored event of group ``g``'s run ``first:num_full`` of ``r``'s blocks (``table``: the group's
+        blocks from index ``offset`` on): the hashes of its blocks that are not null and that ``stored`` entered,
+        with the copies of the group's key of each and its index in the request's hashes, and the tokens and parent
+        of the whole run."""
         assert self._events is not None
-        kept = [(r.block_hashes[i], i) for i in range(first, num_full) if table[i] != 0 and stored(i)]
+        kept = [(r.block_hashes[i], i) for i in range(first, num_full) if table[i - offset] != 0 and stored(i)]
         self._events.push_stored(
             [(h, len(self._cached[self._group_key(h, g)]), i) for h, i in kept],
             r.block_hashes[first - 1] if first else None,
@@ -1035,3 +1043,5 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         self._cached.setdefault(key, {})[b] = None
         self._newly_cached.append((b, key))
         self._mamba_cached_step.add(key)
+        if self._events is not None:  # the block's own stored event, apart from any run
+            self._record_stored(r, [b], i, i + 1, g, lambda i: True, offset=i)

@@ -541,9 +541,6 @@ def kvsched_config_from_vllm(
         if MAMBA in windows and cache.enable_prefix_caching and not align:
             # Prefix caching runs with mode "align" only (vLLM's default with prefix caching).
             _refuse("Mamba prefix caching (mamba_cache_mode 'none')", "enable_prefix_caching=True")
-        if MAMBA in windows and cache.enable_prefix_caching and kv_events_enabled(vllm_config):
-            # The core does not record events for cached Mamba states (vLLM publishes them per group).
-            _refuse("KV cache events with Mamba prefix caching", "kv_events_config, mamba_cache_mode 'align'")
         if MAMBA in windows and (len(mamba_modes) > 1 or getattr(cache, "mamba_cache_mode", "none") not in mamba_modes):
             # vLLM's scheduler splits chunks by the cache config's mode, its Mamba managers allocate by the specs'.
             _refuse(

@@ -10,7 +10,8 @@ connector's events after the cache's, through the publisher ``EventPublisherFact
 A stored run names its request, its KV cache group, the index of its first block and that of each block it
 stored, so its vLLM hashes are that request's ``block_hashes`` at those indices (vLLM's values, kept on the
 ``Request`` by the adapter), and so are its parent, tokens and extra keys. In a sliding-window or chunked-local
-group the blocks of a run out of the window are null blocks, and under sparse retention
+group the blocks of a run out of the window are null blocks (in an align-mode Mamba group, the entries between
+its states), and under sparse retention
 (``prefix_cache_retention_interval``) the blocks no later hit can use are not cached: vLLM leaves both out of the
 event's hashes and extra keys, wherever they sit in the run, while its tokens and parent span the whole run. A
 removed block carries no request: the core's hash of a block and vLLM's are both functions of the same content

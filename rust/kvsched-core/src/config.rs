@@ -409,8 +409,9 @@ pub struct SchedulerConfig {
     pub mamba_speculative_blocks: u32,
     /// Mamba groups in vLLM's `mamba_cache_mode` "align" (`hybrid.rs`): a Mamba group's blocks are `block_size`
     /// tokens long and its table grows with the request, holding real blocks only at its running state (the rest
-    /// null blocks), and prefill chunks end at block boundaries (`step.rs`). Needs a Mamba group and
-    /// `enable_prefix_caching=False` (Mamba prefix hits and caching are not implemented). `false`: mode "none".
+    /// null blocks), and prefill chunks end at block boundaries (`step.rs`); with `enable_prefix_caching`, Mamba
+    /// prefix hits and cached states at block boundaries (with KV cache events for them). Needs a Mamba group.
+    /// `false`: mode "none".
     pub mamba_align: bool,
     /// Sparse prefix-cache retention (vLLM's `prefix_cache_retention_interval`; `hybrid.rs`) of align-mode Mamba
     /// states and sliding-window blocks: `None` caches every block (dense); `Some(0)` a Mamba group's states
@@ -1139,13 +1140,6 @@ impl SchedulerConfig {
             return Err(SchedError::InvalidConfig(
                 "mamba_align cannot be combined with disable_chunked_mm_input (vLLM's mamba_cache_mode 'align' \
                  needs chunks that end at block boundaries inside an encoder input)"
-                    .into(),
-            ));
-        }
-        if self.mamba_align && self.enable_prefix_caching && self.enable_kv_cache_events {
-            return Err(SchedError::InvalidConfig(
-                "mamba_align with enable_prefix_caching cannot be combined with enable_kv_cache_events (events of \
-                 cached Mamba states are not implemented)"
                     .into(),
             ));
         }

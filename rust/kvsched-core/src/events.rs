@@ -7,7 +7,9 @@
 //!   tokens of the run and the request's LoRA name and cache salt (the extra keys of their hashes). In a
 //!   sliding-window or chunked-local group, the run's blocks no longer in its window are null blocks and are not
 //!   stored: the event lists the hashes of the others (the run's last ones; possibly none, as in vLLM) while its
-//!   tokens and parent still span the whole run;
+//!   tokens and parent still span the whole run. An align-mode Mamba group's run lists its cached states the same
+//!   way (the null blocks between them not stored), and a prefill checkpoint keyed apart from its run is a stored
+//!   event of its one block;
 //! - removed: one block left the prefix cache of its group (its block was reused, or a failed step took it out
 //!   again);
 //! - cleared: the whole prefix cache was dropped (`reset_prefix_cache`).

@@ -872,6 +872,9 @@ impl KvCacheManager {
         if let Some(hy) = self.hybrid.as_deref_mut() {
             hy.mamba_cached_step.insert(key);
         }
+        if self.pool.events_mut().is_some() {
+            self.record_block_stored(req, i, g);
+        }
     }
 
     /// vLLM's `remove_skipped_blocks` over every window group (the one `sliding_window` without groups) and

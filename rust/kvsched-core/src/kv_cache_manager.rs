@@ -575,6 +575,30 @@ impl KvCacheManager {
         }
     }
 
+    /// Records the stored event of one block of group `g` just entered under the key of `req`'s block `i`
+    /// apart from a run (an align-mode Mamba group's re-keyed prefill checkpoint, or the prompt's checkpoint state
+    /// that sparse retention keeps only as the prompt's tail): that block's hash, tokens and parent, as vLLM's
+    /// event for a single prefix-cache entry.
+    #[cold]
+    pub(crate) fn record_block_stored(&mut self, req: &Request, i: usize, g: usize) {
+        let Some(&h) = req.block_hashes.get(i) else { return };
+        let n = self.pool.num_copies(&group_key(&h, g));
+        let bs = self.block_size as usize;
+        let tokens = req.token_ids.get(i * bs..(i + 1) * bs).unwrap_or_default();
+        let parent = i.checked_sub(1).map(|p| req.block_hashes[p]);
+        if let Some(ev) = self.pool.events_mut() {
+            ev.push_stored(
+                std::iter::once((h, n, i as u32)),
+                parent,
+                tokens,
+                &req.extra_keys,
+                &req.id,
+                i as u32,
+                g as u32,
+            );
+        }
+    }
+
     /// Releases every block of `req` (deepest first; the null blocks of a sliding window are no blocks) and
     /// clears its table.
     pub fn free(&mut self, req: &mut Request) {
