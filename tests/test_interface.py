@@ -54,7 +54,7 @@ def test_the_member_scan_sees_methods_and_properties() -> None:
     # + preempt_request + block pins (pin_blocks, unpin_blocks, get_block_pin_cnt) and the block-hash reads
     # (get_block_hash, get_cached_block_id, free_block_ids) + free_held_window_blocks (KV connectors with windows)
     # + evict_cached_blocks (policy "fail" of invalid blocks of synchronous loads)
-    assert len(members) == 68
+    assert len(members) == 69
     assert "num_reqs" in protocol_members(SchedulerOutputProtocol)
 
 

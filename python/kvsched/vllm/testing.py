@@ -373,6 +373,7 @@ def _kv_cache_config(
     with_tensors: bool = False,
     prefix_cache_retention_interval: int | None = None,
     mamba_prefill_checkpoint_alignment: int | None = None,
+    eagle_groups: Sequence[int] = (),
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
@@ -381,7 +382,8 @@ def _kv_cache_config(
     block per draft token; with ``mamba_align``, ``mamba_cache_mode`` "align" and blocks of ``block_size``
     tokens); groups of one kind share one spec. ``prefix_cache_retention_interval``: the config's (vLLM's engine
     copies the cache config's there; None: dense). ``mamba_prefill_checkpoint_alignment``: the Mamba groups declare
-    a prefill checkpoint block with this alignment (Mamba2 and Gated DeltaNet layers in mode "align"; None: none)."""
+    a prefill checkpoint block with this alignment (Mamba2 and Gated DeltaNet layers in mode "align"; None: none).
+    ``eagle_groups``: the groups marked as holding an EAGLE/MTP drafter's layers (``is_eagle_group``)."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -427,6 +429,8 @@ def _kv_cache_config(
 
     windows = [sliding_window] if kv_cache_groups is None else list(kv_cache_groups)
     groups = [KVCacheGroupSpec([f"layer{g}"], spec(w)) for g, w in enumerate(windows)]
+    for g in eagle_groups:
+        groups[g].is_eagle_group = True
     tensors = []
     if with_tensors:
         # One backing allocation per layer, as a worker would build it (a connector that sizes a CPU pool from the
@@ -460,6 +464,7 @@ def make_scheduler(
     prefix_cache_retention_interval: int | None = None,
     mamba_prefill_checkpoint_alignment: int | None = None,
     hash_block_size: int | None = None,
+    eagle_groups: Sequence[int] = (),
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
@@ -471,6 +476,8 @@ def make_scheduler(
     Mamba groups (mode "align") declare prefill checkpoints of this alignment (vLLM 0.33's Mamba2 and Gated DeltaNet
     layers; None: none). ``hash_block_size``: the granularity of the requests' block hashes (vLLM's
     ``prefix_match_unit``; a divisor of the block size, with several groups; None: the scheduler block size).
+    ``eagle_groups``: the KV cache groups marked as an EAGLE/MTP drafter's (``is_eagle_group``, which vLLM's
+    planner sets on the groups holding draft layers; none marked: vLLM treats every group as the drafter's).
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -513,6 +520,7 @@ def make_scheduler(
                 with_tensors=_offloads_to_cpu(vllm_config),
                 prefix_cache_retention_interval=prefix_cache_retention_interval,
                 mamba_prefill_checkpoint_alignment=mamba_prefill_checkpoint_alignment,
+                eagle_groups=eagle_groups,
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,
