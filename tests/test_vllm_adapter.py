@@ -1103,21 +1103,27 @@ def test_eagle_prefix_cache_rules_over_windows_and_groups_schedule_as_vllms_sche
     ]
     assert pair[1].kv_config.drop_trailing_hit_block is drop
     assert pair[1].kv_config.drop_junction_below is RULES.drop_junction_below
+    assert _shared_prefix_waves(pair, max_tokens=6, hash_lookahead_tokens=lookahead) > 0
+
+
+def _shared_prefix_waves(pair: list[Any], max_tokens: int, hash_lookahead_tokens: int = 0) -> int:
+    """Four waves of five requests sharing prefixes of one token list (13 to 36 tokens, two tokens of their own
+    after it; block size 4), each wave run to the end side by side; returns the admissions with a prefix hit."""
     base = [(7 * i) % 50 + 1 for i in range(40)]
     hits = 0
     for wave in range(4):
         for s in pair:
             for k in range(5):
                 n = 13 + 5 * k + wave
-                s.add_request(make_request(f"w{wave}r{k}", [*base[:n], 100 + k, 200 + wave], max_tokens=6 + k,
-                                           block_size=4, hash_lookahead_tokens=lookahead))  # fmt: skip
+                s.add_request(make_request(f"w{wave}r{k}", [*base[:n], 100 + k, 200 + wave], max_tokens=max_tokens + k,
+                                           block_size=4, hash_lookahead_tokens=hash_lookahead_tokens))  # fmt: skip
         for _ in range(80):
             outs, _ = step_pair(pair)
             hits += sum(new.num_computed_tokens > 0 for new in outs[1].scheduled_new_reqs)
             if not pair[0].requests:
                 break
         assert not pair[0].requests and not pair[1].requests
-    assert hits > 0
+    return hits
 
 
 def test_eagle_rules_vllm_does_not_have_over_groups_are_refused_by_name() -> None:
@@ -1560,21 +1566,7 @@ def test_the_drop_beside_mamba_groups_is_eagle_group_leaves_out_schedules_as_vll
     kv = pair[1].kv_config
     assert kv.drop_trailing_hit_block and kv.mamba_eagle_group is not marked
     assert kv.drop_junction_below is RULES.drop_junction_below
-    base = [(7 * i) % 50 + 1 for i in range(48)]
-    hits = 0
-    for wave in range(4):
-        for s in pair:
-            for k in range(5):
-                n = 13 + 5 * k + wave
-                s.add_request(make_request(f"w{wave}r{k}", [*base[:n], 100 + k, 200 + wave], max_tokens=3 + k,
-                                           block_size=4))  # fmt: skip
-        for _ in range(80):
-            outs, _ = step_pair(pair)
-            hits += sum(new.num_computed_tokens > 0 for new in outs[1].scheduled_new_reqs)
-            if not pair[0].requests:
-                break
-        assert not pair[0].requests and not pair[1].requests
-    assert hits > 0
+    assert _shared_prefix_waves(pair, max_tokens=3) > 0
 
 
 def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> None:
