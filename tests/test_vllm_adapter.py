@@ -1440,6 +1440,15 @@ def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> Non
     assert _build_mamba(off, _mamba_spec(16, "align"), full).kv_config.mamba_align
 
 
+def _run_out(pair: list[Any], max_steps: int = 10) -> None:
+    """Steps both schedulers until vLLM's has no request left (at most ``max_steps``); kvsched's has none then."""
+    for _ in range(max_steps):
+        step_pair(pair)
+        if not pair[0].requests:
+            break
+    assert not pair[1].requests
+
+
 def test_mamba_prefix_caching_defers_a_sibling_as_the_installed_vllm() -> None:
     """Two requests with a cached prompt admitted in one step: the first hits the Mamba state at the prompt's
     last block boundary before its last token and computes the rest, its cacheable tokens ending at that
@@ -1453,11 +1462,7 @@ def test_mamba_prefix_caching_defers_a_sibling_as_the_installed_vllm() -> None:
     prompt = list(range(100, 110))  # its last block boundary before its last token: 8
     for s in pair:
         s.add_request(make_request("a", prompt, max_tokens=2, block_size=4))
-    for _ in range(10):
-        step_pair(pair)
-        if not pair[0].requests:
-            break
-    assert not pair[1].requests
+    _run_out(pair)
     for s in pair:
         for rid in ("b", "c"):
             s.add_request(make_request(rid, prompt, max_tokens=2, block_size=4))
@@ -1525,11 +1530,7 @@ def test_mamba_prefill_checkpoint_keyed_below_its_entry_counts_as_the_installed_
     (out,) = results[1][0].outputs
     assert out.prefill_stats is not None and out.prefill_stats.num_cache_creation_tokens == 8
     assert pair[1].group_block_ids("a")[0][1] == 0  # the state below the checkpoint's was never computed
-    for _ in range(10):
-        step_pair(pair)
-        if not pair[0].requests:
-            break
-    assert not pair[1].requests
+    _run_out(pair)
     for s in pair:
         s.add_request(make_request("b", list(range(100, 118)), max_tokens=1, block_size=4))
     outs, _ = step_pair(pair)
