@@ -1570,6 +1570,46 @@ def test_the_drop_beside_mamba_groups_is_eagle_group_leaves_out_schedules_as_vll
     assert _shared_prefix_waves(pair, max_tokens=3) > 0
 
 
+@pytest.mark.parametrize("marked", [True, False], ids=["attention-marked", "none-marked"])
+def test_a_state_below_a_junction_is_kept_as_the_installed_vllm(marked: bool) -> None:
+    """The trailing-block drop with sparse retention 0 beside a Mamba group: "a" (40 tokens) caches every
+    attention block but Mamba states only where a later request resumes; "b" shares its first 24 tokens, so its
+    attention hit (20 tokens after the drop) passes the Mamba hit (none) and 20 is its shared-prefix junction; its
+    first chunk (the 16-token budget) ends at 16. vLLM 0.33 keeps that state, one block below the junction, for
+    the Mamba groups that take the drop's rules (none marked: all groups are the drafter's), and "c", which
+    diverges right after the junction, hits it (its attention hit gives up the block past 16); with the attention
+    groups marked only, and on vLLM 0.32, the state is not kept and "c" hits nothing. The same outputs as vLLM's
+    scheduler, step by step."""
+    cfg = make_vllm_config(block_size=4, num_blocks=80, max_model_len=96, max_num_batched_tokens=16, max_num_seqs=8,
+                           mamba_cache_mode="align", num_speculative_tokens=2, speculative_method="eagle",
+                           eagle_block_drop=True, lookahead_block_hashes=RULES.version == "0.32")  # fmt: skip
+    pair = [
+        make_scheduler(
+            impl,
+            cfg,
+            kv_cache_groups=("mamba", None),
+            prefix_cache_retention_interval=0,
+            eagle_groups=(1,) if marked else (),
+        )
+        for impl in ("vllm", "kvsched")
+    ]
+    assert pair[1].kv_config.drop_trailing_hit_block and pair[1].kv_config.mamba_eagle_group is not marked
+    base = list(range(100, 140))
+    for s in pair:
+        s.add_request(make_request("a", base, max_tokens=1, block_size=4))
+    _run_out(pair)
+    for s in pair:
+        s.add_request(make_request("b", [*base[:24], *range(300, 316)], max_tokens=1, block_size=4))
+    outs, _ = step_pair(pair)
+    assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("b", 0)]
+    assert outs[1].num_scheduled_tokens == {"b": 16}
+    for s in pair:
+        s.add_request(make_request("c", [*base[:20], *range(500, 508)], max_tokens=1, block_size=4))
+    outs, _ = step_pair(pair)
+    kept = not marked and RULES.drop_junction_below
+    assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("c", 16 if kept else 0)]
+
+
 def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> None:
     """Mamba prefix caching (mamba_cache_mode "align" with prefix caching on, vLLM's default for hybrid Mamba
     models) runs on the core's align-mode groups with prefix caching, with vLLM's retention of the states (the KV
