@@ -883,6 +883,11 @@ class Twin:
             for g in range(1, len(self.cfg.kv_cache_groups or ())):
                 group_ids = (self.ref.get_block_ids(rid, g), self.rs.get_block_ids(rid, g))
                 assert_arrays_equal(*group_ids, f"group {g} of {rid}")
+            if self.cfg.enable_prefix_caching:
+                # The tokens of each block's hash (a Mamba prefill checkpoint's can lie a block below its entry).
+                for g in range(max(1, len(self.cfg.kv_cache_groups or ()))):
+                    key_tokens = (self.ref.get_block_hash_num_tokens(rid, g), self.rs.get_block_hash_num_tokens(rid, g))
+                    assert_arrays_equal(*key_tokens, f"hashed tokens of group {g} of {rid}")
             assert_arrays_equal(self.ref.get_cpu_block_ids(rid), self.rs.get_cpu_block_ids(rid), f"CPU blocks of {rid}")
             hashes_a.append(self.ref.get_block_hashes(rid))
             hashes_b.append(list(self.rs.get_block_hashes(rid)))
@@ -2245,11 +2250,14 @@ ALIGN_CONFIGS = [
 ]  # fmt: skip
 
 
-def _soak_align(configs: list[SchedulerConfig], seed: int, siblings: bool = False) -> tuple[int, int, int]:
+def _soak_align(
+    configs: list[SchedulerConfig], seed: int, siblings: bool = False, keyed_below: list[int] | None = None
+) -> tuple[int, int, int]:
     """Runs ``configs`` on both implementations step by step (600 random operations each, then a drain), each with
     a preemption; returns the Mamba tables seen past their first state (none without Mamba groups), the
     prefix-hit tokens and the prefill checkpoints seen reserved. ``siblings``: every prompt is a shared prefix
-    cut one to two blocks past a block boundary, so prompts often share their last block boundary."""
+    cut one to two blocks past a block boundary, so prompts often share their last block boundary.
+    ``keyed_below``: counts the blocks seen cached under the hash of the block below their entry."""
     grown = hits = checkpoints = 0
     for i, cfg in enumerate(configs):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=1 + i % 3)
@@ -2268,6 +2276,10 @@ def _soak_align(configs: list[SchedulerConfig], seed: int, siblings: bool = Fals
             for r in twin.ref._requests.values():
                 grown += sum(0 in r.group_block_ids[g] for g in mamba)
                 checkpoints += len(r.mamba_checkpoint)
+                if keyed_below is not None and cfg.enable_prefix_caching:
+                    for g in range(len(cfg.kv_cache_groups or ())):
+                        counts = twin.ref.get_block_hash_num_tokens(r.req_id, g).tolist()
+                        keyed_below[0] += sum(0 < c < (j + 1) * cfg.kv_block_size for j, c in enumerate(counts))
         twin.drain()
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
         hits += twin.ref.stats().prefix_cache_hits
@@ -2359,8 +2371,9 @@ def test_soak_mamba_prefix_caching_with_eagle_rules_matches_reference_step_by_st
     lower under sparse retention) on three configs, look-ahead hashes on the fourth; prefill checkpoints on every
     other config and vLLM 0.32's deferral rule on the third, dense and under retention 0, KV cache events on: the
     chunk splits, the states cached and their events (a checkpoint re-keyed apart from its run has a stored event of
-    its own), the hits on them and the deferrals are the same on both implementations; prefix hits happen and
-    checkpoints are re-keyed in the run."""
+    its own), the hits on them, the deferrals and the tokens of each block's hash (a prefill checkpoint keyed by the
+    block below its entry under the drop) are the same on both implementations; prefix hits happen, checkpoints
+    are re-keyed and such checkpoints are seen in the run."""
     configs = [
         dataclasses.replace(
             c,
@@ -2385,8 +2398,49 @@ def test_soak_mamba_prefix_caching_with_eagle_rules_matches_reference_step_by_st
         record(self, *args, offset=offset)
 
     monkeypatch.setattr(_KVCacheManagerMixin, "_record_stored", counting)
-    grown, hits, checkpoints = _soak_align(configs, 7474 if retention is None else 9494, siblings=True)
-    assert grown > 0 and hits > 0 and checkpoints > 0 and rekeyed.total() > 0, (grown, hits, checkpoints, rekeyed)
+    keyed_below = [0]
+    grown, hits, checkpoints = _soak_align(
+        configs, 7474 if retention is None else 9494, siblings=True, keyed_below=keyed_below
+    )
+    found = (grown, hits, checkpoints, rekeyed, keyed_below)
+    assert grown > 0 and hits > 0 and checkpoints > 0 and rekeyed.total() > 0 and keyed_below[0] > 0, found
+
+
+@pytest.mark.parametrize(
+    ("retention", "junction_below"),
+    [(None, True), (0, True), (0, False)],
+    ids=["dense", "sparse", "sparse-v032-junctions"],
+)
+def test_soak_drop_with_unmarked_mamba_groups_matches_reference_step_by_step(
+    retention: int | None, junction_below: bool
+) -> None:
+    """The same configs with prefix caching on and the trailing-block drop everywhere: Mamba groups outside the
+    drop's rules (vLLM's is_eagle_group marking the drafter's attention groups only: the Mamba lookup is none of
+    the drop's, cached tokens floored to a block, no state one block below a junction) on the second and fourth
+    configs (the second's window looked up before its Mamba groups), prefill checkpoints on the same two, vLLM
+    0.32's deferral rule on the third, dense and under retention 0, the latter also with vLLM 0.32's junction
+    rule (nothing kept one block below a shared-prefix junction): the chunk splits, the states and window blocks
+    cached, the hits on them and the tokens of each block's hash are the same on both implementations; prefix
+    hits happen in the run."""
+    configs = [
+        dataclasses.replace(
+            c,
+            enable_prefix_caching=True,
+            prefix_cache_retention_interval=retention,
+            drop_trailing_hit_block=True,
+            num_lookahead_tokens=max(c.num_lookahead_tokens, 1),
+            mamba_prefill_checkpoint_alignment=c.block_size if i % 2 else None,
+            mamba_eagle_group=i % 2 == 0,
+            kv_cache_groups=(6, None, "mamba", "mamba") if i == 1 else c.kv_cache_groups,
+            drop_junction_below=junction_below,
+            mamba_defer_new_states_only=i != 2,
+        )
+        for i, c in enumerate(ALIGN_CONFIGS)
+    ]
+    keyed_below = [0]
+    seed = 7575 if retention is None else 9595 if junction_below else 9696
+    grown, hits, checkpoints = _soak_align(configs, seed, siblings=True, keyed_below=keyed_below)
+    assert grown > 0 and hits > 0 and checkpoints > 0 and keyed_below[0] > 0, (grown, hits, checkpoints, keyed_below)
 
 
 def test_soak_sparse_window_retention_matches_reference_step_by_step() -> None:

@@ -750,6 +750,42 @@ def test_align_mamba_sparse_retention_keeps_the_prompt_checkpoint(impl: str) -> 
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(("mamba_eagle_group", "drop_junction_below"), [(True, True), (False, True), (True, False)])
+def test_the_drop_keeps_a_mamba_state_below_a_junction_for_groups_that_take_its_rules(
+    impl: str, mamba_eagle_group: bool, drop_junction_below: bool
+) -> None:
+    # The trailing-block drop under retention 0: "a" (40 tokens) caches every attention block but Mamba states only
+    # at 32 and 36. "b" shares 24 tokens: its attention hit (20 tokens after the drop) passes its Mamba hit (none),
+    # so 20 is its junction, and its first chunk (the budget) ends at 16, a block below. That state is kept only
+    # when the Mamba group takes the drop's rules and the junction rule is vLLM 0.33's; "c", which diverges right
+    # after the junction (its attention hit gives up the block past 16), then hits it.
+    s = align_cached(
+        impl,
+        kv_cache_groups=("mamba", None),
+        max_num_batched_tokens=16,
+        num_blocks=80,
+        prefix_cache_retention_interval=0,
+        drop_trailing_hit_block=True,
+        mamba_eagle_group=mamba_eagle_group,
+        drop_junction_below=drop_junction_below,
+    )
+    base = list(range(100, 140))
+    s.add_request("a", base, max_tokens=1)
+    while s.has_unfinished_requests():  # its prefill in chunks: a token only at the last
+        out = s.schedule()
+        done = int(out.num_computed_tokens[0] + out.num_scheduled_tokens[0]) == len(base)
+        s.update_from_output(out, [[7] if done else []])
+    s.add_request("b", [*base[:24], *range(300, 316)], max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "b") == 0 and list(out.num_scheduled_tokens) == [16]
+    s.update_from_output(out, [[]])
+    s.add_request("c", [*base[:20], *range(500, 508)], max_tokens=1)
+    out = s.schedule()
+    assert computed(out, "c") == (16 if mamba_eagle_group and drop_junction_below else 0)
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_retention_interval_is_checked(impl: str) -> None:
     mamba = {"kv_cache_groups": (None, "mamba"), "mamba_align": True}
     with pytest.raises(InvalidConfigError, match="must be a multiple of block_size"):

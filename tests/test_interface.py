@@ -54,8 +54,9 @@ def test_the_member_scan_sees_methods_and_properties() -> None:
     # + preempt_request + block pins (pin_blocks, unpin_blocks, get_block_pin_cnt) and the block-hash reads
     # (get_block_hash, get_cached_block_id, free_block_ids) + free_held_window_blocks (KV connectors with windows)
     # + evict_cached_blocks (policy "fail" of invalid blocks of synchronous loads) + get_held_block_ids and
-    # take_mamba_boundary_offers (KV connectors with Mamba prefix caching)
-    assert len(members) == 70
+    # take_mamba_boundary_offers (KV connectors with Mamba prefix caching) + get_block_hash_num_tokens (the
+    # trailing-block drop beside Mamba prefill checkpoints)
+    assert len(members) == 71
     assert "num_reqs" in protocol_members(SchedulerOutputProtocol)
 
 

@@ -1125,7 +1125,7 @@ def test_eagle_prefix_cache_rules_over_windows_and_groups_schedule_as_vllms_sche
     block drop (vLLM 0.33 without look-ahead hashes, vLLM 0.32 always) or look-ahead hashes (vLLM 0.33): requests
     that share prefixes hit the cache, a tight pool evicts; the same outputs as vLLM's scheduler step by step. With
     the windows' blocks retained densely and sparsely (vLLM's engine default 0: the drop's longer runs, one block
-    further; on vLLM 0.32 with several groups refused by name, its junction rule differing)."""
+    further; on vLLM 0.32 with several groups nothing one block below a shared-prefix junction)."""
     if not drop and RULES.version == "0.32":
         pytest.skip("vLLM 0.32 has no look-ahead hashes")
     cfg = make_vllm_config(block_size=4, num_blocks=36, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=6,
@@ -1133,30 +1133,32 @@ def test_eagle_prefix_cache_rules_over_windows_and_groups_schedule_as_vllms_sche
                            lookahead_block_hashes=not drop or RULES.version == "0.32")  # fmt: skip
     lookahead = int(getattr(cfg, "num_hash_lookahead_tokens", 0) or 0)
     assert lookahead == (0 if drop else 1)
-    window_groups = any(isinstance(w, int) for w in layout.get("kv_cache_groups", ()))
-    if RULES.version == "0.32" and drop and window_groups and retention is not None:
-        with pytest.raises(UnsupportedFeatureError, match="its junction rule differs"):
-            make_scheduler("kvsched", cfg, prefix_cache_retention_interval=retention, **layout)
-        return
     pair = [
         make_scheduler(impl, cfg, prefix_cache_retention_interval=retention, **layout) for impl in ("vllm", "kvsched")
     ]
     assert pair[1].kv_config.drop_trailing_hit_block is drop
+    assert pair[1].kv_config.drop_junction_below is RULES.drop_junction_below
+    assert _shared_prefix_waves(pair, max_tokens=6, hash_lookahead_tokens=lookahead) > 0
+
+
+def _shared_prefix_waves(pair: list[Any], max_tokens: int, hash_lookahead_tokens: int = 0) -> int:
+    """Four waves of five requests sharing prefixes of one token list (13 to 36 tokens, two tokens of their own
+    after it; block size 4), each wave run to the end side by side; returns the admissions with a prefix hit."""
     base = [(7 * i) % 50 + 1 for i in range(40)]
     hits = 0
     for wave in range(4):
         for s in pair:
             for k in range(5):
                 n = 13 + 5 * k + wave
-                s.add_request(make_request(f"w{wave}r{k}", [*base[:n], 100 + k, 200 + wave], max_tokens=6 + k,
-                                           block_size=4, hash_lookahead_tokens=lookahead))  # fmt: skip
+                s.add_request(make_request(f"w{wave}r{k}", [*base[:n], 100 + k, 200 + wave], max_tokens=max_tokens + k,
+                                           block_size=4, hash_lookahead_tokens=hash_lookahead_tokens))  # fmt: skip
         for _ in range(80):
             outs, _ = step_pair(pair)
             hits += sum(new.num_computed_tokens > 0 for new in outs[1].scheduled_new_reqs)
             if not pair[0].requests:
                 break
         assert not pair[0].requests and not pair[1].requests
-    assert hits > 0
+    return hits
 
 
 def test_eagle_rules_vllm_does_not_have_over_groups_are_refused_by_name() -> None:
@@ -1469,20 +1471,30 @@ def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> Non
     with pytest.raises(UnsupportedFeatureError, match="mamba_cache_mode differs from the cache config's"):
         _build_mamba(none, _mamba_spec(16, "align"), full)
     # EAGLE/MTP's trailing-block drop (vLLM's default on 0.32, and on 0.33 without look-ahead hashes) with the
-    # drafter's groups marked but not the Mamba groups: vLLM's Mamba groups then skip the drop's caching rules.
+    # drafter's groups marked but not the Mamba groups (MTP on Qwen3-Next): vLLM's Mamba groups then take none of
+    # the drop's rules but its checkpoint position and chunk ends, the core's with mamba_eagle_group off.
     eagle = make_vllm_config(block_size=16, max_model_len=96, mamba_cache_mode="align", num_speculative_tokens=2,
                              speculative_method="eagle", eagle_block_drop=True,
                              lookahead_block_hashes=RULES.version == "0.32")  # fmt: skip
     mamba = _mamba_spec(16, "align", num_speculative_blocks=2)
-    assert _build_mamba(eagle, mamba, full).kv_config.drop_trailing_hit_block
-    with pytest.raises(UnsupportedFeatureError, match="Mamba groups that is_eagle_group does not mark"):
-        _build_mamba(eagle, mamba, full, eagle_groups=(1,))
-    assert _build_mamba(eagle, mamba, full, eagle_groups=(0, 1)).kv_config.drop_trailing_hit_block
+    assert _build_mamba(eagle, mamba, full).kv_config.mamba_eagle_group  # no group marked: all are the drafter's
+    unmarked = _build_mamba(eagle, mamba, full, eagle_groups=(1,)).kv_config
+    assert unmarked.drop_trailing_hit_block and not unmarked.mamba_eagle_group
+    assert _build_mamba(eagle, mamba, full, eagle_groups=(0, 1)).kv_config.mamba_eagle_group
     # With prefill checkpoints, which the drop can key a block below their entry.
     checkpointed = dataclasses.replace(mamba, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=16)
-    with pytest.raises(UnsupportedFeatureError, match="trailing-block drop with Mamba prefill checkpoints"):
-        _build_mamba(eagle, checkpointed, full)
+    sched = _build_mamba(eagle, checkpointed, full)
+    assert sched.kv_config.drop_trailing_hit_block and sched.kv_config.mamba_prefill_checkpoint_alignment == 16
     assert _build_mamba(off, _mamba_spec(16, "align"), full).kv_config.mamba_align
+
+
+def _run_out(pair: list[Any], max_steps: int = 10) -> None:
+    """Steps both schedulers until vLLM's has no request left (at most ``max_steps``); kvsched's has none then."""
+    for _ in range(max_steps):
+        step_pair(pair)
+        if not pair[0].requests:
+            break
+    assert not pair[1].requests
 
 
 def test_mamba_prefix_caching_defers_a_sibling_as_the_installed_vllm() -> None:
@@ -1498,11 +1510,7 @@ def test_mamba_prefix_caching_defers_a_sibling_as_the_installed_vllm() -> None:
     prompt = list(range(100, 110))  # its last block boundary before its last token: 8
     for s in pair:
         s.add_request(make_request("a", prompt, max_tokens=2, block_size=4))
-    for _ in range(10):
-        step_pair(pair)
-        if not pair[0].requests:
-            break
-    assert not pair[1].requests
+    _run_out(pair)
     for s in pair:
         for rid in ("b", "c"):
             s.add_request(make_request(rid, prompt, max_tokens=2, block_size=4))
@@ -1546,6 +1554,108 @@ def test_mamba_prefix_caching_with_eagle_rules_as_the_installed_vllm(drop: bool)
     assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [
         ("b", 12 if lookahead else 8)
     ]
+
+
+def test_mamba_prefill_checkpoint_keyed_below_its_entry_counts_as_the_installed_vllm() -> None:
+    """EAGLE/MTP's trailing-block drop beside an align-mode Mamba group that declares prefill checkpoints (vLLM's
+    default for Qwen3-Next with MTP on 0.32, and on 0.33 without look-ahead hashes): a 14-token prompt's one chunk
+    exports the state after 8 tokens (its checkpoint, a block below the last boundary that leaves a token) into
+    the block at entry 2, keyed by the hash of the block at entry 1. The prefill stats count the tokens of that
+    hash (8 tokens created in the cache), not the entry's 12; a longer prompt then hits at 8. The same outputs as
+    vLLM's scheduler, step by step."""
+    cfg = make_vllm_config(block_size=4, num_blocks=48, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8,
+                           mamba_cache_mode="align", num_speculative_tokens=2, speculative_method="eagle",
+                           eagle_block_drop=True, lookahead_block_hashes=RULES.version == "0.32")  # fmt: skip
+    pair = [
+        make_scheduler(impl, cfg, kv_cache_groups=("mamba", None), mamba_prefill_checkpoint_alignment=4)
+        for impl in ("vllm", "kvsched")
+    ]
+    assert pair[1].kv_config.drop_trailing_hit_block and pair[1].kv_config.mamba_prefill_checkpoint_alignment == 4
+    for s in pair:
+        s.add_request(make_request("a", list(range(100, 114)), max_tokens=2, block_size=4))
+    outs, results = step_pair(pair)
+    assert outs[1].num_scheduled_tokens == {"a": 14}
+    (out,) = results[1][0].outputs
+    assert out.prefill_stats is not None and out.prefill_stats.num_cache_creation_tokens == 8
+    assert pair[1].group_block_ids("a")[0][1] == 0  # the state below the checkpoint's was never computed
+    _run_out(pair)
+    for s in pair:
+        s.add_request(make_request("b", list(range(100, 118)), max_tokens=1, block_size=4))
+    outs, _ = step_pair(pair)
+    assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("b", 8)]
+
+
+@pytest.mark.parametrize("groups", [("mamba", None), (8, "mamba", None)], ids=["full", "window"])
+@pytest.mark.parametrize("marked", [True, False], ids=["attention-marked", "none-marked"])
+@pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
+def test_the_drop_beside_mamba_groups_is_eagle_group_leaves_out_schedules_as_vllms_scheduler(
+    groups: tuple[Any, ...], marked: bool, retention: int | None
+) -> None:
+    """MTP on Qwen3-Next as vLLM plans it: the trailing-block drop with is_eagle_group marking the drafter's
+    attention groups but not the Mamba groups (whose lookup is then none of the drop's, whose cached tokens are
+    floored to a block and which keep no state one block below a shared-prefix junction), or marking no group;
+    prefill checkpoints keyed a block below their entry; the states retained densely and as vLLM's engine default
+    (vLLM 0.32 keeping nothing one block below a junction). Requests sharing prefixes hit the cache in a tight
+    pool; the same outputs and prefill stats as vLLM's scheduler, step by step."""
+    cfg = make_vllm_config(block_size=4, num_blocks=60, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=6,
+                           mamba_cache_mode="align", num_speculative_tokens=2, speculative_method="eagle",
+                           eagle_block_drop=True, lookahead_block_hashes=RULES.version == "0.32")  # fmt: skip
+    attention = tuple(g for g, w in enumerate(groups) if w != "mamba") if marked else ()
+    pair = [
+        make_scheduler(
+            impl,
+            cfg,
+            kv_cache_groups=groups,
+            prefix_cache_retention_interval=retention,
+            mamba_prefill_checkpoint_alignment=4,
+            eagle_groups=attention,
+        )
+        for impl in ("vllm", "kvsched")
+    ]
+    kv = pair[1].kv_config
+    assert kv.drop_trailing_hit_block and kv.mamba_eagle_group is not marked
+    assert kv.drop_junction_below is RULES.drop_junction_below
+    assert _shared_prefix_waves(pair, max_tokens=3) > 0
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["attention-marked", "none-marked"])
+def test_a_state_below_a_junction_is_kept_as_the_installed_vllm(marked: bool) -> None:
+    """The trailing-block drop with sparse retention 0 beside a Mamba group: "a" (40 tokens) caches every
+    attention block but Mamba states only where a later request resumes; "b" shares its first 24 tokens, so its
+    attention hit (20 tokens after the drop) passes the Mamba hit (none) and 20 is its shared-prefix junction; its
+    first chunk (the 16-token budget) ends at 16. vLLM 0.33 keeps that state, one block below the junction, for
+    the Mamba groups that take the drop's rules (none marked: all groups are the drafter's), and "c", which
+    diverges right after the junction, hits it (its attention hit gives up the block past 16); with the attention
+    groups marked only, and on vLLM 0.32, the state is not kept and "c" hits nothing. The same outputs as vLLM's
+    scheduler, step by step."""
+    cfg = make_vllm_config(block_size=4, num_blocks=80, max_model_len=96, max_num_batched_tokens=16, max_num_seqs=8,
+                           mamba_cache_mode="align", num_speculative_tokens=2, speculative_method="eagle",
+                           eagle_block_drop=True, lookahead_block_hashes=RULES.version == "0.32")  # fmt: skip
+    pair = [
+        make_scheduler(
+            impl,
+            cfg,
+            kv_cache_groups=("mamba", None),
+            prefix_cache_retention_interval=0,
+            eagle_groups=(1,) if marked else (),
+        )
+        for impl in ("vllm", "kvsched")
+    ]
+    assert pair[1].kv_config.drop_trailing_hit_block and pair[1].kv_config.mamba_eagle_group is not marked
+    base = list(range(100, 140))
+    for s in pair:
+        s.add_request(make_request("a", base, max_tokens=1, block_size=4))
+    _run_out(pair)
+    for s in pair:
+        s.add_request(make_request("b", [*base[:24], *range(300, 316)], max_tokens=1, block_size=4))
+    outs, _ = step_pair(pair)
+    assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("b", 0)]
+    assert outs[1].num_scheduled_tokens == {"b": 16}
+    for s in pair:
+        s.add_request(make_request("c", [*base[:20], *range(500, 508)], max_tokens=1, block_size=4))
+    outs, _ = step_pair(pair)
+    kept = not marked and RULES.drop_junction_below
+    assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("c", 16 if kept else 0)]
 
 
 def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> None:

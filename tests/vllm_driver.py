@@ -302,6 +302,8 @@ class Config:
     # The Mamba groups' prefill checkpoint alignment (vLLM 0.33's Mamba2 and Gated DeltaNet layers in mode "align":
     # MambaSpec's num_prefill_checkpoint_blocks and prefill_checkpoint_alignment; None: none).
     mamba_checkpoint_alignment: int | None = None
+    # The KV cache groups marked as an EAGLE/MTP drafter's (vLLM's is_eagle_group; none: vLLM treats all as its).
+    eagle_groups: tuple[int, ...] = ()
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -1026,6 +1028,7 @@ class Pair:
         hash_block_size = fields.pop("hash_block_size")
         group_block_sizes = fields.pop("group_block_sizes")
         checkpoint_alignment = fields.pop("mamba_checkpoint_alignment")
+        eagle_groups = fields.pop("eagle_groups")
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
         self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
@@ -1055,6 +1058,7 @@ class Pair:
             "mamba_prefill_checkpoint_alignment": checkpoint_alignment,
             "hash_block_size": hash_block_size,
             "group_block_sizes": group_block_sizes,
+            "eagle_groups": eagle_groups,
         }
         with self.store.in_place() if self.store is not None else contextlib.nullcontext():
             self.a = make_scheduler("vllm", vcfg, **kw)
@@ -1812,6 +1816,8 @@ def run_seed(
     pp: bool = False,
     eagle: bool = False,
     dflash: bool = False,
+    eagle_drop: bool = False,
+    eagle_groups: bool = False,
     dcp: int = 1,
     pcp: int = 1,
     encoder_decoder: bool = False,
@@ -1843,7 +1849,10 @@ def run_seed(
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
     streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
     in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
-    drafts) with vLLM's default prefix-cache rules for it; ``dcp`` / ``pcp``: vLLM's decode / prefill context
+    drafts) with vLLM's default prefix-cache rules for it (``eagle_drop``: with the trailing-block drop wherever
+    the layout draws between it and look-ahead hashes; ``eagle_groups``: with ``mamba_prefix_caching``, the
+    attention groups marked as the drafter's, one of each kind, the Mamba groups not, as vLLM's planner marks a
+    hybrid Mamba model's MTP layers); ``dcp`` / ``pcp``: vLLM's decode / prefill context
     parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure);
     ``mooncake_store``: vLLM's MooncakeStoreConnector in the role ``kv_role``, its options (asynchronous loads and
     lookups, lookups off, decode saves) and load failure policy drawn from their own stream, a stand-in store in
@@ -2010,11 +2019,17 @@ def run_seed(
         # stream. vLLM has no drop with chunked-local attention (its
         # manager asserts none reaches it): those layouts run the look-ahead hashes only.
         chunked = any(isinstance(g, str) and g.startswith("chunked:") for g in cfg.kv_cache_groups or ())
-        drop = RULES.version == "0.32" or random.Random(f"eagle-drop/{seed}").random() < 0.5
-        # kvsched.vllm refuses the drop with Mamba prefill checkpoints: those runs keep the look-ahead hashes.
-        drop = drop and not (mamba_checkpoints and mamba_prefix_caching)
+        drop = RULES.version == "0.32" or eagle_drop or random.Random(f"eagle-drop/{seed}").random() < 0.5
         cfg.eagle_block_drop = not (chunked and drop and RULES.version == "0.32")
         cfg.lookahead_block_hashes = chunked or not drop or RULES.version == "0.32"
+        if eagle_groups and mamba_prefix_caching and cfg.kv_cache_groups:
+            # The drafter's layers sit in one attention group of each kind (vLLM's planner marks the groups that
+            # hold draft layers); the Mamba groups hold none.
+            first: dict[int | str | None, int] = {}
+            for g, w in enumerate(cfg.kv_cache_groups):
+                if w != "mamba":
+                    first.setdefault(w, g)
+            cfg.eagle_groups = tuple(sorted(first.values()))
     if dflash and cfg.speculative_method == "eagle":
         # The drafter taken for a DFlash one: k + 1 lookahead slots; on vLLM 0.33 none of EAGLE's prefix-cache rules
         # (its drafts do not read the next token), on 0.32 the same rules as EAGLE's.
@@ -2277,6 +2292,18 @@ def main(argv: list[str] | None = None) -> int:
         "requests)",
     )
     p.add_argument(
+        "--eagle-drop",
+        action="store_true",
+        help="with --eagle: the runs that draw between the trailing-block drop and vLLM 0.33's look-ahead hashes all "
+        "take the drop",
+    )
+    p.add_argument(
+        "--eagle-groups",
+        action="store_true",
+        help="with --eagle and --mamba-prefix-caching: vLLM's is_eagle_group marks one attention group of each kind "
+        "(the drafter's layers, as vLLM's planner marks an MTP model's), the Mamba groups not",
+    )
+    p.add_argument(
         "--dcp",
         type=int,
         default=1,
@@ -2364,20 +2391,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mamba-prefix-caching goes with --mamba-align")
     if args.mamba_retention is not None and not args.mamba_prefix_caching:
         p.error("--mamba-retention goes with --mamba-prefix-caching")
-    if args.mamba_checkpoints and args.eagle and RULES.version == "0.32":
-        p.error("--mamba-checkpoints with --eagle: kvsched.vllm refuses the trailing-block drop (vLLM 0.32's) there")
+    if (args.eagle_drop or args.eagle_groups) and not args.eagle:
+        p.error("--eagle-drop and --eagle-groups go with --eagle")
+    if args.eagle_groups and not args.mamba_prefix_caching:
+        p.error("--eagle-groups goes with --mamba-prefix-caching")
     if args.mamba_checkpoints and not args.mamba_prefix_caching:
         p.error("--mamba-checkpoints goes with --mamba-prefix-caching")
     if args.retention is not None and args.mamba_retention is not None:
         p.error("--retention goes without --mamba-retention (the same setting)")
     if args.retention is not None and not (args.sliding_window or args.hybrid or args.mamba_prefix_caching):
         p.error("--retention goes with --sliding-window, --hybrid or --mamba-prefix-caching")
-    sparse = args.retention is not None or args.mamba_retention is not None
-    if sparse and RULES.version == "0.32" and args.eagle and (args.hybrid or args.mamba_prefix_caching):
-        p.error(
-            "--retention with --eagle and --hybrid or --mamba-prefix-caching: kvsched.vllm refuses it on vLLM 0.32 "
-            "(its junction rule differs)"
-        )
     if args.mamba and (args.sliding_window or args.hybrid or args.mm):
         p.error("--mamba goes without --sliding-window, --hybrid and --mm")
     if args.chunked_local and not args.hybrid:
@@ -2469,6 +2492,8 @@ def main(argv: list[str] | None = None) -> int:
                         pp=args.pp,
                         eagle=args.eagle,
                         dflash=args.dflash,
+                        eagle_drop=args.eagle_drop,
+                        eagle_groups=args.eagle_groups,
                         dcp=args.dcp,
                         pcp=args.pcp,
                         encoder_decoder=args.enc_dec,

@@ -742,6 +742,25 @@ class SchedulerConfig:
             "[Several KV cache groups](#several-kv-cache-groups))"
         ),
     )
+    mamba_eagle_group: bool = field(
+        default=True,
+        metadata=_spec(
+            "with `drop_trailing_hit_block`: align-mode Mamba groups take the drop's rules (vLLM's `is_eagle_group` "
+            "marks them, or marks no group); with False (vLLM when it marks the drafter's attention groups only) a "
+            "Mamba lookup is none of the drop's (one that shortens the hit makes the drop's lookups check again), "
+            "the tokens a Mamba group caches are floored to a block, and under sparse retention it keeps no state "
+            "one block below a shared-prefix junction (see [Several KV cache groups](#several-kv-cache-groups))"
+        ),
+    )
+    drop_junction_below: bool = field(
+        default=True,
+        metadata=_spec(
+            "with `drop_trailing_hit_block`, sparse retention and several KV cache groups: a window's blocks (and "
+            "the state of a Mamba group that takes the drop's rules) that a hit one block below a shared-prefix "
+            "junction needs are kept too (vLLM 0.33); with False only those of a hit at the junction (vLLM 0.32; "
+            "see [Several KV cache groups](#several-kv-cache-groups))"
+        ),
+    )
     draft_slots: int = field(
         default=0,
         metadata=_spec(

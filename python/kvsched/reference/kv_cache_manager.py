@@ -66,17 +66,18 @@ def _checkpoint_valid(start: int, end: int, checkpoint: int, bs: int, align: int
     )
 
 
-def _window_reachable(num_prompt: int, junction: int, bs: int, eagle: bool) -> tuple[int, ...]:
+def _window_reachable(num_prompt: int, junction: int, bs: int, eagle: bool, below: bool = True) -> tuple[int, ...]:
     """The positions a later request can resume a sliding window's hit at (vLLM's ``replay_boundaries`` and the
     shared-prefix ``junction``, 0: none): the prompt's last token; with EAGLE's drop the block-floored resend and
-    longer-sibling positions one block lower each, and the junction one block lower too."""
+    longer-sibling positions one block lower each, and with ``below`` (vLLM 0.33's groups that take the drop's
+    rules) the junction one block lower too."""
     if eagle:
         out = [max((num_prompt - 1) // bs * bs - bs, 0), max(num_prompt // bs * bs - bs, 0)]
     else:
         out = [max(num_prompt - 1, 0)]
     if junction > 0:
         out.append(junction)
-        if eagle and junction >= bs:
+        if eagle and below and junction >= bs:
             out.append(junction - bs)
     return tuple(out)
 
@@ -495,7 +496,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if self._config.enable_prefix_caching and num_tokens > 0:
             hit_len = min((num_tokens - 1) // bs, len(block_hashes)) * bs
         # The trailing-block drop: a set not yet verified at the current candidate looks one block further and gives
-        # up its hit's last block (a window's run needs one block more); a Mamba set is verified as it is.
+        # up its hit's last block (a window's run needs one block more); a Mamba set is verified as it is, or with
+        # mamba_eagle_group off is none of the drop's (never verified).
         verified = [False] * len(sets)
         while True:
             curr = hit_len
@@ -507,7 +509,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     continue
                 for g in ids:
                     hits[g] = []
-                eagle = self._config.drop_trailing_hit_block and not verified[idx]
+                eagle = (
+                    self._config.drop_trailing_hit_block
+                    and not verified[idx]
+                    and (w != _MAMBA or self._config.mamba_eagle_group)
+                )
                 drop = int(eagle and w != _MAMBA)
                 before = curr
                 n = (min(curr + gbs, len(block_hashes) * bs) if drop else curr) // gbs
@@ -891,13 +897,18 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         # with the trailing-block drop the prompt's checkpoint lies one block lower, and Mamba states are kept where
         # a window's hit resumes (a resend's and a longer sibling's positions and the junction, one block lower each)
         eagle = c.drop_trailing_hit_block
+        # Mamba groups that do not take the drop's rules cache their tokens floored to a block and keep no state one
+        # block below the junction
+        mamba_eagle = eagle and c.mamba_eagle_group
         prompt_checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, eagle, c.hash_lookahead_tokens)
-        at_tail = retention is not None and 0 < num_tokens == prompt_checkpoint
+        mamba_tokens = num_tokens // bs * bs if eagle and not mamba_eagle else num_tokens
+        at_tail = retention is not None and 0 < mamba_tokens == prompt_checkpoint
         prompt_tail = prompt_checkpoint // bs - 1 if at_tail else -1
         # sparse retention of the window groups' blocks and the Mamba groups' states
         window_retention = c.prefix_cache_retention_interval
-        window_reach = _window_reachable(r.num_prompt_tokens, r.shared_prefix_boundary, bs, eagle)
-        reachable = window_reach
+        junction, below = r.shared_prefix_boundary, c.drop_junction_below
+        window_reach = _window_reachable(r.num_prompt_tokens, junction, bs, eagle, below)
+        reachable = _window_reachable(r.num_prompt_tokens, junction, bs, eagle, below and c.mamba_eagle_group)
         for g, w in enumerate(self._group_windows()):
             if w < 0 and not (w == _MAMBA and align):
                 continue
@@ -909,7 +920,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             tail = -1 if checkpoint is not None else prompt_tail  # a checkpoint is re-keyed instead
             if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only:
                 # with the drop a Mamba group's cacheable tokens are not floored: only tokens ending at the checkpoint
-                exact = not eagle or num_tokens % bs == 0
+                exact = not mamba_eagle or num_tokens % bs == 0
                 self._mark_prompt_checkpoint(r, g, num_tokens if exact else 0, prompt_checkpoint)
             if num_full <= first:
                 if checkpoint is not None:

@@ -406,6 +406,27 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
     def get_block_hashes(self, req_id: str) -> list[bytes]:
         return list(self._get(req_id).block_hashes)
 
+    def get_block_hash_num_tokens(self, req_id: str, group: int = 0) -> np.ndarray:
+        """For each block of KV cache group ``group``'s table, the tokens the hash it is cached under covers
+        (vLLM's ``block_hash_num_tokens``; 0 for a null block or one not cached): the end of the request's block
+        of that hash, one block below the entry for a Mamba prefill checkpoint keyed there by the trailing-block
+        drop."""
+        r = self._get(req_id)
+        table = self.get_block_ids(req_id, group).tolist()
+        bs = self._bs
+
+        def keyed_at(i: int, key: bytes) -> bool:
+            return i < len(r.block_hashes) and self._group_key(r.block_hashes[i], group) == key
+
+        counts = []
+        for j, b in enumerate(table):
+            key = self._block_hash[b] if b else None
+            if key is None:
+                counts.append(0)
+            else:
+                counts.append((j if j > 0 and not keyed_at(j, key) and keyed_at(j - 1, key) else j + 1) * bs)
+        return np.array(counts, dtype=np.int64)
+
     def get_request_status(self, req_id: str) -> RequestStatus:
         return self._get(req_id).status
 

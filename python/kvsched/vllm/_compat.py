@@ -52,6 +52,10 @@ class VllmRules:
     # Align-mode Mamba prefix caching: only states cached in the step defer a same-step hit (0.33); 0.32 also
     # defers hits on the state at the prompt's checkpoint whenever an allocation re-caches it there.
     mamba_defer_new_states_only: bool
+    # EAGLE/MTP's trailing-block drop with sparse retention and several KV cache groups: the groups that take the
+    # drop's rules also keep what a hit one block below a shared-prefix junction needs (0.33; 0.32 at the junction
+    # only).
+    drop_junction_below: bool
 
 
 VLLM_RULES: dict[str, VllmRules] = {
@@ -68,6 +72,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         skip_encoder_blocked_admissions=False,
         cache_drafts_at_update=False,
         mamba_defer_new_states_only=False,
+        drop_junction_below=False,
     ),
     "0.33": VllmRules(
         version="0.33",
@@ -82,6 +87,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         skip_encoder_blocked_admissions=True,
         cache_drafts_at_update=True,
         mamba_defer_new_states_only=True,
+        drop_junction_below=True,
     ),
 }
 

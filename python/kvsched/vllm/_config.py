@@ -612,6 +612,8 @@ def kvsched_config_from_vllm(
     # drops it (it has no look-ahead hashes). disable_eagle_block_drop turns both off.
     hash_lookahead = int(_attr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
     drop_trailing = spec is not None and bool(spec.use_eagle_block_drop()) and not hash_lookahead
+    # Whether the Mamba groups take the drop's rules (vLLM's is_eagle_group marks them, or marks no group).
+    mamba_eagle_group = True
     lookahead = int(_attr(vllm_config, "num_lookahead_tokens", 0) or 0)
     if spec is not None:
         method = f"method={spec.method!r}"
@@ -647,16 +649,9 @@ def kvsched_config_from_vllm(
                         f"{method}: is_eagle_group marks {sorted(g for g, f in enumerate(flagged) if f)}; set "
                         "disable_eagle_block_drop=True",
                     )
-                if MAMBA in kv_cache_groups and MAMBA not in marked:
-                    # vLLM's Mamba groups then take their cacheable tokens floored to a block and keep no state one
-                    # block below a shared-prefix junction; the core's take the drop's rules, as when no group is
-                    # marked.
-                    _refuse(
-                        "the EAGLE/MTP trailing-block drop beside align-mode Mamba groups that is_eagle_group does "
-                        "not mark while it marks others",
-                        f"{method}: is_eagle_group marks {sorted(g for g, f in enumerate(flagged) if f)}; set "
-                        "disable_eagle_block_drop=True",
-                    )
+                # vLLM's Mamba groups that is_eagle_group does not mark (it marks the drafter's attention groups:
+                # MTP on Qwen3-Next) take none of the drop's rules but the checkpoint position and the chunk ends.
+                mamba_eagle_group = MAMBA not in kv_cache_groups or MAMBA in marked
         if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
             _refuse("multi-module MTP prefill lookahead", method)
         # EAGLE/MTP and draft models reserve a KV slot per draft; DFlash (and DSpark's fill-in layout) one more,
@@ -724,32 +719,16 @@ def kvsched_config_from_vllm(
     has_window = any(isinstance(w, int) and not isinstance(w, bool) for w in windows or ())
     sparse = fields["enable_prefix_caching"] and (fields["mamba_align"] or has_window)
     fields["prefix_cache_retention_interval"] = None if retention is None or not sparse else int(retention)
-    sparse_junction = (
-        (has_window or fields["mamba_align"]) and kv_cache_groups and drop_trailing and sparse and retention is not None
-    )
-    if RULES.version == "0.32" and sparse_junction:
-        # vLLM 0.32 keeps a window's run (a Mamba state) at a shared-prefix junction only, not also one block lower
-        # as 0.33 does for EAGLE; the core follows 0.33.
-        _refuse(
-            "sparse retention of sliding-window blocks or Mamba states with the EAGLE/MTP trailing-block drop and "
-            "several KV cache groups on vLLM 0.32 (its junction rule differs)",
-            f"prefix_cache_retention_interval={retention}: set --prefix-cache-retention-interval None or "
-            "disable_eagle_block_drop=True",
-        )
+    # vLLM 0.32 keeps a window's run (a Mamba state) at a shared-prefix junction only, 0.33 also one block lower
+    # for the groups that take the drop's rules.
+    fields["drop_junction_below"] = RULES.drop_junction_below
     cached_mamba = fields["mamba_align"] and fields["enable_prefix_caching"]
     # Mamba2 and Gated DeltaNet layers' prefill checkpoints (MambaSpec's num_prefill_checkpoint_blocks and
     # prefill_checkpoint_alignment): the last prefill chunk exports a block-boundary state into an extra block.
     fields["mamba_prefill_checkpoint_alignment"] = _checkpoint_alignment(kv_cache_config) if cached_mamba else None
-    if drop_trailing and fields["mamba_prefill_checkpoint_alignment"] is not None:
-        # With the drop a checkpoint can be keyed a block below its entry; vLLM's prefill stats then count the
-        # tokens of its key, the adapter's the entry's.
-        _refuse(
-            "the EAGLE/MTP trailing-block drop with Mamba prefill checkpoints (num_prefill_checkpoint_blocks) and "
-            "prefix caching",
-            "set disable_eagle_block_drop=True (or, on vLLM 0.33, keep its look-ahead block hashes)",
-        )
     fields["hash_lookahead_tokens"] = hash_lookahead
     fields["drop_trailing_hit_block"] = drop_trailing
+    fields["mamba_eagle_group"] = mamba_eagle_group
     # vLLM's hash_block_size (prefix_match_unit): the core chains a block's hash over the hash blocks, so a block's
     # key is vLLM's hash of its last hash block.
     fields["hash_block_size"] = hash_block_size if finer_hashes else None

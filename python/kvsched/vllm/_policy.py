@@ -81,6 +81,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "num_speculative_tokens": "--speculative-config",
     "hash_lookahead_tokens": "--speculative-config (disable_eagle_block_drop, disable_lookahead_block_hashes)",
     "drop_trailing_hit_block": "--speculative-config (disable_eagle_block_drop, disable_lookahead_block_hashes)",
+    "mamba_eagle_group": "the model's drafter layers (the KV cache groups vLLM marks is_eagle_group)",
     "hash_block_size": "--prefix-match-unit (vLLM's hash_block_size, with several KV cache groups)",
     "prefix_hash_algo": "--prefix-caching-hash-algo",
     "prefix_hash_seed": "PYTHONHASHSEED (vLLM's NONE_HASH, with the default --prefix-caching-hash-algo sha256)",
@@ -147,6 +148,7 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
             "trim_computed_on_stop",
             "cache_upto_in_flight",
             "mamba_defer_new_states_only",
+            "drop_junction_below",
         )
     },
 }

@@ -213,6 +213,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._zeroes_new_blocks = MAMBA in windows
         # vLLM's mamba_cache_mode "align": a Mamba group's table grows with the request's tokens.
         self._mamba_align = bool(config.mamba_align)
+        # A Mamba group's prefill checkpoint can be keyed by the block below its entry (the trailing-block drop):
+        # the prefill stats then read the tokens of each block's hash from the core.
+        self._checkpoints_keyed_below = bool(
+            config.drop_trailing_hit_block and config.mamba_prefill_checkpoint_alignment is not None
+        )
         # Encoder-decoder scheduling (``is_encoder_decoder`` set on a built scheduler with a cross-attention group,
         # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
         # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
@@ -278,6 +283,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # A sliding window's block tables (every group's) of the requests awaiting their first output, read before an
         # update.
         self._window_tables: dict[str, tuple[list[int], ...]] = {}
+        # With them, the Mamba groups' tokens of each block's hash and the cached blocks (_mamba_key_tokens).
+        self._key_tokens: dict[str, tuple[dict[int, list[int]], int]] = {}
         # KV connector (vLLM's kv_transfer_config): vLLM's own scheduler-role connector, built as vLLM's scheduler
         # builds it, reached by the core through the bridge's id-keyed hooks.
         self._bridge: ConnectorBridge | None = None
@@ -1673,12 +1680,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 return (i + 1) * bs
         return 0
 
-    def _hashed_tokens(self, tables: tuple[list[int], ...], num_cached_blocks: int) -> int:
-        """vLLM's ``estimate_cached_tokens``: the fewest tokens any KV cache group's hashed blocks cover."""
+    def _hashed_tokens(
+        self, tables: tuple[list[int], ...], num_cached_blocks: int, key_tokens: dict[int, list[int]] | None = None
+    ) -> int:
+        """vLLM's ``estimate_cached_tokens``: the fewest tokens any KV cache group's hashed blocks cover.
+        ``key_tokens``: the tokens of the hash each block of a group is cached under, for the groups whose keys can
+        lie below their entry (``_mamba_key_tokens``)."""
         sizes = self.kv_config.kv_cache_group_block_sizes
         if sizes is not None:
-            # Groups of different block sizes: every group caches the same tokens, a multiple of their least common
-            # multiple, each in blocks of its own size.
+            # Groups of different block sizes (no Mamba group among them): every group caches the same tokens, a
+            # multiple of their least common multiple, each in blocks of its own size.
             align = math.lcm(*sizes)
             tokens = num_cached_blocks * self.kv_config.kv_block_size // align * align
             return min(
@@ -1687,10 +1698,40 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 if w != CROSS_ATTENTION
             )
         return min(
-            self._window_hashed_tokens(table, num_cached_blocks, w)
-            for table, w in zip(tables, self._group_windows, strict=True)
+            max(key_tokens[g][:num_cached_blocks], default=0)
+            if key_tokens is not None and g in key_tokens
+            else self._window_hashed_tokens(table, num_cached_blocks, w)
+            for g, (table, w) in enumerate(zip(tables, self._group_windows, strict=True))
             if w != CROSS_ATTENTION  # vLLM leaves cross-attention groups out (never prefix cached)
         )
+
+    def _mamba_key_tokens(self, req_id: str) -> dict[int, list[int]]:
+        """The Mamba groups' tokens of the hash each block of the request is cached under (vLLM's
+        ``block_hash_num_tokens``; under the trailing-block drop a prefill checkpoint is keyed by the block below
+        its entry until the entry is cached), by group."""
+        core = self._core
+        return {
+            g: core.get_block_hash_num_tokens(req_id, g).tolist()
+            for g, w in enumerate(self._group_windows)
+            if w == MAMBA
+        }
+
+    def _key_tokens_after_update(self, req_id: str, before: tuple[dict[int, list[int]], int]) -> dict[int, list[int]]:
+        """``_mamba_key_tokens`` after an update that cached the request's blocks: read from the core, or, when the
+        update freed the request, from those read before it (``before``, with the cached blocks then): a block
+        cached by the update is keyed at its entry if it still carries a hash."""
+        if self._core.has_request(req_id):
+            return self._mamba_key_tokens(req_id)
+        counts, num_cached = before
+        tables = self._window_tables[req_id]
+        get_hash = self._core.get_block_hash
+        return {
+            g: [
+                c if i < num_cached else (i + 1) * self.block_size if b and get_hash(b) is not None else 0
+                for i, (c, b) in enumerate(zip(row, tables[g], strict=True))
+            ]
+            for g, row in counts.items()
+        }
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -1721,6 +1762,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # read before a stop frees them: read them now, for the requests that have not emitted yet.
         cached_tokens: dict[str, int] = {}
         self._window_tables.clear()
+        self._key_tokens.clear()
         if self._awaiting_first_output and self.kv_config.enable_prefix_caching:
             in_batch = scheduler_output.num_scheduled_tokens
             for req_id in self._awaiting_first_output:
@@ -1731,7 +1773,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     else:
                         tables = self.group_block_ids(req_id)
                         self._window_tables[req_id] = tables
-                        cached_tokens[req_id] = self._hashed_tokens(tables, num_cached_blocks)
+                        key_tokens = None
+                        if self._checkpoints_keyed_below:
+                            key_tokens = self._mamba_key_tokens(req_id)
+                            self._key_tokens[req_id] = (key_tokens, num_cached_blocks)
+                        cached_tokens[req_id] = self._hashed_tokens(tables, num_cached_blocks, key_tokens)
         if self._pins is None:
             res = self._core.update_from_output(out, rows)
         else:
@@ -2412,7 +2458,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     num_cached = max(num_cached, num_blocks * self.block_size)
                 else:
                     tables = self._window_tables.get(req_id) or ([],) * self._num_groups
-                    num_cached = max(num_cached, self._hashed_tokens(tables, num_blocks))
+                    before = self._key_tokens.get(req_id)
+                    key_tokens = None if before is None else self._key_tokens_after_update(req_id, before)
+                    num_cached = max(num_cached, self._hashed_tokens(tables, num_blocks, key_tokens))
             prefill_stats.finalize(num_cached)
         new_logprobs = None
         if mro.logprobs and request.sampling_params.num_logprobs is not None:

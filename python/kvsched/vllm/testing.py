@@ -387,6 +387,7 @@ def _kv_cache_config(
     prefix_cache_retention_interval: int | None = None,
     mamba_prefill_checkpoint_alignment: int | None = None,
     group_block_sizes: Sequence[int] | None = None,
+    eagle_groups: Sequence[int] = (),
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
@@ -397,7 +398,8 @@ def _kv_cache_config(
     copies the cache config's there; None: dense). ``mamba_prefill_checkpoint_alignment``: the Mamba groups declare
     a prefill checkpoint block with this alignment (Mamba2 and Gated DeltaNet layers in mode "align"; None: none).
     ``group_block_sizes``: each attention group's block size (a model whose groups' pages differ, after vLLM's
-    engine raised the smaller page's block size; None: ``block_size`` for every group)."""
+    engine raised the smaller page's block size; None: ``block_size`` for every group).
+    ``eagle_groups``: the groups marked as holding an EAGLE/MTP drafter's layers (``is_eagle_group``)."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -444,6 +446,8 @@ def _kv_cache_config(
     windows = [sliding_window] if kv_cache_groups is None else list(kv_cache_groups)
     sizes = list(group_block_sizes) if group_block_sizes is not None else [block_size] * len(windows)
     groups = [KVCacheGroupSpec([f"layer{g}"], spec(w, sizes[g])) for g, w in enumerate(windows)]
+    for g in eagle_groups:
+        groups[g].is_eagle_group = True
     tensors = []
     if with_tensors:
         # One backing allocation per layer, as a worker would build it (a connector that sizes a CPU pool from the
@@ -478,6 +482,7 @@ def make_scheduler(
     mamba_prefill_checkpoint_alignment: int | None = None,
     hash_block_size: int | None = None,
     group_block_sizes: Sequence[int] | None = None,
+    eagle_groups: Sequence[int] = (),
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
@@ -492,6 +497,8 @@ def make_scheduler(
     ``group_block_sizes``: each KV cache group's block size (groups whose pages differ); the scheduler block size is
     then their least common multiple and the requests' hash block their greatest common divisor with prefix caching
     or a KV connector, the scheduler block size otherwise (vLLM's ``resolve_kv_cache_block_sizes``).
+    ``eagle_groups``: the KV cache groups marked as an EAGLE/MTP drafter's (``is_eagle_group``, which vLLM's
+    planner sets on the groups holding draft layers; none marked: vLLM treats every group as the drafter's).
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -540,6 +547,7 @@ def make_scheduler(
                 prefix_cache_retention_interval=prefix_cache_retention_interval,
                 mamba_prefill_checkpoint_alignment=mamba_prefill_checkpoint_alignment,
                 group_block_sizes=group_block_sizes,
+                eagle_groups=eagle_groups,
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,

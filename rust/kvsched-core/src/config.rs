@@ -432,6 +432,16 @@ pub struct SchedulerConfig {
     /// token) whenever an allocation's cacheable tokens, floored to a block, end there and the request holds that
     /// state, even when it was cached before (by a hit or an earlier step).
     pub mamba_defer_new_states_only: bool,
+    /// With `drop_trailing_hit_block`: whether align-mode Mamba groups take the drop's rules (vLLM's
+    /// `is_eagle_group` marks them, or marks no group; `hybrid_kv.rs`). `false` (vLLM when it marks other groups
+    /// only): a Mamba lookup is no verification of the drop (one that shortens the hit makes the drop's lookups
+    /// check again), the tokens a Mamba group caches are floored to a block, and under sparse retention it keeps
+    /// no state one block below a shared-prefix junction.
+    pub mamba_eagle_group: bool,
+    /// With `drop_trailing_hit_block`, sparse retention and several KV cache groups: whether a window's run (and
+    /// the state of a Mamba group that takes the drop's rules) is also kept one block below a shared-prefix
+    /// junction (vLLM 0.33); `false`: at the junction only (vLLM 0.32).
+    pub drop_junction_below: bool,
     /// Tokens computed per step (vLLM's `max_num_scheduled_tokens`), a budget apart from the model inputs
     /// `max_num_batched_tokens` counts; 0 = `max_num_batched_tokens`. At most `max_num_batched_tokens`.
     pub max_num_scheduled_tokens: u32,
@@ -554,6 +564,8 @@ impl Default for SchedulerConfig {
             prefix_cache_retention_interval: None,
             mamba_prefill_checkpoint_alignment: None,
             mamba_defer_new_states_only: true,
+            mamba_eagle_group: true,
+            drop_junction_below: true,
             max_num_scheduled_tokens: 0,
             draft_slots: 0,
             decode_stagger: 1,

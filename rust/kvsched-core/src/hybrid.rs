@@ -120,6 +120,11 @@ pub struct Hybrid {
     /// checkpoint in `mamba_cached_step` whenever an allocation's cacheable tokens end there, cached before or
     /// not (see `hybrid_kv.rs`).
     pub defer_new_states_only: bool,
+    /// `SchedulerConfig::mamba_eagle_group`: with the trailing-block drop, the Mamba groups take its rules.
+    pub mamba_eagle: bool,
+    /// `SchedulerConfig::drop_junction_below`: with the drop and sparse retention, the groups that take its rules
+    /// also keep what a hit one block below a shared-prefix junction needs (`window_reachable`).
+    pub junction_below: bool,
     /// With prefix caching: the sparse retention of align-mode Mamba states and of sliding-window blocks
     /// (`SchedulerConfig::prefix_cache_retention_interval`; `None`: dense, see `mamba_retained` and
     /// `window_retained`).
@@ -156,6 +161,8 @@ impl Clone for Hybrid {
             last_longest: AtomicUsize::new(self.last_longest()),
             mamba_cached_step: self.mamba_cached_step.clone(),
             defer_new_states_only: self.defer_new_states_only,
+            mamba_eagle: self.mamba_eagle,
+            junction_below: self.junction_below,
             retention: self.retention,
             hash_lookahead: self.hash_lookahead,
             checkpoint_align: self.checkpoint_align,
@@ -200,6 +207,8 @@ impl Hybrid {
             last_longest: AtomicUsize::new(0),
             mamba_cached_step: HashSet::new(),
             defer_new_states_only: true,
+            mamba_eagle: true,
+            junction_below: true,
             retention: None,
             hash_lookahead: 0,
             checkpoint_align: 0,
@@ -368,8 +377,15 @@ pub(crate) fn mamba_retained(i: usize, bs: u32, retention: u32, reachable: &[u32
 /// The token positions a later request can resume a sliding window's hit at, for `window_retained` (vLLM's
 /// `replay_boundaries` plus the shared-prefix junction): the prompt's last token (a resend of the same prompt is
 /// capped there), or with EAGLE's trailing-block drop (`eagle`) the block-floored positions of a resend and of a
-/// longer sibling, one block lower each; and the request's `junction` (0: none), with EAGLE also one block lower.
-pub(crate) fn window_reachable(num_prompt: u32, junction: u32, bs: u32, eagle: bool) -> Vec<u32> {
+/// longer sibling, one block lower each; and the request's `junction` (0: none), with `below` (vLLM 0.33's
+/// groups that take the drop's rules) also one block lower.
+pub(crate) fn window_reachable(
+    num_prompt: u32,
+    junction: u32,
+    bs: u32,
+    eagle: bool,
+    below: bool,
+) -> Vec<u32> {
     let mut out = Vec::with_capacity(4);
     if eagle {
         let resend = num_prompt.saturating_sub(1) / bs * bs;
@@ -381,7 +397,7 @@ pub(crate) fn window_reachable(num_prompt: u32, junction: u32, bs: u32, eagle: b
     }
     if junction > 0 {
         out.push(junction);
-        if eagle && junction >= bs {
+        if eagle && below && junction >= bs {
             out.push(junction - bs);
         }
     }
@@ -551,7 +567,7 @@ mod tests {
             (0..10).filter(|&i| window_retained(i, 4, 9, eagle, r, reach)).collect::<Vec<_>>()
         };
         // A 14-token prompt: a resend resumes at 13 tokens, floored to 12: blocks 1 and 2.
-        assert_eq!(window_reachable(14, 0, 4, false), vec![13]);
+        assert_eq!(window_reachable(14, 0, 4, false, true), vec![13]);
         assert_eq!(kept(0, false, &[13]), vec![1, 2]);
         assert_eq!(kept(0, false, &[]), Vec::<usize>::new());
         // Segments of 3 blocks: the last 2 of each, plus the reachable run.
@@ -561,8 +577,10 @@ mod tests {
         assert_eq!(kept(8, false, &[]), (0..10).collect::<Vec<_>>());
         // EAGLE: a resend and a longer sibling of a 14-token prompt both hit at 8 tokens, their run of 3 blocks
         // ending one block past it; the junction too, and one block below it.
-        assert_eq!(window_reachable(14, 0, 4, true), vec![8, 8]);
-        assert_eq!(window_reachable(16, 24, 4, true), vec![8, 12, 24, 20]);
+        assert_eq!(window_reachable(14, 0, 4, true, true), vec![8, 8]);
+        assert_eq!(window_reachable(16, 24, 4, true, true), vec![8, 12, 24, 20]);
+        // vLLM 0.32, and a Mamba group that does not take the drop's rules: at the junction only.
+        assert_eq!(window_reachable(16, 24, 4, true, false), vec![8, 12, 24]);
         assert_eq!(kept(0, true, &[8, 8]), vec![0, 1, 2]);
         assert_eq!(kept(16, true, &[]), vec![2, 3, 4, 6, 7, 8]);
         // A window of one token needs no block: only EAGLE's extra one.

@@ -108,7 +108,8 @@ impl KvCacheManager {
     /// or window set not yet *verified* at the current candidate looks one block further (capped at the hashes)
     /// and gives up its hit's last block (a window's run needs one block more); it is then verified, and a set
     /// that shortens the candidate without dropping makes every set unverified again. A Mamba set is verified
-    /// without looking further or dropping.
+    /// without looking further or dropping; with `Hybrid::mamba_eagle` off it is none of the drop's sets (never
+    /// verified, so one that shortens the candidate makes every set unverified again).
     #[cold]
     pub(crate) fn find_hybrid_hit(&self, hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
         let Some(hy) = self.hybrid.as_deref() else { return };
@@ -138,7 +139,8 @@ impl KvCacheManager {
                 for &g in ids {
                     hits[g].clear();
                 }
-                let eagle = self.drop_trailing_hit && !verified[idx];
+                // A Mamba set takes no part in the drop unless the Mamba groups take its rules.
+                let eagle = self.drop_trailing_hit && !verified[idx] && (w != MAMBA || hy.mamba_eagle);
                 // The drop's extra block (none for Mamba).
                 let drop = usize::from(eagle && w != MAMBA);
                 let before = curr;
@@ -670,17 +672,27 @@ impl KvCacheManager {
         // and a longer sibling's positions and the junction, each also one block lower), and the prompt's
         // checkpoint lies one block lower.
         let eagle = self.drop_trailing_hit;
+        // Mamba groups that do not take the drop's rules (`mamba_eagle` off) cache their tokens floored to a block
+        // and keep no state one block below the junction.
+        let mamba_eagle = eagle && hy.mamba_eagle;
         let retention = hy.retention.filter(|_| align);
         let prompt_checkpoint = mamba_checkpoint(req.num_prompt_tokens, bs, eagle, hy.hash_lookahead);
         // Sparse retention of the window groups' blocks (`window_retained`) and the Mamba groups' states.
         let window_retention = hy.retention;
-        let window_reach = window_retention
-            .map(|_| window_reachable(req.num_prompt_tokens, req.shared_prefix_boundary, bs, eagle));
+        let (junction, below) = (req.shared_prefix_boundary, hy.junction_below);
+        let window_reach =
+            window_retention.map(|_| window_reachable(req.num_prompt_tokens, junction, bs, eagle, below));
         // Groups of different block sizes: a window keeps the blocks a hit aligned to `hy.align` can use.
         let (hit_align, sized) = (hy.align, sizes.iter().any(|&s| s != bs));
-        let reachable = window_reach.clone().unwrap_or_default();
+        let window_positions = window_reach.clone().unwrap_or_default();
+        let reachable = window_reach
+            .as_ref()
+            .map(|_| window_reachable(req.num_prompt_tokens, junction, bs, eagle, below && hy.mamba_eagle))
+            .unwrap_or_default();
+        let mamba_tokens = if eagle && !mamba_eagle { num_tokens / bs * bs } else { num_tokens };
         let tail = retention.and_then(|_| {
-            (num_tokens > 0 && num_tokens == prompt_checkpoint).then(|| (prompt_checkpoint / bs) as usize - 1)
+            (mamba_tokens > 0 && mamba_tokens == prompt_checkpoint)
+                .then(|| (prompt_checkpoint / bs) as usize - 1)
         });
         for (g, &w) in windows.iter().enumerate() {
             if w == CROSS_ATTENTION || (w == MAMBA && !align) {
@@ -695,7 +707,7 @@ impl KvCacheManager {
             if w == MAMBA && checkpoint.is_none() && !defer_new_states_only {
                 // With the drop vLLM hands a Mamba group its cacheable tokens unfloored: only a call whose tokens
                 // end at the checkpoint itself re-keys it.
-                let exact = !eagle || num_tokens % bs == 0;
+                let exact = !mamba_eagle || num_tokens % bs == 0;
                 let num_tokens = if exact { num_tokens } else { 0 };
                 self.mark_prompt_checkpoint(req, slots[g], g, num_tokens, prompt_checkpoint);
             }
@@ -715,7 +727,7 @@ impl KvCacheManager {
             let window_sized = sized && is_window(w) && chunk_size(w).is_none();
             let gbs = sizes[g];
             let kept = |i: usize| match (sparse, window_sparse) {
-                _ if window_sized => window_kept(i, gbs, hit_align, w, window_retention, &reachable),
+                _ if window_sized => window_kept(i, gbs, hit_align, w, window_retention, &window_positions),
                 (Some(r), _) => mamba_retained(i, bs, r, &reachable) || tail == Some(i),
                 (None, Some((r, reach))) => window_retained(i, bs, w, eagle, r, reach),
                 (None, None) => true,

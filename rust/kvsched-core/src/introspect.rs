@@ -4,9 +4,11 @@
 
 use std::sync::Arc;
 
+use crate::block_pool::NULL_BLOCK;
 use crate::error::{Result, SchedError};
 use crate::events::KvCacheEvents;
 use crate::hashing::{BlockHash, ExtraKeys};
+use crate::hybrid::group_key;
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
@@ -53,7 +55,6 @@ impl Scheduler {
         ids
     }
 
-    /// Blocks of the request whose hash is in the prefix cache map for it (its leading full, cached blocks).
     /// The block table of KV cache group `group` of a request (the primary group's is `Request::blocks`).
     pub fn get_group_block_ids(&self, req_id: &str, group: usize) -> Result<&[u32]> {
         let req = self.get_request(req_id)?;
@@ -70,6 +71,25 @@ impl Scheduler {
         })
     }
 
+    /// For each block of KV cache group `group`'s table of a request, the tokens the hash it is cached under
+    /// covers (vLLM's `block_hash_num_tokens`; 0 for a null block or one not cached): the end of the request's
+    /// block of that hash. That is the block's own end, except for an align-mode Mamba group's prefill
+    /// checkpoint under the trailing-block drop, keyed by the hash of the block below its entry until the
+    /// request caches that entry.
+    pub fn get_block_hash_num_tokens(&self, req_id: &str, group: usize) -> Result<Vec<u32>> {
+        let table = self.get_group_block_ids(req_id, group)?;
+        let hashes = &self.get_request(req_id)?.block_hashes;
+        let bs = self.config.kv_block_size();
+        let num_tokens = |j: usize, b: u32| {
+            let Some(key) = self.kv.pool.block_hash(b).filter(|_| b != NULL_BLOCK) else { return 0 };
+            let keyed_at = |i: usize| hashes.get(i).is_some_and(|h| group_key(h, group) == *key);
+            let end = if j > 0 && !keyed_at(j) && keyed_at(j - 1) { j } else { j + 1 };
+            u32::try_from(end).map_or(u32::MAX, |e| e.saturating_mul(bs))
+        };
+        Ok(table.iter().enumerate().map(|(j, &b)| num_tokens(j, b)).collect())
+    }
+
+    /// Leading blocks of the request that are entered in the prefix cache.
     pub fn get_num_cached_blocks(&self, req_id: &str) -> Result<u32> {
         Ok(self.get_request(req_id)?.num_cached_blocks)
     }

@@ -515,7 +515,7 @@ impl KvCacheManager {
     fn cache_window_blocks(&mut self, req: &mut Request, first: usize, num_full: usize) {
         let (w, bs, eagle) = (self.sliding_window, self.block_size, self.drop_trailing_hit);
         // Sparse retention: one group has no shared-prefix junction (vLLM's unitary coordinator reports none).
-        let sparse = self.retention.map(|r| (r, window_reachable(req.num_prompt_tokens, 0, bs, eagle)));
+        let sparse = self.retention.map(|r| (r, window_reachable(req.num_prompt_tokens, 0, bs, eagle, true)));
         let kept = |i: usize| {
             w > 1
                 && match &sparse {

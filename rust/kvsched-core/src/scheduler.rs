@@ -220,6 +220,8 @@ impl Scheduler {
                     });
                 hy.mamba_align = config.mamba_align;
                 hy.defer_new_states_only = config.mamba_defer_new_states_only;
+                hy.mamba_eagle = config.mamba_eagle_group;
+                hy.junction_below = config.drop_junction_below;
                 hy.retention = config.prefix_cache_retention_interval;
                 hy.hash_lookahead = config.hash_lookahead_tokens;
                 hy.checkpoint_align = config.mamba_prefill_checkpoint_alignment.unwrap_or(0);

@@ -112,6 +112,8 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("mamba_speculative_blocks", c.mamba_speculative_blocks)?;
     d.set_item("mamba_align", c.mamba_align)?;
     d.set_item("mamba_defer_new_states_only", c.mamba_defer_new_states_only)?;
+    d.set_item("mamba_eagle_group", c.mamba_eagle_group)?;
+    d.set_item("drop_junction_below", c.drop_junction_below)?;
     d.set_item("prefix_cache_retention_interval", c.prefix_cache_retention_interval)?;
     d.set_item("mamba_prefill_checkpoint_alignment", c.mamba_prefill_checkpoint_alignment)?;
     d.set_item("draft_slots", c.draft_slots)?;
@@ -328,6 +330,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         mamba_speculative_blocks: u32_field("mamba_speculative_blocks")?,
         mamba_align: bool_field("mamba_align")?,
         mamba_defer_new_states_only: bool_field("mamba_defer_new_states_only")?,
+        mamba_eagle_group: bool_field("mamba_eagle_group")?,
+        drop_junction_below: bool_field("drop_junction_below")?,
         prefix_cache_retention_interval: if cfg.getattr("prefix_cache_retention_interval")?.is_none() {
             None
         } else {

@@ -576,6 +576,21 @@ impl PyScheduler {
         block_id_array(slf, req_id, |core, id| core.get_held_block_ids(id, group))
     }
 
+    /// For each block of the request's table of KV cache group `group`, the tokens the hash it is cached under
+    /// covers (vLLM's `block_hash_num_tokens`), 0 for a null block or one not cached.
+    #[pyo3(signature = (req_id, group=0))]
+    fn get_block_hash_num_tokens<'py>(
+        slf: &Bound<'py, Self>,
+        req_id: &Bound<'py, PyAny>,
+        group: usize,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let py = slf.py();
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        let counts = guard(py, || this.core.get_block_hash_num_tokens(&id, group))?;
+        Ok(counts.into_iter().map(i64::from).collect::<Vec<i64>>().into_pyarray(py))
+    }
+
     fn get_block_hashes<'py>(
         slf: &Bound<'py, Self>,
         req_id: &Bound<'py, PyAny>,
