@@ -313,7 +313,7 @@ impl KvCacheManager {
                 continue;
             }
             let computed = hits.len() as u32 * self.block_size + ext;
-            let skipped = (group_skipped(w, computed) / self.block_size) as usize;
+            let skipped = (group_skipped(w, computed, self.extra_retained) / self.block_size) as usize;
             let kept = &hits[skipped.min(hits.len())..];
             let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total += required.saturating_sub(skipped.max(hits.len())) + evictable;
@@ -428,7 +428,8 @@ impl KvCacheManager {
                 plan.push((0, need));
                 continue;
             }
-            let skipped_tokens = if fresh && w != 0 { group_skipped(w, total_computed) } else { 0 };
+            let skipped_tokens =
+                if fresh && w != 0 { group_skipped(w, total_computed, self.extra_retained) } else { 0 };
             let skipped = (skipped_tokens / self.block_size) as usize;
             let need = self.blocks_to_add(held + skipped.max(num_hits), num_slots);
             let kept = &all_hits[g][skipped.min(num_hits)..];
@@ -508,7 +509,7 @@ impl KvCacheManager {
                 }
             }
         }
-        let cache_tokens = (total_computed + num_new_tokens).min(req.num_tokens());
+        let cache_tokens = self.cacheable((total_computed + num_new_tokens).min(req.num_tokens()));
         let num_full = (cache_tokens / self.block_size) as usize;
         // Each group from its own count of cached blocks (see `cache_blocks`).
         if cache && self.enable_caching {
@@ -579,7 +580,8 @@ impl KvCacheManager {
     fn remove_group_skipped(&mut self, req: &mut Request, slot: Option<usize>, w: u32, processed: u32) {
         let block_size = self.block_size;
         let (blocks, _) = table(req, slot);
-        let last = ((group_skipped(w, processed) / block_size) as usize).min(blocks.len());
+        let last =
+            ((group_skipped(w, processed, self.extra_retained) / block_size) as usize).min(blocks.len());
         let mut first = last;
         while first > 0 && blocks[first - 1] != NULL_BLOCK {
             first -= 1;
@@ -784,7 +786,8 @@ impl KvCacheManager {
                 blocks[..last].fill(NULL_BLOCK);
             } else if is_window(w) {
                 let (blocks, _) = table(req, slot);
-                let last = ((group_skipped(w, processed) / bs) as usize).min(blocks.len());
+                let last =
+                    ((group_skipped(w, processed, self.extra_retained) / bs) as usize).min(blocks.len());
                 let mut first = last;
                 while first > 0 && blocks[first - 1] != NULL_BLOCK {
                     first -= 1;

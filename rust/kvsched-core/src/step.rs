@@ -549,6 +549,7 @@ impl Scheduler {
         let max_model_len = i64::from(self.config.max_model_len);
         let max_slots = i64::from(self.kv.max_slots);
         let lookahead = self.config.num_lookahead_tokens;
+        let prefill_lookahead = self.config.prefill_lookahead_tokens;
         // Requests carry encoder inputs only with an encoder cache: without one their (cold) field is not read.
         let has_encoder = self.encoder.capacity() > 0;
         let has_ec = has_encoder && self.ec_connector.is_some();
@@ -705,6 +706,12 @@ impl Scheduler {
                     i += 1;
                     continue;
                 }
+            }
+            // A multi-module MTP drafter's prefill lookahead: the chunk never ends within it of the known tokens.
+            n = reserve_prefill_lookahead(prefill_lookahead, req.num_tokens(), computed, n);
+            if n == 0 {
+                i += 1;
+                continue;
             }
             // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
             // (Text-only requests keep their borrow: no second slab lookup on the common path.)
@@ -881,7 +888,8 @@ impl Scheduler {
             any_running_scheduled: !b.out.handles.is_empty(),
             quick_reject: self.connector.is_none()
                 && self.hit_cap.is_none()
-                && self.config.num_spec_tokens() == 0,
+                && self.config.num_spec_tokens() == 0
+                && self.config.prefill_lookahead_tokens <= 1,
             watermark: self.config.watermark_blocks(),
             loras: self.running_loras(&b.out.handles)?,
             skipped: Vec::new(),
@@ -1137,6 +1145,13 @@ impl Scheduler {
             }
             if pad && n != 1 + self.config.num_spec_tokens() {
                 (n, pad) = (1, false);
+            }
+        }
+        if !load_async {
+            // The drafter's prefill lookahead (see `schedule_running`): a chunk cut to nothing is skipped.
+            n = reserve_prefill_lookahead(self.config.prefill_lookahead_tokens, num_tokens, computed, n);
+            if n == 0 {
+                return self.skip_admission(h, from_kv, pass);
             }
         }
         if planned_encoder {
@@ -1669,6 +1684,19 @@ impl Scheduler {
 }
 
 /// Counts a waiting request among the deferred ones (vLLM's `deferred_waiting`), once.
+/// vLLM's `_reserve_prefill_lookahead`: a chunk of `n` tokens from `computed` that would end fewer than
+/// `lookahead` tokens (`prefill_lookahead_tokens`) before the request's `num_tokens` known tokens end is shortened
+/// to leave that many (possibly to 0); a chunk that reaches the end is kept.
+#[inline(always)]
+fn reserve_prefill_lookahead(lookahead: u32, num_tokens: u32, computed: u32, n: u32) -> u32 {
+    let remaining = i64::from(num_tokens) - i64::from(computed) - i64::from(n);
+    if remaining > 0 && remaining < i64::from(lookahead) {
+        (i64::from(n) - (i64::from(lookahead) - remaining)).max(0) as u32
+    } else {
+        n
+    }
+}
+
 fn mark_deferred(req: &mut crate::request::Request, num_deferred: &mut usize) {
     if !req.deferred {
         req.deferred = true;
