@@ -305,6 +305,9 @@ class Config:
     eagle_block_drop: bool = False
     # With eagle_block_drop on vLLM 0.33: its disable_lookahead_block_hashes (the drop without a KV connector).
     lookahead_block_hashes: bool = True
+    # The EAGLE drafter is a multi-module MTP one (one module per draft token: vLLM's num_prefill_lookahead_tokens
+    # is the number of drafts; its windows keep that many tokens less one below them).
+    multi_module_mtp: bool = False
     max_num_scheduled_tokens: int | None = None
     # A RandomECConnector (kvsched.vllm.testing) with this seed: images loaded instead of encoded, requests waiting
     # for images in transit; its calls are compared.
@@ -1784,6 +1787,7 @@ def run_seed(
     streaming: bool = False,
     pp: bool = False,
     eagle: bool = False,
+    mtp: bool = False,
     dcp: int = 1,
     pcp: int = 1,
     encoder_decoder: bool = False,
@@ -1814,8 +1818,10 @@ def run_seed(
     token budget below the input budget, from their own stream; ``streaming`` makes some requests
     streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
     in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
-    drafts) with vLLM's default prefix-cache rules for it; ``dcp`` / ``pcp``: vLLM's decode / prefill context
-    parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure);
+    drafts) with vLLM's default prefix-cache rules for it; ``mtp`` makes it a multi-module MTP drafter with 2-4
+    drafts (drawn from its own stream): vLLM's prefill lookahead of that many tokens; ``dcp`` / ``pcp``: vLLM's
+    decode / prefill context parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size
+    to keep its pressure);
     ``mooncake_store``: vLLM's MooncakeStoreConnector in the role ``kv_role``, its options (asynchronous loads and
     lookups, lookups off, decode saves) and load failure policy drawn from their own stream, a stand-in store in
     place of the Mooncake store and its workers (``MooncakeStandIn``); ``umbp_store``: vLLM 0.33's
@@ -1945,10 +1951,14 @@ def run_seed(
     cfg.streaming = streaming
     # vLLM's default EAGLE prefix-cache rules in most EAGLE runs (from their own stream: the other draws stay). Not
     # with a window or several groups, nor streaming input (kvsched refuses both with them).
+    eagle = eagle or mtp
     if eagle:
         erng = random.Random(f"eagle/{seed}")
         cfg.speculative_method = "eagle"
         cfg.num_speculative_tokens = erng.choice([1, 2, 3, 4])
+        if mtp:
+            cfg.multi_module_mtp = True
+            cfg.num_speculative_tokens = random.Random(f"mtp/{seed}").choice([2, 3, 4])
         cfg.per_request_spec_decode_metrics = erng.choice(["none", "summary", "detailed"])
         if cfg.policy == "priority" and v2 and RULES.skip_drafts:
             cfg.policy = "fcfs"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
@@ -2211,6 +2221,14 @@ def main(argv: list[str] | None = None) -> int:
         "drop); not with --mm or --streaming",
     )
     p.add_argument(
+        "--mtp",
+        action="store_true",
+        help="as --eagle, with a multi-module MTP drafter of 2-4 modules (one per draft, drawn per seed): vLLM's "
+        "prefill lookahead of that many tokens (chunks never end within it of the known tokens, the reprefillable "
+        "tail stays out of the prefix cache, windows keep that many tokens less one below them); not with --mm, "
+        "--streaming or --mamba-prefix-caching",
+    )
+    p.add_argument(
         "--dcp",
         type=int,
         default=1,
@@ -2247,6 +2265,7 @@ def main(argv: list[str] | None = None) -> int:
         "--connector, --kv-events or --eagle (kvsched.vllm refuses them with a hash block smaller than the block)",
     )
     args = p.parse_args(argv)
+    args.eagle = args.eagle or args.mtp  # (--mtp is --eagle with a multi-module MTP drafter)
     block_sizes = tuple(int(b) for b in args.block_sizes.split(",") if b)
     if any(b < 1 for b in block_sizes):
         p.error("--block-sizes takes sizes >= 1")
@@ -2263,8 +2282,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
-    if args.eagle and (args.mm or args.streaming):
-        p.error("--eagle goes without --mm and --streaming")
+    if (args.eagle or args.mtp) and (args.mm or args.streaming):
+        p.error("--eagle and --mtp go without --mm and --streaming")
+    if args.mtp and args.mamba_prefix_caching:
+        p.error("--mtp goes without --mamba-prefix-caching (kvsched.vllm refuses the reprefillable tail there)")
     if args.enc_dec and (
         args.connector
         or args.kv_events
@@ -2397,6 +2418,7 @@ def main(argv: list[str] | None = None) -> int:
                         streaming=args.streaming,
                         pp=args.pp,
                         eagle=args.eagle,
+                        mtp=args.mtp,
                         dcp=args.dcp,
                         pcp=args.pcp,
                         encoder_decoder=args.enc_dec,

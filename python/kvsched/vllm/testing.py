@@ -184,6 +184,7 @@ def make_vllm_config(
     parallel_drafting: bool = False,
     eagle_block_drop: bool = False,
     lookahead_block_hashes: bool = True,
+    multi_module_mtp: bool = False,
     max_num_scheduled_tokens: int | None = None,
     ec_connector_seed: int | None = None,
     ec_role: str = "ec_consumer",
@@ -202,7 +203,9 @@ def make_vllm_config(
     as its draft model; ``eagle_block_drop``: vLLM's default prefix-cache rules for it, look-ahead block hashes
     or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``;
     ``lookahead_block_hashes`` False: vLLM 0.33's ``disable_lookahead_block_hashes``, the drop then without a
-    connector).
+    connector). ``multi_module_mtp`` (with ``eagle`` and ``num_speculative_tokens`` > 1): the drafter is a
+    multi-module MTP one instead (method ``mtp``, one module per draft token: vLLM's ``num_prefill_lookahead_tokens``
+    is then ``num_speculative_tokens``).
     ``cpu_offload_blocks`` adds a ``kv_transfer_config`` for vLLM's ``SimpleCPUOffloadConnector`` (eager offload,
     lazy with ``cpu_offload_lazy``) with a CPU pool of that many blocks (``make_scheduler`` then gives the KV
     cache config its tensors); else ``kv_connector_seed`` adds a ``kv_transfer_config`` for
@@ -279,6 +282,10 @@ def make_vllm_config(
             target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
         )
+        if multi_module_mtp:
+            # The same tiny draft model with one MTP module per draft token (vLLM reads the count from its config).
+            speculative_config.method = "mtp"
+            speculative_config.draft_model_config.hf_config.num_nextn_predict_layers = num_speculative_tokens
     elif num_speculative_tokens:
         speculative_config = SpeculativeConfig(
             method=speculative_method,
@@ -373,6 +380,7 @@ def _kv_cache_config(
     with_tensors: bool = False,
     prefix_cache_retention_interval: int | None = None,
     mamba_prefill_checkpoint_alignment: int | None = None,
+    extra_retained_tokens: int = 0,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
@@ -381,7 +389,9 @@ def _kv_cache_config(
     block per draft token; with ``mamba_align``, ``mamba_cache_mode`` "align" and blocks of ``block_size``
     tokens); groups of one kind share one spec. ``prefix_cache_retention_interval``: the config's (vLLM's engine
     copies the cache config's there; None: dense). ``mamba_prefill_checkpoint_alignment``: the Mamba groups declare
-    a prefill checkpoint block with this alignment (Mamba2 and Gated DeltaNet layers in mode "align"; None: none)."""
+    a prefill checkpoint block with this alignment (Mamba2 and Gated DeltaNet layers in mode "align"; None: none).
+    ``extra_retained_tokens``: the windows keep that many tokens below them (vLLM's engine sets
+    ``num_prefill_lookahead_tokens - 1`` on every window)."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -422,7 +432,12 @@ def _kv_cache_config(
                 attention_chunk_size=int(window.removeprefix("chunked:")),
             )
         return SlidingWindowSpec(
-            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=1,
+            dtype=torch.float32,
+            sliding_window=window,
+            extra_retained_tokens=extra_retained_tokens,
         )
 
     windows = [sliding_window] if kv_cache_groups is None else list(kv_cache_groups)
@@ -513,6 +528,8 @@ def make_scheduler(
                 with_tensors=_offloads_to_cpu(vllm_config),
                 prefix_cache_retention_interval=prefix_cache_retention_interval,
                 mamba_prefill_checkpoint_alignment=mamba_prefill_checkpoint_alignment,
+                # As vLLM's engine tags the windows for a multi-module MTP drafter.
+                extra_retained_tokens=max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1),
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,
