@@ -1873,3 +1873,56 @@ def test_a_hash_block_smaller_than_the_block_is_supported_with_several_groups() 
         with pytest.raises(UnsupportedFeatureError, match="auxiliary output connector with a hash block smaller"):
             sched.aux_output_connector = AuxOutputSchedulerConnector(sched.kv_cache_manager)
         assert sched.aux_output_connector is None
+
+
+def test_multi_module_mtp_prefill_lookahead_ends_chunks_as_vllm() -> None:
+    """A multi-module MTP drafter (3 modules): vLLM never ends a prefill chunk fewer than 3 tokens before the
+    prompt's end, and keeps the last 2 computed tokens out of the prefix cache; kvsched.vllm the same."""
+    cfg = make_vllm_config(
+        block_size=4,
+        max_num_batched_tokens=18,
+        max_num_seqs=4,
+        num_speculative_tokens=3,
+        speculative_method="eagle",
+        eagle_block_drop=True,
+        multi_module_mtp=True,
+    )
+    assert cfg.num_prefill_lookahead_tokens == 3
+    scheds = (make_scheduler("vllm", cfg), make_scheduler("kvsched", cfg))
+    assert scheds[1].num_prefill_lookahead == scheds[0].num_prefill_lookahead == 3  # type: ignore[attr-defined]
+    prompt = list(range(10, 30))
+    _add(scheds, "r0", prompt, hash_lookahead_tokens=3, block_size=4)
+    first = _step(scheds)
+    # 18 tokens would leave 2 of the 20: the chunk stops at 17, leaving the drafter its 3.
+    assert [so.num_scheduled_tokens["r0"] for so in first] == [17, 17]  # type: ignore[attr-defined]
+    for _ in range(4):
+        _step(scheds)
+    # A second request with the same prompt hits what each cached (compared in the outputs).
+    _add(scheds, "r1", prompt, hash_lookahead_tokens=3, block_size=4)
+    outs = _step(scheds)
+    new = [{r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs} for so in outs]  # type: ignore[attr-defined]
+    assert new[0] == new[1] and new[0]["r1"] > 0
+
+
+def test_windows_keep_the_extra_retained_tokens_as_vllm() -> None:
+    """A sliding window tagged with extra_retained_tokens (multi-module MTP): its blocks leave the request that many
+    tokens later in vLLM's manager; kvsched.vllm's block tables and KV usage follow, step by step."""
+    cfg = make_vllm_config(
+        block_size=4,
+        max_num_batched_tokens=12,
+        max_num_seqs=4,
+        num_speculative_tokens=4,
+        speculative_method="eagle",
+        multi_module_mtp=True,
+    )
+    scheds = tuple(make_scheduler(impl, cfg, sliding_window=5) for impl in ("vllm", "kvsched"))
+    spec = scheds[0].kv_cache_manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec  # type: ignore[attr-defined]
+    assert spec.extra_retained_tokens == 3
+    assert scheds[1].core.config.extra_retained_tokens == 3  # type: ignore[attr-defined]
+    _add(scheds, "r0", list(range(10, 50)), block_size=4)
+    for _ in range(8):
+        _step(scheds)
+        tables = [s.kv_cache_manager.get_block_ids("r0") for s in scheds]  # type: ignore[attr-defined]
+        assert [list(t) for t in tables[0]] == [list(t) for t in tables[1]]
+        usage = [s.kv_cache_manager.usage for s in scheds]  # type: ignore[attr-defined]
+        assert usage[0] == usage[1]
