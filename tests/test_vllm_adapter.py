@@ -1926,3 +1926,22 @@ def test_windows_keep_the_extra_retained_tokens_as_vllm() -> None:
         assert [list(t) for t in tables[0]] == [list(t) for t in tables[1]]
         usage = [s.kv_cache_manager.usage for s in scheds]  # type: ignore[attr-defined]
         assert usage[0] == usage[1]
+
+
+def test_multi_module_mtp_layouts_vllm_cannot_run_are_refused_or_rejected_as_vllm() -> None:
+    """Multi-module MTP: vLLM rejects prefix caching with a block below the lookahead (the same ValueError here);
+    look-ahead hashes of several tokens over windows without full attention (vLLM's window lookup reads past the
+    request's hashes) and Mamba groups with prefix caching are refused by name."""
+    mtp = {"num_speculative_tokens": 3, "speculative_method": "eagle", "multi_module_mtp": True, "max_num_seqs": 4}
+    small = make_vllm_config(block_size=2, eagle_block_drop=True, lookahead_block_hashes=False, **mtp)  # type: ignore[arg-type]
+    for impl in ("vllm", "kvsched"):
+        with pytest.raises(ValueError, match="scheduler_block_size"):
+            make_scheduler(impl, small)
+    hashes = make_vllm_config(block_size=4, eagle_block_drop=True, **mtp)  # type: ignore[arg-type]
+    assert hashes.num_hash_lookahead_tokens == 3
+    with pytest.raises(UnsupportedFeatureError, match="look-ahead block hashes of more than one token"):
+        make_scheduler("kvsched", hashes, sliding_window=8)
+    make_scheduler("kvsched", hashes, kv_cache_groups=(None, 8))  # a full-attention group looks up first
+    mamba = make_vllm_config(block_size=4, mamba_cache_mode="align", **mtp)  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedFeatureError, match="multi-module MTP prefill lookahead with Mamba"):
+        make_scheduler("kvsched", mamba, kv_cache_groups=(None, "mamba"))

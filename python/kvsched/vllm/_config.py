@@ -622,6 +622,18 @@ def kvsched_config_from_vllm(
                 "multi-module MTP prefill lookahead with Mamba KV cache groups and prefix caching",
                 f"{method}: num_prefill_lookahead_tokens={prefill_lookahead}",
             )
+        window_lookup_first = None not in (windows or [None]) and any(
+            isinstance(w, int) and not isinstance(w, bool) for w in windows or ()
+        )
+        if hash_lookahead > 1 and cache.enable_prefix_caching and window_lookup_first:
+            # vLLM's window lookup runs first without a full-attention group and reads block hashes up to the
+            # request's last token, past those look-ahead hashes of more than one token leave it (its scheduler
+            # fails there).
+            _refuse(
+                "look-ahead block hashes of more than one token (multi-module MTP) with sliding-window layers and no "
+                "full-attention KV cache group (vLLM's window lookup reads past the request's block hashes)",
+                f"{method}: num_hash_lookahead_tokens={hash_lookahead}; set disable_lookahead_block_hashes=True",
+            )
         flagged_groups = any(bool(getattr(g, "is_eagle_group", False)) for g in kv_cache_config.kv_cache_groups)
         if cache.enable_prefix_caching and block_size < prefill_lookahead and (drop_trailing or flagged_groups):
             # vLLM's KV cache coordinator rejects it at construction (its dropped tail must hold the lookahead).
