@@ -1754,3 +1754,24 @@ fn inflight_reserved_blocks(
     }
     total
 }
+
+#[cfg(test)]
+mod tests {
+    use super::reserve_prefill_lookahead;
+
+    #[test]
+    fn a_chunk_never_ends_within_the_prefill_lookahead() {
+        // 20 known tokens, 3 of lookahead: a chunk of 18 from 0 would leave 2, so it stops at 17.
+        assert_eq!(reserve_prefill_lookahead(3, 20, 0, 18), 17);
+        // One that leaves exactly 3, or reaches the end, or a decode past it, is kept.
+        assert_eq!(reserve_prefill_lookahead(3, 20, 0, 17), 17);
+        assert_eq!(reserve_prefill_lookahead(3, 20, 5, 15), 15);
+        assert_eq!(reserve_prefill_lookahead(3, 20, 19, 4), 4);
+        // Cut to nothing (1 token that would leave 2), never below.
+        assert_eq!(reserve_prefill_lookahead(3, 20, 17, 1), 0);
+        assert_eq!(reserve_prefill_lookahead(4, 20, 16, 1), 0);
+        // A lookahead of 0 or 1 changes nothing.
+        assert_eq!(reserve_prefill_lookahead(1, 20, 0, 19), 19);
+        assert_eq!(reserve_prefill_lookahead(0, 20, 0, 19), 19);
+    }
+}
