@@ -1945,3 +1945,24 @@ def test_multi_module_mtp_layouts_vllm_cannot_run_are_refused_or_rejected_as_vll
     mamba = make_vllm_config(block_size=4, mamba_cache_mode="align", **mtp)  # type: ignore[arg-type]
     with pytest.raises(UnsupportedFeatureError, match="multi-module MTP prefill lookahead with Mamba"):
         make_scheduler("kvsched", mamba, kv_cache_groups=(None, "mamba"))
+
+
+def test_multi_module_mtp_admission_cut_to_nothing_is_skipped_as_vllm() -> None:
+    """An admission whose chunk the prefill lookahead cuts to nothing (1 token of budget left, 2 of its 3 tokens
+    would remain) is skipped and keeps its place in vLLM's scheduler; in kvsched.vllm's the same, step by step."""
+    cfg = make_vllm_config(
+        block_size=4,
+        max_num_batched_tokens=18,
+        max_num_seqs=4,
+        num_speculative_tokens=3,
+        speculative_method="eagle",
+        eagle_block_drop=True,
+        multi_module_mtp=True,
+    )
+    scheds = (make_scheduler("vllm", cfg), make_scheduler("kvsched", cfg))
+    _add(scheds, "r0", list(range(10, 27)), hash_lookahead_tokens=3, block_size=4)
+    _add(scheds, "r1", [5, 6, 7], hash_lookahead_tokens=3, block_size=4)
+    first = _step(scheds)
+    assert [dict(so.num_scheduled_tokens) for so in first] == [{"r0": 17}] * 2  # type: ignore[attr-defined]
+    second = _step(scheds)
+    assert [so.num_scheduled_tokens.get("r1") for so in second] == [3, 3]  # type: ignore[attr-defined]
