@@ -2585,7 +2585,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         if value != self.num_prefill_lookahead:
             raise UnsupportedFeatureError(
                 "kvsched.vllm.Scheduler does not support changing a drafter's prefill lookahead "
-                f"(num_prefill_lookahead) on a built scheduler ({self.num_prefill_lookahead} -> {value})"
+                "(num_prefill_lookahead) on a built scheduler"
             )
 
     @property
