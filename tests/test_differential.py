@@ -1694,6 +1694,10 @@ MTP_SOAK_CONFIGS = [
                     kv_cache_groups=(None, 7, 3), extra_retained_tokens=3, num_lookahead_tokens=4,
                     num_speculative_tokens=4, prefill_lookahead_tokens=4, drop_trailing_hit_block=True,
                     policy="priority", scheduler_reserve_full_isl=False, prefix_hash_seed=26),
+    # Extra tokens reaching past a hit's null blocks (a short window, the hit's nulls enter the table as they are).
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=12, max_model_len=64,
+                    sliding_window=4, extra_retained_tokens=5, num_lookahead_tokens=3, num_speculative_tokens=3,
+                    prefill_lookahead_tokens=3, drop_trailing_hit_block=True, prefix_hash_seed=27),
 ]  # fmt: skip
 
 

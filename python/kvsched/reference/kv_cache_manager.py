@@ -357,10 +357,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 skipped = self._skipped_tokens(total_computed) // bs
         kept = hits[skipped:]
         need = max(0, math.ceil(num_slots / bs) - len(r.block_ids) - max(skipped, len(hits)))
-        evictable_hits = sum(1 for b in kept if self._ref_cnt[b] == 0)
+        # (with extra_retained_tokens a window hit's null blocks can reach past the skipped ones: never touched)
+        evictable_hits = sum(1 for b in kept if b != 0 and self._ref_cnt[b] == 0)
         if need + evictable_hits + reserved > len(self._free):
             return None
-        for b in kept:  # touch
+        for b in (b for b in kept if b != 0):  # touch
             if self._ref_cnt[b] == 0:
                 self._free.remove(b)
             self._ref_cnt[b] += 1

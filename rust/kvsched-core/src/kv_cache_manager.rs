@@ -437,17 +437,19 @@ impl KvCacheManager {
         let fresh = req.blocks.is_empty();
         let skipped =
             if fresh { (self.skipped_tokens(total_computed) / self.block_size) as usize } else { 0 };
+        // A hit's null blocks lie before the window, unless it keeps extra tokens below it (`extra_retained`): the
+        // nulls past the skipped blocks then enter the table as they are (never touched or counted).
         let kept = &hits[skipped.min(hits.len())..];
-        debug_assert!(!kept.contains(&NULL_BLOCK), "a window hit's null blocks lie before the window");
+        let nulls = kept.iter().take_while(|&&b| b == NULL_BLOCK).count();
         let need = self.blocks_to_add(
             req.blocks.len() + skipped.max(hits.len()),
             total_computed + num_new_tokens + num_lookahead_tokens,
         );
-        let evictable_hits = kept.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+        let evictable_hits = kept[nulls..].iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
         if need + evictable_hits + reserved > self.pool.num_free_blocks() {
             return None;
         }
-        self.pool.touch(kept);
+        self.pool.touch(&kept[nulls..]);
         req.blocks.extend(std::iter::repeat_n(NULL_BLOCK, skipped));
         req.blocks.extend_from_slice(kept);
         // Hits and the null blocks before the window count as cached.
