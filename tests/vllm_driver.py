@@ -1978,7 +1978,8 @@ def run_seed(
         drop = drop and not (mamba_checkpoints and mamba_prefix_caching)
         cfg.eagle_block_drop = not (chunked and drop and RULES.version == "0.32")
         cfg.lookahead_block_hashes = chunked or not drop or RULES.version == "0.32"
-        if mtp and cfg.lookahead_block_hashes and (cfg.sliding_window or None not in (cfg.kv_cache_groups or [None])):
+        windows_only = cfg.sliding_window or None not in (cfg.kv_cache_groups or [None])
+        if mtp and cfg.lookahead_block_hashes and windows_only and RULES.version != "0.32":
             # Look-ahead hashes of several tokens over windows without full attention: vLLM's window lookup reads
             # past the request's hashes (kvsched.vllm refuses it): the drop instead.
             cfg.lookahead_block_hashes = False
