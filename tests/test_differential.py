@@ -1077,7 +1077,8 @@ def configs(draw: Any) -> SchedulerConfig:
         dcp_world_size=dcp,
         pcp_world_size=pcp,
         cp_kv_cache_interleave_size=interleave,
-        **encoder_fields(draw, budget),
+        **(enc := encoder_fields(draw, budget)),
+        **mtp_fields(draw, window, enc),
         park_kv_loads=draw(st.booleans()),
         reserve_inflight_prefills=draw(st.booleans()),
         defer_block_free=draw(st.booleans()),
@@ -1107,6 +1108,18 @@ def budget_fields(draw: Any, budget: int) -> dict[str, Any]:
         fields["max_num_scheduled_tokens"] = draw(st.integers(1, budget))
     if budget > 1 and draw(st.integers(0, 3)) == 0:
         fields["draft_slots"] = draw(st.integers(1, min(4, budget - 1)))
+    return fields
+
+
+def mtp_fields(draw: Any, window: int | None, enc: dict[str, Any]) -> dict[str, Any]:
+    """A multi-module MTP drafter's prefill lookahead in some configs without encoder inputs, and with a window
+    its extra retained tokens (mostly vLLM's, the lookahead less one)."""
+    if enc or draw(st.integers(0, 2)) != 0:
+        return {}
+    n = draw(st.sampled_from([1, 2, 3, 5]))
+    fields: dict[str, Any] = {"prefill_lookahead_tokens": n}
+    if window is not None:
+        fields["extra_retained_tokens"] = draw(st.sampled_from([n - 1, n - 1, 0, 4]))
     return fields
 
 
@@ -1668,6 +1681,43 @@ def test_soak_eagle_prefix_cache_rules_over_windows_and_groups_match_reference_s
     """Step by step, with KV cache events on every other config; requests are preempted and hit the prefix cache
     in the run. (No KV connector: the core refuses one with several groups.)"""
     soak_with_hits(EAGLE_GROUP_SOAK_CONFIGS, 4747, events=True, fail_steps=False)
+
+
+# A multi-module MTP drafter (vLLM's num_prefill_lookahead_tokens above 1): chunks never end within the lookahead of
+# the known tokens, the reprefillable tail stays out of the prefix cache (with several groups only with the drop),
+# windows keep the extra retained tokens below them; with look-ahead hashes or the trailing-block drop.
+MTP_SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=13, max_model_len=64,
+                    num_lookahead_tokens=3, num_speculative_tokens=3, prefill_lookahead_tokens=3,
+                    hash_lookahead_tokens=3, long_prefill_token_threshold=6, prefix_hash_seed=21),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=11, max_model_len=64,
+                    num_lookahead_tokens=2, num_speculative_tokens=2, prefill_lookahead_tokens=2,
+                    drop_trailing_hit_block=True, async_scheduling=True, prefix_hash_seed=22),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=10, max_model_len=64,
+                    sliding_window=9, extra_retained_tokens=3, num_lookahead_tokens=4, num_speculative_tokens=4,
+                    prefill_lookahead_tokens=4, drop_trailing_hit_block=True, prefix_hash_seed=23),
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=14, max_model_len=64,
+                    kv_cache_groups=(None, 9), extra_retained_tokens=2, num_lookahead_tokens=3,
+                    num_speculative_tokens=3, prefill_lookahead_tokens=3, async_scheduling=True,
+                    drop_trailing_hit_block=True, prefix_hash_seed=24),
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=9, max_model_len=64,
+                    kv_cache_groups=(5, None, 3), extra_retained_tokens=1, num_lookahead_tokens=2,
+                    num_speculative_tokens=2, prefill_lookahead_tokens=2, hash_lookahead_tokens=2,
+                    prefix_cache_retention_interval=8, prefix_hash_seed=25),
+    SchedulerConfig(block_size=2, num_blocks=60, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, 7, 3), extra_retained_tokens=3, num_lookahead_tokens=4,
+                    num_speculative_tokens=4, prefill_lookahead_tokens=4, drop_trailing_hit_block=True,
+                    policy="priority", scheduler_reserve_full_isl=False, prefix_hash_seed=26),
+    # Extra tokens reaching past a hit's null blocks (a short window, the hit's nulls enter the table as they are).
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=12, max_model_len=64,
+                    sliding_window=4, extra_retained_tokens=5, num_lookahead_tokens=3, num_speculative_tokens=3,
+                    prefill_lookahead_tokens=3, drop_trailing_hit_block=True, prefix_hash_seed=27),
+]  # fmt: skip
+
+
+def test_soak_multi_module_mtp_matches_reference_step_by_step() -> None:
+    """Step by step, KV cache events on every other config; requests are preempted and hit the prefix cache."""
+    soak_with_hits(MTP_SOAK_CONFIGS, 5151, events=True, fail_steps=False)
 
 
 def soak_with_hits(configs: list[SchedulerConfig], seed: int, *, events: bool = False, fail_steps: bool = True) -> None:

@@ -615,6 +615,26 @@ def test_identical_to_vllm_with_a_dflash_drafter(sync: str, runner: str, seed: i
     assert make_scheduler("kvsched", vcfg).num_lookahead_tokens == 4
 
 
+MTP_MODES = [("sync", "v1"), ("async", "v1")]
+
+
+@pytest.mark.parametrize(("sync", "runner"), MTP_MODES, ids=[f"{s}-{r}" for s, r in MTP_MODES])
+@pytest.mark.parametrize("layout", ["full", "window", "hybrid"])
+def test_identical_to_vllm_with_multi_module_mtp(sync: str, runner: str, layout: str) -> None:
+    """A multi-module MTP drafter (2-4 modules): vLLM's prefill lookahead ends chunks before the prompt's end, keeps
+    the reprefillable tail out of the prefix cache, and its windows keep the extra retained tokens."""
+    cfg = run_seed(
+        600,
+        120,
+        async_scheduling=sync == "async",
+        v2=runner == "v2",
+        mtp=True,
+        sliding_window=layout == "window",
+        hybrid=layout == "hybrid",
+    )
+    assert cfg.multi_module_mtp and cfg.num_speculative_tokens > 1
+
+
 def _count_parts(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """The streaming sessions kvsched.vllm hands a part to, in order (to check that the draws exercised them)."""
     from kvsched.vllm.scheduler import Scheduler

@@ -129,7 +129,7 @@ def test_encoder_sizes_set_on_a_built_scheduler_follow_vllm(multimodal: bool) ->
 
 
 def test_prefill_lookahead_set_on_a_built_scheduler_is_refused() -> None:
-    """vLLM's tests set num_prefill_lookahead on a built scheduler; kvsched.vllm has no look-ahead and says so."""
+    """vLLM's tests set num_prefill_lookahead on a built scheduler; kvsched.vllm keeps the one it was built with."""
     _, ours = _pair()
     ours.num_prefill_lookahead = 0
     with pytest.raises(UnsupportedFeatureError, match="prefill lookahead"):

@@ -315,6 +315,9 @@ class Config:
     eagle_block_drop: bool = False
     # With eagle_block_drop on vLLM 0.33: its disable_lookahead_block_hashes (the drop without a KV connector).
     lookahead_block_hashes: bool = True
+    # The EAGLE drafter is a multi-module MTP one (one module per draft token: vLLM's num_prefill_lookahead_tokens
+    # is the number of drafts; its windows keep that many tokens less one below them).
+    multi_module_mtp: bool = False
     max_num_scheduled_tokens: int | None = None
     # A RandomECConnector (kvsched.vllm.testing) with this seed: images loaded instead of encoded, requests waiting
     # for images in transit; its calls are compared.
@@ -1818,6 +1821,7 @@ def run_seed(
     dflash: bool = False,
     eagle_drop: bool = False,
     eagle_groups: bool = False,
+    mtp: bool = False,
     dcp: int = 1,
     pcp: int = 1,
     encoder_decoder: bool = False,
@@ -1852,7 +1856,8 @@ def run_seed(
     drafts) with vLLM's default prefix-cache rules for it (``eagle_drop``: with the trailing-block drop wherever
     the layout draws between it and look-ahead hashes; ``eagle_groups``: with ``mamba_prefix_caching``, the
     attention groups marked as the drafter's, one of each kind, the Mamba groups not, as vLLM's planner marks a
-    hybrid Mamba model's MTP layers); ``dcp`` / ``pcp``: vLLM's decode / prefill context
+    hybrid Mamba model's MTP layers); ``mtp`` makes it a multi-module MTP drafter with 2-4 drafts (drawn from its
+    own stream): vLLM's prefill lookahead of that many tokens; ``dcp`` / ``pcp``: vLLM's decode / prefill context
     parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure);
     ``mooncake_store``: vLLM's MooncakeStoreConnector in the role ``kv_role``, its options (asynchronous loads and
     lookups, lookups off, decode saves) and load failure policy drawn from their own stream, a stand-in store in
@@ -2001,10 +2006,14 @@ def run_seed(
     cfg.streaming = streaming
     # vLLM's default EAGLE prefix-cache rules in most EAGLE runs (from their own stream: the other draws stay). Not
     # with a window or several groups, nor streaming input (kvsched refuses both with them).
+    eagle = eagle or mtp
     if eagle:
         erng = random.Random(f"eagle/{seed}")
         cfg.speculative_method = "eagle"
         cfg.num_speculative_tokens = erng.choice([1, 2, 3, 4])
+        if mtp:
+            cfg.multi_module_mtp = True
+            cfg.num_speculative_tokens = random.Random(f"mtp/{seed}").choice([2, 3, 4])
         cfg.per_request_spec_decode_metrics = erng.choice(["none", "summary", "detailed"])
         if cfg.policy == "priority" and v2 and RULES.skip_drafts:
             cfg.policy = "fcfs"  # refused by kvsched.vllm (skip_drafts after in-step preemptions)
@@ -2030,6 +2039,11 @@ def run_seed(
                 if w != "mamba":
                     first.setdefault(w, g)
             cfg.eagle_groups = tuple(sorted(first.values()))
+        windows_only = cfg.sliding_window or None not in (cfg.kv_cache_groups or [None])
+        if mtp and cfg.lookahead_block_hashes and windows_only and RULES.version != "0.32":
+            # Look-ahead hashes of several tokens over windows without full attention: vLLM's window lookup reads
+            # past the request's hashes (kvsched.vllm refuses it): the drop instead.
+            cfg.lookahead_block_hashes = False
     if dflash and cfg.speculative_method == "eagle":
         # The drafter taken for a DFlash one: k + 1 lookahead slots; on vLLM 0.33 none of EAGLE's prefix-cache rules
         # (its drafts do not read the next token), on 0.32 the same rules as EAGLE's.
@@ -2304,6 +2318,14 @@ def main(argv: list[str] | None = None) -> int:
         "(the drafter's layers, as vLLM's planner marks an MTP model's), the Mamba groups not",
     )
     p.add_argument(
+        "--mtp",
+        action="store_true",
+        help="as --eagle, with a multi-module MTP drafter of 2-4 modules (one per draft, drawn per seed): vLLM's "
+        "prefill lookahead of that many tokens (chunks never end within it of the known tokens, the reprefillable "
+        "tail stays out of the prefix cache, windows keep that many tokens less one below them); not with --mm, "
+        "--streaming or --mamba-prefix-caching",
+    )
+    p.add_argument(
         "--dcp",
         type=int,
         default=1,
@@ -2340,6 +2362,7 @@ def main(argv: list[str] | None = None) -> int:
         "--connector, --kv-events or --eagle (kvsched.vllm refuses them with a hash block smaller than the block)",
     )
     args = p.parse_args(argv)
+    args.eagle = args.eagle or args.mtp  # (--mtp is --eagle with a multi-module MTP drafter)
     block_sizes = tuple(int(b) for b in args.block_sizes.split(",") if b)
     group_block_factors = tuple(int(f) for f in (args.group_block_factors or "").split(",") if f)
     if group_block_factors and (not args.hybrid or args.chunked_local):
@@ -2361,10 +2384,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--pp goes without async-v1 (vLLM refuses async scheduling on model runner V1 with pipeline parallelism)"
         )
-    if args.dflash and not args.eagle:
-        p.error("--dflash goes with --eagle")
-    if args.eagle and (args.mm or args.streaming):
-        p.error("--eagle goes without --mm and --streaming")
+    if args.dflash and (not args.eagle or args.mtp):
+        p.error("--dflash goes with --eagle, without --mtp")
+    if (args.eagle or args.mtp) and (args.mm or args.streaming):
+        p.error("--eagle and --mtp go without --mm and --streaming")
+    if args.mtp and args.mamba_prefix_caching:
+        p.error("--mtp goes without --mamba-prefix-caching (kvsched.vllm refuses the reprefillable tail there)")
     if args.enc_dec and (
         args.connector
         or args.kv_events
@@ -2494,6 +2519,7 @@ def main(argv: list[str] | None = None) -> int:
                         dflash=args.dflash,
                         eagle_drop=args.eagle_drop,
                         eagle_groups=args.eagle_groups,
+                        mtp=args.mtp,
                         dcp=args.dcp,
                         pcp=args.pcp,
                         encoder_decoder=args.enc_dec,

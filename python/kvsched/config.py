@@ -620,6 +620,31 @@ class SchedulerConfig:
             hi=1024,
         ),
     )
+    prefill_lookahead_tokens: int = field(
+        default=0,
+        metadata=_spec(
+            "prefill tokens past a chunk's end that the drafter reads (vLLM's `num_prefill_lookahead_tokens`: the "
+            "number of draft tokens for a multi-module MTP drafter, 1 for other EAGLE-style drafters). Above 1, a "
+            "prefill chunk never ends fewer than this many tokens before the request's known tokens end (it is "
+            "shortened to leave them, possibly to nothing), and the last `prefill_lookahead_tokens - 1` computed "
+            "tokens are not final: the blocks entering the prefix cache stop that many tokens short (with several "
+            "groups only with `drop_trailing_hit_block`). 0 and 1 change nothing. Above 1 not with encoder inputs "
+            "(`encoder_cache_size`) nor with a Mamba group and prefix caching (see "
+            "[Speculative decoding](#speculative-decoding))",
+            hi=1024,
+        ),
+    )
+    extra_retained_tokens: int = field(
+        default=0,
+        metadata=_spec(
+            "tokens below the window that every sliding-window group keeps (vLLM's `SlidingWindowSpec."
+            "extra_retained_tokens`, `num_prefill_lookahead_tokens - 1` with a multi-module MTP drafter): a "
+            "window's blocks leave the request that many tokens later and its admission cap holds that many tokens "
+            "more; prefix hits still need only the window's blocks. Needs a sliding window (see "
+            "[Sliding-window attention](#sliding-window-attention))",
+            hi=1024,
+        ),
+    )
     hash_block_size: int | None = field(
         default=None,
         metadata=_spec(
@@ -912,6 +937,7 @@ class SchedulerConfig:
                 "mamba_prefill_checkpoint_alignment needs mamba_align (prefill checkpoints are vLLM's "
                 "mamba_cache_mode 'align')"
             )
+        self._check_prefill_lookahead()
         self._check_groups()
         self._check_group_block_sizes()
         self._check_retention()
@@ -920,6 +946,27 @@ class SchedulerConfig:
             raise InvalidConfigError(
                 "encoder_decoder needs a cross-attention group ('cross') in kv_cache_groups (the encoder output's "
                 "blocks)"
+            )
+
+    def _check_prefill_lookahead(self) -> None:
+        """What ``prefill_lookahead_tokens`` above 1 and ``extra_retained_tokens`` need (the core's
+        ``validate_prefill_lookahead``)."""
+        n, groups = self.prefill_lookahead_tokens, self.kv_cache_groups or ()
+        if n > 1 and self.encoder_cache_size > 0:
+            raise InvalidConfigError(
+                f"prefill_lookahead_tokens ({n}) above 1 cannot be combined with encoder inputs "
+                f"(encoder_cache_size {self.encoder_cache_size}): the encoder window is not shifted by the lookahead"
+            )
+        if n > 1 and self.enable_prefix_caching and MAMBA in groups:
+            raise InvalidConfigError(
+                f"prefill_lookahead_tokens ({n}) above 1 cannot be combined with a Mamba group with prefix caching "
+                "(the reprefillable tail of Mamba states is not implemented)"
+            )
+        windows = self.sliding_window is not None or any(isinstance(w, int) and not isinstance(w, bool) for w in groups)
+        if self.extra_retained_tokens > 0 and not windows:
+            raise InvalidConfigError(
+                f"extra_retained_tokens ({self.extra_retained_tokens}) needs a sliding window (sliding_window or a "
+                "window group)"
             )
 
     def _check_retention(self) -> None:

@@ -197,7 +197,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
     def _skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens wholly before the window of the token after ``num_computed_tokens`` (0 without a window)."""
         window = self._config.sliding_window
-        return 0 if window is None else max(0, num_computed_tokens - window + 1)
+        return 0 if window is None else max(0, num_computed_tokens - window - self._config.extra_retained_tokens + 1)
 
     def _remove_skipped_blocks(self, r: _Request, processed: int) -> None:
         """The blocks wholly before the window of the ``processed`` tokens go back to the pool, deepest first
@@ -292,7 +292,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         c = self._config
         assert c.sliding_window is not None
         batches = c.concurrent_batches
-        cap = math.ceil(min(c.sliding_window - 1 + batches * c.max_num_batched_tokens, c.max_model_len) / self._bs) + 1
+        window = c.sliding_window + c.extra_retained_tokens  # (the extra tokens kept below it count too)
+        cap = math.ceil(min(window - 1 + batches * c.max_num_batched_tokens, c.max_model_len) / self._bs) + 1
         required = min(math.ceil(min(r.num_tokens, c.max_slots_per_request) / self._bs), cap)
         if r.block_ids:
             return max(0, required - len(r.block_ids))
@@ -304,6 +305,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         """Enter ``r``'s full blocks among its first ``num_tokens`` tokens into the cache map (if caching)."""
         if not self._config.enable_prefix_caching:
             return
+        # The last prefill_lookahead_tokens - 1 computed tokens are not final (vLLM's unitary coordinator; its
+        # hybrid one only with the trailing-block drop).
+        c, groups = self._config, self._config.kv_cache_groups
+        if c.drop_trailing_hit_block or groups is None or len(groups) == 1:
+            num_tokens = max(0, num_tokens - max(0, c.prefill_lookahead_tokens - 1))
         if self._config.kv_cache_groups is not None:
             self._cache_hybrid_blocks(r, num_tokens)
             return
@@ -379,10 +385,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 skipped = self._skipped_tokens(total_computed) // bs
         kept = hits[skipped:]
         need = max(0, math.ceil(num_slots / bs) - len(r.block_ids) - max(skipped, len(hits)))
-        evictable_hits = sum(1 for b in kept if self._ref_cnt[b] == 0)
+        # (with extra_retained_tokens a window hit's null blocks can reach past the skipped ones: never touched)
+        evictable_hits = sum(1 for b in kept if b != 0 and self._ref_cnt[b] == 0)
         if need + evictable_hits + reserved > len(self._free):
             return None
-        for b in kept:  # touch
+        for b in (b for b in kept if b != 0):  # touch
             if self._ref_cnt[b] == 0:
                 self._free.remove(b)
             self._ref_cnt[b] += 1
@@ -403,14 +410,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         assert groups is not None
         return tuple(_group_window(w) for w in groups)
 
-    @staticmethod
-    def _group_skipped(w: int, computed: int) -> int:
+    def _group_skipped(self, w: int, computed: int) -> int:
         """Tokens a window or chunked-local group ``w`` no longer reads once ``computed`` tokens are computed: those
-        before the window of the next token, or before its chunk."""
+        before the window of the next token (less the ``extra_retained_tokens`` a window keeps), or before its
+        chunk."""
         if w & _CHUNKED:
             c = w & ~_CHUNKED
             return computed // c * c
-        return max(0, computed - w + 1)
+        return max(0, computed - w - self._config.extra_retained_tokens + 1)
 
     def _group_bs(self, g: int) -> int:
         """Group ``g``'s block size (``kv_cache_group_block_sizes``; ``block_size`` without)."""
@@ -429,7 +436,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         in_flight = c.concurrent_batches * c.max_num_batched_tokens
         if w & _CHUNKED:
             return math.ceil(min((w & ~_CHUNKED) + in_flight, c.max_model_len) / bs)
-        return math.ceil(min(w - 1 + in_flight, c.max_model_len) / bs) + 1
+        return math.ceil(min(w - 1 + c.extra_retained_tokens + in_flight, c.max_model_len) / bs) + 1
 
     def _cross_blocks_to_add(self, r: _Request, held: int) -> int:
         """The blocks a cross-attention table of ``held`` blocks still needs for ``r``'s encoder output."""

@@ -170,6 +170,10 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if n == 0:
                     i += 1
                     continue
+            n = self._reserve_prefill_lookahead(r, r.num_computed_tokens, n)
+            if n == 0:  # the drafter's prefill lookahead left nothing to compute
+                i += 1
+                continue
             if r.encoder_inputs:
                 n = self._plan_encoder(enc, r, r.num_computed_tokens, n)
                 if n == 0:
@@ -350,6 +354,15 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 out.kv_connector_metadata = self._connector.build_connector_meta(out)
         return out
 
+    def _reserve_prefill_lookahead(self, r: _Request, computed: int, n: int) -> int:
+        """A chunk of ``n`` tokens from ``computed`` never ends fewer than ``prefill_lookahead_tokens`` tokens before
+        the request's known tokens end: it is shortened to leave that many (possibly to nothing)."""
+        remaining = r.num_tokens - computed - n
+        lookahead = self._config.prefill_lookahead_tokens
+        if 0 < remaining < lookahead:
+            return max(0, n - (lookahead - remaining))
+        return n
+
     def _admit_waiting(
         self,
         scheduled: list[list[Any]],
@@ -493,6 +506,11 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                         break
                     if pad and n != 1 + k:  # a padded decode keeps its drafts or loses them all
                         n, pad = 1, False
+                n = self._reserve_prefill_lookahead(r, computed, n)
+                if n == 0:  # the drafter's prefill lookahead left nothing to compute: skipped, it keeps its place
+                    r.deferred = True
+                    (skipped_kv if from_kv else skipped).append(take())
+                    continue
             planned = not load_async and bool(r.encoder_inputs)
             if planned:
                 n = self._plan_encoder(enc, r, computed, n)

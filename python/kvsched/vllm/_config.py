@@ -43,6 +43,21 @@ def _checkpoint_blocks(spec: Any) -> int:
     return int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0)
 
 
+def _extra_retained_tokens(kv_cache_config: Any) -> int:
+    """The tokens below the window the sliding-window groups keep (``SlidingWindowSpec.extra_retained_tokens``,
+    which vLLM's engine sets to ``num_prefill_lookahead_tokens - 1`` on every window); refused when they differ."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    extra = {
+        int(getattr(g.kv_cache_spec, "extra_retained_tokens", 0) or 0)
+        for g in kv_cache_config.kv_cache_groups
+        if type(g.kv_cache_spec) is SlidingWindowSpec
+    }
+    if len(extra) > 1:
+        _refuse("sliding-window KV cache groups that retain different extra tokens", f"extra_retained_tokens {extra}")
+    return next(iter(extra), 0)
+
+
 def _checkpoint_alignment(kv_cache_config: Any) -> int | None:
     """The Mamba groups' prefill checkpoint alignment when every one declares checkpoint blocks (vLLM's scheduler
     takes the first group's alignment; the adapter refuses Mamba groups of different specs with prefix caching),
@@ -136,8 +151,6 @@ def _check_kv_cache_config(
             continue
         if type(spec) is SlidingWindowSpec:
             window = int(spec.sliding_window)
-            if getattr(spec, "extra_retained_tokens", 0):
-                _refuse("sliding windows that retain extra tokens (multi-module MTP)", f"{where}extra_retained_tokens")
             if window in window_specs and window_specs[window] != spec:
                 _refuse(
                     "two sliding-window KV cache groups with the same window but different specs (vLLM looks up "
@@ -460,6 +473,13 @@ def _check_group_block_sizes(vllm_config: Any, sizes: list[int], hash_block_size
             "different block sizes",
             f"speculative_config, {setting}: set disable_eagle_block_drop=True",
         )
+    prefill_lookahead = int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+    if prefill_lookahead > 1:
+        # Not compared side by side: the reprefillable tail and the chunk-end rule beside aligned caching.
+        _refuse(
+            "multi-module MTP prefill lookahead with KV cache groups of different block sizes",
+            f"speculative_config, {setting}: num_prefill_lookahead_tokens={prefill_lookahead}",
+        )
 
 
 def kvsched_config_from_vllm(
@@ -652,8 +672,33 @@ def kvsched_config_from_vllm(
                 # vLLM's Mamba groups that is_eagle_group does not mark (it marks the drafter's attention groups:
                 # MTP on Qwen3-Next) take none of the drop's rules but the checkpoint position and the chunk ends.
                 mamba_eagle_group = MAMBA not in kv_cache_groups or MAMBA in marked
-        if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
-            _refuse("multi-module MTP prefill lookahead", method)
+        prefill_lookahead = int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+        if prefill_lookahead > 1 and cache.enable_prefix_caching and MAMBA in (kv_cache_groups or ()):
+            # vLLM hands the Mamba groups the finalized tokens less the reprefillable tail; the core's Mamba
+            # caching has no such tail.
+            _refuse(
+                "multi-module MTP prefill lookahead with Mamba KV cache groups and prefix caching",
+                f"{method}: num_prefill_lookahead_tokens={prefill_lookahead}",
+            )
+        window_lookup_first = None not in (windows or [None]) and any(
+            isinstance(w, int) and not isinstance(w, bool) for w in windows or ()
+        )
+        if hash_lookahead > 1 and cache.enable_prefix_caching and window_lookup_first:
+            # vLLM's window lookup runs first without a full-attention group and reads block hashes up to the
+            # request's last token, past those look-ahead hashes of more than one token leave it (its scheduler
+            # fails there).
+            _refuse(
+                "look-ahead block hashes of more than one token (multi-module MTP) with sliding-window layers and no "
+                "full-attention KV cache group (vLLM's window lookup reads past the request's block hashes)",
+                f"{method}: num_hash_lookahead_tokens={hash_lookahead}; set disable_lookahead_block_hashes=True",
+            )
+        flagged_groups = any(bool(getattr(g, "is_eagle_group", False)) for g in kv_cache_config.kv_cache_groups)
+        if cache.enable_prefix_caching and block_size < prefill_lookahead and (drop_trailing or flagged_groups):
+            # vLLM's KV cache coordinator rejects it at construction (its dropped tail must hold the lookahead).
+            raise ValueError(
+                f"Multi-module MTP with prefix caching requires scheduler_block_size (={block_size}) >= "
+                f"num_speculative_tokens (={prefill_lookahead})."
+            )
         # EAGLE/MTP and draft models reserve a KV slot per draft; DFlash (and DSpark's fill-in layout) one more,
         # for the bonus query of its draft pass. The core takes both counts apart, as vLLM's scheduler does.
         if lookahead not in (0, num_spec_tokens, num_spec_tokens + 1):
@@ -703,6 +748,10 @@ def kvsched_config_from_vllm(
     fields["enable_kv_cache_events"] = kv_events_enabled(vllm_config)
     fields["scheduler_reserve_full_isl"] = bool(sched.scheduler_reserve_full_isl)
     fields["sliding_window"] = sliding_window
+    # A multi-module MTP drafter's prefill lookahead (vLLM's num_prefill_lookahead_tokens; 1 for other EAGLE-style
+    # drafters changes nothing) and the tokens its windows keep below them.
+    fields["prefill_lookahead_tokens"] = int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+    fields["extra_retained_tokens"] = _extra_retained_tokens(kv_cache_config) if windowed else 0
     fields["kv_cache_groups"] = kv_cache_groups
     # A KV connector with a window or several groups, in any role: the core hands it every group's blocks (null
     # blocks before a window, for loaded tokens too) and frees a window's out-of-window blocks before

@@ -80,6 +80,8 @@ ENGINE_FIELDS: dict[str, str] = {
     "num_lookahead_tokens": "--speculative-config",
     "num_speculative_tokens": "--speculative-config",
     "hash_lookahead_tokens": "--speculative-config (disable_eagle_block_drop, disable_lookahead_block_hashes)",
+    "prefill_lookahead_tokens": "--speculative-config (vLLM's num_prefill_lookahead_tokens: MTP modules)",
+    "extra_retained_tokens": "--speculative-config (the windows' extra_retained_tokens with multi-module MTP)",
     "drop_trailing_hit_block": "--speculative-config (disable_eagle_block_drop, disable_lookahead_block_hashes)",
     "mamba_eagle_group": "the model's drafter layers (the KV cache groups vLLM marks is_eagle_group)",
     "hash_block_size": "--prefix-match-unit (vLLM's hash_block_size, with several KV cache groups)",

@@ -271,6 +271,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # vLLM 0.33's look-ahead block hashes: a block's hash (vLLM's hasher on the Request, as the core's) waits
         # for the tokens after it, so a block "fills" for hashing that many tokens later.
         self._hash_lookahead = config.hash_lookahead_tokens
+        # A multi-module MTP drafter's reprefillable tail: the core's cached blocks stop that many tokens short of
+        # the tokens being cached (with several groups only with the trailing-block drop).
+        groups = config.kv_cache_groups or ()
+        self._reprefillable = (
+            0 if len(groups) > 1 and not config.drop_trailing_hit_block else max(0, config.prefill_lookahead_tokens - 1)
+        )
         # vLLM's model runner V2 skips drafting in a step whose drafts nobody can use (skip_drafts, vLLM 0.33).
         self.can_skip_drafts = RULES.skip_drafts and self.num_lookahead_tokens > 0 and self.use_v2_model_runner
         self.spec_decode_metrics_level = str(
@@ -2450,7 +2456,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if caches_now and self.kv_config.enable_prefix_caching:
                 # The blocks the core just cached (it may have freed the request since): full, hashed blocks up
                 # to the tokens computed by the applied steps.
-                upto = request.num_computed_tokens - request.num_in_flight_tokens
+                upto = request.num_computed_tokens - request.num_in_flight_tokens - self._reprefillable
                 # (in the core's blocks: the first group's, smaller than vLLM's scheduler block when the groups'
                 # block sizes differ)
                 num_blocks = min(upto, len(request.block_hashes) * self.hash_block_size) // self.kv_config.kv_block_size
@@ -2663,15 +2669,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     @property
     def num_prefill_lookahead(self) -> int:
-        """vLLM's drafter prefill look-ahead (it widens a chunk's encoder window): always 0 here (refused at
-        construction for multimodal models)."""
-        return 0
+        """vLLM's drafter prefill lookahead (``num_prefill_lookahead_tokens``: a multi-module MTP drafter's draft
+        tokens, 1 for other EAGLE-style drafters, 0 without one)."""
+        return int(self._core.config.prefill_lookahead_tokens)
 
     @num_prefill_lookahead.setter
     def num_prefill_lookahead(self, value: int) -> None:
-        if value:
+        if value != self.num_prefill_lookahead:
             raise UnsupportedFeatureError(
-                "kvsched.vllm.Scheduler does not support a drafter's prefill lookahead (num_prefill_lookahead) yet"
+                "kvsched.vllm.Scheduler does not support changing a drafter's prefill lookahead "
+                "(num_prefill_lookahead) on a built scheduler"
             )
 
     @property

@@ -184,6 +184,7 @@ def make_vllm_config(
     parallel_drafting: bool = False,
     eagle_block_drop: bool = False,
     lookahead_block_hashes: bool = True,
+    multi_module_mtp: bool = False,
     max_num_scheduled_tokens: int | None = None,
     ec_connector_seed: int | None = None,
     ec_role: str = "ec_consumer",
@@ -203,7 +204,9 @@ def make_vllm_config(
     or, with a KV connector (and on vLLM 0.32), the trailing-block drop; else ``disable_eagle_block_drop``;
     ``lookahead_block_hashes`` False: vLLM 0.33's ``disable_lookahead_block_hashes``, the drop then without a
     connector), or ``dflash`` (the same drafter taken for a DFlash one: ``k + 1`` lookahead slots, the drafting
-    requests capped as vLLM's config caps them).
+    requests capped as vLLM's config caps them). ``multi_module_mtp`` (with ``eagle`` and
+    ``num_speculative_tokens`` > 1): the drafter is a multi-module MTP one instead (method ``mtp``, one module per
+    draft token: vLLM's ``num_prefill_lookahead_tokens`` is then ``num_speculative_tokens``).
     ``cpu_offload_blocks`` adds a ``kv_transfer_config`` for vLLM's ``SimpleCPUOffloadConnector`` (eager offload,
     lazy with ``cpu_offload_lazy``) with a CPU pool of that many blocks (``make_scheduler`` then gives the KV
     cache config its tensors); else ``kv_connector_seed`` adds a ``kv_transfer_config`` for
@@ -280,6 +283,10 @@ def make_vllm_config(
             target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
         )
+        if multi_module_mtp:
+            # The same tiny draft model with one MTP module per draft token (vLLM reads the count from its config).
+            speculative_config.method = "mtp"
+            speculative_config.draft_model_config.hf_config.num_nextn_predict_layers = num_speculative_tokens
     elif num_speculative_tokens:
         speculative_config = SpeculativeConfig(
             method=speculative_method,
@@ -388,6 +395,7 @@ def _kv_cache_config(
     mamba_prefill_checkpoint_alignment: int | None = None,
     group_block_sizes: Sequence[int] | None = None,
     eagle_groups: Sequence[int] = (),
+    extra_retained_tokens: int = 0,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
@@ -399,7 +407,9 @@ def _kv_cache_config(
     a prefill checkpoint block with this alignment (Mamba2 and Gated DeltaNet layers in mode "align"; None: none).
     ``group_block_sizes``: each attention group's block size (a model whose groups' pages differ, after vLLM's
     engine raised the smaller page's block size; None: ``block_size`` for every group).
-    ``eagle_groups``: the groups marked as holding an EAGLE/MTP drafter's layers (``is_eagle_group``)."""
+    ``eagle_groups``: the groups marked as holding an EAGLE/MTP drafter's layers (``is_eagle_group``).
+    ``extra_retained_tokens``: the windows keep that many tokens below them (vLLM's engine sets
+    ``num_prefill_lookahead_tokens - 1`` on every window)."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -440,7 +450,12 @@ def _kv_cache_config(
                 attention_chunk_size=int(window.removeprefix("chunked:")),
             )
         return SlidingWindowSpec(
-            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=1,
+            dtype=torch.float32,
+            sliding_window=window,
+            extra_retained_tokens=extra_retained_tokens,
         )
 
     windows = [sliding_window] if kv_cache_groups is None else list(kv_cache_groups)
@@ -548,6 +563,8 @@ def make_scheduler(
                 mamba_prefill_checkpoint_alignment=mamba_prefill_checkpoint_alignment,
                 group_block_sizes=group_block_sizes,
                 eagle_groups=eagle_groups,
+                # As vLLM's engine tags the windows for a multi-module MTP drafter.
+                extra_retained_tokens=max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1),
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,

@@ -367,6 +367,21 @@ pub struct SchedulerConfig {
     /// the prefix cache, only once the request has `(i + 1) * block_size + hash_lookahead_tokens` tokens, and a
     /// hit on it needs those following tokens to match too. 0: a block's hash covers its own tokens.
     pub hash_lookahead_tokens: u32,
+    /// Prefill tokens past a chunk's end that the drafter reads (vLLM's `num_prefill_lookahead_tokens`: the number
+    /// of draft tokens for a multi-module MTP drafter, 1 for other EAGLE-style drafters, 0 without one). `N > 1`:
+    /// a prefill chunk never ends fewer than `N` tokens before the request's known tokens end (it is shortened to
+    /// leave `N`, possibly to nothing), and the last `N - 1` computed tokens are not yet final: the blocks entering
+    /// the prefix cache stop `N - 1` tokens short of the tokens being cached (with several groups only together
+    /// with `drop_trailing_hit_block`, as vLLM's hybrid coordinator). 0 and 1 change nothing here. With `N > 1`
+    /// not combined with encoder inputs (`encoder_cache_size`; vLLM also shifts the encoder window) nor with a
+    /// Mamba group and prefix caching.
+    pub prefill_lookahead_tokens: u32,
+    /// Tokens below the window that every sliding-window group keeps (vLLM's `SlidingWindowSpec.
+    /// extra_retained_tokens`, `num_prefill_lookahead_tokens - 1` with a multi-module MTP drafter): a window's
+    /// blocks leave the request `extra_retained_tokens` tokens later, and its admission cap holds that many tokens
+    /// more; prefix hits still need only the window's blocks. Needs a sliding window (`sliding_window` or a window
+    /// group); not chunked-local groups.
+    pub extra_retained_tokens: u32,
     /// Tokens per prefix-cache hash unit (vLLM's `hash_block_size`, set through `prefix_match_unit`): a block's
     /// hash chains over `block_size / hash_block_size` units, each hashed over its own tokens with its parent the
     /// unit before it, and is the hash of its last unit (`hashing.rs`); hits, caching and eviction stay whole
@@ -554,6 +569,8 @@ impl Default for SchedulerConfig {
             trim_computed_on_stop: true,
             cache_upto_in_flight: true,
             hash_lookahead_tokens: 0,
+            prefill_lookahead_tokens: 0,
+            extra_retained_tokens: 0,
             hash_block_size: None,
             drop_trailing_hit_block: false,
             sliding_window: None,
@@ -634,6 +651,13 @@ const INT_FIELDS: &[IntField] = &[
     IntField { name: "num_lookahead_tokens", min: 0, max: 1024, get: |c| Some(c.num_lookahead_tokens) },
     IntField { name: "num_speculative_tokens", min: 0, max: 1024, get: |c| c.num_speculative_tokens },
     IntField { name: "hash_lookahead_tokens", min: 0, max: 1024, get: |c| Some(c.hash_lookahead_tokens) },
+    IntField {
+        name: "prefill_lookahead_tokens",
+        min: 0,
+        max: 1024,
+        get: |c| Some(c.prefill_lookahead_tokens),
+    },
+    IntField { name: "extra_retained_tokens", min: 0, max: 1024, get: |c| Some(c.extra_retained_tokens) },
     IntField { name: "hash_block_size", min: 1, max: 4096, get: |c| c.hash_block_size },
     IntField {
         name: "cache_aware_admission_window",
@@ -903,6 +927,7 @@ impl SchedulerConfig {
                     .into(),
             ));
         }
+        self.validate_prefill_lookahead()?;
         self.validate_groups()?;
         self.validate_group_block_sizes()?;
         self.validate_retention()?;
@@ -913,6 +938,41 @@ impl SchedulerConfig {
                  blocks)"
                     .into(),
             ));
+        }
+        Ok(())
+    }
+
+    /// What `prefill_lookahead_tokens` above 1 and `extra_retained_tokens` need (see the fields).
+    fn validate_prefill_lookahead(&self) -> Result<()> {
+        if self.prefill_lookahead_tokens > 1 {
+            if self.encoder_cache_size > 0 {
+                return Err(SchedError::InvalidConfig(format!(
+                    "prefill_lookahead_tokens ({}) above 1 cannot be combined with encoder inputs \
+                     (encoder_cache_size {}): the encoder window is not shifted by the lookahead",
+                    self.prefill_lookahead_tokens, self.encoder_cache_size
+                )));
+            }
+            if self.enable_prefix_caching && self.kv_cache_groups.contains(&Some(MAMBA)) {
+                return Err(SchedError::InvalidConfig(format!(
+                    "prefill_lookahead_tokens ({}) above 1 cannot be combined with a Mamba group with prefix \
+                     caching (the reprefillable tail of Mamba states is not implemented)",
+                    self.prefill_lookahead_tokens
+                )));
+            }
+        }
+        if self.extra_retained_tokens > 0 {
+            let window = self.sliding_window.is_some()
+                || self
+                    .kv_cache_groups
+                    .iter()
+                    .flatten()
+                    .any(|&w| w != CROSS_ATTENTION && w != MAMBA && w & CHUNKED_LOCAL == 0);
+            if !window {
+                return Err(SchedError::InvalidConfig(format!(
+                    "extra_retained_tokens ({}) needs a sliding window (sliding_window or a window group)",
+                    self.extra_retained_tokens
+                )));
+            }
         }
         Ok(())
     }

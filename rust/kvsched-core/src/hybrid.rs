@@ -303,10 +303,11 @@ pub fn is_window(w: u32) -> bool {
     w != 0 && w != CROSS_ATTENTION && w != MAMBA
 }
 
-/// Tokens wholly before a window of `w` tokens of the token after `computed` (vLLM's `get_num_skipped_tokens`).
+/// Tokens wholly before a window of `w` tokens of the token after `computed`, less the `extra` tokens kept below
+/// it (vLLM's `get_num_skipped_tokens` with `extra_retained_tokens`).
 #[inline]
-pub(crate) fn window_skipped(w: u32, computed: u32) -> u32 {
-    (computed + 1).saturating_sub(w)
+pub(crate) fn window_skipped(w: u32, computed: u32, extra: u32) -> u32 {
+    (computed + 1).saturating_sub(w + extra)
 }
 
 /// The chunk size of a chunked-local group's entry `w`, or `None` for another group.
@@ -316,12 +317,13 @@ pub(crate) fn chunk_size(w: u32) -> Option<u32> {
 }
 
 /// Tokens a window or chunked-local group `w` no longer reads once `computed` tokens are computed (vLLM's
-/// `get_num_skipped_tokens`): those before the window of the next token, or before its chunk.
+/// `get_num_skipped_tokens`): those before the window of the next token (less the `extra` tokens a window keeps
+/// below it), or before its chunk.
 #[inline]
-pub(crate) fn group_skipped(w: u32, computed: u32) -> u32 {
+pub(crate) fn group_skipped(w: u32, computed: u32, extra: u32) -> u32 {
     match chunk_size(w) {
         Some(c) => computed / c * c,
-        None => window_skipped(w, computed),
+        None => window_skipped(w, computed, extra),
     }
 }
 

@@ -348,7 +348,7 @@ impl KvCacheManager {
                 continue;
             }
             let computed = hit_tokens + ext;
-            let skipped = (group_skipped(w, computed) / gbs) as usize;
+            let skipped = (group_skipped(w, computed, self.extra_retained) / gbs) as usize;
             let kept = &hits[skipped.min(hits.len())..];
             let evictable = kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total += required.saturating_sub(skipped.max(hits.len())) + evictable;
@@ -469,7 +469,8 @@ impl KvCacheManager {
                 plan.push((0, need));
                 continue;
             }
-            let skipped_tokens = if fresh && w != 0 { group_skipped(w, total_computed) } else { 0 };
+            let skipped_tokens =
+                if fresh && w != 0 { group_skipped(w, total_computed, self.extra_retained) } else { 0 };
             let skipped = (skipped_tokens / gbs) as usize;
             let ghits = all_hits[g].len();
             let need = self.blocks_to_add_sized(held + skipped.max(ghits), num_slots, gbs);
@@ -561,7 +562,7 @@ impl KvCacheManager {
                 }
             }
         }
-        let cache_tokens = (total_computed + num_new_tokens).min(req.num_tokens());
+        let cache_tokens = self.cacheable((total_computed + num_new_tokens).min(req.num_tokens()));
         let num_full = (cache_tokens / self.block_size) as usize;
         // Each group from its own count of cached blocks (see `cache_blocks`).
         if cache && self.enable_caching {
@@ -638,7 +639,8 @@ impl KvCacheManager {
         processed: u32,
     ) {
         let (blocks, _) = table(req, slot);
-        let last = ((group_skipped(w, processed) / block_size) as usize).min(blocks.len());
+        let last =
+            ((group_skipped(w, processed, self.extra_retained) / block_size) as usize).min(blocks.len());
         let mut first = last;
         while first > 0 && blocks[first - 1] != NULL_BLOCK {
             first -= 1;
@@ -913,7 +915,8 @@ impl KvCacheManager {
                 blocks[..last].fill(NULL_BLOCK);
             } else if is_window(w) {
                 let (blocks, _) = table(req, slot);
-                let last = ((group_skipped(w, processed) / gbs) as usize).min(blocks.len());
+                let last =
+                    ((group_skipped(w, processed, self.extra_retained) / gbs) as usize).min(blocks.len());
                 let mut first = last;
                 while first > 0 && blocks[first - 1] != NULL_BLOCK {
                     first -= 1;

@@ -49,6 +49,13 @@ pub struct KvCacheManager {
     /// group the hit's last block; with a sliding window or several groups, vLLM's EAGLE rules for them
     /// (`find_window_hit`, `find_hybrid_hit`).
     pub drop_trailing_hit: bool,
+    /// The computed tokens not final yet (`prefill_lookahead_tokens - 1`, a multi-module MTP drafter may compute
+    /// them again): the blocks entering the prefix cache stop this many tokens short of the tokens being cached.
+    /// 0 with several groups without the trailing-block drop (vLLM's hybrid coordinator then caches the aligned
+    /// tokens).
+    pub reprefillable: u32,
+    /// Tokens below the window a sliding window keeps (`SchedulerConfig::extra_retained_tokens`).
+    pub extra_retained: u32,
 }
 
 impl KvCacheManager {
@@ -114,7 +121,14 @@ impl KvCacheManager {
     /// `get_num_skipped_tokens`).
     #[inline]
     fn skipped_tokens(&self, num_computed_tokens: u32) -> u32 {
-        (num_computed_tokens + 1).saturating_sub(self.sliding_window)
+        (num_computed_tokens + 1).saturating_sub(self.sliding_window + self.extra_retained)
+    }
+
+    /// The tokens whose full blocks enter the prefix cache when `num_tokens` are being cached (vLLM's
+    /// `get_num_cacheable_tokens`): all of them less the `reprefillable` tail.
+    #[inline(always)]
+    pub(crate) fn cacheable(&self, num_tokens: u32) -> u32 {
+        num_tokens.saturating_sub(self.reprefillable)
     }
 
     /// vLLM's `remove_skipped_blocks`: with `processed` tokens processed, the blocks wholly before the window go
@@ -399,7 +413,7 @@ impl KvCacheManager {
         if need > 0 {
             self.pool.allocate_into(need, &mut req.blocks);
         }
-        let cache_tokens = (total_computed + num_new_tokens).min(req.num_tokens());
+        let cache_tokens = self.cacheable((total_computed + num_new_tokens).min(req.num_tokens()));
         let num_full = (cache_tokens / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
             self.cache_full_blocks(req, num_full, cache_tokens);
@@ -429,17 +443,19 @@ impl KvCacheManager {
         let fresh = req.blocks.is_empty();
         let skipped =
             if fresh { (self.skipped_tokens(total_computed) / self.block_size) as usize } else { 0 };
+        // A hit's null blocks lie before the window, unless it keeps extra tokens below it (`extra_retained`): the
+        // nulls past the skipped blocks then enter the table as they are (never touched or counted).
         let kept = &hits[skipped.min(hits.len())..];
-        debug_assert!(!kept.contains(&NULL_BLOCK), "a window hit's null blocks lie before the window");
+        let nulls = kept.iter().take_while(|&&b| b == NULL_BLOCK).count();
         let need = self.blocks_to_add(
             req.blocks.len() + skipped.max(hits.len()),
             total_computed + num_new_tokens + num_lookahead_tokens,
         );
-        let evictable_hits = kept.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+        let evictable_hits = kept[nulls..].iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
         if need + evictable_hits + reserved > self.pool.num_free_blocks() {
             return None;
         }
-        self.pool.touch(kept);
+        self.pool.touch(&kept[nulls..]);
         req.blocks.extend(std::iter::repeat_n(NULL_BLOCK, skipped));
         req.blocks.extend_from_slice(kept);
         // Hits and the null blocks before the window count as cached.
@@ -447,7 +463,7 @@ impl KvCacheManager {
         if need > 0 {
             self.pool.allocate_into(need, &mut req.blocks);
         }
-        let cache_tokens = (total_computed + num_new_tokens).min(req.num_tokens());
+        let cache_tokens = self.cacheable((total_computed + num_new_tokens).min(req.num_tokens()));
         let num_full = (cache_tokens / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
             self.cache_full_blocks(req, num_full, cache_tokens);
@@ -460,6 +476,7 @@ impl KvCacheManager {
     /// group goes from its own count of cached blocks (a window's null blocks count as cached, so the first
     /// group's count can run ahead of a full-attention group's after a load).
     pub fn cache_blocks(&mut self, req: &mut Request, num_tokens: u32) {
+        let num_tokens = self.cacheable(num_tokens);
         let num_full = (num_tokens / self.block_size) as usize;
         if self.enable_caching && (num_full > req.num_cached_blocks as usize || self.hybrid.is_some()) {
             self.cache_full_blocks(req, num_full, num_tokens);
@@ -719,6 +736,8 @@ mod tests {
             hybrid: None,
             special: false,
             drop_trailing_hit: false,
+            reprefillable: 0,
+            extra_retained: 0,
         };
         let hashes: Vec<BlockHash> = (0..8).map(chain_hash).collect();
         let mut blocks = Vec::new();
@@ -781,6 +800,8 @@ mod tests {
             hybrid: None,
             special: false,
             drop_trailing_hit: drop,
+            reprefillable: 0,
+            extra_retained: 0,
         };
         let hashes: Vec<BlockHash> = (0..CHAIN).map(chain_hash).collect();
         let mut x: u64 = 0x1234_5678_9abc_def1;

@@ -182,7 +182,8 @@ fn window_cap_blocks(config: &SchedulerConfig, window: u32, bs: u32) -> usize {
     if let Some(c) = crate::hybrid::chunk_size(window) {
         return (u64::from(c) + in_flight).min(u64::from(config.max_model_len)).div_ceil(bs) as usize;
     }
-    let tokens = (u64::from(window) - 1 + in_flight).min(u64::from(config.max_model_len));
+    let tokens = (u64::from(window) - 1 + u64::from(config.extra_retained_tokens) + in_flight)
+        .min(u64::from(config.max_model_len));
     tokens.div_ceil(bs) as usize + 1
 }
 
@@ -232,6 +233,14 @@ impl Scheduler {
             }),
             special: config.sliding_window.is_some() || !config.kv_cache_groups.is_empty(),
             drop_trailing_hit: config.drop_trailing_hit_block,
+            // vLLM's unitary coordinator always leaves the reprefillable tail out of the cache, its hybrid one only
+            // in the groups that drop the trailing block.
+            reprefillable: if config.kv_cache_groups.len() > 1 && !config.drop_trailing_hit_block {
+                0
+            } else {
+                config.prefill_lookahead_tokens.saturating_sub(1)
+            },
+            extra_retained: config.extra_retained_tokens,
         };
         let limits = DecodeLimits {
             max_model_len: i64::from(config.max_model_len),
@@ -239,7 +248,8 @@ impl Scheduler {
             lookahead: config.num_lookahead_tokens,
             // A sliding window frees blocks as decodes advance: every step allocates through `allocate_slots`
             // (a block size of 0 makes the plain-decode span empty).
-            block_size: if kv.special { 0 } else { kv.block_size },
+            // So does a reprefillable tail (the blocks a decode caches are not those it completes).
+            block_size: if kv.special || kv.reprefillable > 0 { 0 } else { kv.block_size },
             caching: kv.enable_caching,
         };
         let mamba_split = config.mamba_align.then(|| {

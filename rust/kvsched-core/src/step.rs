@@ -562,6 +562,7 @@ impl Scheduler {
         let max_model_len = i64::from(self.config.max_model_len);
         let max_slots = i64::from(self.kv.max_slots);
         let lookahead = self.config.num_lookahead_tokens;
+        let prefill_lookahead = self.config.prefill_lookahead_tokens;
         // Requests carry encoder inputs only with an encoder cache: without one their (cold) field is not read.
         let has_encoder = self.encoder.capacity() > 0;
         let has_ec = has_encoder && self.ec_connector.is_some();
@@ -718,6 +719,12 @@ impl Scheduler {
                     i += 1;
                     continue;
                 }
+            }
+            // A multi-module MTP drafter's prefill lookahead: the chunk never ends within it of the known tokens.
+            n = reserve_prefill_lookahead(prefill_lookahead, req.num_tokens(), computed, n);
+            if n == 0 {
+                i += 1;
+                continue;
             }
             // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
             // (Text-only requests keep their borrow: no second slab lookup on the common path.)
@@ -894,7 +901,8 @@ impl Scheduler {
             any_running_scheduled: !b.out.handles.is_empty(),
             quick_reject: self.connector.is_none()
                 && self.hit_cap.is_none()
-                && self.config.num_spec_tokens() == 0,
+                && self.config.num_spec_tokens() == 0
+                && self.config.prefill_lookahead_tokens <= 1,
             watermark: self.config.watermark_blocks(),
             loras: self.running_loras(&b.out.handles)?,
             skipped: Vec::new(),
@@ -1150,6 +1158,13 @@ impl Scheduler {
             }
             if pad && n != 1 + self.config.num_spec_tokens() {
                 (n, pad) = (1, false);
+            }
+        }
+        if !load_async {
+            // The drafter's prefill lookahead (see `schedule_running`): a chunk cut to nothing is skipped.
+            n = reserve_prefill_lookahead(self.config.prefill_lookahead_tokens, num_tokens, computed, n);
+            if n == 0 {
+                return self.skip_admission(h, from_kv, pass);
             }
         }
         if planned_encoder {
@@ -1682,6 +1697,19 @@ impl Scheduler {
 }
 
 /// Counts a waiting request among the deferred ones (vLLM's `deferred_waiting`), once.
+/// vLLM's `_reserve_prefill_lookahead`: a chunk of `n` tokens from `computed` that would end fewer than
+/// `lookahead` tokens (`prefill_lookahead_tokens`) before the request's `num_tokens` known tokens end is shortened
+/// to leave that many (possibly to 0); a chunk that reaches the end is kept.
+#[inline(always)]
+fn reserve_prefill_lookahead(lookahead: u32, num_tokens: u32, computed: u32, n: u32) -> u32 {
+    let remaining = i64::from(num_tokens) - i64::from(computed) - i64::from(n);
+    if remaining > 0 && remaining < i64::from(lookahead) {
+        (i64::from(n) - (i64::from(lookahead) - remaining)).max(0) as u32
+    } else {
+        n
+    }
+}
+
 fn mark_deferred(req: &mut crate::request::Request, num_deferred: &mut usize) {
     if !req.deferred {
         req.deferred = true;
@@ -1743,4 +1771,25 @@ fn inflight_reserved_blocks(
         total += (tokens.div_ceil(bs) as usize).min(window_cap).saturating_sub(r.blocks.len());
     }
     total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reserve_prefill_lookahead;
+
+    #[test]
+    fn a_chunk_never_ends_within_the_prefill_lookahead() {
+        // 20 known tokens, 3 of lookahead: a chunk of 18 from 0 would leave 2, so it stops at 17.
+        assert_eq!(reserve_prefill_lookahead(3, 20, 0, 18), 17);
+        // One that leaves exactly 3, or reaches the end, or a decode past it, is kept.
+        assert_eq!(reserve_prefill_lookahead(3, 20, 0, 17), 17);
+        assert_eq!(reserve_prefill_lookahead(3, 20, 5, 15), 15);
+        assert_eq!(reserve_prefill_lookahead(3, 20, 19, 4), 4);
+        // Cut to nothing (1 token that would leave 2), never below.
+        assert_eq!(reserve_prefill_lookahead(3, 20, 17, 1), 0);
+        assert_eq!(reserve_prefill_lookahead(4, 20, 16, 1), 0);
+        // A lookahead of 0 or 1 changes nothing.
+        assert_eq!(reserve_prefill_lookahead(1, 20, 0, 19), 19);
+        assert_eq!(reserve_prefill_lookahead(0, 20, 0, 19), 19);
+    }
 }

@@ -85,6 +85,8 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("trim_computed_on_stop", c.trim_computed_on_stop)?;
     d.set_item("cache_upto_in_flight", c.cache_upto_in_flight)?;
     d.set_item("hash_lookahead_tokens", c.hash_lookahead_tokens)?;
+    d.set_item("prefill_lookahead_tokens", c.prefill_lookahead_tokens)?;
+    d.set_item("extra_retained_tokens", c.extra_retained_tokens)?;
     d.set_item("hash_block_size", c.hash_block_size)?;
     d.set_item("drop_trailing_hit_block", c.drop_trailing_hit_block)?;
     d.set_item("sliding_window", c.sliding_window)?;
@@ -304,6 +306,8 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         trim_computed_on_stop: bool_field("trim_computed_on_stop")?,
         cache_upto_in_flight: bool_field("cache_upto_in_flight")?,
         hash_lookahead_tokens: u32_field("hash_lookahead_tokens")?,
+        prefill_lookahead_tokens: u32_field("prefill_lookahead_tokens")?,
+        extra_retained_tokens: u32_field("extra_retained_tokens")?,
         hash_block_size: if cfg.getattr("hash_block_size")?.is_none() {
             None
         } else {
