@@ -623,6 +623,10 @@ MTP_MODES = [("sync", "v1"), ("async", "v1")]
 def test_identical_to_vllm_with_multi_module_mtp(sync: str, runner: str, layout: str) -> None:
     """A multi-module MTP drafter (2-4 modules): vLLM's prefill lookahead ends chunks before the prompt's end, keeps
     the reprefillable tail out of the prefix cache, and its windows keep the extra retained tokens."""
+    from kvsched.vllm import RULES
+
+    if RULES.version == "0.32":
+        pytest.skip("kvsched.vllm refuses multi-module MTP on vLLM 0.32")
     cfg = run_seed(
         600,
         120,

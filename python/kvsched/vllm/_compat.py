@@ -56,6 +56,9 @@ class VllmRules:
     # drop's rules also keep what a hit one block below a shared-prefix junction needs (0.33; 0.32 at the junction
     # only).
     drop_junction_below: bool
+    # Multi-module MTP: an admission whose chunk the prefill lookahead cuts to nothing is skipped, keeping its
+    # place (0.33); 0.32 ends the admission pass there (kvsched.vllm refuses multi-module MTP on 0.32).
+    skip_lookahead_cut_admissions: bool
 
 
 VLLM_RULES: dict[str, VllmRules] = {
@@ -73,6 +76,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         cache_drafts_at_update=False,
         mamba_defer_new_states_only=False,
         drop_junction_below=False,
+        skip_lookahead_cut_admissions=False,
     ),
     "0.33": VllmRules(
         version="0.33",
@@ -88,6 +92,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         cache_drafts_at_update=True,
         mamba_defer_new_states_only=True,
         drop_junction_below=True,
+        skip_lookahead_cut_admissions=True,
     ),
 }
 
