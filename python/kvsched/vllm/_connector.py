@@ -78,11 +78,10 @@ class ConnectorBridge:
         # Asynchronous loads admitted by the step being scheduled, in admission order.
         self.started_loading: list[str] = []
         self.loaded: set[str] = set()
-        # When each of those began loading: vLLM keeps them in its kv_holding_waiting queue, whose FCFS order is
-        # the order their loads began (each admission pass visits the whole queue and puts back the requests it
-        # skips in order, new loads after them).
-        self.load_seq: dict[str, int] = {}
-        self._num_loads = 0
+        # Those requests in the order their loads began (a dict kept for its insertion order): vLLM keeps them in
+        # its kv_holding_waiting queue, whose FCFS order is that one (each admission pass visits the whole queue
+        # and puts back the requests it skips in order, new loads after them).
+        self.load_order: dict[str, None] = {}
         # Asynchronous loads admitted but not yet registered with the connector (the core's deferred loads):
         # req_id -> their lookup (local hit tokens, external tokens, async).
         self.deferred: dict[str, tuple[int, int, bool] | None] = {}
@@ -192,9 +191,7 @@ class ConnectorBridge:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             request.num_computed_tokens = local + n
             self.loading.add(req_id)
-            if req_id not in self.load_seq:
-                self.load_seq[req_id] = self._num_loads
-                self._num_loads += 1
+            self.load_order.setdefault(req_id)
             self.started_loading.append(req_id)
             self.loaded.discard(req_id)
             self._mark_slow(req_id)
@@ -269,11 +266,9 @@ class ConnectorBridge:
         """The known requests loading or loaded and not admitted yet, in vLLM's kv_holding_waiting order: the
         order their loads began, or under the priority policy the queue's heap order (priority, arrival time,
         request id)."""
-        ids = [r for r in self.load_seq if r in requests and (r in self.loading or r in self.loaded)]
+        ids = [r for r in self.load_order if r in requests and (r in self.loading or r in self.loaded)]
         if priority:
             ids.sort(key=lambda r: (requests[r].priority, requests[r].arrival_time, r))
-        else:
-            ids.sort(key=self.load_seq.__getitem__)
         return ids
 
     def finish(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -284,7 +279,7 @@ class ConnectorBridge:
         self.deferred.pop(req_id, None)
         self.loading.discard(req_id)
         self.loaded.discard(req_id)
-        self.load_seq.pop(req_id, None)
+        self.load_order.pop(req_id, None)
         self._set_stage(req_id, None)
         # One table, or (the core's kv_connector_groups) one per KV cache group.
         tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]

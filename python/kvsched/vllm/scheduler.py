@@ -935,7 +935,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if self._core.get_request_status(req_id) == _KV_WAITING_FOR_REMOTE_KVS:
                 continue
             bridge.loaded.discard(req_id)
-            bridge.load_seq.pop(req_id, None)
+            bridge.load_order.pop(req_id, None)
             if req_id not in admitted:
                 request = self.requests[req_id]
                 request.status = _PREEMPTED if request.num_preemptions else _WAITING

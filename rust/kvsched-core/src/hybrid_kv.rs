@@ -686,11 +686,14 @@ impl KvCacheManager {
             window_retention.map(|_| window_reachable(req.num_prompt_tokens, junction, bs, eagle, below));
         // Groups of different block sizes: a window keeps the blocks a hit aligned to `hy.align` can use.
         let (hit_align, sized) = (hy.align, sizes.iter().any(|&s| s != bs));
-        let window_positions = window_reach.clone().unwrap_or_default();
-        let reachable = window_reach
+        // The Mamba groups resume where the windows do, but for groups outside the drop's rules, which keep
+        // nothing one block below the junction.
+        let mamba_reach = window_reach
             .as_ref()
-            .map(|_| window_reachable(req.num_prompt_tokens, junction, bs, eagle, below && hy.mamba_eagle))
-            .unwrap_or_default();
+            .filter(|_| below && !hy.mamba_eagle)
+            .map(|_| window_reachable(req.num_prompt_tokens, junction, bs, eagle, false));
+        let window_positions: &[u32] = window_reach.as_deref().unwrap_or(&[]);
+        let reachable: &[u32] = mamba_reach.as_deref().unwrap_or(window_positions);
         let mamba_tokens = if eagle && !mamba_eagle { num_tokens / bs * bs } else { num_tokens };
         let tail = retention.and_then(|_| {
             (mamba_tokens > 0 && mamba_tokens == prompt_checkpoint)
@@ -729,8 +732,8 @@ impl KvCacheManager {
             let window_sized = sized && is_window(w) && chunk_size(w).is_none();
             let gbs = sizes[g];
             let kept = |i: usize| match (sparse, window_sparse) {
-                _ if window_sized => window_kept(i, gbs, hit_align, w, window_retention, &window_positions),
-                (Some(r), _) => mamba_retained(i, bs, r, &reachable) || tail == Some(i),
+                _ if window_sized => window_kept(i, gbs, hit_align, w, window_retention, window_positions),
+                (Some(r), _) => mamba_retained(i, bs, r, reachable) || tail == Some(i),
                 (None, Some((r, reach))) => window_retained(i, bs, w, eagle, r, reach),
                 (None, None) => true,
             };
