@@ -24,6 +24,11 @@ class _BlockPoolMixin(_SchedulerState):
         if b >= num_blocks:
             raise InvalidRequestError(f"block id {b} is outside the KV cache pool (block ids 0..{num_blocks})")
 
+    def _drop_boundary_offers(self, req_id: str) -> None:
+        """A request's blocks go back to the pool: its boundary states not yet taken are withdrawn."""
+        if self._boundary_offers:
+            self._boundary_offers[:] = [o for o in self._boundary_offers if o[0] != req_id]
+
     def _pop_free_block(self) -> int:
         b = self._free.popleft()
         h = self._block_hash[b]

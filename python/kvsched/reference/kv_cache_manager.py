@@ -1001,11 +1001,6 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     continue
             self._boundary_offers.append((r.req_id, g, b, (j + 1) * self._bs))
 
-    def _drop_boundary_offers(self, req_id: str) -> None:
-        """A request's blocks go back to the pool: its boundary states not yet taken are withdrawn."""
-        if self._boundary_offers:
-            self._boundary_offers[:] = [o for o in self._boundary_offers if o[0] != req_id]
-
     def take_mamba_boundary_offers(self) -> list[tuple[str, int, int, int]]:
         """The Mamba boundary states offered to the KV connector since the last call, as ``(req_id, group,
         block_id, num_tokens)``: group by group, each group's in the order they were cached. Empty unless a KV
