@@ -182,6 +182,10 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 PREFIX_HITS = 0
 # Runs whose requests hash at a unit finer than the block (--hash-block-size).
 FINER_HASH_SEEDS = 0
+# Of the prefix-hit admissions, those whose hit ends inside a block; and the block copies vLLM's scheduler sent
+# to the workers (kv_cache_block_copies: the copy-on-write of a shared block a hit ends inside).
+PARTIAL_BLOCK_HITS = 0
+BLOCK_COPIES = 0
 # Runs whose KV cache groups have different block sizes (--group-block-factors).
 MIXED_BLOCK_SEEDS = 0
 # What the Mooncake stand-in answered and reported (lookups, hits, loads, invalid blocks, store jobs), over the
@@ -1422,8 +1426,10 @@ class Pair:
                 _umbp_metadata(so_a.kv_connector_metadata),
                 _umbp_metadata(so_b.kv_connector_metadata),
             )
-        global PREFIX_HITS
+        global PREFIX_HITS, PARTIAL_BLOCK_HITS, BLOCK_COPIES
         PREFIX_HITS += sum(r.num_computed_tokens > 0 for r in so_a.scheduled_new_reqs)
+        PARTIAL_BLOCK_HITS += sum(r.num_computed_tokens % self.a.block_size > 0 for r in so_a.scheduled_new_reqs)
+        BLOCK_COPIES += len(getattr(so_a, "kv_cache_block_copies", None) or ())
         # What the runner will sample is decided now: a request whose step is a partial prefill gets nothing
         # (read right after schedule(), before a later step changes the flag).
         chunks = {rid for rid in so_a.num_scheduled_tokens if self.a.requests[rid].is_prefill_chunk}
@@ -2554,10 +2560,12 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 note += f"; {PREFIX_HITS} admissions with a prefix hit"
             PREFIX_HITS = 0
-            global FINER_HASH_SEEDS
+            global FINER_HASH_SEEDS, PARTIAL_BLOCK_HITS, BLOCK_COPIES
             if args.hash_block_size is not None:
                 note += f"; {FINER_HASH_SEEDS} runs with a hash block smaller than the block"
-            FINER_HASH_SEEDS = 0
+            if args.mamba_prefix_caching or args.hash_block_size is not None:
+                note += f"; {PARTIAL_BLOCK_HITS} hits ending inside a block; {BLOCK_COPIES} block copies"
+            FINER_HASH_SEEDS = PARTIAL_BLOCK_HITS = BLOCK_COPIES = 0
             global MIXED_BLOCK_SEEDS
             if group_block_factors:
                 note += f"; {MIXED_BLOCK_SEEDS} runs with KV cache groups of different block sizes"
