@@ -270,9 +270,10 @@ def _check_retention(retention: int | None, block_size: int, windows: list[int |
         )
 
 
-def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
+def check_kv_connector(vllm_config: Any, connector: Any, groups: tuple[Any, ...] | None = None) -> bool:
     """Refuses a vLLM scheduler-role KV connector that relies on parts of vLLM's scheduler kvsched replaces;
-    returns whether it binds the block pool (then the adapter gives it block pins, ``_pins.py``).
+    returns whether it binds the block pool (then the adapter gives it block pins, ``_pins.py``). ``groups``: the
+    core's KV cache groups when the connector gets every group's blocks (a window or several groups), else None.
 
     A connector that overrides ``bind_kv_cache_manager`` or ``bind_gpu_block_pool`` changes vLLM's block pool
     (references, frees, cached lookups by vLLM's block hashes). vLLM's ``SimpleCPUOffloadConnector`` (eager and
@@ -280,7 +281,12 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
     provides: they are accepted, with their own ``bind_gpu_block_pool`` (and UMBP's own ``bind_kv_cache_manager``).
     Every other such connector is refused, by name. vLLM's ``MultiConnector`` overrides both only to pass them on
     to its children: it is refused when one of its children (at any depth) is. Every other connector gets
-    ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own manager."""
+    ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own manager.
+
+    With a window or several groups only ``SimpleCPUOffloadConnector`` binds the pool (full attention and
+    sliding windows, its per-group stores and recovered window blocks through the pool view's group lookups);
+    with Mamba groups it is refused, as are the other two (Mamba boundary states, finished partial tails and
+    group lookups of their own, not compared with vLLM's scheduler there)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
@@ -297,7 +303,23 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
             for child in conn.sub_connectors:
                 check(child, f"{name} > ")
             return
-        if _is_simple_cpu_offload(cls) or _is_mooncake_store(cls) or _is_umbp_store(cls):
+        if _is_simple_cpu_offload(cls):
+            # (Without prefix caching the connector turns itself off: nothing of the pool is used.)
+            if groups is not None and MAMBA in groups and vllm_config.cache_config.enable_prefix_caching:
+                _refuse(
+                    "vLLM's SimpleCPUOffloadConnector with Mamba KV cache groups (Mamba states' stores, boundary "
+                    "state hand-offs; not compared with vLLM's scheduler)",
+                    f"kv_transfer_config: {name}",
+                )
+            binds = True
+            return
+        if _is_mooncake_store(cls) or _is_umbp_store(cls):
+            if groups is not None:
+                _refuse(
+                    "KV connectors that use vLLM's block pool with sliding-window attention or several KV cache "
+                    "groups, other than SimpleCPUOffloadConnector (not compared with vLLM's scheduler)",
+                    f"kv_transfer_config: {name}",
+                )
             binds = True
             return
         # A subclass of vLLM's MultiConnector or of one of its pool connectors is named by the binding it changes
