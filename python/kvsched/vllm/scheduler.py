@@ -313,8 +313,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             connector = KVConnectorFactory.create_connector(
                 config=vllm_config, role=KVConnectorRole.SCHEDULER, kv_cache_config=kv_cache_config
             )
-            groups = tuple(config.kv_cache_groups or (config.sliding_window,)) if config.kv_connector_groups else None
-            if check_kv_connector(vllm_config, connector, groups):
+            layout = tuple(config.kv_cache_groups or (config.sliding_window,)) if config.kv_connector_groups else None
+            if check_kv_connector(vllm_config, connector, layout):
                 self._pins = BlockPins(self)
             if (
                 config.enable_prefix_caching
