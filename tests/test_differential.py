@@ -1444,17 +1444,23 @@ def test_soak_block_pins_match_reference_step_by_step() -> None:
         cfg = dataclasses.replace(cfg, enable_kv_cache_events=i % 2 == 0)
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2,
                     connector_seed=seed if i % 2 else None, fail_steps=False, pins=True)  # fmt: skip
-        for _ in range(700):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-        twin.unpin_all()
-        twin.drain()
-        assert twin.ref.num_free_blocks == twin.rs.num_free_blocks == cfg.num_blocks - 1
-        total.update({k: twin.coverage[k] for k in ("pins", "unpins", "pins_refused")})
+        total += _soak_pins(twin, cfg, 700)
         total["preemptions"] += twin.ref.stats().num_preemptions
     assert all(total[k] > 0 for k in ("pins", "unpins", "pins_refused", "preemptions")), total
+
+
+def _soak_pins(twin: Twin, cfg: SchedulerConfig, steps: int) -> Counter[str]:
+    """Runs ``steps`` random operations of a twin with block pins, gives every pin back and drains: the pools are
+    whole again on both sides. Returns the pin operations' coverage."""
+    for _ in range(steps):
+        try:
+            twin.step()
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+    twin.unpin_all()
+    twin.drain()
+    assert twin.ref.num_free_blocks == twin.rs.num_free_blocks == cfg.num_blocks - 1
+    return Counter({k: twin.coverage[k] for k in ("pins", "unpins", "pins_refused", "pins_group_hashes")})
 
 
 def test_soak_block_pins_with_several_groups_match_reference_step_by_step() -> None:
@@ -1474,15 +1480,7 @@ def test_soak_block_pins_with_several_groups_match_reference_step_by_step() -> N
                               scheduler_reserve_full_isl=False, **layout)  # type: ignore[arg-type]  # fmt: skip
         twin = Twin(cfg, Rand(rng=np.random.default_rng(90 + seed)), max_in_flight=1 + seed % 2, pins=True)
         twin.make_prompt = lambda max_len, twin=twin: twin.rand.choice(PREFIXES)[: 4 * twin.rand.int(1, 8)]
-        for _ in range(400):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-        twin.unpin_all()
-        twin.drain()
-        assert twin.ref.num_free_blocks == twin.rs.num_free_blocks == cfg.num_blocks - 1
-        total.update({k: twin.coverage[k] for k in ("pins", "unpins", "pins_refused", "pins_group_hashes")})
+        total += _soak_pins(twin, cfg, 400)
     assert all(total[k] > 0 for k in ("pins", "unpins", "pins_refused", "pins_group_hashes")), total
 
 
