@@ -495,11 +495,13 @@ def test_simple_cpu_offload_with_a_sliding_window_group_offloads_and_reloads_as_
     assert scheds[1].core.num_free_blocks == pools[0].get_num_free_blocks()
 
 
-def test_simple_cpu_offload_layouts_it_does_not_take_fail_as_under_vllm_or_by_name() -> None:
+def test_simple_cpu_offload_layouts_with_groups_build_as_under_vllm() -> None:
     """SimpleCPUOffloadConnector with KV cache groups: without a full-attention group vLLM's connector fails its
-    own construction under either scheduler (the same AssertionError); with Mamba groups and prefix caching the
-    adapter refuses it by name (their stores and boundary-state hand-offs are not compared), and without prefix
-    caching (the connector turns itself off) builds it as vLLM does."""
+    own construction under either scheduler (the same AssertionError); with align-mode Mamba groups and prefix
+    caching it gets the pinning pool (its Mamba states come through the boundary hand-offs), and without prefix
+    caching it turns itself off, under either scheduler."""
+    from kvsched.vllm._kv_view import PinningBlockPoolView
+
     cfg = make_vllm_config(block_size=4, num_blocks=40, max_model_len=64, cpu_offload_blocks=48)
     for groups in [(8,), (8, 3)]:
         for impl in ("vllm", "kvsched"):
@@ -508,9 +510,11 @@ def test_simple_cpu_offload_layouts_it_does_not_take_fail_as_under_vllm_or_by_na
     mamba = make_vllm_config(block_size=8, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
                              max_num_seqs=4, enable_prefix_caching=True, mamba_cache_mode="align",
                              cpu_offload_blocks=48)  # fmt: skip
-    assert make_scheduler("vllm", mamba, kv_cache_groups=("mamba", None)).connector.scheduler_manager is not None
-    with pytest.raises(UnsupportedFeatureError, match=r"SimpleCPUOffloadConnector with Mamba KV cache groups"):
-        make_scheduler("kvsched", mamba, kv_cache_groups=("mamba", None))
+    for impl in ("vllm", "kvsched"):
+        assert make_scheduler(impl, mamba, kv_cache_groups=("mamba", None)).connector.scheduler_manager is not None
+    built = make_scheduler("kvsched", mamba, kv_cache_groups=("mamba", None))
+    assert isinstance(built.kv_cache_manager.block_pool, PinningBlockPoolView)
+    assert built.connector.scheduler_manager._gpu_block_pool is built.kv_cache_manager.block_pool
     off = make_vllm_config(block_size=8, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
                            max_num_seqs=4, enable_prefix_caching=False, mamba_cache_mode="align",
                            cpu_offload_blocks=48)  # fmt: skip

@@ -1602,7 +1602,7 @@ class Pair:
             for bid in meta.store_gpu_blocks:
                 block = blocks[bid]
                 g = get_group_id(block.block_hash) if block.block_hash is not None else 0
-                kind = "window" if isinstance(groups[g], int) else "full attention"
+                kind = "window" if isinstance(groups[g], int) else "Mamba" if groups[g] == "mamba" else "full attention"
                 OFFLOAD_COUNTS[f"stored blocks ({kind})"] += 1
                 if block.ref_cnt == 1:
                     OFFLOAD_COUNTS[f"stored blocks no request held ({kind})"] += 1
@@ -2107,6 +2107,8 @@ def run_seed(
         cfg.num_blocks = max(3, 1 + (cfg.num_blocks - 1) // dcp)
     pair = Pair(cfg, seed)
     pair.run(steps)
+    if cpu_offload and pair.a.connector.scheduler_manager is not None:
+        OFFLOAD_COUNTS["boundary states stored"] += pair.a.connector.scheduler_manager.boundary_store_stats.stored
     if pair.mooncake is not None:
         MOONCAKE_COUNTS.update(pair.mooncake.counts)
     if pair.umbp is not None:
@@ -2186,7 +2188,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefix caching on): loads and stores are reported over 0-2 steps later by a simulated worker; the "
         "connector's state and every GPU block's reference count and block hash are compared; with --hybrid, "
         "over full attention and sliding windows (a full-attention group in every layout: the connector needs "
-        "one); not with --connector or --sliding-window",
+        "one); with --mamba --mamba-align --mamba-prefix-caching, over Mamba groups (their states stored through "
+        "the boundary hand-offs); not with --connector or --sliding-window",
     )
     p.add_argument(
         "--lazy-offload",
@@ -2475,9 +2478,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--chunked-local goes with --hybrid")
     if args.lazy_offload and not args.cpu_offload:
         p.error("--lazy-offload goes with --cpu-offload")
-    if args.cpu_offload and (args.connector or args.sliding_window or args.chunked_local or args.mamba or args.enc_dec):
+    if args.cpu_offload and (args.connector or args.sliding_window or args.chunked_local or args.enc_dec):
         # (One sliding-window group: vLLM's connector asserts a full-attention group at construction.)
-        p.error("--cpu-offload goes without --connector, --sliding-window, --chunked-local, --mamba and --enc-dec")
+        p.error("--cpu-offload goes without --connector, --sliding-window, --chunked-local and --enc-dec")
+    if args.cpu_offload and args.mamba and not args.mamba_prefix_caching:
+        # (The connector needs prefix caching, which makes vLLM's Mamba groups align-mode ones.)
+        p.error("--cpu-offload with --mamba goes with --mamba-align --mamba-prefix-caching")
     if args.mooncake_store and (
         args.connector or args.cpu_offload or args.sliding_window or args.hybrid or args.mamba or args.enc_dec
     ):

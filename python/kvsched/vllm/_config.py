@@ -283,10 +283,11 @@ def check_kv_connector(vllm_config: Any, connector: Any, groups: tuple[Any, ...]
     to its children: it is refused when one of its children (at any depth) is. Every other connector gets
     ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own manager.
 
-    With a window or several groups only ``SimpleCPUOffloadConnector`` binds the pool (full attention and
-    sliding windows, its per-group stores and recovered window blocks through the pool view's group lookups);
-    with Mamba groups it is refused, as are the other two (Mamba boundary states, finished partial tails and
-    group lookups of their own, not compared with vLLM's scheduler there)."""
+    With a window or several groups only ``SimpleCPUOffloadConnector`` binds the pool (full attention, sliding
+    windows and Mamba groups: its per-group stores, recovered window blocks through the pool view's group
+    lookups, Mamba states through the block state's boundary hand-offs); the other two are refused there (Mamba
+    boundary states, finished partial tails and group lookups of their own, not compared with vLLM's
+    scheduler)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
@@ -304,13 +305,6 @@ def check_kv_connector(vllm_config: Any, connector: Any, groups: tuple[Any, ...]
                 check(child, f"{name} > ")
             return
         if _is_simple_cpu_offload(cls):
-            # (Without prefix caching the connector turns itself off: nothing of the pool is used.)
-            if groups is not None and MAMBA in groups and vllm_config.cache_config.enable_prefix_caching:
-                _refuse(
-                    "vLLM's SimpleCPUOffloadConnector with Mamba KV cache groups (Mamba states' stores, boundary "
-                    "state hand-offs; not compared with vLLM's scheduler)",
-                    f"kv_transfer_config: {name}",
-                )
             binds = True
             return
         if _is_mooncake_store(cls) or _is_umbp_store(cls):
@@ -380,7 +374,7 @@ def _is_mooncake_store(cls: type) -> bool:
     once every worker rank has reported the job (``blocks[bid]`` reads), and reads the current block tables
     through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it. It takes
     Mamba align groups' boundary states and finished partial tails (``register_finished_partial_tail``) only
-    with several KV cache groups, which the adapter refuses for connectors that bind the pool."""
+    with several KV cache groups, which the adapter refuses for it."""
     if not any(klass.__name__ == "MooncakeStoreConnector" for klass in cls.__mro__):
         return False  # (without importing the store's modules for every other connector)
     try:
@@ -398,7 +392,7 @@ def _is_umbp_store(cls: type) -> bool:
     block tables through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it.
     Its ``bind_kv_cache_manager`` keeps a local prefix-cache lookup (``coordinator.single_type_managers[g]
     .block_pool.get_cached_block``, the pinning pool's) that it asks only with several KV cache groups or a
-    group other than full attention, which the adapter refuses for connectors that bind the pool, as it does
+    group other than full attention, which the adapter refuses for it, as it does
     the Mamba boundary states and finished partial tails the connector would take. Its prefix lookups go to the
     UMBP runtime the deployment registers with vLLM (``UMBPRuntimeFactory``)."""
     if not any(klass.__name__ == "UMBPStoreConnector" for klass in cls.__mro__):
