@@ -1687,6 +1687,38 @@ def test_a_state_below_a_junction_is_kept_as_the_installed_vllm(marked: bool) ->
     assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("c", 16 if kept else 0)]
 
 
+def test_a_window_looked_up_before_an_unmarked_mamba_group_drops_again_as_the_installed_vllm() -> None:
+    """The trailing-block drop with is_eagle_group marking the attention groups (a window group before the Mamba
+    group) and sparse retention 0: "a" (44 tokens) leaves full-attention blocks and its Mamba state at 40; "b" and
+    "c" then arrive together. "b" (31 tokens) hits nothing and its first chunk caches a Mamba state at 24 in that
+    step. "c" (51 tokens, sharing a's first 41) gets a full-attention hit of 36 after the drop, the window agrees,
+    and the Mamba group, none of the drop's, finds only b's state of this step at 24: the candidate shortens, so
+    the window is looked up again at 24 and drops again (its block past 24 was not kept), and c is admitted in the
+    same step with no hit. A window that kept its first lookup's verdict would accept 24, and c would wait a step
+    for b's state. The same outputs as vLLM's scheduler, step by step."""
+    cfg = make_vllm_config(block_size=4, num_blocks=200, max_model_len=96, max_num_batched_tokens=64, max_num_seqs=6,
+                           mamba_cache_mode="align", num_speculative_tokens=2, speculative_method="eagle",
+                           eagle_block_drop=True, lookahead_block_hashes=RULES.version == "0.32")  # fmt: skip
+    pair = [
+        make_scheduler(
+            impl, cfg, kv_cache_groups=(4, "mamba", None), prefix_cache_retention_interval=0, eagle_groups=(0, 2)
+        )
+        for impl in ("vllm", "kvsched")
+    ]
+    assert pair[1].kv_config.drop_trailing_hit_block and not pair[1].kv_config.mamba_eagle_group
+    base = list(range(100, 164))
+    for s in pair:
+        s.add_request(make_request("a", [*base[:41], 300, 301, 302], max_tokens=1, block_size=4))
+    _run_out(pair)
+    for s in pair:
+        s.add_request(make_request("b", [*base[:30], 400], max_tokens=1, block_size=4))
+        s.add_request(make_request("c", [*base[:50], 500], max_tokens=1, block_size=4))
+    outs, _ = step_pair(pair)
+    assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("b", 0), ("c", 0)]
+    assert outs[1].num_scheduled_tokens == {"b": 24, "c": 36}
+    _run_out(pair)
+
+
 def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> None:
     """Mamba prefix caching (mamba_cache_mode "align" with prefix caching on, vLLM's default for hybrid Mamba
     models) runs on the core's align-mode groups with prefix caching, with vLLM's retention of the states (the KV
