@@ -909,6 +909,14 @@ class Twin:
         if self.pins:
             self.compare_pins()
 
+    def run(self, steps: int) -> None:
+        """``steps`` steps; a difference names the config and the last operations."""
+        for _ in range(steps):
+            try:
+                self.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {self.cfg}\nlast ops: {self.log[-15:]}") from e
+
     def drain(self) -> None:
         """Unpause, release every grammar, apply every pending step and run until no request is left."""
         self.ref.set_pause_state("unpaused")
@@ -2313,11 +2321,7 @@ def test_soak_divergent_local_hits_match_reference_step_by_step() -> None:
     for i, cfg in enumerate(DIVERGENT_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(4245 + i)), max_in_flight=1 + i % 3,
                     connector_seed=4245 + i, fail_steps=False)  # fmt: skip
-        for _ in range(500):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.run(500)
         twin.drain()
         kept += twin.ref.diverged_hits[0]
         replaced += twin.ref.diverged_hits[1]

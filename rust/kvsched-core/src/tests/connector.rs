@@ -389,12 +389,9 @@ fn a_load_takes_its_mamba_state_block_with_the_external_blocks() {
     }
 }
 
-/// Align-mode Mamba groups with prefix caching and a connector: the states the caching enters are offered once
-/// (`take_mamba_boundary_offers`), with the tokens they cover; a request's offers not yet taken are withdrawn
-/// when its blocks go back to the pool. Without a connector nothing is recorded.
-#[test]
-fn cached_mamba_states_are_offered_to_the_connector_once() {
-    let cfg = SchedulerConfig {
+/// Full attention and an align-mode Mamba group with prefix caching, for a connector with every group's tables.
+fn mamba_caching_cfg() -> SchedulerConfig {
+    SchedulerConfig {
         block_size: 4,
         num_blocks: 40,
         max_model_len: 64,
@@ -404,7 +401,15 @@ fn cached_mamba_states_are_offered_to_the_connector_once() {
         kv_connector_groups: true,
         prefix_hash_seed: Some(b"t".to_vec()),
         ..Default::default()
-    };
+    }
+}
+
+/// Align-mode Mamba groups with prefix caching and a connector: the states the caching enters are offered once
+/// (`take_mamba_boundary_offers`), with the tokens they cover; a request's offers not yet taken are withdrawn
+/// when its blocks go back to the pool. Without a connector nothing is recorded.
+#[test]
+fn cached_mamba_states_are_offered_to_the_connector_once() {
+    let cfg = mamba_caching_cfg();
     let mut s = Scheduler::new(cfg.clone()).unwrap();
     s.set_kv_connector(Some(Box::new(Fake::default()))).unwrap();
     s.add_request("a", &prompt(0, 13), params(3)).unwrap();
@@ -453,18 +458,7 @@ fn a_diverged_local_hit_stands_only_with_external_tokens() {
         }
     }
     for divergent in [true, false] {
-        let cfg = SchedulerConfig {
-            block_size: 4,
-            num_blocks: 40,
-            max_model_len: 64,
-            enable_prefix_caching: true,
-            kv_cache_groups: vec![None, Some(crate::MAMBA)],
-            mamba_align: true,
-            kv_connector_groups: true,
-            divergent_local_hits: divergent,
-            prefix_hash_seed: Some(b"t".to_vec()),
-            ..Default::default()
-        };
+        let cfg = SchedulerConfig { divergent_local_hits: divergent, ..mamba_caching_cfg() };
         let log = Arc::new(Mutex::new(Vec::new()));
         let fake = Fake { ext: 8, only: Some("b".into()), log: log.clone(), ..Default::default() };
         let mut s = Scheduler::new(cfg).unwrap();
