@@ -180,8 +180,8 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 # Requests scheduled as new with prefix-hit tokens (their first step starts past 0), over the runs of the process.
 PREFIX_HITS = 0
-# --divergent-hits: vLLM's admissions whose per-group local hit diverged, and those of them it replaced by the hit
-# every group agrees on (the connector found no tokens).
+# --divergent-hits: vLLM's admission lookups whose per-group local hit diverged, and those of them it replaced by the
+# hit every group agrees on (the connector found no tokens).
 DIVERGED_HITS = collections.Counter[str]()
 # Runs whose requests hash at a unit finer than the block (--hash-block-size).
 FINER_HASH_SEEDS = 0
@@ -2226,7 +2226,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --connector: the RandomKVConnector claims supports_divergent_local_hybrid_hits (vLLM's NIXL and "
         "MoRI-IO do); with --mamba-prefix-caching both schedulers look a new request's local hit up group by group "
-        "(prints how many admissions had a diverged hit)",
+        "(prints how many lookups had a diverged hit)",
     )
     p.add_argument("--kv-events", action="store_true", help="KV cache events on, published batches compared")
     p.add_argument(
@@ -2609,8 +2609,8 @@ def main(argv: list[str] | None = None) -> int:
             MIXED_BLOCK_SEEDS = 0
             if args.divergent_hits:
                 note += (
-                    f"; {DIVERGED_HITS['diverged']} admissions with a diverged local hit, "
-                    f"{DIVERGED_HITS['replaced']} of them replaced by the usual hit"
+                    f"; {DIVERGED_HITS['diverged']} lookups with a diverged local hit (a request skipped or not "
+                    f"fitting is looked up again), {DIVERGED_HITS['replaced']} of them replaced by the usual hit"
                 )
                 DIVERGED_HITS.clear()
             if args.mooncake_store:
