@@ -162,6 +162,9 @@ class FakeConnector:
     def load_deferred(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
         self.calls.append(("deferred", req_id, list(block_ids), num_external_tokens))
 
+    def local_hit_replaced(self, req_id: str, num_local_tokens: int) -> None:
+        self.calls.append(("replaced", req_id, num_local_tokens))
+
     def get_loaded_kv_cache_group_ids(self, req_id: str) -> list[int]:
         # Asked at an asynchronous load's allocation with a Mamba group: the groups the load writes (their loaded
         # tokens' blocks are not zeroed), a draw among the first four group indices.
@@ -905,6 +908,14 @@ class Twin:
         self.kv_events.check(self.ref, self.rs)
         if self.pins:
             self.compare_pins()
+
+    def run(self, steps: int) -> None:
+        """``steps`` steps; a difference names the config and the last operations."""
+        for _ in range(steps):
+            try:
+                self.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {self.cfg}\nlast ops: {self.log[-15:]}") from e
 
     def drain(self) -> None:
         """Unpause, release every grammar, apply every pending step and run until no request is left."""
@@ -1917,7 +1928,7 @@ def test_soak_sliding_window_matches_reference_step_by_step() -> None:
     block 0 in the run."""
     nulls = window_hits = 0
     for i, cfg in enumerate(SWA_CONFIGS):
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(4242 + i)), max_in_flight=1 + i % 3,
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(4245 + i)), max_in_flight=1 + i % 3,
                     connector_seed=4242 + i if i % 2 else None, fail_steps=False)  # fmt: skip
         for _ in range(700):
             try:
@@ -2278,6 +2289,45 @@ def test_soak_kv_connector_groups_match_reference_step_by_step() -> None:
         offered += twin.boundary_offers
     assert nulls_handed > 0 and held > 0 and loaded_groups > 0, (nulls_handed, held, loaded_groups)
     assert offered > 0, "no Mamba boundary state was offered"
+
+
+# A KV connector that completes divergent local hits (divergent_local_hits) with align-mode Mamba groups and prefix
+# caching: each group's own hit, as long as full attention's, kept when the connector finds tokens, else replaced by
+# the usual one; beside a window, with sparse retention, with drafts and the trailing-block drop.
+DIVERGENT_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, "mamba"), kv_connector_groups=True, mamba_align=True,
+                    divergent_local_hits=True, prefix_hash_seed=111),
+    SchedulerConfig(block_size=4, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=64,
+                    kv_cache_groups=("mamba", None, "mamba"), kv_connector_groups=True, mamba_align=True,
+                    prefix_cache_retention_interval=8, async_scheduling=True, defer_block_free=True,
+                    park_kv_loads=False, reserve_inflight_prefills=True, divergent_local_hits=True,
+                    prefix_hash_seed=112),
+    SchedulerConfig(block_size=4, num_blocks=48, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=("mamba", 6, None), kv_connector_groups=True, mamba_align=True,
+                    divergent_local_hits=True, prefix_hash_seed=113),
+    SchedulerConfig(block_size=4, num_blocks=48, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, "mamba"), kv_connector_groups=True, mamba_align=True,
+                    num_speculative_tokens=2, mamba_speculative_blocks=2, drop_trailing_hit_block=True,
+                    divergent_local_hits=True, prefix_hash_seed=114),
+]  # fmt: skip
+
+
+def test_soak_divergent_local_hits_match_reference_step_by_step() -> None:
+    """With divergent_local_hits, both implementations find the same per-group hits, keep a diverged one when the
+    connector finds tokens and replace it with the usual hit when it finds none, and agree at every step; some
+    admissions reach both outcomes."""
+    kept = replaced = 0
+    for i, cfg in enumerate(DIVERGENT_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(4245 + i)), max_in_flight=1 + i % 3,
+                    connector_seed=4245 + i, fail_steps=False)  # fmt: skip
+        twin.run(500)
+        twin.drain()
+        kept += twin.ref.diverged_hits[0]
+        replaced += twin.ref.diverged_hits[1]
+        assert twin.conn_ref is not None
+        assert sum(c[0] == "replaced" for c in twin.conn_ref.calls) == twin.ref.diverged_hits[1]
+    assert kept > 0 and replaced > 0, (kept, replaced)
 
 
 # Mamba groups in align mode (mamba_align, vLLM's mamba_cache_mode "align"): block-sized state tables beside full

@@ -1434,14 +1434,11 @@ def test_mamba_prefix_caching_with_a_finer_prefix_match_unit_is_refused_by_name(
     assert make_scheduler("kvsched", cfg, kv_cache_groups=("mamba", None), hash_block_size=8).kv_config.mamba_align
 
 
-def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name() -> None:
     """A KV connector in every role (kv_producer, kv_consumer, kv_both) runs with Mamba groups in mode "none" and
     in mode "align", with prefix caching or without (the core hands it every group's blocks, and with prefix
-    caching the cached Mamba states); a connector that completes divergent local hybrid hits with Mamba prefix
-    caching, and roles that load KV with mode-"none" Mamba blocks longer than max_model_len, are refused at
-    construction, by name."""
+    caching the cached Mamba states); roles that load KV with mode-"none" Mamba blocks longer than max_model_len
+    are refused at construction, by name."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     kw = _attention_kw(4)
@@ -1457,19 +1454,6 @@ def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_ref
             sched = _build_mamba(cfg(role), mamba, FullAttentionSpec(**kw), block_size=size)
             assert sched.kv_config.kv_connector_groups and sched.kv_config.mamba_align == (mode == "align")
             assert sched.kv_config.enable_prefix_caching == caching
-    # A connector that restores a lagging Mamba group's state past its local hit (vLLM then takes the
-    # full-attention groups' deeper hit): refused with Mamba prefix caching, accepted without.
-    from kvsched.vllm.testing import RandomKVConnector
-
-    monkeypatch.setattr(RandomKVConnector, "supports_divergent_local_hybrid_hits", True)
-    for caching in (True, False):
-        vcfg = make_vllm_config(block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=caching,
-                                mamba_cache_mode="align", kv_connector_seed=1, kv_role="kv_consumer")  # fmt: skip
-        if caching:
-            with pytest.raises(UnsupportedFeatureError, match="complete divergent local hybrid hits"):
-                _build_mamba(vcfg, _mamba_spec(4, "align"), FullAttentionSpec(**kw), block_size=4)
-        else:
-            _build_mamba(vcfg, _mamba_spec(4, "align"), FullAttentionSpec(**kw), block_size=4)
     # Mode "none" with a state block longer than max_model_len: a producer runs, the roles that load KV are refused.
     longer = _mamba_spec(128, "none")
     none_cfg = {"block_size": 4, "num_blocks": 64, "max_model_len": 64, "enable_prefix_caching": False,
@@ -1478,6 +1462,54 @@ def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_ref
     for role in ("kv_consumer", "kv_both"):
         with pytest.raises(UnsupportedFeatureError, match="KV connectors that load KV with Mamba blocks longer than"):
             _build_mamba(make_vllm_config(**none_cfg, kv_role=role), longer, FullAttentionSpec(**kw))
+
+
+def test_a_connector_that_completes_divergent_local_hits_gets_vllms_per_group_hit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connector whose supports_divergent_local_hybrid_hits is true (vLLM's NIXL and MoRI-IO; a MultiConnector when
+    every child's is) turns the core's divergent_local_hits on. With Mamba prefix caching a new request whose
+    full-attention hit runs deeper than the Mamba group's is asked about with the full-attention hit; with external
+    tokens it keeps that hit (the connector restores the state), without it gets the hit both groups agree on, and
+    the prefill stats count that one, as vLLM's scheduler does."""
+    from kvsched.vllm.testing import RandomKVConnector
+    from vllm_driver import DIVERGED_HITS, _count_diverged_hits
+
+    for multi in (False, True):
+        cfg = make_vllm_config(kv_connector_seed=1, kv_connector_multi=multi, kv_connector_divergent_hits=True)
+        assert make_scheduler("kvsched", cfg).core.config.divergent_local_hits
+    assert not make_scheduler("kvsched", make_vllm_config(kv_connector_seed=1)).core.config.divergent_local_hits
+    # External tokens by request: 8 past a diverged hit for "b", none for "c".
+    script = {"b": 8}
+
+    def matched(self: Any, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self.calls.append(("matched", request.request_id, num_computed_tokens))
+        return script.get(request.request_id, 0), False
+
+    monkeypatch.setattr(RandomKVConnector, "get_num_new_matched_tokens", matched)
+    cfg = make_vllm_config(block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=True,
+                           mamba_cache_mode="align", kv_connector_seed=1, kv_role="kv_consumer",
+                           kv_connector_divergent_hits=True)  # fmt: skip
+    pair = tuple(make_scheduler(impl, cfg, kv_cache_groups=(None, "mamba")) for impl in ("vllm", "kvsched"))
+    DIVERGED_HITS.clear()
+    _count_diverged_hits(pair[0])
+    prompt = list(range(1, 25))
+    # "a" caches 5 full-attention blocks and its Mamba states at 20 and 24 tokens only.
+    _add(pair, "a", prompt, max_tokens=1, block_size=4)
+    while pair[0].requests:  # type: ignore[attr-defined]
+        _step(pair)
+    # "b" and "c" share 3 blocks with "a": a full-attention hit of 12 tokens, none in the Mamba group.
+    _add(pair, "b", prompt[:12] + list(range(90, 100)), max_tokens=1, block_size=4)
+    (out,) = _step(pair)[:1]
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("b", 12 + 8)]
+    _add(pair, "c", prompt[:12] + list(range(120, 130)), max_tokens=1, block_size=4)
+    (out,) = _step(pair)[:1]
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("c", 0)]
+    for s in pair:
+        stats = s.requests["c"].prefill_stats  # type: ignore[attr-defined]
+        assert (stats.num_local_cached_tokens, stats.num_external_cached_tokens) == (0, 0)
+        assert [c[2] for c in s.connector.calls if c[0] == "matched" and c[1] in "bc"] == [12, 12]  # type: ignore[attr-defined]
+    assert DIVERGED_HITS == {"diverged": 2, "replaced": 1}
 
 
 def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> None:

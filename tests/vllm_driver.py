@@ -180,6 +180,9 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 # Requests scheduled as new with prefix-hit tokens (their first step starts past 0), over the runs of the process.
 PREFIX_HITS = 0
+# --divergent-hits: vLLM's admission lookups whose per-group local hit diverged, and those of them it replaced by the
+# hit every group agrees on (the connector found no tokens).
+DIVERGED_HITS = collections.Counter[str]()
 # Runs whose requests hash at a unit finer than the block (--hash-block-size).
 FINER_HASH_SEEDS = 0
 # Of the prefix-hit admissions, those whose hit ends inside a block; and the block copies vLLM's scheduler sent
@@ -268,6 +271,8 @@ class Config:
     # The RandomKVConnector is the second child of vLLM's MultiConnector, after a passive one (it finds no tokens
     # and delays no free); both log their calls.
     kv_connector_multi: bool = False
+    # The RandomKVConnector (and the passive one) claims supports_divergent_local_hybrid_hits.
+    kv_connector_divergent_hits: bool = False
     # vLLM's SimpleCPUOffloadConnector (eager offload) with a CPU pool of this many blocks, instead of a
     # RandomKVConnector: its loads and stores are reported over by a simulated worker (Pair.offload_transfers).
     cpu_offload_blocks: int | None = None
@@ -1072,6 +1077,8 @@ class Pair:
             self.b = make_scheduler("kvsched", vcfg, **kw)
         if self.store is not None:
             self.store.attach(self.a, self.b)
+        if cfg.kv_connector_divergent_hits:
+            _count_diverged_hits(self.a)
         if hash_block_size is not None:
             # Both schedulers (and vLLM's coordinator) hash at the finer unit.
             assert self.a.hash_block_size == self.b.hash_block_size == hash_block_size < self.kv_block_size
@@ -1807,6 +1814,7 @@ def run_seed(
     kv_role: str = "kv_both",
     sync_invalid: bool = False,
     multi_connector: bool = False,
+    divergent_hits: bool = False,
     kv_events: bool = False,
     sliding_window: bool = False,
     hybrid: bool = False,
@@ -1840,7 +1848,8 @@ def run_seed(
     group_block_factors: tuple[int, ...] = (),
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
-    ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
+    ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``divergent_hits``: claiming
+    ``supports_divergent_local_hybrid_hits``; ``multi_connector``: as the second
     child of vLLM's ``MultiConnector``, after a passive one); ``kv_events`` turns KV cache
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``hybrid`` gives the
@@ -1985,6 +1994,7 @@ def run_seed(
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
         cfg.kv_role = kv_role
         cfg.kv_connector_multi = multi_connector
+        cfg.kv_connector_divergent_hits = divergent_hits
         cfg.defer_async_loads = defer_async_loads
     if num_speculative_tokens is not None:
         cfg.num_speculative_tokens = num_speculative_tokens
@@ -2079,6 +2089,31 @@ def run_seed(
     if pair.umbp is not None:
         UMBP_COUNTS.update(pair.umbp.counts)
     return cfg
+
+
+def _count_diverged_hits(sched: Any) -> None:
+    """Counts in ``DIVERGED_HITS`` the local hits of vLLM's scheduler ``sched`` that diverged across its groups, and
+    those it replaced by the usual hit (its next ``get_computed_blocks`` call comes right after the diverged
+    lookup)."""
+    lookup, usual = sched._get_local_prefix_cache_hit, sched.kv_cache_manager.get_computed_blocks
+    pending = [False]
+
+    def counted_lookup(*args: Any, **kw: Any) -> Any:
+        pending[0] = False
+        out = lookup(*args, **kw)
+        if out[3]:
+            DIVERGED_HITS["diverged"] += 1
+            pending[0] = True
+        return out
+
+    def counted_usual(*args: Any, **kw: Any) -> Any:
+        if pending[0]:
+            DIVERGED_HITS["replaced"] += 1
+            pending[0] = False
+        return usual(*args, **kw)
+
+    sched._get_local_prefix_cache_hit = counted_lookup
+    sched.kv_cache_manager.get_computed_blocks = counted_usual
 
 
 def random_groups(rng: random.Random, block_size: int) -> tuple[int | None, ...]:
@@ -2191,6 +2226,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --connector: the RandomKVConnector is the second child of vLLM's MultiConnector, after a passive "
         "one (bound to each scheduler's KV cache manager: kvsched's read-only view)",
+    )
+    p.add_argument(
+        "--divergent-hits",
+        action="store_true",
+        help="with --connector: the RandomKVConnector claims supports_divergent_local_hybrid_hits (vLLM's NIXL and "
+        "MoRI-IO do); with --mamba-prefix-caching both schedulers look a new request's local hit up group by group "
+        "(prints how many lookups had a diverged hit)",
     )
     p.add_argument("--kv-events", action="store_true", help="KV cache events on, published batches compared")
     p.add_argument(
@@ -2473,6 +2515,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sync-invalid goes with --connector or --umbp-store")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
+    if args.divergent_hits and not args.connector:
+        p.error("--divergent-hits goes with --connector")
     if args.sliding_window and args.mm:
         p.error("--sliding-window and --mm are separate sweeps (a multimodal model with a window is not driven here)")
     import vllm
@@ -2507,6 +2551,7 @@ def main(argv: list[str] | None = None) -> int:
                         kv_role=role or "kv_both",
                         sync_invalid=args.sync_invalid,
                         multi_connector=args.multi_connector,
+                        divergent_hits=args.divergent_hits,
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
                         hybrid=args.hybrid,
@@ -2570,6 +2615,12 @@ def main(argv: list[str] | None = None) -> int:
             if group_block_factors:
                 note += f"; {MIXED_BLOCK_SEEDS} runs with KV cache groups of different block sizes"
             MIXED_BLOCK_SEEDS = 0
+            if args.divergent_hits:
+                note += (
+                    f"; {DIVERGED_HITS['diverged']} lookups with a diverged local hit (a request skipped or not "
+                    f"fitting is looked up again), {DIVERGED_HITS['replaced']} of them replaced by the usual hit"
+                )
+                DIVERGED_HITS.clear()
             if args.mooncake_store:
                 note += "; store stand-in: " + ", ".join(f"{n} {k}" for k, n in sorted(MOONCAKE_COUNTS.items()))
                 MOONCAKE_COUNTS.clear()

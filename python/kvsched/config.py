@@ -558,6 +558,17 @@ class SchedulerConfig:
             "[KV connectors with several groups](#kv-connectors-with-several-groups)"
         ),
     )
+    divergent_local_hits: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM's KV connectors that complete divergent local hybrid hits (NIXL, MoRI-IO): with a connector, "
+            "align-mode Mamba groups with prefix caching and a full-attention group, a new request's local hit is "
+            "each group's own, looked up alone, as long as the full-attention hit unless a group's runs deeper; "
+            "when a group's is shorter and the connector finds no tokens, the usual hit replaces it; no effect "
+            "otherwise (`kvsched.vllm` sets it from the connector's `supports_divergent_local_hybrid_hits`). See "
+            "[Divergent local hits](#divergent-local-hits)"
+        ),
+    )
     max_loras_counts_unscheduled: bool = field(
         default=True,
         metadata=_spec(

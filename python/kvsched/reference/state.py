@@ -102,6 +102,9 @@ class _SchedulerState:
         self._newly_cached: list[tuple[int, bytes]] = []  # (block, hash) cached since schedule() began
         self._group_hits: list[list[int]] = []  # with several KV cache groups: every group's hits of the last lookup
         self._group_longest = 0  # the longest hit one lookup set found in the last lookup (blocks)
+        self._group_per_set = False  # the last lookup was the per-group one: each group's hits of its own length
+        # divergent_local_hits: the diverged hits admissions kept (the connector found tokens) and replaced (tests)
+        self.diverged_hits = [0, 0]
         # Align-mode Mamba groups with prefix caching: the keys Mamba blocks were cached under in this schedule()
         # call (vLLM's cached_blocks_this_step).
         self._mamba_cached_step: set[bytes] = set()

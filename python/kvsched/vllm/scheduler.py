@@ -322,19 +322,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         "kv_transfer_config",
                     )
                 self._pins = BlockPins(self)
-            if (
-                config.enable_prefix_caching
-                and config.mamba_align
-                and MAMBA in (config.kv_cache_groups or ())
-                and connector.supports_divergent_local_hybrid_hits
-            ):
-                # vLLM then takes the full-attention groups' local hit alone when the connector finds external
-                # tokens past a lagging Mamba group's hit (the connector restores the state); the core's hits agree
-                # across groups.
-                _refuse(
-                    "KV connectors that complete divergent local hybrid hits with Mamba prefix caching",
-                    f"{type(connector).__name__}.supports_divergent_local_hybrid_hits, enable_prefix_caching=True",
-                )
             self.connector = connector
             self._bridge = ConnectorBridge(
                 connector,
@@ -349,7 +336,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 self._connector_prefix_cache_stats = PrefixCacheStats()
             self._kv_failure_fails = vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
             self._requires_kv_delivery = bool(connector.requires_kv_delivery)
-            config = dataclasses.replace(config, drop_preempted_output=self._requires_kv_delivery)
+            # A connector that completes divergent local hybrid hits (vLLM's NIXL and MoRI-IO; a MultiConnector when
+            # every one of its connectors does) has vLLM look a new request's hit up group by group.
+            divergent = bool(connector.supports_divergent_local_hybrid_hits)
+            config = dataclasses.replace(
+                config, drop_preempted_output=self._requires_kv_delivery, divergent_local_hits=divergent
+            )
         self._core = _CoreScheduler(config, kv_connector=self._bridge)
         # Encoder-cache connector (vLLM's ec_transfer_config): vLLM's own scheduler-role connector, built as
         # vLLM's scheduler builds it; the core asks it (through the bridge) which encoder outputs it can load and

@@ -333,6 +333,12 @@ pub struct SchedulerConfig {
     /// go back to the pool before the connector sees the tables (null blocks in their place). Allows a connector,
     /// and `defer_block_free`, with full-attention, sliding-window and Mamba groups.
     pub kv_connector_groups: bool,
+    /// vLLM's KV connectors that complete divergent local hybrid hits (`supports_divergent_local_hybrid_hits`):
+    /// with a connector, align-mode Mamba groups with prefix caching and a full-attention group, a new request's
+    /// local hit is each lookup set's own, found alone, and its length the full-attention set's, unless a group's
+    /// runs deeper (the usual hit then). When some group's hit is shorter (the hit diverged) and the connector
+    /// finds no tokens, the usual hit replaces it. No effect otherwise.
+    pub divergent_local_hits: bool,
     /// Which LoRA adapters count against `max_loras` when a waiting request is admitted. `true` (vLLM 0.33): those
     /// of every running request, scheduled in this step or not. `false` (vLLM 0.32): only those of the running
     /// requests scheduled in this step.
@@ -562,6 +568,7 @@ impl Default for SchedulerConfig {
             defer_async_loads: false,
             drop_preempted_output: false,
             kv_connector_groups: false,
+            divergent_local_hits: false,
             max_loras_counts_unscheduled: true,
             continue_after_self_preemption: true,
             skip_encoder_blocked_admissions: true,

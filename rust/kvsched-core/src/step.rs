@@ -1064,10 +1064,24 @@ impl Scheduler {
             }
             // A request that skips reading the prefix cache (prompt logprobs) gets no hits.
             req.shared_prefix_boundary = 0;
+            // With a connector that completes divergent local hits: each group's own hit (see
+            // `find_hybrid_hit_per_group`), whether a group's is shorter than full attention's.
+            let mut diverged = false;
             if !req.skip_reading_prefix_cache {
-                self.kv.find_longest_cache_hit(&req.block_hashes, lookup_tokens, hits);
+                let per_group = if self.config.divergent_local_hits && self.connector.is_some() {
+                    self.kv.find_hybrid_hit_per_group(&req.block_hashes, lookup_tokens, hits)
+                } else {
+                    None
+                };
+                match per_group {
+                    // The per-group lookup leaves the shared-prefix junction at 0.
+                    Some(d) => diverged = d,
+                    None => {
+                        self.kv.find_longest_cache_hit(&req.block_hashes, lookup_tokens, hits);
+                        req.shared_prefix_boundary = self.kv.shared_prefix_boundary(hits.len());
+                    }
+                }
                 req.probe_hits = hits.len() as u32;
-                req.shared_prefix_boundary = self.kv.shared_prefix_boundary(hits.len());
             }
             // A swapped-out request resumes from its CPU copy: the connector is not asked.
             if let (Some(conn), true) = (self.connector.as_mut(), req.cpu_blocks.is_empty()) {
@@ -1092,6 +1106,15 @@ impl Scheduler {
                 if let (false, Some(cap)) = (blocked, self.hit_cap.as_mut()) {
                     ext = cap.0.cap_external_hit(req, &cached, local, ext).min(ext);
                     load_async &= ext > 0;
+                }
+                // A diverged hit the connector adds nothing to has no state where it ends: the usual hit, which
+                // every group agrees on, replaces it (the connector is not asked again).
+                if diverged && !blocked && ext == 0 {
+                    hits.clear();
+                    self.kv.find_longest_cache_hit(&req.block_hashes, lookup_tokens, hits);
+                    req.probe_hits = hits.len() as u32;
+                    req.shared_prefix_boundary = self.kv.shared_prefix_boundary(hits.len());
+                    conn.0.local_hit_replaced(req, hits.len() as u32 * bs);
                 }
             }
         }
