@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from conftest import requires_rust
-from kvsched import RequestStatus
+from kvsched import InvalidRequestError, RequestStatus
 from kvsched.reference import ReferenceScheduler
 
 pytestmark = requires_rust
@@ -199,6 +199,76 @@ def test_disable_chunked_mm_input_stops_before_a_partly_covered_input(impl: str,
         assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([0], [0, 1])
     else:
         assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([0], [0, 1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lookahead", [0, 1, 3])
+def test_drafter_lookahead_widens_the_encoder_window(impl: str, lookahead: int) -> None:
+    """vLLM _try_schedule_encoder_inputs(shift_computed_tokens=num_prefill_lookahead): the drafter reads
+    ``lookahead`` tokens past the chunk, so an input starting right after the chunk's end is computed with it."""
+    s = make(
+        impl,
+        max_num_batched_tokens=10,
+        max_num_encoder_input_tokens=8,
+        encoder_cache_size=16,
+        prefill_lookahead_tokens=lookahead,
+    )
+    s.add_request("a", list(range(30)), max_tokens=1, encoder_inputs=[(10, 6, 1), (20, 4, 2)])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [10]
+    assert enc(out) == (([0], [0, 1]) if lookahead else ([], [0, 0]))
+    out = step(s)
+    # [10, 20): input 0 is cached already with a lookahead; input 1 (at 20) is in the widened window
+    assert enc(out) == (([1], [0, 1]) if lookahead else ([0], [0, 1]))
+    assert s.stats().encoder_cache_hits == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_encoder_budget_cut_ignores_the_drafter_lookahead(impl: str) -> None:
+    """vLLM 0.33: an input in the widened window that does not fit the budget cuts the chunk just before the
+    input itself (not the lookahead before it): the chunk keeps its length here, the input waits."""
+    s = make(impl, max_num_batched_tokens=10, max_num_encoder_input_tokens=4, encoder_cache_size=16,
+             prefill_lookahead_tokens=2)  # fmt: skip
+    s.add_request("a", list(range(30)), max_tokens=1, encoder_inputs=[(6, 4, 1), (11, 4, 2)])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([0], [0, 1])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([1], [0, 1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_disable_chunked_mm_input_stops_the_lookahead_before_the_input(impl: str, lookahead: int) -> None:
+    """vLLM disable_chunked_mm_input with a drafter: a chunk that would cover only part of an input stops
+    ``lookahead`` tokens before it (the drafter's read-ahead must not reach it); a request whose input a chunk
+    could then never cover whole is refused at add_request."""
+    fields = {"max_num_batched_tokens": 10, "max_num_encoder_input_tokens": 8, "encoder_cache_size": 8}
+    s = make(impl, disable_chunked_mm_input=True, prefill_lookahead_tokens=lookahead, **fields)
+    s.add_request("a", list(range(20)), max_tokens=1, encoder_inputs=[(6, 8, 1)])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [6 - lookahead] and enc(out) == ([], [0, 0])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([0], [0, 1])
+    # 8 tokens and the lookahead before them need more than a chunk of 10 when the lookahead is 3
+    s = make(impl, disable_chunked_mm_input=True, prefill_lookahead_tokens=3, **fields)
+    with pytest.raises(InvalidRequestError, match="encoder input 0"):
+        s.add_request("b", list(range(20)), max_tokens=1, encoder_inputs=[(6, 8, 1)])
+    s.add_request("c", list(range(20)), max_tokens=1, encoder_inputs=[(2, 8, 1)])  # 2 tokens before it: fits
+    assert s.get_request_status("c") == RequestStatus.WAITING
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_multi_module_mtp_cuts_after_the_encoder_inputs(impl: str) -> None:
+    """vLLM schedules the encoder inputs before _reserve_prefill_lookahead: with disable_chunked_mm_input, the
+    chunk [0, 19) covers the input at 10..19 whole, so it is computed; only then the MTP lookahead of 3 shortens
+    the chunk to 17 (cutting first would have stopped it before the input)."""
+    s = make(impl, max_num_batched_tokens=19, max_num_encoder_input_tokens=9, encoder_cache_size=9,
+             disable_chunked_mm_input=True, prefill_lookahead_tokens=3)  # fmt: skip
+    s.add_request("a", list(range(20)), max_tokens=1, encoder_inputs=[(10, 9, 1)])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [17] and enc(out) == ([0], [0, 1])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [3] and enc(out) == ([], [0, 0])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

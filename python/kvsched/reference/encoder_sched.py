@@ -58,7 +58,7 @@ class _EncoderSchedMixin(_SchedulerState):
             if c.disable_chunked_mm_input:
                 th = c.long_prefill_token_threshold
                 chunk = min(th, c.max_chunk_tokens) if th > 0 else c.max_chunk_tokens
-                if size > chunk:
+                if size + min(start, c.prefill_lookahead_tokens) > chunk:  # and the lookahead's tokens before it
                     raise InvalidRequestError(f"request {req_id!r}: encoder input {i} exceeds a chunk")
             if known.setdefault(h, size) != size:
                 raise InvalidRequestError(f"request {req_id!r}: encoder input {i}: hash {h} known with another size")
@@ -194,20 +194,22 @@ class _EncoderSchedMixin(_SchedulerState):
                 self._encoder.release(h, (r, i))
 
     def _plan_encoder(self, st: _EncoderStep, r: _Request, computed: int, n: int) -> int:
-        """vLLM's _try_schedule_encoder_inputs: the chunk [computed, computed + n) reuses cached inputs and
-        computes the others that fit the step's budget and the cache; it is cut before the first that does not
-        (to 0 when it starts inside it). With disable_chunked_mm_input it stops before an input it would cover
-        only in part. Entries are allocated (and budget charged) now; the plan is committed or rolled back."""
+        """vLLM's _try_schedule_encoder_inputs: the chunk [computed, computed + n), widened by the drafter's
+        prefill lookahead, reuses cached inputs and computes the others that fit the step's budget and the cache;
+        it is cut before the first that does not (to 0 when it starts inside it). With disable_chunked_mm_input it
+        stops before an input it would cover only in part, by the lookahead too. Entries are allocated (and budget
+        charged) now; the plan is committed or rolled back."""
         if n == 0 or not r.encoder_inputs:
             return n
+        shift = self._config.prefill_lookahead_tokens  # the drafter reads that many tokens past the chunk
         end = computed + n
         for i, (start, size, h) in enumerate(r.encoder_inputs):
             if start + size <= computed:
                 continue
-            if start >= end:
+            if start >= end + shift:
                 break
             if self._config.disable_chunked_mm_input and computed <= start and end < start + size:
-                return start - computed
+                return max(0, start - computed - shift)
             if self._encoder.reference(h, (r, i)):
                 if not r.encoder_held[i]:
                     r.encoder_held[i] = True

@@ -372,9 +372,9 @@ pub struct SchedulerConfig {
     /// a prefill chunk never ends fewer than `N` tokens before the request's known tokens end (it is shortened to
     /// leave `N`, possibly to nothing), and the last `N - 1` computed tokens are not yet final: the blocks entering
     /// the prefix cache stop `N - 1` tokens short of the tokens being cached (with several groups only together
-    /// with `drop_trailing_hit_block`, as vLLM's hybrid coordinator). 0 and 1 change nothing here. With `N > 1`
-    /// not combined with encoder inputs (`encoder_cache_size`; vLLM also shifts the encoder window) nor with a
-    /// Mamba group and prefix caching.
+    /// with `drop_trailing_hit_block`, as vLLM's hybrid coordinator). The encoder inputs a chunk reaches extend
+    /// `N` tokens past its end (`encoder_sched.rs`). 0 changes nothing, nor does 1 without encoder inputs. With
+    /// `N > 1` not combined with a Mamba group and prefix caching.
     pub prefill_lookahead_tokens: u32,
     /// Tokens below the window that every sliding-window group keeps (vLLM's `SlidingWindowSpec.
     /// extra_retained_tokens`, `num_prefill_lookahead_tokens - 1` with a multi-module MTP drafter): a window's
@@ -944,21 +944,15 @@ impl SchedulerConfig {
 
     /// What `prefill_lookahead_tokens` above 1 and `extra_retained_tokens` need (see the fields).
     fn validate_prefill_lookahead(&self) -> Result<()> {
-        if self.prefill_lookahead_tokens > 1 {
-            if self.encoder_cache_size > 0 {
-                return Err(SchedError::InvalidConfig(format!(
-                    "prefill_lookahead_tokens ({}) above 1 cannot be combined with encoder inputs \
-                     (encoder_cache_size {}): the encoder window is not shifted by the lookahead",
-                    self.prefill_lookahead_tokens, self.encoder_cache_size
-                )));
-            }
-            if self.enable_prefix_caching && self.kv_cache_groups.contains(&Some(MAMBA)) {
-                return Err(SchedError::InvalidConfig(format!(
-                    "prefill_lookahead_tokens ({}) above 1 cannot be combined with a Mamba group with prefix \
-                     caching (the reprefillable tail of Mamba states is not implemented)",
-                    self.prefill_lookahead_tokens
-                )));
-            }
+        if self.prefill_lookahead_tokens > 1
+            && self.enable_prefix_caching
+            && self.kv_cache_groups.contains(&Some(MAMBA))
+        {
+            return Err(SchedError::InvalidConfig(format!(
+                "prefill_lookahead_tokens ({}) above 1 cannot be combined with a Mamba group with prefix caching \
+                 (the reprefillable tail of Mamba states is not implemented)",
+                self.prefill_lookahead_tokens
+            )));
         }
         if self.extra_retained_tokens > 0 {
             let window = self.sliding_window.is_some()
