@@ -355,3 +355,19 @@ def test_a_failed_step_drops_the_entries_it_was_to_compute(impl: str) -> None:
     s.add_request("b", list(range(10)), max_tokens=2, encoder_inputs=[(0, 4, 1)])
     out = step(s)
     assert enc(out) == ([0], [0, 1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_look_ahead_hashes_key_the_inputs_of_the_look_ahead_tokens(impl: str, lookahead: int) -> None:
+    """vLLM's look-ahead extra keys: with hash_lookahead_tokens L, a block's hash covers the encoder inputs that
+    overlap the block or the L tokens after it, so an input starting right after block 0 changes block 0's hash
+    (and one starting L tokens after it does not)."""
+    s = make(impl, max_num_encoder_input_tokens=8, encoder_cache_size=16, hash_lookahead_tokens=lookahead)
+    prompt = list(range(1, 14))
+    s.add_request("plain", prompt, max_tokens=1)
+    s.add_request("next", prompt, max_tokens=1, encoder_inputs=[(4, 2, 7)])  # starts right after block 0
+    s.add_request("later", prompt, max_tokens=1, encoder_inputs=[(4 + lookahead, 2, 7)])
+    plain, after, later = (list(s.get_block_hashes(r)) for r in ("plain", "next", "later"))
+    assert (after[0] != plain[0]) == (lookahead > 0)
+    assert later[0] == plain[0] and later[1] != plain[1]

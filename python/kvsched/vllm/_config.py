@@ -903,9 +903,10 @@ def check_multimodal(vllm_config: Any) -> None:
         _refuse("encoder-only multimodal deployments", "multimodal_config.mm_encoder_only")
     if _attr(vllm_config.ec_manager_config, "encoder_cache_manager_cls", None) is not None:
         _refuse("custom encoder cache managers", "ec_manager_config.encoder_cache_manager_cls")
-    if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 0:
-        # vLLM widens the encoder window of a chunk by the drafter's prefill lookahead.
-        _refuse("multimodal inputs with a drafter's prefill lookahead", "speculative_config")
+    if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 0 and RULES.version == "0.32":
+        # vLLM 0.32 also cuts a chunk the drafter's prefill lookahead before an input that does not fit, and keeps
+        # a consumed input cached that many tokens longer; the core follows 0.33 (only the window is widened).
+        _refuse("multimodal inputs with a drafter's prefill lookahead on vLLM 0.32", "speculative_config")
     if bool(vllm_config.scheduler_config.disable_chunked_mm_input) and RULES.version == "0.32":
         # vLLM 0.32 lets a chunk that starts exactly at an input end inside it; the core follows 0.33.
         _refuse("disable_chunked_mm_input on vLLM 0.32", "--disable-chunked-mm-input")
