@@ -2908,6 +2908,11 @@ ODD_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
     ("get_block_ref_cnt", (1.0,), {}),
     ("get_block_ref_cnt", (None,), {}),
     ("step_num_output_tokens", (None,), {}),
+    ("set_prefill_lookahead", (2,), {}),  # refused: a request is live
+    ("set_prefill_lookahead", (True,), {}),
+    ("set_prefill_lookahead", (-1,), {}),
+    ("set_prefill_lookahead", (1025,), {}),
+    ("set_prefill_lookahead", ("2",), {}),
 ]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from conftest import requires_rust
-from kvsched import InvalidRequestError, RequestStatus
+from kvsched import InvalidConfigError, InvalidRequestError, RequestStatus
 from kvsched.reference import ReferenceScheduler
 
 pytestmark = requires_rust
@@ -371,3 +371,19 @@ def test_look_ahead_hashes_key_the_inputs_of_the_look_ahead_tokens(impl: str, lo
     plain, after, later = (list(s.get_block_hashes(r)) for r in ("plain", "next", "later"))
     assert (after[0] != plain[0]) == (lookahead > 0)
     assert later[0] == plain[0] and later[1] != plain[1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_set_prefill_lookahead_widens_the_window_from_the_next_step_while_no_request_is_live(impl: str) -> None:
+    """vLLM's tests set num_prefill_lookahead on a built scheduler: the chunk rules and the encoder window follow
+    it; it can change only while the scheduler holds no request (else nothing changes)."""
+    s = make(impl, max_num_batched_tokens=10, max_num_encoder_input_tokens=8, encoder_cache_size=16)
+    s.set_prefill_lookahead(1)
+    assert s.config.prefill_lookahead_tokens == 1
+    s.add_request("a", list(range(30)), max_tokens=1, encoder_inputs=[(10, 6, 1), (20, 4, 2)])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([0], [0, 1])  # as if built with it
+    with pytest.raises(InvalidConfigError, match="no request is live"):
+        s.set_prefill_lookahead(0)
+    assert s.config.prefill_lookahead_tokens == 1
+    s.check_invariants()

@@ -63,6 +63,21 @@ class _EncoderSchedMixin(_SchedulerState):
             if known.setdefault(h, size) != size:
                 raise InvalidRequestError(f"request {req_id!r}: encoder input {i}: hash {h} known with another size")
 
+    def set_prefill_lookahead(self, prefill_lookahead_tokens: int) -> None:
+        """Set the drafter's prefill lookahead of the chunk rules and the encoder window (from the next step), only
+        while no request is live; the prefix cache's not-final tail stays the one built with."""
+        n = prefill_lookahead_tokens
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise SchedulerTypeError(f"prefill_lookahead_tokens must be an int, got {type(n).__name__}")
+        if not 0 <= n <= 1024:
+            raise InvalidConfigError(f"prefill_lookahead_tokens must be in [0, 1024], got {n}")
+        if self._requests:
+            raise InvalidConfigError(
+                f"prefill_lookahead_tokens can change only while no request is live ({len(self._requests)} are)"
+            )
+        self._config = dataclasses.replace(self._config, prefill_lookahead_tokens=n)
+        self._last_out_fresh = False
+
     def set_encoder_sizes(self, max_num_encoder_input_tokens: int, encoder_cache_size: int) -> None:
         """Re-size the encoder budget (from the next step) and the encoder cache (only while it holds no entry);
         neither may drop below a live request's encoder input. On error nothing changes."""

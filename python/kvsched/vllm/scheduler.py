@@ -2675,11 +2675,22 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     @num_prefill_lookahead.setter
     def num_prefill_lookahead(self, value: int) -> None:
-        if value != self.num_prefill_lookahead:
+        # vLLM's tests set it on a built scheduler: its chunk rules and encoder window follow from the next step,
+        # its KV cache manager keeps the lookahead it was built with (so does the core's prefix cache).
+        if value == self.num_prefill_lookahead:
+            return
+        if RULES.version == "0.32":
             raise UnsupportedFeatureError(
                 "kvsched.vllm.Scheduler does not support changing a drafter's prefill lookahead "
-                "(num_prefill_lookahead) on a built scheduler"
+                "(num_prefill_lookahead) on a built scheduler on vLLM 0.32 (its encoder rules with a lookahead and "
+                "its multi-module MTP admissions differ from 0.33's)"
             )
+        if self.requests:
+            raise UnsupportedFeatureError(
+                "kvsched.vllm.Scheduler changes a drafter's prefill lookahead (num_prefill_lookahead) only while it "
+                "holds no request"
+            )
+        self._core.set_prefill_lookahead(value)
 
     @property
     def encoder_cache_manager(self) -> Any:

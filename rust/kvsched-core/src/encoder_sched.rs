@@ -189,6 +189,30 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Sets the drafter's prefill lookahead (`prefill_lookahead_tokens`) of the chunk rules and the encoder window
+    /// from the next step (vLLM's tests set `num_prefill_lookahead` on a built scheduler), only while the
+    /// scheduler holds no request. The prefix cache's not-final tail stays the one the scheduler was built with
+    /// (vLLM's KV cache manager keeps its own). On error nothing changes.
+    pub fn set_prefill_lookahead(&mut self, prefill_lookahead_tokens: u32) -> Result<()> {
+        if prefill_lookahead_tokens > 1024 {
+            return Err(SchedError::InvalidConfig(format!(
+                "prefill_lookahead_tokens must be in [0, 1024], got {prefill_lookahead_tokens}"
+            )));
+        }
+        if !self.slab.is_empty() {
+            return Err(SchedError::InvalidConfig(format!(
+                "prefill_lookahead_tokens can change only while no request is live ({} are)",
+                self.slab.len()
+            )));
+        }
+        let mut config = self.config.clone();
+        config.prefill_lookahead_tokens = prefill_lookahead_tokens;
+        config.validate()?;
+        self.config = config;
+        self.epoch += 1;
+        Ok(())
+    }
+
     /// Sets (or with `None` removes) the EC connector. It applies from the next step.
     pub fn set_ec_connector(
         &mut self,
