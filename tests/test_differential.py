@@ -1349,18 +1349,24 @@ ENCODER_DRAFTER_SOAK_CONFIGS = [
 ]  # fmt: skip
 
 
+def drive(twin: Twin, steps: int) -> None:
+    """``steps`` operations, compared step by step, then a drain (the config and the last operations in a
+    failure's message)."""
+    for _ in range(steps):
+        try:
+            twin.step()
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nconfig {twin.cfg}\nlast ops: {twin.log[-15:]}") from e
+    twin.drain()
+
+
 def test_soak_encoder_inputs_with_a_drafter_lookahead_match_reference_step_by_step() -> None:
     """Step by step, with runner faults among the operations; some inputs are computed past their chunk's end
     (the widened window) and some chunks stop before an input."""
     total = dict.fromkeys(("encoder_computed", "encoder_shifted", "encoder_cut", "encoder_victims"), 0)
     for i, cfg in enumerate(ENCODER_DRAFTER_SOAK_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(3131 + i)), max_in_flight=1 + i % 2)
-        for _ in range(800):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-        twin.drain()
+        drive(twin, 800)
         for k in total:
             total[k] += twin.coverage[k]
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
@@ -1434,12 +1440,7 @@ def test_soak_encoder_inputs_match_reference_step_by_step() -> None:
     for i, (cfg, seed) in enumerate(zip(ENCODER_SOAK_CONFIGS, seeds, strict=True)):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2,
                     connector_seed=seed if i == 0 else None)  # fmt: skip
-        for _ in range(1000):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-        twin.drain()
+        drive(twin, 1000)
         for k in total:
             total[k] += twin.coverage[k]
         st = twin.ref.stats()
