@@ -1093,6 +1093,7 @@ def configs(draw: Any) -> SchedulerConfig:
         max_loras_counts_unscheduled=draw(st.booleans()),
         continue_after_self_preemption=draw(st.booleans()),
         skip_encoder_blocked_admissions=draw(st.booleans()),
+        exact_encoder_cut_and_release=draw(st.booleans()),
         cache_drafts_at_update=draw(st.booleans()),
         trim_computed_on_stop=draw(st.booleans()),
         cache_upto_in_flight=draw(st.booleans()),
@@ -1324,7 +1325,8 @@ ENCODER_SOAK_CONFIGS = [
 
 # Encoder inputs with a drafter's prefill lookahead (EAGLE's 1, a multi-module MTP drafter's 2-4): the window of a
 # chunk's encoder inputs reaches past its end, disable_chunked_mm_input stops the lookahead before an input, the MTP
-# cut comes after the encoder plan; tight budgets and caches, preemption, prefix caching, async scheduling.
+# cut comes after the encoder plan (and with vLLM 0.32's rules the cut before an input that does not fit and the
+# release leave the lookahead too); tight budgets and caches, preemption, prefix caching, async scheduling.
 ENCODER_DRAFTER_SOAK_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=64,
                     long_prefill_token_threshold=5, num_lookahead_tokens=2, num_speculative_tokens=2,
@@ -1346,6 +1348,12 @@ ENCODER_DRAFTER_SOAK_CONFIGS = [
                     encoder_cache_size=14,
                     disable_chunked_mm_input=True, async_scheduling=True, prefix_hash_seed=34,
                     scheduler_reserve_full_isl=False),
+    # vLLM 0.32's rules: the cut before an input that does not fit and the release also leave the lookahead.
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=64,
+                    long_prefill_token_threshold=6, num_lookahead_tokens=2, num_speculative_tokens=2,
+                    prefill_lookahead_tokens=2, drop_trailing_hit_block=True, max_num_encoder_input_tokens=6,
+                    encoder_cache_size=10, exact_encoder_cut_and_release=False, skip_encoder_blocked_admissions=False,
+                    prefix_hash_seed=35, scheduler_reserve_full_isl=False),
 ]  # fmt: skip
 
 

@@ -224,16 +224,32 @@ def test_drafter_lookahead_widens_the_encoder_window(impl: str, lookahead: int) 
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_encoder_budget_cut_ignores_the_drafter_lookahead(impl: str) -> None:
-    """vLLM 0.33: an input in the widened window that does not fit the budget cuts the chunk just before the
-    input itself (not the lookahead before it): the chunk keeps its length here, the input waits."""
+@pytest.mark.parametrize("exact", [True, False])
+def test_encoder_budget_cut_with_the_drafter_lookahead(impl: str, exact: bool) -> None:
+    """vLLM 0.33 (exact_encoder_cut_and_release): an input in the widened window that does not fit the budget
+    cuts the chunk just before the input itself: the chunk keeps its length here, the input waits. vLLM 0.32
+    (False): the cut leaves the lookahead before the input too."""
     s = make(impl, max_num_batched_tokens=10, max_num_encoder_input_tokens=4, encoder_cache_size=16,
-             prefill_lookahead_tokens=2)  # fmt: skip
+             prefill_lookahead_tokens=2, exact_encoder_cut_and_release=exact)  # fmt: skip
     s.add_request("a", list(range(30)), max_tokens=1, encoder_inputs=[(6, 4, 1), (11, 4, 2)])
     out = step(s)
-    assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([0], [0, 1])
+    assert out.num_scheduled_tokens.tolist() == [10 if exact else 9] and enc(out) == ([0], [0, 1])
     out = step(s)
     assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([1], [0, 1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("exact", [True, False])
+def test_consumed_input_release_with_the_drafter_lookahead(impl: str, exact: bool) -> None:
+    """vLLM 0.33 (exact_encoder_cut_and_release): a request drops its reference to an input once its computed
+    tokens reach the input's end; vLLM 0.32 (False) once they are the drafter's prefill lookahead past it."""
+    s = make(impl, max_num_batched_tokens=10, max_num_encoder_input_tokens=8, encoder_cache_size=16,
+             prefill_lookahead_tokens=3, exact_encoder_cut_and_release=exact)  # fmt: skip
+    s.add_request("a", list(range(30)), max_tokens=1, encoder_inputs=[(0, 8, 1)])
+    step(s)  # computes [0, 10): the input ends at 8
+    assert s.encoder_cache_entries() == {1: [] if exact else ["a"]}
+    step(s)
+    assert s.encoder_cache_entries() == {1: []}
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -128,7 +128,7 @@ def test_encoder_sizes_set_on_a_built_scheduler_follow_vllm(multimodal: bool) ->
     assert ours.core.config.encoder_cache_size == 40
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="refused on vLLM 0.32")
+@pytest.mark.skipif(RULES.version == "0.32", reason="vLLM 0.33's test (0.32 keeps a consumed image for the lookahead)")
 @pytest.mark.parametrize("lookahead", [1, 3])
 def test_prefill_lookahead_set_on_a_built_scheduler_follows_vllm(lookahead: int) -> None:
     """vLLM's tests set num_prefill_lookahead on a built scheduler (with the encoder sizes): two adjacent images
@@ -158,7 +158,7 @@ def test_prefill_lookahead_set_on_a_built_scheduler_follows_vllm(lookahead: int)
 
 
 @pytest.mark.skipif(RULES.version != "0.32", reason="vLLM 0.32 only")
-def test_prefill_lookahead_set_on_a_built_scheduler_is_refused_on_vllm_032() -> None:
+def test_multi_module_prefill_lookahead_set_on_a_built_scheduler_is_refused_on_vllm_032() -> None:
     _, ours = _pair()
     ours.num_prefill_lookahead = 0
     with pytest.raises(UnsupportedFeatureError, match="prefill lookahead"):
@@ -166,7 +166,8 @@ def test_prefill_lookahead_set_on_a_built_scheduler_is_refused_on_vllm_032() -> 
     assert ours.num_prefill_lookahead == 0
 
 
-DRAFTERS = [("eagle", 1), ("mtp", 3)]
+# (kvsched.vllm refuses multi-module MTP on vLLM 0.32)
+DRAFTERS = [("eagle", 1)] + ([("mtp", 3)] if RULES.skip_lookahead_cut_admissions else [])
 
 
 def _drafter_pair(drafter: str, k: int, **fields: Any) -> tuple[Any, Any]:
@@ -176,7 +177,6 @@ def _drafter_pair(drafter: str, k: int, **fields: Any) -> tuple[Any, Any]:
     )  # fmt: skip
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="refused on vLLM 0.32")
 @pytest.mark.parametrize(("drafter", "lookahead"), DRAFTERS)
 def test_drafter_lookahead_schedules_an_image_right_after_the_chunk(drafter: str, lookahead: int) -> None:
     """vLLM widens a chunk's encoder window by the drafter's prefill lookahead (1 for EAGLE, the modules of a
@@ -191,7 +191,7 @@ def test_drafter_lookahead_schedules_an_image_right_after_the_chunk(drafter: str
     assert out.num_scheduled_tokens == {"a": 28} and not out.scheduled_encoder_inputs
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="refused on vLLM 0.32")
+@pytest.mark.skipif(RULES.version == "0.32", reason="disable_chunked_mm_input is refused on vLLM 0.32")
 @pytest.mark.parametrize(("drafter", "lookahead"), DRAFTERS)
 def test_drafter_lookahead_stops_a_chunk_short_of_an_image_with_disable_chunked_mm_input(
     drafter: str, lookahead: int
@@ -206,12 +206,22 @@ def test_drafter_lookahead_stops_a_chunk_short_of_an_image_with_disable_chunked_
     assert out.num_scheduled_tokens == {"a": 32} and out.scheduled_encoder_inputs == {"a": [0]}
 
 
-@pytest.mark.skipif(RULES.version != "0.32", reason="vLLM 0.32 only")
-def test_drafter_lookahead_with_images_is_refused_on_vllm_032() -> None:
-    """vLLM 0.32 also shifts the cut before an image that does not fit and the release of consumed images."""
-    cfg = make_vllm_config(multimodal=True, num_speculative_tokens=2, speculative_method="eagle")
-    with pytest.raises(UnsupportedFeatureError, match=r"drafter's prefill lookahead on vLLM 0\.32"):
-        make_scheduler("kvsched", cfg)
+@pytest.mark.parametrize(("drafter", "lookahead"), DRAFTERS)
+def test_image_in_the_lookahead_that_does_not_fit_cuts_the_chunk_as_the_release_does(
+    drafter: str, lookahead: int
+) -> None:
+    """An image reached only by the drafter's lookahead that the encoder budget cannot take this step: vLLM 0.33
+    keeps the chunk (its read-ahead falls back to token embeddings), vLLM 0.32 cuts the lookahead off it too
+    (kvsched's exact_encoder_cut_and_release); the image is encoded at the next step."""
+    scheds = _drafter_pair(drafter, lookahead, max_num_batched_tokens=32)
+    for s in scheds:
+        s.max_num_encoder_input_tokens = 16
+    _add(scheds, "a", list(range(100, 160)), [(2, 16, "x"), (32, 16, "y")])
+    first = 32 if RULES.exact_encoder_cut_and_release else 32 - lookahead
+    out = _step(scheds)
+    assert out.num_scheduled_tokens == {"a": first} and out.scheduled_encoder_inputs == {"a": [0]}
+    out = _step(scheds)
+    assert out.num_scheduled_tokens == {"a": 60 - first} and out.scheduled_encoder_inputs == {"a": [1]}
 
 
 def test_embedding_masks_are_refused_by_name() -> None:
@@ -257,8 +267,7 @@ def test_identical_to_vllm_with_images(sync: str, runner: str, seed: int) -> Non
     assert cfg.multimodal
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="refused on vLLM 0.32")
-@pytest.mark.parametrize("drafter", ["eagle", "mtp"])
+@pytest.mark.parametrize("drafter", [d for d, _ in DRAFTERS])
 @pytest.mark.parametrize("sync", ["sync", "async"])
 @pytest.mark.parametrize("seed", range(2))
 def test_identical_to_vllm_with_images_and_a_drafter(drafter: str, sync: str, seed: int) -> None:

@@ -2052,11 +2052,7 @@ def run_seed(
         cfg.multimodal = True
         # vLLM 0.32's disable_chunked_mm_input differs from 0.33's at an input's first token (kvsched refuses it).
         cfg.disable_chunked_mm_input = RULES.version != "0.32" and rng.random() < 0.3
-        if cfg.speculative_method == "eagle" and RULES.version == "0.32":
-            # kvsched.vllm refuses a drafter's prefill lookahead on multimodal models on vLLM 0.32 (its cut before
-            # an input that does not fit, and its release of consumed inputs, are shifted too).
-            cfg.speculative_method = "ngram_gpu"
-        elif cfg.speculative_method == "eagle" and cfg.disable_chunked_mm_input and cfg.num_speculative_tokens:
+        if cfg.speculative_method == "eagle" and cfg.disable_chunked_mm_input and cfg.num_speculative_tokens:
             # A chunk stopped before an image leaves the drafter's prefill lookahead before it: the next chunk must
             # cover both (kvsched refuses an image it could never; vLLM would hold the request forever).
             lookahead = cfg.num_speculative_tokens if cfg.multi_module_mtp else 1
@@ -2305,8 +2301,7 @@ def main(argv: list[str] | None = None) -> int:
         "whose prefix caching is off, they act on nothing); with --sliding-window, --hybrid or "
         "--mamba-prefix-caching, half the runs on vLLM 0.33 with the drop instead of "
         "the look-ahead hashes (disable_lookahead_block_hashes; not with chunked-local groups, where vLLM has no "
-        "drop); with --mm the drafter's prefill lookahead widens the encoder window (not on vLLM 0.32, where "
-        "kvsched.vllm refuses it); not with --streaming",
+        "drop); with --mm the drafter's prefill lookahead widens the encoder window; not with --streaming",
     )
     p.add_argument(
         "--dflash",
@@ -2397,8 +2392,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--dflash goes with --eagle, without --mtp")
     if (args.eagle or args.mtp) and args.streaming:
         p.error("--eagle and --mtp go without --streaming")
-    if args.eagle and args.mm and RULES.version == "0.32":
-        p.error("--eagle with --mm: kvsched.vllm refuses a drafter's prefill lookahead on multimodal models on 0.32")
     if args.mtp and RULES.version == "0.32":
         p.error("--mtp: kvsched.vllm refuses multi-module MTP on vLLM 0.32 (its admission pass ends at a cut chunk)")
     if args.mtp and args.mamba_prefix_caching:

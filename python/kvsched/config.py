@@ -584,6 +584,15 @@ class SchedulerConfig:
             "admission pass going on (vLLM 0.33); with False the admission pass ends there (vLLM 0.32)"
         ),
     )
+    exact_encoder_cut_and_release: bool = field(
+        default=True,
+        metadata=_spec(
+            "with a drafter's prefill lookahead (`prefill_lookahead_tokens`) and encoder inputs: a chunk is cut just "
+            "before an encoder input that does not fit, and a consumed input is released at its end (vLLM 0.33); "
+            "with False both leave the lookahead: the cut stops that many tokens before the input (at nothing when "
+            "the chunk starts within them) and the release waits until that many tokens past its end (vLLM 0.32)"
+        ),
+    )
     cache_drafts_at_update: bool = field(
         default=True,
         metadata=_spec(

@@ -231,6 +231,8 @@ class _EncoderSchedMixin(_SchedulerState):
                     st.newly.append(i)
                 continue
             if not self._encoder.fits(size, st.budget):
+                if not self._config.exact_encoder_cut_and_release:  # vLLM 0.32: the lookahead stops before it too
+                    return max(0, start - computed - shift)
                 return min(n, start - computed) if computed < start else 0
             # The EC connector is asked once the input fits: a load takes cache space but no budget.
             load = self._ec_connector is not None and self._ec_ask("has_cache_item", False, h)
@@ -311,10 +313,13 @@ class _EncoderSchedMixin(_SchedulerState):
 
     def _release_consumed(self, r: _Request) -> None:
         """vLLM's _free_encoder_inputs: after a step, inputs ending at or before the computed tokens (less
-        output placeholders) are released."""
+        output placeholders; less the drafter's prefill lookahead without exact_encoder_cut_and_release) are
+        released."""
         upto = max(0, r.num_computed_tokens - r.num_output_placeholders)
+        c = self._config
+        delay = 0 if c.exact_encoder_cut_and_release else c.prefill_lookahead_tokens
         for i, (start, size, h) in enumerate(r.encoder_inputs):
-            if start + size > upto:
+            if start + size + delay > upto:
                 break
             if r.encoder_held[i]:
                 r.encoder_held[i] = False

@@ -831,6 +831,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         start = self._ec_from[req_id]
         features = request.mm_features
         upto = request.num_computed_tokens - request.num_output_placeholders
+        config = self._core.config
+        if not config.exact_encoder_cut_and_release:  # vLLM 0.32: the release waits for the drafter's lookahead
+            upto -= config.prefill_lookahead_tokens
         k = self._ec_freed.get(req_id, 0)
         while k < len(features):
             pos = features[k].mm_position
@@ -2679,11 +2682,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # its KV cache manager keeps the lookahead it was built with (so does the core's prefix cache).
         if value == self.num_prefill_lookahead:
             return
-        if RULES.version == "0.32":
+        if value > 1 and not RULES.skip_lookahead_cut_admissions:
             raise UnsupportedFeatureError(
-                "kvsched.vllm.Scheduler does not support changing a drafter's prefill lookahead "
-                "(num_prefill_lookahead) on a built scheduler on vLLM 0.32 (its encoder rules with a lookahead and "
-                "its multi-module MTP admissions differ from 0.33's)"
+                f"kvsched.vllm.Scheduler does not support a multi-module MTP prefill lookahead (num_prefill_lookahead "
+                f"{value}) on vLLM {RULES.version}: its admission pass ends at a request whose chunk the lookahead "
+                "cuts to nothing"
             )
         if self.requests:
             raise UnsupportedFeatureError(

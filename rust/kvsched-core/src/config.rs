@@ -347,6 +347,11 @@ pub struct SchedulerConfig {
     /// encoder output does not fit the budget or the slots): `true` (vLLM 0.33) skips it, it keeps its place and
     /// the pass goes on; `false` (vLLM 0.32) ends the admission pass there.
     pub skip_encoder_blocked_admissions: bool,
+    /// With a drafter's prefill lookahead (`prefill_lookahead_tokens` `N`) and encoder inputs: `true` (vLLM 0.33)
+    /// cuts a chunk just before an input that does not fit and releases a consumed input at its end; `false`
+    /// (vLLM 0.32) leaves the lookahead in both: the cut stops `N` tokens before the input (at nothing when the
+    /// chunk starts fewer than `N + 1` tokens before it) and the release waits until `N` tokens past its end.
+    pub exact_encoder_cut_and_release: bool,
     /// When a step's output is applied, the blocks its tokens completed are cached then (instead of at the
     /// request's next allocation) for a running request with output placeholders (async scheduling) and, if
     /// `true` (vLLM 0.33), for every running request when speculative decoding is on; `false` (vLLM 0.32): only
@@ -565,6 +570,7 @@ impl Default for SchedulerConfig {
             max_loras_counts_unscheduled: true,
             continue_after_self_preemption: true,
             skip_encoder_blocked_admissions: true,
+            exact_encoder_cut_and_release: true,
             cache_drafts_at_update: true,
             trim_computed_on_stop: true,
             cache_upto_in_flight: true,

@@ -312,7 +312,17 @@ impl Scheduler {
             }
             let size = u64::from(e.num_tokens);
             if !self.encoder.can_allocate(size, u64::from(st.budget), 0) {
-                n = if computed < e.start { n.min(e.start - computed) } else { 0 };
+                n = if self.config.exact_encoder_cut_and_release {
+                    // The drafter's read-ahead into an input not encoded yet falls back to token embeddings.
+                    if computed < e.start {
+                        n.min(e.start - computed)
+                    } else {
+                        0
+                    }
+                } else {
+                    // vLLM 0.32: the read-ahead stops before the input too.
+                    e.start.saturating_sub(computed + shift)
+                };
                 break;
             }
             // The EC connector is asked only once the input fits (vLLM 0.33): a load takes cache space but no
@@ -446,20 +456,33 @@ impl Scheduler {
         Ok(())
     }
 
+    /// The tokens past an input's end its release waits for: 0, or the drafter's prefill lookahead without
+    /// `exact_encoder_cut_and_release` (vLLM 0.32).
+    #[inline]
+    pub(crate) fn encoder_release_delay(config: &crate::config::SchedulerConfig) -> u32 {
+        if config.exact_encoder_cut_and_release {
+            0
+        } else {
+            config.prefill_lookahead_tokens
+        }
+    }
+
     /// After a step's output is applied to `req`: drops its references to inputs it has consumed (vLLM's
-    /// `_free_encoder_inputs`: the input ends at or before its computed tokens less output placeholders).
+    /// `_free_encoder_inputs`: the input ends at or before its computed tokens less output placeholders, less
+    /// `delay`).
     #[cold]
     #[inline(never)]
     pub(crate) fn release_consumed(
         encoder: &mut crate::encoder::EncoderCache,
         req: &mut Request,
         computed: u32,
+        delay: u32,
     ) {
         let upto = computed.saturating_sub(req.num_output_placeholders);
         let key = u64::from(req.handle.slot);
         for i in 0..req.encoder_inputs.len() {
             let e = req.encoder_inputs[i];
-            if e.end() > upto {
+            if e.end() + delay > upto {
                 break;
             }
             if req.encoder_held[i] {
