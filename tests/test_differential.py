@@ -273,6 +273,7 @@ class Twin:
             "encoder_cut": 0,
             "encoder_resized": 0,
             "encoder_loaded": 0,
+            "encoder_shifted": 0,
         }
         # victims that sat before a request phase A scheduled in their step (scheduled earlier, then refunded)
         self.coverage["victims_before_scheduled"] = 0
@@ -402,7 +403,9 @@ class Twin:
         cap = min(c.max_num_encoder_input_tokens, c.encoder_cache_size)
         if c.disable_chunked_mm_input:
             th = c.long_prefill_token_threshold
-            cap = min(cap, c.max_chunk_tokens, th if th > 0 else cap)
+            chunk = min(c.max_chunk_tokens, th) if th > 0 else c.max_chunk_tokens
+            # (a chunk stopped before an input ends the drafter's prefill lookahead before it)
+            cap = min(cap, chunk - c.prefill_lookahead_tokens)
         return cap
 
     def make_encoder_inputs(self, prompt_len: int) -> list[tuple[int, int, int]]:
@@ -469,9 +472,12 @@ class Twin:
         for rid in out.preempted_req_ids:
             r = self.ref._requests.get(rid)
             cov["encoder_victims"] += r is not None and bool(r.encoder_inputs)
-        for r, _, _ in out._entries:  # a chunk that stops right before an encoder input it reaches for
+        idx, ptr = out.scheduled_encoder_inputs.tolist(), out.scheduled_encoder_inputs_indptr.tolist()
+        for k, (r, _, _) in enumerate(out._entries):  # a chunk that stops right before an encoder input it reaches for
             end = r.num_computed_tokens
             cov["encoder_cut"] += r.is_prefill_chunk and any(st == end for st, _, _ in r.encoder_inputs)
+            # inputs computed past the chunk's end (the drafter's prefill lookahead widened its window)
+            cov["encoder_shifted"] += sum(r.encoder_inputs[i][0] >= end for i in idx[ptr[k] : ptr[k + 1]])
 
     def compare_introspection(self, a: Any, b: Any) -> None:
         """The read-only probes right after schedule(): this step's num_output_tokens column, every block's
@@ -1088,8 +1094,8 @@ def configs(draw: Any) -> SchedulerConfig:
         dcp_world_size=dcp,
         pcp_world_size=pcp,
         cp_kv_cache_interleave_size=interleave,
-        **(enc := encoder_fields(draw, budget)),
-        **mtp_fields(draw, window, enc),
+        **encoder_fields(draw, budget),
+        **mtp_fields(draw, window),
         park_kv_loads=draw(st.booleans()),
         reserve_inflight_prefills=draw(st.booleans()),
         defer_block_free=draw(st.booleans()),
@@ -1098,6 +1104,7 @@ def configs(draw: Any) -> SchedulerConfig:
         max_loras_counts_unscheduled=draw(st.booleans()),
         continue_after_self_preemption=draw(st.booleans()),
         skip_encoder_blocked_admissions=draw(st.booleans()),
+        exact_encoder_cut_and_release=draw(st.booleans()),
         cache_drafts_at_update=draw(st.booleans()),
         trim_computed_on_stop=draw(st.booleans()),
         cache_upto_in_flight=draw(st.booleans()),
@@ -1122,10 +1129,11 @@ def budget_fields(draw: Any, budget: int) -> dict[str, Any]:
     return fields
 
 
-def mtp_fields(draw: Any, window: int | None, enc: dict[str, Any]) -> dict[str, Any]:
-    """A multi-module MTP drafter's prefill lookahead in some configs without encoder inputs, and with a window
-    its extra retained tokens (mostly vLLM's, the lookahead less one)."""
-    if enc or draw(st.integers(0, 2)) != 0:
+def mtp_fields(draw: Any, window: int | None) -> dict[str, Any]:
+    """A drafter's prefill lookahead in some configs (1: EAGLE's, above 1: a multi-module MTP drafter's; with
+    encoder inputs it widens their window), and with a window its extra retained tokens (mostly vLLM's, the
+    lookahead less one)."""
+    if draw(st.integers(0, 2)) != 0:
         return {}
     n = draw(st.sampled_from([1, 2, 3, 5]))
     fields: dict[str, Any] = {"prefill_lookahead_tokens": n}
@@ -1326,6 +1334,65 @@ ENCODER_SOAK_CONFIGS = [
 ]  # fmt: skip
 
 
+# Encoder inputs with a drafter's prefill lookahead (EAGLE's 1, a multi-module MTP drafter's 2-4): the window of a
+# chunk's encoder inputs reaches past its end, disable_chunked_mm_input stops the lookahead before an input, the MTP
+# cut comes after the encoder plan (and with vLLM 0.32's rules the cut before an input that does not fit and the
+# release leave the lookahead too); tight budgets and caches, preemption, prefix caching, async scheduling.
+ENCODER_DRAFTER_SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=64,
+                    long_prefill_token_threshold=5, num_lookahead_tokens=2, num_speculative_tokens=2,
+                    prefill_lookahead_tokens=1, drop_trailing_hit_block=True, max_num_encoder_input_tokens=6,
+                    encoder_cache_size=10, prefix_hash_seed=31, scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    long_prefill_token_threshold=7, num_lookahead_tokens=3, num_speculative_tokens=3,
+                    prefill_lookahead_tokens=3, hash_lookahead_tokens=3, max_num_encoder_input_tokens=6,
+                    encoder_cache_size=12, disable_chunked_mm_input=True, policy="priority", prefix_hash_seed=32,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    long_prefill_token_threshold=6, num_lookahead_tokens=2, num_speculative_tokens=2,
+                    prefill_lookahead_tokens=2, drop_trailing_hit_block=True, async_scheduling=True,
+                    max_num_encoder_input_tokens=8, encoder_cache_size=8, prefix_hash_seed=33,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=22, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    long_prefill_token_threshold=9, num_lookahead_tokens=4, num_speculative_tokens=4,
+                    prefill_lookahead_tokens=4, drop_trailing_hit_block=True, max_num_encoder_input_tokens=8,
+                    encoder_cache_size=14,
+                    disable_chunked_mm_input=True, async_scheduling=True, prefix_hash_seed=34,
+                    scheduler_reserve_full_isl=False),
+    # vLLM 0.32's rules: the cut before an input that does not fit and the release also leave the lookahead.
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=64,
+                    long_prefill_token_threshold=6, num_lookahead_tokens=2, num_speculative_tokens=2,
+                    prefill_lookahead_tokens=2, drop_trailing_hit_block=True, max_num_encoder_input_tokens=6,
+                    encoder_cache_size=10, exact_encoder_cut_and_release=False, skip_encoder_blocked_admissions=False,
+                    prefix_hash_seed=35, scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def drive(twin: Twin, steps: int) -> None:
+    """``steps`` operations, compared step by step, then a drain (the config and the last operations in a
+    failure's message)."""
+    for _ in range(steps):
+        try:
+            twin.step()
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nconfig {twin.cfg}\nlast ops: {twin.log[-15:]}") from e
+    twin.drain()
+
+
+def test_soak_encoder_inputs_with_a_drafter_lookahead_match_reference_step_by_step() -> None:
+    """Step by step, with runner faults among the operations; some inputs are computed past their chunk's end
+    (the widened window) and some chunks stop before an input."""
+    total = dict.fromkeys(("encoder_computed", "encoder_shifted", "encoder_cut", "encoder_victims"), 0)
+    for i, cfg in enumerate(ENCODER_DRAFTER_SOAK_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(3131 + i)), max_in_flight=1 + i % 2)
+        drive(twin, 800)
+        for k in total:
+            total[k] += twin.coverage[k]
+        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+        assert twin.coverage["encoder_shifted"] > 0, f"no input computed past its chunk under {cfg}"
+    assert all(v > 0 for v in total.values()), total
+
+
 # vLLM's block hash as the prefix-cache key (prefix_hash_algo "sha256_pickle", chained from a given root as from
 # vLLM's NONE_HASH): Twin.compare checks that the two implementations' hashes of requests without extra keys are
 # equal values, not only an equal pattern; salts, LoRA names, encoder inputs and look-ahead tokens take the tagged
@@ -1392,12 +1459,7 @@ def test_soak_encoder_inputs_match_reference_step_by_step() -> None:
     for i, (cfg, seed) in enumerate(zip(ENCODER_SOAK_CONFIGS, seeds, strict=True)):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2,
                     connector_seed=seed if i == 0 else None)  # fmt: skip
-        for _ in range(1000):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-        twin.drain()
+        drive(twin, 1000)
         for k in total:
             total[k] += twin.coverage[k]
         st = twin.ref.stats()
@@ -2905,6 +2967,11 @@ ODD_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
     ("get_block_ref_cnt", (1.0,), {}),
     ("get_block_ref_cnt", (None,), {}),
     ("step_num_output_tokens", (None,), {}),
+    ("set_prefill_lookahead", (2,), {}),  # refused: a request is live
+    ("set_prefill_lookahead", (True,), {}),
+    ("set_prefill_lookahead", (-1,), {}),
+    ("set_prefill_lookahead", (1025,), {}),
+    ("set_prefill_lookahead", ("2",), {}),
 ]
 
 

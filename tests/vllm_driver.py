@@ -2068,8 +2068,12 @@ def run_seed(
         cfg.multimodal = True
         # vLLM 0.32's disable_chunked_mm_input differs from 0.33's at an input's first token (kvsched refuses it).
         cfg.disable_chunked_mm_input = RULES.version != "0.32" and rng.random() < 0.3
-        if cfg.speculative_method == "eagle":
-            cfg.speculative_method = "ngram_gpu"  # an EAGLE drafter's prefill lookahead shifts the encoder window
+        if cfg.speculative_method == "eagle" and cfg.disable_chunked_mm_input and cfg.num_speculative_tokens:
+            # A chunk stopped before an image leaves the drafter's prefill lookahead before it: the next chunk must
+            # cover both (kvsched refuses an image it could never; vLLM would hold the request forever).
+            lookahead = cfg.num_speculative_tokens if cfg.multi_module_mtp else 1
+            if 0 < cfg.long_prefill_token_threshold < 15 + lookahead:
+                cfg.long_prefill_token_threshold = 48
     if ec_connector:
         cfg.ec_connector_seed = seed
     if pp:
@@ -2345,7 +2349,7 @@ def main(argv: list[str] | None = None) -> int:
         "whose prefix caching is off, they act on nothing); with --sliding-window, --hybrid or "
         "--mamba-prefix-caching, half the runs on vLLM 0.33 with the drop instead of "
         "the look-ahead hashes (disable_lookahead_block_hashes; not with chunked-local groups, where vLLM has no "
-        "drop); not with --mm or --streaming",
+        "drop); with --mm the drafter's prefill lookahead widens the encoder window; not with --streaming",
     )
     p.add_argument(
         "--dflash",
@@ -2370,8 +2374,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="as --eagle, with a multi-module MTP drafter of 2-4 modules (one per draft, drawn per seed): vLLM's "
         "prefill lookahead of that many tokens (chunks never end within it of the known tokens, the reprefillable "
-        "tail stays out of the prefix cache, windows keep that many tokens less one below them); not with --mm, "
-        "--streaming or --mamba-prefix-caching",
+        "tail stays out of the prefix cache, windows keep that many tokens less one below them; with --mm the "
+        "encoder window reaches that many tokens past a chunk); not with --streaming or --mamba-prefix-caching",
     )
     p.add_argument(
         "--dcp",
@@ -2434,8 +2438,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.dflash and (not args.eagle or args.mtp):
         p.error("--dflash goes with --eagle, without --mtp")
-    if (args.eagle or args.mtp) and (args.mm or args.streaming):
-        p.error("--eagle and --mtp go without --mm and --streaming")
+    if (args.eagle or args.mtp) and args.streaming:
+        p.error("--eagle and --mtp go without --streaming")
     if args.mtp and RULES.version == "0.32":
         p.error("--mtp: kvsched.vllm refuses multi-module MTP on vLLM 0.32 (its admission pass ends at a cut chunk)")
     if args.mtp and args.mamba_prefix_caching:

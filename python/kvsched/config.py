@@ -595,6 +595,15 @@ class SchedulerConfig:
             "admission pass going on (vLLM 0.33); with False the admission pass ends there (vLLM 0.32)"
         ),
     )
+    exact_encoder_cut_and_release: bool = field(
+        default=True,
+        metadata=_spec(
+            "with a drafter's prefill lookahead (`prefill_lookahead_tokens`) and encoder inputs: a chunk is cut just "
+            "before an encoder input that does not fit, and a consumed input is released at its end (vLLM 0.33); "
+            "with False both leave the lookahead: the cut stops that many tokens before the input (at nothing when "
+            "the chunk starts within them) and the release waits until that many tokens past its end (vLLM 0.32)"
+        ),
+    )
     cache_drafts_at_update: bool = field(
         default=True,
         metadata=_spec(
@@ -635,13 +644,13 @@ class SchedulerConfig:
         default=0,
         metadata=_spec(
             "prefill tokens past a chunk's end that the drafter reads (vLLM's `num_prefill_lookahead_tokens`: the "
-            "number of draft tokens for a multi-module MTP drafter, 1 for other EAGLE-style drafters). Above 1, a "
+            "number of draft tokens for a multi-module MTP drafter, 1 for other EAGLE-style drafters). A chunk's "
+            "encoder inputs reach that many tokens past its end (see [Encoder inputs](#encoder-inputs)). Above 1, a "
             "prefill chunk never ends fewer than this many tokens before the request's known tokens end (it is "
             "shortened to leave them, possibly to nothing), and the last `prefill_lookahead_tokens - 1` computed "
             "tokens are not final: the blocks entering the prefix cache stop that many tokens short (with several "
-            "groups only with `drop_trailing_hit_block`). 0 and 1 change nothing. Above 1 not with encoder inputs "
-            "(`encoder_cache_size`) nor with a Mamba group and prefix caching (see "
-            "[Speculative decoding](#speculative-decoding))",
+            "groups only with `drop_trailing_hit_block`). 0 changes nothing, nor does 1 without encoder inputs. "
+            "Above 1 not with a Mamba group and prefix caching (see [Speculative decoding](#speculative-decoding))",
             hi=1024,
         ),
     )
@@ -963,11 +972,6 @@ class SchedulerConfig:
         """What ``prefill_lookahead_tokens`` above 1 and ``extra_retained_tokens`` need (the core's
         ``validate_prefill_lookahead``)."""
         n, groups = self.prefill_lookahead_tokens, self.kv_cache_groups or ()
-        if n > 1 and self.encoder_cache_size > 0:
-            raise InvalidConfigError(
-                f"prefill_lookahead_tokens ({n}) above 1 cannot be combined with encoder inputs "
-                f"(encoder_cache_size {self.encoder_cache_size}): the encoder window is not shifted by the lookahead"
-            )
         if n > 1 and self.enable_prefix_caching and MAMBA in groups:
             raise InvalidConfigError(
                 f"prefill_lookahead_tokens ({n}) above 1 cannot be combined with a Mamba group with prefix caching "

@@ -309,7 +309,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         # hybrid one only with the trailing-block drop).
         c, groups = self._config, self._config.kv_cache_groups
         if c.drop_trailing_hit_block or groups is None or len(groups) == 1:
-            num_tokens = max(0, num_tokens - max(0, c.prefill_lookahead_tokens - 1))
+            num_tokens = max(0, num_tokens - self._reprefillable)
         if self._config.kv_cache_groups is not None:
             self._cache_hybrid_blocks(r, num_tokens)
             return

@@ -37,6 +37,9 @@ class _SchedulerState:
         self._config = c = config
         # Tokens per block id: under DCP a block holds block_size slots on each rank (docs/semantics.md).
         self._bs = c.kv_block_size
+        # The computed tokens not final yet (prefill_lookahead_tokens - 1): kept as built when set_prefill_lookahead
+        # changes the lookahead (vLLM's KV cache manager keeps its own).
+        self._reprefillable = max(0, c.prefill_lookahead_tokens - 1)
         self._ref_cnt = [0] * c.num_blocks
         self._block_hash: list[bytes | None] = [None] * c.num_blocks
         self._free = _FreeBlockQueue(c.num_blocks)

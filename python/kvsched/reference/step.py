@@ -170,16 +170,14 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if n == 0:
                     i += 1
                     continue
-            n = self._reserve_prefill_lookahead(r, r.num_computed_tokens, n)
-            if n == 0:  # the drafter's prefill lookahead left nothing to compute
-                i += 1
-                continue
             if r.encoder_inputs:
                 n = self._plan_encoder(enc, r, r.num_computed_tokens, n)
-                if n == 0:
-                    self._rollback_encoder(enc, r)
-                    i += 1
-                    continue
+            # the drafter's prefill lookahead (after the encoder plan, whose window it widens)
+            n = self._reserve_prefill_lookahead(r, r.num_computed_tokens, n)
+            if n == 0:  # an encoder input or the drafter's prefill lookahead left nothing to compute
+                self._rollback_encoder(enc, r)
+                i += 1
+                continue
             gave_up = False
             new_blocks = None if beyond else self._allocate_slots(r, n, [], look)
             while new_blocks is None:
@@ -526,11 +524,6 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                         break
                     if pad and n != 1 + k:  # a padded decode keeps its drafts or loses them all
                         n, pad = 1, False
-                n = self._reserve_prefill_lookahead(r, computed, n)
-                if n == 0:  # the drafter's prefill lookahead left nothing to compute: skipped, it keeps its place
-                    r.deferred = True
-                    (skipped_kv if from_kv else skipped).append(take())
-                    continue
             planned = not load_async and bool(r.encoder_inputs)
             if planned:
                 n = self._plan_encoder(enc, r, computed, n)
@@ -538,6 +531,13 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                     self._rollback_encoder(enc, r)
                     if not c.skip_encoder_blocked_admissions:
                         break  # vLLM 0.32: the pass ends there
+                    r.deferred = True
+                    (skipped_kv if from_kv else skipped).append(take())
+                    continue
+            if not load_async:
+                n = self._reserve_prefill_lookahead(r, computed, n)
+                if n == 0:  # the drafter's prefill lookahead left nothing to compute: skipped, it keeps its place
+                    self._rollback_encoder(enc, r)
                     r.deferred = True
                     (skipped_kv if from_kv else skipped).append(take())
                     continue

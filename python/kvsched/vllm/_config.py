@@ -819,6 +819,7 @@ def kvsched_config_from_vllm(
     fields["max_loras_counts_unscheduled"] = RULES.max_loras_counts_unscheduled
     fields["continue_after_self_preemption"] = RULES.continue_after_self_preemption
     fields["skip_encoder_blocked_admissions"] = RULES.skip_encoder_blocked_admissions
+    fields["exact_encoder_cut_and_release"] = RULES.exact_encoder_cut_and_release
     fields["cache_drafts_at_update"] = RULES.cache_drafts_at_update
     fields["trim_computed_on_stop"] = RULES.trim_computed_on_stop
     fields["cache_upto_in_flight"] = RULES.cache_upto_in_flight
@@ -903,9 +904,6 @@ def check_multimodal(vllm_config: Any) -> None:
         _refuse("encoder-only multimodal deployments", "multimodal_config.mm_encoder_only")
     if _attr(vllm_config.ec_manager_config, "encoder_cache_manager_cls", None) is not None:
         _refuse("custom encoder cache managers", "ec_manager_config.encoder_cache_manager_cls")
-    if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 0:
-        # vLLM widens the encoder window of a chunk by the drafter's prefill lookahead.
-        _refuse("multimodal inputs with a drafter's prefill lookahead", "speculative_config")
     if bool(vllm_config.scheduler_config.disable_chunked_mm_input) and RULES.version == "0.32":
         # vLLM 0.32 lets a chunk that starts exactly at an input end inside it; the core follows 0.33.
         _refuse("disable_chunked_mm_input on vLLM 0.32", "--disable-chunked-mm-input")

@@ -823,6 +823,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         start = self._ec_from[req_id]
         features = request.mm_features
         upto = request.num_computed_tokens - request.num_output_placeholders
+        config = self._core.config
+        if not config.exact_encoder_cut_and_release:  # vLLM 0.32: the release waits for the drafter's lookahead
+            upto -= config.prefill_lookahead_tokens
         k = self._ec_freed.get(req_id, 0)
         while k < len(features):
             pos = features[k].mm_position
@@ -2667,11 +2670,22 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     @num_prefill_lookahead.setter
     def num_prefill_lookahead(self, value: int) -> None:
-        if value != self.num_prefill_lookahead:
+        # vLLM's tests set it on a built scheduler: its chunk rules and encoder window follow from the next step,
+        # its KV cache manager keeps the lookahead it was built with (so does the core's prefix cache).
+        if value == self.num_prefill_lookahead:
+            return
+        if value > 1 and not RULES.skip_lookahead_cut_admissions:
             raise UnsupportedFeatureError(
-                "kvsched.vllm.Scheduler does not support changing a drafter's prefill lookahead "
-                "(num_prefill_lookahead) on a built scheduler"
+                f"kvsched.vllm.Scheduler does not support a multi-module MTP prefill lookahead (num_prefill_lookahead "
+                f"{value}) on vLLM {RULES.version}: its admission pass ends at a request whose chunk the lookahead "
+                "cuts to nothing"
             )
+        if self.requests:
+            raise UnsupportedFeatureError(
+                "kvsched.vllm.Scheduler changes a drafter's prefill lookahead (num_prefill_lookahead) only while it "
+                "holds no request"
+            )
+        self._core.set_prefill_lookahead(value)
 
     @property
     def encoder_cache_manager(self) -> Any:

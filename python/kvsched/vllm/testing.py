@@ -277,7 +277,8 @@ def make_vllm_config(
 
         speculative_config = SpeculativeConfig(
             method="eagle",
-            model=model_dir,
+            # (A multimodal target drafts with the tiny text model: vLLM sizes a drafter from its text config.)
+            model=_model_dir(max_model_len) if multimodal else model_dir,
             num_speculative_tokens=num_speculative_tokens,
             disable_eagle_block_drop=not eagle_block_drop,
             parallel_drafting=parallel_drafting,

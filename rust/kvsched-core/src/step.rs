@@ -721,16 +721,21 @@ impl Scheduler {
                 }
             }
             // A multi-module MTP drafter's prefill lookahead: the chunk never ends within it of the known tokens.
-            n = reserve_prefill_lookahead(prefill_lookahead, req.num_tokens(), computed, n);
-            if n == 0 {
-                i += 1;
-                continue;
+            // With encoder inputs that cut comes after theirs (whose window the lookahead widens), as in vLLM.
+            let planned = has_encoder && !req.encoder_inputs.is_empty();
+            if !planned {
+                n = reserve_prefill_lookahead(prefill_lookahead, req.num_tokens(), computed, n);
+                if n == 0 {
+                    i += 1;
+                    continue;
+                }
             }
             // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
             // (Text-only requests keep their borrow: no second slab lookup on the common path.)
-            let planned = has_encoder && !req.encoder_inputs.is_empty();
             let req = if planned {
+                let num_tokens = req.num_tokens();
                 n = self.plan_encoder(enc, slot, computed, n)?;
+                n = reserve_prefill_lookahead(prefill_lookahead, num_tokens, computed, n);
                 if n == 0 {
                     self.rollback_encoder(enc, slot)?;
                     i += 1;
@@ -1183,13 +1188,6 @@ impl Scheduler {
                 (n, pad) = (1, false);
             }
         }
-        if !load_async {
-            // The drafter's prefill lookahead (see `schedule_running`): a chunk cut to nothing is skipped.
-            n = reserve_prefill_lookahead(self.config.prefill_lookahead_tokens, num_tokens, computed, n);
-            if n == 0 {
-                return self.skip_admission(h, from_kv, pass);
-            }
-        }
         if planned_encoder {
             n = self.plan_encoder(enc, h.slot, computed, n)?;
             if n == 0 {
@@ -1198,6 +1196,17 @@ impl Scheduler {
                 self.rollback_encoder(enc, h.slot)?;
                 if !self.config.skip_encoder_blocked_admissions {
                     return Ok(Candidate::Stop);
+                }
+                return self.skip_admission(h, from_kv, pass);
+            }
+        }
+        if !load_async {
+            // The drafter's prefill lookahead (see `schedule_running`, after the encoder plan): a chunk cut to
+            // nothing is skipped.
+            n = reserve_prefill_lookahead(self.config.prefill_lookahead_tokens, num_tokens, computed, n);
+            if n == 0 {
+                if planned_encoder {
+                    self.rollback_encoder(enc, h.slot)?;
                 }
                 return self.skip_admission(h, from_kv, pass);
             }
