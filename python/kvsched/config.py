@@ -584,6 +584,14 @@ class SchedulerConfig:
             "admission pass going on (vLLM 0.33); with False the admission pass ends there (vLLM 0.32)"
         ),
     )
+    skip_lookahead_cut_admissions: bool = field(
+        default=True,
+        metadata=_spec(
+            "a waiting request whose chunk the prefill lookahead (`prefill_lookahead_tokens`) cuts to nothing is "
+            "skipped and keeps its place, the admission pass going on (vLLM 0.33); with False the admission pass ends "
+            "there (vLLM 0.32)"
+        ),
+    )
     cache_drafts_at_update: bool = field(
         default=True,
         metadata=_spec(
@@ -628,9 +636,9 @@ class SchedulerConfig:
             "prefill chunk never ends fewer than this many tokens before the request's known tokens end (it is "
             "shortened to leave them, possibly to nothing), and the last `prefill_lookahead_tokens - 1` computed "
             "tokens are not final: the blocks entering the prefix cache stop that many tokens short (with several "
-            "groups only with `drop_trailing_hit_block`). 0 and 1 change nothing. Above 1 not with encoder inputs "
-            "(`encoder_cache_size`) nor with a Mamba group and prefix caching (see "
-            "[Speculative decoding](#speculative-decoding))",
+            "groups only with `drop_trailing_hit_block`, and then not in Mamba groups outside its rules, "
+            "`mamba_eagle_group` off). 0 and 1 change nothing. Above 1 not with encoder inputs "
+            "(`encoder_cache_size`) (see [Speculative decoding](#speculative-decoding))",
             hi=1024,
         ),
     )
@@ -956,11 +964,6 @@ class SchedulerConfig:
             raise InvalidConfigError(
                 f"prefill_lookahead_tokens ({n}) above 1 cannot be combined with encoder inputs "
                 f"(encoder_cache_size {self.encoder_cache_size}): the encoder window is not shifted by the lookahead"
-            )
-        if n > 1 and self.enable_prefix_caching and MAMBA in groups:
-            raise InvalidConfigError(
-                f"prefill_lookahead_tokens ({n}) above 1 cannot be combined with a Mamba group with prefix caching "
-                "(the reprefillable tail of Mamba states is not implemented)"
             )
         windows = self.sliding_window is not None or any(isinstance(w, int) and not isinstance(w, bool) for w in groups)
         if self.extra_retained_tokens > 0 and not windows:

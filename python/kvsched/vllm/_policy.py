@@ -146,6 +146,7 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
             "max_loras_counts_unscheduled",
             "continue_after_self_preemption",
             "skip_encoder_blocked_admissions",
+            "skip_lookahead_cut_admissions",
             "cache_drafts_at_update",
             "trim_computed_on_stop",
             "cache_upto_in_flight",

@@ -213,11 +213,17 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._zeroes_new_blocks = MAMBA in windows
         # vLLM's mamba_cache_mode "align": a Mamba group's table grows with the request's tokens.
         self._mamba_align = bool(config.mamba_align)
-        # A Mamba group's prefill checkpoint can be keyed by the block below its entry (the trailing-block drop):
+        # A Mamba group's prefill checkpoint can be keyed by the block below its entry (the trailing-block drop, or
+        # look-ahead hashes of several tokens):
         # the prefill stats then read the tokens of each block's hash from the core.
         self._checkpoints_keyed_below = bool(
-            config.drop_trailing_hit_block and config.mamba_prefill_checkpoint_alignment is not None
+            (config.drop_trailing_hit_block or config.hash_lookahead_tokens > 1)
+            and config.mamba_prefill_checkpoint_alignment is not None
         )
+        # With a multi-module MTP drafter a Mamba group's cached states can lie past the primary group's cached
+        # blocks (the reprefillable tail the primary group leaves out: a prefill checkpoint, or all of it in Mamba
+        # groups outside the drop's rules), so every block of their tables counts (vLLM's estimate reads them all).
+        self._mamba_past_cached = bool(config.prefill_lookahead_tokens > 1 and MAMBA in (config.kv_cache_groups or ()))
         # Encoder-decoder scheduling (``is_encoder_decoder`` set on a built scheduler with a cross-attention group,
         # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
         # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
@@ -1703,8 +1709,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 for table, w, size in zip(tables, self._group_windows, sizes, strict=True)
                 if w != CROSS_ATTENTION
             )
+        limit = None if self._mamba_past_cached else num_cached_blocks
         return min(
-            max(key_tokens[g][:num_cached_blocks], default=0)
+            max(key_tokens[g][:limit], default=0)
             if key_tokens is not None and g in key_tokens
             else self._window_hashed_tokens(table, num_cached_blocks, w)
             for g, (table, w) in enumerate(zip(tables, self._group_windows, strict=True))
@@ -1725,7 +1732,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def _key_tokens_after_update(self, req_id: str, before: tuple[dict[int, list[int]], int]) -> dict[int, list[int]]:
         """``_mamba_key_tokens`` after an update that cached the request's blocks: read from the core, or, when the
         update freed the request, from those read before it (``before``, with the cached blocks then): a block
-        cached by the update is keyed at its entry if it still carries a hash."""
+        cached by the update is keyed at its entry if it still carries a hash (a prefill checkpoint keyed before
+        it keeps its key: vLLM keys it there again)."""
         if self._core.has_request(req_id):
             return self._mamba_key_tokens(req_id)
         counts, num_cached = before
@@ -1733,7 +1741,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         get_hash = self._core.get_block_hash
         return {
             g: [
-                c if i < num_cached else (i + 1) * self.block_size if b and get_hash(b) is not None else 0
+                c if i < num_cached else (c or (i + 1) * self.block_size) if b and get_hash(b) is not None else 0
                 for i, (c, b) in enumerate(zip(row, tables[g], strict=True))
             ]
             for g, row in counts.items()
@@ -1780,7 +1788,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         tables = self.group_block_ids(req_id)
                         self._window_tables[req_id] = tables
                         key_tokens = None
-                        if self._checkpoints_keyed_below:
+                        if self._checkpoints_keyed_below or self._mamba_past_cached:
                             key_tokens = self._mamba_key_tokens(req_id)
                             self._key_tokens[req_id] = (key_tokens, num_cached_blocks)
                         cached_tokens[req_id] = self._hashed_tokens(tables, num_cached_blocks, key_tokens)

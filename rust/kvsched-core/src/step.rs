@@ -1161,9 +1161,13 @@ impl Scheduler {
             }
         }
         if !load_async {
-            // The drafter's prefill lookahead (see `schedule_running`): a chunk cut to nothing is skipped.
+            // The drafter's prefill lookahead (see `schedule_running`): a chunk cut to nothing is skipped (vLLM
+            // 0.33), or ends the pass (vLLM 0.32).
             n = reserve_prefill_lookahead(self.config.prefill_lookahead_tokens, num_tokens, computed, n);
             if n == 0 {
+                if !self.config.skip_lookahead_cut_admissions {
+                    return Ok(Candidate::Stop);
+                }
                 return self.skip_admission(h, from_kv, pass);
             }
         }
