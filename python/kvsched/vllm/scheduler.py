@@ -295,8 +295,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # A sliding window's block tables (every group's) of the requests awaiting their first output, read before an
         # update.
         self._window_tables: dict[str, tuple[list[int], ...]] = {}
-        # With them, the Mamba groups' tokens of each block's hash and the cached blocks (_mamba_key_tokens).
-        self._key_tokens: dict[str, tuple[dict[int, list[int]], int]] = {}
+        # With them, the Mamba groups' tokens of each block's hash (_mamba_key_tokens), the cached blocks and the
+        # Mamba blocks' hashes.
+        self._key_tokens: dict[str, tuple[dict[int, list[int]], int, dict[int, list[bytes | None]]]] = {}
         # KV connector (vLLM's kv_transfer_config): vLLM's own scheduler-role connector, built as vLLM's scheduler
         # builds it, reached by the core through the bridge's id-keyed hooks.
         self._bridge: ConnectorBridge | None = None
@@ -1729,21 +1730,27 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if w == MAMBA
         }
 
-    def _key_tokens_after_update(self, req_id: str, before: tuple[dict[int, list[int]], int]) -> dict[int, list[int]]:
+    def _key_tokens_after_update(
+        self, req_id: str, before: tuple[dict[int, list[int]], int, dict[int, list[bytes | None]]]
+    ) -> dict[int, list[int]]:
         """``_mamba_key_tokens`` after an update that cached the request's blocks: read from the core, or, when the
         update freed the request, from those read before it (``before``, with the cached blocks then): a block
         cached by the update is keyed at its entry if it still carries a hash (a prefill checkpoint keyed before
-        it keeps its key: vLLM keys it there again)."""
+        it keeps its key when its hash is the one it had then, else it was re-keyed at its entry)."""
         if self._core.has_request(req_id):
             return self._mamba_key_tokens(req_id)
-        counts, num_cached = before
+        counts, num_cached, hashes = before
         tables = self._window_tables[req_id]
         get_hash = self._core.get_block_hash
+
+        def key_tokens(g: int, i: int, c: int, b: int) -> int:
+            h = get_hash(b) if b else None
+            if i < num_cached or (h is not None and h == hashes[g][i]):
+                return c
+            return 0 if h is None else (i + 1) * self.block_size
+
         return {
-            g: [
-                c if i < num_cached else (c or (i + 1) * self.block_size) if b and get_hash(b) is not None else 0
-                for i, (c, b) in enumerate(zip(row, tables[g], strict=True))
-            ]
+            g: [key_tokens(g, i, c, b) for i, (c, b) in enumerate(zip(row, tables[g], strict=True))]
             for g, row in counts.items()
         }
 
@@ -1790,7 +1797,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         key_tokens = None
                         if self._checkpoints_keyed_below or self._mamba_past_cached:
                             key_tokens = self._mamba_key_tokens(req_id)
-                            self._key_tokens[req_id] = (key_tokens, num_cached_blocks)
+                            get_hash = self._core.get_block_hash
+                            hashes = {g: [get_hash(b) if b else None for b in tables[g]] for g in key_tokens}
+                            self._key_tokens[req_id] = (key_tokens, num_cached_blocks, hashes)
                         cached_tokens[req_id] = self._hashed_tokens(tables, num_cached_blocks, key_tokens)
         if self._pins is None:
             res = self._core.update_from_output(out, rows)
