@@ -1136,7 +1136,7 @@ def mtp_fields(draw: Any, window: int | None) -> dict[str, Any]:
     if draw(st.integers(0, 2)) != 0:
         return {}
     n = draw(st.sampled_from([1, 2, 3, 5]))
-    fields: dict[str, Any] = {"prefill_lookahead_tokens": n}
+    fields: dict[str, Any] = {"prefill_lookahead_tokens": n, "skip_lookahead_cut_admissions": draw(st.booleans())}
     if window is not None:
         fields["extra_retained_tokens"] = draw(st.sampled_from([n - 1, n - 1, 0, 4]))
     return fields
@@ -1758,7 +1758,8 @@ def test_soak_eagle_prefix_cache_rules_over_windows_and_groups_match_reference_s
 
 # A multi-module MTP drafter (vLLM's num_prefill_lookahead_tokens above 1): chunks never end within the lookahead of
 # the known tokens, the reprefillable tail stays out of the prefix cache (with several groups only with the drop),
-# windows keep the extra retained tokens below them; with look-ahead hashes or the trailing-block drop.
+# windows keep the extra retained tokens below them; with look-ahead hashes or the trailing-block drop (and vLLM 0.32's
+# admission rule on the last).
 MTP_SOAK_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=13, max_model_len=64,
                     num_lookahead_tokens=3, num_speculative_tokens=3, prefill_lookahead_tokens=3,
@@ -1785,6 +1786,11 @@ MTP_SOAK_CONFIGS = [
     SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=12, max_model_len=64,
                     sliding_window=4, extra_retained_tokens=5, num_lookahead_tokens=3, num_speculative_tokens=3,
                     prefill_lookahead_tokens=3, drop_trailing_hit_block=True, prefix_hash_seed=27),
+    # vLLM 0.32's rule: a waiting request whose chunk the lookahead cuts to nothing ends the admission pass.
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=13, max_model_len=64,
+                    num_lookahead_tokens=4, num_speculative_tokens=4, prefill_lookahead_tokens=4,
+                    drop_trailing_hit_block=True, skip_lookahead_cut_admissions=False, long_prefill_token_threshold=7,
+                    prefix_hash_seed=28),
 ]  # fmt: skip
 
 
@@ -2601,6 +2607,42 @@ def test_soak_drop_with_unmarked_mamba_groups_matches_reference_step_by_step(
     ]
     keyed_below = [0]
     seed = 7575 if retention is None else 9595 if junction_below else 9696
+    grown, hits, checkpoints = _soak_align(configs, seed, siblings=True, keyed_below=keyed_below)
+    assert grown > 0 and hits > 0 and checkpoints > 0 and keyed_below[0] > 0, (grown, hits, checkpoints, keyed_below)
+
+
+@pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
+def test_soak_mamba_prefix_caching_with_multi_module_mtp_matches_reference_step_by_step(retention: int | None) -> None:
+    """The same configs with prefix caching on and a multi-module MTP drafter (a prefill lookahead of up to three
+    tokens, the windows keeping the reprefillable tail below them): the trailing-block drop on three configs (the
+    Mamba groups outside the drop's rules on the second: they cache the reprefillable tail the other groups leave
+    out), look-ahead hashes of several tokens on the fourth (a prefill checkpoint can then be keyed by the block
+    below its entry), prefill checkpoints on every other config, dense and under retention 0, KV cache events on:
+    the chunk splits, the states and blocks cached, the hits on them and the tokens of each block's hash are the
+    same on both implementations; prefix hits happen, checkpoints are reserved and checkpoints keyed below their
+    entry are seen in the run."""
+    configs = []
+    for i, c in enumerate(ALIGN_CONFIGS):
+        k = min(3, c.block_size)
+        windowed = any(isinstance(w, int) for w in c.kv_cache_groups or ())
+        configs.append(
+            dataclasses.replace(
+                c,
+                enable_prefix_caching=True,
+                prefix_cache_retention_interval=retention,
+                num_lookahead_tokens=k,
+                prefill_lookahead_tokens=k,
+                extra_retained_tokens=k - 1 if windowed else 0,
+                drop_trailing_hit_block=i != 3,
+                hash_lookahead_tokens=k if i == 3 else 0,
+                mamba_eagle_group=i != 1,
+                mamba_prefill_checkpoint_alignment=c.block_size if i % 2 else None,
+                enable_kv_cache_events=True,
+                enable_chunked_prefill=True,  # (the fourth's whole prompts would rarely preempt)
+            )
+        )
+    keyed_below = [0]
+    seed = 7676 if retention is None else 9797
     grown, hits, checkpoints = _soak_align(configs, seed, siblings=True, keyed_below=keyed_below)
     assert grown > 0 and hits > 0 and checkpoints > 0 and keyed_below[0] > 0, (grown, hits, checkpoints, keyed_below)
 

@@ -2125,6 +2125,11 @@ def test_a_hash_block_smaller_than_the_block_is_supported_with_several_groups() 
         assert sched.aux_output_connector is None
 
 
+def _hash_lookahead(cfg: Any) -> int:
+    """The look-ahead block hashes' tokens of vLLM's engine (none on vLLM 0.32, which has no such hashes)."""
+    return int(getattr(cfg, "num_hash_lookahead_tokens", 0) or 0)
+
+
 def _mtp_config() -> Any:
     """A multi-module MTP drafter of 3 modules with vLLM's default prefix-cache rules (on vLLM 0.33 look-ahead
     hashes of 3 tokens), blocks of 4 tokens, a budget of 18 tokens."""
@@ -2139,7 +2144,6 @@ def _mtp_config() -> Any:
     )
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses multi-module MTP on vLLM 0.32")
 def test_multi_module_mtp_prefill_lookahead_ends_chunks_as_vllm() -> None:
     """A multi-module MTP drafter (3 modules): vLLM never ends a prefill chunk fewer than 3 tokens before the
     prompt's end, and keeps the last 2 computed tokens out of the prefix cache; kvsched.vllm the same."""
@@ -2148,20 +2152,19 @@ def test_multi_module_mtp_prefill_lookahead_ends_chunks_as_vllm() -> None:
     scheds = (make_scheduler("vllm", cfg), make_scheduler("kvsched", cfg))
     assert scheds[1].num_prefill_lookahead == scheds[0].num_prefill_lookahead == 3  # type: ignore[attr-defined]
     prompt = list(range(10, 30))
-    _add(scheds, "r0", prompt, hash_lookahead_tokens=3, block_size=4)
+    _add(scheds, "r0", prompt, hash_lookahead_tokens=_hash_lookahead(cfg), block_size=4)
     first = _step(scheds)
     # 18 tokens would leave 2 of the 20: the chunk stops at 17, leaving the drafter its 3.
     assert [so.num_scheduled_tokens["r0"] for so in first] == [17, 17]  # type: ignore[attr-defined]
     for _ in range(4):
         _step(scheds)
     # A second request with the same prompt hits what each cached (compared in the outputs).
-    _add(scheds, "r1", prompt, hash_lookahead_tokens=3, block_size=4)
+    _add(scheds, "r1", prompt, hash_lookahead_tokens=_hash_lookahead(cfg), block_size=4)
     outs = _step(scheds)
     new = [{r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs} for so in outs]  # type: ignore[attr-defined]
     assert new[0] == new[1] and new[0]["r1"] > 0
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses multi-module MTP on vLLM 0.32")
 def test_windows_keep_the_extra_retained_tokens_as_vllm() -> None:
     """A sliding window tagged with extra_retained_tokens (multi-module MTP): its blocks leave the request that many
     tokens later in vLLM's manager; kvsched.vllm's block tables and KV usage follow, step by step."""
@@ -2186,11 +2189,11 @@ def test_windows_keep_the_extra_retained_tokens_as_vllm() -> None:
         assert usage[0] == usage[1]
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses multi-module MTP on vLLM 0.32")
+@pytest.mark.skipif(RULES.version == "0.32", reason="vLLM 0.32 has no look-ahead block hashes")
 def test_multi_module_mtp_layouts_vllm_cannot_run_are_refused_or_rejected_as_vllm() -> None:
     """Multi-module MTP: vLLM rejects prefix caching with a block below the lookahead (the same ValueError here);
     look-ahead hashes of several tokens over windows without full attention (vLLM's window lookup reads past the
-    request's hashes) and Mamba groups with prefix caching are refused by name."""
+    request's hashes) are refused by name; align-mode Mamba groups with prefix caching are taken."""
     mtp = {"num_speculative_tokens": 3, "speculative_method": "eagle", "multi_module_mtp": True, "max_num_seqs": 4}
     small = make_vllm_config(block_size=2, eagle_block_drop=True, lookahead_block_hashes=False, **mtp)  # type: ignore[arg-type]
     for impl in ("vllm", "kvsched"):
@@ -2202,24 +2205,26 @@ def test_multi_module_mtp_layouts_vllm_cannot_run_are_refused_or_rejected_as_vll
         make_scheduler("kvsched", hashes, sliding_window=8)
     make_scheduler("kvsched", hashes, kv_cache_groups=(None, 8))  # a full-attention group looks up first
     mamba = make_vllm_config(block_size=4, mamba_cache_mode="align", **mtp)  # type: ignore[arg-type]
-    with pytest.raises(UnsupportedFeatureError, match="multi-module MTP prefill lookahead with Mamba"):
-        make_scheduler("kvsched", mamba, kv_cache_groups=(None, "mamba"))
+    core = make_scheduler("kvsched", mamba, kv_cache_groups=(None, "mamba")).core  # type: ignore[attr-defined]
+    assert core.config.prefill_lookahead_tokens == 3 and core.config.mamba_align
 
 
-def test_multi_module_mtp_admission_cut_to_nothing_is_skipped_as_vllm() -> None:
+def test_multi_module_mtp_admission_cut_to_nothing_is_skipped_or_ends_the_pass_as_vllm() -> None:
     """An admission whose chunk the prefill lookahead cuts to nothing (1 token of budget left, 2 of its 3 tokens
-    would remain) is skipped and keeps its place in vLLM 0.33's scheduler; in kvsched.vllm's the same, step by step
-    (vLLM 0.32 ends the admission pass there: refused on it)."""
+    would remain) is skipped and keeps its place in vLLM 0.33's scheduler (the one-token prompt behind it takes the
+    token left); vLLM 0.32's admission pass ends there (the core's skip_lookahead_cut_admissions off); in
+    kvsched.vllm's the same, step by step."""
     cfg = _mtp_config()
-    if RULES.version == "0.32":
-        # vLLM 0.32 ends the admission pass there instead: kvsched.vllm refuses multi-module MTP on it.
-        with pytest.raises(UnsupportedFeatureError, match=r"multi-module MTP prefill lookahead on vLLM 0\.32"):
-            make_scheduler("kvsched", cfg)
-        return
     scheds = (make_scheduler("vllm", cfg), make_scheduler("kvsched", cfg))
-    _add(scheds, "r0", list(range(10, 27)), hash_lookahead_tokens=3, block_size=4)
-    _add(scheds, "r1", [5, 6, 7], hash_lookahead_tokens=3, block_size=4)
+    assert scheds[1].core.config.skip_lookahead_cut_admissions is RULES.skip_lookahead_cut_admissions  # type: ignore[attr-defined]
+    _add(scheds, "r0", list(range(10, 27)), hash_lookahead_tokens=_hash_lookahead(cfg), block_size=4)
+    _add(scheds, "r1", [5, 6, 7], hash_lookahead_tokens=_hash_lookahead(cfg), block_size=4)
+    _add(scheds, "r2", [8], hash_lookahead_tokens=_hash_lookahead(cfg), block_size=4)
     first = _step(scheds)
-    assert [dict(so.num_scheduled_tokens) for so in first] == [{"r0": 17}] * 2  # type: ignore[attr-defined]
+    expected = {"r0": 17, "r2": 1} if RULES.skip_lookahead_cut_admissions else {"r0": 17}
+    assert [dict(so.num_scheduled_tokens) for so in first] == [expected] * 2  # type: ignore[attr-defined]
     second = _step(scheds)
     assert [so.num_scheduled_tokens.get("r1") for so in second] == [3, 3]  # type: ignore[attr-defined]
+    for _ in range(3):
+        outs = _step(scheds)
+        assert dict(outs[0].num_scheduled_tokens) == dict(outs[1].num_scheduled_tokens)  # type: ignore[attr-defined]

@@ -619,14 +619,13 @@ MTP_MODES = [("sync", "v1"), ("async", "v1")]
 
 
 @pytest.mark.parametrize(("sync", "runner"), MTP_MODES, ids=[f"{s}-{r}" for s, r in MTP_MODES])
-@pytest.mark.parametrize("layout", ["full", "window", "hybrid"])
+@pytest.mark.parametrize("layout", ["full", "window", "hybrid", "mamba"])
 def test_identical_to_vllm_with_multi_module_mtp(sync: str, runner: str, layout: str) -> None:
     """A multi-module MTP drafter (2-4 modules): vLLM's prefill lookahead ends chunks before the prompt's end, keeps
-    the reprefillable tail out of the prefix cache, and its windows keep the extra retained tokens."""
-    from kvsched.vllm import RULES
-
-    if RULES.version == "0.32":
-        pytest.skip("kvsched.vllm refuses multi-module MTP on vLLM 0.32")
+    the reprefillable tail out of the prefix cache, and its windows keep the extra retained tokens; beside
+    align-mode Mamba groups with prefix caching (Qwen3.5-style) too. On vLLM 0.32 a waiting request whose chunk the
+    lookahead cuts to nothing ends the admission pass."""
+    mamba = layout == "mamba"
     cfg = run_seed(
         600,
         120,
@@ -635,6 +634,9 @@ def test_identical_to_vllm_with_multi_module_mtp(sync: str, runner: str, layout:
         mtp=True,
         sliding_window=layout == "window",
         hybrid=layout == "hybrid",
+        mamba=mamba,
+        mamba_align=mamba,
+        mamba_prefix_caching=mamba,
     )
     assert cfg.multi_module_mtp and cfg.num_speculative_tokens > 1
 

@@ -2440,10 +2440,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--dflash goes with --eagle, without --mtp")
     if (args.eagle or args.mtp) and args.streaming:
         p.error("--eagle and --mtp go without --streaming")
-    if args.mtp and RULES.version == "0.32":
-        p.error("--mtp: kvsched.vllm refuses multi-module MTP on vLLM 0.32 (its admission pass ends at a cut chunk)")
-    if args.mtp and args.mamba_prefix_caching:
-        p.error("--mtp goes without --mamba-prefix-caching (kvsched.vllm refuses the reprefillable tail there)")
     if args.enc_dec and (
         args.connector
         or args.kv_events

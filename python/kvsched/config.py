@@ -604,6 +604,14 @@ class SchedulerConfig:
             "the chunk starts within them) and the release waits until that many tokens past its end (vLLM 0.32)"
         ),
     )
+    skip_lookahead_cut_admissions: bool = field(
+        default=True,
+        metadata=_spec(
+            "a waiting request whose chunk the prefill lookahead (`prefill_lookahead_tokens`) cuts to nothing is "
+            "skipped and keeps its place, the admission pass going on (vLLM 0.33); with False the admission pass ends "
+            "there (vLLM 0.32)"
+        ),
+    )
     cache_drafts_at_update: bool = field(
         default=True,
         metadata=_spec(
@@ -649,8 +657,9 @@ class SchedulerConfig:
             "prefill chunk never ends fewer than this many tokens before the request's known tokens end (it is "
             "shortened to leave them, possibly to nothing), and the last `prefill_lookahead_tokens - 1` computed "
             "tokens are not final: the blocks entering the prefix cache stop that many tokens short (with several "
-            "groups only with `drop_trailing_hit_block`). 0 changes nothing, nor does 1 without encoder inputs. "
-            "Above 1 not with a Mamba group and prefix caching (see [Speculative decoding](#speculative-decoding))",
+            "groups only with `drop_trailing_hit_block`, and then not in Mamba groups outside its rules, "
+            "`mamba_eagle_group` off). 0 changes nothing, nor does 1 without encoder inputs "
+            "(see [Speculative decoding](#speculative-decoding))",
             hi=1024,
         ),
     )
@@ -971,12 +980,7 @@ class SchedulerConfig:
     def _check_prefill_lookahead(self) -> None:
         """What ``prefill_lookahead_tokens`` above 1 and ``extra_retained_tokens`` need (the core's
         ``validate_prefill_lookahead``)."""
-        n, groups = self.prefill_lookahead_tokens, self.kv_cache_groups or ()
-        if n > 1 and self.enable_prefix_caching and MAMBA in groups:
-            raise InvalidConfigError(
-                f"prefill_lookahead_tokens ({n}) above 1 cannot be combined with a Mamba group with prefix caching "
-                "(the reprefillable tail of Mamba states is not implemented)"
-            )
+        groups = self.kv_cache_groups or ()
         windows = self.sliding_window is not None or any(isinstance(w, int) and not isinstance(w, bool) for w in groups)
         if self.extra_retained_tokens > 0 and not windows:
             raise InvalidConfigError(

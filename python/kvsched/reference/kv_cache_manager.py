@@ -308,10 +308,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         # The last prefill_lookahead_tokens - 1 computed tokens are not final (vLLM's unitary coordinator; its
         # hybrid one only with the trailing-block drop).
         c, groups = self._config, self._config.kv_cache_groups
+        computed = num_tokens
         if c.drop_trailing_hit_block or groups is None or len(groups) == 1:
             num_tokens = max(0, num_tokens - self._reprefillable)
         if self._config.kv_cache_groups is not None:
-            self._cache_hybrid_blocks(r, num_tokens)
+            self._cache_hybrid_blocks(r, num_tokens, computed)
             return
         c, bs = self._config, self._bs
         num_full = min(num_tokens // bs, len(r.block_hashes), len(r.block_ids))
@@ -939,15 +940,21 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._free_block_list(table[first:last])
             table[first:last] = [0] * (last - first)
 
-    def _cache_hybrid_blocks(self, r: _Request, num_tokens: int) -> None:
+    def _cache_hybrid_blocks(self, r: _Request, num_tokens: int, computed: int) -> None:
         """Each group's full blocks among the first ``num_tokens`` enter the cache map under the group's keys
         (null blocks skipped; a window of one token caches nothing; an align-mode Mamba group under sparse retention
         caches the states ``_mamba_retained`` keeps, and the prompt's checkpoint when ``num_tokens`` end there),
-        group by group, each group's run recorded as one stored event with events on."""
+        group by group, each group's run recorded as one stored event with events on. Mamba groups outside the
+        trailing-block drop's rules take all ``computed`` tokens (the reprefillable tail is cut in the drop's groups
+        only)."""
         bs = self._bs
-        num_full = min(num_tokens // bs, len(r.block_hashes), len(r.block_ids))
-        # every group caches the same tokens: the full blocks' rounded down to the hit alignment
-        aligned_tokens = num_full * bs // self._hit_align() * self._hit_align()
+
+        def aligned(tokens: int) -> int:
+            # every group caches the same tokens: the full blocks' rounded down to the hit alignment
+            full = min(tokens // bs, len(r.block_hashes), len(r.block_ids))
+            return full * bs // self._hit_align() * self._hit_align()
+
+        aligned_tokens = aligned(num_tokens)
         c = self._config
         align = c.mamba_align
         retention = c.prefix_cache_retention_interval if align else None
@@ -958,7 +965,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         # block below the junction
         mamba_eagle = eagle and c.mamba_eagle_group
         prompt_checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, eagle, c.hash_lookahead_tokens)
-        mamba_tokens = num_tokens // bs * bs if eagle and not mamba_eagle else num_tokens
+        mamba_tokens = computed // bs * bs if eagle and not mamba_eagle else num_tokens
+        mamba_aligned = aligned(computed) if eagle and not mamba_eagle else aligned_tokens
         at_tail = retention is not None and 0 < mamba_tokens == prompt_checkpoint
         prompt_tail = prompt_checkpoint // bs - 1 if at_tail else -1
         # sparse retention of the window groups' blocks and the Mamba groups' states
@@ -972,13 +980,13 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             table = self._group_table(r, g)
             first = self._group_cached(r, g)
             k = self._group_bs(g) // bs
-            num_full = aligned_tokens // self._group_bs(g)
+            num_full = (mamba_aligned if w == _MAMBA else aligned_tokens) // self._group_bs(g)
             checkpoint = r.mamba_checkpoint.get(g) if w == _MAMBA else None
             tail = -1 if checkpoint is not None else prompt_tail  # a checkpoint is re-keyed instead
             if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only:
                 # with the drop a Mamba group's cacheable tokens are not floored: only tokens ending at the checkpoint
                 exact = not mamba_eagle or num_tokens % bs == 0
-                self._mark_prompt_checkpoint(r, g, num_tokens if exact else 0, prompt_checkpoint)
+                self._mark_prompt_checkpoint(r, g, mamba_tokens if exact else 0, prompt_checkpoint)
             if num_full <= first:
                 if checkpoint is not None:
                     self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)

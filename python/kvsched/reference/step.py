@@ -538,6 +538,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 n = self._reserve_prefill_lookahead(r, computed, n)
                 if n == 0:  # the drafter's prefill lookahead left nothing to compute: skipped, it keeps its place
                     self._rollback_encoder(enc, r)
+                    if not c.skip_lookahead_cut_admissions:
+                        break  # vLLM 0.32: the pass ends there
                     r.deferred = True
                     (skipped_kv if from_kv else skipped).append(take())
                     continue

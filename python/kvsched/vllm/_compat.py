@@ -58,7 +58,7 @@ class VllmRules:
     # only).
     drop_junction_below: bool
     # Multi-module MTP: an admission whose chunk the prefill lookahead cuts to nothing is skipped, keeping its
-    # place (0.33); 0.32 ends the admission pass there (kvsched.vllm refuses multi-module MTP on 0.32).
+    # place (0.33); 0.32 ends the admission pass there (the core's skip_lookahead_cut_admissions).
     skip_lookahead_cut_admissions: bool
 
 

@@ -148,6 +148,7 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
             "continue_after_self_preemption",
             "skip_encoder_blocked_admissions",
             "exact_encoder_cut_and_release",
+            "skip_lookahead_cut_admissions",
             "cache_drafts_at_update",
             "trim_computed_on_stop",
             "cache_upto_in_flight",

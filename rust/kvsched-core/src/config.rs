@@ -358,6 +358,10 @@ pub struct SchedulerConfig {
     /// (vLLM 0.32) leaves the lookahead in both: the cut stops `N` tokens before the input (at nothing when the
     /// chunk starts fewer than `N + 1` tokens before it) and the release waits until `N` tokens past its end.
     pub exact_encoder_cut_and_release: bool,
+    /// A waiting request whose chunk the prefill lookahead (`prefill_lookahead_tokens`) cuts to nothing: `true`
+    /// (vLLM 0.33) skips it, it keeps its place and the pass goes on; `false` (vLLM 0.32) ends the admission pass
+    /// there.
+    pub skip_lookahead_cut_admissions: bool,
     /// When a step's output is applied, the blocks its tokens completed are cached then (instead of at the
     /// request's next allocation) for a running request with output placeholders (async scheduling) and, if
     /// `true` (vLLM 0.33), for every running request when speculative decoding is on; `false` (vLLM 0.32): only
@@ -383,9 +387,9 @@ pub struct SchedulerConfig {
     /// a prefill chunk never ends fewer than `N` tokens before the request's known tokens end (it is shortened to
     /// leave `N`, possibly to nothing), and the last `N - 1` computed tokens are not yet final: the blocks entering
     /// the prefix cache stop `N - 1` tokens short of the tokens being cached (with several groups only together
-    /// with `drop_trailing_hit_block`, as vLLM's hybrid coordinator). The encoder inputs a chunk reaches extend
-    /// `N` tokens past its end (`encoder_sched.rs`). 0 changes nothing, nor does 1 without encoder inputs. With
-    /// `N > 1` not combined with a Mamba group and prefix caching.
+    /// with `drop_trailing_hit_block`, and then not in Mamba groups outside its rules, `mamba_eagle_group` off,
+    /// as vLLM's hybrid coordinator). The encoder inputs a chunk reaches extend `N` tokens past its end
+    /// (`encoder_sched.rs`). 0 changes nothing, nor does 1 without encoder inputs.
     pub prefill_lookahead_tokens: u32,
     /// Tokens below the window that every sliding-window group keeps (vLLM's `SlidingWindowSpec.
     /// extra_retained_tokens`, `num_prefill_lookahead_tokens - 1` with a multi-module MTP drafter): a window's
@@ -578,6 +582,7 @@ impl Default for SchedulerConfig {
             continue_after_self_preemption: true,
             skip_encoder_blocked_admissions: true,
             exact_encoder_cut_and_release: true,
+            skip_lookahead_cut_admissions: true,
             cache_drafts_at_update: true,
             trim_computed_on_stop: true,
             cache_upto_in_flight: true,
@@ -957,16 +962,6 @@ impl SchedulerConfig {
 
     /// What `prefill_lookahead_tokens` above 1 and `extra_retained_tokens` need (see the fields).
     fn validate_prefill_lookahead(&self) -> Result<()> {
-        if self.prefill_lookahead_tokens > 1
-            && self.enable_prefix_caching
-            && self.kv_cache_groups.contains(&Some(MAMBA))
-        {
-            return Err(SchedError::InvalidConfig(format!(
-                "prefill_lookahead_tokens ({}) above 1 cannot be combined with a Mamba group with prefix caching \
-                 (the reprefillable tail of Mamba states is not implemented)",
-                self.prefill_lookahead_tokens
-            )));
-        }
         if self.extra_retained_tokens > 0 {
             let window = self.sliding_window.is_some()
                 || self

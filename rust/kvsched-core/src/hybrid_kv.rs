@@ -632,11 +632,9 @@ impl KvCacheManager {
                 }
             }
         }
-        let cache_tokens = self.cacheable((total_computed + num_new_tokens).min(req.num_tokens()));
-        let num_full = (cache_tokens / self.block_size) as usize;
         // Each group from its own count of cached blocks (see `cache_blocks`).
         if cache && self.enable_caching {
-            self.cache_hybrid_blocks(req, num_full, cache_tokens);
+            self.cache_hybrid_blocks(req, (total_computed + num_new_tokens).min(req.num_tokens()));
         }
         Some(popped)
     }
@@ -721,19 +719,26 @@ impl KvCacheManager {
         }
     }
 
-    /// Enters each group's blocks up to `num_full` into the prefix cache under the group's keys (null blocks
-    /// skipped; a window of one token caches nothing; an align-mode Mamba group under sparse retention caches
-    /// the states `mamba_retained` keeps, and the prompt's checkpoint when `num_tokens`, the tokens being
-    /// cached, end there), group by group, each group's run recorded as one stored event with events on.
+    /// Enters each group's full blocks among the first `computed` tokens, less the reprefillable tail (see
+    /// `cacheable`), into the prefix cache under the group's keys (null blocks skipped; a window of one token
+    /// caches nothing; an align-mode Mamba group under sparse retention caches the states `mamba_retained` keeps,
+    /// and the prompt's checkpoint when the tokens being cached end there), group by group, each group's run
+    /// recorded as one stored event with events on. Mamba groups outside the trailing-block drop's rules
+    /// (`mamba_eagle` off) keep the reprefillable tail: vLLM's hybrid coordinator cuts it in the drop's groups
+    /// only.
     #[cold]
-    pub(crate) fn cache_hybrid_blocks(&mut self, req: &mut Request, num_full: usize, num_tokens: u32) {
+    pub(crate) fn cache_hybrid_blocks(&mut self, req: &mut Request, computed: u32) {
         let Some(hy) = self.hybrid.as_deref() else { return };
         let windows = hy.windows.clone();
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
-        let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
+        let full_of = |tokens: u32| {
+            ((tokens / self.block_size) as usize).min(req.block_hashes.len()).min(req.blocks.len())
+        };
         // The tokens every group caches: the full blocks' tokens rounded down to the alignment (vLLM's hybrid
         // coordinator caches a scheduler-block-aligned prefix in each group).
-        let aligned_tokens = num_full as u32 * self.block_size / hy.align * hy.align;
+        let aligned_of = |tokens: u32| full_of(tokens) as u32 * self.block_size / hy.align * hy.align;
+        let num_tokens = self.cacheable(computed);
+        let aligned_tokens = aligned_of(num_tokens);
         let sizes = hy.block_sizes.clone();
         let align = hy.mamba_align;
         let defer_new_states_only = hy.defer_new_states_only;
@@ -764,7 +769,12 @@ impl KvCacheManager {
             .map(|_| window_reachable(req.num_prompt_tokens, junction, bs, eagle, false));
         let window_positions: &[u32] = window_reach.as_deref().unwrap_or(&[]);
         let reachable: &[u32] = mamba_reach.as_deref().unwrap_or(window_positions);
-        let mamba_tokens = if eagle && !mamba_eagle { num_tokens / bs * bs } else { num_tokens };
+        // Mamba groups outside the drop's rules: the computed tokens with the reprefillable tail.
+        let (mamba_tokens, mamba_aligned) = if eagle && !mamba_eagle {
+            (computed / bs * bs, aligned_of(computed))
+        } else {
+            (num_tokens, aligned_tokens)
+        };
         let tail = retention.and_then(|_| {
             (mamba_tokens > 0 && mamba_tokens == prompt_checkpoint)
                 .then(|| (prompt_checkpoint / bs) as usize - 1)
@@ -778,12 +788,12 @@ impl KvCacheManager {
             let tail = if checkpoint.is_some() { None } else { tail };
             let first = *table(req, slots[g]).1 as usize;
             let k = (sizes[g] / bs) as usize;
-            let num_full = (aligned_tokens / sizes[g]) as usize;
+            let num_full = (if w == MAMBA { mamba_aligned } else { aligned_tokens } / sizes[g]) as usize;
             if w == MAMBA && checkpoint.is_none() && !defer_new_states_only {
                 // With the drop vLLM hands a Mamba group its cacheable tokens unfloored: only a call whose tokens
                 // end at the checkpoint itself re-keys it.
                 let exact = !mamba_eagle || num_tokens % bs == 0;
-                let num_tokens = if exact { num_tokens } else { 0 };
+                let num_tokens = if exact { mamba_tokens } else { 0 };
                 self.mark_prompt_checkpoint(req, slots[g], g, num_tokens, prompt_checkpoint);
             }
             if num_full <= first {

@@ -1202,11 +1202,14 @@ impl Scheduler {
         }
         if !load_async {
             // The drafter's prefill lookahead (see `schedule_running`, after the encoder plan): a chunk cut to
-            // nothing is skipped.
+            // nothing is skipped (vLLM 0.33), or ends the pass (vLLM 0.32).
             n = reserve_prefill_lookahead(self.config.prefill_lookahead_tokens, num_tokens, computed, n);
             if n == 0 {
                 if planned_encoder {
                     self.rollback_encoder(enc, h.slot)?;
+                }
+                if !self.config.skip_lookahead_cut_admissions {
+                    return Ok(Candidate::Stop);
                 }
                 return self.skip_admission(h, from_kv, pass);
             }
