@@ -157,17 +157,7 @@ def test_prefill_lookahead_set_on_a_built_scheduler_follows_vllm(lookahead: int)
     assert ours.core.config.prefill_lookahead_tokens == 0
 
 
-@pytest.mark.skipif(RULES.version != "0.32", reason="vLLM 0.32 only")
-def test_multi_module_prefill_lookahead_set_on_a_built_scheduler_is_refused_on_vllm_032() -> None:
-    _, ours = _pair()
-    ours.num_prefill_lookahead = 0
-    with pytest.raises(UnsupportedFeatureError, match="prefill lookahead"):
-        ours.num_prefill_lookahead = 3
-    assert ours.num_prefill_lookahead == 0
-
-
-# (kvsched.vllm refuses multi-module MTP on vLLM 0.32)
-DRAFTERS = [("eagle", 1)] + ([("mtp", 3)] if RULES.skip_lookahead_cut_admissions else [])
+DRAFTERS = [("eagle", 1), ("mtp", 3)]
 
 
 def _drafter_pair(drafter: str, k: int, **fields: Any) -> tuple[Any, Any]:

@@ -2691,12 +2691,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # its KV cache manager keeps the lookahead it was built with (so does the core's prefix cache).
         if value == self.num_prefill_lookahead:
             return
-        if value > 1 and not RULES.skip_lookahead_cut_admissions:
-            raise UnsupportedFeatureError(
-                f"kvsched.vllm.Scheduler does not support a multi-module MTP prefill lookahead (num_prefill_lookahead "
-                f"{value}) on vLLM {RULES.version}: its admission pass ends at a request whose chunk the lookahead "
-                "cuts to nothing"
-            )
         if self.requests:
             raise UnsupportedFeatureError(
                 "kvsched.vllm.Scheduler changes a drafter's prefill lookahead (num_prefill_lookahead) only while it "
