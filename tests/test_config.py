@@ -96,8 +96,6 @@ RULES: list[dict[str, Any]] = [
     {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, 8), "drop_trailing_hit_block": True},
     {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, 8), "enable_kv_cache_events": True},
     {"max_num_batched_tokens": 8, "draft_slots": 8},
-    {"prefill_lookahead_tokens": 2, "max_num_encoder_input_tokens": 8, "encoder_cache_size": 8},
-    {"prefill_lookahead_tokens": 3, "kv_cache_groups": (None, "mamba"), "mamba_align": True},
     {"extra_retained_tokens": 1},
     {"extra_retained_tokens": 1, "kv_cache_groups": (None, "chunked:8")},
     {"max_num_batched_tokens": 8, "max_num_scheduled_tokens": 9},
@@ -220,7 +218,9 @@ VALID_COMBOS: list[dict[str, Any]] = [
     {"block_size": 16, "kv_cache_groups": ("mamba", None), "kv_cache_group_block_sizes": (16, 16), "mamba_align": True},
     {"prefill_lookahead_tokens": 4, "kv_cache_groups": (None, 8, "chunked:8"), "extra_retained_tokens": 3},
     {"prefill_lookahead_tokens": 1, "max_num_encoder_input_tokens": 8, "encoder_cache_size": 8},
+    {"prefill_lookahead_tokens": 3, "max_num_encoder_input_tokens": 8, "encoder_cache_size": 8},
     {"prefill_lookahead_tokens": 3, "kv_cache_groups": (None, "mamba"), "enable_prefix_caching": False},
+    {"prefill_lookahead_tokens": 3, "kv_cache_groups": (None, "mamba"), "mamba_align": True},
 ]
 
 

@@ -162,6 +162,9 @@ class FakeConnector:
     def load_deferred(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
         self.calls.append(("deferred", req_id, list(block_ids), num_external_tokens))
 
+    def local_hit_replaced(self, req_id: str, num_local_tokens: int) -> None:
+        self.calls.append(("replaced", req_id, num_local_tokens))
+
     def get_loaded_kv_cache_group_ids(self, req_id: str) -> list[int]:
         # Asked at an asynchronous load's allocation with a Mamba group: the groups the load writes (their loaded
         # tokens' blocks are not zeroed), a draw among the first four group indices.
@@ -270,6 +273,7 @@ class Twin:
             "encoder_cut": 0,
             "encoder_resized": 0,
             "encoder_loaded": 0,
+            "encoder_shifted": 0,
         }
         # victims that sat before a request phase A scheduled in their step (scheduled earlier, then refunded)
         self.coverage["victims_before_scheduled"] = 0
@@ -400,7 +404,9 @@ class Twin:
         cap = min(c.max_num_encoder_input_tokens, c.encoder_cache_size)
         if c.disable_chunked_mm_input:
             th = c.long_prefill_token_threshold
-            cap = min(cap, c.max_chunk_tokens, th if th > 0 else cap)
+            chunk = min(c.max_chunk_tokens, th) if th > 0 else c.max_chunk_tokens
+            # (a chunk stopped before an input ends the drafter's prefill lookahead before it)
+            cap = min(cap, chunk - c.prefill_lookahead_tokens)
         return cap
 
     def make_encoder_inputs(self, prompt_len: int) -> list[tuple[int, int, int]]:
@@ -467,9 +473,12 @@ class Twin:
         for rid in out.preempted_req_ids:
             r = self.ref._requests.get(rid)
             cov["encoder_victims"] += r is not None and bool(r.encoder_inputs)
-        for r, _, _ in out._entries:  # a chunk that stops right before an encoder input it reaches for
+        idx, ptr = out.scheduled_encoder_inputs.tolist(), out.scheduled_encoder_inputs_indptr.tolist()
+        for k, (r, _, _) in enumerate(out._entries):  # a chunk that stops right before an encoder input it reaches for
             end = r.num_computed_tokens
             cov["encoder_cut"] += r.is_prefill_chunk and any(st == end for st, _, _ in r.encoder_inputs)
+            # inputs computed past the chunk's end (the drafter's prefill lookahead widened its window)
+            cov["encoder_shifted"] += sum(r.encoder_inputs[i][0] >= end for i in idx[ptr[k] : ptr[k + 1]])
 
     def compare_introspection(self, a: Any, b: Any) -> None:
         """The read-only probes right after schedule(): this step's num_output_tokens column, every block's
@@ -919,6 +928,14 @@ class Twin:
         if self.pins:
             self.compare_pins()
 
+    def run(self, steps: int) -> None:
+        """``steps`` steps; a difference names the config and the last operations."""
+        for _ in range(steps):
+            try:
+                self.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {self.cfg}\nlast ops: {self.log[-15:]}") from e
+
     def drain(self) -> None:
         """Unpause, release every grammar, apply every pending step and run until no request is left."""
         self.ref.set_pause_state("unpaused")
@@ -1090,8 +1107,8 @@ def configs(draw: Any) -> SchedulerConfig:
         dcp_world_size=dcp,
         pcp_world_size=pcp,
         cp_kv_cache_interleave_size=interleave,
-        **(enc := encoder_fields(draw, budget)),
-        **mtp_fields(draw, window, enc),
+        **encoder_fields(draw, budget),
+        **mtp_fields(draw, window),
         park_kv_loads=draw(st.booleans()),
         reserve_inflight_prefills=draw(st.booleans()),
         defer_block_free=draw(st.booleans()),
@@ -1100,6 +1117,7 @@ def configs(draw: Any) -> SchedulerConfig:
         max_loras_counts_unscheduled=draw(st.booleans()),
         continue_after_self_preemption=draw(st.booleans()),
         skip_encoder_blocked_admissions=draw(st.booleans()),
+        exact_encoder_cut_and_release=draw(st.booleans()),
         cache_drafts_at_update=draw(st.booleans()),
         trim_computed_on_stop=draw(st.booleans()),
         cache_upto_in_flight=draw(st.booleans()),
@@ -1124,13 +1142,14 @@ def budget_fields(draw: Any, budget: int) -> dict[str, Any]:
     return fields
 
 
-def mtp_fields(draw: Any, window: int | None, enc: dict[str, Any]) -> dict[str, Any]:
-    """A multi-module MTP drafter's prefill lookahead in some configs without encoder inputs, and with a window
-    its extra retained tokens (mostly vLLM's, the lookahead less one)."""
-    if enc or draw(st.integers(0, 2)) != 0:
+def mtp_fields(draw: Any, window: int | None) -> dict[str, Any]:
+    """A drafter's prefill lookahead in some configs (1: EAGLE's, above 1: a multi-module MTP drafter's; with
+    encoder inputs it widens their window), and with a window its extra retained tokens (mostly vLLM's, the
+    lookahead less one)."""
+    if draw(st.integers(0, 2)) != 0:
         return {}
     n = draw(st.sampled_from([1, 2, 3, 5]))
-    fields: dict[str, Any] = {"prefill_lookahead_tokens": n}
+    fields: dict[str, Any] = {"prefill_lookahead_tokens": n, "skip_lookahead_cut_admissions": draw(st.booleans())}
     if window is not None:
         fields["extra_retained_tokens"] = draw(st.sampled_from([n - 1, n - 1, 0, 4]))
     return fields
@@ -1328,6 +1347,65 @@ ENCODER_SOAK_CONFIGS = [
 ]  # fmt: skip
 
 
+# Encoder inputs with a drafter's prefill lookahead (EAGLE's 1, a multi-module MTP drafter's 2-4): the window of a
+# chunk's encoder inputs reaches past its end, disable_chunked_mm_input stops the lookahead before an input, the MTP
+# cut comes after the encoder plan (and with vLLM 0.32's rules the cut before an input that does not fit and the
+# release leave the lookahead too); tight budgets and caches, preemption, prefix caching, async scheduling.
+ENCODER_DRAFTER_SOAK_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=64,
+                    long_prefill_token_threshold=5, num_lookahead_tokens=2, num_speculative_tokens=2,
+                    prefill_lookahead_tokens=1, drop_trailing_hit_block=True, max_num_encoder_input_tokens=6,
+                    encoder_cache_size=10, prefix_hash_seed=31, scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    long_prefill_token_threshold=7, num_lookahead_tokens=3, num_speculative_tokens=3,
+                    prefill_lookahead_tokens=3, hash_lookahead_tokens=3, max_num_encoder_input_tokens=6,
+                    encoder_cache_size=12, disable_chunked_mm_input=True, policy="priority", prefix_hash_seed=32,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
+                    long_prefill_token_threshold=6, num_lookahead_tokens=2, num_speculative_tokens=2,
+                    prefill_lookahead_tokens=2, drop_trailing_hit_block=True, async_scheduling=True,
+                    max_num_encoder_input_tokens=8, encoder_cache_size=8, prefix_hash_seed=33,
+                    scheduler_reserve_full_isl=False),
+    SchedulerConfig(block_size=4, num_blocks=22, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    long_prefill_token_threshold=9, num_lookahead_tokens=4, num_speculative_tokens=4,
+                    prefill_lookahead_tokens=4, drop_trailing_hit_block=True, max_num_encoder_input_tokens=8,
+                    encoder_cache_size=14,
+                    disable_chunked_mm_input=True, async_scheduling=True, prefix_hash_seed=34,
+                    scheduler_reserve_full_isl=False),
+    # vLLM 0.32's rules: the cut before an input that does not fit and the release also leave the lookahead.
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=64,
+                    long_prefill_token_threshold=6, num_lookahead_tokens=2, num_speculative_tokens=2,
+                    prefill_lookahead_tokens=2, drop_trailing_hit_block=True, max_num_encoder_input_tokens=6,
+                    encoder_cache_size=10, exact_encoder_cut_and_release=False, skip_encoder_blocked_admissions=False,
+                    prefix_hash_seed=35, scheduler_reserve_full_isl=False),
+]  # fmt: skip
+
+
+def drive(twin: Twin, steps: int) -> None:
+    """``steps`` operations, compared step by step, then a drain (the config and the last operations in a
+    failure's message)."""
+    for _ in range(steps):
+        try:
+            twin.step()
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nconfig {twin.cfg}\nlast ops: {twin.log[-15:]}") from e
+    twin.drain()
+
+
+def test_soak_encoder_inputs_with_a_drafter_lookahead_match_reference_step_by_step() -> None:
+    """Step by step, with runner faults among the operations; some inputs are computed past their chunk's end
+    (the widened window) and some chunks stop before an input."""
+    total = dict.fromkeys(("encoder_computed", "encoder_shifted", "encoder_cut", "encoder_victims"), 0)
+    for i, cfg in enumerate(ENCODER_DRAFTER_SOAK_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(3131 + i)), max_in_flight=1 + i % 2)
+        drive(twin, 800)
+        for k in total:
+            total[k] += twin.coverage[k]
+        assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
+        assert twin.coverage["encoder_shifted"] > 0, f"no input computed past its chunk under {cfg}"
+    assert all(v > 0 for v in total.values()), total
+
+
 # vLLM's block hash as the prefix-cache key (prefix_hash_algo "sha256_pickle", chained from a given root as from
 # vLLM's NONE_HASH): Twin.compare checks that the two implementations' hashes of requests without extra keys are
 # equal values, not only an equal pattern; salts, LoRA names, encoder inputs and look-ahead tokens take the tagged
@@ -1394,12 +1472,7 @@ def test_soak_encoder_inputs_match_reference_step_by_step() -> None:
     for i, (cfg, seed) in enumerate(zip(ENCODER_SOAK_CONFIGS, seeds, strict=True)):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2,
                     connector_seed=seed if i == 0 else None)  # fmt: skip
-        for _ in range(1000):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-        twin.drain()
+        drive(twin, 1000)
         for k in total:
             total[k] += twin.coverage[k]
         st = twin.ref.stats()
@@ -1725,7 +1798,8 @@ def test_soak_eagle_prefix_cache_rules_over_windows_and_groups_match_reference_s
 
 # A multi-module MTP drafter (vLLM's num_prefill_lookahead_tokens above 1): chunks never end within the lookahead of
 # the known tokens, the reprefillable tail stays out of the prefix cache (with several groups only with the drop),
-# windows keep the extra retained tokens below them; with look-ahead hashes or the trailing-block drop.
+# windows keep the extra retained tokens below them; with look-ahead hashes or the trailing-block drop (and vLLM 0.32's
+# admission rule on the last).
 MTP_SOAK_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=13, max_model_len=64,
                     num_lookahead_tokens=3, num_speculative_tokens=3, prefill_lookahead_tokens=3,
@@ -1752,6 +1826,11 @@ MTP_SOAK_CONFIGS = [
     SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=12, max_model_len=64,
                     sliding_window=4, extra_retained_tokens=5, num_lookahead_tokens=3, num_speculative_tokens=3,
                     prefill_lookahead_tokens=3, drop_trailing_hit_block=True, prefix_hash_seed=27),
+    # vLLM 0.32's rule: a waiting request whose chunk the lookahead cuts to nothing ends the admission pass.
+    SchedulerConfig(block_size=4, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=13, max_model_len=64,
+                    num_lookahead_tokens=4, num_speculative_tokens=4, prefill_lookahead_tokens=4,
+                    drop_trailing_hit_block=True, skip_lookahead_cut_admissions=False, long_prefill_token_threshold=7,
+                    prefix_hash_seed=28),
 ]  # fmt: skip
 
 
@@ -1957,7 +2036,7 @@ def test_soak_sliding_window_matches_reference_step_by_step() -> None:
     block 0 in the run."""
     nulls = window_hits = 0
     for i, cfg in enumerate(SWA_CONFIGS):
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(4242 + i)), max_in_flight=1 + i % 3,
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(4245 + i)), max_in_flight=1 + i % 3,
                     connector_seed=4242 + i if i % 2 else None, fail_steps=False)  # fmt: skip
         for _ in range(700):
             try:
@@ -2320,6 +2399,45 @@ def test_soak_kv_connector_groups_match_reference_step_by_step() -> None:
     assert offered > 0, "no Mamba boundary state was offered"
 
 
+# A KV connector that completes divergent local hits (divergent_local_hits) with align-mode Mamba groups and prefix
+# caching: each group's own hit, as long as full attention's, kept when the connector finds tokens, else replaced by
+# the usual one; beside a window, with sparse retention, with drafts and the trailing-block drop.
+DIVERGENT_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, "mamba"), kv_connector_groups=True, mamba_align=True,
+                    divergent_local_hits=True, prefix_hash_seed=111),
+    SchedulerConfig(block_size=4, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=64,
+                    kv_cache_groups=("mamba", None, "mamba"), kv_connector_groups=True, mamba_align=True,
+                    prefix_cache_retention_interval=8, async_scheduling=True, defer_block_free=True,
+                    park_kv_loads=False, reserve_inflight_prefills=True, divergent_local_hits=True,
+                    prefix_hash_seed=112),
+    SchedulerConfig(block_size=4, num_blocks=48, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=("mamba", 6, None), kv_connector_groups=True, mamba_align=True,
+                    divergent_local_hits=True, prefix_hash_seed=113),
+    SchedulerConfig(block_size=4, num_blocks=48, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, "mamba"), kv_connector_groups=True, mamba_align=True,
+                    num_speculative_tokens=2, mamba_speculative_blocks=2, drop_trailing_hit_block=True,
+                    divergent_local_hits=True, prefix_hash_seed=114),
+]  # fmt: skip
+
+
+def test_soak_divergent_local_hits_match_reference_step_by_step() -> None:
+    """With divergent_local_hits, both implementations find the same per-group hits, keep a diverged one when the
+    connector finds tokens and replace it with the usual hit when it finds none, and agree at every step; some
+    admissions reach both outcomes."""
+    kept = replaced = 0
+    for i, cfg in enumerate(DIVERGENT_CONFIGS):
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(4245 + i)), max_in_flight=1 + i % 3,
+                    connector_seed=4245 + i, fail_steps=False)  # fmt: skip
+        twin.run(500)
+        twin.drain()
+        kept += twin.ref.diverged_hits[0]
+        replaced += twin.ref.diverged_hits[1]
+        assert twin.conn_ref is not None
+        assert sum(c[0] == "replaced" for c in twin.conn_ref.calls) == twin.ref.diverged_hits[1]
+    assert kept > 0 and replaced > 0, (kept, replaced)
+
+
 # Mamba groups in align mode (mamba_align, vLLM's mamba_cache_mode "align"): block-sized state tables beside full
 # attention and a window, speculative state blocks with drafts, sync and async, a prefill threshold (block-aligned
 # chunks below a block: a block wider than the threshold), chunked prefill off; tight pools preempt.
@@ -2529,6 +2647,42 @@ def test_soak_drop_with_unmarked_mamba_groups_matches_reference_step_by_step(
     ]
     keyed_below = [0]
     seed = 7575 if retention is None else 9595 if junction_below else 9696
+    grown, hits, checkpoints = _soak_align(configs, seed, siblings=True, keyed_below=keyed_below)
+    assert grown > 0 and hits > 0 and checkpoints > 0 and keyed_below[0] > 0, (grown, hits, checkpoints, keyed_below)
+
+
+@pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
+def test_soak_mamba_prefix_caching_with_multi_module_mtp_matches_reference_step_by_step(retention: int | None) -> None:
+    """The same configs with prefix caching on and a multi-module MTP drafter (a prefill lookahead of up to three
+    tokens, the windows keeping the reprefillable tail below them): the trailing-block drop on three configs (the
+    Mamba groups outside the drop's rules on the second: they cache the reprefillable tail the other groups leave
+    out), look-ahead hashes of several tokens on the fourth (a prefill checkpoint can then be keyed by the block
+    below its entry), prefill checkpoints on every other config, dense and under retention 0, KV cache events on:
+    the chunk splits, the states and blocks cached, the hits on them and the tokens of each block's hash are the
+    same on both implementations; prefix hits happen, checkpoints are reserved and checkpoints keyed below their
+    entry are seen in the run."""
+    configs = []
+    for i, c in enumerate(ALIGN_CONFIGS):
+        k = min(3, c.block_size)
+        windowed = any(isinstance(w, int) for w in c.kv_cache_groups or ())
+        configs.append(
+            dataclasses.replace(
+                c,
+                enable_prefix_caching=True,
+                prefix_cache_retention_interval=retention,
+                num_lookahead_tokens=k,
+                prefill_lookahead_tokens=k,
+                extra_retained_tokens=k - 1 if windowed else 0,
+                drop_trailing_hit_block=i != 3,
+                hash_lookahead_tokens=k if i == 3 else 0,
+                mamba_eagle_group=i != 1,
+                mamba_prefill_checkpoint_alignment=c.block_size if i % 2 else None,
+                enable_kv_cache_events=True,
+                enable_chunked_prefill=True,  # (the fourth's whole prompts would rarely preempt)
+            )
+        )
+    keyed_below = [0]
+    seed = 7676 if retention is None else 9797
     grown, hits, checkpoints = _soak_align(configs, seed, siblings=True, keyed_below=keyed_below)
     assert grown > 0 and hits > 0 and checkpoints > 0 and keyed_below[0] > 0, (grown, hits, checkpoints, keyed_below)
 
@@ -2895,6 +3049,11 @@ ODD_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
     ("get_block_ref_cnt", (1.0,), {}),
     ("get_block_ref_cnt", (None,), {}),
     ("step_num_output_tokens", (None,), {}),
+    ("set_prefill_lookahead", (2,), {}),  # refused: a request is live
+    ("set_prefill_lookahead", (True,), {}),
+    ("set_prefill_lookahead", (-1,), {}),
+    ("set_prefill_lookahead", (1025,), {}),
+    ("set_prefill_lookahead", ("2",), {}),
 ]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from conftest import requires_rust
-from kvsched import RequestStatus
+from kvsched import InvalidConfigError, InvalidRequestError, RequestStatus
 from kvsched.reference import ReferenceScheduler
 
 pytestmark = requires_rust
@@ -202,6 +202,92 @@ def test_disable_chunked_mm_input_stops_before_a_partly_covered_input(impl: str,
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lookahead", [0, 1, 3])
+def test_drafter_lookahead_widens_the_encoder_window(impl: str, lookahead: int) -> None:
+    """vLLM _try_schedule_encoder_inputs(shift_computed_tokens=num_prefill_lookahead): the drafter reads
+    ``lookahead`` tokens past the chunk, so an input starting right after the chunk's end is computed with it."""
+    s = make(
+        impl,
+        max_num_batched_tokens=10,
+        max_num_encoder_input_tokens=8,
+        encoder_cache_size=16,
+        prefill_lookahead_tokens=lookahead,
+    )
+    s.add_request("a", list(range(30)), max_tokens=1, encoder_inputs=[(10, 6, 1), (20, 4, 2)])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [10]
+    assert enc(out) == (([0], [0, 1]) if lookahead else ([], [0, 0]))
+    out = step(s)
+    # [10, 20): input 0 is cached already with a lookahead; input 1 (at 20) is in the widened window
+    assert enc(out) == (([1], [0, 1]) if lookahead else ([0], [0, 1]))
+    assert s.stats().encoder_cache_hits == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("exact", [True, False])
+def test_encoder_budget_cut_with_the_drafter_lookahead(impl: str, exact: bool) -> None:
+    """vLLM 0.33 (exact_encoder_cut_and_release): an input in the widened window that does not fit the budget
+    cuts the chunk just before the input itself: the chunk keeps its length here, the input waits. vLLM 0.32
+    (False): the cut leaves the lookahead before the input too."""
+    s = make(impl, max_num_batched_tokens=10, max_num_encoder_input_tokens=4, encoder_cache_size=16,
+             prefill_lookahead_tokens=2, exact_encoder_cut_and_release=exact)  # fmt: skip
+    s.add_request("a", list(range(30)), max_tokens=1, encoder_inputs=[(6, 4, 1), (11, 4, 2)])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [10 if exact else 9] and enc(out) == ([0], [0, 1])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([1], [0, 1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("exact", [True, False])
+def test_consumed_input_release_with_the_drafter_lookahead(impl: str, exact: bool) -> None:
+    """vLLM 0.33 (exact_encoder_cut_and_release): a request drops its reference to an input once its computed
+    tokens reach the input's end; vLLM 0.32 (False) once they are the drafter's prefill lookahead past it."""
+    s = make(impl, max_num_batched_tokens=10, max_num_encoder_input_tokens=8, encoder_cache_size=16,
+             prefill_lookahead_tokens=3, exact_encoder_cut_and_release=exact)  # fmt: skip
+    s.add_request("a", list(range(30)), max_tokens=1, encoder_inputs=[(0, 8, 1)])
+    step(s)  # computes [0, 10): the input ends at 8
+    assert s.encoder_cache_entries() == {1: [] if exact else ["a"]}
+    step(s)
+    assert s.encoder_cache_entries() == {1: []}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_disable_chunked_mm_input_stops_the_lookahead_before_the_input(impl: str, lookahead: int) -> None:
+    """vLLM disable_chunked_mm_input with a drafter: a chunk that would cover only part of an input stops
+    ``lookahead`` tokens before it (the drafter's read-ahead must not reach it); a request whose input a chunk
+    could then never cover whole is refused at add_request."""
+    fields = {"max_num_batched_tokens": 10, "max_num_encoder_input_tokens": 8, "encoder_cache_size": 8}
+    s = make(impl, disable_chunked_mm_input=True, prefill_lookahead_tokens=lookahead, **fields)
+    s.add_request("a", list(range(20)), max_tokens=1, encoder_inputs=[(6, 8, 1)])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [6 - lookahead] and enc(out) == ([], [0, 0])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([0], [0, 1])
+    # 8 tokens and the lookahead before them need more than a chunk of 10 when the lookahead is 3
+    s = make(impl, disable_chunked_mm_input=True, prefill_lookahead_tokens=3, **fields)
+    with pytest.raises(InvalidRequestError, match="encoder input 0"):
+        s.add_request("b", list(range(20)), max_tokens=1, encoder_inputs=[(6, 8, 1)])
+    s.add_request("c", list(range(20)), max_tokens=1, encoder_inputs=[(2, 8, 1)])  # 2 tokens before it: fits
+    assert s.get_request_status("c") == RequestStatus.WAITING
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_multi_module_mtp_cuts_after_the_encoder_inputs(impl: str) -> None:
+    """vLLM schedules the encoder inputs before _reserve_prefill_lookahead: with disable_chunked_mm_input, the
+    chunk [0, 19) covers the input at 10..19 whole, so it is computed; only then the MTP lookahead of 3 shortens
+    the chunk to 17 (cutting first would have stopped it before the input)."""
+    s = make(impl, max_num_batched_tokens=19, max_num_encoder_input_tokens=9, encoder_cache_size=9,
+             disable_chunked_mm_input=True, prefill_lookahead_tokens=3)  # fmt: skip
+    s.add_request("a", list(range(20)), max_tokens=1, encoder_inputs=[(10, 9, 1)])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [17] and enc(out) == ([0], [0, 1])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [3] and enc(out) == ([], [0, 0])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_preemption_releases_the_victims_entries(impl: str) -> None:
     """vLLM _preempt_request: a preempted request drops its encoder-cache references (its entries become
     freeable, still cached), and computes its inputs again when resumed unless they are still cached."""
@@ -285,3 +371,35 @@ def test_a_failed_step_drops_the_entries_it_was_to_compute(impl: str) -> None:
     s.add_request("b", list(range(10)), max_tokens=2, encoder_inputs=[(0, 4, 1)])
     out = step(s)
     assert enc(out) == ([0], [0, 1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_look_ahead_hashes_key_the_inputs_of_the_look_ahead_tokens(impl: str, lookahead: int) -> None:
+    """vLLM's look-ahead extra keys: with hash_lookahead_tokens L, a block's hash covers the encoder inputs that
+    overlap the block or the L tokens after it, so an input starting right after block 0 changes block 0's hash
+    (and one starting L tokens after it does not)."""
+    s = make(impl, max_num_encoder_input_tokens=8, encoder_cache_size=16, hash_lookahead_tokens=lookahead)
+    prompt = list(range(1, 14))
+    s.add_request("plain", prompt, max_tokens=1)
+    s.add_request("next", prompt, max_tokens=1, encoder_inputs=[(4, 2, 7)])  # starts right after block 0
+    s.add_request("later", prompt, max_tokens=1, encoder_inputs=[(4 + lookahead, 2, 7)])
+    plain, after, later = (list(s.get_block_hashes(r)) for r in ("plain", "next", "later"))
+    assert (after[0] != plain[0]) == (lookahead > 0)
+    assert later[0] == plain[0] and later[1] != plain[1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_set_prefill_lookahead_widens_the_window_from_the_next_step_while_no_request_is_live(impl: str) -> None:
+    """vLLM's tests set num_prefill_lookahead on a built scheduler: the chunk rules and the encoder window follow
+    it; it can change only while the scheduler holds no request (else nothing changes)."""
+    s = make(impl, max_num_batched_tokens=10, max_num_encoder_input_tokens=8, encoder_cache_size=16)
+    s.set_prefill_lookahead(1)
+    assert s.config.prefill_lookahead_tokens == 1
+    s.add_request("a", list(range(30)), max_tokens=1, encoder_inputs=[(10, 6, 1), (20, 4, 2)])
+    out = step(s)
+    assert out.num_scheduled_tokens.tolist() == [10] and enc(out) == ([0], [0, 1])  # as if built with it
+    with pytest.raises(InvalidConfigError, match="no request is live"):
+        s.set_prefill_lookahead(0)
+    assert s.config.prefill_lookahead_tokens == 1
+    s.check_invariants()

@@ -1529,14 +1529,11 @@ def test_mamba_prefix_caching_with_a_finer_prefix_match_unit_is_refused_by_name(
     assert make_scheduler("kvsched", cfg, kv_cache_groups=("mamba", None), hash_block_size=8).kv_config.mamba_align
 
 
-def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name() -> None:
     """A KV connector in every role (kv_producer, kv_consumer, kv_both) runs with Mamba groups in mode "none" and
     in mode "align", with prefix caching or without (the core hands it every group's blocks, and with prefix
-    caching the cached Mamba states); a connector that completes divergent local hybrid hits with Mamba prefix
-    caching, and roles that load KV with mode-"none" Mamba blocks longer than max_model_len, are refused at
-    construction, by name."""
+    caching the cached Mamba states); roles that load KV with mode-"none" Mamba blocks longer than max_model_len
+    are refused at construction, by name."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     kw = _attention_kw(4)
@@ -1552,19 +1549,6 @@ def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_ref
             sched = _build_mamba(cfg(role), mamba, FullAttentionSpec(**kw), block_size=size)
             assert sched.kv_config.kv_connector_groups and sched.kv_config.mamba_align == (mode == "align")
             assert sched.kv_config.enable_prefix_caching == caching
-    # A connector that restores a lagging Mamba group's state past its local hit (vLLM then takes the
-    # full-attention groups' deeper hit): refused with Mamba prefix caching, accepted without.
-    from kvsched.vllm.testing import RandomKVConnector
-
-    monkeypatch.setattr(RandomKVConnector, "supports_divergent_local_hybrid_hits", True)
-    for caching in (True, False):
-        vcfg = make_vllm_config(block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=caching,
-                                mamba_cache_mode="align", kv_connector_seed=1, kv_role="kv_consumer")  # fmt: skip
-        if caching:
-            with pytest.raises(UnsupportedFeatureError, match="complete divergent local hybrid hits"):
-                _build_mamba(vcfg, _mamba_spec(4, "align"), FullAttentionSpec(**kw), block_size=4)
-        else:
-            _build_mamba(vcfg, _mamba_spec(4, "align"), FullAttentionSpec(**kw), block_size=4)
     # Mode "none" with a state block longer than max_model_len: a producer runs, the roles that load KV are refused.
     longer = _mamba_spec(128, "none")
     none_cfg = {"block_size": 4, "num_blocks": 64, "max_model_len": 64, "enable_prefix_caching": False,
@@ -1573,6 +1557,54 @@ def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_ref
     for role in ("kv_consumer", "kv_both"):
         with pytest.raises(UnsupportedFeatureError, match="KV connectors that load KV with Mamba blocks longer than"):
             _build_mamba(make_vllm_config(**none_cfg, kv_role=role), longer, FullAttentionSpec(**kw))
+
+
+def test_a_connector_that_completes_divergent_local_hits_gets_vllms_per_group_hit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connector whose supports_divergent_local_hybrid_hits is true (vLLM's NIXL and MoRI-IO; a MultiConnector when
+    every child's is) turns the core's divergent_local_hits on. With Mamba prefix caching a new request whose
+    full-attention hit runs deeper than the Mamba group's is asked about with the full-attention hit; with external
+    tokens it keeps that hit (the connector restores the state), without it gets the hit both groups agree on, and
+    the prefill stats count that one, as vLLM's scheduler does."""
+    from kvsched.vllm.testing import RandomKVConnector
+    from vllm_driver import DIVERGED_HITS, _count_diverged_hits
+
+    for multi in (False, True):
+        cfg = make_vllm_config(kv_connector_seed=1, kv_connector_multi=multi, kv_connector_divergent_hits=True)
+        assert make_scheduler("kvsched", cfg).core.config.divergent_local_hits
+    assert not make_scheduler("kvsched", make_vllm_config(kv_connector_seed=1)).core.config.divergent_local_hits
+    # External tokens by request: 8 past a diverged hit for "b", none for "c".
+    script = {"b": 8}
+
+    def matched(self: Any, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self.calls.append(("matched", request.request_id, num_computed_tokens))
+        return script.get(request.request_id, 0), False
+
+    monkeypatch.setattr(RandomKVConnector, "get_num_new_matched_tokens", matched)
+    cfg = make_vllm_config(block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=True,
+                           mamba_cache_mode="align", kv_connector_seed=1, kv_role="kv_consumer",
+                           kv_connector_divergent_hits=True)  # fmt: skip
+    pair = tuple(make_scheduler(impl, cfg, kv_cache_groups=(None, "mamba")) for impl in ("vllm", "kvsched"))
+    DIVERGED_HITS.clear()
+    _count_diverged_hits(pair[0])
+    prompt = list(range(1, 25))
+    # "a" caches 5 full-attention blocks and its Mamba states at 20 and 24 tokens only.
+    _add(pair, "a", prompt, max_tokens=1, block_size=4)
+    while pair[0].requests:  # type: ignore[attr-defined]
+        _step(pair)
+    # "b" and "c" share 3 blocks with "a": a full-attention hit of 12 tokens, none in the Mamba group.
+    _add(pair, "b", prompt[:12] + list(range(90, 100)), max_tokens=1, block_size=4)
+    (out,) = _step(pair)[:1]
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("b", 12 + 8)]
+    _add(pair, "c", prompt[:12] + list(range(120, 130)), max_tokens=1, block_size=4)
+    (out,) = _step(pair)[:1]
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("c", 0)]
+    for s in pair:
+        stats = s.requests["c"].prefill_stats  # type: ignore[attr-defined]
+        assert (stats.num_local_cached_tokens, stats.num_external_cached_tokens) == (0, 0)
+        assert [c[2] for c in s.connector.calls if c[0] == "matched" and c[1] in "bc"] == [12, 12]  # type: ignore[attr-defined]
+    assert DIVERGED_HITS == {"diverged": 2, "replaced": 1}
 
 
 def test_what_align_mode_mamba_groups_do_not_support_is_refused_by_name() -> None:
@@ -1780,6 +1812,38 @@ def test_a_state_below_a_junction_is_kept_as_the_installed_vllm(marked: bool) ->
     outs, _ = step_pair(pair)
     kept = not marked and RULES.drop_junction_below
     assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("c", 16 if kept else 0)]
+
+
+def test_a_window_looked_up_before_an_unmarked_mamba_group_drops_again_as_the_installed_vllm() -> None:
+    """The trailing-block drop with is_eagle_group marking the attention groups (a window group before the Mamba
+    group) and sparse retention 0: "a" (44 tokens) leaves full-attention blocks and its Mamba state at 40; "b" and
+    "c" then arrive together. "b" (31 tokens) hits nothing and its first chunk caches a Mamba state at 24 in that
+    step. "c" (51 tokens, sharing a's first 41) gets a full-attention hit of 36 after the drop, the window agrees,
+    and the Mamba group, none of the drop's, finds only b's state of this step at 24: the candidate shortens, so
+    the window is looked up again at 24 and drops again (its block past 24 was not kept), and c is admitted in the
+    same step with no hit. A window that kept its first lookup's verdict would accept 24, and c would wait a step
+    for b's state. The same outputs as vLLM's scheduler, step by step."""
+    cfg = make_vllm_config(block_size=4, num_blocks=200, max_model_len=96, max_num_batched_tokens=64, max_num_seqs=6,
+                           mamba_cache_mode="align", num_speculative_tokens=2, speculative_method="eagle",
+                           eagle_block_drop=True, lookahead_block_hashes=RULES.version == "0.32")  # fmt: skip
+    pair = [
+        make_scheduler(
+            impl, cfg, kv_cache_groups=(4, "mamba", None), prefix_cache_retention_interval=0, eagle_groups=(0, 2)
+        )
+        for impl in ("vllm", "kvsched")
+    ]
+    assert pair[1].kv_config.drop_trailing_hit_block and not pair[1].kv_config.mamba_eagle_group
+    base = list(range(100, 164))
+    for s in pair:
+        s.add_request(make_request("a", [*base[:41], 300, 301, 302], max_tokens=1, block_size=4))
+    _run_out(pair)
+    for s in pair:
+        s.add_request(make_request("b", [*base[:30], 400], max_tokens=1, block_size=4))
+        s.add_request(make_request("c", [*base[:50], 500], max_tokens=1, block_size=4))
+    outs, _ = step_pair(pair)
+    assert [(new.req_id, new.num_computed_tokens) for new in outs[1].scheduled_new_reqs] == [("b", 0), ("c", 0)]
+    assert outs[1].num_scheduled_tokens == {"b": 24, "c": 36}
+    _run_out(pair)
 
 
 def test_mamba_prefix_caching_maps_to_the_cores_align_groups_with_caching() -> None:
@@ -2156,6 +2220,11 @@ def test_a_hash_block_smaller_than_the_block_is_supported_with_several_groups() 
         assert sched.aux_output_connector is None
 
 
+def _hash_lookahead(cfg: Any) -> int:
+    """The look-ahead block hashes' tokens of vLLM's engine (none on vLLM 0.32, which has no such hashes)."""
+    return int(getattr(cfg, "num_hash_lookahead_tokens", 0) or 0)
+
+
 def _mtp_config() -> Any:
     """A multi-module MTP drafter of 3 modules with vLLM's default prefix-cache rules (on vLLM 0.33 look-ahead
     hashes of 3 tokens), blocks of 4 tokens, a budget of 18 tokens."""
@@ -2170,7 +2239,6 @@ def _mtp_config() -> Any:
     )
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses multi-module MTP on vLLM 0.32")
 def test_multi_module_mtp_prefill_lookahead_ends_chunks_as_vllm() -> None:
     """A multi-module MTP drafter (3 modules): vLLM never ends a prefill chunk fewer than 3 tokens before the
     prompt's end, and keeps the last 2 computed tokens out of the prefix cache; kvsched.vllm the same."""
@@ -2179,20 +2247,19 @@ def test_multi_module_mtp_prefill_lookahead_ends_chunks_as_vllm() -> None:
     scheds = (make_scheduler("vllm", cfg), make_scheduler("kvsched", cfg))
     assert scheds[1].num_prefill_lookahead == scheds[0].num_prefill_lookahead == 3  # type: ignore[attr-defined]
     prompt = list(range(10, 30))
-    _add(scheds, "r0", prompt, hash_lookahead_tokens=3, block_size=4)
+    _add(scheds, "r0", prompt, hash_lookahead_tokens=_hash_lookahead(cfg), block_size=4)
     first = _step(scheds)
     # 18 tokens would leave 2 of the 20: the chunk stops at 17, leaving the drafter its 3.
     assert [so.num_scheduled_tokens["r0"] for so in first] == [17, 17]  # type: ignore[attr-defined]
     for _ in range(4):
         _step(scheds)
     # A second request with the same prompt hits what each cached (compared in the outputs).
-    _add(scheds, "r1", prompt, hash_lookahead_tokens=3, block_size=4)
+    _add(scheds, "r1", prompt, hash_lookahead_tokens=_hash_lookahead(cfg), block_size=4)
     outs = _step(scheds)
     new = [{r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs} for so in outs]  # type: ignore[attr-defined]
     assert new[0] == new[1] and new[0]["r1"] > 0
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses multi-module MTP on vLLM 0.32")
 def test_windows_keep_the_extra_retained_tokens_as_vllm() -> None:
     """A sliding window tagged with extra_retained_tokens (multi-module MTP): its blocks leave the request that many
     tokens later in vLLM's manager; kvsched.vllm's block tables and KV usage follow, step by step."""
@@ -2217,11 +2284,11 @@ def test_windows_keep_the_extra_retained_tokens_as_vllm() -> None:
         assert usage[0] == usage[1]
 
 
-@pytest.mark.skipif(RULES.version == "0.32", reason="kvsched.vllm refuses multi-module MTP on vLLM 0.32")
+@pytest.mark.skipif(RULES.version == "0.32", reason="vLLM 0.32 has no look-ahead block hashes")
 def test_multi_module_mtp_layouts_vllm_cannot_run_are_refused_or_rejected_as_vllm() -> None:
     """Multi-module MTP: vLLM rejects prefix caching with a block below the lookahead (the same ValueError here);
     look-ahead hashes of several tokens over windows without full attention (vLLM's window lookup reads past the
-    request's hashes) and Mamba groups with prefix caching are refused by name."""
+    request's hashes) are refused by name; align-mode Mamba groups with prefix caching are taken."""
     mtp = {"num_speculative_tokens": 3, "speculative_method": "eagle", "multi_module_mtp": True, "max_num_seqs": 4}
     small = make_vllm_config(block_size=2, eagle_block_drop=True, lookahead_block_hashes=False, **mtp)  # type: ignore[arg-type]
     for impl in ("vllm", "kvsched"):
@@ -2233,24 +2300,26 @@ def test_multi_module_mtp_layouts_vllm_cannot_run_are_refused_or_rejected_as_vll
         make_scheduler("kvsched", hashes, sliding_window=8)
     make_scheduler("kvsched", hashes, kv_cache_groups=(None, 8))  # a full-attention group looks up first
     mamba = make_vllm_config(block_size=4, mamba_cache_mode="align", **mtp)  # type: ignore[arg-type]
-    with pytest.raises(UnsupportedFeatureError, match="multi-module MTP prefill lookahead with Mamba"):
-        make_scheduler("kvsched", mamba, kv_cache_groups=(None, "mamba"))
+    core = make_scheduler("kvsched", mamba, kv_cache_groups=(None, "mamba")).core  # type: ignore[attr-defined]
+    assert core.config.prefill_lookahead_tokens == 3 and core.config.mamba_align
 
 
-def test_multi_module_mtp_admission_cut_to_nothing_is_skipped_as_vllm() -> None:
+def test_multi_module_mtp_admission_cut_to_nothing_is_skipped_or_ends_the_pass_as_vllm() -> None:
     """An admission whose chunk the prefill lookahead cuts to nothing (1 token of budget left, 2 of its 3 tokens
-    would remain) is skipped and keeps its place in vLLM 0.33's scheduler; in kvsched.vllm's the same, step by step
-    (vLLM 0.32 ends the admission pass there: refused on it)."""
+    would remain) is skipped and keeps its place in vLLM 0.33's scheduler (the one-token prompt behind it takes the
+    token left); vLLM 0.32's admission pass ends there (the core's skip_lookahead_cut_admissions off); in
+    kvsched.vllm's the same, step by step."""
     cfg = _mtp_config()
-    if RULES.version == "0.32":
-        # vLLM 0.32 ends the admission pass there instead: kvsched.vllm refuses multi-module MTP on it.
-        with pytest.raises(UnsupportedFeatureError, match=r"multi-module MTP prefill lookahead on vLLM 0\.32"):
-            make_scheduler("kvsched", cfg)
-        return
     scheds = (make_scheduler("vllm", cfg), make_scheduler("kvsched", cfg))
-    _add(scheds, "r0", list(range(10, 27)), hash_lookahead_tokens=3, block_size=4)
-    _add(scheds, "r1", [5, 6, 7], hash_lookahead_tokens=3, block_size=4)
+    assert scheds[1].core.config.skip_lookahead_cut_admissions is RULES.skip_lookahead_cut_admissions  # type: ignore[attr-defined]
+    _add(scheds, "r0", list(range(10, 27)), hash_lookahead_tokens=_hash_lookahead(cfg), block_size=4)
+    _add(scheds, "r1", [5, 6, 7], hash_lookahead_tokens=_hash_lookahead(cfg), block_size=4)
+    _add(scheds, "r2", [8], hash_lookahead_tokens=_hash_lookahead(cfg), block_size=4)
     first = _step(scheds)
-    assert [dict(so.num_scheduled_tokens) for so in first] == [{"r0": 17}] * 2  # type: ignore[attr-defined]
+    expected = {"r0": 17, "r2": 1} if RULES.skip_lookahead_cut_admissions else {"r0": 17}
+    assert [dict(so.num_scheduled_tokens) for so in first] == [expected] * 2  # type: ignore[attr-defined]
     second = _step(scheds)
     assert [so.num_scheduled_tokens.get("r1") for so in second] == [3, 3]  # type: ignore[attr-defined]
+    for _ in range(3):
+        outs = _step(scheds)
+        assert dict(outs[0].num_scheduled_tokens) == dict(outs[1].num_scheduled_tokens)  # type: ignore[attr-defined]

@@ -650,14 +650,13 @@ MTP_MODES = [("sync", "v1"), ("async", "v1")]
 
 
 @pytest.mark.parametrize(("sync", "runner"), MTP_MODES, ids=[f"{s}-{r}" for s, r in MTP_MODES])
-@pytest.mark.parametrize("layout", ["full", "window", "hybrid"])
+@pytest.mark.parametrize("layout", ["full", "window", "hybrid", "mamba"])
 def test_identical_to_vllm_with_multi_module_mtp(sync: str, runner: str, layout: str) -> None:
     """A multi-module MTP drafter (2-4 modules): vLLM's prefill lookahead ends chunks before the prompt's end, keeps
-    the reprefillable tail out of the prefix cache, and its windows keep the extra retained tokens."""
-    from kvsched.vllm import RULES
-
-    if RULES.version == "0.32":
-        pytest.skip("kvsched.vllm refuses multi-module MTP on vLLM 0.32")
+    the reprefillable tail out of the prefix cache, and its windows keep the extra retained tokens; beside
+    align-mode Mamba groups with prefix caching (Qwen3.5-style) too. On vLLM 0.32 a waiting request whose chunk the
+    lookahead cuts to nothing ends the admission pass."""
+    mamba = layout == "mamba"
     cfg = run_seed(
         600,
         120,
@@ -666,6 +665,9 @@ def test_identical_to_vllm_with_multi_module_mtp(sync: str, runner: str, layout:
         mtp=True,
         sliding_window=layout == "window",
         hybrid=layout == "hybrid",
+        mamba=mamba,
+        mamba_align=mamba,
+        mamba_prefix_caching=mamba,
     )
     assert cfg.multi_module_mtp and cfg.num_speculative_tokens > 1
 
@@ -747,3 +749,22 @@ def test_identical_to_vllm_with_kv_connectors_and_mamba_prefix_caching(
     assert seen["offered"] > 0, seen
     if kv_role == "kv_consumer":
         assert seen["hit_and_load"] > 0, seen
+
+
+@pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
+@pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
+def test_identical_to_vllm_with_a_connector_that_completes_divergent_local_hits(
+    sync: str, runner: str, kv_role: str
+) -> None:
+    """The seeded RandomKVConnector claiming supports_divergent_local_hybrid_hits (as vLLM's NIXL and MoRI-IO do) on
+    a hybrid Mamba model with Mamba prefix caching: a new request's local hit is looked up group by group; a
+    full-attention hit deeper than the Mamba group's stands when the connector finds tokens past it and gives way
+    to the hit both agree on when it finds none, in both schedulers alike."""
+    from vllm_driver import DIVERGED_HITS
+
+    DIVERGED_HITS.clear()
+    cfg = run_seed(0, 120, async_scheduling=sync == "async", v2=runner == "v2", connector=True, kv_role=kv_role,
+                   mamba=True, mamba_align=True, mamba_prefix_caching=True, divergent_hits=True)  # fmt: skip
+    assert cfg.kv_connector_divergent_hits and cfg.enable_prefix_caching
+    # vLLM's own scheduler had diverged hits, some kept (the connector found tokens), some replaced.
+    assert 0 < DIVERGED_HITS["replaced"] < DIVERGED_HITS["diverged"], DIVERGED_HITS

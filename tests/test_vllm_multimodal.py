@@ -128,13 +128,90 @@ def test_encoder_sizes_set_on_a_built_scheduler_follow_vllm(multimodal: bool) ->
     assert ours.core.config.encoder_cache_size == 40
 
 
-def test_prefill_lookahead_set_on_a_built_scheduler_is_refused() -> None:
-    """vLLM's tests set num_prefill_lookahead on a built scheduler; kvsched.vllm keeps the one it was built with."""
-    _, ours = _pair()
-    ours.num_prefill_lookahead = 0
-    with pytest.raises(UnsupportedFeatureError, match="prefill lookahead"):
-        ours.num_prefill_lookahead = 3
-    assert ours.num_prefill_lookahead == 0
+@pytest.mark.skipif(RULES.version == "0.32", reason="vLLM 0.33's test (0.32 keeps a consumed image for the lookahead)")
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_prefill_lookahead_set_on_a_built_scheduler_follows_vllm(lookahead: int) -> None:
+    """vLLM's tests set num_prefill_lookahead on a built scheduler (with the encoder sizes): two adjacent images
+    that fit the encoder cache one at a time are encoded in turn, the chunks stopping as vLLM's; it can change
+    only while the scheduler holds no request."""
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    scheds = _pair(max_num_batched_tokens=48)
+    for s in scheds:
+        s.num_prefill_lookahead = lookahead
+        s.max_num_encoder_input_tokens = 48
+        s.encoder_cache_manager = EncoderCacheManager(cache_size=48)
+    vllm_s, ours = scheds
+    assert vllm_s.num_prefill_lookahead == ours.num_prefill_lookahead == lookahead
+    assert ours.core.config.prefill_lookahead_tokens == lookahead
+    _add(scheds, "a", list(range(100, 200)), [(10, 30, "x"), (40, 30, "y")])
+    seen: list[int] = []
+    for _ in range(6):
+        seen += _step(scheds).scheduled_encoder_inputs.get("a", [])
+        if "a" in ours.requests:
+            with pytest.raises(UnsupportedFeatureError, match="holds no request"):
+                ours.num_prefill_lookahead = 0
+            assert ours.num_prefill_lookahead == lookahead
+    assert seen == [0, 1] and not ours.requests
+    ours.num_prefill_lookahead = 0  # nothing held any more
+    assert ours.core.config.prefill_lookahead_tokens == 0
+
+
+DRAFTERS = [("eagle", 1), ("mtp", 3)]
+
+
+def _drafter_pair(drafter: str, k: int, **fields: Any) -> tuple[Any, Any]:
+    return _pair(
+        num_speculative_tokens=k, speculative_method="eagle", multi_module_mtp=drafter == "mtp", eagle_block_drop=True,
+        **fields,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("drafter", "lookahead"), DRAFTERS)
+def test_drafter_lookahead_schedules_an_image_right_after_the_chunk(drafter: str, lookahead: int) -> None:
+    """vLLM widens a chunk's encoder window by the drafter's prefill lookahead (1 for EAGLE, the modules of a
+    multi-module MTP drafter): an image starting right after the first chunk's end is encoded with that chunk."""
+    scheds = _drafter_pair(drafter, lookahead, max_num_batched_tokens=32)
+    assert scheds[1].num_prefill_lookahead == scheds[0].num_prefill_lookahead == lookahead
+    _add(scheds, "a", list(range(100, 160)), [(32, 16, "cat")])
+    out = _step(scheds)
+    assert out.num_scheduled_tokens == {"a": 32}
+    assert out.scheduled_encoder_inputs == {"a": [0]}
+    out = _step(scheds)
+    assert out.num_scheduled_tokens == {"a": 28} and not out.scheduled_encoder_inputs
+
+
+@pytest.mark.skipif(RULES.version == "0.32", reason="disable_chunked_mm_input is refused on vLLM 0.32")
+@pytest.mark.parametrize(("drafter", "lookahead"), DRAFTERS)
+def test_drafter_lookahead_stops_a_chunk_short_of_an_image_with_disable_chunked_mm_input(
+    drafter: str, lookahead: int
+) -> None:
+    """With disable_chunked_mm_input a chunk that would cover only part of an image stops the drafter's prefill
+    lookahead before it; the next chunk covers the image whole."""
+    scheds = _drafter_pair(drafter, lookahead, max_num_batched_tokens=32, disable_chunked_mm_input=True)
+    _add(scheds, "a", list(range(100, 160)), [(20, 16, "cat")])
+    out = _step(scheds)
+    assert out.num_scheduled_tokens == {"a": 20 - lookahead} and not out.scheduled_encoder_inputs
+    out = _step(scheds)
+    assert out.num_scheduled_tokens == {"a": 32} and out.scheduled_encoder_inputs == {"a": [0]}
+
+
+@pytest.mark.parametrize(("drafter", "lookahead"), DRAFTERS)
+def test_image_in_the_lookahead_that_does_not_fit_cuts_the_chunk_as_the_release_does(
+    drafter: str, lookahead: int
+) -> None:
+    """An image reached only by the drafter's lookahead that the encoder budget cannot take this step: vLLM 0.33
+    keeps the chunk (its read-ahead falls back to token embeddings), vLLM 0.32 cuts the lookahead off it too
+    (kvsched's exact_encoder_cut_and_release); the image is encoded at the next step."""
+    scheds = _drafter_pair(drafter, lookahead, max_num_batched_tokens=32)
+    for s in scheds:
+        s.max_num_encoder_input_tokens = 16
+    _add(scheds, "a", list(range(100, 160)), [(2, 16, "x"), (32, 16, "y")])
+    first = 32 if RULES.exact_encoder_cut_and_release else 32 - lookahead
+    out = _step(scheds)
+    assert out.num_scheduled_tokens == {"a": first} and out.scheduled_encoder_inputs == {"a": [0]}
+    out = _step(scheds)
+    assert out.num_scheduled_tokens == {"a": 60 - first} and out.scheduled_encoder_inputs == {"a": [1]}
 
 
 def test_embedding_masks_are_refused_by_name() -> None:
@@ -178,3 +255,14 @@ def test_identical_to_vllm_with_images(sync: str, runner: str, seed: int) -> Non
     budgets and caches, disable_chunked_mm_input in some runs."""
     cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", multimodal=True)
     assert cfg.multimodal
+
+
+@pytest.mark.parametrize("drafter", [d for d, _ in DRAFTERS])
+@pytest.mark.parametrize("sync", ["sync", "async"])
+@pytest.mark.parametrize("seed", range(2))
+def test_identical_to_vllm_with_images_and_a_drafter(drafter: str, sync: str, seed: int) -> None:
+    """The differential driver with images and an EAGLE or multi-module MTP drafter (its prefill lookahead widens
+    the encoder window; look-ahead block hashes key the images after a block)."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=False, multimodal=True, eagle=True,
+                   mtp=drafter == "mtp")  # fmt: skip
+    assert cfg.multimodal and cfg.num_speculative_tokens

@@ -67,6 +67,8 @@ def test_the_installed_release_picks_its_rules_and_the_core_gets_them() -> None:
     assert config.max_loras_counts_unscheduled is RULES.max_loras_counts_unscheduled
     assert config.continue_after_self_preemption is RULES.continue_after_self_preemption
     assert config.skip_encoder_blocked_admissions is RULES.skip_encoder_blocked_admissions
+    assert config.exact_encoder_cut_and_release is RULES.exact_encoder_cut_and_release
+    assert config.skip_lookahead_cut_admissions is RULES.skip_lookahead_cut_admissions
     assert config.cache_drafts_at_update is RULES.cache_drafts_at_update
     assert config.trim_computed_on_stop is RULES.trim_computed_on_stop
     assert config.mamba_defer_new_states_only is RULES.mamba_defer_new_states_only

@@ -180,6 +180,9 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 # Requests scheduled as new with prefix-hit tokens (their first step starts past 0), over the runs of the process.
 PREFIX_HITS = 0
+# --divergent-hits: vLLM's admission lookups whose per-group local hit diverged, and those of them it replaced by the
+# hit every group agrees on (the connector found no tokens).
+DIVERGED_HITS = collections.Counter[str]()
 # Runs whose requests hash at a unit finer than the block (--hash-block-size).
 FINER_HASH_SEEDS = 0
 # Of the prefix-hit admissions, those whose hit ends inside a block; and the block copies vLLM's scheduler sent
@@ -272,6 +275,8 @@ class Config:
     # The RandomKVConnector is the second child of vLLM's MultiConnector, after a passive one (it finds no tokens
     # and delays no free); both log their calls.
     kv_connector_multi: bool = False
+    # The RandomKVConnector (and the passive one) claims supports_divergent_local_hybrid_hits.
+    kv_connector_divergent_hits: bool = False
     # vLLM's SimpleCPUOffloadConnector (eager offload) with a CPU pool of this many blocks, instead of a
     # RandomKVConnector: its loads and stores are reported over by a simulated worker (Pair.offload_transfers).
     cpu_offload_blocks: int | None = None
@@ -1076,6 +1081,8 @@ class Pair:
             self.b = make_scheduler("kvsched", vcfg, **kw)
         if self.store is not None:
             self.store.attach(self.a, self.b)
+        if cfg.kv_connector_divergent_hits:
+            _count_diverged_hits(self.a)
         if hash_block_size is not None:
             # Both schedulers (and vLLM's coordinator) hash at the finer unit.
             assert self.a.hash_block_size == self.b.hash_block_size == hash_block_size < self.kv_block_size
@@ -1835,6 +1842,7 @@ def run_seed(
     kv_role: str = "kv_both",
     sync_invalid: bool = False,
     multi_connector: bool = False,
+    divergent_hits: bool = False,
     kv_events: bool = False,
     sliding_window: bool = False,
     hybrid: bool = False,
@@ -1868,7 +1876,8 @@ def run_seed(
     group_block_factors: tuple[int, ...] = (),
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
-    ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``multi_connector``: as the second
+    ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``divergent_hits``: claiming
+    ``supports_divergent_local_hybrid_hits``; ``multi_connector``: as the second
     child of vLLM's ``MultiConnector``, after a passive one); ``kv_events`` turns KV cache
     events on and compares the published batches; ``sliding_window`` makes the model's KV cache group a sliding
     window of a drawn size (from its own stream: the seed's other draws stay as they are); ``hybrid`` gives the
@@ -2018,6 +2027,7 @@ def run_seed(
         cfg.kv_load_failure_policy = rng.choice(["recompute", "fail"])
         cfg.kv_role = kv_role
         cfg.kv_connector_multi = multi_connector
+        cfg.kv_connector_divergent_hits = divergent_hits
         cfg.defer_async_loads = defer_async_loads
     if num_speculative_tokens is not None:
         cfg.num_speculative_tokens = num_speculative_tokens
@@ -2091,8 +2101,12 @@ def run_seed(
         cfg.multimodal = True
         # vLLM 0.32's disable_chunked_mm_input differs from 0.33's at an input's first token (kvsched refuses it).
         cfg.disable_chunked_mm_input = RULES.version != "0.32" and rng.random() < 0.3
-        if cfg.speculative_method == "eagle":
-            cfg.speculative_method = "ngram_gpu"  # an EAGLE drafter's prefill lookahead shifts the encoder window
+        if cfg.speculative_method == "eagle" and cfg.disable_chunked_mm_input and cfg.num_speculative_tokens:
+            # A chunk stopped before an image leaves the drafter's prefill lookahead before it: the next chunk must
+            # cover both (kvsched refuses an image it could never; vLLM would hold the request forever).
+            lookahead = cfg.num_speculative_tokens if cfg.multi_module_mtp else 1
+            if 0 < cfg.long_prefill_token_threshold < 15 + lookahead:
+                cfg.long_prefill_token_threshold = 48
     if ec_connector:
         cfg.ec_connector_seed = seed
     if pp:
@@ -2114,6 +2128,31 @@ def run_seed(
     if pair.umbp is not None:
         UMBP_COUNTS.update(pair.umbp.counts)
     return cfg
+
+
+def _count_diverged_hits(sched: Any) -> None:
+    """Counts in ``DIVERGED_HITS`` the local hits of vLLM's scheduler ``sched`` that diverged across its groups, and
+    those it replaced by the usual hit (its next ``get_computed_blocks`` call comes right after the diverged
+    lookup)."""
+    lookup, usual = sched._get_local_prefix_cache_hit, sched.kv_cache_manager.get_computed_blocks
+    pending = [False]
+
+    def counted_lookup(*args: Any, **kw: Any) -> Any:
+        pending[0] = False
+        out = lookup(*args, **kw)
+        if out[3]:
+            DIVERGED_HITS["diverged"] += 1
+            pending[0] = True
+        return out
+
+    def counted_usual(*args: Any, **kw: Any) -> Any:
+        if pending[0]:
+            DIVERGED_HITS["replaced"] += 1
+            pending[0] = False
+        return usual(*args, **kw)
+
+    sched._get_local_prefix_cache_hit = counted_lookup
+    sched.kv_cache_manager.get_computed_blocks = counted_usual
 
 
 def random_groups(rng: random.Random, block_size: int) -> tuple[int | None, ...]:
@@ -2230,6 +2269,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --connector: the RandomKVConnector is the second child of vLLM's MultiConnector, after a passive "
         "one (bound to each scheduler's KV cache manager: kvsched's read-only view)",
     )
+    p.add_argument(
+        "--divergent-hits",
+        action="store_true",
+        help="with --connector: the RandomKVConnector claims supports_divergent_local_hybrid_hits (vLLM's NIXL and "
+        "MoRI-IO do); with --mamba-prefix-caching both schedulers look a new request's local hit up group by group "
+        "(prints how many lookups had a diverged hit)",
+    )
     p.add_argument("--kv-events", action="store_true", help="KV cache events on, published batches compared")
     p.add_argument(
         "--sliding-window",
@@ -2341,7 +2387,7 @@ def main(argv: list[str] | None = None) -> int:
         "whose prefix caching is off, they act on nothing); with --sliding-window, --hybrid or "
         "--mamba-prefix-caching, half the runs on vLLM 0.33 with the drop instead of "
         "the look-ahead hashes (disable_lookahead_block_hashes; not with chunked-local groups, where vLLM has no "
-        "drop); not with --mm or --streaming",
+        "drop); with --mm the drafter's prefill lookahead widens the encoder window; not with --streaming",
     )
     p.add_argument(
         "--dflash",
@@ -2366,8 +2412,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="as --eagle, with a multi-module MTP drafter of 2-4 modules (one per draft, drawn per seed): vLLM's "
         "prefill lookahead of that many tokens (chunks never end within it of the known tokens, the reprefillable "
-        "tail stays out of the prefix cache, windows keep that many tokens less one below them); not with --mm, "
-        "--streaming or --mamba-prefix-caching",
+        "tail stays out of the prefix cache, windows keep that many tokens less one below them; with --mm the "
+        "encoder window reaches that many tokens past a chunk); not with --streaming or --mamba-prefix-caching",
     )
     p.add_argument(
         "--dcp",
@@ -2430,12 +2476,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.dflash and (not args.eagle or args.mtp):
         p.error("--dflash goes with --eagle, without --mtp")
-    if (args.eagle or args.mtp) and (args.mm or args.streaming):
-        p.error("--eagle and --mtp go without --mm and --streaming")
-    if args.mtp and RULES.version == "0.32":
-        p.error("--mtp: kvsched.vllm refuses multi-module MTP on vLLM 0.32 (its admission pass ends at a cut chunk)")
-    if args.mtp and args.mamba_prefix_caching:
-        p.error("--mtp goes without --mamba-prefix-caching (kvsched.vllm refuses the reprefillable tail there)")
+    if (args.eagle or args.mtp) and args.streaming:
+        p.error("--eagle and --mtp go without --streaming")
     if args.enc_dec and (
         args.connector
         or args.kv_events
@@ -2515,6 +2557,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sync-invalid goes with --connector or --umbp-store")
     if args.multi_connector and not args.connector:
         p.error("--multi-connector goes with --connector")
+    if args.divergent_hits and not args.connector:
+        p.error("--divergent-hits goes with --connector")
     if args.sliding_window and args.mm:
         p.error("--sliding-window and --mm are separate sweeps (a multimodal model with a window is not driven here)")
     import vllm
@@ -2549,6 +2593,7 @@ def main(argv: list[str] | None = None) -> int:
                         kv_role=role or "kv_both",
                         sync_invalid=args.sync_invalid,
                         multi_connector=args.multi_connector,
+                        divergent_hits=args.divergent_hits,
                         kv_events=args.kv_events,
                         sliding_window=args.sliding_window,
                         hybrid=args.hybrid,
@@ -2612,6 +2657,12 @@ def main(argv: list[str] | None = None) -> int:
             if group_block_factors:
                 note += f"; {MIXED_BLOCK_SEEDS} runs with KV cache groups of different block sizes"
             MIXED_BLOCK_SEEDS = 0
+            if args.divergent_hits:
+                note += (
+                    f"; {DIVERGED_HITS['diverged']} lookups with a diverged local hit (a request skipped or not "
+                    f"fitting is looked up again), {DIVERGED_HITS['replaced']} of them replaced by the usual hit"
+                )
+                DIVERGED_HITS.clear()
             if args.cpu_offload:
                 note += "; offload: " + ", ".join(f"{n} {k}" for k, n in sorted(OFFLOAD_COUNTS.items()))
                 OFFLOAD_COUNTS.clear()

@@ -558,6 +558,17 @@ class SchedulerConfig:
             "[KV connectors with several groups](#kv-connectors-with-several-groups)"
         ),
     )
+    divergent_local_hits: bool = field(
+        default=False,
+        metadata=_spec(
+            "vLLM's KV connectors that complete divergent local hybrid hits (NIXL, MoRI-IO): with a connector, "
+            "align-mode Mamba groups with prefix caching and a full-attention group, a new request's local hit is "
+            "each group's own, looked up alone, as long as the full-attention hit unless a group's runs deeper; "
+            "when a group's is shorter and the connector finds no tokens, the usual hit replaces it; no effect "
+            "otherwise (`kvsched.vllm` sets it from the connector's `supports_divergent_local_hybrid_hits`). See "
+            "[Divergent local hits](#divergent-local-hits)"
+        ),
+    )
     max_loras_counts_unscheduled: bool = field(
         default=True,
         metadata=_spec(
@@ -582,6 +593,23 @@ class SchedulerConfig:
             "encoder budget or cache is short and no token before the input is left to compute; an encoder-decoder "
             "request whose encoder output does not fit the budget or the slots) is skipped and keeps its place, the "
             "admission pass going on (vLLM 0.33); with False the admission pass ends there (vLLM 0.32)"
+        ),
+    )
+    exact_encoder_cut_and_release: bool = field(
+        default=True,
+        metadata=_spec(
+            "with a drafter's prefill lookahead (`prefill_lookahead_tokens`) and encoder inputs: a chunk is cut just "
+            "before an encoder input that does not fit, and a consumed input is released at its end (vLLM 0.33); "
+            "with False both leave the lookahead: the cut stops that many tokens before the input (at nothing when "
+            "the chunk starts within them) and the release waits until that many tokens past its end (vLLM 0.32)"
+        ),
+    )
+    skip_lookahead_cut_admissions: bool = field(
+        default=True,
+        metadata=_spec(
+            "a waiting request whose chunk the prefill lookahead (`prefill_lookahead_tokens`) cuts to nothing is "
+            "skipped and keeps its place, the admission pass going on (vLLM 0.33); with False the admission pass ends "
+            "there (vLLM 0.32)"
         ),
     )
     cache_drafts_at_update: bool = field(
@@ -624,13 +652,14 @@ class SchedulerConfig:
         default=0,
         metadata=_spec(
             "prefill tokens past a chunk's end that the drafter reads (vLLM's `num_prefill_lookahead_tokens`: the "
-            "number of draft tokens for a multi-module MTP drafter, 1 for other EAGLE-style drafters). Above 1, a "
+            "number of draft tokens for a multi-module MTP drafter, 1 for other EAGLE-style drafters). A chunk's "
+            "encoder inputs reach that many tokens past its end (see [Encoder inputs](#encoder-inputs)). Above 1, a "
             "prefill chunk never ends fewer than this many tokens before the request's known tokens end (it is "
             "shortened to leave them, possibly to nothing), and the last `prefill_lookahead_tokens - 1` computed "
             "tokens are not final: the blocks entering the prefix cache stop that many tokens short (with several "
-            "groups only with `drop_trailing_hit_block`). 0 and 1 change nothing. Above 1 not with encoder inputs "
-            "(`encoder_cache_size`) nor with a Mamba group and prefix caching (see "
-            "[Speculative decoding](#speculative-decoding))",
+            "groups only with `drop_trailing_hit_block`, and then not in Mamba groups outside its rules, "
+            "`mamba_eagle_group` off). 0 changes nothing, nor does 1 without encoder inputs "
+            "(see [Speculative decoding](#speculative-decoding))",
             hi=1024,
         ),
     )
@@ -951,17 +980,7 @@ class SchedulerConfig:
     def _check_prefill_lookahead(self) -> None:
         """What ``prefill_lookahead_tokens`` above 1 and ``extra_retained_tokens`` need (the core's
         ``validate_prefill_lookahead``)."""
-        n, groups = self.prefill_lookahead_tokens, self.kv_cache_groups or ()
-        if n > 1 and self.encoder_cache_size > 0:
-            raise InvalidConfigError(
-                f"prefill_lookahead_tokens ({n}) above 1 cannot be combined with encoder inputs "
-                f"(encoder_cache_size {self.encoder_cache_size}): the encoder window is not shifted by the lookahead"
-            )
-        if n > 1 and self.enable_prefix_caching and MAMBA in groups:
-            raise InvalidConfigError(
-                f"prefill_lookahead_tokens ({n}) above 1 cannot be combined with a Mamba group with prefix caching "
-                "(the reprefillable tail of Mamba states is not implemented)"
-            )
+        groups = self.kv_cache_groups or ()
         windows = self.sliding_window is not None or any(isinstance(w, int) and not isinstance(w, bool) for w in groups)
         if self.extra_retained_tokens > 0 and not windows:
             raise InvalidConfigError(

@@ -144,6 +144,17 @@ class _ConnectorMixin(_BlockPoolMixin):
             self._keep(e)
             return None
 
+    def _hook_local_hit_replaced(self, r: _Request, num_local: int) -> None:
+        """The optional ``local_hit_replaced(req_id, num_local_tokens)``: a diverged local hit the connector added no
+        tokens to was replaced by the hit every group agrees on (``divergent_local_hits``)."""
+        hook = getattr(self._connector, "local_hit_replaced", None)
+        if hook is None:
+            return
+        try:
+            hook(r.req_id, num_local)
+        except Exception as e:
+            self._keep(e)
+
     def _hook_load_deferred(self, r: _Request, num_external: int) -> None:
         hook = getattr(self._connector, "load_deferred", None)
         if hook is None:

@@ -58,10 +58,25 @@ class _EncoderSchedMixin(_SchedulerState):
             if c.disable_chunked_mm_input:
                 th = c.long_prefill_token_threshold
                 chunk = min(th, c.max_chunk_tokens) if th > 0 else c.max_chunk_tokens
-                if size > chunk:
+                if size + min(start, c.prefill_lookahead_tokens) > chunk:  # and the lookahead's tokens before it
                     raise InvalidRequestError(f"request {req_id!r}: encoder input {i} exceeds a chunk")
             if known.setdefault(h, size) != size:
                 raise InvalidRequestError(f"request {req_id!r}: encoder input {i}: hash {h} known with another size")
+
+    def set_prefill_lookahead(self, prefill_lookahead_tokens: int) -> None:
+        """Set the drafter's prefill lookahead of the chunk rules and the encoder window (from the next step), only
+        while no request is live; the prefix cache's not-final tail stays the one built with."""
+        n = prefill_lookahead_tokens
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise SchedulerTypeError(f"prefill_lookahead_tokens must be an int, got {type(n).__name__}")
+        if not 0 <= n <= 1024:
+            raise InvalidConfigError(f"prefill_lookahead_tokens must be in [0, 1024], got {n}")
+        if self._requests:
+            raise InvalidConfigError(
+                f"prefill_lookahead_tokens can change only while no request is live ({len(self._requests)} are)"
+            )
+        self._config = dataclasses.replace(self._config, prefill_lookahead_tokens=n)
+        self._last_out_fresh = False
 
     def set_encoder_sizes(self, max_num_encoder_input_tokens: int, encoder_cache_size: int) -> None:
         """Re-size the encoder budget (from the next step) and the encoder cache (only while it holds no entry);
@@ -194,26 +209,30 @@ class _EncoderSchedMixin(_SchedulerState):
                 self._encoder.release(h, (r, i))
 
     def _plan_encoder(self, st: _EncoderStep, r: _Request, computed: int, n: int) -> int:
-        """vLLM's _try_schedule_encoder_inputs: the chunk [computed, computed + n) reuses cached inputs and
-        computes the others that fit the step's budget and the cache; it is cut before the first that does not
-        (to 0 when it starts inside it). With disable_chunked_mm_input it stops before an input it would cover
-        only in part. Entries are allocated (and budget charged) now; the plan is committed or rolled back."""
+        """vLLM's _try_schedule_encoder_inputs: the chunk [computed, computed + n), widened by the drafter's
+        prefill lookahead, reuses cached inputs and computes the others that fit the step's budget and the cache;
+        it is cut before the first that does not (to 0 when it starts inside it). With disable_chunked_mm_input it
+        stops before an input it would cover only in part, by the lookahead too. Entries are allocated (and budget
+        charged) now; the plan is committed or rolled back."""
         if n == 0 or not r.encoder_inputs:
             return n
+        shift = self._config.prefill_lookahead_tokens  # the drafter reads that many tokens past the chunk
         end = computed + n
         for i, (start, size, h) in enumerate(r.encoder_inputs):
             if start + size <= computed:
                 continue
-            if start >= end:
+            if start >= end + shift:
                 break
             if self._config.disable_chunked_mm_input and computed <= start and end < start + size:
-                return start - computed
+                return max(0, start - computed - shift)
             if self._encoder.reference(h, (r, i)):
                 if not r.encoder_held[i]:
                     r.encoder_held[i] = True
                     st.newly.append(i)
                 continue
             if not self._encoder.fits(size, st.budget):
+                if not self._config.exact_encoder_cut_and_release:  # vLLM 0.32: the lookahead stops before it too
+                    return max(0, start - computed - shift)
                 return min(n, start - computed) if computed < start else 0
             # The EC connector is asked once the input fits: a load takes cache space but no budget.
             load = self._ec_connector is not None and self._ec_ask("has_cache_item", False, h)
@@ -294,10 +313,13 @@ class _EncoderSchedMixin(_SchedulerState):
 
     def _release_consumed(self, r: _Request) -> None:
         """vLLM's _free_encoder_inputs: after a step, inputs ending at or before the computed tokens (less
-        output placeholders) are released."""
+        output placeholders; less the drafter's prefill lookahead without exact_encoder_cut_and_release) are
+        released."""
         upto = max(0, r.num_computed_tokens - r.num_output_placeholders)
+        c = self._config
+        delay = 0 if c.exact_encoder_cut_and_release else c.prefill_lookahead_tokens
         for i, (start, size, h) in enumerate(r.encoder_inputs):
-            if start + size > upto:
+            if start + size + delay > upto:
                 break
             if r.encoder_held[i]:
                 r.encoder_held[i] = False

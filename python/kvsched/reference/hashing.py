@@ -2,13 +2,14 @@
 
 ``hash(i) = H(parent, tokens of block i, extra keys)`` where ``parent`` is ``hash(i - 1)``, or the scheduler's
 seed hash for block 0. Extra keys: the LoRA name on every block, the cache salt on block 0 only, and the encoder
-inputs a block overlaps; with ``hash_lookahead_tokens`` L > 0 also the L tokens after the block (a block gets its hash
-once they exist). ``H`` is SHA-256, or a 16-byte BLAKE2b standing in for the core's xxh3-128 (hash values
-differ from the core's; only hash equality is part of the contract). ``sha256_pickle``: a block without extra keys
-hashes as vLLM's default block hash, ``sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5))``, with the
-seed (32 bytes, or 32 random ones) as block 0's parent; these values are the core's and vLLM's exactly. With
-``hash_block_size`` below the block size a block's hash chains over its units (each hashed as above, the salt on the
-request's first unit only, the encoder inputs and look-ahead tokens per unit) and is its last unit's hash.
+inputs a block overlaps; with ``hash_lookahead_tokens`` L > 0 also the L tokens after the block and the encoder inputs
+they overlap (a block gets its hash once they exist). ``H`` is SHA-256, or a 16-byte BLAKE2b standing in for the
+core's xxh3-128 (hash values differ from the core's; only hash equality is part of the contract). ``sha256_pickle``:
+a block without extra keys hashes as vLLM's default block hash, ``sha256(pickle.dumps((parent, tuple(tokens), None),
+protocol=5))``, with the seed (32 bytes, or 32 random ones) as block 0's parent; these values are the core's and
+vLLM's exactly. With ``hash_block_size`` below the block size a block's hash chains over its units (each hashed as
+above, the salt on the request's first unit only, the encoder inputs and look-ahead tokens per unit) and is its last
+unit's hash.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class _BlockHasher:
             parent = hashes[i - 1] if i else self.seed_hash
             # A block of several hash units: each unit chains on the one before; the block's hash is its last.
             for lo in range(i * bs, (i + 1) * bs, unit):
-                mm = [(h, st - lo) for st, n, h in encoder_inputs if st < lo + unit and st + n > lo]
+                # (the encoder inputs of the look-ahead tokens too: vLLM's look-ahead extra keys)
+                mm = [(h, st - lo) for st, n, h in encoder_inputs if st < lo + unit + la and st + n > lo]
                 after = tokens[lo + unit : lo + unit + la]
                 parent = self.hash_block(parent, tokens[lo : lo + unit], lora, salt if lo == 0 else None, mm, after)
             hashes.append(parent)

@@ -308,10 +308,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         # The last prefill_lookahead_tokens - 1 computed tokens are not final (vLLM's unitary coordinator; its
         # hybrid one only with the trailing-block drop).
         c, groups = self._config, self._config.kv_cache_groups
+        computed = num_tokens
         if c.drop_trailing_hit_block or groups is None or len(groups) == 1:
-            num_tokens = max(0, num_tokens - max(0, c.prefill_lookahead_tokens - 1))
+            num_tokens = max(0, num_tokens - self._reprefillable)
         if self._config.kv_cache_groups is not None:
-            self._cache_hybrid_blocks(r, num_tokens)
+            self._cache_hybrid_blocks(r, num_tokens, computed)
             return
         c, bs = self._config, self._bs
         num_full = min(num_tokens // bs, len(r.block_hashes), len(r.block_ids))
@@ -478,16 +479,15 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             found.append(next(iter(blocks)))
         return found
 
-    def _hybrid_lookup(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
-        """The longest hit valid for every group: groups with the same window are looked up together, full
-        attention first, each lookup capped at the hit so far, until a pass shortens nothing. Returns group 0's
-        hits; every group's are kept in ``_group_hits`` for the allocation that follows."""
-        windows = self._group_windows()
+    def _lookup_sets(self) -> list[tuple[int, list[int]]]:
+        """The lookup sets: groups with the same window together (full attention as one), full attention first, then
+        the others in order of first appearance; cross attention and Mamba (but align mode's with caching) have
+        none."""
         sets: list[tuple[int, list[int]]] = []
         mamba_lookup = self._config.mamba_align and self._config.enable_prefix_caching
-        for g, w in enumerate(windows):
+        for g, w in enumerate(self._group_windows()):
             if w < 0 and not (w == _MAMBA and mamba_lookup):
-                continue  # cross attention and Mamba (but align mode's with caching) are never cached: no lookup
+                continue  # never cached: no lookup
             for sw, ids in sets:
                 if sw == w:
                     ids.append(g)
@@ -495,13 +495,25 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             else:
                 sets.append((w, [g]))
         sets.sort(key=lambda s: s[0] != 0)
+        return sets
+
+    def _max_hit_len(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        if self._config.enable_prefix_caching and num_tokens > 0:
+            return min((num_tokens - 1) // self._bs, len(block_hashes)) * self._bs
+        return 0
+
+    def _hybrid_lookup(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
+        """The longest hit valid for every group: groups with the same window are looked up together, full
+        attention first, each lookup capped at the hit so far, until a pass shortens nothing. Returns group 0's
+        hits; every group's are kept in ``_group_hits`` for the allocation that follows."""
+        windows = self._group_windows()
+        sets = self._lookup_sets()
         hits: list[list[int]] = [[] for _ in windows]
         done = [False] * len(windows)
-        bs, align = self._bs, self._hit_align()
+        bs = self._bs
         # lengths in tokens; each set looks its blocks up at its own block size, and a hit is aligned to `align`
-        hit_len = longest = 0
-        if self._config.enable_prefix_caching and num_tokens > 0:
-            hit_len = min((num_tokens - 1) // bs, len(block_hashes)) * bs
+        longest = 0
+        hit_len = self._max_hit_len(block_hashes, num_tokens)
         # The trailing-block drop: a set not yet verified at the current candidate looks one block further and gives
         # up its hit's last block (a window's run needs one block more); a Mamba set is verified as it is, or with
         # mamba_eagle_group off is none of the drop's (never verified).
@@ -510,80 +522,18 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             curr = hit_len
             for idx, (w, ids) in enumerate(sets):
                 gbs = self._group_bs(ids[0])
-                k = gbs // bs
                 if w == 0 and done[ids[0]]:
                     curr = min(curr, len(hits[ids[0]]) * gbs)
                     continue
-                for g in ids:
-                    hits[g] = []
                 eagle = (
                     self._config.drop_trailing_hit_block
                     and not verified[idx]
                     and (w != _MAMBA or self._config.mamba_eagle_group)
                 )
-                drop = int(eagle and w != _MAMBA)
                 before = curr
-                n = (min(curr + gbs, len(block_hashes) * bs) if drop else curr) // gbs
-                if w == _MAMBA:
-                    # Right to left: the first block every Mamba group has cached, null blocks before it.
-                    for i in range(n - 1, -1, -1):
-                        found = self._hit_all(block_hashes, i, ids, k)
-                        if found is not None:
-                            for g, b in zip(ids, found, strict=True):
-                                hits[g] = [0] * i + [b]
-                            break
-                elif w == 0:
-                    for i in range(n):
-                        found = self._hit_all(block_hashes, i, ids, k)
-                        if found is None:
-                            break
-                        for g, b in zip(ids, found, strict=True):
-                            hits[g].append(b)
-                elif w & _CHUNKED:
-                    # Null blocks before the chunk that holds token n * gbs, then the cached blocks from there on,
-                    # up to the first miss.
-                    chunk = w & ~_CHUNKED
-                    start = n * gbs // chunk * chunk // gbs
-                    for g in ids:
-                        hits[g] = [0] * start
-                    for i in range(start, n):
-                        found = self._hit_all(block_hashes, i, ids, k)
-                        if found is None:
-                            break
-                        for g, b in zip(ids, found, strict=True):
-                            hits[g].append(b)
-                else:
-                    need = math.ceil((w - 1) / gbs) + drop
-                    run: list[list[int]] = []  # rightmost block first
-                    start = None
-                    for i in range(n - 1, -1, -1):
-                        found = self._hit_all(block_hashes, i, ids, k)
-                        if found is None:
-                            run = []
-                            continue
-                        if not run and (i + 1 - drop) * gbs % align:
-                            continue  # a run must end (after the drop) on the alignment
-                        run.append(found)
-                        if len(run) >= need:
-                            start = i
-                            break
-                    run.reverse()
-                    if start is None:  # the run from block 0, cut to the alignment
-                        while len(run) * gbs % align:
-                            run.pop()
-                    for j, g in enumerate(ids):
-                        hits[g] = [0] * (start or 0) + [f[j] for f in run]
+                curr = self._set_hit(block_hashes, w, ids, curr, eagle, hits)
                 for g in ids:
-                    if drop and hits[g]:
-                        hits[g].pop()
-                    while w > 0 and len(hits[g]) * gbs % align:
-                        hits[g].pop()  # a window's run after the drop: back to the alignment
                     done[g] = True
-                curr = len(hits[ids[0]]) * gbs
-                if w == 0:  # a full-attention hit rounded down to the alignment
-                    curr -= curr % align
-                    for g in ids:
-                        del hits[g][curr // gbs :]
                 if eagle:
                     verified[idx] = True
                 elif curr < before:
@@ -596,7 +546,108 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 break  # one full-attention set and one window set: the window's lookup was capped at the full hit
         self._group_hits = [h[: hit_len // self._group_bs(g)] for g, h in enumerate(hits)]
         self._group_longest = longest // bs
+        self._group_per_set = False
         return self._group_hits[0]
+
+    def _set_hit(
+        self, block_hashes: list[bytes], w: int, ids: list[int], curr: int, eagle: bool, hits: list[list[int]]
+    ) -> int:
+        """The hit of the lookup set ``(w, ids)`` capped at ``curr`` tokens, into ``hits`` for each of its groups
+        (``eagle``: it applies the trailing-block drop); returns its length in tokens."""
+        bs, align = self._bs, self._hit_align()
+        gbs = self._group_bs(ids[0])
+        k = gbs // bs
+        for g in ids:
+            hits[g] = []
+        drop = int(eagle and w != _MAMBA)
+        n = (min(curr + gbs, len(block_hashes) * bs) if drop else curr) // gbs
+        if w == _MAMBA:
+            # Right to left: the first block every Mamba group has cached, null blocks before it.
+            for i in range(n - 1, -1, -1):
+                found = self._hit_all(block_hashes, i, ids, k)
+                if found is not None:
+                    for g, b in zip(ids, found, strict=True):
+                        hits[g] = [0] * i + [b]
+                    break
+        elif w == 0:
+            for i in range(n):
+                found = self._hit_all(block_hashes, i, ids, k)
+                if found is None:
+                    break
+                for g, b in zip(ids, found, strict=True):
+                    hits[g].append(b)
+        elif w & _CHUNKED:
+            # Null blocks before the chunk that holds token n * gbs, then the cached blocks from there on, up to
+            # the first miss.
+            chunk = w & ~_CHUNKED
+            start = n * gbs // chunk * chunk // gbs
+            for g in ids:
+                hits[g] = [0] * start
+            for i in range(start, n):
+                found = self._hit_all(block_hashes, i, ids, k)
+                if found is None:
+                    break
+                for g, b in zip(ids, found, strict=True):
+                    hits[g].append(b)
+        else:
+            need = math.ceil((w - 1) / gbs) + drop
+            run: list[list[int]] = []  # rightmost block first
+            start = None
+            for i in range(n - 1, -1, -1):
+                found = self._hit_all(block_hashes, i, ids, k)
+                if found is None:
+                    run = []
+                    continue
+                if not run and (i + 1 - drop) * gbs % align:
+                    continue  # a run must end (after the drop) on the alignment
+                run.append(found)
+                if len(run) >= need:
+                    start = i
+                    break
+            run.reverse()
+            if start is None:  # the run from block 0, cut to the alignment
+                while len(run) * gbs % align:
+                    run.pop()
+            for j, g in enumerate(ids):
+                hits[g] = [0] * (start or 0) + [f[j] for f in run]
+        for g in ids:
+            if drop and hits[g]:
+                hits[g].pop()
+            while w > 0 and len(hits[g]) * gbs % align:
+                hits[g].pop()  # a window's run after the drop: back to the alignment
+        got = len(hits[ids[0]]) * gbs
+        if w == 0:  # a full-attention hit rounded down to the alignment
+            got -= got % align
+            for g in ids:
+                del hits[g][got // gbs :]
+        return got
+
+    def _hybrid_lookup_per_group(self, block_hashes: list[bytes], num_tokens: int) -> tuple[list[int], bool] | None:
+        """The local hit with a KV connector that completes divergent local hits (``divergent_local_hits``): each
+        lookup set alone, capped at the same length, each group keeping its own hit. None when a group's hit runs
+        deeper than full attention's, or without Mamba groups or full attention (the usual lookup then). Else as
+        many entries as the full-attention hit has blocks (group 0's hits, null blocks past them) and whether some
+        group's hit (0 outside every lookup set) is shorter."""
+        windows = self._group_windows()
+        sets = self._lookup_sets()
+        if _MAMBA not in windows or not sets or sets[0][0] != 0:
+            return None
+        hits: list[list[int]] = [[] for _ in windows]
+        cap = self._max_hit_len(block_hashes, num_tokens)
+        lens = [0] * len(windows)
+        for w, ids in sets:
+            got = self._set_hit(block_hashes, w, ids, cap, self._config.drop_trailing_hit_block, hits)
+            for g in ids:
+                lens[g] = got
+        fa = lens[sets[0][1][0]]
+        if any(length > fa for length in lens):
+            return None
+        self._group_hits = hits
+        self._group_longest = 0
+        self._group_per_set = True
+        num_hits = fa // self._bs
+        out = hits[0][:num_hits]
+        return out + [0] * (num_hits - len(out)), any(length < fa for length in lens)
 
     def _shared_prefix_boundary(self, num_hits: int) -> int:
         """After a lookup that found ``num_hits`` blocks: the tokens of the longest hit one lookup set found when it
@@ -613,7 +664,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         """Every group's hits that go with group 0's ``hits`` (from the lookup that found them)."""
         if not hits:
             return [[] for _ in self._group_windows()]
-        assert self._group_hits[0] == hits, "the hits come from the last lookup"
+        assert self._group_per_set or self._group_hits[0] == hits, "the hits come from the last lookup"
         return self._group_hits
 
     def _hybrid_sequence_need(self, r: _Request, hits: list[int], ext: int) -> int:
@@ -889,15 +940,21 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._free_block_list(table[first:last])
             table[first:last] = [0] * (last - first)
 
-    def _cache_hybrid_blocks(self, r: _Request, num_tokens: int) -> None:
+    def _cache_hybrid_blocks(self, r: _Request, num_tokens: int, computed: int) -> None:
         """Each group's full blocks among the first ``num_tokens`` enter the cache map under the group's keys
         (null blocks skipped; a window of one token caches nothing; an align-mode Mamba group under sparse retention
         caches the states ``_mamba_retained`` keeps, and the prompt's checkpoint when ``num_tokens`` end there),
-        group by group, each group's run recorded as one stored event with events on."""
+        group by group, each group's run recorded as one stored event with events on. Mamba groups outside the
+        trailing-block drop's rules take all ``computed`` tokens (the reprefillable tail is cut in the drop's groups
+        only)."""
         bs = self._bs
-        num_full = min(num_tokens // bs, len(r.block_hashes), len(r.block_ids))
-        # every group caches the same tokens: the full blocks' rounded down to the hit alignment
-        aligned_tokens = num_full * bs // self._hit_align() * self._hit_align()
+
+        def aligned(tokens: int) -> int:
+            # every group caches the same tokens: the full blocks' rounded down to the hit alignment
+            full = min(tokens // bs, len(r.block_hashes), len(r.block_ids))
+            return full * bs // self._hit_align() * self._hit_align()
+
+        aligned_tokens = aligned(num_tokens)
         c = self._config
         align = c.mamba_align
         retention = c.prefix_cache_retention_interval if align else None
@@ -908,7 +965,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         # block below the junction
         mamba_eagle = eagle and c.mamba_eagle_group
         prompt_checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, eagle, c.hash_lookahead_tokens)
-        mamba_tokens = num_tokens // bs * bs if eagle and not mamba_eagle else num_tokens
+        mamba_tokens = computed // bs * bs if eagle and not mamba_eagle else num_tokens
+        mamba_aligned = aligned(computed) if eagle and not mamba_eagle else aligned_tokens
         at_tail = retention is not None and 0 < mamba_tokens == prompt_checkpoint
         prompt_tail = prompt_checkpoint // bs - 1 if at_tail else -1
         # sparse retention of the window groups' blocks and the Mamba groups' states
@@ -922,13 +980,13 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             table = self._group_table(r, g)
             first = self._group_cached(r, g)
             k = self._group_bs(g) // bs
-            num_full = aligned_tokens // self._group_bs(g)
+            num_full = (mamba_aligned if w == _MAMBA else aligned_tokens) // self._group_bs(g)
             checkpoint = r.mamba_checkpoint.get(g) if w == _MAMBA else None
             tail = -1 if checkpoint is not None else prompt_tail  # a checkpoint is re-keyed instead
             if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only:
                 # with the drop a Mamba group's cacheable tokens are not floored: only tokens ending at the checkpoint
                 exact = not mamba_eagle or num_tokens % bs == 0
-                self._mark_prompt_checkpoint(r, g, num_tokens if exact else 0, prompt_checkpoint)
+                self._mark_prompt_checkpoint(r, g, mamba_tokens if exact else 0, prompt_checkpoint)
             if num_full <= first:
                 if checkpoint is not None:
                     self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)

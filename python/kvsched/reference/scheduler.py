@@ -588,9 +588,11 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                         f"{r.req_id}: group {g}'s blocks",
                     )
                     sparse = c.prefix_cache_retention_interval is not None  # states it did not cache: no hash
-                    # with the drop a prefill checkpoint one block below the chunk's last full block sits in the
-                    # entry above it, keyed there
-                    shifted = c.drop_trailing_hit_block and c.mamba_prefill_checkpoint_alignment is not None
+                    # with the drop (or look-ahead hashes of several tokens) a prefill checkpoint one block below
+                    # the chunk's last full block sits in the entry above it, keyed there
+                    shifted = (
+                        c.drop_trailing_hit_block or c.hash_lookahead_tokens > 1
+                    ) and c.mamba_prefill_checkpoint_alignment is not None
                     require(
                         all(
                             self._block_hash[b] == self._group_key(r.block_hashes[i], g)
@@ -706,8 +708,13 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                 # or not)
                 sized = len(set(c.group_block_sizes())) > 1
                 sparse = (w == MAMBA or window) and (c.prefix_cache_retention_interval is not None or sized)
-                # a Mamba prefill checkpoint with the drop: keyed one block below its entry
-                shifted = w == MAMBA and c.drop_trailing_hit_block and c.mamba_prefill_checkpoint_alignment is not None
+                # a Mamba prefill checkpoint with the drop (or look-ahead hashes of several tokens): keyed one block
+                # below its entry
+                shifted = (
+                    w == MAMBA
+                    and (c.drop_trailing_hit_block or c.hash_lookahead_tokens > 1)
+                    and c.mamba_prefill_checkpoint_alignment is not None
+                )
                 k = self._group_bs(g) // bs if c.kv_cache_groups is not None else 1
                 for i in range(num_cached):
                     if table[i] != 0 and windows[g] != 1:  # a window of one token caches nothing

@@ -37,6 +37,9 @@ class _SchedulerState:
         self._config = c = config
         # Tokens per block id: under DCP a block holds block_size slots on each rank (docs/semantics.md).
         self._bs = c.kv_block_size
+        # The computed tokens not final yet (prefill_lookahead_tokens - 1): kept as built when set_prefill_lookahead
+        # changes the lookahead (vLLM's KV cache manager keeps its own).
+        self._reprefillable = max(0, c.prefill_lookahead_tokens - 1)
         self._ref_cnt = [0] * c.num_blocks
         self._block_hash: list[bytes | None] = [None] * c.num_blocks
         self._free = _FreeBlockQueue(c.num_blocks)
@@ -102,6 +105,9 @@ class _SchedulerState:
         self._newly_cached: list[tuple[int, bytes]] = []  # (block, hash) cached since schedule() began
         self._group_hits: list[list[int]] = []  # with several KV cache groups: every group's hits of the last lookup
         self._group_longest = 0  # the longest hit one lookup set found in the last lookup (blocks)
+        self._group_per_set = False  # the last lookup was the per-group one: each group's hits of its own length
+        # divergent_local_hits: the diverged hits admissions kept (the connector found tokens) and replaced (tests)
+        self.diverged_hits = [0, 0]
         # Align-mode Mamba groups with prefix caching: the keys Mamba blocks were cached under in this schedule()
         # call (vLLM's cached_blocks_this_step).
         self._mamba_cached_step: set[bytes] = set()

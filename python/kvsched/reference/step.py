@@ -170,16 +170,14 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if n == 0:
                     i += 1
                     continue
-            n = self._reserve_prefill_lookahead(r, r.num_computed_tokens, n)
-            if n == 0:  # the drafter's prefill lookahead left nothing to compute
-                i += 1
-                continue
             if r.encoder_inputs:
                 n = self._plan_encoder(enc, r, r.num_computed_tokens, n)
-                if n == 0:
-                    self._rollback_encoder(enc, r)
-                    i += 1
-                    continue
+            # the drafter's prefill lookahead (after the encoder plan, whose window it widens)
+            n = self._reserve_prefill_lookahead(r, r.num_computed_tokens, n)
+            if n == 0:  # an encoder input or the drafter's prefill lookahead left nothing to compute
+                self._rollback_encoder(enc, r)
+                i += 1
+                continue
             gave_up = False
             new_blocks = None if beyond else self._allocate_slots(r, n, [], look)
             while new_blocks is None:
@@ -440,8 +438,21 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if self._hit_cap is not None:
                     cached = [bool(self._cached.get(h)) for h in r.block_hashes]
                     lookup_tokens = min(lookup_tokens, self._cap_ask("max_cache_hit", r.req_id, cached) + 1)
-                hits = [] if r.skip_reading_prefix_cache else self._lookup(r.block_hashes, lookup_tokens)
-                r.shared_prefix_boundary = 0 if r.skip_reading_prefix_cache else self._shared_prefix_boundary(len(hits))
+                # With a connector that completes divergent local hits: each group's own hit, and whether one is
+                # shorter than full attention's (the per-group lookup leaves the junction at 0).
+                per_group = None
+                divergent = self._config.divergent_local_hits and self._config.kv_cache_groups is not None
+                if divergent and self._connector is not None and not r.skip_reading_prefix_cache:
+                    per_group = self._hybrid_lookup_per_group(r.block_hashes, lookup_tokens)
+                diverged = False
+                if per_group is not None:
+                    hits, diverged = per_group
+                    r.shared_prefix_boundary = 0
+                else:
+                    hits = [] if r.skip_reading_prefix_cache else self._lookup(r.block_hashes, lookup_tokens)
+                    r.shared_prefix_boundary = (
+                        0 if r.skip_reading_prefix_cache else self._shared_prefix_boundary(len(hits))
+                    )
                 if self._connector is not None and not r.cpu_blocks:  # a swapped-out request resumes from its copy
                     matched = self._hook_matched(r, len(hits) * bs)
                     if r.skip_reading_prefix_cache:
@@ -458,6 +469,13 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                         # The cap on the external hit, asked whenever the connector answered (0 too).
                         ext = min(self._cap_ask("cap_external_hit", r.req_id, cached, len(hits) * bs, ext), ext)
                         load_async = load_async and ext > 0
+                    if diverged and not blocked:
+                        self.diverged_hits[ext == 0] += 1
+                        if ext == 0:
+                            # Nothing from the connector: the usual hit, which every group agrees on, replaces it.
+                            hits = self._lookup(r.block_hashes, lookup_tokens)
+                            r.shared_prefix_boundary = self._shared_prefix_boundary(len(hits))
+                            self._hook_local_hit_replaced(r, len(hits) * bs)
             if not blocked and r.encoder_inputs:
                 # The EC connector's gate, with the tokens the request has or its lookups cover.
                 covered = computed_before if computed_before > 0 else max(len(hits) * bs, r.num_swapped_tokens) + ext
@@ -506,17 +524,21 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                         break
                     if pad and n != 1 + k:  # a padded decode keeps its drafts or loses them all
                         n, pad = 1, False
-                n = self._reserve_prefill_lookahead(r, computed, n)
-                if n == 0:  # the drafter's prefill lookahead left nothing to compute: skipped, it keeps its place
-                    r.deferred = True
-                    (skipped_kv if from_kv else skipped).append(take())
-                    continue
             planned = not load_async and bool(r.encoder_inputs)
             if planned:
                 n = self._plan_encoder(enc, r, computed, n)
                 if n == 0:  # vLLM 0.33: its first encoder input does not fit: skipped, it keeps its place
                     self._rollback_encoder(enc, r)
                     if not c.skip_encoder_blocked_admissions:
+                        break  # vLLM 0.32: the pass ends there
+                    r.deferred = True
+                    (skipped_kv if from_kv else skipped).append(take())
+                    continue
+            if not load_async:
+                n = self._reserve_prefill_lookahead(r, computed, n)
+                if n == 0:  # the drafter's prefill lookahead left nothing to compute: skipped, it keeps its place
+                    self._rollback_encoder(enc, r)
+                    if not c.skip_lookahead_cut_admissions:
                         break  # vLLM 0.32: the pass ends there
                     r.deferred = True
                     (skipped_kv if from_kv else skipped).append(take())

@@ -46,6 +46,7 @@ class VllmRules:
     max_loras_counts_unscheduled: bool
     continue_after_self_preemption: bool
     skip_encoder_blocked_admissions: bool
+    exact_encoder_cut_and_release: bool
     cache_drafts_at_update: bool
     trim_computed_on_stop: bool
     cache_upto_in_flight: bool
@@ -57,7 +58,7 @@ class VllmRules:
     # only).
     drop_junction_below: bool
     # Multi-module MTP: an admission whose chunk the prefill lookahead cuts to nothing is skipped, keeping its
-    # place (0.33); 0.32 ends the admission pass there (kvsched.vllm refuses multi-module MTP on 0.32).
+    # place (0.33); 0.32 ends the admission pass there (the core's skip_lookahead_cut_admissions).
     skip_lookahead_cut_admissions: bool
 
 
@@ -73,6 +74,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         max_loras_counts_unscheduled=False,
         continue_after_self_preemption=False,
         skip_encoder_blocked_admissions=False,
+        exact_encoder_cut_and_release=False,
         cache_drafts_at_update=False,
         mamba_defer_new_states_only=False,
         drop_junction_below=False,
@@ -89,6 +91,7 @@ VLLM_RULES: dict[str, VllmRules] = {
         max_loras_counts_unscheduled=True,
         continue_after_self_preemption=True,
         skip_encoder_blocked_admissions=True,
+        exact_encoder_cut_and_release=True,
         cache_drafts_at_update=True,
         mamba_defer_new_states_only=True,
         drop_junction_below=True,

@@ -689,20 +689,6 @@ def kvsched_config_from_vllm(
                 # MTP on Qwen3-Next) take none of the drop's rules but the checkpoint position and the chunk ends.
                 mamba_eagle_group = MAMBA not in kv_cache_groups or MAMBA in marked
         prefill_lookahead = int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
-        if prefill_lookahead > 1 and not RULES.skip_lookahead_cut_admissions:
-            # vLLM 0.32 ends the admission pass at a waiting request whose chunk the lookahead cuts to nothing;
-            # the core skips it (0.33's rule).
-            _refuse(
-                f"multi-module MTP prefill lookahead on vLLM {RULES.version}",
-                f"{method}: num_prefill_lookahead_tokens={prefill_lookahead}",
-            )
-        if prefill_lookahead > 1 and cache.enable_prefix_caching and MAMBA in (kv_cache_groups or ()):
-            # vLLM hands the Mamba groups the finalized tokens less the reprefillable tail; the core's Mamba
-            # caching has no such tail.
-            _refuse(
-                "multi-module MTP prefill lookahead with Mamba KV cache groups and prefix caching",
-                f"{method}: num_prefill_lookahead_tokens={prefill_lookahead}",
-            )
         window_lookup_first = None not in (windows or [None]) and any(
             isinstance(w, int) and not isinstance(w, bool) for w in windows or ()
         )
@@ -835,6 +821,8 @@ def kvsched_config_from_vllm(
     fields["max_loras_counts_unscheduled"] = RULES.max_loras_counts_unscheduled
     fields["continue_after_self_preemption"] = RULES.continue_after_self_preemption
     fields["skip_encoder_blocked_admissions"] = RULES.skip_encoder_blocked_admissions
+    fields["exact_encoder_cut_and_release"] = RULES.exact_encoder_cut_and_release
+    fields["skip_lookahead_cut_admissions"] = RULES.skip_lookahead_cut_admissions
     fields["cache_drafts_at_update"] = RULES.cache_drafts_at_update
     fields["trim_computed_on_stop"] = RULES.trim_computed_on_stop
     fields["cache_upto_in_flight"] = RULES.cache_upto_in_flight
@@ -919,9 +907,6 @@ def check_multimodal(vllm_config: Any) -> None:
         _refuse("encoder-only multimodal deployments", "multimodal_config.mm_encoder_only")
     if _attr(vllm_config.ec_manager_config, "encoder_cache_manager_cls", None) is not None:
         _refuse("custom encoder cache managers", "ec_manager_config.encoder_cache_manager_cls")
-    if int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 0:
-        # vLLM widens the encoder window of a chunk by the drafter's prefill lookahead.
-        _refuse("multimodal inputs with a drafter's prefill lookahead", "speculative_config")
     if bool(vllm_config.scheduler_config.disable_chunked_mm_input) and RULES.version == "0.32":
         # vLLM 0.32 lets a chunk that starts exactly at an input end inside it; the core follows 0.33.
         _refuse("disable_chunked_mm_input on vLLM 0.32", "--disable-chunked-mm-input")

@@ -122,6 +122,15 @@ class ConnectorBridge:
         self._asked[req_id] = (local, num_external, is_async)
         self._record_lookup(req_id, self._get_request(req_id), local, num_external, is_async)
 
+    def local_hit_replaced(self, req_id: str, num_local_tokens: int) -> None:
+        """A diverged local hit the connector added no tokens to gave way to the hit every group agrees on (vLLM's
+        fallback to ``get_computed_blocks``): the prefill stats and the lookup's counts take that hit."""
+        if req_id not in self._asked:
+            return
+        request = self._get_request(req_id)
+        self._asked[req_id] = (num_local_tokens, 0, False)
+        self._record_lookup(req_id, request, num_local_tokens, 0, False)
+
     def _record_lookup(self, req_id: str, request: Any, num_local: int, num_external: int, is_async: bool) -> None:
         """What vLLM sets at a lookup: the first admission's prefill stats (a failed allocation redoes them
         later) and the request's KV-fetch stage."""

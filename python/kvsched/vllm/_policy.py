@@ -111,6 +111,7 @@ ENGINE_FIELDS: dict[str, str] = {
         "--kv-transfer-config's kv_role (a consumer role) with --async-scheduling or --pipeline-parallel-size"
     ),
     "drop_preempted_output": "--kv-transfer-config (the connector's requires_kv_delivery)",
+    "divergent_local_hits": "--kv-transfer-config (the connector's supports_divergent_local_hybrid_hits)",
     "defer_async_loads": "vLLM's scheduler (its defer_async_loads, on with deferred frees where vLLM turns it on)",
     "enable_kv_cache_events": "--kv-events-config",
     "sliding_window": "the model's attention (one sliding-window KV cache group)",
@@ -146,6 +147,8 @@ ADAPTER_FIXED: dict[str, tuple[Any, str]] = {
             "max_loras_counts_unscheduled",
             "continue_after_self_preemption",
             "skip_encoder_blocked_admissions",
+            "exact_encoder_cut_and_release",
+            "skip_lookahead_cut_admissions",
             "cache_drafts_at_update",
             "trim_computed_on_stop",
             "cache_upto_in_flight",

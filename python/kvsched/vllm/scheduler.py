@@ -213,11 +213,17 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self._zeroes_new_blocks = MAMBA in windows
         # vLLM's mamba_cache_mode "align": a Mamba group's table grows with the request's tokens.
         self._mamba_align = bool(config.mamba_align)
-        # A Mamba group's prefill checkpoint can be keyed by the block below its entry (the trailing-block drop):
+        # A Mamba group's prefill checkpoint can be keyed by the block below its entry (the trailing-block drop, or
+        # look-ahead hashes of several tokens):
         # the prefill stats then read the tokens of each block's hash from the core.
         self._checkpoints_keyed_below = bool(
-            config.drop_trailing_hit_block and config.mamba_prefill_checkpoint_alignment is not None
+            (config.drop_trailing_hit_block or config.hash_lookahead_tokens > 1)
+            and config.mamba_prefill_checkpoint_alignment is not None
         )
+        # With a multi-module MTP drafter a Mamba group's cached states can lie past the primary group's cached
+        # blocks (the reprefillable tail the primary group leaves out: a prefill checkpoint, or all of it in Mamba
+        # groups outside the drop's rules), so every block of their tables counts (vLLM's estimate reads them all).
+        self._mamba_past_cached = bool(config.prefill_lookahead_tokens > 1 and MAMBA in (config.kv_cache_groups or ()))
         # Encoder-decoder scheduling (``is_encoder_decoder`` set on a built scheduler with a cross-attention group,
         # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
         # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
@@ -289,8 +295,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # A sliding window's block tables (every group's) of the requests awaiting their first output, read before an
         # update.
         self._window_tables: dict[str, tuple[list[int], ...]] = {}
-        # With them, the Mamba groups' tokens of each block's hash and the cached blocks (_mamba_key_tokens).
-        self._key_tokens: dict[str, tuple[dict[int, list[int]], int]] = {}
+        # With them, the Mamba groups' tokens of each block's hash (_mamba_key_tokens), the cached blocks and the
+        # Mamba blocks' hashes.
+        self._key_tokens: dict[str, tuple[dict[int, list[int]], int, dict[int, list[bytes | None]]]] = {}
         # KV connector (vLLM's kv_transfer_config): vLLM's own scheduler-role connector, built as vLLM's scheduler
         # builds it, reached by the core through the bridge's id-keyed hooks.
         self._bridge: ConnectorBridge | None = None
@@ -316,19 +323,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             layout = tuple(config.kv_cache_groups or (config.sliding_window,)) if config.kv_connector_groups else None
             if check_kv_connector(vllm_config, connector, layout):
                 self._pins = BlockPins(self)
-            if (
-                config.enable_prefix_caching
-                and config.mamba_align
-                and MAMBA in (config.kv_cache_groups or ())
-                and connector.supports_divergent_local_hybrid_hits
-            ):
-                # vLLM then takes the full-attention groups' local hit alone when the connector finds external
-                # tokens past a lagging Mamba group's hit (the connector restores the state); the core's hits agree
-                # across groups.
-                _refuse(
-                    "KV connectors that complete divergent local hybrid hits with Mamba prefix caching",
-                    f"{type(connector).__name__}.supports_divergent_local_hybrid_hits, enable_prefix_caching=True",
-                )
             self.connector = connector
             self._bridge = ConnectorBridge(
                 connector,
@@ -343,7 +337,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 self._connector_prefix_cache_stats = PrefixCacheStats()
             self._kv_failure_fails = vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
             self._requires_kv_delivery = bool(connector.requires_kv_delivery)
-            config = dataclasses.replace(config, drop_preempted_output=self._requires_kv_delivery)
+            # A connector that completes divergent local hybrid hits (vLLM's NIXL and MoRI-IO; a MultiConnector when
+            # every one of its connectors does) has vLLM look a new request's hit up group by group.
+            divergent = bool(connector.supports_divergent_local_hybrid_hits)
+            config = dataclasses.replace(
+                config, drop_preempted_output=self._requires_kv_delivery, divergent_local_hits=divergent
+            )
         self._core = _CoreScheduler(config, kv_connector=self._bridge)
         # Encoder-cache connector (vLLM's ec_transfer_config): vLLM's own scheduler-role connector, built as
         # vLLM's scheduler builds it; the core asks it (through the bridge) which encoder outputs it can load and
@@ -825,6 +824,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         start = self._ec_from[req_id]
         features = request.mm_features
         upto = request.num_computed_tokens - request.num_output_placeholders
+        config = self._core.config
+        if not config.exact_encoder_cut_and_release:  # vLLM 0.32: the release waits for the drafter's lookahead
+            upto -= config.prefill_lookahead_tokens
         k = self._ec_freed.get(req_id, 0)
         while k < len(features):
             pos = features[k].mm_position
@@ -1697,8 +1699,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 for table, w, size in zip(tables, self._group_windows, sizes, strict=True)
                 if w != CROSS_ATTENTION
             )
+        limit = None if self._mamba_past_cached else num_cached_blocks
         return min(
-            max(key_tokens[g][:num_cached_blocks], default=0)
+            max(key_tokens[g][:limit], default=0)
             if key_tokens is not None and g in key_tokens
             else self._window_hashed_tokens(table, num_cached_blocks, w)
             for g, (table, w) in enumerate(zip(tables, self._group_windows, strict=True))
@@ -1716,20 +1719,27 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if w == MAMBA
         }
 
-    def _key_tokens_after_update(self, req_id: str, before: tuple[dict[int, list[int]], int]) -> dict[int, list[int]]:
+    def _key_tokens_after_update(
+        self, req_id: str, before: tuple[dict[int, list[int]], int, dict[int, list[bytes | None]]]
+    ) -> dict[int, list[int]]:
         """``_mamba_key_tokens`` after an update that cached the request's blocks: read from the core, or, when the
         update freed the request, from those read before it (``before``, with the cached blocks then): a block
-        cached by the update is keyed at its entry if it still carries a hash."""
+        cached by the update is keyed at its entry if it still carries a hash (a prefill checkpoint keyed before
+        it keeps its key when its hash is the one it had then, else it was re-keyed at its entry)."""
         if self._core.has_request(req_id):
             return self._mamba_key_tokens(req_id)
-        counts, num_cached = before
+        counts, num_cached, hashes = before
         tables = self._window_tables[req_id]
         get_hash = self._core.get_block_hash
+
+        def key_tokens(g: int, i: int, c: int, b: int) -> int:
+            h = get_hash(b) if b else None
+            if i < num_cached or (h is not None and h == hashes[g][i]):
+                return c
+            return 0 if h is None else (i + 1) * self.block_size
+
         return {
-            g: [
-                c if i < num_cached else (i + 1) * self.block_size if b and get_hash(b) is not None else 0
-                for i, (c, b) in enumerate(zip(row, tables[g], strict=True))
-            ]
+            g: [key_tokens(g, i, c, b) for i, (c, b) in enumerate(zip(row, tables[g], strict=True))]
             for g, row in counts.items()
         }
 
@@ -1774,9 +1784,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         tables = self.group_block_ids(req_id)
                         self._window_tables[req_id] = tables
                         key_tokens = None
-                        if self._checkpoints_keyed_below:
+                        if self._checkpoints_keyed_below or self._mamba_past_cached:
                             key_tokens = self._mamba_key_tokens(req_id)
-                            self._key_tokens[req_id] = (key_tokens, num_cached_blocks)
+                            get_hash = self._core.get_block_hash
+                            hashes = {g: [get_hash(b) if b else None for b in tables[g]] for g in key_tokens}
+                            self._key_tokens[req_id] = (key_tokens, num_cached_blocks, hashes)
                         cached_tokens[req_id] = self._hashed_tokens(tables, num_cached_blocks, key_tokens)
         if self._pins is None:
             res = self._core.update_from_output(out, rows)
@@ -2669,11 +2681,16 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
 
     @num_prefill_lookahead.setter
     def num_prefill_lookahead(self, value: int) -> None:
-        if value != self.num_prefill_lookahead:
+        # vLLM's tests set it on a built scheduler: its chunk rules and encoder window follow from the next step,
+        # its KV cache manager keeps the lookahead it was built with (so does the core's prefix cache).
+        if value == self.num_prefill_lookahead:
+            return
+        if self.requests:
             raise UnsupportedFeatureError(
-                "kvsched.vllm.Scheduler does not support changing a drafter's prefill lookahead "
-                "(num_prefill_lookahead) on a built scheduler"
+                "kvsched.vllm.Scheduler changes a drafter's prefill lookahead (num_prefill_lookahead) only while it "
+                "holds no request"
             )
+        self._core.set_prefill_lookahead(value)
 
     @property
     def encoder_cache_manager(self) -> Any:

@@ -176,6 +176,7 @@ def make_vllm_config(
     kv_load_failure_policy: str = "recompute",
     kv_role: str = "kv_both",
     kv_connector_multi: bool = False,
+    kv_connector_divergent_hits: bool = False,
     cpu_offload_blocks: int | None = None,
     cpu_offload_lazy: bool = False,
     kv_events: bool = False,
@@ -212,7 +213,9 @@ def make_vllm_config(
     cache config its tensors); else ``kv_connector_seed`` adds a ``kv_transfer_config`` for
     :class:`RandomKVConnector` with that seed and role ``kv_role`` (``kv_producer``, ``kv_consumer``,
     ``kv_both``); with ``kv_connector_multi`` it is the second child of vLLM's ``MultiConnector``, whose first is
-    a passive one (a :class:`RandomKVConnector` that finds no tokens and delays no free). ``kv_events`` turns KV
+    a passive one (a :class:`RandomKVConnector` that finds no tokens and delays no free); with
+    ``kv_connector_divergent_hits`` it (and the passive one) claims ``supports_divergent_local_hybrid_hits``.
+    ``kv_events`` turns KV
     cache events on with vLLM's ``null`` publisher (replace the scheduler's ``kv_event_publisher`` to see the
     batches). ``parallel_drafting`` makes the drafter draft in parallel (vLLM's P-EAGLE layout: ``k - 1`` extra
     query slots per scheduled request, taken from ``max_num_batched_tokens``); ``max_num_scheduled_tokens`` sets
@@ -274,7 +277,8 @@ def make_vllm_config(
 
         speculative_config = SpeculativeConfig(
             method="eagle",
-            model=model_dir,
+            # (A multimodal target drafts with the tiny text model: vLLM sizes a drafter from its text config.)
+            model=_model_dir(max_model_len) if multimodal else model_dir,
             num_speculative_tokens=num_speculative_tokens,
             disable_eagle_block_drop=not eagle_block_drop,
             parallel_drafting=parallel_drafting,
@@ -320,10 +324,15 @@ def make_vllm_config(
             "kv_connector": "RandomKVConnector",
             "kv_connector_module_path": __name__,
             "kv_role": kv_role,
-            "kv_connector_extra_config": {"seed": kv_connector_seed, "sync_invalid": kv_connector_sync_invalid},
+            "kv_connector_extra_config": {
+                "seed": kv_connector_seed,
+                "sync_invalid": kv_connector_sync_invalid,
+                "divergent_hits": kv_connector_divergent_hits,
+            },
         }
         if kv_connector_multi:
-            passive = {**child, "kv_connector_extra_config": {"seed": kv_connector_seed, "passive": True}}
+            passive_extra = {"seed": kv_connector_seed, "passive": True, "divergent_hits": kv_connector_divergent_hits}
+            passive = {**child, "kv_connector_extra_config": passive_extra}
             kv_transfer_config = KVTransferConfig(
                 kv_connector="MultiConnector",
                 kv_role=kv_role,
@@ -775,7 +784,9 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
     ``"passive": true`` in its ``kv_connector_extra_config`` makes it find no external tokens and delay no free in
     any role (it still logs its calls): a second child of vLLM's ``MultiConnector`` that only watches.
     ``"sync_invalid": true`` makes :meth:`report` draw invalid blocks of synchronous loads too (off by default: the
-    draws of every other report stay as they are).
+    draws of every other report stay as they are). ``"divergent_hits": true`` makes it claim
+    ``supports_divergent_local_hybrid_hits`` (as vLLM's NIXL and MoRI-IO connectors do): with Mamba prefix caching
+    both schedulers then look a new request's local hit up group by group.
     """
 
     # Invalid blocks of synchronous loads reported by any instance (:meth:`report`), for tests to check coverage.
@@ -787,6 +798,7 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
         self.seed = int(extra.get("seed", 0))
         self.passive = bool(extra.get("passive", False))
         self.sync_invalid = bool(extra.get("sync_invalid", False))
+        self.divergent_hits = bool(extra.get("divergent_hits", False))
         self.loads_external = bool(self._kv_transfer_config.is_kv_consumer) and not self.passive
         self.sends = bool(self._kv_transfer_config.is_kv_producer) and not self.passive
         self.calls: list[tuple[Any, ...]] = []
@@ -803,6 +815,10 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
         # Synchronous loads admitted since the last metadata (with one KV cache group: their blocks may be
         # reported invalid).
         self._sync_loads: dict[str, tuple[list[int], int, int]] = {}
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return self.divergent_hits
 
     def _rng(self, *key: Any) -> Any:
         import random

@@ -333,6 +333,12 @@ pub struct SchedulerConfig {
     /// go back to the pool before the connector sees the tables (null blocks in their place). Allows a connector,
     /// and `defer_block_free`, with full-attention, sliding-window and Mamba groups.
     pub kv_connector_groups: bool,
+    /// vLLM's KV connectors that complete divergent local hybrid hits (`supports_divergent_local_hybrid_hits`):
+    /// with a connector, align-mode Mamba groups with prefix caching and a full-attention group, a new request's
+    /// local hit is each lookup set's own, found alone, and its length the full-attention set's, unless a group's
+    /// runs deeper (the usual hit then). When some group's hit is shorter (the hit diverged) and the connector
+    /// finds no tokens, the usual hit replaces it. No effect otherwise.
+    pub divergent_local_hits: bool,
     /// Which LoRA adapters count against `max_loras` when a waiting request is admitted. `true` (vLLM 0.33): those
     /// of every running request, scheduled in this step or not. `false` (vLLM 0.32): only those of the running
     /// requests scheduled in this step.
@@ -347,6 +353,15 @@ pub struct SchedulerConfig {
     /// encoder output does not fit the budget or the slots): `true` (vLLM 0.33) skips it, it keeps its place and
     /// the pass goes on; `false` (vLLM 0.32) ends the admission pass there.
     pub skip_encoder_blocked_admissions: bool,
+    /// With a drafter's prefill lookahead (`prefill_lookahead_tokens` `N`) and encoder inputs: `true` (vLLM 0.33)
+    /// cuts a chunk just before an input that does not fit and releases a consumed input at its end; `false`
+    /// (vLLM 0.32) leaves the lookahead in both: the cut stops `N` tokens before the input (at nothing when the
+    /// chunk starts fewer than `N + 1` tokens before it) and the release waits until `N` tokens past its end.
+    pub exact_encoder_cut_and_release: bool,
+    /// A waiting request whose chunk the prefill lookahead (`prefill_lookahead_tokens`) cuts to nothing: `true`
+    /// (vLLM 0.33) skips it, it keeps its place and the pass goes on; `false` (vLLM 0.32) ends the admission pass
+    /// there.
+    pub skip_lookahead_cut_admissions: bool,
     /// When a step's output is applied, the blocks its tokens completed are cached then (instead of at the
     /// request's next allocation) for a running request with output placeholders (async scheduling) and, if
     /// `true` (vLLM 0.33), for every running request when speculative decoding is on; `false` (vLLM 0.32): only
@@ -372,9 +387,9 @@ pub struct SchedulerConfig {
     /// a prefill chunk never ends fewer than `N` tokens before the request's known tokens end (it is shortened to
     /// leave `N`, possibly to nothing), and the last `N - 1` computed tokens are not yet final: the blocks entering
     /// the prefix cache stop `N - 1` tokens short of the tokens being cached (with several groups only together
-    /// with `drop_trailing_hit_block`, as vLLM's hybrid coordinator). 0 and 1 change nothing here. With `N > 1`
-    /// not combined with encoder inputs (`encoder_cache_size`; vLLM also shifts the encoder window) nor with a
-    /// Mamba group and prefix caching.
+    /// with `drop_trailing_hit_block`, and then not in Mamba groups outside its rules, `mamba_eagle_group` off,
+    /// as vLLM's hybrid coordinator). The encoder inputs a chunk reaches extend `N` tokens past its end
+    /// (`encoder_sched.rs`). 0 changes nothing, nor does 1 without encoder inputs.
     pub prefill_lookahead_tokens: u32,
     /// Tokens below the window that every sliding-window group keeps (vLLM's `SlidingWindowSpec.
     /// extra_retained_tokens`, `num_prefill_lookahead_tokens - 1` with a multi-module MTP drafter): a window's
@@ -562,9 +577,12 @@ impl Default for SchedulerConfig {
             defer_async_loads: false,
             drop_preempted_output: false,
             kv_connector_groups: false,
+            divergent_local_hits: false,
             max_loras_counts_unscheduled: true,
             continue_after_self_preemption: true,
             skip_encoder_blocked_admissions: true,
+            exact_encoder_cut_and_release: true,
+            skip_lookahead_cut_admissions: true,
             cache_drafts_at_update: true,
             trim_computed_on_stop: true,
             cache_upto_in_flight: true,
@@ -944,22 +962,6 @@ impl SchedulerConfig {
 
     /// What `prefill_lookahead_tokens` above 1 and `extra_retained_tokens` need (see the fields).
     fn validate_prefill_lookahead(&self) -> Result<()> {
-        if self.prefill_lookahead_tokens > 1 {
-            if self.encoder_cache_size > 0 {
-                return Err(SchedError::InvalidConfig(format!(
-                    "prefill_lookahead_tokens ({}) above 1 cannot be combined with encoder inputs \
-                     (encoder_cache_size {}): the encoder window is not shifted by the lookahead",
-                    self.prefill_lookahead_tokens, self.encoder_cache_size
-                )));
-            }
-            if self.enable_prefix_caching && self.kv_cache_groups.contains(&Some(MAMBA)) {
-                return Err(SchedError::InvalidConfig(format!(
-                    "prefill_lookahead_tokens ({}) above 1 cannot be combined with a Mamba group with prefix \
-                     caching (the reprefillable tail of Mamba states is not implemented)",
-                    self.prefill_lookahead_tokens
-                )));
-            }
-        }
         if self.extra_retained_tokens > 0 {
             let window = self.sliding_window.is_some()
                 || self

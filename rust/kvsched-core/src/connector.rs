@@ -37,6 +37,11 @@ pub trait KvConnector: Send + Sync {
         None
     }
 
+    /// With `SchedulerConfig::divergent_local_hits`, at an admission whose local hit diverged across the groups and
+    /// to which the connector added no tokens: the hit every group agrees on, `num_local_tokens`, replaces the
+    /// hit it was asked with (`get_num_new_matched_tokens` is not asked again).
+    fn local_hit_replaced(&mut self, _req: &Request, _num_local_tokens: u32) {}
+
     /// When a request finishes (any reason), before its blocks are freed: `block_ids` are the blocks holding its
     /// computed tokens. `true`: the engine is sending them, free them only when it reports the send finished.
     fn request_finished(&mut self, req: &Request, block_ids: &[u32]) -> bool;

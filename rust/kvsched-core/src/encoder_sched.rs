@@ -2,11 +2,12 @@
 //! a request's references to the encoder cache (`encoder.rs`) are taken and dropped.
 //!
 //! The rules follow vLLM 0.33's `_try_schedule_encoder_inputs` (learned from reading it): a step walks the
-//! inputs that overlap the request's chunk `[computed, computed + n)`; an input whose hash is cached only adds a
-//! reference; any other input is computed this step if it fits the step's encoder budget and the cache
+//! inputs that overlap the request's chunk `[computed, computed + n)` widened by the drafter's prefill lookahead
+//! (`prefill_lookahead_tokens`, the tokens past the chunk the drafter reads); an input whose hash is cached only
+//! adds a reference; any other input is computed this step if it fits the step's encoder budget and the cache
 //! (evicting freeable entries, oldest first), else the chunk is cut just before it (to 0 tokens when the chunk
 //! starts inside it). With `disable_chunked_mm_input` a chunk that would cover only part of an input stops
-//! before it. A request drops its reference to an input once its computed tokens (less output placeholders)
+//! before it, by the lookahead too. A request drops its reference to an input once its computed tokens (less output placeholders)
 //! pass the input's end, after the step's output is applied; preemption, finishing and aborting drop them all.
 //!
 //! Invariants (checked by `check_encoder_invariants`): the cache's references are exactly the `encoder_held`
@@ -105,11 +106,17 @@ impl Scheduler {
                 } else {
                     cfg.max_chunk_tokens()
                 };
-                if e.num_tokens > chunk {
+                // A chunk stopped before `e` ends the drafter's prefill lookahead before it (or at the prompt's
+                // start): the next chunk must cover those tokens and `e`.
+                let lead = e.start.min(cfg.prefill_lookahead_tokens);
+                if u64::from(e.num_tokens) + u64::from(lead) > u64::from(chunk) {
+                    let before =
+                        if lead > 0 { format!(" and the {lead} tokens before it") } else { String::new() };
                     return Err(format!(
                         "request {req_id:?}: encoder input {i} has {} tokens; with disable_chunked_mm_input a \
-                         chunk must cover it whole, but chunks stop at {chunk} tokens (max_num_batched_tokens, \
-                         max_num_scheduled_tokens, draft_slots, long_prefill_token_threshold)",
+                         chunk must cover it whole{before}, but chunks stop at {chunk} tokens \
+                         (max_num_batched_tokens, max_num_scheduled_tokens, draft_slots, \
+                         long_prefill_token_threshold, prefill_lookahead_tokens)",
                         e.num_tokens
                     ));
                 }
@@ -182,6 +189,30 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Sets the drafter's prefill lookahead (`prefill_lookahead_tokens`) of the chunk rules and the encoder window
+    /// from the next step (vLLM's tests set `num_prefill_lookahead` on a built scheduler), only while the
+    /// scheduler holds no request. The prefix cache's not-final tail stays the one the scheduler was built with
+    /// (vLLM's KV cache manager keeps its own). On error nothing changes.
+    pub fn set_prefill_lookahead(&mut self, prefill_lookahead_tokens: u32) -> Result<()> {
+        if prefill_lookahead_tokens > 1024 {
+            return Err(SchedError::InvalidConfig(format!(
+                "prefill_lookahead_tokens must be in [0, 1024], got {prefill_lookahead_tokens}"
+            )));
+        }
+        if !self.slab.is_empty() {
+            return Err(SchedError::InvalidConfig(format!(
+                "prefill_lookahead_tokens can change only while no request is live ({} are)",
+                self.slab.len()
+            )));
+        }
+        let mut config = self.config.clone();
+        config.prefill_lookahead_tokens = prefill_lookahead_tokens;
+        config.validate()?;
+        self.config = config;
+        self.epoch += 1;
+        Ok(())
+    }
+
     /// Sets (or with `None` removes) the EC connector. It applies from the next step.
     pub fn set_ec_connector(
         &mut self,
@@ -236,9 +267,10 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Plans the encoder inputs of `slot`'s chunk of `n` tokens from `computed`: takes references to cached
-    /// inputs, allocates (and charges the budget for) the inputs to compute, and returns the chunk length, cut
-    /// before the first input that does not fit. The plan lives in `st.pending`/`st.newly` until
+    /// Plans the encoder inputs of `slot`'s chunk of `n` tokens from `computed` (its window widened by the
+    /// drafter's `prefill_lookahead_tokens`): takes references to cached inputs, allocates (and charges the
+    /// budget for) the inputs to compute, and returns the chunk length, cut before the first input that does
+    /// not fit. The plan lives in `st.pending`/`st.newly` until
     /// `commit_encoder` or `rollback_encoder`.
     #[cold]
     #[inline(never)]
@@ -254,7 +286,10 @@ impl Scheduler {
             return Ok(n);
         }
         let mut n = n;
-        let end = computed + n;
+        let chunk_end = computed + n;
+        // The drafter's prefill lookahead reads that many tokens past the chunk: the window reaches them.
+        let shift = self.config.prefill_lookahead_tokens;
+        let end = chunk_end + shift;
         let first = req.encoder_inputs.partition_point(|e| e.end() <= computed);
         let key = u64::from(slot);
         for i in first..req.encoder_inputs.len() {
@@ -262,8 +297,9 @@ impl Scheduler {
             if e.start >= end {
                 break;
             }
-            if self.config.disable_chunked_mm_input && computed <= e.start && end < e.end() {
-                n = e.start - computed;
+            if self.config.disable_chunked_mm_input && computed <= e.start && chunk_end < e.end() {
+                // The chunk stops before `e` with the drafter's read-ahead too.
+                n = e.start.saturating_sub(computed + shift);
                 break;
             }
             if self.encoder.check_and_reference(e.hash, key, i as u32) {
@@ -276,7 +312,17 @@ impl Scheduler {
             }
             let size = u64::from(e.num_tokens);
             if !self.encoder.can_allocate(size, u64::from(st.budget), 0) {
-                n = if computed < e.start { n.min(e.start - computed) } else { 0 };
+                n = if self.config.exact_encoder_cut_and_release {
+                    // The drafter's read-ahead into an input not encoded yet falls back to token embeddings.
+                    if computed < e.start {
+                        n.min(e.start - computed)
+                    } else {
+                        0
+                    }
+                } else {
+                    // vLLM 0.32: the read-ahead stops before the input too.
+                    e.start.saturating_sub(computed + shift)
+                };
                 break;
             }
             // The EC connector is asked only once the input fits (vLLM 0.33): a load takes cache space but no
@@ -410,20 +456,33 @@ impl Scheduler {
         Ok(())
     }
 
+    /// The tokens past an input's end its release waits for: 0, or the drafter's prefill lookahead without
+    /// `exact_encoder_cut_and_release` (vLLM 0.32).
+    #[inline]
+    pub(crate) fn encoder_release_delay(config: &crate::config::SchedulerConfig) -> u32 {
+        if config.exact_encoder_cut_and_release {
+            0
+        } else {
+            config.prefill_lookahead_tokens
+        }
+    }
+
     /// After a step's output is applied to `req`: drops its references to inputs it has consumed (vLLM's
-    /// `_free_encoder_inputs`: the input ends at or before its computed tokens less output placeholders).
+    /// `_free_encoder_inputs`: the input ends at or before its computed tokens less output placeholders, less
+    /// `delay`).
     #[cold]
     #[inline(never)]
     pub(crate) fn release_consumed(
         encoder: &mut crate::encoder::EncoderCache,
         req: &mut Request,
         computed: u32,
+        delay: u32,
     ) {
         let upto = computed.saturating_sub(req.num_output_placeholders);
         let key = u64::from(req.handle.slot);
         for i in 0..req.encoder_inputs.len() {
             let e = req.encoder_inputs[i];
-            if e.end() > upto {
+            if e.end() + delay > upto {
                 break;
             }
             if req.encoder_held[i] {

@@ -7,7 +7,8 @@
 //! field is length- or tag-prefixed so distinct inputs can never encode to the same bytes.
 //!
 //! With look-ahead (`hash_lookahead_tokens` `L > 0`), block `i`'s hash also covers the `L` tokens after it (a
-//! tagged field after the extra keys), and exists only once those tokens do.
+//! tagged field after the extra keys, whose encoder inputs include those reaching the `L` tokens), and exists
+//! only once those tokens do.
 //!
 //! Tenant cache isolation (`isolate_tenant_cache`) keys block 0 by the tenant the same way: the request's salt
 //! becomes `tenant_cache_salt(tenant, cache_salt)`, a string that is distinct for every distinct pair, so two
@@ -121,9 +122,9 @@ impl BlockHasher {
     }
 
     /// Serialises one block's hash input into `buf` (cleared first).
-    /// `mm`: the encoder inputs of the request; those overlapping the block at `block_start` are encoded as
-    /// (content hash, start relative to the block), as vLLM's multimodal extra keys. With `Sha256Pickle`, a block
-    /// without extra keys is vLLM's pickle of it instead.
+    /// `mm`: the encoder inputs of the request; those overlapping the block at `block_start` or the look-ahead
+    /// tokens after it are encoded as (content hash, start relative to the block), as vLLM's multimodal extra
+    /// keys. With `Sha256Pickle`, a block without extra keys is vLLM's pickle of it instead.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     fn encode(
@@ -163,7 +164,8 @@ impl BlockHasher {
             }
         }
         if !mm.is_empty() {
-            Self::encode_mm(buf, mm, block_start, block_start + tokens.len() as u32);
+            let end = block_start + (tokens.len() + self.lookahead) as u32;
+            Self::encode_mm(buf, mm, block_start, end);
         }
         buf.push(TAG_END);
     }

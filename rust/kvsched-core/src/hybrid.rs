@@ -69,7 +69,7 @@
 //! single-group paths: `KvCacheManager` branches there only when `hybrid` is set.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::config::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA};
@@ -112,6 +112,8 @@ pub struct Hybrid {
     last_hits: Mutex<Vec<Vec<u32>>>,
     /// See `last_longest`.
     last_longest: AtomicUsize,
+    /// See `last_per_group`.
+    last_per_group: AtomicBool,
     /// Align-mode Mamba groups with prefix caching: the keys Mamba blocks entered the cache under since the
     /// current `schedule()` call began (vLLM's `cached_blocks_this_step`): a Mamba hit on one of them fails its
     /// allocation in this step (its state is written by this step).
@@ -159,6 +161,7 @@ impl Clone for Hybrid {
             lookups: self.lookups.clone(),
             last_hits: Mutex::new(self.hits().clone()),
             last_longest: AtomicUsize::new(self.last_longest()),
+            last_per_group: AtomicBool::new(self.last_per_group()),
             mamba_cached_step: self.mamba_cached_step.clone(),
             defer_new_states_only: self.defer_new_states_only,
             mamba_eagle: self.mamba_eagle,
@@ -205,6 +208,7 @@ impl Hybrid {
             lookups,
             last_hits: Mutex::new(vec![Vec::new(); n]),
             last_longest: AtomicUsize::new(0),
+            last_per_group: AtomicBool::new(false),
             mamba_cached_step: HashSet::new(),
             defer_new_states_only: true,
             mamba_eagle: true,
@@ -231,6 +235,16 @@ impl Hybrid {
 
     pub(crate) fn set_last_longest(&self, n: usize) {
         self.last_longest.store(n, Ordering::Relaxed);
+    }
+
+    /// Whether the last lookup was the per-group one (`find_hybrid_hit_per_group`): each group's hits are then
+    /// its own, of its own length, and the caller's list only carries the full-attention hit's length.
+    pub(crate) fn last_per_group(&self) -> bool {
+        self.last_per_group.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_last_per_group(&self, per_group: bool) {
+        self.last_per_group.store(per_group, Ordering::Relaxed);
     }
 
     /// Where group `g`'s table sits in `Request::groups`; `None` for the primary group (`Request::blocks`).

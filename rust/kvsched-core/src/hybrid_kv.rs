@@ -114,7 +114,7 @@ impl KvCacheManager {
     pub(crate) fn find_hybrid_hit(&self, hashes: &[BlockHash], num_tokens: u32, out: &mut Vec<u32>) {
         let Some(hy) = self.hybrid.as_deref() else { return };
         let ngroups = hy.windows.len();
-        let (bs, align) = (self.block_size, hy.align);
+        let bs = self.block_size;
         let mut hits = hy.hits();
         for h in hits.iter_mut() {
             h.clear();
@@ -122,7 +122,6 @@ impl KvCacheManager {
         let mut done = vec![false; ngroups];
         // Candidate and hit lengths in tokens.
         let mut hit_len = self.max_hit_blocks(hashes, num_tokens) as u32 * bs;
-        let hashed = hashes.len() as u32 * bs;
         let mut found = Vec::new();
         let mut longest = 0;
         let mut verified = vec![false; hy.lookups.len()];
@@ -130,116 +129,16 @@ impl KvCacheManager {
             let mut curr = hit_len;
             for (idx, (w, ids)) in hy.lookups.iter().enumerate() {
                 let (w, first) = (*w, ids[0]);
-                let gbs = hy.block_sizes[first];
-                let k = (gbs / bs) as usize;
                 if w == 0 && done[first] {
-                    curr = curr.min(hits[first].len() as u32 * gbs);
+                    curr = curr.min(hits[first].len() as u32 * hy.block_sizes[first]);
                     continue;
-                }
-                for &g in ids {
-                    hits[g].clear();
                 }
                 // A Mamba set takes no part in the drop unless the Mamba groups take its rules.
                 let eagle = self.drop_trailing_hit && !verified[idx] && (w != MAMBA || hy.mamba_eagle);
-                // The drop's extra block (none for Mamba).
-                let drop = usize::from(eagle && w != MAMBA);
                 let before = curr;
-                let cap = if drop == 1 { (curr + gbs).min(hashed) } else { curr };
-                let nblocks = (cap / gbs) as usize;
-                if w == MAMBA {
-                    // Right to left: the first block every Mamba group has cached, null blocks before it.
-                    for i in (0..nblocks).rev() {
-                        if self.hit_all(hashes, i, k, ids, &mut found) {
-                            for (&g, &b) in ids.iter().zip(&found) {
-                                hits[g].resize(i, NULL_BLOCK);
-                                hits[g].push(b);
-                            }
-                            break;
-                        }
-                    }
-                } else if w == 0 {
-                    for i in 0..nblocks {
-                        if !self.hit_all(hashes, i, k, ids, &mut found) {
-                            break;
-                        }
-                        for (&g, &b) in ids.iter().zip(&found) {
-                            hits[g].push(b);
-                        }
-                    }
-                } else if let Some(c) = chunk_size(w) {
-                    // Null blocks before the chunk that holds token `nblocks * bs`, then the cached blocks from
-                    // there on, up to the first miss.
-                    let end = u64::from(gbs) * nblocks as u64;
-                    let start = (end / u64::from(c) * u64::from(c) / u64::from(gbs)) as usize;
-                    for &g in ids {
-                        hits[g].resize(start, NULL_BLOCK);
-                    }
-                    for i in start..nblocks {
-                        if !self.hit_all(hashes, i, k, ids, &mut found) {
-                            break;
-                        }
-                        for (&g, &b) in ids.iter().zip(&found) {
-                            hits[g].push(b);
-                        }
-                    }
-                } else {
-                    // Right to left: the first run of `need` cached blocks whose end (after the drop) lies on the
-                    // alignment, nulls before it; else the run from block 0, cut to the alignment. `run` counts
-                    // the current run, which ends at `end` (exclusive).
-                    let need = (w - 1).div_ceil(gbs) as usize + drop;
-                    let mut run = 0usize;
-                    let mut end = 0usize;
-                    let mut matched = false;
-                    for i in (0..nblocks).rev() {
-                        if self.hit_all(hashes, i, k, ids, &mut found) {
-                            if run == 0 {
-                                if (i + 1 - drop) as u32 * gbs % align != 0 {
-                                    continue;
-                                }
-                                end = i + 1;
-                            }
-                            run += 1;
-                            if run >= need {
-                                matched = true;
-                                break;
-                            }
-                        } else {
-                            run = 0;
-                        }
-                    }
-                    let (start, mut len) = if matched { (end - run, end) } else { (0, run) };
-                    if !matched {
-                        while len as u32 * gbs % align != 0 {
-                            len -= 1;
-                        }
-                    }
-                    for &g in ids {
-                        hits[g].resize(start.min(len), NULL_BLOCK);
-                        for i in start..len {
-                            let b = self.pool.get_cached_block(&group_key(&hashes[(i + 1) * k - 1], g));
-                            hits[g].push(b.unwrap_or(NULL_BLOCK));
-                        }
-                    }
-                }
+                let got = self.set_hit(hy, idx, hashes, curr, eagle, &mut hits, &mut found);
                 for &g in ids {
-                    if drop == 1 && !hits[g].is_empty() {
-                        hits[g].pop();
-                    }
-                    if w != 0 && w != MAMBA {
-                        // A window's run after the drop: back to the alignment.
-                        while hits[g].len() as u32 * gbs % align != 0 {
-                            hits[g].pop();
-                        }
-                    }
                     done[g] = true;
-                }
-                let mut got = hits[first].len() as u32 * gbs;
-                if w == 0 {
-                    // A full-attention hit rounded down to the alignment.
-                    got -= got % align;
-                    for &g in ids {
-                        hits[g].truncate((got / gbs) as usize);
-                    }
                 }
                 if eagle {
                     verified[idx] = true;
@@ -263,7 +162,178 @@ impl KvCacheManager {
             h.truncate((hit_len / hy.block_sizes[g]) as usize);
         }
         hy.set_last_longest((longest / bs) as usize);
+        hy.set_last_per_group(false);
         out.extend_from_slice(&hits[0]);
+    }
+
+    /// The hit of lookup set `idx` (`Hybrid::lookups`) capped at `curr` tokens, into `hits` for each of its groups
+    /// (see `find_hybrid_hit`; `eagle`: the set applies the trailing-block drop). Returns its length in tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn set_hit(
+        &self,
+        hy: &Hybrid,
+        idx: usize,
+        hashes: &[BlockHash],
+        curr: u32,
+        eagle: bool,
+        hits: &mut [Vec<u32>],
+        found: &mut Vec<u32>,
+    ) -> u32 {
+        let (bs, align) = (self.block_size, hy.align);
+        let hashed = hashes.len() as u32 * bs;
+        let (w, ids) = (hy.lookups[idx].0, &hy.lookups[idx].1);
+        let first = ids[0];
+        let gbs = hy.block_sizes[first];
+        let k = (gbs / bs) as usize;
+        for &g in ids {
+            hits[g].clear();
+        }
+        // The drop's extra block (none for Mamba).
+        let drop = usize::from(eagle && w != MAMBA);
+        let cap = if drop == 1 { (curr + gbs).min(hashed) } else { curr };
+        let nblocks = (cap / gbs) as usize;
+        if w == MAMBA {
+            // Right to left: the first block every Mamba group has cached, null blocks before it.
+            for i in (0..nblocks).rev() {
+                if self.hit_all(hashes, i, k, ids, found) {
+                    for (&g, &b) in ids.iter().zip(found.iter()) {
+                        hits[g].resize(i, NULL_BLOCK);
+                        hits[g].push(b);
+                    }
+                    break;
+                }
+            }
+        } else if w == 0 {
+            for i in 0..nblocks {
+                if !self.hit_all(hashes, i, k, ids, found) {
+                    break;
+                }
+                for (&g, &b) in ids.iter().zip(found.iter()) {
+                    hits[g].push(b);
+                }
+            }
+        } else if let Some(c) = chunk_size(w) {
+            // Null blocks before the chunk that holds token `nblocks * bs`, then the cached blocks from there on,
+            // up to the first miss.
+            let end = u64::from(gbs) * nblocks as u64;
+            let start = (end / u64::from(c) * u64::from(c) / u64::from(gbs)) as usize;
+            for &g in ids {
+                hits[g].resize(start, NULL_BLOCK);
+            }
+            for i in start..nblocks {
+                if !self.hit_all(hashes, i, k, ids, found) {
+                    break;
+                }
+                for (&g, &b) in ids.iter().zip(found.iter()) {
+                    hits[g].push(b);
+                }
+            }
+        } else {
+            // Right to left: the first run of `need` cached blocks whose end (after the drop) lies on the
+            // alignment, nulls before it; else the run from block 0, cut to the alignment. `run` counts the
+            // current run, which ends at `end` (exclusive).
+            let need = (w - 1).div_ceil(gbs) as usize + drop;
+            let mut run = 0usize;
+            let mut end = 0usize;
+            let mut matched = false;
+            for i in (0..nblocks).rev() {
+                if self.hit_all(hashes, i, k, ids, found) {
+                    if run == 0 {
+                        if (i + 1 - drop) as u32 * gbs % align != 0 {
+                            continue;
+                        }
+                        end = i + 1;
+                    }
+                    run += 1;
+                    if run >= need {
+                        matched = true;
+                        break;
+                    }
+                } else {
+                    run = 0;
+                }
+            }
+            let (start, mut len) = if matched { (end - run, end) } else { (0, run) };
+            if !matched {
+                while len as u32 * gbs % align != 0 {
+                    len -= 1;
+                }
+            }
+            for &g in ids {
+                hits[g].resize(start.min(len), NULL_BLOCK);
+                for i in start..len {
+                    let b = self.pool.get_cached_block(&group_key(&hashes[(i + 1) * k - 1], g));
+                    hits[g].push(b.unwrap_or(NULL_BLOCK));
+                }
+            }
+        }
+        for &g in ids {
+            if drop == 1 && !hits[g].is_empty() {
+                hits[g].pop();
+            }
+            if w != 0 && w != MAMBA {
+                // A window's run after the drop: back to the alignment.
+                while hits[g].len() as u32 * gbs % align != 0 {
+                    hits[g].pop();
+                }
+            }
+        }
+        let mut got = hits[first].len() as u32 * gbs;
+        if w == 0 {
+            // A full-attention hit rounded down to the alignment.
+            got -= got % align;
+            for &g in ids {
+                hits[g].truncate((got / gbs) as usize);
+            }
+        }
+        got
+    }
+
+    /// The local hit of a request admitted with a KV connector that completes divergent local hits
+    /// (`SchedulerConfig::divergent_local_hits`, vLLM's `get_computed_blocks_for_connector`), with Mamba groups
+    /// and a full-attention set: every set looked up alone, capped at the same `num_tokens` (with the drop, each
+    /// set but a Mamba set looks one block further and gives up its hit's last block), each group keeping its own
+    /// hit. `None` (nothing written) when a group's hit runs deeper than the full-attention set's, or without
+    /// Mamba groups or full attention: the caller takes `find_longest_cache_hit`. Otherwise `out` gets as many
+    /// entries as the full-attention hit has blocks (group 0's hits where it has them, null blocks after), and
+    /// the answer is whether some group's hit (0 for a group outside every lookup set) is shorter: the hit
+    /// *diverged*.
+    #[cold]
+    pub(crate) fn find_hybrid_hit_per_group(
+        &self,
+        hashes: &[BlockHash],
+        num_tokens: u32,
+        out: &mut Vec<u32>,
+    ) -> Option<bool> {
+        let hy = self.hybrid.as_deref()?;
+        if !hy.windows.contains(&MAMBA) || hy.lookups.first().is_none_or(|l| l.0 != 0) {
+            return None;
+        }
+        let bs = self.block_size;
+        let max = self.max_hit_blocks(hashes, num_tokens) as u32 * bs;
+        let mut hits = hy.hits();
+        for h in hits.iter_mut() {
+            h.clear();
+        }
+        let mut found = Vec::new();
+        let mut lens = vec![0u32; hy.windows.len()];
+        for (idx, (_, ids)) in hy.lookups.iter().enumerate() {
+            let got = self.set_hit(hy, idx, hashes, max, self.drop_trailing_hit, &mut hits, &mut found);
+            for &g in ids {
+                lens[g] = got;
+            }
+        }
+        let fa = lens[hy.lookups[0].1[0]];
+        if lens.iter().any(|&l| l > fa) {
+            return None;
+        }
+        let n = (fa / bs) as usize;
+        let start = out.len();
+        out.extend(hits[0].iter().take(n));
+        out.resize(start + n, NULL_BLOCK);
+        hy.set_last_longest(0);
+        hy.set_last_per_group(true);
+        Some(lens.iter().any(|&l| l < fa))
     }
 
     /// The other groups' hits that go with group 0's `hits` (from the lookup that found them).
@@ -273,7 +343,7 @@ impl KvCacheManager {
             return vec![Vec::new(); hy.windows.len()];
         }
         let last = hy.hits();
-        debug_assert_eq!(last[0], hits, "the hits come from the last lookup");
+        debug_assert!(hy.last_per_group() || last[0] == hits, "the hits come from the last lookup");
         last.clone()
     }
 
@@ -562,11 +632,9 @@ impl KvCacheManager {
                 }
             }
         }
-        let cache_tokens = self.cacheable((total_computed + num_new_tokens).min(req.num_tokens()));
-        let num_full = (cache_tokens / self.block_size) as usize;
         // Each group from its own count of cached blocks (see `cache_blocks`).
         if cache && self.enable_caching {
-            self.cache_hybrid_blocks(req, num_full, cache_tokens);
+            self.cache_hybrid_blocks(req, (total_computed + num_new_tokens).min(req.num_tokens()));
         }
         Some(popped)
     }
@@ -651,19 +719,26 @@ impl KvCacheManager {
         }
     }
 
-    /// Enters each group's blocks up to `num_full` into the prefix cache under the group's keys (null blocks
-    /// skipped; a window of one token caches nothing; an align-mode Mamba group under sparse retention caches
-    /// the states `mamba_retained` keeps, and the prompt's checkpoint when `num_tokens`, the tokens being
-    /// cached, end there), group by group, each group's run recorded as one stored event with events on.
+    /// Enters each group's full blocks among the first `computed` tokens, less the reprefillable tail (see
+    /// `cacheable`), into the prefix cache under the group's keys (null blocks skipped; a window of one token
+    /// caches nothing; an align-mode Mamba group under sparse retention caches the states `mamba_retained` keeps,
+    /// and the prompt's checkpoint when the tokens being cached end there), group by group, each group's run
+    /// recorded as one stored event with events on. Mamba groups outside the trailing-block drop's rules
+    /// (`mamba_eagle` off) keep the reprefillable tail: vLLM's hybrid coordinator cuts it in the drop's groups
+    /// only.
     #[cold]
-    pub(crate) fn cache_hybrid_blocks(&mut self, req: &mut Request, num_full: usize, num_tokens: u32) {
+    pub(crate) fn cache_hybrid_blocks(&mut self, req: &mut Request, computed: u32) {
         let Some(hy) = self.hybrid.as_deref() else { return };
         let windows = hy.windows.clone();
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
-        let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
+        let full_of = |tokens: u32| {
+            ((tokens / self.block_size) as usize).min(req.block_hashes.len()).min(req.blocks.len())
+        };
         // The tokens every group caches: the full blocks' tokens rounded down to the alignment (vLLM's hybrid
         // coordinator caches a scheduler-block-aligned prefix in each group).
-        let aligned_tokens = num_full as u32 * self.block_size / hy.align * hy.align;
+        let aligned_of = |tokens: u32| full_of(tokens) as u32 * self.block_size / hy.align * hy.align;
+        let num_tokens = self.cacheable(computed);
+        let aligned_tokens = aligned_of(num_tokens);
         let sizes = hy.block_sizes.clone();
         let align = hy.mamba_align;
         let defer_new_states_only = hy.defer_new_states_only;
@@ -694,7 +769,12 @@ impl KvCacheManager {
             .map(|_| window_reachable(req.num_prompt_tokens, junction, bs, eagle, false));
         let window_positions: &[u32] = window_reach.as_deref().unwrap_or(&[]);
         let reachable: &[u32] = mamba_reach.as_deref().unwrap_or(window_positions);
-        let mamba_tokens = if eagle && !mamba_eagle { num_tokens / bs * bs } else { num_tokens };
+        // Mamba groups outside the drop's rules: the computed tokens with the reprefillable tail.
+        let (mamba_tokens, mamba_aligned) = if eagle && !mamba_eagle {
+            (computed / bs * bs, aligned_of(computed))
+        } else {
+            (num_tokens, aligned_tokens)
+        };
         let tail = retention.and_then(|_| {
             (mamba_tokens > 0 && mamba_tokens == prompt_checkpoint)
                 .then(|| (prompt_checkpoint / bs) as usize - 1)
@@ -708,12 +788,12 @@ impl KvCacheManager {
             let tail = if checkpoint.is_some() { None } else { tail };
             let first = *table(req, slots[g]).1 as usize;
             let k = (sizes[g] / bs) as usize;
-            let num_full = (aligned_tokens / sizes[g]) as usize;
+            let num_full = (if w == MAMBA { mamba_aligned } else { aligned_tokens } / sizes[g]) as usize;
             if w == MAMBA && checkpoint.is_none() && !defer_new_states_only {
                 // With the drop vLLM hands a Mamba group its cacheable tokens unfloored: only a call whose tokens
                 // end at the checkpoint itself re-keys it.
                 let exact = !mamba_eagle || num_tokens % bs == 0;
-                let num_tokens = if exact { num_tokens } else { 0 };
+                let num_tokens = if exact { mamba_tokens } else { 0 };
                 self.mark_prompt_checkpoint(req, slots[g], g, num_tokens, prompt_checkpoint);
             }
             if num_full <= first {

@@ -416,7 +416,7 @@ impl KvCacheManager {
         let cache_tokens = self.cacheable((total_computed + num_new_tokens).min(req.num_tokens()));
         let num_full = (cache_tokens / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
-            self.cache_full_blocks(req, num_full, cache_tokens);
+            self.cache_full_blocks(req, num_full);
         }
         Some(need)
     }
@@ -466,7 +466,7 @@ impl KvCacheManager {
         let cache_tokens = self.cacheable((total_computed + num_new_tokens).min(req.num_tokens()));
         let num_full = (cache_tokens / self.block_size) as usize;
         if cache && self.enable_caching && num_full > req.num_cached_blocks as usize {
-            self.cache_full_blocks(req, num_full, cache_tokens);
+            self.cache_full_blocks(req, num_full);
         }
         Some(need)
     }
@@ -476,10 +476,16 @@ impl KvCacheManager {
     /// group goes from its own count of cached blocks (a window's null blocks count as cached, so the first
     /// group's count can run ahead of a full-attention group's after a load).
     pub fn cache_blocks(&mut self, req: &mut Request, num_tokens: u32) {
+        if self.hybrid.is_some() {
+            if self.enable_caching {
+                self.cache_hybrid_blocks(req, num_tokens);
+            }
+            return;
+        }
         let num_tokens = self.cacheable(num_tokens);
         let num_full = (num_tokens / self.block_size) as usize;
         if self.enable_caching && (num_full > req.num_cached_blocks as usize || self.hybrid.is_some()) {
-            self.cache_full_blocks(req, num_full, num_tokens);
+            self.cache_full_blocks(req, num_full);
         }
     }
 
@@ -492,14 +498,9 @@ impl KvCacheManager {
                 && (num_tokens / self.block_size) as usize <= req.num_cached_blocks as usize)
     }
 
-    /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache (caching is on: the caller
-    /// checks); `num_tokens` the tokens being cached (`num_full` their full blocks).
-    fn cache_full_blocks(&mut self, req: &mut Request, num_full: usize, num_tokens: u32) {
-        if self.hybrid.is_some() {
-            // Each group from its own count.
-            self.cache_hybrid_blocks(req, num_full, num_tokens);
-            return;
-        }
+    /// Enters the request's blocks `num_cached_blocks..num_full` into the prefix cache (one group; caching is on:
+    /// the caller checks).
+    fn cache_full_blocks(&mut self, req: &mut Request, num_full: usize) {
         let num_full = num_full.min(req.block_hashes.len()).min(req.blocks.len());
         let first = req.num_cached_blocks as usize;
         if num_full <= first {

@@ -1291,10 +1291,11 @@ impl Scheduler {
                         }
                         // A block is keyed by the hash of its last hash block.
                         let key = r.block_hashes.get((i + 1) * k - 1).map(|h| crate::hybrid::group_key(h, g));
-                        // With the drop, a prefill checkpoint one block below its entry is keyed there.
+                        // With the drop, or look-ahead hashes of several tokens (multi-module MTP), a prefill
+                        // checkpoint one block below its entry is keyed there.
                         let below = (i > 0
                             && align_mamba
-                            && cfg.drop_trailing_hit_block
+                            && (cfg.drop_trailing_hit_block || cfg.hash_lookahead_tokens > 1)
                             && cfg.mamba_prefill_checkpoint_alignment.is_some())
                         .then(|| r.block_hashes.get(i - 1).map(|h| crate::hybrid::group_key(h, g)))
                         .flatten();

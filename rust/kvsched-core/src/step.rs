@@ -721,16 +721,21 @@ impl Scheduler {
                 }
             }
             // A multi-module MTP drafter's prefill lookahead: the chunk never ends within it of the known tokens.
-            n = reserve_prefill_lookahead(prefill_lookahead, req.num_tokens(), computed, n);
-            if n == 0 {
-                i += 1;
-                continue;
+            // With encoder inputs that cut comes after theirs (whose window the lookahead widens), as in vLLM.
+            let planned = has_encoder && !req.encoder_inputs.is_empty();
+            if !planned {
+                n = reserve_prefill_lookahead(prefill_lookahead, req.num_tokens(), computed, n);
+                if n == 0 {
+                    i += 1;
+                    continue;
+                }
             }
             // Encoder inputs the chunk reaches: computed, reused from the cache, or the chunk is cut before them.
             // (Text-only requests keep their borrow: no second slab lookup on the common path.)
-            let planned = has_encoder && !req.encoder_inputs.is_empty();
             let req = if planned {
+                let num_tokens = req.num_tokens();
                 n = self.plan_encoder(enc, slot, computed, n)?;
+                n = reserve_prefill_lookahead(prefill_lookahead, num_tokens, computed, n);
                 if n == 0 {
                     self.rollback_encoder(enc, slot)?;
                     i += 1;
@@ -1064,10 +1069,24 @@ impl Scheduler {
             }
             // A request that skips reading the prefix cache (prompt logprobs) gets no hits.
             req.shared_prefix_boundary = 0;
+            // With a connector that completes divergent local hits: each group's own hit (see
+            // `find_hybrid_hit_per_group`), whether a group's is shorter than full attention's.
+            let mut diverged = false;
             if !req.skip_reading_prefix_cache {
-                self.kv.find_longest_cache_hit(&req.block_hashes, lookup_tokens, hits);
+                let per_group = if self.config.divergent_local_hits && self.connector.is_some() {
+                    self.kv.find_hybrid_hit_per_group(&req.block_hashes, lookup_tokens, hits)
+                } else {
+                    None
+                };
+                match per_group {
+                    // The per-group lookup leaves the shared-prefix junction at 0.
+                    Some(d) => diverged = d,
+                    None => {
+                        self.kv.find_longest_cache_hit(&req.block_hashes, lookup_tokens, hits);
+                        req.shared_prefix_boundary = self.kv.shared_prefix_boundary(hits.len());
+                    }
+                }
                 req.probe_hits = hits.len() as u32;
-                req.shared_prefix_boundary = self.kv.shared_prefix_boundary(hits.len());
             }
             // A swapped-out request resumes from its CPU copy: the connector is not asked.
             if let (Some(conn), true) = (self.connector.as_mut(), req.cpu_blocks.is_empty()) {
@@ -1092,6 +1111,15 @@ impl Scheduler {
                 if let (false, Some(cap)) = (blocked, self.hit_cap.as_mut()) {
                     ext = cap.0.cap_external_hit(req, &cached, local, ext).min(ext);
                     load_async &= ext > 0;
+                }
+                // A diverged hit the connector adds nothing to has no state where it ends: the usual hit, which
+                // every group agrees on, replaces it (the connector is not asked again).
+                if diverged && !blocked && ext == 0 {
+                    hits.clear();
+                    self.kv.find_longest_cache_hit(&req.block_hashes, lookup_tokens, hits);
+                    req.probe_hits = hits.len() as u32;
+                    req.shared_prefix_boundary = self.kv.shared_prefix_boundary(hits.len());
+                    conn.0.local_hit_replaced(req, hits.len() as u32 * bs);
                 }
             }
         }
@@ -1160,13 +1188,6 @@ impl Scheduler {
                 (n, pad) = (1, false);
             }
         }
-        if !load_async {
-            // The drafter's prefill lookahead (see `schedule_running`): a chunk cut to nothing is skipped.
-            n = reserve_prefill_lookahead(self.config.prefill_lookahead_tokens, num_tokens, computed, n);
-            if n == 0 {
-                return self.skip_admission(h, from_kv, pass);
-            }
-        }
         if planned_encoder {
             n = self.plan_encoder(enc, h.slot, computed, n)?;
             if n == 0 {
@@ -1174,6 +1195,20 @@ impl Scheduler {
                 // place); vLLM 0.32 ends the pass there.
                 self.rollback_encoder(enc, h.slot)?;
                 if !self.config.skip_encoder_blocked_admissions {
+                    return Ok(Candidate::Stop);
+                }
+                return self.skip_admission(h, from_kv, pass);
+            }
+        }
+        if !load_async {
+            // The drafter's prefill lookahead (see `schedule_running`, after the encoder plan): a chunk cut to
+            // nothing is skipped (vLLM 0.33), or ends the pass (vLLM 0.32).
+            n = reserve_prefill_lookahead(self.config.prefill_lookahead_tokens, num_tokens, computed, n);
+            if n == 0 {
+                if planned_encoder {
+                    self.rollback_encoder(enc, h.slot)?;
+                }
+                if !self.config.skip_lookahead_cut_admissions {
                     return Ok(Candidate::Stop);
                 }
                 return self.skip_admission(h, from_kv, pass);

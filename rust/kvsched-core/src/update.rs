@@ -570,7 +570,12 @@ impl Scheduler {
             // rolled back (a decode's scheduled drafts stay counted as computed, as in vLLM). vLLM frees the
             // encoder inputs a request has consumed once the step has run.
             if has_encoder && req.num_encoder_held > 0 {
-                Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
+                Self::release_consumed(
+                    &mut self.encoder,
+                    req,
+                    hot.computed[s],
+                    Self::encoder_release_delay(&self.config),
+                );
             }
             if enc_dec && hot.computed[s] > 0 {
                 self.enc_dec_free_slots += i64::from(req.cross_attention_tokens);
@@ -596,7 +601,12 @@ impl Scheduler {
             }
         }
         if has_encoder && req.num_encoder_held > 0 {
-            Self::release_consumed(&mut self.encoder, req, hot.computed[s]);
+            Self::release_consumed(
+                &mut self.encoder,
+                req,
+                hot.computed[s],
+                Self::encoder_release_delay(&self.config),
+            );
         }
         if enc_dec && hot.computed[s] > 0 {
             // vLLM's EncoderDecoderCacheManager frees the request's inputs at every output once it has computed

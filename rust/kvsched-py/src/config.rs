@@ -78,9 +78,12 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("defer_async_loads", c.defer_async_loads)?;
     d.set_item("drop_preempted_output", c.drop_preempted_output)?;
     d.set_item("kv_connector_groups", c.kv_connector_groups)?;
+    d.set_item("divergent_local_hits", c.divergent_local_hits)?;
     d.set_item("max_loras_counts_unscheduled", c.max_loras_counts_unscheduled)?;
     d.set_item("continue_after_self_preemption", c.continue_after_self_preemption)?;
     d.set_item("skip_encoder_blocked_admissions", c.skip_encoder_blocked_admissions)?;
+    d.set_item("exact_encoder_cut_and_release", c.exact_encoder_cut_and_release)?;
+    d.set_item("skip_lookahead_cut_admissions", c.skip_lookahead_cut_admissions)?;
     d.set_item("cache_drafts_at_update", c.cache_drafts_at_update)?;
     d.set_item("trim_computed_on_stop", c.trim_computed_on_stop)?;
     d.set_item("cache_upto_in_flight", c.cache_upto_in_flight)?;
@@ -299,9 +302,12 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         defer_async_loads: bool_field("defer_async_loads")?,
         drop_preempted_output: bool_field("drop_preempted_output")?,
         kv_connector_groups: bool_field("kv_connector_groups")?,
+        divergent_local_hits: bool_field("divergent_local_hits")?,
         max_loras_counts_unscheduled: bool_field("max_loras_counts_unscheduled")?,
         continue_after_self_preemption: bool_field("continue_after_self_preemption")?,
         skip_encoder_blocked_admissions: bool_field("skip_encoder_blocked_admissions")?,
+        exact_encoder_cut_and_release: bool_field("exact_encoder_cut_and_release")?,
+        skip_lookahead_cut_admissions: bool_field("skip_lookahead_cut_admissions")?,
         cache_drafts_at_update: bool_field("cache_drafts_at_update")?,
         trim_computed_on_stop: bool_field("trim_computed_on_stop")?,
         cache_upto_in_flight: bool_field("cache_upto_in_flight")?,

@@ -41,6 +41,8 @@ struct PyKvConnector {
     has_load_deferred_hook: bool,
     /// The object has the optional `get_loaded_kv_cache_group_ids(req_id)` hook.
     has_loaded_groups_hook: bool,
+    /// The object has the optional `local_hit_replaced(req_id, num_local_tokens)` hook.
+    has_local_hit_replaced_hook: bool,
 }
 
 impl PyKvConnector {
@@ -261,6 +263,18 @@ impl core::KvConnector for PyKvConnector {
         })
     }
 
+    fn local_hit_replaced(&mut self, req: &core::Request, num_local_tokens: u32) {
+        if !self.has_local_hit_replaced_hook {
+            return;
+        }
+        Python::with_gil(|py| {
+            if let Err(e) = self.obj.bind(py).call_method1("local_hit_replaced", (&*req.id, num_local_tokens))
+            {
+                self.keep(e);
+            }
+        })
+    }
+
     fn has_pending_block_frees(&mut self) -> bool {
         if !self.has_pending_frees_hook {
             return false;
@@ -302,6 +316,7 @@ impl ConnectorHandle {
         let has_pending_frees_hook = obj.hasattr("has_pending_block_frees")?;
         let has_load_deferred_hook = obj.hasattr("load_deferred")?;
         let has_loaded_groups_hook = obj.hasattr("get_loaded_kv_cache_group_ids")?;
+        let has_local_hit_replaced_hook = obj.hasattr("local_hit_replaced")?;
         let inner = PyKvConnector {
             obj: obj.clone().unbind(),
             state: state.clone(),
@@ -309,6 +324,7 @@ impl ConnectorHandle {
             has_pending_frees_hook,
             has_load_deferred_hook,
             has_loaded_groups_hook,
+            has_local_hit_replaced_hook,
         };
         let has_build_meta = obj.hasattr("build_connector_meta")?;
         Ok((ConnectorHandle { obj: obj.clone().unbind(), state, has_build_meta }, Box::new(inner)))

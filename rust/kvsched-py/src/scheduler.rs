@@ -1188,6 +1188,31 @@ impl PyScheduler {
         Ok(())
     }
 
+    /// Sets the drafter's prefill lookahead of the chunk rules and the encoder window (from the next step), only
+    /// while no request is live; `config` shows the new value.
+    fn set_prefill_lookahead(
+        slf: &Bound<'_, Self>,
+        prefill_lookahead_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let v = int_arg(prefill_lookahead_tokens, "prefill_lookahead_tokens", "InvalidConfigError")?;
+        let n = u32::try_from(v).ok().filter(|&v| v <= 1024).ok_or_else(|| {
+            py_error(
+                py,
+                "InvalidConfigError",
+                format!("prefill_lookahead_tokens must be in [0, 1024], got {v}"),
+            )
+        })?;
+        let mut this = borrow_mut(slf)?;
+        guard(py, || this.core.set_prefill_lookahead(n))?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("prefill_lookahead_tokens", n)?;
+        let config =
+            py.import("dataclasses")?.getattr("replace")?.call((this.config.bind(py),), Some(&kwargs))?;
+        this.config = config.unbind();
+        Ok(())
+    }
+
     /// Turns `defer_async_loads` on or off from now on (loads already deferred keep their fence); `config`
     /// shows the new value.
     fn set_defer_async_loads(slf: &Bound<'_, Self>, on: &Bound<'_, PyAny>) -> PyResult<()> {

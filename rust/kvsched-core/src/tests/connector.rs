@@ -389,12 +389,9 @@ fn a_load_takes_its_mamba_state_block_with_the_external_blocks() {
     }
 }
 
-/// Align-mode Mamba groups with prefix caching and a connector: the states the caching enters are offered once
-/// (`take_mamba_boundary_offers`), with the tokens they cover; a request's offers not yet taken are withdrawn
-/// when its blocks go back to the pool. Without a connector nothing is recorded.
-#[test]
-fn cached_mamba_states_are_offered_to_the_connector_once() {
-    let cfg = SchedulerConfig {
+/// Full attention and an align-mode Mamba group with prefix caching, for a connector with every group's tables.
+fn mamba_caching_cfg() -> SchedulerConfig {
+    SchedulerConfig {
         block_size: 4,
         num_blocks: 40,
         max_model_len: 64,
@@ -404,7 +401,15 @@ fn cached_mamba_states_are_offered_to_the_connector_once() {
         kv_connector_groups: true,
         prefix_hash_seed: Some(b"t".to_vec()),
         ..Default::default()
-    };
+    }
+}
+
+/// Align-mode Mamba groups with prefix caching and a connector: the states the caching enters are offered once
+/// (`take_mamba_boundary_offers`), with the tokens they cover; a request's offers not yet taken are withdrawn
+/// when its blocks go back to the pool. Without a connector nothing is recorded.
+#[test]
+fn cached_mamba_states_are_offered_to_the_connector_once() {
+    let cfg = mamba_caching_cfg();
     let mut s = Scheduler::new(cfg.clone()).unwrap();
     s.set_kv_connector(Some(Box::new(Fake::default()))).unwrap();
     s.add_request("a", &prompt(0, 13), params(3)).unwrap();
@@ -428,4 +433,66 @@ fn cached_mamba_states_are_offered_to_the_connector_once() {
     s.add_request("a", &prompt(0, 13), params(3)).unwrap();
     step_ids(&mut s, 1);
     assert!(s.take_mamba_boundary_offers().is_empty());
+}
+
+/// `divergent_local_hits`: a full-attention hit deeper than the Mamba group's is the local hit the connector is
+/// asked with; it stands when the connector adds tokens and gives way to the hit both groups agree on (the
+/// connector told, `local_hit_replaced`) when it adds none. Without the flag the usual hit is asked about.
+#[test]
+fn a_diverged_local_hit_stands_only_with_external_tokens() {
+    struct Replaced {
+        fake: Fake,
+    }
+    impl KvConnector for Replaced {
+        fn get_num_new_matched_tokens(&mut self, req: &Request, n: u32) -> Option<(u32, bool)> {
+            self.fake.get_num_new_matched_tokens(req, n)
+        }
+        fn update_state_after_alloc(&mut self, req: &Request, ext: u32) {
+            self.fake.update_state_after_alloc(req, ext)
+        }
+        fn request_finished(&mut self, req: &Request, blocks: &[u32]) -> bool {
+            self.fake.request_finished(req, blocks)
+        }
+        fn local_hit_replaced(&mut self, req: &Request, n: u32) {
+            self.fake.log.lock().unwrap().push(format!("replaced {} {n}", req.id));
+        }
+    }
+    for divergent in [true, false] {
+        let cfg = SchedulerConfig { divergent_local_hits: divergent, ..mamba_caching_cfg() };
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = Fake { ext: 8, only: Some("b".into()), log: log.clone(), ..Default::default() };
+        let mut s = Scheduler::new(cfg).unwrap();
+        s.set_kv_connector(Some(Box::new(Replaced { fake }))).unwrap();
+        // "a" caches 6 full-attention blocks and Mamba states at 20 and 24 tokens only.
+        s.add_request("a", &prompt(0, 24), params(1)).unwrap();
+        while s.has_unfinished_requests() {
+            step_ids(&mut s, 1);
+        }
+        // "b" and "c" share 3 blocks with "a": a full-attention hit of 12 tokens, none in the Mamba group.
+        let mut admitted = Vec::new();
+        for (id, tail) in [("b", 90), ("c", 120)] {
+            let mut p = prompt(0, 12);
+            p.extend(prompt(tail, 10));
+            s.add_request(id, &p, params(1)).unwrap();
+            let out = schedule(&mut s).out;
+            admitted.push(out.num_computed_tokens[0]);
+            s.check_invariants().unwrap();
+        }
+        let log: Vec<String> = log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| !l.contains(" a ") && !l.starts_with("alloc"))
+            .cloned()
+            .collect();
+        if divergent {
+            assert_eq!(admitted, [20, 0]);
+            assert_eq!(log, ["match b 12", "match c 12", "replaced c 0"]);
+        } else {
+            // The usual hit: none for "b" (the Mamba group has no state at 12), which loads 8 tokens and caches
+            // its state at 12, which "c" then hits.
+            assert_eq!(admitted, [8, 12]);
+            assert_eq!(log, ["match b 0", "match c 12"]);
+        }
+    }
 }

@@ -942,6 +942,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                     max_loras_counts_unscheduled: !v032,
                     continue_after_self_preemption: !v032,
                     skip_encoder_blocked_admissions: !v032,
+                    skip_lookahead_cut_admissions: !v032,
                     cache_drafts_at_update: !v032,
                     trim_computed_on_stop: !v032,
                     cache_upto_in_flight: !v032,
