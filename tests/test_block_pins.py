@@ -147,3 +147,32 @@ def test_without_prefix_caching_nothing_is_cached_and_unpins_go_to_the_head(impl
     s.pin_blocks(a)
     s.unpin_blocks([a[1], a[0], a[2]])
     assert _free_order(s)[:3] == [a[1], a[0], a[2]]
+
+
+@pytest.mark.parametrize("impl", _impls())
+def test_with_several_groups_a_cached_block_names_its_group_and_request_hash(impl: Any) -> None:
+    """With several KV cache groups a block is cached under its group's key of a request block hash:
+    ``get_block_hash_group`` names the hash and the group, ``get_cached_block_id(hash, group)`` finds the block
+    again, and a group the config lacks is refused."""
+    s = _make(impl, num_blocks=32, kv_cache_groups=(None, 3))
+    s.add_request("a", list(range(13)), max_tokens=3)
+    out = s.schedule()
+    s.update_from_output(out, [[7]])
+    groups = [s.get_block_ids("a", g).tolist() for g in range(2)]
+    first = s.get_block_hash_group(groups[0][0])
+    assert first is not None and first[1] == 0 and first[0] == s.get_block_hash(groups[0][0])
+    assert s.get_cached_block_id(first[0]) == s.get_cached_block_id(first[0], 0) == groups[0][0]
+    windowed = [b for b in groups[1][:3] if b]
+    assert windowed  # the window keeps its last block
+    for b in windowed:
+        found = s.get_block_hash_group(b)
+        assert found is not None and found[1] == 1
+        assert s.get_cached_block_id(found[0], 1) == b
+        assert s.get_cached_block_id(found[0], 0) == groups[0][groups[1].index(b)]
+    assert s.get_block_hash_group(0) is None
+    with pytest.raises(InvalidRequestError, match=r"group must be in \[0, 2\), got 2"):
+        s.get_cached_block_id(first[0], 2)
+    with pytest.raises(InvalidRequestError, match=r"group must be in \[0, 2\), got -1"):
+        s.get_cached_block_id(first[0], -1)
+    with pytest.raises(SchedulerTypeError, match="group must be an int"):
+        s.get_cached_block_id(first[0], "1")

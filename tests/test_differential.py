@@ -285,6 +285,7 @@ class Twin:
         self.pins = pins
         self.pinned: Counter[int] = Counter()
         self.coverage["pins"] = self.coverage["unpins"] = self.coverage["pins_refused"] = 0
+        self.coverage["pins_group_hashes"] = 0
 
     # -- operations --------------------------------------------------------------------------------------
 
@@ -769,7 +770,8 @@ class Twin:
         """A connector pins blocks (of live requests, or any, cached ones included) or gives pins back, in a
         random order; sometimes with a bad id, which both refuse the same way, changing nothing."""
         r, nb = self.rand, self.cfg.num_blocks
-        held = sorted({b for q in self.ref._requests.values() for b in q.block_ids if b})
+        tables = [t for q in self.ref._requests.values() for t in (q.block_ids, *q.group_block_ids)]
+        held = sorted({b for t in tables for b in t if b})
         if self.pinned and r.chance(0.5):
             pool = sorted(self.pinned.elements())
             ids = [pool.pop(r.int(0, len(pool) - 1)) for _ in range(min(len(pool), r.int(1, 4)))]
@@ -820,7 +822,18 @@ class Twin:
             if ha is None or hb is None:
                 continue
             assert seen.setdefault(ha, hb) == hb, f"block {b}: hash pattern differs"
-            assert ref.get_cached_block_id(ha) == rs.get_cached_block_id(hb), f"lookup of block {b}'s hash"
+            # The request hash and the group of the key (group 0's key is the hash), and a lookup of that group's
+            # key of it.
+            ga, gb = ref.get_block_hash_group(b), rs.get_block_hash_group(b)
+            assert ga is not None and gb is not None and ga[1] == gb[1], f"block {b}: group {ga} vs {gb}"
+            assert seen.setdefault(ga[0], gb[0]) == gb[0], f"block {b}: request hash pattern differs"
+            found = ref.get_cached_block_id(*ga)
+            assert found == rs.get_cached_block_id(*gb), f"lookup of block {b}'s hash in group {ga[1]}"
+            if ga[1]:
+                self.coverage["pins_group_hashes"] += 1
+            else:
+                assert ga[0] == ha and gb[0] == hb
+                assert ref.get_cached_block_id(ha) == rs.get_cached_block_id(hb) == found, f"lookup of block {b}"
 
     def step(self) -> None:
         ops = [self.op_add] * 3 + [self.op_schedule] * 4 + [self.op_update] * 4 + [self.op_ready] * 2
@@ -1504,17 +1517,44 @@ def test_soak_block_pins_match_reference_step_by_step() -> None:
         cfg = dataclasses.replace(cfg, enable_kv_cache_events=i % 2 == 0)
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed)), max_in_flight=2,
                     connector_seed=seed if i % 2 else None, fail_steps=False, pins=True)  # fmt: skip
-        for _ in range(700):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-        twin.unpin_all()
-        twin.drain()
-        assert twin.ref.num_free_blocks == twin.rs.num_free_blocks == cfg.num_blocks - 1
-        total.update({k: twin.coverage[k] for k in ("pins", "unpins", "pins_refused")})
+        total += _soak_pins(twin, cfg, 700)
         total["preemptions"] += twin.ref.stats().num_preemptions
     assert all(total[k] > 0 for k in ("pins", "unpins", "pins_refused", "preemptions")), total
+
+
+def _soak_pins(twin: Twin, cfg: SchedulerConfig, steps: int) -> Counter[str]:
+    """Runs ``steps`` random operations of a twin with block pins, gives every pin back and drains: the pools are
+    whole again on both sides. Returns the pin operations' coverage."""
+    for _ in range(steps):
+        try:
+            twin.step()
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+    twin.unpin_all()
+    twin.drain()
+    assert twin.ref.num_free_blocks == twin.rs.num_free_blocks == cfg.num_blocks - 1
+    return Counter({k: twin.coverage[k] for k in ("pins", "unpins", "pins_refused", "pins_group_hashes")})
+
+
+def test_soak_block_pins_with_several_groups_match_reference_step_by_step() -> None:
+    """Block pins over several KV cache groups (full attention and windows, one window in two groups, both hash
+    widths): each cached block names the same group and request hash in both implementations, a lookup of that
+    group's key of the hash returns the same block, and the pools agree at every step; whole again once every pin
+    is given back."""
+    layouts = [
+        dict(kv_cache_groups=(None, 3)),
+        dict(kv_cache_groups=(6, None, 1), prefix_hash_algo="sha256"),
+        dict(kv_cache_groups=(None, 6, 6), enable_kv_cache_events=True),
+    ]
+    total = Counter[str]()
+    for seed, layout in enumerate(layouts):
+        cfg = SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24,
+                              max_model_len=64, prefix_hash_seed=21 + seed, async_scheduling=seed % 2 == 1,
+                              scheduler_reserve_full_isl=False, **layout)  # type: ignore[arg-type]  # fmt: skip
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(90 + seed)), max_in_flight=1 + seed % 2, pins=True)
+        twin.make_prompt = lambda max_len, twin=twin: twin.rand.choice(PREFIXES)[: 4 * twin.rand.int(1, 8)]
+        total += _soak_pins(twin, cfg, 400)
+    assert all(total[k] > 0 for k in ("pins", "unpins", "pins_refused", "pins_group_hashes")), total
 
 
 def test_admission_window_with_asynchronous_kv_loads() -> None:

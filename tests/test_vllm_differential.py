@@ -316,6 +316,37 @@ def test_identical_to_vllm_with_simple_cpu_offload(sync: str, runner: str, seed:
     assert cfg.cpu_offload_blocks
 
 
+@pytest.mark.parametrize(("sync", "lazy"), [("sync", False), ("async", True)], ids=["sync-eager", "async-lazy"])
+def test_identical_to_vllm_with_simple_cpu_offload_over_windows_and_groups(sync: str, lazy: bool) -> None:
+    """SimpleCPUOffloadConnector over full attention and sliding windows in several KV cache groups (gpt-oss,
+    Gemma 3 layouts drawn per seed): its per-group stores (a window's blocks that left it, from the GPU prefix
+    cache), loads into every group, and every GPU block's reference count and block hash with its group, compared
+    after every call."""
+    import vllm_driver
+
+    vllm_driver.OFFLOAD_COUNTS.clear()
+    cfg = run_seed(1, 120, async_scheduling=sync == "async", v2=False, cpu_offload=True, lazy_offload=lazy,
+                   hybrid=True)  # fmt: skip
+    assert cfg.cpu_offload_blocks and cfg.kv_cache_groups and None in cfg.kv_cache_groups
+    counts = vllm_driver.OFFLOAD_COUNTS
+    assert counts["stored blocks (window)"] and counts["stored blocks (full attention)"], counts
+
+
+@pytest.mark.parametrize("sync", ["sync", "async"])
+def test_identical_to_vllm_with_simple_cpu_offload_over_mamba_groups(sync: str) -> None:
+    """SimpleCPUOffloadConnector over align-mode Mamba groups with prefix caching (hybrid Mamba layouts drawn per
+    seed): the Mamba states the scheduler hands it through the block state stored besides the attention blocks,
+    loads into every group, compared after every call."""
+    import vllm_driver
+
+    vllm_driver.OFFLOAD_COUNTS.clear()
+    cfg = run_seed(0, 120, async_scheduling=sync == "async", v2=False, cpu_offload=True, mamba=True,
+                   mamba_align=True, mamba_prefix_caching=True)  # fmt: skip
+    assert cfg.cpu_offload_blocks and cfg.kv_cache_groups and "mamba" in cfg.kv_cache_groups
+    counts = vllm_driver.OFFLOAD_COUNTS
+    assert counts["boundary states stored"] and counts["stored blocks (Mamba)"] and counts["load events"], counts
+
+
 @pytest.mark.parametrize(("sync", "runner"), [("sync", "v1"), ("async", "v2")], ids=["sync-v1", "async-v2"])
 def test_identical_to_vllm_with_lazy_cpu_offload_and_kv_events(sync: str, runner: str) -> None:
     """SimpleCPUOffloadConnector's lazy mode (it walks the GPU free queue from a cursor) with KV cache events on:

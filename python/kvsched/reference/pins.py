@@ -16,12 +16,13 @@ import numpy as np
 
 from .._errors import InvalidRequestError, SchedulerTypeError
 from .block_pool import _BlockPoolMixin
-from .convert import _block_id, _block_ids
+from .convert import _block_id, _block_ids, _is_int
+from .kv_cache_manager import _KVCacheManagerMixin
 
 
 class _PinsMixin(_BlockPoolMixin):
-    """``pin_blocks``, ``unpin_blocks``, ``get_block_pin_cnt``, ``get_block_hash``, ``get_cached_block_id``,
-    ``free_block_ids``."""
+    """``pin_blocks``, ``unpin_blocks``, ``get_block_pin_cnt``, ``get_block_hash``, ``get_block_hash_group``,
+    ``get_cached_block_id``, ``free_block_ids``."""
 
     def _check_block_id(self, b: int, what: str) -> None:
         self._check_in_pool(b)
@@ -81,16 +82,35 @@ class _PinsMixin(_BlockPoolMixin):
         """The free blocks in eviction order, head first (the order the next allocations take them)."""
         return np.array(list(self._free), dtype=np.int32)
 
-    def get_cached_block_id(self, block_hash: bytes) -> int | None:
-        """The block a prefix lookup of ``block_hash`` returns now (the first cached under it), or None."""
+    def _hash_width(self) -> int:
+        return 16 if self._config.prefix_hash_algo == "xxh3_128" else 32
+
+    def get_block_hash_group(self, block_id: int) -> tuple[bytes, int] | None:
+        """The request block hash block ``block_id`` is cached under and the KV cache group whose key of it that
+        is (group 0's key is the hash itself), or None if it is not cached."""
+        key = self.get_block_hash(block_id)
+        if key is None:
+            return None
+        width = self._hash_width()
+        # A group's key is the hash with the group id appended (``_group_key``); group 0's is the hash.
+        return key[:width], key[width] if len(key) > width else 0
+
+    def get_cached_block_id(self, block_hash: bytes, group: int = 0) -> int | None:
+        """The block a prefix lookup of ``block_hash`` (KV cache group ``group``'s key of it) returns now (the first
+        cached under it), or None."""
         if not isinstance(block_hash, bytes):
             raise SchedulerTypeError(f"block_hash must be bytes, got {type(block_hash).__name__}")
-        width = 16 if self._config.prefix_hash_algo == "xxh3_128" else 32
+        if not _is_int(group):
+            raise SchedulerTypeError(f"group must be an int, got {type(group).__name__}")
+        width = self._hash_width()
         if len(block_hash) != width:
             raise InvalidRequestError(
                 f"block_hash must be {width} bytes (the width of this scheduler's hashes), got {len(block_hash)}"
             )
+        num_groups = len(self._config.kv_cache_groups or (None,))
+        if not 0 <= group < num_groups:
+            raise InvalidRequestError(f"group must be in [0, {num_groups}), got {group}")
         if not self._config.enable_prefix_caching:
             return None
-        blocks = self._cached.get(block_hash)
+        blocks = self._cached.get(_KVCacheManagerMixin._group_key(block_hash, group))
         return next(iter(blocks)) if blocks else None

@@ -270,9 +270,10 @@ def _check_retention(retention: int | None, block_size: int, windows: list[int |
         )
 
 
-def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
+def check_kv_connector(vllm_config: Any, connector: Any, groups: tuple[Any, ...] | None = None) -> bool:
     """Refuses a vLLM scheduler-role KV connector that relies on parts of vLLM's scheduler kvsched replaces;
-    returns whether it binds the block pool (then the adapter gives it block pins, ``_pins.py``).
+    returns whether it binds the block pool (then the adapter gives it block pins, ``_pins.py``). ``groups``: the
+    core's KV cache groups when the connector gets every group's blocks (a window or several groups), else None.
 
     A connector that overrides ``bind_kv_cache_manager`` or ``bind_gpu_block_pool`` changes vLLM's block pool
     (references, frees, cached lookups by vLLM's block hashes). vLLM's ``SimpleCPUOffloadConnector`` (eager and
@@ -280,7 +281,13 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
     provides: they are accepted, with their own ``bind_gpu_block_pool`` (and UMBP's own ``bind_kv_cache_manager``).
     Every other such connector is refused, by name. vLLM's ``MultiConnector`` overrides both only to pass them on
     to its children: it is refused when one of its children (at any depth) is. Every other connector gets
-    ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own manager."""
+    ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own manager.
+
+    With a window or several groups only ``SimpleCPUOffloadConnector`` binds the pool (full attention, sliding
+    windows and Mamba groups: its per-group stores, recovered window blocks through the pool view's group
+    lookups, Mamba states through the block state's boundary hand-offs); the other two are refused there (Mamba
+    boundary states, finished partial tails and group lookups of their own, not compared with vLLM's
+    scheduler)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
@@ -297,7 +304,16 @@ def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
             for child in conn.sub_connectors:
                 check(child, f"{name} > ")
             return
-        if _is_simple_cpu_offload(cls) or _is_mooncake_store(cls) or _is_umbp_store(cls):
+        if _is_simple_cpu_offload(cls):
+            binds = True
+            return
+        if _is_mooncake_store(cls) or _is_umbp_store(cls):
+            if groups is not None:
+                _refuse(
+                    "KV connectors that use vLLM's block pool with sliding-window attention or several KV cache "
+                    "groups, other than SimpleCPUOffloadConnector (not compared with vLLM's scheduler)",
+                    f"kv_transfer_config: {name}",
+                )
             binds = True
             return
         # A subclass of vLLM's MultiConnector or of one of its pool connectors is named by the binding it changes
@@ -358,7 +374,7 @@ def _is_mooncake_store(cls: type) -> bool:
     once every worker rank has reported the job (``blocks[bid]`` reads), and reads the current block tables
     through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it. It takes
     Mamba align groups' boundary states and finished partial tails (``register_finished_partial_tail``) only
-    with several KV cache groups, which the adapter refuses for connectors that bind the pool."""
+    with several KV cache groups, which the adapter refuses for it."""
     if not any(klass.__name__ == "MooncakeStoreConnector" for klass in cls.__mro__):
         return False  # (without importing the store's modules for every other connector)
     try:
@@ -376,7 +392,7 @@ def _is_umbp_store(cls: type) -> bool:
     block tables through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it.
     Its ``bind_kv_cache_manager`` keeps a local prefix-cache lookup (``coordinator.single_type_managers[g]
     .block_pool.get_cached_block``, the pinning pool's) that it asks only with several KV cache groups or a
-    group other than full attention, which the adapter refuses for connectors that bind the pool, as it does
+    group other than full attention, which the adapter refuses for it, as it does
     the Mamba boundary states and finished partial tails the connector would take. Its prefix lookups go to the
     UMBP runtime the deployment registers with vLLM (``UMBPRuntimeFactory``)."""
     if not any(klass.__name__ == "UMBPStoreConnector" for klass in cls.__mro__):

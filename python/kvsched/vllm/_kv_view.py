@@ -317,7 +317,7 @@ class PinningBlockPoolView(BlockPoolView):
 
     def get_cached_block(self, block_hash: Any, kv_cache_group_ids: Sequence[int]) -> list[BlockView] | None:
         """The block cached under vLLM's hash ``block_hash`` (a request's block hash, as in its ``block_hashes``)
-        in each group asked, or None if one of them has none (as vLLM's: a group other than 0 has none here)."""
+        in each KV cache group asked, or None if one of them has none (as vLLM's)."""
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
         if not self.enable_caching:

@@ -13,9 +13,11 @@ cannot call the core back: its pins are queued and taken as soon as that core ca
 reads or changes the pool. The blocks such a hook pins are those of the request being admitted, which holds them
 until then, so the counts and the free order are those of vLLM's pool at every later point.
 
-vLLM's hash of a cached block is the hash of the request block at that position: the core's hash of each request
-block (``get_block_hashes``) is matched to the request's ``block_hashes`` at the same index, from the live requests
-when a hash is asked for, and from each finishing request's blocks before the connector hears of the finish.
+vLLM's hash of a cached block is the hash of the request block at that position, tagged with its KV cache group
+(``BlockHashWithGroupId``): the core's hash of each request block (``get_block_hashes``) is matched to the
+request's ``block_hashes`` at the same index, from the live requests when a hash is asked for, and from each
+finishing request's blocks before the connector hears of the finish; the core names the group a block is cached
+in (``get_block_hash_group``) and looks a hash up in a group (``get_cached_block_id(hash, group)``).
 """
 
 from __future__ import annotations
@@ -32,14 +34,15 @@ __all__ = ["BlockPins"]
 
 class BlockPins:
     """Pins by block id on the core, deferred while the core is inside a call, and vLLM's block hashes of the
-    core's cached blocks (KV cache group 0: connectors that bind the pool run with one group)."""
+    core's cached blocks, in every KV cache group (the groups' blocks are all of one size)."""
 
     def __init__(self, sched: Any) -> None:
         self._sched = sched
         self._deferring = False
         # Pin and unpin calls made while the core was inside a call, in order: (pin?, block ids).
         self._pending: list[tuple[bool, list[int]]] = []
-        # The core's hash of a block -> (vLLM's hash with group id, the tokens it covers), and vLLM's -> the core's.
+        # The core's hash of a request block -> (vLLM's hash of it, the tokens it covers), and vLLM's -> the core's
+        # (without group ids: a group's key of either is the hash and the group).
         self._by_core: dict[bytes, tuple[Any, int]] = {}
         self._by_vllm: dict[Any, bytes] = {}
         # Live requests: how many of their block hashes are matched already.
@@ -87,13 +90,10 @@ class BlockPins:
     # ---- vLLM's block hashes -------------------------------------------------------------------------------
 
     def _match(self, core_hash: bytes, vllm_hash: Any, index: int) -> None:
-        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
         if core_hash in self._by_core:
             return
-        key = make_block_hash_with_group_id(vllm_hash, 0)
-        self._by_core[core_hash] = (key, (index + 1) * self._sched.block_size)
-        self._by_vllm[key] = core_hash
+        self._by_core[core_hash] = (vllm_hash, (index + 1) * self._sched.block_size)
+        self._by_vllm[vllm_hash] = core_hash
 
     def learn_live(self) -> None:
         """Matches the block hashes of every live request not matched yet."""
@@ -113,46 +113,62 @@ class BlockPins:
             learned[req_id] = max(done, n)
         self._prune()
 
-    def learn_finished(self, request: Request, block_ids: list[int]) -> None:
-        """Matches the cached blocks of a request the core just finished (``block_ids``: its blocks, in order)."""
+    def learn_finished(self, request: Request, block_ids: list[Any]) -> None:
+        """Matches the cached blocks of a request the core just finished (``block_ids``: its blocks, in order; or,
+        with several KV cache groups, one such table per group)."""
         core = self._sched.core
-        for i, (b, h) in enumerate(zip(block_ids, request.block_hashes, strict=False)):
-            if b:
-                core_hash = core.get_block_hash(b)
-                if core_hash is not None:
-                    self._match(core_hash, h, i)
+        tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
+        for table in tables:
+            for i, (b, h) in enumerate(zip(table, request.block_hashes, strict=False)):
+                if b:
+                    found = core.get_block_hash_group(b)
+                    if found is not None:
+                        self._match(found[0], h, i)
         self._learned.pop(request.request_id, None)
 
     def _prune(self) -> None:
         if len(self._by_core) <= 4 * self._sched.kv_config.num_blocks + 1024:
             return
         core = self._sched.core
-        for core_hash in [h for h in self._by_core if core.get_cached_block_id(h) is None]:
-            key, _ = self._by_core.pop(core_hash)
-            self._by_vllm.pop(key, None)
+        groups = range(len(self._sched.kv_config.kv_cache_groups or (None,)))
+        for core_hash in [h for h in self._by_core if all(core.get_cached_block_id(h, g) is None for g in groups)]:
+            vllm_hash, _ = self._by_core.pop(core_hash)
+            self._by_vllm.pop(vllm_hash, None)
         # A live request's dropped hashes can be cached again later: match every live request afresh then.
         self._learned.clear()
 
     def block_hash(self, block_id: int) -> tuple[Any, int] | None:
-        """vLLM's ``(block_hash, block_hash_num_tokens)`` of a block, or None if it is not cached."""
-        core_hash = self._sched.core.get_block_hash(block_id)
-        if core_hash is None:
+        """vLLM's ``(block_hash, block_hash_num_tokens)`` of a block (the hash with its KV cache group), or None if
+        it is not cached."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        cached = self._sched.core.get_block_hash_group(block_id)
+        if cached is None:
             return None
+        core_hash, group = cached
         found = self._by_core.get(core_hash)
         if found is None:
             self.learn_live()
             found = self._by_core.get(core_hash)
-        return found
+            if found is None:
+                return None
+        vllm_hash, num_tokens = found
+        return make_block_hash_with_group_id(vllm_hash, group), num_tokens
 
     def cached_block_id(self, block_hash: Any) -> int | None:
         """The block a lookup of vLLM's ``block_hash`` (with group id) returns now, or None."""
-        core_hash = self._by_vllm.get(block_hash)
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        vllm_hash, group = get_block_hash(block_hash), get_group_id(block_hash)
+        if not 0 <= group < len(self._sched.kv_config.kv_cache_groups or (None,)):
+            return None
+        core_hash = self._by_vllm.get(vllm_hash)
         if core_hash is None:
             self.learn_live()
-            core_hash = self._by_vllm.get(block_hash)
+            core_hash = self._by_vllm.get(vllm_hash)
             if core_hash is None:
                 return None
-        block: int | None = self._sched.core.get_cached_block_id(core_hash)
+        block: int | None = self._sched.core.get_cached_block_id(core_hash, group)
         return block
 
 

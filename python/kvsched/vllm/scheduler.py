@@ -320,14 +320,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             connector = KVConnectorFactory.create_connector(
                 config=vllm_config, role=KVConnectorRole.SCHEDULER, kv_cache_config=kv_cache_config
             )
-            if check_kv_connector(vllm_config, connector):
-                if config.kv_connector_groups:
-                    # Not compared with vLLM's scheduler with windows or several groups yet.
-                    _refuse(
-                        "KV connectors that use vLLM's block pool with sliding-window attention or several KV cache "
-                        "groups",
-                        "kv_transfer_config",
-                    )
+            layout = tuple(config.kv_cache_groups or (config.sliding_window,)) if config.kv_connector_groups else None
+            if check_kv_connector(vllm_config, connector, layout):
                 self._pins = BlockPins(self)
             self.connector = connector
             self._bridge = ConnectorBridge(

@@ -16,8 +16,8 @@
 //! With KV cache events on (`events`), every block leaving the map (evicted for reuse, or `uncache`d) and every
 //! reset is recorded; the caller records the blocks it enters (`KvCacheManager`, which knows their request).
 //! With several KV cache groups the caller also files each block it enters under its group (`set_event_group`):
-//! a removed event names the group and the block's own hash, not the group's cache key. Off, the only cost is
-//! one branch per eviction.
+//! a removed event names the group and the block's own hash, not the group's cache key, and a block pin's host
+//! reads both (`block_group`). Off, the only cost is one branch per eviction.
 
 use std::collections::HashMap;
 
@@ -80,9 +80,11 @@ pub struct BlockPool {
     num_removed: u64,
     /// The KV cache events not yet taken; `None` when they are off.
     events: Option<Box<KvCacheEvents>>,
-    /// With events on and several KV cache groups: per block, the group whose key it was cached under (empty
-    /// otherwise: group 0).
+    /// With events on or several KV cache groups (`with_block_groups`): per block, the group whose key it was
+    /// last cached under (empty otherwise: group 0).
     event_groups: Vec<u8>,
+    /// Whether `set_event_group` files blocks without events too (several KV cache groups).
+    track_groups: bool,
 }
 
 impl BlockPool {
@@ -99,7 +101,15 @@ impl BlockPool {
             num_removed: 0,
             events: None,
             event_groups: Vec::new(),
+            track_groups: false,
         }
+    }
+
+    /// The pool filing each block it caches under its KV cache group whether events are on or not (`on`: several
+    /// groups), so that `block_group` answers for every cached block.
+    pub fn with_block_groups(mut self, on: bool) -> Self {
+        self.track_groups = on;
+        self
     }
 
     /// The pool with KV cache events recorded (`enable_kv_cache_events`) or not.
@@ -108,16 +118,23 @@ impl BlockPool {
         self
     }
 
-    /// Files `block`, just cached under group `g`'s key, under that group for its removed event (events on).
+    /// Files `block`, just cached under group `g`'s key, under that group (for its removed event with events on,
+    /// and for `block_group` with several groups).
     #[cold]
     pub fn set_event_group(&mut self, block: u32, g: usize) {
-        if self.events.is_none() {
+        if self.events.is_none() && !self.track_groups {
             return;
         }
         if self.event_groups.is_empty() {
             self.event_groups = vec![0; self.meta.len()];
         }
         self.event_groups[block as usize] = g as u8;
+    }
+
+    /// The KV cache group whose key `block` was last cached under (0 unless groups are filed: one group, or
+    /// neither events nor `with_block_groups`). Meaningful while the block carries a hash.
+    pub fn block_group(&self, block: u32) -> usize {
+        self.event_groups.get(block as usize).map_or(0, |&g| g as usize)
     }
 
     /// The events recorded and not taken yet, if events are on (for the caller's stored events).

@@ -1,7 +1,8 @@
 //! Block pins: references a host takes on blocks by id, outside any request's block table (vLLM's
 //! `BlockPool.touch` / `BlockPool.free_blocks` as a KV connector calls them to keep blocks it is copying), and
 //! the two reads that go with them: which hash a block carries, and which block the prefix cache returns for a
-//! hash.
+//! hash. With several KV cache groups a block is cached under its group's key of a request block's hash: the
+//! reads name the group and the request hash (`get_block_hash_group`, `get_group_cached_block_id`).
 //!
 //! A pin is a reference like a request's: a block at reference count 0 leaves the free queue when pinned (a
 //! cached block stays cached and can still be hit, but is never evicted or reused while pinned), and a block
@@ -15,6 +16,7 @@ use std::collections::HashMap;
 use crate::block_pool::NULL_BLOCK;
 use crate::error::{Result, SchedError};
 use crate::hashing::BlockHash;
+use crate::hybrid::group_key;
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
@@ -94,6 +96,32 @@ impl Scheduler {
             self.check_block_id(block, "read")?;
         }
         Ok(self.kv.pool.block_hash(block).copied())
+    }
+
+    /// The request block hash block `block` is cached under and the KV cache group whose key of it that is (group
+    /// 0's key is the hash itself, so with one group this is `(get_block_hash, 0)`), or `None` if it is not in
+    /// the prefix cache; `InvalidRequest` outside the pool.
+    pub fn get_block_hash_group(&self, block: u32) -> Result<Option<(BlockHash, usize)>> {
+        if block != NULL_BLOCK {
+            self.check_block_id(block, "read")?;
+        }
+        Ok(self.kv.pool.block_hash(block).map(|key| {
+            let g = self.kv.pool.block_group(block);
+            (group_key(key, g), g)
+        }))
+    }
+
+    /// The block a prefix lookup of KV cache group `group`'s key of the request block hash `hash` returns now,
+    /// if any (group 0: `get_cached_block_id`). `InvalidRequest` for a group the config does not have. Changes
+    /// nothing.
+    pub fn get_group_cached_block_id(&self, hash: &BlockHash, group: usize) -> Result<Option<u32>> {
+        let num_groups = self.config.kv_cache_groups.len().max(1);
+        if group >= num_groups {
+            return Err(SchedError::InvalidRequest(format!(
+                "group must be in [0, {num_groups}), got {group}"
+            )));
+        }
+        Ok(self.get_cached_block_id(&group_key(hash, group)))
     }
 
     /// The free blocks in eviction order, head first: the order the next allocations take them (vLLM's

@@ -201,7 +201,8 @@ impl Scheduler {
             .with_unit(config.hash_block_size);
         let kv = KvCacheManager {
             pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching)
-                .with_kv_cache_events(config.enable_kv_cache_events),
+                .with_kv_cache_events(config.enable_kv_cache_events)
+                .with_block_groups(config.kv_cache_groups.len() > 1),
             hasher,
             block_size: config.kv_block_size(),
             max_slots: config.max_slots_per_request(),

@@ -821,12 +821,34 @@ impl PyScheduler {
         Ok(ids.into_pyarray(py))
     }
 
-    /// The block a prefix lookup of this hash returns now, or None.
-    fn get_cached_block_id(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+    /// The request block hash a block is cached under and the KV cache group whose key of it that is, or None.
+    fn get_block_hash_group<'py>(
+        slf: &Bound<'py, Self>,
+        block_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, usize)>> {
+        let py = slf.py();
+        let block = block_id_arg(block_id)?;
+        let this = borrow(slf)?;
+        let width = hash_width(this.core.config());
+        let found = guard(py, || this.core.get_block_hash_group(block))?;
+        Ok(found.map(|(h, g)| (PyBytes::new(py, &h.0[..width]), g)))
+    }
+
+    /// The block a prefix lookup of this hash (KV cache group `group`'s key of it) returns now, or None.
+    #[pyo3(signature = (block_hash, group=None))]
+    fn get_cached_block_id(
+        slf: &Bound<'_, Self>,
+        block_hash: &Bound<'_, PyAny>,
+        group: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<u32>> {
         let py = slf.py();
         let bytes = block_hash.downcast::<PyBytes>().map_err(|_| {
             type_error(py, format!("block_hash must be bytes, got {}", type_name(block_hash)))
         })?;
+        let group = match group {
+            None => 0,
+            Some(g) => int_arg(g, "group", "InvalidRequestError")?,
+        };
         let this = borrow(slf)?;
         let width = hash_width(this.core.config());
         let raw = bytes.as_bytes();
@@ -840,9 +862,13 @@ impl PyScheduler {
                 ),
             ));
         }
+        let num_groups = this.core.config().kv_cache_groups.len().max(1);
+        let group = usize::try_from(group).map_err(|_| {
+            py_error(py, "InvalidRequestError", format!("group must be in [0, {num_groups}), got {group}"))
+        })?;
         let mut hash = core::BlockHash::default();
         hash.0[..width].copy_from_slice(raw);
-        Ok(this.core.get_cached_block_id(&hash))
+        guard(py, || this.core.get_group_cached_block_id(&hash, group))
     }
 
     #[pyo3(signature = (reset_running_requests=None))]

@@ -91,3 +91,49 @@ fn unpinned_blocks_go_back_in_the_order_given_and_a_pin_outlives_its_request() {
     assert!(matches!(s.get_block_hash(16), Err(SchedError::InvalidRequest(_))));
     assert_eq!(s.get_block_hash(0).unwrap(), None);
 }
+
+#[test]
+fn with_several_groups_a_cached_block_names_its_group_and_the_request_hash() {
+    // Full attention and a window of 4 tokens, each block of either group from one pool; events off, so the
+    // group is filed for the block reads alone.
+    let config =
+        SchedulerConfig { kv_cache_groups: vec![None, Some(4)], enable_prefix_caching: true, ..cfg(32) };
+    let mut s = Scheduler::new(config).unwrap();
+    add(&mut s, "a", &prompt(0, 13), params(2));
+    step_with(&mut s, 7);
+    let hashes = s.get_request("a").unwrap().block_hashes.clone();
+    assert_eq!(hashes.len(), 3);
+    let mut seen = 0;
+    for g in 0..2 {
+        let table = s.get_group_block_ids("a", g).unwrap().to_vec();
+        for (i, &b) in table.iter().enumerate().take(3) {
+            if b == 0 {
+                continue; // a window's block that left it
+            }
+            assert_eq!(s.get_block_hash_group(b).unwrap(), Some((hashes[i], g)), "group {g} block {i}");
+            assert_eq!(s.get_group_cached_block_id(&hashes[i], g).unwrap(), Some(b));
+            seen += 1;
+        }
+    }
+    assert!(seen >= 4, "{seen}");
+    // Group 0's key is the hash itself; the window's key of a hash it never cached finds nothing.
+    let full0 = s.get_group_block_ids("a", 0).unwrap()[0];
+    assert_eq!(s.get_cached_block_id(&hashes[0]), Some(full0));
+    assert_eq!(s.get_block_hash(full0).unwrap(), Some(hashes[0]));
+    let window0 = s.get_group_block_ids("a", 1).unwrap()[0];
+    if window0 == 0 {
+        assert_eq!(s.get_group_cached_block_id(&hashes[0], 1).unwrap(), None);
+    }
+    assert!(s.get_block_hash_group(0).unwrap().is_none());
+    let err = s.get_group_cached_block_id(&hashes[0], 2).unwrap_err();
+    assert!(matches!(err, SchedError::InvalidRequest(ref m) if m.contains("[0, 2)")), "{err:?}");
+    // One group: the plain reads, group 0.
+    let mut one = Scheduler::new(SchedulerConfig { enable_prefix_caching: true, ..cfg(16) }).unwrap();
+    add(&mut one, "b", &prompt(0, 9), params(3));
+    step_with(&mut one, 7);
+    let b0 = one.get_group_block_ids("b", 0).unwrap()[0];
+    let h = one.get_request("b").unwrap().block_hashes[0];
+    assert_eq!(one.get_block_hash_group(b0).unwrap(), Some((h, 0)));
+    assert!(one.get_group_cached_block_id(&h, 1).is_err());
+    s.check_invariants().unwrap();
+}
