@@ -2651,7 +2651,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.hash_block_size is not None:
                 note += f"; {FINER_HASH_SEEDS} runs with a hash block smaller than the block"
             if args.mamba_prefix_caching or args.hash_block_size is not None:
-                note += f"; {PARTIAL_BLOCK_HITS} hits ending inside a block; {BLOCK_COPIES} block copies"
+                note += (
+                    f"; {PARTIAL_BLOCK_HITS} admissions resuming inside a block (prefix hits or loaded tokens); "
+                    f"{BLOCK_COPIES} block copies"
+                )
             FINER_HASH_SEEDS = PARTIAL_BLOCK_HITS = BLOCK_COPIES = 0
             global MIXED_BLOCK_SEEDS
             if group_block_factors:
