@@ -524,25 +524,25 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                         break
                     if pad and n != 1 + k:  # a padded decode keeps its drafts or loses them all
                         n, pad = 1, False
+            # Nothing left to compute: its first encoder input does not fit, or the drafter's prefill lookahead cut
+            # the chunk to nothing. vLLM 0.33 skips it (it keeps its place); 0.32 ends the pass there.
+            skip_when_cut: bool | None = None
             planned = not load_async and bool(r.encoder_inputs)
             if planned:
                 n = self._plan_encoder(enc, r, computed, n)
-                if n == 0:  # vLLM 0.33: its first encoder input does not fit: skipped, it keeps its place
-                    self._rollback_encoder(enc, r)
-                    if not c.skip_encoder_blocked_admissions:
-                        break  # vLLM 0.32: the pass ends there
-                    r.deferred = True
-                    (skipped_kv if from_kv else skipped).append(take())
-                    continue
-            if not load_async:
+                if n == 0:
+                    skip_when_cut = c.skip_encoder_blocked_admissions
+            if skip_when_cut is None and not load_async:
                 n = self._reserve_prefill_lookahead(r, computed, n)
-                if n == 0:  # the drafter's prefill lookahead left nothing to compute: skipped, it keeps its place
-                    self._rollback_encoder(enc, r)
-                    if not c.skip_lookahead_cut_admissions:
-                        break  # vLLM 0.32: the pass ends there
-                    r.deferred = True
-                    (skipped_kv if from_kv else skipped).append(take())
-                    continue
+                if n == 0:
+                    skip_when_cut = c.skip_lookahead_cut_admissions
+            if skip_when_cut is not None:
+                self._rollback_encoder(enc, r)
+                if not skip_when_cut:
+                    break
+                r.deferred = True
+                (skipped_kv if from_kv else skipped).append(take())
+                continue
             # Encoder-decoder: the encoder output is computed at the admission of a request with nothing computed; it
             # must fit the step's encoder budget and the slots, else the request is skipped (it keeps its place).
             enc_dec_tokens = r.cross_attention_tokens if c.encoder_decoder else 0
