@@ -768,3 +768,14 @@ def test_identical_to_vllm_with_a_connector_that_completes_divergent_local_hits(
     assert cfg.kv_connector_divergent_hits and cfg.enable_prefix_caching
     # vLLM's own scheduler had diverged hits, some kept (the connector found tokens), some replaced.
     assert 0 < DIVERGED_HITS["replaced"] < DIVERGED_HITS["diverged"], DIVERGED_HITS
+
+
+def test_a_loaded_mamba_state_leaves_the_local_hit_below_it_free_as_vllm() -> None:
+    """A preempted request resumes with a one-block local hit and one token loaded past it (align-mode Mamba, a
+    window and full attention; kv_consumer, seed 44, step 25): its Mamba group pops a block its count leaves out
+    (the load's state), and counts the local hit's state, which it never touches and which stays free. vLLM's pool
+    holds exactly the blocks popped and touched, and vLLM admits the request: so must kvsched (it failed the
+    allocation when it took the counted hit for a popped block)."""
+    cfg = run_seed(44, 30, async_scheduling=False, v2=False, connector=True, kv_role="kv_consumer",
+                   mamba=True, mamba_align=True, mamba_prefix_caching=True, divergent_hits=True)  # fmt: skip
+    assert cfg.kv_cache_groups == ("mamba", 8, None) and cfg.mamba_cache_mode == "align"

@@ -733,6 +733,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         ext_tokens = r.num_computed_tokens + ext if fresh else 0
         total_need = evictable = 0
         uncounted = 0  # blocks align-mode Mamba groups pop beyond their counts (a load's state block)
+        untouched = 0  # evictable hits counted but never touched (a local hit's state below a load's): stay free
         before = [len(self._group_table(r, g)) for g in range(len(windows))]
         for g, w in enumerate(windows):
             if w == _MAMBA and align:  # may be negative: vLLM sums it as it is
@@ -760,6 +761,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     ext_plan.append((g, pad, 1))
                     popped = 1 + mamba_entries - max(pad + 1, mamba_entries - 1 - c.mamba_speculative_blocks)
                     uncounted += popped - counted
+                    untouched += int(bool(ghits) and self._ref_cnt[ghits[-1]] == 0)
                 plan.append((max(0, len(ghits) - 1), 0))
                 continue
             if w < 0:  # the encoder output's or the state's blocks, at the first allocation only
@@ -792,8 +794,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             plan.append((skipped, need))
         if total_need + evictable + reserved > len(self._free):
             return None
-        if uncounted > 0 and total_need + evictable + uncounted > len(self._free):
-            return None  # the pool lacks the block the count left out (vLLM's pool raises there)
+        if uncounted > 0 and total_need + evictable - untouched + uncounted > len(self._free):
+            return None  # the blocks popped and touched exceed the free ones (vLLM's pool raises there)
         for g, (skipped, _) in enumerate(plan):
             loaded_state = windows[g] == _MAMBA and align and ext_tokens > 0  # a local hit's state stays in the cache
             if (windows[g] in (_CROSS, _MAMBA) and not all_hits[g]) or loaded_state:

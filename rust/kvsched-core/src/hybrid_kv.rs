@@ -474,6 +474,8 @@ impl KvCacheManager {
         // The blocks align-mode Mamba groups pop beyond their counts (a load's state block, see below).
         let mut mamba_uncounted: i64 = 0;
         let mut evictable = 0;
+        // Evictable hits counted but never touched (a local hit's state below a load's): they stay free.
+        let mut untouched = 0;
         // Each group's table length before the allocation (an attention group of another block size than the
         // primary's reports the blocks it appended as its new block ids).
         let before: Vec<usize> = slots.iter().map(|&slot| table_ref(req, slot).len()).collect();
@@ -518,6 +520,7 @@ impl KvCacheManager {
                     let skipped = mamba_entries - mamba_blocks;
                     let popped = 1 + mamba_entries - (pad + 1).max(skipped);
                     mamba_uncounted += popped as i64 - counted;
+                    untouched += ghits.last().map_or(0, |&b| usize::from(self.pool.ref_cnt(b) == 0));
                 }
                 plan.push((ghits.len().saturating_sub(1), 0));
                 continue;
@@ -563,8 +566,11 @@ impl KvCacheManager {
         if (total_need + evictable + reserved) as i64 + mamba_need > free {
             return None;
         }
-        if mamba_uncounted > 0 && (total_need + evictable) as i64 + mamba_need + mamba_uncounted > free {
-            // The pool lacks the block the count left out: vLLM's pool raises there; the allocation fails.
+        if mamba_uncounted > 0
+            && (total_need + evictable - untouched) as i64 + mamba_need + mamba_uncounted > free
+        {
+            // The pool lacks the block the count left out (the blocks popped and touched exceed the free ones):
+            // vLLM's pool raises there; the allocation fails.
             return None;
         }
         for (g, &(skipped, _)) in plan.iter().enumerate() {
