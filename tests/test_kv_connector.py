@@ -163,6 +163,23 @@ def test_delayed_free_holds_blocks_until_finished_sending(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_request_finished_clips_at_the_spec_block_under_decode_context_parallelism(impl: str) -> None:
+    """vLLM `get_block_ids_for_computed_tokens`: the blocks handed to `request_finished` cover the computed tokens
+    counted in the spec's (per-rank) block size. Under DCP 2 a block id holds 8 tokens of block size 4, so a
+    7-token prompt with 4 lookahead slots finishes holding 2 blocks, and both go to the connector (not
+    ceil(7 / 8) = 1)."""
+    conn = Conn()
+    s = make(impl, conn, dcp_world_size=2, num_lookahead_tokens=4)
+    add(s, "a", 7, max_tokens=1)
+    _, res = step(s)
+    assert res.finished_req_ids == ["a"]
+    (alloc,) = [e for e in conn.log if e[0] == "alloc"]
+    assert len(alloc[2]) == 2
+    assert conn.log[-1] == ("finished", "a", alloc[2])
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_abort_during_load_frees_when_the_receive_ends(impl: str) -> None:
     """vLLM `finish_requests`: aborting a request in WAITING_FOR_REMOTE_KVS delays the free of its blocks until
     `finished_recving` names it (the worker may still be writing them); nothing leaks."""

@@ -632,8 +632,8 @@ def test_context_parallelism_maps_to_the_cores_world_sizes() -> None:
 
 
 def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
-    """Sliding windows or several KV cache groups, KV connectors and KV cache events under context parallelism,
-    and a spec DCP does not shard are refused at construction, by name."""
+    """Sliding windows or several KV cache groups under context parallelism, and a spec DCP does not shard are
+    refused at construction, by name; KV connectors and KV cache events run with it."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     cfg = make_vllm_config(block_size=4, decode_context_parallel_size=2)
@@ -643,8 +643,7 @@ def test_what_context_parallelism_does_not_support_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedFeatureError, match="context parallelism with sliding-window attention or several"):
         make_scheduler("kvsched", cfg, kv_cache_groups=(None, None))
     cfg = make_vllm_config(block_size=4, kv_connector_seed=1, decode_context_parallel_size=2)
-    with pytest.raises(UnsupportedFeatureError, match="KV connectors with context parallelism"):
-        make_scheduler("kvsched", cfg)
+    assert make_scheduler("kvsched", cfg).kv_config.dcp_world_size == 2
     # KV cache events run with context parallelism (vLLM's events then name blocks of block_size * DCP tokens).
     cfg = make_vllm_config(block_size=4, kv_events=True, decode_context_parallel_size=2)
     assert make_scheduler("kvsched", cfg).kv_config.enable_kv_cache_events

@@ -2466,8 +2466,8 @@ def main(argv: list[str] | None = None) -> int:
             args.modes = "sync-v2,async-v2"
         else:
             args.modes = "sync-v1,sync-v2,async-v2" if args.pp else "sync-v1,sync-v2,async-v1,async-v2"
-    if (args.dcp > 1 or args.pcp > 1) and (args.connector or args.sliding_window or args.hybrid):
-        p.error("--dcp and --pcp go without --connector, --sliding-window and --hybrid")
+    if (args.dcp > 1 or args.pcp > 1) and (args.sliding_window or args.hybrid):
+        p.error("--dcp and --pcp go without --sliding-window and --hybrid")
     if args.pcp > 1 and any(m.endswith("-v1") for m in args.modes.split(",")):
         p.error("--pcp goes with model runner V2 only (vLLM runs prefill context parallelism there only)")
     if args.pp and "async-v1" in args.modes.split(","):

@@ -265,7 +265,8 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
             window = self._take_all_skipped(r, max(0, r.num_computed_tokens - r.num_in_flight_tokens))
             delay = self._hook_finished(r, self._computed_tables(r, r.num_computed_tokens))
         elif self._connector is not None:
-            delay = self._hook_finished(r, r.block_ids[: math.ceil(r.num_computed_tokens / self._bs)])
+            # counted in the spec's block size, as vLLM clips them (a block id covers dcp_world_size times that)
+            delay = self._hook_finished(r, r.block_ids[: math.ceil(r.num_computed_tokens / self._config.block_size)])
         if delay or was_loading:
             self._held[r.req_id] = [self._take_tables(r), was_loading, delay, r.last_sched_seq, window]
         else:

@@ -542,13 +542,9 @@ def kvsched_config_from_vllm(
     dcp = int(_attr(parallel, "decode_context_parallel_size", 1) or 1)
     pcp = int(_attr(parallel, "prefill_context_parallel_size", 1) or 1)
     cp = f"decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp}"
-    if dcp > 1 or pcp > 1:
-        if len(windows or [None]) > 1 or any(w is not None for w in windows or [None]):
-            # vLLM shards only full attention (and Mamba) with DCP, and runs PCP with full attention only.
-            _refuse("context parallelism with sliding-window attention or several KV cache groups", cp)
-        if kv_transfer is not None:
-            # Not compared side by side with vLLM's scheduler under context parallelism yet.
-            _refuse("KV connectors with context parallelism", f"kv_transfer_config, {cp}")
+    if (dcp > 1 or pcp > 1) and (len(windows or [None]) > 1 or any(w is not None for w in windows or [None])):
+        # vLLM shards only full attention (and Mamba) with DCP, and runs PCP with full attention only.
+        _refuse("context parallelism with sliding-window attention or several KV cache groups", cp)
     if _attr(vllm_config.observability_config, "kv_cache_metrics", False):
         _refuse("KV cache eviction metrics", "observability_config.kv_cache_metrics")
     windows = windows or [None]

@@ -528,7 +528,9 @@ impl Scheduler {
             let tables = self.kv.computed_tables(req, computed);
             conn.0.request_finished_groups(req, &tables)
         } else {
-            let n = (computed.div_ceil(self.config.kv_block_size()) as usize).min(req.blocks.len());
+            // The blocks of the computed tokens counted in the spec's block size, as vLLM clips them (under
+            // decode context parallelism a block id covers `dcp_world_size` times that: more blocks stay).
+            let n = (computed.div_ceil(self.config.block_size) as usize).min(req.blocks.len());
             conn.0.request_finished(req, &req.blocks[..n])
         };
         let awaiting_recv = was_loading;
