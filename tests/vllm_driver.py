@@ -1558,7 +1558,7 @@ class Pair:
         if self.cfg.kv_connector_multi:
             # MultiConnector's metadata holds its children's, in order: the RandomKVConnector is the last.
             meta = meta.metadata[-1] if meta is not None else None
-        return _connectors(self.a)[-1].report(self.rng, meta, self.cfg.block_size)
+        return _connectors(self.a)[-1].report(self.rng, meta, self.kv_block_size)
 
     def offload_transfers(self, so: Any) -> Any:
         """What SimpleCPUOffloadConnector's workers report with the output of step ``so``: the load and store
