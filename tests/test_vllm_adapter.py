@@ -1079,6 +1079,35 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
     assert build(make_vllm_config(block_size=16, kv_events=True), window).kv_config.enable_kv_cache_events
 
 
+def test_multi_head_latent_attention_specs_map_to_full_attention_and_windows() -> None:
+    """MLA models (DeepSeek, Kimi): an MLAAttentionSpec group is full attention to the core (alone: no groups),
+    SlidingWindowMLASpec groups are windows; a prefix-replayed MLA window and a hidden-state cache spec stay
+    refused by name, and an MLA window beside a plain one of the same size (specs that differ) too."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        HiddenStateCacheSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+
+    kw = _attention_kw()
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    vcfg = make_vllm_config(block_size=16, num_blocks=64)
+    sched = _build_with_groups(vcfg, mla)
+    assert sched.kv_config.kv_cache_groups is None and sched.kv_config.sliding_window is None
+    swa = SlidingWindowMLASpec(sliding_window=64, **kw)
+    sched = _build_with_groups(vcfg, mla, swa, FullAttentionSpec(**kw))
+    assert sched.kv_config.kv_cache_groups == (None, 64, None)
+    with pytest.raises(UnsupportedFeatureError, match="prefix replay"):
+        _build_with_groups(vcfg, mla, SlidingWindowMLASpec(sliding_window=64, bounded_replay=True, **kw))
+    with pytest.raises(UnsupportedFeatureError, match="HiddenStateCacheSpec"):
+        _build_with_groups(vcfg, mla, HiddenStateCacheSpec(**kw))
+    with pytest.raises(UnsupportedFeatureError, match="same window but different specs"):
+        _build_with_groups(vcfg, mla, swa, SlidingWindowSpec(sliding_window=64, **kw))
+
+
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:
     """Full-attention, sliding-window and chunked-local groups of one block size become the core's
     kv_cache_groups, one entry per vLLM group in vLLM's order (None for full attention, the window, or

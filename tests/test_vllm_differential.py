@@ -263,6 +263,16 @@ def test_identical_to_vllm_with_a_kv_connector_under_decode_context_parallelism(
     assert cfg.decode_context_parallel_size == 2 and cfg.kv_connector_seed == 0
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize(("seed", "layout"), [(720, "one"), (721, "hybrid"), (722, "dcp")])
+def test_identical_to_vllm_with_multi_head_latent_attention(sync: str, runner: str, seed: int, layout: str) -> None:
+    """MLA models (DeepSeek, Kimi): MLAAttentionSpec groups (one, or beside SlidingWindowMLASpec windows in the
+    hybrid layouts, or under DCP 2) schedule as vLLM's full-attention and sliding-window managers run them."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", mla=True,
+                   hybrid=layout == "hybrid", dcp=2 if layout == "dcp" else 1)  # fmt: skip
+    assert cfg.mla
+
+
 V2_MODES = [("sync", "v2"), ("async", "v2")]  # vLLM runs prefill context parallelism on model runner V2 only
 
 

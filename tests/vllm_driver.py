@@ -317,6 +317,9 @@ class Config:
     mamba_checkpoint_alignment: int | None = None
     # The KV cache groups marked as an EAGLE/MTP drafter's (vLLM's is_eagle_group; none: vLLM treats all as its).
     eagle_groups: tuple[int, ...] = ()
+    # Multi-head latent attention (DeepSeek, Kimi): the full-attention and sliding-window groups' specs are
+    # MLAAttentionSpec and SlidingWindowMLASpec.
+    mla: bool = False
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -1045,6 +1048,7 @@ class Pair:
         group_block_sizes = fields.pop("group_block_sizes")
         checkpoint_alignment = fields.pop("mamba_checkpoint_alignment")
         eagle_groups = fields.pop("eagle_groups")
+        mla = fields.pop("mla")
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
         self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
@@ -1075,6 +1079,7 @@ class Pair:
             "hash_block_size": hash_block_size,
             "group_block_sizes": group_block_sizes,
             "eagle_groups": eagle_groups,
+            "mla": mla,
         }
         with self.store.in_place() if self.store is not None else contextlib.nullcontext():
             self.a = make_scheduler("vllm", vcfg, **kw)
@@ -1866,6 +1871,7 @@ def run_seed(
     mtp: bool = False,
     dcp: int = 1,
     pcp: int = 1,
+    mla: bool = False,
     encoder_decoder: bool = False,
     cpu_offload: bool = False,
     lazy_offload: bool = False,
@@ -1902,6 +1908,7 @@ def run_seed(
     hybrid Mamba model's MTP layers); ``mtp`` makes it a multi-module MTP drafter with 2-4 drafts (drawn from its
     own stream): vLLM's prefill lookahead of that many tokens; ``dcp`` / ``pcp``: vLLM's decode / prefill context
     parallel sizes (the drawn block size is per DCP rank, the pool shrunk by the DCP size to keep its pressure);
+    ``mla``: the model's full-attention and sliding-window groups are multi-head latent attention's (DeepSeek, Kimi);
     ``mooncake_store``: vLLM's MooncakeStoreConnector in the role ``kv_role``, its options (asynchronous loads and
     lookups, lookups off, decode saves) and load failure policy drawn from their own stream, a stand-in store in
     place of the Mooncake store and its workers (``MooncakeStandIn``); ``umbp_store``: vLLM 0.33's
@@ -2115,6 +2122,7 @@ def run_seed(
         # One request's state blocks (1 + num_speculative_blocks per Mamba group, the drafts' count) on top, so the
         # attention groups keep at least the drawn single-group cache for it.
         cfg.num_blocks += cfg.kv_cache_groups.count("mamba") * (1 + cfg.num_speculative_tokens)  # type: ignore[union-attr]
+    cfg.mla = mla
     if dcp > 1 or pcp > 1:
         cfg.decode_context_parallel_size = dcp
         cfg.prefill_context_parallel_size = pcp
@@ -2408,6 +2416,12 @@ def main(argv: list[str] | None = None) -> int:
         "(the drafter's layers, as vLLM's planner marks an MTP model's), the Mamba groups not",
     )
     p.add_argument(
+        "--mla",
+        action="store_true",
+        help="multi-head latent attention (DeepSeek, Kimi): the full-attention and sliding-window KV cache groups "
+        "are MLAAttentionSpec and SlidingWindowMLASpec groups",
+    )
+    p.add_argument(
         "--mtp",
         action="store_true",
         help="as --eagle, with a multi-module MTP drafter of 2-4 modules (one per draft, drawn per seed): vLLM's "
@@ -2617,6 +2631,7 @@ def main(argv: list[str] | None = None) -> int:
                         mtp=args.mtp,
                         dcp=args.dcp,
                         pcp=args.pcp,
+                        mla=args.mla,
                         encoder_decoder=args.enc_dec,
                         cpu_offload=args.cpu_offload,
                         lazy_offload=args.lazy_offload,

@@ -51,7 +51,7 @@ def _extra_retained_tokens(kv_cache_config: Any) -> int:
     extra = {
         int(getattr(g.kv_cache_spec, "extra_retained_tokens", 0) or 0)
         for g in kv_cache_config.kv_cache_groups
-        if type(g.kv_cache_spec) is SlidingWindowSpec
+        if isinstance(g.kv_cache_spec, SlidingWindowSpec)
     }
     if len(extra) > 1:
         _refuse("sliding-window KV cache groups that retain different extra tokens", f"extra_retained_tokens {extra}")
@@ -96,9 +96,15 @@ def _check_kv_cache_config(
         CrossAttentionSpec,
         FullAttentionSpec,
         MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
         SlidingWindowSpec,
     )
 
+    # Multi-head latent attention (DeepSeek, Kimi) schedules as full attention and sliding windows do: vLLM's KV
+    # cache managers for its specs are the full-attention and sliding-window ones.
+    full_types: tuple[type, ...] = (FullAttentionSpec, MLAAttentionSpec)
+    window_types: tuple[type, ...] = (SlidingWindowSpec, SlidingWindowMLASpec)
     groups = list(kv_cache_config.kv_cache_groups)
     hybrid = len(groups) > 1
     windows: list[int | str | None] = []
@@ -112,7 +118,7 @@ def _check_kv_cache_config(
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         where = f"KV cache group {g}: " if hybrid else ""
-        # Plain full attention, sliding-window, chunked-local or cross attention, or Mamba: MLA and the other
+        # Plain or MLA full attention and sliding windows, chunked-local or cross attention, or Mamba: the other
         # specs subclass or differ from them.
         window: int | str | None = None
         if getattr(spec, "bounded_replay", False):
@@ -149,7 +155,7 @@ def _check_kv_cache_config(
             spec_blocks.add(int(spec.num_speculative_blocks))
             windows.append(window)
             continue
-        if type(spec) is SlidingWindowSpec:
+        if type(spec) in window_types:
             window = int(spec.sliding_window)
             if window in window_specs and window_specs[window] != spec:
                 _refuse(
@@ -179,11 +185,11 @@ def _check_kv_cache_config(
                     "decoder's tokens)",
                     where,
                 )
-        elif type(spec) is not FullAttentionSpec:
+        elif type(spec) not in full_types:
             _refuse(
                 f"the KV cache spec {type(spec).__name__}",
-                f"{where}only FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec and "
-                "MambaSpec (mamba_cache_mode 'none') are supported",
+                f"{where}only FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, SlidingWindowMLASpec, "
+                "ChunkedLocalAttentionSpec, CrossAttentionSpec and MambaSpec are supported",
             )
         elif getattr(spec, "sliding_window", None):
             _refuse("full-attention specs with a sliding window", f"{where}sliding_window={spec.sliding_window}")

@@ -405,6 +405,7 @@ def _kv_cache_config(
     group_block_sizes: Sequence[int] | None = None,
     eagle_groups: Sequence[int] = (),
     extra_retained_tokens: int = 0,
+    mla: bool = False,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
@@ -418,7 +419,8 @@ def _kv_cache_config(
     engine raised the smaller page's block size; None: ``block_size`` for every group).
     ``eagle_groups``: the groups marked as holding an EAGLE/MTP drafter's layers (``is_eagle_group``).
     ``extra_retained_tokens``: the windows keep that many tokens below them (vLLM's engine sets
-    ``num_prefill_lookahead_tokens - 1`` on every window)."""
+    ``num_prefill_lookahead_tokens - 1`` on every window). ``mla``: the full-attention and sliding-window groups are
+    multi-head latent attention's (``MLAAttentionSpec``, ``SlidingWindowMLASpec``: DeepSeek and Kimi models)."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -427,8 +429,12 @@ def _kv_cache_config(
         KVCacheConfig,
         KVCacheGroupSpec,
         MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
         SlidingWindowSpec,
     )
+
+    full_spec, window_spec = (MLAAttentionSpec, SlidingWindowMLASpec) if mla else (FullAttentionSpec, SlidingWindowSpec)
 
     def spec(window: int | str | None, block_size: int = block_size) -> Any:
         if window == "cross":
@@ -449,7 +455,7 @@ def _kv_cache_config(
                 **checkpoints,
             )
         if window is None:
-            return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+            return full_spec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         if isinstance(window, str) and window.startswith("chunked:"):
             return ChunkedLocalAttentionSpec(
                 block_size=block_size,
@@ -458,7 +464,7 @@ def _kv_cache_config(
                 dtype=torch.float32,
                 attention_chunk_size=int(window.removeprefix("chunked:")),
             )
-        return SlidingWindowSpec(
+        return window_spec(
             block_size=block_size,
             num_kv_heads=1,
             head_size=1,
@@ -507,6 +513,7 @@ def make_scheduler(
     hash_block_size: int | None = None,
     group_block_sizes: Sequence[int] | None = None,
     eagle_groups: Sequence[int] = (),
+    mla: bool = False,
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
@@ -523,6 +530,8 @@ def make_scheduler(
     or a KV connector, the scheduler block size otherwise (vLLM's ``resolve_kv_cache_block_sizes``).
     ``eagle_groups``: the KV cache groups marked as an EAGLE/MTP drafter's (``is_eagle_group``, which vLLM's
     planner sets on the groups holding draft layers; none marked: vLLM treats every group as the drafter's).
+    ``mla``: the attention groups are multi-head latent attention's (DeepSeek, Kimi: ``MLAAttentionSpec``, and
+    ``SlidingWindowMLASpec`` for windows).
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -574,6 +583,7 @@ def make_scheduler(
                 eagle_groups=eagle_groups,
                 # As vLLM's engine tags the windows for a multi-module MTP drafter.
                 extra_retained_tokens=max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1),
+                mla=mla,
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,
