@@ -1015,6 +1015,7 @@ impl SchedulerConfig {
         for (on, name) in [
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
             (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
+            (self.enable_kv_cache_events, "enable_kv_cache_events"),
         ] {
             if on {
                 return refuse(&format!(
