@@ -1036,7 +1036,8 @@ class KvEventTwin:
                 continue  # its cache keys are not the reference's (its events are, checked above)
             # The reference keys group g > 0's blocks by the hash plus one byte, g.
             # (and, with groups of different block sizes, the prompt tail entries it keeps as second keys)
-            keys = [*sched.cached_block_hashes(), *(k for ks in getattr(sched, "_second_keys", {}).values() for k in ks)]
+            seconds = getattr(sched, "_second_keys", {})
+            keys = [*sched.cached_block_hashes(), *(k for ks in seconds.values() for k in ks)]
             truth = Counter((k[-1], k[:-1]) if len(k) % 2 else (0, k) for k in keys)
             assert counts == truth, f"replayed events {counts} != cached blocks {truth}"
             assert cached == {h for g, h in truth if g == 0}

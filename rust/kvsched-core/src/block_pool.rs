@@ -671,6 +671,42 @@ mod tests {
     }
 
     #[test]
+    fn second_keys_leave_with_their_block_and_count_their_copies() {
+        use crate::events::{REMOVED, STORED};
+        let mut p = BlockPool::new(6, true).with_kv_cache_events(true);
+        let mut a = Vec::new();
+        p.allocate_into(3, &mut a);
+        p.cache_block(1, h(1));
+        p.cache_block(2, h(2));
+        // Block 1 and 2 both take h(9) as a second key; block 3 (no key) takes it as its key.
+        assert!(p.add_second_key(1, h(9), 0));
+        assert!(!p.add_second_key(1, h(9), 0), "a block carries a second key once");
+        assert!(!p.add_second_key(2, h(2), 0), "nor its own key");
+        assert!(p.add_second_key(2, h(9), 0));
+        assert!(p.add_second_key(3, h(9), 0));
+        assert_eq!(p.num_copies(&h(9)), 3);
+        assert_eq!(p.block_hash(3), Some(&h(9)));
+        p.check(&[0, 1, 1, 1, 0, 0]).unwrap();
+        p.free_blocks(&a);
+        // Reusing the cached blocks: each one's key leaves, then its second key.
+        p.take_events();
+        let mut b = Vec::new();
+        p.allocate_into(5, &mut b);
+        let ev = p.take_events();
+        assert_eq!(ev.kinds, vec![REMOVED; 5]);
+        assert_eq!(ev.block_hashes, vec![h(9), h(2), h(9), h(1), h(9)]);
+        assert_eq!(ev.num_copies, vec![2, 0, 1, 0, 0]);
+        assert!(!ev.kinds.contains(&STORED));
+        p.check(&[0, 1, 1, 1, 1, 1]).unwrap();
+        // Off with events off.
+        let mut q = BlockPool::new(4, true);
+        q.allocate_into(1, &mut Vec::new());
+        q.cache_block(1, h(1));
+        assert!(!q.add_second_key(1, h(9), 0));
+        assert_eq!(q.num_copies(&h(9)), 0);
+    }
+
+    #[test]
     fn duplicate_hashes_are_kept_in_order() {
         let mut p = BlockPool::new(4, true);
         let mut a = Vec::new();
