@@ -14,6 +14,7 @@ import dataclasses
 import math
 import zlib
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -1946,6 +1947,29 @@ def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:
     assert all(total[k] > 0 for k in ("stored", "removed", "stored_copy", "removed_copy", "cleared")), total
 
 
+def run_event_layouts(
+    layouts: list[dict[str, Any]], *, num_blocks: int, first_seed: int, rng_seed: int, prompt_len: Callable[[Rand], int]
+) -> Counter[str]:
+    """400 operations per layout with KV cache events on (prompts: a shared family's first ``prompt_len`` tokens),
+    compared step by step; the events' coverage over all of them."""
+    total = Counter[str]()
+    for seed, layout in enumerate(layouts):
+        cfg = SchedulerConfig(block_size=4, num_blocks=num_blocks, max_num_seqs=5, max_num_batched_tokens=24,
+                              max_model_len=64, prefix_hash_seed=first_seed + seed, enable_kv_cache_events=True,
+                              async_scheduling=seed % 2 == 1, scheduler_reserve_full_isl=False,
+                              **layout)  # fmt: skip
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(rng_seed + seed)), max_in_flight=1 + seed % 2)
+        twin.make_prompt = lambda max_len, twin=twin: twin.rand.choice(PREFIXES)[: prompt_len(twin.rand)]
+        for _ in range(400):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.drain()
+        total += twin.kv_events.coverage
+    return total
+
+
 def test_kv_cache_events_match_reference_with_windows_and_groups() -> None:
     """KV cache events with a sliding window and with several KV cache groups (windows, chunked-local, a window
     shared by two groups), and under sparse retention of the windows' blocks:
@@ -1964,21 +1988,7 @@ def test_kv_cache_events_match_reference_with_windows_and_groups() -> None:
         dict(sliding_window=5, prefix_cache_retention_interval=12),
         dict(kv_cache_groups=(None, 6, 5), prefix_cache_retention_interval=0),
     ]
-    total = Counter[str]()
-    for seed, layout in enumerate(layouts):
-        cfg = SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24,
-                              max_model_len=64, prefix_hash_seed=11 + seed, enable_kv_cache_events=True,
-                              async_scheduling=seed % 2 == 1, scheduler_reserve_full_isl=False,
-                              **layout)  # type: ignore[arg-type]  # fmt: skip
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(70 + seed)), max_in_flight=1 + seed % 2)
-        twin.make_prompt = lambda max_len, twin=twin: twin.rand.choice(PREFIXES)[: 4 * twin.rand.int(1, 8)]
-        for _ in range(400):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-        twin.drain()
-        total += twin.kv_events.coverage
+    total = run_event_layouts(layouts, num_blocks=40, first_seed=11, rng_seed=70, prompt_len=lambda r: 4 * r.int(1, 8))
     keys = ("stored", "removed", "stored_copy", "cleared", "group_events", "empty_stored", "partial_stored")
     keys += ("holed_stored",)
     assert all(total[k] > 0 for k in keys), total
@@ -2215,22 +2225,8 @@ def test_kv_cache_events_match_reference_with_group_block_sizes() -> None:
         dict(kv_cache_groups=(None, None, 13), kv_cache_group_block_sizes=(4, 8, 16)),
         dict(kv_cache_groups=(3, None, 9), kv_cache_group_block_sizes=(4, 8, 12), prefix_cache_retention_interval=0),
     ]
-    total = Counter[str]()
-    for seed, layout in enumerate(layouts):
-        cfg = SchedulerConfig(block_size=4, num_blocks=60, max_num_seqs=5, max_num_batched_tokens=24,
-                              max_model_len=64, prefix_hash_seed=31 + seed, enable_kv_cache_events=True,
-                              async_scheduling=seed % 2 == 1, scheduler_reserve_full_isl=False,
-                              **layout)  # type: ignore[arg-type]  # fmt: skip
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(90 + seed)), max_in_flight=1 + seed % 2)
-        # prompts of any length from shared families: hits, and tails inside the larger blocks
-        twin.make_prompt = lambda max_len, twin=twin: twin.rand.choice(PREFIXES)[: twin.rand.int(3, 33)]
-        for _ in range(400):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-        twin.drain()
-        total += twin.kv_events.coverage
+    # prompts of any length from shared families: hits, and tails inside the larger blocks
+    total = run_event_layouts(layouts, num_blocks=60, first_seed=31, rng_seed=90, prompt_len=lambda r: r.int(3, 33))
     keys = ("stored", "removed", "stored_copy", "removed_copy", "group_events", "larger_stored", "tail_entries")
     assert all(total[k] > 0 for k in keys), total
 
