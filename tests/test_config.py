@@ -157,12 +157,6 @@ RULES: list[dict[str, Any]] = [
         "block_size": 16,
         "kv_cache_groups": (None, 8),
         "kv_cache_group_block_sizes": (16, 32),
-        "enable_kv_cache_events": True,
-    },
-    {
-        "block_size": 16,
-        "kv_cache_groups": (None, 8),
-        "kv_cache_group_block_sizes": (16, 32),
         "kv_connector_groups": True,
     },
     {
@@ -208,6 +202,12 @@ VALID_COMBOS: list[dict[str, Any]] = [
     {"prefix_cache_retention_interval": 0, "kv_cache_groups": ("mamba", None, 8), "mamba_align": True},
     {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (16, 16)},
     {"block_size": 16, "kv_cache_groups": (8, None, 5), "kv_cache_group_block_sizes": (16, 32, 48)},
+    {
+        "block_size": 16,
+        "kv_cache_groups": (8, None),
+        "kv_cache_group_block_sizes": (16, 32),
+        "enable_kv_cache_events": True,
+    },
     {
         "block_size": 16,
         "kv_cache_groups": (None, 8),

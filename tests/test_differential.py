@@ -14,6 +14,7 @@ import dataclasses
 import math
 import zlib
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -983,7 +984,7 @@ class KvEventTwin:
             assert len(ea) == len(eb) == 0
             return
         names = ("kinds", "block_hashes_indptr", "num_copies", "has_parent", "token_ids", "token_ids_indptr")
-        for name in (*names, "num_cached_blocks", "groups", "block_positions"):
+        for name in (*names, "num_cached_blocks", "groups", "block_positions", "block_sizes"):
             assert_arrays_equal(getattr(ea, name), getattr(eb, name), f"events.{name}")
         assert (ea.lora_names, ea.cache_salts, ea.req_ids) == (eb.lora_names, eb.cache_salts, eb.req_ids)
         assert ea.block_size == eb.block_size
@@ -1006,9 +1007,16 @@ class KvEventTwin:
             self.coverage["holed_stored"] += int(len(pos) > 0 and pos[-1] - pos[0] + 1 > len(pos))
         self.coverage["partial_stored"] += int(
             (
-                (eb.kinds == STORED) & (np.diff(eb.token_ids_indptr) != np.diff(eb.block_hashes_indptr) * eb.block_size)
+                (eb.kinds == STORED)
+                & (np.diff(eb.token_ids_indptr) != np.diff(eb.block_hashes_indptr) * eb.block_sizes)
             ).sum()
         )
+        # groups of different block sizes: runs of blocks larger than the hash block, and prompt tail entries (one
+        # hash block stored in a group of larger blocks)
+        sizes = np.array(ref.config.group_block_sizes() or (eb.block_size,), dtype=np.int32)[eb.groups]
+        stored = eb.kinds == STORED
+        self.coverage["larger_stored"] += int((stored & (eb.block_sizes > eb.block_size)).sum())
+        self.coverage["tail_entries"] += int((stored & (eb.block_sizes < sizes)).sum())
         grouped = ref.config.kv_cache_groups is not None
         for i, (sched, ev) in enumerate(((ref, ea), (rs, eb))):
             counts, cached = self.counts[i], self.sets[i]
@@ -1028,7 +1036,10 @@ class KvEventTwin:
             if grouped and sched is rs:
                 continue  # its cache keys are not the reference's (its events are, checked above)
             # The reference keys group g > 0's blocks by the hash plus one byte, g.
-            truth = Counter((k[-1], k[:-1]) if len(k) % 2 else (0, k) for k in sched.cached_block_hashes())
+            # (and, with groups of different block sizes, the prompt tail entries it keeps as second keys)
+            seconds = getattr(sched, "_second_keys", {})
+            keys = [*sched.cached_block_hashes(), *(k for ks in seconds.values() for k in ks)]
+            truth = Counter((k[-1], k[:-1]) if len(k) % 2 else (0, k) for k in keys)
             assert counts == truth, f"replayed events {counts} != cached blocks {truth}"
             assert cached == {h for g, h in truth if g == 0}
 
@@ -1936,6 +1947,29 @@ def test_kv_cache_events_match_reference_with_blocks_cached_twice() -> None:
     assert all(total[k] > 0 for k in ("stored", "removed", "stored_copy", "removed_copy", "cleared")), total
 
 
+def run_event_layouts(
+    layouts: list[dict[str, Any]], *, num_blocks: int, first_seed: int, rng_seed: int, prompt_len: Callable[[Rand], int]
+) -> Counter[str]:
+    """400 operations per layout with KV cache events on (prompts: a shared family's first ``prompt_len`` tokens),
+    compared step by step; the events' coverage over all of them."""
+    total = Counter[str]()
+    for seed, layout in enumerate(layouts):
+        cfg = SchedulerConfig(block_size=4, num_blocks=num_blocks, max_num_seqs=5, max_num_batched_tokens=24,
+                              max_model_len=64, prefix_hash_seed=first_seed + seed, enable_kv_cache_events=True,
+                              async_scheduling=seed % 2 == 1, scheduler_reserve_full_isl=False,
+                              **layout)  # fmt: skip
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(rng_seed + seed)), max_in_flight=1 + seed % 2)
+        twin.make_prompt = lambda max_len, twin=twin: twin.rand.choice(PREFIXES)[: prompt_len(twin.rand)]
+        for _ in range(400):
+            try:
+                twin.step()
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
+        twin.drain()
+        total += twin.kv_events.coverage
+    return total
+
+
 def test_kv_cache_events_match_reference_with_windows_and_groups() -> None:
     """KV cache events with a sliding window and with several KV cache groups (windows, chunked-local, a window
     shared by two groups), and under sparse retention of the windows' blocks:
@@ -1954,21 +1988,7 @@ def test_kv_cache_events_match_reference_with_windows_and_groups() -> None:
         dict(sliding_window=5, prefix_cache_retention_interval=12),
         dict(kv_cache_groups=(None, 6, 5), prefix_cache_retention_interval=0),
     ]
-    total = Counter[str]()
-    for seed, layout in enumerate(layouts):
-        cfg = SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24,
-                              max_model_len=64, prefix_hash_seed=11 + seed, enable_kv_cache_events=True,
-                              async_scheduling=seed % 2 == 1, scheduler_reserve_full_isl=False,
-                              **layout)  # type: ignore[arg-type]  # fmt: skip
-        twin = Twin(cfg, Rand(rng=np.random.default_rng(70 + seed)), max_in_flight=1 + seed % 2)
-        twin.make_prompt = lambda max_len, twin=twin: twin.rand.choice(PREFIXES)[: 4 * twin.rand.int(1, 8)]
-        for _ in range(400):
-            try:
-                twin.step()
-            except AssertionError as e:
-                raise AssertionError(f"{e}\nconfig {cfg}\nlast ops: {twin.log[-15:]}") from e
-        twin.drain()
-        total += twin.kv_events.coverage
+    total = run_event_layouts(layouts, num_blocks=40, first_seed=11, rng_seed=70, prompt_len=lambda r: 4 * r.int(1, 8))
     keys = ("stored", "removed", "stored_copy", "cleared", "group_events", "empty_stored", "partial_stored")
     keys += ("holed_stored",)
     assert all(total[k] > 0 for k in keys), total
@@ -2191,6 +2211,24 @@ GROUP_BLOCK_SIZE_CONFIGS = [
                     kv_cache_groups=(None, 9), kv_cache_group_block_sizes=(2, 4), async_scheduling=True,
                     prefix_cache_retention_interval=8, prefix_hash_seed=78),
 ]  # fmt: skip
+
+
+def test_kv_cache_events_match_reference_with_group_block_sizes() -> None:
+    """KV cache events with KV cache groups of different block sizes: a larger group's runs carry its block size,
+    the hashes at its blocks' ends and its tokens, and a full-attention group of blocks larger than the hash block
+    also stores the prompt's tail entry (its last full hash block short of its last token, when that ends inside
+    one of the group's blocks), removed with its block. Both implementations emit the same events, and each stream
+    replays to the reference's prefix cache, tail entries included, after every operation."""
+    layouts = [
+        dict(kv_cache_groups=(None, 9), kv_cache_group_block_sizes=(4, 8)),
+        dict(kv_cache_groups=(5, None), kv_cache_group_block_sizes=(4, 12)),
+        dict(kv_cache_groups=(None, None, 13), kv_cache_group_block_sizes=(4, 8, 16)),
+        dict(kv_cache_groups=(3, None, 9), kv_cache_group_block_sizes=(4, 8, 12), prefix_cache_retention_interval=0),
+    ]
+    # prompts of any length from shared families: hits, and tails inside the larger blocks
+    total = run_event_layouts(layouts, num_blocks=60, first_seed=31, rng_seed=90, prompt_len=lambda r: r.int(3, 33))
+    keys = ("stored", "removed", "stored_copy", "removed_copy", "group_events", "larger_stored", "tail_entries")
+    assert all(total[k] > 0 for k in keys), total
 
 
 def test_soak_group_block_sizes_match_reference_step_by_step() -> None:

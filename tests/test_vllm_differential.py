@@ -736,6 +736,32 @@ def test_identical_to_vllm_with_kv_cache_groups_of_different_block_sizes(
     assert cfg.group_block_sizes is not None and len(set(cfg.group_block_sizes)) > 1
 
 
+@pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
+@pytest.mark.parametrize(("seed", "factors"), [(908, (2,)), (912, (2,))])
+def test_identical_to_vllm_with_kv_events_and_kv_cache_groups_of_different_block_sizes(
+    sync: str, runner: str, seed: int, factors: tuple[int, ...]
+) -> None:
+    """KV cache events with a window group first and full-attention groups of larger blocks: each group's stored
+    runs at its own block size (hashes at its blocks' ends), the prompt-tail entries vLLM files inside a larger
+    full-attention block and their removals, published batch by batch and compared event by event."""
+    import vllm_driver
+
+    vllm_driver.MAMBA_EVENT_COUNTS.clear()
+    cfg = run_seed(
+        seed,
+        120,
+        async_scheduling=sync == "async",
+        v2=runner == "v2",
+        hybrid=True,
+        group_block_factors=factors,
+        kv_events=True,
+    )
+    counts = dict(vllm_driver.MAMBA_EVENT_COUNTS)
+    vllm_driver.MAMBA_EVENT_COUNTS.clear()
+    assert cfg.group_block_sizes is not None and len(set(cfg.group_block_sizes)) > 1 and cfg.kv_events
+    assert counts.get("stored runs of larger blocks", 0) > 0 and counts.get("tail entries", 0) > 0, counts
+
+
 @pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
 @pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
 def test_identical_to_vllm_with_kv_connectors_and_mamba_prefix_caching(

@@ -1667,6 +1667,19 @@ class Pair:
                         g = getattr(event, "group_idx", None)
                         where = "Mamba" if g is not None and groups[g] == "mamba" else "attention"
                         MAMBA_EVENT_COUNTS[f"{type(event).__name__} ({where})"] += 1
+                sizes = self.cfg.group_block_sizes or ()
+                if len(set(sizes)) > 1:
+                    # Groups of different block sizes: the stored runs of blocks larger than the hash block, the
+                    # prompt tail entries (one hash block in a group of larger blocks) and the removals.
+                    for event in batch_a:
+                        g = getattr(event, "group_idx", None)
+                        if g is None or sizes[g] == sizes[0]:
+                            continue
+                        if type(event).__name__ == "BlockStored":
+                            kind = "stored runs of larger blocks" if event.block_size == sizes[g] else "tail entries"
+                            MAMBA_EVENT_COUNTS[kind] += 1
+                        elif type(event).__name__ == "BlockRemoved":
+                            MAMBA_EVENT_COUNTS["removals of larger blocks or tail entries"] += 1
                 compare(
                     f"step {self.steps} KV events", list(map(_event_fields, batch_a)), list(map(_event_fields, batch_b))
                 )

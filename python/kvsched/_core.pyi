@@ -322,6 +322,7 @@ class Scheduler:
         npt.NDArray[np.int32],
         npt.NDArray[np.int32],
         npt.NDArray[np.int32],
+        npt.NDArray[np.int32],
     ]: ...
     def cached_block_hashes(self) -> list[bytes]: ...
 

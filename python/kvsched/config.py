@@ -728,9 +728,8 @@ class SchedulerConfig:
             "to it; `block_size` is then the prefix-cache hash unit (vLLM's `hash_block_size`) and hits are aligned "
             "to the sizes' least common multiple (vLLM's scheduler block size). Sizes that differ need "
             "full-attention and sliding-window groups only and none of `drop_trailing_hit_block`, "
-            "`hash_lookahead_tokens`, `enable_kv_cache_events`, `kv_connector_groups` (see [Several KV cache "
-            "groups](#several-kv-cache-groups)); None = `block_size` "
-            "for every group",
+            "`hash_lookahead_tokens`, `kv_connector_groups` (see [Several KV cache groups](#several-kv-cache-groups)); "
+            "None = `block_size` for every group",
             valid="None or one int per group, each a multiple of `block_size`",
         ),
     )
@@ -1070,7 +1069,6 @@ class SchedulerConfig:
             (other, "chunked-local, cross-attention or Mamba groups"),
             (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
-            (self.enable_kv_cache_events, "enable_kv_cache_events"),
             (self.hash_block_size not in (None, bs), "a hash_block_size other than block_size"),
             (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
         ):

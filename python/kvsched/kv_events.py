@@ -7,11 +7,16 @@ events", says exactly when each is emitted):
 - **stored** (vLLM's ``BlockStored``): full blocks of one request entered the prefix cache of one KV cache
   group, a run of blocks each the child of the one before and the first the child of the parent hash (none for a
   prompt's first block), with their tokens, the request's LoRA name and cache salt (the extra keys of their
-  hashes), and the block size. In a sliding-window or chunked-local group the run's blocks already out of the
+  hashes), and their block size (the group's: KV cache groups may have different ones; or the hash block for a
+  prompt's tail entry, below). In a sliding-window or chunked-local group the run's blocks already out of the
   window are null blocks, not stored: the event lists the others (the run's last blocks, possibly none, as vLLM
   does; under sparse retention, ``prefix_cache_retention_interval``, only the blocks it keeps, wherever they sit
   in the run: ``block_positions`` gives each listed block's index in the request's table) while its tokens and
   parent span the whole run;
+- **stored**, a prompt's tail entry (KV cache groups of different block sizes, as vLLM): a full-attention group
+  whose blocks are larger than the hash block (``block_size``) also keys the prompt's last full hash block, when
+  it ends inside one of its blocks, on that block: a stored event of that one hash block (``block_sizes`` the
+  hash block; its index and first block counted in hash blocks), removed right after its block's own removal;
 - **removed** (``BlockRemoved``): one block left the prefix cache of its group;
 - **cleared** (``AllBlocksCleared``): the whole prefix cache was dropped.
 
@@ -128,7 +133,10 @@ class KVCacheEvents:
     - ``groups`` (int32, one per event): the KV cache group of a stored run or a removed block, 0 for a clear;
     - ``block_positions`` (int32, one per block): a stored block's index in its request's block table (from
       ``num_cached_blocks`` on, gaps where blocks are null or left out by sparse retention), 0 for a removed one;
-    - ``block_size``: tokens per block.
+    - ``block_sizes`` (int32, one per event): a stored run's tokens per block (its group's block size, or the hash
+      block for a prompt's tail entry), 0 for the others;
+    - ``block_size``: tokens per hash block (the scheduler's ``block_size``); a stored block ``i`` of a group
+      whose blocks hold ``k`` of them is keyed by the request's hash ``(i + 1) * k - 1``.
     """
 
     kinds: npt.NDArray[np.uint8]
@@ -145,6 +153,7 @@ class KVCacheEvents:
     num_cached_blocks: npt.NDArray[np.int32]
     groups: npt.NDArray[np.int32]
     block_positions: npt.NDArray[np.int32]
+    block_sizes: npt.NDArray[np.int32]
     block_size: int
 
     @classmethod
@@ -166,6 +175,7 @@ class KVCacheEvents:
             num_cached_blocks=np.zeros(0, dtype=np.int32),
             groups=np.zeros(0, dtype=np.int32),
             block_positions=np.zeros(0, dtype=np.int32),
+            block_sizes=np.zeros(0, dtype=np.int32),
             block_size=block_size,
         )
 
@@ -217,6 +227,7 @@ class KVCacheEvents:
         bi, ti = self.block_hashes_indptr.tolist(), self.token_ids_indptr.tolist()
         copies = self.num_copies.tolist()
         groups = self.groups.tolist()
+        sizes = self.block_sizes.tolist()
         for e, kind in enumerate(self.kinds.tolist()):
             hashes = [bytes(row) for row in self.block_hashes[bi[e] : bi[e + 1]]]
             n = copies[bi[e] : bi[e + 1]]
@@ -227,7 +238,7 @@ class KVCacheEvents:
                     hashes,
                     parent,
                     tokens,
-                    self.block_size,
+                    sizes[e],
                     "GPU",
                     self.lora_names[e],
                     self.cache_salts[e],

@@ -6,7 +6,9 @@ The pool's fields live on the scheduler (``state.py``): ``_ref_cnt[b]`` and ``_b
 set; lookups take its first block). Block 0 is the null block: never free, never allocated, never hashed. A
 usable block is in the free queue iff its reference count is 0; a free block keeps its hash (it can still be
 hit) until it is popped for reuse. With KV cache events on (``_events``), a block leaving the map is recorded as
-removed, with its group, its own hash (not the group's key) and the blocks still carrying the key.
+removed, with its group, its own hash (not the group's key) and the blocks still carrying the key, and then each
+second key it carries (``_second_keys``: a prompt's tail entry with KV cache groups of different block sizes, kept
+for the events only; no lookup can find it), each counted with the blocks carrying it either way.
 """
 
 from __future__ import annotations
@@ -44,9 +46,38 @@ class _BlockPoolMixin(_SchedulerState):
             del self._cached[h]
         self._block_hash[b] = None
         if self._events is not None:
-            # A group's key is the hash with the group id appended (an odd length; hashes are 16 or 32 bytes).
-            group = h[-1] if len(h) % 2 else 0
-            self._events.push_removed(h[:-1] if group else h, len(self._cached.get(h, ())), group)
+            self._push_removed(h)
+            for key in self._second_keys.pop(b, ()):
+                self._push_removed(key)
+
+    def _push_removed(self, key: bytes) -> None:
+        """The removed event of one block's key ``key`` (just taken out)."""
+        assert self._events is not None
+        # A group's key is the hash with the group id appended (an odd length; hashes are 16 or 32 bytes).
+        group = key[-1] if len(key) % 2 else 0
+        self._events.push_removed(key[:-1] if group else key, self._num_copies(key), group)
+
+    def _num_copies(self, key: bytes) -> int:
+        """The blocks carrying ``key``, as their key or as a second key."""
+        return len(self._cached.get(key, ())) + sum(key in keys for keys in self._second_keys.values())
+
+    def _add_second_key(self, b: int, key: bytes) -> bool:
+        """With events on: files ``key`` as a second key of block ``b`` (a block carrying no key takes it as its key).
+        Whether ``b`` did not carry it already."""
+        if self._events is None or b == 0:
+            return False
+        current = self._block_hash[b]
+        if current is None:
+            self._block_hash[b] = key
+            self._cached.setdefault(key, {})[b] = None
+            return True
+        keys = self._second_keys.setdefault(b, [])
+        if current == key or key in keys:
+            if not keys:
+                del self._second_keys[b]
+            return False
+        keys.append(key)
+        return True
 
     def _free_block_list(self, block_ids: list[int]) -> None:
         to_head: list[int] = []

@@ -16,27 +16,29 @@ import numpy.typing as npt
 
 from ..kv_events import CLEARED, REMOVED, STORED, KVCacheEvents
 
-_Event = tuple[int, list[tuple[bytes, int, int]], bytes | None, list[int], str | None, str | None, str | None, int, int]
+_Event = tuple[
+    int, list[tuple[bytes, int, int]], bytes | None, list[int], str | None, str | None, str | None, int, int, int
+]
 
 
 class _KvCacheEvents:
     """The events not taken yet, one tuple each: (kind, [(hash, copies, index in the table)], parent, tokens,
-    lora, salt, req_id, first block, group)."""
+    lora, salt, req_id, first block, group, tokens per block)."""
 
     def __init__(self) -> None:
         self.events: list[_Event] = []
 
     def push_stored(
         self, blocks: list[tuple[bytes, int, int]], parent: bytes | None, tokens: list[int], lora: str | None,
-        salt: str | None, req_id: str, first: int, group: int = 0,
+        salt: str | None, req_id: str, first: int, group: int, block_size: int,
     ) -> None:  # fmt: skip
-        self.events.append((STORED, blocks, parent, tokens, lora, salt, req_id, first, group))
+        self.events.append((STORED, blocks, parent, tokens, lora, salt, req_id, first, group, block_size))
 
     def push_removed(self, h: bytes, copies: int, group: int = 0) -> None:
-        self.events.append((REMOVED, [(h, copies, 0)], None, [], None, None, None, 0, group))
+        self.events.append((REMOVED, [(h, copies, 0)], None, [], None, None, None, 0, group, 0))
 
     def push_cleared(self) -> None:
-        self.events.append((CLEARED, [], None, [], None, None, None, 0, 0))
+        self.events.append((CLEARED, [], None, [], None, None, None, 0, 0, 0))
 
     def take(self, block_size: int, hash_width: int) -> KVCacheEvents:
         events, self.events = self.events, []
@@ -63,5 +65,6 @@ class _KvCacheEvents:
             num_cached_blocks=np.array([e[7] for e in events], dtype=np.int32),
             groups=np.array([e[8] for e in events], dtype=np.int32),
             block_positions=np.array([i for _, _, i in blocks], dtype=np.int32),
+            block_sizes=np.array([e[9] for e in events], dtype=np.int32),
             block_size=block_size,
         )

@@ -347,22 +347,31 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         g: int,
         stored: Callable[[int], bool],
         offset: int = 0,
+        single: bool = False,
     ) -> None:
         """The stored event of group ``g``'s run ``first:num_full`` of ``r``'s blocks (``table``: the group's
         blocks from index ``offset`` on): the hashes of its blocks that are not null and that ``stored`` entered,
-        with the copies of the group's key of each and its index in the request's hashes, and the tokens and parent
-        of the whole run."""
+        with the copies of the group's key of each and its index in the group's table, and the tokens and parent
+        of the whole run. A group whose blocks hold ``k`` hash blocks keys its block ``i`` by hash ``(i + 1) * k -
+        1``; ``single`` records one hash block of the request (``first``) at the hash block's size."""
         assert self._events is not None
-        kept = [(r.block_hashes[i], i) for i in range(first, num_full) if table[i - offset] != 0 and stored(i)]
+        gbs = self._bs if single else self._group_bs(g)
+        k = gbs // self._bs
+        kept = [
+            (r.block_hashes[(i + 1) * k - 1], i)
+            for i in range(first, num_full)
+            if table[i - offset] != 0 and stored(i) and (i + 1) * k <= len(r.block_hashes)
+        ]
         self._events.push_stored(
-            [(h, len(self._cached[self._group_key(h, g)]), i) for h, i in kept],
-            r.block_hashes[first - 1] if first else None,
-            r.token_ids[first * self._bs : num_full * self._bs],
+            [(h, self._num_copies(self._group_key(h, g)), i) for h, i in kept],
+            r.block_hashes[first * k - 1] if first else None,
+            r.token_ids[first * gbs : num_full * gbs],
             r.lora_name,
             r.cache_salt,
             r.req_id,
             first,
             g,
+            gbs,
         )
 
     def _allocate_slots(
@@ -989,9 +998,13 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 # with the drop a Mamba group's cacheable tokens are not floored: only tokens ending at the checkpoint
                 exact = not mamba_eagle or num_tokens % bs == 0
                 self._mark_prompt_checkpoint(r, g, mamba_tokens if exact else 0, prompt_checkpoint)
+            # a full-attention group of blocks larger than the hash block files the prompt's tail (events only)
+            tail_entry = w == 0 and self._group_bs(g) != bs and self._events is not None
             if num_full <= first:
                 if checkpoint is not None:
                     self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
+                if tail_entry:
+                    self._cache_prompt_tail(r, g, num_tokens // self._hit_align() * self._hit_align())
                 continue
             sparse = retention if w == _MAMBA else None
             window_sparse = window_retention if w > 0 and not w & _CHUNKED else None
@@ -1036,10 +1049,30 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             self._set_group_cached(r, g, num_full)
             if self._events is not None:
                 self._record_stored(r, table, first, num_full, g, kept)
+            if tail_entry:
+                self._cache_prompt_tail(r, g, num_tokens // self._hit_align() * self._hit_align())
             if checkpoint is not None:
                 self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
             if w == _MAMBA:
                 self._offer_boundary_states(r, g, first, num_full)
+
+    def _cache_prompt_tail(self, r: _Request, g: int, num_tokens: int) -> None:
+        """With events, a full-attention group ``g`` of blocks larger than the hash block, after its full blocks
+        among ``num_tokens`` (the cacheable tokens rounded down to the alignment) were cached: the prompt's last full
+        hash block short of its last token, when it ends inside one of the group's blocks and within ``num_tokens``,
+        becomes a second key of that block (``_add_second_key``), recorded as a stored event of that hash block
+        (vLLM's partial prefix-cache entry of a prompt's tail)."""
+        bs, gbs = self._bs, self._group_bs(g)
+        units = min(max(0, r.num_prompt_tokens - 1) // bs, len(r.block_hashes))
+        boundary = units * bs
+        if boundary == 0 or boundary > num_tokens or boundary % gbs == 0:
+            return
+        table = self._group_table(r, g)
+        if boundary // gbs >= len(table):
+            return
+        i = units - 1
+        if self._add_second_key(table[boundary // gbs], self._group_key(r.block_hashes[i], g)):
+            self._record_stored(r, [table[boundary // gbs]], i, i + 1, g, lambda i: True, offset=i, single=True)
 
     def _offer_boundary_states(self, r: _Request, g: int, first: int, num_full: int) -> None:
         """With a KV connector: the Mamba group's blocks ``first:num_full`` that hold a cached state once the caching
@@ -1117,4 +1150,4 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         self._newly_cached.append((b, key))
         self._mamba_cached_step.add(key)
         if self._events is not None:  # the block's own stored event, apart from any run
-            self._record_stored(r, [b], i, i + 1, g, lambda i: True, offset=i)
+            self._record_stored(r, [b], i, i + 1, g, lambda i: True, offset=i, single=True)

@@ -487,6 +487,7 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                 raise InternalError("the prefix cache is in use with no request running")
             return False
         self._cached.clear()
+        self._second_keys.clear()
         self._block_hash = [None] * self._config.num_blocks
         if self._events is not None:
             self._events.push_cleared()

@@ -45,6 +45,8 @@ class _SchedulerState:
         self._free = _FreeBlockQueue(c.num_blocks)
         self._cached: dict[bytes, dict[int, None]] = {}
         self._events = _KvCacheEvents() if c.enable_kv_cache_events else None  # KV cache events not taken yet
+        # with events: the second keys (a prompt's tail entry, groups of different block sizes) each block carries
+        self._second_keys: dict[int, list[bytes]] = {}
         self._requests: dict[str, _Request] = {}
         self._running: list[_Request] = []
         self._tenants = _Tenants(c)

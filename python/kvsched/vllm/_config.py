@@ -467,8 +467,9 @@ def check_hash_block(
 def _check_group_block_sizes(vllm_config: Any, sizes: list[int], hash_block_size: int | None) -> None:
     """Refuses what KV cache groups of different block sizes are not supported with: a hash block other than the
     smallest block (``prefix_match_unit``), EAGLE/MTP drafters' prefix-cache rules (look-ahead hashes, the
-    trailing-block drop, which vLLM aligns to the scheduler block), KV connectors, the auxiliary output connector
-    and KV cache events (vLLM keys a prompt's tail inside a larger full-attention block, which these see)."""
+    trailing-block drop, which vLLM aligns to the scheduler block), KV connectors and the auxiliary output connector
+    (vLLM keys a prompt's tail inside a larger full-attention block, which these see; KV cache events carry that
+    key, as the core records it)."""
     setting = f"KV cache group block sizes {sizes}"
     cache = vllm_config.cache_config
     caching = bool(cache.enable_prefix_caching)
@@ -485,8 +486,6 @@ def _check_group_block_sizes(vllm_config: Any, sizes: list[int], hash_block_size
             "the auxiliary output connector with KV cache groups of different block sizes",
             f"aux_output_config, {setting}",
         )
-    if caching and kv_events_enabled(vllm_config):
-        _refuse("KV cache events with KV cache groups of different block sizes", f"kv_events_config, {setting}")
     spec = vllm_config.speculative_config
     hash_lookahead = int(_attr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
     if spec is not None and (hash_lookahead or bool(spec.use_eagle_block_drop())):

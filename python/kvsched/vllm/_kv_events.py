@@ -7,12 +7,15 @@ the way vLLM's scheduler does: one ``KVEventBatch`` per ``update_from_output`` t
 connector's events after the cache's, through the publisher ``EventPublisherFactory`` builds from
 ``kv_events_config`` (:func:`make_publisher`).
 
-A stored run names its request, its KV cache group, the index of its first block and that of each block it
-stored, so its vLLM hashes are that request's ``block_hashes`` at those indices (vLLM's values, kept on the
-``Request`` by the adapter), and so are its parent, tokens and extra keys. In a sliding-window or chunked-local
-group the blocks of a run out of the window are null blocks (in an align-mode Mamba group, the entries between
-its states), and under sparse retention
-(``prefix_cache_retention_interval``) the blocks no later hit can use are not cached: vLLM leaves both out of the
+A stored run names its request, its KV cache group, its block size, the index of its first block and that of each
+block it stored, so its vLLM hashes are that request's ``block_hashes`` at those blocks' ends (vLLM's values, kept
+on the ``Request`` by the adapter, one per hash block: a block of ``k`` hash blocks at index ``i`` ends at hash
+``(i + 1) * k - 1``, as vLLM resolves a larger group's hashes), and so are its parent, tokens and extra keys. With
+KV cache groups of different block sizes a prompt's tail entry (vLLM's partial prefix-cache entry, a second key
+of a full-attention block) is a stored run of one hash block, and is removed right after its block. In a
+sliding-window or chunked-local group the blocks of a run out of the window are null blocks (in an align-mode
+Mamba group, the entries between its states), and under sparse retention (``prefix_cache_retention_interval``)
+the blocks no later hit can use are not cached: vLLM leaves both out of the
 event's hashes and extra keys, wherever they sit in the run, while its tokens and parent span the whole run. A
 removed block carries no request: the core's hash of a block and vLLM's are both functions of the same content
 (parent, tokens, LoRA, cache salt), so the hash a block was stored under is looked up in a map from the core's
@@ -93,8 +96,9 @@ class KVEventTranslator:
         firsts = ev.num_cached_blocks.tolist()
         groups = ev.groups.tolist()
         tokens_indptr = ev.token_ids_indptr.tolist()
+        sizes = ev.block_sizes.tolist()
         rows = ev.block_hash_list()
-        block_size = ev.block_size
+        hash_block = ev.block_size
         vllm_hash = self._vllm_hash
         pending = self._pending
         for e, kind in enumerate(kinds):
@@ -104,13 +108,15 @@ class KVEventTranslator:
                 assert req_id is not None
                 request = self._get_request(req_id)
                 # The run spans its tokens; its stored blocks sit at their indices in the request's table.
+                block_size = sizes[e]
+                k = block_size // hash_block
                 first = firsts[e]
                 end = first + (tokens_indptr[e + 1] - tokens_indptr[e]) // block_size
                 stored = positions[indptr[e] : indptr[e + 1]]
-                hashes = [maybe_convert_block_hash(request.block_hashes[i]) for i in stored]
+                hashes = [maybe_convert_block_hash(request.block_hashes[(i + 1) * k - 1]) for i in stored]
                 for core_hash, h in zip(rows[indptr[e] : indptr[e + 1]], hashes, strict=True):
                     vllm_hash[g, core_hash] = h
-                pending.append(self._stored(request, hashes, first, stored, end, block_size, g))
+                pending.append(self._stored(request, hashes, first, stored, end, block_size, k, g))
             elif kind == CLEARED:
                 vllm_hash.clear()
                 pending.append(AllBlocksCleared())
@@ -120,10 +126,19 @@ class KVEventTranslator:
                 pending.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU, group_idx=g))
 
     def _stored(
-        self, request: Any, hashes: list[Any], first: int, stored: list[int], end: int, block_size: int, group: int
+        self,
+        request: Any,
+        hashes: list[Any],
+        first: int,
+        stored: list[int],
+        end: int,
+        block_size: int,
+        k: int,
+        group: int,
     ) -> BlockStored:
-        """vLLM's ``BlockStored`` for group ``group``'s run of the request's blocks ``first .. end``, of which
-        those at ``stored`` (in order) were stored, as its block pool builds it."""
+        """vLLM's ``BlockStored`` for group ``group``'s run of the request's blocks ``first .. end`` (of
+        ``block_size`` tokens, ``k`` hash blocks each), of which those at ``stored`` (in order) were stored, as its
+        block pool builds it."""
         bh = request.block_hashes
         extra_keys: list[tuple[Any, ...] | None] = []
         mm_idx = 0
@@ -144,7 +159,7 @@ class KVEventTranslator:
         kind, window = self._spec_meta[group]
         return BlockStored(
             block_hashes=hashes,
-            parent_block_hash=maybe_convert_block_hash(bh[first - 1]) if first else None,
+            parent_block_hash=maybe_convert_block_hash(bh[first * k - 1]) if first else None,
             token_ids=request.all_token_ids[first * block_size : end * block_size],
             block_size=block_size,
             lora_id=lora.adapter_id if lora else None,

@@ -18,6 +18,11 @@
 //! With several KV cache groups the caller also files each block it enters under its group (`set_event_group`):
 //! a removed event names the group and the block's own hash, not the group's cache key, and a block pin's host
 //! reads both (`block_group`). Off, the only cost is one branch per eviction.
+//!
+//! Second keys (`add_second_key`, events on only): with KV cache groups of different block sizes a cached block of
+//! a full-attention group may also carry the key of a prompt's tail that ends inside it (vLLM's partial prefix-cache
+//! entry). No lookup can find it (a group looks up the keys of its own block ends only), so it is kept apart from
+//! the map, for its events only: it leaves the cache with its block, its removed event right after the block's.
 
 use std::collections::HashMap;
 
@@ -85,6 +90,10 @@ pub struct BlockPool {
     event_groups: Vec<u8>,
     /// Whether `set_event_group` files blocks without events too (several KV cache groups).
     track_groups: bool,
+    /// With events on: the second keys each block carries (with their group), in the order they were added.
+    second_keys: HashMap<u32, Vec<(BlockHash, u8)>>,
+    /// How many blocks carry each second key.
+    second_copies: HashMap<BlockHash, u32, PrehashedBuild>,
 }
 
 impl BlockPool {
@@ -102,6 +111,8 @@ impl BlockPool {
             events: None,
             event_groups: Vec::new(),
             track_groups: false,
+            second_keys: HashMap::new(),
+            second_copies: HashMap::default(),
         }
     }
 
@@ -148,10 +159,60 @@ impl BlockPool {
         self.events.as_deref_mut().map(KvCacheEvents::take).unwrap_or_default()
     }
 
-    /// How many blocks carry `hash` in the prefix cache.
+    /// How many blocks carry `hash` in the prefix cache (as their key or as a second key).
     pub fn num_copies(&self, hash: &BlockHash) -> u32 {
         let first = u32::from(self.get_cached_block(hash).is_some());
-        first + self.duplicates.get(hash).map_or(0, |v| v.len() as u32)
+        let second = if self.second_copies.is_empty() {
+            0
+        } else {
+            self.second_copies.get(hash).copied().unwrap_or(0)
+        };
+        first + self.duplicates.get(hash).map_or(0, |v| v.len() as u32) + second
+    }
+
+    /// With events on: files `key` (group `g`'s) as a second key of `block` (see the module docs); a block that
+    /// carries no key takes it as its key. Returns whether the block did not carry it already (false: nothing
+    /// changed; also with events off or for the null block).
+    #[cold]
+    pub fn add_second_key(&mut self, block: u32, key: BlockHash, g: usize) -> bool {
+        let b = block as usize;
+        if self.events.is_none() || block == NULL_BLOCK || b >= self.meta.len() {
+            return false;
+        }
+        match self.hash_of(b) {
+            None => {
+                self.cache_block(block, key);
+                self.set_event_group(block, g);
+                return true;
+            }
+            Some(h) if *h == key => return false,
+            Some(_) => {}
+        }
+        let keys = self.second_keys.entry(block).or_default();
+        if keys.iter().any(|(k, _)| *k == key) {
+            return false;
+        }
+        keys.push((key, g as u8));
+        *self.second_copies.entry(key).or_insert(0) += 1;
+        true
+    }
+
+    /// Takes the second keys of `block` out (it left the cache), recording each one's removed event.
+    #[cold]
+    fn remove_second_keys(&mut self, block: u32) {
+        let Some(keys) = self.second_keys.remove(&block) else { return };
+        for (key, g) in keys {
+            match self.second_copies.get_mut(&key) {
+                Some(c) if *c > 1 => *c -= 1,
+                _ => {
+                    self.second_copies.remove(&key);
+                }
+            }
+            let n = self.num_copies(&key);
+            if let Some(ev) = self.events.as_deref_mut() {
+                ev.push_removed(group_key(&key, g as usize), n, u32::from(g));
+            }
+        }
     }
 
     /// Every block carrying a hash, with it, in block id order (O(num_blocks): tests and diagnostics).
@@ -314,6 +375,9 @@ impl BlockPool {
             if let Some(ev) = self.events.as_deref_mut() {
                 ev.push_removed(h, n, g as u32);
             }
+            if !self.second_keys.is_empty() {
+                self.remove_second_keys(block);
+            }
         }
     }
 
@@ -464,6 +528,8 @@ impl BlockPool {
         }
         self.cached.clear();
         self.duplicates.clear();
+        self.second_keys.clear();
+        self.second_copies.clear();
         self.num_removed += 1;
         for m in &mut self.meta {
             *m &= !HASHED;
@@ -506,6 +572,20 @@ impl BlockPool {
             return Err(format!("cache map holds {mapped} blocks but {hashed} blocks have a hash"));
         }
         self.cached.check()?;
+        let mut seconds: HashMap<BlockHash, u32> = HashMap::new();
+        for (&b, keys) in &self.second_keys {
+            if keys.is_empty() || !self.is_hashed(b as usize) {
+                return Err(format!("block {b} carries second keys but no key"));
+            }
+            for (k, _) in keys {
+                *seconds.entry(*k).or_insert(0) += 1;
+            }
+        }
+        if seconds.len() != self.second_copies.len()
+            || seconds.iter().any(|(k, n)| self.second_copies.get(k) != Some(n))
+        {
+            return Err("second-key counts disagree with the blocks' second keys".into());
+        }
         if let Some(ev) = &self.events {
             ev.check()?;
         }
@@ -588,6 +668,42 @@ mod tests {
         assert!(p.reset_prefix_cache());
         assert_eq!(p.get_cached_block(&h(2)), None);
         p.check(&[0; 6]).unwrap();
+    }
+
+    #[test]
+    fn second_keys_leave_with_their_block_and_count_their_copies() {
+        use crate::events::{REMOVED, STORED};
+        let mut p = BlockPool::new(6, true).with_kv_cache_events(true);
+        let mut a = Vec::new();
+        p.allocate_into(3, &mut a);
+        p.cache_block(1, h(1));
+        p.cache_block(2, h(2));
+        // Block 1 and 2 both take h(9) as a second key; block 3 (no key) takes it as its key.
+        assert!(p.add_second_key(1, h(9), 0));
+        assert!(!p.add_second_key(1, h(9), 0), "a block carries a second key once");
+        assert!(!p.add_second_key(2, h(2), 0), "nor its own key");
+        assert!(p.add_second_key(2, h(9), 0));
+        assert!(p.add_second_key(3, h(9), 0));
+        assert_eq!(p.num_copies(&h(9)), 3);
+        assert_eq!(p.block_hash(3), Some(&h(9)));
+        p.check(&[0, 1, 1, 1, 0, 0]).unwrap();
+        p.free_blocks(&a);
+        // Reusing the cached blocks: each one's key leaves, then its second key.
+        p.take_events();
+        let mut b = Vec::new();
+        p.allocate_into(5, &mut b);
+        let ev = p.take_events();
+        assert_eq!(ev.kinds, vec![REMOVED; 5]);
+        assert_eq!(ev.block_hashes, vec![h(9), h(2), h(9), h(1), h(9)]);
+        assert_eq!(ev.num_copies, vec![2, 0, 1, 0, 0]);
+        assert!(!ev.kinds.contains(&STORED));
+        p.check(&[0, 1, 1, 1, 1, 1]).unwrap();
+        // Off with events off.
+        let mut q = BlockPool::new(4, true);
+        q.allocate_into(1, &mut Vec::new());
+        q.cache_block(1, h(1));
+        assert!(!q.add_second_key(1, h(9), 0));
+        assert_eq!(q.num_copies(&h(9)), 0);
     }
 
     #[test]

@@ -1073,7 +1073,6 @@ impl SchedulerConfig {
             (other, "chunked-local, cross-attention or Mamba groups"),
             (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
-            (self.enable_kv_cache_events, "enable_kv_cache_events"),
             (self.hash_block_size.is_some_and(|h| h != bs), "a hash_block_size other than block_size"),
             (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
         ] {

@@ -22,6 +22,17 @@
 //! event's group carry block `i`'s hash right after its event (>= 1 after a store, >= 0 after a removal), so a consumer that keeps a
 //! set of hashes adds a hash when a store leaves 1 copy and drops it when a removal leaves 0.
 //!
+//! A stored event gives its blocks' size in tokens (`block_sizes`): its group's block size (KV cache groups may have
+//! different ones, `SchedulerConfig::kv_cache_group_block_sizes`), or the hash block for a prompt's tail entry
+//! (below). Its block hashes, parent and block indices are then the request's hashes at that group's block ends:
+//! block `i` of a group whose blocks hold `k` hash blocks is keyed by the request's hash `(i + 1) * k - 1`.
+//!
+//! - tail entry (groups of different block sizes): a full-attention group whose blocks are larger than the hash
+//!   block also files the prompt's last full hash block, when it ends inside one of its blocks, as a second key
+//!   of that block (as vLLM does: a stored event of that one hash block, `block_sizes` the hash block, its index
+//!   and first block counted in hash blocks). That key leaves the cache with its block (a removed event right
+//!   after the block's own).
+//!
 //! A stored event also names the storing request, the index of the run's first block in its block table (the
 //! request's blocks cached before it) and the index of each stored block in that table (`block_positions`:
 //! sparse retention, `prefix_cache_retention_interval`, may leave holes anywhere in a window group's run), so that
@@ -68,6 +79,9 @@ pub struct KvCacheEvents {
     pub num_cached_blocks: Vec<u32>,
     /// Per event: the KV cache group of a stored run or a removed block (0 for cleared events).
     pub groups: Vec<u32>,
+    /// Per event: tokens per block of a stored run (its group's block size, or the hash block for a prompt's
+    /// tail entry; 0 for removed and cleared events).
+    pub block_sizes: Vec<u32>,
 }
 
 impl Default for KvCacheEvents {
@@ -85,6 +99,7 @@ impl Default for KvCacheEvents {
             req_ids: Vec::new(),
             num_cached_blocks: Vec::new(),
             groups: Vec::new(),
+            block_sizes: Vec::new(),
         }
     }
 }
@@ -106,9 +121,11 @@ impl KvCacheEvents {
         extra: ExtraKeys,
         req: Option<(Arc<str>, u32)>,
         group: u32,
+        block_size: u32,
     ) {
         self.kinds.push(kind);
         self.groups.push(group);
+        self.block_sizes.push(block_size);
         let (req_id, first) = req.map_or((None, 0), |(id, first)| (Some(id), first));
         self.req_ids.push(req_id);
         self.num_cached_blocks.push(first);
@@ -120,7 +137,7 @@ impl KvCacheEvents {
 
     /// A run of blocks of request `req_id`, from its block `first` on, entered the cache of group `group`:
     /// `blocks` gives each stored block's hash, its number of copies after the store and its index in the
-    /// request's block table; `tokens` are the tokens of the whole run.
+    /// request's block table; `tokens` are the tokens of the whole run, `block_size` per block.
     #[allow(clippy::too_many_arguments)]
     pub fn push_stored(
         &mut self,
@@ -131,6 +148,7 @@ impl KvCacheEvents {
         req_id: &Arc<str>,
         first: u32,
         group: u32,
+        block_size: u32,
     ) {
         for (h, n, i) in blocks {
             self.block_hashes.push(h);
@@ -138,7 +156,7 @@ impl KvCacheEvents {
             self.block_positions.push(i);
         }
         self.token_ids.extend_from_slice(tokens);
-        self.close(STORED, parent, extra.clone(), Some((req_id.clone(), first)), group);
+        self.close(STORED, parent, extra.clone(), Some((req_id.clone(), first)), group, block_size);
     }
 
     /// One block of group `group` carrying `hash` left the cache; `num_copies` blocks of the group still carry
@@ -147,11 +165,11 @@ impl KvCacheEvents {
         self.block_hashes.push(hash);
         self.num_copies.push(num_copies);
         self.block_positions.push(0);
-        self.close(REMOVED, None, ExtraKeys::default(), None, group);
+        self.close(REMOVED, None, ExtraKeys::default(), None, group, 0);
     }
 
     pub fn push_cleared(&mut self) {
-        self.close(CLEARED, None, ExtraKeys::default(), None, 0);
+        self.close(CLEARED, None, ExtraKeys::default(), None, 0, 0);
     }
 
     /// The events recorded so far, leaving none.
@@ -169,8 +187,9 @@ impl KvCacheEvents {
             self.req_ids.len(),
             self.num_cached_blocks.len(),
             self.groups.len(),
+            self.block_sizes.len(),
         ];
-        if lens != [n + 1, n + 1] || per_event != [n; 5] {
+        if lens != [n + 1, n + 1] || per_event != [n; 6] {
             return Err(format!("{n} events but offsets / per-event lists of lengths {lens:?}"));
         }
         if self.num_copies.len() != self.block_hashes.len()
@@ -190,7 +209,9 @@ impl KvCacheEvents {
             let tokens = self.token_indptr[e + 1] - self.token_indptr[e];
             let ok = match self.kinds[e] {
                 // A window group's run may store none of its blocks (all out of the window).
-                STORED => self.req_ids[e].is_some(),
+                STORED => {
+                    self.req_ids[e].is_some() && self.block_sizes[e] > 0 && tokens % self.block_sizes[e] == 0
+                }
                 REMOVED => {
                     blocks == 1 && tokens == 0 && self.parents[e].is_none() && self.req_ids[e].is_none()
                 }
@@ -227,7 +248,7 @@ mod tests {
         let mut ev = KvCacheEvents::default();
         let salt = ExtraKeys { cache_salt: Some("s".into()), lora_name: None };
         let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
-        ev.push_stored([(h(1), 1, 0), (h(2), 2, 1)].into_iter(), None, &[5, 6, 7, 8], &salt, &a, 0, 0);
+        ev.push_stored([(h(1), 1, 0), (h(2), 2, 1)].into_iter(), None, &[5, 6, 7, 8], &salt, &a, 0, 0, 2);
         ev.push_removed(h(2), 1, 1);
         ev.push_cleared();
         ev.push_stored(
@@ -238,6 +259,7 @@ mod tests {
             &b,
             2,
             2,
+            3,
         );
         ev.check().unwrap();
         assert_eq!(ev.kinds, vec![STORED, REMOVED, CLEARED, STORED]);
@@ -250,6 +272,7 @@ mod tests {
         assert_eq!(ev.req_ids, vec![Some(a), None, None, Some(b)]);
         assert_eq!(ev.num_cached_blocks, vec![0, 0, 0, 2]);
         assert_eq!(ev.groups, vec![0, 1, 0, 2]);
+        assert_eq!(ev.block_sizes, vec![2, 0, 0, 3]);
         let taken = ev.take();
         assert_eq!(taken.len(), 4);
         assert!(ev.is_empty());

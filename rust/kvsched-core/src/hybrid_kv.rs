@@ -746,6 +746,7 @@ impl KvCacheManager {
         let num_tokens = self.cacheable(computed);
         let aligned_tokens = aligned_of(num_tokens);
         let sizes = hy.block_sizes.clone();
+        let hy_align = hy.align;
         let align = hy.mamba_align;
         let defer_new_states_only = hy.defer_new_states_only;
         let bs = self.block_size;
@@ -802,9 +803,14 @@ impl KvCacheManager {
                 let num_tokens = if exact { mamba_tokens } else { 0 };
                 self.mark_prompt_checkpoint(req, slots[g], g, num_tokens, prompt_checkpoint);
             }
+            // A full-attention group of blocks larger than the hash block files the prompt's tail (events only).
+            let tail_entry = w == 0 && sizes[g] != bs && self.pool.events_mut().is_some();
             if num_full <= first {
                 if let Some(c) = checkpoint {
                     self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
+                }
+                if tail_entry {
+                    self.cache_prompt_tail(req, slots[g], g, num_tokens / hy_align * hy_align);
                 }
                 continue;
             }
@@ -848,12 +854,37 @@ impl KvCacheManager {
                 let blocks = table_ref(req, slots[g]).to_vec();
                 self.record_group_stored(req, &blocks, first, num_full, g, &|i| w != 1 && kept(i));
             }
+            if tail_entry {
+                self.cache_prompt_tail(req, slots[g], g, num_tokens / hy_align * hy_align);
+            }
             if let Some(c) = checkpoint {
                 self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
             }
             if w == MAMBA {
                 self.offer_boundary_states(req, slots[g], g, first, num_full);
             }
+        }
+    }
+
+    /// With KV cache events, a full-attention group `g` whose blocks are larger than the hash block, after its
+    /// full blocks among `num_tokens` (the cacheable tokens rounded down to the alignment) were cached: the
+    /// prompt's last full hash block short of its last token, when it ends inside one of the group's blocks and
+    /// within `num_tokens`, is filed as a second key of that block (`BlockPool::add_second_key`) and recorded as
+    /// a stored event of that one hash block (vLLM's partial prefix-cache entry of a prompt's tail; no lookup can
+    /// use it with groups of different block sizes: their hits are aligned to every group's blocks).
+    #[cold]
+    fn cache_prompt_tail(&mut self, req: &Request, slot: Option<usize>, g: usize, num_tokens: u32) {
+        let (bs, gbs) = (self.block_size, self.group_block_size(g));
+        let units = (req.num_prompt_tokens.saturating_sub(1) / bs).min(req.block_hashes.len() as u32);
+        let boundary = units * bs;
+        if boundary == 0 || boundary > num_tokens || boundary % gbs == 0 {
+            return;
+        }
+        let Some(&b) = table_ref(req, slot).get((boundary / gbs) as usize) else { return };
+        let i = units as usize - 1;
+        let key = group_key(&req.block_hashes[i], g);
+        if self.pool.add_second_key(b, key, g) {
+            self.record_block_stored(req, i, g);
         }
     }
 

@@ -554,11 +554,18 @@ impl KvCacheManager {
         }
     }
 
+    /// Group `g`'s block size in tokens (the manager's `block_size` but with KV cache groups of different sizes).
+    #[inline]
+    pub(crate) fn group_block_size(&self, g: usize) -> u32 {
+        self.hybrid.as_deref().and_then(|hy| hy.block_sizes.get(g).copied()).unwrap_or(self.block_size)
+    }
+
     /// Records the stored event of group `g`'s run `first..num_full` of `req`'s blocks (`blocks`: the group's
     /// table), just entered into the prefix cache: the hashes of its blocks that are not null and that `kept`
     /// entered (a window of one token caches nothing, sparse retention skips some), with the copies of the
     /// group's key of each and its index in the table, and the tokens and parent of the whole run (vLLM's event
-    /// for a window group's run).
+    /// for a window group's run). A group whose blocks hold `k` hash blocks keys its block `i` by the request's
+    /// hash `(i + 1) * k - 1`.
     #[cold]
     pub(crate) fn record_group_stored(
         &mut self,
@@ -569,17 +576,19 @@ impl KvCacheManager {
         g: usize,
         kept: &dyn Fn(usize) -> bool,
     ) {
+        let gbs = self.group_block_size(g);
+        let k = (gbs / self.block_size).max(1) as usize;
         let kept: Vec<(BlockHash, u32, u32)> = (first..num_full)
             .filter(|&i| blocks[i] != NULL_BLOCK && kept(i))
-            .map(|i| {
-                let h = req.block_hashes[i];
-                (h, self.pool.num_copies(&group_key(&h, g)), i as u32)
+            .filter_map(|i| {
+                let h = *req.block_hashes.get((i + 1) * k - 1)?;
+                Some((h, self.pool.num_copies(&group_key(&h, g)), i as u32))
             })
             .collect();
-        let bs = self.block_size as usize;
+        let bs = gbs as usize;
         let tokens = req.token_ids.get(first * bs..num_full * bs).unwrap_or_default();
         debug_assert_eq!(tokens.len(), (num_full - first) * bs);
-        let parent = first.checked_sub(1).map(|p| req.block_hashes[p]);
+        let parent = (first * k).checked_sub(1).and_then(|p| req.block_hashes.get(p).copied());
         if let Some(ev) = self.pool.events_mut() {
             ev.push_stored(
                 kept.into_iter(),
@@ -589,14 +598,16 @@ impl KvCacheManager {
                 &req.id,
                 first as u32,
                 g as u32,
+                gbs,
             );
         }
     }
 
-    /// Records the stored event of one block of group `g` just entered under the key of `req`'s block `i`
-    /// apart from a run (an align-mode Mamba group's re-keyed prefill checkpoint, or the prompt's checkpoint state
-    /// that sparse retention keeps only as the prompt's tail): that block's hash, tokens and parent, as vLLM's
-    /// event for a single prefix-cache entry.
+    /// Records the stored event of one block of group `g` just entered under the key of `req`'s hash `i` apart
+    /// from a run (an align-mode Mamba group's re-keyed prefill checkpoint, the prompt's checkpoint state that
+    /// sparse retention keeps only as the prompt's tail, or a full-attention group's prompt tail entry with
+    /// groups of different block sizes): that hash block's hash, tokens and parent, as vLLM's event for a single
+    /// prefix-cache entry.
     #[cold]
     pub(crate) fn record_block_stored(&mut self, req: &Request, i: usize, g: usize) {
         let Some(&h) = req.block_hashes.get(i) else { return };
@@ -613,6 +624,7 @@ impl KvCacheManager {
                 &req.id,
                 i as u32,
                 g as u32,
+                bs as u32,
             );
         }
     }

@@ -1322,6 +1322,7 @@ impl PyScheduler {
             i32s(&ev.num_cached_blocks).into_pyarray(py).into_any(),
             i32s(&ev.groups).into_pyarray(py).into_any(),
             i32s(&ev.block_positions).into_pyarray(py).into_any(),
+            i32s(&ev.block_sizes).into_pyarray(py).into_any(),
         ];
         PyTuple::new(py, items)
     }
