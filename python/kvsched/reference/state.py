@@ -44,6 +44,10 @@ class _SchedulerState:
         self._block_hash: list[bytes | None] = [None] * c.num_blocks
         self._free = _FreeBlockQueue(c.num_blocks)
         self._cached: dict[bytes, dict[int, None]] = {}
+        # A prefix match unit finer than the block: per block, the keys it is filed under besides its hash (in
+        # ``_cached`` too), and the tokens its hash stands for when the hash is a partial entry.
+        self._extra_keys: dict[int, list[bytes]] = {}
+        self._partial_tokens: dict[int, int] = {}
         self._events = _KvCacheEvents() if c.enable_kv_cache_events else None  # KV cache events not taken yet
         self._requests: dict[str, _Request] = {}
         self._running: list[_Request] = []

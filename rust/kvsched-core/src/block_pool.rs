@@ -18,6 +18,12 @@
 //! With several KV cache groups the caller also files each block it enters under its group (`set_event_group`):
 //! a removed event names the group and the block's own hash, not the group's cache key, and a block pin's host
 //! reads both (`block_group`). Off, the only cost is one branch per eviction.
+//!
+//! With a prefix-match unit finer than the block, a block can also be found under keys other than its hash:
+//! a prefix ending inside it (`cache_partial_block`, vLLM's partial entries). Those extra keys live apart
+//! (`PartialKeys`, created by the first partial entry): a lookup of a key returns, of the blocks filed under
+//! it as their hash or as an extra key, the one filed first; evicting or re-keying a block drops all its keys.
+//! Until a partial entry is made, the cost is one branch per lookup, insertion and eviction.
 
 use std::collections::HashMap;
 
@@ -58,6 +64,42 @@ fn table_hash(hash: &BlockHash) -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// The keys blocks carry besides their hash (a prefix match unit finer than the block): see the module notes.
+#[derive(Debug, Clone, Default)]
+struct PartialKeys {
+    /// Per key, the blocks filed under it as an extra key, in insertion order, each with its insertion number.
+    extra: HashMap<BlockHash, Vec<(u64, u32)>, PrehashedBuild>,
+    /// Per block, its extra keys.
+    of_block: HashMap<u32, Vec<BlockHash>>,
+    /// The tokens a block's hash stands for when the hash is a partial entry (absent: a full block's hash,
+    /// which no partial entry of the same block outgrows).
+    tokens: HashMap<u32, u32>,
+    /// Per block, the insertion number of its hash (0: entered before the first partial entry).
+    seq: Vec<u64>,
+    /// The next insertion number (from 1).
+    next: u64,
+}
+
+impl PartialKeys {
+    fn new(num_blocks: usize) -> Self {
+        PartialKeys { seq: vec![0; num_blocks], next: 1, ..Default::default() }
+    }
+
+    /// Takes block `b`'s extra keys and partial-entry length out.
+    fn drop_block(&mut self, b: u32) {
+        self.tokens.remove(&b);
+        let Some(keys) = self.of_block.remove(&b) else { return };
+        for k in keys {
+            if let Some(v) = self.extra.get_mut(&k) {
+                v.retain(|e| e.1 != b);
+                if v.is_empty() {
+                    self.extra.remove(&k);
+                }
+            }
+        }
+    }
+}
+
 /// `BlockPool::meta`'s flag bit: the block carries a hash. The other 31 bits are its reference count.
 const HASHED: u32 = 1 << 31;
 
@@ -85,6 +127,8 @@ pub struct BlockPool {
     event_groups: Vec<u8>,
     /// Whether `set_event_group` files blocks without events too (several KV cache groups).
     track_groups: bool,
+    /// Keys finer than the block; `None` until the first partial entry (and after a reset).
+    partial: Option<Box<PartialKeys>>,
 }
 
 impl BlockPool {
@@ -102,6 +146,7 @@ impl BlockPool {
             events: None,
             event_groups: Vec::new(),
             track_groups: false,
+            partial: None,
         }
     }
 
@@ -214,11 +259,117 @@ impl BlockPool {
         self.free.contains(block)
     }
 
-    /// The first block carrying `hash`, if any.
+    /// The first block filed under `hash` (as its hash, or as an extra key), if any.
+    #[inline]
     pub fn get_cached_block(&self, hash: &BlockHash) -> Option<u32> {
+        let first = self.first_hashed(hash);
+        match self.partial.as_deref() {
+            None => first,
+            Some(p) => Self::first_with_extra(p, hash, first),
+        }
+    }
+
+    /// The first block whose hash is `hash` (extra keys aside).
+    #[inline(always)]
+    fn first_hashed(&self, hash: &BlockHash) -> Option<u32> {
         // Every block in the table is hashed: compare the slot directly.
         let hashes = &self.hash;
         self.cached.find(table_hash(hash), |b| hashes[b as usize].0 == *hash)
+    }
+
+    /// Of `first` (the first block whose hash is `hash`) and the first block carrying `hash` as an extra key,
+    /// the one filed first.
+    #[cold]
+    fn first_with_extra(p: &PartialKeys, hash: &BlockHash, first: Option<u32>) -> Option<u32> {
+        let Some(&(s, b)) = p.extra.get(hash).and_then(|v| v.first()) else { return first };
+        match first {
+            Some(a) if p.seq[a as usize] < s => Some(a),
+            _ => Some(b),
+        }
+    }
+
+    /// Whether `block` is filed under `key` (as its hash or as an extra key).
+    pub fn has_key(&self, block: u32, key: &BlockHash) -> bool {
+        if self.hash_of(block as usize) == Some(key) {
+            return true;
+        }
+        self.partial.as_deref().and_then(|p| p.of_block.get(&block)).is_some_and(|keys| keys.contains(key))
+    }
+
+    /// Block `block`'s extra keys (none without partial entries), in insertion order.
+    pub fn extra_keys(&self, block: u32) -> &[BlockHash] {
+        self.partial.as_deref().and_then(|p| p.of_block.get(&block)).map_or(&[], Vec::as_slice)
+    }
+
+    /// Files block `block` under `key`, a prefix of `num_tokens` tokens ending inside it or at its end (vLLM's
+    /// `cache_partial_block`): as its hash if it has none, else as an extra key. A block whose hash is a shorter
+    /// partial entry, or every block with `replace` (its contents were rewritten), loses all its keys first.
+    /// The null block is never filed (returns false).
+    pub fn cache_partial_block(
+        &mut self,
+        block: u32,
+        key: BlockHash,
+        num_tokens: u32,
+        replace: bool,
+    ) -> bool {
+        if block == NULL_BLOCK {
+            return false;
+        }
+        let b = block as usize;
+        let already = self.has_key(block, &key);
+        if self.is_hashed(b) {
+            let shorter = !already
+                && self
+                    .partial
+                    .as_deref()
+                    .and_then(|p| p.tokens.get(&block))
+                    .is_some_and(|&t| t < num_tokens);
+            if replace || shorter {
+                self.evict_hashed(block);
+            }
+        }
+        self.insert_key(block, key, Some(num_tokens));
+        true
+    }
+
+    /// Files `block` under `key` unless it is already: as its hash (a partial entry of `tokens` tokens, or a full
+    /// block's hash with `None`) if it has none, else as an extra key.
+    fn insert_key(&mut self, block: u32, key: BlockHash, tokens: Option<u32>) {
+        if self.has_key(block, &key) {
+            return;
+        }
+        let n = self.meta.len();
+        let hashed = self.is_hashed(block as usize);
+        let p = self.partial.get_or_insert_with(|| Box::new(PartialKeys::new(n)));
+        if hashed {
+            let s = p.next;
+            p.next += 1;
+            p.extra.entry(key).or_default().push((s, block));
+            p.of_block.entry(block).or_default().push(key);
+            return;
+        }
+        if let Some(t) = tokens {
+            p.tokens.insert(block, t);
+        }
+        self.cache_block(block, key);
+    }
+
+    /// Re-files every key of `src` under `dst` (a block with none), quietly (vLLM's `move_block_hashes`): the
+    /// request holding `src` keeps writing into it while the prefix cache keeps `dst`, a copy.
+    pub fn move_block_hashes(&mut self, src: u32, dst: u32) {
+        debug_assert!(!self.is_hashed(dst as usize) && self.extra_keys(dst).is_empty());
+        let Some(&primary) = self.hash_of(src as usize) else { return };
+        let tokens = self.partial.as_deref().and_then(|p| p.tokens.get(&src).copied());
+        let extras = self.extra_keys(src).to_vec();
+        let g = self.block_group(src);
+        self.evict_hashed_quietly(src);
+        if self.events.is_some() || self.track_groups {
+            self.set_event_group(dst, g);
+        }
+        self.insert_key(dst, primary, tokens);
+        for k in extras {
+            self.insert_key(dst, k, None);
+        }
     }
 
     /// A hint, no effect on results: starts fetching the cache-table slot where `hash` is looked up, inserted
@@ -319,6 +470,9 @@ impl BlockPool {
 
     #[inline(always)]
     fn evict_hashed_quietly(&mut self, block: u32) {
+        if let Some(p) = self.partial.as_deref_mut() {
+            p.drop_block(block);
+        }
         self.num_removed += 1;
         let i = block as usize;
         self.meta[i] &= !HASHED;
@@ -415,13 +569,20 @@ impl BlockPool {
         self.unhashed_buf = unhashed;
     }
 
-    /// Enters a full, allocated block into the prefix cache (only called with caching on).
+    /// Enters a full, allocated block into the prefix cache (only called with caching on). A block filed under
+    /// a partial entry (its prompt tail, with a prefix match unit finer than the block) loses its keys first.
     #[inline]
     pub fn cache_block(&mut self, block: u32, hash: BlockHash) {
         if block == NULL_BLOCK {
             return;
         }
-        debug_assert!(!self.is_hashed(block as usize));
+        if self.is_hashed(block as usize) {
+            self.evict_hashed(block);
+        }
+        if let Some(p) = self.partial.as_deref_mut() {
+            p.seq[block as usize] = p.next;
+            p.next += 1;
+        }
         self.hash[block as usize] = HashSlot(hash);
         self.meta[block as usize] |= HASHED;
         let hashes = &self.hash;
@@ -464,6 +625,7 @@ impl BlockPool {
         }
         self.cached.clear();
         self.duplicates.clear();
+        self.partial = None;
         self.num_removed += 1;
         for m in &mut self.meta {
             *m &= !HASHED;
@@ -512,7 +674,7 @@ impl BlockPool {
         for b in self.cached.iter() {
             // Every entry carries a hash, and a lookup of that hash finds this entry (one entry per hash).
             let found = if (b as usize) < self.hash.len() {
-                self.hash_of(b as usize).and_then(|h| self.get_cached_block(h))
+                self.hash_of(b as usize).and_then(|h| self.first_hashed(h))
             } else {
                 None
             };
@@ -520,9 +682,31 @@ impl BlockPool {
                 return Err(format!("cache map entry {b} disagrees with block hashes"));
             }
         }
+        if let Some(p) = self.partial.as_deref() {
+            let mut filed = 0;
+            for (k, v) in &p.extra {
+                for &(_, b) in v {
+                    let ok = self.is_hashed(b as usize)
+                        && self.hash_of(b as usize) != Some(k)
+                        && p.of_block
+                            .get(&b)
+                            .is_some_and(|keys| keys.iter().filter(|&x| x == k).count() == 1);
+                    if !ok || v.is_empty() {
+                        return Err(format!("block {b}: extra key entry disagrees with the block's keys"));
+                    }
+                }
+                filed += v.len();
+            }
+            if filed != p.of_block.values().map(Vec::len).sum::<usize>() {
+                return Err("extra keys filed by key and by block disagree".into());
+            }
+            if p.tokens.keys().any(|&b| !self.is_hashed(b as usize)) {
+                return Err("a partial entry's length kept for a block without a hash".into());
+            }
+        }
         for (h, v) in &self.duplicates {
             let bad = v.is_empty()
-                || self.get_cached_block(h).is_none()
+                || self.first_hashed(h).is_none()
                 || v.iter().any(|&b| self.hash_of(b as usize) != Some(h));
             if bad {
                 return Err("duplicate cache entry disagrees with block hashes".into());
@@ -599,5 +783,112 @@ mod tests {
         p.cache_block(2, h(7));
         assert_eq!(p.get_cached_block(&h(7)), Some(1));
         p.check(&[0, 1, 1, 0]).unwrap();
+    }
+
+    fn keys(p: &BlockPool, b: u32) -> (Option<BlockHash>, Vec<BlockHash>) {
+        (p.block_hash(b).copied(), p.extra_keys(b).to_vec())
+    }
+
+    #[test]
+    fn partial_entries_extra_keys_and_promotion() {
+        let mut p = BlockPool::new(6, true);
+        let mut a = Vec::new();
+        p.allocate_into(4, &mut a);
+        let held = [0, 1, 1, 1, 1, 0];
+        // Block 1 is keyed at its prompt tail (a partial entry): the key becomes its hash.
+        assert!(p.cache_partial_block(1, h(20), 20, false));
+        assert!(!p.cache_partial_block(NULL_BLOCK, h(20), 20, false));
+        assert_eq!(keys(&p, 1), (Some(h(20)), vec![]));
+        assert_eq!(p.get_cached_block(&h(20)), Some(1));
+        p.check(&held).unwrap();
+        // Filling the block promotes it: the partial entry goes, the full hash comes.
+        p.cache_block(1, h(24));
+        assert_eq!(keys(&p, 1), (Some(h(24)), vec![]));
+        assert_eq!(p.get_cached_block(&h(20)), None);
+        // Keying the tail again files it as an extra key beside the full hash (the full one is longer).
+        assert!(p.cache_partial_block(1, h(20), 20, false));
+        assert_eq!(keys(&p, 1), (Some(h(24)), vec![h(20)]));
+        assert!(p.has_key(1, &h(20)) && p.has_key(1, &h(24)) && !p.has_key(2, &h(20)));
+        // Twice is once.
+        p.cache_partial_block(1, h(20), 20, false);
+        assert_eq!(keys(&p, 1), (Some(h(24)), vec![h(20)]));
+        p.check(&held).unwrap();
+        // Block 2 takes the same key as its hash after block 1's extra key: lookups keep the first filed.
+        p.cache_partial_block(2, h(20), 20, false);
+        assert_eq!(p.get_cached_block(&h(20)), Some(1));
+        p.check(&held).unwrap();
+        // Block 3's hash first, then block 4's extra key: block 3 is found; once it goes, block 4.
+        p.cache_partial_block(3, h(12), 12, false);
+        p.cache_block(4, h(16));
+        p.cache_partial_block(4, h(12), 12, false);
+        assert_eq!(p.get_cached_block(&h(12)), Some(3));
+        p.cache_block(3, h(30));
+        assert_eq!(p.get_cached_block(&h(12)), Some(4));
+        p.check(&held).unwrap();
+        // Freeing and reusing block 1 evicts every key it carries: block 2 is found under the tail key.
+        p.free_blocks(&[1]);
+        let mut b = Vec::new();
+        p.allocate_into(2, &mut b);
+        assert_eq!(b, vec![5, 1]);
+        assert_eq!(keys(&p, 1), (None, vec![]));
+        assert_eq!(p.get_cached_block(&h(24)), None);
+        assert_eq!(p.get_cached_block(&h(20)), Some(2));
+        p.check(&[0, 1, 1, 1, 1, 1]).unwrap();
+    }
+
+    #[test]
+    fn a_longer_partial_entry_or_a_rewrite_replaces_the_keys() {
+        let mut p = BlockPool::new(4, true);
+        let mut a = Vec::new();
+        p.allocate_into(2, &mut a);
+        p.cache_partial_block(1, h(4), 4, false);
+        // A longer prefix in the same block: the shorter entry goes.
+        p.cache_partial_block(1, h(6), 6, false);
+        assert_eq!(keys(&p, 1), (Some(h(6)), vec![]));
+        assert_eq!(p.get_cached_block(&h(4)), None);
+        // A shorter one beside a longer hash is an extra key.
+        p.cache_partial_block(1, h(5), 5, false);
+        assert_eq!(keys(&p, 1), (Some(h(6)), vec![h(5)]));
+        // Rewritten contents: every key goes, even one already there.
+        p.cache_partial_block(1, h(5), 5, true);
+        assert_eq!(keys(&p, 1), (Some(h(5)), vec![]));
+        assert_eq!(p.get_cached_block(&h(6)), None);
+        p.check(&[0, 1, 1, 0]).unwrap();
+        // The full hash of the block, entered as a partial entry of the block's length, is its hash.
+        p.cache_block(2, h(8));
+        p.cache_partial_block(2, h(8), 8, false);
+        assert_eq!(keys(&p, 2), (Some(h(8)), vec![]));
+        assert!(p.reset_prefix_cache() || p.num_free_blocks() < 3);
+    }
+
+    #[test]
+    fn moving_keys_keeps_them_live_on_the_copy() {
+        let mut p = BlockPool::new(6, true);
+        let mut a = Vec::new();
+        p.allocate_into(4, &mut a);
+        p.cache_block(1, h(16));
+        p.cache_partial_block(1, h(12), 12, false);
+        p.cache_partial_block(2, h(12), 12, false);
+        let removed = p.num_removed();
+        p.move_block_hashes(1, 3);
+        assert_eq!(keys(&p, 1), (None, vec![]));
+        assert_eq!(keys(&p, 3), (Some(h(16)), vec![h(12)]));
+        assert_eq!(p.get_cached_block(&h(16)), Some(3));
+        // Moved keys are filed anew: block 2's entry is now the first under the tail key.
+        assert_eq!(p.get_cached_block(&h(12)), Some(2));
+        assert!(p.num_removed() > removed);
+        p.check(&[0, 1, 1, 1, 1, 0]).unwrap();
+        // A partial hash moves with its length: a longer entry on the copy still replaces it.
+        p.cache_partial_block(2, h(14), 14, false);
+        assert_eq!(keys(&p, 2), (Some(h(14)), vec![]));
+        p.move_block_hashes(2, 4);
+        p.cache_partial_block(4, h(15), 15, false);
+        assert_eq!(keys(&p, 4), (Some(h(15)), vec![]));
+        p.check(&[0, 1, 1, 1, 1, 0]).unwrap();
+        p.free_blocks(&[1, 2, 3, 4]);
+        assert!(p.reset_prefix_cache());
+        assert_eq!(p.get_cached_block(&h(15)), None);
+        assert_eq!(p.extra_keys(3), &[] as &[BlockHash]);
+        p.check(&[0; 6]).unwrap();
     }
 }

@@ -1,0 +1,92 @@
+"""The reference block pool's keys finer than the block (a prefix match unit below the block): partial entries,
+extra keys beside a block's hash, promotion, replacement and moves. The same script as the core's block pool
+tests (``partial_entries_extra_keys_and_promotion`` and its neighbours in ``block_pool.rs``)."""
+
+from __future__ import annotations
+
+from kvsched.reference import ReferenceScheduler
+
+
+def h(x: int) -> bytes:
+    return bytes([x]) * 32
+
+
+def pool(num_blocks: int = 6) -> ReferenceScheduler:
+    return ReferenceScheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+
+
+def keys(s: ReferenceScheduler, b: int) -> tuple[bytes | None, list[bytes]]:
+    return s._block_hash[b], list(s._extra_keys.get(b, ()))
+
+
+def first(s: ReferenceScheduler, key: bytes) -> int | None:
+    return next(iter(s._cached.get(key, {})), None)
+
+
+def test_partial_entries_extra_keys_and_promotion() -> None:
+    s = pool()
+    assert s._cache_partial_block(1, h(20), 20)
+    assert not s._cache_partial_block(0, h(20), 20)
+    assert keys(s, 1) == (h(20), []) and first(s, h(20)) == 1
+    s.check_invariants()
+    # Filling the block promotes it: the partial entry goes, the full hash comes.
+    s._uncache(1, h(20))
+    s._insert_key(1, h(24), None)
+    assert keys(s, 1) == (h(24), []) and first(s, h(20)) is None
+    # The tail keyed again is an extra key beside the longer full hash; twice is once.
+    assert s._cache_partial_block(1, h(20), 20)
+    s._cache_partial_block(1, h(20), 20)
+    assert keys(s, 1) == (h(24), [h(20)])
+    assert s._has_key(1, h(20)) and s._has_key(1, h(24)) and not s._has_key(2, h(20))
+    s.check_invariants()
+    # Block 2's hash after block 1's extra key under the same key: the first filed is found.
+    s._cache_partial_block(2, h(20), 20)
+    assert first(s, h(20)) == 1
+    s._cache_partial_block(3, h(12), 12)
+    s._insert_key(4, h(16), None)
+    s._cache_partial_block(4, h(12), 12)
+    assert first(s, h(12)) == 3
+    s._uncache(3, h(12))
+    s._insert_key(3, h(30), None)
+    assert first(s, h(12)) == 4
+    s.check_invariants()
+    # Reusing block 1 evicts every key it carries.
+    assert s._pop_free_block() == 1
+    assert keys(s, 1) == (None, []) and first(s, h(24)) is None and first(s, h(20)) == 2
+    s._free_block_list([1])
+    s.check_invariants()
+
+
+def test_a_longer_partial_entry_or_a_rewrite_replaces_the_keys() -> None:
+    s = pool(4)
+    s._cache_partial_block(1, h(4), 4)
+    s._cache_partial_block(1, h(6), 6)
+    assert keys(s, 1) == (h(6), []) and first(s, h(4)) is None
+    s._cache_partial_block(1, h(5), 5)
+    assert keys(s, 1) == (h(6), [h(5)])
+    s._cache_partial_block(1, h(5), 5, replace=True)
+    assert keys(s, 1) == (h(5), []) and first(s, h(6)) is None
+    s._insert_key(2, h(8), None)
+    s._cache_partial_block(2, h(8), 8)
+    assert keys(s, 2) == (h(8), [])
+    s.check_invariants()
+
+
+def test_moving_keys_keeps_them_live_on_the_copy() -> None:
+    s = pool()
+    s._insert_key(1, h(16), None)
+    s._cache_partial_block(1, h(12), 12)
+    s._cache_partial_block(2, h(12), 12)
+    s._move_block_hashes(1, 3)
+    assert keys(s, 1) == (None, []) and keys(s, 3) == (h(16), [h(12)])
+    assert first(s, h(16)) == 3 and first(s, h(12)) == 2
+    s.check_invariants()
+    s._cache_partial_block(2, h(14), 14)
+    assert keys(s, 2) == (h(14), [])
+    s._move_block_hashes(2, 4)
+    s._cache_partial_block(4, h(15), 15)
+    assert keys(s, 4) == (h(15), [])
+    s.check_invariants()
+    assert s.reset_prefix_cache()
+    assert first(s, h(15)) is None and not s._extra_keys and not s._partial_tokens
+    s.check_invariants()
