@@ -891,4 +891,161 @@ mod tests {
         assert_eq!(p.extra_keys(3), &[] as &[BlockHash]);
         p.check(&[0; 6]).unwrap();
     }
+
+    /// vLLM's pool, written plainly: per key, its blocks in insertion order (whether the key is a block's hash
+    /// or an extra key); per block, its hash (with the tokens of a partial entry) and its extra keys.
+    #[derive(Default)]
+    struct Model {
+        keys: Vec<(BlockHash, Vec<u32>)>,
+        primary: HashMap<u32, (BlockHash, Option<u32>)>,
+        extras: HashMap<u32, Vec<BlockHash>>,
+    }
+
+    impl Model {
+        fn first(&self, k: &BlockHash) -> Option<u32> {
+            self.keys.iter().find(|(x, _)| x == k).and_then(|(_, v)| v.first().copied())
+        }
+        fn file(&mut self, k: BlockHash, b: u32) {
+            match self.keys.iter_mut().find(|(x, _)| *x == k) {
+                Some((_, v)) => v.push(b),
+                None => self.keys.push((k, vec![b])),
+            }
+        }
+        fn drop_all(&mut self, b: u32) {
+            let mut ks: Vec<BlockHash> = self.primary.remove(&b).map(|p| p.0).into_iter().collect();
+            ks.extend(self.extras.remove(&b).unwrap_or_default());
+            for k in ks {
+                if let Some(i) = self.keys.iter().position(|(x, _)| *x == k) {
+                    self.keys[i].1.retain(|&x| x != b);
+                    if self.keys[i].1.is_empty() {
+                        self.keys.remove(i);
+                    }
+                }
+            }
+        }
+        fn has(&self, b: u32, k: &BlockHash) -> bool {
+            self.primary.get(&b).is_some_and(|p| p.0 == *k)
+                || self.extras.get(&b).is_some_and(|v| v.contains(k))
+        }
+        fn insert(&mut self, b: u32, k: BlockHash, tokens: Option<u32>) {
+            if self.has(b, &k) {
+                return;
+            }
+            match self.primary.entry(b) {
+                std::collections::hash_map::Entry::Occupied(_) => self.extras.entry(b).or_default().push(k),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert((k, tokens));
+                }
+            }
+            self.file(k, b);
+        }
+        fn cache_full(&mut self, b: u32, k: BlockHash) {
+            self.drop_all(b);
+            self.insert(b, k, None);
+        }
+        fn cache_partial(&mut self, b: u32, k: BlockHash, t: u32, replace: bool) {
+            let already = self.has(b, &k);
+            let shorter = !already && self.primary.get(&b).and_then(|p| p.1).is_some_and(|x| x < t);
+            if replace || shorter {
+                self.drop_all(b);
+            }
+            self.insert(b, k, Some(t));
+        }
+        fn move_keys(&mut self, src: u32, dst: u32) {
+            let Some((k, t)) = self.primary.get(&src).copied() else { return };
+            let extras = self.extras.get(&src).cloned().unwrap_or_default();
+            self.drop_all(src);
+            self.insert(dst, k, t);
+            for e in extras {
+                self.insert(dst, e, None);
+            }
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc,
+        Free(usize),
+        Full(usize, u8),
+        Partial(usize, u8, bool),
+        Move(usize, usize),
+        Reset,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => Just(Op::Alloc),
+            2 => any::<usize>().prop_map(Op::Free),
+            3 => (any::<usize>(), 0u8..4).prop_map(|(i, k)| Op::Full(i, k)),
+            4 => (any::<usize>(), 1u8..8, proptest::bool::weighted(0.15)).prop_map(|(i, k, r)| Op::Partial(i, k, r)),
+            2 => (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Op::Move(a, b)),
+            1 => Just(Op::Reset),
+        ]
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        /// Random partial entries, full hashes, moves, evictions and resets: every lookup and every block's keys
+        /// agree with the plain model after each operation, and the pool's own check holds.
+        #[test]
+        fn partial_keys_match_a_plain_model(ops in proptest::collection::vec(op(), 1..60)) {
+            let n = 7u32;
+            let mut p = BlockPool::new(n, true);
+            let mut m = Model::default();
+            let mut held: Vec<u32> = Vec::new();
+            // Full keys are h(100 + k), partial keys h(k) standing for k tokens.
+            let all: Vec<BlockHash> = (1u8..8).chain(100..104).map(h).collect();
+            for o in ops {
+                match o {
+                    Op::Alloc if p.num_free_blocks() > 0 => {
+                        let mut out = Vec::new();
+                        p.allocate_into(1, &mut out);
+                        m.drop_all(out[0]);
+                        held.push(out[0]);
+                    }
+                    Op::Free(i) if !held.is_empty() => {
+                        let b = held.swap_remove(i % held.len());
+                        p.free_blocks(&[b]);
+                    }
+                    Op::Full(i, k) if !held.is_empty() => {
+                        let b = held[i % held.len()];
+                        p.cache_block(b, h(100 + k));
+                        m.cache_full(b, h(100 + k));
+                    }
+                    Op::Partial(i, k, r) if !held.is_empty() => {
+                        let b = held[i % held.len()];
+                        p.cache_partial_block(b, h(k), u32::from(k), r);
+                        m.cache_partial(b, h(k), u32::from(k), r);
+                    }
+                    Op::Move(i, j)
+                        if held.len() > 1
+                            && held[i % held.len()] != held[j % held.len()]
+                            && p.block_hash(held[j % held.len()]).is_none() =>
+                    {
+                        let (src, dst) = (held[i % held.len()], held[j % held.len()]);
+                        p.move_block_hashes(src, dst);
+                        m.move_keys(src, dst);
+                    }
+                    Op::Reset if p.reset_prefix_cache() => m = Model::default(),
+                    _ => {}
+                }
+                let mut count = vec![0u32; n as usize];
+                for &b in &held {
+                    count[b as usize] += 1;
+                }
+                p.check(&count).unwrap();
+                for k in &all {
+                    prop_assert_eq!(p.get_cached_block(k), m.first(k), "key {:?}", k.0[0]);
+                }
+                for b in 1..n {
+                    let want = m.primary.get(&b).map(|x| x.0);
+                    prop_assert_eq!(p.block_hash(b).copied(), want);
+                    let want: Vec<BlockHash> = m.extras.get(&b).cloned().unwrap_or_default();
+                    prop_assert_eq!(p.extra_keys(b).to_vec(), want);
+                }
+            }
+        }
+    }
 }
