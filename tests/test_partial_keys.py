@@ -90,3 +90,44 @@ def test_moving_keys_keeps_them_live_on_the_copy() -> None:
     assert s.reset_prefix_cache()
     assert first(s, h(15)) is None and not s._extra_keys and not s._partial_tokens
     s.check_invariants()
+
+
+def test_unit_hashes_cover_every_full_unit_and_end_each_block() -> None:
+    from kvsched.reference.hashing import _BlockHasher
+
+    tokens = [t * 7 + 1 for t in range(22)]
+    for unit, lookahead in [(1, 0), (2, 0), (4, 0), (8, 0), (2, 2)]:
+        h = _BlockHasher("sha256", b"s", 8, lookahead, unit)
+        part = h.unit_hashes_of(tokens[:13], "salt", None, [])
+        units = h.unit_hashes_of(tokens, "salt", None, part)
+        assert len(part) == (13 - lookahead) // unit and units[: len(part)] == part
+        assert len(units) == (22 - lookahead) // unit
+        blocks = h.block_hashes_of(tokens, "salt", None)
+        k = 8 // unit
+        assert blocks == [units[(i + 1) * k - 1] for i in range(len(blocks))]
+        assert blocks and len(set(units)) == len(units)
+
+
+def test_partial_hit_unit() -> None:
+    from kvsched import SchedulerConfig
+    from kvsched.config import MAMBA
+
+    on = dict(block_size=8, hash_block_size=4, enable_prefix_caching=True, mamba_align=True)
+    assert SchedulerConfig.partial_hit_unit(_Fields(**on, kv_cache_groups=(None, MAMBA))) == 4  # type: ignore[arg-type]
+    for off in [
+        dict(on, hash_block_size=None),
+        dict(on, hash_block_size=8),
+        dict(on, hash_block_size=3),
+        dict(on, enable_prefix_caching=False),
+        dict(on, mamba_align=False),
+    ]:
+        assert SchedulerConfig.partial_hit_unit(_Fields(**off, kv_cache_groups=(None, MAMBA))) is None  # type: ignore[arg-type]
+    for groups in [(None, 16), (None, MAMBA, 16), None]:
+        assert SchedulerConfig.partial_hit_unit(_Fields(**on, kv_cache_groups=groups)) is None  # type: ignore[arg-type]
+
+
+class _Fields:
+    """The fields ``partial_hit_unit`` reads (the config itself refuses a finer unit with Mamba prefix caching)."""
+
+    def __init__(self, **kw: object) -> None:
+        self.__dict__.update(kw)

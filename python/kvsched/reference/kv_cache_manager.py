@@ -146,6 +146,16 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         return tokens
 
     def _update_block_hashes(self, r: _Request) -> None:
+        unit = self._partial_unit
+        if unit:  # every unit's hash, then the blocks' (each its last unit's)
+            r.unit_hashes = self._hasher.unit_hashes_of(
+                r.token_ids, r.cache_salt, r.lora_name, r.unit_hashes, r.encoder_inputs
+            )
+            k = self._bs // unit
+            r.block_hashes.extend(
+                r.unit_hashes[(i + 1) * k - 1] for i in range(len(r.block_hashes), len(r.unit_hashes) // k)
+            )
+            return
         if self._config.enable_prefix_caching:
             r.block_hashes = self._hasher.block_hashes_of(
                 r.token_ids, r.cache_salt, r.lora_name, len(r.block_hashes), r.block_hashes, r.encoder_inputs

@@ -139,6 +139,8 @@ class _SchedulerState:
         self._cpu_free: deque[int] = deque(range(c.num_cpu_blocks))  # the CPU swap pool: pop left, append right
         self._recompute_cost_per_token = c.recompute_cost_per_token
         self._swap_cost_per_block = c.swap_cost_per_block
+        # Tokens per prefix-match unit when prefix hits can end inside a block (0: whole blocks).
+        self._partial_unit = c.partial_hit_unit() or 0
         self._hasher = _BlockHasher(
             c.prefix_hash_algo, c.prefix_hash_seed, self._bs, c.hash_lookahead_tokens, c.hash_block_size
         )
