@@ -131,3 +131,37 @@ class _Fields:
 
     def __init__(self, **kw: object) -> None:
         self.__dict__.update(kw)
+
+
+def test_partial_hits_end_on_unit_boundaries() -> None:
+    """The core's ``partial_hits_end_on_unit_boundaries`` (``hybrid_kv.rs``), on the reference's lookup."""
+    from kvsched.config import MAMBA
+
+    s = ReferenceScheduler(
+        num_blocks=16,
+        block_size=8,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+        kv_cache_groups=(None, MAMBA),
+        mamba_align=True,
+    )
+    s._partial_unit = 4  # the configuration itself is refused until partial hits are admitted
+    units = [bytes([i + 1]) * 32 for i in range(7)]
+    b = [s._pop_free_block() for _ in range(6)]
+    key = s._group_key
+    s._insert_key(b[0], units[1], None)
+    s._insert_key(b[1], units[3], None)
+    s._cache_partial_block(b[2], units[4], 20)
+    s._cache_partial_block(b[3], key(units[4], 1), 20)
+    s._cache_partial_block(b[4], key(units[2], 1), 12)
+    assert s._partial_hit_lookup(units, 27) == ([[b[0], b[1], b[2]], [0, 0, b[3]]], 20)
+    assert s._partial_hit_lookup(units, 19) == ([[b[0], b[1]], [0, b[4]]], 12)
+    s._uncache(b[3], key(units[4], 1))
+    assert s._partial_hit_lookup(units, 27)[1] == 12
+    s._uncache(b[4], key(units[2], 1))
+    assert s._partial_hit_lookup(units, 27) == ([[], []], 0)
+    s._uncache(b[2], units[4])
+    s._insert_key(b[2], units[5], None)
+    s._cache_partial_block(b[5], key(units[5], 1), 24)
+    assert s._partial_hit_lookup(units, 27) == ([[b[0], b[1], b[2]], [0, 0, b[5]]], 24)
