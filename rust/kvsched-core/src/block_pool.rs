@@ -685,13 +685,16 @@ impl BlockPool {
         if let Some(p) = self.partial.as_deref() {
             let mut filed = 0;
             for (k, v) in &p.extra {
+                if v.is_empty() {
+                    return Err("an extra key filed under no block".into());
+                }
                 for &(_, b) in v {
                     let ok = self.is_hashed(b as usize)
                         && self.hash_of(b as usize) != Some(k)
                         && p.of_block
                             .get(&b)
                             .is_some_and(|keys| keys.iter().filter(|&x| x == k).count() == 1);
-                    if !ok || v.is_empty() {
+                    if !ok {
                         return Err(format!("block {b}: extra key entry disagrees with the block's keys"));
                     }
                 }
