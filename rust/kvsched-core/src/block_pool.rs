@@ -129,6 +129,10 @@ pub struct BlockPool {
     track_groups: bool,
     /// Keys finer than the block; `None` until the first partial entry (and after a reset).
     partial: Option<Box<PartialKeys>>,
+    /// Whether an eviction takes the general path: some hash is carried by several blocks (`duplicates`) or
+    /// blocks carry extra keys (`partial`). Kept up to date by the few places that change either, so that the
+    /// common eviction reads one flag.
+    slow_evict: bool,
 }
 
 impl BlockPool {
@@ -147,6 +151,7 @@ impl BlockPool {
             event_groups: Vec::new(),
             track_groups: false,
             partial: None,
+            slow_evict: false,
         }
     }
 
@@ -259,22 +264,21 @@ impl BlockPool {
         self.free.contains(block)
     }
 
-    /// The first block filed under `hash` (as its hash, or as an extra key), if any.
-    #[inline]
+    /// The first block carrying `hash` as its hash, if any: the whole-block lookup. Extra keys (a prefix match
+    /// unit finer than the block, see the module notes) are not looked at; `get_cached_key` does.
     pub fn get_cached_block(&self, hash: &BlockHash) -> Option<u32> {
-        let first = self.first_hashed(hash);
-        match self.partial.as_deref() {
-            None => first,
-            Some(p) => Self::first_with_extra(p, hash, first),
-        }
-    }
-
-    /// The first block whose hash is `hash` (extra keys aside).
-    #[inline(always)]
-    fn first_hashed(&self, hash: &BlockHash) -> Option<u32> {
         // Every block in the table is hashed: compare the slot directly.
         let hashes = &self.hash;
         self.cached.find(table_hash(hash), |b| hashes[b as usize].0 == *hash)
+    }
+
+    /// The first block filed under `key`, as its hash or as an extra key (vLLM's lookup with partial entries).
+    pub fn get_cached_key(&self, key: &BlockHash) -> Option<u32> {
+        let first = self.get_cached_block(key);
+        match self.partial.as_deref() {
+            None => first,
+            Some(p) => Self::first_with_extra(p, key, first),
+        }
     }
 
     /// Of `first` (the first block whose hash is `hash`) and the first block carrying `hash` as an extra key,
@@ -340,6 +344,7 @@ impl BlockPool {
         }
         let n = self.meta.len();
         let hashed = self.is_hashed(block as usize);
+        self.slow_evict = true;
         let p = self.partial.get_or_insert_with(|| Box::new(PartialKeys::new(n)));
         if hashed {
             let s = p.next;
@@ -351,7 +356,7 @@ impl BlockPool {
         if let Some(t) = tokens {
             p.tokens.insert(block, t);
         }
-        self.cache_block(block, key);
+        self.cache_block_rekey(block, key);
     }
 
     /// Re-files every key of `src` under `dst` (a block with none), quietly (vLLM's `move_block_hashes`): the
@@ -470,20 +475,28 @@ impl BlockPool {
 
     #[inline(always)]
     fn evict_hashed_quietly(&mut self, block: u32) {
-        if let Some(p) = self.partial.as_deref_mut() {
-            p.drop_block(block);
-        }
         self.num_removed += 1;
         let i = block as usize;
         self.meta[i] &= !HASHED;
         let h = self.hash[i].0;
         // Found by block id, not by comparing hashes: one probe, and only the table is read.
         let key = table_hash(&h);
-        // Without duplicate hashes (the common case) the block is filed in the table: one probe removes it.
-        if self.duplicates.is_empty() {
+        // Without duplicate hashes or extra keys (the common case) the block is filed in the table: one probe
+        // removes it.
+        if !self.slow_evict {
             let removed = self.cached.remove(key, block);
             debug_assert!(removed, "hashed block {block} is not in the prefix-cache table");
             return;
+        }
+        self.evict_general(block, key, h);
+    }
+
+    /// `evict_hashed_quietly` with duplicate hashes or extra keys about.
+    #[cold]
+    #[inline(never)]
+    fn evict_general(&mut self, block: u32, key: u64, h: BlockHash) {
+        if let Some(p) = self.partial.as_deref_mut() {
+            p.drop_block(block);
         }
         if self.cached.contains_block(key, block) {
             // `block` is what lookups return: promote the oldest duplicate, if any, so they keep returning
@@ -506,6 +519,12 @@ impl BlockPool {
                 self.duplicates.remove(&h);
             }
         }
+        self.refresh_slow_evict();
+    }
+
+    /// Recomputes `slow_evict` after a change to `duplicates` or `partial`.
+    fn refresh_slow_evict(&mut self) {
+        self.slow_evict = !self.duplicates.is_empty() || self.partial.is_some();
     }
 
     /// Takes `block` out of the prefix cache if it still carries `hash` (its KV was never computed:
@@ -569,10 +588,21 @@ impl BlockPool {
         self.unhashed_buf = unhashed;
     }
 
-    /// Enters a full, allocated block into the prefix cache (only called with caching on). A block filed under
-    /// a partial entry (its prompt tail, with a prefix match unit finer than the block) loses its keys first.
+    /// Enters a full, allocated block carrying no hash into the prefix cache (only called with caching on).
+    /// With blocks keyed finer than the block about, `cache_block_rekey` instead.
     #[inline]
     pub fn cache_block(&mut self, block: u32, hash: BlockHash) {
+        if block == NULL_BLOCK {
+            return;
+        }
+        debug_assert!(!self.is_hashed(block as usize) && self.partial.is_none());
+        self.enter(block, hash);
+    }
+
+    /// `cache_block` where blocks may be keyed finer than the block (a prefix match unit below the block): a
+    /// block already filed under a partial entry (its prompt tail) loses its keys first (vLLM's promotion of a
+    /// partial entry to the full block's hash).
+    pub fn cache_block_rekey(&mut self, block: u32, hash: BlockHash) {
         if block == NULL_BLOCK {
             return;
         }
@@ -583,6 +613,12 @@ impl BlockPool {
             p.seq[block as usize] = p.next;
             p.next += 1;
         }
+        self.enter(block, hash);
+    }
+
+    /// Files `block` (carrying no hash) under `hash` in the table.
+    #[inline(always)]
+    fn enter(&mut self, block: u32, hash: BlockHash) {
         self.hash[block as usize] = HashSlot(hash);
         self.meta[block as usize] |= HASHED;
         let hashes = &self.hash;
@@ -598,6 +634,7 @@ impl BlockPool {
         );
         if found.is_some() {
             self.duplicates.entry(hash).or_default().push(block);
+            self.slow_evict = true;
         }
     }
 
@@ -626,6 +663,7 @@ impl BlockPool {
         self.cached.clear();
         self.duplicates.clear();
         self.partial = None;
+        self.slow_evict = false;
         self.num_removed += 1;
         for m in &mut self.meta {
             *m &= !HASHED;
@@ -674,13 +712,16 @@ impl BlockPool {
         for b in self.cached.iter() {
             // Every entry carries a hash, and a lookup of that hash finds this entry (one entry per hash).
             let found = if (b as usize) < self.hash.len() {
-                self.hash_of(b as usize).and_then(|h| self.first_hashed(h))
+                self.hash_of(b as usize).and_then(|h| self.get_cached_block(h))
             } else {
                 None
             };
             if found != Some(b) {
                 return Err(format!("cache map entry {b} disagrees with block hashes"));
             }
+        }
+        if self.slow_evict != (!self.duplicates.is_empty() || self.partial.is_some()) {
+            return Err("slow_evict disagrees with the duplicates and extra keys".into());
         }
         if let Some(p) = self.partial.as_deref() {
             let mut filed = 0;
@@ -709,7 +750,7 @@ impl BlockPool {
         }
         for (h, v) in &self.duplicates {
             let bad = v.is_empty()
-                || self.first_hashed(h).is_none()
+                || self.get_cached_block(h).is_none()
                 || v.iter().any(|&b| self.hash_of(b as usize) != Some(h));
             if bad {
                 return Err("duplicate cache entry disagrees with block hashes".into());
@@ -752,7 +793,7 @@ mod tests {
         p.free_blocks(&a);
         // Reverse order: 3 (no hash) to the head, then 2, 1 (hashed) to the tail.
         assert_eq!(p.free.iter().collect::<Vec<_>>(), vec![3, 4, 5, 2, 1]);
-        assert_eq!(p.get_cached_block(&h(2)), Some(2));
+        assert_eq!(p.get_cached_key(&h(2)), Some(2));
         let mut held = vec![0u32; 6];
         p.check(&held).unwrap();
         // A hit revives a free cached block.
@@ -764,7 +805,7 @@ mod tests {
         let mut b = Vec::new();
         p.allocate_into(4, &mut b);
         assert_eq!(b, vec![3, 4, 5, 1]);
-        assert_eq!(p.get_cached_block(&h(1)), None);
+        assert_eq!(p.get_cached_key(&h(1)), None);
         for x in &b {
             held[*x as usize] = 1;
         }
@@ -773,7 +814,7 @@ mod tests {
         p.free_blocks(&b);
         p.free_blocks(&[2]);
         assert!(p.reset_prefix_cache());
-        assert_eq!(p.get_cached_block(&h(2)), None);
+        assert_eq!(p.get_cached_key(&h(2)), None);
         p.check(&[0; 6]).unwrap();
     }
 
@@ -784,7 +825,7 @@ mod tests {
         p.allocate_into(2, &mut a);
         p.cache_block(1, h(7));
         p.cache_block(2, h(7));
-        assert_eq!(p.get_cached_block(&h(7)), Some(1));
+        assert_eq!(p.get_cached_key(&h(7)), Some(1));
         p.check(&[0, 1, 1, 0]).unwrap();
     }
 
@@ -802,12 +843,12 @@ mod tests {
         assert!(p.cache_partial_block(1, h(20), 20, false));
         assert!(!p.cache_partial_block(NULL_BLOCK, h(20), 20, false));
         assert_eq!(keys(&p, 1), (Some(h(20)), vec![]));
-        assert_eq!(p.get_cached_block(&h(20)), Some(1));
+        assert_eq!(p.get_cached_key(&h(20)), Some(1));
         p.check(&held).unwrap();
         // Filling the block promotes it: the partial entry goes, the full hash comes.
-        p.cache_block(1, h(24));
+        p.cache_block_rekey(1, h(24));
         assert_eq!(keys(&p, 1), (Some(h(24)), vec![]));
-        assert_eq!(p.get_cached_block(&h(20)), None);
+        assert_eq!(p.get_cached_key(&h(20)), None);
         // Keying the tail again files it as an extra key beside the full hash (the full one is longer).
         assert!(p.cache_partial_block(1, h(20), 20, false));
         assert_eq!(keys(&p, 1), (Some(h(24)), vec![h(20)]));
@@ -818,15 +859,15 @@ mod tests {
         p.check(&held).unwrap();
         // Block 2 takes the same key as its hash after block 1's extra key: lookups keep the first filed.
         p.cache_partial_block(2, h(20), 20, false);
-        assert_eq!(p.get_cached_block(&h(20)), Some(1));
+        assert_eq!(p.get_cached_key(&h(20)), Some(1));
         p.check(&held).unwrap();
         // Block 3's hash first, then block 4's extra key: block 3 is found; once it goes, block 4.
         p.cache_partial_block(3, h(12), 12, false);
-        p.cache_block(4, h(16));
+        p.cache_block_rekey(4, h(16));
         p.cache_partial_block(4, h(12), 12, false);
-        assert_eq!(p.get_cached_block(&h(12)), Some(3));
-        p.cache_block(3, h(30));
-        assert_eq!(p.get_cached_block(&h(12)), Some(4));
+        assert_eq!(p.get_cached_key(&h(12)), Some(3));
+        p.cache_block_rekey(3, h(30));
+        assert_eq!(p.get_cached_key(&h(12)), Some(4));
         p.check(&held).unwrap();
         // Freeing and reusing block 1 evicts every key it carries: block 2 is found under the tail key.
         p.free_blocks(&[1]);
@@ -834,8 +875,8 @@ mod tests {
         p.allocate_into(2, &mut b);
         assert_eq!(b, vec![5, 1]);
         assert_eq!(keys(&p, 1), (None, vec![]));
-        assert_eq!(p.get_cached_block(&h(24)), None);
-        assert_eq!(p.get_cached_block(&h(20)), Some(2));
+        assert_eq!(p.get_cached_key(&h(24)), None);
+        assert_eq!(p.get_cached_key(&h(20)), Some(2));
         p.check(&[0, 1, 1, 1, 1, 1]).unwrap();
     }
 
@@ -848,17 +889,17 @@ mod tests {
         // A longer prefix in the same block: the shorter entry goes.
         p.cache_partial_block(1, h(6), 6, false);
         assert_eq!(keys(&p, 1), (Some(h(6)), vec![]));
-        assert_eq!(p.get_cached_block(&h(4)), None);
+        assert_eq!(p.get_cached_key(&h(4)), None);
         // A shorter one beside a longer hash is an extra key.
         p.cache_partial_block(1, h(5), 5, false);
         assert_eq!(keys(&p, 1), (Some(h(6)), vec![h(5)]));
         // Rewritten contents: every key goes, even one already there.
         p.cache_partial_block(1, h(5), 5, true);
         assert_eq!(keys(&p, 1), (Some(h(5)), vec![]));
-        assert_eq!(p.get_cached_block(&h(6)), None);
+        assert_eq!(p.get_cached_key(&h(6)), None);
         p.check(&[0, 1, 1, 0]).unwrap();
         // The full hash of the block, entered as a partial entry of the block's length, is its hash.
-        p.cache_block(2, h(8));
+        p.cache_block_rekey(2, h(8));
         p.cache_partial_block(2, h(8), 8, false);
         assert_eq!(keys(&p, 2), (Some(h(8)), vec![]));
         assert!(p.reset_prefix_cache() || p.num_free_blocks() < 3);
@@ -869,16 +910,16 @@ mod tests {
         let mut p = BlockPool::new(6, true);
         let mut a = Vec::new();
         p.allocate_into(4, &mut a);
-        p.cache_block(1, h(16));
+        p.cache_block_rekey(1, h(16));
         p.cache_partial_block(1, h(12), 12, false);
         p.cache_partial_block(2, h(12), 12, false);
         let removed = p.num_removed();
         p.move_block_hashes(1, 3);
         assert_eq!(keys(&p, 1), (None, vec![]));
         assert_eq!(keys(&p, 3), (Some(h(16)), vec![h(12)]));
-        assert_eq!(p.get_cached_block(&h(16)), Some(3));
+        assert_eq!(p.get_cached_key(&h(16)), Some(3));
         // Moved keys are filed anew: block 2's entry is now the first under the tail key.
-        assert_eq!(p.get_cached_block(&h(12)), Some(2));
+        assert_eq!(p.get_cached_key(&h(12)), Some(2));
         assert!(p.num_removed() > removed);
         p.check(&[0, 1, 1, 1, 1, 0]).unwrap();
         // A partial hash moves with its length: a longer entry on the copy still replaces it.
@@ -890,7 +931,7 @@ mod tests {
         p.check(&[0, 1, 1, 1, 1, 0]).unwrap();
         p.free_blocks(&[1, 2, 3, 4]);
         assert!(p.reset_prefix_cache());
-        assert_eq!(p.get_cached_block(&h(15)), None);
+        assert_eq!(p.get_cached_key(&h(15)), None);
         assert_eq!(p.extra_keys(3), &[] as &[BlockHash]);
         p.check(&[0; 6]).unwrap();
     }
@@ -1014,7 +1055,7 @@ mod tests {
                     }
                     Op::Full(i, k) if !held.is_empty() => {
                         let b = held[i % held.len()];
-                        p.cache_block(b, h(100 + k));
+                        p.cache_block_rekey(b, h(100 + k));
                         m.cache_full(b, h(100 + k));
                     }
                     Op::Partial(i, k, r) if !held.is_empty() => {
@@ -1040,7 +1081,7 @@ mod tests {
                 }
                 p.check(&count).unwrap();
                 for k in &all {
-                    prop_assert_eq!(p.get_cached_block(k), m.first(k), "key {:?}", k.0[0]);
+                    prop_assert_eq!(p.get_cached_key(k), m.first(k), "key {:?}", k.0[0]);
                 }
                 for b in 1..n {
                     let want = m.primary.get(&b).map(|x| x.0);

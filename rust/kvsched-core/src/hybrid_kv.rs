@@ -166,6 +166,19 @@ impl KvCacheManager {
         out.extend_from_slice(&hits[0]);
     }
 
+    /// The blocks filed under unit `f`'s key (`units[f]`, as a hash or an extra key) for every group of `ids`,
+    /// into `found`; false if one of them misses.
+    fn hit_unit(&self, units: &[BlockHash], f: usize, ids: &[usize], found: &mut Vec<u32>) -> bool {
+        found.clear();
+        for &g in ids {
+            match self.pool.get_cached_key(&group_key(&units[f], g)) {
+                Some(b) => found.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
     /// vLLM's hybrid lookup when a prefix hit can end inside a block (`partial_unit` tokens per unit: full-attention
     /// and align-mode Mamba groups only, no trailing-block drop), over the request's unit hashes `units` and capped
     /// at `max_len` tokens. A full-attention set takes whole blocks from the start, then probes the first missing
@@ -203,7 +216,7 @@ impl KvCacheManager {
                 if *w == MAMBA {
                     let num_units = ((curr / unit) as usize).min(units.len());
                     for f in (0..num_units).rev() {
-                        if self.hit_all(units, f, 1, ids, &mut found) {
+                        if self.hit_unit(units, f, ids, &mut found) {
                             for (&g, &b) in ids.iter().zip(found.iter()) {
                                 hits[g].resize(f / k, NULL_BLOCK);
                                 hits[g].push(b);
@@ -215,7 +228,7 @@ impl KvCacheManager {
                 } else {
                     let num_blocks = ((curr / bs) as usize).min(units.len() / k);
                     for i in 0..num_blocks {
-                        if !self.hit_all(units, i, k, ids, &mut found) {
+                        if !self.hit_unit(units, (i + 1) * k - 1, ids, &mut found) {
                             break;
                         }
                         for (&g, &b) in ids.iter().zip(found.iter()) {
@@ -228,7 +241,7 @@ impl KvCacheManager {
                     let lo = whole * k;
                     let hi = (lo + k - 1).min((curr / unit) as usize).min(units.len());
                     for f in (lo..hi).rev() {
-                        if self.hit_all(units, f, 1, ids, &mut found) {
+                        if self.hit_unit(units, f, ids, &mut found) {
                             for (&g, &b) in ids.iter().zip(found.iter()) {
                                 hits[g].push(b);
                             }
@@ -926,7 +939,7 @@ impl KvCacheManager {
                             // A prefill checkpoint keyed one block lower (with the drop) moves up to its entry.
                             self.pool.uncache(b, &h);
                         }
-                        self.pool.cache_block(b, key);
+                        self.pool.cache_block_rekey(b, key);
                         self.pool.set_event_group(b, g);
                         self.newly_cached.push((b, key));
                         if w == MAMBA {
@@ -1063,7 +1076,7 @@ impl KvCacheManager {
             }
             None => {}
         }
-        self.pool.cache_block(b, key);
+        self.pool.cache_block_rekey(b, key);
         self.pool.set_event_group(b, g);
         self.newly_cached.push((b, key));
         if let Some(hy) = self.hybrid.as_deref_mut() {
@@ -1232,8 +1245,8 @@ mod tests {
         let mut b = Vec::new();
         kv.pool.allocate_into(6, &mut b);
         // Full attention: blocks 0 and 1 whole (keyed by their last unit), block 2 keyed at unit 4 (20 tokens).
-        kv.pool.cache_block(b[0], units[1]);
-        kv.pool.cache_block(b[1], units[3]);
+        kv.pool.cache_block_rekey(b[0], units[1]);
+        kv.pool.cache_block_rekey(b[1], units[3]);
         kv.pool.cache_partial_block(b[2], units[4], 20, false);
         // Mamba: a state at 20 tokens and one at 12.
         kv.pool.cache_partial_block(b[3], group_key(&units[4], 1), 20, false);
@@ -1256,7 +1269,7 @@ mod tests {
         assert_eq!(kv.find_partial_hit(&units, 27, &mut hits), 0);
         assert_eq!(hits, vec![Vec::<u32>::new(), vec![]]);
         // A block-aligned Mamba state (its key the full block's) with full attention's block 2 whole.
-        kv.pool.cache_block(b[2], units[5]);
+        kv.pool.cache_block_rekey(b[2], units[5]);
         kv.pool.cache_partial_block(b[5], group_key(&units[5], 1), 24, false);
         assert_eq!(kv.find_partial_hit(&units, 27, &mut hits), 24);
         assert_eq!(hits, vec![vec![b[0], b[1], b[2]], vec![NULL_BLOCK, NULL_BLOCK, b[5]]]);
