@@ -1077,6 +1077,16 @@ class SchedulerConfig:
                     f"kv_cache_group_block_sizes of different sizes cannot be combined with {name} (not implemented)"
                 )
 
+    def partial_hit_unit(self) -> int | None:
+        """Tokens per prefix-match unit when a prefix hit can end inside a block (vLLM's partial hash hits): a
+        ``hash_block_size`` below ``block_size`` with prefix caching on, align-mode Mamba groups (``mamba_align``)
+        and every other group full attention. None otherwise (hits end on whole blocks)."""
+        h, groups = self.hash_block_size, self.kv_cache_groups or ()
+        if h is None or h >= self.block_size or self.block_size % h:
+            return None
+        fine = all(w is None or w == MAMBA for w in groups)
+        return h if self.enable_prefix_caching and self.mamba_align and MAMBA in groups and fine else None
+
     def group_block_sizes(self) -> tuple[int, ...]:
         """Each KV cache group's block size (``kv_cache_group_block_sizes``, or ``kv_block_size`` for every
         group)."""

@@ -5,7 +5,10 @@ The pool's fields live on the scheduler (``state.py``): ``_ref_cnt[b]`` and ``_b
 ``_free`` (a :class:`_FreeBlockQueue`) and ``_cached`` (``block_hash -> {block_id: None}``, an insertion-ordered
 set; lookups take its first block). Block 0 is the null block: never free, never allocated, never hashed. A
 usable block is in the free queue iff its reference count is 0; a free block keeps its hash (it can still be
-hit) until it is popped for reuse. With KV cache events on (``_events``), a block leaving the map is recorded as
+hit) until it is popped for reuse. With a prefix match unit finer than the block, a block can also be filed
+under keys other than its hash (``_extra_keys``: a prefix ending inside it, vLLM's partial entries) in the same
+``_cached`` map, so a lookup takes, of the blocks filed under a key either way, the one filed first; evicting or
+re-keying a block drops all its keys. With KV cache events on (``_events``), a block leaving the map is recorded as
 removed, with its group, its own hash (not the group's key) and the blocks still carrying the key, and then each
 second key it carries (``_second_keys``: a prompt's tail entry with KV cache groups of different block sizes, kept
 for the events only; no lookup can find it), each counted with the blocks carrying it either way.
@@ -45,6 +48,11 @@ class _BlockPoolMixin(_SchedulerState):
         if not self._cached[h]:
             del self._cached[h]
         self._block_hash[b] = None
+        self._partial_tokens.pop(b, None)
+        for k in self._extra_keys.pop(b, ()):
+            del self._cached[k][b]
+            if not self._cached[k]:
+                del self._cached[k]
         if self._events is not None:
             self._push_removed(h)
             for key in self._second_keys.pop(b, ()):
@@ -78,6 +86,53 @@ class _BlockPoolMixin(_SchedulerState):
             return False
         keys.append(key)
         return True
+
+    def _has_key(self, b: int, key: bytes) -> bool:
+        """Whether block ``b`` is filed under ``key`` (as its hash or as an extra key)."""
+        return self._block_hash[b] == key or key in self._extra_keys.get(b, ())
+
+    def _cache_partial_block(self, b: int, key: bytes, num_tokens: int, replace: bool = False) -> bool:
+        """Files block ``b`` under ``key``, a prefix of ``num_tokens`` tokens ending inside it or at its end: as its
+        hash if it has none, else as an extra key. A block whose hash is a shorter partial entry, or every block
+        with ``replace`` (its contents were rewritten), loses all its keys first. The null block is never filed."""
+        if b == 0:
+            return False
+        h = self._block_hash[b]
+        if h is not None:
+            already = self._has_key(b, key)
+            shorter = not already and self._partial_tokens.get(b, num_tokens) < num_tokens
+            if replace or shorter:
+                self._uncache(b, h)
+        self._insert_key(b, key, num_tokens)
+        return True
+
+    def _insert_key(self, b: int, key: bytes, num_tokens: int | None) -> None:
+        """Files ``b`` under ``key`` unless it is already: as its hash (a partial entry of ``num_tokens`` tokens, or a
+        full block's hash with ``None``) if it has none, else as an extra key."""
+        if self._has_key(b, key):
+            return
+        if self._block_hash[b] is not None:
+            self._extra_keys.setdefault(b, []).append(key)
+        else:
+            self._block_hash[b] = key
+            if num_tokens is not None:
+                self._partial_tokens[b] = num_tokens
+        self._cached.setdefault(key, {})[b] = None
+
+    def _move_block_hashes(self, src: int, dst: int) -> None:
+        """Re-files every key of ``src`` under ``dst`` (a block with none), quietly: the request holding ``src``
+        keeps writing into it while the prefix cache keeps ``dst``, a copy."""
+        h = self._block_hash[src]
+        if h is None:
+            return
+        tokens = self._partial_tokens.get(src)
+        extras = list(self._extra_keys.get(src, ()))
+        events, self._events = self._events, None
+        self._uncache(src, h)
+        self._events = events
+        self._insert_key(dst, h, tokens)
+        for k in extras:
+            self._insert_key(dst, k, None)
 
     def _free_block_list(self, block_ids: list[int]) -> None:
         to_head: list[int] = []

@@ -84,6 +84,20 @@ class _BlockHasher:
             hashes.append(parent)
         return hashes
 
+    def unit_hashes_of(self, tokens: list[int], salt: str | None, lora: str | None, prev: list[bytes],
+                       encoder_inputs: Sequence[tuple[int, int, int]] = ()) -> list[bytes]:  # fmt: skip
+        """Hashes of every full hash unit of ``tokens`` (the units of a block not full yet too), chained on ``prev``
+        (the units hashed so far); a block's hash (``block_hashes_of``) is its last unit's."""
+        hashes = list(prev)
+        la, unit = self.lookahead, self.unit
+        for j in range(len(prev), max(0, len(tokens) - la) // unit):
+            lo = j * unit
+            mm = [(h, st - lo) for st, n, h in encoder_inputs if st < lo + unit + la and st + n > lo]
+            after = tokens[lo + unit : lo + unit + la]
+            parent = hashes[j - 1] if j else self.seed_hash
+            hashes.append(self.hash_block(parent, tokens[lo : lo + unit], lora, salt if lo == 0 else None, mm, after))
+        return hashes
+
 
 def _blake2b_128(data: bytes) -> Any:
     """Stand-in for xxh3-128 (not in the stdlib): a 16-byte BLAKE2b digest."""

@@ -146,6 +146,16 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         return tokens
 
     def _update_block_hashes(self, r: _Request) -> None:
+        unit = self._partial_unit
+        if unit:  # every unit's hash, then the blocks' (each its last unit's)
+            r.unit_hashes = self._hasher.unit_hashes_of(
+                r.token_ids, r.cache_salt, r.lora_name, r.unit_hashes, r.encoder_inputs
+            )
+            k = self._bs // unit
+            r.block_hashes.extend(
+                r.unit_hashes[(i + 1) * k - 1] for i in range(len(r.block_hashes), len(r.unit_hashes) // k)
+            )
+            return
         if self._config.enable_prefix_caching:
             r.block_hashes = self._hasher.block_hashes_of(
                 r.token_ids, r.cache_salt, r.lora_name, len(r.block_hashes), r.block_hashes, r.encoder_inputs
@@ -557,6 +567,70 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         self._group_longest = longest // bs
         self._group_per_set = False
         return self._group_hits[0]
+
+    def _partial_hit_lookup(self, units: list[bytes], max_len: int) -> tuple[list[list[int]], int]:
+        """The hybrid lookup when a prefix hit can end inside a block (``_partial_unit`` tokens per unit; full
+        attention and align-mode Mamba groups, no trailing-block drop), over the request's unit hashes, capped at
+        ``max_len`` tokens: full attention takes whole blocks, then the first missing block's unit boundaries high to
+        low; Mamba the rightmost unit boundary it has cached, null blocks before its block. The sets run in order to a
+        fixed point (one pass with a full-attention set and one other); full attention is cut to the blocks the hit
+        touches. Returns every group's hits and the hit in tokens."""
+        unit, bs = self._partial_unit, self._bs
+        k = bs // unit
+        windows = self._group_windows()
+        sets = self._lookup_sets()
+        hits: list[list[int]] = [[] for _ in windows]
+        len_of: list[int | None] = [None] * len(windows)
+
+        def found(f: int, ids: list[int]) -> list[int] | None:
+            blocks = [next(iter(self._cached.get(self._group_key(units[f], g), {})), None) for g in ids]
+            return None if None in blocks else blocks  # type: ignore[return-value]
+
+        hit_len = max_len
+        while True:
+            curr = hit_len
+            for w, ids in sets:
+                first_len = len_of[ids[0]]
+                if w == 0 and first_len is not None:
+                    curr = min(curr, first_len)
+                    continue
+                for g in ids:
+                    hits[g] = []
+                got = 0
+                if w == _MAMBA:
+                    for f in range(min(curr // unit, len(units)) - 1, -1, -1):
+                        if (blocks := found(f, ids)) is not None:
+                            for g, b in zip(ids, blocks, strict=True):
+                                hits[g] = [0] * (f // k) + [b]
+                            got = (f + 1) * unit
+                            break
+                else:
+                    for i in range(min(curr // bs, len(units) // k)):
+                        if (blocks := found((i + 1) * k - 1, ids)) is None:
+                            break
+                        for g, b in zip(ids, blocks, strict=True):
+                            hits[g].append(b)
+                    got = len(hits[ids[0]]) * bs
+                    lo = len(hits[ids[0]]) * k
+                    for f in range(min(lo + k - 1, curr // unit, len(units)) - 1, lo - 1, -1):
+                        if (blocks := found(f, ids)) is not None:
+                            for g, b in zip(ids, blocks, strict=True):
+                                hits[g].append(b)
+                            got = (f + 1) * unit
+                            break
+                for g in ids:
+                    len_of[g] = got
+                curr = got
+            if curr >= hit_len:
+                break
+            hit_len = curr
+            if len(sets) == 2 and sets[0][0] == 0:
+                break
+        for w, ids in sets:
+            if w == 0:
+                for g in ids:
+                    del hits[g][-(-hit_len // bs) :]
+        return hits, hit_len
 
     def _set_hit(
         self, block_hashes: list[bytes], w: int, ids: list[int], curr: int, eagle: bool, hits: list[list[int]]

@@ -79,6 +79,7 @@ class _Request:
         "tenant",
         "token_ids",
         "ttft_slo_s",
+        "unit_hashes",
         "wait_seq",
         "wait_since",
     )
@@ -116,6 +117,8 @@ class _Request:
         self.drafts: list[int] = []
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
+        # With prefix hits inside a block (SchedulerConfig.partial_hit_unit): every full unit's hash.
+        self.unit_hashes: list[bytes] = []
         self.num_cached_blocks = 0  # leading blocks of block_ids already entered into the cache map
         # With several KV cache groups: groups 1..'s tables (group 0's is block_ids) and cached-block counts.
         self.group_block_ids: list[list[int]] = []

@@ -488,6 +488,8 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
             return False
         self._cached.clear()
         self._second_keys.clear()
+        self._extra_keys.clear()
+        self._partial_tokens.clear()
         self._block_hash = [None] * self._config.num_blocks
         if self._events is not None:
             self._events.push_cleared()
@@ -664,8 +666,15 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
         hashed = {b for b in range(c.num_blocks) if self._block_hash[b] is not None}
         in_map = [(h, b) for h, blocks in self._cached.items() for b in blocks]
         require(all(blocks for blocks in self._cached.values()), "no empty cache-map entries")
-        require(all(self._block_hash[b] == h for h, b in in_map), "cache map entry matches the block's hash")
-        require(len(in_map) == len(hashed) == len({b for _, b in in_map}), "every hashed block is in the map")
+        extra = {(k, b) for b, keys in self._extra_keys.items() for k in keys}
+        require(all(self._block_hash[b] is not None for b in self._extra_keys), "extra keys on hashed blocks")
+        require(all(b in hashed for b in self._partial_tokens), "partial-entry lengths of hashed blocks")
+        require(
+            all(self._block_hash[b] == h or (h, b) in extra for h, b in in_map),
+            "cache map entry matches one of the block's keys",
+        )
+        require(len(in_map) == len(hashed) + len(extra), "every key of every hashed block is in the map once")
+        require({b for _, b in in_map} == hashed, "every hashed block is in the map")
 
         waiting = list(self._waiting)
         require(len(waiting) == len(self._waiting), "waiting count")

@@ -44,6 +44,10 @@ class _SchedulerState:
         self._block_hash: list[bytes | None] = [None] * c.num_blocks
         self._free = _FreeBlockQueue(c.num_blocks)
         self._cached: dict[bytes, dict[int, None]] = {}
+        # A prefix match unit finer than the block: per block, the keys it is filed under besides its hash (in
+        # ``_cached`` too), and the tokens its hash stands for when the hash is a partial entry.
+        self._extra_keys: dict[int, list[bytes]] = {}
+        self._partial_tokens: dict[int, int] = {}
         self._events = _KvCacheEvents() if c.enable_kv_cache_events else None  # KV cache events not taken yet
         # with events: the second keys (a prompt's tail entry, groups of different block sizes) each block carries
         self._second_keys: dict[int, list[bytes]] = {}
@@ -137,6 +141,8 @@ class _SchedulerState:
         self._cpu_free: deque[int] = deque(range(c.num_cpu_blocks))  # the CPU swap pool: pop left, append right
         self._recompute_cost_per_token = c.recompute_cost_per_token
         self._swap_cost_per_block = c.swap_cost_per_block
+        # Tokens per prefix-match unit when prefix hits can end inside a block (0: whole blocks).
+        self._partial_unit = c.partial_hit_unit() or 0
         self._hasher = _BlockHasher(
             c.prefix_hash_algo, c.prefix_hash_seed, self._bs, c.hash_lookahead_tokens, c.hash_block_size
         )

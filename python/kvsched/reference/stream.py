@@ -180,6 +180,8 @@ class _StreamMixin(_KVCacheManagerMixin, _ConnectorMixin):
         r.num_computed_tokens = min(r.num_computed_tokens, keep)
         del r.token_ids[keep:]
         del r.block_hashes[keep // self._bs :]
+        if self._partial_unit:
+            del r.unit_hashes[keep // self._partial_unit :]
         r.token_ids.extend(tokens)
         r.num_prompt_tokens = len(r.token_ids)
         room = self._config.max_model_len - r.num_prompt_tokens

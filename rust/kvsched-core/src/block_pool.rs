@@ -23,6 +23,11 @@
 //! a full-attention group may also carry the key of a prompt's tail that ends inside it (vLLM's partial prefix-cache
 //! entry). No lookup can find it (a group looks up the keys of its own block ends only), so it is kept apart from
 //! the map, for its events only: it leaves the cache with its block, its removed event right after the block's.
+//! With a prefix-match unit finer than the block, a block can also be found under keys other than its hash:
+//! a prefix ending inside it (`cache_partial_block`, vLLM's partial entries). Those extra keys live apart
+//! (`PartialKeys`, created by the first partial entry): a lookup of a key returns, of the blocks filed under
+//! it as their hash or as an extra key, the one filed first; evicting or re-keying a block drops all its keys.
+//! Until a partial entry is made, the cost is one branch per lookup, insertion and eviction.
 
 use std::collections::HashMap;
 
@@ -63,6 +68,42 @@ fn table_hash(hash: &BlockHash) -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// The keys blocks carry besides their hash (a prefix match unit finer than the block): see the module notes.
+#[derive(Debug, Clone, Default)]
+struct PartialKeys {
+    /// Per key, the blocks filed under it as an extra key, in insertion order, each with its insertion number.
+    extra: HashMap<BlockHash, Vec<(u64, u32)>, PrehashedBuild>,
+    /// Per block, its extra keys.
+    of_block: HashMap<u32, Vec<BlockHash>>,
+    /// The tokens a block's hash stands for when the hash is a partial entry (absent: a full block's hash,
+    /// which no partial entry of the same block outgrows).
+    tokens: HashMap<u32, u32>,
+    /// Per block, the insertion number of its hash (0: entered before the first partial entry).
+    seq: Vec<u64>,
+    /// The next insertion number (from 1).
+    next: u64,
+}
+
+impl PartialKeys {
+    fn new(num_blocks: usize) -> Self {
+        PartialKeys { seq: vec![0; num_blocks], next: 1, ..Default::default() }
+    }
+
+    /// Takes block `b`'s extra keys and partial-entry length out.
+    fn drop_block(&mut self, b: u32) {
+        self.tokens.remove(&b);
+        let Some(keys) = self.of_block.remove(&b) else { return };
+        for k in keys {
+            if let Some(v) = self.extra.get_mut(&k) {
+                v.retain(|e| e.1 != b);
+                if v.is_empty() {
+                    self.extra.remove(&k);
+                }
+            }
+        }
+    }
+}
+
 /// `BlockPool::meta`'s flag bit: the block carries a hash. The other 31 bits are its reference count.
 const HASHED: u32 = 1 << 31;
 
@@ -94,6 +135,12 @@ pub struct BlockPool {
     second_keys: HashMap<u32, Vec<(BlockHash, u8)>>,
     /// How many blocks carry each second key.
     second_copies: HashMap<BlockHash, u32, PrehashedBuild>,
+    /// Keys finer than the block; `None` until the first partial entry (and after a reset).
+    partial: Option<Box<PartialKeys>>,
+    /// Whether an eviction takes the general path: some hash is carried by several blocks (`duplicates`) or
+    /// blocks carry extra keys (`partial`). Kept up to date by the few places that change either, so that the
+    /// common eviction reads one flag.
+    slow_evict: bool,
 }
 
 impl BlockPool {
@@ -113,6 +160,8 @@ impl BlockPool {
             track_groups: false,
             second_keys: HashMap::new(),
             second_copies: HashMap::default(),
+            partial: None,
+            slow_evict: false,
         }
     }
 
@@ -275,11 +324,117 @@ impl BlockPool {
         self.free.contains(block)
     }
 
-    /// The first block carrying `hash`, if any.
+    /// The first block carrying `hash` as its hash, if any: the whole-block lookup. Extra keys (a prefix match
+    /// unit finer than the block, see the module notes) are not looked at; `get_cached_key` does.
     pub fn get_cached_block(&self, hash: &BlockHash) -> Option<u32> {
         // Every block in the table is hashed: compare the slot directly.
         let hashes = &self.hash;
         self.cached.find(table_hash(hash), |b| hashes[b as usize].0 == *hash)
+    }
+
+    /// The first block filed under `key`, as its hash or as an extra key (vLLM's lookup with partial entries).
+    pub fn get_cached_key(&self, key: &BlockHash) -> Option<u32> {
+        let first = self.get_cached_block(key);
+        match self.partial.as_deref() {
+            None => first,
+            Some(p) => Self::first_with_extra(p, key, first),
+        }
+    }
+
+    /// Of `first` (the first block whose hash is `hash`) and the first block carrying `hash` as an extra key,
+    /// the one filed first.
+    #[cold]
+    fn first_with_extra(p: &PartialKeys, hash: &BlockHash, first: Option<u32>) -> Option<u32> {
+        let Some(&(s, b)) = p.extra.get(hash).and_then(|v| v.first()) else { return first };
+        match first {
+            Some(a) if p.seq[a as usize] < s => Some(a),
+            _ => Some(b),
+        }
+    }
+
+    /// Whether `block` is filed under `key` (as its hash or as an extra key).
+    pub fn has_key(&self, block: u32, key: &BlockHash) -> bool {
+        if self.hash_of(block as usize) == Some(key) {
+            return true;
+        }
+        self.partial.as_deref().and_then(|p| p.of_block.get(&block)).is_some_and(|keys| keys.contains(key))
+    }
+
+    /// Block `block`'s extra keys (none without partial entries), in insertion order.
+    pub fn extra_keys(&self, block: u32) -> &[BlockHash] {
+        self.partial.as_deref().and_then(|p| p.of_block.get(&block)).map_or(&[], Vec::as_slice)
+    }
+
+    /// Files block `block` under `key`, a prefix of `num_tokens` tokens ending inside it or at its end (vLLM's
+    /// `cache_partial_block`): as its hash if it has none, else as an extra key. A block whose hash is a shorter
+    /// partial entry, or every block with `replace` (its contents were rewritten), loses all its keys first.
+    /// The null block is never filed (returns false).
+    pub fn cache_partial_block(
+        &mut self,
+        block: u32,
+        key: BlockHash,
+        num_tokens: u32,
+        replace: bool,
+    ) -> bool {
+        if block == NULL_BLOCK {
+            return false;
+        }
+        let b = block as usize;
+        let already = self.has_key(block, &key);
+        if self.is_hashed(b) {
+            let shorter = !already
+                && self
+                    .partial
+                    .as_deref()
+                    .and_then(|p| p.tokens.get(&block))
+                    .is_some_and(|&t| t < num_tokens);
+            if replace || shorter {
+                self.evict_hashed(block);
+            }
+        }
+        self.insert_key(block, key, Some(num_tokens));
+        true
+    }
+
+    /// Files `block` under `key` unless it is already: as its hash (a partial entry of `tokens` tokens, or a full
+    /// block's hash with `None`) if it has none, else as an extra key.
+    fn insert_key(&mut self, block: u32, key: BlockHash, tokens: Option<u32>) {
+        if self.has_key(block, &key) {
+            return;
+        }
+        let n = self.meta.len();
+        let hashed = self.is_hashed(block as usize);
+        self.slow_evict = true;
+        let p = self.partial.get_or_insert_with(|| Box::new(PartialKeys::new(n)));
+        if hashed {
+            let s = p.next;
+            p.next += 1;
+            p.extra.entry(key).or_default().push((s, block));
+            p.of_block.entry(block).or_default().push(key);
+            return;
+        }
+        if let Some(t) = tokens {
+            p.tokens.insert(block, t);
+        }
+        self.cache_block_rekey(block, key);
+    }
+
+    /// Re-files every key of `src` under `dst` (a block with none), quietly (vLLM's `move_block_hashes`): the
+    /// request holding `src` keeps writing into it while the prefix cache keeps `dst`, a copy.
+    pub fn move_block_hashes(&mut self, src: u32, dst: u32) {
+        debug_assert!(!self.is_hashed(dst as usize) && self.extra_keys(dst).is_empty());
+        let Some(&primary) = self.hash_of(src as usize) else { return };
+        let tokens = self.partial.as_deref().and_then(|p| p.tokens.get(&src).copied());
+        let extras = self.extra_keys(src).to_vec();
+        let g = self.block_group(src);
+        self.evict_hashed_quietly(src);
+        if self.events.is_some() || self.track_groups {
+            self.set_event_group(dst, g);
+        }
+        self.insert_key(dst, primary, tokens);
+        for k in extras {
+            self.insert_key(dst, k, None);
+        }
     }
 
     /// A hint, no effect on results: starts fetching the cache-table slot where `hash` is looked up, inserted
@@ -389,11 +544,22 @@ impl BlockPool {
         let h = self.hash[i].0;
         // Found by block id, not by comparing hashes: one probe, and only the table is read.
         let key = table_hash(&h);
-        // Without duplicate hashes (the common case) the block is filed in the table: one probe removes it.
-        if self.duplicates.is_empty() {
+        // Without duplicate hashes or extra keys (the common case) the block is filed in the table: one probe
+        // removes it.
+        if !self.slow_evict {
             let removed = self.cached.remove(key, block);
             debug_assert!(removed, "hashed block {block} is not in the prefix-cache table");
             return;
+        }
+        self.evict_general(block, key, h);
+    }
+
+    /// `evict_hashed_quietly` with duplicate hashes or extra keys about.
+    #[cold]
+    #[inline(never)]
+    fn evict_general(&mut self, block: u32, key: u64, h: BlockHash) {
+        if let Some(p) = self.partial.as_deref_mut() {
+            p.drop_block(block);
         }
         if self.cached.contains_block(key, block) {
             // `block` is what lookups return: promote the oldest duplicate, if any, so they keep returning
@@ -416,6 +582,12 @@ impl BlockPool {
                 self.duplicates.remove(&h);
             }
         }
+        self.refresh_slow_evict();
+    }
+
+    /// Recomputes `slow_evict` after a change to `duplicates` or `partial`.
+    fn refresh_slow_evict(&mut self) {
+        self.slow_evict = !self.duplicates.is_empty() || self.partial.is_some();
     }
 
     /// Takes `block` out of the prefix cache if it still carries `hash` (its KV was never computed:
@@ -479,13 +651,37 @@ impl BlockPool {
         self.unhashed_buf = unhashed;
     }
 
-    /// Enters a full, allocated block into the prefix cache (only called with caching on).
+    /// Enters a full, allocated block carrying no hash into the prefix cache (only called with caching on).
+    /// With blocks keyed finer than the block about, `cache_block_rekey` instead.
     #[inline]
     pub fn cache_block(&mut self, block: u32, hash: BlockHash) {
         if block == NULL_BLOCK {
             return;
         }
-        debug_assert!(!self.is_hashed(block as usize));
+        debug_assert!(!self.is_hashed(block as usize) && self.partial.is_none());
+        self.enter(block, hash);
+    }
+
+    /// `cache_block` where blocks may be keyed finer than the block (a prefix match unit below the block): a
+    /// block already filed under a partial entry (its prompt tail) loses its keys first (vLLM's promotion of a
+    /// partial entry to the full block's hash).
+    pub fn cache_block_rekey(&mut self, block: u32, hash: BlockHash) {
+        if block == NULL_BLOCK {
+            return;
+        }
+        if self.is_hashed(block as usize) {
+            self.evict_hashed(block);
+        }
+        if let Some(p) = self.partial.as_deref_mut() {
+            p.seq[block as usize] = p.next;
+            p.next += 1;
+        }
+        self.enter(block, hash);
+    }
+
+    /// Files `block` (carrying no hash) under `hash` in the table.
+    #[inline(always)]
+    fn enter(&mut self, block: u32, hash: BlockHash) {
         self.hash[block as usize] = HashSlot(hash);
         self.meta[block as usize] |= HASHED;
         let hashes = &self.hash;
@@ -501,6 +697,7 @@ impl BlockPool {
         );
         if found.is_some() {
             self.duplicates.entry(hash).or_default().push(block);
+            self.slow_evict = true;
         }
     }
 
@@ -530,6 +727,8 @@ impl BlockPool {
         self.duplicates.clear();
         self.second_keys.clear();
         self.second_copies.clear();
+        self.partial = None;
+        self.slow_evict = false;
         self.num_removed += 1;
         for m in &mut self.meta {
             *m &= !HASHED;
@@ -600,6 +799,34 @@ impl BlockPool {
                 return Err(format!("cache map entry {b} disagrees with block hashes"));
             }
         }
+        if self.slow_evict != (!self.duplicates.is_empty() || self.partial.is_some()) {
+            return Err("slow_evict disagrees with the duplicates and extra keys".into());
+        }
+        if let Some(p) = self.partial.as_deref() {
+            let mut filed = 0;
+            for (k, v) in &p.extra {
+                if v.is_empty() {
+                    return Err("an extra key filed under no block".into());
+                }
+                for &(_, b) in v {
+                    let ok = self.is_hashed(b as usize)
+                        && self.hash_of(b as usize) != Some(k)
+                        && p.of_block
+                            .get(&b)
+                            .is_some_and(|keys| keys.iter().filter(|&x| x == k).count() == 1);
+                    if !ok {
+                        return Err(format!("block {b}: extra key entry disagrees with the block's keys"));
+                    }
+                }
+                filed += v.len();
+            }
+            if filed != p.of_block.values().map(Vec::len).sum::<usize>() {
+                return Err("extra keys filed by key and by block disagree".into());
+            }
+            if p.tokens.keys().any(|&b| !self.is_hashed(b as usize)) {
+                return Err("a partial entry's length kept for a block without a hash".into());
+            }
+        }
         for (h, v) in &self.duplicates {
             let bad = v.is_empty()
                 || self.get_cached_block(h).is_none()
@@ -645,7 +872,7 @@ mod tests {
         p.free_blocks(&a);
         // Reverse order: 3 (no hash) to the head, then 2, 1 (hashed) to the tail.
         assert_eq!(p.free.iter().collect::<Vec<_>>(), vec![3, 4, 5, 2, 1]);
-        assert_eq!(p.get_cached_block(&h(2)), Some(2));
+        assert_eq!(p.get_cached_key(&h(2)), Some(2));
         let mut held = vec![0u32; 6];
         p.check(&held).unwrap();
         // A hit revives a free cached block.
@@ -657,7 +884,7 @@ mod tests {
         let mut b = Vec::new();
         p.allocate_into(4, &mut b);
         assert_eq!(b, vec![3, 4, 5, 1]);
-        assert_eq!(p.get_cached_block(&h(1)), None);
+        assert_eq!(p.get_cached_key(&h(1)), None);
         for x in &b {
             held[*x as usize] = 1;
         }
@@ -666,7 +893,7 @@ mod tests {
         p.free_blocks(&b);
         p.free_blocks(&[2]);
         assert!(p.reset_prefix_cache());
-        assert_eq!(p.get_cached_block(&h(2)), None);
+        assert_eq!(p.get_cached_key(&h(2)), None);
         p.check(&[0; 6]).unwrap();
     }
 
@@ -713,7 +940,271 @@ mod tests {
         p.allocate_into(2, &mut a);
         p.cache_block(1, h(7));
         p.cache_block(2, h(7));
-        assert_eq!(p.get_cached_block(&h(7)), Some(1));
+        assert_eq!(p.get_cached_key(&h(7)), Some(1));
         p.check(&[0, 1, 1, 0]).unwrap();
+    }
+
+    fn keys(p: &BlockPool, b: u32) -> (Option<BlockHash>, Vec<BlockHash>) {
+        (p.block_hash(b).copied(), p.extra_keys(b).to_vec())
+    }
+
+    #[test]
+    fn partial_entries_extra_keys_and_promotion() {
+        let mut p = BlockPool::new(6, true);
+        let mut a = Vec::new();
+        p.allocate_into(4, &mut a);
+        let held = [0, 1, 1, 1, 1, 0];
+        // Block 1 is keyed at its prompt tail (a partial entry): the key becomes its hash.
+        assert!(p.cache_partial_block(1, h(20), 20, false));
+        assert!(!p.cache_partial_block(NULL_BLOCK, h(20), 20, false));
+        assert_eq!(keys(&p, 1), (Some(h(20)), vec![]));
+        assert_eq!(p.get_cached_key(&h(20)), Some(1));
+        p.check(&held).unwrap();
+        // Filling the block promotes it: the partial entry goes, the full hash comes.
+        p.cache_block_rekey(1, h(24));
+        assert_eq!(keys(&p, 1), (Some(h(24)), vec![]));
+        assert_eq!(p.get_cached_key(&h(20)), None);
+        // Keying the tail again files it as an extra key beside the full hash (the full one is longer).
+        assert!(p.cache_partial_block(1, h(20), 20, false));
+        assert_eq!(keys(&p, 1), (Some(h(24)), vec![h(20)]));
+        assert!(p.has_key(1, &h(20)) && p.has_key(1, &h(24)) && !p.has_key(2, &h(20)));
+        // Twice is once.
+        p.cache_partial_block(1, h(20), 20, false);
+        assert_eq!(keys(&p, 1), (Some(h(24)), vec![h(20)]));
+        p.check(&held).unwrap();
+        // Block 2 takes the same key as its hash after block 1's extra key: lookups keep the first filed.
+        p.cache_partial_block(2, h(20), 20, false);
+        assert_eq!(p.get_cached_key(&h(20)), Some(1));
+        p.check(&held).unwrap();
+        // Block 3's hash first, then block 4's extra key: block 3 is found; once it goes, block 4.
+        p.cache_partial_block(3, h(12), 12, false);
+        p.cache_block_rekey(4, h(16));
+        p.cache_partial_block(4, h(12), 12, false);
+        assert_eq!(p.get_cached_key(&h(12)), Some(3));
+        p.cache_block_rekey(3, h(30));
+        assert_eq!(p.get_cached_key(&h(12)), Some(4));
+        p.check(&held).unwrap();
+        // Freeing and reusing block 1 evicts every key it carries: block 2 is found under the tail key.
+        p.free_blocks(&[1]);
+        let mut b = Vec::new();
+        p.allocate_into(2, &mut b);
+        assert_eq!(b, vec![5, 1]);
+        assert_eq!(keys(&p, 1), (None, vec![]));
+        assert_eq!(p.get_cached_key(&h(24)), None);
+        assert_eq!(p.get_cached_key(&h(20)), Some(2));
+        p.check(&[0, 1, 1, 1, 1, 1]).unwrap();
+    }
+
+    #[test]
+    fn a_longer_partial_entry_or_a_rewrite_replaces_the_keys() {
+        let mut p = BlockPool::new(4, true);
+        let mut a = Vec::new();
+        p.allocate_into(2, &mut a);
+        p.cache_partial_block(1, h(4), 4, false);
+        // A longer prefix in the same block: the shorter entry goes.
+        p.cache_partial_block(1, h(6), 6, false);
+        assert_eq!(keys(&p, 1), (Some(h(6)), vec![]));
+        assert_eq!(p.get_cached_key(&h(4)), None);
+        // A shorter one beside a longer hash is an extra key.
+        p.cache_partial_block(1, h(5), 5, false);
+        assert_eq!(keys(&p, 1), (Some(h(6)), vec![h(5)]));
+        // Rewritten contents: every key goes, even one already there.
+        p.cache_partial_block(1, h(5), 5, true);
+        assert_eq!(keys(&p, 1), (Some(h(5)), vec![]));
+        assert_eq!(p.get_cached_key(&h(6)), None);
+        p.check(&[0, 1, 1, 0]).unwrap();
+        // The full hash of the block, entered as a partial entry of the block's length, is its hash.
+        p.cache_block_rekey(2, h(8));
+        p.cache_partial_block(2, h(8), 8, false);
+        assert_eq!(keys(&p, 2), (Some(h(8)), vec![]));
+        assert!(p.reset_prefix_cache() || p.num_free_blocks() < 3);
+    }
+
+    #[test]
+    fn moving_keys_keeps_them_live_on_the_copy() {
+        let mut p = BlockPool::new(6, true);
+        let mut a = Vec::new();
+        p.allocate_into(4, &mut a);
+        p.cache_block_rekey(1, h(16));
+        p.cache_partial_block(1, h(12), 12, false);
+        p.cache_partial_block(2, h(12), 12, false);
+        let removed = p.num_removed();
+        p.move_block_hashes(1, 3);
+        assert_eq!(keys(&p, 1), (None, vec![]));
+        assert_eq!(keys(&p, 3), (Some(h(16)), vec![h(12)]));
+        assert_eq!(p.get_cached_key(&h(16)), Some(3));
+        // Moved keys are filed anew: block 2's entry is now the first under the tail key.
+        assert_eq!(p.get_cached_key(&h(12)), Some(2));
+        assert!(p.num_removed() > removed);
+        p.check(&[0, 1, 1, 1, 1, 0]).unwrap();
+        // A partial hash moves with its length: a longer entry on the copy still replaces it.
+        p.cache_partial_block(2, h(14), 14, false);
+        assert_eq!(keys(&p, 2), (Some(h(14)), vec![]));
+        p.move_block_hashes(2, 4);
+        p.cache_partial_block(4, h(15), 15, false);
+        assert_eq!(keys(&p, 4), (Some(h(15)), vec![]));
+        p.check(&[0, 1, 1, 1, 1, 0]).unwrap();
+        p.free_blocks(&[1, 2, 3, 4]);
+        assert!(p.reset_prefix_cache());
+        assert_eq!(p.get_cached_key(&h(15)), None);
+        assert_eq!(p.extra_keys(3), &[] as &[BlockHash]);
+        p.check(&[0; 6]).unwrap();
+    }
+
+    /// vLLM's pool, written plainly: per key, its blocks in insertion order (whether the key is a block's hash
+    /// or an extra key); per block, its hash (with the tokens of a partial entry) and its extra keys.
+    #[derive(Default)]
+    struct Model {
+        keys: Vec<(BlockHash, Vec<u32>)>,
+        primary: HashMap<u32, (BlockHash, Option<u32>)>,
+        extras: HashMap<u32, Vec<BlockHash>>,
+    }
+
+    impl Model {
+        fn first(&self, k: &BlockHash) -> Option<u32> {
+            self.keys.iter().find(|(x, _)| x == k).and_then(|(_, v)| v.first().copied())
+        }
+        fn file(&mut self, k: BlockHash, b: u32) {
+            match self.keys.iter_mut().find(|(x, _)| *x == k) {
+                Some((_, v)) => v.push(b),
+                None => self.keys.push((k, vec![b])),
+            }
+        }
+        fn drop_all(&mut self, b: u32) {
+            let mut ks: Vec<BlockHash> = self.primary.remove(&b).map(|p| p.0).into_iter().collect();
+            ks.extend(self.extras.remove(&b).unwrap_or_default());
+            for k in ks {
+                if let Some(i) = self.keys.iter().position(|(x, _)| *x == k) {
+                    self.keys[i].1.retain(|&x| x != b);
+                    if self.keys[i].1.is_empty() {
+                        self.keys.remove(i);
+                    }
+                }
+            }
+        }
+        fn has(&self, b: u32, k: &BlockHash) -> bool {
+            self.primary.get(&b).is_some_and(|p| p.0 == *k)
+                || self.extras.get(&b).is_some_and(|v| v.contains(k))
+        }
+        fn insert(&mut self, b: u32, k: BlockHash, tokens: Option<u32>) {
+            if self.has(b, &k) {
+                return;
+            }
+            match self.primary.entry(b) {
+                std::collections::hash_map::Entry::Occupied(_) => self.extras.entry(b).or_default().push(k),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert((k, tokens));
+                }
+            }
+            self.file(k, b);
+        }
+        fn cache_full(&mut self, b: u32, k: BlockHash) {
+            self.drop_all(b);
+            self.insert(b, k, None);
+        }
+        fn cache_partial(&mut self, b: u32, k: BlockHash, t: u32, replace: bool) {
+            let already = self.has(b, &k);
+            let shorter = !already && self.primary.get(&b).and_then(|p| p.1).is_some_and(|x| x < t);
+            if replace || shorter {
+                self.drop_all(b);
+            }
+            self.insert(b, k, Some(t));
+        }
+        fn move_keys(&mut self, src: u32, dst: u32) {
+            let Some((k, t)) = self.primary.get(&src).copied() else { return };
+            let extras = self.extras.get(&src).cloned().unwrap_or_default();
+            self.drop_all(src);
+            self.insert(dst, k, t);
+            for e in extras {
+                self.insert(dst, e, None);
+            }
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc,
+        Free(usize),
+        Full(usize, u8),
+        Partial(usize, u8, bool),
+        Move(usize, usize),
+        Reset,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => Just(Op::Alloc),
+            2 => any::<usize>().prop_map(Op::Free),
+            3 => (any::<usize>(), 0u8..4).prop_map(|(i, k)| Op::Full(i, k)),
+            4 => (any::<usize>(), 1u8..8, proptest::bool::weighted(0.15)).prop_map(|(i, k, r)| Op::Partial(i, k, r)),
+            2 => (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Op::Move(a, b)),
+            1 => Just(Op::Reset),
+        ]
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        /// Random partial entries, full hashes, moves, evictions and resets: every lookup and every block's keys
+        /// agree with the plain model after each operation, and the pool's own check holds.
+        #[test]
+        fn partial_keys_match_a_plain_model(ops in proptest::collection::vec(op(), 1..60)) {
+            let n = 7u32;
+            let mut p = BlockPool::new(n, true);
+            let mut m = Model::default();
+            let mut held: Vec<u32> = Vec::new();
+            // Full keys are h(100 + k), partial keys h(k) standing for k tokens.
+            let all: Vec<BlockHash> = (1u8..8).chain(100..104).map(h).collect();
+            for o in ops {
+                match o {
+                    Op::Alloc if p.num_free_blocks() > 0 => {
+                        let mut out = Vec::new();
+                        p.allocate_into(1, &mut out);
+                        m.drop_all(out[0]);
+                        held.push(out[0]);
+                    }
+                    Op::Free(i) if !held.is_empty() => {
+                        let b = held.swap_remove(i % held.len());
+                        p.free_blocks(&[b]);
+                    }
+                    Op::Full(i, k) if !held.is_empty() => {
+                        let b = held[i % held.len()];
+                        p.cache_block_rekey(b, h(100 + k));
+                        m.cache_full(b, h(100 + k));
+                    }
+                    Op::Partial(i, k, r) if !held.is_empty() => {
+                        let b = held[i % held.len()];
+                        p.cache_partial_block(b, h(k), u32::from(k), r);
+                        m.cache_partial(b, h(k), u32::from(k), r);
+                    }
+                    Op::Move(i, j)
+                        if held.len() > 1
+                            && held[i % held.len()] != held[j % held.len()]
+                            && p.block_hash(held[j % held.len()]).is_none() =>
+                    {
+                        let (src, dst) = (held[i % held.len()], held[j % held.len()]);
+                        p.move_block_hashes(src, dst);
+                        m.move_keys(src, dst);
+                    }
+                    Op::Reset if p.reset_prefix_cache() => m = Model::default(),
+                    _ => {}
+                }
+                let mut count = vec![0u32; n as usize];
+                for &b in &held {
+                    count[b as usize] += 1;
+                }
+                p.check(&count).unwrap();
+                for k in &all {
+                    prop_assert_eq!(p.get_cached_key(k), m.first(k), "key {:?}", k.0[0]);
+                }
+                for b in 1..n {
+                    let want = m.primary.get(&b).map(|x| x.0);
+                    prop_assert_eq!(p.block_hash(b).copied(), want);
+                    let want: Vec<BlockHash> = m.extras.get(&b).cloned().unwrap_or_default();
+                    prop_assert_eq!(p.extra_keys(b).to_vec(), want);
+                }
+            }
+        }
     }
 }

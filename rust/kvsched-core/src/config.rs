@@ -979,6 +979,16 @@ impl SchedulerConfig {
         Ok(())
     }
 
+    /// Tokens per prefix-match unit when a prefix hit can end inside a block (vLLM's partial hash hits): a
+    /// `hash_block_size` below `block_size` with prefix caching on, align-mode Mamba groups (`mamba_align`), and
+    /// every other group full attention. `None` otherwise (hits end on whole blocks).
+    pub fn partial_hit_unit(&self) -> Option<u32> {
+        let h = self.hash_block_size.filter(|&h| h < self.block_size && self.block_size % h == 0)?;
+        let groups = &self.kv_cache_groups;
+        let fine = groups.iter().all(|w| w.is_none() || *w == Some(MAMBA));
+        (self.enable_prefix_caching && self.mamba_align && groups.contains(&Some(MAMBA)) && fine).then_some(h)
+    }
+
     /// What a `hash_block_size` below `block_size` needs (vLLM's `resolve_kv_cache_block_sizes` and hybrid
     /// coordinator): a divisor of `block_size`, several KV cache groups, and with prefix caching on none of the
     /// features whose rules change with finer hashes (vLLM's partial-block Mamba hits; the prompt-tail entries its
@@ -1425,6 +1435,32 @@ mod tests {
     #[test]
     fn default_is_valid() {
         assert_eq!(SchedulerConfig::default().validate(), Ok(()));
+    }
+
+    /// Prefix hits inside a block: a finer unit, prefix caching, align-mode Mamba groups and otherwise only full
+    /// attention.
+    #[test]
+    fn partial_hit_unit_needs_align_mamba_and_full_attention() {
+        let c = SchedulerConfig {
+            block_size: 8,
+            hash_block_size: Some(4),
+            enable_prefix_caching: true,
+            mamba_align: true,
+            kv_cache_groups: vec![None, Some(MAMBA)],
+            ..Default::default()
+        };
+        assert_eq!(c.partial_hit_unit(), Some(4));
+        for off in [
+            SchedulerConfig { hash_block_size: None, ..c.clone() },
+            SchedulerConfig { hash_block_size: Some(8), ..c.clone() },
+            SchedulerConfig { hash_block_size: Some(3), ..c.clone() },
+            SchedulerConfig { enable_prefix_caching: false, ..c.clone() },
+            SchedulerConfig { mamba_align: false, ..c.clone() },
+            SchedulerConfig { kv_cache_groups: vec![None, Some(16)], ..c.clone() },
+            SchedulerConfig { kv_cache_groups: vec![None, Some(MAMBA), Some(16)], ..c.clone() },
+        ] {
+            assert_eq!(off.partial_hit_unit(), None, "{off:?}");
+        }
     }
 
     /// Any block size and DCP size in range (vLLM takes block sizes that are not powers of two: a hybrid Mamba

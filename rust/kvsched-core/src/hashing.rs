@@ -264,6 +264,36 @@ impl BlockHasher {
             hashes.push(parent);
         }
     }
+
+    /// Appends to `units` the hashes of every full hash unit of `tokens` not hashed yet (vLLM's request block
+    /// hashes at `hash_block_size`: also the units of a block not full yet), each chained on the one before. A
+    /// block's hash (`extend_hashes`) is its last unit's. Without a unit finer than the block, a unit is a block.
+    #[allow(clippy::too_many_arguments)]
+    pub fn extend_unit_hashes(
+        &self,
+        units: &mut Vec<BlockHash>,
+        tokens: &[u32],
+        block_size: usize,
+        extra: &ExtraKeys,
+        mm: &[EncoderInput],
+        buf: &mut Vec<u8>,
+    ) {
+        let unit = if self.unit == 0 || self.unit >= block_size { block_size } else { self.unit };
+        let num_full = self.num_hashable(tokens.len(), unit);
+        while units.len() < num_full {
+            let start = units.len() * unit;
+            let end = start + unit;
+            let parent = *units.last().unwrap_or(&self.seed_hash);
+            self.encode(buf, &parent, &tokens[start..end], extra, start == 0, mm, start as u32);
+            if self.lookahead > 0 {
+                buf.pop(); // TAG_END: the look-ahead tokens come before it
+                buf.push(TAG_LOOKAHEAD);
+                Self::encode_tokens(buf, &tokens[end..end + self.lookahead]);
+                buf.push(TAG_END);
+            }
+            units.push(self.digest(buf));
+        }
+    }
 }
 
 /// The block-0 salt of a request of `tenant` with `cache_salt` under tenant cache isolation:
@@ -351,6 +381,37 @@ mod tests {
 
     /// Hash units finer than the block: a block's hash is vLLM's hash of its last unit (each unit's parent the
     /// unit before it), a unit of the block's size is the plain chain, and a salt keys the first unit only.
+    /// Every unit's hash (vLLM's request block hashes at the hash unit): the units of a block not full yet too,
+    /// each block's hash its last unit's, and a unit of the block's size the block chain.
+    #[test]
+    fn unit_hashes_cover_every_full_unit() {
+        let root = [3u8; 32];
+        let tokens: Vec<u32> = (0..22).map(|t| t * 7 + 1).collect();
+        let wide: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+        for unit in [1usize, 2, 4, 8] {
+            let h =
+                BlockHasher::new(HashAlgo::Sha256Pickle, Some(&root)).unwrap().with_unit(Some(unit as u32));
+            let want = pickle_hash::sha256_pickle_block_hashes(&root, &wide, unit).unwrap();
+            let mut units = Vec::new();
+            h.extend_unit_hashes(&mut units, &tokens[..13], 8, &ExtraKeys::default(), &[], &mut Vec::new());
+            assert_eq!(units.len(), 13 / unit);
+            h.extend_unit_hashes(&mut units, &tokens, 8, &ExtraKeys::default(), &[], &mut Vec::new());
+            assert_eq!(units.iter().map(|b| b.0).collect::<Vec<_>>(), want, "unit {unit}");
+            let mut blocks = Vec::new();
+            h.extend_hashes(&mut blocks, &tokens, 8, &ExtraKeys::default(), &[], &mut Vec::new());
+            let k = 8 / unit;
+            assert_eq!(blocks, (0..blocks.len()).map(|i| units[(i + 1) * k - 1]).collect::<Vec<_>>());
+        }
+        // Salted, with look-ahead tokens: the same units as the block chain's at a unit of the block.
+        let h = BlockHasher::new(HashAlgo::Sha256, Some(b"s")).unwrap().with_lookahead(2).with_unit(Some(2));
+        let k = keys(Some("salt"), None);
+        let (mut units, mut blocks) = (Vec::new(), Vec::new());
+        h.extend_unit_hashes(&mut units, &tokens, 4, &k, &[], &mut Vec::new());
+        h.extend_hashes(&mut blocks, &tokens, 4, &k, &[], &mut Vec::new());
+        assert_eq!(units.len(), 10);
+        assert_eq!(blocks, (0..blocks.len()).map(|i| units[2 * i + 1]).collect::<Vec<_>>());
+    }
+
     #[test]
     fn unit_hashes_chain_over_the_block_and_keep_its_last() {
         let root = [7u8; 32];

@@ -166,6 +166,113 @@ impl KvCacheManager {
         out.extend_from_slice(&hits[0]);
     }
 
+    /// The blocks filed under unit `f`'s key (`units[f]`, as a hash or an extra key) for every group of `ids`,
+    /// into `found`; false if one of them misses.
+    fn hit_unit(&self, units: &[BlockHash], f: usize, ids: &[usize], found: &mut Vec<u32>) -> bool {
+        found.clear();
+        for &g in ids {
+            match self.pool.get_cached_key(&group_key(&units[f], g)) {
+                Some(b) => found.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// vLLM's hybrid lookup when a prefix hit can end inside a block (`partial_unit` tokens per unit: full-attention
+    /// and align-mode Mamba groups only, no trailing-block drop), over the request's unit hashes `units` and capped
+    /// at `max_len` tokens. A full-attention set takes whole blocks from the start, then probes the first missing
+    /// block's unit boundaries high to low: the first found ends the hit there (its block the hit's last). A Mamba
+    /// set probes unit boundaries right to left: the first found ends the hit, null blocks before its block. The
+    /// sets run in order to a fixed point (one pass with a full-attention set and one other), and full-attention
+    /// hits are then cut to the blocks the hit touches. Fills `hits` per group; returns the hit in tokens.
+    pub fn find_partial_hit(&self, units: &[BlockHash], max_len: u32, hits: &mut Vec<Vec<u32>>) -> u32 {
+        let (Some(hy), unit) = (self.hybrid.as_deref(), self.partial_unit) else { return 0 };
+        if unit == 0 {
+            return 0;
+        }
+        let bs = self.block_size;
+        let k = (bs / unit) as usize;
+        let ngroups = hy.windows.len();
+        hits.resize(ngroups, Vec::new());
+        for h in hits.iter_mut() {
+            h.clear();
+        }
+        let mut len_of: Vec<Option<u32>> = vec![None; ngroups];
+        let mut found = Vec::new();
+        let mut hit_len = max_len;
+        loop {
+            let mut curr = hit_len;
+            for (w, ids) in &hy.lookups {
+                let first = ids[0];
+                if let (0, Some(l)) = (*w, len_of[first]) {
+                    curr = curr.min(l);
+                    continue;
+                }
+                for &g in ids {
+                    hits[g].clear();
+                }
+                let mut got = 0;
+                if *w == MAMBA {
+                    let num_units = ((curr / unit) as usize).min(units.len());
+                    for f in (0..num_units).rev() {
+                        if self.hit_unit(units, f, ids, &mut found) {
+                            for (&g, &b) in ids.iter().zip(found.iter()) {
+                                hits[g].resize(f / k, NULL_BLOCK);
+                                hits[g].push(b);
+                            }
+                            got = (f as u32 + 1) * unit;
+                            break;
+                        }
+                    }
+                } else {
+                    let num_blocks = ((curr / bs) as usize).min(units.len() / k);
+                    for i in 0..num_blocks {
+                        if !self.hit_unit(units, (i + 1) * k - 1, ids, &mut found) {
+                            break;
+                        }
+                        for (&g, &b) in ids.iter().zip(found.iter()) {
+                            hits[g].push(b);
+                        }
+                    }
+                    let whole = hits[first].len();
+                    got = whole as u32 * bs;
+                    // The first missing block's unit boundaries, high to low.
+                    let lo = whole * k;
+                    let hi = (lo + k - 1).min((curr / unit) as usize).min(units.len());
+                    for f in (lo..hi).rev() {
+                        if self.hit_unit(units, f, ids, &mut found) {
+                            for (&g, &b) in ids.iter().zip(found.iter()) {
+                                hits[g].push(b);
+                            }
+                            got = (f as u32 + 1) * unit;
+                            break;
+                        }
+                    }
+                }
+                for &g in ids {
+                    len_of[g] = Some(got);
+                }
+                curr = got;
+            }
+            if curr >= hit_len {
+                break;
+            }
+            hit_len = curr;
+            if hy.lookups.len() == 2 && hy.lookups[0].0 == 0 {
+                break;
+            }
+        }
+        for (w, ids) in &hy.lookups {
+            if *w == 0 {
+                for &g in ids {
+                    hits[g].truncate(hit_len.div_ceil(bs) as usize);
+                }
+            }
+        }
+        hit_len
+    }
+
     /// The hit of lookup set `idx` (`Hybrid::lookups`) capped at `curr` tokens, into `hits` for each of its groups
     /// (see `find_hybrid_hit`; `eagle`: the set applies the trailing-block drop). Returns its length in tokens.
     #[allow(clippy::too_many_arguments)]
@@ -838,7 +945,7 @@ impl KvCacheManager {
                             // A prefill checkpoint keyed one block lower (with the drop) moves up to its entry.
                             self.pool.uncache(b, &h);
                         }
-                        self.pool.cache_block(b, key);
+                        self.pool.cache_block_rekey(b, key);
                         self.pool.set_event_group(b, g);
                         self.newly_cached.push((b, key));
                         if w == MAMBA {
@@ -1000,7 +1107,7 @@ impl KvCacheManager {
             }
             None => {}
         }
-        self.pool.cache_block(b, key);
+        self.pool.cache_block_rekey(b, key);
         self.pool.set_event_group(b, g);
         self.newly_cached.push((b, key));
         if let Some(hy) = self.hybrid.as_deref_mut() {
@@ -1121,5 +1228,81 @@ impl KvCacheManager {
             t.mamba_appended = 0;
             t.mamba_checkpoint = None;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block_pool::BlockPool;
+    use crate::config::HashAlgo;
+    use crate::hashing::BlockHasher;
+
+    fn unit_hash(i: usize) -> BlockHash {
+        let mut b = [0u8; 32];
+        b[..8].copy_from_slice(&(0x9e37_79b9_7f4a_7c15u64.wrapping_mul(i as u64 + 7)).to_le_bytes());
+        BlockHash(b)
+    }
+
+    /// A full-attention group and an align-mode Mamba group, blocks of 8 tokens, a prefix-match unit of 4.
+    fn manager() -> KvCacheManager {
+        let hy = Hybrid::new(&[None, Some(MAMBA)], &[8, 8], 0, |_, _| usize::MAX).with_mamba_lookup();
+        KvCacheManager {
+            pool: BlockPool::new(16, true).with_block_groups(true),
+            hasher: BlockHasher::new(HashAlgo::Xxh3_128, Some(b"test")).unwrap(),
+            block_size: 8,
+            max_slots: 8 * 16,
+            enable_caching: true,
+            newly_cached: Vec::new(),
+            hash_buf: Vec::new(),
+            sliding_window: 0,
+            admission_cap_blocks: usize::MAX,
+            retention: None,
+            hybrid: Some(Box::new(hy)),
+            special: true,
+            drop_trailing_hit: false,
+            reprefillable: 0,
+            extra_retained: 0,
+            partial_unit: 4,
+        }
+    }
+
+    /// Hits ending inside a block: full attention's whole blocks then a unit boundary inside the next block,
+    /// Mamba's rightmost unit boundary, the shorter deciding and full attention cut to the blocks it touches.
+    #[test]
+    fn partial_hits_end_on_unit_boundaries() {
+        let mut kv = manager();
+        let units: Vec<BlockHash> = (0..7).map(unit_hash).collect();
+        let mut b = Vec::new();
+        kv.pool.allocate_into(6, &mut b);
+        // Full attention: blocks 0 and 1 whole (keyed by their last unit), block 2 keyed at unit 4 (20 tokens).
+        kv.pool.cache_block_rekey(b[0], units[1]);
+        kv.pool.cache_block_rekey(b[1], units[3]);
+        kv.pool.cache_partial_block(b[2], units[4], 20, false);
+        // Mamba: a state at 20 tokens and one at 12.
+        kv.pool.cache_partial_block(b[3], group_key(&units[4], 1), 20, false);
+        kv.pool.cache_partial_block(b[4], group_key(&units[2], 1), 12, false);
+        let mut hits = Vec::new();
+        assert_eq!(kv.find_partial_hit(&units, 27, &mut hits), 20);
+        assert_eq!(hits, vec![vec![b[0], b[1], b[2]], vec![NULL_BLOCK, NULL_BLOCK, b[3]]]);
+        // Capped below the unit at 20: full attention stops at 16, Mamba falls back to 12 (full attention cut to
+        // the two blocks 12 tokens touch).
+        assert_eq!(kv.find_partial_hit(&units, 19, &mut hits), 12);
+        assert_eq!(hits, vec![vec![b[0], b[1]], vec![NULL_BLOCK, b[4]]]);
+        // Without the Mamba state at 20 the hit is 12 again; without any, nothing.
+        kv.pool.free_blocks(&[b[3]]);
+        let mut more = Vec::new();
+        kv.pool.allocate_into(10, &mut more);
+        assert!(more.contains(&b[3]));
+        assert_eq!(kv.find_partial_hit(&units, 27, &mut hits), 12);
+        kv.pool.free_blocks(&[b[4]]);
+        kv.pool.allocate_into(1, &mut more);
+        assert_eq!(kv.find_partial_hit(&units, 27, &mut hits), 0);
+        assert_eq!(hits, vec![Vec::<u32>::new(), vec![]]);
+        // A block-aligned Mamba state (its key the full block's) with full attention's block 2 whole.
+        kv.pool.cache_block_rekey(b[2], units[5]);
+        kv.pool.cache_partial_block(b[5], group_key(&units[5], 1), 24, false);
+        assert_eq!(kv.find_partial_hit(&units, 27, &mut hits), 24);
+        assert_eq!(hits, vec![vec![b[0], b[1], b[2]], vec![NULL_BLOCK, NULL_BLOCK, b[5]]]);
     }
 }

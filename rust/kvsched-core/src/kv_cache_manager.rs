@@ -56,6 +56,9 @@ pub struct KvCacheManager {
     pub reprefillable: u32,
     /// Tokens below the window a sliding window keeps (`SchedulerConfig::extra_retained_tokens`).
     pub extra_retained: u32,
+    /// Tokens per prefix-match unit when prefix hits can end inside a block (`SchedulerConfig::partial_hit_unit`;
+    /// requests then keep every unit's hash, `Request::unit_hashes`); 0: hits end on whole blocks.
+    pub partial_unit: u32,
 }
 
 impl KvCacheManager {
@@ -704,6 +707,10 @@ impl KvCacheManager {
     /// Hashes the request's blocks that became full since the last call.
     #[inline]
     pub fn extend_hashes(&mut self, req: &mut Request) {
+        if self.partial_unit != 0 {
+            self.extend_unit_hashes(req);
+            return;
+        }
         if self.enable_caching
             && self.hasher.num_hashable(req.token_ids.len(), self.block_size as usize)
                 > req.block_hashes.len()
@@ -716,6 +723,26 @@ impl KvCacheManager {
                 &req.encoder_inputs,
                 &mut self.hash_buf,
             );
+        }
+    }
+
+    /// `extend_hashes` with prefix hits inside a block: the request's full units, then its blocks' hashes (each
+    /// its last unit's).
+    #[cold]
+    fn extend_unit_hashes(&mut self, req: &mut Request) {
+        let bs = self.block_size as usize;
+        self.hasher.extend_unit_hashes(
+            &mut req.unit_hashes,
+            &req.token_ids,
+            bs,
+            &req.extra_keys,
+            &req.encoder_inputs,
+            &mut self.hash_buf,
+        );
+        let k = bs / self.partial_unit as usize;
+        while req.block_hashes.len() < req.unit_hashes.len() / k {
+            let i = req.block_hashes.len();
+            req.block_hashes.push(req.unit_hashes[(i + 1) * k - 1]);
         }
     }
 }
@@ -751,6 +778,7 @@ mod tests {
             drop_trailing_hit: false,
             reprefillable: 0,
             extra_retained: 0,
+            partial_unit: 0,
         };
         let hashes: Vec<BlockHash> = (0..8).map(chain_hash).collect();
         let mut blocks = Vec::new();
@@ -815,6 +843,7 @@ mod tests {
             drop_trailing_hit: drop,
             reprefillable: 0,
             extra_retained: 0,
+            partial_unit: 0,
         };
         let hashes: Vec<BlockHash> = (0..CHAIN).map(chain_hash).collect();
         let mut x: u64 = 0x1234_5678_9abc_def1;

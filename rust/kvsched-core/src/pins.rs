@@ -130,12 +130,13 @@ impl Scheduler {
         self.kv.pool.free_order()
     }
 
-    /// The block a prefix lookup of `hash` returns now (the first block cached under it), if any. Changes
+    /// The block a prefix lookup of `hash` returns now (the first block filed under it, as its hash or as an
+    /// extra key), if any. Changes
     /// nothing.
     pub fn get_cached_block_id(&self, hash: &BlockHash) -> Option<u32> {
         if !self.config.enable_prefix_caching {
             return None;
         }
-        self.kv.pool.get_cached_block(hash)
+        self.kv.pool.get_cached_key(hash)
     }
 }

@@ -180,6 +180,9 @@ pub struct Request {
     pub min_tokens: u32,
     // --- cold: touched on admission, preemption, block boundaries and finish
     pub block_hashes: Vec<BlockHash>,
+    /// With prefix hits inside a block (`SchedulerConfig::partial_hit_unit`): the hash of every full prefix-match
+    /// unit, the units of a block not full yet too (a block's hash is its last unit's). Empty otherwise.
+    pub unit_hashes: Vec<BlockHash>,
     /// With several KV cache groups (`kv_cache_groups`): the tables of every group but the primary one (the
     /// first group that is not Mamba, whose table is `blocks`), in group order; each as long as `blocks` but a
     /// cross-attention or Mamba one. Empty with one group.

@@ -242,6 +242,7 @@ impl Scheduler {
                 config.prefill_lookahead_tokens.saturating_sub(1)
             },
             extra_retained: config.extra_retained_tokens,
+            partial_unit: config.partial_hit_unit().unwrap_or(0),
         };
         let limits = DecodeLimits {
             max_model_len: i64::from(config.max_model_len),
@@ -506,6 +507,7 @@ impl Scheduler {
             stop_reason: -1,
             extra_keys: ExtraKeys { cache_salt, lora_name: params.lora_name },
             block_hashes: Vec::new(),
+            unit_hashes: Vec::new(),
             blocks: Vec::new(),
             num_cached_blocks: 0,
             groups: vec![GroupTable::default(); self.config.kv_cache_groups.len().saturating_sub(1)],

@@ -242,6 +242,9 @@ impl Scheduler {
         let drop_blocks = hot.computed[s] == 0 && !req.blocks.is_empty();
         req.token_ids.truncate(keep);
         req.block_hashes.truncate(keep / bs);
+        if self.kv.partial_unit != 0 {
+            req.unit_hashes.truncate(keep / self.kv.partial_unit as usize);
+        }
         req.token_ids.extend_from_slice(&part.token_ids);
         let prompt = req.token_ids.len() as u32;
         req.num_prompt_tokens = prompt;

@@ -1,0 +1,145 @@
+"""The reference's keys finer than the block and its lookup with hits inside a block, against vLLM's own
+``BlockPool`` (partial entries, extra keys, promotion, ``move_block_hashes``, eviction, free order) and its
+fine-grained full-attention and Mamba finders, on random operations (vLLM-marked: imports vLLM)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import pytest
+from kvsched.config import MAMBA
+from kvsched.reference import ReferenceScheduler
+
+pytestmark = pytest.mark.vllm
+
+BS, UNIT = 8, 2
+K = BS // UNIT
+
+
+class _Req:
+    """What vLLM's pool reads of a request with events off: its hashes at the prefix-match unit."""
+
+    def __init__(self, units: list[bytes]) -> None:
+        self.block_hashes = units
+
+
+def _prompts(rng: random.Random, n: int, num_units: int) -> list[list[bytes]]:
+    """Unit hashes of ``n`` prompts drawn from two tokens per unit (so that they share prefixes)."""
+    out = []
+    for _ in range(n):
+        parent, units = b"", []
+        for _ in range(num_units):
+            parent = hashlib.sha256(parent + bytes([rng.randrange(2)])).digest()
+            units.append(parent)
+        out.append(units)
+    return out
+
+
+def _specs() -> tuple[Any, Any]:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    mamba = MambaSpec(block_size=BS, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    return full, mamba
+
+
+def _reference(num_blocks: int) -> ReferenceScheduler:
+    s = ReferenceScheduler(
+        num_blocks=num_blocks,
+        block_size=BS,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+        kv_cache_groups=(None, MAMBA),
+        mamba_align=True,
+    )
+    s._partial_unit = UNIT  # the configuration itself stays refused until hits inside a block are admitted
+    return s
+
+
+def _vllm_hit(pool: Any, units: list[bytes], max_len: int) -> tuple[list[list[int]], int]:
+    """vLLM's simple-hybrid lookup (full attention, then Mamba capped at its hit; full attention cut to the
+    blocks the hit touches), through its own finders."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
+
+    full, mamba = _specs()
+    kw = {"block_pool": pool, "drop_eagle_block": False, "alignment_tokens": UNIT}
+    (fa,), fa_len = FullAttentionManager.find_longest_cache_hit(units, max_len, [0], kv_cache_spec=full, **kw)
+    (mb,), hit = MambaManager.find_longest_cache_hit(units, fa_len, [1], kv_cache_spec=mamba, **kw)
+    fa = fa[: -(-hit // BS)]
+    return [[b.block_id for b in fa], [b.block_id for b in mb]], hit
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_partial_keys_and_lookups_match_vllms_block_pool(seed: int) -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    rng = random.Random(seed)
+    n = 16
+    pool = BlockPool(n, enable_caching=True, hash_block_size=UNIT)
+    s = _reference(n)
+    prompts = _prompts(rng, 2, 3 * K)
+    reqs = [_Req(u) for u in prompts]
+    held: dict[int, tuple[int, int, int]] = {}  # block -> (prompt, block position, group)
+    keys = [s._group_key(u, g) for units in prompts for u in units for g in (0, 1)]
+    for _ in range(150):
+        op = rng.choice(["alloc", "alloc", "free", "full", "partial", "partial", "move", "reset", "lookup"])
+        if op == "alloc" and pool.get_num_free_blocks() > 0:
+            (blk,) = pool.get_new_blocks(1)
+            assert s._pop_free_block() == blk.block_id
+            held[blk.block_id] = (rng.randrange(len(prompts)), rng.randrange(3), rng.randrange(2))
+        elif op == "free" and held:
+            b = rng.choice(sorted(held))
+            del held[b]
+            pool.free_blocks([pool.blocks[b]])
+            s._free_block_list([b])
+        elif op == "full" and held:
+            b = rng.choice(sorted(held))
+            p, i, g = held[b]
+            blk = pool.blocks[b]
+            # vLLM keys a block full once, or promotes a partial entry of its own position.
+            tokens = blk.block_hash_num_tokens
+            if blk.block_hash is None or (tokens is not None and i * BS < tokens < (i + 1) * BS):
+                pool.cache_full_blocks(reqs[p], [blk] * (i + 1), i, i + 1, BS, g)
+                h = s._group_key(prompts[p][(i + 1) * K - 1], g)
+                if s._block_hash[b] is not None:
+                    s._uncache(b, s._block_hash[b])
+                s._insert_key(b, h, None)
+        elif op == "partial" and held:
+            b = rng.choice(sorted(held))
+            p, i, g = held[b]
+            f = i * K + rng.randrange(K)
+            replace = rng.random() < 0.1
+            tokens = (f + 1) * UNIT
+            pool.cache_partial_block(reqs[p], pool.blocks[b], tokens, g, BS, replace_existing_hashes=replace)
+            s._cache_partial_block(b, s._group_key(prompts[p][f], g), tokens, replace)
+        elif op == "move" and len(held) > 1:
+            src, dst = rng.sample(sorted(held), 2)
+            if pool.blocks[src].block_hash is not None and s._block_hash[dst] is None:
+                pool.move_block_hashes(pool.blocks[src], pool.blocks[dst])
+                s._move_block_hashes(src, dst)
+                held[dst] = held[src]
+        elif op == "reset" and not held:
+            assert pool.reset_prefix_cache() and s.reset_prefix_cache()
+        elif op == "lookup":
+            units = rng.choice(prompts)
+            max_len = rng.randrange(len(units) * UNIT + 1)
+            assert s._partial_hit_lookup(units, max_len) == _vllm_hit(pool, units, max_len), max_len
+        for key in keys:
+            want = pool.cached_block_hash_to_block.get_one_block(_vllm_key(key))
+            got = next(iter(s._cached.get(key, {})), None)
+            assert got == (None if want is None else want.block_id)
+        assert [blk.block_id for blk in pool.free_block_queue.get_all_free_blocks()] == list(s._free)
+    if not held:
+        s.check_invariants()
+
+
+def _vllm_key(key: bytes) -> Any:
+    """vLLM's key of a reference key (the hash, with the group id appended to a group's above 0)."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    group = key[-1] if len(key) % 2 else 0
+    return make_block_hash_with_group_id(key[:-1] if group else key, group)  # type: ignore[arg-type]
