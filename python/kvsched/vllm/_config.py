@@ -308,11 +308,13 @@ def check_kv_connector(vllm_config: Any, connector: Any, groups: tuple[Any, ...]
             binds = True
             return
         if _is_mooncake_store(cls) or _is_umbp_store(cls):
-            if groups is not None:
+            other = sorted({str(w).split(":")[0] for w in groups or () if w is not None and not isinstance(w, int)})
+            if other:
                 _refuse(
-                    "KV connectors that use vLLM's block pool with sliding-window attention or several KV cache "
-                    "groups, other than SimpleCPUOffloadConnector (not compared with vLLM's scheduler)",
-                    f"kv_transfer_config: {name}",
+                    f"{cls.__name__} with KV cache groups other than full attention and sliding windows (Mamba "
+                    "boundary states and finished partial tails, chunked-local and cross-attention groups: not "
+                    "compared with vLLM's scheduler)",
+                    f"kv_transfer_config: {name}, {' and '.join(other)} KV cache groups",
                 )
             binds = True
             return
