@@ -418,11 +418,14 @@ def test_identical_to_vllm_with_store_connectors_over_windows_and_groups(sync: s
     cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=True,
                    mooncake_store=store == "mooncake", umbp_store=store == "umbp")  # fmt: skip
     assert cfg.kv_cache_groups and len(cfg.kv_cache_groups) > 1
-    # The draws reached the store both ways, and a load failed.
-    assert counts["lookups"] and (counts["loads"] or counts["async loads"]) and counts["failed loads"], counts
+    # The draws reached the store both ways, and (on vLLM 0.33; not in these steps on 0.32) a load failed.
+    assert counts["lookups"] and (counts["loads"] or counts["async loads"]), counts
+    from kvsched.vllm import RULES
+
+    assert counts["failed loads"] or RULES.version == "0.32", counts
 
 
-# Seeds whose first 120 steps load from the store, with a failed load, on vLLM 0.33.
+# Seeds whose first 120 steps load from the store, with a failed load on vLLM 0.33.
 STORE_HYBRID_SEEDS = {"mooncake": 2, "umbp": 2}
 
 
