@@ -209,7 +209,7 @@ def test_mooncake_store_connector_gets_a_pinning_pool() -> None:
     from kvsched.vllm._kv_view import PinningBlockPoolView
     from vllm_driver import MooncakeStandIn
 
-    with MooncakeStandIn(0, 4).in_place():
+    with MooncakeStandIn(0).in_place():
         s = make_scheduler("kvsched", make_vllm_config(block_size=4, num_blocks=32, kv_transfer=_MOONCAKE))
         multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
                  "kv_connector_extra_config": {"connectors": [_MOONCAKE]}}  # fmt: skip
@@ -234,18 +234,26 @@ def test_mooncake_store_connector_subclasses_are_accepted_only_binding_as_it_doe
         check_kv_connector(make_vllm_config(), object.__new__(odd))
 
 
-def test_mooncake_store_connector_with_several_kv_cache_groups_is_refused() -> None:
-    """With several KV cache groups (a sliding window beside full attention, or Mamba align groups, whose
-    boundary states and finished partial tails the connector would take) MooncakeStoreConnector is refused, as
-    every KV connector is there."""
+def test_mooncake_store_connector_with_windows_and_groups_and_refused_with_mamba_groups() -> None:
+    """With a sliding window, alone or beside full attention in several KV cache groups, MooncakeStoreConnector
+    gets the pinning pool; with Mamba align groups (whose boundary states and finished partial tails it would
+    take) it is refused by name."""
+    from kvsched.vllm._kv_view import PinningBlockPoolView
     from vllm_driver import MooncakeStandIn
 
     cfg = make_vllm_config(block_size=4, num_blocks=64, kv_transfer=_MOONCAKE)
-    with MooncakeStandIn(0, 4).in_place(), pytest.raises(UnsupportedFeatureError, match="several KV cache groups"):
-        make_scheduler("kvsched", cfg, kv_cache_groups=(None, 8))
+    for groups in [(8,), (None, 8), (None, 3, None, 8)]:
+        with MooncakeStandIn(0).in_place():
+            s = make_scheduler("kvsched", cfg, kv_cache_groups=groups)
+        assert isinstance(s.kv_cache_manager.block_pool, PinningBlockPoolView)
+        assert s.connector.connector_scheduler._gpu_block_pool is s.kv_cache_manager.block_pool
+    mamba = make_vllm_config(block_size=8, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
+                             max_num_seqs=4, mamba_cache_mode="align", kv_transfer=_MOONCAKE)  # fmt: skip
+    with MooncakeStandIn(0).in_place(), pytest.raises(UnsupportedFeatureError, match=r"MooncakeStoreConnector.*mamba"):
+        make_scheduler("kvsched", mamba, kv_cache_groups=("mamba", None))
 
 
-def _umbp_config(namespace: str = "test", multi: bool = False) -> Any:
+def _umbp_config(namespace: str = "test", multi: bool = False, **kw: Any) -> Any:
     """A vLLM config with vLLM 0.33's UMBPStoreConnector (by its module: it is not in vLLM's connector registry),
     alone or (``multi``) as the child of a ``MultiConnector``; skips on a vLLM release without it."""
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.umbp")
@@ -256,7 +264,7 @@ def _umbp_config(namespace: str = "test", multi: bool = False) -> Any:
     if multi:
         ktc = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"connectors": [ktc]}}  # fmt: skip
-    return make_vllm_config(block_size=4, num_blocks=64, kv_transfer=ktc)
+    return make_vllm_config(**{"block_size": 4, "num_blocks": 64, **kw}, kv_transfer=ktc)
 
 
 def test_umbp_store_connector_takes_its_namespace_from_the_workers_handshake() -> None:
@@ -325,14 +333,43 @@ def test_umbp_store_connector_subclasses_are_accepted_only_binding_as_it_does() 
             check_kv_connector(make_vllm_config(), object.__new__(odd))
 
 
-def test_umbp_store_connector_with_several_kv_cache_groups_is_refused() -> None:
-    """With several KV cache groups (where UMBPStoreConnector asks the pool's local lookup and takes Mamba
-    boundary states and finished partial tails) it is refused, as every KV connector that binds the pool is."""
-    from vllm_driver import UMBPStandIn
+def test_umbp_store_connector_looks_up_its_local_hit_inside_the_cores_lookup() -> None:
+    """With a sliding window beside full attention UMBPStoreConnector asks its local prefix-cache lookup from
+    inside its own prefix lookup (to merge the local hit with the store's), which runs inside the core's
+    ``schedule()``: the pinning pool answers for the request's local hit, so a request that finds its prompt's
+    first blocks cached and the rest in the store loads the rest, under kvsched.vllm as under vLLM's scheduler.
+    With Mamba align groups (boundary states and finished partial tails) the connector is refused by name."""
+    from vllm_driver import UMBPStandIn, _umbp_metadata
 
     cfg = _umbp_config()
-    with UMBPStandIn(0).in_place(), pytest.raises(UnsupportedFeatureError, match="several KV cache groups"):
-        make_scheduler("kvsched", cfg, kv_cache_groups=(None, 8))
+    prompt = list(range(3, 3 + 21))
+    seen = []
+    for impl in ("vllm", "kvsched"):
+        standin = UMBPStandIn(0)
+        with standin.in_place():
+            s = make_scheduler(impl, cfg, kv_cache_groups=(None, 8))
+        cs = s.connector.connector_scheduler
+        first = make_request("a", prompt[:13], max_tokens=1, block_size=4)
+        s.add_request(first)
+        so = s.schedule()
+        s.update_from_output(so, runner_output(["a"], [[5]]))  # three full blocks stay cached
+        second = make_request("b", prompt, max_tokens=1, block_size=4)
+        # The store holds every block of the prompt in both groups.
+        standin.keys.update(dict.fromkeys(cs.codec.key(h, g) for g in (0, 1) for h in second.block_hashes))
+        asked: list[tuple[int, bool]] = []
+        local = cs._local_cache_lookup
+        cs._local_cache_lookup = lambda g, h, local=local, asked=asked: asked.append((g, local(g, h))) or asked[-1][1]
+        s.add_request(second)
+        so = s.schedule()
+        meta = _umbp_metadata(so.kv_connector_metadata)
+        seen.append((asked, second.status, second.num_computed_tokens, meta))
+    assert seen[0] == seen[1]
+    # Each group's three blocks of the local hit asked, all cached; the request waits for the rest.
+    assert seen[1][:3] == ([(0, True)] * 3 + [(1, True)] * 3, RequestStatus.WAITING_FOR_REMOTE_KVS, 20)
+    mamba = _umbp_config(block_size=8, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
+                         max_num_seqs=4, mamba_cache_mode="align")  # fmt: skip
+    with UMBPStandIn(0).in_place(), pytest.raises(UnsupportedFeatureError, match=r"UMBPStoreConnector.*mamba"):
+        make_scheduler("kvsched", mamba, kv_cache_groups=("mamba", None))
 
 
 def test_simple_cpu_offload_connector_gets_a_pinning_pool() -> None:

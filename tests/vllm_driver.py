@@ -571,21 +571,23 @@ class MooncakeStandIn(_StoreStandIn):
     """A stand-in for the Mooncake store and the workers of vLLM's MooncakeStoreConnector, shared by both
     schedulers of a pair (every call on it is made alike for both).
 
-    The store holds block hashes (KV cache group 0). A lookup finds the longest stored prefix of the request's
-    block hashes with the connector's own coordinator, within the block-aligned token count and short of the last
-    token, as the lookup server on worker rank 0 does. Each store job of a step's metadata completes 0-3 steps
-    later: the hashes of the blocks it saved (its ``token_len_chunk`` tokens) enter the store and the job is
-    reported done (``MooncakeStoreWorkerMetadata``, one rank). Each load completes 0-2 steps later with
-    asynchronous loads (``finished_recving``, requests still known; one in ten with an invalid block among those
-    it loads), in its own step otherwise. Now and then the store evicts a third of its hashes."""
+    The store holds block hashes by KV cache group. A lookup finds the longest stored prefix of the request's
+    block hashes with the connector's own coordinator (every group's hit, a sliding window's within its window),
+    within the block-aligned token count and short of the last token, as the lookup server on worker rank 0 does.
+    Each store job of a step's metadata completes 0-3 steps later: the hashes of the blocks it saved (its
+    ``token_len_chunk`` tokens, in each group the blocks the coordinator's store mask keeps that the block table
+    still holds) enter the store and the job is reported done (``MooncakeStoreWorkerMetadata``, one rank). Each
+    load completes 0-2 steps later with asynchronous loads (``finished_recving``, requests still known; one in ten
+    with an invalid block among those it loads, in any group), in its own step otherwise. Now and then the store
+    evicts a third of its hashes."""
 
-    def __init__(self, seed: int, block_size: int) -> None:
+    def __init__(self, seed: int) -> None:
         self.seed = seed
-        self.block_size = block_size
         self.rng = random.Random(f"mooncake-store/{seed}")
-        # The stored hashes, in the order they were stored (a dict: the draws over it do not depend on hash values,
-        # which vLLM seeds per process).
-        self.keys: dict[bytes, None] = {}
+        # The stored (group, hash) keys, in the order they were stored (a dict: the draws over it do not depend on
+        # hash values, which vLLM seeds per process).
+        self.keys: dict[tuple[int, bytes], None] = {}
+        self.coord: Any = None  # the connectors' MooncakeStoreCoordinator (both alike)
         self.load_async = True
         # [steps left, "load", req_id, invalid block or None] or [steps left, "save", store job id, hashes]
         self.pending: list[list[Any]] = []
@@ -607,7 +609,7 @@ class MooncakeStandIn(_StoreStandIn):
     def attach(self, a: Any, b: Any) -> None:
         """The built schedulers: each connector's lookup client gets its coordinator, its pool a call log."""
         for cs in self.record_pools(a, b):
-            cs.client.coord = cs._store_coord
+            cs.client.coord = self.coord = cs._store_coord
             self.load_async = cs.load_async
 
     def lookup(self, coord: Any, num_tokens: int, block_hashes: Sequence[Any]) -> Any:
@@ -621,9 +623,7 @@ class MooncakeStandIn(_StoreStandIn):
         limit = coord.align_lookup_length(num_tokens)
         if not block_hashes or limit <= 0:
             return MooncakeLookupResult(0)
-        stored = ExternalCachedBlockPool(
-            coord.hash_block_size, {(0, bytes(h)) for h in block_hashes if bytes(h) in self.keys}
-        )
+        stored = ExternalCachedBlockPool(coord.hash_block_size, self.keys.keys())  # type: ignore[arg-type]
         _, hit = coord.find_longest_cache_hit(block_hashes, limit, stored)
         if hit >= num_tokens:  # the last token is computed again, to sample from
             limit = coord.align_lookup_length(num_tokens - 1)
@@ -639,30 +639,41 @@ class MooncakeStandIn(_StoreStandIn):
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeStoreWorkerMetadata
         from vllm.v1.outputs import KVConnectorOutput
 
-        rng, bs = self.rng, self.block_size
+        rng = self.rng
+        sizes = [int(g.kv_cache_spec.block_size) for g in self.coord.kv_cache_groups] if self.coord else []
         for r in meta.requests if meta is not None else ():
             spec = r.load_spec
             if spec is not None:
-                first, end = spec.vllm_cached_tokens // bs, -(-spec.kvpool_cached_tokens // bs)
-                blocks = r.block_ids[0]
+                # The blocks it loads, in every group (not a window's null blocks).
+                blocks = [
+                    b
+                    for table, bs in zip(r.block_ids, sizes, strict=False)
+                    for b in table[spec.vllm_cached_tokens // bs : -(-spec.kvpool_cached_tokens // bs)]
+                    if b
+                ]
                 # (Invalid blocks only for asynchronous loads: kvsched.vllm does not roll back the running requests
                 # of a synchronous load with invalid blocks, docs/vllm.md.)
                 bad = None
-                if rng.random() < 0.1 and end > first and self.load_async:
-                    bad = blocks[rng.randrange(first, end)]
+                if rng.random() < 0.1 and blocks and self.load_async:
+                    bad = rng.choice(blocks)
                 self.pending.append([rng.randrange(0, 3) if self.load_async else 0, "load", r.req_id, bad])
             if r.can_save and r.store_job_id is not None:
-                hashes = [bytes(h) for h in r.block_hashes[: r.token_len_chunk // bs]]
-                self.pending.append([rng.randrange(0, 4), "save", r.store_job_id, hashes])
+                self.pending.append([rng.randrange(0, 4), "save", r.store_job_id, self.saved_keys(r)])
         recving: set[str] = set()
         invalid: set[int] = set()
+        failed: set[str] = set()
         saves: dict[int, int] = {}
         for item in self.take_due():
             if item[1] == "load":
                 self.counts["loads"] += 1
                 if self.load_async and known(item[2]):
                     recving.add(item[2])
-                    if item[3] is not None:  # (of a request still loading: not of blocks freed since)
+                    if item[3] is not None and len(sizes) > 1:
+                        # (Several KV cache groups: the workers report the request, vLLM's scheduler refuses
+                        # block ids, which are not unique across groups there.)
+                        failed.add(item[2])
+                        self.counts["failed loads"] += 1
+                    elif item[3] is not None:  # (of a request still loading: not of blocks freed since)
                         invalid.add(item[3])
                         self.counts["invalid blocks"] += 1
             else:
@@ -672,13 +683,32 @@ class MooncakeStandIn(_StoreStandIn):
         if self.keys and rng.random() < 0.05:
             for key in rng.sample(list(self.keys), len(self.keys) // 3):
                 del self.keys[key]
-        if not (recving or invalid or saves):
+        if not (recving or invalid or failed or saves):
             return None
         return KVConnectorOutput(
             finished_recving=recving or None,
+            failed_recving=failed,
             invalid_block_ids=invalid,
             kv_connector_worker_meta=MooncakeStoreWorkerMetadata(completed_saves=saves) if saves else None,
         )
+
+    def saved_keys(self, r: Any) -> list[tuple[int, bytes]]:
+        """The (group, hash) keys a store job of ``r`` (a ``ReqMeta``) saves: its ``token_len_chunk`` tokens cut to
+        the coordinator's block size, in each group the blocks its store mask keeps that the job's block table
+        holds (a window's null blocks not), each under the group's hash at the block's end."""
+        coord = self.coord
+        tokens = r.token_len_chunk // coord.lcm_block_size * coord.lcm_block_size
+        if tokens <= 0:
+            return []
+        masks = coord.store_mask(tokens, 0, num_prompt_tokens=r.prefill_end_tokens)
+        keys = []
+        for g, group in enumerate(coord.kv_cache_groups):
+            hashes = coord.block_hashes_for_spec(r.block_hashes, group.kv_cache_spec)
+            table, mask = r.block_ids[g], masks[g]
+            for i in range(min(tokens // group.kv_cache_spec.block_size, len(hashes), len(table))):
+                if table[i] and (mask is None or mask[i]):
+                    keys.append((g, bytes(hashes[i])))
+        return keys
 
     def compare_connectors(self, when: str, ca: Any, cb: Any) -> None:
         """Load specs, request trackers, unfinished requests, pinned saves, the next store job."""
@@ -808,7 +838,8 @@ class UMBPStandIn(_StoreStandIn):
     store event of a step's metadata completes 0-3 steps later: its jobs' keys enter the store, except those of a
     job that fails (one in ten events has one; the job of a request preempted since is cancelled, and fails) and
     the event is reported by one worker rank (``UMBPConnectorWorkerMetadata``, its failed objects). Now and then
-    another engine publishes the objects of a prefix of a live request's blocks (a consumer's only source). Each
+    another engine publishes the objects of a prefix of a live request's blocks, in every group (a consumer's only
+    source). Each
     asynchronous load completes 0-2 steps later (``finished_recving`` for requests still known), with the blocks
     of keys no longer stored (or one in ten loads, a drawn block) invalid; a preempted request's load is
     cancelled. Synchronous loads complete in their step (with ``sync_invalid``, with the blocks of keys no longer
@@ -829,6 +860,7 @@ class UMBPStandIn(_StoreStandIn):
         self.counts = collections.Counter[str]()
         super().__init__()
         self.kv_events = False
+        self.groups = 1  # the KV cache groups (with several, a failed load reports its request, not its blocks)
         self.steps = 0
         # Keys this engine's store events published (the runtime reports their evictions to its workers).
         self.local: set[str] = set()
@@ -856,6 +888,7 @@ class UMBPStandIn(_StoreStandIn):
             cs._lookup_executor.shutdown(wait=True)
             cs._lookup_executor = _StepExecutor(self.seed)
             self.kv_events = cs.enable_kv_cache_events
+            self.groups = len(cs.kv_cache_config.kv_cache_groups)
         if UMBPStandIn._clock is not None:
             UMBPStandIn._clock.stop()  # (the previous pair's)
         UMBPStandIn._clock = mock.patch.object(umbp_scheduler, "time", types.SimpleNamespace(monotonic=self.now))
@@ -880,6 +913,7 @@ class UMBPStandIn(_StoreStandIn):
         rng = self.rng
         recving: set[str] = set()
         invalid: set[int] = set()
+        failed: set[str] = set()
         events: dict[int, Any] = {}
         if meta is not None:
             preempted = set(meta.preempted_request_ids)
@@ -917,8 +951,12 @@ class UMBPStandIn(_StoreStandIn):
                     bad.add(rng.choice(batch.block_ids))
                 if known(item[2]):
                     recving.add(item[2])
-                    invalid |= bad
-                    self.counts["invalid blocks"] += len(bad)
+                    if bad and self.groups > 1:
+                        failed.add(item[2])
+                        self.counts["failed loads"] += 1
+                    else:
+                        invalid |= bad
+                        self.counts["invalid blocks"] += len(bad)
             else:
                 self.counts["store events"] += 1
                 failed_objects = set()
@@ -933,12 +971,16 @@ class UMBPStandIn(_StoreStandIn):
         if self.schedulers is not None and rng.random() < 0.3:
             # Another engine (a prefill instance) publishes the KV of a prefix of a request's blocks.
             a = self.schedulers[0]
-            codec = a.connector.connector_scheduler.codec
+            cs = a.connector.connector_scheduler
             req_ids = sorted(r for r in a.requests if a.requests[r].block_hashes)
             if req_ids:
                 hashes = a.requests[rng.choice(req_ids)].block_hashes
+                n = rng.randrange(1, len(hashes) + 1)
                 self.counts["remote publications"] += 1
-                self.keys.update(dict.fromkeys(codec.key(h, 0) for h in hashes[: rng.randrange(1, len(hashes) + 1)]))
+                for g in cs.kv_cache_config.prefix_cacheable_group_ids:
+                    # Each group's objects are keyed by the hash at the end of each of its lookup units.
+                    every = cs._lookup_units[g] // cs.hash_block_size
+                    self.keys.update(dict.fromkeys(cs.codec.key(hashes[i], g) for i in range(every - 1, n, every)))
         removed = []
         if self.keys and rng.random() < 0.05:
             for key in rng.sample(list(self.keys), len(self.keys) // 3):
@@ -962,10 +1004,11 @@ class UMBPStandIn(_StoreStandIn):
                 ]
             )
             self.counts["evictions reported"] += len(removed)
-        if not (recving or invalid or events or kv_events):
+        if not (recving or invalid or failed or events or kv_events):
             return None
         return KVConnectorOutput(
             finished_recving=recving or None,
+            failed_recving=failed,
             invalid_block_ids=invalid,
             kv_connector_worker_meta=UMBPConnectorWorkerMetadata(store_events=events) if events else None,
             kv_cache_events=kv_events,
@@ -1030,7 +1073,7 @@ class Pair:
         umbp_sync_invalid = fields.pop("umbp_sync_invalid")
         # The stand-ins for MooncakeStoreConnector's / UMBPStoreConnector's store and workers (one store, seen by
         # both sides alike).
-        self.mooncake = MooncakeStandIn(seed, cfg.block_size) if mooncake is not None else None
+        self.mooncake = MooncakeStandIn(seed) if mooncake is not None else None
         self.umbp = UMBPStandIn(seed, umbp_sync_invalid) if umbp is not None else None
         for name, extra in (("MooncakeStoreConnector", mooncake), ("UMBPStoreConnector", umbp)):
             if extra is not None:
@@ -2553,26 +2596,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_offload and args.mamba and not args.mamba_prefix_caching:
         # (The connector needs prefix caching, which makes vLLM's Mamba groups align-mode ones.)
         p.error("--cpu-offload with --mamba goes with --mamba-align --mamba-prefix-caching")
-    if args.mooncake_store and (
-        args.connector or args.cpu_offload or args.sliding_window or args.hybrid or args.mamba or args.enc_dec
-    ):
-        p.error(
-            "--mooncake-store goes without --connector, --cpu-offload, --sliding-window, --hybrid, --mamba and "
-            "--enc-dec"
-        )
+    if args.mooncake_store and (args.connector or args.cpu_offload or args.chunked_local or args.mamba or args.enc_dec):
+        p.error("--mooncake-store goes without --connector, --cpu-offload, --chunked-local, --mamba and --enc-dec")
     if args.umbp_store and (
         args.connector
         or args.cpu_offload
         or args.mooncake_store
-        or args.sliding_window
-        or args.hybrid
+        or args.chunked_local
         or args.mamba
         or args.enc_dec
         or args.pp
     ):
         p.error(
-            "--umbp-store goes without --connector, --cpu-offload, --mooncake-store, --sliding-window, --hybrid, "
-            "--mamba, --enc-dec and --pp (UMBP refuses pipeline parallelism)"
+            "--umbp-store goes without --connector, --cpu-offload, --mooncake-store, --chunked-local, --mamba, "
+            "--enc-dec and --pp (UMBP refuses pipeline parallelism)"
         )
     if args.umbp_store and RULES.version == "0.32":
         p.error("--umbp-store: vLLM 0.32 has no UMBPStoreConnector")

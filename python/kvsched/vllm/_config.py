@@ -289,11 +289,12 @@ def check_kv_connector(vllm_config: Any, connector: Any, groups: tuple[Any, ...]
     to its children: it is refused when one of its children (at any depth) is. Every other connector gets
     ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own manager.
 
-    With a window or several groups only ``SimpleCPUOffloadConnector`` binds the pool (full attention, sliding
-    windows and Mamba groups: its per-group stores, recovered window blocks through the pool view's group
-    lookups, Mamba states through the block state's boundary hand-offs); the other two are refused there (Mamba
-    boundary states, finished partial tails and group lookups of their own, not compared with vLLM's
-    scheduler)."""
+    With a window or several groups ``SimpleCPUOffloadConnector`` binds the pool over full attention, sliding
+    windows and Mamba groups (its per-group stores, recovered window blocks through the pool view's group
+    lookups, Mamba states through the block state's boundary hand-offs); the Mooncake and UMBP store connectors
+    over full attention and sliding windows (each group's blocks from the block state; UMBP's local-cache lookup
+    of a request's local hit from inside its prefix lookup, ``BlockPins.looking_up``). With any other group (Mamba
+    boundary states and finished partial tails, not compared with vLLM's scheduler) those two are refused."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
@@ -314,11 +315,13 @@ def check_kv_connector(vllm_config: Any, connector: Any, groups: tuple[Any, ...]
             binds = True
             return
         if _is_mooncake_store(cls) or _is_umbp_store(cls):
-            if groups is not None:
+            other = sorted({str(w).split(":")[0] for w in groups or () if w is not None and not isinstance(w, int)})
+            if other:
                 _refuse(
-                    "KV connectors that use vLLM's block pool with sliding-window attention or several KV cache "
-                    "groups, other than SimpleCPUOffloadConnector (not compared with vLLM's scheduler)",
-                    f"kv_transfer_config: {name}",
+                    f"{cls.__name__} with KV cache groups other than full attention and sliding windows (Mamba "
+                    "boundary states and finished partial tails, chunked-local and cross-attention groups: not "
+                    "compared with vLLM's scheduler)",
+                    f"kv_transfer_config: {name}, {' and '.join(other)} KV cache groups",
                 )
             binds = True
             return
@@ -378,9 +381,9 @@ def _is_mooncake_store(cls: type) -> bool:
 
     Its scheduler half pins the blocks of each store job with ``touch`` and gives them back with ``free_blocks``
     once every worker rank has reported the job (``blocks[bid]`` reads), and reads the current block tables
-    through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it. It takes
-    Mamba align groups' boundary states and finished partial tails (``register_finished_partial_tail``) only
-    with several KV cache groups, which the adapter refuses for it."""
+    through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it, in every KV
+    cache group of full attention or a sliding window. Mamba align groups' boundary states and finished partial
+    tails (``register_finished_partial_tail``), which it would take, are refused for it."""
     if not any(klass.__name__ == "MooncakeStoreConnector" for klass in cls.__mro__):
         return False  # (without importing the store's modules for every other connector)
     try:
@@ -397,10 +400,11 @@ def _is_umbp_store(cls: type) -> bool:
     ``free_blocks`` once every worker rank has reported the event (``blocks[bid]`` reads), and reads the current
     block tables through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it.
     Its ``bind_kv_cache_manager`` keeps a local prefix-cache lookup (``coordinator.single_type_managers[g]
-    .block_pool.get_cached_block``, the pinning pool's) that it asks only with several KV cache groups or a
-    group other than full attention, which the adapter refuses for it, as it does
-    the Mamba boundary states and finished partial tails the connector would take. Its prefix lookups go to the
-    UMBP runtime the deployment registers with vLLM (``UMBPRuntimeFactory``)."""
+    .block_pool.get_cached_block``, the pinning pool's) that it asks, with several KV cache groups or a sliding
+    window, for the blocks of a request's local hit from inside its prefix lookup, inside the core's call: the
+    pinning pool answers those (``BlockPins.looking_up``). The Mamba boundary states and finished partial tails
+    the connector would take are refused for it. Its prefix lookups go to the UMBP runtime the deployment
+    registers with vLLM (``UMBPRuntimeFactory``)."""
     if not any(klass.__name__ == "UMBPStoreConnector" for klass in cls.__mro__):
         return False  # (without importing the store's modules for every other connector)
     try:

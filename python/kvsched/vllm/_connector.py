@@ -16,7 +16,9 @@ with it every later block id) is the one vLLM's scheduler produces.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -46,6 +48,7 @@ class ConnectorBridge:
         mark_slow: Callable[[str], None],
         log_stats: bool,
         windows: tuple[Any, ...] = (None,),
+        looking_up: Callable[[Request, int], AbstractContextManager[None]] | None = None,
     ) -> None:
         """``connector``: vLLM's scheduler-role connector. What the bridge needs of the adapter, all reading its
         state when called: ``get_request``, the vLLM request of a live id; ``record_prefix_lookup(request,
@@ -53,8 +56,11 @@ class ConnectorBridge:
         ``connector_prefix_cache_stats()``, the connector's prefix-cache stats being collected (None without
         stats; the adapter starts new ones each time it reports them); ``mark_slow(req_id)``, the request's state
         is no longer a plain decode's (the adapter's update takes its general path for it); ``log_stats``,
-        whether stats are collected; ``windows``, each KV cache group's window (None: full attention)."""
+        whether stats are collected; ``windows``, each KV cache group's window (None: full attention);
+        ``looking_up(request, num_local_hit_tokens)``, a context the connector's lookup runs in (the block pins'
+        answers to lookups of the request's local hit while the core is inside its call)."""
         self.connector = connector
+        self._looking_up = looking_up or (lambda request, num_local: contextlib.nullcontext())
         self._get_request = get_request
         self._record_prefix_lookup = record_prefix_lookup
         self._connector_prefix_cache_stats = connector_prefix_cache_stats
@@ -92,7 +98,8 @@ class ConnectorBridge:
 
     def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> tuple[int | None, bool]:
         request = self._get_request(req_id)
-        ext, load_async = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._looking_up(request, num_computed_tokens):
+            ext, load_async = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
         if request.skip_reading_prefix_cache:
             ext, load_async = 0, False
         if ext is None:

@@ -322,6 +322,9 @@ class PinningBlockPoolView(BlockPoolView):
 
         if not self.enable_caching:
             return None
+        if self._pins.in_local_hit(block_hash):
+            # A connector's lookup asks for the request's local hit from inside the core's call (kvsched.vllm._pins).
+            return [self.null_block for _ in kv_cache_group_ids]
         found: list[BlockView] = []
         for group in kv_cache_group_ids:
             block = self._pins.cached_block_id(make_block_hash_with_group_id(block_hash, group))

@@ -18,6 +18,16 @@ vLLM's hash of a cached block is the hash of the request block at that position,
 request's ``block_hashes`` at the same index, from the live requests when a hash is asked for, and from each
 finishing request's blocks before the connector hears of the finish; the core names the group a block is cached
 in (``get_block_hash_group``) and looks a hash up in a group (``get_cached_block_id(hash, group)``).
+
+A connector's prefix lookup (``get_num_new_matched_tokens``) runs inside the core's ``schedule()``, which it
+cannot ask. vLLM's ``UMBPStoreConnector`` asks there whether each block of the request's local hit is cached in
+each group, to merge the hit with the store's (``coordinator.single_type_managers[g].block_pool
+.get_cached_block``). With full-attention and sliding-window groups the answer it needs is "cached" for every one
+of them: a full-attention group's hit is every block of it, and a window's merged hit never reaches further back
+than the window's blocks of the local hit, which are cached (vLLM's lookup scans a window from the right and
+stops at the first end whose window is cached: the local hit's end at the latest). :meth:`BlockPins.looking_up`
+gives those answers while the lookup runs (the pool's ``null_block`` stands for the blocks); any other question
+then reaches the core, which refuses it as busy.
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ class BlockPins:
         self._by_vllm: dict[Any, bytes] = {}
         # Live requests: how many of their block hashes are matched already.
         self._learned: dict[str, int] = {}
+        # While a connector's lookup runs inside the core's call: vLLM's hashes of the request's local hit.
+        self._local_hit: frozenset[Any] | None = None
 
     # ---- pins ----------------------------------------------------------------------------------------------
 
@@ -86,6 +98,23 @@ class BlockPins:
         self.flush()
         core = self._sched.core
         (core.pin_blocks if pin else core.unpin_blocks)(block_ids)
+
+    @contextmanager
+    def looking_up(self, request: Request, num_local_tokens: int) -> Iterator[None]:
+        """A connector's prefix lookup of ``request``, whose local hit is ``num_local_tokens`` tokens, runs inside
+        the core's call: :meth:`in_local_hit` answers for the hit's blocks meanwhile."""
+        hash_block_size = self._sched.kv_cache_manager.block_pool.hash_block_size
+        self._local_hit = frozenset(request.block_hashes[: num_local_tokens // hash_block_size])
+        try:
+            yield
+        finally:
+            self._local_hit = None
+
+    def in_local_hit(self, block_hash: Any) -> bool:
+        """Whether a connector's lookup is running (see :meth:`looking_up`) and vLLM's ``block_hash`` (without
+        group) is one of the request's local hit, which is cached in every group (full attention and sliding
+        windows: the adapter refuses the others for such connectors)."""
+        return self._local_hit is not None and block_hash in self._local_hit
 
     # ---- vLLM's block hashes -------------------------------------------------------------------------------
 

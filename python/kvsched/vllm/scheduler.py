@@ -332,6 +332,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 mark_slow=lambda req_id: self._slow_req_ids.add(req_id),
                 log_stats=self.log_stats,
                 windows=self._group_windows,
+                looking_up=self._pins.looking_up if self._pins is not None else None,
             )
             if log_stats:
                 self._connector_prefix_cache_stats = PrefixCacheStats()
