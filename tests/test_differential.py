@@ -2639,9 +2639,9 @@ def test_soak_mamba_prefix_caching_with_eagle_rules_matches_reference_step_by_st
     rekeyed = Counter[int]()
     record = _KVCacheManagerMixin._record_stored
 
-    def counting(self: Any, *args: Any, offset: int = 0) -> None:
+    def counting(self: Any, *args: Any, offset: int = 0, **kwargs: Any) -> None:
         rekeyed[args[4]] += offset > 0
-        record(self, *args, offset=offset)
+        record(self, *args, offset=offset, **kwargs)
 
     monkeypatch.setattr(_KVCacheManagerMixin, "_record_stored", counting)
     keyed_below = [0]
