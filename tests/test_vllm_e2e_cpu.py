@@ -12,7 +12,9 @@ preempted. Each case runs once with vLLM's scheduler and once with ``scheduler_c
   platform turns asynchronous scheduling off when it builds the configuration; the test turns it back on);
 - sliding-window models: the same Llama with every layer attending over a 256-token window (one window KV cache
   group), and with a window layer beside a full-attention layer (two groups, the shape of gpt-oss or Gemma 3),
-  prompts longer than the window so blocks leave it.
+  prompts longer than the window so blocks leave it;
+- a hybrid of linear attention and full attention (Qwen3-Next: a Mamba KV cache group beside a full-attention one);
+- multi-head latent attention (DeepSeek-V3: one MLA KV cache group of 16-token blocks), prefix caching on and off.
 
 Run: ``HF_HUB_OFFLINE=1 PYTHONPATH=python:tests VENV/bin/python -m pytest -m vllm_e2e tests/test_vllm_e2e_cpu.py``.
 """
@@ -264,3 +266,47 @@ def test_mamba_hybrid_model_with_attention_blocks_above_1024_tokens(tmp_path: An
     for r, g in zip(ref, got, strict=True):
         assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
         assert g.num_cached_tokens == r.num_cached_tokens, f"request {r.request_id}"
+
+
+# Multi-head latent attention (DeepSeek V2/V3/R1, Kimi K2): every layer caches one latent per token, and vLLM builds
+# one MLAAttentionSpec group. vLLM's CPU MLA backend (without AMX) needs 16-token blocks, and vLLM's CPU platform
+# turns prefix caching and chunked prefill off for MLA models there; the test turns prefix caching back on where the
+# case asks for it (as it turns asynchronous scheduling back on above), so that the scheduler's prefix hits over the
+# latent cache are compared too. Chunked prefill stays off (a step prefills whole prompts). That backend's greedy
+# tokens for a request change with the other requests in its step (they are not the tokens the model gives the
+# request alone), but they are the same for the same steps, so a step composed differently would most likely show.
+MLA_CASES = {"no-prefix-caching": False, "prefix-caching": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from kvsched.vllm.testing import save_tiny_deepseek
+
+    return save_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"))
+
+
+@pytest.mark.parametrize("case", sorted(MLA_CASES))
+def test_mla_model_gives_vllms_greedy_tokens(tiny_deepseek: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    prefix_caching = MLA_CASES[case]
+    platform_check = CpuPlatform.check_and_update_config
+
+    def check_and_update_config(vllm_config: Any) -> None:
+        platform_check(vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = prefix_caching
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", staticmethod(check_and_update_config))
+    # 100 blocks of 16 tokens: requests wait for blocks and running ones get preempted.
+    kwargs = {"enable_prefix_caching": prefix_caching, "num_gpu_blocks_override": 100, "max_model_len": 1024}
+    prompts = _prompts(11, 32)
+    seen: dict[str, Any] = {}
+    ref, ref_preempted = _generate(tiny_deepseek, None, prompts, **dict(kwargs))
+    got, got_preempted = _generate(tiny_deepseek, KVSCHED, prompts, seen, **dict(kwargs))
+    assert seen["groups"] == ["MLAAttentionSpec"] and seen["block_size"] == 16
+    for r, g in zip(ref, got, strict=True):
+        assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
+        assert g.outputs[0].text == r.outputs[0].text
+        assert g.num_cached_tokens == r.num_cached_tokens, f"request {r.request_id}"
+    assert any(r.num_cached_tokens for r in ref) == prefix_caching
+    assert got_preempted == ref_preempted > 0

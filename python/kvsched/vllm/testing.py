@@ -35,6 +35,7 @@ __all__ = [
     "make_scheduler",
     "make_vllm_config",
     "request_block_hasher",
+    "save_tiny_deepseek",
     "save_tiny_llama",
     "save_tiny_qwen3_next",
 ]
@@ -1107,6 +1108,56 @@ def save_tiny_qwen3_next(path: str | os.PathLike[str], *, seed: int = 0, linear_
             if param.dim() > 1:  # a wider spread than the default, so greedy argmaxes are not near-ties
                 param.normal_(0.0, 0.15)
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    _save_tiny_tokenizer(path)
+    return path
+
+
+def save_tiny_deepseek(path: str | os.PathLike[str], *, seed: int = 0) -> str:
+    """Write a tiny random DeepSeek-V3 (multi-head latent attention: every layer caches one compressed latent per
+    token instead of keys and values; a dense first layer, then a mixture-of-experts layer; hidden 128) and the
+    word-level tokenizer of :func:`save_tiny_llama` to ``path`` (float32 safetensors). vLLM builds one
+    ``MLAAttentionSpec`` KV cache group for it. The latent is 512 + 64 wide (``kv_lora_rank`` +
+    ``qk_rope_head_dim``), DeepSeek's own sizes, because vLLM's CPU MLA decode kernel is built for that width only.
+    Returns ``path``."""
+    import torch
+    import transformers
+
+    path = os.fspath(path)
+    # As DeepSeek-V3's own config (which vLLM reads): sigmoid router scores with a bias per expert, no MTP layer.
+    extra: dict[str, Any] = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0}
+    config = transformers.DeepseekV3Config(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=512,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=4096,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model: Any = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:  # a wider spread than the default, so greedy argmaxes are not near-ties
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(path, safe_serialization=True)
     _save_tiny_tokenizer(path)
     return path
 
