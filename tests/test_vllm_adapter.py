@@ -234,10 +234,9 @@ def test_mooncake_store_connector_subclasses_are_accepted_only_binding_as_it_doe
         check_kv_connector(make_vllm_config(), object.__new__(odd))
 
 
-def test_mooncake_store_connector_with_windows_and_groups_and_refused_with_mamba_groups() -> None:
-    """With a sliding window, alone or beside full attention in several KV cache groups, MooncakeStoreConnector
-    gets the pinning pool; with Mamba align groups (whose boundary states and finished partial tails it would
-    take) it is refused by name."""
+def test_mooncake_store_connector_with_windows_and_several_groups() -> None:
+    """With a sliding window, alone or beside full attention in several KV cache groups, or with align-mode Mamba
+    groups (their states come through the boundary hand-offs), MooncakeStoreConnector gets the pinning pool."""
     from kvsched.vllm._kv_view import PinningBlockPoolView
     from vllm_driver import MooncakeStandIn
 
@@ -249,8 +248,9 @@ def test_mooncake_store_connector_with_windows_and_groups_and_refused_with_mamba
         assert s.connector.connector_scheduler._gpu_block_pool is s.kv_cache_manager.block_pool
     mamba = make_vllm_config(block_size=8, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
                              max_num_seqs=4, mamba_cache_mode="align", kv_transfer=_MOONCAKE)  # fmt: skip
-    with MooncakeStandIn(0).in_place(), pytest.raises(UnsupportedFeatureError, match=r"MooncakeStoreConnector.*mamba"):
-        make_scheduler("kvsched", mamba, kv_cache_groups=("mamba", None))
+    with MooncakeStandIn(0).in_place():
+        s = make_scheduler("kvsched", mamba, kv_cache_groups=("mamba", None))
+    assert s.connector.connector_scheduler._gpu_block_pool is s.kv_cache_manager.block_pool
 
 
 def _umbp_config(namespace: str = "test", multi: bool = False, **kw: Any) -> Any:
@@ -338,7 +338,7 @@ def test_umbp_store_connector_looks_up_its_local_hit_inside_the_cores_lookup() -
     inside its own prefix lookup (to merge the local hit with the store's), which runs inside the core's
     ``schedule()``: the pinning pool answers for the request's local hit, so a request that finds its prompt's
     first blocks cached and the rest in the store loads the rest, under kvsched.vllm as under vLLM's scheduler.
-    With Mamba align groups (boundary states and finished partial tails) the connector is refused by name."""
+    With align-mode Mamba groups it gets the pinning pool too."""
     from vllm_driver import UMBPStandIn, _umbp_metadata
 
     cfg = _umbp_config()
@@ -368,8 +368,9 @@ def test_umbp_store_connector_looks_up_its_local_hit_inside_the_cores_lookup() -
     assert seen[1][:3] == ([(0, True)] * 3 + [(1, True)] * 3, RequestStatus.WAITING_FOR_REMOTE_KVS, 20)
     mamba = _umbp_config(block_size=8, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
                          max_num_seqs=4, mamba_cache_mode="align")  # fmt: skip
-    with UMBPStandIn(0).in_place(), pytest.raises(UnsupportedFeatureError, match=r"UMBPStoreConnector.*mamba"):
-        make_scheduler("kvsched", mamba, kv_cache_groups=("mamba", None))
+    with UMBPStandIn(0).in_place():
+        s = make_scheduler("kvsched", mamba, kv_cache_groups=("mamba", None))
+    assert s.connector.connector_scheduler._gpu_block_pool is s.kv_cache_manager.block_pool
 
 
 def test_simple_cpu_offload_connector_gets_a_pinning_pool() -> None:

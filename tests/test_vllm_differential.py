@@ -422,31 +422,39 @@ def test_identical_to_vllm_with_the_umbp_store_connector(sync: str, runner: str,
 
 @pytest.mark.parametrize(("sync", "runner"), [("sync", "v1"), ("async", "v1")], ids=["sync-v1", "async-v1"])
 @pytest.mark.parametrize("store", ["mooncake", "umbp"])
-def test_identical_to_vllm_with_store_connectors_over_windows_and_groups(sync: str, runner: str, store: str) -> None:
+@pytest.mark.parametrize("layout", ["hybrid", "mamba"])
+def test_identical_to_vllm_with_store_connectors_over_windows_and_groups(
+    sync: str, runner: str, store: str, layout: str
+) -> None:
     """MooncakeStoreConnector and UMBPStoreConnector with a hybrid model (full attention and sliding windows in
-    several KV cache groups, drawn per seed): the stand-ins store and look up each group's blocks (a window's
-    within its window), loads fill every group, a failed load reports its request (``failed_recving``: block ids
-    are not unique across groups); UMBP asks its local prefix-cache lookup for the local hit from inside the
-    core's lookup. Metadata, connector state, pool calls and every GPU block are compared after every call."""
+    several KV cache groups, drawn per seed) or a hybrid Mamba model with prefix caching (align-mode Mamba
+    groups, their states stored through the boundary hand-offs): the stand-ins store and look up each group's
+    blocks (a window's within its window, a Mamba group's states), loads fill every group, a failed load reports
+    its request (``failed_recving``: block ids are not unique across groups); UMBP asks its local prefix-cache
+    lookup for the local hit from inside the core's lookup. Metadata, connector state, pool calls and every GPU
+    block are compared after every call."""
     import vllm_driver
+    from kvsched.vllm import RULES
 
     if store == "umbp":
         pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.umbp", reason="UMBP is vLLM 0.33's")
     counts = vllm_driver.MOONCAKE_COUNTS if store == "mooncake" else vllm_driver.UMBP_COUNTS
     counts.clear()
-    seed = STORE_HYBRID_SEEDS[store]
-    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=True,
-                   mooncake_store=store == "mooncake", umbp_store=store == "umbp")  # fmt: skip
+    seed = STORE_HYBRID_SEEDS[store, layout]
+    mamba = {"mamba": True, "mamba_align": True, "mamba_prefix_caching": True} if layout == "mamba" else {}
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", hybrid=layout == "hybrid",
+                   mooncake_store=store == "mooncake", umbp_store=store == "umbp", **mamba)  # fmt: skip
     assert cfg.kv_cache_groups and len(cfg.kv_cache_groups) > 1
+    assert ("mamba" in cfg.kv_cache_groups) == (layout == "mamba")
     # The draws reached the store both ways, and (on vLLM 0.33; not in these steps on 0.32) a load failed.
     assert counts["lookups"] and (counts["loads"] or counts["async loads"]), counts
-    from kvsched.vllm import RULES
-
     assert counts["failed loads"] or RULES.version == "0.32", counts
+    if store == "mooncake" and layout == "mamba":
+        assert counts["boundary puts"], counts  # Mamba states stored through the boundary hand-offs
 
 
 # Seeds whose first 120 steps load from the store, with a failed load on vLLM 0.33.
-STORE_HYBRID_SEEDS = {"mooncake": 2, "umbp": 2}
+STORE_HYBRID_SEEDS = {("mooncake", "hybrid"): 2, ("umbp", "hybrid"): 2, ("mooncake", "mamba"): 3, ("umbp", "mamba"): 3}
 
 
 @pytest.mark.parametrize(("sync", "runner"), [("sync", "v1"), ("async", "v2")], ids=["sync-v1", "async-v2"])

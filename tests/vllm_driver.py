@@ -658,6 +658,7 @@ class MooncakeStandIn(_StoreStandIn):
                     bad = rng.choice(blocks)
                 self.pending.append([rng.randrange(0, 3) if self.load_async else 0, "load", r.req_id, bad])
             if r.can_save and r.store_job_id is not None:
+                self.counts["boundary puts"] += len(r.boundary_puts or ())
                 self.pending.append([rng.randrange(0, 4), "save", r.store_job_id, self.saved_keys(r)])
         recving: set[str] = set()
         invalid: set[int] = set()
@@ -708,6 +709,12 @@ class MooncakeStandIn(_StoreStandIn):
             for i in range(min(tokens // group.kv_cache_spec.block_size, len(hashes), len(table))):
                 if table[i] and (mask is None or mask[i]):
                     keys.append((g, bytes(hashes[i])))
+        # Blocks stored under the hash of the prefix they end (Mamba boundary states), each group's key.
+        for put in r.boundary_puts or ():
+            if put.num_tokens % coord.hash_block_size == 0 and 0 < put.num_tokens // coord.hash_block_size <= len(
+                r.block_hashes
+            ):
+                keys.append((put.group_id, bytes(r.block_hashes[put.num_tokens // coord.hash_block_size - 1])))
         return keys
 
     def compare_connectors(self, when: str, ca: Any, cb: Any) -> None:
@@ -2596,20 +2603,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_offload and args.mamba and not args.mamba_prefix_caching:
         # (The connector needs prefix caching, which makes vLLM's Mamba groups align-mode ones.)
         p.error("--cpu-offload with --mamba goes with --mamba-align --mamba-prefix-caching")
-    if args.mooncake_store and (args.connector or args.cpu_offload or args.chunked_local or args.mamba or args.enc_dec):
-        p.error("--mooncake-store goes without --connector, --cpu-offload, --chunked-local, --mamba and --enc-dec")
+    if (args.mooncake_store or args.umbp_store) and args.mamba and not args.mamba_prefix_caching:
+        # (The store connectors check that vLLM's Mamba groups are align-mode ones, which prefix caching makes.)
+        p.error("--mooncake-store and --umbp-store with --mamba go with --mamba-align --mamba-prefix-caching")
+    if args.mooncake_store and (args.connector or args.cpu_offload or args.chunked_local or args.enc_dec):
+        p.error("--mooncake-store goes without --connector, --cpu-offload, --chunked-local and --enc-dec")
     if args.umbp_store and (
-        args.connector
-        or args.cpu_offload
-        or args.mooncake_store
-        or args.chunked_local
-        or args.mamba
-        or args.enc_dec
-        or args.pp
+        args.connector or args.cpu_offload or args.mooncake_store or args.chunked_local or args.enc_dec or args.pp
     ):
         p.error(
-            "--umbp-store goes without --connector, --cpu-offload, --mooncake-store, --chunked-local, --mamba, "
-            "--enc-dec and --pp (UMBP refuses pipeline parallelism)"
+            "--umbp-store goes without --connector, --cpu-offload, --mooncake-store, --chunked-local, --enc-dec "
+            "and --pp (UMBP refuses pipeline parallelism)"
         )
     if args.umbp_store and RULES.version == "0.32":
         p.error("--umbp-store: vLLM 0.32 has no UMBPStoreConnector")

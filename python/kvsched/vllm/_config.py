@@ -276,10 +276,9 @@ def _check_retention(retention: int | None, block_size: int, windows: list[int |
         )
 
 
-def check_kv_connector(vllm_config: Any, connector: Any, groups: tuple[Any, ...] | None = None) -> bool:
+def check_kv_connector(vllm_config: Any, connector: Any) -> bool:
     """Refuses a vLLM scheduler-role KV connector that relies on parts of vLLM's scheduler kvsched replaces;
-    returns whether it binds the block pool (then the adapter gives it block pins, ``_pins.py``). ``groups``: the
-    core's KV cache groups when the connector gets every group's blocks (a window or several groups), else None.
+    returns whether it binds the block pool (then the adapter gives it block pins, ``_pins.py``).
 
     A connector that overrides ``bind_kv_cache_manager`` or ``bind_gpu_block_pool`` changes vLLM's block pool
     (references, frees, cached lookups by vLLM's block hashes). vLLM's ``SimpleCPUOffloadConnector`` (eager and
@@ -289,12 +288,13 @@ def check_kv_connector(vllm_config: Any, connector: Any, groups: tuple[Any, ...]
     to its children: it is refused when one of its children (at any depth) is. Every other connector gets
     ``bind_kv_cache_manager`` with the ``kv_cache_manager`` view, as vLLM binds its own manager.
 
-    With a window or several groups ``SimpleCPUOffloadConnector`` binds the pool over full attention, sliding
-    windows and Mamba groups (its per-group stores, recovered window blocks through the pool view's group
-    lookups, Mamba states through the block state's boundary hand-offs); the Mooncake and UMBP store connectors
-    over full attention and sliding windows (each group's blocks from the block state; UMBP's local-cache lookup
-    of a request's local hit from inside its prefix lookup, ``BlockPins.looking_up``). With any other group (Mamba
-    boundary states and finished partial tails, not compared with vLLM's scheduler) those two are refused."""
+    With a window or several groups (full attention, sliding windows, align-mode Mamba groups) the three bind the
+    pool alike: each group's blocks from the block state, Mamba states through its boundary hand-offs,
+    ``SimpleCPUOffloadConnector``'s recovered window blocks through the pool view's group lookups, UMBP's
+    local-cache lookup of a request's local hit from inside its prefix lookup (``BlockPins.looking_up``). vLLM
+    hands the store connectors a Mamba group's finished partial tail (``register_finished_partial_tail``) only
+    after a partial-block hit, from a hash block smaller than the block, which the adapter refuses with
+    connectors."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
@@ -315,14 +315,6 @@ def check_kv_connector(vllm_config: Any, connector: Any, groups: tuple[Any, ...]
             binds = True
             return
         if _is_mooncake_store(cls) or _is_umbp_store(cls):
-            other = sorted({str(w).split(":")[0] for w in groups or () if w is not None and not isinstance(w, int)})
-            if other:
-                _refuse(
-                    f"{cls.__name__} with KV cache groups other than full attention and sliding windows (Mamba "
-                    "boundary states and finished partial tails, chunked-local and cross-attention groups: not "
-                    "compared with vLLM's scheduler)",
-                    f"kv_transfer_config: {name}, {' and '.join(other)} KV cache groups",
-                )
             binds = True
             return
         # A subclass of vLLM's MultiConnector or of one of its pool connectors is named by the binding it changes
@@ -382,8 +374,7 @@ def _is_mooncake_store(cls: type) -> bool:
     Its scheduler half pins the blocks of each store job with ``touch`` and gives them back with ``free_blocks``
     once every worker rank has reported the job (``blocks[bid]`` reads), and reads the current block tables
     through ``kv_connector_block_state``: block pins and the adapter's block state serve all of it, in every KV
-    cache group of full attention or a sliding window. Mamba align groups' boundary states and finished partial
-    tails (``register_finished_partial_tail``), which it would take, are refused for it."""
+    cache group, with the Mamba align groups' boundary states (``boundary_state_offloads``)."""
     if not any(klass.__name__ == "MooncakeStoreConnector" for klass in cls.__mro__):
         return False  # (without importing the store's modules for every other connector)
     try:
@@ -402,9 +393,8 @@ def _is_umbp_store(cls: type) -> bool:
     Its ``bind_kv_cache_manager`` keeps a local prefix-cache lookup (``coordinator.single_type_managers[g]
     .block_pool.get_cached_block``, the pinning pool's) that it asks, with several KV cache groups or a sliding
     window, for the blocks of a request's local hit from inside its prefix lookup, inside the core's call: the
-    pinning pool answers those (``BlockPins.looking_up``). The Mamba boundary states and finished partial tails
-    the connector would take are refused for it. Its prefix lookups go to the UMBP runtime the deployment
-    registers with vLLM (``UMBPRuntimeFactory``)."""
+    pinning pool answers those (``BlockPins.looking_up``). Its prefix lookups go to the UMBP runtime the
+    deployment registers with vLLM (``UMBPRuntimeFactory``)."""
     if not any(klass.__name__ == "UMBPStoreConnector" for klass in cls.__mro__):
         return False  # (without importing the store's modules for every other connector)
     try:

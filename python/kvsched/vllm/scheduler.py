@@ -320,8 +320,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             connector = KVConnectorFactory.create_connector(
                 config=vllm_config, role=KVConnectorRole.SCHEDULER, kv_cache_config=kv_cache_config
             )
-            layout = tuple(config.kv_cache_groups or (config.sliding_window,)) if config.kv_connector_groups else None
-            if check_kv_connector(vllm_config, connector, layout):
+            if check_kv_connector(vllm_config, connector):
                 self._pins = BlockPins(self)
             self.connector = connector
             self._bridge = ConnectorBridge(
