@@ -156,12 +156,6 @@ RULES: list[dict[str, Any]] = [
     {
         "block_size": 16,
         "kv_cache_groups": (None, 8),
-        "kv_cache_group_block_sizes": (16, 32),
-        "kv_connector_groups": True,
-    },
-    {
-        "block_size": 16,
-        "kv_cache_groups": (None, 8),
         "kv_cache_group_block_sizes": (16, 48),
         "prefix_cache_retention_interval": 32,
     },
@@ -170,6 +164,12 @@ RULES: list[dict[str, Any]] = [
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
     {"block_size": 16, "hash_block_size": 16},
+    {
+        "block_size": 16,
+        "kv_cache_groups": (None, 8),
+        "kv_cache_group_block_sizes": (16, 32),
+        "kv_connector_groups": True,
+    },
     {"block_size": 12, "hash_block_size": 3, "kv_cache_groups": (None, "chunked:24", 7)},
     {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, "mamba"), "enable_prefix_caching": False},
     {

@@ -157,8 +157,13 @@ class FakeConnector:
             return 0, False
         return int(g.integers(1, 40)), bool(g.random() < 0.6)  # more than the prompt is capped by the core
 
-    def update_state_after_alloc(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
-        self.calls.append(("alloc", req_id, list(block_ids), num_external_tokens))
+    def update_state_after_alloc(
+        self, req_id: str, block_ids: list[int], num_external_tokens: int, cached: Any = None
+    ) -> None:
+        # ``cached`` only with ``wants_num_cached_blocks`` set: the leading blocks in the prefix cache, or with
+        # kv_connector_groups per group whether each block is.
+        entry = ("alloc", req_id, list(block_ids), num_external_tokens)
+        self.calls.append(entry if cached is None else (*entry, cached))
 
     def load_deferred(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
         self.calls.append(("deferred", req_id, list(block_ids), num_external_tokens))
@@ -235,7 +240,10 @@ class Twin:
         streaming: bool = False,
         ec_seed: int | None = None,
         pins: bool = False,
+        cached_blocks: bool = False,
     ) -> None:
+        """``cached_blocks``: the connector sets ``wants_num_cached_blocks`` (kvsched.vllm's bridge does) and logs
+        which blocks each allocation hook call counts as cached."""
         from kvsched import Scheduler
 
         self.cfg, self.rand, self.max_in_flight = cfg, rand, max_in_flight
@@ -254,6 +262,8 @@ class Twin:
         self.boundary_offers = 0  # the Mamba boundary states both offered to the KV connector
         if connector_seed is not None:
             self.conn_ref, self.conn_rs = FakeConnector(connector_seed), FakeConnector(connector_seed)
+            if cached_blocks:
+                self.conn_ref.wants_num_cached_blocks = self.conn_rs.wants_num_cached_blocks = True  # type: ignore[attr-defined]
         self.ref = ReferenceScheduler(cfg, kv_connector=self.conn_ref)
         self.rs = Scheduler(cfg, kv_connector=self.conn_rs)
         self.ec_ref = self.ec_rs = None
@@ -2408,6 +2418,17 @@ HMA_CONFIGS = [
                     kv_cache_groups=("mamba", None, "mamba"), kv_connector_groups=True, mamba_align=True,
                     prefix_cache_retention_interval=8, async_scheduling=True, defer_block_free=True,
                     prefix_hash_seed=102),
+    # Groups of different block sizes (hits aligned to their least common multiple; a window of smaller blocks
+    # caches only what such a hit can use), with sparse retention of a window too.
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(3, None), kv_cache_group_block_sizes=(4, 12), kv_connector_groups=True,
+                    async_scheduling=True, defer_block_free=True, prefix_hash_seed=103),
+    SchedulerConfig(block_size=2, num_blocks=60, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=64,
+                    kv_cache_groups=(None, 5, 3), kv_cache_group_block_sizes=(2, 4, 6), kv_connector_groups=True,
+                    policy="priority", prefix_hash_seed=104),
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 9), kv_cache_group_block_sizes=(4, 8), kv_connector_groups=True,
+                    prefix_cache_retention_interval=0, enable_kv_cache_events=True, prefix_hash_seed=105),
 ]  # fmt: skip
 
 
@@ -2418,7 +2439,7 @@ def test_soak_kv_connector_groups_match_reference_step_by_step() -> None:
     nulls_handed = held = loaded_groups = offered = 0
     for i, cfg in enumerate(HMA_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(9191 + i)), max_in_flight=1 + i % 3,
-                    connector_seed=9191 + i, fail_steps=False)  # fmt: skip
+                    connector_seed=9191 + i, fail_steps=False, cached_blocks=True)  # fmt: skip
         for _ in range(600):
             try:
                 twin.step()

@@ -1201,7 +1201,7 @@ def test_kv_cache_groups_of_different_block_sizes_run_and_what_they_do_not_suppo
     """Full-attention and sliding-window groups whose block sizes are multiples of the first group's run on the
     core's kv_cache_group_block_sizes (the core's block the first group's, vLLM's hash block); refused by name:
     a first group whose block does not divide the others', chunked-local (or cross-attention, Mamba) groups among
-    them, another prefix match unit, KV connectors and EAGLE's prefix-cache rules. KV cache events run."""
+    them, another prefix match unit and EAGLE's prefix-cache rules. KV cache events and KV connectors run."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     full, full32 = FullAttentionSpec(**_attention_kw()), FullAttentionSpec(**_attention_kw(32))
@@ -1222,8 +1222,10 @@ def test_kv_cache_groups_of_different_block_sizes_run_and_what_they_do_not_suppo
         build(make_vllm_config(block_size=16), full, chunked)
     with pytest.raises(UnsupportedFeatureError, match="prefix match unit other than the smallest block"):
         build(make_vllm_config(block_size=16), full, window32, hash_block_size=8)
-    with pytest.raises(UnsupportedFeatureError, match="KV connectors with KV cache groups of different block sizes"):
-        build(make_vllm_config(block_size=16, kv_connector_seed=1, kv_role="kv_both"), full, window32)
+    # KV connectors run in every role (each group's tables, and whether each block is cached, at its own size)
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        sched = build(make_vllm_config(block_size=16, kv_connector_seed=1, kv_role=role), full, window32)
+        assert sched.kv_config.kv_connector_groups and sched.kv_config.kv_cache_group_block_sizes == (16, 32)
     # KV cache events run (the core records each group's runs at its own block size and the prompt-tail entries)
     sched = build(make_vllm_config(block_size=16, kv_events=True), window, full32)
     assert sched.kv_config.enable_kv_cache_events and sched.kv_config.kv_cache_group_block_sizes == (16, 32)

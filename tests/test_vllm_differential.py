@@ -799,6 +799,28 @@ def test_identical_to_vllm_with_kv_events_and_kv_cache_groups_of_different_block
     assert counts.get("stored runs of larger blocks", 0) > 0 and counts.get("tail entries", 0) > 0, counts
 
 
+@pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_both"])
+def test_identical_to_vllm_with_kv_connectors_and_kv_cache_groups_of_different_block_sizes(
+    sync: str, runner: str, kv_role: str
+) -> None:
+    """The seeded RandomKVConnector over two windows of 3 tokens in blocks of 4 and full attention in blocks of 12
+    (hits aligned to 12 tokens): each hook call gets every group's blocks, the windows' cached blocks only those
+    an aligned hit can use (not a leading run of the table), each cached block's hash at its own block's end;
+    loads, failed loads and delayed frees at each group's block size, compared after every call."""
+    cfg = run_seed(
+        3,
+        120,
+        async_scheduling=sync == "async",
+        v2=runner == "v2",
+        connector=True,
+        kv_role=kv_role,
+        hybrid=True,
+        group_block_factors=(3,),
+    )
+    assert cfg.kv_cache_groups == (3, 3, None) and cfg.group_block_sizes == (4, 4, 12)
+
+
 @pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
 @pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
 def test_identical_to_vllm_with_kv_connectors_and_mamba_prefix_caching(

@@ -191,6 +191,10 @@ PARTIAL_BLOCK_HITS = 0
 BLOCK_COPIES = 0
 # Runs whose KV cache groups have different block sizes (--group-block-factors).
 MIXED_BLOCK_SEEDS = 0
+# With --connector in those runs: the allocation hook calls with external tokens, and those where a group's cached
+# blocks do not lead its table (a window of blocks smaller than the scheduler block keeps only what an aligned hit
+# can use).
+MIXED_BLOCK_CONNECTOR = collections.Counter[str]()
 # What the Mooncake stand-in answered and reported (lookups, hits, loads, invalid blocks, store jobs), over the
 # completed runs of the process.
 MOONCAKE_COUNTS = collections.Counter[str]()
@@ -439,6 +443,22 @@ class _RecordingPublisher:
 
 def _event_fields(event: Any) -> tuple[str, list[tuple[str, Any]]]:
     return (type(event).__name__, [(f, _norm(getattr(event, f))) for f in event.__struct_fields__])
+
+
+def _count_mixed_block_allocs(calls: list[Any]) -> None:
+    """Counts in ``MIXED_BLOCK_CONNECTOR`` the RandomKVConnector's allocation hook calls among ``calls`` (a run with
+    KV cache groups of different block sizes)."""
+    for call in calls:
+        if call[0] != "alloc" or len(call) < 6:
+            continue
+        MIXED_BLOCK_CONNECTOR["allocations"] += 1
+        MIXED_BLOCK_CONNECTOR["with external tokens"] += call[3] > 0
+        cached = [[b != 0 and b not in set(u) for b in t] for t, u in zip(call[2], call[4], strict=True)]
+        MIXED_BLOCK_CONNECTOR["with cached blocks after uncached ones"] += any(
+            not c[k] and t[k] != 0 and any(c[k + 1 :])
+            for t, c in zip(call[2], cached, strict=True)
+            for k in range(len(t))
+        )
 
 
 def _connectors(sched: Any) -> list[Any]:
@@ -1795,8 +1815,12 @@ class Pair:
         elif self.cfg.cpu_offload_blocks is not None:
             self.compare_offload(when)
         elif a.connector is not None:
-            for i, (ca, cb) in enumerate(zip(_connectors(a), _connectors(b), strict=True)):
+            conns = _connectors(a)
+            for i, (ca, cb) in enumerate(zip(conns, _connectors(b), strict=True)):
                 compare(f"{when}: KV connector {i} calls", ca.calls, cb.calls)
+                if len(set(self.cfg.group_block_sizes or ())) > 1 and ca is conns[-1]:
+                    # (the seeded connector: a MultiConnector's passive first child logs the same calls)
+                    _count_mixed_block_allocs(ca.calls)
                 ca.calls.clear()
                 cb.calls.clear()
         if a.ec_connector is not None:
@@ -2728,7 +2752,14 @@ def main(argv: list[str] | None = None) -> int:
             global MIXED_BLOCK_SEEDS
             if group_block_factors:
                 note += f"; {MIXED_BLOCK_SEEDS} runs with KV cache groups of different block sizes"
+                if MIXED_BLOCK_CONNECTOR:
+                    note += (
+                        " (connector allocation calls there: "
+                        + ", ".join(f"{n} {k}" for k, n in sorted(MIXED_BLOCK_CONNECTOR.items()))
+                        + ")"
+                    )
             MIXED_BLOCK_SEEDS = 0
+            MIXED_BLOCK_CONNECTOR.clear()
             if args.divergent_hits:
                 note += (
                     f"; {DIVERGED_HITS['diverged']} lookups with a diverged local hit (a request skipped or not "

@@ -122,7 +122,17 @@ class _ConnectorMixin(_BlockPoolMixin):
 
     def _hook_after_alloc(self, r: _Request, num_external: int) -> None:
         try:
-            self._connector.update_state_after_alloc(r.req_id, self._hook_blocks(r), num_external)
+            blocks = self._hook_blocks(r)
+            if not self._pass_cached_blocks:
+                self._connector.update_state_after_alloc(r.req_id, blocks, num_external)
+                return
+            # The fourth argument: the number of leading blocks in the prefix cache, or (kv_connector_groups) per
+            # group whether each block carries a hash (sparse retention and windows among groups of different
+            # block sizes leave blocks out anywhere in a table).
+            cached: Any = r.num_cached_blocks
+            if self._config.kv_connector_groups:
+                cached = [[b != 0 and self._block_hash[b] is not None for b in t] for t in blocks]
+            self._connector.update_state_after_alloc(r.req_id, blocks, num_external, cached)
         except Exception as e:
             self._keep(e)
 

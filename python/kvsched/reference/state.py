@@ -89,6 +89,8 @@ class _SchedulerState:
                         "(no cross-attention or chunked-local group)"
                     )
         self._connector = kv_connector
+        # Opt-in (kvsched.vllm's bridge): update_state_after_alloc also gets which blocks are in the prefix cache.
+        self._pass_cached_blocks = bool(getattr(kv_connector, "wants_num_cached_blocks", False))
         self._ec_connector: Any = None  # the encoder-cache connector (encoder_sched.py)
         self._ec_error: BaseException | None = None
         self._hit_cap: Any = None  # the cache-hit cap (connector_sched.py)

@@ -472,8 +472,6 @@ def _check_group_block_sizes(vllm_config: Any, sizes: list[int], hash_block_size
             "a prefix match unit other than the smallest block with KV cache groups of different block sizes",
             f"hash_block_size={hash_block_size}, {setting}",
         )
-    if vllm_config.kv_transfer_config is not None:
-        _refuse("KV connectors with KV cache groups of different block sizes", f"kv_transfer_config, {setting}")
     aux = getattr(vllm_config, "aux_output_config", None)
     if aux is not None and getattr(aux, "enabled", False):
         _refuse(

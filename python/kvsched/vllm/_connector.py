@@ -49,6 +49,7 @@ class ConnectorBridge:
         log_stats: bool,
         windows: tuple[Any, ...] = (None,),
         looking_up: Callable[[Request, int], AbstractContextManager[None]] | None = None,
+        block_scales: tuple[int, ...] | None = None,
     ) -> None:
         """``connector``: vLLM's scheduler-role connector. What the bridge needs of the adapter, all reading its
         state when called: ``get_request``, the vLLM request of a live id; ``record_prefix_lookup(request,
@@ -58,7 +59,9 @@ class ConnectorBridge:
         is no longer a plain decode's (the adapter's update takes its general path for it); ``log_stats``,
         whether stats are collected; ``windows``, each KV cache group's window (None: full attention);
         ``looking_up(request, num_local_hit_tokens)``, a context the connector's lookup runs in (the block pins'
-        answers to lookups of the request's local hit while the core is inside its call)."""
+        answers to lookups of the request's local hit while the core is inside its call); ``block_scales``, each
+        group's block size in hash blocks (KV cache groups of different block sizes: a block's hash is the one at
+        its last hash block; default 1 for every group)."""
         self.connector = connector
         self._looking_up = looking_up or (lambda request, num_local: contextlib.nullcontext())
         self._get_request = get_request
@@ -68,6 +71,7 @@ class ConnectorBridge:
         self._hma = isinstance(connector, SupportsHMA)
         # Groups whose blocks never enter the prefix cache (a window of one token).
         self._uncached_groups = {g for g, w in enumerate(windows) if w == 1}
+        self._block_scales = block_scales or (1,) * len(windows)
         # Lookups of this step that may end in an admission: req_id -> (local hit tokens, external tokens, async).
         self._asked: dict[str, tuple[int, int, bool]] = {}
         # The KV-fetch stage each request of this step's lookups had before it (ec_deferred puts it back).
@@ -228,20 +232,26 @@ class ConnectorBridge:
 
     def _blocks(self, request: Request, block_ids: list[Any], num_hashed: Any) -> KVCacheBlocks:
         """vLLM's ``KVCacheBlocks`` of a request: ``block_ids`` is one table, or (the core's
-        ``kv_connector_groups``) one table per KV cache group; the first ``num_hashed`` blocks (with tables: a
-        count per group) are in the prefix cache (with their group's hash), block 0 is vLLM's null block."""
+        ``kv_connector_groups``) one table per KV cache group; ``num_hashed`` the number of leading blocks in the
+        prefix cache, or with tables one list per group of whether each block is (sparse retention and windows
+        among groups of different block sizes leave blocks out of it anywhere). A block in the cache carries its
+        group's hash (the request's hash at the block's last hash block), block 0 is vLLM's null block."""
         tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
-        counts = num_hashed if isinstance(num_hashed, list) else [num_hashed] * len(tables)
+        if isinstance(num_hashed, list):
+            flags = num_hashed
+        else:
+            flags = [[i < num_hashed for i in range(len(t))] for t in tables]
         hashes = request.block_hashes
         groups = []
         for g, table in enumerate(tables):
-            num_hashed = counts[g]
+            scale = self._block_scales[g] if g < len(self._block_scales) else 1
             blocks = [KVCacheBlock(b) for b in table]
             for i, block in enumerate(blocks):
+                end = (i + 1) * scale
                 if block.block_id == 0:
                     block.is_null = True
-                elif i < num_hashed and i < len(hashes) and g not in self._uncached_groups:
-                    block._block_hash = make_block_hash_with_group_id(hashes[i], g)
+                elif flags[g][i] and end <= len(hashes) and g not in self._uncached_groups:
+                    block._block_hash = make_block_hash_with_group_id(hashes[end - 1], g)
             groups.append(blocks)
         return KVCacheBlocks(tuple(groups))
 

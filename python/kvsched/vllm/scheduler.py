@@ -332,6 +332,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 log_stats=self.log_stats,
                 windows=self._group_windows,
                 looking_up=self._pins.looking_up if self._pins is not None else None,
+                block_scales=(
+                    tuple(s // self.hash_block_size for s in config.kv_cache_group_block_sizes)
+                    if config.kv_cache_group_block_sizes is not None
+                    else None
+                ),
             )
             if log_stats:
                 self._connector_prefix_cache_stats = PrefixCacheStats()

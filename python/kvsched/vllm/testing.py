@@ -874,7 +874,9 @@ class RandomKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc] 
             )
         else:  # several KV cache groups: every group's blocks (null blocks before a window included)
             unhashed = [list(u) for u in blocks.get_unhashed_block_ids_all_groups()]
-            self.calls.append(("alloc", req_id, [list(g) for g in groups], num_external_tokens, unhashed))
+            # and the hashes the cached ones carry (a group of larger blocks: the hash at each block's end)
+            hashes = [[bytes(b.block_hash).hex() for b in g if b.block_hash is not None] for g in blocks.blocks]
+            self.calls.append(("alloc", req_id, [list(g) for g in groups], num_external_tokens, unhashed, hashes))
         block_ids = groups[0]
         local, _ext, is_async = self._pending.pop(req_id, (0, 0, False))
         if is_async and num_external_tokens > 0:

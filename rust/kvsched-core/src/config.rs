@@ -1084,7 +1084,6 @@ impl SchedulerConfig {
             (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
             (self.hash_block_size.is_some_and(|h| h != bs), "a hash_block_size other than block_size"),
-            (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
         ] {
             if on {
                 return refuse(format!(

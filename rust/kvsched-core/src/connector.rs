@@ -47,14 +47,15 @@ pub trait KvConnector: Send + Sync {
     fn request_finished(&mut self, req: &Request, block_ids: &[u32]) -> bool;
 
     /// With `kv_connector_groups` (vLLM's `SupportsHMA`), instead of `update_state_after_alloc`: `tables` are
-    /// every KV cache group's blocks, in group order, `cached` each group's count of leading blocks counted as
-    /// cached (hits, null blocks before a window, blocks entered into the prefix cache). By default the first
-    /// table's hook.
+    /// every KV cache group's blocks, in group order, `cached` per group whether each of its table's blocks is in
+    /// the prefix cache (carries a hash: hits, blocks entered; not null blocks, nor the blocks sparse retention or
+    /// a window among groups of different block sizes leave out, which need not lead the table). By default the
+    /// first table's hook.
     fn update_state_after_alloc_groups(
         &mut self,
         req: &Request,
         _tables: &[&[u32]],
-        _cached: &[u32],
+        _cached: &[Vec<bool>],
         num_external_tokens: u32,
     ) {
         self.update_state_after_alloc(req, num_external_tokens);
@@ -80,6 +81,10 @@ pub trait KvConnector: Send + Sync {
     }
 }
 
+/// Every KV cache group's block table in group order, with whether each block carries a hash in the pool
+/// (`update_state_after_alloc_groups`).
+pub(crate) type GroupTables<'a> = (Vec<&'a [u32]>, Vec<Vec<bool>>);
+
 /// A connector in the scheduler (a newtype so the scheduler can stay `Debug`).
 pub(crate) struct Connector(pub Box<dyn KvConnector>);
 
@@ -88,7 +93,7 @@ impl Connector {
     pub(crate) fn after_alloc(
         &mut self,
         req: &Request,
-        tables: Option<&(Vec<&[u32]>, Vec<u32>)>,
+        tables: Option<&GroupTables<'_>>,
         num_external_tokens: u32,
     ) {
         match tables {
@@ -101,7 +106,7 @@ impl Connector {
     pub(crate) fn deferred(
         &mut self,
         req: &Request,
-        tables: Option<&(Vec<&[u32]>, Vec<u32>)>,
+        tables: Option<&GroupTables<'_>>,
         num_external_tokens: u32,
     ) {
         match tables {

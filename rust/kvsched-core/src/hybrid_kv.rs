@@ -2,6 +2,7 @@
 
 use crate::block_pool::NULL_BLOCK;
 use crate::config::{CROSS_ATTENTION, MAMBA};
+use crate::connector::GroupTables;
 use crate::hashing::BlockHash;
 use crate::hybrid::{checkpoint_valid, mamba_checkpoint, mamba_retained, Hybrid};
 use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
@@ -1179,17 +1180,24 @@ impl KvCacheManager {
             .collect()
     }
 
-    /// Every group's table in group order (one table without groups), with each group's cached-block count.
-    pub(crate) fn group_tables<'a>(&self, req: &'a Request) -> (Vec<&'a [u32]>, Vec<u32>) {
-        match self.hybrid.as_deref() {
-            None => (vec![&req.blocks[..]], vec![req.num_cached_blocks]),
+    /// Every group's table in group order (one table without groups), with whether each of its blocks carries a
+    /// hash in the pool (vLLM's `KVCacheBlock.block_hash`, which a connector reads). The hashed blocks need not
+    /// lead a table: sparse retention and a window among groups of different block sizes leave some out.
+    pub(crate) fn group_tables<'a>(&self, req: &'a Request) -> GroupTables<'a> {
+        let tables: Vec<&[u32]> = match self.hybrid.as_deref() {
+            None => vec![&req.blocks[..]],
             Some(hy) => (0..hy.windows.len())
                 .map(|g| match hy.slot(g) {
-                    None => (&req.blocks[..], req.num_cached_blocks),
-                    Some(i) => (&req.groups[i].blocks[..], req.groups[i].num_cached_blocks),
+                    None => &req.blocks[..],
+                    Some(i) => &req.groups[i].blocks[..],
                 })
-                .unzip(),
-        }
+                .collect(),
+        };
+        let hashed = tables
+            .iter()
+            .map(|t| t.iter().map(|&b| b != NULL_BLOCK && self.pool.block_hash(b).is_some()).collect())
+            .collect();
+        (tables, hashed)
     }
 
     /// Takes every group's table out of `req` in group order (one table without groups), leaving them empty.

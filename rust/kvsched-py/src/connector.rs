@@ -69,17 +69,25 @@ impl PyKvConnector {
     fn after_alloc(
         &self,
         req: &core::Request,
-        tables: Option<(&[&[u32]], &[u32])>,
+        tables: Option<&[&[u32]]>,
+        cached: &[Vec<bool>],
         num_external_tokens: u32,
     ) {
         Python::with_gil(|py| {
             let hook = "update_state_after_alloc";
-            let r = Self::blocks_arg(py, req, tables.map(|t| t.0)).and_then(|blocks| {
+            let r = Self::blocks_arg(py, req, tables).and_then(|blocks| {
                 let obj = self.obj.bind(py);
                 if self.pass_cached_blocks {
-                    // With tables: each group's count, as a list.
+                    // With tables: per group, whether each block is in the prefix cache (lists of bools).
                     let cached = match tables {
-                        Some((_, c)) => PyList::new(py, c.iter().copied())?.into_any(),
+                        Some(_) => PyList::new(
+                            py,
+                            cached
+                                .iter()
+                                .map(|g| PyList::new(py, g.iter().copied()))
+                                .collect::<PyResult<Vec<_>>>()?,
+                        )?
+                        .into_any(),
                         None => PyList::new(py, [req.num_cached_blocks])?.get_item(0)?,
                     };
                     obj.call_method1(hook, (&*req.id, blocks, num_external_tokens, cached))
@@ -193,17 +201,17 @@ impl core::KvConnector for PyKvConnector {
     }
 
     fn update_state_after_alloc(&mut self, req: &core::Request, num_external_tokens: u32) {
-        self.after_alloc(req, None, num_external_tokens);
+        self.after_alloc(req, None, &[], num_external_tokens);
     }
 
     fn update_state_after_alloc_groups(
         &mut self,
         req: &core::Request,
         tables: &[&[u32]],
-        cached: &[u32],
+        cached: &[Vec<bool>],
         num_external_tokens: u32,
     ) {
-        self.after_alloc(req, Some((tables, cached)), num_external_tokens);
+        self.after_alloc(req, Some(tables), cached, num_external_tokens);
     }
 
     fn load_deferred_groups(&mut self, req: &core::Request, tables: &[&[u32]], num_external_tokens: u32) {

@@ -496,3 +496,59 @@ fn a_diverged_local_hit_stands_only_with_external_tokens() {
         }
     }
 }
+
+/// Groups of different block sizes: the connector is told which blocks carry a hash, group by group, and a window
+/// of smaller blocks caches only the blocks a hit aligned to the largest block can use (vLLM's reachable-block
+/// mask), so its cached blocks need not lead its table.
+#[test]
+fn the_connector_sees_which_blocks_of_each_group_are_cached() {
+    struct Flags(Arc<Mutex<Vec<Vec<bool>>>>);
+    impl KvConnector for Flags {
+        fn get_num_new_matched_tokens(&mut self, _req: &Request, _n: u32) -> Option<(u32, bool)> {
+            Some((0, false))
+        }
+        fn update_state_after_alloc(&mut self, _req: &Request, _ext: u32) {
+            unreachable!("kv_connector_groups calls the per-group hook")
+        }
+        fn update_state_after_alloc_groups(
+            &mut self,
+            _req: &Request,
+            tables: &[&[u32]],
+            cached: &[Vec<bool>],
+            _ext: u32,
+        ) {
+            assert!(tables.iter().zip(cached).all(|(t, c)| t.len() == c.len()));
+            self.0.lock().unwrap().extend(cached.iter().cloned());
+        }
+        fn request_finished(&mut self, _req: &Request, _blocks: &[u32]) -> bool {
+            false
+        }
+    }
+    // A window of 3 tokens in blocks of 4 and full attention in blocks of 12: hits align to 12 tokens.
+    let cfg = SchedulerConfig {
+        block_size: 4,
+        num_blocks: 40,
+        max_model_len: 64,
+        enable_prefix_caching: true,
+        kv_cache_groups: vec![Some(3), None],
+        kv_cache_group_block_sizes: vec![4, 12],
+        kv_connector_groups: true,
+        prefix_hash_seed: Some(b"t".to_vec()),
+        ..Default::default()
+    };
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.set_kv_connector(Some(Box::new(Flags(log.clone())))).unwrap();
+    // 14 tokens in one step: 12 are cached; the window keeps block 2 (tokens 8-11) only, the full-attention
+    // group its first block.
+    s.add_request("a", &prompt(0, 14), params(2)).unwrap();
+    assert_eq!(step_ids(&mut s, 1), ["a"]);
+    assert_eq!(*log.lock().unwrap(), [vec![false, false, true, false], vec![true, false]]);
+    // The same prompt hits 12 tokens: the window's hit block and the full-attention block are cached, the null
+    // blocks before the window are not, nor the new blocks.
+    log.lock().unwrap().clear();
+    s.add_request("b", &prompt(0, 14), params(2)).unwrap();
+    assert_eq!(step_ids(&mut s, 1), ["a", "b"]);
+    assert_eq!(*log.lock().unwrap(), [vec![false, false, true, false], vec![true, false]]);
+    s.check_invariants().unwrap();
+}
