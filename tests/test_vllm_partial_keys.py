@@ -143,3 +143,71 @@ def _vllm_key(key: bytes) -> Any:
 
     group = key[-1] if len(key) % 2 else 0
     return make_block_hash_with_group_id(key[:-1] if group else key, group)  # type: ignore[arg-type]
+
+
+def _vllm_split(req: Any, n: int, bs: int, unit: int, drop: bool, lookahead: int, align: int, max_tokens: int) -> int:
+    """vLLM's ``Scheduler._mamba_block_aligned_split`` over the scheduler fields it reads (prefix hits inside a
+    block on: align-mode Mamba groups, a unit below the block)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    fields = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=bs),
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        block_size=bs,
+        hash_block_size=unit,
+        mamba_partial_cache_hit=unit < bs,
+        mamba_shared_prefix_checkpoint=False,
+        use_eagle_block_drop=drop,
+        num_hash_lookahead_tokens=lookahead,
+        mamba_has_prefill_checkpoint_blocks=align > 0,
+        mamba_prefill_checkpoint_alignment=align or None,
+        max_num_scheduled_tokens=max_tokens,
+    )
+    return int(Scheduler._mamba_block_aligned_split(fields, req, n))  # type: ignore[arg-type]
+
+
+def test_mamba_chunks_stop_at_the_prompts_last_unit_boundary_as_vllms() -> None:
+    """The reference's align-mode Mamba chunk split with prefix hits inside a block (the prompt's last unit
+    boundary as a stop, the prefill checkpoint at a unit) equals vLLM's on random requests, chunks, junctions,
+    trailing-block drops, look-ahead hashes and prefill checkpoint alignments; the unit at the block size (hits
+    on whole blocks) too."""
+    from types import SimpleNamespace
+
+    rng = random.Random(0)
+    num_stops = 0
+    for _ in range(4000):
+        bs = rng.choice((8, 16))
+        unit = rng.choice([u for u in (2, 4, 8, 16) if bs % u == 0])
+        drop = rng.random() < 0.2
+        lookahead = 0 if drop or rng.random() < 0.7 else rng.randrange(1, 4)
+        align = rng.choice((0, 0, unit, 2 * unit))
+        max_tokens = rng.choice((bs // 2, 64))
+        num_prompt = rng.randrange(2, 80)
+        num_tokens = num_prompt + rng.choice((0, 0, rng.randrange(1, 10)))
+        start = rng.randrange(0, num_tokens)
+        n = rng.randrange(1, num_tokens - start + 1)
+        junction = rng.choice((0, rng.randrange(0, num_prompt + 1)))
+        req = SimpleNamespace(
+            num_computed_tokens=start,
+            num_prompt_tokens=num_prompt,
+            num_tokens=num_tokens,
+            shared_prefix_boundary=junction,
+        )
+        config = SimpleNamespace(
+            drop_trailing_hit_block=drop,
+            hash_lookahead_tokens=lookahead,
+            mamba_prefill_checkpoint_alignment=align or None,
+            max_num_scheduled_tokens=max_tokens,
+            max_num_batched_tokens=max_tokens,
+            long_prefill_token_threshold=0,
+        )
+        ours = SimpleNamespace(_config=config, _bs=bs, _partial_unit=unit if unit < bs else 0)
+        got = ReferenceScheduler._mamba_split(ours, req, start, n)  # type: ignore[arg-type]
+        want = _vllm_split(req, n, bs, unit, drop, lookahead, align, max_tokens)
+        assert got == want, (bs, unit, drop, lookahead, align, max_tokens, num_prompt, num_tokens, start, n, junction)
+        whole = _vllm_split(req, n, bs, bs, drop, lookahead, align, max_tokens)
+        num_stops += got < whole
+    # Some chunks stop earlier than with whole-block hits (at the prompt's last unit boundary).
+    assert num_stops > 100, num_stops

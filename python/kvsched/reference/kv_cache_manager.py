@@ -52,15 +52,17 @@ def _mamba_retained(i: int, bs: int, retention: int, reachable: tuple[int, ...])
     return any(b >= bs and b // bs == i + 1 for b in reachable)
 
 
-def _checkpoint_valid(start: int, end: int, checkpoint: int, bs: int, align: int | None) -> bool:
-    """vLLM's ``is_mamba_prefill_checkpoint_valid`` with whole-block hashes: can a chunk computing tokens
-    ``start..end`` export the state after ``checkpoint`` tokens (``align``: the prefill checkpoint alignment)?"""
+def _checkpoint_valid(start: int, end: int, checkpoint: int, bs: int, align: int | None, unit: int = 0) -> bool:
+    """vLLM's ``is_mamba_prefill_checkpoint_valid``: can a chunk computing tokens ``start..end`` export the state
+    after ``checkpoint`` tokens (``align``: the prefill checkpoint alignment; ``unit``: the prefix-match unit when
+    hits can end inside a block, else the block)?"""
     if not align:
         return False
+    unit = unit or bs
     return (
-        start % bs == 0
+        start % unit == 0
         and -(-end // bs) - 2 > (start - 1) // bs
-        and start + bs <= checkpoint
+        and start + unit <= checkpoint
         and start < checkpoint < end
         and (checkpoint - start) % align == 0
     )
@@ -923,23 +925,25 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _mamba_split(self, r: _Request, start: int, n: int) -> int:
         """A prefill chunk of ``n`` tokens from ``start`` cut where an align-mode Mamba state must be written
-        (vLLM's ``_mamba_block_aligned_split`` without prefill checkpoints or partial-block hits, with the
-        request's shared-prefix junction; the core's ``AlignedSplit``)."""
-        c, bs = self._config, self._bs
+        (vLLM's ``_mamba_block_aligned_split`` without the shared-prefix checkpoint option, with the request's
+        shared-prefix junction; the core's ``AlignedSplit``). With prefix hits inside a block (``_partial_unit``)
+        the prefill's checkpoint is a unit boundary, and the prompt's last unit boundary past the last block
+        boundary is a stop too."""
+        c, bs, unit = self._config, self._bs, self._partial_unit
         prefill_end = max(r.num_prompt_tokens, r.num_tokens - 1)
         if start >= prefill_end:
             return n
         end = start + n
+        drop, lookahead = c.drop_trailing_hit_block, c.hash_lookahead_tokens
         internal = end >= prefill_end and _checkpoint_valid(
             start,
             end,
-            _mamba_checkpoint(prefill_end, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens),
+            _mamba_checkpoint(prefill_end, unit or bs, drop, lookahead),
             bs,
             c.mamba_prefill_checkpoint_alignment,
+            unit,
         )  # with prefill checkpoints: the last chunk exports the prefill's checkpoint from inside it
-        last_cache = (
-            0 if internal else _mamba_checkpoint(r.num_tokens, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
-        )
+        last_cache = 0 if internal else _mamba_checkpoint(r.num_tokens, bs, drop, lookahead)
         if end < prefill_end:
             max_prefill = c.max_num_scheduled_tokens or c.max_num_batched_tokens
             if c.long_prefill_token_threshold > 0:
@@ -948,10 +952,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if aligned > start or bs <= max_prefill:
                 end = aligned
         next_boundary = (start // bs + 1) * bs if start % bs and not internal else 0
+        # the prompt's last unit boundary, where a later hit ending inside a block resumes
+        tail = _mamba_checkpoint(r.num_prompt_tokens, unit, drop, lookahead) if unit and not internal else 0
+        tail_stop = tail if last_cache < tail < r.num_prompt_tokens else 0
         # a shared-prefix junction inside the chunk: its block-floored position from the chunk's start
         junction = r.shared_prefix_boundary
         junction_stop = start + (junction - start) // bs * bs if start < junction < end else 0
-        end = min((s for s in (next_boundary, last_cache, junction_stop) if start < s < end), default=end)
+        stops = (next_boundary, last_cache, tail_stop, junction_stop)
+        end = min((s for s in stops if start < s < end), default=end)
         return max(end - start, 0)
 
     def _align_need(self, entries: int, held: int, allocated: bool, checkpoint: bool) -> int:

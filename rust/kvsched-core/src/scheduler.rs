@@ -269,6 +269,7 @@ impl Scheduler {
                 drop_eagle: config.drop_trailing_hit_block,
                 hash_lookahead: config.hash_lookahead_tokens,
                 checkpoint_align: config.mamba_prefill_checkpoint_alignment.unwrap_or(0),
+                unit: config.partial_hit_unit().unwrap_or(0),
             }
         });
         Ok(Scheduler {
