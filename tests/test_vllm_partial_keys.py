@@ -211,3 +211,75 @@ def test_mamba_chunks_stop_at_the_prompts_last_unit_boundary_as_vllms() -> None:
         num_stops += got < whole
     # Some chunks stop earlier than with whole-block hits (at the prompt's last unit boundary).
     assert num_stops > 100, num_stops
+
+
+def _pair(num_blocks: int, unit: int) -> tuple[Any, ReferenceScheduler]:
+    """vLLM's scheduler and the reference, a Mamba group (mode "align") then full attention, blocks of ``BS``
+    tokens, prefix caching, requests hashed at ``unit`` tokens (vLLM's partial hash hits on)."""
+    from kvsched.vllm.testing import make_scheduler, make_vllm_config
+
+    cfg = make_vllm_config(block_size=BS, num_blocks=num_blocks, max_model_len=96, max_num_batched_tokens=32,
+                           max_num_seqs=4, enable_prefix_caching=True, mamba_cache_mode="align")  # fmt: skip
+    vllm_sched = make_scheduler("vllm", cfg, kv_cache_groups=("mamba", None), hash_block_size=unit)
+    assert vllm_sched.kv_cache_manager.coordinator.enable_partial_hash_hits
+    ref = ReferenceScheduler(
+        num_blocks=num_blocks,
+        block_size=BS,
+        hash_block_size=unit,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=96,
+        enable_prefix_caching=True,
+        kv_cache_groups=(MAMBA, None),
+        mamba_align=True,
+    )
+    assert ref._partial_unit == unit
+    return vllm_sched, ref
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_hits_inside_a_block_schedule_as_vllms(seed: int) -> None:
+    """The reference scheduling requests that share prefixes of any length, with hits ending inside a block, against
+    vLLM's own scheduler step by step: the tokens scheduled and computed, every request's block table in each group,
+    the block copies and the blocks to zero, the free blocks."""
+    from kvsched.vllm.testing import make_request
+    from vllm_driver import runner_output
+
+    rng = random.Random(seed)
+    unit = rng.choice((2, 4))
+    vllm_sched, ref = _pair(rng.choice((24, 40)), unit)
+    bases = [[rng.randrange(3, 50) for _ in range(40)] for _ in range(2)]
+    num_partial = num_copies = 0
+    next_id = 0
+    for step in range(40):
+        if rng.random() < 0.35 and next_id < 10:
+            base = rng.choice(bases)
+            prompt = base[: rng.randrange(3, 40)] + [rng.randrange(3, 50) for _ in range(rng.randrange(0, 6))]
+            max_tokens = rng.randrange(1, 4)
+            rid = f"r{next_id}"
+            next_id += 1
+            vllm_sched.add_request(make_request(rid, prompt, max_tokens=max_tokens, block_size=unit))
+            ref.add_request(rid, prompt, max_tokens=max_tokens, ignore_eos=True)
+        so = vllm_sched.schedule()
+        out = ref.schedule()
+        want = {r: int(n) for r, n in so.num_scheduled_tokens.items()}
+        got = dict(zip(out.req_ids, out.num_scheduled_tokens.tolist(), strict=True))
+        assert got == want, (step, got, want)
+        hits = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        num_partial += sum(1 for n in hits.values() if n % BS)
+        assert {r: c for r, c in zip(out.req_ids, out.num_computed_tokens.tolist(), strict=True) if r in hits} == hits
+        copies = [(c.src_block_id, c.dst_block_id) for c in so.kv_cache_block_copies or ()]
+        num_copies += len(copies)
+        assert out.kv_cache_block_copies.tolist() == [list(c) for c in copies], step
+        assert out.zero_block_ids.tolist() == list(so.new_block_ids_to_zero or ()), step
+        for rid in want:
+            tables = [list(t) for t in vllm_sched.kv_cache_manager.get_block_ids(rid)]
+            r = ref._requests[rid]
+            assert [list(ref._group_table(r, g)) for g in range(2)] == tables, (step, rid)
+        ids = list(want)
+        sampled = [[] if vllm_sched.requests[r].is_prefill_chunk else [9] for r in ids]
+        vllm_sched.update_from_output(so, runner_output(ids, sampled))
+        ref.update_from_output(out, sampled)
+        ref.check_invariants()
+        assert ref._free.__len__() == vllm_sched.kv_cache_manager.block_pool.get_num_free_blocks(), step
+    print(f"seed {seed}: {num_partial} hits inside a block, {num_copies} copies")

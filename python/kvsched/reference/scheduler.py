@@ -411,7 +411,7 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
         """For each block of KV cache group ``group``'s table, the tokens the hash it is cached under covers
         (vLLM's ``block_hash_num_tokens``; 0 for a null block or one not cached): the end of the request's block
         of that hash, one block below the entry for a Mamba prefill checkpoint keyed there by the trailing-block
-        drop."""
+        drop; with prefix hits inside a block, a partial entry's own tokens."""
         r = self._get(req_id)
         table = self.get_block_ids(req_id, group).tolist()
         bs = self._bs
@@ -424,6 +424,8 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
             key = self._block_hash[b] if b else None
             if key is None:
                 counts.append(0)
+            elif b in self._partial_tokens:
+                counts.append(self._partial_tokens[b])
             else:
                 counts.append((j if j > 0 and not keyed_at(j, key) and keyed_at(j - 1, key) else j + 1) * bs)
         return np.array(counts, dtype=np.int64)

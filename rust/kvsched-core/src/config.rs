@@ -1017,10 +1017,29 @@ impl SchedulerConfig {
             return Ok(());
         }
         if self.kv_cache_groups.contains(&Some(MAMBA)) {
-            return refuse(
-                "cannot be combined with a Mamba group with prefix caching (partial-block hits of Mamba states \
-                 are not implemented)",
-            );
+            if self.partial_hit_unit().is_none() {
+                return refuse(
+                    "with a Mamba group and prefix caching needs align-mode Mamba groups (mamba_align) and every \
+                     other group full attention (prefix hits inside a block)",
+                );
+            }
+            for (on, name) in [
+                (self.prefix_cache_retention_interval.is_some(), "prefix_cache_retention_interval"),
+                (self.mamba_prefill_checkpoint_alignment.is_some(), "mamba_prefill_checkpoint_alignment"),
+                (!self.mamba_defer_new_states_only, "mamba_defer_new_states_only off"),
+                (self.num_cpu_blocks > 0, "num_cpu_blocks (swapping)"),
+                (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
+                (self.divergent_local_hits, "divergent_local_hits"),
+                (self.dcp_world_size > 1 || self.pcp_world_size > 1, "context parallelism"),
+                (self.prefill_lookahead_tokens > 1, "prefill_lookahead_tokens"),
+            ] {
+                if on {
+                    return refuse(&format!(
+                        "with a Mamba group and prefix caching (prefix hits inside a block) cannot be combined \
+                         with {name} (not implemented)"
+                    ));
+                }
+            }
         }
         for (on, name) in [
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),

@@ -141,6 +141,13 @@ pub struct Hybrid {
     /// since the last `Scheduler::take_mamba_boundary_offers` (vLLM's `boundary_state_offloads`), each as
     /// `(request id, group, block, tokens)` in the order the groups cached them; `None`: not recorded.
     pub boundary_offers: Option<Vec<BoundaryOffer>>,
+    /// With prefix hits inside a block (`KvCacheManager::partial_unit`): the last admission lookup's hit and its
+    /// longest single set's hit, in tokens (`find_partial_admission_hit`).
+    pub partial_hit_tokens: u32,
+    pub partial_longest: u32,
+    /// With prefix hits inside a block: the block copies queued since the current `schedule()` call began, per
+    /// group, as `(source, destination)` (vLLM's `kv_cache_block_copies`; `SchedulerOutput::kv_cache_block_copies`).
+    pub cow_copies: Vec<Vec<(u32, u32)>>,
 }
 
 /// A Mamba boundary state offered to a KV connector: `(request id, group, block, tokens it holds the state of)`.
@@ -170,6 +177,9 @@ impl Clone for Hybrid {
             hash_lookahead: self.hash_lookahead,
             checkpoint_align: self.checkpoint_align,
             boundary_offers: self.boundary_offers.clone(),
+            partial_hit_tokens: self.partial_hit_tokens,
+            partial_longest: self.partial_longest,
+            cow_copies: self.cow_copies.clone(),
         }
     }
 }
@@ -217,6 +227,9 @@ impl Hybrid {
             hash_lookahead: 0,
             checkpoint_align: 0,
             boundary_offers: None,
+            partial_hit_tokens: 0,
+            partial_longest: 0,
+            cow_copies: vec![Vec::new(); n],
         }
     }
 

@@ -509,6 +509,7 @@ impl Scheduler {
             extra_keys: ExtraKeys { cache_salt, lora_name: params.lora_name },
             block_hashes: Vec::new(),
             unit_hashes: Vec::new(),
+            partial_hits: Vec::new(),
             blocks: Vec::new(),
             num_cached_blocks: 0,
             groups: vec![GroupTable::default(); self.config.kv_cache_groups.len().saturating_sub(1)],
