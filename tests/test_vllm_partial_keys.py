@@ -171,9 +171,11 @@ def _vllm_split(req: Any, n: int, bs: int, unit: int, drop: bool, lookahead: int
 def test_mamba_chunks_stop_at_the_prompts_last_unit_boundary_as_vllms() -> None:
     """The reference's align-mode Mamba chunk split with prefix hits inside a block (the prompt's last unit
     boundary as a stop, the prefill checkpoint at a unit) equals vLLM's on random requests, chunks, junctions,
-    trailing-block drops, look-ahead hashes and prefill checkpoint alignments; the unit at the block size (hits
-    on whole blocks) too."""
+    trailing-block drops, look-ahead hashes (vLLM 0.33) and prefill checkpoint alignments; the unit at the block
+    size (hits on whole blocks) too."""
     from types import SimpleNamespace
+
+    from kvsched.vllm import RULES
 
     rng = random.Random(0)
     num_stops = 0
@@ -181,7 +183,8 @@ def test_mamba_chunks_stop_at_the_prompts_last_unit_boundary_as_vllms() -> None:
         bs = rng.choice((8, 16))
         unit = rng.choice([u for u in (2, 4, 8, 16) if bs % u == 0])
         drop = rng.random() < 0.2
-        lookahead = 0 if drop or rng.random() < 0.7 else rng.randrange(1, 4)
+        # (vLLM 0.32's split has no look-ahead hashes)
+        lookahead = 0 if drop or rng.random() < 0.7 or RULES.version == "0.32" else rng.randrange(1, 4)
         align = rng.choice((0, 0, unit, 2 * unit))
         max_tokens = rng.choice((bs // 2, 64))
         num_prompt = rng.randrange(2, 80)
