@@ -1569,14 +1569,9 @@ def test_align_mode_mamba_groups_schedule_as_vllms_scheduler() -> None:
 def test_mamba_prefix_caching_with_a_finer_prefix_match_unit_copies_as_vllm() -> None:
     """Mode-"align" Mamba groups with prefix caching and a hash block below the block (``--prefix-match-unit``):
     vLLM's scheduler lands hits inside a block and copies the shared tail blocks (``kv_cache_block_copies``);
-    kvsched.vllm on vLLM 0.33 does the same (the same hit, copies and block tables), and refuses it by name on vLLM
-    0.32."""
+    kvsched.vllm does the same (the same hit, copies and block tables)."""
     cfg = make_vllm_config(block_size=8, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
                            max_num_seqs=4, enable_prefix_caching=True, mamba_cache_mode="align")  # fmt: skip
-    if RULES.version == "0.32":
-        with pytest.raises(UnsupportedFeatureError, match=r"hash block smaller than the block on vLLM 0\.32"):
-            make_scheduler("kvsched", cfg, kv_cache_groups=("mamba", None), hash_block_size=4)
-        return
     scheds = [
         make_scheduler(impl, cfg, kv_cache_groups=("mamba", None), hash_block_size=4) for impl in ("vllm", "kvsched")
     ]

@@ -158,16 +158,13 @@ def test_identical_to_vllm_with_align_mode_mamba_groups(sync: str, runner: str, 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("seed", [1, 3])
 def test_identical_to_vllm_with_mamba_prefix_hits_inside_a_block(sync: str, runner: str, seed: int) -> None:
-    """Mamba prefix caching with a prefix-match unit below the block (vLLM 0.33's partial hash hits): hits ending on
+    """Mamba prefix caching with a prefix-match unit below the block (vLLM's partial hash hits): hits ending on
     a unit boundary inside a block in the full-attention and Mamba groups, the blocks they end inside copied into
     private blocks (kv_cache_block_copies), each prompt's tail keyed inside a block (a Mamba state there moved to a
     copy before the request's next step), chunks stopped at that tail; the same outputs, block tables and copies.
     Both seeds draw a unit below the block and copy blocks."""
     import vllm_driver
-    from kvsched.vllm import RULES
 
-    if RULES.version == "0.32":
-        pytest.skip("refused by name on vLLM 0.32")
     vllm_driver.PREFIX_HITS = vllm_driver.PARTIAL_BLOCK_HITS = vllm_driver.BLOCK_COPIES = 0
     cfg = run_seed(
         seed,

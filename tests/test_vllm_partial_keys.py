@@ -219,6 +219,7 @@ def test_mamba_chunks_stop_at_the_prompts_last_unit_boundary_as_vllms() -> None:
 def _pair(num_blocks: int, unit: int) -> tuple[Any, ReferenceScheduler]:
     """vLLM's scheduler and the reference, a Mamba group (mode "align") then full attention, blocks of ``BS``
     tokens, prefix caching, requests hashed at ``unit`` tokens (vLLM's partial hash hits on)."""
+    from kvsched.vllm import RULES
     from kvsched.vllm.testing import make_scheduler, make_vllm_config
 
     cfg = make_vllm_config(block_size=BS, num_blocks=num_blocks, max_model_len=96, max_num_batched_tokens=32,
@@ -235,6 +236,7 @@ def _pair(num_blocks: int, unit: int) -> tuple[Any, ReferenceScheduler]:
         enable_prefix_caching=True,
         kv_cache_groups=(MAMBA, None),
         mamba_align=True,
+        mamba_defer_new_states_only=RULES.mamba_defer_new_states_only,  # (vLLM 0.32 keys a prompt's tail again)
     )
     assert ref._partial_unit == unit
     return vllm_sched, ref

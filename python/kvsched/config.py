@@ -1036,7 +1036,6 @@ class SchedulerConfig:
             for on, name in (
                 (self.prefix_cache_retention_interval is not None, "prefix_cache_retention_interval"),
                 (self.mamba_prefill_checkpoint_alignment is not None, "mamba_prefill_checkpoint_alignment"),
-                (not self.mamba_defer_new_states_only, "mamba_defer_new_states_only off"),
                 (self.num_cpu_blocks > 0, "num_cpu_blocks (swapping)"),
                 (bool(self.kv_connector_groups), "kv_connector_groups (a KV connector)"),
                 (self.divergent_local_hits, "divergent_local_hits"),

@@ -1161,7 +1161,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             num_full = (mamba_aligned if w == _MAMBA else aligned_tokens) // self._group_bs(g)
             checkpoint = r.mamba_checkpoint.get(g) if w == _MAMBA else None
             tail = -1 if checkpoint is not None else prompt_tail  # a checkpoint is re-keyed instead
-            if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only:
+            if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only and not self._partial_unit:
                 # with the drop a Mamba group's cacheable tokens are not floored: only tokens ending at the checkpoint
                 exact = not mamba_eagle or num_tokens % bs == 0
                 self._mark_prompt_checkpoint(r, g, mamba_tokens if exact else 0, prompt_checkpoint)
@@ -1249,8 +1249,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if idx >= len(table) or table[idx] == 0 or num_tokens // unit > len(r.unit_hashes):
             return
         source = table[idx]
-        if self._hashed_tokens(r, g, source, idx) == num_tokens:
-            return  # keyed there already (by a hit or an earlier step)
+        if self._config.mamba_defer_new_states_only and self._hashed_tokens(r, g, source, idx) == num_tokens:
+            return  # keyed there already (by a hit or an earlier step); vLLM 0.32 keys it again
         key = self._group_key(r.unit_hashes[num_tokens // unit - 1], g)
         self._cache_partial_block(source, key, num_tokens)
         self._mamba_cached_step.add(key)

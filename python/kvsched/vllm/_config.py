@@ -476,17 +476,11 @@ def _check_partial_hits(fields: dict[str, Any]) -> None:
     in the core."""
     setting = f"hash_block_size={fields['hash_block_size']}, block_size={fields['block_size']}"
     for on, what in (
-        (RULES.version == "0.32", "vLLM 0.32"),
         (fields["prefix_cache_retention_interval"] is not None, "prefix_cache_retention_interval"),
         (fields["mamba_prefill_checkpoint_alignment"] is not None, "Mamba prefill checkpoints"),
     ):
         if on:
-            _refuse(
-                f"Mamba prefix caching with a hash block smaller than the block on {what}"
-                if what == "vLLM 0.32"
-                else f"Mamba prefix caching with a hash block smaller than the block and {what}",
-                setting,
-            )
+            _refuse(f"Mamba prefix caching with a hash block smaller than the block and {what}", setting)
 
 
 def _check_group_block_sizes(vllm_config: Any, sizes: list[int], hash_block_size: int | None) -> None:

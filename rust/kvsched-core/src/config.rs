@@ -1026,7 +1026,6 @@ impl SchedulerConfig {
             for (on, name) in [
                 (self.prefix_cache_retention_interval.is_some(), "prefix_cache_retention_interval"),
                 (self.mamba_prefill_checkpoint_alignment.is_some(), "mamba_prefill_checkpoint_alignment"),
-                (!self.mamba_defer_new_states_only, "mamba_defer_new_states_only off"),
                 (self.num_cpu_blocks > 0, "num_cpu_blocks (swapping)"),
                 (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
                 (self.divergent_local_hits, "divergent_local_hits"),

@@ -1051,7 +1051,7 @@ impl KvCacheManager {
             let first = *table(req, slots[g]).1 as usize;
             let k = (sizes[g] / bs) as usize;
             let num_full = (if w == MAMBA { mamba_aligned } else { aligned_tokens } / sizes[g]) as usize;
-            if w == MAMBA && checkpoint.is_none() && !defer_new_states_only {
+            if w == MAMBA && checkpoint.is_none() && !defer_new_states_only && self.partial_unit == 0 {
                 // With the drop vLLM hands a Mamba group its cacheable tokens unfloored: only a call whose tokens
                 // end at the checkpoint itself re-keys it.
                 let exact = !mamba_eagle || num_tokens % bs == 0;
@@ -1167,13 +1167,15 @@ impl KvCacheManager {
         if source == NULL_BLOCK {
             return;
         }
-        // Keyed there already (by a hit or an earlier step).
+        // Keyed there already (by a hit or an earlier step); vLLM 0.32 (`defer_new_states_only` off) keys it
+        // again.
         let hashed = match (self.pool.block_hash(source), self.pool.partial_tokens(source)) {
             (None, _) => None,
             (Some(_), Some(t)) => Some(t),
             (Some(_), None) => Some((idx as u32 + 1) * bs),
         };
-        if hashed == Some(num_tokens) {
+        let defer_new_only = self.hybrid.as_deref().is_none_or(|hy| hy.defer_new_states_only);
+        if defer_new_only && hashed == Some(num_tokens) {
             return;
         }
         let key = group_key(&req.unit_hashes[(num_tokens / unit) as usize - 1], g);

@@ -1768,3 +1768,41 @@ fn async_decode_runs_match_the_general_path() {
         }
     }
 }
+
+#[test]
+fn a_hit_inside_a_block_copies_the_block_it_ends_inside() {
+    // Blocks of 8, a prefix-match unit of 2, full attention then a Mamba group. "a" (21 tokens) runs 16, then 4 (a
+    // chunk ends at the prompt's last unit boundary, 20, inside its third block), then 1: its state at 20, keyed
+    // there, moves to a copy before that last chunk overwrites it. "b" shares 20 tokens: its hit ends inside the
+    // third block, which each group copies into a block of its own.
+    let config = SchedulerConfig { hash_block_size: Some(2), ..align_caching_cfg() };
+    let mut s = Scheduler::new(SchedulerConfig { block_size: 8, num_blocks: 32, ..config }).unwrap();
+    add(&mut s, "a", &prompt(0, 21), params(3));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![16]);
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![4]);
+    assert!(out.kv_cache_block_copies.is_empty());
+    let attention = s.get_group_block_ids("a", 0).unwrap()[2];
+    let state = s.get_group_block_ids("a", 1).unwrap()[2];
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![1]);
+    // The request keeps writing into its own state block; the cache keeps the copy.
+    assert_eq!(out.kv_cache_block_copies.len(), 1);
+    let (source, copy) = out.kv_cache_block_copies[0];
+    assert_eq!(source, state);
+    assert_eq!(s.get_group_block_ids("a", 1).unwrap()[2], state);
+    run_to_completion(&mut s);
+    let mut b = prompt(0, 20);
+    b.extend(prompt(500, 4));
+    add(&mut s, "b", &b, params(1));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!((out.num_computed_tokens.clone(), out.num_scheduled_tokens.clone()), (vec![20], vec![2]));
+    let (fa, mamba) =
+        (s.get_group_block_ids("b", 0).unwrap().to_vec(), s.get_group_block_ids("b", 1).unwrap().to_vec());
+    assert_eq!(out.kv_cache_block_copies, vec![(attention, fa[2]), (copy, mamba[2])]);
+    assert_eq!(mamba[..2], [0, 0]);
+    // The copies go first in the blocks to zero (attention groups only).
+    assert_eq!(out.zero_block_ids.first(), Some(&(fa[2] as i32)));
+    s.check_invariants().unwrap();
+}
