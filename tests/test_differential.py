@@ -2615,6 +2615,13 @@ def test_soak_mamba_prefix_hits_inside_a_block_match_reference_step_by_step() ->
         dataclasses.replace(
             ALIGN_CONFIGS[0], enable_prefix_caching=True, hash_block_size=2, mamba_defer_new_states_only=False
         ),
+        # sparse retention: vLLM's engine default 0, and an interval of two blocks
+        dataclasses.replace(
+            ALIGN_CONFIGS[0], enable_prefix_caching=True, hash_block_size=2, prefix_cache_retention_interval=0
+        ),
+        dataclasses.replace(
+            ALIGN_CONFIGS[2], enable_prefix_caching=True, hash_block_size=4, prefix_cache_retention_interval=16
+        ),
     ]
     seen = Counter[str]()
     _, hits, _ = _soak_align(configs, 7373, siblings=True, partial_counts=seen)

@@ -1145,7 +1145,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         prompt_checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, eagle, c.hash_lookahead_tokens)
         mamba_tokens = computed // bs * bs if eagle and not mamba_eagle else num_tokens
         mamba_aligned = aligned(computed) if eagle and not mamba_eagle else aligned_tokens
-        at_tail = retention is not None and 0 < mamba_tokens == prompt_checkpoint
+        # (with prefix hits inside a block the prompt's tail is keyed at its unit instead: _cache_partial_tail)
+        at_tail = retention is not None and not self._partial_unit and 0 < mamba_tokens == prompt_checkpoint
         prompt_tail = prompt_checkpoint // bs - 1 if at_tail else -1
         # sparse retention of the window groups' blocks and the Mamba groups' states
         window_retention = c.prefix_cache_retention_interval

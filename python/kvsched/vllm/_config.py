@@ -475,12 +475,8 @@ def _check_partial_hits(fields: dict[str, Any]) -> None:
     block, with copies of the blocks such hits end inside): refuses, by name, what runs beside it in vLLM but not
     in the core."""
     setting = f"hash_block_size={fields['hash_block_size']}, block_size={fields['block_size']}"
-    for on, what in (
-        (fields["prefix_cache_retention_interval"] is not None, "prefix_cache_retention_interval"),
-        (fields["mamba_prefill_checkpoint_alignment"] is not None, "Mamba prefill checkpoints"),
-    ):
-        if on:
-            _refuse(f"Mamba prefix caching with a hash block smaller than the block and {what}", setting)
+    if fields["mamba_prefill_checkpoint_alignment"] is not None:
+        _refuse("Mamba prefix caching with a hash block smaller than the block and Mamba prefill checkpoints", setting)
 
 
 def _check_group_block_sizes(vllm_config: Any, sizes: list[int], hash_block_size: int | None) -> None:

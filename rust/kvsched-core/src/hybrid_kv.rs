@@ -1037,7 +1037,8 @@ impl KvCacheManager {
         } else {
             (num_tokens, aligned_tokens)
         };
-        let tail = retention.and_then(|_| {
+        // (With prefix hits inside a block the prompt's tail is keyed at its unit instead: `cache_partial_tail`.)
+        let tail = retention.filter(|_| self.partial_unit == 0).and_then(|_| {
             (mamba_tokens > 0 && mamba_tokens == prompt_checkpoint)
                 .then(|| (prompt_checkpoint / bs) as usize - 1)
         });

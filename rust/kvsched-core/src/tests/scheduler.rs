@@ -1418,7 +1418,13 @@ fn align_soak(config: &SchedulerConfig, ops: Vec<Op>) -> Result<u32, TestCaseErr
             let Ok(req) = s.slab.get(h.slot) else { continue };
             let (start, n) = (out.num_computed_tokens[i] as u32, out.num_scheduled_tokens[i] as u32);
             let prefill_end = req.num_prompt_tokens.max(req.num_tokens() - 1);
-            if start < prefill_end && start + n < prefill_end && (start + n) % config.block_size != 0 {
+            // With prefix hits inside a block a chunk also stops at the prompt's last unit boundary.
+            let unit_tail = config.partial_hit_unit().map(|u| (req.num_prompt_tokens - 1) / u * u);
+            if start < prefill_end
+                && start + n < prefill_end
+                && (start + n) % config.block_size != 0
+                && unit_tail != Some(start + n)
+            {
                 // Only a block wider than the longest prefill chunk leaves a chunk end inside a block.
                 let longest = if config.long_prefill_token_threshold > 0 {
                     config.long_prefill_token_threshold.min(config.max_num_batched_tokens)
@@ -1516,6 +1522,27 @@ proptest! {
         ops in prop::collection::vec(op(), 1..100),
     ) {
         align_soak(&SchedulerConfig { enable_prefix_caching: true, ..config }, ops)?;
+    }
+
+    /// With prefix hits inside a block (a prefix-match unit of half the block, layouts of full attention and Mamba
+    /// groups only): hits inside a block, the copies of the blocks they end inside, prompt tails keyed inside a
+    /// block, dense and sparse retention.
+    #[test]
+    fn mamba_prefix_hits_inside_a_block_random_operations_keep_every_invariant(
+        config in align_config_strategy(),
+        retention in prop_oneof![Just(None), Just(Some(0u32))],
+        ops in prop::collection::vec(op(), 1..100),
+    ) {
+        let groups: Vec<_> = config.kv_cache_groups.iter().copied().filter(|w| *w != Some(6)).collect();
+        let config = SchedulerConfig {
+            enable_prefix_caching: true,
+            hash_block_size: Some(config.block_size / 2),
+            kv_cache_groups: groups,
+            prefix_cache_retention_interval: retention,
+            ..config
+        };
+        prop_assert!(config.partial_hit_unit().is_some());
+        align_soak(&config, ops)?;
     }
 
     /// With sparse retention of the cached states and window blocks too (0, or an interval of one to three
