@@ -97,13 +97,6 @@ RULES: list[dict[str, Any]] = [
         "hash_block_size": 8,
         "kv_cache_groups": (None, "mamba"),
         "mamba_align": True,
-        "mamba_prefill_checkpoint_alignment": 8,
-    },
-    {
-        "block_size": 16,
-        "hash_block_size": 8,
-        "kv_cache_groups": (None, "mamba"),
-        "mamba_align": True,
         "num_cpu_blocks": 4,
     },
     {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, 8), "hash_lookahead_tokens": 1},

@@ -2622,6 +2622,17 @@ def test_soak_mamba_prefix_hits_inside_a_block_match_reference_step_by_step() ->
         dataclasses.replace(
             ALIGN_CONFIGS[2], enable_prefix_caching=True, hash_block_size=4, prefix_cache_retention_interval=16
         ),
+        # prefill checkpoints (an alignment of a unit and of a block), dense and under retention 0
+        dataclasses.replace(
+            ALIGN_CONFIGS[0], enable_prefix_caching=True, hash_block_size=2, mamba_prefill_checkpoint_alignment=2
+        ),
+        dataclasses.replace(
+            ALIGN_CONFIGS[2],
+            enable_prefix_caching=True,
+            hash_block_size=4,
+            mamba_prefill_checkpoint_alignment=8,
+            prefix_cache_retention_interval=0,
+        ),
     ]
     seen = Counter[str]()
     _, hits, _ = _soak_align(configs, 7373, siblings=True, partial_counts=seen)

@@ -1570,7 +1570,7 @@ def test_mamba_prefix_caching_with_a_finer_prefix_match_unit_copies_as_vllm() ->
     """Mode-"align" Mamba groups with prefix caching and a hash block below the block (``--prefix-match-unit``):
     vLLM's scheduler lands hits inside a block and copies the shared tail blocks (``kv_cache_block_copies``);
     kvsched.vllm does the same (the same hit, copies and block tables), and refuses by name a window group beside
-    them and prefill checkpoints."""
+    them."""
     cfg = make_vllm_config(block_size=8, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
                            max_num_seqs=4, enable_prefix_caching=True, mamba_cache_mode="align")  # fmt: skip
     scheds = [
@@ -1599,12 +1599,8 @@ def test_mamba_prefix_caching_with_a_finer_prefix_match_unit_copies_as_vllm() ->
     assert results[0][:2] == ([20], [1, 2]), results[0]
     assert results[1] == results[0]
     # What it does not run with: refused by name.
-    for kw, what in (
-        ({"kv_cache_groups": ("mamba", 6, None)}, "beside sliding-window"),
-        ({"kv_cache_groups": ("mamba", None), "mamba_prefill_checkpoint_alignment": 8}, "prefill checkpoints"),
-    ):
-        with pytest.raises(UnsupportedFeatureError, match=what):
-            make_scheduler("kvsched", cfg, hash_block_size=4, **kw)
+    with pytest.raises(UnsupportedFeatureError, match="beside sliding-window"):
+        make_scheduler("kvsched", cfg, hash_block_size=4, kv_cache_groups=("mamba", 6, None))
 
 
 def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name() -> None:

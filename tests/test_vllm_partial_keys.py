@@ -216,17 +216,23 @@ def test_mamba_chunks_stop_at_the_prompts_last_unit_boundary_as_vllms() -> None:
     assert num_stops > 100, num_stops
 
 
-def _pair(num_blocks: int, unit: int, retention: int | None) -> tuple[Any, ReferenceScheduler]:
+def _pair(num_blocks: int, unit: int, retention: int | None, checkpoints: int | None) -> tuple[Any, ReferenceScheduler]:
     """vLLM's scheduler and the reference, a Mamba group (mode "align") then full attention, blocks of ``BS``
     tokens, prefix caching, requests hashed at ``unit`` tokens (vLLM's partial hash hits on), the cached Mamba states
-    retained as ``retention`` says (None: dense)."""
+    retained as ``retention`` says (None: dense), prefill checkpoints of ``checkpoints`` tokens' alignment (None:
+    none)."""
     from kvsched.vllm import RULES
     from kvsched.vllm.testing import make_scheduler, make_vllm_config
 
     cfg = make_vllm_config(block_size=BS, num_blocks=num_blocks, max_model_len=96, max_num_batched_tokens=32,
                            max_num_seqs=4, enable_prefix_caching=True, mamba_cache_mode="align")  # fmt: skip
     vllm_sched = make_scheduler(
-        "vllm", cfg, kv_cache_groups=("mamba", None), hash_block_size=unit, prefix_cache_retention_interval=retention
+        "vllm",
+        cfg,
+        kv_cache_groups=("mamba", None),
+        hash_block_size=unit,
+        prefix_cache_retention_interval=retention,
+        mamba_prefill_checkpoint_alignment=checkpoints,
     )
     assert vllm_sched.kv_cache_manager.coordinator.enable_partial_hash_hits
     ref = ReferenceScheduler(
@@ -241,6 +247,7 @@ def _pair(num_blocks: int, unit: int, retention: int | None) -> tuple[Any, Refer
         mamba_align=True,
         mamba_defer_new_states_only=RULES.mamba_defer_new_states_only,  # (vLLM 0.32 keys a prompt's tail again)
         prefix_cache_retention_interval=retention,
+        mamba_prefill_checkpoint_alignment=checkpoints,
     )
     assert ref._partial_unit == unit
     return vllm_sched, ref
@@ -248,9 +255,11 @@ def _pair(num_blocks: int, unit: int, retention: int | None) -> tuple[Any, Refer
 
 @pytest.mark.parametrize("seed", range(30))
 @pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
-def test_hits_inside_a_block_schedule_as_vllms(seed: int, retention: int | None) -> None:
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["", "checkpoints"])
+def test_hits_inside_a_block_schedule_as_vllms(seed: int, retention: int | None, checkpoints: bool) -> None:
     """The reference scheduling requests that share prefixes of any length, with hits ending inside a block, against
-    vLLM's own scheduler step by step, the cached Mamba states retained densely and as vLLM's engine default (0):
+    vLLM's own scheduler step by step, the cached Mamba states retained densely and as vLLM's engine default (0),
+    without and with prefill checkpoints (of a unit's or a block's alignment):
     the tokens scheduled and computed, every request's block table in each group, the block copies and the blocks
     to zero, the free blocks."""
     from kvsched.vllm.testing import make_request
@@ -258,7 +267,8 @@ def test_hits_inside_a_block_schedule_as_vllms(seed: int, retention: int | None)
 
     rng = random.Random(seed)
     unit = rng.choice((2, 4))
-    vllm_sched, ref = _pair(rng.choice((24, 40)), unit, retention)
+    alignment = rng.choice((unit, BS)) if checkpoints else None
+    vllm_sched, ref = _pair(rng.choice((24, 40)), unit, retention, alignment)
     bases = [[rng.randrange(3, 50) for _ in range(40)] for _ in range(2)]
     num_partial = num_copies = 0
     next_id = 0

@@ -2522,8 +2522,8 @@ def main(argv: list[str] | None = None) -> int:
         help="with --hybrid or --mamba-prefix-caching: the requests' hash block (vLLM's hash_block_size, set "
         "through prefix_match_unit), N tokens, a divisor of every drawn block size below it; -1 draws one per seed; "
         "prefix caching on; with Mamba groups, prefix hits end inside a block (a draw with a window beside them "
-        "keeps the block's unit); not with --connector, --kv-events, --eagle or --mamba-checkpoints (kvsched.vllm "
-        "refuses them with a hash block smaller than the block)",
+        "keeps the block's unit); not with --connector, --kv-events or --eagle (kvsched.vllm refuses them with a "
+        "hash block smaller than the block)",
     )
     args = p.parse_args(argv)
     args.eagle = args.eagle or args.mtp  # (--mtp is --eagle with a multi-module MTP drafter)
@@ -2623,11 +2623,10 @@ def main(argv: list[str] | None = None) -> int:
         or args.kv_events
         or args.eagle
         or args.hash_block_size == 0
-        or args.mamba_checkpoints
     ):
         p.error(
-            "--hash-block-size goes with --hybrid or --mamba-prefix-caching, without --connector, --kv-events, "
-            "--eagle and --mamba-checkpoints (refused)"
+            "--hash-block-size goes with --hybrid or --mamba-prefix-caching, without --connector, --kv-events and "
+            "--eagle (refused)"
         )
     if args.sync_invalid and not (args.connector or args.umbp_store):
         p.error("--sync-invalid goes with --connector or --umbp-store")

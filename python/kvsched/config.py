@@ -1034,7 +1034,6 @@ class SchedulerConfig:
                     "every other group full attention (prefix hits inside a block)"
                 )
             for on, name in (
-                (self.mamba_prefill_checkpoint_alignment is not None, "mamba_prefill_checkpoint_alignment"),
                 (self.num_cpu_blocks > 0, "num_cpu_blocks (swapping)"),
                 (bool(self.kv_connector_groups), "kv_connector_groups (a KV connector)"),
                 (self.divergent_local_hits, "divergent_local_hits"),

@@ -1024,13 +1024,37 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if not c.mamba_prefill_checkpoint_alignment:
             return None
         prefill_end = max(r.num_prompt_tokens, r.num_tokens - 1) if c.prefix_cache_retention_interval == 0 else 0
-        checkpoint = _mamba_checkpoint(end, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
-        if end < prefill_end or not _checkpoint_valid(start, end, checkpoint, bs, c.mamba_prefill_checkpoint_alignment):
+        unit = self._partial_unit  # with prefix hits inside a block, the checkpoint is a unit boundary
+        checkpoint = _mamba_checkpoint(end, unit or bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
+        align = c.mamba_prefill_checkpoint_alignment
+        if end < prefill_end or not _checkpoint_valid(start, end, checkpoint, bs, align, unit):
             return None
         table, idx = self._group_table(r, g), -(-end // bs) - 2
         if idx >= len(table) or table[idx] == 0 or (allocated and idx >= len(table) - c.mamba_speculative_blocks):
             return checkpoint, idx
         return None
+
+    def _cache_unit_checkpoint(self, r: _Request, g: int, b: int, position: int, prompt_checkpoint: int) -> None:
+        """``_cache_mamba_checkpoint`` with prefix hits inside a block: the checkpoint at ``position``, a unit
+        boundary, in block ``b``: keyed there (replacing its keys) unless already, or, when it is neither the
+        prompt's checkpoint, nor a block-boundary state the retention keeps, nor the shared-prefix junction, out of
+        the cache."""
+        bs, unit = self._bs, self._partial_unit
+        retention = self._config.prefix_cache_retention_interval
+        retained = position % bs == 0 and (retention is None or _mamba_retained(position // bs - 1, bs, retention, ()))
+        current = self._block_hash[b]
+        if position != prompt_checkpoint and not retained and position != r.shared_prefix_boundary:
+            if current is not None:
+                self._uncache(b, current)
+            return
+        if position // unit > len(r.unit_hashes):
+            return  # a position past the hashed tokens: nothing to key it by
+        key = self._group_key(r.unit_hashes[position // unit - 1], g)
+        if current == key:
+            return
+        self._cache_partial_block(b, key, position, replace=True)
+        self._newly_cached.append((b, key))
+        self._mamba_cached_step.add(key)
 
     def _remove_mamba_skipped(self, r: _Request, g: int, processed: int) -> None:
         """An align-mode Mamba group: the entries below ``(processed - 1) // bs`` go back to the pool (deepest
@@ -1143,6 +1167,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         # block below the junction
         mamba_eagle = eagle and c.mamba_eagle_group
         prompt_checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, eagle, c.hash_lookahead_tokens)
+        # a prefill checkpoint is the prompt's when it lies at its last unit boundary with prefix hits inside a block
+        unit = self._partial_unit
+        checkpoint_of_prompt = (
+            _mamba_checkpoint(r.num_prompt_tokens, unit, eagle, c.hash_lookahead_tokens) if unit else prompt_checkpoint
+        )
         mamba_tokens = computed // bs * bs if eagle and not mamba_eagle else num_tokens
         mamba_aligned = aligned(computed) if eagle and not mamba_eagle else aligned_tokens
         # (with prefix hits inside a block the prompt's tail is keyed at its unit instead: _cache_partial_tail)
@@ -1170,7 +1199,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             tail_entry = w == 0 and self._group_bs(g) != bs and self._events is not None
             if num_full <= first:
                 if checkpoint is not None:
-                    self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
+                    self._cache_mamba_checkpoint(r, g, checkpoint, checkpoint_of_prompt)
                 if tail_entry:
                     self._cache_prompt_tail(r, g, num_tokens // self._hit_align() * self._hit_align())
                 if self._partial_unit:
@@ -1222,7 +1251,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if tail_entry:
                 self._cache_prompt_tail(r, g, num_tokens // self._hit_align() * self._hit_align())
             if checkpoint is not None:
-                self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
+                self._cache_mamba_checkpoint(r, g, checkpoint, checkpoint_of_prompt)
             if self._partial_unit:
                 self._cache_partial_tail(r, g, w, num_tokens)
             if w == _MAMBA:
@@ -1339,6 +1368,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         the shared-prefix junction: then the block leaves the cache. A block cached under that key stays."""
         bs, (position, idx) = self._bs, checkpoint
         table = self._group_table(r, g)
+        if self._partial_unit:
+            if idx < len(table) and table[idx] != 0 and position > 0:
+                self._cache_unit_checkpoint(r, g, table[idx], position, prompt_checkpoint)
+            return
         i = position // bs - 1
         if idx >= len(table) or table[idx] == 0 or i < 0:
             return

@@ -444,7 +444,7 @@ def check_hash_block(
     """Refuses what a hash block smaller than the block (vLLM's ``hash_block_size``, set through
     ``prefix_match_unit``) is not supported with: one KV cache group, a size that does not divide the block, Mamba
     groups with prefix caching beside other groups than full attention (vLLM then keys Mamba states inside a
-    block without hits inside a block; ``_check_partial_hits`` checks the rest), KV connectors, the auxiliary
+    block without hits inside a block), KV connectors, the auxiliary
     output connector and KV cache events (vLLM's full-attention groups also key a prompt's tail inside a block,
     which these see)."""
     setting = f"hash_block_size={hash_block_size}, block_size={block_size}"
@@ -468,15 +468,6 @@ def check_hash_block(
         )
     if cache.enable_prefix_caching and kv_events_enabled(vllm_config):
         _refuse("KV cache events with a hash block smaller than the block", f"kv_events_config, {setting}")
-
-
-def _check_partial_hits(fields: dict[str, Any]) -> None:
-    """Align-mode Mamba prefix caching with a hash block smaller than the block (vLLM's prefix hits inside a
-    block, with copies of the blocks such hits end inside): refuses, by name, what runs beside it in vLLM but not
-    in the core."""
-    setting = f"hash_block_size={fields['hash_block_size']}, block_size={fields['block_size']}"
-    if fields["mamba_prefill_checkpoint_alignment"] is not None:
-        _refuse("Mamba prefix caching with a hash block smaller than the block and Mamba prefill checkpoints", setting)
 
 
 def _check_group_block_sizes(vllm_config: Any, sizes: list[int], hash_block_size: int | None) -> None:
@@ -843,8 +834,6 @@ def kvsched_config_from_vllm(
     fields["trim_computed_on_stop"] = RULES.trim_computed_on_stop
     fields["cache_upto_in_flight"] = RULES.cache_upto_in_flight
     fields["mamba_defer_new_states_only"] = RULES.mamba_defer_new_states_only
-    if fields["hash_block_size"] is not None and cached_mamba:
-        _check_partial_hits(fields)
     # vLLM keeps a request waiting for its grammar in `waiting` (skipped where the admission pass reaches it).
     fields["park_grammar_waits"] = False
     # vLLM keeps a request whose asynchronous KV load is in progress in `kv_holding_waiting` at its place.

@@ -1024,7 +1024,6 @@ impl SchedulerConfig {
                 );
             }
             for (on, name) in [
-                (self.mamba_prefill_checkpoint_alignment.is_some(), "mamba_prefill_checkpoint_alignment"),
                 (self.num_cpu_blocks > 0, "num_cpu_blocks (swapping)"),
                 (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
                 (self.divergent_local_hits, "divergent_local_hits"),

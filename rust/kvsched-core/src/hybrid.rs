@@ -373,6 +373,7 @@ pub(crate) fn mamba_checkpoint(num_tokens: u32, bs: u32, drop_eagle: bool, hash_
 /// checkpoint alignment, 0: no checkpoints): the chunk starts at a block boundary, `checkpoint` lies strictly
 /// inside it at least a block past its start, a multiple of `align` tokens from its start, and the checkpoint's
 /// block (`ceil(end / bs) - 2`) lies past the block holding the chunk's initial state.
+#[cfg(test)]
 pub(crate) fn checkpoint_valid(start: u32, end: u32, checkpoint: u32, bs: u32, align: u32) -> bool {
     checkpoint_valid_in_units(start, end, checkpoint, bs, bs, align)
 }

@@ -3,7 +3,7 @@
 use crate::block_pool::NULL_BLOCK;
 use crate::config::{CROSS_ATTENTION, MAMBA};
 use crate::hashing::BlockHash;
-use crate::hybrid::{checkpoint_valid, mamba_checkpoint, mamba_retained, Hybrid};
+use crate::hybrid::{checkpoint_valid_in_units, mamba_checkpoint, mamba_retained, Hybrid};
 use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
 use crate::hybrid::{window_kept, window_reachable, window_retained};
 use crate::kv_cache_manager::KvCacheManager;
@@ -38,11 +38,13 @@ pub(crate) fn align_need(
 /// the allocation: with checkpoints on, the checkpoint of `end` (`mamba_checkpoint`) when the chunk can export it
 /// (`checkpoint_valid`) and, under retention 0 only, the chunk reaches the prefill's end
 /// (`max(num_prompt, num_tokens - 1)`); its index `ceil(end / bs) - 2` must be past the table, a null block, or
-/// one of an allocated table's speculative blocks.
+/// one of an allocated table's speculative blocks. With prefix hits inside a block (`unit` tokens per unit; 0:
+/// none) the checkpoint is a unit boundary.
 #[allow(clippy::too_many_arguments)]
 fn align_checkpoint(
     hy: &Hybrid,
     bs: u32,
+    unit: u32,
     drop: bool,
     req: &Request,
     table: &[u32],
@@ -58,8 +60,10 @@ fn align_checkpoint(
     } else {
         0
     };
-    let checkpoint = mamba_checkpoint(end, bs, drop, hy.hash_lookahead);
-    if end < prefill_end || !checkpoint_valid(start, end, checkpoint, bs, hy.checkpoint_align) {
+    let unit = if unit == 0 { bs } else { unit };
+    let checkpoint = mamba_checkpoint(end, unit, drop, hy.hash_lookahead);
+    if end < prefill_end || !checkpoint_valid_in_units(start, end, checkpoint, unit, bs, hy.checkpoint_align)
+    {
         return None;
     }
     // `checkpoint_valid` puts the index past the initial state's (at least 0).
@@ -562,6 +566,7 @@ impl KvCacheManager {
                 let checkpoint = align_checkpoint(
                     hy,
                     self.block_size,
+                    self.partial_unit,
                     eagle,
                     req,
                     table,
@@ -617,7 +622,7 @@ impl KvCacheManager {
         let hy = self.hybrid.as_deref()?;
         let (windows, mamba_blocks, align) = (hy.windows.clone(), hy.mamba_blocks, hy.mamba_align);
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
-        let (bs, eagle) = (self.block_size, self.drop_trailing_hit);
+        let (bs, eagle, unit) = (self.block_size, self.drop_trailing_hit, self.partial_unit);
         let hit_tokens = self.hit_tokens(hits);
         let total_computed = computed + hit_tokens;
         let processed = total_computed.saturating_sub(in_flight);
@@ -676,8 +681,17 @@ impl KvCacheManager {
                 let checkpoint = match (self.hybrid.as_deref(), slots[g]) {
                     (Some(hy), Some(i)) => {
                         let t = &req.groups[i].blocks;
-                        let c =
-                            align_checkpoint(hy, bs, eagle, req, t, allocated, total_computed, mamba_tokens);
+                        let c = align_checkpoint(
+                            hy,
+                            bs,
+                            unit,
+                            eagle,
+                            req,
+                            t,
+                            allocated,
+                            total_computed,
+                            mamba_tokens,
+                        );
                         req.groups[i].mamba_checkpoint = c;
                         c.is_some()
                     }
@@ -1016,6 +1030,12 @@ impl KvCacheManager {
         let mamba_eagle = eagle && hy.mamba_eagle;
         let retention = hy.retention.filter(|_| align);
         let prompt_checkpoint = mamba_checkpoint(req.num_prompt_tokens, bs, eagle, hy.hash_lookahead);
+        // A prefill checkpoint is the prompt's when it lies at its last unit boundary with prefix hits inside a block.
+        let checkpoint_of_prompt = if self.partial_unit != 0 {
+            mamba_checkpoint(req.num_prompt_tokens, self.partial_unit, eagle, hy.hash_lookahead)
+        } else {
+            prompt_checkpoint
+        };
         // Sparse retention of the window groups' blocks (`window_retained`) and the Mamba groups' states.
         let window_retention = hy.retention;
         let (junction, below) = (req.shared_prefix_boundary, hy.junction_below);
@@ -1063,7 +1083,7 @@ impl KvCacheManager {
             let tail_entry = w == 0 && sizes[g] != bs && self.pool.events_mut().is_some();
             if num_full <= first {
                 if let Some(c) = checkpoint {
-                    self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
+                    self.cache_mamba_checkpoint(req, slots[g], g, c, checkpoint_of_prompt);
                 }
                 if tail_entry {
                     self.cache_prompt_tail(req, slots[g], g, num_tokens / hy_align * hy_align);
@@ -1117,7 +1137,7 @@ impl KvCacheManager {
                 self.cache_prompt_tail(req, slots[g], g, num_tokens / hy_align * hy_align);
             }
             if let Some(c) = checkpoint {
-                self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
+                self.cache_mamba_checkpoint(req, slots[g], g, c, checkpoint_of_prompt);
             }
             if self.partial_unit != 0 {
                 self.cache_partial_tail(req, slots[g], g, w, num_tokens);
@@ -1300,6 +1320,10 @@ impl KvCacheManager {
     ) {
         let bs = self.block_size;
         let Some(&b) = table_ref(req, slot).get(idx) else { return };
+        if self.partial_unit != 0 {
+            self.cache_unit_checkpoint(req, g, b, position, prompt_checkpoint);
+            return;
+        }
         let i = (position / bs) as usize;
         if b == NULL_BLOCK || i == 0 {
             return;
@@ -1332,6 +1356,44 @@ impl KvCacheManager {
         }
         if self.pool.events_mut().is_some() {
             self.record_block_stored(req, i, g);
+        }
+    }
+
+    /// `cache_mamba_checkpoint` with prefix hits inside a block: the checkpoint at `position`, a unit boundary, in
+    /// block `b`: keyed there (replacing its keys) unless already, or, when it is neither the prompt's checkpoint,
+    /// nor a block-boundary state the retention keeps, nor the shared-prefix junction, out of the cache.
+    #[cold]
+    fn cache_unit_checkpoint(
+        &mut self,
+        req: &Request,
+        g: usize,
+        b: u32,
+        position: u32,
+        prompt_checkpoint: u32,
+    ) {
+        let (unit, bs) = (self.partial_unit, self.block_size);
+        if b == NULL_BLOCK || position == 0 {
+            return;
+        }
+        let retention = self.hybrid.as_deref().and_then(|hy| hy.retention);
+        let retained = position % bs == 0
+            && retention.is_none_or(|r| mamba_retained((position / bs - 1) as usize, bs, r, &[]));
+        let current = self.pool.block_hash(b).copied();
+        if position != prompt_checkpoint && !retained && position != req.shared_prefix_boundary {
+            if let Some(h) = current {
+                self.pool.uncache(b, &h);
+            }
+            return;
+        }
+        let Some(hash) = req.unit_hashes.get((position / unit) as usize - 1) else { return };
+        let key = group_key(hash, g);
+        if current == Some(key) {
+            return;
+        }
+        self.pool.cache_partial_block(b, key, position, true);
+        self.newly_cached.push((b, key));
+        if let Some(hy) = self.hybrid.as_deref_mut() {
+            hy.mamba_cached_step.insert(key);
         }
     }
 

@@ -1293,6 +1293,15 @@ impl Scheduler {
                         {
                             continue; // a state or window block sparse retention did not cache
                         }
+                        // With prefix hits inside a block, a Mamba prefill checkpoint keyed at its unit boundary (or
+                        // taken out of the cache as a transient state).
+                        if align_mamba
+                            && self.kv.partial_unit != 0
+                            && (self.kv.pool.block_hash(b).is_none()
+                                || self.kv.pool.partial_tokens(b).is_some())
+                        {
+                            continue;
+                        }
                         // A block is keyed by the hash of its last hash block.
                         let key = r.block_hashes.get((i + 1) * k - 1).map(|h| crate::hybrid::group_key(h, g));
                         // With the drop, or look-ahead hashes of several tokens (multi-module MTP), a prefill
