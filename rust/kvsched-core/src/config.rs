@@ -991,9 +991,10 @@ impl SchedulerConfig {
 
     /// What a `hash_block_size` below `block_size` needs (vLLM's `resolve_kv_cache_block_sizes` and hybrid
     /// coordinator): a divisor of `block_size`, several KV cache groups, and with prefix caching on none of the
-    /// features whose rules change with finer hashes (vLLM's partial-block Mamba hits; the prompt-tail entries its
-    /// full-attention groups add at a sub-block boundary, which only the look-ahead hashes, the trailing-block
-    /// drop and KV cache events make visible).
+    /// features whose rules change with finer hashes (the prompt-tail entries vLLM's full-attention groups add at a
+    /// sub-block boundary, which only the look-ahead hashes, the trailing-block drop and KV cache events make
+    /// visible); with a Mamba group, prefix hits inside a block (`partial_hit_unit`) and none of the features not
+    /// implemented beside them.
     fn validate_hash_block(&self) -> Result<()> {
         let Some(h) = self.hash_block_size.filter(|&h| h != self.block_size) else { return Ok(()) };
         let refuse = |what: &str| {
