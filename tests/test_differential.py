@@ -90,7 +90,7 @@ OUT_LISTS = ("req_ids", "new_req_ids", "resumed_req_ids", "preempted_req_ids")
 OUT_ARRAYS = ("num_scheduled_tokens", "num_computed_tokens", "new_block_ids", "new_block_ids_indptr",
               "spec_token_ids", "spec_token_ids_indptr", "swap_out", "swap_in", "scheduled_encoder_inputs",
               "scheduled_encoder_inputs_indptr", "scheduled_encoder_loads", "scheduled_encoder_loads_indptr",
-              "free_encoder_hashes", "zero_block_ids")  # fmt: skip
+              "free_encoder_hashes", "zero_block_ids", "kv_cache_block_copies")  # fmt: skip
 INPUT_FIELDS = ("input_token_ids", "input_positions", "slot_mapping", "query_start_loc", "seq_lens",
                 "block_table", "logits_indices")  # fmt: skip
 
@@ -2518,16 +2518,23 @@ ALIGN_CONFIGS = [
 
 
 def _soak_align(
-    configs: list[SchedulerConfig], seed: int, siblings: bool = False, keyed_below: list[int] | None = None
+    configs: list[SchedulerConfig],
+    seed: int,
+    siblings: bool = False,
+    keyed_below: list[int] | None = None,
+    partial_counts: Counter[str] | None = None,
 ) -> tuple[int, int, int]:
     """Runs ``configs`` on both implementations step by step (600 random operations each, then a drain), each with
     a preemption; returns the Mamba tables seen past their first state (none without Mamba groups), the
     prefix-hit tokens and the prefill checkpoints seen reserved. ``siblings``: every prompt is a shared prefix
     cut one to two blocks past a block boundary, so prompts often share their last block boundary.
-    ``keyed_below``: counts the blocks seen cached under the hash of the block below their entry."""
+    ``keyed_below``: counts the blocks seen cached under the hash of the block below their entry.
+    ``partial_counts``: counts the admissions whose hit ends inside a block (``inside``) and the block copies."""
     grown = hits = checkpoints = 0
     for i, cfg in enumerate(configs):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(seed + i)), max_in_flight=1 + i % 3)
+        if partial_counts is not None:
+            twin.op_schedule = _counting_schedule(twin, partial_counts)  # type: ignore[method-assign]
         if siblings:
             bs = cfg.block_size
             twin.make_prompt = lambda max_len, twin=twin, bs=bs: twin.rand.choice(PREFIXES)[
@@ -2551,6 +2558,24 @@ def _soak_align(
         assert twin.ref.stats().num_preemptions > 0, f"no preemption under {cfg}"
         hits += twin.ref.stats().prefix_cache_hits
     return grown, hits, checkpoints
+
+
+def _counting_schedule(twin: Twin, counts: Counter[str]) -> Callable[[], None]:
+    """``twin.op_schedule``, counting in each new step the admissions whose computed tokens end inside a block and
+    the block copies."""
+    original, bs = twin.op_schedule, twin.cfg.kv_block_size
+
+    def op_schedule() -> None:
+        before = twin.pending[-1][0] if twin.pending else None
+        original()
+        if twin.pending and twin.pending[-1][0] is not before:
+            out = twin.pending[-1][0]
+            new = set(out.new_req_ids)
+            computed = zip(out.req_ids, out.num_computed_tokens.tolist(), strict=True)
+            counts["inside"] += sum(1 for r, c in computed if r in new and c % bs)
+            counts["copies"] += len(out.kv_cache_block_copies)
+
+    return op_schedule
 
 
 def test_soak_align_mamba_groups_match_reference_step_by_step() -> None:
@@ -2590,6 +2615,49 @@ def test_soak_sparse_mamba_retention_matches_reference_step_by_step() -> None:
     ]
     grown, hits, _ = _soak_align(configs, 8181)
     assert grown > 0 and hits > 0, (grown, hits)
+
+
+def test_soak_mamba_prefix_hits_inside_a_block_match_reference_step_by_step() -> None:
+    """The align-mode configs with prefix caching on and a prefix-match unit below the block (vLLM's partial hash
+    hits): lookups ending on a unit boundary inside a block, the copies of the blocks such hits end inside, the
+    prompt tails cached inside a block (full attention's entries, the Mamba states moved to a copy), the chunk stops
+    at a prompt's last unit boundary, and the blocks copies hold until the step's admissions are over, are the same
+    on both implementations; hits ending inside a block and copies happen in the run."""
+    configs = [
+        dataclasses.replace(ALIGN_CONFIGS[0], enable_prefix_caching=True, hash_block_size=2),
+        dataclasses.replace(ALIGN_CONFIGS[2], enable_prefix_caching=True, hash_block_size=2),
+        dataclasses.replace(ALIGN_CONFIGS[0], enable_prefix_caching=True, hash_block_size=2, async_scheduling=True),
+        dataclasses.replace(ALIGN_CONFIGS[2], enable_prefix_caching=True, hash_block_size=4, async_scheduling=True),
+        # drafts and speculative state blocks
+        dataclasses.replace(
+            ALIGN_CONFIGS[1], enable_prefix_caching=True, hash_block_size=1, kv_cache_groups=("mamba", None)
+        ),
+        # vLLM 0.32's deferral: a prompt's tail keyed again whenever the tokens cached end there
+        dataclasses.replace(
+            ALIGN_CONFIGS[0], enable_prefix_caching=True, hash_block_size=2, mamba_defer_new_states_only=False
+        ),
+        # sparse retention: vLLM's engine default 0, and an interval of two blocks
+        dataclasses.replace(
+            ALIGN_CONFIGS[0], enable_prefix_caching=True, hash_block_size=2, prefix_cache_retention_interval=0
+        ),
+        dataclasses.replace(
+            ALIGN_CONFIGS[2], enable_prefix_caching=True, hash_block_size=4, prefix_cache_retention_interval=16
+        ),
+        # prefill checkpoints (an alignment of a unit and of a block), dense and under retention 0
+        dataclasses.replace(
+            ALIGN_CONFIGS[0], enable_prefix_caching=True, hash_block_size=2, mamba_prefill_checkpoint_alignment=2
+        ),
+        dataclasses.replace(
+            ALIGN_CONFIGS[2],
+            enable_prefix_caching=True,
+            hash_block_size=4,
+            mamba_prefill_checkpoint_alignment=8,
+            prefix_cache_retention_interval=0,
+        ),
+    ]
+    seen = Counter[str]()
+    _, hits, _ = _soak_align(configs, 7373, siblings=True, partial_counts=seen)
+    assert hits > 0 and seen["inside"] > 0 and seen["copies"] > 0, (hits, seen)
 
 
 @pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])

@@ -1569,33 +1569,41 @@ def test_align_mode_mamba_groups_schedule_as_vllms_scheduler() -> None:
     assert not pair[1].requests
 
 
-def test_mamba_prefix_caching_with_a_finer_prefix_match_unit_is_refused_by_name() -> None:
+def test_mamba_prefix_caching_with_a_finer_prefix_match_unit_copies_as_vllm() -> None:
     """Mode-"align" Mamba groups with prefix caching and a hash block below the block (``--prefix-match-unit``):
-    vLLM's own scheduler then lands hits inside a block and copies the shared tail blocks (``kv_cache_block_copies``),
-    which kvsched.vllm does not implement: refused at construction, by name; the block's own size runs."""
+    vLLM's scheduler lands hits inside a block and copies the shared tail blocks (``kv_cache_block_copies``);
+    kvsched.vllm does the same (the same hit, copies and block tables), and refuses by name a window group beside
+    them."""
     cfg = make_vllm_config(block_size=8, num_blocks=40, max_model_len=64, max_num_batched_tokens=64,
                            max_num_seqs=4, enable_prefix_caching=True, mamba_cache_mode="align")  # fmt: skip
-    vllm_sched = make_scheduler("vllm", cfg, kv_cache_groups=("mamba", None), hash_block_size=4)
-    assert vllm_sched.kv_cache_manager.coordinator.enable_partial_hash_hits
+    scheds = [
+        make_scheduler(impl, cfg, kv_cache_groups=("mamba", None), hash_block_size=4) for impl in ("vllm", "kvsched")
+    ]
+    assert scheds[0].kv_cache_manager.coordinator.enable_partial_hash_hits
     # The same 20 tokens twice, the second time with another tail: the first prompt's tail at 20 tokens (inside the
     # third block of 8) serves the second request's hit.
     prompt = list(range(100, 120))
-    vllm_sched.add_request(make_request("r0", [*prompt, 1, 2], max_tokens=2, block_size=4))
-    hits, copies = [], [0, 0]
-    for step in range(12):
-        if step == 6:
-            vllm_sched.add_request(make_request("r1", [*prompt, 3, 4, 5], max_tokens=2, block_size=4))
-        so = vllm_sched.schedule()
-        hits += [r.num_computed_tokens for r in so.scheduled_new_reqs if r.req_id == "r1"]
-        copies[step >= 6] += len(so.kv_cache_block_copies or ())
-        ids = list(so.num_scheduled_tokens)
-        sampled = [[] if vllm_sched.requests[r].is_prefill_chunk else [9] for r in ids]
-        vllm_sched.update_from_output(so, runner_output(ids, sampled))
+    results = []
+    for sched in scheds:
+        sched.add_request(make_request("r0", [*prompt, 1, 2], max_tokens=2, block_size=4))
+        hits, copies, tables = [], [0, 0], []
+        for step in range(12):
+            if step == 6:
+                sched.add_request(make_request("r1", [*prompt, 3, 4, 5], max_tokens=2, block_size=4))
+            so = sched.schedule()
+            hits += [r.num_computed_tokens for r in so.scheduled_new_reqs if r.req_id == "r1"]
+            copies[step >= 6] += len(so.kv_cache_block_copies or ())
+            tables += [(r.req_id, r.block_ids) for r in so.scheduled_new_reqs]
+            ids = list(so.num_scheduled_tokens)
+            sampled = [[] if sched.requests[r].is_prefill_chunk else [9] for r in ids]
+            sched.update_from_output(so, runner_output(ids, sampled))
+        results.append((hits, copies, tables))
     # r0's state keyed at its tail, copied out before its next step; r1's shared attention block and state.
-    assert hits == [20] and copies == [1, 2], (hits, copies)
-    with pytest.raises(UnsupportedFeatureError, match="Mamba prefix caching with a hash block smaller than the block"):
-        make_scheduler("kvsched", cfg, kv_cache_groups=("mamba", None), hash_block_size=4)
-    assert make_scheduler("kvsched", cfg, kv_cache_groups=("mamba", None), hash_block_size=8).kv_config.mamba_align
+    assert results[0][:2] == ([20], [1, 2]), results[0]
+    assert results[1] == results[0]
+    # What it does not run with: refused by name.
+    with pytest.raises(UnsupportedFeatureError, match="beside sliding-window"):
+        make_scheduler("kvsched", cfg, hash_block_size=4, kv_cache_groups=("mamba", 6, None))
 
 
 def test_kv_connectors_run_with_mamba_groups_and_what_they_do_not_support_is_refused_by_name() -> None:

@@ -156,6 +156,39 @@ def test_identical_to_vllm_with_align_mode_mamba_groups(sync: str, runner: str, 
 
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize("seed", [1, 3])
+@pytest.mark.parametrize("retention", [None, 0])
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["", "checkpoints"])
+def test_identical_to_vllm_with_mamba_prefix_hits_inside_a_block(
+    sync: str, runner: str, seed: int, retention: int | None, checkpoints: bool
+) -> None:
+    """Mamba prefix caching with a prefix-match unit below the block (vLLM's partial hash hits): hits ending on
+    a unit boundary inside a block in the full-attention and Mamba groups, the blocks they end inside copied into
+    private blocks (kv_cache_block_copies), each prompt's tail keyed inside a block (a Mamba state there moved to a
+    copy before the request's next step), chunks stopped at that tail; the same outputs, block tables and copies.
+    The cached Mamba states retained densely (None) and as vLLM's engine default (0), without and with prefill
+    checkpoints (at a unit boundary). Both seeds draw a unit below the block and copy blocks."""
+    import vllm_driver
+
+    vllm_driver.PREFIX_HITS = vllm_driver.PARTIAL_BLOCK_HITS = vllm_driver.BLOCK_COPIES = 0
+    cfg = run_seed(
+        seed,
+        120,
+        async_scheduling=sync == "async",
+        v2=runner == "v2",
+        mamba=True,
+        mamba_align=True,
+        mamba_prefix_caching=True,
+        mamba_retention=retention,
+        mamba_checkpoints=checkpoints,
+        hash_block_size=-1,
+    )
+    assert cfg.hash_block_size is not None and cfg.hash_block_size < cfg.block_size
+    assert cfg.prefix_cache_retention_interval == retention
+    assert vllm_driver.BLOCK_COPIES > 0, vllm_driver.BLOCK_COPIES
+
+
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize("retention", [None, 0])
 # 661 stalls in vLLM's own scheduler (identically) before any hit; 660's prefill threshold of one block leaves no
 # room for a checkpoint inside a chunk.

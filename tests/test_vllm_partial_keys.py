@@ -143,3 +143,164 @@ def _vllm_key(key: bytes) -> Any:
 
     group = key[-1] if len(key) % 2 else 0
     return make_block_hash_with_group_id(key[:-1] if group else key, group)  # type: ignore[arg-type]
+
+
+def _vllm_split(req: Any, n: int, bs: int, unit: int, drop: bool, lookahead: int, align: int, max_tokens: int) -> int:
+    """vLLM's ``Scheduler._mamba_block_aligned_split`` over the scheduler fields it reads (prefix hits inside a
+    block on: align-mode Mamba groups, a unit below the block)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    fields = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=bs),
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        block_size=bs,
+        hash_block_size=unit,
+        mamba_partial_cache_hit=unit < bs,
+        mamba_shared_prefix_checkpoint=False,
+        use_eagle_block_drop=drop,
+        num_hash_lookahead_tokens=lookahead,
+        mamba_has_prefill_checkpoint_blocks=align > 0,
+        mamba_prefill_checkpoint_alignment=align or None,
+        max_num_scheduled_tokens=max_tokens,
+    )
+    return int(Scheduler._mamba_block_aligned_split(fields, req, n))  # type: ignore[arg-type]
+
+
+def test_mamba_chunks_stop_at_the_prompts_last_unit_boundary_as_vllms() -> None:
+    """The reference's align-mode Mamba chunk split with prefix hits inside a block (the prompt's last unit
+    boundary as a stop, the prefill checkpoint at a unit) equals vLLM's on random requests, chunks, junctions,
+    trailing-block drops, look-ahead hashes (vLLM 0.33) and prefill checkpoint alignments; the unit at the block
+    size (hits on whole blocks) too."""
+    from types import SimpleNamespace
+
+    from kvsched.vllm import RULES
+
+    rng = random.Random(0)
+    num_stops = 0
+    for _ in range(4000):
+        bs = rng.choice((8, 16))
+        unit = rng.choice([u for u in (2, 4, 8, 16) if bs % u == 0])
+        drop = rng.random() < 0.2
+        # (vLLM 0.32's split has no look-ahead hashes)
+        lookahead = 0 if drop or rng.random() < 0.7 or RULES.version == "0.32" else rng.randrange(1, 4)
+        align = rng.choice((0, 0, unit, 2 * unit))
+        max_tokens = rng.choice((bs // 2, 64))
+        num_prompt = rng.randrange(2, 80)
+        num_tokens = num_prompt + rng.choice((0, 0, rng.randrange(1, 10)))
+        start = rng.randrange(0, num_tokens)
+        n = rng.randrange(1, num_tokens - start + 1)
+        junction = rng.choice((0, rng.randrange(0, num_prompt + 1)))
+        req = SimpleNamespace(
+            num_computed_tokens=start,
+            num_prompt_tokens=num_prompt,
+            num_tokens=num_tokens,
+            shared_prefix_boundary=junction,
+        )
+        config = SimpleNamespace(
+            drop_trailing_hit_block=drop,
+            hash_lookahead_tokens=lookahead,
+            mamba_prefill_checkpoint_alignment=align or None,
+            max_num_scheduled_tokens=max_tokens,
+            max_num_batched_tokens=max_tokens,
+            long_prefill_token_threshold=0,
+        )
+        ours = SimpleNamespace(_config=config, _bs=bs, _partial_unit=unit if unit < bs else 0)
+        got = ReferenceScheduler._mamba_split(ours, req, start, n)  # type: ignore[arg-type]
+        want = _vllm_split(req, n, bs, unit, drop, lookahead, align, max_tokens)
+        assert got == want, (bs, unit, drop, lookahead, align, max_tokens, num_prompt, num_tokens, start, n, junction)
+        whole = _vllm_split(req, n, bs, bs, drop, lookahead, align, max_tokens)
+        num_stops += got < whole
+    # Some chunks stop earlier than with whole-block hits (at the prompt's last unit boundary).
+    assert num_stops > 100, num_stops
+
+
+def _pair(num_blocks: int, unit: int, retention: int | None, checkpoints: int | None) -> tuple[Any, ReferenceScheduler]:
+    """vLLM's scheduler and the reference, a Mamba group (mode "align") then full attention, blocks of ``BS``
+    tokens, prefix caching, requests hashed at ``unit`` tokens (vLLM's partial hash hits on), the cached Mamba states
+    retained as ``retention`` says (None: dense), prefill checkpoints of ``checkpoints`` tokens' alignment (None:
+    none)."""
+    from kvsched.vllm import RULES
+    from kvsched.vllm.testing import make_scheduler, make_vllm_config
+
+    cfg = make_vllm_config(block_size=BS, num_blocks=num_blocks, max_model_len=96, max_num_batched_tokens=32,
+                           max_num_seqs=4, enable_prefix_caching=True, mamba_cache_mode="align")  # fmt: skip
+    vllm_sched = make_scheduler(
+        "vllm",
+        cfg,
+        kv_cache_groups=("mamba", None),
+        hash_block_size=unit,
+        prefix_cache_retention_interval=retention,
+        mamba_prefill_checkpoint_alignment=checkpoints,
+    )
+    assert vllm_sched.kv_cache_manager.coordinator.enable_partial_hash_hits
+    ref = ReferenceScheduler(
+        num_blocks=num_blocks,
+        block_size=BS,
+        hash_block_size=unit,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=96,
+        enable_prefix_caching=True,
+        kv_cache_groups=(MAMBA, None),
+        mamba_align=True,
+        mamba_defer_new_states_only=RULES.mamba_defer_new_states_only,  # (vLLM 0.32 keys a prompt's tail again)
+        prefix_cache_retention_interval=retention,
+        mamba_prefill_checkpoint_alignment=checkpoints,
+    )
+    assert ref._partial_unit == unit
+    return vllm_sched, ref
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("retention", [None, 0], ids=["dense", "sparse"])
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["", "checkpoints"])
+def test_hits_inside_a_block_schedule_as_vllms(seed: int, retention: int | None, checkpoints: bool) -> None:
+    """The reference scheduling requests that share prefixes of any length, with hits ending inside a block, against
+    vLLM's own scheduler step by step, the cached Mamba states retained densely and as vLLM's engine default (0),
+    without and with prefill checkpoints (of a unit's or a block's alignment):
+    the tokens scheduled and computed, every request's block table in each group, the block copies and the blocks
+    to zero, the free blocks."""
+    from kvsched.vllm.testing import make_request
+    from vllm_driver import runner_output
+
+    rng = random.Random(seed)
+    unit = rng.choice((2, 4))
+    alignment = rng.choice((unit, BS)) if checkpoints else None
+    vllm_sched, ref = _pair(rng.choice((24, 40)), unit, retention, alignment)
+    bases = [[rng.randrange(3, 50) for _ in range(40)] for _ in range(2)]
+    num_partial = num_copies = 0
+    next_id = 0
+    for step in range(40):
+        if rng.random() < 0.35 and next_id < 10:
+            base = rng.choice(bases)
+            prompt = base[: rng.randrange(3, 40)] + [rng.randrange(3, 50) for _ in range(rng.randrange(0, 6))]
+            max_tokens = rng.randrange(1, 4)
+            rid = f"r{next_id}"
+            next_id += 1
+            vllm_sched.add_request(make_request(rid, prompt, max_tokens=max_tokens, block_size=unit))
+            ref.add_request(rid, prompt, max_tokens=max_tokens, ignore_eos=True)
+        so = vllm_sched.schedule()
+        out = ref.schedule()
+        want = {r: int(n) for r, n in so.num_scheduled_tokens.items()}
+        got = dict(zip(out.req_ids, out.num_scheduled_tokens.tolist(), strict=True))
+        assert got == want, (step, got, want)
+        hits = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        num_partial += sum(1 for n in hits.values() if n % BS)
+        assert {r: c for r, c in zip(out.req_ids, out.num_computed_tokens.tolist(), strict=True) if r in hits} == hits
+        copies = [(c.src_block_id, c.dst_block_id) for c in so.kv_cache_block_copies or ()]
+        num_copies += len(copies)
+        assert out.kv_cache_block_copies.tolist() == [list(c) for c in copies], step
+        assert out.zero_block_ids.tolist() == list(so.new_block_ids_to_zero or ()), step
+        for rid in want:
+            tables = [list(t) for t in vllm_sched.kv_cache_manager.get_block_ids(rid)]
+            r = ref._requests[rid]
+            assert [list(ref._group_table(r, g)) for g in range(2)] == tables, (step, rid)
+        ids = list(want)
+        sampled = [[] if vllm_sched.requests[r].is_prefill_chunk else [9] for r in ids]
+        vllm_sched.update_from_output(so, runner_output(ids, sampled))
+        ref.update_from_output(out, sampled)
+        ref.check_invariants()
+        assert ref._free.__len__() == vllm_sched.kv_cache_manager.block_pool.get_num_free_blocks(), step
+    print(f"seed {seed}: {num_partial} hits inside a block, {num_copies} copies")

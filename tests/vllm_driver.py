@@ -2062,7 +2062,9 @@ def run_seed(
         if blocks is not None:
             # (a multiple of the scheduler block: the groups' block sizes' least common multiple)
             cfg.prefix_cache_retention_interval = blocks * math.lcm(cfg.block_size, *(cfg.group_block_sizes or ()))
-    if hash_block_size is not None:
+    # (A Mamba draw with a window beside it keeps the block's unit: kvsched.vllm refuses the finer one there.)
+    mamba_window = mamba and any(g not in (None, "mamba") for g in cfg.kv_cache_groups or ())
+    if hash_block_size is not None and not mamba_window:
         units = [d for d in range(1, cfg.block_size) if cfg.block_size % d == 0]
         if hash_block_size < 0:
             cfg.hash_block_size = random.Random(f"hashblock/{seed}").choice(units) if units else None
@@ -2548,9 +2550,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         metavar="N",
-        help="with --hybrid: the requests' hash block (vLLM's hash_block_size, set through prefix_match_unit), N "
-        "tokens, a divisor of every drawn block size below it; -1 draws one per seed; prefix caching on; not with "
-        "--connector, --kv-events or --eagle (kvsched.vllm refuses them with a hash block smaller than the block)",
+        help="with --hybrid or --mamba-prefix-caching: the requests' hash block (vLLM's hash_block_size, set "
+        "through prefix_match_unit), N tokens, a divisor of every drawn block size below it; -1 draws one per seed; "
+        "prefix caching on; with Mamba groups, prefix hits end inside a block (a draw with a window beside them "
+        "keeps the block's unit); not with --connector, --kv-events or --eagle (kvsched.vllm refuses them with a "
+        "hash block smaller than the block)",
     )
     args = p.parse_args(argv)
     args.eagle = args.eagle or args.mtp  # (--mtp is --eagle with a multi-module MTP drafter)
@@ -2642,9 +2646,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.umbp_store and RULES.version == "0.32":
         p.error("--umbp-store: vLLM 0.32 has no UMBPStoreConnector")
     if args.hash_block_size is not None and (
-        not args.hybrid or args.connector or args.kv_events or args.eagle or args.hash_block_size == 0
+        not (args.hybrid or args.mamba_prefix_caching)
+        or args.connector
+        or args.kv_events
+        or args.eagle
+        or args.hash_block_size == 0
     ):
-        p.error("--hash-block-size goes with --hybrid, without --connector, --kv-events and --eagle (refused)")
+        p.error(
+            "--hash-block-size goes with --hybrid or --mamba-prefix-caching, without --connector, --kv-events and "
+            "--eagle (refused)"
+        )
     if args.sync_invalid and not (args.connector or args.umbp_store):
         p.error("--sync-invalid goes with --connector or --umbp-store")
     if args.multi_connector and not args.connector:

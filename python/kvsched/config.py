@@ -679,9 +679,12 @@ class SchedulerConfig:
         metadata=_spec(
             "tokens per prefix-cache hash unit (vLLM's `hash_block_size`, set through `prefix_match_unit`): a "
             "block's hash chains over `block_size / hash_block_size` units and is the hash of its last unit; hits, "
-            "caching and eviction stay whole blocks. None = `block_size`. Below `block_size` it must divide it and "
-            "needs `kv_cache_groups`; with prefix caching not with a Mamba group, `hash_lookahead_tokens`, "
-            "`drop_trailing_hit_block` or `enable_kv_cache_events` (see [Prefix caching](#prefix-caching))",
+            "caching and eviction stay whole blocks, except with prefix caching, align-mode Mamba groups "
+            "(`mamba_align`) and every other group full attention, where hits end on a unit boundary inside a block "
+            "(see [Prefix hits inside a block](#prefix-hits-inside-a-block)). None = `block_size`. Below "
+            "`block_size` it must divide it and needs `kv_cache_groups`; with prefix caching not with "
+            "`hash_lookahead_tokens`, `drop_trailing_hit_block` or `enable_kv_cache_events`, and with a Mamba group "
+            "only as above (see [Prefix caching](#prefix-caching))",
             lo=1,
             hi=4096,
         ),
@@ -1025,10 +1028,23 @@ class SchedulerConfig:
         if not self.enable_prefix_caching:
             return
         if MAMBA in self.kv_cache_groups:
-            raise InvalidConfigError(
-                f"{below} cannot be combined with a Mamba group with prefix caching (partial-block hits of Mamba "
-                "states are not implemented)"
-            )
+            if self.partial_hit_unit() is None:
+                raise InvalidConfigError(
+                    f"{below} with a Mamba group and prefix caching needs align-mode Mamba groups (mamba_align) and "
+                    "every other group full attention (prefix hits inside a block)"
+                )
+            for on, name in (
+                (self.num_cpu_blocks > 0, "num_cpu_blocks (swapping)"),
+                (bool(self.kv_connector_groups), "kv_connector_groups (a KV connector)"),
+                (self.divergent_local_hits, "divergent_local_hits"),
+                (self.dcp_world_size > 1 or self.pcp_world_size > 1, "context parallelism"),
+                (self.prefill_lookahead_tokens > 1, "prefill_lookahead_tokens"),
+            ):
+                if on:
+                    raise InvalidConfigError(
+                        f"{below} with a Mamba group and prefix caching (prefix hits inside a block) cannot be "
+                        f"combined with {name} (not implemented)"
+                    )
         for on, name in (
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
             (self.drop_trailing_hit_block, "drop_trailing_hit_block"),

@@ -109,6 +109,7 @@ class _ConnectorMixin(_BlockPoolMixin):
         r.mamba_allocated.clear()
         r.mamba_appended.clear()
         r.mamba_checkpoint.clear()
+        r.partial_hits.clear()
         r.block_ids = []
         r.num_cached_blocks = 0
         return tables
@@ -412,6 +413,7 @@ class _ConnectorMixin(_BlockPoolMixin):
             r.mamba_allocated.clear()
             r.mamba_appended.clear()
             r.mamba_checkpoint.clear()
+            r.partial_hits.clear()
         else:
             # Every group's table, in group order, as one list (vLLM's pop_blocks_for_free).
             self._defer_free([b for t in self._take_tables(r) for b in t])

@@ -52,15 +52,17 @@ def _mamba_retained(i: int, bs: int, retention: int, reachable: tuple[int, ...])
     return any(b >= bs and b // bs == i + 1 for b in reachable)
 
 
-def _checkpoint_valid(start: int, end: int, checkpoint: int, bs: int, align: int | None) -> bool:
-    """vLLM's ``is_mamba_prefill_checkpoint_valid`` with whole-block hashes: can a chunk computing tokens
-    ``start..end`` export the state after ``checkpoint`` tokens (``align``: the prefill checkpoint alignment)?"""
+def _checkpoint_valid(start: int, end: int, checkpoint: int, bs: int, align: int | None, unit: int = 0) -> bool:
+    """vLLM's ``is_mamba_prefill_checkpoint_valid``: can a chunk computing tokens ``start..end`` export the state
+    after ``checkpoint`` tokens (``align``: the prefill checkpoint alignment; ``unit``: the prefix-match unit when
+    hits can end inside a block, else the block)?"""
     if not align:
         return False
+    unit = unit or bs
     return (
-        start % bs == 0
+        start % unit == 0
         and -(-end // bs) - 2 > (start - 1) // bs
-        and start + bs <= checkpoint
+        and start + unit <= checkpoint
         and start < checkpoint < end
         and (checkpoint - start) % align == 0
     )
@@ -277,6 +279,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             r.mamba_allocated.clear()
             r.mamba_appended.clear()
             r.mamba_checkpoint.clear()
+            r.partial_hits.clear()
         else:
             self._free_block_list(r.block_ids)
         r.block_ids = []
@@ -587,6 +590,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             return None if None in blocks else blocks  # type: ignore[return-value]
 
         hit_len = max_len
+        longest = 0
         while True:
             curr = hit_len
             for w, ids in sets:
@@ -621,6 +625,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 for g in ids:
                     len_of[g] = got
                 curr = got
+                longest = max(longest, curr)
             if curr >= hit_len:
                 break
             hit_len = curr
@@ -630,7 +635,28 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if w == 0:
                 for g in ids:
                     del hits[g][-(-hit_len // bs) :]
+        self._partial_longest = longest
         return hits, hit_len
+
+    def _partial_lookup(self, r: _Request, num_tokens: int) -> list[int]:
+        """An admission's lookup when prefix hits can end inside a block (``_partial_hit_lookup`` over the request's
+        unit hashes, leaving out the last of ``num_tokens`` tokens): group 0's hits; every group's are kept in
+        ``_group_hits``, the hit in tokens in ``_partial_hit_tokens``, and the request's shared-prefix junction is
+        the longest set's hit when it is longer (in tokens, not rounded to a block)."""
+        max_len = num_tokens - 1 if self._config.enable_prefix_caching and num_tokens > 0 else 0
+        hits, hit_len = self._partial_hit_lookup(r.unit_hashes, max_len)
+        self._group_hits = hits
+        self._group_per_set = False
+        self._partial_hit_tokens = hit_len
+        r.shared_prefix_boundary = self._partial_longest if self._partial_longest > hit_len else 0
+        return hits[0]
+
+    def _hit_tokens(self, hits: list[int]) -> int:
+        """The tokens group 0's ``hits`` (from the last lookup) cover: its blocks', or with prefix hits inside a
+        block the lookup's hit."""
+        if self._partial_unit and hits:
+            return self._partial_hit_tokens
+        return len(hits) * self._bs
 
     def _set_hit(
         self, block_hashes: list[bytes], w: int, ids: list[int], curr: int, eagle: bool, hits: list[list[int]]
@@ -755,7 +781,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         c, bs = self._config, self._bs
         all_hits = self._hits_of_groups(hits)
         num_slots = min(r.num_tokens, c.max_slots_per_request)
-        total_computed = min(r.num_computed_tokens + len(hits) * bs, num_slots)
+        hit_tokens = self._hit_tokens(hits)
+        total_computed = min(r.num_computed_tokens + hit_tokens, num_slots)
+        partial = bool(hits) and hit_tokens % bs != 0  # one more block per group: the copy of the hit's last
         total = 0
         for g, w in enumerate(self._group_windows()):
             held, ghits, gbs = len(self._group_table(r, g)), all_hits[g], self._group_bs(g)
@@ -765,19 +793,21 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 continue
             if w == _MAMBA and c.mamba_align:
                 if ghits:
-                    if self._group_key(r.block_hashes[len(ghits) - 1], g) in self._mamba_cached_step:
+                    if self._mamba_hit_key(r, g, ghits) in self._mamba_cached_step:
                         return c.num_blocks + 1  # a hit on a state this step writes: never fits in this step
                     total += int(self._ref_cnt[ghits[-1]] == 0)
                 entries = required + c.mamba_speculative_blocks
                 allocated = g in r.mamba_allocated
                 checkpoint = self._align_checkpoint(r, g, allocated, total_computed, num_slots) is not None
-                total += max(0, self._align_need(entries, held + len(ghits), allocated, checkpoint))
+                copy = partial or g in r.partial_hits
+                total += max(0, self._align_need(entries, held + len(ghits), allocated, checkpoint, copy))
                 continue
             if w == _MAMBA:
                 total += max(0, 1 + c.mamba_speculative_blocks - held) if not r.block_ids else 0
                 continue
             if w == 0:
                 total += max(0, required - held - len(ghits)) + sum(1 for b in ghits if self._ref_cnt[b] == 0)
+                total += int(partial)
                 continue
             req_g = min(required, self._group_cap(w, gbs))
             if held:
@@ -797,8 +827,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         c, bs = self._config, self._bs
         all_hits = self._hits_of_groups(hits)
         windows = self._group_windows()
-        total_computed = r.num_computed_tokens + len(hits) * bs + ext
+        hit_tokens = self._hit_tokens(hits)
+        total_computed = r.num_computed_tokens + hit_tokens + ext
         processed = max(0, total_computed - r.num_in_flight_tokens)
+        # a hit ending inside a block: each group copies that block into a block of its own before writing into it
+        partial = bool(hits) and hit_tokens % bs != 0
         align = c.mamba_align
         for g, w in enumerate(windows):
             if w > 0:
@@ -822,7 +855,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if w == _MAMBA and align:  # may be negative: vLLM sums it as it is
                 ghits = all_hits[g]  # a new request's hit: the state block at its end, null blocks before it
                 if ghits:
-                    if self._group_key(r.block_hashes[len(ghits) - 1], g) in self._mamba_cached_step:
+                    if self._mamba_hit_key(r, g, ghits) in self._mamba_cached_step:
                         return None  # its state is written by this step: not before the next step
                     evictable += int(self._ref_cnt[ghits[-1]] == 0)
                 held = len(self._group_table(r, g)) + len(ghits)
@@ -833,7 +866,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     r.mamba_checkpoint.pop(g, None)
                 else:
                     r.mamba_checkpoint[g] = checkpoint
-                counted = self._align_need(mamba_entries, held, allocated, checkpoint is not None)
+                copy = partial or g in r.partial_hits
+                counted = self._align_need(mamba_entries, held, allocated, checkpoint is not None, copy)
                 total_need += counted
                 if ext_tokens > 0 and not self._group_table(r, g):
                     # A load's state: null blocks before the block of the last loaded token, popped with the other
@@ -865,7 +899,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             skipped_tokens = self._group_skipped(w, total_computed) if fresh and w else 0
             skipped = skipped_tokens // gbs
             held_after_hits = len(self._group_table(r, g)) + max(skipped, len(all_hits[g]))
-            need = max(0, math.ceil(num_slots / gbs) - held_after_hits)
+            need = max(0, math.ceil(num_slots / gbs) - held_after_hits) + int(partial)
             evictable += sum(1 for b in all_hits[g][skipped:] if b != 0 and self._ref_cnt[b] == 0)
             total_need += need
             # A new request's external tokens: vLLM pops their blocks for every group before the other new blocks
@@ -891,6 +925,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._ref_cnt[b] += 1
             self._group_table(r, g).extend([0] * skipped + kept)
             self._set_group_cached(r, g, self._group_cached(r, g) + skipped + len(kept))
+            if partial:  # the block the hit ends inside, copied by the growth below; cached once the copy is full
+                r.partial_hits[g] = (hit_tokens // bs, kept[-1])
+                self._set_group_cached(r, g, hit_tokens // bs)
         new_blocks: list[int] = []
         for g, pad, ext_need in ext_plan:
             table = self._group_table(r, g)
@@ -908,7 +945,12 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._grow_mamba_align(r, g, mamba_entries)
                 continue
             fresh_blocks = [self._pop_free_block() for _ in range(need)]
-            self._group_table(r, g).extend(fresh_blocks)
+            if g in r.partial_hits:  # the first is the copy of the block the hit ends inside
+                idx, source = r.partial_hits.pop(g)
+                self._apply_copy(r, g, idx, source, fresh_blocks[0])
+                self._group_table(r, g).extend(fresh_blocks[1:])
+            else:
+                self._group_table(r, g).extend(fresh_blocks)
             if self._zero_ids and windows[g] != _MAMBA:  # with a Mamba group: new attention blocks are zeroed
                 self._zero_ids[g].extend(fresh_blocks)
             if g == c.primary_group:
@@ -923,23 +965,25 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _mamba_split(self, r: _Request, start: int, n: int) -> int:
         """A prefill chunk of ``n`` tokens from ``start`` cut where an align-mode Mamba state must be written
-        (vLLM's ``_mamba_block_aligned_split`` without prefill checkpoints or partial-block hits, with the
-        request's shared-prefix junction; the core's ``AlignedSplit``)."""
-        c, bs = self._config, self._bs
+        (vLLM's ``_mamba_block_aligned_split`` without the shared-prefix checkpoint option, with the request's
+        shared-prefix junction; the core's ``AlignedSplit``). With prefix hits inside a block (``_partial_unit``)
+        the prefill's checkpoint is a unit boundary, and the prompt's last unit boundary past the last block
+        boundary is a stop too."""
+        c, bs, unit = self._config, self._bs, self._partial_unit
         prefill_end = max(r.num_prompt_tokens, r.num_tokens - 1)
         if start >= prefill_end:
             return n
         end = start + n
+        drop, lookahead = c.drop_trailing_hit_block, c.hash_lookahead_tokens
         internal = end >= prefill_end and _checkpoint_valid(
             start,
             end,
-            _mamba_checkpoint(prefill_end, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens),
+            _mamba_checkpoint(prefill_end, unit or bs, drop, lookahead),
             bs,
             c.mamba_prefill_checkpoint_alignment,
+            unit,
         )  # with prefill checkpoints: the last chunk exports the prefill's checkpoint from inside it
-        last_cache = (
-            0 if internal else _mamba_checkpoint(r.num_tokens, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
-        )
+        last_cache = 0 if internal else _mamba_checkpoint(r.num_tokens, bs, drop, lookahead)
         if end < prefill_end:
             max_prefill = c.max_num_scheduled_tokens or c.max_num_batched_tokens
             if c.long_prefill_token_threshold > 0:
@@ -948,19 +992,27 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if aligned > start or bs <= max_prefill:
                 end = aligned
         next_boundary = (start // bs + 1) * bs if start % bs and not internal else 0
+        # the prompt's last unit boundary, where a later hit ending inside a block resumes
+        tail = _mamba_checkpoint(r.num_prompt_tokens, unit, drop, lookahead) if unit and not internal else 0
+        tail_stop = tail if last_cache < tail < r.num_prompt_tokens else 0
         # a shared-prefix junction inside the chunk: its block-floored position from the chunk's start
         junction = r.shared_prefix_boundary
         junction_stop = start + (junction - start) // bs * bs if start < junction < end else 0
-        end = min((s for s in (next_boundary, last_cache, junction_stop) if start < s < end), default=end)
+        stops = (next_boundary, last_cache, tail_stop, junction_stop)
+        end = min((s for s in stops if start < s < end), default=end)
         return max(end - start, 0)
 
-    def _align_need(self, entries: int, held: int, allocated: bool, checkpoint: bool) -> int:
+    def _align_need(self, entries: int, held: int, allocated: bool, checkpoint: bool, copy: bool = False) -> int:
         """An align-mode Mamba group's blocks to allocate for ``entries`` entries with ``held`` in the table: the
         missing ones, capped at 1 (1 plus the speculative blocks before its first allocation), one more with a
-        prefill checkpoint; negative when the table is longer."""
+        prefill checkpoint; negative when the table is longer. With a block to copy (``copy``: a hit ending inside
+        a block, or the request's own prompt tail cached there), one more, never below 1."""
         need = entries - held
+        if copy:
+            need = max(need, 0) + 1
         if need > 0:
-            need = min(need, (1 if allocated else 1 + self._config.mamba_speculative_blocks) + int(checkpoint))
+            cap = (1 if allocated else 1 + self._config.mamba_speculative_blocks) + int(checkpoint) + int(copy)
+            need = min(need, cap)
         return need
 
     def _align_checkpoint(self, r: _Request, g: int, allocated: bool, start: int, end: int) -> tuple[int, int] | None:
@@ -972,13 +1024,37 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if not c.mamba_prefill_checkpoint_alignment:
             return None
         prefill_end = max(r.num_prompt_tokens, r.num_tokens - 1) if c.prefix_cache_retention_interval == 0 else 0
-        checkpoint = _mamba_checkpoint(end, bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
-        if end < prefill_end or not _checkpoint_valid(start, end, checkpoint, bs, c.mamba_prefill_checkpoint_alignment):
+        unit = self._partial_unit  # with prefix hits inside a block, the checkpoint is a unit boundary
+        checkpoint = _mamba_checkpoint(end, unit or bs, c.drop_trailing_hit_block, c.hash_lookahead_tokens)
+        align = c.mamba_prefill_checkpoint_alignment
+        if end < prefill_end or not _checkpoint_valid(start, end, checkpoint, bs, align, unit):
             return None
         table, idx = self._group_table(r, g), -(-end // bs) - 2
         if idx >= len(table) or table[idx] == 0 or (allocated and idx >= len(table) - c.mamba_speculative_blocks):
             return checkpoint, idx
         return None
+
+    def _cache_unit_checkpoint(self, r: _Request, g: int, b: int, position: int, prompt_checkpoint: int) -> None:
+        """``_cache_mamba_checkpoint`` with prefix hits inside a block: the checkpoint at ``position``, a unit
+        boundary, in block ``b``: keyed there (replacing its keys) unless already, or, when it is neither the
+        prompt's checkpoint, nor a block-boundary state the retention keeps, nor the shared-prefix junction, out of
+        the cache."""
+        bs, unit = self._bs, self._partial_unit
+        retention = self._config.prefix_cache_retention_interval
+        retained = position % bs == 0 and (retention is None or _mamba_retained(position // bs - 1, bs, retention, ()))
+        current = self._block_hash[b]
+        if position != prompt_checkpoint and not retained and position != r.shared_prefix_boundary:
+            if current is not None:
+                self._uncache(b, current)
+            return
+        if position // unit > len(r.unit_hashes):
+            return  # a position past the hashed tokens: nothing to key it by
+        key = self._group_key(r.unit_hashes[position // unit - 1], g)
+        if current == key:
+            return
+        self._cache_partial_block(b, key, position, replace=True)
+        self._newly_cached.append((b, key))
+        self._mamba_cached_step.add(key)
 
     def _remove_mamba_skipped(self, r: _Request, g: int, processed: int) -> None:
         """An align-mode Mamba group: the entries below ``(processed - 1) // bs`` go back to the pool (deepest
@@ -1001,7 +1077,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         allocated = g in r.mamba_allocated
         r.mamba_allocated.add(g)
         checkpoint = int(g in r.mamba_checkpoint)  # its entry, below the running state's, stays a real block
-        if entries <= prev and not checkpoint:
+        copy = r.partial_hits.pop(g, None)
+        if entries <= prev and not checkpoint and copy is None:
             return
         skipped = entries - spec - 1
         if prev < skipped - checkpoint:
@@ -1012,8 +1089,48 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     break
                 table.append(table[idx])
                 table[idx] = 0
+        if copy is not None:
+            cow = self._pop_free_block()
+            if allocated:
+                # the request's own cached prompt tail: it keeps writing into its block, so the cache entry moves to
+                # the copy (filled by this step's copy, so a hit on it waits for the next step)
+                idx, source = copy
+                self._move_block_hashes(source, cow)
+                self._cow_copies[g].append((source, cow))
+                self._ref_cnt[source] += 1
+                moved = self._block_hash[cow]
+                if moved is not None:
+                    self._mamba_cached_step.add(moved)
+            else:
+                self._apply_copy(r, g, copy[0], copy[1], cow)
         table.extend(self._pop_free_block() for _ in range(max(0, entries - len(table))))
         r.mamba_appended[g] = len(table) - prev
+
+    def _apply_copy(self, r: _Request, g: int, idx: int, source: int, cow: int) -> None:
+        """A hit ending inside block ``source`` (entry ``idx`` of group ``g``'s table): ``cow`` takes its place and a
+        copy ``source -> cow`` is queued; both stay referenced until the copies are handed out (the source keeps the
+        hit's reference, ``cow`` takes one more)."""
+        table = self._group_table(r, g)
+        table[idx] = cow
+        self._cow_copies[g].append((source, cow))
+        self._ref_cnt[cow] += 1
+
+    def _mamba_hit_key(self, r: _Request, g: int, ghits: list[int]) -> bytes | None:
+        """The key a Mamba group's hit ``ghits`` is checked under for a state this step writes: its block's key at
+        its position, or with prefix hits inside a block the hit block's own hash."""
+        if self._partial_unit:
+            return self._block_hash[ghits[-1]]
+        return self._group_key(r.block_hashes[len(ghits) - 1], g)
+
+    def _take_block_copies(self) -> list[tuple[int, int]]:
+        """The copies this schedule() call queued, group by group; their blocks' extra references go (source,
+        destination, source, ...), as vLLM frees them after the step's admissions."""
+        copies = [pair for per_group in self._cow_copies for pair in per_group]
+        for per_group in self._cow_copies:
+            per_group.clear()
+        if copies:  # freed in that order: the list given reversed
+            self._free_block_list([b for pair in reversed(copies) for b in reversed(pair)])
+        return copies
 
     def _remove_group_skipped(self, r: _Request, g: int, w: int, processed: int) -> None:
         table = self._group_table(r, g)
@@ -1050,9 +1167,15 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         # block below the junction
         mamba_eagle = eagle and c.mamba_eagle_group
         prompt_checkpoint = _mamba_checkpoint(r.num_prompt_tokens, bs, eagle, c.hash_lookahead_tokens)
+        # a prefill checkpoint is the prompt's when it lies at its last unit boundary with prefix hits inside a block
+        unit = self._partial_unit
+        checkpoint_of_prompt = (
+            _mamba_checkpoint(r.num_prompt_tokens, unit, eagle, c.hash_lookahead_tokens) if unit else prompt_checkpoint
+        )
         mamba_tokens = computed // bs * bs if eagle and not mamba_eagle else num_tokens
         mamba_aligned = aligned(computed) if eagle and not mamba_eagle else aligned_tokens
-        at_tail = retention is not None and 0 < mamba_tokens == prompt_checkpoint
+        # (with prefix hits inside a block the prompt's tail is keyed at its unit instead: _cache_partial_tail)
+        at_tail = retention is not None and not self._partial_unit and 0 < mamba_tokens == prompt_checkpoint
         prompt_tail = prompt_checkpoint // bs - 1 if at_tail else -1
         # sparse retention of the window groups' blocks and the Mamba groups' states
         window_retention = c.prefix_cache_retention_interval
@@ -1068,7 +1191,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             num_full = (mamba_aligned if w == _MAMBA else aligned_tokens) // self._group_bs(g)
             checkpoint = r.mamba_checkpoint.get(g) if w == _MAMBA else None
             tail = -1 if checkpoint is not None else prompt_tail  # a checkpoint is re-keyed instead
-            if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only:
+            if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only and not self._partial_unit:
                 # with the drop a Mamba group's cacheable tokens are not floored: only tokens ending at the checkpoint
                 exact = not mamba_eagle or num_tokens % bs == 0
                 self._mark_prompt_checkpoint(r, g, mamba_tokens if exact else 0, prompt_checkpoint)
@@ -1076,9 +1199,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             tail_entry = w == 0 and self._group_bs(g) != bs and self._events is not None
             if num_full <= first:
                 if checkpoint is not None:
-                    self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
+                    self._cache_mamba_checkpoint(r, g, checkpoint, checkpoint_of_prompt)
                 if tail_entry:
                     self._cache_prompt_tail(r, g, num_tokens // self._hit_align() * self._hit_align())
+                if self._partial_unit:
+                    self._cache_partial_tail(r, g, w, num_tokens)
                 continue
             sparse = retention if w == _MAMBA else None
             window_sparse = window_retention if w > 0 and not w & _CHUNKED else None
@@ -1126,9 +1251,51 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if tail_entry:
                 self._cache_prompt_tail(r, g, num_tokens // self._hit_align() * self._hit_align())
             if checkpoint is not None:
-                self._cache_mamba_checkpoint(r, g, checkpoint, prompt_checkpoint)
+                self._cache_mamba_checkpoint(r, g, checkpoint, checkpoint_of_prompt)
+            if self._partial_unit:
+                self._cache_partial_tail(r, g, w, num_tokens)
             if w == _MAMBA:
                 self._offer_boundary_states(r, g, first, num_full)
+
+    def _cache_partial_tail(self, r: _Request, g: int, w: int, num_tokens: int) -> None:
+        """With prefix hits inside a block, after group ``g``'s full blocks among ``num_tokens`` were cached: the
+        prompt's last unit boundary short of its last token, when it ends inside a block, files that block under the
+        boundary's key (vLLM's ``_cache_partial_tail_block``). Full attention does so once the tokens reach the
+        boundary; an align-mode Mamba group only when the tokens end exactly there (its state block then holds the
+        state at the boundary): the key joins this step's cached states, and when it lies inside a block, the
+        request's next allocation copies that block and moves the key to the copy (it keeps writing into its own)."""
+        unit, bs = self._partial_unit, self._bs
+        table = self._group_table(r, g)
+        if w == 0:
+            boundary = min((r.num_prompt_tokens - 1) // unit, len(r.unit_hashes)) * unit
+            if boundary == 0 or boundary > num_tokens or boundary % bs == 0 or boundary // bs >= len(table):
+                return
+            key = self._group_key(r.unit_hashes[boundary // unit - 1], g)
+            self._cache_partial_block(table[boundary // bs], key, boundary)
+            return
+        if num_tokens <= 0 or num_tokens % unit or num_tokens != _mamba_checkpoint(r.num_prompt_tokens, unit, False, 0):
+            return
+        idx = -(-num_tokens // bs) - 1
+        if idx >= len(table) or table[idx] == 0 or num_tokens // unit > len(r.unit_hashes):
+            return
+        source = table[idx]
+        if self._config.mamba_defer_new_states_only and self._hashed_tokens(r, g, source, idx) == num_tokens:
+            return  # keyed there already (by a hit or an earlier step); vLLM 0.32 keys it again
+        key = self._group_key(r.unit_hashes[num_tokens // unit - 1], g)
+        self._cache_partial_block(source, key, num_tokens)
+        self._mamba_cached_step.add(key)
+        if num_tokens % bs:
+            r.partial_hits[g] = (idx, source)
+            self._set_group_cached(r, g, idx)
+
+    def _hashed_tokens(self, r: _Request, g: int, b: int, idx: int) -> int | None:
+        """The tokens block ``b`` (entry ``idx`` of group ``g``'s table)'s own hash covers: a partial entry's, or a
+        full block's (keyed at its entry)."""
+        if self._block_hash[b] is None:
+            return None
+        if b in self._partial_tokens:
+            return self._partial_tokens[b]
+        return (idx + 1) * self._bs
 
     def _cache_prompt_tail(self, r: _Request, g: int, num_tokens: int) -> None:
         """With events, a full-attention group ``g`` of blocks larger than the hash block, after its full blocks
@@ -1201,6 +1368,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         the shared-prefix junction: then the block leaves the cache. A block cached under that key stays."""
         bs, (position, idx) = self._bs, checkpoint
         table = self._group_table(r, g)
+        if self._partial_unit:
+            if idx < len(table) and table[idx] != 0 and position > 0:
+                self._cache_unit_checkpoint(r, g, table[idx], position, prompt_checkpoint)
+            return
         i = position // bs - 1
         if idx >= len(table) or table[idx] == 0 or i < 0:
             return

@@ -34,6 +34,7 @@ class SchedulerOutput:
         "_swapped_out",
         "finished_req_ids",
         "free_encoder_hashes",
+        "kv_cache_block_copies",
         "kv_connector_metadata",
         "new_block_ids",
         "new_block_ids_indptr",
@@ -66,6 +67,9 @@ class SchedulerOutput:
     # with a Mamba group: every attention-group block this step allocated, group by group (vLLM's
     # new_block_ids_to_zero); empty otherwise
     zero_block_ids: np.ndarray
+    # (m, 2) int32: with prefix hits inside a block, block copies (source, destination) run before the forward pass
+    # (vLLM's kv_cache_block_copies), group by group; empty otherwise
+    kv_cache_block_copies: np.ndarray
     spec_token_ids: np.ndarray
     spec_token_ids_indptr: np.ndarray
     total_num_scheduled_tokens: int

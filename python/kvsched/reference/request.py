@@ -65,6 +65,7 @@ class _Request:
         "num_swapped_tokens",
         "order_key",
         "parked",
+        "partial_hits",
         "priority",
         "queue_seq",
         "req_id",
@@ -130,6 +131,9 @@ class _Request:
         # ... and with prefill checkpoints, the checkpoint the last allocation reserved a block for, as (position,
         # table index) (vLLM's MambaManager._checkpoints).
         self.mamba_checkpoint: dict[int, tuple[int, int]] = {}
+        # With prefix hits inside a block, by group: the block a hit (or, in a Mamba group, its own cached prompt
+        # tail) ends inside, as (table index, block), until the next allocation copies it (vLLM's _partial_hit_reqs).
+        self.partial_hits: dict[int, tuple[int, int]] = {}
         # Align-mode Mamba groups with prefix caching: the longest single-set hit of the last lookup when the
         # combined hit is shorter, in tokens (vLLM's shared_prefix_boundary); 0 otherwise.
         self.shared_prefix_boundary = 0

@@ -411,7 +411,7 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
         """For each block of KV cache group ``group``'s table, the tokens the hash it is cached under covers
         (vLLM's ``block_hash_num_tokens``; 0 for a null block or one not cached): the end of the request's block
         of that hash, one block below the entry for a Mamba prefill checkpoint keyed there by the trailing-block
-        drop."""
+        drop; with prefix hits inside a block, a partial entry's own tokens."""
         r = self._get(req_id)
         table = self.get_block_ids(req_id, group).tolist()
         bs = self._bs
@@ -424,6 +424,8 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
             key = self._block_hash[b] if b else None
             if key is None:
                 counts.append(0)
+            elif b in self._partial_tokens:
+                counts.append(self._partial_tokens[b])
             else:
                 counts.append((j if j > 0 and not keyed_at(j, key) and keyed_at(j - 1, key) else j + 1) * bs)
         return np.array(counts, dtype=np.int64)
@@ -602,6 +604,9 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                             self._block_hash[b] == self._group_key(r.block_hashes[i], g)
                             or (sparse and self._block_hash[b] is None)
                             or (shifted and i > 0 and self._block_hash[b] == self._group_key(r.block_hashes[i - 1], g))
+                            # with prefix hits inside a block, a prefill checkpoint keyed at its unit boundary (or
+                            # taken out of the cache as a transient state)
+                            or (self._partial_unit and (self._block_hash[b] is None or b in self._partial_tokens))
                             for i, b in enumerate(table[:num_cached])
                             if b != 0
                         ),
@@ -733,8 +738,16 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                         key = h if g == 0 else h + bytes([g])
                         got = self._block_hash[table[i]]
                         below = shifted and i > 0 and got == self._group_key(r.block_hashes[i - 1], g)
+                        # with prefix hits inside a block, a Mamba prefill checkpoint keyed at its unit boundary (or
+                        # taken out of the cache as a transient state)
+                        unit_key = (
+                            w == MAMBA
+                            and bool(self._partial_unit)
+                            and (got is None or table[i] in self._partial_tokens)
+                        )
                         require(
-                            got == key or (sparse and got is None) or below, f"{r.req_id}: group {g} block {i} hash"
+                            got == key or (sparse and got is None) or below or unit_key,
+                            f"{r.req_id}: group {g} block {i} hash",
                         )
         waiting_statuses = (
             RequestStatus.WAITING,

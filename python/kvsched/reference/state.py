@@ -145,6 +145,13 @@ class _SchedulerState:
         self._swap_cost_per_block = c.swap_cost_per_block
         # Tokens per prefix-match unit when prefix hits can end inside a block (0: whole blocks).
         self._partial_unit = c.partial_hit_unit() or 0
+        # ... the last lookup's hit and its longest set's hit, in tokens
+        self._partial_hit_tokens = 0
+        self._partial_longest = 0
+        # ... the copies this schedule() call queued, group by group, as (source, destination) blocks: a hit ending
+        # inside a block gets a private copy of that block, and a request that cached its prompt's last unit boundary
+        # inside a Mamba state block moves the cache entry to a copy (vLLM's kv_cache_block_copies)
+        self._cow_copies: list[list[tuple[int, int]]] = [[] for _ in (c.kv_cache_groups or ())]
         self._hasher = _BlockHasher(
             c.prefix_hash_algo, c.prefix_hash_seed, self._bs, c.hash_lookahead_tokens, c.hash_block_size
         )

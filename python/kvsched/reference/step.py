@@ -248,6 +248,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         if interval > 1 and (prefill_scheduled or prefill_admitted):
             self._last_prefill_step = self._num_executed_steps
 
+        # the block copies queued by hits ending inside a block, their blocks' extra references released
+        copies = self._take_block_copies() if self._partial_unit else []
         work = sorted(enc.work, key=lambda w: w[1])
         enc_ids: list[list[int]] = [[i for x, i in work if x is e[0]] for e in scheduled]
         enc_hashes = [e[0].encoder_inputs[i][2] for e, ids in zip(scheduled, enc_ids, strict=True) for i in ids]
@@ -334,6 +336,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             _group_new_block_ids_indptr=[_indptr([len(ids) for ids in per_req]) for per_req in groups],
             _primary_group=c.primary_group,
             zero_block_ids=np.array([b for ids in self._zero_ids for b in ids], dtype=np.int32),
+            kv_cache_block_copies=np.array(copies, dtype=np.int32).reshape(-1, 2),
         )
         self._newly_cached = []
         self._outs_in_flight.append(out)
@@ -448,6 +451,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 if per_group is not None:
                     hits, diverged = per_group
                     r.shared_prefix_boundary = 0
+                elif self._partial_unit and not r.skip_reading_prefix_cache:
+                    hits = self._partial_lookup(r, lookup_tokens)  # hits can end inside a block
                 else:
                     hits = [] if r.skip_reading_prefix_cache else self._lookup(r.block_hashes, lookup_tokens)
                     r.shared_prefix_boundary = (
@@ -490,7 +495,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 )
                 (skipped_kv if holds_kv else skipped).append(r)
                 continue
-            hit_tokens = len(hits) * bs
+            hit_tokens = self._hit_tokens(hits)
             restored = max(hit_tokens, r.num_swapped_tokens)  # swapped tokens come back by swap_in
             computed = computed_before if computed_before > 0 else restored + ext
             has_prefill = computed + 1 < r.num_tokens

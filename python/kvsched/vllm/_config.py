@@ -433,18 +433,20 @@ def check_hash_block(
 ) -> None:
     """Refuses what a hash block smaller than the block (vLLM's ``hash_block_size``, set through
     ``prefix_match_unit``) is not supported with: one KV cache group, a size that does not divide the block, Mamba
-    groups with prefix caching (vLLM's partial-block hits of Mamba states), KV connectors, the auxiliary output
-    connector and KV cache events (vLLM's full-attention groups also key a prompt's tail inside a block, which
-    these see; the core keeps no such entries)."""
+    groups with prefix caching beside other groups than full attention (vLLM then keys Mamba states inside a
+    block without hits inside a block), KV connectors, the auxiliary
+    output connector and KV cache events (vLLM's full-attention groups also key a prompt's tail inside a block,
+    which these see)."""
     setting = f"hash_block_size={hash_block_size}, block_size={block_size}"
     if len(windows or [None]) < 2:
         _refuse("a hash block size different from the block size with one KV cache group", setting)
     if block_size % hash_block_size:
         _refuse("a hash block size that does not divide the block size", setting)
     cache = vllm_config.cache_config
-    if MAMBA in (windows or ()) and cache.enable_prefix_caching:
+    if MAMBA in (windows or ()) and cache.enable_prefix_caching and any(w not in (None, MAMBA) for w in windows or ()):
         _refuse(
-            "Mamba prefix caching with a hash block smaller than the block (partial-block hits, copy-on-write)",
+            "Mamba prefix caching with a hash block smaller than the block beside sliding-window or other "
+            "attention groups than full attention",
             setting,
         )
     if vllm_config.kv_transfer_config is not None:

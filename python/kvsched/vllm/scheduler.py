@@ -224,6 +224,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # blocks (the reprefillable tail the primary group leaves out: a prefill checkpoint, or all of it in Mamba
         # groups outside the drop's rules), so every block of their tables counts (vLLM's estimate reads them all).
         self._mamba_past_cached = bool(config.prefill_lookahead_tokens > 1 and MAMBA in (config.kv_cache_groups or ()))
+        # Prefix hits inside a block: a block of any group can be keyed inside it (a hit's or a prompt tail's
+        # entry), and a copy of the block a hit ends inside lies past the cached blocks, so the prefill stats read
+        # the tokens of every block's hash, in every group, from the core.
+        self._partial_keys = config.partial_hit_unit() is not None
+        self._mamba_past_cached |= self._partial_keys
         # Encoder-decoder scheduling (``is_encoder_decoder`` set on a built scheduler with a cross-attention group,
         # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
         # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
@@ -1306,6 +1311,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             zero = out.zero_block_ids
             if len(zero):
                 so.new_block_ids_to_zero = zero.tolist()
+            copies = out.kv_cache_block_copies
+            if len(copies):
+                # Prefix hits inside a block: the blocks copied before the forward pass (vLLM's copy-on-write).
+                from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+                so.kv_cache_block_copies = [KVCacheBlockCopy(int(s), int(d)) for s, d in copies.tolist()]
         if encoder_stats is not None:
             so.scheduled_encoder_input_stats = encoder_stats
         if confirmed is not None:
@@ -1721,7 +1732,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         return {
             g: core.get_block_hash_num_tokens(req_id, g).tolist()
             for g, w in enumerate(self._group_windows)
-            if w == MAMBA
+            if w == MAMBA or (self._partial_keys and w is None)
         }
 
     def _key_tokens_after_update(

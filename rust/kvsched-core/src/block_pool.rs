@@ -360,6 +360,12 @@ impl BlockPool {
         self.partial.as_deref().and_then(|p| p.of_block.get(&block)).is_some_and(|keys| keys.contains(key))
     }
 
+    /// The tokens block `block`'s hash stands for when it is a partial entry (`cache_partial_block`); `None` for a
+    /// full block's hash or none.
+    pub fn partial_tokens(&self, block: u32) -> Option<u32> {
+        self.partial.as_deref().and_then(|p| p.tokens.get(&block).copied())
+    }
+
     /// Block `block`'s extra keys (none without partial entries), in insertion order.
     pub fn extra_keys(&self, block: u32) -> &[BlockHash] {
         self.partial.as_deref().and_then(|p| p.of_block.get(&block)).map_or(&[], Vec::as_slice)

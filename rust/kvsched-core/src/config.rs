@@ -991,9 +991,10 @@ impl SchedulerConfig {
 
     /// What a `hash_block_size` below `block_size` needs (vLLM's `resolve_kv_cache_block_sizes` and hybrid
     /// coordinator): a divisor of `block_size`, several KV cache groups, and with prefix caching on none of the
-    /// features whose rules change with finer hashes (vLLM's partial-block Mamba hits; the prompt-tail entries its
-    /// full-attention groups add at a sub-block boundary, which only the look-ahead hashes, the trailing-block
-    /// drop and KV cache events make visible).
+    /// features whose rules change with finer hashes (the prompt-tail entries vLLM's full-attention groups add at a
+    /// sub-block boundary, which only the look-ahead hashes, the trailing-block drop and KV cache events make
+    /// visible); with a Mamba group, prefix hits inside a block (`partial_hit_unit`) and none of the features not
+    /// implemented beside them.
     fn validate_hash_block(&self) -> Result<()> {
         let Some(h) = self.hash_block_size.filter(|&h| h != self.block_size) else { return Ok(()) };
         let refuse = |what: &str| {
@@ -1017,10 +1018,26 @@ impl SchedulerConfig {
             return Ok(());
         }
         if self.kv_cache_groups.contains(&Some(MAMBA)) {
-            return refuse(
-                "cannot be combined with a Mamba group with prefix caching (partial-block hits of Mamba states \
-                 are not implemented)",
-            );
+            if self.partial_hit_unit().is_none() {
+                return refuse(
+                    "with a Mamba group and prefix caching needs align-mode Mamba groups (mamba_align) and every \
+                     other group full attention (prefix hits inside a block)",
+                );
+            }
+            for (on, name) in [
+                (self.num_cpu_blocks > 0, "num_cpu_blocks (swapping)"),
+                (self.kv_connector_groups, "kv_connector_groups (a KV connector)"),
+                (self.divergent_local_hits, "divergent_local_hits"),
+                (self.dcp_world_size > 1 || self.pcp_world_size > 1, "context parallelism"),
+                (self.prefill_lookahead_tokens > 1, "prefill_lookahead_tokens"),
+            ] {
+                if on {
+                    return refuse(&format!(
+                        "with a Mamba group and prefix caching (prefix hits inside a block) cannot be combined \
+                         with {name} (not implemented)"
+                    ));
+                }
+            }
         }
         for (on, name) in [
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),

@@ -141,6 +141,13 @@ pub struct Hybrid {
     /// since the last `Scheduler::take_mamba_boundary_offers` (vLLM's `boundary_state_offloads`), each as
     /// `(request id, group, block, tokens)` in the order the groups cached them; `None`: not recorded.
     pub boundary_offers: Option<Vec<BoundaryOffer>>,
+    /// With prefix hits inside a block (`KvCacheManager::partial_unit`): the last admission lookup's hit and its
+    /// longest single set's hit, in tokens (`find_partial_admission_hit`).
+    pub partial_hit_tokens: u32,
+    pub partial_longest: u32,
+    /// With prefix hits inside a block: the block copies queued since the current `schedule()` call began, per
+    /// group, as `(source, destination)` (vLLM's `kv_cache_block_copies`; `SchedulerOutput::kv_cache_block_copies`).
+    pub cow_copies: Vec<Vec<(u32, u32)>>,
 }
 
 /// A Mamba boundary state offered to a KV connector: `(request id, group, block, tokens it holds the state of)`.
@@ -170,6 +177,9 @@ impl Clone for Hybrid {
             hash_lookahead: self.hash_lookahead,
             checkpoint_align: self.checkpoint_align,
             boundary_offers: self.boundary_offers.clone(),
+            partial_hit_tokens: self.partial_hit_tokens,
+            partial_longest: self.partial_longest,
+            cow_copies: self.cow_copies.clone(),
         }
     }
 }
@@ -217,6 +227,9 @@ impl Hybrid {
             hash_lookahead: 0,
             checkpoint_align: 0,
             boundary_offers: None,
+            partial_hit_tokens: 0,
+            partial_longest: 0,
+            cow_copies: vec![Vec::new(); n],
         }
     }
 
@@ -360,15 +373,29 @@ pub(crate) fn mamba_checkpoint(num_tokens: u32, bs: u32, drop_eagle: bool, hash_
 /// checkpoint alignment, 0: no checkpoints): the chunk starts at a block boundary, `checkpoint` lies strictly
 /// inside it at least a block past its start, a multiple of `align` tokens from its start, and the checkpoint's
 /// block (`ceil(end / bs) - 2`) lies past the block holding the chunk's initial state.
+#[cfg(test)]
 pub(crate) fn checkpoint_valid(start: u32, end: u32, checkpoint: u32, bs: u32, align: u32) -> bool {
+    checkpoint_valid_in_units(start, end, checkpoint, bs, bs, align)
+}
+
+/// `checkpoint_valid` when prefix hits can end inside a block (`unit` tokens per prefix-match unit): the chunk
+/// starts at a unit boundary and `checkpoint` lies at least a unit past its start; the columns stay the blocks'.
+pub(crate) fn checkpoint_valid_in_units(
+    start: u32,
+    end: u32,
+    checkpoint: u32,
+    unit: u32,
+    bs: u32,
+    align: u32,
+) -> bool {
     if align == 0 {
         return false;
     }
     let initial_col = if start == 0 { -1 } else { i64::from((start - 1) / bs) };
     let checkpoint_col = i64::from(end.div_ceil(bs)) - 2;
-    start % bs == 0
+    start % unit == 0
         && checkpoint_col > initial_col
-        && start + bs <= checkpoint
+        && start + unit <= checkpoint
         && start < checkpoint
         && checkpoint < end
         && (checkpoint - start) % align == 0
@@ -493,12 +520,15 @@ pub(crate) struct AlignedSplit {
     pub hash_lookahead: u32,
     /// The Mamba layers' prefill checkpoint alignment (0: no prefill checkpoints; `checkpoint_valid`).
     pub checkpoint_align: u32,
+    /// Tokens per prefix-match unit when prefix hits can end inside a block (`SchedulerConfig::partial_hit_unit`);
+    /// 0: hits end on whole blocks.
+    pub unit: u32,
 }
 
 impl AlignedSplit {
     /// A prefill chunk of `n` tokens from `start`, cut where an align-mode Mamba state must be written (vLLM's
-    /// `_mamba_block_aligned_split` without prefill checkpoints or partial-block hits), `junction` being the
-    /// request's `shared_prefix_boundary` (0: none):
+    /// `_mamba_block_aligned_split` without the shared-prefix checkpoint option), `junction` being the request's
+    /// `shared_prefix_boundary` (0: none):
     /// the prefill ends at `max(num_prompt, num_tokens - 1)`; a chunk that ends before it is floored to a block
     /// boundary (unless that leaves nothing and a block is wider than `max_prefill_tokens`); it then stops at the
     /// next block boundary when it starts inside a block, and at the last block boundary that leaves a token to
@@ -506,16 +536,21 @@ impl AlignedSplit {
     /// inside it, whichever comes first strictly inside it. A chunk past the prefill is kept. With prefill
     /// checkpoints, a chunk that reaches the prefill's end and can export the prefill's checkpoint
     /// (`mamba_checkpoint` of the prefill's end, `checkpoint_valid`) stops only at the junction.
+    ///
+    /// When prefix hits can end inside a block (`unit`), the prefill's checkpoint is taken at a unit boundary, and
+    /// a chunk without it also stops at the prompt's last unit boundary that leaves a token to compute when that
+    /// lies past the last block boundary (the state a later request's hit ending inside a block resumes from).
     pub fn split(&self, num_prompt: u32, num_tokens: u32, start: u32, n: u32, junction: u32) -> u32 {
         let prefill_end = num_prompt.max(num_tokens.saturating_sub(1));
         if start >= prefill_end {
             return n;
         }
         let bs = self.bs;
+        let unit = if self.unit == 0 { bs } else { self.unit };
         let mut end = start + n;
         let internal = end >= prefill_end && {
-            let checkpoint = mamba_checkpoint(prefill_end, bs, self.drop_eagle, self.hash_lookahead);
-            checkpoint_valid(start, end, checkpoint, bs, self.checkpoint_align)
+            let checkpoint = mamba_checkpoint(prefill_end, unit, self.drop_eagle, self.hash_lookahead);
+            checkpoint_valid_in_units(start, end, checkpoint, unit, bs, self.checkpoint_align)
         };
         let last_cache =
             if internal { 0 } else { mamba_checkpoint(num_tokens, bs, self.drop_eagle, self.hash_lookahead) };
@@ -526,10 +561,16 @@ impl AlignedSplit {
             }
         }
         let next_boundary = if start % bs != 0 && !internal { (start / bs + 1) * bs } else { 0 };
+        let tail = if self.unit != 0 && !internal {
+            mamba_checkpoint(num_prompt, unit, self.drop_eagle, self.hash_lookahead)
+        } else {
+            0
+        };
+        let tail_stop = if last_cache < tail && tail < num_prompt { tail } else { 0 };
         // A shared-prefix junction inside the chunk: its block-floored position (from `start`).
         let junction_stop =
             if start < junction && junction < end { start + (junction - start) / bs * bs } else { 0 };
-        for stop in [next_boundary, last_cache, junction_stop] {
+        for stop in [next_boundary, last_cache, tail_stop, junction_stop] {
             if start < stop && stop < end {
                 end = stop;
             }
@@ -626,6 +667,7 @@ mod tests {
             drop_eagle: false,
             hash_lookahead: 0,
             checkpoint_align: 0,
+            unit: 0,
         };
         assert_eq!(s.split(10, 10, 0, 10, 0), 8); // the last boundary that leaves a token
         assert_eq!(s.split(10, 10, 8, 2, 0), 2);
@@ -640,6 +682,7 @@ mod tests {
             drop_eagle: false,
             hash_lookahead: 0,
             checkpoint_align: 0,
+            unit: 0,
         };
         assert_eq!(wide.split(20, 20, 0, 6, 0), 6);
         assert_eq!(wide.split(20, 20, 6, 14, 0), 2);
@@ -660,6 +703,7 @@ mod tests {
             drop_eagle: false,
             hash_lookahead: 0,
             checkpoint_align: align,
+            unit: 0,
         };
         // Without checkpoints the chunk stops at the last boundary that leaves a token (8); with them the state
         // there is exported from inside the chunk when it lies a multiple of the alignment from the start.
@@ -677,6 +721,35 @@ mod tests {
         assert_eq!(with(4).split(9, 9, 4, 5, 0), 5); // a block past its start: exported
                                                      // The shared-prefix junction still stops it.
         assert_eq!(with(4).split(40, 40, 8, 32, 20), 12);
+    }
+
+    /// With prefix hits inside a block (values from vLLM's `_mamba_block_aligned_split`, as the reference's
+    /// split test against it draws them): the prompt's last unit boundary past the last block boundary is a stop,
+    /// and the prefill's checkpoint is a unit boundary.
+    #[test]
+    fn chunks_stop_at_the_prompts_last_unit_boundary() {
+        let with = |bs, unit, drop_eagle, hash_lookahead, checkpoint_align| AlignedSplit {
+            bs,
+            max_prefill_tokens: 64,
+            drop_eagle,
+            hash_lookahead,
+            checkpoint_align,
+            unit,
+        };
+        let s = with(8, 2, false, 0, 0);
+        assert_eq!(s.split(21, 21, 0, 21, 0), 16); // the last block boundary first
+        assert_eq!(s.split(21, 21, 16, 5, 0), 4); // then the prompt's last unit boundary (20)
+        assert_eq!(with(8, 0, false, 0, 0).split(21, 21, 16, 5, 0), 5); // hits on whole blocks: none
+        assert_eq!(s.split(21, 21, 20, 1, 0), 1);
+        assert_eq!(s.split(21, 21, 0, 12, 0), 8);
+        assert_eq!(s.split(22, 25, 16, 8, 0), 8); // the unit boundary (20) below the last block boundary (24)
+        assert_eq!(with(8, 4, false, 0, 0).split(16, 16, 8, 8, 0), 4);
+        // EAGLE's drop: one unit lower (18); look-ahead hashes leave their tokens.
+        assert_eq!(with(8, 2, true, 0, 0).split(21, 21, 8, 13, 0), 10);
+        assert_eq!(with(8, 2, false, 3, 0).split(21, 21, 16, 5, 0), 2);
+        // Prefill checkpoints: a chunk starting on a unit boundary inside a block exports the checkpoint at 8.
+        assert_eq!(with(4, 2, false, 0, 2).split(10, 10, 2, 8, 0), 8);
+        assert_eq!(with(4, 0, false, 0, 2).split(10, 10, 2, 8, 0), 2);
     }
 
     #[test]

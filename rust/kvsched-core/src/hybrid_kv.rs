@@ -4,7 +4,7 @@ use crate::block_pool::NULL_BLOCK;
 use crate::config::{CROSS_ATTENTION, MAMBA};
 use crate::connector::GroupTables;
 use crate::hashing::BlockHash;
-use crate::hybrid::{checkpoint_valid, mamba_checkpoint, mamba_retained, Hybrid};
+use crate::hybrid::{checkpoint_valid_in_units, mamba_checkpoint, mamba_retained, Hybrid};
 use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
 use crate::hybrid::{window_kept, window_reachable, window_retained};
 use crate::kv_cache_manager::KvCacheManager;
@@ -13,17 +13,22 @@ use crate::request::{GroupTable, Request};
 /// An align-mode Mamba group's blocks to allocate (vLLM's `get_num_blocks_to_allocate`) when the allocation
 /// wants `entries` entries and the table holds `held`: the missing ones, capped at one (`mamba_blocks`, one plus
 /// the speculative blocks, before the first allocation), one more with a prefill checkpoint (`checkpoint`);
-/// negative when the table is longer.
+/// negative when the table is longer. With a block to copy (`copy`: a hit ending inside a block, or the request's
+/// own prompt tail cached inside one), one more, never below 1.
 pub(crate) fn align_need(
     entries: usize,
     held: usize,
     mamba_blocks: usize,
     allocated: bool,
     checkpoint: bool,
+    copy: bool,
 ) -> i64 {
-    let need = entries as i64 - held as i64;
+    let mut need = entries as i64 - held as i64;
+    if copy {
+        need = need.max(0) + 1;
+    }
     if need > 0 {
-        need.min(if allocated { 1 } else { mamba_blocks as i64 } + i64::from(checkpoint))
+        need.min(if allocated { 1 } else { mamba_blocks as i64 } + i64::from(checkpoint) + i64::from(copy))
     } else {
         need
     }
@@ -34,11 +39,13 @@ pub(crate) fn align_need(
 /// the allocation: with checkpoints on, the checkpoint of `end` (`mamba_checkpoint`) when the chunk can export it
 /// (`checkpoint_valid`) and, under retention 0 only, the chunk reaches the prefill's end
 /// (`max(num_prompt, num_tokens - 1)`); its index `ceil(end / bs) - 2` must be past the table, a null block, or
-/// one of an allocated table's speculative blocks.
+/// one of an allocated table's speculative blocks. With prefix hits inside a block (`unit` tokens per unit; 0:
+/// none) the checkpoint is a unit boundary.
 #[allow(clippy::too_many_arguments)]
 fn align_checkpoint(
     hy: &Hybrid,
     bs: u32,
+    unit: u32,
     drop: bool,
     req: &Request,
     table: &[u32],
@@ -54,8 +61,10 @@ fn align_checkpoint(
     } else {
         0
     };
-    let checkpoint = mamba_checkpoint(end, bs, drop, hy.hash_lookahead);
-    if end < prefill_end || !checkpoint_valid(start, end, checkpoint, bs, hy.checkpoint_align) {
+    let unit = if unit == 0 { bs } else { unit };
+    let checkpoint = mamba_checkpoint(end, unit, drop, hy.hash_lookahead);
+    if end < prefill_end || !checkpoint_valid_in_units(start, end, checkpoint, unit, bs, hy.checkpoint_align)
+    {
         return None;
     }
     // `checkpoint_valid` puts the index past the initial state's (at least 0).
@@ -188,9 +197,19 @@ impl KvCacheManager {
     /// sets run in order to a fixed point (one pass with a full-attention set and one other), and full-attention
     /// hits are then cut to the blocks the hit touches. Fills `hits` per group; returns the hit in tokens.
     pub fn find_partial_hit(&self, units: &[BlockHash], max_len: u32, hits: &mut Vec<Vec<u32>>) -> u32 {
-        let (Some(hy), unit) = (self.hybrid.as_deref(), self.partial_unit) else { return 0 };
+        self.find_partial_hit_longest(units, max_len, hits).0
+    }
+
+    /// `find_partial_hit`, and the longest hit one lookup set found (vLLM's `longest_hit_length`).
+    fn find_partial_hit_longest(
+        &self,
+        units: &[BlockHash],
+        max_len: u32,
+        hits: &mut Vec<Vec<u32>>,
+    ) -> (u32, u32) {
+        let (Some(hy), unit) = (self.hybrid.as_deref(), self.partial_unit) else { return (0, 0) };
         if unit == 0 {
-            return 0;
+            return (0, 0);
         }
         let bs = self.block_size;
         let k = (bs / unit) as usize;
@@ -202,6 +221,7 @@ impl KvCacheManager {
         let mut len_of: Vec<Option<u32>> = vec![None; ngroups];
         let mut found = Vec::new();
         let mut hit_len = max_len;
+        let mut longest = 0;
         loop {
             let mut curr = hit_len;
             for (w, ids) in &hy.lookups {
@@ -255,6 +275,7 @@ impl KvCacheManager {
                     len_of[g] = Some(got);
                 }
                 curr = got;
+                longest = longest.max(curr);
             }
             if curr >= hit_len {
                 break;
@@ -271,7 +292,53 @@ impl KvCacheManager {
                 }
             }
         }
-        hit_len
+        (hit_len, longest)
+    }
+
+    /// An admission's lookup when prefix hits can end inside a block (`find_partial_hit` over the request's unit
+    /// hashes, leaving out the last of `num_tokens` tokens): group 0's hits go to `out`, every group's to the last
+    /// hits, the hit in tokens to `Hybrid::partial_hit_tokens`; the request's shared-prefix junction is the
+    /// longest set's hit when it is longer (in tokens, not rounded to a block).
+    #[cold]
+    pub(crate) fn find_partial_admission_hit(
+        &mut self,
+        req: &mut Request,
+        num_tokens: u32,
+        out: &mut Vec<u32>,
+    ) {
+        let max_len = if self.enable_caching { num_tokens.saturating_sub(1) } else { 0 };
+        let mut hits = Vec::new();
+        let (hit, longest) = self.find_partial_hit_longest(&req.unit_hashes, max_len, &mut hits);
+        req.shared_prefix_boundary = if longest > hit { longest } else { 0 };
+        let Some(hy) = self.hybrid.as_deref_mut() else { return };
+        if let Some(first) = hits.first() {
+            out.extend_from_slice(first);
+        }
+        hy.partial_hit_tokens = hit;
+        hy.partial_longest = longest;
+        hy.set_last_longest(0);
+        hy.set_last_per_group(false);
+        *hy.hits() = hits;
+    }
+
+    /// The tokens group 0's `hits` (from the last lookup) cover: its blocks', or with prefix hits inside a block
+    /// the lookup's hit.
+    pub(crate) fn hit_tokens(&self, hits: &[u32]) -> u32 {
+        match self.hybrid.as_deref() {
+            Some(hy) if self.partial_unit != 0 && !hits.is_empty() => hy.partial_hit_tokens,
+            _ => hits.len() as u32 * self.block_size,
+        }
+    }
+
+    /// The key an align-mode Mamba group's hit `ghits` is checked under for a state this step writes
+    /// (`Hybrid::mamba_cached_step`): its block's key at its position, or with prefix hits inside a block the hit
+    /// block's own hash.
+    fn mamba_hit_key(&self, req: &Request, g: usize, ghits: &[u32]) -> Option<BlockHash> {
+        let &b = ghits.last()?;
+        if self.partial_unit != 0 {
+            return self.pool.block_hash(b).copied();
+        }
+        Some(group_key(&req.block_hashes[ghits.len() - 1], g))
     }
 
     /// The hit of lookup set `idx` (`Hybrid::lookups`) capped at `curr` tokens, into `hits` for each of its groups
@@ -471,8 +538,10 @@ impl KvCacheManager {
         let Some(hy) = self.hybrid.as_deref() else { return 0 };
         let all_hits = self.hybrid_hits(hits);
         let num_slots = req.num_tokens().min(self.max_slots);
-        let hit_tokens = hits.len() as u32 * self.block_size;
+        let hit_tokens = self.hit_tokens(hits);
         let total_computed = (computed + hit_tokens).min(num_slots);
+        // A hit ending inside a block: one more block per group, the copy of the hit's last.
+        let partial = hit_tokens % self.block_size != 0;
         let eagle = self.drop_trailing_hit;
         let mut total = 0;
         for (g, &w) in hy.windows.iter().enumerate() {
@@ -487,7 +556,7 @@ impl KvCacheManager {
                 let ghits = &all_hits[g];
                 if let Some(&b) = ghits.last() {
                     // A hit on a state this step writes: never fits in this step.
-                    if hy.mamba_cached_step.contains(&group_key(&req.block_hashes[ghits.len() - 1], g)) {
+                    if self.mamba_hit_key(req, g, ghits).is_some_and(|k| hy.mamba_cached_step.contains(&k)) {
                         return self.pool.num_blocks() as usize + 1;
                     }
                     total += usize::from(self.pool.ref_cnt(b) == 0);
@@ -498,6 +567,7 @@ impl KvCacheManager {
                 let checkpoint = align_checkpoint(
                     hy,
                     self.block_size,
+                    self.partial_unit,
                     eagle,
                     req,
                     table,
@@ -506,7 +576,8 @@ impl KvCacheManager {
                     num_slots,
                 )
                 .is_some();
-                total += align_need(entries, held + ghits.len(), hy.mamba_blocks, allocated, checkpoint)
+                let copy = partial || req.partial_hits.iter().any(|p| p.0 == g);
+                total += align_need(entries, held + ghits.len(), hy.mamba_blocks, allocated, checkpoint, copy)
                     .max(0) as usize;
                 continue;
             }
@@ -517,7 +588,7 @@ impl KvCacheManager {
             let hits = &all_hits[g];
             if w == 0 {
                 let evictable = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
-                total += required.saturating_sub(held + hits.len()) + evictable;
+                total += required.saturating_sub(held + hits.len()) + evictable + usize::from(partial);
                 continue;
             }
             let required = required.min(hy.caps[g]);
@@ -552,10 +623,12 @@ impl KvCacheManager {
         let hy = self.hybrid.as_deref()?;
         let (windows, mamba_blocks, align) = (hy.windows.clone(), hy.mamba_blocks, hy.mamba_align);
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
-        let (bs, eagle) = (self.block_size, self.drop_trailing_hit);
-        let num_hits = hits.len();
-        let total_computed = computed + num_hits as u32 * bs;
+        let (bs, eagle, unit) = (self.block_size, self.drop_trailing_hit, self.partial_unit);
+        let hit_tokens = self.hit_tokens(hits);
+        let total_computed = computed + hit_tokens;
         let processed = total_computed.saturating_sub(in_flight);
+        // A hit ending inside a block: each group copies that block into a block of its own before writing to it.
+        let partial = hit_tokens % bs != 0;
         let sizes = hy.block_sizes.clone();
         for (g, &w) in windows.iter().enumerate() {
             if is_window(w) {
@@ -595,8 +668,10 @@ impl KvCacheManager {
                 let ghits = &all_hits[g];
                 if let Some(&b) = ghits.last() {
                     // Its state is written by this step (another request cached it): not before the next step.
-                    let key = group_key(&req.block_hashes[ghits.len() - 1], g);
-                    if self.hybrid.as_deref().is_some_and(|hy| hy.mamba_cached_step.contains(&key)) {
+                    let key = self.mamba_hit_key(req, g, ghits);
+                    if key.is_some_and(|k| {
+                        self.hybrid.as_deref().is_some_and(|hy| hy.mamba_cached_step.contains(&k))
+                    }) {
                         return None;
                     }
                     evictable += usize::from(self.pool.ref_cnt(b) == 0);
@@ -607,15 +682,25 @@ impl KvCacheManager {
                 let checkpoint = match (self.hybrid.as_deref(), slots[g]) {
                     (Some(hy), Some(i)) => {
                         let t = &req.groups[i].blocks;
-                        let c =
-                            align_checkpoint(hy, bs, eagle, req, t, allocated, total_computed, mamba_tokens);
+                        let c = align_checkpoint(
+                            hy,
+                            bs,
+                            unit,
+                            eagle,
+                            req,
+                            t,
+                            allocated,
+                            total_computed,
+                            mamba_tokens,
+                        );
                         req.groups[i].mamba_checkpoint = c;
                         c.is_some()
                     }
                     _ => false,
                 };
+                let copy = partial || req.partial_hits.iter().any(|p| p.0 == g);
                 let counted =
-                    align_need(mamba_entries, held + ghits.len(), mamba_blocks, allocated, checkpoint);
+                    align_need(mamba_entries, held + ghits.len(), mamba_blocks, allocated, checkpoint, copy);
                 mamba_need += counted;
                 if ext_tokens > 0 && held == 0 {
                     // A load's state (vLLM's `allocate_external_computed_blocks`): null blocks before the block
@@ -654,7 +739,8 @@ impl KvCacheManager {
                 if fresh && w != 0 { group_skipped(w, total_computed, self.extra_retained) } else { 0 };
             let skipped = (skipped_tokens / gbs) as usize;
             let ghits = all_hits[g].len();
-            let need = self.blocks_to_add_sized(held + skipped.max(ghits), num_slots, gbs);
+            let need =
+                self.blocks_to_add_sized(held + skipped.max(ghits), num_slots, gbs) + usize::from(partial);
             let kept = &all_hits[g][skipped.min(ghits)..];
             evictable += kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total_need += need;
@@ -698,6 +784,12 @@ impl KvCacheManager {
             blocks.extend(std::iter::repeat_n(NULL_BLOCK, skipped));
             blocks.extend_from_slice(kept);
             *num_cached += (skipped + kept.len()) as u32;
+            if let (true, Some(&last)) = (partial, kept.last()) {
+                // The block the hit ends inside, copied by the growth below; cached once its copy is full.
+                let idx = (hit_tokens / bs) as usize;
+                *num_cached = idx as u32;
+                req.partial_hits.push((g, idx, last));
+            }
         }
         let mut popped = total_need;
         for &(g, pad, ext_need) in &ext_plan {
@@ -723,12 +815,25 @@ impl KvCacheManager {
             }
         }
         for (g, &(_, need)) in plan.iter().enumerate() {
+            let copy = req.partial_hits.iter().position(|p| p.0 == g).map(|j| req.partial_hits.remove(j));
             if windows[g] == MAMBA && align {
                 if let Some(i) = slots[g] {
-                    popped += self.grow_mamba_align(&mut req.groups[i], mamba_entries, mamba_blocks - 1);
+                    let copy = copy.map(|(_, idx, b)| (idx, b));
+                    popped +=
+                        self.grow_mamba_align(&mut req.groups[i], g, mamba_entries, mamba_blocks - 1, copy);
                 }
                 continue;
             }
+            if let Some((_, idx, source)) = copy {
+                // The first block popped is the copy of the block the hit ends inside.
+                let mut cow = Vec::with_capacity(1);
+                self.pool.allocate_into(1, &mut cow);
+                self.apply_copy(table(req, slots[g]).0, g, idx, source, cow[0]);
+                if let Some(zero) = self.hybrid.as_deref_mut().and_then(|hy| hy.zero_ids.get_mut(g)) {
+                    zero.push(cow[0]);
+                }
+            }
+            let need = need - usize::from(copy.is_some());
             if need > 0 {
                 let (blocks, _) = table(req, slots[g]);
                 self.pool.allocate_into(need, blocks);
@@ -776,11 +881,18 @@ impl KvCacheManager {
     /// `spec` of them speculative. With a prefill checkpoint (`t.mamba_checkpoint`) the entry below the running
     /// state's stays a real block: the padding stops one short, and a speculative block there stays. Returns the
     /// blocks popped.
-    fn grow_mamba_align(&mut self, t: &mut GroupTable, entries: usize, spec: usize) -> usize {
+    fn grow_mamba_align(
+        &mut self,
+        t: &mut GroupTable,
+        g: usize,
+        entries: usize,
+        spec: usize,
+        copy: Option<(usize, u32)>,
+    ) -> usize {
         let prev = t.blocks.len();
         t.mamba_appended = 0;
         let checkpoint = usize::from(t.mamba_checkpoint.is_some());
-        if entries <= prev && checkpoint == 0 {
+        if entries <= prev && checkpoint == 0 && copy.is_none() {
             t.mamba_allocated = true;
             return 0;
         }
@@ -799,11 +911,61 @@ impl KvCacheManager {
                 t.blocks[idx] = NULL_BLOCK;
             }
         }
+        let mut copied = 0;
+        if let Some((idx, source)) = copy {
+            let mut cow = Vec::with_capacity(1);
+            self.pool.allocate_into(1, &mut cow);
+            let cow = cow[0];
+            copied = 1;
+            if t.mamba_allocated {
+                // The request's own cached prompt tail: it keeps writing into its block, so the cache entry moves
+                // to the copy (filled by this step's copy: a hit on it waits for the next step).
+                self.pool.move_block_hashes(source, cow);
+                self.pool.touch(&[source]);
+                let moved = self.pool.block_hash(cow).copied();
+                if let Some(hy) = self.hybrid.as_deref_mut() {
+                    hy.cow_copies[g].push((source, cow));
+                    if let Some(k) = moved {
+                        hy.mamba_cached_step.insert(k);
+                    }
+                }
+            } else {
+                self.apply_copy(&mut t.blocks, g, idx, source, cow);
+            }
+        }
         let need = entries.saturating_sub(t.blocks.len());
         self.pool.allocate_into(need, &mut t.blocks);
         t.mamba_allocated = true;
         t.mamba_appended = (t.blocks.len() - prev) as u32;
-        need
+        need + copied
+    }
+
+    /// A hit ending inside block `source` (entry `idx` of group `g`'s table `blocks`): `cow` takes its place and
+    /// a copy `source -> cow` is queued; both stay referenced until the copies are handed out (the source keeps
+    /// the hit's reference, `cow` takes one more).
+    fn apply_copy(&mut self, blocks: &mut [u32], g: usize, idx: usize, source: u32, cow: u32) {
+        blocks[idx] = cow;
+        self.pool.touch(&[cow]);
+        if let Some(hy) = self.hybrid.as_deref_mut() {
+            hy.cow_copies[g].push((source, cow));
+        }
+    }
+
+    /// The copies queued since the current `schedule()` call began, group by group, into `out` as `(source,
+    /// destination)`; the extra references of their blocks go back (source, destination, source, ...), as vLLM
+    /// frees them after the step's admissions.
+    #[cold]
+    pub(crate) fn take_block_copies(&mut self, out: &mut Vec<(u32, u32)>) {
+        let Some(hy) = self.hybrid.as_deref_mut() else { return };
+        let start = out.len();
+        for per_group in &mut hy.cow_copies {
+            out.append(per_group);
+        }
+        if out.len() > start {
+            // `free_blocks` releases its list from the end.
+            let retained: Vec<u32> = out[start..].iter().rev().flat_map(|&(s, d)| [d, s]).collect();
+            self.pool.free_blocks(&retained);
+        }
     }
 
     /// The blocks a cross-attention group's table of `held` blocks still needs for the request's encoder output.
@@ -869,6 +1031,12 @@ impl KvCacheManager {
         let mamba_eagle = eagle && hy.mamba_eagle;
         let retention = hy.retention.filter(|_| align);
         let prompt_checkpoint = mamba_checkpoint(req.num_prompt_tokens, bs, eagle, hy.hash_lookahead);
+        // A prefill checkpoint is the prompt's when it lies at its last unit boundary with prefix hits inside a block.
+        let checkpoint_of_prompt = if self.partial_unit != 0 {
+            mamba_checkpoint(req.num_prompt_tokens, self.partial_unit, eagle, hy.hash_lookahead)
+        } else {
+            prompt_checkpoint
+        };
         // Sparse retention of the window groups' blocks (`window_retained`) and the Mamba groups' states.
         let window_retention = hy.retention;
         let (junction, below) = (req.shared_prefix_boundary, hy.junction_below);
@@ -890,7 +1058,8 @@ impl KvCacheManager {
         } else {
             (num_tokens, aligned_tokens)
         };
-        let tail = retention.and_then(|_| {
+        // (With prefix hits inside a block the prompt's tail is keyed at its unit instead: `cache_partial_tail`.)
+        let tail = retention.filter(|_| self.partial_unit == 0).and_then(|_| {
             (mamba_tokens > 0 && mamba_tokens == prompt_checkpoint)
                 .then(|| (prompt_checkpoint / bs) as usize - 1)
         });
@@ -904,7 +1073,7 @@ impl KvCacheManager {
             let first = *table(req, slots[g]).1 as usize;
             let k = (sizes[g] / bs) as usize;
             let num_full = (if w == MAMBA { mamba_aligned } else { aligned_tokens } / sizes[g]) as usize;
-            if w == MAMBA && checkpoint.is_none() && !defer_new_states_only {
+            if w == MAMBA && checkpoint.is_none() && !defer_new_states_only && self.partial_unit == 0 {
                 // With the drop vLLM hands a Mamba group its cacheable tokens unfloored: only a call whose tokens
                 // end at the checkpoint itself re-keys it.
                 let exact = !mamba_eagle || num_tokens % bs == 0;
@@ -915,10 +1084,13 @@ impl KvCacheManager {
             let tail_entry = w == 0 && sizes[g] != bs && self.pool.events_mut().is_some();
             if num_full <= first {
                 if let Some(c) = checkpoint {
-                    self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
+                    self.cache_mamba_checkpoint(req, slots[g], g, c, checkpoint_of_prompt);
                 }
                 if tail_entry {
                     self.cache_prompt_tail(req, slots[g], g, num_tokens / hy_align * hy_align);
+                }
+                if self.partial_unit != 0 {
+                    self.cache_partial_tail(req, slots[g], g, w, num_tokens);
                 }
                 continue;
             }
@@ -966,11 +1138,76 @@ impl KvCacheManager {
                 self.cache_prompt_tail(req, slots[g], g, num_tokens / hy_align * hy_align);
             }
             if let Some(c) = checkpoint {
-                self.cache_mamba_checkpoint(req, slots[g], g, c, prompt_checkpoint);
+                self.cache_mamba_checkpoint(req, slots[g], g, c, checkpoint_of_prompt);
+            }
+            if self.partial_unit != 0 {
+                self.cache_partial_tail(req, slots[g], g, w, num_tokens);
             }
             if w == MAMBA {
                 self.offer_boundary_states(req, slots[g], g, first, num_full);
             }
+        }
+    }
+
+    /// With prefix hits inside a block, after group `g`'s full blocks among `num_tokens` were cached: the prompt's
+    /// last unit boundary short of its last token, when it ends inside a block, files that block under the
+    /// boundary's key (vLLM's `_cache_partial_tail_block`). Full attention does so once the tokens reach the
+    /// boundary; an align-mode Mamba group only when the tokens end exactly there (its state block then holds the
+    /// state at the boundary): the key joins this step's cached states, and when it lies inside a block, the
+    /// request's next allocation copies that block and moves the key to the copy (it keeps writing into its own).
+    #[cold]
+    fn cache_partial_tail(
+        &mut self,
+        req: &mut Request,
+        slot: Option<usize>,
+        g: usize,
+        w: u32,
+        num_tokens: u32,
+    ) {
+        let (unit, bs) = (self.partial_unit, self.block_size);
+        let num_units = req.unit_hashes.len() as u32;
+        if w == 0 {
+            let boundary = (req.num_prompt_tokens.saturating_sub(1) / unit).min(num_units) * unit;
+            if boundary == 0 || boundary > num_tokens || boundary % bs == 0 {
+                return;
+            }
+            let Some(&b) = table_ref(req, slot).get((boundary / bs) as usize) else { return };
+            let key = group_key(&req.unit_hashes[(boundary / unit) as usize - 1], g);
+            self.pool.cache_partial_block(b, key, boundary, false);
+            return;
+        }
+        let prompt_tail = mamba_checkpoint(req.num_prompt_tokens, unit, false, 0);
+        if num_tokens == 0
+            || num_tokens % unit != 0
+            || num_tokens != prompt_tail
+            || num_tokens / unit > num_units
+        {
+            return;
+        }
+        let idx = (num_tokens.div_ceil(bs) - 1) as usize;
+        let Some(&source) = table_ref(req, slot).get(idx) else { return };
+        if source == NULL_BLOCK {
+            return;
+        }
+        // Keyed there already (by a hit or an earlier step); vLLM 0.32 (`defer_new_states_only` off) keys it
+        // again.
+        let hashed = match (self.pool.block_hash(source), self.pool.partial_tokens(source)) {
+            (None, _) => None,
+            (Some(_), Some(t)) => Some(t),
+            (Some(_), None) => Some((idx as u32 + 1) * bs),
+        };
+        let defer_new_only = self.hybrid.as_deref().is_none_or(|hy| hy.defer_new_states_only);
+        if defer_new_only && hashed == Some(num_tokens) {
+            return;
+        }
+        let key = group_key(&req.unit_hashes[(num_tokens / unit) as usize - 1], g);
+        self.pool.cache_partial_block(source, key, num_tokens, false);
+        if let Some(hy) = self.hybrid.as_deref_mut() {
+            hy.mamba_cached_step.insert(key);
+        }
+        if num_tokens % bs != 0 {
+            req.partial_hits.push((g, idx, source));
+            *table(req, slot).1 = idx as u32;
         }
     }
 
@@ -1084,6 +1321,10 @@ impl KvCacheManager {
     ) {
         let bs = self.block_size;
         let Some(&b) = table_ref(req, slot).get(idx) else { return };
+        if self.partial_unit != 0 {
+            self.cache_unit_checkpoint(req, g, b, position, prompt_checkpoint);
+            return;
+        }
         let i = (position / bs) as usize;
         if b == NULL_BLOCK || i == 0 {
             return;
@@ -1116,6 +1357,44 @@ impl KvCacheManager {
         }
         if self.pool.events_mut().is_some() {
             self.record_block_stored(req, i, g);
+        }
+    }
+
+    /// `cache_mamba_checkpoint` with prefix hits inside a block: the checkpoint at `position`, a unit boundary, in
+    /// block `b`: keyed there (replacing its keys) unless already, or, when it is neither the prompt's checkpoint,
+    /// nor a block-boundary state the retention keeps, nor the shared-prefix junction, out of the cache.
+    #[cold]
+    fn cache_unit_checkpoint(
+        &mut self,
+        req: &Request,
+        g: usize,
+        b: u32,
+        position: u32,
+        prompt_checkpoint: u32,
+    ) {
+        let (unit, bs) = (self.partial_unit, self.block_size);
+        if b == NULL_BLOCK || position == 0 {
+            return;
+        }
+        let retention = self.hybrid.as_deref().and_then(|hy| hy.retention);
+        let retained = position % bs == 0
+            && retention.is_none_or(|r| mamba_retained((position / bs - 1) as usize, bs, r, &[]));
+        let current = self.pool.block_hash(b).copied();
+        if position != prompt_checkpoint && !retained && position != req.shared_prefix_boundary {
+            if let Some(h) = current {
+                self.pool.uncache(b, &h);
+            }
+            return;
+        }
+        let Some(hash) = req.unit_hashes.get((position / unit) as usize - 1) else { return };
+        let key = group_key(hash, g);
+        if current == Some(key) {
+            return;
+        }
+        self.pool.cache_partial_block(b, key, position, true);
+        self.newly_cached.push((b, key));
+        if let Some(hy) = self.hybrid.as_deref_mut() {
+            hy.mamba_cached_step.insert(key);
         }
     }
 
@@ -1216,6 +1495,7 @@ impl KvCacheManager {
             t.mamba_appended = 0;
             t.mamba_checkpoint = None;
         }
+        req.partial_hits.clear();
         tables
     }
 
@@ -1236,6 +1516,7 @@ impl KvCacheManager {
             t.mamba_appended = 0;
             t.mamba_checkpoint = None;
         }
+        req.partial_hits.clear();
     }
 }
 

@@ -82,6 +82,9 @@ impl Scheduler {
         let bs = self.config.kv_block_size();
         let num_tokens = |j: usize, b: u32| {
             let Some(key) = self.kv.pool.block_hash(b).filter(|_| b != NULL_BLOCK) else { return 0 };
+            if let Some(t) = self.kv.pool.partial_tokens(b) {
+                return t;
+            }
             let keyed_at = |i: usize| hashes.get(i).is_some_and(|h| group_key(h, group) == *key);
             let end = if j > 0 && !keyed_at(j) && keyed_at(j - 1) { j } else { j + 1 };
             u32::try_from(end).map_or(u32::MAX, |e| e.saturating_mul(bs))

@@ -37,6 +37,10 @@ pub struct SchedulerOutput {
     /// order, each group's in allocation order (vLLM's `new_block_ids_to_zero`; blocks of a request preempted
     /// later in the step included). Empty otherwise.
     pub zero_block_ids: Vec<i32>,
+    /// With prefix hits inside a block (`SchedulerConfig::partial_hit_unit`): block copies the runner makes
+    /// before the forward pass, as (source, destination) pairs, group by group (vLLM's `kv_cache_block_copies`).
+    /// Empty otherwise.
+    pub kv_cache_block_copies: Vec<(u32, u32)>,
     /// CSR aligned with `handles`: draft tokens scheduled for verification.
     pub spec_token_ids: Vec<i32>,
     pub spec_token_ids_indptr: Vec<i32>,
@@ -90,6 +94,7 @@ impl SchedulerOutput {
             group_new_block_ids_indptr,
             primary_group,
             zero_block_ids,
+            kv_cache_block_copies,
             spec_token_ids,
             spec_token_ids_indptr,
             total_num_scheduled_tokens,
@@ -109,6 +114,7 @@ impl SchedulerOutput {
         *one_token_each = false;
         *primary_group = 0;
         zero_block_ids.clear();
+        kv_cache_block_copies.clear();
         handles.clear();
         preempted.clear();
         preempted_before_step.clear();

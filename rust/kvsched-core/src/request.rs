@@ -183,6 +183,10 @@ pub struct Request {
     /// With prefix hits inside a block (`SchedulerConfig::partial_hit_unit`): the hash of every full prefix-match
     /// unit, the units of a block not full yet too (a block's hash is its last unit's). Empty otherwise.
     pub unit_hashes: Vec<BlockHash>,
+    /// With prefix hits inside a block: per group, the block a hit (or, in an align-mode Mamba group, the
+    /// request's own cached prompt tail) ends inside, as `(group, table index, block)`, until the next allocation
+    /// copies it (vLLM's `_partial_hit_reqs`). Empty otherwise.
+    pub partial_hits: Vec<(usize, usize, u32)>,
     /// With several KV cache groups (`kv_cache_groups`): the tables of every group but the primary one (the
     /// first group that is not Mamba, whose table is `blocks`), in group order; each as long as `blocks` but a
     /// cross-attention or Mamba one. Empty with one group.

@@ -269,6 +269,7 @@ impl Scheduler {
                 drop_eagle: config.drop_trailing_hit_block,
                 hash_lookahead: config.hash_lookahead_tokens,
                 checkpoint_align: config.mamba_prefill_checkpoint_alignment.unwrap_or(0),
+                unit: config.partial_hit_unit().unwrap_or(0),
             }
         });
         Ok(Scheduler {
@@ -508,6 +509,7 @@ impl Scheduler {
             extra_keys: ExtraKeys { cache_salt, lora_name: params.lora_name },
             block_hashes: Vec::new(),
             unit_hashes: Vec::new(),
+            partial_hits: Vec::new(),
             blocks: Vec::new(),
             num_cached_blocks: 0,
             groups: vec![GroupTable::default(); self.config.kv_cache_groups.len().saturating_sub(1)],
@@ -1290,6 +1292,15 @@ impl Scheduler {
                             && self.kv.pool.block_hash(b).is_none()
                         {
                             continue; // a state or window block sparse retention did not cache
+                        }
+                        // With prefix hits inside a block, a Mamba prefill checkpoint keyed at its unit boundary (or
+                        // taken out of the cache as a transient state).
+                        if align_mamba
+                            && self.kv.partial_unit != 0
+                            && (self.kv.pool.block_hash(b).is_none()
+                                || self.kv.pool.partial_tokens(b).is_some())
+                        {
+                            continue;
                         }
                         // A block is keyed by the hash of its last hash block.
                         let key = r.block_hashes.get((i + 1) * k - 1).map(|h| crate::hybrid::group_key(h, g));

@@ -472,6 +472,10 @@ impl Scheduler {
         if interval > 1 && (prefill_scheduled || prefill_admitted) {
             self.last_prefill_step = self.num_executed_steps as i64;
         }
+        if self.kv.partial_unit != 0 {
+            // The copies queued by hits ending inside a block, their blocks' extra references released.
+            self.kv.take_block_copies(&mut b.out.kv_cache_block_copies);
+        }
         self.finish_step(&mut b, rec, preempted, &enc)?;
         if self.kv.hybrid.is_some() {
             self.group_new_block_ids(&mut b.out)?;
@@ -1048,6 +1052,7 @@ impl Scheduler {
             // head of the queue is probed in almost every step and does not fit. Only for the plain case:
             // no connector, encoder inputs, swapped blocks or drafts, where nothing else decides the outcome.
             if pass.quick_reject
+                && self.kv.partial_unit == 0
                 && req.encoder_inputs.is_empty()
                 // Encoder-decoder: slots short skip the request before its allocation could end the pass.
                 && (req.cross_attention_tokens == 0 || !self.config.encoder_decoder)
@@ -1081,6 +1086,10 @@ impl Scheduler {
                 match per_group {
                     // The per-group lookup leaves the shared-prefix junction at 0.
                     Some(d) => diverged = d,
+                    // Hits can end inside a block.
+                    None if self.kv.partial_unit != 0 => {
+                        self.kv.find_partial_admission_hit(req, lookup_tokens, hits);
+                    }
                     None => {
                         self.kv.find_longest_cache_hit(&req.block_hashes, lookup_tokens, hits);
                         req.shared_prefix_boundary = self.kv.shared_prefix_boundary(hits.len());
@@ -1150,7 +1159,7 @@ impl Scheduler {
             }
             return Ok(Candidate::Skip);
         }
-        let num_hit_tokens = hits.len() as u32 * bs;
+        let num_hit_tokens = self.kv.hit_tokens(hits);
         // A swapped-out request resumes from its swapped tokens when they reach past the hits.
         let restored = restored_tokens(req, num_hit_tokens);
         // Tokens already in KV (or arriving) before this step: a loaded request's count, else the local hit
@@ -1789,7 +1798,7 @@ fn inflight_reserved_blocks(
                 };
                 total += if w == MAMBA && hy.mamba_align {
                     let entries = tokens.div_ceil(bs) as usize + spec;
-                    crate::hybrid_kv::align_need(entries, held, hy.mamba_blocks, allocated, false)
+                    crate::hybrid_kv::align_need(entries, held, hy.mamba_blocks, allocated, false, false)
                 } else if w == MAMBA {
                     ((tokens + step).div_ceil(mml) as usize + spec).saturating_sub(held) as i64
                 } else {

@@ -236,6 +236,16 @@ impl PySchedulerOutput {
         self.out.zero_block_ids.clone().into_pyarray(py)
     }
 
+    /// `(m, 2)` int32: with prefix hits inside a block, the block copies (source, destination) to make before the
+    /// forward pass, group by group (vLLM's `kv_cache_block_copies`); empty otherwise.
+    #[getter]
+    fn kv_cache_block_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let flat: Vec<i32> =
+            self.out.kv_cache_block_copies.iter().flat_map(|&(s, d)| [s as i32, d as i32]).collect();
+        let rows = flat.len() / 2;
+        flat.into_pyarray(py).reshape([rows, 2])
+    }
+
     #[getter]
     fn new_block_ids_indptr<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
         self.arrays.new_block_ids_indptr.get(py, &mut self.out.new_block_ids_indptr)

@@ -1418,7 +1418,13 @@ fn align_soak(config: &SchedulerConfig, ops: Vec<Op>) -> Result<u32, TestCaseErr
             let Ok(req) = s.slab.get(h.slot) else { continue };
             let (start, n) = (out.num_computed_tokens[i] as u32, out.num_scheduled_tokens[i] as u32);
             let prefill_end = req.num_prompt_tokens.max(req.num_tokens() - 1);
-            if start < prefill_end && start + n < prefill_end && (start + n) % config.block_size != 0 {
+            // With prefix hits inside a block a chunk also stops at the prompt's last unit boundary.
+            let unit_tail = config.partial_hit_unit().map(|u| (req.num_prompt_tokens - 1) / u * u);
+            if start < prefill_end
+                && start + n < prefill_end
+                && (start + n) % config.block_size != 0
+                && unit_tail != Some(start + n)
+            {
                 // Only a block wider than the longest prefill chunk leaves a chunk end inside a block.
                 let longest = if config.long_prefill_token_threshold > 0 {
                     config.long_prefill_token_threshold.min(config.max_num_batched_tokens)
@@ -1516,6 +1522,27 @@ proptest! {
         ops in prop::collection::vec(op(), 1..100),
     ) {
         align_soak(&SchedulerConfig { enable_prefix_caching: true, ..config }, ops)?;
+    }
+
+    /// With prefix hits inside a block (a prefix-match unit of half the block, layouts of full attention and Mamba
+    /// groups only): hits inside a block, the copies of the blocks they end inside, prompt tails keyed inside a
+    /// block, dense and sparse retention.
+    #[test]
+    fn mamba_prefix_hits_inside_a_block_random_operations_keep_every_invariant(
+        config in align_config_strategy(),
+        retention in prop_oneof![Just(None), Just(Some(0u32))],
+        ops in prop::collection::vec(op(), 1..100),
+    ) {
+        let groups: Vec<_> = config.kv_cache_groups.iter().copied().filter(|w| *w != Some(6)).collect();
+        let config = SchedulerConfig {
+            enable_prefix_caching: true,
+            hash_block_size: Some(config.block_size / 2),
+            kv_cache_groups: groups,
+            prefix_cache_retention_interval: retention,
+            ..config
+        };
+        prop_assert!(config.partial_hit_unit().is_some());
+        align_soak(&config, ops)?;
     }
 
     /// With sparse retention of the cached states and window blocks too (0, or an interval of one to three
@@ -1767,4 +1794,42 @@ fn async_decode_runs_match_the_general_path() {
             assert_eq!(g, r, "{num_blocks} blocks, budget {budget}, ahead {ahead}");
         }
     }
+}
+
+#[test]
+fn a_hit_inside_a_block_copies_the_block_it_ends_inside() {
+    // Blocks of 8, a prefix-match unit of 2, full attention then a Mamba group. "a" (21 tokens) runs 16, then 4 (a
+    // chunk ends at the prompt's last unit boundary, 20, inside its third block), then 1: its state at 20, keyed
+    // there, moves to a copy before that last chunk overwrites it. "b" shares 20 tokens: its hit ends inside the
+    // third block, which each group copies into a block of its own.
+    let config = SchedulerConfig { hash_block_size: Some(2), ..align_caching_cfg() };
+    let mut s = Scheduler::new(SchedulerConfig { block_size: 8, num_blocks: 32, ..config }).unwrap();
+    add(&mut s, "a", &prompt(0, 21), params(3));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![16]);
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![4]);
+    assert!(out.kv_cache_block_copies.is_empty());
+    let attention = s.get_group_block_ids("a", 0).unwrap()[2];
+    let state = s.get_group_block_ids("a", 1).unwrap()[2];
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![1]);
+    // The request keeps writing into its own state block; the cache keeps the copy.
+    assert_eq!(out.kv_cache_block_copies.len(), 1);
+    let (source, copy) = out.kv_cache_block_copies[0];
+    assert_eq!(source, state);
+    assert_eq!(s.get_group_block_ids("a", 1).unwrap()[2], state);
+    run_to_completion(&mut s);
+    let mut b = prompt(0, 20);
+    b.extend(prompt(500, 4));
+    add(&mut s, "b", &b, params(1));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!((out.num_computed_tokens.clone(), out.num_scheduled_tokens.clone()), (vec![20], vec![2]));
+    let (fa, mamba) =
+        (s.get_group_block_ids("b", 0).unwrap().to_vec(), s.get_group_block_ids("b", 1).unwrap().to_vec());
+    assert_eq!(out.kv_cache_block_copies, vec![(attention, fa[2]), (copy, mamba[2])]);
+    assert_eq!(mamba[..2], [0, 0]);
+    // The copies go first in the blocks to zero (attention groups only).
+    assert_eq!(out.zero_block_ids.first(), Some(&(fa[2] as i32)));
+    s.check_invariants().unwrap();
 }
