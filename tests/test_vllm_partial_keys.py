@@ -12,6 +12,8 @@ import pytest
 from kvsched.config import MAMBA
 from kvsched.reference import ReferenceScheduler
 
+pytest.importorskip("vllm", reason="vLLM is optional: pip install 'kvsched[vllm]'")
+
 pytestmark = pytest.mark.vllm
 
 BS, UNIT = 8, 2
