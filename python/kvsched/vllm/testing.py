@@ -1103,12 +1103,7 @@ def save_tiny_qwen3_next(path: str | os.PathLike[str], *, seed: int = 0, linear_
         bos_token_id=1,
         pad_token_id=0,
     )
-    torch.manual_seed(seed)
-    model: Any = transformers.Qwen3NextForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:  # a wider spread than the default, so greedy argmaxes are not near-ties
-                param.normal_(0.0, 0.15)
+    model = _random_model(transformers.Qwen3NextForCausalLM, config, seed)
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     _save_tiny_tokenizer(path)
     return path
@@ -1121,7 +1116,6 @@ def save_tiny_deepseek(path: str | os.PathLike[str], *, seed: int = 0) -> str:
     ``MLAAttentionSpec`` KV cache group for it. The latent is 512 + 64 wide (``kv_lora_rank`` +
     ``qk_rope_head_dim``), DeepSeek's own sizes, because vLLM's CPU MLA decode kernel is built for that width only.
     Returns ``path``."""
-    import torch
     import transformers
 
     path = os.fspath(path)
@@ -1153,15 +1147,24 @@ def save_tiny_deepseek(path: str | os.PathLike[str], *, seed: int = 0) -> str:
         pad_token_id=0,
         **extra,
     )
-    torch.manual_seed(seed)
-    model: Any = transformers.DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:  # a wider spread than the default, so greedy argmaxes are not near-ties
-                param.normal_(0.0, 0.15)
+    model = _random_model(transformers.DeepseekV3ForCausalLM, config, seed)
     model.save_pretrained(path, safe_serialization=True)
     _save_tiny_tokenizer(path)
     return path
+
+
+def _random_model(cls: Any, config: Any, seed: int) -> Any:
+    """A Hugging Face model of class ``cls`` built from ``config`` with seeded random weights, its matrices drawn
+    with a wider spread than the default so that greedy argmaxes are not near-ties."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = cls(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.15)
+    return model
 
 
 def _save_tiny_tokenizer(path: str) -> None:
