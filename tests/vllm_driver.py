@@ -847,6 +847,7 @@ class _UMBPRuntime:
 
 # The module of vLLM's UMBPStoreConnector (its kv_connector_module_path).
 UMBP_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.umbp"
+UMBP_NULL_DESTINATION = "UMBP external hit mapped a runtime object to a null destination block"
 
 
 def _umbp_metadata(meta: Any) -> Any:
@@ -1497,6 +1498,28 @@ class Pair:
                 f"step {self.steps}: vLLM's scheduler raised `{exc}` ({Path(frame.filename).name}:{frame.lineno}), "
                 "its align-mode Mamba count one block short after a KV load; kvsched's step there goes on (the core "
                 "fails an allocation its pool cannot hold)"
+            ) from exc
+        except RuntimeError as exc:
+            # A bug of vLLM's UMBP connector: for a sliding window of one token the window group's prefix hit ends
+            # on a block the window no longer needs, which the allocation of the external tokens leaves null, and
+            # the connector's load plan raises on that null destination. kvsched drives the same connector with
+            # the same blocks, so its step must raise the same.
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            if self.umbp is None or not str(exc).startswith(UMBP_NULL_DESTINATION):
+                raise
+            groups = self.cfg.kv_cache_groups or (self.cfg.sliding_window,)
+            windows = sorted({g for g in groups if isinstance(g, int)})
+            try:
+                self.b.schedule(throttle_prefills=throttle)
+            except RuntimeError as exc_b:
+                compare(f"step {self.steps} UMBP connector raise", str(exc), str(exc_b))
+            else:
+                raise Divergence(
+                    f"step {self.steps}: vLLM's UMBP connector raised `{exc}`, kvsched's step went on"
+                ) from exc
+            raise VllmStopped(
+                f"step {self.steps}: vLLM's UMBP connector raised `{exc}` ({Path(frame.filename).name}:"
+                f"{frame.lineno}), windows of {windows} tokens; kvsched's step raised the same"
             ) from exc
         so_b = self.b.schedule(throttle_prefills=throttle)
         compare(f"step {self.steps} SchedulerOutput", so_a, so_b)
