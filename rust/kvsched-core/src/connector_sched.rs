@@ -38,7 +38,7 @@ impl Scheduler {
             if self.config.kv_cache_groups.iter().flatten().any(|&w| w != MAMBA && w & CHUNKED_LOCAL != 0) {
                 return Err(SchedError::InvalidConfig(
                     "kv_cache_groups with a KV connector must be full-attention, sliding-window and Mamba groups \
-                     (no cross-attention or chunked-local group)"
+                     (no cross-attention, chunked-local or ring group)"
                         .into(),
                 ));
             }

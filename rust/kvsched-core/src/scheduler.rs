@@ -1217,6 +1217,17 @@ impl Scheduler {
                             blocks.len()
                         ));
                     }
+                } else if window == Some(crate::config::RING) {
+                    // A ring's table: one block, from the first allocation on.
+                    let want = usize::from(!r.blocks.is_empty());
+                    if blocks.len() != want || num_cached != 0 {
+                        return Err(format!(
+                            "request {:?}: ring group {g} holds {} blocks ({num_cached} cached), expected {want} \
+                             (none cached)",
+                            r.id,
+                            blocks.len()
+                        ));
+                    }
                 } else if window == Some(crate::config::MAMBA) {
                     // A Mamba table: the state's blocks, from the first allocation on.
                     let want =

@@ -6,7 +6,7 @@
 //! does not fit the core's `u32` gets the core's message for the field's bounds.
 
 use kvsched_core as core;
-use kvsched_core::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, MAX_CHUNK_SIZE};
+use kvsched_core::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, MAX_CHUNK_SIZE, RING};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyMapping};
 
@@ -99,6 +99,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
             .map(|g| match g {
                 Some(CROSS_ATTENTION) => pyo3::types::PyString::new(py, "cross").into_any().unbind(),
                 Some(MAMBA) => pyo3::types::PyString::new(py, "mamba").into_any().unbind(),
+                Some(RING) => pyo3::types::PyString::new(py, "ring").into_any().unbind(),
                 Some(w) if *w & CHUNKED_LOCAL != 0 => {
                     pyo3::types::PyString::new(py, &format!("chunked:{}", w & !CHUNKED_LOCAL))
                         .into_any()
@@ -396,6 +397,7 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             match &*name {
                 "cross" => groups.push(Some(CROSS_ATTENTION)),
                 "mamba" => groups.push(Some(MAMBA)),
+                "ring" => groups.push(Some(RING)),
                 _ => {
                     // "chunked:c": chunked-local attention in chunks of c tokens, c in [1, MAX_CHUNK_SIZE].
                     let chunk = name
