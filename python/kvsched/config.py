@@ -21,6 +21,9 @@ from ._errors import InvalidConfigError, SchedulerTypeError
 CROSS_ATTENTION = "cross"
 #: The ``kv_cache_groups`` entry of a Mamba group (vLLM's ``MambaSpec`` with ``mamba_cache_mode`` "none").
 MAMBA = "mamba"
+#: The ``kv_cache_groups`` entry of a ring-buffer group (vLLM's ``CircularBufferSpec``): one block per request, never
+#: cached.
+RING = "ring"
 #: The most KV cache groups ``kv_cache_groups`` may list.
 MAX_KV_CACHE_GROUPS = 64
 #: The prefix of a chunked-local attention group's ``kv_cache_groups`` entry: ``"chunked:8192"`` (vLLM's
@@ -764,6 +767,15 @@ class SchedulerConfig:
             "(see [Several KV cache groups](#several-kv-cache-groups))"
         ),
     )
+    zero_new_blocks: bool = field(
+        default=False,
+        metadata=_spec(
+            "with `kv_cache_groups`, report every attention block an allocation takes in the step's "
+            "`zero_block_ids` (vLLM's `needs_kv_cache_zeroing`, which its workers zero before use) as a `'mamba'` "
+            "group implies: vLLM also zeroes them when the attention layers store more than one precision; "
+            "needs `kv_cache_groups`"
+        ),
+    )
     prefix_cache_retention_interval: int | None = field(
         default=None,
         metadata=_spec(
@@ -968,6 +980,8 @@ class SchedulerConfig:
                 "mamba_prefill_checkpoint_alignment needs mamba_align (prefill checkpoints are vLLM's "
                 "mamba_cache_mode 'align')"
             )
+        if self.zero_new_blocks and self.kv_cache_groups is None:
+            raise InvalidConfigError("zero_new_blocks needs kv_cache_groups (several KV cache groups)")
         self._check_prefill_lookahead()
         self._check_groups()
         self._check_group_block_sizes()

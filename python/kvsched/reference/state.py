@@ -127,7 +127,7 @@ class _SchedulerState:
         )
         # With a Mamba group: each group's attention blocks allocated since the last schedule() returned.
         groups = c.kv_cache_groups or ()
-        self._zero_ids: list[list[int]] = [[] for _ in groups] if MAMBA in groups else []
+        self._zero_ids: list[list[int]] = [[] for _ in groups] if MAMBA in groups or c.zero_new_blocks else []
         # The groups an asynchronous load being allocated writes: its loaded tokens' blocks there are not zeroed.
         self._skip_zero: set[int] = set()
         self._last_out: SchedulerOutput | None = None

@@ -443,6 +443,12 @@ pub struct SchedulerConfig {
     /// prefix hits and cached states at block boundaries (with KV cache events for them). Needs a Mamba group.
     /// `false`: mode "none".
     pub mamba_align: bool,
+    /// With several KV cache groups, report every attention block an allocation pops in the step's
+    /// `zero_block_ids` (vLLM's `needs_kv_cache_zeroing`: its workers zero them before use), as a Mamba group
+    /// implies: vLLM also zeroes them for caches whose attention layers store more than one precision (a block
+    /// reused by another group would be read in the other precision), a ring group's float32 keys among them.
+    /// Needs `kv_cache_groups`. `false`: only with a Mamba group.
+    pub zero_new_blocks: bool,
     /// Sparse prefix-cache retention (vLLM's `prefix_cache_retention_interval`; `hybrid.rs`) of align-mode Mamba
     /// states and sliding-window blocks: `None` caches every block (dense); `Some(0)` a Mamba group's states
     /// a later request can resume at only (the prompt's last block boundary that leaves a token, and the
@@ -596,6 +602,7 @@ impl Default for SchedulerConfig {
             kv_cache_group_block_sizes: Vec::new(),
             mamba_speculative_blocks: 0,
             mamba_align: false,
+            zero_new_blocks: false,
             prefix_cache_retention_interval: None,
             mamba_prefill_checkpoint_alignment: None,
             mamba_defer_new_states_only: true,
@@ -959,6 +966,11 @@ impl SchedulerConfig {
                 "mamba_prefill_checkpoint_alignment needs mamba_align (prefill checkpoints are vLLM's \
                  mamba_cache_mode 'align')"
                     .into(),
+            ));
+        }
+        if self.zero_new_blocks && self.kv_cache_groups.is_empty() {
+            return Err(SchedError::InvalidConfig(
+                "zero_new_blocks needs kv_cache_groups (several KV cache groups)".into(),
             ));
         }
         self.validate_prefill_lookahead()?;

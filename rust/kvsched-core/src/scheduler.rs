@@ -221,6 +221,9 @@ impl Scheduler {
                         window_cap_blocks(&config, w, bs)
                     });
                 hy.mamba_align = config.mamba_align;
+                if config.zero_new_blocks && hy.zero_ids.is_empty() {
+                    hy.zero_ids = vec![Vec::new(); hy.windows.len()];
+                }
                 hy.defer_new_states_only = config.mamba_defer_new_states_only;
                 hy.mamba_eagle = config.mamba_eagle_group;
                 hy.junction_below = config.drop_junction_below;

@@ -117,6 +117,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("max_num_scheduled_tokens", Some(c.max_num_scheduled_tokens).filter(|&v| v != 0))?;
     d.set_item("mamba_speculative_blocks", c.mamba_speculative_blocks)?;
     d.set_item("mamba_align", c.mamba_align)?;
+    d.set_item("zero_new_blocks", c.zero_new_blocks)?;
     d.set_item("mamba_defer_new_states_only", c.mamba_defer_new_states_only)?;
     d.set_item("mamba_eagle_group", c.mamba_eagle_group)?;
     d.set_item("drop_junction_below", c.drop_junction_below)?;
@@ -340,6 +341,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         draft_slots: u32_field("draft_slots")?,
         mamba_speculative_blocks: u32_field("mamba_speculative_blocks")?,
         mamba_align: bool_field("mamba_align")?,
+        zero_new_blocks: bool_field("zero_new_blocks")?,
         mamba_defer_new_states_only: bool_field("mamba_defer_new_states_only")?,
         mamba_eagle_group: bool_field("mamba_eagle_group")?,
         drop_junction_below: bool_field("drop_junction_below")?,
