@@ -794,13 +794,10 @@ def kvsched_config_from_vllm(
     fields["mamba_align"] = bool(kv_cache_groups and MAMBA in kv_cache_groups and cache.mamba_cache_mode == "align")
     # vLLM's workers zero new attention blocks before use with Mamba layers and with attention layers of several
     # precisions (needs_kv_cache_zeroing; a compressor ring keeps float32 keys beside the attention cache's).
+    # (One group holds one spec, of one precision: vLLM's groups of several specs, UniformTypeKVCacheSpecs, are
+    # refused above.)
     zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
-    if zeroing and kv_cache_groups is None:
-        _refuse(
-            "a KV cache group whose layers store several precisions (vLLM zeroes its new blocks)",
-            "kv_cache_config.needs_kv_cache_zeroing",
-        )
-    fields["zero_new_blocks"] = zeroing and MAMBA not in (kv_cache_groups or ())
+    fields["zero_new_blocks"] = zeroing and kv_cache_groups is not None and MAMBA not in kv_cache_groups
     # vLLM's sparse retention of cached Mamba states and sliding-window blocks (the KV cache config's
     # prefix_cache_retention_interval, the engine's default 0); it changes nothing without prefix caching of
     # align-mode Mamba states or of a sliding window.
