@@ -464,7 +464,9 @@ def check_hash_block(
     if block_size % hash_block_size:
         _refuse("a hash block size that does not divide the block size", setting)
     cache = vllm_config.cache_config
-    if MAMBA in (windows or ()) and cache.enable_prefix_caching and any(w not in (None, MAMBA) for w in windows or ()):
+    # (A compressor ring takes no part in prefix hits: vLLM's fine-grained lookups leave it out.)
+    attention_kinds = {w for w in windows or () if w not in (MAMBA, RING)}
+    if MAMBA in (windows or ()) and cache.enable_prefix_caching and attention_kinds - {None}:
         _refuse(
             "Mamba prefix caching with a hash block smaller than the block beside sliding-window or other "
             "attention groups than full attention",
