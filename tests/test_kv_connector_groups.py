@@ -89,7 +89,7 @@ def test_several_groups_need_kv_connector_groups(impl: str) -> None:
     with pytest.raises(InvalidConfigError, match="unless kv_connector_groups"):
         make(impl, Conn(), kv_cache_groups=(None, 8), kv_connector_groups=False)
     for bad in [(None, "cross"), (None, "chunked:16")]:
-        with pytest.raises(InvalidConfigError, match="no cross-attention or chunked-local"):
+        with pytest.raises(InvalidConfigError, match="no cross-attention, chunked-local or ring"):
             make(impl, Conn(), kv_cache_groups=bad, enable_prefix_caching=False)
     make(impl, Conn(), kv_cache_groups=(None, 8), defer_block_free=True)
     make(impl, Conn(), kv_cache_groups=(None, "mamba"), enable_prefix_caching=False)

@@ -380,7 +380,8 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             "InvalidConfigError",
             format!(
                 "kv_cache_groups must be None or a list of None (full attention), int windows, 'chunked:<chunk \
-                 size>' (chunked-local attention), 'cross' (cross attention) and 'mamba' (Mamba), got {v}"
+                 size>' (chunked-local attention), 'cross' (cross attention), 'mamba' (Mamba) and 'ring' (ring \
+                 buffer), got {v}"
             ),
         )
     };
