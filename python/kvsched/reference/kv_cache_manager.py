@@ -437,6 +437,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         assert groups is not None
         return tuple(_group_window(w) for w in groups)
 
+    def _fill_ring_hits(self, hits: list[list[int]], n: int) -> None:
+        """A ring group's hit (never looked up: vLLM's is empty) as ``n`` null blocks, the primary group's length, so
+        that group 0's hits give the hit's length whatever group comes first; the allocation takes nothing from
+        it."""
+        for g, w in enumerate(self._group_windows()):
+            if w == _RING:
+                hits[g] = [0] * n
+
     def _group_skipped(self, w: int, computed: int) -> int:
         """Tokens a window or chunked-local group ``w`` no longer reads once ``computed`` tokens are computed: those
         before the window of the next token (less the ``extra_retained_tokens`` a window keeps), or before its
@@ -571,6 +579,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if len(sets) == 2 and sets[0][0] == 0:
                 break  # one full-attention set and one window set: the window's lookup was capped at the full hit
         self._group_hits = [h[: hit_len // self._group_bs(g)] for g, h in enumerate(hits)]
+        self._fill_ring_hits(self._group_hits, hit_len // bs)
         self._group_longest = longest // bs
         self._group_per_set = False
         return self._group_hits[0]
@@ -639,6 +648,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if w == 0:
                 for g in ids:
                     del hits[g][-(-hit_len // bs) :]
+        self._fill_ring_hits(hits, len(hits[self._config.primary_group]))
         self._partial_longest = longest
         return hits, hit_len
 
@@ -753,6 +763,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             for g in ids:
                 lens[g] = got
         fa = lens[sets[0][1][0]]
+        for g, w in enumerate(windows):
+            if w == _RING:  # a ring takes no part in the hit
+                lens[g] = fa
+        self._fill_ring_hits(hits, fa // self._bs)
         if any(length > fa for length in lens):
             return None
         self._group_hits = hits
@@ -925,7 +939,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             return None  # the blocks popped and touched exceed the free ones (vLLM's pool raises there)
         for g, (skipped, _) in enumerate(plan):
             loaded_state = windows[g] == _MAMBA and align and ext_tokens > 0  # a local hit's state stays in the cache
-            if (windows[g] in (_CROSS, _MAMBA, _RING) and not all_hits[g]) or loaded_state:
+            ring = windows[g] == _RING  # its hit: null blocks, nothing to take
+            if (windows[g] in (_CROSS, _MAMBA) and not all_hits[g]) or ring or loaded_state:
                 continue
             kept = all_hits[g][skipped:]
             # A chunked-local hit can hold null blocks past the skipped ones (never touched).
