@@ -14,7 +14,7 @@ from kvsched import InvalidConfigError, SchedulerConfig
 from kvsched.config import RING
 from kvsched.reference import ReferenceScheduler
 
-IMPLS = ["reference"]
+IMPLS = [pytest.param("rust", marks=requires_rust), "reference"]
 
 
 def make(impl: str, conn: Any = None, **fields: Any) -> Any:
