@@ -329,3 +329,12 @@ def test_soak_ring_groups_match_reference_step_by_step() -> None:
     for i, cfg in enumerate(RING_CONFIGS):
         t = _soak(cfg, 7301 + i, 500, max_in_flight=1 + i % 3)
         assert not cfg.enable_prefix_caching or t.num_hits > 0, f"no prefix hit under {cfg}"
+
+
+@requires_rust
+def test_soak_ring_groups_with_streaming_input_match_reference_step_by_step() -> None:
+    """With streaming-input sessions (resumable requests whose next part continues the request) both
+    implementations agree at every step, and every request holds one ring block while it holds any block."""
+    for i, cfg in enumerate(RING_CONFIGS[:2]):
+        t = _soak(cfg, 7501 + i, 400, max_in_flight=2, streaming=True)
+        assert t.session_ids, "no streaming-input session"
