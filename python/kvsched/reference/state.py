@@ -86,7 +86,7 @@ class _SchedulerState:
                 if any(w is not None and not isinstance(w, int) and w != MAMBA for w in c.kv_cache_groups):
                     raise InvalidConfigError(
                         "kv_cache_groups with a KV connector must be full-attention, sliding-window and Mamba groups "
-                        "(no cross-attention or chunked-local group)"
+                        "(no cross-attention, chunked-local or ring group)"
                     )
         self._connector = kv_connector
         # Opt-in (kvsched.vllm's bridge): update_state_after_alloc also gets which blocks are in the prefix cache.
@@ -125,7 +125,8 @@ class _SchedulerState:
         self._boundary_offers: list[tuple[str, int, int, int]] | None = (
             [] if offers and MAMBA in (c.kv_cache_groups or ()) else None
         )
-        # With a Mamba group: each group's attention blocks allocated since the last schedule() returned.
+        # With a Mamba group or zero_new_blocks: each group's attention blocks allocated since the last schedule()
+        # returned.
         groups = c.kv_cache_groups or ()
         self._zero_ids: list[list[int]] = [[] for _ in groups] if MAMBA in groups or c.zero_new_blocks else []
         # The groups an asynchronous load being allocated writes: its loaded tokens' blocks there are not zeroed.
