@@ -128,7 +128,10 @@ def _check_kv_cache_config(
             # A compressor's ring of the keys still being compressed (DeepSeek V4.1, GLM-5, Qwen4, Step 5): one
             # block per request, never cached (vLLM's CircularBufferManager).
             if dcp > 1:
-                _refuse("compressor ring groups (CircularBufferSpec) with decode context parallelism", where)
+                _refuse(
+                    "compressor ring groups (CircularBufferSpec) with decode context parallelism",
+                    f"{where}decode_context_parallel_size={dcp}",
+                )
             ring_sizes.add(int(spec.block_size))
             windows.append(RING)
             continue
