@@ -190,22 +190,6 @@ def test_the_ring_block_counts_in_the_full_sequence_check(impl: str) -> None:
     s.check_invariants()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_a_kv_connector_is_refused_beside_a_ring_group(impl: str) -> None:
-    class Conn:
-        def get_num_new_matched_tokens(self, req_id: str, num_computed_tokens: int) -> Any:
-            return (0, False)
-
-        def update_state_after_alloc(self, req_id: str, block_ids: Any, num_external_tokens: int) -> None:
-            pass
-
-        def request_finished(self, req_id: str, block_ids: Any) -> Any:
-            return (False, None)
-
-    with pytest.raises(InvalidConfigError, match="no cross-attention, chunked-local or ring group"):
-        make(impl, Conn(), kv_cache_groups=(None, RING), kv_connector_groups=True)
-
-
 # --- configuration
 
 

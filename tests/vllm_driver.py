@@ -2578,8 +2578,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compressor rings (DeepSeek V4.1, GLM-5, Qwen4, Step 5): one or two CircularBufferSpec groups (one "
         "block per request, never cached) placed among the drawn groups, a ring size dividing the block, "
-        "compressed full-attention groups (tokens_per_state) and mixed precisions drawn per seed; not with a KV "
-        "connector or DCP, which kvsched.vllm refuses with rings",
+        "compressed full-attention groups (tokens_per_state) and mixed precisions drawn per seed; not with DCP, "
+        "which kvsched.vllm refuses with rings",
     )
     p.add_argument(
         "--mtp",

@@ -558,7 +558,7 @@ class SchedulerConfig:
             "group (in group order; one without `kv_cache_groups`), and at a finish a window's blocks that left "
             "the window of the processed tokens (and an align-mode Mamba group's states below the last processed "
             "token's) are freed before the connector sees them; allows a connector, and `defer_block_free`, with "
-            "full-attention, sliding-window and Mamba groups (`kvsched.vllm` sets it for such connectors). See "
+            "full-attention, sliding-window, Mamba and ring groups (`kvsched.vllm` sets it for such connectors). See "
             "[KV connectors with several groups](#kv-connectors-with-several-groups)"
         ),
     )

@@ -579,14 +579,16 @@ def kvsched_config_from_vllm(
     if kv_cache_groups is not None:
         # The core keeps one block table per group; its victim rules know one.
         num = f"{len(windows)} KV cache groups"
-        if kv_transfer is not None and any(w is not None and not isinstance(w, int) and w != MAMBA for w in windows):
+        if kv_transfer is not None and any(
+            w is not None and not isinstance(w, int) and w not in (MAMBA, RING) for w in windows
+        ):
             # The core hands a connector full-attention, sliding-window and Mamba groups only (vLLM's SupportsHMA
             # connectors with chunked-local or cross-attention groups are not compared with vLLM yet).
             kinds = sorted(
                 {str(w).split(":")[0] for w in windows if w is not None and not isinstance(w, int) and w != MAMBA}
             )
             _refuse(
-                "KV connectors with chunked-local, cross-attention or compressor ring KV cache groups",
+                "KV connectors with chunked-local or cross-attention KV cache groups",
                 f"kv_transfer_config, {num} ({', '.join(kinds)})",
             )
         mamba_modes = {
