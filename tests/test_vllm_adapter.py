@@ -1424,9 +1424,9 @@ def test_an_encoder_decoder_model_schedules_with_vllms_encoder_budget_and_slots(
 
 def test_compressor_rings_run_and_what_they_do_not_support_is_refused_by_name() -> None:
     """CircularBufferSpec groups map to the core's ring groups (first or later, with prefix caching on), compressed
-    full attention runs as full attention, and vLLM's zeroing for several precisions is passed on; refused by name:
-    rings with a KV connector, with DCP, beside attention groups of different block sizes, and a ring size that
-    does not divide the attention block."""
+    full attention runs as full attention, vLLM's zeroing for several precisions is passed on, and KV connectors run
+    beside rings in every role; refused by name: rings with DCP, beside attention groups of different block sizes,
+    and a ring size that does not divide the attention block."""
     import torch
     from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec, SlidingWindowSpec
 
@@ -1441,10 +1441,10 @@ def test_compressor_rings_run_and_what_they_do_not_support_is_refused_by_name() 
     bf16 = {**_attention_kw(), "dtype": torch.bfloat16}
     sched = _build_with_groups(make_vllm_config(block_size=16), FullAttentionSpec(**bf16), ring())
     assert sched.kv_config.kv_cache_groups == (None, "ring") and sched.kv_config.zero_new_blocks
-    with pytest.raises(UnsupportedFeatureError, match="compressor ring KV cache groups"):
-        _build_with_groups(
-            make_vllm_config(block_size=16, kv_connector_seed=1), FullAttentionSpec(**_attention_kw()), ring()
-        )
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        vcfg = make_vllm_config(block_size=16, kv_connector_seed=1, kv_role=role)
+        sched = _build_with_groups(vcfg, FullAttentionSpec(**_attention_kw()), ring())
+        assert sched.kv_config.kv_connector_groups and sched.kv_config.kv_cache_groups == (None, "ring")
     dcp = make_vllm_config(block_size=16, decode_context_parallel_size=2)
     with pytest.raises(UnsupportedFeatureError, match=r"compressor ring groups .* with decode context parallelism"):
         _build_with_groups(dcp, FullAttentionSpec(**_attention_kw(8)), ring(), block_size=16)
