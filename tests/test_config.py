@@ -167,6 +167,14 @@ RULES: list[dict[str, Any]] = [
         "prefix_cache_retention_interval": 32,
     },
     {"block_size": 16, "num_blocks": 2**20, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (16, 4096)},
+    {"kv_cache_groups": ("ring", "ring")},
+    {"kv_cache_groups": ("ring", "mamba"), "enable_prefix_caching": False},
+    {"kv_cache_groups": ("ring", "cross", None), "enable_prefix_caching": False},
+    {"kv_cache_groups": (None, "Ring")},
+    {"kv_cache_groups": (None, f"chunked:{2**31 - 3}")},
+    {"block_size": 16, "kv_cache_groups": (None, "ring"), "kv_cache_group_block_sizes": (16, 32)},
+    {"block_size": 16, "kv_cache_groups": ("ring", None), "kv_cache_group_block_sizes": (16, 32)},
+    {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, "mamba", "ring", 8), "mamba_align": True},
 ]
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
@@ -179,6 +187,11 @@ VALID_COMBOS: list[dict[str, Any]] = [
     },
     {"block_size": 12, "hash_block_size": 3, "kv_cache_groups": (None, "chunked:24", 7)},
     {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, "mamba"), "enable_prefix_caching": False},
+    {"kv_cache_groups": ("ring", None, "ring", 8)},
+    {"kv_cache_groups": ("ring", "mamba", None), "enable_prefix_caching": False},
+    {"kv_cache_groups": (None, f"chunked:{2**31 - 4}")},
+    {"block_size": 16, "kv_cache_groups": ("ring", None), "kv_cache_group_block_sizes": (16, 16)},
+    {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, "mamba", "ring"), "mamba_align": True},
     {
         "block_size": 16,
         "hash_block_size": 8,

@@ -974,17 +974,20 @@ def test_a_mamba_group_beside_a_chunked_local_group(impl: str) -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_the_largest_chunk_size_stops_below_the_mamba_encoding(impl: str) -> None:
-    # The core spells a Mamba group CHUNKED_LOCAL | (2**31 - 2): chunk sizes stop at 2**31 - 3.
-    s = make(impl, kv_cache_groups=(None, f"chunked:{2**31 - 3}"))
-    assert s.config.kv_cache_groups == (None, f"chunked:{2**31 - 3}")
-    with pytest.raises(InvalidConfigError, match="chunked"):
-        make(impl, kv_cache_groups=(None, f"chunked:{2**31 - 2}"))
+    # The core spells a Mamba group CHUNKED_LOCAL | (2**31 - 2) and a ring CHUNKED_LOCAL | (2**31 - 3): chunk sizes
+    # stop at 2**31 - 4.
+    s = make(impl, kv_cache_groups=(None, f"chunked:{2**31 - 4}"))
+    assert s.config.kv_cache_groups == (None, f"chunked:{2**31 - 4}")
+    for size in (2**31 - 3, 2**31 - 2):
+        with pytest.raises(InvalidConfigError, match="chunked"):
+            make(impl, kv_cache_groups=(None, f"chunked:{size}"))
 
 
 def test_the_core_refuses_the_chunk_size_of_the_mamba_encoding() -> None:
     from kvsched import _core
 
     good = SchedulerConfig(kv_cache_groups=(None, "chunked:8"))
-    fake = type("Cfg", (), {**good.to_dict(), "kv_cache_groups": (None, f"chunked:{2**31 - 2}")})()
-    with pytest.raises(InvalidConfigError, match="chunked"):
-        _core.Scheduler(fake)
+    for size in (2**31 - 3, 2**31 - 2):  # the ring's and the Mamba group's encodings
+        fake = type("Cfg", (), {**good.to_dict(), "kv_cache_groups": (None, f"chunked:{size}")})()
+        with pytest.raises(InvalidConfigError, match="chunked"):
+            _core.Scheduler(fake)

@@ -96,6 +96,25 @@ def test_several_groups_need_kv_connector_groups(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_a_ring_group_hands_its_block_to_the_connector(impl: str) -> None:
+    """A connector beside a compressor ring: every allocation hook gets the ring's one block, which a load's
+    admission takes with the external blocks, and the finish hands it over with the other tables."""
+    conn = Conn(answers={"a": (8, False)}, send=("a",))
+    s = make(impl, conn, kv_cache_groups=("ring", None), max_num_batched_tokens=8)
+    add(s, "a", 100, 14, max_tokens=1)
+    free0 = s.num_free_blocks
+    run(s, 4)
+    assert s.num_unfinished_requests == 0
+    (_, rid, (ring, full), ext), *_ = [e for e in conn.log if e[0] == "alloc"]
+    assert (rid, ext) == ("a", 8) and len(ring) == 1 and ring[0] != 0 and len(full) == 4
+    (_, rid, (ring_done, full_done)), *_ = [e for e in conn.log if e[0] == "finished"]
+    assert ring_done == ring and full_done == full
+    s.update_kv_transfers(finished_sending=["a"])
+    s.check_invariants()
+    assert s.num_free_blocks == free0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("align", [False, True])
 def test_mamba_groups_hand_their_state_blocks_to_the_connector(impl: str, align: bool) -> None:
     """A connector with a Mamba group (vLLM's ``MambaManager``): every allocation hook gets the Mamba table too;

@@ -1422,6 +1422,48 @@ def test_an_encoder_decoder_model_schedules_with_vllms_encoder_budget_and_slots(
         make_scheduler("kvsched", cfg, kv_cache_groups=(None, "cross"), use_v2_model_runner=True)
 
 
+def test_compressor_rings_run_and_what_they_do_not_support_is_refused_by_name() -> None:
+    """CircularBufferSpec groups map to the core's ring groups (first or later, with prefix caching on), compressed
+    full attention runs as full attention, vLLM's zeroing for several precisions is passed on, and KV connectors run
+    beside rings in every role; refused by name: rings with DCP, beside attention groups of different block sizes,
+    and a ring size that does not divide the attention block."""
+    import torch
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec, SlidingWindowSpec
+
+    def ring(rows: int = 8) -> Any:
+        return CircularBufferSpec(block_size=rows, num_kv_heads=1, head_size=1, head_size_v=0, dtype=torch.float32)
+
+    compressed = FullAttentionSpec(tokens_per_state=4, **_attention_kw())
+    window = SlidingWindowSpec(sliding_window=64, **_attention_kw())
+    sched = _build_with_groups(make_vllm_config(block_size=16), ring(), compressed, window)
+    assert sched.kv_config.kv_cache_groups == ("ring", None, 64)
+    assert sched.kv_config.enable_prefix_caching and not sched.kv_config.zero_new_blocks
+    bf16 = {**_attention_kw(), "dtype": torch.bfloat16}
+    sched = _build_with_groups(make_vllm_config(block_size=16), FullAttentionSpec(**bf16), ring())
+    assert sched.kv_config.kv_cache_groups == (None, "ring") and sched.kv_config.zero_new_blocks
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        vcfg = make_vllm_config(block_size=16, kv_connector_seed=1, kv_role=role)
+        sched = _build_with_groups(vcfg, FullAttentionSpec(**_attention_kw()), ring())
+        assert sched.kv_config.kv_connector_groups and sched.kv_config.kv_cache_groups == (None, "ring")
+    dcp = make_vllm_config(block_size=16, decode_context_parallel_size=2)
+    with pytest.raises(UnsupportedFeatureError, match=r"compressor ring groups .* with decode context parallelism"):
+        _build_with_groups(dcp, FullAttentionSpec(**_attention_kw(8)), ring(), block_size=16)
+    with pytest.raises(UnsupportedFeatureError, match="ring groups whose block size does not divide"):
+        _build_with_groups(
+            make_vllm_config(block_size=16), FullAttentionSpec(**_attention_kw()), ring(32), block_size=32
+        )
+    with pytest.raises(
+        UnsupportedFeatureError, match="different block sizes with chunked-local, cross-attention, Mamba or ring"
+    ):
+        _build_with_groups(
+            make_vllm_config(block_size=16),
+            FullAttentionSpec(**_attention_kw()),
+            SlidingWindowSpec(sliding_window=64, **_attention_kw(32)),
+            ring(),
+            block_size=32,
+        )
+
+
 def test_what_cross_attention_groups_do_not_support_is_refused_by_name() -> None:
     """Prefix caching with a cross-attention group, a cross-attention group 0, encoder-decoder scheduling without
     a cross-attention group, and a request whose encoder input exceeds the encoder budget are refused."""

@@ -185,6 +185,9 @@ PREFIX_HITS = 0
 DIVERGED_HITS = collections.Counter[str]()
 # Runs whose requests hash at a unit finer than the block (--hash-block-size).
 FINER_HASH_SEEDS = 0
+# --ring: the runs with compressor rings, those with a ring first, with compressed attention, where vLLM zeroes new
+# attention blocks for mixed precisions (no Mamba group), and the blocks to zero its steps reported there.
+RING_COUNTS = collections.Counter[str]()
 # Of the prefix-hit admissions, those whose hit ends inside a block; and the block copies vLLM's scheduler sent
 # to the workers (kv_cache_block_copies: the copy-on-write of a shared block a hit ends inside).
 PARTIAL_BLOCK_HITS = 0
@@ -324,6 +327,12 @@ class Config:
     # Multi-head latent attention (DeepSeek, Kimi): the full-attention and sliding-window groups' specs are
     # MLAAttentionSpec and SlidingWindowMLASpec.
     mla: bool = False
+    # The rows of the "ring" groups' rings (CircularBufferSpec's block size), the full-attention groups' tokens per
+    # stored state (compressed attention), and attention groups in bfloat16 beside the rings' float32 (vLLM then
+    # zeroes new attention blocks).
+    ring_block_size: int = 8
+    tokens_per_state: int = 1
+    mixed_precision: bool = False
     # A multimodal model (a tiny LLaVA): requests carry images (shared and distinct identifiers).
     multimodal: bool = False
     disable_chunked_mm_input: bool = False
@@ -1120,6 +1129,9 @@ class Pair:
         checkpoint_alignment = fields.pop("mamba_checkpoint_alignment")
         eagle_groups = fields.pop("eagle_groups")
         mla = fields.pop("mla")
+        ring_block_size = fields.pop("ring_block_size")
+        tokens_per_state = fields.pop("tokens_per_state")
+        mixed_precision = fields.pop("mixed_precision")
         vcfg = make_vllm_config(**fields)
         # The engine core's request block hasher covers the look-ahead tokens vLLM 0.33 keys blocks by.
         self.hash_lookahead = int(getattr(vcfg, "num_hash_lookahead_tokens", 0) or 0)
@@ -1151,6 +1163,9 @@ class Pair:
             "group_block_sizes": group_block_sizes,
             "eagle_groups": eagle_groups,
             "mla": mla,
+            "ring_block_size": ring_block_size,
+            "tokens_per_state": tokens_per_state,
+            "mixed_precision": mixed_precision,
         }
         with self.store.in_place() if self.store is not None else contextlib.nullcontext():
             self.a = make_scheduler("vllm", vcfg, **kw)
@@ -1165,6 +1180,13 @@ class Pair:
             assert self.a.kv_cache_manager.coordinator.hash_block_size == hash_block_size
             global FINER_HASH_SEEDS
             FINER_HASH_SEEDS += 1
+        self.ring_zeroing = False
+        if "ring" in (groups or ()):
+            RING_COUNTS["runs"] += 1
+            RING_COUNTS["with a ring first"] += groups[0] == "ring"
+            RING_COUNTS["with compressed attention"] += tokens_per_state > 1
+            self.ring_zeroing = "mamba" not in groups and self.a.kv_cache_config.needs_kv_cache_zeroing
+            RING_COUNTS["zeroing for mixed precisions"] += self.ring_zeroing
         if group_block_sizes is not None and len(set(group_block_sizes)) > 1:
             # vLLM's scheduler runs at the least common multiple, both hash at the greatest common divisor.
             assert self.a.block_size == self.b.block_size == math.lcm(*group_block_sizes)
@@ -1523,6 +1545,8 @@ class Pair:
             ) from exc
         so_b = self.b.schedule(throttle_prefills=throttle)
         compare(f"step {self.steps} SchedulerOutput", so_a, so_b)
+        if self.ring_zeroing:
+            RING_COUNTS["blocks zeroed there"] += len(so_a.new_block_ids_to_zero or ())
         if self.mooncake is not None:
             compare(
                 f"step {self.steps} MooncakeStoreConnector metadata",
@@ -1982,6 +2006,7 @@ def run_seed(
     dcp: int = 1,
     pcp: int = 1,
     mla: bool = False,
+    ring: bool = False,
     encoder_decoder: bool = False,
     cpu_offload: bool = False,
     lazy_offload: bool = False,
@@ -2097,6 +2122,21 @@ def run_seed(
             raise ValueError(f"hash block size {hash_block_size} is not a divisor below block size {cfg.block_size}")
         # Prefix caching on: without it (and without a KV connector) vLLM's engine hashes at the scheduler block.
         cfg.enable_prefix_caching = True
+    if ring:
+        # Compressor rings (DeepSeek V4.1, GLM-5, Qwen4, Step 5: CircularBufferSpec groups, one block per request):
+        # one or two at drawn places among the drawn groups, a ring of rows that divide the block, compressed
+        # full-attention groups and mixed precisions in some runs (own stream).
+        grng = random.Random(f"ring/{seed}")
+        groups = list(cfg.kv_cache_groups or (cfg.sliding_window,))
+        cfg.sliding_window = None
+        for _ in range(grng.choice([1, 1, 2])):
+            groups.insert(grng.randrange(len(groups) + 1), "ring")
+        cfg.kv_cache_groups = tuple(groups)
+        cfg.ring_block_size = grng.choice([r for r in (1, 2, 4, 8, 16) if cfg.block_size % r == 0])
+        unit = cfg.hash_block_size or cfg.block_size
+        cfg.tokens_per_state = grng.choice([t for t in (1, 1, 2, 4) if unit % t == 0])
+        cfg.mixed_precision = grng.random() < 0.5
+        cfg.num_blocks += cfg.max_num_seqs * groups.count("ring")
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
         # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
@@ -2204,7 +2244,7 @@ def run_seed(
             # hold draft layers); the Mamba groups hold none.
             first: dict[int | str | None, int] = {}
             for g, w in enumerate(cfg.kv_cache_groups):
-                if w != "mamba":
+                if w not in ("mamba", "ring"):
                     first.setdefault(w, g)
             cfg.eagle_groups = tuple(sorted(first.values()))
         windows_only = cfg.sliding_window or None not in (cfg.kv_cache_groups or [None])
@@ -2534,6 +2574,14 @@ def main(argv: list[str] | None = None) -> int:
         "are MLAAttentionSpec and SlidingWindowMLASpec groups",
     )
     p.add_argument(
+        "--ring",
+        action="store_true",
+        help="compressor rings (DeepSeek V4.1, GLM-5, Qwen4, Step 5): one or two CircularBufferSpec groups (one "
+        "block per request, never cached) placed among the drawn groups, a ring size dividing the block, "
+        "compressed full-attention groups (tokens_per_state) and mixed precisions drawn per seed; not with DCP, "
+        "which kvsched.vllm refuses with rings",
+    )
+    p.add_argument(
         "--mtp",
         action="store_true",
         help="as --eagle, with a multi-module MTP drafter of 2-4 modules (one per draft, drawn per seed): vLLM's "
@@ -2744,6 +2792,7 @@ def main(argv: list[str] | None = None) -> int:
                         dcp=args.dcp,
                         pcp=args.pcp,
                         mla=args.mla,
+                        ring=args.ring,
                         encoder_decoder=args.enc_dec,
                         cpu_offload=args.cpu_offload,
                         lazy_offload=args.lazy_offload,
@@ -2771,6 +2820,7 @@ def main(argv: list[str] | None = None) -> int:
                 or args.retention is not None
                 or args.hash_block_size is not None
                 or group_block_factors
+                or args.ring
             ):
                 note += f"; {PREFIX_HITS} admissions with a prefix hit"
             PREFIX_HITS = 0
@@ -2783,6 +2833,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{BLOCK_COPIES} block copies"
                 )
             FINER_HASH_SEEDS = PARTIAL_BLOCK_HITS = BLOCK_COPIES = 0
+            if args.ring:
+                note += "; compressor rings: " + ", ".join(f"{k} {n}" for k, n in RING_COUNTS.items())
+                RING_COUNTS.clear()
             global MIXED_BLOCK_SEEDS
             if group_block_factors:
                 note += f"; {MIXED_BLOCK_SEEDS} runs with KV cache groups of different block sizes"

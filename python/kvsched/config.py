@@ -21,6 +21,9 @@ from ._errors import InvalidConfigError, SchedulerTypeError
 CROSS_ATTENTION = "cross"
 #: The ``kv_cache_groups`` entry of a Mamba group (vLLM's ``MambaSpec`` with ``mamba_cache_mode`` "none").
 MAMBA = "mamba"
+#: The ``kv_cache_groups`` entry of a ring-buffer group (vLLM's ``CircularBufferSpec``): one block per request, taken
+#: at its first allocation and freed with it, never cached and never part of a prefix-hit lookup.
+RING = "ring"
 #: The most KV cache groups ``kv_cache_groups`` may list.
 MAX_KV_CACHE_GROUPS = 64
 #: The prefix of a chunked-local attention group's ``kv_cache_groups`` entry: ``"chunked:8192"`` (vLLM's
@@ -35,14 +38,15 @@ def chunked_local(chunk_size: int) -> str:
 
 def chunk_size_of(entry: object) -> int | None:
     """The chunk size of a well-formed chunked-local ``kv_cache_groups`` entry (``"chunked:<n>"``, ``n`` in
-    ``[1, 2**31 - 3]`` without leading zeros; the core's encoding of ``2**31 - 2`` is a Mamba group's), else None."""
+    ``[1, 2**31 - 4]`` without leading zeros; the core's encodings of ``2**31 - 2`` and ``2**31 - 3`` are a Mamba
+    group's and a ring group's), else None."""
     if not isinstance(entry, str) or not entry.startswith(CHUNKED_LOCAL_PREFIX):
         return None
     digits = entry[len(CHUNKED_LOCAL_PREFIX) :]
     if not digits.isascii() or not digits.isdigit() or digits.startswith("0"):
         return None
     n = int(digits)
-    return n if n <= I32_MAX - 2 else None
+    return n if n <= I32_MAX - 3 else None
 
 
 __all__ = [
@@ -554,7 +558,7 @@ class SchedulerConfig:
             "group (in group order; one without `kv_cache_groups`), and at a finish a window's blocks that left "
             "the window of the processed tokens (and an align-mode Mamba group's states below the last processed "
             "token's) are freed before the connector sees them; allows a connector, and `defer_block_free`, with "
-            "full-attention, sliding-window and Mamba groups (`kvsched.vllm` sets it for such connectors). See "
+            "full-attention, sliding-window, Mamba and ring groups (`kvsched.vllm` sets it for such connectors). See "
             "[KV connectors with several groups](#kv-connectors-with-several-groups)"
         ),
     )
@@ -711,15 +715,15 @@ class SchedulerConfig:
         default=None,
         metadata=_spec(
             "several KV cache groups in one pool, the attention groups with `block_size` (vLLM's hybrid models: full "
-            "attention plus sliding-window, chunked-local or Mamba layers; encoder-decoder models: plus cross "
-            "attention): one entry per group, None for full attention, an int window, `'chunked:<c>'` for "
+            "attention plus sliding-window, chunked-local, Mamba or ring-buffer layers; encoder-decoder models: plus "
+            "cross attention): one entry per group, None for full attention, an int window, `'chunked:<c>'` for "
             "chunked-local attention in chunks of `c` tokens (with a full-attention group), `'cross'` for cross "
-            "attention or `'mamba'` for a Mamba group (both need `enable_prefix_caching=False`, a Mamba group not "
-            "with `mamba_align`; the first group that "
-            "is not Mamba holds the decoder's tokens and is not `'cross'`); each request holds one block table per "
-            "group and a prefix hit must be valid for every group (see [Several KV cache "
+            "attention, `'mamba'` for a Mamba group (both need `enable_prefix_caching=False`, a Mamba group not "
+            "with `mamba_align`) or `'ring'` for a ring-buffer group (one block per request, never cached); the "
+            "first group that is neither Mamba nor ring holds the decoder's tokens and is not `'cross'`; each request "
+            "holds one block table per group and a prefix hit must be valid for every group (see [Several KV cache "
             "groups](#several-kv-cache-groups)); None = one group",
-            valid="None or 2 to 64 entries, each None, an int >= 1, 'chunked:<c>' (c >= 1), 'cross' or 'mamba'",
+            valid="None or 2 to 64 entries, each None, an int >= 1, 'chunked:<c>' (c >= 1), 'cross', 'mamba' or 'ring'",
         ),
     )
     kv_cache_group_block_sizes: tuple[int, ...] | None = field(
@@ -727,9 +731,9 @@ class SchedulerConfig:
         metadata=_spec(
             "each KV cache group's block size in tokens, in group order (vLLM's hybrid models whose groups have "
             "different page sizes): a block of group `g` holds this many tokens, one pool of equal pages serving "
-            "every group; each a multiple of `block_size`, the primary group's (the first that is not Mamba) equal "
-            "to it; `block_size` is then the prefix-cache hash unit (vLLM's `hash_block_size`) and hits are aligned "
-            "to the sizes' least common multiple (vLLM's scheduler block size). Sizes that differ need "
+            "every group; each a multiple of `block_size`, the primary group's (the first that is neither Mamba nor "
+            "ring) equal to it; `block_size` is then the prefix-cache hash unit (vLLM's `hash_block_size`) and hits "
+            "are aligned to the sizes' least common multiple (vLLM's scheduler block size). Sizes that differ need "
             "full-attention and sliding-window groups only and none of `drop_trailing_hit_block`, "
             "`hash_lookahead_tokens`, `kv_connector_groups` (see [Several KV cache groups](#several-kv-cache-groups)); "
             "None = `block_size` for every group",
@@ -762,6 +766,15 @@ class SchedulerConfig:
             "boundaries; with `enable_prefix_caching`, Mamba prefix hits and cached states at block boundaries "
             "(with `enable_kv_cache_events`, stored and removed events for them); needs a `'mamba'` group "
             "(see [Several KV cache groups](#several-kv-cache-groups))"
+        ),
+    )
+    zero_new_blocks: bool = field(
+        default=False,
+        metadata=_spec(
+            "with `kv_cache_groups`, report every attention block an allocation takes in the step's "
+            "`zero_block_ids` (vLLM's `needs_kv_cache_zeroing`, which its workers zero before use) as a `'mamba'` "
+            "group implies: vLLM also zeroes them when the attention layers store more than one precision; "
+            "needs `kv_cache_groups`"
         ),
     )
     prefix_cache_retention_interval: int | None = field(
@@ -881,14 +894,15 @@ class SchedulerConfig:
         if groups is not None:
             what = (
                 "kv_cache_groups must be None or a list of None (full attention), int windows, 'chunked:<chunk "
-                "size>' (chunked-local attention), 'cross' (cross attention) and 'mamba' (Mamba), got "
+                "size>' (chunked-local attention), 'cross' (cross attention), 'mamba' (Mamba) and 'ring' (ring "
+                "buffer), got "
             )
             if isinstance(groups, (str, bytes, Mapping)) or not hasattr(groups, "__iter__"):
                 raise InvalidConfigError(f"{what}{groups!r}")
             groups = tuple(groups)
             for window in groups:
                 if isinstance(window, str):
-                    if window not in (CROSS_ATTENTION, MAMBA) and chunk_size_of(window) is None:
+                    if window not in (CROSS_ATTENTION, MAMBA, RING) and chunk_size_of(window) is None:
                         raise InvalidConfigError(f"{what}{self.kv_cache_groups!r}")
                 elif window is not None and (isinstance(window, bool) or not isinstance(window, int)):
                     raise InvalidConfigError(f"{what}{self.kv_cache_groups!r}")
@@ -968,6 +982,8 @@ class SchedulerConfig:
                 "mamba_prefill_checkpoint_alignment needs mamba_align (prefill checkpoints are vLLM's "
                 "mamba_cache_mode 'align')"
             )
+        if self.zero_new_blocks and self.kv_cache_groups is None:
+            raise InvalidConfigError("zero_new_blocks needs kv_cache_groups (several KV cache groups)")
         self._check_prefill_lookahead()
         self._check_groups()
         self._check_group_block_sizes()
@@ -1072,17 +1088,17 @@ class SchedulerConfig:
                     f"kv_cache_group_block_sizes must be multiples of block_size ({bs}) with num_blocks * size <= "
                     f"{I32_MAX}, got {s}"
                 )
-        primary = next((g for g, w in enumerate(groups) if w != MAMBA), 0)
+        primary = self.primary_group
         if sizes[primary] != bs:
             raise InvalidConfigError(
                 f"kv_cache_group_block_sizes must give the primary group (group {primary}, the first that is not "
-                f"Mamba) block_size ({bs}), got {sizes[primary]}"
+                f"Mamba or ring) block_size ({bs}), got {sizes[primary]}"
             )
         if all(s == bs for s in sizes):
             return
-        other = any(w in (CROSS_ATTENTION, MAMBA) or chunk_size_of(w) is not None for w in groups)
+        other = any(w in (CROSS_ATTENTION, MAMBA, RING) or chunk_size_of(w) is not None for w in groups)
         for on, name in (
-            (other, "chunked-local, cross-attention or Mamba groups"),
+            (other, "chunked-local, cross-attention, Mamba or ring groups"),
             (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
             (self.hash_block_size not in (None, bs), "a hash_block_size other than block_size"),
@@ -1099,7 +1115,9 @@ class SchedulerConfig:
         h, groups = self.hash_block_size, self.kv_cache_groups or ()
         if h is None or h >= self.block_size or self.block_size % h:
             return None
-        fine = all(w is None or w == MAMBA for w in groups)
+        # a ring group is never looked up, so it leaves hits inside a block alone (vLLM counts only the groups that
+        # take part in prefix caching)
+        fine = all(w is None or w in (MAMBA, RING) for w in groups)
         return h if self.enable_prefix_caching and self.mamba_align and MAMBA in groups and fine else None
 
     def group_block_sizes(self) -> tuple[int, ...]:
@@ -1135,13 +1153,15 @@ class SchedulerConfig:
                 "kv_cache_groups with a chunked-local group needs a full-attention group (the core looks a "
                 "chunked-local hit up within the full-attention hit)"
             )
-        first = next((w for w in groups if w != MAMBA), MAMBA)
+        first = next((w for w in groups if w not in (MAMBA, RING)), MAMBA)
         if first == MAMBA:
-            raise InvalidConfigError("kv_cache_groups needs a group that is not Mamba (it holds the decoder's tokens)")
+            raise InvalidConfigError(
+                "kv_cache_groups needs a group that is not Mamba or ring (it holds the decoder's tokens)"
+            )
         if first == CROSS_ATTENTION:
             raise InvalidConfigError(
-                "kv_cache_groups cannot start with a cross-attention group (the first group that is not Mamba holds "
-                "the decoder's tokens)"
+                "kv_cache_groups cannot start with a cross-attention group (the first group that is not Mamba or ring "
+                "holds the decoder's tokens)"
             )
         if self.enable_prefix_caching and CROSS_ATTENTION in groups:
             raise InvalidConfigError(
@@ -1186,8 +1206,8 @@ class SchedulerConfig:
     @property
     def primary_group(self) -> int:
         """The KV cache group whose block table holds the decoder's tokens (``new_block_ids``): the first that is
-        not Mamba; 0 with one group."""
-        return next((g for g, w in enumerate(self.kv_cache_groups or (None,)) if w != MAMBA), 0)
+        neither Mamba nor ring; 0 with one group."""
+        return next((g for g, w in enumerate(self.kv_cache_groups or (None,)) if w not in (MAMBA, RING)), 0)
 
     @property
     def kv_block_size(self) -> int:

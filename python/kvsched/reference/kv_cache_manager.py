@@ -10,13 +10,14 @@ import math
 from collections.abc import Callable
 
 from .._errors import InvalidRequestError, SchedulerTypeError
-from ..config import CROSS_ATTENTION, MAMBA, chunk_size_of
+from ..config import CROSS_ATTENTION, MAMBA, RING, chunk_size_of
 from .block_pool import _BlockPoolMixin
 from .request import _Request
 
 _I32_MAX = 2**31 - 1
 _CROSS = -1  # a cross-attention group's entry in _group_windows
 _MAMBA = -2  # a Mamba group's entry in _group_windows
+_RING = -3  # a ring-buffer group's entry in _group_windows
 _CHUNKED = 1 << 31  # the flag of a chunked-local group's entry in _group_windows (_CHUNKED | chunk size)
 
 
@@ -28,6 +29,8 @@ def _group_window(entry: int | str | None) -> int:
         return _CROSS
     if entry == MAMBA:
         return _MAMBA
+    if entry == RING:
+        return _RING
     chunk = chunk_size_of(entry)
     return int(entry) if chunk is None else _CHUNKED | chunk
 
@@ -255,7 +258,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _computed_tables(self, r: _Request, computed: int) -> list[list[int]]:
         """Every group's table in group order, each attention group's cut to the blocks of the first ``computed``
-        tokens (vLLM's ``get_block_ids_for_computed_tokens``; Mamba and cross-attention tables whole)."""
+        tokens (vLLM's ``get_block_ids_for_computed_tokens``; Mamba and cross-attention tables whole, a ring's block
+        once a token is computed)."""
         n = math.ceil(computed / self._bs)
         if self._config.kv_cache_groups is None:
             return [r.block_ids[:n]]
@@ -427,11 +431,19 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
     # --- several KV cache groups (``kv_cache_groups``; the core's ``hybrid.rs``)
 
     def _group_windows(self) -> tuple[int, ...]:
-        """Each group's window, 0 for full attention, -1 for cross attention, -2 for Mamba, ``_CHUNKED | c`` for
-        chunked-local attention in chunks of ``c`` tokens."""
+        """Each group's window, 0 for full attention, -1 for cross attention, -2 for Mamba, -3 for a ring buffer,
+        ``_CHUNKED | c`` for chunked-local attention in chunks of ``c`` tokens."""
         groups = self._config.kv_cache_groups
         assert groups is not None
         return tuple(_group_window(w) for w in groups)
+
+    def _fill_ring_hits(self, hits: list[list[int]], n: int) -> None:
+        """A ring group's hit (never looked up: vLLM's is empty) as ``n`` null blocks, the primary group's length, so
+        that group 0's hits give the hit's length whatever group comes first; the allocation takes nothing from
+        it."""
+        for g, w in enumerate(self._group_windows()):
+            if w == _RING:
+                hits[g] = [0] * n
 
     def _group_skipped(self, w: int, computed: int) -> int:
         """Tokens a window or chunked-local group ``w`` no longer reads once ``computed`` tokens are computed: those
@@ -503,8 +515,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _lookup_sets(self) -> list[tuple[int, list[int]]]:
         """The lookup sets: groups with the same window together (full attention as one), full attention first, then
-        the others in order of first appearance; cross attention and Mamba (but align mode's with caching) have
-        none."""
+        the others in order of first appearance; cross attention, rings and Mamba (but align mode's with caching)
+        have none."""
         sets: list[tuple[int, list[int]]] = []
         mamba_lookup = self._config.mamba_align and self._config.enable_prefix_caching
         for g, w in enumerate(self._group_windows()):
@@ -567,6 +579,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if len(sets) == 2 and sets[0][0] == 0:
                 break  # one full-attention set and one window set: the window's lookup was capped at the full hit
         self._group_hits = [h[: hit_len // self._group_bs(g)] for g, h in enumerate(hits)]
+        self._fill_ring_hits(self._group_hits, hit_len // bs)
         self._group_longest = longest // bs
         self._group_per_set = False
         return self._group_hits[0]
@@ -635,6 +648,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if w == 0:
                 for g in ids:
                     del hits[g][-(-hit_len // bs) :]
+        self._fill_ring_hits(hits, len(hits[self._config.primary_group]))
         self._partial_longest = longest
         return hits, hit_len
 
@@ -749,6 +763,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             for g in ids:
                 lens[g] = got
         fa = lens[sets[0][1][0]]
+        for g, w in enumerate(windows):
+            if w == _RING:  # a ring takes no part in the hit
+                lens[g] = fa
+        self._fill_ring_hits(hits, fa // self._bs)
         if any(length > fa for length in lens):
             return None
         self._group_hits = hits
@@ -804,6 +822,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 continue
             if w == _MAMBA:
                 total += max(0, 1 + c.mamba_speculative_blocks - held) if not r.block_ids else 0
+                continue
+            if w == _RING:
+                total += int(held == 0)
                 continue
             if w == 0:
                 total += max(0, required - held - len(ghits)) + sum(1 for b in ghits if self._ref_cnt[b] == 0)
@@ -881,17 +902,20 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     untouched += int(bool(ghits) and self._ref_cnt[ghits[-1]] == 0)
                 plan.append((max(0, len(ghits) - 1), 0))
                 continue
-            if w < 0:  # the encoder output's or the state's blocks, at the first allocation only
+            if w < 0:  # the encoder output's, the state's or the ring's blocks, at the first allocation only
                 held = len(self._group_table(r, g))
                 need = 0
-                if fresh:
+                if w == _RING:
+                    need = int(held == 0)  # one block, never grown
+                elif fresh:
                     need = (
                         self._cross_blocks_to_add(r, held)
                         if w == _CROSS
                         else max(0, 1 + c.mamba_speculative_blocks - held)
                     )
-                if w == _MAMBA and ext_tokens > 0 and need > 0:
-                    ext_plan.append((g, 0, 1))  # a load's state block, with the other groups' external blocks
+                if w in (_MAMBA, _RING) and ext_tokens > 0 and need > 0:
+                    # a load's state or ring block, popped with the other groups' external blocks
+                    ext_plan.append((g, 0, 1))
                 total_need += need
                 plan.append((0, need))
                 continue
@@ -915,7 +939,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             return None  # the blocks popped and touched exceed the free ones (vLLM's pool raises there)
         for g, (skipped, _) in enumerate(plan):
             loaded_state = windows[g] == _MAMBA and align and ext_tokens > 0  # a local hit's state stays in the cache
-            if (windows[g] in (_CROSS, _MAMBA) and not all_hits[g]) or loaded_state:
+            ring = windows[g] == _RING  # its hit: null blocks, nothing to take
+            if (windows[g] in (_CROSS, _MAMBA) and not all_hits[g]) or ring or loaded_state:
                 continue
             kept = all_hits[g][skipped:]
             # A chunked-local hit can hold null blocks past the skipped ones (never touched).
@@ -934,7 +959,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             table.extend([0] * (pad - len(table)))
             ext_blocks = [self._pop_free_block() for _ in range(ext_need)]
             table.extend(ext_blocks)
-            if self._zero_ids and windows[g] != _MAMBA and g not in self._skip_zero:
+            if self._zero_ids and windows[g] not in (_MAMBA, _RING) and g not in self._skip_zero:
                 self._zero_ids[g].extend(ext_blocks)  # unless an asynchronous load writes them
             if g == c.primary_group:
                 new_blocks = ext_blocks
@@ -951,12 +976,13 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 self._group_table(r, g).extend(fresh_blocks[1:])
             else:
                 self._group_table(r, g).extend(fresh_blocks)
-            if self._zero_ids and windows[g] != _MAMBA:  # with a Mamba group: new attention blocks are zeroed
+            # with a Mamba group: new attention blocks are zeroed (not a ring's)
+            if self._zero_ids and windows[g] not in (_MAMBA, _RING):
                 self._zero_ids[g].extend(fresh_blocks)
             if g == c.primary_group:
                 new_blocks = new_blocks + fresh_blocks
         for g, w in enumerate(windows):
-            if w not in (_CROSS, _MAMBA) and self._group_bs(g) != bs:
+            if w not in (_CROSS, _MAMBA, _RING) and self._group_bs(g) != bs:
                 # another block size than the primary group's: its new block ids are the blocks it appended
                 r.mamba_appended[g] = len(self._group_table(r, g)) - before[g]
         if cache:

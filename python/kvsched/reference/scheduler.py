@@ -25,7 +25,7 @@ from .._errors import (
     SchedulerTypeError,
 )
 from .._types import RequestStatus, SchedulerStats, TenantStats
-from ..config import CROSS_ATTENTION, MAMBA, SchedulerConfig, check_tenant_weight, tenant_cache_salt
+from ..config import CROSS_ATTENTION, MAMBA, RING, SchedulerConfig, check_tenant_weight, tenant_cache_salt
 from .convert import (
     _I64_MAX,
     _I64_MIN,
@@ -617,12 +617,14 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                     for b in live:
                         holders[b] += 1
                     continue
-                if windows[g] in (CROSS_ATTENTION, MAMBA):  # the encoder output's or the state's blocks
+                if windows[g] in (CROSS_ATTENTION, MAMBA, RING):  # the encoder output's, the state's or the ring's
                     want = (
                         0
                         if not r.block_ids
                         else math.ceil(r.cross_attention_tokens / bs)
                         if windows[g] == CROSS_ATTENTION
+                        else 1
+                        if windows[g] == RING
                         else 1 + c.mamba_speculative_blocks
                     )
                     require(len(table) == want and self._group_cached(r, g) == 0, f"{r.req_id}: group {g}'s blocks")

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._errors import InvalidConfigError, InvalidOutputError, SchedulerTypeError, UnknownRequestError
 from .._types import RequestStatus
-from ..config import MAMBA, SchedulerConfig
+from ..config import MAMBA, RING, SchedulerConfig
 from .encoder import _EncoderCache
 from .events import _KvCacheEvents
 from .fair import _Tenants
@@ -83,10 +83,10 @@ class _SchedulerState:
                         "kv_cache_groups is not supported with a KV connector unless kv_connector_groups is set (its "
                         "hooks then get one block table per group)"
                     )
-                if any(w is not None and not isinstance(w, int) and w != MAMBA for w in c.kv_cache_groups):
+                if any(w is not None and not isinstance(w, int) and w not in (MAMBA, RING) for w in c.kv_cache_groups):
                     raise InvalidConfigError(
-                        "kv_cache_groups with a KV connector must be full-attention, sliding-window and Mamba groups "
-                        "(no cross-attention or chunked-local group)"
+                        "kv_cache_groups with a KV connector must be full-attention, sliding-window, Mamba and ring "
+                        "groups (no cross-attention or chunked-local group)"
                     )
         self._connector = kv_connector
         # Opt-in (kvsched.vllm's bridge): update_state_after_alloc also gets which blocks are in the prefix cache.
@@ -125,9 +125,10 @@ class _SchedulerState:
         self._boundary_offers: list[tuple[str, int, int, int]] | None = (
             [] if offers and MAMBA in (c.kv_cache_groups or ()) else None
         )
-        # With a Mamba group: each group's attention blocks allocated since the last schedule() returned.
+        # With a Mamba group or zero_new_blocks: each group's attention blocks allocated since the last schedule()
+        # returned.
         groups = c.kv_cache_groups or ()
-        self._zero_ids: list[list[int]] = [[] for _ in groups] if MAMBA in groups else []
+        self._zero_ids: list[list[int]] = [[] for _ in groups] if MAMBA in groups or c.zero_new_blocks else []
         # The groups an asynchronous load being allocated writes: its loaded tokens' blocks there are not zeroed.
         self._skip_zero: set[int] = set()
         self._last_out: SchedulerOutput | None = None

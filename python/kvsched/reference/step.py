@@ -16,7 +16,7 @@ import numpy as np
 
 from .._errors import InternalError, SchedulerTypeError
 from .._types import RequestStatus
-from ..config import CROSS_ATTENTION, MAMBA
+from ..config import CROSS_ATTENTION, MAMBA, RING
 from .admission import _AdmissionMixin
 from .connector_sched import _ConnectorMixin
 from .convert import _indptr
@@ -264,18 +264,18 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         self._stats["encoder_inputs"] += len(work)
         self._stats["encoder_tokens"] += sum(x.encoder_inputs[i][1] for x, i in work)
         # The other groups' new blocks per request (every group but the primary one, in group order): the last
-        # ones of each table, as many as the primary group's; a cross-attention or Mamba table is taken whole by a
-        # new or resumed request and never grows.
+        # ones of each table, as many as the primary group's; a cross-attention, Mamba or ring table is taken whole
+        # by a new or resumed request and never grows.
         groups: list[list[list[int]]] = []
         windows = c.kv_cache_groups or (None,)
         others = [w for g, w in enumerate(windows) if g != c.primary_group]
         for g, w in enumerate(others):
-            whole = w in (CROSS_ATTENTION, MAMBA)
+            whole = w in (CROSS_ATTENTION, MAMBA, RING)
             # An align-mode Mamba table: a running request's entries its allocation appended.
             gid = g if g < c.primary_group else g + 1
             # An attention group of another block size than the primary group's: the blocks its allocation appended.
             appended = (w == MAMBA and c.mamba_align) or (
-                w not in (CROSS_ATTENTION, MAMBA) and c.group_block_sizes()[gid] != self._bs
+                w not in (CROSS_ATTENTION, MAMBA, RING) and c.group_block_sizes()[gid] != self._bs
             )
             groups.append(
                 [
@@ -662,7 +662,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             # Every group: its blocks, a window's (or chunked-local group's) capped at its admission cap; a Mamba
             # group's as its allocation counts them (mode "none": the state block of max_model_len tokens and the
             # speculative blocks; "align": the entries of the tokens without the decode step, at most one more,
-            # summed as they are), and no decode step's blocks (vLLM's Mamba groups hold theirs).
+            # summed as they are), and no decode step's blocks (vLLM's Mamba groups hold theirs); a ring's its one
+            # block when it holds none (its decode step's blocks count: vLLM's ring is an attention spec).
             windows = list(enumerate(self._group_windows()))
             total = sum(-(-step // self._group_bs(g)) for g, w in windows if w != -2)
             spec = c.mamba_speculative_blocks
@@ -676,6 +677,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                             total += self._align_need(-(-tokens // bs) + spec, held, g in r.mamba_allocated, False)
                         elif w == -2:
                             total += max(0, -(-(tokens + step) // max(1, c.max_model_len)) + spec - held)
+                        elif w == -3:
+                            total += int(held == 0)
                         else:
                             need = min(required, self._group_cap(w, self._group_bs(g))) if w > 0 else required
                             total += max(0, need - held)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvsched.config import CROSS_ATTENTION, MAMBA, SchedulerConfig, chunk_size_of, chunked_local
+from kvsched.config import CROSS_ATTENTION, MAMBA, RING, SchedulerConfig, chunk_size_of, chunked_local
 
 from ._compat import RULES
 from ._errors import UnsupportedFeatureError
@@ -101,6 +101,11 @@ def _check_kv_cache_config(
         SlidingWindowSpec,
     )
 
+    try:
+        from vllm.v1.kv_cache_interface import CircularBufferSpec
+    except ImportError:  # a release without compressor rings
+        CircularBufferSpec = None
+
     # Multi-head latent attention (DeepSeek, Kimi) schedules as full attention and sliding windows do: vLLM's KV
     # cache managers for its specs are the full-attention and sliding-window ones.
     full_types: tuple[type, ...] = (FullAttentionSpec, MLAAttentionSpec)
@@ -115,9 +120,21 @@ def _check_kv_cache_config(
     mamba_sizes: set[int] = set()
     mamba_specs: list[Any] = []
     spec_blocks: set[int] = set()
+    ring_sizes: set[int] = set()
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         where = f"KV cache group {g}: " if hybrid else ""
+        if CircularBufferSpec is not None and type(spec) is CircularBufferSpec:
+            # A compressor's ring of the keys still being compressed (DeepSeek V4.1, GLM-5, Qwen4, Step 5): one
+            # block per request, never cached (vLLM's CircularBufferManager).
+            if dcp > 1:
+                _refuse(
+                    "compressor ring groups (CircularBufferSpec) with decode context parallelism",
+                    f"{where}decode_context_parallel_size={dcp}",
+                )
+            ring_sizes.add(int(spec.block_size))
+            windows.append(RING)
+            continue
         # Plain or MLA full attention and sliding windows, chunked-local or cross attention, or Mamba: the other
         # specs subclass or differ from them.
         window: int | str | None = None
@@ -214,7 +231,7 @@ def _check_kv_cache_config(
         other = [w for w in windows if w is not None and not isinstance(w, int)]
         if other:
             _refuse(
-                "KV cache groups of different block sizes with chunked-local, cross-attention or Mamba groups",
+                "KV cache groups of different block sizes with chunked-local, cross-attention, Mamba or ring groups",
                 f"{setting}, {sorted({str(w).split(':')[0] for w in other})}",
             )
         if any(s % sizes[0] for s in sizes):
@@ -228,6 +245,13 @@ def _check_kv_cache_config(
     else:
         mixed = 0
     attention_size = next(iter(attention_sizes))
+    if any(attention_size % r for r in ring_sizes):
+        # vLLM's scheduler block size (the least common multiple of every group's) would exceed the attention
+        # groups' block, and its prefix hits would align to it.
+        _refuse(
+            "compressor ring groups whose block size does not divide the attention groups' block size",
+            f"ring block sizes {sorted(ring_sizes)}, attention block size {attention_size}",
+        )
     if len(mamba_sizes) > 1:
         _refuse("Mamba KV cache groups of different block sizes", f"{sorted(mamba_sizes)}")
     if len(spec_blocks) > 1:
@@ -443,7 +467,9 @@ def check_hash_block(
     if block_size % hash_block_size:
         _refuse("a hash block size that does not divide the block size", setting)
     cache = vllm_config.cache_config
-    if MAMBA in (windows or ()) and cache.enable_prefix_caching and any(w not in (None, MAMBA) for w in windows or ()):
+    # (A compressor ring takes no part in prefix hits: vLLM's fine-grained lookups leave it out.)
+    attention_kinds = {w for w in windows or () if w not in (MAMBA, RING)}
+    if MAMBA in (windows or ()) and cache.enable_prefix_caching and attention_kinds - {None}:
         _refuse(
             "Mamba prefix caching with a hash block smaller than the block beside sliding-window or other "
             "attention groups than full attention",
@@ -553,7 +579,9 @@ def kvsched_config_from_vllm(
     if kv_cache_groups is not None:
         # The core keeps one block table per group; its victim rules know one.
         num = f"{len(windows)} KV cache groups"
-        if kv_transfer is not None and any(w is not None and not isinstance(w, int) and w != MAMBA for w in windows):
+        if kv_transfer is not None and any(
+            w is not None and not isinstance(w, int) and w not in (MAMBA, RING) for w in windows
+        ):
             # The core hands a connector full-attention, sliding-window and Mamba groups only (vLLM's SupportsHMA
             # connectors with chunked-local or cross-attention groups are not compared with vLLM yet).
             kinds = sorted(
@@ -619,8 +647,14 @@ def kvsched_config_from_vllm(
     finer_hashes = hash_block_size is not None and hash_block_size != block_size
     # (Attention groups of different block sizes: _check_kv_cache_config refuses them beside Mamba groups, whose
     # blocks hold max_model_len tokens in mode "none".)
+    # (A compressor ring's block holds its ring's rows, not tokens: _check_kv_cache_config refuses attention groups
+    # of different block sizes beside one.)
     group_sizes = (
-        [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+        [
+            int(g.kv_cache_spec.block_size)
+            for g, w in zip(kv_cache_config.kv_cache_groups, kv_cache_groups, strict=True)
+            if w != RING
+        ]
         if kv_cache_groups and MAMBA not in kv_cache_groups
         else []
     )
@@ -765,6 +799,12 @@ def kvsched_config_from_vllm(
     fields["mamba_speculative_blocks"] = mamba_speculative_blocks if kv_cache_groups and MAMBA in kv_cache_groups else 0
     # vLLM's mamba_cache_mode "align" (block-sized state blocks, block-aligned prefill chunks).
     fields["mamba_align"] = bool(kv_cache_groups and MAMBA in kv_cache_groups and cache.mamba_cache_mode == "align")
+    # vLLM's workers zero new attention blocks before use with Mamba layers and with attention layers of several
+    # precisions (needs_kv_cache_zeroing; a compressor ring keeps float32 keys beside the attention cache's).
+    # (One group holds one spec, of one precision: vLLM's groups of several specs, UniformTypeKVCacheSpecs, are
+    # refused above.)
+    zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+    fields["zero_new_blocks"] = zeroing and kv_cache_groups is not None and MAMBA not in kv_cache_groups
     # vLLM's sparse retention of cached Mamba states and sliding-window blocks (the KV cache config's
     # prefix_cache_retention_interval, the engine's default 0); it changes nothing without prefix caching of
     # align-mode Mamba states or of a sliding window.

@@ -102,6 +102,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "encoder_decoder": "the model (an encoder-decoder model: vLLM's is_encoder_decoder)",
     "mamba_speculative_blocks": "the model's Mamba layers (MambaSpec's num_speculative_blocks)",
     "mamba_align": "--mamba-cache-mode (vLLM's mamba_cache_mode 'align')",
+    "zero_new_blocks": "the model's KV cache precisions (vLLM's needs_kv_cache_zeroing)",
     "prefix_cache_retention_interval": "--prefix-cache-retention-interval",
     "mamba_prefill_checkpoint_alignment": (
         "the model's Mamba layers (MambaSpec's num_prefill_checkpoint_blocks and prefill_checkpoint_alignment)"

@@ -36,7 +36,7 @@ from kvsched._core import int_list, vllm_sha256_block_hashes, vllm_sha256_extend
 from kvsched._errors import InvalidRequestError, QueueFullError, SchedulerTypeError
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
-from kvsched.config import CROSS_ATTENTION, MAMBA, tenant_cache_salt
+from kvsched.config import CROSS_ATTENTION, MAMBA, RING, tenant_cache_salt
 from kvsched.kv_connector import claim_invalid_blocks
 from kvsched.scheduler import Scheduler as _CoreScheduler
 
@@ -209,8 +209,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # Each KV cache group's sliding window (None: full attention, "cross", "mamba"), in vLLM's group order.
         self._group_windows: tuple[int | str | None, ...] = tuple(windows)
         self._num_groups = len(windows)
-        # vLLM's needs_kv_cache_zeroing (a model with Mamba layers): new attention blocks reported to the workers.
-        self._zeroes_new_blocks = MAMBA in windows
+        # vLLM's needs_kv_cache_zeroing (a model with Mamba layers, or attention layers of several precisions): new
+        # attention blocks reported to the workers.
+        self._zeroes_new_blocks = MAMBA in windows or bool(config.zero_new_blocks)
         # vLLM's mamba_cache_mode "align": a Mamba group's table grows with the request's tokens.
         self._mamba_align = bool(config.mamba_align)
         # A Mamba group's prefill checkpoint can be keyed by the block below its entry (the trailing-block drop, or
@@ -1307,7 +1308,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             **({"skip_drafts": not drafts_needed} if RULES.skip_drafts else {}),
         )
         if self._zeroes_new_blocks:
-            # A model with Mamba layers: vLLM zeroes the attention blocks the step allocated before use.
+            # A model with Mamba layers or mixed precisions: vLLM zeroes the attention blocks the step allocated
+            # before use.
             zero = out.zero_block_ids
             if len(zero):
                 so.new_block_ids_to_zero = zero.tolist()
@@ -1713,7 +1715,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             return min(
                 self._window_hashed_tokens(table, tokens // size, w, size)
                 for table, w, size in zip(tables, self._group_windows, sizes, strict=True)
-                if w != CROSS_ATTENTION
+                if w != CROSS_ATTENTION and w != RING
             )
         limit = None if self._mamba_past_cached else num_cached_blocks
         return min(
@@ -1721,7 +1723,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if key_tokens is not None and g in key_tokens
             else self._window_hashed_tokens(table, num_cached_blocks, w)
             for g, (table, w) in enumerate(zip(tables, self._group_windows, strict=True))
-            if w != CROSS_ATTENTION  # vLLM leaves cross-attention groups out (never prefix cached)
+            # vLLM leaves the groups that are never prefix cached out (cross attention, rings).
+            if w != CROSS_ATTENTION and w != RING
         )
 
     def _mamba_key_tokens(self, req_id: str) -> dict[int, list[int]]:

@@ -407,10 +407,14 @@ def _kv_cache_config(
     eagle_groups: Sequence[int] = (),
     extra_retained_tokens: int = 0,
     mla: bool = False,
+    ring_block_size: int = 8,
+    tokens_per_state: int = 1,
+    mixed_precision: bool = False,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
     (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
-    attention in chunks of ``c`` tokens, ``"cross"``: cross attention, ``"mamba"``: a Mamba group as vLLM builds it
+    attention in chunks of ``c`` tokens, ``"cross"``: cross attention, ``"ring"``: a compressor's ring buffer
+    (``CircularBufferSpec``, a ring of ``ring_block_size`` rows), ``"mamba"``: a Mamba group as vLLM builds it
     without prefix caching: ``mamba_cache_mode`` "none", a block of ``max_model_len`` tokens, a speculative state
     block per draft token; with ``mamba_align``, ``mamba_cache_mode`` "align" and blocks of ``block_size``
     tokens); groups of one kind share one spec. ``prefix_cache_retention_interval``: the config's (vLLM's engine
@@ -421,10 +425,14 @@ def _kv_cache_config(
     ``eagle_groups``: the groups marked as holding an EAGLE/MTP drafter's layers (``is_eagle_group``).
     ``extra_retained_tokens``: the windows keep that many tokens below them (vLLM's engine sets
     ``num_prefill_lookahead_tokens - 1`` on every window). ``mla``: the full-attention and sliding-window groups are
-    multi-head latent attention's (``MLAAttentionSpec``, ``SlidingWindowMLASpec``: DeepSeek and Kimi models)."""
+    multi-head latent attention's (``MLAAttentionSpec``, ``SlidingWindowMLASpec``: DeepSeek and Kimi models).
+    ``tokens_per_state``: the full-attention groups store one state per that many tokens (compressed attention:
+    DeepSeek V4.1, Step 5); it must divide the prefix-hit alignment. ``mixed_precision``: the attention groups
+    store bfloat16, the rings float32 (vLLM then zeroes new attention blocks)."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
         CrossAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
@@ -436,8 +444,13 @@ def _kv_cache_config(
     )
 
     full_spec, window_spec = (MLAAttentionSpec, SlidingWindowMLASpec) if mla else (FullAttentionSpec, SlidingWindowSpec)
+    dtype = torch.bfloat16 if mixed_precision else torch.float32
 
     def spec(window: int | str | None, block_size: int = block_size) -> Any:
+        if window == "ring":
+            return CircularBufferSpec(
+                block_size=ring_block_size, num_kv_heads=1, head_size=1, head_size_v=0, dtype=torch.float32
+            )
         if window == "cross":
             return CrossAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         if window == "mamba":
@@ -456,20 +469,21 @@ def _kv_cache_config(
                 **checkpoints,
             )
         if window is None:
-            return full_spec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+            compressed = {"tokens_per_state": tokens_per_state} if tokens_per_state > 1 else {}
+            return full_spec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=dtype, **compressed)
         if isinstance(window, str) and window.startswith("chunked:"):
             return ChunkedLocalAttentionSpec(
                 block_size=block_size,
                 num_kv_heads=1,
                 head_size=1,
-                dtype=torch.float32,
+                dtype=dtype,
                 attention_chunk_size=int(window.removeprefix("chunked:")),
             )
         return window_spec(
             block_size=block_size,
             num_kv_heads=1,
             head_size=1,
-            dtype=torch.float32,
+            dtype=dtype,
             sliding_window=window,
             extra_retained_tokens=extra_retained_tokens,
         )
@@ -515,6 +529,9 @@ def make_scheduler(
     group_block_sizes: Sequence[int] | None = None,
     eagle_groups: Sequence[int] = (),
     mla: bool = False,
+    ring_block_size: int = 8,
+    tokens_per_state: int = 1,
+    mixed_precision: bool = False,
 ) -> Any:
     """``impl``: ``"vllm"`` (vLLM's own class for the config's async setting) or ``"kvsched"``.
     ``sliding_window``: the model's one KV cache group is a ``SlidingWindowSpec`` of that many tokens (default:
@@ -532,7 +549,10 @@ def make_scheduler(
     ``eagle_groups``: the KV cache groups marked as an EAGLE/MTP drafter's (``is_eagle_group``, which vLLM's
     planner sets on the groups holding draft layers; none marked: vLLM treats every group as the drafter's).
     ``mla``: the attention groups are multi-head latent attention's (DeepSeek, Kimi: ``MLAAttentionSpec``, and
-    ``SlidingWindowMLASpec`` for windows).
+    ``SlidingWindowMLASpec`` for windows). ``"ring"`` groups are compressor rings (``CircularBufferSpec``) of
+    ``ring_block_size`` rows, which enter the scheduler block size's least common multiple as vLLM's engine counts
+    them; ``tokens_per_state`` compresses the full-attention groups; ``mixed_precision`` stores the attention groups
+    in bfloat16 beside the rings' float32 (see ``_kv_cache_config``).
 
     ``use_v2_model_runner`` picks the output format of the model runner the scheduler serves (vLLM reads it
     from ``VLLM_USE_V2_MODEL_RUNNER`` when the scheduler is built; it is set for the construction only).
@@ -559,6 +579,8 @@ def make_scheduler(
     mamba_align = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align"
     if "mamba" in (kv_cache_groups or ()) and not mamba_align:
         scheduler_block_size = math.lcm(scheduler_block_size, max_model_len)
+    if "ring" in (kv_cache_groups or ()):
+        scheduler_block_size = math.lcm(scheduler_block_size, ring_block_size)
     if group_block_sizes is not None:
         scheduler_block_size = math.lcm(*group_block_sizes)
         if hash_block_size is None:
@@ -585,6 +607,9 @@ def make_scheduler(
                 # As vLLM's engine tags the windows for a multi-module MTP drafter.
                 extra_retained_tokens=max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1),
                 mla=mla,
+                ring_block_size=ring_block_size,
+                tokens_per_state=tokens_per_state,
+                mixed_precision=mixed_precision,
             ),
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=scheduler_block_size,

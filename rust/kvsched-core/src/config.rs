@@ -443,6 +443,12 @@ pub struct SchedulerConfig {
     /// prefix hits and cached states at block boundaries (with KV cache events for them). Needs a Mamba group.
     /// `false`: mode "none".
     pub mamba_align: bool,
+    /// With several KV cache groups, report every attention block an allocation pops in the step's
+    /// `zero_block_ids` (vLLM's `needs_kv_cache_zeroing`: its workers zero them before use), as a Mamba group
+    /// implies: vLLM also zeroes them for caches whose attention layers store more than one precision (a block
+    /// reused by another group would be read in the other precision), a ring group's float32 keys among them.
+    /// Needs `kv_cache_groups`. `false`: only with a Mamba group.
+    pub zero_new_blocks: bool,
     /// Sparse prefix-cache retention (vLLM's `prefix_cache_retention_interval`; `hybrid.rs`) of align-mode Mamba
     /// states and sliding-window blocks: `None` caches every block (dense); `Some(0)` a Mamba group's states
     /// a later request can resume at only (the prompt's last block boundary that leaves a token, and the
@@ -596,6 +602,7 @@ impl Default for SchedulerConfig {
             kv_cache_group_block_sizes: Vec::new(),
             mamba_speculative_blocks: 0,
             mamba_align: false,
+            zero_new_blocks: false,
             prefix_cache_retention_interval: None,
             mamba_prefill_checkpoint_alignment: None,
             mamba_defer_new_states_only: true,
@@ -631,13 +638,33 @@ pub const CROSS_ATTENTION: u32 = u32::MAX;
 /// state blocks there, taken at its first allocation and freed with it, never cached (`hybrid.rs`). Python spells
 /// it `"mamba"`. It is `CHUNKED_LOCAL | (2^31 - 2)`, which is why chunk sizes stop at `2^31 - 3`.
 pub const MAMBA: u32 = u32::MAX - 1;
+/// A `kv_cache_groups` entry (`Some(RING)`) for a ring-buffer group (vLLM's `CircularBufferSpec`: a compressor's
+/// per-request ring of the keys still being compressed, in DeepSeek V4.1, GLM-5 and Step 5 style models): a request
+/// holds exactly one block there, taken at its first allocation and freed with it, never cached and never part of
+/// a prefix-hit lookup, so it may sit beside prefix caching (`hybrid.rs`). Python spells it `"ring"`. It is
+/// `CHUNKED_LOCAL | (2^31 - 3)`, which is why chunk sizes stop at `2^31 - 4`.
+pub const RING: u32 = u32::MAX - 2;
 /// The flag of a `kv_cache_groups` entry (`Some(CHUNKED_LOCAL | c)`) for a chunked-local attention group (vLLM's
 /// `ChunkedLocalAttentionSpec`, Llama 4): the token at position `p` attends to the tokens of its own chunk of `c`
 /// tokens (`p / c * c ..= p`) only, so the blocks wholly before the chunk of the next token go back to the pool
 /// (`hybrid.rs`). `c` in `[1, MAX_CHUNK_SIZE]`. Python spells it `"chunked:c"`.
 pub const CHUNKED_LOCAL: u32 = 1 << 31;
-/// The largest chunk size of a chunked-local group (`2^31 - 3`: `CHUNKED_LOCAL | (2^31 - 2)` is `MAMBA`).
-pub const MAX_CHUNK_SIZE: u32 = I32_MAX - 2;
+/// The largest chunk size of a chunked-local group (`2^31 - 4`: `CHUNKED_LOCAL | (2^31 - 2)` is `MAMBA`,
+/// `CHUNKED_LOCAL | (2^31 - 3)` is `RING`).
+pub const MAX_CHUNK_SIZE: u32 = I32_MAX - 3;
+
+/// Whether a `kv_cache_groups` entry is a chunked-local group's (not cross attention, Mamba or a ring).
+#[inline]
+pub fn is_chunked_entry(w: u32) -> bool {
+    w & CHUNKED_LOCAL != 0 && w != CROSS_ATTENTION && w != MAMBA && w != RING
+}
+
+/// Whether a `kv_cache_groups` entry holds no token-indexed blocks (a Mamba state or a ring): such a group is
+/// never the primary group, which holds the decoder's tokens.
+#[inline]
+pub fn is_stateful_entry(w: u32) -> bool {
+    w == MAMBA || w == RING
+}
 
 /// An integer field's fixed bounds (inclusive), and how to read it (`None`: unset, not checked).
 struct IntField {
@@ -925,11 +952,7 @@ impl SchedulerConfig {
             }
         }
         if self.drop_trailing_hit_block {
-            let chunked = self
-                .kv_cache_groups
-                .iter()
-                .flatten()
-                .any(|&w| w != CROSS_ATTENTION && w != MAMBA && w & CHUNKED_LOCAL != 0);
+            let chunked = self.kv_cache_groups.iter().flatten().any(|&w| is_chunked_entry(w));
             if chunked {
                 return Err(SchedError::InvalidConfig(
                     "drop_trailing_hit_block cannot be combined with a chunked-local group (vLLM's chunked-local \
@@ -943,6 +966,11 @@ impl SchedulerConfig {
                 "mamba_prefill_checkpoint_alignment needs mamba_align (prefill checkpoints are vLLM's \
                  mamba_cache_mode 'align')"
                     .into(),
+            ));
+        }
+        if self.zero_new_blocks && self.kv_cache_groups.is_empty() {
+            return Err(SchedError::InvalidConfig(
+                "zero_new_blocks needs kv_cache_groups (several KV cache groups)".into(),
             ));
         }
         self.validate_prefill_lookahead()?;
@@ -985,7 +1013,7 @@ impl SchedulerConfig {
     pub fn partial_hit_unit(&self) -> Option<u32> {
         let h = self.hash_block_size.filter(|&h| h < self.block_size && self.block_size % h == 0)?;
         let groups = &self.kv_cache_groups;
-        let fine = groups.iter().all(|w| w.is_none() || *w == Some(MAMBA));
+        let fine = groups.iter().all(|w| w.is_none() || *w == Some(MAMBA) || *w == Some(RING));
         (self.enable_prefix_caching && self.mamba_align && groups.contains(&Some(MAMBA)) && fine).then_some(h)
     }
 
@@ -1080,10 +1108,11 @@ impl SchedulerConfig {
                 ));
             }
         }
-        let primary = self.kv_cache_groups.iter().position(|&g| g != Some(MAMBA)).unwrap_or(0);
+        let primary =
+            self.kv_cache_groups.iter().position(|&g| !g.is_some_and(is_stateful_entry)).unwrap_or(0);
         if sizes[primary] != bs {
             return refuse(format!(
-                "must give the primary group (group {primary}, the first that is not Mamba) block_size ({bs}), \
+                "must give the primary group (group {primary}, the first that is not Mamba or ring) block_size ({bs}), \
                  got {}",
                 sizes[primary]
             ));
@@ -1097,7 +1126,7 @@ impl SchedulerConfig {
             .flatten()
             .any(|&w| w == CROSS_ATTENTION || w == MAMBA || w & CHUNKED_LOCAL != 0);
         for (on, name) in [
-            (other, "chunked-local, cross-attention or Mamba groups"),
+            (other, "chunked-local, cross-attention, Mamba or ring groups"),
             (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
             (self.hash_block_size.is_some_and(|h| h != bs), "a hash_block_size other than block_size"),
@@ -1189,8 +1218,7 @@ impl SchedulerConfig {
         if groups.contains(&Some(CHUNKED_LOCAL)) {
             return refuse(format!("chunk sizes must be in [1, {MAX_CHUNK_SIZE}], got 0"));
         }
-        let chunked =
-            groups.iter().flatten().any(|&w| w != CROSS_ATTENTION && w != MAMBA && w & CHUNKED_LOCAL != 0);
+        let chunked = groups.iter().flatten().any(|&w| is_chunked_entry(w));
         if chunked && !groups.contains(&None) {
             return refuse(
                 "with a chunked-local group needs a full-attention group (the core looks a chunked-local hit up \
@@ -1198,15 +1226,17 @@ impl SchedulerConfig {
                     .into(),
             );
         }
-        match groups.iter().find(|&&g| g != Some(MAMBA)) {
-            None => return refuse("needs a group that is not Mamba (it holds the decoder's tokens)".into()),
-            Some(&Some(CROSS_ATTENTION)) => {
+        match groups.iter().find(|&&g| !g.is_some_and(is_stateful_entry)) {
+            None => {
                 return refuse(
-                    "cannot start with a cross-attention group (the first group that is not Mamba holds the \
-                     decoder's tokens)"
-                        .into(),
+                    "needs a group that is not Mamba or ring (it holds the decoder's tokens)".into(),
                 )
             }
+            Some(&Some(CROSS_ATTENTION)) => return refuse(
+                "cannot start with a cross-attention group (the first group that is not Mamba or ring holds \
+                     the decoder's tokens)"
+                    .into(),
+            ),
             Some(_) => {}
         }
         if self.enable_prefix_caching && groups.contains(&Some(CROSS_ATTENTION)) {

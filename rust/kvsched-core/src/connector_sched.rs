@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use crate::config::{KvLoadFailurePolicy, CHUNKED_LOCAL, MAMBA};
+use crate::config::{KvLoadFailurePolicy, CHUNKED_LOCAL, MAMBA, RING};
 use crate::connector::{Connector, HeldBlocks, KvConnector, KvTransferReport};
 use crate::error::{Result, SchedError};
 use crate::request::RequestStatus;
@@ -35,10 +35,16 @@ impl Scheduler {
                         .into(),
                 ));
             }
-            if self.config.kv_cache_groups.iter().flatten().any(|&w| w != MAMBA && w & CHUNKED_LOCAL != 0) {
+            if self
+                .config
+                .kv_cache_groups
+                .iter()
+                .flatten()
+                .any(|&w| w != MAMBA && w != RING && w & CHUNKED_LOCAL != 0)
+            {
                 return Err(SchedError::InvalidConfig(
-                    "kv_cache_groups with a KV connector must be full-attention, sliding-window and Mamba groups \
-                     (no cross-attention or chunked-local group)"
+                    "kv_cache_groups with a KV connector must be full-attention, sliding-window, Mamba and ring \
+                     groups (no cross-attention or chunked-local group)"
                         .into(),
                 ));
             }

@@ -43,6 +43,12 @@
 //!   them in layer order, so they may come before the primary group. With one, every attention block a
 //!   `schedule()` allocates is reported in its output's `zero_block_ids` (vLLM zeroes them before use), group by
 //!   group, each group's in allocation order.
+//! - **Ring groups** (`RING`, vLLM's `CircularBufferManager` over a `CircularBufferSpec`: a compressor's ring of the
+//!   keys still being compressed): a request's table there holds exactly one block, taken by its first allocation
+//!   and never grown after (popped, like a Mamba group's state, with the other groups' external blocks when the
+//!   allocation loads tokens); freed with the others; never cached, never part of a lookup (its hit is empty, the
+//!   other groups' hit is found without it), never reported in `zero_block_ids`. Unlike cross attention and Mamba
+//!   groups it sits beside prefix caching.
 //! - **Mamba groups in align mode** (`mamba_align`, vLLM's `MambaManager` with `mamba_cache_mode` "align"): the
 //!   state blocks are `bs` tokens long and the table grows with the request, as vLLM's does, but holds real blocks
 //!   only at its running state. An allocation for `t` tokens (computed plus new, no lookahead) wants
@@ -72,13 +78,13 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::config::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA};
+use crate::config::{is_stateful_entry, CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, RING};
 use crate::hashing::BlockHash;
 
 /// The groups of a hybrid KV cache.
 #[derive(Debug)]
 pub struct Hybrid {
-    /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention; `MAMBA`: Mamba;
+    /// Each group's window in tokens; 0: full attention; `CROSS_ATTENTION`: cross attention; `MAMBA`: Mamba; `RING`: a ring;
     /// `CHUNKED_LOCAL | c`: chunked-local attention in chunks of `c` tokens.
     pub windows: Vec<u32>,
     /// Each group's block size in tokens (`SchedulerConfig::kv_cache_group_block_sizes`): the primary group's is
@@ -87,7 +93,7 @@ pub struct Hybrid {
     /// The least common multiple of `block_sizes` (vLLM's scheduler block size): a hit's length in tokens and the
     /// tokens each group caches are multiples of it.
     pub align: u32,
-    /// The primary group: the first that is not Mamba (its table is `Request::blocks`).
+    /// The primary group: the first that is not Mamba or a ring (its table is `Request::blocks`).
     pub primary: usize,
     /// The blocks a request holds in a Mamba group (`1 + mamba_speculative_blocks`).
     pub mamba_blocks: usize,
@@ -201,7 +207,7 @@ impl Hybrid {
             .map(|(&w, &bs)| if is_window(w) { cap(w, bs) } else { usize::MAX })
             .collect();
         let align = block_sizes.iter().fold(1u64, |a, &b| lcm(a, u64::from(b.max(1))));
-        let primary = windows.iter().position(|&w| w != MAMBA).unwrap_or(0);
+        let primary = windows.iter().position(|&w| !is_stateful_entry(w)).unwrap_or(0);
         let lookups = build_lookups(&windows, false);
         let n = windows.len();
         let zero_ids = if windows.contains(&MAMBA) { vec![Vec::new(); n] } else { Vec::new() };
@@ -324,10 +330,10 @@ pub fn group_slot(primary: usize, g: usize) -> Option<usize> {
     }
 }
 
-/// Whether a group's `windows` entry is a sliding window (not full attention, cross attention or Mamba).
+/// Whether a group's `windows` entry is a sliding window (not full attention, cross attention, Mamba or a ring).
 #[inline]
 pub fn is_window(w: u32) -> bool {
-    w != 0 && w != CROSS_ATTENTION && w != MAMBA
+    w != 0 && w != CROSS_ATTENTION && w != MAMBA && w != RING
 }
 
 /// Tokens wholly before a window of `w` tokens of the token after `computed`, less the `extra` tokens kept below
@@ -340,7 +346,7 @@ pub(crate) fn window_skipped(w: u32, computed: u32, extra: u32) -> u32 {
 /// The chunk size of a chunked-local group's entry `w`, or `None` for another group.
 #[inline]
 pub(crate) fn chunk_size(w: u32) -> Option<u32> {
-    (w != CROSS_ATTENTION && w != MAMBA && w & CHUNKED_LOCAL != 0).then_some(w & !CHUNKED_LOCAL)
+    crate::config::is_chunked_entry(w).then_some(w & !CHUNKED_LOCAL)
 }
 
 /// Tokens a window or chunked-local group `w` no longer reads once `computed` tokens are computed (vLLM's

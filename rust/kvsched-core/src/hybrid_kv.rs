@@ -1,7 +1,7 @@
 //! `KvCacheManager` with several KV cache groups (`hybrid.rs` describes the groups and the rules).
 
 use crate::block_pool::NULL_BLOCK;
-use crate::config::{CROSS_ATTENTION, MAMBA};
+use crate::config::{CROSS_ATTENTION, MAMBA, RING};
 use crate::connector::GroupTables;
 use crate::hashing::BlockHash;
 use crate::hybrid::{checkpoint_valid_in_units, mamba_checkpoint, mamba_retained, Hybrid};
@@ -72,6 +72,17 @@ fn align_checkpoint(
     let spec = hy.mamba_blocks - 1;
     let free = idx >= table.len() || table[idx] == NULL_BLOCK || (allocated && idx + spec >= table.len());
     free.then_some((checkpoint, idx))
+}
+
+/// A ring group's hit (never looked up: vLLM's is empty) as `n` null blocks, the primary group's length, so that
+/// group 0's hits give the hit's length whatever group comes first; the allocation takes nothing from it.
+fn fill_ring_hits(hy: &Hybrid, hits: &mut [Vec<u32>], n: usize) {
+    for (g, &w) in hy.windows.iter().enumerate() {
+        if w == RING {
+            hits[g].clear();
+            hits[g].resize(n, NULL_BLOCK);
+        }
+    }
 }
 
 /// A request's table of the group at `slot` (`Hybrid::slot`; `None`: the primary group) and its cached-block
@@ -171,6 +182,7 @@ impl KvCacheManager {
         for (g, h) in hits.iter_mut().enumerate() {
             h.truncate((hit_len / hy.block_sizes[g]) as usize);
         }
+        fill_ring_hits(hy, &mut hits, (hit_len / bs) as usize);
         hy.set_last_longest((longest / bs) as usize);
         hy.set_last_per_group(false);
         out.extend_from_slice(&hits[0]);
@@ -292,6 +304,8 @@ impl KvCacheManager {
                 }
             }
         }
+        let n = hits[hy.primary].len();
+        fill_ring_hits(hy, hits, n);
         (hit_len, longest)
     }
 
@@ -499,6 +513,13 @@ impl KvCacheManager {
             }
         }
         let fa = lens[hy.lookups[0].1[0]];
+        // A ring takes no part in the hit.
+        for (g, &w) in hy.windows.iter().enumerate() {
+            if w == RING {
+                lens[g] = fa;
+            }
+        }
+        fill_ring_hits(hy, &mut hits, (fa / bs) as usize);
         if lens.iter().any(|&l| l > fa) {
             return None;
         }
@@ -550,6 +571,11 @@ impl KvCacheManager {
             let held = table_ref(req, hy.slot(g)).len();
             if w == CROSS_ATTENTION {
                 total += if req.blocks.is_empty() { self.cross_blocks_to_add(req, held) } else { 0 };
+                continue;
+            }
+            if w == RING {
+                // A ring's one block, if the request holds none.
+                total += usize::from(held == 0);
                 continue;
             }
             if w == MAMBA && hy.mamba_align {
@@ -718,14 +744,15 @@ impl KvCacheManager {
                 plan.push((ghits.len().saturating_sub(1), 0));
                 continue;
             }
-            if w == CROSS_ATTENTION || w == MAMBA {
-                // The encoder output's or the state's blocks, at the first allocation only.
+            if w == CROSS_ATTENTION || w == MAMBA || w == RING {
+                // The encoder output's, the state's or the ring's blocks, at the first allocation only.
                 let need = match (fresh, w) {
                     (false, _) => 0,
                     (true, CROSS_ATTENTION) => self.cross_blocks_to_add(req, held),
+                    (true, RING) => usize::from(held == 0),
                     (true, _) => mamba_blocks.saturating_sub(held),
                 };
-                if w == MAMBA && ext_tokens > 0 && need > 0 {
+                if (w == MAMBA || w == RING) && ext_tokens > 0 && need > 0 {
                     // A load's state block is popped with the other groups' external blocks (vLLM's
                     // `allocate_external_computed_blocks`: the state's one block of `max_model_len` tokens), the
                     // speculative blocks after them.
@@ -770,6 +797,7 @@ impl KvCacheManager {
         for (g, &(skipped, _)) in plan.iter().enumerate() {
             let loaded_state = windows[g] == MAMBA && align && ext_tokens > 0;
             if windows[g] == CROSS_ATTENTION
+                || windows[g] == RING
                 || (windows[g] == MAMBA && all_hits[g].is_empty())
                 || loaded_state
             {
@@ -801,7 +829,7 @@ impl KvCacheManager {
                 self.pool.allocate_into(ext_need, blocks);
                 // Zeroed unless the group holds no attention blocks or an asynchronous load writes them.
                 if let Some(hy) = self.hybrid.as_deref_mut() {
-                    if windows[g] != MAMBA && !hy.skip_zero.contains(&g) {
+                    if windows[g] != MAMBA && windows[g] != RING && !hy.skip_zero.contains(&g) {
                         if let Some(zero) = hy.zero_ids.get_mut(g) {
                             zero.extend_from_slice(&blocks[blocks.len() - ext_need..]);
                         }
@@ -838,14 +866,14 @@ impl KvCacheManager {
                 let (blocks, _) = table(req, slots[g]);
                 self.pool.allocate_into(need, blocks);
                 if let Some(zero) = self.hybrid.as_deref_mut().and_then(|hy| hy.zero_ids.get_mut(g)) {
-                    if windows[g] != MAMBA {
+                    if windows[g] != MAMBA && windows[g] != RING {
                         zero.extend_from_slice(&blocks[blocks.len() - need..]);
                     }
                 }
             }
         }
         for (g, &slot) in slots.iter().enumerate() {
-            if windows[g] != MAMBA && windows[g] != CROSS_ATTENTION && sizes[g] != bs {
+            if windows[g] != MAMBA && windows[g] != CROSS_ATTENTION && windows[g] != RING && sizes[g] != bs {
                 if let Some(i) = slot {
                     req.groups[i].mamba_appended = (req.groups[i].blocks.len() - before[g]) as u32;
                 }
@@ -1064,7 +1092,7 @@ impl KvCacheManager {
                 .then(|| (prompt_checkpoint / bs) as usize - 1)
         });
         for (g, &w) in windows.iter().enumerate() {
-            if w == CROSS_ATTENTION || (w == MAMBA && !align) {
+            if w == CROSS_ATTENTION || w == RING || (w == MAMBA && !align) {
                 continue;
             }
             // A prefill checkpoint of the group's last allocation: re-keyed below, and no prompt tail then.

@@ -60,7 +60,7 @@ mod victim;
 
 pub use config::{
     HashAlgo, KvLoadFailurePolicy, PauseState, Policy, PreemptionMode, PreemptionVictim, SchedulerConfig,
-    CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, MAX_CHUNK_SIZE,
+    CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, MAX_CHUNK_SIZE, RING,
 };
 pub use connector::{KvConnector, KvTransferReport};
 pub use ec_connector::EcConnector;

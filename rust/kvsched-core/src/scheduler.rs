@@ -221,6 +221,9 @@ impl Scheduler {
                         window_cap_blocks(&config, w, bs)
                     });
                 hy.mamba_align = config.mamba_align;
+                if config.zero_new_blocks && hy.zero_ids.is_empty() {
+                    hy.zero_ids = vec![Vec::new(); hy.windows.len()];
+                }
                 hy.defer_new_states_only = config.mamba_defer_new_states_only;
                 hy.mamba_eagle = config.mamba_eagle_group;
                 hy.junction_below = config.drop_junction_below;
@@ -1213,6 +1216,17 @@ impl Scheduler {
                         return Err(format!(
                             "request {:?}: align-mode Mamba group {g} holds {} entries ({num_cached} cached), \
                              expected at least {least} (at most {most_cached} cached)",
+                            r.id,
+                            blocks.len()
+                        ));
+                    }
+                } else if window == Some(crate::config::RING) {
+                    // A ring's table: one block, from the first allocation on.
+                    let want = usize::from(!r.blocks.is_empty());
+                    if blocks.len() != want || num_cached != 0 {
+                        return Err(format!(
+                            "request {:?}: ring group {g} holds {} blocks ({num_cached} cached), expected {want} \
+                             (none cached)",
                             r.id,
                             blocks.len()
                         ));

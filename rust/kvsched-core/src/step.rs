@@ -518,7 +518,14 @@ impl Scheduler {
                 let t = &req.groups[g].blocks;
                 let gi = if g < primary { g } else { g + 1 };
                 let w = windows[gi];
-                let k = if w == Some(CROSS_ATTENTION) || w == Some(MAMBA) {
+                let k = if w == Some(crate::config::RING) {
+                    // A ring's one block, new with the table only.
+                    if whole[i] {
+                        t.len()
+                    } else {
+                        0
+                    }
+                } else if w == Some(CROSS_ATTENTION) || w == Some(MAMBA) {
                     if whole[i] {
                         t.len()
                     } else if align {
@@ -1774,7 +1781,7 @@ fn inflight_reserved_blocks(
     let k = config.num_spec_tokens();
     let step = if k > 0 { 1 + k + config.num_lookahead_tokens } else { 0 };
     if let Some(hy) = hybrid {
-        use crate::config::MAMBA;
+        use crate::config::{MAMBA, RING};
         // Every group: its blocks, a window's (or chunked-local group's) capped at its admission cap; a Mamba
         // group's as its allocation counts them (mode "none": the state block of `max_model_len` tokens and the
         // speculative blocks; "align": the entries of the tokens without the decode step, at most one more,
@@ -1796,7 +1803,10 @@ fn inflight_reserved_blocks(
                     None => (r.blocks.len(), true),
                     Some(i) => (r.groups[i].blocks.len(), r.groups[i].mamba_allocated),
                 };
-                total += if w == MAMBA && hy.mamba_align {
+                total += if w == RING {
+                    // A ring's one block, held from the first allocation on.
+                    i64::from(held == 0)
+                } else if w == MAMBA && hy.mamba_align {
                     let entries = tokens.div_ceil(bs) as usize + spec;
                     crate::hybrid_kv::align_need(entries, held, hy.mamba_blocks, allocated, false, false)
                 } else if w == MAMBA {

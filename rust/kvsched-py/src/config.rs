@@ -6,7 +6,7 @@
 //! does not fit the core's `u32` gets the core's message for the field's bounds.
 
 use kvsched_core as core;
-use kvsched_core::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, MAX_CHUNK_SIZE};
+use kvsched_core::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, MAX_CHUNK_SIZE, RING};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyMapping};
 
@@ -99,6 +99,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
             .map(|g| match g {
                 Some(CROSS_ATTENTION) => pyo3::types::PyString::new(py, "cross").into_any().unbind(),
                 Some(MAMBA) => pyo3::types::PyString::new(py, "mamba").into_any().unbind(),
+                Some(RING) => pyo3::types::PyString::new(py, "ring").into_any().unbind(),
                 Some(w) if *w & CHUNKED_LOCAL != 0 => {
                     pyo3::types::PyString::new(py, &format!("chunked:{}", w & !CHUNKED_LOCAL))
                         .into_any()
@@ -116,6 +117,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("max_num_scheduled_tokens", Some(c.max_num_scheduled_tokens).filter(|&v| v != 0))?;
     d.set_item("mamba_speculative_blocks", c.mamba_speculative_blocks)?;
     d.set_item("mamba_align", c.mamba_align)?;
+    d.set_item("zero_new_blocks", c.zero_new_blocks)?;
     d.set_item("mamba_defer_new_states_only", c.mamba_defer_new_states_only)?;
     d.set_item("mamba_eagle_group", c.mamba_eagle_group)?;
     d.set_item("drop_junction_below", c.drop_junction_below)?;
@@ -339,6 +341,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         draft_slots: u32_field("draft_slots")?,
         mamba_speculative_blocks: u32_field("mamba_speculative_blocks")?,
         mamba_align: bool_field("mamba_align")?,
+        zero_new_blocks: bool_field("zero_new_blocks")?,
         mamba_defer_new_states_only: bool_field("mamba_defer_new_states_only")?,
         mamba_eagle_group: bool_field("mamba_eagle_group")?,
         drop_junction_below: bool_field("drop_junction_below")?,
@@ -377,7 +380,8 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             "InvalidConfigError",
             format!(
                 "kv_cache_groups must be None or a list of None (full attention), int windows, 'chunked:<chunk \
-                 size>' (chunked-local attention), 'cross' (cross attention) and 'mamba' (Mamba), got {v}"
+                 size>' (chunked-local attention), 'cross' (cross attention), 'mamba' (Mamba) and 'ring' (ring \
+                 buffer), got {v}"
             ),
         )
     };
@@ -396,6 +400,7 @@ fn kv_cache_groups_field(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Vec<O
             match &*name {
                 "cross" => groups.push(Some(CROSS_ATTENTION)),
                 "mamba" => groups.push(Some(MAMBA)),
+                "ring" => groups.push(Some(RING)),
                 _ => {
                     // "chunked:c": chunked-local attention in chunks of c tokens, c in [1, MAX_CHUNK_SIZE].
                     let chunk = name

@@ -1366,7 +1366,7 @@ fn align_config_strategy() -> impl Strategy<Value = SchedulerConfig> {
         prop_oneof![Just(8u32), Just(24), Just(64)],
         prop_oneof![Just(0u32), Just(3), Just(6)],
         0u32..3,
-        0u8..3,
+        0u8..4,
         any::<bool>(),
         any::<bool>(),
     )
@@ -1374,7 +1374,9 @@ fn align_config_strategy() -> impl Strategy<Value = SchedulerConfig> {
             let groups = match layout {
                 0 => vec![Some(crate::MAMBA), None],
                 1 => vec![None, Some(crate::MAMBA)],
-                _ => vec![Some(crate::MAMBA), Some(crate::MAMBA), None, Some(6)],
+                2 => vec![Some(crate::MAMBA), Some(crate::MAMBA), None, Some(6)],
+                // A ring before and after (vLLM's compressor rings of GLM-5 and Qwen4 style models).
+                _ => vec![Some(crate::RING), Some(crate::MAMBA), None, Some(crate::RING)],
             };
             let max_model_len = 120;
             // Every request fits alone: its attention blocks, two states and the speculative blocks per Mamba
@@ -1832,4 +1834,86 @@ fn a_hit_inside_a_block_copies_the_block_it_ends_inside() {
     // The copies go first in the blocks to zero (attention groups only).
     assert_eq!(out.zero_block_ids.first(), Some(&(fa[2] as i32)));
     s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_ring_group_holds_one_block_beside_prefix_caching() {
+    // A ring first (as vLLM may list a compressor's ring), full attention and a window of 6 tokens, prefix caching
+    // on: each request holds one ring block whatever its length, the ring takes no part in the hit, and every
+    // block comes back at the end.
+    let cfg = SchedulerConfig {
+        enable_prefix_caching: true,
+        kv_cache_groups: vec![Some(crate::RING), None, Some(6)],
+        ..cfg(4, 64)
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let free = s.num_free_blocks();
+    add(&mut s, "a", &prompt(0, 13), params(6));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![13]);
+    let ring = s.get_group_block_ids("a", 0).unwrap().to_vec();
+    assert_eq!(ring.len(), 1);
+    assert_eq!(s.get_group_block_ids("a", 1).unwrap().len(), 4);
+    for _ in 0..4 {
+        step_with(&mut s, 1);
+        assert_eq!(s.get_group_block_ids("a", 0).unwrap(), ring.as_slice(), "the ring never grows");
+    }
+    run_to_completion(&mut s);
+    assert_eq!(s.num_free_blocks(), free);
+    add(&mut s, "b", &prompt(0, 13), params(2));
+    let (out, _) = step_with(&mut s, 1);
+    // The hit: 12 tokens of full attention and the window's last two blocks; the ring block is a fresh one.
+    assert_eq!((out.num_computed_tokens.clone(), out.num_scheduled_tokens.clone()), (vec![12], vec![1]));
+    let b_ring = s.get_group_block_ids("b", 0).unwrap().to_vec();
+    assert_eq!(b_ring.len(), 1);
+    assert_ne!(b_ring[0], 0, "a real block, not the null block");
+    assert_eq!(s.get_group_block_ids("b", 1).unwrap().len(), 4);
+    s.check_invariants().unwrap();
+    run_to_completion(&mut s);
+    assert_eq!(s.num_free_blocks(), free);
+}
+
+#[test]
+fn a_ring_group_block_is_given_back_at_preemption_and_taken_again() {
+    // Two requests in a pool that holds both only until they decode past their blocks: the one preempted gives its
+    // ring block back and takes one block again when it is readmitted; a Mamba group's attention zeroing leaves
+    // the ring's blocks out.
+    let cfg = SchedulerConfig {
+        kv_cache_groups: vec![None, Some(crate::RING), Some(crate::MAMBA)],
+        enable_prefix_caching: false,
+        ..cfg(4, 12)
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let free = s.num_free_blocks();
+    add(&mut s, "a", &prompt(0, 8), params(12));
+    add(&mut s, "b", &prompt(100, 8), params(12));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.num_scheduled_tokens, vec![8, 8]);
+    let rings: Vec<u32> = ["a", "b"].iter().map(|r| s.get_group_block_ids(r, 1).unwrap()[0]).collect();
+    for r in &rings {
+        assert!(!out.zero_block_ids.contains(&(*r as i32)), "ring blocks are never zeroed");
+    }
+    assert_eq!(out.zero_block_ids.len(), 4, "the attention blocks of both requests");
+    let mut preempted = false;
+    while s.has_unfinished_requests() {
+        let (out, _) = step_with(&mut s, 1);
+        if !out.preempted.is_empty() {
+            preempted = true;
+            let victim = s.slab.get(out.preempted[0].slot).unwrap().id.clone();
+            assert!(s.get_group_block_ids(&victim, 1).unwrap().is_empty(), "the ring block goes back");
+        }
+        for id in ["a", "b"] {
+            if let Ok(t) = s.get_group_block_ids(id, 0) {
+                let ring = s.get_group_block_ids(id, 1).unwrap();
+                assert_eq!(
+                    ring.len(),
+                    usize::from(!t.is_empty()),
+                    "{id}: one ring block while it holds blocks"
+                );
+            }
+        }
+        s.check_invariants().unwrap();
+    }
+    assert!(preempted);
+    assert_eq!(s.num_free_blocks(), free);
 }
