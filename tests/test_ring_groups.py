@@ -12,27 +12,9 @@ import pytest
 from conftest import requires_rust
 from kvsched import InvalidConfigError, SchedulerConfig
 from kvsched.config import RING
-from kvsched.reference import ReferenceScheduler
+from test_hybrid_groups import make
 
 IMPLS = [pytest.param("rust", marks=requires_rust), "reference"]
-
-
-def make(impl: str, conn: Any = None, **fields: Any) -> Any:
-    cfg: dict[str, Any] = {
-        "block_size": 4,
-        "num_blocks": 40,
-        "max_model_len": 128,
-        "max_num_batched_tokens": 64,
-        "prefix_hash_seed": 0,
-    }
-    cfg.update(fields)
-    config = SchedulerConfig(**cfg)
-    kw = {} if conn is None else {"kv_connector": conn}
-    if impl == "rust":
-        from kvsched import Scheduler
-
-        return Scheduler(config, **kw)
-    return ReferenceScheduler(config, **kw)
 
 
 def tables(s: Any, rid: str, num_groups: int) -> list[list[int]]:
