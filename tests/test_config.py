@@ -276,6 +276,7 @@ _CONTEXT: dict[str, dict[str, Any]] = {
     "mamba_speculative_blocks": {"kv_cache_groups": ("mamba", None), "enable_prefix_caching": False},
     "prefix_cache_retention_interval": {"kv_cache_groups": (None, "mamba"), "mamba_align": True, "block_size": 1},
     "mamba_prefill_checkpoint_alignment": {"kv_cache_groups": (None, "mamba"), "mamba_align": True},
+    "ring_block_size": {"kv_cache_groups": (None, "ring")},
     "hash_block_size": {"block_size": 4096, "num_blocks": 64, "kv_cache_groups": (None, 8)},
     "extra_retained_tokens": {"sliding_window": 8},
 }

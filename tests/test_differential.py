@@ -2430,13 +2430,15 @@ HMA_CONFIGS = [
                     kv_cache_groups=(None, 9), kv_cache_group_block_sizes=(4, 8), kv_connector_groups=True,
                     prefix_cache_retention_interval=0, enable_kv_cache_events=True, prefix_hash_seed=105),
     # Compressor rings (one block per request, popped with a load's external blocks, never cached or zeroed) first
-    # and between groups, with Mamba groups with prefix caching, and attention zeroing for mixed precisions.
+    # and between groups, with Mamba groups with prefix caching, and attention zeroing for mixed precisions; a ring
+    # of one row whose decode step with drafts reserves three blocks for an asynchronous load's admission.
     SchedulerConfig(block_size=4, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=("ring", None, 7), kv_connector_groups=True, zero_new_blocks=True,
                     async_scheduling=True, defer_block_free=True, prefix_hash_seed=106),
     SchedulerConfig(block_size=4, num_blocks=48, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=64,
                     kv_cache_groups=("mamba", "ring", None), kv_connector_groups=True, mamba_align=True,
-                    park_kv_loads=False, reserve_inflight_prefills=True, prefix_hash_seed=107),
+                    park_kv_loads=False, reserve_inflight_prefills=True, num_speculative_tokens=2,
+                    ring_block_size=1, prefix_hash_seed=107),
 ]  # fmt: skip
 
 

@@ -1445,13 +1445,13 @@ def test_compressor_rings_run_and_what_they_do_not_support_is_refused_by_name() 
         vcfg = make_vllm_config(block_size=16, kv_connector_seed=1, kv_role=role)
         sched = _build_with_groups(vcfg, FullAttentionSpec(**_attention_kw()), ring())
         assert sched.kv_config.kv_connector_groups and sched.kv_config.kv_cache_groups == (None, "ring")
-    # With drafts, vLLM reserves a decode step's rows in the ring for an asynchronous load (3 tokens: one ring of 8
-    # rows, one block of 16; a ring of 2 rows needs 2).
+    # With drafts, vLLM reserves a decode step's blocks for an asynchronous load at each group's block size, a
+    # ring's rows included (the core's ring_block_size); rings of different sizes are refused there.
     drafts = make_vllm_config(block_size=16, kv_connector_seed=1, num_speculative_tokens=2)
-    sched = _build_with_groups(drafts, FullAttentionSpec(**_attention_kw()), ring(8))
-    assert sched.kv_config.kv_cache_groups == (None, "ring")
-    with pytest.raises(UnsupportedFeatureError, match="speculative decoding beside a compressor ring"):
-        _build_with_groups(drafts, FullAttentionSpec(**_attention_kw()), ring(2))
+    sched = _build_with_groups(drafts, FullAttentionSpec(**_attention_kw()), ring(2))
+    assert sched.kv_config.kv_cache_groups == (None, "ring") and sched.kv_config.ring_block_size == 2
+    with pytest.raises(UnsupportedFeatureError, match="speculative decoding beside compressor rings of different"):
+        _build_with_groups(drafts, ring(2), FullAttentionSpec(**_attention_kw()), ring(4))
     dcp = make_vllm_config(block_size=16, decode_context_parallel_size=2)
     with pytest.raises(UnsupportedFeatureError, match=r"compressor ring groups .* with decode context parallelism"):
         _build_with_groups(dcp, FullAttentionSpec(**_attention_kw(8)), ring(), block_size=16)

@@ -2133,10 +2133,6 @@ def run_seed(
             groups.insert(grng.randrange(len(groups) + 1), "ring")
         cfg.kv_cache_groups = tuple(groups)
         cfg.ring_block_size = grng.choice([r for r in (1, 2, 4, 8, 16) if cfg.block_size % r == 0])
-        if connector and cfg.num_speculative_tokens:
-            # (kvsched.vllm refuses a KV connector with drafts beside a ring whose rows a decode step outnumbers
-            # otherwise than the attention block: vLLM reserves those rows for an asynchronous load.)
-            cfg.ring_block_size = cfg.block_size
         unit = cfg.hash_block_size or cfg.block_size
         cfg.tokens_per_state = grng.choice([t for t in (1, 1, 2, 4) if unit % t == 0])
         cfg.mixed_precision = grng.random() < 0.5

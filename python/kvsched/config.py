@@ -800,6 +800,16 @@ class SchedulerConfig:
             lo=1,
         ),
     )
+    ring_block_size: int | None = field(
+        default=None,
+        metadata=_spec(
+            "the rows of the `'ring'` groups' rings (vLLM's `CircularBufferSpec.block_size`): a ring holds one block "
+            "whatever its rows; only the blocks of a speculative decode step an asynchronous KV load reserves count "
+            "a ring's by them, as vLLM counts that step at every group's block size; None = `block_size`; needs a "
+            "`'ring'` group (see [Several KV cache groups](#several-kv-cache-groups))",
+            lo=1,
+        ),
+    )
     mamba_defer_new_states_only: bool = field(
         default=True,
         metadata=_spec(
@@ -982,6 +992,8 @@ class SchedulerConfig:
                 "mamba_prefill_checkpoint_alignment needs mamba_align (prefill checkpoints are vLLM's "
                 "mamba_cache_mode 'align')"
             )
+        if self.ring_block_size is not None and RING not in (self.kv_cache_groups or ()):
+            raise InvalidConfigError("ring_block_size needs a ring group ('ring') in kv_cache_groups")
         if self.zero_new_blocks and self.kv_cache_groups is None:
             raise InvalidConfigError("zero_new_blocks needs kv_cache_groups (several KV cache groups)")
         self._check_prefill_lookahead()

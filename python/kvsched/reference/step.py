@@ -665,7 +665,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             # summed as they are), and no decode step's blocks (vLLM's Mamba groups hold theirs); a ring's its one
             # block when it holds none (its decode step's blocks count: vLLM's ring is an attention spec).
             windows = list(enumerate(self._group_windows()))
-            total = sum(-(-step // self._group_bs(g)) for g, w in windows if w != -2)
+            rows = c.ring_block_size or bs
+            total = sum(-(-step // (rows if w == -3 else self._group_bs(g))) for g, w in windows if w != -2)
             spec = c.mamba_speculative_blocks
             for r in self._requests.values():
                 if r.inflight_prefill:

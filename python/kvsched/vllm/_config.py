@@ -890,24 +890,23 @@ def kvsched_config_from_vllm(
     # Encoder-decoder models: vLLM's EncoderDecoderCacheManager (the budget and cache size come with the
     # scheduler's construction, from vLLM's MultiModalBudget).
     fields["encoder_decoder"] = enc_dec
-    if kv_transfer is not None and num_spec_tokens and RING in (kv_cache_groups or ()):
-        # vLLM reserves a speculative decode step's blocks in every group for an asynchronous load's admission,
-        # counted at each group's block size, a ring's rows included; the core counts a ring at the scheduler
-        # block. They agree while one step's tokens need as many rings as blocks.
-        step = 1 + num_spec_tokens + lookahead
-        rings = sorted(
-            {
-                int(g.kv_cache_spec.block_size)
-                for g, w in zip(kv_cache_config.kv_cache_groups, kv_cache_groups or (), strict=True)
-                if w == RING
-            }
+    # vLLM reserves a speculative decode step's blocks in every group for an asynchronous load's admission, counted
+    # at each group's block size, a ring's rows included: the core counts a ring's by ring_block_size.
+    rings = sorted(
+        {
+            int(g.kv_cache_spec.block_size)
+            for g, w in zip(kv_cache_config.kv_cache_groups, kv_cache_groups, strict=True)
+            if w == RING
+        }
+        if kv_cache_groups is not None
+        else ()
+    )
+    if len(rings) > 1 and kv_transfer is not None and num_spec_tokens:
+        _refuse(
+            "KV connectors with speculative decoding beside compressor rings of different sizes",
+            f"kv_transfer_config, ring block sizes {rings}",
         )
-        if any(-(-step // r) != -(-step // block_size) for r in rings):
-            _refuse(
-                "KV connectors with speculative decoding beside a compressor ring whose rows a decode step "
-                "outnumbers differently than the attention block",
-                f"kv_transfer_config, {step} tokens a step, ring block sizes {rings}, block_size={block_size}",
-            )
+    fields["ring_block_size"] = rings[0] if rings else None
     return build_config(fields, knobs), num_spec_tokens
 
 

@@ -462,6 +462,11 @@ pub struct SchedulerConfig {
     /// boundary can export the state at a block boundary inside it, a multiple of `a` tokens from its start, into
     /// an extra block, so it need not end there; `None`: none. Needs `mamba_align`.
     pub mamba_prefill_checkpoint_alignment: Option<u32>,
+    /// The rows of the ring groups' rings (vLLM's `CircularBufferSpec.block_size`): `None`: the block size. Only a
+    /// speculative decode step's blocks that an asynchronous KV load reserves count a ring's blocks by it (vLLM
+    /// counts that step at every group's own block size); a ring holds one block whatever its rows. Needs a ring
+    /// group.
+    pub ring_block_size: Option<u32>,
     /// Align-mode Mamba groups with prefix caching: which cached states defer a same-step hit on them
     /// (`hybrid.rs`). `true` (vLLM 0.33): the states an allocation caches in the current `schedule()` call.
     /// `false` (vLLM 0.32): also the state at the prompt's checkpoint (its last block boundary that leaves a
@@ -605,6 +610,7 @@ impl Default for SchedulerConfig {
             zero_new_blocks: false,
             prefix_cache_retention_interval: None,
             mamba_prefill_checkpoint_alignment: None,
+            ring_block_size: None,
             mamba_defer_new_states_only: true,
             mamba_eagle_group: true,
             drop_junction_below: true,
@@ -758,6 +764,7 @@ const INT_FIELDS: &[IntField] = &[
         max: I32_MAX,
         get: |c| c.mamba_prefill_checkpoint_alignment,
     },
+    IntField { name: "ring_block_size", min: 1, max: I32_MAX, get: |c| c.ring_block_size },
     // 0 stands for Python's None (max_num_batched_tokens).
     IntField {
         name: "max_num_scheduled_tokens",
@@ -966,6 +973,11 @@ impl SchedulerConfig {
                 "mamba_prefill_checkpoint_alignment needs mamba_align (prefill checkpoints are vLLM's \
                  mamba_cache_mode 'align')"
                     .into(),
+            ));
+        }
+        if self.ring_block_size.is_some() && !self.kv_cache_groups.contains(&Some(RING)) {
+            return Err(SchedError::InvalidConfig(
+                "ring_block_size needs a ring group ('ring') in kv_cache_groups".into(),
             ));
         }
         if self.zero_new_blocks && self.kv_cache_groups.is_empty() {

@@ -1786,12 +1786,14 @@ fn inflight_reserved_blocks(
         // group's as its allocation counts them (mode "none": the state block of `max_model_len` tokens and the
         // speculative blocks; "align": the entries of the tokens without the decode step, at most one more,
         // summed as they are), and no decode step's blocks (vLLM's Mamba groups hold theirs).
+        // (A ring's decode step counts by its rows: vLLM's ring is an attention spec of that block size.)
+        let ring_rows = config.ring_block_size.unwrap_or(bs);
         let mut total: i64 = hy
             .windows
             .iter()
             .zip(&hy.block_sizes)
             .filter(|(&w, _)| w != MAMBA)
-            .map(|(_, &gbs)| step.div_ceil(gbs) as i64)
+            .map(|(&w, &gbs)| step.div_ceil(if w == RING { ring_rows } else { gbs }) as i64)
             .sum();
         let spec = hy.mamba_blocks - 1;
         let mml = config.max_model_len.max(1);

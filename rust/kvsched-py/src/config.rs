@@ -123,6 +123,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("drop_junction_below", c.drop_junction_below)?;
     d.set_item("prefix_cache_retention_interval", c.prefix_cache_retention_interval)?;
     d.set_item("mamba_prefill_checkpoint_alignment", c.mamba_prefill_checkpoint_alignment)?;
+    d.set_item("ring_block_size", c.ring_block_size)?;
     d.set_item("draft_slots", c.draft_slots)?;
     d.set_item("decode_stagger", c.decode_stagger)?;
     d.set_item("max_concurrent_batches", Some(c.max_concurrent_batches).filter(|&v| v != 0))?;
@@ -354,6 +355,11 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
             None
         } else {
             Some(u32_field("mamba_prefill_checkpoint_alignment")?)
+        },
+        ring_block_size: if cfg.getattr("ring_block_size")?.is_none() {
+            None
+        } else {
+            Some(u32_field("ring_block_size")?)
         },
         decode_stagger: u32_field("decode_stagger")?,
         // None: 2 with async scheduling, else 1 (the core's 0); so a 0 given is out of the field's bounds.
