@@ -1220,37 +1220,21 @@ impl Scheduler {
                             blocks.len()
                         ));
                     }
-                } else if window == Some(crate::config::RING) {
-                    // A ring's table: one block, from the first allocation on.
-                    let want = usize::from(!r.blocks.is_empty());
-                    if blocks.len() != want || num_cached != 0 {
-                        return Err(format!(
-                            "request {:?}: ring group {g} holds {} blocks ({num_cached} cached), expected {want} \
-                             (none cached)",
-                            r.id,
-                            blocks.len()
-                        ));
+                } else if let Some((kind, whole)) = match window {
+                    // Tables taken whole at the first allocation, never cached: a ring's one block, a Mamba
+                    // group's state blocks, a cross-attention group's encoder output blocks.
+                    Some(crate::config::RING) => Some(("ring", 1)),
+                    Some(crate::config::MAMBA) => Some(("Mamba", 1 + cfg.mamba_speculative_blocks as usize)),
+                    Some(crate::config::CROSS_ATTENTION) => {
+                        Some(("cross-attention", r.cross_attention_tokens.div_ceil(bs) as usize))
                     }
-                } else if window == Some(crate::config::MAMBA) {
-                    // A Mamba table: the state's blocks, from the first allocation on.
-                    let want =
-                        if r.blocks.is_empty() { 0 } else { 1 + cfg.mamba_speculative_blocks as usize };
+                    _ => None,
+                } {
+                    let want = if r.blocks.is_empty() { 0 } else { whole };
                     if blocks.len() != want || num_cached != 0 {
                         return Err(format!(
-                            "request {:?}: Mamba group {g} holds {} blocks ({num_cached} cached), expected {want} \
+                            "request {:?}: {kind} group {g} holds {} blocks ({num_cached} cached), expected {want} \
                              (none cached)",
-                            r.id,
-                            blocks.len()
-                        ));
-                    }
-                } else if window == Some(crate::config::CROSS_ATTENTION) {
-                    // A cross-attention table: the encoder output's blocks, from the first allocation on.
-                    let want =
-                        if r.blocks.is_empty() { 0 } else { r.cross_attention_tokens.div_ceil(bs) as usize };
-                    if blocks.len() != want || num_cached != 0 {
-                        return Err(format!(
-                            "request {:?}: cross-attention group {g} holds {} blocks ({num_cached} cached), expected \
-                             {want} (none cached)",
                             r.id,
                             blocks.len()
                         ));
