@@ -28,6 +28,7 @@ def test_every_field_is_in_the_table() -> None:
         "tenant_max_waiting",
         "kv_cache_groups",
         "kv_cache_group_block_sizes",
+        "prefix_replay_groups",
     }
     assert SchedulerConfig().to_dict() == {f.name: f.default for f in CONFIG_FIELDS}
     assert SchedulerConfig().block_size == DEFAULT_BLOCK_SIZE
@@ -175,6 +176,21 @@ RULES: list[dict[str, Any]] = [
     {"block_size": 16, "kv_cache_groups": (None, "ring"), "kv_cache_group_block_sizes": (16, 32)},
     {"block_size": 16, "kv_cache_groups": ("ring", None), "kv_cache_group_block_sizes": (16, 32)},
     {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, "mamba", "ring", 8), "mamba_align": True},
+    {"prefix_replay_groups": (1,)},
+    {"kv_cache_groups": (None, 8), "prefix_replay_groups": (2,)},
+    {"kv_cache_groups": (None, 8), "prefix_replay_groups": (1, 1)},
+    {"kv_cache_groups": (None, 8, "ring"), "prefix_replay_groups": (2,)},
+    {"kv_cache_groups": (None, 8, "chunked:8"), "prefix_replay_groups": (2,)},
+    {"kv_cache_groups": (None, 8, 16), "prefix_replay_groups": (1, 2)},
+    {"kv_cache_groups": ("ring", 8, None), "prefix_replay_groups": (1,)},
+    {"kv_cache_groups": (None, "mamba", 8), "mamba_align": True, "prefix_replay_groups": (2,)},
+    {
+        "kv_cache_groups": (None, "cross", 8),
+        "enable_prefix_caching": False,
+        "encoder_decoder": True,
+        "prefix_replay_groups": (2,),
+    },
+    {"kv_cache_groups": (None, 8), "num_cpu_blocks": 4, "prefix_replay_groups": (1,)},
 ]
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
@@ -241,6 +257,9 @@ VALID_COMBOS: list[dict[str, Any]] = [
     {"prefill_lookahead_tokens": 3, "max_num_encoder_input_tokens": 8, "encoder_cache_size": 8},
     {"prefill_lookahead_tokens": 3, "kv_cache_groups": (None, "mamba"), "enable_prefix_caching": False},
     {"prefill_lookahead_tokens": 3, "kv_cache_groups": (None, "mamba"), "mamba_align": True},
+    {"kv_cache_groups": (None, 8), "prefix_replay_groups": (1,)},
+    {"kv_cache_groups": ("ring", None, 8, 32, 8), "prefix_replay_groups": [4, 2]},
+    {"kv_cache_groups": (16, 8), "prefix_replay_groups": (1,)},
 ]
 
 
@@ -277,6 +296,7 @@ _CONTEXT: dict[str, dict[str, Any]] = {
     "prefix_cache_retention_interval": {"kv_cache_groups": (None, "mamba"), "mamba_align": True, "block_size": 1},
     "mamba_prefill_checkpoint_alignment": {"kv_cache_groups": (None, "mamba"), "mamba_align": True},
     "ring_block_size": {"kv_cache_groups": (None, "ring")},
+    "prefix_replay_groups": {"kv_cache_groups": (None, 8)},
     "hash_block_size": {"block_size": 4096, "num_blocks": 64, "kv_cache_groups": (None, 8)},
     "extra_retained_tokens": {"sliding_window": 8},
 }

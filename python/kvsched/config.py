@@ -810,6 +810,20 @@ class SchedulerConfig:
             lo=1,
         ),
     )
+    prefix_replay_groups: tuple[int, ...] = field(
+        default=(),
+        metadata=_spec(
+            "the sliding-window groups a prefix hit rebuilds by bounded replay (vLLM's `SlidingWindowMLASpec` with "
+            "`bounded_replay`, as in DeepSeek V4.1), by their index in `kv_cache_groups`: they are never cached nor "
+            "looked up, and a request admitted with a prefix hit (local or loaded by a KV connector) computes the "
+            "hit's last window again (their common window W) to rebuild them, while the other groups keep the hit's "
+            "blocks; a hit of at most W tokens is dropped, a connector's hit is floored to whole blocks, and a load "
+            "that carries the window (every group) replays nothing. Each entry a plain sliding-window group after a "
+            "full-attention or sliding-window group, all of one window; not with `mamba_align`, `encoder_decoder` or "
+            "swap (see [Several KV cache groups](#several-kv-cache-groups)); empty = none",
+            valid="empty, or distinct indices of sliding-window groups in `kv_cache_groups`",
+        ),
+    )
     mamba_defer_new_states_only: bool = field(
         default=True,
         metadata=_spec(
@@ -926,6 +940,14 @@ class SchedulerConfig:
             if any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= I32_MAX for v in sizes):
                 raise InvalidConfigError(f"{what}{self.kv_cache_group_block_sizes!r}")
             object.__setattr__(self, "kv_cache_group_block_sizes", sizes)
+        replay = self.prefix_replay_groups
+        what = "prefix_replay_groups must be a list of group indices (ints in [0, 2147483647]), got "
+        if isinstance(replay, (str, bytes, Mapping)) or not hasattr(replay, "__iter__"):
+            raise InvalidConfigError(f"{what}{replay!r}")
+        replay = tuple(replay)
+        if any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= I32_MAX for v in replay):
+            raise InvalidConfigError(f"{what}{self.prefix_replay_groups!r}")
+        object.__setattr__(self, "prefix_replay_groups", replay)
 
     def _check_rules(self) -> None:
         """The rules that tie fields together (the Rust core applies them in the same order)."""
@@ -998,6 +1020,7 @@ class SchedulerConfig:
             raise InvalidConfigError("zero_new_blocks needs kv_cache_groups (several KV cache groups)")
         self._check_prefill_lookahead()
         self._check_groups()
+        self._check_replay_groups()
         self._check_group_block_sizes()
         self._check_retention()
         self._check_hash_block()
@@ -1214,6 +1237,52 @@ class SchedulerConfig:
             raise InvalidConfigError(
                 f"kv_cache_groups needs the default preemption_victim, got {self.preemption_victim!r}"
             )
+
+    def _check_replay_groups(self) -> None:
+        """What ``prefix_replay_groups`` needs (the core's ``validate_replay_groups``): plain sliding-window groups of
+        one window, none the primary group, and none of the features whose counts the replay's rewind would change
+        (align-mode Mamba splits, encoder-decoder, swap)."""
+        replay = self.prefix_replay_groups
+        if not replay:
+            return
+        groups = self.kv_cache_groups
+        if groups is None:
+            raise InvalidConfigError("prefix_replay_groups needs kv_cache_groups (several KV cache groups)")
+        window: int | None = None
+        for i, g in enumerate(replay):
+            if g >= len(groups):
+                raise InvalidConfigError(
+                    f"prefix_replay_groups entry {g} is not a group (kv_cache_groups has {len(groups)})"
+                )
+            if g in replay[:i]:
+                raise InvalidConfigError(f"prefix_replay_groups lists group {g} more than once")
+            w = groups[g]
+            if not isinstance(w, int) or isinstance(w, bool):
+                raise InvalidConfigError(f"prefix_replay_groups entry {g} is not a sliding-window group")
+            if window is None:
+                window = w
+            elif w != window:
+                raise InvalidConfigError(f"prefix_replay_groups' windows must agree, got {window} and {w}")
+        primary = self.primary_group
+        if primary in replay:
+            raise InvalidConfigError(
+                f"prefix_replay_groups entry {primary} is the primary group; a replayed window needs a full-attention "
+                "or sliding-window group before it"
+            )
+        if self.mamba_align:
+            raise InvalidConfigError("prefix_replay_groups cannot be combined with mamba_align")
+        if self.encoder_decoder:
+            raise InvalidConfigError("prefix_replay_groups cannot be combined with encoder_decoder")
+        if self.num_cpu_blocks > 0:
+            raise InvalidConfigError("prefix_replay_groups cannot be combined with swap (num_cpu_blocks)")
+
+    @property
+    def replay_window(self) -> int:
+        """The replay window W: the common window of ``prefix_replay_groups``; 0 without replay groups."""
+        if not self.prefix_replay_groups or self.kv_cache_groups is None:
+            return 0
+        w = self.kv_cache_groups[self.prefix_replay_groups[0]]
+        return w if isinstance(w, int) else 0
 
     @property
     def primary_group(self) -> int:

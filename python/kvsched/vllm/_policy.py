@@ -104,6 +104,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "mamba_align": "--mamba-cache-mode (vLLM's mamba_cache_mode 'align')",
     "zero_new_blocks": "the model's KV cache precisions (vLLM's needs_kv_cache_zeroing)",
     "ring_block_size": "the model's compressor rings (CircularBufferSpec's block size)",
+    "prefix_replay_groups": "the model's bounded-replay sliding windows (SlidingWindowMLASpec with bounded_replay)",
     "prefix_cache_retention_interval": "--prefix-cache-retention-interval",
     "mamba_prefill_checkpoint_alignment": (
         "the model's Mamba layers (MambaSpec's num_prefill_checkpoint_blocks and prefill_checkpoint_alignment)"
