@@ -212,9 +212,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # DeepSeek V4.1's bounded prefix replay: the replayed windows' groups and their window (0: none).
         self._replay_groups = tuple(config.prefix_replay_groups)
         self._replay_window = int(windows[self._replay_groups[0]]) if self._replay_groups else 0  # type: ignore[arg-type]
+        # (vLLM's scheduler attributes of the same.)
+        self.prefix_replay_group_ids = self._replay_groups
+        self.prefix_replay_tokens = self._replay_window
         # vLLM's needs_kv_cache_zeroing (a model with Mamba layers, or attention layers of several precisions): new
         # attention blocks reported to the workers.
         self._zeroes_new_blocks = MAMBA in windows or bool(config.zero_new_blocks)
+        self.needs_kv_cache_zeroing = self._zeroes_new_blocks  # (vLLM's attribute)
         # vLLM's mamba_cache_mode "align": a Mamba group's table grows with the request's tokens.
         self._mamba_align = bool(config.mamba_align)
         # A Mamba group's prefill checkpoint can be keyed by the block below its entry (the trailing-block drop, or
