@@ -1119,8 +1119,9 @@ def test_a_sliding_window_group_runs_and_what_it_does_not_support_is_refused_by_
 
 def test_multi_head_latent_attention_specs_map_to_full_attention_and_windows() -> None:
     """MLA models (DeepSeek, Kimi): an MLAAttentionSpec group is full attention to the core (alone: no groups),
-    SlidingWindowMLASpec groups are windows; a prefix-replayed MLA window and a hidden-state cache spec stay
-    refused by name, and an MLA window beside a plain one of the same size (specs that differ) too."""
+    SlidingWindowMLASpec groups are windows (with bounded_replay, windows rebuilt by prefix replay); a hidden-state
+    cache spec stays refused by name, and an MLA window beside a plain one of the same size (specs that differ)
+    too."""
     import torch
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -1138,12 +1139,39 @@ def test_multi_head_latent_attention_specs_map_to_full_attention_and_windows() -
     swa = SlidingWindowMLASpec(sliding_window=64, **kw)
     sched = _build_with_groups(vcfg, mla, swa, FullAttentionSpec(**kw))
     assert sched.kv_config.kv_cache_groups == (None, 64, None)
-    with pytest.raises(UnsupportedFeatureError, match="prefix replay"):
-        _build_with_groups(vcfg, mla, SlidingWindowMLASpec(sliding_window=64, bounded_replay=True, **kw))
+    replayed = SlidingWindowMLASpec(sliding_window=64, bounded_replay=True, **kw)
+    sched = _build_with_groups(vcfg, mla, swa, replayed)
+    assert sched.kv_config.kv_cache_groups == (None, 64, 64) and sched.kv_config.prefix_replay_groups == (2,)
+    assert sched.prefix_replay_tokens == 64 and sched.prefix_replay_group_ids == (2,)
     with pytest.raises(UnsupportedFeatureError, match="HiddenStateCacheSpec"):
         _build_with_groups(vcfg, mla, HiddenStateCacheSpec(**kw))
     with pytest.raises(UnsupportedFeatureError, match="same window but different specs"):
         _build_with_groups(vcfg, mla, swa, SlidingWindowSpec(sliding_window=64, **kw))
+
+
+def test_bounded_replay_layouts_the_core_does_not_implement_are_refused_by_name() -> None:
+    """DeepSeek V4.1's windows rebuilt by bounded prefix replay: refused by name first among the attention groups
+    (the core's primary group is looked up and cached), with windows of two sizes (vLLM asserts one), beside
+    Mamba groups, and among groups of different block sizes."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
+
+    kw = _attention_kw()
+    mla = MLAAttentionSpec(**kw)
+    vcfg = make_vllm_config(block_size=16, num_blocks=64)
+
+    def replayed(window: int, **extra: Any) -> Any:
+        return SlidingWindowMLASpec(sliding_window=window, bounded_replay=True, **{**kw, **extra})
+
+    with pytest.raises(UnsupportedFeatureError, match="bounded-replay window as the first attention KV cache group"):
+        _build_with_groups(vcfg, replayed(64), mla)
+    with pytest.raises(UnsupportedFeatureError, match="bounded-replay windows of different sizes"):
+        _build_with_groups(vcfg, mla, replayed(64), replayed(32))
+    mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    with pytest.raises(UnsupportedFeatureError, match="beside Mamba or cross-attention groups"):
+        _build_with_groups(make_vllm_config(block_size=16, mamba_cache_mode="align"), mla, replayed(64), mamba)
+    with pytest.raises(UnsupportedFeatureError, match="among KV cache groups of different block sizes"):
+        _build_with_groups(vcfg, mla, replayed(64, block_size=32), block_size=32)
 
 
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:

@@ -322,6 +322,22 @@ def test_identical_to_vllm_with_compressor_rings(sync: str, runner: str, seed: i
         assert cfg.kv_cache_groups[0] == "ring" and cfg.mixed_precision  # type: ignore[index]
 
 
+@pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
+@pytest.mark.parametrize(("seed", "layout"), [(1, "hybrid"), (0, "connector"), (3, "ring")])
+def test_identical_to_vllm_with_bounded_prefix_replay(sync: str, runner: str, seed: int, layout: str) -> None:
+    """DeepSeek V4.1's bounded prefix replay (SlidingWindowMLASpec with bounded_replay): the replayed windows are
+    never cached or looked up, and a prefix hit recomputes its last window; beside full attention and other
+    windows, with a KV connector whose loads restore the windows or not, and beside compressor rings. Each run
+    replays at some admissions."""
+    import vllm_driver
+
+    before = vllm_driver.REPLAY_COUNTS["admissions replaying"]
+    cfg = run_seed(seed, 150, async_scheduling=sync == "async", v2=runner == "v2", replay=True, hybrid=True,
+                   connector=layout == "connector", ring=layout == "ring")  # fmt: skip
+    assert any(str(g).startswith("replay:") for g in cfg.kv_cache_groups or ())
+    assert vllm_driver.REPLAY_COUNTS["admissions replaying"] > before
+
+
 V2_MODES = [("sync", "v2"), ("async", "v2")]  # vLLM runs prefill context parallelism on model runner V2 only
 
 

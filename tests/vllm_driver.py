@@ -2159,7 +2159,7 @@ def run_seed(
             groups.insert(rrng.randrange(len(groups) + 1), window)
         groups = [f"replay:{window}" if g == window else g for g in groups]
         first = next(i for i, g in enumerate(groups) if g not in ("ring", "mamba"))
-        if groups[first] != None:  # noqa: E711 (a group is None, an int or a str)
+        if groups[first] is not None:
             groups.insert(first, None)
         cfg.kv_cache_groups = tuple(groups)
         # (as many blocks per group as the drawn layout's)

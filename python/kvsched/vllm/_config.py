@@ -166,7 +166,10 @@ def _check_kv_cache_config(
             spec_blocks.add(int(spec.num_speculative_blocks))
             windows.append(window)
             continue
-        if type(spec) in window_types:
+        if type(spec) in window_types and getattr(spec, "bounded_replay", False):
+            # A window rebuilt by bounded prefix replay: never looked up, so beside any other window.
+            window = int(spec.sliding_window)
+        elif type(spec) in window_types:
             window = int(spec.sliding_window)
             if window in window_specs and window_specs[window] != spec:
                 _refuse(
@@ -278,9 +281,8 @@ def _check_kv_cache_config(
 def replay_groups(kv_cache_config: Any) -> tuple[int, ...]:
     """The KV cache groups vLLM rebuilds by bounded prefix replay (DeepSeek V4.1's ``SlidingWindowMLASpec`` with
     ``bounded_replay``, vLLM's ``prefix_replay_group_ids``): the core's ``prefix_replay_groups``."""
-    return tuple(
-        g for g, group in enumerate(kv_cache_config.kv_cache_groups) if getattr(group.kv_cache_spec, "bounded_replay", False)
-    )
+    groups = kv_cache_config.kv_cache_groups
+    return tuple(g for g, group in enumerate(groups) if getattr(group.kv_cache_spec, "bounded_replay", False))
 
 
 def _check_replay_groups(groups: list[Any], windows: list[int | str | None], sized: bool) -> None:
@@ -289,9 +291,10 @@ def _check_replay_groups(groups: list[Any], windows: list[int | str | None], siz
     if not replay:
         return
     setting = f"KV cache groups {replay} with bounded_replay"
-    if len({windows[g] for g in replay}) > 1:
+    sizes = sorted({int(groups[g].kv_cache_spec.sliding_window) for g in replay})
+    if len(sizes) > 1:
         # (vLLM asserts one window.)
-        _refuse("bounded-replay windows of different sizes", f"{setting}: windows {sorted({windows[g] for g in replay})}")
+        _refuse("bounded-replay windows of different sizes", f"{setting}: windows {sizes}")
     primary = next(g for g, w in enumerate(windows) if w not in (MAMBA, RING))
     if primary in replay:
         _refuse(
