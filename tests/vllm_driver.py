@@ -188,6 +188,8 @@ FINER_HASH_SEEDS = 0
 # --ring: the runs with compressor rings, those with a ring first, with compressed attention, where vLLM zeroes new
 # attention blocks for mixed precisions (no Mamba group), and the blocks to zero its steps reported there.
 RING_COUNTS = collections.Counter[str]()
+# --replay: the runs with bounded prefix replay and the admissions that replayed (vLLM's replay_start above 0).
+REPLAY_COUNTS = collections.Counter[str]()
 # Of the prefix-hit admissions, those whose hit ends inside a block; and the block copies vLLM's scheduler sent
 # to the workers (kv_cache_block_copies: the copy-on-write of a shared block a hit ends inside).
 PARTIAL_BLOCK_HITS = 0
@@ -1547,6 +1549,9 @@ class Pair:
         compare(f"step {self.steps} SchedulerOutput", so_a, so_b)
         if self.ring_zeroing:
             RING_COUNTS["blocks zeroed there"] += len(so_a.new_block_ids_to_zero or ())
+        for new in so_a.scheduled_new_reqs:
+            if getattr(new, "replay_start", 0):
+                REPLAY_COUNTS["admissions replaying"] += 1
         if self.mooncake is not None:
             compare(
                 f"step {self.steps} MooncakeStoreConnector metadata",
@@ -2007,6 +2012,7 @@ def run_seed(
     pcp: int = 1,
     mla: bool = False,
     ring: bool = False,
+    replay: bool = False,
     encoder_decoder: bool = False,
     cpu_offload: bool = False,
     lazy_offload: bool = False,
@@ -2137,6 +2143,28 @@ def run_seed(
         cfg.tokens_per_state = grng.choice([t for t in (1, 1, 2, 4) if unit % t == 0])
         cfg.mixed_precision = grng.random() < 0.5
         cfg.num_blocks += cfg.max_num_seqs * groups.count("ring")
+    if replay:
+        # DeepSeek V4.1's bounded prefix replay: the drawn layout's sliding windows of one size (a drawn window
+        # added when it has none) become windows rebuilt by replay (SlidingWindowMLASpec with bounded_replay),
+        # after a full-attention group (own stream).
+        rrng = random.Random(f"replay/{seed}")
+        groups = list(cfg.kv_cache_groups or (cfg.sliding_window,))
+        drawn = len(groups)
+        cfg.sliding_window = None
+        windows = [g for g in groups if isinstance(g, int) and not isinstance(g, bool)]
+        if windows:
+            window = rrng.choice(windows)
+        else:
+            window = rrng.choice([1, 3, 8, cfg.block_size, 2 * cfg.block_size, 20, 33])
+            groups.insert(rrng.randrange(len(groups) + 1), window)
+        groups = [f"replay:{window}" if g == window else g for g in groups]
+        first = next(i for i, g in enumerate(groups) if g not in ("ring", "mamba"))
+        if groups[first] != None:  # noqa: E711 (a group is None, an int or a str)
+            groups.insert(first, None)
+        cfg.kv_cache_groups = tuple(groups)
+        # (as many blocks per group as the drawn layout's)
+        cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(groups) // drawn
+        REPLAY_COUNTS["runs"] += 1
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
         # turns it off for encoder-decoder models), a small encoder budget and slot count (own stream).
@@ -2582,6 +2610,13 @@ def main(argv: list[str] | None = None) -> int:
         "which kvsched.vllm refuses with rings",
     )
     p.add_argument(
+        "--replay",
+        action="store_true",
+        help="bounded prefix replay (DeepSeek V4.1): the drawn layout's sliding windows of one size, or a drawn "
+        "window, become SlidingWindowMLASpec groups with bounded_replay after a full-attention group; not with "
+        "Mamba, cross-attention or groups of different block sizes, which kvsched.vllm refuses with replay",
+    )
+    p.add_argument(
         "--mtp",
         action="store_true",
         help="as --eagle, with a multi-module MTP drafter of 2-4 modules (one per draft, drawn per seed): vLLM's "
@@ -2793,6 +2828,7 @@ def main(argv: list[str] | None = None) -> int:
                         pcp=args.pcp,
                         mla=args.mla,
                         ring=args.ring,
+                        replay=args.replay,
                         encoder_decoder=args.enc_dec,
                         cpu_offload=args.cpu_offload,
                         lazy_offload=args.lazy_offload,
@@ -2821,6 +2857,7 @@ def main(argv: list[str] | None = None) -> int:
                 or args.hash_block_size is not None
                 or group_block_factors
                 or args.ring
+                or args.replay
             ):
                 note += f"; {PREFIX_HITS} admissions with a prefix hit"
             PREFIX_HITS = 0
@@ -2836,6 +2873,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.ring:
                 note += "; compressor rings: " + ", ".join(f"{k} {n}" for k, n in RING_COUNTS.items())
                 RING_COUNTS.clear()
+            if args.replay:
+                note += "; bounded replay: " + ", ".join(f"{k} {n}" for k, n in REPLAY_COUNTS.items())
+                REPLAY_COUNTS.clear()
             global MIXED_BLOCK_SEEDS
             if group_block_factors:
                 note += f"; {MIXED_BLOCK_SEEDS} runs with KV cache groups of different block sizes"

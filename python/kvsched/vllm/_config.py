@@ -138,12 +138,6 @@ def _check_kv_cache_config(
         # Plain or MLA full attention and sliding windows, chunked-local or cross attention, or Mamba: the other
         # specs subclass or differ from them.
         window: int | str | None = None
-        if getattr(spec, "bounded_replay", False):
-            # vLLM 0.33 recomputes the tail of a prefix hit to rebuild such a window (prefix replay).
-            _refuse(
-                f"sliding windows rebuilt by prefix replay ({type(spec).__name__} with bounded_replay)",
-                f"{where}bounded_replay=True",
-            )
         if type(spec) is MambaSpec:
             mode = getattr(spec, "mamba_cache_mode", "none")
             if mode not in ("none", "align") or (mode == "none" and prefix_caching):
@@ -216,6 +210,7 @@ def _check_kv_cache_config(
         windows.append(window)
     if not attention_sizes:
         _refuse("models with Mamba layers only (no attention KV cache group)", "MambaSpec")
+    _check_replay_groups(groups, windows, len(attention_sizes) > 1)
 
     def per_rank(size: int) -> str:
         return f"{size // dcp} * {dcp}" if dcp > 1 else str(size)
@@ -278,6 +273,36 @@ def _check_kv_cache_config(
         _refuse("HiSparse host blocks", "kv_cache_config.hisparse_host_num_blocks")
     _check_retention(getattr(kv_cache_config, "prefix_cache_retention_interval", None), block_size, windows)
     return windows, attention_size, next(iter(spec_blocks), 0)
+
+
+def replay_groups(kv_cache_config: Any) -> tuple[int, ...]:
+    """The KV cache groups vLLM rebuilds by bounded prefix replay (DeepSeek V4.1's ``SlidingWindowMLASpec`` with
+    ``bounded_replay``, vLLM's ``prefix_replay_group_ids``): the core's ``prefix_replay_groups``."""
+    return tuple(
+        g for g, group in enumerate(kv_cache_config.kv_cache_groups) if getattr(group.kv_cache_spec, "bounded_replay", False)
+    )
+
+
+def _check_replay_groups(groups: list[Any], windows: list[int | str | None], sized: bool) -> None:
+    """Refuses the bounded-replay layouts the core does not implement (``prefix_replay_groups``)."""
+    replay = [g for g, group in enumerate(groups) if getattr(group.kv_cache_spec, "bounded_replay", False)]
+    if not replay:
+        return
+    setting = f"KV cache groups {replay} with bounded_replay"
+    if len({windows[g] for g in replay}) > 1:
+        # (vLLM asserts one window.)
+        _refuse("bounded-replay windows of different sizes", f"{setting}: windows {sorted({windows[g] for g in replay})}")
+    primary = next(g for g, w in enumerate(windows) if w not in (MAMBA, RING))
+    if primary in replay:
+        _refuse(
+            "a bounded-replay window as the first attention KV cache group (the core's primary group is looked up "
+            "and cached; a replayed window is neither)",
+            f"{setting}, group {primary} first",
+        )
+    if sized:
+        _refuse("bounded-replay windows among KV cache groups of different block sizes", setting)
+    if MAMBA in windows or CROSS_ATTENTION in windows:
+        _refuse("bounded-replay windows beside Mamba or cross-attention groups", setting)
 
 
 def _check_retention(retention: int | None, block_size: int, windows: list[int | str | None]) -> None:
@@ -907,6 +932,12 @@ def kvsched_config_from_vllm(
             f"kv_transfer_config, ring block sizes {rings}",
         )
     fields["ring_block_size"] = rings[0] if rings else None
+    # DeepSeek V4.1's sliding windows rebuilt by bounded prefix replay.
+    fields["prefix_replay_groups"] = replay_groups(kv_cache_config)
+    if fields["prefix_replay_groups"]:
+        aux = getattr(vllm_config, "aux_output_config", None)
+        if aux is not None and getattr(aux, "enabled", False):
+            _refuse("the auxiliary output connector beside bounded-replay windows", "aux_output_config")
     return build_config(fields, knobs), num_spec_tokens
 
 

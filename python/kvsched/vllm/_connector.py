@@ -50,6 +50,9 @@ class ConnectorBridge:
         windows: tuple[Any, ...] = (None,),
         looking_up: Callable[[Request, int], AbstractContextManager[None]] | None = None,
         block_scales: tuple[int, ...] | None = None,
+        replay_groups: tuple[int, ...] = (),
+        replay_window: int = 0,
+        block_size: int = 1,
     ) -> None:
         """``connector``: vLLM's scheduler-role connector. What the bridge needs of the adapter, all reading its
         state when called: ``get_request``, the vLLM request of a live id; ``record_prefix_lookup(request,
@@ -61,7 +64,9 @@ class ConnectorBridge:
         ``looking_up(request, num_local_hit_tokens)``, a context the connector's lookup runs in (the block pins'
         answers to lookups of the request's local hit while the core is inside its call); ``block_scales``, each
         group's block size in hash blocks (KV cache groups of different block sizes: a block's hash is the one at
-        its last hash block; default 1 for every group)."""
+        its last hash block; default 1 for every group); ``replay_groups`` and ``replay_window``, the groups bounded
+        prefix replay rebuilds and their window (the core's ``prefix_replay_groups``), with ``block_size`` the
+        scheduler block a load that does not restore them is cut to."""
         self.connector = connector
         self._looking_up = looking_up or (lambda request, num_local: contextlib.nullcontext())
         self._get_request = get_request
@@ -70,7 +75,13 @@ class ConnectorBridge:
         self._mark_slow = mark_slow
         self._hma = isinstance(connector, SupportsHMA)
         # Groups whose blocks never enter the prefix cache (a window of one token).
-        self._uncached_groups = {g for g, w in enumerate(windows) if w == 1}
+        self._uncached_groups = {g for g, w in enumerate(windows) if w == 1} | set(replay_groups)
+        self._replay_groups = set(replay_groups)
+        self._replay_window = replay_window
+        self._block_size = block_size
+        # A lookup's local hit when bounded prefix replay dropped it (the connector's stats count its queries
+        # from it): req_id -> local hit tokens.
+        self._query_local: dict[str, int] = {}
         self._block_scales = block_scales or (1,) * len(windows)
         # Lookups of this step that may end in an admission: req_id -> (local hit tokens, external tokens, async).
         self._asked: dict[str, tuple[int, int, bool]] = {}
@@ -115,11 +126,25 @@ class ConnectorBridge:
         is_async = bool(load_async) and n > 0
         if not is_async and n == room:
             n = room - 1
-        self._asked[req_id] = (num_computed_tokens, n, is_async)
+        local = num_computed_tokens
+        if self._replay_window and not (n > 0 and self.restores_window(request)):
+            # Bounded prefix replay (the core's rules): a load that does not restore the replayed windows is taken
+            # in whole blocks, and a hit no longer than the window is dropped.
+            n -= n % self._block_size
+            is_async = is_async and n > 0
+            if 0 < local + n <= self._replay_window:
+                self._query_local[req_id] = local
+                local, n, is_async = 0, 0, False
+        self._asked[req_id] = (local, n, is_async)
         if self.stages is not None:
             self._stage_before[req_id] = self.stages.get(req_id)
-        self._record_lookup(req_id, request, num_computed_tokens, n, is_async)
+        self._record_lookup(req_id, request, local, n, is_async)
         return int(ext), bool(load_async)
+
+    def restores_window(self, request: Request) -> bool:
+        """Whether the connector's load restores every window bounded prefix replay rebuilds (vLLM's
+        ``_load_restores_replay_window``: a transfer of the request's own blocks does, a prefix store does not)."""
+        return self._replay_groups.issubset(self.connector.get_loaded_kv_cache_group_ids(request))
 
     def cap_external(self, req_id: str, num_external: int) -> None:
         """The cache-hit cap (vLLM's auxiliary output connector) cut the lookup's external tokens to
@@ -168,7 +193,7 @@ class ConnectorBridge:
         if asked is None:
             return  # a loaded request admitted for the rest of its prompt: no lookup, no stats
         # The connector attributes cache-hit tiers once the load is registered: a deferred load records now.
-        self._record_connector_lookup(request, asked[0], num_external_tokens)
+        self._record_connector_lookup(request, self._query_local.pop(req_id, asked[0]), num_external_tokens)
         if not deferred:
             self._admitted(req_id, request, asked, num_external_tokens)
 
@@ -278,6 +303,7 @@ class ConnectorBridge:
 
     def begin_step(self) -> None:
         self._asked.clear()
+        self._query_local.clear()
         self._stage_before.clear()
         self.recorded.clear()
         self.has_sync_kv_loads = False

@@ -209,6 +209,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # Each KV cache group's sliding window (None: full attention, "cross", "mamba"), in vLLM's group order.
         self._group_windows: tuple[int | str | None, ...] = tuple(windows)
         self._num_groups = len(windows)
+        # DeepSeek V4.1's bounded prefix replay: the replayed windows' groups and their window (0: none).
+        self._replay_groups = tuple(config.prefix_replay_groups)
+        self._replay_window = int(windows[self._replay_groups[0]]) if self._replay_groups else 0  # type: ignore[arg-type]
         # vLLM's needs_kv_cache_zeroing (a model with Mamba layers, or attention layers of several precisions): new
         # attention blocks reported to the workers.
         self._zeroes_new_blocks = MAMBA in windows or bool(config.zero_new_blocks)
@@ -343,6 +346,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     if config.kv_cache_group_block_sizes is not None
                     else None
                 ),
+                replay_groups=self._replay_groups,
+                replay_window=self._replay_window,
+                block_size=self.block_size,
             )
             if log_stats:
                 self._connector_prefix_cache_stats = PrefixCacheStats()
@@ -1221,7 +1227,14 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                     drafts_needed = True
                 request.status = _RUNNING
                 request.num_computed_tokens = c
-                self._on_admitted(request, c, now)
+                hit = c
+                if self._replay_window:
+                    # vLLM's Request.replay_start, sent in NewRequestData; a replay (always of the whole window:
+                    # a shorter hit is dropped) started the computed count below the hit.
+                    request.replay_start = self._core.get_replay_start(req_id)
+                    if c > 0 and request.replay_start == c:
+                        hit = c + self._replay_window
+                self._on_admitted(request, hit, now)
                 if req_id in new_set or v2:
                     data = NewRequestData.from_request(
                         request, blocks, request._all_token_ids if v2 else None, uses_mrope=uses_mrope
@@ -1723,8 +1736,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if key_tokens is not None and g in key_tokens
             else self._window_hashed_tokens(table, num_cached_blocks, w)
             for g, (table, w) in enumerate(zip(tables, self._group_windows, strict=True))
-            # vLLM leaves the groups that are never prefix cached out (cross attention, rings).
-            if w != CROSS_ATTENTION and w != RING
+            # vLLM leaves the groups that are never prefix cached out (cross attention, rings, replayed windows).
+            if w != CROSS_ATTENTION and w != RING and g not in self._replay_groups
         )
 
     def _mamba_key_tokens(self, req_id: str) -> dict[int, list[int]]:

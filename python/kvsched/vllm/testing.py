@@ -412,8 +412,10 @@ def _kv_cache_config(
     mixed_precision: bool = False,
 ) -> Any:
     """One KV cache group (full attention, or ``sliding_window``), or one group per entry of ``kv_cache_groups``
-    (None: full attention, an int: a sliding window of that many tokens, ``"chunked:<c>"``: chunked-local
-    attention in chunks of ``c`` tokens, ``"cross"``: cross attention, ``"ring"``: a compressor's ring buffer
+    (None: full attention, an int: a sliding window of that many tokens, ``"replay:<w>"``: a sliding window
+    of ``w`` tokens rebuilt by bounded prefix replay (DeepSeek V4.1's ``SlidingWindowMLASpec`` with
+    ``bounded_replay``), ``"chunked:<c>"``: chunked-local attention in chunks of ``c`` tokens, ``"cross"``: cross
+    attention, ``"ring"``: a compressor's ring buffer
     (``CircularBufferSpec``, a ring of ``ring_block_size`` rows), ``"mamba"``: a Mamba group as vLLM builds it
     without prefix caching: ``mamba_cache_mode`` "none", a block of ``max_model_len`` tokens, a speculative state
     block per draft token; with ``mamba_align``, ``mamba_cache_mode`` "align" and blocks of ``block_size``
@@ -471,6 +473,17 @@ def _kv_cache_config(
         if window is None:
             compressed = {"tokens_per_state": tokens_per_state} if tokens_per_state > 1 else {}
             return full_spec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=dtype, **compressed)
+        if isinstance(window, str) and window.startswith("replay:"):
+            # DeepSeek V4.1's sliding window rebuilt by bounded prefix replay (never prefix cached).
+            return SlidingWindowMLASpec(
+                block_size=block_size,
+                num_kv_heads=1,
+                head_size=1,
+                dtype=dtype,
+                sliding_window=int(window.removeprefix("replay:")),
+                extra_retained_tokens=extra_retained_tokens,
+                bounded_replay=True,
+            )
         if isinstance(window, str) and window.startswith("chunked:"):
             return ChunkedLocalAttentionSpec(
                 block_size=block_size,

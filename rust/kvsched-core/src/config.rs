@@ -467,6 +467,11 @@ pub struct SchedulerConfig {
     /// counts that step at every group's own block size); a ring holds one block whatever its rows. Needs a ring
     /// group.
     pub ring_block_size: Option<u32>,
+    /// The sliding-window groups rebuilt by bounded prefix replay (vLLM's `SlidingWindowMLASpec` with
+    /// `bounded_replay`, DeepSeek V4.1): never cached nor looked up; a prefix hit (local or loaded) recomputes its
+    /// last window (the groups' common window) to rebuild them, without rewriting the hit's cached KV elsewhere
+    /// (`hybrid.rs`, `step.rs`). Empty: none.
+    pub prefix_replay_groups: Vec<u32>,
     /// Align-mode Mamba groups with prefix caching: which cached states defer a same-step hit on them
     /// (`hybrid.rs`). `true` (vLLM 0.33): the states an allocation caches in the current `schedule()` call.
     /// `false` (vLLM 0.32): also the state at the prompt's checkpoint (its last block boundary that leaves a
@@ -611,6 +616,7 @@ impl Default for SchedulerConfig {
             prefix_cache_retention_interval: None,
             mamba_prefill_checkpoint_alignment: None,
             ring_block_size: None,
+            prefix_replay_groups: Vec::new(),
             mamba_defer_new_states_only: true,
             mamba_eagle_group: true,
             drop_junction_below: true,
@@ -987,6 +993,7 @@ impl SchedulerConfig {
         }
         self.validate_prefill_lookahead()?;
         self.validate_groups()?;
+        self.validate_replay_groups()?;
         self.validate_group_block_sizes()?;
         self.validate_retention()?;
         self.validate_hash_block()?;
@@ -1200,6 +1207,72 @@ impl SchedulerConfig {
     /// What several KV cache groups (`kv_cache_groups`) need: two groups or more (one is the plain or
     /// `sliding_window` config), windows of at least one token, and none of the features that do not know
     /// per-group block tables yet.
+    /// What `prefix_replay_groups` needs: sliding-window groups of one window, none the primary group, and none of
+    /// the features whose counts the replay's rewind would change (align-mode Mamba splits, encoder-decoder, swap).
+    fn validate_replay_groups(&self) -> Result<()> {
+        let replay = &self.prefix_replay_groups;
+        if replay.is_empty() {
+            return Ok(());
+        }
+        let refuse = |what: String| Err(SchedError::InvalidConfig(what));
+        let groups = &self.kv_cache_groups;
+        if groups.is_empty() {
+            return refuse("prefix_replay_groups needs kv_cache_groups (several KV cache groups)".into());
+        }
+        let mut window = None;
+        for (i, &g) in replay.iter().enumerate() {
+            let Some(&entry) = groups.get(g as usize) else {
+                return refuse(format!(
+                    "prefix_replay_groups entry {g} is not a group (kv_cache_groups has {})",
+                    groups.len()
+                ));
+            };
+            if replay[..i].contains(&g) {
+                return refuse(format!("prefix_replay_groups lists group {g} more than once"));
+            }
+            let w = match entry {
+                Some(w)
+                    if w != 0 && !is_stateful_entry(w) && !is_chunked_entry(w) && w != CROSS_ATTENTION =>
+                {
+                    w
+                }
+                _ => return refuse(format!("prefix_replay_groups entry {g} is not a sliding-window group")),
+            };
+            match window {
+                None => window = Some(w),
+                Some(a) if a != w => {
+                    return refuse(format!("prefix_replay_groups' windows must agree, got {a} and {w}"));
+                }
+                Some(_) => {}
+            }
+        }
+        let primary = groups.iter().position(|&g| !g.is_some_and(is_stateful_entry)).unwrap_or(0) as u32;
+        if let Some(&g) = replay.iter().find(|&&g| g == primary) {
+            return refuse(format!(
+                "prefix_replay_groups entry {g} is the primary group; a replayed window needs a full-attention or \
+                 sliding-window group before it"
+            ));
+        }
+        if self.mamba_align {
+            return refuse("prefix_replay_groups cannot be combined with mamba_align".into());
+        }
+        if self.encoder_decoder {
+            return refuse("prefix_replay_groups cannot be combined with encoder_decoder".into());
+        }
+        if self.num_cpu_blocks > 0 {
+            return refuse("prefix_replay_groups cannot be combined with swap (num_cpu_blocks)".into());
+        }
+        Ok(())
+    }
+
+    /// The replay window (`prefix_replay_groups`' common window; 0 without replay groups).
+    pub fn replay_window(&self) -> u32 {
+        self.prefix_replay_groups
+            .first()
+            .and_then(|&g| self.kv_cache_groups.get(g as usize).copied().flatten())
+            .unwrap_or(0)
+    }
+
     fn validate_groups(&self) -> Result<()> {
         let groups = &self.kv_cache_groups;
         if groups.is_empty() {

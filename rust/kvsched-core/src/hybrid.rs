@@ -154,6 +154,10 @@ pub struct Hybrid {
     /// With prefix hits inside a block: the block copies queued since the current `schedule()` call began, per
     /// group, as `(source, destination)` (vLLM's `kv_cache_block_copies`; `SchedulerOutput::kv_cache_block_copies`).
     pub cow_copies: Vec<Vec<(u32, u32)>>,
+    /// Each group: whether bounded prefix replay rebuilds it (`SchedulerConfig::prefix_replay_groups`; empty:
+    /// none). Such a sliding-window group is in no lookup set, its hit is null blocks like a ring's (taken as
+    /// empty by the allocation: the hit's window gets fresh blocks), and it is never cached.
+    pub replay: Vec<bool>,
 }
 
 /// A Mamba boundary state offered to a KV connector: `(request id, group, block, tokens it holds the state of)`.
@@ -186,6 +190,7 @@ impl Clone for Hybrid {
             partial_hit_tokens: self.partial_hit_tokens,
             partial_longest: self.partial_longest,
             cow_copies: self.cow_copies.clone(),
+            replay: self.replay.clone(),
         }
     }
 }
@@ -208,7 +213,7 @@ impl Hybrid {
             .collect();
         let align = block_sizes.iter().fold(1u64, |a, &b| lcm(a, u64::from(b.max(1))));
         let primary = windows.iter().position(|&w| !is_stateful_entry(w)).unwrap_or(0);
-        let lookups = build_lookups(&windows, false);
+        let lookups = build_lookups(&windows, false, &[]);
         let n = windows.len();
         let zero_ids = if windows.contains(&MAMBA) { vec![Vec::new(); n] } else { Vec::new() };
         Hybrid {
@@ -236,13 +241,31 @@ impl Hybrid {
             partial_hit_tokens: 0,
             partial_longest: 0,
             cow_copies: vec![Vec::new(); n],
+            replay: Vec::new(),
         }
+    }
+
+    /// Bounded prefix replay rebuilds `groups` (`SchedulerConfig::prefix_replay_groups`): they leave the lookup
+    /// sets. Call before `with_mamba_lookup`.
+    pub fn with_replay(mut self, groups: &[u32]) -> Self {
+        if groups.is_empty() {
+            return self;
+        }
+        self.replay = (0..self.windows.len()).map(|g| groups.contains(&(g as u32))).collect();
+        self.lookups = build_lookups(&self.windows, false, &self.replay);
+        self
+    }
+
+    /// Whether group `g` is rebuilt by bounded prefix replay (see `replay`).
+    #[inline]
+    pub fn is_replay(&self, g: usize) -> bool {
+        self.replay.get(g).copied().unwrap_or(false)
     }
 
     /// Align-mode Mamba groups with prefix caching: the Mamba groups join the lookup as one set (vLLM groups
     /// them by their one spec), in the order of first appearance among the sets that are not full attention.
     pub fn with_mamba_lookup(mut self) -> Self {
-        self.lookups = build_lookups(&self.windows, true);
+        self.lookups = build_lookups(&self.windows, true, &self.replay);
         self
     }
 
@@ -292,10 +315,10 @@ fn lcm(a: u64, b: u64) -> u64 {
 
 /// The lookup sets of groups `windows`: full attention as one set first, then each window (and, with `mamba`, the
 /// Mamba groups as one set) in order of first appearance.
-fn build_lookups(windows: &[u32], mamba: bool) -> Vec<(u32, Vec<usize>)> {
+fn build_lookups(windows: &[u32], mamba: bool, replay: &[bool]) -> Vec<(u32, Vec<usize>)> {
     let mut lookups: Vec<(u32, Vec<usize>)> = Vec::new();
     for (g, &w) in windows.iter().enumerate() {
-        if w != 0 && !is_window(w) && !(mamba && w == MAMBA) {
+        if (w != 0 && !is_window(w) && !(mamba && w == MAMBA)) || replay.get(g).copied().unwrap_or(false) {
             continue;
         }
         match lookups.iter_mut().find(|(lw, _)| *lw == w) {

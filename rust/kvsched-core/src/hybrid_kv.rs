@@ -74,11 +74,12 @@ fn align_checkpoint(
     free.then_some((checkpoint, idx))
 }
 
-/// A ring group's hit (never looked up: vLLM's is empty) as `n` null blocks, the primary group's length, so that
-/// group 0's hits give the hit's length whatever group comes first; the allocation takes nothing from it.
+/// A ring group's or a replayed window's hit (never looked up: vLLM's is empty) as `n` null blocks, the primary
+/// group's length, so that group 0's hits give the hit's length whatever group comes first; the allocation takes
+/// nothing from it.
 fn fill_ring_hits(hy: &Hybrid, hits: &mut [Vec<u32>], n: usize) {
     for (g, &w) in hy.windows.iter().enumerate() {
-        if w == RING {
+        if w == RING || hy.is_replay(g) {
             hits[g].clear();
             hits[g].resize(n, NULL_BLOCK);
         }
@@ -513,9 +514,9 @@ impl KvCacheManager {
             }
         }
         let fa = lens[hy.lookups[0].1[0]];
-        // A ring takes no part in the hit.
+        // A ring or a replayed window takes no part in the hit.
         for (g, &w) in hy.windows.iter().enumerate() {
-            if w == RING {
+            if w == RING || hy.is_replay(g) {
                 lens[g] = fa;
             }
         }
@@ -611,7 +612,8 @@ impl KvCacheManager {
                 total += if req.blocks.is_empty() { hy.mamba_blocks.saturating_sub(held) } else { 0 };
                 continue;
             }
-            let hits = &all_hits[g];
+            // A replayed window takes nothing from its hit (its null blocks only carry the hit's length).
+            let hits: &[u32] = if hy.is_replay(g) { &[] } else { &all_hits[g] };
             if w == 0 {
                 let evictable = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
                 total += required.saturating_sub(held + hits.len()) + evictable + usize::from(partial);
@@ -648,6 +650,7 @@ impl KvCacheManager {
         let all_hits = self.hybrid_hits(hits);
         let hy = self.hybrid.as_deref()?;
         let (windows, mamba_blocks, align) = (hy.windows.clone(), hy.mamba_blocks, hy.mamba_align);
+        let replay: Vec<bool> = (0..windows.len()).map(|g| hy.is_replay(g)).collect();
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
         let (bs, eagle, unit) = (self.block_size, self.drop_trailing_hit, self.partial_unit);
         let hit_tokens = self.hit_tokens(hits);
@@ -765,10 +768,12 @@ impl KvCacheManager {
             let skipped_tokens =
                 if fresh && w != 0 { group_skipped(w, total_computed, self.extra_retained) } else { 0 };
             let skipped = (skipped_tokens / gbs) as usize;
-            let ghits = all_hits[g].len();
-            let need =
-                self.blocks_to_add_sized(held + skipped.max(ghits), num_slots, gbs) + usize::from(partial);
-            let kept = &all_hits[g][skipped.min(ghits)..];
+            // A replayed window takes nothing from its hit (its null blocks only carry the hit's length): the
+            // hit's window gets fresh blocks.
+            let ghits: &[u32] = if replay[g] { &[] } else { &all_hits[g] };
+            let need = self.blocks_to_add_sized(held + skipped.max(ghits.len()), num_slots, gbs)
+                + usize::from(partial);
+            let kept = &ghits[skipped.min(ghits.len())..];
             evictable += kept.iter().filter(|&&b| b != NULL_BLOCK && self.pool.ref_cnt(b) == 0).count();
             total_need += need;
             // The external tokens' blocks: vLLM pops them for every group first (`allocate_external_computed_blocks`),
@@ -776,7 +781,7 @@ impl KvCacheManager {
             let ext =
                 if skipped_tokens > 0 { ext_tokens.min(total_computed - skipped_tokens) } else { ext_tokens };
             if ext > 0 {
-                let held_after_hits = held + skipped.max(ghits);
+                let held_after_hits = held + skipped.max(ghits.len());
                 let ext_need =
                     (total_computed.div_ceil(gbs) as usize).saturating_sub(held_after_hits).min(need);
                 ext_plan.push((g, 0, ext_need));
@@ -803,7 +808,8 @@ impl KvCacheManager {
             {
                 continue;
             }
-            let kept = &all_hits[g][skipped.min(all_hits[g].len())..];
+            let ghits: &[u32] = if replay[g] { &[] } else { &all_hits[g] };
+            let kept = &ghits[skipped.min(ghits.len())..];
             // A chunked-local hit can hold null blocks past the skipped ones (its nulls end at a chunk, the
             // skipped blocks at the chunk of the hit's end, which may start lower): never touched.
             let nulls = kept.iter().take_while(|&&b| b == NULL_BLOCK).count();
@@ -1091,8 +1097,10 @@ impl KvCacheManager {
             (mamba_tokens > 0 && mamba_tokens == prompt_checkpoint)
                 .then(|| (prompt_checkpoint / bs) as usize - 1)
         });
+        let replay: Vec<bool> = (0..windows.len()).map(|g| hy.is_replay(g)).collect();
         for (g, &w) in windows.iter().enumerate() {
-            if w == CROSS_ATTENTION || w == RING || (w == MAMBA && !align) {
+            // Never cached: cross attention, rings, Mamba groups outside align mode, replayed windows.
+            if w == CROSS_ATTENTION || w == RING || (w == MAMBA && !align) || replay[g] {
                 continue;
             }
             // A prefill checkpoint of the group's last allocation: re-keyed below, and no prompt tail then.

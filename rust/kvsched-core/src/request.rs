@@ -197,6 +197,12 @@ pub struct Request {
     pub num_preemptions: u32,
     /// Prefix-cache hit at first admission, in tokens; -1 until admitted.
     pub num_cached_tokens: i64,
+    /// With bounded prefix replay (`SchedulerConfig::prefix_replay_groups`): where its last replay starts, the
+    /// first token its replayed windows are recomputed from (vLLM's `Request.replay_start`); 0 when nothing replays.
+    pub replay_start: u32,
+    /// With bounded prefix replay: whether the asynchronous KV load it waits for restores the replayed windows
+    /// (the connector's loaded groups hold them all), asked at the load's admission.
+    pub load_restores_window: bool,
     pub stop_reason: i64,
     pub extra_keys: ExtraKeys,
     // --- policy keys and tenant accounting (`fair.rs`)

@@ -230,6 +230,7 @@ impl Scheduler {
                 hy.retention = config.prefix_cache_retention_interval;
                 hy.hash_lookahead = config.hash_lookahead_tokens;
                 hy.checkpoint_align = config.mamba_prefill_checkpoint_alignment.unwrap_or(0);
+                hy = hy.with_replay(&config.prefix_replay_groups);
                 if config.mamba_align && config.enable_prefix_caching {
                     hy = hy.with_mamba_lookup();
                 }
@@ -498,6 +499,8 @@ impl Scheduler {
             arrival_time: params.arrival_time + 0.0,
             num_preemptions: 0,
             num_cached_tokens: -1,
+            replay_start: 0,
+            load_restores_window: false,
             max_tokens,
             requested_max_tokens: params.max_tokens.unwrap_or(max_tokens),
             min_tokens: params.min_tokens,
@@ -886,6 +889,12 @@ impl Scheduler {
         Ok(self.slab.hot.in_flight[self.slot_of(req_id)? as usize])
     }
 
+    /// Where a live request's last bounded prefix replay starts (`SchedulerConfig::prefix_replay_groups`; vLLM's
+    /// `Request.replay_start`, sent in `NewRequestData`): 0 until it replays, or when nothing replays.
+    pub fn get_replay_start(&self, req_id: &str) -> Result<u32> {
+        Ok(self.get_request(req_id)?.replay_start)
+    }
+
     /// Output placeholders of a live request (async scheduling; vLLM's `Request.num_output_placeholders`).
     pub fn get_num_output_placeholders(&self, req_id: &str) -> Result<u32> {
         Ok(self.get_request(req_id)?.num_output_placeholders)
@@ -1264,6 +1273,16 @@ impl Scheduler {
                 }
                 for &b in &live {
                     held[b as usize] += 1;
+                }
+                // A replayed window is never cached: its table's cached count stops at its null blocks.
+                if cfg.prefix_replay_groups.contains(&(g as u32))
+                    && (num_cached as usize > num_null
+                        || live.iter().any(|&b| self.kv.pool.block_hash(b).is_some()))
+                {
+                    return Err(format!(
+                        "request {:?}: replayed window group {g} holds a cached block",
+                        r.id
+                    ));
                 }
                 if num_cached as usize > blocks.len() {
                     return Err(format!("request {:?}: more cached blocks than blocks", r.id));

@@ -332,8 +332,16 @@ struct Admission {
     num_hit_tokens: u32,
     /// Tokens in KV from the hits, or from its swapped-out copy when that reaches further.
     restored: u32,
-    /// Tokens in KV (or arriving) before this step.
+    /// Tokens in KV (or arriving) before this step (with bounded prefix replay, from where the replay starts).
     computed: u32,
+    /// Bounded prefix replay: the hit's tokens recomputed this step (their slots are the hit's), where the
+    /// replay starts (set at the commit; `None` without a replay window or for an asynchronous load), the local
+    /// hit before a hit no longer than the window was dropped (for the connector's stats), and whether the load
+    /// restores the replayed windows.
+    replay: u32,
+    replay_start: Option<u32>,
+    local_before_drop: Option<u32>,
+    window_loaded: bool,
     /// Tokens the connector supplies beyond the local hit, and whether they load asynchronously.
     ext: u32,
     load_async: bool,
@@ -918,7 +926,9 @@ impl Scheduler {
             quick_reject: self.connector.is_none()
                 && self.hit_cap.is_none()
                 && self.config.num_spec_tokens() == 0
-                && self.config.prefill_lookahead_tokens <= 1,
+                && self.config.prefill_lookahead_tokens <= 1
+                // Bounded prefix replay: an admission allocates for its replayed tokens beyond the bound's.
+                && self.config.prefix_replay_groups.is_empty(),
             watermark: self.config.watermark_blocks(),
             loras: self.running_loras(&b.out.handles)?,
             skipped: Vec::new(),
@@ -1017,12 +1027,14 @@ impl Scheduler {
         let max_loras = self.config.max_loras as usize;
         let threshold = pass.threshold;
         let hs = h.slot as usize;
+        // Bounded prefix replay (`prefix_replay_groups`): the replay window.
+        let replay_window = self.config.replay_window();
         let (req, hot) = self.slab.get_mut_hot(h.slot)?;
         if req.status == RequestStatus::WaitingForGrammar && req.grammar_ready {
             req.status = RequestStatus::Waiting;
         }
         if req.status == RequestStatus::WaitingForRemoteKvs && req.kv_load_done {
-            Self::promote_loaded(&mut self.kv, req, &mut hot.computed[hs]);
+            Self::promote_loaded(&mut self.kv, req, &mut hot.computed[hs], replay_window);
         }
         let lora_blocked = max_loras > 0
             && pass.loras.len() >= max_loras
@@ -1038,6 +1050,10 @@ impl Scheduler {
         // asynchronously (asked only of requests with nothing computed: a loaded request keeps its count).
         let mut ext = 0u32;
         let mut load_async = false;
+        // Bounded prefix replay: whether the admission's load restores the replayed windows, and the local hit
+        // before a hit no longer than the window is dropped.
+        let mut window_loaded = false;
+        let mut local_before_drop = None;
         let computed_before = hot.computed[hs];
         // Blocks the admission must leave free (the watermark), unless nothing runs.
         let reserved = if self.running.is_empty() { 0 } else { pass.watermark };
@@ -1123,6 +1139,18 @@ impl Scheduler {
                         }
                     }
                 }
+                // Bounded prefix replay: a load that does not restore the replayed windows is taken in whole
+                // blocks (the replay starts in the block of the hit's last window's first token, which a hit
+                // ending inside a block could have retired).
+                if replay_window > 0 && !blocked && ext > 0 {
+                    window_loaded =
+                        restores_window(conn.0.loaded_groups(req), &self.config.prefix_replay_groups);
+                    if !window_loaded {
+                        let align = self.kv.hybrid.as_deref().map_or(bs, |hy| hy.align);
+                        ext -= ext % align;
+                        load_async &= ext > 0;
+                    }
+                }
                 // The cap on the external hit, asked whenever the connector answered (an answer of 0 too).
                 if let (false, Some(cap)) = (blocked, self.hit_cap.as_mut()) {
                     ext = cap.0.cap_external_hit(req, &cached, local, ext).min(ext);
@@ -1139,6 +1167,18 @@ impl Scheduler {
                 }
             }
         }
+        // Bounded prefix replay: a hit no longer than the window would be recomputed whole; it is dropped (an
+        // asynchronous load of it is not started), unless its load restores the replayed windows.
+        window_loaded &= ext > 0;
+        if replay_window > 0 && !blocked && computed_before == 0 && !window_loaded {
+            let local = self.kv.hit_tokens(hits);
+            if local + ext > 0 && local + ext <= replay_window {
+                local_before_drop = Some(local);
+                hits.clear();
+                ext = 0;
+                load_async = false;
+            }
+        }
         // The EC connector's gate, with the tokens the request has (a loaded one) or the lookups cover: an
         // encoder output still in transit skips it (it keeps its place).
         if !blocked && !req.encoder_inputs.is_empty() && self.encoder.capacity() > 0 {
@@ -1146,7 +1186,13 @@ impl Scheduler {
                 let covered = if computed_before > 0 {
                     computed_before
                 } else {
-                    restored_tokens(req, hits.len() as u32 * bs) + ext
+                    let covered = restored_tokens(req, hits.len() as u32 * bs) + ext;
+                    // A replay recomputes the encoder inputs of its window.
+                    if window_loaded {
+                        covered
+                    } else {
+                        covered.saturating_sub(replay_window)
+                    }
                 };
                 blocked = !conn.0.ensure_cache_available(req, covered);
             }
@@ -1171,13 +1217,25 @@ impl Scheduler {
         let restored = restored_tokens(req, num_hit_tokens);
         // Tokens already in KV (or arriving) before this step: a loaded request's count, else the local hit
         // (or a swapped-out request's swapped tokens when they reach past it) plus the connector's.
-        let computed = if computed_before > 0 { computed_before } else { restored + ext };
+        let mut computed = if computed_before > 0 { computed_before } else { restored + ext };
         // Deferred prefill: stop at a request with prompt left beyond its last token (an asynchronous load
         // computes nothing this step, so it is not deferred).
-        let has_prefill = computed + 1 < req.num_tokens();
-        if pass.defer_prefills && !load_async && has_prefill {
+        if pass.defer_prefills && !load_async && computed + 1 < req.num_tokens() {
             return Ok(Candidate::Stop);
         }
+        // Bounded prefix replay: the hit's last window is recomputed (unless its load restores the replayed
+        // windows); the computed count starts there, the replayed tokens' slots are the hit's.
+        let mut replay = 0;
+        let mut replay_start = None;
+        if replay_window > 0 && computed_before == 0 && !load_async {
+            if !window_loaded {
+                replay = replay_window.min(computed);
+            }
+            // (0 when the load restores the windows: nothing replays.)
+            replay_start = Some(if window_loaded { 0 } else { computed - replay });
+            computed -= replay;
+        }
+        let has_prefill = computed + 1 < req.num_tokens();
         let planned_encoder = self.encoder.capacity() > 0 && !load_async && !req.encoder_inputs.is_empty();
         let num_tokens = req.num_tokens();
         let num_prompt = req.num_prompt_tokens;
@@ -1251,6 +1309,10 @@ impl Scheduler {
             num_hit_tokens,
             restored,
             computed,
+            replay,
+            replay_start,
+            local_before_drop,
+            window_loaded,
             ext,
             load_async,
             has_prefill,
@@ -1375,7 +1437,7 @@ impl Scheduler {
             self.kv.allocate_slots_ext(
                 req,
                 at,
-                a.n,
+                a.n.saturating_sub(a.replay),
                 &pass.hits,
                 a.ext,
                 la,
@@ -1384,7 +1446,15 @@ impl Scheduler {
                 in_flight,
             )
         } else {
-            self.kv.allocate_slots(req, at, a.n, &pass.hits, lookahead, a.reserved, in_flight)
+            self.kv.allocate_slots(
+                req,
+                at,
+                a.n.saturating_sub(a.replay),
+                &pass.hits,
+                lookahead,
+                a.reserved,
+                in_flight,
+            )
         };
         if allocated.is_none() {
             if a.computed_before == 0 {
@@ -1432,8 +1502,10 @@ impl Scheduler {
             &mut b.out.swap_in,
         )?;
         if let Some(conn) = self.connector.as_mut() {
-            let queries = (a.computed_before == 0)
-                .then(|| (u64::from(req.num_tokens() - a.num_hit_tokens), u64::from(a.ext)));
+            // (A hit dropped for bounded prefix replay was asked with its local part.)
+            let local = a.local_before_drop.unwrap_or(a.num_hit_tokens);
+            let queries =
+                (a.computed_before == 0).then(|| (u64::from(req.num_tokens() - local), u64::from(a.ext)));
             let defer = a.load_async
                 && self.config.defer_block_free
                 && self.config.defer_async_loads
@@ -1476,6 +1548,7 @@ impl Scheduler {
             // Holds its blocks until the engine reports the load finished (`update_kv_transfers`): parked,
             // or (vLLM 0.33's rule) back among the skipped requests that hold KV blocks.
             req.status = RequestStatus::WaitingForRemoteKvs;
+            req.load_restores_window = a.window_loaded;
             hot.computed[hs] = computed;
             req.kv_load_done = false;
             req.inflight_prefill = true;
@@ -1498,7 +1571,10 @@ impl Scheduler {
         // Leaves vLLM's in-flight prefill set only after the step (finish_step), as vLLM discards it there.
         req.inflight_prefill |= req.is_prefill_chunk;
         if req.num_cached_tokens < 0 {
-            req.num_cached_tokens = i64::from(computed);
+            req.num_cached_tokens = i64::from(computed + a.replay);
+        }
+        if let Some(start) = a.replay_start {
+            req.replay_start = start;
         }
         if req.deferred {
             req.deferred = false;
@@ -1573,13 +1649,31 @@ impl Scheduler {
         kv: &mut crate::kv_cache_manager::KvCacheManager,
         req: &mut crate::request::Request,
         computed: &mut u32,
+        replay_window: u32,
     ) {
         if req.kv_load_failed && *computed == 0 {
             kv.free(req);
         } else {
             kv.cache_blocks(req, *computed);
         }
-        if *computed == req.num_tokens() {
+        // Bounded prefix replay: a load that did not restore the replayed windows (or failed) recomputes its last
+        // window; the replay covers the last token.
+        let mut replay = 0;
+        if replay_window > 0 {
+            if req.load_restores_window && !req.kv_load_failed {
+                req.replay_start = 0;
+            } else {
+                replay = replay_window.min(*computed);
+                req.replay_start = *computed - replay;
+            }
+        }
+        if replay > 0 {
+            *computed -= replay;
+            if *computed == 0 && !req.blocks.is_empty() {
+                // Nothing computed is left: admitted afresh, like a load with nothing valid.
+                kv.free(req);
+            }
+        } else if *computed == req.num_tokens() {
             *computed -= 1;
             if *computed == 0 && !req.blocks.is_empty() {
                 // A one-token prompt keeps nothing computed: it is admitted afresh, like a load with nothing valid.
@@ -1752,6 +1846,11 @@ impl Scheduler {
 /// `lookahead` tokens (`prefill_lookahead_tokens`) before the request's `num_tokens` known tokens end is shortened
 /// to leave that many (possibly to 0); a chunk that reaches the end is kept.
 #[inline(always)]
+/// Whether a KV load writing the `loaded` groups (`None`: every group) restores every group of `replay`.
+fn restores_window(loaded: Option<Vec<usize>>, replay: &[u32]) -> bool {
+    loaded.is_none_or(|l| replay.iter().all(|&g| l.contains(&(g as usize))))
+}
+
 fn reserve_prefill_lookahead(lookahead: u32, num_tokens: u32, computed: u32, n: u32) -> u32 {
     let remaining = i64::from(num_tokens) - i64::from(computed) - i64::from(n);
     if remaining > 0 && remaining < i64::from(lookahead) {

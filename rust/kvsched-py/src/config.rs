@@ -124,6 +124,7 @@ pub(crate) fn _default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("prefix_cache_retention_interval", c.prefix_cache_retention_interval)?;
     d.set_item("mamba_prefill_checkpoint_alignment", c.mamba_prefill_checkpoint_alignment)?;
     d.set_item("ring_block_size", c.ring_block_size)?;
+    d.set_item("prefix_replay_groups", pyo3::types::PyTuple::new(py, &c.prefix_replay_groups)?)?;
     d.set_item("draft_slots", c.draft_slots)?;
     d.set_item("decode_stagger", c.decode_stagger)?;
     d.set_item("max_concurrent_batches", Some(c.max_concurrent_batches).filter(|&v| v != 0))?;
@@ -361,6 +362,7 @@ pub(crate) fn config_from_py(cfg: &Bound<'_, PyAny>) -> PyResult<core::Scheduler
         } else {
             Some(u32_field("ring_block_size")?)
         },
+        prefix_replay_groups: replay_groups_field(&cfg.getattr("prefix_replay_groups")?)?,
         decode_stagger: u32_field("decode_stagger")?,
         // None: 2 with async scheduling, else 1 (the core's 0); so a 0 given is out of the field's bounds.
         max_concurrent_batches: if cfg.getattr("max_concurrent_batches")?.is_none() {
@@ -466,6 +468,31 @@ fn group_block_sizes_field(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         sizes.push(u32::try_from(s).ok().filter(|&s| s >= 1 && s <= i32::MAX as u32).ok_or_else(bad)?);
     }
     Ok(sizes)
+}
+
+/// `prefix_replay_groups`: a sequence of group indices.
+fn replay_groups_field(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let py = v.py();
+    let bad = || {
+        py_error(
+            py,
+            "InvalidConfigError",
+            format!("prefix_replay_groups must be a list of group indices (ints >= 0), got {v}"),
+        )
+    };
+    if v.is_none() || v.is_instance_of::<pyo3::types::PyString>() || v.is_instance_of::<PyBytes>() {
+        return Err(bad());
+    }
+    let mut groups = Vec::new();
+    for item in v.try_iter().map_err(|_| bad())? {
+        let item = item?;
+        if item.is_instance_of::<PyBool>() {
+            return Err(bad());
+        }
+        let g = int_arg(&item, "prefix_replay_groups", "InvalidConfigError")?;
+        groups.push(u32::try_from(g).ok().filter(|&g| g <= i32::MAX as u32).ok_or_else(bad)?);
+    }
+    Ok(groups)
 }
 
 /// The core's `prefix_hash_seed`: with `sha256_pickle` a bytes seed is block 0's parent hash as it is, otherwise

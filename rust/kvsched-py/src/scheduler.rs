@@ -996,6 +996,12 @@ impl PyScheduler {
         Ok(())
     }
 
+    fn get_replay_start(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = id_arg(req_id, "UnknownRequestError")?;
+        let this = borrow(slf)?;
+        guard(slf.py(), || this.core.get_replay_start(&id))
+    }
+
     fn get_num_output_placeholders(slf: &Bound<'_, Self>, req_id: &Bound<'_, PyAny>) -> PyResult<u32> {
         let id = id_arg(req_id, "UnknownRequestError")?;
         let this = borrow(slf)?;

@@ -124,3 +124,10 @@ pub fn free_order(s: &Scheduler) -> Vec<u32> {
 pub fn oldest_in_flight(s: &Scheduler) -> StepRecord {
     (**s.in_flight.front().unwrap()).clone()
 }
+
+/// Steps (feeding token 1) until every request has finished.
+pub fn run_to_completion(s: &mut Scheduler) {
+    while s.has_unfinished_requests() {
+        step_with(s, 1);
+    }
+}

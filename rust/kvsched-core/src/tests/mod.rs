@@ -12,5 +12,6 @@ mod hit_cap;
 mod module_graph;
 mod pins;
 mod policy;
+mod replay;
 mod scheduler;
 mod stream;

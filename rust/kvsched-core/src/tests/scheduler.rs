@@ -5,7 +5,7 @@ use proptest::prelude::*;
 
 use super::helpers::{
     add, apply, feed, free_order, ids, live_ids, oldest_in_flight, one_token_each, params, prompt, resolve,
-    schedule, step_with,
+    run_to_completion, schedule, step_with,
 };
 use crate::{
     FinishReason, PauseState, Policy, PreemptionMode, Ragged, RequestParams, RequestStatus, SchedError,
@@ -1570,12 +1570,6 @@ fn align_caching_cfg() -> SchedulerConfig {
         kv_cache_groups: vec![None, Some(crate::MAMBA)],
         mamba_align: true,
         ..cfg(4, 64)
-    }
-}
-
-fn run_to_completion(s: &mut Scheduler) {
-    while s.has_unfinished_requests() {
-        step_with(s, 1);
     }
 }
 
