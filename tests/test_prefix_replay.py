@@ -391,4 +391,6 @@ def test_soak_replay_groups_match_reference_step_by_step(i: int) -> None:
     run, and some admissions replay."""
     cfg = REPLAY_CONFIGS[i]
     connector = 9100 + i if cfg.kv_connector_groups else None
-    _soak(cfg, 7901 + i, 450, max_in_flight=1 + i % 3, connector_seed=connector)
+    # (with a connector and a window group, a failed step's aborts hand the connector different tables: the
+    # connector soaks of test_differential leave failed steps out too)
+    _soak(cfg, 7901 + i, 450, max_in_flight=1 + i % 3, connector_seed=connector, fail_steps=connector is None)
