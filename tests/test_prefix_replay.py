@@ -250,6 +250,36 @@ def test_a_hit_just_past_the_window_replays_it_whole(impl: str) -> None:
     assert s.get_replay_start("b") == 3 * BS - W
 
 
+class EcConn:
+    """An encoder-cache connector that holds every output and logs the deferral gate's questions."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, int]] = []
+
+    def has_cache_item(self, mm_hash: int) -> bool:
+        return False
+
+    def ensure_cache_available(self, req_id: str, num_computed_tokens: int) -> bool:
+        self.asked.append((req_id, num_computed_tokens))
+        return True
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_encoder_cache_gate_covers_the_replayed_window_too(impl: str) -> None:
+    # The EC connector's gate is asked for the tokens before the replay: the replayed window's encoder inputs are
+    # computed again.
+    s = make(impl, max_num_encoder_input_tokens=256, encoder_cache_size=256)
+    ec = EcConn()
+    s.set_ec_connector(ec)
+    prompts: dict[str, int] = {}
+    prefill(s, "a", PROMPT, prompts, encoder_inputs=[(80, 8, 42)])
+    prompts["b"] = PROMPT
+    s.add_request("b", [7] * PROMPT, max_tokens=3, encoder_inputs=[(80, 8, 42)])
+    out = step(s, prompts)
+    assert scheduled(out, "b") == (HIT - W, PROMPT - HIT + W)
+    assert [n for rid, n in ec.asked if rid == "b"][:1] == [HIT - W]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_without_replay_groups_a_window_keeps_its_hit(impl: str) -> None:
     # The same layout without prefix_replay_groups: the window group is looked up and the hit is taken whole.
