@@ -424,3 +424,34 @@ def test_soak_replay_groups_match_reference_step_by_step(i: int) -> None:
     # (with a connector and a window group, a failed step's aborts hand the connector different tables: the
     # connector soaks of test_differential leave failed steps out too)
     _soak(cfg, 7901 + i, 450, max_in_flight=1 + i % 3, connector_seed=connector, fail_steps=connector is None)
+
+
+# KV connectors beside replay windows in more modes: a ring and two replay groups with async scheduling, drafts and
+# priority; deferred block frees and deferred asynchronous loads; the allocation hook told which blocks are cached,
+# with the in-flight prefills' reservation and the full-sequence check off.
+REPLAY_CONNECTOR_CONFIGS = [
+    SchedulerConfig(block_size=4, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=("ring", None, 8, 8), prefix_replay_groups=(2, 3), kv_connector_groups=True,
+                    async_scheduling=True, num_speculative_tokens=2, policy="priority", prefix_hash_seed=305),
+    SchedulerConfig(block_size=4, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 12, 8), prefix_replay_groups=(2,), kv_connector_groups=True,
+                    async_scheduling=True, defer_block_free=True, defer_async_loads=True, prefix_hash_seed=306),
+    SchedulerConfig(block_size=4, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 8), prefix_replay_groups=(1,), kv_connector_groups=True,
+                    scheduler_reserve_full_isl=False, reserve_inflight_prefills=True, prefix_hash_seed=307),
+]  # fmt: skip
+
+
+@requires_rust
+@pytest.mark.parametrize("i", range(len(REPLAY_CONNECTOR_CONFIGS)))
+def test_soak_replay_groups_with_connectors_match_reference_step_by_step(i: int) -> None:
+    """The same with KV connectors in more modes (answers drawn per request, loads restoring the windows or not)."""
+    cfg = REPLAY_CONNECTOR_CONFIGS[i]
+    _soak(cfg, 101 + i, 450, max_in_flight=2 + i % 2, connector_seed=501 + i, fail_steps=False, cached_blocks=i == 2)
+
+
+@requires_rust
+def test_soak_replay_groups_with_streaming_input_match_reference_step_by_step() -> None:
+    """With streaming-input sessions (a next part continues the request: no lookup, no replay) both agree too."""
+    t = _soak(REPLAY_CONFIGS[2], 7951, 450, max_in_flight=2, streaming=True)
+    assert t.session_ids, "no streaming-input session"
