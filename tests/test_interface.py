@@ -57,8 +57,8 @@ def test_the_member_scan_sees_methods_and_properties() -> None:
     # take_mamba_boundary_offers (KV connectors with Mamba prefix caching) + get_block_hash_num_tokens (the
     # trailing-block drop beside Mamba prefill checkpoints) + set_prefill_lookahead (the drafter's lookahead
     # changed on a built scheduler, as vLLM's tests change it) + get_block_hash_group (block pins with several
-    # groups)
-    assert len(members) == 73
+    # groups) + get_replay_start (bounded prefix replay)
+    assert len(members) == 74
     assert "num_reqs" in protocol_members(SchedulerOutputProtocol)
 
 

@@ -155,6 +155,13 @@ class _ConnectorMixin(_BlockPoolMixin):
             self._keep(e)
             return None
 
+    def _load_restores_replay(self, r: _Request) -> bool:
+        """Bounded replay: whether the connector's load for ``r`` restores every replay group (the groups
+        ``get_loaded_kv_cache_group_ids`` names; every group without the hook), as a transfer of the request's own
+        blocks does; a prefix-cache store holds no window."""
+        loaded = self._hook_loaded_groups(r)
+        return loaded is None or set(self._config.prefix_replay_groups) <= loaded
+
     def _hook_local_hit_replaced(self, r: _Request, num_local: int) -> None:
         """The optional ``local_hit_replaced(req_id, num_local_tokens)``: a diverged local hit the connector added no
         tokens to was replaced by the hit every group agrees on (``divergent_local_hits``)."""

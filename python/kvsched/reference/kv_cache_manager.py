@@ -438,11 +438,12 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         return tuple(_group_window(w) for w in groups)
 
     def _fill_ring_hits(self, hits: list[list[int]], n: int) -> None:
-        """A ring group's hit (never looked up: vLLM's is empty) as ``n`` null blocks, the primary group's length, so
-        that group 0's hits give the hit's length whatever group comes first; the allocation takes nothing from
-        it."""
+        """A ring or replay group's hit (never looked up: vLLM's is empty) as ``n`` null blocks, the primary group's
+        length, so that group 0's hits give the hit's length whatever group comes first; the allocation takes
+        nothing from it."""
+        replay = self._config.prefix_replay_groups
         for g, w in enumerate(self._group_windows()):
-            if w == _RING:
+            if w == _RING or g in replay:
                 hits[g] = [0] * n
 
     def _group_skipped(self, w: int, computed: int) -> int:
@@ -515,12 +516,13 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _lookup_sets(self) -> list[tuple[int, list[int]]]:
         """The lookup sets: groups with the same window together (full attention as one), full attention first, then
-        the others in order of first appearance; cross attention, rings and Mamba (but align mode's with caching)
-        have none."""
+        the others in order of first appearance; cross attention, rings, replay groups and Mamba (but align mode's
+        with caching) have none."""
         sets: list[tuple[int, list[int]]] = []
         mamba_lookup = self._config.mamba_align and self._config.enable_prefix_caching
+        replay = self._config.prefix_replay_groups
         for g, w in enumerate(self._group_windows()):
-            if w < 0 and not (w == _MAMBA and mamba_lookup):
+            if (w < 0 and not (w == _MAMBA and mamba_lookup)) or g in replay:
                 continue  # never cached: no lookup
             for sw, ids in sets:
                 if sw == w:
@@ -763,8 +765,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             for g in ids:
                 lens[g] = got
         fa = lens[sets[0][1][0]]
+        replay = self._config.prefix_replay_groups
         for g, w in enumerate(windows):
-            if w == _RING:  # a ring takes no part in the hit
+            if w == _RING or g in replay:  # a ring or a replay group takes no part in the hit
                 lens[g] = fa
         self._fill_ring_hits(hits, fa // self._bs)
         if any(length > fa for length in lens):
@@ -835,6 +838,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 total += max(0, req_g - held)
                 continue
             skipped = self._group_skipped(w, len(hits) * bs + ext) // gbs
+            if g in c.prefix_replay_groups:  # its hit is rebuilt by the replay: nothing taken from it
+                total += max(0, req_g - skipped)
+                continue
             evictable = sum(1 for b in ghits[skipped:] if b != 0 and self._ref_cnt[b] == 0)
             total += max(0, req_g - max(skipped, len(ghits))) + evictable
         return total
@@ -922,9 +928,12 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             gbs = self._group_bs(g)
             skipped_tokens = self._group_skipped(w, total_computed) if fresh and w else 0
             skipped = skipped_tokens // gbs
-            held_after_hits = len(self._group_table(r, g)) + max(skipped, len(all_hits[g]))
+            # a replay group's hit counts as empty: null blocks for the skipped tokens, fresh blocks for the rest
+            replayed = g in c.prefix_replay_groups
+            held_after_hits = len(self._group_table(r, g)) + (skipped if replayed else max(skipped, len(all_hits[g])))
             need = max(0, math.ceil(num_slots / gbs) - held_after_hits) + int(partial)
-            evictable += sum(1 for b in all_hits[g][skipped:] if b != 0 and self._ref_cnt[b] == 0)
+            if not replayed:
+                evictable += sum(1 for b in all_hits[g][skipped:] if b != 0 and self._ref_cnt[b] == 0)
             total_need += need
             # A new request's external tokens: vLLM pops their blocks for every group before the other new blocks
             # (allocate_external_computed_blocks), unless the window skips them all.
@@ -941,6 +950,10 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             loaded_state = windows[g] == _MAMBA and align and ext_tokens > 0  # a local hit's state stays in the cache
             ring = windows[g] == _RING  # its hit: null blocks, nothing to take
             if (windows[g] in (_CROSS, _MAMBA) and not all_hits[g]) or ring or loaded_state:
+                continue
+            if g in c.prefix_replay_groups:  # the skipped tokens' null blocks only: the replay rebuilds the hit
+                self._group_table(r, g).extend([0] * skipped)
+                self._set_group_cached(r, g, self._group_cached(r, g) + skipped)
                 continue
             kept = all_hits[g][skipped:]
             # A chunked-local hit can hold null blocks past the skipped ones (never touched).
@@ -1209,8 +1222,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         window_reach = _window_reachable(r.num_prompt_tokens, junction, bs, eagle, below)
         reachable = _window_reachable(r.num_prompt_tokens, junction, bs, eagle, below and c.mamba_eagle_group)
         for g, w in enumerate(self._group_windows()):
-            if w < 0 and not (w == _MAMBA and align):
-                continue
+            if (w < 0 and not (w == _MAMBA and align)) or g in c.prefix_replay_groups:
+                continue  # never cached
             table = self._group_table(r, g)
             first = self._group_cached(r, g)
             k = self._group_bs(g) // bs

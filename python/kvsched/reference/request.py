@@ -68,6 +68,8 @@ class _Request:
         "partial_hits",
         "priority",
         "queue_seq",
+        "replay_restores",
+        "replay_start",
         "req_id",
         "requested_max_tokens",
         "resumable",
@@ -137,6 +139,10 @@ class _Request:
         # Align-mode Mamba groups with prefix caching: the longest single-set hit of the last lookup when the
         # combined hit is shorter, in tokens (vLLM's shared_prefix_boundary); 0 otherwise.
         self.shared_prefix_boundary = 0
+        # Bounded prefix replay: where the replay of the request's last prefix hit starts (vLLM's replay_start; 0 until
+        # set), and whether its asynchronous KV load restores every replay group (asked at the load's admission).
+        self.replay_start = 0
+        self.replay_restores = False
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first admission
         self.queue_seq = -1  # identifies this request's live entry in the priority heap

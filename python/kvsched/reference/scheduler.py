@@ -436,6 +436,11 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
     def get_num_computed_tokens(self, req_id: str) -> int:
         return self._get(req_id).num_computed_tokens
 
+    def get_replay_start(self, req_id: str) -> int:
+        """Where the bounded replay of the request's last prefix hit starts (``prefix_replay_groups``; vLLM's
+        ``replay_start``): the hit's tokens less its last window, 0 when its load carried the window; 0 until set."""
+        return self._get(req_id).replay_start
+
     def get_output_token_ids(self, req_id: str) -> list[int]:
         r = self._get(req_id)
         return r.token_ids[r.num_prompt_tokens :]
@@ -638,6 +643,10 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                 live = table[next((k for k, b in enumerate(table) if b != 0), len(table)) :]
                 require(windows[g] is not None or len(live) == len(table), f"{r.req_id}: null block")
                 require(len(set(live)) == len(live) and 0 not in live, f"{r.req_id}: a block twice in one table")
+                require(
+                    g not in c.prefix_replay_groups or all(self._block_hash[b] is None for b in live),
+                    f"{r.req_id}: a replay group's block cached",
+                )
                 for b in live:
                     holders[b] += 1
         for req_id, (tables, awaiting_recv, awaiting_send, _, window) in self._held.items():

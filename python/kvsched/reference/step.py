@@ -381,6 +381,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         prefill_admitted = False
         c, bs, look = self._config, self._bs, self._config.num_lookahead_tokens
         k = c.num_spec_tokens  # drafts per step: the padding of a new decode
+        replay_window = c.replay_window  # bounded prefix replay's window W; 0: none
         watermark = int(c.watermark * c.num_blocks)
         any_running_scheduled = bool(scheduled)
         counted = self._running if c.max_loras_counts_unscheduled else [e[0] for e in scheduled]
@@ -433,6 +434,8 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             ext, load_async = 0, False
             computed_before = r.num_computed_tokens
             hits: list[int] = []
+            window_loaded = False  # bounded replay: the connector's load restores every replay group
+            connector_local = 0  # the local hit the connector was told of (its stats count the tokens beyond it)
             if not blocked and computed_before == 0:
                 # The cache-hit cap bounds the lookup: `max` tokens allow `max // bs` blocks (the lookup leaves out
                 # the block of the last of the tokens it is given).
@@ -470,6 +473,14 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                         load_async = matched[1] and ext > 0
                         if not load_async and ext == room:
                             ext = room - 1  # a synchronous load leaves at least one token to compute
+                        # bounded replay: asked once per admission, only for a hit (the load's promotion keeps it)
+                        r.replay_restores = replay_window > 0 and ext > 0 and self._load_restores_replay(r)
+                        if replay_window > 0 and not (ext > 0 and r.replay_restores):
+                            # Bounded replay recomputes the hit's last window from the block of its first token, and
+                            # the window groups free whole blocks below it: a load without the window ends on a
+                            # block boundary.
+                            ext -= ext % bs
+                            load_async = load_async and ext > 0
                     if not blocked and self._hit_cap is not None:
                         # The cap on the external hit, asked whenever the connector answered (0 too).
                         ext = min(self._cap_ask("cap_external_hit", r.req_id, cached, len(hits) * bs, ext), ext)
@@ -481,9 +492,17 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                             hits = self._lookup(r.block_hashes, lookup_tokens)
                             r.shared_prefix_boundary = self._shared_prefix_boundary(len(hits))
                             self._hook_local_hit_replaced(r, len(hits) * bs)
+                connector_local = self._hit_tokens(hits)
+                if replay_window > 0 and not blocked:
+                    window_loaded = ext > 0 and r.replay_restores
+                    if not window_loaded and 0 < self._hit_tokens(hits) + ext <= replay_window:
+                        # a hit the replay would recompute whole saves nothing: dropped
+                        hits, ext, load_async = [], 0, False
             if not blocked and r.encoder_inputs:
                 # The EC connector's gate, with the tokens the request has or its lookups cover.
                 covered = computed_before if computed_before > 0 else max(len(hits) * bs, r.num_swapped_tokens) + ext
+                if computed_before == 0 and not window_loaded:  # the replayed window's inputs are computed again
+                    covered = max(0, covered - replay_window)
                 blocked = not self._ec_cache_available(r, covered)
             if blocked:
                 r.deferred = True
@@ -501,6 +520,14 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             has_prefill = computed + 1 < r.num_tokens
             if defer and not load_async and has_prefill:
                 break  # deferred prefill (an asynchronous load computes nothing this step)
+            # Bounded replay: a fresh admission's hit recomputes its last window (none when its load carried it);
+            # everything after the deferral counts from the rewound tokens.
+            num_replay = 0
+            hit_computed = computed
+            if replay_window > 0 and computed_before == 0 and not load_async:
+                num_replay = 0 if window_loaded else min(replay_window, computed)
+                computed -= num_replay
+                has_prefill = computed + 1 < r.num_tokens
             n = 0 if load_async else r.num_tokens - computed
             pad = False
             if not load_async:
@@ -576,7 +603,9 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             if computed_before == 0:
                 r.num_computed_tokens = restored - hit_tokens  # _allocate_slots counts from computed + hits
             alloc_reserved = reserved + extra
-            allocated = self._allocate_slots(r, n, hits, 0 if load_async else look, alloc_reserved, ext, not load_async)
+            allocated = self._allocate_slots(
+                r, max(n - num_replay, 0), hits, 0 if load_async else look, alloc_reserved, ext, not load_async
+            )
             self._skip_zero = set()
             if allocated is None:
                 if computed_before == 0:
@@ -591,8 +620,10 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             if planned:
                 self._commit_encoder(enc)
             self._complete_resume(r, len(hits), computed, swap_in)
+            if replay_window > 0 and computed_before == 0 and not load_async:
+                r.replay_start = 0 if window_loaded else hit_computed - num_replay
             if self._connector is not None:
-                queries = (r.num_tokens - hit_tokens, ext) if computed_before == 0 else None
+                queries = (r.num_tokens - connector_local, ext) if computed_before == 0 else None
                 if (
                     load_async
                     and c.defer_block_free
@@ -635,7 +666,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             if r.lora_name is not None:
                 loras.add(r.lora_name)
             if r.num_cached_tokens < 0:
-                r.num_cached_tokens = computed
+                r.num_cached_tokens = hit_computed
             is_chunk = computed + n < r.num_tokens
             scheduled.append([r, n, computed, list(r.block_ids), [-1] * k if pad else [], kind, is_chunk])
             r.num_computed_tokens = computed + n
@@ -697,11 +728,25 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
         """A request whose asynchronous load is over becomes WAITING (PREEMPTED if it was preempted before): its
         loaded blocks enter the cache (after a failure only the valid prefix; with nothing valid its blocks are
         freed and it is admitted afresh), and a fully loaded prompt recomputes its last token."""
+        failed = r.kv_load_failed
         if r.kv_load_failed and r.num_computed_tokens == 0:
             self._free_blocks(r)
         else:
             self._cache_blocks(r, r.num_computed_tokens)
-        if r.num_computed_tokens == r.num_tokens:
+        num_replay = 0
+        if self._config.replay_window > 0:
+            # Bounded replay once the load is over: its hit's last window is computed again, unless the load carried
+            # the window (a failed load may have lost it).
+            if not failed and r.replay_restores:
+                r.replay_start = 0
+            else:
+                num_replay = min(self._config.replay_window, r.num_computed_tokens)
+                r.replay_start = r.num_computed_tokens - num_replay
+        if num_replay > 0:
+            r.num_computed_tokens -= num_replay
+            if r.num_computed_tokens == 0 and r.block_ids:  # nothing left of the hit: admitted afresh
+                self._free_blocks(r)
+        elif r.num_computed_tokens == r.num_tokens:
             r.num_computed_tokens -= 1
             if r.num_computed_tokens == 0 and r.block_ids:  # a one-token prompt: nothing left, admitted afresh
                 self._free_blocks(r)
