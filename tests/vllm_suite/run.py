@@ -391,7 +391,8 @@ CURATED: dict[str, str] = {
     "test_ec_connector_update_connector_output_called": _HAND_BUILT + "; the encoder-cache connector's worker output",
     "test_ec_connector_waits_for_embeddings_in_prefix_replay": (
         "sets vLLM's sliding-window bounded-replay internals (`prefix_replay_tokens`, `prefix_replay_group_ids`) on "
-        "the scheduler after construction; kvsched.vllm has no prefix replay"
+        "the scheduler of a full-attention model after construction; kvsched.vllm takes bounded replay from the KV "
+        "cache config at construction (its replayed sliding-window groups)"
     ),
     "test_abort_request_when_structured_output_fsm_cannot_advance": (
         "builds vLLM's class with `object.__new__` and sets its internals (`running` list, `kv_cache_manager`)"
