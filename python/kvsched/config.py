@@ -820,7 +820,7 @@ class SchedulerConfig:
             "blocks; a hit of at most W tokens is dropped, a connector's hit is floored to whole blocks, and a load "
             "that carries the window (every group) replays nothing. Each entry a plain sliding-window group after a "
             "full-attention or sliding-window group, all of one window; not with `mamba_align`, `encoder_decoder` or "
-            "swap (see [Several KV cache groups](#several-kv-cache-groups)); empty = none",
+            "swap (see [Bounded prefix replay](#bounded-prefix-replay)); empty = none",
             valid="empty, or distinct indices of sliding-window groups in `kv_cache_groups`",
         ),
     )
