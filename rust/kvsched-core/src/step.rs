@@ -1841,16 +1841,15 @@ impl Scheduler {
     }
 }
 
-/// Counts a waiting request among the deferred ones (vLLM's `deferred_waiting`), once.
-/// vLLM's `_reserve_prefill_lookahead`: a chunk of `n` tokens from `computed` that would end fewer than
-/// `lookahead` tokens (`prefill_lookahead_tokens`) before the request's `num_tokens` known tokens end is shortened
-/// to leave that many (possibly to 0); a chunk that reaches the end is kept.
-#[inline(always)]
 /// Whether a KV load writing the `loaded` groups (`None`: every group) restores every group of `replay`.
 fn restores_window(loaded: Option<Vec<usize>>, replay: &[u32]) -> bool {
     loaded.is_none_or(|l| replay.iter().all(|&g| l.contains(&(g as usize))))
 }
 
+/// vLLM's `_reserve_prefill_lookahead`: a chunk of `n` tokens from `computed` that would end fewer than
+/// `lookahead` tokens (`prefill_lookahead_tokens`) before the request's `num_tokens` known tokens end is shortened
+/// to leave that many (possibly to 0); a chunk that reaches the end is kept.
+#[inline(always)]
 fn reserve_prefill_lookahead(lookahead: u32, num_tokens: u32, computed: u32, n: u32) -> u32 {
     let remaining = i64::from(num_tokens) - i64::from(computed) - i64::from(n);
     if remaining > 0 && remaining < i64::from(lookahead) {
@@ -1860,6 +1859,7 @@ fn reserve_prefill_lookahead(lookahead: u32, num_tokens: u32, computed: u32, n: 
     }
 }
 
+/// Counts a waiting request among the deferred ones (vLLM's `deferred_waiting`), once.
 fn mark_deferred(req: &mut crate::request::Request, num_deferred: &mut usize) {
     if !req.deferred {
         req.deferred = true;
