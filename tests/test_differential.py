@@ -1903,7 +1903,7 @@ def test_soak_deferred_frees_match_reference_step_by_step() -> None:
     deferred = dropped = loads = 0
     for i, cfg in enumerate(DEFER_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(777 + i)), max_in_flight=2 + i % 2,
-                    connector_seed=777 + i, fail_steps=False)  # fmt: skip
+                    connector_seed=777 + i, fail_steps=True)  # fmt: skip
         for _ in range(1200):
             try:
                 twin.step()
@@ -2067,7 +2067,7 @@ def test_soak_sliding_window_matches_reference_step_by_step() -> None:
     nulls = window_hits = 0
     for i, cfg in enumerate(SWA_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(4245 + i)), max_in_flight=1 + i % 3,
-                    connector_seed=4242 + i if i % 2 else None, fail_steps=False)  # fmt: skip
+                    connector_seed=4242 + i if i % 2 else None, fail_steps=True)  # fmt: skip
         for _ in range(700):
             try:
                 twin.step()
@@ -2449,7 +2449,7 @@ def test_soak_kv_connector_groups_match_reference_step_by_step() -> None:
     nulls_handed = held = loaded_groups = offered = 0
     for i, cfg in enumerate(HMA_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(9191 + i)), max_in_flight=1 + i % 3,
-                    connector_seed=9191 + i, fail_steps=False, cached_blocks=True)  # fmt: skip
+                    connector_seed=9191 + i, fail_steps=True, cached_blocks=True)  # fmt: skip
         for _ in range(600):
             try:
                 twin.step()
@@ -2497,7 +2497,7 @@ def test_soak_divergent_local_hits_match_reference_step_by_step() -> None:
     kept = replaced = 0
     for i, cfg in enumerate(DIVERGENT_CONFIGS):
         twin = Twin(cfg, Rand(rng=np.random.default_rng(4245 + i)), max_in_flight=1 + i % 3,
-                    connector_seed=4245 + i, fail_steps=False)  # fmt: skip
+                    connector_seed=4245 + i, fail_steps=True)  # fmt: skip
         twin.run(500)
         twin.drain()
         kept += twin.ref.diverged_hits[0]

@@ -421,9 +421,7 @@ def test_soak_replay_groups_match_reference_step_by_step(i: int) -> None:
     run, and some admissions replay."""
     cfg = REPLAY_CONFIGS[i]
     connector = 9100 + i if cfg.kv_connector_groups else None
-    # (with a connector and a window group, a failed step's aborts hand the connector different tables: the
-    # connector soaks of test_differential leave failed steps out too)
-    _soak(cfg, 7901 + i, 450, max_in_flight=1 + i % 3, connector_seed=connector, fail_steps=connector is None)
+    _soak(cfg, 7901 + i, 450, max_in_flight=1 + i % 3, connector_seed=connector, fail_steps=True)
 
 
 # KV connectors beside replay windows in more modes: a ring and two replay groups with async scheduling, drafts and
@@ -447,7 +445,7 @@ REPLAY_CONNECTOR_CONFIGS = [
 def test_soak_replay_groups_with_connectors_match_reference_step_by_step(i: int) -> None:
     """The same with KV connectors in more modes (answers drawn per request, loads restoring the windows or not)."""
     cfg = REPLAY_CONNECTOR_CONFIGS[i]
-    _soak(cfg, 101 + i, 450, max_in_flight=2 + i % 2, connector_seed=501 + i, fail_steps=False, cached_blocks=i == 2)
+    _soak(cfg, 101 + i, 450, max_in_flight=2 + i % 2, connector_seed=501 + i, fail_steps=True, cached_blocks=i == 2)
 
 
 @requires_rust

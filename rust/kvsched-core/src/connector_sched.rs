@@ -396,8 +396,10 @@ impl Scheduler {
     /// `after_in_flight`: the request must also wait for every step now in flight (a deferred load, whose
     /// blocks a step in flight may still read, vLLM's `last_sched_seq` set at its admission).
     pub(crate) fn free_request_blocks(&mut self, slot: u32, after_in_flight: bool) -> Result<()> {
-        let defer =
-            self.config.defer_block_free && (after_in_flight || self.slab.hot.in_flight[slot as usize] > 0);
+        // (A request can hold tokens in flight with no step in flight only while `fail_step` aborts it.)
+        let defer = self.config.defer_block_free
+            && (after_in_flight
+                || (self.slab.hot.in_flight[slot as usize] > 0 && !self.in_flight.is_empty()));
         let req = self.slab.get_mut(slot)?;
         if defer {
             // Every group's table, in group order, as one list (vLLM's `pop_blocks_for_free`).

@@ -707,14 +707,9 @@ impl Scheduler {
         // with no KV), and the aborts below free at once.
         self.on_step_applied(rec.handles.len());
         let failed_encoder = rec.encoder_hashes;
-        // The step's tokens are no longer in flight (nothing writes its requests' blocks now).
-        for (&h, &n) in rec.handles.iter().zip(&rec.num_scheduled_tokens) {
-            if let Some((_, hot)) = self.slab.resolve_mut_hot(h) {
-                let s = h.slot as usize;
-                hot.in_flight[s] = hot.in_flight[s].saturating_sub(n as u32);
-                hot.stale[s] = hot.stale[s].min(hot.in_flight[s]);
-            }
-        }
+        // The step's requests are aborted with its tokens still counted in flight: they were never processed (a
+        // KV connector's finish leaves them out of the tokens whose window has passed); nothing runs any more, so
+        // their blocks go back at once (`free_request_blocks`).
         let mut ids = Vec::new();
         let mut from_waiting = false;
         for &h in &rec.handles {
