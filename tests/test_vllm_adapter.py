@@ -1151,8 +1151,8 @@ def test_multi_head_latent_attention_specs_map_to_full_attention_and_windows() -
 
 def test_bounded_replay_layouts_the_core_does_not_implement_are_refused_by_name() -> None:
     """DeepSeek V4.1's windows rebuilt by bounded prefix replay: refused by name first among the attention groups
-    (the core's primary group is looked up and cached), with windows of two sizes (vLLM asserts one), beside
-    Mamba groups, and among groups of different block sizes."""
+    (the core's primary group is looked up and cached), with windows of two sizes (vLLM asserts one) and beside
+    Mamba groups; beside groups of another block size it runs."""
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
 
@@ -1170,8 +1170,9 @@ def test_bounded_replay_layouts_the_core_does_not_implement_are_refused_by_name(
     mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
     with pytest.raises(UnsupportedFeatureError, match="beside Mamba or cross-attention groups"):
         _build_with_groups(make_vllm_config(block_size=16, mamba_cache_mode="align"), mla, replayed(64), mamba)
-    with pytest.raises(UnsupportedFeatureError, match="among KV cache groups of different block sizes"):
-        _build_with_groups(vcfg, mla, replayed(64, block_size=32), block_size=32)
+    # Beside groups of another block size (the scheduler block their least common multiple): it runs.
+    sched = _build_with_groups(vcfg, mla, replayed(64, block_size=32), block_size=32)
+    assert sched.kv_config.kv_cache_group_block_sizes == (16, 32) and sched.kv_config.prefix_replay_groups == (1,)
 
 
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:

@@ -323,7 +323,7 @@ def test_identical_to_vllm_with_compressor_rings(sync: str, runner: str, seed: i
 
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
-@pytest.mark.parametrize(("seed", "layout"), [(1, "hybrid"), (0, "connector"), (3, "ring")])
+@pytest.mark.parametrize(("seed", "layout"), [(1, "hybrid"), (0, "connector"), (3, "ring"), (7, "sized")])
 def test_identical_to_vllm_with_bounded_prefix_replay(sync: str, runner: str, seed: int, layout: str) -> None:
     """DeepSeek V4.1's bounded prefix replay (SlidingWindowMLASpec with bounded_replay): the replayed windows are
     never cached or looked up, and a prefix hit recomputes its last window; beside full attention and other
@@ -333,8 +333,11 @@ def test_identical_to_vllm_with_bounded_prefix_replay(sync: str, runner: str, se
 
     before = vllm_driver.REPLAY_COUNTS["admissions replaying"]
     cfg = run_seed(seed, 150, async_scheduling=sync == "async", v2=runner == "v2", replay=True, hybrid=True,
-                   connector=layout == "connector", ring=layout == "ring")  # fmt: skip
+                   connector=layout == "connector", ring=layout == "ring",
+                   group_block_factors=(-1,) if layout == "sized" else ())  # fmt: skip
     assert any(str(g).startswith("replay:") for g in cfg.kv_cache_groups or ())
+    if layout == "sized":
+        assert len(set(cfg.group_block_sizes or ())) > 1
     assert vllm_driver.REPLAY_COUNTS["admissions replaying"] > before
 
 

@@ -2150,18 +2150,31 @@ def run_seed(
         rrng = random.Random(f"replay/{seed}")
         groups = list(cfg.kv_cache_groups or (cfg.sliding_window,))
         drawn = len(groups)
+        # (with groups of different block sizes, an added group has the block size)
+        sizes = list(cfg.group_block_sizes) if cfg.group_block_sizes is not None else None
         cfg.sliding_window = None
         windows = [g for g in groups if isinstance(g, int) and not isinstance(g, bool)]
         if windows:
             window = rrng.choice(windows)
         else:
             window = rrng.choice([1, 3, 8, cfg.block_size, 2 * cfg.block_size, 20, 33])
-            groups.insert(rrng.randrange(len(groups) + 1), window)
+            at = rrng.randrange(len(groups) + 1)
+            groups.insert(at, window)
+            if sizes is not None:
+                sizes.insert(at, cfg.block_size)
         groups = [f"replay:{window}" if g == window else g for g in groups]
         first = next(i for i, g in enumerate(groups) if g not in ("ring", "mamba"))
-        if groups[first] is not None:
+        added_full = groups[first] is not None
+        if added_full:
             groups.insert(first, None)
+            if sizes is not None:
+                sizes.insert(first, cfg.block_size)
         cfg.kv_cache_groups = tuple(groups)
+        if sizes is not None:
+            if added_full:
+                # Groups of one spec have one block size: every full-attention group the added one's.
+                sizes = [cfg.block_size if g is None else z for g, z in zip(groups, sizes, strict=True)]
+            cfg.group_block_sizes = tuple(sizes)
         # (as many blocks per group as the drawn layout's)
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(groups) // drawn
         REPLAY_COUNTS["runs"] += 1

@@ -213,7 +213,7 @@ def _check_kv_cache_config(
         windows.append(window)
     if not attention_sizes:
         _refuse("models with Mamba layers only (no attention KV cache group)", "MambaSpec")
-    _check_replay_groups(groups, windows, len(attention_sizes) > 1)
+    _check_replay_groups(groups, windows)
 
     def per_rank(size: int) -> str:
         return f"{size // dcp} * {dcp}" if dcp > 1 else str(size)
@@ -285,7 +285,7 @@ def replay_groups(kv_cache_config: Any) -> tuple[int, ...]:
     return tuple(g for g, group in enumerate(groups) if getattr(group.kv_cache_spec, "bounded_replay", False))
 
 
-def _check_replay_groups(groups: list[Any], windows: list[int | str | None], sized: bool) -> None:
+def _check_replay_groups(groups: list[Any], windows: list[int | str | None]) -> None:
     """Refuses the bounded-replay layouts the core does not implement (``prefix_replay_groups``)."""
     replay = [g for g, group in enumerate(groups) if getattr(group.kv_cache_spec, "bounded_replay", False)]
     if not replay:
@@ -302,8 +302,6 @@ def _check_replay_groups(groups: list[Any], windows: list[int | str | None], siz
             "and cached; a replayed window is neither)",
             f"{setting}, group {primary} first",
         )
-    if sized:
-        _refuse("bounded-replay windows among KV cache groups of different block sizes", setting)
     if MAMBA in windows or CROSS_ATTENTION in windows:
         _refuse("bounded-replay windows beside Mamba or cross-attention groups", setting)
 

@@ -1731,8 +1731,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             tokens = num_cached_blocks * self.kv_config.kv_block_size // align * align
             return min(
                 self._window_hashed_tokens(table, tokens // size, w, size)
-                for table, w, size in zip(tables, self._group_windows, sizes, strict=True)
-                if w != CROSS_ATTENTION and w != RING
+                for g, (table, w, size) in enumerate(zip(tables, self._group_windows, sizes, strict=True))
+                if w != CROSS_ATTENTION and w != RING and g not in self._replay_groups
             )
         limit = None if self._mamba_past_cached else num_cached_blocks
         return min(
