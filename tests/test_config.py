@@ -173,7 +173,6 @@ RULES: list[dict[str, Any]] = [
     {"kv_cache_groups": ("ring", "cross", None), "enable_prefix_caching": False},
     {"kv_cache_groups": (None, "Ring")},
     {"kv_cache_groups": (None, f"chunked:{2**31 - 3}")},
-    {"block_size": 16, "kv_cache_groups": (None, "ring"), "kv_cache_group_block_sizes": (16, 32)},
     {"block_size": 16, "kv_cache_groups": ("ring", None), "kv_cache_group_block_sizes": (16, 32)},
     {"block_size": 16, "hash_block_size": 8, "kv_cache_groups": (None, "mamba", "ring", 8), "mamba_align": True},
     {"prefix_replay_groups": (1,)},
@@ -194,6 +193,7 @@ RULES: list[dict[str, Any]] = [
 ]
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
+    {"block_size": 16, "kv_cache_groups": (None, "ring", 8), "kv_cache_group_block_sizes": (16, 16, 32)},
     {"block_size": 16, "hash_block_size": 16},
     {
         "block_size": 16,

@@ -193,10 +193,6 @@ def test_a_ring_group_is_accepted_with_prefix_caching() -> None:
         ),
         ({"kv_cache_groups": (None, "Ring")}, "'mamba' \\(Mamba\\) and 'ring' \\(ring buffer\\)"),
         (
-            {"block_size": 16, "kv_cache_groups": (None, "ring"), "kv_cache_group_block_sizes": (16, 32)},
-            "cannot be combined with chunked-local, cross-attention, Mamba or ring groups",
-        ),
-        (
             {"block_size": 16, "kv_cache_groups": ("ring", None), "kv_cache_group_block_sizes": (16, 32)},
             "primary group \\(group 1, the first that is not Mamba or ring\\) block_size \\(16\\), got 32",
         ),
@@ -224,7 +220,8 @@ def test_a_ring_group_leaves_prefix_hits_inside_a_block_on() -> None:
 
 # Ring groups beside full attention and windows with prefix caching (hits that leave the ring block fresh), first
 # in group order, beside chunked-local attention, Mamba groups in both modes (zeroing on) and with sparse retention,
-# cross attention, hits inside a block, the trailing-block drop with KV cache events; sync and async, drafts,
+# cross attention, hits inside a block, the trailing-block drop with KV cache events, attention groups of different
+# block sizes; sync and async, drafts,
 # priority, the full-sequence check off; tight pools preempt.
 RING_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=34, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
@@ -251,6 +248,13 @@ RING_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=64,
                     kv_cache_groups=("ring", None, "mamba"), mamba_align=True, prefix_cache_retention_interval=8,
                     policy="priority", prefix_hash_seed=209),
+    # Beside attention groups of different block sizes (a ring's entry the primary group's size).
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=("ring", None, 9, None), kv_cache_group_block_sizes=(4, 4, 8, 4),
+                    prefix_hash_seed=210),
+    SchedulerConfig(block_size=2, num_blocks=60, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, "ring", 5), kv_cache_group_block_sizes=(2, 2, 6), async_scheduling=True,
+                    num_speculative_tokens=2, prefix_hash_seed=211),
 ]  # fmt: skip
 
 

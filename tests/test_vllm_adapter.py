@@ -1454,8 +1454,9 @@ def test_an_encoder_decoder_model_schedules_with_vllms_encoder_budget_and_slots(
 def test_compressor_rings_run_and_what_they_do_not_support_is_refused_by_name() -> None:
     """CircularBufferSpec groups map to the core's ring groups (first or later, with prefix caching on), compressed
     full attention runs as full attention, vLLM's zeroing for several precisions is passed on, and KV connectors run
-    beside rings in every role; refused by name: rings with DCP, beside attention groups of different block sizes,
-    and a ring size that does not divide the attention block."""
+    beside rings in every role, beside attention groups of different block sizes too (the ring's entry there the
+    first attention group's size); refused by name: rings with DCP and a ring size that does not divide the
+    attention block."""
     import torch
     from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec, SlidingWindowSpec
 
@@ -1488,16 +1489,15 @@ def test_compressor_rings_run_and_what_they_do_not_support_is_refused_by_name() 
         _build_with_groups(
             make_vllm_config(block_size=16), FullAttentionSpec(**_attention_kw()), ring(32), block_size=32
         )
-    with pytest.raises(
-        UnsupportedFeatureError, match="different block sizes with chunked-local, cross-attention, Mamba or ring"
-    ):
-        _build_with_groups(
-            make_vllm_config(block_size=16),
-            FullAttentionSpec(**_attention_kw()),
-            SlidingWindowSpec(sliding_window=64, **_attention_kw(32)),
-            ring(),
-            block_size=32,
-        )
+    sched = _build_with_groups(
+        make_vllm_config(block_size=16),
+        FullAttentionSpec(**_attention_kw()),
+        SlidingWindowSpec(sliding_window=64, **_attention_kw(32)),
+        ring(),
+        block_size=32,
+    )
+    assert sched.kv_config.kv_cache_groups == (None, 64, "ring")
+    assert sched.kv_config.kv_cache_group_block_sizes == (16, 32, 16)
 
 
 def test_what_cross_attention_groups_do_not_support_is_refused_by_name() -> None:

@@ -307,17 +307,19 @@ def test_identical_to_vllm_with_multi_head_latent_attention(sync: str, runner: s
 
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
-@pytest.mark.parametrize(("seed", "layout"), [(5, "one"), (1, "hybrid"), (2, "mla"), (3, "mamba")])
+@pytest.mark.parametrize(("seed", "layout"), [(5, "one"), (1, "hybrid"), (2, "mla"), (3, "mamba"), (1, "sized")])
 def test_identical_to_vllm_with_compressor_rings(sync: str, runner: str, seed: int, layout: str) -> None:
     """Compressor rings (CircularBufferSpec, DeepSeek V4.1 / GLM-5 / Qwen4 / Step 5 style): one block per request,
     never cached or looked up, beside full attention (seed 5: the ring first, attention in bfloat16, so vLLM zeroes
     new attention blocks for the mixed precisions), a hybrid layout, MLA groups, and align-mode Mamba groups with
-    prefix caching."""
+    prefix caching, and beside attention groups of different block sizes."""
     mamba = layout == "mamba"
     cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", ring=True,
-                   hybrid=layout == "hybrid", mla=layout == "mla", mamba=mamba, mamba_align=mamba,
-                   mamba_prefix_caching=mamba)  # fmt: skip
+                   hybrid=layout in ("hybrid", "sized"), mla=layout == "mla", mamba=mamba, mamba_align=mamba,
+                   mamba_prefix_caching=mamba, group_block_factors=(-1,) if layout == "sized" else ())  # fmt: skip
     assert "ring" in (cfg.kv_cache_groups or ())
+    if layout == "sized":
+        assert len(set(cfg.group_block_sizes or ())) > 1
     if seed == 5:
         assert cfg.kv_cache_groups[0] == "ring" and cfg.mixed_precision  # type: ignore[index]
 

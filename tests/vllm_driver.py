@@ -2135,9 +2135,16 @@ def run_seed(
         grng = random.Random(f"ring/{seed}")
         groups = list(cfg.kv_cache_groups or (cfg.sliding_window,))
         cfg.sliding_window = None
+        sizes = list(cfg.group_block_sizes) if cfg.group_block_sizes is not None else None
         for _ in range(grng.choice([1, 1, 2])):
-            groups.insert(grng.randrange(len(groups) + 1), "ring")
+            at = grng.randrange(len(groups) + 1)
+            groups.insert(at, "ring")
+            if sizes is not None:
+                # (a ring's spec has its rows as its block size; the driver keeps the group's entry the block size)
+                sizes.insert(at, cfg.block_size)
         cfg.kv_cache_groups = tuple(groups)
+        if sizes is not None:
+            cfg.group_block_sizes = tuple(sizes)
         cfg.ring_block_size = grng.choice([r for r in (1, 2, 4, 8, 16) if cfg.block_size % r == 0])
         unit = cfg.hash_block_size or cfg.block_size
         cfg.tokens_per_state = grng.choice([t for t in (1, 1, 2, 4) if unit % t == 0])

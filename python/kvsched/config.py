@@ -734,7 +734,8 @@ class SchedulerConfig:
             "every group; each a multiple of `block_size`, the primary group's (the first that is neither Mamba nor "
             "ring) equal to it; `block_size` is then the prefix-cache hash unit (vLLM's `hash_block_size`) and hits "
             "are aligned to the sizes' least common multiple (vLLM's scheduler block size). Sizes that differ need "
-            "full-attention and sliding-window groups only and none of `drop_trailing_hit_block`, "
+            "full-attention, sliding-window and ring groups only (a ring holds one block whatever its size) and none "
+            "of `drop_trailing_hit_block`, "
             "`hash_lookahead_tokens`, `kv_connector_groups` (see [Several KV cache groups](#several-kv-cache-groups)); "
             "None = `block_size` for every group",
             valid="None or one int per group, each a multiple of `block_size`",
@@ -1131,9 +1132,9 @@ class SchedulerConfig:
             )
         if all(s == bs for s in sizes):
             return
-        other = any(w in (CROSS_ATTENTION, MAMBA, RING) or chunk_size_of(w) is not None for w in groups)
+        other = any(w in (CROSS_ATTENTION, MAMBA) or chunk_size_of(w) is not None for w in groups)
         for on, name in (
-            (other, "chunked-local, cross-attention, Mamba or ring groups"),
+            (other, "chunked-local, cross-attention or Mamba groups"),
             (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
             (self.hash_block_size not in (None, bs), "a hash_block_size other than block_size"),

@@ -226,12 +226,14 @@ def _check_kv_cache_config(
         setting = f"KV cache group block sizes {sizes}"
         if dcp > 1:
             _refuse("KV cache groups of different block sizes with decode context parallelism", setting)
-        other = [w for w in windows if w is not None and not isinstance(w, int)]
+        other = [w for w in windows if w is not None and w != RING and not isinstance(w, int)]
         if other:
             _refuse(
-                "KV cache groups of different block sizes with chunked-local, cross-attention, Mamba or ring groups",
+                "KV cache groups of different block sizes with chunked-local, cross-attention or Mamba groups",
                 f"{setting}, {sorted({str(w).split(':')[0] for w in other})}",
             )
+        # (A ring's block size is its rows, checked below against the attention block.)
+        sizes = [s for s, w in zip(sizes, windows, strict=True) if w != RING]
         if any(s % sizes[0] for s in sizes):
             _refuse(
                 "KV cache groups of different block sizes whose first group's block size does not divide every "
@@ -239,7 +241,7 @@ def _check_kv_cache_config(
                 setting,
             )
         attention_sizes = {sizes[0]: 0}
-        mixed = math.lcm(*sizes)
+        mixed = math.lcm(*sizes, *ring_sizes)
     else:
         mixed = 0
     attention_size = next(iter(attention_sizes))
@@ -673,17 +675,13 @@ def kvsched_config_from_vllm(
     finer_hashes = hash_block_size is not None and hash_block_size != block_size
     # (Attention groups of different block sizes: _check_kv_cache_config refuses them beside Mamba groups, whose
     # blocks hold max_model_len tokens in mode "none".)
-    # (A compressor ring's block holds its ring's rows, not tokens: _check_kv_cache_config refuses attention groups
-    # of different block sizes beside one.)
-    group_sizes = (
-        [
-            int(g.kv_cache_spec.block_size)
-            for g, w in zip(kv_cache_config.kv_cache_groups, kv_cache_groups, strict=True)
-            if w != RING
-        ]
-        if kv_cache_groups and MAMBA not in kv_cache_groups
-        else []
-    )
+    # (A compressor ring's block holds its ring's rows, not tokens: the core gets the first attention group's
+    # block size for it, which its one block per request never reads.)
+    group_sizes: list[int] = []
+    if kv_cache_groups and MAMBA not in kv_cache_groups:
+        pairs = list(zip(kv_cache_config.kv_cache_groups, kv_cache_groups, strict=True))
+        first = next(int(g.kv_cache_spec.block_size) for g, w in pairs if w != RING)
+        group_sizes = [int(g.kv_cache_spec.block_size) if w != RING else first for g, w in pairs]
     if len(set(group_sizes)) > 1:
         _check_group_block_sizes(vllm_config, group_sizes, hash_block_size)
         # The core hashes at the first group's blocks (vLLM's hash_block_size, their greatest common divisor).

@@ -1143,9 +1143,9 @@ impl SchedulerConfig {
             .kv_cache_groups
             .iter()
             .flatten()
-            .any(|&w| w == CROSS_ATTENTION || w == MAMBA || w & CHUNKED_LOCAL != 0);
+            .any(|&w| w == CROSS_ATTENTION || w == MAMBA || is_chunked_entry(w));
         for (on, name) in [
-            (other, "chunked-local, cross-attention, Mamba or ring groups"),
+            (other, "chunked-local, cross-attention or Mamba groups"),
             (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
             (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
             (self.hash_block_size.is_some_and(|h| h != bs), "a hash_block_size other than block_size"),
