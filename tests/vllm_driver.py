@@ -2634,7 +2634,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="bounded prefix replay (DeepSeek V4.1): the drawn layout's sliding windows of one size, or a drawn "
         "window, become SlidingWindowMLASpec groups with bounded_replay after a full-attention group; not with "
-        "Mamba, cross-attention or groups of different block sizes, which kvsched.vllm refuses with replay",
+        "Mamba or cross-attention groups, which kvsched.vllm refuses with replay",
     )
     p.add_argument(
         "--mtp",
