@@ -447,52 +447,32 @@ fn group_block_sizes_field(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if v.is_none() {
         return Ok(Vec::new());
     }
-    let py = v.py();
-    let bad = || {
-        py_error(
-            py,
-            "InvalidConfigError",
-            format!("kv_cache_group_block_sizes must be None or a list of ints in [1, 2147483647], got {v}"),
-        )
-    };
-    if v.is_instance_of::<pyo3::types::PyString>() || v.is_instance_of::<PyBytes>() {
-        return Err(bad());
-    }
-    let mut sizes = Vec::new();
-    for item in v.try_iter().map_err(|_| bad())? {
-        let item = item?;
-        if item.is_instance_of::<PyBool>() {
-            return Err(bad());
-        }
-        let s = int_arg(&item, "kv_cache_group_block_sizes", "InvalidConfigError")?;
-        sizes.push(u32::try_from(s).ok().filter(|&s| s >= 1 && s <= i32::MAX as u32).ok_or_else(bad)?);
-    }
-    Ok(sizes)
+    u32_list_field(v, "kv_cache_group_block_sizes", 1, "None or a list of ints in [1, 2147483647]")
 }
 
 /// `prefix_replay_groups`: a sequence of group indices.
 fn replay_groups_field(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    u32_list_field(v, "prefix_replay_groups", 0, "a list of group indices (ints >= 0)")
+}
+
+/// A config field holding a sequence of ints in `[min, 2**31 - 1]` (not a str, bytes or bool): `expected` words the
+/// `InvalidConfigError` otherwise.
+fn u32_list_field(v: &Bound<'_, PyAny>, name: &str, min: u32, expected: &str) -> PyResult<Vec<u32>> {
     let py = v.py();
-    let bad = || {
-        py_error(
-            py,
-            "InvalidConfigError",
-            format!("prefix_replay_groups must be a list of group indices (ints >= 0), got {v}"),
-        )
-    };
-    if v.is_none() || v.is_instance_of::<pyo3::types::PyString>() || v.is_instance_of::<PyBytes>() {
+    let bad = || py_error(py, "InvalidConfigError", format!("{name} must be {expected}, got {v}"));
+    if v.is_instance_of::<pyo3::types::PyString>() || v.is_instance_of::<PyBytes>() {
         return Err(bad());
     }
-    let mut groups = Vec::new();
+    let mut values = Vec::new();
     for item in v.try_iter().map_err(|_| bad())? {
         let item = item?;
         if item.is_instance_of::<PyBool>() {
             return Err(bad());
         }
-        let g = int_arg(&item, "prefix_replay_groups", "InvalidConfigError")?;
-        groups.push(u32::try_from(g).ok().filter(|&g| g <= i32::MAX as u32).ok_or_else(bad)?);
+        let n = int_arg(&item, name, "InvalidConfigError")?;
+        values.push(u32::try_from(n).ok().filter(|&n| n >= min && n <= i32::MAX as u32).ok_or_else(bad)?);
     }
-    Ok(groups)
+    Ok(values)
 }
 
 /// The core's `prefix_hash_seed`: with `sha256_pickle` a bytes seed is block 0's parent hash as it is, otherwise
