@@ -181,7 +181,25 @@ RULES: list[dict[str, Any]] = [
     {"kv_cache_groups": (None, 8, "ring"), "prefix_replay_groups": (2,)},
     {"kv_cache_groups": (None, 8, "chunked:8"), "prefix_replay_groups": (2,)},
     {"kv_cache_groups": (None, 8, 16), "prefix_replay_groups": (1, 2)},
-    {"kv_cache_groups": ("ring", 8, None), "prefix_replay_groups": (1,)},
+    {"kv_cache_groups": ("ring", 8, 8), "prefix_replay_groups": (1, 2)},
+    {
+        "block_size": 16,
+        "kv_cache_groups": (8, None),
+        "prefix_replay_groups": (0,),
+        "kv_cache_group_block_sizes": (2, 32),
+    },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (8, None, 8),
+        "prefix_replay_groups": (0,),
+        "kv_cache_group_block_sizes": (2, 16, 8),
+    },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (8, None),
+        "prefix_replay_groups": (0,),
+        "kv_cache_group_block_sizes": (0, 16),
+    },
     {"kv_cache_groups": (None, "mamba", 8), "mamba_align": True, "prefix_replay_groups": (2,)},
     {
         "kv_cache_groups": (None, "cross", 8),

@@ -324,9 +324,19 @@ def test_replay_start_of_an_unknown_request_is_refused(impl: str) -> None:
             "prefix_replay_groups' windows must agree, got 8 and 16",
         ),
         (
-            {"kv_cache_groups": ("ring", 8, None), "prefix_replay_groups": (1,)},
-            "prefix_replay_groups entry 1 is the primary group; a replayed window needs a full-attention or "
-            "sliding-window group before it",
+            {"kv_cache_groups": ("ring", 8, 8), "prefix_replay_groups": (1, 2)},
+            "prefix_replay_groups lists every attention group; a replayed window needs a full-attention or "
+            "sliding-window group that is not replayed",
+        ),
+        (
+            {"kv_cache_groups": (8, None), "prefix_replay_groups": (0,), "kv_cache_group_block_sizes": (2, 32)},
+            "kv_cache_group_block_sizes must give the primary group (group 1, the first that is not Mamba, ring or "
+            "replayed) block_size (16), got 32",
+        ),
+        (
+            {"kv_cache_groups": (8, None), "kv_cache_group_block_sizes": (8, 16)},
+            "kv_cache_group_block_sizes must be multiples of block_size (16) (a replayed window's any size) with "
+            "num_blocks * size <= 2147483647, got 8 for group 0",
         ),
         (
             {"kv_cache_groups": (None, "mamba", 8), "mamba_align": True, "prefix_replay_groups": (2,)},
@@ -380,6 +390,16 @@ REPLAY_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=(None, 8), prefix_replay_groups=(1,), zero_new_blocks=True,
                     kv_connector_groups=True, prefix_hash_seed=304),
+    # DeepSeek V4.1's order: the replayed window first, its blocks smaller than the hashed groups' (the primary
+    # group is the full-attention one after it), a ring; then two replayed windows of blocks of 2 and 6 tokens
+    # around a plain window of larger blocks, drafts and async scheduling.
+    SchedulerConfig(block_size=4, num_blocks=52, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(8, None, "ring"), prefix_replay_groups=(0,),
+                    kv_cache_group_block_sizes=(2, 4, 4), prefix_hash_seed=308),
+    SchedulerConfig(block_size=4, num_blocks=80, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(12, None, 8, 12), prefix_replay_groups=(0, 3),
+                    kv_cache_group_block_sizes=(2, 4, 8, 6), async_scheduling=True, num_speculative_tokens=2,
+                    prefix_hash_seed=309),
 ]  # fmt: skip
 
 
@@ -437,6 +457,9 @@ REPLAY_CONNECTOR_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=44, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=(None, 8), prefix_replay_groups=(1,), kv_connector_groups=True,
                     scheduler_reserve_full_isl=False, reserve_inflight_prefills=True, prefix_hash_seed=307),
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(8, None, "ring"), prefix_replay_groups=(0,), kv_cache_group_block_sizes=(2, 4, 4),
+                    kv_connector_groups=True, async_scheduling=True, prefix_hash_seed=310),
 ]  # fmt: skip
 
 

@@ -1150,9 +1150,10 @@ def test_multi_head_latent_attention_specs_map_to_full_attention_and_windows() -
 
 
 def test_bounded_replay_layouts_the_core_does_not_implement_are_refused_by_name() -> None:
-    """DeepSeek V4.1's windows rebuilt by bounded prefix replay: refused by name first among the attention groups
-    (the core's primary group is looked up and cached), with windows of two sizes (vLLM asserts one) and beside
-    Mamba groups; beside groups of another block size it runs."""
+    """DeepSeek V4.1's windows rebuilt by bounded prefix replay: refused by name without another attention group
+    (vLLM needs one that takes part in prefix caching), with windows of two sizes (vLLM asserts one) and beside
+    Mamba groups; beside groups of another block size it runs, and first among the groups with blocks smaller than
+    the hashed groups' (DeepSeek V4.1's own layout: the primary group is the first group that is not replayed)."""
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
 
@@ -1163,8 +1164,8 @@ def test_bounded_replay_layouts_the_core_does_not_implement_are_refused_by_name(
     def replayed(window: int, **extra: Any) -> Any:
         return SlidingWindowMLASpec(sliding_window=window, bounded_replay=True, **{**kw, **extra})
 
-    with pytest.raises(UnsupportedFeatureError, match="bounded-replay window as the first attention KV cache group"):
-        _build_with_groups(vcfg, replayed(64), mla)
+    with pytest.raises(UnsupportedFeatureError, match="without an attention KV cache group that is not replayed"):
+        _build_with_groups(vcfg, replayed(64), replayed(64))
     with pytest.raises(UnsupportedFeatureError, match="bounded-replay windows of different sizes"):
         _build_with_groups(vcfg, mla, replayed(64), replayed(32))
     mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
@@ -1173,6 +1174,13 @@ def test_bounded_replay_layouts_the_core_does_not_implement_are_refused_by_name(
     # Beside groups of another block size (the scheduler block their least common multiple): it runs.
     sched = _build_with_groups(vcfg, mla, replayed(64, block_size=32), block_size=32)
     assert sched.kv_config.kv_cache_group_block_sizes == (16, 32) and sched.kv_config.prefix_replay_groups == (1,)
+    # First, with blocks of 8 tokens (the hash block the full-attention group's 16, as vLLM leaves the replayed
+    # window out of it), and of 12 (not dividing the block: the scheduler block 48).
+    sched = _build_with_groups(vcfg, replayed(64, block_size=8), mla)
+    assert sched.kv_config.kv_cache_group_block_sizes == (8, 16) and sched.kv_config.prefix_replay_groups == (0,)
+    assert sched.kv_config.block_size == 16 and sched.kv_config.hash_block_size is None
+    sched = _build_with_groups(vcfg, replayed(64, block_size=12), mla, block_size=48)
+    assert sched.kv_config.kv_cache_group_block_sizes == (12, 16) and sched.kv_config.block_size == 16
 
 
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:
@@ -1244,7 +1252,7 @@ def test_kv_cache_groups_of_different_block_sizes_run_and_what_they_do_not_suppo
     assert sched.kv_config.kv_cache_group_block_sizes == (16, 32) and sched.kv_config.block_size == 16
     sched = build(make_vllm_config(block_size=16), window, full32, window48, block_size=96)
     assert sched.kv_config.kv_cache_group_block_sizes == (16, 32, 48)
-    with pytest.raises(UnsupportedFeatureError, match="first group's block size does not divide every other"):
+    with pytest.raises(UnsupportedFeatureError, match="first attention group's block size does not divide every other"):
         build(make_vllm_config(block_size=16), full32, window)
     chunked = ChunkedLocalAttentionSpec(attention_chunk_size=64, **_attention_kw(32))
     with pytest.raises(UnsupportedFeatureError, match="different block sizes with chunked-local, cross-attention"):

@@ -1147,9 +1147,9 @@ class Pair:
         if group_block_sizes is not None:
             # vLLM's resolve_kv_cache_block_sizes: the hash block is the groups' greatest common divisor with prefix
             # caching, the scheduler block (their least common multiple) without.
-            self.hash_block = (
-                math.gcd(*group_block_sizes) if cfg.enable_prefix_caching else math.lcm(*group_block_sizes)
-            )
+            # (A replayed window takes no part in prefix caching: vLLM leaves its size out of the hash block.)
+            hashed = [z for z, g in zip(group_block_sizes, groups or (), strict=True) if not _is_replay(g)]
+            self.hash_block = math.gcd(*hashed) if cfg.enable_prefix_caching else math.lcm(*group_block_sizes)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
         log_stats = self.rng_out.random() < 0.7
@@ -2013,6 +2013,7 @@ def run_seed(
     mla: bool = False,
     ring: bool = False,
     replay: bool = False,
+    replay_first: bool = False,
     encoder_decoder: bool = False,
     cpu_offload: bool = False,
     lazy_offload: bool = False,
@@ -2182,8 +2183,28 @@ def run_seed(
                 # Groups of one spec have one block size: every full-attention group the added one's.
                 sizes = [cfg.block_size if g is None else z for g, z in zip(groups, sizes, strict=True)]
             cfg.group_block_sizes = tuple(sizes)
-        # (as many blocks per group as the drawn layout's)
+        if replay_first:
+            # DeepSeek V4.1's own layout: a replayed window first, before the full-attention group that hashes
+            # (its sliding-window cache comes from the first layer's), the replayed windows' blocks smaller than
+            # the block (that cache holds 32 tokens a block), or in some runs of a size that does not divide it.
+            at = next(i for i, g in enumerate(groups) if _is_replay(g))
+            groups.insert(0, groups.pop(at))
+            sizes = sizes if sizes is not None else [cfg.block_size] * len(groups)
+            sizes.insert(0, sizes.pop(at))
+            smaller = [d for d in range(1, cfg.block_size) if cfg.block_size % d == 0]
+            size = rrng.choice(smaller * 3 + [3, 6]) if smaller else rrng.choice([3, 6])
+            sizes = [size if _is_replay(g) else z for g, z in zip(groups, sizes, strict=True)]
+            cfg.kv_cache_groups = tuple(groups)
+            cfg.group_block_sizes = tuple(sizes)
+            REPLAY_COUNTS["runs with a replayed window first"] += 1
+            REPLAY_COUNTS["runs whose replayed blocks do not divide the block"] += cfg.block_size % size != 0
+        # (as many blocks per group as the drawn layout's; as many tokens for replayed windows of smaller blocks)
+        per_group = (cfg.num_blocks - 1) // drawn
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(groups) // drawn
+        if replay_first:
+            cfg.num_blocks += sum(
+                per_group * (-(-cfg.block_size // z) - 1) for g, z in zip(groups, sizes, strict=True) if _is_replay(g)
+            )
         REPLAY_COUNTS["runs"] += 1
     if encoder_decoder:
         # A cross-attention group beside the decoder's (vLLM sizes the pool for both), no prefix caching (vLLM
@@ -2336,6 +2357,11 @@ def run_seed(
     if pair.umbp is not None:
         UMBP_COUNTS.update(pair.umbp.counts)
     return cfg
+
+
+def _is_replay(group: int | str | None) -> bool:
+    """Whether a drawn group is a window rebuilt by bounded prefix replay (``"replay:<w>"``)."""
+    return isinstance(group, str) and group.startswith("replay:")
 
 
 def _count_diverged_hits(sched: Any) -> None:
@@ -2637,6 +2663,13 @@ def main(argv: list[str] | None = None) -> int:
         "Mamba or cross-attention groups, which kvsched.vllm refuses with replay",
     )
     p.add_argument(
+        "--replay-first",
+        action="store_true",
+        help="with --replay, DeepSeek V4.1's own layout: a replayed window first (before the full-attention group "
+        "that hashes), the replayed windows' blocks smaller than the block (a divisor of it, or in some runs 3 or 6 "
+        "tokens), drawn per seed",
+    )
+    p.add_argument(
         "--mtp",
         action="store_true",
         help="as --eagle, with a multi-module MTP drafter of 2-4 modules (one per draft, drawn per seed): vLLM's "
@@ -2849,6 +2882,7 @@ def main(argv: list[str] | None = None) -> int:
                         mla=args.mla,
                         ring=args.ring,
                         replay=args.replay,
+                        replay_first=args.replay_first,
                         encoder_decoder=args.enc_dec,
                         cpu_offload=args.cpu_offload,
                         lazy_offload=args.lazy_offload,

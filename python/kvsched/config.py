@@ -731,14 +731,14 @@ class SchedulerConfig:
         metadata=_spec(
             "each KV cache group's block size in tokens, in group order (vLLM's hybrid models whose groups have "
             "different page sizes): a block of group `g` holds this many tokens, one pool of equal pages serving "
-            "every group; each a multiple of `block_size`, the primary group's (the first that is neither Mamba nor "
-            "ring) equal to it; `block_size` is then the prefix-cache hash unit (vLLM's `hash_block_size`) and hits "
-            "are aligned to the sizes' least common multiple (vLLM's scheduler block size). Sizes that differ need "
-            "full-attention, sliding-window and ring groups only (a ring holds one block whatever its size) and none "
-            "of `drop_trailing_hit_block`, "
+            "every group; each a multiple of `block_size` (a replayed window's, `prefix_replay_groups`, any size), "
+            "the primary group's (the first that is neither Mamba, ring nor replayed) equal to it; `block_size` is "
+            "then the prefix-cache hash unit (vLLM's `hash_block_size`) and hits are aligned to the sizes' least "
+            "common multiple (vLLM's scheduler block size). Sizes that differ need full-attention, sliding-window and "
+            "ring groups only (a ring holds one block whatever its size) and none of `drop_trailing_hit_block`, "
             "`hash_lookahead_tokens`, `kv_connector_groups` (see [Several KV cache groups](#several-kv-cache-groups)); "
             "None = `block_size` for every group",
-            valid="None or one int per group, each a multiple of `block_size`",
+            valid="None or one int per group, each a multiple of `block_size` (a replayed window's any size)",
         ),
     )
     max_num_scheduled_tokens: int | None = field(
@@ -819,8 +819,9 @@ class SchedulerConfig:
             "looked up, and a request admitted with a prefix hit (local or loaded by a KV connector) computes the "
             "hit's last window again (their common window W) to rebuild them, while the other groups keep the hit's "
             "blocks; a hit of at most W tokens is dropped, a connector's hit is floored to whole blocks, and a load "
-            "that carries the window (every group) replays nothing. Each entry a plain sliding-window group after a "
-            "full-attention or sliding-window group, all of one window; not with `mamba_align`, `encoder_decoder` or "
+            "that carries the window (every group) replays nothing. Each entry a plain sliding-window group, all of "
+            "one window, with a full-attention or sliding-window group that is not replayed (the primary group; a "
+            "replayed window may come first and have blocks of any size); not with `mamba_align`, `encoder_decoder` or "
             "swap (see [Bounded prefix replay](#bounded-prefix-replay)); empty = none",
             valid="empty, or distinct indices of sliding-window groups in `kv_cache_groups`",
         ),
@@ -1118,17 +1119,19 @@ class SchedulerConfig:
                 f"kv_cache_group_block_sizes must give one size per KV cache group ({len(groups)} groups), got "
                 f"{len(sizes)}"
             )
-        for s in sizes:
-            if s % bs or s * self.num_blocks > I32_MAX:
+        for g, s in enumerate(sizes):
+            # A replayed window is never hashed: its blocks may hold any number of tokens.
+            unit = 1 if g in self.prefix_replay_groups else bs
+            if s <= 0 or s % unit or s * self.num_blocks > I32_MAX:
                 raise InvalidConfigError(
-                    f"kv_cache_group_block_sizes must be multiples of block_size ({bs}) with num_blocks * size <= "
-                    f"{I32_MAX}, got {s}"
+                    f"kv_cache_group_block_sizes must be multiples of block_size ({bs}) (a replayed window's any size) "
+                    f"with num_blocks * size <= {I32_MAX}, got {s} for group {g}"
                 )
         primary = self.primary_group
         if sizes[primary] != bs:
             raise InvalidConfigError(
                 f"kv_cache_group_block_sizes must give the primary group (group {primary}, the first that is not "
-                f"Mamba or ring) block_size ({bs}), got {sizes[primary]}"
+                f"Mamba, ring or replayed) block_size ({bs}), got {sizes[primary]}"
             )
         if all(s == bs for s in sizes):
             return
@@ -1241,8 +1244,9 @@ class SchedulerConfig:
 
     def _check_replay_groups(self) -> None:
         """What ``prefix_replay_groups`` needs (the core's ``validate_replay_groups``): plain sliding-window groups of
-        one window, none the primary group, and none of the features whose counts the replay's rewind would change
-        (align-mode Mamba splits, encoder-decoder, swap)."""
+        one window, a full-attention or sliding-window group that is not replayed (the primary group), and none of
+        the features whose counts the replay's rewind would change (align-mode Mamba splits, encoder-decoder,
+        swap)."""
         replay = self.prefix_replay_groups
         if not replay:
             return
@@ -1264,11 +1268,10 @@ class SchedulerConfig:
                 window = w
             elif w != window:
                 raise InvalidConfigError(f"prefix_replay_groups' windows must agree, got {window} and {w}")
-        primary = self.primary_group
-        if primary in replay:
+        if all(w in (MAMBA, RING) or g in replay for g, w in enumerate(groups)):
             raise InvalidConfigError(
-                f"prefix_replay_groups entry {primary} is the primary group; a replayed window needs a full-attention "
-                "or sliding-window group before it"
+                "prefix_replay_groups lists every attention group; a replayed window needs a full-attention or "
+                "sliding-window group that is not replayed"
             )
         if self.mamba_align:
             raise InvalidConfigError("prefix_replay_groups cannot be combined with mamba_align")
@@ -1288,8 +1291,10 @@ class SchedulerConfig:
     @property
     def primary_group(self) -> int:
         """The KV cache group whose block table holds the decoder's tokens (``new_block_ids``): the first that is
-        neither Mamba nor ring; 0 with one group."""
-        return next((g for g, w in enumerate(self.kv_cache_groups or (None,)) if w not in (MAMBA, RING)), 0)
+        neither Mamba, a ring nor a replayed window (``prefix_replay_groups``); 0 with one group."""
+        replay = self.prefix_replay_groups
+        groups = self.kv_cache_groups or (None,)
+        return next((g for g, w in enumerate(groups) if w not in (MAMBA, RING) and g not in replay), 0)
 
     @property
     def kv_block_size(self) -> int:

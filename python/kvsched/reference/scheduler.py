@@ -636,9 +636,12 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
                     for b in table:
                         holders[b] += 1
                     continue
-                # as long as the primary's at the group's own block size (a multiple of the primary's)
-                k = self._group_bs(g) // bs if c.kv_cache_groups is not None else 1
-                require(len(table) == -(-len(r.block_ids) // k), f"{r.req_id}: group {g}'s table covers the primary's")
+                # the slots the primary's covers at the group's own block size (as many entries as some slot count in
+                # the primary's last block needs)
+                gbs = self._group_bs(g) if c.kv_cache_groups is not None else bs
+                p = len(r.block_ids)
+                lo = -(-((p - 1) * bs + 1) // gbs) if p else 0
+                require(lo <= len(table) <= -(-p * bs // gbs), f"{r.req_id}: group {g}'s table covers the primary's")
                 # A sliding window's table starts with the null blocks of the blocks that left the window.
                 live = table[next((k for k, b in enumerate(table) if b != 0), len(table)) :]
                 require(windows[g] is not None or len(live) == len(table), f"{r.req_id}: null block")

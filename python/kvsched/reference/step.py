@@ -277,12 +277,15 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             appended = (w == MAMBA and c.mamba_align) or (
                 w not in (CROSS_ATTENTION, MAMBA, RING) and c.group_block_sizes()[gid] != self._bs
             )
+            # (None when the primary group's appended none and its blocks are the smaller; a replayed window's may
+            # be smaller still.)
+            coarser = c.group_block_sizes()[gid] % self._bs == 0
             groups.append(
                 [
                     list(e[0].group_block_ids[g])
                     if (whole or appended) and e[5] in ("new", "resumed")
                     else []
-                    if appended and not whole and not e[3]
+                    if appended and not whole and not e[3] and coarser
                     else e[0].group_block_ids[g][len(e[0].group_block_ids[g]) - e[0].mamba_appended.get(gid, 0) :]
                     if appended
                     else []

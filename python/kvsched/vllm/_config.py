@@ -121,6 +121,7 @@ def _check_kv_cache_config(
     mamba_specs: list[Any] = []
     spec_blocks: set[int] = set()
     ring_sizes: set[int] = set()
+    replay_sizes: set[int] = set()
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         where = f"KV cache group {g}: " if hybrid else ""
@@ -167,9 +168,15 @@ def _check_kv_cache_config(
             windows.append(window)
             continue
         if type(spec) in window_types and getattr(spec, "bounded_replay", False):
-            # A window rebuilt by bounded prefix replay: never looked up, so beside any other window.
+            # A window rebuilt by bounded prefix replay: never looked up, so beside any other window; never hashed,
+            # so its blocks may hold any number of tokens (DeepSeek V4.1's hold 32, fewer than the hashed groups').
             window = int(spec.sliding_window)
-        elif type(spec) in window_types:
+            if dcp > 1 and not getattr(spec, "dcp_sharded", False):
+                _refuse("KV cache specs that decode context parallelism does not shard", f"{where}dcp_sharded=False")
+            replay_sizes.add(int(spec.block_size) * dcp)
+            windows.append(window)
+            continue
+        if type(spec) in window_types:
             window = int(spec.sliding_window)
             if window in window_specs and window_specs[window] != spec:
                 _refuse(
@@ -211,6 +218,12 @@ def _check_kv_cache_config(
             _refuse("KV cache specs that decode context parallelism does not shard", f"{where}dcp_sharded=False")
         attention_sizes.setdefault(int(spec.block_size) * dcp, g)
         windows.append(window)
+    if not attention_sizes and replay_sizes:
+        # (vLLM needs a group that takes part in prefix caching.)
+        _refuse(
+            "bounded-replay windows without an attention KV cache group that is not replayed",
+            f"KV cache groups {replay_groups(kv_cache_config)} with bounded_replay",
+        )
     if not attention_sizes:
         _refuse("models with Mamba layers only (no attention KV cache group)", "MambaSpec")
     _check_replay_groups(groups, windows)
@@ -218,10 +231,10 @@ def _check_kv_cache_config(
     def per_rank(size: int) -> str:
         return f"{size // dcp} * {dcp}" if dcp > 1 else str(size)
 
-    if len(attention_sizes) > 1:
+    if len(attention_sizes) > 1 or replay_sizes - set(attention_sizes):
         # Groups whose pages differ (vLLM's engine raised the smaller page's block size): full-attention and
         # sliding-window groups whose block sizes are multiples of the first group's (the core's primary group,
-        # which hashes: vLLM's hash_block_size, their greatest common divisor).
+        # which hashes: vLLM's hash_block_size, their greatest common divisor), and replayed windows of any size.
         sizes = [int(group.kv_cache_spec.block_size) for group in groups]
         setting = f"KV cache group block sizes {sizes}"
         if dcp > 1:
@@ -232,16 +245,19 @@ def _check_kv_cache_config(
                 "KV cache groups of different block sizes with chunked-local, cross-attention or Mamba groups",
                 f"{setting}, {sorted({str(w).split(':')[0] for w in other})}",
             )
-        # (A ring's block size is its rows, checked below against the attention block.)
-        sizes = [s for s, w in zip(sizes, windows, strict=True) if w != RING]
-        if any(s % sizes[0] for s in sizes):
+        # (A ring's block size is its rows, checked below against the attention block; a replayed window's is
+        # never hashed.)
+        replayed = set(replay_groups(kv_cache_config))
+        hashed = [s for g, (s, w) in enumerate(zip(sizes, windows, strict=True)) if w != RING and g not in replayed]
+        if any(s % hashed[0] for s in hashed):
             _refuse(
-                "KV cache groups of different block sizes whose first group's block size does not divide every "
-                "other group's (the core's first group holds the smallest blocks and hashes at their size)",
+                "KV cache groups of different block sizes whose first attention group's block size does not divide "
+                "every other cached group's (the core's first group holds the smallest blocks and hashes at their "
+                "size)",
                 setting,
             )
-        attention_sizes = {sizes[0]: 0}
-        mixed = math.lcm(*sizes, *ring_sizes)
+        attention_sizes = {hashed[0]: 0}
+        mixed = math.lcm(*hashed, *replay_sizes, *ring_sizes)
     else:
         mixed = 0
     attention_size = next(iter(attention_sizes))
@@ -297,13 +313,6 @@ def _check_replay_groups(groups: list[Any], windows: list[int | str | None]) -> 
     if len(sizes) > 1:
         # (vLLM asserts one window.)
         _refuse("bounded-replay windows of different sizes", f"{setting}: windows {sizes}")
-    primary = next(g for g, w in enumerate(windows) if w not in (MAMBA, RING))
-    if primary in replay:
-        _refuse(
-            "a bounded-replay window as the first attention KV cache group (the core's primary group is looked up "
-            "and cached; a replayed window is neither)",
-            f"{setting}, group {primary} first",
-        )
     if MAMBA in windows or CROSS_ATTENTION in windows:
         _refuse("bounded-replay windows beside Mamba or cross-attention groups", setting)
 
@@ -514,7 +523,9 @@ def check_hash_block(
         _refuse("KV cache events with a hash block smaller than the block", f"kv_events_config, {setting}")
 
 
-def _check_group_block_sizes(vllm_config: Any, sizes: list[int], hash_block_size: int | None) -> None:
+def _check_group_block_sizes(
+    vllm_config: Any, sizes: list[int], hash_block_size: int | None, hashed: list[int]
+) -> None:
     """Refuses what KV cache groups of different block sizes are not supported with: a hash block other than the
     smallest block (``prefix_match_unit``), EAGLE/MTP drafters' prefix-cache rules (look-ahead hashes, the
     trailing-block drop, which vLLM aligns to the scheduler block), KV connectors and the auxiliary output connector
@@ -523,7 +534,7 @@ def _check_group_block_sizes(vllm_config: Any, sizes: list[int], hash_block_size
     setting = f"KV cache group block sizes {sizes}"
     cache = vllm_config.cache_config
     caching = bool(cache.enable_prefix_caching)
-    if caching and hash_block_size not in (None, math.gcd(*sizes)):
+    if caching and hash_block_size not in (None, math.gcd(*hashed)):
         _refuse(
             "a prefix match unit other than the smallest block with KV cache groups of different block sizes",
             f"hash_block_size={hash_block_size}, {setting}",
@@ -678,12 +689,18 @@ def kvsched_config_from_vllm(
     # (A compressor ring's block holds its ring's rows, not tokens: the core gets the first attention group's
     # block size for it, which its one block per request never reads.)
     group_sizes: list[int] = []
+    replayed = replay_groups(kv_cache_config)
     if kv_cache_groups and MAMBA not in kv_cache_groups:
         pairs = list(zip(kv_cache_config.kv_cache_groups, kv_cache_groups, strict=True))
-        first = next(int(g.kv_cache_spec.block_size) for g, w in pairs if w != RING)
+        # (The core's primary group: the first attention group that is not replayed.)
+        first = next(
+            int(p[0].kv_cache_spec.block_size) for g, p in enumerate(pairs) if p[1] != RING and g not in replayed
+        )
         group_sizes = [int(g.kv_cache_spec.block_size) if w != RING else first for g, w in pairs]
     if len(set(group_sizes)) > 1:
-        _check_group_block_sizes(vllm_config, group_sizes, hash_block_size)
+        # (vLLM's hash block: the greatest common divisor of the groups that take part in prefix caching.)
+        hashed = [size for g, size in enumerate(group_sizes) if g not in replayed]
+        _check_group_block_sizes(vllm_config, group_sizes, hash_block_size, hashed)
         # The core hashes at the first group's blocks (vLLM's hash_block_size, their greatest common divisor).
         finer_hashes = False
     if hash_block_size is not None and finer_hashes:

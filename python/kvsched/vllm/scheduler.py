@@ -221,6 +221,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         self.needs_kv_cache_zeroing = self._zeroes_new_blocks  # (vLLM's attribute)
         # vLLM's mamba_cache_mode "align": a Mamba group's table grows with the request's tokens.
         self._mamba_align = bool(config.mamba_align)
+        # Groups that can grow without the primary group: align-mode Mamba groups, and groups whose blocks are not
+        # a multiple of the primary group's (a replayed window's: DeepSeek V4.1's sliding-window cache).
+        sizes = config.kv_cache_group_block_sizes or ()
+        self._groups_grow_alone = self._mamba_align or any(size % config.block_size for size in sizes)
         # A Mamba group's prefill checkpoint can be keyed by the block below its entry (the trailing-block drop, or
         # look-ahead hashes of several tokens):
         # the prefill stats then read the tokens of each block's hash from the core.
@@ -1066,9 +1070,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         num_outputs: list[int] = int_list(self._core.step_num_output_tokens(out))
         run_outputs = num_outputs if all_run else num_outputs[:num_run]
         run_blocks: list[tuple[list[int], ...] | None] = [None] * num_run
-        # Align-mode Mamba groups can grow without the primary group: a running request with entries in any group.
+        # Align-mode Mamba groups and groups of smaller blocks can grow without the primary group: a running request
+        # with entries in any group.
         any_ptr = block_ptr_arr
-        if self._mamba_align:
+        if self._groups_grow_alone:
             any_ptr = np.sum([np.asarray(p, dtype=np.int64) for p in group_ptrs], axis=0)
         if any_ptr[num_run]:  # some running request got new blocks (a block filled up)
             got = np.flatnonzero(any_ptr[1 : num_run + 1] != any_ptr[:num_run]).tolist()

@@ -598,7 +598,14 @@ def make_scheduler(
         scheduler_block_size = math.lcm(*group_block_sizes)
         if hash_block_size is None:
             hashing = vllm_config.cache_config.enable_prefix_caching or vllm_config.kv_transfer_config is not None
-            hash_block_size = math.gcd(*group_block_sizes) if hashing else scheduler_block_size
+            # (vLLM's hash block: the greatest common divisor of the groups that take part in prefix caching, not
+            # a window rebuilt by bounded replay.)
+            hashed = [
+                z
+                for z, w in zip(group_block_sizes, kv_cache_groups or (), strict=True)
+                if not (isinstance(w, str) and w.startswith("replay:"))
+            ]
+            hash_block_size = math.gcd(*hashed) if hashing else scheduler_block_size
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if use_v2_model_runner else "0"
     try:

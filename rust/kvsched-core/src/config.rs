@@ -429,7 +429,8 @@ pub struct SchedulerConfig {
     /// different page sizes: its engine raises the smaller-page group's block size so the pages match): a block
     /// of group `g` holds `kv_cache_group_block_sizes[g]` tokens, one pool of equal pages serving every group.
     /// Each a multiple of `block_size`, the primary group's equal to it (`block_size` is the prefix-cache hash
-    /// unit: vLLM's `hash_block_size`, the sizes' greatest common divisor); hits are aligned to the sizes' least
+    /// unit: vLLM's `hash_block_size`, the cached groups' sizes' greatest common divisor), but a replayed window's
+    /// (`prefix_replay_groups`, never hashed), which may be any size; hits are aligned to the sizes' least
     /// common multiple (vLLM's scheduler block size; `hybrid.rs`). Only full-attention and sliding-window groups
     /// when the sizes differ. Empty: every group has `block_size`.
     pub kv_cache_group_block_sizes: Vec<u32>,
@@ -470,7 +471,9 @@ pub struct SchedulerConfig {
     /// The sliding-window groups rebuilt by bounded prefix replay (vLLM's `SlidingWindowMLASpec` with
     /// `bounded_replay`, DeepSeek V4.1): never cached nor looked up; a prefix hit (local or loaded) recomputes its
     /// last window (the groups' common window) to rebuild them, without rewriting the hit's cached KV elsewhere
-    /// (`hybrid.rs`, `step.rs`). Empty: none.
+    /// (`hybrid.rs`, `step.rs`). A replayed window is never the primary group (it may come first, as DeepSeek
+    /// V4.1's sliding-window cache does: the primary group is then the first attention group after it). Empty:
+    /// none.
     pub prefix_replay_groups: Vec<u32>,
     /// Align-mode Mamba groups with prefix caching: which cached states defer a same-step hit on them
     /// (`hybrid.rs`). `true` (vLLM 0.33): the states an allocation caches in the current `schedule()` call.
@@ -1102,7 +1105,7 @@ impl SchedulerConfig {
     }
 
     /// What `kv_cache_group_block_sizes` needs: one size per group, each a multiple of `block_size` (the primary
-    /// group's equal to it), the pool's tokens at the largest within `i32::MAX`; when the sizes differ, only
+    /// group's equal to it; a replayed window's any size), the pool's tokens at the largest within `i32::MAX`; when the sizes differ, only
     /// full-attention and sliding-window groups and none of the features whose rules with different block sizes
     /// are not implemented.
     fn validate_group_block_sizes(&self) -> Result<()> {
@@ -1120,19 +1123,21 @@ impl SchedulerConfig {
             ));
         }
         let bs = self.block_size;
-        for &s in sizes {
-            if s == 0 || s % bs != 0 || u64::from(s) * u64::from(self.num_blocks) > u64::from(I32_MAX) {
+        for (g, &s) in sizes.iter().enumerate() {
+            // A replayed window is never hashed: its blocks may hold any number of tokens.
+            let unit = if self.prefix_replay_groups.contains(&(g as u32)) { 1 } else { bs };
+            if s == 0 || s % unit != 0 || u64::from(s) * u64::from(self.num_blocks) > u64::from(I32_MAX) {
                 return refuse(format!(
-                    "must be multiples of block_size ({bs}) with num_blocks * size <= {I32_MAX}, got {s}"
+                    "must be multiples of block_size ({bs}) (a replayed window's any size) with num_blocks * size \
+                     <= {I32_MAX}, got {s} for group {g}"
                 ));
             }
         }
-        let primary =
-            self.kv_cache_groups.iter().position(|&g| !g.is_some_and(is_stateful_entry)).unwrap_or(0);
+        let primary = self.primary_group().unwrap_or(0);
         if sizes[primary] != bs {
             return refuse(format!(
-                "must give the primary group (group {primary}, the first that is not Mamba or ring) block_size ({bs}), \
-                 got {}",
+                "must give the primary group (group {primary}, the first that is not Mamba, ring or replayed) \
+                 block_size ({bs}), got {}",
                 sizes[primary]
             ));
         }
@@ -1157,6 +1162,15 @@ impl SchedulerConfig {
             }
         }
         Ok(())
+    }
+
+    /// The primary KV cache group (`kv_cache_groups`): the first that is not Mamba, a ring or a replayed window
+    /// (`prefix_replay_groups`); its table is `Request::blocks` and its block size is `block_size`. `None` when
+    /// every group is one of those.
+    pub fn primary_group(&self) -> Option<usize> {
+        self.kv_cache_groups.iter().enumerate().position(|(g, &w)| {
+            !w.is_some_and(is_stateful_entry) && !self.prefix_replay_groups.contains(&(g as u32))
+        })
     }
 
     /// Each KV cache group's block size (`kv_cache_group_block_sizes`, or `kv_block_size` for every group).
@@ -1204,11 +1218,9 @@ impl SchedulerConfig {
         Ok(())
     }
 
-    /// What several KV cache groups (`kv_cache_groups`) need: two groups or more (one is the plain or
-    /// `sliding_window` config), windows of at least one token, and none of the features that do not know
-    /// per-group block tables yet.
-    /// What `prefix_replay_groups` needs: sliding-window groups of one window, none the primary group, and none of
-    /// the features whose counts the replay's rewind would change (align-mode Mamba splits, encoder-decoder, swap).
+    /// What `prefix_replay_groups` needs: sliding-window groups of one window, a full-attention or sliding-window
+    /// group that is not replayed (the primary group), and none of the features whose counts the replay's rewind
+    /// would change (align-mode Mamba splits, encoder-decoder, swap).
     fn validate_replay_groups(&self) -> Result<()> {
         let replay = &self.prefix_replay_groups;
         if replay.is_empty() {
@@ -1246,12 +1258,12 @@ impl SchedulerConfig {
                 Some(_) => {}
             }
         }
-        let primary = groups.iter().position(|&g| !g.is_some_and(is_stateful_entry)).unwrap_or(0) as u32;
-        if let Some(&g) = replay.iter().find(|&&g| g == primary) {
-            return refuse(format!(
-                "prefix_replay_groups entry {g} is the primary group; a replayed window needs a full-attention or \
-                 sliding-window group before it"
-            ));
+        if self.primary_group().is_none() {
+            return refuse(
+                "prefix_replay_groups lists every attention group; a replayed window needs a full-attention or \
+                 sliding-window group that is not replayed"
+                    .into(),
+            );
         }
         if self.mamba_align {
             return refuse("prefix_replay_groups cannot be combined with mamba_align".into());
@@ -1273,6 +1285,9 @@ impl SchedulerConfig {
             .unwrap_or(0)
     }
 
+    /// What several KV cache groups (`kv_cache_groups`) need: two groups or more (one is the plain or
+    /// `sliding_window` config), windows of at least one token, and none of the features that do not know
+    /// per-group block tables yet.
     fn validate_groups(&self) -> Result<()> {
         let groups = &self.kv_cache_groups;
         if groups.is_empty() {

@@ -3,9 +3,10 @@
 //! `CrossAttentionManager` or `MambaManager` per group, the attention groups with the same block size, or, full
 //! attention and windows only, each its own: `Hybrid::block_sizes`).
 //!
-//! A request holds one block table per group (the *primary* group's, the first that is not Mamba, is
-//! `Request::blocks`; the others are `Request::groups`, in group order), all of the same length but cross
-//! attention's and Mamba's: every attention group covers every slot. Group by group, in group order:
+//! A request holds one block table per group (the *primary* group's, the first that is not Mamba, a ring or a
+//! replayed window, is `Request::blocks`; the others are `Request::groups`, in group order), all of the same
+//! length but cross attention's and Mamba's (and a replayed window's of another block size): every attention group
+//! covers every slot. Group by group, in group order:
 //!
 //! - **Block sizes**: with `SchedulerConfig::kv_cache_group_block_sizes`, group `g`'s blocks hold `b_g` tokens, a
 //!   multiple of the primary group's (the manager's `block_size`, which the request's hashes are taken at): its
@@ -88,12 +89,13 @@ pub struct Hybrid {
     /// `CHUNKED_LOCAL | c`: chunked-local attention in chunks of `c` tokens.
     pub windows: Vec<u32>,
     /// Each group's block size in tokens (`SchedulerConfig::kv_cache_group_block_sizes`): the primary group's is
-    /// the manager's `block_size`, the others multiples of it.
+    /// the manager's `block_size`, the others multiples of it (a replayed window's any size).
     pub block_sizes: Vec<u32>,
     /// The least common multiple of `block_sizes` (vLLM's scheduler block size): a hit's length in tokens and the
     /// tokens each group caches are multiples of it.
     pub align: u32,
-    /// The primary group: the first that is not Mamba or a ring (its table is `Request::blocks`).
+    /// The primary group: the first that is not Mamba, a ring or a replayed window (its table is
+    /// `Request::blocks`).
     pub primary: usize,
     /// The blocks a request holds in a Mamba group (`1 + mamba_speculative_blocks`).
     pub mamba_blocks: usize,
@@ -253,6 +255,14 @@ impl Hybrid {
         }
         self.replay = (0..self.windows.len()).map(|g| groups.contains(&(g as u32))).collect();
         self.lookups = build_lookups(&self.windows, false, &self.replay);
+        // A replayed window is never the primary group (the config refuses a layout without another).
+        let replay = &self.replay;
+        self.primary = self
+            .windows
+            .iter()
+            .enumerate()
+            .position(|(g, &w)| !is_stateful_entry(w) && !replay[g])
+            .unwrap_or(self.primary);
         self
     }
 

@@ -30,8 +30,8 @@ pub struct SchedulerOutput {
     /// Mamba one). Empty with one group.
     pub group_new_block_ids: Vec<Vec<i32>>,
     pub group_new_block_ids_indptr: Vec<Vec<i32>>,
-    /// With several KV cache groups: the primary group (the first that is not Mamba), whose ids are
-    /// `new_block_ids`. 0 with one group.
+    /// With several KV cache groups: the primary group (the first that is not Mamba, a ring or a replayed
+    /// window), whose ids are `new_block_ids`. 0 with one group.
     pub primary_group: usize,
     /// With a Mamba group: every attention-group block this `schedule()` allocated, group by group in group
     /// order, each group's in allocation order (vLLM's `new_block_ids_to_zero`; blocks of a request preempted

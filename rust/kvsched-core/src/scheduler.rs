@@ -1197,8 +1197,16 @@ impl Scheduler {
             }
             let primary = self.kv.hybrid.as_deref().map_or(0, |hy| hy.primary);
             for g in 0..=r.groups.len() {
-                // Blocks of this group per primary block (its block size over the primary's).
-                let k = self.kv.hybrid.as_deref().map_or(1, |hy| (hy.block_sizes[g] / bs) as usize);
+                // This group's block size: its table covers the slots the primary group's covers, at its size
+                // (a table of as many entries as some slot count in the primary's last block needs).
+                let gbs = self.kv.hybrid.as_deref().map_or(bs, |hy| hy.block_sizes[g]) as usize;
+                // Hash blocks per block of this group (a cached group's size is a multiple of the primary's).
+                let k = (gbs / bs as usize).max(1);
+                let covers = |n: usize, p: usize| {
+                    let bs = bs as usize;
+                    let lo = if p == 0 { 0 } else { ((p - 1) * bs + 1).div_ceil(gbs) };
+                    (lo..=(p * bs).div_ceil(gbs)).contains(&n)
+                };
                 let (blocks, num_cached) = match crate::hybrid::group_slot(primary, g) {
                     None => (&r.blocks, r.num_cached_blocks),
                     Some(i) => (&r.groups[i].blocks, r.groups[i].num_cached_blocks),
@@ -1243,7 +1251,7 @@ impl Scheduler {
                             blocks.len()
                         ));
                     }
-                } else if blocks.len() != r.blocks.len().div_ceil(k) {
+                } else if !covers(blocks.len(), r.blocks.len()) {
                     return Err(format!(
                         "request {:?}: group {g}'s table does not cover the primary group's",
                         r.id

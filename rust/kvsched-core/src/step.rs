@@ -546,8 +546,9 @@ impl Scheduler {
                     t.len()
                 } else if sizes.get(gi).is_some_and(|&s| s != bs) {
                     // Another block size than the primary group's: the blocks its allocation appended (none when
-                    // the primary group's appended none: its blocks are the smallest).
-                    if k == 0 {
+                    // the primary group's appended none and its blocks are the smaller; a replayed window's may be
+                    // smaller still).
+                    if k == 0 && sizes[gi] % bs == 0 {
                         0
                     } else {
                         req.groups[g].mamba_appended as usize

@@ -233,8 +233,30 @@ fn replay_groups_are_validated() {
             "windows must agree, got 32 and 16",
         ),
         (
-            SchedulerConfig { kv_cache_groups: vec![Some(32), None], prefix_replay_groups: vec![0], ..cfg() },
-            "entry 0 is the primary group",
+            SchedulerConfig {
+                kv_cache_groups: vec![Some(32), Some(32)],
+                prefix_replay_groups: vec![0, 1],
+                ..cfg()
+            },
+            "lists every attention group",
+        ),
+        (
+            SchedulerConfig {
+                kv_cache_groups: vec![Some(32), None],
+                prefix_replay_groups: vec![0],
+                kv_cache_group_block_sizes: vec![8, 32],
+                ..cfg()
+            },
+            "must give the primary group (group 1",
+        ),
+        (
+            SchedulerConfig {
+                kv_cache_groups: vec![None, Some(32)],
+                prefix_replay_groups: vec![],
+                kv_cache_group_block_sizes: vec![16, 8],
+                ..cfg()
+            },
+            "must be multiples of block_size (16)",
         ),
         (SchedulerConfig { num_cpu_blocks: 8, ..cfg() }, "cannot be combined with swap"),
     ];
@@ -242,4 +264,53 @@ fn replay_groups_are_validated() {
         let got = bad(c);
         assert!(got.contains(want), "{got:?} does not say {want:?}");
     }
+}
+
+#[test]
+fn a_replayed_window_first_with_smaller_blocks_is_not_the_primary_group() {
+    // DeepSeek V4.1's layout: the replayed window comes first with blocks of 8 tokens, the full-attention group
+    // (the primary group, which hashes) has blocks of 16.
+    let c = SchedulerConfig {
+        kv_cache_groups: vec![Some(WINDOW), None],
+        prefix_replay_groups: vec![0],
+        kv_cache_group_block_sizes: vec![8, BS],
+        ..cfg()
+    };
+    let mut s = Scheduler::new(c).unwrap();
+    let free = s.num_free_blocks();
+    prefill(&mut s, "a", 100);
+    // 100 tokens: 13 window blocks of 8, 7 full-attention blocks of 16.
+    assert_eq!(s.get_group_block_ids("a", 0).unwrap().len(), 13);
+    assert_eq!(s.get_group_block_ids("a", 1).unwrap().len(), 7);
+    s.add_request("b", &prompt(0, 100), params(2)).unwrap();
+    let (out, _) = step_with(&mut s, 7);
+    // 96 tokens hit; the last 32 are recomputed: 64 computed, 36 scheduled.
+    assert_eq!(out.num_computed_tokens, vec![100, 64]);
+    assert_eq!(out.num_scheduled_tokens, vec![1, 36]);
+    assert_eq!(s.get_replay_start("b").unwrap(), 64);
+    let (a_full, b_full) =
+        (s.get_group_block_ids("a", 1).unwrap().to_vec(), s.get_group_block_ids("b", 1).unwrap().to_vec());
+    assert_eq!(b_full[..6], a_full[..6], "the full-attention hit is shared");
+    let b_swa = s.get_group_block_ids("b", 0).unwrap().to_vec();
+    // The window of token 96 starts at token 65: the 8 blocks below it are null blocks, the 5 blocks of tokens
+    // 64..100 fresh ones.
+    assert_eq!(b_swa.len(), 13);
+    assert_eq!(b_swa[..8], [0; 8]);
+    assert!(b_swa[8..].iter().all(|&b| b != 0));
+    s.check_invariants().unwrap();
+    // "c" decodes past token 104: a new window block (8 tokens) while its full-attention block still has room.
+    s.add_request("c", &prompt(5000, 100), params(12)).unwrap();
+    let mut saw_window_only = false;
+    while s.has_unfinished_requests() {
+        let (out, _) = step_with(&mut s, 7);
+        // The window's ids are the first of the other groups' (group 0 comes before the primary group).
+        assert_eq!(out.primary_group, 1);
+        let (full, window) = (&out.new_block_ids_indptr, &out.group_new_block_ids_indptr[0]);
+        for i in 0..out.num_reqs() {
+            saw_window_only |= full[i + 1] == full[i] && window[i + 1] > window[i];
+        }
+        s.check_invariants().unwrap();
+    }
+    assert!(saw_window_only, "a window block appended alone is reported");
+    assert_eq!(s.num_free_blocks(), free);
 }
