@@ -200,6 +200,20 @@ RULES: list[dict[str, Any]] = [
         "prefix_replay_groups": (0,),
         "kv_cache_group_block_sizes": (0, 16),
     },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (8, None),
+        "prefix_replay_groups": (0,),
+        "kv_cache_group_block_sizes": (12, 16),
+        "drop_trailing_hit_block": True,
+    },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (8, None, 8),
+        "prefix_replay_groups": (0,),
+        "kv_cache_group_block_sizes": (8, 16, 32),
+        "hash_lookahead_tokens": 1,
+    },
     {"kv_cache_groups": (None, "mamba", 8), "mamba_align": True, "prefix_replay_groups": (2,)},
     {
         "kv_cache_groups": (None, "cross", 8),
@@ -211,6 +225,34 @@ RULES: list[dict[str, Any]] = [
 ]
 # Combinations that are valid (each next to a rule above).
 VALID_COMBOS: list[dict[str, Any]] = [
+    # DeepSeek V4.1's layout: a replayed window first, of smaller blocks (any size); with an MTP drafter's rules
+    # when its blocks divide the block.
+    {
+        "block_size": 16,
+        "kv_cache_groups": (8, None, "ring"),
+        "prefix_replay_groups": (0,),
+        "kv_cache_group_block_sizes": (4, 16, 16),
+    },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (8, None),
+        "prefix_replay_groups": (0,),
+        "kv_cache_group_block_sizes": (12, 16),
+    },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (8, None),
+        "prefix_replay_groups": (0,),
+        "kv_cache_group_block_sizes": (8, 16),
+        "drop_trailing_hit_block": True,
+    },
+    {
+        "block_size": 16,
+        "kv_cache_groups": (8, None),
+        "prefix_replay_groups": (0,),
+        "kv_cache_group_block_sizes": (8, 16),
+        "hash_lookahead_tokens": 1,
+    },
     {"block_size": 16, "kv_cache_groups": (None, "ring", 8), "kv_cache_group_block_sizes": (16, 16, 32)},
     {"block_size": 16, "hash_block_size": 16},
     {

@@ -400,6 +400,15 @@ REPLAY_CONFIGS = [
                     kv_cache_groups=(12, None, 8, 12), prefix_replay_groups=(0, 3),
                     kv_cache_group_block_sizes=(2, 4, 8, 6), async_scheduling=True, num_speculative_tokens=2,
                     prefix_hash_seed=309),
+    # ... with an EAGLE/MTP drafter's prefix-cache rules (the trailing-block drop; look-ahead hashes), which run when
+    # the replayed blocks divide the block.
+    SchedulerConfig(block_size=4, num_blocks=52, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(8, None, "ring"), prefix_replay_groups=(0,), kv_cache_group_block_sizes=(2, 4, 4),
+                    num_speculative_tokens=2, drop_trailing_hit_block=True, prefix_hash_seed=311),
+    SchedulerConfig(block_size=4, num_blocks=90, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(12, None, 8, 12), prefix_replay_groups=(0, 3),
+                    kv_cache_group_block_sizes=(1, 4, 4, 1), num_speculative_tokens=1, hash_lookahead_tokens=1,
+                    async_scheduling=True, prefix_hash_seed=312),
 ]  # fmt: skip
 
 

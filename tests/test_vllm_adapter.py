@@ -1181,6 +1181,14 @@ def test_bounded_replay_layouts_the_core_does_not_implement_are_refused_by_name(
     assert sched.kv_config.block_size == 16 and sched.kv_config.hash_block_size is None
     sched = _build_with_groups(vcfg, replayed(64, block_size=12), mla, block_size=48)
     assert sched.kv_config.kv_cache_group_block_sizes == (12, 16) and sched.kv_config.block_size == 16
+    # With an EAGLE/MTP drafter's prefix-cache rules: they run when the replayed blocks divide the others' (the
+    # groups that take part in prefix caching have one size), and are refused otherwise.
+    eagle = make_vllm_config(block_size=16, num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)
+    sched = _build_with_groups(eagle, replayed(64, block_size=8), mla)
+    assert sched.kv_config.kv_cache_group_block_sizes == (8, 16)
+    assert sched.kv_config.drop_trailing_hit_block or sched.kv_config.hash_lookahead_tokens > 0
+    with pytest.raises(UnsupportedFeatureError, match=r"EAGLE/MTP prefix-cache rules .* different block sizes"):
+        _build_with_groups(eagle, replayed(64, block_size=12), mla, block_size=48)
 
 
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:

@@ -326,24 +326,26 @@ def test_identical_to_vllm_with_compressor_rings(sync: str, runner: str, seed: i
 
 @pytest.mark.parametrize(("sync", "runner"), MODES, ids=[f"{s}-{r}" for s, r in MODES])
 @pytest.mark.parametrize(
-    ("seed", "layout"), [(1, "hybrid"), (0, "connector"), (3, "ring"), (7, "sized"), (1, "first"), (3, "first")]
+    ("seed", "layout"),
+    [(1, "hybrid"), (0, "connector"), (3, "ring"), (7, "sized"), (1, "first"), (3, "first"), (3, "first-eagle")],
 )
 def test_identical_to_vllm_with_bounded_prefix_replay(sync: str, runner: str, seed: int, layout: str) -> None:
     """DeepSeek V4.1's bounded prefix replay (SlidingWindowMLASpec with bounded_replay): the replayed windows are
     never cached or looked up, and a prefix hit recomputes its last window; beside full attention and other
     windows, with a KV connector whose loads restore the windows or not, beside compressor rings, and in DeepSeek
-    V4.1's own order (a replayed window first, its blocks smaller than the hashed groups' or not dividing them).
-    Each run replays at some admissions."""
+    V4.1's own order (a replayed window first, its blocks smaller than the hashed groups' or not dividing them;
+    with an EAGLE drafter's prefix-cache rules). Each run replays at some admissions."""
     import vllm_driver
 
     before = vllm_driver.REPLAY_COUNTS["admissions replaying"]
     cfg = run_seed(seed, 150, async_scheduling=sync == "async", v2=runner == "v2", replay=True, hybrid=True,
-                   connector=layout == "connector", ring=layout == "ring", replay_first=layout == "first",
+                   connector=layout == "connector", ring=layout == "ring", replay_first=layout.startswith("first"),
+                   eagle=layout == "first-eagle",
                    group_block_factors=(-1,) if layout == "sized" else ())  # fmt: skip
     assert any(str(g).startswith("replay:") for g in cfg.kv_cache_groups or ())
     if layout == "sized":
         assert len(set(cfg.group_block_sizes or ())) > 1
-    if layout == "first":
+    if layout.startswith("first"):
         assert str(cfg.kv_cache_groups[0]).startswith("replay:")  # type: ignore[index]
         assert cfg.group_block_sizes is not None and cfg.group_block_sizes[0] != cfg.block_size
     assert vllm_driver.REPLAY_COUNTS["admissions replaying"] > before

@@ -1664,10 +1664,13 @@ class Pair:
             request = self.a.requests.get(rid)
             if request is None or request.is_finished():
                 return tokens
-            # (The first attention group's blocks: a Mamba group holds its state blocks whatever the length.)
+            # (The first attention group's blocks that is not a ring's or a replayed window's, at its block size: a
+            # Mamba group holds its state blocks whatever the length, a ring one block, a replayed window's blocks
+            # may be smaller.)
             groups = self.cfg.kv_cache_groups or (None,)
-            attention = next(g for g, w in enumerate(groups) if w != "mamba")
-            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[attention]) * self.kv_block_size
+            attention = next(g for g, w in enumerate(groups) if w not in ("mamba", "ring") and not _is_replay(w))
+            size = self.cfg.group_block_sizes[attention] if self.cfg.group_block_sizes else self.kv_block_size
+            slots = len(self.a.kv_cache_manager.get_block_ids(rid)[attention]) * size
             room = min(1 + k - len(tokens), slots - (request.num_computed_tokens - num_drafts + len(tokens) - 1))
             if room > 0:
                 return tokens + [self.random_token() for _ in range(rng.randrange(1, 1 + room))]
@@ -2193,6 +2196,10 @@ def run_seed(
             sizes.insert(0, sizes.pop(at))
             smaller = [d for d in range(1, cfg.block_size) if cfg.block_size % d == 0]
             size = rrng.choice(smaller * 3 + [3, 6]) if smaller else rrng.choice([3, 6])
+            if eagle and cfg.block_size % size:
+                # (EAGLE/MTP's prefix-cache rules run when the replayed blocks divide the block: kvsched.vllm
+                # refuses them otherwise.)
+                size = smaller[-1] if smaller else cfg.block_size
             sizes = [size if _is_replay(g) else z for g, z in zip(groups, sizes, strict=True)]
             cfg.kv_cache_groups = tuple(groups)
             cfg.group_block_sizes = tuple(sizes)
@@ -2667,7 +2674,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --replay, DeepSeek V4.1's own layout: a replayed window first (before the full-attention group "
         "that hashes), the replayed windows' blocks smaller than the block (a divisor of it, or in some runs 3 or 6 "
-        "tokens), drawn per seed",
+        "tokens, not with --eagle), drawn per seed",
     )
     p.add_argument(
         "--mtp",

@@ -1135,11 +1135,15 @@ class SchedulerConfig:
             )
         if all(s == bs for s in sizes):
             return
+        # Only replayed windows of blocks dividing the primary block differ: the looked-up and cached groups have one
+        # size, and the hit's rules (the trailing-block drop, look-ahead hashes) are those of one block size.
+        replay = self.prefix_replay_groups
+        cached_alike = all(s == bs or (g in replay and bs % s == 0) for g, s in enumerate(sizes))
         other = any(w in (CROSS_ATTENTION, MAMBA) or chunk_size_of(w) is not None for w in groups)
         for on, name in (
             (other, "chunked-local, cross-attention or Mamba groups"),
-            (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
-            (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
+            (self.drop_trailing_hit_block and not cached_alike, "drop_trailing_hit_block"),
+            (self.hash_lookahead_tokens > 0 and not cached_alike, "hash_lookahead_tokens"),
             (self.hash_block_size not in (None, bs), "a hash_block_size other than block_size"),
         ):
             if on:

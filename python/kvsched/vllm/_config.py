@@ -530,7 +530,8 @@ def _check_group_block_sizes(
     smallest block (``prefix_match_unit``), EAGLE/MTP drafters' prefix-cache rules (look-ahead hashes, the
     trailing-block drop, which vLLM aligns to the scheduler block), KV connectors and the auxiliary output connector
     (vLLM keys a prompt's tail inside a larger full-attention block, which these see; KV cache events carry that
-    key, as the core records it)."""
+    key, as the core records it). ``hashed``: the sizes of the groups that take part in prefix caching (every one
+    but the replayed windows)."""
     setting = f"KV cache group block sizes {sizes}"
     cache = vllm_config.cache_config
     caching = bool(cache.enable_prefix_caching)
@@ -547,7 +548,10 @@ def _check_group_block_sizes(
         )
     spec = vllm_config.speculative_config
     hash_lookahead = int(_attr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
-    if spec is not None and (hash_lookahead or bool(spec.use_eagle_block_drop())):
+    # Only replayed windows of blocks dividing the others' differ (DeepSeek V4.1's layout): the groups that take
+    # part in prefix caching have one size, the scheduler block is theirs, and EAGLE/MTP's rules are one size's.
+    cached_alike = len(set(hashed)) == 1 and all(hashed[0] % size == 0 for size in sizes)
+    if spec is not None and (hash_lookahead or bool(spec.use_eagle_block_drop())) and not cached_alike:
         _refuse(
             "EAGLE/MTP prefix-cache rules (look-ahead hashes, trailing-block drop) with KV cache groups of "
             "different block sizes",

@@ -1105,9 +1105,10 @@ impl SchedulerConfig {
     }
 
     /// What `kv_cache_group_block_sizes` needs: one size per group, each a multiple of `block_size` (the primary
-    /// group's equal to it; a replayed window's any size), the pool's tokens at the largest within `i32::MAX`; when the sizes differ, only
-    /// full-attention and sliding-window groups and none of the features whose rules with different block sizes
-    /// are not implemented.
+    /// group's equal to it; a replayed window's any size), the pool's tokens at the largest within `i32::MAX`;
+    /// when the sizes differ, only full-attention and sliding-window groups and none of the features whose rules
+    /// with different block sizes are not implemented (the trailing-block drop and look-ahead hashes run when only
+    /// replayed windows of blocks dividing `block_size` differ).
     fn validate_group_block_sizes(&self) -> Result<()> {
         let sizes = &self.kv_cache_group_block_sizes;
         if sizes.is_empty() {
@@ -1144,6 +1145,13 @@ impl SchedulerConfig {
         if sizes.iter().all(|&s| s == bs) {
             return Ok(());
         }
+        // Only replayed windows of blocks dividing the primary block differ: the looked-up and cached groups have
+        // one size, hits stay aligned to it, and the hit's rules (the trailing-block drop, look-ahead hashes) are
+        // those of one block size (DeepSeek V4.1's layout with an MTP drafter).
+        let cached_alike = sizes
+            .iter()
+            .enumerate()
+            .all(|(g, &s)| s == bs || (self.prefix_replay_groups.contains(&(g as u32)) && bs % s == 0));
         let other = self
             .kv_cache_groups
             .iter()
@@ -1151,8 +1159,8 @@ impl SchedulerConfig {
             .any(|&w| w == CROSS_ATTENTION || w == MAMBA || is_chunked_entry(w));
         for (on, name) in [
             (other, "chunked-local, cross-attention or Mamba groups"),
-            (self.drop_trailing_hit_block, "drop_trailing_hit_block"),
-            (self.hash_lookahead_tokens > 0, "hash_lookahead_tokens"),
+            (self.drop_trailing_hit_block && !cached_alike, "drop_trailing_hit_block"),
+            (self.hash_lookahead_tokens > 0 && !cached_alike, "hash_lookahead_tokens"),
             (self.hash_block_size.is_some_and(|h| h != bs), "a hash_block_size other than block_size"),
         ] {
             if on {
