@@ -1189,6 +1189,15 @@ def test_bounded_replay_layouts_the_core_does_not_implement_are_refused_by_name(
     assert sched.kv_config.drop_trailing_hit_block or sched.kv_config.hash_lookahead_tokens > 0
     with pytest.raises(UnsupportedFeatureError, match=r"EAGLE/MTP prefix-cache rules .* different block sizes"):
         _build_with_groups(eagle, replayed(64, block_size=12), mla, block_size=48)
+    # ... and a multi-module MTP drafter's prefill lookahead likewise.
+    mtp = make_vllm_config(block_size=16, num_speculative_tokens=3, speculative_method="eagle", eagle_block_drop=True,
+                           multi_module_mtp=True)  # fmt: skip
+    sched = _build_with_groups(mtp, replayed(64, block_size=8), mla)
+    assert sched.kv_config.prefill_lookahead_tokens == 3
+    plain_mtp = make_vllm_config(block_size=16, num_speculative_tokens=3, speculative_method="eagle",
+                                 multi_module_mtp=True)  # fmt: skip
+    with pytest.raises(UnsupportedFeatureError, match="multi-module MTP prefill lookahead with KV cache groups"):
+        _build_with_groups(plain_mtp, mla, replayed(64, block_size=32), block_size=32)
 
 
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:

@@ -558,7 +558,7 @@ def _check_group_block_sizes(
             f"speculative_config, {setting}: set disable_eagle_block_drop=True",
         )
     prefill_lookahead = int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
-    if prefill_lookahead > 1:
+    if prefill_lookahead > 1 and not cached_alike:
         # Not compared side by side: the reprefillable tail and the chunk-end rule beside aligned caching.
         _refuse(
             "multi-module MTP prefill lookahead with KV cache groups of different block sizes",
