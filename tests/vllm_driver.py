@@ -46,7 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import contextlib
 
 from kvsched.vllm import RULES
-from kvsched.vllm.testing import make_request, make_scheduler, make_vllm_config
+from kvsched.vllm.testing import is_replay_group, make_request, make_scheduler, make_vllm_config
 
 # Request fields mirrored by the adapter and compared after every call.
 REQUEST_FIELDS = (
@@ -1148,7 +1148,7 @@ class Pair:
             # vLLM's resolve_kv_cache_block_sizes: the hash block is the groups' greatest common divisor with prefix
             # caching, the scheduler block (their least common multiple) without.
             # (A replayed window takes no part in prefix caching: vLLM leaves its size out of the hash block.)
-            hashed = [z for z, g in zip(group_block_sizes, groups or (), strict=True) if not _is_replay(g)]
+            hashed = [z for z, g in zip(group_block_sizes, groups or (), strict=True) if not is_replay_group(g)]
             self.hash_block = math.gcd(*hashed) if cfg.enable_prefix_caching else math.lcm(*group_block_sizes)
         # Two front-end clients in some runs (vLLM groups the outputs by client), stats off in some.
         self.num_clients = self.rng_out.choice([1, 1, 2])
@@ -1668,7 +1668,7 @@ class Pair:
             # Mamba group holds its state blocks whatever the length, a ring one block, a replayed window's blocks
             # may be smaller.)
             groups = self.cfg.kv_cache_groups or (None,)
-            attention = next(g for g, w in enumerate(groups) if w not in ("mamba", "ring") and not _is_replay(w))
+            attention = next(g for g, w in enumerate(groups) if w not in ("mamba", "ring") and not is_replay_group(w))
             size = self.cfg.group_block_sizes[attention] if self.cfg.group_block_sizes else self.kv_block_size
             slots = len(self.a.kv_cache_manager.get_block_ids(rid)[attention]) * size
             room = min(1 + k - len(tokens), slots - (request.num_computed_tokens - num_drafts + len(tokens) - 1))
@@ -2190,7 +2190,7 @@ def run_seed(
             # DeepSeek V4.1's own layout: a replayed window first, before the full-attention group that hashes
             # (its sliding-window cache comes from the first layer's), the replayed windows' blocks smaller than
             # the block (that cache holds 32 tokens a block), or in some runs of a size that does not divide it.
-            at = next(i for i, g in enumerate(groups) if _is_replay(g))
+            at = next(i for i, g in enumerate(groups) if is_replay_group(g))
             groups.insert(0, groups.pop(at))
             sizes = sizes if sizes is not None else [cfg.block_size] * len(groups)
             sizes.insert(0, sizes.pop(at))
@@ -2200,7 +2200,7 @@ def run_seed(
                 # (EAGLE/MTP's prefix-cache rules run when the replayed blocks divide the block: kvsched.vllm
                 # refuses them otherwise.)
                 size = smaller[-1] if smaller else cfg.block_size
-            sizes = [size if _is_replay(g) else z for g, z in zip(groups, sizes, strict=True)]
+            sizes = [size if is_replay_group(g) else z for g, z in zip(groups, sizes, strict=True)]
             cfg.kv_cache_groups = tuple(groups)
             cfg.group_block_sizes = tuple(sizes)
             REPLAY_COUNTS["runs with a replayed window first"] += 1
@@ -2210,7 +2210,9 @@ def run_seed(
         cfg.num_blocks = 1 + (cfg.num_blocks - 1) * len(groups) // drawn
         if replay_first:
             cfg.num_blocks += sum(
-                per_group * (-(-cfg.block_size // z) - 1) for g, z in zip(groups, sizes, strict=True) if _is_replay(g)
+                per_group * (-(-cfg.block_size // z) - 1)
+                for g, z in zip(groups, sizes, strict=True)
+                if is_replay_group(g)
             )
         REPLAY_COUNTS["runs"] += 1
     if encoder_decoder:
@@ -2364,11 +2366,6 @@ def run_seed(
     if pair.umbp is not None:
         UMBP_COUNTS.update(pair.umbp.counts)
     return cfg
-
-
-def _is_replay(group: int | str | None) -> bool:
-    """Whether a drawn group is a window rebuilt by bounded prefix replay (``"replay:<w>"``)."""
-    return isinstance(group, str) and group.startswith("replay:")
 
 
 def _count_diverged_hits(sched: Any) -> None:

@@ -933,23 +933,12 @@ class SchedulerConfig:
                 elif window is not None and (isinstance(window, bool) or not isinstance(window, int)):
                     raise InvalidConfigError(f"{what}{self.kv_cache_groups!r}")
             object.__setattr__(self, "kv_cache_groups", groups)
-        sizes = self.kv_cache_group_block_sizes
-        if sizes is not None:
+        if self.kv_cache_group_block_sizes is not None:
             what = "kv_cache_group_block_sizes must be None or a list of ints in [1, 2147483647], got "
-            if isinstance(sizes, (str, bytes, Mapping)) or not hasattr(sizes, "__iter__"):
-                raise InvalidConfigError(f"{what}{sizes!r}")
-            sizes = tuple(sizes)
-            if any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= I32_MAX for v in sizes):
-                raise InvalidConfigError(f"{what}{self.kv_cache_group_block_sizes!r}")
+            sizes = _int_tuple(self.kv_cache_group_block_sizes, 1, what)
             object.__setattr__(self, "kv_cache_group_block_sizes", sizes)
-        replay = self.prefix_replay_groups
         what = "prefix_replay_groups must be a list of group indices (ints in [0, 2147483647]), got "
-        if isinstance(replay, (str, bytes, Mapping)) or not hasattr(replay, "__iter__"):
-            raise InvalidConfigError(f"{what}{replay!r}")
-        replay = tuple(replay)
-        if any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= I32_MAX for v in replay):
-            raise InvalidConfigError(f"{what}{self.prefix_replay_groups!r}")
-        object.__setattr__(self, "prefix_replay_groups", replay)
+        object.__setattr__(self, "prefix_replay_groups", _int_tuple(self.prefix_replay_groups, 0, what))
 
     def _check_rules(self) -> None:
         """The rules that tie fields together (the Rust core applies them in the same order)."""
@@ -1422,6 +1411,17 @@ def _check_int(name: str, value: Any, minimum: int, maximum: int = I32_MAX) -> N
         raise InvalidConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if not minimum <= value <= maximum:
         raise InvalidConfigError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+
+
+def _int_tuple(value: Any, minimum: int, what: str) -> tuple[int, ...]:
+    """A list-of-ints field as a tuple, each int in ``[minimum, I32_MAX]``; else InvalidConfigError with ``what``
+    (the message up to the value) and the value as given."""
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        raise InvalidConfigError(f"{what}{value!r}")
+    items = tuple(value)
+    if any(isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= I32_MAX for v in items):
+        raise InvalidConfigError(f"{what}{value!r}")
+    return items
 
 
 def _check_float(name: str, value: Any, spec: FieldSpec) -> float:

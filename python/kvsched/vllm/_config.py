@@ -167,16 +167,12 @@ def _check_kv_cache_config(
             spec_blocks.add(int(spec.num_speculative_blocks))
             windows.append(window)
             continue
-        if type(spec) in window_types and getattr(spec, "bounded_replay", False):
+        replayed_window = type(spec) in window_types and getattr(spec, "bounded_replay", False)
+        if replayed_window:
             # A window rebuilt by bounded prefix replay: never looked up, so beside any other window; never hashed,
             # so its blocks may hold any number of tokens (DeepSeek V4.1's hold 32, fewer than the hashed groups').
             window = int(spec.sliding_window)
-            if dcp > 1 and not getattr(spec, "dcp_sharded", False):
-                _refuse("KV cache specs that decode context parallelism does not shard", f"{where}dcp_sharded=False")
-            replay_sizes.add(int(spec.block_size) * dcp)
-            windows.append(window)
-            continue
-        if type(spec) in window_types:
+        elif type(spec) in window_types:
             window = int(spec.sliding_window)
             if window in window_specs and window_specs[window] != spec:
                 _refuse(
@@ -216,7 +212,10 @@ def _check_kv_cache_config(
             _refuse("full-attention specs with a sliding window", f"{where}sliding_window={spec.sliding_window}")
         if dcp > 1 and not getattr(spec, "dcp_sharded", False):
             _refuse("KV cache specs that decode context parallelism does not shard", f"{where}dcp_sharded=False")
-        attention_sizes.setdefault(int(spec.block_size) * dcp, g)
+        if replayed_window:
+            replay_sizes.add(int(spec.block_size) * dcp)
+        else:
+            attention_sizes.setdefault(int(spec.block_size) * dcp, g)
         windows.append(window)
     if not attention_sizes and replay_sizes:
         # (vLLM needs a group that takes part in prefix caching.)

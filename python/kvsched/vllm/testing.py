@@ -15,7 +15,7 @@ import os
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, SupportsHMA
@@ -31,6 +31,7 @@ __all__ = [
     "RandomECConnector",
     "RandomKVConnector",
     "deterministic_token",
+    "is_replay_group",
     "make_request",
     "make_scheduler",
     "make_vllm_config",
@@ -473,7 +474,7 @@ def _kv_cache_config(
         if window is None:
             compressed = {"tokens_per_state": tokens_per_state} if tokens_per_state > 1 else {}
             return full_spec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=dtype, **compressed)
-        if isinstance(window, str) and window.startswith("replay:"):
+        if is_replay_group(window):
             # DeepSeek V4.1's sliding window rebuilt by bounded prefix replay (never prefix cached).
             return SlidingWindowMLASpec(
                 block_size=block_size,
@@ -525,6 +526,12 @@ def _kv_cache_config(
         kv_cache_groups=groups,
         prefix_cache_retention_interval=prefix_cache_retention_interval,
     )
+
+
+def is_replay_group(window: object) -> TypeGuard[str]:
+    """Whether a ``kv_cache_groups`` entry of ``make_scheduler`` is a window rebuilt by bounded prefix replay
+    (``"replay:<w>"``)."""
+    return isinstance(window, str) and window.startswith("replay:")
 
 
 def make_scheduler(
@@ -601,9 +608,7 @@ def make_scheduler(
             # (vLLM's hash block: the greatest common divisor of the groups that take part in prefix caching, not
             # a window rebuilt by bounded replay.)
             hashed = [
-                z
-                for z, w in zip(group_block_sizes, kv_cache_groups or (), strict=True)
-                if not (isinstance(w, str) and w.startswith("replay:"))
+                z for z, w in zip(group_block_sizes, kv_cache_groups or (), strict=True) if not is_replay_group(w)
             ]
             hash_block_size = math.gcd(*hashed) if hashing else scheduler_block_size
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")

@@ -214,7 +214,7 @@ impl Hybrid {
             .map(|(&w, &bs)| if is_window(w) { cap(w, bs) } else { usize::MAX })
             .collect();
         let align = block_sizes.iter().fold(1u64, |a, &b| lcm(a, u64::from(b.max(1))));
-        let primary = windows.iter().position(|&w| !is_stateful_entry(w)).unwrap_or(0);
+        let primary = primary_group(&windows, &[]);
         let lookups = build_lookups(&windows, false, &[]);
         let n = windows.len();
         let zero_ids = if windows.contains(&MAMBA) { vec![Vec::new(); n] } else { Vec::new() };
@@ -255,14 +255,7 @@ impl Hybrid {
         }
         self.replay = (0..self.windows.len()).map(|g| groups.contains(&(g as u32))).collect();
         self.lookups = build_lookups(&self.windows, false, &self.replay);
-        // A replayed window is never the primary group (the config refuses a layout without another).
-        let replay = &self.replay;
-        self.primary = self
-            .windows
-            .iter()
-            .enumerate()
-            .position(|(g, &w)| !is_stateful_entry(w) && !replay[g])
-            .unwrap_or(self.primary);
+        self.primary = primary_group(&self.windows, &self.replay);
         self
     }
 
@@ -325,6 +318,16 @@ fn lcm(a: u64, b: u64) -> u64 {
 
 /// The lookup sets of groups `windows`: full attention as one set first, then each window (and, with `mamba`, the
 /// Mamba groups as one set) in order of first appearance.
+/// The primary group: the first that is not Mamba, a ring or replayed (`replay`, per group; empty: none is); 0
+/// when there is none (the config refuses such a layout).
+fn primary_group(windows: &[u32], replay: &[bool]) -> usize {
+    windows
+        .iter()
+        .enumerate()
+        .position(|(g, &w)| !is_stateful_entry(w) && !replay.get(g).copied().unwrap_or(false))
+        .unwrap_or(0)
+}
+
 fn build_lookups(windows: &[u32], mamba: bool, replay: &[bool]) -> Vec<(u32, Vec<usize>)> {
     let mut lookups: Vec<(u32, Vec<usize>)> = Vec::new();
     for (g, &w) in windows.iter().enumerate() {
