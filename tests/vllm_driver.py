@@ -196,6 +196,8 @@ PARTIAL_BLOCK_HITS = 0
 BLOCK_COPIES = 0
 # Runs whose KV cache groups have different block sizes (--group-block-factors).
 MIXED_BLOCK_SEEDS = 0
+# ... and those whose first attention group has larger blocks than another's (--first-group-factor).
+MIXED_LARGER_FIRST = 0
 # With --connector in those runs: the allocation hook calls with external tokens, and those where a group's cached
 # blocks do not lead its table (a window of blocks smaller than the scheduler block keeps only what an aligned hit
 # can use).
@@ -1192,8 +1194,10 @@ class Pair:
         if group_block_sizes is not None and len(set(group_block_sizes)) > 1:
             # vLLM's scheduler runs at the least common multiple, both hash at the greatest common divisor.
             assert self.a.block_size == self.b.block_size == math.lcm(*group_block_sizes)
-            global MIXED_BLOCK_SEEDS
+            global MIXED_BLOCK_SEEDS, MIXED_LARGER_FIRST
             MIXED_BLOCK_SEEDS += 1
+            cached = [z for z, g in zip(group_block_sizes, groups or (), strict=True) if not isinstance(g, str)]
+            MIXED_LARGER_FIRST += cached[0] > min(cached)
         if defer_async_loads:
             self.a.defer_async_loads = self.b.defer_async_loads = True
         # kvsched's steady decoding cohorts form after some steady steps; in most runs after one, so that they
@@ -1664,12 +1668,14 @@ class Pair:
             request = self.a.requests.get(rid)
             if request is None or request.is_finished():
                 return tokens
-            # (The first attention group's blocks that is not a ring's or a replayed window's, at its block size: a
-            # Mamba group holds its state blocks whatever the length, a ring one block, a replayed window's blocks
-            # may be smaller.)
+            # (The blocks of the first attention group of the smallest blocks that is not a ring or a replayed
+            # window, at its block size: a Mamba group holds its state blocks whatever the length, a ring one block,
+            # a replayed window's blocks may be smaller, a group of larger blocks may cover more slots.)
             groups = self.cfg.kv_cache_groups or (None,)
-            attention = next(g for g, w in enumerate(groups) if w not in ("mamba", "ring") and not is_replay_group(w))
-            size = self.cfg.group_block_sizes[attention] if self.cfg.group_block_sizes else self.kv_block_size
+            sizes = self.cfg.group_block_sizes or (self.kv_block_size,) * len(groups)
+            candidates = [g for g, w in enumerate(groups) if w not in ("mamba", "ring") and not is_replay_group(w)]
+            attention = min(candidates, key=lambda g: sizes[g])
+            size = sizes[attention]
             slots = len(self.a.kv_cache_manager.get_block_ids(rid)[attention]) * size
             room = min(1 + k - len(tokens), slots - (request.num_computed_tokens - num_drafts + len(tokens) - 1))
             if room > 0:
@@ -2009,6 +2015,7 @@ def run_seed(
     eagle: bool = False,
     dflash: bool = False,
     eagle_drop: bool = False,
+    eagle_lookahead: bool = False,
     eagle_groups: bool = False,
     mtp: bool = False,
     dcp: int = 1,
@@ -2025,6 +2032,7 @@ def run_seed(
     block_sizes: tuple[int, ...] = (),
     hash_block_size: int | None = None,
     group_block_factors: tuple[int, ...] = (),
+    first_group_factor: int = 0,
 ) -> Config:
     """One seeded run; ``num_speculative_tokens`` overrides the drawn number of drafts per step (0: none);
     ``connector`` adds a seeded ``RandomKVConnector`` in the role ``kv_role`` (``divergent_hits``: claiming
@@ -2048,7 +2056,8 @@ def run_seed(
     streaming-input sessions; ``pp`` draws a pipeline-parallel size of 2-4 (from its own stream) and keeps steps
     in flight as vLLM's engine does with it (``Pair.engine_step``); ``eagle`` gives every run an EAGLE drafter (1-4
     drafts) with vLLM's default prefix-cache rules for it (``eagle_drop``: with the trailing-block drop wherever
-    the layout draws between it and look-ahead hashes; ``eagle_groups``: with ``mamba_prefix_caching``, the
+    the layout draws between it and look-ahead hashes; ``eagle_lookahead``: with the look-ahead hashes there on
+    vLLM 0.33; ``eagle_groups``: with ``mamba_prefix_caching``, the
     attention groups marked as the drafter's, one of each kind, the Mamba groups not, as vLLM's planner marks a
     hybrid Mamba model's MTP layers); ``mtp`` makes it a multi-module MTP drafter with 2-4 drafts (drawn from its
     own stream): vLLM's prefill lookahead of that many tokens; ``dcp`` / ``pcp``: vLLM's decode / prefill context
@@ -2091,6 +2100,19 @@ def run_seed(
             for g in range(1, len(groups)):
                 same = groups.index(groups[g])
                 sizes.append(sizes[same] if same < g else cfg.block_size * factors[g - 1])
+            # The larger blocks first (MiMo-V2's layout: its full-attention layers' pages are the smaller, so vLLM
+            # raises their block size, and they come first): group 0's block times the first group factor, and the
+            # first group of another kind keeps the block size when no other group does.
+            kinds = [g for g in range(1, len(groups)) if groups[g] != groups[0] and not isinstance(groups[g], str)]
+            if first_group_factor and kinds:
+                f0 = (
+                    random.Random(f"firstgroup/{seed}").choice([2, 3, 4])
+                    if first_group_factor < 0
+                    else first_group_factor
+                )
+                if not any(sizes[g] == cfg.block_size for g in kinds):
+                    sizes = [cfg.block_size if w == groups[kinds[0]] else z for z, w in zip(sizes, groups, strict=True)]
+                sizes = [cfg.block_size * f0 if w == groups[0] else z for z, w in zip(sizes, groups, strict=True)]
             cfg.group_block_sizes = tuple(sizes)
     if mamba:
         cfg.kv_cache_groups = random_mamba_groups(random.Random(f"mamba/{seed}"), cfg.block_size)
@@ -2315,6 +2337,7 @@ def run_seed(
         # manager asserts none reaches it): those layouts run the look-ahead hashes only.
         chunked = any(isinstance(g, str) and g.startswith("chunked:") for g in cfg.kv_cache_groups or ())
         drop = RULES.version == "0.32" or eagle_drop or random.Random(f"eagle-drop/{seed}").random() < 0.5
+        drop &= not eagle_lookahead or RULES.version == "0.32"
         cfg.eagle_block_drop = not (chunked and drop and RULES.version == "0.32")
         cfg.lookahead_block_hashes = chunked or not drop or RULES.version == "0.32"
         if eagle_groups and mamba_prefix_caching and cfg.kv_cache_groups:
@@ -2357,6 +2380,8 @@ def run_seed(
         cfg.decode_context_parallel_size = dcp
         cfg.prefill_context_parallel_size = pcp
         cfg.num_blocks = max(3, 1 + (cfg.num_blocks - 1) // dcp)
+    if os.environ.get("KVSCHED_DRIVER_SHOW_CONFIG"):
+        print(cfg, flush=True)
     pair = Pair(cfg, seed)
     pair.run(steps)
     if cpu_offload and pair.a.connector.scheduler_manager is not None:
@@ -2577,6 +2602,15 @@ def main(argv: list[str] | None = None) -> int:
         "repeated; the first group keeps the block size), -1 draws a factor in 1..4 per group and seed",
     )
     p.add_argument(
+        "--first-group-factor",
+        type=int,
+        default=0,
+        metavar="F",
+        help="with --group-block-factors: the first KV cache group's block size is the drawn block size times F "
+        "(-1: drawn in 2..4 per seed), and the first group of another kind keeps the block size when no other "
+        "group does (vLLM lists the group of the larger blocks first: MiMo-V2)",
+    )
+    p.add_argument(
         "--mamba-checkpoints",
         action="store_true",
         help="with --mamba-prefix-caching: the Mamba groups declare prefill checkpoints (vLLM 0.33's Mamba2 and "
@@ -2638,6 +2672,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --eagle: the runs that draw between the trailing-block drop and vLLM 0.33's look-ahead hashes all "
         "take the drop",
+    )
+    p.add_argument(
+        "--eagle-lookahead",
+        action="store_true",
+        help="with --eagle on vLLM 0.33: the runs that draw between the trailing-block drop and the look-ahead "
+        "hashes all take the look-ahead hashes",
     )
     p.add_argument(
         "--eagle-groups",
@@ -2727,6 +2767,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--group-block-factors goes with --hybrid (without --chunked-local)")
     if any(f == 0 or f < -1 for f in group_block_factors):
         p.error("--group-block-factors takes factors >= 1 or -1 (drawn)")
+    if args.first_group_factor and (not group_block_factors or args.first_group_factor < -1):
+        p.error("--first-group-factor takes a factor >= 1 or -1 (drawn) and goes with --group-block-factors")
     if any(b < 1 for b in block_sizes):
         p.error("--block-sizes takes sizes >= 1")
     if args.modes is None:
@@ -2772,8 +2814,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mamba-prefix-caching goes with --mamba-align")
     if args.mamba_retention is not None and not args.mamba_prefix_caching:
         p.error("--mamba-retention goes with --mamba-prefix-caching")
-    if (args.eagle_drop or args.eagle_groups) and not args.eagle:
-        p.error("--eagle-drop and --eagle-groups go with --eagle")
+    if (args.eagle_drop or args.eagle_groups or args.eagle_lookahead) and not args.eagle:
+        p.error("--eagle-drop, --eagle-lookahead and --eagle-groups go with --eagle")
+    if args.eagle_drop and args.eagle_lookahead:
+        p.error("--eagle-drop and --eagle-lookahead exclude each other")
     if args.eagle_groups and not args.mamba_prefix_caching:
         p.error("--eagle-groups goes with --mamba-prefix-caching")
     if args.mamba_checkpoints and not args.mamba_prefix_caching:
@@ -2879,6 +2923,7 @@ def main(argv: list[str] | None = None) -> int:
                         eagle=args.eagle,
                         dflash=args.dflash,
                         eagle_drop=args.eagle_drop,
+                        eagle_lookahead=args.eagle_lookahead,
                         eagle_groups=args.eagle_groups,
                         mtp=args.mtp,
                         dcp=args.dcp,
@@ -2895,6 +2940,7 @@ def main(argv: list[str] | None = None) -> int:
                         block_sizes=block_sizes,
                         hash_block_size=args.hash_block_size,
                         group_block_factors=group_block_factors,
+                        first_group_factor=args.first_group_factor,
                     )
                     ok += 1
                 except Divergence as exc:
@@ -2934,16 +2980,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.replay:
                 note += "; bounded replay: " + ", ".join(f"{k} {n}" for k, n in REPLAY_COUNTS.items())
                 REPLAY_COUNTS.clear()
-            global MIXED_BLOCK_SEEDS
+            global MIXED_BLOCK_SEEDS, MIXED_LARGER_FIRST
             if group_block_factors:
                 note += f"; {MIXED_BLOCK_SEEDS} runs with KV cache groups of different block sizes"
+                if args.first_group_factor:
+                    note += f" ({MIXED_LARGER_FIRST} with the larger blocks first)"
                 if MIXED_BLOCK_CONNECTOR:
                     note += (
                         " (connector allocation calls there: "
                         + ", ".join(f"{n} {k}" for k, n in sorted(MIXED_BLOCK_CONNECTOR.items()))
                         + ")"
                     )
-            MIXED_BLOCK_SEEDS = 0
+            MIXED_BLOCK_SEEDS = MIXED_LARGER_FIRST = 0
             MIXED_BLOCK_CONNECTOR.clear()
             if args.divergent_hits:
                 note += (
