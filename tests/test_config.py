@@ -139,7 +139,7 @@ RULES: list[dict[str, Any]] = [
     {"block_size": 16, "kv_cache_group_block_sizes": (16, 32)},
     {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (16,)},
     {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (16, 24)},
-    {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (32, 16)},
+    {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (32, 48)},
     {"block_size": 16, "kv_cache_groups": ("mamba", None), "kv_cache_group_block_sizes": (32, 32)},
     {"block_size": 16, "kv_cache_groups": (None, "chunked:64"), "kv_cache_group_block_sizes": (16, 32)},
     {
@@ -149,18 +149,6 @@ RULES: list[dict[str, Any]] = [
         "enable_prefix_caching": False,
     },
     {"block_size": 16, "kv_cache_groups": (None, 8), "kv_cache_group_block_sizes": (16, 32), "hash_block_size": 8},
-    {
-        "block_size": 16,
-        "kv_cache_groups": (None, 8),
-        "kv_cache_group_block_sizes": (16, 32),
-        "drop_trailing_hit_block": True,
-    },
-    {
-        "block_size": 16,
-        "kv_cache_groups": (None, 8),
-        "kv_cache_group_block_sizes": (16, 32),
-        "hash_lookahead_tokens": 1,
-    },
     {
         "block_size": 16,
         "kv_cache_groups": (None, 8),
@@ -199,20 +187,6 @@ RULES: list[dict[str, Any]] = [
         "kv_cache_groups": (8, None),
         "prefix_replay_groups": (0,),
         "kv_cache_group_block_sizes": (0, 16),
-    },
-    {
-        "block_size": 16,
-        "kv_cache_groups": (8, None),
-        "prefix_replay_groups": (0,),
-        "kv_cache_group_block_sizes": (12, 16),
-        "drop_trailing_hit_block": True,
-    },
-    {
-        "block_size": 16,
-        "kv_cache_groups": (8, None, 8),
-        "prefix_replay_groups": (0,),
-        "kv_cache_group_block_sizes": (8, 16, 32),
-        "hash_lookahead_tokens": 1,
     },
     {"kv_cache_groups": (None, "mamba", 8), "mamba_align": True, "prefix_replay_groups": (2,)},
     {

@@ -1808,6 +1808,13 @@ EAGLE_GROUP_SOAK_CONFIGS = [
     SchedulerConfig(block_size=4, num_blocks=36, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
                     kv_cache_groups=(None, "chunked:8"), num_lookahead_tokens=2, hash_lookahead_tokens=1,
                     prefix_hash_seed=12),
+    # A window of one token: its blocks are cached under the drop only (its hit reads the block past the boundary).
+    SchedulerConfig(block_size=4, num_blocks=36, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 1, 7), num_lookahead_tokens=1, drop_trailing_hit_block=True,
+                    prefix_hash_seed=13),
+    SchedulerConfig(block_size=4, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                    sliding_window=1, num_lookahead_tokens=2, async_scheduling=True, drop_trailing_hit_block=True,
+                    prefix_hash_seed=14),
 ]  # fmt: skip
 
 
@@ -2220,6 +2227,33 @@ GROUP_BLOCK_SIZE_CONFIGS = [
     SchedulerConfig(block_size=2, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=48,
                     kv_cache_groups=(None, 9), kv_cache_group_block_sizes=(2, 4), async_scheduling=True,
                     prefix_cache_retention_interval=8, prefix_hash_seed=78),
+    # The larger blocks first (MiMo-V2: its full-attention layers' pages are the smaller, so vLLM raises their block
+    # size, and they come first): the primary group is the first of the smallest blocks, which hashes.
+    SchedulerConfig(block_size=4, num_blocks=40, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 9, 9), kv_cache_group_block_sizes=(8, 4, 4), prefix_hash_seed=79),
+    SchedulerConfig(block_size=2, num_blocks=60, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, 5), kv_cache_group_block_sizes=(6, 2), async_scheduling=True,
+                    num_speculative_tokens=2, policy="priority", prefix_cache_retention_interval=0,
+                    prefix_hash_seed=80),
+    # EAGLE/MTP drafters' prefix-cache rules: the trailing-block drop (each group caches the block of its own size
+    # past the aligned prefix; a window's runs shift one block up) and look-ahead hashes (a group caches the full
+    # blocks whose hashes exist; the prompt's tail entry in a larger full-attention block caches that block).
+    SchedulerConfig(block_size=4, num_blocks=50, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 9), kv_cache_group_block_sizes=(4, 12), num_speculative_tokens=2,
+                    drop_trailing_hit_block=True, prefix_hash_seed=81),
+    SchedulerConfig(block_size=2, num_blocks=70, max_num_seqs=5, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, 5, 5), kv_cache_group_block_sizes=(6, 2, 2), num_speculative_tokens=2,
+                    drop_trailing_hit_block=True, async_scheduling=True, prefix_cache_retention_interval=0,
+                    prefix_hash_seed=82),
+    SchedulerConfig(block_size=4, num_blocks=60, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(3, 3, None), kv_cache_group_block_sizes=(4, 4, 12), num_speculative_tokens=2,
+                    drop_trailing_hit_block=True, prefix_cache_retention_interval=24, prefix_hash_seed=85),
+    SchedulerConfig(block_size=4, num_blocks=50, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(3, 3, None), kv_cache_group_block_sizes=(4, 4, 12), num_speculative_tokens=2,
+                    num_lookahead_tokens=2, hash_lookahead_tokens=1, prefix_hash_seed=83),
+    SchedulerConfig(block_size=2, num_blocks=60, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, 7), kv_cache_group_block_sizes=(8, 2), num_speculative_tokens=3,
+                    num_lookahead_tokens=3, hash_lookahead_tokens=1, async_scheduling=True, prefix_hash_seed=84),
 ]  # fmt: skip
 
 
@@ -2234,6 +2268,20 @@ def test_kv_cache_events_match_reference_with_group_block_sizes() -> None:
         dict(kv_cache_groups=(5, None), kv_cache_group_block_sizes=(4, 12)),
         dict(kv_cache_groups=(None, None, 13), kv_cache_group_block_sizes=(4, 8, 16)),
         dict(kv_cache_groups=(3, None, 9), kv_cache_group_block_sizes=(4, 8, 12), prefix_cache_retention_interval=0),
+        dict(kv_cache_groups=(None, 9, 9), kv_cache_group_block_sizes=(8, 4, 4)),
+        dict(
+            kv_cache_groups=(3, None),
+            kv_cache_group_block_sizes=(4, 12),
+            num_speculative_tokens=2,
+            drop_trailing_hit_block=True,
+        ),
+        dict(
+            kv_cache_groups=(None, 9),
+            kv_cache_group_block_sizes=(12, 4),
+            num_speculative_tokens=2,
+            num_lookahead_tokens=2,
+            hash_lookahead_tokens=1,
+        ),
     ]
     # prompts of any length from shared families: hits, and tails inside the larger blocks
     total = run_event_layouts(layouts, num_blocks=60, first_seed=31, rng_seed=90, prompt_len=lambda r: r.int(3, 33))
@@ -2250,12 +2298,17 @@ def test_soak_group_block_sizes_match_reference_step_by_step() -> None:
 @st.composite
 def group_block_size_configs(draw: Any) -> SchedulerConfig:
     """Full-attention and sliding-window groups whose block sizes are multiples of the primary group's (which
-    hashes): any order, one to three groups past the first, sync and async, drafts, tight pools, the policies."""
+    hashes, the first of the smallest blocks, not always the first group): any order, one to three groups past the
+    first, sync and async, drafts, tight pools, the policies."""
     block_size = draw(st.sampled_from([1, 2, 3, 4, 8]))
     w = draw(st.sampled_from([1, 2, 5, 9, 16, 33]))
     groups = draw(st.sampled_from([(None, w), (w, None), (None, w, 3), (None, None, w), (w, w, None)]))
-    sizes = (block_size, *(block_size * draw(st.sampled_from([1, 2, 3, 4])) for _ in groups[1:]))
+    factors = [draw(st.sampled_from([1, 2, 3, 4])) for _ in groups]
+    factors[draw(st.integers(0, len(groups) - 1))] = 1
+    sizes = tuple(block_size * f for f in factors)
     segments = draw(st.sampled_from([None, None, 0, 1, 2]))  # sparse retention, in aligned segments
+    # an EAGLE/MTP drafter's prefix-cache rules: the trailing-block drop, or look-ahead hashes
+    rules = draw(st.sampled_from([None, None, "drop", "lookahead"]))
     num_blocks = draw(st.integers(8, 120))
     max_model_len = max(8, min(draw(st.integers(8, 96)), (num_blocks - 1) * block_size))
     budget = draw(st.integers(4, 64))
@@ -2270,12 +2323,14 @@ def group_block_size_configs(draw: Any) -> SchedulerConfig:
         enable_prefix_caching=draw(st.sampled_from([True, True, True, False])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
         policy=draw(st.sampled_from(["fcfs", "fcfs", "priority", "fair", "sjf"])),
-        num_lookahead_tokens=draw(st.sampled_from([0, 0, 1, 3])),
-        num_speculative_tokens=draw(st.sampled_from([None, None, 2])),
+        num_lookahead_tokens=2 if rules == "lookahead" else draw(st.sampled_from([0, 0, 1, 3])),
+        num_speculative_tokens=2 if rules else draw(st.sampled_from([None, None, 2])),
         scheduler_reserve_full_isl=draw(st.booleans()),
         async_scheduling=draw(st.booleans()),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1])),
         prefix_cache_retention_interval=None if segments is None else segments * math.lcm(*sizes),
+        drop_trailing_hit_block=rules == "drop",
+        hash_lookahead_tokens=int(rules == "lookahead"),
     )
 
 

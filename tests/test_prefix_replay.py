@@ -330,8 +330,8 @@ def test_replay_start_of_an_unknown_request_is_refused(impl: str) -> None:
         ),
         (
             {"kv_cache_groups": (8, None), "prefix_replay_groups": (0,), "kv_cache_group_block_sizes": (2, 32)},
-            "kv_cache_group_block_sizes must give the primary group (group 1, the first that is not Mamba, ring or "
-            "replayed) block_size (16), got 32",
+            "kv_cache_group_block_sizes must give block_size (16) to a group that is not Mamba, ring or replayed, "
+            "got [2, 32]",
         ),
         (
             {"kv_cache_groups": (8, None), "kv_cache_group_block_sizes": (8, 16)},

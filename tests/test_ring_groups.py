@@ -194,7 +194,7 @@ def test_a_ring_group_is_accepted_with_prefix_caching() -> None:
         ({"kv_cache_groups": (None, "Ring")}, "'mamba' \\(Mamba\\) and 'ring' \\(ring buffer\\)"),
         (
             {"block_size": 16, "kv_cache_groups": ("ring", None), "kv_cache_group_block_sizes": (16, 32)},
-            "primary group \\(group 1, the first that is not Mamba, ring or replayed\\) block_size \\(16\\), got 32",
+            "must give block_size \\(16\\) to a group that is not Mamba, ring or replayed, got \\[16, 32\\]",
         ),
         ({"kv_cache_groups": (None, f"chunked:{2**31 - 3}")}, "must be None or a list"),
     ],

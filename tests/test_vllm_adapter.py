@@ -1181,15 +1181,14 @@ def test_bounded_replay_layouts_the_core_does_not_implement_are_refused_by_name(
     assert sched.kv_config.block_size == 16 and sched.kv_config.hash_block_size is None
     sched = _build_with_groups(vcfg, replayed(64, block_size=12), mla, block_size=48)
     assert sched.kv_config.kv_cache_group_block_sizes == (12, 16) and sched.kv_config.block_size == 16
-    # With an EAGLE/MTP drafter's prefix-cache rules: they run when the replayed blocks divide the others' (the
-    # groups that take part in prefix caching have one size), and are refused otherwise.
+    # With an EAGLE/MTP drafter's prefix-cache rules, whatever the replayed blocks' size.
     eagle = make_vllm_config(block_size=16, num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)
-    sched = _build_with_groups(eagle, replayed(64, block_size=8), mla)
-    assert sched.kv_config.kv_cache_group_block_sizes == (8, 16)
-    assert sched.kv_config.drop_trailing_hit_block or sched.kv_config.hash_lookahead_tokens > 0
-    with pytest.raises(UnsupportedFeatureError, match=r"EAGLE/MTP prefix-cache rules .* different block sizes"):
-        _build_with_groups(eagle, replayed(64, block_size=12), mla, block_size=48)
-    # ... and a multi-module MTP drafter's prefill lookahead likewise.
+    for size, scheduler_block in ((8, 16), (12, 48)):
+        sched = _build_with_groups(eagle, replayed(64, block_size=size), mla, block_size=scheduler_block)
+        assert sched.kv_config.kv_cache_group_block_sizes == (size, 16)
+        assert sched.kv_config.drop_trailing_hit_block or sched.kv_config.hash_lookahead_tokens > 0
+    # A multi-module MTP drafter's prefill lookahead runs when the replayed blocks divide the others' (the groups
+    # that take part in prefix caching have one size), and is refused otherwise.
     mtp = make_vllm_config(block_size=16, num_speculative_tokens=3, speculative_method="eagle", eagle_block_drop=True,
                            multi_module_mtp=True)  # fmt: skip
     sched = _build_with_groups(mtp, replayed(64, block_size=8), mla)
@@ -1252,10 +1251,11 @@ def test_several_kv_cache_groups_give_the_runner_one_block_list_per_group(async_
 
 
 def test_kv_cache_groups_of_different_block_sizes_run_and_what_they_do_not_support_is_refused_by_name() -> None:
-    """Full-attention and sliding-window groups whose block sizes are multiples of the first group's run on the
-    core's kv_cache_group_block_sizes (the core's block the first group's, vLLM's hash block); refused by name:
-    a first group whose block does not divide the others', chunked-local (or cross-attention, Mamba) groups among
-    them, another prefix match unit and EAGLE's prefix-cache rules. KV cache events and KV connectors run."""
+    """Full-attention and sliding-window groups whose block sizes are multiples of the smallest run on the core's
+    kv_cache_group_block_sizes (the core's block the smallest, vLLM's hash block), in any order; refused by name:
+    a smallest block that does not divide the others', chunked-local (or cross-attention, Mamba) groups among
+    them, another prefix match unit and a multi-module MTP drafter's prefill lookahead. KV cache events, KV
+    connectors and EAGLE's prefix-cache rules run."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     full, full32 = FullAttentionSpec(**_attention_kw()), FullAttentionSpec(**_attention_kw(32))
@@ -1269,8 +1269,13 @@ def test_kv_cache_groups_of_different_block_sizes_run_and_what_they_do_not_suppo
     assert sched.kv_config.kv_cache_group_block_sizes == (16, 32) and sched.kv_config.block_size == 16
     sched = build(make_vllm_config(block_size=16), window, full32, window48, block_size=96)
     assert sched.kv_config.kv_cache_group_block_sizes == (16, 32, 48)
-    with pytest.raises(UnsupportedFeatureError, match="first attention group's block size does not divide every other"):
-        build(make_vllm_config(block_size=16), full32, window)
+    # The larger blocks first (MiMo-V2: vLLM raised its full-attention layers' block size, their pages being the
+    # smaller): the core's primary group is the window, of the smallest blocks.
+    sched = build(make_vllm_config(block_size=16), full32, window)
+    assert sched.kv_config.kv_cache_group_block_sizes == (32, 16) and sched.kv_config.block_size == 16
+    assert sched.kv_config.primary_group == 1
+    with pytest.raises(UnsupportedFeatureError, match="smallest block size does not divide every other cached group"):
+        build(make_vllm_config(block_size=16), full32, window48, block_size=96, hash_block_size=16)
     chunked = ChunkedLocalAttentionSpec(attention_chunk_size=64, **_attention_kw(32))
     with pytest.raises(UnsupportedFeatureError, match="different block sizes with chunked-local, cross-attention"):
         build(make_vllm_config(block_size=16), full, chunked)
@@ -1283,9 +1288,15 @@ def test_kv_cache_groups_of_different_block_sizes_run_and_what_they_do_not_suppo
     # KV cache events run (the core records each group's runs at its own block size and the prompt-tail entries)
     sched = build(make_vllm_config(block_size=16, kv_events=True), window, full32)
     assert sched.kv_config.enable_kv_cache_events and sched.kv_config.kv_cache_group_block_sizes == (16, 32)
+    # EAGLE/MTP drafters' prefix-cache rules run (the trailing-block drop, look-ahead hashes: each group caches
+    # the blocks of its own size they allow); a multi-module MTP drafter's prefill lookahead is refused.
     eagle = make_vllm_config(block_size=16, num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)
-    with pytest.raises(UnsupportedFeatureError, match=r"EAGLE/MTP prefix-cache rules .* different block sizes"):
-        build(eagle, full, window32)
+    sched = build(eagle, full32, window)
+    assert sched.kv_config.kv_cache_group_block_sizes == (32, 16)
+    assert sched.kv_config.drop_trailing_hit_block or sched.kv_config.hash_lookahead_tokens > 0
+    mtp = make_vllm_config(block_size=16, num_speculative_tokens=3, speculative_method="eagle", multi_module_mtp=True)
+    with pytest.raises(UnsupportedFeatureError, match="multi-module MTP prefill lookahead with KV cache groups"):
+        build(mtp, full, window32)
 
 
 def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> None:

@@ -852,6 +852,65 @@ def test_identical_to_vllm_with_kv_cache_groups_of_different_block_sizes(
 
 
 @pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
+@pytest.mark.parametrize("seed", [3, 5])
+def test_identical_to_vllm_with_the_larger_blocks_first(sync: str, runner: str, seed: int) -> None:
+    """MiMo-V2's layout: the first group's blocks larger than another's (vLLM raised its block size, its pages
+    being the smaller), so the group that hashes and holds the decoder's blocks in the core is a later one; prefix
+    hits stay aligned to every group's blocks. Compared after every call."""
+    cfg = run_seed(
+        seed,
+        120,
+        async_scheduling=sync == "async",
+        v2=runner == "v2",
+        hybrid=True,
+        group_block_factors=(-1,),
+        first_group_factor=-1,
+    )
+    assert cfg.group_block_sizes is not None and cfg.group_block_sizes[0] > min(cfg.group_block_sizes)
+
+
+@pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
+@pytest.mark.parametrize(("seed", "layout"), [(23, "hybrid"), (32, "hybrid"), (12, "window")])
+def test_identical_to_vllm_with_the_trailing_block_drop_over_a_window_of_one_token(
+    sync: str, runner: str, seed: int, layout: str
+) -> None:
+    """A window of one token caches no block, none being able to start a hit, but with an EAGLE drafter's
+    trailing-block drop: its hit reads the block past the boundary, so vLLM caches the window's blocks (they go back
+    to the pool's tail, and a later hit finds them). Seeds 23 and 32 lay a window of one token beside full
+    attention and other windows, seed 12 has it as the model's one group."""
+    cfg = run_seed(seed, 120, async_scheduling=sync == "async", v2=runner == "v2", eagle=True, eagle_drop=True,
+                   hybrid=layout == "hybrid", sliding_window=layout == "window")  # fmt: skip
+    assert (
+        1 in (cfg.kv_cache_groups or (cfg.sliding_window,)) and cfg.eagle_block_drop and not cfg.lookahead_block_hashes
+    )
+
+
+@pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
+@pytest.mark.parametrize(("rules", "seed"), [("lookahead", 3), ("lookahead", 6), ("drop", 3), ("drop", 5)])
+def test_identical_to_vllm_with_eagle_rules_and_kv_cache_groups_of_different_block_sizes(
+    sync: str, runner: str, rules: str, seed: int
+) -> None:
+    """An EAGLE drafter's prefix-cache rules over groups of different block sizes (MiMo-V2 with its MTP layers):
+    look-ahead hashes (each group caches the blocks of its own size whose hashes exist, and the prompt's tail entry
+    in a larger full-attention block caches that block, which then goes back to the pool's tail) or the
+    trailing-block drop (each group caches the block of its own size past the aligned prefix, a window's runs one
+    block up); every call compared, the prefill stats' cached tokens among them."""
+    cfg = run_seed(
+        seed,
+        120,
+        async_scheduling=sync == "async",
+        v2=runner == "v2",
+        hybrid=True,
+        group_block_factors=(-1,),
+        eagle=True,
+        eagle_drop=rules == "drop",
+        eagle_lookahead=rules == "lookahead",
+    )
+    assert cfg.group_block_sizes is not None and len(set(cfg.group_block_sizes)) > 1
+    assert cfg.eagle_block_drop and cfg.lookahead_block_hashes == (rules == "lookahead")
+
+
+@pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
 @pytest.mark.parametrize(("seed", "factors"), [(908, (2,)), (912, (2,))])
 def test_identical_to_vllm_with_kv_events_and_kv_cache_groups_of_different_block_sizes(
     sync: str, runner: str, seed: int, factors: tuple[int, ...]

@@ -732,11 +732,12 @@ class SchedulerConfig:
             "each KV cache group's block size in tokens, in group order (vLLM's hybrid models whose groups have "
             "different page sizes): a block of group `g` holds this many tokens, one pool of equal pages serving "
             "every group; each a multiple of `block_size` (a replayed window's, `prefix_replay_groups`, any size), "
-            "the primary group's (the first that is neither Mamba, ring nor replayed) equal to it; `block_size` is "
+            "some group's that is neither Mamba, ring nor replayed equal to it (the first such is the primary group, "
+            "which may come after groups of larger blocks); `block_size` is "
             "then the prefix-cache hash unit (vLLM's `hash_block_size`) and hits are aligned to the sizes' least "
             "common multiple (vLLM's scheduler block size). Sizes that differ need full-attention, sliding-window and "
-            "ring groups only (a ring holds one block whatever its size) and none of `drop_trailing_hit_block`, "
-            "`hash_lookahead_tokens`, `kv_connector_groups` (see [Several KV cache groups](#several-kv-cache-groups)); "
+            "ring groups only (a ring holds one block whatever its size, a replayed window any) and no "
+            "`hash_block_size` other than `block_size` (see [Several KV cache groups](#several-kv-cache-groups)); "
             "None = `block_size` for every group",
             valid="None or one int per group, each a multiple of `block_size` (a replayed window's any size)",
         ),
@@ -1116,23 +1117,16 @@ class SchedulerConfig:
                     f"kv_cache_group_block_sizes must be multiples of block_size ({bs}) (a replayed window's any size) "
                     f"with num_blocks * size <= {I32_MAX}, got {s} for group {g}"
                 )
-        primary = self.primary_group
-        if sizes[primary] != bs:
+        if sizes[self.primary_group] != bs:
             raise InvalidConfigError(
-                f"kv_cache_group_block_sizes must give the primary group (group {primary}, the first that is not "
-                f"Mamba, ring or replayed) block_size ({bs}), got {sizes[primary]}"
+                f"kv_cache_group_block_sizes must give block_size ({bs}) to a group that is not Mamba, ring or "
+                f"replayed, got {list(sizes)}"
             )
         if all(s == bs for s in sizes):
             return
-        # Only replayed windows of blocks dividing the primary block differ: the looked-up and cached groups have one
-        # size, and the hit's rules (the trailing-block drop, look-ahead hashes) are those of one block size.
-        replay = self.prefix_replay_groups
-        cached_alike = all(s == bs or (g in replay and bs % s == 0) for g, s in enumerate(sizes))
         other = any(w in (CROSS_ATTENTION, MAMBA) or chunk_size_of(w) is not None for w in groups)
         for on, name in (
             (other, "chunked-local, cross-attention or Mamba groups"),
-            (self.drop_trailing_hit_block and not cached_alike, "drop_trailing_hit_block"),
-            (self.hash_lookahead_tokens > 0 and not cached_alike, "hash_lookahead_tokens"),
             (self.hash_block_size not in (None, bs), "a hash_block_size other than block_size"),
         ):
             if on:
@@ -1284,10 +1278,17 @@ class SchedulerConfig:
     @property
     def primary_group(self) -> int:
         """The KV cache group whose block table holds the decoder's tokens (``new_block_ids``): the first that is
-        neither Mamba, a ring nor a replayed window (``prefix_replay_groups``); 0 with one group."""
+        neither Mamba, a ring nor a replayed window (``prefix_replay_groups``) and, with
+        ``kv_cache_group_block_sizes``, whose blocks hold ``block_size`` tokens (the first of the others when none
+        does); 0 with one group."""
         replay = self.prefix_replay_groups
         groups = self.kv_cache_groups or (None,)
-        return next((g for g, w in enumerate(groups) if w not in (MAMBA, RING) and g not in replay), 0)
+        candidates = [g for g, w in enumerate(groups) if w not in (MAMBA, RING) and g not in replay]
+        sizes = self.kv_cache_group_block_sizes or ()
+        return next(
+            (g for g in candidates if g < len(sizes) and sizes[g] == self.block_size),
+            candidates[0] if candidates else 0,
+        )
 
     @property
     def kv_block_size(self) -> int:

@@ -70,15 +70,18 @@ class _BlockPoolMixin(_SchedulerState):
         return len(self._cached.get(key, ())) + sum(key in keys for keys in self._second_keys.values())
 
     def _add_second_key(self, b: int, key: bytes) -> bool:
-        """With events on: files ``key`` as a second key of block ``b`` (a block carrying no key takes it as its key).
-        Whether ``b`` did not carry it already."""
-        if self._events is None or b == 0:
+        """Files ``key`` as a key of block ``b``: its key when it carries none (it is then cached), else, with events
+        on, a second key. Whether ``b`` did not carry it already (False for the null block, and for a block with a
+        key with events off)."""
+        if b == 0:
             return False
         current = self._block_hash[b]
         if current is None:
             self._block_hash[b] = key
             self._cached.setdefault(key, {})[b] = None
             return True
+        if self._events is None:
+            return False
         keys = self._second_keys.setdefault(b, [])
         if current == key or key in keys:
             if not keys:

@@ -71,13 +71,17 @@ def _checkpoint_valid(start: int, end: int, checkpoint: int, bs: int, align: int
     )
 
 
-def _window_reachable(num_prompt: int, junction: int, bs: int, eagle: bool, below: bool = True) -> tuple[int, ...]:
+def _window_reachable(
+    num_prompt: int, junction: int, bs: int, eagle: bool, below: bool = True, align: int = 0
+) -> tuple[int, ...]:
     """The positions a later request can resume a sliding window's hit at (vLLM's ``replay_boundaries`` and the
-    shared-prefix ``junction``, 0: none): the prompt's last token; with EAGLE's drop the block-floored resend and
-    longer-sibling positions one block lower each, and with ``below`` (vLLM 0.33's groups that take the drop's
-    rules) the junction one block lower too."""
+    shared-prefix ``junction``, 0: none): the prompt's last token; with EAGLE's drop the resend and longer-sibling
+    positions floored to ``align`` (the scheduler block; default ``bs``) one ``align`` lower each, and with
+    ``below`` (vLLM 0.33's groups that take the drop's rules) the junction one block (``bs``, the group's) lower
+    too."""
     if eagle:
-        out = [max((num_prompt - 1) // bs * bs - bs, 0), max(num_prompt // bs * bs - bs, 0)]
+        a = align or bs
+        out = [max((num_prompt - 1) // a * a - a, 0), max(num_prompt // a * a - a, 0)]
     else:
         out = [max(num_prompt - 1, 0)]
     if junction > 0:
@@ -102,19 +106,23 @@ def _window_retained(i: int, bs: int, window: int, eagle: bool, retention: int, 
     return any(b // bs + shift - need <= i < b // bs + shift for b in reachable)
 
 
-def _window_kept(i: int, bs: int, align: int, window: int, retention: int | None, reachable: tuple[int, ...]) -> bool:
+def _window_kept(
+    i: int, bs: int, align: int, window: int, eagle: bool, retention: int | None, reachable: tuple[int, ...]
+) -> bool:
     """``_window_retained`` for a window group of blocks of ``bs`` tokens among groups of different block sizes, hits
     aligned to ``align`` tokens: the last ``need`` blocks of every segment of ``align`` tokens (dense, None) or of
     ``retention`` tokens (above 0), and with retention on the ``need`` blocks before each ``reachable`` position
-    floored to ``align``."""
-    need = -(-(window - 1) // bs)
+    floored to ``align``. With the trailing-block drop (``eagle``) a hit needs one block more, past the aligned
+    boundary: each run shifts one block up."""
+    shift = int(eagle)
+    need = -(-(window - 1) // bs) + shift
     segment = align if retention is None else retention or None
     if segment is not None:
         per_segment = segment // bs
-        if need >= per_segment or i % per_segment >= per_segment - need:
+        if need >= per_segment or (i >= shift and (i - shift) % per_segment >= per_segment - need):
             return True
     return retention is not None and any(
-        b // align * align // bs - need <= i < b // align * align // bs for b in reachable
+        b // align * align // bs + shift - need <= i < b // align * align // bs + shift for b in reachable
     )
 
 
@@ -339,10 +347,11 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         reach = _window_reachable(r.num_prompt_tokens, 0, bs, eagle) if window and retention is not None else ()
 
         def kept(i: int) -> bool:
-            # a window of one token caches nothing (no block can start a hit)
+            # a window of one token caches nothing (no block can start a hit), but with the trailing-block drop
+            # (whose hit needs the block past the boundary)
             if window is None or retention is None:
-                return window != 1
-            return window != 1 and _window_retained(i, bs, window, eagle, retention, reach)
+                return window != 1 or eagle
+            return (window != 1 or eagle) and _window_retained(i, bs, window, eagle, retention, reach)
 
         for i in range(first, num_full):
             b, h = r.block_ids[i], r.block_hashes[i]
@@ -540,8 +549,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
 
     def _hybrid_lookup(self, block_hashes: list[bytes], num_tokens: int) -> list[int]:
         """The longest hit valid for every group: groups with the same window are looked up together, full
-        attention first, each lookup capped at the hit so far, until a pass shortens nothing. Returns group 0's
-        hits; every group's are kept in ``_group_hits`` for the allocation that follows."""
+        attention first, each lookup capped at the hit so far, until a pass shortens nothing. Returns the primary
+        group's hits (their length is the hit's); every group's are kept in ``_group_hits`` for the allocation that
+        follows."""
         windows = self._group_windows()
         sets = self._lookup_sets()
         hits: list[list[int]] = [[] for _ in windows]
@@ -584,7 +594,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         self._fill_ring_hits(self._group_hits, hit_len // bs)
         self._group_longest = longest // bs
         self._group_per_set = False
-        return self._group_hits[0]
+        return self._group_hits[self._config.primary_group]
 
     def _partial_hit_lookup(self, units: list[bytes], max_len: int) -> tuple[list[list[int]], int]:
         """The hybrid lookup when a prefix hit can end inside a block (``_partial_unit`` tokens per unit; full
@@ -794,7 +804,9 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         """Every group's hits that go with group 0's ``hits`` (from the lookup that found them)."""
         if not hits:
             return [[] for _ in self._group_windows()]
-        assert self._group_per_set or self._group_hits[0] == hits, "the hits come from the last lookup"
+        # (A lookup whose hits can end inside a block hands out group 0's hits, the others the primary group's.)
+        given = (self._group_hits[0], self._group_hits[self._config.primary_group])
+        assert self._group_per_set or hits in given, "the hits come from the last lookup"
         return self._group_hits
 
     def _hybrid_sequence_need(self, r: _Request, hits: list[int], ext: int) -> int:
@@ -1191,9 +1203,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         bs = self._bs
 
         def aligned(tokens: int) -> int:
-            # every group caches the same tokens: the full blocks' rounded down to the hit alignment
-            full = min(tokens // bs, len(r.block_hashes), len(r.block_ids))
-            return full * bs // self._hit_align() * self._hit_align()
+            # every group caches the same tokens, rounded down to the hit alignment, of which each group caches the
+            # full blocks whose hashes exist (look-ahead hashes can end before them: `hashed`)
+            return min(tokens, len(r.block_ids) * bs) // self._hit_align() * self._hit_align()
+
+        hashed = len(r.block_hashes) * bs
+        mixed = any(self._group_bs(x) != bs for x in range(len(self._group_windows())))
+        # (vLLM's get_num_cacheable_tokens for a group that takes the drop, once an aligned prefix is computed)
+        eagle_extra = self._config.drop_trailing_hit_block and mixed and aligned(computed) > 0
 
         aligned_tokens = aligned(num_tokens)
         c = self._config
@@ -1227,20 +1244,28 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             table = self._group_table(r, g)
             first = self._group_cached(r, g)
             k = self._group_bs(g) // bs
-            num_full = (mamba_aligned if w == _MAMBA else aligned_tokens) // self._group_bs(g)
+            # with the trailing-block drop a group also caches the block of its own size past the aligned tokens
+            # (vLLM's hit looks one block further, then gives it up)
+            if w == _MAMBA:
+                group_tokens = mamba_aligned
+            elif eagle_extra:
+                group_tokens = min(num_tokens, aligned_tokens + self._group_bs(g))
+            else:
+                group_tokens = aligned_tokens
+            num_full = min(group_tokens, hashed) // self._group_bs(g)
             checkpoint = r.mamba_checkpoint.get(g) if w == _MAMBA else None
             tail = -1 if checkpoint is not None else prompt_tail  # a checkpoint is re-keyed instead
             if w == _MAMBA and checkpoint is None and not c.mamba_defer_new_states_only and not self._partial_unit:
                 # with the drop a Mamba group's cacheable tokens are not floored: only tokens ending at the checkpoint
                 exact = not mamba_eagle or num_tokens % bs == 0
                 self._mark_prompt_checkpoint(r, g, mamba_tokens if exact else 0, prompt_checkpoint)
-            # a full-attention group of blocks larger than the hash block files the prompt's tail (events only)
-            tail_entry = w == 0 and self._group_bs(g) != bs and self._events is not None
+            # a full-attention group of blocks larger than the hash block files the prompt's tail
+            tail_entry = w == 0 and self._group_bs(g) != bs
             if num_full <= first:
                 if checkpoint is not None:
                     self._cache_mamba_checkpoint(r, g, checkpoint, checkpoint_of_prompt)
                 if tail_entry:
-                    self._cache_prompt_tail(r, g, num_tokens // self._hit_align() * self._hit_align())
+                    self._cache_prompt_tail(r, g, group_tokens)
                 if self._partial_unit:
                     self._cache_partial_tail(r, g, w, num_tokens)
                 continue
@@ -1261,10 +1286,14 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                 sized: bool = sized,
                 gbs: int = gbs,
             ) -> bool:
-                if w == 1:
+                if w == 1 and not eagle:
                     return False
                 if sized:  # groups of different block sizes: the blocks a hit aligned to them can use
-                    return _window_kept(i, gbs, self._hit_align(), w, c.prefix_cache_retention_interval, window_reach)
+                    # (the resend and sibling positions at the scheduler block, the junction's below at the group's)
+                    reach = _window_reachable(
+                        r.num_prompt_tokens, junction, gbs, eagle, below, align=self._hit_align()
+                    )
+                    return _window_kept(i, gbs, self._hit_align(), w, eagle, c.prefix_cache_retention_interval, reach)
                 if sparse is not None:
                     return i == tail or _mamba_retained(i, bs, sparse, reachable)
                 if window_sparse is not None:
@@ -1288,7 +1317,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
             if self._events is not None:
                 self._record_stored(r, table, first, num_full, g, kept)
             if tail_entry:
-                self._cache_prompt_tail(r, g, num_tokens // self._hit_align() * self._hit_align())
+                self._cache_prompt_tail(r, g, group_tokens)
             if checkpoint is not None:
                 self._cache_mamba_checkpoint(r, g, checkpoint, checkpoint_of_prompt)
             if self._partial_unit:
@@ -1337,13 +1366,16 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         return (idx + 1) * self._bs
 
     def _cache_prompt_tail(self, r: _Request, g: int, num_tokens: int) -> None:
-        """With events, a full-attention group ``g`` of blocks larger than the hash block, after its full blocks
-        among ``num_tokens`` (the cacheable tokens rounded down to the alignment) were cached: the prompt's last full
-        hash block short of its last token, when it ends inside one of the group's blocks and within ``num_tokens``,
-        becomes a second key of that block (``_add_second_key``), recorded as a stored event of that hash block
-        (vLLM's partial prefix-cache entry of a prompt's tail)."""
+        """A full-attention group ``g`` of blocks larger than the hash block, after its full blocks among
+        ``num_tokens`` (the cacheable tokens rounded down to the alignment) were cached: the prompt's last full hash
+        block short of its last token, when it ends inside one of the group's blocks and within ``num_tokens``,
+        becomes a key of that block (``_add_second_key``: its key when it has none, so that a block look-ahead
+        hashes leave uncached is cached all the same; a second key otherwise, with events), recorded as a stored
+        event of that hash block (vLLM's partial prefix-cache entry of a prompt's tail)."""
         bs, gbs = self._bs, self._group_bs(g)
-        units = min(max(0, r.num_prompt_tokens - 1) // bs, len(r.block_hashes))
+        # (with the trailing-block drop the lookup reads the whole prompt before giving a block up)
+        limit = r.num_prompt_tokens if self._config.drop_trailing_hit_block else max(0, r.num_prompt_tokens - 1)
+        units = min(limit // bs, len(r.block_hashes))
         boundary = units * bs
         if boundary == 0 or boundary > num_tokens or boundary % gbs == 0:
             return
@@ -1351,7 +1383,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         if boundary // gbs >= len(table):
             return
         i = units - 1
-        if self._add_second_key(table[boundary // gbs], self._group_key(r.block_hashes[i], g)):
+        if self._add_second_key(table[boundary // gbs], self._group_key(r.block_hashes[i], g)) and self._events:
             self._record_stored(r, [table[boundary // gbs]], i, i + 1, g, lambda i: True, offset=i, single=True)
 
     def _offer_boundary_states(self, r: _Request, g: int, first: int, num_full: int) -> None:

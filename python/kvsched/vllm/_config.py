@@ -232,8 +232,9 @@ def _check_kv_cache_config(
 
     if len(attention_sizes) > 1 or replay_sizes - set(attention_sizes):
         # Groups whose pages differ (vLLM's engine raised the smaller page's block size): full-attention and
-        # sliding-window groups whose block sizes are multiples of the first group's (the core's primary group,
-        # which hashes: vLLM's hash_block_size, their greatest common divisor), and replayed windows of any size.
+        # sliding-window groups whose block sizes are multiples of the smallest (the core's primary group is the
+        # first of those, which hashes: vLLM's hash_block_size, their greatest common divisor), in any order, and
+        # replayed windows of any size.
         sizes = [int(group.kv_cache_spec.block_size) for group in groups]
         setting = f"KV cache group block sizes {sizes}"
         if dcp > 1:
@@ -248,14 +249,15 @@ def _check_kv_cache_config(
         # never hashed.)
         replayed = set(replay_groups(kv_cache_config))
         hashed = [s for g, (s, w) in enumerate(zip(sizes, windows, strict=True)) if w != RING and g not in replayed]
-        if any(s % hashed[0] for s in hashed):
+        if any(s % min(hashed) for s in hashed):
+            # (vLLM's engine raises a smaller page's block size by the ratio of the pages, so the largest page's
+            # group keeps the smallest block, which divides the others.)
             _refuse(
-                "KV cache groups of different block sizes whose first attention group's block size does not divide "
-                "every other cached group's (the core's first group holds the smallest blocks and hashes at their "
-                "size)",
+                "KV cache groups of different block sizes whose smallest block size does not divide every other "
+                "cached group's (the core hashes at the smallest block)",
                 setting,
             )
-        attention_sizes = {hashed[0]: 0}
+        attention_sizes = {min(hashed): 0}
         mixed = math.lcm(*hashed, *replay_sizes, *ring_sizes)
     else:
         mixed = 0
@@ -526,11 +528,9 @@ def _check_group_block_sizes(
     vllm_config: Any, sizes: list[int], hash_block_size: int | None, hashed: list[int]
 ) -> None:
     """Refuses what KV cache groups of different block sizes are not supported with: a hash block other than the
-    smallest block (``prefix_match_unit``), EAGLE/MTP drafters' prefix-cache rules (look-ahead hashes, the
-    trailing-block drop, which vLLM aligns to the scheduler block), KV connectors and the auxiliary output connector
-    (vLLM keys a prompt's tail inside a larger full-attention block, which these see; KV cache events carry that
-    key, as the core records it). ``hashed``: the sizes of the groups that take part in prefix caching (every one
-    but the replayed windows)."""
+    smallest block (``prefix_match_unit``), the auxiliary output connector (vLLM keys a prompt's tail inside a
+    larger full-attention block, which it sees) and a multi-module MTP drafter's prefill lookahead. ``hashed``: the
+    sizes of the groups that take part in prefix caching (every one but the replayed windows)."""
     setting = f"KV cache group block sizes {sizes}"
     cache = vllm_config.cache_config
     caching = bool(cache.enable_prefix_caching)
@@ -545,17 +545,9 @@ def _check_group_block_sizes(
             "the auxiliary output connector with KV cache groups of different block sizes",
             f"aux_output_config, {setting}",
         )
-    spec = vllm_config.speculative_config
-    hash_lookahead = int(_attr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
     # Only replayed windows of blocks dividing the others' differ (DeepSeek V4.1's layout): the groups that take
-    # part in prefix caching have one size, the scheduler block is theirs, and EAGLE/MTP's rules are one size's.
+    # part in prefix caching have one size.
     cached_alike = len(set(hashed)) == 1 and all(hashed[0] % size == 0 for size in sizes)
-    if spec is not None and (hash_lookahead or bool(spec.use_eagle_block_drop())) and not cached_alike:
-        _refuse(
-            "EAGLE/MTP prefix-cache rules (look-ahead hashes, trailing-block drop) with KV cache groups of "
-            "different block sizes",
-            f"speculative_config, {setting}: set disable_eagle_block_drop=True",
-        )
     prefill_lookahead = int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
     if prefill_lookahead > 1 and not cached_alike:
         # Not compared side by side: the reprefillable tail and the chunk-end rule beside aligned caching.
@@ -695,8 +687,8 @@ def kvsched_config_from_vllm(
     replayed = replay_groups(kv_cache_config)
     if kv_cache_groups and MAMBA not in kv_cache_groups:
         pairs = list(zip(kv_cache_config.kv_cache_groups, kv_cache_groups, strict=True))
-        # (The core's primary group: the first attention group that is not replayed.)
-        first = next(
+        # (The core's primary group: the first of the smallest blocks among the attention groups not replayed.)
+        first = min(
             int(p[0].kv_cache_spec.block_size) for g, p in enumerate(pairs) if p[1] != RING and g not in replayed
         )
         group_sizes = [int(g.kv_cache_spec.block_size) if w != RING else first for g, w in pairs]
@@ -704,7 +696,7 @@ def kvsched_config_from_vllm(
         # (vLLM's hash block: the greatest common divisor of the groups that take part in prefix caching.)
         hashed = [size for g, size in enumerate(group_sizes) if g not in replayed]
         _check_group_block_sizes(vllm_config, group_sizes, hash_block_size, hashed)
-        # The core hashes at the first group's blocks (vLLM's hash_block_size, their greatest common divisor).
+        # The core hashes at the smallest blocks (vLLM's hash_block_size, their greatest common divisor).
         finer_hashes = False
     if hash_block_size is not None and finer_hashes:
         check_hash_block(vllm_config, windows, block_size, hash_block_size)

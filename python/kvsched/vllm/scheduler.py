@@ -33,7 +33,7 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from kvsched._core import int_list, vllm_sha256_block_hashes, vllm_sha256_extend_block_hashes
-from kvsched._errors import InvalidRequestError, QueueFullError, SchedulerTypeError
+from kvsched._errors import InvalidRequestError, QueueFullError, SchedulerTypeError, UnknownRequestError
 from kvsched._types import FinishReason as KvFinishReason
 from kvsched._types import RequestStatus as KvRequestStatus
 from kvsched.config import CROSS_ATTENTION, MAMBA, RING, tenant_cache_salt
@@ -241,6 +241,11 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # the tokens of every block's hash, in every group, from the core.
         self._partial_keys = config.partial_hit_unit() is not None
         self._mamba_past_cached |= self._partial_keys
+        # Groups of different block sizes: each group caches the blocks of its own size the hashes allow (look-ahead
+        # hashes can end before the aligned prefix, the trailing-block drop caches a block past it) and a larger
+        # full-attention block can be keyed by the prompt's tail inside it, so the prefill stats read the tokens of
+        # every block's hash, in every cached group, from the core (vLLM's estimate over each group's blocks).
+        self._mixed_keys = len(set(sizes)) > 1
         # Encoder-decoder scheduling (``is_encoder_decoder`` set on a built scheduler with a cross-attention group,
         # as vLLM's tests do): a request's encoder output takes cross-attention blocks at its admission; the
         # identifiers encoded in one step are released in the next step's free_encoder_mm_hashes, as vLLM's
@@ -1704,12 +1709,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     ) -> int:
         """The tokens up to the end of the last block of ``table`` that carries a hash (among its first
         ``num_cached_blocks``); with a sliding window (or chunked-local attention) the null blocks before the
-        window carry none, a window of one token caches nothing, and sparse retention leaves Mamba states and
-        window blocks uncached. ``block_size``: the group's (default: the scheduler's)."""
+        window carry none, a window of one token caches nothing (but with the trailing-block drop), and sparse
+        retention leaves Mamba states and window blocks uncached. ``block_size``: the group's (default: the
+        scheduler's)."""
         bs = block_size or self.block_size
         if window is None:
             return min(num_cached_blocks, len(table)) * bs
-        if window == 1:
+        if window == 1 and not self.kv_config.drop_trailing_hit_block:
             return 0
         # Sparse retention leaves some of a Mamba table's states and a window's blocks uncached, and so do groups of
         # different block sizes a window's: ask the core which carry a hash.
@@ -1729,6 +1735,10 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         ``key_tokens``: the tokens of the hash each block of a group is cached under, for the groups whose keys can
         lie below their entry (``_mamba_key_tokens``)."""
         sizes = self.kv_config.kv_cache_group_block_sizes
+        if sizes is not None and key_tokens is not None:
+            # Groups of different block sizes (no Mamba group among them): the fewest tokens any cached group's
+            # keys cover.
+            return min((max(key_tokens[g], default=0) for g in key_tokens), default=0)
         if sizes is not None:
             # Groups of different block sizes (no Mamba group among them): every group caches the same tokens, a
             # multiple of their least common multiple, each in blocks of its own size.
@@ -1757,7 +1767,9 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         return {
             g: core.get_block_hash_num_tokens(req_id, g).tolist()
             for g, w in enumerate(self._group_windows)
-            if w == MAMBA or (self._partial_keys and w is None)
+            if w == MAMBA
+            or (self._partial_keys and w is None)
+            or (self._mixed_keys and w not in (CROSS_ATTENTION, RING) and g not in self._replay_groups)
         }
 
     def _key_tokens_after_update(
@@ -1768,13 +1780,21 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         cached by the update is keyed at its entry if it still carries a hash (a prefill checkpoint keyed before
         it keeps its key when its hash is the one it had then, else it was re-keyed at its entry)."""
         if self._core.has_request(req_id):
-            return self._mamba_key_tokens(req_id)
+            try:
+                return self._mamba_key_tokens(req_id)
+            except UnknownRequestError:
+                pass  # finished, its blocks held for a KV connector's send: read from its tables below
         counts, num_cached, hashes = before
         tables = self._window_tables[req_id]
         get_hash = self._core.get_block_hash
 
+        sizes = self.kv_config.kv_cache_group_block_sizes
+
         def key_tokens(g: int, i: int, c: int, b: int) -> int:
             h = get_hash(b) if b else None
+            if sizes is not None:
+                # (each group's blocks at its own size; the primary group's cached count says nothing of theirs)
+                return 0 if h is None else c if h == hashes[g][i] else (i + 1) * sizes[g]
             if i < num_cached or (h is not None and h == hashes[g][i]):
                 return c
             return 0 if h is None else (i + 1) * self.block_size
@@ -1825,7 +1845,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         tables = self.group_block_ids(req_id)
                         self._window_tables[req_id] = tables
                         key_tokens = None
-                        if self._checkpoints_keyed_below or self._mamba_past_cached:
+                        if self._checkpoints_keyed_below or self._mamba_past_cached or self._mixed_keys:
                             key_tokens = self._mamba_key_tokens(req_id)
                             get_hash = self._core.get_block_hash
                             hashes = {g: [get_hash(b) if b else None for b in tables[g]] for g in key_tokens}

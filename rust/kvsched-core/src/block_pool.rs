@@ -219,13 +219,14 @@ impl BlockPool {
         first + self.duplicates.get(hash).map_or(0, |v| v.len() as u32) + second
     }
 
-    /// With events on: files `key` (group `g`'s) as a second key of `block` (see the module docs); a block that
-    /// carries no key takes it as its key. Returns whether the block did not carry it already (false: nothing
-    /// changed; also with events off or for the null block).
+    /// Files `key` (group `g`'s) as a key of `block`: a block that carries no key takes it as its key (it is then
+    /// cached: it goes back to the pool's tail when freed); with events on, a block that carries another key takes
+    /// it as a second key (see the module docs). Returns whether the block did not carry it already (false:
+    /// nothing changed; also for the null block, and for a block with a key with events off).
     #[cold]
     pub fn add_second_key(&mut self, block: u32, key: BlockHash, g: usize) -> bool {
         let b = block as usize;
-        if self.events.is_none() || block == NULL_BLOCK || b >= self.meta.len() {
+        if block == NULL_BLOCK || b >= self.meta.len() {
             return false;
         }
         match self.hash_of(b) {
@@ -235,6 +236,7 @@ impl BlockPool {
                 return true;
             }
             Some(h) if *h == key => return false,
+            Some(_) if self.events.is_none() => return false,
             Some(_) => {}
         }
         let keys = self.second_keys.entry(block).or_default();

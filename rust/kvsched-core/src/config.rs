@@ -1106,9 +1106,8 @@ impl SchedulerConfig {
 
     /// What `kv_cache_group_block_sizes` needs: one size per group, each a multiple of `block_size` (the primary
     /// group's equal to it; a replayed window's any size), the pool's tokens at the largest within `i32::MAX`;
-    /// when the sizes differ, only full-attention and sliding-window groups and none of the features whose rules
-    /// with different block sizes are not implemented (the trailing-block drop and look-ahead hashes run when only
-    /// replayed windows of blocks dividing `block_size` differ).
+    /// when the sizes differ, only full-attention and sliding-window groups (and rings and replayed windows), and
+    /// no `hash_block_size` other than `block_size`.
     fn validate_group_block_sizes(&self) -> Result<()> {
         let sizes = &self.kv_cache_group_block_sizes;
         if sizes.is_empty() {
@@ -1137,21 +1136,12 @@ impl SchedulerConfig {
         let primary = self.primary_group().unwrap_or(0);
         if sizes[primary] != bs {
             return refuse(format!(
-                "must give the primary group (group {primary}, the first that is not Mamba, ring or replayed) \
-                 block_size ({bs}), got {}",
-                sizes[primary]
+                "must give block_size ({bs}) to a group that is not Mamba, ring or replayed, got {sizes:?}"
             ));
         }
         if sizes.iter().all(|&s| s == bs) {
             return Ok(());
         }
-        // Only replayed windows of blocks dividing the primary block differ: the looked-up and cached groups have
-        // one size, hits stay aligned to it, and the hit's rules (the trailing-block drop, look-ahead hashes) are
-        // those of one block size (DeepSeek V4.1's layout with an MTP drafter).
-        let cached_alike = sizes
-            .iter()
-            .enumerate()
-            .all(|(g, &s)| s == bs || (self.prefix_replay_groups.contains(&(g as u32)) && bs % s == 0));
         let other = self
             .kv_cache_groups
             .iter()
@@ -1159,8 +1149,6 @@ impl SchedulerConfig {
             .any(|&w| w == CROSS_ATTENTION || w == MAMBA || is_chunked_entry(w));
         for (on, name) in [
             (other, "chunked-local, cross-attention or Mamba groups"),
-            (self.drop_trailing_hit_block && !cached_alike, "drop_trailing_hit_block"),
-            (self.hash_lookahead_tokens > 0 && !cached_alike, "hash_lookahead_tokens"),
             (self.hash_block_size.is_some_and(|h| h != bs), "a hash_block_size other than block_size"),
         ] {
             if on {
@@ -1173,12 +1161,24 @@ impl SchedulerConfig {
     }
 
     /// The primary KV cache group (`kv_cache_groups`): the first that is not Mamba, a ring or a replayed window
-    /// (`prefix_replay_groups`); its table is `Request::blocks` and its block size is `block_size`. `None` when
-    /// every group is one of those.
+    /// (`prefix_replay_groups`) and, with `kv_cache_group_block_sizes`, whose block size is `block_size` (the
+    /// first of the others when none is); its table is `Request::blocks`. `None` when every group is Mamba, a ring
+    /// or replayed.
     pub fn primary_group(&self) -> Option<usize> {
-        self.kv_cache_groups.iter().enumerate().position(|(g, &w)| {
-            !w.is_some_and(is_stateful_entry) && !self.prefix_replay_groups.contains(&(g as u32))
-        })
+        let mut candidates = self.kv_cache_groups.iter().enumerate().filter_map(|(g, &w)| {
+            (!w.is_some_and(is_stateful_entry) && !self.prefix_replay_groups.contains(&(g as u32)))
+                .then_some(g)
+        });
+        let first = candidates.next()?;
+        let sizes = &self.kv_cache_group_block_sizes;
+        // With block sizes per group: the first of them whose blocks hold `block_size` tokens (vLLM's engine may
+        // list a group of larger blocks first: MiMo-V2's full-attention layers, whose pages are the smaller).
+        Some(
+            std::iter::once(first)
+                .chain(candidates)
+                .find(|&g| sizes.get(g).is_some_and(|&s| s == self.block_size))
+                .unwrap_or(first),
+        )
     }
 
     /// Each KV cache group's block size (`kv_cache_group_block_sizes`, or `kv_block_size` for every group).

@@ -214,7 +214,7 @@ impl Hybrid {
             .map(|(&w, &bs)| if is_window(w) { cap(w, bs) } else { usize::MAX })
             .collect();
         let align = block_sizes.iter().fold(1u64, |a, &b| lcm(a, u64::from(b.max(1))));
-        let primary = primary_group(&windows, &[]);
+        let primary = primary_group(&windows, block_sizes, &[]);
         let lookups = build_lookups(&windows, false, &[]);
         let n = windows.len();
         let zero_ids = if windows.contains(&MAMBA) { vec![Vec::new(); n] } else { Vec::new() };
@@ -255,7 +255,7 @@ impl Hybrid {
         }
         self.replay = (0..self.windows.len()).map(|g| groups.contains(&(g as u32))).collect();
         self.lookups = build_lookups(&self.windows, false, &self.replay);
-        self.primary = primary_group(&self.windows, &self.replay);
+        self.primary = primary_group(&self.windows, &self.block_sizes, &self.replay);
         self
     }
 
@@ -318,14 +318,15 @@ fn lcm(a: u64, b: u64) -> u64 {
 
 /// The lookup sets of groups `windows`: full attention as one set first, then each window (and, with `mamba`, the
 /// Mamba groups as one set) in order of first appearance.
-/// The primary group: the first that is not Mamba, a ring or replayed (`replay`, per group; empty: none is); 0
-/// when there is none (the config refuses such a layout).
-fn primary_group(windows: &[u32], replay: &[bool]) -> usize {
+/// The primary group: the first of the smallest blocks (`block_sizes`) among those that are not Mamba, a ring or
+/// replayed (`replay`, per group; empty: none is); 0 when there is none (the config refuses such a layout).
+fn primary_group(windows: &[u32], block_sizes: &[u32], replay: &[bool]) -> usize {
     windows
         .iter()
         .enumerate()
-        .position(|(g, &w)| !is_stateful_entry(w) && !replay.get(g).copied().unwrap_or(false))
-        .unwrap_or(0)
+        .filter(|&(g, &w)| !is_stateful_entry(w) && !replay.get(g).copied().unwrap_or(false))
+        .min_by_key(|&(g, _)| block_sizes.get(g).copied().unwrap_or(0))
+        .map_or(0, |(g, _)| g)
 }
 
 fn build_lookups(windows: &[u32], mamba: bool, replay: &[bool]) -> Vec<(u32, Vec<usize>)> {
@@ -471,12 +472,25 @@ pub(crate) fn window_reachable(
     eagle: bool,
     below: bool,
 ) -> Vec<u32> {
+    window_reachable_at(num_prompt, junction, bs, bs, eagle, below)
+}
+
+/// `window_reachable` among groups of different block sizes: the resend and longer-sibling positions at `align`
+/// tokens (the scheduler block, vLLM's `replay_boundaries`), the junction's one block lower at the group's `bs`.
+pub(crate) fn window_reachable_at(
+    num_prompt: u32,
+    junction: u32,
+    align: u32,
+    bs: u32,
+    eagle: bool,
+    below: bool,
+) -> Vec<u32> {
     let mut out = Vec::with_capacity(4);
     if eagle {
-        let resend = num_prompt.saturating_sub(1) / bs * bs;
-        let extension = num_prompt / bs * bs;
-        out.push(resend.saturating_sub(bs));
-        out.push(extension.saturating_sub(bs));
+        let resend = num_prompt.saturating_sub(1) / align * align;
+        let extension = num_prompt / align * align;
+        out.push(resend.saturating_sub(align));
+        out.push(extension.saturating_sub(align));
     } else {
         out.push(num_prompt.saturating_sub(1));
     }
@@ -523,16 +537,19 @@ pub(crate) fn window_retained(
 /// block size as its alignment): with `need = ceil((window - 1) / gbs)` blocks for a hit, the last `need` blocks
 /// of every segment of `align` tokens (dense retention, `None`), or of `r` tokens (`Some(r)`, `r > 0`), every
 /// block when `need` covers a segment; with retention on (`Some`), also the `need` blocks ending at each of the
-/// `reachable` positions floored to `align`. No trailing-block drop (not combined with different block sizes).
+/// `reachable` positions floored to `align`. With the trailing-block drop (`eagle`) a hit needs one block more,
+/// which lies past the aligned boundary: each run shifts one block up.
 pub(crate) fn window_kept(
     i: usize,
     gbs: u32,
     align: u32,
     window: u32,
+    eagle: bool,
     retention: Option<u32>,
     reachable: &[u32],
 ) -> bool {
-    let need = (window.saturating_sub(1)).div_ceil(gbs) as usize;
+    let shift = usize::from(eagle);
+    let need = (window.saturating_sub(1)).div_ceil(gbs) as usize + shift;
     let segment = match retention {
         None => Some(align),
         Some(0) => None,
@@ -540,13 +557,13 @@ pub(crate) fn window_kept(
     };
     if let Some(seg) = segment {
         let per_segment = (seg / gbs) as usize;
-        if need >= per_segment || i % per_segment >= per_segment - need {
+        if need >= per_segment || (i >= shift && (i - shift) % per_segment >= per_segment - need) {
             return true;
         }
     }
     retention.is_some()
         && reachable.iter().any(|&b| {
-            let end = (b / align * align / gbs) as usize;
+            let end = (b / align * align / gbs) as usize + shift;
             i < end && i + need >= end
         })
 }
@@ -624,8 +641,8 @@ impl AlignedSplit {
 #[cfg(test)]
 mod tests {
     use super::{
-        checkpoint_valid, mamba_checkpoint, mamba_retained, window_kept, window_reachable, window_retained,
-        AlignedSplit,
+        checkpoint_valid, mamba_checkpoint, mamba_retained, window_kept, window_reachable,
+        window_reachable_at, window_retained, AlignedSplit,
     };
 
     #[test]
@@ -646,7 +663,7 @@ mod tests {
     fn a_window_of_smaller_blocks_keeps_the_blocks_before_each_aligned_boundary() {
         // Blocks of 4 tokens, hits aligned to 12: a window of 6 tokens needs 2 blocks before a boundary.
         let kept = |retention, reach: &[u32]| {
-            (0..9).filter(|&i| window_kept(i, 4, 12, 6, retention, reach)).collect::<Vec<_>>()
+            (0..9).filter(|&i| window_kept(i, 4, 12, 6, false, retention, reach)).collect::<Vec<_>>()
         };
         assert_eq!(kept(None, &[]), vec![1, 2, 4, 5, 7, 8]);
         assert_eq!(kept(Some(0), &[]), Vec::<usize>::new());
@@ -655,7 +672,19 @@ mod tests {
         // An interval of 24 tokens: the 2 blocks before 24 (and 48), and those before 17 floored to 12.
         assert_eq!(kept(Some(24), &[17]), vec![1, 2, 4, 5]);
         // A window that covers a segment keeps every block.
-        assert_eq!((0..9).filter(|&i| window_kept(i, 4, 12, 13, None, &[])).count(), 9);
+        assert_eq!((0..9).filter(|&i| window_kept(i, 4, 12, 13, false, None, &[])).count(), 9);
+        // With the trailing-block drop a hit needs 3 blocks, the last one past the boundary: a segment's 3 blocks
+        // are all kept densely; under retention the runs end one block past 24 and past 12.
+        let eagle = |retention, reach: &[u32]| {
+            (0..9).filter(|&i| window_kept(i, 4, 12, 6, true, retention, reach)).collect::<Vec<_>>()
+        };
+        assert_eq!(eagle(None, &[]), (0..9).collect::<Vec<_>>());
+        assert_eq!(eagle(Some(0), &[29]), vec![4, 5, 6]);
+        // Under the drop the resend and the longer sibling of a 30-token prompt resume at 12 (24 less one
+        // scheduler block of 12), a junction at 20 also one block of the group's (4) lower.
+        assert_eq!(window_reachable_at(30, 20, 12, 4, true, true), vec![12, 12, 20, 16]);
+        assert_eq!(window_reachable_at(30, 20, 12, 4, false, true), vec![29, 20]);
+        assert_eq!(eagle(Some(24), &[17]), vec![1, 2, 3, 4, 5, 6]);
     }
 
     #[test]

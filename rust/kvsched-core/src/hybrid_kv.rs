@@ -6,7 +6,7 @@ use crate::connector::GroupTables;
 use crate::hashing::BlockHash;
 use crate::hybrid::{checkpoint_valid_in_units, mamba_checkpoint, mamba_retained, Hybrid};
 use crate::hybrid::{chunk_size, group_key, group_skipped, group_slot, is_window};
-use crate::hybrid::{window_kept, window_reachable, window_retained};
+use crate::hybrid::{window_kept, window_reachable, window_reachable_at, window_retained};
 use crate::kv_cache_manager::KvCacheManager;
 use crate::request::{GroupTable, Request};
 
@@ -75,8 +75,7 @@ fn align_checkpoint(
 }
 
 /// A ring group's or a replayed window's hit (never looked up: vLLM's is empty) as `n` null blocks, the primary
-/// group's length, so that group 0's hits give the hit's length whatever group comes first; the allocation takes
-/// nothing from it.
+/// group's length; the allocation takes nothing from it.
 fn fill_ring_hits(hy: &Hybrid, hits: &mut [Vec<u32>], n: usize) {
     for (g, &w) in hy.windows.iter().enumerate() {
         if w == RING || hy.is_replay(g) {
@@ -120,7 +119,8 @@ impl KvCacheManager {
         true
     }
 
-    /// `find_longest_cache_hit` over every group: group 0's hits go to `out`, every group's to `last_hits`.
+    /// `find_longest_cache_hit` over every group: the primary group's hits go to `out` (their length, at
+    /// `block_size`, is the hit's), every group's to `last_hits`.
     ///
     /// Lengths are in tokens: each set looks its blocks up at its own block size (`Hybrid::block_sizes`, keyed by
     /// the hash of a block's last unit), and a hit is aligned to `Hybrid::align` (a full-attention hit rounded
@@ -186,7 +186,7 @@ impl KvCacheManager {
         fill_ring_hits(hy, &mut hits, (hit_len / bs) as usize);
         hy.set_last_longest((longest / bs) as usize);
         hy.set_last_per_group(false);
-        out.extend_from_slice(&hits[0]);
+        out.extend_from_slice(&hits[hy.primary]);
     }
 
     /// The blocks filed under unit `f`'s key (`units[f]`, as a hash or an extra key) for every group of `ids`,
@@ -540,7 +540,11 @@ impl KvCacheManager {
             return vec![Vec::new(); hy.windows.len()];
         }
         let last = hy.hits();
-        debug_assert!(hy.last_per_group() || last[0] == hits, "the hits come from the last lookup");
+        // (A lookup whose hits can end inside a block hands out group 0's hits, the others the primary group's.)
+        debug_assert!(
+            hy.last_per_group() || last[0] == hits || last[hy.primary] == hits,
+            "the hits come from the last lookup"
+        );
         last.clone()
     }
 
@@ -633,7 +637,7 @@ impl KvCacheManager {
         total
     }
 
-    /// `allocate_slots` over every group (see the module's comment); `hits` are group 0's.
+    /// `allocate_slots` over every group (see the module's comment); `hits` are the primary group's.
     #[allow(clippy::too_many_arguments)]
     #[cold]
     pub(crate) fn allocate_hybrid_slots(
@@ -1041,16 +1045,15 @@ impl KvCacheManager {
         let Some(hy) = self.hybrid.as_deref() else { return };
         let windows = hy.windows.clone();
         let slots: Vec<Option<usize>> = (0..windows.len()).map(|g| hy.slot(g)).collect();
-        let full_of = |tokens: u32| {
-            ((tokens / self.block_size) as usize).min(req.block_hashes.len()).min(req.blocks.len())
-        };
-        // The tokens every group caches: the full blocks' tokens rounded down to the alignment (vLLM's hybrid
-        // coordinator caches a scheduler-block-aligned prefix in each group).
-        let aligned_of = |tokens: u32| full_of(tokens) as u32 * self.block_size / hy.align * hy.align;
+        // The tokens every group caches: the tokens rounded down to the alignment (vLLM's hybrid coordinator caches
+        // a scheduler-block-aligned prefix in each group), of which each group caches the full blocks whose hashes
+        // exist (`hashed`: look-ahead hashes can end before them, and a group of smaller blocks then caches more).
+        let aligned_of =
+            |tokens: u32| tokens.min(req.blocks.len() as u32 * self.block_size) / hy.align * hy.align;
+        let hashed = req.block_hashes.len() as u32 * self.block_size;
         let num_tokens = self.cacheable(computed);
         let aligned_tokens = aligned_of(num_tokens);
         let sizes = hy.block_sizes.clone();
-        let hy_align = hy.align;
         let align = hy.mamba_align;
         let defer_new_states_only = hy.defer_new_states_only;
         let bs = self.block_size;
@@ -1078,6 +1081,8 @@ impl KvCacheManager {
             window_retention.map(|_| window_reachable(req.num_prompt_tokens, junction, bs, eagle, below));
         // Groups of different block sizes: a window keeps the blocks a hit aligned to `hy.align` can use.
         let (hit_align, sized) = (hy.align, sizes.iter().any(|&s| s != bs));
+        // (vLLM's `get_num_cacheable_tokens` for a group that takes the drop, once an aligned prefix is computed.)
+        let eagle_extra = eagle && sized && aligned_of(computed) > 0;
         // The Mamba groups resume where the windows do, but for groups outside the drop's rules, which keep
         // nothing one block below the junction.
         let mamba_reach = window_reach
@@ -1108,7 +1113,16 @@ impl KvCacheManager {
             let tail = if checkpoint.is_some() { None } else { tail };
             let first = *table(req, slots[g]).1 as usize;
             let k = (sizes[g] / bs) as usize;
-            let num_full = (if w == MAMBA { mamba_aligned } else { aligned_tokens } / sizes[g]) as usize;
+            // With the trailing-block drop a group also caches the block of its own size past the aligned tokens
+            // (vLLM's hit looks one block further, then gives it up).
+            let group_tokens = if w == MAMBA {
+                mamba_aligned
+            } else if eagle_extra {
+                num_tokens.min(aligned_tokens + sizes[g])
+            } else {
+                aligned_tokens
+            };
+            let num_full = (group_tokens.min(hashed) / sizes[g]) as usize;
             if w == MAMBA && checkpoint.is_none() && !defer_new_states_only && self.partial_unit == 0 {
                 // With the drop vLLM hands a Mamba group its cacheable tokens unfloored: only a call whose tokens
                 // end at the checkpoint itself re-keys it.
@@ -1116,14 +1130,14 @@ impl KvCacheManager {
                 let num_tokens = if exact { mamba_tokens } else { 0 };
                 self.mark_prompt_checkpoint(req, slots[g], g, num_tokens, prompt_checkpoint);
             }
-            // A full-attention group of blocks larger than the hash block files the prompt's tail (events only).
-            let tail_entry = w == 0 && sizes[g] != bs && self.pool.events_mut().is_some();
+            // A full-attention group of blocks larger than the hash block files the prompt's tail.
+            let tail_entry = w == 0 && sizes[g] != bs;
             if num_full <= first {
                 if let Some(c) = checkpoint {
                     self.cache_mamba_checkpoint(req, slots[g], g, c, checkpoint_of_prompt);
                 }
                 if tail_entry {
-                    self.cache_prompt_tail(req, slots[g], g, num_tokens / hy_align * hy_align);
+                    self.cache_prompt_tail(req, slots[g], g, group_tokens);
                 }
                 if self.partial_unit != 0 {
                     self.cache_partial_tail(req, slots[g], g, w, num_tokens);
@@ -1139,13 +1153,26 @@ impl KvCacheManager {
             };
             let window_sized = sized && is_window(w) && chunk_size(w).is_none();
             let gbs = sizes[g];
+            // (Among groups of different block sizes the resend and sibling positions are at the scheduler block,
+            // the junction's lower one at the group's block.)
+            let sized_positions = match window_retention {
+                Some(_) if window_sized => {
+                    window_reachable_at(req.num_prompt_tokens, junction, hit_align, gbs, eagle, below)
+                }
+                _ => Vec::new(),
+            };
             let kept = |i: usize| match (sparse, window_sparse) {
-                _ if window_sized => window_kept(i, gbs, hit_align, w, window_retention, window_positions),
+                _ if window_sized => {
+                    window_kept(i, gbs, hit_align, w, eagle, window_retention, &sized_positions)
+                }
                 (Some(r), _) => mamba_retained(i, bs, r, reachable) || tail == Some(i),
                 (None, Some((r, reach))) => window_retained(i, bs, w, eagle, r, reach),
                 (None, None) => true,
             };
-            if w != 1 {
+            // (A window of one token caches nothing, no block being able to start a hit, but with the drop, whose
+            // hit reads one block past the boundary.)
+            let caches = w != 1 || eagle;
+            if caches {
                 for i in first..num_full {
                     let b = table_ref(req, slots[g])[i];
                     if b != NULL_BLOCK && kept(i) {
@@ -1168,10 +1195,10 @@ impl KvCacheManager {
             *table(req, slots[g]).1 = num_full as u32;
             if self.pool.events_mut().is_some() {
                 let blocks = table_ref(req, slots[g]).to_vec();
-                self.record_group_stored(req, &blocks, first, num_full, g, &|i| w != 1 && kept(i));
+                self.record_group_stored(req, &blocks, first, num_full, g, &|i| caches && kept(i));
             }
             if tail_entry {
-                self.cache_prompt_tail(req, slots[g], g, num_tokens / hy_align * hy_align);
+                self.cache_prompt_tail(req, slots[g], g, group_tokens);
             }
             if let Some(c) = checkpoint {
                 self.cache_mamba_checkpoint(req, slots[g], g, c, checkpoint_of_prompt);
@@ -1247,16 +1274,24 @@ impl KvCacheManager {
         }
     }
 
-    /// With KV cache events, a full-attention group `g` whose blocks are larger than the hash block, after its
-    /// full blocks among `num_tokens` (the cacheable tokens rounded down to the alignment) were cached: the
-    /// prompt's last full hash block short of its last token, when it ends inside one of the group's blocks and
-    /// within `num_tokens`, is filed as a second key of that block (`BlockPool::add_second_key`) and recorded as
-    /// a stored event of that one hash block (vLLM's partial prefix-cache entry of a prompt's tail; no lookup can
-    /// use it with groups of different block sizes: their hits are aligned to every group's blocks).
+    /// A full-attention group `g` whose blocks are larger than the hash block, after its full blocks among
+    /// `num_tokens` (the cacheable tokens rounded down to the alignment) were cached: the prompt's last full hash
+    /// block short of its last token, when it ends inside one of the group's blocks and within `num_tokens`, is
+    /// filed as a key of that block (`BlockPool::add_second_key`: its key when it has none, so that a block not
+    /// cached whole yet, as look-ahead hashes leave it, is cached all the same; a second key otherwise, with
+    /// events) and recorded as a stored event of that one hash block (vLLM's partial prefix-cache entry of a
+    /// prompt's tail; no lookup can use it with groups of different block sizes: their hits are aligned to every
+    /// group's blocks).
     #[cold]
     fn cache_prompt_tail(&mut self, req: &Request, slot: Option<usize>, g: usize, num_tokens: u32) {
         let (bs, gbs) = (self.block_size, self.group_block_size(g));
-        let units = (req.num_prompt_tokens.saturating_sub(1) / bs).min(req.block_hashes.len() as u32);
+        // (With the trailing-block drop the lookup reads the whole prompt before giving a block up.)
+        let limit = if self.drop_trailing_hit {
+            req.num_prompt_tokens
+        } else {
+            req.num_prompt_tokens.saturating_sub(1)
+        };
+        let units = (limit / bs).min(req.block_hashes.len() as u32);
         let boundary = units * bs;
         if boundary == 0 || boundary > num_tokens || boundary % gbs == 0 {
             return;
@@ -1264,7 +1299,7 @@ impl KvCacheManager {
         let Some(&b) = table_ref(req, slot).get((boundary / gbs) as usize) else { return };
         let i = units as usize - 1;
         let key = group_key(&req.block_hashes[i], g);
-        if self.pool.add_second_key(b, key, g) {
+        if self.pool.add_second_key(b, key, g) && self.pool.events_mut().is_some() {
             self.record_block_stored(req, i, g);
         }
     }

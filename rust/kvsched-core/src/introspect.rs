@@ -75,18 +75,32 @@ impl Scheduler {
     /// covers (vLLM's `block_hash_num_tokens`; 0 for a null block or one not cached): the end of the request's
     /// block of that hash. That is the block's own end, except for an align-mode Mamba group's prefill
     /// checkpoint under the trailing-block drop, keyed by the hash of the block below its entry until the
-    /// request caches that entry.
+    /// request caches that entry, and a block of a group of larger blocks than `block_size` whose key is the
+    /// prompt's tail entry inside it (the end of that hash block).
     pub fn get_block_hash_num_tokens(&self, req_id: &str, group: usize) -> Result<Vec<u32>> {
         let table = self.get_group_block_ids(req_id, group)?;
         let hashes = &self.get_request(req_id)?.block_hashes;
         let bs = self.config.kv_block_size();
+        // Hash blocks per block of the group (more than one in a group of larger blocks).
+        let k = match self.config.kv_cache_group_block_sizes.get(group) {
+            Some(&s) if s > bs => (s / bs) as usize,
+            _ => 1,
+        };
         let num_tokens = |j: usize, b: u32| {
             let Some(key) = self.kv.pool.block_hash(b).filter(|_| b != NULL_BLOCK) else { return 0 };
             if let Some(t) = self.kv.pool.partial_tokens(b) {
                 return t;
             }
             let keyed_at = |i: usize| hashes.get(i).is_some_and(|h| group_key(h, group) == *key);
-            let end = if j > 0 && !keyed_at(j) && keyed_at(j - 1) { j } else { j + 1 };
+            let end = if k > 1 {
+                // Keyed at its last hash block, or (the prompt's tail entry) inside it.
+                let last = (j + 1) * k - 1;
+                (j * k..=last).rev().find(|&u| keyed_at(u)).unwrap_or(last) + 1
+            } else if j > 0 && !keyed_at(j) && keyed_at(j - 1) {
+                j
+            } else {
+                j + 1
+            };
             u32::try_from(end).map_or(u32::MAX, |e| e.saturating_mul(bs))
         };
         Ok(table.iter().enumerate().map(|(j, &b)| num_tokens(j, b)).collect())

@@ -531,14 +531,15 @@ impl KvCacheManager {
     }
 
     /// `cache_full_blocks` with a sliding window: the null blocks are skipped, and a window of one token caches
-    /// nothing (vLLM's `reachable_block_mask`: no block can start a hit).
+    /// nothing (vLLM's `reachable_block_mask`: no block can start a hit) but with the trailing-block drop (whose
+    /// hit needs the block past the boundary).
     #[cold]
     fn cache_window_blocks(&mut self, req: &mut Request, first: usize, num_full: usize) {
         let (w, bs, eagle) = (self.sliding_window, self.block_size, self.drop_trailing_hit);
         // Sparse retention: one group has no shared-prefix junction (vLLM's unitary coordinator reports none).
         let sparse = self.retention.map(|r| (r, window_reachable(req.num_prompt_tokens, 0, bs, eagle, true)));
         let kept = |i: usize| {
-            w > 1
+            (w > 1 || eagle)
                 && match &sparse {
                     Some((r, reach)) => window_retained(i, bs, w, eagle, *r, reach),
                     None => true,

@@ -247,7 +247,7 @@ fn replay_groups_are_validated() {
                 kv_cache_group_block_sizes: vec![8, 32],
                 ..cfg()
             },
-            "must give the primary group (group 1",
+            "must give block_size (16) to a group that is not Mamba, ring or replayed",
         ),
         (
             SchedulerConfig {

@@ -1868,6 +1868,61 @@ fn a_ring_group_holds_one_block_beside_prefix_caching() {
 }
 
 #[test]
+fn the_larger_blocks_first_leave_the_primary_group_to_the_smallest() {
+    // MiMo-V2's layout: the full-attention group comes first with blocks of 12 tokens (vLLM raised its block size,
+    // its pages being the smaller), the window group of 4-token blocks is the primary group, which hashes. A hit
+    // is the full-attention hit aligned to 12 tokens, whichever group comes first.
+    let cfg = SchedulerConfig {
+        enable_prefix_caching: true,
+        kv_cache_groups: vec![None, Some(3)],
+        kv_cache_group_block_sizes: vec![12, 4],
+        ..cfg(4, 64)
+    };
+    assert_eq!(cfg.primary_group(), Some(1));
+    let mut s = Scheduler::new(cfg).unwrap();
+    let free = s.num_free_blocks();
+    add(&mut s, "a", &prompt(0, 50), params(1));
+    run_to_completion(&mut s);
+    assert_eq!(s.num_free_blocks(), free);
+    add(&mut s, "b", &prompt(0, 60), params(3));
+    let (out, _) = step_with(&mut s, 1);
+    assert_eq!(out.primary_group, 1);
+    // 48 tokens of a's 50 are cached in 12-token blocks: 4 full-attention blocks, the window's last block.
+    assert_eq!((out.num_computed_tokens.clone(), out.num_scheduled_tokens.clone()), (vec![48], vec![12]));
+    assert_eq!(s.get_group_block_ids("b", 0).unwrap().len(), 5);
+    assert_eq!(s.get_group_block_ids("b", 1).unwrap().len(), 15);
+    s.check_invariants().unwrap();
+    run_to_completion(&mut s);
+    assert_eq!(s.num_free_blocks(), free);
+}
+
+#[test]
+fn a_window_of_one_token_caches_its_blocks_only_under_the_trailing_block_drop() {
+    // Full attention beside a window of one token: no block of the window can start a hit, so it caches none and
+    // a second request with the same prompt gets no hit; with the drop a hit reads the block past the boundary,
+    // so the window's blocks are cached and the second request hits (its last block given up).
+    for drop in [false, true] {
+        let cfg = SchedulerConfig {
+            enable_prefix_caching: true,
+            kv_cache_groups: vec![None, Some(1)],
+            drop_trailing_hit_block: drop,
+            ..cfg(4, 64)
+        };
+        let mut s = Scheduler::new(cfg).unwrap();
+        let free = s.num_free_blocks();
+        add(&mut s, "a", &prompt(0, 21), params(1));
+        run_to_completion(&mut s);
+        add(&mut s, "b", &prompt(0, 21), params(3));
+        let (out, _) = step_with(&mut s, 1);
+        // 20 tokens in full blocks; with the drop the hit gives up its last block.
+        assert_eq!(out.num_computed_tokens, if drop { vec![16] } else { vec![0] }, "drop {drop}");
+        s.check_invariants().unwrap();
+        run_to_completion(&mut s);
+        assert_eq!(s.num_free_blocks(), free);
+    }
+}
+
+#[test]
 fn a_ring_group_block_is_given_back_at_preemption_and_taken_again() {
     // Two requests in a pool that holds both only until they decode past their blocks: the one preempted gives its
     // ring block back and takes one block again when it is readmitted; a Mamba group's attention zeroing leaves
