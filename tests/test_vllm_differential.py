@@ -870,6 +870,20 @@ def test_identical_to_vllm_with_the_larger_blocks_first(sync: str, runner: str, 
 
 
 @pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+def test_identical_to_vllm_with_kv_connectors_the_drop_and_kv_cache_groups_of_different_block_sizes(
+    sync: str, runner: str, kv_role: str
+) -> None:
+    """The seeded RandomKVConnector beside an EAGLE drafter's trailing-block drop (vLLM's rule with a KV connector)
+    over two windows of 3 tokens in blocks of 4 and full attention in blocks of 12: the blocks handed to the
+    allocation hook carry the hashes vLLM's do, among them a full-attention block the request does not fill yet,
+    cached by its prompt's tail entry; compared after every call."""
+    cfg = run_seed(3, 120, async_scheduling=sync == "async", v2=runner == "v2", connector=True, kv_role=kv_role,
+                   hybrid=True, group_block_factors=(-1,), eagle=True, eagle_drop=True)  # fmt: skip
+    assert cfg.kv_cache_groups == (3, 3, None) and cfg.group_block_sizes == (4, 4, 12) and cfg.eagle_block_drop
+
+
+@pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
 @pytest.mark.parametrize(("seed", "layout"), [(23, "hybrid"), (32, "hybrid"), (12, "window")])
 def test_identical_to_vllm_with_the_trailing_block_drop_over_a_window_of_one_token(
     sync: str, runner: str, seed: int, layout: str

@@ -53,6 +53,8 @@ class ConnectorBridge:
         replay_groups: tuple[int, ...] = (),
         replay_window: int = 0,
         block_size: int = 1,
+        hash_block_size: int = 1,
+        drop_trailing_hit_block: bool = False,
     ) -> None:
         """``connector``: vLLM's scheduler-role connector. What the bridge needs of the adapter, all reading its
         state when called: ``get_request``, the vLLM request of a live id; ``record_prefix_lookup(request,
@@ -66,7 +68,9 @@ class ConnectorBridge:
         group's block size in hash blocks (KV cache groups of different block sizes: a block's hash is the one at
         its last hash block; default 1 for every group); ``replay_groups`` and ``replay_window``, the groups bounded
         prefix replay rebuilds and their window (the core's ``prefix_replay_groups``), with ``block_size`` the
-        scheduler block a load that does not restore them is cut to."""
+        scheduler block a load that does not restore them is cut to; ``hash_block_size``, the tokens of one of the
+        requests' block hashes; ``drop_trailing_hit_block``, the core's (a
+        window of one token then caches its blocks, and a prompt's tail entry reaches its last token)."""
         self.connector = connector
         self._looking_up = looking_up or (lambda request, num_local: contextlib.nullcontext())
         self._get_request = get_request
@@ -74,11 +78,14 @@ class ConnectorBridge:
         self._connector_prefix_cache_stats = connector_prefix_cache_stats
         self._mark_slow = mark_slow
         self._hma = isinstance(connector, SupportsHMA)
-        # Groups whose blocks never enter the prefix cache (a window of one token).
-        self._uncached_groups = {g for g, w in enumerate(windows) if w == 1} | set(replay_groups)
+        # Groups whose blocks never enter the prefix cache (a window of one token, but under the trailing-block drop).
+        self._drop = drop_trailing_hit_block
+        self._uncached_groups = {g for g, w in enumerate(windows) if w == 1 and not self._drop} | set(replay_groups)
+        self._windows = windows
         self._replay_groups = set(replay_groups)
         self._replay_window = replay_window
         self._block_size = block_size
+        self._hash_block_size = hash_block_size
         # A lookup's local hit when bounded prefix replay dropped it (the connector's stats count its queries
         # from it): req_id -> local hit tokens.
         self._query_local: dict[str, int] = {}
@@ -267,6 +274,10 @@ class ConnectorBridge:
         else:
             flags = [[i < num_hashed for i in range(len(t))] for t in tables]
         hashes = request.block_hashes
+        # The prompt's tail entry a full-attention group of larger blocks files (vLLM's _cache_partial_tail_block):
+        # the request's last full hash block short of its last prompt token (or at it, under the drop).
+        limit = request.num_prompt_tokens - (0 if self._drop else 1)
+        tail = min(limit // self._hash_block_size, len(hashes))
         groups = []
         for g, table in enumerate(tables):
             scale = self._block_scales[g] if g < len(self._block_scales) else 1
@@ -275,8 +286,13 @@ class ConnectorBridge:
                 end = (i + 1) * scale
                 if block.block_id == 0:
                     block.is_null = True
-                elif flags[g][i] and end <= len(hashes) and g not in self._uncached_groups:
+                elif not flags[g][i] or g in self._uncached_groups:
+                    continue
+                elif end <= len(hashes):
                     block._block_hash = make_block_hash_with_group_id(hashes[end - 1], g)
+                elif scale > 1 and self._windows[g] is None and i * scale < tail < end:
+                    # (a block the request does not fill yet, cached by its prompt's tail entry)
+                    block._block_hash = make_block_hash_with_group_id(hashes[tail - 1], g)
             groups.append(blocks)
         return KVCacheBlocks(tuple(groups))
 

@@ -362,6 +362,8 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 replay_groups=self._replay_groups,
                 replay_window=self._replay_window,
                 block_size=self.block_size,
+                hash_block_size=self.hash_block_size,
+                drop_trailing_hit_block=config.drop_trailing_hit_block,
             )
             if log_stats:
                 self._connector_prefix_cache_stats = PrefixCacheStats()
