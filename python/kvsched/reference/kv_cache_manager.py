@@ -1290,9 +1290,7 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
                     return False
                 if sized:  # groups of different block sizes: the blocks a hit aligned to them can use
                     # (the resend and sibling positions at the scheduler block, the junction's below at the group's)
-                    reach = _window_reachable(
-                        r.num_prompt_tokens, junction, gbs, eagle, below, align=self._hit_align()
-                    )
+                    reach = _window_reachable(r.num_prompt_tokens, junction, gbs, eagle, below, align=self._hit_align())
                     return _window_kept(i, gbs, self._hit_align(), w, eagle, c.prefix_cache_retention_interval, reach)
                 if sparse is not None:
                     return i == tail or _mamba_retained(i, bs, sparse, reachable)
