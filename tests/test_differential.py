@@ -161,7 +161,7 @@ class FakeConnector:
         self, req_id: str, block_ids: list[int], num_external_tokens: int, cached: Any = None
     ) -> None:
         # ``cached`` only with ``wants_num_cached_blocks`` set: the leading blocks in the prefix cache, or with
-        # kv_connector_groups per group whether each block is.
+        # kv_connector_groups per group the tokens of each block's cache key.
         entry = ("alloc", req_id, list(block_ids), num_external_tokens)
         self.calls.append(entry if cached is None else (*entry, cached))
 

@@ -329,6 +329,6 @@ def test_async_load_caches_each_groups_blocks_from_its_own_count(impl: str) -> N
     assert s.get_num_computed_tokens("a") == 19
     assert [s.get_block_hash(b) is not None for b in full] == [True] * 4 + [False]
     assert s.get_block_hash(window[4]) is None
-    # Per group, whether each block is cached (null blocks are not): none at the load's admission, the full-attention
-    # group's 4 loaded blocks once the rest of the prompt is admitted.
-    assert [e[4] for e in conn.log] == [[[False] * 5, [False] * 5], [[False] * 5, [True] * 4 + [False]]]
+    # Per group, the tokens of each block's cache key (0: not cached, null blocks among them): none at the load's
+    # admission, the full-attention group's 4 loaded blocks once the rest of the prompt is admitted.
+    assert [e[4] for e in conn.log] == [[[0] * 5, [0] * 5], [[0] * 5, [4, 8, 12, 16, 0]]]

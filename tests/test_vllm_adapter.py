@@ -1281,7 +1281,7 @@ def test_kv_cache_groups_of_different_block_sizes_run_and_what_they_do_not_suppo
         build(make_vllm_config(block_size=16), full, chunked)
     with pytest.raises(UnsupportedFeatureError, match="prefix match unit other than the smallest block"):
         build(make_vllm_config(block_size=16), full, window32, hash_block_size=8)
-    # KV connectors run in every role (each group's tables, and whether each block is cached, at its own size)
+    # KV connectors run in every role (each group's tables, and each block's cache key, at its own size)
     for role in ("kv_producer", "kv_consumer", "kv_both"):
         sched = build(make_vllm_config(block_size=16, kv_connector_seed=1, kv_role=role), full, window32)
         assert sched.kv_config.kv_connector_groups and sched.kv_config.kv_cache_group_block_sizes == (16, 32)

@@ -27,8 +27,9 @@ class KVConnector(Protocol):
         """The request was admitted: ``block_ids`` is its whole block table; the ``num_external_tokens`` tokens
         after its local hit are the connector's to load. A connector with a true ``wants_num_cached_blocks``
         attribute gets a fourth argument: how many leading blocks are in the prefix cache after the allocation, or
-        with ``kv_connector_groups`` one list per group of whether each of its blocks is (sparse retention and a
-        window among groups of different block sizes leave blocks anywhere in a table out of the cache)."""
+        with ``kv_connector_groups`` one list per group of the tokens of each of its blocks' cache key, 0 for a block
+        not cached (``get_block_hash_num_tokens``: sparse retention and a window among groups of different block
+        sizes leave blocks anywhere in a table out of the cache)."""
         ...
 
     def request_finished(self, req_id: str, block_ids: list[int]) -> bool | tuple[bool, dict[str, Any] | None]:

@@ -17,6 +17,7 @@ for the events only; no lookup can find it), each counted with the blocks carryi
 from __future__ import annotations
 
 from .._errors import InvalidRequestError
+from .request import _Request
 from .state import _SchedulerState
 
 
@@ -28,6 +29,40 @@ class _BlockPoolMixin(_SchedulerState):
         num_blocks = len(self._ref_cnt)
         if b >= num_blocks:
             raise InvalidRequestError(f"block id {b} is outside the KV cache pool (block ids 0..{num_blocks})")
+
+    @staticmethod
+    def _group_key(h: bytes, g: int) -> bytes:
+        """Group ``g``'s cache key of a block hash (group 0: the hash itself)."""
+        return h if g == 0 else h + bytes([g])
+
+    def _key_tokens(self, r: _Request, group: int, table: list[int]) -> list[int]:
+        """For each block of ``table`` (KV cache group ``group``'s of ``r``), the tokens the hash it is cached under
+        covers (vLLM's ``block_hash_num_tokens``; 0 for a null block or one not cached): the end of the request's
+        hash block of that key. That is the block's own end, but for a Mamba prefill checkpoint keyed one block
+        below its entry by the trailing-block drop, a partial entry (prefix hits inside a block: its own tokens),
+        and in a group of larger blocks than ``block_size`` the prompt's tail entry when it is the block's key."""
+        bs = self._bs
+        sizes = self._config.kv_cache_group_block_sizes
+        k = max(1, sizes[group] // bs) if sizes else 1
+        hashes = r.block_hashes
+
+        def keyed_at(i: int, key: bytes) -> bool:
+            return i < len(hashes) and self._group_key(hashes[i], group) == key
+
+        counts = []
+        for j, b in enumerate(table):
+            key = self._block_hash[b] if b else None
+            if key is None:
+                counts.append(0)
+            elif b in self._partial_tokens:
+                counts.append(self._partial_tokens[b])
+            elif k > 1:
+                # a group of larger blocks: keyed at its last hash block, or (the prompt's tail entry) inside it
+                at = next((u for u in range((j + 1) * k - 1, j * k - 1, -1) if keyed_at(u, key)), (j + 1) * k - 1)
+                counts.append((at + 1) * bs)
+            else:
+                counts.append((j if j > 0 and not keyed_at(j, key) and keyed_at(j - 1, key) else j + 1) * bs)
+        return counts
 
     def _drop_boundary_offers(self, req_id: str) -> None:
         """A request's blocks go back to the pool: its boundary states not yet taken are withdrawn."""

@@ -128,11 +128,11 @@ class _ConnectorMixin(_BlockPoolMixin):
                 self._connector.update_state_after_alloc(r.req_id, blocks, num_external)
                 return
             # The fourth argument: the number of leading blocks in the prefix cache, or (kv_connector_groups) per
-            # group whether each block carries a hash (sparse retention and windows among groups of different
-            # block sizes leave blocks out anywhere in a table).
+            # group the tokens of each block's cache key, 0 for a block not cached (sparse retention and windows
+            # among groups of different block sizes leave blocks out anywhere in a table).
             cached: Any = r.num_cached_blocks
             if self._config.kv_connector_groups:
-                cached = [[b != 0 and self._block_hash[b] is not None for b in t] for t in blocks]
+                cached = [self._key_tokens(r, g, t) for g, t in enumerate(blocks)]
             self._connector.update_state_after_alloc(r.req_id, blocks, num_external, cached)
         except Exception as e:
             self._keep(e)

@@ -487,11 +487,6 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         """The blocks a cross-attention table of ``held`` blocks still needs for ``r``'s encoder output."""
         return max(0, math.ceil(r.cross_attention_tokens / self._bs) - held)
 
-    @staticmethod
-    def _group_key(h: bytes, g: int) -> bytes:
-        """Group ``g``'s cache key of a block hash (group 0: the hash itself)."""
-        return h if g == 0 else h + bytes([g])
-
     def _group_slot(self, g: int) -> int | None:
         """Where group ``g``'s table sits in ``group_block_ids``; None for the primary group (``block_ids``)."""
         p = self._config.primary_group

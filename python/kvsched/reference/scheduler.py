@@ -414,26 +414,7 @@ class ReferenceScheduler(_PinsMixin, _StepMixin, _UpdateMixin, _ModelInputsMixin
         drop; with prefix hits inside a block, a partial entry's own tokens; in a group of larger blocks than
         ``block_size``, the prompt's tail entry's tokens when it is the block's key."""
         r = self._get(req_id)
-        table = self.get_block_ids(req_id, group).tolist()
-        bs = self._bs
-        k = max(1, self._group_bs(group) // bs) if self._config.kv_cache_group_block_sizes else 1
-
-        def keyed_at(i: int, key: bytes) -> bool:
-            return i < len(r.block_hashes) and self._group_key(r.block_hashes[i], group) == key
-
-        counts = []
-        for j, b in enumerate(table):
-            key = self._block_hash[b] if b else None
-            if key is None:
-                counts.append(0)
-            elif b in self._partial_tokens:
-                counts.append(self._partial_tokens[b])
-            elif k > 1:
-                # a group of larger blocks: keyed at its last hash block, or (the prompt's tail entry) inside it
-                at = next((u for u in range((j + 1) * k - 1, j * k - 1, -1) if keyed_at(u, key)), (j + 1) * k - 1)
-                counts.append((at + 1) * bs)
-            else:
-                counts.append((j if j > 0 and not keyed_at(j, key) and keyed_at(j - 1, key) else j + 1) * bs)
+        counts = self._key_tokens(r, group, self.get_block_ids(req_id, group).tolist())
         return np.array(counts, dtype=np.int64)
 
     def get_request_status(self, req_id: str) -> RequestStatus:

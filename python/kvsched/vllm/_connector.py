@@ -49,7 +49,6 @@ class ConnectorBridge:
         log_stats: bool,
         windows: tuple[Any, ...] = (None,),
         looking_up: Callable[[Request, int], AbstractContextManager[None]] | None = None,
-        block_scales: tuple[int, ...] | None = None,
         replay_groups: tuple[int, ...] = (),
         replay_window: int = 0,
         block_size: int = 1,
@@ -64,13 +63,11 @@ class ConnectorBridge:
         is no longer a plain decode's (the adapter's update takes its general path for it); ``log_stats``,
         whether stats are collected; ``windows``, each KV cache group's window (None: full attention);
         ``looking_up(request, num_local_hit_tokens)``, a context the connector's lookup runs in (the block pins'
-        answers to lookups of the request's local hit while the core is inside its call); ``block_scales``, each
-        group's block size in hash blocks (KV cache groups of different block sizes: a block's hash is the one at
-        its last hash block; default 1 for every group); ``replay_groups`` and ``replay_window``, the groups bounded
-        prefix replay rebuilds and their window (the core's ``prefix_replay_groups``), with ``block_size`` the
-        scheduler block a load that does not restore them is cut to; ``hash_block_size``, the tokens of one of the
-        requests' block hashes; ``drop_trailing_hit_block``, the core's (a
-        window of one token then caches its blocks, and a prompt's tail entry reaches its last token)."""
+        answers to lookups of the request's local hit while the core is inside its call); ``replay_groups`` and
+        ``replay_window``, the groups bounded prefix replay rebuilds and their window (the core's
+        ``prefix_replay_groups``), with ``block_size`` the scheduler block a load that does not restore them is cut
+        to; ``hash_block_size``, the tokens of one of the requests' block hashes; ``drop_trailing_hit_block``, the
+        core's (a window of one token then caches its blocks)."""
         self.connector = connector
         self._looking_up = looking_up or (lambda request, num_local: contextlib.nullcontext())
         self._get_request = get_request
@@ -81,7 +78,6 @@ class ConnectorBridge:
         # Groups whose blocks never enter the prefix cache (a window of one token, but under the trailing-block drop).
         self._drop = drop_trailing_hit_block
         self._uncached_groups = {g for g, w in enumerate(windows) if w == 1 and not self._drop} | set(replay_groups)
-        self._windows = windows
         self._replay_groups = set(replay_groups)
         self._replay_window = replay_window
         self._block_size = block_size
@@ -89,7 +85,6 @@ class ConnectorBridge:
         # A lookup's local hit when bounded prefix replay dropped it (the connector's stats count its queries
         # from it): req_id -> local hit tokens.
         self._query_local: dict[str, int] = {}
-        self._block_scales = block_scales or (1,) * len(windows)
         # Lookups of this step that may end in an admission: req_id -> (local hit tokens, external tokens, async).
         self._asked: dict[str, tuple[int, int, bool]] = {}
         # The KV-fetch stage each request of this step's lookups had before it (ec_deferred puts it back).
@@ -265,34 +260,30 @@ class ConnectorBridge:
     def _blocks(self, request: Request, block_ids: list[Any], num_hashed: Any) -> KVCacheBlocks:
         """vLLM's ``KVCacheBlocks`` of a request: ``block_ids`` is one table, or (the core's
         ``kv_connector_groups``) one table per KV cache group; ``num_hashed`` the number of leading blocks in the
-        prefix cache, or with tables one list per group of whether each block is (sparse retention and windows
-        among groups of different block sizes leave blocks out of it anywhere). A block in the cache carries its
-        group's hash (the request's hash at the block's last hash block), block 0 is vLLM's null block."""
-        tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
-        if isinstance(num_hashed, list):
-            flags = num_hashed
-        else:
-            flags = [[i < num_hashed for i in range(len(t))] for t in tables]
+        prefix cache, or with tables one list per group of the tokens of each block's cache key (0: not cached;
+        sparse retention and windows among groups of different block sizes leave blocks out of the cache anywhere,
+        and a block's key can be a hash below its own end: a larger block keyed by the prompt's tail inside it, a
+        Mamba checkpoint keyed one block below its entry). A block in the cache carries its group's hash (the
+        request's hash block its key ends at), block 0 is vLLM's null block."""
         hashes = request.block_hashes
-        # The prompt's tail entry a full-attention group of larger blocks files (vLLM's _cache_partial_tail_block):
-        # the request's last full hash block short of its last prompt token (or at it, under the drop).
-        limit = request.num_prompt_tokens - (0 if self._drop else 1)
-        tail = min(limit // self._hash_block_size, len(hashes))
+        hbs = self._hash_block_size
+        if block_ids and isinstance(block_ids[0], list):
+            tables, keys = block_ids, num_hashed
+        else:
+            tables = [block_ids]
+            keys = [[(i + 1) * hbs if i < num_hashed else 0 for i in range(len(block_ids))]]
         groups = []
         for g, table in enumerate(tables):
-            scale = self._block_scales[g] if g < len(self._block_scales) else 1
             blocks = [KVCacheBlock(b) for b in table]
-            for i, block in enumerate(blocks):
-                end = (i + 1) * scale
-                if block.block_id == 0:
-                    block.is_null = True
-                elif not flags[g][i] or g in self._uncached_groups:
-                    continue
-                elif end <= len(hashes):
-                    block._block_hash = make_block_hash_with_group_id(hashes[end - 1], g)
-                elif scale > 1 and self._windows[g] is None and i * scale < tail < end:
-                    # (a block the request does not fill yet, cached by its prompt's tail entry)
-                    block._block_hash = make_block_hash_with_group_id(hashes[tail - 1], g)
+            if g not in self._uncached_groups:
+                for block, key_tokens in zip(blocks, keys[g], strict=True):
+                    if block.block_id == 0:
+                        block.is_null = True
+                    elif 0 < key_tokens <= len(hashes) * hbs:
+                        block._block_hash = make_block_hash_with_group_id(hashes[key_tokens // hbs - 1], g)
+            else:
+                for block in blocks:
+                    block.is_null = block.block_id == 0
             groups.append(blocks)
         return KVCacheBlocks(tuple(groups))
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -317,7 +316,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
         # A sliding window's block tables (every group's) of the requests awaiting their first output, read before an
         # update.
         self._window_tables: dict[str, tuple[list[int], ...]] = {}
-        # With them, the Mamba groups' tokens of each block's hash (_mamba_key_tokens), the cached blocks and the
+        # With them, the Mamba groups' tokens of each block's hash (_group_key_tokens), the cached blocks and the
         # Mamba blocks' hashes.
         self._key_tokens: dict[str, tuple[dict[int, list[int]], int, dict[int, list[bytes | None]]]] = {}
         # KV connector (vLLM's kv_transfer_config): vLLM's own scheduler-role connector, built as vLLM's scheduler
@@ -354,11 +353,6 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                 log_stats=self.log_stats,
                 windows=self._group_windows,
                 looking_up=self._pins.looking_up if self._pins is not None else None,
-                block_scales=(
-                    tuple(s // self.hash_block_size for s in config.kv_cache_group_block_sizes)
-                    if config.kv_cache_group_block_sizes is not None
-                    else None
-                ),
                 replay_groups=self._replay_groups,
                 replay_window=self._replay_window,
                 block_size=self.block_size,
@@ -1706,24 +1700,20 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             return (get(req_id).tolist(),)
         return tuple(get(req_id, g).tolist() for g in range(self._num_groups))
 
-    def _window_hashed_tokens(
-        self, table: list[int], num_cached_blocks: int, window: int | str | None, block_size: int = 0
-    ) -> int:
+    def _window_hashed_tokens(self, table: list[int], num_cached_blocks: int, window: int | str | None) -> int:
         """The tokens up to the end of the last block of ``table`` that carries a hash (among its first
         ``num_cached_blocks``); with a sliding window (or chunked-local attention) the null blocks before the
         window carry none, a window of one token caches nothing (but with the trailing-block drop), and sparse
-        retention leaves Mamba states and window blocks uncached. ``block_size``: the group's (default: the
-        scheduler's)."""
-        bs = block_size or self.block_size
+        retention leaves Mamba states and window blocks uncached."""
+        bs = self.block_size
         if window is None:
             return min(num_cached_blocks, len(table)) * bs
         if window == 1 and not self.kv_config.drop_trailing_hit_block:
             return 0
-        # Sparse retention leaves some of a Mamba table's states and a window's blocks uncached, and so do groups of
-        # different block sizes a window's: ask the core which carry a hash.
+        # Sparse retention leaves some of a Mamba table's states and a window's blocks uncached: ask the core which
+        # carry a hash.
         sparse = (window == MAMBA or isinstance(window, int)) and (
             self.kv_config.prefix_cache_retention_interval is not None
-            or self.kv_config.kv_cache_group_block_sizes is not None
         )
         for i in range(min(num_cached_blocks, len(table)) - 1, -1, -1):
             if table[i] != 0 and not (sparse and self._core.get_block_hash(table[i]) is None):
@@ -1735,22 +1725,12 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     ) -> int:
         """vLLM's ``estimate_cached_tokens``: the fewest tokens any KV cache group's hashed blocks cover.
         ``key_tokens``: the tokens of the hash each block of a group is cached under, for the groups whose keys can
-        lie below their entry (``_mamba_key_tokens``)."""
-        sizes = self.kv_config.kv_cache_group_block_sizes
-        if sizes is not None and key_tokens is not None:
-            # Groups of different block sizes (no Mamba group among them): the fewest tokens any cached group's
-            # keys cover.
+        lie below their entry (``_group_key_tokens``)."""
+        if self._mixed_keys:
+            # Groups of different block sizes: the fewest tokens any cached group's keys cover (every request whose
+            # prefill stats are finalised has its keys read, before and after the update).
+            assert key_tokens is not None
             return min((max(key_tokens[g], default=0) for g in key_tokens), default=0)
-        if sizes is not None:
-            # Groups of different block sizes (no Mamba group among them): every group caches the same tokens, a
-            # multiple of their least common multiple, each in blocks of its own size.
-            align = math.lcm(*sizes)
-            tokens = num_cached_blocks * self.kv_config.kv_block_size // align * align
-            return min(
-                self._window_hashed_tokens(table, tokens // size, w, size)
-                for g, (table, w, size) in enumerate(zip(tables, self._group_windows, sizes, strict=True))
-                if w != CROSS_ATTENTION and w != RING and g not in self._replay_groups
-            )
         limit = None if self._mamba_past_cached else num_cached_blocks
         return min(
             max(key_tokens[g][:limit], default=0)
@@ -1761,7 +1741,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
             if w != CROSS_ATTENTION and w != RING and g not in self._replay_groups
         )
 
-    def _mamba_key_tokens(self, req_id: str) -> dict[int, list[int]]:
+    def _group_key_tokens(self, req_id: str) -> dict[int, list[int]]:
         """The Mamba groups' tokens of the hash each block of the request is cached under (vLLM's
         ``block_hash_num_tokens``; under the trailing-block drop a prefill checkpoint is keyed by the block below
         its entry until the entry is cached), by group."""
@@ -1777,13 +1757,13 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
     def _key_tokens_after_update(
         self, req_id: str, before: tuple[dict[int, list[int]], int, dict[int, list[bytes | None]]]
     ) -> dict[int, list[int]]:
-        """``_mamba_key_tokens`` after an update that cached the request's blocks: read from the core, or, when the
+        """``_group_key_tokens`` after an update that cached the request's blocks: read from the core, or, when the
         update freed the request, from those read before it (``before``, with the cached blocks then): a block
         cached by the update is keyed at its entry if it still carries a hash (a prefill checkpoint keyed before
         it keeps its key when its hash is the one it had then, else it was re-keyed at its entry)."""
         if self._core.has_request(req_id):
             try:
-                return self._mamba_key_tokens(req_id)
+                return self._group_key_tokens(req_id)
             except UnknownRequestError:
                 pass  # finished, its blocks held for a KV connector's send: read from its tables below
         counts, num_cached, hashes = before
@@ -1848,7 +1828,7 @@ class Scheduler(SchedulerInterface):  # type: ignore[misc]  # vLLM is untyped he
                         self._window_tables[req_id] = tables
                         key_tokens = None
                         if self._checkpoints_keyed_below or self._mamba_past_cached or self._mixed_keys:
-                            key_tokens = self._mamba_key_tokens(req_id)
+                            key_tokens = self._group_key_tokens(req_id)
                             get_hash = self._core.get_block_hash
                             hashes = {g: [get_hash(b) if b else None for b in tables[g]] for g in key_tokens}
                             self._key_tokens[req_id] = (key_tokens, num_cached_blocks, hashes)

@@ -47,15 +47,16 @@ pub trait KvConnector: Send + Sync {
     fn request_finished(&mut self, req: &Request, block_ids: &[u32]) -> bool;
 
     /// With `kv_connector_groups` (vLLM's `SupportsHMA`), instead of `update_state_after_alloc`: `tables` are
-    /// every KV cache group's blocks, in group order, `cached` per group whether each of its table's blocks is in
-    /// the prefix cache (carries a hash: hits, blocks entered; not null blocks, nor the blocks sparse retention or
-    /// a window among groups of different block sizes leave out, which need not lead the table). By default the
+    /// every KV cache group's blocks, in group order, `key_tokens` per group, for each of its table's blocks, the
+    /// tokens of the request's hash it is cached under (`Scheduler::get_block_hash_num_tokens`), 0 for a block not
+    /// in the prefix cache (null blocks, blocks not computed or not entered, the blocks sparse retention or a
+    /// window among groups of different block sizes leave out, which need not lead the table). By default the
     /// first table's hook.
     fn update_state_after_alloc_groups(
         &mut self,
         req: &Request,
         _tables: &[&[u32]],
-        _cached: &[Vec<bool>],
+        _key_tokens: &[Vec<u32>],
         num_external_tokens: u32,
     ) {
         self.update_state_after_alloc(req, num_external_tokens);
@@ -81,9 +82,9 @@ pub trait KvConnector: Send + Sync {
     }
 }
 
-/// Every KV cache group's block table in group order, with whether each block carries a hash in the pool
-/// (`update_state_after_alloc_groups`).
-pub(crate) type GroupTables<'a> = (Vec<&'a [u32]>, Vec<Vec<bool>>);
+/// Every KV cache group's block table in group order, with the tokens of each block's cache key, 0 for a block not
+/// in the prefix cache (`update_state_after_alloc_groups`).
+pub(crate) type GroupTables<'a> = (Vec<&'a [u32]>, Vec<Vec<u32>>);
 
 /// A connector in the scheduler (a newtype so the scheduler can stay `Debug`).
 pub(crate) struct Connector(pub Box<dyn KvConnector>);

@@ -1530,9 +1530,11 @@ impl KvCacheManager {
             .collect()
     }
 
-    /// Every group's table in group order (one table without groups), with whether each of its blocks carries a
-    /// hash in the pool (vLLM's `KVCacheBlock.block_hash`, which a connector reads). The hashed blocks need not
-    /// lead a table: sparse retention and a window among groups of different block sizes leave some out.
+    /// Every group's table in group order (one table without groups), with the tokens of the key each of its
+    /// blocks is cached under (`key_tokens`; 0: not cached). vLLM's connectors read `KVCacheBlock.block_hash`; the
+    /// cached blocks need not lead a table (sparse retention and a window among groups of different block sizes
+    /// leave some out) and a block's key need not be its own block's hash (a Mamba prefill checkpoint keyed below
+    /// its entry, a larger block keyed by the prompt's tail inside it).
     pub(crate) fn group_tables<'a>(&self, req: &'a Request) -> GroupTables<'a> {
         let tables: Vec<&[u32]> = match self.hybrid.as_deref() {
             None => vec![&req.blocks[..]],
@@ -1543,11 +1545,42 @@ impl KvCacheManager {
                 })
                 .collect(),
         };
-        let hashed = tables
-            .iter()
-            .map(|t| t.iter().map(|&b| b != NULL_BLOCK && self.pool.block_hash(b).is_some()).collect())
-            .collect();
-        (tables, hashed)
+        let keys = tables.iter().enumerate().map(|(g, t)| self.key_tokens(req, g, t)).collect();
+        (tables, keys)
+    }
+
+    /// For each block of `table` (KV cache group `group`'s of `req`), the tokens the hash it is cached under covers
+    /// (vLLM's `block_hash_num_tokens`; 0 for a null block or one not cached): the end of the request's hash block
+    /// of that key. That is the block's own end, except for an align-mode Mamba group's prefill checkpoint under
+    /// the trailing-block drop, keyed by the hash of the block below its entry until the request caches that
+    /// entry, a block of a group of larger blocks whose key is the prompt's tail entry inside it (the end of that
+    /// hash block), and a partial entry (prefix hits inside a block: its own tokens).
+    pub(crate) fn key_tokens(&self, req: &Request, group: usize, table: &[u32]) -> Vec<u32> {
+        let hashes = &req.block_hashes;
+        let bs = self.block_size;
+        // Hash blocks per block of the group (more than one in a group of larger blocks).
+        let k = match self.hybrid.as_deref().and_then(|hy| hy.block_sizes.get(group)) {
+            Some(&s) if s > bs => (s / bs) as usize,
+            _ => 1,
+        };
+        let num_tokens = |j: usize, b: u32| {
+            let Some(key) = self.pool.block_hash(b).filter(|_| b != NULL_BLOCK) else { return 0 };
+            if let Some(t) = self.pool.partial_tokens(b) {
+                return t;
+            }
+            let keyed_at = |i: usize| hashes.get(i).is_some_and(|h| group_key(h, group) == *key);
+            let end = if k > 1 {
+                // Keyed at its last hash block, or (the prompt's tail entry) inside it.
+                let last = (j + 1) * k - 1;
+                (j * k..=last).rev().find(|&u| keyed_at(u)).unwrap_or(last) + 1
+            } else if j > 0 && !keyed_at(j) && keyed_at(j - 1) {
+                j
+            } else {
+                j + 1
+            };
+            u32::try_from(end).map_or(u32::MAX, |e| e.saturating_mul(bs))
+        };
+        table.iter().enumerate().map(|(j, &b)| num_tokens(j, b)).collect()
     }
 
     /// Takes every group's table out of `req` in group order (one table without groups), leaving them empty.

@@ -4,11 +4,9 @@
 
 use std::sync::Arc;
 
-use crate::block_pool::NULL_BLOCK;
 use crate::error::{Result, SchedError};
 use crate::events::KvCacheEvents;
 use crate::hashing::{BlockHash, ExtraKeys};
-use crate::hybrid::group_key;
 use crate::scheduler::Scheduler;
 
 impl Scheduler {
@@ -79,31 +77,7 @@ impl Scheduler {
     /// prompt's tail entry inside it (the end of that hash block).
     pub fn get_block_hash_num_tokens(&self, req_id: &str, group: usize) -> Result<Vec<u32>> {
         let table = self.get_group_block_ids(req_id, group)?;
-        let hashes = &self.get_request(req_id)?.block_hashes;
-        let bs = self.config.kv_block_size();
-        // Hash blocks per block of the group (more than one in a group of larger blocks).
-        let k = match self.config.kv_cache_group_block_sizes.get(group) {
-            Some(&s) if s > bs => (s / bs) as usize,
-            _ => 1,
-        };
-        let num_tokens = |j: usize, b: u32| {
-            let Some(key) = self.kv.pool.block_hash(b).filter(|_| b != NULL_BLOCK) else { return 0 };
-            if let Some(t) = self.kv.pool.partial_tokens(b) {
-                return t;
-            }
-            let keyed_at = |i: usize| hashes.get(i).is_some_and(|h| group_key(h, group) == *key);
-            let end = if k > 1 {
-                // Keyed at its last hash block, or (the prompt's tail entry) inside it.
-                let last = (j + 1) * k - 1;
-                (j * k..=last).rev().find(|&u| keyed_at(u)).unwrap_or(last) + 1
-            } else if j > 0 && !keyed_at(j) && keyed_at(j - 1) {
-                j
-            } else {
-                j + 1
-            };
-            u32::try_from(end).map_or(u32::MAX, |e| e.saturating_mul(bs))
-        };
-        Ok(table.iter().enumerate().map(|(j, &b)| num_tokens(j, b)).collect())
+        Ok(self.kv.key_tokens(self.get_request(req_id)?, group, table))
     }
 
     /// Leading blocks of the request that are entered in the prefix cache.

@@ -70,7 +70,7 @@ impl PyKvConnector {
         &self,
         req: &core::Request,
         tables: Option<&[&[u32]]>,
-        cached: &[Vec<bool>],
+        key_tokens: &[Vec<u32>],
         num_external_tokens: u32,
     ) {
         Python::with_gil(|py| {
@@ -78,11 +78,11 @@ impl PyKvConnector {
             let r = Self::blocks_arg(py, req, tables).and_then(|blocks| {
                 let obj = self.obj.bind(py);
                 if self.pass_cached_blocks {
-                    // With tables: per group, whether each block is in the prefix cache (lists of bools).
+                    // With tables: per group, each block's cache key tokens (lists of ints, 0: not cached).
                     let cached = match tables {
                         Some(_) => PyList::new(
                             py,
-                            cached
+                            key_tokens
                                 .iter()
                                 .map(|g| PyList::new(py, g.iter().copied()))
                                 .collect::<PyResult<Vec<_>>>()?,
@@ -208,10 +208,10 @@ impl core::KvConnector for PyKvConnector {
         &mut self,
         req: &core::Request,
         tables: &[&[u32]],
-        cached: &[Vec<bool>],
+        key_tokens: &[Vec<u32>],
         num_external_tokens: u32,
     ) {
-        self.after_alloc(req, Some(tables), cached, num_external_tokens);
+        self.after_alloc(req, Some(tables), key_tokens, num_external_tokens);
     }
 
     fn load_deferred_groups(&mut self, req: &core::Request, tables: &[&[u32]], num_external_tokens: u32) {

@@ -497,12 +497,12 @@ fn a_diverged_local_hit_stands_only_with_external_tokens() {
     }
 }
 
-/// Groups of different block sizes: the connector is told which blocks carry a hash, group by group, and a window
-/// of smaller blocks caches only the blocks a hit aligned to the largest block can use (vLLM's reachable-block
-/// mask), so its cached blocks need not lead its table.
+/// Groups of different block sizes: the connector is told, group by group, the tokens of each block's cache key (0:
+/// not cached), and a window of smaller blocks caches only the blocks a hit aligned to the largest block can use
+/// (vLLM's reachable-block mask), so its cached blocks need not lead its table.
 #[test]
-fn the_connector_sees_which_blocks_of_each_group_are_cached() {
-    struct Flags(Arc<Mutex<Vec<Vec<bool>>>>);
+fn the_connector_sees_the_key_of_each_groups_cached_blocks() {
+    struct Flags(Arc<Mutex<Vec<Vec<u32>>>>);
     impl KvConnector for Flags {
         fn get_num_new_matched_tokens(&mut self, _req: &Request, _n: u32) -> Option<(u32, bool)> {
             Some((0, false))
@@ -514,11 +514,11 @@ fn the_connector_sees_which_blocks_of_each_group_are_cached() {
             &mut self,
             _req: &Request,
             tables: &[&[u32]],
-            cached: &[Vec<bool>],
+            key_tokens: &[Vec<u32>],
             _ext: u32,
         ) {
-            assert!(tables.iter().zip(cached).all(|(t, c)| t.len() == c.len()));
-            self.0.lock().unwrap().extend(cached.iter().cloned());
+            assert!(tables.iter().zip(key_tokens).all(|(t, c)| t.len() == c.len()));
+            self.0.lock().unwrap().extend(key_tokens.iter().cloned());
         }
         fn request_finished(&mut self, _req: &Request, _blocks: &[u32]) -> bool {
             false
@@ -543,12 +543,12 @@ fn the_connector_sees_which_blocks_of_each_group_are_cached() {
     // group its first block.
     s.add_request("a", &prompt(0, 14), params(2)).unwrap();
     assert_eq!(step_ids(&mut s, 1), ["a"]);
-    assert_eq!(*log.lock().unwrap(), [vec![false, false, true, false], vec![true, false]]);
+    assert_eq!(*log.lock().unwrap(), [vec![0, 0, 12, 0], vec![12, 0]]);
     // The same prompt hits 12 tokens: the window's hit block and the full-attention block are cached, the null
     // blocks before the window are not, nor the new blocks.
     log.lock().unwrap().clear();
     s.add_request("b", &prompt(0, 14), params(2)).unwrap();
     assert_eq!(step_ids(&mut s, 1), ["a", "b"]);
-    assert_eq!(*log.lock().unwrap(), [vec![false, false, true, false], vec![true, false]]);
+    assert_eq!(*log.lock().unwrap(), [vec![0, 0, 12, 0], vec![12, 0]]);
     s.check_invariants().unwrap();
 }
