@@ -1254,8 +1254,8 @@ def test_kv_cache_groups_of_different_block_sizes_run_and_what_they_do_not_suppo
     """Full-attention and sliding-window groups whose block sizes are multiples of the smallest run on the core's
     kv_cache_group_block_sizes (the core's block the smallest, vLLM's hash block), in any order; refused by name:
     a smallest block that does not divide the others', chunked-local (or cross-attention, Mamba) groups among
-    them, another prefix match unit and a multi-module MTP drafter's prefill lookahead. KV cache events, KV
-    connectors and EAGLE's prefix-cache rules run."""
+    them and another prefix match unit. KV cache events, KV connectors, EAGLE's prefix-cache rules and a
+    multi-module MTP drafter's prefill lookahead run."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     full, full32 = FullAttentionSpec(**_attention_kw()), FullAttentionSpec(**_attention_kw(32))
@@ -1289,14 +1289,15 @@ def test_kv_cache_groups_of_different_block_sizes_run_and_what_they_do_not_suppo
     sched = build(make_vllm_config(block_size=16, kv_events=True), window, full32)
     assert sched.kv_config.enable_kv_cache_events and sched.kv_config.kv_cache_group_block_sizes == (16, 32)
     # EAGLE/MTP drafters' prefix-cache rules run (the trailing-block drop, look-ahead hashes: each group caches
-    # the blocks of its own size they allow); a multi-module MTP drafter's prefill lookahead is refused.
+    # the blocks of its own size they allow), and so does a multi-module MTP drafter's prefill lookahead (its
+    # reprefillable tail kept out of the cache as vLLM's hybrid coordinator keeps it: with the drop only).
     eagle = make_vllm_config(block_size=16, num_speculative_tokens=2, speculative_method="eagle", eagle_block_drop=True)
     sched = build(eagle, full32, window)
     assert sched.kv_config.kv_cache_group_block_sizes == (32, 16)
     assert sched.kv_config.drop_trailing_hit_block or sched.kv_config.hash_lookahead_tokens > 0
     mtp = make_vllm_config(block_size=16, num_speculative_tokens=3, speculative_method="eagle", multi_module_mtp=True)
-    with pytest.raises(UnsupportedFeatureError, match="multi-module MTP prefill lookahead with KV cache groups"):
-        build(mtp, full, window32)
+    sched = build(mtp, full, window32)
+    assert sched.kv_config.kv_cache_group_block_sizes == (16, 32) and sched.kv_config.prefill_lookahead_tokens == 3
 
 
 def test_what_several_kv_cache_groups_do_not_support_is_refused_by_name() -> None:

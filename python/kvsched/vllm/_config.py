@@ -529,7 +529,7 @@ def _check_group_block_sizes(
 ) -> None:
     """Refuses what KV cache groups of different block sizes are not supported with: a hash block other than the
     smallest block (``prefix_match_unit``), the auxiliary output connector (vLLM keys a prompt's tail inside a
-    larger full-attention block, which it sees) and a multi-module MTP drafter's prefill lookahead. ``hashed``: the
+    larger full-attention block, which it sees). ``hashed``: the
     sizes of the groups that take part in prefix caching (every one but the replayed windows)."""
     setting = f"KV cache group block sizes {sizes}"
     cache = vllm_config.cache_config
@@ -544,16 +544,6 @@ def _check_group_block_sizes(
         _refuse(
             "the auxiliary output connector with KV cache groups of different block sizes",
             f"aux_output_config, {setting}",
-        )
-    # Only replayed windows of blocks dividing the others' differ (DeepSeek V4.1's layout): the groups that take
-    # part in prefix caching have one size.
-    cached_alike = len(set(hashed)) == 1 and all(hashed[0] % size == 0 for size in sizes)
-    prefill_lookahead = int(_attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
-    if prefill_lookahead > 1 and not cached_alike:
-        # Not compared side by side: the reprefillable tail and the chunk-end rule beside aligned caching.
-        _refuse(
-            "multi-module MTP prefill lookahead with KV cache groups of different block sizes",
-            f"speculative_config, {setting}: num_prefill_lookahead_tokens={prefill_lookahead}",
         )
 
 
