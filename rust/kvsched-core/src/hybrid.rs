@@ -79,7 +79,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::config::{is_stateful_entry, CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, RING};
+use crate::config::{CHUNKED_LOCAL, CROSS_ATTENTION, MAMBA, RING};
 use crate::hashing::BlockHash;
 
 /// The groups of a hybrid KV cache.
@@ -198,12 +198,14 @@ impl Clone for Hybrid {
 }
 
 impl Hybrid {
-    /// `windows`: per group, `None` for full attention; `block_sizes` each group's block size. `cap` gives a
-    /// window's (or chunked-local group's) admission cap in blocks of the given size; `mamba_speculative_blocks`
-    /// the extra state blocks of a Mamba group.
+    /// `windows`: per group, `None` for full attention; `block_sizes` each group's block size; `primary` the
+    /// primary group (`SchedulerConfig::primary_group`). `cap` gives a window's (or chunked-local group's)
+    /// admission cap in blocks of the given size; `mamba_speculative_blocks` the extra state blocks of a Mamba
+    /// group.
     pub fn new(
         windows: &[Option<u32>],
         block_sizes: &[u32],
+        primary: usize,
         mamba_speculative_blocks: u32,
         cap: impl Fn(u32, u32) -> usize,
     ) -> Self {
@@ -214,7 +216,6 @@ impl Hybrid {
             .map(|(&w, &bs)| if is_window(w) { cap(w, bs) } else { usize::MAX })
             .collect();
         let align = block_sizes.iter().fold(1u64, |a, &b| lcm(a, u64::from(b.max(1))));
-        let primary = primary_group(&windows, block_sizes, &[]);
         let lookups = build_lookups(&windows, false, &[]);
         let n = windows.len();
         let zero_ids = if windows.contains(&MAMBA) { vec![Vec::new(); n] } else { Vec::new() };
@@ -255,7 +256,6 @@ impl Hybrid {
         }
         self.replay = (0..self.windows.len()).map(|g| groups.contains(&(g as u32))).collect();
         self.lookups = build_lookups(&self.windows, false, &self.replay);
-        self.primary = primary_group(&self.windows, &self.block_sizes, &self.replay);
         self
     }
 
@@ -318,17 +318,6 @@ fn lcm(a: u64, b: u64) -> u64 {
 
 /// The lookup sets of groups `windows`: full attention as one set first, then each window (and, with `mamba`, the
 /// Mamba groups as one set) in order of first appearance.
-/// The primary group: the first of the smallest blocks (`block_sizes`) among those that are not Mamba, a ring or
-/// replayed (`replay`, per group; empty: none is); 0 when there is none (the config refuses such a layout).
-fn primary_group(windows: &[u32], block_sizes: &[u32], replay: &[bool]) -> usize {
-    windows
-        .iter()
-        .enumerate()
-        .filter(|&(g, &w)| !is_stateful_entry(w) && !replay.get(g).copied().unwrap_or(false))
-        .min_by_key(|&(g, _)| block_sizes.get(g).copied().unwrap_or(0))
-        .map_or(0, |(g, _)| g)
-}
-
 fn build_lookups(windows: &[u32], mamba: bool, replay: &[bool]) -> Vec<(u32, Vec<usize>)> {
     let mut lookups: Vec<(u32, Vec<usize>)> = Vec::new();
     for (g, &w) in windows.iter().enumerate() {

@@ -1639,7 +1639,7 @@ mod tests {
 
     /// A full-attention group and an align-mode Mamba group, blocks of 8 tokens, a prefix-match unit of 4.
     fn manager() -> KvCacheManager {
-        let hy = Hybrid::new(&[None, Some(MAMBA)], &[8, 8], 0, |_, _| usize::MAX).with_mamba_lookup();
+        let hy = Hybrid::new(&[None, Some(MAMBA)], &[8, 8], 0, 0, |_, _| usize::MAX).with_mamba_lookup();
         KvCacheManager {
             pool: BlockPool::new(16, true).with_block_groups(true),
             hasher: BlockHasher::new(HashAlgo::Xxh3_128, Some(b"test")).unwrap(),

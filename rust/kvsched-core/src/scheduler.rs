@@ -216,10 +216,14 @@ impl Scheduler {
                 .filter(|_| config.sliding_window.is_some() && config.kv_cache_groups.is_empty()),
             hybrid: (!config.kv_cache_groups.is_empty()).then(|| {
                 let sizes = config.group_block_sizes();
-                let mut hy =
-                    Hybrid::new(&config.kv_cache_groups, &sizes, config.mamba_speculative_blocks, |w, bs| {
-                        window_cap_blocks(&config, w, bs)
-                    });
+                let primary = config.primary_group().unwrap_or(0);
+                let mut hy = Hybrid::new(
+                    &config.kv_cache_groups,
+                    &sizes,
+                    primary,
+                    config.mamba_speculative_blocks,
+                    |w, bs| window_cap_blocks(&config, w, bs),
+                );
                 hy.mamba_align = config.mamba_align;
                 if config.zero_new_blocks && hy.zero_ids.is_empty() {
                     hy.zero_ids = vec![Vec::new(); hy.windows.len()];
