@@ -2218,10 +2218,6 @@ def run_seed(
             sizes.insert(0, sizes.pop(at))
             smaller = [d for d in range(1, cfg.block_size) if cfg.block_size % d == 0]
             size = rrng.choice(smaller * 3 + [3, 6]) if smaller else rrng.choice([3, 6])
-            if eagle and cfg.block_size % size:
-                # (EAGLE/MTP's prefix-cache rules run when the replayed blocks divide the block: kvsched.vllm
-                # refuses them otherwise.)
-                size = smaller[-1] if smaller else cfg.block_size
             sizes = [size if is_replay_group(g) else z for g, z in zip(groups, sizes, strict=True)]
             cfg.kv_cache_groups = tuple(groups)
             cfg.group_block_sizes = tuple(sizes)
@@ -2711,7 +2707,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --replay, DeepSeek V4.1's own layout: a replayed window first (before the full-attention group "
         "that hashes), the replayed windows' blocks smaller than the block (a divisor of it, or in some runs 3 or 6 "
-        "tokens, not with --eagle), drawn per seed",
+        "tokens), drawn per seed",
     )
     p.add_argument(
         "--mtp",
