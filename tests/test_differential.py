@@ -2254,6 +2254,17 @@ GROUP_BLOCK_SIZE_CONFIGS = [
     SchedulerConfig(block_size=2, num_blocks=60, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=48,
                     kv_cache_groups=(None, 7), kv_cache_group_block_sizes=(8, 2), num_speculative_tokens=3,
                     num_lookahead_tokens=3, hash_lookahead_tokens=1, async_scheduling=True, prefix_hash_seed=84),
+    # A multi-module MTP drafter's prefill lookahead (its reprefillable tail left out of the cache with the drop, each
+    # group caching up to its block past the aligned finalised tokens; with look-ahead hashes of as many tokens, the
+    # aligned computed tokens).
+    SchedulerConfig(block_size=4, num_blocks=60, max_num_seqs=5, max_num_batched_tokens=24, max_model_len=64,
+                    kv_cache_groups=(None, 9), kv_cache_group_block_sizes=(4, 12), num_speculative_tokens=3,
+                    num_lookahead_tokens=3, prefill_lookahead_tokens=3, extra_retained_tokens=2,
+                    drop_trailing_hit_block=True, prefix_hash_seed=86),
+    SchedulerConfig(block_size=2, num_blocks=70, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=48,
+                    kv_cache_groups=(None, 7), kv_cache_group_block_sizes=(8, 2), num_speculative_tokens=2,
+                    num_lookahead_tokens=2, prefill_lookahead_tokens=2, extra_retained_tokens=1,
+                    hash_lookahead_tokens=2, async_scheduling=True, prefix_hash_seed=87),
 ]  # fmt: skip
 
 

@@ -925,6 +925,30 @@ def test_identical_to_vllm_with_eagle_rules_and_kv_cache_groups_of_different_blo
 
 
 @pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
+@pytest.mark.parametrize(("rules", "seed"), [("drop", 3), ("lookahead", 5)])
+def test_identical_to_vllm_with_a_multi_module_mtp_drafter_and_kv_cache_groups_of_different_block_sizes(
+    sync: str, runner: str, rules: str, seed: int
+) -> None:
+    """A multi-module MTP drafter (vLLM's prefill lookahead of one token per module) over groups of different block
+    sizes: with the trailing-block drop each group caches up to its block past the aligned finalised tokens (its
+    reprefillable tail left out), with look-ahead hashes the aligned computed tokens (vLLM's hybrid coordinator);
+    chunks never end within the lookahead; every call compared, the prefill stats' cached tokens among them."""
+    cfg = run_seed(
+        seed,
+        120,
+        async_scheduling=sync == "async",
+        v2=runner == "v2",
+        hybrid=True,
+        group_block_factors=(-1,),
+        mtp=True,
+        eagle_drop=rules == "drop",
+        eagle_lookahead=rules == "lookahead",
+    )
+    assert cfg.group_block_sizes is not None and len(set(cfg.group_block_sizes)) > 1 and cfg.multi_module_mtp
+    assert cfg.lookahead_block_hashes == (rules == "lookahead")
+
+
+@pytest.mark.parametrize(("sync", "runner"), HASH_MODES, ids=[f"{s}-{r}" for s, r in HASH_MODES])
 @pytest.mark.parametrize(("seed", "factors"), [(908, (2,)), (912, (2,))])
 def test_identical_to_vllm_with_kv_events_and_kv_cache_groups_of_different_block_sizes(
     sync: str, runner: str, seed: int, factors: tuple[int, ...]
