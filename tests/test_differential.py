@@ -2890,6 +2890,29 @@ def test_soak_mamba_prefix_caching_with_multi_module_mtp_matches_reference_step_
     assert grown > 0 and hits > 0 and checkpoints > 0 and keyed_below[0] > 0, (grown, hits, checkpoints, keyed_below)
 
 
+def test_soak_mamba_prefill_checkpoints_with_kv_loads_match_reference_step_by_step() -> None:
+    """The align-mode configs with prefix caching, prefill checkpoints and a seeded KV connector whose loads need not
+    end on a block (vLLM 0.33's in-flight prefill reservation for asynchronous loads on): the full-sequence check
+    reserves a checkpoint only for a chunk that starts after the loaded tokens, and the reservation counts an
+    in-flight prefill's checkpoint from its tokens computed before the step, alike on both implementations."""
+    for i, c in enumerate(ALIGN_CONFIGS):
+        cfg = dataclasses.replace(
+            c,
+            enable_prefix_caching=True,
+            mamba_prefill_checkpoint_alignment=1 if i % 2 else c.block_size,
+            kv_connector_groups=True,
+            park_kv_loads=False,
+            reserve_inflight_prefills=True,
+        )
+        twin = Twin(cfg, Rand(rng=np.random.default_rng(8181 + i)), max_in_flight=1 + i % 3, connector_seed=i + 1)
+        try:
+            for _ in range(400):
+                twin.step()
+            twin.drain()
+        except (AssertionError, InternalError) as e:
+            raise AssertionError(f"{e}\nconfig {cfg}\nops:\n" + "\n".join(twin.log[-40:])) from e
+
+
 def test_soak_sparse_window_retention_matches_reference_step_by_step() -> None:
     """The sliding-window and hybrid configs with prefix caching on and sparse retention of the windows' blocks
     (vLLM's engine default 0 and intervals of one to three blocks), KV cache events on every other config and the

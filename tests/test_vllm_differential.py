@@ -1031,6 +1031,18 @@ def test_identical_to_vllm_with_kv_connectors_and_mamba_prefix_caching(
         assert seen["hit_and_load"] > 0, seen
 
 
+@pytest.mark.parametrize(("sync", "seed", "steps"), [("sync", 3, 40), ("async", 4, 140)])
+def test_identical_to_vllm_with_kv_loads_and_mamba_prefill_checkpoints(sync: str, seed: int, steps: int) -> None:
+    """The seeded RandomKVConnector (kv_both) on a hybrid Mamba model with Mamba prefix caching and prefill
+    checkpoints (Qwen3-Next's and Nemotron-H's layers declare them): the full-sequence check of an admission with
+    loaded tokens that end inside a block reserves no checkpoint block (the chunk after the load cannot export
+    one; seed 3 admits such a load at step 15), and the blocks an asynchronous load leaves free for the in-flight
+    prefills count their checkpoints from the tokens computed before the step (seed 4 admits one at step 135)."""
+    cfg = run_seed(seed, steps, async_scheduling=sync == "async", v2=False, connector=True, kv_role="kv_both",
+                   mamba=True, mamba_align=True, mamba_prefix_caching=True, mamba_checkpoints=True)  # fmt: skip
+    assert cfg.mamba_checkpoint_alignment is not None and cfg.kv_connector_seed is not None
+
+
 @pytest.mark.parametrize(("sync", "runner"), V1_MODES, ids=[f"{s}-{r}" for s, r in V1_MODES])
 @pytest.mark.parametrize("kv_role", ["kv_consumer", "kv_both"])
 def test_identical_to_vllm_with_a_connector_that_completes_divergent_local_hits(

@@ -810,7 +810,8 @@ class _KVCacheManagerMixin(_BlockPoolMixin):
         all_hits = self._hits_of_groups(hits)
         num_slots = min(r.num_tokens, c.max_slots_per_request)
         hit_tokens = self._hit_tokens(hits)
-        total_computed = min(r.num_computed_tokens + hit_tokens, num_slots)
+        # (the tokens computed once the hit and the loaded tokens are in: a Mamba checkpoint chunk starts there)
+        total_computed = min(r.num_computed_tokens + hit_tokens + ext, num_slots)
         partial = bool(hits) and hit_tokens % bs != 0  # one more block per group: the copy of the hit's last
         total = 0
         for g, w in enumerate(self._group_windows()):

@@ -22,6 +22,7 @@ class _Request:
         "block_hashes",
         "block_ids",
         "cache_salt",
+        "chunk_step",
         "cpu_blocks",
         "cross_attention_tokens",
         "deadline",
@@ -169,6 +170,9 @@ class _Request:
         # vLLM 0.33's in-flight prefill set: an async load, or an admission with prompt left, until a step leaves
         # nothing left (or a preemption); read with reserve_inflight_prefills
         self.inflight_prefill = False
+        # the step that last scheduled tokens of it and its computed tokens before them (the in-flight reservation
+        # reads the count before the step, vLLM's num_computed_tokens while it schedules); step -1: none
+        self.chunk_step = (-1, 0)
         # decode_stagger: the first schedule() call (step id) in which it may be scheduled again after a step that
         # was not a prefill chunk (vLLM's next_decode_eligible_step; kept across preemption)
         self.decode_ready_step = 0

@@ -222,6 +222,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
             num_drafts = min(len(r.drafts), max(0, computed + n - r.num_tokens - ph))
             is_chunk = computed + n < r.num_tokens + ph
             scheduled.append([r, n, computed, new_blocks, r.drafts[:num_drafts], "running", is_chunk])
+            r.chunk_step = (self._next_step_id, computed)
             r.num_computed_tokens += n
             r.is_prefill_chunk = is_chunk
             r.drafts = []
@@ -672,6 +673,7 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                 r.num_cached_tokens = hit_computed
             is_chunk = computed + n < r.num_tokens
             scheduled.append([r, n, computed, list(r.block_ids), [-1] * k if pad else [], kind, is_chunk])
+            r.chunk_step = (self._next_step_id, computed)
             r.num_computed_tokens = computed + n
             r.is_prefill_chunk = is_chunk
             r.inflight_prefill |= is_chunk  # leaves the set after the step (vLLM's _update_after_schedule)
@@ -709,7 +711,12 @@ class _StepMixin(_AdmissionMixin, _ConnectorMixin, _EncoderSchedMixin, _SwapMixi
                         required = -(-(tokens + step) // self._group_bs(g))
                         held = len(self._group_table(r, g))
                         if w == -2 and c.mamba_align:
-                            total += self._align_need(-(-tokens // bs) + spec, held, g in r.mamba_allocated, False)
+                            # (with a prefill checkpoint the rest of the prefill can still export, its block too)
+                            allocated = g in r.mamba_allocated
+                            stamp, before = r.chunk_step
+                            start = before if stamp == self._next_step_id else r.num_computed_tokens
+                            checkpoint = self._align_checkpoint(r, g, allocated, start, tokens)
+                            total += self._align_need(-(-tokens // bs) + spec, held, allocated, checkpoint is not None)
                         elif w == -2:
                             total += max(0, -(-(tokens + step) // max(1, c.max_model_len)) + spec - held)
                         elif w == -3:

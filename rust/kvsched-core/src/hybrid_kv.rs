@@ -556,6 +556,32 @@ impl KvCacheManager {
         !out.is_empty()
     }
 
+    /// Whether an align-mode Mamba group `g`'s allocation computing `req`'s tokens `start..end` reserves a prefill
+    /// checkpoint block (`align_checkpoint` with this manager's settings and the group's table).
+    pub(crate) fn align_checkpoint_of(
+        &self,
+        req: &Request,
+        g: usize,
+        allocated: bool,
+        start: u32,
+        end: u32,
+    ) -> bool {
+        let Some(hy) = self.hybrid.as_deref() else { return false };
+        let table = table_ref(req, hy.slot(g));
+        align_checkpoint(
+            hy,
+            self.block_size,
+            self.partial_unit,
+            self.drop_trailing_hit,
+            req,
+            table,
+            allocated,
+            start,
+            end,
+        )
+        .is_some()
+    }
+
     /// `full_sequence_fits`' blocks over every group: each group's as with one group (a window's capped at its
     /// admission cap, its blocks before the window of the first computed token, after the hits and the `ext`
     /// loaded tokens, becoming null blocks; an align-mode Mamba group's prefill checkpoint after `computed`).
@@ -565,7 +591,9 @@ impl KvCacheManager {
         let all_hits = self.hybrid_hits(hits);
         let num_slots = req.num_tokens().min(self.max_slots);
         let hit_tokens = self.hit_tokens(hits);
-        let total_computed = (computed + hit_tokens).min(num_slots);
+        // (The tokens computed once the hit and the loaded tokens are in: an align-mode Mamba group's checkpoint
+        // chunk starts there.)
+        let total_computed = (computed + hit_tokens + ext).min(num_slots);
         // A hit ending inside a block: one more block per group, the copy of the hit's last.
         let partial = hit_tokens % self.block_size != 0;
         let eagle = self.drop_trailing_hit;

@@ -264,6 +264,10 @@ pub struct Request {
     /// vLLM 0.33's in-flight prefill set: an asynchronous load, or an admission with prompt left to compute,
     /// until a step leaves it with nothing left (or it is preempted). Tracked with `reserve_inflight_prefills`.
     pub inflight_prefill: bool,
+    /// The step (`schedule()` call id) that last scheduled tokens of this request through a prefill chunk's path,
+    /// and its computed tokens before them: the in-flight prefill reservation reads the count before the step
+    /// (vLLM's `num_computed_tokens` while it schedules). `u64::MAX`: none.
+    pub chunk_step: (u64, u32),
     /// `decode_stagger`: the first `schedule()` call (its step id) in which phase A may schedule this request
     /// again after a step that was not a prefill chunk (vLLM's `next_decode_eligible_step`). Kept across
     /// preemption, as vLLM keeps it.

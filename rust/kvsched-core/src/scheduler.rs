@@ -559,6 +559,7 @@ impl Scheduler {
             kv_load_failed: false,
             inflight_prefill: false,
             decode_ready_step: 0,
+            chunk_step: (u64::MAX, 0),
             // A request waiting for its grammar is parked (in no queue) until `set_ready`, unless the config
             // keeps it in `waiting` (vLLM 0.33's rule: skipped by each admission pass that reaches it).
             parked: params.waiting_for_grammar && self.config.park_grammar_waits,

@@ -862,6 +862,7 @@ impl Scheduler {
                 req.is_prefill_chunk,
             );
             req.spec_token_ids.clear();
+            req.chunk_step = (self.next_step_id, computed);
             self.slab.hot.computed[s] = computed + n;
             self.slab.hot.in_flight[s] += n;
             self.slab.sync(slot);
@@ -1419,7 +1420,7 @@ impl Scheduler {
         let extra = if a.load_async && self.config.reserve_inflight_prefills {
             let cap =
                 if self.config.sliding_window.is_some() { self.kv.admission_cap_blocks } else { usize::MAX };
-            inflight_reserved_blocks(&self.slab, &self.config, self.kv.hybrid.as_deref(), cap)
+            inflight_reserved_blocks(&self.slab, &self.config, &self.kv, cap, self.next_step_id)
         } else {
             0
         };
@@ -1567,6 +1568,7 @@ impl Scheduler {
         }
         let resumed = req.status == RequestStatus::Preempted;
         req.status = RequestStatus::Running;
+        req.chunk_step = (self.next_step_id, computed);
         hot.computed[hs] = computed + n;
         req.is_prefill_chunk = computed + n < req.num_tokens();
         // Leaves vLLM's in-flight prefill set only after the step (finish_step), as vLLM discards it there.
@@ -1874,9 +1876,11 @@ fn mark_deferred(req: &mut crate::request::Request, num_deferred: &mut usize) {
 fn inflight_reserved_blocks(
     slab: &crate::slab::Slab,
     config: &crate::config::SchedulerConfig,
-    hybrid: Option<&crate::hybrid::Hybrid>,
+    kv: &crate::kv_cache_manager::KvCacheManager,
     window_cap: usize,
+    step_id: u64,
 ) -> usize {
+    let hybrid = kv.hybrid.as_deref();
     let bs = config.kv_block_size();
     let k = config.num_spec_tokens();
     let step = if k > 0 { 1 + k + config.num_lookahead_tokens } else { 0 };
@@ -1910,7 +1914,14 @@ fn inflight_reserved_blocks(
                     i64::from(held == 0)
                 } else if w == MAMBA && hy.mamba_align {
                     let entries = tokens.div_ceil(bs) as usize + spec;
-                    crate::hybrid_kv::align_need(entries, held, hy.mamba_blocks, allocated, false, false)
+                    // (With a prefill checkpoint the rest of the prefill can still export, its block too: from the
+                    // tokens computed before this step, as vLLM counts while it schedules.)
+                    let start = match r.chunk_step {
+                        (s, before) if s == step_id => before,
+                        _ => slab.computed(r.handle.slot),
+                    };
+                    let checkpoint = kv.align_checkpoint_of(r, g, allocated, start, tokens);
+                    crate::hybrid_kv::align_need(entries, held, hy.mamba_blocks, allocated, checkpoint, false)
                 } else if w == MAMBA {
                     ((tokens + step).div_ceil(mml) as usize + spec).saturating_sub(held) as i64
                 } else {
