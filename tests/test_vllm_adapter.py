@@ -1187,16 +1187,15 @@ def test_bounded_replay_layouts_the_core_does_not_implement_are_refused_by_name(
         sched = _build_with_groups(eagle, replayed(64, block_size=size), mla, block_size=scheduler_block)
         assert sched.kv_config.kv_cache_group_block_sizes == (size, 16)
         assert sched.kv_config.drop_trailing_hit_block or sched.kv_config.hash_lookahead_tokens > 0
-    # A multi-module MTP drafter's prefill lookahead runs when the replayed blocks divide the others' (the groups
-    # that take part in prefix caching have one size), and is refused otherwise.
+    # A multi-module MTP drafter's prefill lookahead runs whether the replayed blocks divide the others' or not.
     mtp = make_vllm_config(block_size=16, num_speculative_tokens=3, speculative_method="eagle", eagle_block_drop=True,
                            multi_module_mtp=True)  # fmt: skip
     sched = _build_with_groups(mtp, replayed(64, block_size=8), mla)
     assert sched.kv_config.prefill_lookahead_tokens == 3
     plain_mtp = make_vllm_config(block_size=16, num_speculative_tokens=3, speculative_method="eagle",
                                  multi_module_mtp=True)  # fmt: skip
-    with pytest.raises(UnsupportedFeatureError, match="multi-module MTP prefill lookahead with KV cache groups"):
-        _build_with_groups(plain_mtp, mla, replayed(64, block_size=32), block_size=32)
+    sched = _build_with_groups(plain_mtp, mla, replayed(64, block_size=32), block_size=32)
+    assert sched.kv_config.prefill_lookahead_tokens == 3 and sched.kv_config.kv_cache_group_block_sizes == (16, 32)
 
 
 def test_several_kv_cache_groups_map_to_the_cores_groups_in_vllms_order() -> None:
