@@ -13,6 +13,8 @@ preempted. Each case runs once with vLLM's scheduler and once with ``scheduler_c
 - sliding-window models: the same Llama with every layer attending over a 256-token window (one window KV cache
   group), and with a window layer beside a full-attention layer (two groups, the shape of gpt-oss or Gemma 3),
   prompts longer than the window so blocks leave it;
+- MiMo-V2-Flash's layout: a full-attention layer with fewer KV heads first, then sliding-window layers, so vLLM
+  gives the first KV cache group 256-token blocks and the window groups 128-token ones;
 - a hybrid of linear attention and full attention (Qwen3-Next: a Mamba KV cache group beside a full-attention one);
 - multi-head latent attention (DeepSeek-V3: one MLA KV cache group of 16-token blocks), prefix caching on and off.
 
@@ -81,7 +83,10 @@ def _generate(
     model: str, scheduler_cls: str | None, prompts: list[list[int]], seen: dict[str, Any] | None = None, **kwargs: Any
 ) -> tuple[Any, int]:
     """``LLM.generate`` (greedy, each request's own length) with the engine core in this process. ``seen`` gets
-    the spec of each KV cache group the scheduler was given and the engine's Mamba cache mode."""
+    the spec of each KV cache group the scheduler was given and the engine's Mamba cache mode; where the attention
+    groups' block sizes differ (a Mamba group's does with Mamba cache mode "none"), also each group's block size
+    (``group_block_sizes``) and, for kvsched's scheduler, the sizes its configuration was built with
+    (``kvsched_group_block_sizes``)."""
     from vllm import LLM, SamplingParams
 
     priority = kwargs.pop("priority", None)
@@ -109,6 +114,12 @@ def _generate(
                 seen["groups"] = [type(g.kv_cache_spec).__name__ for g in sched.kv_cache_config.kv_cache_groups]
                 seen["mamba_cache_mode"] = llm.llm_engine.vllm_config.cache_config.mamba_cache_mode
                 seen["block_size"] = sched.kv_cache_config.kv_cache_groups[-1].kv_cache_spec.block_size
+                specs = [g.kv_cache_spec for g in sched.kv_cache_config.kv_cache_groups]
+                if len({s.block_size for s in specs if type(s).__name__ != "MambaSpec"}) > 1:
+                    seen["group_block_sizes"] = [s.block_size for s in specs]
+                kv_config = getattr(sched, "kv_config", None)
+                if kv_config is not None and kv_config.kv_cache_group_block_sizes is not None:
+                    seen["kvsched_group_block_sizes"] = list(kv_config.kv_cache_group_block_sizes)
             if scheduler_cls:
                 assert type(sched).__module__ == "kvsched.vllm.scheduler"
                 assert_clean(llm.llm_engine)
@@ -213,6 +224,34 @@ def test_sliding_window_models_give_vllms_greedy_tokens(tmp_path: Any, kind: str
         assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
         assert g.num_cached_tokens == r.num_cached_tokens, f"request {r.request_id}"
     assert any(r.num_cached_tokens for r in ref), "prefix-cache hits over the window"
+    assert got_preempted == ref_preempted > 0
+
+
+def test_mimo_v2_flash_with_larger_full_attention_blocks_gives_vllms_greedy_tokens(tmp_path: Any) -> None:
+    """MiMo-V2-Flash's layout: a full-attention layer first, with fewer KV heads than the sliding-window layers
+    after it, so vLLM raises its block size to give every layer the same page and the first KV cache group has
+    the larger blocks (256 tokens here, the window groups 128)."""
+    from kvsched.vllm.testing import save_tiny_mimo_v2
+
+    model = save_tiny_mimo_v2(tmp_path / "mimo-v2-flash")
+    kwargs = {"enable_prefix_caching": True, "max_num_batched_tokens": 256}
+    prompts = _prompts(11, 48)
+    assert max(len(p) for p in prompts) > 512  # past the 256-token window, so window blocks leave it
+    seen_ref: dict[str, Any] = {}
+    seen: dict[str, Any] = {}
+    ref, ref_preempted = _generate(model, None, prompts, seen_ref, **dict(kwargs))
+    got, got_preempted = _generate(model, KVSCHED, prompts, seen, **dict(kwargs))
+    groups = ["FullAttentionSpec", "SlidingWindowSpec", "SlidingWindowSpec"]
+    assert seen_ref["groups"] == seen["groups"] == groups
+    # The groups really have different block sizes, the larger first, and kvsched's scheduler was built with them.
+    assert seen_ref["group_block_sizes"] == seen["group_block_sizes"] == [256, 128, 128]
+    assert seen["kvsched_group_block_sizes"] == [256, 128, 128]
+    for r, g in zip(ref, got, strict=True):
+        assert list(g.outputs[0].token_ids) == list(r.outputs[0].token_ids), f"request {r.request_id}"
+        assert g.num_cached_tokens == r.num_cached_tokens, f"request {r.request_id}"
+    # Hits are whole 256-token blocks of the first group (the groups' least common multiple), some past the window.
+    hits = [r.num_cached_tokens for r in ref if r.num_cached_tokens]
+    assert hits and all(h % 256 == 0 for h in hits) and max(hits) > 256, hits
     assert got_preempted == ref_preempted > 0
 
 

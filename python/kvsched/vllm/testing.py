@@ -38,6 +38,7 @@ __all__ = [
     "request_block_hasher",
     "save_tiny_deepseek",
     "save_tiny_llama",
+    "save_tiny_mimo_v2",
     "save_tiny_qwen3_next",
 ]
 
@@ -1199,6 +1200,117 @@ def save_tiny_deepseek(path: str | os.PathLike[str], *, seed: int = 0) -> str:
     )
     model = _random_model(transformers.DeepseekV3ForCausalLM, config, seed)
     model.save_pretrained(path, safe_serialization=True)
+    _save_tiny_tokenizer(path)
+    return path
+
+
+def save_tiny_mimo_v2(path: str | os.PathLike[str], *, seed: int = 0) -> str:
+    """Write a tiny random Xiaomi MiMo-V2-Flash (hidden 64, float32 safetensors) and the word-level tokenizer of
+    :func:`save_tiny_llama` to ``path``. Layer 0 attends over the whole context, layers 1 and 2 over a 256-token
+    sliding window with an attention sink per head, as in the served model; layer 0's MLP is dense, the others are
+    mixtures of four experts (two per token, sigmoid router scores with a bias per expert).
+
+    The window layers cache two KV heads per token and the full-attention layer one (32-dimensional heads both),
+    so a full-attention page per token is half a window one: vLLM doubles the full-attention layer's block to give
+    every layer the same page, and the first KV cache group (layer 0's) has 256-token blocks, the window groups
+    128-token ones. That is the layout of the served model, whose full-attention layers have fewer KV heads.
+
+    The checkpoint is written by hand (config and tensor names as in the published checkpoint, which vLLM's
+    ``MiMoV2FlashForCausalLM`` reads): the ``transformers`` port of this model gives every layer the same number of
+    KV heads. Returns ``path``."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    hidden, head_dim, window = 64, 32, 256
+    full_kv_heads, swa_kv_heads, q_heads = 1, 2, 2
+    experts, expert_width, dense_width = 4, 32, 128
+    kinds = [0, 1, 1]  # 0: full attention, 1: sliding window
+    moe = [0, 1, 1]
+    config = {
+        "architectures": ["MiMoV2FlashForCausalLM"],
+        "model_type": "mimo_v2_flash",
+        "vocab_size": TINY_VOCAB_SIZE,
+        "hidden_size": hidden,
+        "intermediate_size": dense_width,
+        "moe_intermediate_size": expert_width,
+        "num_hidden_layers": len(kinds),
+        "hybrid_layer_pattern": kinds,
+        "layer_types": ["sliding_attention" if k else "full_attention" for k in kinds],
+        "moe_layer_freq": moe,
+        "mlp_layer_types": ["sparse" if m else "dense" for m in moe],
+        "num_attention_heads": q_heads,
+        "num_key_value_heads": full_kv_heads,
+        "head_dim": head_dim,
+        "v_head_dim": head_dim,
+        "swa_num_attention_heads": q_heads,
+        "swa_num_key_value_heads": swa_kv_heads,
+        "swa_head_dim": head_dim,
+        "swa_v_head_dim": head_dim,
+        "sliding_window": window,
+        "sliding_window_size": window,
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+        "attention_bias": False,
+        "attention_value_scale": 0.707,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 5_000_000.0,
+        "swa_rope_theta": 10_000.0,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "layernorm_epsilon": 1e-5,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eos_token_id": 2,
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+    }
+    gen = torch.Generator().manual_seed(seed)
+
+    def matrix(rows: int, cols: int) -> Any:
+        # The spread of _random_model, so that greedy argmaxes are not near-ties.
+        return torch.randn(rows, cols, generator=gen) * 0.15
+
+    tensors: dict[str, Any] = {
+        "model.embed_tokens.weight": matrix(TINY_VOCAB_SIZE, hidden),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": matrix(TINY_VOCAB_SIZE, hidden),
+    }
+    for i, (kind, sparse) in enumerate(zip(kinds, moe, strict=True)):
+        layer = f"model.layers.{i}"
+        kv_heads = swa_kv_heads if kind else full_kv_heads
+        tensors[f"{layer}.input_layernorm.weight"] = torch.ones(hidden)
+        tensors[f"{layer}.post_attention_layernorm.weight"] = torch.ones(hidden)
+        tensors[f"{layer}.self_attn.q_proj.weight"] = matrix(q_heads * head_dim, hidden)
+        tensors[f"{layer}.self_attn.k_proj.weight"] = matrix(kv_heads * head_dim, hidden)
+        tensors[f"{layer}.self_attn.v_proj.weight"] = matrix(kv_heads * head_dim, hidden)
+        tensors[f"{layer}.self_attn.o_proj.weight"] = matrix(hidden, q_heads * head_dim)
+        if kind:
+            tensors[f"{layer}.self_attn.attention_sink_bias"] = torch.randn(q_heads, generator=gen)
+        if sparse:
+            tensors[f"{layer}.mlp.gate.weight"] = matrix(experts, hidden)
+            tensors[f"{layer}.mlp.gate.e_score_correction_bias"] = torch.randn(experts, generator=gen) * 0.1
+            for e in range(experts):
+                expert = f"{layer}.mlp.experts.{e}"
+                tensors[f"{expert}.gate_proj.weight"] = matrix(expert_width, hidden)
+                tensors[f"{expert}.up_proj.weight"] = matrix(expert_width, hidden)
+                tensors[f"{expert}.down_proj.weight"] = matrix(hidden, expert_width)
+        else:
+            tensors[f"{layer}.mlp.gate_proj.weight"] = matrix(dense_width, hidden)
+            tensors[f"{layer}.mlp.up_proj.weight"] = matrix(dense_width, hidden)
+            tensors[f"{layer}.mlp.down_proj.weight"] = matrix(hidden, dense_width)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
     _save_tiny_tokenizer(path)
     return path
 
