@@ -552,3 +552,23 @@ fn the_connector_sees_the_key_of_each_groups_cached_blocks() {
     assert_eq!(*log.lock().unwrap(), [vec![0, 0, 12, 0], vec![12, 0]]);
     s.check_invariants().unwrap();
 }
+
+/// vLLM starts an admission's chunk after the loaded tokens too: a load ending inside a block leaves the chunk no
+/// prefill checkpoint to export, so the full-sequence check reserves no checkpoint block for it (a chunk from the
+/// local hit, token 0, would reserve one).
+#[test]
+fn a_load_ending_inside_a_block_reserves_no_prefill_checkpoint_block() {
+    // A 30-token prompt, 10 tokens loaded: 8 attention blocks and the Mamba state fill the 9 free blocks exactly.
+    let cfg = SchedulerConfig {
+        num_blocks: 10,
+        mamba_prefill_checkpoint_alignment: Some(4),
+        ..mamba_caching_cfg()
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.set_kv_connector(Some(Box::new(Fake { ext: 10, ..Default::default() }))).unwrap();
+    s.add_request("a", &prompt(0, 30), params(2)).unwrap();
+    assert_eq!(step_ids(&mut s, 1), ["a"]);
+    // The chunk after the load stops at the next block boundary (12 tokens computed).
+    assert_eq!(s.get_num_computed_tokens("a").unwrap(), 12);
+    assert_eq!(s.get_request("a").unwrap().status, RequestStatus::Running);
+}
