@@ -596,7 +596,6 @@ impl KvCacheManager {
         let total_computed = (computed + hit_tokens + ext).min(num_slots);
         // A hit ending inside a block: one more block per group, the copy of the hit's last.
         let partial = hit_tokens % self.block_size != 0;
-        let eagle = self.drop_trailing_hit;
         let mut total = 0;
         for (g, &w) in hy.windows.iter().enumerate() {
             let gbs = hy.block_sizes[g];
@@ -622,19 +621,7 @@ impl KvCacheManager {
                 }
                 let allocated = hy.slot(g).is_some_and(|i| req.groups[i].mamba_allocated);
                 let entries = required + hy.mamba_blocks - 1;
-                let table = table_ref(req, hy.slot(g));
-                let checkpoint = align_checkpoint(
-                    hy,
-                    self.block_size,
-                    self.partial_unit,
-                    eagle,
-                    req,
-                    table,
-                    allocated,
-                    total_computed,
-                    num_slots,
-                )
-                .is_some();
+                let checkpoint = self.align_checkpoint_of(req, g, allocated, total_computed, num_slots);
                 let copy = partial || req.partial_hits.iter().any(|p| p.0 == g);
                 total += align_need(entries, held + ghits.len(), hy.mamba_blocks, allocated, checkpoint, copy)
                     .max(0) as usize;
