@@ -1217,6 +1217,12 @@ def run_twin(cfg: SchedulerConfig, data: Any, num_ops: int) -> None:
     streaming = data.draw(st.booleans())  # streaming-input sessions (refused alike with swapping)
     twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 1, 2, 3])), connector_seed=seed,
                 streaming=streaming)  # fmt: skip
+    run_ops(twin, cfg, num_ops)
+
+
+def run_ops(twin: Twin, cfg: SchedulerConfig, num_ops: int) -> None:
+    """``num_ops`` random operations of ``twin`` and a drain, compared step by step (on a failure, the config and
+    the last 40 operations)."""
     try:
         for _ in range(num_ops):
             twin.step()
@@ -2402,12 +2408,7 @@ def test_rust_matches_reference_with_hash_blocks_smaller_than_the_block(cfg: Sch
 def run_short_twin(cfg: SchedulerConfig, data: Any) -> None:
     """60 operations and a drain of a drawn config, compared step by step (the last 40 operations on a failure)."""
     twin = Twin(cfg, Rand(data=data), max_in_flight=data.draw(st.sampled_from([1, 2, 3])))
-    try:
-        for _ in range(60):
-            twin.step()
-        twin.drain()
-    except (AssertionError, InternalError) as e:
-        raise AssertionError(f"{e}\nconfig {cfg}\nops:\n" + "\n".join(twin.log[-40:])) from e
+    run_ops(twin, cfg, 60)
 
 
 @pytest.mark.parametrize("impl", ["ref", "rs"])
@@ -2905,12 +2906,7 @@ def test_soak_mamba_prefill_checkpoints_with_kv_loads_match_reference_step_by_st
             reserve_inflight_prefills=True,
         )
         twin = Twin(cfg, Rand(rng=np.random.default_rng(8181 + i)), max_in_flight=1 + i % 3, connector_seed=i + 1)
-        try:
-            for _ in range(400):
-                twin.step()
-            twin.drain()
-        except (AssertionError, InternalError) as e:
-            raise AssertionError(f"{e}\nconfig {cfg}\nops:\n" + "\n".join(twin.log[-40:])) from e
+        run_ops(twin, cfg, 400)
 
 
 def test_soak_sparse_window_retention_matches_reference_step_by_step() -> None:
